@@ -1,0 +1,361 @@
+// XLA:CPU handlers of the two primitives (DESIGN §3): dispatch and expert_combine.
+//
+// The handler thread is the producer; the rank's persistent Consumer thread (workspace_cpu.h) is the
+// communication engine. Both follow protocol.h step by step, so the CUDA kernels can be checked against this code.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "handlers_cpu.h"
+#include "workspace_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmo::cpu {
+namespace {
+
+// bfloat16 <-> float with round-to-nearest-even (what XLA and ml_dtypes do).
+inline float Bf16ToFloat(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static float Load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  static void Store(void* p, int64_t i, float v) { static_cast<float*>(p)[i] = v; }
+};
+template <>
+struct Elem<uint16_t> {
+  static float Load(const void* p, int64_t i) { return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]); }
+  static void Store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = FloatToBf16(v); }
+};
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
+}
+
+int64_t ElemBytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
+
+bool SupportedFloat(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+struct CallContext {
+  Workspace* ws;
+  int group, rank;
+  uint64_t epoch;
+  Clock::time_point deadline;
+};
+
+// Common start of every call: resolve the workspace, check rank/group, apply the test delay, recover from an
+// earlier abort, and open the epoch.
+ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank, int64_t timeout_ms,
+                                    int32_t delay_rank, int64_t delay_us) {
+  Workspace* ws = LookupWorkspace(handle);
+  if (ws == nullptr)
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                      "jax_moe_overlap: workspace handle " + std::to_string(handle) +
+                                          " is not live (released, or created in another process)"));
+  if (rank < 0 || rank >= ws->ranks() || group < 0 || group >= ws->groups())
+    return ffi::Unexpected(Invalid("rank " + std::to_string(rank) + " / group " + std::to_string(group) +
+                                   " outside the workspace's " + std::to_string(ws->ranks()) + " ranks x " +
+                                   std::to_string(ws->groups()) + " groups"));
+  if (delay_rank == rank && delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+  CallContext c{ws, group, rank, 0, Clock::now() + std::chrono::milliseconds(timeout_ms)};
+  ErrorRecord rec = ws->RecoverIfAborted(group, rank, c.deadline);
+  if (rec.code)
+    return ffi::Unexpected(
+        ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError("recover", rec, group, ws->ranks(), timeout_ms)));
+  RankControl* ctl = ws->view(group, rank).control();
+  c.epoch = ctl->calls.value + 1;  // only this rank writes `calls`
+  AtomicStore(&ctl->calls.value, c.epoch);
+  return c;
+}
+
+// A call that fails validation after its epoch began must not leave its peers waiting for rows that will never
+// come: raise the group's abort word, so they give up at once and the next call resets the group.
+ffi::Error Fail(const CallContext& c, ffi::Error err) {
+  AtomicStore(&c.ws->shared(c.group)->abort.value, 1);
+  return err;
+}
+
+ffi::Error TimeoutError(const char* op, ErrorRecord e, const CallContext& c, int64_t timeout_ms, uint64_t base) {
+  if (e.code == kStageRecvArrivals || e.code == kStageRetArrivals) {
+    e.got -= base;  // report rows of this call, not the monotonic totals
+    e.expected -= base;
+  }
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError(op, e, c.group, c.ws->ranks(), timeout_ms));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out.
+
+ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
+                        ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
+                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t workspace, int64_t timeout_ms, int32_t delay_rank,
+                        int64_t delay_us) {
+  if (!SupportedFloat(src.element_type())) return Invalid("dispatch: rows must be float32 or bfloat16");
+  auto sd = src.dimensions();
+  auto od = out->dimensions();
+  if (sd.size() != 2 || od.size() != 2 || sd[1] != od[1]) return Invalid("dispatch: src [S, D] and out [cap, D]");
+  const int64_t S = sd[0], D = sd[1], cap = od[0];
+  const int64_t P = slot_src_row.element_count();
+  if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
+    return Invalid("dispatch: slot arrays must have equal length");
+  const int64_t row_bytes = D * ElemBytes(src.element_type());
+
+  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  if (ctx.has_error()) return ctx.error();
+  CallContext c = ctx.value();
+  Workspace* ws = c.ws;
+  const int R = ws->ranks();
+  if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows)
+    return Fail(c, Invalid("dispatch: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
+                   " but the workspace holds " + std::to_string(ws->sizes().row_bytes) + " B x " +
+                   std::to_string(ws->sizes().recv_rows)));
+  const int32_t* src_row = slot_src_row.typed_data();
+  const int32_t* dst_rank = slot_dest_rank.typed_data();
+  const int32_t* dst_row = slot_dest_row.typed_data();
+  const int64_t expected = recv_rows_expected.typed_data()[0];
+  if (expected < 0 || expected > cap) return Fail(c, Invalid("dispatch: expected rows outside [0, cap]"));
+  for (int64_t p = 0; p < P; ++p) {
+    if (dst_rank[p] == -1)
+      return Fail(c, Invalid("dispatch: slot " + std::to_string(p) + " (token " + std::to_string(src_row[p]) +
+                     ") names an expert id outside [0, num_experts)"));
+    if (dst_row[p] < 0) continue;  // dropped by the capacity rule
+    if (dst_rank[p] < 0 || dst_rank[p] >= R || dst_row[p] >= cap || src_row[p] < 0 || src_row[p] >= S)
+      return Fail(c, Invalid("dispatch: slot " + std::to_string(p) + " routes outside the workspace (rank " +
+                     std::to_string(dst_rank[p]) + ", row " + std::to_string(dst_row[p]) + ")"));
+  }
+
+  const char* src_bytes = static_cast<const char*>(src.untyped_data());
+  // Start with the next rank so that the R senders do not all hit the same receiver at once.
+  for (int i = 1; i <= R; ++i) {
+    const int d = (c.rank + i) % R;
+    RankView peer = ws->view(c.group, d);
+    ErrorRecord e = ws->WaitAtLeast(&peer.control()->done_epoch.value, c.epoch - 1, c.group, c.rank, d, c.epoch,
+                                    kStagePeerReady, c.deadline);
+    if (e.code) return TimeoutError("dispatch", e, c, timeout_ms, 0);
+    uint64_t sent = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      if (dst_row[p] < 0 || dst_rank[p] != d) continue;
+      std::memcpy(peer.recv() + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, row_bytes);
+      ++sent;
+    }
+    if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
+  }
+
+  RankView self = ws->view(c.group, c.rank);
+  RankControl* ctl = self.control();
+  const uint64_t base = ctl->recv_expected.value;
+  ErrorRecord e = ws->WaitAtLeast(&ctl->recv_arrivals.value, base + expected, c.group, c.rank, R, c.epoch,
+                                  kStageRecvArrivals, c.deadline);
+  if (e.code) return TimeoutError("dispatch", e, c, timeout_ms, base);
+  ctl->recv_expected.value = base + expected;
+  char* o = static_cast<char*>(out->untyped_data());
+  std::memcpy(o, self.recv(), expected * row_bytes);
+  std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
+  AtomicStore(&ctl->done_epoch.value, c.epoch);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// expert_combine: producer = grouped GEMM over the (expert, source) segments, remote first, one ready flag per
+// band; consumer thread = pushes bands to their source ranks; then combine this rank's returned rows.
+
+template <typename T>
+void ProduceSegments(const std::vector<Segment>& order, const void* lhs, const void* w, int64_t K, int64_t N,
+                     const RankView& self, uint64_t epoch) {
+  std::vector<float> acc(N);
+  for (const Segment& seg : order) {
+    const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
+    const int64_t w_off = static_cast<int64_t>(seg.expert) * K * N;
+    for (int64_t b = 0; b < bands; ++b) {
+      const int64_t r0 = seg.recv_off + b * kBandRows;
+      const int64_t r1 = seg.recv_off + std::min<int64_t>(seg.rows, (b + 1) * kBandRows);
+      for (int64_t i = r0; i < r1; ++i) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < K; ++k) {
+          const float a = Elem<T>::Load(lhs, i * K + k);
+          if (a == 0.f) continue;
+          const int64_t wrow = w_off + k * N;
+          for (int64_t n = 0; n < N; ++n) acc[n] += a * Elem<T>::Load(w, wrow + n);
+        }
+        for (int64_t n = 0; n < N; ++n) Elem<T>::Store(self.stage(), i * N + n, acc[n]);
+      }
+      // The band is stored: publish it (release) so the consumer may ship it.
+      AtomicStore(&self.tile_ready()[seg.band_base + b], epoch);
+    }
+  }
+}
+
+template <typename T>
+void CombineRows(const RankView& self, const float* gates, const int32_t* slot_ret_row, int64_t T_, int64_t k,
+                 int64_t N, void* y, void* slot_out) {
+  std::vector<float> acc(N);
+  for (int64_t t = 0; t < T_; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < k; ++j) {  // fixed order j = 0..k-1: deterministic sums
+      const int64_t p = t * k + j;
+      const int32_t row = slot_ret_row[p];
+      if (row < 0) {
+        if (slot_out) for (int64_t n = 0; n < N; ++n) Elem<T>::Store(slot_out, p * N + n, 0.f);
+        continue;
+      }
+      const float g = gates[p];
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = Elem<T>::Load(self.ret(), row * N + n);
+        acc[n] += g * v;
+        if (slot_out) Elem<T>::Store(slot_out, p * N + n, v);
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) Elem<T>::Store(y, t * N + n, acc[n]);
+  }
+}
+
+ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> gates,
+                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off,
+                             ffi::Buffer<ffi::S32> slot_ret_row, ffi::Buffer<ffi::S32> ret_rows_expected,
+                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace,
+                             int64_t timeout_ms, int32_t delay_rank, int64_t delay_us) {
+  const ffi::DataType dt = lhs.element_type();
+  if (!SupportedFloat(dt) || w.element_type() != dt || y->element_type() != dt || slot_out->element_type() != dt)
+    return Invalid("expert_combine: lhs, w and outputs must share one dtype, float32 or bfloat16");
+  auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y->dimensions(),
+       sd = seg_rows.dimensions();
+  if (ld.size() != 2 || wd.size() != 3 || gd.size() != 2 || yd.size() != 2 || sd.size() != 2)
+    return Invalid("expert_combine: expected lhs [cap, K], w [E_local, K, N], gates [T, k], seg_rows [E_local, R]");
+  const int64_t cap = ld[0], K = ld[1], E_l = wd[0], N = wd[2], T_ = gd[0], k = gd[1];
+  if (wd[1] != K || yd[0] != T_ || yd[1] != N || sd[0] != E_l)
+    return Invalid("expert_combine: inconsistent shapes");
+  const int64_t P = T_ * k;
+  const auto so = slot_out->dimensions();
+  const bool want_slots = so[0] != 0;
+  if (so.size() != 2 || (want_slots && (so[0] != P || so[1] != N)) || slot_ret_row.element_count() != P ||
+      seg_ret_off.element_count() != seg_rows.element_count())
+    return Invalid("expert_combine: slot arrays must have T*k rows");
+  const int64_t row_bytes = N * ElemBytes(dt);
+
+  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  if (ctx.has_error()) return ctx.error();
+  CallContext c = ctx.value();
+  Workspace* ws = c.ws;
+  const int R = ws->ranks();
+  if (sd[1] != R) return Fail(c, Invalid("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
+  if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows || P > ws->sizes().ret_rows)
+    return Fail(c, Invalid("expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) +
+                   ", cap " + std::to_string(cap) + ", slots " + std::to_string(P) + ")"));
+
+  // Segments in (expert, source) order, as the plan laid out recv; then the producer's order.
+  std::vector<Segment> segs;
+  std::vector<int64_t> rows_to_rank(R, 0);
+  int32_t off = 0, band = 0;
+  for (int e = 0; e < E_l; ++e) {
+    for (int s = 0; s < R; ++s) {
+      const int32_t rows = seg_rows.typed_data()[e * R + s];
+      const int32_t ret_off = seg_ret_off.typed_data()[e * R + s];
+      if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > ws->sizes().ret_rows)
+        return Fail(c, Invalid("expert_combine: segment (expert " + std::to_string(e) + ", source " + std::to_string(s) +
+                       ") lies outside the buffers"));
+      segs.push_back(Segment{e, s, off, rows, ret_off, band});
+      off += rows;
+      band += (rows + kBandRows - 1) / kBandRows;
+      rows_to_rank[s] += rows;
+    }
+  }
+  if (band > ws->sizes().max_bands) return Fail(c, Invalid("expert_combine: more tiles than the workspace has flags"));
+  std::vector<int> order(segs.size());
+  OrderSegments(segs.data(), static_cast<int>(segs.size()), c.rank, rows_to_rank.data(), order.data());
+  std::vector<Segment> ordered;
+  for (int i : order)
+    if (segs[i].rows > 0) ordered.push_back(segs[i]);
+
+  RankView self = ws->view(c.group, c.rank);
+  // "Launch" the consumer first, as the CUDA side launches the communication kernel first on its own SMs.
+  ConsumerJob job;
+  job.epoch = c.epoch;
+  job.group = c.group;
+  job.rank = c.rank;
+  job.segments = ordered;
+  job.row_bytes = row_bytes;
+  job.deadline = c.deadline;
+  Consumer& consumer = ws->consumer(c.group, c.rank);
+  consumer.Post(std::move(job));
+
+  if (dt == ffi::DataType::F32)
+    ProduceSegments<float>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, self, c.epoch);
+  else
+    ProduceSegments<uint16_t>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, self, c.epoch);
+
+  RankControl* ctl = self.control();
+  const uint64_t base = ctl->ret_expected.value;
+  const int64_t expected = ret_rows_expected.typed_data()[0];
+  ErrorRecord e = ws->WaitAtLeast(&ctl->ret_arrivals.value, base + expected, c.group, c.rank, R, c.epoch,
+                                  kStageRetArrivals, c.deadline);
+  ErrorRecord ce = consumer.Join();  // always join: the next call must not start while it still reads stage
+  if (e.code) return TimeoutError("expert_combine", e, c, timeout_ms, base);
+  if (ce.code) return TimeoutError("expert_combine", ce, c, timeout_ms, 0);
+  ctl->ret_expected.value = base + expected;
+  const int32_t* ret_row = slot_ret_row.typed_data();
+  for (int64_t p = 0; p < P; ++p)
+    if (ret_row[p] >= ws->sizes().ret_rows) return Fail(c, Invalid("expert_combine: slot_ret_row out of range"));
+  void* so_ptr = want_slots ? slot_out->untyped_data() : nullptr;
+  if (dt == ffi::DataType::F32)
+    CombineRows<float>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);
+  else
+    CombineRows<uint16_t>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);
+  AtomicStore(&ctl->done_epoch.value, c.epoch);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jmo::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // src [S, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_src_row [P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_dest_rank [P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_dest_row [P] (-1: dropped)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_rows_expected []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                                  .Ret<ffi::AnyBuffer>()         // recv [cap, D]
+                                  .Attr<int64_t>("workspace")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<int32_t>("delay_rank")
+                                  .Attr<int64_t>("delay_us"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpu, jmo::cpu::ExpertCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // lhs [cap, K]
+                                  .Arg<ffi::AnyBuffer>()         // w [E_local, K, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gates [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg_rows [E_local, R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg_ret_off [E_local, R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_ret_row [T*k] (-1: dropped)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ret_rows_expected []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                                  .Ret<ffi::AnyBuffer>()         // y [T, N]
+                                  .Ret<ffi::AnyBuffer>()         // slot_out [T*k, N] or [0, N]
+                                  .Attr<int64_t>("workspace")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<int32_t>("delay_rank")
+                                  .Attr<int64_t>("delay_us"));

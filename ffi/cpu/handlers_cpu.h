@@ -1,0 +1,8 @@
+// XLA FFI handler symbols for XLA:CPU (defined in handlers_cpu.cc).
+#pragma once
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JmoDispatchCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoExpertCombineCpu(XLA_FFI_CallFrame* frame);
+}

@@ -1,0 +1,236 @@
+#include "workspace_cpu.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <sstream>
+
+namespace jmo::cpu {
+
+namespace {
+
+char* AllocZeroed(int64_t bytes) {
+  void* p = std::aligned_alloc(kAlign, AlignUp(bytes > 0 ? bytes : kAlign));
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, AlignUp(bytes > 0 ? bytes : kAlign));
+  return static_cast<char*>(p);
+}
+
+// Poll politely: the CI machine has 2 cores shared by 4 device threads and 4 consumer threads.
+void Backoff(int& spins) {
+  if (++spins < 64) return;
+  if (spins < 256) {
+    std::this_thread::yield();
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::microseconds(spins < 2048 ? 20 : 200));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Consumer
+
+Consumer::Consumer(Workspace* ws, int group, int rank) : ws_(ws), group_(group), rank_(rank) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Consumer::~Consumer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void Consumer::Post(ConsumerJob job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = std::move(job);
+    has_job_ = true;
+    finished_ = false;
+    result_ = ErrorRecord{};
+  }
+  cv_.notify_all();
+}
+
+ErrorRecord Consumer::Join() {
+  std::unique_lock<std::mutex> lock(mu_);
+  // The consumer's own waits are bounded by the job's deadline, so this wait is bounded too.
+  cv_.wait(lock, [this] { return finished_; });
+  return result_;
+}
+
+void Consumer::Loop() {
+  for (;;) {
+    ConsumerJob job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || has_job_; });
+      if (stop_) return;
+      job = std::move(job_);
+      has_job_ = false;
+    }
+    ErrorRecord err{};
+    RankView self = ws_->view(job.group, job.rank);
+    const int64_t row_bytes = job.row_bytes;
+    for (const Segment& seg : job.segments) {
+      if (seg.rows == 0) continue;
+      RankView peer = ws_->view(job.group, seg.src);
+      // The source rank must have finished reading its ret rows of the previous call.
+      err = ws_->WaitAtLeast(&peer.control()->done_epoch.value, job.epoch - 1, job.group, job.rank, seg.src,
+                             job.epoch, kStagePeerReady, job.deadline);
+      if (err.code) break;
+      const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
+      for (int64_t b = 0; b < bands && !err.code; ++b) {
+        err = ws_->WaitAtLeast(&self.tile_ready()[seg.band_base + b], job.epoch, job.group, job.rank, job.rank,
+                               job.epoch, kStageTileReady, job.deadline);
+        if (err.code) break;
+        const int64_t row0 = b * kBandRows;
+        const int64_t rows = std::min<int64_t>(kBandRows, seg.rows - row0);
+        std::memcpy(peer.ret() + (seg.ret_off + row0) * row_bytes, self.stage() + (seg.recv_off + row0) * row_bytes,
+                    rows * row_bytes);
+        AtomicAdd(&peer.control()->ret_arrivals.value, static_cast<uint64_t>(rows));
+      }
+      if (err.code) break;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      result_ = err;
+      finished_ = true;
+    }
+    cv_.notify_all();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Workspace
+
+Workspace::Workspace(int ranks, int groups, WorkspaceSizes sizes)
+    : ranks_(ranks), groups_(groups), sizes_(sizes), layout_(MakeLayout(sizes)) {
+  for (int i = 0; i < ranks * groups; ++i) blocks_.push_back(AllocZeroed(layout_.total));
+  for (int g = 0; g < groups; ++g) {
+    shared_.push_back(AllocZeroed(GroupSharedBytes(ranks)));
+    barriers_.push_back(std::make_unique<Barrier>());
+  }
+  for (int g = 0; g < groups; ++g)
+    for (int r = 0; r < ranks; ++r) consumers_.push_back(std::make_unique<Consumer>(this, g, r));
+}
+
+Workspace::~Workspace() {
+  consumers_.clear();  // joins the threads before the memory they poll goes away
+  for (char* b : blocks_) std::free(b);
+  for (char* s : shared_) std::free(s);
+}
+
+ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t target, int group, int rank, int peer,
+                                   uint64_t epoch, Stage stage, Clock::time_point deadline) {
+  GroupShared* g = shared(group);
+  int spins = 0;
+  for (;;) {
+    uint64_t v = AtomicLoad(word);
+    if (v >= target) return ErrorRecord{};
+    if (AtomicLoad(&g->abort.value) != 0) {
+      ErrorRecord e{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)peer, epoch, v, target, {0, 0}};
+      return e;
+    }
+    if (Clock::now() >= deadline) {
+      ErrorRecord e{stage, (uint64_t)rank, (uint64_t)peer, epoch, v, target, {0, 0}};
+      g->errors[rank] = e;
+      AtomicStore(&g->abort.value, 1);
+      return e;
+    }
+    Backoff(spins);
+  }
+}
+
+ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point deadline) {
+  GroupShared* g = shared(group);
+  if (AtomicLoad(&g->abort.value) == 0) return ErrorRecord{};
+  Barrier& bar = *barriers_[group];
+  std::unique_lock<std::mutex> lock(bar.mu);
+  const uint64_t gen = bar.generation;
+  if (++bar.arrived == ranks_) {
+    // Every rank of the group is here, so nobody reads or writes group memory: reset it all.
+    for (int r = 0; r < ranks_; ++r) {
+      RankView v = view(group, r);
+      std::memset(v.base + layout_.control, 0, layout_.recv - layout_.control);  // control words + tile flags
+    }
+    std::memset(shared_[group], 0, GroupSharedBytes(ranks_));
+    bar.arrived = 0;
+    ++bar.generation;
+    bar.cv.notify_all();
+    return ErrorRecord{};
+  }
+  if (!bar.cv.wait_until(lock, deadline, [&] { return bar.generation != gen; })) {
+    --bar.arrived;
+    return ErrorRecord{kStageReset, (uint64_t)rank, (uint64_t)ranks_, 0, (uint64_t)bar.arrived + 1,
+                       (uint64_t)ranks_, {0, 0}};
+  }
+  return ErrorRecord{};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Registry
+
+namespace {
+std::mutex registry_mu;
+std::map<int64_t, std::unique_ptr<Workspace>>& Registry() {
+  static auto* r = new std::map<int64_t, std::unique_ptr<Workspace>>();
+  return *r;
+}
+int64_t next_handle = 1;
+}  // namespace
+
+int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  int64_t h = next_handle++;
+  Registry()[h] = std::move(ws);
+  return h;
+}
+
+Workspace* LookupWorkspace(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Registry().find(handle);
+  return it == Registry().end() ? nullptr : it->second.get();
+}
+
+bool ReleaseWorkspace(int64_t handle) {
+  std::unique_ptr<Workspace> victim;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    auto it = Registry().find(handle);
+    if (it == Registry().end()) return false;
+    victim = std::move(it->second);
+    Registry().erase(it);
+  }
+  return true;  // victim destroyed here, outside the lock
+}
+
+std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms) {
+  std::ostringstream os;
+  os << "jax_moe_overlap." << op << ": ";
+  if (e.code == kStageAbortedByPeer) {
+    os << "rank " << e.rank << " (group " << group << ") gave up in epoch " << e.epoch
+       << " because another rank of its group timed out (" << e.got << " of " << e.expected
+       << " observed); see that rank's error";
+    return os.str();
+  }
+  if (e.code == kStageReset) {
+    os << "rank " << e.rank << " (group " << group << ") waited " << timeout_ms
+       << " ms at the recovery barrier after an earlier timeout; only " << e.got << " of " << e.expected
+       << " ranks arrived";
+    return os.str();
+  }
+  os << "rank " << e.rank << " (group " << group << ") timed out after " << timeout_ms << " ms in epoch "
+     << e.epoch << " at stage " << StageName(e.code) << ", waiting for ";
+  if (e.peer >= (uint64_t)ranks)
+    os << "any peer";
+  else
+    os << "peer " << e.peer;
+  os << ": observed " << e.got << ", expected " << e.expected;
+  return os.str();
+}
+
+}  // namespace jmo::cpu

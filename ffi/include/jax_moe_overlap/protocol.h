@@ -1,0 +1,180 @@
+// The one definition of the peer workspace layout and the signalling protocol.
+//
+// Both the CPU handlers (ffi/cpu) and the CUDA kernels (ffi/cuda) include this header, so the two can never
+// disagree about where a counter lives or what a flag value means. It is plain C++ (no <atomic>, no CUDA headers):
+// each side applies its own atomics (std::atomic_ref on the host, cuda::atomic_ref / PTX on the device) to the
+// 64-bit words defined here.
+//
+// Terms (DESIGN.md §2-4):
+//   R         ranks in one expert-parallel group (the mesh axis size); G independent groups (the other mesh axes).
+//   epoch     every custom call on a workspace is one epoch; rank r numbers its calls 1, 2, 3, ... in `calls`.
+//   recv      rows pushed *to* this rank by dispatch, grouped by (local expert, source rank).
+//   ret       expert outputs pushed *back* to this rank by expert_combine, in this rank's send order.
+//   stage     where this rank's producer (the grouped GEMM) stores finished output tiles before the consumer ships them.
+//   tile_ready[b] = epoch of the last call whose producer finished band b (monotonic, so never reset).
+//
+// Protocol of one call with epoch n on rank r (all counters monotonic; nothing is reset between calls):
+//   1. Before writing into peer d's recv/ret rows, wait until d.done_epoch >= n-1 (d has finished reading call n-1).
+//   2. Store the rows, then release-add the row count to d.recv_arrivals (dispatch) or d.ret_arrivals (combine).
+//   3. Wait (acquire) until own arrivals >= own expected_* + expected rows of this call; advance expected_*.
+//   4. Read the rows into the XLA output, then release-store done_epoch = n.
+// Every wait is bounded by the call's timeout. A rank whose wait expires records an ErrorRecord and raises the
+// group's abort word, so every other waiter of the group gives up too instead of waiting out its own timeout.
+// The next call on an aborted group first meets all R ranks at a host barrier, and the last to arrive resets all
+// control words and flags to zero; only then does anyone write again.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define JMO_HD __host__ __device__
+#else
+#define JMO_HD
+#endif
+
+namespace jmo {
+
+// Rows of one producer tile / one consumer push: the "row band" of DESIGN §1 (BM rows x all N columns).
+constexpr int64_t kBandRows = 64;
+// Alignment of every region in the workspace (a cache line on the host; 16-byte vector stores on the GPU need 16).
+constexpr int64_t kAlign = 128;
+
+// Stages named in timeout errors.
+enum Stage : uint64_t {
+  kStageNone = 0,
+  kStagePeerReady = 1,    // sender waiting for a peer to finish reading the previous call (done_epoch)
+  kStageRecvArrivals = 2, // dispatch receiver waiting for its rows
+  kStageTileReady = 3,    // consumer waiting for a producer tile flag
+  kStageRetArrivals = 4,  // combine receiver waiting for its expert outputs
+  kStageAbortedByPeer = 5,// gave up because another rank of the group aborted
+  kStageReset = 6,        // the recovery barrier after an abort did not gather every rank
+};
+
+inline const char* StageName(uint64_t s) {
+  switch (s) {
+    case kStagePeerReady: return "peer_ready (waiting for the peer to finish the previous call)";
+    case kStageRecvArrivals: return "recv_arrivals (dispatch waiting for rows from peers)";
+    case kStageTileReady: return "tile_ready (consumer waiting for a producer tile)";
+    case kStageRetArrivals: return "ret_arrivals (combine waiting for expert outputs from peers)";
+    case kStageAbortedByPeer: return "aborted_by_peer (another rank of the group timed out first)";
+    case kStageReset: return "reset (recovery barrier after an earlier timeout)";
+    default: return "none";
+  }
+}
+
+// What a timed-out wait leaves behind, per rank (host memory on CPU, host-mapped memory on CUDA).
+struct ErrorRecord {
+  uint64_t code;      // 0 = no error, else a Stage
+  uint64_t rank;      // who waited
+  uint64_t peer;      // whom it waited for (R = "any peer", for arrival counters)
+  uint64_t epoch;     // the call's epoch
+  uint64_t got;       // value observed when the wait gave up
+  uint64_t expected;  // value waited for
+  uint64_t pad[2];
+};
+
+// Control words of one rank; each on its own cache line so that polling one does not slow writers of another.
+struct alignas(kAlign) Word {
+  uint64_t value;
+  uint64_t pad[kAlign / 8 - 1];
+};
+
+struct RankControl {
+  Word calls;              // epochs started by this rank (written by this rank only)
+  Word done_epoch;         // last epoch whose reads this rank has finished (read by peers before they write)
+  Word recv_arrivals;      // rows that peers have pushed into recv, all calls together
+  Word recv_expected;      // rows this rank has consumed from recv, all calls together
+  Word ret_arrivals;       // rows that peers have pushed into ret, all calls together
+  Word ret_expected;       // rows this rank has consumed from ret, all calls together
+};
+
+// Sizes of one rank's workspace; identical on every rank (the workspace is symmetric).
+struct WorkspaceSizes {
+  int64_t row_bytes;   // widest row of any call (model dim x largest element size)
+  int64_t recv_rows;   // capacity of recv and stage (rows this rank can receive in one call)
+  int64_t ret_rows;    // capacity of ret (T*k: one row per routed slot of this rank)
+  int64_t max_bands;   // tile_ready flags (>= ceil(recv_rows/kBandRows) + number of segments)
+};
+
+JMO_HD inline int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Byte offsets inside one rank's workspace block.
+struct Layout {
+  int64_t control, tile_ready, recv, ret, stage, total;
+};
+
+JMO_HD inline Layout MakeLayout(const WorkspaceSizes& s) {
+  Layout l;
+  l.control = 0;
+  l.tile_ready = AlignUp(l.control + (int64_t)sizeof(RankControl));
+  l.recv = AlignUp(l.tile_ready + s.max_bands * 8);
+  l.ret = AlignUp(l.recv + s.recv_rows * s.row_bytes);
+  l.stage = AlignUp(l.ret + s.ret_rows * s.row_bytes);
+  l.total = AlignUp(l.stage + s.recv_rows * s.row_bytes);
+  return l;
+}
+
+JMO_HD inline int64_t MaxBands(int64_t recv_rows, int64_t num_segments) {
+  return (recv_rows + kBandRows - 1) / kBandRows + num_segments + 1;
+}
+
+// Typed views of one rank's block.
+struct RankView {
+  char* base;
+  Layout layout;
+  JMO_HD RankControl* control() const { return reinterpret_cast<RankControl*>(base + layout.control); }
+  JMO_HD uint64_t* tile_ready() const { return reinterpret_cast<uint64_t*>(base + layout.tile_ready); }
+  JMO_HD char* recv() const { return base + layout.recv; }
+  JMO_HD char* ret() const { return base + layout.ret; }
+  JMO_HD char* stage() const { return base + layout.stage; }
+};
+
+// Group-wide words shared by the R ranks of one group (host memory; host-mapped on CUDA so kernels can poll it).
+struct GroupShared {
+  Word abort;                // non-zero once any rank of the group timed out; cleared by the reset barrier
+  ErrorRecord errors[1];     // really [R]: one record per rank (allocated with R entries)
+};
+
+JMO_HD inline int64_t GroupSharedBytes(int64_t ranks) {
+  return AlignUp((int64_t)sizeof(GroupShared) + (ranks - 1) * (int64_t)sizeof(ErrorRecord));
+}
+
+// One routing segment as the producer and consumer see it: the rows of recv that came from source rank `src` for
+// local expert `expert`, and where their outputs go in the source's ret rows. Every tile of a segment has exactly
+// one destination rank, so ordering segments is ordering the GEMM's tiles (remote-critical first).
+struct Segment {
+  int32_t expert;
+  int32_t src;
+  int32_t recv_off;    // first row in recv / stage
+  int32_t rows;        // kept rows (0 = empty, skipped)
+  int32_t ret_off;     // first row in src's ret
+  int32_t band_base;   // index of the segment's first tile_ready flag
+};
+
+// Order segments for the producer: remote segments first, the most loaded destination first (its push takes
+// longest), then by expert and source for determinism; local segments (src == rank) last.
+// `order` receives indices into `segs`. O(n^2) insertion sort: n = E_local * R, small.
+JMO_HD inline void OrderSegments(const Segment* segs, int n, int rank, const int64_t* rows_to_rank, int* order) {
+  for (int i = 0; i < n; ++i) order[i] = i;
+  auto key_less = [&](int a, int b) {
+    const Segment& x = segs[a];
+    const Segment& y = segs[b];
+    bool xl = x.src == rank, yl = y.src == rank;
+    if (xl != yl) return !xl;  // remote before local
+    if (rows_to_rank[x.src] != rows_to_rank[y.src]) return rows_to_rank[x.src] > rows_to_rank[y.src];
+    if (x.src != y.src) return x.src < y.src;
+    return x.expert < y.expert;
+  };
+  for (int i = 1; i < n; ++i) {
+    int v = order[i];
+    int j = i - 1;
+    while (j >= 0 && key_less(v, order[j])) {
+      order[j + 1] = order[j];
+      --j;
+    }
+    order[j + 1] = v;
+  }
+}
+
+}  // namespace jmo

@@ -1,0 +1,143 @@
+"""The routing plan: every offset that dispatch and expert_combine need, as a pure function of the routing.
+
+One expert-parallel group has ``R`` ranks; rank ``r`` holds ``T`` tokens and the ``E_local = E / R`` experts
+``r*E_local ... (r+1)*E_local - 1``. Each token picks ``k`` experts, giving ``P = T*k`` *slots*; slot
+``p = t*k + j`` is token ``t``'s ``j``-th choice.
+
+Layouts (DESIGN §2):
+
+* **send order** (on the source rank): slots sorted stably by (destination rank, local expert). A slot's position
+  in this order is also its row in the source's ``ret`` buffer, where its expert output comes back.
+* **recv** (on the destination rank): rows grouped by (local expert ``e``, source rank ``s``), segment ``(e, s)``
+  contiguous, in the sender's order inside a segment, segments packed in ``(e, s)`` order.
+
+Capacity (Switch-Transformer semantics, deterministic): every expert takes at most ``expert_capacity`` rows per
+call, first come first served in the global slot order ``(source rank, slot index)``. Dropped slots contribute
+zero to the output, are counted, and are identical in the reference implementation (``reference.py``).
+
+Because both sides compute the same plan from the all-gathered count matrix ``C[R_src, R_dst, E_local]``, no
+per-row metadata crosses the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-rank routing plan. All arrays are int32.
+
+  Sender side (this rank's ``P = T*k`` slots, in slot order):
+    slot_dest_rank: [P] rank that owns the slot's expert; -1 marks an expert id outside [0, E).
+    slot_dest_row: [P] row in that rank's recv buffer, -1 if the slot was dropped.
+    slot_ret_row: [P] row in this rank's ret buffer where the slot's output returns, -1 if dropped.
+    ret_rows: [] number of kept slots (rows this rank receives back in expert_combine).
+  Receiver side (this rank's local experts):
+    seg_rows: [E_local, R] kept rows of segment (local expert e, source rank s).
+    seg_ret_off: [E_local, R] first ret row of that segment on its source rank.
+    expert_rows: [E_local] rows per local expert in recv (the grouped GEMM's group sizes).
+    recv_rows: [] total rows this rank receives in dispatch.
+  dropped: [] slots of this rank dropped by the capacity rule.
+  """
+
+  slot_dest_rank: jax.Array
+  slot_dest_row: jax.Array
+  slot_ret_row: jax.Array
+  ret_rows: jax.Array
+  seg_rows: jax.Array
+  seg_ret_off: jax.Array
+  expert_rows: jax.Array
+  recv_rows: jax.Array
+  dropped: jax.Array
+
+
+def expert_capacity(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int,
+                    capacity_factor: float | None) -> int:
+  """Rows one expert may take per call. ``None`` means dropless: every token of the group, once."""
+  dropless = tokens_per_rank * ranks
+  if capacity_factor is None:
+    return dropless
+  if capacity_factor <= 0:
+    raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor}")
+  cap = math.ceil(capacity_factor * tokens_per_rank * ranks * top_k / num_experts)
+  return max(1, min(cap, dropless))
+
+
+def recv_capacity(tokens_per_rank: int, ranks: int, top_k: int, experts_per_rank: int, expert_cap: int) -> int:
+  """Static rows of a rank's recv buffer: no more than its experts' capacity, nor than every slot of the group."""
+  return min(experts_per_rank * expert_cap, tokens_per_rank * ranks * top_k)
+
+
+def local_counts(expert_ids: jax.Array, num_experts: int) -> jax.Array:
+  """[T, k] global expert ids -> [E] slot counts of this rank (reshape to [R, E_local] for the gather).
+
+  Ids outside [0, E) count as expert 0, exactly as ``make_plan`` treats them, so every rank's plan stays
+  consistent while the custom call on the offending rank reports them.
+  """
+  ids = expert_ids.reshape(-1)
+  ids = jnp.where((ids >= 0) & (ids < num_experts), ids, 0)
+  return jnp.zeros((num_experts,), jnp.int32).at[ids].add(1)
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_cap: int) -> Plan:
+  """Computes this rank's plan.
+
+  Args:
+    expert_ids: [T, k] int32 global expert ids of this rank's tokens.
+    counts: [R_src, R_dst, E_local] int32 slot counts of every rank of the group (all-gathered ``local_counts``).
+    rank: [] int32 this rank's position on the expert axis.
+    expert_cap: static rows per expert (``expert_capacity``).
+  """
+  T, k = expert_ids.shape
+  R, _, E_l = counts.shape
+  P = T * k
+  counts = counts.astype(jnp.int32)
+  # kept[s, d, e]: first come first served over source ranks, per expert.
+  before = _exclusive_cumsum(counts, axis=0)
+  kept = jnp.clip(expert_cap - before, 0, counts)
+
+  flat = expert_ids.reshape(P).astype(jnp.int32)
+  valid = (flat >= 0) & (flat < R * E_l)
+  flat = jnp.where(valid, flat, 0)  # invalid ids are reported by the custom calls (slot_dest_rank = -1)
+  dest = flat // E_l
+  e_loc = flat % E_l
+  # Stable sort by group id (d, e) = global expert id: the send order. pos = slot's index in the send order.
+  order = jnp.argsort(flat, stable=True)
+  pos = jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))
+  my_counts = counts[rank].reshape(R * E_l)                   # [E] counts of this rank, (d, e) order
+  send_start = _exclusive_cumsum(my_counts)                   # first send position of each group
+  pos_in_group = pos - send_start[flat]
+  my_kept = kept[rank].reshape(R * E_l)
+  is_kept = pos_in_group < my_kept[flat]
+
+  # recv_off[d, e, s]: first recv row of segment (e, s) on rank d (segments packed in (e, s) order).
+  kept_des = jnp.transpose(kept, (1, 2, 0))                    # [d, e, s]
+  recv_off = _exclusive_cumsum(kept_des.reshape(R, E_l * R)).reshape(R, E_l, R)
+  dest_row = recv_off[dest, e_loc, rank] + pos_in_group
+
+  # seg_ret_off[e, s] = first send position of group (rank, e) on source s.
+  send_start_all = _exclusive_cumsum(counts.reshape(R, R * E_l)).reshape(R, R, E_l)  # [s, d, e]
+  seg_ret_off = jnp.transpose(send_start_all[:, rank, :], (1, 0))                     # [e, s]
+  seg_rows = jnp.transpose(kept[:, rank, :], (1, 0))                                  # [e, s]
+  ret_rows = jnp.sum(my_kept)
+  return Plan(
+      slot_dest_rank=jnp.where(valid, dest, -1).astype(jnp.int32),
+      slot_dest_row=jnp.where(is_kept, dest_row, -1).astype(jnp.int32),
+      slot_ret_row=jnp.where(is_kept, pos, -1).astype(jnp.int32),
+      ret_rows=ret_rows.astype(jnp.int32),
+      seg_rows=seg_rows.astype(jnp.int32),
+      seg_ret_off=seg_ret_off.astype(jnp.int32),
+      expert_rows=jnp.sum(seg_rows, axis=1).astype(jnp.int32),
+      recv_rows=jnp.sum(seg_rows).astype(jnp.int32),
+      dropped=(P - ret_rows).astype(jnp.int32),
+  )

@@ -1,0 +1,131 @@
+"""The two custom calls (DESIGN §3) and the differentiable expert block built from them.
+
+All functions here run *per rank*, inside ``shard_map`` over the expert-parallel axis.
+
+* ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
+  rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero).
+* ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
+  ``lhs[segment] @ w[expert]`` per (local expert, source rank) segment, remote-critical segments first, flagging each
+  finished band; the consumer ships each band back to its source rank; the source combines
+  ``y[t] = sum_j gates[t, j] * out[slot(t, j)]`` in the fixed order ``j = 0..k-1``. Returns ``y [T, N]`` and, when
+  asked, the per-slot outputs ``[T*k, N]`` (for the gates' gradient).
+* ``expert_block``: dispatch -> grouped GEMM1 + SwiGLU -> expert_combine, with a ``custom_vjp`` whose backward pass
+  uses the same two custom calls: ``gates*dy`` is dispatched like tokens, and ``dx`` is ``expert_combine`` of the
+  GEMM1 input gradient with ``W1^T`` and unit gates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_overlap import _ffi
+from jax_moe_overlap.plan import Plan
+
+DEFAULT_TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
+
+
+@dataclasses.dataclass(frozen=True)
+class CallConfig:
+  """Static settings of the custom calls.
+
+  timeout_ms: bound on every wait for a peer or flag; a wait that expires raises an error naming rank, peer,
+    stage and counts (default from $JMO_TIMEOUT_MS, else 10 s).
+  delay_rank, delay_us: testing aid that holds one rank back at the start of every call (-1: none).
+  """
+
+  timeout_ms: int = DEFAULT_TIMEOUT_MS
+  delay_rank: int = -1
+  delay_us: int = 0
+
+  def attrs(self, workspace) -> dict:
+    return dict(workspace=np.int64(workspace.handle), timeout_ms=np.int64(self.timeout_ms),
+                delay_rank=np.int32(self.delay_rank), delay_us=np.int64(self.delay_us))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+  """Static description of one call site: the workspace and this device's coordinates."""
+
+  workspace: object  # Workspace (hashable by identity)
+  config: CallConfig
+
+  def coords(self):
+    ws = self.workspace
+    return ws.group_index(), jax.lax.axis_index(ws.axis_name).astype(jnp.int32)
+
+
+def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:
+  """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank))."""
+  _ffi.register()
+  group, rank = info.coords()
+  call = jax.ffi.ffi_call(_ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
+                          has_side_effect=True)
+  return call(src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
+              group, rank, **info.config.attrs(info.workspace))
+
+
+def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
+                   want_slots: bool) -> tuple[jax.Array, jax.Array]:
+  """lhs [cap, K], w [E_local, K, N], gates [T, k] float32 -> (y [T, N], slot_out [T*k or 0, N])."""
+  _ffi.register()
+  group, rank = info.coords()
+  T, k = gates.shape
+  N = w.shape[2]
+  out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype),
+               jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
+  call = jax.ffi.ffi_call(_ffi.EXPERT_COMBINE, out_types, has_side_effect=True)
+  return call(lhs, w, gates.astype(jnp.float32), plan.seg_rows, plan.seg_ret_off, plan.slot_ret_row,
+              plan.ret_rows, group, rank, **info.config.attrs(info.workspace))
+
+
+def swiglu(a: jax.Array) -> jax.Array:
+  """[rows, 2F] -> [rows, F]: silu(a[:, :F]) * a[:, F:]."""
+  gate, up = jnp.split(a, 2, axis=-1)
+  return jax.nn.silu(gate) * up
+
+
+def _gemm1(x_recv, w1, group_sizes):
+  return jax.lax.ragged_dot(x_recv, w1, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def expert_block(x, gates, w1, w2, plan: Plan, cap: int, info: RankInfo):
+  """Per-rank expert block. x [T, D], gates [T, k] f32, w1 [E_local, D, 2F], w2 [E_local, F, D] -> y [T, D]."""
+  y, _ = _expert_block_fwd(x, gates, w1, w2, plan, cap, info)
+  return y
+
+
+def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
+  T, k = gates.shape
+  x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
+  a = _gemm1(x_recv, w1, plan.expert_rows)
+  y, slot_out = expert_combine(swiglu(a), w2, gates, plan, info, want_slots=True)
+  return y, (x_recv, a, slot_out, gates, w1, w2, plan)
+
+
+def _expert_block_bwd(cap, info, res, dy):
+  x_recv, a, slot_out, gates, w1, w2, plan = res
+  T, k = gates.shape
+  dy_slot = jnp.repeat(dy, k, axis=0)                                     # [P, D], slot p = t*k + j
+  d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
+  d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
+  d_out = dispatch(d_slot, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)   # [cap, D] at the experts
+  h, swiglu_vjp = jax.vjp(swiglu, a)
+  _, gemm2_vjp = jax.vjp(lambda h_, w2_: jax.lax.ragged_dot(h_, w2_, plan.expert_rows), h, w2)
+  dh, dw2 = gemm2_vjp(d_out)
+  (da,) = swiglu_vjp(dh)
+  _, gemm1_vjp = jax.vjp(lambda w1_: _gemm1(x_recv, w1_, plan.expert_rows), w1)
+  (dw1,) = gemm1_vjp(da)
+  dx, _ = expert_combine(da, jnp.swapaxes(w1, 1, 2), jnp.ones_like(gates, jnp.float32), plan, info,
+                         want_slots=False)
+  plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)
+  return dx, d_gates.astype(gates.dtype), dw1, dw2, plan_ct
+
+
+expert_block.defvjp(_expert_block_fwd, _expert_block_bwd)
