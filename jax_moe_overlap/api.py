@@ -103,7 +103,15 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   spec = P(axis_name)
   fn = functools.partial(_moe_local, axis_name=axis_name, num_experts=E, cap_e=cap_e, cap=cap, info=info)
   args = [_shard(a, mesh, spec) for a in (x, expert_ids, gates.astype(jnp.float32), w1, w2)]
-  return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P()), check_vma=False)(*args)
+  y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P()), check_vma=False)(*args)
+  return _like(y, x, mesh), dropped
+
+
+def _like(y, x, mesh):
+  """On a mesh with Explicit axes, give y the sharding x came with (so callers can reshape it as they could x)."""
+  if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))
+  return y
 
 
 def _shard(a, mesh, spec):

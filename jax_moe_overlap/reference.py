@@ -36,8 +36,7 @@ def moe_experts_reference(x, expert_ids, gates, w1, w2, expert_cap: int, ranks: 
   kept = kept_mask(expert_ids, E, expert_cap, ranks)
   h = swiglu(jnp.einsum("td,edf->etf", x, w1))
   out = jnp.einsum("etf,efd->etd", h, w2)                                      # [E, T, D]
-  per_slot = jnp.take_along_axis(out, expert_ids.T[:, :, None], axis=0)        # [k, T, D]
-  per_slot = jnp.transpose(per_slot, (1, 0, 2))                                # [T, k, D]
   w = jnp.where(kept, gates, 0).astype(jnp.float32)
-  y = jnp.einsum("tk,tkd->td", w, per_slot.astype(jnp.float32))
+  combine = jnp.einsum("tk,tke->te", w, jax.nn.one_hot(expert_ids, E, dtype=jnp.float32))  # [T, E]
+  y = jnp.einsum("te,etd->td", combine, out.astype(jnp.float32))
   return y.astype(x.dtype), jnp.sum(~kept).astype(jnp.int32)
