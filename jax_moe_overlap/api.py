@@ -109,14 +109,20 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
 
 def _like(y, x, mesh):
   """On a mesh with Explicit axes, give y the sharding x came with (so callers can reshape it as they could x)."""
-  if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+  if _explicit(mesh):
     return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))
   return y
 
 
+def _explicit(mesh) -> bool:
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def _shard(a, mesh, spec):
-  """Places `a` on `spec` over `mesh`, whichever axis types (Auto or Explicit) the mesh has."""
-  return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+  """Places `a` on `spec` over an Explicit mesh (shard_map reshards by itself over Auto axes)."""
+  if _explicit(mesh):
+    return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+  return a
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, cap_e, cap, info):

@@ -67,9 +67,9 @@ class MoE(nnx.Module):
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)  # fan-in per expert
     self.router = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (d_model, num_experts), param_dtype))
     self.w1 = nnx.Param(init(rngs.params(), (num_experts, d_model, 2 * d_ff), param_dtype),
-                        sharding_names=(expert_axis, None, None), eager_sharding=False)
+                        out_sharding=(expert_axis, None, None), eager_sharding=False)
     self.w2 = nnx.Param(init(rngs.params(), (num_experts, d_ff, d_model), param_dtype),
-                        sharding_names=(expert_axis, None, None), eager_sharding=False)
+                        out_sharding=(expert_axis, None, None), eager_sharding=False)
 
   def route(self, x2d: jax.Array):
     """x2d [T, D] -> (expert_ids [T, k] int32, gates [T, k] float32, aux losses)."""

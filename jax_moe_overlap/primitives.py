@@ -91,7 +91,17 @@ def swiglu(a: jax.Array) -> jax.Array:
 
 
 def _gemm1(x_recv, w1, group_sizes):
-  return jax.lax.ragged_dot(x_recv, w1, group_sizes)
+  """Grouped GEMM1 with float32 accumulation and output (the SwiGLU epilogue runs in float32, as in a fused kernel)."""
+  return jax.lax.ragged_dot(x_recv, w1, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _grouped_outer(lhs, rhs, group_sizes, num_groups):
+  """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (float32)."""
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)
+  assert out.shape[0] == num_groups
+  return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -105,7 +115,7 @@ def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
   T, k = gates.shape
   x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
   a = _gemm1(x_recv, w1, plan.expert_rows)
-  y, slot_out = expert_combine(swiglu(a), w2, gates, plan, info, want_slots=True)
+  y, slot_out = expert_combine(swiglu(a).astype(x.dtype), w2, gates, plan, info, want_slots=True)
   return y, (x_recv, a, slot_out, gates, w1, w2, plan)
 
 
@@ -116,12 +126,12 @@ def _expert_block_bwd(cap, info, res, dy):
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   d_out = dispatch(d_slot, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)   # [cap, D] at the experts
-  h, swiglu_vjp = jax.vjp(swiglu, a)
-  _, gemm2_vjp = jax.vjp(lambda h_, w2_: jax.lax.ragged_dot(h_, w2_, plan.expert_rows), h, w2)
-  dh, dw2 = gemm2_vjp(d_out)
+  h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
+  dh = jax.lax.ragged_dot(d_out, jnp.swapaxes(w2, 1, 2), plan.expert_rows, preferred_element_type=jnp.float32)
+  dw2 = _grouped_outer(h.astype(w2.dtype), d_out, plan.expert_rows, w2.shape[0]).astype(w2.dtype)
   (da,) = swiglu_vjp(dh)
-  _, gemm1_vjp = jax.vjp(lambda w1_: _gemm1(x_recv, w1_, plan.expert_rows), w1)
-  (dw1,) = gemm1_vjp(da)
+  da = da.astype(x_recv.dtype)
+  dw1 = _grouped_outer(x_recv, da, plan.expert_rows, w1.shape[0]).astype(w1.dtype)
   dx, _ = expert_combine(da, jnp.swapaxes(w1, 1, 2), jnp.ones_like(gates, jnp.float32), plan, info,
                          want_slots=False)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)

@@ -78,8 +78,8 @@ ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank,
   CallContext c{ws, group, rank, 0, Clock::now() + std::chrono::milliseconds(timeout_ms)};
   ErrorRecord rec = ws->RecoverIfAborted(group, rank, c.deadline);
   if (rec.code)
-    return ffi::Unexpected(
-        ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError("recover", rec, group, ws->ranks(), timeout_ms)));
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                                      FormatError("recover", rec, group, ws->ranks(), timeout_ms, ws->shared(group))));
   RankControl* ctl = ws->view(group, rank).control();
   c.epoch = ctl->calls.value + 1;  // only this rank writes `calls`
   AtomicStore(&ctl->calls.value, c.epoch);
@@ -89,16 +89,12 @@ ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank,
 // A call that fails validation after its epoch began must not leave its peers waiting for rows that will never
 // come: raise the group's abort word, so they give up at once and the next call resets the group.
 ffi::Error Fail(const CallContext& c, ffi::Error err) {
-  AtomicStore(&c.ws->shared(c.group)->abort.value, 1);
+  c.ws->RaiseAbort(c.group, c.epoch);
   return err;
 }
 
-ffi::Error TimeoutError(const char* op, ErrorRecord e, const CallContext& c, int64_t timeout_ms, uint64_t base) {
-  if (e.code == kStageRecvArrivals || e.code == kStageRetArrivals) {
-    e.got -= base;  // report rows of this call, not the monotonic totals
-    e.expected -= base;
-  }
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError(op, e, c.group, c.ws->ranks(), timeout_ms));
+ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c, int64_t timeout_ms) {
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError(op, e, c.group, c.ws->ranks(), timeout_ms, c.ws->shared(c.group)));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -148,9 +144,9 @@ ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, 
   for (int i = 1; i <= R; ++i) {
     const int d = (c.rank + i) % R;
     RankView peer = ws->view(c.group, d);
-    ErrorRecord e = ws->WaitAtLeast(&peer.control()->done_epoch.value, c.epoch - 1, c.group, c.rank, d, c.epoch,
+    ErrorRecord e = ws->WaitAtLeast(&peer.control()->done_epoch.value, 0, c.epoch - 1, c.group, c.rank, d, c.epoch,
                                     kStagePeerReady, c.deadline);
-    if (e.code) return TimeoutError("dispatch", e, c, timeout_ms, 0);
+    if (e.code) return TimeoutError("dispatch", e, c, timeout_ms);
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
       if (dst_row[p] < 0 || dst_rank[p] != d) continue;
@@ -163,9 +159,9 @@ ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, 
   RankView self = ws->view(c.group, c.rank);
   RankControl* ctl = self.control();
   const uint64_t base = ctl->recv_expected.value;
-  ErrorRecord e = ws->WaitAtLeast(&ctl->recv_arrivals.value, base + expected, c.group, c.rank, R, c.epoch,
+  ErrorRecord e = ws->WaitAtLeast(&ctl->recv_arrivals.value, base, expected, c.group, c.rank, R, c.epoch,
                                   kStageRecvArrivals, c.deadline);
-  if (e.code) return TimeoutError("dispatch", e, c, timeout_ms, base);
+  if (e.code) return TimeoutError("dispatch", e, c, timeout_ms);
   ctl->recv_expected.value = base + expected;
   char* o = static_cast<char*>(out->untyped_data());
   std::memcpy(o, self.recv(), expected * row_bytes);
@@ -306,11 +302,11 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   RankControl* ctl = self.control();
   const uint64_t base = ctl->ret_expected.value;
   const int64_t expected = ret_rows_expected.typed_data()[0];
-  ErrorRecord e = ws->WaitAtLeast(&ctl->ret_arrivals.value, base + expected, c.group, c.rank, R, c.epoch,
+  ErrorRecord e = ws->WaitAtLeast(&ctl->ret_arrivals.value, base, expected, c.group, c.rank, R, c.epoch,
                                   kStageRetArrivals, c.deadline);
   ErrorRecord ce = consumer.Join();  // always join: the next call must not start while it still reads stage
-  if (e.code) return TimeoutError("expert_combine", e, c, timeout_ms, base);
-  if (ce.code) return TimeoutError("expert_combine", ce, c, timeout_ms, 0);
+  if (e.code) return TimeoutError("expert_combine", e, c, timeout_ms);
+  if (ce.code) return TimeoutError("expert_combine", ce, c, timeout_ms);
   ctl->ret_expected.value = base + expected;
   const int32_t* ret_row = slot_ret_row.typed_data();
   for (int64_t p = 0; p < P; ++p)

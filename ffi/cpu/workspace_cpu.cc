@@ -79,12 +79,12 @@ void Consumer::Loop() {
       if (seg.rows == 0) continue;
       RankView peer = ws_->view(job.group, seg.src);
       // The source rank must have finished reading its ret rows of the previous call.
-      err = ws_->WaitAtLeast(&peer.control()->done_epoch.value, job.epoch - 1, job.group, job.rank, seg.src,
+      err = ws_->WaitAtLeast(&peer.control()->done_epoch.value, 0, job.epoch - 1, job.group, job.rank, seg.src,
                              job.epoch, kStagePeerReady, job.deadline);
       if (err.code) break;
       const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
       for (int64_t b = 0; b < bands && !err.code; ++b) {
-        err = ws_->WaitAtLeast(&self.tile_ready()[seg.band_base + b], job.epoch, job.group, job.rank, job.rank,
+        err = ws_->WaitAtLeast(&self.tile_ready()[seg.band_base + b], 0, job.epoch, job.group, job.rank, job.rank,
                                job.epoch, kStageTileReady, job.deadline);
         if (err.code) break;
         const int64_t row0 = b * kBandRows;
@@ -124,30 +124,54 @@ Workspace::~Workspace() {
   for (char* s : shared_) std::free(s);
 }
 
-ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t target, int group, int rank, int peer,
-                                   uint64_t epoch, Stage stage, Clock::time_point deadline) {
+ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t count, int group, int rank,
+                                   int peer, uint64_t epoch, Stage stage, Clock::time_point deadline) {
   GroupShared* g = shared(group);
+  const uint64_t target = base + count;
   int spins = 0;
   for (;;) {
     uint64_t v = AtomicLoad(word);
     if (v >= target) return ErrorRecord{};
     if (AtomicLoad(&g->abort.value) != 0) {
-      ErrorRecord e{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)peer, epoch, v, target, {0, 0}};
+      ErrorRecord e{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)peer, epoch, v - base, count, {0, 0}};
       return e;
     }
     if (Clock::now() >= deadline) {
-      ErrorRecord e{stage, (uint64_t)rank, (uint64_t)peer, epoch, v, target, {0, 0}};
+      if (peer >= ranks_) {
+        // Waiting on an aggregate counter: name the first peer that has not even started this epoch, if any.
+        for (int r = 0; r < ranks_; ++r)
+          if (AtomicLoad(&view(group, r).control()->calls.value) < epoch) {
+            peer = r;
+            break;
+          }
+      }
+      ErrorRecord e{stage, (uint64_t)rank, (uint64_t)peer, epoch, v - base, count, {0, 0}};
       g->errors[rank] = e;
-      AtomicStore(&g->abort.value, 1);
+      RaiseAbort(group, epoch);
       return e;
     }
     Backoff(spins);
   }
 }
 
+void Workspace::RaiseAbort(int group, uint64_t epoch) {
+  // The abort word holds the epoch of the group's first failure (epochs start at 1, so 0 means "no abort").
+  uint64_t expected = 0;
+  std::atomic_ref<uint64_t>(shared(group)->abort.value)
+      .compare_exchange_strong(expected, epoch, std::memory_order_acq_rel);
+}
+
 ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point deadline) {
   GroupShared* g = shared(group);
-  if (AtomicLoad(&g->abort.value) == 0) return ErrorRecord{};
+  const uint64_t failed_epoch = AtomicLoad(&g->abort.value);
+  if (failed_epoch == 0) return ErrorRecord{};
+  const uint64_t epoch = view(group, rank).control()->calls.value + 1;
+  if (epoch <= failed_epoch) {
+    // This rank is late: it is starting the very call that failed elsewhere. Fail it too, at once (the epoch is
+    // used up); the group meets at the barrier on the next call, which every rank is then past the failed epoch for.
+    AtomicStore(&view(group, rank).control()->calls.value, epoch);
+    return ErrorRecord{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)ranks_, epoch, 0, 0, {0, 0}};
+  }
   Barrier& bar = *barriers_[group];
   std::unique_lock<std::mutex> lock(bar.mu);
   const uint64_t gen = bar.generation;
@@ -208,13 +232,36 @@ bool ReleaseWorkspace(int64_t handle) {
   return true;  // victim destroyed here, outside the lock
 }
 
-std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms) {
+namespace {
+// timeout_ms < 0: the record is another rank's, whose timeout this rank does not know.
+void AppendTimeout(std::ostringstream& os, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms) {
+  os << "rank " << e.rank << " (group " << group << ") timed out";
+  if (timeout_ms >= 0) os << " after " << timeout_ms << " ms";
+  os << " in epoch "
+     << e.epoch << " at stage " << StageName(e.code) << ", waiting for ";
+  if (e.peer >= (uint64_t)ranks)
+    os << "rows from peers that all started this epoch";
+  else
+    os << "peer " << e.peer;
+  os << ": observed " << e.got << ", expected " << e.expected;
+}
+}  // namespace
+
+std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms,
+                        const GroupShared* shared) {
   std::ostringstream os;
   os << "jax_moe_overlap." << op << ": ";
   if (e.code == kStageAbortedByPeer) {
     os << "rank " << e.rank << " (group " << group << ") gave up in epoch " << e.epoch
-       << " because another rank of its group timed out (" << e.got << " of " << e.expected
-       << " observed); see that rank's error";
+       << " because another rank of its group failed first";
+    for (int r = 0; shared != nullptr && r < ranks; ++r) {
+      const ErrorRecord& first = shared->errors[r];
+      if (first.code != 0 && first.code != kStageAbortedByPeer) {
+        os << "; first failure: ";
+        AppendTimeout(os, first, group, ranks, -1);
+        break;
+      }
+    }
     return os.str();
   }
   if (e.code == kStageReset) {
@@ -223,13 +270,7 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
        << " ranks arrived";
     return os.str();
   }
-  os << "rank " << e.rank << " (group " << group << ") timed out after " << timeout_ms << " ms in epoch "
-     << e.epoch << " at stage " << StageName(e.code) << ", waiting for ";
-  if (e.peer >= (uint64_t)ranks)
-    os << "any peer";
-  else
-    os << "peer " << e.peer;
-  os << ": observed " << e.got << ", expected " << e.expected;
+  AppendTimeout(os, e, group, ranks, timeout_ms);
   return os.str();
 }
 

@@ -76,12 +76,17 @@ class Workspace {
   GroupShared* shared(int group) const { return reinterpret_cast<GroupShared*>(shared_[group]); }
   Consumer& consumer(int group, int rank) { return *consumers_[group * ranks_ + rank]; }
 
-  // Bounded wait until *word >= target. Gives up at `deadline` (records the error and raises the group's abort
-  // word) or as soon as another rank of the group aborted. Returns an ErrorRecord with code 0 on success.
-  ErrorRecord WaitAtLeast(const uint64_t* word, uint64_t target, int group, int rank, int peer, uint64_t epoch,
-                          Stage stage, Clock::time_point deadline);
+  // Bounded wait until *word >= base + count. Gives up at `deadline` (records the error, with the counts relative
+  // to `base`, and raises the group's abort word) or as soon as another rank of the group aborted.
+  // Returns an ErrorRecord with code 0 on success.
+  ErrorRecord WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t count, int group, int rank, int peer,
+                          uint64_t epoch, Stage stage, Clock::time_point deadline);
 
-  // Called at the start of every call: if the group was aborted, meet all ranks and reset (see protocol.h).
+  // Marks the group failed in `epoch` (keeps the first failure's epoch), so every waiter gives up.
+  void RaiseAbort(int group, uint64_t epoch);
+
+  // Called at the start of every call: if the group was aborted, a rank still entering the failed epoch fails
+  // at once; a rank past it meets all ranks at the barrier, and the last to arrive resets the group.
   ErrorRecord RecoverIfAborted(int group, int rank, Clock::time_point deadline);
 
  private:
@@ -105,6 +110,8 @@ int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws);
 Workspace* LookupWorkspace(int64_t handle);
 bool ReleaseWorkspace(int64_t handle);
 
-std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms);
+// Error text for a failed wait; for a rank that gave up because of a peer, names the group's first failure.
+std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms,
+                        const GroupShared* shared);
 
 }  // namespace jmo::cpu

@@ -18,10 +18,11 @@
 //   2. Store the rows, then release-add the row count to d.recv_arrivals (dispatch) or d.ret_arrivals (combine).
 //   3. Wait (acquire) until own arrivals >= own expected_* + expected rows of this call; advance expected_*.
 //   4. Read the rows into the XLA output, then release-store done_epoch = n.
-// Every wait is bounded by the call's timeout. A rank whose wait expires records an ErrorRecord and raises the
-// group's abort word, so every other waiter of the group gives up too instead of waiting out its own timeout.
-// The next call on an aborted group first meets all R ranks at a host barrier, and the last to arrive resets all
-// control words and flags to zero; only then does anyone write again.
+// Every wait is bounded by the call's timeout. A rank whose wait expires (or whose inputs fail validation) records
+// an ErrorRecord and raises the group's abort word to the failing epoch, so every other waiter of the group gives
+// up too instead of waiting out its own timeout. A rank that only now starts that failed epoch fails it at once.
+// A rank starting a later call first meets all R ranks at a host barrier, and the last to arrive resets all
+// control words and flags to zero (epochs restart at 1); only then does anyone write again.
 #pragma once
 
 #include <stddef.h>
@@ -49,6 +50,8 @@ enum Stage : uint64_t {
   kStageRetArrivals = 4,  // combine receiver waiting for its expert outputs
   kStageAbortedByPeer = 5,// gave up because another rank of the group aborted
   kStageReset = 6,        // the recovery barrier after an abort did not gather every rank
+  kStageBadInput = 7,     // CUDA only: a kernel found an invalid routing input (device data the host cannot check
+                          // without a sync); ErrorRecord.pad[0] says which input (see ffi/cuda/kernels.cu)
 };
 
 inline const char* StageName(uint64_t s) {
@@ -57,8 +60,9 @@ inline const char* StageName(uint64_t s) {
     case kStageRecvArrivals: return "recv_arrivals (dispatch waiting for rows from peers)";
     case kStageTileReady: return "tile_ready (consumer waiting for a producer tile)";
     case kStageRetArrivals: return "ret_arrivals (combine waiting for expert outputs from peers)";
-    case kStageAbortedByPeer: return "aborted_by_peer (another rank of the group timed out first)";
+    case kStageAbortedByPeer: return "aborted_by_peer (another rank of the group failed first)";
     case kStageReset: return "reset (recovery barrier after an earlier timeout)";
+    case kStageBadInput: return "bad_input (a kernel found an invalid routing input)";
     default: return "none";
   }
 }
@@ -132,7 +136,7 @@ struct RankView {
 
 // Group-wide words shared by the R ranks of one group (host memory; host-mapped on CUDA so kernels can poll it).
 struct GroupShared {
-  Word abort;                // non-zero once any rank of the group timed out; cleared by the reset barrier
+  Word abort;                // epoch of the group's first failure (0: none); cleared by the reset barrier
   ErrorRecord errors[1];     // really [R]: one record per rank (allocated with R entries)
 };
 

@@ -1,0 +1,54 @@
+"""Inputs for the MoE tests: random tokens and weights, and routings with known shapes of load."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROUTINGS = ("balanced", "skewed", "all_to_one", "empty_experts")
+
+
+def mesh_of(n: int, axis: str = "expert") -> jax.sharding.Mesh:
+  """A 1-D mesh over the first n CPU devices."""
+  devs = np.array(jax.devices("cpu")[:n])
+  return jax.sharding.Mesh(devs, (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def routing(kind: str, tokens: int, num_experts: int, k: int, seed: int) -> np.ndarray:
+  """[tokens, k] int32 expert ids, distinct within each token."""
+  rng = np.random.default_rng(seed)
+  if kind == "balanced":
+    base = rng.permutation(tokens)
+    return ((base[:, None] + np.arange(k)[None, :] * max(1, num_experts // k)) % num_experts).astype(np.int32)
+  if kind == "skewed":
+    p = 1.0 / (np.arange(num_experts) + 1.0) ** 1.5
+    p /= p.sum()
+    return np.stack([rng.choice(num_experts, k, replace=False, p=p) for _ in range(tokens)]).astype(np.int32)
+  if kind == "all_to_one":
+    # Every token picks the same k experts: one destination rank receives everything.
+    return np.tile(np.arange(k, dtype=np.int32)[::-1], (tokens, 1))
+  if kind == "empty_experts":
+    # Only the first half of the experts are ever chosen: whole ranks' experts get no tokens.
+    half = num_experts // 2
+    assert k <= half
+    return np.stack([rng.choice(half, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+  raise ValueError(kind)
+
+
+def layer_inputs(tokens: int, d: int, f: int, num_experts: int, k: int, kind: str, seed: int,
+                 dtype=jnp.float32):
+  """x [T, D], ids [T, k], gates [T, k] (positive, rows sum to 1), w1 [E, D, 2F], w2 [E, F, D]; never zeros."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  x = jax.random.normal(ks[0], (tokens, d), jnp.float32)
+  gates = jax.nn.softmax(jax.random.normal(ks[1], (tokens, k)), axis=-1)
+  w1 = jax.random.normal(ks[2], (num_experts, d, 2 * f), jnp.float32) / np.sqrt(d)
+  w2 = jax.random.normal(ks[3], (num_experts, f, d), jnp.float32) / np.sqrt(f)
+  ids = jnp.asarray(routing(kind, tokens, num_experts, k, seed))
+  return x.astype(dtype), ids, gates, w1.astype(dtype), w2.astype(dtype)
+
+
+def rel_err(a, b) -> float:
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

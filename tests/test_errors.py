@@ -1,0 +1,134 @@
+"""Bad inputs raise clear errors before anything runs; a peer that never arrives raises within the timeout, and
+the library works again on the next call."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_overlap as jmo
+from cases import layer_inputs, mesh_of
+
+E, D, F = 8, 16, 24
+
+
+@pytest.fixture
+def inputs():
+  return layer_inputs(32, D, F, E, 2, "skewed", 1)
+
+
+def test_experts_not_divisible_by_axis(inputs):
+  x, ids, gates, w1, w2 = inputs
+  mesh = mesh_of(4)
+  with pytest.raises(ValueError, match=r"6 experts cannot be split evenly over the 4 devices"):
+    jmo.moe_experts(x, ids % 6, gates, w1[:6], w2[:6], mesh=mesh)
+
+
+def test_tokens_not_divisible_by_axis(inputs):
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(ValueError, match=r"30 tokens cannot be split evenly"):
+    jmo.moe_experts(x[:30], ids[:30], gates[:30], w1, w2, mesh=mesh_of(4))
+
+
+def test_top_k_larger_than_experts(inputs):
+  x, _, _, w1, w2 = inputs
+  ids = jnp.zeros((32, 9), jnp.int32)
+  with pytest.raises(ValueError, match=r"top-k must be in \[1, num_experts=8\], got 9"):
+    jmo.moe_experts(x, ids, jnp.ones((32, 9)), w1, w2, mesh=mesh_of(2))
+
+
+def test_unsupported_dtype(inputs):
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(TypeError, match=r"x has dtype float16; supported: float32, bfloat16"):
+    jmo.moe_experts(x.astype(jnp.float16), ids, gates, w1.astype(jnp.float16), w2.astype(jnp.float16),
+                    mesh=mesh_of(2))
+
+
+def test_mixed_dtypes(inputs):
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(TypeError, match=r"must share a dtype"):
+    jmo.moe_experts(x, ids, gates, w1.astype(jnp.bfloat16), w2, mesh=mesh_of(2))
+
+
+def test_wrong_shapes(inputs):
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(ValueError, match=r"weight shapes"):
+    jmo.moe_experts(x, ids, gates, w1[:, :8], w2, mesh=mesh_of(2))
+  with pytest.raises(ValueError, match=r"must both be \[tokens=32, k\]"):
+    jmo.moe_experts(x, ids[:16], gates, w1, w2, mesh=mesh_of(2))
+  with pytest.raises(ValueError, match=r"x must be \[tokens, d_model\]"):
+    jmo.moe_experts(x[None], ids, gates, w1, w2, mesh=mesh_of(2))
+
+
+def test_mesh_without_the_axis(inputs):
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(ValueError, match=r"no axis named 'expert'"):
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(2, axis="data"))
+
+
+def test_bad_impl(inputs):
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(ValueError, match=r"impl must be 'overlap' or 'reference'"):
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(2), impl="fast")
+
+
+def test_expert_ids_out_of_range_eager(inputs):
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\), got values in \[0, 11\]"):
+    jmo.moe_experts(x, ids.at[3, 1].set(11), gates, w1, w2, mesh=mesh_of(2))
+
+
+def test_expert_ids_out_of_range_under_jit_then_recovery(inputs):
+  x, ids, gates, w1, w2 = inputs
+  mesh = mesh_of(4)
+  f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, config=jmo.CallConfig(timeout_ms=5000)))
+  jax.block_until_ready(f(x, ids, gates, w1, w2))  # compiled and warm: time only the failing call
+  t0 = time.monotonic()
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"names an expert id outside \[0, num_experts\)"):
+    jax.block_until_ready(f(x, ids.at[5, 0].set(-3), gates, w1, w2))
+  assert time.monotonic() - t0 < 5.0, "peers must give up at once, not wait out the timeout"
+  y, _ = f(x, ids, gates, w1, w2)
+  y_ref, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="reference")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("late_rank", [1, 3])
+def test_peer_that_never_arrives_times_out_then_recovers(inputs, late_rank):
+  x, ids, gates, w1, w2 = inputs
+  mesh = mesh_of(4)
+  timeout_ms = 300
+  # The late rank sleeps 3 s: its peers must report a timeout after ~0.3 s rather than wait.
+  late = jmo.CallConfig(timeout_ms=timeout_ms, delay_rank=late_rank, delay_us=3_000_000)
+  f_late = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, config=late))
+  f_late.lower(x, ids, gates, w1, w2).compile()
+  with pytest.raises(jax.errors.JaxRuntimeError) as err:
+    jax.block_until_ready(f_late(x, ids, gates, w1, w2))
+  msg = str(err.value)
+  assert "DEADLINE_EXCEEDED" in msg and f"timed out after {timeout_ms} ms" in msg, msg
+  assert "stage" in msg and "rank" in msg and "observed" in msg and "expected" in msg, msg
+  assert f"peer {late_rank}" in msg, msg
+  # The next call (same workspace, no user action) is correct.
+  f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh))
+  y, _ = f(x, ids, gates, w1, w2)
+  y_ref, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="reference")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for _ in range(3):
+    np.testing.assert_array_equal(f(x, ids, gates, w1, w2)[0], y)
+
+
+def test_module_rejects_bad_configuration():
+  from flax import nnx
+  mesh = mesh_of(4)
+  with pytest.raises(ValueError, match=r"6 experts cannot be split evenly over the 4 devices"):
+    jmo.MoE(16, 32, 6, 2, mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=8\]"):
+    jmo.MoE(16, 32, 8, 9, mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"no axis named 'experts'"):
+    jmo.MoE(16, 32, 8, 2, mesh=mesh, expert_axis="experts", rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"dtype must be float32 or bfloat16"):
+    jmo.MoE(16, 32, 8, 2, mesh=mesh, dtype=jnp.float16, rngs=nnx.Rngs(0))
+  m = jmo.MoE(16, 32, 8, 2, mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"expects inputs \[..., 16\]"):
+    m(jnp.ones((4, 8, 12)))

@@ -1,0 +1,137 @@
+"""The expert layer through the custom calls (impl="overlap") against the pure-JAX reference, on 1-4 CPU devices."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_overlap as jmo
+from cases import ROUTINGS, layer_inputs, mesh_of, rel_err
+
+E, D, F = 8, 16, 24
+
+
+def _loss(impl, mesh, cf, ids):
+  def loss(x, gates, w1, w2):
+    y, dropped = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=cf, impl=impl)
+    # A non-linear read-out, so that every output element gets its own cotangent.
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)) * jnp.arange(y.size).reshape(y.shape) / y.size), (y, dropped)
+  return loss
+
+
+def run_both(R, k, kind, cf=None, tokens_per_rank=16, seed=0, dtype=jnp.float32):
+  mesh = mesh_of(R)
+  x, ids, gates, w1, w2 = layer_inputs(tokens_per_rank * R, D, F, E, k, kind, seed, dtype)
+  out = {}
+  for impl in ("overlap", "reference"):
+    args = (x, gates, w1, w2)
+    if impl == "reference":  # the oracle always runs in float32
+      args = tuple(a.astype(jnp.float32) for a in args)
+    grad_fn = jax.value_and_grad(_loss(impl, mesh, cf, ids), argnums=(0, 1, 2, 3), has_aux=True)
+    (_, (y, dropped)), grads = jax.jit(grad_fn)(*args)
+    out[impl] = (y, dropped, grads)
+  return out
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_forward_and_grads_match_reference(R, k, kind):
+  out = run_both(R, k, kind, seed=R * 100 + k)
+  y, dropped, grads = out["overlap"]
+  y_ref, dropped_ref, grads_ref = out["reference"]
+  assert int(dropped) == int(dropped_ref) == 0  # dropless by default
+  assert float(jnp.max(jnp.abs(y_ref))) > 0.1
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for name, g, g_ref in zip(("x", "gates", "w1", "w2"), grads, grads_ref):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("cf", [1.0, 0.5, 0.25])
+@pytest.mark.parametrize("R", [2, 4])
+def test_capacity_overflow_drops_identically(R, cf):
+  out = run_both(R, 2, "skewed", cf=cf, seed=7)
+  y, dropped, grads = out["overlap"]
+  y_ref, dropped_ref, grads_ref = out["reference"]
+  assert int(dropped) > 0, "this routing must overflow the capacity"
+  assert int(dropped) == int(dropped_ref)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for g, g_ref in zip(grads, grads_ref):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed"])
+def test_bfloat16_within_tolerance(kind):
+  out = run_both(4, 2, kind, seed=3, dtype=jnp.bfloat16)
+  y, _, grads = out["overlap"]
+  y_ref, _, grads_ref = out["reference"]
+  assert y.dtype == jnp.bfloat16
+  assert rel_err(y, y_ref) < 1e-2
+  for g, g_ref in zip(grads, grads_ref):
+    assert rel_err(g, g_ref) < 1e-2
+
+
+def test_two_expert_groups_on_a_2x2_mesh():
+  # A (data, expert) mesh: two independent expert groups of 2 ranks, each with its own workspace group.
+  devs = np.array(jax.devices("cpu")[:4]).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devs, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x, ids, gates, w1, w2 = layer_inputs(32, D, F, E, 2, "skewed", 11)
+  f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, axis_name="expert"))
+  y, dropped = f(x, ids, gates, w1, w2)
+  y_ref, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, axis_name="expert", impl="reference")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  assert int(dropped) == 0
+
+
+def test_hundred_calls_bitwise_identical_and_correct():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, 2, "skewed", 5)
+  f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh)[0])
+  y_ref, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="reference")
+  first = np.asarray(f(x, ids, gates, w1, w2))
+  np.testing.assert_allclose(first, y_ref, rtol=1e-5, atol=1e-5)
+  outs = [f(x, ids, gates, w1, w2) for _ in range(100)]  # 100 epochs back to back, no resets
+  for y in outs:
+    np.testing.assert_array_equal(np.asarray(y), first)
+
+
+def test_changing_routing_between_calls():
+  # Consecutive calls with different routings (and so different offsets) reuse the workspace safely.
+  mesh = mesh_of(4)
+  f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, capacity_factor=1.0))
+  for i, kind in enumerate(["skewed", "all_to_one", "balanced", "empty_experts", "skewed"] * 4):
+    x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, 2, kind, 40 + i)
+    y, dropped = f(x, ids, gates, w1, w2)
+    y_ref, dropped_ref = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=1.0, impl="reference")
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5, err_msg=f"call {i} ({kind})")
+    assert int(dropped) == int(dropped_ref)
+
+
+@pytest.mark.parametrize("slow_rank", [0, 3])
+def test_one_rank_held_back(slow_rank):
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, 2, "skewed", 9)
+  cfg = jmo.CallConfig(timeout_ms=20_000, delay_rank=slow_rank, delay_us=50_000)
+  f = jax.jit(jax.value_and_grad(
+      lambda *a: jnp.sum(jmo.moe_experts(a[0], ids, a[1], a[2], a[3], mesh=mesh, config=cfg)[0] ** 2),
+      argnums=(0, 2)))
+  loss, grads = f(x, gates, w1, w2)
+  g = jax.jit(jax.value_and_grad(
+      lambda *a: jnp.sum(jmo.moe_experts(a[0], ids, a[1], a[2], a[3], mesh=mesh, impl="reference")[0] ** 2),
+      argnums=(0, 2)))
+  loss_ref, grads_ref = g(x, gates, w1, w2)
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  for a, b in zip(grads, grads_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_workspace_is_shared_per_sizes_and_named_by_handle():
+  mesh = mesh_of(2)
+  sizes = jmo.workspace.WorkspaceSizes(row_bytes=64, recv_rows=32, ret_rows=16, num_segments=8)
+  a = jmo.Workspace.get(mesh, "expert", sizes)
+  b = jmo.Workspace.get(mesh, "expert", sizes)
+  c = jmo.Workspace.get(mesh, "expert", sizes.__class__(64, 64, 16, 8))
+  assert a is b and a is not c and a.handle != c.handle
+  assert a.ranks == 2 and a.groups == 1 and a.platform == "cpu"
