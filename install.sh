@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up .venv (Python >= 3.12, pinned jax) and builds + installs jax-moe-overlap with its test and example extras.
+# The C++ FFI handlers always build; the CUDA kernels build too when nvcc is found (JMO_ENABLE_CUDA=OFF skips them).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+find_python() {
+  local c
+  for c in "${PYTHON:-}" python3.12 python3.13 python3; do
+    [ -n "$c" ] || continue
+    if "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then echo "$c"; return 0; fi
+  done
+  for c in "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
+    [ -x "$c" ] && { echo "$c"; return 0; }
+  done
+  return 1
+}
+
+PY=$(find_python) || { echo "install.sh: need Python >= 3.12 (jax >= 0.11); set PYTHON=/path/to/python3.12" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# Build requirements first, pinned, so that the extension compiles against the same jax FFI headers it runs with.
+.venv/bin/python -m pip install -q -c constraints.txt scikit-build-core nanobind jax jaxlib
+.venv/bin/python -m pip install -q -c constraints.txt --no-build-isolation ".[test,examples]"
+.venv/bin/python -c "import jax_moe_overlap._ffi as f; print('jax-moe-overlap installed; CUDA kernels compiled in:', f.with_cuda())"
