@@ -21,5 +21,5 @@ PY=$(find_python) || { echo "install.sh: need Python >= 3.12 (jax >= 0.11); set 
 .venv/bin/python -m pip install -q --upgrade pip
 # Build requirements first, pinned, so that the extension compiles against the same jax FFI headers it runs with.
 .venv/bin/python -m pip install -q -c constraints.txt scikit-build-core nanobind jax jaxlib
-.venv/bin/python -m pip install -q -c constraints.txt --no-build-isolation ".[test,examples]"
+.venv/bin/python -m pip install -q -c constraints.txt --no-build-isolation -e ".[test,examples]"
 .venv/bin/python -c "import jax_moe_overlap._ffi as f; print('jax-moe-overlap installed; CUDA kernels compiled in:', f.with_cuda())"
