@@ -6,10 +6,13 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <nanobind/stl/tuple.h>
 
 #include "cpu/handlers_cpu.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
+#include "jax_moe_overlap/resource_model.h"
 
 #ifdef JMO_WITH_CUDA
 #include "cuda/module_cuda.h"
@@ -33,6 +36,18 @@ int64_t CreateCpuWorkspace(int ranks, int groups, int64_t row_bytes, int64_t rec
   return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s));
 }
 
+// The resource model of resource_model.h, exposed so that tests check the Python mirror against it.
+jmo::ModelParams Params(const std::vector<double>& v) {
+  if (v.size() != 9) throw std::invalid_argument("resource model: 9 parameters expected");
+  return jmo::ModelParams{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2], (int32_t)v[3], v[4], v[5], v[6], v[7], v[8]};
+}
+
+std::vector<jmo::ModelSegment> Segments(const std::vector<std::tuple<int, int>>& segs) {
+  std::vector<jmo::ModelSegment> out;
+  for (auto& [rows, remote] : segs) out.push_back(jmo::ModelSegment{rows, remote});
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_jmo, m) {
@@ -51,6 +66,17 @@ NB_MODULE(_jmo, m) {
     return jmo::MakeLayout(s).total;
   });
   m.attr("band_rows") = jmo::kBandRows;
+  m.def("model_makespan_us", [](const std::vector<double>& params, const std::vector<std::tuple<int, int>>& segs,
+                                int64_t n, int64_t k, int64_t elem_bytes, int ctas) {
+    auto s = Segments(segs);
+    return jmo::ModelMakespanUs(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, ctas);
+  });
+  m.def("model_choose_consumer_ctas", [](const std::vector<double>& params,
+                                         const std::vector<std::tuple<int, int>>& segs, int64_t n, int64_t k,
+                                         int64_t elem_bytes, int max_ctas) {
+    auto s = Segments(segs);
+    return jmo::ChooseConsumerCtas(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, max_ctas);
+  });
 #ifdef JMO_WITH_CUDA
   m.attr("with_cuda") = true;
   jmo::cuda::RegisterModule(m);
