@@ -1,0 +1,8 @@
+// XLA FFI handler symbols for XLA:CUDA (defined in handlers_cuda.cc).
+#pragma once
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JmoDispatchCuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoExpertCombineCuda(XLA_FFI_CallFrame* frame);
+}

@@ -1,0 +1,818 @@
+// CUDA kernels of dispatch and expert_combine, following protocol.h step by step (the CPU handlers in
+// ffi/cpu/handlers_cpu.cc are the executable specification; this file does the same on the device).
+//
+// One call = a short sequence of kernels on the caller's stream:
+//   Begin     (1 thread)  epoch = ++calls, deadline = now + timeout, the testing delay, operand checks.
+//   dispatch:       Push (push rows to peers' recv, then release-add their recv_arrivals)
+//                   Recv (acquire-wait for own arrivals, copy recv -> out)      End (recv_expected, done_epoch)
+//   expert_combine: Expert (producer CTAs: grouped GEMM -> stage, flag each band; consumer CTAs: push bands to
+//                   the source ranks' ret rows, release-add ret_arrivals)
+//                   Combine (acquire-wait for own ret rows, y = sum_j gates * ret)   End (ret_expected, done_epoch)
+// Epoch state lives in device memory (RankControl::calls, RankPrivate), so no kernel depends on host values that
+// change per call: a step toward CUDA-graph capture.
+//
+// Memory ordering: data stores -> every storing thread fences at system scope -> CTA barrier -> one thread
+// red.release.sys on the peer's counter. Readers: one thread ld.acquire.sys polls, CTA barrier, then all threads
+// read with ld.global.cg (L2, never a stale L1 line). Every wait is bounded by the call's deadline (%globaltimer)
+// and gives up at once when the group's abort word (host-mapped) is raised.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "cuda/kernels.h"
+
+namespace jmo::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Device primitives
+
+__device__ __forceinline__ uint64_t GlobalTimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t LoadVolatile(const uint64_t* p) {
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+}
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void StoreReleaseGpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void AddReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ RankView View(const RankDev& rd, int r) { return RankView{rd.peers.base[r], rd.layout}; }
+
+// Records this rank's first failure in its ErrorRecord (host-mapped), marks the call failed and raises the group's
+// abort word. Called by one thread.
+__device__ void RecordError(const RankDev& rd, uint64_t code, uint64_t sub, uint64_t peer, uint64_t got,
+                            uint64_t expected) {
+  const uint64_t epoch = LoadVolatile(&rd.priv->epoch);
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(&rd.priv->err_claim), 0ull, 1ull) == 0ull) {
+    volatile ErrorRecord* e = &rd.shared->errors[rd.rank];
+    e->rank = rd.rank;
+    e->peer = peer;
+    e->epoch = epoch;
+    e->got = got;
+    e->expected = expected;
+    e->pad[0] = sub;
+    e->pad[1] = LoadVolatile(&rd.priv->timeout_ms);
+    __threadfence_system();
+    e->code = code;
+  }
+  *reinterpret_cast<volatile uint64_t*>(&rd.priv->failed) = 1;
+  __threadfence_system();
+  StoreReleaseSys(&rd.shared->abort.value, 1);
+}
+
+__device__ void BadInput(const RankDev& rd, uint64_t sub, uint64_t index, int64_t got, uint64_t bound) {
+  RecordError(rd, kStageBadInput, sub, index, static_cast<uint64_t>(got), bound);
+}
+
+// Bounded wait (one thread) until *word >= base + count. On timeout records (rank, peer, stage, counts relative to
+// base) and raises abort; on a peer's abort gives up silently (the next call reports the group's first failure).
+__device__ bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint64_t base, uint64_t count, uint64_t peer,
+                            Stage stage) {
+  const uint64_t target = base + count;
+  const uint64_t deadline = LoadVolatile(&rd.priv->deadline_ns);
+  for (uint32_t spin = 0;; ++spin) {
+    const uint64_t v = LoadAcquireSys(word);
+    if (v >= target) return true;
+    if ((spin & 15) == 0) {  // the abort word and the clock live farther away: look less often
+      if (LoadVolatile(&rd.shared->abort.value) != 0 || LoadVolatile(&rd.priv->failed) != 0) {
+        *reinterpret_cast<volatile uint64_t*>(&rd.priv->failed) = 1;
+        return false;
+      }
+      if (GlobalTimer() > deadline) {
+        RecordError(rd, stage, 0, peer, v - base, count);
+        return false;
+      }
+    }
+    if (spin > 32) __nanosleep(spin > 1024 ? 1000 : 100);
+  }
+}
+
+// Block-wide copy of `bytes` from src to dst: 16-byte vectors when both are 16-byte aligned, else 4 or 2 bytes.
+// Loads bypass L1 (ld.global.cg): the source may have been written by another SM or GPU during this kernel.
+__device__ void CopyBytes(char* dst, const char* src, int64_t bytes, int64_t tid, int64_t nthreads) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  if ((align & 15) == 0) {
+    const int64_t n = bytes / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int64_t i = tid; i < n; i += nthreads) d[i] = __ldcg(s + i);
+    for (int64_t i = n * 16 + tid; i < bytes; i += nthreads) dst[i] = src[i];
+  } else if ((align & 3) == 0) {
+    const int64_t n = bytes / 4;
+    const unsigned* s = reinterpret_cast<const unsigned*>(src);
+    unsigned* d = reinterpret_cast<unsigned*>(dst);
+    for (int64_t i = tid; i < n; i += nthreads) d[i] = __ldcg(s + i);
+    for (int64_t i = n * 4 + tid; i < bytes; i += nthreads) dst[i] = src[i];
+  } else {
+    const int64_t n = bytes / 2;
+    const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+    unsigned short* d = reinterpret_cast<unsigned short*>(dst);
+    for (int64_t i = tid; i < n; i += nthreads) d[i] = __ldcg(s + i);
+    for (int64_t i = n * 2 + tid; i < bytes; i += nthreads) dst[i] = src[i];
+  }
+}
+
+__device__ void ZeroBytes(char* dst, int64_t bytes, int64_t tid, int64_t nthreads) {
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    const int64_t n = bytes / 16;
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int64_t i = tid; i < n; i += nthreads) d[i] = make_uint4(0, 0, 0, 0);
+    for (int64_t i = n * 16 + tid; i < bytes; i += nthreads) dst[i] = 0;
+  } else {
+    for (int64_t i = tid; i < bytes; i += nthreads) dst[i] = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Begin / End
+
+__global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* rank_op, int64_t timeout_ns,
+                            int64_t delay_ns) {
+  if (delay_ns > 0) {  // the testing delay: hold this rank back on its device (bounded by itself)
+    const uint64_t t0 = GlobalTimer();
+    while (GlobalTimer() - t0 < static_cast<uint64_t>(delay_ns)) __nanosleep(1000);
+  }
+  RankControl* ctl = View(rd, rd.rank).control();
+  const uint64_t epoch = LoadVolatile(&ctl->calls.value) + 1;  // only this rank writes `calls`
+  *reinterpret_cast<volatile uint64_t*>(&ctl->calls.value) = epoch;
+  RankPrivate* p = rd.priv;
+  p->epoch = epoch;
+  p->deadline_ns = GlobalTimer() + static_cast<uint64_t>(timeout_ns);
+  p->timeout_ms = static_cast<uint64_t>(timeout_ns / 1000000);
+  // An abort raised before this call began: do nothing; the next call's host side recovers and reports.
+  p->failed = LoadVolatile(&rd.shared->abort.value) != 0 ? 1 : 0;
+  __threadfence();
+  if (rank_op != nullptr && group_op != nullptr && (rank_op[0] != rd.rank || group_op[0] != rd.group))
+    BadInput(rd, 5, static_cast<uint64_t>(group_op[0]), rank_op[0], static_cast<uint64_t>(rd.group));
+}
+
+// Closes the call: consumed rows are accounted, then done_epoch = epoch (release) lets peers write again.
+__global__ void EndKernel(RankDev rd, const int32_t* expected, int which) {
+  if (LoadVolatile(&rd.priv->failed)) return;
+  RankControl* ctl = View(rd, rd.rank).control();
+  uint64_t* counter = which == 0 ? &ctl->recv_expected.value : &ctl->ret_expected.value;
+  *reinterpret_cast<volatile uint64_t*>(counter) = LoadVolatile(counter) + static_cast<uint64_t>(expected[0]);
+  __threadfence_system();
+  StoreReleaseSys(&ctl->done_epoch.value, LoadVolatile(&rd.priv->epoch));
+}
+
+// Every kernel starts with this: epoch of the call, and whether it already failed.
+struct CallState {
+  uint64_t epoch;
+  int ok;
+};
+
+__device__ void LoadCallState(const RankDev& rd, CallState* s) {
+  if (threadIdx.x == 0) {
+    s->epoch = LoadVolatile(&rd.priv->epoch);
+    s->ok = LoadVolatile(&rd.priv->failed) == 0;
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dispatch
+
+__global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* src, int64_t S, int64_t row_bytes,
+                                                       const int32_t* src_row, const int32_t* dst_rank,
+                                                       const int32_t* dst_row, int64_t P, int64_t cap) {
+  __shared__ CallState st;
+  __shared__ unsigned sent[kMaxRanks];
+  LoadCallState(rd, &st);
+  const int R = rd.ranks;
+  if (threadIdx.x == 0 && st.ok) {
+    // Step 1: every destination must have finished reading call epoch-1 before we write its recv rows.
+    for (int i = 1; i <= R && st.ok; ++i) {
+      const int d = (rd.rank + i) % R;
+      st.ok = WaitAtLeast(rd, &View(rd, d).control()->done_epoch.value, 0, st.epoch - 1, d, kStagePeerReady);
+    }
+  }
+  if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
+  __syncthreads();
+  if (!st.ok) return;
+  // Step 2: one warp per routed row, 16-byte stores straight into the destination's recv row.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  for (int64_t p = (int64_t)blockIdx.x * warps + warp; p < P; p += (int64_t)gridDim.x * warps) {
+    const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
+    if (d == -1) {
+      if (lane == 0) BadInput(rd, 1, p, sr, 0);
+      continue;
+    }
+    if (row < 0) continue;  // dropped by the capacity rule
+    if (d < 0 || d >= R || row >= cap || sr < 0 || sr >= S) {
+      if (lane == 0) BadInput(rd, 2, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr), (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
+      continue;
+    }
+    CopyBytes(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane, 32);
+    if (lane == 0) atomicAdd(&sent[d], 1u);
+  }
+  __threadfence_system();
+  __syncthreads();
+  // Then release-add the rows to each destination's arrival counter.
+  if (threadIdx.x < R && sent[threadIdx.x] > 0)
+    AddReleaseSys(&View(rd, threadIdx.x).control()->recv_arrivals.value, sent[threadIdx.x]);
+}
+
+__global__ void __launch_bounds__(kThreads) RecvKernel(RankDev rd, const int32_t* expected_p, char* out, int64_t cap,
+                                                       int64_t row_bytes) {
+  __shared__ CallState st;
+  __shared__ int64_t expected;
+  LoadCallState(rd, &st);
+  if (threadIdx.x == 0) {
+    expected = expected_p[0];
+    if (st.ok && (expected < 0 || expected > cap)) {
+      if (blockIdx.x == 0) BadInput(rd, 4, 0, expected, cap);
+      st.ok = 0;
+    }
+    // Step 3: wait (acquire) until this call's rows have all arrived.
+    RankControl* ctl = View(rd, rd.rank).control();
+    if (st.ok)
+      st.ok = WaitAtLeast(rd, &ctl->recv_arrivals.value, LoadVolatile(&ctl->recv_expected.value), expected,
+                          rd.ranks, kStageRecvArrivals);
+  }
+  __syncthreads();
+  if (!st.ok) return;
+  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)gridDim.x * blockDim.x;
+  CopyBytes(out, View(rd, rd.rank).recv(), expected * row_bytes, tid, n);
+  ZeroBytes(out + expected * row_bytes, (cap - expected) * row_bytes, tid, n);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// expert_combine: the segment table (built by every CTA from the device-side plan arrays)
+
+struct SegTable {
+  Segment seg[kMaxSegments];      // in producer order, non-empty only
+  int32_t band_prefix[kMaxSegments + 1];  // ordered bands before segment i
+  int32_t n;                      // non-empty segments
+  int32_t bands;                  // total bands (ordered)
+};
+
+// Thread 0 builds the table; returns false (and records the error) on an invalid plan.
+__device__ bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                              int64_t cap, SegTable* t, int* order_buf, Segment* raw) {
+  const int R = rd.ranks;
+  int64_t rows_to_rank[kMaxRanks];
+  for (int s = 0; s < R; ++s) rows_to_rank[s] = 0;
+  int32_t off = 0, band = 0;
+  const int n = E_l * R;
+  for (int e = 0; e < E_l; ++e) {
+    for (int s = 0; s < R; ++s) {
+      const int32_t rows = seg_rows[e * R + s];
+      const int32_t ret_off = seg_ret_off[e * R + s];
+      if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows) {
+        BadInput(rd, 3, e * R + s, rows < 0 ? rows : (off + (int64_t)rows > cap ? off + (int64_t)rows : ret_off),
+                 off + (int64_t)rows > cap ? cap : rd.sizes.ret_rows);
+        return false;
+      }
+      raw[e * R + s] = Segment{e, s, off, rows, ret_off, band};
+      off += rows;
+      band += (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
+      rows_to_rank[s] += rows;
+    }
+  }
+  if (band > rd.sizes.max_bands) {
+    BadInput(rd, 7, 0, band, rd.sizes.max_bands);
+    return false;
+  }
+  OrderSegments(raw, n, rd.rank, rows_to_rank, order_buf);
+  int m = 0, bands = 0;
+  for (int i = 0; i < n; ++i) {
+    const Segment& s = raw[order_buf[i]];
+    if (s.rows == 0) continue;
+    t->seg[m] = s;
+    t->band_prefix[m] = bands;
+    bands += (s.rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
+    ++m;
+  }
+  t->band_prefix[m] = bands;
+  t->n = m;
+  t->bands = bands;
+  return true;
+}
+
+__device__ __forceinline__ int FindSegment(const SegTable& t, int band) {
+  int lo = 0, hi = t.n - 1;  // last i with band_prefix[i] <= band
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.band_prefix[mid] <= band) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Producer tile: 64 rows (one band) x 128 columns, fp32 accumulation.
+
+constexpr int BM = 64;
+constexpr int BN = 128;
+static_assert(BM == kBandRows, "a producer tile is one row band");
+
+// Tensor-core path (sm80+: mma.sync m16n8k16 bf16, cp.async 3-stage pipeline, ldmatrix). 8 warps as 2 (M) x 4 (N),
+// each a 32 x 32 warp tile. Needs K % 8 == 0 and N % 8 == 0 (16-byte chunks) and 16-byte aligned operands.
+constexpr int TC_BK = 32;
+constexpr int TC_STAGES = 3;
+constexpr int A_STRIDE = TC_BK + 8;  // padded rows: ldmatrix without bank conflicts, 16-byte aligned rows
+constexpr int B_STRIDE = BN + 8;
+constexpr int A_TILE = BM * A_STRIDE;
+constexpr int B_TILE = TC_BK * B_STRIDE;
+constexpr int kTcSmemBytes = TC_STAGES * (A_TILE + B_TILE) * 2;
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void LdMatrixX4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void MmaBf16(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// out[row0 + r, n0 + c] = sum_k lhs[row0 + r, k] * w_e[k, n0 + c] for r < rows, n0 + c < N.
+__device__ void TcTile(const bf16* __restrict__ lhs, const bf16* __restrict__ w_e, bf16* __restrict__ out, int64_t row0,
+                       int rows, int64_t n0, int64_t K, int64_t N, char* smem) {
+  bf16* sA = reinterpret_cast<bf16*>(smem);
+  bf16* sB = sA + TC_STAGES * A_TILE;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+  const int ktiles = (int)((K + TC_BK - 1) / TC_BK);
+  auto load = [&](int buf, int kt) {
+    const int64_t k0 = (int64_t)kt * TC_BK;
+    {  // A: 64 rows x 4 chunks of 8
+      const int r = tid / 4, c = tid % 4;
+      const int64_t kk = k0 + c * 8;
+      const bool ok = r < rows && kk < K;
+      CpAsync16(sA + buf * A_TILE + r * A_STRIDE + c * 8, ok ? lhs + (row0 + r) * K + kk : lhs, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // B: 32 rows x 16 chunks of 8
+      const int idx = tid + i * kThreads;
+      const int r = idx / 16, c = idx % 16;
+      const int64_t kk = k0 + r, n = n0 + c * 8;
+      const bool ok = kk < K && n < N;
+      CpAsync16(sB + buf * B_TILE + r * B_STRIDE + c * 8, ok ? w_e + kk * N + n : w_e, ok ? 16 : 0);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < TC_STAGES - 1; ++s) {
+    if (s < ktiles) load(s, s);
+    CpAsyncCommit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    CpAsyncWait<TC_STAGES - 2>();
+    __syncthreads();
+    const int nk = kt + TC_STAGES - 1;
+    if (nk < ktiles) load(nk % TC_STAGES, nk);
+    CpAsyncCommit();
+    const bf16* a = sA + (kt % TC_STAGES) * A_TILE;
+    const bf16* b = sB + (kt % TC_STAGES) * B_TILE;
+#pragma unroll
+    for (int ks = 0; ks < TC_BK / 16; ++ks) {
+      uint32_t af[2][4], bfr[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+        LdMatrixX4(af[mi], a + (wm + mi * 16 + (lane % 16)) * A_STRIDE + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        uint32_t r[4];
+        LdMatrixX4Trans(r, b + (ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * B_STRIDE + wn + nj * 16 +
+                               (lane / 16) * 8);
+        bfr[2 * nj][0] = r[0];
+        bfr[2 * nj][1] = r[1];
+        bfr[2 * nj + 1][0] = r[2];
+        bfr[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) MmaBf16(acc[mi][ni], af[mi], bfr[ni]);
+    }
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // shared memory is free for the next tile
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int r = wm + mi * 16 + lane / 4;
+      const int64_t n = n0 + wn + ni * 8 + (lane % 4) * 2;
+      if (n >= N) continue;
+      if (r < rows)
+        *reinterpret_cast<__nv_bfloat162*>(out + (row0 + r) * N + n) =
+            __floats2bfloat162_rn(acc[mi][ni][0], acc[mi][ni][1]);
+      if (r + 8 < rows)
+        *reinterpret_cast<__nv_bfloat162*>(out + (row0 + r + 8) * N + n) =
+            __floats2bfloat162_rn(acc[mi][ni][2], acc[mi][ni][3]);
+    }
+  }
+}
+
+// SIMT path (float32 operands, or shapes the tensor-core path does not take). Each thread: 4 rows x 8 columns.
+constexpr int SIMT_BK = 16;
+constexpr int kSimtSmemBytes = SIMT_BK * (BM + BN) * 4;
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(bf16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ bf16 FromFloat<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T>
+__device__ void SimtTile(const T* __restrict__ lhs, const T* __restrict__ w_e, T* __restrict__ out, int64_t row0,
+                         int rows, int64_t n0, int64_t K, int64_t N, char* smem) {
+  float* As = reinterpret_cast<float*>(smem);  // [SIMT_BK][BM]
+  float* Bs = As + SIMT_BK * BM;               // [SIMT_BK][BN]
+  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+  float acc[4][8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+  for (int64_t k0 = 0; k0 < K; k0 += SIMT_BK) {
+#pragma unroll
+    for (int i = 0; i < BM * SIMT_BK / kThreads; ++i) {
+      const int idx = tid + i * kThreads, r = idx / SIMT_BK, kk = idx % SIMT_BK;
+      As[kk * BM + r] = (r < rows && k0 + kk < K) ? ToFloat(lhs[(row0 + r) * K + k0 + kk]) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < BN * SIMT_BK / kThreads; ++i) {
+      const int idx = tid + i * kThreads, kk = idx / BN, c = idx % BN;
+      Bs[kk * BN + c] = (k0 + kk < K && n0 + c < N) ? ToFloat(w_e[(k0 + kk) * N + n0 + c]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < SIMT_BK; ++kk) {
+      float a[4], b[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = As[kk * BM + ty * 4 + i];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) b[j] = Bs[kk * BN + tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = ty * 4 + i;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t n = n0 + tx + 16 * j;
+      if (n < N) out[(row0 + r) * N + n] = FromFloat<T>(acc[i][j]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The overlapped operator: producer and consumer CTAs of one launch, roles by block index.
+//
+// Co-residency. CTAs [0, C) are the consumer, CTAs [C, grid) the producer, grid <= the rank's SM budget, and the
+// dynamic shared memory of this kernel is padded to more than half an SM's, so at most one CTA fits per SM: every
+// consumer CTA sits on an SM of its own, and the whole grid is resident at once (grid <= SMs; the host checks the
+// occupancy). Progress never depends on co-residency: producer CTAs wait for nothing, so even if the hardware
+// scheduled consumers first and producers later (or the reverse), every wait is eventually satisfied; co-residency is
+// what gives the overlap. One ordinary launch rather than a cooperative one: in the loopback harness R ranks' grids
+// run concurrently from R streams, and all of them must be resident together, which per-rank SM budgets give.
+template <typename T, bool kTensorCores>
+__global__ void __launch_bounds__(kThreads, 1)
+    ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
+                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, int consumers) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ CallState st;
+  __shared__ SegTable table;
+  __shared__ int order_buf[kMaxSegments];
+  __shared__ Segment raw[kMaxSegments];
+  __shared__ int wait_ok;
+  LoadCallState(rd, &st);
+  if (threadIdx.x == 0 && st.ok) st.ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, order_buf, raw);
+  __syncthreads();
+  if (!st.ok) return;
+  const int64_t ntiles = (N + BN - 1) / BN;
+  const int64_t row_bytes = N * (int64_t)sizeof(T);
+  RankView self = View(rd, rd.rank);
+  T* stage = reinterpret_cast<T*>(self.stage());
+  uint64_t* flags = self.tile_ready();
+
+  if ((int)blockIdx.x >= consumers) {
+    // Producer: tiles in producer order (remote-critical segments first), statically striped over the CTAs.
+    const int pid = blockIdx.x - consumers, np = gridDim.x - consumers;
+    const int64_t tiles = (int64_t)table.bands * ntiles;
+    for (int64_t t = pid; t < tiles; t += np) {
+      const int band = (int)(t / ntiles);
+      const int64_t n0 = (t % ntiles) * BN;
+      const Segment& s = table.seg[FindSegment(table, band)];
+      const int b = band - table.band_prefix[&s - table.seg];
+      const int64_t row0 = s.recv_off + (int64_t)b * BM;
+      const int rows = min((int)BM, s.rows - b * (int)BM);
+      const T* w_e = w + (int64_t)s.expert * K * N;
+      if constexpr (kTensorCores)
+        TcTile(lhs, w_e, stage, row0, rows, n0, K, N, smem);
+      else
+        SimtTile<T>(lhs, w_e, stage, row0, rows, n0, K, N, smem);
+      // The tile is stored: fence, count it; the CTA that completes the band's last tile publishes the band.
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        if (atomicAdd(&rd.band_done[s.band_base + b], 1u) == (unsigned)(ntiles - 1)) {
+          __threadfence();
+          StoreReleaseGpu(&flags[s.band_base + b], st.epoch);
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumer: bands in producer order, striped over the C consumer CTAs.
+  for (int band = blockIdx.x; band < table.bands; band += consumers) {
+    const Segment& s = table.seg[FindSegment(table, band)];
+    const int b = band - table.band_prefix[&s - table.seg];
+    const int rows = min((int)BM, s.rows - b * (int)BM);
+    RankView peer = View(rd, s.src);
+    if (threadIdx.x == 0) {
+      // The source must have finished reading its ret rows of the previous call; then the band must be ready.
+      int ok = WaitAtLeast(rd, &peer.control()->done_epoch.value, 0, st.epoch - 1, s.src, kStagePeerReady);
+      if (ok) ok = WaitAtLeast(rd, &flags[s.band_base + b], 0, st.epoch, rd.rank, kStageTileReady);
+      wait_ok = ok;
+    }
+    __syncthreads();
+    if (!wait_ok) return;
+    // A band is contiguous on both ends: rows x N at stage row (recv_off + 64 b) -> source's ret row (ret_off + 64 b).
+    CopyBytes(peer.ret() + ((int64_t)s.ret_off + (int64_t)b * BM) * row_bytes,
+              reinterpret_cast<const char*>(stage) + ((int64_t)s.recv_off + (int64_t)b * BM) * row_bytes,
+              (int64_t)rows * row_bytes, threadIdx.x, blockDim.x);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) AddReleaseSys(&peer.control()->ret_arrivals.value, (uint64_t)rows);
+  }
+}
+
+// y[t] = sum_j gates[t, j] * ret[slot_ret_row[t k + j]] in the fixed order j = 0..k-1 (deterministic), fp32
+// accumulation; slot_out[p] = ret row of slot p (zero for dropped slots).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const float* gates, const int32_t* slot_ret_row,
+                                                          const int32_t* expected_p, int64_t T_, int64_t k, int64_t N,
+                                                          T* y, T* slot_out) {
+  __shared__ CallState st;
+  LoadCallState(rd, &st);
+  if (threadIdx.x == 0 && st.ok) {
+    const int64_t expected = expected_p[0];
+    RankControl* ctl = View(rd, rd.rank).control();
+    if (expected < 0 || expected > rd.sizes.ret_rows) {
+      if (blockIdx.x == 0) BadInput(rd, 4, 0, expected, rd.sizes.ret_rows);
+      st.ok = 0;
+    } else {
+      st.ok = WaitAtLeast(rd, &ctl->ret_arrivals.value, LoadVolatile(&ctl->ret_expected.value), expected, rd.ranks,
+                          kStageRetArrivals);
+    }
+  }
+  __syncthreads();
+  if (!st.ok) return;
+  const T* ret = reinterpret_cast<const T*>(View(rd, rd.rank).ret());
+  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
+    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = t * k + j;
+        const int32_t row = slot_ret_row[p];
+        if (row < 0 || row >= rd.sizes.ret_rows) {
+          if (row >= 0 && n == 0) BadInput(rd, 6, p, row, rd.sizes.ret_rows);
+          if (slot_out) slot_out[p * N + n] = FromFloat<T>(0.f);
+          continue;
+        }
+        const float v = ToFloat(__ldcg(ret + (int64_t)row * N + n));
+        acc += gates[p] * v;
+        if (slot_out) slot_out[p * N + n] = FromFloat<T>(v);
+      }
+      y[t * N + n] = FromFloat<T>(acc);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host side
+
+struct DeviceInfo {
+  int sms = 0;
+  int smem_per_sm = 0;
+  int cc_major = 0;
+};
+
+Status GetDeviceInfo(int dev, DeviceInfo* info) {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 0 || dev >= 64) return Status::Error(kInvalidArgument, "device ordinal out of range");
+  if (cache[dev].sms == 0) {
+    Status s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].sms, cudaDevAttrMultiProcessorCount, dev), "attr");
+    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "attr");
+    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
+    if (!s.ok()) {
+      cache[dev].sms = 0;
+      return s;
+    }
+  }
+  *info = cache[dev];
+  return Status{};
+}
+
+// Dynamic shared memory of ExpertKernel: what the tile needs, padded past half an SM (one CTA per SM).
+template <typename T, bool TC>
+Status PrepareExpertKernel(int dev, int* smem_bytes) {
+  static std::mutex mu;
+  static int prepared[64] = {0};
+  DeviceInfo info;
+  Status s = GetDeviceInfo(dev, &info);
+  if (!s.ok()) return s;
+  const int need = TC ? kTcSmemBytes : kSimtSmemBytes;
+  const int bytes = std::max(need, info.smem_per_sm / 2 + 1);
+  *smem_bytes = bytes;
+  std::lock_guard<std::mutex> lock(mu);
+  if (prepared[dev] != bytes) {
+    s = CudaStatus(cudaFuncSetAttribute(ExpertKernel<T, TC>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                   "cudaFuncSetAttribute(ExpertKernel)");
+    if (!s.ok()) return s;
+    int blocks = 0;
+    s = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, ExpertKernel<T, TC>, kThreads, bytes),
+                   "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    if (!s.ok()) return s;
+    if (blocks != 1)
+      return Status::Error(kInternal, "jax_moe_overlap: expected exactly one expert_combine CTA per SM, occupancy says " +
+                                          std::to_string(blocks));
+    prepared[dev] = bytes;
+  }
+  return Status{};
+}
+
+Status LaunchError(const char* what) {
+  return CudaStatus(cudaGetLastError(), what);
+}
+
+// Host part of protocol step 0: recover from an earlier failure (reported here), then Begin on the device.
+Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, const int32_t* rank_op) {
+  if (c.ws == nullptr) return Status::Error(kFailedPrecondition, "jax_moe_overlap: no workspace");
+  if (c.rank < 0 || c.rank >= c.ws->ranks() || c.group < 0 || c.group >= c.ws->groups())
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: rank/group outside the workspace");
+  Status s = c.ws->RecoverIfAborted(c.group, c.rank, c.stream, op, c.opts.timeout_ms);
+  if (!s.ok()) return s;
+  const int64_t delay_ns = (c.opts.delay_rank == c.rank && c.opts.delay_us > 0) ? c.opts.delay_us * 1000 : 0;
+  BeginKernel<<<1, 1, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), group_op, rank_op,
+                                     std::max<int64_t>(1, c.opts.timeout_ms) * 1000000, delay_ns);
+  return LaunchError("launch of BeginKernel");
+}
+
+int ElemBytes(DType dt) { return dt == DType::kF32 ? 4 : 2; }
+
+}  // namespace
+
+Status PrepareKernels(int dev) {
+  int smem = 0;
+  Status s = PrepareExpertKernel<bf16, true>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernel<bf16, false>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernel<float, false>(dev, &smem);
+  cudaFuncAttributes attr;
+  const void* kernels[] = {(const void*)BeginKernel, (const void*)EndKernel, (const void*)PushKernel,
+                           (const void*)RecvKernel, (const void*)CombineKernel<bf16>, (const void*)CombineKernel<float>};
+  for (const void* k : kernels)
+    if (s.ok()) s = CudaStatus(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes");
+  return s;
+}
+
+const char* ProducerPath(DType dt, int64_t K, int64_t N, const void* lhs, const void* w) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+  return (dt == DType::kBF16 && K % 8 == 0 && N % 8 == 0 && aligned) ? "mma.sync bf16" : "simt fp32";
+}
+
+Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
+                const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P, const int32_t* recv_expected,
+                const int32_t* group_op, const int32_t* rank_op, void* out, int64_t cap) {
+  const int64_t row_bytes = D * ElemBytes(dt);
+  Status s = BeginCall(c, "dispatch", group_op, rank_op);
+  if (!s.ok()) return s;
+  Workspace& ws = *c.ws;
+  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: dispatch: call needs rows of " + std::to_string(row_bytes) +
+                                               " B x " + std::to_string(cap) + " but the workspace holds " +
+                                               std::to_string(ws.sizes().row_bytes) + " B x " +
+                                               std::to_string(ws.sizes().recv_rows));
+  }
+  const RankDev rd = ws.Dev(c.group, c.rank);
+  const int grid = ws.budget(c.group, c.rank);
+  PushKernel<<<grid, kThreads, 0, c.stream>>>(rd, static_cast<const char*>(src), S, row_bytes, slot_src_row,
+                                              slot_dest_rank, slot_dest_row, P, cap);
+  if (!(s = LaunchError("launch of PushKernel")).ok()) return s;
+  RecvKernel<<<grid, kThreads, 0, c.stream>>>(rd, recv_expected, static_cast<char*>(out), cap, row_bytes);
+  if (!(s = LaunchError("launch of RecvKernel")).ok()) return s;
+  EndKernel<<<1, 1, 0, c.stream>>>(rd, recv_expected, 0);
+  return LaunchError("launch of EndKernel");
+}
+
+Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
+                     int64_t N, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
+                     const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
+                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
+  const int64_t row_bytes = N * ElemBytes(dt);
+  Status s = BeginCall(c, "expert_combine", group_op, rank_op);
+  if (!s.ok()) return s;
+  Workspace& ws = *c.ws;
+  const int R = ws.ranks();
+  std::string bad;
+  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows || T * k > ws.sizes().ret_rows)
+    bad = "expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) + ", cap " +
+          std::to_string(cap) + ", slots " + std::to_string(T * k) + ")";
+  else if (E_l * R > kMaxSegments)
+    bad = "expert_combine: " + std::to_string(E_l * R) + " segments (local experts x ranks) exceed the CUDA kernels' " +
+          std::to_string(kMaxSegments);
+  if (!bad.empty()) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
+  }
+  const RankDev rd = ws.Dev(c.group, c.rank);
+  const int dev = ws.device(c.group, c.rank);
+  const int budget = ws.budget(c.group, c.rank);
+  const int consumers = std::min(ws.consumer_ctas(), budget - 1);
+  // Per-band tile counters start from zero every call (stream-ordered: the previous call's kernels are done).
+  if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, ws.sizes().max_bands * sizeof(uint32_t), c.stream),
+                       "cudaMemsetAsync(band counters)")).ok())
+    return s;
+  const bool tc = std::string(ProducerPath(dt, K, N, lhs, w)) == "mma.sync bf16";
+  int smem = 0;
+  if (dt == DType::kBF16 && tc) {
+    if (!(s = PrepareExpertKernel<bf16, true>(dev, &smem)).ok()) return s;
+    ExpertKernel<bf16, true><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const bf16*>(lhs),
+                                                                  static_cast<const bf16*>(w), cap, K, N, seg_rows,
+                                                                  seg_ret_off, (int)E_l, consumers);
+  } else if (dt == DType::kBF16) {
+    if (!(s = PrepareExpertKernel<bf16, false>(dev, &smem)).ok()) return s;
+    ExpertKernel<bf16, false><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const bf16*>(lhs),
+                                                                   static_cast<const bf16*>(w), cap, K, N, seg_rows,
+                                                                   seg_ret_off, (int)E_l, consumers);
+  } else {
+    if (!(s = PrepareExpertKernel<float, false>(dev, &smem)).ok()) return s;
+    ExpertKernel<float, false><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const float*>(lhs),
+                                                                    static_cast<const float*>(w), cap, K, N,
+                                                                    seg_rows, seg_ret_off, (int)E_l, consumers);
+  }
+  if (!(s = LaunchError("launch of ExpertKernel")).ok()) return s;
+  if (dt == DType::kBF16)
+    CombineKernel<bf16><<<budget, kThreads, 0, c.stream>>>(rd, gates, slot_ret_row, ret_expected, T, k, N,
+                                                           static_cast<bf16*>(y), static_cast<bf16*>(slot_out));
+  else
+    CombineKernel<float><<<budget, kThreads, 0, c.stream>>>(rd, gates, slot_ret_row, ret_expected, T, k, N,
+                                                            static_cast<float*>(y), static_cast<float*>(slot_out));
+  if (!(s = LaunchError("launch of CombineKernel")).ok()) return s;
+  EndKernel<<<1, 1, 0, c.stream>>>(rd, ret_expected, 1);
+  return LaunchError("launch of EndKernel");
+}
+
+}  // namespace jmo::cuda

@@ -1,0 +1,538 @@
+#include "cuda/loopback.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "cuda/kernels.h"
+#include "cuda/workspace_cuda.h"
+
+namespace jmo::cuda {
+namespace {
+
+// bfloat16 <-> float, round to nearest even (as XLA and ml_dtypes).
+float Bf16ToFloat(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Host tensor in the call's dtype, with its float values.
+struct HostRows {
+  std::vector<float> f;  // values (already rounded to the dtype)
+  std::vector<char> bytes;
+};
+
+HostRows RandomRows(std::mt19937_64& rng, int64_t n, float scale, bool f32) {
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  HostRows h;
+  h.f.resize(n);
+  h.bytes.resize(n * (f32 ? 4 : 2));
+  for (int64_t i = 0; i < n; ++i) {
+    float v = u(rng) * scale;
+    if (f32) {
+      std::memcpy(h.bytes.data() + 4 * i, &v, 4);
+    } else {
+      uint16_t b = FloatToBf16(v);
+      v = Bf16ToFloat(b);
+      std::memcpy(h.bytes.data() + 2 * i, &b, 2);
+    }
+    h.f[i] = v;
+  }
+  return h;
+}
+
+float ValueAt(const std::vector<char>& bytes, int64_t i, bool f32) {
+  if (f32) {
+    float v;
+    std::memcpy(&v, bytes.data() + 4 * i, 4);
+    return v;
+  }
+  uint16_t b;
+  std::memcpy(&b, bytes.data() + 2 * i, 2);
+  return Bf16ToFloat(b);
+}
+
+// The routing plan of plan.py, written again in C++ (the Python tests check plan.py against the reference layer).
+struct RankPlan {
+  std::vector<int32_t> slot_src_row, slot_dest_rank, slot_dest_row, slot_ret_row;  // [P]
+  std::vector<int32_t> seg_rows, seg_ret_off;                                      // [E_l * R]
+  int32_t recv_rows = 0, ret_rows = 0;
+  std::vector<int32_t> slot_expert;  // local expert of each slot (reference only)
+};
+
+std::vector<RankPlan> MakePlans(const std::vector<std::vector<int32_t>>& ids, int R, int T, int k, int E, int cap_e) {
+  const int E_l = E / R, P = T * k;
+  auto C = [&](std::vector<int64_t>& v, int s, int d, int e) -> int64_t& { return v[(s * R + d) * E_l + e]; };
+  std::vector<int64_t> counts(R * R * E_l, 0), kept(R * R * E_l, 0);
+  for (int s = 0; s < R; ++s)
+    for (int p = 0; p < P; ++p) ++counts[s * R * E_l + ids[s][p]];
+  for (int d = 0; d < R; ++d)
+    for (int e = 0; e < E_l; ++e) {
+      int64_t before = 0;
+      for (int s = 0; s < R; ++s) {
+        C(kept, s, d, e) = std::clamp<int64_t>(cap_e - before, 0, C(counts, s, d, e));
+        before += C(counts, s, d, e);
+      }
+    }
+  // recv_off[d][e][s]: segments packed in (e, s) order on d.
+  std::vector<int64_t> recv_off(R * E_l * R, 0);
+  for (int d = 0; d < R; ++d) {
+    int64_t off = 0;
+    for (int e = 0; e < E_l; ++e)
+      for (int s = 0; s < R; ++s) {
+        recv_off[(d * E_l + e) * R + s] = off;
+        off += C(kept, s, d, e);
+      }
+  }
+  std::vector<std::vector<int64_t>> send_start(R, std::vector<int64_t>(E, 0));
+  for (int s = 0; s < R; ++s) {
+    int64_t acc = 0;
+    for (int g = 0; g < E; ++g) {
+      send_start[s][g] = acc;
+      acc += counts[s * E + g];
+    }
+  }
+  std::vector<RankPlan> plans(R);
+  for (int s = 0; s < R; ++s) {
+    RankPlan& pl = plans[s];
+    std::vector<int> order(P);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ids[s][a] < ids[s][b]; });
+    std::vector<int> pos(P);
+    for (int i = 0; i < P; ++i) pos[order[i]] = i;
+    pl.slot_src_row.resize(P);
+    pl.slot_dest_rank.resize(P);
+    pl.slot_dest_row.resize(P);
+    pl.slot_ret_row.resize(P);
+    pl.slot_expert.resize(P);
+    for (int p = 0; p < P; ++p) {
+      const int g = ids[s][p], d = g / E_l, e = g % E_l;
+      const int64_t pig = pos[p] - send_start[s][g];
+      const bool is_kept = pig < C(kept, s, d, e);
+      pl.slot_src_row[p] = p / k;
+      pl.slot_dest_rank[p] = d;
+      pl.slot_dest_row[p] = is_kept ? (int32_t)(recv_off[(d * E_l + e) * R + s] + pig) : -1;
+      pl.slot_ret_row[p] = is_kept ? pos[p] : -1;
+      pl.slot_expert[p] = e;
+      if (is_kept) ++pl.ret_rows;
+    }
+  }
+  for (int d = 0; d < R; ++d) {
+    RankPlan& pl = plans[d];
+    pl.seg_rows.assign(E_l * R, 0);
+    pl.seg_ret_off.assign(E_l * R, 0);
+    for (int e = 0; e < E_l; ++e)
+      for (int s = 0; s < R; ++s) {
+        pl.seg_rows[e * R + s] = (int32_t)C(kept, s, d, e);
+        pl.seg_ret_off[e * R + s] = (int32_t)send_start[s][d * E_l + e];
+        pl.recv_rows += (int32_t)C(kept, s, d, e);
+      }
+  }
+  return plans;
+}
+
+// k distinct experts per token.
+std::vector<int32_t> Route(std::mt19937_64& rng, int T, int k, int E, int routing) {
+  std::vector<double> weight(E, 1.0);
+  if (routing == 1)
+    for (int e = 0; e < E; ++e) weight[e] = 1.0 / (1.0 + e);  // Zipf: expert 0 takes ~E/H_E times its share
+  std::vector<int32_t> ids(T * k);
+  for (int t = 0; t < T; ++t) {
+    std::vector<double> w = weight;
+    for (int j = 0; j < k; ++j) {
+      int pick;
+      if (routing == 2) {
+        pick = j;  // extreme: every token chooses experts 0..k-1: most experts and ranks get nothing
+      } else {
+        std::discrete_distribution<int> dist(w.begin(), w.end());
+        pick = dist(rng);
+      }
+      w[pick] = 0;
+      ids[t * k + j] = pick;
+    }
+  }
+  return ids;
+}
+
+#define LB_CHECK(expr)                                                                          \
+  do {                                                                                          \
+    cudaError_t e_ = (expr);                                                                    \
+    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+template <typename V>
+void* ToDevice(const V& v) {
+  void* p = nullptr;
+  const size_t bytes = std::max<size_t>(16, v.size() * sizeof(v[0]));
+  LB_CHECK(cudaMalloc(&p, bytes));
+  LB_CHECK(cudaMemset(p, 0, bytes));
+  if (!v.empty()) LB_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
+  return p;
+}
+
+struct DeviceSet {  // one data set of one rank, on the device
+  void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
+      *ret_expected;
+};
+
+struct Expected {  // host references of one data set of one rank
+  std::vector<char> recv;     // [cap, D] bytes, exact
+  std::vector<float> y;       // [T, N]
+  std::vector<float> slot;    // [P, N]
+};
+
+struct Golden {
+  bool have = false;
+  std::vector<char> recv, y, slot;
+};
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  // False if the other ranks did not all arrive within `timeout` (one of them stopped early).
+  bool Wait(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return true;
+    }
+    if (cv_.wait_for(lock, timeout, [&] { return gen_ != gen; })) return true;
+    --arrived_;
+    return false;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// Page-locked host buffer: device-to-host copies into pageable memory go through the driver's staging buffer, and a
+// rank thread whose copy waits there for its own stream (itself waiting for a peer rank) blocks the peer's thread from
+// copying too: a host-side deadlock that the loopback harness met on its first H200 run.
+struct Pinned {
+  char* p = nullptr;
+  size_t n = 0;
+  explicit Pinned(size_t bytes) : n(bytes) {
+    if (cudaMallocHost(&p, std::max<size_t>(bytes, 16)) != cudaSuccess) throw std::runtime_error("cudaMallocHost");
+  }
+  ~Pinned() { cudaFreeHost(p); }
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  std::vector<char> vec() const { return std::vector<char>(p, p + n); }
+  bool operator!=(const std::vector<char>& v) const { return v.size() != n || std::memcmp(p, v.data(), n) != 0; }
+};
+
+double RelErr(const Pinned& got, const std::vector<float>& ref, bool f32, int64_t* nonfinite) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    float g;
+    if (f32) {
+      std::memcpy(&g, got.p + 4 * i, 4);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, got.p + 2 * i, 2);
+      g = Bf16ToFloat(b);
+    }
+    if (!std::isfinite(g)) ++*nonfinite;
+    num += (double(g) - ref[i]) * (double(g) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+}  // namespace
+
+LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
+  LoopbackResult res;
+  std::ostringstream log;
+  const int R = cfg.ranks, T = cfg.tokens, k = cfg.top_k, E = cfg.experts, D = cfg.d_model, K = cfg.k_dim,
+            N = cfg.n_dim;
+  const bool f32 = cfg.f32;
+  const int eb = f32 ? 4 : 2;
+  const int E_l = E / R, P = T * k;
+  const int cap_e = cfg.capacity_factor > 0
+                        ? std::max(1, std::min(T * R, (int)std::ceil(cfg.capacity_factor * T * R * k / E)))
+                        : T * R;
+  const int cap = std::min(E_l * cap_e, T * R * k);
+  std::ostringstream name;
+  name << "R=" << R << " T=" << T << " k=" << k << " E=" << E << " D=" << D << " K=" << K << " N=" << N
+       << " dtype=" << (f32 ? "f32" : "bf16") << " routing=" << (const char*[]){"balanced", "moderate", "extreme"}[cfg.routing]
+       << (cfg.capacity_factor > 0 ? " cf=" + std::to_string(cfg.capacity_factor) : std::string(" dropless"))
+       << " iters=" << cfg.iters;
+  if (cfg.delay_rank >= 0) name << " delay_rank=" << cfg.delay_rank << " delay_us=" << cfg.delay_us;
+  if (cfg.timeout_at >= 0) name << " forced_timeout_at=" << cfg.timeout_at;
+  if (E % R != 0 || R < 1 || R > kMaxRanks) {
+    res.summary = "FAIL " + name.str() + ": bad config";
+    return res;
+  }
+  try {
+    LB_CHECK(cudaSetDevice(cfg.device));
+    std::unique_ptr<Workspace> ws;
+    WorkspaceSizes sizes{(int64_t)std::max({D, K, N}) * eb, cap, P, MaxBands(cap, E_l * R)};
+    Status st = Workspace::Create(R, 1, std::vector<int>(R, cfg.device), sizes, cfg.consumers, cfg.sm_budget, &ws);
+    if (!st.ok()) throw std::runtime_error(st.msg);
+
+    // Data sets, plans and references.
+    std::mt19937_64 rng(cfg.seed);
+    std::vector<std::vector<DeviceSet>> dsets(cfg.datasets, std::vector<DeviceSet>(R));
+    std::vector<std::vector<Expected>> expect(cfg.datasets, std::vector<Expected>(R));
+    int64_t max_recv_rows = 0, dropped_total = 0;
+    for (int ds = 0; ds < cfg.datasets; ++ds) {
+      std::vector<std::vector<int32_t>> ids(R);
+      for (int r = 0; r < R; ++r) ids[r] = Route(rng, T, k, E, cfg.routing);
+      std::vector<RankPlan> plans = MakePlans(ids, R, T, k, E, cap_e);
+      std::vector<HostRows> x(R), lhs(R), w(R);
+      std::vector<std::vector<float>> gates(R);
+      for (int r = 0; r < R; ++r) {
+        x[r] = RandomRows(rng, (int64_t)T * D, 1.f, f32);
+        lhs[r] = RandomRows(rng, (int64_t)cap * K, 1.f, f32);
+        w[r] = RandomRows(rng, (int64_t)E_l * K * N, 1.f / std::sqrt((float)K), f32);
+        std::uniform_real_distribution<float> g(0.1f, 1.f);
+        gates[r].resize(P);
+        for (auto& v : gates[r]) v = g(rng);
+      }
+      for (int r = 0; r < R; ++r) {
+        const RankPlan& pl = plans[r];
+        max_recv_rows = std::max<int64_t>(max_recv_rows, pl.recv_rows);
+        dropped_total += P - pl.ret_rows;
+        DeviceSet& d = dsets[ds][r];
+        d.x = ToDevice(x[r].bytes);
+        d.src_row = ToDevice(pl.slot_src_row);
+        d.dest_rank = ToDevice(pl.slot_dest_rank);
+        d.dest_row = ToDevice(pl.slot_dest_row);
+        d.recv_expected = ToDevice(std::vector<int32_t>{pl.recv_rows});
+        d.lhs = ToDevice(lhs[r].bytes);
+        d.w = ToDevice(w[r].bytes);
+        d.gates = ToDevice(gates[r]);
+        d.seg_rows = ToDevice(pl.seg_rows);
+        d.seg_ret_off = ToDevice(pl.seg_ret_off);
+        d.ret_row = ToDevice(pl.slot_ret_row);
+        d.ret_expected = ToDevice(std::vector<int32_t>{pl.ret_rows});
+        expect[ds][r].recv.assign((size_t)cap * D * eb, 0);
+        expect[ds][r].y.assign((size_t)T * N, 0.f);
+        expect[ds][r].slot.assign((size_t)P * N, 0.f);
+      }
+      // References: dispatch rows (exact) and expert outputs in float32 from the dtype's values.
+      std::vector<float> out(N);
+      for (int s = 0; s < R; ++s) {
+        const RankPlan& pl = plans[s];
+        for (int p = 0; p < P; ++p) {
+          const int d = pl.slot_dest_rank[p], row = pl.slot_dest_row[p];
+          if (row < 0) continue;
+          std::memcpy(expect[ds][d].recv.data() + (size_t)row * D * eb,
+                      x[s].bytes.data() + (size_t)pl.slot_src_row[p] * D * eb, (size_t)D * eb);
+          const int e = pl.slot_expert[p];
+          std::fill(out.begin(), out.end(), 0.f);
+          const float* a = lhs[d].f.data() + (size_t)row * K;
+          const float* we = w[d].f.data() + (size_t)e * K * N;
+          for (int kk = 0; kk < K; ++kk) {
+            const float av = a[kk];
+            const float* wr = we + (size_t)kk * N;
+            for (int n = 0; n < N; ++n) out[n] += av * wr[n];
+          }
+          const int t = p / k;
+          for (int n = 0; n < N; ++n) {
+            expect[ds][s].slot[(size_t)p * N + n] = out[n];
+            expect[ds][s].y[(size_t)t * N + n] += gates[s][p] * out[n];
+          }
+        }
+      }
+    }
+
+    // One stream, one thread per rank.
+    std::vector<cudaStream_t> streams(R);
+    for (auto& s : streams) LB_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::vector<void*> out_recv(R), out_y(R), out_slot(R), rank_op(R), group_op(R);
+    for (int r = 0; r < R; ++r) {
+      LB_CHECK(cudaMalloc(&out_recv[r], (size_t)cap * D * eb + 16));
+      LB_CHECK(cudaMalloc(&out_y[r], (size_t)T * N * eb + 16));
+      LB_CHECK(cudaMalloc(&out_slot[r], (size_t)P * N * eb + 16));
+      rank_op[r] = ToDevice(std::vector<int32_t>{r});
+      group_op[r] = ToDevice(std::vector<int32_t>{0});
+    }
+    std::vector<std::vector<Golden>> golden(cfg.datasets, std::vector<Golden>(R));
+    std::mutex log_mu;
+    std::atomic<int64_t> failures{0}, calls{0}, bit_checks{0};
+    std::atomic<bool> stop{false};  // after an unexpected failure the ranks' calls no longer pair up: stop the case
+    std::vector<double> max_rel_y(R, 0), max_rel_slot(R, 0);
+    std::vector<std::string> timeout_msgs(R);
+    Barrier barrier(R);
+    const double tol = f32 ? 1e-5 : 1e-2;
+    auto fail = [&](const std::string& m) {
+      std::lock_guard<std::mutex> lock(log_mu);
+      if (failures++ < 20) log << "  " << m << "\n";
+      stop = true;
+    };
+    const auto bar_timeout = std::chrono::milliseconds(3 * cfg.timeout_ms + 10000);
+
+    auto rank_main = [&](int r) {
+      try {
+        LB_CHECK(cudaSetDevice(cfg.device));
+        cudaStream_t stream = streams[r];
+        CallSite site{ws.get(), 0, r, stream, CallOptions{cfg.timeout_ms, cfg.delay_rank, cfg.delay_us}};
+        Pinned h_recv((size_t)cap * D * eb), h_y((size_t)T * N * eb), h_slot((size_t)P * N * eb);
+        const DType dt = f32 ? DType::kF32 : DType::kBF16;
+        auto dispatch = [&](const CallSite& c, const DeviceSet& d) {
+          return Dispatch(c, dt, d.x, T, D, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                          (const int32_t*)d.dest_row, P, (const int32_t*)d.recv_expected,
+                          (const int32_t*)group_op[r], (const int32_t*)rank_op[r], out_recv[r], cap);
+        };
+        for (int it = 0; it < cfg.iters && !stop; ++it) {
+          const int ds = it % cfg.datasets;
+          const DeviceSet& d = dsets[ds][r];
+          if (it == cfg.timeout_at) {
+            // The last rank skips this call; everyone else times out waiting for its rows.
+            CallSite c = site;
+            c.opts.timeout_ms = cfg.short_timeout_ms;
+            if (r != R - 1) {
+              Status s = dispatch(c, d);
+              if (!s.ok()) fail("rank " + std::to_string(r) + ": forced-timeout call failed on the host: " + s.msg);
+            }
+            LB_CHECK(cudaStreamSynchronize(stream));
+            if (!barrier.Wait(bar_timeout)) {
+              fail("rank " + std::to_string(r) + ": peers did not reach the forced-timeout barrier");
+              break;
+            }
+            // The next call of every rank reports the failure (and resets the group).
+            Status s = dispatch(site, d);
+            if (s.ok()) {
+              fail("rank " + std::to_string(r) + ": the call after the forced timeout did not report it");
+              LB_CHECK(cudaStreamSynchronize(stream));
+            } else {
+              timeout_msgs[r] = s.msg;
+              if (s.code != kDeadlineExceeded || s.msg.find("timed out") == std::string::npos)
+                fail("rank " + std::to_string(r) + ": unexpected error after the forced timeout: " + s.msg);
+            }
+            if (!barrier.Wait(bar_timeout)) {
+              fail("rank " + std::to_string(r) + ": peers did not reach the barrier after the recovery");
+              break;
+            }
+          }
+          // Poison outputs: NaN (bf16 0xFFFF / f32 0xFFFFFFFF) wherever a kernel fails to write.
+          LB_CHECK(cudaMemsetAsync(out_recv[r], 0xFF, (size_t)cap * D * eb, stream));
+          LB_CHECK(cudaMemsetAsync(out_y[r], 0xFF, (size_t)T * N * eb, stream));
+          LB_CHECK(cudaMemsetAsync(out_slot[r], 0xFF, (size_t)P * N * eb, stream));
+          Status s = dispatch(site, d);
+          if (!s.ok()) {
+            fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + " dispatch: " + s.msg);
+            continue;
+          }
+          s = ExpertCombine(site, dt, d.lhs, cap, K, d.w, E_l, N, (const float*)d.gates, T, k,
+                            (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, (const int32_t*)d.ret_row,
+                            (const int32_t*)d.ret_expected, (const int32_t*)group_op[r], (const int32_t*)rank_op[r],
+                            out_y[r], out_slot[r]);
+          if (!s.ok()) {
+            fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + " expert_combine: " + s.msg);
+            continue;
+          }
+          calls += 2;
+          LB_CHECK(cudaMemcpyAsync(h_recv.p, out_recv[r], h_recv.n, cudaMemcpyDeviceToHost, stream));
+          LB_CHECK(cudaMemcpyAsync(h_y.p, out_y[r], h_y.n, cudaMemcpyDeviceToHost, stream));
+          LB_CHECK(cudaMemcpyAsync(h_slot.p, out_slot[r], h_slot.n, cudaMemcpyDeviceToHost, stream));
+          LB_CHECK(cudaStreamSynchronize(stream));
+          Golden& g = golden[ds][r];
+          if (!g.have) {
+            const Expected& ex = expect[ds][r];
+            if (h_recv != ex.recv) {
+              int64_t bad = 0;
+              for (int64_t i = 0; i < (int64_t)cap; ++i)
+                if (std::memcmp(h_recv.p + i * D * eb, ex.recv.data() + i * D * eb, (size_t)D * eb)) ++bad;
+              fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + ": dispatch output differs from the reference in " +
+                   std::to_string(bad) + " of " + std::to_string(cap) + " rows");
+            }
+            int64_t nonfinite = 0;
+            const double ey = RelErr(h_y, ex.y, f32, &nonfinite);
+            const double es = RelErr(h_slot, ex.slot, f32, &nonfinite);
+            max_rel_y[r] = std::max(max_rel_y[r], ey);
+            max_rel_slot[r] = std::max(max_rel_slot[r], es);
+            if (!(ey < tol) || !(es < tol) || nonfinite)
+              fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + ": expert_combine rel err y " +
+                   std::to_string(ey) + ", slots " + std::to_string(es) + ", non-finite " + std::to_string(nonfinite) +
+                   " (tolerance " + std::to_string(tol) + ")");
+            g.recv = h_recv.vec();
+            g.y = h_y.vec();
+            g.slot = h_slot.vec();
+            g.have = true;
+          } else {
+            ++bit_checks;
+            if (h_recv != g.recv || h_y != g.y || h_slot != g.slot)
+              fail("rank " + std::to_string(r) + " iter " + std::to_string(it) +
+                   ": outputs differ from the first call on the same data (recv " +
+                   std::to_string(h_recv != g.recv) + ", y " + std::to_string(h_y != g.y) + ", slots " +
+                   std::to_string(h_slot != g.slot) + ")");
+          }
+        }
+      } catch (const std::exception& e) {
+        fail("rank " + std::to_string(r) + ": " + e.what());
+      }
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r) threads.emplace_back(rank_main, r);
+    for (auto& t : threads) t.join();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    double ry = 0, rs = 0;
+    for (int r = 0; r < R; ++r) {
+      ry = std::max(ry, max_rel_y[r]);
+      rs = std::max(rs, max_rel_slot[r]);
+    }
+    if (cfg.timeout_at >= 0 && cfg.timeout_at < cfg.iters) {
+      log << "  reported after the forced timeout (rank 0): " << timeout_msgs[0] << "\n";
+    }
+    for (int r = 0; r < R; ++r) {
+      cudaFree(out_recv[r]);
+      cudaFree(out_y[r]);
+      cudaFree(out_slot[r]);
+      cudaFree(rank_op[r]);
+      cudaFree(group_op[r]);
+      cudaStreamDestroy(streams[r]);
+    }
+    for (auto& v : dsets)
+      for (auto& d : v)
+        for (void* p : {d.x, d.src_row, d.dest_rank, d.dest_row, d.recv_expected, d.lhs, d.w, d.gates, d.seg_rows,
+                        d.seg_ret_off, d.ret_row, d.ret_expected})
+          cudaFree(p);
+    ws.reset();
+    LB_CHECK(cudaGetLastError());
+    std::ostringstream sum;
+    res.pass = failures == 0 && calls == (int64_t)2 * R * cfg.iters;
+    sum << (res.pass ? "PASS " : "FAIL ") << name.str() << " | calls " << calls << " | max rel err y " << ry
+        << ", slots " << rs << " (tol " << tol << ") | bit-identical repeats " << bit_checks << " | max recv rows "
+        << max_recv_rows << "/" << cap << " | dropped " << dropped_total << " | producer "
+        << ProducerPath(f32 ? DType::kF32 : DType::kBF16, K, N, out_y[0], out_y[0]) << " | " << secs << " s";
+    if (failures) sum << " | failures " << failures;
+    res.summary = sum.str();
+  } catch (const std::exception& e) {
+    res.summary = "FAIL " + name.str() + ": " + e.what();
+  }
+  res.log = log.str();
+  return res;
+}
+
+}  // namespace jmo::cuda

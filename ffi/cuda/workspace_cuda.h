@@ -1,0 +1,128 @@
+// The peer workspace on CUDA devices (DESIGN §4), laid out by protocol.h exactly as on the CPU.
+//
+// One process, one or more local GPUs (jax's single-controller mode): each rank's symmetric block is cudaMalloc'd on
+// that rank's device; every rank's kernels get the table of all R blocks of their group (peer pointers, valid through
+// CUDA peer access, which Create checks and enables for every pair of distinct devices). The group's abort word and
+// error records (GroupShared) live in host-mapped pinned memory: kernels write them, and the host reads them at the
+// start of the next call without any synchronization. Several ranks may share one device (the loopback harness).
+//
+// Per rank there is also a small private device block (RankPrivate + one tile counter per band), which peers never
+// touch: the epoch and deadline of the call in flight, whether it failed, and the producer's per-band tile counts.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "jax_moe_overlap/protocol.h"
+
+namespace jmo::cuda {
+
+constexpr int kMaxRanks = 32;      // ranks of one group (the peer table is passed to kernels by value)
+constexpr int kMaxSegments = 256;  // E_local * R segments of one expert_combine call (kept in shared memory)
+constexpr int kThreads = 256;      // threads of every CTA
+
+// What a call can fail with (mapped to ffi::ErrorCode by the handlers).
+enum StatusCode { kOk = 0, kInvalidArgument = 1, kDeadlineExceeded = 2, kInternal = 3, kFailedPrecondition = 4 };
+
+struct Status {
+  int code = kOk;
+  std::string msg;
+  bool ok() const { return code == kOk; }
+  static Status Error(int c, std::string m) { return Status{c, std::move(m)}; }
+};
+
+// This rank's private state on its device (not part of the symmetric layout).
+struct RankPrivate {
+  uint64_t epoch;        // epoch of the call in flight (copy of RankControl::calls)
+  uint64_t deadline_ns;  // %globaltimer value after which every wait of this call gives up
+  uint64_t failed;       // non-zero once a wait of this call gave up or an input was invalid
+  uint64_t err_claim;    // the first failure of this rank claims its ErrorRecord (cleared by the reset)
+  uint64_t timeout_ms;   // the call's timeout, for the error text
+};
+
+struct PeerTable {
+  char* base[kMaxRanks];
+};
+
+// Everything a kernel needs to know about its rank; passed by value.
+struct RankDev {
+  PeerTable peers;
+  Layout layout;
+  WorkspaceSizes sizes;
+  GroupShared* shared;   // host-mapped
+  RankPrivate* priv;     // device
+  uint32_t* band_done;   // device, [sizes.max_bands]
+  int32_t rank, group, ranks, pad_;
+};
+
+class Workspace {
+ public:
+  // ordinals[g * ranks + r]: CUDA device of rank r of group g. consumer_ctas: C, the communication CTAs of
+  // expert_combine; sm_budget: CTAs of every kernel of one rank (0 = the device's SM count divided by the number of
+  // ranks on that device, so that all ranks sharing a device fit on it at once).
+  static Status Create(int ranks, int groups, const std::vector<int>& ordinals, WorkspaceSizes sizes,
+                       int consumer_ctas, int sm_budget, std::unique_ptr<Workspace>* out);
+  ~Workspace();
+
+  int ranks() const { return ranks_; }
+  int groups() const { return groups_; }
+  const WorkspaceSizes& sizes() const { return sizes_; }
+  int device(int g, int r) const { return ordinals_[g * ranks_ + r]; }
+  int consumer_ctas() const { return consumer_ctas_; }
+  int budget(int g, int r) const { return budget_[g * ranks_ + r]; }
+  RankDev Dev(int g, int r) const;
+  GroupShared* shared(int g) const { return reinterpret_cast<GroupShared*>(shared_[g]); }
+
+  // The (group, rank) living on `ordinal`; an error if none or several do.
+  Status FindByOrdinal(int ordinal, int* g, int* r) const;
+
+  // Start of every call on the host. If the group was aborted (a wait timed out, or an input was invalid, in some
+  // earlier call), synchronize this rank's stream, meet every rank of the group at a host barrier (bounded by
+  // timeout_ms), let the last one reset all control words, flags and error records, and return the recorded error:
+  // the call that reports a failure is the one after it (kernels run asynchronously), and the call after that
+  // runs normally again.
+  Status RecoverIfAborted(int g, int r, cudaStream_t stream, const char* op, int64_t timeout_ms);
+
+  // Raises the group's abort word from the host (a call that fails validation after peers may depend on it).
+  void RaiseAbort(int g);
+
+ private:
+  Workspace() = default;
+  int ranks_ = 0, groups_ = 0, consumer_ctas_ = 0;
+  WorkspaceSizes sizes_{};
+  Layout layout_{};
+  std::vector<int> ordinals_, budget_;
+  std::vector<char*> blocks_;          // device
+  std::vector<RankPrivate*> priv_;     // device
+  std::vector<uint32_t*> band_done_;   // device
+  std::vector<char*> shared_;          // host-mapped (device pointer == host pointer under UVA)
+  struct Barrier {
+    std::mutex mu;
+    std::condition_variable cv;
+    int arrived = 0;
+    uint64_t generation = 0;
+    std::vector<ErrorRecord> records;  // the group's error records captured by the last reset
+  };
+  std::vector<std::unique_ptr<Barrier>> barriers_;
+};
+
+// Registry: the custom calls name a workspace by an integer handle. CUDA handles start at kHandleBase, so they never
+// collide with the CPU registry's.
+constexpr int64_t kHandleBase = int64_t{1} << 40;
+int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws);
+Workspace* LookupWorkspace(int64_t handle);
+bool ReleaseWorkspace(int64_t handle);
+
+std::string FormatRecord(const ErrorRecord& e, int group, int ranks, int64_t timeout_ms);
+
+// "<what> failed: <cudaGetErrorString>" when err != cudaSuccess.
+Status CudaStatus(cudaError_t err, const char* what);
+
+}  // namespace jmo::cuda

@@ -1,0 +1,116 @@
+"""CUDA peer workspaces: creation for ``Workspace`` on platform "gpu", and device queries through cuda-python.
+
+The buffers themselves are allocated in C++ (``_jmo.create_cuda_workspace``: one ``cudaMalloc``'d block per rank on
+that rank's device, the peer pointer table, the group's abort word and error records in host-mapped memory; peer
+access is checked with ``cudaDeviceCanAccessPeer`` for every pair and enabled there). Python only maps the mesh to
+(group, rank) -> CUDA device ordinal and asks the devices what it needs to size the kernels, through ``cuda.bindings``
+(the ``cuda-python`` package of the ``gpu`` extra), never through hard-coded numbers.
+
+Scope today: one process driving all GPUs of the mesh (jax's single-controller mode). One process per GPU
+(``jax.distributed``) needs the CUDA VMM export path of DESIGN §4 and is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import numpy as np
+
+from jax_moe_overlap import _jmo
+
+
+def _runtime():
+  try:
+    from cuda.bindings import runtime  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # pragma: no cover - depends on the installation
+    raise ImportError("jax_moe_overlap: GPU workspaces query the devices through cuda-python; install it with "
+                      "`pip install 'jax-moe-overlap[gpu]'` (or `pip install cuda-python`)") from e
+  return runtime
+
+
+def _check(result, what):
+  err, *values = result
+  runtime = _runtime()
+  if err != runtime.cudaError_t.cudaSuccess:
+    raise RuntimeError(f"jax_moe_overlap: {what} failed: {err}")
+  return values[0] if len(values) == 1 else tuple(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+  """What the kernels' launch configuration needs to know about one CUDA device."""
+
+  ordinal: int
+  name: str
+  sm_count: int
+  compute_capability: tuple[int, int]
+  shared_memory_per_sm: int
+
+
+@functools.cache
+def device_info(ordinal: int) -> DeviceInfo:
+  """SM count, compute capability and shared memory of CUDA device ``ordinal`` (cached)."""
+  rt = _runtime()
+  attr = rt.cudaDeviceAttr
+  get = lambda a: int(_check(rt.cudaDeviceGetAttribute(a, ordinal), f"cudaDeviceGetAttribute({a.name})"))
+  props = _check(rt.cudaGetDeviceProperties(ordinal), "cudaGetDeviceProperties")
+  name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
+  return DeviceInfo(ordinal=ordinal, name=name.rstrip("\x00"),
+                    sm_count=get(attr.cudaDevAttrMultiProcessorCount),
+                    compute_capability=(get(attr.cudaDevAttrComputeCapabilityMajor),
+                                        get(attr.cudaDevAttrComputeCapabilityMinor)),
+                    shared_memory_per_sm=get(attr.cudaDevAttrMaxSharedMemoryPerMultiprocessor))
+
+
+def check_peer_access(ordinals) -> None:
+  """Raises a RuntimeError naming the first pair of distinct devices without peer access."""
+  rt = _runtime()
+  distinct = sorted(set(int(o) for o in ordinals))
+  for a in distinct:
+    for b in distinct:
+      if a != b and not _check(rt.cudaDeviceCanAccessPeer(a, b), "cudaDeviceCanAccessPeer"):
+        raise RuntimeError(f"jax_moe_overlap: CUDA device {a} cannot access the memory of device {b} "
+                           "(cudaDeviceCanAccessPeer = 0); the expert-parallel axis needs peer access (NVLink or "
+                           "PCIe P2P) between all of its GPUs")
+
+
+def default_consumer_ctas(info: DeviceInfo) -> int:
+  """C, the communication CTAs of expert_combine, until the resource manager (a later issue) chooses it.
+
+  About an eighth of the SMs (the seed paper's default was 14 of 108), at least one. ``$JMO_CONSUMER_CTAS``
+  overrides it.
+  """
+  env = os.environ.get("JMO_CONSUMER_CTAS")
+  if env:
+    return max(1, int(env))
+  return max(1, info.sm_count // 8)
+
+
+def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
+  """[groups, ranks] array of the mesh's devices: rank = position on ``axis_name``, group = linear index over the
+  other axes in mesh order (what ``Workspace.group_index`` computes inside shard_map)."""
+  axis = list(mesh.axis_names).index(axis_name)
+  R = mesh.devices.shape[axis]
+  return np.moveaxis(mesh.devices, axis, -1).reshape(-1, R)
+
+
+def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
+  """Allocates the CUDA workspace of ``ws`` (a ``Workspace``) and returns its handle."""
+  devs = rank_devices(mesh, axis_name)
+  groups, ranks = devs.shape
+  here = jax.process_index()
+  remote = [d for d in devs.flat if d.process_index != here]
+  if remote:
+    raise NotImplementedError(
+        f"jax_moe_overlap: the mesh's expert axis spans devices of other processes ({remote[0]}); CUDA workspaces "
+        "support one process driving all GPUs of the mesh so far (multi-process needs the CUDA VMM export path)")
+  ordinals = [int(d.local_hardware_id) for d in devs.flat]
+  for g in range(groups):
+    check_peer_access(ordinals[g * ranks:(g + 1) * ranks])
+  info = device_info(ordinals[0])
+  handle = _jmo.create_cuda_workspace(ranks, groups, ordinals, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
+                                      sizes.num_segments, default_consumer_ctas(info), 0)
+  return int(handle)

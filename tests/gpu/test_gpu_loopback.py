@@ -1,0 +1,56 @@
+"""Loopback harness on one GPU (R = 2, 4, 8 ranks sharing the device) and compute-sanitizer on it at a small size.
+
+The harness is the `jmo_loopback` program that CMake builds next to the extension (ffi/cuda/loopback_main.cc):
+set $JMO_LOOPBACK_BIN, or build into build*/ of the checkout. Skips where there is no GPU.
+"""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from gpu_common import compute_sanitizer, loopback_binary, requires_gpu
+
+pytestmark = requires_gpu
+
+
+def _run(cmd, timeout):
+  env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+  print(proc.stdout[-20000:])
+  print(proc.stderr[-5000:])
+  return proc
+
+
+@pytest.fixture(scope="module")
+def binary():
+  b = loopback_binary()
+  if b is None or not os.path.exists(b):
+    pytest.fail("jmo_loopback not found: build it (cmake --build <dir> --target jmo_loopback) and set "
+                "JMO_LOOPBACK_BIN")
+  return b
+
+
+def test_loopback_full_suite(binary):
+  proc = _run([binary, "--suite", "full"], timeout=540)
+  m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
+  assert m, proc.stdout[-2000:]
+  assert proc.returncode == 0 and m.group(1) == m.group(2), proc.stdout[-4000:]
+  for r in (2, 4, 8):
+    for routing in ("balanced", "moderate", "extreme"):
+      assert re.search(rf"PASS R={r} .* routing={routing} ", proc.stdout), (r, routing)
+  assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_compute_sanitizer(binary, tool):
+  cs = compute_sanitizer()
+  if cs is None:
+    pytest.skip("compute-sanitizer not found")
+  proc = _run([cs, "--tool", tool, "--error-exitcode", "99", binary, "--suite", "small", "--timeout-ms", "60000"],
+              timeout=400)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-4000:]
+  assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]
+  assert "loopback: 4 of 4 cases passed" in out
