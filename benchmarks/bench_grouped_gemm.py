@@ -1,0 +1,95 @@
+"""Grouped GEMM (the producer's job) on one GPU: our kernel vs dense cuBLAS vs jax.lax.ragged_dot vs tokamax.
+
+For each shape: ``rows`` routed rows [rows, K] @ per-group weights [G, K, N] in bfloat16, grouped by ``group_sizes``.
+Dense is one [rows, K] @ [K, N] GEMM: the same FLOPs with no grouping, the ceiling a grouped GEMM aims at.
+
+  python3 benchmarks/bench_grouped_gemm.py --quick --out /tmp/gemm.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def shapes(quick: bool):
+  """(name, rows, K, N, groups) of the issue's sweep: seed paper, Mixtral-8x7B-like, DeepSeek-V3-like."""
+  out = []
+  for tokens in ((8192,) if quick else (8192, 16384)):
+    for n in (4096, 8192):
+      for groups in ((8, 64) if quick else (4, 8, 16, 32, 64)):
+        out.append((f"seed T={tokens} N={n} E={groups}", tokens * 2, 2048, n, groups))
+  out.append(("mixtral gemm1", 8192 * 2, 4096, 2 * 14336, 8))
+  out.append(("mixtral gemm2", 8192 * 2, 14336, 4096, 8))
+  out.append(("deepseek EP8 gemm2", 8192 * 8, 2048, 7168, 32))
+  out.append(("deepseek EP32 gemm2", 8192 * 8, 2048, 7168, 8))
+  return out
+
+
+def make_methods():
+  methods = {
+      "dense": lambda x, w, gs: jnp.dot(x, w[0]),
+      "lax.ragged_dot": lambda x, w, gs: jax.lax.ragged_dot(x, w, gs),
+  }
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+    methods["tokamax.mosaic"] = lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic")
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"tokamax unavailable: {type(e).__name__}: {e}")
+  from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
+  if getattr(_jmo, "with_cuda", False) and hasattr(_jmo, "grouped_gemm_target"):
+    # Our producer alone (no flags consumed, no push), registered as its own FFI target by the CUDA build.
+    from jax_moe_overlap import _ffi  # pylint: disable=g-import-not-at-top
+    _ffi.register()
+    name = _jmo.grouped_gemm_target()
+
+    def ours(x, w, gs):
+      return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype))(x, w, gs)
+    methods["ours"] = ours
+  return methods
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--skews", default="balanced,moderate,stress")
+  ap.add_argument("--out", default="grouped_gemm.jsonl")
+  args = ap.parse_args()
+  methods = make_methods()
+  table = common.Table(["shape", "skew", "method", "ms", "tflops", "vs_dense"])
+  for name, rows, k, n, groups in shapes(args.quick):
+    for skew in args.skews.split(","):
+      gs = jnp.asarray(common.group_sizes(rows, groups, skew))
+      keys = jax.random.split(jax.random.PRNGKey(rows + n + groups), 3)
+      arg_sets = [(jax.random.normal(kk, (rows, k), jnp.bfloat16),
+                   (jax.random.normal(kk, (groups, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16), gs)
+                  for kk in keys]
+      flops = 2.0 * rows * k * n
+      dense_ms = None
+      for mname, fn in methods.items():
+        try:
+          sec = common.time_fn(jax.jit(fn), arg_sets)
+        except Exception as e:  # pylint: disable=broad-except
+          table.add(shape=name, skew=skew, method=mname, ms=f"error: {type(e).__name__}")
+          continue
+        ms = sec * 1e3
+        if mname == "dense":
+          dense_ms = ms
+        table.add(shape=name, skew=skew, method=mname, ms=f"{ms:.3f}", tflops=f"{flops / sec / 1e12:.0f}",
+                  vs_dense=f"{dense_ms / ms:.2f}" if dense_ms else "")
+  meta = common.environment()
+  table.save(args.out, meta)
+  print(f"\n{meta}\n")
+  print(table.render())
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmark suite: timing, shapes, routings, result tables.
+
+Timing (METHOD.md): warm up, then time batches of back-to-back asynchronous calls (so per-call dispatch overlaps the
+device work), rotate among several input sets (so repeated runs do not measure the L2), and report the median over
+batches. Every number printed comes with the command line that produced it (``command_line()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+def command_line() -> str:
+  return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable) if False else "python3"] + sys.argv)
+
+
+def environment() -> dict:
+  dev = jax.devices()[0]
+  return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=getattr(dev, "device_kind", str(dev)),
+              jax=jax.__version__, python=platform.python_version(), command=command_line())
+
+
+def time_fn(fn, arg_sets, *, warmup: int = 3, batches: int = 15, per_batch: int = 5) -> float:
+  """Median seconds per call of ``fn(*args)`` over ``batches`` batches, cycling through ``arg_sets``.
+
+  Slow functions (> 50 ms a call after warm-up) get 5 batches of 1 call, to keep a sweep inside its time limit.
+  """
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*arg_sets[0]))
+  if time.perf_counter() - t0 > 0.05:
+    batches, per_batch = 5, 1
+  times = []
+  for b in range(batches):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(per_batch):
+      out = fn(*arg_sets[(b * per_batch + i) % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / per_batch)
+  return statistics.median(times)
+
+
+def group_sizes(rows: int, groups: int, skew: str, seed: int = 0) -> np.ndarray:
+  """Rows per group summing to ``rows``: 'balanced', 'moderate' (Zipf 0.8) or 'stress' (Zipf 2.0) skew."""
+  alpha = {"balanced": 0.0, "moderate": 0.8, "stress": 2.0}[skew]
+  p = 1.0 / (np.arange(groups) + 1.0) ** alpha
+  p = p / p.sum()
+  rng = np.random.default_rng(seed)
+  p = p[rng.permutation(groups)]  # the heavy expert is not always expert 0
+  sizes = np.floor(p * rows).astype(np.int64)
+  sizes[np.argmax(p)] += rows - sizes.sum()
+  return sizes.astype(np.int32)
+
+
+@dataclasses.dataclass
+class Table:
+  """Rows of results printed as an aligned table and written as JSON lines."""
+
+  columns: list
+  rows: list = dataclasses.field(default_factory=list)
+
+  def add(self, **kw):
+    self.rows.append(kw)
+    print("  " + "  ".join(f"{c}={kw.get(c)}" for c in self.columns), flush=True)
+
+  def render(self) -> str:
+    cells = [[str(r.get(c, "")) for c in self.columns] for r in self.rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(self.columns)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(self.columns, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(x.ljust(w) for x, w in zip(row, widths)) + " |" for row in cells]
+    return "\n".join(lines)
+
+  def save(self, path: str, meta: dict):
+    with open(path, "w") as f:
+      f.write(json.dumps(dict(meta=meta)) + "\n")
+      for r in self.rows:
+        f.write(json.dumps(r) + "\n")
