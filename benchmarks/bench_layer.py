@@ -1,0 +1,101 @@
+"""Whole MoE expert layer at EP=1 (one GPU), forward and forward+backward: ours vs the XLA path MaxText uses.
+
+ours         jax_moe_overlap.moe_experts(impl="overlap"): dispatch + grouped GEMM1 + expert_combine custom calls.
+xla          sort slots by expert, jax.lax.ragged_dot GEMM1, SwiGLU, ragged_dot GEMM2, unsort, weighted sum.
+tokamax      the same with tokamax.ragged_dot(implementation="mosaic") (MaxText's GPU choice), when installed.
+
+  python3 benchmarks/bench_layer.py --quick --out /tmp/layer.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
+import jax_moe_overlap as jmo  # noqa: E402  pylint: disable=g-import-not-at-top
+from jax_moe_overlap.primitives import swiglu  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def xla_layer(ragged_dot):
+  """The sort -> grouped GEMMs -> unsort path, with a pluggable grouped GEMM."""
+
+  def layer(x, ids, gates, w1, w2):
+    T, k = ids.shape
+    E = w1.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = jnp.take(x, order // k, axis=0)
+    gs = jnp.bincount(flat, length=E).astype(jnp.int32)
+    h = swiglu(ragged_dot(xs, w1, gs).astype(jnp.float32)).astype(x.dtype)
+    out = ragged_dot(h, w2, gs)
+    per_slot = jnp.zeros_like(out).at[order].set(out)
+    return jnp.einsum("tk,tkd->td", gates.astype(jnp.float32),
+                      per_slot.reshape(T, k, -1).astype(jnp.float32)).astype(x.dtype)
+  return layer
+
+
+def shapes(quick: bool):
+  """(name, tokens, D, F, E, k)."""
+  out = [("seed-like", 8192, 2048, 2048, 8, 2), ("seed-like E=32", 8192, 2048, 2048, 32, 2)]
+  if not quick:
+    out += [("seed-like T=16k", 16384, 2048, 4096, 16, 2), ("mixtral-like", 4096, 4096, 14336, 8, 2),
+            ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8)]
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--out", default="layer.jsonl")
+  args = ap.parse_args()
+  mesh = jax.make_mesh((1,), ("expert",))
+  impls = {"xla": xla_layer(jax.lax.ragged_dot), "ours": lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]}
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+    impls["tokamax"] = xla_layer(lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic"))
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"tokamax unavailable: {type(e).__name__}: {e}")
+  table = common.Table(["shape", "pass", "impl", "ms", "vs_xla"])
+  for name, T, D, F, E, k in shapes(args.quick):
+    rng = np.random.default_rng(T + E)
+    arg_sets = []
+    for s in range(2):
+      key = jax.random.PRNGKey(s)
+      ks = jax.random.split(key, 4)
+      ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32))
+      arg_sets.append((jax.random.normal(ks[0], (T, D), jnp.bfloat16), ids,
+                       jax.nn.softmax(jax.random.normal(ks[1], (T, k)), -1),
+                       (jax.random.normal(ks[2], (E, D, 2 * F)) / np.sqrt(D)).astype(jnp.bfloat16),
+                       (jax.random.normal(ks[3], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)))
+    for pname in ("fwd", "fwd+bwd"):
+      base = None
+      for iname, f in impls.items():
+        if pname == "fwd":
+          fn = jax.jit(f)
+        else:
+          fn = jax.jit(jax.grad(lambda x, ids, g, w1, w2, f=f: jnp.sum(f(x, ids, g, w1, w2).astype(jnp.float32)
+                                                                        ** 2), argnums=(0, 2, 3, 4)))
+        try:
+          ms = common.time_fn(fn, arg_sets) * 1e3
+        except Exception as e:  # pylint: disable=broad-except
+          table.add(shape=name, **{"pass": pname}, impl=iname, ms=f"error: {type(e).__name__}: {str(e)[:80]}")
+          continue
+        if iname == "xla":
+          base = ms
+        table.add(shape=name, **{"pass": pname}, impl=iname, ms=f"{ms:.3f}",
+                  vs_xla=f"{base / ms:.2f}" if base else "")
+  meta = common.environment()
+  table.save(args.out, meta)
+  print(f"\n{meta}\n")
+  print(table.render())
+
+
+if __name__ == "__main__":
+  main()
