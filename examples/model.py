@@ -1,0 +1,267 @@
+"""A small decoder-only byte-level transformer whose feed-forward blocks are jax_moe_overlap ``MoE`` layers.
+
+Shared by ``train_moe.py`` and ``generate.py``: the model, its config, the mesh, sharded initialization, the text
+data and the orbax checkpoint layout. Not part of the library; copy what you need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_moe_overlap as jmo
+
+DATA_FILE = pathlib.Path(__file__).parent / "data" / "licenses.txt"
+EXPERT_AXIS = "expert"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes of the transformer. Byte-level, so the vocabulary is 256."""
+
+  vocab_size: int = 256
+  seq_len: int = 64
+  d_model: int = 64
+  num_layers: int = 4
+  num_heads: int = 4
+  d_ff: int = 128                 # hidden width of each expert (and of the dense MLPs when moe_every > 1)
+  num_experts: int = 8
+  top_k: int = 2
+  capacity_factor: float | None = 1.25   # None: dropless
+  moe_every: int = 1              # 1: an MoE feed-forward in every layer; 2: in every other layer (others dense)
+  impl: str = "overlap"           # "overlap" (this library's custom calls) or "reference" (plain JAX)
+  dtype: str = "float32"          # compute dtype; parameters stay float32
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "ModelConfig":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Devices and mesh.
+
+
+def make_mesh(num_devices: int | None = None, axis_type: str = "auto") -> jax.sharding.Mesh:
+  """A 1-D mesh over the local devices of the default backend (all GPUs when present, else the CPU devices).
+
+  Tokens (the batch) and experts are both sharded over its one axis, ``"expert"``; every other parameter is
+  replicated (data parallel). ``axis_type``: "auto" (XLA propagates shardings) or "explicit" (shardings are part
+  of the array types); the model runs on either.
+  """
+  devices = jax.local_devices()
+  if num_devices:
+    if num_devices > len(devices):
+      raise ValueError(f"asked for {num_devices} devices, but only {len(devices)} {devices[0].platform} devices "
+                       f"are present")
+    devices = devices[:num_devices]
+  types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+  return jax.make_mesh((len(devices),), (EXPERT_AXIS,), axis_types=(types[axis_type],), devices=devices)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(EXPERT_AXIS, None))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model.
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+  """Rotary position embedding on x [B, T, N, H] (H even)."""
+  half = x.shape[-1] // 2
+  freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+  angle = positions[:, None].astype(jnp.float32) * freq[None, :]             # [T, H/2]
+  sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    if cfg.d_model % cfg.num_heads:
+      raise ValueError(f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}")
+    self.num_heads = cfg.num_heads
+    dtype = jnp.dtype(cfg.dtype)
+    self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=False, dtype=dtype, rngs=rngs)
+    self.out = nnx.Linear(cfg.d_model, cfg.d_model, use_bias=False, dtype=dtype, rngs=rngs,
+                          kernel_init=nnx.initializers.normal(0.02 / np.sqrt(2 * cfg.num_layers)))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    B, T, D = x.shape
+    q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * self.num_heads, D // self.num_heads), 3, axis=2)
+    pos = jnp.arange(T)
+    q, k = rope(q, pos), rope(k, pos)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.out(y.reshape(B, T, D))
+
+
+class SwiGLU(nnx.Module):
+  """Dense feed-forward block (used in the layers without an MoE when moe_every > 1)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    self.up = nnx.Linear(cfg.d_model, 2 * cfg.d_ff, use_bias=False, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=False, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    g, u = jnp.split(self.up(x), 2, axis=-1)
+    return self.down(jax.nn.silu(g) * u)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, mesh, use_moe: bool, *, rngs: nnx.Rngs):
+    self.use_moe = use_moe
+    self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+    self.attn = CausalSelfAttention(cfg, rngs=rngs)
+    self.ffn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+    if use_moe:
+      self.ffn = jmo.MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, mesh=mesh, expert_axis=EXPERT_AXIS,
+                         capacity_factor=cfg.capacity_factor, impl=cfg.impl, dtype=jnp.dtype(cfg.dtype),
+                         rngs=rngs)
+    else:
+      self.ffn = SwiGLU(cfg, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.attn_norm(x))
+    h = self.ffn_norm(x)
+    if self.use_moe:
+      y, aux = self.ffn(h)         # aux: load_balance_loss, router_z_loss, dropped_fraction
+    else:
+      y, aux = self.ffn(h), None
+    return x + y, aux
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM: tokens [B, T] int -> (logits [B, T, 256] float32, aux) where aux averages the router
+  statistics (``load_balance_loss``, ``router_z_loss``, ``dropped_fraction``) over the MoE layers."""
+
+  def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, rngs: nnx.Rngs):
+    if not 1 <= cfg.moe_every <= cfg.num_layers:
+      raise ValueError(f"moe_every={cfg.moe_every} leaves no MoE layer among {cfg.num_layers} layers")
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, mesh, use_moe=(i % cfg.moe_every == cfg.moe_every - 1), rngs=rngs)
+                            for i in range(cfg.num_layers)])
+    self.final_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+    self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
+                           kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+  def __call__(self, tokens: jax.Array):
+    # A one-hot matmul instead of a gather: with 256 byte values it is cheap, and it needs no sharding annotation
+    # for batch-sharded token ids on an Explicit mesh.
+    x = (jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=jnp.float32) @ self.embed.embedding[...])
+    x = x.astype(jnp.dtype(self.cfg.dtype))
+    auxes = []
+    for block in self.blocks:
+      x, aux = block(x)
+      if aux is not None:
+        auxes.append(aux)
+    x = self.final_norm(x)
+    logits = self.head(x.astype(jnp.float32))
+    aux = jax.tree.map(lambda *a: sum(a) / len(a), *auxes)
+    return logits, aux
+
+
+def create_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int) -> Transformer:
+  """Initializes the model, placed on the mesh: experts sharded over the expert axis (the MoE parameters'
+  ``sharding_names``), everything else replicated."""
+  graphdef, _ = abstract_model(cfg, mesh)
+  # impl and capacity factor do not change the parameters: one compiled initializer serves every variant.
+  init = _initializer(dataclasses.replace(cfg, impl="reference", capacity_factor=None), mesh, seed)
+  return nnx.merge(graphdef, init())
+
+
+@functools.lru_cache(maxsize=None)
+def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh):
+  """(graphdef, state of jax.ShapeDtypeStructs with their shardings): the model without computing anything."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, mesh, rngs=nnx.Rngs(0))))
+  specs = nnx.get_partition_spec(abstract)
+  abstract = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+                          abstract, specs)
+  return graphdef, abstract
+
+
+@functools.lru_cache(maxsize=None)
+def _initializer(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int):
+  """The jit-compiled init of the state; cached, so that building the same model again compiles nothing."""
+  _, abstract = abstract_model(cfg, mesh)
+  shardings = jax.tree.map(lambda a: a.sharding, abstract)
+  return jax.jit(lambda: nnx.state(Transformer(cfg, mesh, rngs=nnx.Rngs(seed))), out_shardings=shardings)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data: byte-level text with a held-out split.
+
+
+def load_text(path: str | os.PathLike | None = None, block: int = 2048, eval_every: int = 10):
+  """Returns (train, eval) uint8 arrays of bytes. The text is cut into blocks of ``block`` bytes; every
+  ``eval_every``-th block is held out for evaluation, the rest (in order) is the training text."""
+  data = np.frombuffer(pathlib.Path(path or DATA_FILE).read_bytes(), dtype=np.uint8)
+  blocks = [data[i:i + block] for i in range(0, len(data), block)]
+  train = np.concatenate([b for i, b in enumerate(blocks) if i % eval_every != eval_every - 1])
+  held = np.concatenate([b for i, b in enumerate(blocks) if i % eval_every == eval_every - 1])
+  return train, held
+
+
+def train_batch(train: np.ndarray, step: int, seed: int, batch_size: int, seq_len: int) -> np.ndarray:
+  """The batch of training step ``step`` (0-based): ``batch_size`` random windows of seq_len + 1 bytes. A pure
+  function of (seed, step), so a resumed run sees exactly the data an uninterrupted one would."""
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(train) - seq_len - 1, size=batch_size)
+  return np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def eval_batches(held: np.ndarray, batch_size: int, seq_len: int, max_batches: int) -> list[np.ndarray]:
+  """Consecutive, non-overlapping windows of the held-out text, grouped into full batches."""
+  n = (len(held) - 1) // seq_len
+  windows = np.stack([held[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)]).astype(np.int32)
+  nb = min(max_batches, n // batch_size)
+  if nb < 1:
+    raise ValueError(f"the held-out text ({len(held)} bytes) is too short for one batch of {batch_size} x "
+                     f"{seq_len + 1}")
+  return [windows[i * batch_size:(i + 1) * batch_size] for i in range(nb)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints (orbax): items "model" (parameters), "opt" (optimizer state incl. its step count) and "meta" (JSON:
+# model config, training arguments, loss history).
+
+
+def checkpoint_manager(ckpt_dir: str, max_to_keep: int | None = 3, create: bool = True):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp.CheckpointManager(os.path.abspath(ckpt_dir),
+                               options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),
+                               item_names=("model", "opt", "meta"))
+
+
+def abstract_like(state):
+  """ShapeDtypeStructs (with shardings) of a concrete state: the restore target."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+
+
+def read_meta(ckpt_dir: str, step: int | None = None) -> tuple[int, dict]:
+  """(step, meta) of the latest (or given) checkpoint in ckpt_dir."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(ckpt_dir):
+    raise FileNotFoundError(f"no checkpoint directory {ckpt_dir}")
+  mngr = checkpoint_manager(ckpt_dir, create=False)
+  step = mngr.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+  meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  mngr.close()
+  return step, meta

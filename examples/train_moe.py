@@ -1,0 +1,300 @@
+"""Train a small byte-level MoE transformer with jax_moe_overlap's expert-parallel MoE layers.
+
+Runs on all local GPUs when present, else on 4 virtual CPU devices. Tokens (the batch) and experts are sharded over
+one mesh axis, "expert"; the train step is one jit-compiled function (forward, backward, AdamW update).
+
+  python examples/train_moe.py --steps 100 --ckpt-dir /tmp/moe-ckpt --overwrite   # ~30 s on a 2-core CPU
+  python examples/train_moe.py --steps 600 --ckpt-dir /tmp/moe-ckpt --overwrite --stop-at 300
+  python examples/train_moe.py --steps 600 --ckpt-dir /tmp/moe-ckpt --resume       # the same curve, continued
+  python examples/generate.py --ckpt-dir /tmp/moe-ckpt --prompt "This License " --temperature 0.8
+
+See examples/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  # Without a GPU, JAX gets 4 virtual CPU devices (a GPU backend, when present, is used instead).
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+import optax  # pylint: disable=wrong-import-position
+from flax import nnx  # pylint: disable=wrong-import-position
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  g = p.add_argument_group("model")
+  g.add_argument("--d-model", type=int, default=64, help="model width")
+  g.add_argument("--layers", type=int, default=4, help="transformer layers")
+  g.add_argument("--heads", type=int, default=4, help="attention heads")
+  g.add_argument("--d-ff", type=int, default=128, help="hidden width of each expert")
+  g.add_argument("--experts", type=int, default=8, help="number of experts (divisible by the number of devices)")
+  g.add_argument("--top-k", type=int, default=2, help="experts per token")
+  g.add_argument("--capacity-factor", type=float, default=1.25,
+                 help="expert capacity = ceil(cf * tokens * k / experts); 0 for dropless")
+  g.add_argument("--moe-every", type=int, default=1, help="1: MoE in every layer, 2: in every other layer")
+  g.add_argument("--impl", choices=("overlap", "reference"), default="overlap",
+                 help="overlap: this library's custom calls; reference: the same layer in plain JAX")
+  g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+  g = p.add_argument_group("training")
+  g.add_argument("--steps", type=int, default=200, help="total training steps (length of the LR schedule)")
+  g.add_argument("--stop-at", type=int, default=None,
+                 help="end this run after this step (the schedule still spans --steps); e.g. to test resuming")
+  g.add_argument("--batch-size", type=int, default=16, help="sequences per step (divisible by the devices)")
+  g.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
+  g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+  g.add_argument("--warmup", type=int, default=None, help="warm-up steps; None: 10%% of --steps")
+  g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on norm scales)")
+  g.add_argument("--lb-weight", type=float, default=0.01, help="weight of the load-balancing loss")
+  g.add_argument("--z-weight", type=float, default=1e-3, help="weight of the router z-loss")
+  g.add_argument("--seed", type=int, default=0, help="parameter init and data order")
+  g.add_argument("--devices", type=int, default=None, help="use only the first N local devices")
+  g.add_argument("--mesh-axis-type", choices=("auto", "explicit"), default="auto",
+                 help="jax.sharding.AxisType of the mesh axis")
+  g.add_argument("--data", default=None, help=f"text file; None: examples/data/{model_lib.DATA_FILE.name}")
+  g = p.add_argument_group("evaluation, checkpoints, output")
+  g.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
+  g.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+  g.add_argument("--ckpt-dir", default=None, help="orbax checkpoint directory (none: no checkpoints)")
+  g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
+  g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+  g.add_argument("--overwrite", action="store_true", help="start afresh, deleting the checkpoints in --ckpt-dir")
+  g.add_argument("--plot", default="loss_curve.png", help="loss-curve PNG to write ('' for none)")
+  g.add_argument("--no-progress", action="store_true", help="no progress bar (print a line per --log-every)")
+  g.add_argument("--log-every", type=int, default=0, help="with --no-progress: print every N steps")
+  return p.parse_args(argv)
+
+
+# Flags that, besides the model config, determine the loss curve: a resumed run should keep them.
+RESUME_ARGS = ("steps", "batch_size", "lr", "warmup", "weight_decay", "lb_weight", "z_weight", "seed", "data")
+
+
+def model_config(args) -> model_lib.ModelConfig:
+  return model_lib.ModelConfig(seq_len=args.seq_len, d_model=args.d_model, num_layers=args.layers,
+                               num_heads=args.heads, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
+                               capacity_factor=args.capacity_factor or None, moe_every=args.moe_every,
+                               impl=args.impl, dtype=args.dtype)
+
+
+def make_optimizer(model, args):
+  tx, schedule = make_tx(args.lr, args.warmup if args.warmup is not None else max(1, args.steps // 10), args.steps,
+                         args.weight_decay)
+  return nnx.Optimizer(model, tx, wrt=nnx.Param), schedule
+
+
+@functools.lru_cache(maxsize=None)
+def make_tx(lr: float, warmup: int, steps: int, weight_decay: float):
+  """AdamW (no decay on norm scales) with linear warm-up and cosine decay to lr/10, after global-norm clipping.
+  Cached: the same hyperparameters give the same object, so the jit-compiled steps below are reused."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
+                                                end_value=lr * 0.1)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,
+                               mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+  return tx, schedule
+
+
+def lm_loss(model, tokens, lb_weight, z_weight):
+  """Next-token cross-entropy on tokens [B, L+1] plus the weighted router auxiliary losses."""
+  logits, aux = model(tokens[:, :-1])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  total = ce + lb_weight * aux.load_balance_loss + z_weight * aux.router_z_loss
+  return total, (ce, aux)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def train_step(graphdef, loss_weights, state, tokens):
+  """One AdamW step on the split (model, optimizer) state; returns the new state and the step's metrics."""
+  model, optimizer = nnx.merge(graphdef, state)
+  grad_fn = nnx.value_and_grad(lm_loss, has_aux=True)
+  (total, (ce, aux)), grads = grad_fn(model, tokens, *loss_weights)
+  optimizer.update(model, grads)
+  metrics = {"loss": ce, "total_loss": total, "load_balance": aux.load_balance_loss, "z_loss": aux.router_z_loss,
+             "dropped": aux.dropped_fraction, "grad_norm": optax.tree.norm(grads)}
+  return nnx.state((model, optimizer)), metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def eval_step(graphdef, state, tokens):
+  model, _ = nnx.merge(graphdef, state)
+  _, (ce, aux) = lm_loss(model, tokens, 0.0, 0.0)
+  return ce, aux.dropped_fraction
+
+
+def evaluate(graphdef, state, batches, sharding):
+  losses = [eval_step(graphdef, state, jax.device_put(b, sharding))[0] for b in batches]
+  return float(np.mean([float(l) for l in losses]))
+
+
+def plot_curve(path, history, title):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  steps = np.arange(1, len(history["loss"]) + 1)
+  loss = np.asarray(history["loss"])
+  fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+  ax.plot(steps, loss, color="tab:blue", alpha=0.35, lw=0.8, label="train (per step)")
+  if len(loss) >= 10:
+    w = max(5, len(loss) // 40)
+    smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
+    ax.plot(steps[w - 1:], smooth, color="tab:blue", lw=1.6, label=f"train ({w}-step mean)")
+  if history["eval"]:
+    es, el = zip(*history["eval"])
+    ax.plot(es, el, "o-", color="tab:red", ms=4, lw=1.2, label="held-out")
+  ax.axhline(np.log(256), color="gray", ls=":", lw=0.8, label="uniform over bytes (ln 256)")
+  ax.set_xlabel("step")
+  ax.set_ylabel("next-byte cross-entropy (nats)")
+  ax.set_ylim(0, max(6.0, float(loss[:1].max()) + 0.3) if len(loss) else 6.0)
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  handles, labels = ax.get_legend_handles_labels()
+  if history.get("dropped"):
+    ax2 = ax.twinx()
+    line, = ax2.plot(steps, history["dropped"], color="tab:green", alpha=0.5, lw=0.8)
+    ax2.set_ylabel("dropped fraction (capacity)", color="tab:green", fontsize=8)
+    ax2.set_ylim(0, max(0.5, max(history["dropped"]) * 1.1))
+    ax2.tick_params(axis="y", labelcolor="tab:green", labelsize=8)
+    handles.append(line)
+    labels.append("dropped (token, expert) slots")
+  ax.legend(handles, labels, fontsize=8, loc="upper right")
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type)
+  R = mesh.shape[model_lib.EXPERT_AXIS]
+  if args.batch_size % R:
+    raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {R} devices of the mesh")
+  cfg = model_config(args)
+  train_text, held_text = model_lib.load_text(args.data)
+  eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches)
+  sharding = model_lib.batch_sharding(mesh)
+  stop = min(args.stop_at or args.steps, args.steps)
+  history = {"loss": [], "eval": [], "dropped": []}
+  start = 0
+
+  with jax.set_mesh(mesh):
+    model = model_lib.create_model(cfg, mesh, args.seed)
+    optimizer, schedule = make_optimizer(model, args)
+
+    mngr = None
+    if args.ckpt_dir:
+      import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+      mngr = model_lib.checkpoint_manager(args.ckpt_dir)
+      if args.overwrite and not args.resume:
+        for old in mngr.all_steps():
+          mngr.delete(old)
+      latest = mngr.latest_step()
+      if latest is not None and not args.resume:
+        raise SystemExit(f"{args.ckpt_dir} already holds a checkpoint (step {latest}); pass --resume to continue "
+                         f"it, --overwrite to start afresh, or use a new --ckpt-dir")
+      if latest is not None:
+        restored = mngr.restore(latest, args=ocp.args.Composite(
+            model=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(model))),
+            opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer))),
+            meta=ocp.args.JsonRestore()))
+        saved_cfg = model_lib.ModelConfig.from_json(restored["meta"]["config"])
+        if dataclasses.replace(saved_cfg, impl=cfg.impl) != cfg:   # either impl can continue a checkpoint
+          raise SystemExit(f"the checkpoint in {args.ckpt_dir} has model config {saved_cfg}, but the flags give "
+                           f"{cfg}")
+        changed = {k: (v, vars(args).get(k)) for k, v in restored["meta"]["args"].items()
+                   if k in RESUME_ARGS and vars(args).get(k) != v}
+        if changed:
+          print("warning: these flags differ from the checkpointed run, so the loss curve will not continue as it "
+                "would have: " + ", ".join(f"--{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in changed.items()))
+        nnx.update(model, restored["model"])
+        nnx.update(optimizer, restored["opt"])
+        history = restored["meta"]["history"]
+        start = latest
+        print(f"resumed from {args.ckpt_dir} at step {start}")
+
+    graphdef, state = nnx.split((model, optimizer))   # the jitted steps take and return the state pytree
+    del model, optimizer
+    loss_weights = (args.lb_weight, args.z_weight)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
+    tokens_per_step = args.batch_size * args.seq_len
+    print(f"{jax.devices()[0].platform} x {R} devices | {n_params / 1e6:.2f}M parameters | {cfg.num_experts} "
+          f"experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl} | "
+          f"{tokens_per_step} tokens/step | train {len(train_text)} B, held-out {len(held_text)} B")
+
+    def save(step):
+      if mngr is None:
+        return
+      meta = {"config": cfg.to_json(), "step": step, "history": history, "args": vars(args)}
+      mngr.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(state[0]),
+                                              opt=ocp.args.StandardSave(state[1]),
+                                              meta=ocp.args.JsonSave(meta)), force=True)
+      mngr.wait_until_finished()   # the next step donates (reuses) these buffers
+
+    bar = None
+    if not args.no_progress:
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+      bar = tqdm(total=stop, initial=start, desc="train", dynamic_ncols=True)
+    t_prev, tok_s = None, float("nan")
+    for step in range(start, stop):
+      batch = jax.device_put(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
+                             sharding)
+      state, metrics = train_step(graphdef, loss_weights, state, batch)
+      loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
+      t_now = time.perf_counter()
+      if t_prev is not None:
+        tok_s = tokens_per_step / (t_now - t_prev)
+      t_prev = t_now
+      history["loss"].append(loss)
+      history["dropped"].append(dropped)
+      done = step + 1
+      if args.eval_every and done % args.eval_every == 0 and done != stop:
+        history["eval"].append((done, evaluate(graphdef, state, eval_set, sharding)))
+        t_prev = None                                   # do not count the evaluation as training time
+      if bar is not None:
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", dropped=f"{dropped:.3f}",
+                        lr=f"{float(schedule(step)):.1e}", refresh=False)
+        bar.update(1)
+      elif args.log_every and done % args.log_every == 0:
+        print(f"step {done}: loss {loss:.4f}  tokens/s {tok_s:,.0f}  dropped {dropped:.4f}", flush=True)
+      if not np.isfinite(loss):
+        raise FloatingPointError(f"loss became {loss} at step {done}")
+      if mngr is not None and done % args.save_every == 0 and done != stop:
+        save(done)
+    if bar is not None:
+      bar.close()
+
+    eval_loss = evaluate(graphdef, state, eval_set, sharding)
+    if not history["eval"] or history["eval"][-1][0] != stop:
+      history["eval"].append((stop, eval_loss))
+    if mngr is not None:
+      if mngr.latest_step() != stop:
+        save(stop)
+      mngr.wait_until_finished()
+      mngr.close()
+
+  first = history["loss"][0] if history["loss"] else float("nan")
+  print(f"step {stop}: train loss {np.mean(history['loss'][-10:]):.4f} (first step {first:.4f}), "
+        f"held-out loss {eval_loss:.4f} nats/byte ({eval_loss / np.log(2):.3f} bits/byte), "
+        f"dropped {np.mean(history['dropped'][-10:]) if history['dropped'] else 0:.4f}")
+  if args.plot:
+    plot_curve(args.plot, history, f"{cfg.num_layers} layers, d={cfg.d_model}, {cfg.num_experts} experts top-"
+               f"{cfg.top_k}, cf={cfg.capacity_factor}, impl={cfg.impl}, {R} {jax.devices()[0].platform} devices")
+    print(f"wrote {args.plot}")
+  return {"losses": history["loss"], "eval": history["eval"], "eval_loss": eval_loss,
+          "dropped": history["dropped"], "state": state}
+
+
+if __name__ == "__main__":
+  main()
