@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   __shared__ unsigned sent[kMaxRanks];
   LoadCallState(rd, &st);
   const int R = rd.ranks;
-  if (threadIdx.x == 0 && st.ok) {
+  if (threadIdx.x == 0) {  // st is written by thread 0 only until the barrier (racecheck-clean)
     // Step 1: every destination must have finished reading call epoch-1 before we write its recv rows.
     for (int i = 1; i <= R && st.ok; ++i) {
       const int d = (rd.rank + i) % R;
@@ -534,7 +534,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ Segment raw[kMaxSegments];
   __shared__ int wait_ok;
   LoadCallState(rd, &st);
-  if (threadIdx.x == 0 && st.ok) st.ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, order_buf, raw);
+  if (threadIdx.x == 0) {
+    // A register, not st.ok, until the single store: a shared read here may be speculated by the other threads,
+    // which racecheck reports against this thread's write.
+    int ok = LoadVolatile(&rd.priv->failed) == 0;
+    if (ok) ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, order_buf, raw);
+    if (!ok) st.ok = 0;
+  }
   __syncthreads();
   if (!st.ok) return;
   const int64_t ntiles = (N + BN - 1) / BN;
@@ -604,7 +610,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
                                                           T* y, T* slot_out) {
   __shared__ CallState st;
   LoadCallState(rd, &st);
-  if (threadIdx.x == 0 && st.ok) {
+  if (threadIdx.x == 0 && LoadVolatile(&rd.priv->failed) == 0) {  // thread 0 alone touches st until the barrier
     const int64_t expected = expected_p[0];
     RankControl* ctl = View(rd, rd.rank).control();
     if (expected < 0 || expected > rd.sizes.ret_rows) {

@@ -1,5 +1,8 @@
 """Loopback harness on one GPU (R = 2, 4, 8 ranks sharing the device) and compute-sanitizer on it at a small size.
 
+Under compute-sanitizer the harness runs one rank only: the tools serialize kernels, and ranks sharing one GPU spin on
+each other's kernels, so R >= 2 would only time out there.
+
 The harness is the `jmo_loopback` program that CMake builds next to the extension (ffi/cuda/loopback_main.cc):
 set $JMO_LOOPBACK_BIN, or build into build*/ of the checkout. Skips where there is no GPU.
 """
@@ -52,5 +55,6 @@ def test_compute_sanitizer(binary, tool):
               timeout=400)
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-4000:]
-  assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]
-  assert "loopback: 4 of 4 cases passed" in out
+  assert re.search(r"(ERROR|RACECHECK) SUMMARY: 0 (errors|hazards)", out), out[-4000:]
+  m = re.search(r"loopback: (\d+) of (\d+) cases passed", out)
+  assert m and m.group(1) == m.group(2) and int(m.group(2)) > 0, out[-4000:]
