@@ -177,6 +177,8 @@ def plot_curve(path, history, title):
 
 def main(argv=None):
   args = parse_args(argv)
+  if (args.resume or args.overwrite) and not args.ckpt_dir:
+    raise SystemExit("--resume and --overwrite need --ckpt-dir")
   mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type)
   R = mesh.shape[model_lib.EXPERT_AXIS]
   if args.batch_size % R:
@@ -263,8 +265,8 @@ def main(argv=None):
         history["eval"].append((done, evaluate(graphdef, state, eval_set, sharding)))
         t_prev = None                                   # do not count the evaluation as training time
       if bar is not None:
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", dropped=f"{dropped:.3f}",
-                        lr=f"{float(schedule(step)):.1e}", refresh=False)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}" if np.isfinite(tok_s) else "-",
+                        dropped=f"{dropped:.3f}", lr=f"{float(schedule(step)):.1e}", refresh=False)
         bar.update(1)
       elif args.log_every and done % args.log_every == 0:
         print(f"step {done}: loss {loss:.4f}  tokens/s {tok_s:,.0f}  dropped {dropped:.4f}", flush=True)
