@@ -92,7 +92,11 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   cap_e = plan_lib.expert_capacity(T_local, R, k, E, capacity_factor)
   expert_ids = expert_ids.astype(jnp.int32)
   if impl == "reference":
-    return moe_experts_reference(x, expert_ids, gates, w1, w2, cap_e, R)
+    # The oracle sees whole arrays: on an Explicit mesh, gather sharded inputs first (its capacity rule scans all
+    # tokens in order), then hand y back with x's sharding.
+    args = [_shard(a, mesh, P()) for a in (x, expert_ids, gates, w1, w2)]
+    y, dropped = moe_experts_reference(*args, cap_e, R)
+    return _like(y, x, mesh), dropped
   if impl != "overlap":
     raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference', got {impl!r}")
   E_l = E // R

@@ -78,6 +78,13 @@ def test_module_on_explicit_mesh():
   m = jmo.MoE(16, 32, 8, 2, mesh=mesh, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
   y, aux = nnx.jit(lambda m, x: m(x))(m, x)
+  # Tokens already sharded over the expert axis, for both implementations.
+  xs = jax.device_put(x.reshape(64, 16), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert")))
+  ys, _ = nnx.jit(lambda m, x: m(x))(m, xs)
+  m.impl = "reference"
+  ys_ref, _ = nnx.jit(lambda m, x: m(x))(m, xs)
+  np.testing.assert_allclose(ys, ys_ref, rtol=1e-5, atol=1e-5)
+  m.impl = "overlap"
   m.impl = "reference"
   y_ref, _ = nnx.jit(lambda m, x: m(x))(m, x)
   assert y.shape == x.shape
