@@ -11,6 +11,7 @@
 
 #include "handlers_cpu.h"
 #include "workspace_cpu.h"
+#include "common/call_signature.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -46,13 +47,7 @@ struct Elem<uint16_t> {
   static void Store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = FloatToBf16(v); }
 };
 
-ffi::Error Invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
-}
-
-int64_t ElemBytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
-
-bool SupportedFloat(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+ffi::Error Invalid(const std::string& msg) { return InvalidCall(msg); }
 
 struct CallContext {
   Workspace* ws;
@@ -105,15 +100,10 @@ ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, 
                         ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                         ffi::Result<ffi::AnyBuffer> out, int64_t workspace, int64_t timeout_ms, int32_t delay_rank,
                         int64_t delay_us) {
-  if (!SupportedFloat(src.element_type())) return Invalid("dispatch: rows must be float32 or bfloat16");
-  auto sd = src.dimensions();
-  auto od = out->dimensions();
-  if (sd.size() != 2 || od.size() != 2 || sd[1] != od[1]) return Invalid("dispatch: src [S, D] and out [cap, D]");
-  const int64_t S = sd[0], D = sd[1], cap = od[0];
-  const int64_t P = slot_src_row.element_count();
-  if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
-    return Invalid("dispatch: slot arrays must have equal length");
-  const int64_t row_bytes = D * ElemBytes(src.element_type());
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+  if (shape.has_error()) return shape.error();
+  const int64_t S = shape->S, cap = shape->cap, P = shape->P;
+  const int64_t row_bytes = shape->D * ElemBytes(shape->dtype);
 
   auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
   if (ctx.has_error()) return ctx.error();
@@ -145,7 +135,7 @@ ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, 
     const int d = (c.rank + i) % R;
     RankView peer = ws->view(c.group, d);
     ErrorRecord e = ws->WaitAtLeast(&peer.control()->done_epoch.value, 0, c.epoch - 1, c.group, c.rank, d, c.epoch,
-                                    kStagePeerReady, c.deadline);
+                                    kStagePeerReady, c.deadline, timeout_ms);
     if (e.code) return TimeoutError("dispatch", e, c, timeout_ms);
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
@@ -160,7 +150,7 @@ ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, 
   RankControl* ctl = self.control();
   const uint64_t base = ctl->recv_expected.value;
   ErrorRecord e = ws->WaitAtLeast(&ctl->recv_arrivals.value, base, expected, c.group, c.rank, R, c.epoch,
-                                  kStageRecvArrivals, c.deadline);
+                                  kStageRecvArrivals, c.deadline, timeout_ms);
   if (e.code) return TimeoutError("dispatch", e, c, timeout_ms);
   ctl->recv_expected.value = base + expected;
   char* o = static_cast<char*>(out->untyped_data());
@@ -230,22 +220,12 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace,
                              int64_t timeout_ms, int32_t delay_rank, int64_t delay_us) {
-  const ffi::DataType dt = lhs.element_type();
-  if (!SupportedFloat(dt) || w.element_type() != dt || y->element_type() != dt || slot_out->element_type() != dt)
-    return Invalid("expert_combine: lhs, w and outputs must share one dtype, float32 or bfloat16");
-  auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y->dimensions(),
-       sd = seg_rows.dimensions();
-  if (ld.size() != 2 || wd.size() != 3 || gd.size() != 2 || yd.size() != 2 || sd.size() != 2)
-    return Invalid("expert_combine: expected lhs [cap, K], w [E_local, K, N], gates [T, k], seg_rows [E_local, R]");
-  const int64_t cap = ld[0], K = ld[1], E_l = wd[0], N = wd[2], T_ = gd[0], k = gd[1];
-  if (wd[1] != K || yd[0] != T_ || yd[1] != N || sd[0] != E_l)
-    return Invalid("expert_combine: inconsistent shapes");
-  const int64_t P = T_ * k;
-  const auto so = slot_out->dimensions();
-  const bool want_slots = so[0] != 0;
-  if (so.size() != 2 || (want_slots && (so[0] != P || so[1] != N)) || slot_ret_row.element_count() != P ||
-      seg_ret_off.element_count() != seg_rows.element_count())
-    return Invalid("expert_combine: slot arrays must have T*k rows");
+  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out);
+  if (shape.has_error()) return shape.error();
+  const ffi::DataType dt = shape->dtype;
+  const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;
+  const int64_t P = shape->P;
+  const bool want_slots = shape->want_slots;
   const int64_t row_bytes = N * ElemBytes(dt);
 
   auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
@@ -253,7 +233,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   CallContext c = ctx.value();
   Workspace* ws = c.ws;
   const int R = ws->ranks();
-  if (sd[1] != R) return Fail(c, Invalid("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
+  if (shape->R != R) return Fail(c, Invalid("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
   if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows || P > ws->sizes().ret_rows)
     return Fail(c, Invalid("expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) +
                    ", cap " + std::to_string(cap) + ", slots " + std::to_string(P) + ")"));
@@ -291,6 +271,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   job.segments = ordered;
   job.row_bytes = row_bytes;
   job.deadline = c.deadline;
+  job.timeout_ms = timeout_ms;
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));
 
@@ -303,7 +284,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   const uint64_t base = ctl->ret_expected.value;
   const int64_t expected = ret_rows_expected.typed_data()[0];
   ErrorRecord e = ws->WaitAtLeast(&ctl->ret_arrivals.value, base, expected, c.group, c.rank, R, c.epoch,
-                                  kStageRetArrivals, c.deadline);
+                                  kStageRetArrivals, c.deadline, timeout_ms);
   ErrorRecord ce = consumer.Join();  // always join: the next call must not start while it still reads stage
   if (e.code) return TimeoutError("expert_combine", e, c, timeout_ms);
   if (ce.code) return TimeoutError("expert_combine", ce, c, timeout_ms);
@@ -323,35 +304,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
 }  // namespace
 }  // namespace jmo::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // src [S, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_src_row [P]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_dest_rank [P]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_dest_row [P] (-1: dropped)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_rows_expected []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank []
-                                  .Ret<ffi::AnyBuffer>()         // recv [cap, D]
-                                  .Attr<int64_t>("workspace")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int32_t>("delay_rank")
-                                  .Attr<int64_t>("delay_us"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl, jmo::BindDispatch(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpu, jmo::cpu::ExpertCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // lhs [cap, K]
-                                  .Arg<ffi::AnyBuffer>()         // w [E_local, K, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gates [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg_rows [E_local, R]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg_ret_off [E_local, R]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_ret_row [T*k] (-1: dropped)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // ret_rows_expected []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank []
-                                  .Ret<ffi::AnyBuffer>()         // y [T, N]
-                                  .Ret<ffi::AnyBuffer>()         // slot_out [T*k, N] or [0, N]
-                                  .Attr<int64_t>("workspace")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int32_t>("delay_rank")
-                                  .Attr<int64_t>("delay_us"));
+                              jmo::BindExpertCombine(ffi::Ffi::Bind()));

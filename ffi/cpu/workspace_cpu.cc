@@ -1,5 +1,8 @@
 #include "workspace_cpu.h"
 
+#include "common/error_text.h"
+#include "common/registry.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -80,12 +83,12 @@ void Consumer::Loop() {
       RankView peer = ws_->view(job.group, seg.src);
       // The source rank must have finished reading its ret rows of the previous call.
       err = ws_->WaitAtLeast(&peer.control()->done_epoch.value, 0, job.epoch - 1, job.group, job.rank, seg.src,
-                             job.epoch, kStagePeerReady, job.deadline);
+                             job.epoch, kStagePeerReady, job.deadline, job.timeout_ms);
       if (err.code) break;
       const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
       for (int64_t b = 0; b < bands && !err.code; ++b) {
         err = ws_->WaitAtLeast(&self.tile_ready()[seg.band_base + b], 0, job.epoch, job.group, job.rank, job.rank,
-                               job.epoch, kStageTileReady, job.deadline);
+                               job.epoch, kStageTileReady, job.deadline, job.timeout_ms);
         if (err.code) break;
         const int64_t row0 = b * kBandRows;
         const int64_t rows = std::min<int64_t>(kBandRows, seg.rows - row0);
@@ -125,7 +128,8 @@ Workspace::~Workspace() {
 }
 
 ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t count, int group, int rank,
-                                   int peer, uint64_t epoch, Stage stage, Clock::time_point deadline) {
+                                   int peer, uint64_t epoch, Stage stage, Clock::time_point deadline,
+                                   int64_t timeout_ms) {
   GroupShared* g = shared(group);
   const uint64_t target = base + count;
   int spins = 0;
@@ -133,7 +137,7 @@ ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t
     uint64_t v = AtomicLoad(word);
     if (v >= target) return ErrorRecord{};
     if (AtomicLoad(&g->abort.value) != 0) {
-      ErrorRecord e{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)peer, epoch, v - base, count, {0, 0}};
+      ErrorRecord e{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)peer, epoch, v - base, count, 0, 0};
       return e;
     }
     if (Clock::now() >= deadline) {
@@ -145,7 +149,7 @@ ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t
             break;
           }
       }
-      ErrorRecord e{stage, (uint64_t)rank, (uint64_t)peer, epoch, v - base, count, {0, 0}};
+      ErrorRecord e{stage, (uint64_t)rank, (uint64_t)peer, epoch, v - base, count, 0, (uint64_t)timeout_ms};
       g->errors[rank] = e;
       RaiseAbort(group, epoch);
       return e;
@@ -170,7 +174,7 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
     // This rank is late: it is starting the very call that failed elsewhere. Fail it too, at once (the epoch is
     // used up); the group meets at the barrier on the next call, which every rank is then past the failed epoch for.
     AtomicStore(&view(group, rank).control()->calls.value, epoch);
-    return ErrorRecord{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)ranks_, epoch, 0, 0, {0, 0}};
+    return ErrorRecord{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)ranks_, epoch, 0, 0, 0, 0};
   }
   Barrier& bar = *barriers_[group];
   std::unique_lock<std::mutex> lock(bar.mu);
@@ -190,7 +194,7 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
   if (!bar.cv.wait_until(lock, deadline, [&] { return bar.generation != gen; })) {
     --bar.arrived;
     return ErrorRecord{kStageReset, (uint64_t)rank, (uint64_t)ranks_, 0, (uint64_t)bar.arrived + 1,
-                       (uint64_t)ranks_, {0, 0}};
+                       (uint64_t)ranks_, 0, 0};
   }
   return ErrorRecord{};
 }
@@ -199,53 +203,15 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
 // Registry
 
 namespace {
-std::mutex registry_mu;
-std::map<int64_t, std::unique_ptr<Workspace>>& Registry() {
-  static auto* r = new std::map<int64_t, std::unique_ptr<Workspace>>();
+HandleRegistry<Workspace>& Registry() {
+  static auto* r = new HandleRegistry<Workspace>(1);
   return *r;
 }
-int64_t next_handle = 1;
 }  // namespace
 
-int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  int64_t h = next_handle++;
-  Registry()[h] = std::move(ws);
-  return h;
-}
-
-Workspace* LookupWorkspace(int64_t handle) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Registry().find(handle);
-  return it == Registry().end() ? nullptr : it->second.get();
-}
-
-bool ReleaseWorkspace(int64_t handle) {
-  std::unique_ptr<Workspace> victim;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = Registry().find(handle);
-    if (it == Registry().end()) return false;
-    victim = std::move(it->second);
-    Registry().erase(it);
-  }
-  return true;  // victim destroyed here, outside the lock
-}
-
-namespace {
-// timeout_ms < 0: the record is another rank's, whose timeout this rank does not know.
-void AppendTimeout(std::ostringstream& os, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms) {
-  os << "rank " << e.rank << " (group " << group << ") timed out";
-  if (timeout_ms >= 0) os << " after " << timeout_ms << " ms";
-  os << " in epoch "
-     << e.epoch << " at stage " << StageName(e.code) << ", waiting for ";
-  if (e.peer >= (uint64_t)ranks)
-    os << "rows from peers that all started this epoch";
-  else
-    os << "peer " << e.peer;
-  os << ": observed " << e.got << ", expected " << e.expected;
-}
-}  // namespace
+int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws) { return Registry().Add(std::move(ws)); }
+Workspace* LookupWorkspace(int64_t handle) { return Registry().Find(handle); }
+bool ReleaseWorkspace(int64_t handle) { return Registry().Remove(handle); }
 
 std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms,
                         const GroupShared* shared) {
@@ -257,8 +223,7 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
     for (int r = 0; shared != nullptr && r < ranks; ++r) {
       const ErrorRecord& first = shared->errors[r];
       if (first.code != 0 && first.code != kStageAbortedByPeer) {
-        os << "; first failure: ";
-        AppendTimeout(os, first, group, ranks, -1);
+        os << "; first failure: " << DescribeRecord(first, group, ranks);
         break;
       }
     }
@@ -270,7 +235,7 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
        << " ranks arrived";
     return os.str();
   }
-  AppendTimeout(os, e, group, ranks, timeout_ms);
+  os << DescribeRecord(e, group, ranks);
   return os.str();
 }
 

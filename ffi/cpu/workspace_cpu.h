@@ -39,6 +39,7 @@ struct ConsumerJob {
   std::vector<Segment> segments;  // in producer order (remote-critical first)
   int64_t row_bytes = 0;          // bytes of one output row of this call
   Clock::time_point deadline;
+  int64_t timeout_ms = 0;         // the bound behind `deadline`, for error records
 };
 
 class Workspace;
@@ -80,7 +81,7 @@ class Workspace {
   // to `base`, and raises the group's abort word) or as soon as another rank of the group aborted.
   // Returns an ErrorRecord with code 0 on success.
   ErrorRecord WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t count, int group, int rank, int peer,
-                          uint64_t epoch, Stage stage, Clock::time_point deadline);
+                          uint64_t epoch, Stage stage, Clock::time_point deadline, int64_t timeout_ms);
 
   // Marks the group failed in `epoch` (keeps the first failure's epoch), so every waiter gives up.
   void RaiseAbort(int group, uint64_t epoch);

@@ -10,6 +10,7 @@
 #include "cuda/handlers_cuda.h"
 #include "cuda/kernels.h"
 #include "cuda/workspace_cuda.h"
+#include "common/call_signature.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -17,9 +18,7 @@ namespace ffi = xla::ffi;
 namespace jmo::cuda {
 namespace {
 
-ffi::Error Invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
-}
+ffi::Error Invalid(const std::string& msg) { return InvalidCall(msg); }
 
 ffi::Error ToFfi(const Status& s) {
   if (s.ok()) return ffi::Error::Success();
@@ -33,7 +32,6 @@ ffi::Error ToFfi(const Status& s) {
   return ffi::Error(code, s.msg);
 }
 
-bool SupportedFloat(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 DType ToDType(ffi::DataType t) { return t == ffi::DataType::F32 ? DType::kF32 : DType::kBF16; }
 
 ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, int64_t handle, int64_t timeout_ms,
@@ -61,20 +59,15 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
                         ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
                         ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, int64_t workspace,
                         int64_t timeout_ms, int32_t delay_rank, int64_t delay_us) {
-  if (!SupportedFloat(src.element_type()) || out->element_type() != src.element_type())
-    return Invalid("dispatch: rows must be float32 or bfloat16");
-  auto sd = src.dimensions();
-  auto od = out->dimensions();
-  if (sd.size() != 2 || od.size() != 2 || sd[1] != od[1]) return Invalid("dispatch: src [S, D] and out [cap, D]");
-  const int64_t P = slot_src_row.element_count();
-  if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
-    return Invalid("dispatch: slot arrays must have equal length");
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+  if (shape.has_error()) return shape.error();
+  const int64_t P = shape->P;
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
-  return ToFfi(Dispatch(c.value(), ToDType(src.element_type()), src.untyped_data(), sd[0], sd[1],
+  return ToFfi(Dispatch(c.value(), ToDType(shape->dtype), src.untyped_data(), shape->S, shape->D,
                         slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(), P,
                         recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
-                        out->untyped_data(), od[0]));
+                        out->untyped_data(), shape->cap));
 }
 
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
@@ -84,24 +77,14 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, int64_t timeout_ms,
                              int32_t delay_rank, int64_t delay_us) {
-  const ffi::DataType dt = lhs.element_type();
-  if (!SupportedFloat(dt) || w.element_type() != dt || y->element_type() != dt || slot_out->element_type() != dt)
-    return Invalid("expert_combine: lhs, w and outputs must share one dtype, float32 or bfloat16");
-  auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y->dimensions(),
-       sd = seg_rows.dimensions();
-  if (ld.size() != 2 || wd.size() != 3 || gd.size() != 2 || yd.size() != 2 || sd.size() != 2)
-    return Invalid("expert_combine: expected lhs [cap, K], w [E_local, K, N], gates [T, k], seg_rows [E_local, R]");
-  const int64_t cap = ld[0], K = ld[1], E_l = wd[0], N = wd[2], T = gd[0], k = gd[1];
-  if (wd[1] != K || yd[0] != T || yd[1] != N || sd[0] != E_l) return Invalid("expert_combine: inconsistent shapes");
-  const int64_t P = T * k;
-  const auto so = slot_out->dimensions();
-  const bool want_slots = so.size() == 2 && so[0] != 0;
-  if (so.size() != 2 || (want_slots && (so[0] != P || so[1] != N)) || slot_ret_row.element_count() != P ||
-      seg_ret_off.element_count() != seg_rows.element_count())
-    return Invalid("expert_combine: slot arrays must have T*k rows");
+  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out);
+  if (shape.has_error()) return shape.error();
+  const ffi::DataType dt = shape->dtype;
+  const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T = shape->T, k = shape->k;
+  const bool want_slots = shape->want_slots;
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
-  if (sd[1] != c.value().ws->ranks())
+  if (shape->R != c.value().ws->ranks())
     return Invalid("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
                              gates.typed_data(), T, k, seg_rows.typed_data(), seg_ret_off.typed_data(),
@@ -113,39 +96,13 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 }  // namespace
 }  // namespace jmo::cuda
 
+// XLA's stream and the device ordinal first, then the operands shared with the CPU handlers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCuda, jmo::cuda::DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // src [S, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_src_row [P]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_dest_rank [P]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_dest_row [P] (-1: dropped)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_rows_expected []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank []
-                                  .Ret<ffi::AnyBuffer>()         // recv [cap, D]
-                                  .Attr<int64_t>("workspace")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int32_t>("delay_rank")
-                                  .Attr<int64_t>("delay_us"));
+                              jmo::BindDispatch(ffi::Ffi::Bind()
+                                                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                    .Ctx<ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCuda, jmo::cuda::ExpertCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // lhs [cap, K]
-                                  .Arg<ffi::AnyBuffer>()         // w [E_local, K, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gates [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg_rows [E_local, R]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg_ret_off [E_local, R]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_ret_row [T*k] (-1: dropped)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // ret_rows_expected []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank []
-                                  .Ret<ffi::AnyBuffer>()         // y [T, N]
-                                  .Ret<ffi::AnyBuffer>()         // slot_out [T*k, N] or [0, N]
-                                  .Attr<int64_t>("workspace")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int32_t>("delay_rank")
-                                  .Attr<int64_t>("delay_us"));
+                              jmo::BindExpertCombine(ffi::Ffi::Bind()
+                                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                         .Ctx<ffi::DeviceOrdinal>()));

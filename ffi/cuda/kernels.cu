@@ -69,8 +69,8 @@ __device__ void RecordError(const RankDev& rd, uint64_t code, uint64_t sub, uint
     e->epoch = epoch;
     e->got = got;
     e->expected = expected;
-    e->pad[0] = sub;
-    e->pad[1] = LoadVolatile(&rd.priv->timeout_ms);
+    e->detail = sub;
+    e->timeout_ms = LoadVolatile(&rd.priv->timeout_ms);
     __threadfence_system();
     e->code = code;
   }
@@ -79,7 +79,7 @@ __device__ void RecordError(const RankDev& rd, uint64_t code, uint64_t sub, uint
   StoreReleaseSys(&rd.shared->abort.value, 1);
 }
 
-__device__ void BadInput(const RankDev& rd, uint64_t sub, uint64_t index, int64_t got, uint64_t bound) {
+__device__ void ReportBadInput(const RankDev& rd, uint64_t sub, uint64_t index, int64_t got, uint64_t bound) {
   RecordError(rd, kStageBadInput, sub, index, static_cast<uint64_t>(got), bound);
 }
 
@@ -162,7 +162,7 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   p->failed = LoadVolatile(&rd.shared->abort.value) != 0 ? 1 : 0;
   __threadfence();
   if (rank_op != nullptr && group_op != nullptr && (rank_op[0] != rd.rank || group_op[0] != rd.group))
-    BadInput(rd, 5, static_cast<uint64_t>(group_op[0]), rank_op[0], static_cast<uint64_t>(rd.group));
+    ReportBadInput(rd, kBadRankOperands, static_cast<uint64_t>(group_op[0]), rank_op[0], static_cast<uint64_t>(rd.group));
 }
 
 // Closes the call: consumed rows are accounted, then done_epoch = epoch (release) lets peers write again.
@@ -214,12 +214,12 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   for (int64_t p = (int64_t)blockIdx.x * warps + warp; p < P; p += (int64_t)gridDim.x * warps) {
     const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
     if (d == -1) {
-      if (lane == 0) BadInput(rd, 1, p, sr, 0);
+      if (lane == 0) ReportBadInput(rd, kBadExpertId, p, sr, 0);
       continue;
     }
     if (row < 0) continue;  // dropped by the capacity rule
     if (d < 0 || d >= R || row >= cap || sr < 0 || sr >= S) {
-      if (lane == 0) BadInput(rd, 2, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr), (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
+      if (lane == 0) ReportBadInput(rd, kBadRoute, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr), (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
       continue;
     }
     CopyBytes(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane, 32);
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) RecvKernel(RankDev rd, const int32_t
   if (threadIdx.x == 0) {
     expected = expected_p[0];
     if (st.ok && (expected < 0 || expected > cap)) {
-      if (blockIdx.x == 0) BadInput(rd, 4, 0, expected, cap);
+      if (blockIdx.x == 0) ReportBadInput(rd, kBadExpectedRows, 0, expected, cap);
       st.ok = 0;
     }
     // Step 3: wait (acquire) until this call's rows have all arrived.
@@ -279,7 +279,7 @@ __device__ bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const 
       const int32_t rows = seg_rows[e * R + s];
       const int32_t ret_off = seg_ret_off[e * R + s];
       if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows) {
-        BadInput(rd, 3, e * R + s, rows < 0 ? rows : (off + (int64_t)rows > cap ? off + (int64_t)rows : ret_off),
+        ReportBadInput(rd, kBadSegment, e * R + s, rows < 0 ? rows : (off + (int64_t)rows > cap ? off + (int64_t)rows : ret_off),
                  off + (int64_t)rows > cap ? cap : rd.sizes.ret_rows);
         return false;
       }
@@ -290,7 +290,7 @@ __device__ bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const 
     }
   }
   if (band > rd.sizes.max_bands) {
-    BadInput(rd, 7, 0, band, rd.sizes.max_bands);
+    ReportBadInput(rd, kBadTooManyTiles, 0, band, rd.sizes.max_bands);
     return false;
   }
   OrderSegments(raw, n, rd.rank, rows_to_rank, order_buf);
@@ -614,7 +614,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
     const int64_t expected = expected_p[0];
     RankControl* ctl = View(rd, rd.rank).control();
     if (expected < 0 || expected > rd.sizes.ret_rows) {
-      if (blockIdx.x == 0) BadInput(rd, 4, 0, expected, rd.sizes.ret_rows);
+      if (blockIdx.x == 0) ReportBadInput(rd, kBadExpectedRows, 0, expected, rd.sizes.ret_rows);
       st.ok = 0;
     } else {
       st.ok = WaitAtLeast(rd, &ctl->ret_arrivals.value, LoadVolatile(&ctl->ret_expected.value), expected, rd.ranks,
@@ -631,7 +631,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
         const int64_t p = t * k + j;
         const int32_t row = slot_ret_row[p];
         if (row < 0 || row >= rd.sizes.ret_rows) {
-          if (row >= 0 && n == 0) BadInput(rd, 6, p, row, rd.sizes.ret_rows);
+          if (row >= 0 && n == 0) ReportBadInput(rd, kBadRetRow, p, row, rd.sizes.ret_rows);
           if (slot_out) slot_out[p * N + n] = FromFloat<T>(0.f);
           continue;
         }

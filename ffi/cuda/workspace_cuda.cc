@@ -1,4 +1,6 @@
 #include "cuda/workspace_cuda.h"
+#include "common/error_text.h"
+#include "common/registry.h"
 
 #include "cuda/kernels.h"
 
@@ -241,71 +243,23 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
 }
 
 std::string FormatRecord(const ErrorRecord& e, int group, int ranks, int64_t timeout_ms) {
-  std::ostringstream os;
-  if (e.code == kStageBadInput) {
-    os << "rank " << e.rank << " (group " << group << ") found an invalid input in epoch " << e.epoch << ": ";
-    switch (e.pad[0]) {
-      case 1: os << "slot " << e.peer << " names an expert id outside [0, num_experts)"; break;
-      case 2: os << "slot " << e.peer << " routes outside the workspace (value " << (int64_t)e.got << ", bound "
-                 << e.expected << ")"; break;
-      case 3: os << "segment " << e.peer << " lies outside the buffers (value " << (int64_t)e.got << ", bound "
-                 << e.expected << ")"; break;
-      case 4: os << "expected rows " << (int64_t)e.got << " outside [0, " << e.expected << "]"; break;
-      case 5: os << "rank/group operands (" << (int64_t)e.got << ", " << (int64_t)e.peer
-                 << ") do not match the workspace's rank/group of this device (" << e.rank << ", " << e.expected
-                 << ")"; break;
-      case 6: os << "slot " << e.peer << " has ret row " << (int64_t)e.got << " outside [0, " << e.expected << ")"; break;
-      case 7: os << "more tiles (" << e.got << ") than the workspace has flags (" << e.expected << ")"; break;
-      default: os << "code " << e.pad[0]; break;
-    }
-    return os.str();
-  }
-  os << "rank " << e.rank << " (group " << group << ") timed out after " << (e.pad[1] ? (int64_t)e.pad[1] : timeout_ms)
-     << " ms in epoch " << e.epoch
-     << " at stage " << StageName(e.code) << ", waiting for ";
-  if (e.peer >= (uint64_t)ranks)
-    os << "rows from any peer";
-  else
-    os << "peer " << e.peer;
-  os << ": observed " << e.got << ", expected " << e.expected;
-  return os.str();
+  ErrorRecord r = e;
+  if (r.timeout_ms == 0) r.timeout_ms = static_cast<uint64_t>(timeout_ms);
+  return DescribeRecord(r, group, ranks);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Registry
 
 namespace {
-std::mutex registry_mu;
-std::map<int64_t, std::unique_ptr<Workspace>>& Registry() {
-  static auto* r = new std::map<int64_t, std::unique_ptr<Workspace>>();
+HandleRegistry<Workspace>& Registry() {
+  static auto* r = new HandleRegistry<Workspace>(kHandleBase);
   return *r;
 }
-int64_t next_handle = kHandleBase;
 }  // namespace
 
-int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  int64_t h = next_handle++;
-  Registry()[h] = std::move(ws);
-  return h;
-}
-
-Workspace* LookupWorkspace(int64_t handle) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Registry().find(handle);
-  return it == Registry().end() ? nullptr : it->second.get();
-}
-
-bool ReleaseWorkspace(int64_t handle) {
-  std::unique_ptr<Workspace> victim;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = Registry().find(handle);
-    if (it == Registry().end()) return false;
-    victim = std::move(it->second);
-    Registry().erase(it);
-  }
-  return true;
-}
+int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws) { return Registry().Add(std::move(ws)); }
+Workspace* LookupWorkspace(int64_t handle) { return Registry().Find(handle); }
+bool ReleaseWorkspace(int64_t handle) { return Registry().Remove(handle); }
 
 }  // namespace jmo::cuda

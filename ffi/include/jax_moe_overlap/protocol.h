@@ -51,7 +51,18 @@ enum Stage : uint64_t {
   kStageAbortedByPeer = 5,// gave up because another rank of the group aborted
   kStageReset = 6,        // the recovery barrier after an abort did not gather every rank
   kStageBadInput = 7,     // CUDA only: a kernel found an invalid routing input (device data the host cannot check
-                          // without a sync); ErrorRecord.pad[0] says which input (see ffi/cuda/kernels.cu)
+                          // without a sync); ErrorRecord.detail says which input (BadInput)
+};
+
+// Which input a kStageBadInput record is about (ErrorRecord.detail); ffi/common/error_text.h words each one.
+enum BadInput : uint64_t {
+  kBadExpertId = 1,       // a slot names an expert id outside [0, E)
+  kBadRoute = 2,          // a slot routes outside the workspace (rank, row or source row out of range)
+  kBadSegment = 3,        // a (local expert, source) segment lies outside recv or the source's ret rows
+  kBadExpectedRows = 4,   // the expected row count lies outside [0, capacity]
+  kBadRankOperands = 5,   // the rank/group operands disagree with the device's place in the workspace
+  kBadRetRow = 6,         // a slot's ret row is out of range
+  kBadTooManyTiles = 7,   // more tiles than the workspace has tile_ready flags
 };
 
 inline const char* StageName(uint64_t s) {
@@ -75,7 +86,8 @@ struct ErrorRecord {
   uint64_t epoch;     // the call's epoch
   uint64_t got;       // value observed when the wait gave up
   uint64_t expected;  // value waited for
-  uint64_t pad[2];
+  uint64_t detail;    // kStageBadInput: which input (BadInput)
+  uint64_t timeout_ms;// the failing rank's wait bound (0: not recorded)
 };
 
 // Control words of one rank; each on its own cache line so that polling one does not slow writers of another.

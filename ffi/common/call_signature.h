@@ -1,0 +1,121 @@
+// The operands, results and attributes of the two custom calls, and the checks of their shapes, in one place for
+// every platform: the CPU and CUDA handlers prepend their platform context (the CUDA ones: stream and device
+// ordinal), bind the rest from here, and check shapes with the same functions (so both report the same errors).
+// (Binding methods are rvalue-qualified, hence the std::move of each partial binding.)
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jmo {
+
+// Attributes common to both calls: the workspace handle, the wait bound and the testing delay.
+template <typename Binding>
+auto BindCallAttrs(Binding b) {
+  return std::move(b).template Attr<int64_t>("workspace")
+      .template Attr<int64_t>("timeout_ms")
+      .template Attr<int32_t>("delay_rank")
+      .template Attr<int64_t>("delay_us");
+}
+
+// dispatch(src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1: dropped), recv_rows_expected [],
+//          group [], rank []) -> recv [cap, D]
+template <typename Binding>
+auto BindDispatch(Binding b) {
+  namespace ffi = xla::ffi;
+  return BindCallAttrs(std::move(b).template Arg<ffi::AnyBuffer>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Ret<ffi::AnyBuffer>());
+}
+
+// expert_combine(lhs [cap, K], w [E_local, K, N], gates [T, k] f32, seg_rows [E_local, R], seg_ret_off [E_local, R],
+//                slot_ret_row [T*k] (-1: dropped), ret_rows_expected [], group [], rank [])
+//   -> y [T, N], slot_out [T*k or 0, N]
+template <typename Binding>
+auto BindExpertCombine(Binding b) {
+  namespace ffi = xla::ffi;
+  return BindCallAttrs(std::move(b).template Arg<ffi::AnyBuffer>()
+                           .template Arg<ffi::AnyBuffer>()
+                           .template Arg<ffi::Buffer<ffi::F32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Ret<ffi::AnyBuffer>()
+                           .template Ret<ffi::AnyBuffer>());
+}
+
+inline xla::ffi::Error InvalidCall(const std::string& msg) {
+  return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
+}
+
+inline bool SupportedFloat(xla::ffi::DataType t) {
+  return t == xla::ffi::DataType::F32 || t == xla::ffi::DataType::BF16;
+}
+
+inline int64_t ElemBytes(xla::ffi::DataType t) { return t == xla::ffi::DataType::F32 ? 4 : 2; }
+
+struct DispatchShape {
+  xla::ffi::DataType dtype;
+  int64_t S, D, cap, P;  // src rows, row width, recv capacity, slots
+};
+
+inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer& src,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
+                                                      const xla::ffi::AnyBuffer& out) {
+  if (!SupportedFloat(src.element_type()) || out.element_type() != src.element_type())
+    return xla::ffi::Unexpected(InvalidCall("dispatch: rows must be float32 or bfloat16"));
+  auto sd = src.dimensions();
+  auto od = out.dimensions();
+  if (sd.size() != 2 || od.size() != 2 || sd[1] != od[1])
+    return xla::ffi::Unexpected(InvalidCall("dispatch: src [S, D] and out [cap, D]"));
+  const int64_t P = slot_src_row.element_count();
+  if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
+    return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
+  return DispatchShape{src.element_type(), sd[0], sd[1], od[0], P};
+}
+
+struct CombineShape {
+  xla::ffi::DataType dtype;
+  int64_t cap, K, E_local, N, T, k, P, R;  // R: columns of seg_rows (must equal the workspace's ranks)
+  bool want_slots;                        // slot_out has T*k rows (else 0)
+};
+
+inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuffer& lhs,
+                                                          const xla::ffi::AnyBuffer& w,
+                                                          const xla::ffi::Buffer<xla::ffi::F32>& gates,
+                                                          const xla::ffi::Buffer<xla::ffi::S32>& seg_rows,
+                                                          const xla::ffi::Buffer<xla::ffi::S32>& seg_ret_off,
+                                                          const xla::ffi::Buffer<xla::ffi::S32>& slot_ret_row,
+                                                          const xla::ffi::AnyBuffer& y,
+                                                          const xla::ffi::AnyBuffer& slot_out) {
+  using xla::ffi::Unexpected;
+  const xla::ffi::DataType dt = lhs.element_type();
+  if (!SupportedFloat(dt) || w.element_type() != dt || y.element_type() != dt || slot_out.element_type() != dt)
+    return Unexpected(InvalidCall("expert_combine: lhs, w and outputs must share one dtype, float32 or bfloat16"));
+  auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y.dimensions(),
+       sd = seg_rows.dimensions(), so = slot_out.dimensions();
+  if (ld.size() != 2 || wd.size() != 3 || gd.size() != 2 || yd.size() != 2 || sd.size() != 2 || so.size() != 2)
+    return Unexpected(InvalidCall(
+        "expert_combine: expected lhs [cap, K], w [E_local, K, N], gates [T, k], seg_rows [E_local, R]"));
+  CombineShape s{dt, ld[0], ld[1], wd[0], wd[2], gd[0], gd[1], gd[0] * gd[1], sd[1], so[0] != 0};
+  if (wd[1] != s.K || yd[0] != s.T || yd[1] != s.N || sd[0] != s.E_local)
+    return Unexpected(InvalidCall("expert_combine: inconsistent shapes"));
+  if ((s.want_slots && (so[0] != s.P || so[1] != s.N)) || slot_ret_row.element_count() != s.P ||
+      seg_ret_off.element_count() != seg_rows.element_count())
+    return Unexpected(InvalidCall("expert_combine: slot arrays must have T*k rows"));
+  return s;
+}
+
+}  // namespace jmo
