@@ -21,7 +21,7 @@ import numpy as np
 
 
 def command_line() -> str:
-  return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable) if False else "python3"] + sys.argv)
+  return " ".join(shlex.quote(a) for a in ["python3"] + sys.argv)
 
 
 def environment() -> dict:
