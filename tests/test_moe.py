@@ -135,3 +135,22 @@ def test_workspace_is_shared_per_sizes_and_named_by_handle():
   c = jmo.Workspace.get(mesh, "expert", sizes.__class__(64, 64, 16, 8))
   assert a is b and a is not c and a.handle != c.handle
   assert a.ranks == 2 and a.groups == 1 and a.platform == "cpu"
+
+
+def test_independent_layers_in_one_program_share_the_workspace():
+  # Two layers of the same sizes with no data dependence between them: XLA may schedule them in any order, but the
+  # same order on every device, and each runs as its own epochs of the shared workspace.
+  mesh = mesh_of(4)
+  a = layer_inputs(64, D, F, E, 2, "skewed", 21)
+  b = layer_inputs(64, D, F, E, 2, "balanced", 22)
+
+  @jax.jit
+  def two(a, b):
+    return jmo.moe_experts(*a, mesh=mesh)[0], jmo.moe_experts(*b, mesh=mesh)[0]
+
+  ref_a = jmo.moe_experts(*a, mesh=mesh, impl="reference")[0]
+  ref_b = jmo.moe_experts(*b, mesh=mesh, impl="reference")[0]
+  for _ in range(10):
+    ya, yb = two(a, b)
+    np.testing.assert_allclose(ya, ref_a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(yb, ref_b, rtol=1e-5, atol=1e-5)
