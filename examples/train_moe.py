@@ -25,6 +25,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
@@ -143,21 +144,27 @@ def evaluate(graphdef, state, batches, sharding):
 
 
 def check_against_reference(model, tokens, num_devices):
-  """One forward pass through this library's custom calls and through impl="reference" (plain JAX), compared."""
-  moes = [m for _, m in nnx.iter_graph(model) if isinstance(m, jmo.MoE)]
-  forward = nnx.jit(lambda m, t: m(t)[0])
-  logits = np.asarray(forward(model, tokens))
-  for m in moes:
-    m.impl = "reference"
-  try:
-    logits_ref = np.asarray(forward(model, tokens))
-  finally:
-    for m in moes:
-      m.impl = "overlap"
-  rel = float(np.linalg.norm(logits - logits_ref) / np.linalg.norm(logits_ref))
-  print(f"check: logits through the custom calls on {num_devices} devices vs impl=reference: relative difference "
-        f"{rel:.2e} over {logits.size} values")
-  if not rel < 1e-3:
+  """The first MoE layer on the embedded first batch, through this library's custom calls and through
+  impl="reference" (plain JAX), compared. One layer, not the whole model: later layers route on their inputs, and a
+  rounding-level difference that flips a near-tie in a router is no error of the layer."""
+  moe = next(m for _, m in nnx.iter_graph(model) if isinstance(m, jmo.MoE))
+  x = (jax.nn.one_hot(tokens, model.cfg.vocab_size, dtype=jnp.float32) @ model.embed.embedding[...])
+  x = x.astype(moe.dtype)
+  forward = nnx.jit(lambda m, x: m(x)[0])
+  dtype = moe.dtype
+  with jax.default_matmul_precision("highest"):    # no TF32 in the reference's float32 matmuls on GPUs
+    y = np.asarray(forward(moe, x), np.float32)
+    moe.impl, moe.dtype = "reference", jnp.float32  # the oracle computes in float32 on the same (rounded) input
+    try:
+      y_ref = np.asarray(forward(moe, x.astype(jnp.float32)), np.float32)
+    finally:
+      moe.impl, moe.dtype = "overlap", dtype
+  rel = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
+  tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 1e-2
+  print(f"check: an MoE layer through the custom calls on {num_devices} devices vs impl=reference: relative "
+        f"difference {rel:.2e} over {y.size} values ({jnp.dtype(dtype).name} vs a float32 reference, tolerance "
+        f"{tol:g})")
+  if not rel < tol:
     raise SystemExit("the custom calls disagree with the reference implementation")
 
 
