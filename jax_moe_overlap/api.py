@@ -101,8 +101,10 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference', got {impl!r}")
   E_l = E // R
   cap = plan_lib.recv_capacity(T_local, R, k, E_l, cap_e)
-  width = max(x.shape[1], w1.shape[2])
-  sizes = WorkspaceSizes(row_bytes=width * 4, recv_rows=cap, ret_rows=T_local * k, num_segments=E_l * R)
+  # Every row that crosses ranks is d_model wide (tokens, their gradients, expert outputs): the lhs of a GEMM
+  # (F or 2F wide) never leaves its rank, so the workspace holds D-wide rows of x's dtype.
+  sizes = WorkspaceSizes(row_bytes=x.shape[1] * x.dtype.itemsize, recv_rows=cap, ret_rows=T_local * k,
+                         num_segments=E_l * R)
   info = RankInfo(Workspace.get(mesh, axis_name, sizes), config)
   spec = P(axis_name)
   fn = functools.partial(_moe_local, axis_name=axis_name, num_experts=E, cap_e=cap_e, cap=cap, info=info)
