@@ -85,10 +85,7 @@ def main():
           dense_ms = ms
         table.add(shape=name, skew=skew, method=mname, ms=f"{ms:.3f}", tflops=f"{flops / sec / 1e12:.0f}",
                   vs_dense=f"{dense_ms / ms:.2f}" if dense_ms else "")
-  meta = common.environment()
-  table.save(args.out, meta)
-  print(f"\n{meta}\n")
-  print(table.render())
+  table.finish(args.out)
 
 
 if __name__ == "__main__":

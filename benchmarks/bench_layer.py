@@ -91,10 +91,7 @@ def main():
           base = ms
         table.add(shape=name, **{"pass": pname}, impl=iname, ms=f"{ms:.3f}",
                   vs_xla=f"{base / ms:.2f}" if base else "")
-  meta = common.environment()
-  table.save(args.out, meta)
-  print(f"\n{meta}\n")
-  print(table.render())
+  table.finish(args.out)
 
 
 if __name__ == "__main__":

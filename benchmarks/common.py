@@ -88,3 +88,10 @@ class Table:
       f.write(json.dumps(dict(meta=meta)) + "\n")
       for r in self.rows:
         f.write(json.dumps(r) + "\n")
+
+  def finish(self, path: str):
+    """Writes the rows (with the environment and command line first) and prints the table last."""
+    meta = environment()
+    self.save(path, meta)
+    print(f"\n{meta}\n")
+    print(self.render())
