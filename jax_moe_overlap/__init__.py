@@ -1,21 +1,15 @@
 """jax-moe-overlap: expert-parallel Mixture-of-Experts layers whose expert GEMMs overlap the return all-to-all.
 
 Public API:
-  MoE                 Flax NNX module (router + SwiGLU experts), runs inside shard_map over an expert axis.
+  MoE, MoEAux         Flax NNX module (router + SwiGLU experts) over an expert mesh axis, and its router statistics.
   moe_experts         the expert layer as a function on global arrays (impl="overlap" | "reference").
   CallConfig          timeouts and testing aids of the custom calls.
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).
 """
 
 from jax_moe_overlap.api import moe_experts
+from jax_moe_overlap.layer import MoE, MoEAux
 from jax_moe_overlap.primitives import CallConfig
 from jax_moe_overlap.workspace import Workspace
 
-__all__ = ["moe_experts", "CallConfig", "Workspace", "MoE"]
-
-
-def __getattr__(name):
-  if name == "MoE":
-    from jax_moe_overlap.layer import MoE  # pylint: disable=g-import-not-at-top
-    return MoE
-  raise AttributeError(name)
+__all__ = ["moe_experts", "CallConfig", "Workspace", "MoE", "MoEAux"]
