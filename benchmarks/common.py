@@ -52,16 +52,35 @@ def time_fn(fn, arg_sets, *, warmup: int = 3, batches: int = 15, per_batch: int 
   return statistics.median(times)
 
 
-def group_sizes(rows: int, groups: int, skew: str, seed: int = 0) -> np.ndarray:
-  """Rows per group summing to ``rows``: 'balanced', 'moderate' (Zipf 0.8) or 'stress' (Zipf 2.0) skew."""
-  alpha = {"balanced": 0.0, "moderate": 0.8, "stress": 2.0}[skew]
-  p = 1.0 / (np.arange(groups) + 1.0) ** alpha
+SKEWS = {"balanced": 0.0, "moderate": 0.8, "stress": 2.0}  # Zipf exponent of the expert popularity
+
+
+def expert_probs(groups: int, skew: str, seed: int = 0) -> np.ndarray:
+  """Popularity of ``groups`` experts, Zipf(``SKEWS[skew]``), in a seeded random order (the heavy one moves)."""
+  p = 1.0 / (np.arange(groups) + 1.0) ** SKEWS[skew]
   p = p / p.sum()
   rng = np.random.default_rng(seed)
-  p = p[rng.permutation(groups)]  # the heavy expert is not always expert 0
+  return p[rng.permutation(groups)]
+
+
+def group_sizes(rows: int, groups: int, skew: str, seed: int = 0) -> np.ndarray:
+  """Rows per group summing to ``rows``: 'balanced', 'moderate' (Zipf 0.8) or 'stress' (Zipf 2.0) skew."""
+  p = expert_probs(groups, skew, seed)
   sizes = np.floor(p * rows).astype(np.int64)
   sizes[np.argmax(p)] += rows - sizes.sum()
   return sizes.astype(np.int32)
+
+
+def topk_routing(tokens: int, groups: int, k: int, skew: str, seed: int = 0) -> np.ndarray:
+  """[tokens, k] int32 expert ids, distinct within a token, drawn without replacement from ``expert_probs``.
+
+  Gumbel top-k (exact sampling without replacement, vectorised). As a token takes an expert at most once, the
+  heaviest expert gets at most 1/k of the slots even when its Zipf share is larger.
+  """
+  p = expert_probs(groups, skew, seed)
+  rng = np.random.default_rng(seed + 1)
+  keys = np.log(p)[None, :] + rng.gumbel(size=(tokens, groups))
+  return np.argsort(-keys, axis=1)[:, :k].astype(np.int32)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,520 @@
+"""Expert-parallel MoE expert layer (post-router) on R devices, forward and forward+backward (issue 7, item 3).
+
+A mesh of R devices on axis "expert" (all local devices, or ``--devices N``); tokens and experts are sharded over it.
+Every implementation is a function of global arrays ``(x [T_global, D], expert_ids [T_global, k], gates [T_global, k],
+w1 [E, D, 2F], w2 [E, F, D]) -> y [T_global, D]`` run under ``jax.jit``:
+
+ours            jax_moe_overlap.moe_experts(impl="overlap"): dispatch + grouped GEMM1 + expert_combine custom calls.
+xla_ragged      MaxText's GPU path in shard_map: sort slots by expert, ragged_all_to_all to the owning ranks (one slice
+                per destination rank), local permute by local expert, jax.lax.ragged_dot GEMM1 + SwiGLU + GEMM2,
+                un-permute, ragged_all_to_all back, unsort, weighted sum over k. XLA:CPU has no ragged_all_to_all:
+                on CPU it is skipped (its offsets are still checked, through an all_gather emulation of the
+                documented semantics, as ``xla_ragged[emulated]``).
+tokamax_ragged  the same with tokamax.ragged_dot(implementation="mosaic") (MaxText's GPU choice), when tokamax imports.
+xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_local, C, D], all_to_all, batched GEMMs
+                per local expert, all_to_all back, combine. C = T_local (dropless worst case) unless
+                --capacity-factor (a number: ceil(cf T_local k / E); 'fit': the largest (rank, expert) count of these
+                inputs, so nothing drops).
+serialized      not measured yet: needs a kernel mode that waits for the whole GEMM before pushing (TODO hook).
+ideal           not measured yet: needs compute-alone and communication-alone timings of our kernels (TODO hook).
+
+Nothing is timed before it agrees with ``moe_experts(impl="reference")`` on the same inputs (the reference in float32,
+in token chunks when the dense oracle would not fit): relative error (Frobenius) of y and, for fwd+bwd, of the
+gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for bfloat16, 1e-4 for
+float32). Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is faster), and the bytes the two
+all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd, whose backward has the same two
+transfers; logical payload: the padded path moves more) with the rate that makes of the layer time.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python3 benchmarks/bench_ep_layer.py --quick   # CPU try-out
+  python3 benchmarks/bench_ep_layer.py --shapes 'seed T=8192' --out $OUT/ep_layer.jsonl             # 4 GPUs
+
+The default list is 54 shapes (48 seed-sweep, 3 Mixtral-like, 3 DeepSeek-like), more than one 10-minute device
+command holds: select subsets with --shapes (a regex on "name skew") and --impls. --tokens-per-rank N runs the same
+list scaled down (a CPU dry run). The correctness oracle is dense over all E experts, so the checks are a visible part
+of the run time at the big shapes; --check-only runs the checks alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import time
+import sys
+
+if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  # Virtual CPU devices for a CPU try-out: --devices N, else 4. Only the host platform is affected, so on a GPU
+  # machine the mesh still is the GPUs.
+  _n = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv[:-1] else "4"
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}"
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax.sharding import NamedSharding  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax.sharding import PartitionSpec as P  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax_moe_overlap as jmo  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_moe_overlap.primitives import swiglu  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+AXIS = "expert"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shapes and inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  name: str
+  tokens_per_rank: int
+  d: int
+  f: int
+  experts: int
+  k: int
+  skew: str
+
+
+def shapes(quick: bool) -> list[Shape]:
+  if quick:
+    return [Shape("quick", 16, 32, 32, 8, 2, "stress")]
+  out = []
+  for t in (8192, 16384):                       # tokens per rank
+    for n in (4096, 8192):                      # GEMM1 N = 2F
+      for e in (8, 16, 32, 64):
+        for skew in ("balanced", "moderate", "stress"):
+          out.append(Shape(f"seed T={t} N={n} E={e}", t, 2048, n // 2, e, 2, skew))
+  for skew in ("balanced", "moderate", "stress"):
+    out.append(Shape("mixtral-like", 8192, 4096, 14336, 8, 2, skew))
+    out.append(Shape("deepseek-like", 4096, 7168, 2048, 256, 8, skew))
+  return out
+
+
+def make_mesh(n: int | None) -> jax.sharding.Mesh:
+  devs = jax.devices()
+  if n is not None:
+    if n > len(devs):
+      raise SystemExit(f"--devices {n}: only {len(devs)} devices here")
+    devs = devs[:n]
+  return jax.sharding.Mesh(np.array(devs), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def make_inputs(shape: Shape, R: int, dtype, seed: int, mesh):
+  """(x, ids, gates, w1, w2, ct), tokens and experts sharded over the mesh; ct is the fixed cotangent of y."""
+  T = shape.tokens_per_rank * R
+  E, D, F, k = shape.experts, shape.d, shape.f, shape.k
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  ids = common.topk_routing(T, E, k, shape.skew, seed=seed)
+  spec = NamedSharding(mesh, P(AXIS))
+
+  def put(a):
+    return jax.device_put(a, spec)
+
+  # Generated under jit with sharded outputs, so no device ever holds a whole global array.
+  gen = jax.jit(lambda: (jax.random.normal(ks[0], (T, D), jnp.float32).astype(dtype),
+                         jax.nn.softmax(jax.random.normal(ks[1], (T, k)), -1),
+                         (jax.random.normal(ks[2], (E, D, 2 * F)) / np.sqrt(D)).astype(dtype),
+                         (jax.random.normal(ks[3], (E, F, D)) / np.sqrt(F)).astype(dtype),
+                         jax.random.normal(ks[4], (T, D), jnp.float32)),
+                out_shardings=(spec,) * 5)
+  x, gates, w1, w2, ct = gen()
+  return (x, put(jnp.asarray(ids)), gates, w1, w2, ct), ids
+
+
+def _excl_cumsum(a, axis=-1):
+  return jnp.cumsum(a, axis=axis) - a
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ragged_all_to_all path (MaxText's GPU path)
+#
+# Operand semantics relied on (JAX docs, jax.lax.ragged_all_to_all,
+# https://docs.jax.dev/en/latest/_autosummary/jax.lax.ragged_all_to_all.html, and its docstring in jax 0.11.2):
+#  * the four index arrays have length N, a multiple of the axis size R; slice i (N/R per destination) goes to
+#    axis index i // (N/R): operand[input_offsets[i] : input_offsets[i] + send_sizes[i]];
+#  * output_offsets[i] is the offset of that slice in the *receiver's* buffer (not in ours);
+#  * recv_sizes[i] is the size of the slice this rank receives from source i // (N/R), i.e.
+#    send_sizes == all_to_all(recv_sizes, tiled=True); the result is ``output`` with the received slices written
+#    at all_to_all(output_offsets, tiled=True) and everything else left as ``output`` was.
+# MaxText (AI-Hypercomputer/maxtext, src/MaxText/layers/moe.py: permute, get_all_to_all_params, local_permute,
+# sparse_matmul) uses one slice per destination rank and then sorts the received rows by local expert; so do we.
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+  """ragged_all_to_all written from its documented semantics with an all_gather (slow; for checking offsets).
+
+  Received slices whose recv_sizes disagree with the sender's send_sizes are filled with NaN, so that a wrong
+  size computation fails the correctness check instead of passing silently.
+  """
+  R = jax.lax.axis_size(axis_name)
+  me = jax.lax.axis_index(axis_name)
+  N = input_offsets.shape[0]
+  spd = N // R
+  ops = jax.lax.all_gather(operand, axis_name)                       # [R_src, M_in, ...]
+  io, ss, oo = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))  # [R, N]
+  rows = jnp.arange(output.shape[0])
+  bshape = (output.shape[0],) + (1,) * (output.ndim - 1)
+  result = output
+  for s in range(R):
+    for j in range(spd):
+      i = me * spd + j                                               # the sender's slice index that comes to me
+      src_off, size, dst_off = io[s, i], ss[s, i], oo[s, i]
+      n = recv_sizes[s * spd + j]
+      seg = (rows >= dst_off) & (rows < dst_off + n)
+      src = jnp.clip(src_off + rows - dst_off, 0, operand.shape[0] - 1)
+      val = jnp.where(n == size, ops[s][src], jnp.nan).astype(output.dtype)
+      result = jnp.where(seg.reshape(bshape), val, result)
+  return result
+
+
+def ragged_layer(mesh, ragged_dot, recv_rows: int, a2a=jax.lax.ragged_all_to_all):
+  """The ragged_all_to_all path as a function of global arrays; ``recv_rows``: static rows of the receive buffer."""
+
+  def local(x, ids, gates, w1, w2):
+    T, k = ids.shape
+    E_l = w1.shape[0]
+    R = jax.lax.axis_size(AXIS)
+    me = jax.lax.axis_index(AXIS)
+    E = R * E_l
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                          # slots sorted by (dest rank, local expert)
+    xs = jnp.take(x, order // k, axis=0)                             # [T k, D]
+    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1).reshape(R, E_l)       # this rank's [dest, e]
+    counts_all = jax.lax.all_gather(counts, AXIS)                    # [src, dest, e]
+    per_pair = jnp.sum(counts_all, axis=2)                           # [src, dest] rows
+    send_sizes = per_pair[me]                                        # [dest]
+    input_offsets = _excl_cumsum(send_sizes)
+    recv_sizes = per_pair[:, me]                                     # [src]
+    # Where my slice lands on destination d: after the slices of the sources before me (receiver's buffer).
+    output_offsets = _excl_cumsum(per_pair, axis=0)[me]              # [dest]
+    buf = jnp.zeros((recv_rows, x.shape[1]), x.dtype)
+    recv = a2a(xs, buf, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=AXIS)
+    # recv: segments (src, e) packed in that order; MaxText's local_permute sorts them by local expert.
+    seg_sizes = counts_all[:, me, :].reshape(R * E_l)
+    seg_id = jnp.searchsorted(jnp.cumsum(seg_sizes), jnp.arange(recv_rows), side="right")
+    e_of_row = jnp.where(seg_id < R * E_l, seg_id % E_l, E_l)       # padding rows sort last
+    lorder = jnp.argsort(e_of_row, stable=True)
+    group_sizes = jnp.sum(counts_all[:, me, :], axis=0).astype(jnp.int32)     # [E_l]
+    rs = jnp.take(recv, lorder, axis=0)
+    h = swiglu(ragged_dot(rs, w1, group_sizes).astype(jnp.float32)).astype(x.dtype)
+    out = ragged_dot(h, w2, group_sizes).astype(x.dtype)
+    out = jnp.zeros_like(out).at[lorder].set(out)                    # back to (src, e) order
+    # Return trip: the transposed exchange; every source gets its rows back in its own sorted order.
+    back = a2a(out, jnp.zeros((T * k, x.shape[1]), x.dtype), _excl_cumsum(recv_sizes), recv_sizes,
+               _excl_cumsum(per_pair, axis=1)[:, me], send_sizes, axis_name=AXIS)
+    per_slot = jnp.zeros_like(back).at[order].set(back)
+    y = jnp.einsum("tk,tkd->td", gates.astype(jnp.float32), per_slot.reshape(T, k, -1).astype(jnp.float32))
+    return y.astype(x.dtype)
+
+  spec = P(AXIS)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=False)
+
+
+def ragged_recv_rows(ids: np.ndarray, R: int, E: int, mode: str) -> int:
+  """Static receive rows per rank: 'worst' = every slot of the group; 'fit' = the most any rank gets here (x128)."""
+  T_l = ids.shape[0] // R
+  k = ids.shape[1]
+  if mode == "worst":
+    return T_l * R * k
+  owner = ids // (E // R)
+  most = max(int(np.sum(owner == d)) for d in range(R))
+  return max(128, -(-most // 128) * 128)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Capacity-padded all_to_all path (GShard style)
+
+
+def dense_capacity(ids: np.ndarray, R: int, E: int, capacity_factor) -> int:
+  T_l, k = ids.shape[0] // R, ids.shape[1]
+  if capacity_factor is None:
+    return T_l                       # dropless worst case: every token of a rank picks the expert (k distinct ids)
+  if capacity_factor == "fit":
+    most = max(int(np.max(np.bincount(ids[r * T_l:(r + 1) * T_l].ravel(), minlength=E))) for r in range(R))
+    return max(8, -(-most // 8) * 8)
+  return max(1, math.ceil(float(capacity_factor) * T_l * k / E))
+
+
+def dense_a2a_layer(mesh, capacity: int):
+  C = capacity
+
+  def local(x, ids, gates, w1, w2):
+    T, k = ids.shape
+    E_l, D = w1.shape[0], x.shape[1]
+    R = jax.lax.axis_size(AXIS)
+    E = R * E_l
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rank_in_sorted = jnp.zeros_like(flat).at[order].set(jnp.arange(T * k, dtype=flat.dtype))
+    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    pos = rank_in_sorted - _excl_cumsum(counts)[flat]               # slot's place among this rank's slots of expert
+    keep = pos < C
+    dest, e = flat // E_l, flat % E_l
+    slot_pos = jnp.where(keep, pos, C)                               # C is out of range: dropped by mode="drop"
+    buf = jnp.zeros((R, E_l, C, D), x.dtype).at[dest, e, slot_pos].set(jnp.repeat(x, k, axis=0), mode="drop")
+    recv = jax.lax.all_to_all(buf, AXIS, 0, 0, tiled=True)           # [src, E_l, C, D]
+    lhs = jnp.transpose(recv, (1, 0, 2, 3)).reshape(E_l, R * C, D)
+    h = swiglu(jnp.einsum("end,edf->enf", lhs, w1, preferred_element_type=jnp.float32)).astype(x.dtype)
+    out = jnp.einsum("enf,efd->end", h, w2).astype(x.dtype)
+    out = jnp.transpose(out.reshape(E_l, R, C, D), (1, 0, 2, 3))     # [src, E_l, C, D]
+    back = jax.lax.all_to_all(out, AXIS, 0, 0, tiled=True)           # [dest, E_l, C, D] on the source again
+    per_slot = jnp.where(keep[:, None], back[dest, e, jnp.minimum(pos, C - 1)], 0)
+    y = jnp.einsum("tk,tkd->td", gates.astype(jnp.float32), per_slot.reshape(T, k, D).astype(jnp.float32))
+    return y.astype(x.dtype)
+
+  spec = P(AXIS)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=False)
+
+
+def dense_bytes_per_rank(shape: Shape, R: int, C: int, itemsize: int) -> int:
+  """Rough peak of the padded path's per-rank buffers (send, recv, GEMM1 fp32 out, h, out, back)."""
+  rows = shape.experts * C                       # R * E_local * C
+  return rows * (4 * shape.d * itemsize + 2 * shape.f * 4 + shape.f * itemsize)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hooks for what cannot be measured from Python yet
+
+
+def measure_serialized(*_):
+  """TODO(issue 7): our kernels with the push held back until the whole GEMM is done (a kernel mode)."""
+  return None, "not measured: needs a CallConfig/kernel mode in which expert_combine waits for the whole grouped GEMM " \
+               "before the consumer pushes (serialized compute then communication)"
+
+
+def measure_ideal(*_):
+  """TODO(issue 7): max(compute alone, communication alone) of our kernels."""
+  return None, "not measured: needs compute-alone (producer GEMM without pushes) and communication-alone " \
+               "(consumer pushes without the GEMM) timings of expert_combine, i.e. two kernel modes"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Correctness
+
+
+@jax.jit
+def _rel_err(a, b):
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  err = jnp.sqrt(jnp.sum((a - b) ** 2)) / jnp.maximum(jnp.sqrt(jnp.sum(b * b)), 1e-30)
+  return jnp.where(jnp.all(jnp.isfinite(a)), err, jnp.inf)
+
+
+def rel_err(a, b) -> float:
+  """Frobenius relative error of a vs b (inf if a has a NaN/inf), computed on the device (gradients are GBs)."""
+  return float(_rel_err(jnp.asarray(a), jnp.asarray(b)))
+
+
+def fwd_fn(f):
+  return jax.jit(lambda x, ids, g, w1, w2, ct: f(x, ids, g, w1, w2))
+
+
+def grad_fn(f):
+  def loss(x, ids, g, w1, w2, ct):
+    return jnp.sum(f(x, ids, g, w1, w2).astype(jnp.float32) * ct)
+  return jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
+
+
+def reference_results(mesh, args, want_grads: bool, max_bytes: float = 2 ** 32):
+  """y and the gradients of sum(y * ct) from moe_experts(impl="reference") in float32, in token chunks so that the
+  dense oracle's [E, chunk, max(2F, D)] float32 intermediates stay near ``max_bytes`` (dropless: chunks agree)."""
+  x, ids, gates, w1, w2, ct = args
+  R = mesh.shape[AXIS]
+  T, D = x.shape
+  E, F = w2.shape[0], w2.shape[1]
+  per_token = E * max(2 * F, D) * 4 * (3 if want_grads else 1)
+  n = 1
+  while (T // n) * per_token > max_bytes and T % (2 * n) == 0 and (T // (2 * n)) % R == 0:
+    n *= 2
+  Tc = T // n
+
+  def ref(x, ids, g, w1, w2):
+    return jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="reference")[0]
+
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  fwd, grd = fwd_fn(ref), grad_fn(ref)
+  w1, w2 = f32(w1), f32(w2)
+  ys, dxs, dgs, dw1, dw2 = [], [], [], 0.0, 0.0
+  for c in range(n):                          # everything stays on the devices (w1's gradient alone can be GBs)
+    sl = slice(c * Tc, (c + 1) * Tc)
+    a = (f32(x[sl]), ids[sl], gates[sl], w1, w2, ct[sl])
+    if want_grads:
+      gx, gg, g1, g2 = grd(*a)
+      dxs.append(gx)
+      dgs.append(gg)
+      dw1 = dw1 + g1
+      dw2 = dw2 + g2
+    else:
+      ys.append(fwd(*a))
+  if want_grads:
+    return None, (jnp.concatenate(dxs), jnp.concatenate(dgs), dw1, dw2)
+  return jnp.concatenate(ys), None
+
+
+def check(fn, args, expected, rtol: float) -> tuple[bool, str]:
+  """Runs fn once on args, compares every output with expected; (ok, text)."""
+  try:
+    got = fn(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    return False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+  got = got if isinstance(got, tuple) else (got,)
+  errs = [rel_err(g, w) for g, w in zip(got, expected)]
+  worst = max(errs)
+  text = "rel err " + "/".join(f"{e:.1e}" for e in errs)
+  return worst <= rtol, text
+
+
+def compile_error(fn, args) -> str | None:
+  """None if fn compiles for args, else the first line of the error (how ragged_all_to_all is found missing)."""
+  try:
+    fn.lower(*args).compile()
+    return None
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def implementations(mesh, ids_np, shape: Shape, args, capacity_factor, ragged_buffer: str, itemsize: int,
+                    max_dense_gib: float):
+  """{name: (fn on global arrays, None) or (None, reason it is skipped)}; check-only entries end in '[emulated]'."""
+  R = mesh.shape[AXIS]
+  impls = {"ours": (lambda *a: jmo.moe_experts(*a, mesh=mesh, impl="overlap")[0], None)}
+  rows = max(ragged_recv_rows(i, R, shape.experts, ragged_buffer) for i in ids_np)
+  grouped = {"xla_ragged": jax.lax.ragged_dot}
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+    grouped["tokamax_ragged"] = lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic")
+  except Exception as e:  # pylint: disable=broad-except
+    impls["tokamax_ragged"] = (None, f"tokamax unavailable: {type(e).__name__}: {e}")
+  for name, rd in grouped.items():
+    f = ragged_layer(mesh, rd, rows)
+    err = compile_error(fwd_fn(f), args)
+    if err and "ragged-all-to-all" in err.replace("_", "-"):
+      impls[name] = (None, f"skipped: this backend ({jax.default_backend()}) cannot compile ragged_all_to_all "
+                           f"({err})")
+    else:
+      impls[name] = (f, None)   # any other compile error surfaces in the correctness check, with its text
+  if impls["xla_ragged"][0] is None:
+    # Where the real collective cannot run, still check this path's offsets and sizes (check only, never timed).
+    impls["xla_ragged[emulated]"] = (ragged_layer(mesh, jax.lax.ragged_dot, rows, a2a=emulated_ragged_all_to_all),
+                                     None)
+  C = max(dense_capacity(i, R, shape.experts, capacity_factor) for i in ids_np)
+  gib = dense_bytes_per_rank(shape, R, C, itemsize) / 2 ** 30
+  if gib > max_dense_gib:
+    impls["xla_dense_a2a"] = (None, f"skipped: capacity C={C} needs ~{gib:.0f} GiB per rank (> --max-dense-gib "
+                                    f"{max_dense_gib}); try --capacity-factor fit")
+  else:
+    impls["xla_dense_a2a"] = (dense_a2a_layer(mesh, C), None)
+  T_l = shape.tokens_per_rank
+  drops = sum(int(np.maximum(np.bincount(i[r * T_l:(r + 1) * T_l].ravel(), minlength=shape.experts) - C, 0).sum())
+              for i in ids_np[:1] for r in range(R))
+  return impls, dict(ragged_recv_rows=rows, dense_capacity=C, dense_dropped_slots=drops)
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="one tiny CPU-sized shape")
+  ap.add_argument("--tokens-per-rank", type=int, default=None,
+                  help="override every shape's tokens per rank (a scaled-down dry run of the sweep)")
+  ap.add_argument("--devices", type=int, default=None, help="mesh size R (default: all local devices)")
+  ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                  help="auto: bfloat16 on GPU, float32 on CPU")
+  ap.add_argument("--shapes", default=None, help="regex on 'name skew' to select shapes")
+  ap.add_argument("--impls", default=None, help="comma list of implementations to run (ours is always run)")
+  ap.add_argument("--passes", default="fwd,fwd+bwd")
+  ap.add_argument("--capacity-factor", default=None, help="xla_dense_a2a capacity: a number, or 'fit'")
+  ap.add_argument("--ragged-buffer", choices=("fit", "worst"), default="fit",
+                  help="receive rows of the ragged paths: the most any rank gets for these inputs (x128), or "
+                       "every slot of the group")
+  ap.add_argument("--max-dense-gib", type=float, default=48.0)
+  ap.add_argument("--rtol", type=float, default=None, help="default 1e-2 (bfloat16) / 1e-4 (float32)")
+  ap.add_argument("--check-only", action="store_true", help="correctness checks, no timing")
+  ap.add_argument("--out", default="ep_layer.jsonl")
+  a = ap.parse_args(argv)
+  if a.capacity_factor not in (None, "fit"):
+    a.capacity_factor = float(a.capacity_factor)
+  return a
+
+
+def run(args, *, timing: bool = True):
+  """Checks (and unless ``timing`` is False, times) every selected shape; returns the Table."""
+  mesh = make_mesh(args.devices)
+  R = mesh.shape[AXIS]
+  dtype = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
+           "bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+  rtol = args.rtol if args.rtol is not None else (1e-2 if dtype == jnp.bfloat16 else 1e-4)
+  itemsize = jnp.dtype(dtype).itemsize
+  wanted = set(args.impls.split(",")) | {"ours"} if args.impls else None
+  print(f"mesh: {R} x {jax.devices()[0].device_kind} on axis {AXIS!r}; dtype {jnp.dtype(dtype).name}; rtol {rtol}")
+  for hook in (measure_serialized, measure_ideal):
+    print(f"{hook.__name__[len('measure_'):]}: {hook()[1]}")
+  table = common.Table(["shape", "skew", "pass", "impl", "ms", "vs_ours", "a2a_MB", "a2a_GBps", "check"])
+  for shape in shapes(args.quick):
+    if args.tokens_per_rank:
+      shape = dataclasses.replace(shape, tokens_per_rank=args.tokens_per_rank)
+    if args.shapes and not re.search(args.shapes, f"{shape.name} {shape.skew}"):
+      continue
+    if shape.experts % R:
+      print(f"{shape.name} {shape.skew}: skipped, {shape.experts} experts do not split over {R} ranks")
+      continue
+    T = shape.tokens_per_rank * R
+    sets = [make_inputs(shape, R, dtype, seed, mesh) for seed in range(2)]
+    arg_sets, ids_np = [s[0] for s in sets], [s[1] for s in sets]
+    impls, sizes = implementations(mesh, ids_np, shape, arg_sets[0], args.capacity_factor, args.ragged_buffer,
+                                   itemsize, args.max_dense_gib)
+    fwd_bytes = 2 * T * shape.k * shape.d * itemsize        # dispatch + return all-to-all, logical payload
+    print(f"\n{shape} R={R} T_global={T}: {sizes} (started at {time.strftime('%H:%M:%S')})")
+    for pname in args.passes.split(","):
+      want_grads = pname == "fwd+bwd"
+      a2a_bytes = fwd_bytes * (2 if want_grads else 1)       # the backward pass has the same two transfers
+      y_ref, g_ref = reference_results(mesh, arg_sets[0], want_grads)
+      expected = (y_ref,) if not want_grads else g_ref
+      base = None
+      for iname, (f, reason) in impls.items():
+        if wanted and iname.split("[")[0] not in wanted:
+          continue
+        row = dict(shape=shape.name, skew=shape.skew, **{"pass": pname}, impl=iname,
+                   a2a_MB=f"{a2a_bytes / 1e6:.4g}", vs_ours="", a2a_GBps="")
+        if f is None:
+          print(f"  {iname}: {reason}")
+          table.add(**row, ms="skipped", check=reason[:120])
+          continue
+        fn = fwd_fn(f) if not want_grads else grad_fn(f)
+        ok, text = check(fn, arg_sets[0], expected, rtol)
+        if not ok:
+          print(f"  {iname}: EXCLUDED from timing, disagrees with the reference ({text}; rtol {rtol})")
+          table.add(**row, ms="excluded", check=f"FAIL {text}")
+          continue
+        if iname.endswith("[emulated]") or not timing:
+          table.add(**row, ms="check only", check=f"ok {text}")
+          continue
+        try:
+          ms = common.time_fn(fn, arg_sets) * 1e3
+        except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory: keep the rest of the sweep)
+          text = f"error while timing: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+          print(f"  {iname}: {text}")
+          table.add(**row, ms="error", check=text)
+          continue
+        if iname == "ours":
+          base = ms
+        row.update(ms=f"{ms:.3f}", vs_ours=f"{ms / base:.2f}" if base else "",
+                   a2a_GBps=f"{a2a_bytes / ms / 1e6:.4g}", check=f"ok {text}")
+        table.add(**row)
+  return table
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  table = run(args, timing=not args.check_only)
+  table.finish(args.out)
+
+
+if __name__ == "__main__":
+  main()
