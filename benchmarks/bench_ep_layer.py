@@ -80,6 +80,10 @@ class Shape:
 
 
 def shapes(quick: bool) -> list[Shape]:
+  """--quick: one tiny CPU shape. Else the seed-paper sweep (tokens per rank 8192 and 16384, top-2, D 2048,
+  GEMM1 N = 2F in {4096, 8192}, E in {8, 16, 32, 64}), Mixtral-like (D 4096, F 14336, E 8, top-2, 8192 tokens per
+  rank) and DeepSeek-like (D 7168, F 2048, 256 experts, top-8, 4096 tokens per rank, as in bench_layer.py), each
+  under balanced / moderate (Zipf 0.8) / stress (Zipf 2.0) expert popularity (common.topk_routing)."""
   if quick:
     return [Shape("quick", 16, 32, 32, 8, 2, "stress")]
   out = []
