@@ -95,29 +95,30 @@ def _gemm1(x_recv, w1, group_sizes):
   return jax.lax.ragged_dot(x_recv, w1, group_sizes, preferred_element_type=jnp.float32)
 
 
-def _grouped_outer(lhs, rhs, group_sizes, num_groups):
+def _grouped_outer(lhs, rhs, group_sizes):
   """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (float32)."""
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)
-  assert out.shape[0] == num_groups
-  return out
+  return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)
+
+
+def _dispatch_and_gemm1(x, gates, w1, plan, cap, info):
+  """Tokens to their experts' ranks, then GEMM1: (x_recv [cap, D], a [cap, 2F] float32)."""
+  T, k = gates.shape
+  x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
+  return x_recv, _gemm1(x_recv, w1, plan.expert_rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def expert_block(x, gates, w1, w2, plan: Plan, cap: int, info: RankInfo):
   """Per-rank expert block. x [T, D], gates [T, k] f32, w1 [E_local, D, 2F], w2 [E_local, F, D] -> y [T, D]."""
-  T, k = gates.shape
-  x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
-  h = swiglu(_gemm1(x_recv, w1, plan.expert_rows)).astype(x.dtype)
-  y, _ = expert_combine(h, w2, gates, plan, info, want_slots=False)  # no per-slot rows without a backward pass
+  _, a = _dispatch_and_gemm1(x, gates, w1, plan, cap, info)
+  y, _ = expert_combine(swiglu(a).astype(x.dtype), w2, gates, plan, info, want_slots=False)  # no per-slot rows without a backward pass
   return y
 
 
 def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
-  T, k = gates.shape
-  x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
-  a = _gemm1(x_recv, w1, plan.expert_rows)
+  x_recv, a = _dispatch_and_gemm1(x, gates, w1, plan, cap, info)
   y, slot_out = expert_combine(swiglu(a).astype(x.dtype), w2, gates, plan, info, want_slots=True)
   return y, (x_recv, a, slot_out, gates, w1, w2, plan)
 
@@ -131,10 +132,10 @@ def _expert_block_bwd(cap, info, res, dy):
   d_out = dispatch(d_slot, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)   # [cap, D] at the experts
   h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
   dh = jax.lax.ragged_dot(d_out, jnp.swapaxes(w2, 1, 2), plan.expert_rows, preferred_element_type=jnp.float32)
-  dw2 = _grouped_outer(h.astype(w2.dtype), d_out, plan.expert_rows, w2.shape[0]).astype(w2.dtype)
+  dw2 = _grouped_outer(h.astype(w2.dtype), d_out, plan.expert_rows).astype(w2.dtype)
   (da,) = swiglu_vjp(dh)
   da = da.astype(x_recv.dtype)
-  dw1 = _grouped_outer(x_recv, da, plan.expert_rows, w1.shape[0]).astype(w1.dtype)
+  dw1 = _grouped_outer(x_recv, da, plan.expert_rows).astype(w1.dtype)
   dx, _ = expert_combine(da, jnp.swapaxes(w1, 1, 2), jnp.ones_like(gates, jnp.float32), plan, info,
                          want_slots=False)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)

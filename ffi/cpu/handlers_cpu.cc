@@ -4,7 +4,6 @@
 // communication engine. Both follow protocol.h step by step, so the CUDA kernels can be checked against this code.
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,8 +46,6 @@ struct Elem<uint16_t> {
   static void Store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = FloatToBf16(v); }
 };
 
-ffi::Error Invalid(const std::string& msg) { return InvalidCall(msg); }
-
 struct CallContext {
   Workspace* ws;
   int group, rank;
@@ -66,7 +63,7 @@ ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank,
                                       "jax_moe_overlap: workspace handle " + std::to_string(handle) +
                                           " is not live (released, or created in another process)"));
   if (rank < 0 || rank >= ws->ranks() || group < 0 || group >= ws->groups())
-    return ffi::Unexpected(Invalid("rank " + std::to_string(rank) + " / group " + std::to_string(group) +
+    return ffi::Unexpected(InvalidCall("rank " + std::to_string(rank) + " / group " + std::to_string(group) +
                                    " outside the workspace's " + std::to_string(ws->ranks()) + " ranks x " +
                                    std::to_string(ws->groups()) + " groups"));
   if (delay_rank == rank && delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
@@ -111,21 +108,21 @@ ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, 
   Workspace* ws = c.ws;
   const int R = ws->ranks();
   if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows)
-    return Fail(c, Invalid("dispatch: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
+    return Fail(c, InvalidCall("dispatch: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
                    " but the workspace holds " + std::to_string(ws->sizes().row_bytes) + " B x " +
                    std::to_string(ws->sizes().recv_rows)));
   const int32_t* src_row = slot_src_row.typed_data();
   const int32_t* dst_rank = slot_dest_rank.typed_data();
   const int32_t* dst_row = slot_dest_row.typed_data();
   const int64_t expected = recv_rows_expected.typed_data()[0];
-  if (expected < 0 || expected > cap) return Fail(c, Invalid("dispatch: expected rows outside [0, cap]"));
+  if (expected < 0 || expected > cap) return Fail(c, InvalidCall("dispatch: expected rows outside [0, cap]"));
   for (int64_t p = 0; p < P; ++p) {
     if (dst_rank[p] == -1)
-      return Fail(c, Invalid("dispatch: slot " + std::to_string(p) + " (token " + std::to_string(src_row[p]) +
+      return Fail(c, InvalidCall("dispatch: slot " + std::to_string(p) + " (token " + std::to_string(src_row[p]) +
                      ") names an expert id outside [0, num_experts)"));
     if (dst_row[p] < 0) continue;  // dropped by the capacity rule
     if (dst_rank[p] < 0 || dst_rank[p] >= R || dst_row[p] >= cap || src_row[p] < 0 || src_row[p] >= S)
-      return Fail(c, Invalid("dispatch: slot " + std::to_string(p) + " routes outside the workspace (rank " +
+      return Fail(c, InvalidCall("dispatch: slot " + std::to_string(p) + " routes outside the workspace (rank " +
                      std::to_string(dst_rank[p]) + ", row " + std::to_string(dst_row[p]) + ")"));
   }
 
@@ -233,9 +230,9 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   CallContext c = ctx.value();
   Workspace* ws = c.ws;
   const int R = ws->ranks();
-  if (shape->R != R) return Fail(c, Invalid("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
+  if (shape->R != R) return Fail(c, InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
   if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows || P > ws->sizes().ret_rows)
-    return Fail(c, Invalid("expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) +
+    return Fail(c, InvalidCall("expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) +
                    ", cap " + std::to_string(cap) + ", slots " + std::to_string(P) + ")"));
 
   // Segments in (expert, source) order, as the plan laid out recv; then the producer's order.
@@ -247,7 +244,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
       const int32_t rows = seg_rows.typed_data()[e * R + s];
       const int32_t ret_off = seg_ret_off.typed_data()[e * R + s];
       if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > ws->sizes().ret_rows)
-        return Fail(c, Invalid("expert_combine: segment (expert " + std::to_string(e) + ", source " + std::to_string(s) +
+        return Fail(c, InvalidCall("expert_combine: segment (expert " + std::to_string(e) + ", source " + std::to_string(s) +
                        ") lies outside the buffers"));
       segs.push_back(Segment{e, s, off, rows, ret_off, band});
       off += rows;
@@ -255,7 +252,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
       rows_to_rank[s] += rows;
     }
   }
-  if (band > ws->sizes().max_bands) return Fail(c, Invalid("expert_combine: more tiles than the workspace has flags"));
+  if (band > ws->sizes().max_bands) return Fail(c, InvalidCall("expert_combine: more tiles than the workspace has flags"));
   std::vector<int> order(segs.size());
   OrderSegments(segs.data(), static_cast<int>(segs.size()), c.rank, rows_to_rank.data(), order.data());
   std::vector<Segment> ordered;
@@ -291,7 +288,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   ctl->ret_expected.value = base + expected;
   const int32_t* ret_row = slot_ret_row.typed_data();
   for (int64_t p = 0; p < P; ++p)
-    if (ret_row[p] >= ws->sizes().ret_rows) return Fail(c, Invalid("expert_combine: slot_ret_row out of range"));
+    if (ret_row[p] >= ws->sizes().ret_rows) return Fail(c, InvalidCall("expert_combine: slot_ret_row out of range"));
   void* so_ptr = want_slots ? slot_out->untyped_data() : nullptr;
   if (dt == ffi::DataType::F32)
     CombineRows<float>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);

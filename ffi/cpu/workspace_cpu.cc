@@ -5,7 +5,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <sstream>
 
 namespace jmo::cpu {

@@ -18,8 +18,6 @@ namespace ffi = xla::ffi;
 namespace jmo::cuda {
 namespace {
 
-ffi::Error Invalid(const std::string& msg) { return InvalidCall(msg); }
-
 ffi::Error ToFfi(const Status& s) {
   if (s.ok()) return ffi::Error::Success();
   ffi::ErrorCode code = ffi::ErrorCode::kInternal;
@@ -85,7 +83,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
   if (shape->R != c.value().ws->ranks())
-    return Invalid("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
+    return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
                              gates.typed_data(), T, k, seg_rows.typed_data(), seg_ret_off.typed_data(),
                              slot_ret_row.typed_data(), ret_rows_expected.typed_data(), group_op.typed_data(),
