@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 
+#include "cuda/gemm_tile.cuh"
 #include "cuda/kernels.h"
 
 namespace jmo::cuda {
@@ -319,199 +320,14 @@ __device__ __forceinline__ int FindSegment(const SegTable& t, int band) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Producer tile: 64 rows (one band) x 128 columns, fp32 accumulation.
+// Producer tile: one band (64 rows) x kTileN columns, by the engine of gemm_tile.cuh.
 
 constexpr int BM = 64;
-constexpr int BN = 128;
+constexpr int BN = kTileN;
 static_assert(BM == kBandRows, "a producer tile is one row band");
-
-// Tensor-core path (sm80+: mma.sync m16n8k16 bf16, cp.async 3-stage pipeline, ldmatrix). 8 warps as 2 (M) x 4 (N),
-// each a 32 x 32 warp tile. Needs K % 8 == 0 and N % 8 == 0 (16-byte chunks) and 16-byte aligned operands.
-constexpr int TC_BK = 32;
-constexpr int TC_STAGES = 3;
-constexpr int A_STRIDE = TC_BK + 8;  // padded rows: ldmatrix without bank conflicts, 16-byte aligned rows
-constexpr int B_STRIDE = BN + 8;
-constexpr int A_TILE = BM * A_STRIDE;
-constexpr int B_TILE = TC_BK * B_STRIDE;
-constexpr int kTcSmemBytes = TC_STAGES * (A_TILE + B_TILE) * 2;
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void LdMatrixX4(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-__device__ __forceinline__ void MmaBf16(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// out[row0 + r, n0 + c] = sum_k lhs[row0 + r, k] * w_e[k, n0 + c] for r < rows, n0 + c < N.
-__device__ void TcTile(const bf16* __restrict__ lhs, const bf16* __restrict__ w_e, bf16* __restrict__ out, int64_t row0,
-                       int rows, int64_t n0, int64_t K, int64_t N, char* smem) {
-  bf16* sA = reinterpret_cast<bf16*>(smem);
-  bf16* sB = sA + TC_STAGES * A_TILE;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;
-  float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
-  const int ktiles = (int)((K + TC_BK - 1) / TC_BK);
-  auto load = [&](int buf, int kt) {
-    const int64_t k0 = (int64_t)kt * TC_BK;
-    {  // A: 64 rows x 4 chunks of 8
-      const int r = tid / 4, c = tid % 4;
-      const int64_t kk = k0 + c * 8;
-      const bool ok = r < rows && kk < K;
-      CpAsync16(sA + buf * A_TILE + r * A_STRIDE + c * 8, ok ? lhs + (row0 + r) * K + kk : lhs, ok ? 16 : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {  // B: 32 rows x 16 chunks of 8
-      const int idx = tid + i * kThreads;
-      const int r = idx / 16, c = idx % 16;
-      const int64_t kk = k0 + r, n = n0 + c * 8;
-      const bool ok = kk < K && n < N;
-      CpAsync16(sB + buf * B_TILE + r * B_STRIDE + c * 8, ok ? w_e + kk * N + n : w_e, ok ? 16 : 0);
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < TC_STAGES - 1; ++s) {
-    if (s < ktiles) load(s, s);
-    CpAsyncCommit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    CpAsyncWait<TC_STAGES - 2>();
-    __syncthreads();
-    const int nk = kt + TC_STAGES - 1;
-    if (nk < ktiles) load(nk % TC_STAGES, nk);
-    CpAsyncCommit();
-    const bf16* a = sA + (kt % TC_STAGES) * A_TILE;
-    const bf16* b = sB + (kt % TC_STAGES) * B_TILE;
-#pragma unroll
-    for (int ks = 0; ks < TC_BK / 16; ++ks) {
-      uint32_t af[2][4], bfr[4][2];
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-        LdMatrixX4(af[mi], a + (wm + mi * 16 + (lane % 16)) * A_STRIDE + ks * 16 + (lane / 16) * 8);
-#pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {
-        uint32_t r[4];
-        LdMatrixX4Trans(r, b + (ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * B_STRIDE + wn + nj * 16 +
-                               (lane / 16) * 8);
-        bfr[2 * nj][0] = r[0];
-        bfr[2 * nj][1] = r[1];
-        bfr[2 * nj + 1][0] = r[2];
-        bfr[2 * nj + 1][1] = r[3];
-      }
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni) MmaBf16(acc[mi][ni], af[mi], bfr[ni]);
-    }
-  }
-  CpAsyncWait<0>();
-  __syncthreads();  // shared memory is free for the next tile
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-      const int r = wm + mi * 16 + lane / 4;
-      const int64_t n = n0 + wn + ni * 8 + (lane % 4) * 2;
-      if (n >= N) continue;
-      if (r < rows)
-        *reinterpret_cast<__nv_bfloat162*>(out + (row0 + r) * N + n) =
-            __floats2bfloat162_rn(acc[mi][ni][0], acc[mi][ni][1]);
-      if (r + 8 < rows)
-        *reinterpret_cast<__nv_bfloat162*>(out + (row0 + r + 8) * N + n) =
-            __floats2bfloat162_rn(acc[mi][ni][2], acc[mi][ni][3]);
-    }
-  }
-}
-
-// SIMT path (float32 operands, or shapes the tensor-core path does not take). Each thread: 4 rows x 8 columns.
-constexpr int SIMT_BK = 16;
-constexpr int kSimtSmemBytes = SIMT_BK * (BM + BN) * 4;
-
-__device__ __forceinline__ float ToFloat(float x) { return x; }
-__device__ __forceinline__ float ToFloat(bf16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ bf16 FromFloat<bf16>(float x) { return __float2bfloat16_rn(x); }
-
-template <typename T>
-__device__ void SimtTile(const T* __restrict__ lhs, const T* __restrict__ w_e, T* __restrict__ out, int64_t row0,
-                         int rows, int64_t n0, int64_t K, int64_t N, char* smem) {
-  float* As = reinterpret_cast<float*>(smem);  // [SIMT_BK][BM]
-  float* Bs = As + SIMT_BK * BM;               // [SIMT_BK][BN]
-  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
-  float acc[4][8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-  for (int64_t k0 = 0; k0 < K; k0 += SIMT_BK) {
-#pragma unroll
-    for (int i = 0; i < BM * SIMT_BK / kThreads; ++i) {
-      const int idx = tid + i * kThreads, r = idx / SIMT_BK, kk = idx % SIMT_BK;
-      As[kk * BM + r] = (r < rows && k0 + kk < K) ? ToFloat(lhs[(row0 + r) * K + k0 + kk]) : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < BN * SIMT_BK / kThreads; ++i) {
-      const int idx = tid + i * kThreads, kk = idx / BN, c = idx % BN;
-      Bs[kk * BN + c] = (k0 + kk < K && n0 + c < N) ? ToFloat(w_e[(k0 + kk) * N + n0 + c]) : 0.f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < SIMT_BK; ++kk) {
-      float a[4], b[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = As[kk * BM + ty * 4 + i];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) b[j] = Bs[kk * BN + tx + 16 * j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = ty * 4 + i;
-    if (r >= rows) continue;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int64_t n = n0 + tx + 16 * j;
-      if (n < N) out[(row0 + r) * N + n] = FromFloat<T>(acc[i][j]);
-    }
-  }
-}
+static_assert(kTileThreads == kThreads, "the tile engine assumes the kernels' CTA size");
+constexpr int kTcSmemBytes = TcLayout<BM>::kSmemBytes;
+constexpr int kSimtSmemBytes = SimtSmemBytes<BM>();
 
 // ---------------------------------------------------------------------------------------------------------------
 // The overlapped operator: producer and consumer CTAs of one launch, roles by block index.
@@ -561,10 +377,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t row0 = s.recv_off + (int64_t)b * BM;
       const int rows = min((int)BM, s.rows - b * (int)BM);
       const T* w_e = w + (int64_t)s.expert * K * N;
+      const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0, N, stage + row0 * N + n0, N, rows,
+                                (int)min((int64_t)BN, N - n0), (int)K};
       if constexpr (kTensorCores)
-        TcTile(lhs, w_e, stage, row0, rows, n0, K, N, smem);
+        TcTile<BM, false, false, T>(tile, smem);
       else
-        SimtTile<T>(lhs, w_e, stage, row0, rows, n0, K, N, smem);
+        SimtTile<BM, false, false, T, T>(tile, smem);
       // The tile is stored: fence, count it; the CTA that completes the band's last tile publishes the band.
       __threadfence();
       __syncthreads();
@@ -734,8 +552,7 @@ Status PrepareKernels(int dev) {
 }
 
 const char* ProducerPath(DType dt, int64_t K, int64_t N, const void* lhs, const void* w) {
-  const bool aligned = ((reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
-  return (dt == DType::kBF16 && K % 8 == 0 && N % 8 == 0 && aligned) ? "mma.sync bf16" : "simt fp32";
+  return TcTileApplies(dt == DType::kBF16, K, N, lhs, w) ? "mma.sync bf16" : "simt fp32";
 }
 
 Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,

@@ -1,0 +1,287 @@
+// One output tile of a matrix product, computed by one CTA of kThreads threads: the inner engine shared by the
+// producer of expert_combine (kernels.cu) and the bare grouped GEMMs (grouped_gemm.cu).
+//
+//   C[m, n] = sum_k A[m, k] * B[k, n]     for m < tile.m, n < tile.n, fp32 accumulation,
+//
+// where A and B are read through row-major storage with a leading dimension, either as stored or transposed:
+//   A:  kTransA ? a[k * lda + m] : a[m * lda + k]
+//   B:  kTransB ? b[n * ldb + k] : b[k * ldb + n]
+// so one engine covers x @ W (forward), dy @ W^T (input gradient: no transposed copy of W) and x^T @ dy (weight
+// gradient: the rows of a group are the reduction). Rows/columns past the valid extents are neither read nor written.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jmo::cuda {
+
+template <typename T, typename OutT>
+struct TileArgs {
+  const T* a;
+  int64_t lda;
+  const T* b;
+  int64_t ldb;
+  OutT* c;
+  int64_t ldc;
+  int m, n, k;  // valid extents: m <= BM, n <= kTileN, k >= 0 (k == 0 gives zeros)
+};
+
+constexpr int kTileN = 128;  // columns of every tile
+constexpr int kTileThreads = 256;
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Stores the element pair (v0, v1) at columns (col, col + 1) of row `row`, each only if inside the valid extents.
+template <typename OutT>
+__device__ __forceinline__ void StorePair(OutT* c, int64_t ldc, int row, int col, int m, int n, float v0, float v1) {
+  if (row >= m || col >= n) return;
+  OutT* p = c + (int64_t)row * ldc + col;
+  if (col + 1 < n && (reinterpret_cast<uintptr_t>(p) % (2 * sizeof(OutT))) == 0) {
+    if constexpr (sizeof(OutT) == 4)
+      *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+    else
+      *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+  } else {
+    p[0] = FromFloat<OutT>(v0);
+    if (col + 1 < n) p[1] = FromFloat<OutT>(v1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core path (sm80+: mma.sync m16n8k16 bf16, cp.async multi-stage pipeline, ldmatrix). 8 warps as 2 (M) x 4
+// (N), each a (BM/2) x 32 warp tile. Needs lda, ldb % 8 == 0 and 16-byte aligned a, b: every 8-element chunk is one
+// 16-byte cp.async, and a chunk that crosses a valid extent is zero-filled past it by cp.async's src-size.
+
+constexpr int kTcBK = 32;
+constexpr int kTcStages = 4;
+
+template <int BM>
+struct TcLayout {
+  // Shared rows padded by 16 bytes: the 8 rows an ldmatrix reads fall in 8 different 16-byte bank groups.
+  static constexpr int kARows = BM > kTcBK ? BM : kTcBK;  // as stored: [BM][BK+8] or, transposed, [BK][BM+8]
+  static constexpr int kAElems = (BM * (kTcBK + 8) > kTcBK * (BM + 8)) ? BM * (kTcBK + 8) : kTcBK * (BM + 8);
+  static constexpr int kBElems = (kTileN * (kTcBK + 8) > kTcBK * (kTileN + 8)) ? kTileN * (kTcBK + 8)
+                                                                               : kTcBK * (kTileN + 8);
+  static constexpr int kSmemBytes = kTcStages * (kAElems + kBElems) * 2;
+};
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void LdMatrixX4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void MmaBf16(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Bytes of the 8-element chunk starting at `first` (of `valid` elements) that lie inside the valid extent.
+__device__ __forceinline__ int ChunkBytes(int first, int valid) {
+  const int left = valid - first;
+  return left <= 0 ? 0 : (left >= 8 ? 16 : left * 2);
+}
+
+template <int BM, bool kTransA, bool kTransB, typename OutT>
+__device__ void TcTile(const TileArgs<__nv_bfloat16, OutT>& t, char* smem) {
+  using bf16 = __nv_bfloat16;
+  using L = TcLayout<BM>;
+  constexpr int AS = kTransA ? BM + 8 : kTcBK + 8;       // A row stride in shared memory
+  constexpr int BS = kTransB ? kTcBK + 8 : kTileN + 8;   // B row stride
+  constexpr int MI = BM / 32;                            // m16 fragments per warp
+  bf16* sA = reinterpret_cast<bf16*>(smem);
+  bf16* sB = sA + kTcStages * L::kAElems;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = (warp / 4) * (BM / 2), wn = (warp % 4) * 32;
+  float acc[MI][4][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+  const int ktiles = (t.k + kTcBK - 1) / kTcBK;
+  auto load = [&](int buf, int kt) {
+    const int k0 = kt * kTcBK;
+    bf16* a_s = sA + buf * L::kAElems;
+    bf16* b_s = sB + buf * L::kBElems;
+#pragma unroll
+    for (int i = 0; i < BM * kTcBK / 8 / kTileThreads; ++i) {
+      const int idx = tid + i * kTileThreads;
+      if constexpr (!kTransA) {  // [BM][BK]: 4 chunks per row
+        const int r = idx / (kTcBK / 8), c = (idx % (kTcBK / 8)) * 8;
+        const int bytes = r < t.m ? ChunkBytes(k0 + c, t.k) : 0;
+        CpAsync16(a_s + r * AS + c, bytes ? t.a + (int64_t)r * t.lda + k0 + c : t.a, bytes);
+      } else {  // [BK][BM]: BM/8 chunks per k row
+        const int r = idx / (BM / 8), c = (idx % (BM / 8)) * 8;
+        const int bytes = k0 + r < t.k ? ChunkBytes(c, t.m) : 0;
+        CpAsync16(a_s + r * AS + c, bytes ? t.a + (int64_t)(k0 + r) * t.lda + c : t.a, bytes);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kTileN * kTcBK / 8 / kTileThreads; ++i) {
+      const int idx = tid + i * kTileThreads;
+      if constexpr (!kTransB) {  // [BK][BN]: 16 chunks per k row
+        const int r = idx / (kTileN / 8), c = (idx % (kTileN / 8)) * 8;
+        const int bytes = k0 + r < t.k ? ChunkBytes(c, t.n) : 0;
+        CpAsync16(b_s + r * BS + c, bytes ? t.b + (int64_t)(k0 + r) * t.ldb + c : t.b, bytes);
+      } else {  // [BN][BK]: 4 chunks per n row
+        const int r = idx / (kTcBK / 8), c = (idx % (kTcBK / 8)) * 8;
+        const int bytes = r < t.n ? ChunkBytes(k0 + c, t.k) : 0;
+        CpAsync16(b_s + r * BS + c, bytes ? t.b + (int64_t)r * t.ldb + k0 + c : t.b, bytes);
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kTcStages - 1; ++s) {
+    if (s < ktiles) load(s, s);
+    CpAsyncCommit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    CpAsyncWait<kTcStages - 2>();
+    __syncthreads();
+    const int nk = kt + kTcStages - 1;
+    if (nk < ktiles) load(nk % kTcStages, nk);
+    CpAsyncCommit();
+    const bf16* a = sA + (kt % kTcStages) * L::kAElems;
+    const bf16* b = sB + (kt % kTcStages) * L::kBElems;
+#pragma unroll
+    for (int ks = 0; ks < kTcBK / 16; ++ks) {
+      uint32_t af[MI][4], bfr[4][2];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        if constexpr (!kTransA)  // matrices (m 0-7 | 8-15) x (k 0-7 | 8-15), row-major in shared memory
+          LdMatrixX4(af[mi], a + (wm + mi * 16 + (lane % 16)) * AS + ks * 16 + (lane / 16) * 8);
+        else  // stored [k][m]: the transposing load yields the same fragments
+          LdMatrixX4Trans(af[mi], a + (ks * 16 + (lane % 8) + (lane / 16) * 8) * AS + wm + mi * 16 +
+                                      ((lane / 8) % 2) * 8);
+      }
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        uint32_t r[4];
+        if constexpr (!kTransB)
+          LdMatrixX4Trans(r, b + (ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * BS + wn + nj * 16 + (lane / 16) * 8);
+        else  // stored [n][k]: column-major B, exactly the mma's B fragment order without transposing
+          LdMatrixX4(r, b + (wn + nj * 16 + (lane % 8) + (lane / 16) * 8) * BS + ks * 16 + ((lane / 8) % 2) * 8);
+        bfr[2 * nj][0] = r[0];
+        bfr[2 * nj][1] = r[1];
+        bfr[2 * nj + 1][0] = r[2];
+        bfr[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) MmaBf16(acc[mi][ni], af[mi], bfr[ni]);
+    }
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // shared memory is free for the next tile
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int r = wm + mi * 16 + lane / 4, c = wn + ni * 8 + (lane % 4) * 2;
+      StorePair(t.c, t.ldc, r, c, t.m, t.n, acc[mi][ni][0], acc[mi][ni][1]);
+      StorePair(t.c, t.ldc, r + 8, c, t.m, t.n, acc[mi][ni][2], acc[mi][ni][3]);
+    }
+}
+
+// Whether the tensor-core path can take these operands (bf16, 8-element leading dimensions, 16-byte aligned).
+inline bool TcTileApplies(bool bf16, int64_t lda, int64_t ldb, const void* a, const void* b) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
+  return bf16 && lda % 8 == 0 && ldb % 8 == 0 && aligned;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// SIMT path (float32 operands, or operands the tensor-core path does not take). Each thread: BM/16 rows x 8 columns.
+
+constexpr int kSimtBK = 16;
+
+template <int BM>
+constexpr int SimtSmemBytes() { return kSimtBK * (BM + kTileN) * 4; }
+
+template <int BM, bool kTransA, bool kTransB, typename T, typename OutT>
+__device__ void SimtTile(const TileArgs<T, OutT>& t, char* smem) {
+  constexpr int RM = BM / 16;
+  float* As = reinterpret_cast<float*>(smem);  // [BK][BM]
+  float* Bs = As + kSimtBK * BM;               // [BK][BN]
+  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+  float acc[RM][8];
+#pragma unroll
+  for (int i = 0; i < RM; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+  for (int k0 = 0; k0 < t.k; k0 += kSimtBK) {
+#pragma unroll
+    for (int i = 0; i < BM * kSimtBK / kTileThreads; ++i) {
+      const int idx = tid + i * kTileThreads;
+      // The contiguous dimension of the stored operand varies fastest across threads (coalesced loads).
+      const int r = kTransA ? idx % BM : idx / kSimtBK, kk = kTransA ? idx / BM : idx % kSimtBK;
+      const bool ok = r < t.m && k0 + kk < t.k;
+      As[kk * BM + r] = ok ? ToFloat(kTransA ? t.a[(int64_t)(k0 + kk) * t.lda + r] : t.a[(int64_t)r * t.lda + k0 + kk])
+                           : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kTileN * kSimtBK / kTileThreads; ++i) {
+      const int idx = tid + i * kTileThreads;
+      const int c = kTransB ? idx / kSimtBK : idx % kTileN, kk = kTransB ? idx % kSimtBK : idx / kTileN;
+      const bool ok = k0 + kk < t.k && c < t.n;
+      Bs[kk * kTileN + c] =
+          ok ? ToFloat(kTransB ? t.b[(int64_t)c * t.ldb + k0 + kk] : t.b[(int64_t)(k0 + kk) * t.ldb + c]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kSimtBK; ++kk) {
+      float a[RM], b[8];
+#pragma unroll
+      for (int i = 0; i < RM; ++i) a[i] = As[kk * BM + ty * RM + i];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) b[j] = Bs[kk * kTileN + tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    const int r = ty * RM + i;
+    if (r >= t.m) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int c = tx + 16 * j;
+      if (c < t.n) t.c[(int64_t)r * t.ldc + c] = FromFloat<OutT>(acc[i][j]);
+    }
+  }
+}
+
+}  // namespace jmo::cuda
