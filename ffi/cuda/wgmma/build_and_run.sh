@@ -12,7 +12,9 @@ mkdir -p "$dir"
 NVCC="${NVCC:-nvcc}"
 "$NVCC" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Xptxas -v \
   -o "$dir/wgmma_probe" "$here/wgmma_probe.cu" 2> "$dir/ptxas.log" || { cat "$dir/ptxas.log"; exit 1; }
-grep -E "GroupedGemmKernel|registers|spill" "$dir/ptxas.log" | grep -B1 -A1 "registers" | sed 's/^/ptxas: /' || true
+# One line per GEMM instantiation: GroupedGemmKernel<kTransB, kOutF32> registers / spills.
+awk '/Compiling entry function/ { k = ($0 ~ /GroupedGemmKernel/) ? $0 : ""; sub(/.*GroupedGemmKernelILi/, "GroupedGemmKernel<transB=", k); sub(/EEEv.*/, ">", k); sub(/ELb/, ",f32=", k) }
+     k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas.log" || true
 grep -iE "warning" "$dir/ptxas.log" && echo "WARNING: see $dir/ptxas.log" || true
 if command -v cuobjdump > /dev/null; then
   echo "SASS HGMMA count: $(cuobjdump -sass "$dir/wgmma_probe" | grep -c HGMMA || true)"

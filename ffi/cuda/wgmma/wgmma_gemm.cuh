@@ -306,6 +306,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t b_kstep = kTransB ? 2048 : 32;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
       const Tile tile = DecodeTile(t, row_start, tile_start, G, n_tiles);
+      // A group's last m-tile may have <= 64 valid rows: then consumer 1 has no valid row and skips the MMAs
+      // (warpgroup-uniform), but it still waits on every full barrier and arrives on every empty barrier so that
+      // the barrier phases stay in step.
+      if (c * 64 >= tile.rows) {
+        for (int kt = 0; kt < ktiles; ++kt) {
+          MbarWait(SmemAddr(&full[stage]), phase);
+          __syncwarp();
+          if (lane == 0) MbarArrive(SmemAddr(&empty[stage]));
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+        }
+        continue;
+      }
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       int prev_stage = -1;
@@ -336,25 +348,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       // ---- epilogue: m64nNk16 f32 accumulator layout. Thread (warp wq, lane l) holds, for j = 0..31:
       //   acc[4j + 0/1] -> row 16 wq + l/4,     cols 8 j + 2 (l%4) + 0/1
       //   acc[4j + 2/3] -> row 16 wq + l/4 + 8, same cols
+      // Lanes l and l^1 swap one pair per (j, j+1) so that each lane stores 4 consecutive columns: the even lane
+      // cols 8 j + 2 (l%4) .. +3, the odd lane cols 8 (j+1) + 2 (l%4 - 1) .. +3. A warp store then covers 32
+      // (bf16) or 64 (f32) contiguous bytes per row. N % 64 == 0, so blocks j and j+1 are both in or both out.
       const int r_lo = c * 64 + wq * 16 + lane / 4;
-      const int col_base = tile.n0 + 2 * (lane % 4);
+      const bool odd = lane & 1;
+      const int col_even = tile.n0 + 2 * (lane % 4);       // for even lanes, block j
+      const int col_odd = tile.n0 + 8 + 2 * (lane % 4 - 1);  // for odd lanes, block j + 1
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
-        if (r < tile.rows) {
-          const int64_t orow = (int64_t)(tile.row0 + r) * N;
+        const bool row_ok = r < tile.rows;
+        const int64_t orow = (int64_t)(tile.row0 + (row_ok ? r : 0)) * N;
 #pragma unroll
-          for (int j = 0; j < 32; ++j) {
-            const int col = col_base + 8 * j;
-            if (col < N) {
-              const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-              if (kOutF32) {
-                *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + orow + col) = make_float2(v0, v1);
-              } else {
-                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(out) + orow + col) =
-                    __floats2bfloat162_rn(v0, v1);
-              }
-            }
+        for (int j = 0; j < 32; j += 2) {
+          const float* a0 = &acc[4 * j + 2 * h];        // block j, this row
+          const float* a1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1, this row
+          const int col = (odd ? col_odd : col_even) + 8 * j;
+          if (kOutF32) {
+            const float s0 = odd ? a0[0] : a1[0], s1 = odd ? a0[1] : a1[1];
+            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+            const float4 v = odd ? make_float4(r0, r1, a1[0], a1[1]) : make_float4(a0[0], a0[1], r0, r1);
+            if (row_ok && col < N) *reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + orow + col) = v;
+          } else {
+            __nv_bfloat162 p0 = __floats2bfloat162_rn(a0[0], a0[1]), p1 = __floats2bfloat162_rn(a1[0], a1[1]);
+            const uint32_t u0 = *reinterpret_cast<uint32_t*>(&p0), u1 = *reinterpret_cast<uint32_t*>(&p1);
+            const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? u0 : u1, 1);
+            const uint2 v = odd ? make_uint2(got, u1) : make_uint2(u0, got);
+            if (row_ok && col < N)
+              *reinterpret_cast<uint2*>(reinterpret_cast<__nv_bfloat16*>(out) + orow + col) = v;
           }
         }
       }
