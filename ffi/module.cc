@@ -56,6 +56,8 @@ NB_MODULE(_jmo, m) {
     nb::dict d;
     d["jmo_dispatch"] = Capsule(JmoDispatchCpu);
     d["jmo_expert_combine"] = Capsule(JmoExpertCombineCpu);
+    d["jmo_grouped_matmul"] = Capsule(JmoGroupedMatmulCpu);
+    d["jmo_grouped_outer"] = Capsule(JmoGroupedOuterCpu);
     return d;
   });
   m.def("create_cpu_workspace", &CreateCpuWorkspace, nb::arg("ranks"), nb::arg("groups"), nb::arg("row_bytes"),

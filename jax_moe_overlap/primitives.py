@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import _ffi
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 from jax_moe_overlap.plan import Plan
 
 DEFAULT_TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
@@ -92,14 +93,7 @@ def swiglu(a: jax.Array) -> jax.Array:
 
 def _gemm1(x_recv, w1, group_sizes):
   """Grouped GEMM1 with float32 accumulation and output (the SwiGLU epilogue runs in float32, as in a fused kernel)."""
-  return jax.lax.ragged_dot(x_recv, w1, group_sizes, preferred_element_type=jnp.float32)
-
-
-def _grouped_outer(lhs, rhs, group_sizes):
-  """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (float32)."""
-  dims = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)
+  return grouped_matmul(x_recv, w1, group_sizes, preferred_element_type=jnp.float32)
 
 
 def _dispatch_and_gemm1(x, gates, w1, plan, cap, info):
@@ -131,11 +125,11 @@ def _expert_block_bwd(cap, info, res, dy):
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   d_out = dispatch(d_slot, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)   # [cap, D] at the experts
   h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
-  dh = jax.lax.ragged_dot(d_out, jnp.swapaxes(w2, 1, 2), plan.expert_rows, preferred_element_type=jnp.float32)
-  dw2 = _grouped_outer(h.astype(w2.dtype), d_out, plan.expert_rows).astype(w2.dtype)
+  dh = grouped_matmul(d_out, w2, plan.expert_rows, transpose_rhs=True, preferred_element_type=jnp.float32)
+  dw2 = grouped_outer(h.astype(w2.dtype), d_out, plan.expert_rows)
   (da,) = swiglu_vjp(dh)
   da = da.astype(x_recv.dtype)
-  dw1 = _grouped_outer(x_recv, da, plan.expert_rows).astype(w1.dtype)
+  dw1 = grouped_outer(x_recv, da, plan.expert_rows)
   dx, _ = expert_combine(da, jnp.swapaxes(w1, 1, 2), jnp.ones_like(gates, jnp.float32), plan, info,
                          want_slots=False)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)

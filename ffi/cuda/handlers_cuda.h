@@ -5,4 +5,6 @@
 extern "C" {
 XLA_FFI_Error* JmoDispatchCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExpertCombineCuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulCuda(XLA_FFI_CallFrame* frame);  // handlers_gemm_cuda.cc
+XLA_FFI_Error* JmoGroupedOuterCuda(XLA_FFI_CallFrame* frame);
 }

@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu/workspace_cpu.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/handlers_cuda.h"
 #include "cuda/kernels.h"
 #include "cuda/workspace_cuda.h"
@@ -23,6 +24,8 @@ void RegisterModule(nb::module_& m) {
     nb::dict d;
     d["jmo_dispatch"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchCuda));
     d["jmo_expert_combine"] = nb::capsule(reinterpret_cast<void*>(JmoExpertCombineCuda));
+    d["jmo_grouped_matmul"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulCuda));
+    d["jmo_grouped_outer"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedOuterCuda));
     return d;
   });
   m.def(
@@ -39,6 +42,10 @@ void RegisterModule(nb::module_& m) {
       },
       nb::arg("ranks"), nb::arg("groups"), nb::arg("ordinals"), nb::arg("row_bytes"), nb::arg("recv_rows"),
       nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("consumer_ctas"), nb::arg("sm_budget") = 0);
+  m.def(
+      "cuda_grouped_gemm_path",
+      [](bool bf16, int64_t K, int64_t N) { return std::string(GroupedGemmPath(bf16 ? DType::kBF16 : DType::kF32, K, N)); },
+      nb::arg("bf16"), nb::arg("K"), nb::arg("N"));
   m.def(
       "cuda_producer_path",
       [](bool bf16, int64_t K, int64_t N) {

@@ -1,0 +1,84 @@
+// Operands, results, attributes and shape checks of the two bare grouped-GEMM custom calls, shared by the CPU and
+// CUDA handlers (as call_signature.h is for dispatch and expert_combine):
+//
+//   jmo_grouped_matmul(lhs [M, K], rhs [G, K, N] (or [G, N, K] with transpose_rhs), group_sizes [G] s32)
+//       -> out [M, N]                 out[r] = lhs[r] @ rhs[g(r)] for the rows of group g; rows past the groups are 0
+//   jmo_grouped_outer(lhs [M, K], rhs [M, N], group_sizes [G] s32)
+//       -> out [G, K, N]              out[g] = lhs[rows of g]^T @ rhs[rows of g]
+//
+// Operands are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype (fp32 accumulation).
+#pragma once
+
+#include <utility>
+
+#include "common/call_signature.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jmo {
+
+template <typename Binding>
+auto BindGroupedMatmul(Binding b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("transpose_rhs");
+}
+
+template <typename Binding>
+auto BindGroupedOuter(Binding b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+struct GroupedShape {
+  xla::ffi::DataType dtype;  // operands
+  bool out_f32;
+  int64_t M, K, N, G;
+};
+
+// Common dtype rules of both calls.
+inline xla::ffi::Error CheckGroupedDtypes(const char* op, const xla::ffi::AnyBuffer& lhs,
+                                          const xla::ffi::AnyBuffer& rhs, const xla::ffi::AnyBuffer& out) {
+  const auto dt = lhs.element_type();
+  if (!SupportedFloat(dt) || rhs.element_type() != dt)
+    return InvalidCall(std::string(op) + ": lhs and rhs must share one dtype, float32 or bfloat16");
+  if (out.element_type() != dt && out.element_type() != xla::ffi::DataType::F32)
+    return InvalidCall(std::string(op) + ": the output must be float32 or the operands' dtype");
+  return xla::ffi::Error::Success();
+}
+
+inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedMatmul(const xla::ffi::AnyBuffer& lhs,
+                                                          const xla::ffi::AnyBuffer& rhs,
+                                                          const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+                                                          const xla::ffi::AnyBuffer& out, bool transpose_rhs) {
+  if (auto e = CheckGroupedDtypes("grouped_matmul", lhs, rhs, out); e.failure()) return xla::ffi::Unexpected(e);
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
+  if (ld.size() != 2 || rd.size() != 3 || od.size() != 2 || group_sizes.dimensions().size() != 1)
+    return xla::ffi::Unexpected(InvalidCall("grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]"));
+  const int64_t K = ld[1], N = transpose_rhs ? rd[1] : rd[2], rhs_k = transpose_rhs ? rd[2] : rd[1];
+  GroupedShape s{lhs.element_type(), out.element_type() == xla::ffi::DataType::F32, ld[0], K, N, rd[0]};
+  if (rhs_k != K || od[0] != s.M || od[1] != N || static_cast<int64_t>(group_sizes.element_count()) != s.G)
+    return xla::ffi::Unexpected(InvalidCall("grouped_matmul: inconsistent shapes"));
+  return s;
+}
+
+inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedOuter(const xla::ffi::AnyBuffer& lhs, const xla::ffi::AnyBuffer& rhs,
+                                                         const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+                                                         const xla::ffi::AnyBuffer& out) {
+  if (auto e = CheckGroupedDtypes("grouped_outer", lhs, rhs, out); e.failure()) return xla::ffi::Unexpected(e);
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
+  if (ld.size() != 2 || rd.size() != 2 || od.size() != 3 || group_sizes.dimensions().size() != 1)
+    return xla::ffi::Unexpected(InvalidCall("grouped_outer: expected lhs [M, K], rhs [M, N], group_sizes [G]"));
+  GroupedShape s{lhs.element_type(), out.element_type() == xla::ffi::DataType::F32, ld[0], ld[1], rd[1],
+                 static_cast<int64_t>(group_sizes.element_count())};
+  if (rd[0] != s.M || od[0] != s.G || od[1] != s.K || od[2] != s.N)
+    return xla::ffi::Unexpected(InvalidCall("grouped_outer: inconsistent shapes"));
+  return s;
+}
+
+}  // namespace jmo

@@ -1,0 +1,103 @@
+// XLA:CPU handlers of the bare grouped GEMMs (ffi/common/grouped_gemm_signature.h): plain loops with float32
+// accumulation, the executable specification of ffi/cuda/grouped_gemm.cu. The group sizes are host data here, so
+// invalid ones (negative, or more rows than lhs has) are reported instead of clipped as on the device.
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/grouped_gemm_signature.h"
+#include "cpu/handlers_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmo::cpu {
+namespace {
+
+// Element access in either dtype, as float.
+struct View {
+  const void* p;
+  bool bf16;
+  float operator[](int64_t i) const {
+    return bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+};
+
+void Store(void* p, bool bf16, int64_t i, float v) {
+  if (bf16)
+    static_cast<uint16_t*>(p)[i] = FloatToBf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+// Row offsets of the groups; an error names the first invalid group.
+ffi::ErrorOr<std::vector<int64_t>> RowOffsets(const char* op, const ffi::Buffer<ffi::S32>& sizes, int64_t M) {
+  std::vector<int64_t> off(sizes.element_count() + 1, 0);
+  for (int64_t g = 0; g < sizes.element_count(); ++g) {
+    const int64_t n = sizes.typed_data()[g];
+    if (n < 0 || off[g] + n > M)
+      return ffi::Unexpected(InvalidCall(std::string(op) + ": group " + std::to_string(g) + " has " +
+                                         std::to_string(n) + " rows; group sizes must be >= 0 and sum to at most " +
+                                         std::to_string(M) + " (the rows of lhs)"));
+    off[g + 1] = off[g] + n;
+  }
+  return off;
+}
+
+ffi::Error GroupedMatmulImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+  auto shape = CheckGroupedMatmul(lhs, rhs, group_sizes, *out, transpose_rhs);
+  if (shape.has_error()) return shape.error();
+  const int64_t M = shape->M, K = shape->K, N = shape->N;
+  auto off = RowOffsets("grouped_matmul", group_sizes, M);
+  if (off.has_error()) return off.error();
+  const bool bf16 = shape->dtype == ffi::DataType::BF16, out_bf16 = !shape->out_f32;
+  const View a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
+  void* o = out->untyped_data();
+  std::vector<float> acc(N);
+  for (int64_t g = 0; g < shape->G; ++g) {
+    const int64_t wb = g * K * N;
+    for (int64_t r = (*off)[g]; r < (*off)[g + 1]; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        const float x = a[r * K + k];
+        if (transpose_rhs)
+          for (int64_t n = 0; n < N; ++n) acc[n] += x * b[wb + n * K + k];
+        else
+          for (int64_t n = 0; n < N; ++n) acc[n] += x * b[wb + k * N + n];
+      }
+      for (int64_t n = 0; n < N; ++n) Store(o, out_bf16, r * N + n, acc[n]);
+    }
+  }
+  for (int64_t i = off->back() * N; i < M * N; ++i) Store(o, out_bf16, i, 0.f);
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedOuterImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  auto shape = CheckGroupedOuter(lhs, rhs, group_sizes, *out);
+  if (shape.has_error()) return shape.error();
+  const int64_t M = shape->M, K = shape->K, N = shape->N;
+  auto off = RowOffsets("grouped_outer", group_sizes, M);
+  if (off.has_error()) return off.error();
+  const bool bf16 = shape->dtype == ffi::DataType::BF16, out_bf16 = !shape->out_f32;
+  const View a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
+  std::vector<float> acc(K * N);
+  for (int64_t g = 0; g < shape->G; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t r = (*off)[g]; r < (*off)[g + 1]; ++r)
+      for (int64_t k = 0; k < K; ++k) {
+        const float x = a[r * K + k];
+        for (int64_t n = 0; n < N; ++n) acc[k * N + n] += x * b[r * N + n];
+      }
+    for (int64_t i = 0; i < K * N; ++i) Store(out->untyped_data(), out_bf16, g * K * N + i, acc[i]);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jmo::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulCpu, jmo::cpu::GroupedMatmulImpl,
+                              jmo::BindGroupedMatmul(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCpu, jmo::cpu::GroupedOuterImpl, jmo::BindGroupedOuter(ffi::Ffi::Bind()));

@@ -1,0 +1,37 @@
+// Bare grouped GEMMs on CUDA (no workspace, no peers): the expert GEMMs of the MoE layer that do not feed the
+// return all-to-all (GEMM1 forward, and the backward pass), with the same tile engine as the producer of
+// expert_combine (gemm_tile.cuh). Group sizes are device data (the routing inside jit): the kernels read them on the
+// device, so a call never synchronizes with the host.
+//
+// Groups are consecutive row blocks starting at row 0: group g owns rows [off_g, off_g + size_g), off_g the sum of
+// the sizes before it. Negative sizes count as 0 and groups are clipped at M rows (the callers' plans never produce
+// either; ragged_dot leaves them undefined).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernels.h"
+#include "cuda/workspace_cuda.h"
+
+namespace jmo::cuda {
+
+// Largest group count (the group offsets live in shared memory).
+constexpr int64_t kMaxGroups = 1024;
+
+// out [M, N] = lhs [M, K] @ rhs[g]  for the rows of group g, with rhs [G, K, N] or, transpose_rhs, [G, N, K] read as
+// its transpose (the input gradient dy @ W^T without a transposed copy of W). Rows past the last group are zero.
+// out_f32: float32 output, else the input dtype. fp32 accumulation.
+Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
+                     const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out);
+
+// out [G, K, N] = per group g: lhs[rows of g]^T @ rhs[rows of g], lhs [M, K], rhs [M, N] (the weight gradient);
+// zero for empty groups. out_f32 as above.
+Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
+                    const void* rhs, int64_t N, int64_t G, const int32_t* group_sizes, void* out);
+
+// Which tile engine GroupedMatmul / GroupedOuter use for these operands ("mma.sync bf16" or "simt fp32").
+const char* GroupedGemmPath(DType dt, int64_t K, int64_t N);
+
+}  // namespace jmo::cuda

@@ -1,0 +1,78 @@
+"""Bare grouped GEMMs as custom calls (no peers, no workspace): the expert GEMMs that do not feed the return
+all-to-all, i.e. GEMM1 of the forward pass and the GEMMs of the backward pass.
+
+XLA's own ``jax.lax.ragged_dot`` runs as dense-masked work on GPU (every group pays for all rows: 12-99 TFLOP/s on
+an H200, benchmarks/RESULTS.md); these calls run the tile engine of ``expert_combine``'s producer over the routed
+rows only. On CPU they run reference loops (the specification the CUDA kernels are tested against).
+
+Groups are consecutive row blocks of ``lhs`` starting at row 0, ``group_sizes[g]`` rows each, as in
+``jax.lax.ragged_dot``; group sizes are device data (no host synchronization). Sizes must be >= 0 and sum to at
+most the row count: the CPU handler raises otherwise; the CUDA kernels clip (they cannot raise without a sync).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_moe_overlap import _ffi
+
+GROUPED_MATMUL = "jmo_grouped_matmul"
+GROUPED_OUTER = "jmo_grouped_outer"
+
+
+def _out_dtype(lhs, preferred_element_type):
+  out = jnp.dtype(preferred_element_type or lhs.dtype)
+  if out not in (jnp.dtype(jnp.float32), lhs.dtype):
+    raise TypeError(f"jax_moe_overlap: preferred_element_type must be float32 or the operands' dtype {lhs.dtype}, "
+                    f"got {out}")
+  return out
+
+
+def _check_operands(name, lhs, rhs, group_sizes):
+  if lhs.dtype not in (jnp.float32, jnp.bfloat16) or rhs.dtype != lhs.dtype:
+    raise TypeError(f"jax_moe_overlap: {name}: lhs and rhs must share a dtype, float32 or bfloat16; got "
+                    f"{lhs.dtype} and {rhs.dtype}")
+  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"jax_moe_overlap: {name}: group_sizes must be a 1-D integer array, got {group_sizes.dtype}"
+                    f"{list(group_sizes.shape)}")
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+                   preferred_element_type=None) -> jax.Array:
+  """``out[r] = lhs[r] @ rhs[g]`` for the rows ``r`` of group ``g``; rows past the last group are zero.
+
+  Args:
+    lhs: [M, K]. rhs: [G, K, N], or [G, N, K] with ``transpose_rhs`` (then ``rhs[g].T`` is used: the input gradient
+      ``dy @ W^T`` without materializing ``W^T``). group_sizes: [G] integer rows per group.
+    preferred_element_type: float32 or None (the operands' dtype). Accumulation is float32 either way.
+  Returns:
+    [M, N].
+  """
+  _check_operands("grouped_matmul", lhs, rhs, group_sizes)
+  G = rhs.shape[0]
+  K, N = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != K or group_sizes.shape != (G,):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape}"
+                     f"{' (transposed)' if transpose_rhs else ''} and group_sizes {group_sizes.shape} do not fit "
+                     f"lhs [M, K], rhs [G, K, N], group_sizes [G]")
+  _ffi.register()
+  out = jax.ShapeDtypeStruct((lhs.shape[0], N), _out_dtype(lhs, preferred_element_type))
+  return jax.ffi.ffi_call(GROUPED_MATMUL, out)(lhs, rhs, group_sizes.astype(jnp.int32),
+                                               transpose_rhs=bool(transpose_rhs))
+
+
+def grouped_outer(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None) -> jax.Array:
+  """``out[g] = lhs[rows of g].T @ rhs[rows of g]`` (the weight gradient of a grouped matmul); zero for empty groups.
+
+  Args:
+    lhs: [M, K]. rhs: [M, N]. group_sizes: [G] integer rows per group.
+  Returns:
+    [G, K, N] in float32 or the operands' dtype (``preferred_element_type``).
+  """
+  _check_operands("grouped_outer", lhs, rhs, group_sizes)
+  if lhs.ndim != 2 or rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
+    raise ValueError(f"jax_moe_overlap: grouped_outer: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and [M, N]")
+  _ffi.register()
+  out = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), _out_dtype(lhs, preferred_element_type))
+  return jax.ffi.ffi_call(GROUPED_OUTER, out)(lhs, rhs, group_sizes.astype(jnp.int32))

@@ -1,0 +1,113 @@
+"""The bare grouped GEMMs (jax_moe_overlap.grouped_gemm) against numpy, on the CPU handlers: random group sizes with
+empty groups and a tail of rows past the last group, the transposed-rhs form, the weight-gradient form, both
+dtypes, and the errors. tests/gpu/test_gpu_grouped_gemm.py runs the same cases on the CUDA kernels."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
+
+CASES = [  # (M, K, N, group sizes): empty groups, partial tiles, a tail of rows past the last group
+    (37, 24, 40, [5, 0, 20, 12]),
+    (64, 16, 8, [64]),
+    (50, 32, 24, [0, 0, 30]),  # 20 tail rows
+    (96, 40, 136, [1, 33, 2, 0, 60]),
+]
+
+
+def _ref_matmul(lhs, rhs, sizes, transpose):
+  out = np.zeros((lhs.shape[0], rhs.shape[1] if transpose else rhs.shape[2]), np.float64)
+  off = 0
+  for g, n in enumerate(sizes):
+    w = rhs[g].T if transpose else rhs[g]
+    out[off:off + n] = lhs[off:off + n] @ w
+    off += n
+  return out
+
+
+def _ref_outer(lhs, rhs, sizes):
+  out, off = [], 0
+  for n in sizes:
+    out.append(lhs[off:off + n].T @ rhs[off:off + n])
+    off += n
+  return np.stack(out)
+
+
+def _inputs(seed, *shapes, dtype):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
+
+
+def _f64(x):
+  return np.asarray(x.astype(jnp.float32), np.float64)
+
+
+def _rel(got, ref):
+  return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype,out_dtype,tol", [(jnp.float32, None, 1e-5), (jnp.bfloat16, jnp.float32, 1e-5),
+                                                  (jnp.bfloat16, None, 1e-2)])
+def test_grouped_matmul(case, transpose, dtype, out_dtype, tol):
+  M, K, N, sizes = case
+  G = len(sizes)
+  lhs, rhs = _inputs(M + K, (M, K), (G, N, K) if transpose else (G, K, N), dtype=dtype)
+  out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, transpose_rhs=transpose, preferred_element_type=out_dtype))(
+      lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  assert out.shape == (M, N) and out.dtype == (out_dtype or dtype)
+  ref = _ref_matmul(_f64(lhs), _f64(rhs), sizes, transpose)
+  assert _rel(out.astype(jnp.float32), ref) < tol
+  assert np.all(np.asarray(out[sum(sizes):].astype(jnp.float32)) == 0.0)  # tail rows are zero, not garbage
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype,out_dtype,tol", [(jnp.float32, None, 1e-5), (jnp.bfloat16, jnp.float32, 1e-5),
+                                                  (jnp.bfloat16, None, 1e-2)])
+def test_grouped_outer(case, dtype, out_dtype, tol):
+  M, K, N, sizes = case
+  lhs, rhs = _inputs(M * K, (M, K), (M, N), dtype=dtype)
+  out = jax.jit(lambda a, b, s: grouped_outer(a, b, s, preferred_element_type=out_dtype))(
+      lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  assert out.shape == (len(sizes), K, N) and out.dtype == (out_dtype or dtype)
+  ref = _ref_outer(_f64(lhs), _f64(rhs), sizes)
+  assert _rel(out.astype(jnp.float32), ref) < tol
+  for g, n in enumerate(sizes):
+    if n == 0:
+      assert np.all(np.asarray(out[g].astype(jnp.float32)) == 0.0)
+
+
+def test_matches_ragged_dot():
+  lhs, rhs = _inputs(3, (40, 16), (3, 16, 24), dtype=jnp.float32)
+  sizes = jnp.asarray([10, 0, 25], jnp.int32)
+  ours = grouped_matmul(lhs, rhs, sizes)
+  xla = jax.lax.ragged_dot(lhs, rhs, sizes)
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_group_sizes_raise():
+  lhs, rhs = _inputs(4, (10, 8), (2, 8, 8), dtype=jnp.float32)
+  with pytest.raises(Exception, match="group sizes must be >= 0 and sum to at most 10"):
+    jax.block_until_ready(grouped_matmul(lhs, rhs, jnp.asarray([6, 6], jnp.int32)))
+  with pytest.raises(Exception, match="group 0 has -1 rows"):
+    jax.block_until_ready(grouped_outer(lhs, lhs, jnp.asarray([-1, 2], jnp.int32)))
+
+
+def test_bad_operands_raise():
+  lhs, rhs = _inputs(5, (10, 8), (2, 8, 8), dtype=jnp.float32)
+  sizes = jnp.asarray([5, 5], jnp.int32)
+  with pytest.raises(ValueError, match="do not fit"):
+    grouped_matmul(lhs, rhs[:, :4], sizes)
+  with pytest.raises(ValueError, match="do not fit"):
+    grouped_matmul(lhs, rhs, sizes[:1])
+  with pytest.raises(TypeError, match="share a dtype"):
+    grouped_matmul(lhs, rhs.astype(jnp.bfloat16), sizes)
+  with pytest.raises(TypeError, match="preferred_element_type"):
+    grouped_matmul(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes, preferred_element_type=jnp.float16)
+  with pytest.raises(TypeError, match="integer"):
+    grouped_outer(lhs, lhs, sizes.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"\[M, K\] and \[M, N\]"):
+    grouped_outer(lhs, lhs[:4], sizes)
