@@ -10,10 +10,14 @@ dir="${1:-/tmp/wgmma}"
 mode="${2:-run}"
 mkdir -p "$dir"
 NVCC="${NVCC:-nvcc}"
-"$NVCC" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Xptxas -v \
-  -o "$dir/wgmma_probe" "$here/wgmma_probe.cu" 2> "$dir/ptxas.log" || { cat "$dir/ptxas.log"; exit 1; }
-# One line per GEMM instantiation: GroupedGemmKernel<kTransB, kOutF32> registers / spills.
-awk '/Compiling entry function/ { k = ($0 ~ /GroupedGemmKernel/) ? $0 : ""; sub(/.*GroupedGemmKernelILi/, "GroupedGemmKernel<transB=", k); sub(/EEEv.*/, ">", k); sub(/ELb/, ",f32=", k) }
+# The library's gencodes: sm_90a SASS (the wgmma kernels) + sm_80 SASS + compute_80 PTX (guarded __trap() bodies).
+"$NVCC" -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+  -gencode=arch=compute_80,code=compute_80 -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall \
+  -Xptxas -v -o "$dir/wgmma_probe" "$here/wgmma_probe.cu" 2> "$dir/ptxas.log" || { cat "$dir/ptxas.log"; exit 1; }
+# One line per sm_90a GEMM instantiation: GroupedGemmKernel<kTransB, kOutF32, Done> registers / spills.
+awk '/Compiling entry function/ { k = ""
+       if ($0 ~ /GroupedGemmKernel/ && $0 ~ /sm_90a/) { match($0, /GroupedGemmKernelILi[01]ELb[01]/); s = substr($0, RSTART, RLENGTH)
+         k = "GroupedGemmKernel<transB=" substr(s, 21, 1) ",f32=" substr(s, 25, 1) "," (($0 ~ /NoTileDone/) ? "plain" : "callback") ">" } }
      k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas.log" || true
 grep -iE "warning" "$dir/ptxas.log" && echo "WARNING: see $dir/ptxas.log" || true
 if command -v cuobjdump > /dev/null; then

@@ -135,6 +135,34 @@ __global__ void CompareKernel(const void* out, const float* ref, int64_t total_r
   if (bad_p) atomicAdd(&res->bad_padding, bad_p);
 }
 
+// tile_done of the callback variants: counts every 64-row band of every group once per finished tile that covers
+// it (a 128-row tile covers 1 or 2 bands of its group), and checks that two far corners of the tile, stored by
+// other consumer threads, are already visible (not the NaN poison) to the calling thread.
+struct BandCounter {
+  unsigned* band_count;   // [total bands]
+  const int* band_base;   // [G] index of group g's first band
+  unsigned* stats;        // [0] tiles seen, [1] tiles whose corners were still poison, [2] calls by a thread != 128
+  bool out_f32;
+  __device__ void operator()(const wgmma_gemm::GroupTile& t) const {
+    atomicAdd(&stats[0], 1u);
+    if (threadIdx.x != 128) atomicAdd(&stats[2], 1u);
+    const int b0 = t.group_row / 64, nb = (t.rows + 63) / 64;
+    for (int j = 0; j < nb; ++j) atomicAdd(&band_count[band_base[t.b_idx] + b0 + j], 1u);
+    if (t.rows > 0) {
+      bool bad = false;
+      const int64_t far = (int64_t)(t.rows - 1) * t.ldc + t.cols - 1, mid = (int64_t)(t.rows / 2) * t.ldc + t.cols / 2;
+      if (out_f32) {
+        const unsigned* o = static_cast<const unsigned*>(t.out);
+        bad = __ldcg(o + far) == 0xFFFFFFFFu || __ldcg(o + mid) == 0xFFFFFFFFu;
+      } else {
+        const unsigned short* o = static_cast<const unsigned short*>(t.out);
+        bad = __ldcg(o + far) == 0xFFFFu || __ldcg(o + mid) == 0xFFFFu;
+      }
+      if (bad) atomicAdd(&stats[1], 1u);
+    }
+  }
+};
+
 struct Case {
   std::string name;
   int64_t M, K, N;
@@ -248,6 +276,20 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_sizes, G * 4));
     CK(cudaMalloc(&d_row_start, (G + 1) * 4));
     CK(cudaMalloc(&d_res, sizeof(CmpResult)));
+    // Bands of 64 rows per group (clamped sizes), for the callback variants.
+    std::vector<int> band_base(G, 0);
+    int total_bands = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      band_base[g] = total_bands;
+      total_bands += (row_start[g + 1] - row_start[g] + 63) / 64;
+    }
+    const unsigned n_tiles = (unsigned)((N + wgmma_gemm::kBN - 1) / wgmma_gemm::kBN);
+    unsigned *d_band_count, *d_stats;
+    int* d_band_base;
+    CK(cudaMalloc(&d_band_count, std::max(total_bands, 1) * sizeof(unsigned)));
+    CK(cudaMalloc(&d_stats, 3 * sizeof(unsigned)));
+    CK(cudaMalloc(&d_band_base, G * sizeof(int)));
+    CK(cudaMemcpyAsync(d_band_base, band_base.data(), G * sizeof(int), cudaMemcpyHostToDevice, stream));
     CK(cudaMemcpyAsync(d_sizes, c.sizes.data(), G * 4, cudaMemcpyHostToDevice, stream));
     CK(cudaMemcpyAsync(d_row_start, row_start.data(), (G + 1) * 4, cudaMemcpyHostToDevice, stream));
     FillKernel<<<1024, 256, 0, stream>>>(lhs, M * K, 1);
@@ -260,13 +302,24 @@ int main(int argc, char** argv) {
     CK(cudaGetLastError());
     WaitOrDie(stream, c.name + " (reference)");
 
-    for (int variant = 0; variant < 4; ++variant) {
-      const bool k_major = variant >= 2, f32 = variant % 2;
-      const std::string vname = c.name + (k_major ? " rhs[G,N,K]" : " rhs[G,K,N]") + (f32 ? " out=f32" : " out=bf16");
+    // Variants 0-3: {rhs[G,K,N], rhs[G,N,K]} x {bf16, f32} out, plain. 4: rhs[G,K,N] bf16 (the expert_combine
+    // configuration) and 5: rhs[G,N,K] f32 through the tile_done callback (BandCounter).
+    for (int variant = 0; variant < 6; ++variant) {
+      const bool cb = variant >= 4;
+      const bool k_major = cb ? variant == 5 : variant >= 2, f32 = cb ? variant == 5 : variant % 2;
+      const std::string vname = c.name + (k_major ? " rhs[G,N,K]" : " rhs[G,K,N]") + (f32 ? " out=f32" : " out=bf16") +
+                                (cb ? " callback" : "");
       const __nv_bfloat16* rhs = k_major ? rhs_nk : rhs_kn;
+      const BandCounter counter{d_band_count, d_band_base, d_stats, f32};
+      if (cb) {
+        CK(cudaMemsetAsync(d_band_count, 0, std::max(total_bands, 1) * sizeof(unsigned), stream));
+        CK(cudaMemsetAsync(d_stats, 0, 3 * sizeof(unsigned), stream));
+      }
       auto call = [&]() {
         const cudaError_t e =
-            WgmmaGroupedGemm(lhs, M, K, rhs, G, N, k_major, d_sizes, out, f32, num_sms, stream);
+            cb ? wgmma_gemm::GroupedGemmWithDone(lhs, M, K, rhs, G, N, k_major, d_sizes, out, f32, num_sms, counter,
+                                                 stream)
+               : WgmmaGroupedGemm(lhs, M, K, rhs, G, N, k_major, d_sizes, out, f32, num_sms, stream);
         if (e != cudaSuccess) {
           printf("case %s FAIL launch error: %s\n", vname.c_str(), cudaGetErrorString(e));
           exit(2);
@@ -290,7 +343,27 @@ int main(int argc, char** argv) {
       memcpy(&max_ref, &res.max_ref_bits, 4);
       const double rel = max_ref > 0 ? max_err / max_ref : max_err;
       const double tol = f32 ? 2e-3 : 1e-2;
-      const bool pass = res.bad_values == 0 && res.bad_padding == 0 && rel < tol && (total_rows == 0 || max_ref > 0);
+      bool pass = res.bad_values == 0 && res.bad_padding == 0 && rel < tol && (total_rows == 0 || max_ref > 0);
+      std::string cb_note;
+      if (cb) {
+        // Right after the first call: every band counted exactly n_tiles times, one call per tile, by thread 128.
+        std::vector<unsigned> counts(std::max(total_bands, 1));
+        unsigned stats[3];
+        CK(cudaMemcpyAsync(counts.data(), d_band_count, counts.size() * sizeof(unsigned), cudaMemcpyDeviceToHost,
+                           stream));
+        CK(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
+        WaitOrDie(stream, vname + " (band counts)");
+        int wrong = 0;
+        for (int b = 0; b < total_bands; ++b) wrong += counts[b] != n_tiles;
+        unsigned long long exp_tiles = 0;
+        for (int64_t g = 0; g < G; ++g) exp_tiles += (unsigned long long)((row_start[g + 1] - row_start[g] + 127) / 128) * n_tiles;
+        const bool cb_ok = wrong == 0 && stats[0] == exp_tiles && stats[1] == 0 && stats[2] == 0;
+        char buf[200];
+        snprintf(buf, sizeof(buf), " bands=%d wrong_bands=%d tiles=%u/%llu not_visible=%u wrong_thread=%u", total_bands,
+                 wrong, stats[0], exp_tiles, stats[1], stats[2]);
+        cb_note = buf;
+        pass = pass && cb_ok;
+      }
       if (!pass) ++failures;
 
       double ms = 0;
@@ -310,11 +383,11 @@ int main(int argc, char** argv) {
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
       }
-      printf("case %-34s %-12s %-9s %s err=%.3e (max_err=%.3e max_ref=%.3e nonfinite=%llu badpad=%llu) ms=%.4f "
-             "TFLOP/s=%.1f\n",
-             c.name.c_str(), k_major ? "rhs[G,N,K]" : "rhs[G,K,N]", f32 ? "out=f32" : "out=bf16",
+      printf("case %-34s %-12s %-9s%s %s err=%.3e (max_err=%.3e max_ref=%.3e nonfinite=%llu badpad=%llu) ms=%.4f "
+             "TFLOP/s=%.1f%s\n",
+             c.name.c_str(), k_major ? "rhs[G,N,K]" : "rhs[G,K,N]", f32 ? "out=f32" : "out=bf16", cb ? " cb" : "",
              pass ? "PASS" : "FAIL", rel, max_err, max_ref, res.bad_values, res.bad_padding, ms,
-             ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0);
+             ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0, cb_note.c_str());
       fflush(stdout);
     }
     CK(cudaFree(lhs));
@@ -325,6 +398,9 @@ int main(int argc, char** argv) {
     CK(cudaFree(d_sizes));
     CK(cudaFree(d_row_start));
     CK(cudaFree(d_res));
+    CK(cudaFree(d_band_count));
+    CK(cudaFree(d_stats));
+    CK(cudaFree(d_band_base));
   }
   printf("%s: %d failing variant(s)\n", failures ? "FAILED" : "ALL PASS", failures);
   return failures ? 1 : 0;
