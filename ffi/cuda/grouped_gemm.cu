@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "cuda/gemm_tile.cuh"
+#include "cuda/wgmma/wgmma_gemm.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -157,6 +158,29 @@ Status PersistentGrid(const void* kernel, int smem, int64_t work, int* grid) {
 
 bool UseTensorCores(DType dt, int64_t K, int64_t N) { return dt == DType::kBF16 && K % 8 == 0 && N % 8 == 0; }
 
+// SM count of the current device if it is a Hopper GPU (the wgmma kernel's target), else 0. Cached per device.
+int HopperSms() {
+  static std::mutex mu;
+  static std::map<int, int> sms_of;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms_of.find(dev);
+  if (it == sms_of.end()) {
+    int major = 0, sms = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 0;
+    it = sms_of.emplace(dev, major == 9 ? sms : 0).first;
+  }
+  return it->second;
+}
+
+// The wgmma + TMA kernel (ffi/cuda/wgmma) takes bf16 operands with K and N multiples of 64 on Hopper.
+bool UseWgmma(DType dt, int64_t M, int64_t K, int64_t N) {
+  return dt == DType::kBF16 && M > 0 && K % 64 == 0 && N % 64 == 0 && HopperSms() > 0;
+}
+
 Status CheckSizes(const char* op, int64_t M, int64_t G) {
   if (G < 1 || G > kMaxGroups)
     return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": " + std::to_string(G) +
@@ -198,6 +222,7 @@ Status LaunchOuter(cudaStream_t stream, const void* lhs, int64_t M, int64_t K, c
 }  // namespace
 
 const char* GroupedGemmPath(DType dt, int64_t K, int64_t N) {
+  if (UseWgmma(dt, 1, K, N)) return "wgmma bf16";
   return UseTensorCores(dt, K, N) ? "mma.sync bf16" : "simt fp32";
 }
 
@@ -206,6 +231,10 @@ Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lh
   Status s = CheckSizes("grouped_matmul", M, G);
   if (!s.ok()) return s;
   if (M == 0 || N == 0) return Status{};
+  if (UseWgmma(dt, M, K, N))
+    return CudaStatus(WgmmaGroupedGemm(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), G, N,
+                                       transpose_rhs, group_sizes, out, out_f32, HopperSms(), stream),
+                      "grouped_matmul (wgmma)");
   const bool tc = UseTensorCores(dt, K, N);
 #define JMO_MATMUL(BM, TB, T, OUT, TC) \
   return LaunchMatmul<BM, TB, T, OUT, TC>(stream, lhs, M, K, rhs, G, N, group_sizes, out)

@@ -1,0 +1,131 @@
+"""The fused operator at EP=1 (one GPU): expert_combine (grouped GEMM2 + per-band flags + consumer push + weighted
+combine) against the same kernels serialized, against our bare grouped GEMM with an XLA combine, and against the XLA
+path (ragged_dot + gather + weighted sum) and the tokamax path (tokamax.ragged_dot + the same combine).
+
+Input: h [cap, F] rows in recv order (sorted by expert; at EP=1 every segment is local), w2 [E, F, D], top-k routing
+of T tokens with a skew; the plan is built once, outside the timing. Every implementation's y is compared with a
+float32 reference before it is timed (column err: max |y - ref| / max |ref|).
+
+  ours          expert_combine, consumer count chosen by the resource manager
+  serialized    expert_combine with CallConfig(serialize=True): the consumer starts after the last tile
+  bare+combine  grouped_matmul (our GEMM engine, no flags) + XLA gather / weighted sum
+  bare gemm     grouped_matmul alone: the signalling overhead is ours / (bare gemm) - 1 minus the combine's share
+  xla           jax.lax.ragged_dot + XLA gather / weighted sum
+  tokamax       tokamax.ragged_dot(mosaic) + XLA gather / weighted sum (when installed)
+
+  python3 benchmarks/bench_fused.py --quick --out /tmp/fused.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
+from jax_moe_overlap import plan as plan_lib  # noqa: E402
+from jax_moe_overlap.grouped_gemm import grouped_matmul  # noqa: E402
+from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_combine  # noqa: E402
+from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # noqa: E402
+
+
+def shapes(quick: bool):
+  """(name, T, F, D, E, k): GEMM2 of the seed sweep (K = F = 2048), Mixtral-like and DeepSeek-like (E_l = 32)."""
+  out = [("seed T=8192 N=4096 E=8", 8192, 2048, 4096, 8, 2), ("seed T=8192 N=4096 E=64", 8192, 2048, 4096, 64, 2)]
+  if not quick:
+    out += [("seed T=16384 N=8192 E=16", 16384, 2048, 8192, 16, 2), ("mixtral gemm2", 8192, 14336, 4096, 8, 2),
+            ("deepseek E_l=32 gemm2", 8192, 2048, 7168, 32, 8)]
+  return out
+
+
+def combine(out_rows, slot_row, gates):
+  """y[t] = sum_j gates[t, j] * out_rows[slot_row[t*k + j]] in float32 (dropped slots: none at EP=1 dropless)."""
+  T, k = gates.shape
+  per_slot = jnp.take(out_rows, slot_row, axis=0).astype(jnp.float32).reshape(T, k, -1)
+  return jnp.einsum("tk,tkd->td", gates, per_slot).astype(out_rows.dtype)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--skews", default="balanced,stress")
+  ap.add_argument("--out", default="fused.jsonl")
+  args = ap.parse_args()
+  mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+  smap = lambda f, n_in, n_out=P(): jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_in, out_specs=n_out,
+                                                  check_vma=False)
+  ragged = {"xla": jax.lax.ragged_dot}
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+    ragged["tokamax"] = lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic")
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"tokamax unavailable: {type(e).__name__}: {e}")
+  table = common.Table(["shape", "skew", "impl", "ms", "tflops", "vs_xla", "vs_bare_gemm", "err"])
+  for name, T, F, D, E, k in shapes(args.quick):
+    for skew in args.skews.split(","):
+      ids = jnp.asarray(common.topk_routing(T, E, k, skew))
+      cap_e = plan_lib.expert_capacity(T, 1, k, E, None)
+      cap = plan_lib.recv_capacity(T, 1, k, E, cap_e)
+      plan = jax.jit(smap(lambda i: plan_lib.make_plan(
+          i, plan_lib.local_counts(i, E).reshape(1, 1, E), jnp.int32(0), cap_e), 1))(ids)
+      sizes = WorkspaceSizes(row_bytes=D * 2, recv_rows=cap, ret_rows=T * k, num_segments=E)
+      ws = Workspace.get(mesh, "expert", sizes)
+      keys = jax.random.split(jax.random.PRNGKey(T + E), 4)
+      arg_sets = []
+      for s in range(2):
+        h = jax.random.normal(keys[2 * s], (cap, F), jnp.float32).astype(jnp.bfloat16)
+        w2 = (jax.random.normal(keys[2 * s + 1], (E, F, D), jnp.float32) / np.sqrt(F)).astype(jnp.bfloat16)
+        gates = jax.nn.softmax(jax.random.normal(keys[s], (T, k)), -1).astype(jnp.float32)
+        arg_sets.append((h, w2, gates, plan))
+      slot_row = plan.slot_dest_row  # at EP=1 a slot's recv row is its expert output's row
+
+      def fused(cfg):
+        info = RankInfo(ws, cfg)
+        return smap(lambda h, w2, g, pl: expert_combine(h, w2, g, pl, info, want_slots=False)[0], 4)
+
+      impls = {"ours": fused(CallConfig())}
+      if "serialize" in {f.name for f in dataclasses.fields(CallConfig)}:
+        impls["serialized"] = fused(CallConfig(serialize=True))
+      impls["bare+combine"] = lambda h, w2, g, pl: combine(grouped_matmul(h, w2, pl.expert_rows), slot_row, g)
+      impls["bare gemm"] = lambda h, w2, g, pl: grouped_matmul(h, w2, pl.expert_rows)
+      for rname, rd in ragged.items():
+        impls[rname] = lambda h, w2, g, pl, rd=rd: combine(rd(h, w2, pl.expert_rows), slot_row, g)
+      h, w2, g, pl = arg_sets[0]
+      ref = combine(jax.lax.ragged_dot(h.astype(jnp.float32), w2.astype(jnp.float32), pl.expert_rows,
+                                       precision=jax.lax.Precision.HIGHEST), slot_row, g)
+      ref = np.asarray(ref, np.float64)
+      flops = 2.0 * T * k * F * D
+      timed, errs, notes = {}, {}, {}
+      for iname, fn in impls.items():
+        fn = jax.jit(fn)
+        try:
+          if iname != "bare gemm":  # the bare GEMM alone has no y to check (its output is checked in bare+combine)
+            got = np.asarray(fn(*arg_sets[0]).astype(jnp.float32), np.float64)
+            errs[iname] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+            if not errs[iname] < 2e-2:
+              notes[iname] = "wrong result, not timed"
+              continue
+          timed[iname] = common.time_fn(fn, arg_sets) * 1e3
+        except Exception as ex:  # pylint: disable=broad-except
+          notes[iname] = f"error: {type(ex).__name__}: {str(ex)[:100]}"
+      for iname in impls:
+        err = f"{errs[iname]:.1e}" if iname in errs else ""
+        if iname not in timed:
+          table.add(shape=name, skew=skew, impl=iname, ms=notes.get(iname, ""), err=err)
+          continue
+        ms = timed[iname]
+        table.add(shape=name, skew=skew, impl=iname, ms=f"{ms:.3f}", tflops=f"{flops / ms / 1e9:.0f}",
+                  vs_xla=f"{timed['xla'] / ms:.2f}" if "xla" in timed else "",
+                  vs_bare_gemm=f"{ms / timed['bare gemm']:.3f}" if "bare gemm" in timed else "", err=err)
+  table.finish(args.out)
+
+
+if __name__ == "__main__":
+  main()
