@@ -334,7 +334,7 @@ inline cudaError_t hw_info_for(int device, cutlass::KernelHardwareInfo* out) {
     cutlass::KernelHardwareInfo hw =
         cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device, sms);
     // make_kernel_hardware_info swallows a failing occupancy query (-> 0, CUTLASS then uses a
-    // heuristic grid); clear the sticky-free error so that it is not blamed on a later call.
+    // heuristic grid); clear its (non-sticky) error so that it is not blamed on a later call.
     (void)cudaGetLastError();
     it = infos.emplace(device, hw).first;
   }
