@@ -71,13 +71,16 @@ NB_MODULE(_jmo, m) {
   m.def("model_makespan_us", [](const std::vector<double>& params, const std::vector<std::tuple<int, int>>& segs,
                                 int64_t n, int64_t k, int64_t elem_bytes, int ctas) {
     auto s = Segments(segs);
-    return jmo::ModelMakespanUs(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, ctas);
+    std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
+    return jmo::ModelMakespanUs(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, ctas, scratch.data());
   });
   m.def("model_choose_consumer_ctas", [](const std::vector<double>& params,
                                          const std::vector<std::tuple<int, int>>& segs, int64_t n, int64_t k,
                                          int64_t elem_bytes, int max_ctas) {
     auto s = Segments(segs);
-    return jmo::ChooseConsumerCtas(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, max_ctas);
+    std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
+    return jmo::ChooseConsumerCtas(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
+                                   scratch.data());
   });
 #ifdef JMO_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 import jax
 import numpy as np
 
 from jax_moe_overlap import _jmo
+from jax_moe_overlap import resource
+
+log = logging.getLogger("jax_moe_overlap")
 
 
 def _runtime():
@@ -78,15 +82,18 @@ def check_peer_access(ordinals) -> None:
 
 
 def default_consumer_ctas(info: DeviceInfo) -> int:
-  """C, the communication CTAs of expert_combine, until the resource manager (a later issue) chooses it.
-
-  About an eighth of the SMs (the seed paper's default was 14 of 108), at least one. ``$JMO_CONSUMER_CTAS``
-  overrides it.
-  """
+  """The fixed C (communication CTAs of expert_combine) used when no calibration applies: about an eighth of the
+  SMs (the seed paper's default was 14 of 108), at least one. ``$JMO_CONSUMER_CTAS`` overrides it."""
   env = os.environ.get("JMO_CONSUMER_CTAS")
   if env:
     return max(1, int(env))
-  return max(1, info.sm_count // 8)
+  return resource.fallback_consumer_ctas(info.sm_count)
+
+
+def calibration(info: DeviceInfo) -> resource.Calibration:
+  """The resource-model calibration of this device (jax_moe_overlap/calibration/<gpu name>.json), or why none."""
+  return resource.calibration_for(info.name, info.sm_count, tile_m=int(_jmo.band_rows),
+                                  tile_n=int(getattr(_jmo, "cuda_tile_n", 128)))
 
 
 def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
@@ -111,6 +118,16 @@ def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
   for g in range(groups):
     check_peer_access(ordinals[g * ranks:(g + 1) * ranks])
   info = device_info(ordinals[0])
+  if len({device_info(o).name for o in set(ordinals)}) != 1:
+    raise NotImplementedError("jax_moe_overlap: a CUDA workspace over GPUs of different models is not supported")
+  cal = calibration(info)
+  fixed = default_consumer_ctas(info)
+  # What decides C, once per workspace (the per-call pick happens on the device and is not logged).
+  ws.consumer_policy = cal.reason if cal.params is not None else f"{cal.reason} (fixed C used: {fixed})"
+  ws.calibration = cal
+  (log.info if cal.params is not None else log.warning)("jax_moe_overlap: %s", ws.consumer_policy)
   handle = _jmo.create_cuda_workspace(ranks, groups, ordinals, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
-                                      sizes.num_segments, default_consumer_ctas(info), 0)
+                                      sizes.num_segments, fixed, 0,
+                                      cal.params.as_list() if cal.params is not None else [])
+  ws.sm_budget = int(_jmo.cuda_workspace_info(int(handle))["min_sm_budget"])
   return int(handle)

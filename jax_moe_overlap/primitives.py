@@ -38,15 +38,41 @@ class CallConfig:
   timeout_ms: bound on every wait for a peer or flag; a wait that expires raises an error naming rank, peer,
     stage and counts (default from $JMO_TIMEOUT_MS, else 10 s).
   delay_rank, delay_us: testing aid that holds one rank back at the start of every call (-1: none).
+  consumer_ctas: CTAs of expert_combine's consumer (the communication engine) on CUDA. 0 (default): the resource
+    manager chooses per call on the device from the routed counts (or a fixed count when the GPU has no
+    calibration: ``Workspace.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
+  serialize: expert_combine's consumer starts only after the producer has finished every tile (no overlap: the
+    baseline of the benchmarks; results are identical).
   """
 
   timeout_ms: int = DEFAULT_TIMEOUT_MS
   delay_rank: int = -1
   delay_us: int = 0
+  consumer_ctas: int = 0
+  serialize: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.consumer_ctas, bool) or not isinstance(self.consumer_ctas, (int, np.integer)) or \
+        self.consumer_ctas < 0 or self.consumer_ctas > 2**31 - 1:
+      raise ValueError(f"jax_moe_overlap: CallConfig.consumer_ctas must be an int >= 0 (0: the resource manager's "
+                       f"choice), got {self.consumer_ctas!r}")
+    if not isinstance(self.serialize, (bool, np.bool_)):
+      raise ValueError(f"jax_moe_overlap: CallConfig.serialize must be a bool, got {self.serialize!r}")
 
   def attrs(self, workspace) -> dict:
     return dict(workspace=np.int64(workspace.handle), timeout_ms=np.int64(self.timeout_ms),
                 delay_rank=np.int32(self.delay_rank), delay_us=np.int64(self.delay_us))
+
+  def combine_attrs(self, workspace) -> dict:
+    """expert_combine's attributes: those of every call plus the consumer options (checked against the workspace's
+    SM budget here, before anything runs)."""
+    budget = getattr(workspace, "sm_budget", None)
+    if self.consumer_ctas > 0 and budget is not None and self.consumer_ctas > budget - 1:
+      raise ValueError(f"jax_moe_overlap: CallConfig.consumer_ctas={self.consumer_ctas} leaves no producer CTA: each "
+                       f"rank of this workspace has an SM budget of {budget} CTAs, so pin C in [1, {budget - 1}] "
+                       "(or 0 for the resource manager's choice)")
+    return dict(self.attrs(workspace), consumer_ctas=np.int32(self.consumer_ctas),
+                serialize=np.int32(1 if self.serialize else 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +108,7 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
                jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
   call = jax.ffi.ffi_call(_ffi.EXPERT_COMBINE, out_types, has_side_effect=True)
   return call(lhs, w, gates.astype(jnp.float32), plan.seg_rows, plan.seg_ret_off, plan.slot_ret_row,
-              plan.ret_rows, group, rank, **info.config.attrs(info.workspace))
+              plan.ret_rows, group, rank, **info.config.combine_attrs(info.workspace))
 
 
 def swiglu(a: jax.Array) -> jax.Array:

@@ -56,6 +56,11 @@ class Workspace:
     if len(platforms) != 1:
       raise ValueError(f"jax_moe_overlap: a mesh mixing platforms {sorted(platforms)} is not supported")
     self.platform = platforms.pop()
+    # How expert_combine picks its consumer CTA count C on this workspace (CUDA: the resource model or a fixed
+    # count, set by cuda_workspace.create); sm_budget: CTAs of one rank (None: no such limit, as on CPU).
+    self.consumer_policy = "CPU: one consumer thread per rank (consumer_ctas is checked but has no effect)"
+    self.calibration = None
+    self.sm_budget = None
     if self.platform == "cpu":
       self.handle = int(_jmo.create_cpu_workspace(self.ranks, self.groups, sizes.row_bytes, sizes.recv_rows,
                                                   sizes.ret_rows, sizes.num_segments))

@@ -1,13 +1,22 @@
-"""The analytical resource model: its properties, and the Python mirror against the C++ header the kernels use."""
+"""The analytical resource model: its properties, the Python mirror against the C++ header the kernels use (bit for
+bit), the calibration loader and its fallback, and the per-call consumer options (consumer_ctas, serialize)."""
 
 import dataclasses
+import glob
+import json
 import math
+import os
 import random
 
+import jax
+import numpy as np
 import pytest
 
+import jax_moe_overlap as jmo
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import resource as rm
+from jax_moe_overlap.primitives import CallConfig
+from cases import layer_inputs, mesh_of
 
 # Shapes of an H200-like device; the constants only need to be plausible for these properties to be tested.
 P = rm.ModelParams(sms=132, ctas_per_sm=1, tile_m=128, tile_n=128, tile_us_base=1.0, tile_us_per_k=0.002,
@@ -36,9 +45,46 @@ def test_python_mirror_matches_cpp_on_random_inputs():
     segs = [rm.Segment(rng.choice([0, 1, 63, 64, 65, 500, 2048]), rng.random() < 0.7)
             for _ in range(rng.randint(1, 24))]
     n, k, eb = rng.choice([1024, 4096, 7168]), rng.choice([512, 2048, 14336]), rng.choice([2, 4])
-    for c in (1, 2, 7, min(32, p.sms - 1)):
-      assert math.isclose(rm.makespan_us(p, segs, n, k, eb, c), cpp_makespan(p, segs, n, k, eb, c), rel_tol=1e-12)
-    assert rm.choose_consumer_ctas(p, segs, n, k, eb, 32) == cpp_choose(p, segs, n, k, eb, 32)
+    for c in (1, 2, 7, rng.randint(1, p.sms - 1), min(32, p.sms - 1)):
+      # The same operations in the same order on both sides: equal bit for bit, not just close.
+      assert rm.makespan_us(p, segs, n, k, eb, c) == cpp_makespan(p, segs, n, k, eb, c)
+    max_ctas = rng.choice([1, 5, 32, 200])
+    assert rm.choose_consumer_ctas(p, segs, n, k, eb, max_ctas) == cpp_choose(p, segs, n, k, eb, max_ctas)
+
+
+def test_mirror_matches_cpp_on_near_ties():
+  # Many candidates share a makespan when the producer dominates (wave quantization) or the link caps the rate:
+  # both sides must break the ties the same way (the smallest C).
+  p = dataclasses.replace(P, cta_gbps=500.0, link_gbps=400.0, seg_us=0.0)
+  rng = random.Random(1)
+  for _ in range(100):
+    segs = [rm.Segment(rng.choice([64, 128, 640]), True) for _ in range(rng.randint(1, 8))]
+    for n, k in ((128, 64), (4096, 2048), (8192, 16384)):
+      c = rm.choose_consumer_ctas(p, segs, n, k, 2)
+      assert c == cpp_choose(p, segs, n, k, 2, 32)
+      best = rm.makespan_us(p, segs, n, k, 2, c)
+      assert all(rm.makespan_us(p, segs, n, k, 2, d) > best for d in range(1, c))
+      assert all(rm.makespan_us(p, segs, n, k, 2, d) >= best for d in range(c, 32))
+
+
+def test_recurrence_form():
+  # The evaluated max-over-segments form equals the sequential recurrence of the header comment.
+  rng = random.Random(2)
+  for _ in range(200):
+    segs = [rm.Segment(rng.choice([0, 1, 64, 300, 2048]), rng.random() < 0.7) for _ in range(rng.randint(1, 12))]
+    n, k, c = rng.choice([512, 4096]), rng.choice([256, 2048]), rng.randint(1, 40)
+    producers = P.sms - c
+    tile_us = P.tile_us_base + P.tile_us_per_k * k
+    rate = min(c * P.cta_gbps, P.link_gbps)
+    cum, cons = 0, 0.0
+    for s in segs:
+      if s.rows <= 0:
+        continue
+      cum += math.ceil(s.rows / P.tile_m) * math.ceil(n / P.tile_n)
+      if s.remote:
+        cons = max(cons, math.ceil(cum / producers) * tile_us) + P.seg_us + s.rows * n * 2 / rate * 1e-3
+    want = max(math.ceil(cum / producers) * tile_us, cons)
+    assert rm.makespan_us(P, segs, n, k, 2, c) == pytest.approx(want, rel=1e-12)
 
 
 def test_wave_boundaries():
@@ -84,6 +130,38 @@ def test_communication_heavy_picks_more_ctas_than_compute_heavy():
   assert c_comm > c_comp >= 1
 
 
+def test_no_rows_at_all():
+  assert rm.makespan_us(P, [], 4096, 2048, 2, 3) == 0.0
+  assert rm.choose_consumer_ctas(P, [], 4096, 2048, 2) == 1 == cpp_choose(P, [], 4096, 2048, 2, 32)
+  assert rm.choose_consumer_ctas(P, [rm.Segment(0, True)], 4096, 2048, 2) == 1
+
+
+def test_two_sms_leave_one_candidate():
+  p = dataclasses.replace(P, sms=2)
+  segs = [rm.Segment(4096, True)] * 4
+  assert rm.choose_consumer_ctas(p, segs, 8192, 64, 2) == 1 == cpp_choose(p, segs, 8192, 64, 2, 32)
+  with pytest.raises(ValueError, match=r"\[1, 1\]"):
+    rm.makespan_us(p, segs, 8192, 64, 2, 2)
+
+
+def test_more_consumers_never_slow_the_push_until_the_link():
+  # With the producer out of the way (tiny tiles), the makespan falls as C grows, until C * cta_gbps reaches the link.
+  p = dataclasses.replace(P, tile_us_base=1e-6, tile_us_per_k=0.0, seg_us=0.0)
+  segs = [rm.Segment(2048, True)] * 8
+  times = [rm.makespan_us(p, segs, 4096, 64, 2, c) for c in range(1, 40)]
+  knee = int(p.link_gbps // p.cta_gbps)
+  assert all(a > b for a, b in zip(times[:knee - 1], times[1:knee]))
+  assert rm.choose_consumer_ctas(p, segs, 4096, 64, 2) == min(32, knee + 1)
+
+
+def test_device_segments_order():
+  # seg_rows [E_local=2, R=3] of rank 1: remote sources first, the most loaded destination first, own (1) last.
+  seg_rows = [[5, 7, 0], [1, 2, 30]]
+  segs = rm.device_segments(seg_rows, rank=1)
+  assert [s.rows for s in segs] == [30, 5, 1, 7, 2]
+  assert all(s.remote for s in segs)
+
+
 def test_single_segment_and_infeasible_counts():
   segs = [rm.Segment(100, True)]
   assert 1 <= rm.choose_consumer_ctas(P, segs, 4096, 2048, 2) <= 32
@@ -92,3 +170,124 @@ def test_single_segment_and_infeasible_counts():
   with pytest.raises(ValueError):
     rm.makespan_us(P, segs, 4096, 2048, 2, 0)
   assert cpp_makespan(P, segs, 4096, 2048, 2, 132) < 0  # the C++ side reports infeasible as negative
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration files
+
+
+def _write(tmp_path, name, **over):
+  data = dict(dataclasses.asdict(dataclasses.replace(P, tile_m=64)), gpu_name="Test GPU", note="provenance")
+  data.update(over)
+  path = tmp_path / name
+  path.write_text(json.dumps(data))
+  return path
+
+
+def test_calibration_file_name():
+  assert rm.calibration_file_name("NVIDIA H200") == "nvidia_h200.json"
+  assert rm.calibration_file_name("NVIDIA A100-SXM4-80GB") == "nvidia_a100_sxm4_80gb.json"
+
+
+def test_calibration_found_and_used(tmp_path, monkeypatch):
+  monkeypatch.delenv("JMO_CALIBRATION", raising=False)
+  _write(tmp_path, "test_gpu.json")
+  cal = rm.calibration_for("Test GPU", 132, directory=str(tmp_path), tile_m=64, tile_n=128)
+  assert cal.params == dataclasses.replace(P, tile_m=64)
+  assert "resource model from" in cal.reason and cal.source.endswith("test_gpu.json")
+
+
+@pytest.mark.parametrize("case,over,sms,want", [
+    ("missing", None, 132, r"no resource-model calibration for GPU 'Test GPU'"),
+    ("other sms", {}, 108, r"measured on 132 SMs but GPU 'Test GPU' has 108"),
+    ("tile shape", {"tile_n": 256}, 132, r"describes 64x256 tiles but the kernels use 64x128"),
+    ("negative rate", {"cta_gbps": -1.0}, 132, r"unusable .*cta_gbps must be finite and > 0"),
+    ("lacks a key", {"seg_us": None}, 132, r"unusable"),
+])
+def test_calibration_fallback(tmp_path, monkeypatch, case, over, sms, want):
+  monkeypatch.delenv("JMO_CALIBRATION", raising=False)
+  if over is not None:
+    path = _write(tmp_path, "test_gpu.json", **over)
+    if case == "lacks a key":
+      data = json.loads(path.read_text())
+      del data["seg_us"]
+      path.write_text(json.dumps(data))
+  cal = rm.calibration_for("Test GPU", sms, directory=str(tmp_path), tile_m=64, tile_n=128)
+  assert cal.params is None
+  assert __import__("re").search(want, cal.reason), cal.reason
+  assert f"fixed consumer CTAs C = {max(1, sms // 8)}" in cal.reason
+
+
+def test_calibration_env_override(tmp_path, monkeypatch):
+  path = _write(tmp_path, "anything.json")
+  monkeypatch.setenv("JMO_CALIBRATION", str(path))
+  assert rm.calibration_for("Other GPU", 132, directory="/nonexistent").params is not None
+  monkeypatch.setenv("JMO_CALIBRATION", "none")
+  cal = rm.calibration_for("Test GPU", 132, directory=str(tmp_path))
+  assert cal.params is None and "disabled" in cal.reason
+
+
+def test_fallback_count():
+  assert [rm.fallback_consumer_ctas(s) for s in (4, 8, 108, 132)] == [1, 1, 13, 16]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(rm.CALIBRATION_DIR, "*.json"))))
+def test_shipped_calibrations_are_valid(path):
+  p = rm.load_params(path)
+  assert p.tile_m == _jmo.band_rows and p.ctas_per_sm == 1
+  with open(path) as f:
+    assert rm.calibration_file_name(json.load(f)["gpu_name"]) == os.path.basename(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-call consumer options
+
+
+@pytest.mark.parametrize("kw", [dict(consumer_ctas=-1), dict(consumer_ctas=True), dict(consumer_ctas=2.5),
+                                dict(serialize=1), dict(serialize="yes")])
+def test_call_config_validation(kw):
+  with pytest.raises(ValueError, match=r"CallConfig\.(consumer_ctas|serialize) must be"):
+    CallConfig(**kw)
+
+
+def test_pinned_count_checked_against_the_sm_budget():
+  class FakeWorkspace:
+    handle = 1
+    sm_budget = 33
+  attrs = CallConfig(consumer_ctas=32, serialize=True).combine_attrs(FakeWorkspace())
+  assert attrs["consumer_ctas"] == 32 and attrs["serialize"] == 1 and attrs["consumer_ctas"].dtype == np.int32
+  with pytest.raises(ValueError, match=r"consumer_ctas=33 leaves no producer CTA: .* SM budget of 33 CTAs, so pin C "
+                                       r"in \[1, 32\]"):
+    CallConfig(consumer_ctas=33).combine_attrs(FakeWorkspace())
+  assert "consumer_ctas" not in CallConfig().attrs(FakeWorkspace())  # dispatch takes no consumer options
+
+
+def _run(config, impl="overlap"):
+  x, ids, gates, w1, w2 = layer_inputs(64, 16, 24, 8, 2, "skewed", 3)
+  fn = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh_of(4), config=config, impl=impl))
+  y, _ = fn(x, ids, gates, w1, w2)
+  g = jax.jit(jax.grad(lambda x, w1, w2: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(4),
+                                                          config=config)[0].sum(), argnums=(0, 1, 2)))(x, w1, w2)
+  return np.asarray(y), [np.asarray(v) for v in g]
+
+
+def test_serialized_and_pinned_calls_give_identical_results_on_cpu():
+  y0, g0 = _run(CallConfig())
+  for cfg in (CallConfig(serialize=True), CallConfig(consumer_ctas=7), CallConfig(consumer_ctas=3, serialize=True)):
+    y, g = _run(cfg)
+    np.testing.assert_array_equal(y, y0)
+    for a, b in zip(g, g0):
+      np.testing.assert_array_equal(a, b)
+  y_ref, _ = _run(CallConfig(), impl="reference")
+  assert np.abs(y0 - y_ref).max() <= 1e-4 * max(1.0, np.abs(y_ref).max())
+
+
+def test_custom_call_rejects_a_negative_count():
+  # Past the Python check (the frozen dataclass forced), the handler's own check answers, and the next call works.
+  cfg = CallConfig(timeout_ms=2000)
+  object.__setattr__(cfg, "consumer_ctas", -2)
+  with pytest.raises(Exception, match=r"consumer_ctas must be 0 \(the resource manager's choice\) or a positive CTA "
+                                      r"count, got -2"):
+    _run(cfg)
+  y, _ = _run(CallConfig())
+  assert np.isfinite(y).all()

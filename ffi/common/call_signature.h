@@ -38,6 +38,8 @@ auto BindDispatch(Binding b) {
 // expert_combine(lhs [cap, K], w [E_local, K, N], gates [T, k] f32, seg_rows [E_local, R], seg_ret_off [E_local, R],
 //                slot_ret_row [T*k] (-1: dropped), ret_rows_expected [], group [], rank [])
 //   -> y [T, N], slot_out [T*k or 0, N]
+// Attributes: those of every call, then consumer_ctas (int32: 0 = the resource manager's choice, > 0 = pinned) and
+// serialize (int32: 1 = the consumer starts only after the producer has finished every tile).
 template <typename Binding>
 auto BindExpertCombine(Binding b) {
   namespace ffi = xla::ffi;
@@ -51,11 +53,24 @@ auto BindExpertCombine(Binding b) {
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Ret<ffi::AnyBuffer>()
-                           .template Ret<ffi::AnyBuffer>());
+                           .template Ret<ffi::AnyBuffer>())
+      .template Attr<int32_t>("consumer_ctas")
+      .template Attr<int32_t>("serialize");
 }
 
 inline xla::ffi::Error InvalidCall(const std::string& msg) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
+}
+
+// The per-call consumer options, checked the same way on every platform (the CUDA handler also checks C against the
+// rank's SM budget, which only it knows).
+inline xla::ffi::Error CheckCombineOptions(int32_t consumer_ctas, int32_t serialize) {
+  if (consumer_ctas < 0)
+    return InvalidCall("expert_combine: consumer_ctas must be 0 (the resource manager's choice) or a positive CTA "
+                       "count, got " + std::to_string(consumer_ctas));
+  if (serialize != 0 && serialize != 1)
+    return InvalidCall("expert_combine: serialize must be 0 or 1, got " + std::to_string(serialize));
+  return xla::ffi::Error::Success();
 }
 
 inline bool SupportedFloat(xla::ffi::DataType t) {

@@ -216,9 +216,12 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
                              ffi::Buffer<ffi::S32> slot_ret_row, ffi::Buffer<ffi::S32> ret_rows_expected,
                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace,
-                             int64_t timeout_ms, int32_t delay_rank, int64_t delay_us) {
+                             int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas,
+                             int32_t serialize) {
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out);
   if (shape.has_error()) return shape.error();
+  // consumer_ctas is a CUDA resource (the CPU consumer is one thread per rank): checked here, used there.
+  if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
   const ffi::DataType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;
   const int64_t P = shape->P;
@@ -269,6 +272,7 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   job.row_bytes = row_bytes;
   job.deadline = c.deadline;
   job.timeout_ms = timeout_ms;
+  job.serialize = serialize != 0;
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));
 

@@ -77,7 +77,18 @@ void Consumer::Loop() {
     ErrorRecord err{};
     RankView self = ws_->view(job.group, job.rank);
     const int64_t row_bytes = job.row_bytes;
+    if (job.serialize) {
+      // The producer publishes bands in this order; wait for every one of them before the first push.
+      for (const Segment& seg : job.segments) {
+        const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
+        for (int64_t b = 0; b < bands && !err.code; ++b)
+          err = ws_->WaitAtLeast(&self.tile_ready()[seg.band_base + b], 0, job.epoch, job.group, job.rank, job.rank,
+                                 job.epoch, kStageTileReady, job.deadline, job.timeout_ms);
+        if (err.code) break;
+      }
+    }
     for (const Segment& seg : job.segments) {
+      if (err.code) break;
       if (seg.rows == 0) continue;
       RankView peer = ws_->view(job.group, seg.src);
       // The source rank must have finished reading its ret rows of the previous call.

@@ -40,6 +40,7 @@ struct ConsumerJob {
   int64_t row_bytes = 0;          // bytes of one output row of this call
   Clock::time_point deadline;
   int64_t timeout_ms = 0;         // the bound behind `deadline`, for error records
+  bool serialize = false;         // push nothing before every band of the call is ready (the no-overlap baseline)
 };
 
 class Workspace;

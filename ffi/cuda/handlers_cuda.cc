@@ -74,14 +74,17 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, int64_t timeout_ms,
-                             int32_t delay_rank, int64_t delay_us) {
+                             int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas, int32_t serialize) {
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out);
   if (shape.has_error()) return shape.error();
+  if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
   const ffi::DataType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T = shape->T, k = shape->k;
   const bool want_slots = shape->want_slots;
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
+  c.value().opts.consumer_ctas = consumer_ctas;
+  c.value().opts.serialize = serialize != 0;
   if (shape->R != c.value().ws->ranks())
     return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,

@@ -159,6 +159,8 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   p->epoch = epoch;
   p->deadline_ns = GlobalTimer() + static_cast<uint64_t>(timeout_ns);
   p->timeout_ms = static_cast<uint64_t>(timeout_ns / 1000000);
+  p->prod_t0 = p->cons_t0 = ~0ull;
+  p->prod_t1 = p->cons_t1 = 0;
   // An abort raised before this call began: do nothing; the next call's host side recovers and reports.
   p->failed = LoadVolatile(&rd.shared->abort.value) != 0 ? 1 : 0;
   __threadfence();
@@ -320,6 +322,101 @@ __device__ __forceinline__ int FindSegment(const SegTable& t, int band) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The resource manager on the device (resource_model.h): every CTA evaluates the model on its own copy of the
+// segment table and gets the same C (same inputs, same operations, no FMA contraction: see the header), then takes
+// its role by block index. Thread c of warp w evaluates candidate C = c + 1 over segments w, w + 8, ...; a max over
+// the warps and an argmin over the lanes (smallest C on ties, as ChooseConsumerCtas) finish it.
+
+static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
+static_assert(kMaxModelCtas == 32, "one lane per candidate");
+constexpr int kWarps = kThreads / 32;
+
+struct ChoiceScratch {
+  ModelPrefix pre[kMaxSegments];
+  double us[kWarps][32];
+  int64_t warp_tiles[kWarps], warp_bytes[kWarps];
+  int chosen;
+};
+
+// What ExpertKernel is told about C.
+struct Policy {
+  ModelParams model;  // sms = the rank's SM budget, ctas_per_sm = 1
+  int32_t use_model;  // 1: choose on the device; 0: `consumers`
+  int32_t consumers;  // pinned or fixed C
+  int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
+  int32_t serialize;
+  int64_t elem_bytes;
+};
+
+__device__ __forceinline__ int64_t ShflUp64(int64_t v, int d) {
+  return (int64_t)__shfl_up_sync(0xffffffffu, (long long)v, d);
+}
+
+// Called by every thread of the CTA (contains barriers). All segments of the table are pushed by the consumer.
+__device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
+                                     int max_ctas, ChoiceScratch* sc) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int m = t.n;
+  // Inclusive block scan of tiles and bytes in producer order (exact integers: any order of adds gives the host's).
+  int64_t tiles = 0, bytes = 0;
+  if (tid < m) {
+    tiles = ModelTiles(p, t.seg[tid].rows, N);
+    bytes = (int64_t)t.seg[tid].rows * N * eb;
+  }
+  const int64_t own_bytes = bytes;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t a = ShflUp64(tiles, d), b = ShflUp64(bytes, d);
+    if (lane >= d) {
+      tiles += a;
+      bytes += b;
+    }
+  }
+  if (lane == 31) {
+    sc->warp_tiles[warp] = tiles;
+    sc->warp_bytes[warp] = bytes;
+  }
+  __syncthreads();
+  int64_t total_tiles = 0, total_bytes = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warp) {
+      tiles += sc->warp_tiles[w];
+      bytes += sc->warp_bytes[w];
+    }
+    total_tiles += sc->warp_tiles[w];
+    total_bytes += sc->warp_bytes[w];
+  }
+  if (tid < m) sc->pre[tid] = ModelPrefix{tiles, m - tid, total_bytes - (bytes - own_bytes)};
+  __syncthreads();
+  const int c = lane + 1;
+  const bool feasible = c <= max_ctas && ModelFeasible(p, c);
+  double us = 0.0;
+  if (feasible) {
+    const ModelEval e = ModelEvalFor(p, K, c);
+    if (warp == 0) us = ModelProducerUs(e, total_tiles);
+    for (int j = warp; j < m; j += kWarps) us = RmMax(us, ModelTermUs(e, sc->pre[j]));
+  }
+  sc->us[warp][lane] = us;
+  __syncthreads();
+  if (warp == 0) {
+    double v = sc->us[0][lane];
+    for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[w][lane]);
+    if (!feasible) v = 1e300;
+    int cand = c;
+    for (int d = 16; d > 0; d >>= 1) {
+      const double ov = __shfl_down_sync(0xffffffffu, v, d);
+      const int oc = __shfl_down_sync(0xffffffffu, cand, d);
+      if (ov < v || (ov == v && oc < cand)) {
+        v = ov;
+        cand = oc;
+      }
+    }
+    if (lane == 0) sc->chosen = cand;
+  }
+  __syncthreads();
+  return sc->chosen;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Producer tile: one band (64 rows) x kTileN columns, by the engine of gemm_tile.cuh.
 
 constexpr int BM = 64;
@@ -342,12 +439,13 @@ constexpr int kSimtSmemBytes = SimtSmemBytes<BM>();
 template <typename T, bool kTensorCores>
 __global__ void __launch_bounds__(kThreads, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
-                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, int consumers) {
+                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, Policy pol) {
   extern __shared__ __align__(16) char smem[];
   __shared__ CallState st;
   __shared__ SegTable table;
   __shared__ int order_buf[kMaxSegments];
   __shared__ Segment raw[kMaxSegments];
+  __shared__ ChoiceScratch choice;
   __shared__ int wait_ok;
   LoadCallState(rd, &st);
   if (threadIdx.x == 0) {
@@ -359,6 +457,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (!st.ok) return;
+  const int consumers = pol.use_model ? DeviceChooseConsumers(table, pol.model, N, K, pol.elem_bytes, pol.max_ctas,
+                                                              &choice)
+                                      : pol.consumers;
+  if (blockIdx.x == 0 && threadIdx.x == 0) rd.priv->consumers = (uint64_t)consumers;
   const int64_t ntiles = (N + BN - 1) / BN;
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   RankView self = View(rd, rd.rank);
@@ -369,6 +471,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer: tiles in producer order (remote-critical segments first), statically striped over the CTAs.
     const int pid = blockIdx.x - consumers, np = gridDim.x - consumers;
     const int64_t tiles = (int64_t)table.bands * ntiles;
+    if (threadIdx.x == 0 && pid < tiles)
+      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
     for (int64_t t = pid; t < tiles; t += np) {
       const int band = (int)(t / ntiles);
       const int64_t n0 = (t % ntiles) * BN;
@@ -390,13 +494,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (atomicAdd(&rd.band_done[s.band_base + b], 1u) == (unsigned)(ntiles - 1)) {
           __threadfence();
           StoreReleaseGpu(&flags[s.band_base + b], st.epoch);
+          atomicAdd(reinterpret_cast<unsigned long long*>(rd.bands_finished), 1ull);  // (serialized mode)
         }
       }
     }
+    if (threadIdx.x == 0 && pid < tiles)
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
     return;
   }
 
   // Consumer: bands in producer order, striped over the C consumer CTAs.
+  if (pol.serialize && (int)blockIdx.x < table.bands) {
+    // The baseline without overlap: start pushing only once the producer has stored every band of the call.
+    if (threadIdx.x == 0)
+      wait_ok = WaitAtLeast(rd, rd.bands_finished, 0, (uint64_t)table.bands, rd.rank, kStageTileReady);
+    __syncthreads();
+    const int ok = wait_ok;
+    __syncthreads();  // every thread has read wait_ok before thread 0 writes it again below
+    if (!ok) return;
+  }
+  if (threadIdx.x == 0 && (int)blockIdx.x < table.bands)
+    atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)GlobalTimer());
   for (int band = blockIdx.x; band < table.bands; band += consumers) {
     const Segment& s = table.seg[FindSegment(table, band)];
     const int b = band - table.band_prefix[&s - table.seg];
@@ -417,6 +535,43 @@ __global__ void __launch_bounds__(kThreads, 1)
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) AddReleaseSys(&peer.control()->ret_arrivals.value, (uint64_t)rows);
+  }
+  if (threadIdx.x == 0 && (int)blockIdx.x < table.bands)
+    atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
+}
+
+// The decision microbenchmark: one CTA builds the table as ExpertKernel does, then runs the choice `iters` times.
+// out[0] = table build ns, out[1] = ns of `iters` decisions, out[2] = the choice.
+__global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, const int32_t* seg_rows,
+                                                                const int32_t* seg_ret_off, int E_l, int64_t cap,
+                                                                int64_t K, int64_t N, Policy pol, int iters,
+                                                                unsigned long long* out) {
+  __shared__ SegTable table;
+  __shared__ int order_buf[kMaxSegments];
+  __shared__ Segment raw[kMaxSegments];
+  __shared__ ChoiceScratch choice;
+  __shared__ int ok;
+  __shared__ unsigned long long t0;
+  if (threadIdx.x == 0) {
+    t0 = GlobalTimer();
+    ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, order_buf, raw);
+    out[0] = GlobalTimer() - t0;
+  }
+  __syncthreads();
+  if (!ok) return;
+  if (threadIdx.x == 0) t0 = GlobalTimer();
+  __syncthreads();
+  int acc = 0;
+  for (int i = 0; i < iters; ++i) {
+    ModelParams p = pol.model;
+    p.seg_us += (double)(i & 1) * 1e-12;  // vary an input so no iteration can be folded into another
+    acc += DeviceChooseConsumers(table, p, N, K, pol.elem_bytes, pol.max_ctas, &choice);
+  }
+  if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;
+  const int final_choice = DeviceChooseConsumers(table, pol.model, N, K, pol.elem_bytes, pol.max_ctas, &choice);
+  if (threadIdx.x == 0) {
+    out[2] = (unsigned long long)final_choice;
+    out[3] = (unsigned long long)acc;
   }
 }
 
@@ -545,7 +700,8 @@ Status PrepareKernels(int dev) {
   if (s.ok()) s = PrepareExpertKernel<float, false>(dev, &smem);
   cudaFuncAttributes attr;
   const void* kernels[] = {(const void*)BeginKernel, (const void*)EndKernel, (const void*)PushKernel,
-                           (const void*)RecvKernel, (const void*)CombineKernel<bf16>, (const void*)CombineKernel<float>};
+                           (const void*)RecvKernel, (const void*)CombineKernel<bf16>, (const void*)CombineKernel<float>,
+                           (const void*)DecisionBenchKernel};
   for (const void* k : kernels)
     if (s.ok()) s = CudaStatus(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes");
   return s;
@@ -553,6 +709,62 @@ Status PrepareKernels(int dev) {
 
 const char* ProducerPath(DType dt, int64_t K, int64_t N, const void* lhs, const void* w) {
   return TcTileApplies(dt == DType::kBF16, K, N, lhs, w) ? "mma.sync bf16" : "simt fp32";
+}
+
+int ProducerTileN() { return BN; }
+
+std::string CheckModelParams(const ModelParams& p) {
+  auto finite_nonneg = [](double v) { return v >= 0.0 && v < 1e300; };
+  if (p.tile_m != BM || p.tile_n != BN)
+    return "the model describes " + std::to_string(p.tile_m) + "x" + std::to_string(p.tile_n) +
+           " tiles but the compiled producer uses " + std::to_string(BM) + "x" + std::to_string(BN);
+  if (p.ctas_per_sm != 1) return "ctas_per_sm must be 1 (the expert kernel runs one CTA per SM)";
+  if (p.sms < 2) return "sms must be >= 2";
+  if (!finite_nonneg(p.tile_us_base) || !finite_nonneg(p.tile_us_per_k) || !finite_nonneg(p.seg_us))
+    return "tile_us_base, tile_us_per_k and seg_us must be finite and >= 0";
+  if (!(p.tile_us_base + p.tile_us_per_k > 0.0)) return "the tile time must be positive";
+  if (!(p.cta_gbps > 0.0 && p.cta_gbps < 1e300) || !(p.link_gbps > 0.0 && p.link_gbps < 1e300))
+    return "cta_gbps and link_gbps must be finite and > 0";
+  return "";
+}
+
+const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N, const void* lhs,
+                           const void* w) {
+  if (o.consumer_ctas > 0) return "pinned";
+  // The calibration describes the tensor-core producer; the SIMT path (float32, odd shapes) keeps the fixed C.
+  if (ws.has_model() && std::string(ProducerPath(dt, K, N, lhs, w)) == "mma.sync bf16") return "model";
+  return "fixed";
+}
+
+Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
+                       int64_t cap, int64_t K, int64_t N, DType dt, int iters, double* table_ns, double* decision_ns,
+                       int* choice) {
+  if (c.ws == nullptr || !c.ws->has_model())
+    return Status::Error(kFailedPrecondition, "jax_moe_overlap: MeasureDecision needs a workspace with a model");
+  if (E_l * c.ws->ranks() > kMaxSegments || iters < 1)
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: MeasureDecision: too many segments or iters < 1");
+  Policy pol{};
+  pol.use_model = 1;
+  pol.model = c.ws->model();
+  pol.model.sms = c.ws->budget(c.group, c.rank);
+  pol.model.ctas_per_sm = 1;
+  pol.max_ctas = ModelMaxCtas(pol.model.sms);
+  pol.elem_bytes = ElemBytes(dt);
+  unsigned long long* out = nullptr;
+  Status s = CudaStatus(cudaMalloc(&out, 4 * sizeof(unsigned long long)), "cudaMalloc");
+  if (!s.ok()) return s;
+  DecisionBenchKernel<<<1, kThreads, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), seg_rows, seg_ret_off, (int)E_l, cap,
+                                                    K, N, pol, iters, out);
+  unsigned long long h[4] = {0, 0, 0, 0};
+  s = LaunchError("launch of DecisionBenchKernel");
+  if (s.ok()) s = CudaStatus(cudaStreamSynchronize(c.stream), "cudaStreamSynchronize");
+  if (s.ok()) s = CudaStatus(cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  cudaFree(out);
+  if (!s.ok()) return s;
+  *table_ns = (double)h[0];
+  *decision_ns = (double)h[1] / iters;
+  *choice = (int)h[2];
+  return Status{};
 }
 
 Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
@@ -603,9 +815,34 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int dev = ws.device(c.group, c.rank);
   const int budget = ws.budget(c.group, c.rank);
-  const int consumers = std::min(ws.consumer_ctas(), budget - 1);
-  // Per-band tile counters start from zero every call (stream-ordered: the previous call's kernels are done).
-  if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, ws.sizes().max_bands * sizeof(uint32_t), c.stream),
+  if (c.opts.consumer_ctas < 0 || c.opts.consumer_ctas > budget - 1) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument,
+                         "jax_moe_overlap: expert_combine: consumer_ctas=" + std::to_string(c.opts.consumer_ctas) +
+                             " but rank " + std::to_string(c.rank) + " (group " + std::to_string(c.group) +
+                             ") has an SM budget of " + std::to_string(budget) +
+                             " CTAs and needs at least one producer CTA: pin C in [1, " + std::to_string(budget - 1) +
+                             "], or 0 for the resource manager's choice");
+  }
+  Policy pol{};
+  pol.serialize = c.opts.serialize ? 1 : 0;
+  pol.elem_bytes = ElemBytes(dt);
+  pol.max_ctas = ModelMaxCtas(budget);
+  const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, lhs, w);
+  if (c.opts.consumer_ctas > 0) {
+    pol.consumers = c.opts.consumer_ctas;
+  } else if (std::string(policy) == "model") {
+    pol.use_model = 1;
+    pol.model = ws.model();
+    pol.model.sms = budget;  // the rank's CTAs are its SMs (one CTA per SM, checked by PrepareExpertKernel)
+    pol.model.ctas_per_sm = 1;
+    pol.consumers = 0;
+  } else {
+    pol.consumers = std::min(ws.consumer_ctas(), budget - 1);
+  }
+  // Per-band tile counters and the finished-band count start from zero every call (stream-ordered: the previous
+  // call's kernels are done).
+  if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
                        "cudaMemsetAsync(band counters)")).ok())
     return s;
   const bool tc = std::string(ProducerPath(dt, K, N, lhs, w)) == "mma.sync bf16";
@@ -614,17 +851,17 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
     if (!(s = PrepareExpertKernel<bf16, true>(dev, &smem)).ok()) return s;
     ExpertKernel<bf16, true><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const bf16*>(lhs),
                                                                   static_cast<const bf16*>(w), cap, K, N, seg_rows,
-                                                                  seg_ret_off, (int)E_l, consumers);
+                                                                  seg_ret_off, (int)E_l, pol);
   } else if (dt == DType::kBF16) {
     if (!(s = PrepareExpertKernel<bf16, false>(dev, &smem)).ok()) return s;
     ExpertKernel<bf16, false><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const bf16*>(lhs),
                                                                    static_cast<const bf16*>(w), cap, K, N, seg_rows,
-                                                                   seg_ret_off, (int)E_l, consumers);
+                                                                   seg_ret_off, (int)E_l, pol);
   } else {
     if (!(s = PrepareExpertKernel<float, false>(dev, &smem)).ok()) return s;
     ExpertKernel<float, false><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const float*>(lhs),
                                                                     static_cast<const float*>(w), cap, K, N,
-                                                                    seg_rows, seg_ret_off, (int)E_l, consumers);
+                                                                    seg_rows, seg_ret_off, (int)E_l, pol);
   }
   if (!(s = LaunchError("launch of ExpertKernel")).ok()) return s;
   if (dt == DType::kBF16)

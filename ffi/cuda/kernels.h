@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "cuda/workspace_cuda.h"
 
@@ -21,6 +22,12 @@ struct CallOptions {
   int64_t timeout_ms = 10000;
   int32_t delay_rank = -1;  // testing aid: this rank spins delay_us on its device at the start of every call
   int64_t delay_us = 0;
+  // expert_combine only. consumer_ctas: 0 = the resource manager's choice (the workspace's model evaluated on the
+  // device from the call's routed counts, or its fixed count without a model); > 0 = pinned (must leave a producer
+  // CTA: at most the rank's SM budget - 1). serialize: the consumer starts pushing only after the producer has
+  // finished every tile (the "same kernels, no overlap" baseline).
+  int32_t consumer_ctas = 0;
+  bool serialize = false;
 };
 
 struct CallSite {
@@ -48,6 +55,24 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
 // calls it: with CUDA's lazy module loading, a kernel loaded at its first launch can wait for kernels already running,
 // and ours spin on each other across ranks sharing a device.
 Status PrepareKernels(int dev);
+
+// Columns of one producer tile (BN; a tile is kBandRows x BN): what a resource-model calibration must describe.
+int ProducerTileN();
+
+// Empty if `p` can drive the device-side choice (tile shape of the compiled kernels, one CTA per SM, finite positive
+// rates), else what is wrong.
+std::string CheckModelParams(const ModelParams& p);
+
+// How ExpertCombine picks C for a call with these options on rank (g, r): "pinned", "model" or "fixed".
+const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N, const void* lhs,
+                           const void* w);
+
+// Microbenchmark of the device-side choice (one CTA on c's device, on c's stream; synchronizes): builds the segment
+// table of this call's plan arrays as ExpertKernel does, then evaluates the model `iters` times. Reports the
+// nanoseconds of one table build, of one decision (prefix scan + all candidates + the reduction), and the choice.
+Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
+                       int64_t cap, int64_t K, int64_t N, DType dt, int iters, double* table_ns, double* decision_ns,
+                       int* choice);
 
 // Which producer path ExpertCombine takes for these operands: "mma.sync bf16" (tensor cores, sm80+) or
 // "simt fp32" (float32 operands, or shapes the tensor-core path does not take: K or N not a multiple of 8).

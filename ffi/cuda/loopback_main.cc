@@ -2,20 +2,51 @@
 //
 //   jmo_loopback --suite full        R = 2, 4, 8 x balanced / moderate / extreme routing, float32, capacity drops,
 //                                    a held-back rank, a forced timeout with recovery, 1000 consecutive iterations
+//   jmo_loopback --suite resource    the device-side manager and the serialized mode (also part of full)
 //   jmo_loopback --suite small       a few one-rank calls at small sizes (for compute-sanitizer)
 //   jmo_loopback --ranks 4 --routing 1 --iters 100 ...   one case (see LoopbackConfig for the options)
 // Prints one PASS/FAIL line per case; exits non-zero if any case fails.
+//
+// Timing (the resource-manager and consumer benchmarks drive these; benchmarks/*.py):
+//   --time                     after the checked call(s), time expert_combine alone on data set 0: --warmup W calls,
+//                              then --reps N; prints one TIMED line and one `RESULT {json}` line per variant
+//   --consumers C              C per call (0: the manager: the --model evaluated on the device, else SMs / 8)
+//   --serialize                the consumer starts only after the producer has finished every tile
+//   --sweep-consumers 1,2,4    one variant per C, then the manager, then the manager serialized
+//   --model a,b,...            the 9 ModelParams (resource_model.h order) of the workspace
+//   --per-call-stats           synchronize after each timed call and read its device spans (producer / consumer)
+//   --decision-cost N          time the device-side choice (N evaluations in one CTA) on rank 0's plan
+//   --check-tokens N           check the expert outputs of about N tokens per rank (big timing shapes)
+//   --copy-ceiling B1,B2,...   only: median cudaMemcpyAsync device-to-device time of each size (bytes)
+//   --device-info              only: the device's name and SM count, the producer tile (for calibrate.py)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
+
+#include "cuda/kernels.h"
 #include "cuda/loopback.h"
 
 using jmo::cuda::LoopbackConfig;
 
 namespace {
+
+std::vector<double> ParseList(const char* arg) {
+  std::vector<double> v;
+  std::stringstream ss(arg);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) v.push_back(std::atof(item.c_str()));
+  return v;
+}
+
+// Plausible H200-like constants that make the device-side choice vary over the suite's small shapes: they exercise
+// the manager's code path (every CTA must agree on C), they are not a calibration.
+jmo::ModelParams SuiteModel() { return jmo::ModelParams{132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5}; }
 
 std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig& base) {
   std::vector<LoopbackConfig> v;
@@ -41,6 +72,41 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
       }
     return v;
   }
+  std::vector<LoopbackConfig> resource;
+  for (int R : {1, 2, 4}) {  // the resource manager on the device (every CTA computes the same C), then serialized
+    for (bool ser : {false, true}) {
+      LoopbackConfig c = base;
+      c.ranks = R;
+      c.experts = 4 * R;
+      c.tokens = 256;
+      c.k_dim = 256;
+      c.n_dim = 264;
+      c.routing = 1;
+      c.consumers = ser ? 3 : 0;
+      c.serialize = ser;
+      c.has_model = true;
+      c.model = SuiteModel();
+      c.iters = 12;
+      resource.push_back(c);
+    }
+  }
+  {  // manager + serialized together, float32 operands (the SIMT path keeps the fixed C), 8 ranks
+    LoopbackConfig c = base;
+    c.ranks = 8;
+    c.experts = 16;
+    c.routing = 2;
+    c.consumers = 0;
+    c.serialize = true;
+    c.has_model = true;
+    c.model = SuiteModel();
+    c.iters = 10;
+    resource.push_back(c);
+    c.f32 = true;
+    c.ranks = 2;
+    c.experts = 4;
+    resource.push_back(c);
+  }
+  if (name == "resource") return resource;
   if (name != "full") {
     std::fprintf(stderr, "unknown suite %s\n", name.c_str());
     std::exit(2);
@@ -109,6 +175,7 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
     c.iters = 15;
     v.push_back(c);
   }
+  v.insert(v.end(), resource.begin(), resource.end());
   return v;
 }
 
@@ -121,6 +188,8 @@ int main(int argc, char** argv) {
   setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   LoopbackConfig base;
   std::string suite;
+  std::vector<double> copy_sizes;
+  bool device_info = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -151,16 +220,92 @@ int main(int argc, char** argv) {
     else if (a == "--consumers") base.consumers = std::atoi(next());
     else if (a == "--sm-budget") base.sm_budget = std::atoi(next());
     else if (a == "--device") base.device = std::atoi(next());
+    else if (a == "--zipf") base.zipf = std::atof(next());
+    else if (a == "--device-info") device_info = true;
+    else if (a == "--serialize") base.serialize = true;
+    else if (a == "--time") base.time = true;
+    else if (a == "--warmup") base.warmup = std::atoi(next());
+    else if (a == "--reps") base.reps = std::atoi(next());
+    else if (a == "--per-call-stats") base.per_call_stats = true;
+    else if (a == "--decision-cost") base.decision_iters = std::atoi(next());
+    else if (a == "--check-tokens") base.check_tokens = std::atoi(next());
+    else if (a == "--copy-ceiling") copy_sizes = ParseList(next());
+    else if (a == "--sweep-consumers") {
+      for (double c : ParseList(next())) base.sweep.push_back((int)c);
+    } else if (a == "--model") {
+      std::vector<double> m = ParseList(next());
+      if (m.size() != 9) {
+        std::fprintf(stderr, "--model takes 9 comma-separated numbers (ModelParams order), got %zu\n", m.size());
+        return 2;
+      }
+      base.has_model = true;
+      base.model = jmo::ModelParams{(int32_t)m[0], (int32_t)m[1], (int32_t)m[2], (int32_t)m[3], m[4], m[5], m[6], m[7],
+                                    m[8]};
+    }
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
     }
+  }
+  if (device_info) {
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, base.device) != cudaSuccess) {
+      std::fprintf(stderr, "cudaGetDeviceProperties failed\n");
+      return 1;
+    }
+    std::printf("RESULT {\"kind\": \"device\", \"name\": \"%s\", \"sms\": %d, \"tile_m\": %d, \"tile_n\": %d, "
+                "\"cc\": \"%d.%d\"}\n", prop.name, prop.multiProcessorCount, (int)jmo::kBandRows,
+                jmo::cuda::ProducerTileN(), prop.major, prop.minor);
+    return 0;
+  }
+  if (!copy_sizes.empty()) {
+    for (double b : copy_sizes) {
+      const double us = jmo::cuda::CopyCeilingUs(base.device, (int64_t)b, base.reps);
+      std::printf("COPY bytes=%.0f median_us=%.3f GB/s=%.1f\n", b, us, b / us * 1e-3);
+      std::printf("RESULT {\"kind\": \"copy\", \"bytes\": %.0f, \"median_us\": %.4f, \"gbps\": %.3f}\n", b, us,
+                  b / us * 1e-3);
+    }
+    return 0;
+  }
+  if (base.consumers < 0) {
+    std::fprintf(stderr, "--consumers must be >= 0 (0: the manager)\n");
+    return 2;
   }
   std::vector<LoopbackConfig> cases = suite.empty() ? std::vector<LoopbackConfig>{base} : Suite(suite, base);
   int failed = 0;
   for (const LoopbackConfig& c : cases) {
     jmo::cuda::LoopbackResult r = jmo::cuda::RunLoopback(c);
     std::printf("%s\n%s", r.summary.c_str(), r.log.c_str());
+    for (const jmo::cuda::TimedVariant& v : r.timed) {
+      std::ostringstream chosen, js;
+      for (size_t i = 0; i < v.chosen.size(); ++i) chosen << (i ? "," : "") << v.chosen[i];
+      std::printf("TIMED C=%s%s median_us=%.2f p10_us=%.2f p90_us=%.2f mean_us=%.2f producer_span_us=%.2f "
+                  "consumer_span_us=%.2f chosen=%s pushed_MB=%.2f identical=%d\n",
+                  v.consumers > 0 ? std::to_string(v.consumers).c_str() : "manager", v.serialize ? " serialized" : "",
+                  v.median_us, v.p10_us, v.p90_us, v.mean_us, v.prod_span_us, v.cons_span_us, chosen.str().c_str(),
+                  v.pushed_bytes / 1e6, (int)v.identical);
+      js << "{\"kind\": \"timed\", \"consumers\": " << v.consumers << ", \"serialize\": " << (v.serialize ? 1 : 0)
+         << ", \"median_us\": " << v.median_us << ", \"p10_us\": " << v.p10_us << ", \"p90_us\": " << v.p90_us
+         << ", \"mean_us\": " << v.mean_us << ", \"producer_span_us\": " << v.prod_span_us
+         << ", \"consumer_span_us\": " << v.cons_span_us << ", \"chosen\": [" << chosen.str()
+         << "], \"pushed_bytes\": " << v.pushed_bytes << ", \"identical\": " << (v.identical ? "true" : "false")
+         << ", \"budget\": " << r.budget << "}";
+      std::printf("RESULT %s\n", js.str().c_str());
+    }
+    if (c.time) {
+      for (size_t q = 0; q < r.seg_rows.size(); ++q) {
+        std::ostringstream js;
+        js << "{\"kind\": \"plan\", \"rank\": " << q << ", \"ranks\": " << c.ranks << ", \"budget\": " << r.budget
+           << ", \"seg_rows\": [";
+        for (size_t i = 0; i < r.seg_rows[q].size(); ++i) js << (i ? ", " : "") << r.seg_rows[q][i];
+        js << "]}";
+        std::printf("RESULT %s\n", js.str().c_str());
+      }
+    }
+    if (c.decision_iters > 0 && r.decision_choice > 0)
+      std::printf("DECISION table_build_ns=%.1f decision_ns=%.1f choice=%d\nRESULT {\"kind\": \"decision\", "
+                  "\"table_ns\": %.2f, \"decision_ns\": %.3f, \"choice\": %d}\n",
+                  r.table_ns, r.decision_ns, r.decision_choice, r.table_ns, r.decision_ns, r.decision_choice);
     std::fflush(stdout);
     if (!r.pass) ++failed;
   }

@@ -31,17 +31,38 @@ void RegisterModule(nb::module_& m) {
   m.def(
       "create_cuda_workspace",
       [](int ranks, int groups, std::vector<int> ordinals, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
-         int64_t num_segments, int consumer_ctas, int sm_budget) {
+         int64_t num_segments, int consumer_ctas, int sm_budget, std::vector<double> model) {
         if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
           throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
+        if (!model.empty() && model.size() != 9)
+          throw std::invalid_argument("jax_moe_overlap: the resource model takes 9 parameters (ModelParams order)");
         WorkspaceSizes s{row_bytes, recv_rows, ret_rows, MaxBands(recv_rows, num_segments)};
+        ModelParams mp{};
+        if (!model.empty())
+          mp = ModelParams{(int32_t)model[0], (int32_t)model[1], (int32_t)model[2], (int32_t)model[3], model[4],
+                           model[5], model[6], model[7], model[8]};
         std::unique_ptr<Workspace> ws;
-        Status st = Workspace::Create(ranks, groups, ordinals, s, consumer_ctas, sm_budget, &ws);
+        Status st = Workspace::Create(ranks, groups, ordinals, s, consumer_ctas, sm_budget,
+                                      model.empty() ? nullptr : &mp, &ws);
         if (!st.ok()) throw std::runtime_error(st.msg);
         return RegisterWorkspace(std::move(ws));
       },
       nb::arg("ranks"), nb::arg("groups"), nb::arg("ordinals"), nb::arg("row_bytes"), nb::arg("recv_rows"),
-      nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("consumer_ctas"), nb::arg("sm_budget") = 0);
+      nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("consumer_ctas"), nb::arg("sm_budget") = 0,
+      nb::arg("model") = std::vector<double>{});
+  m.def(
+      "cuda_workspace_info",
+      [](int64_t handle) {
+        Workspace* ws = LookupWorkspace(handle);
+        if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: not a live CUDA workspace handle");
+        nb::dict d;
+        d["min_sm_budget"] = ws->min_budget();
+        d["fixed_consumer_ctas"] = ws->consumer_ctas();
+        d["has_model"] = ws->has_model();
+        return d;
+      },
+      nb::arg("handle"));
+  m.attr("cuda_tile_n") = ProducerTileN();
   m.def(
       "cuda_grouped_gemm_path",
       [](bool bf16, int64_t K, int64_t N) { return std::string(GroupedGemmPath(bf16 ? DType::kBF16 : DType::kF32, K, N)); },

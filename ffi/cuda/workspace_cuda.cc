@@ -38,7 +38,8 @@ struct DeviceGuard {
 }  // namespace
 
 Status Workspace::Create(int ranks, int groups, const std::vector<int>& ordinals, WorkspaceSizes sizes,
-                         int consumer_ctas, int sm_budget, std::unique_ptr<Workspace>* out) {
+                         int consumer_ctas, int sm_budget, const ModelParams* model,
+                         std::unique_ptr<Workspace>* out) {
   if (ranks < 1 || ranks > kMaxRanks || groups < 1)
     return Status::Error(kInvalidArgument, "jax_moe_overlap: CUDA workspaces support 1.." + std::to_string(kMaxRanks) +
                                                " ranks per group, got " + std::to_string(ranks));
@@ -46,6 +47,10 @@ Status Workspace::Create(int ranks, int groups, const std::vector<int>& ordinals
     return Status::Error(kInvalidArgument, "jax_moe_overlap: need one device ordinal per (group, rank)");
   if (sizes.row_bytes < 1 || sizes.recv_rows < 0 || sizes.ret_rows < 0 || sizes.max_bands < 1)
     return Status::Error(kInvalidArgument, "jax_moe_overlap: invalid workspace sizes");
+  if (model != nullptr) {
+    std::string bad = CheckModelParams(*model);
+    if (!bad.empty()) return Status::Error(kInvalidArgument, "jax_moe_overlap: resource model parameters: " + bad);
+  }
   DeviceGuard guard;
   int count = 0;
   JMO_RETURN_IF_CUDA(cudaGetDeviceCount(&count));
@@ -100,6 +105,10 @@ Status Workspace::Create(int ranks, int groups, const std::vector<int>& ordinals
   if (min_budget < 2)
     return Status::Error(kInvalidArgument, "jax_moe_overlap: each rank needs at least 2 CTAs (a consumer and a producer)");
   ws->consumer_ctas_ = std::clamp(consumer_ctas, 1, min_budget - 1);
+  if (model != nullptr) {
+    ws->has_model_ = true;
+    ws->model_ = *model;
+  }
   // The caller's destructor frees whatever was allocated if a later step fails.
   for (int i = 0; i < ranks * groups; ++i) {
     JMO_RETURN_IF_CUDA(cudaSetDevice(ordinals[i]));
@@ -110,9 +119,9 @@ Status Workspace::Create(int ranks, int groups, const std::vector<int>& ordinals
     JMO_RETURN_IF_CUDA(cudaMalloc(&p, sizeof(RankPrivate)));
     ws->priv_.push_back(static_cast<RankPrivate*>(p));
     JMO_RETURN_IF_CUDA(cudaMemset(p, 0, sizeof(RankPrivate)));
-    JMO_RETURN_IF_CUDA(cudaMalloc(&p, sizes.max_bands * sizeof(uint32_t)));
+    JMO_RETURN_IF_CUDA(cudaMalloc(&p, BandCounterBytes(sizes.max_bands)));
     ws->band_done_.push_back(static_cast<uint32_t*>(p));
-    JMO_RETURN_IF_CUDA(cudaMemset(p, 0, sizes.max_bands * sizeof(uint32_t)));
+    JMO_RETURN_IF_CUDA(cudaMemset(p, 0, BandCounterBytes(sizes.max_bands)));
     JMO_RETURN_IF_CUDA(cudaDeviceSynchronize());
   }
   for (int g = 0; g < groups; ++g) {
@@ -157,10 +166,25 @@ RankDev Workspace::Dev(int g, int r) const {
   d.shared = shared(g);
   d.priv = priv_[g * ranks_ + r];
   d.band_done = band_done_[g * ranks_ + r];
+  d.bands_finished = reinterpret_cast<uint64_t*>(d.band_done + BandCounterWords(sizes_.max_bands));
   d.rank = r;
   d.group = g;
   d.ranks = ranks_;
   return d;
+}
+
+int Workspace::min_budget() const {
+  int b = 1 << 30;
+  for (int v : budget_) b = std::min(b, v);
+  return b;
+}
+
+Status Workspace::ReadPrivate(int g, int r, cudaStream_t stream, RankPrivate* out) const {
+  JMO_RETURN_IF_CUDA(cudaStreamSynchronize(stream));
+  DeviceGuard guard;
+  JMO_RETURN_IF_CUDA(cudaSetDevice(ordinals_[g * ranks_ + r]));
+  JMO_RETURN_IF_CUDA(cudaMemcpy(out, priv_[g * ranks_ + r], sizeof(RankPrivate), cudaMemcpyDeviceToHost));
+  return Status{};
 }
 
 Status Workspace::FindByOrdinal(int ordinal, int* g, int* r) const {

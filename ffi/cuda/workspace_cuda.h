@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "jax_moe_overlap/protocol.h"
+#include "jax_moe_overlap/resource_model.h"
 
 namespace jmo::cuda {
 
@@ -45,7 +46,16 @@ struct RankPrivate {
   uint64_t failed;       // non-zero once a wait of this call gave up or an input was invalid
   uint64_t err_claim;    // the first failure of this rank claims its ErrorRecord (cleared by the reset)
   uint64_t timeout_ms;   // the call's timeout, for the error text
+  // What the last expert_combine did (read by the loopback harness and the benchmarks; never by the protocol):
+  uint64_t consumers;    // its consumer CTA count C (pinned, the fixed fallback, or the device-side model's choice)
+  uint64_t prod_t0, prod_t1;  // %globaltimer: first producer tile started, last producer tile finished
+  uint64_t cons_t0, cons_t1;  // first consumer CTA started pushing (after the serialize wait), last push finished
 };
+
+// The per-band tile counters (uint32, zeroed by one memset per call) followed by the count of finished bands of the
+// call (uint64, 8-byte aligned) that the serialized mode's consumer waits for.
+inline int64_t BandCounterWords(int64_t max_bands) { return (max_bands + 1) / 2 * 2; }
+inline int64_t BandCounterBytes(int64_t max_bands) { return BandCounterWords(max_bands) * 4 + 8; }
 
 struct PeerTable {
   char* base[kMaxRanks];
@@ -58,17 +68,20 @@ struct RankDev {
   WorkspaceSizes sizes;
   GroupShared* shared;   // host-mapped
   RankPrivate* priv;     // device
-  uint32_t* band_done;   // device, [sizes.max_bands]
+  uint32_t* band_done;   // device, [sizes.max_bands], then bands_finished (BandCounterBytes in all)
+  uint64_t* bands_finished;  // device: bands whose last tile is stored, this call
   int32_t rank, group, ranks, pad_;
 };
 
 class Workspace {
  public:
-  // ordinals[g * ranks + r]: CUDA device of rank r of group g. consumer_ctas: C, the communication CTAs of
-  // expert_combine; sm_budget: CTAs of every kernel of one rank (0 = the device's SM count divided by the number of
-  // ranks on that device, so that all ranks sharing a device fit on it at once).
+  // ordinals[g * ranks + r]: CUDA device of rank r of group g. consumer_ctas: the fixed C (communication CTAs of
+  // expert_combine) used when no resource model applies; model: calibrated constants of the resource model
+  // (resource_model.h), or null: then every call not pinning C uses consumer_ctas. sm_budget: CTAs of every kernel
+  // of one rank (0 = the device's SM count divided by the number of ranks on that device, so that all ranks sharing
+  // a device fit on it at once).
   static Status Create(int ranks, int groups, const std::vector<int>& ordinals, WorkspaceSizes sizes,
-                       int consumer_ctas, int sm_budget, std::unique_ptr<Workspace>* out);
+                       int consumer_ctas, int sm_budget, const ModelParams* model, std::unique_ptr<Workspace>* out);
   ~Workspace();
 
   int ranks() const { return ranks_; }
@@ -76,7 +89,12 @@ class Workspace {
   const WorkspaceSizes& sizes() const { return sizes_; }
   int device(int g, int r) const { return ordinals_[g * ranks_ + r]; }
   int consumer_ctas() const { return consumer_ctas_; }
+  bool has_model() const { return has_model_; }
+  const ModelParams& model() const { return model_; }
   int budget(int g, int r) const { return budget_[g * ranks_ + r]; }
+  int min_budget() const;
+  // Copies this rank's RankPrivate (the last call's C and timings) after synchronizing `stream`.
+  Status ReadPrivate(int g, int r, cudaStream_t stream, RankPrivate* out) const;
   RankDev Dev(int g, int r) const;
   GroupShared* shared(int g) const { return reinterpret_cast<GroupShared*>(shared_[g]); }
 
@@ -96,12 +114,14 @@ class Workspace {
  private:
   Workspace() = default;
   int ranks_ = 0, groups_ = 0, consumer_ctas_ = 0;
+  bool has_model_ = false;
+  ModelParams model_{};
   WorkspaceSizes sizes_{};
   Layout layout_{};
   std::vector<int> ordinals_, budget_;
   std::vector<char*> blocks_;          // device
   std::vector<RankPrivate*> priv_;     // device
-  std::vector<uint32_t*> band_done_;   // device
+  std::vector<uint32_t*> band_done_;   // device, BandCounterBytes(max_bands)
   std::vector<char*> shared_;          // host-mapped (device pointer == host pointer under UVA)
   struct Barrier {
     std::mutex mu;

@@ -8,9 +8,15 @@
 //   tiles of segment i      n_i = ceil(rows_i / BM) * ceil(N / BN)  (segments in producer order, remote first)
 //   tile time               t = tile_us_base + tile_us_per_k * K     (calibrated per GPU and kernel variant)
 //   segment i ready         r_i = ceil((n_1 + ... + n_i) / P) * t    (its last tile finishes with the wave holding it)
-//   consumer                c_i = max(c_{i-1}, r_i) + seg_us + bytes_i / min(C * cta_gbps, link_gbps)
-//                           (remote segments only: the readiness coupling)
+//   push of segment i       d_i = seg_us + bytes_i / min(C * cta_gbps, link_gbps)   (pushed segments only)
+//   consumer                c_i = max(c_{i-1}, r_i) + d_i            (the readiness coupling)
 //   makespan(C)             max(ceil(n_total / P) * t, c_last)
+// The recurrence unrolls to c_last = max over pushed j of (r_j + d_j + ... + d_last), which is what is evaluated:
+//   term_j = r_j + (pushed segments from j on) * seg_us + (their bytes) * (1e-3 / rate)
+// Each term is independent of the others, so a CTA evaluates all (C, j) pairs in parallel and reduces with max
+// (exact, order-free): the device, the host and the Python mirror compute bit-identical makespans. Device code uses
+// the explicitly rounded __dmul_rn/__dadd_rn so that nvcc cannot contract a multiply-add into an FMA (which would
+// round differently from the host and could flip a near-tie).
 #pragma once
 
 #include <stdint.h>
@@ -23,9 +29,9 @@
 
 namespace jmo {
 
-// Calibrated constants of one GPU + producer variant (benchmarks/ measures them; nothing here is a guess).
+// Calibrated constants of one GPU + producer variant (benchmarks/calibrate.py measures them; nothing here is a guess).
 struct ModelParams {
-  int32_t sms;            // multiprocessors of the device
+  int32_t sms;            // multiprocessors available to the rank (the kernels use the rank's SM budget)
   int32_t ctas_per_sm;    // resident producer CTAs per SM (occupancy API on the compiled kernel)
   int32_t tile_m;         // BM: rows per producer tile
   int32_t tile_n;         // BN: columns per producer tile
@@ -38,49 +44,141 @@ struct ModelParams {
 
 struct ModelSegment {
   int32_t rows;
-  int32_t remote;  // 1: the rows travel to another rank; 0: stay local
+  int32_t remote;  // 1: the consumer pushes the rows (to another rank); 0: they need no push
+};
+
+// What the terms need of segment j (in producer order), independent of C: tiles up to and including j, and the
+// pushed segments and bytes from j to the end.
+struct ModelPrefix {
+  int64_t cum_tiles;
+  int64_t pushed_from;  // pushed segments j..last (including j)
+  int64_t bytes_from;   // their bytes (exact: an integer below 2^53 as a double)
+};
+
+// Per-C constants of the terms.
+struct ModelEval {
+  int64_t producers;
+  double tile_us;
+  double seg_us;
+  double us_per_byte;  // 1e-3 / min(C * cta_gbps, link_gbps)
 };
 
 JMO_RM_HD inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Modelled makespan in microseconds; a negative value means C is infeasible (C < 1 or no SM left to produce).
-JMO_RM_HD inline double ModelMakespanUs(const ModelParams& p, const ModelSegment* segs, int n, int64_t N, int64_t K,
-                                        int64_t elem_bytes, int consumer_ctas) {
-  if (consumer_ctas < 1 || consumer_ctas >= p.sms) return -1.0;
-  const int64_t producers = (int64_t)(p.sms - consumer_ctas) * p.ctas_per_sm;
-  const int64_t col_tiles = CeilDiv(N, p.tile_n);
-  const double tile_us = p.tile_us_base + p.tile_us_per_k * (double)K;
-  double rate = consumer_ctas * p.cta_gbps;  // bytes per ns
-  if (rate > p.link_gbps) rate = p.link_gbps;
-  int64_t cum_tiles = 0;
-  double consumer_us = 0.0;
-  for (int i = 0; i < n; ++i) {
-    if (segs[i].rows <= 0) continue;
-    cum_tiles += CeilDiv(segs[i].rows, p.tile_m) * col_tiles;
-    if (!segs[i].remote) continue;
-    const double ready_us = (double)CeilDiv(cum_tiles, producers) * tile_us;
-    const double bytes = (double)segs[i].rows * (double)N * (double)elem_bytes;
-    const double start = consumer_us > ready_us ? consumer_us : ready_us;
-    consumer_us = start + p.seg_us + bytes / rate * 1e-3;  // bytes / (bytes/ns) = ns -> us
-  }
-  const double producer_us = (double)CeilDiv(cum_tiles, producers) * tile_us;
-  return producer_us > consumer_us ? producer_us : consumer_us;
+JMO_RM_HD inline double RmMul(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+JMO_RM_HD inline double RmAdd(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+JMO_RM_HD inline double RmMax(double a, double b) { return a > b ? a : b; }
+
+// Tiles of one segment.
+JMO_RM_HD inline int64_t ModelTiles(const ModelParams& p, int64_t rows, int64_t N) {
+  return rows <= 0 ? 0 : CeilDiv(rows, p.tile_m) * CeilDiv(N, p.tile_n);
 }
 
-// The C in [1, max_ctas] with the smallest modelled makespan (the smallest such C on ties).
-JMO_RM_HD inline int ChooseConsumerCtas(const ModelParams& p, const ModelSegment* segs, int n, int64_t N, int64_t K,
-                                        int64_t elem_bytes, int max_ctas) {
+// The per-C constants; C must be feasible (ModelFeasible).
+JMO_RM_HD inline bool ModelFeasible(const ModelParams& p, int consumer_ctas) {
+  return consumer_ctas >= 1 && consumer_ctas < p.sms;
+}
+JMO_RM_HD inline ModelEval ModelEvalFor(const ModelParams& p, int64_t K, int consumer_ctas) {
+  ModelEval e;
+  e.producers = (int64_t)(p.sms - consumer_ctas) * p.ctas_per_sm;
+  e.tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)K));
+  double rate = RmMul((double)consumer_ctas, p.cta_gbps);  // bytes per ns
+  if (rate > p.link_gbps) rate = p.link_gbps;
+  e.us_per_byte = 1e-3 / rate;
+  e.seg_us = p.seg_us;
+  return e;
+}
+
+// r_j + the pushes of segments j..last.
+JMO_RM_HD inline double ModelTermUs(const ModelEval& e, const ModelPrefix& s) {
+  const double ready = RmMul((double)CeilDiv(s.cum_tiles, e.producers), e.tile_us);
+  return RmAdd(ready, RmAdd(RmMul((double)s.pushed_from, e.seg_us), RmMul((double)s.bytes_from, e.us_per_byte)));
+}
+
+JMO_RM_HD inline double ModelProducerUs(const ModelEval& e, int64_t total_tiles) {
+  return RmMul((double)CeilDiv(total_tiles, e.producers), e.tile_us);
+}
+
+// Fills pre[] for the pushed, non-empty segments (in order) and returns how many; *total_tiles gets all tiles.
+JMO_RM_HD inline int ModelPrefixes(const ModelParams& p, const ModelSegment* segs, int n, int64_t N,
+                                   int64_t elem_bytes, ModelPrefix* pre, int64_t* total_tiles) {
+  int64_t cum = 0, pushed = 0, bytes = 0;
+  int m = 0;
+  for (int i = 0; i < n; ++i) {
+    if (segs[i].rows <= 0) continue;
+    cum += ModelTiles(p, segs[i].rows, N);
+    if (!segs[i].remote) continue;
+    pre[m].cum_tiles = cum;
+    pre[m].pushed_from = pushed;                          // pushed before j, turned into "from j" below
+    pre[m].bytes_from = bytes;
+    ++pushed;
+    bytes += (int64_t)segs[i].rows * N * elem_bytes;
+    ++m;
+  }
+  for (int j = 0; j < m; ++j) {
+    pre[j].pushed_from = pushed - pre[j].pushed_from;
+    pre[j].bytes_from = bytes - pre[j].bytes_from;
+  }
+  *total_tiles = cum;
+  return m;
+}
+
+// Modelled makespan from prepared prefixes; negative when C is infeasible.
+JMO_RM_HD inline double ModelMakespanFromPrefixes(const ModelParams& p, const ModelPrefix* pre, int m,
+                                                  int64_t total_tiles, int64_t K, int consumer_ctas) {
+  if (!ModelFeasible(p, consumer_ctas)) return -1.0;
+  const ModelEval e = ModelEvalFor(p, K, consumer_ctas);
+  double us = ModelProducerUs(e, total_tiles);
+  for (int j = 0; j < m; ++j) us = RmMax(us, ModelTermUs(e, pre[j]));
+  return us;
+}
+
+// The largest C the manager considers on a rank with `budget` CTAs: min(32, budget - 1) (one warp of candidates).
+constexpr int kMaxModelCtas = 32;
+JMO_RM_HD inline int ModelMaxCtas(int budget) { return budget - 1 < kMaxModelCtas ? budget - 1 : kMaxModelCtas; }
+
+// Modelled makespan in microseconds; a negative value means C is infeasible (C < 1 or no SM left to produce).
+// `scratch` holds n entries.
+JMO_RM_HD inline double ModelMakespanUs(const ModelParams& p, const ModelSegment* segs, int n, int64_t N, int64_t K,
+                                        int64_t elem_bytes, int consumer_ctas, ModelPrefix* scratch) {
+  int64_t total = 0;
+  const int m = ModelPrefixes(p, segs, n, N, elem_bytes, scratch, &total);
+  return ModelMakespanFromPrefixes(p, scratch, m, total, K, consumer_ctas);
+}
+
+// The C in [1, min(max_ctas, sms - 1)] with the smallest modelled makespan (the smallest such C on ties).
+JMO_RM_HD inline int ChooseConsumerCtasFromPrefixes(const ModelParams& p, const ModelPrefix* pre, int m,
+                                                    int64_t total_tiles, int64_t K, int max_ctas) {
   if (max_ctas > p.sms - 1) max_ctas = p.sms - 1;
   int best = 1;
-  double best_us = ModelMakespanUs(p, segs, n, N, K, elem_bytes, 1);
+  double best_us = ModelMakespanFromPrefixes(p, pre, m, total_tiles, K, 1);
   for (int c = 2; c <= max_ctas; ++c) {
-    const double us = ModelMakespanUs(p, segs, n, N, K, elem_bytes, c);
+    const double us = ModelMakespanFromPrefixes(p, pre, m, total_tiles, K, c);
     if (us >= 0.0 && us < best_us) {
       best_us = us;
       best = c;
     }
   }
   return best;
+}
+
+JMO_RM_HD inline int ChooseConsumerCtas(const ModelParams& p, const ModelSegment* segs, int n, int64_t N, int64_t K,
+                                        int64_t elem_bytes, int max_ctas, ModelPrefix* scratch) {
+  int64_t total = 0;
+  const int m = ModelPrefixes(p, segs, n, N, elem_bytes, scratch, &total);
+  return ChooseConsumerCtasFromPrefixes(p, scratch, m, total, K, max_ctas);
 }
 
 }  // namespace jmo
