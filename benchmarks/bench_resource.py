@@ -1,0 +1,172 @@
+"""The resource manager's oracle sweep (issue 5): for each workload, time expert_combine with every feasible consumer
+CTA count C pinned (the oracle is the fastest), then with the manager (C chosen on the device from the routed counts
+by the calibrated model), and report the model's pick, the oracle's, the regret, the speed-up of the manager over
+the best single fixed C across the set, and the decision cost per call.
+
+Workloads: the seed sweep (tokens per rank 8192 / 16384, top-2, K = 2048, N in {4096, 8192}, 8..64 experts,
+balanced / moderate (Zipf 0.8) / stress (Zipf 2.0) routing), run by the loopback harness with R ranks sharing one
+GPU (each rank gets SMs / R CTAs; the model's SM count is that budget and its link ceiling the calibrated one / R,
+since the R ranks share the GPU's memory system). Every workload's first call is checked against a host reference
+(on a sample of tokens) and every timed variant's outputs bit for bit against it.
+
+Decision cost: the harness' DecisionBenchKernel builds rank 0's segment table as ExpertKernel does and runs the
+device-side choice (prefix scan + 32 candidates x segments + reduction) thousands of times in one CTA; the time per
+choice is reported (the table build is reported apart: ExpertKernel needs it whether or not it chooses C).
+
+  python3 benchmarks/bench_resource.py --calibration $OUT/calibration/nvidia_h200.json --out $OUT/resource.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import loopback_runner as lb  # noqa: E402
+from jax_moe_overlap import resource as rm  # noqa: E402
+
+SKEW_ARGS = {"balanced": ["--routing", 0], "moderate": ["--routing", 1, "--zipf", 0.8],
+             "stress": ["--routing", 1, "--zipf", 2.0]}
+
+
+def workloads(quick: bool):
+  """12 workloads: tokens x N x skew, the expert count cycling through 8, 32, 64, 16 (4..64 in the seed sweep)."""
+  out = []
+  experts = itertools.cycle([8, 32, 64, 16])
+  for tokens, n, skew in itertools.product((8192, 16384), (4096, 8192), ("balanced", "moderate", "stress")):
+    out.append(dict(tokens=tokens, n=n, k=2048, top_k=2, experts=next(experts), skew=skew))
+  return out[::3] if quick else out
+
+
+def model_for_ranks(p: rm.ModelParams, ranks: int) -> rm.ModelParams:
+  """What the device sees per rank in loopback: the link shared by the R ranks of the GPU."""
+  return dataclasses.replace(p, link_gbps=p.link_gbps / ranks)
+
+
+def summarize(rows):
+  """Regret of the manager vs the oracle per workload, and the manager vs the best fixed C across the set."""
+  cs = sorted(set.intersection(*[set(r["times_us"]) for r in rows]))
+  total = {c: sum(r["times_us"][c] for r in rows) for c in cs}
+  best_fixed = min(cs, key=lambda c: (total[c], c))
+  manager_total = sum(r["manager_us"] for r in rows)
+  regrets = [r["regret"] for r in rows]
+  geo = math.exp(sum(math.log(r["times_us"][best_fixed] / r["manager_us"]) for r in rows) / len(rows))
+  return dict(kind="summary", workloads=len(rows), mean_regret=sum(regrets) / len(regrets), worst_regret=max(regrets),
+              best_fixed_c=best_fixed, speedup_vs_best_fixed_total=total[best_fixed] / manager_total,
+              speedup_vs_best_fixed_geomean=geo, mirror_agrees=all(r["mirror_agrees"] for r in rows))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--calibration", default=None, help="calibration JSON (default: the shipped one for this GPU)")
+  ap.add_argument("--ranks", type=int, default=4, help="loopback ranks sharing the GPU")
+  ap.add_argument("--ctas", default="all", help="C values of the oracle: 'all' = 1..min(32, budget - 1), or a list")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--warmup", type=int, default=1)
+  ap.add_argument("--quick", action="store_true", help="4 workloads instead of 12")
+  ap.add_argument("--only", type=int, default=None, help="run workload #i only")
+  ap.add_argument("--decision-iters", type=int, default=2000)
+  ap.add_argument("--out", default=None, help="JSON lines")
+  ap.add_argument("--log", default=None)
+  args = ap.parse_args(argv)
+  log = open(args.log, "a") if args.log else None
+  dev = lb.device_info()
+  cal_path = args.calibration or os.path.join(rm.CALIBRATION_DIR, rm.calibration_file_name(dev["name"]))
+  params = rm.load_params(cal_path)
+  if params.sms != dev["sms"]:
+    sys.exit(f"{cal_path} was measured on {params.sms} SMs, this GPU has {dev['sms']}")
+  R = args.ranks
+  budget = dev["sms"] // R
+  per_rank = model_for_ranks(params, R)
+  cs = list(range(1, rm.MAX_MODEL_CTAS + 1)) if args.ctas == "all" else [int(c) for c in args.ctas.split(",")]
+  cs = [c for c in cs if 1 <= c <= min(rm.MAX_MODEL_CTAS, budget - 1)]
+  header = dict(kind="header", command=" ".join(["python3"] + sys.argv), device=dev, calibration=cal_path,
+                params=dataclasses.asdict(params), ranks=R, budget=budget, ctas=cs,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+  out_rows, out_rows_failed = [], []
+  wls = workloads(args.quick)
+  if args.only is not None:
+    wls = [wls[args.only]]
+  print(f"{len(wls)} workloads x {len(cs)} pinned C + the manager, R = {R} ranks x {budget} CTAs, {args.reps} reps")
+  print("| # | tokens/rank | N | E | skew | oracle C | oracle ms | manager C (per rank) | manager ms | regret | "
+        "serialized ms | C=SMs/8 ms | mirror |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  t_all = time.time()
+  decision = []
+  for i, w in enumerate(wls):
+    t0 = time.time()
+    base = ["--ranks", R, "--tokens", w["tokens"], "--top-k", w["top_k"], "--experts", w["experts"], "--d-model", 64,
+            "--k-dim", w["k"], "--n-dim", w["n"], "--iters", 1, "--datasets", 1, "--check-tokens", 16,
+            "--model", lb.params_arg(per_rank), "--time", "--warmup", args.warmup, "--reps", args.reps,
+            "--timeout-ms", 60000] + SKEW_ARGS[w["skew"]]
+    try:
+      res = lb.run(base + ["--consumers", 0, "--sweep-consumers", ",".join(map(str, cs)),
+                           "--decision-cost", args.decision_iters], timeout=900, log=log)
+    except lb.LoopbackError as e:  # a failed check: no numbers from this workload
+      print(f"| {i} | {w} | FAILED: {str(e)[-600:]}", flush=True)
+      out_rows_failed.append(dict(kind="failed", index=i, **w, error=str(e)[-4000:]))
+      continue
+    timed = [r for r in res["results"] if r["kind"] == "timed"]
+    plans = sorted((r for r in res["results"] if r["kind"] == "plan"), key=lambda r: r["rank"])
+    times = {r["consumers"]: r["median_us"] for r in timed if r["consumers"] > 0}
+    manager = [r for r in timed if r["consumers"] == 0 and not r["serialize"]][0]
+    ser_us = [r for r in timed if r["consumers"] == 0 and r["serialize"]][0]["median_us"]
+    fixed_c = min(max(1, dev["sms"] // 8), budget - 1)
+    fixed_us = times.get(fixed_c)
+    oracle = min(times, key=lambda c: (times[c], c))
+    # The Python mirror on the same segment tables must pick what the device picked.
+    p_rank = dataclasses.replace(per_rank, sms=budget, ctas_per_sm=1)
+    mirror = [rm.choose_consumer_ctas(p_rank, rm.device_segments(_grid(pl["seg_rows"], R), pl["rank"]), w["n"],
+                                      w["k"], 2, min(rm.MAX_MODEL_CTAS, budget - 1)) for pl in plans]
+    mirror_ok = mirror == manager["chosen"]
+    for r in res["results"]:
+      if r["kind"] == "decision":
+        decision.append(r)
+    row = dict(kind="workload", index=i, **w, ranks=R, budget=budget, times_us={c: times[c] for c in sorted(times)},
+               oracle_c=oracle, oracle_us=times[oracle], manager_chosen=manager["chosen"], manager_us=manager["median_us"],
+               regret=manager["median_us"] / times[oracle] - 1.0, serialized_us=ser_us, fixed_c=fixed_c,
+               fixed_us=fixed_us, mirror_chosen=mirror, mirror_agrees=mirror_ok, seconds=time.time() - t0,
+               model_us={c: rm.makespan_us(p_rank, rm.device_segments(_grid(plans[0]["seg_rows"], R), 0), w["n"], w["k"],
+                                           2, c) for c in cs})
+    out_rows.append(row)
+    print(f"| {i} | {w['tokens']} | {w['n']} | {w['experts']} | {w['skew']} | {oracle} | {times[oracle] / 1e3:.3f} | "
+          f"{','.join(map(str, manager['chosen']))} | {manager['median_us'] / 1e3:.3f} | {100 * row['regret']:.1f}% | "
+          f"{ser_us / 1e3:.3f} | {(fixed_us or float('nan')) / 1e3:.3f} | {'ok' if mirror_ok else 'DIFFERS'} |",
+          flush=True)
+  summary = summarize(out_rows) if out_rows else {}
+  if decision:
+    summary.update(decision_ns_median=lb.median([d["decision_ns"] for d in decision]),
+                   decision_ns_max=max(d["decision_ns"] for d in decision),
+                   table_build_ns_median=lb.median([d["table_ns"] for d in decision]))
+  summary["seconds"] = time.time() - t_all
+  summary["failed_workloads"] = len(out_rows_failed)
+  print(f"\nmean regret {100 * summary.get('mean_regret', float('nan')):.2f}%, worst "
+        f"{100 * summary.get('worst_regret', float('nan')):.2f}% | best fixed C across the set: "
+        f"{summary.get('best_fixed_c')} -> manager speed-up {summary.get('speedup_vs_best_fixed_total', float('nan')):.3f}x "
+        f"(total time), {summary.get('speedup_vs_best_fixed_geomean', float('nan')):.3f}x (geomean) | decision "
+        f"{summary.get('decision_ns_median', float('nan')):.0f} ns per call (max "
+        f"{summary.get('decision_ns_max', float('nan')):.0f}; table build "
+        f"{summary.get('table_build_ns_median', float('nan')):.0f} ns, needed anyway) | Python mirror agrees: "
+        f"{summary.get('mirror_agrees')} | {summary['seconds']:.0f} s")
+  if args.out:
+    with open(args.out, "w") as f:
+      for r in [header] + out_rows + out_rows_failed + [summary]:
+        f.write(json.dumps(r) + "\n")
+  return out_rows, summary
+
+
+def _grid(flat, R):
+  """seg_rows [E_local * R] (flat, expert-major) -> [E_local][R]."""
+  return [flat[e * R:(e + 1) * R] for e in range(len(flat) // R)]
+
+
+if __name__ == "__main__":
+  main()

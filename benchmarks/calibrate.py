@@ -1,0 +1,127 @@
+"""Measures the resource model's constants (ffi/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
+harness and writes the calibration JSON that jax_moe_overlap loads (jax_moe_overlap/calibration/<gpu name>.json).
+
+Everything runs on one rank (R = 1: the rank owns every SM) in the serialized mode, which isolates both halves of
+expert_combine: the consumer starts only after the producer has flagged every tile, so the device's own
+%globaltimer spans (first tile started .. last tile stored; first push .. last push) time each half alone.
+
+  tile time       producer span / waves, waves = ceil(tiles / (SMs - C)), for K in --ks; least squares
+                  t(K) = tile_us_base + tile_us_per_k * K.
+  cta_gbps        consumer bytes / span / C at C = 1 and 2 (big segments: before the link saturates); the median.
+  link_gbps       the best consumer bandwidth over C in 1..32 (the ceiling the consumer itself reaches on this GPU,
+                  loopback: HBM to HBM; a multi-GPU calibration would measure NVLink instead).
+  seg_us          the per-segment cost the model adds serially: (span - bytes / rate(C)) / segments at C = 8 with
+                  many small segments (E = 256 experts), rate(C) from the big-segment run; clamped at 0.
+
+  python3 benchmarks/calibrate.py --out jax_moe_overlap/calibration/   # writes <dir>/<gpu name>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import loopback_runner as lb  # noqa: E402
+from jax_moe_overlap import resource as rm  # noqa: E402
+
+
+def fit_line(xs, ys):
+  n = len(xs)
+  mx, my = sum(xs) / n, sum(ys) / n
+  sxx = sum((x - mx) ** 2 for x in xs)
+  slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+  return my - slope * mx, slope
+
+
+def timed(res):
+  return [r for r in res["results"] if r["kind"] == "timed"]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=rm.CALIBRATION_DIR, help="directory (gets <gpu name>.json) or a .json path")
+  ap.add_argument("--ks", default="512,1024,2048,4096", help="K values of the tile-time fit")
+  ap.add_argument("--tokens", type=int, default=8192, help="tokens of the tile-time and bandwidth runs (top-2)")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--log", default=None, help="append the harness' full output here")
+  args = ap.parse_args(argv)
+  log = open(args.log, "a") if args.log else None
+  t_start = time.time()
+  dev = lb.device_info()
+  sms, tile_m, tile_n = dev["sms"], dev["tile_m"], dev["tile_n"]
+  common = ["--ranks", "1", "--top-k", "2", "--routing", "3", "--d-model", "64", "--iters", "1", "--datasets", "1",
+            "--time", "--serialize", "--per-call-stats", "--warmup", "1", "--reps", args.reps, "--check-tokens", "16"]
+  raw = {"device": dev}
+
+  # 1. Tile time vs K: N = 4096, 8 experts, C = 4 consumer CTAs (the producer has sms - 4).
+  C0, N = 4, 4096
+  ks = [int(k) for k in args.ks.split(",")]
+  tile_us = []
+  for K in ks:
+    res = lb.run(common + ["--tokens", args.tokens, "--experts", 8, "--k-dim", K, "--n-dim", N, "--consumers", C0],
+                 log=log)
+    v = timed(res)[0]
+    rows = args.tokens * 2
+    tiles = -(-rows // 8 // tile_m) * 8 * -(-N // tile_n)
+    waves = -(-tiles // (sms - C0))
+    tile_us.append(v["producer_span_us"] / waves)
+    print(f"K={K}: producer span {v['producer_span_us']:.1f} us over {waves} waves -> {tile_us[-1]:.3f} us/tile",
+          flush=True)
+  base, per_k = fit_line(ks, tile_us)
+  if base < 0:  # keep the line through the data but non-negative at K = 0
+    base, per_k = 0.0, sum(t * k for t, k in zip(tile_us, ks)) / sum(k * k for k in ks)
+  raw["tile_us"] = dict(zip(map(str, ks), tile_us))
+
+  # 2. Consumer bandwidth per C with big segments (K = 64: the GEMM is negligible; 8 experts x 2048 rows x 8 KiB).
+  cs = [1, 2, 4, 8, 16, 32]
+  res = lb.run(common + ["--tokens", args.tokens, "--experts", 8, "--k-dim", 64, "--n-dim", N, "--consumers", 1,
+                         "--sweep-consumers", ",".join(map(str, cs))], log=log)
+  bw = {}
+  for v in timed(res):
+    if v["consumers"] > 0:
+      bw[v["consumers"]] = v["pushed_bytes"] / v["consumer_span_us"] * 1e-3
+  for c in cs:
+    print(f"consumer C={c}: {bw[c]:.1f} GB/s ({bw[c] / c:.1f} per CTA)", flush=True)
+  cta_gbps = lb.median([bw[1] / 1, bw[2] / 2])
+  link_gbps = max(bw.values())
+  raw["consumer_gbps"] = {str(c): bw[c] for c in cs}
+
+  # 3. Per-segment cost: 256 experts, 64 rows each (512 KiB segments), C = 8.
+  C1, E1 = 8, 256
+  res = lb.run(common + ["--tokens", E1 * 64 // 2, "--experts", E1, "--k-dim", 64, "--n-dim", N, "--consumers", C1],
+               log=log)
+  v = timed(res)[0]
+  rate = min(C1 * cta_gbps, link_gbps)
+  seg_us = max(0.0, (v["consumer_span_us"] - v["pushed_bytes"] / rate * 1e-3) / E1)
+  print(f"per-segment cost at C={C1}: span {v['consumer_span_us']:.1f} us for {E1} segments -> {seg_us:.3f} us",
+        flush=True)
+  raw["seg_run"] = v
+
+  params = rm.ModelParams(sms=sms, ctas_per_sm=1, tile_m=tile_m, tile_n=tile_n, tile_us_base=base,
+                          tile_us_per_k=per_k, cta_gbps=cta_gbps, link_gbps=link_gbps, seg_us=seg_us)
+  problems = rm.validate_params(params)
+  if problems:
+    sys.exit(f"calibration failed: {problems}")
+  out = args.out
+  if not out.endswith(".json"):
+    os.makedirs(out, exist_ok=True)
+    out = os.path.join(out, rm.calibration_file_name(dev["name"]))
+  doc = dict(params.__dict__, gpu_name=dev["name"], compute_capability=dev["cc"],
+             producer="mma.sync bf16 (kernels.cu ExpertKernel)", measured_on="loopback, one GPU (R = 1)",
+             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(["python3"] + sys.argv),
+             note="link_gbps is the consumer's own ceiling on one GPU (HBM to HBM); loopback runs with R ranks "
+                  "share it (bench_resource.py passes link_gbps / R)", raw=raw)
+  with open(out, "w") as f:
+    json.dump(doc, f, indent=1)
+  print(f"wrote {out} ({time.time() - t_start:.0f} s): {params}")
+  return out
+
+
+if __name__ == "__main__":
+  main()

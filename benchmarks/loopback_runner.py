@@ -1,0 +1,69 @@
+"""Runs the `jmo_loopback` harness (ffi/cuda/loopback_main.cc) for the resource-manager benchmarks and parses its
+`RESULT {json}` lines. No jax needed: the harness drives the CUDA kernels directly (R ranks sharing one GPU).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def binary() -> str:
+  """$JMO_LOOPBACK_BIN, else build/gpu/ffi/cuda/jmo_loopback, else the first jmo_loopback under build*/."""
+  env = os.environ.get("JMO_LOOPBACK_BIN")
+  if env:
+    return env
+  default = os.path.join(ROOT, "build", "gpu", "ffi", "cuda", "jmo_loopback")
+  if os.path.exists(default):
+    return default
+  found = sorted(glob.glob(os.path.join(ROOT, "build*", "**", "jmo_loopback"), recursive=True))
+  if not found:
+    sys.exit("jmo_loopback not found: build it (bash benchmarks/run_resource_device.sh builds into build/gpu) or set "
+             "$JMO_LOOPBACK_BIN")
+  return found[0]
+
+
+class LoopbackError(RuntimeError):
+  pass
+
+
+def run(args: list[str], timeout: float = 300, log=None) -> dict:
+  """Runs the harness with `args`; returns {"results": [parsed RESULT dicts], "stdout": ..., "seconds": ...}.
+
+  Raises LoopbackError (with the output's tail) if the harness fails: a FAIL line means a correctness check did not
+  hold, and its numbers must not be used.
+  """
+  cmd = [binary()] + [str(a) for a in args]
+  env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
+  t0 = time.time()
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+  secs = time.time() - t0
+  if log is not None:
+    log.write(f"$ {shlex.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    log.flush()
+  if proc.returncode != 0:
+    raise LoopbackError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
+  results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+  return {"results": results, "stdout": proc.stdout, "seconds": secs, "command": shlex.join(cmd)}
+
+
+def device_info() -> dict:
+  return [r for r in run(["--device-info"])["results"] if r["kind"] == "device"][0]
+
+
+def params_arg(params) -> str:
+  """--model value from a ModelParams (jax_moe_overlap.resource) or a 9-list."""
+  vals = params.as_list() if hasattr(params, "as_list") else list(params)
+  return ",".join(repr(float(v)) for v in vals)
+
+
+def median(xs):
+  xs = sorted(xs)
+  return xs[len(xs) // 2] if xs else float("nan")

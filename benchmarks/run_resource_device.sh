@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The resource-manager measurements of issues 5 and 4 on one GPU, in one go (target: <= 6 minutes on an H200):
+#   build (as tests/gpu/run_device.sh) -> GPU tests of the manager/serialized mode -> calibrate.py -> bench_consumer.py
+#   -> bench_resource.py (the oracle sweep, using the calibration just measured).
+#
+#   bash benchmarks/run_resource_device.sh            # everything under $OUT (default /tmp/jmo-resource-out)
+#   QUICK=1 bash benchmarks/run_resource_device.sh    # 4 workloads instead of 12
+# Outputs: env.log build.log pytest.log calibration/<gpu>.json calibrate.log consumer.{txt,jsonl} resource.{txt,jsonl}
+# loopback.log (every harness command and its full output). Commit calibration/<gpu>.json to
+# jax_moe_overlap/calibration/ to make the module use the model on that GPU.
+set -uo pipefail
+OUT=${OUT:-/tmp/jmo-resource-out}
+mkdir -p "$OUT/calibration"
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{
+  date -u
+  nvidia-smi -L
+  nvcc --version | tail -2
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+  git log -1 --format='code at %h %s' 2>/dev/null || true
+} 2>&1 | tee "$OUT/env.log"
+t0=$(date +%s)
+if ! { cmake -S . -B build/gpu -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
+       && cmake --build build/gpu -j"$(nproc)"; } > "$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - t0 )) s"
+cp build/gpu/_jmo*.so jax_moe_overlap/
+export JMO_LOOPBACK_BIN=$PWD/build/gpu/ffi/cuda/jmo_loopback PYTHONPATH=$PWD JAX_PLATFORMS=cuda,cpu PYTHONUNBUFFERED=1
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+rc=0
+step() { echo "== $1: $(( $(date +%s) - t0 )) s since start"; }
+
+step "GPU tests (tests/gpu/test_gpu_resource.py)"
+timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_gpu_resource.py > "$OUT/pytest.log" 2>&1 || rc=1
+tail -3 "$OUT/pytest.log"
+
+step "calibrate"
+timeout 240 python3 benchmarks/calibrate.py --out "$OUT/calibration" --reps 5 --log "$OUT/loopback.log" \
+  2>&1 | tee "$OUT/calibrate.log"
+CAL=$(ls "$OUT"/calibration/*.json 2>/dev/null | head -1)
+if [ -z "$CAL" ]; then echo "calibration failed: see $OUT/calibrate.log"; exit 1; fi
+
+step "bench_consumer"
+timeout 240 python3 benchmarks/bench_consumer.py --reps 10 --out "$OUT/consumer.jsonl" --log "$OUT/loopback.log" \
+  2>&1 | tee "$OUT/consumer.txt" || rc=1
+
+step "bench_resource"
+timeout 420 python3 benchmarks/bench_resource.py --calibration "$CAL" --reps "${REPS:-5}" ${QUICK:+--quick} \
+  --out "$OUT/resource.jsonl" --log "$OUT/loopback.log" 2>&1 | tee "$OUT/resource.txt" || rc=1
+step "done (rc=$rc)"
+exit $rc
