@@ -11,6 +11,7 @@
 
 #include "cuda/gemm_tile.cuh"
 #include "cuda/wgmma/wgmma_gemm.cuh"
+#include "cuda/wgmma/wgmma_outer.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -264,6 +265,13 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
   Status s = CheckSizes("grouped_outer", M, G);
   if (!s.ok()) return s;
   if (K == 0 || N == 0) return Status{};
+  // Hopper: the wgmma + TMA kernel (ffi/cuda/wgmma/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
+  // builds it refuses (cudaErrorInvalidValue / cudaErrorNotSupported, before any launch) fall through to mma.sync.
+  if (UseWgmma(dt, M, K, N)) {
+    const cudaError_t e = WgmmaGroupedOuter(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), N, G,
+                                            group_sizes, out, out_f32, HopperSms(), stream);
+    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_outer (wgmma)");
+  }
   const bool tc = UseTensorCores(dt, K, N);
   if (dt == DType::kF32) return LaunchOuter<kSimtBM, float, float, false>(stream, lhs, M, K, rhs, N, G, group_sizes, out);
   if (tc) {
