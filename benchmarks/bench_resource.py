@@ -6,7 +6,10 @@ the best single fixed C across the set, and the decision cost per call.
 Workloads: the seed sweep (tokens per rank 8192 / 16384, top-2, K = 2048, N in {4096, 8192}, 8..64 experts,
 balanced / moderate (Zipf 0.8) / stress (Zipf 2.0) routing), run by the loopback harness with R ranks sharing one
 GPU (each rank gets SMs / R CTAs; the model's SM count is that budget and its link ceiling the calibrated one / R,
-since the R ranks share the GPU's memory system). Every workload's first call is checked against a host reference
+since the R ranks share the GPU's memory system). Calls are timed synchronized (--per-call-stats: all ranks finish a
+call before any starts the next, start to end on each rank's stream, the slowest rank's time): back to back, one
+rank's next call occupies SMs that another rank's current call still needs, which on the H200 made calls with
+C >= 4 up to 1000x slower and erratic, a loopback artefact (one rank per GPU never shares SMs). Every workload's first call is checked against a host reference
 (on a sample of tokens) and every timed variant's outputs bit for bit against it.
 
 Decision cost: the harness' DecisionBenchKernel builds rank 0's segment table as ExpertKernel does and runs the
@@ -105,7 +108,7 @@ def main(argv=None):
     t0 = time.time()
     base = ["--ranks", R, "--tokens", w["tokens"], "--top-k", w["top_k"], "--experts", w["experts"], "--d-model", 64,
             "--k-dim", w["k"], "--n-dim", w["n"], "--iters", 1, "--datasets", 1, "--check-tokens", 16,
-            "--model", lb.params_arg(per_rank), "--time", "--warmup", args.warmup, "--reps", args.reps,
+            "--model", lb.params_arg(per_rank), "--time", "--per-call-stats", "--warmup", args.warmup, "--reps", args.reps,
             "--timeout-ms", 60000] + SKEW_ARGS[w["skew"]]
     try:
       res = lb.run(base + ["--consumers", 0, "--sweep-consumers", ",".join(map(str, cs)),

@@ -63,7 +63,12 @@ struct ModelEval {
   double us_per_byte;  // 1e-3 / min(C * cta_gbps, link_gbps)
 };
 
-JMO_RM_HD inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// (32-bit division when both fit: the same integer, several times cheaper on the device.)
+JMO_RM_HD inline int64_t CeilDiv(int64_t a, int64_t b) {
+  if (a >= 0 && b > 0 && a <= 0x3fffffff && b <= 0x3fffffff)
+    return (int64_t)(((uint32_t)a + (uint32_t)b - 1u) / (uint32_t)b);
+  return (a + b - 1) / b;
+}
 
 JMO_RM_HD inline double RmMul(double a, double b) {
 #ifdef __CUDA_ARCH__
