@@ -9,7 +9,8 @@ GPU (each rank gets SMs / R CTAs; the model's SM count is that budget and its li
 since the R ranks share the GPU's memory system). Calls are timed synchronized (--per-call-stats: all ranks finish a
 call before any starts the next, start to end on each rank's stream, the slowest rank's time): back to back, one
 rank's next call occupies SMs that another rank's current call still needs, which on the H200 made calls with
-C >= 4 up to 1000x slower and erratic, a loopback artefact (one rank per GPU never shares SMs). Every workload's first call is checked against a host reference
+C >= 4 up to 1000x slower and erratic. Synchronized calls still showed C = 16 18x slower than C = 4 in one R = 4 run
+(with an unfinished wgmma producer in the tree): not understood yet; read the per-C times before trusting a regret. Every workload's first call is checked against a host reference
 (on a sample of tokens) and every timed variant's outputs bit for bit against it.
 
 Decision cost: the harness' DecisionBenchKernel builds rank 0's segment table as ExpertKernel does and runs the

@@ -43,7 +43,8 @@ def test_loopback_resource_suite():
 @pytest.mark.parametrize("ranks,routing", [(2, 1), (4, 0), (4, 2)])
 def test_device_choice_equals_python_mirror(ranks, routing):
   from jax_moe_overlap import resource as rm  # pylint: disable=g-import-not-at-top
-  proc = _run(["--ranks", ranks, "--experts", 4 * ranks, "--tokens", 1024, "--k-dim", 512, "--n-dim", 1024,
+  # K, N multiples of 8 but not of 64: the mma.sync producer, which the model describes (64 x 128 tiles).
+  proc = _run(["--ranks", ranks, "--experts", 4 * ranks, "--tokens", 1024, "--k-dim", 520, "--n-dim", 1032,
                "--routing", routing, "--iters", 1, "--datasets", 1, "--time", "--reps", 3, "--warmup", 1,
                "--consumers", 0, "--sweep-consumers", "1,4", "--model", ",".join(map(str, PARAMS)),
                "--decision-cost", 100])
@@ -57,7 +58,7 @@ def test_device_choice_equals_python_mirror(ranks, routing):
   p = dataclasses.replace(rm.ModelParams(*PARAMS), sms=budget, ctas_per_sm=1)
   for plan in sorted((r for r in res if r["kind"] == "plan"), key=lambda r: r["rank"]):
     grid = [plan["seg_rows"][e * ranks:(e + 1) * ranks] for e in range(len(plan["seg_rows"]) // ranks)]
-    want = rm.choose_consumer_ctas(p, rm.device_segments(grid, plan["rank"]), 1024, 512, 2, min(32, budget - 1))
+    want = rm.choose_consumer_ctas(p, rm.device_segments(grid, plan["rank"]), 1032, 520, 2, min(32, budget - 1))
     assert timed[2]["chosen"][plan["rank"]] == want, (plan, timed[2])
   dec = [r for r in res if r["kind"] == "decision"][0]
   assert dec["choice"] == timed[2]["chosen"][0] and 0 < dec["decision_ns"] < 100000
