@@ -53,15 +53,16 @@ def main(argv=None):
   args = ap.parse_args(argv)
   log = open(args.log, "a") if args.log else None
   t_start = time.time()
-  dev = lb.device_info()
+  ks = [int(k) for k in args.ks.split(",")]
+  C0, N = 4, 4096
+  dev = lb.device_info(ks[0], N)  # the engine these shapes run (wgmma 128 x 256 on Hopper, else mma.sync 64 x 128)
   sms, tile_m, tile_n = dev["sms"], dev["tile_m"], dev["tile_n"]
+  print(f"calibrating the {dev.get('producer', '?')} producer ({tile_m} x {tile_n} tiles) on {dev['name']}", flush=True)
   common = ["--ranks", "1", "--top-k", "2", "--routing", "3", "--d-model", "64", "--iters", "1", "--datasets", "1",
             "--time", "--serialize", "--per-call-stats", "--warmup", "1", "--reps", args.reps, "--check-tokens", "16"]
   raw = {"device": dev}
 
   # 1. Tile time vs K: N = 4096, 8 experts, C = 4 consumer CTAs (the producer has sms - 4).
-  C0, N = 4, 4096
-  ks = [int(k) for k in args.ks.split(",")]
   tile_us = []
   for K in ks:
     res = lb.run(common + ["--tokens", args.tokens, "--experts", 8, "--k-dim", K, "--n-dim", N, "--consumers", C0],

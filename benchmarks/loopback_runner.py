@@ -54,8 +54,10 @@ def run(args: list[str], timeout: float = 300, log=None) -> dict:
   return {"results": results, "stdout": proc.stdout, "seconds": secs, "command": shlex.join(cmd)}
 
 
-def device_info() -> dict:
-  return [r for r in run(["--device-info"])["results"] if r["kind"] == "device"][0]
+def device_info(k_dim: int = 200, n_dim: int = 136) -> dict:
+  """The GPU, and the producer engine + tile that bf16 calls of K = k_dim, N = n_dim take on it."""
+  args = ["--device-info", "--k-dim", str(k_dim), "--n-dim", str(n_dim)]
+  return [r for r in run(args)["results"] if r["kind"] == "device"][0]
 
 
 def params_arg(params) -> str:

@@ -91,9 +91,11 @@ def default_consumer_ctas(info: DeviceInfo) -> int:
 
 
 def calibration(info: DeviceInfo) -> resource.Calibration:
-  """The resource-model calibration of this device (jax_moe_overlap/calibration/<gpu name>.json), or why none."""
-  return resource.calibration_for(info.name, info.sm_count, tile_m=int(_jmo.band_rows),
-                                  tile_n=int(getattr(_jmo, "cuda_tile_n", 128)))
+  """The resource-model calibration of this device (jax_moe_overlap/calibration/<gpu name>.json), or why none.
+
+  A calibration describes one producer engine by its tile shape (mma.sync 64 x 128 or, on Hopper, wgmma 128 x 256);
+  the workspace checks the shape (CheckModelParams) and calls on the other engine keep the fixed C."""
+  return resource.calibration_for(info.name, info.sm_count)
 
 
 def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:

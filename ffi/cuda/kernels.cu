@@ -24,6 +24,8 @@
 
 #include "cuda/gemm_tile.cuh"
 #include "cuda/kernels.h"
+#include "cuda/wgmma/wgmma_gemm.cuh"
+#include "cuda/wgmma/wgmma_tile_loop.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -396,7 +398,8 @@ __device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, in
       bytes += b;
     }
   }
-  if (lane == 31) {
+  const bool active = warp < kWarps;  // a 384-thread CTA (wgmma engine): warps 8..11 only meet the barriers
+  if (lane == 31 && active) {
     sc->warp_tiles[warp] = tiles;
     sc->warp_bytes[warp] = bytes;
   }
@@ -415,12 +418,12 @@ __device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, in
   const int c = lane + 1;
   const bool feasible = c <= max_ctas && ModelFeasible(p, c);
   double us = 0.0;
-  if (feasible) {
+  if (feasible && active) {
     const ModelEval e = ModelEvalFor(p, K, c);
     if (warp == 0) us = ModelProducerUs(e, total_tiles);
     for (int j = warp; j < m; j += kWarps) us = RmMax(us, ModelTermUs(e, sc->pre[j]));
   }
-  sc->us[warp][lane] = us;
+  if (active) sc->us[warp][lane] = us;
   __syncthreads();
   if (warp == 0) {
     double v = sc->us[0][lane];
@@ -442,14 +445,106 @@ __device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, in
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Producer tile: one band (64 rows) x kTileN columns, by the engine of gemm_tile.cuh.
+// Producer engines. A finished tile is counted per 64-row band it covers; the CTA completing a band's last column
+// tile publishes the band (fence, release-store of tile_ready = epoch), which is all the consumer waits for.
 
+enum Engine : int { kSimt = 0, kMmaSync = 1, kWgmma = 2 };
+template <int kEngine>
+constexpr int kEngineThreads = kEngine == kWgmma ? wgmma_gemm::kThreads : kThreads;
+
+// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier.
+__device__ __forceinline__ void PublishTile(const RankDev& rd, uint64_t* flags, int first_flag, int bands,
+                                            int col_tiles, uint64_t epoch) {
+  for (int b = 0; b < bands; ++b) {
+    if (atomicAdd(&rd.band_done[first_flag + b], 1u) == (unsigned)(col_tiles - 1)) {
+      __threadfence();
+      StoreReleaseGpu(&flags[first_flag + b], epoch);
+      atomicAdd(reinterpret_cast<unsigned long long*>(rd.bands_finished), 1ull);  // (serialized mode)
+    }
+  }
+}
+
+// mma.sync / SIMT engine (gemm_tile.cuh): one band (64 rows) x kTileN columns per tile.
 constexpr int BM = 64;
 constexpr int BN = kTileN;
 static_assert(BM == kBandRows, "a producer tile is one row band");
 static_assert(kTileThreads == kThreads, "the tile engine assumes the kernels' CTA size");
 constexpr int kTcSmemBytes = TcLayout<BM>::kSmemBytes;
 constexpr int kSimtSmemBytes = SimtSmemBytes<BM>();
+
+template <typename T, bool kTensorCores>
+__device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t epoch, const T* __restrict__ lhs,
+                             const T* __restrict__ w, int64_t K, int64_t N, T* stage, uint64_t* flags, int pid, int np,
+                             char* smem) {
+  const int64_t ntiles = (N + BN - 1) / BN;
+  const int64_t tiles = (int64_t)table.bands * ntiles;
+  for (int64_t t = pid; t < tiles; t += np) {
+    const int band = (int)(t / ntiles);
+    const int64_t n0 = (t % ntiles) * BN;
+    const Segment& s = table.seg[FindSegment(table, band)];
+    const int b = band - table.band_prefix[&s - table.seg];
+    const int64_t row0 = s.recv_off + (int64_t)b * BM;
+    const int rows = min((int)BM, s.rows - b * (int)BM);
+    const T* w_e = w + (int64_t)s.expert * K * N;
+    const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0, N, stage + row0 * N + n0, N, rows,
+                              (int)min((int64_t)BN, N - n0), (int)K};
+    if constexpr (kTensorCores)
+      TcTile<BM, false, false, T>(tile, smem);
+    else
+      SimtTile<BM, false, false, T, T>(tile, smem);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) PublishTile(rd, flags, s.band_base + b, 1, (int)ntiles, epoch);
+  }
+}
+
+// wgmma engine (sm_90a, ffi/cuda/wgmma): 128 rows (two bands) x 256 columns of one segment per tile, TMA-fed,
+// warp-specialized (384 threads). tile_prefix[i] = tiles of the segments before segment i, in producer order.
+constexpr int kWgBM = wgmma_gemm::kBM;
+constexpr int kWgBN = wgmma_gemm::kBN;
+static_assert(kWgBM % kBandRows == 0, "a wgmma tile covers whole bands");
+
+struct WgTile : wgmma_gemm::WgmmaTile {
+  int flag;   // tile_ready index of the tile's first band
+  int bands;  // bands the tile covers (1 or 2)
+};
+
+__device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
+                             const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, uint64_t* flags, int pid,
+                             int np, int32_t* tile_prefix, char* smem) {
+  const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
+  if (threadIdx.x == 0) {
+    int32_t acc = 0;
+    for (int i = 0; i < table.n; ++i) {
+      tile_prefix[i] = acc;
+      acc += (table.seg[i].rows + kWgBM - 1) / kWgBM * col_tiles;
+    }
+    tile_prefix[table.n] = acc;
+  }
+  __syncthreads();
+  auto tile_of = [&](int i) {
+    int lo = 0, hi = table.n - 1;  // the segment holding tile i: last lo with tile_prefix[lo] <= i
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_prefix[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    const Segment& s = table.seg[lo];
+    const int local = i - tile_prefix[lo], mt = local / col_tiles;
+    WgTile t;
+    t.a_row = s.recv_off + mt * kWgBM;
+    t.b_idx = s.expert;
+    t.n0 = (local % col_tiles) * kWgBN;
+    t.rows = min(kWgBM, s.rows - mt * kWgBM);
+    t.cols = (int)min((int64_t)kWgBN, N - t.n0);
+    t.out = stage + (int64_t)t.a_row * N + t.n0;
+    t.ldc = N;
+    t.flag = s.band_base + mt * (kWgBM / (int)kBandRows);
+    t.bands = (t.rows + (int)kBandRows - 1) / (int)kBandRows;
+    return t;
+  };
+  auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
+  wgmma_gemm::WgmmaTileLoop<1, false>(a_map, b_map, (int)K, pid, np, tile_prefix[table.n], tile_of, tile_done, smem);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The overlapped operator: producer and consumer CTAs of one launch, roles by block index.
@@ -461,11 +556,13 @@ constexpr int kSimtSmemBytes = SimtSmemBytes<BM>();
 // scheduled consumers first and producers later (or the reverse), every wait is eventually satisfied; co-residency is
 // what gives the overlap. One ordinary launch rather than a cooperative one: in the loopback harness R ranks' grids
 // run concurrently from R streams, and all of them must be resident together, which per-rank SM budgets give.
-template <typename T, bool kTensorCores>
-__global__ void __launch_bounds__(kThreads, 1)
+template <typename T, int kEngine>
+__global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
-                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, Policy pol) {
+                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, Policy pol,
+                 const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
   extern __shared__ __align__(16) char smem[];
+  __shared__ int32_t tile_prefix[kEngine == kWgmma ? kMaxSegments + 1 : 1];
   __shared__ CallState st;
   __shared__ SegTable table;
   __shared__ int order_buf[kMaxSegments];
@@ -486,7 +583,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                               &choice)
                                       : pol.consumers;
   if (blockIdx.x == 0 && threadIdx.x == 0) rd.priv->consumers = (uint64_t)consumers;
-  const int64_t ntiles = (N + BN - 1) / BN;
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   RankView self = View(rd, rd.rank);
   T* stage = reinterpret_cast<T*>(self.stage());
@@ -495,35 +591,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   if ((int)blockIdx.x >= consumers) {
     // Producer: tiles in producer order (remote-critical segments first), statically striped over the CTAs.
     const int pid = blockIdx.x - consumers, np = gridDim.x - consumers;
-    const int64_t tiles = (int64_t)table.bands * ntiles;
-    if (threadIdx.x == 0 && pid < tiles)
+    if (threadIdx.x == 0 && pid < table.bands)
       atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
-    for (int64_t t = pid; t < tiles; t += np) {
-      const int band = (int)(t / ntiles);
-      const int64_t n0 = (t % ntiles) * BN;
-      const Segment& s = table.seg[FindSegment(table, band)];
-      const int b = band - table.band_prefix[&s - table.seg];
-      const int64_t row0 = s.recv_off + (int64_t)b * BM;
-      const int rows = min((int)BM, s.rows - b * (int)BM);
-      const T* w_e = w + (int64_t)s.expert * K * N;
-      const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0, N, stage + row0 * N + n0, N, rows,
-                                (int)min((int64_t)BN, N - n0), (int)K};
-      if constexpr (kTensorCores)
-        TcTile<BM, false, false, T>(tile, smem);
-      else
-        SimtTile<BM, false, false, T, T>(tile, smem);
-      // The tile is stored: fence, count it; the CTA that completes the band's last tile publishes the band.
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        if (atomicAdd(&rd.band_done[s.band_base + b], 1u) == (unsigned)(ntiles - 1)) {
-          __threadfence();
-          StoreReleaseGpu(&flags[s.band_base + b], st.epoch);
-          atomicAdd(reinterpret_cast<unsigned long long*>(rd.bands_finished), 1ull);  // (serialized mode)
-        }
-      }
-    }
-    if (threadIdx.x == 0 && pid < tiles)
+    if constexpr (kEngine == kWgmma)
+      ProduceWgmma(rd, table, st.epoch, a_map, b_map, K, N, stage, flags, pid, np, tile_prefix, smem);
+    else
+      ProduceBands<T, kEngine == kMmaSync>(rd, table, st.epoch, lhs, w, K, N, stage, flags, pid, np, smem);
+    if (threadIdx.x == 0 && pid < table.bands)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
     return;
   }
@@ -669,24 +743,29 @@ Status GetDeviceInfo(int dev, DeviceInfo* info) {
   return Status{};
 }
 
-// Dynamic shared memory of ExpertKernel: what the tile needs, padded past half an SM (one CTA per SM).
-template <typename T, bool TC>
+// Dynamic shared memory of ExpertKernel: what the engine needs, at least half an SM's (one CTA per SM, checked).
+template <typename T, int kEngine>
 Status PrepareExpertKernel(int dev, int* smem_bytes) {
   static std::mutex mu;
   static int prepared[64] = {0};
   DeviceInfo info;
   Status s = GetDeviceInfo(dev, &info);
   if (!s.ok()) return s;
-  const int need = TC ? kTcSmemBytes : kSimtSmemBytes;
+  const auto kernel = ExpertKernel<T, kEngine>;
+  const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
   const int bytes = std::max(need, info.smem_per_sm / 2 + 1);
   *smem_bytes = bytes;
   std::lock_guard<std::mutex> lock(mu);
   if (prepared[dev] != bytes) {
-    s = CudaStatus(cudaFuncSetAttribute(ExpertKernel<T, TC>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-                   "cudaFuncSetAttribute(ExpertKernel)");
+    if constexpr (kEngine == kWgmma)  // also checks: a Hopper device, the sm_90a build, the register budget
+      s = CudaStatus(wgmma_gemm::PrepareWgmmaKernel(reinterpret_cast<const void*>(kernel), bytes),
+                     "PrepareWgmmaKernel(ExpertKernel)");
+    else
+      s = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                     "cudaFuncSetAttribute(ExpertKernel)");
     if (!s.ok()) return s;
     int blocks = 0;
-    s = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, ExpertKernel<T, TC>, kThreads, bytes),
+    s = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kEngineThreads<kEngine>, bytes),
                    "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     if (!s.ok()) return s;
     if (blocks != 1)
@@ -695,6 +774,14 @@ Status PrepareExpertKernel(int dev, int* smem_bytes) {
     prepared[dev] = bytes;
   }
   return Status{};
+}
+
+// Whether the current device runs the wgmma producer for these operands (bf16, K and N multiples of 64, Hopper).
+bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, const void* lhs, const void* w) {
+  if (!TcTileApplies(dt == DType::kBF16, K, N, lhs, w) || K % 64 != 0 || N % 64 != 0 || K <= 0) return false;
+  int dev = 0;
+  DeviceInfo info;
+  return cudaGetDevice(&dev) == cudaSuccess && GetDeviceInfo(dev, &info).ok() && info.cc_major == 9;
 }
 
 Status LaunchError(const char* what) {
@@ -720,9 +807,12 @@ int ElemBytes(DType dt) { return dt == DType::kF32 ? 4 : 2; }
 
 Status PrepareKernels(int dev) {
   int smem = 0;
-  Status s = PrepareExpertKernel<bf16, true>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernel<bf16, false>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernel<float, false>(dev, &smem);
+  DeviceInfo info;
+  Status s = GetDeviceInfo(dev, &info);
+  if (s.ok() && info.cc_major == 9) s = PrepareExpertKernel<bf16, kWgmma>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernel<bf16, kMmaSync>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernel<bf16, kSimt>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernel<float, kSimt>(dev, &smem);
   cudaFuncAttributes attr;
   const void* kernels[] = {(const void*)BeginKernel, (const void*)EndKernel, (const void*)PushKernel,
                            (const void*)RecvKernel, (const void*)CombineKernel<bf16>, (const void*)CombineKernel<float>,
@@ -733,16 +823,24 @@ Status PrepareKernels(int dev) {
 }
 
 const char* ProducerPath(DType dt, int64_t K, int64_t N, const void* lhs, const void* w) {
+  if (WgmmaProducerApplies(dt, K, N, lhs, w)) return "wgmma bf16";
   return TcTileApplies(dt == DType::kBF16, K, N, lhs, w) ? "mma.sync bf16" : "simt fp32";
 }
 
 int ProducerTileN() { return BN; }
 
+void ProducerTile(const std::string& path, int* tile_m, int* tile_n) {
+  const bool wg = path == "wgmma bf16";
+  *tile_m = wg ? kWgBM : BM;
+  *tile_n = wg ? kWgBN : BN;
+}
+
 std::string CheckModelParams(const ModelParams& p) {
   auto finite_nonneg = [](double v) { return v >= 0.0 && v < 1e300; };
-  if (p.tile_m != BM || p.tile_n != BN)
+  if (!(p.tile_m == BM && p.tile_n == BN) && !(p.tile_m == kWgBM && p.tile_n == kWgBN))
     return "the model describes " + std::to_string(p.tile_m) + "x" + std::to_string(p.tile_n) +
-           " tiles but the compiled producer uses " + std::to_string(BM) + "x" + std::to_string(BN);
+           " tiles but the compiled producers use " + std::to_string(BM) + "x" + std::to_string(BN) + " (mma.sync) or " +
+           std::to_string(kWgBM) + "x" + std::to_string(kWgBN) + " (wgmma)";
   if (p.ctas_per_sm != 1) return "ctas_per_sm must be 1 (the expert kernel runs one CTA per SM)";
   if (p.sms < 2) return "sms must be >= 2";
   if (!finite_nonneg(p.tile_us_base) || !finite_nonneg(p.tile_us_per_k) || !finite_nonneg(p.seg_us))
@@ -756,9 +854,15 @@ std::string CheckModelParams(const ModelParams& p) {
 const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N, const void* lhs,
                            const void* w) {
   if (o.consumer_ctas > 0) return "pinned";
-  // The calibration describes the tensor-core producer; the SIMT path (float32, odd shapes) keeps the fixed C.
-  if (ws.has_model() && std::string(ProducerPath(dt, K, N, lhs, w)) == "mma.sync bf16") return "model";
-  return "fixed";
+  // A calibration describes one tensor-core engine, named by its tile shape; calls on another engine (and the SIMT
+  // path: float32, odd shapes) keep the fixed C.
+  if (!ws.has_model()) return "fixed";
+  int tile_m = 0, tile_n = 0;
+  ProducerTile(ProducerPath(dt, K, N, lhs, w), &tile_m, &tile_n);
+  const ModelParams& m = ws.model();
+  return (tile_m == m.tile_m && tile_n == m.tile_n && std::string(ProducerPath(dt, K, N, lhs, w)) != "simt fp32")
+             ? "model"
+             : "fixed";
 }
 
 Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
@@ -870,23 +974,31 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
                        "cudaMemsetAsync(band counters)")).ok())
     return s;
-  const bool tc = std::string(ProducerPath(dt, K, N, lhs, w)) == "mma.sync bf16";
+  const std::string path = ProducerPath(dt, K, N, lhs, w);
+  const bf16* lhs16 = static_cast<const bf16*>(lhs);
+  const bf16* w16 = static_cast<const bf16*>(w);
+  CUtensorMap a_map{}, b_map{};  // the wgmma engine's TMA descriptors (unused by the others)
   int smem = 0;
-  if (dt == DType::kBF16 && tc) {
-    if (!(s = PrepareExpertKernel<bf16, true>(dev, &smem)).ok()) return s;
-    ExpertKernel<bf16, true><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const bf16*>(lhs),
-                                                                  static_cast<const bf16*>(w), cap, K, N, seg_rows,
-                                                                  seg_ret_off, (int)E_l, pol);
+  if (path == "wgmma bf16") {
+    if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(lhs, cap, K, w, E_l, N, /*b_k_major=*/false, &a_map, &b_map),
+                         "tensor maps of the wgmma producer")).ok())
+      return s;
+    if (!(s = PrepareExpertKernel<bf16, kWgmma>(dev, &smem)).ok()) return s;
+    ExpertKernel<bf16, kWgmma><<<budget, kEngineThreads<kWgmma>, smem, c.stream>>>(
+        rd, lhs16, w16, cap, K, N, seg_rows, seg_ret_off, (int)E_l, pol, a_map, b_map);
+  } else if (path == "mma.sync bf16") {
+    if (!(s = PrepareExpertKernel<bf16, kMmaSync>(dev, &smem)).ok()) return s;
+    ExpertKernel<bf16, kMmaSync><<<budget, kThreads, smem, c.stream>>>(rd, lhs16, w16, cap, K, N, seg_rows,
+                                                                      seg_ret_off, (int)E_l, pol, a_map, b_map);
   } else if (dt == DType::kBF16) {
-    if (!(s = PrepareExpertKernel<bf16, false>(dev, &smem)).ok()) return s;
-    ExpertKernel<bf16, false><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const bf16*>(lhs),
-                                                                   static_cast<const bf16*>(w), cap, K, N, seg_rows,
-                                                                   seg_ret_off, (int)E_l, pol);
+    if (!(s = PrepareExpertKernel<bf16, kSimt>(dev, &smem)).ok()) return s;
+    ExpertKernel<bf16, kSimt><<<budget, kThreads, smem, c.stream>>>(rd, lhs16, w16, cap, K, N, seg_rows, seg_ret_off,
+                                                                   (int)E_l, pol, a_map, b_map);
   } else {
-    if (!(s = PrepareExpertKernel<float, false>(dev, &smem)).ok()) return s;
-    ExpertKernel<float, false><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const float*>(lhs),
-                                                                    static_cast<const float*>(w), cap, K, N,
-                                                                    seg_rows, seg_ret_off, (int)E_l, pol);
+    if (!(s = PrepareExpertKernel<float, kSimt>(dev, &smem)).ok()) return s;
+    ExpertKernel<float, kSimt><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const float*>(lhs),
+                                                                    static_cast<const float*>(w), cap, K, N, seg_rows,
+                                                                    seg_ret_off, (int)E_l, pol, a_map, b_map);
   }
   if (!(s = LaunchError("launch of ExpertKernel")).ok()) return s;
   if (dt == DType::kBF16)

@@ -59,6 +59,10 @@ Status PrepareKernels(int dev);
 // Columns of one producer tile (BN; a tile is kBandRows x BN): what a resource-model calibration must describe.
 int ProducerTileN();
 
+// Rows and columns of one tile of the producer engine named by ProducerPath ("wgmma bf16": 128 x 256, two bands
+// per tile; the others: 64 x 128).
+void ProducerTile(const std::string& path, int* tile_m, int* tile_n);
+
 // Empty if `p` can drive the device-side choice (tile shape of the compiled kernels, one CTA per SM, finite positive
 // rates), else what is wrong.
 std::string CheckModelParams(const ModelParams& p);

@@ -54,7 +54,7 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
     // One rank (it pushes to and receives from itself through the same peer-pointer paths). Several ranks cannot run
     // under compute-sanitizer: its tools serialize kernels, and ranks sharing a GPU spin-wait on each other's kernels,
     // so every wait would time out (seen on the H200 with R=2).
-    const int shapes[3][3] = {{64, 72, 40}, {128, 200, 136}, {64, 40, 24}};
+    const int shapes[4][3] = {{64, 72, 40}, {128, 200, 136}, {64, 40, 24}, {192, 128, 192}};  // the last: wgmma
     for (const auto& shp : shapes)
       for (bool f32 : {false, true}) {
         LoopbackConfig c = base;
@@ -138,6 +138,18 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
     c.n_dim = 520;
     c.iters = 6;
     c.datasets = 2;
+    v.push_back(c);
+  }
+  for (int R : {1, 2, 4, 8}) {  // K and N multiples of 64: the wgmma producer on Hopper (128-row tiles = 2 bands,
+    LoopbackConfig c = base;    // segments ending mid-tile, N = 320 = one full and one partial 256-column tile)
+    c.ranks = R;
+    c.experts = 2 * R;
+    c.tokens = 192;
+    c.d_model = 320;
+    c.k_dim = 384;
+    c.n_dim = 320;
+    c.routing = R == 4 ? 2 : 1;
+    c.iters = R == 8 ? 200 : 20;
     v.push_back(c);
   }
   for (int R : {2, 4}) {  // float32 operands (SIMT producer)
@@ -253,9 +265,15 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "cudaGetDeviceProperties failed\n");
       return 1;
     }
+    // The producer engine (and its tile) that bf16 calls of --k-dim x --n-dim take on this device.
+    alignas(16) static char dummy[16];
+    cudaSetDevice(base.device);
+    const std::string path = jmo::cuda::ProducerPath(jmo::cuda::DType::kBF16, base.k_dim, base.n_dim, dummy, dummy);
+    int tile_m = 0, tile_n = 0;
+    jmo::cuda::ProducerTile(path, &tile_m, &tile_n);
     std::printf("RESULT {\"kind\": \"device\", \"name\": \"%s\", \"sms\": %d, \"tile_m\": %d, \"tile_n\": %d, "
-                "\"cc\": \"%d.%d\"}\n", prop.name, prop.multiProcessorCount, (int)jmo::kBandRows,
-                jmo::cuda::ProducerTileN(), prop.major, prop.minor);
+                "\"producer\": \"%s\", \"cc\": \"%d.%d\"}\n", prop.name, prop.multiProcessorCount, tile_m, tile_n,
+                path.c_str(), prop.major, prop.minor);
     return 0;
   }
   if (!copy_sizes.empty()) {

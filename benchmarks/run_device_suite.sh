@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: build + GPU tests + the issue-4 benchmarks, each step under its own time limit, logs in $OUT.
+#
+#   bash benchmarks/run_device_suite.sh        (on the GPU machine; tokamax wheels in .whl/ if present)
+# Steps (seconds): GPU tests (build included) <= $T_TESTS, bench_layer <= $T_LAYER, bench_fused <= $T_FUSED,
+# bench_grouped_gemm <= $T_GEMM. A step that runs out of time leaves its partial table in $OUT/<step>.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/jmo-suite-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+T_TESTS=${T_TESTS:-150} T_LAYER=${T_LAYER:-75} T_FUSED=${T_FUSED:-50} T_GEMM=${T_GEMM:-80}
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # tokamax imports xprof only for its own profiling helpers: a stub module is enough for benchmarking.
+  mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
+  echo 'get_kernel_stats_tool = None' > /tmp/site/xprof/cli/tools.py
+fi
+timeout "$T_TESTS" bash tests/gpu/run_device.sh -k "not racecheck and not synccheck" 2>&1 | tail -25
+export PYTHONPATH=$PWD:/tmp/site JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
+python3 -c "from jax_moe_overlap import _jmo as m; print('producer', m.cuda_producer_path(True, 2048, 4096), \
+'| grouped_matmul', m.cuda_grouped_gemm_path(True, 2048, 4096))"
+run() {  # name limit cmd...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" --out "$OUT/$name.jsonl" > "$OUT/$name.log" 2>&1
+  echo "== $name (rc $?)"; grep -E "^\|" "$OUT/$name.log" | cut -c1-160
+}
+run layer "$T_LAYER" python3 benchmarks/bench_layer.py --quick
+run fused "$T_FUSED" python3 benchmarks/bench_fused.py --quick --skews balanced
+run gemm "$T_GEMM" python3 benchmarks/bench_grouped_gemm.py --quick --skews balanced
