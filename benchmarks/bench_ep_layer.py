@@ -392,11 +392,11 @@ def implementations(mesh, ids_np, shape: Shape, args, capacity_factor, ragged_bu
   impls = {"ours": (lambda *a: jmo.moe_experts(*a, mesh=mesh, impl="overlap")[0], None)}
   rows = max(ragged_recv_rows(i, R, shape.experts, ragged_buffer) for i in ids_np)
   grouped = {"xla_ragged": jax.lax.ragged_dot}
-  try:
-    import tokamax  # pylint: disable=g-import-not-at-top
-    grouped["tokamax_ragged"] = lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic")
-  except Exception as e:  # pylint: disable=broad-except
-    impls["tokamax_ragged"] = (None, f"tokamax unavailable: {type(e).__name__}: {e}")
+  tokamax_fn, why = common.tokamax_ragged_dot()
+  if tokamax_fn:
+    grouped["tokamax_ragged"] = tokamax_fn
+  else:
+    impls["tokamax_ragged"] = (None, why)
   for name, rd in grouped.items():
     f = ragged_layer(mesh, rd, rows)
     err = compile_error(fwd_fn(f), args)

@@ -57,18 +57,21 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--skews", default="balanced,stress")
   ap.add_argument("--out", default="fused.jsonl")
+  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
   args = ap.parse_args()
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
   smap = lambda f, n_in, n_out=P(): jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_in, out_specs=n_out,
                                                   check_vma=False)
   ragged = {"xla": jax.lax.ragged_dot}
-  try:
-    import tokamax  # pylint: disable=g-import-not-at-top
-    ragged["tokamax"] = lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic")
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"tokamax unavailable: {type(e).__name__}: {e}")
+  tokamax_fn, why = common.tokamax_ragged_dot()
+  if tokamax_fn:
+    ragged["tokamax"] = tokamax_fn
+  else:
+    print(why)
   table = common.Table(["shape", "skew", "impl", "ms", "tflops", "vs_xla", "vs_bare_gemm", "err"])
   for name, T, F, D, E, k in shapes(args.quick):
+    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+      continue
     for skew in args.skews.split(","):
       ids = jnp.asarray(common.topk_routing(T, E, k, skew))
       cap_e = plan_lib.expert_capacity(T, 1, k, E, None)

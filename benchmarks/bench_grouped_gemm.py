@@ -49,11 +49,11 @@ def make_methods():
       "dense": lambda x, w, gs: jnp.dot(x, w[0]),
       "lax.ragged_dot": lambda x, w, gs: jax.lax.ragged_dot(x, w, gs),
   }
-  try:
-    import tokamax  # pylint: disable=g-import-not-at-top
-    methods["tokamax.mosaic"] = lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic")
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"tokamax unavailable: {type(e).__name__}: {e}")
+  tokamax_fn, why = common.tokamax_ragged_dot()
+  if tokamax_fn:
+    methods["tokamax.mosaic"] = tokamax_fn
+  else:
+    print(why)
   from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
   if getattr(_jmo, "with_cuda", False):
     # Our tile engine (the producer's) as the bare grouped-GEMM custom call, with the weights as stored and, as the
@@ -69,10 +69,17 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--skews", default="balanced,moderate,stress")
   ap.add_argument("--out", default="grouped_gemm.jsonl")
+  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  ap.add_argument("--methods", default="", help="comma-separated method names (dense is always kept)")
   args = ap.parse_args()
   methods = make_methods()
+  if args.methods:
+    keep = set(args.methods.split(",")) | {"dense"}
+    methods = {k: v for k, v in methods.items() if k in keep}
   table = common.Table(["shape", "skew", "method", "ms", "tflops", "vs_dense", "max_err_vs_xla"])
   for name, rows, k, n, groups in shapes(args.quick):
+    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+      continue
     for skew in args.skews.split(","):
       gs = jnp.asarray(common.group_sizes(rows, groups, skew))
       keys = jax.random.split(jax.random.PRNGKey(rows + n + groups), 3)

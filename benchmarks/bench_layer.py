@@ -57,11 +57,11 @@ def main():
   args = ap.parse_args()
   mesh = jax.make_mesh((1,), ("expert",))
   impls = {"xla": xla_layer(jax.lax.ragged_dot), "ours": lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]}
-  try:
-    import tokamax  # pylint: disable=g-import-not-at-top
-    impls["tokamax"] = xla_layer(lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic"))
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"tokamax unavailable: {type(e).__name__}: {e}")
+  tokamax_fn, why = common.tokamax_ragged_dot()
+  if tokamax_fn:
+    impls["tokamax"] = xla_layer(tokamax_fn)
+  else:
+    print(why)
   table = common.Table(["shape", "pass", "impl", "ms", "vs_xla"])
   for name, T, D, F, E, k in shapes(args.quick):
     rng = np.random.default_rng(T + E)

@@ -114,3 +114,13 @@ class Table:
     self.save(path, meta)
     print(f"\n{meta}\n")
     print(self.render())
+
+
+def tokamax_ragged_dot():
+  """(fn, None) with fn(lhs, rhs, group_sizes) = tokamax.ragged_dot(..., implementation="mosaic") (the best grouped
+  GEMM a JAX user has on Hopper today, MaxText's GPU choice), or (None, why) when tokamax does not import."""
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"tokamax unavailable: {type(e).__name__}: {e}"
+  return (lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic")), None
