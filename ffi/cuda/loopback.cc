@@ -15,26 +15,12 @@
 #include <thread>
 #include <vector>
 
+#include "common/bf16.h"
 #include "cuda/kernels.h"
 #include "cuda/workspace_cuda.h"
 
 namespace jmo::cuda {
 namespace {
-
-// bfloat16 <-> float, round to nearest even (as XLA and ml_dtypes).
-float Bf16ToFloat(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t FloatToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // Host tensor in the call's dtype, with its float values.
 struct HostRows {
