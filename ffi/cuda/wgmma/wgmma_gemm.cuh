@@ -72,6 +72,17 @@ __device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, con
   return tile;
 }
 
+// Inclusive prefix sum of v over the 32 lanes of a warp (all lanes call it).
+__device__ __forceinline__ long long WarpInclusiveSum(long long v, int lane) {
+  long long incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  return incl;
+}
+
 // Called by warp 0 after group_sizes is in row_start[0..G): turns it into clamped row offsets and tile offsets
 // (warp scan). row_start[g] = min(sum_{h<g} size_h, M); tile_start = prefix of ceil(rows/128) * n_tiles.
 __device__ __forceinline__ void ScanGroups(int* row_start, int* tile_start, int G, int M, int n_tiles, int lane) {
@@ -79,21 +90,11 @@ __device__ __forceinline__ void ScanGroups(int* row_start, int* tile_start, int 
   for (int base = 0; base < G; base += 32) {
     const int g = base + lane;
     const long long v = g < G ? row_start[g] : 0;
-    long long incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const long long y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
+    const long long incl = WarpInclusiveSum(v, lane);
     const long long beg = rows_carry + incl - v, end = rows_carry + incl;
     const long long beg_c = beg < M ? beg : M, end_c = end < M ? end : M;
     const long long t = ((end_c - beg_c + kBM - 1) / kBM) * n_tiles;
-    long long tincl = t;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const long long y = __shfl_up_sync(0xffffffffu, tincl, o);
-      if (lane >= o) tincl += y;
-    }
+    const long long tincl = WarpInclusiveSum(t, lane);
     __syncwarp();  // every lane has read its size before anyone overwrites row_start
     if (g < G) {
       row_start[g] = (int)beg_c;
@@ -215,49 +216,57 @@ inline cudaError_t EncodeGemmMaps(const void* a, int64_t a_rows, int64_t K, cons
   return cudaSuccess;
 }
 
-// EncodeGemmMaps behind a small thread-safe cache keyed by (pointers, extents, layout): XLA reuses buffers, so the
-// same maps come back call after call. A map only encodes address, extents and strides, so a hit is exact even if
-// the buffer was freed and reallocated in between. kEntries slots, round-robin replacement.
-inline cudaError_t CachedGemmMaps(const void* a, int64_t a_rows, int64_t K, const void* b, int64_t G, int64_t N,
-                                  bool b_k_major, CUtensorMap* ta, CUtensorMap* tb) {
+// A small thread-safe cache of (ta, tb) map pairs keyed by Key (pointers + extents + layout; Key needs ==): XLA
+// reuses buffers, so the same maps come back call after call. A map only encodes address, extents and strides, so a
+// hit is exact even if the buffer was freed and reallocated in between. kEntries slots, round-robin replacement.
+// encode(ta, tb) builds the maps on a miss (returns cudaSuccess or the error to pass on). One cache per Key type.
+template <class Key, int kEntries, class Encode>
+inline cudaError_t CachedMapPair(const Key& key, CUtensorMap* ta, CUtensorMap* tb, Encode encode) {
   struct Entry {
-    const void* a;
-    const void* b;
-    int64_t a_rows, K, G, N;
-    bool b_k_major, valid;
+    Key key;
+    bool valid;
     CUtensorMap ta, tb;
   };
-  constexpr int kEntries = 32;
   static std::mutex mu;
   static Entry cache[kEntries];
   static int next = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
     for (const Entry& e : cache) {
-      if (e.valid && e.a == a && e.b == b && e.a_rows == a_rows && e.K == K && e.G == G && e.N == N &&
-          e.b_k_major == b_k_major) {
+      if (e.valid && e.key == key) {
         *ta = e.ta;
         *tb = e.tb;
         return cudaSuccess;
       }
     }
   }
-  const cudaError_t err = EncodeGemmMaps(a, a_rows, K, b, G, N, b_k_major, ta, tb);
+  const cudaError_t err = encode(ta, tb);
   if (err != cudaSuccess) return err;
   std::lock_guard<std::mutex> lock(mu);
   Entry& e = cache[next];
   next = (next + 1) % kEntries;
-  e.a = a;
-  e.b = b;
-  e.a_rows = a_rows;
-  e.K = K;
-  e.G = G;
-  e.N = N;
-  e.b_k_major = b_k_major;
+  e.key = key;
   e.ta = *ta;
   e.tb = *tb;
   e.valid = true;
   return cudaSuccess;
+}
+
+// EncodeGemmMaps behind CachedMapPair (32 entries).
+inline cudaError_t CachedGemmMaps(const void* a, int64_t a_rows, int64_t K, const void* b, int64_t G, int64_t N,
+                                  bool b_k_major, CUtensorMap* ta, CUtensorMap* tb) {
+  struct Key {
+    const void* a;
+    const void* b;
+    int64_t a_rows, K, G, N;
+    bool b_k_major;
+    bool operator==(const Key& o) const {
+      return a == o.a && b == o.b && a_rows == o.a_rows && K == o.K && G == o.G && N == o.N && b_k_major == o.b_k_major;
+    }
+  };
+  return CachedMapPair<Key, 32>(Key{a, b, a_rows, K, G, N, b_k_major}, ta, tb, [&](CUtensorMap* ma, CUtensorMap* mb) {
+    return EncodeGemmMaps(a, a_rows, K, b, G, N, b_k_major, ma, mb);
+  });
 }
 
 // Once per (kernel, device), thread-safe: checks that a kernel built on WgmmaTileLoop can run on the current
@@ -303,14 +312,21 @@ inline cudaError_t PrepareWgmmaKernel(const void* kernel, int smem_bytes) {
   return cudaSuccess;
 }
 
+// PrepareWgmmaKernel, then launch `kernel` (kThreads threads, smem_bytes dynamic smem) with `args`.
+template <class... Params, class... Args>
+inline cudaError_t LaunchWgmmaKernel(void (*kernel)(Params...), int grid, int smem_bytes, cudaStream_t stream,
+                                     const Args&... args) {
+  const cudaError_t e = PrepareWgmmaKernel(reinterpret_cast<const void*>(kernel), smem_bytes);
+  if (e != cudaSuccess) return e;
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 template <int kTransB, bool kOutF32, class Done>
 inline cudaError_t LaunchOne(const CUtensorMap& ta, const CUtensorMap& tb, const int32_t* gs, int G, int M, int N,
                              int K, void* out, int grid, Done done, cudaStream_t stream) {
-  auto kernel = GroupedGemmKernel<kTransB, kOutF32, Done>;
-  const cudaError_t e = PrepareWgmmaKernel(reinterpret_cast<const void*>(kernel), kSmemBytes);
-  if (e != cudaSuccess) return e;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(ta, tb, gs, G, M, N, K, out, done);
-  return cudaGetLastError();
+  return LaunchWgmmaKernel(GroupedGemmKernel<kTransB, kOutF32, Done>, grid, kSmemBytes, stream, ta, tb, gs, G, M, N,
+                           K, out, done);
 }
 
 // WgmmaGroupedGemm with a tile_done callback (called with a GroupTile; see wgmma_tile_loop.cuh for the contract).

@@ -59,9 +59,8 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <mutex>
 
-#include "wgmma_gemm.cuh"  // PTX wrappers (wgmma_tile_loop.cuh), EncodeMap, PrepareWgmmaKernel
+#include "wgmma_gemm.cuh"  // loop building blocks (wgmma_tile_loop.cuh), EncodeMap, CachedMapPair, LaunchWgmmaKernel
 
 namespace wgmma_outer {
 
@@ -74,43 +73,6 @@ constexpr int kChunkBytes = 64 * 128;  // one TMA box: 64 rows x 128 B
 // Dynamic smem: stages + barriers + 1 KB alignment slack (196,672 + 1,024). The group tables are static smem
 // (3 x 1025 ints = 12,300 B): 32-bit shared addresses keep the 24-register producer free of spills.
 constexpr int kOuterSmemBytes = LoopSmemBytes<kOuterStages>();
-
-// D[64 x 256] (+)= A[64 x 16] * B[16 x 256] with both operands MN-major (imm-trans-a = imm-trans-b = 1).
-__device__ __forceinline__ void Wgmma64x256TT(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-#if WGMMA_SM90A
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#else
-  __trap();
-#endif
-}
-
-// Generic-proxy smem writes -> visible to the async proxy (wgmma operand reads, later TMA writes).
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-#if WGMMA_SM90A
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#else
-  __trap();
-#endif
-}
 
 struct OuterTile {
   int g;      // group
@@ -162,12 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int base = 0; base < G; base += 32) {
       const int g = base + lane;
       const long long v = g < G ? row_start[g] : 0;
-      long long incl = v;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const long long y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
+      const long long incl = WarpInclusiveSum(v, lane);
       const long long beg = carry + incl - v;
       __syncwarp();
       if (g < G) row_start[g] = (int)(beg < M ? beg : M);
@@ -243,9 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    __syncwarp();
-    NamedBarSync(kProducerBarrier, 128);
-    SetMaxNRegInc<kEntryRegs>();
+    ProducerExit();
   } else {
     // ================= consumer warpgroups =================
     SetMaxNRegInc<kConsumerRegs>();
@@ -281,21 +236,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           FenceProxyAsyncShared();
           NamedBarSync(kConsumerBarrier, 256);
         }
-        const uint32_t a_base = SmemAddr(a_chunk);
-        const uint32_t b_base = SmemAddr(b_stage);
-        FenceRegs(acc);
-        WgmmaFence();
         // (Issued also by a warpgroup whose rows are all >= K: its A chunk is TMA zero fill, nothing is stored;
         // a branch around the MMAs makes ptxas serialize every wgmma of the kernel.)
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          const uint64_t da = MakeDesc(a_base + kk * 2048, 8192, 1024);
-          const uint64_t db = MakeDesc(b_base + kk * 2048, 8192, 1024);
-          Wgmma64x256TT(acc, da, db, 1);
-        }
-        WgmmaCommit();
-        WgmmaWait<1>();
-        FenceRegs(acc);
+        MmaKStep<1, 1>(acc, SmemAddr(a_chunk), SmemAddr(b_stage));
         if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
         prev_stage = stage;
         if (++stage == kOuterStages) { stage = 0; phase ^= 1; }
@@ -304,45 +247,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       FenceRegs(acc);
       if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
 
-      // ---- epilogue (as WgmmaTileLoop): rows m0 + r of out[g], r < K - m0; columns n0 + col, col < N - n0 ----
+      // ---- epilogue (StoreAccTile): rows m0 + r of out[g], r < K - m0; columns n0 + col, col < N - n0 ----
       if (active) {
         const int rows = min(kBM, K - tile.m0), cols = min(kBN, N - tile.n0);
-        const int64_t ldc = N;
         const int64_t off0 = ((int64_t)tile.g * K + tile.m0) * N + tile.n0;
-        float* const out_f = static_cast<float*>(out) + off0;
-        __nv_bfloat16* const out_h = static_cast<__nv_bfloat16*>(out) + off0;
-        const int r_lo = c * 64 + wq * 16 + lane / 4;
-        const bool odd = lane & 1;
-        const int col_even = 2 * (lane % 4);
-        const int col_odd = 8 + 2 * (lane % 4 - 1);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = r_lo + 8 * h;
-          const bool row_ok = r < rows;
-          const int64_t orow = (int64_t)(row_ok ? r : 0) * ldc;
-#pragma unroll
-          for (int q = 0; q < 32; q += 2) {
-            const float* a0 = &acc[4 * q + 2 * h];
-            const float* a1 = &acc[4 * (q + 1) + 2 * h];
-            const int col = (odd ? col_odd : col_even) + 8 * q;
-            if (kOutF32) {
-              const float s0 = odd ? a0[0] : a1[0], s1 = odd ? a0[1] : a1[1];
-              const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1), x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-              const float4 v = odd ? make_float4(x0, x1, a1[0], a1[1]) : make_float4(a0[0], a0[1], x0, x1);
-              if (row_ok && col < cols) *reinterpret_cast<float4*>(out_f + orow + col) = v;
-            } else {
-              __nv_bfloat162 p0 = __floats2bfloat162_rn(a0[0], a0[1]), p1 = __floats2bfloat162_rn(a1[0], a1[1]);
-              const uint32_t u0 = *reinterpret_cast<uint32_t*>(&p0), u1 = *reinterpret_cast<uint32_t*>(&p1);
-              const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? u0 : u1, 1);
-              const uint2 v = odd ? make_uint2(got, u1) : make_uint2(u0, got);
-              if (row_ok && col < cols) *reinterpret_cast<uint2*>(out_h + orow + col) = v;
-            }
-          }
-        }
+        void* const tile_out = kOutF32 ? static_cast<void*>(static_cast<float*>(out) + off0)
+                                       : static_cast<void*>(static_cast<__nv_bfloat16*>(out) + off0);
+        StoreAccTile<kOutF32>(acc, c, wq, lane, rows, cols, tile_out, N);
       }
     }
-    NamedBarSync(kConsumerBarrier, 256);
-    SetMaxNRegDec<kEntryRegs>();
+    ConsumerExit();
   }
   __syncthreads();
 }
@@ -350,57 +264,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ------------------------------------------------------------------------------------------------------------
 // Host side
 // ------------------------------------------------------------------------------------------------------------
-// lhs as (K, M) and rhs as (N, M) 2D maps, box (64, 64), 128B swizzle, OOB zero fill. Small thread-safe cache
-// keyed by (pointers, extents), like CachedGemmMaps.
+// lhs as (K, M) and rhs as (N, M) 2D maps, box (64, 64), 128B swizzle, OOB zero fill, behind CachedMapPair (16
+// entries, keyed by pointers and extents).
 inline cudaError_t CachedOuterMaps(const void* lhs, int64_t M, int64_t K, const void* rhs, int64_t N, CUtensorMap* ta,
                                    CUtensorMap* tb) {
-  struct Entry {
+  struct Key {
     const void* a;
     const void* b;
     int64_t M, K, N;
-    bool valid;
-    CUtensorMap ta, tb;
+    bool operator==(const Key& o) const { return a == o.a && b == o.b && M == o.M && K == o.K && N == o.N; }
   };
-  constexpr int kEntries = 16;
-  static std::mutex mu;
-  static Entry cache[kEntries];
-  static int next = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const Entry& e : cache) {
-      if (e.valid && e.a == lhs && e.b == rhs && e.M == M && e.K == K && e.N == N) {
-        *ta = e.ta;
-        *tb = e.tb;
-        return cudaSuccess;
-      }
-    }
-  }
-  const cuuint32_t box[2] = {64, 64};
-  {
-    const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M};
-    const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
-    if (!EncodeMap(ta, lhs, 2, dims, strides, box, "outer lhs [M, K]")) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[2] = {(cuuint64_t)N, (cuuint64_t)M};
-    const cuuint64_t strides[1] = {(cuuint64_t)N * 2};
-    if (!EncodeMap(tb, rhs, 2, dims, strides, box, "outer rhs [M, N]")) return cudaErrorInvalidValue;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  Entry& e = cache[next];
-  next = (next + 1) % kEntries;
-  e = Entry{lhs, rhs, M, K, N, true, *ta, *tb};
-  return cudaSuccess;
-}
-
-template <bool kOutF32>
-inline cudaError_t LaunchOuter(const CUtensorMap& ta, const CUtensorMap& tb, const int32_t* gs, int G, int M, int K,
-                               int N, int total, void* out, int grid, cudaStream_t stream) {
-  auto kernel = GroupedOuterKernel<kOutF32>;
-  const cudaError_t e = PrepareWgmmaKernel(reinterpret_cast<const void*>(kernel), kOuterSmemBytes);
-  if (e != cudaSuccess) return e;
-  kernel<<<grid, kThreads, kOuterSmemBytes, stream>>>(ta, tb, gs, G, M, K, N, total, out);
-  return cudaGetLastError();
+  return CachedMapPair<Key, 16>(Key{lhs, rhs, M, K, N}, ta, tb, [&](CUtensorMap* ma, CUtensorMap* mb) {
+    const cuuint32_t box[2] = {64, 64};
+    const cuuint64_t a_dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, a_strides[1] = {(cuuint64_t)K * 2};
+    const cuuint64_t b_dims[2] = {(cuuint64_t)N, (cuuint64_t)M}, b_strides[1] = {(cuuint64_t)N * 2};
+    if (!EncodeMap(ma, lhs, 2, a_dims, a_strides, box, "outer lhs [M, K]") ||
+        !EncodeMap(mb, rhs, 2, b_dims, b_strides, box, "outer rhs [M, N]"))
+      return cudaErrorInvalidValue;
+    return cudaSuccess;
+  });
 }
 
 }  // namespace wgmma_outer
@@ -426,6 +308,6 @@ inline cudaError_t WgmmaGroupedOuter(const __nv_bfloat16* lhs, int64_t M, int64_
   if (e != cudaSuccess) return e;
   const int grid = (int)(tiles < num_sms ? tiles : num_sms);
   const int g = (int)G, m = (int)M, k = (int)K, n = (int)N, t = (int)tiles;
-  return out_f32 ? LaunchOuter<true>(ta, tb, group_sizes_dev, g, m, k, n, t, out, grid, stream)
-                 : LaunchOuter<false>(ta, tb, group_sizes_dev, g, m, k, n, t, out, grid, stream);
+  return LaunchWgmmaKernel(out_f32 ? GroupedOuterKernel<true> : GroupedOuterKernel<false>, grid, kOuterSmemBytes, stream,
+                           ta, tb, group_sizes_dev, g, m, k, n, t, out);
 }

@@ -4,70 +4,8 @@
 // Exit codes: 0 all PASS, 1 some FAIL, 2 CUDA error, 3 watchdog timeout.
 // Rows of lhs / rhs that belong to no group (past min(sum(sizes), M)) are filled with NaN, so a reduction tail that
 // is not masked in BOTH operands shows up as non-finite output; empty groups must come out exactly +0.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <vector>
-
 #include "wgmma_outer.cuh"
-
-#define CK(x)                                                                                        \
-  do {                                                                                               \
-    cudaError_t e_ = (x);                                                                            \
-    if (e_ != cudaSuccess) {                                                                         \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      exit(2);                                                                                       \
-    }                                                                                                \
-  } while (0)
-
-static double g_watchdog_s = 10.0;
-
-// The kernel may spin forever on an mbarrier if something is wrong: never block in cudaStreamSynchronize.
-static void WaitOrDie(cudaStream_t s, const std::string& what) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) {
-      fprintf(stderr, "CUDA error %s while waiting for %s\n", cudaGetErrorString(e), what.c_str());
-      exit(2);
-    }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (dt > g_watchdog_s) {
-      printf("TIMEOUT case %s (%.0f s)\n", what.c_str(), g_watchdog_s);
-      fflush(stdout);
-      exit(3);  // a hung kernel cannot be cancelled; process exit tears the context down
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-}
-
-__device__ __forceinline__ uint32_t Hash(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return (uint32_t)x;
-}
-
-// Values in +-[1/8, 1]: never zero, so a skipped product cannot hide.
-__global__ void FillKernel(__nv_bfloat16* p, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const uint32_t h = Hash(i * 0x9E3779B97F4A7C15ULL + seed);
-    const float mag = 0.125f + 0.875f * (float)(h >> 8) / 16777216.0f;
-    p[i] = __float2bfloat16((h & 1) ? mag : -mag);
-  }
-}
+#include "probe_common.cuh"
 
 // Reference: ref[g, k, n] = sum_{r in group g} lhs[r, k] * rhs[r, n] in fp32. Block 16 x 16 threads, 64 x 64 outputs
 // (4 x 4 per thread), rows in steps of 16 through smem. K, N multiples of 64.
@@ -103,112 +41,18 @@ __global__ void RefOuterKernel(const __nv_bfloat16* lhs, const __nv_bfloat16* rh
     for (int j = 0; j < 4; ++j) ref[((int64_t)g * K + k0 + ty + 16 * i) * N + n0 + tx + 16 * j] = acc[i][j];
 }
 
-struct CmpResult {
-  unsigned int max_err_bits;  // non-negative floats compare like their bit patterns
-  unsigned int max_ref_bits;
-  unsigned long long bad_values;  // non-finite (leftover poison or leaked NaN rows)
-  unsigned long long bad_empty;   // empty groups not exactly +0
-};
-
+// Empty groups must come out exactly +0.
 template <bool kF32>
 __global__ void CompareKernel(const void* out, const float* ref, const int* row_start, int64_t G, int64_t KN,
                               CmpResult* res) {
-  float my_err = 0.f, my_ref = 0.f;
-  unsigned long long bad_v = 0, bad_e = 0;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < G * KN; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t g = i / KN;
-    uint32_t bits;
-    float o;
-    if (kF32) {
-      o = reinterpret_cast<const float*>(out)[i];
-      bits = __float_as_uint(o);
-    } else {
-      const __nv_bfloat16 h = reinterpret_cast<const __nv_bfloat16*>(out)[i];
-      bits = __bfloat16_as_ushort(h);
-      o = __bfloat162float(h);
-    }
-    if (row_start[g + 1] == row_start[g]) {
-      bad_e += bits != 0;
-    } else if (!isfinite(o)) {
-      ++bad_v;
-    } else {
-      my_err = fmaxf(my_err, fabsf(o - ref[i]));
-      my_ref = fmaxf(my_ref, fabsf(ref[i]));
-    }
-  }
-  atomicMax(&res->max_err_bits, __float_as_uint(my_err));
-  atomicMax(&res->max_ref_bits, __float_as_uint(my_ref));
-  if (bad_v) atomicAdd(&res->bad_values, bad_v);
-  if (bad_e) atomicAdd(&res->bad_empty, bad_e);
-}
-
-struct Case {
-  std::string name;
-  int64_t M, K, N;
-  std::vector<int32_t> sizes;
-  bool small;
-};
-
-static std::vector<int32_t> Balanced(int64_t M, int G) {
-  std::vector<int32_t> s(G);
-  for (int g = 0; g < G; ++g) s[g] = (int32_t)(M / G + (g < M % G ? 1 : 0));
-  return s;
-}
-static std::vector<int32_t> Skewed(int64_t M, int G, int big, double frac) {
-  std::vector<int32_t> s(G);
-  const int64_t b = (int64_t)(M * frac) + 37;  // deliberately not a multiple of 64
-  const int64_t rest = M - b;
-  int64_t used = 0;
-  for (int g = 0, j = 0; g < G; ++g) {
-    if (g == big) continue;
-    s[g] = (int32_t)(rest / (G - 1) + (j < rest % (G - 1) ? 1 : 0));
-    used += s[g];
-    ++j;
-  }
-  s[big] = (int32_t)(M - used);
-  return s;
-}
-static std::vector<int32_t> RandomSizes(int64_t M, int G, uint64_t seed, double fill) {
-  std::vector<double> w(G);
-  double sum = 0;
-  for (int g = 0; g < G; ++g) {
-    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
-    w[g] = (g % 7 == 3) ? 0.0 : 0.2 + (double)(seed >> 40) / (double)(1ULL << 24);  // some empty groups
-    sum += w[g];
-  }
-  std::vector<int32_t> s(G);
-  int64_t used = 0;
-  for (int g = 0; g < G; ++g) {
-    s[g] = (int32_t)(w[g] / sum * M * fill);
-    used += s[g];
-  }
-  if (fill >= 1.0) s[G - 1] += (int32_t)(M - used);  // exact cover
-  return s;
+  CompareOut<kF32>(
+      out, ref, G * KN, [=](int64_t i) { return i / KN; }, [=](int64_t g) { return row_start[g + 1] == row_start[g]; },
+      res);
 }
 
 int main(int argc, char** argv) {
-  bool small_only = false, timing = true;
-  for (int i = 1; i < argc; ++i) {
-    if (!strcmp(argv[i], "--small-only")) small_only = true;
-    else if (!strcmp(argv[i], "--no-timing")) timing = false;
-    else {
-      fprintf(stderr, "usage: %s [--small-only] [--no-timing]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (const char* w = getenv("WGMMA_WATCHDOG_S")) g_watchdog_s = atof(w);
-
-  int dev = 0, num_sms = 0;
-  CK(cudaSetDevice(dev));
-  CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
-  printf("device %s sm_%d%d, %d SMs, smem/block optin %zu, kernel smem %d\n", prop.name, prop.major, prop.minor,
-         num_sms, prop.sharedMemPerBlockOptin, wgmma_outer::kOuterSmemBytes);
-  if (prop.major != 9) {
-    fprintf(stderr, "needs a Hopper (sm_90) GPU\n");
-    return 2;
-  }
+  const ProbeArgs args = ParseProbeArgs(argc, argv);
+  const int num_sms = ProbeDevice(wgmma_outer::kOuterSmemBytes);
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int failures = 0;
@@ -240,15 +84,9 @@ int main(int argc, char** argv) {
   };
 
   for (const Case& c : cases) {
-    if (small_only && !c.small) continue;
+    if (args.small_only && !c.small) continue;
     const int64_t M = c.M, K = c.K, N = c.N, G = (int64_t)c.sizes.size();
-    std::vector<int> row_start(G + 1, 0);
-    int64_t acc = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      row_start[g] = (int)std::min<int64_t>(acc, M);
-      acc += std::max<int32_t>(0, c.sizes[g]);
-    }
-    row_start[G] = (int)std::min<int64_t>(acc, M);
+    const std::vector<int> row_start = ClampedRowStart(c.sizes, M);
     const int64_t total_rows = row_start[G];
     const double flops = 2.0 * (double)total_rows * (double)K * (double)N;
 
@@ -302,38 +140,15 @@ int main(int argc, char** argv) {
       else
         CompareKernel<false><<<1024, 256, 0, stream>>>(out, ref, d_row_start, G, K * N, d_res);
       CK(cudaGetLastError());
-      CmpResult res;
-      CK(cudaMemcpyAsync(&res, d_res, sizeof(res), cudaMemcpyDeviceToHost, stream));
-      WaitOrDie(stream, vname + " (compare)");
-      float max_err, max_ref;
-      memcpy(&max_err, &res.max_err_bits, 4);
-      memcpy(&max_ref, &res.max_ref_bits, 4);
-      const double rel = max_ref > 0 ? max_err / max_ref : max_err;
-      const double tol = f32 ? 2e-3 : 1e-2;
-      const bool pass = res.bad_values == 0 && res.bad_empty == 0 && rel < tol && (total_rows == 0 || max_ref > 0);
+      const CmpSummary cmp = ReadCompare(d_res, stream, vname, f32, total_rows);
+      const bool pass = cmp.ok;
       if (!pass) ++failures;
 
-      double ms = 0;
-      if (timing && !c.small) {
-        for (int i = 0; i < 3; ++i) call();
-        WaitOrDie(stream, vname + " (warm-up)");
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        CK(cudaEventRecord(e0, stream));
-        for (int i = 0; i < 10; ++i) call();
-        CK(cudaEventRecord(e1, stream));
-        WaitOrDie(stream, vname + " (timing)");
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        ms = t / 10;
-        CK(cudaEventDestroy(e0));
-        CK(cudaEventDestroy(e1));
-      }
+      const double ms = args.timing && !c.small ? TimeCalls(call, 3, 10, stream, vname) : 0.0;
       printf("case %-46s %-9s %s err=%.3e (max_err=%.3e max_ref=%.3e nonfinite=%llu bad_empty=%llu) ms=%.4f "
              "TFLOP/s=%.1f\n",
-             c.name.c_str(), f32 ? "out=f32" : "out=bf16", pass ? "PASS" : "FAIL", rel, max_err, max_ref,
-             res.bad_values, res.bad_empty, ms, ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0);
+             c.name.c_str(), f32 ? "out=f32" : "out=bf16", pass ? "PASS" : "FAIL", cmp.rel, cmp.max_err, cmp.max_ref,
+             cmp.res.bad_values, cmp.res.bad_zero, ms, ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0);
       fflush(stdout);
     }
     CK(cudaFree(lhs));

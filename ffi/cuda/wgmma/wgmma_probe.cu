@@ -1,69 +1,8 @@
 // Standalone probe for wgmma_gemm.cuh: correctness against a naive fp32 GPU reference, then timing.
 //   wgmma_probe [--small-only] [--no-timing]
 // Exit codes: 0 all PASS, 1 some FAIL, 2 CUDA error, 3 watchdog timeout.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <chrono>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <vector>
-
 #include "wgmma_gemm.cuh"
-
-#define CK(x)                                                                                        \
-  do {                                                                                               \
-    cudaError_t e_ = (x);                                                                            \
-    if (e_ != cudaSuccess) {                                                                         \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      exit(2);                                                                                       \
-    }                                                                                                \
-  } while (0)
-
-static double g_watchdog_s = 10.0;
-
-// The GEMM may spin forever on an mbarrier if something is wrong: never block in cudaStreamSynchronize.
-static void WaitOrDie(cudaStream_t s, const std::string& what) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) {
-      fprintf(stderr, "CUDA error %s while waiting for %s\n", cudaGetErrorString(e), what.c_str());
-      exit(2);
-    }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (dt > g_watchdog_s) {
-      printf("TIMEOUT case %s (%.0f s)\n", what.c_str(), g_watchdog_s);
-      fflush(stdout);
-      exit(3);  // a hung kernel cannot be cancelled; process exit tears the context down
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-}
-
-__device__ __forceinline__ uint32_t Hash(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return (uint32_t)x;
-}
-
-// Values in +-[1/8, 1]: never zero, so a skipped product cannot hide.
-__global__ void FillKernel(__nv_bfloat16* p, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const uint32_t h = Hash(i * 0x9E3779B97F4A7C15ULL + seed);
-    const float mag = 0.125f + 0.875f * (float)(h >> 8) / 16777216.0f;
-    p[i] = __float2bfloat16((h & 1) ? mag : -mag);
-  }
-}
+#include "probe_common.cuh"
 
 // [G, K, N] -> [G, N, K]
 __global__ void TransposeKernel(const __nv_bfloat16* in, __nv_bfloat16* out, int K, int N) {
@@ -96,43 +35,12 @@ __global__ void RefKernel(const __nv_bfloat16* lhs, const __nv_bfloat16* rhs_kn,
   ref[(int64_t)r * N + n] = acc;
 }
 
-struct CmpResult {
-  unsigned int max_err_bits;  // non-negative floats compare like their bit patterns
-  unsigned int max_ref_bits;
-  unsigned long long bad_values;  // non-finite (leftover poison) in data rows
-  unsigned long long bad_padding; // padding rows not exactly +0
-};
-
+// Padding rows (r >= total_rows) must be exactly +0.
 template <bool kF32>
 __global__ void CompareKernel(const void* out, const float* ref, int64_t total_rows, int64_t M, int64_t N,
                               CmpResult* res) {
-  float my_err = 0.f, my_ref = 0.f;
-  unsigned long long bad_v = 0, bad_p = 0;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * N; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / N;
-    uint32_t bits;
-    float o;
-    if (kF32) {
-      o = reinterpret_cast<const float*>(out)[i];
-      bits = __float_as_uint(o);
-    } else {
-      const __nv_bfloat16 h = reinterpret_cast<const __nv_bfloat16*>(out)[i];
-      bits = __bfloat16_as_ushort(h);
-      o = __bfloat162float(h);
-    }
-    if (r >= total_rows) {
-      bad_p += bits != 0;
-    } else if (!isfinite(o)) {
-      ++bad_v;
-    } else {
-      my_err = fmaxf(my_err, fabsf(o - ref[i]));
-      my_ref = fmaxf(my_ref, fabsf(ref[i]));
-    }
-  }
-  atomicMax(&res->max_err_bits, __float_as_uint(my_err));
-  atomicMax(&res->max_ref_bits, __float_as_uint(my_ref));
-  if (bad_v) atomicAdd(&res->bad_values, bad_v);
-  if (bad_p) atomicAdd(&res->bad_padding, bad_p);
+  CompareOut<kF32>(
+      out, ref, M * N, [=](int64_t i) { return i / N; }, [=](int64_t r) { return r >= total_rows; }, res);
 }
 
 // tile_done of the callback variants: counts every 64-row band of every group once per finished tile that covers
@@ -163,73 +71,9 @@ struct BandCounter {
   }
 };
 
-struct Case {
-  std::string name;
-  int64_t M, K, N;
-  std::vector<int32_t> sizes;
-  bool small;
-};
-
-static std::vector<int32_t> Balanced(int64_t M, int G) {
-  std::vector<int32_t> s(G);
-  for (int g = 0; g < G; ++g) s[g] = (int32_t)(M / G + (g < M % G ? 1 : 0));
-  return s;
-}
-static std::vector<int32_t> Skewed(int64_t M, int G, int big, double frac) {
-  std::vector<int32_t> s(G);
-  const int64_t b = (int64_t)(M * frac) + 37;  // deliberately not a multiple of 128
-  const int64_t rest = M - b;
-  int64_t used = 0;
-  for (int g = 0, j = 0; g < G; ++g) {
-    if (g == big) continue;
-    s[g] = (int32_t)(rest / (G - 1) + (j < rest % (G - 1) ? 1 : 0));
-    used += s[g];
-    ++j;
-  }
-  s[big] = (int32_t)(M - used);
-  return s;
-}
-static std::vector<int32_t> RandomSizes(int64_t M, int G, uint64_t seed, double fill) {
-  std::vector<double> w(G);
-  double sum = 0;
-  for (int g = 0; g < G; ++g) {
-    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
-    w[g] = (g % 7 == 3) ? 0.0 : 0.2 + (double)(seed >> 40) / (double)(1ULL << 24);  // some empty groups
-    sum += w[g];
-  }
-  std::vector<int32_t> s(G);
-  int64_t used = 0;
-  for (int g = 0; g < G; ++g) {
-    s[g] = (int32_t)(w[g] / sum * M * fill);
-    used += s[g];
-  }
-  if (fill >= 1.0) s[G - 1] += (int32_t)(M - used);  // exact cover
-  return s;
-}
-
 int main(int argc, char** argv) {
-  bool small_only = false, timing = true;
-  for (int i = 1; i < argc; ++i) {
-    if (!strcmp(argv[i], "--small-only")) small_only = true;
-    else if (!strcmp(argv[i], "--no-timing")) timing = false;
-    else {
-      fprintf(stderr, "usage: %s [--small-only] [--no-timing]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (const char* w = getenv("WGMMA_WATCHDOG_S")) g_watchdog_s = atof(w);
-
-  int dev = 0, num_sms = 0;
-  CK(cudaSetDevice(dev));
-  CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
-  printf("device %s sm_%d%d, %d SMs, smem/block optin %zu, kernel smem %d\n", prop.name, prop.major, prop.minor,
-         num_sms, prop.sharedMemPerBlockOptin, wgmma_gemm::kSmemBytes);
-  if (prop.major != 9) {
-    fprintf(stderr, "needs a Hopper (sm_90) GPU\n");
-    return 2;
-  }
+  const ProbeArgs args = ParseProbeArgs(argc, argv);
+  const int num_sms = ProbeDevice(wgmma_gemm::kSmemBytes);
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -250,15 +94,9 @@ int main(int argc, char** argv) {
 
   int failures = 0;
   for (const Case& c : cases) {
-    if (small_only && !c.small) continue;
+    if (args.small_only && !c.small) continue;
     const int64_t M = c.M, K = c.K, N = c.N, G = (int64_t)c.sizes.size();
-    std::vector<int> row_start(G + 1, 0);
-    int64_t acc = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      row_start[g] = (int)std::min<int64_t>(acc, M);
-      acc += std::max<int32_t>(0, c.sizes[g]);
-    }
-    row_start[G] = (int)std::min<int64_t>(acc, M);
+    const std::vector<int> row_start = ClampedRowStart(c.sizes, M);
     const int64_t total_rows = row_start[G];
     const double flops = 2.0 * (double)total_rows * (double)K * (double)N;
 
@@ -335,15 +173,8 @@ int main(int argc, char** argv) {
       else
         CompareKernel<false><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
       CK(cudaGetLastError());
-      CmpResult res;
-      CK(cudaMemcpyAsync(&res, d_res, sizeof(res), cudaMemcpyDeviceToHost, stream));
-      WaitOrDie(stream, vname + " (compare)");
-      float max_err, max_ref;
-      memcpy(&max_err, &res.max_err_bits, 4);
-      memcpy(&max_ref, &res.max_ref_bits, 4);
-      const double rel = max_ref > 0 ? max_err / max_ref : max_err;
-      const double tol = f32 ? 2e-3 : 1e-2;
-      bool pass = res.bad_values == 0 && res.bad_padding == 0 && rel < tol && (total_rows == 0 || max_ref > 0);
+      const CmpSummary cmp = ReadCompare(d_res, stream, vname, f32, total_rows);
+      bool pass = cmp.ok;
       std::string cb_note;
       if (cb) {
         // Right after the first call: every band counted exactly n_tiles times, one call per tile, by thread 128.
@@ -366,27 +197,11 @@ int main(int argc, char** argv) {
       }
       if (!pass) ++failures;
 
-      double ms = 0;
-      if (timing) {
-        for (int i = 0; i < 5; ++i) call();
-        WaitOrDie(stream, vname + " (warm-up)");
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        CK(cudaEventRecord(e0, stream));
-        for (int i = 0; i < 20; ++i) call();
-        CK(cudaEventRecord(e1, stream));
-        WaitOrDie(stream, vname + " (timing)");
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        ms = t / 20;
-        CK(cudaEventDestroy(e0));
-        CK(cudaEventDestroy(e1));
-      }
+      const double ms = args.timing ? TimeCalls(call, 5, 20, stream, vname) : 0.0;
       printf("case %-34s %-12s %-9s%s %s err=%.3e (max_err=%.3e max_ref=%.3e nonfinite=%llu badpad=%llu) ms=%.4f "
              "TFLOP/s=%.1f%s\n",
              c.name.c_str(), k_major ? "rhs[G,N,K]" : "rhs[G,K,N]", f32 ? "out=f32" : "out=bf16", cb ? " cb" : "",
-             pass ? "PASS" : "FAIL", rel, max_err, max_ref, res.bad_values, res.bad_padding, ms,
+             pass ? "PASS" : "FAIL", cmp.rel, cmp.max_err, cmp.max_ref, cmp.res.bad_values, cmp.res.bad_zero, ms,
              ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0, cb_note.c_str());
       fflush(stdout);
     }

@@ -133,11 +133,19 @@ __device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
   __trap();
 #endif
 }
+// Generic-proxy smem writes -> visible to the async proxy (wgmma operand reads, later TMA writes).
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+#if WGMMA_SM90A
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#else
+  __trap();
+#endif
+}
 // Make initialized barriers visible to the async proxy (TMA complete_tx) and to the other threads.
 __device__ __forceinline__ void MbarInitFence() {
 #if WGMMA_SM90A
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  FenceProxyAsyncShared();
 #else
   __trap();
 #endif
@@ -270,14 +278,14 @@ __device__ __forceinline__ uint64_t MakeDesc(uint32_t smem_addr, uint32_t lbo_by
   return d;
 }
 
-// D[64 x 256] (+)= A[64 x 16] * B[16 x 256], both from smem. imm-trans-b = kTransB: 0 = B K-major, 1 = B
-// MN-major (legal for 16-bit types). scale_d = 0 ignores (zeroes) the old accumulator.
-template <int kTransB>
+// D[64 x 256] (+)= A[64 x 16] * B[16 x 256], both from smem. imm-trans-a = kTransA, imm-trans-b = kTransB: 0 = the
+// operand is K-major, 1 = MN-major (legal for 16-bit types). scale_d = 0 ignores (zeroes) the old accumulator.
+template <int kTransA, int kTransB>
 __device__ __forceinline__ void Wgmma64x256(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
 #if WGMMA_SM90A
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -294,10 +302,90 @@ __device__ __forceinline__ void Wgmma64x256(float* d, uint64_t desc_a, uint64_t 
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 #else
   __trap();
 #endif
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Building blocks of the warp-specialized loops (WgmmaTileLoop below, GroupedOuterKernel in wgmma_outer.cuh)
+// (each one inlines to exactly the code the loops had written out)
+// ------------------------------------------------------------------------------------------------------------
+// setmaxnreg rule: the warps of a warpgroup synchronize between two setmaxnreg. The producer's increase back to
+// the entry count waits until the consumers have released their extra registers at their end (ConsumerExit).
+__device__ __forceinline__ void ProducerExit() {
+  __syncwarp();
+  NamedBarSync(kProducerBarrier, 128);
+  SetMaxNRegInc<kEntryRegs>();
+}
+__device__ __forceinline__ void ConsumerExit() {
+  NamedBarSync(kConsumerBarrier, 256);
+  SetMaxNRegDec<kEntryRegs>();
+}
+
+// One BK = 64 k-step of a consumer warpgroup: 4 x wgmma m64n256k16 on the stage's operands at smem addresses a_base
+// (this warpgroup's 64 rows of A) and b_base, committed as one group; then waits until only this group is in flight.
+// Descriptor steps along K by 16 elements per wgmma:
+//   K-major (kTrans = 0; 128B rows of K): +32 bytes inside the swizzled row (the hardware applies the XOR on the
+//     final address, so advancing the start address by 32 B selects the next 16 k), SBO = 1024 (8 rows), LBO unused.
+//   MN-major (kTrans = 1): +16 k-rows of 128 B = 2048 bytes; LBO = 8192 (next 64-wide chunk), SBO = 1024 (next 8 k).
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void MmaKStep(float* acc, uint32_t a_base, uint32_t b_base) {
+  const uint32_t a_lbo = kTransA ? 8192 : 16, a_kstep = kTransA ? 2048 : 32;
+  const uint32_t b_lbo = kTransB ? 8192 : 16, b_kstep = kTransB ? 2048 : 32;
+  FenceRegs(acc);
+  WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    const uint64_t da = MakeDesc(a_base + kk * a_kstep, a_lbo, 1024);
+    const uint64_t db = MakeDesc(b_base + kk * b_kstep, b_lbo, 1024);
+    Wgmma64x256<kTransA, kTransB>(acc, da, db, 1);
+  }
+  WgmmaCommit();
+  WgmmaWait<1>();
+  FenceRegs(acc);
+}
+
+// Epilogue of a consumer warpgroup c (rows [64 c, 64 c + 64) of a 128-row tile), straight from registers:
+// m64nNk16 f32 accumulator layout. Thread (warp wq, lane l) holds, for j = 0..31:
+//   acc[4j + 0/1] -> row 16 wq + l/4,     cols 8 j + 2 (l%4) + 0/1
+//   acc[4j + 2/3] -> row 16 wq + l/4 + 8, same cols
+// Lanes l and l^1 swap one pair per (j, j+1) so that each lane stores 4 consecutive columns: the even lane
+// cols 8 j + 2 (l%4) .. +3, the odd lane cols 8 (j+1) + 2 (l%4 - 1) .. +3. A warp store then covers 32
+// (bf16) or 64 (f32) contiguous bytes per row. cols % 16 == 0: blocks j and j+1 are both in or both out.
+// out: the tile's element (0, 0) (bf16 or float per kOutF32), rows / cols: stored extent, ldc: row stride.
+template <bool kOutF32>
+__device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, int lane, int rows, int cols, void* out,
+                                             int64_t ldc) {
+  const int r_lo = c * 64 + wq * 16 + lane / 4;
+  const bool odd = lane & 1;
+  const int col_even = 2 * (lane % 4);           // for even lanes, block j
+  const int col_odd = 8 + 2 * (lane % 4 - 1);    // for odd lanes, block j + 1
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    const bool row_ok = r < rows;
+    const int64_t orow = (int64_t)(row_ok ? r : 0) * ldc;
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      const float* a0 = &acc[4 * j + 2 * h];        // block j, this row
+      const float* a1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1, this row
+      const int col = (odd ? col_odd : col_even) + 8 * j;
+      if (kOutF32) {
+        const float s0 = odd ? a0[0] : a1[0], s1 = odd ? a0[1] : a1[1];
+        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        const float4 v = odd ? make_float4(r0, r1, a1[0], a1[1]) : make_float4(a0[0], a0[1], r0, r1);
+        if (row_ok && col < cols) *reinterpret_cast<float4*>(static_cast<float*>(out) + orow + col) = v;
+      } else {
+        __nv_bfloat162 p0 = __floats2bfloat162_rn(a0[0], a0[1]), p1 = __floats2bfloat162_rn(a1[0], a1[1]);
+        const uint32_t u0 = *reinterpret_cast<uint32_t*>(&p0), u1 = *reinterpret_cast<uint32_t*>(&p1);
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? u0 : u1, 1);
+        const uint2 v = odd ? make_uint2(got, u1) : make_uint2(u0, got);
+        if (row_ok && col < cols) *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(out) + orow + col) = v;
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -359,9 +447,7 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
     }
     // setmaxnreg rule: the warps of a warpgroup synchronize between two setmaxnreg. The increase waits until the
     // consumers have released their extra registers at their end.
-    __syncwarp();
-    NamedBarSync(kProducerBarrier, 128);
-    SetMaxNRegInc<kEntryRegs>();
+    ProducerExit();
   } else {
     // ================= consumer warpgroups =================
     SetMaxNRegInc<kConsumerRegs>();
@@ -371,12 +457,6 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
     float acc[128];
     int stage = 0;
     uint32_t phase = 0;
-    // The B descriptor steps along K by 16 elements per wgmma:
-    //   K-major (128B rows of K): +32 bytes inside the swizzled row (the hardware applies the XOR on the
-    //     final address, so advancing the start address by 32 B selects the next 16 k), SBO = 1024 (8 rows).
-    //   MN-major: +16 k-rows of 128 B = 2048 bytes; LBO = 8192 (next 64-column chunk), SBO = 1024 (next 8 k).
-    const uint32_t b_lbo = kTransB ? 8192 : 16;
-    const uint32_t b_kstep = kTransB ? 2048 : 32;
     for (int i = first; i < count; i += stride) {
       const auto tile = tile_of(i);
       if (c * 64 >= tile.rows) {
@@ -397,18 +477,8 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
           MbarWait(SmemAddr(&full[stage]), phase);
           const uint32_t a_base = SmemAddr(sA + stage * kABytes) + c * (64 * 128);  // this WG's 64 rows
           const uint32_t b_base = SmemAddr(sB + stage * kBBytes);
-          FenceRegs(acc);
-          WgmmaFence();
-#pragma unroll
-          for (int kk = 0; kk < kBK / 16; ++kk) {
-            const uint64_t da = MakeDesc(a_base + kk * 32, 16, 1024);
-            const uint64_t db = MakeDesc(b_base + kk * b_kstep, b_lbo, 1024);
-            Wgmma64x256<kTransB>(acc, da, db, 1);
-          }
-          WgmmaCommit();
+          MmaKStep<0, kTransB>(acc, a_base, b_base);
           // Keep this k-step's group in flight; the previous one is done -> release its slot.
-          WgmmaWait<1>();
-          FenceRegs(acc);
           if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
           prev_stage = stage;
           if (++stage == kNumStages) { stage = 0; phase ^= 1; }
@@ -417,43 +487,7 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
         FenceRegs(acc);
         if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
 
-        // ---- epilogue: m64nNk16 f32 accumulator layout. Thread (warp wq, lane l) holds, for j = 0..31:
-        //   acc[4j + 0/1] -> row 16 wq + l/4,     cols 8 j + 2 (l%4) + 0/1
-        //   acc[4j + 2/3] -> row 16 wq + l/4 + 8, same cols
-        // Lanes l and l^1 swap one pair per (j, j+1) so that each lane stores 4 consecutive columns: the even lane
-        // cols 8 j + 2 (l%4) .. +3, the odd lane cols 8 (j+1) + 2 (l%4 - 1) .. +3. A warp store then covers 32
-        // (bf16) or 64 (f32) contiguous bytes per row. cols % 16 == 0: blocks j and j+1 are both in or both out.
-        const int r_lo = c * 64 + wq * 16 + lane / 4;
-        const bool odd = lane & 1;
-        const int col_even = 2 * (lane % 4);           // for even lanes, block j
-        const int col_odd = 8 + 2 * (lane % 4 - 1);    // for odd lanes, block j + 1
-        const int rows = tile.rows, cols = tile.cols;
-        const int64_t ldc = tile.ldc;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = r_lo + 8 * h;
-          const bool row_ok = r < rows;
-          const int64_t orow = (int64_t)(row_ok ? r : 0) * ldc;
-#pragma unroll
-          for (int j = 0; j < 32; j += 2) {
-            const float* a0 = &acc[4 * j + 2 * h];        // block j, this row
-            const float* a1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1, this row
-            const int col = (odd ? col_odd : col_even) + 8 * j;
-            if (kOutF32) {
-              const float s0 = odd ? a0[0] : a1[0], s1 = odd ? a0[1] : a1[1];
-              const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-              const float4 v = odd ? make_float4(r0, r1, a1[0], a1[1]) : make_float4(a0[0], a0[1], r0, r1);
-              if (row_ok && col < cols) *reinterpret_cast<float4*>(static_cast<float*>(tile.out) + orow + col) = v;
-            } else {
-              __nv_bfloat162 p0 = __floats2bfloat162_rn(a0[0], a0[1]), p1 = __floats2bfloat162_rn(a1[0], a1[1]);
-              const uint32_t u0 = *reinterpret_cast<uint32_t*>(&p0), u1 = *reinterpret_cast<uint32_t*>(&p1);
-              const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? u0 : u1, 1);
-              const uint2 v = odd ? make_uint2(got, u1) : make_uint2(u0, got);
-              if (row_ok && col < cols)
-                *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(tile.out) + orow + col) = v;
-            }
-          }
-        }
+        StoreAccTile<kOutF32>(acc, c, wq, lane, tile.rows, tile.cols, tile.out, tile.ldc);
       }
       if constexpr (kHasDone) {
         // Every consumer thread: its stores of this tile, then a gpu-scope fence, then the consumer barrier; then
@@ -466,8 +500,7 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
     }
     // Back to the entry register count (frees the registers the producer's increase waits for). setmaxnreg rule:
     // the warps of each warpgroup synchronize between two setmaxnreg.
-    NamedBarSync(kConsumerBarrier, 256);
-    SetMaxNRegDec<kEntryRegs>();
+    ConsumerExit();
   }
   __syncthreads();
 }

@@ -1,0 +1,243 @@
+// Harness shared by the standalone wgmma probes (wgmma_probe.cu: grouped GEMM, wgmma_outer_probe.cu: grouped outer):
+// CUDA error checks, a host watchdog instead of blocking syncs, random bf16 fill, the fused error / poison / must-be-
+// zero comparison against an fp32 reference, group-size generators, command line, device setup and timing.
+// Exit codes used here: 2 CUDA error or bad usage, 3 watchdog timeout.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define CK(x)                                                                                        \
+  do {                                                                                               \
+    cudaError_t e_ = (x);                                                                            \
+    if (e_ != cudaSuccess) {                                                                         \
+      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+      exit(2);                                                                                       \
+    }                                                                                                \
+  } while (0)
+
+static double g_watchdog_s = 10.0;  // WGMMA_WATCHDOG_S overrides (ParseProbeArgs)
+
+// The kernels may spin forever on an mbarrier if something is wrong: never block in cudaStreamSynchronize.
+static void WaitOrDie(cudaStream_t s, const std::string& what) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) {
+      fprintf(stderr, "CUDA error %s while waiting for %s\n", cudaGetErrorString(e), what.c_str());
+      exit(2);
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt > g_watchdog_s) {
+      printf("TIMEOUT case %s (%.0f s)\n", what.c_str(), g_watchdog_s);
+      fflush(stdout);
+      exit(3);  // a hung kernel cannot be cancelled; process exit tears the context down
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+__device__ __forceinline__ uint32_t Hash(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return (uint32_t)x;
+}
+
+// Values in +-[1/8, 1]: never zero, so a skipped product cannot hide.
+__global__ void FillKernel(__nv_bfloat16* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const uint32_t h = Hash(i * 0x9E3779B97F4A7C15ULL + seed);
+    const float mag = 0.125f + 0.875f * (float)(h >> 8) / 16777216.0f;
+    p[i] = __float2bfloat16((h & 1) ? mag : -mag);
+  }
+}
+
+struct CmpResult {
+  unsigned int max_err_bits;  // non-negative floats compare like their bit patterns
+  unsigned int max_ref_bits;
+  unsigned long long bad_values;  // non-finite (leftover poison, leaked NaN rows) where a value is expected
+  unsigned long long bad_zero;    // elements that must be exactly +0 (padding rows / empty groups) and are not
+};
+
+// Body of the probes' CompareKernel: grid-stride over out[0, n) (bf16 or f32 per kF32) against ref. Element i
+// belongs to block b = block_of(i) (an output row, a group); must_be_zero(b) says whether the block must be exactly
+// +0 (else each element is compared with ref[i] and must be finite).
+template <bool kF32, class BlockOf, class MustBeZero>
+__device__ __forceinline__ void CompareOut(const void* out, const float* ref, int64_t n, BlockOf block_of,
+                                          MustBeZero must_be_zero, CmpResult* res) {
+  float my_err = 0.f, my_ref = 0.f;
+  unsigned long long bad_v = 0, bad_z = 0;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = block_of(i);
+    uint32_t bits;
+    float o;
+    if (kF32) {
+      o = reinterpret_cast<const float*>(out)[i];
+      bits = __float_as_uint(o);
+    } else {
+      const __nv_bfloat16 h = reinterpret_cast<const __nv_bfloat16*>(out)[i];
+      bits = __bfloat16_as_ushort(h);
+      o = __bfloat162float(h);
+    }
+    if (must_be_zero(b)) {
+      bad_z += bits != 0;
+    } else if (!isfinite(o)) {
+      ++bad_v;
+    } else {
+      my_err = fmaxf(my_err, fabsf(o - ref[i]));
+      my_ref = fmaxf(my_ref, fabsf(ref[i]));
+    }
+  }
+  atomicMax(&res->max_err_bits, __float_as_uint(my_err));
+  atomicMax(&res->max_ref_bits, __float_as_uint(my_ref));
+  if (bad_v) atomicAdd(&res->bad_values, bad_v);
+  if (bad_z) atomicAdd(&res->bad_zero, bad_z);
+}
+
+// Host side of the comparison: reads d_res back (watchdog wait), relative error max_err / max_ref; `ok` = no
+// non-finite value, no bad zero, rel below the tolerance (2e-3 f32 out, 1e-2 bf16 out) and a non-zero reference
+// unless nothing was computed.
+struct CmpSummary {
+  CmpResult res;
+  float max_err, max_ref;
+  double rel;
+  bool ok;
+};
+static CmpSummary ReadCompare(const CmpResult* d_res, cudaStream_t stream, const std::string& what, bool f32,
+                              int64_t total_rows) {
+  CmpSummary s;
+  CK(cudaMemcpyAsync(&s.res, d_res, sizeof(s.res), cudaMemcpyDeviceToHost, stream));
+  WaitOrDie(stream, what + " (compare)");
+  memcpy(&s.max_err, &s.res.max_err_bits, 4);
+  memcpy(&s.max_ref, &s.res.max_ref_bits, 4);
+  s.rel = s.max_ref > 0 ? s.max_err / s.max_ref : s.max_err;
+  const double tol = f32 ? 2e-3 : 1e-2;
+  s.ok = s.res.bad_values == 0 && s.res.bad_zero == 0 && s.rel < tol && (total_rows == 0 || s.max_ref > 0);
+  return s;
+}
+
+struct Case {
+  std::string name;
+  int64_t M, K, N;
+  std::vector<int32_t> sizes;
+  bool small;
+};
+
+static std::vector<int32_t> Balanced(int64_t M, int G) {
+  std::vector<int32_t> s(G);
+  for (int g = 0; g < G; ++g) s[g] = (int32_t)(M / G + (g < M % G ? 1 : 0));
+  return s;
+}
+static std::vector<int32_t> Skewed(int64_t M, int G, int big, double frac) {
+  std::vector<int32_t> s(G);
+  const int64_t b = (int64_t)(M * frac) + 37;  // deliberately not a multiple of 64 (or 128)
+  const int64_t rest = M - b;
+  int64_t used = 0;
+  for (int g = 0, j = 0; g < G; ++g) {
+    if (g == big) continue;
+    s[g] = (int32_t)(rest / (G - 1) + (j < rest % (G - 1) ? 1 : 0));
+    used += s[g];
+    ++j;
+  }
+  s[big] = (int32_t)(M - used);
+  return s;
+}
+static std::vector<int32_t> RandomSizes(int64_t M, int G, uint64_t seed, double fill) {
+  std::vector<double> w(G);
+  double sum = 0;
+  for (int g = 0; g < G; ++g) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    w[g] = (g % 7 == 3) ? 0.0 : 0.2 + (double)(seed >> 40) / (double)(1ULL << 24);  // some empty groups
+    sum += w[g];
+  }
+  std::vector<int32_t> s(G);
+  int64_t used = 0;
+  for (int g = 0; g < G; ++g) {
+    s[g] = (int32_t)(w[g] / sum * M * fill);
+    used += s[g];
+  }
+  if (fill >= 1.0) s[G - 1] += (int32_t)(M - used);  // exact cover
+  return s;
+}
+
+// Clamped group row offsets, G + 1 entries: row_start[g] = min(sum_{h<g} max(0, size_h), M).
+static std::vector<int> ClampedRowStart(const std::vector<int32_t>& sizes, int64_t M) {
+  const int64_t G = (int64_t)sizes.size();
+  std::vector<int> row_start(G + 1, 0);
+  int64_t acc = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    row_start[g] = (int)std::min<int64_t>(acc, M);
+    acc += std::max<int32_t>(0, sizes[g]);
+  }
+  row_start[G] = (int)std::min<int64_t>(acc, M);
+  return row_start;
+}
+
+struct ProbeArgs {
+  bool small_only = false, timing = true;
+};
+// [--small-only] [--no-timing]; WGMMA_WATCHDOG_S sets the watchdog. Exits 2 on a bad argument.
+static ProbeArgs ParseProbeArgs(int argc, char** argv) {
+  ProbeArgs a;
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--small-only")) a.small_only = true;
+    else if (!strcmp(argv[i], "--no-timing")) a.timing = false;
+    else {
+      fprintf(stderr, "usage: %s [--small-only] [--no-timing]\n", argv[0]);
+      exit(2);
+    }
+  }
+  if (const char* w = getenv("WGMMA_WATCHDOG_S")) g_watchdog_s = atof(w);
+  return a;
+}
+
+// Device 0: prints it (with the kernel's dynamic smem), exits 2 unless it is a Hopper (sm_90) GPU; returns the SM
+// count.
+static int ProbeDevice(int kernel_smem) {
+  int dev = 0, num_sms = 0;
+  CK(cudaSetDevice(dev));
+  CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  printf("device %s sm_%d%d, %d SMs, smem/block optin %zu, kernel smem %d\n", prop.name, prop.major, prop.minor,
+         num_sms, prop.sharedMemPerBlockOptin, kernel_smem);
+  if (prop.major != 9) {
+    fprintf(stderr, "needs a Hopper (sm_90) GPU\n");
+    exit(2);
+  }
+  return num_sms;
+}
+
+// Mean milliseconds per call of `call` (launches on `stream`): `warmup` calls, then `iters` timed with events.
+template <class Call>
+static double TimeCalls(Call call, int warmup, int iters, cudaStream_t stream, const std::string& what) {
+  for (int i = 0; i < warmup; ++i) call();
+  WaitOrDie(stream, what + " (warm-up)");
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0, stream));
+  for (int i = 0; i < iters; ++i) call();
+  CK(cudaEventRecord(e1, stream));
+  WaitOrDie(stream, what + " (timing)");
+  float t;
+  CK(cudaEventElapsedTime(&t, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return t / iters;
+}
