@@ -54,42 +54,35 @@ def grouped_bars(ax, rows, group_key, series_key, value_key, order=None):
   ax.legend(fontsize=8)
 
 
+# (benchmark, PNG, the row fields naming a bar group, the series field, the value field, y label, title)
+PLOTS = [
+    ("gemm", "grouped_gemm.png", ("shape", "skew"), "method", "tflops", "TFLOP/s",
+     "Grouped GEMM, bf16 (higher is better)"),
+    ("layer", "layer_speedup.png", ("shape", "pass"), "impl", "vs_xla", "speed-up over the XLA path",
+     "MoE expert layer at EP=1 (higher is better)"),
+    ("fused", "fused.png", ("shape", "skew"), "impl", "ms", "ms (lower is better)",
+     "expert_combine at EP=1 vs its parts and the XLA/tokamax paths"),
+]
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("folder")
   args = ap.parse_args()
-  made = []
-  gemm = read_rows(args.folder, "gemm")
-  if gemm:
+  for bench, png, case_keys, series, value, ylabel, title in PLOTS:
+    rows = read_rows(args.folder, bench)
+    if not rows:
+      continue
+    for r in rows:
+      r["case"] = " ".join(r.get(k, "") for k in case_keys).strip()
     fig, ax = plt.subplots(figsize=(9, 4))
-    for r in gemm:
-      r["case"] = f"{r['shape']} {r.get('skew', '')}".strip()
-    grouped_bars(ax, gemm, "case", "method", "tflops")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title("Grouped GEMM, bf16 (higher is better)")
-    made.append(("grouped_gemm.png", fig))
-  layer = read_rows(args.folder, "layer")
-  if layer:
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for r in layer:
-      r["case"] = f"{r['shape']} {r['pass']}"
-    grouped_bars(ax, layer, "case", "impl", "vs_xla")
-    ax.set_ylabel("speed-up over the XLA path")
-    ax.set_title("MoE expert layer at EP=1 (higher is better)")
-    made.append(("layer_speedup.png", fig))
-  fused = read_rows(args.folder, "fused")
-  if fused:
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for r in fused:
-      r["case"] = f"{r['shape']} {r.get('skew', '')}".strip()
-    grouped_bars(ax, fused, "case", "impl", "ms")
-    ax.set_ylabel("ms (lower is better)")
-    ax.set_title("expert_combine at EP=1 vs its parts and the XLA/tokamax paths")
-    made.append(("fused.png", fig))
-  for name, fig in made:
+    grouped_bars(ax, rows, "case", series, value)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.folder, name), dpi=110)
-    print("wrote", os.path.join(args.folder, name))
+    fig.savefig(os.path.join(args.folder, png), dpi=110)
+    plt.close(fig)
+    print("wrote", os.path.join(args.folder, png))
 
 
 if __name__ == "__main__":
