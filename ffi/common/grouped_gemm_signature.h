@@ -16,23 +16,20 @@
 
 namespace jmo {
 
+// The operands and result both calls share; grouped_matmul adds its attribute. (Bindings are taken by reference:
+// XLA's Binding cannot be moved, only chained.)
 template <typename Binding>
-auto BindGroupedMatmul(Binding b) {
-  namespace ffi = xla::ffi;
-  return std::move(b).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<bool>("transpose_rhs");
-}
-
-template <typename Binding>
-auto BindGroupedOuter(Binding b) {
+auto BindGroupedOuter(Binding&& b) {
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>();
+}
+
+template <typename Binding>
+auto BindGroupedMatmul(Binding&& b) {
+  return BindGroupedOuter(std::move(b)).template Attr<bool>("transpose_rhs");
 }
 
 struct GroupedShape {

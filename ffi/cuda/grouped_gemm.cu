@@ -142,16 +142,17 @@ Status PersistentGrid(const void* kernel, int smem, int64_t work, int* grid) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = resident.find({kernel, dev});
   if (it == resident.end()) {
-    int sms = 0, per_sm = 0;
+    int per_sm = 0;
+    DeviceInfo info;
     s = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                    "cudaFuncSetAttribute(grouped GEMM)");
-    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "attr");
+    if (s.ok()) s = GetDeviceInfo(dev, &info);
     if (s.ok())
       s = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileThreads, smem),
                      "cudaOccupancyMaxActiveBlocksPerMultiprocessor(grouped GEMM)");
     if (!s.ok()) return s;
     if (per_sm < 1) return Status::Error(kInternal, "jax_moe_overlap: the grouped GEMM kernel does not fit an SM");
-    it = resident.emplace(std::make_pair(kernel, dev), sms * per_sm).first;
+    it = resident.emplace(std::make_pair(kernel, dev), info.sms * per_sm).first;
   }
   *grid = (int)std::max<int64_t>(1, std::min<int64_t>(it->second, work));
   return Status{};
@@ -159,22 +160,12 @@ Status PersistentGrid(const void* kernel, int smem, int64_t work, int* grid) {
 
 bool UseTensorCores(DType dt, int64_t K, int64_t N) { return dt == DType::kBF16 && K % 8 == 0 && N % 8 == 0; }
 
-// SM count of the current device if it is a Hopper GPU (the wgmma kernel's target), else 0. Cached per device.
+// SM count of the current device if it is a Hopper GPU (the wgmma kernel's target), else 0.
 int HopperSms() {
-  static std::mutex mu;
-  static std::map<int, int> sms_of;
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = sms_of.find(dev);
-  if (it == sms_of.end()) {
-    int major = 0, sms = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 0;
-    it = sms_of.emplace(dev, major == 9 ? sms : 0).first;
-  }
-  return it->second;
+  DeviceInfo info;
+  if (cudaGetDevice(&dev) != cudaSuccess || !GetDeviceInfo(dev, &info).ok()) return 0;
+  return info.cc_major == 9 ? info.sms : 0;
 }
 
 // The wgmma + TMA kernel (ffi/cuda/wgmma) takes bf16 operands with K and N multiples of 64 on Hopper.

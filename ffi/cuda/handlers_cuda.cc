@@ -7,6 +7,7 @@
 // operands agree, reporting a mismatch as an error of the next call.
 #include <string>
 
+#include "cuda/ffi_glue.h"
 #include "cuda/handlers_cuda.h"
 #include "cuda/kernels.h"
 #include "cuda/workspace_cuda.h"
@@ -17,20 +18,6 @@ namespace ffi = xla::ffi;
 
 namespace jmo::cuda {
 namespace {
-
-ffi::Error ToFfi(const Status& s) {
-  if (s.ok()) return ffi::Error::Success();
-  ffi::ErrorCode code = ffi::ErrorCode::kInternal;
-  switch (s.code) {
-    case kInvalidArgument: code = ffi::ErrorCode::kInvalidArgument; break;
-    case kDeadlineExceeded: code = ffi::ErrorCode::kDeadlineExceeded; break;
-    case kFailedPrecondition: code = ffi::ErrorCode::kFailedPrecondition; break;
-    default: break;
-  }
-  return ffi::Error(code, s.msg);
-}
-
-DType ToDType(ffi::DataType t) { return t == ffi::DataType::F32 ? DType::kF32 : DType::kBF16; }
 
 ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, int64_t handle, int64_t timeout_ms,
                                int32_t delay_rank, int64_t delay_us) {
@@ -43,12 +30,7 @@ ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, int64_t han
   CallSite c{ws, 0, 0, stream, CallOptions{timeout_ms, delay_rank, delay_us}};
   Status s = ws->FindByOrdinal(ordinal, &c.group, &c.rank);
   if (!s.ok()) return ffi::Unexpected(ToFfi(s));
-  // Launch on the device that owns XLA's stream (XLA makes its context current; be explicit anyway).
-  int cur = -1;
-  if (cudaGetDevice(&cur) != cudaSuccess || cur != ordinal) {
-    cudaError_t e = cudaSetDevice(ordinal);
-    if (e != cudaSuccess) return ffi::Unexpected(ToFfi(CudaStatus(e, "cudaSetDevice")));
-  }
+  if (Status d = UseDevice(ordinal); !d.ok()) return ffi::Unexpected(ToFfi(d));
   return c;
 }
 

@@ -1,6 +1,7 @@
 // XLA:CUDA handlers of the bare grouped GEMMs: the shape checks shared with the CPU handlers
 // (ffi/common/grouped_gemm_signature.h), then the kernels of grouped_gemm.cu on XLA's stream.
 #include "common/grouped_gemm_signature.h"
+#include "cuda/ffi_glue.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/handlers_cuda.h"
 #include "xla/ffi/api/ffi.h"
@@ -10,37 +11,23 @@ namespace ffi = xla::ffi;
 namespace jmo::cuda {
 namespace {
 
-ffi::Error ToFfiError(const Status& s) {
-  if (s.ok()) return ffi::Error::Success();
-  return ffi::Error(s.code == kInvalidArgument ? ffi::ErrorCode::kInvalidArgument : ffi::ErrorCode::kInternal, s.msg);
-}
-
-DType ToDType(ffi::DataType t) { return t == ffi::DataType::F32 ? DType::kF32 : DType::kBF16; }
-
-// Launch on the device that owns XLA's stream (XLA makes its context current; be explicit anyway).
-Status UseDevice(int32_t ordinal) {
-  int cur = -1;
-  if (cudaGetDevice(&cur) == cudaSuccess && cur == ordinal) return Status{};
-  return CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice");
-}
-
 ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
   auto s = CheckGroupedMatmul(lhs, rhs, group_sizes, *out, transpose_rhs);
   if (s.has_error()) return s.error();
-  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfiError(d);
-  return ToFfiError(GroupedMatmul(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
-                                  rhs.untyped_data(), s->G, s->N, transpose_rhs, group_sizes.typed_data(),
-                                  out->untyped_data()));
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmul(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
+                         rhs.untyped_data(), s->G, s->N, transpose_rhs, group_sizes.typed_data(),
+                         out->untyped_data()));
 }
 
 ffi::Error GroupedOuterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
   auto s = CheckGroupedOuter(lhs, rhs, group_sizes, *out);
   if (s.has_error()) return s.error();
-  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfiError(d);
-  return ToFfiError(GroupedOuter(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
-                                 rhs.untyped_data(), s->N, s->G, group_sizes.typed_data(), out->untyped_data()));
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedOuter(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
+                         rhs.untyped_data(), s->N, s->G, group_sizes.typed_data(), out->untyped_data()));
 }
 
 }  // namespace

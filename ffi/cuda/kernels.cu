@@ -719,30 +719,6 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
 // ---------------------------------------------------------------------------------------------------------------
 // Host side
 
-struct DeviceInfo {
-  int sms = 0;
-  int smem_per_sm = 0;
-  int cc_major = 0;
-};
-
-Status GetDeviceInfo(int dev, DeviceInfo* info) {
-  static std::mutex mu;
-  static DeviceInfo cache[64];
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev < 0 || dev >= 64) return Status::Error(kInvalidArgument, "device ordinal out of range");
-  if (cache[dev].sms == 0) {
-    Status s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].sms, cudaDevAttrMultiProcessorCount, dev), "attr");
-    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "attr");
-    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
-    if (!s.ok()) {
-      cache[dev].sms = 0;
-      return s;
-    }
-  }
-  *info = cache[dev];
-  return Status{};
-}
-
 // Dynamic shared memory of ExpertKernel: what the engine needs, at least half an SM's (one CTA per SM, checked).
 template <typename T, int kEngine>
 Status PrepareExpertKernel(int dev, int* smem_bytes) {
@@ -804,6 +780,24 @@ Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, con
 int ElemBytes(DType dt) { return dt == DType::kF32 ? 4 : 2; }
 
 }  // namespace
+
+Status GetDeviceInfo(int dev, DeviceInfo* info) {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 0 || dev >= 64) return Status::Error(kInvalidArgument, "device ordinal out of range");
+  if (cache[dev].sms == 0) {
+    Status s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].sms, cudaDevAttrMultiProcessorCount, dev), "attr");
+    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "attr");
+    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
+    if (!s.ok()) {
+      cache[dev].sms = 0;
+      return s;
+    }
+  }
+  *info = cache[dev];
+  return Status{};
+}
 
 Status PrepareKernels(int dev) {
   int smem = 0;

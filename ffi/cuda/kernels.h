@@ -51,6 +51,14 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out);
 
+// What the host needs of a device (cached per ordinal, thread-safe): SMs, shared memory per SM, compute capability.
+struct DeviceInfo {
+  int sms = 0;
+  int smem_per_sm = 0;
+  int cc_major = 0;
+};
+Status GetDeviceInfo(int dev, DeviceInfo* info);
+
 // Loads every kernel on device `dev` and sets the expert kernel's shared memory (once per device). Workspace::Create
 // calls it: with CUDA's lazy module loading, a kernel loaded at its first launch can wait for kernels already running,
 // and ours spin on each other across ranks sharing a device.
