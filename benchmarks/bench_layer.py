@@ -54,6 +54,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--out", default="layer.jsonl")
+  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
   args = ap.parse_args()
   mesh = jax.make_mesh((1,), ("expert",))
   impls = {"xla": xla_layer(jax.lax.ragged_dot), "ours": lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]}
@@ -64,6 +65,8 @@ def main():
     print(why)
   table = common.Table(["shape", "pass", "impl", "ms", "vs_xla"])
   for name, T, D, F, E, k in shapes(args.quick):
+    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+      continue
     rng = np.random.default_rng(T + E)
     arg_sets = []
     for s in range(2):

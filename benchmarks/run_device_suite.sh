@@ -4,6 +4,7 @@
 #   bash benchmarks/run_device_suite.sh        (on the GPU machine; tokamax wheels in .whl/ if present)
 # Steps (seconds): GPU tests (build included) <= $T_TESTS, bench_layer <= $T_LAYER, bench_fused <= $T_FUSED,
 # bench_grouped_gemm <= $T_GEMM. A step that runs out of time leaves its partial table in $OUT/<step>.log.
+# A limit of 0 skips the step; LAYER_ARGS / FUSED_ARGS / GEMM_ARGS replace a step's default arguments.
 set -uo pipefail
 OUT=${OUT:-/tmp/jmo-suite-out}
 mkdir -p "$OUT"
@@ -15,15 +16,16 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
   echo 'get_kernel_stats_tool = None' > /tmp/site/xprof/cli/tools.py
 fi
-timeout "$T_TESTS" bash tests/gpu/run_device.sh -k "not racecheck and not synccheck" 2>&1 | tail -25
+[ "$T_TESTS" = 0 ] || timeout "$T_TESTS" bash tests/gpu/run_device.sh -k "not racecheck and not synccheck" 2>&1 | tail -25
 export PYTHONPATH=$PWD:/tmp/site JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 python3 -c "from jax_moe_overlap import _jmo as m; print('producer', m.cuda_producer_path(True, 2048, 4096), \
 '| grouped_matmul', m.cuda_grouped_gemm_path(True, 2048, 4096))"
 run() {  # name limit cmd...
   local name=$1 limit=$2; shift 2
+  [ "$limit" = 0 ] && return
   timeout "$limit" "$@" --out "$OUT/$name.jsonl" > "$OUT/$name.log" 2>&1
   echo "== $name (rc $?)"; grep -E "^\|" "$OUT/$name.log" | cut -c1-160
 }
-run layer "$T_LAYER" python3 benchmarks/bench_layer.py --quick
-run fused "$T_FUSED" python3 benchmarks/bench_fused.py --quick --skews balanced
-run gemm "$T_GEMM" python3 benchmarks/bench_grouped_gemm.py --quick --skews balanced
+run layer "$T_LAYER" python3 benchmarks/bench_layer.py ${LAYER_ARGS:---quick}
+run fused "$T_FUSED" python3 benchmarks/bench_fused.py ${FUSED_ARGS:---quick --skews balanced}
+run gemm "$T_GEMM" python3 benchmarks/bench_grouped_gemm.py ${GEMM_ARGS:---quick --skews balanced}
