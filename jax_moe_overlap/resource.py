@@ -106,13 +106,23 @@ def choose_consumer_ctas(p: ModelParams, segments: Sequence[Segment], n: int, k:
 
 def device_segments(seg_rows, rank: int) -> list[Segment]:
   """The kernel's view of one rank's call: segments of ``seg_rows [E_local, R]`` in the producer's order (remote
-  first, the most loaded destination first, then by source and expert; own segments last), all pushed (the CUDA
-  consumer copies the rank's own bands into its ret rows too). Mirrors protocol.h OrderSegments."""
+  first, the most loaded destination first, then by source and expert; own segments last). Only remote segments
+  are pushed: the CUDA producer stores the rank's own segments in place. Mirrors protocol.h SegmentBefore."""
   E_l = len(seg_rows)
   R = len(seg_rows[0]) if E_l else 0
   to_rank = [sum(int(seg_rows[e][s]) for e in range(E_l)) for s in range(R)]
   keys = sorted(((s == rank, -to_rank[s], s, e) for e in range(E_l) for s in range(R)))
-  return [Segment(int(seg_rows[e][s]), True) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+  return [Segment(int(seg_rows[e][s]), s != rank) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+
+
+def kernel_consumer_ctas(p: ModelParams, seg_rows, rank: int, n: int, k: int, elem_bytes: int, max_ctas: int,
+                         pinned: int = 0) -> int:
+  """The consumer CTA count the CUDA kernel uses for one rank's call (kernels.cu ConsumersOfCall): 0 when nothing
+  is pushed (no remote segment: every CTA produces), else ``pinned`` if given, else the model's choice."""
+  segs = device_segments(seg_rows, rank)
+  if not any(s.remote for s in segs):
+    return 0
+  return pinned if pinned > 0 else choose_consumer_ctas(p, segs, n, k, elem_bytes, max_ctas)
 
 
 # ---------------------------------------------------------------------------------------------------------------

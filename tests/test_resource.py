@@ -159,7 +159,17 @@ def test_device_segments_order():
   seg_rows = [[5, 7, 0], [1, 2, 30]]
   segs = rm.device_segments(seg_rows, rank=1)
   assert [s.rows for s in segs] == [30, 5, 1, 7, 2]
-  assert all(s.remote for s in segs)
+  assert [s.remote for s in segs] == [True, True, True, False, False]  # own rows are stored in place, not pushed
+
+
+def test_kernel_consumer_ctas_is_zero_without_remote_rows():
+  # EP = 1 (one source), or a rank whose every routed row is its own: nothing to push, so no consumer CTA.
+  assert rm.kernel_consumer_ctas(P, [[100], [7]], 0, 4096, 2048, 2, 32) == 0
+  assert rm.kernel_consumer_ctas(P, [[0, 9], [0, 4]], 1, 4096, 2048, 2, 32, pinned=5) == 0
+  assert rm.kernel_consumer_ctas(P, [[3, 9], [0, 4]], 1, 4096, 2048, 2, 32, pinned=5) == 5
+  grid = [[300, 9000], [2000, 40]]
+  assert rm.kernel_consumer_ctas(P, grid, 1, 4096, 2048, 2, 32) == rm.choose_consumer_ctas(
+      P, rm.device_segments(grid, 1), 4096, 2048, 2, 32)
 
 
 def test_single_segment_and_infeasible_counts():

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/gemm_tile.cuh"
 #include "cuda/kernels.h"
 #include "cuda/wgmma/wgmma_gemm.cuh"
@@ -294,48 +295,98 @@ struct SegTable {
   int32_t band_prefix[kMaxSegments + 1];  // ordered bands before segment i
   int32_t n;                      // non-empty segments
   int32_t bands;                  // total bands (ordered)
+  int32_t remote_segs;            // segments [0, remote_segs) go to other ranks (SegmentBefore puts them first)
+  int32_t remote_bands;           // their bands: [0, remote_bands) is all the consumer pushes
 };
 
-// Thread 0 builds the table; returns false (and records the error) on an invalid plan.
-__device__ bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
-                              int64_t cap, SegTable* t, int* order_buf, Segment* raw) {
-  const int R = rd.ranks;
-  int64_t rows_to_rank[kMaxRanks];
-  for (int s = 0; s < R; ++s) rows_to_rank[s] = 0;
-  int32_t off = 0, band = 0;
-  const int n = E_l * R;
-  for (int e = 0; e < E_l; ++e) {
-    for (int s = 0; s < R; ++s) {
-      const int32_t rows = seg_rows[e * R + s];
-      const int32_t ret_off = seg_ret_off[e * R + s];
-      if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows) {
-        ReportBadInput(rd, kBadSegment, e * R + s, rows < 0 ? rows : (off + (int64_t)rows > cap ? off + (int64_t)rows : ret_off),
-                 off + (int64_t)rows > cap ? cap : rd.sizes.ret_rows);
-        return false;
-      }
-      raw[e * R + s] = Segment{e, s, off, rows, ret_off, band};
-      off += rows;
-      band += (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
-      rows_to_rank[s] += rows;
-    }
+__device__ __forceinline__ int64_t ShflUp64(int64_t v, int d) {
+  return (int64_t)__shfl_up_sync(0xffffffffu, (long long)v, d);
+}
+
+// Inclusive prefix sum of v over the threads of the CTA (in thread order) and the total; every thread calls it.
+// warp_sums: blockDim.x / 32 entries of shared memory (blockDim.x a multiple of 32). Integer sums: exact in any order.
+__device__ int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int64_t* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t a = ShflUp64(v, d);
+    if (lane >= d) v += a;
   }
-  if (band > rd.sizes.max_bands) {
-    ReportBadInput(rd, kBadTooManyTiles, 0, band, rd.sizes.max_bands);
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  int64_t before = 0, all = 0;
+  for (int w = 0; w < warps; ++w) {
+    if (w < warp) before += warp_sums[w];
+    all += warp_sums[w];
+  }
+  __syncthreads();  // warp_sums is free for the next scan
+  *total = all;
+  return v + before;
+}
+
+struct TableScratch {
+  Segment raw[kMaxSegments];         // in plan order (expert-major)
+  int64_t rows_to_rank[kMaxRanks];
+  int64_t warp_sums[32];
+  int32_t first_bad;
+};
+
+__device__ __forceinline__ int32_t BandsOf(int32_t rows) { return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows; }
+
+// Builds the table from the device-side plan arrays, one thread per segment (E_l * R <= kMaxSegments <= blockDim.x):
+// offsets by prefix sums, each segment's place in producer order by counting the segments SegmentBefore it. Every
+// thread calls it and gets the same answer; false (and the error recorded, naming the first bad segment) on an
+// invalid plan.
+__device__ bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                              int64_t cap, SegTable* t, TableScratch* sc) {
+  const int R = rd.ranks, n = E_l * R, tid = threadIdx.x;
+  for (int s = tid; s < R; s += blockDim.x) sc->rows_to_rank[s] = 0;
+  if (tid == 0) sc->first_bad = n;
+  const bool mine = tid < n;
+  const int32_t rows = mine ? seg_rows[tid] : 0, ret_off = mine ? seg_ret_off[tid] : 0;
+  const int32_t kept = rows > 0 ? rows : 0;
+  int64_t total_rows = 0, total_bands = 0;
+  const int64_t off = BlockInclusiveScan(kept, sc->warp_sums, &total_rows) - kept;  // (has synchronized the CTA)
+  const int64_t band = BlockInclusiveScan(BandsOf(kept), sc->warp_sums, &total_bands) - BandsOf(kept);
+  const bool over_cap = off + (int64_t)rows > cap;
+  const bool bad = mine && (rows < 0 || over_cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows);
+  if (bad) atomicMin(&sc->first_bad, tid);
+  if (mine) {
+    sc->raw[tid] = Segment{tid / R, tid % R, (int32_t)off, rows, ret_off, (int32_t)band};
+    if (rows > 0) atomicAdd(reinterpret_cast<unsigned long long*>(&sc->rows_to_rank[tid % R]), (unsigned long long)rows);
+  }
+  __syncthreads();
+  if (sc->first_bad < n) {
+    if (tid == sc->first_bad)  // the segments before it are valid, so `off` is the CPU handler's offset too
+      ReportBadInput(rd, kBadSegment, tid, rows < 0 ? rows : (over_cap ? off + (int64_t)rows : ret_off),
+                     over_cap ? cap : rd.sizes.ret_rows);
     return false;
   }
-  OrderSegments(raw, n, rd.rank, rows_to_rank, order_buf);
-  int m = 0, bands = 0;
-  for (int i = 0; i < n; ++i) {
-    const Segment& s = raw[order_buf[i]];
-    if (s.rows == 0) continue;
-    t->seg[m] = s;
-    t->band_prefix[m] = bands;
-    bands += (s.rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
-    ++m;
+  if (total_bands > rd.sizes.max_bands) {
+    if (tid == 0) ReportBadInput(rd, kBadTooManyTiles, 0, total_bands, rd.sizes.max_bands);
+    return false;
   }
-  t->band_prefix[m] = bands;
-  t->n = m;
-  t->bands = bands;
+  const bool kept_seg = mine && rows > 0;
+  if (kept_seg) {
+    int pos = 0;
+    for (int j = 0; j < n; ++j)
+      pos += sc->raw[j].rows > 0 && SegmentBefore(sc->raw[j], sc->raw[tid], rd.rank, sc->rows_to_rank);
+    t->seg[pos] = sc->raw[tid];
+  }
+  const int m = __syncthreads_count(kept_seg);
+  const int remote = __syncthreads_count(kept_seg && tid % R != rd.rank);
+  const int32_t nb = tid < m ? BandsOf(t->seg[tid].rows) : 0;
+  int64_t bands = 0;
+  const int64_t bend = BlockInclusiveScan(nb, sc->warp_sums, &bands);
+  if (tid < m) t->band_prefix[tid] = (int32_t)(bend - nb);
+  if (tid == 0) {
+    t->band_prefix[m] = (int32_t)bands;
+    t->n = m;
+    t->bands = (int32_t)bands;
+    t->remote_segs = remote;
+  }
+  __syncthreads();
+  if (tid == 0) t->remote_bands = t->band_prefix[remote];
+  __syncthreads();
   return true;
 }
 
@@ -361,7 +412,7 @@ constexpr int kWarps = kThreads / 32;
 struct ChoiceScratch {
   ModelPrefix pre[kMaxSegments];
   double us[kWarps][32];
-  int64_t warp_tiles[kWarps], warp_bytes[kWarps];
+  int64_t warp_sums[32];
   int chosen;
 };
 
@@ -372,56 +423,32 @@ struct Policy {
   int32_t consumers;  // pinned or fixed C
   int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
   int32_t serialize;
+  int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
   int64_t elem_bytes;
 };
 
-__device__ __forceinline__ int64_t ShflUp64(int64_t v, int d) {
-  return (int64_t)__shfl_up_sync(0xffffffffu, (long long)v, d);
-}
-
-// Called by every thread of the CTA (contains barriers). All segments of the table are pushed by the consumer.
+// Called by every thread of the CTA (contains barriers). The consumer pushes the remote segments [0, remote_segs)
+// only (local ones are stored in place by the producer): resource_model.h ModelPrefixes with remote = src != rank.
 __device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
                                      int max_ctas, ChoiceScratch* sc) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int m = t.n;
-  // Inclusive block scan of tiles and bytes in producer order (exact integers: any order of adds gives the host's).
-  int64_t tiles = 0, bytes = 0;
-  if (tid < m) {
-    tiles = ModelTiles(p, t.seg[tid].rows, N);
-    bytes = (int64_t)t.seg[tid].rows * N * eb;
-  }
-  const int64_t own_bytes = bytes;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int64_t a = ShflUp64(tiles, d), b = ShflUp64(bytes, d);
-    if (lane >= d) {
-      tiles += a;
-      bytes += b;
-    }
-  }
-  const bool active = warp < kWarps;  // a 384-thread CTA (wgmma engine): warps 8..11 only meet the barriers
-  if (lane == 31 && active) {
-    sc->warp_tiles[warp] = tiles;
-    sc->warp_bytes[warp] = bytes;
-  }
-  __syncthreads();
+  const int mr = t.remote_segs;
+  // Prefix sums of tiles (all segments) and pushed bytes (remote ones) in producer order.
+  const int64_t own_bytes = tid < mr ? (int64_t)t.seg[tid].rows * N * eb : 0;
   int64_t total_tiles = 0, total_bytes = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    if (w < warp) {
-      tiles += sc->warp_tiles[w];
-      bytes += sc->warp_bytes[w];
-    }
-    total_tiles += sc->warp_tiles[w];
-    total_bytes += sc->warp_bytes[w];
-  }
-  if (tid < m) sc->pre[tid] = ModelPrefix{tiles, m - tid, total_bytes - (bytes - own_bytes)};
+  const int64_t tiles = BlockInclusiveScan(tid < t.n ? ModelTiles(p, t.seg[tid].rows, N) : 0, sc->warp_sums,
+                                           &total_tiles);
+  const int64_t bytes = BlockInclusiveScan(own_bytes, sc->warp_sums, &total_bytes);
+  if (tid < mr) sc->pre[tid] = ModelPrefix{tiles, mr - tid, total_bytes - (bytes - own_bytes)};
   __syncthreads();
+  const bool active = warp < kWarps;  // a 384-thread CTA (wgmma engine): warps 8..11 only meet the barriers
   const int c = lane + 1;
   const bool feasible = c <= max_ctas && ModelFeasible(p, c);
   double us = 0.0;
   if (feasible && active) {
     const ModelEval e = ModelEvalFor(p, K, c);
     if (warp == 0) us = ModelProducerUs(e, total_tiles);
-    for (int j = warp; j < m; j += kWarps) us = RmMax(us, ModelTermUs(e, sc->pre[j]));
+    for (int j = warp; j < mr; j += kWarps) us = RmMax(us, ModelTermUs(e, sc->pre[j]));
   }
   if (active) sc->us[warp][lane] = us;
   __syncthreads();
@@ -444,6 +471,14 @@ __device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, in
   return sc->chosen;
 }
 
+// C of one call (every thread calls it): none when the call has no remote band (EP = 1, or nothing routed to other
+// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice. Python mirror:
+// resource.kernel_consumer_ctas.
+__device__ int ConsumersOfCall(const SegTable& t, const Policy& pol, int64_t N, int64_t K, ChoiceScratch* sc) {
+  if (t.remote_bands == 0) return 0;
+  return pol.use_model ? DeviceChooseConsumers(t, pol.model, N, K, pol.elem_bytes, pol.max_ctas, sc) : pol.consumers;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Producer engines. A finished tile is counted per 64-row band it covers; the CTA completing a band's last column
 // tile publishes the band (fence, release-store of tile_ready = epoch), which is all the consumer waits for.
@@ -452,16 +487,29 @@ enum Engine : int { kSimt = 0, kMmaSync = 1, kWgmma = 2 };
 template <int kEngine>
 constexpr int kEngineThreads = kEngine == kWgmma ? wgmma_gemm::kThreads : kThreads;
 
-// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier.
+// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier. A finished
+// band of a remote segment is published through its tile_ready flag (the consumer pushes it); a band of a local
+// segment (local_arrivals = this rank's ret_arrivals) was stored in place in the ret rows and is counted as arrived.
 __device__ __forceinline__ void PublishTile(const RankDev& rd, uint64_t* flags, int first_flag, int bands,
-                                            int col_tiles, uint64_t epoch) {
+                                            int col_tiles, uint64_t epoch, int tile_rows, uint64_t* local_arrivals) {
   for (int b = 0; b < bands; ++b) {
     if (atomicAdd(&rd.band_done[first_flag + b], 1u) == (unsigned)(col_tiles - 1)) {
       __threadfence();
-      StoreReleaseGpu(&flags[first_flag + b], epoch);
+      if (local_arrivals != nullptr)
+        AddReleaseSys(local_arrivals, (uint64_t)min((int)kBandRows, tile_rows - b * (int)kBandRows));
+      else
+        StoreReleaseGpu(&flags[first_flag + b], epoch);
       atomicAdd(reinterpret_cast<unsigned long long*>(rd.bands_finished), 1ull);  // (serialized mode)
     }
   }
+}
+
+// Where a producer tile of segment s goes: the stage rows the consumer pushes from, or for a local segment the
+// rank's own ret rows (no push). `row` is the tile's first row within the segment.
+template <typename T>
+__device__ __forceinline__ T* TileOut(const RankDev& rd, const Segment& s, int row, int64_t n0, int64_t N, T* stage,
+                                      T* ret) {
+  return s.src == rd.rank ? ret + ((int64_t)s.ret_off + row) * N + n0 : stage + ((int64_t)s.recv_off + row) * N + n0;
 }
 
 // mma.sync / SIMT engine (gemm_tile.cuh): one band (64 rows) x kTileN columns per tile.
@@ -474,8 +522,8 @@ constexpr int kSimtSmemBytes = SimtSmemBytes<BM>();
 
 template <typename T, bool kTensorCores>
 __device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t epoch, const T* __restrict__ lhs,
-                             const T* __restrict__ w, int64_t K, int64_t N, T* stage, uint64_t* flags, int pid, int np,
-                             char* smem) {
+                             const T* __restrict__ w, int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int pid,
+                             int np, char* smem) {
   const int64_t ntiles = (N + BN - 1) / BN;
   const int64_t tiles = (int64_t)table.bands * ntiles;
   for (int64_t t = pid; t < tiles; t += np) {
@@ -486,7 +534,7 @@ __device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t 
     const int64_t row0 = s.recv_off + (int64_t)b * BM;
     const int rows = min((int)BM, s.rows - b * (int)BM);
     const T* w_e = w + (int64_t)s.expert * K * N;
-    const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0, N, stage + row0 * N + n0, N, rows,
+    const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0, N, TileOut(rd, s, b * BM, n0, N, stage, ret), N, rows,
                               (int)min((int64_t)BN, N - n0), (int)K};
     if constexpr (kTensorCores)
       TcTile<BM, false, false, T>(tile, smem);
@@ -494,7 +542,9 @@ __device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t 
       SimtTile<BM, false, false, T, T>(tile, smem);
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) PublishTile(rd, flags, s.band_base + b, 1, (int)ntiles, epoch);
+    if (threadIdx.x == 0)
+      PublishTile(rd, flags, s.band_base + b, 1, (int)ntiles, epoch, rows,
+                  s.src == rd.rank ? &View(rd, rd.rank).control()->ret_arrivals.value : nullptr);
   }
 }
 
@@ -507,11 +557,12 @@ static_assert(kWgBM % kBandRows == 0, "a wgmma tile covers whole bands");
 struct WgTile : wgmma_gemm::WgmmaTile {
   int flag;   // tile_ready index of the tile's first band
   int bands;  // bands the tile covers (1 or 2)
+  int local;  // stored in place in this rank's ret rows
 };
 
 __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
-                             const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, uint64_t* flags, int pid,
-                             int np, int32_t* tile_prefix, char* smem) {
+                             const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret, uint64_t* flags,
+                             int pid, int np, int32_t* tile_prefix, char* smem) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
   if (threadIdx.x == 0) {
     int32_t acc = 0;
@@ -536,13 +587,17 @@ __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t 
     t.n0 = (local % col_tiles) * kWgBN;
     t.rows = min(kWgBM, s.rows - mt * kWgBM);
     t.cols = (int)min((int64_t)kWgBN, N - t.n0);
-    t.out = stage + (int64_t)t.a_row * N + t.n0;
+    t.out = TileOut(rd, s, mt * kWgBM, t.n0, N, stage, ret);
     t.ldc = N;
     t.flag = s.band_base + mt * (kWgBM / (int)kBandRows);
     t.bands = (t.rows + (int)kBandRows - 1) / (int)kBandRows;
+    t.local = s.src == rd.rank;
     return t;
   };
-  auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
+  uint64_t* own_arrivals = &View(rd, rd.rank).control()->ret_arrivals.value;
+  auto tile_done = [&](const WgTile& t) {
+    PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch, t.rows, t.local ? own_arrivals : nullptr);
+  };
   wgmma_gemm::WgmmaTileLoop<1, false>(a_map, b_map, (int)K, pid, np, tile_prefix[table.n], tile_of, tile_done, smem);
 }
 
@@ -565,27 +620,18 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   __shared__ int32_t tile_prefix[kEngine == kWgmma ? kMaxSegments + 1 : 1];
   __shared__ CallState st;
   __shared__ SegTable table;
-  __shared__ int order_buf[kMaxSegments];
-  __shared__ Segment raw[kMaxSegments];
+  __shared__ TableScratch scratch;
   __shared__ ChoiceScratch choice;
   __shared__ int wait_ok;
   LoadCallState(rd, &st);
-  if (threadIdx.x == 0) {
-    // A register, not st.ok, until the single store: a shared read here may be speculated by the other threads,
-    // which racecheck reports against this thread's write.
-    int ok = LoadVolatile(&rd.priv->failed) == 0;
-    if (ok) ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, order_buf, raw);
-    if (!ok) st.ok = 0;
-  }
-  __syncthreads();
   if (!st.ok) return;
-  const int consumers = pol.use_model ? DeviceChooseConsumers(table, pol.model, N, K, pol.elem_bytes, pol.max_ctas,
-                                                              &choice)
-                                      : pol.consumers;
+  if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) return;
+  const int consumers = ConsumersOfCall(table, pol, N, K, &choice);
   if (blockIdx.x == 0 && threadIdx.x == 0) rd.priv->consumers = (uint64_t)consumers;
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   RankView self = View(rd, rd.rank);
   T* stage = reinterpret_cast<T*>(self.stage());
+  T* ret = reinterpret_cast<T*>(self.ret());
   uint64_t* flags = self.tile_ready();
 
   if ((int)blockIdx.x >= consumers) {
@@ -594,16 +640,19 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     if (threadIdx.x == 0 && pid < table.bands)
       atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
     if constexpr (kEngine == kWgmma)
-      ProduceWgmma(rd, table, st.epoch, a_map, b_map, K, N, stage, flags, pid, np, tile_prefix, smem);
+      ProduceWgmma(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix, smem);
     else
-      ProduceBands<T, kEngine == kMmaSync>(rd, table, st.epoch, lhs, w, K, N, stage, flags, pid, np, smem);
+      ProduceBands<T, kEngine == kMmaSync>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np, smem);
     if (threadIdx.x == 0 && pid < table.bands)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
     return;
   }
 
-  // Consumer: bands in producer order, striped over the C consumer CTAs.
-  if (pol.serialize && (int)blockIdx.x < table.bands) {
+  // Consumer: the remote bands [0, remote_bands) in producer order; CTA c pushes bands c, c + C, c + 2 C, ...
+  const int first = blockIdx.x;
+  const int count = first < table.remote_bands ? (table.remote_bands - 1 - first) / consumers + 1 : 0;
+  if (count == 0) return;
+  if (pol.serialize) {
     // The baseline without overlap: start pushing only once the producer has stored every band of the call.
     if (threadIdx.x == 0)
       wait_ok = WaitAtLeast(rd, rd.bands_finished, 0, (uint64_t)table.bands, rd.rank, kStageTileReady);
@@ -612,30 +661,69 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     __syncthreads();  // every thread has read wait_ok before thread 0 writes it again below
     if (!ok) return;
   }
-  if (threadIdx.x == 0 && (int)blockIdx.x < table.bands)
+  if (threadIdx.x == 0)
     atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)GlobalTimer());
-  for (int band = blockIdx.x; band < table.bands; band += consumers) {
+  struct BandAt {
+    const Segment* s;
+    int b;     // band within the segment
+    int rows;
+  };
+  auto band_at = [&](int i) {
+    const int band = first + i * consumers;
     const Segment& s = table.seg[FindSegment(table, band)];
     const int b = band - table.band_prefix[&s - table.seg];
-    const int rows = min((int)BM, s.rows - b * (int)BM);
-    RankView peer = View(rd, s.src);
-    if (threadIdx.x == 0) {
-      // The source must have finished reading its ret rows of the previous call; then the band must be ready.
-      int ok = WaitAtLeast(rd, &peer.control()->done_epoch.value, 0, st.epoch - 1, s.src, kStagePeerReady);
-      if (ok) ok = WaitAtLeast(rd, &flags[s.band_base + b], 0, st.epoch, rd.rank, kStageTileReady);
-      wait_ok = ok;
-    }
+    return BandAt{&s, b, min((int)kBandRows, s.rows - b * (int)kBandRows)};
+  };
+  // A band is contiguous on both ends: rows x N at stage row (recv_off + 64 b) -> source's ret row (ret_off + 64 b).
+  auto src_of = [&](const BandAt& a) {
+    return reinterpret_cast<const char*>(stage) + ((int64_t)a.s->recv_off + (int64_t)a.b * kBandRows) * row_bytes;
+  };
+  auto dst_of = [&](const BandAt& a) {
+    return View(rd, a.s->src).ret() + ((int64_t)a.s->ret_off + (int64_t)a.b * kBandRows) * row_bytes;
+  };
+  auto arrivals_of = [&](const BandAt& a) { return &View(rd, a.s->src).control()->ret_arrivals.value; };
+  // The source must have finished reading its ret rows of the previous call; then the band must be ready.
+  auto wait_ready = [&](const BandAt& a) {
+    return WaitAtLeast(rd, &View(rd, a.s->src).control()->done_epoch.value, 0, st.epoch - 1, a.s->src,
+                       kStagePeerReady) &&
+           WaitAtLeast(rd, &flags[a.s->band_base + a.b], 0, st.epoch, rd.rank, kStageTileReady);
+  };
+#if WGMMA_SM90A
+  const int slots = min(kPushMaxSlots, (pol.smem_bytes - PushRingBytes(0)) / kPushChunkBytes);
+  if (row_bytes % 16 == 0 && slots >= 2) {
+    // TMA bulk copies, driven by one thread (bulk_copy.cuh).
+    if (threadIdx.x != 0) return;
+    auto ready = [&](int i, bool block) {
+      const BandAt a = band_at(i);
+      if (block) return wait_ready(a);
+      return LoadAcquireSys(&View(rd, a.s->src).control()->done_epoch.value) >= st.epoch - 1 &&
+             LoadAcquireSys(&flags[a.s->band_base + a.b]) >= st.epoch;
+    };
+    auto band_of = [&](int i) {
+      const BandAt a = band_at(i);
+      return PushBand{src_of(a), dst_of(a), (int64_t)a.rows * row_bytes};
+    };
+    auto done = [&](int i) {
+      const BandAt a = band_at(i);
+      __threadfence_system();
+      AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
+    };
+    if (StreamBands(count, ready, band_of, done, smem, slots))
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
+    return;
+  }
+#endif
+  for (int i = 0; i < count; ++i) {
+    const BandAt a = band_at(i);
+    if (threadIdx.x == 0) wait_ok = wait_ready(a);
     __syncthreads();
     if (!wait_ok) return;
-    // A band is contiguous on both ends: rows x N at stage row (recv_off + 64 b) -> source's ret row (ret_off + 64 b).
-    CopyBand(peer.ret() + ((int64_t)s.ret_off + (int64_t)b * BM) * row_bytes,
-              reinterpret_cast<const char*>(stage) + ((int64_t)s.recv_off + (int64_t)b * BM) * row_bytes,
-              (int64_t)rows * row_bytes, threadIdx.x, blockDim.x);
+    CopyBand(dst_of(a), src_of(a), (int64_t)a.rows * row_bytes, threadIdx.x, blockDim.x);
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) AddReleaseSys(&peer.control()->ret_arrivals.value, (uint64_t)rows);
+    if (threadIdx.x == 0) AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
   }
-  if (threadIdx.x == 0 && (int)blockIdx.x < table.bands)
+  if (threadIdx.x == 0)
     atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
 }
 
@@ -646,18 +734,15 @@ __global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, cons
                                                                 int64_t K, int64_t N, Policy pol, int iters,
                                                                 unsigned long long* out) {
   __shared__ SegTable table;
-  __shared__ int order_buf[kMaxSegments];
-  __shared__ Segment raw[kMaxSegments];
+  __shared__ TableScratch scratch;
   __shared__ ChoiceScratch choice;
-  __shared__ int ok;
   __shared__ unsigned long long t0;
-  if (threadIdx.x == 0) {
-    t0 = GlobalTimer();
-    ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, order_buf, raw);
-    out[0] = GlobalTimer() - t0;
-  }
+  if (threadIdx.x == 0) t0 = GlobalTimer();
   __syncthreads();
+  const bool ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch);
+  if (threadIdx.x == 0) out[0] = GlobalTimer() - t0;
   if (!ok) return;
+  __syncthreads();
   if (threadIdx.x == 0) t0 = GlobalTimer();
   __syncthreads();
   int acc = 0;
@@ -667,16 +752,30 @@ __global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, cons
     acc += DeviceChooseConsumers(table, p, N, K, pol.elem_bytes, pol.max_ctas, &choice);
   }
   if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;
-  const int final_choice = DeviceChooseConsumers(table, pol.model, N, K, pol.elem_bytes, pol.max_ctas, &choice);
+  const int final_choice = ConsumersOfCall(table, pol, N, K, &choice);
   if (threadIdx.x == 0) {
     out[2] = (unsigned long long)final_choice;
     out[3] = (unsigned long long)acc;
   }
 }
 
+// V consecutive elements of a row, loaded and stored as one access (V = 16 / sizeof(T): a 16-byte vector) or
+// element by element (V = 1).
+template <typename T, int V>
+struct Pack {
+  static_assert(V == 1 || V * sizeof(T) == 16, "one element or one 16-byte vector");
+  alignas(V * sizeof(T)) T e[V];
+  __device__ __forceinline__ void LoadCg(const T* p) {
+    if constexpr (V == 1) e[0] = __ldcg(p); else *reinterpret_cast<uint4*>(e) = __ldcg(reinterpret_cast<const uint4*>(p));
+  }
+  __device__ __forceinline__ void Store(T* p) const {
+    if constexpr (V == 1) *p = e[0]; else *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(e);
+  }
+};
+
 // y[t] = sum_j gates[t, j] * ret[slot_ret_row[t k + j]] in the fixed order j = 0..k-1 (deterministic), fp32
-// accumulation; slot_out[p] = ret row of slot p (zero for dropped slots).
-template <typename T>
+// accumulation; slot_out[p] = ret row of slot p (zero for dropped slots). Each thread owns V consecutive columns.
+template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const float* gates, const int32_t* slot_ret_row,
                                                           const int32_t* expected_p, int64_t T_, int64_t k, int64_t N,
                                                           T* y, T* slot_out) {
@@ -696,22 +795,31 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
   __syncthreads();
   if (!st.ok) return;
   const T* ret = reinterpret_cast<const T*>(View(rd, rd.rank).ret());
+  Pack<T, V> zero;
+  for (int i = 0; i < V; ++i) zero.e[i] = FromFloat<T>(0.f);
   for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
-    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
-      float acc = 0.f;
+    for (int64_t n = (int64_t)threadIdx.x * V; n < N; n += (int64_t)blockDim.x * V) {
+      float acc[V];
+      for (int i = 0; i < V; ++i) acc[i] = 0.f;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t p = t * k + j;
         const int32_t row = slot_ret_row[p];
         if (row < 0 || row >= rd.sizes.ret_rows) {
           if (row >= 0 && n == 0) ReportBadInput(rd, kBadRetRow, p, row, rd.sizes.ret_rows);
-          if (slot_out) slot_out[p * N + n] = FromFloat<T>(0.f);
+          if (slot_out) zero.Store(slot_out + p * N + n);
           continue;
         }
-        const float v = ToFloat(__ldcg(ret + (int64_t)row * N + n));
-        acc += gates[p] * v;
-        if (slot_out) slot_out[p * N + n] = FromFloat<T>(v);
+        Pack<T, V> v;
+        v.LoadCg(ret + (int64_t)row * N + n);
+        const float g = gates[p];
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] += g * ToFloat(v.e[i]);
+        if (slot_out) v.Store(slot_out + p * N + n);
       }
-      y[t * N + n] = FromFloat<T>(acc);
+      Pack<T, V> out;
+#pragma unroll
+      for (int i = 0; i < V; ++i) out.e[i] = FromFloat<T>(acc[i]);
+      out.Store(y + t * N + n);
     }
   }
 }
@@ -809,7 +917,8 @@ Status PrepareKernels(int dev) {
   if (s.ok()) s = PrepareExpertKernel<float, kSimt>(dev, &smem);
   cudaFuncAttributes attr;
   const void* kernels[] = {(const void*)BeginKernel, (const void*)EndKernel, (const void*)PushKernel,
-                           (const void*)RecvKernel, (const void*)CombineKernel<bf16>, (const void*)CombineKernel<float>,
+                           (const void*)RecvKernel, (const void*)CombineKernel<bf16, 1>, (const void*)CombineKernel<float, 1>,
+                           (const void*)CombineKernel<bf16, 8>, (const void*)CombineKernel<float, 4>,
                            (const void*)DecisionBenchKernel};
   for (const void* k : kernels)
     if (s.ok()) s = CudaStatus(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes");
@@ -978,29 +1087,41 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                          "tensor maps of the wgmma producer")).ok())
       return s;
     if (!(s = PrepareExpertKernel<bf16, kWgmma>(dev, &smem)).ok()) return s;
+    pol.smem_bytes = smem;
     ExpertKernel<bf16, kWgmma><<<budget, kEngineThreads<kWgmma>, smem, c.stream>>>(
         rd, lhs16, w16, cap, K, N, seg_rows, seg_ret_off, (int)E_l, pol, a_map, b_map);
   } else if (path == "mma.sync bf16") {
     if (!(s = PrepareExpertKernel<bf16, kMmaSync>(dev, &smem)).ok()) return s;
+    pol.smem_bytes = smem;
     ExpertKernel<bf16, kMmaSync><<<budget, kThreads, smem, c.stream>>>(rd, lhs16, w16, cap, K, N, seg_rows,
                                                                       seg_ret_off, (int)E_l, pol, a_map, b_map);
   } else if (dt == DType::kBF16) {
     if (!(s = PrepareExpertKernel<bf16, kSimt>(dev, &smem)).ok()) return s;
+    pol.smem_bytes = smem;
     ExpertKernel<bf16, kSimt><<<budget, kThreads, smem, c.stream>>>(rd, lhs16, w16, cap, K, N, seg_rows, seg_ret_off,
                                                                    (int)E_l, pol, a_map, b_map);
   } else {
     if (!(s = PrepareExpertKernel<float, kSimt>(dev, &smem)).ok()) return s;
+    pol.smem_bytes = smem;
     ExpertKernel<float, kSimt><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const float*>(lhs),
                                                                     static_cast<const float*>(w), cap, K, N, seg_rows,
                                                                     seg_ret_off, (int)E_l, pol, a_map, b_map);
   }
   if (!(s = LaunchError("launch of ExpertKernel")).ok()) return s;
+  // 16-byte vectors when every row starts 16-byte aligned (ret rows do when N * element bytes is a multiple of 16).
+  const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(slot_out) % 16 == 0;
+  auto launch_combine = [&](auto kernel, auto* typed_y) {
+    using Ptr = decltype(typed_y);
+    kernel<<<budget, kThreads, 0, c.stream>>>(rd, gates, slot_ret_row, ret_expected, T, k, N, typed_y,
+                                              static_cast<Ptr>(slot_out));
+  };
   if (dt == DType::kBF16)
-    CombineKernel<bf16><<<budget, kThreads, 0, c.stream>>>(rd, gates, slot_ret_row, ret_expected, T, k, N,
-                                                           static_cast<bf16*>(y), static_cast<bf16*>(slot_out));
+    vec ? launch_combine(CombineKernel<bf16, 8>, static_cast<bf16*>(y))
+        : launch_combine(CombineKernel<bf16, 1>, static_cast<bf16*>(y));
   else
-    CombineKernel<float><<<budget, kThreads, 0, c.stream>>>(rd, gates, slot_ret_row, ret_expected, T, k, N,
-                                                            static_cast<float*>(y), static_cast<float*>(slot_out));
+    vec ? launch_combine(CombineKernel<float, 4>, static_cast<float*>(y))
+        : launch_combine(CombineKernel<float, 1>, static_cast<float*>(y));
   if (!(s = LaunchError("launch of CombineKernel")).ok()) return s;
   EndKernel<<<1, 1, 0, c.stream>>>(rd, ret_expected, 1);
   return LaunchError("launch of EndKernel");

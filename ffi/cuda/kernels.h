@@ -44,7 +44,8 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
                 const int32_t* group_op, const int32_t* rank_op, void* out, int64_t cap);
 
 // expert_combine: producer = grouped GEMM lhs[segment] @ w[expert] over the (expert, source) segments in
-// OrderSegments order; consumer = pushes each finished band to its source's ret rows; then
+// SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;
+// consumer = C CTAs pushing each finished remote band to its source's ret rows (TMA bulk copies on sm_90); then
 // y[t] = sum_j gates[t, j] * ret[slot_ret_row[t*k + j]] (fixed order j = 0..k-1), slot_out[p] = ret[...] if given.
 Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
                      int64_t N, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,

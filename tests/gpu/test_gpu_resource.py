@@ -53,13 +53,15 @@ def test_device_choice_equals_python_mirror(ranks, routing):
   timed = [r for r in res if r["kind"] == "timed"]
   assert [(r["consumers"], r["serialize"]) for r in timed] == [(1, 0), (4, 0), (0, 0), (0, 1)]
   assert all(r["identical"] for r in timed)
-  assert timed[0]["chosen"] == [1] * ranks and timed[1]["chosen"] == [4] * ranks
   budget = timed[0]["budget"]
   p = dataclasses.replace(rm.ModelParams(*PARAMS), sms=budget, ctas_per_sm=1)
-  for plan in sorted((r for r in res if r["kind"] == "plan"), key=lambda r: r["rank"]):
-    grid = [plan["seg_rows"][e * ranks:(e + 1) * ranks] for e in range(len(plan["seg_rows"]) // ranks)]
-    want = rm.choose_consumer_ctas(p, rm.device_segments(grid, plan["rank"]), 1032, 520, 2, min(32, budget - 1))
-    assert timed[2]["chosen"][plan["rank"]] == want, (plan, timed[2])
+  plans = sorted((r for r in res if r["kind"] == "plan"), key=lambda r: r["rank"])
+  grids = [[plan["seg_rows"][e * ranks:(e + 1) * ranks] for e in range(len(plan["seg_rows"]) // ranks)]
+           for plan in plans]
+  for i, pinned in ((0, 1), (1, 4), (2, 0)):  # pinned C = 1, C = 4, then the manager (0 where nothing is pushed)
+    want = [rm.kernel_consumer_ctas(p, g, plan["rank"], 1032, 520, 2, min(32, budget - 1), pinned)
+            for g, plan in zip(grids, plans)]
+    assert timed[i]["chosen"] == want, (i, plans, timed[i])
   dec = [r for r in res if r["kind"] == "decision"][0]
   assert dec["choice"] == timed[2]["chosen"][0] and 0 < dec["decision_ns"] < 100000
 

@@ -18,6 +18,10 @@
 //   2. Store the rows, then release-add the row count to d.recv_arrivals (dispatch) or d.ret_arrivals (combine).
 //   3. Wait (acquire) until own arrivals >= own expected_* + expected rows of this call; advance expected_*.
 //   4. Read the rows into the XLA output, then release-store done_epoch = n.
+// Rows a rank sends to itself follow the same steps with d = r: step 1 holds by stream order (the rank's own call
+// n-1 ended before call n began). On CUDA the producer of expert_combine stores a local segment's output tiles
+// straight into the rank's own ret rows and counts each finished band into its own ret_arrivals, so the consumer
+// never copies them (at EP = 1 every row is local and no copy is left).
 // Every wait is bounded by the call's timeout. A rank whose wait expires (or whose inputs fail validation) records
 // an ErrorRecord and raises the group's abort word to the failing epoch, so every other waiter of the group gives
 // up too instead of waiting out its own timeout. A rank that only now starts that failed epoch fails it at once.
@@ -168,24 +172,26 @@ struct Segment {
   int32_t band_base;   // index of the segment's first tile_ready flag
 };
 
-// Order segments for the producer: remote segments first, the most loaded destination first (its push takes
-// longest), then by expert and source for determinism; local segments (src == rank) last.
-// `order` receives indices into `segs`. O(n^2) insertion sort: n = E_local * R, small.
+// The producer's segment order: remote segments first, the most loaded destination first (its push takes longest),
+// then by source and expert for determinism; local segments (src == rank) last. A strict total order on distinct
+// (src, expert) pairs, so the CUDA table builder can place each segment by counting the segments before it (one
+// thread per segment) and get the CPU's insertion-sort order exactly.
+JMO_HD inline bool SegmentBefore(const Segment& x, const Segment& y, int rank, const int64_t* rows_to_rank) {
+  const bool xl = x.src == rank, yl = y.src == rank;
+  if (xl != yl) return !xl;  // remote before local
+  if (rows_to_rank[x.src] != rows_to_rank[y.src]) return rows_to_rank[x.src] > rows_to_rank[y.src];
+  if (x.src != y.src) return x.src < y.src;
+  return x.expert < y.expert;
+}
+
+// `order` receives indices into `segs` in SegmentBefore order. O(n^2) insertion sort (the CPU handlers; n = E_local
+// * R, small).
 JMO_HD inline void OrderSegments(const Segment* segs, int n, int rank, const int64_t* rows_to_rank, int* order) {
   for (int i = 0; i < n; ++i) order[i] = i;
-  auto key_less = [&](int a, int b) {
-    const Segment& x = segs[a];
-    const Segment& y = segs[b];
-    bool xl = x.src == rank, yl = y.src == rank;
-    if (xl != yl) return !xl;  // remote before local
-    if (rows_to_rank[x.src] != rows_to_rank[y.src]) return rows_to_rank[x.src] > rows_to_rank[y.src];
-    if (x.src != y.src) return x.src < y.src;
-    return x.expert < y.expert;
-  };
   for (int i = 1; i < n; ++i) {
     int v = order[i];
     int j = i - 1;
-    while (j >= 0 && key_less(v, order[j])) {
+    while (j >= 0 && SegmentBefore(segs[v], segs[order[j]], rank, rows_to_rank)) {
       order[j + 1] = order[j];
       --j;
     }
