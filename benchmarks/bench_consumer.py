@@ -1,12 +1,14 @@
 """Consumer bandwidth (issue 4, item 2): bytes/s of expert_combine's segment pushes for C consumer CTAs and segment
 sizes 64 KiB .. 4 MiB, against a device-to-device copy ceiling (cudaMemcpyAsync D2D in the same binary), on one GPU.
 
-How the consumer is isolated: one rank (R = 1, all SMs), bf16, N = 4096 (8 KiB rows), K = 64 (a negligible GEMM),
-round-robin routing so every (expert) segment has exactly the asked size, and the *serialized* mode: the consumer
-starts only after the producer has flagged every tile, so nothing competes with it. Its time is the device's own
-span (%globaltimer: first consumer CTA starting to push .. last push done, arrival counters included), median over
---reps synchronized calls; bytes are all rows pushed. The ceiling is one cudaMemcpyAsync of the same total bytes
-(what a copy engine / copy kernel reaches for one big contiguous block), and, for scale, of one segment.
+How the consumer is isolated: two loopback ranks (R = 2, half the SMs each), each routing every row round robin to
+the other rank's experts (routing 4: a rank's own rows would be stored in place by the producer and never pushed),
+bf16, N = 4096 (8 KiB rows), K = 64 (a negligible GEMM), every segment exactly the asked size, and the *serialized*
+mode: the consumer starts only after the producer has flagged every tile, so nothing competes with it. Its time is
+the device's own span (%globaltimer: first consumer CTA starting to push .. last push done, arrival counters
+included; the longer of the two ranks), median over --reps synchronized calls; bytes are both ranks' rows, so a
+column "C" is 2 C CTAs pushing together. The ceiling is one cudaMemcpyAsync of the same total bytes (what a copy
+engine / copy kernel reaches for one big contiguous block), and, for scale, of one segment.
 
   python3 benchmarks/bench_consumer.py --out $OUT/consumer.jsonl
 """
@@ -43,10 +45,10 @@ def main(argv=None):
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=lb.device_info())
   for seg_kib in [int(s) for s in args.segment_kib.split(",")]:
     seg_rows = seg_kib * KIB // row_bytes
-    experts = max(1, min(256, args.total_mib * KIB * KIB // (seg_kib * KIB)))
+    experts = max(top_k, min(128, args.total_mib * KIB * KIB // (seg_kib * KIB)))  # per rank; 2 x 128 <= 256 segments
     tokens = seg_rows * experts // top_k
-    total = seg_rows * experts * row_bytes
-    res = lb.run(["--ranks", 1, "--top-k", top_k, "--routing", 3, "--experts", experts, "--tokens", tokens,
+    total = seg_rows * experts * row_bytes * 2
+    res = lb.run(["--ranks", 2, "--top-k", top_k, "--routing", 4, "--experts", 2 * experts, "--tokens", tokens,
                   "--d-model", 64, "--k-dim", 64, "--n-dim", N, "--iters", 1, "--datasets", 1, "--time", "--serialize",
                   "--per-call-stats", "--warmup", 2, "--reps", args.reps, "--check-tokens", 64, "--consumers", ctas[0],
                   "--sweep-consumers", ",".join(map(str, ctas))], log=log)
@@ -58,13 +60,14 @@ def main(argv=None):
         continue
       gbps = v["pushed_bytes"] / v["consumer_span_us"] * 1e-3
       rows_out.append(dict(kind="consumer", segment_kib=seg_kib, segments=experts, total_bytes=total,
-                           consumers=v["consumers"], span_us=v["consumer_span_us"], gbps=gbps,
+                           consumers=v["consumers"], ctas=2 * v["consumers"], span_us=v["consumer_span_us"], gbps=gbps,
                            copy_ceiling_gbps=ceil_total, copy_segment_gbps=ceil_seg,
                            fraction_of_ceiling=gbps / ceil_total))
   # Table: one row per segment size, one column per C.
   sizes = sorted({r["segment_kib"] for r in rows_out})
-  print(f"\nconsumer GB/s (fraction of the D2D copy ceiling of the same bytes), serialized, R = 1, bf16 N = {N}")
-  print("| segment | segments | copy ceiling GB/s | " + " | ".join(f"C={c}" for c in ctas) + " |")
+  print(f"\nconsumer GB/s (fraction of the D2D copy ceiling of the same bytes), serialized, R = 2 pushing to each "
+        f"other, bf16 N = {N}; C per rank, 2 C CTAs in all")
+  print("| segment | segments per rank | copy ceiling GB/s | " + " | ".join(f"C={c} ({2 * c} CTAs)" for c in ctas) + " |")
   print("|---|---|---|" + "---|" * len(ctas))
   for s in sizes:
     rs = {r["consumers"]: r for r in rows_out if r["segment_kib"] == s}

@@ -1,17 +1,19 @@
 """Measures the resource model's constants (ffi/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
 harness and writes the calibration JSON that jax_moe_overlap loads (jax_moe_overlap/calibration/<gpu name>.json).
 
-Everything runs on one rank (R = 1: the rank owns every SM) in the serialized mode, which isolates both halves of
-expert_combine: the consumer starts only after the producer has flagged every tile, so the device's own
-%globaltimer spans (first tile started .. last tile stored; first push .. last push) time each half alone.
+Everything runs in the serialized mode, which isolates both halves of expert_combine: the consumer starts only after
+the producer has flagged every tile, so the device's own %globaltimer spans (first tile started .. last tile stored;
+first push .. last push) time each half alone.
 
-  tile time       producer span / waves, waves = ceil(tiles / (SMs - C)), for K in --ks; least squares
+  tile time       one rank (R = 1: it owns every SM, and all its rows are its own, so every CTA produces): producer
+                  span / waves, waves = ceil(tiles / SMs), for K in --ks; least squares
                   t(K) = tile_us_base + tile_us_per_k * K.
-  cta_gbps        consumer bytes / span / C at C = 1 and 2 (big segments: before the link saturates); the median.
-  link_gbps       the best consumer bandwidth over C in 1..32 (the ceiling the consumer itself reaches on this GPU,
-                  loopback: HBM to HBM; a multi-GPU calibration would measure NVLink instead).
-  seg_us          the per-segment cost the model adds serially: (span - bytes / rate(C)) / segments at C = 8 with
-                  many small segments (E = 256 experts), rate(C) from the big-segment run; clamped at 0.
+  cta_gbps        two loopback ranks, each routing every row to the other's experts (routing 4), so every row is
+                  pushed: both ranks' bytes / span / (2 C) at C = 1 and 2 per rank (before HBM saturates); the median.
+  link_gbps       the best bandwidth of both ranks' consumers together over C in 1..32 (the ceiling the consumer
+                  reaches on this GPU, loopback: HBM to HBM; a multi-GPU calibration would measure NVLink instead).
+  seg_us          the per-segment cost the model adds serially: (span - bytes / rate(C)) / segments per rank at C = 8
+                  per rank with many small segments (128 per rank), rate(C) from the big-segment run; clamped at 0.
 
   python3 benchmarks/calibrate.py --out jax_moe_overlap/calibration/   # writes <dir>/<gpu name>.json
 """
@@ -58,19 +60,22 @@ def main(argv=None):
   dev = lb.device_info(ks[0], N)  # the engine these shapes run (wgmma 128 x 256 on Hopper, else mma.sync 64 x 128)
   sms, tile_m, tile_n = dev["sms"], dev["tile_m"], dev["tile_n"]
   print(f"calibrating the {dev.get('producer', '?')} producer ({tile_m} x {tile_n} tiles) on {dev['name']}", flush=True)
-  common = ["--ranks", "1", "--top-k", "2", "--routing", "3", "--d-model", "64", "--iters", "1", "--datasets", "1",
-            "--time", "--serialize", "--per-call-stats", "--warmup", "1", "--reps", args.reps, "--check-tokens", "16"]
+  common = ["--top-k", "2", "--d-model", "64", "--iters", "1", "--datasets", "1", "--time", "--serialize",
+            "--per-call-stats", "--warmup", "1", "--reps", args.reps, "--check-tokens", "16"]
+  one_rank = common + ["--ranks", "1", "--routing", "3"]
+  R = 2
+  pushing = common + ["--ranks", R, "--routing", "4"]  # every row goes to the other rank
   raw = {"device": dev}
 
-  # 1. Tile time vs K: N = 4096, 8 experts, C = 4 consumer CTAs (the producer has sms - 4).
+  # 1. Tile time vs K: N = 4096, 8 experts, one rank (no push: all SMs produce).
   tile_us = []
   for K in ks:
-    res = lb.run(common + ["--tokens", args.tokens, "--experts", 8, "--k-dim", K, "--n-dim", N, "--consumers", C0],
+    res = lb.run(one_rank + ["--tokens", args.tokens, "--experts", 8, "--k-dim", K, "--n-dim", N, "--consumers", C0],
                  log=log)
     v = timed(res)[0]
     rows = args.tokens * 2
     tiles = -(-rows // 8 // tile_m) * 8 * -(-N // tile_n)
-    waves = -(-tiles // (sms - C0))
+    waves = -(-tiles // sms)
     tile_us.append(v["producer_span_us"] / waves)
     print(f"K={K}: producer span {v['producer_span_us']:.1f} us over {waves} waves -> {tile_us[-1]:.3f} us/tile",
           flush=True)
@@ -79,29 +84,30 @@ def main(argv=None):
     base, per_k = 0.0, sum(t * k for t, k in zip(tile_us, ks)) / sum(k * k for k in ks)
   raw["tile_us"] = dict(zip(map(str, ks), tile_us))
 
-  # 2. Consumer bandwidth per C with big segments (K = 64: the GEMM is negligible; 8 experts x 2048 rows x 8 KiB).
+  # 2. Consumer bandwidth per C with big segments (K = 64: the GEMM is negligible; per rank 8 segments x 2048 rows
+  #    x 8 KiB), both ranks pushing at once: bw[c] is what 2 c CTAs move together.
   cs = [1, 2, 4, 8, 16, 32]
-  res = lb.run(common + ["--tokens", args.tokens, "--experts", 8, "--k-dim", 64, "--n-dim", N, "--consumers", 1,
-                         "--sweep-consumers", ",".join(map(str, cs))], log=log)
+  res = lb.run(pushing + ["--tokens", args.tokens, "--experts", 8 * R, "--k-dim", 64, "--n-dim", N, "--consumers", 1,
+                          "--sweep-consumers", ",".join(map(str, cs))], log=log)
   bw = {}
   for v in timed(res):
     if v["consumers"] > 0:
       bw[v["consumers"]] = v["pushed_bytes"] / v["consumer_span_us"] * 1e-3
   for c in cs:
-    print(f"consumer C={c}: {bw[c]:.1f} GB/s ({bw[c] / c:.1f} per CTA)", flush=True)
-  cta_gbps = lb.median([bw[1] / 1, bw[2] / 2])
+    print(f"consumer C={c} per rank x {R} ranks: {bw[c]:.1f} GB/s ({bw[c] / (R * c):.1f} per CTA)", flush=True)
+  cta_gbps = lb.median([bw[1] / R, bw[2] / (2 * R)])
   link_gbps = max(bw.values())
   raw["consumer_gbps"] = {str(c): bw[c] for c in cs}
 
-  # 3. Per-segment cost: 256 experts, 64 rows each (512 KiB segments), C = 8.
-  C1, E1 = 8, 256
-  res = lb.run(common + ["--tokens", E1 * 64 // 2, "--experts", E1, "--k-dim", 64, "--n-dim", N, "--consumers", C1],
-               log=log)
+  # 3. Per-segment cost: per rank 128 segments of 64 rows (512 KiB), C = 8 per rank.
+  C1, E1 = 8, 128
+  res = lb.run(pushing + ["--tokens", E1 * 64 // 2, "--experts", E1 * R, "--k-dim", 64, "--n-dim", N, "--consumers",
+                          C1], log=log)
   v = timed(res)[0]
-  rate = min(C1 * cta_gbps, link_gbps)
-  seg_us = max(0.0, (v["consumer_span_us"] - v["pushed_bytes"] / rate * 1e-3) / E1)
-  print(f"per-segment cost at C={C1}: span {v['consumer_span_us']:.1f} us for {E1} segments -> {seg_us:.3f} us",
-        flush=True)
+  rate = min(C1 * cta_gbps, link_gbps / R)  # one rank's share
+  seg_us = max(0.0, (v["consumer_span_us"] - v["pushed_bytes"] / R / rate * 1e-3) / E1)
+  print(f"per-segment cost at C={C1}: span {v['consumer_span_us']:.1f} us for {E1} segments per rank -> "
+        f"{seg_us:.3f} us", flush=True)
   raw["seg_run"] = v
 
   params = rm.ModelParams(sms=sms, ctas_per_sm=1, tile_m=tile_m, tile_n=tile_n, tile_us_base=base,
@@ -114,7 +120,7 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     out = os.path.join(out, rm.calibration_file_name(dev["name"]))
   doc = dict(params.__dict__, gpu_name=dev["name"], compute_capability=dev["cc"],
-             producer="mma.sync bf16 (kernels.cu ExpertKernel)", measured_on="loopback, one GPU (R = 1)",
+             producer=dev.get("producer", "?"), measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(["python3"] + sys.argv),
              note="link_gbps is the consumer's own ceiling on one GPU (HBM to HBM); loopback runs with R ranks "
                   "share it (bench_resource.py passes link_gbps / R)", raw=raw)

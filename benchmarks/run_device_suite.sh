@@ -4,12 +4,13 @@
 #   bash benchmarks/run_device_suite.sh        (on the GPU machine; tokamax wheels in .whl/ if present)
 # Steps (seconds): GPU tests (build included) <= $T_TESTS, bench_layer <= $T_LAYER, bench_fused <= $T_FUSED,
 # bench_grouped_gemm <= $T_GEMM. A step that runs out of time leaves its partial table in $OUT/<step>.log.
-# A limit of 0 skips the step; LAYER_ARGS / FUSED_ARGS / GEMM_ARGS replace a step's default arguments.
+# bench_consumer <= $T_CONSUMER (0 by default: skipped). A limit of 0 skips a step; LAYER_ARGS / FUSED_ARGS /
+# GEMM_ARGS / CONSUMER_ARGS replace a step's default arguments.
 set -uo pipefail
 OUT=${OUT:-/tmp/jmo-suite-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-T_TESTS=${T_TESTS:-150} T_LAYER=${T_LAYER:-75} T_FUSED=${T_FUSED:-50} T_GEMM=${T_GEMM:-80}
+T_TESTS=${T_TESTS:-150} T_LAYER=${T_LAYER:-75} T_FUSED=${T_FUSED:-50} T_GEMM=${T_GEMM:-80} T_CONSUMER=${T_CONSUMER:-0}
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   # tokamax imports xprof only for its own profiling helpers: a stub module is enough for benchmarking.
@@ -29,3 +30,4 @@ run() {  # name limit cmd...
 run layer "$T_LAYER" python3 benchmarks/bench_layer.py ${LAYER_ARGS:---quick}
 run fused "$T_FUSED" python3 benchmarks/bench_fused.py ${FUSED_ARGS:---quick --skews balanced}
 run gemm "$T_GEMM" python3 benchmarks/bench_grouped_gemm.py ${GEMM_ARGS:---quick --skews balanced}
+run consumer "$T_CONSUMER" python3 benchmarks/bench_consumer.py ${CONSUMER_ARGS:-}

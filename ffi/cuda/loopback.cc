@@ -147,14 +147,19 @@ std::vector<RankPlan> MakePlans(const std::vector<std::vector<int32_t>>& ids, in
   return plans;
 }
 
-// k distinct experts per token.
-std::vector<int32_t> Route(std::mt19937_64& rng, int T, int k, int E, int routing, double zipf) {
+// k distinct experts per token of rank r.
+std::vector<int32_t> Route(std::mt19937_64& rng, int T, int k, int E, int routing, double zipf, int r, int R) {
   std::vector<double> weight(E, 1.0);
   if (routing == 1)
     for (int e = 0; e < E; ++e) weight[e] = std::pow(1.0 + e, -zipf);  // Zipf: expert 0 the most popular
   std::vector<int32_t> ids(T * k);
   if (routing == 3) {  // exact round robin: every expert gets the same number of slots when E divides T*k
     for (int p = 0; p < T * k; ++p) ids[p] = p % E;
+    return ids;
+  }
+  if (routing == 4) {  // to the next rank: round robin over the experts of rank r + 1 (every row is pushed, R > 1)
+    const int E_l = E / R, first = (r + 1) % R * E_l;
+    for (int p = 0; p < T * k; ++p) ids[p] = first + p % E_l;
     return ids;
   }
   for (int t = 0; t < T; ++t) {
@@ -285,7 +290,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
   std::ostringstream name;
   name << "R=" << R << " T=" << T << " k=" << k << " E=" << E << " D=" << D << " K=" << K << " N=" << N
        << " dtype=" << (f32 ? "f32" : "bf16") << " routing="
-       << (const char*[]){"balanced", "moderate", "extreme", "round_robin"}[std::clamp(cfg.routing, 0, 3)]
+       << (const char*[]){"balanced", "moderate", "extreme", "round_robin", "next_rank"}[std::clamp(cfg.routing, 0, 4)]
        << (cfg.routing == 1 && cfg.zipf != 1.0 ? " zipf=" + std::to_string(cfg.zipf) : std::string())
        << (cfg.capacity_factor > 0 ? " cf=" + std::to_string(cfg.capacity_factor) : std::string(" dropless"))
        << " iters=" << cfg.iters << " consumers=" << (cfg.consumers > 0 ? std::to_string(cfg.consumers)
@@ -293,7 +298,8 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
   if (cfg.serialize) name << " serialized";
   if (cfg.delay_rank >= 0) name << " delay_rank=" << cfg.delay_rank << " delay_us=" << cfg.delay_us;
   if (cfg.timeout_at >= 0) name << " forced_timeout_at=" << cfg.timeout_at;
-  if (E % R != 0 || R < 1 || R > kMaxRanks || cfg.routing < 0 || cfg.routing > 3 || k > E) {
+  if (E % R != 0 || R < 1 || R > kMaxRanks || cfg.routing < 0 || cfg.routing > 4 || k > E ||
+      (cfg.routing == 4 && k > E / R)) {
     res.summary = "FAIL " + name.str() + ": bad config";
     return res;
   }
@@ -318,7 +324,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
     int64_t max_recv_rows = 0, dropped_total = 0;
     for (int ds = 0; ds < cfg.datasets; ++ds) {
       std::vector<std::vector<int32_t>> ids(R);
-      for (int r = 0; r < R; ++r) ids[r] = Route(rng, T, k, E, cfg.routing, cfg.zipf);
+      for (int r = 0; r < R; ++r) ids[r] = Route(rng, T, k, E, cfg.routing, cfg.zipf, r, R);
       std::vector<RankPlan> plans = MakePlans(ids, R, T, k, E, cap_e);
       if (ds == 0)
         for (int r = 0; r < R; ++r) res.seg_rows.push_back(plans[r].seg_rows);
@@ -615,9 +621,14 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
     for (auto& t : threads) t.join();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
+    // Rows the consumers push: every rank's remote segments (seg_rows[e * R + s] with s != r; own rows are stored
+    // in place by the producer).
     int64_t pushed_rows = 0;
+    std::vector<int64_t> remote_rows(R, 0);
     for (int r = 0; r < R; ++r)
-      for (int32_t v : res.seg_rows[r]) pushed_rows += v;
+      for (size_t i = 0; i < res.seg_rows[r].size(); ++i)
+        if ((int)(i % R) != r) remote_rows[r] += res.seg_rows[r][i];
+    for (int r = 0; r < R; ++r) pushed_rows += remote_rows[r];
     for (size_t v = 0; v < variants.size() && !stop; ++v) {
       TimedVariant& tv = variants[v];
       std::vector<double> per_call;
@@ -686,8 +697,11 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
     ws.reset();
     LB_CHECK(cudaGetLastError());
     std::ostringstream sum;
-    res.pass = failures == 0 && calls == (int64_t)2 * R * cfg.iters &&
-               (!cfg.time || (!variants.empty() && !variants.back().chosen.empty() && variants.back().chosen[0] > 0));
+    // A timed run must have recorded every rank's C: some C >= 1 exactly where the rank had rows to push.
+    bool chosen_ok = !cfg.time || (!variants.empty() && (int)variants.back().chosen.size() == R);
+    for (int r = 0; chosen_ok && cfg.time && r < R; ++r)
+      chosen_ok = (variants.back().chosen[r] > 0) == (remote_rows[r] > 0);
+    res.pass = failures == 0 && calls == (int64_t)2 * R * cfg.iters && chosen_ok;
     sum << (res.pass ? "PASS " : "FAIL ") << name.str() << " | calls " << calls << " | max rel err y " << ry
         << ", slots " << rs << " (tol " << tol << ") | bit-identical repeats " << bit_checks << " | max recv rows "
         << max_recv_rows << "/" << cap << " | dropped " << dropped_total << " | producer "

@@ -23,7 +23,8 @@ struct LoopbackConfig {
   int n_dim = 136;         // expert_combine N
   int iters = 20;          // iterations of (dispatch, expert_combine): 2 epochs each
   int routing = 0;         // 0 balanced, 1 skewed (Zipf with exponent `zipf`), 2 extreme skew (every token's first
-                           // choice = expert 0), 3 exact round robin (slot p -> expert p mod E: equal segments)
+                           // choice = expert 0), 3 exact round robin (slot p -> expert p mod E: equal segments),
+                           // 4 next rank (rank r's slots round robin over rank r+1's experts: every row is pushed)
   double zipf = 1.0;       // routing 1: expert e has weight 1 / (1 + e)^zipf
   double capacity_factor = 0;  // 0: dropless, else rows per expert = ceil(cf * T * R * k / E)
   bool f32 = false;        // float32 operands (SIMT producer) instead of bfloat16 (tensor cores)
