@@ -3,7 +3,7 @@
 // Why: a consumer CTA that copies with ordinary loads and stores keeps at most (threads x loads per thread) bytes in
 // flight, and at ~1 us of latency per load that caps it near 9 GB/s with one load per thread (measured, H200) and
 // ~25-60 GB/s with 16. The copy engine of the SM (TMA) moves a whole chunk per instruction, so one thread keeps a
-// ring of chunks in flight (global -> shared -> global, 80 KB here), and the consumer needs fewer SMs for the same
+// ring of chunks in flight (global -> shared -> global: 64 KiB of loads and up to 128 KiB of stores), and the consumer needs fewer SMs for the same
 // bytes/s: SMs that the producer keeps.
 //
 // StreamBands pushes a CTA's bands in order through a ring of shared-memory slots: a band's chunks are loaded only
@@ -22,8 +22,9 @@ namespace jmo::cuda {
 
 constexpr int kPushChunkBytes = 8192;  // bytes of one bulk copy (a multiple of 16)
 constexpr int kPushMaxSlots = 12;      // ring slots (96 KB of shared memory at most)
-constexpr int kPushLag = 2;            // stores left in flight before the oldest must complete
-constexpr int kPushMaxPending = 16;    // bands with stores issued but not yet reported (at most kPushLag + 1)
+constexpr int kPushReadLag = 4;        // stores whose shared-memory reads may be pending (the rest of the ring loads)
+constexpr int kPushWriteLag = 16;      // stores whose global writes may be pending (128 KiB: ~2 us of store latency)
+constexpr int kPushMaxPending = 32;    // bands with stores issued but not yet reported (at most kPushWriteLag + 1)
 
 // Shared memory StreamBands needs for `slots` slots (barriers first, then the 128-aligned ring).
 __host__ __device__ constexpr int PushRingBytes(int slots) { return 128 + slots * kPushChunkBytes + 128; }
@@ -64,6 +65,15 @@ __device__ __forceinline__ void WaitStores() {
   __trap();
 #endif
 }
+// Until at most N of this thread's store groups may still read their shared-memory source (the slot is reusable).
+template <int N>
+__device__ __forceinline__ void WaitStoresRead() {
+#if WGMMA_SM90A
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+#else
+  __trap();
+#endif
+}
 // Orders this thread's generic-proxy view of global memory with its async-proxy (TMA) accesses: after acquiring a
 // producer's flag, before loading what the producer stored; after the stores complete, before the release.
 __device__ __forceinline__ void FenceProxyAsyncGlobal() {
@@ -96,7 +106,9 @@ __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn don
   MbarInitFence();
 
   // Chunks are numbered over all bands of the call: q = 0, 1, ... Slot of chunk q: q % slots, its use number q / slots.
-  int64_t loaded = 0, stored = 0, completed = 0;  // chunks whose load / store was issued, stores known complete
+  // Two lags decouple the ring from the store latency: a slot is reused once its store has *read* it (kPushReadLag),
+  // while up to kPushWriteLag stores may still be writing; a band is reported once its stores have *completed*.
+  int64_t loaded = 0, stored = 0, read = 0, completed = 0;  // loads / stores issued, stores read, stores complete
   int lb = 0, sb = 0;                             // band of the next load / the next store
   int64_t loff = 0, soff = 0;                     // byte offset within it
   PushBand lband{}, sband{};
@@ -118,9 +130,9 @@ __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn don
 
   while (true) {
     bool progress = false;
-    // 1. Loads into free slots (the slot of chunk `loaded` is free once the store of chunk loaded - slots completed).
+    // 1. Loads into free slots (the slot of chunk `loaded` is free once the store of chunk loaded - slots has read it).
     //    A band's first chunk waits for the band to be ready, polled: stores of loaded chunks must not wait on it.
-    while (lb < count && loaded - completed < slots) {
+    while (lb < count && loaded - read < slots) {
       if (loff == 0) {
         if (!ready(lb, false)) break;
         FenceProxyAsyncGlobal();
@@ -156,16 +168,22 @@ __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn don
       ++stored;
       progress = true;
     }
-    // 3. Completion: all but the newest kPushLag stores are complete; report the bands they finished.
-    if (stored - completed > kPushLag) {
-      WaitStores<kPushLag>();
-      completed = stored - kPushLag;
+    // 3. Slots: all but the newest kPushReadLag stores have read theirs. Completion: all but the newest
+    //    kPushWriteLag stores have written; report the bands they finished.
+    if (stored - read > kPushReadLag) {
+      WaitStoresRead<kPushReadLag>();
+      read = stored - kPushReadLag;
+    }
+    if (stored - completed > kPushWriteLag) {
+      WaitStores<kPushWriteLag>();
+      completed = stored - kPushWriteLag;
+      if (read < completed) read = completed;
       signal();
     }
     if (progress) continue;
     if (completed < stored) {  // nothing to issue: finish the stores in flight and report their bands
       WaitStores<0>();
-      completed = stored;
+      completed = read = stored;
       signal();
       continue;
     }

@@ -797,29 +797,52 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
   const T* ret = reinterpret_cast<const T*>(View(rd, rd.rank).ret());
   Pack<T, V> zero;
   for (int i = 0; i < V; ++i) zero.e[i] = FromFloat<T>(0.f);
-  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
-    for (int64_t n = (int64_t)threadIdx.x * V; n < N; n += (int64_t)blockDim.x * V) {
-      float acc[V];
-      for (int i = 0; i < V; ++i) acc[i] = 0.f;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t p = t * k + j;
-        const int32_t row = slot_ret_row[p];
-        if (row < 0 || row >= rd.sizes.ret_rows) {
-          if (row >= 0 && n == 0) ReportBadInput(rd, kBadRetRow, p, row, rd.sizes.ret_rows);
-          if (slot_out) zero.Store(slot_out + p * N + n);
+  // Work items (token t, V columns from n) are numbered t * (N / V) + n / V, so neighbouring threads read neighbouring
+  // columns; each thread takes kItems items a pass, issuing their loads together (a pass of one item per thread was
+  // latency-bound: ~2 dependent loads per token, 132 CTAs).
+  constexpr int kItems = 4;
+  const int64_t vecs = N / V, items = T_ * vecs, stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; base < items; base += stride * kItems) {
+    float acc[kItems][V];
+    int64_t t[kItems], n[kItems];
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      const int64_t item = min(base + u * stride, items - 1);  // past the end: a repeat of the last item, not stored
+      t[u] = item / vecs;
+      n[u] = item % vecs * V;
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[u][i] = 0.f;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      Pack<T, V> v[kItems];
+      int32_t row[kItems];
+#pragma unroll
+      for (int u = 0; u < kItems; ++u) {
+        row[u] = slot_ret_row[t[u] * k + j];
+        if (row[u] >= 0 && row[u] < rd.sizes.ret_rows) v[u].LoadCg(ret + (int64_t)row[u] * N + n[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kItems; ++u) {
+        const int64_t p = t[u] * k + j;
+        const bool mine = base + u * stride < items;
+        if (row[u] < 0 || row[u] >= rd.sizes.ret_rows) {
+          if (mine && row[u] >= 0 && n[u] == 0) ReportBadInput(rd, kBadRetRow, p, row[u], rd.sizes.ret_rows);
+          if (mine && slot_out) zero.Store(slot_out + p * N + n[u]);
           continue;
         }
-        Pack<T, V> v;
-        v.LoadCg(ret + (int64_t)row * N + n);
         const float g = gates[p];
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] += g * ToFloat(v.e[i]);
-        if (slot_out) v.Store(slot_out + p * N + n);
+        for (int i = 0; i < V; ++i) acc[u][i] += g * ToFloat(v[u].e[i]);
+        if (mine && slot_out) v[u].Store(slot_out + p * N + n[u]);
       }
+    }
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      if (base + u * stride >= items) continue;
       Pack<T, V> out;
 #pragma unroll
-      for (int i = 0; i < V; ++i) out.e[i] = FromFloat<T>(acc[i]);
-      out.Store(y + t * N + n);
+      for (int i = 0; i < V; ++i) out.e[i] = FromFloat<T>(acc[u][i]);
+      out.Store(y + t[u] * N + n[u]);
     }
   }
 }
