@@ -128,8 +128,8 @@ def main(argv=None):
     oracle = min(times, key=lambda c: (times[c], c))
     # The Python mirror on the same segment tables must pick what the device picked.
     p_rank = dataclasses.replace(per_rank, sms=budget, ctas_per_sm=1)
-    mirror = [rm.choose_consumer_ctas(p_rank, rm.device_segments(_grid(pl["seg_rows"], R), pl["rank"]), w["n"],
-                                      w["k"], 2, min(rm.MAX_MODEL_CTAS, budget - 1)) for pl in plans]
+    mirror = [rm.kernel_consumer_ctas(p_rank, _grid(pl["seg_rows"], R), pl["rank"], w["n"], w["k"], 2,
+                                      min(rm.MAX_MODEL_CTAS, budget - 1)) for pl in plans]
     mirror_ok = mirror == manager["chosen"]
     for r in res["results"]:
       if r["kind"] == "decision":

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -424,6 +425,7 @@ struct Policy {
   int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
   int32_t serialize;
   int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
+  int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand (JMO_CONSUMER_COPY=plain, to compare)
   int64_t elem_bytes;
 };
 
@@ -690,7 +692,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   };
 #if WGMMA_SM90A
   const int slots = min(kPushMaxSlots, (pol.smem_bytes - PushRingBytes(0)) / kPushChunkBytes);
-  if (row_bytes % 16 == 0 && slots >= 2) {
+  if (pol.bulk_copy && row_bytes % 16 == 0 && slots >= 2) {
     // TMA bulk copies, driven by one thread (bulk_copy.cuh).
     if (threadIdx.x != 0) return;
     auto ready = [&](int i, bool block) {
@@ -1081,6 +1083,8 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   }
   Policy pol{};
   pol.serialize = c.opts.serialize ? 1 : 0;
+  static const bool plain_copy = getenv("JMO_CONSUMER_COPY") != nullptr && std::string(getenv("JMO_CONSUMER_COPY")) == "plain";
+  pol.bulk_copy = plain_copy ? 0 : 1;
   pol.elem_bytes = ElemBytes(dt);
   pol.max_ctas = ModelMaxCtas(budget);
   const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, lhs, w);
