@@ -425,7 +425,7 @@ struct Policy {
   int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
   int32_t serialize;
   int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
-  int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand (JMO_CONSUMER_COPY=plain, to compare)
+  int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh, JMO_CONSUMER_COPY=bulk); 0: CopyBand
   int64_t elem_bytes;
 };
 
@@ -1083,8 +1083,10 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   }
   Policy pol{};
   pol.serialize = c.opts.serialize ? 1 : 0;
-  static const bool plain_copy = getenv("JMO_CONSUMER_COPY") != nullptr && std::string(getenv("JMO_CONSUMER_COPY")) == "plain";
-  pol.bulk_copy = plain_copy ? 0 : 1;
+  // The consumer copies with ordinary 16-byte loads/stores (CopyBand); JMO_CONSUMER_COPY=bulk selects the TMA bulk
+  // copies of bulk_copy.cuh, which measured slower on the H200 (22 vs 53 GB/s for 2 CTAs, benchmarks/RESULTS.md).
+  static const bool bulk = getenv("JMO_CONSUMER_COPY") != nullptr && std::string(getenv("JMO_CONSUMER_COPY")) == "bulk";
+  pol.bulk_copy = bulk ? 1 : 0;
   pol.elem_bytes = ElemBytes(dt);
   pol.max_ctas = ModelMaxCtas(budget);
   const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, lhs, w);
