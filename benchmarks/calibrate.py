@@ -120,7 +120,9 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     out = os.path.join(out, rm.calibration_file_name(dev["name"]))
   doc = dict(params.__dict__, gpu_name=dev["name"], compute_capability=dev["cc"],
-             producer=dev.get("producer", "?"), measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
+             producer=dev.get("producer", "?"),
+             consumer="CopyBand (JMO_CONSUMER_COPY=plain)" if os.environ.get("JMO_CONSUMER_COPY") == "plain"
+             else "bulk copies (ffi/cuda/bulk_copy.cuh), the default", measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(["python3"] + sys.argv),
              note="link_gbps is the consumer's own ceiling on one GPU (HBM to HBM); loopback runs with R ranks "
                   "share it (bench_resource.py passes link_gbps / R)", raw=raw)

@@ -425,7 +425,7 @@ struct Policy {
   int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
   int32_t serialize;
   int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
-  int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh, JMO_CONSUMER_COPY=bulk); 0: CopyBand
+  int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand (JMO_CONSUMER_COPY=plain)
   int64_t elem_bytes;
 };
 
@@ -1083,10 +1083,13 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   }
   Policy pol{};
   pol.serialize = c.opts.serialize ? 1 : 0;
-  // The consumer copies with ordinary 16-byte loads/stores (CopyBand); JMO_CONSUMER_COPY=bulk selects the TMA bulk
-  // copies of bulk_copy.cuh, which measured slower on the H200 (22 vs 53 GB/s for 2 CTAs, benchmarks/RESULTS.md).
-  static const bool bulk = getenv("JMO_CONSUMER_COPY") != nullptr && std::string(getenv("JMO_CONSUMER_COPY")) == "bulk";
-  pol.bulk_copy = bulk ? 1 : 0;
+  // The consumer pushes with TMA bulk copies on sm_90 (bulk_copy.cuh); JMO_CONSUMER_COPY=plain selects CopyBand
+  // (16-byte loads/stores, 16 in flight per thread). Alone, CopyBand moves more (53 vs 22 GB/s for 2 CTAs on the
+  // H200), but its per-CTA rate falls as C grows and it competes with the GEMM: with the manager, the bulk copies
+  // made the overlapped loopback calls 14% faster in total, and the shipped calibration describes them
+  // (benchmarks/RESULTS.md).
+  static const bool plain = getenv("JMO_CONSUMER_COPY") != nullptr && std::string(getenv("JMO_CONSUMER_COPY")) == "plain";
+  pol.bulk_copy = plain ? 0 : 1;
   pol.elem_bytes = ElemBytes(dt);
   pol.max_ctas = ModelMaxCtas(budget);
   const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, lhs, w);
