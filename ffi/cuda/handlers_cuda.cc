@@ -70,7 +70,8 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (shape->R != c.value().ws->ranks())
     return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
-                             gates.typed_data(), T, k, seg_rows.typed_data(), seg_ret_off.typed_data(),
+                             /*transpose_rhs=*/false, gates.typed_data(), T, k, seg_rows.typed_data(),
+                             seg_ret_off.typed_data(),
                              slot_ret_row.typed_data(), ret_rows_expected.typed_data(), group_op.typed_data(),
                              rank_op.typed_data(), y->untyped_data(),
                              want_slots ? slot_out->untyped_data() : nullptr));

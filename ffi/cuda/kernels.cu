@@ -484,6 +484,10 @@ __device__ int ConsumersOfCall(const SegTable& t, const Policy& pol, int64_t N, 
 // ---------------------------------------------------------------------------------------------------------------
 // Producer engines. A finished tile is counted per 64-row band it covers; the CTA completing a band's last column
 // tile publishes the band (fence, release-store of tile_ready = epoch), which is all the consumer waits for.
+//
+// kTransB (every engine): w is [E_l, N, K] and the producer reads w[e]^T in place (the input gradient dy @ W^T of
+// the backward pass), else w is [E_l, K, N]. Meaning as in gemm_tile.cuh: B[k, n] = kTransB ? w_e[n K + k]
+// : w_e[k N + n].
 
 enum Engine : int { kSimt = 0, kMmaSync = 1, kWgmma = 2 };
 template <int kEngine>
@@ -522,7 +526,7 @@ static_assert(kTileThreads == kThreads, "the tile engine assumes the kernels' CT
 constexpr int kTcSmemBytes = TcLayout<BM>::kSmemBytes;
 constexpr int kSimtSmemBytes = SimtSmemBytes<BM>();
 
-template <typename T, bool kTensorCores>
+template <typename T, bool kTensorCores, bool kTransB>
 __device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t epoch, const T* __restrict__ lhs,
                              const T* __restrict__ w, int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int pid,
                              int np, char* smem) {
@@ -536,12 +540,14 @@ __device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t 
     const int64_t row0 = s.recv_off + (int64_t)b * BM;
     const int rows = min((int)BM, s.rows - b * (int)BM);
     const T* w_e = w + (int64_t)s.expert * K * N;
-    const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0, N, TileOut(rd, s, b * BM, n0, N, stage, ret), N, rows,
-                              (int)min((int64_t)BN, N - n0), (int)K};
+    // Column n0 of B: column n0 of row 0 of w_e [K, N], or row n0 of w_e [N, K].
+    const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0 * (kTransB ? K : 1), kTransB ? K : N,
+                              TileOut(rd, s, b * BM, n0, N, stage, ret), N, rows, (int)min((int64_t)BN, N - n0),
+                              (int)K};
     if constexpr (kTensorCores)
-      TcTile<BM, false, false, T>(tile, smem);
+      TcTile<BM, false, kTransB, T>(tile, smem);
     else
-      SimtTile<BM, false, false, T, T>(tile, smem);
+      SimtTile<BM, false, kTransB, T, T>(tile, smem);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0)
@@ -562,6 +568,7 @@ struct WgTile : wgmma_gemm::WgmmaTile {
   int local;  // stored in place in this rank's ret rows
 };
 
+template <bool kTransB>
 __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
                              const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret, uint64_t* flags,
                              int pid, int np, int32_t* tile_prefix, char* smem) {
@@ -600,7 +607,11 @@ __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t 
   auto tile_done = [&](const WgTile& t) {
     PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch, t.rows, t.local ? own_arrivals : nullptr);
   };
-  wgmma_gemm::WgmmaTileLoop<1, false>(a_map, b_map, (int)K, pid, np, tile_prefix[table.n], tile_of, tile_done, smem);
+  // The loop's kTransB is the wgmma instruction's operand layout, the opposite sense of ours: 1 = B MN-major (w [E_l,
+  // K, N], b_map built with b_k_major = false), 0 = B K-major (w [E_l, N, K], b_k_major = true), as the bare grouped
+  // GEMM's transpose_rhs (wgmma_gemm.cuh, GroupedGemmWithDone).
+  wgmma_gemm::WgmmaTileLoop<kTransB ? 0 : 1, false>(a_map, b_map, (int)K, pid, np, tile_prefix[table.n], tile_of,
+                                                    tile_done, smem);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -613,7 +624,7 @@ __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t 
 // scheduled consumers first and producers later (or the reverse), every wait is eventually satisfied; co-residency is
 // what gives the overlap. One ordinary launch rather than a cooperative one: in the loopback harness R ranks' grids
 // run concurrently from R streams, and all of them must be resident together, which per-rank SM budgets give.
-template <typename T, int kEngine>
+template <typename T, int kEngine, bool kTransB>
 __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
                  const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, Policy pol,
@@ -642,9 +653,10 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     if (threadIdx.x == 0 && pid < table.bands)
       atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
     if constexpr (kEngine == kWgmma)
-      ProduceWgmma(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix, smem);
+      ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix, smem);
     else
-      ProduceBands<T, kEngine == kMmaSync>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np, smem);
+      ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
+                                                    smem);
     if (threadIdx.x == 0 && pid < table.bands)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
     return;
@@ -853,14 +865,14 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
 // Host side
 
 // Dynamic shared memory of ExpertKernel: what the engine needs, at least half an SM's (one CTA per SM, checked).
-template <typename T, int kEngine>
+template <typename T, int kEngine, bool kTransB>
 Status PrepareExpertKernel(int dev, int* smem_bytes) {
   static std::mutex mu;
   static int prepared[64] = {0};
   DeviceInfo info;
   Status s = GetDeviceInfo(dev, &info);
   if (!s.ok()) return s;
-  const auto kernel = ExpertKernel<T, kEngine>;
+  const auto kernel = ExpertKernel<T, kEngine, kTransB>;
   const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
   const int bytes = std::max(need, info.smem_per_sm / 2 + 1);
   *smem_bytes = bytes;
@@ -885,9 +897,20 @@ Status PrepareExpertKernel(int dev, int* smem_bytes) {
   return Status{};
 }
 
-// Whether the current device runs the wgmma producer for these operands (bf16, K and N multiples of 64, Hopper).
-bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, const void* lhs, const void* w) {
-  if (!TcTileApplies(dt == DType::kBF16, K, N, lhs, w) || K % 64 != 0 || N % 64 != 0 || K <= 0) return false;
+// Row length of w[e] as stored (the tile engines' ldb): N for [K, N], K for the transposed layout [N, K].
+int64_t WeightLd(int64_t K, int64_t N, bool transpose_rhs) { return transpose_rhs ? K : N; }
+
+// Whether the tensor-core tile (gemm_tile.cuh) takes these operands: bf16, 16-byte aligned, lhs rows (K) and w rows as
+// stored multiples of 8 elements. N need not be one when w is transposed (B is then loaded along K; the stores check
+// their alignment pair by pair).
+bool TcProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
+  return TcTileApplies(dt == DType::kBF16, K, WeightLd(K, N, transpose_rhs), lhs, w);
+}
+
+// Whether the current device runs the wgmma producer for these operands (bf16, K and N multiples of 64 in either
+// layout of w, as the bare grouped GEMM's wgmma path; Hopper).
+bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
+  if (!TcProducerApplies(dt, K, N, transpose_rhs, lhs, w) || K % 64 != 0 || N % 64 != 0 || K <= 0) return false;
   int dev = 0;
   DeviceInfo info;
   return cudaGetDevice(&dev) == cudaSuccess && GetDeviceInfo(dev, &info).ok() && info.cc_major == 9;
@@ -895,6 +918,43 @@ bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, const void* lhs, const
 
 Status LaunchError(const char* what) {
   return CudaStatus(cudaGetLastError(), what);
+}
+
+// ExpertKernel's launch arguments, for LaunchExpertKernel.
+struct ExpertLaunch {
+  cudaStream_t stream;
+  int dev, budget;  // the rank's device and SM budget (the grid)
+  RankDev rd;
+  const void *lhs, *w;
+  int64_t cap, K, N, E_l;
+  const int32_t *seg_rows, *seg_ret_off;
+  Policy pol;  // smem_bytes is filled in here
+  CUtensorMap a_map, b_map;
+};
+
+// Prepares ExpertKernel<T, kEngine, kTransB> on the device (once) and launches it: one CTA per SM of the budget.
+template <typename T, int kEngine, bool kTransB>
+Status LaunchExpertKernel(ExpertLaunch l) {
+  int smem = 0;
+  Status s = PrepareExpertKernel<T, kEngine, kTransB>(l.dev, &smem);
+  if (!s.ok()) return s;
+  l.pol.smem_bytes = smem;
+  ExpertKernel<T, kEngine, kTransB><<<l.budget, kEngineThreads<kEngine>, smem, l.stream>>>(
+      l.rd, static_cast<const T*>(l.lhs), static_cast<const T*>(l.w), l.cap, l.K, l.N, l.seg_rows, l.seg_ret_off,
+      (int)l.E_l, l.pol, l.a_map, l.b_map);
+  return LaunchError("launch of ExpertKernel");
+}
+
+template <typename T, int kEngine>
+Status LaunchExpertKernel(const ExpertLaunch& l, bool transpose_rhs) {
+  return transpose_rhs ? LaunchExpertKernel<T, kEngine, true>(l) : LaunchExpertKernel<T, kEngine, false>(l);
+}
+
+// PrepareExpertKernel for both layouts of w.
+template <typename T, int kEngine>
+Status PrepareExpertKernels(int dev, int* smem_bytes) {
+  Status s = PrepareExpertKernel<T, kEngine, false>(dev, smem_bytes);
+  return s.ok() ? PrepareExpertKernel<T, kEngine, true>(dev, smem_bytes) : s;
 }
 
 // Host part of protocol step 0: recover from an earlier failure (reported here), then Begin on the device.
@@ -936,10 +996,10 @@ Status PrepareKernels(int dev) {
   int smem = 0;
   DeviceInfo info;
   Status s = GetDeviceInfo(dev, &info);
-  if (s.ok() && info.cc_major == 9) s = PrepareExpertKernel<bf16, kWgmma>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernel<bf16, kMmaSync>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernel<bf16, kSimt>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernel<float, kSimt>(dev, &smem);
+  if (s.ok() && info.cc_major == 9) s = PrepareExpertKernels<bf16, kWgmma>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernels<bf16, kMmaSync>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernels<bf16, kSimt>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernels<float, kSimt>(dev, &smem);
   cudaFuncAttributes attr;
   const void* kernels[] = {(const void*)BeginKernel, (const void*)EndKernel, (const void*)PushKernel,
                            (const void*)RecvKernel, (const void*)CombineKernel<bf16, 1>, (const void*)CombineKernel<float, 1>,
@@ -950,9 +1010,9 @@ Status PrepareKernels(int dev) {
   return s;
 }
 
-const char* ProducerPath(DType dt, int64_t K, int64_t N, const void* lhs, const void* w) {
-  if (WgmmaProducerApplies(dt, K, N, lhs, w)) return "wgmma bf16";
-  return TcTileApplies(dt == DType::kBF16, K, N, lhs, w) ? "mma.sync bf16" : "simt fp32";
+const char* ProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
+  if (WgmmaProducerApplies(dt, K, N, transpose_rhs, lhs, w)) return "wgmma bf16";
+  return TcProducerApplies(dt, K, N, transpose_rhs, lhs, w) ? "mma.sync bf16" : "simt fp32";
 }
 
 int ProducerTileN() { return BN; }
@@ -979,16 +1039,17 @@ std::string CheckModelParams(const ModelParams& p) {
   return "";
 }
 
-const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N, const void* lhs,
-                           const void* w) {
+const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N,
+                           bool transpose_rhs, const void* lhs, const void* w) {
   if (o.consumer_ctas > 0) return "pinned";
   // A calibration describes one tensor-core engine, named by its tile shape; calls on another engine (and the SIMT
   // path: float32, odd shapes) keep the fixed C.
   if (!ws.has_model()) return "fixed";
   int tile_m = 0, tile_n = 0;
-  ProducerTile(ProducerPath(dt, K, N, lhs, w), &tile_m, &tile_n);
+  const std::string path = ProducerPath(dt, K, N, transpose_rhs, lhs, w);
+  ProducerTile(path, &tile_m, &tile_n);
   const ModelParams& m = ws.model();
-  return (tile_m == m.tile_m && tile_n == m.tile_n && std::string(ProducerPath(dt, K, N, lhs, w)) != "simt fp32")
+  return (tile_m == m.tile_m && tile_n == m.tile_n && path != "simt fp32")
              ? "model"
              : "fixed";
 }
@@ -1050,7 +1111,7 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
 }
 
 Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
-                     int64_t N, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
+                     int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
   const int64_t row_bytes = N * ElemBytes(dt);
@@ -1092,7 +1153,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   pol.bulk_copy = plain ? 0 : 1;
   pol.elem_bytes = ElemBytes(dt);
   pol.max_ctas = ModelMaxCtas(budget);
-  const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, lhs, w);
+  const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, transpose_rhs, lhs, w);
   if (c.opts.consumer_ctas > 0) {
     pol.consumers = c.opts.consumer_ctas;
   } else if (std::string(policy) == "model") {
@@ -1109,37 +1170,22 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
                        "cudaMemsetAsync(band counters)")).ok())
     return s;
-  const std::string path = ProducerPath(dt, K, N, lhs, w);
-  const bf16* lhs16 = static_cast<const bf16*>(lhs);
-  const bf16* w16 = static_cast<const bf16*>(w);
-  CUtensorMap a_map{}, b_map{};  // the wgmma engine's TMA descriptors (unused by the others)
-  int smem = 0;
-  if (path == "wgmma bf16") {
-    if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(lhs, cap, K, w, E_l, N, /*b_k_major=*/false, &a_map, &b_map),
+  const std::string path = ProducerPath(dt, K, N, transpose_rhs, lhs, w);
+  ExpertLaunch l{c.stream, dev, budget, rd, lhs, w, cap, K, N, E_l, seg_rows, seg_ret_off, pol, {}, {}};
+  if (path == "wgmma bf16") {  // the TMA descriptors of the wgmma engine (unused by the others)
+    if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(lhs, cap, K, w, E_l, N, /*b_k_major=*/transpose_rhs, &l.a_map,
+                                                    &l.b_map),
                          "tensor maps of the wgmma producer")).ok())
       return s;
-    if (!(s = PrepareExpertKernel<bf16, kWgmma>(dev, &smem)).ok()) return s;
-    pol.smem_bytes = smem;
-    ExpertKernel<bf16, kWgmma><<<budget, kEngineThreads<kWgmma>, smem, c.stream>>>(
-        rd, lhs16, w16, cap, K, N, seg_rows, seg_ret_off, (int)E_l, pol, a_map, b_map);
+    s = LaunchExpertKernel<bf16, kWgmma>(l, transpose_rhs);
   } else if (path == "mma.sync bf16") {
-    if (!(s = PrepareExpertKernel<bf16, kMmaSync>(dev, &smem)).ok()) return s;
-    pol.smem_bytes = smem;
-    ExpertKernel<bf16, kMmaSync><<<budget, kThreads, smem, c.stream>>>(rd, lhs16, w16, cap, K, N, seg_rows,
-                                                                      seg_ret_off, (int)E_l, pol, a_map, b_map);
+    s = LaunchExpertKernel<bf16, kMmaSync>(l, transpose_rhs);
   } else if (dt == DType::kBF16) {
-    if (!(s = PrepareExpertKernel<bf16, kSimt>(dev, &smem)).ok()) return s;
-    pol.smem_bytes = smem;
-    ExpertKernel<bf16, kSimt><<<budget, kThreads, smem, c.stream>>>(rd, lhs16, w16, cap, K, N, seg_rows, seg_ret_off,
-                                                                   (int)E_l, pol, a_map, b_map);
+    s = LaunchExpertKernel<bf16, kSimt>(l, transpose_rhs);
   } else {
-    if (!(s = PrepareExpertKernel<float, kSimt>(dev, &smem)).ok()) return s;
-    pol.smem_bytes = smem;
-    ExpertKernel<float, kSimt><<<budget, kThreads, smem, c.stream>>>(rd, static_cast<const float*>(lhs),
-                                                                    static_cast<const float*>(w), cap, K, N, seg_rows,
-                                                                    seg_ret_off, (int)E_l, pol, a_map, b_map);
+    s = LaunchExpertKernel<float, kSimt>(l, transpose_rhs);
   }
-  if (!(s = LaunchError("launch of ExpertKernel")).ok()) return s;
+  if (!s.ok()) return s;
   // 16-byte vectors when every row starts 16-byte aligned (ret rows do when N * element bytes is a multiple of 16).
   const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(slot_out) % 16 == 0;

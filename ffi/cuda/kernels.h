@@ -47,8 +47,9 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
 // SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;
 // consumer = C CTAs pushing each finished remote band to its source's ret rows (TMA bulk copies on sm_90); then
 // y[t] = sum_j gates[t, j] * ret[slot_ret_row[t*k + j]] (fixed order j = 0..k-1), slot_out[p] = ret[...] if given.
+// w is [E_l, K, N], or with transpose_rhs [E_l, N, K], read as w[expert]^T in place (no transposed copy).
 Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
-                     int64_t N, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
+                     int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out);
 
@@ -77,8 +78,8 @@ void ProducerTile(const std::string& path, int* tile_m, int* tile_n);
 std::string CheckModelParams(const ModelParams& p);
 
 // How ExpertCombine picks C for a call with these options on rank (g, r): "pinned", "model" or "fixed".
-const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N, const void* lhs,
-                           const void* w);
+const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N,
+                           bool transpose_rhs, const void* lhs, const void* w);
 
 // Microbenchmark of the device-side choice (one CTA on c's device, on c's stream; synchronizes): builds the segment
 // table of this call's plan arrays as ExpertKernel does, then evaluates the model `iters` times. Reports the
@@ -87,8 +88,9 @@ Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t
                        int64_t cap, int64_t K, int64_t N, DType dt, int iters, double* table_ns, double* decision_ns,
                        int* choice);
 
-// Which producer path ExpertCombine takes for these operands: "mma.sync bf16" (tensor cores, sm80+) or
-// "simt fp32" (float32 operands, or shapes the tensor-core path does not take: K or N not a multiple of 8).
-const char* ProducerPath(DType dt, int64_t K, int64_t N, const void* lhs, const void* w);
+// Which producer path ExpertCombine takes for these operands: "wgmma bf16" (Hopper: K and N multiples of 64, either
+// layout of w), "mma.sync bf16" (tensor cores, sm80+) or "simt fp32" (float32 operands, or shapes the tensor-core
+// path does not take: a row length of lhs or w as stored -- K, and N unless transpose_rhs -- not a multiple of 8).
+const char* ProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
 
 }  // namespace jmo::cuda

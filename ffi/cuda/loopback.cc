@@ -68,6 +68,17 @@ float ValueAt(const std::vector<char>& bytes, int64_t i, bool f32) {
   return Bf16ToFloat(b);
 }
 
+// The bytes of w [E_l, K, N] (elements of `eb` bytes) rearranged as [E_l, N, K]: expert_combine's transpose_rhs
+// layout of the same weights.
+std::vector<char> TransposedWeights(const std::vector<char>& w, int64_t E_l, int64_t K, int64_t N, int eb) {
+  std::vector<char> t(w.size());
+  for (int64_t e = 0; e < E_l; ++e)
+    for (int64_t kk = 0; kk < K; ++kk)
+      for (int64_t n = 0; n < N; ++n)
+        std::memcpy(t.data() + ((e * N + n) * K + kk) * eb, w.data() + ((e * K + kk) * N + n) * eb, eb);
+  return t;
+}
+
 // The routing plan of plan.py, written again in C++ (the Python tests check plan.py against the reference layer).
 struct RankPlan {
   std::vector<int32_t> slot_src_row, slot_dest_rank, slot_dest_row, slot_ret_row;  // [P]
@@ -289,7 +300,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
   const int cap = std::min(E_l * cap_e, T * R * k);
   std::ostringstream name;
   name << "R=" << R << " T=" << T << " k=" << k << " E=" << E << " D=" << D << " K=" << K << " N=" << N
-       << " dtype=" << (f32 ? "f32" : "bf16") << " routing="
+       << " dtype=" << (f32 ? "f32" : "bf16") << (cfg.transpose_rhs ? " w=transposed" : "") << " routing="
        << (const char*[]){"balanced", "moderate", "extreme", "round_robin", "next_rank"}[std::clamp(cfg.routing, 0, 4)]
        << (cfg.routing == 1 && cfg.zipf != 1.0 ? " zipf=" + std::to_string(cfg.zipf) : std::string())
        << (cfg.capacity_factor > 0 ? " cf=" + std::to_string(cfg.capacity_factor) : std::string(" dropless"))
@@ -350,7 +361,8 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         d.dest_row = ToDevice(pl.slot_dest_row);
         d.recv_expected = ToDevice(std::vector<int32_t>{pl.recv_rows});
         d.lhs = ToDevice(lhs[r].bytes);
-        d.w = ToDevice(w[r].bytes);
+        // The reference below reads w[r] as [E_l, K, N]; the call gets the same values in the layout asked for.
+        d.w = ToDevice(cfg.transpose_rhs ? TransposedWeights(w[r].bytes, E_l, K, N, eb) : w[r].bytes);
         d.gates = ToDevice(gates[r]);
         d.seg_rows = ToDevice(pl.seg_rows);
         d.seg_ret_off = ToDevice(pl.seg_ret_off);
@@ -442,9 +454,10 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
       const DType dt = f32 ? DType::kF32 : DType::kBF16;
       const DeviceSet& d = dsets[0][r];
       auto combine = [&](const CallSite& c) {
-        return ExpertCombine(c, dt, d.lhs, cap, K, d.w, E_l, N, (const float*)d.gates, T, k, (const int32_t*)d.seg_rows,
-                             (const int32_t*)d.seg_ret_off, (const int32_t*)d.ret_row, (const int32_t*)d.ret_expected,
-                             (const int32_t*)group_op[r], (const int32_t*)rank_op[r], out_y[r], out_slot[r]);
+        return ExpertCombine(c, dt, d.lhs, cap, K, d.w, E_l, N, cfg.transpose_rhs, (const float*)d.gates, T, k,
+                             (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, (const int32_t*)d.ret_row,
+                             (const int32_t*)d.ret_expected, (const int32_t*)group_op[r], (const int32_t*)rank_op[r],
+                             out_y[r], out_slot[r]);
       };
       Pinned h_priv(sizeof(RankPrivate));
       auto read_private = [&]() {
@@ -565,7 +578,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
             fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + " dispatch: " + s.msg);
             continue;
           }
-          s = ExpertCombine(site, dt, d.lhs, cap, K, d.w, E_l, N, (const float*)d.gates, T, k,
+          s = ExpertCombine(site, dt, d.lhs, cap, K, d.w, E_l, N, cfg.transpose_rhs, (const float*)d.gates, T, k,
                             (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, (const int32_t*)d.ret_row,
                             (const int32_t*)d.ret_expected, (const int32_t*)group_op[r], (const int32_t*)rank_op[r],
                             out_y[r], out_slot[r]);
@@ -705,7 +718,8 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
     sum << (res.pass ? "PASS " : "FAIL ") << name.str() << " | calls " << calls << " | max rel err y " << ry
         << ", slots " << rs << " (tol " << tol << ") | bit-identical repeats " << bit_checks << " | max recv rows "
         << max_recv_rows << "/" << cap << " | dropped " << dropped_total << " | producer "
-        << ProducerPath(f32 ? DType::kF32 : DType::kBF16, K, N, out_y[0], out_y[0]) << " | " << secs << " s";
+        << ProducerPath(f32 ? DType::kF32 : DType::kBF16, K, N, cfg.transpose_rhs, out_y[0], out_y[0]) << " | " << secs
+        << " s";
     if (stride > 1) sum << " | expert outputs checked on every " << stride << "th token";
     if (failures) sum << " | failures " << failures;
     res.summary = sum.str();

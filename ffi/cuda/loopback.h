@@ -28,6 +28,8 @@ struct LoopbackConfig {
   double zipf = 1.0;       // routing 1: expert e has weight 1 / (1 + e)^zipf
   double capacity_factor = 0;  // 0: dropless, else rows per expert = ceil(cf * T * R * k / E)
   bool f32 = false;        // float32 operands (SIMT producer) instead of bfloat16 (tensor cores)
+  bool transpose_rhs = false;  // expert_combine's w stored [E_l, N, K] and read transposed in place (the backward
+                               // pass's layout); the reference is the same product
   int delay_rank = -1;     // this rank is held back delay_us at the start of every call
   int64_t delay_us = 0;
   int timeout_at = -1;     // at this iteration the last rank skips its dispatch: the others must time out, the next

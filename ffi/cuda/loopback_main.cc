@@ -1,10 +1,12 @@
 // jmo_loopback: runs the loopback harness (loopback.h) on one GPU.
 //
 //   jmo_loopback --suite full        R = 2, 4, 8 x balanced / moderate / extreme routing, float32, capacity drops,
-//                                    a held-back rank, a forced timeout with recovery, 1000 consecutive iterations
+//                                    a held-back rank, a forced timeout with recovery, 1000 consecutive iterations,
+//                                    w transposed (--transpose-rhs) on every producer engine
 //   jmo_loopback --suite resource    the device-side manager and the serialized mode (also part of full)
 //   jmo_loopback --suite small       a few one-rank calls at small sizes (for compute-sanitizer)
 //   jmo_loopback --ranks 4 --routing 1 --iters 100 ...   one case (see LoopbackConfig for the options)
+//   --transpose-rhs            expert_combine's w as [E_l, N, K], read transposed in place (the backward pass's dx)
 // Prints one PASS/FAIL line per case; exits non-zero if any case fails.
 //
 // Timing (the resource-manager and consumer benchmarks drive these; benchmarks/*.py):
@@ -70,6 +72,17 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
         c.f32 = f32;
         v.push_back(c);
       }
+    // w transposed (the backward pass's layout): mma.sync, SIMT and (Hopper) wgmma loads of B along K.
+    const int transposed[3][4] = {{128, 200, 136, 0}, {128, 200, 136, 1}, {192, 128, 192, 0}};  // D, K, N, f32
+    for (const auto& shp : transposed) {
+      LoopbackConfig c = v.front();
+      c.d_model = shp[0];
+      c.k_dim = shp[1];
+      c.n_dim = shp[2];
+      c.f32 = shp[3] != 0;
+      c.transpose_rhs = true;
+      v.push_back(c);
+    }
     return v;
   }
   std::vector<LoopbackConfig> resource;
@@ -161,6 +174,25 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
     c.iters = 10;
     v.push_back(c);
   }
+  {  // w transposed, read in place ([E_l, N, K]: the backward pass's dx = da @ W1^T) on each engine: wgmma on Hopper
+     // (K, N multiples of 64; mma.sync elsewhere), mma.sync with N = 140 (not a multiple of 8: only w's rows, of K
+     // elements, must be 16-byte chunks), SIMT (float32)
+    const int transposed[3][5] = {{2, 320, 384, 320, 0}, {4, 128, 200, 140, 0}, {2, 128, 200, 136, 1}};  // R, D, K, N, f32
+    for (const auto& shp : transposed) {
+      LoopbackConfig c = base;
+      c.ranks = shp[0];
+      c.experts = 2 * shp[0];
+      c.tokens = 192;
+      c.d_model = shp[1];
+      c.k_dim = shp[2];
+      c.n_dim = shp[3];
+      c.f32 = shp[4] != 0;
+      c.transpose_rhs = true;
+      c.routing = 1;
+      c.iters = 12;
+      v.push_back(c);
+    }
+  }
   {  // capacity overflow: slots dropped by the plan's rule
     LoopbackConfig c = base;
     c.ranks = 4;
@@ -223,6 +255,7 @@ int main(int argc, char** argv) {
     else if (a == "--routing") base.routing = std::atoi(next());
     else if (a == "--capacity-factor") base.capacity_factor = std::atof(next());
     else if (a == "--f32") base.f32 = true;
+    else if (a == "--transpose-rhs") base.transpose_rhs = true;
     else if (a == "--delay-rank") base.delay_rank = std::atoi(next());
     else if (a == "--delay-us") base.delay_us = std::atoll(next());
     else if (a == "--timeout-at") base.timeout_at = std::atoi(next());
@@ -265,10 +298,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "cudaGetDeviceProperties failed\n");
       return 1;
     }
-    // The producer engine (and its tile) that bf16 calls of --k-dim x --n-dim take on this device.
+    // The producer engine (and its tile) that bf16 calls of --k-dim x --n-dim (--transpose-rhs) take on this device.
     alignas(16) static char dummy[16];
     cudaSetDevice(base.device);
-    const std::string path = jmo::cuda::ProducerPath(jmo::cuda::DType::kBF16, base.k_dim, base.n_dim, dummy, dummy);
+    const std::string path =
+        jmo::cuda::ProducerPath(jmo::cuda::DType::kBF16, base.k_dim, base.n_dim, base.transpose_rhs, dummy, dummy);
     int tile_m = 0, tile_n = 0;
     jmo::cuda::ProducerTile(path, &tile_m, &tile_n);
     std::printf("RESULT {\"kind\": \"device\", \"name\": \"%s\", \"sms\": %d, \"tile_m\": %d, \"tile_n\": %d, "

@@ -69,12 +69,13 @@ void RegisterModule(nb::module_& m) {
       nb::arg("bf16"), nb::arg("K"), nb::arg("N"));
   m.def(
       "cuda_producer_path",
-      [](bool bf16, int64_t K, int64_t N) {
-        // With 16-byte aligned operands (XLA's buffers are): which producer kernel expert_combine runs.
+      [](bool bf16, int64_t K, int64_t N, bool transpose_rhs) {
+        // With 16-byte aligned operands (XLA's buffers are): which producer kernel expert_combine runs (w [E, K, N],
+        // or [E, N, K] with transpose_rhs).
         alignas(16) static char dummy[16];
-        return std::string(ProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, dummy, dummy));
+        return std::string(ProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy));
       },
-      nb::arg("bf16"), nb::arg("K"), nb::arg("N"));
+      nb::arg("bf16"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false);
   // release_workspace(handle) from ffi/module.cc knows CPU workspaces only; CUDA handles live in their own range.
   m.attr("release_workspace") = nb::cpp_function(
       [](int64_t handle) {

@@ -54,6 +54,13 @@ def test_producer_path_and_device_queries():
   assert _jmo.cuda_grouped_gemm_path(True, 384, 256) == ("wgmma bf16" if hopper else "mma.sync bf16")
   assert _jmo.cuda_producer_path(True, 200, 136) == "mma.sync bf16"   # K, N not multiples of 64
   assert _jmo.cuda_producer_path(False, 384, 256) == "simt fp32"
+  # w transposed in place (the backward pass's dx = da @ W1^T: K = 2F = 768, N = D = 256 here): the same engines,
+  # except that only K must be a multiple of 8 for mma.sync (w's rows hold K elements).
+  assert _jmo.cuda_producer_path(True, 768, 256, transpose_rhs=True) == ("wgmma bf16" if hopper else "mma.sync bf16")
+  assert _jmo.cuda_producer_path(True, 200, 140) == "simt fp32"
+  assert _jmo.cuda_producer_path(True, 200, 140, transpose_rhs=True) == "mma.sync bf16"
+  assert _jmo.cuda_producer_path(True, 204, 136, transpose_rhs=True) == "simt fp32"
+  assert _jmo.cuda_producer_path(False, 384, 256, transpose_rhs=True) == "simt fp32"
 
 
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "empty_experts"])

@@ -44,6 +44,10 @@ def test_loopback_full_suite(binary):
     for routing in ("balanced", "moderate", "extreme"):
       assert re.search(rf"PASS R={r} .* routing={routing} ", proc.stdout), (r, routing)
   assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
+  # w transposed in place (--transpose-rhs) on each producer engine (wgmma on Hopper where K, N are multiples of 64).
+  assert re.search(r"PASS R=2 .* K=384 N=320 dtype=bf16 w=transposed .* producer (wgmma|mma\.sync) bf16", proc.stdout)
+  assert re.search(r"PASS R=4 .* K=200 N=140 dtype=bf16 w=transposed .* producer mma\.sync bf16", proc.stdout)
+  assert re.search(r"PASS R=2 .* dtype=f32 w=transposed .* producer simt fp32", proc.stdout)
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
