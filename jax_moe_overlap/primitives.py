@@ -98,17 +98,27 @@ def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
-                   want_slots: bool) -> tuple[jax.Array, jax.Array]:
-  """lhs [cap, K], w [E_local, K, N], gates [T, k] float32 -> (y [T, N], slot_out [T*k or 0, N])."""
+                   want_slots: bool, transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
+  """lhs [cap, K], w [E_local, K, N], gates [T, k] float32 -> (y [T, N], slot_out [T*k or 0, N]).
+
+  lhs, w and the outputs share one dtype (float32 or bfloat16); accumulation is float32. With ``transpose_rhs``, w is
+  [E_local, N, K] and the producer reads ``w[e].T`` in place (the input gradient ``da @ W1^T`` of the backward pass
+  without a transposed copy of W1), as ``grouped_matmul``'s ``transpose_rhs``.
+  """
   _ffi.register()
   group, rank = info.coords()
   T, k = gates.shape
-  N = w.shape[2]
+  K, N = (w.shape[2], w.shape[1]) if transpose_rhs else (w.shape[1], w.shape[2])
+  if lhs.ndim != 2 or w.ndim != 3 or lhs.shape[1] != K:
+    raise ValueError(f"jax_moe_overlap: expert_combine: lhs {lhs.shape} and w {w.shape}"
+                     f"{' (transpose_rhs)' if transpose_rhs else ''} do not fit lhs [cap, K], "
+                     f"w {'[E_local, N, K]' if transpose_rhs else '[E_local, K, N]'}")
   out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype),
                jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
   call = jax.ffi.ffi_call(_ffi.EXPERT_COMBINE, out_types, has_side_effect=True)
   return call(lhs, w, gates.astype(jnp.float32), plan.seg_rows, plan.seg_ret_off, plan.slot_ret_row,
-              plan.ret_rows, group, rank, **info.config.combine_attrs(info.workspace))
+              plan.ret_rows, group, rank, transpose_rhs=bool(transpose_rhs),
+              **info.config.combine_attrs(info.workspace))
 
 
 def swiglu(a: jax.Array) -> jax.Array:

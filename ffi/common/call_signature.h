@@ -35,11 +35,14 @@ auto BindDispatch(Binding b) {
                            .template Ret<ffi::AnyBuffer>());
 }
 
-// expert_combine(lhs [cap, K], w [E_local, K, N], gates [T, k] f32, seg_rows [E_local, R], seg_ret_off [E_local, R],
-//                slot_ret_row [T*k] (-1: dropped), ret_rows_expected [], group [], rank [])
+// expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), gates [T, k] f32,
+//                seg_rows [E_local, R], seg_ret_off [E_local, R], slot_ret_row [T*k] (-1: dropped),
+//                ret_rows_expected [], group [], rank [])
 //   -> y [T, N], slot_out [T*k or 0, N]
-// Attributes: those of every call, then consumer_ctas (int32: 0 = the resource manager's choice, > 0 = pinned) and
-// serialize (int32: 1 = the consumer starts only after the producer has finished every tile).
+// Attributes: those of every call, then consumer_ctas (int32: 0 = the resource manager's choice, > 0 = pinned),
+// serialize (int32: 1 = the consumer starts only after the producer has finished every tile) and transpose_rhs
+// (bool: w is [E_local, N, K] and the producer reads w[e]^T in place, as jmo_grouped_matmul's transpose_rhs: the
+// input gradient dy @ W^T without a transposed copy of W).
 template <typename Binding>
 auto BindExpertCombine(Binding b) {
   namespace ffi = xla::ffi;
@@ -55,7 +58,8 @@ auto BindExpertCombine(Binding b) {
                            .template Ret<ffi::AnyBuffer>()
                            .template Ret<ffi::AnyBuffer>())
       .template Attr<int32_t>("consumer_ctas")
-      .template Attr<int32_t>("serialize");
+      .template Attr<int32_t>("serialize")
+      .template Attr<bool>("transpose_rhs");
 }
 
 inline xla::ffi::Error InvalidCall(const std::string& msg) {
@@ -78,6 +82,14 @@ inline bool SupportedFloat(xla::ffi::DataType t) {
 }
 
 inline int64_t ElemBytes(xla::ffi::DataType t) { return t == xla::ffi::DataType::F32 ? 4 : 2; }
+
+// "[2, 3, 4]": a buffer's dimensions, for error messages.
+template <typename Dims>
+std::string DimsText(const Dims& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
 
 struct DispatchShape {
   xla::ffi::DataType dtype;
@@ -107,6 +119,8 @@ struct CombineShape {
   bool want_slots;                        // slot_out has T*k rows (else 0)
 };
 
+// w is [E_local, K, N], or [E_local, N, K] with transpose_rhs (N and K then read from its last two dimensions
+// swapped). Each error names the shapes it got.
 inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuffer& lhs,
                                                           const xla::ffi::AnyBuffer& w,
                                                           const xla::ffi::Buffer<xla::ffi::F32>& gates,
@@ -114,19 +128,28 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
                                                           const xla::ffi::Buffer<xla::ffi::S32>& seg_ret_off,
                                                           const xla::ffi::Buffer<xla::ffi::S32>& slot_ret_row,
                                                           const xla::ffi::AnyBuffer& y,
-                                                          const xla::ffi::AnyBuffer& slot_out) {
+                                                          const xla::ffi::AnyBuffer& slot_out, bool transpose_rhs) {
   using xla::ffi::Unexpected;
   const xla::ffi::DataType dt = lhs.element_type();
   if (!SupportedFloat(dt) || w.element_type() != dt || y.element_type() != dt || slot_out.element_type() != dt)
     return Unexpected(InvalidCall("expert_combine: lhs, w and outputs must share one dtype, float32 or bfloat16"));
   auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y.dimensions(),
        sd = seg_rows.dimensions(), so = slot_out.dimensions();
+  const char* w_layout = transpose_rhs ? "w [E_local, N, K] (transpose_rhs)" : "w [E_local, K, N]";
   if (ld.size() != 2 || wd.size() != 3 || gd.size() != 2 || yd.size() != 2 || sd.size() != 2 || so.size() != 2)
-    return Unexpected(InvalidCall(
-        "expert_combine: expected lhs [cap, K], w [E_local, K, N], gates [T, k], seg_rows [E_local, R]"));
-  CombineShape s{dt, ld[0], ld[1], wd[0], wd[2], gd[0], gd[1], gd[0] * gd[1], sd[1], so[0] != 0};
-  if (wd[1] != s.K || yd[0] != s.T || yd[1] != s.N || sd[0] != s.E_local)
-    return Unexpected(InvalidCall("expert_combine: inconsistent shapes"));
+    return Unexpected(InvalidCall(std::string("expert_combine: expected lhs [cap, K], ") + w_layout +
+                                  ", gates [T, k], seg_rows [E_local, R]; got lhs " + DimsText(ld) + ", w " +
+                                  DimsText(wd) + ", gates " + DimsText(gd) + ", seg_rows " + DimsText(sd)));
+  const int64_t w_k = transpose_rhs ? wd[2] : wd[1], w_n = transpose_rhs ? wd[1] : wd[2];
+  CombineShape s{dt, ld[0], ld[1], wd[0], w_n, gd[0], gd[1], gd[0] * gd[1], sd[1], so[0] != 0};
+  if (w_k != s.K)
+    return Unexpected(InvalidCall(std::string("expert_combine: ") + w_layout + " does not fit lhs [cap, K]: lhs " +
+                                  DimsText(ld) + ", w " + DimsText(wd) + " (K " + std::to_string(s.K) + " vs " +
+                                  std::to_string(w_k) + ")"));
+  if (yd[0] != s.T || yd[1] != s.N || sd[0] != s.E_local)
+    return Unexpected(InvalidCall("expert_combine: inconsistent shapes: y " + DimsText(yd) + " must be [T, N] = [" +
+                                  std::to_string(s.T) + ", " + std::to_string(s.N) + "] and seg_rows " +
+                                  DimsText(sd) + " must have E_local = " + std::to_string(s.E_local) + " rows"));
   if ((s.want_slots && (so[0] != s.P || so[1] != s.N)) || slot_ret_row.element_count() != s.P ||
       seg_ret_off.element_count() != seg_rows.element_count())
     return Unexpected(InvalidCall("expert_combine: slot arrays must have T*k rows"));

@@ -147,9 +147,12 @@ ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, 
 // expert_combine: producer = grouped GEMM over the (expert, source) segments, remote first, one ready flag per
 // band; consumer thread = pushes bands to their source ranks; then combine this rank's returned rows.
 
+// w[e] is [K, N], or with transpose_rhs [N, K] read as its transpose: element (k, n) at k * w_k + n * w_n. The sums
+// run in the same order either way, so the transposed call equals the plain one on the transposed weights bit for bit.
 template <typename T>
 void ProduceSegments(const std::vector<Segment>& order, const void* lhs, const void* w, int64_t K, int64_t N,
-                     const RankView& self, uint64_t epoch) {
+                     bool transpose_rhs, const RankView& self, uint64_t epoch) {
+  const int64_t w_k = transpose_rhs ? 1 : N, w_n = transpose_rhs ? K : 1;
   std::vector<float> acc(N);
   for (const Segment& seg : order) {
     const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
@@ -162,8 +165,8 @@ void ProduceSegments(const std::vector<Segment>& order, const void* lhs, const v
         for (int64_t k = 0; k < K; ++k) {
           const float a = Elem<T>::Load(lhs, i * K + k);
           if (a == 0.f) continue;
-          const int64_t wrow = w_off + k * N;
-          for (int64_t n = 0; n < N; ++n) acc[n] += a * Elem<T>::Load(w, wrow + n);
+          const int64_t wrow = w_off + k * w_k;
+          for (int64_t n = 0; n < N; ++n) acc[n] += a * Elem<T>::Load(w, wrow + n * w_n);
         }
         for (int64_t n = 0; n < N; ++n) Elem<T>::Store(self.stage(), i * N + n, acc[n]);
       }
@@ -203,8 +206,8 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace,
                              int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas,
-                             int32_t serialize) {
-  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out);
+                             int32_t serialize, bool transpose_rhs) {
+  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
   // consumer_ctas is a CUDA resource (the CPU consumer is one thread per rank): checked here, used there.
   if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
@@ -263,9 +266,9 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
   consumer.Post(std::move(job));
 
   if (dt == ffi::DataType::F32)
-    ProduceSegments<float>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, self, c.epoch);
+    ProduceSegments<float>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
   else
-    ProduceSegments<uint16_t>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, self, c.epoch);
+    ProduceSegments<uint16_t>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
 
   RankControl* ctl = self.control();
   const uint64_t base = ctl->ret_expected.value;

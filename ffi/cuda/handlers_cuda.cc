@@ -56,8 +56,9 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, int64_t timeout_ms,
-                             int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas, int32_t serialize) {
-  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out);
+                             int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas, int32_t serialize,
+                             bool transpose_rhs) {
+  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
   if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
   const ffi::DataType dt = shape->dtype;
@@ -70,8 +71,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (shape->R != c.value().ws->ranks())
     return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
-                             /*transpose_rhs=*/false, gates.typed_data(), T, k, seg_rows.typed_data(),
-                             seg_ret_off.typed_data(),
+                             transpose_rhs, gates.typed_data(), T, k, seg_rows.typed_data(), seg_ret_off.typed_data(),
                              slot_ret_row.typed_data(), ret_rows_expected.typed_data(), group_op.typed_data(),
                              rank_op.typed_data(), y->untyped_data(),
                              want_slots ? slot_out->untyped_data() : nullptr));

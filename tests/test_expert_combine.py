@@ -1,0 +1,162 @@
+"""expert_combine on its own: transpose_rhs (w given as [E_local, N, K] and read transposed in place, as the backward
+pass uses it for dx = da @ W1^T) against the plain call on the transposed weights, and the shape errors."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_moe_overlap import _ffi
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_combine
+from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from cases import mesh_of, rel_err, routing
+
+E, TOP_K = 8, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One call's routing and sizes on a 1-D mesh with axis "expert" (R ranks, `tokens` per rank)."""
+
+  mesh: jax.sharding.Mesh
+  tokens: int
+  ids: jax.Array       # [tokens * R, TOP_K]
+  cap_e: int
+  cap: int
+  info: RankInfo
+
+  @property
+  def R(self) -> int:
+    return self.mesh.shape["expert"]
+
+
+def make_case(mesh, N, dtype, tokens=16, seed=0) -> Case:
+  """Routing, capacities and the RankInfo of a call on `mesh` whose output rows are N wide."""
+  R = mesh.shape["expert"]
+  ids = jnp.asarray(routing("skewed", tokens * R, E, TOP_K, seed))
+  cap_e = plan_lib.expert_capacity(tokens, R, TOP_K, E, None)
+  cap = plan_lib.recv_capacity(tokens, R, TOP_K, E // R, cap_e)
+  sizes = WorkspaceSizes(row_bytes=N * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * TOP_K,
+                         num_segments=E)
+  return Case(mesh, tokens, ids, cap_e, cap, RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig()))
+
+
+def combine_fn(c: Case, transpose_rhs: bool):
+  """jit(shard_map) of plan + one expert_combine with slots: (ids, gates, lhs, w) -> (y, slot_out). One call per
+  program: two independent calls in one XLA:CPU program may run in different orders on different devices."""
+  R = c.R
+
+  def local(ids, gates, lhs, w):
+    rank = jax.lax.axis_index("expert").astype(jnp.int32)
+    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
+    plan = plan_lib.make_plan(ids, counts_all, rank, c.cap_e)
+    return expert_combine(lhs, w, gates, plan, c.info, want_slots=True, transpose_rhs=transpose_rhs)
+
+  spec = P("expert")
+  return jax.jit(jax.shard_map(local, mesh=c.mesh, in_specs=(spec,) * 4, out_specs=(spec, spec), check_vma=False))
+
+
+def operands(c: Case, K, N, dtype, seed):
+  """lhs [R * cap, K], w [E, K, N] (scaled by 1/sqrt(K)), gates [R * tokens, TOP_K]."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  lhs = jax.random.normal(ks[0], (c.R * c.cap, K), jnp.float32).astype(dtype)
+  w = (jax.random.normal(ks[1], (E, K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
+  gates = jax.nn.softmax(jax.random.normal(ks[2], (c.tokens * c.R, TOP_K)), axis=-1)
+  return lhs, w, gates
+
+
+def reference(c: Case, gates, lhs, w):
+  """y [R * tokens, N] and slot_out [R * tokens * TOP_K, N] in float64 numpy from the plan: slot p of source rank s
+  is the recv row of its destination rank times its expert's w [K, N]."""
+  R, T, E_l = c.R, c.tokens, E // c.R
+  lhs_r = np.asarray(lhs, np.float64).reshape(R, -1, lhs.shape[1])
+  w_g = np.asarray(w, np.float64)
+  ids = np.asarray(c.ids).reshape(R, T, TOP_K)
+  counts_all = np.stack([np.asarray(plan_lib.local_counts(jnp.asarray(ids[s]), E)).reshape(R, E_l)
+                         for s in range(R)])
+  ys, slots = [], []
+  for s in range(R):
+    plan = plan_lib.make_plan(jnp.asarray(ids[s]), jnp.asarray(counts_all), jnp.int32(s), c.cap_e)
+    dest_rank, dest_row = np.asarray(plan.slot_dest_rank), np.asarray(plan.slot_dest_row)
+    slot_out = np.zeros((T * TOP_K, w.shape[2]))
+    for p, g in enumerate(ids[s].reshape(-1)):
+      if dest_row[p] >= 0:
+        slot_out[p] = lhs_r[dest_rank[p], dest_row[p]] @ w_g[g]
+    ys.append(np.einsum("tj,tjn->tn", np.asarray(gates, np.float64)[s * T:(s + 1) * T],
+                        slot_out.reshape(T, TOP_K, -1)))
+    slots.append(slot_out)
+  return np.concatenate(ys), np.concatenate(slots)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_transpose_rhs_equals_plain_call_on_transposed_weights(R, dtype):
+  K, N = 24, 40  # K != N: a swapped reading would not even have the right shape
+  c = make_case(mesh_of(R), N, dtype, seed=R)
+  lhs, w, gates = operands(c, K, N, dtype, seed=10 + R)
+  w_t = jnp.swapaxes(w, 1, 2)  # [E, N, K]: the layout transpose_rhs reads
+  y, slot_out = combine_fn(c, False)(c.ids, gates, lhs, w)
+  y_t, slot_out_t = combine_fn(c, True)(c.ids, gates, lhs, w_t)
+  assert y_t.shape == y.shape == (c.tokens * R, N) and y_t.dtype == y.dtype == dtype
+  assert slot_out_t.shape == slot_out.shape == (c.tokens * R * TOP_K, N)
+  # The CPU producer sums in the same order for both layouts: bit for bit.
+  np.testing.assert_array_equal(np.asarray(y_t).view(np.uint8), np.asarray(y).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(slot_out_t).view(np.uint8), np.asarray(slot_out).view(np.uint8))
+  # And both are the product (float32 accumulation; bf16 outputs rounded once).
+  y_ref, slot_ref = reference(c, gates, lhs, w)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  assert float(np.max(np.abs(y_ref))) > 0.1
+  assert rel_err(y_t, y_ref) < tol and rel_err(slot_out_t, slot_ref) < tol
+
+
+def test_transpose_rhs_python_shape_error():
+  c = make_case(mesh_of(2), 40, jnp.float32)
+  lhs, w, gates = operands(c, 24, 40, jnp.float32, seed=0)
+  # w [E, K, N] passed as if it were [E, N, K]: its last dimension (N = 40) is not lhs's K = 24.
+  with pytest.raises(ValueError, match=r"expert_combine: lhs \(\d+, 24\) and w \(4, 24, 40\) \(transpose_rhs\) do "
+                                       r"not fit lhs \[cap, K\], w \[E_local, N, K\]"):
+    combine_fn(c, True)(c.ids, gates, lhs, w)
+  with pytest.raises(ValueError, match=r"w \[E_local, K, N\]"):
+    combine_fn(c, False)(c.ids, gates, lhs, jnp.swapaxes(w, 1, 2))
+
+
+def _raw_call(lhs, w, n_out, transpose_rhs, info):
+  """The custom call with no Python-side checks: (y [T, n_out], slot_out [0, n_out]) on device 0 (one rank)."""
+  _ffi.register()
+  T, k = 4, 2
+  call = jax.ffi.ffi_call(_ffi.EXPERT_COMBINE, (jax.ShapeDtypeStruct((T, n_out), lhs.dtype),
+                                                jax.ShapeDtypeStruct((0, n_out), lhs.dtype)), has_side_effect=True)
+  E_l = w.shape[0]
+  zeros = lambda *s: jnp.zeros(s, jnp.int32)
+  return call(lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, 1), zeros(E_l, 1), jnp.full((T * k,), -1, jnp.int32),
+              zeros(), zeros(), zeros(), transpose_rhs=transpose_rhs, **info.config.combine_attrs(info.workspace))
+
+
+def test_handler_names_the_shape_problem():
+  mesh = mesh_of(1)
+  sizes = WorkspaceSizes(row_bytes=64 * 4, recv_rows=16, ret_rows=8, num_segments=2)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig())
+  lhs = jnp.ones((16, 24), jnp.float32)
+  w_t = jnp.ones((2, 40, 24), jnp.float32)  # [E_local, N, K]
+  run = lambda *a: jax.block_until_ready(jax.jit(functools.partial(_raw_call, info=info), static_argnums=(2, 3))(*a))
+  y, _ = run(lhs, w_t, 40, True)  # fits: no routed rows, so y is zero
+  np.testing.assert_array_equal(y, np.zeros((4, 40), np.float32))
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"expert_combine: w \[E_local, K, N\] does not fit lhs \[cap, K\]: lhs \[16, 24\], "
+                           r"w \[2, 40, 24\] \(K 24 vs 40\)"):
+    run(lhs, w_t, 24, False)
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"expert_combine: w \[E_local, N, K\] \(transpose_rhs\) does not fit lhs \[cap, K\]: "
+                           r"lhs \[16, 24\], w \[2, 24, 40\] \(K 24 vs 40\)"):
+    run(lhs, jnp.ones((2, 24, 40), jnp.float32), 40, True)
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"inconsistent shapes: y \[4, 24\] must be \[T, N\] = \[4, 40\]"):
+    run(lhs, w_t, 24, True)
+  # The failed calls opened no epoch: the next good call runs.
+  y, _ = run(lhs, w_t, 40, True)
+  np.testing.assert_array_equal(y, np.zeros((4, 40), np.float32))
