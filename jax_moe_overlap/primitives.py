@@ -11,7 +11,7 @@ All functions here run *per rank*, inside ``shard_map`` over the expert-parallel
   asked, the per-slot outputs ``[T*k, N]`` (for the gates' gradient).
 * ``expert_block``: dispatch -> grouped GEMM1 + SwiGLU -> expert_combine, with a ``custom_vjp`` whose backward pass
   uses the same two custom calls: ``gates*dy`` is dispatched like tokens, and ``dx`` is ``expert_combine`` of the
-  GEMM1 input gradient with ``W1^T`` and unit gates.
+  GEMM1 input gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no copy) and unit gates.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ def _expert_block_bwd(cap, info, res, dy):
   (da,) = swiglu_vjp(dh)
   da = da.astype(x_recv.dtype)
   dw1 = _outer(x_recv, da, plan.expert_rows, w1.dtype)
-  dx, _ = expert_combine(da, jnp.swapaxes(w1, 1, 2), jnp.ones_like(gates, jnp.float32), plan, info,
-                         want_slots=False)
+  # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).
+  dx, _ = expert_combine(da, w1, jnp.ones_like(gates, jnp.float32), plan, info, want_slots=False, transpose_rhs=True)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)
   return dx, d_gates.astype(gates.dtype), dw1, dw2, plan_ct
 
