@@ -493,21 +493,35 @@ enum Engine : int { kSimt = 0, kMmaSync = 1, kWgmma = 2 };
 template <int kEngine>
 constexpr int kEngineThreads = kEngine == kWgmma ? wgmma_gemm::kThreads : kThreads;
 
-// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier. A finished
-// band of a remote segment is published through its tile_ready flag (the consumer pushes it); a band of a local
-// segment (local_arrivals = this rank's ret_arrivals) was stored in place in the ret rows and is counted as arrived.
+// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier: the CTA
+// completing a band of a remote segment publishes it through its tile_ready flag (the consumer pushes it). Tiles of
+// local segments publish nothing: see CountLocalRows.
 __device__ __forceinline__ void PublishTile(const RankDev& rd, uint64_t* flags, int first_flag, int bands,
-                                            int col_tiles, uint64_t epoch, int tile_rows, uint64_t* local_arrivals) {
+                                            int col_tiles, uint64_t epoch) {
   for (int b = 0; b < bands; ++b) {
     if (atomicAdd(&rd.band_done[first_flag + b], 1u) == (unsigned)(col_tiles - 1)) {
       __threadfence();
-      if (local_arrivals != nullptr)
-        AddReleaseSys(local_arrivals, (uint64_t)min((int)kBandRows, tile_rows - b * (int)kBandRows));
-      else
-        StoreReleaseGpu(&flags[first_flag + b], epoch);
-      atomicAdd(reinterpret_cast<unsigned long long*>(rd.bands_finished), 1ull);  // (serialized mode)
+      StoreReleaseGpu(&flags[first_flag + b], epoch);
     }
   }
+}
+
+// Every thread of every producer CTA calls this once it has stored all its tiles. The rows of local segments (stored
+// in place in this rank's ret rows; no consumer and no peer reads them, only this rank's CombineKernel, later on the
+// stream) are counted into ret_arrivals once, by the last producer CTA to finish: each thread's fence and the CTA
+// barrier order the CTA's stores before its producers_done add, so the last adder's count follows every store of
+// the call. This keeps the per-tile fence and consumer barrier off local tiles (all tiles at EP = 1). Also what the
+// serialized mode's consumer waits for (producers_done == producer CTAs).
+__device__ void CountLocalRows(const RankDev& rd, const SegTable& t, int producers) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) != (unsigned long long)(producers - 1))
+    return;
+  uint64_t local_rows = 0;
+  for (int i = t.remote_segs; i < t.n; ++i) local_rows += (uint64_t)t.seg[i].rows;
+  __threadfence();
+  if (local_rows > 0) AddReleaseSys(&View(rd, rd.rank).control()->ret_arrivals.value, local_rows);
 }
 
 // Where a producer tile of segment s goes: the stage rows the consumer pushes from, or for a local segment the
@@ -548,11 +562,10 @@ __device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t 
       TcTile<BM, false, kTransB, T>(tile, smem);
     else
       SimtTile<BM, false, kTransB, T, T>(tile, smem);
-    __threadfence();
+    const bool publish = s.src != rd.rank;  // (uniform in the CTA)
+    if (publish) __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0)
-      PublishTile(rd, flags, s.band_base + b, 1, (int)ntiles, epoch, rows,
-                  s.src == rd.rank ? &View(rd, rd.rank).control()->ret_arrivals.value : nullptr);
+    if (publish && threadIdx.x == 0) PublishTile(rd, flags, s.band_base + b, 1, (int)ntiles, epoch);
   }
 }
 
@@ -565,7 +578,6 @@ static_assert(kWgBM % kBandRows == 0, "a wgmma tile covers whole bands");
 struct WgTile : wgmma_gemm::WgmmaTile {
   int flag;   // tile_ready index of the tile's first band
   int bands;  // bands the tile covers (1 or 2)
-  int local;  // stored in place in this rank's ret rows
 };
 
 template <bool kTransB>
@@ -600,13 +612,10 @@ __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t 
     t.ldc = N;
     t.flag = s.band_base + mt * (kWgBM / (int)kBandRows);
     t.bands = (t.rows + (int)kBandRows - 1) / (int)kBandRows;
-    t.local = s.src == rd.rank;
+    t.publish = s.src != rd.rank;  // local tiles: no fence, no barrier, no flag (CountLocalRows)
     return t;
   };
-  uint64_t* own_arrivals = &View(rd, rd.rank).control()->ret_arrivals.value;
-  auto tile_done = [&](const WgTile& t) {
-    PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch, t.rows, t.local ? own_arrivals : nullptr);
-  };
+  auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
   // The loop's kTransB is the wgmma instruction's operand layout, the opposite sense of ours: 1 = B MN-major (w [E_l,
   // K, N], b_map built with b_k_major = false), 0 = B K-major (w [E_l, N, K], b_k_major = true), as the bare grouped
   // GEMM's transpose_rhs (wgmma_gemm.cuh, GroupedGemmWithDone).
@@ -657,6 +666,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     else
       ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
                                                     smem);
+    CountLocalRows(rd, table, np);
     if (threadIdx.x == 0 && pid < table.bands)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
     return;
@@ -667,9 +677,9 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   const int count = first < table.remote_bands ? (table.remote_bands - 1 - first) / consumers + 1 : 0;
   if (count == 0) return;
   if (pol.serialize) {
-    // The baseline without overlap: start pushing only once the producer has stored every band of the call.
+    // The baseline without overlap: start pushing only once every producer CTA has stored all its tiles.
     if (threadIdx.x == 0)
-      wait_ok = WaitAtLeast(rd, rd.bands_finished, 0, (uint64_t)table.bands, rd.rank, kStageTileReady);
+      wait_ok = WaitAtLeast(rd, rd.producers_done, 0, (uint64_t)(gridDim.x - consumers), rd.rank, kStageTileReady);
     __syncthreads();
     const int ok = wait_ok;
     __syncthreads();  // every thread has read wait_ok before thread 0 writes it again below

@@ -166,7 +166,7 @@ RankDev Workspace::Dev(int g, int r) const {
   d.shared = shared(g);
   d.priv = priv_[g * ranks_ + r];
   d.band_done = band_done_[g * ranks_ + r];
-  d.bands_finished = reinterpret_cast<uint64_t*>(d.band_done + BandCounterWords(sizes_.max_bands));
+  d.producers_done = reinterpret_cast<uint64_t*>(d.band_done + BandCounterWords(sizes_.max_bands));
   d.rank = r;
   d.group = g;
   d.ranks = ranks_;

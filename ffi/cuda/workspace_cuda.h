@@ -68,8 +68,8 @@ struct RankDev {
   WorkspaceSizes sizes;
   GroupShared* shared;   // host-mapped
   RankPrivate* priv;     // device
-  uint32_t* band_done;   // device, [sizes.max_bands], then bands_finished (BandCounterBytes in all)
-  uint64_t* bands_finished;  // device: bands whose last tile is stored, this call
+  uint32_t* band_done;   // device, [sizes.max_bands], then producers_done (BandCounterBytes in all)
+  uint64_t* producers_done;  // device: producer CTAs of this call that have stored all their tiles
   int32_t rank, group, ranks, pad_;
 };
 

@@ -45,7 +45,7 @@
 //   orders it for smem written by the CTA before the call).
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------
-//   Called for every tile of this CTA, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
+//   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
 //   of warp 4, the first consumer warp), with the Tile value that tile_of returned. At that point:
 //     every consumer thread (128..383) has issued all its global stores of this tile, then executed
 //     __threadfence() (fence.sc.gpu), then named barrier 1 (bar.sync 1, 256) was passed by all 256 consumers.
@@ -113,6 +113,9 @@ struct WgmmaTile {
   int cols;
   void* out;
   int64_t ldc;
+  // With a tile_done: whether this tile is reported (fence + consumer barrier + tile_done). A tile nobody waits for
+  // (expert_combine's tiles of the rank's own rows) skips all three. Must be the same in every consumer thread.
+  int publish = 1;
 };
 
 // tile_done that does nothing; selecting it removes the per-tile fence + consumer barrier.
@@ -492,10 +495,12 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
       if constexpr (kHasDone) {
         // Every consumer thread: its stores of this tile, then a gpu-scope fence, then the consumer barrier; then
         // one thread reports the tile (contract in the header comment).
-        __threadfence();
-        NamedBarSync(kConsumerBarrier, 256);
-        if (tid == 128) tile_done(tile);
-        __syncwarp();
+        if (tile.publish) {
+          __threadfence();
+          NamedBarSync(kConsumerBarrier, 256);
+          if (tid == 128) tile_done(tile);
+          __syncwarp();
+        }
       }
     }
     // Back to the entry register count (frees the registers the producer's increase waits for). setmaxnreg rule:
