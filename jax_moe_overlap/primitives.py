@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
+from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
 DEFAULT_TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
@@ -87,14 +88,22 @@ class RankInfo:
     return ws.group_index(), jax.lax.axis_index(ws.axis_name).astype(jnp.int32)
 
 
+def _workspace_call(info: RankInfo, target: str, out_types, *args, **attrs):
+  """One call on the workspace. On CPU an ordered effect (ordering.py): XLA:CPU would otherwise start two workspace
+  calls with no data between them in any order, per rank. On CUDA a plain side-effecting custom call: XLA:GPU runs the
+  calls on one stream in program order."""
+  if info.workspace.platform == "cpu":
+    return workspace_call(target, out_types, *args, **attrs)
+  return jax.ffi.ffi_call(target, out_types, has_side_effect=True)(*args, **attrs)
+
+
 def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:
   """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank))."""
   _ffi.register()
   group, rank = info.coords()
-  call = jax.ffi.ffi_call(_ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
-                          has_side_effect=True)
-  return call(src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
-              group, rank, **info.config.attrs(info.workspace))
+  return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
+                         src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
+                         group, rank, **info.config.attrs(info.workspace))
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
@@ -106,9 +115,9 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
   N = w.shape[2]
   out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype),
                jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
-  call = jax.ffi.ffi_call(_ffi.EXPERT_COMBINE, out_types, has_side_effect=True)
-  return call(lhs, w, gates.astype(jnp.float32), plan.seg_rows, plan.seg_ret_off, plan.slot_ret_row,
-              plan.ret_rows, group, rank, **info.config.combine_attrs(info.workspace))
+  return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, gates.astype(jnp.float32), plan.seg_rows,
+                         plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows, group, rank,
+                         **info.config.combine_attrs(info.workspace))
 
 
 def swiglu(a: jax.Array) -> jax.Array:
