@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
+from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
 DEFAULT_TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
@@ -87,14 +88,22 @@ class RankInfo:
     return ws.group_index(), jax.lax.axis_index(ws.axis_name).astype(jnp.int32)
 
 
+def _workspace_call(info: RankInfo, target: str, out_types, *args, **attrs):
+  """One call on the workspace. On CPU an ordered effect (ordering.py): XLA:CPU would otherwise start two workspace
+  calls with no data between them in any order, per rank. On CUDA a plain side-effecting custom call: XLA:GPU runs the
+  calls on one stream in program order."""
+  if info.workspace.platform == "cpu":
+    return workspace_call(target, out_types, *args, **attrs)
+  return jax.ffi.ffi_call(target, out_types, has_side_effect=True)(*args, **attrs)
+
+
 def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:
   """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank))."""
   _ffi.register()
   group, rank = info.coords()
-  call = jax.ffi.ffi_call(_ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
-                          has_side_effect=True)
-  return call(src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
-              group, rank, **info.config.attrs(info.workspace))
+  return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
+                         src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
+                         group, rank, **info.config.attrs(info.workspace))
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
@@ -115,10 +124,9 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
                      f"w {'[E_local, N, K]' if transpose_rhs else '[E_local, K, N]'}")
   out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype),
                jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
-  call = jax.ffi.ffi_call(_ffi.EXPERT_COMBINE, out_types, has_side_effect=True)
-  return call(lhs, w, gates.astype(jnp.float32), plan.seg_rows, plan.seg_ret_off, plan.slot_ret_row,
-              plan.ret_rows, group, rank, transpose_rhs=bool(transpose_rhs),
-              **info.config.combine_attrs(info.workspace))
+  return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, gates.astype(jnp.float32), plan.seg_rows,
+                         plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows, group, rank,
+                         transpose_rhs=np.bool_(transpose_rhs), **info.config.combine_attrs(info.workspace))
 
 
 def swiglu(a: jax.Array) -> jax.Array:
@@ -127,42 +135,9 @@ def swiglu(a: jax.Array) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
-def _matmul(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
-  """Grouped matmul of the expert GEMMs outside expert_combine: our custom call on GPU; XLA's ragged_dot on CPU.
-
-  Why not the custom call on CPU too (it exists, tests/test_grouped_gemm.py checks it): XLA:CPU runs independent
-  thunks concurrently, and with a custom call here two independent MoE layers of one program were seen to run their
-  dispatch/expert_combine calls in different orders on different devices, which the shared workspace cannot allow
-  (every rank must run the same sequence of calls). XLA:GPU runs them in program order on one stream.
-  """
-  def xla():
-    rhs_ = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return jax.lax.ragged_dot(lhs, rhs_, group_sizes, preferred_element_type=jnp.float32).astype(out_dtype)
-
-  def ours():
-    return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
-
-  return jax.lax.platform_dependent(cpu=xla, default=ours)
-
-
-def _outer(lhs, rhs, group_sizes, out_dtype):
-  """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (as _matmul: ours on
-  GPU, XLA's ragged_dot_general on CPU)."""
-  def xla():
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims,
-                                      preferred_element_type=jnp.float32).astype(out_dtype)
-
-  def ours():
-    return grouped_outer(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
-
-  return jax.lax.platform_dependent(cpu=xla, default=ours)
-
-
 def _gemm1(x_recv, w1, group_sizes):
   """Grouped GEMM1 with float32 accumulation and output (the SwiGLU epilogue runs in float32, as in a fused kernel)."""
-  return _matmul(x_recv, w1, group_sizes)
+  return grouped_matmul(x_recv, w1, group_sizes, preferred_element_type=jnp.float32)
 
 
 def _dispatch_and_gemm1(x, gates, w1, plan, cap, info):
@@ -194,11 +169,11 @@ def _expert_block_bwd(cap, info, res, dy):
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   d_out = dispatch(d_slot, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)   # [cap, D] at the experts
   h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
-  dh = _matmul(d_out, w2, plan.expert_rows, transpose_rhs=True)
-  dw2 = _outer(h.astype(w2.dtype), d_out, plan.expert_rows, w2.dtype)
+  dh = grouped_matmul(d_out, w2, plan.expert_rows, transpose_rhs=True, preferred_element_type=jnp.float32)
+  dw2 = grouped_outer(h.astype(w2.dtype), d_out, plan.expert_rows)
   (da,) = swiglu_vjp(dh)
   da = da.astype(x_recv.dtype)
-  dw1 = _outer(x_recv, da, plan.expert_rows, w1.dtype)
+  dw1 = grouped_outer(x_recv, da, plan.expert_rows)
   # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).
   dx, _ = expert_combine(da, w1, jnp.ones_like(gates, jnp.float32), plan, info, want_slots=False, transpose_rhs=True)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)

@@ -6,8 +6,9 @@ laid out by ``ffi/include/jax_moe_overlap/protocol.h`` (recv rows, ret rows, sta
 monotonic counters) plus the per-rank consumer engine, and the custom calls name the workspace by ``handle``.
 
 Workspaces are cached per (devices, axis, sizes): every MoE layer of the same sizes shares one. This is safe because
-each device runs its custom calls one after another in program order, the same order on every rank of a group,
-and every call is one epoch of the protocol. They are released when the process exits.
+each device runs its workspace calls one after another in program order, the same order on every rank of a group
+(on CPU enforced by a token chain, ``ordering.py``; on GPU by the one stream), and every call is one epoch of the
+protocol. They are released when the process exits.
 """
 
 from __future__ import annotations

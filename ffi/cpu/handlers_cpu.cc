@@ -78,7 +78,7 @@ ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext&
 // ---------------------------------------------------------------------------------------------------------------
 // dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out.
 
-ffi::Error DispatchImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
+ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
                         ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
                         ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                         ffi::Result<ffi::AnyBuffer> out, int64_t workspace, int64_t timeout_ms, int32_t delay_rank,
@@ -200,7 +200,7 @@ void CombineRows(const RankView& self, const float* gates, const int32_t* slot_r
   }
 }
 
-ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> gates,
+ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> gates,
                              ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off,
                              ffi::Buffer<ffi::S32> slot_ret_row, ffi::Buffer<ffi::S32> ret_rows_expected,
                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
@@ -294,7 +294,12 @@ ffi::Error ExpertCombineImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<f
 }  // namespace
 }  // namespace jmo::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl, jmo::BindDispatch(ffi::Ffi::Bind()));
+// On CPU both calls take an ordering token first and return one first (jax_moe_overlap/ordering.py): XLA:CPU runs
+// thunks as soon as their operands are ready, several at a time, so two workspace calls with no data between them
+// could start in different orders on different ranks. The token chain (a JAX ordered effect) is the dependency that
+// makes every rank run its workspace calls in the one program order. The tokens carry no data.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl,
+                              jmo::BindDispatch(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpu, jmo::cpu::ExpertCombineImpl,
-                              jmo::BindExpertCombine(ffi::Ffi::Bind()));
+                              jmo::BindExpertCombine(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));

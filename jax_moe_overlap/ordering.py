@@ -1,0 +1,130 @@
+"""CPU: the workspace calls as one JAX *ordered effect*, so that every rank runs them in the one program order.
+
+Why: ``dispatch`` and ``expert_combine`` are collective on a shared workspace (protocol.h): each call is the next
+epoch of every rank, so all ranks of a group must make the same sequence of calls. Inside one program only data
+orders two calls, and two workspace calls need not be connected by data (two independent layers; a layer recomputed
+by remat next to another layer's backward pass). ``jax.ffi.ffi_call(..., has_side_effect=True)`` only keeps a call
+from being removed or merged: XLA:CPU's thunk executor builds its graph from buffer and resource uses alone (custom
+calls declare no resource) and runs ready thunks concurrently, so two such calls can start in different orders on
+different ranks, or overlap on one rank. Rows of one call then land in another (silently wrong results) or a wait
+times out: with plain ``ffi_call``, eight independent dispatches of one program did so in 2 of 3 runs of 400
+repetitions (tests/test_ordering.py now checks the chain in the compiled program and the rows each call delivers).
+
+How: on CPU the calls bind ``workspace_call_p``, whose effect ``WorkspaceEffect`` is ordered. JAX threads a token
+through every primitive with an ordered effect in program (jaxpr) order: across ``shard_map``, ``custom_vjp``
+(forward and backward), loops, conditionals and remat. The lowering makes the token the first operand and first
+result of the custom call, and XLA:CPU orders a thunk after the thunk whose token it takes, so the workspace calls
+of a program form one chain. Every rank runs the same compiled program, hence the same order. The effect is
+*shardable* (each device orders its own calls), the kind of ordered effect JAX allows in multi-device programs.
+Nothing else is ordered: the bare grouped GEMMs and XLA's own work stay free to run concurrently.
+
+Between programs: JAX also threads an ordered effect's token from one dispatched program to the next. We do not
+keep that link for this effect (``_drop_cross_program_token``): each device runs its programs one after another
+anyway (JAX relies on the same total order for its runtime tokens), and the link would carry a failure on: a program
+whose workspace call fails (a timeout, an expert id out of range) returns its token in error, and every later program
+would fail on that input before running, where the library recovers on the next call instead (tests/test_errors.py).
+
+CUDA does not use this: XLA:GPU launches the calls on one stream in program order, and ``primitives.py`` binds plain
+``ffi_call`` there (the CUDA handlers take no token).
+
+This uses JAX internals (``jax._src``: effects, core, mlir lowering, the runtime token set); JAX has no public API for
+a custom ordered effect. ``_drop_cross_program_token`` checks the one method it wraps and fails loudly if it moved.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core
+from jax._src import dispatch
+from jax._src import effects
+from jax._src.interpreters import mlir
+
+
+class WorkspaceEffect(effects.Effect):
+  """Ordered (and shardable) effect of every call on a CPU peer workspace."""
+
+  def __str__(self):
+    return "jax_moe_overlap.workspace"
+
+  __repr__ = __str__
+
+
+workspace_effect = WorkspaceEffect()
+for _set in (effects.ordered_effects, effects.shardable_ordered_effects, effects.lowerable_effects,
+             effects.control_flow_allowed_effects, effects.custom_derivatives_allowed_effects,
+             effects.remat_allowed_effects, effects.partial_eval_kept_effects):
+  _set.add_type(WorkspaceEffect)
+
+
+def _drop_cross_program_token():
+  """JAX stores the token a program returns for each ordered effect and feeds it to the next program; for
+  ``WorkspaceEffect`` keep none, so every program starts from a fresh token (see the module docstring)."""
+  cls = dispatch.RuntimeTokenSet
+  original = getattr(cls, "set_token_result", None)
+  if original is None or not callable(original):
+    raise ImportError("jax_moe_overlap: this JAX has no RuntimeTokenSet.set_token_result; the CPU workspace ordering "
+                      "(jax_moe_overlap/ordering.py) needs updating for it")
+  if getattr(original, "_jmo_wrapped", False):
+    return
+
+  @functools.wraps(original)
+  def set_token_result(self, eff, token):
+    if isinstance(eff, WorkspaceEffect):
+      return
+    original(self, eff, token)
+
+  set_token_result._jmo_wrapped = True
+  cls.set_token_result = set_token_result
+
+
+_drop_cross_program_token()
+
+
+workspace_call_p = core.Primitive("jmo_workspace_call")
+workspace_call_p.multiple_results = True
+dispatch.simple_impl(workspace_call_p)
+
+
+def _abstract_eval(*avals_in, target_name, result_avals, attributes):
+  del avals_in, target_name, attributes
+  return tuple(result_avals), {workspace_effect}
+
+
+workspace_call_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, *operands, target_name, result_avals, attributes):
+  del result_avals
+  token = ctx.tokens_in.get(workspace_effect)
+  tok = core.abstract_token
+  rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True)
+  token_out, *outs = rule(ctx.replace(avals_in=(tok, *ctx.avals_in), avals_out=(tok, *ctx.avals_out)),
+                          token, *operands, **dict(attributes))
+  ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({workspace_effect: token_out})))
+  return outs
+
+
+mlir.register_lowering(workspace_call_p, _lowering, platform="cpu")
+
+
+def workspace_call(target_name: str, result_shape_dtypes, *args, **attributes: Any):
+  """``jax.ffi.ffi_call(target_name, result_shape_dtypes, has_side_effect=True)(*args, **attributes)`` for a CPU
+  workspace call, ordered with every other workspace call of the program (the handler takes a token first and
+  returns one first; see the module docstring).
+
+  ``result_shape_dtypes``: one ``jax.ShapeDtypeStruct`` or a tuple of them (then a tuple comes back).
+  Attributes: numpy scalars (the custom call's attributes).
+  """
+  multiple = isinstance(result_shape_dtypes, (tuple, list))
+  shapes = tuple(result_shape_dtypes) if multiple else (result_shape_dtypes,)
+  result_avals = tuple(core.ShapedArray(s.shape, s.dtype) for s in shapes)
+  for k, v in attributes.items():
+    if not isinstance(v, np.generic):
+      raise TypeError(f"jax_moe_overlap: workspace call attribute {k}={v!r} must be a numpy scalar")
+  outs = workspace_call_p.bind(*args, target_name=target_name, result_avals=result_avals,
+                               attributes=tuple(sorted(attributes.items())))
+  return tuple(outs) if multiple else outs[0]
