@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_combine
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
 from cases import mesh_of, rel_err, routing
@@ -129,12 +130,14 @@ def _raw_call(lhs, w, n_out, transpose_rhs, info):
   """The custom call with no Python-side checks: (y [T, n_out], slot_out [0, n_out]) on device 0 (one rank)."""
   _ffi.register()
   T, k = 4, 2
-  call = jax.ffi.ffi_call(_ffi.EXPERT_COMBINE, (jax.ShapeDtypeStruct((T, n_out), lhs.dtype),
-                                                jax.ShapeDtypeStruct((0, n_out), lhs.dtype)), has_side_effect=True)
+  out_types = (jax.ShapeDtypeStruct((T, n_out), lhs.dtype), jax.ShapeDtypeStruct((0, n_out), lhs.dtype))
   E_l = w.shape[0]
   zeros = lambda *s: jnp.zeros(s, jnp.int32)
-  return call(lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, 1), zeros(E_l, 1), jnp.full((T * k,), -1, jnp.int32),
-              zeros(), zeros(), zeros(), transpose_rhs=transpose_rhs, **info.config.combine_attrs(info.workspace))
+  # The CPU handler takes the workspace ordering token first (ordering.py), so the raw call goes through
+  # workspace_call rather than a bare ffi_call.
+  return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, 1),
+                        zeros(E_l, 1), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
+                        transpose_rhs=np.bool_(transpose_rhs), **info.config.combine_attrs(info.workspace))
 
 
 def test_handler_names_the_shape_problem():
