@@ -21,8 +21,11 @@
 namespace jmo::cuda {
 
 constexpr int kPushChunkBytes = 8192;  // bytes of one bulk copy (a multiple of 16)
-constexpr int kPushMaxSlots = 12;      // ring slots (96 KB of shared memory at most)
-constexpr int kPushReadLag = 4;        // stores whose shared-memory reads may be pending (the rest of the ring loads)
+constexpr int kPushMaxSlots = 24;      // ring slots (192 KB of shared memory at most; the launch's smem decides)
+constexpr int kPushReadLag = 4;        // default: stores whose shared-memory reads may be pending (the rest load)
+// Diagnostics for the next GPU session (the bulk copies measured a flat ~11 GB/s per CTA with 12 slots and a read
+// lag of 2 or 4: consistent with ~3 us per store before its slot frees, i.e. the ring size / store latency bound):
+// JMO_PUSH_SLOTS (2..24, default 12) and JMO_PUSH_READ_LAG (4, 8, 12 or 16) size the ring and its lag per call.
 constexpr int kPushWriteLag = 16;      // stores whose global writes may be pending (128 KiB: ~2 us of store latency)
 constexpr int kPushMaxPending = 32;    // bands with stores issued but not yet reported (at most kPushWriteLag + 1)
 
@@ -74,6 +77,15 @@ __device__ __forceinline__ void WaitStoresRead() {
   __trap();
 #endif
 }
+// WaitStoresRead with a run-time lag among the supported ones (4, 8, 12, 16); returns the lag it used.
+__device__ __forceinline__ int WaitStoresReadLag(int lag) {
+  switch (lag) {
+    case 16: WaitStoresRead<16>(); return 16;
+    case 12: WaitStoresRead<12>(); return 12;
+    case 8: WaitStoresRead<8>(); return 8;
+    default: WaitStoresRead<4>(); return 4;
+  }
+}
 // Orders this thread's generic-proxy view of global memory with its async-proxy (TMA) accesses: after acquiring a
 // producer's flag, before loading what the producer stored; after the stores complete, before the release.
 __device__ __forceinline__ void FenceProxyAsyncGlobal() {
@@ -98,7 +110,8 @@ struct PushBand {
 // completed, in band order. Returns false when ready() gave up; every copy it issued has completed either way (the
 // ring is shared memory that dies with the CTA). Called by one thread.
 template <class ReadyFn, class BandFn, class DoneFn>
-__device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn done_fn, char* smem, int slots) {
+__device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn done_fn, char* smem, int slots,
+                            int read_lag = kPushReadLag) {
   using namespace bulk;
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(smem) + 127) & ~(uintptr_t)127);
   char* ring = reinterpret_cast<char*>(bars) + 128;
@@ -170,10 +183,7 @@ __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn don
     }
     // 3. Slots: all but the newest kPushReadLag stores have read theirs. Completion: all but the newest
     //    kPushWriteLag stores have written; report the bands they finished.
-    if (stored - read > kPushReadLag) {
-      WaitStoresRead<kPushReadLag>();
-      read = stored - kPushReadLag;
-    }
+    if (stored - read > read_lag) read = stored - WaitStoresReadLag(read_lag);
     if (stored - completed > kPushWriteLag) {
       WaitStores<kPushWriteLag>();
       completed = stored - kPushWriteLag;

@@ -426,6 +426,8 @@ struct Policy {
   int32_t serialize;
   int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
   int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand (JMO_CONSUMER_COPY=plain)
+  int32_t push_slots;     // bulk copies: ring slots (JMO_PUSH_SLOTS, default 12)
+  int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot (JMO_PUSH_READ_LAG, default 4)
   int64_t elem_bytes;
 };
 
@@ -713,7 +715,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
            WaitAtLeast(rd, &flags[a.s->band_base + a.b], 0, st.epoch, rd.rank, kStageTileReady);
   };
 #if WGMMA_SM90A
-  const int slots = min(kPushMaxSlots, (pol.smem_bytes - PushRingBytes(0)) / kPushChunkBytes);
+  const int slots = min(pol.push_slots, (pol.smem_bytes - PushRingBytes(0)) / kPushChunkBytes);
   if (pol.bulk_copy && row_bytes % 16 == 0 && slots >= 2) {
     // TMA bulk copies, driven by one thread (bulk_copy.cuh).
     if (threadIdx.x != 0) return;
@@ -732,7 +734,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
       __threadfence_system();
       AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
     };
-    if (StreamBands(count, ready, band_of, done, smem, slots))
+    if (StreamBands(count, ready, band_of, done, smem, slots, pol.push_read_lag))
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
     return;
   }
@@ -1161,6 +1163,11 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   // (benchmarks/RESULTS.md).
   static const bool plain = getenv("JMO_CONSUMER_COPY") != nullptr && std::string(getenv("JMO_CONSUMER_COPY")) == "plain";
   pol.bulk_copy = plain ? 0 : 1;
+  static const int push_slots = std::clamp(getenv("JMO_PUSH_SLOTS") ? atoi(getenv("JMO_PUSH_SLOTS")) : 12, 2,
+                                           kPushMaxSlots);
+  static const int push_read_lag = getenv("JMO_PUSH_READ_LAG") ? atoi(getenv("JMO_PUSH_READ_LAG")) : kPushReadLag;
+  pol.push_slots = push_slots;
+  pol.push_read_lag = push_read_lag;
   pol.elem_bytes = ElemBytes(dt);
   pol.max_ctas = ModelMaxCtas(budget);
   const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, transpose_rhs, lhs, w);
