@@ -58,6 +58,9 @@ def main():
   ap.add_argument("--skews", default="balanced,stress")
   ap.add_argument("--out", default="fused.jsonl")
   ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  ap.add_argument("--impls", default="", help="comma-separated implementations to run (default: all); e.g. "
+                  "'ours,serialized,bare+combine,bare gemm,tokamax' leaves out XLA's dense-masked ragged_dot, which "
+                  "takes most of a big-shape run")
   args = ap.parse_args()
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
   smap = lambda f, n_in, n_out=P(): jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_in, out_specs=n_out,
@@ -100,6 +103,8 @@ def main():
       impls["bare gemm"] = lambda h, w2, g, pl: grouped_matmul(h, w2, pl.expert_rows)
       for rname, rd in ragged.items():
         impls[rname] = lambda h, w2, g, pl, rd=rd: combine(rd(h, w2, pl.expert_rows), slot_row, g)
+      if args.impls:
+        impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
       h, w2, g, pl = arg_sets[0]
       ref = combine(jax.lax.ragged_dot(h.astype(jnp.float32), w2.astype(jnp.float32), pl.expert_rows,
                                        precision=jax.lax.Precision.HIGHEST), slot_row, g)

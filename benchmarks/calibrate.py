@@ -56,7 +56,7 @@ def main(argv=None):
   log = open(args.log, "a") if args.log else None
   t_start = time.time()
   ks = [int(k) for k in args.ks.split(",")]
-  C0, N = 4, 4096
+  N = 4096
   dev = lb.device_info(ks[0], N)  # the engine these shapes run (wgmma 128 x 256 on Hopper, else mma.sync 64 x 128)
   sms, tile_m, tile_n = dev["sms"], dev["tile_m"], dev["tile_n"]
   print(f"calibrating the {dev.get('producer', '?')} producer ({tile_m} x {tile_n} tiles) on {dev['name']}", flush=True)
@@ -70,7 +70,7 @@ def main(argv=None):
   # 1. Tile time vs K: N = 4096, 8 experts, one rank (no push: all SMs produce).
   tile_us = []
   for K in ks:
-    res = lb.run(one_rank + ["--tokens", args.tokens, "--experts", 8, "--k-dim", K, "--n-dim", N, "--consumers", C0],
+    res = lb.run(one_rank + ["--tokens", args.tokens, "--experts", 8, "--k-dim", K, "--n-dim", N],
                  log=log)
     v = timed(res)[0]
     rows = args.tokens * 2

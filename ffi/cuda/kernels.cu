@@ -300,18 +300,11 @@ struct SegTable {
   int32_t remote_bands;           // their bands: [0, remote_bands) is all the consumer pushes
 };
 
-__device__ __forceinline__ int64_t ShflUp64(int64_t v, int d) {
-  return (int64_t)__shfl_up_sync(0xffffffffu, (long long)v, d);
-}
-
 // Inclusive prefix sum of v over the threads of the CTA (in thread order) and the total; every thread calls it.
 // warp_sums: blockDim.x / 32 entries of shared memory (blockDim.x a multiple of 32). Integer sums: exact in any order.
 __device__ int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int64_t* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int64_t a = ShflUp64(v, d);
-    if (lane >= d) v += a;
-  }
+  v = wgmma_gemm::WarpInclusiveSum(v, lane);
   if (lane == 31) warp_sums[warp] = v;
   __syncthreads();
   int64_t before = 0, all = 0;
