@@ -61,6 +61,8 @@ def main():
   ap.add_argument("--impls", default="", help="comma-separated implementations to run (default: all); e.g. "
                   "'ours,serialized,bare+combine,bare gemm,tokamax' leaves out XLA's dense-masked ragged_dot, which "
                   "takes most of a big-shape run")
+  ap.add_argument("--profile", type=int, default=0, metavar="N",
+                  help="no timing: run each implementation N times after its check (for ncu: every kernel of a call)")
   args = ap.parse_args()
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
   smap = lambda f, n_in, n_out=P(): jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_in, out_specs=n_out,
@@ -120,6 +122,10 @@ def main():
             if not errs[iname] < 2e-2:
               notes[iname] = "wrong result, not timed"
               continue
+          if args.profile:
+            for _ in range(args.profile):
+              jax.block_until_ready(fn(*arg_sets[0]))
+            continue
           timed[iname] = common.time_fn(fn, arg_sets) * 1e3
         except Exception as ex:  # pylint: disable=broad-except
           notes[iname] = f"error: {type(ex).__name__}: {str(ex)[:100]}"
