@@ -77,14 +77,16 @@ __device__ __forceinline__ void WaitStoresRead() {
   __trap();
 #endif
 }
-// WaitStoresRead with a run-time lag among the supported ones (4, 8, 12, 16); returns the lag it used.
+// WaitStoresRead with a run-time lag among the supported ones (1, 2, 4, 8, 12, 16; others round down); returns the
+// lag it used. The lag must stay below the ring's slots, or the ring drains completely before each reuse.
 __device__ __forceinline__ int WaitStoresReadLag(int lag) {
-  switch (lag) {
-    case 16: WaitStoresRead<16>(); return 16;
-    case 12: WaitStoresRead<12>(); return 12;
-    case 8: WaitStoresRead<8>(); return 8;
-    default: WaitStoresRead<4>(); return 4;
-  }
+  if (lag >= 16) { WaitStoresRead<16>(); return 16; }
+  if (lag >= 12) { WaitStoresRead<12>(); return 12; }
+  if (lag >= 8) { WaitStoresRead<8>(); return 8; }
+  if (lag >= 4) { WaitStoresRead<4>(); return 4; }
+  if (lag >= 2) { WaitStoresRead<2>(); return 2; }
+  WaitStoresRead<1>();
+  return 1;
 }
 // Orders this thread's generic-proxy view of global memory with its async-proxy (TMA) accesses: after acquiring a
 // producer's flag, before loading what the producer stored; after the stores complete, before the release.

@@ -190,6 +190,7 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   p->timeout_ms = static_cast<uint64_t>(timeout_ns / 1000000);
   p->prod_t0 = p->cons_t0 = ~0ull;
   p->prod_t1 = p->cons_t1 = 0;
+  p->combine_done = 0;
   // An abort raised before this call began: do nothing; the next call's host side recovers and reports.
   p->failed = LoadVolatile(&rd.shared->abort.value) != 0 ? 1 : 0;
   __threadfence();
@@ -197,15 +198,18 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
     ReportBadInput(rd, kBadRankOperands, static_cast<uint64_t>(group_op[0]), rank_op[0], static_cast<uint64_t>(rd.group));
 }
 
-// Closes the call: consumed rows are accounted, then done_epoch = epoch (release) lets peers write again.
-__global__ void EndKernel(RankDev rd, const int32_t* expected, int which) {
+// Closes the call: consumed rows are accounted, then done_epoch = epoch (release) lets peers write again. Run by one
+// thread once every read of the call's recv (which = 0) or ret (which = 1) rows is done.
+__device__ void CloseCall(const RankDev& rd, int64_t expected, int which) {
   if (LoadVolatile(&rd.priv->failed)) return;
   RankControl* ctl = View(rd, rd.rank).control();
   uint64_t* counter = which == 0 ? &ctl->recv_expected.value : &ctl->ret_expected.value;
-  *reinterpret_cast<volatile uint64_t*>(counter) = LoadVolatile(counter) + static_cast<uint64_t>(expected[0]);
+  *reinterpret_cast<volatile uint64_t*>(counter) = LoadVolatile(counter) + static_cast<uint64_t>(expected);
   __threadfence_system();
   StoreReleaseSys(&ctl->done_epoch.value, LoadVolatile(&rd.priv->epoch));
 }
+
+__global__ void EndKernel(RankDev rd, const int32_t* expected, int which) { CloseCall(rd, expected[0], which); }
 
 // Every kernel starts with this: epoch of the call, and whether it already failed.
 struct CallState {
@@ -421,6 +425,7 @@ struct Policy {
   int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand (JMO_CONSUMER_COPY=plain)
   int32_t push_slots;     // bulk copies: ring slots (JMO_PUSH_SLOTS, default 12)
   int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot (JMO_PUSH_READ_LAG, default 4)
+  int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each (JMO_PUSH_ISSUERS)
   int64_t elem_bytes;
 };
 
@@ -708,26 +713,33 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
            WaitAtLeast(rd, &flags[a.s->band_base + a.b], 0, st.epoch, rd.rank, kStageTileReady);
   };
 #if WGMMA_SM90A
-  const int slots = min(pol.push_slots, (pol.smem_bytes - PushRingBytes(0)) / kPushChunkBytes);
+  // Issuers: lane 0 of warps 0..W-1, each streaming every W-th of the CTA's bands through its own ring (a slice of
+  // the dynamic shared memory).
+  const int issuers = max(1, min(pol.push_issuers, (int)(blockDim.x / 32)));
+  const int slots = min(pol.push_slots, (pol.smem_bytes / issuers - PushRingBytes(0)) / kPushChunkBytes);
   if (pol.bulk_copy && row_bytes % 16 == 0 && slots >= 2) {
-    // TMA bulk copies, driven by one thread (bulk_copy.cuh).
-    if (threadIdx.x != 0) return;
+    // TMA bulk copies, driven by `issuers` threads (bulk_copy.cuh).
+    const int w = threadIdx.x / 32;
+    if (threadIdx.x % 32 != 0 || w >= issuers) return;
+    const int mine = count > w ? (count - 1 - w) / issuers + 1 : 0;
+    auto band_at_w = [&](int i) { return band_at(w + i * issuers); };
     auto ready = [&](int i, bool block) {
-      const BandAt a = band_at(i);
+      const BandAt a = band_at_w(i);
       if (block) return wait_ready(a);
       return LoadAcquireSys(&View(rd, a.s->src).control()->done_epoch.value) >= st.epoch - 1 &&
              LoadAcquireSys(&flags[a.s->band_base + a.b]) >= st.epoch;
     };
     auto band_of = [&](int i) {
-      const BandAt a = band_at(i);
+      const BandAt a = band_at_w(i);
       return PushBand{src_of(a), dst_of(a), (int64_t)a.rows * row_bytes};
     };
     auto done = [&](int i) {
-      const BandAt a = band_at(i);
+      const BandAt a = band_at_w(i);
       __threadfence_system();
       AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
     };
-    if (StreamBands(count, ready, band_of, done, smem, slots, pol.push_read_lag))
+    if (StreamBands(mine, ready, band_of, done, smem + (int64_t)w * PushRingBytes(slots), slots,
+                    min(pol.push_read_lag, slots - 1)))
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
     return;
   }
@@ -794,10 +806,12 @@ struct Pack {
 
 // y[t] = sum_j gates[t, j] * ret[slot_ret_row[t k + j]] in the fixed order j = 0..k-1 (deterministic), fp32
 // accumulation; slot_out[p] = ret row of slot p (zero for dropped slots). Each thread owns V consecutive columns.
+// The last CTA to finish closes the call (CloseCall: what EndKernel does for dispatch), so no extra launch.
+constexpr int kCombineThreads = 512;  // one CTA per SM of the rank's budget, like every kernel of a call
 template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const float* gates, const int32_t* slot_ret_row,
-                                                          const int32_t* expected_p, int64_t T_, int64_t k, int64_t N,
-                                                          T* y, T* slot_out) {
+__global__ void __launch_bounds__(kCombineThreads, 1)
+    CombineKernel(RankDev rd, const float* gates, const int32_t* slot_ret_row, const int32_t* expected_p, int64_t T_,
+                  int64_t k, int64_t N, T* y, T* slot_out) {
   __shared__ CallState st;
   LoadCallState(rd, &st);
   if (threadIdx.x == 0 && LoadVolatile(&rd.priv->failed) == 0) {  // thread 0 alone touches st until the barrier
@@ -817,9 +831,11 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
   Pack<T, V> zero;
   for (int i = 0; i < V; ++i) zero.e[i] = FromFloat<T>(0.f);
   // Work items (token t, V columns from n) are numbered t * (N / V) + n / V, so neighbouring threads read neighbouring
-  // columns; each thread takes kItems items a pass, issuing their loads together (a pass of one item per thread was
-  // latency-bound: ~2 dependent loads per token, 132 CTAs).
-  constexpr int kItems = 4;
+  // columns. A thread takes kItems items a pass and reads their rows kJ choices at a time, issuing all kItems x kJ
+  // loads together: the combine is a gather at HBM speed only with enough bytes in flight (ncu, H200, seed shape:
+  // 121 us with 256 threads x 4 items x 1 choice, against XLA's 55 us gather + weighted sum). 512 x 3 x 2 is the most
+  // that fits 128 registers without spills (bf16, V = 8).
+  constexpr int kItems = 3, kJ = 2;
   const int64_t vecs = N / V, items = T_ * vecs, stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; base < items; base += stride * kItems) {
     float acc[kItems][V];
@@ -832,27 +848,37 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[u][i] = 0.f;
     }
-    for (int64_t j = 0; j < k; ++j) {
-      Pack<T, V> v[kItems];
-      int32_t row[kItems];
+    for (int64_t j0 = 0; j0 < k; j0 += kJ) {
+      Pack<T, V> v[kJ][kItems];
+      int32_t row[kJ][kItems];
 #pragma unroll
-      for (int u = 0; u < kItems; ++u) {
-        row[u] = slot_ret_row[t[u] * k + j];
-        if (row[u] >= 0 && row[u] < rd.sizes.ret_rows) v[u].LoadCg(ret + (int64_t)row[u] * N + n[u]);
-      }
+      for (int jj = 0; jj < kJ; ++jj)
 #pragma unroll
-      for (int u = 0; u < kItems; ++u) {
-        const int64_t p = t[u] * k + j;
-        const bool mine = base + u * stride < items;
-        if (row[u] < 0 || row[u] >= rd.sizes.ret_rows) {
-          if (mine && row[u] >= 0 && n[u] == 0) ReportBadInput(rd, kBadRetRow, p, row[u], rd.sizes.ret_rows);
-          if (mine && slot_out) zero.Store(slot_out + p * N + n[u]);
-          continue;
+        for (int u = 0; u < kItems; ++u) row[jj][u] = j0 + jj < k ? slot_ret_row[t[u] * k + j0 + jj] : -1;
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj)
+#pragma unroll
+        for (int u = 0; u < kItems; ++u)
+          if (row[jj][u] >= 0 && row[jj][u] < rd.sizes.ret_rows)
+            v[jj][u].LoadCg(ret + (int64_t)row[jj][u] * N + n[u]);
+#pragma unroll
+      for (int jj = 0; jj < kJ; ++jj) {
+        if (j0 + jj >= k) break;
+#pragma unroll
+        for (int u = 0; u < kItems; ++u) {
+          const int64_t p = t[u] * k + j0 + jj;
+          const bool mine = base + u * stride < items;
+          const int32_t r = row[jj][u];
+          if (r < 0 || r >= rd.sizes.ret_rows) {
+            if (mine && r >= 0 && n[u] == 0) ReportBadInput(rd, kBadRetRow, p, r, rd.sizes.ret_rows);
+            if (mine && slot_out) zero.Store(slot_out + p * N + n[u]);
+            continue;
+          }
+          const float g = gates[p];
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[u][i] += g * ToFloat(v[jj][u].e[i]);
+          if (mine && slot_out) v[jj][u].Store(slot_out + p * N + n[u]);
         }
-        const float g = gates[p];
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[u][i] += g * ToFloat(v[u].e[i]);
-        if (mine && slot_out) v[u].Store(slot_out + p * N + n[u]);
       }
     }
 #pragma unroll
@@ -864,6 +890,12 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(RankDev rd, const floa
       out.Store(y + t[u] * N + n[u]);
     }
   }
+  // Every CTA has read all its ret rows (their values are in y): the last one closes the call.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 &&
+      atomicAdd(reinterpret_cast<unsigned long long*>(&rd.priv->combine_done), 1ull) == gridDim.x - 1ull)
+    CloseCall(rd, expected_p[0], 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1161,6 +1193,8 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   static const int push_read_lag = getenv("JMO_PUSH_READ_LAG") ? atoi(getenv("JMO_PUSH_READ_LAG")) : kPushReadLag;
   pol.push_slots = push_slots;
   pol.push_read_lag = push_read_lag;
+  static const int push_issuers = std::clamp(getenv("JMO_PUSH_ISSUERS") ? atoi(getenv("JMO_PUSH_ISSUERS")) : 1, 1, 8);
+  pol.push_issuers = push_issuers;
   pol.elem_bytes = ElemBytes(dt);
   pol.max_ctas = ModelMaxCtas(budget);
   const char* policy = ConsumerPolicy(ws, c.opts, dt, K, N, transpose_rhs, lhs, w);
@@ -1201,7 +1235,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                    reinterpret_cast<uintptr_t>(slot_out) % 16 == 0;
   auto launch_combine = [&](auto kernel, auto* typed_y) {
     using Ptr = decltype(typed_y);
-    kernel<<<budget, kThreads, 0, c.stream>>>(rd, gates, slot_ret_row, ret_expected, T, k, N, typed_y,
+    kernel<<<budget, kCombineThreads, 0, c.stream>>>(rd, gates, slot_ret_row, ret_expected, T, k, N, typed_y,
                                               static_cast<Ptr>(slot_out));
   };
   if (dt == DType::kBF16)
@@ -1210,9 +1244,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   else
     vec ? launch_combine(CombineKernel<float, 4>, static_cast<float*>(y))
         : launch_combine(CombineKernel<float, 1>, static_cast<float*>(y));
-  if (!(s = LaunchError("launch of CombineKernel")).ok()) return s;
-  EndKernel<<<1, 1, 0, c.stream>>>(rd, ret_expected, 1);
-  return LaunchError("launch of EndKernel");
+  return LaunchError("launch of CombineKernel");
 }
 
 }  // namespace jmo::cuda

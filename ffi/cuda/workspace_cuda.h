@@ -50,6 +50,7 @@ struct RankPrivate {
   uint64_t consumers;    // its consumer CTA count C (pinned, the fixed fallback, or the device-side model's choice)
   uint64_t prod_t0, prod_t1;  // %globaltimer: first producer tile started, last producer tile finished
   uint64_t cons_t0, cons_t1;  // first consumer CTA started pushing (after the serialize wait), last push finished
+  uint64_t combine_done;      // CTAs of the call's CombineKernel that are done (the last one closes the call)
 };
 
 // The per-band tile counters (uint32, zeroed by one memset per call) followed by the count of finished bands of the
