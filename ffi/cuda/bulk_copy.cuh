@@ -9,7 +9,8 @@
 // StreamBands pushes a CTA's bands in order through a ring of shared-memory slots: a band's chunks are loaded only
 // once the band is ready (polled, so one slow band never stops the stores of chunks already loaded), each chunk is
 // stored as soon as its load lands, and a band is reported done only when all of its stores have completed (so the
-// caller can release-add the arrival counter). Everything runs on one thread; the others of the CTA may exit.
+// caller can release-add the arrival counter). One StreamBands runs on one thread; a CTA may run several, each on its
+// own ring and bands (one thread issues ~12 GB/s of bulk copies on the H200 whatever the ring's depth).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,9 +24,10 @@ namespace jmo::cuda {
 constexpr int kPushChunkBytes = 8192;  // bytes of one bulk copy (a multiple of 16)
 constexpr int kPushMaxSlots = 24;      // ring slots (192 KB of shared memory at most; the launch's smem decides)
 constexpr int kPushReadLag = 4;        // default: stores whose shared-memory reads may be pending (the rest load)
-// Diagnostics for the next GPU session (the bulk copies measured a flat ~11 GB/s per CTA with 12 slots and a read
-// lag of 2 or 4: consistent with ~3 us per store before its slot frees, i.e. the ring size / store latency bound):
-// JMO_PUSH_SLOTS (2..24, default 12) and JMO_PUSH_READ_LAG (4, 8, 12 or 16) size the ring and its lag per call.
+// JMO_PUSH_SLOTS (2..24, default 12) and JMO_PUSH_READ_LAG (1..16) size the ring and its lag per call. Measured on the
+// H200 (benchmarks/RESULTS.md, session 4): neither changes the rate of one issuing thread (~11-12 GB/s with 4..24
+// slots, lag 4 or 16); more issuing threads do (push_probe.cu: 1 / 2 / 4 issuers 11.7 / 23.2 / 40.7 GB/s in one CTA),
+// so the consumer runs several StreamBands per CTA, each on its own slice of shared memory (JMO_PUSH_ISSUERS).
 constexpr int kPushWriteLag = 16;      // stores whose global writes may be pending (128 KiB: ~2 us of store latency)
 constexpr int kPushMaxPending = 32;    // bands with stores issued but not yet reported (at most kPushWriteLag + 1)
 

@@ -1193,7 +1193,10 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   static const int push_read_lag = getenv("JMO_PUSH_READ_LAG") ? atoi(getenv("JMO_PUSH_READ_LAG")) : kPushReadLag;
   pol.push_slots = push_slots;
   pol.push_read_lag = push_read_lag;
-  static const int push_issuers = std::clamp(getenv("JMO_PUSH_ISSUERS") ? atoi(getenv("JMO_PUSH_ISSUERS")) : 1, 1, 8);
+  // Issuing threads per consumer CTA (JMO_PUSH_ISSUERS, 1..8): one thread moves ~12 GB/s whatever its ring's depth
+  // (push_probe.cu on the H200: 11.7 / 23.2 / 40.7 GB/s for 1 / 2 / 4 issuers in one CTA; bench_consumer at R = 2,
+  // C = 16 per rank: 257 / 574 / 357 GB/s for 1 / 4 / 8, the 8 rings being 3 slots each), so 4.
+  static const int push_issuers = std::clamp(getenv("JMO_PUSH_ISSUERS") ? atoi(getenv("JMO_PUSH_ISSUERS")) : 4, 1, 8);
   pol.push_issuers = push_issuers;
   pol.elem_bytes = ElemBytes(dt);
   pol.max_ctas = ModelMaxCtas(budget);

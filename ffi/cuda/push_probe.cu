@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
         time(name, [&] { BulkKernel<<<C, 32 * W, smem, st>>>(src, dst, bands, W, slots); });
       }
     }
-    for (int T : {256, 1024}) {
+    for (int T : {256, 512}) {
       snprintf(name, sizeof name, "band C=%d T=%d", C, T);
       time(name, [&] { BandKernel<<<C, T, 0, st>>>(src, dst, bands); });
     }
