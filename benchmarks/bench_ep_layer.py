@@ -15,18 +15,44 @@ xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_loca
                 per local expert, all_to_all back, combine. C = T_local (dropless worst case) unless
                 --capacity-factor (a number: ceil(cf T_local k / E); 'fit': the largest (rank, expert) count of these
                 inputs, so nothing drops).
-serialized      not measured yet: needs a kernel mode that waits for the whole GEMM before pushing (TODO hook).
-ideal           not measured yet: needs compute-alone and communication-alone timings of our kernels (TODO hook).
+serialized      ours with CallConfig(serialize=True): expert_combine's consumer starts pushing only after the producer
+                has finished the whole GEMM (every expert_combine of the pass: GEMM2 forward, dx backward). Same
+                kernels, same results, no overlap: the baseline the overlap is measured against.
+ideal           max(compute alone, communication alone), both measured in the same run on the same inputs (two extra
+                rows, compute_alone and comm_alone, then the ideal row):
+                compute_alone  the expert work of ours with no inter-rank traffic: on every rank, expert_mlp
+                               (primitives.py; GEMM1 + SwiGLU + GEMM2 through our grouped GEMMs, for fwd+bwd also the
+                               backward GEMMs dh, dW2, dW1, dx as in ours' backward pass) on rows it already holds,
+                               with ours' per-rank group sizes (the plan of these routings; the rows are copies of the
+                               rank's own tokens, prepared untimed). GEMM2 and dx run as grouped_matmul (the producer's
+                               tile engine on every SM), where ours runs them in expert_combine on the SMs the consumer
+                               leaves: compute alone is a lower bound for ours' compute. Excluded: the dispatches, the
+                               plan's count all_gather and the final combine (they are not expert compute).
+                comm_alone     ours (dispatch + expert_combine, the same plan, the same D-wide rows both ways: the same
+                               bytes; for fwd+bwd also the backward's dispatch and dx return) with the expert width F
+                               shrunk to 64 (the narrowest width the wgmma engine takes), so the GEMMs are <= 64/F of
+                               the real ones. Checked against the reference on those shrunk weights. Its consumer
+                               CTAs are chosen as for ours (CallConfig.consumer_ctas = 0); a calibrated resource
+                               manager may give this GEMM-light call more of them than ours gets: then comm_alone is
+                               a lower bound for moving these bytes on our engine. NCCL's ragged_all_to_all moves the
+                               same bytes in the xla_ragged row (with its GEMMs).
+                The ideal row reports compute_ms, comm_ms, ms = ideal_ms = max of the two, overlap_eff =
+                (serialized - ours) / min(compute, comm) (1: the shorter of the two is fully hidden; needs the
+                serialized row) and ours/ideal (1: perfect overlap at no cost).
 
 Nothing is timed before it agrees with ``moe_experts(impl="reference")`` on the same inputs (the reference in float32,
 in token chunks when the dense oracle would not fit): relative error (Frobenius) of y and, for fwd+bwd, of the
 gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for bfloat16, 1e-4 for
-float32). Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is faster), and the bytes the two
-all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd, whose backward has the same two
-transfers; logical payload: the padded path moves more) with the rate that makes of the layer time.
+float32). The probes of the ideal are checked as far as they can be: comm_alone against the reference on its shrunk
+weights; compute_alone (which computes on copies of tokens) by its group sizes, the routing's rows per (rank, local
+expert) counted on the host, and finite outputs. Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is
+faster), and the bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd,
+whose backward has the same two transfers; logical payload: the padded path moves more) with the rate that makes of
+the layer time.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python3 benchmarks/bench_ep_layer.py --quick   # CPU try-out
-  python3 benchmarks/bench_ep_layer.py --shapes 'seed T=8192' --out $OUT/ep_layer.jsonl             # 4 GPUs
+  python3 benchmarks/bench_ep_layer.py --shapes 'seed T=8192' --out $OUT/ep_layer.jsonl             # all GPUs
+  bash benchmarks/run_multi_gpu.sh     # the one-call device run: build, links, GPU tests, a shape subset, training
 
 The default list is 54 shapes (48 seed-sweep, 3 Mixtral-like, 3 DeepSeek-like), more than one 10-minute device
 command holds: select subsets with --shapes (a regex on "name skew") and --impls. --tokens-per-rank N runs the same
@@ -38,11 +64,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
+import signal
 import time
 import sys
+from typing import NamedTuple
 
 if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   # Virtual CPU devices for a CPU try-out: --devices N, else 4. Only the host platform is affected, so on a GPU
@@ -59,7 +88,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402  pylint: disable=g-imp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jax_moe_overlap.primitives import swiglu  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_moe_overlap import plan as plan_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_moe_overlap.primitives import expert_mlp, swiglu  # noqa: E402  pylint: disable=wrong-import-position
 
 AXIS = "expert"
 
@@ -282,19 +312,69 @@ def dense_bytes_per_rank(shape: Shape, R: int, C: int, itemsize: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Hooks for what cannot be measured from Python yet
+# ours, serialized, and the probes of the ideal (compute alone, communication alone)
+
+COMM_PROBE_F = 64     # expert width of the communication probe: K and N % 64 == 0 keep the wgmma engine
 
 
-def measure_serialized(*_):
-  """TODO(issue 7): our kernels with the push held back until the whole GEMM is done (a kernel mode)."""
-  return None, "not measured: needs a CallConfig/kernel mode in which expert_combine waits for the whole grouped GEMM " \
-               "before the consumer pushes (serialized compute then communication)"
+def ours_layer(mesh, config: jmo.CallConfig = jmo.CallConfig()):
+  """moe_experts(impl="overlap") as a function of global arrays -> y; ``config`` e.g. CallConfig(serialize=True)."""
+  return lambda *a: jmo.moe_experts(*a, mesh=mesh, impl="overlap", config=config)[0]
 
 
-def measure_ideal(*_):
-  """TODO(issue 7): max(compute alone, communication alone) of our kernels."""
-  return None, "not measured: needs compute-alone (producer GEMM without pushes) and communication-alone " \
-               "(consumer pushes without the GEMM) timings of expert_combine, i.e. two kernel modes"
+@functools.partial(jax.jit, static_argnums=(1,))
+def _shrink_experts(ws, f: int):
+  """(w1 [E, D, 2F], w2 [E, F, D]) -> ([E, D, 2f], [E, f, D]): the first f columns of w1's gate and up halves."""
+  w1, w2 = ws
+  F = w2.shape[1]
+  return jnp.concatenate([w1[..., :f], w1[..., F:F + f]], axis=-1), w2[:, :f]
+
+
+def comm_probe_args(args, f: int = COMM_PROBE_F):
+  """The layer's inputs (x, ids, gates, w1, w2, ct) with the expert width F shrunk to min(f, F): ours on them moves
+  the same rows (the routing, x and D are unchanged) with next to no GEMM work."""
+  x, ids, gates, w1, w2, ct = args
+  w1s, w2s = _shrink_experts((w1, w2), min(f, w2.shape[1]))
+  return x, ids, gates, w1s, w2s, ct
+
+
+def compute_probe(mesh, shape: Shape, want_grads: bool):
+  """(prepare, fn) of the compute-alone probe on global arrays.
+
+  prepare(x, ids) -> (x_recv [R cap, D], group_sizes [R E_local] int32), sharded over the mesh: per rank, ``cap``
+  (ours' static recv rows) copies of its own tokens and the rows per local expert of ours' plan for these routings.
+  fn(x_recv, group_sizes, w1, w2) -> expert_mlp's [R cap, D] output, or for fwd+bwd its gradients wrt x_recv, w1,
+  w2 for the cotangent x_recv (any [cap, D] data does).
+  """
+  R = mesh.shape[AXIS]
+  E, k, T_l = shape.experts, shape.k, shape.tokens_per_rank
+  cap_e = plan_lib.expert_capacity(T_l, R, k, E, None)
+  cap = plan_lib.recv_capacity(T_l, R, k, E // R, cap_e)
+  spec = P(AXIS)
+
+  def local_prepare(x, ids):
+    counts = plan_lib.local_counts(ids, E).reshape(R, E // R)
+    counts_all = jax.lax.all_gather(counts, AXIS)                    # [src, dest, e], as ours
+    plan = plan_lib.make_plan(ids, counts_all, jax.lax.axis_index(AXIS).astype(jnp.int32), cap_e)
+    return jnp.tile(x, (-(-cap // x.shape[0]), 1))[:cap], plan.expert_rows
+
+  def local_mlp(x_recv, group_sizes, w1, w2):
+    return expert_mlp(x_recv, w1, w2, group_sizes)
+
+  mlp = jax.shard_map(local_mlp, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
+
+  def grads(x_recv, group_sizes, w1, w2):
+    _, vjp = jax.vjp(lambda a, b, c: mlp(a, group_sizes, b, c), x_recv, w1, w2)
+    return vjp(x_recv)
+
+  prepare = jax.jit(jax.shard_map(local_prepare, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+                                  check_vma=False))
+  return prepare, jax.jit(grads if want_grads else mlp)
+
+
+def recv_rows_per_expert(ids: np.ndarray, R: int, E: int) -> np.ndarray:
+  """[R, E_local] rows each rank receives per local expert (dropless), counted on the host: the probe's check."""
+  return np.bincount(ids.ravel(), minlength=E).reshape(R, E // R)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -359,17 +439,57 @@ def reference_results(mesh, args, want_grads: bool, max_bytes: float = 2 ** 32):
   return jnp.concatenate(ys), None
 
 
-def check(fn, args, expected, rtol: float) -> tuple[bool, str]:
-  """Runs fn once on args, compares every output with expected; (ok, text)."""
+class Verdict(NamedTuple):
+  """A check's outcome: ok, its text, and the seconds of the call checked (what --max-call-s compares)."""
+
+  ok: bool
+  text: str
+  call_s: float = 0.0
+
+
+def check(fn, args, expected, rtol: float) -> Verdict:
+  """Runs fn once on args, compares every output with expected."""
+  t0 = time.perf_counter()
   try:
-    got = fn(*args)
+    got = jax.block_until_ready(fn(*args))
   except Exception as e:  # pylint: disable=broad-except
-    return False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return Verdict(False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+  call_s = time.perf_counter() - t0
   got = got if isinstance(got, tuple) else (got,)
   errs = [rel_err(g, w) for g, w in zip(got, expected)]
   worst = max(errs)
-  text = "rel err " + "/".join(f"{e:.1e}" for e in errs)
-  return worst <= rtol, text
+  return Verdict(worst <= rtol, "rel err " + "/".join(f"{e:.1e}" for e in errs), call_s)
+
+
+def verdicts(mesh, fns: dict, arg_sets, want_grads: bool, rtol: float) -> dict:
+  """{name: Verdict} of every fn on every input set (their routings differ) against the reference, one set's
+  reference at a time (the float32 reference gradients of w1 and w2 can be tens of GB); a failure sticks. call_s is
+  that of the last set's call (compiled by then: the first set's call compiles fn)."""
+  out = {n: Verdict(True, "") for n in fns}
+  for a in arg_sets:
+    y_ref, g_ref = reference_results(mesh, a, want_grads)
+    want = (y_ref,) if not want_grads else g_ref
+    for n, fn in fns.items():
+      if out[n].ok:
+        out[n] = check(fn, a, want, rtol)
+    del y_ref, g_ref, want
+  return out
+
+
+def compute_probe_verdict(fn, sets, ids_np, R: int, E: int) -> Verdict:
+  """The compute probe's check: its group sizes are the routings' recv rows per (rank, local expert), and fn runs on
+  the first set with finite outputs (there is no reference for copies of tokens). call_s 0: that one call compiles
+  fn, and the probe is our GEMMs alone, never the slow one of a sweep."""
+  for (_, gs, *_), ids in zip(sets, ids_np):
+    if not np.array_equal(np.asarray(gs).reshape(R, E // R), recv_rows_per_expert(ids, R, E)):
+      return Verdict(False, "its group sizes differ from the rows the routing sends each (rank, local expert)")
+  try:
+    outs = jax.tree.leaves(fn(*sets[0]))
+  except Exception as e:  # pylint: disable=broad-except
+    return Verdict(False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+  if not all(bool(jnp.all(jnp.isfinite(o))) for o in outs):
+    return Verdict(False, "non-finite output")
+  return Verdict(True, "group sizes = the routings' recv rows")
 
 
 def compile_error(fn, args) -> str | None:
@@ -389,7 +509,7 @@ def implementations(mesh, ids_np, shape: Shape, args, capacity_factor, ragged_bu
                     max_dense_gib: float):
   """{name: (fn on global arrays, None) or (None, reason it is skipped)}; check-only entries end in '[emulated]'."""
   R = mesh.shape[AXIS]
-  impls = {"ours": (lambda *a: jmo.moe_experts(*a, mesh=mesh, impl="overlap")[0], None)}
+  impls = {"ours": (ours_layer(mesh), None), "serialized": (ours_layer(mesh, jmo.CallConfig(serialize=True)), None)}
   rows = max(ragged_recv_rows(i, R, shape.experts, ragged_buffer) for i in ids_np)
   grouped = {"xla_ragged": jax.lax.ragged_dot}
   tokamax_fn, why = common.tokamax_ragged_dot()
@@ -440,6 +560,9 @@ def parse_args(argv=None):
   ap.add_argument("--max-dense-gib", type=float, default=48.0)
   ap.add_argument("--rtol", type=float, default=None, help="default 1e-2 (bfloat16) / 1e-4 (float32)")
   ap.add_argument("--check-only", action="store_true", help="correctness checks, no timing")
+  ap.add_argument("--max-call-s", type=float, default=None,
+                  help="do not time an implementation whose checked call took longer than this (seconds): keeps a "
+                       "time-limited sweep going past a pathologically slow one (reported as skipped, with the time)")
   ap.add_argument("--out", default="ep_layer.jsonl")
   a = ap.parse_args(argv)
   known = {"ours", "xla_ragged", "tokamax_ragged", "xla_dense_a2a", "serialized", "ideal"}
@@ -452,8 +575,93 @@ def parse_args(argv=None):
   return a
 
 
-def run(args, *, timing: bool = True):
-  """Checks (and unless ``timing`` is False, times) every selected shape; returns the Table."""
+COLUMNS = ["shape", "skew", "pass", "impl", "ms", "vs_ours", "a2a_MB", "a2a_GBps", "compute_ms", "comm_ms",
+           "overlap_eff", "ours/ideal", "check"]
+
+
+@dataclasses.dataclass
+class Pass:
+  """One pass ("fwd" or "fwd+bwd") of one shape: its rows go to ``table``; ``ms`` keeps what was timed, by impl."""
+
+  table: common.Table
+  shape: Shape
+  name: str
+  a2a_bytes: int          # logical payload of the pass's all-to-alls
+  rtol: float
+  timing: bool
+  max_call_s: float | None = None   # an impl whose checked call took longer is not timed
+  ms: dict = dataclasses.field(default_factory=dict)
+
+  def add(self, impl: str, **cells):
+    """Adds the row of ``impl``: the shape's cells, a2a_MB, then ``cells``; every other column empty."""
+    row = dict.fromkeys(COLUMNS, "")
+    row.update(shape=self.shape.name, skew=self.shape.skew, impl=impl, a2a_MB=f"{self.a2a_bytes / 1e6:.4g}")
+    row["pass"] = self.name
+    row.update(cells)
+    self.table.add(**row)
+
+  def measure(self, impl: str, fn, arg_sets, verdict: Verdict, moves_bytes: bool = True) -> float | None:
+    """Times fn over arg_sets unless its check failed (then: excluded) or its checked call was slower than
+    max_call_s (then: skipped); adds its row; returns the ms, or None if untimed."""
+    ok, text, call_s = verdict
+    a2a = {} if moves_bytes else dict(a2a_MB="")
+    if not ok:
+      print(f"  {impl}: EXCLUDED from timing, disagrees with the reference ({text}; rtol {self.rtol})")
+      self.add(impl, ms="excluded", check=f"FAIL {text}", **a2a)
+      return None
+    if impl.endswith("[emulated]") or not self.timing:
+      self.add(impl, ms="check only", check=f"ok {text}", **a2a)
+      return None
+    if self.max_call_s and call_s > self.max_call_s:
+      text = f"ok {text}; not timed: one call took {call_s:.1f} s (> --max-call-s {self.max_call_s:g})"
+      print(f"  {impl}: {text}")
+      self.add(impl, ms="skipped", check=text, **a2a)
+      return None
+    try:
+      ms = common.time_fn(fn, arg_sets) * 1e3
+    except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory: keep the rest of the sweep)
+      text = f"error while timing: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+      print(f"  {impl}: {text}")
+      self.add(impl, ms="error", check=text, **a2a)
+      return None
+    self.ms[impl] = ms
+    base = self.ms.get("ours")
+    self.add(impl, ms=f"{ms:.3f}", vs_ours=f"{ms / base:.2f}" if base else "", check=f"ok {text}",
+             a2a_GBps=f"{self.a2a_bytes / ms / 1e6:.4g}" if moves_bytes else "", **a2a)
+    return ms
+
+
+def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
+  """The compute_alone, comm_alone and ideal rows of pass p (the module docstring says what each measures)."""
+  want_grads = p.name == "fwd+bwd"
+  R = mesh.shape[AXIS]
+  prepare, fn = compute_probe(mesh, p.shape, want_grads)
+  sets = [prepare(x, ids) + (w1, w2) for x, ids, _, w1, w2, _ in arg_sets]
+  compute = p.measure("compute_alone", fn, sets, compute_probe_verdict(fn, sets, ids_np, R, p.shape.experts),
+                      moves_bytes=False)
+  del sets
+  comm_sets = [comm_probe_args(a) for a in arg_sets]
+  comm_fn = (grad_fn if want_grads else fwd_fn)(ours_layer(mesh))
+  verdict = verdicts(mesh, {"comm": comm_fn}, comm_sets, want_grads, p.rtol)["comm"]
+  comm = p.measure("comm_alone", comm_fn, comm_sets,
+                   verdict._replace(text=f"{verdict.text} (F={comm_sets[0][4].shape[1]})"))
+  del comm_sets
+  if compute is None or comm is None:
+    p.add("ideal", a2a_MB="", ms="check only" if not p.timing else "not measured",
+          check="max(compute_alone, comm_alone): needs both timed")
+    return
+  ideal = max(compute, comm)
+  ours, serialized = p.ms.get("ours"), p.ms.get("serialized")
+  p.add("ideal", a2a_MB="", ms=f"{ideal:.3f}", vs_ours=f"{ideal / ours:.2f}" if ours else "",
+        compute_ms=f"{compute:.3f}", comm_ms=f"{comm:.3f}",
+        overlap_eff=f"{(serialized - ours) / min(compute, comm):.2f}" if ours and serialized else "",
+        check=f"max(compute_alone, comm_alone): {'communication' if comm >= compute else 'compute'}-bound",
+        **{"ours/ideal": f"{ours / ideal:.2f}" if ours else ""})
+
+
+def run(args, *, timing: bool = True, table: common.Table | None = None):
+  """Checks (and unless ``timing`` is False, times) every selected shape; returns the Table (``table``, when given:
+  its rows so far survive an interruption)."""
   mesh = make_mesh(args.devices)
   R = mesh.shape[AXIS]
   dtype = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
@@ -462,9 +670,7 @@ def run(args, *, timing: bool = True):
   itemsize = jnp.dtype(dtype).itemsize
   wanted = set(args.impls.split(",")) | {"ours"} if args.impls else None
   print(f"mesh: {R} x {jax.devices()[0].device_kind} on axis {AXIS!r}; dtype {jnp.dtype(dtype).name}; rtol {rtol}")
-  for hook in (measure_serialized, measure_ideal):
-    print(f"{hook.__name__[len('measure_'):]}: {hook()[1]}")
-  table = common.Table(["shape", "skew", "pass", "impl", "ms", "vs_ours", "a2a_MB", "a2a_GBps", "check"])
+  table = table if table is not None else common.Table(COLUMNS)
   for shape in shapes(args.quick):
     if args.tokens_per_rank:
       shape = dataclasses.replace(shape, tokens_per_rank=args.tokens_per_rank)
@@ -482,60 +688,36 @@ def run(args, *, timing: bool = True):
     print(f"\n{shape} R={R} T_global={T}: {sizes} (started at {time.strftime('%H:%M:%S')})")
     for pname in args.passes.split(","):
       want_grads = pname == "fwd+bwd"
-      a2a_bytes = fwd_bytes * (2 if want_grads else 1)       # the backward pass has the same two transfers
+      # The backward pass has the same two transfers.
+      p = Pass(table, shape, pname, fwd_bytes * (2 if want_grads else 1), rtol, timing, args.max_call_s)
       selected = {n: v for n, v in impls.items() if not wanted or n.split("[")[0] in wanted}
       fns = {n: (fwd_fn(f) if not want_grads else grad_fn(f)) for n, (f, _) in selected.items() if f is not None}
-      # Every input set that will be timed is checked (their routings differ), one set's reference at a time (the
-      # float32 reference gradients of w1 and w2 can be tens of GB).
-      verdict = {n: (True, "") for n in fns}
-      for a in arg_sets:
-        y_ref, g_ref = reference_results(mesh, a, want_grads)
-        want = (y_ref,) if not want_grads else g_ref
-        for n, fn in fns.items():
-          if verdict[n][0]:
-            verdict[n] = check(fn, a, want, rtol)
-        del y_ref, g_ref, want
-      base = None
+      verdict = verdicts(mesh, fns, arg_sets, want_grads, rtol)
       for iname, (f, reason) in selected.items():
-        row = dict(shape=shape.name, skew=shape.skew, **{"pass": pname}, impl=iname,
-                   a2a_MB=f"{a2a_bytes / 1e6:.4g}", vs_ours="", a2a_GBps="")
         if f is None:
           print(f"  {iname}: {reason}")
-          table.add(**row, ms="skipped", check=reason[:120])
-          continue
-        fn = fns[iname]
-        ok, text = verdict[iname]
-        if not ok:
-          print(f"  {iname}: EXCLUDED from timing, disagrees with the reference ({text}; rtol {rtol})")
-          table.add(**row, ms="excluded", check=f"FAIL {text}")
-          continue
-        if iname.endswith("[emulated]") or not timing:
-          table.add(**row, ms="check only", check=f"ok {text}")
-          continue
-        try:
-          ms = common.time_fn(fn, arg_sets) * 1e3
-        except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory: keep the rest of the sweep)
-          text = f"error while timing: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-          print(f"  {iname}: {text}")
-          table.add(**row, ms="error", check=text)
-          continue
-        if iname == "ours":
-          base = ms
-        row.update(ms=f"{ms:.3f}", vs_ours=f"{ms / base:.2f}" if base else "",
-                   a2a_GBps=f"{a2a_bytes / ms / 1e6:.4g}", check=f"ok {text}")
-        table.add(**row)
-      for hook in (measure_serialized, measure_ideal):
-        name = hook.__name__[len("measure_"):]
-        if not wanted or name in wanted:
-          table.add(shape=shape.name, skew=shape.skew, **{"pass": pname}, impl=name, ms="not measured",
-                    vs_ours="", a2a_MB="", a2a_GBps="", check=hook()[1][:120])
+          p.add(iname, ms="skipped", check=reason[:120])
+        else:
+          p.measure(iname, fns[iname], arg_sets, verdict[iname])
+      if not wanted or "ideal" in wanted:
+        measure_ideal(p, mesh, arg_sets, ids_np)
   return table
 
 
 def main(argv=None):
+  """Runs the sweep; on SIGTERM (``timeout``'s signal in a time-limited device run) it stops and still writes --out
+  and prints the table of the rows done so far."""
   args = parse_args(argv)
-  table = run(args, timing=not args.check_only)
-  table.finish(args.out)
+  table = common.Table(COLUMNS)
+
+  def stop(signum, _):
+    raise SystemExit(f"bench_ep_layer: stopped by signal {signum}: writing the rows done so far")
+
+  signal.signal(signal.SIGTERM, stop)
+  try:
+    run(args, timing=not args.check_only, table=table)
+  finally:
+    table.finish(args.out)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class Table:
 
   def add(self, **kw):
     self.rows.append(kw)
-    print("  " + "  ".join(f"{c}={kw.get(c)}" for c in self.columns), flush=True)
+    print("  " + "  ".join(f"{c}={kw[c]}" for c in self.columns if kw.get(c) not in (None, "")), flush=True)
 
   def render(self) -> str:
     cells = [[str(r.get(c, "")) for c in self.columns] for r in self.rows]

@@ -11,12 +11,7 @@ OUT=${OUT:-/tmp/jmo-suite-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 T_TESTS=${T_TESTS:-150} T_LAYER=${T_LAYER:-75} T_FUSED=${T_FUSED:-50} T_GEMM=${T_GEMM:-80} T_CONSUMER=${T_CONSUMER:-0}
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  # tokamax imports xprof only for its own profiling helpers: a stub module is enough for benchmarking.
-  mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
-  echo 'get_kernel_stats_tool = None' > /tmp/site/xprof/cli/tools.py
-fi
+source benchmarks/tokamax_wheels.sh
 [ "$T_TESTS" = 0 ] || timeout "$T_TESTS" bash tests/gpu/run_device.sh -k "not racecheck and not synccheck" 2>&1 | tail -25
 export PYTHONPATH=$PWD:/tmp/site JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 python3 -c "from jax_moe_overlap import _jmo as m; print('producer', m.cuda_producer_path(True, 2048, 4096), \

@@ -12,6 +12,8 @@ All functions here run *per rank*, inside ``shard_map`` over the expert-parallel
 * ``expert_block``: dispatch -> grouped GEMM1 + SwiGLU -> expert_combine, with a ``custom_vjp`` whose backward pass
   uses the same two custom calls: ``gates*dy`` is dispatched like tokens, and ``dx`` is ``expert_combine`` of the
   GEMM1 input gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no copy) and unit gates.
+* ``expert_mlp``: the same GEMMs on rows a rank already holds, no custom call that talks to a peer (the
+  benchmarks' compute-alone measurement).
 """
 
 from __future__ import annotations
@@ -194,6 +196,21 @@ def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
   return y, (x_recv, a, slot_out, gates, w1, w2, plan)
 
 
+def _expert_grads(x_recv, a, d_out, w1, w2, group_sizes):
+  """The local backward GEMMs of GEMM1 + SwiGLU + GEMM2 on a rank's recv rows, all but the input gradient.
+
+  x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D,
+  2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes).
+  """
+  h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
+  dh = _matmul(d_out, w2, group_sizes, transpose_rhs=True)
+  dw2 = _outer(h.astype(w2.dtype), d_out, group_sizes, w2.dtype)
+  (da,) = swiglu_vjp(dh)
+  da = da.astype(x_recv.dtype)
+  dw1 = _outer(x_recv, da, group_sizes, w1.dtype)
+  return da, dw1, dw2
+
+
 def _expert_block_bwd(cap, info, res, dy):
   x_recv, a, slot_out, gates, w1, w2, plan = res
   T, k = gates.shape
@@ -201,12 +218,7 @@ def _expert_block_bwd(cap, info, res, dy):
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   d_out = dispatch(d_slot, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)   # [cap, D] at the experts
-  h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
-  dh = _matmul(d_out, w2, plan.expert_rows, transpose_rhs=True)
-  dw2 = _outer(h.astype(w2.dtype), d_out, plan.expert_rows, w2.dtype)
-  (da,) = swiglu_vjp(dh)
-  da = da.astype(x_recv.dtype)
-  dw1 = _outer(x_recv, da, plan.expert_rows, w1.dtype)
+  da, dw1, dw2 = _expert_grads(x_recv, a, d_out, w1, w2, plan.expert_rows)
   # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).
   dx, _ = expert_combine(da, w1, jnp.ones_like(gates, jnp.float32), plan, info, want_slots=False, transpose_rhs=True)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)
@@ -214,3 +226,36 @@ def _expert_block_bwd(cap, info, res, dy):
 
 
 expert_block.defvjp(_expert_block_fwd, _expert_block_bwd)
+
+
+@jax.custom_vjp
+def expert_mlp(x_recv, w1, w2, group_sizes):
+  """One rank's expert work on rows it already holds, with no communication: expert_block minus its custom calls.
+
+  GEMM1 + SwiGLU + GEMM2 through the grouped GEMMs of expert_block (GEMM2 as ``grouped_matmul``, the tile engine of
+  expert_combine's producer, on every SM), and under ``jax.grad`` expert_block's backward GEMMs, the input gradient
+  ``da @ W1^T`` as ``grouped_matmul``. The benchmarks' "compute alone" (bench_ep_layer.py).
+
+  Args:
+    x_recv: [cap, D] rows grouped by local expert (float32 or bfloat16). w1: [E_local, D, 2F]; w2: [E_local, F, D].
+    group_sizes: [E_local] int32 rows per local expert (their sum <= cap).
+  Returns:
+    [cap, D] in x_recv's dtype; rows past the last group are zero.
+  """
+  return _expert_mlp_fwd(x_recv, w1, w2, group_sizes)[0]
+
+
+def _expert_mlp_fwd(x_recv, w1, w2, group_sizes):
+  a = _gemm1(x_recv, w1, group_sizes)
+  out = _matmul(swiglu(a).astype(x_recv.dtype), w2, group_sizes, out_dtype=x_recv.dtype)
+  return out, (x_recv, a, w1, w2, group_sizes)
+
+
+def _expert_mlp_bwd(res, d_out):
+  x_recv, a, w1, w2, group_sizes = res
+  da, dw1, dw2 = _expert_grads(x_recv, a, d_out, w1, w2, group_sizes)
+  dx = _matmul(da, w1, group_sizes, transpose_rhs=True, out_dtype=x_recv.dtype)
+  return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)

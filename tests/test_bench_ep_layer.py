@@ -1,11 +1,14 @@
-"""benchmarks/bench_ep_layer.py's correctness check (not its timing) for the quick shape on 4 CPU devices: ours and
+"""benchmarks/bench_ep_layer.py's correctness check for the quick shape on 4 CPU devices: ours, serialized and
 xla_dense_a2a agree with the reference; xla_ragged is skipped on CPU (no ragged_all_to_all in XLA:CPU) with its
-reason, and its offset logic agrees through the all_gather emulation of ragged_all_to_all."""
+reason, and its offset logic agrees through the all_gather emulation of ragged_all_to_all; the probes of the ideal
+(compute_alone, comm_alone) pass their checks, and the ideal row is derived from the timed rows as documented."""
 
+import functools
 import pathlib
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -21,7 +24,8 @@ def rows():
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("impl", ["ours", "xla_dense_a2a", "xla_ragged[emulated]"])
+@pytest.mark.parametrize("impl", ["ours", "serialized", "xla_dense_a2a", "xla_ragged[emulated]", "compute_alone",
+                                  "comm_alone"])
 def test_agrees_with_reference(rows, pass_, impl):
   r = rows[(pass_, impl)]
   assert r["check"].startswith("ok "), r
@@ -37,12 +41,67 @@ def test_ragged_skipped_on_cpu_with_reason(rows, pass_):
   assert "ragged_all_to_all" in r["check"] and "cpu" in r["check"], r
 
 
-def test_wrong_code_is_excluded(monkeypatch):
-  """A layer that disagrees with the reference is reported as excluded, never timed."""
+def test_wrong_code_is_excluded_and_slow_code_skipped(monkeypatch):
+  """A layer that disagrees with the reference is reported as excluded, never timed; one whose checked call took
+  longer than --max-call-s as skipped, with its check."""
   real = bench_ep_layer.dense_a2a_layer
   monkeypatch.setattr(bench_ep_layer, "dense_a2a_layer",
                       lambda mesh, c: (lambda *a: real(mesh, c)(*a) * 1.01))
-  args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "xla_dense_a2a"])
-  table = bench_ep_layer.run(args, timing=True)
-  r = {x["impl"]: x for x in table.rows}["xla_dense_a2a"]
+  args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "xla_dense_a2a",
+                                    "--max-call-s", "1e-9"])
+  rows = {x["impl"]: x for x in bench_ep_layer.run(args, timing=True).rows}
+  r = rows["xla_dense_a2a"]
   assert r["ms"] == "excluded" and r["check"].startswith("FAIL"), r
+  r = rows["ours"]
+  assert r["ms"] == "skipped" and r["check"].startswith("ok rel err") and "--max-call-s" in r["check"], r
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
+def test_ideal_is_check_only_without_timing(rows, pass_):
+  r = rows[(pass_, "ideal")]
+  assert r["ms"] == "check only" and r["overlap_eff"] == "", r
+
+
+def test_ideal_row_from_timed_rows(monkeypatch):
+  """Timed (few batches): ideal = max(compute_alone, comm_alone), overlap_eff = (serialized - ours) / min(...),
+  ours/ideal; the probes' rows are what the ideal row quotes."""
+  monkeypatch.setattr(bench_ep_layer.common, "time_fn",
+                      functools.partial(bench_ep_layer.common.time_fn, warmup=1, batches=2, per_batch=1))
+  args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "serialized,ideal"])
+  r = {x["impl"]: x for x in bench_ep_layer.run(args, timing=True).rows}
+  assert set(r) == {"ours", "serialized", "compute_alone", "comm_alone", "ideal"}, r
+  ms = {k: float(v["ms"]) for k, v in r.items()}
+  ideal = r["ideal"]
+  assert float(ideal["compute_ms"]) == ms["compute_alone"] and float(ideal["comm_ms"]) == ms["comm_alone"], ideal
+  assert ms["ideal"] == max(ms["compute_alone"], ms["comm_alone"]), ideal
+  eff = (ms["serialized"] - ms["ours"]) / min(ms["compute_alone"], ms["comm_alone"])
+  assert float(ideal["overlap_eff"]) == pytest.approx(eff, abs=0.02), ideal
+  assert float(ideal["ours/ideal"]) == pytest.approx(ms["ours"] / ms["ideal"], abs=0.02), ideal
+  assert r["compute_alone"]["a2a_MB"] == "" and r["comm_alone"]["a2a_MB"] == r["ours"]["a2a_MB"], r
+
+
+def test_comm_probe_keeps_gate_and_up_columns():
+  """The shrunk w1 is [gate[:f] | up[:f]] (SwiGLU splits it in halves), w2 the first f rows; the rest unchanged."""
+  E, D, F, f = 2, 3, 5, 2
+  w1 = np.arange(E * D * 2 * F, dtype=np.float32).reshape(E, D, 2 * F)
+  w2 = np.arange(E * F * D, dtype=np.float32).reshape(E, F, D)
+  x, ids, gates, w1s, w2s, ct = bench_ep_layer.comm_probe_args(("x", "ids", "g", w1, w2, "ct"), f)
+  np.testing.assert_array_equal(w1s, np.concatenate([w1[..., :f], w1[..., F:F + f]], -1))
+  np.testing.assert_array_equal(w2s, w2[:, :f])
+  assert (x, ids, gates, ct) == ("x", "ids", "g", "ct")
+
+
+def test_compute_probe_rejects_other_group_sizes():
+  """The compute probe's check compares its group sizes with the routing's rows per (rank, local expert)."""
+  args = bench_ep_layer.parse_args(["--quick", "--devices", "4"])
+  mesh = bench_ep_layer.make_mesh(args.devices)
+  shape = bench_ep_layer.shapes(quick=True)[0]
+  (x, ids, _, w1, w2, _), ids_np = bench_ep_layer.make_inputs(shape, 4, np.float32, 0, mesh)
+  prepare, fn = bench_ep_layer.compute_probe(mesh, shape, want_grads=False)
+  sets = [prepare(x, ids) + (w1, w2)]
+  v = bench_ep_layer.compute_probe_verdict(fn, sets, [ids_np], 4, shape.experts)
+  assert v.ok, v
+  other = ids_np.copy()
+  other[0, 0] = (other[0, 0] + 1) % shape.experts          # one slot to another expert: two counts change
+  v = bench_ep_layer.compute_probe_verdict(fn, sets, [other], 4, shape.experts)
+  assert not v.ok and "group sizes" in v.text, v

@@ -1,6 +1,7 @@
 """The bare grouped GEMMs (jax_moe_overlap.grouped_gemm) against numpy, on the CPU handlers: random group sizes with
 empty groups and a tail of rows past the last group, the transposed-rhs form, the weight-gradient form, both
-dtypes, and the errors. tests/gpu/test_gpu_grouped_gemm.py runs the same cases on the CUDA kernels."""
+dtypes, and the errors; and expert_mlp, the communication-free expert work built on the grouped GEMMs (XLA's
+ragged_dot on CPU). tests/gpu/test_gpu_grouped_gemm.py runs the same GEMM cases on the CUDA kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
+from jax_moe_overlap.primitives import expert_mlp, swiglu
 
 CASES = [  # (M, K, N, group sizes): empty groups, partial tiles, a tail of rows past the last group
     (37, 24, 40, [5, 0, 20, 12]),
@@ -86,6 +88,27 @@ def test_matches_ragged_dot():
   ours = grouped_matmul(lhs, rhs, sizes)
   xla = jax.lax.ragged_dot(lhs, rhs, sizes)
   np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_mlp_value_and_grads():
+  """expert_mlp (the benchmarks' compute-alone probe) = per group swiglu(x @ w1) @ w2, zero tail rows, and its
+  custom backward (expert_block's backward GEMMs) = autodiff of that per-group loop."""
+  sizes, D, F = [5, 0, 20, 12], 16, 8
+  x, w1, w2, ct = _inputs(7, (41, D), (4, D, 2 * F), (4, F, D), (41, D), dtype=jnp.float32)   # 4 tail rows
+
+  def ref(x, w1, w2):
+    out, off = jnp.zeros_like(x), 0
+    for g, n in enumerate(sizes):
+      out = out.at[off:off + n].set(swiglu(x[off:off + n] @ w1[g]) @ w2[g])
+      off += n
+    return out
+
+  gs = jnp.asarray(sizes, jnp.int32)
+  got, vjp = jax.vjp(lambda *a: expert_mlp(*a, gs), x, w1, w2)
+  want, ref_vjp = jax.vjp(ref, x, w1, w2)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  for g, r in zip(vjp(ct), ref_vjp(ct)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_group_sizes_raise():
