@@ -15,8 +15,8 @@ def mesh_of(n: int, axis: str = "expert") -> jax.sharding.Mesh:
   return jax.sharding.Mesh(devs, (axis,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def routing(kind: str, tokens: int, num_experts: int, k: int, seed: int) -> np.ndarray:
-  """[tokens, k] int32 expert ids, distinct within each token."""
+def routing(kind: str, tokens: int, num_experts: int, k: int, seed: int, ranks: int = 1) -> np.ndarray:
+  """[tokens, k] int32 expert ids, distinct within each token (``ranks``: the expert-parallel size, for "one_rank")."""
   rng = np.random.default_rng(seed)
   if kind == "balanced":
     base = rng.permutation(tokens)
@@ -33,18 +33,24 @@ def routing(kind: str, tokens: int, num_experts: int, k: int, seed: int) -> np.n
     half = num_experts // 2
     assert k <= half
     return np.stack([rng.choice(half, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+  if kind == "one_rank":
+    # Every token picks k random experts among those of the last of `ranks` ranks: that rank receives every row,
+    # from every rank (at ranks = 1, any k experts).
+    local = num_experts // ranks
+    assert k <= local
+    return ((ranks - 1) * local + np.stack([rng.permutation(local)[:k] for _ in range(tokens)])).astype(np.int32)
   raise ValueError(kind)
 
 
 def layer_inputs(tokens: int, d: int, f: int, num_experts: int, k: int, kind: str, seed: int,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, ranks: int = 1):
   """x [T, D], ids [T, k], gates [T, k] (positive, rows sum to 1), w1 [E, D, 2F], w2 [E, F, D]; never zeros."""
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
   x = jax.random.normal(ks[0], (tokens, d), jnp.float32)
   gates = jax.nn.softmax(jax.random.normal(ks[1], (tokens, k)), axis=-1)
   w1 = jax.random.normal(ks[2], (num_experts, d, 2 * f), jnp.float32) / np.sqrt(d)
   w2 = jax.random.normal(ks[3], (num_experts, f, d), jnp.float32) / np.sqrt(f)
-  ids = jnp.asarray(routing(kind, tokens, num_experts, k, seed))
+  ids = jnp.asarray(routing(kind, tokens, num_experts, k, seed, ranks))
   return x.astype(dtype), ids, gates, w1.astype(dtype), w2.astype(dtype)
 
 

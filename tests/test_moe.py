@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jax_moe_overlap as jmo
-from cases import ROUTINGS, layer_inputs, mesh_of, rel_err
+import layer_checks
+from cases import ROUTINGS, layer_inputs, mesh_of
 
 E, D, F = 8, 16, 24
 
@@ -62,15 +63,11 @@ def test_capacity_overflow_drops_identically(R, cf):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["balanced", "skewed"])
+@pytest.mark.parametrize("kind", ["skewed", "one_rank"])
 def test_bfloat16_within_tolerance(kind):
-  out = run_both(4, 2, kind, seed=3, dtype=jnp.bfloat16)
-  y, _, grads = out["overlap"]
-  y_ref, _, grads_ref = out["reference"]
-  assert y.dtype == jnp.bfloat16
-  assert rel_err(y, y_ref) < 1e-2
-  for g, g_ref in zip(grads, grads_ref):
-    assert rel_err(g, g_ref) < 1e-2
+  # The GPU suite's check (tests/layer_checks.py, also run by tests/gpu/test_gpu_layer.py) on 4 CPU devices: bf16
+  # forward and gradients within 1e-2 of the float32 reference, every output computed into a NaN-poisoned buffer.
+  layer_checks.check_layer(mesh_of(4), kind, seed=3)
 
 
 def test_two_expert_groups_on_a_2x2_mesh():

@@ -5,10 +5,14 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
 import pytest
+
+# The CPU suite's helpers (tests/cases.py, tests/layer_checks.py, tests/test_expert_combine.py) are shared.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def gpu_devices():
@@ -16,6 +20,17 @@ def gpu_devices():
     return jax.devices("gpu")
   except RuntimeError:
     return []
+
+
+def rank_counts() -> list[int]:
+  """The expert-parallel sizes R the multi-rank GPU tests run at: every visible GPU, and 1 as well when there are
+  several ([1] without a GPU, where the tests are collected and skip)."""
+  return sorted({1, max(1, len(gpu_devices()))})
+
+
+def gpu_mesh(R: int) -> jax.sharding.Mesh:
+  """A 1-D mesh, axis "expert", over the first R GPUs: real expert parallelism (peer writes between GPUs) at R > 1."""
+  return jax.sharding.Mesh(np.array(gpu_devices()[:R]), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def skip_reason() -> str | None:

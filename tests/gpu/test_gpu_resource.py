@@ -1,6 +1,7 @@
-"""The resource manager and the per-call consumer options on one GPU: the loopback harness' manager/serialized cases,
-a timing sweep whose device-side choices must equal the Python mirror's on the same segment tables, and the options
-through JAX (identical results, a clear error for a pinned C past the SM budget). Skips where there is no GPU.
+"""The resource manager and the per-call consumer options: on one GPU the loopback harness' manager/serialized cases
+and a timing sweep whose device-side choices must equal the Python mirror's on the same segment tables; through JAX on
+every visible GPU (and on one) the options (identical results, a clear error for a pinned C past the SM budget).
+Skips where there is no GPU.
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import gpu_devices, loopback_binary, requires_gpu
+from gpu_common import gpu_mesh, loopback_binary, rank_counts, requires_gpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 
@@ -72,11 +73,8 @@ def test_copy_ceiling_mode():
   assert proc.returncode == 0 and len(res) == 2 and all(r["gbps"] > 10 for r in res), proc.stdout
 
 
-def _mesh():
-  return jax.sharding.Mesh(np.array(gpu_devices()[:1]), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def test_options_through_jax_give_identical_results():
+@pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
+def test_options_through_jax_give_identical_results(R):
   import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.primitives import CallConfig  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.workspace import Workspace  # pylint: disable=g-import-not-at-top
@@ -87,16 +85,17 @@ def test_options_through_jax_give_identical_results():
   w1 = (jax.random.normal(ks[2], (E, D, 2 * F)) / 16).astype(jnp.bfloat16)
   w2 = (jax.random.normal(ks[3], (E, F, D)) / 20).astype(jnp.bfloat16)
   ids = jnp.stack([jax.random.permutation(jax.random.fold_in(ks[4], t), E)[:k] for t in range(T)]).astype(jnp.int32)
+  mesh = gpu_mesh(R)  # at R > 1 the consumer pushes bands to the other GPUs: pinned or serialized, the same bits
   outs = []
   for cfg in (CallConfig(), CallConfig(serialize=True), CallConfig(consumer_ctas=2),
               CallConfig(consumer_ctas=24, serialize=True)):
-    y, _ = jax.jit(lambda *a, c=cfg: jmo.moe_experts(*a, mesh=_mesh(), config=c))(x, ids, gates, w1, w2)
+    y, _ = jax.jit(lambda *a, c=cfg: jmo.moe_experts(*a, mesh=mesh, config=c))(x, ids, gates, w1, w2)
     outs.append(np.asarray(y.astype(jnp.float32)))
   for o in outs[1:]:
     np.testing.assert_array_equal(o, outs[0])
-  wss = [w for w in Workspace._cache.values() if w.platform == "gpu"]
+  wss = [w for w in Workspace._cache.values() if w.platform == "gpu" and w.mesh == mesh]
   assert wss and all(w.sm_budget and ("resource model" in w.consumer_policy or "fixed" in w.consumer_policy)
                      for w in wss), [(w.sm_budget, w.consumer_policy) for w in wss]
   print("consumer policy:", wss[0].consumer_policy)
   with pytest.raises(ValueError, match=r"leaves no producer CTA"):
-    jmo.moe_experts(x, ids, gates, w1, w2, mesh=_mesh(), config=CallConfig(consumer_ctas=wss[0].sm_budget))
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, config=CallConfig(consumer_ctas=wss[0].sm_budget))

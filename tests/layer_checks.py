@@ -1,0 +1,221 @@
+"""The expert layer's checks of the GPU suite, written against a mesh (1-D, axis "expert") so that any devices run them.
+
+tests/gpu/test_gpu_layer.py runs them on the GPUs (R = every visible GPU, and 1); tests/test_moe.py runs
+``check_layer`` on 4 CPU devices, so that CI keeps these bodies working between GPU sessions. Each check compares the
+overlap layer in bfloat16 with the pure-JAX reference in float32 on the same (bf16-rounded) fresh random inputs:
+relative error below ``TOL`` (DESIGN §7). The overlap programs write their outputs into poisoned buffers
+(``Poisoned``), so that an output element the custom calls leave unwritten shows as NaN instead of stale memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_moe_overlap as jmo
+from cases import layer_inputs, rel_err
+
+TOL = 1e-2
+# Tokens and experts divisible by R = 1, 2, 4, 8, with k = 2 experts on every rank at R = 8 (for the "one_rank"
+# routing); D and F multiples of 64, so that on Hopper every expert GEMM takes the wgmma engine.
+TOKENS, D, F, E, K = 256, 256, 384, 16, 2
+AXIS = "expert"
+
+
+def _poison_value(dtype):
+  return np.nan if jnp.issubdtype(dtype, jnp.floating) else np.iinfo(dtype).min
+
+
+def _pointers(tree):
+  return [s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards]
+
+
+class Poisoned:
+  """``jax.jit(fn)`` whose outputs are computed into donated buffers of NaN (integer outputs: their minimum).
+
+  The layer's outputs are fresh XLA buffers, which may still hold an earlier call's values, the right ones when the
+  same call is repeated: XLA writes each output into the poisoned buffer it was given, so an element the custom calls
+  do not write stays NaN. Output shardings: a leading dimension divisible by R is split over the expert axis (as the
+  layer's outputs and gradients are), the rest replicated. After each call, ``aliased`` counts the output buffers
+  (over all devices) that were the poisoned ones, of ``buffers``: XLA may decline a donation.
+  """
+
+  def __init__(self, fn, mesh):
+    self._fn, self._mesh, self._compiled = fn, mesh, None
+    self.aliased = self.buffers = 0
+
+  def _build(self, args):
+    R = self._mesh.shape[AXIS]
+    shapes = jax.eval_shape(self._fn, *args)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(self._mesh, P(AXIS) if s.ndim and s.shape[0] % R == 0 else P()), shapes)
+    fill = jax.jit(lambda: jax.tree.map(lambda s: jnp.full(s.shape, _poison_value(s.dtype), s.dtype), shapes),
+                   out_shardings=shardings)
+    # keep_unused: jit would prune the unused donated argument, and no output would be aliased to it.
+    call = jax.jit(lambda poison, *a: self._fn(*a), donate_argnums=0, keep_unused=True, out_shardings=shardings)
+    return fill, call
+
+  def __call__(self, *args):
+    if self._compiled is None:
+      self._compiled = self._build(args)
+    fill, call = self._compiled
+    poison = fill()
+    before = _pointers(poison)
+    out = call(poison, *args)
+    after = _pointers(out)
+    self.buffers, self.aliased = len(after), sum(a == b for a, b in zip(before, after))
+    return out
+
+
+def bits(tree):
+  """The outputs' bytes, for bitwise comparisons (NaN-safe)."""
+  return [np.asarray(a).tobytes() for a in jax.tree.leaves(tree)]
+
+
+def layer_fn(mesh, ids, target, impl, capacity_factor=None, config=jmo.CallConfig()):
+  """(x, gates, w1, w2) -> ((loss, (y, dropped)), (dx, dgates, dw1, dw2)): moe_experts with a linear read-out
+  loss = sum(y * target), so that every output element gets its own cotangent."""
+  def loss(x, gates, w1, w2):
+    y, dropped = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=capacity_factor, impl=impl,
+                                 config=config)
+    return jnp.sum(y.astype(jnp.float32) * target), (y, dropped)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+
+
+class Layer:
+  """One routing's inputs (bf16) on `mesh`, the overlap layer's forward + gradients through ``Poisoned``, and the
+  float32 reference's."""
+
+  def __init__(self, mesh, kind, seed, tokens=TOKENS, d=D, f=F, capacity_factor=None):
+    self.mesh, self.R, self.kind, self.capacity_factor = mesh, mesh.shape[AXIS], kind, capacity_factor
+    self.x, self.ids, self.gates, self.w1, self.w2 = layer_inputs(tokens, d, f, E, K, kind, seed, jnp.bfloat16,
+                                                                  ranks=self.R)
+    self.target = jax.random.normal(jax.random.PRNGKey(seed + 1), self.x.shape, jnp.float32)
+
+  def args(self, dtype):
+    return tuple(a.astype(dtype) for a in (self.x, self.gates, self.w1, self.w2))
+
+  def overlap(self, config=jmo.CallConfig()) -> Poisoned:
+    return Poisoned(layer_fn(self.mesh, self.ids, self.target, "overlap", self.capacity_factor, config), self.mesh)
+
+  def reference(self):
+    fn = layer_fn(self.mesh, self.ids, self.target, "reference", self.capacity_factor)
+    return jax.jit(fn)(*self.args(jnp.float32))
+
+
+def errors(out, ref) -> dict[str, float]:
+  """Relative errors of y and the four gradients of ``layer_fn`` outputs; asserts that they are finite."""
+  (_, (y, _)), grads = out
+  (_, (y_ref, _)), grads_ref = ref
+  errs = {}
+  for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), (y, *grads), (y_ref, *grads_ref)):
+    assert np.isfinite(np.asarray(a, np.float32)).all(), f"{name} has NaN/inf (poison left: unwritten elements?)"
+    errs[name] = rel_err(a, b)
+  return errs
+
+
+def _fmt(errs):
+  return " ".join(f"{k}={v:.2e}" for k, v in errs.items())
+
+
+def check_layer(mesh, kind, capacity_factor=None, seed=0):
+  """moe_experts forward and gradients, bf16 overlap vs the float32 reference, for one routing (cases.routing, at
+  R = the mesh's size) and capacity factor (None: dropless; else as many dropped slots as the reference drops)."""
+  layer = Layer(mesh, kind, seed, capacity_factor=capacity_factor)
+  if kind == "one_rank":
+    assert set(np.unique(np.asarray(layer.ids) // (E // layer.R))) == {layer.R - 1}
+  run = layer.overlap()
+  out = run(*layer.args(jnp.bfloat16))
+  ref = layer.reference()
+  (_, (y, dropped)), _ = out
+  (_, (y_ref, dropped_ref)), _ = ref
+  errs = errors(out, ref)
+  print(f"R={layer.R} {kind} cf={capacity_factor} dropped={int(dropped)} (reference {int(dropped_ref)}) {_fmt(errs)} "
+        f"poisoned outputs {run.aliased}/{run.buffers}")
+  assert y.dtype == jnp.bfloat16
+  assert int(dropped) == int(dropped_ref)
+  assert (int(dropped) > 0) == (capacity_factor is not None), "the capacity case must drop, the dropless one not"
+  assert float(jnp.linalg.norm(y_ref)) > 0
+  assert all(v < TOL for v in errs.values()), errs
+  assert run.aliased == run.buffers, f"only {run.aliased} of {run.buffers} outputs were computed into the poison"
+
+
+def check_held_back(mesh, delay_rank, delay_us=2000, calls=3, seed=11):
+  """Rank ``delay_rank`` held back ``delay_us`` at the start of every custom call (CallConfig's testing aid), for
+  ``calls`` forward + backward calls: each bitwise equal to the call without the delay, and within TOL of the
+  reference. Each call makes 4 workspace calls (2 dispatches, 2 expert_combines), one after another on the held
+  rank: so the calls take at least calls * 4 * delay_us (which shows that the delay reached the custom calls)."""
+  layer = Layer(mesh, "skewed", seed)
+  args = layer.args(jnp.bfloat16)
+  plain_run = layer.overlap()
+  plain = bits(plain_run(*args))
+  held_run = layer.overlap(jmo.CallConfig(delay_rank=delay_rank, delay_us=delay_us))
+  jax.block_until_ready(held_run(*args))  # compiles
+  start = time.perf_counter()
+  for i in range(calls):
+    held = held_run(*args)
+    same = [a == b for a, b in zip(bits(held), plain)]
+    assert all(same), f"call {i} with rank {delay_rank} held back differs from the undelayed call: {same}"
+    assert held_run.aliased == held_run.buffers, f"call {i}: {held_run.aliased} of {held_run.buffers} poisoned"
+  took_us = (time.perf_counter() - start) * 1e6
+  errs = errors(held, layer.reference())
+  print(f"R={layer.R} rank {delay_rank} held back {delay_us} us: {calls} calls in {took_us / 1e3:.1f} ms, bitwise "
+        f"equal to the undelayed one; {_fmt(errs)}")
+  assert took_us >= calls * 4 * delay_us, f"{calls} calls took {took_us:.0f} us: was rank {delay_rank} held back?"
+  assert all(v < TOL for v in errs.values()), errs
+  assert plain_run.aliased == plain_run.buffers
+
+
+def check_repeats(mesh, calls, seed=5):
+  """``calls`` consecutive jitted forward calls, each into a freshly poisoned output: all bitwise identical to the
+  first, which is within TOL of the reference."""
+  layer = Layer(mesh, "skewed", seed, tokens=128, d=128, f=192)
+  fwd = Poisoned(lambda x, g, a, b: jmo.moe_experts(x, layer.ids, g, a, b, mesh=mesh)[0], mesh)
+  args = layer.args(jnp.bfloat16)
+  first = fwd(*args)
+  x, gates, w1, w2 = layer.args(jnp.float32)
+  y_ref, _ = jmo.moe_experts(x, layer.ids, gates, w1, w2, mesh=mesh, impl="reference")
+  assert np.isfinite(np.asarray(first, np.float32)).all()
+  err = rel_err(first, y_ref)
+  assert err < TOL, err
+  outs, aliased = [], [fwd.aliased]
+  for _ in range(calls - 1):
+    outs.append(fwd(*args))
+    aliased.append(fwd.aliased)
+  first_bits = bits(first)[0]
+  diffs = sum(int(bits(o)[0] != first_bits) for o in outs)
+  print(f"R={layer.R}: {calls} consecutive calls, {diffs} differ from the first; y err {err:.2e}; poisoned outputs "
+        f"{min(aliased)}/{fwd.buffers} (fewest over the calls)")
+  assert diffs == 0, f"{diffs} of {calls - 1} repeated calls differ from the first"
+  assert min(aliased) == fwd.buffers
+
+
+def check_module(mesh, seed=3):
+  """The Flax NNX MoE module (router + experts) in bf16 vs the float32 reference module with the same parameters:
+  loss, output and the gradients of every parameter, through nnx.jit + nnx.value_and_grad. (Its outputs are XLA's
+  casts of the layer's, so there is no custom-call output to poison here.)"""
+  R = mesh.shape[AXIS]
+  models = [jmo.MoE(D, F, E, K, mesh=mesh, impl=impl, dtype=dtype, rngs=nnx.Rngs(seed))
+            for impl, dtype in (("overlap", jnp.bfloat16), ("reference", jnp.float32))]
+  x = jax.random.normal(jax.random.PRNGKey(seed + 1), (2, TOKENS // 2, D)).astype(jnp.bfloat16).astype(jnp.float32)
+  target = jax.random.normal(jax.random.PRNGKey(seed + 2), x.shape, jnp.float32)
+
+  def loss_fn(m):
+    y, aux = m(x)
+    return jnp.mean((y - target) ** 2) + 0.01 * aux.load_balance_loss, y
+
+  step = nnx.jit(lambda m: nnx.value_and_grad(loss_fn, has_aux=True)(m))
+  ((l, y), g), ((l_ref, y_ref), g_ref) = [step(m) for m in models]
+  errs = {"loss": abs(float(l) - float(l_ref)) / abs(float(l_ref)), "y": rel_err(y, y_ref)}
+  for name in ("router", "w1", "w2"):
+    a = np.asarray(getattr(g, name)[...], np.float32)
+    assert np.isfinite(a).all(), name
+    assert np.abs(a).max() > 0, name
+    errs["d" + name] = rel_err(a, getattr(g_ref, name)[...])
+  print(f"R={R} module: {_fmt(errs)}")
+  assert all(v < TOL for v in errs.values()), errs
