@@ -21,15 +21,7 @@
 #include <vector>
 
 #include "cuda/bulk_copy.cuh"
-
-#define CK(x)                                                                                        \
-  do {                                                                                               \
-    cudaError_t e_ = (x);                                                                            \
-    if (e_ != cudaSuccess) {                                                                         \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      exit(2);                                                                                       \
-    }                                                                                                \
-  } while (0)
+#include "cuda/wgmma/probe_common.cuh"  // CK
 
 namespace {
 using namespace jmo::cuda;
