@@ -32,7 +32,9 @@ constexpr int kPushWriteLag = 16;      // stores whose global writes may be pend
 constexpr int kPushMaxPending = 32;    // bands with stores issued but not yet reported (at most kPushWriteLag + 1)
 
 // Shared memory StreamBands needs for `slots` slots (barriers first, then the 128-aligned ring).
-__host__ __device__ constexpr int PushRingBytes(int slots) { return 128 + slots * kPushChunkBytes + 128; }
+// (kChunk: the bytes of one copy; the consumer uses kPushChunkBytes, push_probe.cu also tries others.)
+template <int kChunk = kPushChunkBytes>
+__host__ __device__ constexpr int PushRingBytes(int slots) { return 128 + slots * kChunk + 128; }
 
 namespace bulk {
 using wgmma_gemm::MbarArriveExpectTx;
@@ -108,12 +110,13 @@ struct PushBand {
   int64_t bytes;  // a multiple of 16, src and dst 16-byte aligned
 };
 
-// Pushes bands 0..count-1 (band_of(i) -> PushBand) through `slots` ring slots in `smem` (PushRingBytes(slots)).
+// Pushes bands 0..count-1 (band_of(i) -> PushBand) through `slots` ring slots of kChunk bytes in `smem`
+// (PushRingBytes<kChunk>(slots)).
 // ready(i, block): whether band i may be read (and its destination written); with block = false it only polls, with
 // block = true it waits (bounded) and returns false when it gave up. done(i): called once band i's stores have all
 // completed, in band order. Returns false when ready() gave up; every copy it issued has completed either way (the
 // ring is shared memory that dies with the CTA). Called by one thread.
-template <class ReadyFn, class BandFn, class DoneFn>
+template <int kChunk = kPushChunkBytes, class ReadyFn, class BandFn, class DoneFn>
 __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn done_fn, char* smem, int slots,
                             int read_lag = kPushReadLag) {
   using namespace bulk;
@@ -157,11 +160,11 @@ __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn don
       }
       const int slot = (int)(loaded % slots);
       const int64_t left = lband.bytes - loff;
-      const uint32_t n = (uint32_t)(left < kPushChunkBytes ? left : kPushChunkBytes);
+      const uint32_t n = (uint32_t)(left < kChunk ? left : kChunk);
       chunk_bytes[slot] = n;
       const uint32_t bar = SmemAddr(&bars[slot]);
       MbarArriveExpectTx(bar, n);
-      Load(SmemAddr(ring + (int64_t)slot * kPushChunkBytes), lband.src + loff, n, bar);
+      Load(SmemAddr(ring + (int64_t)slot * kChunk), lband.src + loff, n, bar);
       ++loaded;
       loff += n;
       if (loff == lband.bytes) {
@@ -175,7 +178,7 @@ __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn don
       const int slot = (int)(stored % slots);
       if (soff == 0) sband = band_of(sb);
       MbarWait(SmemAddr(&bars[slot]), (uint32_t)((stored / slots) & 1));
-      Store(sband.dst + soff, SmemAddr(ring + (int64_t)slot * kPushChunkBytes), chunk_bytes[slot]);
+      Store(sband.dst + soff, SmemAddr(ring + (int64_t)slot * kChunk), chunk_bytes[slot]);
       soff += chunk_bytes[slot];
       if (soff == sband.bytes) {
         last_chunk[sb % kPushMaxPending] = stored;

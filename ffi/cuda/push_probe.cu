@@ -4,7 +4,7 @@
 // Copies `total` bytes in 512 KiB bands (64 rows of 8 KiB, the consumer's band at N = 4096 bf16) from one buffer to
 // another of the same GPU with C CTAs, each taking bands c, c + C, ..., in these ways:
 //   bulk W      StreamBands (bulk_copy.cuh, the consumer's code) run by W issuing threads per CTA (lane 0 of warps
-//               0..W-1), each with its own ring of `slots` slots and every W-th of the CTA's bands
+//               0..W-1), each with its own ring of `slots` slots of 8, 16 or 32 KiB and every W-th of the CTA's bands
 //   band T      CopyBand (kernels.cu's 16-loads-in-flight copy) by T threads per CTA
 //   memcpy      cudaMemcpyAsync of all bytes (the copy ceiling bench_consumer.py reports)
 // Median of --reps timed launches (CUDA events) after one warm-up; the destination is checked against the source
@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +29,7 @@ using namespace jmo::cuda;
 
 constexpr int64_t kBand = 64 * 8192;
 
+template <int kChunk>
 __global__ void BulkKernel(const char* src, char* dst, int64_t bands, int issuers, int slots) {
   extern __shared__ __align__(128) char smem[];
   const int w = threadIdx.x / 32;
@@ -40,8 +42,8 @@ __global__ void BulkKernel(const char* src, char* dst, int64_t bands, int issuer
   auto ready = [](int, bool) { return true; };
   auto band_of = [&](int i) { return PushBand{src + band(i) * kBand, dst + band(i) * kBand, kBand}; };
   auto done = [](int) {};
-  StreamBands(count, ready, band_of, done, smem + (int64_t)w * PushRingBytes(slots), slots,
-              slots - 1 < kPushReadLag ? slots - 1 : kPushReadLag);
+  StreamBands<kChunk>(count, ready, band_of, done, smem + (int64_t)w * PushRingBytes<kChunk>(slots), slots,
+                      slots - 1 < kPushReadLag ? slots - 1 : kPushReadLag);
 }
 
 // CopyBand's shape (kernels.cu): 16 independent 16-byte loads per thread, then their stores.
@@ -110,15 +112,23 @@ int main(int argc, char** argv) {
   printf("| config | ms | GB/s | check |\n|---|---|---|---|\n");
   time("memcpy", [&] { CK(cudaMemcpyAsync(dst, src, total, cudaMemcpyDeviceToDevice, st)); });
   char name[64];
+  // One bulk-copy configuration: C CTAs x W issuers, `slots` slots of kChunk bytes each.
+  auto bulk = [&](auto chunk, int C, int W, int slots) {
+    constexpr int kChunk = decltype(chunk)::value;
+    const int smem = W * PushRingBytes<kChunk>(slots);
+    if (smem > 200 * 1024) return;
+    CK(cudaFuncSetAttribute(BulkKernel<kChunk>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    snprintf(name, sizeof name, "bulk C=%d W=%d slots=%d x %d KiB", C, W, slots, kChunk / 1024);
+    time(name, [&] { BulkKernel<kChunk><<<C, 32 * W, smem, st>>>(src, dst, bands, W, slots); });
+  };
+  using K8 = std::integral_constant<int, 8192>;
+  using K16 = std::integral_constant<int, 16384>;
+  using K32 = std::integral_constant<int, 32768>;
   for (int C : {1, 4, 16}) {
     for (int W : {1, 2, 4, 8}) {
-      for (int slots : {4, 12}) {
-        const int smem = W * PushRingBytes(slots);
-        if (smem > 200 * 1024) continue;
-        CK(cudaFuncSetAttribute(BulkKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        snprintf(name, sizeof name, "bulk C=%d W=%d slots=%d", C, W, slots);
-        time(name, [&] { BulkKernel<<<C, 32 * W, smem, st>>>(src, dst, bands, W, slots); });
-      }
+      for (int slots : {4, 12}) bulk(K8{}, C, W, slots);
+      bulk(K16{}, C, W, 4);
+      bulk(K32{}, C, W, 3);
     }
     for (int T : {256, 512}) {
       snprintf(name, sizeof name, "band C=%d T=%d", C, T);
