@@ -68,16 +68,15 @@ import functools
 import math
 import os
 import re
-import signal
 import time
 import sys
 from typing import NamedTuple
 
-if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  # Virtual CPU devices for a CPU try-out: --devices N, else 4. Only the host platform is affected, so on a GPU
-  # machine the mesh still is the GPUs.
-  _n = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv[:-1] else "4"
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Virtual CPU devices for a CPU try-out: --devices N, else 4 (before jax first uses a backend).
+common.virtual_cpu_devices(sys.argv)
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -85,8 +84,6 @@ import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-impo
 from jax.sharding import NamedSharding  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.sharding import PartitionSpec as P  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_moe_overlap import plan as plan_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_moe_overlap.primitives import expert_mlp, swiglu  # noqa: E402  pylint: disable=wrong-import-position
@@ -129,12 +126,7 @@ def shapes(quick: bool) -> list[Shape]:
 
 
 def make_mesh(n: int | None) -> jax.sharding.Mesh:
-  devs = jax.devices()
-  if n is not None:
-    if n > len(devs):
-      raise SystemExit(f"--devices {n}: only {len(devs)} devices here")
-    devs = devs[:n]
-  return jax.sharding.Mesh(np.array(devs), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  return common.expert_mesh(n, AXIS)
 
 
 def make_inputs(shape: Shape, R: int, dtype, seed: int, mesh):
@@ -708,16 +700,8 @@ def main(argv=None):
   """Runs the sweep; on SIGTERM (``timeout``'s signal in a time-limited device run) it stops and still writes --out
   and prints the table of the rows done so far."""
   args = parse_args(argv)
-  table = common.Table(COLUMNS)
-
-  def stop(signum, _):
-    raise SystemExit(f"bench_ep_layer: stopped by signal {signum}: writing the rows done so far")
-
-  signal.signal(signal.SIGTERM, stop)
-  try:
+  with common.rows_kept_on_sigterm(common.Table(COLUMNS), args.out, "bench_ep_layer") as table:
     run(args, timing=not args.check_only, table=table)
-  finally:
-    table.finish(args.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,18 +37,10 @@ from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # noqa: E402
 
 def shapes(quick: bool):
   """(name, T, F, D, E, k): GEMM2 of the seed sweep (K = F = 2048), Mixtral-like and DeepSeek-like (E_l = 32)."""
-  out = [("seed T=8192 N=4096 E=8", 8192, 2048, 4096, 8, 2), ("seed T=8192 N=4096 E=64", 8192, 2048, 4096, 64, 2)]
-  if not quick:
-    out += [("seed T=16384 N=8192 E=16", 16384, 2048, 8192, 16, 2), ("mixtral gemm2", 8192, 14336, 4096, 8, 2),
-            ("deepseek E_l=32 gemm2", 8192, 2048, 7168, 32, 8)]
-  return out
+  return common.gemm2_shapes(quick)
 
 
-def combine(out_rows, slot_row, gates):
-  """y[t] = sum_j gates[t, j] * out_rows[slot_row[t*k + j]] in float32 (dropped slots: none at EP=1 dropless)."""
-  T, k = gates.shape
-  per_slot = jnp.take(out_rows, slot_row, axis=0).astype(jnp.float32).reshape(T, k, -1)
-  return jnp.einsum("tk,tkd->td", gates, per_slot).astype(out_rows.dtype)
+combine = common.weighted_combine
 
 
 def main():
@@ -85,13 +76,7 @@ def main():
           i, plan_lib.local_counts(i, E).reshape(1, 1, E), jnp.int32(0), cap_e), 1))(ids)
       sizes = WorkspaceSizes(row_bytes=D * 2, recv_rows=cap, ret_rows=T * k, num_segments=E)
       ws = Workspace.get(mesh, "expert", sizes)
-      keys = jax.random.split(jax.random.PRNGKey(T + E), 4)
-      arg_sets = []
-      for s in range(2):
-        h = jax.random.normal(keys[2 * s], (cap, F), jnp.float32).astype(jnp.bfloat16)
-        w2 = (jax.random.normal(keys[2 * s + 1], (E, F, D), jnp.float32) / np.sqrt(F)).astype(jnp.bfloat16)
-        gates = jax.nn.softmax(jax.random.normal(keys[s], (T, k)), -1).astype(jnp.float32)
-        arg_sets.append((h, w2, gates, plan))
+      arg_sets = [common.gemm2_operands(T + E + s, cap, T, F, D, E, k) + (plan,) for s in range(2)]
       slot_row = plan.slot_dest_row  # at EP=1 a slot's recv row is its expert output's row
 
       def fused(cfg):
@@ -108,17 +93,14 @@ def main():
       if args.impls:
         impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
       h, w2, g, pl = arg_sets[0]
-      ref = combine(jax.lax.ragged_dot(h.astype(jnp.float32), w2.astype(jnp.float32), pl.expert_rows,
-                                       precision=jax.lax.Precision.HIGHEST), slot_row, g)
-      ref = np.asarray(ref, np.float64)
+      ref = combine(common.reference_rows(h, w2, pl.expert_rows), slot_row, g)
       flops = 2.0 * T * k * F * D
       timed, errs, notes = {}, {}, {}
       for iname, fn in impls.items():
         fn = jax.jit(fn)
         try:
           if iname != "bare gemm":  # the bare GEMM alone has no y to check (its output is checked in bare+combine)
-            got = np.asarray(fn(*arg_sets[0]).astype(jnp.float32), np.float64)
-            errs[iname] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+            errs[iname] = common.max_rel_err(fn(*arg_sets[0]), ref)
             if not errs[iname] < 2e-2:
               notes[iname] = "wrong result, not timed"
               continue

@@ -7,16 +7,19 @@ batches. Every number printed comes with the command line that produced it (``co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -50,6 +53,97 @@ def time_fn(fn, arg_sets, *, warmup: int = 3, batches: int = 15, per_batch: int 
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / per_batch)
   return statistics.median(times)
+
+
+def virtual_cpu_devices(argv: list[str], default: int = 4) -> None:
+  """Asks XLA:CPU for ``--devices N`` (from ``argv``, else ``default``) virtual devices: a CPU try-out of a
+  multi-device benchmark. Only the host platform is affected (on a GPU machine the mesh is still the GPUs). Call it
+  before jax first uses a backend; an XLA_FLAGS that already sets the count is left alone."""
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  n = argv[argv.index("--devices") + 1] if "--devices" in argv[:-1] else str(default)
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+
+
+def expert_mesh(n: int | None, axis: str) -> jax.sharding.Mesh:
+  """A 1-D mesh with axis ``axis`` over the first ``n`` devices (None: all of them)."""
+  devs = jax.devices()
+  if n is not None:
+    if n > len(devs):
+      raise SystemExit(f"--devices {n}: only {len(devs)} devices here")
+    devs = devs[:n]
+  return jax.sharding.Mesh(np.array(devs), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@contextlib.contextmanager
+def rows_kept_on_sigterm(table: "Table", path: str, name: str):
+  """Runs the body; SIGTERM (``timeout``'s signal in a time-limited device run) stops it, and either way the rows
+  done so far are written to ``path`` and printed (``table.finish``)."""
+
+  def stop(signum, _):
+    raise SystemExit(f"{name}: stopped by signal {signum}: writing the rows done so far")
+
+  signal.signal(signal.SIGTERM, stop)
+  try:
+    yield table
+  finally:
+    table.finish(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GEMM2 of the MoE layer (expert outputs -> d_model rows) and the weighted combine: bench_fused, bench_ep_combine
+
+# (name, tokens per rank T, K = F, N = D, experts E, top-k): the seed sweep's GEMM2 (K = F = 2048), Mixtral-like and
+# DeepSeek-like (E_l = 32 at EP = 1).
+GEMM2_SHAPES = [("seed T=8192 N=4096 E=8", 8192, 2048, 4096, 8, 2),
+                ("seed T=8192 N=4096 E=64", 8192, 2048, 4096, 64, 2),
+                ("seed T=16384 N=8192 E=16", 16384, 2048, 8192, 16, 2),
+                ("mixtral gemm2", 8192, 14336, 4096, 8, 2),
+                ("deepseek E_l=32 gemm2", 8192, 2048, 7168, 32, 8)]
+
+
+def gemm2_shapes(quick: bool) -> list[tuple]:
+  """GEMM2_SHAPES; with ``quick`` the first two (the seed shapes at T = 8192)."""
+  return GEMM2_SHAPES[:2] if quick else list(GEMM2_SHAPES)
+
+
+def gemm2_operands(seed: int, rows: int, tokens: int, F: int, D: int, E: int, k: int, dtype=jnp.bfloat16,
+                   sharding=None):
+  """Random (poison-free) operands of GEMM2 + combine: h [rows, F] and w2 [E, F, D] (scaled by 1/sqrt(F)) in
+  ``dtype``, gates [tokens, k] float32 (softmax rows). ``sharding``: of all three (generated under jit with it, so
+  no device holds a whole global array), or None."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  gen = lambda: (jax.random.normal(ks[0], (rows, F), jnp.float32).astype(dtype),
+                 (jax.random.normal(ks[1], (E, F, D), jnp.float32) / np.sqrt(F)).astype(dtype),
+                 jax.nn.softmax(jax.random.normal(ks[2], (tokens, k)), -1).astype(jnp.float32))
+  return jax.jit(gen, out_shardings=None if sharding is None else (sharding,) * 3)()
+
+
+def weighted_combine(out_rows, slot_row, gates):
+  """y[t] = sum_j gates[t, j] * out_rows[slot_row[t*k + j]] in float32, in out_rows' dtype (every slot kept: the
+  benchmarks' plans are dropless). out_rows [M, N], slot_row [T*k] int32, gates [T, k] float32 -> y [T, N]."""
+  T, k = gates.shape
+  per_slot = jnp.take(out_rows, slot_row, axis=0).astype(jnp.float32).reshape(T, k, -1)
+  return jnp.einsum("tk,tkd->td", gates, per_slot).astype(out_rows.dtype)
+
+
+def reference_rows(h, w2, group_sizes):
+  """The float32 reference of a grouped GEMM2: jax.lax.ragged_dot of h [M, F] and w2 [G, F, N] upcast, at HIGHEST
+  precision -> [M, N] float32 (rows past the groups zero)."""
+  return jax.lax.ragged_dot(h.astype(jnp.float32), w2.astype(jnp.float32), group_sizes,
+                            precision=jax.lax.Precision.HIGHEST)
+
+
+@jax.jit
+def _max_rel_err(got, ref):
+  got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
+  return jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))
+
+
+def max_rel_err(got, ref) -> float:
+  """max |got - ref| / max |ref| of two arrays of one shape, in float32 where they are (on the devices: outputs are
+  GBs); NaN if got has a NaN."""
+  return float(_max_rel_err(got, ref))
 
 
 SKEWS = {"balanced": 0.0, "moderate": 0.8, "stress": 2.0}  # Zipf exponent of the expert popularity

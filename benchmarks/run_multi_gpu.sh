@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# One device call on a machine with 2 or more GPUs (issue 7, items 1 and 3), every step under its own time limit:
+# One device call on a machine with 2 or more GPUs (issue 7, items 1, 3 and 4), every step under its own time limit:
 #   build (tests/gpu/build_gpu.sh) -> bench_links.py -> pytest tests/gpu -> examples/train_moe.py tokens/s, overlap vs
-#   reference -> bench_ep_layer.py on all GPUs (a shape subset; ours, serialized, ideal, tokamax_ragged, xla_ragged).
+#   reference -> bench_ep_combine.py on all GPUs (expert_combine alone: ours, serialized, pinned C sweep, bare GEMM,
+#   with the kernels' per-rank record of C, producer / consumer spans and push GB/s) -> bench_ep_layer.py on all GPUs
+#   (a shape subset; ours, serialized, ideal, tokamax_ragged, xla_ragged).
 #
 #   bash benchmarks/run_multi_gpu.sh     (on the GPU machine; the tokamax wheels in .whl/ when the call carries them)
 #
-# Limits in seconds (0 skips a step): T_BUILD=150 T_LINKS=40 T_TESTS=120 T_TRAIN=45 (per impl); bench_ep_layer, last,
-# gets what is left of T_TOTAL=500 (at most T_EP=400): the whole script ends by about T_TOTAL.
-# EP_SHAPES (a regex on "name skew"), EP_IMPLS, EP_ARGS (more bench_ep_layer flags), TESTS_K (pytest -k; '' runs
-# every GPU test, racecheck/synccheck included), TRAIN_ARGS replace the defaults below. NCCL_NVLS_ENABLE=0 throughout:
-# no NVLink multicast. A CPU dry run of the steps' plumbing (no build, no GPU tests; python3 with jax on PATH):
-#   T_BUILD=0 T_TESTS=0 BENCH_PLATFORMS=cpu EP_ARGS=--quick EP_SHAPES=quick TRAIN_ARGS="--steps 8 --log-every 1 \
-#   --no-progress --plot=" bash benchmarks/run_multi_gpu.sh
-# $OUT at the end (at most 8 files): summary.txt (what this prints), env.log, links.jsonl, ep_layer.jsonl,
-# ep_layer.log, pytest.log, train.log, logs.tgz (build.log, the step logs not kept whole).
+# Limits in seconds (0 skips a step): T_BUILD=150 T_LINKS=40 T_TESTS=120 T_TRAIN=45 (per impl) T_EP_COMBINE=120;
+# bench_ep_layer, last, gets what is left of T_TOTAL=500 (at most T_EP=400): the whole script ends by about T_TOTAL.
+# EP_SHAPES (a regex on "name skew"), EP_IMPLS, EP_ARGS (more bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags),
+# TESTS_K (pytest -k; '' runs every GPU test, racecheck/synccheck included), TRAIN_ARGS replace the defaults below.
+# NCCL_NVLS_ENABLE=0 throughout: no NVLink multicast. A CPU dry run of the steps' plumbing (no build, no GPU tests;
+# python3 with jax on PATH):
+#   T_BUILD=0 T_TESTS=0 BENCH_PLATFORMS=cpu EP_ARGS=--quick EP_SHAPES=quick EPC_ARGS="--quick --ctas 4,8" \
+#   TRAIN_ARGS="--steps 8 --log-every 1 --no-progress --plot=" bash benchmarks/run_multi_gpu.sh
+# $OUT at the end (at most 8 files): summary.txt (what this prints, the links table included), env.log,
+# ep_combine.jsonl, ep_layer.jsonl, ep_layer.log, pytest.log, train.log, logs.tgz (build.log, links.jsonl, the step
+# logs not kept whole).
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-multi-gpu-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
 T_TOTAL=${T_TOTAL:-500} T_BUILD=${T_BUILD:-150} T_LINKS=${T_LINKS:-40} T_TESTS=${T_TESTS:-120} T_EP=${T_EP:-400}
-T_TRAIN=${T_TRAIN:-45}
+T_TRAIN=${T_TRAIN:-45} T_EP_COMBINE=${T_EP_COMBINE:-120}
+EPC_ARGS=${EPC_ARGS:---max-call-s 1}
 EP_SHAPES=${EP_SHAPES:-'^seed T=8192 N=4096 E=8 (balanced|stress)$|^(mixtral|deepseek)-like balanced$'}
 EP_IMPLS=${EP_IMPLS:-ours,serialized,ideal,tokamax_ragged,xla_ragged}
 EP_ARGS=${EP_ARGS:---max-call-s 2}
@@ -38,6 +43,13 @@ step() {  # name limit: prints the step's start; returns 1 if the step is to be 
 }
 errors() {  # log: the lines that end a Python traceback, or say a process was stopped
   grep -E "^[A-Za-z_.]*(Error|Exception|Exit)\b|stopped by signal" "$1" | cut -c1-230 | tail -5 | tee -a "$summary"
+}
+bench_report() {  # log rc: a benchmark step's exit status, its markdown table (rows so far on timeout), its mesh and
+  # consumer policy lines, errors
+  say "rc $2$([ "$2" = 124 ] && echo ': out of time; the rows done by then:')"
+  sed -n '/^| shape/,$p' "$1" | cut -c1-300 | tee -a "$summary"
+  grep -E "^mesh|EXCLUDED|consumer policy" "$1" | cut -c1-230 | tee -a "$summary"
+  errors "$1"
 }
 
 source benchmarks/tokamax_wheels.sh
@@ -86,6 +98,14 @@ for impl in overlap reference; do
   { echo "== $impl"; cat "$OUT/train_$impl.log"; } >> "$OUT/train.log"
 done
 
+# expert_combine alone, with the kernels' per-rank record (EPC_ARGS split on spaces: flags and numbers only). On
+# timeout's SIGTERM it still writes its rows so far.
+if step "bench_ep_combine" "$T_EP_COMBINE"; then
+  timeout -k 10 "$T_EP_COMBINE" "${bench_env[@]}" python3 benchmarks/bench_ep_combine.py $EPC_ARGS \
+    --out "$OUT/ep_combine.jsonl" > "$OUT/ep_combine.log" 2>&1
+  bench_report "$OUT/ep_combine.log" $?
+fi
+
 # Last, with what is left of T_TOTAL: the one open-ended step. On timeout's SIGTERM it still writes its rows so far.
 ep_limit=$(( T_TOTAL - $(since) - 15 ))
 ep_limit=$(( ep_limit < T_EP ? ep_limit : T_EP ))
@@ -93,15 +113,11 @@ if step "bench_ep_layer" "$ep_limit"; then
   # EP_ARGS is split on spaces (flags and numbers only); EP_SHAPES stays one argument.
   timeout -k 10 "$ep_limit" "${bench_env[@]}" python3 benchmarks/bench_ep_layer.py --shapes "$EP_SHAPES" \
     --impls "$EP_IMPLS" $EP_ARGS --out "$OUT/ep_layer.jsonl" > "$OUT/ep_layer.log" 2>&1
-  rc=$?
-  say "rc $rc$([ $rc = 124 ] && echo ': out of time; the rows done by then:')"
-  sed -n '/^| shape/,$p' "$OUT/ep_layer.log" | cut -c1-230 | tee -a "$summary"
-  grep -E "^mesh|EXCLUDED" "$OUT/ep_layer.log" | cut -c1-230 | tee -a "$summary"
-  errors "$OUT/ep_layer.log"
+  bench_report "$OUT/ep_layer.log" $?
 fi
 
 say "== done at $(since) s"
-keep="summary.txt env.log links.jsonl ep_layer.jsonl ep_layer.log pytest.log train.log"
+keep="summary.txt env.log ep_combine.jsonl ep_layer.jsonl ep_layer.log pytest.log train.log"
 (
   cd "$OUT" || exit 1
   rest=$(ls -A | grep -v -x -F "$(printf '%s\n' $keep)")

@@ -133,3 +133,84 @@ def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
                                       cal.params.as_list() if cal.params is not None else [])
   ws.sm_budget = int(_jmo.cuda_workspace_info(int(handle))["min_sm_budget"])
   return int(handle)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the last expert_combine did on each rank (the kernels' own record, for benchmarks)
+
+_NO_START = 2**64 - 1  # a span's start as every call's BeginKernel resets it (0 after a group's recovery)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallStats:
+  """One rank's record of its last expert_combine, read from the device (``Workspace.last_call_stats``).
+
+  consumers: the consumer CTA count C the call used (pinned, the fixed fallback, or the resource model's pick).
+  pushed_bytes: bytes its consumer pushed to the other ranks (rows of remote segments x N x element bytes).
+  producer_start_us / producer_end_us: the first producer tile started / the last one finished; consumer_start_us /
+    consumer_end_us: the first consumer CTA started pushing (after the serialized mode's wait) / the last push
+    finished. Microseconds (float) after ``origin_ns``; None where that side did nothing in the call (no rows to
+    compute, nothing remote to push), or where the last call on the workspace was not an expert_combine.
+  origin_ns: the earliest of the rank's recorded times, a %globaltimer value in ns (0 if none). Every GPU has its own
+    timer: compare origins of different ranks only where the clocks are known to agree. Its resolution is about
+    1 us on some GPUs.
+  """
+
+  rank: int
+  consumers: int
+  pushed_bytes: int
+  origin_ns: int
+  producer_start_us: float | None
+  producer_end_us: float | None
+  consumer_start_us: float | None
+  consumer_end_us: float | None
+
+  @property
+  def producer_us(self) -> float | None:
+    """The producer's span: first tile start to last tile finish."""
+    return _span(self.producer_start_us, self.producer_end_us)
+
+  @property
+  def consumer_us(self) -> float | None:
+    """The consumer's span: first push start to last push finish."""
+    return _span(self.consumer_start_us, self.consumer_end_us)
+
+  @property
+  def busy_us(self) -> float | None:
+    """From the first start to the last finish of either side (the expert kernel's recorded work)."""
+    ends = [t for t in (self.producer_end_us, self.consumer_end_us) if t is not None]
+    return max(ends) if ends else None  # times are after origin_ns, the first start
+
+  @property
+  def overlap_us(self) -> float | None:
+    """producer_us + consumer_us - busy_us: how long both sides ran at once (negative: the gap between them)."""
+    if self.producer_us is None or self.consumer_us is None:
+      return None
+    return self.producer_us + self.consumer_us - self.busy_us
+
+  @property
+  def push_gbps(self) -> float | None:
+    """pushed_bytes / consumer_us in GB/s: the rate the consumer moved the rank's remote rows at."""
+    return self.pushed_bytes / self.consumer_us / 1e3 if self.consumer_us else None
+
+
+def _span(start, end):
+  return end - start if start is not None and end is not None else None
+
+
+def call_stats(rank: int, record: dict) -> CallStats:
+  """A CallStats from one rank's raw record (``_jmo.cuda_last_combine_records``: consumers, pushed_bytes and the
+  %globaltimer ns of producer_start_ns, producer_end_ns, consumer_start_ns, consumer_end_ns)."""
+  pairs = {side: (record[f"{side}_start_ns"], record[f"{side}_end_ns"]) for side in ("producer", "consumer")}
+  # Recorded: a start set by its first event (not the reset value) and an end after it.
+  done = {side: 0 < t0 < _NO_START and t1 >= t0 for side, (t0, t1) in pairs.items()}
+  origin = min((pairs[side][0] for side in pairs if done[side]), default=0)
+  rel = lambda side, i: (pairs[side][i] - origin) / 1e3 if done[side] else None
+  return CallStats(rank=rank, consumers=int(record["consumers"]), pushed_bytes=int(record["pushed_bytes"]),
+                   origin_ns=int(origin), producer_start_us=rel("producer", 0), producer_end_us=rel("producer", 1),
+                   consumer_start_us=rel("consumer", 0), consumer_end_us=rel("consumer", 1))
+
+
+def last_call_stats(handle: int, group: int = 0) -> list[CallStats]:
+  """Per rank of ``group``, what its last expert_combine recorded. Synchronizes every device of the group first."""
+  return [call_stats(r, rec) for r, rec in enumerate(_jmo.cuda_last_combine_records(int(handle), int(group)))]

@@ -91,6 +91,22 @@ class Workspace:
       g = g * np.int32(self.mesh.shape[a]) + jax.lax.axis_index(a).astype(np.int32)
     return jax.numpy.asarray(g, np.int32)
 
+  def last_call_stats(self, group: int = 0):
+    """Per rank of ``group``: what its last expert_combine did, as recorded by the CUDA kernels (a list of
+    ``cuda_workspace.CallStats``: consumer CTAs C, bytes pushed to peers, producer and consumer spans). For
+    benchmarks: it synchronizes every device of the group (waits for all their work, XLA's included), so call it
+    between calls, after the one of interest. The record describes the last workspace call when that was an
+    expert_combine (a dispatch after it clears the spans).
+
+    Returns None on CPU workspaces: the CPU handlers record no spans.
+    """
+    if self.platform == "cpu":
+      return None
+    from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
+    if not 0 <= group < self.groups:
+      raise ValueError(f"jax_moe_overlap: group {group} of a workspace with {self.groups} groups")
+    return cuda_workspace.last_call_stats(self.handle, group)
+
   def release(self) -> None:
     """Frees the native buffers. Call only when no computation using this workspace is in flight."""
     if not self._released:

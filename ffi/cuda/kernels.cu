@@ -302,6 +302,7 @@ struct SegTable {
   int32_t bands;                  // total bands (ordered)
   int32_t remote_segs;            // segments [0, remote_segs) go to other ranks (SegmentBefore puts them first)
   int32_t remote_bands;           // their bands: [0, remote_bands) is all the consumer pushes
+  int64_t remote_rows;            // their rows (what the consumer pushes, in rows)
 };
 
 // Inclusive prefix sum of v over the threads of the CTA (in thread order) and the total; every thread calls it.
@@ -381,6 +382,7 @@ __device__ bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const 
     t->n = m;
     t->bands = (int32_t)bands;
     t->remote_segs = remote;
+    t->remote_rows = total_rows - sc->rows_to_rank[rd.rank];
   }
   __syncthreads();
   if (tid == 0) t->remote_bands = t->band_prefix[remote];
@@ -649,8 +651,11 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   if (!st.ok) return;
   if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) return;
   const int consumers = ConsumersOfCall(table, pol, N, K, &choice);
-  if (blockIdx.x == 0 && threadIdx.x == 0) rd.priv->consumers = (uint64_t)consumers;
   const int64_t row_bytes = N * (int64_t)sizeof(T);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    rd.priv->consumers = (uint64_t)consumers;
+    rd.priv->pushed_bytes = (uint64_t)(table.remote_rows * row_bytes);
+  }
   RankView self = View(rd, rd.rank);
   T* stage = reinterpret_cast<T*>(self.stage());
   T* ret = reinterpret_cast<T*>(self.ret());

@@ -62,6 +62,38 @@ void RegisterModule(nb::module_& m) {
         return d;
       },
       nb::arg("handle"));
+  // What the last expert_combine recorded on each rank of group `group` (RankPrivate), after synchronizing every device
+  // of the group (cudaDeviceSynchronize: for benchmarks, between calls). The %globaltimer values are raw: a start of
+  // 2^64 - 1 or an end of 0 means that side did nothing in the last call (or the last call was not an expert_combine:
+  // every call's BeginKernel resets the spans; a group's recovery zeroes them). jax_moe_overlap/cuda_workspace.py
+  // turns them into CallStats (Workspace.last_call_stats).
+  m.def(
+      "cuda_last_combine_records",
+      [](int64_t handle, int group) {
+        Workspace* ws = LookupWorkspace(handle);
+        if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: not a live CUDA workspace handle");
+        std::vector<RankPrivate> recs(ws->ranks());
+        {
+          nb::gil_scoped_release release;  // the synchronization may wait for XLA's running kernels
+          for (int r = 0; r < ws->ranks(); ++r) {
+            Status st = ws->ReadPrivate(group, r, nullptr, &recs[r]);
+            if (!st.ok()) throw std::runtime_error(st.msg);
+          }
+        }
+        nb::list out;
+        for (const RankPrivate& p : recs) {
+          nb::dict d;
+          d["consumers"] = p.consumers;
+          d["pushed_bytes"] = p.pushed_bytes;
+          d["producer_start_ns"] = p.prod_t0;
+          d["producer_end_ns"] = p.prod_t1;
+          d["consumer_start_ns"] = p.cons_t0;
+          d["consumer_end_ns"] = p.cons_t1;
+          out.append(d);
+        }
+        return out;
+      },
+      nb::arg("handle"), nb::arg("group") = 0);
   m.attr("cuda_tile_n") = ProducerTileN();
   m.def(
       "cuda_grouped_gemm_path",

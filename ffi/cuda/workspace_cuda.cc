@@ -180,9 +180,13 @@ int Workspace::min_budget() const {
 }
 
 Status Workspace::ReadPrivate(int g, int r, cudaStream_t stream, RankPrivate* out) const {
-  JMO_RETURN_IF_CUDA(cudaStreamSynchronize(stream));
+  if (g < 0 || g >= groups_ || r < 0 || r >= ranks_)
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: no rank " + std::to_string(r) + " of group " +
+                                               std::to_string(g) + " in this workspace");
+  if (stream != nullptr) JMO_RETURN_IF_CUDA(cudaStreamSynchronize(stream));
   DeviceGuard guard;
   JMO_RETURN_IF_CUDA(cudaSetDevice(ordinals_[g * ranks_ + r]));
+  if (stream == nullptr) JMO_RETURN_IF_CUDA(cudaDeviceSynchronize());
   JMO_RETURN_IF_CUDA(cudaMemcpy(out, priv_[g * ranks_ + r], sizeof(RankPrivate), cudaMemcpyDeviceToHost));
   return Status{};
 }

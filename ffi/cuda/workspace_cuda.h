@@ -48,6 +48,7 @@ struct RankPrivate {
   uint64_t timeout_ms;   // the call's timeout, for the error text
   // What the last expert_combine did (read by the loopback harness and the benchmarks; never by the protocol):
   uint64_t consumers;    // its consumer CTA count C (pinned, the fixed fallback, or the device-side model's choice)
+  uint64_t pushed_bytes;  // bytes its consumer pushes to the other ranks (rows of remote segments x row bytes)
   uint64_t prod_t0, prod_t1;  // %globaltimer: first producer tile started, last producer tile finished
   uint64_t cons_t0, cons_t1;  // first consumer CTA started pushing (after the serialize wait), last push finished
   uint64_t combine_done;      // CTAs of the call's CombineKernel that are done (the last one closes the call)
@@ -94,7 +95,9 @@ class Workspace {
   const ModelParams& model() const { return model_; }
   int budget(int g, int r) const { return budget_[g * ranks_ + r]; }
   int min_budget() const;
-  // Copies this rank's RankPrivate (the last call's C and timings) after synchronizing `stream`.
+  // Copies this rank's RankPrivate (the last call's C and timings) after synchronizing `stream`, or with
+  // stream == nullptr after synchronizing the rank's whole device (cudaDeviceSynchronize: every stream on it, XLA's
+  // included; for benchmarks, which do not know XLA's stream).
   Status ReadPrivate(int g, int r, cudaStream_t stream, RankPrivate* out) const;
   RankDev Dev(int g, int r) const;
   GroupShared* shared(int g) const { return reinterpret_cast<GroupShared*>(shared_[g]); }

@@ -1,13 +1,17 @@
 """expert_combine on the CUDA kernels (R = every visible GPU, and 1) with w transposed in place (transpose_rhs, the
 backward pass's dx = da @ W1^T) against float64 numpy, on each producer engine, beside the plain call on the
-transposed weights; and bitwise-identical repeats. The CPU suite's helpers (tests/test_expert_combine.py). Skips where
-there is no GPU."""
+transposed weights; bitwise-identical repeats; and the kernels' record of a call (Workspace.last_call_stats). The CPU
+suite's helpers (tests/test_expert_combine.py). Skips where there is no GPU."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gpu_common import gpu_devices, gpu_mesh, rank_counts, rel_err, requires_gpu
+from jax_moe_overlap.primitives import CallConfig, RankInfo
 import test_expert_combine as base  # tests/test_expert_combine.py (gpu_common puts tests/ on sys.path)
 
 pytestmark = requires_gpu
@@ -44,3 +48,30 @@ def test_transpose_rhs_gpu(R, K, N, dtype, engine):
   for _ in range(3):  # deterministic: the same bits every call
     again, _ = fn_t(c.ids, gates, lhs, w_t)
     assert np.array_equal(np.asarray(again).view(np.uint8), np.asarray(y_t).view(np.uint8))
+
+
+@pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
+def test_last_call_stats_gpu(R):
+  """After one expert_combine, every rank's record: the pinned C, the bytes its plan sends to the other ranks, and
+  producer / consumer spans (none for a consumer with nothing to push); serialized, the consumer starts only after
+  the producer's last tile (%globaltimer: a few us of slack)."""
+  K, N = 384, 256
+  c = base.make_case(gpu_mesh(R), N, jnp.bfloat16, tokens=256, seed=R)
+  lhs, w, gates = base.operands(c, K, N, jnp.bfloat16, seed=R)
+  owner = np.asarray(c.ids).reshape(R, -1) // (base.E // R)  # [source rank, slot] -> the rank computing it (dropless)
+  remote = [int(np.sum(np.delete(owner, r, axis=0) == r)) * N * 2 for r in range(R)]
+  for cfg in (CallConfig(consumer_ctas=3), CallConfig(consumer_ctas=5, serialize=True)):
+    case = dataclasses.replace(c, info=RankInfo(c.info.workspace, cfg))
+    jax.block_until_ready(base.combine_fn(case, False)(c.ids, gates, lhs, w))
+    stats = c.info.workspace.last_call_stats()
+    print(cfg, remote, stats)
+    assert [s.rank for s in stats] == list(range(R))
+    for s in stats:
+      assert s.consumers == cfg.consumer_ctas and s.pushed_bytes == remote[s.rank], s
+      assert s.producer_us is not None and s.producer_us >= 0, s
+      if remote[s.rank] == 0:
+        assert s.consumer_us is None, s
+        continue
+      assert s.consumer_us is not None and s.consumer_us >= 0 and s.busy_us >= max(s.producer_us, s.consumer_us), s
+      if cfg.serialize:
+        assert s.consumer_start_us >= s.producer_end_us - 5, s
