@@ -40,15 +40,19 @@ ideal           max(compute alone, communication alone), both measured in the sa
                 (serialized - ours) / min(compute, comm) (1: the shorter of the two is fully hidden; needs the
                 serialized row) and ours/ideal (1: perfect overlap at no cost).
 
-Nothing is timed before it agrees with ``moe_experts(impl="reference")`` on the same inputs (the reference in float32,
-in token chunks when the dense oracle would not fit): relative error (Frobenius) of y and, for fwd+bwd, of the
-gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for bfloat16, 1e-4 for
-float32). The probes of the ideal are checked as far as they can be: comm_alone against the reference on its shrunk
-weights; compute_alone (which computes on copies of tokens) by its group sizes, the routing's rows per (rank, local
-expert) counted on the host, and finite outputs. Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is
-faster), and the bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd,
-whose backward has the same two transfers; logical payload: the padded path moves more) with the rate that makes of
-the layer time.
+Nothing is timed before it agrees with the float32 reference on the same inputs: relative error (Frobenius) of y and,
+for fwd+bwd, of the gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for
+bfloat16, 1e-4 for float32). The reference has the semantics of ``moe_experts(impl="reference")`` (the dense oracle:
+every token through every expert) at the cost of the routed rows (``sparse_reference_layer``: per-expert blocks of
+the slots routed to each expert, GEMMs in float32 at precision HIGHEST, experts sharded like the weights, token
+chunks when its buffers would pass 4 GiB per device). When the float32 weight gradients would pass 4 GiB per device
+(DeepSeek-like), dw1 and dw2 are compared on a fixed sample of 8 experts only (``weight_sample``, named in the check
+text); dx and dgates always whole. The probes of the ideal are checked as far as they can be: comm_alone against the
+reference on its shrunk weights; compute_alone (which computes on copies of tokens) by its group sizes, the routing's
+rows per (rank, local expert) counted on the host, and finite outputs. Per shape and pass it reports ms, the ratio
+vs ``ours`` (>1: ours is faster), and the bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize;
+twice that for fwd+bwd, whose backward has the same two transfers; logical payload: the padded path moves more) with
+the rate that makes of the layer time.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python3 benchmarks/bench_ep_layer.py --quick   # CPU try-out
   python3 benchmarks/bench_ep_layer.py --shapes 'seed T=8192' --out $OUT/ep_layer.jsonl             # all GPUs
@@ -56,8 +60,7 @@ the layer time.
 
 The default list is 54 shapes (48 seed-sweep, 3 Mixtral-like, 3 DeepSeek-like), more than one 10-minute device
 command holds: select subsets with --shapes (a regex on "name skew") and --impls. --tokens-per-rank N runs the same
-list scaled down (a CPU dry run). The correctness oracle is dense over all E experts, so the checks are a visible part
-of the run time at the big shapes; --check-only runs the checks alone.
+list scaled down (a CPU dry run). --check-only runs the checks alone.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from jax.sharding import NamedSharding  # noqa: E402  pylint: disable=g-import-n
 from jax.sharding import PartitionSpec as P  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 import jax_moe_overlap as jmo  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_moe_overlap import reference  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_moe_overlap import plan as plan_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_moe_overlap.primitives import expert_mlp, swiglu  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -395,40 +399,150 @@ def grad_fn(f):
   return jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
 
 
-def reference_results(mesh, args, want_grads: bool, max_bytes: float = 2 ** 32):
-  """y and the gradients of sum(y * ct) from moe_experts(impl="reference") in float32, in token chunks so that the
-  dense oracle's [E, chunk, max(2F, D)] float32 intermediates stay near ``max_bytes`` (dropless: chunks agree)."""
+REF_BLOCK_ROWS = 128      # rows per GEMM of the sparse reference (reference.routed_combine)
+REF_SAMPLE_EXPERTS = 8    # experts whose weight gradients are compared when all of them would not fit
+
+
+def sparse_reference_layer(mesh, num_experts: int, expert_cap: int, num_blocks: int,
+                           block_rows: int = REF_BLOCK_ROWS):
+  """The float32 reference layer, sparse and expert-parallel, as a function of global arrays.
+
+  f(x [T, D], ids [T, k] int32, gates [T, k] float32, w1 [E_w, D, 2F], w2 [E_w, F, D], experts [E_w] int32) ->
+  y [T, D] float32, everything sharded over the mesh; ``experts`` names the global expert of each weight row (all E
+  in order, or a sample, ``weight_sample``). Each rank all-gathers the tokens, applies the oracle's capacity rule to
+  the global ids (reference.slot_kept, equal to kept_mask) and runs reference.routed_combine on the slots of its own
+  weight rows (GEMMs in float32, precision HIGHEST, ``num_blocks`` static blocks of ``block_rows`` rows: at least
+  the most any rank fills, ``reference_blocks``); psum_scatter adds the ranks' partial sums (each over its slots in
+  the order j = 0..k-1) and hands every rank its tokens. The semantics of moe_experts(impl="reference"), at the cost
+  of the routed rows (T k, not T E per GEMM), with no float32 copy of the weights unless they are differentiated.
+  """
+
+  def local(x, ids, gates, w1, w2, experts):
+    xg, idg, gg = (jax.lax.all_gather(a, AXIS, tiled=True) for a in (x, ids, gates))
+    kept = reference.slot_kept(idg, num_experts, expert_cap)
+    row = jnp.full((num_experts,), -1, jnp.int32).at[experts].set(jnp.arange(experts.shape[0], dtype=jnp.int32))
+    local_ids = jnp.where(kept, jnp.take(row, idg, mode="fill", fill_value=-1), -1)
+    y = reference.routed_combine(xg, local_ids, jnp.where(kept, gg, 0), w1, w2, block_rows=block_rows,
+                                 num_blocks=num_blocks)
+    return jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
+
+  spec = P(AXIS)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, check_vma=False)
+
+
+def reference_blocks(ids: np.ndarray, experts: np.ndarray, R: int, num_experts: int,
+                     block_rows: int = REF_BLOCK_ROWS) -> int:
+  """The static blocks of ``sparse_reference_layer`` for host ids [T, k]: the most any rank fills with the slots of
+  its weight rows (``experts`` split evenly over R ranks), rounded up to a multiple of max(8, 2^(bits - 5)) (at most
+  1/16 more: the input sets of a shape, whose routings differ a little, then mostly share one compilation)."""
+  row = np.full(num_experts, -1)
+  row[experts] = np.arange(len(experts))
+  local, per = row[ids], len(experts) // R
+  most = max(reference.blocks_needed(np.where(local >= 0, local - r * per, -1), per, block_rows) for r in range(R))
+  step = max(8, 1 << max(0, most.bit_length() - 5))
+  return max(step, -(-most // step) * step)
+
+
+def weight_sample(R: int, num_experts: int) -> np.ndarray:
+  """The fixed experts whose weight gradients are compared at big shapes (they depend on E and R only, never on the
+  inputs): ceil(REF_SAMPLE_EXPERTS / R) local experts of every rank, evenly spread over its E / R (the first and the
+  last included)."""
+  per = num_experts // R
+  local = np.unique(np.linspace(0, per - 1, min(per, -(-REF_SAMPLE_EXPERTS // R))).round().astype(np.int64))
+  return (np.arange(R)[:, None] * per + local[None, :]).ravel()
+
+
+@functools.lru_cache(maxsize=None)
+def _take_experts(mesh, local: tuple):
+  """[E, ...] sharded over the mesh -> the rows ``local`` of every rank's shard, [R len(local), ...], float32."""
+  fn = lambda w: w[np.asarray(local)].astype(jnp.float32)  # noqa: E731
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+
+
+def take_experts(mesh, w, experts: np.ndarray):
+  """w [E, ...] -> w[experts] in float32 for an ``experts`` of ``weight_sample`` (gathered on each rank, no
+  communication: a full float32 copy of the weights or of their gradients can be tens of GB)."""
+  R, E = mesh.shape[AXIS], w.shape[0]
+  return _take_experts(mesh, tuple(int(e) for e in experts[:len(experts) // R] % (E // R)))(w)
+
+
+class Reference(NamedTuple):
+  """The reference outputs of one input set: (y,) or (dx, dgates, dw1, dw2), float32; ``experts``: None when dw1
+  and dw2 cover every expert, else the sampled experts (``weight_sample``) they are of."""
+
+  outputs: tuple
+  experts: np.ndarray | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_fns(mesh, num_experts: int, expert_cap: int, num_blocks: int):
+  """(y, grads wrt (x, gates), grads wrt (x, gates, w1, w2), grads wrt (w1, w2)) of the sparse reference, jitted
+  (cached per static shape: the two input sets of a shape share their compilations)."""
+  f = sparse_reference_layer(mesh, num_experts, expert_cap, num_blocks)
+
+  def loss(x, ids, g, w1, w2, experts, ct):
+    return jnp.sum(f(x, ids, g, w1, w2, experts) * ct)
+
+  return (jax.jit(f),) + tuple(jax.jit(jax.grad(loss, argnums=a)) for a in ((0, 2), (0, 2, 3, 4), (3, 4)))
+
+
+def reference_results(mesh, args, want_grads: bool, max_bytes: float = 2 ** 32,
+                      max_wgrad_bytes: float = 2 ** 32) -> Reference:
+  """y and the gradients of sum(y * ct) from the sparse float32 reference (``sparse_reference_layer``): the
+  semantics of moe_experts(impl="reference"), dropless, at the cost of the routed rows.
+
+  Token chunks keep a rank's [blocks x rows, D] float32 block outputs (and their cotangents) and its gathered
+  tokens near ``max_bytes`` (dropless: chunks agree). The weights are read as given (cast to float32 one expert at
+  a time); only for dw1 and dw2 are float32 copies made. When the float32 weight gradients of a rank (E / R * 3 D F
+  * 4 bytes; the reference holds up to 3x that: copies, gradients, their sum over chunks) exceed
+  ``max_wgrad_bytes`` (DeepSeek-like: 22.5 GB at R = 2), dw1 and dw2 are those of the ``weight_sample`` experts
+  only (dx and dgates stay whole; the sampled rows are a second, weights-only gradient pass).
+  """
   x, ids, gates, w1, w2, ct = args
   R = mesh.shape[AXIS]
   T, D = x.shape
-  E, F = w2.shape[0], w2.shape[1]
-  per_token = E * max(2 * F, D) * 4 * (3 if want_grads else 1)
+  E, F, k = w2.shape[0], w2.shape[1], ids.shape[1]
+  ids_np = np.asarray(ids)
+  cap = plan_lib.expert_capacity(T // R, R, k, E, None)
+  everyone = np.arange(E)
+  sample = weight_sample(R, E) if want_grads and E // R * 3 * D * F * 4 > max_wgrad_bytes else None
+
+  def blocks(n, experts):                   # static blocks of n token chunks
+    return max(reference_blocks(c, experts, R, E) for c in np.split(ids_np, n))
+
   n = 1
-  while (T // n) * per_token > max_bytes and T % (2 * n) == 0 and (T // (2 * n)) % R == 0:
+  while T % (2 * n) == 0 and (T // (2 * n)) % R == 0 and max_bytes < (2 if want_grads else 1) * (
+      blocks(n, everyone) * REF_BLOCK_ROWS * D * 4 + T // n * D * 8):
     n *= 2
   Tc = T // n
-
-  def ref(x, ids, g, w1, w2):
-    return jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="reference")[0]
-
+  fwd, grad_xg, grad_all, _ = _reference_fns(mesh, E, cap, blocks(n, everyone))
+  put = lambda a: jax.device_put(jnp.asarray(a, jnp.int32), NamedSharding(mesh, P(AXIS)))  # noqa: E731
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-  fwd, grd = fwd_fn(ref), grad_fn(ref)
-  w1, w2 = f32(w1), f32(w2)
+  experts = put(everyone)
+  if sample is None and want_grads:
+    w1, w2 = f32(w1), f32(w2)               # differentiated: float32 copies (they fit, see max_wgrad_bytes)
+  if sample is not None:
+    grad_ws = _reference_fns(mesh, E, cap, blocks(n, sample))[3]
+    w1s, w2s, experts_s = take_experts(mesh, w1, sample), take_experts(mesh, w2, sample), put(sample)
   ys, dxs, dgs, dw1, dw2 = [], [], [], 0.0, 0.0
-  for c in range(n):                          # everything stays on the devices (w1's gradient alone can be GBs)
+  for c in range(n):                          # everything stays on the devices
     sl = slice(c * Tc, (c + 1) * Tc)
-    a = (f32(x[sl]), ids[sl], gates[sl], w1, w2, ct[sl])
-    if want_grads:
-      gx, gg, g1, g2 = grd(*a)
-      dxs.append(gx)
-      dgs.append(gg)
-      dw1 = dw1 + g1
-      dw2 = dw2 + g2
+    a = (f32(x[sl]), ids[sl], f32(gates[sl]))
+    if not want_grads:
+      ys.append(fwd(*a, w1, w2, experts))
+      continue
+    if sample is None:
+      gx, gg, g1, g2 = grad_all(*a, w1, w2, experts, ct[sl])
     else:
-      ys.append(fwd(*a))
+      gx, gg = grad_xg(*a, w1, w2, experts, ct[sl])
+      g1, g2 = grad_ws(*a, w1s, w2s, experts_s, ct[sl])
+    dxs.append(gx)
+    dgs.append(gg)
+    dw1 = dw1 + g1
+    dw2 = dw2 + g2
   if want_grads:
-    return None, (jnp.concatenate(dxs), jnp.concatenate(dgs), dw1, dw2)
-  return jnp.concatenate(ys), None
+    return Reference((jnp.concatenate(dxs), jnp.concatenate(dgs), dw1, dw2), sample)
+  return Reference((jnp.concatenate(ys),))
 
 
 class Verdict(NamedTuple):
@@ -439,8 +553,9 @@ class Verdict(NamedTuple):
   call_s: float = 0.0
 
 
-def check(fn, args, expected, rtol: float) -> Verdict:
-  """Runs fn once on args, compares every output with expected."""
+def check(fn, args, ref: Reference, rtol: float, mesh=None) -> Verdict:
+  """Runs fn once on args, compares every output with the reference's (dw1 and dw2 on ``ref.experts`` only when
+  the reference sampled them: the check text then names the experts)."""
   t0 = time.perf_counter()
   try:
     got = jax.block_until_ready(fn(*args))
@@ -448,23 +563,27 @@ def check(fn, args, expected, rtol: float) -> Verdict:
     return Verdict(False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
   call_s = time.perf_counter() - t0
   got = got if isinstance(got, tuple) else (got,)
-  errs = [rel_err(g, w) for g, w in zip(got, expected)]
+  note = ""
+  if ref.experts is not None:
+    got = got[:2] + tuple(take_experts(mesh, g, ref.experts) for g in got[2:])
+    note = (f" (dw1, dw2 on experts {','.join(map(str, ref.experts))} of {args[3].shape[0]}: sampled, all would "
+            f"not fit)")
+  errs = [rel_err(g, w) for g, w in zip(got, ref.outputs)]
   worst = max(errs)
-  return Verdict(worst <= rtol, "rel err " + "/".join(f"{e:.1e}" for e in errs), call_s)
+  return Verdict(worst <= rtol, "rel err " + "/".join(f"{e:.1e}" for e in errs) + note, call_s)
 
 
 def verdicts(mesh, fns: dict, arg_sets, want_grads: bool, rtol: float) -> dict:
   """{name: Verdict} of every fn on every input set (their routings differ) against the reference, one set's
-  reference at a time (the float32 reference gradients of w1 and w2 can be tens of GB); a failure sticks. call_s is
-  that of the last set's call (compiled by then: the first set's call compiles fn)."""
+  reference at a time; a failure sticks. call_s is that of the last set's call (compiled by then: the first set's
+  call compiles fn)."""
   out = {n: Verdict(True, "") for n in fns}
   for a in arg_sets:
-    y_ref, g_ref = reference_results(mesh, a, want_grads)
-    want = (y_ref,) if not want_grads else g_ref
+    ref = reference_results(mesh, a, want_grads)
     for n, fn in fns.items():
       if out[n].ok:
-        out[n] = check(fn, a, want, rtol)
-    del y_ref, g_ref, want
+        out[n] = check(fn, a, ref, rtol, mesh)
+    del ref
   return out
 
 

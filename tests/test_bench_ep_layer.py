@@ -105,3 +105,62 @@ def test_compute_probe_rejects_other_group_sizes():
   other[0, 0] = (other[0, 0] + 1) % shape.experts          # one slot to another expert: two counts change
   v = bench_ep_layer.compute_probe_verdict(fn, sets, [other], 4, shape.experts)
   assert not v.ok and "group sizes" in v.text, v
+
+
+@pytest.mark.parametrize("sampled,max_bytes", [(False, 2 ** 32), (True, 1)])
+def test_reference_equals_dense_oracle(monkeypatch, sampled, max_bytes):
+  """The benchmark's reference (sparse, expert-parallel, token chunks when max_bytes asks for them: here 1 byte, the
+  most chunks) gives moe_experts(impl="reference")'s y and gradients; sampled: dw1 and dw2 of the fixed sample
+  (2 of 8 experts: ceil(2 / 4) local expert 0 of every rank) only, the rest whole."""
+  monkeypatch.setattr(bench_ep_layer, "REF_SAMPLE_EXPERTS", 2)
+  mesh = bench_ep_layer.make_mesh(4)
+  shape = bench_ep_layer.shapes(quick=True)[0]
+  args, _ = bench_ep_layer.make_inputs(shape, 4, np.float32, 1, mesh)
+
+  def dense(x, ids, g, w1, w2):
+    return bench_ep_layer.jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="reference")[0]
+
+  y = bench_ep_layer.reference_results(mesh, args, False, max_bytes=max_bytes)
+  assert y.experts is None and bench_ep_layer.rel_err(y.outputs[0], bench_ep_layer.fwd_fn(dense)(*args)) < 1e-6
+  ref = bench_ep_layer.reference_results(mesh, args, True, max_bytes=max_bytes,
+                                         max_wgrad_bytes=0 if sampled else 2 ** 32)
+  want = bench_ep_layer.grad_fn(dense)(*args)
+  if sampled:
+    np.testing.assert_array_equal(ref.experts, [0, 2, 4, 6])
+    want = want[:2] + tuple(w[ref.experts] for w in want[2:])
+  else:
+    assert ref.experts is None
+  for got, w in zip(ref.outputs, want):
+    assert got.shape == w.shape and bench_ep_layer.rel_err(got, w) < 1e-5
+
+
+def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
+  """Where the reference samples the weight gradients, the check text names the experts and a wrong gradient on a
+  sampled expert still fails the check."""
+  real = bench_ep_layer.reference_results
+  monkeypatch.setattr(bench_ep_layer, "REF_SAMPLE_EXPERTS", 4)
+  monkeypatch.setattr(bench_ep_layer, "reference_results",
+                      lambda *a, **kw: real(*a, **kw, max_wgrad_bytes=0))
+  real_ours = bench_ep_layer.ours_layer
+
+  def ours_with_wrong_w1_grad_on_expert_2(mesh, config=bench_ep_layer.jmo.CallConfig()):
+    f = real_ours(mesh, config)
+    scale = np.ones((8, 1, 1), np.float32)
+    scale[2] = 1.5
+
+    @jax.custom_vjp
+    def w1_scaled(w1):
+      return w1
+
+    w1_scaled.defvjp(lambda w1: (w1, None), lambda _, g: (g * scale,))
+    return lambda x, ids, g, w1, w2: f(x, ids, g, w1_scaled(w1), w2)
+
+  args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd+bwd", "--impls", "ours",
+                                    "--check-only"])
+  rows = {r["impl"]: r for r in bench_ep_layer.run(args, timing=False).rows}
+  assert rows["ours"]["check"].startswith("ok rel err"), rows["ours"]
+  assert "dw1, dw2 on experts 0,2,4,6 of 8: sampled" in rows["ours"]["check"], rows["ours"]
+  monkeypatch.setattr(bench_ep_layer, "ours_layer", ours_with_wrong_w1_grad_on_expert_2)
+  r = {r["impl"]: r for r in bench_ep_layer.run(args, timing=False).rows}["ours"]
+  errs = [float(e) for e in r["check"].split()[3].split("/")]       # FAIL rel err dx/dgates/dw1/dw2 (...)
+  assert r["check"].startswith("FAIL") and max(errs[:2] + errs[3:]) < 1e-5 < errs[2], r
