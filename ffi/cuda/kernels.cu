@@ -177,6 +177,7 @@ __device__ void ZeroBytes(char* dst, int64_t bytes, int64_t tid, int64_t nthread
 
 __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* rank_op, int64_t timeout_ns,
                             int64_t delay_ns) {
+  const uint64_t begin_t = GlobalTimer();
   if (delay_ns > 0) {  // the testing delay: hold this rank back on its device (bounded by itself)
     const uint64_t t0 = GlobalTimer();
     while (GlobalTimer() - t0 < static_cast<uint64_t>(delay_ns)) __nanosleep(1000);
@@ -188,8 +189,9 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   p->epoch = epoch;
   p->deadline_ns = GlobalTimer() + static_cast<uint64_t>(timeout_ns);
   p->timeout_ms = static_cast<uint64_t>(timeout_ns / 1000000);
-  p->prod_t0 = p->cons_t0 = ~0ull;
-  p->prod_t1 = p->cons_t1 = 0;
+  p->prod_t0 = p->cons_t0 = p->comb_t0 = ~0ull;
+  p->prod_t1 = p->cons_t1 = p->prod_t0_last = p->comb_t1 = 0;
+  p->begin_t = begin_t;
   p->combine_done = 0;
   // An abort raised before this call began: do nothing; the next call's host side recovers and reports.
   p->failed = LoadVolatile(&rd.shared->abort.value) != 0 ? 1 : 0;
@@ -664,8 +666,11 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   if ((int)blockIdx.x >= consumers) {
     // Producer: tiles in producer order (remote-critical segments first), statically striped over the CTAs.
     const int pid = blockIdx.x - consumers, np = gridDim.x - consumers;
-    if (threadIdx.x == 0 && pid < table.bands)
-      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
+    if (threadIdx.x == 0 && pid < table.bands) {
+      const unsigned long long now = GlobalTimer();
+      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), now);
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0_last), now);
+    }
     if constexpr (kEngine == kWgmma)
       ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix, smem);
     else
@@ -819,6 +824,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
                   int64_t k, int64_t N, T* y, T* slot_out) {
   __shared__ CallState st;
   LoadCallState(rd, &st);
+  if (threadIdx.x == 0)
+    atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->comb_t0), (unsigned long long)GlobalTimer());
   if (threadIdx.x == 0 && LoadVolatile(&rd.priv->failed) == 0) {  // thread 0 alone touches st until the barrier
     const int64_t expected = expected_p[0];
     RankControl* ctl = View(rd, rd.rank).control();
@@ -899,8 +906,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0 &&
-      atomicAdd(reinterpret_cast<unsigned long long*>(&rd.priv->combine_done), 1ull) == gridDim.x - 1ull)
+      atomicAdd(reinterpret_cast<unsigned long long*>(&rd.priv->combine_done), 1ull) == gridDim.x - 1ull) {
+    rd.priv->comb_t1 = GlobalTimer();
     CloseCall(rd, expected_p[0], 1);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <iomanip>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -671,6 +672,27 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         }
         prod.push_back(pm);
         cons.push_back(cm);
+      }
+      // The device timeline of the call whose time is the median: per rank, microseconds from the earliest
+      // BeginKernel of the call (all ranks share one %globaltimer on one GPU).
+      if (cfg.per_call_stats && !per_call.empty() && dev_rec[v][0].size() == per_call.size()) {
+        size_t med = 0;
+        for (size_t i = 0; i < per_call.size(); ++i)
+          if (std::abs(per_call[i] - tv.median_us) < std::abs(per_call[med] - tv.median_us)) med = i;
+        uint64_t t0 = ~0ull;
+        for (int r = 0; r < R; ++r)
+          if (med < dev_rec[v][r].size()) t0 = std::min<uint64_t>(t0, dev_rec[v][r][med].begin_t);
+        std::ostringstream tl;
+        tl << std::fixed << std::setprecision(1);
+        auto at = [&](uint64_t t) { return (t == 0 || t == ~0ull) ? -1.0 : ((double)t - (double)t0) * 1e-3; };
+        for (int r = 0; r < R; ++r) {
+          if (med >= dev_rec[v][r].size()) continue;
+          const RankPrivate& q = dev_rec[v][r][med];
+          tl << (r ? " | " : "") << "r" << r << " C=" << q.consumers << " begin " << at(q.begin_t) << " prod "
+             << at(q.prod_t0) << ".." << at(q.prod_t1) << " (last CTA start " << at(q.prod_t0_last) << ") cons "
+             << at(q.cons_t0) << ".." << at(q.cons_t1) << " comb " << at(q.comb_t0) << ".." << at(q.comb_t1);
+        }
+        tv.timeline = tl.str();
       }
       tv.prod_span_us = quantile(prod, 0.5);
       tv.cons_span_us = quantile(cons, 0.5);

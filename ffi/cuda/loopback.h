@@ -65,6 +65,7 @@ struct TimedVariant {
   double prod_span_us = 0, cons_span_us = 0;  // medians over calls (per_call_stats) or of the last call; max over ranks
   double pushed_bytes = 0;      // bytes the consumers of all ranks push per call
   bool identical = true;        // outputs after the variant equal the checked call's, bit for bit
+  std::string timeline;         // the median call's per-rank device timeline (us from the earliest BeginKernel)
 };
 
 struct LoopbackResult {

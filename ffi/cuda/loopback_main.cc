@@ -343,6 +343,7 @@ int main(int argc, char** argv) {
          << "], \"pushed_bytes\": " << v.pushed_bytes << ", \"identical\": " << (v.identical ? "true" : "false")
          << ", \"budget\": " << r.budget << "}";
       std::printf("RESULT %s\n", js.str().c_str());
+      if (!v.timeline.empty()) std::printf("TIMELINE %s\n", v.timeline.c_str());
     }
     if (c.time) {
       for (size_t q = 0; q < r.seg_rows.size(); ++q) {

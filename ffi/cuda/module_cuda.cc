@@ -89,6 +89,10 @@ void RegisterModule(nb::module_& m) {
           d["producer_end_ns"] = p.prod_t1;
           d["consumer_start_ns"] = p.cons_t0;
           d["consumer_end_ns"] = p.cons_t1;
+          d["begin_ns"] = p.begin_t;
+          d["last_producer_start_ns"] = p.prod_t0_last;
+          d["combine_start_ns"] = p.comb_t0;
+          d["combine_end_ns"] = p.comb_t1;
           out.append(d);
         }
         return out;

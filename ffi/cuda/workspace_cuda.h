@@ -52,6 +52,10 @@ struct RankPrivate {
   uint64_t prod_t0, prod_t1;  // %globaltimer: first producer tile started, last producer tile finished
   uint64_t cons_t0, cons_t1;  // first consumer CTA started pushing (after the serialize wait), last push finished
   uint64_t combine_done;      // CTAs of the call's CombineKernel that are done (the last one closes the call)
+  // The call's timeline (%globaltimer, for the loopback harness and Workspace.last_call_stats; never the protocol):
+  uint64_t begin_t;           // BeginKernel started (before the testing delay)
+  uint64_t prod_t0_last;      // the last producer CTA with work started: > prod_t0 by much = CTAs not co-resident
+  uint64_t comb_t0, comb_t1;  // CombineKernel: first CTA started, last CTA finished
 };
 
 // The per-band tile counters (uint32, zeroed by one memset per call) followed by the count of finished bands of the
