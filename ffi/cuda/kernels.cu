@@ -90,6 +90,15 @@ __device__ void ReportBadInput(const RankDev& rd, uint64_t sub, uint64_t index, 
 
 // Bounded wait (one thread) until *word >= base + count. On timeout records (rank, peer, stage, counts relative to
 // base) and raises abort; on a peer's abort gives up silently (the next call reports the group's first failure).
+//
+// The group's abort word is host-mapped memory, and a GPU read of it crosses PCIe. Read every 16 spins by each
+// waiting thread, it stalled the *producer's* tiles on the same GPU: in the loopback harness (R = 2, serialized, the
+// consumers of both ranks waiting for their producers) the producer span grew with the number of waiting consumer
+// CTAs, 0.18 ms at C = 1 to 18.1 ms at C = 32 per rank, and skewed workloads, whose light rank waits in CombineKernel
+// while the heavy rank computes, took 44-84 ms instead of 3.5 ms. Read once per 1024 spins (about every millisecond
+// once the sleeps are 1 us): 0.35 ms at C = 32; relaxed polling loads or longer sleeps alone did not help
+// (benchmarks/RESULTS.md, session 5, call 3). Our own rank's failure and the deadline, both on the GPU, are still
+// checked every 16 spins; a peer's abort is seen within about a millisecond.
 __device__ bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint64_t base, uint64_t count, uint64_t peer,
                             Stage stage) {
   const uint64_t target = base + count;
@@ -97,8 +106,9 @@ __device__ bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint64_t ba
   for (uint32_t spin = 0;; ++spin) {
     const uint64_t v = LoadAcquireSys(word);
     if (v >= target) return true;
-    if ((spin & 15) == 0) {  // the abort word and the clock live farther away: look less often
-      if (LoadVolatile(&rd.shared->abort.value) != 0 || LoadVolatile(&rd.priv->failed) != 0) {
+    if ((spin & 15) == 0) {
+      const bool peer_abort = (spin & 1023) == 0 && LoadVolatile(&rd.shared->abort.value) != 0;
+      if (peer_abort || LoadVolatile(&rd.priv->failed) != 0) {
         *reinterpret_cast<volatile uint64_t*>(&rd.priv->failed) = 1;
         return false;
       }
