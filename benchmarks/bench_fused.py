@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  pylint: disable=g-import-not-at-top
+import device_trace  # noqa: E402  pylint: disable=g-import-not-at-top
 from jax_moe_overlap import plan as plan_lib  # noqa: E402
 from jax_moe_overlap.grouped_gemm import grouped_matmul  # noqa: E402
 from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_combine  # noqa: E402
@@ -54,6 +55,9 @@ def main():
                   "takes most of a big-shape run")
   ap.add_argument("--profile", type=int, default=0, metavar="N",
                   help="no timing: run each implementation N times after its check (for ncu: every kernel of a call)")
+  ap.add_argument("--trace", type=int, default=0, metavar="N",
+                  help="after timing, trace N calls of each implementation (device_trace.py): kernel times, the "
+                       "GPU's idle gaps between them and the longest host events")
   args = ap.parse_args()
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
   smap = lambda f, n_in, n_out=P(): jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_in, out_specs=n_out,
@@ -109,6 +113,9 @@ def main():
               jax.block_until_ready(fn(*arg_sets[0]))
             continue
           timed[iname] = common.time_fn(fn, arg_sets) * 1e3
+          if args.trace:
+            print(f"== {name} {skew} {iname}: " +
+                  device_trace.format_summary(device_trace.trace_calls(fn, arg_sets[0], calls=args.trace)), flush=True)
         except Exception as ex:  # pylint: disable=broad-except
           notes[iname] = f"error: {type(ex).__name__}: {str(ex)[:100]}"
       for iname in impls:
