@@ -46,6 +46,43 @@ __global__ void BulkKernel(const char* src, char* dst, int64_t bands, int issuer
                       slots - 1 < kPushReadLag ? slots - 1 : kPushReadLag);
 }
 
+// The two halves of a bulk copy alone, to see which one limits a CTA: `slots` chunks of kChunk in flight per issuer.
+// Loads only (global -> shared, the destination is not written) or stores only (shared -> global, from whatever the
+// ring holds: the destination's contents are not checked).
+template <int kChunk, bool kStores>
+__global__ void HalfKernel(const char* src, char* dst, int64_t bands, int issuers, int slots) {
+  using namespace bulk;
+  extern __shared__ __align__(128) char smem[];
+  const int w = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0 || w >= issuers) return;
+  char* base = smem + (int64_t)w * PushRingBytes<kChunk>(slots);
+  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(base) + 127) & ~(uintptr_t)127);
+  char* ring = reinterpret_cast<char*>(bars) + 128;
+  for (int q = 0; q < slots; ++q) wgmma_gemm::MbarInit(SmemAddr(&bars[q]), 1);
+  wgmma_gemm::MbarInitFence();
+  constexpr int64_t kPerBand = kBand / kChunk;
+  int64_t q = 0;
+  for (int64_t b = blockIdx.x + (int64_t)w * gridDim.x; b < bands; b += (int64_t)issuers * gridDim.x) {
+    for (int64_t c = 0; c < kPerBand; ++c, ++q) {
+      const int slot = (int)(q % slots);
+      if constexpr (kStores) {
+        if (q >= slots) WaitStoresReadLag(slots - 1);
+        Store(dst + b * kBand + c * kChunk, SmemAddr(ring + (int64_t)slot * kChunk), kChunk);
+      } else {
+        if (q >= slots) wgmma_gemm::MbarWait(SmemAddr(&bars[slot]), (uint32_t)(((q / slots) - 1) & 1));
+        MbarArriveExpectTx(SmemAddr(&bars[slot]), kChunk);
+        Load(SmemAddr(ring + (int64_t)slot * kChunk), src + b * kBand + c * kChunk, kChunk, SmemAddr(&bars[slot]));
+      }
+    }
+  }
+  if constexpr (kStores) {
+    WaitStores<0>();
+  } else {
+    for (int64_t r = q > slots ? q - slots : 0; r < q; ++r)
+      wgmma_gemm::MbarWait(SmemAddr(&bars[r % slots]), (uint32_t)((r / slots) & 1));
+  }
+}
+
 // CopyBand's shape (kernels.cu): 16 independent 16-byte loads per thread, then their stores.
 __global__ void BandKernel(const char* src, char* dst, int64_t bands) {
   constexpr int kUnroll = 16;
@@ -84,7 +121,7 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   std::vector<unsigned char> back(total);
-  auto time = [&](const char* what, auto launch) {
+  auto time = [&](const char* what, auto launch, bool check = true) {
     CK(cudaMemset(dst, 0xA5, total));
     launch();
     CK(cudaGetLastError());
@@ -103,7 +140,7 @@ int main(int argc, char** argv) {
     }
     std::sort(ms.begin(), ms.end());
     const double gbs = total / (ms[ms.size() / 2] * 1e-3) / 1e9;
-    printf("| %-24s | %8.3f | %7.1f | %s |\n", what, ms[ms.size() / 2], gbs, ok ? "ok" : "WRONG");
+    printf("| %-40s | %8.3f | %7.1f | %s |\n", what, ms[ms.size() / 2], gbs, !check ? "n/a" : ok ? "ok" : "WRONG");
     fflush(stdout);
     return gbs;
   };
@@ -111,26 +148,43 @@ int main(int argc, char** argv) {
          reps);
   printf("| config | ms | GB/s | check |\n|---|---|---|---|\n");
   time("memcpy", [&] { CK(cudaMemcpyAsync(dst, src, total, cudaMemcpyDeviceToDevice, st)); });
-  char name[64];
-  // One bulk-copy configuration: C CTAs x W issuers, `slots` slots of kChunk bytes each.
-  auto bulk = [&](auto chunk, int C, int W, int slots) {
+  char name[96];
+  constexpr int kMaxSmem = 227 * 1024;
+  // One bulk-copy configuration: C CTAs x W issuers, `slots` slots of kChunk bytes each; mode 0 copy, 1 loads only,
+  // 2 stores only.
+  auto bulk = [&](auto chunk, int C, int W, int slots, int mode) {
     constexpr int kChunk = decltype(chunk)::value;
     const int smem = W * PushRingBytes<kChunk>(slots);
-    if (smem > 200 * 1024) return;
-    CK(cudaFuncSetAttribute(BulkKernel<kChunk>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    snprintf(name, sizeof name, "bulk C=%d W=%d slots=%d x %d KiB", C, W, slots, kChunk / 1024);
-    time(name, [&] { BulkKernel<kChunk><<<C, 32 * W, smem, st>>>(src, dst, bands, W, slots); });
+    if (smem > kMaxSmem || slots < 1 || (mode == 0 && slots < 2)) return;
+    const void* k = mode == 0 ? (const void*)BulkKernel<kChunk>
+                    : mode == 1 ? (const void*)HalfKernel<kChunk, false> : (const void*)HalfKernel<kChunk, true>;
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    snprintf(name, sizeof name, "%s C=%d W=%d %d x %d KiB (%d KiB)", mode == 0 ? "bulk" : mode == 1 ? "loads" : "stores",
+             C, W, slots, kChunk / 1024, smem / 1024);
+    time(name, [&] {
+      if (mode == 0) BulkKernel<kChunk><<<C, 32 * W, smem, st>>>(src, dst, bands, W, slots);
+      else if (mode == 1) HalfKernel<kChunk, false><<<C, 32 * W, smem, st>>>(src, dst, bands, W, slots);
+      else HalfKernel<kChunk, true><<<C, 32 * W, smem, st>>>(src, dst, bands, W, slots);
+    }, mode == 0);
   };
   using K8 = std::integral_constant<int, 8192>;
   using K16 = std::integral_constant<int, 16384>;
   using K32 = std::integral_constant<int, 32768>;
-  for (int C : {1, 4, 16}) {
+  for (int C : {1, 16}) {
+    // Bytes in flight per CTA: 96 KiB and ~192 KiB rings, split over 1..8 issuers and chunk sizes.
     for (int W : {1, 2, 4, 8}) {
-      for (int slots : {4, 12}) bulk(K8{}, C, W, slots);
-      bulk(K16{}, C, W, 4);
-      bulk(K32{}, C, W, 3);
+      bulk(K8{}, C, W, 12 / W < 2 ? 2 : 12 / W, 0);
+      bulk(K8{}, C, W, 24 / W < 2 ? 2 : 24 / W, 0);
+      bulk(K16{}, C, W, 12 / W < 2 ? 2 : 12 / W, 0);
+      bulk(K32{}, C, W, 6 / W < 2 ? 2 : 6 / W, 0);
     }
-    for (int T : {256, 512}) {
+    for (int mode : {1, 2}) {
+      for (int W : {1, 4}) {
+        bulk(K8{}, C, W, 24 / W, mode);
+        bulk(K32{}, C, W, 6 / W < 1 ? 1 : 6 / W, mode);
+      }
+    }
+    for (int T : {256, 512}) {  // (1024 threads x 16 uint4 in flight do not fit the register file)
       snprintf(name, sizeof name, "band C=%d T=%d", C, T);
       time(name, [&] { BandKernel<<<C, T, 0, st>>>(src, dst, bands); });
     }
