@@ -1,15 +1,18 @@
 """Measures the resource model's constants (ffi/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
 harness and writes the calibration JSON that jax_moe_overlap loads (jax_moe_overlap/calibration/<gpu name>.json).
 
-Everything runs in the serialized mode, which isolates both halves of expert_combine: the consumer starts only after
-the producer has flagged every tile, so the device's own %globaltimer spans (first tile started .. last tile stored;
-first push .. last push) time each half alone.
+Everything but cta_gbps runs in the serialized mode, which isolates both halves of expert_combine: the consumer starts
+only after the producer has flagged every tile, so the device's own %globaltimer spans (first tile started .. last
+tile stored; first push .. last push) time each half alone.
 
   tile time       one rank (R = 1: it owns every SM, and all its rows are its own, so every CTA produces): producer
                   span / waves, waves = ceil(tiles / SMs), for K in --ks; least squares
                   t(K) = tile_us_base + tile_us_per_k * K.
   cta_gbps        two loopback ranks, each routing every row to the other's experts (routing 4), so every row is
-                  pushed: both ranks' bytes / span / (2 C) at C = 1 and 2 per rank (before HBM saturates); the median.
+                  pushed, overlapped (not serialized) with a K = 2048 producer at C = 4 per rank: one rank's bytes /
+                  consumer span / C, the rate a consumer CTA has while the GEMM runs next to it. (The rate alone,
+                  serialized at C = 1 and 2, is kept as raw.cta_gbps_alone: it is higher, and the model picked too few
+                  consumer CTAs with it.)
   link_gbps       the best bandwidth of both ranks' consumers together over C in 1..32 (the ceiling the consumer
                   reaches on this GPU, loopback: HBM to HBM; a multi-GPU calibration would measure NVLink instead).
   seg_us          the per-segment cost the model adds serially: (span - bytes / rate(C)) / segments per rank at C = 8
@@ -95,16 +98,31 @@ def main(argv=None):
       bw[v["consumers"]] = v["pushed_bytes"] / v["consumer_span_us"] * 1e-3
   for c in cs:
     print(f"consumer C={c} per rank x {R} ranks: {bw[c]:.1f} GB/s ({bw[c] / (R * c):.1f} per CTA)", flush=True)
-  cta_gbps = lb.median([bw[1] / R, bw[2] / (2 * R)])
+  cta_alone = lb.median([bw[1] / R, bw[2] / (2 * R)])
   link_gbps = max(bw.values())
   raw["consumer_gbps"] = {str(c): bw[c] for c in cs}
+  raw["cta_gbps_alone"] = cta_alone
+
+  # 2b. The push rate the model uses: per CTA while the producer runs (overlapped, K = 2048, C = 4 per rank), which is
+  #     what a call sees. The consumer alone moves more per CTA (cta_gbps_alone), and a model fed that rate picked
+  #     too few consumer CTAs: oracle sweep mean / worst regret 5.3% / 25.4% with it, -0.6% / 2.7% with this one
+  #     (benchmarks/RESULTS.md, session 5, calls 3 and 4).
+  C0 = 4
+  overlapped = [a for a in pushing if a != "--serialize"]
+  res = lb.run(overlapped + ["--tokens", args.tokens, "--experts", 8 * R, "--k-dim", 2048, "--n-dim", N,
+                             "--consumers", C0], log=log)
+  v = timed(res)[0]
+  cta_gbps = v["pushed_bytes"] / R / v["consumer_span_us"] * 1e-3 / C0
+  print(f"consumer C={C0} per rank overlapped with the producer (K=2048): {cta_gbps:.1f} GB/s per CTA "
+        f"(alone: {cta_alone:.1f})", flush=True)
+  raw["overlap_run"] = v
 
   # 3. Per-segment cost: per rank 128 segments of 64 rows (512 KiB), C = 8 per rank.
   C1, E1 = 8, 128
   res = lb.run(pushing + ["--tokens", E1 * 64 // 2, "--experts", E1 * R, "--k-dim", 64, "--n-dim", N, "--consumers",
                           C1], log=log)
   v = timed(res)[0]
-  rate = min(C1 * cta_gbps, link_gbps / R)  # one rank's share
+  rate = min(C1 * cta_alone, link_gbps / R)  # one rank's share (serialized run: the consumer alone)
   seg_us = max(0.0, (v["consumer_span_us"] - v["pushed_bytes"] / R / rate * 1e-3) / E1)
   print(f"per-segment cost at C={C1}: span {v['consumer_span_us']:.1f} us for {E1} segments per rank -> "
         f"{seg_us:.3f} us", flush=True)
