@@ -35,3 +35,48 @@ def test_grid_and_fit():
   assert bench_resource._grid([1, 2, 3, 4, 5, 6], 3) == [[1, 2, 3], [4, 5, 6]]
   base, slope = calibrate.fit_line([512, 1024, 2048], [1.5, 2.0, 3.0])
   assert base == pytest.approx(1.0) and slope == pytest.approx(1 / 1024)
+
+
+def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
+  """calibrate.main against a fake loopback harness with known constants: the tile-time line, the push rate while the
+  producer runs (what the model uses), the rate alone (kept in raw), the link ceiling and the per-segment cost come
+  back out of the JSON it writes."""
+  tile_base, tile_per_k, alone, overlapped, seg_us, sms = 2.5, 0.011, 42.0, 30.0, 0.5, 132
+  calls = []
+
+  def arg(args, name):
+    return int(args[args.index(name) + 1])
+
+  def fake_run(args, timeout=300, log=None):
+    args = [str(a) for a in args]
+    calls.append(args)
+    R, N, K, T = arg(args, "--ranks"), arg(args, "--n-dim"), arg(args, "--k-dim"), arg(args, "--tokens")
+    if R == 1:  # tile time: every row local, all SMs produce
+      tiles = -(-T * 2 // 8 // 128) * 8 * -(-N // 256)
+      span = -(-tiles // sms) * (tile_base + tile_per_k * K)
+      return {"results": [dict(kind="timed", consumers=0, producer_span_us=span, consumer_span_us=0.0)]}
+    pushed = T * 2 * N * 2 * R  # every row to the other rank, both ranks
+    cs = ([int(c) for c in args[args.index("--sweep-consumers") + 1].split(",")] if "--sweep-consumers" in args
+          else [arg(args, "--consumers")])
+    rows = []
+    for c in cs:
+      rate = (alone if "--serialize" in args else overlapped) * c * R  # GB/s of both ranks together
+      span = pushed / rate * 1e-3
+      if arg(args, "--experts") > 8 * R:  # the many-small-segments run adds seg_us per segment
+        span += seg_us * arg(args, "--experts") / R
+      rows.append(dict(kind="timed", consumers=c, producer_span_us=1.0, consumer_span_us=span, pushed_bytes=pushed))
+    return {"results": rows}
+
+  monkeypatch.setattr(calibrate.lb, "run", fake_run)
+  monkeypatch.setattr(calibrate.lb, "device_info", lambda k, n: dict(
+      kind="device", name="Fake GPU", sms=sms, tile_m=128, tile_n=256, producer="wgmma bf16", cc="9.0"))
+  out = calibrate.main(["--out", str(tmp_path / "fake.json"), "--reps", "1"])
+  import json  # pylint: disable=g-import-not-at-top
+  with open(out) as f:
+    doc = json.load(f)
+  assert doc["tile_us_base"] == pytest.approx(tile_base) and doc["tile_us_per_k"] == pytest.approx(tile_per_k)
+  assert doc["cta_gbps"] == pytest.approx(overlapped) and doc["raw"]["cta_gbps_alone"] == pytest.approx(alone)
+  assert doc["link_gbps"] == pytest.approx(alone * 32 * 2)
+  assert doc["seg_us"] == pytest.approx(seg_us)
+  overlap_runs = [a for a in calls if "--serialize" not in a]
+  assert len(overlap_runs) == 1 and arg(overlap_runs[0], "--k-dim") == 2048 and arg(overlap_runs[0], "--consumers") == 4
