@@ -37,7 +37,7 @@ struct ModelParams {
   int32_t tile_n;         // BN: columns per producer tile
   double tile_us_base;    // per-tile time = tile_us_base + tile_us_per_k * K
   double tile_us_per_k;
-  double cta_gbps;        // push bandwidth of one consumer CTA (GB/s = bytes/ns)
+  double cta_gbps;        // push bandwidth of one consumer CTA while the producer runs (GB/s = bytes/ns; calibrate.py)
   double link_gbps;       // ceiling of the destination link(s)
   double seg_us;          // fixed cost per pushed segment (flag poll, arrival signal)
 };
