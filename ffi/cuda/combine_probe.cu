@@ -321,9 +321,6 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&scratch, std::max(flush_bytes, copy_bytes)));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("combine probe on %s (%d SMs): T=%d k=%d N=%d bf16, %lld of %d slots dropped, %.1f MB moved, median of %d%s\n",
@@ -341,20 +338,9 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(back.data(), y, y_elems * 2, cudaMemcpyDeviceToHost));
       for (int64_t i = 0; i < y_elems; ++i) bad += back[i] != ref[i];
     }
-    std::vector<float> ms;
-    for (int r = 0; r < reps; ++r) {
+    const double us = 1e3 * MedianLaunchMs(st, reps, launch, [&](int r) {
       if (flush) CK(cudaMemsetAsync(scratch, r & 0xFF, flush_bytes, st));
-      CK(cudaEventRecord(e0, st));
-      launch();
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float m;
-      CK(cudaEventElapsedTime(&m, e0, e1));
-      ms.push_back(m);
-    }
-    CK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    const double us = ms[ms.size() / 2] * 1e3;
+    });
     char regs[32] = "-", chk[40] = "n/a";
     if (check) {
       cudaFuncAttributes a;

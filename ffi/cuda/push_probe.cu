@@ -117,9 +117,6 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(src, h.data(), total, cudaMemcpyHostToDevice));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   std::vector<unsigned char> back(total);
   auto time = [&](const char* what, auto launch, bool check = true) {
     CK(cudaMemset(dst, 0xA5, total));
@@ -128,19 +125,9 @@ int main(int argc, char** argv) {
     CK(cudaStreamSynchronize(st));
     CK(cudaMemcpy(back.data(), dst, total, cudaMemcpyDeviceToHost));
     const bool ok = memcmp(back.data(), h.data(), total) == 0;
-    std::vector<float> ms;
-    for (int r = 0; r < reps; ++r) {
-      CK(cudaEventRecord(e0, st));
-      launch();
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float m;
-      CK(cudaEventElapsedTime(&m, e0, e1));
-      ms.push_back(m);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double gbs = total / (ms[ms.size() / 2] * 1e-3) / 1e9;
-    printf("| %-40s | %8.3f | %7.1f | %s |\n", what, ms[ms.size() / 2], gbs, !check ? "n/a" : ok ? "ok" : "WRONG");
+    const float ms = MedianLaunchMs(st, reps, launch, [](int) {});
+    const double gbs = total / (ms * 1e-3) / 1e9;
+    printf("| %-40s | %8.3f | %7.1f | %s |\n", what, ms, gbs, !check ? "n/a" : ok ? "ok" : "WRONG");
     fflush(stdout);
     return gbs;
   };

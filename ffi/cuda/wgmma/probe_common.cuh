@@ -241,3 +241,28 @@ static double TimeCalls(Call call, int warmup, int iters, cudaStream_t stream, c
   CK(cudaEventDestroy(e1));
   return t / iters;
 }
+
+// Median milliseconds of `reps` launches, each timed alone by its own event pair (`before()` runs untimed ahead of
+// each one: e.g. an L2 flush). The caller warms up and checks the results first.
+template <class Launch, class Before>
+static float MedianLaunchMs(cudaStream_t stream, int reps, Launch launch, Before before) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    before(r);
+    CK(cudaEventRecord(e0, stream));
+    launch();
+    CK(cudaEventRecord(e1, stream));
+    CK(cudaEventSynchronize(e1));
+    float m;
+    CK(cudaEventElapsedTime(&m, e0, e1));
+    ms.push_back(m);
+  }
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
