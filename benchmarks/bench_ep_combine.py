@@ -27,8 +27,8 @@ most any rank sends / ms. Then, after timing, one more call and ``Workspace.last
   cons_us     the consumer's span: first push start to last push finish. Overlapped, it starts with the kernel and
               includes its waits for tiles; serialized, it starts after the last tile (the push alone)
   overlap_us  prod_us + cons_us - (last finish - first start): how long both ran at once (negative: a gap)
-  outside_us  ms - (last finish - first start): the call's time outside the expert kernel's recorded work (begin
-              kernel, band-counter memset, CombineKernel, launch gaps and host time between back-to-back calls)
+  outside_us  ms - the call's device span (BeginKernel start to CombineKernel end; where a record lacks them, the
+              expert kernel's recorded work): launch gaps and host time between back-to-back calls
   push_GBps   the bytes the consumer pushed / cons_us
 A note names any rank whose recorded pushed bytes differ from the plan's remote bytes. The JSON lines (--out) hold
 the same rows plus ``stats``: every rank's CallStats (cuda_workspace.py) in full.
@@ -221,7 +221,8 @@ def stats_cells(stats, wall_ms: float, remote: np.ndarray) -> dict:
   wall_us = wall_ms * 1e3
   cells = dict(C=joined([s.consumers for s in stats], "{}"), prod_us=joined([s.producer_us for s in stats]),
                cons_us=joined([s.consumer_us for s in stats]), overlap_us=joined([s.overlap_us for s in stats]),
-               outside_us=joined([None if s.busy_us is None else wall_us - s.busy_us for s in stats]),
+               outside_us=joined([None if (s.call_us or s.busy_us) is None else wall_us - (s.call_us or s.busy_us)
+                                  for s in stats]),
                push_GBps=joined([s.push_gbps for s in stats]))
   off = [f"rank {s.rank} pushed {s.pushed_bytes} B, plan {int(b)} B" for s, b in zip(stats, remote)
          if s.pushed_bytes != b]

@@ -151,6 +151,10 @@ class CallStats:
     consumer_end_us: the first consumer CTA started pushing (after the serialized mode's wait) / the last push
     finished. Microseconds (float) after ``origin_ns``; None where that side did nothing in the call (no rows to
     compute, nothing remote to push), or where the last call on the workspace was not an expert_combine.
+  begin_us: BeginKernel started (the call's first kernel; before a testing delay).
+  last_producer_start_us: the last producer CTA with work started; far after producer_start_us means the kernel's
+    CTAs were not all resident at once (something else held SMs).
+  combine_start_us / combine_end_us: CombineKernel's first CTA started / its last CTA finished (the call's end).
   origin_ns: the earliest of the rank's recorded times, a %globaltimer value in ns (0 if none). Every GPU has its own
     timer: compare origins of different ranks only where the clocks are known to agree. Its resolution is about
     1 us on some GPUs.
@@ -164,6 +168,10 @@ class CallStats:
   producer_end_us: float | None
   consumer_start_us: float | None
   consumer_end_us: float | None
+  begin_us: float | None = None
+  last_producer_start_us: float | None = None
+  combine_start_us: float | None = None
+  combine_end_us: float | None = None
 
   @property
   def producer_us(self) -> float | None:
@@ -179,7 +187,8 @@ class CallStats:
   def busy_us(self) -> float | None:
     """From the first start to the last finish of either side (the expert kernel's recorded work)."""
     ends = [t for t in (self.producer_end_us, self.consumer_end_us) if t is not None]
-    return max(ends) if ends else None  # times are after origin_ns, the first start
+    starts = [t for t in (self.producer_start_us, self.consumer_start_us) if t is not None]
+    return max(ends) - min(starts) if ends else None
 
   @property
   def overlap_us(self) -> float | None:
@@ -187,6 +196,16 @@ class CallStats:
     if self.producer_us is None or self.consumer_us is None:
       return None
     return self.producer_us + self.consumer_us - self.busy_us
+
+  @property
+  def call_us(self) -> float | None:
+    """The whole call on the device: BeginKernel's start to CombineKernel's end."""
+    return _span(self.begin_us, self.combine_end_us)
+
+  @property
+  def producer_start_spread_us(self) -> float | None:
+    """How long after the first producer CTA the last one started (about 0 when every CTA is resident at once)."""
+    return _span(self.producer_start_us, self.last_producer_start_us)
 
   @property
   def push_gbps(self) -> float | None:
@@ -200,15 +219,24 @@ def _span(start, end):
 
 def call_stats(rank: int, record: dict) -> CallStats:
   """A CallStats from one rank's raw record (``_jmo.cuda_last_combine_records``: consumers, pushed_bytes and the
-  %globaltimer ns of producer_start_ns, producer_end_ns, consumer_start_ns, consumer_end_ns)."""
+  %globaltimer ns of producer_start_ns, producer_end_ns, consumer_start_ns, consumer_end_ns, and where the library
+  records them begin_ns, last_producer_start_ns, combine_start_ns, combine_end_ns)."""
   pairs = {side: (record[f"{side}_start_ns"], record[f"{side}_end_ns"]) for side in ("producer", "consumer")}
+  pairs["combine"] = (record.get("combine_start_ns", _NO_START), record.get("combine_end_ns", 0))
   # Recorded: a start set by its first event (not the reset value) and an end after it.
   done = {side: 0 < t0 < _NO_START and t1 >= t0 for side, (t0, t1) in pairs.items()}
-  origin = min((pairs[side][0] for side in pairs if done[side]), default=0)
+  begin = record.get("begin_ns", 0)
+  begin = begin if 0 < begin < _NO_START else None
+  last_start = record.get("last_producer_start_ns", 0)
+  last_start = last_start if done["producer"] and last_start >= pairs["producer"][0] else None
+  origin = min([pairs[side][0] for side in pairs if done[side]] + ([begin] if begin is not None else []), default=0)
   rel = lambda side, i: (pairs[side][i] - origin) / 1e3 if done[side] else None
+  at = lambda t: None if t is None else (t - origin) / 1e3
   return CallStats(rank=rank, consumers=int(record["consumers"]), pushed_bytes=int(record["pushed_bytes"]),
                    origin_ns=int(origin), producer_start_us=rel("producer", 0), producer_end_us=rel("producer", 1),
-                   consumer_start_us=rel("consumer", 0), consumer_end_us=rel("consumer", 1))
+                   consumer_start_us=rel("consumer", 0), consumer_end_us=rel("consumer", 1), begin_us=at(begin),
+                   last_producer_start_us=at(last_start), combine_start_us=rel("combine", 0),
+                   combine_end_us=rel("combine", 1))
 
 
 def last_call_stats(handle: int, group: int = 0) -> list[CallStats]:

@@ -70,6 +70,10 @@ def test_last_call_stats_gpu(R):
       # The kernel reports the C it used: none when the rank has nothing to push (every rank at R = 1).
       assert s.consumers == (cfg.consumer_ctas if remote[s.rank] else 0) and s.pushed_bytes == remote[s.rank], s
       assert s.producer_us is not None and s.producer_us >= 0, s
+      # The call's timeline: Begin, then the expert kernel, then CombineKernel on the same stream (1 us of timer slack).
+      assert s.begin_us is not None and s.begin_us <= s.producer_start_us + 1, s
+      assert s.combine_start_us >= s.producer_end_us - 1 and s.call_us >= s.busy_us, s
+      assert 0 <= s.producer_start_spread_us <= s.producer_us + 1, s
       if remote[s.rank] == 0:
         assert s.consumer_us is None, s
         continue
