@@ -98,6 +98,15 @@ def main(argv=None):
                 params=dataclasses.asdict(params), ranks=R, budget=budget, ctas=cs,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
   out_rows, out_rows_failed = [], []
+  # JSON lines are written as the workloads finish, so a run stopped by a time limit keeps the rows it measured.
+  out_f = open(args.out, "w") if args.out else None
+
+  def emit(r):
+    if out_f:
+      out_f.write(json.dumps(r) + "\n")
+      out_f.flush()
+
+  emit(header)
   wls = workloads(args.quick)
   if args.only is not None:
     wls = [wls[args.only]]
@@ -119,6 +128,7 @@ def main(argv=None):
     except lb.LoopbackError as e:  # a failed check: no numbers from this workload
       print(f"| {i} | {w} | FAILED: {str(e)[-600:]}", flush=True)
       out_rows_failed.append(dict(kind="failed", index=i, **w, error=str(e)[-4000:]))
+      emit(out_rows_failed[-1])
       continue
     timed = [r for r in res["results"] if r["kind"] == "timed"]
     plans = sorted((r for r in res["results"] if r["kind"] == "plan"), key=lambda r: r["rank"])
@@ -143,6 +153,7 @@ def main(argv=None):
                model_us={c: rm.makespan_us(p_rank, rm.device_segments(_grid(plans[0]["seg_rows"], R), 0), w["n"], w["k"],
                                            2, c) for c in cs})
     out_rows.append(row)
+    emit(row)
     print(f"| {i} | {w['tokens']} | {w['n']} | {w['experts']} | {w['skew']} | {oracle} | {times[oracle] / 1e3:.3f} | "
           f"{','.join(map(str, manager['chosen']))} | {manager['median_us'] / 1e3:.3f} | {100 * row['regret']:.1f}% | "
           f"{ser_us / 1e3:.3f} | {(fixed_us or float('nan')) / 1e3:.3f} | {'ok' if mirror_ok else 'DIFFERS'} |",
@@ -162,10 +173,9 @@ def main(argv=None):
         f"{summary.get('decision_ns_max', float('nan')):.0f}; table build "
         f"{summary.get('table_build_ns_median', float('nan')):.0f} ns, needed anyway) | Python mirror agrees: "
         f"{summary.get('mirror_agrees')} | {summary['seconds']:.0f} s")
-  if args.out:
-    with open(args.out, "w") as f:
-      for r in [header] + out_rows + out_rows_failed + [summary]:
-        f.write(json.dumps(r) + "\n")
+  emit(summary)
+  if out_f:
+    out_f.close()
   return out_rows, summary
 
 
