@@ -4,8 +4,9 @@
 // + j]] (rows of -1 dropped) in fp32 in the fixed order j = 0..k-1 (one FFMA per term, as CombineKernel's `acc += g *
 // x` compiles) and rounds once to bf16, so each must match the host reference bit for bit. None has CombineKernel's
 // protocol (RankDev, arrival wait, CloseCall): the gather alone.
-//   base     CombineKernel's loop: kItems items (token, 8 columns) x kJ choices of 16-byte loads in flight per thread,
-//            grid-stride, 64-bit item / column division; (a) 512 threads x kItems 3 x kJ 2 on one CTA per SM
+//   base     CombineKernel's loop itself (combine_gather.cuh): kItems items (token, 8 columns) x kJ choices of 16-byte
+//            loads in flight per thread, grid-stride, 64-bit item / column division; (a) 512 threads x kItems 3 x
+//            kJ 2 on one CTA per SM
 //   warp     one warp per token (grid-stride over tokens): the token's rows / gates are loaded once by lanes 0..k-1 and
 //            shuffled; each lane loads kU x 16 B of kJ rows at a time (kU x 32 B contiguous per lane with "32B");
 //            "pf" loads the next token's rows / gates before the current token's loads (prefetch in registers)
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "cuda/bulk_copy.cuh"
+#include "cuda/combine_gather.cuh"
 #include "cuda/wgmma/probe_common.cuh"  // CK, FillKernel
 
 namespace {
@@ -70,57 +72,16 @@ __device__ __forceinline__ uint4 Pack8(const float* a) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// (a), (b), (d): CombineKernel's loop (bf16, V = 8) without its protocol; slot_out is nullptr as at the seed shape.
+// (a), (b), (d): CombineKernel's own loop (combine_gather.cuh, bf16, V = 8) without its protocol, with other items /
+// choices in flight and other loads; slot_out is nullptr as at the seed shape.
 template <int kThreads, int kMinBlocks, int kItems, int kJ, Ld L>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     BaseKernel(const bf16* ret, int64_t ret_rows, const float* gates, const int32_t* slot_ret_row, int64_t T_,
                int64_t k, int64_t N, bf16* y, bf16* slot_out) {
-  constexpr int V = 8;
-  const int64_t vecs = N / V, items = T_ * vecs, stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; base < items; base += stride * kItems) {
-    float acc[kItems][V];
-    int64_t t[kItems], n[kItems];
-#pragma unroll
-    for (int u = 0; u < kItems; ++u) {
-      const int64_t item = min(base + u * stride, items - 1);
-      t[u] = item / vecs;
-      n[u] = item % vecs * V;
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[u][i] = 0.f;
-    }
-    for (int64_t j0 = 0; j0 < k; j0 += kJ) {
-      uint4 v[kJ][kItems];
-      int32_t row[kJ][kItems];
-#pragma unroll
-      for (int jj = 0; jj < kJ; ++jj)
-#pragma unroll
-        for (int u = 0; u < kItems; ++u) row[jj][u] = j0 + jj < k ? slot_ret_row[t[u] * k + j0 + jj] : -1;
-#pragma unroll
-      for (int jj = 0; jj < kJ; ++jj)
-#pragma unroll
-        for (int u = 0; u < kItems; ++u)
-          if (row[jj][u] >= 0 && row[jj][u] < ret_rows) v[jj][u] = LoadG<L>(ret + (int64_t)row[jj][u] * N + n[u]);
-#pragma unroll
-      for (int jj = 0; jj < kJ; ++jj) {
-        if (j0 + jj >= k) break;
-#pragma unroll
-        for (int u = 0; u < kItems; ++u) {
-          const int64_t p = t[u] * k + j0 + jj;
-          const bool mine = base + u * stride < items;
-          const int32_t r = row[jj][u];
-          if (r < 0 || r >= ret_rows) {
-            if (mine && slot_out) *reinterpret_cast<uint4*>(slot_out + p * N + n[u]) = make_uint4(0, 0, 0, 0);
-            continue;
-          }
-          Acc8(acc[u], gates[p], v[jj][u]);
-          if (mine && slot_out) *reinterpret_cast<uint4*>(slot_out + p * N + n[u]) = v[jj][u];
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kItems; ++u)
-      if (base + u * stride < items) *reinterpret_cast<uint4*>(y + t[u] * N + n[u]) = Pack8(acc[u]);
-  }
+  using jmo::cuda::Pack;
+  jmo::cuda::GatherWeightedSum<bf16, 8, kItems, kJ>(
+      ret, ret_rows, gates, slot_ret_row, T_, k, N, y, slot_out,
+      [](Pack<bf16, 8>& v, const bf16* p) { *reinterpret_cast<uint4*>(v.e) = LoadG<L>(p); }, [](int64_t, int32_t) {});
 }
 
 // (c), (d), (e): one warp per token; k <= 32.
