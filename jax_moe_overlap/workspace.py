@@ -93,7 +93,8 @@ class Workspace:
 
   def last_call_stats(self, group: int = 0):
     """Per rank of ``group``: what its last expert_combine did, as recorded by the CUDA kernels (a list of
-    ``cuda_workspace.CallStats``: consumer CTAs C, bytes pushed to peers, producer and consumer spans). For
+    ``cuda_workspace.CallStats``: consumer CTAs C, bytes pushed to peers, producer and consumer spans, and the call's
+    timeline from BeginKernel to the end of CombineKernel). For
     benchmarks: it synchronizes every device of the group (waits for all their work, XLA's included), so call it
     between calls, after the one of interest. The record describes the last workspace call when that was an
     expert_combine (a dispatch after it clears the spans).
