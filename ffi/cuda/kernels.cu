@@ -727,10 +727,21 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     return View(rd, a.s->src).ret() + ((int64_t)a.s->ret_off + (int64_t)a.b * kBandRows) * row_bytes;
   };
   auto arrivals_of = [&](const BandAt& a) { return &View(rd, a.s->src).control()->ret_arrivals.value; };
-  // The source must have finished reading its ret rows of the previous call; then the band must be ready.
+  // The source must have finished reading its ret rows of the previous call; then the band must be ready. A source's
+  // done_epoch only grows during the call, so once a thread has seen it (with an acquire, which orders everything the
+  // thread does after it) it skips that read -- a remote one over NVLink -- for the source's later bands.
+  uint32_t peers_seen = 0;  // this thread's: bit s = source s has finished the previous call
+  auto peer_ready = [&](int src, bool block) {
+    if ((peers_seen >> src) & 1u) return true;
+    const uint64_t* done = &View(rd, src).control()->done_epoch.value;
+    const bool ok = block ? WaitAtLeast(rd, done, 0, st.epoch - 1, src, kStagePeerReady)
+                          : LoadAcquireSys(done) >= st.epoch - 1;
+    if (ok) peers_seen |= 1u << src;
+    return ok;
+  };
+  static_assert(kMaxRanks <= 32, "peers_seen holds one bit per rank");
   auto wait_ready = [&](const BandAt& a) {
-    return WaitAtLeast(rd, &View(rd, a.s->src).control()->done_epoch.value, 0, st.epoch - 1, a.s->src,
-                       kStagePeerReady) &&
+    return peer_ready(a.s->src, true) &&
            WaitAtLeast(rd, &flags[a.s->band_base + a.b], 0, st.epoch, rd.rank, kStageTileReady);
   };
 #if WGMMA_SM90A
@@ -747,8 +758,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     auto ready = [&](int i, bool block) {
       const BandAt a = band_at_w(i);
       if (block) return wait_ready(a);
-      return LoadAcquireSys(&View(rd, a.s->src).control()->done_epoch.value) >= st.epoch - 1 &&
-             LoadAcquireSys(&flags[a.s->band_base + a.b]) >= st.epoch;
+      return peer_ready(a.s->src, false) && LoadAcquireSys(&flags[a.s->band_base + a.b]) >= st.epoch;
     };
     auto band_of = [&](int i) {
       const BandAt a = band_at_w(i);
