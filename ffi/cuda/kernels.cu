@@ -99,7 +99,8 @@ __device__ void ReportBadInput(const RankDev& rd, uint64_t sub, uint64_t index, 
 // while the heavy rank computes, took 44-84 ms instead of 3.5 ms. Read once per 1024 spins (about every millisecond
 // once the sleeps are 1 us): 0.35 ms at C = 32; relaxed polling loads or longer sleeps alone did not help
 // (benchmarks/RESULTS.md, session 5, call 3). Our own rank's failure and the deadline, both on the GPU, are still
-// checked every 16 spins; a peer's abort is seen within about a millisecond.
+// checked every 16 spins; a peer's abort is seen within about a millisecond (the first look at spin 1024, after
+// ~0.1 ms of waiting).
 __device__ bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint64_t base, uint64_t count, uint64_t peer,
                             Stage stage) {
   const uint64_t target = base + count;
@@ -108,7 +109,8 @@ __device__ bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint64_t ba
     const uint64_t v = LoadAcquireSys(word);
     if (v >= target) return true;
     if ((spin & 15) == 0) {
-      const bool peer_abort = (spin & 1023) == 0 && LoadVolatile(&rd.shared->abort.value) != 0;
+      // (From spin 1024 on: a wait that ends sooner, most of them, never reads host memory.)
+      const bool peer_abort = spin >= 1024 && (spin & 1023) == 0 && LoadVolatile(&rd.shared->abort.value) != 0;
       if (peer_abort || LoadVolatile(&rd.priv->failed) != 0) {
         *reinterpret_cast<volatile uint64_t*>(&rd.priv->failed) = 1;
         return false;
