@@ -176,11 +176,15 @@ struct Segment {
 // then by source and expert for determinism; local segments (src == rank) last. A strict total order on distinct
 // (src, expert) pairs, so the CUDA table builder can place each segment by counting the segments before it (one
 // thread per segment) and get the CPU's insertion-sort order exactly.
+// Sources first (SourceBefore: the order of their segment groups), then experts within a source.
+JMO_HD inline bool SourceBefore(int u, int s, int rank, const int64_t* rows_to_rank) {
+  const bool ul = u == rank, sl = s == rank;
+  if (ul != sl) return !ul;  // remote before local
+  if (rows_to_rank[u] != rows_to_rank[s]) return rows_to_rank[u] > rows_to_rank[s];
+  return u < s;
+}
 JMO_HD inline bool SegmentBefore(const Segment& x, const Segment& y, int rank, const int64_t* rows_to_rank) {
-  const bool xl = x.src == rank, yl = y.src == rank;
-  if (xl != yl) return !xl;  // remote before local
-  if (rows_to_rank[x.src] != rows_to_rank[y.src]) return rows_to_rank[x.src] > rows_to_rank[y.src];
-  if (x.src != y.src) return x.src < y.src;
+  if (x.src != y.src) return SourceBefore(x.src, y.src, rank, rows_to_rank);
   return x.expert < y.expert;
 }
 
