@@ -1,6 +1,7 @@
 // Decision probe: which implementation of kernels.cu's DeviceChooseConsumers (the resource manager's choice of the
 // consumer CTA count C, resource_model.h) is fastest on one CTA, with the choice unchanged. Measured on an H200 by
-// DecisionBenchKernel: 2117 ns per decision, target <= 1000 ns.
+// DecisionBenchKernel: 2117 ns per decision, target <= 1000 ns. kernels.cu has since adopted "chunked 2b fp" (with the
+// old code, ChooseByScans, for inputs outside its exactness conditions); "current" below is the old code.
 //
 // Variants (all must return the host ChooseConsumerCtas's C: every term is the same rounded operations on the same
 // values, only computed elsewhere or in another order where that is exact):
@@ -74,7 +75,7 @@ __device__ __forceinline__ uint64_t GlobalTimer() {
   return t;
 }
 
-// ---- kernels.cu, copied (its anonymous namespace): the table, the scratch, the scans, DeviceChooseConsumers ----
+// ---- kernels.cu before the chunked form, copied: the table, the scratch, the scans, DeviceChooseConsumers ----
 struct SegTable {
   Segment seg[kMaxSegments];
   int32_t band_prefix[kMaxSegments + 1];

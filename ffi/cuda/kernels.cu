@@ -428,15 +428,35 @@ __device__ __forceinline__ int FindSegment(const SegTable& t, int band) {
 // ---------------------------------------------------------------------------------------------------------------
 // The resource manager on the device (resource_model.h): every CTA evaluates the model on its own copy of the
 // segment table and gets the same C (same inputs, same operations, no FMA contraction: see the header), then takes
-// its role by block index. Thread c of warp w evaluates candidate C = c + 1 over segments w, w + 8, ...; a max over
-// the warps and an argmin over the lanes (smallest C on ties, as ChooseConsumerCtas) finish it.
+// its role by block index. Lane c of a warp evaluates candidate C = c + 1 over some of the segments; a max over the
+// warps and an argmin over the lanes (smallest C on ties, as ChooseConsumerCtas) finish it. Two forms, the same C:
+//   chunked   (DeviceChooseConsumers; decision_probe.cu's "chunked 2b fp") warp w takes the contiguous chunk of remote
+//             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
+//             scans its chunk with one warp scan, so its prefixes stay warp-private: 2 barriers instead of 7, and per
+//             (C, j) pair FP64 operations only (ceil(cum / P) by ReadyUsFp; the scans' form paid a CeilDiv and three
+//             int -> double conversions per pair, and cc 9.0 issues those at 16 results/clk/SM against 64 for
+//             DMUL/DADD). Its shortcuts are exact when rows are in [1, 2^23), ceil(N / BN) < 2^19, N * eb < 2^32 and
+//             the lanes' tile_us, seg_us and us_per_byte are finite and >= +0 (ChunkedIsExact): true of every real
+//             call (calibrated times and rates are positive).
+//   scans     (ChooseByScans: the code before the chunked form) block scans of tiles and bytes to shared memory, lane c
+//             of warp w over segments w, w + 8, ...: any other input, so no input gets a C other than before.
+// Measured (DecisionBenchKernel, H200): 2117 ns per decision with the scans for every input; the probe's estimate for
+// the chunked form is 250-600 ns (not measured yet).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
 constexpr int kWarps = kThreads / 32;
+static_assert(kMaxSegments <= 32 * kWarps, "a chunk of remote segments fits in a warp");
 
 struct ChoiceScratch {
-  ModelPrefix pre[kMaxSegments];
+  union {
+    ModelPrefix pre[kMaxSegments];  // ChooseByScans
+    struct {                        // the chunked form: segment j's parts of its term that do not depend on C
+      double ceil_arg[kMaxSegments];  // CeilArg(cum_tiles)
+      double push_us[kMaxSegments];   // pushed_from * seg_us
+      double bytes[kMaxSegments];     // (double)bytes_from
+    } seg;                            // (the same 6 KB as pre[]: shared memory does not grow)
+  };
   double us[kWarps][32];
   int64_t warp_sums[32];
   int chosen;
@@ -457,10 +477,9 @@ struct Policy {
   int64_t elem_bytes;
 };
 
-// Called by every thread of the CTA (contains barriers). The consumer pushes the remote segments [0, remote_segs)
-// only (local ones are stored in place by the producer): resource_model.h ModelPrefixes with remote = src != rank.
-__device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
-                                     int max_ctas, ChoiceScratch* sc) {
+// The scans form (see above). Called by every thread of the CTA (contains barriers).
+__device__ int ChooseByScans(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
+                              int max_ctas, ChoiceScratch* sc) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mr = t.remote_segs;
   // Prefix sums of tiles (all segments) and pushed bytes (remote ones) in producer order.
@@ -497,6 +516,135 @@ __device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, in
     }
     if (lane == 0) sc->chosen = cand;
   }
+  __syncthreads();
+  return sc->chosen;
+}
+
+// ceil(a / d) for a < 2^32, 1 <= d < 2^32, m = 0xffffffff / d: q = umulhi(a, m) is floor(a / d) or one less (m * d >
+// 2^32 - d, so a * m / 2^32 > a / d - 1; and m <= 2^32 / d), one correction makes it exact. Instead of the ~20
+// instructions of a 32-bit division.
+__device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_t m) {
+  uint32_t q = __umulhi(a, m), r = a - q * d;
+  if (r >= d) {
+    ++q;
+    r -= d;
+  }
+  return q + (r != 0u);
+}
+
+// ModelTermUs's ready = RmMul((double)CeilDiv(cum, P), tile_us) in FP64 only, from ceil_arg = CeilArg(cum) and rp =
+// the correctly rounded 1 / P: s = ceil_arg * rp is within (cum / P) * 2^-51 of (cum - 0.5) / P, which lies >= 0.5 / P
+// from every integer, so for cum < 2^50 rounding s + 2^52 up gives 2^52 + ceil(cum / P) exactly (s = 0 for cum = 0),
+// and subtracting 2^52 is exact: the same double as (double)CeilDiv(cum, P), then the same RmMul.
+constexpr double kTwo52 = 4503599627370496.0;
+__device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
+__device__ __forceinline__ double ReadyUsFp(double ceil_arg, double rp, double tile_us) {
+  return RmMul(__dadd_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), -kTwo52), tile_us);
+}
+
+// x is +0 or a positive finite double (no sign bit, not inf or NaN).
+__device__ __forceinline__ bool FiniteNonNegative(double x) {
+  return (unsigned long long)__double_as_longlong(x) < 0x7ff0000000000000ull;
+}
+
+// The chunked form's shortcuts are exact (one answer on every thread: every warp has read the whole table, every
+// lane's e is checked). Rows in [1, 2^23) (`rows_ok`, this lane's segments) and n <= 256: the sums of rows and of row
+// tiles are < 2^31 (32-bit sums, a 64-bit scan of (row tiles << 32 | rows) without carries), and with ceil(N / BN) <
+// 2^19 every cum_tiles is < 2^50 (ReadyUsFp); N * eb < 2^32: bytes_from < 2^63. Finite parts >= +0 make every term
+// >= +0 and not NaN (no inf * 0, no -0): max is then exact in any grouping (the warps hold other segments than
+// ChooseByScans's), and such doubles order like their bit patterns (ArgminC).
+__device__ __forceinline__ bool ChunkedIsExact(bool rows_ok, const ModelEval& e, const ModelParams& p, int64_t nn,
+                                               int64_t N, int64_t eb) {
+  const bool lanes_ok = __all_sync(0xffffffffu, rows_ok && FiniteNonNegative(e.us_per_byte));
+  return lanes_ok && p.tile_m > 0 && nn >= 0 && nn < (1 << 19) && (uint64_t)N < (1ull << 32) &&
+         (uint64_t)eb < (1ull << 32) && (uint64_t)N * (uint64_t)eb < (1ull << 32) && FiniteNonNegative(e.tile_us) &&
+         FiniteNonNegative(p.seg_us);
+}
+
+// 1 + the lowest lane with the smallest v, i.e. C (v >= +0 and not NaN: min of the high words, then of the low words
+// among those; a ballot picks the smallest C on ties, as ChooseConsumerCtas). 2 redux.sync and a ballot instead of
+// five rounds of three shuffles.
+__device__ __forceinline__ int ArgminC(double v) {
+  const unsigned long long bits = (unsigned long long)__double_as_longlong(v);
+  const uint32_t hi = (uint32_t)(bits >> 32), lo = (uint32_t)bits;
+  const uint32_t mhi = __reduce_min_sync(0xffffffffu, hi);
+  const uint32_t mlo = __reduce_min_sync(0xffffffffu, hi == mhi ? lo : 0xffffffffu);
+  return __ffs(__ballot_sync(0xffffffffu, hi == mhi && lo == mlo));
+}
+
+// Called by every thread of the CTA (contains barriers). The consumer pushes the remote segments [0, remote_segs)
+// only (local ones are stored in place by the producer): resource_model.h ModelPrefixes with remote = src != rank.
+// The chunked form (see above), or ChooseByScans where its shortcuts would not be exact.
+__device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
+                                     int max_ctas, ChoiceScratch* sc) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = t.n, mr = t.remote_segs;
+  // This lane's candidate and its constants first, so that the division in ModelEvalFor and the reciprocal overlap the
+  // table pass (an infeasible lane gets C = 1's: checked by ChunkedIsExact, never used in a term).
+  const int c = lane + 1;
+  const bool feasible = c <= max_ctas && ModelFeasible(p, c);
+  const ModelEval e = ModelEvalFor(p, K, feasible ? c : 1);
+  const double rp = __drcp_rn((double)(e.producers > 0 ? e.producers : 1));
+  const uint32_t tm = p.tile_m > 0 ? (uint32_t)p.tile_m : 1u, mtm = 0xffffffffu / tm;
+  const int64_t nn = p.tile_n > 0 ? CeilDiv(N, p.tile_n) : -1;
+  // Warp w's chunk (ch <= 32: one segment per lane). Warps 8..11 of a 384-thread CTA (wgmma engine) get none, they
+  // only take the table pass (for ChunkedIsExact's common answer) and meet the barriers.
+  const int ch = (mr + kWarps - 1) / kWarps, beg = warp * ch, end = min(beg + ch, mr);
+  // This lane's share of: row tiles of all segments, rows of the remote ones, both of the segments before the chunk.
+  uint32_t all_t = 0, rem_r = 0, pre_t = 0, pre_r = 0;
+  bool rows_ok = true;
+#pragma unroll
+  for (int i = 0; i < kMaxSegments / 32; ++i) {
+    const int j = lane + 32 * i;
+    if (j >= n) break;
+    const int32_t r = t.seg[j].rows;
+    rows_ok = rows_ok && (uint32_t)r - 1u < (1u << 23) - 1u;
+    const uint32_t mt = MagicCeilDiv((uint32_t)r, tm, mtm);
+    all_t += mt;
+    if (j < mr) rem_r += (uint32_t)r;
+    if (j < beg) {
+      pre_t += mt;
+      pre_r += (uint32_t)r;
+    }
+  }
+  if (!ChunkedIsExact(rows_ok, e, p, nn, N, eb)) return ChooseByScans(t, p, N, K, eb, max_ctas, sc);
+  double us = 0.0;
+  if (beg < end || warp == 0) {  // warp-uniform
+    all_t = __reduce_add_sync(0xffffffffu, all_t);
+    rem_r = __reduce_add_sync(0xffffffffu, rem_r);
+    pre_t = __reduce_add_sync(0xffffffffu, pre_t);
+    pre_r = __reduce_add_sync(0xffffffffu, pre_r);
+    // Segment j = beg + lane: tiles up to j and rows from j to the end, as ModelPrefixes (exact integer reorderings:
+    // (sum of row tiles) * ceil(N / BN), (sum of rows) * N * eb).
+    const int j = beg + lane;
+    const bool mine = j < end;
+    const uint32_t r = mine ? (uint32_t)t.seg[j].rows : 0u;
+    const uint64_t incl = (uint64_t)wgmma_gemm::WarpInclusiveSum(
+        (long long)((uint64_t)MagicCeilDiv(r, tm, mtm) << 32 | r), lane);
+    if (mine) {
+      sc->seg.ceil_arg[j] = CeilArg((int64_t)(pre_t + (uint32_t)(incl >> 32)) * nn);
+      sc->seg.push_us[j] = RmMul((double)(mr - j), p.seg_us);
+      sc->seg.bytes[j] = (double)((int64_t)(rem_r - pre_r - ((uint32_t)incl - r)) * (N * eb));
+    }
+    __syncwarp();  // the chunk is this warp's own: no barrier
+    if (feasible) {
+      // ModelProducerUs and ModelTermUs: the same rounded operations in the same order per term.
+      us = warp == 0 ? ReadyUsFp(CeilArg((int64_t)all_t * nn), rp, e.tile_us) : 0.0;
+#pragma unroll 4
+      for (int s = beg; s < end; ++s)
+        us = RmMax(us, RmAdd(ReadyUsFp(sc->seg.ceil_arg[s], rp, e.tile_us),
+                             RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
+    }
+  }
+  if (warp < kWarps) sc->us[warp][lane] = us;
+  __syncthreads();
+  if (warp == 0) {
+    double v = sc->us[0][lane];
+    for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[w][lane]);
+    const int chosen = ArgminC(feasible ? v : 1e300);
+    if (lane == 0) sc->chosen = chosen;
+  }
+  // Warp 0 reads sc->us before this barrier, every thread sc->chosen after it; the next call writes sc->us before
+  // its first barrier and sc->chosen after it: 2 barriers suffice, no double buffering by call parity.
   __syncthreads();
   return sc->chosen;
 }
