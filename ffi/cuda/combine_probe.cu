@@ -1,15 +1,13 @@
-// Combine probe: why CombineKernel (kernels.cu) takes 86 us at the seed shape (T = 8192, k = 2, N = 4096 bf16: 134 MB
-// of ret rows gathered + 67 MB of y written, 2.3 TB/s) while XLA's fused gather + weighted sum takes 58 us (3.5 TB/s),
-// and which shape of kernel closes the gap. Every variant computes y[t] = sum_j gates[t k + j] * ret[slot_ret_row[t k
-// + j]] (rows of -1 dropped) in fp32 in the fixed order j = 0..k-1 (one FFMA per term, as CombineKernel's `acc += g *
-// x` compiles) and rounds once to bf16, so each must match the host reference bit for bit. None has CombineKernel's
-// protocol (RankDev, arrival wait, CloseCall): the gather alone.
-//   base     CombineKernel's loop itself (combine_gather.cuh): kItems items (token, 8 columns) x kJ choices of 16-byte
-//            loads in flight per thread, grid-stride, 64-bit item / column division; (a) 512 threads x kItems 3 x
-//            kJ 2 on one CTA per SM
-//   warp     one warp per token (grid-stride over tokens): the token's rows / gates are loaded once by lanes 0..k-1 and
-//            shuffled; each lane loads kU x 16 B of kJ rows at a time (kU x 32 B contiguous per lane with "32B");
-//            "pf" loads the next token's rows / gates before the current token's loads (prefetch in registers)
+// Combine probe: how fast CombineKernel's gather + weighted sum (kernels.cu, combine_gather.cuh) runs at the seed shape
+// (T = 8192, k = 2, N = 4096 bf16: 134 MB of ret rows gathered + 67 MB of y written) against the copy ceiling of the
+// same traffic, XLA's shape of the same fusion (58 us on the H200) and other shapes of kernel. Every variant computes
+// y[t] = sum_j gates[t k + j] * ret[slot_ret_row[t k + j]] (rows of -1 dropped) in fp32 in the fixed order j = 0..k-1
+// (one FFMA per term, as CombineKernel's `acc += g * x` compiles) and rounds once to bf16, so each must match the host
+// reference bit for bit. None has CombineKernel's protocol (RankDev, arrival wait, CloseCall): the gather alone.
+//   lib      CombineKernel's loop itself (GatherWeightedSum, bf16, V = 8): one warp per token, kU vectors x kJ choices
+//            of 16-byte loads in flight per lane; "(a)" is what CombineKernel runs (512 threads, kU 4, kJ 2, one CTA
+//            per SM). Session 6 replaced an item-per-thread loop (512 x 3 items x 2 choices: 81.7 us here, 170.4 us at
+//            the DeepSeek-like shape) with it.
 //   flat     XLA's shape: one (token, 8 columns) item per thread, all k loads kJ at a time, a grid of T N / 8 / 256
 //   bulk     per warp, a ring of S stages of k row chunks of 512 kU bytes each loaded by cp.async.bulk (TMA, one copy
 //            per row by lanes 0..k-1, an mbarrier per stage), the next unit's rows prefetched in registers; the warp
@@ -72,64 +70,16 @@ __device__ __forceinline__ uint4 Pack8(const float* a) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// (a), (b), (d): CombineKernel's own loop (combine_gather.cuh, bf16, V = 8) without its protocol, with other items /
-// choices in flight and other loads; slot_out is nullptr as at the seed shape.
-template <int kThreads, int kMinBlocks, int kItems, int kJ, Ld L>
+// CombineKernel's own loop (combine_gather.cuh, bf16, V = 8) without its protocol, with other shapes and loads;
+// slot_out is nullptr as at the seed shape.
+template <int kThreads, int kMinBlocks, int kU, int kJ, Ld L>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
-    BaseKernel(const bf16* ret, int64_t ret_rows, const float* gates, const int32_t* slot_ret_row, int64_t T_,
-               int64_t k, int64_t N, bf16* y, bf16* slot_out) {
+    LibKernel(const bf16* ret, int64_t ret_rows, const float* gates, const int32_t* slot_ret_row, int64_t T_,
+              int64_t k, int64_t N, bf16* y, bf16* slot_out) {
   using jmo::cuda::Pack;
-  jmo::cuda::GatherWeightedSum<bf16, 8, kItems, kJ>(
+  jmo::cuda::GatherWeightedSum<bf16, 8, kU, kJ>(
       ret, ret_rows, gates, slot_ret_row, T_, k, N, y, slot_out,
       [](Pack<bf16, 8>& v, const bf16* p) { *reinterpret_cast<uint4*>(v.e) = LoadG<L>(p); }, [](int64_t, int32_t) {});
-}
-
-// (c), (d), (e): one warp per token; k <= 32.
-template <int kThreads, int kMinBlocks, int kU, int kJ, Ld L, bool kPrefetch, bool kContig>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
-    WarpKernel(const bf16* ret, int ret_rows, const float* gates, const int32_t* slot_ret_row, int T_, int k, int N,
-               bf16* y) {
-  constexpr int kStep = kContig ? 1 : 32;  // vectors between a lane's kU vectors of a chunk of 32 kU
-  const int lane = threadIdx.x & 31, vecs = N / 8, warps = gridDim.x * (kThreads / 32), first = kContig ? lane * kU : lane;
-  int t = blockIdx.x * (kThreads / 32) + threadIdx.x / 32, row_n = -1;
-  float g_n = 0.f;  // row / gate of choice `lane` of the next token (kPrefetch)
-  auto fetch = [&](int tt, int& r, float& g) {
-    if (tt < T_ && lane < k) r = slot_ret_row[tt * k + lane], g = gates[tt * k + lane];
-  };
-  if (kPrefetch) fetch(t, row_n, g_n);
-  for (; t < T_; t += warps) {
-    int row_t = row_n;
-    float g_t = g_n;
-    if (kPrefetch) fetch(t + warps, row_n, g_n);
-    else fetch(t, row_t, g_t);
-    for (int c = 0; c < vecs; c += 32 * kU) {
-      float acc[kU][8] = {};
-      for (int j0 = 0; j0 < k; j0 += kJ) {
-        uint4 v[kJ][kU];
-        uint32_t ok = 0;  // bit jj: choice j0 + jj is a valid row
-#pragma unroll
-        for (int jj = 0; jj < kJ; ++jj) {
-          const int r = __shfl_sync(~0u, row_t, (j0 + jj) & 31);
-          if (j0 + jj >= k || r < 0 || r >= ret_rows) continue;
-          ok |= 1u << jj;
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (c + first + u * kStep < vecs) v[jj][u] = LoadG<L>(ret + (int64_t)r * N + (c + first + u * kStep) * 8);
-        }
-#pragma unroll
-        for (int jj = 0; jj < kJ; ++jj) {
-          const float g = __shfl_sync(~0u, g_t, (j0 + jj) & 31);
-          if (!(ok >> jj & 1)) continue;
-#pragma unroll
-          for (int u = 0; u < kU; ++u) Acc8(acc[u], g, v[jj][u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (c + first + u * kStep < vecs)
-          *reinterpret_cast<uint4*>(y + (int64_t)t * N + (c + first + u * kStep) * 8) = Pack8(acc[u]);
-    }
-  }
 }
 
 // (e): XLA's shape, one item per thread, 32-bit index math.
@@ -339,26 +289,13 @@ int main(int argc, char** argv) {
     run(name, kern, warps * 32, -1, warps * S * per_stage, S);
   };
   bf16* no_slot_out = nullptr;  // as at the seed shape
-  run("a base 512 i3 j2 cg", BaseKernel<512, 1, 3, 2, kCg>, 512, 0, 0, no_slot_out);
-  run("b base 256 i4 j2 cg", BaseKernel<256, 1, 4, 2, kCg>, 256, 0, 0, no_slot_out);
-  run("b base 256 i6 j2 cg", BaseKernel<256, 1, 6, 2, kCg>, 256, 0, 0, no_slot_out);
-  run("b base 256 i8 j2 cg", BaseKernel<256, 1, 8, 2, kCg>, 256, 0, 0, no_slot_out);
-  run("b base 256 i2 j4 cg", BaseKernel<256, 1, 2, 4, kCg>, 256, 0, 0, no_slot_out);
-  run("b base 256 i1 j8 cg", BaseKernel<256, 1, 1, 8, kCg>, 256, 0, 0, no_slot_out);
-  run("b base 256x2 i3 j2 cg", BaseKernel<256, 2, 3, 2, kCg>, 256, -1, 0, no_slot_out);
-  run("b base 256x4 i1 j2 cg", BaseKernel<256, 4, 1, 2, kCg>, 256, -1, 0, no_slot_out);
-  run("d base 512 i3 j2 ldg", BaseKernel<512, 1, 3, 2, kLdg>, 512, 0, 0, no_slot_out);
-  run("c warp 256x4 u2 j2 cg", WarpKernel<256, 4, 2, 2, kCg, false, false>, 256, -1, 0);
-  run("c warp 1024 u2 j2 cg", WarpKernel<1024, 1, 2, 2, kCg, false, false>, 1024, 0, 0);
-  run("c warp 512 u4 j2 cg", WarpKernel<512, 1, 4, 2, kCg, false, false>, 512, 0, 0);
-  run("c warp 256x2 u4 j2 cg", WarpKernel<256, 2, 4, 2, kCg, false, false>, 256, -1, 0);
-  run("e warp 256x4 u2 j2 cg pf", WarpKernel<256, 4, 2, 2, kCg, true, false>, 256, -1, 0);
-  run("e warp 1024 u2 j2 cg pf", WarpKernel<1024, 1, 2, 2, kCg, true, false>, 1024, 0, 0);
-  run("e warp 256x4 u1 j4 cg pf", WarpKernel<256, 4, 1, 4, kCg, true, false>, 256, -1, 0);
-  run("e warp 256x3 u1 j8 cg pf", WarpKernel<256, 3, 1, 8, kCg, true, false>, 256, -1, 0);
-  run("e warp 256x4 u2 j2 cg pf 32B", WarpKernel<256, 4, 2, 2, kCg, true, true>, 256, -1, 0);
-  run("d warp 256x4 u2 j2 nc pf", WarpKernel<256, 4, 2, 2, kNc, true, false>, 256, -1, 0);
-  run("d warp 256x4 u2 j2 ldg pf", WarpKernel<256, 4, 2, 2, kLdg, true, false>, 256, -1, 0);
+  run("(a) lib 512 u4 j2 cg", LibKernel<512, 1, 4, 2, kCg>, 512, 0, 0, no_slot_out);
+  run("lib 1024 u2 j2 cg", LibKernel<1024, 1, 2, 2, kCg>, 1024, 0, 0, no_slot_out);
+  run("lib 256x4 u2 j2 cg", LibKernel<256, 4, 2, 2, kCg>, 256, -1, 0, no_slot_out);
+  run("lib 512 u2 j4 cg", LibKernel<512, 1, 2, 4, kCg>, 512, 0, 0, no_slot_out);
+  run("lib 512 u8 j1 cg", LibKernel<512, 1, 8, 1, kCg>, 512, 0, 0, no_slot_out);
+  run("lib 512 u4 j2 ldg", LibKernel<512, 1, 4, 2, kLdg>, 512, 0, 0, no_slot_out);
+  run("lib 512 u4 j2 nc", LibKernel<512, 1, 4, 2, kNc>, 512, 0, 0, no_slot_out);
   run("e flat j2 cg (XLA's shape)", FlatKernel<2, kCg>, 256, flat_grid, 0);
   run("e flat j4 cg", FlatKernel<4, kCg>, 256, flat_grid, 0);
   run("d flat j2 ldg", FlatKernel<2, kLdg>, 256, flat_grid, 0);
