@@ -983,7 +983,7 @@ __global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, cons
 }
 
 // y[t] = sum_j gates[t, j] * ret[slot_ret_row[t k + j]] in the fixed order j = 0..k-1 (deterministic), fp32
-// accumulation; slot_out[p] = ret row of slot p (zero for dropped slots). Each thread owns V consecutive columns.
+// accumulation; slot_out[p] = ret row of slot p (zero for dropped slots). One warp per token (combine_gather.cuh).
 // The last CTA to finish closes the call (CloseCall: what EndKernel does for dispatch), so no extra launch.
 constexpr int kCombineThreads = 512;  // one CTA per SM of the rank's budget, like every kernel of a call
 template <typename T, int V>
@@ -1008,8 +1008,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   __syncthreads();
   if (!st.ok) return;
   const T* ret = reinterpret_cast<const T*>(View(rd, rd.rank).ret());
-  // 512 x 3 items x 2 choices of loads in flight (combine_gather.cuh says why).
-  GatherWeightedSum<T, V, 3, 2>(
+  // 4 vectors x 2 choices of loads in flight per lane (combine_gather.cuh says why).
+  GatherWeightedSum<T, V, 4, 2>(
       ret, rd.sizes.ret_rows, gates, slot_ret_row, T_, k, N, y, slot_out,
       [](Pack<T, V>& v, const T* p) { v.LoadCg(p); },
       [&](int64_t p, int32_t r) { ReportBadInput(rd, kBadRetRow, p, r, rd.sizes.ret_rows); });
