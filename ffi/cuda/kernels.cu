@@ -440,8 +440,9 @@ __device__ __forceinline__ int FindSegment(const SegTable& t, int band) {
 //             call (calibrated times and rates are positive).
 //   scans     (ChooseByScans: the code before the chunked form) block scans of tiles and bytes to shared memory, lane c
 //             of warp w over segments w, w + 8, ...: any other input, so no input gets a C other than before.
-// Measured (DecisionBenchKernel, H200): 2117 ns per decision with the scans for every input; the probe's estimate for
-// the chunked form is 250-600 ns (not measured yet).
+// Measured (DecisionBenchKernel, H200, bench_resource.py): 2117 ns per decision with the scans for every input, 1195 ns
+// with the chunked form (4512 ns for the table build, needed anyway); then the two division sequences per lane
+// (ModelUsPerByte, 1 / P) moved to the host (CandidateConsts).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
@@ -462,6 +463,15 @@ struct ChoiceScratch {
   int chosen;
 };
 
+// The per-candidate constants of the chunked form that need a division (ModelUsPerByte's, 1 / P), computed by the
+// host before the launch (FillCandidateConsts): IEEE division and reciprocal are correctly rounded on both sides, so
+// these are the doubles the device would compute, without two FP64 division sequences on the decision's critical
+// path. Entry c - 1 is candidate C = c, or C = 1's where c is infeasible (as the device used before).
+struct CandidateConsts {
+  double us_per_byte[kMaxModelCtas];
+  double rcp_producers[kMaxModelCtas];
+};
+
 // What ExpertKernel is told about C.
 struct Policy {
   ModelParams model;  // sms = the rank's SM budget, ctas_per_sm = 1
@@ -475,7 +485,20 @@ struct Policy {
   int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot (JMO_PUSH_READ_LAG, default 4)
   int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each (JMO_PUSH_ISSUERS)
   int64_t elem_bytes;
+  CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas)
 };
+
+// Policy::cand for the model p and candidates 1..max_ctas (host).
+inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas) {
+  CandidateConsts cc{};
+  for (int c = 1; c <= kMaxModelCtas; ++c) {
+    const int cl = c <= max_ctas && ModelFeasible(p, c) ? c : 1;
+    const int64_t producers = (int64_t)(p.sms - cl) * p.ctas_per_sm;
+    cc.us_per_byte[c - 1] = ModelUsPerByte(p, cl);
+    cc.rcp_producers[c - 1] = 1.0 / (double)(producers > 0 ? producers : 1);
+  }
+  return cc;
+}
 
 // The scans form (see above). Called by every thread of the CTA (contains barriers).
 __device__ int ChooseByScans(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
@@ -575,15 +598,15 @@ __device__ __forceinline__ int ArgminC(double v) {
 // Called by every thread of the CTA (contains barriers). The consumer pushes the remote segments [0, remote_segs)
 // only (local ones are stored in place by the producer): resource_model.h ModelPrefixes with remote = src != rank.
 // The chunked form (see above), or ChooseByScans where its shortcuts would not be exact.
-__device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
-                                     int max_ctas, ChoiceScratch* sc) {
+__device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, const CandidateConsts& cand, int64_t N,
+                                     int64_t K, int64_t eb, int max_ctas, ChoiceScratch* sc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = t.n, mr = t.remote_segs;
-  // This lane's candidate and its constants first, so that the division in ModelEvalFor and the reciprocal overlap the
-  // table pass (an infeasible lane gets C = 1's: checked by ChunkedIsExact, never used in a term).
+  // This lane's candidate and its constants (an infeasible lane gets C = 1's: checked by ChunkedIsExact, never used in
+  // a term); the two that need a division come from the host (CandidateConsts).
   const int c = lane + 1;
   const bool feasible = c <= max_ctas && ModelFeasible(p, c);
-  const ModelEval e = ModelEvalFor(p, K, feasible ? c : 1);
-  const double rp = __drcp_rn((double)(e.producers > 0 ? e.producers : 1));
+  const ModelEval e = ModelEvalWith(p, K, feasible ? c : 1, cand.us_per_byte[lane]);
+  const double rp = cand.rcp_producers[lane];
   const uint32_t tm = p.tile_m > 0 ? (uint32_t)p.tile_m : 1u, mtm = 0xffffffffu / tm;
   const int64_t nn = p.tile_n > 0 ? CeilDiv(N, p.tile_n) : -1;
   // Warp w's chunk (ch <= 32: one segment per lane). Warps 8..11 of a 384-thread CTA (wgmma engine) get none, they
@@ -654,7 +677,8 @@ __device__ int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, in
 // resource.kernel_consumer_ctas.
 __device__ int ConsumersOfCall(const SegTable& t, const Policy& pol, int64_t N, int64_t K, ChoiceScratch* sc) {
   if (t.remote_bands == 0) return 0;
-  return pol.use_model ? DeviceChooseConsumers(t, pol.model, N, K, pol.elem_bytes, pol.max_ctas, sc) : pol.consumers;
+  return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
+                       : pol.consumers;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -812,7 +836,7 @@ __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t 
 template <typename T, int kEngine, bool kTransB>
 __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
-                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, Policy pol,
+                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, const __grid_constant__ Policy pol,
                  const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
   extern __shared__ __align__(16) char smem[];
   __shared__ int32_t tile_prefix[kEngine == kWgmma ? kMaxSegments + 1 : 1];
@@ -954,7 +978,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
 // out[0] = table build ns, out[1] = ns of `iters` decisions, out[2] = the choice.
 __global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, const int32_t* seg_rows,
                                                                 const int32_t* seg_ret_off, int E_l, int64_t cap,
-                                                                int64_t K, int64_t N, Policy pol, int iters,
+                                                                int64_t K, int64_t N, const __grid_constant__ Policy pol, int iters,
                                                                 unsigned long long* out) {
   __shared__ SegTable table;
   __shared__ TableScratch scratch;
@@ -972,7 +996,7 @@ __global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, cons
   for (int i = 0; i < iters; ++i) {
     ModelParams p = pol.model;
     p.seg_us += (double)(i & 1) * 1e-12;  // vary an input so no iteration can be folded into another
-    acc += DeviceChooseConsumers(table, p, N, K, pol.elem_bytes, pol.max_ctas, &choice);
+    acc += DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice);
   }
   if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;
   const int final_choice = ConsumersOfCall(table, pol, N, K, &choice);
@@ -1229,6 +1253,7 @@ Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t
   pol.model.sms = c.ws->budget(c.group, c.rank);
   pol.model.ctas_per_sm = 1;
   pol.max_ctas = ModelMaxCtas(pol.model.sms);
+  pol.cand = FillCandidateConsts(pol.model, pol.max_ctas);
   pol.elem_bytes = ElemBytes(dt);
   unsigned long long* out = nullptr;
   Status s = CudaStatus(cudaMalloc(&out, 4 * sizeof(unsigned long long)), "cudaMalloc");
@@ -1333,6 +1358,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
     pol.model = ws.model();
     pol.model.sms = budget;  // the rank's CTAs are its SMs (one CTA per SM, checked by PrepareExpertKernel)
     pol.model.ctas_per_sm = 1;
+    pol.cand = FillCandidateConsts(pol.model, pol.max_ctas);
     pol.consumers = 0;
   } else {
     pol.consumers = std::min(ws.consumer_ctas(), budget - 1);

@@ -95,15 +95,23 @@ JMO_RM_HD inline int64_t ModelTiles(const ModelParams& p, int64_t rows, int64_t 
 JMO_RM_HD inline bool ModelFeasible(const ModelParams& p, int consumer_ctas) {
   return consumer_ctas >= 1 && consumer_ctas < p.sms;
 }
-JMO_RM_HD inline ModelEval ModelEvalFor(const ModelParams& p, int64_t K, int consumer_ctas) {
+// 1e-3 / min(C cta_gbps, link_gbps): microseconds per pushed byte (a correctly rounded division on host and device,
+// so the kernel may take it from the host: kernels.cu CandidateConsts).
+JMO_RM_HD inline double ModelUsPerByte(const ModelParams& p, int consumer_ctas) {
+  double rate = RmMul((double)consumer_ctas, p.cta_gbps);  // bytes per ns
+  if (rate > p.link_gbps) rate = p.link_gbps;
+  return 1e-3 / rate;
+}
+JMO_RM_HD inline ModelEval ModelEvalWith(const ModelParams& p, int64_t K, int consumer_ctas, double us_per_byte) {
   ModelEval e;
   e.producers = (int64_t)(p.sms - consumer_ctas) * p.ctas_per_sm;
   e.tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)K));
-  double rate = RmMul((double)consumer_ctas, p.cta_gbps);  // bytes per ns
-  if (rate > p.link_gbps) rate = p.link_gbps;
-  e.us_per_byte = 1e-3 / rate;
+  e.us_per_byte = us_per_byte;
   e.seg_us = p.seg_us;
   return e;
+}
+JMO_RM_HD inline ModelEval ModelEvalFor(const ModelParams& p, int64_t K, int consumer_ctas) {
+  return ModelEvalWith(p, K, consumer_ctas, ModelUsPerByte(p, consumer_ctas));
 }
 
 // r_j + the pushes of segments j..last.
