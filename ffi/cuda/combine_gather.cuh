@@ -51,7 +51,10 @@ __device__ __forceinline__ void GatherWeightedSum(const T* ret, int64_t ret_rows
     float gate0 = 0.f;
     if (lane < k) row0 = slot_ret_row[t * k + lane], gate0 = gates[t * k + lane];
     if (row0 >= ret_rows) bad_row(t * k + lane, row0);
-    for (int c = lane; c < vecs; c += 32 * kU) {  // this lane's vectors of the chunk: c, c + 32, ..., c + 32 (kU - 1)
+    // Chunks of 32 kU vectors; this lane's are c, c + 32, ..., c + 32 (kU - 1). The loop is warp-uniform (c0, not c):
+    // the shuffles below need every lane, also in a last partial chunk and when a row has fewer than 32 vectors.
+    for (int c0 = 0; c0 < vecs; c0 += 32 * kU) {
+      const int c = c0 + lane;
       float acc[kU][V];
 #pragma unroll
       for (int u = 0; u < kU; ++u)
@@ -63,7 +66,7 @@ __device__ __forceinline__ void GatherWeightedSum(const T* ret, int64_t ret_rows
         if (j32 > 0) {
           row_l = -1;
           if (j32 + lane < k) row_l = slot_ret_row[t * k + j32 + lane], gate_l = gates[t * k + j32 + lane];
-          if (c == lane && row_l >= ret_rows) bad_row(t * k + j32 + lane, row_l);
+          if (c0 == 0 && row_l >= ret_rows) bad_row(t * k + j32 + lane, row_l);
         }
         const int nj = k - j32 < 32 ? (int)(k - j32) : 32;
         for (int j0 = 0; j0 < nj; j0 += kJ) {
