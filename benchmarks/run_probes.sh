@@ -2,8 +2,10 @@
 # The standalone CUDA probes in one go (one H200: about a minute): each is one .cu file with its own check against a
 # host reference, built for sm_90a and run with its defaults; tables to stdout, full outputs in $OUT.
 #   push_probe      what limits a consumer CTA's copy (bulk loads / stores alone, issuers, ring depth, chunk size)
-#   combine_probe   CombineKernel's gather + weighted sum against faster shapes of it (XLA does it in 58 us, we in 86)
-#   decision_probe  the resource manager's device-side choice, variants that must pick the same C, ns per decision
+#   combine_probe   CombineKernel's gather + weighted sum (the library's loop at several shapes) against the copy
+#                   ceiling of the same traffic, XLA's shape of it and a TMA gather
+#   decision_probe  the resource manager's device-side choice (consumer_choice.cuh) against the host's on random
+#                   tables, and ns per decision
 #
 #   bash benchmarks/run_probes.sh
 set -uo pipefail
