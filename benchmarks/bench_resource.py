@@ -143,13 +143,13 @@ def main(argv=None):
     mirror = [rm.kernel_consumer_ctas(p_rank, _grid(pl["seg_rows"], R), pl["rank"], w["n"], w["k"], 2,
                                       min(rm.MAX_MODEL_CTAS, budget - 1)) for pl in plans]
     mirror_ok = mirror == manager["chosen"]
-    for r in res["results"]:
-      if r["kind"] == "decision":
-        decision.append(r)
+    wl_decision = [r for r in res["results"] if r["kind"] == "decision"]
+    decision += wl_decision
     row = dict(kind="workload", index=i, **w, ranks=R, budget=budget, times_us={c: times[c] for c in sorted(times)},
                oracle_c=oracle, oracle_us=times[oracle], manager_chosen=manager["chosen"], manager_us=manager["median_us"],
                regret=manager["median_us"] / times[oracle] - 1.0, serialized_us=ser_us, fixed_c=fixed_c,
                fixed_us=fixed_us, mirror_chosen=mirror, mirror_agrees=mirror_ok, seconds=time.time() - t0,
+               decision_ns=[d["decision_ns"] for d in wl_decision], table_ns=[d["table_ns"] for d in wl_decision],
                model_us={c: rm.makespan_us(p_rank, rm.device_segments(_grid(plans[0]["seg_rows"], R), 0), w["n"], w["k"],
                                            2, c) for c in cs})
     out_rows.append(row)
