@@ -26,25 +26,30 @@ class Case:
 
   mesh: jax.sharding.Mesh
   tokens: int
-  ids: jax.Array       # [tokens * R, TOP_K]
+  ids: jax.Array       # [tokens * R, top_k]
   cap_e: int
   cap: int
   info: RankInfo
+  experts: int = E
+
+  @property
+  def top_k(self) -> int:
+    return self.ids.shape[1]
 
   @property
   def R(self) -> int:
     return self.mesh.shape["expert"]
 
 
-def make_case(mesh, N, dtype, tokens=16, seed=0) -> Case:
+def make_case(mesh, N, dtype, tokens=16, seed=0, experts=E, top_k=TOP_K) -> Case:
   """Routing, capacities and the RankInfo of a call on `mesh` whose output rows are N wide."""
   R = mesh.shape["expert"]
-  ids = jnp.asarray(routing("skewed", tokens * R, E, TOP_K, seed))
-  cap_e = plan_lib.expert_capacity(tokens, R, TOP_K, E, None)
-  cap = plan_lib.recv_capacity(tokens, R, TOP_K, E // R, cap_e)
-  sizes = WorkspaceSizes(row_bytes=N * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * TOP_K,
-                         num_segments=E)
-  return Case(mesh, tokens, ids, cap_e, cap, RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig()))
+  ids = jnp.asarray(routing("skewed", tokens * R, experts, top_k, seed))
+  cap_e = plan_lib.expert_capacity(tokens, R, top_k, experts, None)
+  cap = plan_lib.recv_capacity(tokens, R, top_k, experts // R, cap_e)
+  sizes = WorkspaceSizes(row_bytes=N * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * top_k,
+                         num_segments=experts)
+  return Case(mesh, tokens, ids, cap_e, cap, RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig()), experts)
 
 
 def combine_fn(c: Case, transpose_rhs: bool):
@@ -54,7 +59,7 @@ def combine_fn(c: Case, transpose_rhs: bool):
 
   def local(ids, gates, lhs, w):
     rank = jax.lax.axis_index("expert").astype(jnp.int32)
-    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
+    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, c.experts).reshape(R, c.experts // R), "expert")
     plan = plan_lib.make_plan(ids, counts_all, rank, c.cap_e)
     return expert_combine(lhs, w, gates, plan, c.info, want_slots=True, transpose_rhs=transpose_rhs)
 
@@ -63,35 +68,48 @@ def combine_fn(c: Case, transpose_rhs: bool):
 
 
 def operands(c: Case, K, N, dtype, seed):
-  """lhs [R * cap, K], w [E, K, N] (scaled by 1/sqrt(K)), gates [R * tokens, TOP_K]."""
+  """lhs [R * cap, K], w [experts, K, N] (scaled by 1/sqrt(K)), gates [R * tokens, top_k]."""
   ks = jax.random.split(jax.random.PRNGKey(seed), 3)
   lhs = jax.random.normal(ks[0], (c.R * c.cap, K), jnp.float32).astype(dtype)
-  w = (jax.random.normal(ks[1], (E, K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
-  gates = jax.nn.softmax(jax.random.normal(ks[2], (c.tokens * c.R, TOP_K)), axis=-1)
+  w = (jax.random.normal(ks[1], (c.experts, K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
+  gates = jax.nn.softmax(jax.random.normal(ks[2], (c.tokens * c.R, c.top_k)), axis=-1)
   return lhs, w, gates
 
 
 def reference(c: Case, gates, lhs, w):
-  """y [R * tokens, N] and slot_out [R * tokens * TOP_K, N] in float64 numpy from the plan: slot p of source rank s
+  """y [R * tokens, N] and slot_out [R * tokens * top_k, N] in float64 numpy from the plan: slot p of source rank s
   is the recv row of its destination rank times its expert's w [K, N]."""
-  R, T, E_l = c.R, c.tokens, E // c.R
+  R, T, k, E_l = c.R, c.tokens, c.top_k, c.experts // c.R
   lhs_r = np.asarray(lhs, np.float64).reshape(R, -1, lhs.shape[1])
   w_g = np.asarray(w, np.float64)
-  ids = np.asarray(c.ids).reshape(R, T, TOP_K)
-  counts_all = np.stack([np.asarray(plan_lib.local_counts(jnp.asarray(ids[s]), E)).reshape(R, E_l)
+  ids = np.asarray(c.ids).reshape(R, T, k)
+  counts_all = np.stack([np.asarray(plan_lib.local_counts(jnp.asarray(ids[s]), c.experts)).reshape(R, E_l)
                          for s in range(R)])
   ys, slots = [], []
   for s in range(R):
     plan = plan_lib.make_plan(jnp.asarray(ids[s]), jnp.asarray(counts_all), jnp.int32(s), c.cap_e)
     dest_rank, dest_row = np.asarray(plan.slot_dest_rank), np.asarray(plan.slot_dest_row)
-    slot_out = np.zeros((T * TOP_K, w.shape[2]))
+    slot_out = np.zeros((T * k, w.shape[2]))
     for p, g in enumerate(ids[s].reshape(-1)):
       if dest_row[p] >= 0:
         slot_out[p] = lhs_r[dest_rank[p], dest_row[p]] @ w_g[g]
     ys.append(np.einsum("tj,tjn->tn", np.asarray(gates, np.float64)[s * T:(s + 1) * T],
-                        slot_out.reshape(T, TOP_K, -1)))
+                        slot_out.reshape(T, k, -1)))
     slots.append(slot_out)
   return np.concatenate(ys), np.concatenate(slots)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_more_than_32_choices_per_token_against_reference(R):
+  """top_k = 40 of 64 experts: the combine takes a token's choices 32 at a time on the GPU (combine_gather.cuh);
+  y and every slot's row against float64 numpy."""
+  K, N = 16, 24
+  c = make_case(mesh_of(R), N, jnp.float32, tokens=8, seed=40 + R, experts=64, top_k=40)
+  lhs, w, gates = operands(c, K, N, jnp.float32, seed=R)
+  y, slot_out = combine_fn(c, False)(c.ids, gates, lhs, w)
+  y_ref, slot_ref = reference(c, gates, lhs, w)
+  assert y.shape == (c.tokens * R, N) and slot_out.shape == (c.tokens * R * 40, N)
+  assert rel_err(y, y_ref) < 1e-5 and rel_err(slot_out, slot_ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -104,7 +122,7 @@ def test_transpose_rhs_equals_plain_call_on_transposed_weights(R, dtype):
   y, slot_out = combine_fn(c, False)(c.ids, gates, lhs, w)
   y_t, slot_out_t = combine_fn(c, True)(c.ids, gates, lhs, w_t)
   assert y_t.shape == y.shape == (c.tokens * R, N) and y_t.dtype == y.dtype == dtype
-  assert slot_out_t.shape == slot_out.shape == (c.tokens * R * TOP_K, N)
+  assert slot_out_t.shape == slot_out.shape == (c.tokens * R * c.top_k, N)
   # The CPU producer sums in the same order for both layouts: bit for bit.
   np.testing.assert_array_equal(np.asarray(y_t).view(np.uint8), np.asarray(y).view(np.uint8))
   np.testing.assert_array_equal(np.asarray(slot_out_t).view(np.uint8), np.asarray(slot_out).view(np.uint8))

@@ -50,6 +50,31 @@ def test_transpose_rhs_gpu(R, K, N, dtype, engine):
     assert np.array_equal(np.asarray(again).view(np.uint8), np.asarray(y_t).view(np.uint8))
 
 
+# The combine gather's edge cases (combine_gather.cuh: one warp per token, 32 choices and 32 x kU vectors per lane
+# at a time): N, dtype -> vectors of a row: 17 (fewer than the 32 lanes), 137 (a partial last chunk), 140 single
+# elements (280-byte rows: no 16-byte vectors), 10 float32 vectors.
+GATHER_CASES = [(136, jnp.bfloat16), (1096, jnp.bfloat16), (140, jnp.bfloat16), (40, jnp.float32)]
+
+
+@pytest.mark.parametrize("N,dtype", GATHER_CASES)
+@pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
+def test_combine_gather_shapes_gpu(R, N, dtype):
+  """top_k = 40 of 64 experts (two rounds of 32 choices) on rows that do not fill a warp's chunk: y and every slot's
+  row against float64 numpy, bitwise-identical repeats."""
+  K = 64
+  c = base.make_case(gpu_mesh(R), N, dtype, tokens=64, seed=N + R, experts=64, top_k=40)
+  lhs, w, gates = base.operands(c, K, N, dtype, seed=N)
+  fn = base.combine_fn(c, False)
+  y, slot = fn(c.ids, gates, lhs, w)
+  y_ref, slot_ref = base.reference(c, gates, lhs, w)
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  errs = {"y": rel_err(y, y_ref), "slot": rel_err(slot, slot_ref)}
+  print(f"R={R}", N, dtype.__name__, {k: f"{v:.2e}" for k, v in errs.items()})
+  assert all(v < tol for v in errs.values()), errs
+  again, _ = fn(c.ids, gates, lhs, w)
+  assert np.array_equal(np.asarray(again).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
 @pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
 def test_last_call_stats_gpu(R):
   """After one expert_combine, every rank's record: the pinned C, the bytes its plan sends to the other ranks, and
