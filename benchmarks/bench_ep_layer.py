@@ -90,7 +90,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402  pylint: disable=g-imp
 import jax_moe_overlap as jmo  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_moe_overlap import reference  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_moe_overlap import plan as plan_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_moe_overlap.primitives import RankInfo, dispatch  # noqa: E402  pylint: disable=wrong-import-position
 from jax_moe_overlap.primitives import expert_mlp, swiglu  # noqa: E402  pylint: disable=wrong-import-position
+from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # noqa: E402  pylint: disable=wrong-import-position
 
 AXIS = "expert"
 
@@ -366,6 +368,88 @@ def compute_probe(mesh, shape: Shape, want_grads: bool):
   prepare = jax.jit(jax.shard_map(local_prepare, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
                                   check_vma=False))
   return prepare, jax.jit(grads if want_grads else mlp)
+
+
+def dispatch_probe(mesh, shape: Shape, want_grads: bool):
+  """(prepare, fn) of the dispatch-alone probe on global arrays: ours' dispatches and nothing else.
+
+  prepare(x, ids) -> fn's arguments: (x, ids), for fwd+bwd (x, ids, d_slot [T k, D]) with d_slot random rows in x's
+  dtype (made untimed, sharded like the slots: rank r's [T_local k, D] are its own slots').
+  fn(x, ids[, d_slot]) -> x_recv [R cap, D] (for fwd+bwd also d_recv [R cap, D]): per rank, ours' plan (the count
+  all_gather and make_plan of api._moe_local) and ours' forward dispatch of the token rows (slot_src_row = slot // k),
+  with cap_e, cap and the RankInfo built as moe_experts builds them (the same WorkspaceSizes: the same workspace). For
+  fwd+bwd a second dispatch of d_slot with slot_src_row = slot emulates the backward's dispatch of d_slot [T k, D]
+  (_expert_block_bwd): one call moves the same D-wide rows as ours' two dispatches of a fwd+bwd pass.
+  """
+  R = mesh.shape[AXIS]
+  E, k, T_l = shape.experts, shape.k, shape.tokens_per_rank
+  cap_e = plan_lib.expert_capacity(T_l, R, k, E, None)
+  cap = plan_lib.recv_capacity(T_l, R, k, E // R, cap_e)
+  spec = P(AXIS)
+
+  def local(x, ids, *d_slot, info):
+    counts = plan_lib.local_counts(ids, E).reshape(R, E // R)
+    counts_all = jax.lax.all_gather(counts, AXIS)                    # [src, dest, e], as ours
+    plan = plan_lib.make_plan(ids, counts_all, jax.lax.axis_index(AXIS).astype(jnp.int32), cap_e)
+    T = ids.shape[0]
+    x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
+    if not d_slot:
+      return x_recv
+    return x_recv, dispatch(d_slot[0], jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)
+
+  def fn(x, ids, *d_slot):
+    sizes = WorkspaceSizes(row_bytes=x.shape[1] * x.dtype.itemsize, recv_rows=cap, ret_rows=T_l * k,
+                           num_segments=E)
+    info = RankInfo(Workspace.get(mesh, AXIS, sizes), jmo.CallConfig())
+    local_fn = jax.shard_map(functools.partial(local, info=info), mesh=mesh, in_specs=(spec,) * (2 + len(d_slot)),
+                             out_specs=(spec, spec) if d_slot else spec, check_vma=False)
+    return local_fn(x, ids.astype(jnp.int32), *d_slot)
+
+  def prepare(x, ids):
+    if not want_grads:
+      return x, ids
+    make = jax.jit(lambda: jax.random.normal(jax.random.PRNGKey(7), (x.shape[0] * k, x.shape[1])).astype(x.dtype),
+                   out_shardings=NamedSharding(mesh, spec))
+    return x, ids, make()
+
+  return prepare, jax.jit(fn)
+
+
+def dispatch_probe_verdict(fn, sets, ids_np, mesh, shape: Shape) -> Verdict:
+  """The dispatch probe's check: fn on the first set, every row each rank received against the source row the plan
+  sends there (bit-exact; the placement from make_plan per source rank, slot_dest_rank / slot_dest_row, as
+  tests/test_expert_combine.py's reference), for fwd+bwd also d_recv's rows against d_slot's. Rows past what a rank
+  received are not checked. call_s 0, as compute_probe_verdict."""
+  R = mesh.shape[AXIS]
+  E, k, T_l = shape.experts, shape.k, shape.tokens_per_rank
+  try:
+    outs = fn(*sets[0])
+  except Exception as e:  # pylint: disable=broad-except
+    return Verdict(False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+  outs = outs if isinstance(outs, tuple) else (outs,)
+  cap_e = plan_lib.expert_capacity(T_l, R, k, E, None)
+  ids = ids_np[0].reshape(R, T_l, k)
+  counts_all = jnp.asarray(np.stack([np.bincount(ids[s].ravel(), minlength=E).reshape(R, E // R)
+                                     for s in range(R)]))
+  placements = []                                                     # (dest rank, dest row, src row) per source
+  for s in range(R):
+    plan = plan_lib.make_plan(jnp.asarray(ids[s], jnp.int32), counts_all, jnp.int32(s), cap_e)
+    rank, row = np.asarray(plan.slot_dest_rank), np.asarray(plan.slot_dest_row)
+    kept = row >= 0
+    placements.append((rank[kept], row[kept], np.flatnonzero(kept)))
+  srcs = (sets[0][0], *sets[0][2:])                                   # x (row = slot // k), d_slot (row = slot)
+  for name, src, out, per in zip(("x_recv", "d_recv"), srcs, outs, (k, 1)):
+    got = np.asarray(out).reshape(R, -1, out.shape[-1])
+    rows = T_l * k // per
+    for s, (rank, row, slot) in enumerate(placements):
+      want = np.asarray(src[s * rows:(s + 1) * rows])[slot // per]
+      bad = np.flatnonzero(np.any(got[rank, row].view(np.uint8) != want.view(np.uint8), axis=-1))
+      if bad.size:
+        p = slot[bad[0]]
+        return Verdict(False, f"{name}: {bad.size} rows from rank {s} differ from the rows the plan sends (first: "
+                              f"slot {p} at rank {rank[bad[0]]} row {row[bad[0]]})")
+  n = sum(len(p[0]) for p in placements)
+  return Verdict(True, f"{n} rows per dispatch where the plan sends them, bit-exact")
 
 
 def recv_rows_per_expert(ids: np.ndarray, R: int, E: int) -> np.ndarray:

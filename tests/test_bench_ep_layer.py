@@ -107,6 +107,32 @@ def test_compute_probe_rejects_other_group_sizes():
   assert not v.ok and "group sizes" in v.text, v
 
 
+@pytest.mark.parametrize("wrong", [None, 0, 1])
+def test_dispatch_probe_check_rejects_wrong_rows(monkeypatch, wrong):
+  """The dispatch probe's check passes the probe as built, and fails it when one of its dispatches (0: the tokens',
+  1: fwd+bwd's second, of d_slot) is given the next slot_src_row (each slot's source row shifted by one)."""
+  calls = []
+  real = bench_ep_layer.dispatch
+
+  def dispatch(src, slot_src_row, *a):
+    calls.append(1)
+    if len(calls) - 1 == wrong:
+      slot_src_row = (slot_src_row + 1) % src.shape[0]
+    return real(src, slot_src_row, *a)
+
+  monkeypatch.setattr(bench_ep_layer, "dispatch", dispatch)
+  mesh = bench_ep_layer.make_mesh(4)
+  shape = bench_ep_layer.shapes(quick=True)[0]
+  (x, ids, *_), ids_np = bench_ep_layer.make_inputs(shape, 4, np.float32, 0, mesh)
+  prepare, fn = bench_ep_layer.dispatch_probe(mesh, shape, want_grads=True)
+  v = bench_ep_layer.dispatch_probe_verdict(fn, [prepare(x, ids)], [ids_np], mesh, shape)
+  assert len(calls) == 2, calls                              # traced once: the two dispatches of a fwd+bwd call
+  if wrong is None:
+    assert v.ok and "bit-exact" in v.text, v
+  else:
+    assert not v.ok and v.text.startswith(("x_recv", "d_recv")[wrong]), v
+
+
 @pytest.mark.parametrize("sampled,max_bytes", [(False, 2 ** 32), (True, 1)])
 def test_reference_equals_dense_oracle(monkeypatch, sampled, max_bytes):
   """The benchmark's reference (sparse, expert-parallel, token chunks when max_bytes asks for them: here 1 byte, the
