@@ -18,8 +18,8 @@ xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_loca
 serialized      ours with CallConfig(serialize=True): expert_combine's consumer starts pushing only after the producer
                 has finished the whole GEMM (every expert_combine of the pass: GEMM2 forward, dx backward). Same
                 kernels, same results, no overlap: the baseline the overlap is measured against.
-ideal           max(compute alone, communication alone), both measured in the same run on the same inputs (two extra
-                rows, compute_alone and comm_alone, then the ideal row):
+ideal           max(compute alone, communication alone), both measured in the same run on the same inputs (extra
+                rows compute_alone, comm_alone and dispatch_alone, then the ideal and bound rows):
                 compute_alone  the expert work of ours with no inter-rank traffic: on every rank, expert_mlp
                                (primitives.py; GEMM1 + SwiGLU + GEMM2 through our grouped GEMMs, for fwd+bwd also the
                                backward GEMMs dh, dW2, dW1, dx as in ours' backward pass) on rows it already holds,
@@ -36,9 +36,18 @@ ideal           max(compute alone, communication alone), both measured in the sa
                                manager may give this GEMM-light call more of them than ours gets: then comm_alone is
                                a lower bound for moving these bytes on our engine. NCCL's ragged_all_to_all moves the
                                same bytes in the xla_ragged row (with its GEMMs).
+                dispatch_alone ours' dispatches alone (dispatch_probe): the plan (the count all_gather, make_plan)
+                               and the forward dispatch of the token rows, through the same workspace as ours; for
+                               fwd+bwd a second dispatch in the same call of [T k, D] rows made untimed, as the
+                               backward's dispatch of gates * dy. Half the pass's bytes (its a2a_MB): the dispatch
+                               half, which ours runs before GEMM1, where nothing overlaps it. Checked bit-exact: every
+                               row a rank receives is the source row the plan sends there.
                 The ideal row reports compute_ms, comm_ms, ms = ideal_ms = max of the two, overlap_eff =
                 (serialized - ours) / min(compute, comm) (1: the shorter of the two is fully hidden; needs the
-                serialized row) and ours/ideal (1: perfect overlap at no cost).
+                serialized row) and ours/ideal (1: perfect overlap at no cost). max(compute, comm) is not what
+                this design can reach: only the return (expert_combine's) overlaps a GEMM, the dispatch runs before
+                GEMM1. The bound row is that design's limit, compute_alone + dispatch_alone: ms = bound_ms,
+                compute_ms, dispatch_ms and ours/bound (1: the return and the rest are fully hidden).
 
 Nothing is timed before it agrees with the float32 reference on the same inputs: relative error (Frobenius) of y and,
 for fwd+bwd, of the gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for
@@ -49,10 +58,10 @@ chunks when its buffers would pass 4 GiB per device). When the float32 weight gr
 (DeepSeek-like), dw1 and dw2 are compared on a fixed sample of 8 experts only (``weight_sample``, named in the check
 text); dx and dgates always whole. The probes of the ideal are checked as far as they can be: comm_alone against the
 reference on its shrunk weights; compute_alone (which computes on copies of tokens) by its group sizes, the routing's
-rows per (rank, local expert) counted on the host, and finite outputs. Per shape and pass it reports ms, the ratio
-vs ``ours`` (>1: ours is faster), and the bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize;
-twice that for fwd+bwd, whose backward has the same two transfers; logical payload: the padded path moves more) with
-the rate that makes of the layer time.
+rows per (rank, local expert) counted on the host, and finite outputs; dispatch_alone bit-exact against the plan's
+placement of the source rows. Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is faster), and the
+bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd, whose backward has
+the same two transfers; logical payload: the padded path moves more) with the rate that makes of the layer time.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python3 benchmarks/bench_ep_layer.py --quick   # CPU try-out
   python3 benchmarks/bench_ep_layer.py --shapes 'seed T=8192' --out $OUT/ep_layer.jsonl             # all GPUs
@@ -771,7 +780,7 @@ def parse_args(argv=None):
 
 
 COLUMNS = ["shape", "skew", "pass", "impl", "ms", "vs_ours", "a2a_MB", "a2a_GBps", "compute_ms", "comm_ms",
-           "overlap_eff", "ours/ideal", "check"]
+           "dispatch_ms", "overlap_eff", "ours/ideal", "ours/bound", "check"]
 
 
 @dataclasses.dataclass
@@ -795,11 +804,14 @@ class Pass:
     row.update(cells)
     self.table.add(**row)
 
-  def measure(self, impl: str, fn, arg_sets, verdict: Verdict, moves_bytes: bool = True) -> float | None:
+  def measure(self, impl: str, fn, arg_sets, verdict: Verdict, moves_bytes: bool = True,
+              a2a_bytes: int | None = None) -> float | None:
     """Times fn over arg_sets unless its check failed (then: excluded) or its checked call was slower than
-    max_call_s (then: skipped); adds its row; returns the ms, or None if untimed."""
+    max_call_s (then: skipped); adds its row; returns the ms, or None if untimed. ``a2a_bytes``: what fn moves,
+    when not the pass's a2a_bytes (the dispatch probe: one of the two transfers)."""
     ok, text, call_s = verdict
-    a2a = {} if moves_bytes else dict(a2a_MB="")
+    moved = self.a2a_bytes if a2a_bytes is None else a2a_bytes
+    a2a = dict(a2a_MB=f"{moved / 1e6:.4g}" if moves_bytes else "")
     if not ok:
       print(f"  {impl}: EXCLUDED from timing, disagrees with the reference ({text}; rtol {self.rtol})")
       self.add(impl, ms="excluded", check=f"FAIL {text}", **a2a)
@@ -822,12 +834,13 @@ class Pass:
     self.ms[impl] = ms
     base = self.ms.get("ours")
     self.add(impl, ms=f"{ms:.3f}", vs_ours=f"{ms / base:.2f}" if base else "", check=f"ok {text}",
-             a2a_GBps=f"{self.a2a_bytes / ms / 1e6:.4g}" if moves_bytes else "", **a2a)
+             a2a_GBps=f"{moved / ms / 1e6:.4g}" if moves_bytes else "", **a2a)
     return ms
 
 
 def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
-  """The compute_alone, comm_alone and ideal rows of pass p (the module docstring says what each measures)."""
+  """The compute_alone, comm_alone, dispatch_alone, ideal and bound rows of pass p (the module docstring says what
+  each measures)."""
   want_grads = p.name == "fwd+bwd"
   R = mesh.shape[AXIS]
   prepare, fn = compute_probe(mesh, p.shape, want_grads)
@@ -841,17 +854,30 @@ def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
   comm = p.measure("comm_alone", comm_fn, comm_sets,
                    verdict._replace(text=f"{verdict.text} (F={comm_sets[0][4].shape[1]})"))
   del comm_sets
+  prepare, fn = dispatch_probe(mesh, p.shape, want_grads)
+  sets = [prepare(x, ids) for x, ids, *_ in arg_sets]
+  disp = p.measure("dispatch_alone", fn, sets, dispatch_probe_verdict(fn, sets, ids_np, mesh, p.shape),
+                   a2a_bytes=p.a2a_bytes // 2)             # the dispatches: half the pass's logical payload
+  del sets
+  ours, serialized = p.ms.get("ours"), p.ms.get("serialized")
   if compute is None or comm is None:
     p.add("ideal", a2a_MB="", ms="check only" if not p.timing else "not measured",
           check="max(compute_alone, comm_alone): needs both timed")
+  else:
+    ideal = max(compute, comm)
+    p.add("ideal", a2a_MB="", ms=f"{ideal:.3f}", vs_ours=f"{ideal / ours:.2f}" if ours else "",
+          compute_ms=f"{compute:.3f}", comm_ms=f"{comm:.3f}",
+          overlap_eff=f"{(serialized - ours) / min(compute, comm):.2f}" if ours and serialized else "",
+          check=f"max(compute_alone, comm_alone): {'communication' if comm >= compute else 'compute'}-bound",
+          **{"ours/ideal": f"{ours / ideal:.2f}" if ours else ""})
+  why = "compute_alone + dispatch_alone: the dispatch runs before GEMM1, only the return overlaps"
+  if compute is None or disp is None:
+    p.add("bound", a2a_MB="", ms="check only" if not p.timing else "not measured", check=f"{why}; needs both timed")
     return
-  ideal = max(compute, comm)
-  ours, serialized = p.ms.get("ours"), p.ms.get("serialized")
-  p.add("ideal", a2a_MB="", ms=f"{ideal:.3f}", vs_ours=f"{ideal / ours:.2f}" if ours else "",
-        compute_ms=f"{compute:.3f}", comm_ms=f"{comm:.3f}",
-        overlap_eff=f"{(serialized - ours) / min(compute, comm):.2f}" if ours and serialized else "",
-        check=f"max(compute_alone, comm_alone): {'communication' if comm >= compute else 'compute'}-bound",
-        **{"ours/ideal": f"{ours / ideal:.2f}" if ours else ""})
+  bound = compute + disp
+  p.add("bound", a2a_MB="", ms=f"{bound:.3f}", vs_ours=f"{bound / ours:.2f}" if ours else "",
+        compute_ms=f"{compute:.3f}", dispatch_ms=f"{disp:.3f}", check=why,
+        **{"ours/bound": f"{ours / bound:.2f}" if ours else ""})
 
 
 def run(args, *, timing: bool = True, table: common.Table | None = None):

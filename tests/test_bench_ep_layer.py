@@ -1,7 +1,8 @@
 """benchmarks/bench_ep_layer.py's correctness check for the quick shape on 4 CPU devices: ours, serialized and
 xla_dense_a2a agree with the reference; xla_ragged is skipped on CPU (no ragged_all_to_all in XLA:CPU) with its
 reason, and its offset logic agrees through the all_gather emulation of ragged_all_to_all; the probes of the ideal
-(compute_alone, comm_alone) pass their checks, and the ideal row is derived from the timed rows as documented."""
+(compute_alone, comm_alone, dispatch_alone) pass their checks (and fail them when wrong), and the ideal and bound rows
+are derived from the timed rows as documented."""
 
 import functools
 import pathlib
@@ -25,7 +26,7 @@ def rows():
 
 @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("impl", ["ours", "serialized", "xla_dense_a2a", "xla_ragged[emulated]", "compute_alone",
-                                  "comm_alone"])
+                                  "comm_alone", "dispatch_alone"])
 def test_agrees_with_reference(rows, pass_, impl):
   r = rows[(pass_, impl)]
   assert r["check"].startswith("ok "), r
@@ -57,19 +58,21 @@ def test_wrong_code_is_excluded_and_slow_code_skipped(monkeypatch):
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
-def test_ideal_is_check_only_without_timing(rows, pass_):
-  r = rows[(pass_, "ideal")]
-  assert r["ms"] == "check only" and r["overlap_eff"] == "", r
+@pytest.mark.parametrize("impl", ["ideal", "bound"])
+def test_ideal_and_bound_are_check_only_without_timing(rows, pass_, impl):
+  r = rows[(pass_, impl)]
+  assert r["ms"] == "check only" and r["overlap_eff"] == "" and r["ours/bound"] == "", r
 
 
-def test_ideal_row_from_timed_rows(monkeypatch):
+def test_ideal_and_bound_rows_from_timed_rows(monkeypatch):
   """Timed (few batches): ideal = max(compute_alone, comm_alone), overlap_eff = (serialized - ours) / min(...),
-  ours/ideal; the probes' rows are what the ideal row quotes."""
+  ours/ideal; bound = compute_alone + dispatch_alone, ours/bound; the probes' rows are what the two rows quote, and
+  dispatch_alone moves half of ours' bytes."""
   monkeypatch.setattr(bench_ep_layer.common, "time_fn",
                       functools.partial(bench_ep_layer.common.time_fn, warmup=1, batches=2, per_batch=1))
   args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "serialized,ideal"])
   r = {x["impl"]: x for x in bench_ep_layer.run(args, timing=True).rows}
-  assert set(r) == {"ours", "serialized", "compute_alone", "comm_alone", "ideal"}, r
+  assert set(r) == {"ours", "serialized", "compute_alone", "comm_alone", "dispatch_alone", "ideal", "bound"}, r
   ms = {k: float(v["ms"]) for k, v in r.items()}
   ideal = r["ideal"]
   assert float(ideal["compute_ms"]) == ms["compute_alone"] and float(ideal["comm_ms"]) == ms["comm_alone"], ideal
@@ -78,6 +81,14 @@ def test_ideal_row_from_timed_rows(monkeypatch):
   assert float(ideal["overlap_eff"]) == pytest.approx(eff, abs=0.02), ideal
   assert float(ideal["ours/ideal"]) == pytest.approx(ms["ours"] / ms["ideal"], abs=0.02), ideal
   assert r["compute_alone"]["a2a_MB"] == "" and r["comm_alone"]["a2a_MB"] == r["ours"]["a2a_MB"], r
+  assert ideal["dispatch_ms"] == "" and ideal["ours/bound"] == "", ideal
+  bound = r["bound"]
+  assert float(bound["compute_ms"]) == ms["compute_alone"] and float(bound["dispatch_ms"]) == ms["dispatch_alone"]
+  assert ms["bound"] == pytest.approx(ms["compute_alone"] + ms["dispatch_alone"], abs=1.5e-3), bound
+  assert float(bound["ours/bound"]) == pytest.approx(ms["ours"] / ms["bound"], abs=0.02), bound
+  assert bound["comm_ms"] == "" and bound["ours/ideal"] == "" and bound["a2a_MB"] == "", bound
+  assert float(r["dispatch_alone"]["a2a_MB"]) == pytest.approx(float(r["ours"]["a2a_MB"]) / 2, rel=1e-3), r
+  assert r["dispatch_alone"]["a2a_GBps"] != "", r
 
 
 def test_comm_probe_keeps_gate_and_up_columns():
