@@ -35,6 +35,7 @@ def binary():
   return b
 
 
+@pytest.mark.watchdog_s(600)  # the subprocess's own limit is 540 s
 def test_loopback_full_suite(binary):
   proc = _run([binary, "--suite", "full"], timeout=540)
   m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
@@ -51,6 +52,7 @@ def test_loopback_full_suite(binary):
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+@pytest.mark.watchdog_s(460)  # the subprocess's own limit is 400 s
 def test_compute_sanitizer(binary, tool):
   cs = compute_sanitizer()
   if cs is None:

@@ -1,0 +1,53 @@
+"""GPU test set-up: a watchdog that ends the run, naming the test, once a test has run longer than
+$JMO_GPU_TEST_TIMEOUT_S seconds (default 300; 0 turns it off), or than its own `@pytest.mark.watchdog_s(seconds)`
+(tests that wait on a subprocess with a longer time limit of its own).
+
+A device kernel that never finishes (a wait that is not bounded, a warp that deadlocks) blocks the test's thread in
+C: pytest would wait until the caller's own time limit killed it, and the log would not say which test hung (session
+6, call 2: a deadlocked combine gather, only "." in the log). The watchdog runs on its own thread, so it fires while
+the test's thread is stuck; it prints the test's id and every thread's Python stack to the real stderr (pytest's
+output capture suspended) and exits the process with status 3.
+"""
+
+import faulthandler
+import os
+import sys
+import threading
+
+import pytest
+
+TIMEOUT_S = float(os.environ.get("JMO_GPU_TEST_TIMEOUT_S", "300"))
+EXIT_STATUS = 3
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "watchdog_s(seconds): this test's own limit for the hang watchdog")
+
+
+@pytest.fixture(autouse=True)
+def _hang_watchdog(request):
+  marker = request.node.get_closest_marker("watchdog_s")
+  limit = float(marker.args[0]) if marker and TIMEOUT_S > 0 else TIMEOUT_S
+  if limit <= 0:
+    yield
+    return
+  capman = request.config.pluginmanager.getplugin("capturemanager")
+
+  def expire():
+    if capman is not None:
+      capman.suspend_global_capture(in_=False)
+    sys.stderr.write(f"\nJMO GPU TEST TIMEOUT: {request.node.nodeid} ran longer than {limit:g} s "
+                     f"($JMO_GPU_TEST_TIMEOUT_S or its watchdog_s mark); ending the run with status {EXIT_STATUS}. "
+                     "Python stacks:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(EXIT_STATUS)  # the test's thread may be stuck in a CUDA call: no clean shutdown is possible
+
+  timer = threading.Timer(limit, expire)
+  timer.daemon = True
+  timer.start()
+  try:
+    yield
+  finally:
+    timer.cancel()
