@@ -4,12 +4,20 @@ ours         jax_moe_overlap.moe_experts(impl="overlap"): dispatch + grouped GEM
 xla          sort slots by expert, jax.lax.ragged_dot GEMM1, SwiGLU, ragged_dot GEMM2, unsort, weighted sum.
 tokamax      the same with tokamax.ragged_dot(implementation="mosaic") (MaxText's GPU choice), when installed.
 
+Nothing is timed before it agrees with the float32 reference (the xla path on float32 copies of the inputs at
+HIGHEST precision; for fwd+bwd its gradients wrt x, gates, w1, w2) on the first input set: column err = the largest
+max |got - ref| / max |ref| over the outputs; above 2e-2 (bf16) the row says "wrong result, not timed".
+--decode runs decode-sized shapes instead (256 tokens: the fixed costs of a call, not its GEMMs, dominate), forward
+only unless --passes says otherwise.
+
   python3 benchmarks/bench_layer.py --quick --out /tmp/layer.jsonl
+  python3 benchmarks/bench_layer.py --decode --out /tmp/layer_decode.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -41,8 +49,11 @@ def xla_layer(ragged_dot):
   return layer
 
 
-def shapes(quick: bool):
+def shapes(quick: bool, decode: bool = False):
   """(name, tokens, D, F, E, k)."""
+  if decode:
+    return [("decode mixtral-like T=256", 256, 4096, 14336, 8, 2),
+            ("decode deepseek-like T=256", 256, 7168, 2048, 32, 8)]
   out = [("seed-like", 8192, 2048, 2048, 8, 2), ("seed-like E=32", 8192, 2048, 2048, 32, 2)]
   if not quick:
     out += [("seed-like T=16k", 16384, 2048, 4096, 16, 2), ("mixtral-like", 4096, 4096, 14336, 8, 2),
@@ -50,12 +61,38 @@ def shapes(quick: bool):
   return out
 
 
+MAX_ERR = 2e-2  # bf16 outputs and gradients against the float32 reference
+_reference_layer = xla_layer(functools.partial(jax.lax.ragged_dot, precision=jax.lax.Precision.HIGHEST))
+
+
+def reference(x, ids, gates, w1, w2):
+  """The float32 reference: the xla path on float32 copies at HIGHEST precision."""
+  f32 = jnp.float32
+  return _reference_layer(x.astype(f32), ids, gates.astype(f32), w1.astype(f32), w2.astype(f32))
+
+
+def pass_fn(f, pname: str):
+  """jit of f (fwd) or of the gradients of sum(f(...)^2) wrt x, gates, w1, w2 (fwd+bwd)."""
+  if pname == "fwd":
+    return jax.jit(f)
+  return jax.jit(jax.grad(lambda x, ids, g, w1, w2: jnp.sum(f(x, ids, g, w1, w2).astype(jnp.float32) ** 2),
+                          argnums=(0, 2, 3, 4)))
+
+
+def error_vs(ref_outs, got) -> float:
+  """The largest max-relative error of got's outputs against the reference's."""
+  return max(common.max_rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref_outs)))
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--out", default="layer.jsonl")
   ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  ap.add_argument("--decode", action="store_true", help="decode-sized shapes (256 tokens) instead")
+  ap.add_argument("--passes", default=None, help="comma list of fwd, fwd+bwd (default: both; fwd with --decode)")
   args = ap.parse_args()
+  passes = (args.passes or ("fwd" if args.decode else "fwd,fwd+bwd")).split(",")
   mesh = jax.make_mesh((1,), ("expert",))
   impls = {"xla": xla_layer(jax.lax.ragged_dot), "ours": lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]}
   tokamax_fn, why = common.tokamax_ragged_dot()
@@ -63,8 +100,8 @@ def main():
     impls["tokamax"] = xla_layer(tokamax_fn)
   else:
     print(why)
-  table = common.Table(["shape", "pass", "impl", "ms", "vs_xla"])
-  for name, T, D, F, E, k in shapes(args.quick):
+  table = common.Table(["shape", "pass", "impl", "ms", "vs_xla", "err"])
+  for name, T, D, F, E, k in shapes(args.quick, args.decode):
     if args.shapes and not any(p in name for p in args.shapes.split(",")):
       continue
     rng = np.random.default_rng(T + E)
@@ -77,15 +114,16 @@ def main():
                        jax.nn.softmax(jax.random.normal(ks[1], (T, k)), -1),
                        (jax.random.normal(ks[2], (E, D, 2 * F)) / np.sqrt(D)).astype(jnp.bfloat16),
                        (jax.random.normal(ks[3], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)))
-    for pname in ("fwd", "fwd+bwd"):
+    for pname in passes:
       base = None
+      ref_outs = pass_fn(reference, pname)(*arg_sets[0])
       for iname, f in impls.items():
-        if pname == "fwd":
-          fn = jax.jit(f)
-        else:
-          fn = jax.jit(jax.grad(lambda x, ids, g, w1, w2, f=f: jnp.sum(f(x, ids, g, w1, w2).astype(jnp.float32)
-                                                                        ** 2), argnums=(0, 2, 3, 4)))
+        fn = pass_fn(f, pname)
         try:
+          err = error_vs(ref_outs, fn(*arg_sets[0]))
+          if not err <= MAX_ERR:  # (NaN too)
+            table.add(shape=name, **{"pass": pname}, impl=iname, ms="wrong result, not timed", err=f"{err:.1e}")
+            continue
           ms = common.time_fn(fn, arg_sets) * 1e3
         except Exception as e:  # pylint: disable=broad-except
           table.add(shape=name, **{"pass": pname}, impl=iname, ms=f"error: {type(e).__name__}: {str(e)[:80]}")
@@ -93,7 +131,8 @@ def main():
         if iname == "xla":
           base = ms
         table.add(shape=name, **{"pass": pname}, impl=iname, ms=f"{ms:.3f}",
-                  vs_xla=f"{base / ms:.2f}" if base else "")
+                  vs_xla=f"{base / ms:.2f}" if base else "", err=f"{err:.1e}")
+      del ref_outs
   table.finish(args.out)
 
 

@@ -1,6 +1,7 @@
 """The single-GPU benchmarks' own checks run on CPU at tiny sizes, so they cannot rot between GPU sessions:
-bench_fused's implementations all agree with its float32 reference (each row's err), bench_breakdown times every
-stage, and plot_results draws the PNGs from JSON lines and from the key=value rows of a log cut short."""
+bench_fused's and bench_layer's implementations all agree with their float32 references (each row's err; a wrong
+layer is not timed), bench_breakdown times every stage, and plot_results draws the PNGs from JSON lines and from the
+key=value rows of a log cut short."""
 
 import json
 import pathlib
@@ -12,6 +13,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 
 import bench_breakdown  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import bench_fused  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import bench_layer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import plot_results  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -57,3 +59,31 @@ def test_plot_results_from_jsonl_and_from_a_cut_log(tmp_path, monkeypatch):
   assert plot_results.read_rows(str(tmp_path), "gemm") == [
       dict(shape="seed T=8192 N=4096 E=8", skew="balanced", method="ours", ms="0.428", tflops="642",
            vs_dense="0.96")]
+
+
+def _tiny_layer_shapes(quick, decode=False):
+  del quick, decode
+  return [("tiny", 64, 32, 48, 4, 2)]
+
+
+def test_bench_layer_checks_every_impl_before_timing(tmp_path, monkeypatch):
+  monkeypatch.setattr(bench_layer, "shapes", _tiny_layer_shapes)
+  out = tmp_path / "layer.jsonl"
+  monkeypatch.setattr(sys, "argv", ["bench_layer.py", "--out", str(out)])
+  bench_layer.main()
+  rows = _rows(out)
+  assert {(r["pass"], r["impl"]) for r in rows} >= {(p, i) for p in ("fwd", "fwd+bwd") for i in ("xla", "ours")}
+  for r in rows:
+    assert float(r["ms"]) > 0 and float(r["err"]) < bench_layer.MAX_ERR, r  # bf16 against the float32 reference
+
+
+def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
+  monkeypatch.setattr(bench_layer, "shapes", _tiny_layer_shapes)
+  real = bench_layer.jmo.moe_experts
+  monkeypatch.setattr(bench_layer.jmo, "moe_experts", lambda *a, **kw: (real(*a, **kw)[0] * 1.1, None))
+  out = tmp_path / "layer.jsonl"
+  monkeypatch.setattr(sys, "argv", ["bench_layer.py", "--passes", "fwd", "--out", str(out)])
+  bench_layer.main()
+  by_impl = {r["impl"]: r for r in _rows(out)}
+  assert by_impl["ours"]["ms"] == "wrong result, not timed" and float(by_impl["ours"]["err"]) > 0.05, by_impl
+  assert float(by_impl["xla"]["ms"]) > 0, by_impl
