@@ -47,7 +47,7 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
 // warps and an argmin over the lanes (smallest C on ties, as ChooseConsumerCtas) finish it. Two forms, the same C:
 //   chunked   (DeviceChooseConsumers; decision_probe.cu's "chunked 2b fp") warp w takes the contiguous chunk of remote
 //             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
-//             scans its chunk with one warp scan, so its prefixes stay warp-private: 2 barriers instead of 7, and per
+//             scans its chunk with one warp scan, so its prefixes stay warp-private: 1 barrier instead of 7, and per
 //             (C, j) pair FP64 operations only (ceil(cum / P) by ReadyUsFp; the scans' form paid a CeilDiv and three
 //             int -> double conversions per pair, and cc 9.0 issues those at 16 results/clk/SM against 64 for
 //             DMUL/DADD). Its shortcuts are exact when rows are in [1, 2^23), ceil(N / BN) < 2^19, N * eb < 2^32 and
@@ -56,8 +56,9 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
 //   scans     (ChooseByScans: the code before the chunked form) block scans of tiles and bytes to shared memory, lane c
 //             of warp w over segments w, w + 8, ...: any other input, so no input gets a C other than before.
 // Measured (DecisionBenchKernel, H200, bench_resource.py): 2117 ns per decision with the scans for every input, 1195 ns
-// with the chunked form (4512 ns for the table build, needed anyway); then the two division sequences per lane
-// (ModelUsPerByte, 1 / P) moved to the host (CandidateConsts).
+// with the chunked form (4512 ns for the table build, needed anyway), 1051 ns with its per-lane divisions from the
+// host (CandidateConsts; decision_probe: 1139 ns at 16 segments). Then the per-call divisions (tile_m's magic,
+// ceil(N / BN)) also moved to the host, and the second barrier went (each warp reduces the maxima itself).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
@@ -73,23 +74,30 @@ struct ChoiceScratch {
       double bytes[kMaxSegments];     // (double)bytes_from
     } seg;                            // (the same 6 KB as pre[]: shared memory does not grow)
   };
-  double us[kWarps][32];
+  double us[2][kWarps][32];  // per-warp maxima by lane; the chunked form alternates halves by call parity
   int64_t warp_sums[32];
-  int chosen;
+  int chosen;                // ChooseByScans
 };
 
-// The per-candidate constants of the chunked form that need a division (ModelUsPerByte's, 1 / P), computed by the
-// host before the launch (FillCandidateConsts): IEEE division and reciprocal are correctly rounded on both sides, so
-// these are the doubles the device would compute, without two FP64 division sequences on the decision's critical
-// path. Entry c - 1 is candidate C = c, or C = 1's where c is infeasible (as the device used before).
+// The constants of the chunked form that need a division, computed by the host before the launch
+// (FillCandidateConsts), so that no division sequence sits on the decision's critical path: per candidate,
+// ModelUsPerByte's and 1 / P (IEEE division and reciprocal are correctly rounded on both sides: the doubles the device
+// would compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and per call the 32-bit magic of
+// tile_m (MagicCeilDiv) and ceil(N / BN) (integers: the same on both sides).
 struct CandidateConsts {
   double us_per_byte[kMaxModelCtas];
   double rcp_producers[kMaxModelCtas];
+  uint32_t tile_m;        // max(p.tile_m, 1)
+  uint32_t tile_m_magic;  // 0xffffffff / tile_m
+  int64_t col_tiles;      // ceil(N / p.tile_n), -1 if p.tile_n <= 0 (ChunkedIsExact then falls back)
 };
 
-// Policy::cand for the model p and candidates 1..max_ctas (host).
-inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas) {
+// Policy::cand for the model p, candidates 1..max_ctas and rows N wide (host).
+inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas, int64_t N) {
   CandidateConsts cc{};
+  cc.tile_m = p.tile_m > 0 ? (uint32_t)p.tile_m : 1u;
+  cc.tile_m_magic = 0xffffffffu / cc.tile_m;
+  cc.col_tiles = p.tile_n > 0 ? CeilDiv(N, p.tile_n) : -1;
   for (int c = 1; c <= kMaxModelCtas; ++c) {
     const int cl = c <= max_ctas && ModelFeasible(p, c) ? c : 1;
     const int64_t producers = (int64_t)(p.sms - cl) * p.ctas_per_sm;
@@ -121,11 +129,11 @@ __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int
     if (warp == 0) us = ModelProducerUs(e, total_tiles);
     for (int j = warp; j < mr; j += kWarps) us = RmMax(us, ModelTermUs(e, sc->pre[j]));
   }
-  if (active) sc->us[warp][lane] = us;
+  if (active) sc->us[0][warp][lane] = us;
   __syncthreads();
   if (warp == 0) {
-    double v = sc->us[0][lane];
-    for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[w][lane]);
+    double v = sc->us[0][0][lane];
+    for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[0][w][lane]);
     if (!feasible) v = 1e300;
     int cand = c;
     for (int d = 16; d > 0; d >>= 1) {
@@ -194,11 +202,13 @@ __device__ __forceinline__ int ArgminC(double v) {
   return __ffs(__ballot_sync(0xffffffffu, hi == mhi && lo == mlo));
 }
 
-// Called by every thread of the CTA (contains barriers). The consumer pushes the remote segments [0, remote_segs)
+// Called by every thread of the CTA (contains a barrier). The consumer pushes the remote segments [0, remote_segs)
 // only (local ones are stored in place by the producer): resource_model.h ModelPrefixes with remote = src != rank.
-// The chunked form (see above), or ChooseByScans where its shortcuts would not be exact.
+// The chunked form (see above), or ChooseByScans where its shortcuts would not be exact. `parity`: 0 or 1, alternated
+// by a caller that decides more than once with the same scratch (see the end), 0 for a single decision.
 __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, const CandidateConsts& cand,
-                                            int64_t N, int64_t K, int64_t eb, int max_ctas, ChoiceScratch* sc) {
+                                            int64_t N, int64_t K, int64_t eb, int max_ctas, ChoiceScratch* sc,
+                                            int parity = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = t.n, mr = t.remote_segs;
   // This lane's candidate and its constants (an infeasible lane gets C = 1's: checked by ChunkedIsExact, never used in
   // a term); the two that need a division come from the host (CandidateConsts).
@@ -206,8 +216,8 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
   const bool feasible = c <= max_ctas && ModelFeasible(p, c);
   const ModelEval e = ModelEvalWith(p, K, feasible ? c : 1, cand.us_per_byte[lane]);
   const double rp = cand.rcp_producers[lane];
-  const uint32_t tm = p.tile_m > 0 ? (uint32_t)p.tile_m : 1u, mtm = 0xffffffffu / tm;
-  const int64_t nn = p.tile_n > 0 ? CeilDiv(N, p.tile_n) : -1;
+  const uint32_t tm = cand.tile_m, mtm = cand.tile_m_magic;
+  const int64_t nn = cand.col_tiles;
   // Warp w's chunk (ch <= 32: one segment per lane). Warps 8..11 of a 384-thread CTA (wgmma engine) get none, they
   // only take the table pass (for ChunkedIsExact's common answer) and meet the barriers.
   const int ch = (mr + kWarps - 1) / kWarps, beg = warp * ch, end = min(beg + ch, mr);
@@ -257,18 +267,17 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
                              RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
     }
   }
-  if (warp < kWarps) sc->us[warp][lane] = us;
+  double(*us_half)[32] = sc->us[parity & 1];
+  if (warp < kWarps) us_half[warp][lane] = us;
   __syncthreads();
-  if (warp == 0) {
-    double v = sc->us[0][lane];
-    for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[w][lane]);
-    const int chosen = ArgminC(feasible ? v : 1e300);
-    if (lane == 0) sc->chosen = chosen;
-  }
-  // Warp 0 reads sc->us before this barrier, every thread sc->chosen after it; the next call writes sc->us before
-  // its first barrier and sc->chosen after it: 2 barriers suffice, no double buffering by call parity.
-  __syncthreads();
-  return sc->chosen;
+  // One barrier: every warp reduces the per-warp maxima itself (no second barrier to publish warp 0's answer). Safe
+  // with the same scratch across calls: this call's reads of its half come after its barrier, and the next call that
+  // writes the same half (two calls on) does so only after the next call's barrier, which every warp reaches after
+  // these reads; seg[] is read before the barrier and each warp writes only its own chunk. (ChooseByScans uses us[0]
+  // between barriers of its own.)
+  double v = us_half[0][lane];
+  for (int w = 1; w < kWarps; ++w) v = RmMax(v, us_half[w][lane]);
+  return ArgminC(feasible ? v : 1e300);
 }
 
 }  // namespace jmo::cuda

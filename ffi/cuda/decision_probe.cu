@@ -1,9 +1,9 @@
 // Decision probe: the resource manager's device-side choice of the consumer CTA count C (consumer_choice.cuh, the
 // code ExpertKernel runs) checked against the host's ChooseConsumerCtas (resource_model.h) on random segment tables,
 // and timed alone on one CTA. Two forms, which must both pick the host's C:
-//   library   DeviceChooseConsumers: the chunked form (2 barriers, FP64-only inner loop, per-candidate divisions
-//             done by the host: FillCandidateConsts), falling back to the scans form where its shortcuts would not be
-//             exact (the "fallback" tables below: rows >= 2^23)
+//   library   DeviceChooseConsumers: the chunked form (1 barrier, FP64-only inner loop, its divisions done by the
+//             host: FillCandidateConsts), falling back to the scans form where its shortcuts would not be exact (the
+//             tables with rows up to 2^24 below)
 //   scans     ChooseByScans alone: the form before session 5 (block scans, 7 barriers), for comparison
 // History (benchmarks/RESULTS.md): 2117 ns per decision with the scans (session 5), 1195 ns with the chunked form and
 // on-device divisions, 1051 ns with the host's divisions (DecisionBenchKernel, H200). Nine variants of the chunked
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kBlock) BenchKernel(const Segment* segs, int n
                         Vol(v.tile_us_base), Vol(v.tile_us_per_k), Vol(v.cta_gbps), Vol(v.link_gbps),
                         Vol(v.seg_us) + (double)(i & 1) * 1e-12};  // seg_us varies as in DecisionBenchKernel
     const int c = kForm == 0 ? DeviceChooseConsumers(table, q, in.cand, Vol(in.N), Vol(in.K), Vol(in.eb),
-                                                     Vol(in.max_ctas), &cs)
+                                                     Vol(in.max_ctas), &cs, i & 1)
                              : ChooseByScans(table, q, Vol(in.N), Vol(in.K), Vol(in.eb), Vol(in.max_ctas), &cs);
     acc += c;
     if (i == 0) c0 = c;
@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
   // Table t and the inputs of (sms, N) to the device, outputs zeroed.
   auto upload = [&](const Table& t, int sms, int64_t N) {
     const ModelParams p = params(sms, 0);
-    const Inputs in{p, FillCandidateConsts(p, ModelMaxCtas(sms)), N, K, eb, ModelMaxCtas(sms)};
+    const Inputs in{p, FillCandidateConsts(p, ModelMaxCtas(sms), N), N, K, eb, ModelMaxCtas(sms)};
     CK(cudaMemcpy(d_seg, t.seg.data(), t.seg.size() * sizeof(Segment), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_in, &in, sizeof in, cudaMemcpyHostToDevice));
     CK(cudaMemset(d_out, 0, out.size() * sizeof(out[0])));

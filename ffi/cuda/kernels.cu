@@ -415,7 +415,7 @@ struct Policy {
   int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot (JMO_PUSH_READ_LAG, default 4)
   int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each (JMO_PUSH_ISSUERS)
   int64_t elem_bytes;
-  CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas)
+  CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
 };
 
 // C of one call (every thread calls it): none when the call has no remote band (EP = 1, or nothing routed to other
@@ -742,7 +742,7 @@ __global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, cons
   for (int i = 0; i < iters; ++i) {
     ModelParams p = pol.model;
     p.seg_us += (double)(i & 1) * 1e-12;  // vary an input so no iteration can be folded into another
-    acc += DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice);
+    acc += DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice, i & 1);
   }
   if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;
   const int final_choice = ConsumersOfCall(table, pol, N, K, &choice);
@@ -999,7 +999,7 @@ Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t
   pol.model.sms = c.ws->budget(c.group, c.rank);
   pol.model.ctas_per_sm = 1;
   pol.max_ctas = ModelMaxCtas(pol.model.sms);
-  pol.cand = FillCandidateConsts(pol.model, pol.max_ctas);
+  pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);
   pol.elem_bytes = ElemBytes(dt);
   unsigned long long* out = nullptr;
   Status s = CudaStatus(cudaMalloc(&out, 4 * sizeof(unsigned long long)), "cudaMalloc");
@@ -1104,7 +1104,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
     pol.model = ws.model();
     pol.model.sms = budget;  // the rank's CTAs are its SMs (one CTA per SM, checked by PrepareExpertKernel)
     pol.model.ctas_per_sm = 1;
-    pol.cand = FillCandidateConsts(pol.model, pol.max_ctas);
+    pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);
     pol.consumers = 0;
   } else {
     pol.consumers = std::min(ws.consumer_ctas(), budget - 1);
