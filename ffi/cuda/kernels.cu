@@ -526,19 +526,21 @@ struct WgTile : wgmma_gemm::WgmmaTile {
   int bands;  // bands the tile covers (1 or 2)
 };
 
+static_assert(kMaxSegments <= wgmma_gemm::kThreads, "one thread per segment for the tile prefix scan");
+
 template <bool kTransB>
 __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
                              const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret, uint64_t* flags,
-                             int pid, int np, int32_t* tile_prefix, char* smem) {
+                             int pid, int np, int32_t* tile_prefix, int64_t* warp_sums, char* smem) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
-  if (threadIdx.x == 0) {
-    int32_t acc = 0;
-    for (int i = 0; i < table.n; ++i) {
-      tile_prefix[i] = acc;
-      acc += (table.seg[i].rows + kWgBM - 1) / kWgBM * col_tiles;
-    }
-    tile_prefix[table.n] = acc;
-  }
+  // Tiles before each segment: one thread per segment and a block scan (kMaxSegments <= the CTA's threads), not one
+  // thread's loop over up to 256 segments with a division each (microseconds at kernel start, on every CTA).
+  const int i = threadIdx.x;
+  const int64_t tiles = i < table.n ? (int64_t)((table.seg[i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
+  int64_t total = 0;
+  const int64_t incl = BlockInclusiveScan(tiles, warp_sums, &total);
+  if (i < table.n) tile_prefix[i] = (int32_t)(incl - tiles);
+  if (i == 0) tile_prefix[table.n] = (int32_t)total;
   __syncthreads();
   auto tile_of = [&](int i) {
     int lo = 0, hi = table.n - 1;  // the segment holding tile i: last lo with tile_prefix[lo] <= i
@@ -614,7 +616,8 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0_last), now);
     }
     if constexpr (kEngine == kWgmma)
-      ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix, smem);
+      ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix,
+                            scratch.warp_sums, smem);
     else
       ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
                                                     smem);
