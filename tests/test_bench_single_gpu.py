@@ -1,6 +1,7 @@
 """The single-GPU benchmarks' own checks run on CPU at tiny sizes, so they cannot rot between GPU sessions:
 bench_fused's and bench_layer's implementations all agree with their float32 references (each row's err; a wrong
-layer is not timed), bench_breakdown times every stage, and plot_results draws the PNGs from JSON lines and from the
+layer is not timed), bench_layer's per-expert reference equals the dense one, check_tokamax tells a wrong gradient,
+bench_breakdown times every stage, and plot_results draws the PNGs from JSON lines and from the
 key=value rows of a log cut short."""
 
 import json
@@ -14,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import bench_breakdown  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import bench_fused  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import bench_layer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import check_tokamax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import plot_results  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -87,3 +89,55 @@ def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
   by_impl = {r["impl"]: r for r in _rows(out)}
   assert by_impl["ours"]["ms"] == "wrong result, not timed" and float(by_impl["ours"]["err"]) > 0.05, by_impl
   assert float(by_impl["xla"]["ms"]) > 0, by_impl
+
+
+def test_bench_layer_reference_equals_the_dense_one():
+  """bench_layer's per-expert float32 reference (static slices of the sorted rows) against the dense-masked
+  jax.lax.ragged_dot path at HIGHEST precision: forward and all four gradients, with one expert left empty."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  T, D, F, E, k = 40, 16, 24, 5, 2
+  rng = np.random.default_rng(3)
+  ids = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(T)]).astype(np.int32)  # expert E-1 gets none
+  ks = jax.random.split(jax.random.PRNGKey(7), 4)
+  args = (jax.random.normal(ks[0], (T, D)), jnp.asarray(ids), jax.nn.softmax(jax.random.normal(ks[1], (T, k)), -1),
+          jax.random.normal(ks[2], (E, D, 2 * F)) / 4, jax.random.normal(ks[3], (E, F, D)) / 5)
+  dense = bench_layer.xla_layer(functools.partial(jax.lax.ragged_dot, precision=jax.lax.Precision.HIGHEST))
+  ours = bench_layer.reference_for(ids, E)
+  for pname in ("fwd", "fwd+bwd"):
+    want, got = bench_layer.pass_fn(dense, pname)(*args), bench_layer.pass_fn(ours, pname)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+  with pytest.raises(AssertionError, match="another routing"):
+    ours(args[0], jnp.asarray((ids + 1) % E), *args[2:])
+
+
+@pytest.mark.parametrize("scale_dw", [1.0, 1.2])
+def test_check_tokamax_reports_each_gradient(tmp_path, monkeypatch, scale_dw):
+  """check_tokamax.py on CPU with lax.ragged_dot standing in for tokamax: errors near float32 rounding when right,
+  and only err_dw large when the stand-in's weight gradient is scaled."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  @jax.custom_vjp
+  def stand_in(a, b, g):
+    return jax.lax.ragged_dot(a, b, g)
+
+  def fwd(a, b, g):
+    out, pull = jax.vjp(lambda a_, b_: jax.lax.ragged_dot(a_, b_, g), a, b)
+    return out, (pull, g)
+
+  def bwd(res, ct):
+    pull, g = res
+    da, db = pull(ct)
+    return da, db * scale_dw, None
+  stand_in.defvjp(fwd, bwd)
+  monkeypatch.setattr(check_tokamax.common, "tokamax_ragged_dot", lambda: (stand_in, None))
+  monkeypatch.setattr(check_tokamax, "SHAPES", [("tiny", 48, 32, 40, 3)])
+  out = tmp_path / "check.jsonl"
+  monkeypatch.setattr(sys, "argv", ["check_tokamax.py", "--out", str(out)])
+  check_tokamax.main()
+  (row,) = _rows(out)
+  assert float(row["err_out"]) < 1e-2 and float(row["err_dx"]) < 1e-2, row  # bf16 inputs vs float32
+  assert (float(row["err_dw"]) > 0.1) == (scale_dw != 1.0), row

@@ -1,0 +1,63 @@
+"""Is tokamax's mosaic ragged_dot right, forward and backward, on the shapes we compare against?
+
+For each (rows, K, N, groups) of the layer benchmarks' GEMMs, on bf16 inputs with random balanced group sizes that
+cover every row: out = ragged_dot(x, w, gs), and the VJP of <out, cot> for a random cotangent (dx, dw), each against
+one HIGHEST-precision dot per group on float32 copies (common.static_ragged_dot). Prints one row per shape with the three max-relative
+errors (max |got - ref| / max |ref|); bf16 results are expected near 1e-2 or below.
+
+  python3 benchmarks/check_tokamax.py [--out tokamax_check.jsonl]
+"""
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
+
+# (name, rows, K, N, groups): GEMM1 (N = 2F) and GEMM2 of bench_layer.py's shapes.
+SHAPES = [("seed-like gemm1", 16384, 2048, 4096, 8), ("seed-like gemm2", 16384, 2048, 2048, 8),
+          ("seed-like T=16k gemm1", 32768, 2048, 8192, 16), ("seed-like T=16k gemm2", 32768, 4096, 2048, 16),
+          ("mixtral-like gemm1", 8192, 4096, 28672, 8), ("mixtral-like gemm2", 8192, 14336, 4096, 8),
+          ("deepseek-like gemm1", 32768, 7168, 4096, 32), ("deepseek-like gemm2", 32768, 2048, 7168, 32)]
+
+
+def vjp_of(fn, x, w, gs, cot):
+  out, pull = jax.vjp(lambda a, b: fn(a, b, gs), x, w)
+  return (out,) + pull(cot.astype(out.dtype))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="tokamax_check.jsonl")
+  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  args = ap.parse_args()
+  tokamax_fn, why = common.tokamax_ragged_dot()
+  if tokamax_fn is None:
+    sys.exit(why)
+  table = common.Table(["shape", "group_sizes", "err_out", "err_dx", "err_dw"])
+  for name, rows, K, N, G in SHAPES:
+    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+      continue
+    kx, kw, kc = jax.random.split(jax.random.PRNGKey(rows + K + N + G), 3)
+    ids = np.random.default_rng(G).integers(0, G, rows)
+    gs = jnp.asarray(np.bincount(ids, minlength=G).astype(np.int32))
+    x = jax.random.normal(kx, (rows, K), jnp.bfloat16)
+    w = (jax.random.normal(kw, (G, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+    cot = jax.random.normal(kc, (rows, N), jnp.float32)
+    ref_fn = common.static_ragged_dot(np.asarray(gs))
+    got = jax.jit(lambda a, b, g, c: vjp_of(tokamax_fn, a, b, g, c))(x, w, gs, cot)
+    ref = jax.jit(lambda a, b, g, c: vjp_of(ref_fn, a, b, g, c))(x.astype(jnp.float32), w.astype(jnp.float32), gs,
+                                                                   cot)
+    errs = [common.max_rel_err(g_, r_) for g_, r_ in zip(got, ref)]
+    table.add(shape=name, group_sizes=f"{int(gs.min())}..{int(gs.max())} x{G}",
+              **{k: f"{e:.1e}" for k, e in zip(("err_out", "err_dx", "err_dw"), errs)})
+    del got, ref
+  table.finish(args.out)
+
+
+if __name__ == "__main__":
+  main()
