@@ -58,7 +58,9 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
 // Measured (DecisionBenchKernel, H200, bench_resource.py): 2117 ns per decision with the scans for every input, 1195 ns
 // with the chunked form (4512 ns for the table build, needed anyway), 1051 ns with its per-lane divisions from the
 // host (CandidateConsts; decision_probe: 1139 ns at 16 segments). Then the per-call divisions (tile_m's magic,
-// ceil(N / BN)) also moved to the host, and the second barrier went (each warp reduces the maxima itself).
+// ceil(N / BN)) also moved to the host, and the second barrier went (each warp reduces the maxima itself): 864 ns in
+// bench_resource.py (8 segments), 879 / 1013 / 1233 / 1772 ns at 16 / 64 / 128 / 256 segments in decision_probe
+// (session 7: benchmarks/RESULTS.md). It grows with the chunk a warp scans (n / 8 segments).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
