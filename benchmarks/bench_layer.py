@@ -4,11 +4,15 @@ ours         jax_moe_overlap.moe_experts(impl="overlap"): dispatch + grouped GEM
 xla          sort slots by expert, jax.lax.ragged_dot GEMM1, SwiGLU, ragged_dot GEMM2, unsort, weighted sum.
 tokamax      the same with tokamax.ragged_dot(implementation="mosaic") (MaxText's GPU choice), when installed.
 
-Nothing is timed before it agrees with the float32 reference (the xla path on float32 copies of the inputs at
-HIGHEST precision; for fwd+bwd its gradients wrt x, gates, w1, w2) on the first input set: column err = the largest
-max |got - ref| / max |ref| over the outputs; above 2e-2 (bf16) the row says "wrong result, not timed".
---decode runs decode-sized shapes instead (256 tokens: the fixed costs of a call, not its GEMMs, dominate), forward
-only unless --passes says otherwise.
+ideal        (forward only) max(reading every expert weight once, the two GEMMs as dense jnp.dot at the same FLOPs),
+             each timed here: what no forward pass can beat on this GPU (weight reads bound decode sizes, FLOPs the
+             rest). Column vs_ideal = ideal ms / the row's ms.
+
+Nothing is timed before it agrees with the float32 reference (the xla path on float32 copies of the inputs, its
+grouped GEMMs as one HIGHEST-precision dot per expert; for fwd+bwd its gradients wrt x, gates, w1, w2) on the first
+input set: column err = the largest max |got - ref| / max |ref| over the outputs; above 2e-2 (bf16) the row says
+"wrong result, not timed". --decode runs decode-sized shapes instead (256 tokens: weight reads and the fixed costs
+of a call, not its FLOPs, dominate), forward only unless --passes says otherwise.
 
   python3 benchmarks/bench_layer.py --quick --out /tmp/layer.jsonl
   python3 benchmarks/bench_layer.py --decode --out /tmp/layer_decode.jsonl
@@ -80,6 +84,22 @@ def reference_for(ids: np.ndarray, E: int):
   return ref
 
 
+def ideal_fwd_ms(arg_sets) -> tuple[float, float]:
+  """(ms to read every weight once, ms of the forward's two GEMMs as dense dots at the same FLOPs) on these inputs.
+
+  The read is a float32-accumulated sum of w1 and w2 (bandwidth-bound); the dense GEMMs are [T*k, D] @ w1[0] and
+  [T*k, F] @ w2[0] (expert 0's weights only: the FLOPs without the weight traffic)."""
+  read = jax.jit(lambda w1, w2: jnp.sum(w1, dtype=jnp.float32) + jnp.sum(w2, dtype=jnp.float32))
+  dense = jax.jit(lambda xs, h, w1, w2: (jnp.dot(xs, w1[0]), jnp.dot(h, w2[0])))
+  dense_sets = []
+  for x, ids, _, w1, w2 in arg_sets:
+    rows = ids.size
+    xs = jnp.tile(x, (ids.shape[1], 1))[:rows]
+    h = jnp.tile(x[:, :1], (ids.shape[1], w2.shape[1]))[:rows]  # [rows, F], nonzero
+    dense_sets.append((xs, h, w1, w2))
+  return (common.time_fn(read, [(a[3], a[4]) for a in arg_sets]) * 1e3, common.time_fn(dense, dense_sets) * 1e3)
+
+
 def pass_fn(f, pname: str):
   """jit of f (fwd) or of the gradients of sum(f(...)^2) wrt x, gates, w1, w2 (fwd+bwd)."""
   if pname == "fwd":
@@ -112,7 +132,7 @@ def main():
     print(why)
   if args.impls:
     impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
-  table = common.Table(["shape", "pass", "impl", "ms", "vs_xla", "err"])
+  table = common.Table(["shape", "pass", "impl", "ms", "vs_xla", "vs_ideal", "err"])
   for name, T, D, F, E, k in shapes(args.quick, args.decode):
     if args.shapes and not any(p in name for p in args.shapes.split(",")):
       continue
@@ -127,7 +147,12 @@ def main():
                        (jax.random.normal(ks[2], (E, D, 2 * F)) / np.sqrt(D)).astype(jnp.bfloat16),
                        (jax.random.normal(ks[3], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)))
     for pname in passes:
-      base = None
+      base = ideal = None
+      if pname == "fwd":
+        read_ms, dense_ms = ideal_fwd_ms(arg_sets)
+        ideal = max(read_ms, dense_ms)
+        print(f"  {name}: ideal forward = max(weight read {read_ms:.3f} ms, dense GEMMs {dense_ms:.3f} ms)", flush=True)
+        table.add(shape=name, **{"pass": pname}, impl="ideal", ms=f"{ideal:.3f}", vs_ideal="1.00")
       ref_outs = pass_fn(reference_for(np.asarray(arg_sets[0][1]), E), pname)(*arg_sets[0])
       for iname, f in impls.items():
         fn = pass_fn(f, pname)
@@ -143,7 +168,8 @@ def main():
         if iname == "xla":
           base = ms
         table.add(shape=name, **{"pass": pname}, impl=iname, ms=f"{ms:.3f}",
-                  vs_xla=f"{base / ms:.2f}" if base else "", err=f"{err:.1e}")
+                  vs_xla=f"{base / ms:.2f}" if base else "", vs_ideal=f"{ideal / ms:.2f}" if ideal else "",
+                  err=f"{err:.1e}")
       del ref_outs
   table.finish(args.out)
 

@@ -75,8 +75,14 @@ def test_bench_layer_checks_every_impl_before_timing(tmp_path, monkeypatch):
   bench_layer.main()
   rows = _rows(out)
   assert {(r["pass"], r["impl"]) for r in rows} >= {(p, i) for p in ("fwd", "fwd+bwd") for i in ("xla", "ours")}
+  assert [r["pass"] for r in rows if r["impl"] == "ideal"] == ["fwd"]  # the ideal is of the forward pass only
+  ideal = next(float(r["ms"]) for r in rows if r["impl"] == "ideal")
   for r in rows:
-    assert float(r["ms"]) > 0 and float(r["err"]) < bench_layer.MAX_ERR, r  # bf16 against the float32 reference
+    assert float(r["ms"]) > 0, r
+    if r["impl"] != "ideal":
+      assert float(r["err"]) < bench_layer.MAX_ERR, r  # bf16 against the float32 reference
+    if r["pass"] == "fwd":
+      assert float(r["vs_ideal"]) == pytest.approx(ideal / float(r["ms"]), rel=0.02, abs=0.006)  # 2 decimals, r
 
 
 def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
