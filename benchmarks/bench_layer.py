@@ -21,7 +21,6 @@ of a call, not its FLOPs, dominate), forward only unless --passes says otherwise
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
