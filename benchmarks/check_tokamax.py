@@ -18,11 +18,18 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  pylint: disable=g-import-not-at-top
 
-# (name, rows, K, N, groups): GEMM1 (N = 2F) and GEMM2 of bench_layer.py's shapes.
-SHAPES = [("seed-like gemm1", 16384, 2048, 4096, 8), ("seed-like gemm2", 16384, 2048, 2048, 8),
-          ("seed-like T=16k gemm1", 32768, 2048, 8192, 16), ("seed-like T=16k gemm2", 32768, 4096, 2048, 16),
-          ("mixtral-like gemm1", 8192, 4096, 28672, 8), ("mixtral-like gemm2", 8192, 14336, 4096, 8),
-          ("deepseek-like gemm1", 32768, 7168, 4096, 32), ("deepseek-like gemm2", 32768, 2048, 7168, 32)]
+import bench_layer  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def layer_gemms():
+  """(name, rows, K, N, groups): GEMM1 (N = 2F) and GEMM2 of each of bench_layer.py's shapes (rows = T k)."""
+  out = []
+  for name, T, D, F, E, k in bench_layer.shapes(quick=False):
+    out += [(f"{name} gemm1", T * k, D, 2 * F, E), (f"{name} gemm2", T * k, F, D, E)]
+  return out
+
+
+SHAPES = layer_gemms()
 
 
 def vjp_of(fn, x, w, gs, cot):
