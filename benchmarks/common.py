@@ -148,21 +148,32 @@ def max_rel_err(got, ref) -> float:
 
 def static_ragged_dot(group_sizes: np.ndarray):
   """fn(lhs [M, K], rhs [G, K, N], group_sizes) -> [M, N]: jax.lax.ragged_dot's result for the host ``group_sizes``
-  [G] baked in as static row ranges, one HIGHEST-precision dot per group (the group_sizes argument is ignored).
+  [G] baked in as static row ranges (the group_sizes argument is ignored), at HIGHEST precision.
 
-  A float32 reference at each group's own cost: jax.lax.ragged_dot runs every row against every group
-  (dense-masked), G times the work, which at DeepSeek-like sizes in float32 took minutes. Rows past the groups' sum
-  come out zero, as in ragged_dot."""
-  bounds = np.concatenate([[0], np.cumsum(np.asarray(group_sizes))]).astype(int)
+  A float32 reference near each group's own cost. jax.lax.ragged_dot runs every row against every group
+  (dense-masked), G times the work: at DeepSeek-like sizes in float32 it took minutes. One dot per group has G
+  different shapes, and XLA autotunes each one: at G = 32 forward+backward, that compile did not finish in 220 s
+  on an H200. So the groups are gathered (static indices) into one [G, max group, K] batch, zero rows padding the
+  short ones, and multiplied as one batched dot; the rows are gathered back. Rows past the groups' sum come out
+  zero, as in ragged_dot. Gathers and one dot differentiate as ragged_dot does."""
+  sizes = np.asarray(group_sizes).astype(np.int64)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  width = max(int(sizes.max(initial=0)), 1)
+  j = np.arange(width)
 
   def fn(lhs, rhs, group_sizes_unused=None):
     del group_sizes_unused
-    parts = [jnp.dot(lhs[bounds[g]:bounds[g + 1]], rhs[g], precision=jax.lax.Precision.HIGHEST)
-             for g in range(rhs.shape[0])]
-    tail = lhs.shape[0] - bounds[-1]
-    if tail:
-      parts.append(jnp.zeros((tail, rhs.shape[2]), parts[0].dtype))
-    return jnp.concatenate(parts)
+    m = lhs.shape[0]
+    # Row (g, j) of the batch is lhs row starts[g] + j, or the appended zero row m past the group's end.
+    take = np.where(j[None, :] < sizes[:, None], starts[:, None] + j[None, :], m)
+    lhs0 = jnp.concatenate([lhs, jnp.zeros((1, lhs.shape[1]), lhs.dtype)])
+    prod = jnp.einsum("gmk,gkn->gmn", lhs0[take], rhs, precision=jax.lax.Precision.HIGHEST)
+    # Output row r is batch row (g, r - starts[g]) of its group g, or the appended zero row past the groups' sum.
+    rows = np.arange(m)
+    g = np.minimum(np.searchsorted(np.cumsum(sizes), rows, side="right"), len(sizes) - 1)
+    back = np.where(rows < sizes.sum(), g * width + rows - starts[g], len(sizes) * width)
+    flat = jnp.concatenate([prod.reshape(-1, prod.shape[2]), jnp.zeros((1, prod.shape[2]), prod.dtype)])
+    return flat[back]
   return fn
 
 

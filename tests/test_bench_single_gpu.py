@@ -16,6 +16,7 @@ import bench_breakdown  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-
 import bench_fused  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import bench_layer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import check_tokamax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import plot_results  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -118,6 +119,27 @@ def test_bench_layer_reference_equals_the_dense_one():
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
   with pytest.raises(AssertionError, match="another routing"):
     ours(args[0], jnp.asarray((ids + 1) % E), *args[2:])
+
+
+@pytest.mark.parametrize("sizes", [(3, 0, 5, 1), (0, 0, 7, 0), (2, 2, 2, 2)])
+def test_static_ragged_dot_equals_ragged_dot(sizes):
+  """common.static_ragged_dot (the groups gathered into one padded batched dot) against jax.lax.ragged_dot: empty
+  groups, rows past the groups' sum (zero out), and the gradients wrt both operands."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  gs = np.asarray(sizes, np.int32)
+  m, kdim, n = int(gs.sum()) + 3, 6, 5
+  ka, kb, kc = jax.random.split(jax.random.PRNGKey(sum(sizes)), 3)
+  a, b = jax.random.normal(ka, (m, kdim)), jax.random.normal(kb, (len(gs), kdim, n))
+  ct = jax.random.normal(kc, (m, n))
+  hi = jax.lax.Precision.HIGHEST
+  want = jax.vjp(lambda a_, b_: jax.lax.ragged_dot(a_, b_, jnp.asarray(gs), precision=hi), a, b)
+  got = jax.vjp(common.static_ragged_dot(gs), a, b)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  assert not np.any(np.asarray(got[0])[gs.sum():]), "rows past the groups' sum must be zero"
+  for g, w in zip(got[1](ct), want[1](ct)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scale_dw", [1.0, 1.2])
