@@ -10,6 +10,7 @@ from jax_moe_overlap import _jmo
 
 DISPATCH = "jmo_dispatch"
 EXPERT_COMBINE = "jmo_expert_combine"
+DISPATCH_GEMM = "jmo_dispatch_gemm"  # CUDA (Hopper) only
 BAND_ROWS: int = _jmo.band_rows
 
 

@@ -46,6 +46,10 @@ class CallConfig:
     calibration: ``Workspace.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
   serialize: expert_combine's consumer starts only after the producer has finished every tile (no overlap: the
     baseline of the benchmarks; results are identical).
+  dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): on CUDA, with bfloat16
+    operands and d_model, 2 * d_ff multiples of 64, one dispatch_gemm call in which this many CTAs push the tokens
+    and the others run GEMM1, each source's tiles starting once its rows have arrived (Hopper only: elsewhere the
+    call fails with an error saying so). The same results, bit for bit.
   """
 
   timeout_ms: int = DEFAULT_TIMEOUT_MS
@@ -53,6 +57,7 @@ class CallConfig:
   delay_us: int = 0
   consumer_ctas: int = 0
   serialize: bool = False
+  dispatch_pushers: int = 0
 
   def __post_init__(self):
     if isinstance(self.consumer_ctas, bool) or not isinstance(self.consumer_ctas, (int, np.integer)) or \
@@ -61,6 +66,10 @@ class CallConfig:
                        f"choice), got {self.consumer_ctas!r}")
     if not isinstance(self.serialize, (bool, np.bool_)):
       raise ValueError(f"jax_moe_overlap: CallConfig.serialize must be a bool, got {self.serialize!r}")
+    if isinstance(self.dispatch_pushers, bool) or not isinstance(self.dispatch_pushers, (int, np.integer)) or \
+        self.dispatch_pushers < 0 or self.dispatch_pushers > 2**31 - 1:
+      raise ValueError(f"jax_moe_overlap: CallConfig.dispatch_pushers must be an int >= 0 (0: dispatch and GEMM1 as "
+                       f"two calls), got {self.dispatch_pushers!r}")
 
   def attrs(self, workspace) -> dict:
     return dict(workspace=np.int64(workspace.handle), timeout_ms=np.int64(self.timeout_ms),
@@ -113,6 +122,28 @@ def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info
   return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
                          src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
                          group, rank, **info.config.attrs(info.workspace))
+
+
+def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int,
+                  info: RankInfo) -> tuple[jax.Array, jax.Array]:
+  """dispatch and GEMM1 in one CUDA call: [S, D] bf16 rows, w [E_local, D, N] bf16 -> (recv [cap, D] as
+  ``dispatch``, a [cap, N] float32 = recv rows of each (expert, source) segment @ w[expert], zero past the rows).
+  ``info.config.dispatch_pushers`` CTAs push; the GEMM's tiles of each source start once its rows are in."""
+  _ffi.register()
+  group, rank = info.coords()
+  out_types = (jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype), jax.ShapeDtypeStruct((cap, w.shape[2]),
+                                                                                          jnp.float32))
+  return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
+                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.seg_rows, plan.seg_ret_off, w,
+                         group, rank, pushers=np.int32(info.config.dispatch_pushers),
+                         **info.config.attrs(info.workspace))
+
+
+def _fuses_dispatch(x, w1, info: RankInfo) -> bool:
+  """Whether GEMM1 runs inside dispatch_gemm: asked for (CallConfig.dispatch_pushers), a CUDA workspace, bf16, and
+  the wgmma engine's multiples of 64."""
+  return (info.config.dispatch_pushers > 0 and info.workspace.platform != "cpu" and x.dtype == jnp.bfloat16 and
+          w1.dtype == jnp.bfloat16 and x.shape[1] % 64 == 0 and w1.shape[2] % 64 == 0)
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
@@ -185,7 +216,10 @@ def _gemm1(x_recv, w1, group_sizes):
 def _dispatch_and_gemm1(x, gates, w1, plan, cap, info):
   """Tokens to their experts' ranks, then GEMM1: (x_recv [cap, D], a [cap, 2F] float32)."""
   T, k = gates.shape
-  x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
+  slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
+  if _fuses_dispatch(x, w1, info):
+    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info)
+  x_recv = dispatch(x, slot_src_row, plan, cap, info)
   return x_recv, _gemm1(x_recv, w1, plan.expert_rows)
 
 

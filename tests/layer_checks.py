@@ -171,6 +171,24 @@ def check_held_back(mesh, delay_rank, delay_us=2000, calls=3, seed=11):
   assert plain_run.aliased == plain_run.buffers
 
 
+def check_dispatch_gemm(mesh, pushers=2, seed=13):
+  """CallConfig(dispatch_pushers=...) (on a Hopper GPU: the dispatch and GEMM1 in one dispatch_gemm call; on CPU the
+  two calls as before): forward and gradients bitwise equal to the default config's, and within TOL of the
+  reference, every output computed into the poison."""
+  layer = Layer(mesh, "skewed", seed)
+  args = layer.args(jnp.bfloat16)
+  plain_run = layer.overlap()
+  plain = bits(plain_run(*args))
+  fused_run = layer.overlap(jmo.CallConfig(dispatch_pushers=pushers))
+  fused = fused_run(*args)
+  same = [a == b for a, b in zip(bits(fused), plain)]
+  errs = errors(fused, layer.reference())
+  print(f"R={layer.R} dispatch_pushers={pushers}: bitwise equal to two calls {same}; {_fmt(errs)}")
+  assert all(same), f"dispatch_pushers={pushers} differs from the default: {same} (loss, y, dropped, dx, dg, dw1, dw2)"
+  assert all(v < TOL for v in errs.values()), errs
+  assert fused_run.aliased == fused_run.buffers
+
+
 def check_repeats(mesh, calls, seed=5):
   """``calls`` consecutive jitted forward calls, each into a freshly poisoned output: all bitwise identical to the
   first, which is within TOL of the reference."""

@@ -70,6 +70,18 @@ def test_bfloat16_within_tolerance(kind):
   layer_checks.check_layer(mesh_of(4), kind, seed=3)
 
 
+def test_dispatch_pushers_on_cpu_keeps_two_calls():
+  # CallConfig(dispatch_pushers=2) fuses the dispatch and GEMM1 on Hopper GPUs only; on CPU devices the layer runs as
+  # before and gives the same bits (tests/gpu/test_gpu_layer.py runs the same check where it fuses).
+  layer_checks.check_dispatch_gemm(mesh_of(4))
+
+
+def test_call_config_rejects_bad_dispatch_pushers():
+  for bad in (-1, 1.5, True, "2"):
+    with pytest.raises(ValueError, match="dispatch_pushers"):
+      jmo.CallConfig(dispatch_pushers=bad)
+
+
 def test_two_expert_groups_on_a_2x2_mesh():
   # A (data, expert) mesh: two independent expert groups of 2 ranks, each with its own workspace group.
   devs = np.array(jax.devices("cpu")[:4]).reshape(2, 2)

@@ -35,6 +35,29 @@ auto BindDispatch(Binding b) {
                            .template Ret<ffi::AnyBuffer>());
 }
 
+// dispatch_gemm(src [S, D] bf16, slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1: dropped),
+//               recv_rows_expected [], seg_rows [E_local, R], seg_ret_off [E_local, R], w [E_local, D, N] bf16,
+//               group [], rank []) -> recv [cap, D] bf16, a [cap, N] float32 = recv[segment] @ w[expert]
+// Attributes: those of every call, then pushers (int32: CTAs that push, the others run the GEMM). CUDA (Hopper) only:
+// the dispatch and GEMM1 in one launch, GEMM1's tiles of a source starting once its rows are in.
+template <typename Binding>
+auto BindDispatchGemm(Binding b) {
+  namespace ffi = xla::ffi;
+  return BindCallAttrs(std::move(b).template Arg<ffi::AnyBuffer>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::AnyBuffer>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Ret<ffi::AnyBuffer>()
+                           .template Ret<ffi::Buffer<ffi::F32>>())
+      .template Attr<int32_t>("pushers");
+}
+
 // expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), gates [T, k] f32,
 //                seg_rows [E_local, R], seg_ret_off [E_local, R], slot_ret_row [T*k] (-1: dropped),
 //                ret_rows_expected [], group [], rank [])

@@ -50,6 +50,33 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
                         out->untyped_data(), shape->cap));
 }
 
+ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src,
+                            ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
+                            ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
+                            ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> a, int64_t workspace,
+                            int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t pushers) {
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+  if (shape.has_error()) return shape.error();
+  auto wd = w.dimensions();
+  auto ad = a->dimensions();
+  if (shape->dtype != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
+    return InvalidCall("dispatch_gemm: src and w must be bfloat16");
+  if (wd.size() != 3 || wd[1] != shape->D || ad.size() != 2 || ad[0] != shape->cap || ad[1] != wd[2])
+    return InvalidCall("dispatch_gemm: w must be [E_local, D, N] and a [cap, N] with D = src's row width");
+  auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
+  if (c.has_error()) return c.error();
+  const int64_t E_l = wd[0];
+  if (seg_rows.element_count() != E_l * c.value().ws->ranks() || seg_ret_off.element_count() != seg_rows.element_count())
+    return InvalidCall("dispatch_gemm: seg_rows and seg_ret_off must be [E_local, R] with R = workspace ranks");
+  return ToFfi(DispatchGemm(c.value(), src.untyped_data(), shape->S, shape->D, slot_src_row.typed_data(),
+                            slot_dest_rank.typed_data(), slot_dest_row.typed_data(), shape->P,
+                            recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(), E_l,
+                            w.untyped_data(), wd[2], group_op.typed_data(), rank_op.typed_data(),
+                            out->untyped_data(), a->typed_data(), shape->cap, pushers));
+}
+
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::S32> seg_rows,
                              ffi::Buffer<ffi::S32> seg_ret_off, ffi::Buffer<ffi::S32> slot_ret_row,
@@ -85,6 +112,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCuda, jmo::cuda::DispatchImpl,
                               jmo::BindDispatch(ffi::Ffi::Bind()
                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                     .Ctx<ffi::DeviceOrdinal>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchGemmCuda, jmo::cuda::DispatchGemmImpl,
+                              jmo::BindDispatchGemm(ffi::Ffi::Bind()
+                                                        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                        .Ctx<ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCuda, jmo::cuda::ExpertCombineImpl,
                               jmo::BindExpertCombine(ffi::Ffi::Bind()

@@ -244,6 +244,33 @@ __device__ void LoadCallState(const RankDev& rd, CallState* s) {
 // ---------------------------------------------------------------------------------------------------------------
 // dispatch
 
+enum PushWhich { kPushAll = 0, kPushLocal = 1, kPushRemote = 2 };
+
+// Step 2 of dispatch for slots p = first, first + stride, ... (one warp each; `first` differs per warp): the row
+// src[src_row[p]] into peer dst_rank[p]'s recv row dst_row[p] with 16-byte stores, counted into sent[d] (shared).
+// `which` picks the destinations this pass moves (the rank itself, the others, or all); invalid slots are reported
+// by the pass that would move them to another rank.
+__device__ void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes, const int32_t* src_row,
+                         const int32_t* dst_rank, const int32_t* dst_row, int64_t P, int64_t cap, PushWhich which,
+                         int64_t first, int64_t stride, unsigned* sent) {
+  const int lane = threadIdx.x % 32, R = rd.ranks;
+  for (int64_t p = first; p < P; p += stride) {
+    const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
+    if (which != kPushAll && (d == rd.rank) != (which == kPushLocal)) continue;
+    if (d == -1) {
+      if (lane == 0) ReportBadInput(rd, kBadExpertId, p, sr, 0);
+      continue;
+    }
+    if (row < 0) continue;  // dropped by the capacity rule
+    if (d < 0 || d >= R || row >= cap || sr < 0 || sr >= S) {
+      if (lane == 0) ReportBadInput(rd, kBadRoute, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr), (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
+      continue;
+    }
+    CopyBytes(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane, 32);
+    if (lane == 0) atomicAdd(&sent[d], 1u);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* src, int64_t S, int64_t row_bytes,
                                                        const int32_t* src_row, const int32_t* dst_rank,
                                                        const int32_t* dst_row, int64_t P, int64_t cap) {
@@ -261,22 +288,9 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
   __syncthreads();
   if (!st.ok) return;
-  // Step 2: one warp per routed row, 16-byte stores straight into the destination's recv row.
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  for (int64_t p = (int64_t)blockIdx.x * warps + warp; p < P; p += (int64_t)gridDim.x * warps) {
-    const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
-    if (d == -1) {
-      if (lane == 0) ReportBadInput(rd, kBadExpertId, p, sr, 0);
-      continue;
-    }
-    if (row < 0) continue;  // dropped by the capacity rule
-    if (d < 0 || d >= R || row >= cap || sr < 0 || sr >= S) {
-      if (lane == 0) ReportBadInput(rd, kBadRoute, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr), (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
-      continue;
-    }
-    CopyBytes(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane, 32);
-    if (lane == 0) atomicAdd(&sent[d], 1u);
-  }
+  const int warps = blockDim.x / 32;
+  PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll, (int64_t)blockIdx.x * warps + threadIdx.x / 32,
+           (int64_t)gridDim.x * warps, sent);
   __threadfence_system();
   __syncthreads();
   // Then release-add the rows to each destination's arrival counter.
@@ -723,6 +737,140 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// dispatch_gemm: the dispatch and GEMM1 in one launch, so that GEMM1 runs while the tokens are still in flight (the
+// dispatch-side producer / consumer; expert_combine is the return side). Roles by block index, one CTA per SM as in
+// ExpertKernel (the same co-residency argument: every CTA of every rank is resident, so the waits below end):
+//   pushers  CTAs [0, pushers): this rank's rows to their experts' ranks, first those it keeps (its own recv, the
+//            quickest), then the others'; each CTA release-adds what it moved per destination into the destination's
+//            src_arrivals[rank] and recv_arrivals.
+//   GEMM1    CTAs [pushers, grid): the grouped GEMM over recv's (expert, source) segments, A read by TMA straight from
+//            the workspace's recv rows, the rank's own segments first, then the other sources'; the TMA thread waits
+//            for a segment's source to have pushed all its rows (src_arrivals) before the tile's first load.
+// a [cap, N] float32 = recv[segment] @ w[expert] on every kept row, zero on the rows past them. The call then ends as
+// a dispatch does (RecvKernel copies recv to x_recv, EndKernel frees recv for the next call); the last GEMM1 CTA
+// advances src_expected.
+struct DispatchGemmArgs {
+  const char* src;       // x [S, K] bf16 (row_bytes = K * 2)
+  int64_t S, row_bytes;
+  const int32_t *src_row, *dst_rank, *dst_row;  // the dispatch plan's slots [P]
+  int64_t P, cap;
+  const int32_t *seg_rows, *seg_ret_off;  // [E_l * R] rows this rank receives per (expert, source) (and, unused
+                                          // here but validated as in expert_combine, where their outputs return)
+  int E_l, pushers;
+  int64_t K, N;
+  float* a;              // [cap, N]
+};
+
+__global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
+    DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
+                       const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ CallState st;
+  __shared__ unsigned sent[kMaxRanks];
+  __shared__ int32_t tile_prefix[kMaxSegments + 1];
+  __shared__ SegTable table;
+  __shared__ TableScratch scratch;
+  LoadCallState(rd, &st);
+  if (!st.ok) return;
+  const int R = rd.ranks;
+  RankControl* self = View(rd, rd.rank).control();
+
+  if ((int)blockIdx.x < g.pushers) {
+    if (threadIdx.x == 0) {  // step 1: every destination has finished reading call epoch - 1
+      for (int i = 1; i <= R && st.ok; ++i) {
+        const int d = (rd.rank + i) % R;
+        st.ok = WaitAtLeast(rd, &View(rd, d).control()->done_epoch.value, 0, st.epoch - 1, d, kStagePeerReady);
+      }
+    }
+    if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
+    __syncthreads();
+    if (!st.ok) return;
+    const int warps = blockDim.x / 32;
+    const int64_t first = (int64_t)blockIdx.x * warps + threadIdx.x / 32, stride = (int64_t)g.pushers * warps;
+    for (PushWhich which : {kPushLocal, kPushRemote}) {
+      PushRows(rd, g.src, g.S, g.row_bytes, g.src_row, g.dst_rank, g.dst_row, g.P, g.cap, which, first, stride, sent);
+      __threadfence_system();
+      __syncthreads();
+      for (int d = threadIdx.x; d < R; d += blockDim.x) {
+        const bool mine = which == kPushLocal ? d == rd.rank : d != rd.rank;
+        if (mine && sent[d] > 0) {
+          AddReleaseSys(&View(rd, d).control()->src_arrivals.rows[rd.rank], sent[d]);
+          AddReleaseSys(&View(rd, d).control()->recv_arrivals.value, sent[d]);
+        }
+      }
+    }
+    return;
+  }
+
+  // GEMM1. The segment table in SegmentBefore order puts the remote segments first; this loop starts at the first
+  // local tile instead (rotated), since the rank's own rows arrive first.
+  if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
+  const int pid = blockIdx.x - g.pushers, np = gridDim.x - g.pushers;
+  const int col_tiles = (int)((g.N + kWgBN - 1) / kWgBN);
+  {
+    const int i = threadIdx.x;
+    const int64_t tiles = i < table.n ? (int64_t)((table.seg[i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
+    int64_t total = 0;
+    const int64_t incl = BlockInclusiveScan(tiles, scratch.warp_sums, &total);
+    if (i < table.n) tile_prefix[i] = (int32_t)(incl - tiles);
+    if (i == 0) tile_prefix[table.n] = (int32_t)total;
+    __syncthreads();
+  }
+  const int total_tiles = tile_prefix[table.n], remote_tiles = tile_prefix[table.remote_segs];
+  // Rows past the kept ones (recv is packed from row 0) are zero, as the bare grouped GEMM leaves them.
+  int64_t kept_rows = 0;
+  for (int s = 0; s < R; ++s) kept_rows += scratch.rows_to_rank[s];
+  for (int64_t e = kept_rows * g.N + ((int64_t)pid * blockDim.x + threadIdx.x) * 4; e < g.cap * g.N;
+       e += (int64_t)np * blockDim.x * 4)
+    *reinterpret_cast<float4*>(g.a + e) = make_float4(0.f, 0.f, 0.f, 0.f);  // (N % 64 == 0: whole float4s)
+  struct DgTile : wgmma_gemm::WgmmaTile {
+    int src;  // the source rank of the tile's rows
+  };
+  auto tile_of = [&](int i) {
+    const int j = total_tiles > 0 ? (i + remote_tiles) % total_tiles : 0;  // the local tiles first
+    int lo = 0, hi = table.n - 1;  // the segment holding tile j: last lo with tile_prefix[lo] <= j
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_prefix[mid] <= j) lo = mid; else hi = mid - 1;
+    }
+    const Segment& s = table.seg[lo];
+    const int local = j - tile_prefix[lo], mt = local / col_tiles;
+    DgTile t;
+    t.a_row = s.recv_off + mt * kWgBM;
+    t.b_idx = s.expert;
+    t.n0 = (local % col_tiles) * kWgBN;
+    t.rows = min(kWgBM, s.rows - mt * kWgBM);
+    t.cols = (int)min((int64_t)kWgBN, g.N - t.n0);
+    t.out = g.a + (int64_t)t.a_row * g.N + t.n0;
+    t.ldc = g.N;
+    t.publish = 0;
+    t.src = s.src;
+    return t;
+  };
+  // The TMA thread's wait for a tile's source, once per source (a source's count only grows during the call).
+  uint32_t sources_in = 0;
+  static_assert(kMaxRanks <= 32, "sources_in holds one bit per rank");
+  auto tile_wait = [&](const DgTile& t) {
+    if ((sources_in >> t.src) & 1u) return;
+    const uint64_t base = LoadVolatile(&self->src_expected.rows[t.src]);  // (written by this rank only)
+    // On failure the call is failed (the error names source and counts); the loop runs on rather than hang.
+    if (WaitAtLeast(rd, &self->src_arrivals.rows[t.src], base, (uint64_t)scratch.rows_to_rank[t.src], t.src,
+                    kStageRecvArrivals))
+      sources_in |= 1u << t.src;
+    wgmma_gemm::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
+  };
+  wgmma_gemm::WgmmaTileLoop<1, true>(a_map, b_map, (int)g.K, pid, np, total_tiles, tile_of, wgmma_gemm::NoTileDone{},
+                                     smem, tile_wait);
+  // The last GEMM1 CTA to finish accounts this call's rows per source (read by the next call's waits).
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) != (unsigned long long)(np - 1)) return;
+  for (int s = 0; s < R; ++s)
+    *reinterpret_cast<volatile uint64_t*>(&self->src_expected.rows[s]) =
+        LoadVolatile(&self->src_expected.rows[s]) + (uint64_t)scratch.rows_to_rank[s];
+}
+
 // The decision microbenchmark: one CTA builds the table as ExpertKernel does, then runs the choice `iters` times.
 // out[0] = table build ns, out[1] = ns of `iters` decisions, out[2] = the choice.
 __global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, const int32_t* seg_rows,
@@ -1041,6 +1189,76 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
                                               slot_dest_rank, slot_dest_row, P, cap);
   if (!(s = LaunchError("launch of PushKernel")).ok()) return s;
   RecvKernel<<<grid, kThreads, 0, c.stream>>>(rd, recv_expected, static_cast<char*>(out), cap, row_bytes);
+  if (!(s = LaunchError("launch of RecvKernel")).ok()) return s;
+  EndKernel<<<1, 1, 0, c.stream>>>(rd, recv_expected, 0);
+  return LaunchError("launch of EndKernel");
+}
+
+// dispatch_gemm (see DispatchGemmKernel): Begin, the fused kernel, then the end of a dispatch (RecvKernel copies recv
+// into x_recv; EndKernel frees recv for the peers' next call).
+Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
+                    const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P,
+                    const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
+                    const void* w, int64_t N, const int32_t* group_op, const int32_t* rank_op, void* x_recv, float* a,
+                    int64_t cap, int pushers) {
+  const int64_t row_bytes = D * 2;
+  Status s = BeginCall(c, "dispatch_gemm", group_op, rank_op);
+  if (!s.ok()) return s;
+  Workspace& ws = *c.ws;
+  const int R = ws.ranks();
+  const int budget = ws.budget(c.group, c.rank);
+  std::string bad;
+  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows)
+    bad = "dispatch_gemm: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
+          " but the workspace holds " + std::to_string(ws.sizes().row_bytes) + " B x " +
+          std::to_string(ws.sizes().recv_rows);
+  else if (E_l * R > kMaxSegments)
+    bad = "dispatch_gemm: " + std::to_string(E_l * R) + " segments (local experts x ranks) exceed the CUDA kernels' " +
+          std::to_string(kMaxSegments);
+  else if (!WgmmaProducerApplies(DType::kBF16, D, N, false, src, w))
+    bad = "dispatch_gemm: needs the wgmma engine (a Hopper GPU, bfloat16, d_model and N multiples of 64; got " +
+          std::to_string(D) + ", " + std::to_string(N) + ")";
+  else if (pushers < 1 || pushers > budget - 1)
+    bad = "dispatch_gemm: pushers=" + std::to_string(pushers) + " but rank " + std::to_string(c.rank) +
+          " has an SM budget of " + std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
+  if (!bad.empty()) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
+  }
+  const RankDev rd = ws.Dev(c.group, c.rank);
+  const int dev = ws.device(c.group, c.rank);
+  // producers_done counts the finished GEMM1 CTAs of this call (the last one accounts src_expected).
+  if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
+                       "cudaMemsetAsync(band counters)")).ok())
+    return s;
+  CUtensorMap a_map, b_map;  // A: this rank's recv rows in the workspace, where the peers' pushes land
+  if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(RankView{rd.peers.base[c.rank], rd.layout}.recv(), cap, D, w, E_l, N, /*b_k_major=*/false,
+                                                  &a_map, &b_map),
+                       "tensor maps of dispatch_gemm")).ok())
+    return s;
+  {
+    static std::mutex mu;
+    static bool prepared[64] = {false};
+    std::lock_guard<std::mutex> lock(mu);
+    if (dev < 0 || dev >= 64) return Status::Error(kInternal, "jax_moe_overlap: device ordinal out of range");
+    if (!prepared[dev]) {
+      DeviceInfo info;
+      if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
+      const int bytes = std::max(wgmma_gemm::kLoopSmemBytes, info.smem_per_sm / 2 + 1);  // one CTA per SM
+      if (!(s = CudaStatus(wgmma_gemm::PrepareWgmmaKernel(reinterpret_cast<const void*>(DispatchGemmKernel), bytes),
+                           "PrepareWgmmaKernel(DispatchGemmKernel)")).ok())
+        return s;
+      prepared[dev] = true;
+    }
+  }
+  DeviceInfo info;
+  if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
+  const int smem = std::max(wgmma_gemm::kLoopSmemBytes, info.smem_per_sm / 2 + 1);
+  const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slot_src_row, slot_dest_rank,
+                              slot_dest_row, P, cap, seg_rows, seg_ret_off, (int)E_l, pushers, D, N, a};
+  DispatchGemmKernel<<<budget, wgmma_gemm::kThreads, smem, c.stream>>>(rd, args, a_map, b_map);
+  if (!(s = LaunchError("launch of DispatchGemmKernel")).ok()) return s;
+  RecvKernel<<<budget, kThreads, 0, c.stream>>>(rd, recv_expected, static_cast<char*>(x_recv), cap, row_bytes);
   if (!(s = LaunchError("launch of RecvKernel")).ok()) return s;
   EndKernel<<<1, 1, 0, c.stream>>>(rd, recv_expected, 0);
   return LaunchError("launch of EndKernel");

@@ -43,6 +43,16 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
                 const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P, const int32_t* recv_expected,
                 const int32_t* group_op, const int32_t* rank_op, void* out, int64_t cap);
 
+// dispatch_gemm: the dispatch (as Dispatch: x_recv [cap, D] out) and GEMM1 a [cap, N] float32 = x_recv[segment] @
+// w[expert] (w [E_l, D, N] bf16; rows past *recv_expected zero) in one launch, GEMM1's tiles of each source starting
+// once that source's rows have arrived. `pushers` CTAs push (1 .. SM budget - 1). Hopper and bf16 only (the wgmma
+// engine; an InvalidArgument error otherwise).
+Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
+                    const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P,
+                    const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
+                    const void* w, int64_t N, const int32_t* group_op, const int32_t* rank_op, void* x_recv, float* a,
+                    int64_t cap, int pushers);
+
 // expert_combine: producer = grouped GEMM lhs[segment] @ w[expert] over the (expert, source) segments in
 // SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;
 // consumer = C CTAs pushing each finished remote band to its source's ret rows (TMA bulk copies on sm_90); then

@@ -209,18 +209,19 @@ void* ToDevice(const V& v) {
 
 struct DeviceSet {  // one data set of one rank, on the device
   void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
-      *ret_expected;
+      *ret_expected, *w1 = nullptr;
 };
 
 struct Expected {  // host references of one data set of one rank
   std::vector<char> recv;     // [cap, D] bytes, exact
   std::vector<float> y;       // [T, N]
   std::vector<float> slot;    // [P, N]
+  std::vector<float> a;       // [cap, K]: dispatch_gemm's GEMM1 (zero past the kept rows)
 };
 
 struct Golden {
   bool have = false;
-  std::vector<char> recv, y, slot;
+  std::vector<char> recv, y, slot, a;
 };
 
 class Barrier {
@@ -308,10 +309,12 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
        << " iters=" << cfg.iters << " consumers=" << (cfg.consumers > 0 ? std::to_string(cfg.consumers)
                                                                       : std::string(cfg.has_model ? "model" : "fixed"));
   if (cfg.serialize) name << " serialized";
+  const bool dg = cfg.dispatch_gemm_pushers > 0;
+  if (dg) name << " dispatch_gemm pushers=" << cfg.dispatch_gemm_pushers;
   if (cfg.delay_rank >= 0) name << " delay_rank=" << cfg.delay_rank << " delay_us=" << cfg.delay_us;
   if (cfg.timeout_at >= 0) name << " forced_timeout_at=" << cfg.timeout_at;
   if (E % R != 0 || R < 1 || R > kMaxRanks || cfg.routing < 0 || cfg.routing > 4 || k > E ||
-      (cfg.routing == 4 && k > E / R)) {
+      (cfg.routing == 4 && k > E / R) || (dg && (f32 || D % 64 != 0 || K % 64 != 0))) {
     res.summary = "FAIL " + name.str() + ": bad config";
     return res;
   }
@@ -340,13 +343,14 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
       std::vector<RankPlan> plans = MakePlans(ids, R, T, k, E, cap_e);
       if (ds == 0)
         for (int r = 0; r < R; ++r) res.seg_rows.push_back(plans[r].seg_rows);
-      std::vector<HostRows> x(R), lhs(R), w(R);
+      std::vector<HostRows> x(R), lhs(R), w(R), w1(R);
       std::vector<std::vector<float>> gates(R);
       for (int r = 0; r < R; ++r) {
         x[r] = RandomRows(rng, (int64_t)T * D, 1.f, f32);
         lhs[r] = RandomRows(rng, (int64_t)plans[r].recv_rows * K, 1.f, f32);  // rows past recv_rows: never read
         lhs[r].bytes.resize((size_t)cap * K * eb, 0);
         w[r] = RandomRows(rng, (int64_t)E_l * K * N, 1.f / std::sqrt((float)K), f32);
+        if (dg) w1[r] = RandomRows(rng, (int64_t)E_l * D * K, 1.f / std::sqrt((float)D), f32);
         std::uniform_real_distribution<float> g(0.1f, 1.f);
         gates[r].resize(P);
         for (auto& v : gates[r]) v = g(rng);
@@ -369,9 +373,11 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         d.seg_ret_off = ToDevice(pl.seg_ret_off);
         d.ret_row = ToDevice(pl.slot_ret_row);
         d.ret_expected = ToDevice(std::vector<int32_t>{pl.ret_rows});
+        if (dg) d.w1 = ToDevice(w1[r].bytes);
         expect[ds][r].recv.assign((size_t)cap * D * eb, 0);
         expect[ds][r].y.assign((size_t)T * N, 0.f);
         expect[ds][r].slot.assign((size_t)P * N, 0.f);
+        if (dg) expect[ds][r].a.assign((size_t)cap * K, 0.f);
       }
       // References: dispatch rows (exact) and expert outputs in float32 from the dtype's values.
       std::vector<float> out(N);
@@ -382,6 +388,13 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
           if (row < 0) continue;
           std::memcpy(expect[ds][d].recv.data() + (size_t)row * D * eb,
                       x[s].bytes.data() + (size_t)pl.slot_src_row[p] * D * eb, (size_t)D * eb);
+          if (dg) {  // GEMM1 of the row at its expert's rank, in float32 from the bf16 values
+            const float* xr = x[s].f.data() + (size_t)pl.slot_src_row[p] * D;
+            const float* we = w1[d].f.data() + (size_t)pl.slot_expert[p] * D * K;
+            float* ar = expect[ds][d].a.data() + (size_t)row * K;
+            for (int kk = 0; kk < D; ++kk)
+              for (int n = 0; n < K; ++n) ar[n] += xr[kk] * we[(size_t)kk * K + n];
+          }
           if ((p / k) % stride != 0) continue;
           const int e = pl.slot_expert[p];
           std::fill(out.begin(), out.end(), 0.f);
@@ -404,8 +417,9 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
     // One stream, one thread per rank.
     std::vector<cudaStream_t> streams(R);
     for (auto& s : streams) LB_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    std::vector<void*> out_recv(R), out_y(R), out_slot(R), rank_op(R), group_op(R);
+    std::vector<void*> out_recv(R), out_y(R), out_slot(R), out_a(R, nullptr), rank_op(R), group_op(R);
     for (int r = 0; r < R; ++r) {
+      if (dg) LB_CHECK(cudaMalloc(&out_a[r], (size_t)cap * K * 4 + 16));
       LB_CHECK(cudaMalloc(&out_recv[r], (size_t)cap * D * eb + 16));
       LB_CHECK(cudaMalloc(&out_y[r], (size_t)T * N * eb + 16));
       LB_CHECK(cudaMalloc(&out_slot[r], (size_t)P * N * eb + 16));
@@ -532,9 +546,16 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         cudaStream_t stream = streams[r];
         CallSite site{ws.get(), 0, r, stream,
                       CallOptions{cfg.timeout_ms, cfg.delay_rank, cfg.delay_us, cfg.consumers, cfg.serialize}};
-        Pinned h_recv((size_t)cap * D * eb), h_y((size_t)T * N * eb), h_slot((size_t)P * N * eb);
+        Pinned h_recv((size_t)cap * D * eb), h_y((size_t)T * N * eb), h_slot((size_t)P * N * eb),
+            h_a(dg ? (size_t)cap * K * 4 : 0);
         const DType dt = f32 ? DType::kF32 : DType::kBF16;
         auto dispatch = [&](const CallSite& c, const DeviceSet& d) {
+          if (dg)
+            return DispatchGemm(c, d.x, T, D, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                                (const int32_t*)d.dest_row, P, (const int32_t*)d.recv_expected,
+                                (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l, d.w1, K,
+                                (const int32_t*)group_op[r], (const int32_t*)rank_op[r], out_recv[r],
+                                static_cast<float*>(out_a[r]), cap, cfg.dispatch_gemm_pushers);
           return Dispatch(c, dt, d.x, T, D, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                           (const int32_t*)d.dest_row, P, (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op[r], (const int32_t*)rank_op[r], out_recv[r], cap);
@@ -574,6 +595,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
           LB_CHECK(cudaMemsetAsync(out_recv[r], 0xFF, (size_t)cap * D * eb, stream));
           LB_CHECK(cudaMemsetAsync(out_y[r], 0xFF, (size_t)T * N * eb, stream));
           LB_CHECK(cudaMemsetAsync(out_slot[r], 0xFF, (size_t)P * N * eb, stream));
+          if (dg) LB_CHECK(cudaMemsetAsync(out_a[r], 0xFF, (size_t)cap * K * 4, stream));
           Status s = dispatch(site, d);
           if (!s.ok()) {
             fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + " dispatch: " + s.msg);
@@ -591,6 +613,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
           LB_CHECK(cudaMemcpyAsync(h_recv.p, out_recv[r], h_recv.n, cudaMemcpyDeviceToHost, stream));
           LB_CHECK(cudaMemcpyAsync(h_y.p, out_y[r], h_y.n, cudaMemcpyDeviceToHost, stream));
           LB_CHECK(cudaMemcpyAsync(h_slot.p, out_slot[r], h_slot.n, cudaMemcpyDeviceToHost, stream));
+          if (dg) LB_CHECK(cudaMemcpyAsync(h_a.p, out_a[r], h_a.n, cudaMemcpyDeviceToHost, stream));
           LB_CHECK(cudaStreamSynchronize(stream));
           Golden& g = golden[ds][r];
           if (!g.have) {
@@ -611,13 +634,28 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
               fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + ": expert_combine rel err y " +
                    std::to_string(ey) + ", slots " + std::to_string(es) + ", non-finite " + std::to_string(nonfinite) +
                    " (tolerance " + std::to_string(tol) + ")");
+            if (dg) {  // GEMM1: float32 accumulation of the same bf16 products; rows past the kept ones exactly zero
+              const float* got = reinterpret_cast<const float*>(h_a.p);
+              double num = 0, den = 0;
+              int64_t nonfinite_a = 0;
+              for (size_t i = 0; i < ex.a.size(); ++i) {
+                if (!std::isfinite(got[i])) ++nonfinite_a;
+                num = std::max(num, (double)std::abs(got[i] - ex.a[i]));
+                den = std::max(den, (double)std::abs(ex.a[i]));
+              }
+              const double ea = den > 0 ? num / den : num;
+              if (!(ea < 1e-4) || nonfinite_a)
+                fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + ": dispatch_gemm GEMM1 rel err " +
+                     std::to_string(ea) + ", non-finite " + std::to_string(nonfinite_a) + " (tolerance 1e-4)");
+              g.a = h_a.vec();
+            }
             g.recv = h_recv.vec();
             g.y = h_y.vec();
             g.slot = h_slot.vec();
             g.have = true;
           } else {
             ++bit_checks;
-            if (h_recv != g.recv || h_y != g.y || h_slot != g.slot)
+            if (h_recv != g.recv || h_y != g.y || h_slot != g.slot || (dg && h_a != g.a))
               fail("rank " + std::to_string(r) + " iter " + std::to_string(it) +
                    ": outputs differ from the first call on the same data (recv " +
                    std::to_string(h_recv != g.recv) + ", y " + std::to_string(h_y != g.y) + ", slots " +
@@ -720,6 +758,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
       cudaFree(out_recv[r]);
       cudaFree(out_y[r]);
       cudaFree(out_slot[r]);
+      if (out_a[r]) cudaFree(out_a[r]);
       cudaFree(rank_op[r]);
       cudaFree(group_op[r]);
       cudaStreamDestroy(streams[r]);

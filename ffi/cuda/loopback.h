@@ -54,6 +54,10 @@ struct LoopbackConfig {
   bool per_call_stats = false;  // synchronize after every timed call and read the device spans (else: the last call)
   int decision_iters = 0;       // > 0: also time the device-side choice (MeasureDecision) on rank 0's plan
   int check_tokens = 0;         // > 0: check the expert_combine reference on about this many tokens per rank only
+  // > 0: every dispatch is a dispatch_gemm (DispatchGemm) with this many pushing CTAs, GEMM1 a [cap, K] float32 =
+  // x_recv @ w1[expert] (w1 [E_l, D, K] bf16) checked against the host and bit for bit across repeated calls.
+  // bf16, D and K multiples of 64, a Hopper GPU.
+  int dispatch_gemm_pushers = 0;
 };
 
 // One timed variant of RunLoopback (one line of output per variant).

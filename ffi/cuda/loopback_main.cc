@@ -4,6 +4,7 @@
 //                                    a held-back rank, a forced timeout with recovery, 1000 consecutive iterations,
 //                                    w transposed (--transpose-rhs) on every producer engine
 //   jmo_loopback --suite resource    the device-side manager and the serialized mode (also part of full)
+//   jmo_loopback --suite dispatch-gemm   the dispatch and GEMM1 in one launch (dispatch_gemm), R = 1, 2, 4, 8
 //   jmo_loopback --suite small       a few one-rank calls at small sizes (for compute-sanitizer)
 //   jmo_loopback --suite small-mma   the same without the wgmma-producer cases (for racecheck: see Suite)
 //   jmo_loopback --ranks 4 --routing 1 --iters 100 ...   one case (see LoopbackConfig for the options)
@@ -131,6 +132,26 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
     resource.push_back(c);
   }
   if (name == "resource") return resource;
+  // dispatch_gemm: the dispatch and GEMM1 in one launch (bf16, D and K multiples of 64: the wgmma engine).
+  std::vector<LoopbackConfig> dispatch_gemm;
+  for (int R : {1, 2, 4, 8})
+    for (int routing : {0, 1, 2}) {
+      LoopbackConfig c = base;
+      c.ranks = R;
+      c.experts = 2 * R;
+      c.routing = routing;
+      c.d_model = 192;
+      c.k_dim = 128;
+      c.dispatch_gemm_pushers = R == 1 ? 1 : 2;
+      c.iters = 12;
+      dispatch_gemm.push_back(c);
+    }
+  {  // a forced timeout and recovery with the per-source waits
+    LoopbackConfig c = dispatch_gemm[3];
+    c.timeout_at = 5;
+    dispatch_gemm.push_back(c);
+  }
+  if (name == "dispatch-gemm") return dispatch_gemm;
   if (name != "full") {
     std::fprintf(stderr, "unknown suite %s\n", name.c_str());
     std::exit(2);
@@ -285,6 +306,7 @@ int main(int argc, char** argv) {
     else if (a == "--per-call-stats") base.per_call_stats = true;
     else if (a == "--decision-cost") base.decision_iters = std::atoi(next());
     else if (a == "--check-tokens") base.check_tokens = std::atoi(next());
+    else if (a == "--dispatch-gemm") base.dispatch_gemm_pushers = std::atoi(next());
     else if (a == "--copy-ceiling") copy_sizes = ParseList(next());
     else if (a == "--sweep-consumers") {
       for (double c : ParseList(next())) base.sweep.push_back((int)c);

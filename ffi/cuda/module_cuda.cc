@@ -24,6 +24,7 @@ void RegisterModule(nb::module_& m) {
     nb::dict d;
     d["jmo_dispatch"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchCuda));
     d["jmo_expert_combine"] = nb::capsule(reinterpret_cast<void*>(JmoExpertCombineCuda));
+    d["jmo_dispatch_gemm"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchGemmCuda));
     d["jmo_grouped_matmul"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulCuda));
     d["jmo_grouped_outer"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedOuterCuda));
     return d;

@@ -26,6 +26,7 @@
 namespace jmo::cuda {
 
 constexpr int kMaxRanks = 32;      // ranks of one group (the peer table is passed to kernels by value)
+static_assert(kMaxRanks <= kMaxSourceCounters, "a per-source arrival counter for every rank");
 constexpr int kMaxSegments = 256;  // E_local * R segments of one expert_combine call (kept in shared memory)
 constexpr int kThreads = 256;      // threads of every CTA
 

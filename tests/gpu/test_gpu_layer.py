@@ -57,6 +57,14 @@ def test_flax_module_forward_and_grads(R):
   checks.check_module(gpu_mesh(R), seed=100 * R + 3)
 
 
+@by_ranks
+def test_dispatch_gemm_equals_two_calls(R):
+  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
+  if cuda_workspace.device_info(gpu_devices()[0].local_hardware_id).compute_capability[0] != 9:
+    pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
+  checks.check_dispatch_gemm(gpu_mesh(R))
+
+
 @pytest.mark.parametrize("R", [R_ALL], ids=lambda r: f"R{r}")
 def test_1000_consecutive_calls_are_identical(R):
   checks.check_repeats(gpu_mesh(R), 1000)

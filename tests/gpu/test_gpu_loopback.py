@@ -51,6 +51,23 @@ def test_loopback_full_suite(binary):
   assert re.search(r"PASS R=2 .* dtype=f32 w=transposed .* producer simt fp32", proc.stdout)
 
 
+@pytest.mark.watchdog_s(300)  # the subprocess's own limit is 240 s
+def test_loopback_dispatch_gemm_suite(binary):
+  """dispatch_gemm (the dispatch and GEMM1 in one launch, GEMM1 tiles waiting per source): R = 1, 2, 4, 8 x three
+  routings, x_recv exact, GEMM1 against the host in float32, bit-identical repeats, and a forced timeout in a
+  per-source wait reported by the next call, then recovery. Hopper only (the wgmma engine)."""
+  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
+  from gpu_common import gpu_devices  # pylint: disable=g-import-not-at-top
+  if cuda_workspace.device_info(gpu_devices()[0].local_hardware_id).compute_capability[0] != 9:
+    pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
+  proc = _run([binary, "--suite", "dispatch-gemm"], timeout=240)
+  m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
+  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 13, proc.stdout[-4000:]
+  for r in (1, 2, 4, 8):
+    assert re.search(rf"PASS R={r} .* dispatch_gemm pushers=", proc.stdout), r
+  assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
+
+
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 @pytest.mark.watchdog_s(460)  # the subprocess's own limit is 400 s
 def test_compute_sanitizer(binary, tool):

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) warp-specialized persistent wgmma + TMA mainloop as a reusable device function.
 //
-//   WgmmaTileLoop<kTransB, kOutF32>(a_map, b_map, K, first, stride, count, tile_of, tile_done, smem)
+//   WgmmaTileLoop<kTransB, kOutF32>(a_map, b_map, K, first, stride, count, tile_of, tile_done, smem[, tile_wait])
 //
 // computes, for i = first, first + stride, ... < count, the output tile t = tile_of(i):
 //   out_t[r, c] = sum_k A[t.a_row + r, k] * B[t.b_idx][k, t.n0 + c]     r < t.rows, c < t.cols
@@ -43,6 +43,12 @@
 //   keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads (128..383) before the
 //   tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the entry __syncthreads()
 //   orders it for smem written by the CTA before the call).
+//
+// ---- tile_wait(tile) (optional) ---------------------------------------------------------------------------------
+//   Called by thread 0 (the TMA thread, 24 registers) with tile_of(i)'s value before the first TMA load of the
+//   tile: it may block until the tile's operands exist (dispatch_gemm: until the segment's source rank has pushed
+//   its rows). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
+//   it must end with fence.proxy.async.global after its acquire. It must return (bounded wait) even on failure.
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------
 //   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
@@ -124,6 +130,12 @@ struct NoTileDone {
   __device__ __forceinline__ void operator()(const T&) const {}
 };
 
+// tile_wait that does nothing (every operand is ready before the loop starts).
+struct NoTileWait {
+  template <class T>
+  __device__ __forceinline__ void operator()(const T&) const {}
+};
+
 // ------------------------------------------------------------------------------------------------------------
 // PTX wrappers (sm_90a only; __trap() elsewhere)
 // ------------------------------------------------------------------------------------------------------------
@@ -140,6 +152,16 @@ __device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void FenceProxyAsyncShared() {
 #if WGMMA_SM90A
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// Orders this thread's earlier generic-proxy accesses of global memory (an acquire of data other agents wrote) before
+// its later async-proxy ones (TMA loads of that data).
+__device__ __forceinline__ void FenceProxyAsyncGlobal() {
+#if WGMMA_SM90A
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 #else
   __trap();
 #endif
@@ -394,9 +416,10 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
 // ------------------------------------------------------------------------------------------------------------
 // The loop
 // ------------------------------------------------------------------------------------------------------------
-template <int kTransB, bool kOutF32, int kNumStages = kStages, class TileFn, class DoneFn>
+template <int kTransB, bool kOutF32, int kNumStages = kStages, class TileFn, class DoneFn, class WaitFn = NoTileWait>
 __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CUtensorMap& b_map, int K, int first,
-                                              int stride, int count, TileFn tile_of, DoneFn tile_done, char* smem) {
+                                              int stride, int count, TileFn tile_of, DoneFn tile_done, char* smem,
+                                              WaitFn tile_wait = {}) {
   static_assert(kNumStages >= 2, "at least two stages (one wgmma group is kept in flight)");
   constexpr bool kHasDone = !std::is_same<typename std::decay<DoneFn>::type, NoTileDone>::value;
   // 128B swizzle atoms must start 1024-aligned (the descriptor base offset field is left 0).
@@ -430,6 +453,7 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
       uint32_t phase = 0;
       for (int i = first; i < count; i += stride) {
         const auto tile = tile_of(i);
+        tile_wait(tile);  // (the TMA thread, before the tile's first load)
         const int a_row = tile.a_row, b_idx = tile.b_idx, n0 = tile.n0;
         for (int kt = 0; kt < ktiles; ++kt) {
           const uint32_t fb = SmemAddr(&full[stage]);

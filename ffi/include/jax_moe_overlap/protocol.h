@@ -18,6 +18,9 @@
 //   2. Store the rows, then release-add the row count to d.recv_arrivals (dispatch) or d.ret_arrivals (combine).
 //   3. Wait (acquire) until own arrivals >= own expected_* + expected rows of this call; advance expected_*.
 //   4. Read the rows into the XLA output, then release-store done_epoch = n.
+// dispatch_gemm (the dispatch and GEMM1 in one launch) refines steps 2-3 per source: each pushing CTA also
+// release-adds its rows for d into d.src_arrivals[r], and a GEMM1 tile of a segment from source s waits (acquire)
+// until src_arrivals[s] >= src_expected[s] + the rows s sends this call, instead of waiting for every row.
 // Rows a rank sends to itself follow the same steps with d = r: step 1 holds by stream order (the rank's own call
 // n-1 ended before call n began). On CUDA the producer of expert_combine stores a local segment's output tiles
 // straight into the rank's own ret rows and counts each finished band into its own ret_arrivals, so the consumer
@@ -100,6 +103,15 @@ struct alignas(kAlign) Word {
   uint64_t pad[kAlign / 8 - 1];
 };
 
+// Ranks whose dispatch_gemm rows are counted per source (the CUDA kernels' kMaxRanks).
+constexpr int kMaxSourceCounters = 32;
+
+// One counter per source rank, packed (pollers of different sources share lines; each source adds once per pushing
+// CTA, so there is little to contend on).
+struct alignas(kAlign) SourceCounters {
+  uint64_t rows[kMaxSourceCounters];
+};
+
 struct RankControl {
   Word calls;              // epochs started by this rank (written by this rank only)
   Word done_epoch;         // last epoch whose reads this rank has finished (read by peers before they write)
@@ -107,6 +119,11 @@ struct RankControl {
   Word recv_expected;      // rows this rank has consumed from recv, all calls together
   Word ret_arrivals;       // rows that peers have pushed into ret, all calls together
   Word ret_expected;       // rows this rank has consumed from ret, all calls together
+  // dispatch_gemm (CUDA): its pushes also count into src_arrivals[source] (and recv_arrivals, so that the call ends
+  // like a dispatch), so GEMM1 tiles of source s start once s's rows are all in; src_expected[s] is what this rank's
+  // earlier dispatch_gemm calls consumed from s (written by this rank only).
+  SourceCounters src_arrivals;
+  SourceCounters src_expected;
 };
 
 // Sizes of one rank's workspace; identical on every rank (the workspace is symmetric).
