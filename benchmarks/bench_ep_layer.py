@@ -15,6 +15,9 @@ xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_loca
                 per local expert, all_to_all back, combine. C = T_local (dropless worst case) unless
                 --capacity-factor (a number: ceil(cf T_local k / E); 'fit': the largest (rank, expert) count of these
                 inputs, so nothing drops).
+ours_dg         (with --dispatch-pushers P > 0) ours with CallConfig(dispatch_pushers=P): the dispatch and GEMM1 in one
+                dispatch_gemm call (Hopper, bf16), GEMM1's tiles of each source starting once its rows are in, so the
+                dispatch overlaps GEMM1 as the return overlaps GEMM2 (on CPU it runs as ours).
 serialized      ours with CallConfig(serialize=True): expert_combine's consumer starts pushing only after the producer
                 has finished the whole GEMM (every expert_combine of the pass: GEMM2 forward, dx backward). Same
                 kernels, same results, no overlap: the baseline the overlap is measured against.
@@ -710,10 +713,12 @@ def compile_error(fn, args) -> str | None:
 
 
 def implementations(mesh, ids_np, shape: Shape, args, capacity_factor, ragged_buffer: str, itemsize: int,
-                    max_dense_gib: float):
+                    max_dense_gib: float, dispatch_pushers: int = 0):
   """{name: (fn on global arrays, None) or (None, reason it is skipped)}; check-only entries end in '[emulated]'."""
   R = mesh.shape[AXIS]
   impls = {"ours": (ours_layer(mesh), None), "serialized": (ours_layer(mesh, jmo.CallConfig(serialize=True)), None)}
+  if dispatch_pushers > 0:
+    impls["ours_dg"] = (ours_layer(mesh, jmo.CallConfig(dispatch_pushers=dispatch_pushers)), None)
   rows = max(ragged_recv_rows(i, R, shape.experts, ragged_buffer) for i in ids_np)
   grouped = {"xla_ragged": jax.lax.ragged_dot}
   tokamax_fn, why = common.tokamax_ragged_dot()
@@ -762,6 +767,8 @@ def parse_args(argv=None):
                   help="receive rows of the ragged paths: the most any rank gets for these inputs (x128), or "
                        "every slot of the group")
   ap.add_argument("--max-dense-gib", type=float, default=48.0)
+  ap.add_argument("--dispatch-pushers", type=int, default=0,
+                  help="> 0: also run ours_dg, ours with CallConfig(dispatch_pushers=this) (dispatch + GEMM1 fused)")
   ap.add_argument("--rtol", type=float, default=None, help="default 1e-2 (bfloat16) / 1e-4 (float32)")
   ap.add_argument("--check-only", action="store_true", help="correctness checks, no timing")
   ap.add_argument("--max-call-s", type=float, default=None,
@@ -769,7 +776,7 @@ def parse_args(argv=None):
                        "time-limited sweep going past a pathologically slow one (reported as skipped, with the time)")
   ap.add_argument("--out", default="ep_layer.jsonl")
   a = ap.parse_args(argv)
-  known = {"ours", "xla_ragged", "tokamax_ragged", "xla_dense_a2a", "serialized", "ideal"}
+  known = {"ours", "xla_ragged", "tokamax_ragged", "xla_dense_a2a", "serialized", "ideal", "ours_dg"}
   if a.impls and set(a.impls.split(",")) - known:
     ap.error(f"--impls: unknown {sorted(set(a.impls.split(',')) - known)}; known: {sorted(known)}")
   if set(a.passes.split(",")) - {"fwd", "fwd+bwd"}:
@@ -904,7 +911,7 @@ def run(args, *, timing: bool = True, table: common.Table | None = None):
     sets = [make_inputs(shape, R, dtype, seed, mesh) for seed in range(2)]
     arg_sets, ids_np = [s[0] for s in sets], [s[1] for s in sets]
     impls, sizes = implementations(mesh, ids_np, shape, arg_sets[0], args.capacity_factor, args.ragged_buffer,
-                                   itemsize, args.max_dense_gib)
+                                   itemsize, args.max_dense_gib, args.dispatch_pushers)
     fwd_bytes = 2 * T * shape.k * shape.d * itemsize        # dispatch + return all-to-all, logical payload
     print(f"\n{shape} R={R} T_global={T}: {sizes} (started at {time.strftime('%H:%M:%S')})")
     for pname in args.passes.split(","):

@@ -42,6 +42,15 @@ def test_ragged_skipped_on_cpu_with_reason(rows, pass_):
   assert "ragged_all_to_all" in r["check"] and "cpu" in r["check"], r
 
 
+def test_dispatch_pushers_adds_ours_dg():
+  # ours with CallConfig(dispatch_pushers=...) (on CPU the unfused layer): checked like every implementation.
+  args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--check-only", "--passes", "fwd",
+                                    "--impls", "ours_dg", "--dispatch-pushers", "2"])
+  got = {r["impl"]: r for r in bench_ep_layer.run(args, timing=False).rows}
+  assert got["ours_dg"]["check"].startswith("ok "), got["ours_dg"]
+  assert "ours" in got
+
+
 def test_wrong_code_is_excluded_and_slow_code_skipped(monkeypatch):
   """A layer that disagrees with the reference is reported as excluded, never timed; one whose checked call took
   longer than --max-call-s as skipped, with its check."""
