@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/workspace_cuda.h"
 
@@ -209,7 +210,7 @@ void* ToDevice(const V& v) {
 
 struct DeviceSet {  // one data set of one rank, on the device
   void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
-      *ret_expected, *w1 = nullptr;
+      *ret_expected, *w1 = nullptr, *expert_rows = nullptr;  // (w1, expert_rows: dispatch_gemm only)
 };
 
 struct Expected {  // host references of one data set of one rank
@@ -217,6 +218,7 @@ struct Expected {  // host references of one data set of one rank
   std::vector<float> y;       // [T, N]
   std::vector<float> slot;    // [P, N]
   std::vector<float> a;       // [cap, K]: dispatch_gemm's GEMM1 (zero past the kept rows)
+  std::vector<char> a_unchecked;  // [cap]: 1 = a kept row whose reference was not computed (check_tokens)
 };
 
 struct Golden {
@@ -373,11 +375,20 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         d.seg_ret_off = ToDevice(pl.seg_ret_off);
         d.ret_row = ToDevice(pl.slot_ret_row);
         d.ret_expected = ToDevice(std::vector<int32_t>{pl.ret_rows});
-        if (dg) d.w1 = ToDevice(w1[r].bytes);
+        if (dg) {
+          d.w1 = ToDevice(w1[r].bytes);
+          std::vector<int32_t> er(E_l, 0);  // GEMM1's group sizes: rows per local expert over all sources
+          for (int e = 0; e < E_l; ++e)
+            for (int s = 0; s < R; ++s) er[e] += pl.seg_rows[(size_t)e * R + s];
+          d.expert_rows = ToDevice(er);
+        }
         expect[ds][r].recv.assign((size_t)cap * D * eb, 0);
         expect[ds][r].y.assign((size_t)T * N, 0.f);
         expect[ds][r].slot.assign((size_t)P * N, 0.f);
-        if (dg) expect[ds][r].a.assign((size_t)cap * K, 0.f);
+        if (dg) {
+          expect[ds][r].a.assign((size_t)cap * K, 0.f);
+          expect[ds][r].a_unchecked.assign((size_t)cap, 0);
+        }
       }
       // References: dispatch rows (exact) and expert outputs in float32 from the dtype's values.
       std::vector<float> out(N);
@@ -388,7 +399,8 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
           if (row < 0) continue;
           std::memcpy(expect[ds][d].recv.data() + (size_t)row * D * eb,
                       x[s].bytes.data() + (size_t)pl.slot_src_row[p] * D * eb, (size_t)D * eb);
-          if (dg) {  // GEMM1 of the row at its expert's rank, in float32 from the bf16 values
+          if (dg && (p / k) % stride != 0) expect[ds][d].a_unchecked[row] = 1;
+          if (dg && (p / k) % stride == 0) {  // GEMM1 of the row at its expert's rank, in float32 from the bf16 values
             const float* xr = x[s].f.data() + (size_t)pl.slot_src_row[p] * D;
             const float* we = w1[d].f.data() + (size_t)pl.slot_expert[p] * D * K;
             float* ar = expect[ds][d].a.data() + (size_t)row * K;
@@ -417,9 +429,14 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
     // One stream, one thread per rank.
     std::vector<cudaStream_t> streams(R);
     for (auto& s : streams) LB_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    std::vector<void*> out_recv(R), out_y(R), out_slot(R), out_a(R, nullptr), rank_op(R), group_op(R);
+    std::vector<void*> out_recv(R), out_y(R), out_slot(R), out_a(R, nullptr), out_recv2(R, nullptr), out_a2(R, nullptr),
+        rank_op(R), group_op(R);
     for (int r = 0; r < R; ++r) {
-      if (dg) LB_CHECK(cudaMalloc(&out_a[r], (size_t)cap * K * 4 + 16));
+      if (dg) {  // out_*2: the same dispatch and GEMM1 as two calls (Dispatch, GroupedMatmul), for comparison
+        LB_CHECK(cudaMalloc(&out_a[r], (size_t)cap * K * 4 + 16));
+        LB_CHECK(cudaMalloc(&out_a2[r], (size_t)cap * K * 4 + 16));
+        LB_CHECK(cudaMalloc(&out_recv2[r], (size_t)cap * D * eb + 16));
+      }
       LB_CHECK(cudaMalloc(&out_recv[r], (size_t)cap * D * eb + 16));
       LB_CHECK(cudaMalloc(&out_y[r], (size_t)T * N * eb + 16));
       LB_CHECK(cudaMalloc(&out_slot[r], (size_t)P * N * eb + 16));
@@ -540,6 +557,8 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
       for (auto& e : ev) cudaEventDestroy(e);
     };
 
+    std::vector<std::vector<double>> dg_us[2] = {std::vector<std::vector<double>>(R),
+                                                 std::vector<std::vector<double>>(R)};  // [two calls, fused][rank]
     auto rank_main = [&](int r) {
       try {
         LB_CHECK(cudaSetDevice(cfg.device));
@@ -549,6 +568,14 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         Pinned h_recv((size_t)cap * D * eb), h_y((size_t)T * N * eb), h_slot((size_t)P * N * eb),
             h_a(dg ? (size_t)cap * K * 4 : 0);
         const DType dt = f32 ? DType::kF32 : DType::kBF16;
+        auto dispatch_two_calls = [&](const CallSite& c, const DeviceSet& d) {
+          Status s = Dispatch(c, dt, d.x, T, D, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                              (const int32_t*)d.dest_row, P, (const int32_t*)d.recv_expected,
+                              (const int32_t*)group_op[r], (const int32_t*)rank_op[r], out_recv2[r], cap);
+          if (!s.ok()) return s;
+          return GroupedMatmul(c.stream, DType::kBF16, /*out_f32=*/true, out_recv2[r], cap, D, d.w1, E_l, K,
+                               /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2[r]);
+        };
         auto dispatch = [&](const CallSite& c, const DeviceSet& d) {
           if (dg)
             return DispatchGemm(c, d.x, T, D, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
@@ -640,6 +667,7 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
               int64_t nonfinite_a = 0;
               for (size_t i = 0; i < ex.a.size(); ++i) {
                 if (!std::isfinite(got[i])) ++nonfinite_a;
+                if (ex.a_unchecked[i / K]) continue;
                 num = std::max(num, (double)std::abs(got[i] - ex.a[i]));
                 den = std::max(den, (double)std::abs(ex.a[i]));
               }
@@ -648,6 +676,22 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
                 fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + ": dispatch_gemm GEMM1 rel err " +
                      std::to_string(ea) + ", non-finite " + std::to_string(nonfinite_a) + " (tolerance 1e-4)");
               g.a = h_a.vec();
+              // The same dispatch and GEMM1 as two calls (every rank makes them at this iteration, so they pair up):
+              // recv and GEMM1 must be the same bits.
+              Pinned h_a2(h_a.n), h_recv2(h_recv.n);
+              LB_CHECK(cudaMemsetAsync(out_a2[r], 0xFF, h_a2.n, stream));
+              Status s2 = dispatch_two_calls(site, d);
+              if (!s2.ok()) {
+                fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + " dispatch + GEMM1: " + s2.msg);
+              } else {
+                LB_CHECK(cudaMemcpyAsync(h_a2.p, out_a2[r], h_a2.n, cudaMemcpyDeviceToHost, stream));
+                LB_CHECK(cudaMemcpyAsync(h_recv2.p, out_recv2[r], h_recv2.n, cudaMemcpyDeviceToHost, stream));
+                LB_CHECK(cudaStreamSynchronize(stream));
+                if (h_a2 != g.a || h_recv2 != h_recv.vec())
+                  fail("rank " + std::to_string(r) + " iter " + std::to_string(it) + ": dispatch_gemm differs from "
+                       "dispatch + GroupedMatmul (recv " + std::to_string(h_recv2 != h_recv.vec()) + ", GEMM1 " +
+                       std::to_string(h_a2 != g.a) + ")");
+              }
             }
             g.recv = h_recv.vec();
             g.y = h_y.vec();
@@ -662,7 +706,32 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
                    std::to_string(h_slot != g.slot) + ")");
           }
         }
-        if (cfg.time && !stop) timed_phase(r, stream, site, h_y);
+        if (cfg.time && !stop && dg) {
+          // dispatch + GEMM1: as two calls, then as dispatch_gemm; back-to-back calls on data set 0.
+          const DeviceSet& d = dsets[0][r];
+          for (int v = 0; v < 2 && !stop; ++v) {
+            auto once = [&]() { return v == 0 ? dispatch_two_calls(site, d) : dispatch(site, d); };
+            std::vector<cudaEvent_t> ev(reps + 1);
+            for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
+            bool ok = true;
+            for (int i = 0; i < cfg.warmup && ok; ++i) ok = once().ok();
+            LB_CHECK(cudaEventRecord(ev[0], stream));
+            for (int i = 0; i < reps && ok; ++i) {
+              ok = once().ok();
+              LB_CHECK(cudaEventRecord(ev[i + 1], stream));
+            }
+            LB_CHECK(cudaStreamSynchronize(stream));
+            if (!ok) fail("rank " + std::to_string(r) + ": a timed dispatch + GEMM1 call failed");
+            for (int i = 0; i < reps && ok; ++i) {
+              float ms = 0;
+              LB_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+              dg_us[v][r].push_back(1000.0 * ms);
+            }
+            for (auto& e : ev) cudaEventDestroy(e);
+          }
+        } else if (cfg.time && !stop) {
+          timed_phase(r, stream, site, h_y);
+        }
       } catch (const std::exception& e) {
         fail("rank " + std::to_string(r) + ": " + e.what());
       }
@@ -758,7 +827,8 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
       cudaFree(out_recv[r]);
       cudaFree(out_y[r]);
       cudaFree(out_slot[r]);
-      if (out_a[r]) cudaFree(out_a[r]);
+      for (void* p : {out_a[r], out_a2[r], out_recv2[r]})
+        if (p) cudaFree(p);
       cudaFree(rank_op[r]);
       cudaFree(group_op[r]);
       cudaStreamDestroy(streams[r]);
@@ -766,14 +836,14 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
     for (auto& v : dsets)
       for (auto& d : v)
         for (void* p : {d.x, d.src_row, d.dest_rank, d.dest_row, d.recv_expected, d.lhs, d.w, d.gates, d.seg_rows,
-                        d.seg_ret_off, d.ret_row, d.ret_expected})
-          cudaFree(p);
+                        d.seg_ret_off, d.ret_row, d.ret_expected, d.w1, d.expert_rows})
+          if (p) cudaFree(p);
     ws.reset();
     LB_CHECK(cudaGetLastError());
     std::ostringstream sum;
     // A timed run must have recorded every rank's C: some C >= 1 exactly where the rank had rows to push.
-    bool chosen_ok = !cfg.time || (!variants.empty() && (int)variants.back().chosen.size() == R);
-    for (int r = 0; chosen_ok && cfg.time && r < R; ++r)
+    bool chosen_ok = !cfg.time || dg || (!variants.empty() && (int)variants.back().chosen.size() == R);
+    for (int r = 0; chosen_ok && cfg.time && !dg && r < R; ++r)
       chosen_ok = (variants.back().chosen[r] > 0) == (remote_rows[r] > 0);
     res.pass = failures == 0 && calls == (int64_t)2 * R * cfg.iters && chosen_ok;
     sum << (res.pass ? "PASS " : "FAIL ") << name.str() << " | calls " << calls << " | max rel err y " << ry
@@ -782,6 +852,19 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         << ProducerPath(f32 ? DType::kF32 : DType::kBF16, K, N, cfg.transpose_rhs, out_y[0], out_y[0]) << " | " << secs
         << " s";
     if (stride > 1) sum << " | expert outputs checked on every " << stride << "th token";
+    if (dg && cfg.time && !dg_us[0][0].empty() && !dg_us[1][0].empty()) {
+      // Per call: the slowest rank's interval (ranks pair up call by call); the median over calls.
+      auto median_of_max = [&](const std::vector<std::vector<double>>& us) {
+        std::vector<double> m(us[0].size(), 0);
+        for (const auto& u : us)
+          for (size_t i = 0; i < m.size() && i < u.size(); ++i) m[i] = std::max(m[i], u[i]);
+        std::sort(m.begin(), m.end());
+        return m[m.size() / 2];
+      };
+      const double two = median_of_max(dg_us[0]), fused = median_of_max(dg_us[1]);
+      sum << std::fixed << std::setprecision(1) << " | dispatch + GEMM1 per call: two calls " << two
+          << " us, dispatch_gemm " << fused << " us (" << std::setprecision(3) << two / fused << "x)";
+    }
     if (failures) sum << " | failures " << failures;
     res.summary = sum.str();
   } catch (const std::exception& e) {

@@ -5,6 +5,7 @@
 //                                    w transposed (--transpose-rhs) on every producer engine
 //   jmo_loopback --suite resource    the device-side manager and the serialized mode (also part of full)
 //   jmo_loopback --suite dispatch-gemm   the dispatch and GEMM1 in one launch (dispatch_gemm), R = 1, 2, 4, 8
+//   jmo_loopback --suite dispatch-gemm-time   dispatch + GEMM1 as two calls vs dispatch_gemm, timed (R = 2)
 //   jmo_loopback --suite small       a few one-rank calls at small sizes (for compute-sanitizer)
 //   jmo_loopback --suite small-mma   the same without the wgmma-producer cases (for racecheck: see Suite)
 //   jmo_loopback --ranks 4 --routing 1 --iters 100 ...   one case (see LoopbackConfig for the options)
@@ -152,6 +153,29 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
     dispatch_gemm.push_back(c);
   }
   if (name == "dispatch-gemm") return dispatch_gemm;
+  if (name == "dispatch-gemm-time") {
+    // Timing at a seed-like shape (R = 2 ranks sharing the GPU): dispatch + GEMM1 as two calls against dispatch_gemm
+    // with 4, 8, 16 pushing CTAs (of each rank's 66), after a checked call on every 64th token.
+    std::vector<LoopbackConfig> t;
+    for (int pushers : {4, 8, 16}) {
+      LoopbackConfig c = base;
+      c.ranks = 2;
+      c.experts = 8;
+      c.tokens = 4096;
+      c.d_model = 2048;
+      c.k_dim = 4096;  // GEMM1's N = 2F (F = 2048), and expert_combine's K
+      c.n_dim = 2048;
+      c.routing = 0;
+      c.datasets = 1;
+      c.iters = 2;
+      c.check_tokens = 64;
+      c.time = true;
+      c.reps = 20;
+      c.dispatch_gemm_pushers = pushers;
+      t.push_back(c);
+    }
+    return t;
+  }
   if (name != "full") {
     std::fprintf(stderr, "unknown suite %s\n", name.c_str());
     std::exit(2);
