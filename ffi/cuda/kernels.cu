@@ -542,13 +542,10 @@ struct WgTile : wgmma_gemm::WgmmaTile {
 
 static_assert(kMaxSegments <= wgmma_gemm::kThreads, "one thread per segment for the tile prefix scan");
 
-template <bool kTransB>
-__device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
-                             const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret, uint64_t* flags,
-                             int pid, int np, int32_t* tile_prefix, int64_t* warp_sums, char* smem) {
-  const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
-  // Tiles before each segment: one thread per segment and a block scan (kMaxSegments <= the CTA's threads), not one
-  // thread's loop over up to 256 segments with a division each (microseconds at kernel start, on every CTA).
+// tile_prefix[i] = wgmma tiles of the segments before segment i (tile_prefix[n] = all of them), col_tiles per 128-row
+// block: one thread per segment and a block scan (kMaxSegments <= the CTA's threads), not one thread's loop over up
+// to 256 segments with a division each (microseconds at kernel start, on every CTA). Every thread calls it.
+__device__ void WgmmaTilePrefix(const SegTable& table, int col_tiles, int32_t* tile_prefix, int64_t* warp_sums) {
   const int i = threadIdx.x;
   const int64_t tiles = i < table.n ? (int64_t)((table.seg[i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
   int64_t total = 0;
@@ -556,25 +553,48 @@ __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t 
   if (i < table.n) tile_prefix[i] = (int32_t)(incl - tiles);
   if (i == 0) tile_prefix[table.n] = (int32_t)total;
   __syncthreads();
+}
+
+// Wgmma tile j of the table (tiles in segment order, WgmmaTilePrefix): its segment, its 128-row block within the
+// segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the caller's.
+struct SegmentTile {
+  const Segment* s;
+  int mt;
+  wgmma_gemm::WgmmaTile t;
+};
+__device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const int32_t* tile_prefix, int col_tiles,
+                                                   int64_t N, int j) {
+  int lo = 0, hi = table.n - 1;  // the segment holding tile j: last lo with tile_prefix[lo] <= j
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_prefix[mid] <= j) lo = mid; else hi = mid - 1;
+  }
+  const Segment& s = table.seg[lo];
+  const int local = j - tile_prefix[lo], mt = local / col_tiles;
+  SegmentTile at{&s, mt, {}};
+  at.t.a_row = s.recv_off + mt * kWgBM;
+  at.t.b_idx = s.expert;
+  at.t.n0 = (local % col_tiles) * kWgBN;
+  at.t.rows = min(kWgBM, s.rows - mt * kWgBM);
+  at.t.cols = (int)min((int64_t)kWgBN, N - at.t.n0);
+  return at;
+}
+
+template <bool kTransB>
+__device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
+                             const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret, uint64_t* flags,
+                             int pid, int np, int32_t* tile_prefix, int64_t* warp_sums, char* smem) {
+  const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
+  WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
-    int lo = 0, hi = table.n - 1;  // the segment holding tile i: last lo with tile_prefix[lo] <= i
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_prefix[mid] <= i) lo = mid; else hi = mid - 1;
-    }
-    const Segment& s = table.seg[lo];
-    const int local = i - tile_prefix[lo], mt = local / col_tiles;
+    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i);
     WgTile t;
-    t.a_row = s.recv_off + mt * kWgBM;
-    t.b_idx = s.expert;
-    t.n0 = (local % col_tiles) * kWgBN;
-    t.rows = min(kWgBM, s.rows - mt * kWgBM);
-    t.cols = (int)min((int64_t)kWgBN, N - t.n0);
-    t.out = TileOut(rd, s, mt * kWgBM, t.n0, N, stage, ret);
+    static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
+    t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret);
     t.ldc = N;
-    t.flag = s.band_base + mt * (kWgBM / (int)kBandRows);
+    t.flag = at.s->band_base + at.mt * (kWgBM / (int)kBandRows);
     t.bands = (t.rows + (int)kBandRows - 1) / (int)kBandRows;
-    t.publish = s.src != rd.rank;  // local tiles: no fence, no barrier, no flag (CountLocalRows)
+    t.publish = at.s->src != rd.rank;  // local tiles: no fence, no barrier, no flag (CountLocalRows)
     return t;
   };
   auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
@@ -808,15 +828,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
   const int pid = blockIdx.x - g.pushers, np = gridDim.x - g.pushers;
   const int col_tiles = (int)((g.N + kWgBN - 1) / kWgBN);
-  {
-    const int i = threadIdx.x;
-    const int64_t tiles = i < table.n ? (int64_t)((table.seg[i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
-    int64_t total = 0;
-    const int64_t incl = BlockInclusiveScan(tiles, scratch.warp_sums, &total);
-    if (i < table.n) tile_prefix[i] = (int32_t)(incl - tiles);
-    if (i == 0) tile_prefix[table.n] = (int32_t)total;
-    __syncthreads();
-  }
+  WgmmaTilePrefix(table, col_tiles, tile_prefix, scratch.warp_sums);
   const int total_tiles = tile_prefix[table.n], remote_tiles = tile_prefix[table.remote_segs];
   // Rows past the kept ones (recv is packed from row 0) are zero, as the bare grouped GEMM leaves them.
   int64_t kept_rows = 0;
@@ -829,23 +841,13 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   };
   auto tile_of = [&](int i) {
     const int j = total_tiles > 0 ? (i + remote_tiles) % total_tiles : 0;  // the local tiles first
-    int lo = 0, hi = table.n - 1;  // the segment holding tile j: last lo with tile_prefix[lo] <= j
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_prefix[mid] <= j) lo = mid; else hi = mid - 1;
-    }
-    const Segment& s = table.seg[lo];
-    const int local = j - tile_prefix[lo], mt = local / col_tiles;
+    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, g.N, j);
     DgTile t;
-    t.a_row = s.recv_off + mt * kWgBM;
-    t.b_idx = s.expert;
-    t.n0 = (local % col_tiles) * kWgBN;
-    t.rows = min(kWgBM, s.rows - mt * kWgBM);
-    t.cols = (int)min((int64_t)kWgBN, g.N - t.n0);
+    static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
     t.out = g.a + (int64_t)t.a_row * g.N + t.n0;
     t.ldc = g.N;
     t.publish = 0;
-    t.src = s.src;
+    t.src = at.s->src;
     return t;
   };
   // The TMA thread's wait for a tile's source, once per source (a source's count only grows during the call).
@@ -855,10 +857,12 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     if ((sources_in >> t.src) & 1u) return;
     const uint64_t base = LoadVolatile(&self->src_expected.rows[t.src]);  // (written by this rank only)
     // On failure the call is failed (the error names source and counts); the loop runs on rather than hang.
+    // (Inlined into the 24-register TMA thread, the wait costs ptxas 88 bytes of spills; out of line it copied the
+    // whole RankDev to the stack, 480 bytes.)
     if (WaitAtLeast(rd, &self->src_arrivals.rows[t.src], base, (uint64_t)scratch.rows_to_rank[t.src], t.src,
                     kStageRecvArrivals))
       sources_in |= 1u << t.src;
-    wgmma_gemm::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
+    bulk::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
   };
   wgmma_gemm::WgmmaTileLoop<1, true>(a_map, b_map, (int)g.K, pid, np, total_tiles, tile_of, wgmma_gemm::NoTileDone{},
                                      smem, tile_wait);

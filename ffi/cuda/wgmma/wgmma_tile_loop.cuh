@@ -48,7 +48,7 @@
 //   Called by thread 0 (the TMA thread, 24 registers) with tile_of(i)'s value before the first TMA load of the
 //   tile: it may block until the tile's operands exist (dispatch_gemm: until the segment's source rank has pushed
 //   its rows). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
-//   it must end with fence.proxy.async.global after its acquire. It must return (bounded wait) even on failure.
+//   it must end with fence.proxy.async.global after its acquire (bulk_copy.cuh's FenceProxyAsyncGlobal). It must return (bounded wait) even on failure.
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------
 //   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
@@ -152,16 +152,6 @@ __device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void FenceProxyAsyncShared() {
 #if WGMMA_SM90A
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
-// Orders this thread's earlier generic-proxy accesses of global memory (an acquire of data other agents wrote) before
-// its later async-proxy ones (TMA loads of that data).
-__device__ __forceinline__ void FenceProxyAsyncGlobal() {
-#if WGMMA_SM90A
-  asm volatile("fence.proxy.async.global;" ::: "memory");
 #else
   __trap();
 #endif
