@@ -20,34 +20,37 @@ auto BindCallAttrs(Binding b) {
       .template Attr<int64_t>("delay_us");
 }
 
-// dispatch(src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1: dropped), recv_rows_expected [],
-//          group [], rank []) -> recv [cap, D]
+// The operands a dispatch starts with: src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1:
+// dropped), recv_rows_expected [].
+template <typename Binding>
+auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be moved into a parameter)
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// dispatch(dispatch rows (above), group [], rank []) -> recv [cap, D]
 template <typename Binding>
 auto BindDispatch(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(std::move(b).template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
+  return BindCallAttrs(BindDispatchRows(std::move(b))
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Ret<ffi::AnyBuffer>());
 }
 
-// dispatch_gemm(src [S, D] bf16, slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1: dropped),
-//               recv_rows_expected [], seg_rows [E_local, R], seg_ret_off [E_local, R], w [E_local, D, N] bf16,
-//               group [], rank []) -> recv [cap, D] bf16, a [cap, N] float32 = recv[segment] @ w[expert]
+// dispatch_gemm(dispatch rows (above; src bf16), seg_rows [E_local, R], seg_ret_off [E_local, R],
+//               w [E_local, D, N] bf16, group [], rank []) -> recv [cap, D] bf16, a [cap, N] float32 = recv[segment] @
+//               w[expert]
 // Attributes: those of every call, then pushers (int32: CTAs that push, the others run the GEMM). CUDA (Hopper) only:
 // the dispatch and GEMM1 in one launch, GEMM1's tiles of a source starting once its rows are in.
 template <typename Binding>
 auto BindDispatchGemm(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(std::move(b).template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
+  return BindCallAttrs(BindDispatchRows(std::move(b))
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::AnyBuffer>()

@@ -271,6 +271,21 @@ __device__ void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t 
   }
 }
 
+// Step 1 of dispatch, by every thread of a pushing CTA: thread 0 waits until every destination has finished reading
+// call epoch - 1 (st is written by thread 0 only until the barrier: racecheck-clean); sent[] is zeroed. False if the
+// call failed (here or before).
+__device__ bool BeginPush(const RankDev& rd, CallState* st, unsigned* sent) {
+  if (threadIdx.x == 0) {
+    for (int i = 1; i <= rd.ranks && st->ok; ++i) {
+      const int d = (rd.rank + i) % rd.ranks;
+      st->ok = WaitAtLeast(rd, &View(rd, d).control()->done_epoch.value, 0, st->epoch - 1, d, kStagePeerReady);
+    }
+  }
+  if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
+  __syncthreads();
+  return st->ok;
+}
+
 __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* src, int64_t S, int64_t row_bytes,
                                                        const int32_t* src_row, const int32_t* dst_rank,
                                                        const int32_t* dst_row, int64_t P, int64_t cap) {
@@ -278,16 +293,7 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   __shared__ unsigned sent[kMaxRanks];
   LoadCallState(rd, &st);
   const int R = rd.ranks;
-  if (threadIdx.x == 0) {  // st is written by thread 0 only until the barrier (racecheck-clean)
-    // Step 1: every destination must have finished reading call epoch-1 before we write its recv rows.
-    for (int i = 1; i <= R && st.ok; ++i) {
-      const int d = (rd.rank + i) % R;
-      st.ok = WaitAtLeast(rd, &View(rd, d).control()->done_epoch.value, 0, st.epoch - 1, d, kStagePeerReady);
-    }
-  }
-  if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
-  __syncthreads();
-  if (!st.ok) return;
+  if (!BeginPush(rd, &st, sent)) return;
   const int warps = blockDim.x / 32;
   PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll, (int64_t)blockIdx.x * warps + threadIdx.x / 32,
            (int64_t)gridDim.x * warps, sent);
@@ -797,15 +803,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   RankControl* self = View(rd, rd.rank).control();
 
   if ((int)blockIdx.x < g.pushers) {
-    if (threadIdx.x == 0) {  // step 1: every destination has finished reading call epoch - 1
-      for (int i = 1; i <= R && st.ok; ++i) {
-        const int d = (rd.rank + i) % R;
-        st.ok = WaitAtLeast(rd, &View(rd, d).control()->done_epoch.value, 0, st.epoch - 1, d, kStagePeerReady);
-      }
-    }
-    if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
-    __syncthreads();
-    if (!st.ok) return;
+    if (!BeginPush(rd, &st, sent)) return;
     const int warps = blockDim.x / 32;
     const int64_t first = (int64_t)blockIdx.x * warps + threadIdx.x / 32, stride = (int64_t)g.pushers * warps;
     for (PushWhich which : {kPushLocal, kPushRemote}) {
