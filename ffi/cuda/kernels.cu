@@ -767,12 +767,12 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
 // dispatch_gemm: the dispatch and GEMM1 in one launch, so that GEMM1 runs while the tokens are still in flight (the
 // dispatch-side producer / consumer; expert_combine is the return side). Roles by block index, one CTA per SM as in
 // ExpertKernel (the same co-residency argument: every CTA of every rank is resident, so the waits below end):
-//   pushers  CTAs [0, pushers): this rank's rows to their experts' ranks, first those it keeps (its own recv, the
-//            quickest), then the others'; each CTA release-adds what it moved per destination into the destination's
-//            src_arrivals[rank] and recv_arrivals.
-//   GEMM1    CTAs [pushers, grid): the grouped GEMM over recv's (expert, source) segments, A read by TMA straight from
-//            the workspace's recv rows, the rank's own segments first, then the other sources'; the TMA thread waits
-//            for a segment's source to have pushed all its rows (src_arrivals) before the tile's first load.
+//   pushers  CTAs [0, pushers): this rank's rows for the other ranks; each CTA release-adds what it moved per
+//            destination into the destination's src_arrivals[rank] and recv_arrivals.
+//   GEMM1    CTAs [pushers, grid): first, together, the rows this rank keeps into its own recv (counted the same way),
+//            then the grouped GEMM over recv's (expert, source) segments, A read by TMA straight from the workspace's
+//            recv rows, the rank's own segments first, then the other sources'; the TMA thread waits for a segment's
+//            source to have pushed all its rows (src_arrivals) before the tile's first load.
 // a [cap, N] float32 = recv[segment] @ w[expert] on every kept row, zero on the rows past them. The call then ends as
 // a dispatch does (RecvKernel copies recv to x_recv, EndKernel frees recv for the next call); the last GEMM1 CTA
 // advances src_expected.
@@ -802,29 +802,37 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   const int R = rd.ranks;
   RankControl* self = View(rd, rd.rank).control();
 
-  if ((int)blockIdx.x < g.pushers) {
-    if (!BeginPush(rd, &st, sent)) return;
-    const int warps = blockDim.x / 32;
-    const int64_t first = (int64_t)blockIdx.x * warps + threadIdx.x / 32, stride = (int64_t)g.pushers * warps;
-    for (PushWhich which : {kPushLocal, kPushRemote}) {
-      PushRows(rd, g.src, g.S, g.row_bytes, g.src_row, g.dst_rank, g.dst_row, g.P, g.cap, which, first, stride, sent);
-      __threadfence_system();
-      __syncthreads();
-      for (int d = threadIdx.x; d < R; d += blockDim.x) {
-        const bool mine = which == kPushLocal ? d == rd.rank : d != rd.rank;
-        if (mine && sent[d] > 0) {
-          AddReleaseSys(&View(rd, d).control()->src_arrivals.rows[rd.rank], sent[d]);
-          AddReleaseSys(&View(rd, d).control()->recv_arrivals.value, sent[d]);
-        }
+  // Moves this CTA's share (slots first, first + stride, ...) of the rows `which` picks, then release-adds them per
+  // destination into its src_arrivals[rank] and recv_arrivals.
+  auto push = [&](PushWhich which, int64_t first, int64_t stride) {
+    PushRows(rd, g.src, g.S, g.row_bytes, g.src_row, g.dst_rank, g.dst_row, g.P, g.cap, which, first, stride, sent);
+    __threadfence_system();
+    __syncthreads();
+    for (int d = threadIdx.x; d < R; d += blockDim.x) {
+      if (sent[d] > 0) {
+        AddReleaseSys(&View(rd, d).control()->src_arrivals.rows[rd.rank], sent[d]);
+        AddReleaseSys(&View(rd, d).control()->recv_arrivals.value, sent[d]);
       }
     }
+  };
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  if ((int)blockIdx.x < g.pushers) {  // the rows for the other ranks
+    if (!BeginPush(rd, &st, sent)) return;
+    push(kPushRemote, (int64_t)blockIdx.x * warps + warp, (int64_t)g.pushers * warps);
     return;
   }
 
-  // GEMM1. The segment table in SegmentBefore order puts the remote segments first; this loop starts at the first
-  // local tile instead (rotated), since the rank's own rows arrive first.
-  if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
+  // GEMM1 CTAs first copy the rows this rank keeps into its own recv, all of them together: spread over a few
+  // pushers the local copy would hold every GEMM1 tile back for longer than the copy over the whole GPU takes.
+  // (Step 1 holds for the own recv by stream order.)
   const int pid = blockIdx.x - g.pushers, np = gridDim.x - g.pushers;
+  if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
+  __syncthreads();
+  push(kPushLocal, (int64_t)pid * warps + warp, (int64_t)np * warps);
+
+  // GEMM1. The segment table in SegmentBefore order puts the remote segments first; this loop starts at the first
+  // local tile instead (rotated): the rank's own rows are in first.
+  if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
   const int col_tiles = (int)((g.N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, scratch.warp_sums);
   const int total_tiles = tile_prefix[table.n], remote_tiles = tile_prefix[table.remote_segs];
