@@ -565,8 +565,11 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
         cudaStream_t stream = streams[r];
         CallSite site{ws.get(), 0, r, stream,
                       CallOptions{cfg.timeout_ms, cfg.delay_rank, cfg.delay_us, cfg.consumers, cfg.serialize}};
+        // Every pinned buffer is allocated here, before the first call: cudaFreeHost (and cudaMallocHost) may wait
+        // for the whole device, so a rank thread freeing one while a peer's kernel waits for this rank's next call
+        // would stall both until the call times out (it did, in dispatch_gemm's first GPU run).
         Pinned h_recv((size_t)cap * D * eb), h_y((size_t)T * N * eb), h_slot((size_t)P * N * eb),
-            h_a(dg ? (size_t)cap * K * 4 : 0);
+            h_a(dg ? (size_t)cap * K * 4 : 0), h_a2(h_a.n), h_recv2(dg ? h_recv.n : 0);
         const DType dt = f32 ? DType::kF32 : DType::kBF16;
         auto dispatch_two_calls = [&](const CallSite& c, const DeviceSet& d) {
           Status s = Dispatch(c, dt, d.x, T, D, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
@@ -678,7 +681,6 @@ LoopbackResult RunLoopback(const LoopbackConfig& cfg) {
               g.a = h_a.vec();
               // The same dispatch and GEMM1 as two calls (every rank makes them at this iteration, so they pair up):
               // recv and GEMM1 must be the same bits.
-              Pinned h_a2(h_a.n), h_recv2(h_recv.n);
               LB_CHECK(cudaMemsetAsync(out_a2[r], 0xFF, h_a2.n, stream));
               Status s2 = dispatch_two_calls(site, d);
               if (!s2.ok()) {
