@@ -562,25 +562,27 @@ __device__ void WgmmaTilePrefix(const SegTable& table, int col_tiles, int32_t* t
 }
 
 // Wgmma tile j of the table (tiles in segment order, WgmmaTilePrefix): its segment, its 128-row block within the
-// segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the caller's.
+// segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the caller's. Inside a
+// segment the tiles go in bands of band_m row blocks (wgmma_gemm::BandRaster).
 struct SegmentTile {
   const Segment* s;
   int mt;
   wgmma_gemm::WgmmaTile t;
 };
 __device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const int32_t* tile_prefix, int col_tiles,
-                                                   int64_t N, int j) {
+                                                   int64_t N, int j, int band_m) {
   int lo = 0, hi = table.n - 1;  // the segment holding tile j: last lo with tile_prefix[lo] <= j
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (tile_prefix[mid] <= j) lo = mid; else hi = mid - 1;
   }
   const Segment& s = table.seg[lo];
-  const int local = j - tile_prefix[lo], mt = local / col_tiles;
+  int mt, nt;
+  wgmma_gemm::BandRaster(j - tile_prefix[lo], (s.rows + kWgBM - 1) / kWgBM, col_tiles, band_m, &mt, &nt);
   SegmentTile at{&s, mt, {}};
   at.t.a_row = s.recv_off + mt * kWgBM;
   at.t.b_idx = s.expert;
-  at.t.n0 = (local % col_tiles) * kWgBN;
+  at.t.n0 = nt * kWgBN;
   at.t.rows = min(kWgBM, s.rows - mt * kWgBM);
   at.t.cols = (int)min((int64_t)kWgBN, N - at.t.n0);
   return at;
@@ -593,7 +595,8 @@ __device__ void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t 
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
-    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i);
+    // Row-block order (band_m = 1): a row block's flags complete together, so the consumer can ship it early.
+    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i, 1);
     WgTile t;
     static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
     t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret);
@@ -847,7 +850,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   };
   auto tile_of = [&](int i) {
     const int j = total_tiles > 0 ? (i + remote_tiles) % total_tiles : 0;  // the local tiles first
-    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, g.N, j);
+    // Bands of row blocks (nothing reads a's rows during the call): GEMM1's N = 2 * d_ff spans up to ~100 n-tiles.
+    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, g.N, j, wgmma_gemm::kBandM);
     DgTile t;
     static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
     t.out = g.a + (int64_t)t.a_row * g.N + t.n0;

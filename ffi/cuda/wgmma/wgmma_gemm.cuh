@@ -43,6 +43,19 @@ struct GroupTile : WgmmaTile {
   int group_row;  // first row of the tile relative to the group's first row (a multiple of kBM)
 };
 
+// Tile `local` of a group of mt_g m-tiles x n_tiles n-tiles -> (mt, nt), in bands of band_m m-tiles, n-tile-major
+// inside a band: the CTAs running at once share B's column slabs across band_m row blocks (L2 reuse; where N spans
+// ~100 n-tiles, an m-tile-major order reads every weight from HBM again for each row block). band_m = 1 is plain
+// row-block order: each row block's tiles finish together (expert_combine's producer, whose consumer ships rows per
+// block as they finish).
+__device__ __forceinline__ void BandRaster(int local, int mt_g, int n_tiles, int band_m, int* mt, int* nt) {
+  const int band = local / (band_m * n_tiles);
+  const int band_mt = min(band_m, mt_g - band * band_m);
+  const int r = local - band * band_m * n_tiles;
+  *nt = r / band_mt;
+  *mt = band * band_m + r % band_mt;
+}
+
 // row_start[0..G]: clamped group row offsets (row_start[G] = min(sum, M)); tile_start[0..G]: tile offsets.
 __device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, const int* tile_start, int G,
                                                 int n_tiles, int N, void* out, bool out_f32) {
@@ -54,12 +67,8 @@ __device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, con
   const int g = lo;
   const int rows_g = row_start[g + 1] - row_start[g];
   const int mt_g = (rows_g + kBM - 1) / kBM;
-  const int local = t - tile_start[g];
-  const int band = local / (kBandM * n_tiles);
-  const int band_mt = min(kBandM, mt_g - band * kBandM);
-  const int r = local - band * kBandM * n_tiles;
-  const int nt = r / band_mt;
-  const int mt = band * kBandM + r % band_mt;
+  int mt, nt;
+  BandRaster(t - tile_start[g], mt_g, n_tiles, kBandM, &mt, &nt);
   GroupTile tile;
   tile.a_row = row_start[g] + mt * kBM;
   tile.b_idx = g;
