@@ -49,7 +49,8 @@ class CallConfig:
   dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): on CUDA, with bfloat16
     operands and d_model, 2 * d_ff multiples of 64, one dispatch_gemm call in which this many CTAs push the tokens
     and the others run GEMM1, each source's tiles starting once its rows have arrived (Hopper only: elsewhere the
-    call fails with an error saying so). The same results, bit for bit.
+    call fails with an error saying so). The same results, bit for bit. Not yet faster than the two calls (two H200s:
+    0.88-0.98x; benchmarks/RESULTS.md, eighth session): leave it at 0 for speed.
   """
 
   timeout_ms: int = DEFAULT_TIMEOUT_MS
