@@ -87,13 +87,16 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
       v.push_back(c);
     }
     if (name == "small-mma") {
-      // Without the cases the wgmma producer runs (bf16, K and N multiples of 64: kernels.cu's wgmma path), for
-      // racecheck: it instruments every shared-memory access, and on the H200 the first wgmma case (its TMA /
-      // mbarrier pipeline over ~200 KB of shared memory) had not finished after 180 s (session 7, call 2), while the
-      // other cases take 0.4-2 s. memcheck and synccheck run the whole "small" suite.
+      // Without the cases the wgmma producer runs on this GPU (ProducerPath, asked with null operands: the
+      // harness's buffers are cudaMalloc'd, so aligned), for racecheck: it instruments every shared-memory access,
+      // and on the H200 the first wgmma case (its TMA / mbarrier pipeline over ~200 KB of shared memory) had not
+      // finished after 180 s (session 7, call 2), while the other cases take 0.4-2 s. memcheck and synccheck run
+      // the whole "small" suite.
       std::vector<LoopbackConfig> keep;
       for (const auto& c : v)
-        if (c.f32 || c.k_dim % 64 != 0 || c.n_dim % 64 != 0) keep.push_back(c);
+        if (std::string(jmo::cuda::ProducerPath(c.f32 ? jmo::cuda::DType::kF32 : jmo::cuda::DType::kBF16, c.k_dim,
+                                                c.n_dim, c.transpose_rhs, nullptr, nullptr)) != "wgmma bf16")
+          keep.push_back(c);
       return keep;
     }
     return v;
