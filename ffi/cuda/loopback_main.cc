@@ -53,6 +53,16 @@ std::vector<double> ParseList(const char* arg) {
 // the manager's code path (every CTA must agree on C), they are not a calibration.
 jmo::ModelParams SuiteModel() { return jmo::ModelParams{132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5}; }
 
+// R ranks with two experts each, `routing` 0 / 1 / 2 (balanced / moderate / extreme), `iters` iterations.
+LoopbackConfig RankCase(const LoopbackConfig& base, int R, int routing, int iters) {
+  LoopbackConfig c = base;
+  c.ranks = R;
+  c.experts = 2 * R;
+  c.routing = routing;
+  c.iters = iters;
+  return c;
+}
+
 std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig& base) {
   std::vector<LoopbackConfig> v;
   if (name == "small" || name == "small-mma") {
@@ -140,14 +150,10 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
   std::vector<LoopbackConfig> dispatch_gemm;
   for (int R : {1, 2, 4, 8})
     for (int routing : {0, 1, 2}) {
-      LoopbackConfig c = base;
-      c.ranks = R;
-      c.experts = 2 * R;
-      c.routing = routing;
+      LoopbackConfig c = RankCase(base, R, routing, 12);
       c.d_model = 192;
       c.k_dim = 128;
       c.dispatch_gemm_pushers = R == 1 ? 1 : 2;
-      c.iters = 12;
       dispatch_gemm.push_back(c);
     }
   {  // a forced timeout and recovery with the per-source waits
@@ -184,14 +190,7 @@ std::vector<LoopbackConfig> Suite(const std::string& name, const LoopbackConfig&
     std::exit(2);
   }
   for (int R : {2, 4, 8})
-    for (int routing : {0, 1, 2}) {
-      LoopbackConfig c = base;
-      c.ranks = R;
-      c.experts = 2 * R;
-      c.routing = routing;
-      c.iters = 30;
-      v.push_back(c);
-    }
+    for (int routing : {0, 1, 2}) v.push_back(RankCase(base, R, routing, 30));
   {  // 1000 consecutive iterations (2000 calls per rank) without a reset
     LoopbackConfig c = base;
     c.ranks = 8;
