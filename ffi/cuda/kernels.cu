@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -961,37 +962,44 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
 // ---------------------------------------------------------------------------------------------------------------
 // Host side
 
-// Dynamic shared memory of ExpertKernel: what the engine needs, at least half an SM's (one CTA per SM, checked).
-template <typename T, int kEngine, bool kTransB>
-Status PrepareExpertKernel(int dev, int* smem_bytes) {
+// Dynamic shared memory of a kernel whose CTAs wait on each other and on peers, so every CTA must be resident:
+// `need` bytes, at least half an SM's (one CTA per SM). Set on the kernel once per device (PrepareWgmmaKernel for
+// wgmma kernels: it also checks a Hopper device, the sm_90a build and the register budget) and checked with the
+// occupancy API. *smem_bytes = the launch's dynamic shared memory.
+Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, bool wgmma, const char* name, int dev,
+                          int* smem_bytes) {
   static std::mutex mu;
-  static int prepared[64] = {0};
+  static std::map<std::pair<const void*, int>, int> prepared;  // (kernel, device) -> bytes set
   DeviceInfo info;
   Status s = GetDeviceInfo(dev, &info);
   if (!s.ok()) return s;
-  const auto kernel = ExpertKernel<T, kEngine, kTransB>;
-  const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
   const int bytes = std::max(need, info.smem_per_sm / 2 + 1);
   *smem_bytes = bytes;
   std::lock_guard<std::mutex> lock(mu);
-  if (prepared[dev] != bytes) {
-    if constexpr (kEngine == kWgmma)  // also checks: a Hopper device, the sm_90a build, the register budget
-      s = CudaStatus(wgmma_gemm::PrepareWgmmaKernel(reinterpret_cast<const void*>(kernel), bytes),
-                     "PrepareWgmmaKernel(ExpertKernel)");
-    else
-      s = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-                     "cudaFuncSetAttribute(ExpertKernel)");
+  int& done = prepared[{kernel, dev}];
+  if (done != bytes) {
+    const std::string what = std::string(wgmma ? "PrepareWgmmaKernel(" : "cudaFuncSetAttribute(") + name + ")";
+    s = CudaStatus(wgmma ? wgmma_gemm::PrepareWgmmaKernel(kernel, bytes)
+                         : cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                   what.c_str());
     if (!s.ok()) return s;
     int blocks = 0;
-    s = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kEngineThreads<kEngine>, bytes),
+    s = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, bytes),
                    "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     if (!s.ok()) return s;
     if (blocks != 1)
-      return Status::Error(kInternal, "jax_moe_overlap: expected exactly one expert_combine CTA per SM, occupancy says " +
-                                          std::to_string(blocks));
-    prepared[dev] = bytes;
+      return Status::Error(kInternal, std::string("jax_moe_overlap: expected exactly one ") + name +
+                                          " CTA per SM, occupancy says " + std::to_string(blocks));
+    done = bytes;
   }
   return Status{};
+}
+
+template <typename T, int kEngine, bool kTransB>
+Status PrepareExpertKernel(int dev, int* smem_bytes) {
+  const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
+  return PrepareOneCtaPerSm(reinterpret_cast<const void*>(ExpertKernel<T, kEngine, kTransB>), kEngineThreads<kEngine>,
+                            need, kEngine == kWgmma, "ExpertKernel", dev, smem_bytes);
 }
 
 // Row length of w[e] as stored (the tile engines' ldb): N for [K, N], K for the transposed layout [N, K].
@@ -1245,29 +1253,15 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
   if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
                        "cudaMemsetAsync(band counters)")).ok())
     return s;
-  CUtensorMap a_map, b_map;  // A: this rank's recv rows in the workspace, where the peers' pushes land
-  if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(RankView{rd.peers.base[c.rank], rd.layout}.recv(), cap, D, w, E_l, N, /*b_k_major=*/false,
-                                                  &a_map, &b_map),
+  CUtensorMap a_map, b_map;
+  const void* recv = RankView{rd.peers.base[c.rank], rd.layout}.recv();  // A: where the peers' pushes land
+  if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(recv, cap, D, w, E_l, N, /*b_k_major=*/false, &a_map, &b_map),
                        "tensor maps of dispatch_gemm")).ok())
     return s;
-  {
-    static std::mutex mu;
-    static bool prepared[64] = {false};
-    std::lock_guard<std::mutex> lock(mu);
-    if (dev < 0 || dev >= 64) return Status::Error(kInternal, "jax_moe_overlap: device ordinal out of range");
-    if (!prepared[dev]) {
-      DeviceInfo info;
-      if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
-      const int bytes = std::max(wgmma_gemm::kLoopSmemBytes, info.smem_per_sm / 2 + 1);  // one CTA per SM
-      if (!(s = CudaStatus(wgmma_gemm::PrepareWgmmaKernel(reinterpret_cast<const void*>(DispatchGemmKernel), bytes),
-                           "PrepareWgmmaKernel(DispatchGemmKernel)")).ok())
-        return s;
-      prepared[dev] = true;
-    }
-  }
-  DeviceInfo info;
-  if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
-  const int smem = std::max(wgmma_gemm::kLoopSmemBytes, info.smem_per_sm / 2 + 1);
+  int smem = 0;
+  if (!(s = PrepareOneCtaPerSm(reinterpret_cast<const void*>(DispatchGemmKernel), wgmma_gemm::kThreads,
+                               wgmma_gemm::kLoopSmemBytes, /*wgmma=*/true, "DispatchGemmKernel", dev, &smem)).ok())
+    return s;
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slot_src_row, slot_dest_rank,
                               slot_dest_row, P, cap, seg_rows, seg_ret_off, (int)E_l, pushers, D, N, a};
   DispatchGemmKernel<<<budget, wgmma_gemm::kThreads, smem, c.stream>>>(rd, args, a_map, b_map);
