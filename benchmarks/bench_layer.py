@@ -9,7 +9,7 @@ ideal        (forward only) max(reading every expert weight once, the two GEMMs 
              rest). Column vs_ideal = ideal ms / the row's ms.
 
 Nothing is timed before it agrees with the float32 reference (the xla path on float32 copies of the inputs, its
-grouped GEMMs as one HIGHEST-precision dot per expert; for fwd+bwd its gradients wrt x, gates, w1, w2) on the first
+grouped GEMMs at HIGHEST precision on static group rows (common.static_ragged_dot); for fwd+bwd its gradients wrt x, gates, w1, w2) on the first
 input set: column err = the largest max |got - ref| / max |ref| over the outputs; above 2e-2 (bf16) the row says
 "wrong result, not timed". --decode runs decode-sized shapes instead (256 tokens: weight reads and the fixed costs
 of a call, not its FLOPs, dominate), forward only unless --passes says otherwise.
@@ -69,7 +69,7 @@ MAX_ERR = 2e-2  # bf16 outputs and gradients against the float32 reference
 
 def reference_for(ids: np.ndarray, E: int):
   """The float32 reference for one routing ``ids`` [T, k] (host values): the xla path on float32 copies of every
-  input, with the grouped GEMMs done per expert on static row ranges at HIGHEST precision
+  input, with the grouped GEMMs on this routing's static group rows at HIGHEST precision
   (``common.static_ragged_dot``). The returned function takes the layer's arguments and checks that concrete ``ids``
   are the routing it was built for."""
   layer = xla_layer(common.static_ragged_dot(np.bincount(ids.reshape(-1), minlength=E)))

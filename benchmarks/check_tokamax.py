@@ -2,8 +2,8 @@
 
 For each (rows, K, N, groups) of the layer benchmarks' GEMMs, on bf16 inputs with random balanced group sizes that
 cover every row: out = ragged_dot(x, w, gs), and the VJP of <out, cot> for a random cotangent (dx, dw), each against
-one HIGHEST-precision dot per group on float32 copies (common.static_ragged_dot). Prints one row per shape with the three max-relative
-errors (max |got - ref| / max |ref|); bf16 results are expected near 1e-2 or below.
+the same groups at HIGHEST precision on float32 copies (common.static_ragged_dot). Prints one row per shape with the
+three max-relative errors (max |got - ref| / max |ref|); bf16 results are expected near 1e-2 or below.
 
   python3 benchmarks/check_tokamax.py [--out tokamax_check.jsonl]
 """

@@ -99,7 +99,7 @@ def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
 
 
 def test_bench_layer_reference_equals_the_dense_one():
-  """bench_layer's per-expert float32 reference (static slices of the sorted rows) against the dense-masked
+  """bench_layer's float32 reference (common.static_ragged_dot on the routing's groups) against the dense-masked
   jax.lax.ragged_dot path at HIGHEST precision: forward and all four gradients, with one expert left empty."""
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
