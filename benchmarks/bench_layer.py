@@ -10,9 +10,9 @@ ideal        (forward only) max(reading every expert weight once, the two GEMMs 
 
 Nothing is timed before it agrees with the float32 reference (the xla path on float32 copies of the inputs, its
 grouped GEMMs at HIGHEST precision on static group rows, common.static_ragged_dot; for fwd+bwd its gradients wrt x,
-gates, w1, w2) on the first input set: column err = the largest max |got - ref| / max |ref| over the outputs; above 2e-2 (bf16) the row says
-"wrong result, not timed". --decode runs decode-sized shapes instead (256 tokens: weight reads and the fixed costs
-of a call, not its FLOPs, dominate), forward only unless --passes says otherwise.
+gates, w1, w2) on the first input set: column err = the largest max |got - ref| / max |ref| over the outputs; above
+2e-2 (bf16) the row says "wrong result, not timed". --decode runs decode-sized shapes instead (256 tokens: weight
+reads and the fixed costs of a call, not its FLOPs, dominate), forward only unless --passes says otherwise.
 
   python3 benchmarks/bench_layer.py --quick --out /tmp/layer.jsonl
   python3 benchmarks/bench_layer.py --decode --out /tmp/layer_decode.jsonl
