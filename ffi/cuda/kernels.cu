@@ -296,8 +296,8 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   const int R = rd.ranks;
   if (!BeginPush(rd, &st, sent)) return;
   const int warps = blockDim.x / 32;
-  PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll, (int64_t)blockIdx.x * warps + threadIdx.x / 32,
-           (int64_t)gridDim.x * warps, sent);
+  PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll,
+           (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent);
   __threadfence_system();
   __syncthreads();
   // Then release-add the rows to each destination's arrival counter.
@@ -868,8 +868,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     if ((sources_in >> t.src) & 1u) return;
     const uint64_t base = LoadVolatile(&self->src_expected.rows[t.src]);  // (written by this rank only)
     // On failure the call is failed (the error names source and counts); the loop runs on rather than hang.
-    // (Inlined into the 24-register TMA thread, the wait costs ptxas 88 bytes of spills; out of line it copied the
-    // whole RankDev to the stack, 480 bytes.)
+    // (Inlined into the 24-register TMA thread, the wait costs ptxas about 100 bytes of spills; out of line it
+    // copied the whole RankDev to the stack, 480 bytes.)
     if (WaitAtLeast(rd, &self->src_arrivals.rows[t.src], base, (uint64_t)scratch.rows_to_rank[t.src], t.src,
                     kStageRecvArrivals))
       sources_in |= 1u << t.src;
