@@ -1,6 +1,6 @@
 """The single-GPU benchmarks' own checks run on CPU at tiny sizes, so they cannot rot between GPU sessions:
 bench_fused's and bench_layer's implementations all agree with their float32 references (each row's err; a wrong
-layer is not timed), bench_layer's per-expert reference equals the dense one, check_tokamax tells a wrong gradient,
+layer is not timed), bench_layer's float32 reference equals the dense one, check_tokamax tells a wrong gradient,
 bench_breakdown times every stage, and plot_results draws the PNGs from JSON lines and from the
 key=value rows of a log cut short."""
 

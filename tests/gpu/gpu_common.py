@@ -22,6 +22,12 @@ def gpu_devices():
     return []
 
 
+def is_hopper() -> bool:
+  """Whether the first GPU is a Hopper (sm_90) one: where the wgmma engine and dispatch_gemm run."""
+  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
+  return cuda_workspace.device_info(gpu_devices()[0].local_hardware_id).compute_capability[0] == 9
+
+
 def rank_counts() -> list[int]:
   """The expert-parallel sizes R the multi-rank GPU tests run at: every visible GPU, and 1 as well when there are
   several ([1] without a GPU, where the tests are collected and skip)."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import gpu_devices, gpu_mesh, rank_counts, rel_err, requires_gpu
+from gpu_common import gpu_mesh, is_hopper, rank_counts, rel_err, requires_gpu
 from jax_moe_overlap.primitives import CallConfig, RankInfo
 import test_expert_combine as base  # tests/test_expert_combine.py (gpu_common puts tests/ on sys.path)
 
@@ -28,9 +28,8 @@ CASES = [
 @pytest.mark.parametrize("K,N,dtype,engine", CASES)
 @pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
 def test_transpose_rhs_gpu(R, K, N, dtype, engine):
-  from jax_moe_overlap import _jmo, cuda_workspace  # pylint: disable=g-import-not-at-top
-  hopper = cuda_workspace.device_info(gpu_devices()[0].local_hardware_id).compute_capability[0] == 9
-  want = engine or ("wgmma bf16" if hopper else "mma.sync bf16")
+  from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
+  want = engine or ("wgmma bf16" if is_hopper() else "mma.sync bf16")
   assert _jmo.cuda_producer_path(dtype == jnp.bfloat16, K, N, transpose_rhs=True) == want
   # 512 slots per rank over 8 experts: multi-tile segments; at R > 1 each rank's slots spread over every GPU.
   c = base.make_case(gpu_mesh(R), N, dtype, tokens=256, seed=K + N + R)

@@ -10,7 +10,7 @@ there is no GPU.
 
 import pytest
 
-from gpu_common import gpu_devices, gpu_mesh, rank_counts, requires_gpu
+from gpu_common import gpu_devices, gpu_mesh, is_hopper, rank_counts, requires_gpu
 import layer_checks as checks  # tests/layer_checks.py (gpu_common puts tests/ on sys.path)  # noqa: I001
 
 pytestmark = requires_gpu
@@ -59,8 +59,7 @@ def test_flax_module_forward_and_grads(R):
 
 @by_ranks
 def test_dispatch_gemm_equals_two_calls(R):
-  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
-  if cuda_workspace.device_info(gpu_devices()[0].local_hardware_id).compute_capability[0] != 9:
+  if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   checks.check_dispatch_gemm(gpu_mesh(R))
 

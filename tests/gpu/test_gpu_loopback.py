@@ -56,9 +56,8 @@ def test_loopback_dispatch_gemm_suite(binary):
   """dispatch_gemm (the dispatch and GEMM1 in one launch, GEMM1 tiles waiting per source): R = 1, 2, 4, 8 x three
   routings, x_recv exact, GEMM1 against the host in float32, bit-identical repeats, and a forced timeout in a
   per-source wait reported by the next call, then recovery. Hopper only (the wgmma engine)."""
-  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
-  from gpu_common import gpu_devices  # pylint: disable=g-import-not-at-top
-  if cuda_workspace.device_info(gpu_devices()[0].local_hardware_id).compute_capability[0] != 9:
+  from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
+  if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   proc = _run([binary, "--suite", "dispatch-gemm"], timeout=240)
   m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
