@@ -1,4 +1,4 @@
-"""Measures the resource model's constants (ffi/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
+"""Measures the resource model's constants (csrc/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
 harness and writes the calibration JSON that jax_moe_overlap loads (jax_moe_overlap/calibration/<gpu name>.json).
 
 Everything but cta_gbps runs in the serialized mode, which isolates both halves of expert_combine: the consumer starts
@@ -140,7 +140,7 @@ def main(argv=None):
   doc = dict(params.__dict__, gpu_name=dev["name"], compute_capability=dev["cc"],
              producer=dev.get("producer", "?"),
              consumer="CopyBand (JMO_CONSUMER_COPY=plain)" if os.environ.get("JMO_CONSUMER_COPY") == "plain"
-             else "bulk copies (ffi/cuda/bulk_copy.cuh), the default", measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
+             else "bulk copies (csrc/cuda/bulk_copy.cuh), the default", measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(["python3"] + sys.argv),
              note="link_gbps is the consumer's own ceiling on one GPU (HBM to HBM); loopback runs with R ranks "
                   "share it (bench_resource.py passes link_gbps / R)", raw=raw)

@@ -1,4 +1,4 @@
-"""Runs the `jmo_loopback` harness (ffi/cuda/loopback_main.cc) for the resource-manager benchmarks and parses its
+"""Runs the `jmo_loopback` harness (csrc/cuda/loopback_main.cc) for the resource-manager benchmarks and parses its
 `RESULT {json}` lines. No jax needed: the harness drives the CUDA kernels directly (R ranks sharing one GPU).
 """
 
@@ -16,11 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def binary() -> str:
-  """$JMO_LOOPBACK_BIN, else build/gpu/ffi/cuda/jmo_loopback, else the first jmo_loopback under build*/."""
+  """$JMO_LOOPBACK_BIN, else build/gpu/csrc/cuda/jmo_loopback, else the first jmo_loopback under build*/."""
   env = os.environ.get("JMO_LOOPBACK_BIN")
   if env:
     return env
-  default = os.path.join(ROOT, "build", "gpu", "ffi", "cuda", "jmo_loopback")
+  default = os.path.join(ROOT, "build", "gpu", "csrc", "cuda", "jmo_loopback")
   if os.path.exists(default):
     return default
   found = sorted(glob.glob(os.path.join(ROOT, "build*", "**", "jmo_loopback"), recursive=True))

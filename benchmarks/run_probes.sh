@@ -14,8 +14,8 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 pids=()
 for p in push combine decision; do
-  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
-    -o "/tmp/${p}_probe" "ffi/cuda/${p}_probe.cu" > "$OUT/${p}_build.log" 2>&1 &
+  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
+    -o "/tmp/${p}_probe" "csrc/cuda/${p}_probe.cu" > "$OUT/${p}_build.log" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; done

@@ -19,6 +19,6 @@ if ! { cmake -S . -B build/gpu -DPython_EXECUTABLE="$(command -v python3)" -DCMA
 fi
 echo "build: $(( $(date +%s) - t0 )) s"
 cp build/gpu/_jmo*.so jax_moe_overlap/
-export JMO_LOOPBACK_BIN=$PWD/build/gpu/ffi/cuda/jmo_loopback PYTHONPATH=$PWD JAX_PLATFORMS=cuda,cpu PYTHONUNBUFFERED=1
+export JMO_LOOPBACK_BIN=$PWD/build/gpu/csrc/cuda/jmo_loopback PYTHONPATH=$PWD JAX_PLATFORMS=cuda,cpu PYTHONUNBUFFERED=1
 # R rank streams must not share hardware queues (a waiting kernel would block another rank's kernel behind it).
 export CUDA_DEVICE_MAX_CONNECTIONS=32

@@ -3,7 +3,7 @@
 Under compute-sanitizer the harness runs one rank only: the tools serialize kernels, and ranks sharing one GPU spin on
 each other's kernels, so R >= 2 would only time out there.
 
-The harness is the `jmo_loopback` program that CMake builds next to the extension (ffi/cuda/loopback_main.cc):
+The harness is the `jmo_loopback` program that CMake builds next to the extension (csrc/cuda/loopback_main.cc):
 set $JMO_LOOPBACK_BIN, or build into build*/ of the checkout. Skips where there is no GPU.
 """
 

@@ -1,5 +1,5 @@
 // XLA:CUDA handlers of the bare grouped GEMMs: the shape checks shared with the CPU handlers
-// (ffi/common/grouped_gemm_signature.h), then the kernels of grouped_gemm.cu on XLA's stream.
+// (csrc/common/grouped_gemm_signature.h), then the kernels of grouped_gemm.cu on XLA's stream.
 #include "common/grouped_gemm_signature.h"
 #include "cuda/ffi_glue.h"
 #include "cuda/grouped_gemm.h"

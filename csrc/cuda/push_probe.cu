@@ -10,8 +10,8 @@
 // Median of --reps timed launches (CUDA events) after one warm-up; the destination is checked against the source
 // after each configuration's first launch (poisoned before it).
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi \
-//     -o /tmp/push_probe ffi/cuda/push_probe.cu && /tmp/push_probe
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc \
+//     -o /tmp/push_probe csrc/cuda/push_probe.cu && /tmp/push_probe
 #include <cuda_runtime.h>
 
 #include <algorithm>

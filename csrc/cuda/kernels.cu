@@ -1,5 +1,5 @@
 // CUDA kernels of dispatch and expert_combine, following protocol.h step by step (the CPU handlers in
-// ffi/cpu/handlers_cpu.cc are the executable specification; this file does the same on the device).
+// csrc/cpu/handlers_cpu.cc are the executable specification; this file does the same on the device).
 //
 // One call = a short sequence of kernels on the caller's stream:
 //   Begin     (1 thread)  epoch = ++calls, deadline = now + timeout, the testing delay, operand checks.
@@ -536,7 +536,7 @@ __device__ void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t 
   }
 }
 
-// wgmma engine (sm_90a, ffi/cuda/wgmma): 128 rows (two bands) x 256 columns of one segment per tile, TMA-fed,
+// wgmma engine (sm_90a, csrc/cuda/wgmma): 128 rows (two bands) x 256 columns of one segment per tile, TMA-fed,
 // warp-specialized (384 threads). tile_prefix[i] = tiles of the segments before segment i, in producer order.
 constexpr int kWgBM = wgmma_gemm::kBM;
 constexpr int kWgBN = wgmma_gemm::kBN;

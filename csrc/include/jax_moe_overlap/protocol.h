@@ -1,6 +1,6 @@
 // The one definition of the peer workspace layout and the signalling protocol.
 //
-// Both the CPU handlers (ffi/cpu) and the CUDA kernels (ffi/cuda) include this header, so the two can never
+// Both the CPU handlers (csrc/cpu) and the CUDA kernels (csrc/cuda) include this header, so the two can never
 // disagree about where a counter lives or what a flag value means. It is plain C++ (no <atomic>, no CUDA headers):
 // each side applies its own atomics (std::atomic_ref on the host, cuda::atomic_ref / PTX on the device) to the
 // 64-bit words defined here.
@@ -61,7 +61,7 @@ enum Stage : uint64_t {
                           // without a sync); ErrorRecord.detail says which input (BadInput)
 };
 
-// Which input a kStageBadInput record is about (ErrorRecord.detail); ffi/common/error_text.h words each one.
+// Which input a kStageBadInput record is about (ErrorRecord.detail); csrc/common/error_text.h words each one.
 enum BadInput : uint64_t {
   kBadExpertId = 1,       // a slot names an expert id outside [0, E)
   kBadRoute = 2,          // a slot routes outside the workspace (rank, row or source row out of range)

@@ -1,5 +1,5 @@
 // XLA:CUDA handlers of the two primitives: the same operands, results and attributes as the CPU handlers
-// (ffi/cpu/handlers_cpu.cc), the same shape checks, then the kernels of kernels.cu on XLA's stream.
+// (csrc/cpu/handlers_cpu.cc), the same shape checks, then the kernels of kernels.cu on XLA's stream.
 //
 // Rank mapping: the group/rank operands live in device memory, and reading them on the host would cost a stream
 // synchronization per call. The handler instead finds its (group, rank) from the FFI device ordinal in the workspace

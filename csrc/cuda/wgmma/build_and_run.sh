@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and run the wgmma probes (Hopper sm_90a).
-#   bash ffi/cuda/wgmma/build_and_run.sh [build_dir=/tmp/wgmma] [mode]
+#   bash csrc/cuda/wgmma/build_and_run.sh [build_dir=/tmp/wgmma] [mode]
 #   grouped GEMM probe (wgmma_probe.cu, WgmmaGroupedGemm):
 #     (no 2nd arg) / run  build, SASS sanity line, run all cases (correctness + timing)
 #     sanitize            build, then compute-sanitizer --tool memcheck on the small cases only, no timing

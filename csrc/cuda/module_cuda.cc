@@ -113,7 +113,7 @@ void RegisterModule(nb::module_& m) {
         return std::string(ProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy));
       },
       nb::arg("bf16"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false);
-  // release_workspace(handle) from ffi/module.cc knows CPU workspaces only; CUDA handles live in their own range.
+  // release_workspace(handle) from csrc/module.cc knows CPU workspaces only; CUDA handles live in their own range.
   m.attr("release_workspace") = nb::cpp_function(
       [](int64_t handle) {
         if (handle >= kHandleBase) return ReleaseWorkspace(handle);
