@@ -1,0 +1,231 @@
+// Copy-engine transport probe: what it costs to move finished segments with the copy engines instead of SMs.
+//
+// A transport that takes no SMs from the GEMM has a side stream wait on a device flag per segment
+// (cuStreamWaitValue32), then copy the segment (cudaMemcpyAsync): no host round trip, no SM. This probe measures, on
+// one GPU (device-to-device copies stand in for NVLink pushes):
+//   1. bandwidth of back-to-back copies by segment size (the copy engines' per-copy overhead shows at small sizes);
+//   2. trigger latency: a producer kernel publishes segments one by one (a spin of `gap_us` between them stands in for
+//      the GEMM tiles that finish a segment), each copy waits for its flag, and an observer kernel records when the
+//      segment's last word lands. Latency = arrival - publish, both read from %globaltimer on the same GPU;
+//   3. the slowdown of an SM-bound kernel (a long FMA loop on every SM) while the copies of (1) run beside it.
+// Every CUDA call is checked; a wait in the device code is bounded and reports which segment it gave up on.
+//
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -o /tmp/copy_engine_probe \
+//     tools/probes/copy_engine_probe.cu && /tmp/copy_engine_probe
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                                  \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+namespace {
+
+constexpr uint64_t kSpinLimitNs = 2'000'000'000;  // every device wait gives up after 2 s
+
+__device__ uint64_t GlobalTimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Publishes segment i after gap_ns of spinning: writes its sentinel into the source, then releases flag i.
+__global__ void ProducerKernel(uint32_t* src_last_words, int64_t words_per_seg, uint32_t* flags, int segs,
+                               uint64_t gap_ns, uint32_t epoch, uint64_t* t_publish) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < segs; ++i) {
+    uint64_t t0 = GlobalTimer();
+    while (GlobalTimer() - t0 < gap_ns) {
+    }
+    src_last_words[(i + 1) * words_per_seg - 1] = epoch * 1000003u + i;
+    __threadfence_system();
+    t_publish[i] = GlobalTimer();
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flags + i), "r"(epoch) : "memory");
+  }
+}
+
+// Records when each segment's sentinel arrives in the destination. err[0] = 1 + the segment it gave up on.
+__global__ void ObserverKernel(const volatile uint32_t* dst, int64_t words_per_seg, int segs, uint32_t epoch,
+                               uint64_t* t_arrive, int* err) {
+  if (threadIdx.x != 0) return;
+  uint64_t start = GlobalTimer();
+  for (int i = 0; i < segs; ++i) {
+    const uint32_t want = epoch * 1000003u + i;
+    while (dst[(i + 1) * words_per_seg - 1] != want) {
+      if (GlobalTimer() - start > kSpinLimitNs) {
+        err[0] = 1 + i;
+        return;
+      }
+    }
+    t_arrive[i] = GlobalTimer();
+  }
+}
+
+// An SM-bound kernel: every thread runs a dependent FMA chain (no memory traffic beyond one store).
+__global__ void FmaKernel(float* out, int iters) {
+  float a = threadIdx.x * 1e-3f, b = 1.0001f, c = 0.9999f;
+  for (int i = 0; i < iters; ++i) {
+    a = fmaf(a, b, c);
+    b = fmaf(b, c, a * 1e-9f);
+  }
+  if (a == 12345.f) out[blockIdx.x] = a + b;
+}
+
+using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+WaitValueFn LoadWaitValue() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || fn == nullptr) {
+    std::fprintf(stderr, "cuStreamWaitValue32 not found in the driver\n");
+    std::exit(1);
+  }
+  return reinterpret_cast<WaitValueFn>(fn);
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  int dev = 0, sms = 0;
+  CHECK(cudaSetDevice(dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, dev));
+  std::printf("device %s, %d SMs\n", prop.name, sms);
+  const WaitValueFn wait_value = LoadWaitValue();
+
+  const int64_t kMaxBytes = 512ll << 20;
+  char *src = nullptr, *dst = nullptr;
+  CHECK(cudaMalloc(&src, kMaxBytes));
+  CHECK(cudaMalloc(&dst, kMaxBytes));
+  CHECK(cudaMemset(src, 0x5a, kMaxBytes));
+  CHECK(cudaMemset(dst, 0, kMaxBytes));
+  cudaStream_t s_main, s_copy, s_obs;
+  CHECK(cudaStreamCreateWithFlags(&s_main, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&s_copy, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&s_obs, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+
+  // 1. Bandwidth of back-to-back device-to-device copies by segment size (64 MiB per measurement).
+  std::printf("\n| segment KiB | copies | GB/s (read+write counted once) | us per copy |\n|---|---|---|---|\n");
+  for (int64_t seg : {16ll << 10, 64ll << 10, 256ll << 10, 1ll << 20, 4ll << 20, 16ll << 20}) {
+    const int n = static_cast<int>((64ll << 20) / seg);
+    std::vector<float> ms;
+    for (int rep = 0; rep < 7; ++rep) {
+      CHECK(cudaEventRecord(e0, s_copy));
+      for (int i = 0; i < n; ++i) CHECK(cudaMemcpyAsync(dst + i * seg, src + i * seg, seg, cudaMemcpyDeviceToDevice, s_copy));
+      CHECK(cudaEventRecord(e1, s_copy));
+      CHECK(cudaEventSynchronize(e1));
+      float t;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (rep >= 2) ms.push_back(t);
+    }
+    const float m = Median(ms);
+    std::printf("| %lld | %d | %.1f | %.2f |\n", static_cast<long long>(seg >> 10), n, n * seg / (m * 1e-3) / 1e9,
+                m * 1e3 / n);
+  }
+
+  // 2. Trigger latency: flag-gated copies on a side stream.
+  const int kSegs = 64;
+  uint32_t* flags = nullptr;
+  uint64_t *t_pub = nullptr, *t_arr = nullptr;
+  int* err = nullptr;
+  CHECK(cudaMalloc(&flags, kSegs * sizeof(uint32_t)));
+  CHECK(cudaMemset(flags, 0, kSegs * sizeof(uint32_t)));
+  CHECK(cudaMallocHost(&t_pub, kSegs * sizeof(uint64_t)));  // pinned: read by the host after a sync
+  CHECK(cudaMallocHost(&t_arr, kSegs * sizeof(uint64_t)));
+  CHECK(cudaMallocHost(&err, sizeof(int)));
+  std::printf("\n| segment KiB | gap us | latency median us | p90 us | max us | copy alone us |\n|---|---|---|---|---|---|\n");
+  uint32_t epoch = 0;
+  for (int64_t seg : {64ll << 10, 1ll << 20, 4ll << 20}) {
+    for (int gap_us : {5, 50}) {
+      std::vector<float> lat;
+      for (int rep = 0; rep < 4; ++rep) {
+        ++epoch;
+        *err = 0;
+        // The copies are enqueued first: each waits for its flag on the device, with no host in the loop.
+        for (int i = 0; i < kSegs; ++i) {
+          CUresult r = wait_value(reinterpret_cast<CUstream>(s_copy), reinterpret_cast<CUdeviceptr>(flags + i), epoch,
+                                  CU_STREAM_WAIT_VALUE_GEQ);
+          if (r != CUDA_SUCCESS) {
+            std::fprintf(stderr, "cuStreamWaitValue32 failed: %d\n", static_cast<int>(r));
+            return 1;
+          }
+          CHECK(cudaMemcpyAsync(dst + i * seg, src + i * seg, seg, cudaMemcpyDeviceToDevice, s_copy));
+        }
+        ObserverKernel<<<1, 32, 0, s_obs>>>(reinterpret_cast<uint32_t*>(dst), seg / 4, kSegs, epoch, t_arr, err);
+        CHECK(cudaGetLastError());
+        ProducerKernel<<<1, 32, 0, s_main>>>(reinterpret_cast<uint32_t*>(src), seg / 4, flags, kSegs,
+                                             gap_us * 1000ull, epoch, t_pub);
+        CHECK(cudaGetLastError());
+        CHECK(cudaDeviceSynchronize());
+        if (*err) {
+          std::fprintf(stderr, "observer gave up waiting for segment %d (epoch %u, %lld KiB)\n", *err - 1, epoch,
+                       static_cast<long long>(seg >> 10));
+          return 1;
+        }
+        if (rep == 0) continue;  // warm-up
+        for (int i = 0; i < kSegs; ++i) lat.push_back((t_arr[i] - t_pub[i]) * 1e-3f);
+      }
+      std::sort(lat.begin(), lat.end());
+      // One copy of this size alone, for comparison.
+      std::vector<float> one;
+      for (int rep = 0; rep < 9; ++rep) {
+        CHECK(cudaEventRecord(e0, s_copy));
+        CHECK(cudaMemcpyAsync(dst, src, seg, cudaMemcpyDeviceToDevice, s_copy));
+        CHECK(cudaEventRecord(e1, s_copy));
+        CHECK(cudaEventSynchronize(e1));
+        float t;
+        CHECK(cudaEventElapsedTime(&t, e0, e1));
+        one.push_back(t * 1e3f);
+      }
+      std::printf("| %lld | %d | %.1f | %.1f | %.1f | %.1f |\n", static_cast<long long>(seg >> 10), gap_us,
+                  lat[lat.size() / 2], lat[lat.size() * 9 / 10], lat.back(), Median(one));
+    }
+  }
+
+  // 3. Slowdown of an SM-bound kernel with copies running beside it.
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&sink, sms * 4 * sizeof(float)));
+  auto time_fma = [&](bool with_copies) {
+    std::vector<float> ms;
+    for (int rep = 0; rep < 7; ++rep) {
+      if (with_copies) {
+        for (int i = 0; i < 8; ++i) CHECK(cudaMemcpyAsync(dst, src, kMaxBytes, cudaMemcpyDeviceToDevice, s_copy));
+      }
+      CHECK(cudaEventRecord(e0, s_main));
+      FmaKernel<<<sms * 4, 256, 0, s_main>>>(sink, 1 << 17);
+      CHECK(cudaGetLastError());
+      CHECK(cudaEventRecord(e1, s_main));
+      CHECK(cudaDeviceSynchronize());
+      float t;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (rep >= 2) ms.push_back(t);
+    }
+    return Median(ms);
+  };
+  const float alone = time_fma(false), beside = time_fma(true);
+  std::printf("\nSM-bound kernel: %.3f ms alone, %.3f ms beside device-to-device copies (%+.1f%%)\n", alone, beside,
+              100.0 * (beside - alone) / alone);
+  std::printf("copy_engine_probe: done\n");
+  return 0;
+}
