@@ -19,7 +19,7 @@
 //
 // Build and run (repository root; < 30 s; options: --iters 1000 --reps 5 --seeds 12):
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
-//     -o /tmp/decision_probe csrc/cuda/decision_probe.cu && /tmp/decision_probe
+//     -o /tmp/decision_probe tools/probes/decision_probe.cu && /tmp/decision_probe
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "cuda/consumer_choice.cuh"
-#include "cuda/wgmma/probe_common.cuh"  // CK
+#include "probe_common.cuh"  // CK
 
 namespace {
 using namespace jmo;
