@@ -197,3 +197,30 @@ def test_forced_timeout_report(monkeypatch):
   res["timeout"] = [{"reported": True, "code": 3, "msg": "internal"}] * case.ranks
   v = check_lib.check(case, sets, res)
   assert not v.passed and "unexpected error after the forced timeout" in v.failures[0]
+
+
+def test_run_case_lines(monkeypatch, capsys):
+  """run.py's lines on a simulated run: the PASS line tests/gpu greps, TIMED / RESULT lines of a timed case."""
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  from tools.loopback import run  # pylint: disable=g-import-not-at-top
+  case = _small_case(time=True, sweep=(1, 2), per_call_stats=True, reps=3)
+  sets = cases_lib.make_data(case)
+  res = _exact_run(case, sets)
+  rec = {"consumers": 1, "begin_t": 1000, "prod_t0": 2000, "prod_t1": 9000, "prod_t0_last": 2100, "cons_t0": 3000,
+         "cons_t1": 9500, "comb_t0": 9600, "comb_t1": 9900, "pushed_bytes": 0}
+  y0 = [d for d in res["digests"] if d[2] == 0]
+  res["timed"] = [[{"call_us": [10.0, 12.0, 11.0], "device": [rec] * 3, "y_after": y0[r][4]}
+                   for r in range(case.ranks)] for _ in case.variants()]
+  runner = types.SimpleNamespace(run_ranks=lambda spec, data: res)
+  assert run.run_case(runner, case)
+  out = capsys.readouterr().out
+  assert out.startswith(f"PASS R=2 T=16 k=2 E=4 D=64 K=64 N=24 dtype=bf16 routing=moderate dropless iters=4 "
+                        f"consumers=2 | calls 16 |"), out
+  timed = [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ") and '"timed"' in l]
+  assert [(t["consumers"], t["serialize"]) for t in timed] == [(1, 0), (2, 0), (0, 0), (0, 1)]
+  assert all(t["identical"] and t["median_us"] == 11.0 for t in timed)
+  assert out.count("TIMELINE r0 C=1 begin 0.0 prod 1.0..8.0") == 4
+  assert sum(1 for l in out.splitlines() if l.startswith("RESULT ") and '"plan"' in l) == case.ranks
