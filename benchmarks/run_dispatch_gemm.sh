@@ -29,7 +29,7 @@ if [ -n "$CS" ]; then
   echo "memcheck rc $?"; grep -E "SUMMARY|^(PASS|FAIL)" "$OUT/memcheck.txt" | cut -c1-240
 fi
 el memcheck
-timeout 150 "${loopback[@]}" --suite dispatch-gemm-time > "$OUT/time.txt" 2>&1
+timeout 200 "${loopback[@]}" --suite dispatch-gemm-time > "$OUT/time.txt" 2>&1
 echo "time rc $?"; grep -E "^(PASS|FAIL)|cases passed" "$OUT/time.txt" | sed 's/.*pushers=\([0-9]*\).*dispatch + GEMM1/pushers=\1: dispatch + GEMM1/' | cut -c1-240
 el time
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu -k dispatch_gemm > "$OUT/pytest.log" 2>&1
