@@ -4,10 +4,7 @@
 //   library   DeviceChooseConsumers: the chunked form (1 barrier, FP64-only inner loop, its divisions done by the
 //             host: FillCandidateConsts), falling back to the scans form where its shortcuts would not be exact (the
 //             tables with rows up to 2^24 below)
-//   scans     ChooseByScans alone: the form before session 5 (block scans, 7 barriers), for comparison
-// History (benchmarks/RESULTS.md): 2117 ns per decision with the scans (session 5), 1195 ns with the chunked form and
-// on-device divisions, 1051 ns with the host's divisions (DecisionBenchKernel, H200). Nine variants of the chunked
-// form were compared by an earlier version of this file (session 6, call 1: 1.28-2.18 us at 16 segments).
+//   scans     ChooseByScans alone (block scans, 7 barriers): the general form, for comparison
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
