@@ -18,7 +18,7 @@ tile stored; first push .. last push) time each half alone.
   seg_us          the per-segment cost the model adds serially: (span - bytes / rate(C)) / segments per rank at C = 8
                   per rank with many small segments (128 per rank), rate(C) from the big-segment run; clamped at 0.
 
-  python3 benchmarks/calibrate.py --out jax_moe_overlap/calibration/   # writes <dir>/<gpu name>.json
+  python3 -m benchmarks.calibrate --out jax_moe_overlap/calibration/   # writes <dir>/<gpu name>.json
 """
 
 from __future__ import annotations
@@ -29,11 +29,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import loopback_runner as lb  # noqa: E402
-from jax_moe_overlap import resource as rm  # noqa: E402
+from benchmarks import loopback_runner as lb
+from jax_moe_overlap import resource as rm
 
 
 def fit_line(xs, ys):
@@ -140,8 +137,10 @@ def main(argv=None):
   doc = dict(params.__dict__, gpu_name=dev["name"], compute_capability=dev["cc"],
              producer=dev.get("producer", "?"),
              consumer="CopyBand (JMO_CONSUMER_COPY=plain)" if os.environ.get("JMO_CONSUMER_COPY") == "plain"
-             else "bulk copies (csrc/cuda/bulk_copy.cuh), the default", measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
-             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(["python3"] + sys.argv),
+             else "bulk copies (csrc/cuda/bulk_copy.cuh), the default",
+             measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
+             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             command=" ".join(["python3", "-m", "benchmarks.calibrate"] + sys.argv[1:]),
              note="link_gbps is the consumer's own ceiling on one GPU (HBM to HBM); loopback runs with R ranks "
                   "share it (bench_resource.py passes link_gbps / R)", raw=raw)
   with open(out, "w") as f:

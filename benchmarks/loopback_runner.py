@@ -1,10 +1,10 @@
-"""Runs the `jmo_loopback` harness (csrc/cuda/loopback_main.cc) for the resource-manager benchmarks and parses its
-`RESULT {json}` lines. No jax needed: the harness drives the CUDA kernels directly (R ranks sharing one GPU).
+"""Runs the loopback harness (tools/loopback/run.py) for the resource-manager benchmarks and parses its
+`RESULT {json}` lines. The harness drives the CUDA kernels directly (R ranks sharing one GPU); it needs its runner
+built (tools/CMakeLists.txt; tests/gpu/build_gpu.sh builds it) and computes its plans with JAX on the CPU.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shlex
@@ -15,19 +15,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def binary() -> str:
-  """$JMO_LOOPBACK_BIN, else build/gpu/csrc/cuda/jmo_loopback, else the first jmo_loopback under build*/."""
-  env = os.environ.get("JMO_LOOPBACK_BIN")
-  if env:
-    return env
-  default = os.path.join(ROOT, "build", "gpu", "csrc", "cuda", "jmo_loopback")
-  if os.path.exists(default):
-    return default
-  found = sorted(glob.glob(os.path.join(ROOT, "build*", "**", "jmo_loopback"), recursive=True))
-  if not found:
-    sys.exit("jmo_loopback not found: build it (bash benchmarks/run_resource_device.sh builds into build/gpu) or set "
-             "$JMO_LOOPBACK_BIN")
-  return found[0]
+def command() -> list[str]:
+  """The harness as a command, run from the repository root."""
+  return [sys.executable, "-m", "tools.loopback.run"]
 
 
 class LoopbackError(RuntimeError):
@@ -40,10 +30,10 @@ def run(args: list[str], timeout: float = 300, log=None) -> dict:
   Raises LoopbackError (with the output's tail) if the harness fails: a FAIL line means a correctness check did not
   hold, and its numbers must not be used.
   """
-  cmd = [binary()] + [str(a) for a in args]
+  cmd = command() + [str(a) for a in args]
   env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
   t0 = time.time()
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)
   secs = time.time() - t0
   if log is not None:
     log.write(f"$ {shlex.join(cmd)}\n{proc.stdout}{proc.stderr}\n")

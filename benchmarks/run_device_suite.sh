@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: build + GPU tests + the issue-4 benchmarks, each step under its own time limit, logs in $OUT.
+# One device call: build + GPU tests + the layer, fused, grouped-GEMM (and consumer) benchmarks, each step under its
+# own time limit, logs in $OUT.
 #
 #   bash benchmarks/run_device_suite.sh        (on the GPU machine; tokamax wheels in .whl/ if present)
 # Steps (seconds): GPU tests (build included) <= $T_TESTS, bench_layer <= $T_LAYER, bench_fused <= $T_FUSED,
@@ -22,7 +23,7 @@ run() {  # name limit cmd...
   timeout "$limit" "$@" --out "$OUT/$name.jsonl" > "$OUT/$name.log" 2>&1
   echo "== $name (rc $?)"; grep -E "^\|" "$OUT/$name.log" | cut -c1-160
 }
-run layer "$T_LAYER" python3 benchmarks/bench_layer.py ${LAYER_ARGS:---quick}
-run fused "$T_FUSED" python3 benchmarks/bench_fused.py ${FUSED_ARGS:---quick --skews balanced}
-run gemm "$T_GEMM" python3 benchmarks/bench_grouped_gemm.py ${GEMM_ARGS:---quick --skews balanced}
-run consumer "$T_CONSUMER" python3 benchmarks/bench_consumer.py ${CONSUMER_ARGS:-}
+run layer "$T_LAYER" python3 -m benchmarks.bench_layer ${LAYER_ARGS:---quick}
+run fused "$T_FUSED" python3 -m benchmarks.bench_fused ${FUSED_ARGS:---quick --skews balanced}
+run gemm "$T_GEMM" python3 -m benchmarks.bench_grouped_gemm ${GEMM_ARGS:---quick --skews balanced}
+run consumer "$T_CONSUMER" python3 -m benchmarks.bench_consumer ${CONSUMER_ARGS:-}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a machine with 2 or more GPUs (issue 7, items 1, 3 and 4), every step under its own time limit:
+# One device call on a machine with 2 or more GPUs, every step under its own time limit:
 #   build (tests/gpu/build_gpu.sh) -> bench_links.py -> pytest tests/gpu -> examples/train_moe.py tokens/s, overlap vs
 #   reference -> bench_ep_combine.py on all GPUs (expert_combine alone: ours, serialized, pinned C sweep, bare GEMM,
 #   with the kernels' per-rank record of C, producer / consumer spans and push GB/s) -> bench_ep_layer.py on all GPUs
@@ -68,7 +68,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 bench_env=(env JAX_PLATFORMS="${BENCH_PLATFORMS:-cuda}")
 
 if step links "$T_LINKS"; then
-  timeout "$T_LINKS" "${bench_env[@]}" python3 benchmarks/bench_links.py --out "$OUT/links.jsonl" \
+  timeout "$T_LINKS" "${bench_env[@]}" python3 -m benchmarks.bench_links --out "$OUT/links.jsonl" \
     > "$OUT/links.log" 2>&1
   say "rc $?"
   grep "^bench_links" "$OUT/links.log" | tee -a "$summary"
@@ -101,7 +101,7 @@ done
 # expert_combine alone, with the kernels' per-rank record (EPC_ARGS split on spaces: flags and numbers only). On
 # timeout's SIGTERM it still writes its rows so far.
 if step "bench_ep_combine" "$T_EP_COMBINE"; then
-  timeout -k 10 "$T_EP_COMBINE" "${bench_env[@]}" python3 benchmarks/bench_ep_combine.py $EPC_ARGS \
+  timeout -k 10 "$T_EP_COMBINE" "${bench_env[@]}" python3 -m benchmarks.bench_ep_combine $EPC_ARGS \
     --out "$OUT/ep_combine.jsonl" > "$OUT/ep_combine.log" 2>&1
   bench_report "$OUT/ep_combine.log" $?
 fi
@@ -111,7 +111,7 @@ ep_limit=$(( T_TOTAL - $(since) - 15 ))
 ep_limit=$(( ep_limit < T_EP ? ep_limit : T_EP ))
 if step "bench_ep_layer" "$ep_limit"; then
   # EP_ARGS is split on spaces (flags and numbers only); EP_SHAPES stays one argument.
-  timeout -k 10 "$ep_limit" "${bench_env[@]}" python3 benchmarks/bench_ep_layer.py --shapes "$EP_SHAPES" \
+  timeout -k 10 "$ep_limit" "${bench_env[@]}" python3 -m benchmarks.bench_ep_layer --shapes "$EP_SHAPES" \
     --impls "$EP_IMPLS" $EP_ARGS --out "$OUT/ep_layer.jsonl" > "$OUT/ep_layer.log" 2>&1
   bench_report "$OUT/ep_layer.log" $?
 fi

@@ -1,10 +1,11 @@
-"""Shared helpers of the GPU tests: skip cleanly where there is no GPU (CI), find the loopback harness."""
+"""Shared helpers of the GPU tests: skip cleanly where there is no GPU (CI), run the loopback harness."""
 
 from __future__ import annotations
 
 import glob
 import os
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -53,14 +54,22 @@ def skip_reason() -> str | None:
 requires_gpu = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
 
-def loopback_binary() -> str | None:
-  """The jmo_loopback program: $JMO_LOOPBACK_BIN, else the first one under build*/ of the checkout."""
-  env = os.environ.get("JMO_LOOPBACK_BIN")
-  if env:
-    return env
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  found = sorted(glob.glob(os.path.join(root, "build*", "**", "jmo_loopback"), recursive=True))
-  return found[0] if found else None
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_loopback(args, timeout: float, wrapper=()) -> subprocess.CompletedProcess:
+  """Runs the loopback harness (python -m tools.loopback.run, from the repository root) with `args`, under
+  `wrapper` (e.g. compute-sanitizer and its options) if given; prints the output's tail. Fails the test if the
+  harness's runner is not built (tools/CMakeLists.txt; tests/gpu/build_gpu.sh builds it)."""
+  if not glob.glob(os.path.join(REPO, "tools", "loopback", "_jmo_loopback*.so")):
+    pytest.fail("the loopback runner is not built: cmake -S tools -B build/tools && cmake --build build/tools, then "
+                "copy build/tools/_jmo_loopback*.so into tools/loopback/ (tests/gpu/build_gpu.sh does both)")
+  cmd = [str(w) for w in wrapper] + [sys.executable, "-m", "tools.loopback.run"] + [str(a) for a in args]
+  env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=False)
+  print(proc.stdout[-20000:])
+  print(proc.stderr[-5000:])
+  return proc
 
 
 def compute_sanitizer() -> str | None:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds the CUDA extension and the loopback harness on a GPU machine, then runs the GPU tests.
+# Builds the CUDA extension and the tools (the loopback harness) on a GPU machine, then runs the GPU tests.
 #
 #   bash tests/gpu/run_device.sh [pytest args...]
 # Logs go to $OUT (the device tool's output folder) or /tmp/jmo-gpu-out. Uses the machine's python3 (jax with CUDA,
-# flax, nanobind, cmake, nvcc, cuda-python); builds into build/gpu and puts the extension next to the sources, so
-# nothing is pip-installed.
+# flax, nanobind, cmake, nvcc, cuda-python); builds into build/gpu and build/tools and puts the extension and the
+# loopback runner next to their sources, so nothing is pip-installed.
 set -uo pipefail
 OUT=${OUT:-/tmp/jmo-gpu-out}
 mkdir -p "$OUT"

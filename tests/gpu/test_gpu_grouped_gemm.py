@@ -2,20 +2,15 @@
 plus shapes with many tiles per group, both tile engines (bf16 tensor cores, fp32 SIMT), the transposed-rhs and the
 weight-gradient forms; and bitwise-identical repeats. Skips where there is no GPU."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gpu_common import gpu_devices, requires_gpu
+import test_grouped_gemm as base  # tests/test_grouped_gemm.py (gpu_common puts tests/ on sys.path)  # noqa: I001
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import test_grouped_gemm as base  # noqa: E402  pylint: disable=g-import-not-at-top
-
-from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer  # noqa: E402
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 
 pytestmark = requires_gpu
 

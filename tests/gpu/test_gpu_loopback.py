@@ -3,41 +3,22 @@
 Under compute-sanitizer the harness runs one rank only: the tools serialize kernels, and ranks sharing one GPU spin on
 each other's kernels, so R >= 2 would only time out there.
 
-The harness is the `jmo_loopback` program that CMake builds next to the extension (csrc/cuda/loopback_main.cc):
-set $JMO_LOOPBACK_BIN, or build into build*/ of the checkout. Skips where there is no GPU.
+The harness is tools/loopback (python -m tools.loopback.run), whose runner tools/CMakeLists.txt builds
+(tests/gpu/build_gpu.sh). Skips where there is no GPU.
 """
 
-import os
 import re
-import subprocess
 
 import pytest
 
-from gpu_common import compute_sanitizer, loopback_binary, requires_gpu
+from gpu_common import compute_sanitizer, requires_gpu, run_loopback
 
 pytestmark = requires_gpu
 
 
-def _run(cmd, timeout):
-  env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-  print(proc.stdout[-20000:])
-  print(proc.stderr[-5000:])
-  return proc
-
-
-@pytest.fixture(scope="module")
-def binary():
-  b = loopback_binary()
-  if b is None or not os.path.exists(b):
-    pytest.fail("jmo_loopback not found: build it (cmake --build <dir> --target jmo_loopback) and set "
-                "JMO_LOOPBACK_BIN")
-  return b
-
-
 @pytest.mark.watchdog_s(600)  # the subprocess's own limit is 540 s
-def test_loopback_full_suite(binary):
-  proc = _run([binary, "--suite", "full"], timeout=540)
+def test_loopback_full_suite():
+  proc = run_loopback(["--suite", "full"], timeout=540)
   m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
   assert m, proc.stdout[-2000:]
   assert proc.returncode == 0 and m.group(1) == m.group(2), proc.stdout[-4000:]
@@ -52,14 +33,14 @@ def test_loopback_full_suite(binary):
 
 
 @pytest.mark.watchdog_s(300)  # the subprocess's own limit is 240 s
-def test_loopback_dispatch_gemm_suite(binary):
+def test_loopback_dispatch_gemm_suite():
   """dispatch_gemm (the dispatch and GEMM1 in one launch, GEMM1 tiles waiting per source): R = 1, 2, 4, 8 x three
   routings, x_recv exact, GEMM1 against the host in float32, bit-identical repeats, and a forced timeout in a
   per-source wait reported by the next call, then recovery. Hopper only (the wgmma engine)."""
   from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
   if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
-  proc = _run([binary, "--suite", "dispatch-gemm"], timeout=240)
+  proc = run_loopback(["--suite", "dispatch-gemm"], timeout=240)
   m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
   assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 13, proc.stdout[-4000:]
   for r in (1, 2, 4, 8):
@@ -69,15 +50,15 @@ def test_loopback_dispatch_gemm_suite(binary):
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 @pytest.mark.watchdog_s(460)  # the subprocess's own limit is 400 s
-def test_compute_sanitizer(binary, tool):
+def test_compute_sanitizer(tool):
   cs = compute_sanitizer()
   if cs is None:
     pytest.skip("compute-sanitizer not found")
-  # racecheck runs the suite without its wgmma-producer cases: one did not finish in 180 s under racecheck (the
-  # loopback's Suite("small-mma") says why); the shared signalling, decision and consumer code is in every case.
+  # racecheck runs the suite without its wgmma-producer cases, which do not finish under it in minutes
+  # (tools/loopback/cases.py, suite "small-mma"); the shared signalling, decision and consumer code is in every case.
   suite = "small-mma" if tool == "racecheck" else "small"
-  proc = _run([cs, "--tool", tool, "--error-exitcode", "99", binary, "--suite", suite, "--timeout-ms", "60000"],
-              timeout=400)
+  proc = run_loopback(["--suite", suite, "--timeout-ms", "60000"], timeout=400,
+                      wrapper=[cs, "--tool", tool, "--error-exitcode", "99"])
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-4000:]
   assert re.search(r"(ERROR|RACECHECK) SUMMARY: 0 (errors|hazards)", out), out[-4000:]

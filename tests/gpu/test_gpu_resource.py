@@ -6,19 +6,14 @@ Skips where there is no GPU.
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import gpu_mesh, loopback_binary, rank_counts, requires_gpu
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+from gpu_common import gpu_mesh, rank_counts, requires_gpu, run_loopback
 
 pytestmark = requires_gpu
 
@@ -27,11 +22,7 @@ PARAMS = [132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5]
 
 
 def _run(args, timeout=300):
-  env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
-  proc = subprocess.run([loopback_binary()] + [str(a) for a in args], capture_output=True, text=True,
-                        timeout=timeout, env=env, check=False)
-  print(proc.stdout[-8000:], proc.stderr[-3000:])
-  return proc
+  return run_loopback(args, timeout=timeout)
 
 
 def test_loopback_resource_suite():

@@ -4,10 +4,7 @@
 //   library   DeviceChooseConsumers: the chunked form (1 barrier, FP64-only inner loop, its divisions done by the
 //             host: FillCandidateConsts), falling back to the scans form where its shortcuts would not be exact (the
 //             tables with rows up to 2^24 below)
-//   scans     ChooseByScans alone: the form before session 5 (block scans, 7 barriers), for comparison
-// History (benchmarks/RESULTS.md): 2117 ns per decision with the scans (session 5), 1195 ns with the chunked form and
-// on-device divisions, 1051 ns with the host's divisions (DecisionBenchKernel, H200). Nine variants of the chunked
-// form were compared by an earlier version of this file (session 6, call 1: 1.28-2.18 us at 16 segments).
+//   scans     ChooseByScans alone (block scans, 7 barriers): the general form, for comparison
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
@@ -19,7 +16,7 @@
 //
 // Build and run (repository root; < 30 s; options: --iters 1000 --reps 5 --seeds 12):
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
-//     -o /tmp/decision_probe csrc/cuda/decision_probe.cu && /tmp/decision_probe
+//     -o /tmp/decision_probe tools/probes/decision_probe.cu && /tmp/decision_probe
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,7 +28,7 @@
 #include <vector>
 
 #include "cuda/consumer_choice.cuh"
-#include "cuda/wgmma/probe_common.cuh"  // CK
+#include "probe_common.cuh"  // CK
 
 namespace {
 using namespace jmo;

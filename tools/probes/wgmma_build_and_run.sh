@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and run the wgmma probes (Hopper sm_90a).
-#   bash csrc/cuda/wgmma/build_and_run.sh [build_dir=/tmp/wgmma] [mode]
+#   bash tools/probes/wgmma_build_and_run.sh [build_dir=/tmp/wgmma] [mode]
 #   grouped GEMM probe (wgmma_probe.cu, WgmmaGroupedGemm):
 #     (no 2nd arg) / run  build, SASS sanity line, run all cases (correctness + timing)
 #     sanitize            build, then compute-sanitizer --tool memcheck on the small cases only, no timing
@@ -12,6 +12,7 @@
 #     outer-prebuilt      run $dir/wgmma_outer_probe as it is (built elsewhere); all cases
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
 dir="${1:-/tmp/wgmma}"
 mode="${2:-run}"
 mkdir -p "$dir"
@@ -24,6 +25,7 @@ if [ "$mode" != outer-prebuilt ]; then
   # The library's gencodes: sm_90a SASS (the wgmma kernels) + sm_80 SASS + compute_80 PTX (guarded __trap() bodies).
   "$NVCC" -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
     -gencode=arch=compute_80,code=compute_80 -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall \
+    -I"$repo/csrc" -I"$repo/csrc/include" \
     -Xptxas -v -o "$dir/$probe" "$here/$probe.cu" 2> "$dir/ptxas_$probe.log" || { cat "$dir/ptxas_$probe.log"; exit 1; }
   # One line per sm_90a kernel instantiation: registers / spills.
   if [ "$probe" = wgmma_probe ]; then

@@ -1,5 +1,5 @@
-// Push probe: what limits a consumer CTA's copy rate on one GPU (issue 4: the bulk-copy consumer measured a flat
-// ~10 GB/s per CTA whatever its ring size or store lags; CopyBand 25 GB/s per CTA falling with C).
+// Push probe: what limits a consumer CTA's copy rate on one GPU: ring size, store lags, issuing threads and chunk
+// size of the bulk-copy consumer, against CopyBand and the cudaMemcpyAsync ceiling.
 //
 // Copies `total` bytes in 512 KiB bands (64 rows of 8 KiB, the consumer's band at N = 4096 bf16) from one buffer to
 // another of the same GPU with C CTAs, each taking bands c, c + C, ..., in these ways:
@@ -10,8 +10,8 @@
 // Median of --reps timed launches (CUDA events) after one warm-up; the destination is checked against the source
 // after each configuration's first launch (poisoned before it).
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc \
-//     -o /tmp/push_probe csrc/cuda/push_probe.cu && /tmp/push_probe
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
+//     -o /tmp/push_probe tools/probes/push_probe.cu && /tmp/push_probe
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "cuda/bulk_copy.cuh"
-#include "cuda/wgmma/probe_common.cuh"  // CK
+#include "probe_common.cuh"  // CK
 
 namespace {
 using namespace jmo::cuda;

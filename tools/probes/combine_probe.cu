@@ -20,8 +20,8 @@
 // Median of --reps timed launches (CUDA events, one pair per launch) after a checked warm-up launch (y poisoned with
 // 0xFFFF, a bf16 NaN, before it); --flush 1 overwrites a 256 MB buffer before each timed launch (cold L2).
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc \
-//     -o /tmp/combine_probe csrc/cuda/combine_probe.cu && /tmp/combine_probe
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
+//     -o /tmp/combine_probe tools/probes/combine_probe.cu && /tmp/combine_probe
 //   /tmp/combine_probe --tokens 4096 --k 8 --n 7168      (DeepSeek-like; also --reps R, --flush 1)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -35,7 +35,7 @@
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/combine_gather.cuh"
-#include "cuda/wgmma/probe_common.cuh"  // CK, FillKernel
+#include "probe_common.cuh"  // CK, FillKernel
 
 namespace {
 using bf16 = __nv_bfloat16;

@@ -11,7 +11,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../../.." && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
 BUILD="${1:?usage: build_and_run.sh <builddir> [sanitize]}"
 MODE="${2:-}"
 mkdir -p "$BUILD"

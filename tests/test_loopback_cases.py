@@ -1,0 +1,226 @@
+"""The loopback harness's CPU side (tools/loopback): every suite case's plans from jax_moe_overlap.plan against an
+independent per-slot construction of the same layout, the plans' invariants, and check.py's verdicts on simulated
+runs (exact outputs pass; a wrong row, a poisoned row, a differing repeat, a missing call fail)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tools.loopback import cases as cases_lib
+from tools.loopback import check as check_lib
+
+
+def _all_cases():
+  base = cases_lib.Case()
+  out = []
+  for name in cases_lib.SUITES:
+    for i, c in enumerate(cases_lib.suite(name, base, producer_path=lambda c: "mma.sync bf16")):
+      out.append(pytest.param(c, id=f"{name}-{i}"))
+  return out
+
+
+def _slot_by_slot_plans(ids, R, T, k, E, cap_e):
+  """The plan's layout built slot by slot (send order = stable sort by expert; first come first served over source
+  ranks per expert; recv segments packed in (expert, source) order), independently of plan.py's vector form."""
+  E_l, P = E // R, T * k
+  counts = np.zeros((R, R, E_l), np.int64)  # [s, d, e]
+  for s in range(R):
+    for g in ids[s].reshape(-1):
+      counts[s, g // E_l, g % E_l] += 1
+  kept = np.zeros_like(counts)
+  for d in range(R):
+    for e in range(E_l):
+      before = 0
+      for s in range(R):
+        kept[s, d, e] = min(max(cap_e - before, 0), counts[s, d, e])
+        before += counts[s, d, e]
+  recv_off = np.zeros((R, E_l, R), np.int64)
+  for d in range(R):
+    off = 0
+    for e in range(E_l):
+      for s in range(R):
+        recv_off[d, e, s] = off
+        off += kept[s, d, e]
+  send_start = np.zeros((R, E), np.int64)
+  for s in range(R):
+    acc = 0
+    for g in range(E):
+      send_start[s, g] = acc
+      acc += counts[s, g // E_l, g % E_l]
+  plans = []
+  for s in range(R):
+    flat = ids[s].reshape(-1)
+    order = sorted(range(P), key=lambda p: (flat[p], p))
+    pos = np.empty(P, np.int64)
+    pos[order] = np.arange(P)
+    dest_row, ret_row, dest_rank = np.full(P, -1), np.full(P, -1), np.zeros(P, np.int64)
+    for p in range(P):
+      g = flat[p]
+      d, e = g // E_l, g % E_l
+      pig = pos[p] - send_start[s, g]
+      dest_rank[p] = d
+      if pig < kept[s, d, e]:
+        dest_row[p] = recv_off[d, e, s] + pig
+        ret_row[p] = pos[p]
+    plans.append({"slot_dest_rank": dest_rank, "slot_dest_row": dest_row, "slot_ret_row": ret_row,
+                  "ret_rows": int((ret_row >= 0).sum())})
+  for d in range(R):
+    seg_rows = np.array([[kept[s, d, e] for s in range(R)] for e in range(E_l)]).reshape(-1)
+    seg_ret_off = np.array([[send_start[s, d * E_l + e] for s in range(R)] for e in range(E_l)]).reshape(-1)
+    plans[d].update(seg_rows=seg_rows, seg_ret_off=seg_ret_off, recv_rows=int(seg_rows.sum()))
+  return plans
+
+
+@pytest.mark.parametrize("case", _all_cases())
+def test_suite_case_plans(case):
+  assert case.invalid() is None, case.invalid()
+  R, T, k, E, E_l, P = case.ranks, case.tokens, case.top_k, case.experts, case.experts_per_rank, case.slots
+  rng = np.random.default_rng(case.seed)
+  ids = [cases_lib.route(rng, case, r) for r in range(R)]
+  for r in range(R):
+    assert ids[r].shape == (T, k) and ids[r].min() >= 0 and ids[r].max() < E
+    assert all(len(set(row)) == k for row in ids[r].tolist()), "k distinct experts per token"
+  plans = cases_lib.make_plans(case, ids)
+  want = _slot_by_slot_plans(ids, R, T, k, E, case.expert_cap)
+  for r in range(R):
+    for key, value in want[r].items():
+      np.testing.assert_array_equal(np.asarray(plans[r][key]).reshape(-1), np.asarray(value).reshape(-1),
+                                    err_msg=f"rank {r} {key}")
+  # Invariants the kernels rely on.
+  assert sum(int(p["recv_rows"]) for p in plans) == sum(int(p["ret_rows"]) for p in plans)
+  for d, pl in enumerate(plans):
+    assert int(pl["recv_rows"]) == int(pl["seg_rows"].sum()) <= case.cap
+    np.testing.assert_array_equal(pl["expert_rows"], pl["seg_rows"].reshape(E_l, R).sum(1))
+    assert int(pl["dropped"]) == P - int(pl["ret_rows"])
+    np.testing.assert_array_equal(pl["slot_src_row"], np.arange(P) // k)
+    rows = np.concatenate([p["slot_dest_row"][(p["slot_dest_rank"] == d) & (p["slot_dest_row"] >= 0)]
+                           for p in plans])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(int(pl["recv_rows"])))  # every recv row exactly once
+    for e in range(E_l):
+      for s in range(R):
+        n, off = int(pl["seg_rows"][e * R + s]), int(pl["seg_ret_off"][e * R + s])
+        src = plans[s]
+        mine = (src["slot_dest_rank"] == d) & (src["slot_expert"] == e) & (src["slot_ret_row"] >= 0)
+        np.testing.assert_array_equal(np.sort(src["slot_ret_row"][mine]), off + np.arange(n))
+  if case.capacity_factor > 0:
+    assert sum(int(p["dropped"]) for p in plans) > 0, "the capacity case drops slots"
+  if case.routing == 4:
+    assert all(int(plans[r]["seg_rows"].reshape(E_l, R)[:, r].sum()) == 0 for r in range(R)), "nothing stays"
+
+
+def _small_case(**kw):
+  return dataclasses.replace(cases_lib.Case(), ranks=2, tokens=16, experts=4, d_model=64, k_dim=64, n_dim=24,
+                             iters=4, datasets=2, routing=1, **kw)
+
+
+def _exact_run(case, sets):
+  """A run whose outputs are the references, as the runner would return it."""
+  first, digests = [], []
+  for ds, ranks in enumerate(sets):
+    ex = check_lib.references(case, ranks)
+    row = []
+    for e in ex:
+      dt = np.float32 if case.f32 else ml_dtypes.bfloat16
+      a = e.a.tobytes() if e.a is not None else b""
+      row.append({"recv": e.recv.tobytes(), "y": e.y.astype(dt).tobytes(), "slot": e.slot.astype(dt).tobytes(),
+                  "a": a, "recv2": e.recv.tobytes() if a else b"", "a2": a})
+    first.append(row)
+  for it in range(case.iters):
+    ds = it % case.datasets
+    for r in range(case.ranks):
+      digests.append([it, r, ds, hash(first[ds][r]["recv"]), hash(first[ds][r]["y"]), hash(first[ds][r]["slot"]),
+                      hash(first[ds][r]["a"])])
+  return {"errors": [], "calls": 2 * case.ranks * case.iters, "digests": digests, "first": first,
+          "timeout": [{"reported": False, "code": 0, "msg": ""}] * case.ranks, "timed": [], "dg_us": [[], []],
+          "budget": 66, "producer": "test", "seconds": 0.0}
+
+
+@pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},
+                                {"check_tokens": 4}])
+def test_check_verdicts(kw, monkeypatch):
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  case = _small_case(**kw)
+  sets = cases_lib.make_data(case)
+  res = _exact_run(case, sets)
+  v = check_lib.check(case, sets, res)
+  assert v.passed, v.failures
+  assert v.bit_checks == case.ranks * (case.iters - case.datasets)
+
+  bad = _exact_run(case, sets)  # one received row wrong
+  recv = bytearray(bad["first"][0][1]["recv"])
+  recv[0] ^= 1
+  bad["first"][0][1]["recv"] = bytes(recv)
+  v = check_lib.check(case, sets, bad)
+  assert not v.passed and "dispatch output differs" in v.failures[0]
+
+  bad = _exact_run(case, sets)  # a slot output row left poisoned (all bits set: NaN)
+  slot = bytearray(bad["first"][1][0]["slot"])
+  row_bytes = case.n_dim * (4 if case.f32 else 2)
+  slot[:row_bytes] = b"\xff" * row_bytes
+  bad["first"][1][0]["slot"] = bytes(slot)
+  v = check_lib.check(case, sets, bad)
+  assert not v.passed and "non-finite" in v.failures[0]
+
+  bad = _exact_run(case, sets)  # a later call differs from the first on the same data
+  bad["digests"][-1][4] ^= 1
+  v = check_lib.check(case, sets, bad)
+  assert not v.passed and "differ from the first call" in v.failures[0]
+
+  bad = _exact_run(case, sets)  # a call did not run
+  bad["calls"] -= 1
+  assert not check_lib.check(case, sets, bad).passed
+
+  if case.dispatch_gemm_pushers:
+    bad = _exact_run(case, sets)  # GEMM1 wrong in one element
+    a = np.frombuffer(bad["first"][0][0]["a"], np.float32).copy()
+    a[0] += 1.0
+    bad["first"][0][0]["a"] = a.tobytes()
+    v = check_lib.check(case, sets, bad)
+    assert not v.passed and any("GEMM1" in f for f in v.failures)
+
+
+def test_forced_timeout_report(monkeypatch):
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  case = _small_case(timeout_at=1)
+  sets = cases_lib.make_data(case)
+  res = _exact_run(case, sets)
+  res["timeout"] = [{"reported": True, "code": 2, "msg": "dispatch timed out waiting for rank 1"}] * case.ranks
+  assert check_lib.check(case, sets, res).passed
+  res["timeout"] = [{"reported": True, "code": 3, "msg": "internal"}] * case.ranks
+  v = check_lib.check(case, sets, res)
+  assert not v.passed and "unexpected error after the forced timeout" in v.failures[0]
+
+
+def test_run_case_lines(monkeypatch, capsys):
+  """run.py's lines on a simulated run: the PASS line tests/gpu greps, TIMED / RESULT lines of a timed case."""
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  from tools.loopback import run  # pylint: disable=g-import-not-at-top
+  case = _small_case(time=True, sweep=(1, 2), per_call_stats=True, reps=3)
+  sets = cases_lib.make_data(case)
+  res = _exact_run(case, sets)
+  rec = {"consumers": 1, "begin_t": 1000, "prod_t0": 2000, "prod_t1": 9000, "prod_t0_last": 2100, "cons_t0": 3000,
+         "cons_t1": 9500, "comb_t0": 9600, "comb_t1": 9900, "pushed_bytes": 0}
+  y0 = [d for d in res["digests"] if d[2] == 0]
+  res["timed"] = [[{"call_us": [10.0, 12.0, 11.0], "device": [rec] * 3, "y_after": y0[r][4]}
+                   for r in range(case.ranks)] for _ in case.variants()]
+  runner = types.SimpleNamespace(run_ranks=lambda spec, data: res)
+  assert run.run_case(runner, case)
+  out = capsys.readouterr().out
+  assert out.startswith(f"PASS R=2 T=16 k=2 E=4 D=64 K=64 N=24 dtype=bf16 routing=moderate dropless iters=4 "
+                        f"consumers=2 | calls 16 |"), out
+  timed = [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ") and '"timed"' in l]
+  assert [(t["consumers"], t["serialize"]) for t in timed] == [(1, 0), (2, 0), (0, 0), (0, 1)]
+  assert all(t["identical"] and t["median_us"] == 11.0 for t in timed)
+  assert out.count("TIMELINE r0 C=1 begin 0.0 prod 1.0..8.0") == 4
+  assert sum(1 for l in out.splitlines() if l.startswith("RESULT ") and '"plan"' in l) == case.ranks

@@ -1,0 +1,1 @@
+"""Developer tools of jax-moe-overlap (not shipped): the loopback harness, probes, comparisons."""

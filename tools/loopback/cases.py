@@ -1,0 +1,368 @@
+"""The loopback cases: the suites, and each case's routing, plans (jax_moe_overlap.plan) and data.
+
+A case runs R ranks of the library's kernels on one GPU (tools/loopback/run.py). Its routing plans come from the
+library's own ``plan.py`` (``local_counts``, ``make_plan``, ``expert_capacity``, ``recv_capacity``), evaluated by JAX
+on the CPU, so the harness exercises exactly the offsets the layer computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+ROUTINGS = ("balanced", "moderate", "extreme", "round_robin", "next_rank")
+
+
+@dataclasses.dataclass
+class Case:
+  """One loopback case (the command-line options of run.py, one field each)."""
+  ranks: int = 2
+  tokens: int = 128              # per rank
+  top_k: int = 2
+  experts: int = 8               # total, divisible by ranks
+  d_model: int = 128             # dispatch row width
+  k_dim: int = 200               # expert_combine K
+  n_dim: int = 136               # expert_combine N
+  iters: int = 20                # iterations of (dispatch, expert_combine)
+  # 0 balanced, 1 moderate (Zipf with exponent `zipf`), 2 extreme (token's j-th choice = expert j), 3 exact round
+  # robin (slot p -> expert p mod E: equal segments), 4 next rank (rank r's slots round robin over rank r+1's
+  # experts: every row is pushed)
+  routing: int = 0
+  zipf: float = 1.0              # routing 1: expert e has weight 1 / (1 + e)^zipf
+  capacity_factor: float = 0.0   # 0: dropless, else plan.expert_capacity's rule
+  f32: bool = False              # float32 operands (SIMT producer) instead of bfloat16 (tensor cores)
+  transpose_rhs: bool = False    # expert_combine's w stored [E_l, N, K] and read transposed in place
+  delay_rank: int = -1           # this rank is held back delay_us at the start of every call
+  delay_us: int = 0
+  timeout_at: int = -1           # at this iteration the last rank skips its dispatch: the others time out, the next
+                                 # call of every rank reports it, and the calls after it are correct again
+  timeout_ms: int = 5000
+  short_timeout_ms: int = 200
+  datasets: int = 3
+  seed: int = 1
+  consumers: int = 2             # consumer CTAs per rank and call (0: the manager's choice)
+  serialize: bool = False
+  model: tuple[float, ...] | None = None  # the workspace's ModelParams (9 numbers), else the fixed C = SMs / 8
+  sm_budget: int = 0             # CTAs per rank (0: SMs / ranks)
+  device: int = 0
+  # Timing (after the checked iterations, on data set 0): per C of `sweep` (or just `consumers` when empty), then the
+  # manager and the manager serialized when `sweep` is given, `warmup` then `reps` timed calls of expert_combine.
+  time: bool = False
+  sweep: tuple[int, ...] = ()
+  warmup: int = 3
+  reps: int = 20
+  per_call_stats: bool = False   # synchronize around every timed call and read its device spans
+  decision_iters: int = 0        # > 0: also time the device-side choice on rank 0's plan
+  check_tokens: int = 0          # > 0: check the expert outputs of about this many tokens per rank only
+  # > 0: every dispatch is a dispatch_gemm with this many pushing CTAs; GEMM1 a [cap, K] float32 = x_recv @
+  # w1[expert] (w1 [E_l, D, K] bf16). bf16, D and K multiples of 64, a Hopper GPU.
+  dispatch_gemm_pushers: int = 0
+
+  @property
+  def experts_per_rank(self) -> int:
+    return self.experts // self.ranks
+
+  @property
+  def slots(self) -> int:
+    return self.tokens * self.top_k
+
+  @property
+  def expert_cap(self) -> int:
+    from jax_moe_overlap import plan  # pylint: disable=g-import-not-at-top
+    return plan.expert_capacity(self.tokens, self.ranks, self.top_k, self.experts,
+                                self.capacity_factor if self.capacity_factor > 0 else None)
+
+  @property
+  def cap(self) -> int:
+    from jax_moe_overlap import plan  # pylint: disable=g-import-not-at-top
+    return plan.recv_capacity(self.tokens, self.ranks, self.top_k, self.experts_per_rank, self.expert_cap)
+
+  @property
+  def check_stride(self) -> int:
+    """Expert outputs are checked on every stride-th token (timing shapes: a full host reference takes minutes)."""
+    return max(1, self.tokens // self.check_tokens) if self.check_tokens > 0 else 1
+
+  def variants(self) -> list[tuple[int, bool]]:
+    """The timed (consumers, serialize) variants."""
+    if not self.time:
+      return []
+    if not self.sweep:
+      return [(self.consumers, self.serialize)]
+    v = [(c, self.serialize) for c in self.sweep] + [(0, self.serialize)]
+    if not self.serialize:  # the same kernels without overlap: the baseline
+      v.append((0, True))
+    return v
+
+  def invalid(self) -> str | None:
+    """Why the case cannot run, or None."""
+    R, E, k = self.ranks, self.experts, self.top_k
+    if R < 1 or R > 32 or E % R:
+      return f"ranks {R} must be in 1..32 and divide experts {E}"
+    if not 0 <= self.routing < len(ROUTINGS):
+      return f"routing {self.routing} not in 0..{len(ROUTINGS) - 1}"
+    if k > E or (self.routing == 4 and k > E // R):
+      return f"top_k {k} larger than the experts it chooses from"
+    if self.consumers < 0:
+      return "consumers must be >= 0 (0: the manager)"
+    if self.dispatch_gemm_pushers > 0 and (self.f32 or self.d_model % 64 or self.k_dim % 64):
+      return "dispatch_gemm takes bf16 with D and K multiples of 64"
+    return None
+
+  def name(self) -> str:
+    """The case's line in the output (tests/gpu greps it)."""
+    consumers = str(self.consumers) if self.consumers > 0 else ("model" if self.model else "fixed")
+    s = (f"R={self.ranks} T={self.tokens} k={self.top_k} E={self.experts} D={self.d_model} K={self.k_dim} "
+         f"N={self.n_dim} dtype={'f32' if self.f32 else 'bf16'}{' w=transposed' if self.transpose_rhs else ''} "
+         f"routing={ROUTINGS[min(max(self.routing, 0), len(ROUTINGS) - 1)]}"
+         f"{f' zipf={self.zipf:f}' if self.routing == 1 and self.zipf != 1.0 else ''}"
+         f"{f' cf={self.capacity_factor:f}' if self.capacity_factor > 0 else ' dropless'} iters={self.iters} "
+         f"consumers={consumers}")
+    if self.serialize:
+      s += " serialized"
+    if self.dispatch_gemm_pushers > 0:
+      s += f" dispatch_gemm pushers={self.dispatch_gemm_pushers}"
+    if self.delay_rank >= 0:
+      s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
+    if self.timeout_at >= 0:
+      s += f" forced_timeout_at={self.timeout_at}"
+    return s
+
+
+# Plausible H200-like constants that make the device-side choice vary over the suites' small shapes: they exercise
+# the manager's code path (every CTA must agree on C); they are not a calibration.
+SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
+
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "small", "small-mma")
+
+
+def _rank_case(base: Case, R: int, routing: int, iters: int) -> Case:
+  """R ranks with two experts each."""
+  return dataclasses.replace(base, ranks=R, experts=2 * R, routing=routing, iters=iters)
+
+
+def _small(base: Case) -> list[Case]:
+  # One rank (it pushes to and receives from itself through the same peer-pointer paths): several ranks cannot run
+  # under compute-sanitizer, whose tools serialize kernels while ranks sharing a GPU spin-wait on each other's.
+  v = []
+  for d, kk, n in ((64, 72, 40), (128, 200, 136), (64, 40, 24), (192, 128, 192)):  # the last: wgmma on Hopper
+    for f32 in (False, True):
+      v.append(dataclasses.replace(base, ranks=1, tokens=48, experts=4, d_model=d, k_dim=kk, n_dim=n, iters=2,
+                                   datasets=1, routing=1, f32=f32))
+  # w transposed (the backward pass's layout): mma.sync, SIMT and (Hopper) wgmma loads of B along K.
+  for d, kk, n, f32 in ((128, 200, 136, False), (128, 200, 136, True), (192, 128, 192, False)):
+    v.append(dataclasses.replace(v[0], d_model=d, k_dim=kk, n_dim=n, f32=f32, transpose_rhs=True))
+  return v
+
+
+def _resource(base: Case) -> list[Case]:
+  v = []
+  for R in (1, 2, 4):  # the resource manager on the device (every CTA computes the same C), then serialized
+    for ser in (False, True):
+      v.append(dataclasses.replace(base, ranks=R, experts=4 * R, tokens=256, k_dim=256, n_dim=264, routing=1,
+                                   consumers=3 if ser else 0, serialize=ser, model=SUITE_MODEL, iters=12))
+  # manager + serialized together, 8 ranks; then float32 operands (the SIMT path keeps the fixed C)
+  c = dataclasses.replace(base, ranks=8, experts=16, routing=2, consumers=0, serialize=True, model=SUITE_MODEL,
+                          iters=10)
+  v.append(c)
+  v.append(dataclasses.replace(c, f32=True, ranks=2, experts=4))
+  return v
+
+
+def _dispatch_gemm(base: Case) -> list[Case]:
+  # The dispatch and GEMM1 in one launch (bf16, D and K multiples of 64: the wgmma engine).
+  v = []
+  for R in (1, 2, 4, 8):
+    for routing in (0, 1, 2):
+      v.append(dataclasses.replace(_rank_case(base, R, routing, 12), d_model=192, k_dim=128,
+                                   dispatch_gemm_pushers=1 if R == 1 else 2))
+  v.append(dataclasses.replace(v[3], timeout_at=5))  # a forced timeout and recovery with the per-source waits
+  return v
+
+
+def _dispatch_gemm_time(base: Case) -> list[Case]:
+  # A seed-like shape (R = 2 ranks sharing the GPU): dispatch + GEMM1 as two calls against dispatch_gemm with 4, 8, 16
+  # pushing CTAs, after a checked call on every 64th token. K is GEMM1's N = 2F (F = 2048) and expert_combine's K.
+  return [dataclasses.replace(base, ranks=2, experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048,
+                              routing=0, datasets=1, iters=2, check_tokens=64, time=True, reps=20,
+                              dispatch_gemm_pushers=p) for p in (4, 8, 16)]
+
+
+def _full(base: Case) -> list[Case]:
+  v = [_rank_case(base, R, routing, 30) for R in (2, 4, 8) for routing in (0, 1, 2)]
+  # 1000 consecutive iterations (2000 calls per rank) without a reset
+  v.append(dataclasses.replace(base, ranks=8, experts=16, routing=1, iters=1000))
+  # larger GEMM: many K tiles, several N tiles, multi-band segments
+  v.append(dataclasses.replace(base, ranks=2, experts=4, tokens=256, d_model=512, k_dim=1024, n_dim=520, iters=6,
+                               datasets=2))
+  # K and N multiples of 64: the wgmma producer on Hopper (128-row tiles = 2 bands, segments ending mid-tile,
+  # N = 320 = one full and one partial 256-column tile)
+  for R in (1, 2, 4, 8):
+    v.append(dataclasses.replace(base, ranks=R, experts=2 * R, tokens=192, d_model=320, k_dim=384, n_dim=320,
+                                 routing=2 if R == 4 else 1, iters=200 if R == 8 else 20))
+  for R in (2, 4):  # float32 operands (SIMT producer)
+    v.append(dataclasses.replace(base, ranks=R, experts=2 * R, routing=1, f32=True, iters=10))
+  # w transposed, read in place ([E_l, N, K]: the backward pass's dx = da @ W1^T) on each engine: wgmma on Hopper
+  # (K, N multiples of 64; mma.sync elsewhere), mma.sync with N = 140 (not a multiple of 8: only w's rows, of K
+  # elements, must be 16-byte chunks), SIMT (float32)
+  for R, d, kk, n, f32 in ((2, 320, 384, 320, False), (4, 128, 200, 140, False), (2, 128, 200, 136, True)):
+    v.append(dataclasses.replace(base, ranks=R, experts=2 * R, tokens=192, d_model=d, k_dim=kk, n_dim=n, f32=f32,
+                                 transpose_rhs=True, routing=1, iters=12))
+  # capacity overflow: slots dropped by the plan's rule
+  v.append(dataclasses.replace(base, ranks=4, experts=8, routing=1, capacity_factor=1.0, iters=10))
+  # one rank held back 3 ms at the start of every call
+  v.append(dataclasses.replace(base, ranks=4, experts=8, delay_rank=1, delay_us=3000, iters=20))
+  for R in (2, 8):  # a forced timeout: reported by the next call, then recovery
+    v.append(dataclasses.replace(base, ranks=R, experts=2 * R, timeout_at=5, iters=15))
+  return v + _resource(base)
+
+
+def suite(name: str, base: Case, producer_path=None) -> list[Case]:
+  """The cases of suite `name`, each a copy of `base` with the suite's fields set.
+
+  producer_path(case) -> the producer engine's name: "small-mma" leaves out the cases that take "wgmma bf16"
+  (racecheck instruments every shared-memory access, and a wgmma case's TMA / mbarrier pipeline over ~200 KB of
+  shared memory does not finish under it in minutes, while the other cases take seconds; memcheck and synccheck run
+  the whole "small" suite).
+  """
+  if name == "small":
+    return _small(base)
+  if name == "small-mma":
+    if producer_path is None:
+      raise ValueError("the small-mma suite needs producer_path (the GPU's engine for each case)")
+    return [c for c in _small(base) if producer_path(c) != "wgmma bf16"]
+  if name == "resource":
+    return _resource(base)
+  if name == "dispatch-gemm":
+    return _dispatch_gemm(base)
+  if name == "dispatch-gemm-time":
+    return _dispatch_gemm_time(base)
+  if name == "full":
+    return _full(base)
+  raise ValueError(f"unknown suite {name!r} (one of {', '.join(SUITES)})")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Routing, plans and data.
+
+
+def route(rng: np.random.Generator, case: Case, rank: int) -> np.ndarray:
+  """[T, k] int32: k distinct global experts per token of `rank`."""
+  T, k, E, R = case.tokens, case.top_k, case.experts, case.ranks
+  P = T * k
+  if case.routing == 3:  # exact round robin: every expert gets the same number of slots when E divides T*k
+    return (np.arange(P) % E).astype(np.int32).reshape(T, k)
+  if case.routing == 4:  # to the next rank: round robin over the experts of rank r + 1 (every row is pushed, R > 1)
+    E_l = E // R
+    return ((rank + 1) % R * E_l + np.arange(P) % E_l).astype(np.int32).reshape(T, k)
+  if case.routing == 2:  # extreme: every token chooses experts 0..k-1: most experts and ranks get nothing
+    return np.tile(np.arange(k, dtype=np.int32), (T, 1))
+  # Balanced (uniform) or Zipf weights; k draws without replacement in order, each proportional to the remaining
+  # weights: the k largest of log(weight) + Gumbel noise, in decreasing order.
+  log_w = np.zeros(E) if case.routing == 0 else -case.zipf * np.log1p(np.arange(E))
+  keys = log_w[None, :] + rng.gumbel(size=(T, E))
+  return np.argsort(-keys, axis=1, kind="stable")[:, :k].astype(np.int32)
+
+
+def make_plans(case: Case, ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
+  """Every rank's plan from plan.py (JAX on the CPU), as int32 numpy arrays; seg_* flattened in (expert, source)
+  order; slot_src_row added (dispatch's source row of each slot: its token)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import plan  # pylint: disable=g-import-not-at-top
+
+  R, E, E_l = case.ranks, case.experts, case.experts_per_rank
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    counts = jnp.stack([plan.local_counts(jnp.asarray(i), E).reshape(R, E_l) for i in ids])  # [R_src, R_dst, E_l]
+    plans = []
+    for r in range(R):
+      p = _make_plan_jit(jnp.asarray(ids[r]), counts, jnp.int32(r), case.expert_cap)
+      out = {f.name: np.asarray(getattr(p, f.name)) for f in dataclasses.fields(p)}
+      out["seg_rows"] = out["seg_rows"].reshape(-1)
+      out["seg_ret_off"] = out["seg_ret_off"].reshape(-1)
+      out["slot_src_row"] = (np.arange(case.slots) // case.top_k).astype(np.int32)
+      out["slot_expert"] = (ids[r].reshape(-1) % E_l).astype(np.int32)  # local expert of each slot (references)
+      plans.append(out)
+  return plans
+
+
+_JIT_CACHE: dict[str, Any] = {}
+
+
+def _make_plan_jit(ids, counts, rank, expert_cap):
+  if "make_plan" not in _JIT_CACHE:
+    import jax  # pylint: disable=g-import-not-at-top
+    from jax_moe_overlap import plan  # pylint: disable=g-import-not-at-top
+    _JIT_CACHE["make_plan"] = jax.jit(plan.make_plan, static_argnums=3)
+  return _JIT_CACHE["make_plan"](ids, counts, rank, expert_cap)
+
+
+@dataclasses.dataclass
+class Values:
+  """A tensor in the call's dtype: the bytes the kernels read and their float32 values (the references' input)."""
+  data: np.ndarray  # float32, or uint16 holding bfloat16 bits
+  f: np.ndarray     # float32
+
+
+def random_values(rng: np.random.Generator, shape, scale: float, f32: bool) -> Values:
+  """Uniform values in [-scale, scale), rounded to the dtype."""
+  v = ((rng.random(shape, dtype=np.float32) * 2 - 1) * np.float32(scale)).astype(np.float32)
+  if f32:
+    return Values(v, v)
+  b = v.astype(ml_dtypes.bfloat16)
+  return Values(b.view(np.uint16), b.astype(np.float32))
+
+
+@dataclasses.dataclass
+class RankData:
+  """One rank's inputs of one data set: its plan, and its operands."""
+  plan: dict[str, np.ndarray]
+  ids: np.ndarray      # [T, k]
+  x: Values            # [T, D]
+  lhs: Values          # [cap, K]: rows past recv_rows zero (never read)
+  w: Values            # [E_l, K, N] (the references' layout)
+  gates: np.ndarray    # [P] float32
+  w1: Values | None    # dispatch_gemm: [E_l, D, K] bf16
+
+  def inputs(self, case: Case) -> dict[str, Any]:
+    """The runner's dict (tools/loopback/module.cc): arrays in the calls' layouts."""
+    w = self.w.data
+    if case.transpose_rhs:  # the same weights as [E_l, N, K], read transposed in place by the kernels
+      w = np.ascontiguousarray(np.swapaxes(w, 1, 2))
+    d = {"x": self.x.data, "lhs": self.lhs.data, "w": w, "gates": self.gates,
+         "recv_rows": int(self.plan["recv_rows"]), "ret_rows": int(self.plan["ret_rows"])}
+    for key in ("slot_src_row", "slot_dest_rank", "slot_dest_row", "slot_ret_row", "seg_rows", "seg_ret_off"):
+      d[key] = np.ascontiguousarray(self.plan[key], np.int32)
+    if self.w1 is not None:
+      d["w1"] = self.w1.data
+      d["expert_rows"] = np.ascontiguousarray(self.plan["expert_rows"], np.int32)  # GEMM1's group sizes
+    return d
+
+
+def make_data(case: Case) -> list[list[RankData]]:
+  """[data set][rank]: routing, plans from plan.py, random operands (deterministic in case.seed)."""
+  rng = np.random.default_rng(case.seed)
+  R, T, D, K, N, E_l, P = (case.ranks, case.tokens, case.d_model, case.k_dim, case.n_dim, case.experts_per_rank,
+                           case.slots)
+  sets = []
+  for _ in range(case.datasets):
+    ids = [route(rng, case, r) for r in range(R)]
+    plans = make_plans(case, ids)
+    ranks = []
+    for r in range(R):
+      recv_rows = int(plans[r]["recv_rows"])
+      x = random_values(rng, (T, D), 1.0, case.f32)
+      lhs = random_values(rng, (recv_rows, K), 1.0, case.f32)
+      pad = np.zeros((case.cap - recv_rows, K), lhs.data.dtype)
+      lhs = Values(np.concatenate([lhs.data, pad]), np.concatenate([lhs.f, pad.astype(np.float32)]))
+      w = random_values(rng, (E_l, K, N), 1.0 / math.sqrt(K), case.f32)
+      w1 = (random_values(rng, (E_l, D, K), 1.0 / math.sqrt(D), case.f32)
+            if case.dispatch_gemm_pushers > 0 else None)
+      gates = rng.uniform(0.1, 1.0, P).astype(np.float32)
+      ranks.append(RankData(plans[r], ids[r], x, lhs, w, gates, w1))
+    sets.append(ranks)
+  return sets

@@ -1,0 +1,204 @@
+"""The loopback checks: what a run of the kernels must have produced, judged against float32 host references.
+
+* The first call of each rank on each data set against the references: dispatch's rows exactly (rows past the
+  received ones zero; outputs were poisoned before the call, so an unwritten row shows), expert_combine's y and
+  slot outputs by relative error, dispatch_gemm's GEMM1 by max-norm relative error, and no non-finite value.
+* Every later call bit for bit against that first call (the kernels are deterministic), also after the timed calls.
+* dispatch_gemm equals the same dispatch and GEMM1 made as two calls, bit for bit.
+* A forced timeout is reported by the next call of every rank (DEADLINE_EXCEEDED, "timed out"), and the calls
+  after it are correct again; every call ran (2 per rank and iteration).
+* A timed run recorded every rank's consumer count C, with C >= 1 exactly where the rank had rows to push.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from tools.loopback.cases import Case, RankData
+
+MAX_LOGGED = 20
+
+
+@dataclasses.dataclass
+class Expected:
+  """Host references of one rank's outputs on one data set."""
+  recv: np.ndarray          # [cap, D] in the call's dtype (bytes compared exactly)
+  y: np.ndarray             # [T, N] float32
+  slot: np.ndarray          # [P, N] float32
+  a: np.ndarray | None      # [cap, K] float32: dispatch_gemm's GEMM1 (zero past the kept rows)
+  a_checked: np.ndarray | None  # [cap] bool: rows whose GEMM1 reference was computed
+
+
+def references(case: Case, data: list[RankData]) -> list[Expected]:
+  """Per rank, the references of one data set, from the plans and the float32 values of the operands."""
+  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.top_k, case.n_dim, case.k_dim, case.slots, case.cap
+  stride = case.check_stride
+  dg = case.dispatch_gemm_pushers > 0
+  out = []
+  for d in range(R):
+    dtype = data[d].x.data.dtype
+    out.append(Expected(np.zeros((cap, case.d_model), dtype), np.zeros((T, N), np.float32),
+                        np.zeros((P, N), np.float32), np.zeros((cap, K), np.float32) if dg else None,
+                        np.zeros(cap, bool) if dg else None))
+  for s in range(R):
+    pl = data[s].plan
+    dest_rank, dest_row, expert = pl["slot_dest_rank"], pl["slot_dest_row"], pl["slot_expert"]
+    token = pl["slot_src_row"]
+    checked_slot = (token % stride) == 0
+    for d in range(R):
+      to_d = (dest_rank == d) & (dest_row >= 0)
+      rows = dest_row[to_d]
+      out[d].recv[rows] = data[s].x.data[token[to_d]]
+      for e in range(case.experts_per_rank):
+        sel = np.nonzero(to_d & checked_slot & (expert == e))[0]
+        if not sel.size:
+          continue
+        # expert_combine: the slot's row of lhs on its expert's rank, times that expert's w, back on the source.
+        out[s].slot[sel] = data[d].lhs.f[dest_row[sel]] @ data[d].w.f[e]
+        if dg:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
+          out[d].a[dest_row[sel]] = data[s].x.f[token[sel]] @ data[d].w1.f[e]
+          out[d].a_checked[dest_row[sel]] = True
+  for s in range(R):
+    weighted = out[s].slot.reshape(T, k, N) * data[s].gates.reshape(T, k, 1)
+    out[s].y = weighted.sum(axis=1, dtype=np.float32)
+    if dg:  # rows past the kept ones must be exactly zero: checked too
+      kept = np.zeros(cap, bool)
+      kept[: int(data[s].plan["recv_rows"])] = True
+      out[s].a_checked |= ~kept
+  return out
+
+
+def _floats(raw: bytes, f32: bool, shape) -> np.ndarray:
+  if f32:
+    return np.frombuffer(raw, np.float32).reshape(shape)
+  return np.frombuffer(raw, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32).reshape(shape)
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray, rows: np.ndarray) -> tuple[float, int]:
+  """Relative Frobenius error over the selected rows, and the count of non-finite values among them."""
+  g, r = got[rows].astype(np.float64), ref[rows].astype(np.float64)
+  nonfinite = int(np.count_nonzero(~np.isfinite(g)))
+  num = float(np.sum((g - r) ** 2))
+  den = max(float(np.sum(r * r)), 1e-30)
+  return float(np.sqrt(num / den)), nonfinite
+
+
+@dataclasses.dataclass
+class Verdict:
+  """What check() found on one case."""
+  passed: bool = False
+  failures: list[str] = dataclasses.field(default_factory=list)
+  failure_count: int = 0
+  max_rel_y: float = 0.0
+  max_rel_slot: float = 0.0
+  tol: float = 0.0
+  bit_checks: int = 0
+  max_recv_rows: int = 0
+  dropped: int = 0
+  timeout_msg: str = ""
+  identical: list[bool] = dataclasses.field(default_factory=list)  # per timed variant
+  remote_rows: list[int] = dataclasses.field(default_factory=list)  # per rank, data set 0: rows its consumer pushes
+
+  def fail(self, msg: str) -> None:
+    self.failure_count += 1
+    if len(self.failures) < MAX_LOGGED:
+      self.failures.append(msg)
+
+
+def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
+  """Judges one run (tools/loopback/module.cc's run_ranks result) of `case` over the data `sets`."""
+  from tools.loopback import _jmo_loopback  # pylint: disable=g-import-not-at-top
+  v = Verdict(tol=1e-5 if case.f32 else 1e-2)
+  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.top_k, case.n_dim, case.k_dim, case.slots, case.cap
+  dg = case.dispatch_gemm_pushers > 0
+  for msg in result["errors"]:
+    v.fail(msg)
+  for ranks in sets[:1]:
+    v.remote_rows = [int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % R != r)) for r, d in enumerate(ranks)]
+  for ranks in sets:
+    for d in ranks:
+      v.max_recv_rows = max(v.max_recv_rows, int(d.plan["recv_rows"]))
+      v.dropped += int(d.plan["dropped"])
+
+  stride = case.check_stride
+  slot_rows = (np.arange(P) // k) % stride == 0
+  token_rows = np.arange(T) % stride == 0
+  first_iter = {}
+  for it, r, ds, *_ in result["digests"]:
+    first_iter.setdefault((ds, r), it)
+  for ds, ranks in enumerate(sets):
+    if not any(key[0] == ds for key in first_iter):
+      continue
+    expected = references(case, ranks)
+    for r, ex in enumerate(expected):
+      if (ds, r) not in first_iter:
+        continue
+      where = f"rank {r} iter {first_iter[(ds, r)]}"
+      got = result["first"][ds][r]
+      recv = np.frombuffer(got["recv"], np.uint8).reshape(cap, -1)  # bytes: NaN poison and -0.0 count as different
+      bad = int(np.count_nonzero(np.any(recv != ex.recv.view(np.uint8).reshape(cap, -1), axis=1)))
+      if bad:
+        v.fail(f"{where}: dispatch output differs from the reference in {bad} of {cap} rows")
+      ey, ny = rel_err(_floats(got["y"], case.f32, (T, N)), ex.y, token_rows)
+      es, ns = rel_err(_floats(got["slot"], case.f32, (P, N)), ex.slot, slot_rows)
+      v.max_rel_y, v.max_rel_slot = max(v.max_rel_y, ey), max(v.max_rel_slot, es)
+      if not (ey < v.tol and es < v.tol) or ny + ns:
+        v.fail(f"{where}: expert_combine rel err y {ey:g}, slots {es:g}, non-finite {ny + ns} (tolerance {v.tol:g})")
+      if dg:
+        a = np.frombuffer(got["a"], np.float32).reshape(cap, K)
+        nonfinite = int(np.count_nonzero(~np.isfinite(a)))
+        diff = np.abs(a[ex.a_checked].astype(np.float64) - ex.a[ex.a_checked])
+        num = float(diff.max()) if diff.size else 0.0
+        den = float(np.abs(ex.a[ex.a_checked]).max()) if diff.size else 0.0
+        ea = num / den if den > 0 else num
+        if not ea < 1e-4 or nonfinite:
+          v.fail(f"{where}: dispatch_gemm GEMM1 rel err {ea:g}, non-finite {nonfinite} (tolerance 1e-4)")
+        if got["a2"] != got["a"] or got["recv2"] != got["recv"]:
+          v.fail(f"{where}: dispatch_gemm differs from dispatch + GroupedMatmul (recv "
+                 f"{int(got['recv2'] != got['recv'])}, GEMM1 {int(got['a2'] != got['a'])})")
+
+  # Every later call on a data set: bit for bit the first call's outputs.
+  first_digest = {}
+  for it, r, ds, *digests in result["digests"]:
+    ref = first_digest.setdefault((ds, r), digests)
+    if ref is digests:
+      continue
+    v.bit_checks += 1
+    if digests != ref:
+      recv, y, slot, _ = (int(a != b) for a, b in zip(digests, ref))
+      v.fail(f"rank {r} iter {it}: outputs differ from the first call on the same data (recv {recv}, y {y}, "
+             f"slots {slot}{', GEMM1 ' + str(int(digests[3] != ref[3])) if dg else ''})")
+
+  if 0 <= case.timeout_at < case.iters:
+    for r, rep in enumerate(result["timeout"]):
+      if rep["reported"] and (rep["code"] != _jmo_loopback.DEADLINE_EXCEEDED or "timed out" not in rep["msg"]):
+        v.fail(f"rank {r}: unexpected error after the forced timeout: {rep['msg']}")
+    if result["timeout"]:
+      v.timeout_msg = result["timeout"][0]["msg"]
+
+  # Timed calls ran on data set 0: y after each variant must equal the checked call's.
+  for vi, (consumers, serialize) in enumerate(case.variants() if not dg else []):
+    same = True
+    for r in range(R):
+      after = result["timed"][vi][r]["y_after"] if vi < len(result["timed"]) else None
+      ref = first_digest.get((0, r))
+      if after is not None and ref is not None and after != ref[1] and result["timed"][vi][r]["call_us"]:
+        same = False
+        v.fail(f"rank {r}: outputs after the timed calls with C={consumers}{' (serialized)' if serialize else ''} "
+               "differ from the checked call")
+    v.identical.append(same)
+
+  chosen_ok = True
+  if case.time and not dg:
+    last = result["timed"][-1] if result["timed"] else []
+    chosen = [t["device"][-1]["consumers"] if t["device"] else 0 for t in last]
+    chosen_ok = len(chosen) == R and all((c > 0) == (rows > 0) for c, rows in zip(chosen, v.remote_rows))
+    if not chosen_ok:
+      v.fail(f"consumer counts {chosen} do not match the ranks with rows to push {v.remote_rows}")
+  if result["calls"] != 2 * R * case.iters:
+    v.fail(f"{result['calls']} calls ran of {2 * R * case.iters}")
+  v.passed = v.failure_count == 0
+  return v

@@ -1,0 +1,168 @@
+"""The loopback harness: R ranks of the library's kernels on one GPU, every call checked.
+
+  python -m tools.loopback.run --suite full         R = 2, 4, 8 x balanced / moderate / extreme routing, float32,
+                                                    capacity drops, a held-back rank, a forced timeout with
+                                                    recovery, 1000 consecutive iterations, w transposed on every
+                                                    producer engine, the resource suite
+  python -m tools.loopback.run --suite resource     the device-side manager and the serialized mode
+  python -m tools.loopback.run --suite dispatch-gemm        dispatch and GEMM1 in one launch, R = 1, 2, 4, 8
+  python -m tools.loopback.run --suite dispatch-gemm-time   dispatch + GEMM1 as two calls vs dispatch_gemm, timed
+  python -m tools.loopback.run --suite small        one-rank calls at small sizes (for compute-sanitizer)
+  python -m tools.loopback.run --suite small-mma    the same without the wgmma-producer cases (for racecheck)
+  python -m tools.loopback.run --ranks 4 --routing 1 --iters 100 ...   one case (the options: cases.Case)
+
+Prints one PASS/FAIL line per case, then "loopback: N of M cases passed"; exits 1 if a case fails, 2 if the harness
+cannot run (no GPU, runner not built, bad options). Run from the repository root after building tools/
+(tools/CMakeLists.txt); the plans come from jax_moe_overlap.plan under JAX on the CPU, so JAX never takes GPU memory.
+
+Timing (benchmarks/loopback_runner.py drives these):
+  --time                   after the checked calls, time expert_combine alone on data set 0 (--warmup, --reps);
+                           one TIMED and one `RESULT {json}` line per variant
+  --sweep-consumers 1,2,4  one variant per C, then the manager, then the manager serialized
+  --model a,b,...          the workspace's 9 ModelParams (resource_model.h order)
+  --per-call-stats         synchronize around every timed call and read its device spans (and a TIMELINE line)
+  --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
+  --check-tokens N         check the expert outputs of about N tokens per rank (big timing shapes)
+  --copy-ceiling B1,B2     only: median cudaMemcpyAsync device-to-device time of each size
+  --device-info            only: the device's name and SM count, the producer engine and tile (calibrate.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+# Before CUDA or JAX start in this process: R rank streams must not share hardware queues (a waiting kernel would
+# block another rank's kernel behind it); every kernel loads up front (lazy loading can wait for running kernels,
+# and ranks sharing a GPU spin on each other's); JAX computes the plans on the CPU and leaves the GPU alone.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+from tools.loopback import cases as cases_lib  # noqa: E402
+from tools.loopback import check as check_lib  # noqa: E402
+from tools.loopback import timing  # noqa: E402
+
+
+def _ints(s: str) -> tuple[int, ...]:
+  return tuple(int(float(v)) for v in s.split(",") if v)
+
+
+def _floats(s: str) -> tuple[float, ...]:
+  return tuple(float(v) for v in s.split(",") if v)
+
+
+def parse_args(argv):
+  ap = argparse.ArgumentParser(prog="python -m tools.loopback.run", description=__doc__.split("\n")[0])
+  ap.add_argument("--suite", choices=cases_lib.SUITES)
+  opt = {  # option -> Case field and type (the defaults are Case's)
+      "--ranks": ("ranks", int), "--tokens": ("tokens", int), "--top-k": ("top_k", int),
+      "--experts": ("experts", int), "--d-model": ("d_model", int), "--k-dim": ("k_dim", int),
+      "--n-dim": ("n_dim", int), "--iters": ("iters", int), "--routing": ("routing", int),
+      "--zipf": ("zipf", float), "--capacity-factor": ("capacity_factor", float),
+      "--delay-rank": ("delay_rank", int), "--delay-us": ("delay_us", int), "--timeout-at": ("timeout_at", int),
+      "--timeout-ms": ("timeout_ms", int), "--datasets": ("datasets", int), "--seed": ("seed", int),
+      "--consumers": ("consumers", int), "--sm-budget": ("sm_budget", int), "--device": ("device", int),
+      "--warmup": ("warmup", int), "--reps": ("reps", int), "--decision-cost": ("decision_iters", int),
+      "--check-tokens": ("check_tokens", int), "--dispatch-gemm": ("dispatch_gemm_pushers", int),
+      "--sweep-consumers": ("sweep", _ints), "--model": ("model", _floats),
+  }
+  for flag, (dest, kind) in opt.items():
+    ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
+  for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
+                     ("--time", "time"), ("--per-call-stats", "per_call_stats")):
+    ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
+  ap.add_argument("--copy-ceiling", type=_floats, default=None)
+  ap.add_argument("--device-info", action="store_true")
+  args = ap.parse_args(argv)
+  fields = {f.name for f in dataclasses.fields(cases_lib.Case)}
+  base = cases_lib.Case(**{k: v for k, v in vars(args).items() if k in fields})
+  if base.model is not None and len(base.model) != 9:
+    ap.error(f"--model takes 9 comma-separated numbers (ModelParams order), got {len(base.model)}")
+  return args, base
+
+
+def _refuse(why: str):
+  print(f"loopback: {why}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def load_runner():
+  """The compiled runner, or exit 2 saying why it cannot run here."""
+  try:
+    from tools.loopback import _jmo_loopback  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    _refuse(f"the runner is not built ({e}); build tools/ (cmake -S tools -B build/tools && cmake --build "
+            "build/tools) and copy build/tools/_jmo_loopback*.so into tools/loopback/")
+  n, why = _jmo_loopback.device_count()
+  if n == 0:
+    _refuse(f"needs a CUDA GPU ({why})")
+  return _jmo_loopback
+
+
+def run_case(runner, case: cases_lib.Case) -> bool:
+  """Runs and checks one case; prints its lines. True if it passed."""
+  why = case.invalid()
+  if why:
+    print(f"FAIL {case.name()}: bad config: {why}", flush=True)
+    return False
+  sets = cases_lib.make_data(case)
+  spec = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
+          if f.name not in ("experts", "sweep", "model", "routing", "zipf", "capacity_factor", "datasets", "seed",
+                            "check_tokens")}
+  spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
+              variants=case.variants())
+  result = runner.run_ranks(spec, [[d.inputs(case) for d in ranks] for ranks in sets])
+  v = check_lib.check(case, sets, result)
+  line = (f"{'PASS' if v.passed else 'FAIL'} {case.name()} | calls {result['calls']} | max rel err y "
+          f"{v.max_rel_y:g}, slots {v.max_rel_slot:g} (tol {v.tol:g}) | bit-identical repeats {v.bit_checks} | "
+          f"max recv rows {v.max_recv_rows}/{case.cap} | dropped {v.dropped} | producer {result['producer']} | "
+          f"{result['seconds']:g} s")
+  if case.check_stride > 1:
+    line += f" | expert outputs checked on every {case.check_stride}th token"
+  if case.dispatch_gemm_pushers > 0 and case.time:
+    line += timing.dispatch_gemm_summary(result)
+  if v.failure_count:
+    line += f" | failures {v.failure_count}"
+  print(line)
+  for msg in v.failures:
+    print(f"  {msg}")
+  if 0 <= case.timeout_at < case.iters:
+    print(f"  reported after the forced timeout (rank 0): {v.timeout_msg}")
+  if case.dispatch_gemm_pushers <= 0:
+    for text in timing.variant_lines(case, result, v.identical, v.remote_rows):
+      print(text)
+  if case.time:
+    for text in timing.plan_lines(case, sets[0], result["budget"]):
+      print(text)
+  if case.decision_iters > 0 and result["decision_choice"] > 0:
+    for text in timing.decision_lines(result):
+      print(text)
+  sys.stdout.flush()
+  return v.passed
+
+
+def main(argv=None) -> int:
+  args, base = parse_args(sys.argv[1:] if argv is None else argv)
+  runner = load_runner()
+  if args.device_info:
+    print("RESULT " + json.dumps(runner.device_info(base.device, base.k_dim, base.n_dim, base.transpose_rhs)))
+    return 0
+  if args.copy_ceiling:
+    for b in args.copy_ceiling:
+      us = runner.copy_ceiling_us(base.device, int(b), base.reps)
+      print(f"COPY bytes={b:.0f} median_us={us:.3f} GB/s={b / us * 1e-3:.1f}")
+      print("RESULT " + json.dumps({"kind": "copy", "bytes": b, "median_us": us, "gbps": b / us * 1e-3}))
+    return 0
+  producer = lambda c: runner.producer_path(c.f32, c.k_dim, c.n_dim, c.transpose_rhs)  # noqa: E731
+  todo = cases_lib.suite(args.suite, base, producer) if args.suite else [base]
+  passed = sum(run_case(runner, c) for c in todo)
+  print(f"loopback: {passed} of {len(todo)} cases passed", flush=True)
+  return 0 if passed == len(todo) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,524 @@
+#include "runner.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels.h"
+#include "cuda/workspace_cuda.h"
+#ifdef JMO_WITH_DECISION_BENCH
+#include "decision_bench.h"  // MeasureDecision, where it lives beside the tools
+#endif
+
+namespace jmo::loopback {
+
+using cuda::CallOptions;
+using cuda::CallSite;
+using cuda::DType;
+using cuda::RankPrivate;
+using cuda::Status;
+using cuda::Workspace;
+
+uint64_t Digest(const void* p, size_t n) {
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  uint64_t h = 0x243F6A8885A308D3ull ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, b + i, 8);
+    h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+  }
+  for (; i < n; ++i) h = (h ^ b[i]) * 0x100000001B3ull;
+  return h ^ (h >> 31);
+}
+
+namespace {
+
+#define LB_CHECK(expr)                                                                                   \
+  do {                                                                                                   \
+    cudaError_t e_ = (expr);                                                                             \
+    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+void* ToDevice(const void* p, size_t n) {
+  void* d = nullptr;
+  const size_t bytes = std::max<size_t>(16, n);
+  LB_CHECK(cudaMalloc(&d, bytes));
+  LB_CHECK(cudaMemset(d, 0, bytes));
+  if (n) LB_CHECK(cudaMemcpy(d, p, n, cudaMemcpyHostToDevice));
+  return d;
+}
+void* ToDevice(const Bytes& b) { return ToDevice(b.p, b.n); }
+void* ToDevice(int32_t v) { return ToDevice(&v, sizeof(v)); }
+
+// Device allocations of one run, freed together.
+class DeviceArena {
+ public:
+  ~DeviceArena() {
+    for (void* p : ptrs_) cudaFree(p);
+  }
+  void* Keep(void* p) {
+    ptrs_.push_back(p);
+    return p;
+  }
+  void* Alloc(size_t n) {
+    void* p = nullptr;
+    LB_CHECK(cudaMalloc(&p, std::max<size_t>(n, 16)));
+    return Keep(p);
+  }
+
+ private:
+  std::vector<void*> ptrs_;
+};
+
+struct DeviceSet {  // one data set of one rank, on the device
+  void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
+      *ret_expected, *w1 = nullptr, *expert_rows = nullptr;
+};
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  // False if the other ranks did not all arrive within `timeout` (one of them stopped early).
+  bool Wait(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return true;
+    }
+    if (cv_.wait_for(lock, timeout, [&] { return gen_ != gen; })) return true;
+    --arrived_;
+    return false;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// Page-locked host buffer: device-to-host copies into pageable memory go through the driver's staging buffer, and a
+// rank thread whose copy waits there for its own stream (itself waiting for a peer rank) blocks the peer's thread
+// from copying too: a host-side deadlock.
+struct Pinned {
+  char* p = nullptr;
+  size_t n = 0;
+  explicit Pinned(size_t bytes) : n(bytes) {
+    if (cudaMallocHost(&p, std::max<size_t>(bytes, 16)) != cudaSuccess) throw std::runtime_error("cudaMallocHost");
+  }
+  ~Pinned() { cudaFreeHost(p); }
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  std::vector<char> vec() const { return std::vector<char>(p, p + n); }
+  uint64_t digest() const { return Digest(p, n); }
+};
+
+// Everything the rank threads share.
+class Run {
+ public:
+  Run(const Spec& s, const std::vector<std::vector<RankInputs>>& data, Result* res)
+      : s_(s), data_(data), res_(*res), R_(s.ranks), T_(s.tokens), k_(s.top_k), E_l_(s.experts_per_rank),
+        D_(s.d_model), K_(s.k_dim), N_(s.n_dim), P_(s.tokens * s.top_k), cap_(s.cap), eb_(s.f32 ? 4 : 2),
+        dt_(s.f32 ? DType::kF32 : DType::kBF16), dg_(s.dispatch_gemm_pushers > 0), barrier_(s.ranks),
+        bar_timeout_(3 * s.timeout_ms + 10000) {}
+
+  void Go() {
+    LB_CHECK(cudaSetDevice(s_.device));
+    const int64_t row_bytes = (int64_t)std::max({D_, K_, N_}) * eb_;
+    WorkspaceSizes sizes{row_bytes, cap_, P_, MaxBands(cap_, (int64_t)E_l_ * R_)};
+    int sms = 0;
+    LB_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s_.device));
+    // The fixed C without a model: SMs / 8, as jax_moe_overlap.resource.fallback_consumer_ctas.
+    Status st = Workspace::Create(R_, 1, std::vector<int>(R_, s_.device), sizes, std::max(1, sms / 8), s_.sm_budget,
+                                  s_.has_model ? &s_.model : nullptr, &ws_);
+    if (!st.ok()) throw std::runtime_error("Workspace::Create: " + st.msg);
+    res_.budget = ws_->budget(0, 0);
+    Upload();
+    const size_t nd = data_.size();
+    res_.first.assign(nd, std::vector<FirstOutputs>(R_));
+    res_.timeout.assign(R_, TimeoutReport{});
+    res_.timed.assign(s_.variants.size(), std::vector<RankTiming>(R_));
+    for (auto& v : res_.dg_us) v.assign(R_, {});
+    have_first_.assign(nd * R_, 0);
+
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R_; ++r) threads.emplace_back([this, r] { RankMain(r); });
+    for (auto& t : threads) t.join();
+    res_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    res_.calls = calls_;
+
+    if (s_.decision_iters > 0 && s_.has_model && !stop_) {
+      CallSite c{ws_.get(), 0, 0, streams_[0], CallOptions{}};
+      const DeviceSet& d = dsets_[0][0];
+      Status s = cuda::MeasureDecision(c, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l_, cap_, K_,
+                                       N_, dt_, s_.decision_iters, &res_.table_ns, &res_.decision_ns,
+                                       &res_.decision_choice);
+      if (!s.ok()) Fail("decision benchmark: " + s.msg);
+    }
+    res_.producer = cuda::ProducerPath(dt_, K_, N_, s_.transpose_rhs, out_y_[0], out_y_[0]);
+    for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
+    streams_.clear();
+    ws_.reset();
+    LB_CHECK(cudaGetLastError());
+  }
+
+ private:
+  void Fail(const std::string& m) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (res_.errors.size() < 20) res_.errors.push_back(m);
+    stop_ = true;
+  }
+  std::string Where(int r, int it) const { return "rank " + std::to_string(r) + " iter " + std::to_string(it); }
+
+  void Upload() {
+    dsets_.assign(data_.size(), std::vector<DeviceSet>(R_));
+    for (size_t ds = 0; ds < data_.size(); ++ds)
+      for (int r = 0; r < R_; ++r) {
+        const RankInputs& in = data_[ds][r];
+        DeviceSet& d = dsets_[ds][r];
+        d.x = mem_.Keep(ToDevice(in.x));
+        d.src_row = mem_.Keep(ToDevice(in.slot_src_row));
+        d.dest_rank = mem_.Keep(ToDevice(in.slot_dest_rank));
+        d.dest_row = mem_.Keep(ToDevice(in.slot_dest_row));
+        d.recv_expected = mem_.Keep(ToDevice(in.recv_rows));
+        d.lhs = mem_.Keep(ToDevice(in.lhs));
+        d.w = mem_.Keep(ToDevice(in.w));
+        d.gates = mem_.Keep(ToDevice(in.gates));
+        d.seg_rows = mem_.Keep(ToDevice(in.seg_rows));
+        d.seg_ret_off = mem_.Keep(ToDevice(in.seg_ret_off));
+        d.ret_row = mem_.Keep(ToDevice(in.slot_ret_row));
+        d.ret_expected = mem_.Keep(ToDevice(in.ret_rows));
+        if (dg_) {
+          d.w1 = mem_.Keep(ToDevice(in.w1));
+          d.expert_rows = mem_.Keep(ToDevice(in.expert_rows));
+        }
+      }
+    streams_.resize(R_);
+    for (auto& st : streams_) LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    out_recv_.assign(R_, nullptr);
+    out_y_ = out_slot_ = out_a_ = out_a2_ = out_recv2_ = rank_op_ = group_op_ = out_recv_;
+    for (int r = 0; r < R_; ++r) {
+      out_recv_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
+      out_y_[r] = mem_.Alloc((size_t)T_ * N_ * eb_);
+      out_slot_[r] = mem_.Alloc((size_t)P_ * N_ * eb_);
+      if (dg_) {  // out_*2: the same dispatch and GEMM1 as two calls (Dispatch, GroupedMatmul), for comparison
+        out_a_[r] = mem_.Alloc((size_t)cap_ * K_ * 4);
+        out_a2_[r] = mem_.Alloc((size_t)cap_ * K_ * 4);
+        out_recv2_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
+      }
+      rank_op_[r] = mem_.Keep(ToDevice(r));
+      group_op_[r] = mem_.Keep(ToDevice(0));
+    }
+  }
+
+  Status Dispatch(int r, const CallSite& c, const DeviceSet& d) {
+    if (dg_)
+      return cuda::DispatchGemm(c, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                                (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
+                                (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_,
+                                (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r],
+                                static_cast<float*>(out_a_[r]), cap_, s_.dispatch_gemm_pushers);
+    return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                          (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
+                          (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
+  }
+
+  // dispatch_gemm's two-call twin: Dispatch into out_recv2, then GEMM1 by GroupedMatmul into out_a2.
+  Status DispatchTwoCalls(int r, const CallSite& c, const DeviceSet& d) {
+    Status s = cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                              (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
+                              (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
+    if (!s.ok()) return s;
+    return cuda::GroupedMatmul(c.stream, DType::kBF16, /*out_f32=*/true, out_recv2_[r], cap_, D_, d.w1, E_l_, K_,
+                               /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r]);
+  }
+
+  Status Combine(int r, const CallSite& c, const DeviceSet& d) {
+    return cuda::ExpertCombine(c, dt_, d.lhs, cap_, K_, d.w, E_l_, N_, s_.transpose_rhs, (const float*)d.gates, T_,
+                               k_, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off,
+                               (const int32_t*)d.ret_row, (const int32_t*)d.ret_expected,
+                               (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_y_[r], out_slot_[r]);
+  }
+
+  // The forced timeout at this iteration: the last rank skips its dispatch, everyone else times out waiting for its
+  // rows; the next call of every rank must report the failure (and reset the group). False: stop this rank.
+  bool ForcedTimeout(int r, const CallSite& site, const DeviceSet& d) {
+    CallSite c = site;
+    c.opts.timeout_ms = s_.short_timeout_ms;
+    if (r != R_ - 1) {
+      Status s = Dispatch(r, c, d);
+      if (!s.ok()) Fail("rank " + std::to_string(r) + ": forced-timeout call failed on the host: " + s.msg);
+    }
+    LB_CHECK(cudaStreamSynchronize(site.stream));
+    if (!barrier_.Wait(bar_timeout_)) {
+      Fail("rank " + std::to_string(r) + ": peers did not reach the forced-timeout barrier");
+      return false;
+    }
+    Status s = Dispatch(r, site, d);
+    TimeoutReport& rep = res_.timeout[r];
+    rep.reported = !s.ok();
+    rep.code = s.code;
+    rep.msg = s.msg;
+    if (s.ok()) {
+      Fail("rank " + std::to_string(r) + ": the call after the forced timeout did not report it");
+      LB_CHECK(cudaStreamSynchronize(site.stream));
+    }
+    if (!barrier_.Wait(bar_timeout_)) {
+      Fail("rank " + std::to_string(r) + ": peers did not reach the barrier after the recovery");
+      return false;
+    }
+    return true;
+  }
+
+  struct HostOut {  // page-locked copies of one rank's outputs
+    Pinned recv, y, slot, a, a2, recv2;
+    HostOut(size_t recv_n, size_t y_n, size_t slot_n, size_t a_n)
+        : recv(recv_n), y(y_n), slot(slot_n), a(a_n), a2(a_n), recv2(a_n ? recv_n : 0) {}
+  };
+
+  // One checked iteration: poison, dispatch, expert_combine, copy back, digest (and keep the first call's outputs).
+  void CheckedCall(int r, int it, const CallSite& site, HostOut& h) {
+    const int ds = it % (int)data_.size();
+    const DeviceSet& d = dsets_[ds][r];
+    cudaStream_t stream = site.stream;
+    LB_CHECK(cudaMemsetAsync(out_recv_[r], 0xFF, (size_t)cap_ * D_ * eb_, stream));
+    LB_CHECK(cudaMemsetAsync(out_y_[r], 0xFF, (size_t)T_ * N_ * eb_, stream));
+    LB_CHECK(cudaMemsetAsync(out_slot_[r], 0xFF, (size_t)P_ * N_ * eb_, stream));
+    if (dg_) LB_CHECK(cudaMemsetAsync(out_a_[r], 0xFF, (size_t)cap_ * K_ * 4, stream));
+    Status s = Dispatch(r, site, d);
+    if (!s.ok()) return Fail(Where(r, it) + " dispatch: " + s.msg);
+    s = Combine(r, site, d);
+    if (!s.ok()) return Fail(Where(r, it) + " expert_combine: " + s.msg);
+    calls_ += 2;
+    LB_CHECK(cudaMemcpyAsync(h.recv.p, out_recv_[r], h.recv.n, cudaMemcpyDeviceToHost, stream));
+    LB_CHECK(cudaMemcpyAsync(h.y.p, out_y_[r], h.y.n, cudaMemcpyDeviceToHost, stream));
+    LB_CHECK(cudaMemcpyAsync(h.slot.p, out_slot_[r], h.slot.n, cudaMemcpyDeviceToHost, stream));
+    if (dg_) LB_CHECK(cudaMemcpyAsync(h.a.p, out_a_[r], h.a.n, cudaMemcpyDeviceToHost, stream));
+    LB_CHECK(cudaStreamSynchronize(stream));
+    CallDigest cd{it, r, ds, h.recv.digest(), h.y.digest(), h.slot.digest(), dg_ ? h.a.digest() : 0};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      res_.digests.push_back(cd);
+    }
+    char& have = have_first_[(size_t)ds * R_ + r];
+    if (have) return;
+    have = 1;
+    FirstOutputs& f = res_.first[ds][r];
+    f.recv = h.recv.vec();
+    f.y = h.y.vec();
+    f.slot = h.slot.vec();
+    if (!dg_) return;
+    f.a = h.a.vec();
+    // The same dispatch and GEMM1 as two calls (every rank makes them at this iteration, so they pair up).
+    LB_CHECK(cudaMemsetAsync(out_a2_[r], 0xFF, h.a2.n, stream));
+    LB_CHECK(cudaMemsetAsync(out_recv2_[r], 0xFF, h.recv2.n, stream));
+    s = DispatchTwoCalls(r, site, d);
+    if (!s.ok()) return Fail(Where(r, it) + " dispatch + GEMM1: " + s.msg);
+    LB_CHECK(cudaMemcpyAsync(h.a2.p, out_a2_[r], h.a2.n, cudaMemcpyDeviceToHost, stream));
+    LB_CHECK(cudaMemcpyAsync(h.recv2.p, out_recv2_[r], h.recv2.n, cudaMemcpyDeviceToHost, stream));
+    LB_CHECK(cudaStreamSynchronize(stream));
+    f.a2 = h.a2.vec();
+    f.recv2 = h.recv2.vec();
+  }
+
+  // expert_combine alone per variant, on data set 0.
+  void TimeCombine(int r, const CallSite& site, Pinned& h_y) {
+    cudaStream_t stream = site.stream;
+    const DeviceSet& d = dsets_[0][r];
+    const int reps = std::max(2, s_.reps);
+    Pinned h_priv(sizeof(RankPrivate));
+    auto read_private = [&]() {
+      Status s = ws_->ReadPrivate(0, r, stream, reinterpret_cast<RankPrivate*>(h_priv.p));
+      if (!s.ok()) throw std::runtime_error(s.msg);
+      return *reinterpret_cast<RankPrivate*>(h_priv.p);
+    };
+    std::vector<cudaEvent_t> ev(2 * reps);
+    for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
+    for (size_t v = 0; v < s_.variants.size() && !stop_; ++v) {
+      RankTiming& out = res_.timed[v][r];
+      CallSite c = site;
+      c.opts.consumer_ctas = s_.variants[v].consumers;
+      c.opts.serialize = s_.variants[v].serialize;
+      const std::string what = "rank " + std::to_string(r) + " timing (C=" + std::to_string(c.opts.consumer_ctas) +
+                               (c.opts.serialize ? ", serialized" : "") + "): ";
+      if (!barrier_.Wait(bar_timeout_)) {
+        Fail("rank " + std::to_string(r) + ": peers did not reach the timing barrier");
+        break;
+      }
+      bool ok = true;
+      for (int i = 0; i < s_.warmup && ok; ++i) {
+        Status s = Combine(r, c, d);
+        if (!s.ok()) Fail(what + s.msg), ok = false;
+      }
+      for (int i = 0; i < reps && ok; ++i) {
+        if (s_.per_call_stats) {
+          LB_CHECK(cudaStreamSynchronize(stream));
+          if (!barrier_.Wait(bar_timeout_)) {
+            Fail("rank " + std::to_string(r) + ": peers did not reach the per-call barrier");
+            ok = false;
+            break;
+          }
+        }
+        LB_CHECK(cudaEventRecord(ev[2 * i], stream));
+        Status s = Combine(r, c, d);
+        LB_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
+        if (!s.ok()) Fail(what + s.msg), ok = false;
+        if (ok && s_.per_call_stats) out.device.push_back(read_private());
+      }
+      if (!ok) break;
+      if (!s_.per_call_stats) out.device.push_back(read_private());
+      LB_CHECK(cudaStreamSynchronize(stream));
+      for (int i = 0; i < reps; ++i) {
+        float ms = 0;
+        // Back-to-back calls: the interval between consecutive ends; synchronized calls: start to end.
+        if (s_.per_call_stats) LB_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+        else if (i > 0) LB_CHECK(cudaEventElapsedTime(&ms, ev[2 * i - 1], ev[2 * i + 1]));
+        else continue;
+        out.call_us.push_back(1000.0 * ms);
+      }
+      LB_CHECK(cudaMemcpyAsync(h_y.p, out_y_[r], h_y.n, cudaMemcpyDeviceToHost, stream));
+      LB_CHECK(cudaStreamSynchronize(stream));
+      out.y_after = h_y.digest();
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+  }
+
+  // dispatch + GEMM1 as two calls, then as dispatch_gemm: back-to-back calls on data set 0.
+  void TimeDispatchGemm(int r, const CallSite& site) {
+    const DeviceSet& d = dsets_[0][r];
+    const int reps = std::max(2, s_.reps);
+    for (int v = 0; v < 2 && !stop_; ++v) {
+      auto once = [&]() { return v == 0 ? DispatchTwoCalls(r, site, d) : Dispatch(r, site, d); };
+      std::vector<cudaEvent_t> ev(reps + 1);
+      for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
+      bool ok = true;
+      for (int i = 0; i < s_.warmup && ok; ++i) ok = once().ok();
+      LB_CHECK(cudaEventRecord(ev[0], site.stream));
+      for (int i = 0; i < reps && ok; ++i) {
+        ok = once().ok();
+        LB_CHECK(cudaEventRecord(ev[i + 1], site.stream));
+      }
+      LB_CHECK(cudaStreamSynchronize(site.stream));
+      if (!ok) Fail("rank " + std::to_string(r) + ": a timed dispatch + GEMM1 call failed");
+      for (int i = 0; i < reps && ok; ++i) {
+        float ms = 0;
+        LB_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        res_.dg_us[v][r].push_back(1000.0 * ms);
+      }
+      for (auto& e : ev) cudaEventDestroy(e);
+    }
+  }
+
+  void RankMain(int r) {
+    try {
+      LB_CHECK(cudaSetDevice(s_.device));
+      CallSite site{ws_.get(), 0, r, streams_[r],
+                    CallOptions{s_.timeout_ms, s_.delay_rank, s_.delay_us, s_.consumers, s_.serialize}};
+      // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the
+      // whole device, so a rank thread doing either while a peer's kernel waits for this rank's next call would
+      // stall both until the call times out.
+      HostOut h((size_t)cap_ * D_ * eb_, (size_t)T_ * N_ * eb_, (size_t)P_ * N_ * eb_, dg_ ? (size_t)cap_ * K_ * 4 : 0);
+      for (int it = 0; it < s_.iters && !stop_; ++it) {
+        if (it == s_.timeout_at && !ForcedTimeout(r, site, dsets_[it % data_.size()][r])) break;
+        CheckedCall(r, it, site, h);
+      }
+      if (s_.time && !stop_) {
+        if (dg_) TimeDispatchGemm(r, site);
+        else TimeCombine(r, site, h.y);
+      }
+    } catch (const std::exception& e) {
+      Fail("rank " + std::to_string(r) + ": " + e.what());
+    }
+  }
+
+  const Spec& s_;
+  const std::vector<std::vector<RankInputs>>& data_;
+  Result& res_;
+  const int R_, T_, k_, E_l_, D_, K_, N_, P_, cap_, eb_;
+  const DType dt_;
+  const bool dg_;
+  Barrier barrier_;
+  const std::chrono::milliseconds bar_timeout_;
+  std::unique_ptr<Workspace> ws_;
+  DeviceArena mem_;
+  std::vector<std::vector<DeviceSet>> dsets_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<void*> out_recv_, out_y_, out_slot_, out_a_, out_a2_, out_recv2_, rank_op_, group_op_;
+  std::vector<char> have_first_;
+  std::mutex mu_;
+  std::atomic<int64_t> calls_{0};
+  std::atomic<bool> stop_{false};  // after a failure the ranks' calls no longer pair up: stop the case
+};
+
+}  // namespace
+
+Result RunRanks(const Spec& spec, const std::vector<std::vector<RankInputs>>& data) {
+  Result res;
+  if (data.empty() || spec.ranks < 1 || spec.ranks > cuda::kMaxRanks) {
+    res.errors.push_back("bad spec: " + std::to_string(data.size()) + " data sets, " + std::to_string(spec.ranks) +
+                         " ranks (1 .. " + std::to_string(cuda::kMaxRanks) + ")");
+    return res;
+  }
+  for (const auto& set : data)
+    if ((int)set.size() != spec.ranks) {
+      res.errors.push_back("bad spec: a data set has " + std::to_string(set.size()) + " ranks, not " +
+                           std::to_string(spec.ranks));
+      return res;
+    }
+  try {
+    Run run(spec, data, &res);
+    run.Go();
+  } catch (const std::exception& e) {
+    res.errors.push_back(e.what());
+  }
+  return res;
+}
+
+double CopyCeilingUs(int device, int64_t bytes, int reps) {
+  LB_CHECK(cudaSetDevice(device));
+  DeviceArena mem;
+  void* a = mem.Alloc(bytes);
+  void* b = mem.Alloc(bytes);
+  LB_CHECK(cudaMemset(a, 1, bytes));
+  cudaStream_t st;
+  LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  reps = std::max(2, reps);
+  std::vector<cudaEvent_t> ev(reps + 1);
+  for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < 3; ++i) LB_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st));
+  LB_CHECK(cudaEventRecord(ev[0], st));
+  for (int i = 0; i < reps; ++i) {
+    LB_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st));
+    LB_CHECK(cudaEventRecord(ev[i + 1], st));
+  }
+  LB_CHECK(cudaStreamSynchronize(st));
+  std::vector<double> us;
+  for (int i = 0; i < reps; ++i) {
+    float ms = 0;
+    LB_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+    us.push_back(1000.0 * ms);
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  cudaStreamDestroy(st);
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+}  // namespace jmo::loopback

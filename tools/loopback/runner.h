@@ -1,0 +1,114 @@
+// The loopback runner: R ranks of the library's kernels on ONE GPU, concurrently (one host thread, one stream and one
+// workspace block per rank, the SMs split between the ranks), so the multi-rank protocol runs without several GPUs.
+//
+// It only runs and records: the plans and data come from the caller (tools/loopback/cases.py, plans by
+// jax_moe_overlap.plan), and the caller judges what comes back (tools/loopback/check.py). Per call it records a
+// digest of every output, and the whole outputs of the first call on each data set; outputs are poisoned (all bits
+// set: NaN in bf16 and float32) before every checked call, so rows a kernel fails to write show.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda/workspace_cuda.h"
+#include "jax_moe_overlap/resource_model.h"
+
+namespace jmo::loopback {
+
+// Host bytes owned by the caller, alive for the whole run.
+struct Bytes {
+  const void* p = nullptr;
+  size_t n = 0;
+};
+
+// One rank's operands of one data set, in the layouts of the calls (int32 index arrays, bf16 or float32 values).
+struct RankInputs {
+  Bytes x;                                      // [T, D] dispatch rows
+  Bytes slot_src_row, slot_dest_rank, slot_dest_row, slot_ret_row;  // [P] int32
+  int32_t recv_rows = 0, ret_rows = 0;          // rows this rank receives in dispatch / gets back in expert_combine
+  Bytes lhs;                                    // [cap, K] expert_combine's input (rows past recv_rows: zero)
+  Bytes w;                                      // [E_l, K, N], or [E_l, N, K] with transpose_rhs
+  Bytes gates;                                  // [P] float32
+  Bytes seg_rows, seg_ret_off;                  // [E_l * R] int32, (expert, source) order
+  Bytes w1;                                     // dispatch_gemm: [E_l, D, K] bf16
+  Bytes expert_rows;                            // dispatch_gemm: [E_l] int32 GEMM1 group sizes
+};
+
+struct Variant {  // one timed configuration of expert_combine
+  int consumers = 0;  // 0: the manager
+  bool serialize = false;
+};
+
+struct Spec {
+  int ranks = 2, tokens = 128, top_k = 2, experts_per_rank = 4, d_model = 128, k_dim = 200, n_dim = 136;
+  int cap = 0;                       // recv rows of every rank (plan.recv_capacity)
+  bool f32 = false, transpose_rhs = false;
+  int iters = 20;                    // iterations of (dispatch, expert_combine), data set = iteration % data sets
+  int timeout_at = -1;               // at this iteration the last rank skips its dispatch (a forced timeout)
+  int64_t timeout_ms = 5000, short_timeout_ms = 200;
+  int delay_rank = -1;
+  int64_t delay_us = 0;
+  int consumers = 2;                 // CallOptions::consumer_ctas (0: the manager)
+  bool serialize = false;
+  bool has_model = false;            // the workspace gets `model` (else the fixed C = SMs / 8)
+  ModelParams model{};
+  int sm_budget = 0, device = 0;
+  int dispatch_gemm_pushers = 0;     // > 0: every dispatch is a DispatchGemm with this many pushing CTAs
+  // Timing, after the checked iterations, on data set 0: expert_combine alone per variant (or, with dispatch_gemm,
+  // dispatch + GEMM1 as two calls and as one), `warmup` calls then `reps` timed ones.
+  bool time = false;
+  std::vector<Variant> variants;
+  int warmup = 3, reps = 20;
+  bool per_call_stats = false;       // synchronize around every timed call and read its device record
+  int decision_iters = 0;            // > 0: MeasureDecision on rank 0's plan of data set 0
+};
+
+struct CallDigest {  // one checked iteration of one rank
+  int iter = 0, rank = 0, dataset = 0;
+  uint64_t recv = 0, y = 0, slot = 0, a = 0;  // digests of the outputs (a: dispatch_gemm's GEMM1, else 0)
+};
+
+struct FirstOutputs {  // the first call of a rank on a data set, whole
+  std::vector<char> recv, y, slot, a;
+  std::vector<char> recv2, a2;  // dispatch_gemm: the same dispatch + GEMM1 as two calls (Dispatch, GroupedMatmul)
+};
+
+struct TimeoutReport {  // the call after the forced timeout, per rank
+  bool reported = false;
+  int code = 0;
+  std::string msg;
+};
+
+struct RankTiming {  // one variant, one rank
+  std::vector<double> call_us;
+  std::vector<cuda::RankPrivate> device;  // per timed call (per_call_stats) or of the last call
+  uint64_t y_after = 0;                   // digest of y after the variant's calls
+};
+
+struct Result {
+  std::vector<std::string> errors;        // host-side failures; the run stops at the first
+  int64_t calls = 0;                      // successful dispatch + expert_combine calls (2 per rank and iteration)
+  std::vector<CallDigest> digests;
+  std::vector<std::vector<FirstOutputs>> first;   // [data set][rank]
+  std::vector<TimeoutReport> timeout;             // [rank]
+  std::vector<std::vector<RankTiming>> timed;     // [variant][rank]
+  std::vector<std::vector<double>> dg_us[2];      // dispatch_gemm timing: [two calls, one launch][rank] us per call
+  double table_ns = 0, decision_ns = 0;
+  int decision_choice = 0;
+  int budget = 0;                          // CTAs per rank
+  std::string producer;                    // ProducerPath of the case's expert_combine
+  double seconds = 0;
+};
+
+// 64-bit digest of n bytes (equal bytes, equal digests; a different output collides with chance 2^-64).
+uint64_t Digest(const void* p, size_t n);
+
+// Runs the iterations and the timing of `spec` over `data` ([data set][rank]). Never throws: failures go to errors.
+Result RunRanks(const Spec& spec, const std::vector<std::vector<RankInputs>>& data);
+
+// Median microseconds of cudaMemcpyAsync device-to-device of `bytes` on `device` (reps timed calls after warm-up).
+double CopyCeilingUs(int device, int64_t bytes, int reps);
+
+}  // namespace jmo::loopback

@@ -1,0 +1,103 @@
+"""Timing statistics of a loopback run: per timed variant, the group's per-call time (the slowest rank of each call),
+the device spans of producer and consumer, the consumer counts the kernels used, and the median call's timeline."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from tools.loopback.cases import Case, RankData
+
+
+def quantile(x: list[float], q: float) -> float:
+  if not x:
+    return 0.0
+  x = sorted(x)
+  return x[min(len(x) - 1, math.floor(q * (len(x) - 1) + 0.5))]
+
+
+def _timeline(records: list[list[dict]], med: int) -> str:
+  """Per rank, microseconds from the earliest BeginKernel of call `med` (all ranks share one %globaltimer)."""
+  t0 = min((rec[med]["begin_t"] for rec in records if med < len(rec)), default=0)
+
+  def at(t: int) -> str:
+    return f"{-1.0 if t == 0 else (t - t0) * 1e-3:.1f}"
+
+  parts = []
+  for r, rec in enumerate(records):
+    if med >= len(rec):
+      continue
+    q = rec[med]
+    parts.append(f"r{r} C={q['consumers']} begin {at(q['begin_t'])} prod {at(q['prod_t0'])}..{at(q['prod_t1'])} "
+                 f"(last CTA start {at(q['prod_t0_last'])}) cons {at(q['cons_t0'])}..{at(q['cons_t1'])} "
+                 f"comb {at(q['comb_t0'])}..{at(q['comb_t1'])}")
+  return " | ".join(parts)
+
+
+def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: list[int]) -> list[str]:
+  """The TIMED, RESULT and TIMELINE lines of every timed variant (benchmarks/loopback_runner.py parses RESULT)."""
+  lines = []
+  eb = 4 if case.f32 else 2
+  pushed_bytes = float(sum(remote_rows) * case.n_dim * eb)
+  for vi, (consumers, serialize) in enumerate(case.variants()):
+    if vi >= len(result["timed"]):
+      break
+    ranks = result["timed"][vi]
+    calls = len(ranks[0]["call_us"]) if ranks else 0
+    per_call = [max(t["call_us"][i] for t in ranks if i < len(t["call_us"])) for i in range(calls)]
+    records = [t["device"] for t in ranks]
+    prod, cons = [], []
+    for i in range(len(records[0]) if records else 0):
+      pm = cm = 0.0
+      for rec in records:
+        if i < len(rec):
+          q = rec[i]
+          if q["prod_t1"] > q["prod_t0"]:
+            pm = max(pm, (q["prod_t1"] - q["prod_t0"]) * 1e-3)
+          if q["cons_t1"] > q["cons_t0"]:
+            cm = max(cm, (q["cons_t1"] - q["cons_t0"]) * 1e-3)
+      prod.append(pm)
+      cons.append(cm)
+    med_us = quantile(per_call, 0.5)
+    stats = {"median_us": med_us, "p10_us": quantile(per_call, 0.1), "p90_us": quantile(per_call, 0.9),
+             "mean_us": sum(per_call) / len(per_call) if per_call else 0.0,
+             "producer_span_us": quantile(prod, 0.5), "consumer_span_us": quantile(cons, 0.5)}
+    chosen = [rec[-1]["consumers"] if rec else 0 for rec in records]
+    same = identical[vi] if vi < len(identical) else True
+    label = str(consumers) if consumers > 0 else "manager"
+    lines.append(f"TIMED C={label}{' serialized' if serialize else ''} "
+                 + " ".join(f"{k}={v:.2f}" for k, v in stats.items())
+                 + f" chosen={','.join(map(str, chosen))} pushed_MB={pushed_bytes / 1e6:.2f} identical={int(same)}")
+    lines.append("RESULT " + json.dumps({"kind": "timed", "consumers": consumers, "serialize": int(serialize), **stats,
+                                         "chosen": chosen, "pushed_bytes": pushed_bytes, "identical": same,
+                                         "budget": result["budget"]}))
+    if case.per_call_stats and per_call and len(records[0]) == len(per_call):
+      med = min(range(len(per_call)), key=lambda i: abs(per_call[i] - med_us))
+      lines.append("TIMELINE " + _timeline(records, med))
+  return lines
+
+
+def plan_lines(case: Case, ranks: list[RankData], budget: int) -> list[str]:
+  """One RESULT line per rank: its segment rows on data set 0 (for the benchmarks' host-side model)."""
+  return ["RESULT " + json.dumps({"kind": "plan", "rank": r, "ranks": case.ranks, "budget": budget,
+                                  "seg_rows": [int(n) for n in d.plan["seg_rows"]]}) for r, d in enumerate(ranks)]
+
+
+def decision_lines(result: dict) -> list[str]:
+  t, d, c = result["table_ns"], result["decision_ns"], result["decision_choice"]
+  return [f"DECISION table_build_ns={t:.1f} decision_ns={d:.1f} choice={c}",
+          "RESULT " + json.dumps({"kind": "decision", "table_ns": t, "decision_ns": d, "choice": c})]
+
+
+def dispatch_gemm_summary(result: dict) -> str:
+  """dispatch + GEMM1 per call, two calls against one launch: per call the slowest rank, the median over calls."""
+  two, fused = result["dg_us"]
+  if not two or not two[0] or not fused or not fused[0]:
+    return ""
+
+  def median_of_max(us: list[list[float]]) -> float:
+    m = sorted(max(u[i] for u in us if i < len(u)) for i in range(len(us[0])))
+    return m[len(m) // 2]
+
+  a, b = median_of_max(two), median_of_max(fused)
+  return f" | dispatch + GEMM1 per call: two calls {a:.1f} us, dispatch_gemm {b:.1f} us ({a / b:.3f}x)"
