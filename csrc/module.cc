@@ -9,13 +9,13 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/tuple.h>
 
-#include "cpu/handlers_cpu.h"
+#include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
 #include "jax_moe_overlap/resource_model.h"
 
 #ifdef JMO_WITH_CUDA
-#include "cuda/module_cuda.h"
+#include "cuda/module.h"
 #endif
 
 namespace nb = nanobind;

@@ -1,4 +1,4 @@
-// The combine's gather + weighted sum, shared by CombineKernel (kernels.cu: after its wait for the call's ret rows)
+// The combine's gather + weighted sum, shared by CombineKernel (combine.cu: after its wait for the call's ret rows)
 // and the combine probe (combine_probe.cu: the same loop with other shapes and loads, against other kernels).
 #pragma once
 
@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "cuda/gemm_tile.cuh"  // ToFloat, FromFloat
+#include "cuda/device/convert.cuh"
 
 namespace jmo::cuda {
 

@@ -1,5 +1,5 @@
 // Bare grouped GEMMs (grouped_gemm.h): persistent kernels over a tile space that every CTA derives on the device
-// from the group sizes (block scans into shared memory), then the tile engine of gemm_tile.cuh per tile.
+// from the group sizes (block scans into shared memory), then the tile engine of gemm/mma_tile.cuh per tile.
 #include "cuda/grouped_gemm.h"
 
 #include <cuda_bf16.h>
@@ -9,9 +9,9 @@
 #include <string>
 #include <utility>
 
-#include "cuda/gemm_tile.cuh"
-#include "cuda/wgmma/wgmma_gemm.cuh"
-#include "cuda/wgmma/wgmma_outer.cuh"
+#include "cuda/gemm/mma_tile.cuh"
+#include "cuda/gemm/wgmma_grouped.cuh"
+#include "cuda/gemm/wgmma_outer.cuh"
 
 namespace jmo::cuda {
 namespace {

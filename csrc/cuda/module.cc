@@ -1,4 +1,4 @@
-#include "cuda/module_cuda.h"
+#include "cuda/module.h"
 
 #include <cstdint>
 #include <memory>
@@ -11,9 +11,9 @@
 
 #include "cpu/workspace_cpu.h"
 #include "cuda/grouped_gemm.h"
-#include "cuda/handlers_cuda.h"
-#include "cuda/kernels.h"
-#include "cuda/workspace_cuda.h"
+#include "cuda/handlers.h"
+#include "cuda/api.h"
+#include "cuda/workspace.h"
 
 namespace nb = nanobind;
 
@@ -110,7 +110,8 @@ void RegisterModule(nb::module_& m) {
         // With 16-byte aligned operands (XLA's buffers are): which producer kernel expert_combine runs (w [E, K, N],
         // or [E, N, K] with transpose_rhs).
         alignas(16) static char dummy[16];
-        return std::string(ProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy));
+        return std::string(
+            ProducerPathName(SelectProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy)));
       },
       nb::arg("bf16"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false);
   // release_workspace(handle) from csrc/module.cc knows CPU workspaces only; CUDA handles live in their own range.

@@ -1,5 +1,5 @@
 // XLA:CUDA handlers of the two primitives: the same operands, results and attributes as the CPU handlers
-// (csrc/cpu/handlers_cpu.cc), the same shape checks, then the kernels of kernels.cu on XLA's stream.
+// (csrc/cpu/handlers.cc), the same shape checks, then the launchers of api.h on XLA's stream.
 //
 // Rank mapping: the group/rank operands live in device memory, and reading them on the host would cost a stream
 // synchronization per call. The handler instead finds its (group, rank) from the FFI device ordinal in the workspace
@@ -7,10 +7,10 @@
 // operands agree, reporting a mismatch as an error of the next call.
 #include <string>
 
-#include "cuda/ffi_glue.h"
-#include "cuda/handlers_cuda.h"
-#include "cuda/kernels.h"
-#include "cuda/workspace_cuda.h"
+#include "cuda/handler_support.h"
+#include "cuda/handlers.h"
+#include "cuda/api.h"
+#include "cuda/workspace.h"
 #include "common/call_signature.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "handlers_cpu.h"
+#include "cpu/handlers.h"
 #include "workspace_cpu.h"
 #include "common/bf16.h"
 #include "common/call_signature.h"

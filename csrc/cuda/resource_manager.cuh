@@ -7,39 +7,12 @@
 
 #include <cstdint>
 
-#include "cuda/wgmma/wgmma_gemm.cuh"  // WarpInclusiveSum
-#include "cuda/workspace_cuda.h"      // kThreads, kMaxSegments, Segment, resource_model.h
+#include "cuda/device/warp.cuh"
+#include "cuda/segment_table.cuh"
+#include "cuda/workspace.h"      // kThreads, kMaxSegments, Segment, resource_model.h
 
 namespace jmo::cuda {
 
-// The segment table of one expert_combine call (built by every CTA from the device-side plan arrays: kernels.cu
-// BuildSegments).
-struct SegTable {
-  Segment seg[kMaxSegments];      // in producer order, non-empty only
-  int32_t band_prefix[kMaxSegments + 1];  // ordered bands before segment i
-  int32_t n;                      // non-empty segments
-  int32_t bands;                  // total bands (ordered)
-  int32_t remote_segs;            // segments [0, remote_segs) go to other ranks (SegmentBefore puts them first)
-  int32_t remote_bands;           // their bands: [0, remote_bands) is all the consumer pushes
-  int64_t remote_rows;            // their rows (what the consumer pushes, in rows)
-};
-
-// Inclusive prefix sum of v over the threads of the CTA (in thread order) and the total; every thread calls it.
-// warp_sums: blockDim.x / 32 entries of shared memory (blockDim.x a multiple of 32). Integer sums: exact in any order.
-__device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int64_t* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = wgmma_gemm::WarpInclusiveSum(v, lane);
-  if (lane == 31) warp_sums[warp] = v;
-  __syncthreads();
-  int64_t before = 0, all = 0;
-  for (int w = 0; w < warps; ++w) {
-    if (w < warp) before += warp_sums[w];
-    all += warp_sums[w];
-  }
-  __syncthreads();  // warp_sums is free for the next scan
-  *total = all;
-  return v + before;
-}
 
 // The resource manager on the device (resource_model.h): every CTA evaluates the model on its own copy of the
 // segment table and gets the same C (same inputs, same operations, no FMA contraction: see the header), then takes
@@ -252,7 +225,7 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
     const int j = beg + lane;
     const bool mine = j < end;
     const uint32_t r = mine ? (uint32_t)t.seg[j].rows : 0u;
-    const uint64_t incl = (uint64_t)wgmma_gemm::WarpInclusiveSum(
+    const uint64_t incl = (uint64_t)WarpInclusiveSum(
         (long long)((uint64_t)MagicCeilDiv(r, tm, mtm) << 32 | r), lane);
     if (mine) {
       sc->seg.ceil_arg[j] = CeilArg((int64_t)(pre_t + (uint32_t)(incl >> 32)) * nn);
@@ -280,6 +253,31 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
   double v = us_half[0][lane];
   for (int w = 1; w < kWarps; ++w) v = RmMax(v, us_half[w][lane]);
   return ArgminC(feasible ? v : 1e300);
+}
+
+// What ExpertKernel is told about C.
+struct ConsumerConfig {
+  ModelParams model;  // sms = the rank's SM budget, ctas_per_sm = 1
+  int32_t use_model;  // 1: choose on the device; 0: `consumers`
+  int32_t consumers;  // pinned or fixed C
+  int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
+  int32_t serialize;
+  int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
+  int32_t bulk_copy;   // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand (JMO_CONSUMER_COPY=plain)
+  int32_t push_slots;     // bulk copies: ring slots (JMO_PUSH_SLOTS, default 12)
+  int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot (JMO_PUSH_READ_LAG, default 4)
+  int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each (JMO_PUSH_ISSUERS)
+  int64_t elem_bytes;
+  CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
+};
+
+// C of one call (every thread calls it): none when the call has no remote band (EP = 1, or nothing routed to other
+// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice. Python mirror:
+// resource.kernel_consumer_ctas.
+__device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, int64_t N, int64_t K, ChoiceScratch* sc) {
+  if (t.remote_bands == 0) return 0;
+  return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
+                       : pol.consumers;
 }
 
 }  // namespace jmo::cuda
