@@ -84,7 +84,8 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, int64_t timeout_ms,
                              int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas, int32_t serialize,
-                             bool transpose_rhs) {
+                             bool transpose_rhs, bool push_bulk_copy, int32_t push_slots, int32_t push_read_lag,
+                             int32_t push_issuers) {
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
   if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
@@ -95,6 +96,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (c.has_error()) return c.error();
   c.value().opts.consumer_ctas = consumer_ctas;
   c.value().opts.serialize = serialize != 0;
+  c.value().opts.tuning = ConsumerTuning{push_bulk_copy, push_slots, push_read_lag, push_issuers};
   if (shape->R != c.value().ws->ranks())
     return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
