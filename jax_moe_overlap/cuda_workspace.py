@@ -7,7 +7,7 @@ access is checked with ``cudaDeviceCanAccessPeer`` for every pair and enabled th
 (the ``cuda-python`` package of the ``gpu`` extra), never through hard-coded numbers.
 
 Scope today: one process driving all GPUs of the mesh (jax's single-controller mode). One process per GPU
-(``jax.distributed``) needs the CUDA VMM export path of DESIGN §4 and is refused with a clear error.
+(``jax.distributed``) needs a CUDA VMM export path and is refused with a clear error.
 """
 
 from __future__ import annotations

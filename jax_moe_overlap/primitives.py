@@ -1,4 +1,4 @@
-"""The two custom calls (DESIGN §3) and the differentiable expert block built from them.
+"""The two custom calls and the differentiable expert block built from them.
 
 All functions here run *per rank*, inside ``shard_map`` over the expert-parallel axis.
 
@@ -215,8 +215,8 @@ def _matmul(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
 
   Why not the custom call on CPU too (it exists, tests/test_grouped_gemm.py checks it): its CPU handler is a
   reference loop, and XLA:CPU's ragged_dot is faster: the CPU training example (examples/train_moe.py --steps 100)
-  took 74 s with the custom calls and 32 s with ragged_dot, same losses. (The order of the workspace calls no longer
-  depends on this: ordering.py chains them on CPU.)
+  took about twice as long with the custom calls, same losses. (The order of the workspace calls does not depend on
+  this: ordering.py chains them on CPU.)
   """
   def xla():
     rhs_ = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs

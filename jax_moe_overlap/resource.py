@@ -124,7 +124,7 @@ def device_segments(seg_rows, rank: int) -> list[Segment]:
 
 def kernel_consumer_ctas(p: ModelParams, seg_rows, rank: int, n: int, k: int, elem_bytes: int, max_ctas: int,
                          pinned: int = 0) -> int:
-  """The consumer CTA count the CUDA kernel uses for one rank's call (kernels.cu ConsumersOfCall): 0 when nothing
+  """The consumer CTA count the CUDA kernel uses for one rank's call (resource_manager.cuh ConsumersOfCall): 0 when nothing
   is pushed (no remote segment: every CTA produces), else ``pinned`` if given, else the model's choice."""
   segs = device_segments(seg_rows, rank)
   if not any(s.remote for s in segs):

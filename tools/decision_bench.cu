@@ -15,10 +15,10 @@ using namespace jmo::cuda;
 
 // The decision microbenchmark: one CTA builds the table as ExpertKernel does, then runs the choice `iters` times.
 // out[0] = table build ns, out[1] = ns of `iters` decisions, out[2] = the choice.
-__global__ void __launch_bounds__(kThreads) DecisionBenchKernel(RankDev rd, const int32_t* seg_rows,
-                                                                const int32_t* seg_ret_off, int E_l, int64_t cap,
-                                                                int64_t K, int64_t N, const __grid_constant__ ConsumerConfig pol, int iters,
-                                                                unsigned long long* out) {
+__global__ void __launch_bounds__(kThreads)
+    DecisionBenchKernel(RankDev rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, int64_t cap,
+                        int64_t K, int64_t N, const __grid_constant__ ConsumerConfig pol, int iters,
+                        unsigned long long* out) {
   __shared__ SegTable table;
   __shared__ TableScratch scratch;
   __shared__ ChoiceScratch choice;

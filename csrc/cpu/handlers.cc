@@ -1,4 +1,4 @@
-// XLA:CPU handlers of the two primitives (DESIGN §3): dispatch and expert_combine.
+// XLA:CPU handlers of the two primitives: dispatch and expert_combine.
 //
 // The handler thread is the producer; the rank's persistent Consumer thread (workspace_cpu.h) is the
 // communication engine. Both follow protocol.h step by step, so the CUDA kernels can be checked against this code.

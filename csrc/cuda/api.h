@@ -33,9 +33,9 @@ struct CallOptions {
   int32_t delay_rank = -1;  // testing aid: this rank spins delay_us on its device at the start of every call
   int64_t delay_us = 0;
   // expert_combine only. consumer_ctas: 0 = the resource manager's choice (the workspace's model evaluated on the
-  // device from the call's routed counts, or its fixed count without a model); > 0 = pinned (must leave a producer
-  // CTA: at most the rank's SM budget - 1; never negative). serialize: the consumer starts pushing only after the producer has
-  // finished every tile (the "same kernels, no overlap" baseline).
+  // device from the call's routed counts, or its fixed count without a model); > 0 = pinned (never negative; must
+  // leave a producer CTA: at most the rank's SM budget - 1). serialize: the consumer starts pushing only after the
+  // producer has finished every tile (the "same kernels, no overlap" baseline).
   int32_t consumer_ctas = 0;
   bool serialize = false;
   ConsumerTuning tuning;

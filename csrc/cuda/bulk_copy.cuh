@@ -24,15 +24,14 @@ namespace jmo::cuda {
 constexpr int kPushChunkBytes = 8192;  // bytes of one bulk copy (a multiple of 16)
 constexpr int kPushMaxSlots = 24;      // ring slots (192 KB of shared memory at most; the launch's smem decides)
 constexpr int kPushReadLag = 4;        // default: stores whose shared-memory reads may be pending (the rest load)
-// JMO_PUSH_SLOTS (2..24, default 12) and JMO_PUSH_READ_LAG (1..16) size the ring and its lag per call. Measured on the
-// H200 (benchmarks/RESULTS.md, session 4): neither changes the rate of one issuing thread (~11-12 GB/s with 4..24
-// slots, lag 4 or 16); more issuing threads do (push_probe.cu: 1 / 2 / 4 issuers 11.7 / 23.2 / 40.7 GB/s in one CTA),
-// so the consumer runs several StreamBands per CTA, each on its own slice of shared memory (JMO_PUSH_ISSUERS).
+// The ring's slots and read lag are per-call tuning (ConsumerTuning in api.h). On the H200 neither changes the rate of
+// one issuing thread (~12 GB/s); more issuing threads do, so the consumer runs several StreamBands per CTA, each on
+// its own slice of shared memory (ConsumerTuning::push_issuers).
 constexpr int kPushWriteLag = 16;      // stores whose global writes may be pending (128 KiB: ~2 us of store latency)
 constexpr int kPushMaxPending = 32;    // bands with stores issued but not yet reported (at most kPushWriteLag + 1)
 
 // Shared memory StreamBands needs for `slots` slots (barriers first, then the 128-aligned ring).
-// (kChunk: the bytes of one copy; the consumer uses kPushChunkBytes, push_probe.cu also tries others.)
+// (kChunk: the bytes of one copy; the consumer uses kPushChunkBytes, the push probe in tools/ tries others.)
 template <int kChunk = kPushChunkBytes>
 __host__ __device__ constexpr int PushRingBytes(int slots) { return 128 + slots * kChunk + 128; }
 

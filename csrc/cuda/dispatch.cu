@@ -77,10 +77,10 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
   Workspace& ws = *c.ws;
   if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows) {
     ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument, "jax_moe_overlap: dispatch: call needs rows of " + std::to_string(row_bytes) +
-                                               " B x " + std::to_string(cap) + " but the workspace holds " +
-                                               std::to_string(ws.sizes().row_bytes) + " B x " +
-                                               std::to_string(ws.sizes().recv_rows));
+    return Status::Error(kInvalidArgument,
+                         "jax_moe_overlap: dispatch: call needs rows of " + std::to_string(row_bytes) + " B x " +
+                             std::to_string(cap) + " but the workspace holds " +
+                             std::to_string(ws.sizes().row_bytes) + " B x " + std::to_string(ws.sizes().recv_rows));
   }
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int grid = ws.budget(c.group, c.rank);

@@ -16,9 +16,9 @@ enum PushWhich { kPushAll = 0, kPushLocal = 1, kPushRemote = 2 };
 // src[src_row[p]] into peer dst_rank[p]'s recv row dst_row[p] with 16-byte stores, counted into sent[d] (shared).
 // `which` picks the destinations this pass moves (the rank itself, the others, or all); invalid slots are reported
 // by the pass that would move them to another rank.
-__device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes, const int32_t* src_row,
-                         const int32_t* dst_rank, const int32_t* dst_row, int64_t P, int64_t cap, PushWhich which,
-                         int64_t first, int64_t stride, unsigned* sent) {
+__device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes,
+                                const int32_t* src_row, const int32_t* dst_rank, const int32_t* dst_row, int64_t P,
+                                int64_t cap, PushWhich which, int64_t first, int64_t stride, unsigned* sent) {
   const int lane = threadIdx.x % 32, R = rd.ranks;
   for (int64_t p = first; p < P; p += stride) {
     const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
@@ -29,7 +29,9 @@ __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, i
     }
     if (row < 0) continue;  // dropped by the capacity rule
     if (d < 0 || d >= R || row >= cap || sr < 0 || sr >= S) {
-      if (lane == 0) ReportBadInput(rd, kBadRoute, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr), (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
+      if (lane == 0)
+        ReportBadInput(rd, kBadRoute, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr),
+                       (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
       continue;
     }
     CopyBytes(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane, 32);

@@ -32,7 +32,8 @@ namespace {
 template <typename T, int kEngine, bool kTransB>
 __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
-                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, const __grid_constant__ ConsumerConfig pol,
+                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                 const __grid_constant__ ConsumerConfig pol,
                  const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
   extern __shared__ __align__(16) char smem[];
   __shared__ int32_t tile_prefix[kEngine == kWgmma ? kMaxSegments + 1 : 1];
@@ -181,9 +182,9 @@ Status PrepareExpertKernel(int dev, int* smem_bytes) {
 // Row length of w[e] as stored (the tile engines' ldb): N for [K, N], K for the transposed layout [N, K].
 int64_t WeightLd(int64_t K, int64_t N, bool transpose_rhs) { return transpose_rhs ? K : N; }
 
-// Whether the tensor-core tile (gemm/mma_tile.cuh) takes these operands: bf16, 16-byte aligned, lhs rows (K) and w rows as
-// stored multiples of 8 elements. N need not be one when w is transposed (B is then loaded along K; the stores check
-// their alignment pair by pair).
+// Whether the tensor-core tile (gemm/mma_tile.cuh) takes these operands: bf16, 16-byte aligned, lhs rows (K) and w
+// rows as stored multiples of 8 elements. N need not be one when w is transposed (B is then loaded along K; the stores
+// check their alignment pair by pair).
 bool TcProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
   return TcTileApplies(dt == DType::kBF16, K, WeightLd(K, N, transpose_rhs), lhs, w);
 }
@@ -272,7 +273,8 @@ std::string CheckModelParams(const ModelParams& p) {
   auto finite_nonneg = [](double v) { return v >= 0.0 && v < 1e300; };
   if (!(p.tile_m == kMmaBM && p.tile_n == kMmaBN) && !(p.tile_m == kWgBM && p.tile_n == kWgBN))
     return "the model describes " + std::to_string(p.tile_m) + "x" + std::to_string(p.tile_n) +
-           " tiles but the compiled producers use " + std::to_string(kMmaBM) + "x" + std::to_string(kMmaBN) + " (mma.sync) or " +
+           " tiles but the compiled producers use " + std::to_string(kMmaBM) + "x" + std::to_string(kMmaBN) +
+           " (mma.sync) or " +
            std::to_string(kWgBM) + "x" + std::to_string(kWgBN) + " (wgmma)";
   if (p.ctas_per_sm != 1) return "ctas_per_sm must be 1 (the expert kernel runs one CTA per SM)";
   if (p.sms < 2) return "sms must be >= 2";

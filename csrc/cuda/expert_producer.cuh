@@ -77,8 +77,8 @@ constexpr int kSimtSmemBytes = SimtSmemBytes<kMmaBM>();
 
 template <typename T, bool kTensorCores, bool kTransB>
 __device__ inline void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t epoch, const T* __restrict__ lhs,
-                             const T* __restrict__ w, int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int pid,
-                             int np, char* smem) {
+                                    const T* __restrict__ w, int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags,
+                                    int pid, int np, char* smem) {
   const int64_t ntiles = (N + kMmaBN - 1) / kMmaBN;
   const int64_t tiles = (int64_t)table.bands * ntiles;
   for (int64_t t = pid; t < tiles; t += np) {
@@ -159,8 +159,9 @@ __device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const 
 
 template <bool kTransB>
 __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
-                             const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret, uint64_t* flags,
-                             int pid, int np, int32_t* tile_prefix, int64_t* warp_sums, char* smem) {
+                                    const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret,
+                                    uint64_t* flags, int pid, int np, int32_t* tile_prefix, int64_t* warp_sums,
+                                    char* smem) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {

@@ -256,7 +256,7 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
   Status s = CheckSizes("grouped_outer", M, G);
   if (!s.ok()) return s;
   if (K == 0 || N == 0) return Status{};
-  // Hopper: the wgmma + TMA kernel (csrc/cuda/wgmma/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
+  // Hopper: the wgmma + TMA kernel (gemm/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
   // builds it refuses (cudaErrorInvalidValue / cudaErrorNotSupported, before any launch) fall through to mma.sync.
   if (UseWgmma(dt, M, K, N)) {
     const cudaError_t e = WgmmaGroupedOuter(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), N, G,

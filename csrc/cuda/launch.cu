@@ -20,8 +20,11 @@ Status GetDeviceInfo(int dev, DeviceInfo* info) {
   if (dev < 0 || dev >= 64) return Status::Error(kInvalidArgument, "device ordinal out of range");
   if (cache[dev].sms == 0) {
     Status s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].sms, cudaDevAttrMultiProcessorCount, dev), "attr");
-    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "attr");
-    if (s.ok()) s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
+    if (s.ok())
+      s = CudaStatus(
+          cudaDeviceGetAttribute(&cache[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "attr");
+    if (s.ok())
+      s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
     if (!s.ok()) {
       cache[dev].sms = 0;
       return s;

@@ -33,7 +33,8 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   p->failed = LoadVolatile(&rd.shared->abort.value) != 0 ? 1 : 0;
   __threadfence();
   if (rank_op != nullptr && group_op != nullptr && (rank_op[0] != rd.rank || group_op[0] != rd.group))
-    ReportBadInput(rd, kBadRankOperands, static_cast<uint64_t>(group_op[0]), rank_op[0], static_cast<uint64_t>(rd.group));
+    ReportBadInput(rd, kBadRankOperands, static_cast<uint64_t>(group_op[0]), rank_op[0],
+                   static_cast<uint64_t>(rd.group));
 }
 
 __global__ void EndKernel(RankDev rd, const int32_t* expected, int which) { CloseCall(rd, expected[0], which); }

@@ -28,7 +28,7 @@ __device__ __forceinline__ RankView View(const RankDev& rd, int r) { return Rank
 // Records this rank's first failure in its ErrorRecord (host-mapped), marks the call failed and raises the group's
 // abort word. Called by one thread.
 __device__ inline void RecordError(const RankDev& rd, uint64_t code, uint64_t sub, uint64_t peer, uint64_t got,
-                            uint64_t expected) {
+                                   uint64_t expected) {
   const uint64_t epoch = LoadVolatile(&rd.priv->epoch);
   if (atomicCAS(reinterpret_cast<unsigned long long*>(&rd.priv->err_claim), 0ull, 1ull) == 0ull) {
     volatile ErrorRecord* e = &rd.shared->errors[rd.rank];
@@ -54,17 +54,14 @@ __device__ inline void ReportBadInput(const RankDev& rd, uint64_t sub, uint64_t 
 // Bounded wait (one thread) until *word >= base + count. On timeout records (rank, peer, stage, counts relative to
 // base) and raises abort; on a peer's abort gives up silently (the next call reports the group's first failure).
 //
-// The group's abort word is host-mapped memory, and a GPU read of it crosses PCIe. Read every 16 spins by each
-// waiting thread, it stalled the *producer's* tiles on the same GPU: in the loopback harness (R = 2, serialized, the
-// consumers of both ranks waiting for their producers) the producer span grew with the number of waiting consumer
-// CTAs, 0.18 ms at C = 1 to 18.1 ms at C = 32 per rank, and skewed workloads, whose light rank waits in CombineKernel
-// while the heavy rank computes, took 44-84 ms instead of 3.5 ms. Read once per 1024 spins (about every millisecond
-// once the sleeps are 1 us): 0.35 ms at C = 32; relaxed polling loads or longer sleeps alone did not help
-// (benchmarks/RESULTS.md, session 5, call 3). Our own rank's failure and the deadline, both on the GPU, are still
-// checked every 16 spins; a peer's abort is seen within about a millisecond (the first look at spin 1024, after
-// ~0.1 ms of waiting).
-__device__ inline bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint64_t base, uint64_t count, uint64_t peer,
-                            Stage stage) {
+// The group's abort word is host-mapped memory, and a GPU read of it crosses PCIe: read often by many waiting
+// threads, those reads stall the producer's tiles on the same GPU (the producer span grows with the number of waiting
+// consumer CTAs, by two orders of magnitude at C = 32 on the H200). So the abort word is read once per 1024 spins
+// (about every millisecond once the sleeps are 1 us); relaxed polling loads or longer sleeps alone do not avoid the
+// stall. Our own rank's failure and the deadline, both in device memory, are checked every 16 spins; a peer's abort
+// is seen within about a millisecond.
+__device__ inline bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint64_t base, uint64_t count,
+                                   uint64_t peer, Stage stage) {
   const uint64_t target = base + count;
   const uint64_t deadline = LoadVolatile(&rd.priv->deadline_ns);
   for (uint32_t spin = 0;; ++spin) {

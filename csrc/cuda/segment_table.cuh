@@ -31,14 +31,16 @@ struct TableScratch {
   int32_t first_bad;
 };
 
-__device__ __forceinline__ int32_t BandsOf(int32_t rows) { return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows; }
+__device__ __forceinline__ int32_t BandsOf(int32_t rows) {
+  return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
+}
 
 // Builds the table from the device-side plan arrays, one thread per segment (E_l * R <= kMaxSegments <= blockDim.x):
 // offsets by prefix sums, each segment's place in producer order by counting the segments SegmentBefore puts first
 // (by source, then by expert within its source). Every thread calls it and gets the same answer; false (and the error
 // recorded, naming the first bad segment) on an invalid plan.
 __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
-                              int64_t cap, SegTable* t, TableScratch* sc) {
+                                     int64_t cap, SegTable* t, TableScratch* sc) {
   const int R = rd.ranks, n = E_l * R, tid = threadIdx.x;
   for (int s = tid; s < R; s += blockDim.x) {
     sc->rows_to_rank[s] = 0;

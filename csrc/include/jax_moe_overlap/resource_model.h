@@ -1,4 +1,4 @@
-// The analytical resource manager (DESIGN §5; seed: "Analytical Resource Management for Fine-grained MoE
+// The analytical resource manager (seed: "Analytical Resource Management for Fine-grained MoE
 // Computation-Communication Overlap"): a wave-quantized model of one expert_combine call, and the choice of the
 // consumer's CTA count C that minimises it. Host and device callable, no allocation, so that a kernel can evaluate
 // it from the real routed counts at start without a host sync. Python mirror: jax_moe_overlap/resource.py.
