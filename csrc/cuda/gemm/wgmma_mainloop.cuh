@@ -6,7 +6,7 @@
 //   out_t[r, c] = sum_k A[t.a_row + r, k] * B[t.b_idx][k, t.n0 + c]     r < t.rows, c < t.cols
 // (fp32 accumulate, stored as bf16 or f32 to t.out[r * t.ldc + c]) and, when DoneFn is not NoTileDone, calls
 // tile_done(t) once per tile after all of the tile's stores (contract below). The bare grouped GEMM
-// (wgmma_grouped.cuh, GroupedGemmKernel) is one user; the expert_combine producer is meant to be another.
+// (wgmma_grouped.cuh, GroupedGemmKernel), the expert_combine producer (expert_producer.cuh) and dispatch_gemm use it.
 //
 // ---- Caller requirements -------------------------------------------------------------------------------------
 //   * Block of exactly kThreads = 384 threads (3 warpgroups), kernel declared __launch_bounds__(kThreads, 1), so
