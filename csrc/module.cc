@@ -9,13 +9,13 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/tuple.h>
 
-#include "cpu/handlers_cpu.h"
+#include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
 #include "jax_moe_overlap/resource_model.h"
 
 #ifdef JMO_WITH_CUDA
-#include "cuda/module_cuda.h"
+#include "cuda/module.h"
 #endif
 
 namespace nb = nanobind;
@@ -34,12 +34,6 @@ int64_t CreateCpuWorkspace(int ranks, int groups, int64_t row_bytes, int64_t rec
     throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
   jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, num_segments)};
   return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s));
-}
-
-// The resource model of resource_model.h, exposed so that tests check the Python mirror against it.
-jmo::ModelParams Params(const std::vector<double>& v) {
-  if (v.size() != 9) throw std::invalid_argument("resource model: 9 parameters expected");
-  return jmo::ModelParams{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2], (int32_t)v[3], v[4], v[5], v[6], v[7], v[8]};
 }
 
 std::vector<jmo::ModelSegment> Segments(const std::vector<std::tuple<int, int>>& segs) {
@@ -62,24 +56,55 @@ NB_MODULE(_jmo, m) {
   });
   m.def("create_cpu_workspace", &CreateCpuWorkspace, nb::arg("ranks"), nb::arg("groups"), nb::arg("row_bytes"),
         nb::arg("recv_rows"), nb::arg("ret_rows"), nb::arg("num_segments"));
-  m.def("release_workspace", &jmo::cpu::ReleaseWorkspace, nb::arg("handle"));
+  // CPU and CUDA workspace handles live in disjoint ranges; each side releases its own.
+  m.def(
+      "release_workspace",
+      [](int64_t handle) {
+#ifdef JMO_WITH_CUDA
+        if (jmo::cuda::IsCudaWorkspaceHandle(handle)) return jmo::cuda::ReleaseCudaWorkspace(handle);
+#endif
+        return jmo::cpu::ReleaseWorkspace(handle);
+      },
+      nb::arg("handle"));
   m.def("workspace_bytes_per_rank", [](int64_t row_bytes, int64_t recv_rows, int64_t ret_rows, int64_t segs) {
     jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, segs)};
     return jmo::MakeLayout(s).total;
   });
   m.attr("band_rows") = jmo::kBandRows;
-  m.def("model_makespan_us", [](const std::vector<double>& params, const std::vector<std::tuple<int, int>>& segs,
+  // The resource model's constants (resource_model.h), by name: what create_cuda_workspace and the model functions take
+  // (jax_moe_overlap.resource.ModelParams.native() builds one).
+  nb::class_<jmo::ModelParams>(m, "ModelParams")
+      .def(
+          "__init__",
+          [](jmo::ModelParams* p, int32_t sms, int32_t ctas_per_sm, int32_t tile_m, int32_t tile_n, double tile_us_base,
+             double tile_us_per_k, double cta_gbps, double link_gbps, double seg_us) {
+            new (p) jmo::ModelParams{sms, ctas_per_sm, tile_m, tile_n, tile_us_base, tile_us_per_k, cta_gbps,
+                                     link_gbps, seg_us};
+          },
+          nb::kw_only(), nb::arg("sms"), nb::arg("ctas_per_sm"), nb::arg("tile_m"), nb::arg("tile_n"),
+          nb::arg("tile_us_base"), nb::arg("tile_us_per_k"), nb::arg("cta_gbps"), nb::arg("link_gbps"),
+          nb::arg("seg_us"))
+      .def_rw("sms", &jmo::ModelParams::sms)
+      .def_rw("ctas_per_sm", &jmo::ModelParams::ctas_per_sm)
+      .def_rw("tile_m", &jmo::ModelParams::tile_m)
+      .def_rw("tile_n", &jmo::ModelParams::tile_n)
+      .def_rw("tile_us_base", &jmo::ModelParams::tile_us_base)
+      .def_rw("tile_us_per_k", &jmo::ModelParams::tile_us_per_k)
+      .def_rw("cta_gbps", &jmo::ModelParams::cta_gbps)
+      .def_rw("link_gbps", &jmo::ModelParams::link_gbps)
+      .def_rw("seg_us", &jmo::ModelParams::seg_us);
+  m.def("model_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,
                                 int64_t n, int64_t k, int64_t elem_bytes, int ctas) {
     auto s = Segments(segs);
     std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
-    return jmo::ModelMakespanUs(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, ctas, scratch.data());
+    return jmo::ModelMakespanUs(params, s.data(), (int)s.size(), n, k, elem_bytes, ctas, scratch.data());
   });
-  m.def("model_choose_consumer_ctas", [](const std::vector<double>& params,
+  m.def("model_choose_consumer_ctas", [](const jmo::ModelParams& params,
                                          const std::vector<std::tuple<int, int>>& segs, int64_t n, int64_t k,
                                          int64_t elem_bytes, int max_ctas) {
     auto s = Segments(segs);
     std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
-    return jmo::ChooseConsumerCtas(Params(params), s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
+    return jmo::ChooseConsumerCtas(params, s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
                                    scratch.data());
   });
 #ifdef JMO_WITH_CUDA

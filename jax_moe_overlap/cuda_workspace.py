@@ -7,7 +7,7 @@ access is checked with ``cudaDeviceCanAccessPeer`` for every pair and enabled th
 (the ``cuda-python`` package of the ``gpu`` extra), never through hard-coded numbers.
 
 Scope today: one process driving all GPUs of the mesh (jax's single-controller mode). One process per GPU
-(``jax.distributed``) needs the CUDA VMM export path of DESIGN §4 and is refused with a clear error.
+(``jax.distributed``) needs a CUDA VMM export path and is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 
 import jax
 import numpy as np
 
 from jax_moe_overlap import _jmo
+from jax_moe_overlap import env
 from jax_moe_overlap import resource
 
 log = logging.getLogger("jax_moe_overlap")
@@ -83,11 +83,9 @@ def check_peer_access(ordinals) -> None:
 
 def default_consumer_ctas(info: DeviceInfo) -> int:
   """The fixed C (communication CTAs of expert_combine) used when no calibration applies: about an eighth of the
-  SMs (the seed paper's default was 14 of 108), at least one. ``$JMO_CONSUMER_CTAS`` overrides it."""
-  env = os.environ.get("JMO_CONSUMER_CTAS")
-  if env:
-    return max(1, int(env))
-  return resource.fallback_consumer_ctas(info.sm_count)
+  SMs (the seed paper's default was 14 of 108), at least one. ``$JMO_CONSUMER_CTAS`` overrides it (env.py)."""
+  fixed = env.fixed_consumer_ctas()
+  return fixed if fixed is not None else resource.fallback_consumer_ctas(info.sm_count)
 
 
 def calibration(info: DeviceInfo) -> resource.Calibration:
@@ -130,7 +128,7 @@ def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
   (log.info if cal.params is not None else log.warning)("jax_moe_overlap: %s", ws.consumer_policy)
   handle = _jmo.create_cuda_workspace(ranks, groups, ordinals, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
                                       sizes.num_segments, fixed, 0,
-                                      cal.params.as_list() if cal.params is not None else [])
+                                      cal.params.native() if cal.params is not None else None)
   ws.sm_budget = int(_jmo.cuda_workspace_info(int(handle))["min_sm_budget"])
   return int(handle)
 

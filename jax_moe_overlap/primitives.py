@@ -1,4 +1,4 @@
-"""The two custom calls (DESIGN §3) and the differentiable expert block built from them.
+"""The two custom calls and the differentiable expert block built from them.
 
 All functions here run *per rank*, inside ``shard_map`` over the expert-parallel axis.
 
@@ -20,18 +20,50 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import _ffi
+from jax_moe_overlap import env
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
-DEFAULT_TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
+
+def _int_in(value, lo: int, hi: int) -> bool:
+  return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and lo <= value <= hi
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerTuning:
+  """How expert_combine's CUDA consumer CTAs push their bands (ignored on CPU). Defaults: $JMO_CONSUMER_COPY,
+  $JMO_PUSH_SLOTS, $JMO_PUSH_READ_LAG, $JMO_PUSH_ISSUERS (env.py), else the values the shipped calibration was
+  measured with.
+
+  bulk_copy: TMA bulk copies on Hopper (True), or ordinary 16-byte loads and stores (False).
+  slots: shared-memory ring slots of one issuing thread, 2..24 (the launch's shared memory may give fewer).
+  read_lag: bulk stores that may still be reading their slot, 1..16 (kept below the slots).
+  issuers: issuing threads per consumer CTA, one ring each, 1..8 (one thread moves ~12 GB/s on the H200).
+  """
+
+  bulk_copy: bool = dataclasses.field(default_factory=env.consumer_bulk_copy)
+  slots: int = dataclasses.field(default_factory=env.push_slots)
+  read_lag: int = dataclasses.field(default_factory=env.push_read_lag)
+  issuers: int = dataclasses.field(default_factory=env.push_issuers)
+
+  def __post_init__(self):
+    if not isinstance(self.bulk_copy, (bool, np.bool_)):
+      raise ValueError(f"jax_moe_overlap: ConsumerTuning.bulk_copy must be a bool, got {self.bulk_copy!r}")
+    for name, lo, hi in (("slots", 2, 24), ("read_lag", 1, 16), ("issuers", 1, 8)):
+      if not _int_in(getattr(self, name), lo, hi):
+        raise ValueError(f"jax_moe_overlap: ConsumerTuning.{name} must be an int in [{lo}, {hi}], got "
+                         f"{getattr(self, name)!r}")
+
+  def attrs(self) -> dict:
+    return dict(push_bulk_copy=np.bool_(self.bulk_copy), push_slots=np.int32(self.slots),
+                push_read_lag=np.int32(self.read_lag), push_issuers=np.int32(self.issuers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,26 +71,28 @@ class CallConfig:
   """Static settings of the custom calls.
 
   timeout_ms: bound on every wait for a peer or flag; a wait that expires raises an error naming rank, peer,
-    stage and counts (default from $JMO_TIMEOUT_MS, else 10 s).
+    stage and counts (default $JMO_TIMEOUT_MS, else 10 s).
   delay_rank, delay_us: testing aid that holds one rank back at the start of every call (-1: none).
   consumer_ctas: CTAs of expert_combine's consumer (the communication engine) on CUDA. 0 (default): the resource
     manager chooses per call on the device from the routed counts (or a fixed count when the GPU has no
     calibration: ``Workspace.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
   serialize: expert_combine's consumer starts only after the producer has finished every tile (no overlap: the
     baseline of the benchmarks; results are identical).
+  consumer_tuning: how the CUDA consumer pushes (ConsumerTuning).
   dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): on CUDA, with bfloat16
     operands and d_model, 2 * d_ff multiples of 64, one dispatch_gemm call in which this many CTAs push the tokens
     and the others run GEMM1, each source's tiles starting once its rows have arrived (Hopper only: elsewhere the
-    call fails with an error saying so). The same results, bit for bit. Not yet faster than the two calls (two H200s:
-    0.88-0.98x; benchmarks/RESULTS.md, eighth session): leave it at 0 for speed.
+    call fails with an error saying so). The same results, bit for bit. Not faster than the two calls on two H200s:
+    leave it at 0 for speed.
   """
 
-  timeout_ms: int = DEFAULT_TIMEOUT_MS
+  timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
   delay_rank: int = -1
   delay_us: int = 0
   consumer_ctas: int = 0
   serialize: bool = False
   dispatch_pushers: int = 0
+  consumer_tuning: ConsumerTuning = dataclasses.field(default_factory=ConsumerTuning)
 
   def __post_init__(self):
     if isinstance(self.consumer_ctas, bool) or not isinstance(self.consumer_ctas, (int, np.integer)) or \
@@ -85,7 +119,7 @@ class CallConfig:
                        f"rank of this workspace has an SM budget of {budget} CTAs, so pin C in [1, {budget - 1}] "
                        "(or 0 for the resource manager's choice)")
     return dict(self.attrs(workspace), consumer_ctas=np.int32(self.consumer_ctas),
-                serialize=np.int32(1 if self.serialize else 0))
+                serialize=np.int32(1 if self.serialize else 0), **self.consumer_tuning.attrs())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +215,8 @@ def _matmul(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
 
   Why not the custom call on CPU too (it exists, tests/test_grouped_gemm.py checks it): its CPU handler is a
   reference loop, and XLA:CPU's ragged_dot is faster: the CPU training example (examples/train_moe.py --steps 100)
-  took 74 s with the custom calls and 32 s with ragged_dot, same losses. (The order of the workspace calls no longer
-  depends on this: ordering.py chains them on CPU.)
+  took about twice as long with the custom calls, same losses. (The order of the workspace calls does not depend on
+  this: ordering.py chains them on CPU.)
   """
   def xla():
     rhs_ = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs

@@ -20,6 +20,8 @@ import os
 import re
 from typing import Sequence
 
+from jax_moe_overlap import env as _env
+
 # What the device kernel considers: C in [1, min(MAX_MODEL_CTAS, budget - 1)] (one warp of candidates).
 MAX_MODEL_CTAS = 32
 CALIBRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration")
@@ -39,8 +41,13 @@ class ModelParams:
   link_gbps: float
   seg_us: float
 
+  def native(self):
+    """The C++ struct (``_jmo.ModelParams``, built by name): what create_cuda_workspace and the model functions take."""
+    from jax_moe_overlap import _jmo
+    return _jmo.ModelParams(**dataclasses.asdict(self))
+
   def as_list(self) -> list[float]:
-    """The 9 numbers in the order of the C++ struct (what ``_jmo`` functions and ``jmo_loopback --model`` take)."""
+    """The 9 numbers in the order of the C++ struct: the loopback harness's --model flag."""
     return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
 
 
@@ -117,7 +124,7 @@ def device_segments(seg_rows, rank: int) -> list[Segment]:
 
 def kernel_consumer_ctas(p: ModelParams, seg_rows, rank: int, n: int, k: int, elem_bytes: int, max_ctas: int,
                          pinned: int = 0) -> int:
-  """The consumer CTA count the CUDA kernel uses for one rank's call (kernels.cu ConsumersOfCall): 0 when nothing
+  """The consumer CTA count the CUDA kernel uses for one rank's call (resource_manager.cuh ConsumersOfCall): 0 when nothing
   is pushed (no remote segment: every CTA produces), else ``pinned`` if given, else the model's choice."""
   segs = device_segments(seg_rows, rank)
   if not any(s.remote for s in segs):
@@ -190,7 +197,7 @@ def calibration_for(gpu_name: str, sms: int, directory: str | None = None,
   ``$JMO_CALIBRATION`` (a path) overrides the lookup; ``$JMO_CALIBRATION=none`` disables the model. A file whose
   SM count or tile shape differs from the device's kernels is not used (the fallback is, and ``reason`` says so).
   """
-  env = os.environ.get("JMO_CALIBRATION", "")
+  env = _env.calibration()
   if env.lower() == "none":
     return Calibration(None, "", f"resource model disabled by $JMO_CALIBRATION=none: fixed consumer CTAs "
                                  f"C = {fallback_consumer_ctas(sms)} (SMs / 8)")

@@ -24,15 +24,11 @@ P = rm.ModelParams(sms=132, ctas_per_sm=1, tile_m=128, tile_n=128, tile_us_base=
 
 
 def cpp_makespan(p, segs, n, k, eb, c):
-  return _jmo.model_makespan_us(_vec(p), [(s.rows, int(s.remote)) for s in segs], n, k, eb, c)
+  return _jmo.model_makespan_us(p.native(), [(s.rows, int(s.remote)) for s in segs], n, k, eb, c)
 
 
 def cpp_choose(p, segs, n, k, eb, max_ctas):
-  return _jmo.model_choose_consumer_ctas(_vec(p), [(s.rows, int(s.remote)) for s in segs], n, k, eb, max_ctas)
-
-
-def _vec(p):
-  return [float(getattr(p, f.name)) for f in dataclasses.fields(p)]
+  return _jmo.model_choose_consumer_ctas(p.native(), [(s.rows, int(s.remote)) for s in segs], n, k, eb, max_ctas)
 
 
 def test_python_mirror_matches_cpp_on_random_inputs():

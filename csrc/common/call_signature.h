@@ -66,9 +66,10 @@ auto BindDispatchGemm(Binding b) {
 //                ret_rows_expected [], group [], rank [])
 //   -> y [T, N], slot_out [T*k or 0, N]
 // Attributes: those of every call, then consumer_ctas (int32: 0 = the resource manager's choice, > 0 = pinned),
-// serialize (int32: 1 = the consumer starts only after the producer has finished every tile) and transpose_rhs
+// serialize (int32: 1 = the consumer starts only after the producer has finished every tile), transpose_rhs
 // (bool: w is [E_local, N, K] and the producer reads w[e]^T in place, as jmo_grouped_matmul's transpose_rhs: the
-// input gradient dy @ W^T without a transposed copy of W).
+// input gradient dy @ W^T without a transposed copy of W), and how the CUDA consumer pushes (ConsumerTuning of
+// cuda/api.h: push_bulk_copy bool, push_slots, push_read_lag, push_issuers int32; the CPU handler ignores them).
 template <typename Binding>
 auto BindExpertCombine(Binding b) {
   namespace ffi = xla::ffi;
@@ -85,15 +86,19 @@ auto BindExpertCombine(Binding b) {
                            .template Ret<ffi::AnyBuffer>())
       .template Attr<int32_t>("consumer_ctas")
       .template Attr<int32_t>("serialize")
-      .template Attr<bool>("transpose_rhs");
+      .template Attr<bool>("transpose_rhs")
+      .template Attr<bool>("push_bulk_copy")
+      .template Attr<int32_t>("push_slots")
+      .template Attr<int32_t>("push_read_lag")
+      .template Attr<int32_t>("push_issuers");
 }
 
 inline xla::ffi::Error InvalidCall(const std::string& msg) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
 }
 
-// The per-call consumer options, checked the same way on every platform (the CUDA handler also checks C against the
-// rank's SM budget, which only it knows).
+// The per-call consumer options, checked the same way by every platform's handler (ExpertCombine on CUDA checks C
+// against the rank's SM budget, which only it knows).
 inline xla::ffi::Error CheckCombineOptions(int32_t consumer_ctas, int32_t serialize) {
   if (consumer_ctas < 0)
     return InvalidCall("expert_combine: consumer_ctas must be 0 (the resource manager's choice) or a positive CTA "

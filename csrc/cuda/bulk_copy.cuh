@@ -17,91 +17,35 @@
 
 #include <cstdint>
 
-#include "cuda/wgmma/wgmma_tile_loop.cuh"
+#include "cuda/device/ptx.cuh"
 
 namespace jmo::cuda {
 
 constexpr int kPushChunkBytes = 8192;  // bytes of one bulk copy (a multiple of 16)
 constexpr int kPushMaxSlots = 24;      // ring slots (192 KB of shared memory at most; the launch's smem decides)
 constexpr int kPushReadLag = 4;        // default: stores whose shared-memory reads may be pending (the rest load)
-// JMO_PUSH_SLOTS (2..24, default 12) and JMO_PUSH_READ_LAG (1..16) size the ring and its lag per call. Measured on the
-// H200 (benchmarks/RESULTS.md, session 4): neither changes the rate of one issuing thread (~11-12 GB/s with 4..24
-// slots, lag 4 or 16); more issuing threads do (push_probe.cu: 1 / 2 / 4 issuers 11.7 / 23.2 / 40.7 GB/s in one CTA),
-// so the consumer runs several StreamBands per CTA, each on its own slice of shared memory (JMO_PUSH_ISSUERS).
+// The ring's slots and read lag are per-call tuning (ConsumerTuning in api.h). On the H200 neither changes the rate of
+// one issuing thread (~12 GB/s); more issuing threads do, so the consumer runs several StreamBands per CTA, each on
+// its own slice of shared memory (ConsumerTuning::push_issuers).
 constexpr int kPushWriteLag = 16;      // stores whose global writes may be pending (128 KiB: ~2 us of store latency)
 constexpr int kPushMaxPending = 32;    // bands with stores issued but not yet reported (at most kPushWriteLag + 1)
 
 // Shared memory StreamBands needs for `slots` slots (barriers first, then the 128-aligned ring).
-// (kChunk: the bytes of one copy; the consumer uses kPushChunkBytes, push_probe.cu also tries others.)
+// (kChunk: the bytes of one copy; the consumer uses kPushChunkBytes, the push probe in tools/ tries others.)
 template <int kChunk = kPushChunkBytes>
 __host__ __device__ constexpr int PushRingBytes(int slots) { return 128 + slots * kChunk + 128; }
 
-namespace bulk {
-using wgmma_gemm::MbarArriveExpectTx;
-using wgmma_gemm::MbarInit;
-using wgmma_gemm::MbarInitFence;
-using wgmma_gemm::MbarWait;
-using wgmma_gemm::SmemAddr;
-
-// global -> shared, completing `bytes` transactions on the barrier.
-__device__ __forceinline__ void Load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if WGMMA_SM90A
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-#else
-  __trap();
-#endif
-}
-// shared -> global, one bulk group per call (Commit).
-__device__ __forceinline__ void Store(void* dst, uint32_t src, uint32_t bytes) {
-#if WGMMA_SM90A
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-// Until at most N of this thread's store groups are pending; the others have completed (writes performed).
-template <int N>
-__device__ __forceinline__ void WaitStores() {
-#if WGMMA_SM90A
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-#else
-  __trap();
-#endif
-}
-// Until at most N of this thread's store groups may still read their shared-memory source (the slot is reusable).
-template <int N>
-__device__ __forceinline__ void WaitStoresRead() {
-#if WGMMA_SM90A
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-#else
-  __trap();
-#endif
-}
 // WaitStoresRead with a run-time lag among the supported ones (1, 2, 4, 8, 12, 16; others round down); returns the
 // lag it used. The lag must stay below the ring's slots, or the ring drains completely before each reuse.
 __device__ __forceinline__ int WaitStoresReadLag(int lag) {
-  if (lag >= 16) { WaitStoresRead<16>(); return 16; }
-  if (lag >= 12) { WaitStoresRead<12>(); return 12; }
-  if (lag >= 8) { WaitStoresRead<8>(); return 8; }
-  if (lag >= 4) { WaitStoresRead<4>(); return 4; }
-  if (lag >= 2) { WaitStoresRead<2>(); return 2; }
-  WaitStoresRead<1>();
+  if (lag >= 16) { ptx::bulk::WaitStoresRead<16>(); return 16; }
+  if (lag >= 12) { ptx::bulk::WaitStoresRead<12>(); return 12; }
+  if (lag >= 8) { ptx::bulk::WaitStoresRead<8>(); return 8; }
+  if (lag >= 4) { ptx::bulk::WaitStoresRead<4>(); return 4; }
+  if (lag >= 2) { ptx::bulk::WaitStoresRead<2>(); return 2; }
+  ptx::bulk::WaitStoresRead<1>();
   return 1;
 }
-// Orders this thread's generic-proxy view of global memory with its async-proxy (TMA) accesses: after acquiring a
-// producer's flag, before loading what the producer stored; after the stores complete, before the release.
-__device__ __forceinline__ void FenceProxyAsyncGlobal() {
-#if WGMMA_SM90A
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-}  // namespace bulk
 
 // One band as StreamBands sees it.
 struct PushBand {
@@ -119,7 +63,8 @@ struct PushBand {
 template <int kChunk = kPushChunkBytes, class ReadyFn, class BandFn, class DoneFn>
 __device__ bool StreamBands(int count, ReadyFn ready, BandFn band_of, DoneFn done_fn, char* smem, int slots,
                             int read_lag = kPushReadLag) {
-  using namespace bulk;
+  using namespace ptx;
+  using namespace ptx::bulk;
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(smem) + 127) & ~(uintptr_t)127);
   char* ring = reinterpret_cast<char*>(bars) + 128;
   for (int s = 0; s < slots; ++s) MbarInit(SmemAddr(&bars[s]), 1);

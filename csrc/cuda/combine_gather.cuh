@@ -1,12 +1,12 @@
-// The combine's gather + weighted sum, shared by CombineKernel (kernels.cu: after its wait for the call's ret rows)
-// and the combine probe (combine_probe.cu: the same loop with other shapes and loads, against other kernels).
+// The combine's gather + weighted sum: CombineKernel (combine.cu) runs it after its wait for the call's ret rows; the
+// combine probe in tools/ times the same loop with other shapes and loads.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda/gemm_tile.cuh"  // ToFloat, FromFloat
+#include "cuda/device/convert.cuh"
 
 namespace jmo::cuda {
 
@@ -33,10 +33,9 @@ struct Pack {
 // One warp per token (grid-stride over tokens): lane j holds the row and gate of choice j (k > 32: 32 choices at a
 // time) and shuffles them to the warp, so each row index is read once, not once per column; the warp walks the row
 // in chunks of 32 kU vectors, lane l taking vectors l, l + 32, ..., and keeps kU x kJ 16-byte loads in flight before
-// it accumulates. combine_probe.cu, H200, T 8192 / k 2 / N 4096 bf16 (200 MB moved): 512 threads x kU 4 x kJ 2 on one
-// CTA per SM takes 56.4 us, the copy ceiling of the same traffic 54.7 us, XLA's fused gather 58 us; the item-per-thread
-// loop this replaced (512 x 3 items x 2 choices) 81.7 us (its 64-bit item -> (token, column) divisions per load and
-// the row index re-read per 8 columns). T 4096 / k 8 / N 7168: 134.1 us against 132.1 (ceiling) and 170.4.
+// it accumulates. With 512 threads x kU 4 x kJ 2 on one CTA per SM this runs within a few percent of a plain copy of
+// the same traffic on the H200; an item-per-thread loop pays a 64-bit item -> (token, column) division per load and
+// re-reads the row index per vector, and is ~40% slower.
 template <typename T, int V, int kU, int kJ, class Load, class BadRow>
 __device__ __forceinline__ void GatherWeightedSum(const T* ret, int64_t ret_rows, const float* gates,
                                                   const int32_t* slot_ret_row, int64_t T_, int64_t k, int64_t N, T* y,

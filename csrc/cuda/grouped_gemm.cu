@@ -1,5 +1,5 @@
 // Bare grouped GEMMs (grouped_gemm.h): persistent kernels over a tile space that every CTA derives on the device
-// from the group sizes (block scans into shared memory), then the tile engine of gemm_tile.cuh per tile.
+// from the group sizes (block scans into shared memory), then the tile engine of gemm/mma_tile.cuh per tile.
 #include "cuda/grouped_gemm.h"
 
 #include <cuda_bf16.h>
@@ -9,9 +9,9 @@
 #include <string>
 #include <utility>
 
-#include "cuda/gemm_tile.cuh"
-#include "cuda/wgmma/wgmma_gemm.cuh"
-#include "cuda/wgmma/wgmma_outer.cuh"
+#include "cuda/gemm/mma_tile.cuh"
+#include "cuda/gemm/wgmma_grouped.cuh"
+#include "cuda/gemm/wgmma_outer.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -256,7 +256,7 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
   Status s = CheckSizes("grouped_outer", M, G);
   if (!s.ok()) return s;
   if (K == 0 || N == 0) return Status{};
-  // Hopper: the wgmma + TMA kernel (csrc/cuda/wgmma/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
+  // Hopper: the wgmma + TMA kernel (gemm/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
   // builds it refuses (cudaErrorInvalidValue / cudaErrorNotSupported, before any launch) fall through to mma.sync.
   if (UseWgmma(dt, M, K, N)) {
     const cudaError_t e = WgmmaGroupedOuter(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), N, G,

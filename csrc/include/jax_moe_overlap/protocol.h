@@ -5,7 +5,7 @@
 // each side applies its own atomics (std::atomic_ref on the host, cuda::atomic_ref / PTX on the device) to the
 // 64-bit words defined here.
 //
-// Terms (DESIGN.md §2-4):
+// Terms:
 //   R         ranks in one expert-parallel group (the mesh axis size); G independent groups (the other mesh axes).
 //   epoch     every custom call on a workspace is one epoch; rank r numbers its calls 1, 2, 3, ... in `calls`.
 //   recv      rows pushed *to* this rank by dispatch, grouped by (local expert, source rank).
@@ -43,7 +43,7 @@
 
 namespace jmo {
 
-// Rows of one producer tile / one consumer push: the "row band" of DESIGN §1 (BM rows x all N columns).
+// Rows of one producer tile / one consumer push: the "row band" (BM rows x all N columns).
 constexpr int64_t kBandRows = 64;
 // Alignment of every region in the workspace (a cache line on the host; 16-byte vector stores on the GPU need 16).
 constexpr int64_t kAlign = 128;

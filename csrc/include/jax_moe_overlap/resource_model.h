@@ -1,4 +1,4 @@
-// The analytical resource manager (DESIGN §5; seed: "Analytical Resource Management for Fine-grained MoE
+// The analytical resource manager (seed: "Analytical Resource Management for Fine-grained MoE
 // Computation-Communication Overlap"): a wave-quantized model of one expert_combine call, and the choice of the
 // consumer's CTA count C that minimises it. Host and device callable, no allocation, so that a kernel can evaluate
 // it from the real routed counts at start without a host sync. Python mirror: jax_moe_overlap/resource.py.
@@ -96,7 +96,7 @@ JMO_RM_HD inline bool ModelFeasible(const ModelParams& p, int consumer_ctas) {
   return consumer_ctas >= 1 && consumer_ctas < p.sms;
 }
 // 1e-3 / min(C cta_gbps, link_gbps): microseconds per pushed byte (a correctly rounded division on host and device,
-// so the kernel may take it from the host: kernels.cu CandidateConsts).
+// so the kernel may take it from the host: resource_manager.cuh CandidateConsts).
 JMO_RM_HD inline double ModelUsPerByte(const ModelParams& p, int consumer_ctas) {
   double rate = RmMul((double)consumer_ctas, p.cta_gbps);  // bytes per ns
   if (rate > p.link_gbps) rate = p.link_gbps;

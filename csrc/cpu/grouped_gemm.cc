@@ -6,7 +6,7 @@
 
 #include "common/bf16.h"
 #include "common/grouped_gemm_signature.h"
-#include "cpu/handlers_cpu.h"
+#include "cpu/handlers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

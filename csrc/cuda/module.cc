@@ -1,19 +1,20 @@
-#include "cuda/module_cuda.h"
+#include "cuda/module.h"
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "cpu/workspace_cpu.h"
 #include "cuda/grouped_gemm.h"
-#include "cuda/handlers_cuda.h"
-#include "cuda/kernels.h"
-#include "cuda/workspace_cuda.h"
+#include "cuda/handlers.h"
+#include "cuda/api.h"
+#include "cuda/workspace.h"
 
 namespace nb = nanobind;
 
@@ -32,25 +33,19 @@ void RegisterModule(nb::module_& m) {
   m.def(
       "create_cuda_workspace",
       [](int ranks, int groups, std::vector<int> ordinals, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
-         int64_t num_segments, int consumer_ctas, int sm_budget, std::vector<double> model) {
+         int64_t num_segments, int consumer_ctas, int sm_budget, std::optional<ModelParams> model) {
         if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
           throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
-        if (!model.empty() && model.size() != 9)
-          throw std::invalid_argument("jax_moe_overlap: the resource model takes 9 parameters (ModelParams order)");
         WorkspaceSizes s{row_bytes, recv_rows, ret_rows, MaxBands(recv_rows, num_segments)};
-        ModelParams mp{};
-        if (!model.empty())
-          mp = ModelParams{(int32_t)model[0], (int32_t)model[1], (int32_t)model[2], (int32_t)model[3], model[4],
-                           model[5], model[6], model[7], model[8]};
         std::unique_ptr<Workspace> ws;
         Status st = Workspace::Create(ranks, groups, ordinals, s, consumer_ctas, sm_budget,
-                                      model.empty() ? nullptr : &mp, &ws);
+                                      model ? &*model : nullptr, &ws);
         if (!st.ok()) throw std::runtime_error(st.msg);
         return RegisterWorkspace(std::move(ws));
       },
       nb::arg("ranks"), nb::arg("groups"), nb::arg("ordinals"), nb::arg("row_bytes"), nb::arg("recv_rows"),
       nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("consumer_ctas"), nb::arg("sm_budget") = 0,
-      nb::arg("model") = std::vector<double>{});
+      nb::arg("model") = nb::none());
   m.def(
       "cuda_workspace_info",
       [](int64_t handle) {
@@ -110,16 +105,13 @@ void RegisterModule(nb::module_& m) {
         // With 16-byte aligned operands (XLA's buffers are): which producer kernel expert_combine runs (w [E, K, N],
         // or [E, N, K] with transpose_rhs).
         alignas(16) static char dummy[16];
-        return std::string(ProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy));
+        return std::string(
+            ProducerPathName(SelectProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy)));
       },
       nb::arg("bf16"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false);
-  // release_workspace(handle) from csrc/module.cc knows CPU workspaces only; CUDA handles live in their own range.
-  m.attr("release_workspace") = nb::cpp_function(
-      [](int64_t handle) {
-        if (handle >= kHandleBase) return ReleaseWorkspace(handle);
-        return jmo::cpu::ReleaseWorkspace(handle);
-      },
-      nb::arg("handle"), nb::name("release_workspace"), nb::scope(m));
 }
+
+bool IsCudaWorkspaceHandle(int64_t handle) { return handle >= kHandleBase; }
+bool ReleaseCudaWorkspace(int64_t handle) { return ReleaseWorkspace(handle); }
 
 }  // namespace jmo::cuda

@@ -1,51 +1,24 @@
-// The resource manager's choice of the consumer CTA count C on the device, from the call's segment table: used by
-// ExpertKernel and DecisionBenchKernel (kernels.cu) and checked / timed alone by decision_probe.cu. Every function
-// with a barrier is called by every thread of the CTA.
+// The resource manager's device side: the choice of the consumer CTA count C from the call's segment table, and
+// ConsumerConfig, what ExpertKernel is told about C and about how its consumer pushes. Used by ExpertKernel
+// (expert_combine.cu) and by tools/decision_bench.cu. Every function with a barrier is called by every thread of the
+// CTA.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda/wgmma/wgmma_gemm.cuh"  // WarpInclusiveSum
-#include "cuda/workspace_cuda.h"      // kThreads, kMaxSegments, Segment, resource_model.h
+#include "cuda/device/warp.cuh"
+#include "cuda/segment_table.cuh"
+#include "cuda/workspace.h"      // kThreads, kMaxSegments, Segment, resource_model.h
 
 namespace jmo::cuda {
-
-// The segment table of one expert_combine call (built by every CTA from the device-side plan arrays: kernels.cu
-// BuildSegments).
-struct SegTable {
-  Segment seg[kMaxSegments];      // in producer order, non-empty only
-  int32_t band_prefix[kMaxSegments + 1];  // ordered bands before segment i
-  int32_t n;                      // non-empty segments
-  int32_t bands;                  // total bands (ordered)
-  int32_t remote_segs;            // segments [0, remote_segs) go to other ranks (SegmentBefore puts them first)
-  int32_t remote_bands;           // their bands: [0, remote_bands) is all the consumer pushes
-  int64_t remote_rows;            // their rows (what the consumer pushes, in rows)
-};
-
-// Inclusive prefix sum of v over the threads of the CTA (in thread order) and the total; every thread calls it.
-// warp_sums: blockDim.x / 32 entries of shared memory (blockDim.x a multiple of 32). Integer sums: exact in any order.
-__device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int64_t* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = wgmma_gemm::WarpInclusiveSum(v, lane);
-  if (lane == 31) warp_sums[warp] = v;
-  __syncthreads();
-  int64_t before = 0, all = 0;
-  for (int w = 0; w < warps; ++w) {
-    if (w < warp) before += warp_sums[w];
-    all += warp_sums[w];
-  }
-  __syncthreads();  // warp_sums is free for the next scan
-  *total = all;
-  return v + before;
-}
 
 // The resource manager on the device (resource_model.h): every CTA evaluates the model on its own copy of the
 // segment table and gets the same C (same inputs, same operations, no FMA contraction: see the header), then takes
 // its role by block index. Lane c of a warp evaluates candidate C = c + 1 over some of the segments; a max over the
 // warps and an argmin over the lanes (smallest C on ties, as ChooseConsumerCtas) finish it. Two forms, the same C:
-//   chunked   (DeviceChooseConsumers; decision_probe.cu's "chunked 2b fp") warp w takes the contiguous chunk of remote
+//   chunked   (DeviceChooseConsumers) warp w takes the contiguous chunk of remote
 //             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
 //             scans its chunk with one warp scan, so its prefixes stay warp-private: 1 barrier instead of 7, and per
 //             (C, j) pair FP64 operations only (ceil(cum / P) by ReadyUsFp; the scans' form paid a CeilDiv and three
@@ -53,14 +26,11 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
 //             DMUL/DADD). Its shortcuts are exact when rows are in [1, 2^23), ceil(N / BN) < 2^19, N * eb < 2^32 and
 //             the lanes' tile_us, seg_us and us_per_byte are finite and >= +0 (ChunkedIsExact): true of every real
 //             call (calibrated times and rates are positive).
-//   scans     (ChooseByScans: the code before the chunked form) block scans of tiles and bytes to shared memory, lane c
-//             of warp w over segments w, w + 8, ...: any other input, so no input gets a C other than before.
-// Measured (DecisionBenchKernel, H200, bench_resource.py): 2117 ns per decision with the scans for every input, 1195 ns
-// with the chunked form (4512 ns for the table build, needed anyway), 1051 ns with its per-lane divisions from the
-// host (CandidateConsts; decision_probe: 1139 ns at 16 segments). Then the per-call divisions (tile_m's magic,
-// ceil(N / BN)) also moved to the host, and the second barrier went (each warp reduces the maxima itself): 864 ns in
-// bench_resource.py (8 segments), 879 / 1013 / 1233 / 1772 ns at 16 / 64 / 128 / 256 segments in decision_probe
-// (session 7: benchmarks/RESULTS.md). It grows with the chunk a warp scans (n / 8 segments).
+//   scans     (ChooseByScans) block scans of tiles and bytes to shared memory, lane c of warp w over segments w,
+//             w + 8, ...: every other input, so both forms give the same C on every input.
+// The divisions the chunked form needs are computed by the host (CandidateConsts) and each warp reduces the maxima
+// itself, so a decision costs about a microsecond on the H200 (tools/decision_bench.cu measures it); it grows with the
+// chunk a warp scans (n / 8 segments).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
@@ -111,7 +81,7 @@ inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas, i
 
 // The scans form (see above). Called by every thread of the CTA (contains barriers).
 __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
-                                     int max_ctas, ChoiceScratch* sc) {
+                                    int max_ctas, ChoiceScratch* sc) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mr = t.remote_segs;
   // Prefix sums of tiles (all segments) and pushed bytes (remote ones) in producer order.
@@ -252,7 +222,7 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
     const int j = beg + lane;
     const bool mine = j < end;
     const uint32_t r = mine ? (uint32_t)t.seg[j].rows : 0u;
-    const uint64_t incl = (uint64_t)wgmma_gemm::WarpInclusiveSum(
+    const uint64_t incl = (uint64_t)WarpInclusiveSum(
         (long long)((uint64_t)MagicCeilDiv(r, tm, mtm) << 32 | r), lane);
     if (mine) {
       sc->seg.ceil_arg[j] = CeilArg((int64_t)(pre_t + (uint32_t)(incl >> 32)) * nn);
@@ -280,6 +250,33 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
   double v = us_half[0][lane];
   for (int w = 1; w < kWarps; ++w) v = RmMax(v, us_half[w][lane]);
   return ArgminC(feasible ? v : 1e300);
+}
+
+// What ExpertKernel is told about C and about how its consumer pushes.
+struct ConsumerConfig {
+  ModelParams model;  // sms = the rank's SM budget, ctas_per_sm = 1
+  int32_t use_model;  // 1: choose on the device; 0: `consumers`
+  int32_t consumers;  // pinned or fixed C
+  int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
+  int32_t serialize;
+  int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
+  // The call's ConsumerTuning (api.h):
+  int32_t bulk_copy;      // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand
+  int32_t push_slots;     // bulk copies: ring slots per issuer
+  int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot
+  int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each
+  int64_t elem_bytes;
+  CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
+};
+
+// C of one call (every thread calls it): none when the call has no remote band (EP = 1, or nothing routed to other
+// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice. Python mirror:
+// resource.kernel_consumer_ctas.
+__device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, int64_t N, int64_t K,
+                                      ChoiceScratch* sc) {
+  if (t.remote_bands == 0) return 0;
+  return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
+                       : pol.consumers;
 }
 
 }  // namespace jmo::cuda

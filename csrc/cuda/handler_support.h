@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "cuda/kernels.h"
-#include "cuda/workspace_cuda.h"
+#include "cuda/api.h"
+#include "cuda/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo::cuda {

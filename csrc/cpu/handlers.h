@@ -1,4 +1,4 @@
-// XLA FFI handler symbols for XLA:CPU (defined in handlers_cpu.cc).
+// XLA FFI handler symbols for XLA:CPU (defined in handlers.cc).
 #pragma once
 #include "xla/ffi/api/c_api.h"
 

@@ -1,5 +1,5 @@
 // XLA:CUDA handlers of the two primitives: the same operands, results and attributes as the CPU handlers
-// (csrc/cpu/handlers_cpu.cc), the same shape checks, then the kernels of kernels.cu on XLA's stream.
+// (csrc/cpu/handlers.cc), the same shape checks, then the launchers of api.h on XLA's stream.
 //
 // Rank mapping: the group/rank operands live in device memory, and reading them on the host would cost a stream
 // synchronization per call. The handler instead finds its (group, rank) from the FFI device ordinal in the workspace
@@ -7,10 +7,10 @@
 // operands agree, reporting a mismatch as an error of the next call.
 #include <string>
 
-#include "cuda/ffi_glue.h"
-#include "cuda/handlers_cuda.h"
-#include "cuda/kernels.h"
-#include "cuda/workspace_cuda.h"
+#include "cuda/handler_support.h"
+#include "cuda/handlers.h"
+#include "cuda/api.h"
+#include "cuda/workspace.h"
 #include "common/call_signature.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -84,7 +84,8 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, int64_t timeout_ms,
                              int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas, int32_t serialize,
-                             bool transpose_rhs) {
+                             bool transpose_rhs, bool push_bulk_copy, int32_t push_slots, int32_t push_read_lag,
+                             int32_t push_issuers) {
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
   if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
@@ -95,6 +96,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (c.has_error()) return c.error();
   c.value().opts.consumer_ctas = consumer_ctas;
   c.value().opts.serialize = serialize != 0;
+  c.value().opts.tuning = ConsumerTuning{push_bulk_copy, push_slots, push_read_lag, push_issuers};
   if (shape->R != c.value().ws->ranks())
     return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,

@@ -1,4 +1,4 @@
-// XLA:CPU handlers of the two primitives (DESIGN §3): dispatch and expert_combine.
+// XLA:CPU handlers of the two primitives: dispatch and expert_combine.
 //
 // The handler thread is the producer; the rank's persistent Consumer thread (workspace_cpu.h) is the
 // communication engine. Both follow protocol.h step by step, so the CUDA kernels can be checked against this code.
@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "handlers_cpu.h"
+#include "cpu/handlers.h"
 #include "workspace_cpu.h"
 #include "common/bf16.h"
 #include "common/call_signature.h"
@@ -206,10 +206,11 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace,
                              int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas,
-                             int32_t serialize, bool transpose_rhs) {
+                             int32_t serialize, bool transpose_rhs, bool /*push_bulk_copy*/,
+                             int32_t /*push_slots*/, int32_t /*push_read_lag*/, int32_t /*push_issuers*/) {
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
-  // consumer_ctas is a CUDA resource (the CPU consumer is one thread per rank): checked here, used there.
+  // consumer_ctas and the push tuning are CUDA resources (the CPU consumer is one thread per rank): checked, unused.
   if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
   const ffi::DataType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;

@@ -1,5 +1,6 @@
-// Host entry points of the two primitives on CUDA (DESIGN §3, §5). Plain C++: used by the XLA FFI handlers
-// (handlers_cuda.cc) and by the loopback test harness (loopback.cc), so both run exactly the same code.
+// The launchers of the CUDA library (jmo_cuda): the host entry points of the primitives and what the handlers, the
+// workspace and the tools need to know about the kernels. Plain C++: the XLA FFI handlers (handlers.cc) and the
+// tools (the loopback harness) call the same functions.
 //
 // All pointers are device pointers (operands of the custom call); every call only enqueues work on `stream`,
 // except after a failure (RecoverIfAborted synchronizes). A failure inside the kernels (a timed-out wait, an invalid
@@ -12,22 +13,32 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/workspace_cuda.h"
+#include "cuda/workspace.h"
 
 namespace jmo::cuda {
 
 enum class DType { kF32, kBF16 };
+
+// How expert_combine's consumer CTAs push their bands (the tuning attributes of a call; CallConfig in Python checks
+// the ranges). The defaults are what the shipped calibration was measured with.
+struct ConsumerTuning {
+  bool bulk_copy = true;      // TMA bulk copies on sm_90 (bulk_copy.cuh); false: CopyBand, 16-byte loads and stores
+  int32_t push_slots = 12;    // ring slots of one issuing thread (2..kPushMaxSlots; the launch's smem may give fewer)
+  int32_t push_read_lag = 4;  // bulk stores that may still read their slot (1..16; below the slots)
+  int32_t push_issuers = 4;   // issuing threads per consumer CTA, one ring each (1..8): one thread moves ~12 GB/s
+};
 
 struct CallOptions {
   int64_t timeout_ms = 10000;
   int32_t delay_rank = -1;  // testing aid: this rank spins delay_us on its device at the start of every call
   int64_t delay_us = 0;
   // expert_combine only. consumer_ctas: 0 = the resource manager's choice (the workspace's model evaluated on the
-  // device from the call's routed counts, or its fixed count without a model); > 0 = pinned (must leave a producer
-  // CTA: at most the rank's SM budget - 1). serialize: the consumer starts pushing only after the producer has
-  // finished every tile (the "same kernels, no overlap" baseline).
+  // device from the call's routed counts, or its fixed count without a model); > 0 = pinned (never negative; must
+  // leave a producer CTA: at most the rank's SM budget - 1). serialize: the consumer starts pushing only after the
+  // producer has finished every tile (the "same kernels, no overlap" baseline).
   int32_t consumer_ctas = 0;
   bool serialize = false;
+  ConsumerTuning tuning;
 };
 
 struct CallSite {
@@ -76,31 +87,27 @@ Status GetDeviceInfo(int dev, DeviceInfo* info);
 // and ours spin on each other across ranks sharing a device.
 Status PrepareKernels(int dev);
 
-// Columns of one producer tile (BN; a tile is kBandRows x BN): what a resource-model calibration must describe.
+// The producer engine ExpertCombine runs for a call's operands: wgmma (Hopper: bf16, K and N multiples of 64, either
+// layout of w), mma.sync (bf16 tensor cores, sm80+) or SIMT (float32 operands, or shapes the tensor-core path does not
+// take: a row length of lhs or w as stored -- K, and N unless transpose_rhs -- not a multiple of 8).
+enum class ProducerPath { kWgmmaBf16, kMmaSyncBf16, kSimtFp32 };
+ProducerPath SelectProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
+const char* ProducerPathName(ProducerPath p);  // "wgmma bf16", "mma.sync bf16", "simt fp32"
+
+// Columns of one mma.sync / SIMT producer tile (a tile is kBandRows x this).
 int ProducerTileN();
 
-// Rows and columns of one tile of the producer engine named by ProducerPath ("wgmma bf16": 128 x 256, two bands
-// per tile; the others: 64 x 128).
-void ProducerTile(const std::string& path, int* tile_m, int* tile_n);
+// Rows and columns of one tile of a producer engine (wgmma: 128 x 256, two bands per tile; the others: 64 x 128).
+void ProducerTile(ProducerPath path, int* tile_m, int* tile_n);
 
 // Empty if `p` can drive the device-side choice (tile shape of the compiled kernels, one CTA per SM, finite positive
 // rates), else what is wrong.
 std::string CheckModelParams(const ModelParams& p);
 
-// How ExpertCombine picks C for a call with these options on rank (g, r): "pinned", "model" or "fixed".
-const char* ConsumerPolicy(const Workspace& ws, const CallOptions& o, DType dt, int64_t K, int64_t N,
-                           bool transpose_rhs, const void* lhs, const void* w);
-
-// Microbenchmark of the device-side choice (one CTA on c's device, on c's stream; synchronizes): builds the segment
-// table of this call's plan arrays as ExpertKernel does, then evaluates the model `iters` times. Reports the
-// nanoseconds of one table build, of one decision (prefix scan + all candidates + the reduction), and the choice.
-Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
-                       int64_t cap, int64_t K, int64_t N, DType dt, int iters, double* table_ns, double* decision_ns,
-                       int* choice);
-
-// Which producer path ExpertCombine takes for these operands: "wgmma bf16" (Hopper: K and N multiples of 64, either
-// layout of w), "mma.sync bf16" (tensor cores, sm80+) or "simt fp32" (float32 operands, or shapes the tensor-core
-// path does not take: a row length of lhs or w as stored -- K, and N unless transpose_rhs -- not a multiple of 8).
-const char* ProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
+// How the resource manager picks a call's consumer CTA count C: pinned by the call, the workspace's model evaluated
+// on the device (when it describes the call's producer engine), or the workspace's fixed count.
+enum class ConsumerPolicy { kPinned, kModel, kFixed };
+ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, ProducerPath path);
+const char* ConsumerPolicyName(ConsumerPolicy p);  // "pinned", "model", "fixed"
 
 }  // namespace jmo::cuda

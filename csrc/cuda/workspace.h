@@ -1,4 +1,4 @@
-// The peer workspace on CUDA devices (DESIGN §4), laid out by protocol.h exactly as on the CPU.
+// The peer workspace on CUDA devices, laid out by protocol.h exactly as on the CPU.
 //
 // One process, one or more local GPUs (jax's single-controller mode): each rank's symmetric block is cudaMalloc'd on
 // that rank's device; every rank's kernels get the table of all R blocks of their group (peer pointers, valid through

@@ -1,4 +1,4 @@
-// XLA FFI handler symbols for XLA:CUDA (defined in handlers_cuda.cc).
+// XLA FFI handler symbols for XLA:CUDA (defined in handlers.cc).
 #pragma once
 #include "xla/ffi/api/c_api.h"
 

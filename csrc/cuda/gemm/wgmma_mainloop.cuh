@@ -6,12 +6,12 @@
 //   out_t[r, c] = sum_k A[t.a_row + r, k] * B[t.b_idx][k, t.n0 + c]     r < t.rows, c < t.cols
 // (fp32 accumulate, stored as bf16 or f32 to t.out[r * t.ldc + c]) and, when DoneFn is not NoTileDone, calls
 // tile_done(t) once per tile after all of the tile's stores (contract below). The bare grouped GEMM
-// (wgmma_gemm.cuh, GroupedGemmKernel) is one user; the expert_combine producer is meant to be another.
+// (wgmma_grouped.cuh, GroupedGemmKernel), the expert_combine producer (expert_producer.cuh) and dispatch_gemm use it.
 //
 // ---- Caller requirements -------------------------------------------------------------------------------------
 //   * Block of exactly kThreads = 384 threads (3 warpgroups), kernel declared __launch_bounds__(kThreads, 1), so
 //     ptxas gives it kEntryRegs = 168 registers at entry (WG0 releases to 24, WG1/WG2 grow to 240, and all return
-//     to 168 before the function returns). PrepareWgmmaKernel (wgmma_gemm.cuh) checks this on the host.
+//     to 168 before the function returns). PrepareWgmmaKernel (wgmma_grouped.cuh) checks this on the host.
 //   * All 384 threads call the function, uniformly (it contains __syncthreads() at entry and at exit); after it
 //     returns the smem region may be reused and the function may be called again.
 //   * smem: >= LoopSmemBytes<kNumStages>() bytes of dynamic shared memory (any alignment: the function aligns up to
@@ -22,7 +22,7 @@
 //     b_map: 3D bf16 tensor map of B, 128B swizzle, OOB zero fill:
 //       kTransB = 1 (B [G, K, N], N contiguous, "MN-major"): dims (N, K, G), box (64, 64, 1);
 //       kTransB = 0 (B [G, N, K], K contiguous):               dims (K, N, G), box (64, 256, 1).
-//     EncodeGemmMaps / CachedGemmMaps (wgmma_gemm.cuh) build exactly these. The maps must live in kernel-parameter
+//     EncodeGemmMaps / CachedGemmMaps (wgmma_grouped.cuh) build exactly these. The maps must live in kernel-parameter
 //     space (__grid_constant__ CUtensorMap kernel arguments, passed here by reference), or in global/const memory.
 //   * K % 64 == 0, K > 0.
 //
@@ -81,13 +81,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define WGMMA_SM90A 1
-#else
-#define WGMMA_SM90A 0
-#endif
+#include "cuda/device/ptx.cuh"
 
 namespace wgmma_gemm {
+
+using namespace jmo::ptx;  // mbarriers, TMA, register reallocation, named barriers
 
 constexpr int kBM = 128;
 constexpr int kBN = 256;
@@ -140,119 +138,6 @@ struct NoTileWait {
 // ------------------------------------------------------------------------------------------------------------
 // PTX wrappers (sm_90a only; __trap() elsewhere)
 // ------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
-#if WGMMA_SM90A
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-#else
-  __trap();
-#endif
-}
-// Generic-proxy smem writes -> visible to the async proxy (wgmma operand reads, later TMA writes).
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-#if WGMMA_SM90A
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-// Make initialized barriers visible to the async proxy (TMA complete_tx) and to the other threads.
-__device__ __forceinline__ void MbarInitFence() {
-#if WGMMA_SM90A
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  FenceProxyAsyncShared();
-#else
-  __trap();
-#endif
-}
-// Producer: arm the barrier's transaction count for this phase (one arrival of the count-1 barrier).
-__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
-#if WGMMA_SM90A
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-#if WGMMA_SM90A
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-#else
-  __trap();
-#endif
-}
-// Spin until the phase with parity `parity` of the barrier has completed. A fresh barrier is in phase 0, so
-// waiting on parity 1 returns at once (the "previous" phase counts as complete): that is how the producer's
-// first pass over the empty barriers goes through.
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-#if WGMMA_SM90A
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ void TmaLoad2D(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-#if WGMMA_SM90A
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void TmaLoad3D(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
-                                          int c2) {
-#if WGMMA_SM90A
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
-      "[%2];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
-#if WGMMA_SM90A
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-#else
-  __trap();
-#endif
-}
-
-template <int kRegs>
-__device__ __forceinline__ void SetMaxNRegInc() {
-#if WGMMA_SM90A
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
-#else
-  __trap();
-#endif
-}
-template <int kRegs>
-__device__ __forceinline__ void SetMaxNRegDec() {
-#if WGMMA_SM90A
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
-#else
-  __trap();
-#endif
-}
-// bar.sync id, n: plain PTX (sm_70+), no guard needed.
-__device__ __forceinline__ void NamedBarSync(int id, int n) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-
 __device__ __forceinline__ void WgmmaFence() {
 #if WGMMA_SM90A
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");

@@ -1,5 +1,5 @@
 // One output tile of a matrix product, computed by one CTA of kThreads threads: the inner engine shared by the
-// producer of expert_combine (kernels.cu) and the bare grouped GEMMs (grouped_gemm.cu).
+// producer of expert_combine (expert_producer.cuh) and the bare grouped GEMMs (grouped_gemm.cu).
 //
 //   C[m, n] = sum_k A[m, k] * B[k, n]     for m < tile.m, n < tile.n, fp32 accumulation,
 //
@@ -14,6 +14,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda/device/convert.cuh"
+#include "cuda/device/ptx.cuh"
 
 namespace jmo::cuda {
 
@@ -30,15 +33,6 @@ struct TileArgs {
 
 constexpr int kTileN = 128;  // columns of every tile
 constexpr int kTileThreads = 256;
-
-__device__ __forceinline__ float ToFloat(float x) { return x; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // Stores the element pair (v0, v1) at columns (col, col + 1) of row `row`, each only if inside the valid extents.
 template <typename OutT>
@@ -74,28 +68,12 @@ struct TcLayout {
   static constexpr int kSmemBytes = kTcStages * (kAElems + kBElems) * 2;
 };
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void LdMatrixX4(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
+using ptx::CpAsync16;
+using ptx::CpAsyncCommit;
+using ptx::CpAsyncWait;
+using ptx::LdMatrixX4;
+using ptx::LdMatrixX4Trans;
+
 __device__ __forceinline__ void MmaBf16(float* c, const uint32_t* a, const uint32_t* b) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

@@ -1,9 +1,9 @@
 // XLA:CUDA handlers of the bare grouped GEMMs: the shape checks shared with the CPU handlers
 // (csrc/common/grouped_gemm_signature.h), then the kernels of grouped_gemm.cu on XLA's stream.
 #include "common/grouped_gemm_signature.h"
-#include "cuda/ffi_glue.h"
+#include "cuda/handler_support.h"
 #include "cuda/grouped_gemm.h"
-#include "cuda/handlers_cuda.h"
+#include "cuda/handlers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

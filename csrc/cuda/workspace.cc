@@ -1,8 +1,8 @@
-#include "cuda/workspace_cuda.h"
+#include "cuda/workspace.h"
 #include "common/error_text.h"
 #include "common/registry.h"
 
-#include "cuda/kernels.h"
+#include "cuda/api.h"
 
 #include <algorithm>
 #include <atomic>

@@ -27,7 +27,7 @@
 //       A[m][r] = lhs[r][m0 + m]: lhs as a 2D map (K, M), box (64 k-cols, 64 rows), 128B swizzle; two boxes per
 //         stage (m 0..63, 64..127), 8 KB each, one per consumer warpgroup. wgmma with imm-trans-a = 1.
 //       B[r][n] = rhs[r][n0 + n]: rhs as a 2D map (N, M), box (64, 64), 128B swizzle; four boxes per stage
-//         (n 0..255), exactly like the [G, K, N] B of wgmma_gemm.cuh. imm-trans-b = 1.
+//         (n 0..255), exactly like the [G, K, N] B of wgmma_grouped.cuh. imm-trans-b = 1.
 //     Stage = 16 KB A + 32 KB B, 4 stages, full/empty mbarriers; boxes past K / N / M are zero-filled by TMA (and
 //     counted in the transaction bytes).
 //   * Descriptors (canonical MN-major SW128: ((8,8,m),(8,k)) : ((1,8,LBO),(64,SBO)) elements): 128 B lines of 64
@@ -60,7 +60,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "wgmma_gemm.cuh"  // loop building blocks (wgmma_tile_loop.cuh), EncodeMap, CachedMapPair, LaunchWgmmaKernel
+#include "cuda/gemm/wgmma_grouped.cuh"  // loop building blocks (wgmma_mainloop.cuh), EncodeMap, CachedMapPair, LaunchWgmmaKernel
 
 namespace wgmma_outer {
 
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first = (int)blockIdx.x;
   const int step_even = 2 * ((int)gridDim.x - 1 - first) + 1, step_odd = 2 * first + 1;
 
-  // ---- the loop (structure of WgmmaTileLoop; see wgmma_tile_loop.cuh for the barrier / register protocol) ----
+  // ---- the loop (structure of WgmmaTileLoop; see wgmma_mainloop.cuh for the barrier / register protocol) ----
   unsigned char* base =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~(uintptr_t)1023);
   unsigned char* sA = base;                               // stages x 16 KB (2 chunks)

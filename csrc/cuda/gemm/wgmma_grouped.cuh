@@ -9,7 +9,7 @@
 // The caller falls back to another path otherwise (WgmmaGroupedGemm returns cudaErrorInvalidValue), and on a
 // device that is not compute capability 9.x or a build without sm_90a code (cudaErrorNotSupported).
 //
-// The mainloop is WgmmaTileLoop (wgmma_tile_loop.cuh); this file adds the grouped-GEMM tile schedule, the host
+// The mainloop is WgmmaTileLoop (wgmma_mainloop.cuh); this file adds the grouped-GEMM tile schedule, the host
 // launch, and host helpers shared with other users of the loop (tensor-map encoding + cache, per-device kernel
 // preparation). Tile order: group-major, then bands of kBandM m-tiles, n-tile-major inside a band (L2 reuse).
 #pragma once
@@ -26,9 +26,12 @@
 #include <set>
 #include <utility>
 
-#include "wgmma_tile_loop.cuh"
+#include "cuda/device/warp.cuh"
+#include "cuda/gemm/wgmma_mainloop.cuh"
 
 namespace wgmma_gemm {
+
+using jmo::cuda::WarpInclusiveSum;
 
 constexpr int kBandM = 8;  // m-tiles per raster band
 constexpr int kMaxGroups = 1024;
@@ -81,17 +84,6 @@ __device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, con
   return tile;
 }
 
-// Inclusive prefix sum of v over the 32 lanes of a warp (all lanes call it).
-__device__ __forceinline__ long long WarpInclusiveSum(long long v, int lane) {
-  long long incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const long long y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  return incl;
-}
-
 // Called by warp 0 after group_sizes is in row_start[0..G): turns it into clamped row offsets and tile offsets
 // (warp scan). row_start[g] = min(sum_{h<g} size_h, M); tile_start = prefix of ceil(rows/128) * n_tiles.
 __device__ __forceinline__ void ScanGroups(int* row_start, int* tile_start, int G, int M, int n_tiles, int lane) {
@@ -121,7 +113,7 @@ __device__ __forceinline__ void ScanGroups(int* row_start, int* tile_start, int 
 // ------------------------------------------------------------------------------------------------------------
 // Kernel: one user of WgmmaTileLoop. `done` is passed through as the loop's tile_done (NoTileDone for the plain
 // GEMM; the probe passes a band counter), called with a GroupTile.
-// tm_a: lhs as 2D (K, M), box (64, 128); tm_b: rhs 3D, see wgmma_tile_loop.cuh.
+// tm_a: lhs as 2D (K, M), box (64, 128); tm_b: rhs 3D, see wgmma_mainloop.cuh.
 // ------------------------------------------------------------------------------------------------------------
 template <int kTransB, bool kOutF32, class Done>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -338,7 +330,7 @@ inline cudaError_t LaunchOne(const CUtensorMap& ta, const CUtensorMap& tb, const
                            K, out, done);
 }
 
-// WgmmaGroupedGemm with a tile_done callback (called with a GroupTile; see wgmma_tile_loop.cuh for the contract).
+// WgmmaGroupedGemm with a tile_done callback (called with a GroupTile; see wgmma_mainloop.cuh for the contract).
 template <class Done>
 inline cudaError_t GroupedGemmWithDone(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs,
                                        int64_t G, int64_t N, bool rhs_k_major, const int32_t* group_sizes_dev,

@@ -1,0 +1,39 @@
+// Warp and block scans over 64-bit integers (exact in any order), shared by the segment table, the resource
+// manager's device side and the grouped GEMM's group scans.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jmo::cuda {
+
+// Inclusive prefix sum of v over the 32 lanes of a warp (all lanes call it).
+__device__ __forceinline__ long long WarpInclusiveSum(long long v, int lane) {
+  long long incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  return incl;
+}
+
+// Inclusive prefix sum of v over the threads of the CTA (in thread order) and the total; every thread calls it.
+// warp_sums: blockDim.x / 32 entries of shared memory (blockDim.x a multiple of 32). Integer sums: exact in any order.
+__device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int64_t* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = WarpInclusiveSum(v, lane);
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  int64_t before = 0, all = 0;
+  for (int w = 0; w < warps; ++w) {
+    if (w < warp) before += warp_sums[w];
+    all += warp_sums[w];
+  }
+  __syncthreads();  // warp_sums is free for the next scan
+  *total = all;
+  return v + before;
+}
+
+}  // namespace jmo::cuda

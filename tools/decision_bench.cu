@@ -1,0 +1,84 @@
+// The decision microbenchmark: the library's segment table and device-side choice (segment_table.cuh,
+// resource_manager.cuh), timed in one CTA with %globaltimer.
+#include "decision_bench.h"
+
+#include <cuda_runtime.h>
+
+#include "cuda/launch.h"
+#include "cuda/resource_manager.cuh"
+#include "cuda/segment_table.cuh"
+
+namespace jmo::tools {
+namespace {
+
+using namespace jmo::cuda;
+
+// The decision microbenchmark: one CTA builds the table as ExpertKernel does, then runs the choice `iters` times.
+// out[0] = table build ns, out[1] = ns of `iters` decisions, out[2] = the choice.
+__global__ void __launch_bounds__(kThreads)
+    DecisionBenchKernel(RankDev rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, int64_t cap,
+                        int64_t K, int64_t N, const __grid_constant__ ConsumerConfig pol, int iters,
+                        unsigned long long* out) {
+  __shared__ SegTable table;
+  __shared__ TableScratch scratch;
+  __shared__ ChoiceScratch choice;
+  __shared__ unsigned long long t0;
+  if (threadIdx.x == 0) t0 = GlobalTimer();
+  __syncthreads();
+  const bool ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch);
+  if (threadIdx.x == 0) out[0] = GlobalTimer() - t0;
+  if (!ok) return;
+  __syncthreads();
+  if (threadIdx.x == 0) t0 = GlobalTimer();
+  __syncthreads();
+  int acc = 0;
+  for (int i = 0; i < iters; ++i) {
+    ModelParams p = pol.model;
+    p.seg_us += (double)(i & 1) * 1e-12;  // vary an input so no iteration can be folded into another
+    acc += DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice, i & 1);
+  }
+  if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;
+  const int final_choice = ConsumersOfCall(table, pol, N, K, &choice);
+  if (threadIdx.x == 0) {
+    out[2] = (unsigned long long)final_choice;
+    out[3] = (unsigned long long)acc;
+  }
+}
+
+}  // namespace
+
+using namespace jmo::cuda;
+
+Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
+                       int64_t cap, int64_t K, int64_t N, DType dt, int iters, double* table_ns, double* decision_ns,
+                       int* choice) {
+  if (c.ws == nullptr || !c.ws->has_model())
+    return Status::Error(kFailedPrecondition, "MeasureDecision needs a workspace with a model");
+  if (E_l * c.ws->ranks() > kMaxSegments || iters < 1)
+    return Status::Error(kInvalidArgument, "MeasureDecision: too many segments or iters < 1");
+  ConsumerConfig pol{};
+  pol.use_model = 1;
+  pol.model = c.ws->model();
+  pol.model.sms = c.ws->budget(c.group, c.rank);
+  pol.model.ctas_per_sm = 1;
+  pol.max_ctas = ModelMaxCtas(pol.model.sms);
+  pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);
+  pol.elem_bytes = ElemBytes(dt);
+  unsigned long long* out = nullptr;
+  Status s = CudaStatus(cudaMalloc(&out, 4 * sizeof(unsigned long long)), "cudaMalloc");
+  if (!s.ok()) return s;
+  DecisionBenchKernel<<<1, kThreads, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), seg_rows, seg_ret_off, (int)E_l, cap,
+                                                    K, N, pol, iters, out);
+  unsigned long long h[4] = {0, 0, 0, 0};
+  s = LaunchError("launch of DecisionBenchKernel");
+  if (s.ok()) s = CudaStatus(cudaStreamSynchronize(c.stream), "cudaStreamSynchronize");
+  if (s.ok()) s = CudaStatus(cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  cudaFree(out);
+  if (!s.ok()) return s;
+  *table_ns = (double)h[0];
+  *decision_ns = (double)h[1] / iters;
+  *choice = (int)h[2];
+  return Status{};
+}
+
+}  // namespace jmo::tools

@@ -1,0 +1,17 @@
+// Microbenchmark of the resource manager's device-side choice of the consumer CTA count (not part of the library).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/api.h"
+
+namespace jmo::tools {
+
+// One CTA on c's device, on c's stream (synchronizes): builds the segment table of this call's plan arrays as
+// ExpertKernel does, then evaluates the workspace's model `iters` times. Reports the nanoseconds of one table build,
+// of one decision (prefix scan + all candidates + the reduction), and the choice.
+cuda::Status MeasureDecision(const cuda::CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off,
+                             int64_t E_l, int64_t cap, int64_t K, int64_t N, cuda::DType dt, int iters,
+                             double* table_ns, double* decision_ns, int* choice);
+
+}  // namespace jmo::tools
