@@ -1,9 +1,9 @@
 """The expert layer's checks of the GPU suite, written against a mesh (1-D, axis "expert") so that any devices run them.
 
 tests/gpu/test_gpu_layer.py runs them on the GPUs (R = every visible GPU, and 1); tests/test_moe.py runs
-``check_layer`` on 4 CPU devices, so that CI keeps these bodies working between GPU sessions. Each check compares the
+``check_layer`` on 4 CPU devices, so that CI exercises these bodies on every change. Each check compares the
 overlap layer in bfloat16 with the pure-JAX reference in float32 on the same (bf16-rounded) fresh random inputs:
-relative error below ``TOL`` (DESIGN §7). The overlap programs write their outputs into poisoned buffers
+relative error below ``TOL``. The overlap programs write their outputs into poisoned buffers
 (``Poisoned``), so that an output element the custom calls leave unwritten shows as NaN instead of stale memory.
 """
 
