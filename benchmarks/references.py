@@ -73,9 +73,8 @@ def static_ragged_dot(group_sizes: np.ndarray):
   [G] baked in as static row ranges (the group_sizes argument is ignored), at HIGHEST precision.
 
   A float32 reference near each group's own cost. jax.lax.ragged_dot runs every row against every group
-  (dense-masked), G times the work: at DeepSeek-like sizes in float32 it took minutes. One dot per group has G
-  different shapes, and XLA autotunes each one: at G = 32 forward+backward, that compile did not finish in 220 s
-  on an H200. So the groups are gathered (static indices) into one [G, max group, K] batch, zero rows padding the
+  (dense-masked), G times the work: minutes at DeepSeek-like sizes in float32. One dot per group has G different
+  shapes, each autotuned by XLA: minutes of compiling at G = 32 forward+backward. So the groups are gathered (static indices) into one [G, max group, K] batch, zero rows padding the
   short ones, and multiplied as one batched dot; the rows are gathered back. Rows past the groups' sum come out
   zero, as in ragged_dot. Gathers and one dot differentiate as ragged_dot does."""
   sizes = np.asarray(group_sizes).astype(np.int64)

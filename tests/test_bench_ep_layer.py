@@ -17,6 +17,9 @@ from benchmarks import common
 from benchmarks import ideal_probes
 from benchmarks import references
 
+# The benchmark's own checks at its quick shape: a dozen programs with their references and probes, in the slow pass.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def rows():

@@ -34,6 +34,7 @@ def test_loss_falls_clearly(overlap_run):
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.slow  # a second 30-step run; tests/test_moe.py compares the two layers call by call
 def test_overlap_and_reference_train_the_same(overlap_run):
   out, _ = overlap_run
   ref = train_moe.main(TINY + ["--impl", "reference", "--plot", ""])

@@ -62,6 +62,7 @@ def test_two_independent_layers_and_their_backward_passes_form_one_chain():
   assert len(chain) == 8, chain
 
 
+@pytest.mark.slow  # 600 repetitions: the reordering it guards against is intermittent
 def test_independent_dispatches_deliver_their_own_rows():
   # Eight dispatches of one program with no data between them (they share only the plan). Rank r sends rows valued
   # 100 * site + r, so a row from another site shows which call a peer ran where this rank ran this one.
