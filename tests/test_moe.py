@@ -68,7 +68,7 @@ def test_capacity_overflow_drops_identically(R, cf):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["skewed", "one_rank"])
+@pytest.mark.parametrize("kind", ["skewed", pytest.param("one_rank", marks=pytest.mark.slow)])
 def test_bfloat16_within_tolerance(kind):
   # The GPU suite's check (tests/layer_checks.py, also run by tests/gpu/test_gpu_layer.py) on 4 CPU devices: bf16
   # forward and gradients within 1e-2 of the float32 reference, every output computed into a NaN-poisoned buffer.
