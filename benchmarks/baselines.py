@@ -78,15 +78,7 @@ def gemm2_combine(ragged_dot, slot_row):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Expert parallel
-
-def _excl_cumsum(a, axis=-1):
-  """Exclusive prefix sum along ``axis``."""
-  return jnp.cumsum(a, axis=axis) - a
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# ragged_all_to_all path (MaxText's GPU path)
+# Expert parallel: the ragged_all_to_all path (MaxText's GPU path)
 #
 # Operand semantics relied on (JAX docs, jax.lax.ragged_all_to_all,
 # https://docs.jax.dev/en/latest/_autosummary/jax.lax.ragged_all_to_all.html, and its docstring in jax 0.11.2):
@@ -98,6 +90,11 @@ def _excl_cumsum(a, axis=-1):
 #    at all_to_all(output_offsets, tiled=True) and everything else left as ``output`` was.
 # MaxText (AI-Hypercomputer/maxtext, src/MaxText/layers/moe.py: permute, get_all_to_all_params, local_permute,
 # sparse_matmul) uses one slice per destination rank and then sorts the received rows by local expert; so do we.
+
+
+def _excl_cumsum(a, axis=-1):
+  """Exclusive prefix sum along ``axis``."""
+  return jnp.cumsum(a, axis=axis) - a
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -183,7 +180,7 @@ def ragged_recv_rows(ids: np.ndarray, R: int, E: int, mode: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Capacity-padded all_to_all path (GShard style)
+# Expert parallel: the capacity-padded all_to_all path (GShard style)
 
 
 def dense_capacity(ids: np.ndarray, R: int, E: int, capacity_factor) -> int:

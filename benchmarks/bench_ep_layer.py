@@ -23,9 +23,9 @@ serialized      ours with CallConfig(serialize=True): expert_combine's consumer 
                 kernels, same results, no overlap: the baseline the overlap is measured against.
 ideal           max(compute alone, communication alone), both measured in the same run on the same inputs (extra
                 rows compute_alone, comm_alone and dispatch_alone, then the ideal and bound rows):
-                compute_alone  the expert work of ours with no inter-rank traffic: on every rank, expert_mlp
-                               (primitives.py; GEMM1 + SwiGLU + GEMM2 through our grouped GEMMs, for fwd+bwd also the
-                               backward GEMMs dh, dW2, dW1, dx as in ours' backward pass) on rows it already holds,
+                compute_alone  the expert work of ours with no inter-rank traffic: on every rank, ops.expert_mlp
+                               (GEMM1 + SwiGLU + GEMM2 through our grouped GEMMs, for fwd+bwd also the backward
+                               GEMMs dh, dW2, dW1, dx as in ours' backward pass) on rows it already holds,
                                with ours' per-rank group sizes (the plan of these routings; the rows are copies of the
                                rank's own tokens, prepared untimed). GEMM2 and dx run as grouped_matmul (the producer's
                                tile engine on every SM), where ours runs them in expert_combine on the SMs the consumer
@@ -39,8 +39,8 @@ ideal           max(compute alone, communication alone), both measured in the sa
                                manager may give this GEMM-light call more of them than ours gets: then comm_alone is
                                a lower bound for moving these bytes on our engine. NCCL's ragged_all_to_all moves the
                                same bytes in the xla_ragged row (with its GEMMs).
-                dispatch_alone ours' dispatches alone (dispatch_probe): the plan (the count all_gather, make_plan)
-                               and the forward dispatch of the token rows, through the same workspace as ours; for
+                dispatch_alone ours' dispatches alone (ideal_probes.dispatch_probe): the plan (the count
+                               all_gather, make_plan) and the forward dispatch of the token rows, through the same workspace as ours; for
                                fwd+bwd a second dispatch in the same call of [T k, D] rows made untimed, as the
                                backward's dispatch of gates * dy. Half the pass's bytes (its a2a_MB): the dispatch
                                half, which ours runs before GEMM1, where nothing overlaps it. Checked bit-exact: every
@@ -55,11 +55,11 @@ ideal           max(compute alone, communication alone), both measured in the sa
 Nothing is timed before it agrees with the float32 reference on the same inputs: relative error (Frobenius) of y and,
 for fwd+bwd, of the gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for
 bfloat16, 1e-4 for float32). The reference has the semantics of ``moe_experts(impl="reference")`` (the dense oracle:
-every token through every expert) at the cost of the routed rows (``sparse_reference_layer``: per-expert blocks of
-the slots routed to each expert, GEMMs in float32 at precision HIGHEST, experts sharded like the weights, token
-chunks when its buffers would pass 4 GiB per device). When the float32 weight gradients would pass 4 GiB per device
-(DeepSeek-like), dw1 and dw2 are compared on a fixed sample of 8 experts only (``weight_sample``, named in the check
-text); dx and dgates always whole. The probes of the ideal are checked as far as they can be: comm_alone against the
+every token through every expert) at the cost of the routed rows (``references.sparse_reference_layer``:
+per-expert blocks of the slots routed to each expert, GEMMs in float32 at precision HIGHEST, experts sharded like the
+weights, token chunks when its buffers would pass 4 GiB per device). When the float32 weight gradients would pass
+4 GiB per device (DeepSeek-like), dw1 and dw2 are compared on a fixed sample of 8 experts only
+(``references.weight_sample``, named in the check text); dx and dgates always whole. The probes of the ideal are checked as far as they can be: comm_alone against the
 reference on its shrunk weights; compute_alone (which computes on copies of tokens) by its group sizes, the routing's
 rows per (rank, local expert) counted on the host, and finite outputs; dispatch_alone bit-exact against the plan's
 placement of the source rows. Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is faster), and the

@@ -74,9 +74,10 @@ def static_ragged_dot(group_sizes: np.ndarray):
 
   A float32 reference near each group's own cost. jax.lax.ragged_dot runs every row against every group
   (dense-masked), G times the work: minutes at DeepSeek-like sizes in float32. One dot per group has G different
-  shapes, each autotuned by XLA: minutes of compiling at G = 32 forward+backward. So the groups are gathered (static indices) into one [G, max group, K] batch, zero rows padding the
-  short ones, and multiplied as one batched dot; the rows are gathered back. Rows past the groups' sum come out
-  zero, as in ragged_dot. Gathers and one dot differentiate as ragged_dot does."""
+  shapes, each autotuned by XLA: minutes of compiling at G = 32 forward+backward. So the groups are gathered
+  (static indices) into one [G, max group, K] batch, zero rows padding the short ones, and multiplied as one batched
+  dot; the rows are gathered back. Rows past the groups' sum come out zero, as in ragged_dot. Gathers and one dot
+  differentiate as ragged_dot does."""
   sizes = np.asarray(group_sizes).astype(np.int64)
   starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
   width = max(int(sizes.max(initial=0)), 1)
