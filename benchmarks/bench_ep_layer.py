@@ -39,10 +39,10 @@ ideal           max(compute alone, communication alone), both measured in the sa
                                manager may give this GEMM-light call more of them than ours gets: then comm_alone is
                                a lower bound for moving these bytes on our engine. NCCL's ragged_all_to_all moves the
                                same bytes in the xla_ragged row (with its GEMMs).
-                dispatch_alone ours' dispatches alone (ideal_probes.dispatch_probe): the plan (the count
-                               all_gather, make_plan) and the forward dispatch of the token rows, through the same workspace as ours; for
-                               fwd+bwd a second dispatch in the same call of [T k, D] rows made untimed, as the
-                               backward's dispatch of gates * dy. Half the pass's bytes (its a2a_MB): the dispatch
+                dispatch_alone ours' dispatches alone (ideal_probes.dispatch_probe): the plan (the count all_gather,
+                               make_plan) and the forward dispatch of the token rows, through the same workspace as
+                               ours; for fwd+bwd a second dispatch in the same call of [T k, D] rows made untimed, as
+                               the backward's dispatch of gates * dy. Half the pass's bytes (its a2a_MB): the dispatch
                                half, which ours runs before GEMM1, where nothing overlaps it. Checked bit-exact: every
                                row a rank receives is the source row the plan sends there.
                 The ideal row reports compute_ms, comm_ms, ms = ideal_ms = max of the two, overlap_eff =
@@ -55,16 +55,17 @@ ideal           max(compute alone, communication alone), both measured in the sa
 Nothing is timed before it agrees with the float32 reference on the same inputs: relative error (Frobenius) of y and,
 for fwd+bwd, of the gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for
 bfloat16, 1e-4 for float32). The reference has the semantics of ``moe_experts(impl="reference")`` (the dense oracle:
-every token through every expert) at the cost of the routed rows (``references.sparse_reference_layer``:
-per-expert blocks of the slots routed to each expert, GEMMs in float32 at precision HIGHEST, experts sharded like the
-weights, token chunks when its buffers would pass 4 GiB per device). When the float32 weight gradients would pass
-4 GiB per device (DeepSeek-like), dw1 and dw2 are compared on a fixed sample of 8 experts only
-(``references.weight_sample``, named in the check text); dx and dgates always whole. The probes of the ideal are checked as far as they can be: comm_alone against the
-reference on its shrunk weights; compute_alone (which computes on copies of tokens) by its group sizes, the routing's
-rows per (rank, local expert) counted on the host, and finite outputs; dispatch_alone bit-exact against the plan's
-placement of the source rows. Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is faster), and the
-bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd, whose backward has
-the same two transfers; logical payload: the padded path moves more) with the rate that makes of the layer time.
+every token through every expert) at the cost of the routed rows (``references.sparse_reference_layer``: per-expert
+blocks of the slots routed to each expert, GEMMs in float32 at precision HIGHEST, experts sharded like the weights,
+token chunks when its buffers would pass 4 GiB per device). When the float32 weight gradients would pass 4 GiB per
+device (DeepSeek-like), dw1 and dw2 are compared on a fixed sample of 8 experts only (``references.weight_sample``,
+named in the check text); dx and dgates always whole. The probes of the ideal are checked as far as they can be:
+comm_alone against the reference on its shrunk weights; compute_alone (which computes on copies of tokens) by its group
+sizes, the routing's rows per (rank, local expert) counted on the host, and finite outputs; dispatch_alone bit-exact
+against the plan's placement of the source rows. Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is
+faster), and the bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd,
+whose backward has the same two transfers; logical payload: the padded path moves more) with the rate that makes of the
+layer time.
 
   python3 -m benchmarks.bench_ep_layer --quick                                   # CPU try-out, 4 devices
   python3 -m benchmarks.bench_ep_layer --shapes 'seed T=8192' --out $OUT/ep_layer.jsonl   # all GPUs
