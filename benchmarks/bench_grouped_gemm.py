@@ -19,6 +19,7 @@ import numpy as np
 
 from benchmarks import baselines
 from benchmarks import common
+from jax_moe_overlap import ops
 
 
 def shapes(quick: bool):
@@ -52,13 +53,11 @@ def make_methods():
     methods["tokamax.mosaic"] = tokamax_fn
   else:
     print(why)
-  from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
-  if getattr(_jmo, "with_cuda", False):
+  if ops.with_cuda():
     # Our tile engine (the producer's) as the bare grouped-GEMM custom call, with the weights as stored and, as the
     # input gradient reads them, transposed ([G, N, K] passed in; the transposed copy is made outside the timing).
-    from jax_moe_overlap.ops import grouped_matmul  # pylint: disable=g-import-not-at-top
-    methods["ours"] = grouped_matmul
-    methods["ours (w^T)"] = Transposed(lambda x, wt, gs: grouped_matmul(x, wt, gs, transpose_rhs=True))
+    methods["ours"] = ops.grouped_matmul
+    methods["ours (w^T)"] = Transposed(lambda x, wt, gs: ops.grouped_matmul(x, wt, gs, transpose_rhs=True))
   return methods
 
 
