@@ -173,7 +173,7 @@ def check_held_back(mesh, delay_rank, delay_us=2000, calls=3, seed=11):
 
 def check_dispatch_gemm(mesh, pushers=2, seed=13):
   """CallConfig(dispatch_pushers=...) (on a Hopper GPU: the dispatch and GEMM1 in one dispatch_gemm call; on CPU the
-  two calls as before): forward and gradients bitwise equal to the default config's, and within TOL of the
+  two calls of the default config): forward and gradients bitwise equal to the default config's, and within TOL of the
   reference, every output computed into the poison."""
   layer = Layer(mesh, "skewed", seed)
   args = layer.args(jnp.bfloat16)

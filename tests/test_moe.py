@@ -76,8 +76,8 @@ def test_bfloat16_within_tolerance(kind):
 
 
 def test_dispatch_pushers_on_cpu_keeps_two_calls():
-  # CallConfig(dispatch_pushers=2) fuses the dispatch and GEMM1 on Hopper GPUs only; on CPU devices the layer runs as
-  # before and gives the same bits (tests/gpu/test_gpu_layer.py runs the same check where it fuses).
+  # CallConfig(dispatch_pushers=2) fuses the dispatch and GEMM1 on Hopper GPUs only; on CPU devices the layer keeps
+  # its two calls and gives the default config's bits (tests/gpu/test_gpu_layer.py runs the same check where it fuses).
   layer_checks.check_dispatch_gemm(mesh_of(4))
 
 
