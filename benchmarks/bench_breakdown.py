@@ -9,27 +9,23 @@ stages).
   expert_combine  jmo_expert_combine: GEMM2 + flags + consumer push + weighted combine
   layer           moe_experts(impl="overlap") forward
 
-  python3 benchmarks/bench_breakdown.py --out /tmp/breakdown.jsonl
+  python3 -m benchmarks.bench_breakdown --out /tmp/breakdown.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import jax_moe_overlap as jmo  # noqa: E402
-from jax_moe_overlap import plan as plan_lib  # noqa: E402
-from jax_moe_overlap.grouped_gemm import grouped_matmul  # noqa: E402
-from jax_moe_overlap.primitives import CallConfig, RankInfo, dispatch, expert_combine, swiglu  # noqa: E402
-from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # noqa: E402
+import jax_moe_overlap as jmo
+from benchmarks import common
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.ops import (CallConfig, RankInfo, Workspace, WorkspaceSizes, dispatch, expert_combine,
+                                 grouped_matmul, swiglu)
 
 
 def main():

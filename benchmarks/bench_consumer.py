@@ -1,4 +1,4 @@
-"""Consumer bandwidth (issue 4, item 2): bytes/s of expert_combine's segment pushes for C consumer CTAs and segment
+"""Consumer bandwidth: bytes/s of expert_combine's segment pushes for C consumer CTAs and segment
 sizes 64 KiB .. 4 MiB, against a device-to-device copy ceiling (cudaMemcpyAsync D2D in the same binary), on one GPU.
 
 How the consumer is isolated: two loopback ranks (R = 2, half the SMs each), each routing every row round robin to
@@ -10,20 +10,17 @@ included; the longer of the two ranks), median over --reps synchronized calls; b
 column "C" is 2 C CTAs pushing together. The ceiling is one cudaMemcpyAsync of the same total bytes (what a copy
 engine / copy kernel reaches for one big contiguous block), and, for scale, of one segment.
 
-  python3 benchmarks/bench_consumer.py --out $OUT/consumer.jsonl
+  python3 -m benchmarks.bench_consumer --out $OUT/consumer.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import loopback_runner as lb  # noqa: E402
+from benchmarks import loopback_runner as lb
 
 KIB = 1024
 

@@ -1,5 +1,5 @@
-"""expert_combine alone at expert parallelism R = every visible device (issue 7 item 4, issue 5): GEMM2, the push of
-every finished band to its source rank, and the weighted combine, with the kernels' own per-rank record of each call.
+"""expert_combine alone at expert parallelism R = every visible device: GEMM2, the push of every finished band to
+its source rank, and the weighted combine, with the kernels' own per-rank record of each call.
 
 A mesh of R devices on axis "expert" (all local devices, or ``--devices N``). Per rank: T tokens route top-k over
 all E experts (``common.topk_routing``, balanced or stress skew), so about (R-1)/R of the rows a rank computes belong
@@ -33,37 +33,30 @@ most any rank sends / ms. Then, after timing, one more call and ``Workspace.last
 A note names any rank whose recorded pushed bytes differ from the plan's remote bytes. The JSON lines (--out) hold
 the same rows plus ``stats``: every rank's CallStats (cuda_workspace.py) in full.
 
-  python3 benchmarks/bench_ep_combine.py --out $OUT/ep_combine.jsonl                  # all GPUs
-  python3 benchmarks/bench_ep_combine.py --quick --ctas 4,8                             # CPU dry run, 4 devices
+  python3 -m benchmarks.bench_ep_combine --out $OUT/ep_combine.jsonl                  # all GPUs
+  python3 -m benchmarks.bench_ep_combine --quick --ctas 4,8                             # CPU dry run, 4 devices
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from typing import NamedTuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-# Virtual CPU devices for a CPU dry run: --devices N, else 4 (before jax first uses a backend).
-common.virtual_cpu_devices(sys.argv)
+from benchmarks import common
+from benchmarks import references
+from benchmarks.common import AXIS, of_rank, rank_map
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.ops import CallConfig, RankInfo, Workspace, WorkspaceSizes, expert_combine, grouped_matmul
 
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import NamedSharding  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import PartitionSpec as P  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-from jax_moe_overlap import plan as plan_lib  # noqa: E402
-from jax_moe_overlap.grouped_gemm import grouped_matmul  # noqa: E402
-from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_combine  # noqa: E402
-from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # noqa: E402
-
-AXIS = "expert"
 DTYPE = jnp.bfloat16
 TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
 DEFAULT_SHAPES = "seed T=8192 N=4096 E=8,mixtral gemm2"
@@ -116,17 +109,6 @@ class Case:
   remote_bytes: np.ndarray
 
 
-def rank_map(mesh, fn):
-  """jit(shard_map(fn)) over the expert axis, every operand and output split on its first dimension."""
-  spec = P(AXIS)
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-
-
-def of_rank(plan: plan_lib.Plan) -> plan_lib.Plan:
-  """Inside rank_map: this rank's plan (every field of the stacked plan without its leading [1])."""
-  return jax.tree.map(lambda a: a[0], plan)
-
-
 def make_plans(mesh, ids, E: int, cap_e: int) -> plan_lib.Plan:
   """ids [R T, k] -> every rank's dropless plan, stacked: each field gets a leading [R] (sharded over the ranks)."""
   R = mesh.shape[AXIS]
@@ -146,19 +128,6 @@ def remote_bytes(plan: plan_lib.Plan, row_bytes: int) -> np.ndarray:
   return (seg.sum(axis=(1, 2)) - own.sum(axis=1)) * row_bytes
 
 
-def reference(mesh, cap: int, h, w2, gates, plans):
-  """(rows [R cap, D], y [R T, D]) in float32: each rank's GEMM2 rows, then every token's weighted sum of its slots'
-  rows wherever they were computed (all ranks' rows all-gathered)."""
-
-  def local(h, w2, gates, plans):
-    pl = of_rank(plans)
-    rows = common.reference_rows(h, w2, pl.expert_rows)
-    every = jax.lax.all_gather(rows, AXIS, tiled=True)                  # [R cap, D]
-    return rows, common.weighted_combine(every, pl.slot_dest_rank * cap + pl.slot_dest_row, gates)
-
-  return rank_map(mesh, local)(h, w2, gates, plans)
-
-
 def make_case(mesh, shape: tuple, skew: str) -> Case:
   name, T, F, D, E, k = shape
   R = mesh.shape[AXIS]
@@ -172,7 +141,7 @@ def make_case(mesh, shape: tuple, skew: str) -> Case:
   plans = make_plans(mesh, ids, E, cap_e)
   arg_sets = [common.gemm2_operands(T + E + s, R * cap, R * T, F, D, E, k, DTYPE, sharding) + (plans,)
               for s in range(2)]
-  ref_rows, ref_y = reference(mesh, cap, *arg_sets[0])
+  ref_rows, ref_y = references.combine_reference(mesh, cap, *arg_sets[0])
   return Case(name, skew, mesh, ws, arg_sets, ref_rows, ref_y, remote_bytes(plans, row_bytes))
 
 
@@ -241,7 +210,7 @@ def measure(case: Case, impl: Impl, max_call_s: float | None) -> dict:
   """One implementation's cells: checked, then timed, then (an expert_combine) one more call's per-rank stats."""
   fn = impl.fn
   try:
-    err = common.max_rel_err(fn(*case.arg_sets[0]), case.ref_y if impl.combines else case.ref_rows)
+    err = references.max_rel_err(fn(*case.arg_sets[0]), case.ref_y if impl.combines else case.ref_rows)
     if not err < TOLERANCE:
       return dict(err=f"{err:.1e}", ms="wrong result, not timed")
     call_s = timed_call_s(fn, case.arg_sets[0])
@@ -318,6 +287,7 @@ def run(args, table: common.Table) -> common.Table:
 
 def main(argv=None):
   """Runs the sweep; on SIGTERM it stops and still writes --out and prints the rows done so far."""
+  common.virtual_cpu_devices(sys.argv if argv is None else argv)  # a CPU dry run: --devices N, else 4
   args = parse_args(argv)
   with common.rows_kept_on_sigterm(common.Table(COLUMNS), args.out, "bench_ep_combine") as table:
     run(args, table)

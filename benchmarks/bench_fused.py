@@ -13,35 +13,29 @@ float32 reference before it is timed (column err: max |y - ref| / max |ref|).
   xla           jax.lax.ragged_dot + XLA gather / weighted sum
   tokamax       tokamax.ragged_dot(mosaic) + XLA gather / weighted sum (when installed)
 
-  python3 benchmarks/bench_fused.py --quick --out /tmp/fused.jsonl
+  python3 -m benchmarks.bench_fused --quick --out /tmp/fused.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import device_trace  # noqa: E402  pylint: disable=g-import-not-at-top
-from jax_moe_overlap import plan as plan_lib  # noqa: E402
-from jax_moe_overlap.grouped_gemm import grouped_matmul  # noqa: E402
-from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_combine  # noqa: E402
-from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # noqa: E402
+from benchmarks import baselines
+from benchmarks import common
+from benchmarks import device_trace
+from benchmarks import references
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.ops import CallConfig, RankInfo, Workspace, WorkspaceSizes, expert_combine, grouped_matmul
 
 
 def shapes(quick: bool):
   """(name, T, F, D, E, k): GEMM2 of the seed sweep (K = F = 2048), Mixtral-like and DeepSeek-like (E_l = 32)."""
   return common.gemm2_shapes(quick)
-
-
-combine = common.weighted_combine
 
 
 def main():
@@ -63,7 +57,7 @@ def main():
   smap = lambda f, n_in, n_out=P(): jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_in, out_specs=n_out,
                                                   check_vma=False)
   ragged = {"xla": jax.lax.ragged_dot}
-  tokamax_fn, why = common.tokamax_ragged_dot()
+  tokamax_fn, why = baselines.tokamax_ragged_dot()
   if tokamax_fn:
     ragged["tokamax"] = tokamax_fn
   else:
@@ -90,21 +84,21 @@ def main():
       impls = {"ours": fused(CallConfig())}
       if "serialize" in {f.name for f in dataclasses.fields(CallConfig)}:
         impls["serialized"] = fused(CallConfig(serialize=True))
-      impls["bare+combine"] = lambda h, w2, g, pl: combine(grouped_matmul(h, w2, pl.expert_rows), slot_row, g)
+      impls["bare+combine"] = baselines.gemm2_combine(grouped_matmul, slot_row)
       impls["bare gemm"] = lambda h, w2, g, pl: grouped_matmul(h, w2, pl.expert_rows)
       for rname, rd in ragged.items():
-        impls[rname] = lambda h, w2, g, pl, rd=rd: combine(rd(h, w2, pl.expert_rows), slot_row, g)
+        impls[rname] = baselines.gemm2_combine(rd, slot_row)
       if args.impls:
         impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
       h, w2, g, pl = arg_sets[0]
-      ref = combine(common.reference_rows(h, w2, pl.expert_rows), slot_row, g)
+      ref = baselines.gemm2_combine(references.reference_rows, slot_row)(h, w2, g, pl)
       flops = 2.0 * T * k * F * D
       timed, errs, notes = {}, {}, {}
       for iname, fn in impls.items():
         fn = jax.jit(fn)
         try:
           if iname != "bare gemm":  # the bare GEMM alone has no y to check (its output is checked in bare+combine)
-            errs[iname] = common.max_rel_err(fn(*arg_sets[0]), ref)
+            errs[iname] = references.max_rel_err(fn(*arg_sets[0]), ref)
             if not errs[iname] < 2e-2:
               notes[iname] = "wrong result, not timed"
               continue

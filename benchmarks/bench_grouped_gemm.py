@@ -6,25 +6,24 @@ max abs difference over max |xla|, bf16 outputs) before it is timed.
 For each shape: ``rows`` routed rows [rows, K] @ per-group weights [G, K, N] in bfloat16, grouped by ``group_sizes``.
 Dense is one [rows, K] @ [K, N] GEMM: the same FLOPs with no grouping, the ceiling a grouped GEMM aims at.
 
-  python3 benchmarks/bench_grouped_gemm.py --quick --out /tmp/gemm.jsonl
+  python3 -m benchmarks.bench_grouped_gemm --quick --out /tmp/gemm.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
+from benchmarks import baselines
+from benchmarks import common
+from jax_moe_overlap import ops
 
 
 def shapes(quick: bool):
-  """(name, rows, K, N, groups) of the issue's sweep: seed paper, Mixtral-8x7B-like, DeepSeek-V3-like."""
+  """(name, rows, K, N, groups): the seed paper's sweep, Mixtral-8x7B-like, DeepSeek-V3-like."""
   out = []
   for tokens in ((8192,) if quick else (8192, 16384)):
     for n in (4096, 8192):
@@ -49,18 +48,16 @@ def make_methods():
       "dense": lambda x, w, gs: jnp.dot(x, w[0]),
       "lax.ragged_dot": lambda x, w, gs: jax.lax.ragged_dot(x, w, gs),
   }
-  tokamax_fn, why = common.tokamax_ragged_dot()
+  tokamax_fn, why = baselines.tokamax_ragged_dot()
   if tokamax_fn:
     methods["tokamax.mosaic"] = tokamax_fn
   else:
     print(why)
-  from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
-  if getattr(_jmo, "with_cuda", False):
+  if ops.with_cuda():
     # Our tile engine (the producer's) as the bare grouped-GEMM custom call, with the weights as stored and, as the
     # input gradient reads them, transposed ([G, N, K] passed in; the transposed copy is made outside the timing).
-    from jax_moe_overlap.grouped_gemm import grouped_matmul  # pylint: disable=g-import-not-at-top
-    methods["ours"] = grouped_matmul
-    methods["ours (w^T)"] = Transposed(lambda x, wt, gs: grouped_matmul(x, wt, gs, transpose_rhs=True))
+    methods["ours"] = ops.grouped_matmul
+    methods["ours (w^T)"] = Transposed(lambda x, wt, gs: ops.grouped_matmul(x, wt, gs, transpose_rhs=True))
   return methods
 
 

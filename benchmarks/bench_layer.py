@@ -9,47 +9,27 @@ ideal        (forward only) max(reading every expert weight once, the two GEMMs 
              rest). Column vs_ideal = ideal ms / the row's ms.
 
 Nothing is timed before it agrees with the float32 reference (the xla path on float32 copies of the inputs, its
-grouped GEMMs at HIGHEST precision on static group rows, common.static_ragged_dot; for fwd+bwd its gradients wrt x,
+grouped GEMMs at HIGHEST precision on static group rows, references.layer_reference; for fwd+bwd its gradients wrt x,
 gates, w1, w2) on the first input set: column err = the largest max |got - ref| / max |ref| over the outputs; above
 2e-2 (bf16) the row says "wrong result, not timed". --decode runs decode-sized shapes instead (256 tokens: weight
 reads and the fixed costs of a call, not its FLOPs, dominate), forward only unless --passes says otherwise.
 
-  python3 benchmarks/bench_layer.py --quick --out /tmp/layer.jsonl
-  python3 benchmarks/bench_layer.py --decode --out /tmp/layer_decode.jsonl
+  python3 -m benchmarks.bench_layer --quick --out /tmp/layer.jsonl
+  python3 -m benchmarks.bench_layer --decode --out /tmp/layer_decode.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import jax_moe_overlap as jmo  # noqa: E402  pylint: disable=g-import-not-at-top
-from jax_moe_overlap.primitives import swiglu  # noqa: E402  pylint: disable=g-import-not-at-top
-
-
-def xla_layer(ragged_dot):
-  """The sort -> grouped GEMMs -> unsort path, with a pluggable grouped GEMM."""
-
-  def layer(x, ids, gates, w1, w2):
-    T, k = ids.shape
-    E = w1.shape[0]
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    xs = jnp.take(x, order // k, axis=0)
-    gs = jnp.bincount(flat, length=E).astype(jnp.int32)
-    h = swiglu(ragged_dot(xs, w1, gs).astype(jnp.float32)).astype(x.dtype)
-    out = ragged_dot(h, w2, gs)
-    per_slot = jnp.zeros_like(out).at[order].set(out)
-    return jnp.einsum("tk,tkd->td", gates.astype(jnp.float32),
-                      per_slot.reshape(T, k, -1).astype(jnp.float32)).astype(x.dtype)
-  return layer
+import jax_moe_overlap as jmo
+from benchmarks import baselines
+from benchmarks import common
+from benchmarks import references
 
 
 def shapes(quick: bool, decode: bool = False):
@@ -65,22 +45,6 @@ def shapes(quick: bool, decode: bool = False):
 
 
 MAX_ERR = 2e-2  # bf16 outputs and gradients against the float32 reference
-
-
-def reference_for(ids: np.ndarray, E: int):
-  """The float32 reference for one routing ``ids`` [T, k] (host values): the xla path on float32 copies of every
-  input, with the grouped GEMMs on this routing's static group rows at HIGHEST precision
-  (``common.static_ragged_dot``). The returned function takes the layer's arguments and checks that concrete ``ids``
-  are the routing it was built for."""
-  layer = xla_layer(common.static_ragged_dot(np.bincount(ids.reshape(-1), minlength=E)))
-
-  def ref(x, ids_arg, gates, w1, w2):
-    if not isinstance(ids_arg, jax.core.Tracer):
-      assert np.array_equal(np.asarray(ids_arg), ids), "reference_for: called with another routing"
-    f32 = jnp.float32
-    with jax.default_matmul_precision("highest"):  # the gate-weighted sum too
-      return layer(x.astype(f32), ids_arg, gates.astype(f32), w1.astype(f32), w2.astype(f32))
-  return ref
 
 
 def ideal_fwd_ms(arg_sets) -> tuple[float, float]:
@@ -109,7 +73,7 @@ def pass_fn(f, pname: str):
 
 def error_vs(ref_outs, got) -> float:
   """The largest max-relative error of got's outputs against the reference's."""
-  return max(common.max_rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref_outs)))
+  return max(references.max_rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref_outs)))
 
 
 def main():
@@ -123,10 +87,10 @@ def main():
   args = ap.parse_args()
   passes = (args.passes or ("fwd" if args.decode else "fwd,fwd+bwd")).split(",")
   mesh = jax.make_mesh((1,), ("expert",))
-  impls = {"xla": xla_layer(jax.lax.ragged_dot), "ours": lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]}
-  tokamax_fn, why = common.tokamax_ragged_dot()
+  impls = {"xla": baselines.xla_layer(jax.lax.ragged_dot), "ours": lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]}
+  tokamax_fn, why = baselines.tokamax_ragged_dot()
   if tokamax_fn:
-    impls["tokamax"] = xla_layer(tokamax_fn)
+    impls["tokamax"] = baselines.xla_layer(tokamax_fn)
   else:
     print(why)
   if args.impls:
@@ -152,7 +116,7 @@ def main():
         ideal = max(read_ms, dense_ms)
         print(f"  {name}: ideal forward = max(weight read {read_ms:.3f} ms, dense GEMMs {dense_ms:.3f} ms)", flush=True)
         table.add(shape=name, **{"pass": pname}, impl="ideal", ms=f"{ideal:.3f}", vs_ideal="1.00")
-      ref_outs = pass_fn(reference_for(np.asarray(arg_sets[0][1]), E), pname)(*arg_sets[0])
+      ref_outs = pass_fn(references.layer_reference(np.asarray(arg_sets[0][1]), E), pname)(*arg_sets[0])
       for iname, f in impls.items():
         fn = pass_fn(f, pname)
         try:

@@ -1,4 +1,4 @@
-"""GPU link probe (issue 7, item 1): peer access and peer-write bandwidth between the visible GPUs.
+"""GPU link probe: peer access and peer-write bandwidth between the visible GPUs.
 
 For every ordered pair (src, dst) of visible CUDA devices it reports ``cudaDeviceCanAccessPeer(src, dst)`` (and
 enables peer access where it is possible), then measures, through cuda-python's runtime bindings (every return code
@@ -20,19 +20,17 @@ GB/s are 1e9 bytes per second. Prints a markdown table and an R x R matrix of th
 copy), writes JSON lines (a meta line first) to --out. With no GPU, or no cuda-python, it says so, writes that as its
 only row, and exits 0; with one GPU it measures the local copy only.
 
-  python3 benchmarks/bench_links.py --out $OUT/links.jsonl
+  python3 -m benchmarks.bench_links --out $OUT/links.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from benchmarks import common
 
 COLUMNS = ["kind", "src", "dst", "peer", "MiB", "ms", "GBps"]     # MiB: moved in the ms of the row
 

@@ -1,4 +1,4 @@
-"""The resource manager's oracle sweep (issue 5): for each workload, time expert_combine with every feasible consumer
+"""The resource manager's oracle sweep: for each workload, time expert_combine with every feasible consumer
 CTA count C pinned (the oracle is the fastest), then with the manager (C chosen on the device from the routed counts
 by the calibrated model), and report the model's pick, the oracle's, the regret, the speed-up of the manager over
 the best single fixed C across the set, and the decision cost per call.
@@ -8,16 +8,16 @@ balanced / moderate (Zipf 0.8) / stress (Zipf 2.0) routing), run by the loopback
 GPU (each rank gets SMs / R CTAs; the model's SM count is that budget and its link ceiling the calibrated one / R,
 since the R ranks share the GPU's memory system). Calls are timed synchronized (--per-call-stats: all ranks finish a
 call before any starts the next, start to end on each rank's stream, the slowest rank's time): back to back, one
-rank's next call occupies SMs that another rank's current call still needs, which on the H200 made calls with
-C >= 4 up to 1000x slower and erratic. Synchronized calls still showed C = 16 18x slower than C = 4 in one R = 4 run
-(with an unfinished wgmma producer in the tree): not understood yet; read the per-C times before trusting a regret. Every workload's first call is checked against a host reference
-(on a sample of tokens) and every timed variant's outputs bit for bit against it.
+rank's next call would occupy SMs that another rank's current call still needs, and the times would measure that
+contention, not C. Read the per-C times before trusting a regret: an outlier C skews it. Every workload's first call
+is checked against a host reference (on a sample of tokens) and every timed variant's outputs bit for bit against
+it.
 
 Decision cost: the harness' DecisionBenchKernel builds rank 0's segment table as ExpertKernel does and runs the
 device-side choice (prefix scan + 32 candidates x segments + reduction) thousands of times in one CTA; the time per
 choice is reported (the table build is reported apart: ExpertKernel needs it whether or not it chooses C).
 
-  python3 benchmarks/bench_resource.py --calibration $OUT/calibration/nvidia_h200.json --out $OUT/resource.jsonl
+  python3 -m benchmarks.bench_resource --calibration $OUT/calibration/nvidia_h200.json --out $OUT/resource.jsonl
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import loopback_runner as lb  # noqa: E402
-from jax_moe_overlap import resource as rm  # noqa: E402
+from benchmarks import loopback_runner as lb
+from jax_moe_overlap import resource as rm
 
 SKEW_ARGS = {"balanced": ["--routing", 0], "moderate": ["--routing", 1, "--zipf", 0.8],
              "stress": ["--routing", 1, "--zipf", 2.0]}
@@ -47,8 +44,7 @@ def workloads(quick: bool):
   experts = itertools.cycle([8, 32, 64, 16])
   for tokens, n, skew in itertools.product((8192, 16384), (4096, 8192), ("balanced", "moderate", "stress")):
     out.append(dict(tokens=tokens, n=n, k=2048, top_k=2, experts=next(experts), skew=skew))
-  # --quick: 4 of them covering both token counts, both N, all three skews and 8..64 experts (every third workload
-  # was balanced-only).
+  # --quick: 4 of them covering both token counts, both N, all three skews and 8..64 experts.
   return [out[i] for i in (0, 5, 7, 10)] if quick else out
 
 

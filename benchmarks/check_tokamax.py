@@ -2,23 +2,22 @@
 
 For each (rows, K, N, groups) of the layer benchmarks' GEMMs, on bf16 inputs with random balanced group sizes that
 cover every row: out = ragged_dot(x, w, gs), and the VJP of <out, cot> for a random cotangent (dx, dw), each against
-the same groups at HIGHEST precision on float32 copies (common.static_ragged_dot). Prints one row per shape with the
+the same groups at HIGHEST precision on float32 copies (references.static_ragged_dot). Prints one row per shape with the
 three max-relative errors (max |got - ref| / max |ref|); bf16 results are expected near 1e-2 or below.
 
-  python3 benchmarks/check_tokamax.py [--out tokamax_check.jsonl]
+  python3 -m benchmarks.check_tokamax [--out tokamax_check.jsonl]
 """
 import argparse
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-
-import bench_layer  # noqa: E402  pylint: disable=g-import-not-at-top
+from benchmarks import baselines
+from benchmarks import bench_layer
+from benchmarks import common
+from benchmarks import references
 
 
 def layer_gemms():
@@ -42,7 +41,7 @@ def main():
   ap.add_argument("--out", default="tokamax_check.jsonl")
   ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
   args = ap.parse_args()
-  tokamax_fn, why = common.tokamax_ragged_dot()
+  tokamax_fn, why = baselines.tokamax_ragged_dot()
   if tokamax_fn is None:
     sys.exit(why)
   table = common.Table(["shape", "group_sizes", "err_out", "err_dx", "err_dw"])
@@ -55,11 +54,11 @@ def main():
     x = jax.random.normal(kx, (rows, K), jnp.bfloat16)
     w = (jax.random.normal(kw, (G, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
     cot = jax.random.normal(kc, (rows, N), jnp.float32)
-    ref_fn = common.static_ragged_dot(np.asarray(gs))
+    ref_fn = references.static_ragged_dot(np.asarray(gs))
     got = jax.jit(lambda a, b, g, c: vjp_of(tokamax_fn, a, b, g, c))(x, w, gs, cot)
     ref = jax.jit(lambda a, b, g, c: vjp_of(ref_fn, a, b, g, c))(x.astype(jnp.float32), w.astype(jnp.float32), gs,
                                                                    cot)
-    errs = [common.max_rel_err(g_, r_) for g_, r_ in zip(got, ref)]
+    errs = [references.max_rel_err(g_, r_) for g_, r_ in zip(got, ref)]
     table.add(shape=name, group_sizes=f"{int(gs.min())}..{int(gs.max())} x{G}",
               **{k: f"{e:.1e}" for k, e in zip(("err_out", "err_dx", "err_dw"), errs)})
     del got, ref

@@ -1,6 +1,6 @@
-"""Shared pieces of the benchmark suite: timing, shapes, routings, result tables.
+"""Shared pieces of the benchmark suite: timing, meshes, shapes, routings, result tables.
 
-Timing (METHOD.md): warm up, then time batches of back-to-back asynchronous calls (so per-call dispatch overlaps the
+Timing: warm up, then time batches of back-to-back asynchronous calls (so per-call dispatch overlaps the
 device work), rotate among several input sets (so repeated runs do not measure the L2), and report the median over
 batches. Every number printed comes with the command line that produced it (``command_line()``).
 """
@@ -21,10 +21,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+AXIS = "expert"  # the mesh axis of every multi-device benchmark: tokens and experts are sharded over it
 
 
 def command_line() -> str:
-  return " ".join(shlex.quote(a) for a in ["python3"] + sys.argv)
+  """The command that runs this process again: ``python3 -m benchmarks.X ...`` for a module run with -m."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  head = ["python3", "-m", spec.name] if spec is not None and spec.name else ["python3", sys.argv[0]]
+  return " ".join(shlex.quote(a) for a in head + sys.argv[1:])
 
 
 def environment() -> dict:
@@ -75,6 +81,17 @@ def expert_mesh(n: int | None, axis: str) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(devs), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def rank_map(mesh, fn):
+  """jit(shard_map(fn)) over ``AXIS``, every operand and output split on its first dimension."""
+  spec = P(AXIS)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def of_rank(stacked):
+  """Inside rank_map: this rank's slice of a pytree stacked over the ranks (every leaf without its leading [1])."""
+  return jax.tree.map(lambda a: a[0], stacked)
+
+
 @contextlib.contextmanager
 def rows_kept_on_sigterm(table: "Table", path: str, name: str):
   """Runs the body; SIGTERM (``timeout``'s signal in a time-limited device run) stops it, and either way the rows
@@ -91,7 +108,7 @@ def rows_kept_on_sigterm(table: "Table", path: str, name: str):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GEMM2 of the MoE layer (expert outputs -> d_model rows) and the weighted combine: bench_fused, bench_ep_combine
+# GEMM2 of the MoE layer (expert outputs -> d_model rows): shapes and operands of bench_fused and bench_ep_combine
 
 # (name, tokens per rank T, K = F, N = D, experts E, top-k): the seed sweep's GEMM2 (K = F = 2048), Mixtral-like and
 # DeepSeek-like (E_l = 32 at EP = 1).
@@ -117,64 +134,6 @@ def gemm2_operands(seed: int, rows: int, tokens: int, F: int, D: int, E: int, k:
                  (jax.random.normal(ks[1], (E, F, D), jnp.float32) / np.sqrt(F)).astype(dtype),
                  jax.nn.softmax(jax.random.normal(ks[2], (tokens, k)), -1).astype(jnp.float32))
   return jax.jit(gen, out_shardings=None if sharding is None else (sharding,) * 3)()
-
-
-def weighted_combine(out_rows, slot_row, gates):
-  """y[t] = sum_j gates[t, j] * out_rows[slot_row[t*k + j]] in float32, in out_rows' dtype (every slot kept: the
-  benchmarks' plans are dropless). out_rows [M, N], slot_row [T*k] int32, gates [T, k] float32 -> y [T, N]."""
-  T, k = gates.shape
-  per_slot = jnp.take(out_rows, slot_row, axis=0).astype(jnp.float32).reshape(T, k, -1)
-  return jnp.einsum("tk,tkd->td", gates, per_slot).astype(out_rows.dtype)
-
-
-def reference_rows(h, w2, group_sizes):
-  """The float32 reference of a grouped GEMM2: jax.lax.ragged_dot of h [M, F] and w2 [G, F, N] upcast, at HIGHEST
-  precision -> [M, N] float32 (rows past the groups zero)."""
-  return jax.lax.ragged_dot(h.astype(jnp.float32), w2.astype(jnp.float32), group_sizes,
-                            precision=jax.lax.Precision.HIGHEST)
-
-
-@jax.jit
-def _max_rel_err(got, ref):
-  got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
-  return jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))
-
-
-def max_rel_err(got, ref) -> float:
-  """max |got - ref| / max |ref| of two arrays of one shape, in float32 where they are (on the devices: outputs are
-  GBs); NaN if got has a NaN."""
-  return float(_max_rel_err(got, ref))
-
-
-def static_ragged_dot(group_sizes: np.ndarray):
-  """fn(lhs [M, K], rhs [G, K, N], group_sizes) -> [M, N]: jax.lax.ragged_dot's result for the host ``group_sizes``
-  [G] baked in as static row ranges (the group_sizes argument is ignored), at HIGHEST precision.
-
-  A float32 reference near each group's own cost. jax.lax.ragged_dot runs every row against every group
-  (dense-masked), G times the work: at DeepSeek-like sizes in float32 it took minutes. One dot per group has G
-  different shapes, and XLA autotunes each one: at G = 32 forward+backward, that compile did not finish in 220 s
-  on an H200. So the groups are gathered (static indices) into one [G, max group, K] batch, zero rows padding the
-  short ones, and multiplied as one batched dot; the rows are gathered back. Rows past the groups' sum come out
-  zero, as in ragged_dot. Gathers and one dot differentiate as ragged_dot does."""
-  sizes = np.asarray(group_sizes).astype(np.int64)
-  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-  width = max(int(sizes.max(initial=0)), 1)
-  j = np.arange(width)
-
-  def fn(lhs, rhs, group_sizes_unused=None):
-    del group_sizes_unused
-    m = lhs.shape[0]
-    # Row (g, j) of the batch is lhs row starts[g] + j, or the appended zero row m past the group's end.
-    take = np.where(j[None, :] < sizes[:, None], starts[:, None] + j[None, :], m)
-    lhs0 = jnp.concatenate([lhs, jnp.zeros((1, lhs.shape[1]), lhs.dtype)])
-    prod = jnp.einsum("gmk,gkn->gmn", lhs0[take], rhs, precision=jax.lax.Precision.HIGHEST)
-    # Output row r is batch row (g, r - starts[g]) of its group g, or the appended zero row past the groups' sum.
-    rows = np.arange(m)
-    g = np.minimum(np.searchsorted(np.cumsum(sizes), rows, side="right"), len(sizes) - 1)
-    back = np.where(rows < sizes.sum(), g * width + rows - starts[g], len(sizes) * width)
-    flat = jnp.concatenate([prod.reshape(-1, prod.shape[2]), jnp.zeros((1, prod.shape[2]), prod.dtype)])
-    return flat[back]
-  return fn
 
 
 SKEWS = {"balanced": 0.0, "moderate": 0.8, "stress": 2.0}  # Zipf exponent of the expert popularity
@@ -240,12 +199,3 @@ class Table:
     print(f"\n{meta}\n")
     print(self.render())
 
-
-def tokamax_ragged_dot():
-  """(fn, None) with fn(lhs, rhs, group_sizes) = tokamax.ragged_dot(..., implementation="mosaic") (the best grouped
-  GEMM a JAX user has on Hopper today, MaxText's GPU choice), or (None, why) when tokamax does not import."""
-  try:
-    import tokamax  # pylint: disable=g-import-not-at-top
-  except Exception as e:  # pylint: disable=broad-except
-    return None, f"tokamax unavailable: {type(e).__name__}: {e}"
-  return (lambda a, b, g: tokamax.ragged_dot(a, b, g, implementation="mosaic")), None

@@ -3,7 +3,7 @@
 Reads the JSON lines a benchmark writes (``--out``), or, for a run stopped by its time limit before it wrote them,
 the ``key=value`` rows it printed to its log:
 
-  python3 benchmarks/plot_results.py benchmarks/results/2026-11-29-h200-wgmma
+  python3 -m benchmarks.plot_results benchmarks/results/2026-11-29-h200-wgmma
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import os
 import re
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
+import matplotlib.pyplot as plt
 
 
 def read_rows(folder: str, name: str) -> list[dict]:
@@ -69,6 +67,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("folder")
   args = ap.parse_args()
+  matplotlib.use("Agg")  # files only, no display
   for bench, png, case_keys, series, value, ylabel, title in PLOTS:
     rows = read_rows(args.folder, bench)
     if not rows:

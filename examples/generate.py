@@ -25,7 +25,6 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 

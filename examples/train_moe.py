@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import sys
 import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -30,7 +29,6 @@ import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -1,9 +1,9 @@
 """The expert layer's checks of the GPU suite, written against a mesh (1-D, axis "expert") so that any devices run them.
 
 tests/gpu/test_gpu_layer.py runs them on the GPUs (R = every visible GPU, and 1); tests/test_moe.py runs
-``check_layer`` on 4 CPU devices, so that CI keeps these bodies working between GPU sessions. Each check compares the
+``check_layer`` on 4 CPU devices, so that CI exercises these bodies on every change. Each check compares the
 overlap layer in bfloat16 with the pure-JAX reference in float32 on the same (bf16-rounded) fresh random inputs:
-relative error below ``TOL`` (DESIGN §7). The overlap programs write their outputs into poisoned buffers
+relative error below ``TOL``. The overlap programs write their outputs into poisoned buffers
 (``Poisoned``), so that an output element the custom calls leave unwritten shows as NaN instead of stale memory.
 """
 
@@ -173,7 +173,7 @@ def check_held_back(mesh, delay_rank, delay_us=2000, calls=3, seed=11):
 
 def check_dispatch_gemm(mesh, pushers=2, seed=13):
   """CallConfig(dispatch_pushers=...) (on a Hopper GPU: the dispatch and GEMM1 in one dispatch_gemm call; on CPU the
-  two calls as before): forward and gradients bitwise equal to the default config's, and within TOL of the
+  two calls of the default config): forward and gradients bitwise equal to the default config's, and within TOL of the
   reference, every output computed into the poison."""
   layer = Layer(mesh, "skewed", seed)
   args = layer.args(jnp.bfloat16)

@@ -1,19 +1,16 @@
-"""benchmarks/bench_ep_combine.py's dry run on 4 CPU devices: every implementation agrees with the float32 reference
+"""benchmarks.bench_ep_combine's dry run on 4 CPU devices: every implementation agrees with the float32 reference
 and is timed, the oracle row is the fastest pinned C, the stats columns stay empty (the CPU handlers record no
 spans), and the plan pushes about (R-1)/R of a balanced routing's rows to peers; the stats columns from CallStats."""
 
 import functools
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_ep_combine  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jax_moe_overlap import cuda_workspace  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks import bench_ep_combine
+from benchmarks import common
+from jax_moe_overlap import cuda_workspace
 
 STATS_COLUMNS = ("C", "prod_us", "cons_us", "overlap_us", "outside_us", "push_GBps")
 
@@ -22,8 +19,7 @@ STATS_COLUMNS = ("C", "prod_us", "cons_us", "overlap_us", "outside_us", "push_GB
 def rows(tmp_path_factory):
   out = tmp_path_factory.mktemp("ep_combine") / "ep_combine.jsonl"
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(bench_ep_combine.common, "time_fn",
-               functools.partial(bench_ep_combine.common.time_fn, warmup=1, batches=2, per_batch=1))
+    mp.setattr(common, "time_fn", functools.partial(common.time_fn, warmup=1, batches=2, per_batch=1))
     bench_ep_combine.main(["--quick", "--ctas", "4,8", "--out", str(out)])
   lines = [json.loads(l) for l in out.read_text().splitlines()]
   assert "command" in lines[0]["meta"]

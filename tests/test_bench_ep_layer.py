@@ -1,20 +1,24 @@
-"""benchmarks/bench_ep_layer.py's correctness check for the quick shape on 4 CPU devices: ours, serialized and
+"""benchmarks.bench_ep_layer's correctness check for the quick shape on 4 CPU devices: ours, serialized and
 xla_dense_a2a agree with the reference; xla_ragged is skipped on CPU (no ragged_all_to_all in XLA:CPU) with its
 reason, and its offset logic agrees through the all_gather emulation of ragged_all_to_all; the probes of the ideal
 (compute_alone, comm_alone, dispatch_alone) pass their checks (and fail them when wrong), and the ideal and bound rows
 are derived from the timed rows as documented."""
 
 import functools
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import jax_moe_overlap as jmo
+from benchmarks import baselines
+from benchmarks import bench_ep_layer
+from benchmarks import common
+from benchmarks import ideal_probes
+from benchmarks import references
 
-import bench_ep_layer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+# The benchmark's own checks at its quick shape: a dozen programs with their references and probes, in the slow pass.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +58,8 @@ def test_dispatch_pushers_adds_ours_dg():
 def test_wrong_code_is_excluded_and_slow_code_skipped(monkeypatch):
   """A layer that disagrees with the reference is reported as excluded, never timed; one whose checked call took
   longer than --max-call-s as skipped, with its check."""
-  real = bench_ep_layer.dense_a2a_layer
-  monkeypatch.setattr(bench_ep_layer, "dense_a2a_layer",
+  real = baselines.dense_a2a_layer
+  monkeypatch.setattr(baselines, "dense_a2a_layer",
                       lambda mesh, c: (lambda *a: real(mesh, c)(*a) * 1.01))
   args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "xla_dense_a2a",
                                     "--max-call-s", "1e-9"])
@@ -77,8 +81,7 @@ def test_ideal_and_bound_rows_from_timed_rows(monkeypatch):
   """Timed (few batches): ideal = max(compute_alone, comm_alone), overlap_eff = (serialized - ours) / min(...),
   ours/ideal; bound = compute_alone + dispatch_alone, ours/bound; the probes' rows are what the two rows quote, and
   dispatch_alone moves half of ours' bytes."""
-  monkeypatch.setattr(bench_ep_layer.common, "time_fn",
-                      functools.partial(bench_ep_layer.common.time_fn, warmup=1, batches=2, per_batch=1))
+  monkeypatch.setattr(common, "time_fn", functools.partial(common.time_fn, warmup=1, batches=2, per_batch=1))
   args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "serialized,ideal"])
   r = {x["impl"]: x for x in bench_ep_layer.run(args, timing=True).rows}
   assert set(r) == {"ours", "serialized", "compute_alone", "comm_alone", "dispatch_alone", "ideal", "bound"}, r
@@ -105,7 +108,7 @@ def test_comm_probe_keeps_gate_and_up_columns():
   E, D, F, f = 2, 3, 5, 2
   w1 = np.arange(E * D * 2 * F, dtype=np.float32).reshape(E, D, 2 * F)
   w2 = np.arange(E * F * D, dtype=np.float32).reshape(E, F, D)
-  x, ids, gates, w1s, w2s, ct = bench_ep_layer.comm_probe_args(("x", "ids", "g", w1, w2, "ct"), f)
+  x, ids, gates, w1s, w2s, ct = ideal_probes.comm_probe_args(("x", "ids", "g", w1, w2, "ct"), f)
   np.testing.assert_array_equal(w1s, np.concatenate([w1[..., :f], w1[..., F:F + f]], -1))
   np.testing.assert_array_equal(w2s, w2[:, :f])
   assert (x, ids, gates, ct) == ("x", "ids", "g", "ct")
@@ -117,13 +120,13 @@ def test_compute_probe_rejects_other_group_sizes():
   mesh = bench_ep_layer.make_mesh(args.devices)
   shape = bench_ep_layer.shapes(quick=True)[0]
   (x, ids, _, w1, w2, _), ids_np = bench_ep_layer.make_inputs(shape, 4, np.float32, 0, mesh)
-  prepare, fn = bench_ep_layer.compute_probe(mesh, shape, want_grads=False)
+  prepare, fn = ideal_probes.compute_probe(mesh, shape, want_grads=False)
   sets = [prepare(x, ids) + (w1, w2)]
-  v = bench_ep_layer.compute_probe_verdict(fn, sets, [ids_np], 4, shape.experts)
+  v = ideal_probes.compute_probe_verdict(fn, sets, [ids_np], 4, shape.experts)
   assert v.ok, v
   other = ids_np.copy()
   other[0, 0] = (other[0, 0] + 1) % shape.experts          # one slot to another expert: two counts change
-  v = bench_ep_layer.compute_probe_verdict(fn, sets, [other], 4, shape.experts)
+  v = ideal_probes.compute_probe_verdict(fn, sets, [other], 4, shape.experts)
   assert not v.ok and "group sizes" in v.text, v
 
 
@@ -132,7 +135,7 @@ def test_dispatch_probe_check_rejects_wrong_rows(monkeypatch, wrong):
   """The dispatch probe's check passes the probe as built, and fails it when one of its dispatches (0: the tokens',
   1: fwd+bwd's second, of d_slot) is given the next slot_src_row (each slot's source row shifted by one)."""
   calls = []
-  real = bench_ep_layer.dispatch
+  real = ideal_probes.dispatch
 
   def dispatch(src, slot_src_row, *a):
     calls.append(1)
@@ -140,12 +143,12 @@ def test_dispatch_probe_check_rejects_wrong_rows(monkeypatch, wrong):
       slot_src_row = (slot_src_row + 1) % src.shape[0]
     return real(src, slot_src_row, *a)
 
-  monkeypatch.setattr(bench_ep_layer, "dispatch", dispatch)
+  monkeypatch.setattr(ideal_probes, "dispatch", dispatch)
   mesh = bench_ep_layer.make_mesh(4)
   shape = bench_ep_layer.shapes(quick=True)[0]
   (x, ids, *_), ids_np = bench_ep_layer.make_inputs(shape, 4, np.float32, 0, mesh)
-  prepare, fn = bench_ep_layer.dispatch_probe(mesh, shape, want_grads=True)
-  v = bench_ep_layer.dispatch_probe_verdict(fn, [prepare(x, ids)], [ids_np], mesh, shape)
+  prepare, fn = ideal_probes.dispatch_probe(mesh, shape, want_grads=True)
+  v = ideal_probes.dispatch_probe_verdict(fn, [prepare(x, ids)], [ids_np], mesh, shape)
   assert len(calls) == 2, calls                              # traced once: the two dispatches of a fwd+bwd call
   if wrong is None:
     assert v.ok and "bit-exact" in v.text, v
@@ -158,17 +161,17 @@ def test_reference_equals_dense_oracle(monkeypatch, sampled, max_bytes):
   """The benchmark's reference (sparse, expert-parallel, token chunks when max_bytes asks for them: here 1 byte, the
   most chunks) gives moe_experts(impl="reference")'s y and gradients; sampled: dw1 and dw2 of the fixed sample
   (2 of 8 experts: ceil(2 / 4) local expert 0 of every rank) only, the rest whole."""
-  monkeypatch.setattr(bench_ep_layer, "REF_SAMPLE_EXPERTS", 2)
+  monkeypatch.setattr(references, "REF_SAMPLE_EXPERTS", 2)
   mesh = bench_ep_layer.make_mesh(4)
   shape = bench_ep_layer.shapes(quick=True)[0]
   args, _ = bench_ep_layer.make_inputs(shape, 4, np.float32, 1, mesh)
 
   def dense(x, ids, g, w1, w2):
-    return bench_ep_layer.jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="reference")[0]
+    return jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="reference")[0]
 
-  y = bench_ep_layer.reference_results(mesh, args, False, max_bytes=max_bytes)
-  assert y.experts is None and bench_ep_layer.rel_err(y.outputs[0], bench_ep_layer.fwd_fn(dense)(*args)) < 1e-6
-  ref = bench_ep_layer.reference_results(mesh, args, True, max_bytes=max_bytes,
+  y = references.reference_results(mesh, args, False, max_bytes=max_bytes)
+  assert y.experts is None and references.rel_err(y.outputs[0], bench_ep_layer.fwd_fn(dense)(*args)) < 1e-6
+  ref = references.reference_results(mesh, args, True, max_bytes=max_bytes,
                                          max_wgrad_bytes=0 if sampled else 2 ** 32)
   want = bench_ep_layer.grad_fn(dense)(*args)
   if sampled:
@@ -177,19 +180,19 @@ def test_reference_equals_dense_oracle(monkeypatch, sampled, max_bytes):
   else:
     assert ref.experts is None
   for got, w in zip(ref.outputs, want):
-    assert got.shape == w.shape and bench_ep_layer.rel_err(got, w) < 1e-5
+    assert got.shape == w.shape and references.rel_err(got, w) < 1e-5
 
 
 def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
   """Where the reference samples the weight gradients, the check text names the experts and a wrong gradient on a
   sampled expert still fails the check."""
-  real = bench_ep_layer.reference_results
-  monkeypatch.setattr(bench_ep_layer, "REF_SAMPLE_EXPERTS", 4)
-  monkeypatch.setattr(bench_ep_layer, "reference_results",
+  real = references.reference_results
+  monkeypatch.setattr(references, "REF_SAMPLE_EXPERTS", 4)
+  monkeypatch.setattr(references, "reference_results",
                       lambda *a, **kw: real(*a, **kw, max_wgrad_bytes=0))
   real_ours = bench_ep_layer.ours_layer
 
-  def ours_with_wrong_w1_grad_on_expert_2(mesh, config=bench_ep_layer.jmo.CallConfig()):
+  def ours_with_wrong_w1_grad_on_expert_2(mesh, config=jmo.CallConfig()):
     f = real_ours(mesh, config)
     scale = np.ones((8, 1, 1), np.float32)
     scale[2] = 1.5

@@ -1,4 +1,4 @@
-"""benchmarks/bench_links.py without a GPU: it exits 0 and says why when there is nothing to measure, and its
+"""benchmarks.bench_links without a GPU: it exits 0 and says why when there is nothing to measure, and its
 measurement logic runs on a stand-in for cuda.bindings.runtime (R devices whose copies take bytes / bandwidth):
 every ordered pair, the all-pairs round and the local copy get a row at the stand-in's bandwidth, every call is made
 on the device that owns its stream and events, and everything allocated is freed."""
@@ -12,10 +12,9 @@ import types
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from benchmarks import bench_links
 
-import bench_links  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PEER_GBPS, LOCAL_GBPS = 100.0, 1000.0
 
@@ -198,8 +197,8 @@ def test_failed_call_names_the_call():
 def test_script_without_gpu_exits_0(tmp_path):
   """As a process, on this machine (no GPU; cuda-python may be missing): rc 0, a 'nothing to measure' line."""
   out = tmp_path / "links.jsonl"
-  p = subprocess.run([sys.executable, str(BENCH / "bench_links.py"), "--out", str(out)], capture_output=True,
-                     text=True, timeout=120, check=False)
+  p = subprocess.run([sys.executable, "-m", "benchmarks.bench_links", "--out", str(out)], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120, check=False)
   if "nothing to measure" not in p.stdout:
     pytest.skip(f"this machine has a GPU: {p.stdout[:200]}")
   assert p.returncode == 0, p.stderr

@@ -1,15 +1,14 @@
 """The resource benchmarks' own logic, without a GPU: the workload list, the regret / best-fixed-C summary and the
 calibration fit."""
 
+import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-
-import bench_resource  # noqa: E402
-import calibrate  # noqa: E402
+from benchmarks import bench_resource
+from benchmarks import calibrate
+from jax_moe_overlap import resource as rm
 
 
 def test_workloads_cover_the_seed_sweep():
@@ -71,7 +70,6 @@ def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
   monkeypatch.setattr(calibrate.lb, "device_info", lambda k, n: dict(
       kind="device", name="Fake GPU", sms=sms, tile_m=128, tile_n=256, producer="wgmma bf16", cc="9.0"))
   out = calibrate.main(["--out", str(tmp_path / "fake.json"), "--reps", "1"])
-  import json  # pylint: disable=g-import-not-at-top
   with open(out) as f:
     doc = json.load(f)
   assert doc["tile_us_base"] == pytest.approx(tile_base) and doc["tile_us_per_k"] == pytest.approx(tile_per_k)
@@ -85,8 +83,6 @@ def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
 def test_bench_resource_writes_each_workload_as_it_finishes(tmp_path, monkeypatch):
   """bench_resource.main against a fake harness whose manager picks what the Python mirror picks: every workload's
   row is in --out as soon as it is measured (a run stopped by a time limit keeps them), then the summary."""
-  import json  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap import resource as rm  # pylint: disable=g-import-not-at-top
   cal = os.path.join(rm.CALIBRATION_DIR, "nvidia_h200.json")
   R, cs = 2, [1, 2, 4]
   out = tmp_path / "resource.jsonl"

@@ -1,23 +1,26 @@
-"""The single-GPU benchmarks' own checks run on CPU at tiny sizes, so they cannot rot between GPU sessions:
+"""The single-GPU benchmarks' own checks run on CPU at tiny sizes, so that CI exercises them on every change:
 bench_fused's and bench_layer's implementations all agree with their float32 references (each row's err; a wrong
 layer is not timed), bench_layer's float32 reference equals the dense one, check_tokamax tells a wrong gradient,
 bench_breakdown times every stage, and plot_results draws the PNGs from JSON lines and from the
 key=value rows of a log cut short."""
 
+import functools
 import json
-import pathlib
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_breakdown  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import bench_fused  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import bench_layer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import check_tokamax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import plot_results  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax_moe_overlap as jmo
+from benchmarks import baselines
+from benchmarks import bench_breakdown
+from benchmarks import bench_fused
+from benchmarks import bench_layer
+from benchmarks import check_tokamax
+from benchmarks import plot_results
+from benchmarks import references
 
 
 def _rows(path):
@@ -88,8 +91,8 @@ def test_bench_layer_checks_every_impl_before_timing(tmp_path, monkeypatch):
 
 def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
   monkeypatch.setattr(bench_layer, "shapes", _tiny_layer_shapes)
-  real = bench_layer.jmo.moe_experts
-  monkeypatch.setattr(bench_layer.jmo, "moe_experts", lambda *a, **kw: (real(*a, **kw)[0] * 1.1, None))
+  real = jmo.moe_experts
+  monkeypatch.setattr(jmo, "moe_experts", lambda *a, **kw: (real(*a, **kw)[0] * 1.1, None))
   out = tmp_path / "layer.jsonl"
   monkeypatch.setattr(sys, "argv", ["bench_layer.py", "--passes", "fwd", "--out", str(out)])
   bench_layer.main()
@@ -99,20 +102,17 @@ def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
 
 
 def test_bench_layer_reference_equals_the_dense_one():
-  """bench_layer's float32 reference (common.static_ragged_dot on the routing's groups) against the dense-masked
-  jax.lax.ragged_dot path at HIGHEST precision: forward and all four gradients, with one expert left empty."""
-  import functools  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  """bench_layer's float32 reference (references.layer_reference: static_ragged_dot on the routing's groups) against
+  the dense-masked jax.lax.ragged_dot path at HIGHEST precision: forward and all four gradients, with one expert left
+  empty."""
   T, D, F, E, k = 40, 16, 24, 5, 2
   rng = np.random.default_rng(3)
   ids = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(T)]).astype(np.int32)  # expert E-1 gets none
   ks = jax.random.split(jax.random.PRNGKey(7), 4)
   args = (jax.random.normal(ks[0], (T, D)), jnp.asarray(ids), jax.nn.softmax(jax.random.normal(ks[1], (T, k)), -1),
           jax.random.normal(ks[2], (E, D, 2 * F)) / 4, jax.random.normal(ks[3], (E, F, D)) / 5)
-  dense = bench_layer.xla_layer(functools.partial(jax.lax.ragged_dot, precision=jax.lax.Precision.HIGHEST))
-  ours = bench_layer.reference_for(ids, E)
+  dense = baselines.xla_layer(functools.partial(jax.lax.ragged_dot, precision=jax.lax.Precision.HIGHEST))
+  ours = references.layer_reference(ids, E)
   for pname in ("fwd", "fwd+bwd"):
     want, got = bench_layer.pass_fn(dense, pname)(*args), bench_layer.pass_fn(ours, pname)(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -123,11 +123,8 @@ def test_bench_layer_reference_equals_the_dense_one():
 
 @pytest.mark.parametrize("sizes", [(3, 0, 5, 1), (0, 0, 7, 0), (2, 2, 2, 2)])
 def test_static_ragged_dot_equals_ragged_dot(sizes):
-  """common.static_ragged_dot (the groups gathered into one padded batched dot) against jax.lax.ragged_dot: empty
-  groups, rows past the groups' sum (zero out), and the gradients wrt both operands."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  """references.static_ragged_dot (the groups gathered into one padded batched dot) against jax.lax.ragged_dot:
+  empty groups, rows past the groups' sum (zero out), and the gradients wrt both operands."""
   gs = np.asarray(sizes, np.int32)
   m, kdim, n = int(gs.sum()) + 3, 6, 5
   ka, kb, kc = jax.random.split(jax.random.PRNGKey(sum(sizes)), 3)
@@ -135,7 +132,7 @@ def test_static_ragged_dot_equals_ragged_dot(sizes):
   ct = jax.random.normal(kc, (m, n))
   hi = jax.lax.Precision.HIGHEST
   want = jax.vjp(lambda a_, b_: jax.lax.ragged_dot(a_, b_, jnp.asarray(gs), precision=hi), a, b)
-  got = jax.vjp(common.static_ragged_dot(gs), a, b)
+  got = jax.vjp(references.static_ragged_dot(gs), a, b)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
   assert not np.any(np.asarray(got[0])[gs.sum():]), "rows past the groups' sum must be zero"
   for g, w in zip(got[1](ct), want[1](ct)):
@@ -146,7 +143,6 @@ def test_static_ragged_dot_equals_ragged_dot(sizes):
 def test_check_tokamax_reports_each_gradient(tmp_path, monkeypatch, scale_dw):
   """check_tokamax.py on CPU with lax.ragged_dot standing in for tokamax: errors near float32 rounding when right,
   and only err_dw large when the stand-in's weight gradient is scaled."""
-  import jax  # pylint: disable=g-import-not-at-top
 
   @jax.custom_vjp
   def stand_in(a, b, g):
@@ -161,7 +157,7 @@ def test_check_tokamax_reports_each_gradient(tmp_path, monkeypatch, scale_dw):
     da, db = pull(ct)
     return da, db * scale_dw, None
   stand_in.defvjp(fwd, bwd)
-  monkeypatch.setattr(check_tokamax.common, "tokamax_ragged_dot", lambda: (stand_in, None))
+  monkeypatch.setattr(baselines, "tokamax_ragged_dot", lambda: (stand_in, None))
   monkeypatch.setattr(check_tokamax, "SHAPES", [("tiny", 48, 32, 40, 3)])
   out = tmp_path / "check.jsonl"
   monkeypatch.setattr(sys, "argv", ["check_tokamax.py", "--out", str(out)])

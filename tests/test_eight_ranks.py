@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a second process with 8 devices, compiling every program again
 def test_eight_ranks_match_reference():
   here = os.path.dirname(os.path.abspath(__file__))
   env = dict(os.environ)

@@ -2,21 +2,10 @@
 resume, and generation from the checkpoint. The scripts run in this process (their main(argv)), so that runs of the
 same model share compiled steps."""
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-
-import pathlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import sys  # noqa: E402  pylint: disable=wrong-import-position
-
-import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
-import pytest  # noqa: E402  pylint: disable=wrong-import-position
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import generate  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import train_moe  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import generate  # examples/generate.py (examples/ is on pytest's pythonpath, as a script's own folder is)
+import numpy as np
+import pytest
+import train_moe  # examples/train_moe.py
 
 STEPS = 30
 TINY = ["--steps", str(STEPS), "--layers", "2", "--d-model", "64", "--heads", "4", "--d-ff", "128",
@@ -45,6 +34,7 @@ def test_loss_falls_clearly(overlap_run):
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.slow  # a second 30-step run; tests/test_moe.py compares the two layers call by call
 def test_overlap_and_reference_train_the_same(overlap_run):
   out, _ = overlap_run
   ref = train_moe.main(TINY + ["--impl", "reference", "--plot", ""])
