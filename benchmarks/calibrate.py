@@ -19,17 +19,22 @@ tile stored; first push .. last push) time each half alone.
                   per rank with many small segments (128 per rank), rate(C) from the big-segment run; clamped at 0.
 
   python3 -m benchmarks.calibrate --out jax_moe_overlap/calibration/   # writes <dir>/<gpu name>.json
+
+The consumer pushes as the library's defaults (CallConfig.consumer_tuning) unless --plain-copy / --push-* say
+otherwise; the harness gets them as flags, and the calibration records them (consumer_tuning).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
 from benchmarks import loopback_runner as lb
+from jax_moe_overlap import primitives
 from jax_moe_overlap import resource as rm
 
 
@@ -52,7 +57,16 @@ def main(argv=None):
   ap.add_argument("--tokens", type=int, default=8192, help="tokens of the tile-time and bandwidth runs (top-2)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--log", default=None, help="append the harness' full output here")
+  default = primitives.ConsumerTuning()
+  ap.add_argument("--plain-copy", action="store_true", default=not default.bulk_copy,
+                  help="the consumer pushes with 16-byte loads and stores instead of TMA bulk copies")
+  ap.add_argument("--push-slots", type=int, default=default.slots, help="ring slots of one issuing thread")
+  ap.add_argument("--push-read-lag", type=int, default=default.read_lag,
+                  help="bulk stores that may still read their slot")
+  ap.add_argument("--push-issuers", type=int, default=default.issuers, help="issuing threads per consumer CTA")
   args = ap.parse_args(argv)
+  tuning = primitives.ConsumerTuning(bulk_copy=not args.plain_copy, slots=args.push_slots,
+                                     read_lag=args.push_read_lag, issuers=args.push_issuers)
   log = open(args.log, "a") if args.log else None
   t_start = time.time()
   ks = [int(k) for k in args.ks.split(",")]
@@ -61,7 +75,7 @@ def main(argv=None):
   sms, tile_m, tile_n = dev["sms"], dev["tile_m"], dev["tile_n"]
   print(f"calibrating the {dev.get('producer', '?')} producer ({tile_m} x {tile_n} tiles) on {dev['name']}", flush=True)
   common = ["--top-k", "2", "--d-model", "64", "--iters", "1", "--datasets", "1", "--time", "--serialize",
-            "--per-call-stats", "--warmup", "1", "--reps", args.reps, "--check-tokens", "16"]
+            "--per-call-stats", "--warmup", "1", "--reps", args.reps, "--check-tokens", "16"] + lb.tuning_args(tuning)
   one_rank = common + ["--ranks", "1", "--routing", "3"]
   R = 2
   pushing = common + ["--ranks", R, "--routing", "4"]  # every row goes to the other rank
@@ -136,8 +150,9 @@ def main(argv=None):
     out = os.path.join(out, rm.calibration_file_name(dev["name"]))
   doc = dict(params.__dict__, gpu_name=dev["name"], compute_capability=dev["cc"],
              producer=dev.get("producer", "?"),
-             consumer="CopyBand (JMO_CONSUMER_COPY=plain)" if os.environ.get("JMO_CONSUMER_COPY") == "plain"
-             else "bulk copies (csrc/cuda/bulk_copy.cuh), the default",
+             consumer="bulk copies (csrc/cuda/bulk_copy.cuh)" if tuning.bulk_copy
+             else "CopyBand, 16-byte loads and stores (--plain-copy)",
+             consumer_tuning=dataclasses.asdict(tuning),
              measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",
              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              command=" ".join(["python3", "-m", "benchmarks.calibrate"] + sys.argv[1:]),

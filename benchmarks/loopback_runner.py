@@ -56,6 +56,13 @@ def params_arg(params) -> str:
   return ",".join(repr(float(v)) for v in vals)
 
 
+def tuning_args(tuning) -> list[str]:
+  """The harness flags of a consumer tuning (jax_moe_overlap.primitives.ConsumerTuning): how its consumer pushes."""
+  args = [] if tuning.bulk_copy else ["--plain-copy"]
+  return args + ["--push-slots", str(tuning.slots), "--push-read-lag", str(tuning.read_lag),
+                 "--push-issuers", str(tuning.issuers)]
+
+
 def median(xs):
   xs = sorted(xs)
   return xs[len(xs) // 2] if xs else float("nan")

@@ -5,7 +5,7 @@
 #   push_probe      what limits a consumer CTA's copy (bulk loads / stores alone, issuers, ring depth, chunk size)
 #   combine_probe   CombineKernel's gather + weighted sum (the library's loop at several shapes) against the copy
 #                   ceiling of the same traffic, XLA's shape of it and a TMA gather
-#   decision_probe  the resource manager's device-side choice (consumer_choice.cuh) against the host's on random
+#   decision_probe  the resource manager's device-side choice (resource_manager.cuh) against the host's on random
 #                   tables, and ns per decision
 # The wgmma probes (wgmma_probe, wgmma_outer_probe) build with the same target; tools/probes/wgmma_build_and_run.sh
 # runs them (with ptxas statistics and a memcheck mode).

@@ -168,7 +168,7 @@ int HopperSms() {
   return info.cc_major == 9 ? info.sms : 0;
 }
 
-// The wgmma + TMA kernel (csrc/cuda/wgmma) takes bf16 operands with K and N multiples of 64 on Hopper.
+// The wgmma + TMA kernel (csrc/cuda/gemm/wgmma_grouped.cuh) takes bf16 operands with K and N multiples of 64 on Hopper.
 bool UseWgmma(DType dt, int64_t M, int64_t K, int64_t N) {
   return dt == DType::kBF16 && M > 0 && K % 64 == 0 && N % 64 == 0 && HopperSms() > 0;
 }

@@ -14,6 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jax_moe_overlap import env
+
 ROUTINGS = ("balanced", "moderate", "extreme", "round_robin", "next_rank")
 
 
@@ -46,6 +48,13 @@ class Case:
   seed: int = 1
   consumers: int = 2             # consumer CTAs per rank and call (0: the manager's choice)
   serialize: bool = False
+  # How the consumer pushes (CallOptions::tuning; the fields of jax_moe_overlap.primitives.ConsumerTuning), defaults
+  # as the library's: $JMO_CONSUMER_COPY, $JMO_PUSH_SLOTS, $JMO_PUSH_READ_LAG, $JMO_PUSH_ISSUERS (env.py), else the
+  # shipped values.
+  bulk_copy: bool = dataclasses.field(default_factory=env.consumer_bulk_copy)  # False: 16-byte loads and stores
+  push_slots: int = dataclasses.field(default_factory=env.push_slots)
+  push_read_lag: int = dataclasses.field(default_factory=env.push_read_lag)
+  push_issuers: int = dataclasses.field(default_factory=env.push_issuers)
   model: tuple[float, ...] | None = None  # the workspace's ModelParams (9 numbers), else the fixed C = SMs / 8
   sm_budget: int = 0             # CTAs per rank (0: SMs / ranks)
   device: int = 0
@@ -108,6 +117,12 @@ class Case:
       return f"top_k {k} larger than the experts it chooses from"
     if self.consumers < 0:
       return "consumers must be >= 0 (0: the manager)"
+    from jax_moe_overlap.primitives import ConsumerTuning  # pylint: disable=g-import-not-at-top
+    try:
+      ConsumerTuning(bulk_copy=self.bulk_copy, slots=self.push_slots, read_lag=self.push_read_lag,
+                     issuers=self.push_issuers)
+    except ValueError as e:
+      return str(e)
     if self.dispatch_gemm_pushers > 0 and (self.f32 or self.d_model % 64 or self.k_dim % 64):
       return "dispatch_gemm takes bf16 with D and K multiples of 64"
     return None

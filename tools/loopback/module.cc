@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/kernels.h"
+#include "cuda/api.h"
 #include "runner.h"
 
 namespace nb = nanobind;
@@ -63,6 +63,10 @@ Spec ParseSpec(const nb::dict& d) {
   s.delay_us = Get<int64_t>(d, "delay_us", s.delay_us);
   s.consumers = Get<int>(d, "consumers", s.consumers);
   s.serialize = Get<bool>(d, "serialize", s.serialize);
+  s.tuning.bulk_copy = Get<bool>(d, "bulk_copy", s.tuning.bulk_copy);
+  s.tuning.push_slots = Get<int32_t>(d, "push_slots", s.tuning.push_slots);
+  s.tuning.push_read_lag = Get<int32_t>(d, "push_read_lag", s.tuning.push_read_lag);
+  s.tuning.push_issuers = Get<int32_t>(d, "push_issuers", s.tuning.push_issuers);
   s.sm_budget = Get<int>(d, "sm_budget", s.sm_budget);
   s.device = Get<int>(d, "device", s.device);
   s.dispatch_gemm_pushers = Get<int>(d, "dispatch_gemm_pushers", s.dispatch_gemm_pushers);
@@ -174,15 +178,16 @@ nb::dict DeviceInfo(int device, int64_t k_dim, int64_t n_dim, bool transpose_rhs
   cudaDeviceProp prop;
   if (cudaGetDeviceProperties(&prop, device) != cudaSuccess || cudaSetDevice(device) != cudaSuccess)
     throw std::runtime_error("cannot query CUDA device " + std::to_string(device));
-  // The producer engine (and its tile) that bf16 calls of k_dim x n_dim take on this device; ProducerPath only
+  // The producer engine (and its tile) that bf16 calls of k_dim x n_dim take on this device; SelectProducerPath only
   // looks at the operands' alignment, so any 16-byte aligned address stands in for them.
   alignas(16) static char dummy[16];
-  const std::string path = cuda::ProducerPath(cuda::DType::kBF16, k_dim, n_dim, transpose_rhs, dummy, dummy);
+  const cuda::ProducerPath path =
+      cuda::SelectProducerPath(cuda::DType::kBF16, k_dim, n_dim, transpose_rhs, dummy, dummy);
   int tile_m = 0, tile_n = 0;
   cuda::ProducerTile(path, &tile_m, &tile_n);
   return MakeDict({{"kind", nb::cast("device")}, {"name", nb::cast(std::string(prop.name))},
                    {"sms", nb::cast(prop.multiProcessorCount)}, {"tile_m", nb::cast(tile_m)},
-                   {"tile_n", nb::cast(tile_n)}, {"producer", nb::cast(path)},
+                   {"tile_n", nb::cast(tile_n)}, {"producer", nb::cast(std::string(cuda::ProducerPathName(path)))},
                    {"cc", nb::cast(std::to_string(prop.major) + "." + std::to_string(prop.minor))}});
 }
 
@@ -198,8 +203,9 @@ NB_MODULE(_jmo_loopback, m) {
   m.def(
       "producer_path",
       [](bool f32, int64_t k_dim, int64_t n_dim, bool transpose_rhs) {
-        return std::string(jmo::cuda::ProducerPath(f32 ? jmo::cuda::DType::kF32 : jmo::cuda::DType::kBF16, k_dim,
-                                                   n_dim, transpose_rhs, nullptr, nullptr));
+        namespace cuda = jmo::cuda;
+        return std::string(cuda::ProducerPathName(cuda::SelectProducerPath(
+            f32 ? cuda::DType::kF32 : cuda::DType::kBF16, k_dim, n_dim, transpose_rhs, nullptr, nullptr)));
       },
       "f32"_a, "k_dim"_a, "n_dim"_a, "transpose_rhs"_a,
       "The producer engine of expert_combine for these operands on the current device (buffers assumed aligned)");

@@ -20,6 +20,10 @@ Timing (benchmarks/loopback_runner.py drives these):
                            one TIMED and one `RESULT {json}` line per variant
   --sweep-consumers 1,2,4  one variant per C, then the manager, then the manager serialized
   --model a,b,...          the workspace's 9 ModelParams (resource_model.h order)
+  --plain-copy             the consumer pushes with 16-byte loads and stores instead of TMA bulk copies
+  --push-slots N, --push-read-lag N, --push-issuers N
+                           the bulk-copy consumer's ring slots, stores that may still read their slot, issuing
+                           threads per CTA (CallConfig.consumer_tuning; defaults as the library's)
   --per-call-stats         synchronize around every timed call and read its device spans (and a TIMELINE line)
   --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
   --check-tokens N         check the expert outputs of about N tokens per rank (big timing shapes)
@@ -69,12 +73,15 @@ def parse_args(argv):
       "--warmup": ("warmup", int), "--reps": ("reps", int), "--decision-cost": ("decision_iters", int),
       "--check-tokens": ("check_tokens", int), "--dispatch-gemm": ("dispatch_gemm_pushers", int),
       "--sweep-consumers": ("sweep", _ints), "--model": ("model", _floats),
+      "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
+      "--push-issuers": ("push_issuers", int),
   }
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
                      ("--time", "time"), ("--per-call-stats", "per_call_stats")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
+  ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--copy-ceiling", type=_floats, default=None)
   ap.add_argument("--device-info", action="store_true")
   args = ap.parse_args(argv)

@@ -14,12 +14,10 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/api.h"
 #include "cuda/grouped_gemm.h"
-#include "cuda/kernels.h"
-#include "cuda/workspace_cuda.h"
-#ifdef JMO_WITH_DECISION_BENCH
-#include "decision_bench.h"  // MeasureDecision, where it lives beside the tools
-#endif
+#include "cuda/workspace.h"
+#include "decision_bench.h"  // jmo::tools::MeasureDecision
 
 namespace jmo::loopback {
 
@@ -167,12 +165,13 @@ class Run {
     if (s_.decision_iters > 0 && s_.has_model && !stop_) {
       CallSite c{ws_.get(), 0, 0, streams_[0], CallOptions{}};
       const DeviceSet& d = dsets_[0][0];
-      Status s = cuda::MeasureDecision(c, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l_, cap_, K_,
-                                       N_, dt_, s_.decision_iters, &res_.table_ns, &res_.decision_ns,
-                                       &res_.decision_choice);
+      Status s = tools::MeasureDecision(c, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l_, cap_,
+                                        K_, N_, dt_, s_.decision_iters, &res_.table_ns, &res_.decision_ns,
+                                        &res_.decision_choice);
       if (!s.ok()) Fail("decision benchmark: " + s.msg);
     }
-    res_.producer = cuda::ProducerPath(dt_, K_, N_, s_.transpose_rhs, out_y_[0], out_y_[0]);
+    res_.producer =
+        cuda::ProducerPathName(cuda::SelectProducerPath(dt_, K_, N_, s_.transpose_rhs, out_y_[0], out_y_[0]));
     for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
     streams_.clear();
     ws_.reset();
@@ -429,8 +428,14 @@ class Run {
   void RankMain(int r) {
     try {
       LB_CHECK(cudaSetDevice(s_.device));
-      CallSite site{ws_.get(), 0, r, streams_[r],
-                    CallOptions{s_.timeout_ms, s_.delay_rank, s_.delay_us, s_.consumers, s_.serialize}};
+      CallOptions opts;
+      opts.timeout_ms = s_.timeout_ms;
+      opts.delay_rank = s_.delay_rank;
+      opts.delay_us = s_.delay_us;
+      opts.consumer_ctas = s_.consumers;
+      opts.serialize = s_.serialize;
+      opts.tuning = s_.tuning;
+      CallSite site{ws_.get(), 0, r, streams_[r], opts};
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the
       // whole device, so a rank thread doing either while a peer's kernel waits for this rank's next call would
       // stall both until the call times out.

@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/workspace_cuda.h"
+#include "cuda/api.h"
+#include "cuda/workspace.h"
 #include "jax_moe_overlap/resource_model.h"
 
 namespace jmo::loopback {
@@ -52,6 +53,7 @@ struct Spec {
   int64_t delay_us = 0;
   int consumers = 2;                 // CallOptions::consumer_ctas (0: the manager)
   bool serialize = false;
+  cuda::ConsumerTuning tuning{};     // CallOptions::tuning of every expert_combine call (the consumer's push)
   bool has_model = false;            // the workspace gets `model` (else the fixed C = SMs / 8)
   ModelParams model{};
   int sm_budget = 0, device = 0;
@@ -98,7 +100,7 @@ struct Result {
   double table_ns = 0, decision_ns = 0;
   int decision_choice = 0;
   int budget = 0;                          // CTAs per rank
-  std::string producer;                    // ProducerPath of the case's expert_combine
+  std::string producer;                    // ProducerPathName of the case's expert_combine engine
   double seconds = 0;
 };
 

@@ -1,4 +1,4 @@
-// Combine probe: how fast CombineKernel's gather + weighted sum (kernels.cu, combine_gather.cuh) runs at the seed shape
+// Combine probe: how fast CombineKernel's gather + weighted sum (combine.cu, combine_gather.cuh) runs at the seed shape
 // (T = 8192, k = 2, N = 4096 bf16: 134 MB of ret rows gathered + 67 MB of y written) against the copy ceiling of the
 // same traffic, XLA's shape of the same fusion (58 us on the H200) and other shapes of kernel. Every variant computes
 // y[t] = sum_j gates[t k + j] * ret[slot_ret_row[t k + j]] (rows of -1 dropped) in fp32 in the fixed order j = 0..k-1
@@ -6,8 +6,8 @@
 // reference bit for bit. None has CombineKernel's protocol (RankDev, arrival wait, CloseCall): the gather alone.
 //   lib      CombineKernel's loop itself (GatherWeightedSum, bf16, V = 8): one warp per token, kU vectors x kJ choices
 //            of 16-byte loads in flight per lane; "(a)" is what CombineKernel runs (512 threads, kU 4, kJ 2, one CTA
-//            per SM). Session 6 replaced an item-per-thread loop (512 x 3 items x 2 choices: 81.7 us here, 170.4 us at
-//            the DeepSeek-like shape) with it.
+//            per SM). An item-per-thread loop (512 x 3 items x 2 choices) is slower: 81.7 us here, 170.4 us at
+//            the DeepSeek-like shape.
 //   flat     XLA's shape: one (token, 8 columns) item per thread, all k loads kJ at a time, a grid of T N / 8 / 256
 //   bulk     per warp, a ring of S stages of k row chunks of 512 kU bytes each loaded by cp.async.bulk (TMA, one copy
 //            per row by lanes 0..k-1, an mbarrier per stage), the next unit's rows prefetched in registers; the warp
@@ -112,7 +112,7 @@ template <int kWarps, int kU>
 __global__ void __launch_bounds__(kWarps * 32) BulkKernel(const bf16* ret, int ret_rows, const float* gates,
                                                           const int32_t* slot_ret_row, int T_, int k, int N, bf16* y,
                                                           int S) {
-  using namespace jmo::cuda::bulk;
+  using namespace jmo::ptx;
   constexpr int kCB = 512 * kU;
   extern __shared__ __align__(128) char smem[];
   const int lane = threadIdx.x & 31, w = threadIdx.x / 32, stage = k * kCB, chunks = N * 2 / kCB;
@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(kWarps * 32) BulkKernel(const bf16* ret, int r
     if (lane == 0) mask[s] = valid, MbarArriveExpectTx(SmemAddr(&bar[s]), __popc(valid) * kCB);
     __syncwarp();
     if (valid >> lane & 1)
-      jmo::cuda::bulk::Load(SmemAddr(data + s * stage + lane * kCB), ret + (int64_t)row * N + c * (kCB / 2), kCB,
-                            SmemAddr(&bar[s]));
+      bulk::Load(SmemAddr(data + s * stage + lane * kCB), ret + (int64_t)row * N + c * (kCB / 2), kCB,
+                 SmemAddr(&bar[s]));
   };
   int pr[8];  // the first S units' rows / gates: loaded together (one latency), then issued
   float pg[8] = {};

@@ -1,4 +1,4 @@
-// Decision probe: the resource manager's device-side choice of the consumer CTA count C (consumer_choice.cuh, the
+// Decision probe: the resource manager's device-side choice of the consumer CTA count C (resource_manager.cuh, the
 // code ExpertKernel runs) checked against the host's ChooseConsumerCtas (resource_model.h) on random segment tables,
 // and timed alone on one CTA. Two forms, which must both pick the host's C:
 //   library   DeviceChooseConsumers: the chunked form (1 barrier, FP64-only inner loop, its divisions done by the
@@ -27,7 +27,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/consumer_choice.cuh"
+#include "cuda/resource_manager.cuh"
 #include "probe_common.cuh"  // CK
 
 namespace {

@@ -5,7 +5,7 @@
 // another of the same GPU with C CTAs, each taking bands c, c + C, ..., in these ways:
 //   bulk W      StreamBands (bulk_copy.cuh, the consumer's code) run by W issuing threads per CTA (lane 0 of warps
 //               0..W-1), each with its own ring of `slots` slots of 8, 16 or 32 KiB and every W-th of the CTA's bands
-//   band T      CopyBand (kernels.cu's 16-loads-in-flight copy) by T threads per CTA
+//   band T      CopyBand (device/copy.cuh's 16-loads-in-flight copy) by T threads per CTA
 //   memcpy      cudaMemcpyAsync of all bytes (the copy ceiling bench_consumer.py reports)
 // Median of --reps timed launches (CUDA events) after one warm-up; the destination is checked against the source
 // after each configuration's first launch (poisoned before it).
@@ -51,15 +51,16 @@ __global__ void BulkKernel(const char* src, char* dst, int64_t bands, int issuer
 // ring holds: the destination's contents are not checked).
 template <int kChunk, bool kStores>
 __global__ void HalfKernel(const char* src, char* dst, int64_t bands, int issuers, int slots) {
-  using namespace bulk;
+  using namespace jmo::ptx;
+  using namespace jmo::ptx::bulk;
   extern __shared__ __align__(128) char smem[];
   const int w = threadIdx.x / 32;
   if (threadIdx.x % 32 != 0 || w >= issuers) return;
   char* base = smem + (int64_t)w * PushRingBytes<kChunk>(slots);
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(base) + 127) & ~(uintptr_t)127);
   char* ring = reinterpret_cast<char*>(bars) + 128;
-  for (int q = 0; q < slots; ++q) wgmma_gemm::MbarInit(SmemAddr(&bars[q]), 1);
-  wgmma_gemm::MbarInitFence();
+  for (int q = 0; q < slots; ++q) MbarInit(SmemAddr(&bars[q]), 1);
+  MbarInitFence();
   constexpr int64_t kPerBand = kBand / kChunk;
   int64_t q = 0;
   for (int64_t b = blockIdx.x + (int64_t)w * gridDim.x; b < bands; b += (int64_t)issuers * gridDim.x) {
@@ -69,7 +70,7 @@ __global__ void HalfKernel(const char* src, char* dst, int64_t bands, int issuer
         if (q >= slots) WaitStoresReadLag(slots - 1);
         Store(dst + b * kBand + c * kChunk, SmemAddr(ring + (int64_t)slot * kChunk), kChunk);
       } else {
-        if (q >= slots) wgmma_gemm::MbarWait(SmemAddr(&bars[slot]), (uint32_t)(((q / slots) - 1) & 1));
+        if (q >= slots) MbarWait(SmemAddr(&bars[slot]), (uint32_t)(((q / slots) - 1) & 1));
         MbarArriveExpectTx(SmemAddr(&bars[slot]), kChunk);
         Load(SmemAddr(ring + (int64_t)slot * kChunk), src + b * kBand + c * kChunk, kChunk, SmemAddr(&bars[slot]));
       }
@@ -79,11 +80,11 @@ __global__ void HalfKernel(const char* src, char* dst, int64_t bands, int issuer
     WaitStores<0>();
   } else {
     for (int64_t r = q > slots ? q - slots : 0; r < q; ++r)
-      wgmma_gemm::MbarWait(SmemAddr(&bars[r % slots]), (uint32_t)((r / slots) & 1));
+      MbarWait(SmemAddr(&bars[r % slots]), (uint32_t)((r / slots) & 1));
   }
 }
 
-// CopyBand's shape (kernels.cu): 16 independent 16-byte loads per thread, then their stores.
+// CopyBand's shape (device/copy.cuh): 16 independent 16-byte loads per thread, then their stores.
 __global__ void BandKernel(const char* src, char* dst, int64_t bands) {
   constexpr int kUnroll = 16;
   for (int64_t b = blockIdx.x; b < bands; b += gridDim.x) {
