@@ -42,3 +42,15 @@ def test_eight_devices_data_fsdp_expert():
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert proc.stdout.count(": match") == 3, proc.stdout
+
+
+def test_module_with_batch_axes_matches_reference():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  mesh = mesh_of_shape({"data": 2, "expert": 2})
+  x = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 16))
+  m = jmo.MoE(16, 24, 8, 2, mesh=mesh, batch_axes=("data",), rngs=nnx.Rngs(0))
+  y, aux = nnx.jit(lambda m, x: m(x))(m, x)
+  m.impl = "reference"
+  y_ref, aux_ref = nnx.jit(lambda m, x: m(x))(m, x)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  assert float(aux.dropped_fraction) == float(aux_ref.dropped_fraction) == 0.0
