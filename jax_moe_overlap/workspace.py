@@ -123,6 +123,7 @@ class Workspace:
     self.calibration = None
     self.sm_budget = None
     if self.platform == "cpu":
+      check_groups_in_this_process(mesh, axis_name)
       self.handle = int(_jmo.create_cpu_workspace(self.ranks, self.groups, sizes.row_bytes, sizes.recv_rows,
                                                   sizes.ret_rows, sizes.num_segments))
     elif self.platform == "gpu" and _ffi.with_cuda():
@@ -217,6 +218,29 @@ class Workspace:
   def __repr__(self):
     return (f"Workspace(axis={self.axis_name!r}, ranks={self.ranks}, groups={self.groups}, "
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
+
+
+def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
+  """[groups, ranks] array of the mesh's devices: rank = position on ``axis_name``, group = linear index over the
+  other axes in mesh order (what ``Workspace.group_index`` computes inside shard_map)."""
+  axis = list(mesh.axis_names).index(axis_name)
+  return np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.devices.shape[axis])
+
+
+def check_groups_in_this_process(mesh: jax.sharding.Mesh, axis_name: str) -> None:
+  """A CPU workspace shares memory between the threads of one process: every expert-parallel group with a device of
+  this process must have all its devices here. Groups wholly in other processes are theirs (the other mesh axes may
+  span processes: data parallelism over jax.distributed), so this fails before anything runs, on every process
+  whose groups span processes, instead of each call waiting for a peer that never writes."""
+  here = jax.process_index()
+  for group, devs in enumerate(rank_devices(mesh, axis_name)):
+    owners = sorted({d.process_index for d in devs})
+    if here in owners and len(owners) > 1:
+      raise NotImplementedError(
+          f"jax_moe_overlap: the expert axis {axis_name!r} of group {group} spans processes {owners} (devices "
+          f"{[str(d) for d in devs]}); a CPU workspace shares memory only within one process. Put the expert axis "
+          "inside each process (jax.make_mesh orders devices by process, so make the expert axis the last one and "
+          "at most jax.local_device_count() long) and let the other mesh axes span the processes")
 
 
 def _check_axis(mesh, axis_name):
