@@ -8,7 +8,7 @@ from being removed or merged: XLA:CPU's thunk executor builds its graph from buf
 calls declare no resource) and runs ready thunks concurrently, so two such calls can start in different orders on
 different ranks, or overlap on one rank. Rows of one call then land in another (silently wrong results) or a wait
 times out: with plain ``ffi_call``, eight independent dispatches of one program did so in 2 of 3 runs of 400
-repetitions (tests/test_ordering.py now checks the chain in the compiled program and the rows each call delivers).
+repetitions (tests/test_ordering.py checks the chain in the compiled program and the rows each call delivers).
 
 How: on CPU the calls bind ``workspace_call_p``, whose effect ``WorkspaceEffect`` is ordered. JAX threads a token
 through every primitive with an ordered effect in program (jaxpr) order: across ``shard_map``, ``custom_vjp``

@@ -5,7 +5,7 @@ other mesh axes (if any) enumerate ``G`` independent groups. The native side kee
 laid out by ``csrc/include/jax_moe_overlap/protocol.h`` (recv rows, ret rows, stage rows, tile-ready flags and the
 monotonic counters) plus the per-rank consumer engine, and the custom calls name the workspace by ``handle``.
 
-Workspaces are cached per (devices, axis): a call gets the largest cached workspace of its mesh and axis that fits its
+Workspaces are cached per (devices, axis): a call gets the smallest cached workspace of its mesh and axis that fits its
 sizes, else a new one whose row counts are rounded up to a power of two (``bucket``), so every MoE layer of a model
 shares one and a decode loop over batch sizes 1..256 allocates at most log2(256) + 1 times per layer width (once,
 when its largest batch comes first or ``reserve`` made room). Sharing is safe because each device runs its workspace
