@@ -2,9 +2,10 @@
 
 argv: process_id num_processes port local_devices case. Cases:
   data_across: mesh (data = processes, expert = local devices), tokens over both (batch_axes=("data",)); prints
-    "match" when the output and gradients equal a single-process float32 oracle on the same global inputs.
-  expert_across: the expert axis spans the processes; prints "refused: <error>" when the workspace refuses it at
-    creation (before any call could wait for a peer).
+    "match" when the output and gradients of the last of $JMO_CALLS consecutive calls (default 3) equal a
+    single-process float32 oracle on the same global inputs.
+  expert_across: the expert axis spans the processes; prints "refused after <seconds> s: <error>" when the workspace
+    refuses it at creation (before any call could wait for a peer).
 """
 
 import os

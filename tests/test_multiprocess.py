@@ -19,9 +19,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_processes(nproc: int, local: int, case: str):
+def run_processes(nproc: int, local: int, case: str, calls: int = 3):
   here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ)
+  env = dict(os.environ, JMO_CALLS=str(calls))
   env.pop("XLA_FLAGS", None)
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, os.path.join(here, "multiprocess_main.py"), str(i), str(nproc), port,
@@ -38,9 +38,9 @@ def run_processes(nproc: int, local: int, case: str):
   return outs
 
 
-@pytest.mark.parametrize("nproc,local", [(2, 2), (4, 1)])
-def test_data_axis_across_processes_matches_the_oracle(nproc, local):
-  for rc, out in run_processes(nproc, local, "data_across"):
+@pytest.mark.parametrize("nproc,local,calls", [(2, 2, 100), (4, 1, 3)])
+def test_data_axis_across_processes_matches_the_oracle(nproc, local, calls):
+  for rc, out in run_processes(nproc, local, "data_across", calls):
     assert rc == 0 and ": match" in out, out
 
 
