@@ -73,8 +73,11 @@ def main():
   except NotImplementedError as e:
     print(f"refused after {time.monotonic() - start:.1f} s: {e}", flush=True)
     return
+  # Each call finishes before the next is dispatched: with two CPU devices per process, XLA:CPU's gloo collectives
+  # of many programs in flight at once can deadlock, the layer or not (a plain shard_map with an all_gather and a
+  # psum hangs the same way at 100 unblocked calls under JAX 0.11.2; blocked, it runs).
   for _ in range(int(os.environ.get("JMO_CALLS", "3")) - 1):
-    (_, (y, dropped)), grads = step(args[0], args[2], args[3], args[4], args[1])
+    (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   y, grads = multihost_utils.process_allgather((y, grads), tiled=True)
 
   groups = mesh.size // mesh.shape["expert"]

@@ -30,7 +30,7 @@ def run_processes(nproc: int, local: int, case: str, calls: int = 3):
   outs = []
   try:
     for p in procs:
-      outs.append((p.wait(timeout=300), p.stdout.read()))
+      outs.append((p.wait(timeout=240), p.stdout.read()))
   finally:
     for p in procs:
       if p.poll() is None:
