@@ -34,6 +34,7 @@ import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import _jmo
+from jax_moe_overlap.cuda_workspace import rank_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +219,6 @@ class Workspace:
   def __repr__(self):
     return (f"Workspace(axis={self.axis_name!r}, ranks={self.ranks}, groups={self.groups}, "
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
-
-
-def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
-  """[groups, ranks] array of the mesh's devices: rank = position on ``axis_name``, group = linear index over the
-  other axes in mesh order (what ``Workspace.group_index`` computes inside shard_map)."""
-  axis = list(mesh.axis_names).index(axis_name)
-  return np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.devices.shape[axis])
 
 
 def check_groups_in_this_process(mesh: jax.sharding.Mesh, axis_name: str) -> None:
