@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_block
 from jax_moe_overlap.reference import moe_experts_reference
-from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace import Workspace, layer_sizes
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -70,46 +70,109 @@ def check_expert_ids(expert_ids, num_experts):
 
 
 def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_name: str = "expert",
-                capacity_factor: float | None = None, impl: str = "overlap", config: CallConfig = CallConfig()):
+                capacity_factor: float | None = None, impl: str = "overlap", config: CallConfig = CallConfig(),
+                batch_axes: tuple[str, ...] = ()):
   """Expert-parallel MoE expert layer (after the router).
 
   Args:
-    x: [T, D] tokens (T divisible by the axis size), float32 or bfloat16.
+    x: [T, D] tokens (T divisible by the number of token shards), float32 or bfloat16.
     expert_ids: [T, k] int32 expert choices in [0, E). gates: [T, k] float weights of the choices.
     w1: [E, D, 2F] (gate and up projections, SwiGLU); w2: [E, F, D]; same dtype as x.
     mesh, axis_name: tokens and experts are sharded over this axis (E divisible by its size).
-    capacity_factor: None for dropless; else rows per expert = ceil(cf * T * k / E), overflow dropped.
+    capacity_factor: None for dropless; else rows per expert = ceil(cf * T_group * k / E), overflow dropped, where
+      T_group = T / (product of the batch axes' sizes) are the tokens of one expert-parallel group.
     impl: "overlap" (custom calls) or "reference" (pure JAX).
+    batch_axes: other mesh axes the tokens are also sharded over (data, FSDP): tokens are laid out as
+      ``P((*batch_axes, axis_name))``, each device holds T / (B * R) of them, and every position on the batch axes
+      is an independent expert-parallel group over the same experts (weights replicated over the batch axes, their
+      gradients summed). Empty (the default): tokens are sharded over ``axis_name`` only, and replicated over the
+      other mesh axes.
   Returns:
     y [T, D] in x's dtype, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
+
+  Outside ``jit`` each call runs one compiled program, cached per static configuration (mesh, axes, capacities,
+  config, workspace) by ``eager_program`` and per shapes, dtypes and shardings by ``jax.jit``.
   """
   check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name)
+  batch_axes = check_batch_axes(mesh, axis_name, batch_axes, x.shape[0])
   E = w1.shape[0]
   check_expert_ids(expert_ids, E)
   R = mesh.shape[axis_name]
-  T_local = x.shape[0] // R
+  B = _batch_size(mesh, batch_axes)
+  T_local = x.shape[0] // (R * B)
   k = expert_ids.shape[1]
   cap_e = plan_lib.expert_capacity(T_local, R, k, E, capacity_factor)
-  expert_ids = expert_ids.astype(jnp.int32)
   if impl == "reference":
-    # The oracle sees whole arrays: on an Explicit mesh, gather sharded inputs first (its capacity rule scans all
-    # tokens in order), then hand y back with x's sharding.
-    args = [_shard(a, mesh, P()) for a in (x, expert_ids, gates, w1, w2)]
-    y, dropped = moe_experts_reference(*args, cap_e, R)
-    return _like(y, x, mesh), dropped
+    return eager_program(_reference_layer, mesh, cap_e, R, B)(x, expert_ids, gates, w1, w2)
   if impl != "overlap":
     raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference', got {impl!r}")
-  E_l = E // R
-  cap = plan_lib.recv_capacity(T_local, R, k, E_l, cap_e)
-  # Every row that crosses ranks is d_model wide (tokens, their gradients, expert outputs): the lhs of a GEMM
-  # (F or 2F wide) never leaves its rank, so the workspace holds D-wide rows of x's dtype.
-  sizes = WorkspaceSizes(row_bytes=x.shape[1] * x.dtype.itemsize, recv_rows=cap, ret_rows=T_local * k,
-                         num_segments=E_l * R)
+  sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor)
   info = RankInfo(Workspace.get(mesh, axis_name, sizes), config)
-  spec = P(axis_name)
-  fn = functools.partial(_moe_local, axis_name=axis_name, num_experts=E, cap_e=cap_e, cap=cap, info=info)
-  args = [_shard(a, mesh, spec) for a in (x, expert_ids, gates.astype(jnp.float32), w1, w2)]
-  y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P()), check_vma=False)(*args)
+  return eager_program(_overlap_layer, mesh, axis_name, batch_axes, E, cap_e, sizes.recv_rows, info)(
+      x, expert_ids, gates, w1, w2)
+
+
+def check_batch_axes(mesh, axis_name, batch_axes, tokens) -> tuple[str, ...]:
+  """The batch axes as a tuple of distinct mesh axes other than ``axis_name``, T divisible by all token shards."""
+  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  for a in batch_axes:
+    if a not in mesh.axis_names or a == axis_name or batch_axes.count(a) > 1:
+      raise ValueError(f"jax_moe_overlap: batch_axes {batch_axes} must be distinct axes of the mesh "
+                       f"{tuple(mesh.axis_names)} other than the expert axis {axis_name!r}")
+  shards = _batch_size(mesh, batch_axes) * mesh.shape[axis_name]
+  if tokens % shards:
+    raise ValueError(f"jax_moe_overlap: {tokens} tokens cannot be split evenly over the {shards} devices of mesh "
+                     f"axes {(*batch_axes, axis_name)}")
+  return batch_axes
+
+
+def _batch_size(mesh, batch_axes) -> int:
+  return int(np.prod([mesh.shape[a] for a in batch_axes], dtype=np.int64))
+
+
+# One jitted program per static configuration, so that eager calls compile once: outside jit, shard_map would run
+# its body op by op (hundreds of small compilations per call). Under an outer jit/grad/vmap the jitted program is
+# traced inline like any nested jit. Entries hold their workspace (through RankInfo): ``Workspace.release`` of that
+# workspace drops them (``_forget_programs``).
+_programs: dict[tuple, object] = {}
+
+
+def eager_program(layer, *static):
+  """``jax.jit(functools.partial(layer, *static))``, one per (layer, static) and reused by every later call."""
+  key = (layer, *static)
+  fn = _programs.get(key)
+  if fn is None:
+    fn = jax.jit(functools.partial(layer, *static))
+    _programs[key] = fn
+  return fn
+
+
+def _forget_programs(workspace) -> None:
+  for key in [k for k in _programs if any(isinstance(s, RankInfo) and s.workspace is workspace for s in k)]:
+    del _programs[key]
+
+
+Workspace.on_release(_forget_programs)
+
+
+def _reference_layer(mesh, cap_e, R, B, x, expert_ids, gates, w1, w2):
+  # The oracle sees whole arrays: on an Explicit mesh, gather sharded inputs first (its capacity rule scans all
+  # tokens of a group in order), then hand y back with x's sharding. B > 1: B independent groups of T / B tokens.
+  args = [_shard(a, mesh, P()) for a in (x, expert_ids.astype(jnp.int32), gates, w1, w2)]
+  x_, ids, g = (a.reshape(B, a.shape[0] // B, *a.shape[1:]) for a in args[:3])
+  y, dropped = jax.vmap(lambda x, ids, g: moe_experts_reference(x, ids, g, args[3], args[4], cap_e, R))(x_, ids, g)
+  return _like(y.reshape(x.shape), x, mesh), jnp.sum(dropped).astype(jnp.int32)
+
+
+def _overlap_layer(mesh, axis_name, batch_axes, num_experts, cap_e, cap, info, x, expert_ids, gates, w1, w2):
+  token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
+  fn = functools.partial(_moe_local, axis_name=axis_name, batch_axes=batch_axes, num_experts=num_experts,
+                         cap_e=cap_e, cap=cap, info=info)
+  args = [_shard(a, mesh, s) for a, s in ((x, token_spec), (expert_ids.astype(jnp.int32), token_spec),
+                                          (gates.astype(jnp.float32), token_spec), (w1, weight_spec),
+                                          (w2, weight_spec))]
+  y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(token_spec,) * 3 + (weight_spec,) * 2,
+                             out_specs=(token_spec, P()), check_vma=False)(*args)
   return _like(y, x, mesh), dropped
 
 
@@ -131,11 +194,11 @@ def _shard(a, mesh, spec):
   return a
 
 
-def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, cap_e, cap, info):
+def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, cap_e, cap, info):
   R = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
   counts = plan_lib.local_counts(expert_ids, num_experts).reshape(R, num_experts // R)
   counts_all = jax.lax.all_gather(counts, axis_name)                        # [R_src, R_dst, E_local]
   plan = plan_lib.make_plan(expert_ids, counts_all, rank, cap_e)
   y = expert_block(x, gates, w1, w2, plan, cap, info)
-  return y, jax.lax.psum(plan.dropped, axis_name)
+  return y, jax.lax.psum(plan.dropped, (*batch_axes, axis_name))

@@ -58,7 +58,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tr
                      f"lhs [M, K], rhs [G, K, N], group_sizes [G]")
   _ffi.register()
   out = jax.ShapeDtypeStruct((lhs.shape[0], N), _out_dtype(lhs, preferred_element_type))
-  return jax.ffi.ffi_call(GROUPED_MATMUL, out)(lhs, rhs, group_sizes.astype(jnp.int32),
+  return jax.ffi.ffi_call(GROUPED_MATMUL, out, vmap_method="sequential")(lhs, rhs, group_sizes.astype(jnp.int32),
                                                transpose_rhs=bool(transpose_rhs))
 
 
@@ -75,4 +75,4 @@ def grouped_outer(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, pre
     raise ValueError(f"jax_moe_overlap: grouped_outer: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and [M, N]")
   _ffi.register()
   out = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), _out_dtype(lhs, preferred_element_type))
-  return jax.ffi.ffi_call(GROUPED_OUTER, out)(lhs, rhs, group_sizes.astype(jnp.int32))
+  return jax.ffi.ffi_call(GROUPED_OUTER, out, vmap_method="sequential")(lhs, rhs, group_sizes.astype(jnp.int32))

@@ -40,6 +40,7 @@ class MoE(nnx.Module):
     capacity_factor: None (dropless) or rows per expert = ceil(cf * tokens * k / E); overflow slots are dropped.
     dtype: compute dtype of the experts (float32 or bfloat16); parameters are kept in param_dtype.
     config: CallConfig (timeouts) of the custom calls.
+    batch_axes: mesh axes other than expert_axis the tokens are also sharded over (``moe_experts``' batch_axes).
 
   Call: ``y, aux = moe(x)`` with x [..., D] (the number of tokens divisible by the axis size); y has x's shape and
   dtype; aux is a ``MoEAux``.
@@ -47,7 +48,8 @@ class MoE(nnx.Module):
 
   def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, mesh: jax.sharding.Mesh,
                expert_axis: str = "expert", capacity_factor: float | None = None, impl: str = "overlap",
-               dtype=jnp.float32, param_dtype=jnp.float32, config: CallConfig = CallConfig(), rngs: nnx.Rngs):
+               dtype=jnp.float32, param_dtype=jnp.float32, config: CallConfig = CallConfig(), rngs: nnx.Rngs,
+               batch_axes: tuple[str, ...] = ()):
     if expert_axis not in mesh.axis_names:
       raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
                        f"{expert_axis!r} for expert parallelism")
@@ -63,7 +65,7 @@ class MoE(nnx.Module):
       raise TypeError(f"jax_moe_overlap: dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}")
     self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
     self.mesh, self.expert_axis, self.capacity_factor, self.impl = mesh, expert_axis, capacity_factor, impl
-    self.dtype, self.config = dtype, config
+    self.dtype, self.config, self.batch_axes = dtype, config, tuple(batch_axes)
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)  # fan-in per expert
     self.router = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (d_model, num_experts), param_dtype))
     self.w1 = nnx.Param(init(rngs.params(), (num_experts, d_model, 2 * d_ff), param_dtype),
@@ -91,6 +93,7 @@ class MoE(nnx.Module):
     ids, gates, lb, z = self.route(x2d)
     y, dropped = moe_experts(x2d.astype(self.dtype), ids, gates, self.w1[...].astype(self.dtype),
                              self.w2[...].astype(self.dtype), mesh=self.mesh, axis_name=self.expert_axis,
-                             capacity_factor=self.capacity_factor, impl=self.impl, config=self.config)
+                             capacity_factor=self.capacity_factor, impl=self.impl, config=self.config,
+                             batch_axes=self.batch_axes)
     aux = MoEAux(lb, z, dropped.astype(jnp.float32) / (x2d.shape[0] * self.top_k))
     return y.reshape(shape).astype(x.dtype), aux

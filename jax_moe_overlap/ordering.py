@@ -8,7 +8,7 @@ from being removed or merged: XLA:CPU's thunk executor builds its graph from buf
 calls declare no resource) and runs ready thunks concurrently, so two such calls can start in different orders on
 different ranks, or overlap on one rank. Rows of one call then land in another (silently wrong results) or a wait
 times out: with plain ``ffi_call``, eight independent dispatches of one program did so in 2 of 3 runs of 400
-repetitions (tests/test_ordering.py now checks the chain in the compiled program and the rows each call delivers).
+repetitions (tests/test_ordering.py checks the chain in the compiled program and the rows each call delivers).
 
 How: on CPU the calls bind ``workspace_call_p``, whose effect ``WorkspaceEffect`` is ordered. JAX threads a token
 through every primitive with an ordered effect in program (jaxpr) order: across ``shard_map``, ``custom_vjp``
@@ -28,8 +28,14 @@ CUDA does not use this: XLA:GPU launches the calls on one stream in program orde
 ``ffi_call`` there, with no effect at all (the CUDA handlers take no token): an effect of any kind turns off JAX's
 C++ dispatch fast path, which cost 0.8 ms of host time per call on the GPU (primitives._workspace_call).
 
-This uses JAX internals (``jax._src``: effects, core, mlir lowering, the runtime token set); JAX has no public API for
-a custom ordered effect. ``_drop_cross_program_token`` checks the one method it wraps and fails loudly if it moved.
+This uses JAX internals (``jax._src``: effects, core, mlir lowering, batching, the runtime token set), checked against
+JAX 0.11.2. The public mechanisms do not serve: ``jax.ffi.ffi_call(..., has_side_effect=True)`` gives an *unordered*
+effect (see above); ``jax.experimental.io_callback(..., ordered=True)`` orders Python callbacks, not custom calls;
+JAX offers no public ordered effect or token for a custom call. ``_drop_cross_program_token`` checks the one method
+it wraps and fails loudly if it moved.
+
+vmap: a workspace call under ``jax.vmap`` runs once per batch element in a ``lax.scan`` (``_batching_rule``), as
+``ffi_call``'s ``vmap_method="sequential"`` does for the CUDA calls.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import numpy as np
 from jax._src import core
 from jax._src import dispatch
 from jax._src import effects
+from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 
 
@@ -110,6 +117,28 @@ def _lowering(ctx: mlir.LoweringRuleContext, *operands, target_name, result_aval
 
 
 mlir.register_lowering(workspace_call_p, _lowering, platform="cpu")
+
+
+def _batching_rule(args, dims, *, target_name, result_avals, attributes):
+  """vmap: one call per batch element, in a scan (``ffi_call``'s ``vmap_method="sequential"``). A workspace call is
+  one epoch of a collective protocol, so it cannot take a batch dimension the handler does not know; as a sequence
+  of calls it stays correct, because every rank runs the same program and so the same number of calls in the same
+  order (the token chain runs through the scan)."""
+  size, = {a.shape[d] for a, d in zip(args, dims) if d is not None}
+  args = [a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+  mapped = [d is not None for d in dims]
+
+  def one(_, batched):
+    it = iter(batched)
+    full = [next(it) if m else a for a, m in zip(args, mapped)]
+    return (), tuple(workspace_call_p.bind(*full, target_name=target_name, result_avals=result_avals,
+                                           attributes=attributes))
+
+  _, outs = jax.lax.scan(one, (), [a for a, m in zip(args, mapped) if m], length=size)
+  return list(outs), [0] * len(outs)
+
+
+batching.primitive_batchers[workspace_call_p] = _batching_rule
 
 
 def workspace_call(target_name: str, result_shape_dtypes, *args, **attributes: Any):

@@ -147,7 +147,8 @@ def _workspace_call(info: RankInfo, target: str, out_types, *args, **attrs):
   alike and the ranks' call sequences still match (the protocol needs only that)."""
   if info.workspace.platform == "cpu":
     return workspace_call(target, out_types, *args, **attrs)
-  return jax.ffi.ffi_call(target, out_types)(*args, **attrs)
+  # vmap: one call per batch element (ordering._batching_rule says why that is the only correct way).
+  return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
 
 
 def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:

@@ -5,23 +5,36 @@ other mesh axes (if any) enumerate ``G`` independent groups. The native side kee
 laid out by ``csrc/include/jax_moe_overlap/protocol.h`` (recv rows, ret rows, stage rows, tile-ready flags and the
 monotonic counters) plus the per-rank consumer engine, and the custom calls name the workspace by ``handle``.
 
-Workspaces are cached per (devices, axis, sizes): every MoE layer of the same sizes shares one. This is safe because
-each device runs its workspace calls one after another in program order, the same order on every rank of a group
-(on CPU enforced by a token chain, ``ordering.py``; on GPU by the one stream), and every call is one epoch of the
-protocol. They are released when the process exits.
+Workspaces are cached per (devices, axis): a call gets the smallest cached workspace of its mesh and axis that fits its
+sizes, else a new one whose row counts are rounded up to a power of two (``bucket``), so every MoE layer of a model
+shares one and a decode loop over batch sizes 1..256 allocates at most log2(256) + 1 times per layer width (once,
+when its largest batch comes first or ``reserve`` made room). Sharing is safe because each device runs its workspace
+calls one after another in program order, the same order on every rank of a group (on CPU enforced by a token chain,
+``ordering.py``; on GPU by the one stream), and every call is one epoch of the protocol.
+
+Memory: ``Workspace.bytes_per_rank`` (and ``workspace_bytes`` before anything is allocated) is what one rank holds:
+on CPU host memory; on CUDA device memory of that rank's GPU (plus host-mapped control words), allocated with
+cudaMalloc *outside* XLA's allocator. XLA preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75) of each
+GPU when the backend starts, so the workspace must fit in the rest: lower the fraction (or set
+``XLA_PYTHON_CLIENT_PREALLOCATE=false``) when the workspaces of the largest layer shapes do not fit in 25% of the GPU.
+``release_workspaces()`` frees every workspace (after waiting for the programs in flight) and they are released when
+the process exits.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import threading
+from typing import Callable
 
 import jax
 import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import _jmo
+from jax_moe_overlap.cuda_workspace import rank_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +47,53 @@ class WorkspaceSizes:
   ret_rows: int
   num_segments: int
 
+  def fits(self, needed: "WorkspaceSizes") -> bool:
+    """Whether a workspace of these sizes can serve calls of ``needed`` (every capacity at least as large)."""
+    return (self.row_bytes >= needed.row_bytes and self.recv_rows >= needed.recv_rows and
+            self.ret_rows >= needed.ret_rows and self.num_segments >= needed.num_segments)
+
+  def bucket(self) -> "WorkspaceSizes":
+    """The sizes a new workspace is allocated with: row counts rounded up to a power of two (at most 2x the rows
+    asked for), so that calls with fewer tokens reuse it."""
+    return dataclasses.replace(self, recv_rows=_pow2(self.recv_rows), ret_rows=_pow2(self.ret_rows))
+
+  def bytes_per_rank(self) -> int:
+    """Bytes of one rank's block (protocol.h's layout: control words, tile-ready flags, recv, ret and stage rows)."""
+    return int(_jmo.workspace_bytes_per_rank(self.row_bytes, self.recv_rows, self.ret_rows, self.num_segments))
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, math.ceil(math.log2(n))) if n > 0 else 0
+
+
+def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, d_model: int, itemsize: int,
+                capacity_factor: float | None) -> WorkspaceSizes:
+  """The capacities one MoE layer call needs. Every row that crosses ranks is d_model wide (tokens, their gradients,
+  expert outputs): the lhs of a GEMM (F or 2F wide) never leaves its rank, so rows are d_model x itemsize bytes."""
+  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  cap_e = plan_lib.expert_capacity(tokens_per_rank, ranks, top_k, num_experts, capacity_factor)
+  e_local = num_experts // ranks
+  cap = plan_lib.recv_capacity(tokens_per_rank, ranks, top_k, e_local, cap_e)
+  return WorkspaceSizes(row_bytes=d_model * itemsize, recv_rows=cap, ret_rows=tokens_per_rank * top_k,
+                        num_segments=e_local * ranks)
+
+
+def workspace_bytes(tokens: int, d_model: int, top_k: int, num_experts: int, *, ranks: int, dtype="float32",
+                    capacity_factor: float | None = None, token_shards: int | None = None) -> int:
+  """Bytes per rank of the workspace that ``moe_experts`` allocates for a layer call of this shape (after rounding
+  up to its bucket), for planning memory before anything runs.
+
+  tokens: T of the call (global); ranks: size of the expert axis; token_shards: devices the tokens are split over
+  (ranks x the batch axes' sizes; default ranks).
+  """
+  shards = ranks if token_shards is None else token_shards
+  if tokens % shards or num_experts % ranks:
+    raise ValueError(f"jax_moe_overlap: {tokens} tokens over {shards} shards and {num_experts} experts over {ranks} "
+                     "ranks must split evenly")
+  itemsize = np.dtype(dtype).itemsize
+  return layer_sizes(tokens // shards, ranks, top_k, num_experts, d_model, itemsize,
+                     capacity_factor).bucket().bytes_per_rank()
+
 
 class Workspace:
   """Symmetric peer buffers and flags of one expert-parallel mesh axis.
@@ -41,8 +101,9 @@ class Workspace:
   Use ``Workspace.get(mesh, axis_name, sizes)``: it returns the cached workspace for these devices and sizes.
   """
 
-  _cache: dict[tuple, "Workspace"] = {}
+  _cache: dict[tuple, list["Workspace"]] = {}
   _lock = threading.Lock()
+  _release_hooks: list[Callable[["Workspace"], None]] = []
 
   def __init__(self, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes):
     _check_axis(mesh, axis_name)
@@ -63,6 +124,7 @@ class Workspace:
     self.calibration = None
     self.sm_budget = None
     if self.platform == "cpu":
+      check_groups_in_this_process(mesh, axis_name)
       self.handle = int(_jmo.create_cpu_workspace(self.ranks, self.groups, sizes.row_bytes, sizes.recv_rows,
                                                   sizes.ret_rows, sizes.num_segments))
     elif self.platform == "gpu" and _ffi.with_cuda():
@@ -76,13 +138,42 @@ class Workspace:
 
   @classmethod
   def get(cls, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes) -> "Workspace":
-    key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape, axis_name, sizes)
+    """The cached workspace of these devices and axis that fits ``sizes`` (the smallest such), else a new one with
+    ``sizes.bucket()``."""
+    key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape, axis_name)
     with cls._lock:
-      ws = cls._cache.get(key)
-      if ws is None:
-        ws = cls(mesh, axis_name, sizes)
-        cls._cache[key] = ws
+      fitting = [ws for ws in cls._cache.get(key, ()) if ws.sizes.fits(sizes)]
+      if fitting:
+        return min(fitting, key=lambda ws: ws.bytes_per_rank)
+      ws = cls(mesh, axis_name, sizes.bucket())
+      cls._cache.setdefault(key, []).append(ws)
       return ws
+
+  @classmethod
+  def reserve(cls, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes) -> "Workspace":
+    """Allocates (or finds) the workspace for the largest calls ahead, so that smaller ones reuse it."""
+    return cls.get(mesh, axis_name, sizes)
+
+  @classmethod
+  def cached(cls) -> list["Workspace"]:
+    """Every live workspace of this process."""
+    with cls._lock:
+      return [ws for group in cls._cache.values() for ws in group]
+
+  @classmethod
+  def on_release(cls, hook: Callable[["Workspace"], None]) -> None:
+    """Registers ``hook(ws)``, called when ``ws`` is released (to drop programs compiled against its handle)."""
+    cls._release_hooks.append(hook)
+
+  @property
+  def bytes_per_rank(self) -> int:
+    """Bytes one rank of this workspace holds (on CPU host memory, on CUDA device memory of the rank's GPU)."""
+    return self.sizes.bytes_per_rank()
+
+  @property
+  def total_bytes(self) -> int:
+    """Bytes of every rank of every group of this workspace together."""
+    return self.bytes_per_rank * self.ranks * self.groups
 
   def group_index(self) -> jax.Array:
     """Inside shard_map: this device's group (its linear index over the mesh axes other than the expert axis)."""
@@ -109,20 +200,57 @@ class Workspace:
     return cuda_workspace.last_call_stats(self.handle, group)
 
   def release(self) -> None:
-    """Frees the native buffers. Call only when no computation using this workspace is in flight."""
-    if not self._released:
-      _jmo.release_workspace(self.handle)
-      self._released = True
+    """Frees the native buffers, after waiting for the dispatched programs (``jax.effects_barrier``; on CUDA the
+    native release also synchronizes the devices). Programs compiled for this workspace are dropped from the eager
+    cache; a jitted function of the user that traced it must be retraced (the next ``moe_experts`` call allocates a
+    new workspace)."""
+    if self._released:
+      return
+    jax.effects_barrier()
+    with Workspace._lock:
+      for group in Workspace._cache.values():
+        if self in group:
+          group.remove(self)
+    for hook in list(Workspace._release_hooks):
+      hook(self)
+    _jmo.release_workspace(self.handle)
+    self._released = True
 
   def __repr__(self):
     return (f"Workspace(axis={self.axis_name!r}, ranks={self.ranks}, groups={self.groups}, "
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
 
 
+def check_groups_in_this_process(mesh: jax.sharding.Mesh, axis_name: str) -> None:
+  """A CPU workspace shares memory between the threads of one process: every expert-parallel group with a device of
+  this process must have all its devices here. Groups wholly in other processes are theirs (the other mesh axes may
+  span processes: data parallelism over jax.distributed), so this fails before anything runs, on every process
+  whose groups span processes, instead of each call waiting for a peer that never writes."""
+  here = jax.process_index()
+  for group, devs in enumerate(rank_devices(mesh, axis_name)):
+    owners = sorted({d.process_index for d in devs})
+    if here in owners and len(owners) > 1:
+      raise NotImplementedError(
+          f"jax_moe_overlap: the expert axis {axis_name!r} of group {group} spans processes {owners} (devices "
+          f"{[str(d) for d in devs]}); a CPU workspace shares memory only within one process. Put the expert axis "
+          "inside each process (jax.make_mesh orders devices by process, so make the expert axis the last one and "
+          "at most jax.local_device_count() long) and let the other mesh axes span the processes")
+
+
 def _check_axis(mesh, axis_name):
   if axis_name not in mesh.axis_names:
     raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
                      f"{axis_name!r} for expert parallelism")
+
+
+def release_workspaces() -> int:
+  """Frees every workspace of this process (after the programs in flight finish); returns the bytes freed. Later
+  calls allocate new workspaces as they need them."""
+  freed = 0
+  for ws in Workspace.cached():
+    freed += ws.total_bytes
+    ws.release()
+  return freed
 
 
 @atexit.register
@@ -132,6 +260,9 @@ def _release_all():
   except Exception:  # pylint: disable=broad-except
     pass
   with Workspace._lock:
-    for ws in Workspace._cache.values():
-      ws.release()
+    workspaces = [ws for group in Workspace._cache.values() for ws in group]
     Workspace._cache.clear()
+  for ws in workspaces:
+    if not ws._released:  # pylint: disable=protected-access
+      _jmo.release_workspace(ws.handle)
+      ws._released = True  # pylint: disable=protected-access

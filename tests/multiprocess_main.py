@@ -1,0 +1,106 @@
+"""One process of a jax.distributed CPU run (test_multiprocess.py starts several on localhost).
+
+argv: process_id num_processes port local_devices case. Cases:
+  data_across: mesh (data = processes, expert = local devices), tokens over both (batch_axes=("data",)); prints
+    "match" when the output and gradients of the last of $JMO_CALLS consecutive calls (default 3) equal a
+    single-process float32 oracle on the same global inputs.
+  expert_across: the expert axis spans the processes; prints "refused after <seconds> s: <error>" when the workspace
+    refuses it at creation (before any call could wait for a peer).
+"""
+
+import os
+import sys
+import time
+
+pid, nproc, port, local, case = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc, process_id=pid,
+                           initialization_timeout=120)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_moe_overlap as jmo  # noqa: E402
+from jax_moe_overlap.plan import expert_capacity  # noqa: E402
+from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
+
+E, D, F, K = 8, 16, 24, 2
+
+
+def global_inputs(tokens):
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((tokens, D)).astype(np.float32)
+  ids = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32)
+  g = rng.random((tokens, K)).astype(np.float32) + 0.1
+  w1 = (rng.standard_normal((E, D, 2 * F)) / np.sqrt(D)).astype(np.float32)
+  w2 = (rng.standard_normal((E, F, D)) / np.sqrt(F)).astype(np.float32)
+  return x, ids, g / g.sum(1, keepdims=True), w1, w2
+
+
+def put(a, mesh, spec):
+  return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
+
+
+def main():
+  assert jax.process_count() == nproc and jax.local_device_count() == local
+  devices = np.array(jax.devices())
+  if case == "data_across":
+    mesh = jax.sharding.Mesh(devices.reshape(nproc, local), ("data", "expert"))
+    batch_axes = ("data",)
+  else:
+    mesh = jax.sharding.Mesh(devices, ("expert",))
+    batch_axes = ()
+  tokens = 16 * devices.size
+  x, ids, g, w1, w2 = global_inputs(tokens)
+  tok, wsp = P((*batch_axes, "expert")), P("expert")
+  args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp)]
+
+  def loss(x, g, w1, w2, ids):
+    y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes)
+    return jnp.sum(jnp.sin(y)), (y, dropped)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  start = time.monotonic()
+  try:
+    (_, (y, dropped)), grads = step(args[0], args[2], args[3], args[4], args[1])
+  except NotImplementedError as e:
+    print(f"refused after {time.monotonic() - start:.1f} s: {e}", flush=True)
+    return
+  # Each call finishes before the next is dispatched: with two CPU devices per process, XLA:CPU's gloo collectives
+  # of many programs in flight at once can deadlock, the layer or not (a plain shard_map with an all_gather and a
+  # psum hangs the same way at 100 unblocked calls under JAX 0.11.2; blocked, it runs).
+  for _ in range(int(os.environ.get("JMO_CALLS", "3")) - 1):
+    (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
+  y, grads = multihost_utils.process_allgather((y, grads), tiled=True)
+
+  groups = mesh.size // mesh.shape["expert"]
+  R = mesh.shape["expert"]
+  t = tokens // groups
+  cap_e = expert_capacity(t // R, R, K, E, None)
+
+  def ref_loss(x, g, w1, w2):
+    ys = [moe_experts_reference(x[b * t:(b + 1) * t], jnp.asarray(ids[b * t:(b + 1) * t]), g[b * t:(b + 1) * t], w1,
+                                w2, cap_e, R)[0] for b in range(groups)]
+    y = jnp.concatenate(ys)
+    return jnp.sum(jnp.sin(y)), y
+
+  local_dev = jax.local_devices()[0]
+  with jax.default_device(local_dev):
+    (_, y_ref), grads_ref = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3), has_aux=True))(x, g, w1, w2)
+  assert int(dropped) == 0
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for name, a, b in zip(("x", "gates", "w1", "w2"), grads, grads_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+  print(f"process {pid}: match", flush=True)
+
+
+if __name__ == "__main__":
+  main()
+  jax.distributed.shutdown()

@@ -1,0 +1,93 @@
+"""Eager calls of moe_experts and MoE (outside jit) compile once per static configuration and match jitted calls."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jax_moe_overlap as jmo
+from cases import layer_inputs, mesh_of
+
+E, D, F = 8, 16, 24
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compilations():
+  """Counts XLA backend compilations (jax.monitoring's compile-duration event) inside the block."""
+  seen = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == COMPILE_EVENT:
+      seen.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _check_second_call_compiles_nothing(call):
+  first = call()
+  with count_compilations() as compiled:
+    second = call()
+    jax.block_until_ready(second)
+  assert not compiled, f"the second eager call compiled {len(compiled)} programs"
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(a, b)
+  return first
+
+
+def test_eager_moe_experts_compiles_once_and_matches_jit():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, 2, "skewed", 1)
+  y, dropped = _check_second_call_compiles_nothing(lambda: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh))
+  y_jit, dropped_jit = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh))(x, ids, gates, w1, w2)
+  np.testing.assert_array_equal(y, y_jit)
+  assert int(dropped) == int(dropped_jit) == 0
+  y_ref, _ = _check_second_call_compiles_nothing(
+      lambda: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="reference"))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_grad_and_outer_jit_reuse_the_program():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, 2, "balanced", 2)
+
+  def loss(x, w1):
+    return jnp.sum(jnp.sin(jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh)[0]))
+
+  grad = jax.grad(loss, argnums=(0, 1))
+  g_eager = _check_second_call_compiles_nothing(lambda: grad(x, w1))
+  g_jit = jax.jit(grad)(x, w1)
+  for a, b in zip(g_eager, g_jit):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_eager_call_on_explicit_mesh():
+  devs = np.array(jax.devices("cpu")[:4])
+  mesh = jax.sharding.Mesh(devs, ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, 2, "skewed", 3)
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
+  xs, ids_s, gates_s = (jax.device_put(a, spec) for a in (x, ids, gates))
+  y, _ = _check_second_call_compiles_nothing(lambda: jmo.moe_experts(xs, ids_s, gates_s, w1, w2, mesh=mesh))
+  assert y.sharding.is_equivalent_to(xs.sharding, 2)
+  y_ref, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(4), impl="reference")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_module_call_reuses_the_expert_program():
+  mesh = mesh_of(4)
+  m = jmo.MoE(D, F, E, 2, mesh=mesh, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(4), (2, 32, D))
+  m(x)
+  # The router runs op by op (XLA caches each op's executable); the expert layer reuses its compiled program.
+  with count_compilations() as compiled:
+    y, _ = m(x)
+  assert not compiled, f"the second eager MoE call compiled {len(compiled)} programs"
+  y_jit, _ = nnx.jit(lambda m, x: m(x))(m, x)
+  np.testing.assert_allclose(y, y_jit, rtol=1e-6, atol=1e-6)
