@@ -2,7 +2,8 @@
 
 ``moe_experts(x, expert_ids, gates, w1, w2, mesh=..., axis_name=...)`` runs the layer with tokens and experts
 sharded over ``axis_name``: ``impl="overlap"`` through this library's custom calls inside ``shard_map``,
-``impl="reference"`` as plain JAX (the oracle). Both return ``(y, dropped)``.
+``impl="reference"`` as plain dense JAX (the oracle), ``impl="xla"`` as the expert-parallel path from XLA collectives
+and ``lax.ragged_dot`` (``xla_path.py``). All return ``(y, dropped)`` with y sharded as x.
 """
 
 from __future__ import annotations
@@ -11,62 +12,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.checks import check_expert_ids, check_impl, check_inputs
 from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_block
 from jax_moe_overlap.reference import moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
-
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name):
-  """Raises a ValueError/TypeError naming the problem before anything runs."""
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
-                     f"{axis_name!r} for expert parallelism")
-  R = mesh.shape[axis_name]
-  if x.ndim != 2:
-    raise ValueError(f"jax_moe_overlap: x must be [tokens, d_model], got shape {x.shape}")
-  T, D = x.shape
-  if w1.ndim != 3 or w2.ndim != 3:
-    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] and w2 [E, F, D], got {w1.shape} and {w2.shape}")
-  E = w1.shape[0]
-  if w1.shape[1] != D or w1.shape[2] % 2 or w2.shape != (E, w1.shape[2] // 2, D):
-    raise ValueError(f"jax_moe_overlap: weight shapes w1 {w1.shape}, w2 {w2.shape} do not fit d_model={D} "
-                     f"(expected w1 [E, {D}, 2F], w2 [E, F, {D}])")
-  if expert_ids.ndim != 2 or expert_ids.shape[0] != T or gates.shape != expert_ids.shape:
-    raise ValueError(f"jax_moe_overlap: expert_ids {expert_ids.shape} and gates {gates.shape} must both be "
-                     f"[tokens={T}, k]")
-  k = expert_ids.shape[1]
-  if k < 1 or k > E:
-    raise ValueError(f"jax_moe_overlap: top-k must be in [1, num_experts={E}], got {k}")
-  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-    raise TypeError(f"jax_moe_overlap: expert_ids must be integers, got {expert_ids.dtype}")
-  for name, a in (("x", x), ("w1", w1), ("w2", w2)):
-    if a.dtype not in SUPPORTED_DTYPES:
-      raise TypeError(f"jax_moe_overlap: {name} has dtype {a.dtype}; supported: float32, bfloat16")
-  if not (x.dtype == w1.dtype == w2.dtype):
-    raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
-  if E % R:
-    raise ValueError(f"jax_moe_overlap: {E} experts cannot be split evenly over the {R} devices of mesh axis "
-                     f"{axis_name!r}")
-  if T % R:
-    raise ValueError(f"jax_moe_overlap: {T} tokens cannot be split evenly over the {R} devices of mesh axis "
-                     f"{axis_name!r}")
-
-
-def check_expert_ids(expert_ids, num_experts):
-  """Concrete expert ids out of [0, E) raise here; traced ones are checked by the custom calls at run time."""
-  try:
-    ids = np.asarray(expert_ids)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return
-  lo, hi = int(ids.min()), int(ids.max())
-  if lo < 0 or hi >= num_experts:
-    raise ValueError(f"jax_moe_overlap: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
+from jax_moe_overlap.xla_path import moe_experts_xla
 
 
 def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_name: str = "expert",
@@ -75,15 +28,17 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
 
   Args:
     x: [T, D] tokens (T divisible by the axis size), float32 or bfloat16.
-    expert_ids: [T, k] int32 expert choices in [0, E). gates: [T, k] float weights of the choices.
+    expert_ids: [T, k] int32 expert choices in [0, E), or -1 for "no selection" (the slot contributes zero, moves
+      nothing and is not counted as dropped). gates: [T, k] float weights of the choices.
     w1: [E, D, 2F] (gate and up projections, SwiGLU); w2: [E, F, D]; same dtype as x.
     mesh, axis_name: tokens and experts are sharded over this axis (E divisible by its size).
     capacity_factor: None for dropless; else rows per expert = ceil(cf * T * k / E), overflow dropped.
-    impl: "overlap" (custom calls) or "reference" (pure JAX).
+    impl: "overlap" (custom calls), "reference" (dense pure JAX) or "xla" (expert-parallel pure JAX).
   Returns:
     y [T, D] in x's dtype, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
   """
   check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name)
+  check_impl(impl)
   E = w1.shape[0]
   check_expert_ids(expert_ids, E)
   R = mesh.shape[axis_name]
@@ -97,10 +52,10 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     args = [_shard(a, mesh, P()) for a in (x, expert_ids, gates, w1, w2)]
     y, dropped = moe_experts_reference(*args, cap_e, R)
     return _like(y, x, mesh), dropped
-  if impl != "overlap":
-    raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference', got {impl!r}")
   E_l = E // R
   cap = plan_lib.recv_capacity(T_local, R, k, E_l, cap_e)
+  if impl == "xla":
+    return _moe_xla(x, expert_ids, gates, w1, w2, mesh, axis_name, cap_e, cap)
   # Every row that crosses ranks is d_model wide (tokens, their gradients, expert outputs): the lhs of a GEMM
   # (F or 2F wide) never leaves its rank, so the workspace holds D-wide rows of x's dtype.
   sizes = WorkspaceSizes(row_bytes=x.shape[1] * x.dtype.itemsize, recv_rows=cap, ret_rows=T_local * k,
@@ -110,6 +65,13 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   fn = functools.partial(_moe_local, axis_name=axis_name, num_experts=E, cap_e=cap_e, cap=cap, info=info)
   args = [_shard(a, mesh, spec) for a in (x, expert_ids, gates.astype(jnp.float32), w1, w2)]
   y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P()), check_vma=False)(*args)
+  return _like(y, x, mesh), dropped
+
+
+def _moe_xla(x, expert_ids, gates, w1, w2, mesh, axis_name, cap_e, cap):
+  spec = P(axis_name)
+  args = [_shard(a, mesh, spec) for a in (x, expert_ids, gates.astype(jnp.float32), w1, w2)]
+  y, dropped = moe_experts_xla(*args, mesh=mesh, axis_name=axis_name, expert_cap=cap_e, recv_cap=cap)
   return _like(y, x, mesh), dropped
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import _jmo
+from jax_moe_overlap.checks import check_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Workspace:
   _lock = threading.Lock()
 
   def __init__(self, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes):
-    _check_axis(mesh, axis_name)
+    check_axis(mesh, axis_name)
     _ffi.register()
     self.mesh = mesh
     self.axis_name = axis_name
@@ -117,12 +118,6 @@ class Workspace:
   def __repr__(self):
     return (f"Workspace(axis={self.axis_name!r}, ranks={self.ranks}, groups={self.groups}, "
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
-
-
-def _check_axis(mesh, axis_name):
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
-                     f"{axis_name!r} for expert parallelism")
 
 
 @atexit.register
