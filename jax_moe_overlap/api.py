@@ -47,11 +47,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   cap_e = plan_lib.expert_capacity(T_local, R, k, E, capacity_factor)
   expert_ids = expert_ids.astype(jnp.int32)
   if impl == "reference":
-    # The oracle sees whole arrays: on an Explicit mesh, gather sharded inputs first (its capacity rule scans all
-    # tokens in order), then hand y back with x's sharding.
-    args = [_shard(a, mesh, P()) for a in (x, expert_ids, gates, w1, w2)]
-    y, dropped = moe_experts_reference(*args, cap_e, R)
-    return _like(y, x, mesh), dropped
+    return _moe_reference(x, expert_ids, gates, w1, w2, mesh, cap_e, R)
   E_l = E // R
   cap = plan_lib.recv_capacity(T_local, R, k, E_l, cap_e)
   if impl == "xla":
@@ -75,8 +71,21 @@ def _moe_xla(x, expert_ids, gates, w1, w2, mesh, axis_name, cap_e, cap):
   return _like(y, x, mesh), dropped
 
 
+def _moe_reference(x, expert_ids, gates, w1, w2, mesh, cap_e, R):
+  """The dense oracle on whole (replicated) arrays, every device computing all of it: its capacity rule scans all
+  tokens in order. Inside ``shard_map`` so that it runs on the mesh's devices whatever x's placement (under ``jit``
+  a plain x and mesh-sharded weights could not meet otherwise)."""
+  args = [_shard(a, mesh, P()) for a in (x, expert_ids, gates, w1, w2)]
+  fn = functools.partial(moe_experts_reference, expert_cap=cap_e, ranks=R)
+  y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(), P()))(*args)
+  return _like(y, x, mesh), dropped
+
+
 def _like(y, x, mesh):
-  """On a mesh with Explicit axes, give y the sharding x came with (so callers can reshape it as they could x)."""
+  """y with exactly x's sharding, so that ``x + y`` works and callers can reshape y as they could x: a concrete x's
+  own sharding (eager calls); under ``jit`` on a mesh with Explicit axes, x's sharding type."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return jax.device_put(y, x.sharding)
   if _explicit(mesh):
     return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))
   return y
