@@ -109,7 +109,7 @@ class MoE(nnx.Module):
 
   def route(self, x2d: jax.Array, token_mask: jax.Array | None = None) -> routing_lib.Routing:
     """x2d [T, D] -> ``Routing`` (expert ids, gates, losses, load)."""
-    logits = x2d.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+    logits = x2d.astype(jnp.float32) @ self._dense_weight(self.router[...], x2d).astype(jnp.float32)
     bias = self.routing_bias[...] if self.routing_bias is not None else None
     return routing_lib.route(logits, self.config, bias, token_mask)
 
@@ -117,8 +117,16 @@ class MoE(nnx.Module):
     """The shared experts' dense SwiGLU path on [T, D] tokens (float32 accumulation), in the compute dtype. It
     reads only x, so XLA is free to run it while the routed tokens are in flight."""
     dt = self.config.dtype
-    a = jnp.dot(x2d.astype(dt), self.shared_w1[...].astype(dt), preferred_element_type=jnp.float32)
-    return jnp.dot(swiglu(a).astype(dt), self.shared_w2[...].astype(dt), preferred_element_type=jnp.float32)
+    w1, w2 = (self._dense_weight(w[...], x2d).astype(dt) for w in (self.shared_w1, self.shared_w2))
+    a = jnp.dot(x2d.astype(dt), w1, preferred_element_type=jnp.float32)
+    return jnp.dot(swiglu(a).astype(dt), w2, preferred_element_type=jnp.float32)
+
+  def _dense_weight(self, w: jax.Array, x2d: jax.Array) -> jax.Array:
+    """A replicated weight applied to tokens sharded over an Explicit mesh is placed on that mesh (replicated), so
+    its gradient, a contraction over the sharded tokens, has a sharding to take (a sum over the ranks)."""
+    if _explicit_in(x2d) and jax.typeof(w).sharding.mesh != jax.typeof(x2d).sharding.mesh:
+      return jax.sharding.reshard(w, jax.sharding.NamedSharding(self.mesh, P()))
+    return w
 
   def update_routing_bias(self, expert_load: jax.Array) -> None:
     """One step of DeepSeek-V3's bias update from an [E] load (``MoEAux.expert_load``, or its mean over steps)."""

@@ -104,6 +104,10 @@ def route(logits: jax.Array, config, bias: jax.Array | None = None,
 
 
 def update_routing_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
-  """DeepSeek-V3's bias update from one step's [E] load: b + rate * sign(mean(load) - load)."""
+  """DeepSeek-V3's bias update from one step's [E] load: b + rate * sign(mean(load) - load). A load within float32
+  rounding of the mean counts as equal to it (the load is a count over a total: exact in integers)."""
   load = expert_load.astype(jnp.float32)
-  return (bias.astype(jnp.float32) + rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
+  mean = jnp.mean(load)
+  diff = mean - load
+  step = jnp.where(jnp.abs(diff) > 1e-5 * jnp.abs(mean), jnp.sign(diff), 0.0)
+  return (bias.astype(jnp.float32) + rate * step).astype(bias.dtype)
