@@ -96,9 +96,13 @@ def _explicit(mesh) -> bool:
 
 
 def _shard(a, mesh, spec):
-  """Places `a` on `spec` over an Explicit mesh (shard_map reshards by itself over Auto axes)."""
+  """Places `a` on `spec` over an Explicit mesh, and a concrete array that lives on other devices than the mesh's
+  (shard_map reshards by itself over Auto axes, but not across device sets)."""
   if _explicit(mesh):
     return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+  if (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and
+      a.sharding.device_set != set(mesh.devices.flat)):
+    return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
   return a
 
 
