@@ -82,9 +82,10 @@ def _moe_reference(x, expert_ids, gates, w1, w2, mesh, cap_e, R):
 
 
 def _like(y, x, mesh):
-  """y with exactly x's sharding, so that ``x + y`` works and callers can reshape y as they could x: a concrete x's
-  own sharding (eager calls); under ``jit`` on a mesh with Explicit axes, x's sharding type."""
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+  """y with exactly x's sharding, so that ``x + y`` works and callers can reshape y as they could x: a committed
+  concrete x's own sharding (eager calls); else, on a mesh with Explicit axes, x's sharding type (an uncommitted x
+  states no placement: y stays on the mesh, laid out as x's type says)."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
     return jax.device_put(y, x.sharding)
   if _explicit(mesh):
     return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))

@@ -165,3 +165,20 @@ def test_drop_in_block_in_a_transformer(axis_type):
   np.testing.assert_allclose(results["overlap"][0], results["reference"][0], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(results["overlap"][1]), jax.tree.leaves(results["reference"][1])):
     assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "overlap"])
+def test_y_has_x_sharding(impl):
+  """On an Explicit mesh, outside jax.set_mesh, for tokens sharded by batch, by sequence, or replicated: y has
+  exactly x's sharding (eagerly and under jit), so the residual x + y works."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("expert",),
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+  m = jmo.MoE(MIXTRAL, mesh=mesh, impl=impl, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(8), (4, 16, 16))
+  step = nnx.jit(lambda m, x: m(x)[0])
+  for spec in (jax.P("expert"), jax.P(None, "expert"), jax.P()):
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    for y in (m(xs)[0], step(m, xs)):
+      assert y.sharding.is_equivalent_to(xs.sharding, 3), (spec, y.sharding)
+      assert jax.typeof(y).sharding.spec == jax.typeof(xs).sharding.spec
+      np.testing.assert_allclose(np.asarray(y + xs), np.asarray(y) + np.asarray(xs), rtol=1e-6)
