@@ -24,6 +24,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap.layer import MoE
 
@@ -36,8 +38,10 @@ def params_of(module: MoE) -> dict:
 
 
 def load_params(module: MoE, params: dict) -> None:
-  """Writes ``params`` (this library's layout; arrays of any kind) into ``module``, each with the sharding and
-  dtype of the variable it replaces. Every variable of the module must be given, with its exact shape."""
+  """Writes ``params`` (this library's layout; arrays of any kind) into ``module`` in the dtype of the variable it
+  replaces, placed on the module's mesh: with the variable's own sharding when it already has one there, else the
+  experts' weights sharded over the expert axis and the rest replicated. Every variable of the module must be given,
+  with its exact shape."""
   have = {n for n in NAMES if getattr(module, n, None) is not None}
   if set(params) != have:
     raise ValueError(f"jax_moe_overlap: load_params: the module has {sorted(have)}, got {sorted(params)}")
@@ -47,7 +51,15 @@ def load_params(module: MoE, params: dict) -> None:
     if tuple(value.shape) != tuple(old.shape):
       raise ValueError(f"jax_moe_overlap: load_params: {name} has shape {tuple(old.shape)}, got "
                        f"{tuple(value.shape)}")
-    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
+    var[...] = jax.device_put(jnp.asarray(value, old.dtype), _target_sharding(module, name, old))
+
+
+def _target_sharding(module: MoE, name: str, old: jax.Array):
+  sharding = getattr(old, "sharding", None)
+  if isinstance(sharding, NamedSharding) and set(sharding.mesh.devices.flat) == set(module.mesh.devices.flat):
+    return sharding
+  spec = P(module.expert_axis) if name in ("w1", "w2") else P()
+  return NamedSharding(module.mesh, spec)
 
 
 def _split(w):

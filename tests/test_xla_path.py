@@ -27,8 +27,7 @@ def loss(impl, mesh, ids, cf):
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
 
 
-@pytest.mark.parametrize("kind", ["skewed", "all_to_one", "empty_experts"])
-@pytest.mark.parametrize("cf", [None, 1.0, 0.5])
+@pytest.mark.parametrize("kind,cf", [("skewed", None), ("skewed", 0.5), ("all_to_one", 1.0), ("empty_experts", 0.5)])
 def test_xla_matches_reference(kind, cf):
   mesh = mesh_of(4)
   x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, kind, 3)
@@ -91,7 +90,7 @@ def test_all_skipped():
   x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, "skewed", 1)
   sk = jnp.full_like(ids, -1)
   for impl in ("overlap", "xla", "reference"):
-    y, dropped = jmo.moe_experts(x, sk, gates, w1, w2, mesh=mesh, impl=impl)
+    y, dropped = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, impl=impl))(x, sk, gates, w1, w2)
     assert int(dropped) == 0
     np.testing.assert_array_equal(np.asarray(y), 0)
 
