@@ -38,8 +38,29 @@ class ModelConfig:
   top_k: int = 2
   capacity_factor: float | None = 1.25   # None: dropless
   moe_every: int = 1              # 1: an MoE feed-forward in every layer; 2: in every other layer (others dense)
-  impl: str = "overlap"           # "overlap" (this library's custom calls) or "reference" (plain JAX)
+  impl: str = "overlap"           # "overlap" (custom calls), "xla" (XLA collectives) or "reference" (dense JAX)
   dtype: str = "float32"          # compute dtype; parameters stay float32
+  routed_score_func: str = "softmax"   # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
+  shared_experts: int = 0         # always-on experts of width d_ff beside the routed ones
+
+  def moe_config(self) -> jmo.MoEConfig:
+    """The MoE blocks' configuration (the auxiliary-loss weights are applied by the training loop)."""
+    return jmo.MoEConfig(emb_dim=self.d_model, moe_mlp_dim=self.d_ff, num_experts=self.num_experts,
+                         num_experts_per_tok=self.top_k, capacity_factor=self.capacity_factor,
+                         routed_score_func=self.routed_score_func, shared_experts=self.shared_experts,
+                         dtype=jnp.dtype(self.dtype))
+
+  def flops_per_token(self) -> float:
+    """Model FLOPs of one training token: 6 per multiply-add (2 forward, 4 backward) of the matmuls a token runs
+    through (attention projections, router, the k routed experts and the shared ones, dense MLPs, the head) and of
+    causal attention over the sequence (half of the L x L scores)."""
+    D, F, L = self.d_model, self.d_ff, self.seq_len
+    moe_layers = sum(1 for i in range(self.num_layers) if i % self.moe_every == self.moe_every - 1)
+    dense_layers = self.num_layers - moe_layers
+    per_token_params = (self.num_layers * 4 * D * D + moe_layers * (self.top_k + self.shared_experts) * 3 * D * F +
+                        moe_layers * D * self.num_experts + dense_layers * 3 * D * F + D * self.vocab_size)
+    attention = self.num_layers * L * D          # QK^T and AV: 2 L D multiply-adds per token, halved for causality
+    return 6.0 * per_token_params + 6.0 * attention
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -129,9 +150,7 @@ class Block(nnx.Module):
     self.attn = CausalSelfAttention(cfg, rngs=rngs)
     self.ffn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
     if use_moe:
-      self.ffn = jmo.MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, mesh=mesh, expert_axis=EXPERT_AXIS,
-                         capacity_factor=cfg.capacity_factor, impl=cfg.impl, dtype=jnp.dtype(cfg.dtype),
-                         rngs=rngs)
+      self.ffn = jmo.MoE(cfg.moe_config(), mesh=mesh, expert_axis=EXPERT_AXIS, impl=cfg.impl, rngs=rngs)
     else:
       self.ffn = SwiGLU(cfg, rngs=rngs)
 

@@ -7,6 +7,8 @@ one mesh axis, "expert"; the train step is one jit-compiled function (forward, b
   python examples/train_moe.py --steps 600 --ckpt-dir /tmp/moe-ckpt --overwrite --stop-at 300
   python examples/train_moe.py --steps 600 --ckpt-dir /tmp/moe-ckpt --resume       # the same curve, continued
   python examples/generate.py --ckpt-dir /tmp/moe-ckpt --prompt "This License " --temperature 0.8
+  python examples/train_moe.py --preset gpu --impl overlap --data FILE   # ~0.4 B params, 32 k tokens/step: GPUs
+  python examples/train_moe.py --preset gpu --impl xla --data FILE       # the same through XLA's collectives
 
 See examples/README.md.
 """
@@ -46,9 +48,15 @@ def parse_args(argv=None):
   g.add_argument("--capacity-factor", type=float, default=1.25,
                  help="expert capacity = ceil(cf * tokens * k / experts); 0 for dropless")
   g.add_argument("--moe-every", type=int, default=1, help="1: MoE in every layer, 2: in every other layer")
-  g.add_argument("--impl", choices=("overlap", "reference"), default="overlap",
-                 help="overlap: this library's custom calls; reference: the same layer in plain JAX")
+  g.add_argument("--impl", choices=("overlap", "xla", "reference"), default="overlap",
+                 help="overlap: this library's custom calls; xla: the expert-parallel layer from XLA collectives and "
+                      "ragged_dot; reference: the same layer computed densely in plain JAX")
+  g.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax", help="router scores")
+  g.add_argument("--shared-experts", type=int, default=0, help="always-on experts of width --d-ff")
   g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+  p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                 help="a named set of model and training sizes (flags given explicitly still win): " +
+                      "; ".join(f"{k}: {v['help']}" for k, v in PRESETS.items()))
   g = p.add_argument_group("training")
   g.add_argument("--steps", type=int, default=200, help="total training steps (length of the LR schedule)")
   g.add_argument("--stop-at", type=int, default=None,
@@ -77,7 +85,35 @@ def parse_args(argv=None):
   g.add_argument("--skip-check", action="store_true",
                  help="skip the start-up comparison of the custom calls with impl=reference")
   g.add_argument("--log-every", type=int, default=0, help="with --no-progress: print every N steps")
-  return p.parse_args(argv)
+  g.add_argument("--peak-tflops", type=float, default=None,
+                 help="peak dense TFLOP/s of one device in the compute dtype, for model FLOP utilisation (MFU); "
+                      "None: known GPUs' datasheet value, else no MFU")
+  args = p.parse_args(argv)
+  if args.preset:
+    given = _given_dests(p, sys.argv[1:] if argv is None else argv)
+    for k, v in PRESETS[args.preset].items():
+      if k != "help" and k not in given:
+        setattr(args, k, v)
+  return args
+
+
+def _given_dests(parser, argv) -> set:
+  """The destinations of the options that appear on the command line (as --opt or --opt=value)."""
+  by_flag = {opt: a.dest for a in parser._actions for opt in a.option_strings}  # pylint: disable=protected-access
+  return {by_flag[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in by_flag}
+
+
+# Named sizes. "gpu": a ~0.4 B-parameter model (16 experts of which 4 active per token; ~70 M active parameters)
+# at 32 k tokens per step in bfloat16, for one to eight GPUs.
+PRESETS = {
+    "gpu": dict(help="8 layers, d=1024, 16 experts (d_ff 1024) top-4, seq 1024 x batch 32, bf16 (~0.4 B params)",
+                d_model=1024, layers=8, heads=16, d_ff=1024, experts=16, top_k=4, capacity_factor=1.25,
+                seq_len=1024, batch_size=32, dtype="bfloat16", lr=1e-3, steps=200, eval_batches=2,
+                no_progress=True, log_every=10, plot=""),
+}
+
+# Peak dense bf16 TFLOP/s per device from datasheets, by a substring of jax's device_kind.
+PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 # Flags that, besides the model config, determine the loss curve: a resumed run should keep them.
@@ -88,7 +124,8 @@ def model_config(args) -> model_lib.ModelConfig:
   return model_lib.ModelConfig(seq_len=args.seq_len, d_model=args.d_model, num_layers=args.layers,
                                num_heads=args.heads, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
                                capacity_factor=args.capacity_factor or None, moe_every=args.moe_every,
-                               impl=args.impl, dtype=args.dtype)
+                               impl=args.impl, dtype=args.dtype, routed_score_func=args.router,
+                               shared_experts=args.shared_experts)
 
 
 def make_optimizer(model, args):
@@ -147,16 +184,18 @@ def check_against_reference(model, tokens, num_devices):
   rounding-level difference that flips a near-tie in a router is no error of the layer."""
   moe = next(m for _, m in nnx.iter_graph(model) if isinstance(m, jmo.MoE))
   x = (jax.nn.one_hot(tokens, model.cfg.vocab_size, dtype=jnp.float32) @ model.embed.embedding[...])
-  x = x.astype(moe.dtype)
+  config = moe.config
+  dtype = config.dtype
+  x = x.astype(dtype)
   forward = nnx.jit(lambda m, x: m(x)[0])
-  dtype = moe.dtype
   with jax.default_matmul_precision("highest"):    # no TF32 in the reference's float32 matmuls on GPUs
     y = np.asarray(forward(moe, x), np.float32)
-    moe.impl, moe.dtype = "reference", jnp.float32  # the oracle computes in float32 on the same (rounded) input
+    # The oracle computes in float32 on the same (rounded) input.
+    moe.impl, moe.config = "reference", dataclasses.replace(config, dtype=jnp.float32)
     try:
       y_ref = np.asarray(forward(moe, x.astype(jnp.float32)), np.float32)
     finally:
-      moe.impl, moe.dtype = "overlap", dtype
+      moe.impl, moe.config = "overlap", config
   rel = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
   tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 1e-2
   print(f"check: an MoE layer through the custom calls on {num_devices} devices vs impl=reference: relative "
@@ -164,6 +203,34 @@ def check_against_reference(model, tokens, num_devices):
         f"{tol:g})")
   if not rel < tol:
     raise SystemExit("the custom calls disagree with the reference implementation")
+
+
+def peak_tflops(args) -> float | None:
+  """Peak dense TFLOP/s of one device: --peak-tflops, else a known GPU's bf16 datasheet value (bf16 runs only)."""
+  if args.peak_tflops:
+    return args.peak_tflops
+  kind = jax.devices()[0].device_kind
+  if args.dtype == "bfloat16":
+    for name, tflops in PEAK_TFLOPS_BF16.items():
+      if name in kind:
+        return tflops
+  return None
+
+
+def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
+  """Prints the median training throughput of the timed steps and, when the device's peak is known, the model FLOP
+  utilisation: model FLOPs per token (ModelConfig.flops_per_token) x tokens/s over the devices' summed peak."""
+  if not step_times:
+    print("throughput: no timed step (the first step compiles and is not timed)")
+    return
+  tok_s = tokens_per_step / float(np.median(step_times))
+  line = (f"throughput impl={cfg.impl}: {tok_s:,.0f} tokens/s (median of {len(step_times)} steps, "
+          f"{tok_s / num_devices:,.0f} per device) | {cfg.flops_per_token() / 1e9:.2f} GFLOP/token")
+  peak = peak_tflops(args)
+  if peak:
+    mfu = cfg.flops_per_token() * tok_s / (peak * 1e12 * num_devices)
+    line += f" | MFU {100 * mfu:.1f}% of {peak:g} TFLOP/s x {num_devices}"
+  print(line, flush=True)
 
 
 def plot_curve(path, history, title):
@@ -279,6 +346,7 @@ def main(argv=None):
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
       bar = tqdm(total=stop, initial=start, desc="train", dynamic_ncols=True)
     t_prev, tok_s = None, float("nan")
+    step_times = []                                     # seconds of the timed steps (not the first: compilation)
     for step in range(start, stop):
       batch = jax.device_put(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
                              sharding)
@@ -287,6 +355,7 @@ def main(argv=None):
       t_now = time.perf_counter()
       if t_prev is not None:
         tok_s = tokens_per_step / (t_now - t_prev)
+        step_times.append(t_now - t_prev)
       t_prev = t_now
       history["loss"].append(loss)
       history["dropped"].append(dropped)
@@ -316,6 +385,7 @@ def main(argv=None):
       mngr.wait_until_finished()
       mngr.close()
 
+  report_throughput(cfg, args, step_times, tokens_per_step, R)
   first = history["loss"][0] if history["loss"] else float("nan")
   print(f"step {stop}: train loss {np.mean(history['loss'][-10:]):.4f} (first step {first:.4f}), "
         f"held-out loss {eval_loss:.4f} nats/byte ({eval_loss / np.log(2):.3f} bits/byte), "

@@ -1,8 +1,11 @@
 """jax-moe-overlap: expert-parallel Mixture-of-Experts layers whose expert GEMMs overlap the return all-to-all.
 
 Public API:
-  MoE, MoEAux         Flax NNX module (router + SwiGLU experts) over an expert mesh axis, and its router statistics.
-  moe_experts         the expert layer as a function on global arrays (impl="overlap" | "reference").
+  MoEConfig           the static description of an MoE block (MaxText's option names).
+  MoE, MoEAux         Flax NNX module (router + SwiGLU experts + shared experts) over an expert mesh axis, and its
+                      router statistics; MoEBlock: the same as a drop-in feed-forward block returning y alone.
+  route, update_routing_bias  the routers (softmax / sigmoid, routing bias, group-limited) as functions.
+  moe_experts         the expert layer as a function on global arrays (impl="overlap" | "xla" | "reference").
   CallConfig          timeouts and testing aids of the custom calls.
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).
   workspace_bytes     bytes per rank of the workspace a layer call of a given shape allocates (for planning memory).
@@ -10,9 +13,11 @@ Public API:
 """
 
 from jax_moe_overlap.api import moe_experts
-from jax_moe_overlap.layer import MoE, MoEAux
+from jax_moe_overlap.config import MoEConfig
+from jax_moe_overlap.layer import MoE, MoEAux, MoEBlock, total_aux_loss
 from jax_moe_overlap.primitives import CallConfig
+from jax_moe_overlap.routing import Routing, route, update_routing_bias
 from jax_moe_overlap.workspace import Workspace, release_workspaces, workspace_bytes
 
-__all__ = ["moe_experts", "CallConfig", "Workspace", "MoE", "MoEAux", "release_workspaces",
-           "workspace_bytes"]
+__all__ = ["moe_experts", "CallConfig", "Workspace", "MoE", "MoEAux", "MoEBlock", "MoEConfig", "Routing", "route",
+           "release_workspaces", "total_aux_loss", "update_routing_bias", "workspace_bytes"]

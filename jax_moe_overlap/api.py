@@ -2,7 +2,8 @@
 
 ``moe_experts(x, expert_ids, gates, w1, w2, mesh=..., axis_name=...)`` runs the layer with tokens and experts
 sharded over ``axis_name``: ``impl="overlap"`` through this library's custom calls inside ``shard_map``,
-``impl="reference"`` as plain JAX (the oracle). Both return ``(y, dropped)``.
+``impl="reference"`` as plain dense JAX (the oracle), ``impl="xla"`` as the expert-parallel path from XLA collectives
+and ``lax.ragged_dot`` (``xla_path.py``). All return ``(y, dropped)`` with y sharded as x.
 """
 
 from __future__ import annotations
@@ -15,58 +16,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.checks import check_expert_ids, check_impl, check_inputs
 from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_block
 from jax_moe_overlap.reference import moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
-
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name):
-  """Raises a ValueError/TypeError naming the problem before anything runs."""
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
-                     f"{axis_name!r} for expert parallelism")
-  R = mesh.shape[axis_name]
-  if x.ndim != 2:
-    raise ValueError(f"jax_moe_overlap: x must be [tokens, d_model], got shape {x.shape}")
-  T, D = x.shape
-  if w1.ndim != 3 or w2.ndim != 3:
-    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] and w2 [E, F, D], got {w1.shape} and {w2.shape}")
-  E = w1.shape[0]
-  if w1.shape[1] != D or w1.shape[2] % 2 or w2.shape != (E, w1.shape[2] // 2, D):
-    raise ValueError(f"jax_moe_overlap: weight shapes w1 {w1.shape}, w2 {w2.shape} do not fit d_model={D} "
-                     f"(expected w1 [E, {D}, 2F], w2 [E, F, {D}])")
-  if expert_ids.ndim != 2 or expert_ids.shape[0] != T or gates.shape != expert_ids.shape:
-    raise ValueError(f"jax_moe_overlap: expert_ids {expert_ids.shape} and gates {gates.shape} must both be "
-                     f"[tokens={T}, k]")
-  k = expert_ids.shape[1]
-  if k < 1 or k > E:
-    raise ValueError(f"jax_moe_overlap: top-k must be in [1, num_experts={E}], got {k}")
-  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-    raise TypeError(f"jax_moe_overlap: expert_ids must be integers, got {expert_ids.dtype}")
-  for name, a in (("x", x), ("w1", w1), ("w2", w2)):
-    if a.dtype not in SUPPORTED_DTYPES:
-      raise TypeError(f"jax_moe_overlap: {name} has dtype {a.dtype}; supported: float32, bfloat16")
-  if not (x.dtype == w1.dtype == w2.dtype):
-    raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
-  if E % R:
-    raise ValueError(f"jax_moe_overlap: {E} experts cannot be split evenly over the {R} devices of mesh axis "
-                     f"{axis_name!r}")
-  if T % R:
-    raise ValueError(f"jax_moe_overlap: {T} tokens cannot be split evenly over the {R} devices of mesh axis "
-                     f"{axis_name!r}")
-
-
-def check_expert_ids(expert_ids, num_experts):
-  """Concrete expert ids out of [0, E) raise here; traced ones are checked by the custom calls at run time."""
-  try:
-    ids = np.asarray(expert_ids)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return
-  lo, hi = int(ids.min()), int(ids.max())
-  if lo < 0 or hi >= num_experts:
-    raise ValueError(f"jax_moe_overlap: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
+from jax_moe_overlap.xla_path import moe_experts_xla
 
 
 def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_name: str = "expert",
@@ -76,24 +30,27 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
 
   Args:
     x: [T, D] tokens (T divisible by the number of token shards), float32 or bfloat16.
-    expert_ids: [T, k] int32 expert choices in [0, E). gates: [T, k] float weights of the choices.
+    expert_ids: [T, k] int32 expert choices in [0, E), or -1 for "no selection" (the slot contributes zero, moves
+      nothing and is not counted as dropped). gates: [T, k] float weights of the choices.
     w1: [E, D, 2F] (gate and up projections, SwiGLU); w2: [E, F, D]; same dtype as x.
     mesh, axis_name: tokens and experts are sharded over this axis (E divisible by its size).
     capacity_factor: None for dropless; else rows per expert = ceil(cf * T_group * k / E), overflow dropped, where
       T_group = T / (product of the batch axes' sizes) are the tokens of one expert-parallel group.
-    impl: "overlap" (custom calls) or "reference" (pure JAX).
+    impl: "overlap" (custom calls), "xla" (expert-parallel pure JAX: ragged_all_to_all and ragged_dot) or
+      "reference" (dense pure JAX, the oracle).
     batch_axes: other mesh axes the tokens are also sharded over (data, FSDP): tokens are laid out as
       ``P((*batch_axes, axis_name))``, each device holds T / (B * R) of them, and every position on the batch axes
       is an independent expert-parallel group over the same experts (weights replicated over the batch axes, their
       gradients summed). Empty (the default): tokens are sharded over ``axis_name`` only, and replicated over the
       other mesh axes.
   Returns:
-    y [T, D] in x's dtype, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
+    y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
 
   Outside ``jit`` each call runs one compiled program, cached per static configuration (mesh, axes, capacities,
   config, workspace) by ``eager_program`` and per shapes, dtypes and shardings by ``jax.jit``.
   """
   check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name)
+  check_impl(impl)
   batch_axes = check_batch_axes(mesh, axis_name, batch_axes, x.shape[0])
   E = w1.shape[0]
   check_expert_ids(expert_ids, E)
@@ -102,14 +59,17 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   T_local = x.shape[0] // (R * B)
   k = expert_ids.shape[1]
   cap_e = plan_lib.expert_capacity(T_local, R, k, E, capacity_factor)
+  args = [_onto_mesh(a, mesh) for a in (x, expert_ids, gates, w1, w2)]
   if impl == "reference":
-    return eager_program(_reference_layer, mesh, cap_e, R, B)(x, expert_ids, gates, w1, w2)
-  if impl != "overlap":
-    raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference', got {impl!r}")
-  sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor)
-  info = RankInfo(Workspace.get(mesh, axis_name, sizes), config)
-  return eager_program(_overlap_layer, mesh, axis_name, batch_axes, E, cap_e, sizes.recv_rows, info)(
-      x, expert_ids, gates, w1, w2)
+    y, dropped = eager_program(_reference_layer, mesh, cap_e, R, B)(*args)
+  elif impl == "xla":
+    cap = plan_lib.recv_capacity(T_local, R, k, E // R, cap_e)
+    y, dropped = eager_program(_xla_layer, mesh, axis_name, batch_axes, cap_e, cap)(*args)
+  else:
+    sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor)
+    info = RankInfo(Workspace.get(mesh, axis_name, sizes), config)
+    y, dropped = eager_program(_overlap_layer, mesh, axis_name, batch_axes, E, cap_e, sizes.recv_rows, info)(*args)
+  return _like_committed(y, x), dropped
 
 
 def check_batch_axes(mesh, axis_name, batch_axes, tokens) -> tuple[str, ...]:
@@ -156,12 +116,29 @@ Workspace.on_release(_forget_programs)
 
 
 def _reference_layer(mesh, cap_e, R, B, x, expert_ids, gates, w1, w2):
-  # The oracle sees whole arrays: on an Explicit mesh, gather sharded inputs first (its capacity rule scans all
-  # tokens of a group in order), then hand y back with x's sharding. B > 1: B independent groups of T / B tokens.
+  """The dense oracle on whole (replicated) arrays, every device computing all of it (its capacity rule scans all
+  tokens of a group in order; B > 1: B independent groups of T / B tokens). Inside ``shard_map`` so that it runs on
+  the mesh's devices whatever x's placement (under ``jit`` a plain x and mesh-sharded weights could not meet
+  otherwise)."""
   args = [_shard(a, mesh, P()) for a in (x, expert_ids.astype(jnp.int32), gates, w1, w2)]
-  x_, ids, g = (a.reshape(B, a.shape[0] // B, *a.shape[1:]) for a in args[:3])
-  y, dropped = jax.vmap(lambda x, ids, g: moe_experts_reference(x, ids, g, args[3], args[4], cap_e, R))(x_, ids, g)
-  return _like(y.reshape(x.shape), x, mesh), jnp.sum(dropped).astype(jnp.int32)
+
+  def groups(x, ids, g, w1, w2):
+    x_, ids_, g_ = (a.reshape(B, a.shape[0] // B, *a.shape[1:]) for a in (x, ids, g))
+    y, dropped = jax.vmap(lambda x, i, g: moe_experts_reference(x, i, g, w1, w2, cap_e, R))(x_, ids_, g_)
+    return y.reshape(x.shape), jnp.sum(dropped).astype(jnp.int32)
+
+  y, dropped = jax.shard_map(groups, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(), P()))(*args)
+  return _like(y, x, mesh), dropped
+
+
+def _xla_layer(mesh, axis_name, batch_axes, cap_e, cap, x, expert_ids, gates, w1, w2):
+  token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
+  args = [_shard(a, mesh, s) for a, s in ((x, token_spec), (expert_ids.astype(jnp.int32), token_spec),
+                                          (gates.astype(jnp.float32), token_spec), (w1, weight_spec),
+                                          (w2, weight_spec))]
+  y, dropped = moe_experts_xla(*args, mesh=mesh, axis_name=axis_name, expert_cap=cap_e, recv_cap=cap,
+                               batch_axes=batch_axes)
+  return _like(y, x, mesh), dropped
 
 
 def _overlap_layer(mesh, axis_name, batch_axes, num_experts, cap_e, cap, info, x, expert_ids, gates, w1, w2):
@@ -177,14 +154,31 @@ def _overlap_layer(mesh, axis_name, batch_axes, num_experts, cap_e, cap, info, x
 
 
 def _like(y, x, mesh):
-  """On a mesh with Explicit axes, give y the sharding x came with (so callers can reshape it as they could x)."""
+  """Inside the layer's program: on a mesh with Explicit axes, y laid out as x's sharding type says (so that
+  ``x + y`` works and callers can reshape y as they could x)."""
   if _explicit(mesh):
     return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))
   return y
 
 
+def _like_committed(y, x):
+  """After the layer's program: a committed concrete x (an eager call) gets y back with exactly its sharding."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed and y.sharding != x.sharding:
+    return jax.device_put(y, x.sharding)
+  return y
+
+
 def _explicit(mesh) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _onto_mesh(a, mesh):
+  """A concrete array on other devices than the mesh's, replicated onto the mesh (inside the program shard_map
+  reshards over Auto axes, but not across device sets)."""
+  if (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and
+      a.sharding.device_set != set(mesh.devices.flat)):
+    return jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))
+  return a
 
 
 def _shard(a, mesh, spec):

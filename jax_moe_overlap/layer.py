@@ -1,4 +1,13 @@
-"""Flax NNX ``MoE`` module: top-k router + SwiGLU experts, expert-parallel over one mesh axis."""
+"""Flax NNX MoE modules: a router, routed SwiGLU experts sharded over one mesh axis, optional shared experts.
+
+``MoE(config, mesh=..., rngs=...)`` returns ``(y, MoEAux)``; ``MoEBlock`` is the same module as a drop-in
+feed-forward block: it returns ``y`` alone and records its auxiliary loss with ``nnx.sow``.
+
+Parameters (``checkpoint.py`` converts them to and from MaxText's and the per-expert published layouts):
+  router [D, E]; routing_bias [E] (a ``RoutingBias``, not trained by gradients; only with ``routed_bias``);
+  w1 [E, D, 2F] (gate and up projections, concatenated on the last axis); w2 [E, F, D];
+  shared_w1 [D, 2S], shared_w2 [S, D] (only with shared experts).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +16,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap.api import moe_experts
-from jax_moe_overlap.primitives import CallConfig
+from jax_moe_overlap.checks import check_axis, check_experts, check_impl
+from jax_moe_overlap.config import MoEConfig
+from jax_moe_overlap.primitives import CallConfig, swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -20,80 +33,187 @@ class MoEAux:
   load_balance_loss: Switch-Transformer auxiliary loss E * sum_e f_e * p_e (1.0 when perfectly balanced).
   router_z_loss: mean over tokens of logsumexp(logits)^2 (ST-MoE).
   dropped_fraction: fraction of (token, choice) slots dropped by the capacity rule.
+  expert_load: [E] fraction of the selections that chose each expert (``routing.update_routing_bias``'s input).
   """
 
   load_balance_loss: jax.Array
   router_z_loss: jax.Array
   dropped_fraction: jax.Array
+  expert_load: jax.Array
+
+
+class RoutingBias(nnx.Variable):
+  """The selection-only routing bias: not a ``nnx.Param``, so optimizers and gradients leave it alone."""
 
 
 class MoE(nnx.Module):
-  """Mixture-of-Experts feed-forward block.
+  """Mixture-of-Experts feed-forward block, expert-parallel over mesh axis ``expert_axis``.
 
-  Tokens and experts are sharded over ``mesh`` axis ``expert_axis``; with ``impl="overlap"`` the expert compute and
-  the all-to-alls run in this library's custom calls inside ``shard_map``, with ``impl="reference"`` as plain JAX.
+  ``impl="overlap"`` runs the experts and the all-to-alls in this library's custom calls inside ``shard_map``;
+  ``impl="xla"`` as XLA collectives and ``lax.ragged_dot``; ``impl="reference"`` densely in plain JAX (the oracle).
   Layers of equal sizes share one peer workspace (see ``Workspace``).
 
   Args:
-    d_model: model width D. d_ff: expert hidden width F. num_experts: E (divisible by the axis size). top_k: k.
-    mesh: the device mesh; expert_axis: its expert-parallel axis name.
-    capacity_factor: None (dropless) or rows per expert = ceil(cf * tokens * k / E); overflow slots are dropped.
-    dtype: compute dtype of the experts (float32 or bfloat16); parameters are kept in param_dtype.
-    config: CallConfig (timeouts) of the custom calls.
+    config: a ``MoEConfig``.
+    mesh: the device mesh; expert_axis: its expert-parallel axis name (E divisible by its size).
+    impl: "overlap", "xla" or "reference". call_config: ``CallConfig`` (timeouts) of the custom calls.
     batch_axes: mesh axes other than expert_axis the tokens are also sharded over (``moe_experts``' batch_axes).
+    rngs: parameter initialisation.
 
-  Call: ``y, aux = moe(x)`` with x [..., D] (the number of tokens divisible by the axis size); y has x's shape and
-  dtype; aux is a ``MoEAux``.
+  The keyword form of earlier releases, ``MoE(d_model, d_ff, num_experts, top_k, mesh=..., capacity_factor=...,
+  dtype=..., param_dtype=..., config=CallConfig(...), rngs=...)``, builds the equivalent ``MoEConfig`` (softmax,
+  renormalised top-k).
+
+  Call: ``y, aux = moe(x, token_mask=None)`` with x [..., D] (the number of tokens divisible by the axis size) and an
+  optional bool mask of x's leading shape (False: a padding token; it selects no expert, costs nothing and gets
+  y = 0 from the routed experts); y has x's shape, dtype and sharding; aux is a ``MoEAux``. With
+  ``routed_bias_update_rate`` > 0 and the module in training mode (``deterministic`` False), each call updates the
+  routing bias from its load.
   """
 
-  def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, mesh: jax.sharding.Mesh,
-               expert_axis: str = "expert", capacity_factor: float | None = None, impl: str = "overlap",
-               dtype=jnp.float32, param_dtype=jnp.float32, config: CallConfig = CallConfig(), rngs: nnx.Rngs,
-               batch_axes: tuple[str, ...] = ()):
-    if expert_axis not in mesh.axis_names:
-      raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
-                       f"{expert_axis!r} for expert parallelism")
-    R = mesh.shape[expert_axis]
-    if num_experts % R:
-      raise ValueError(f"jax_moe_overlap: {num_experts} experts cannot be split evenly over the {R} devices of "
-                       f"mesh axis {expert_axis!r}")
-    if not 1 <= top_k <= num_experts:
-      raise ValueError(f"jax_moe_overlap: top_k must be in [1, num_experts={num_experts}], got {top_k}")
-    if impl not in ("overlap", "reference"):
-      raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference', got {impl!r}")
-    if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
-      raise TypeError(f"jax_moe_overlap: dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}")
-    self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
-    self.mesh, self.expert_axis, self.capacity_factor, self.impl = mesh, expert_axis, capacity_factor, impl
-    self.dtype, self.config, self.batch_axes = dtype, config, tuple(batch_axes)
+  def __init__(self, config: MoEConfig | int, *legacy_sizes, mesh: jax.sharding.Mesh, rngs: nnx.Rngs,
+               expert_axis: str = "expert", impl: str = "overlap", call_config: CallConfig | None = None,
+               batch_axes: tuple[str, ...] = (),
+               **legacy_options):
+    if not isinstance(config, MoEConfig):
+      config, legacy_call_config = _legacy_config(config, *legacy_sizes, **legacy_options)
+      call_config = call_config or legacy_call_config
+    elif legacy_sizes or legacy_options:
+      raise TypeError(f"jax_moe_overlap: MoE(config, ...) takes no further sizes or options, got {legacy_sizes} "
+                      f"{sorted(legacy_options)}")
+    R = check_axis(mesh, expert_axis)
+    check_experts(config.num_experts, config.num_experts_per_tok, R, expert_axis)
+    check_impl(impl)
+    self.config, self.mesh, self.expert_axis, self.impl = config, mesh, expert_axis, impl
+    self.call_config = call_config or CallConfig()
+    self.batch_axes = tuple(batch_axes)
+    self.deterministic = False
+    D, F, E, wd = config.emb_dim, config.moe_mlp_dim, config.num_experts, config.weight_dtype
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)  # fan-in per expert
-    self.router = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (d_model, num_experts), param_dtype))
-    self.w1 = nnx.Param(init(rngs.params(), (num_experts, d_model, 2 * d_ff), param_dtype),
-                        out_sharding=(expert_axis, None, None), eager_sharding=False)
-    self.w2 = nnx.Param(init(rngs.params(), (num_experts, d_ff, d_model), param_dtype),
-                        out_sharding=(expert_axis, None, None), eager_sharding=False)
+    self.router = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (D, E), wd))
+    self.routing_bias = RoutingBias(jnp.zeros((E,), jnp.float32)) if config.routed_bias else None
+    self.w1 = nnx.Param(init(rngs.params(), (E, D, 2 * F), wd), out_sharding=(expert_axis, None, None),
+                        eager_sharding=False)
+    self.w2 = nnx.Param(init(rngs.params(), (E, F, D), wd), out_sharding=(expert_axis, None, None),
+                        eager_sharding=False)
+    S = config.shared_width
+    if S:
+      dense = nnx.initializers.lecun_normal()
+      self.shared_w1 = nnx.Param(dense(rngs.params(), (D, 2 * S), wd))
+      self.shared_w2 = nnx.Param(dense(rngs.params(), (S, D), wd))
+    else:
+      self.shared_w1 = self.shared_w2 = None
 
-  def route(self, x2d: jax.Array):
-    """x2d [T, D] -> (expert_ids [T, k] int32, gates [T, k] float32, aux losses)."""
-    logits = x2d.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_p, ids = jax.lax.top_k(probs, self.top_k)
-    gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    E = self.num_experts
-    frac_routed = jnp.mean(jax.nn.one_hot(ids, E, dtype=jnp.float32).sum(axis=1), axis=0) / self.top_k
-    load_balance = E * jnp.sum(frac_routed * jnp.mean(probs, axis=0))
-    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return ids.astype(jnp.int32), gates, load_balance, z_loss
+  # The sizes under their earlier attribute names, for code written against the keyword form.
+  d_model = property(lambda self: self.config.emb_dim)
+  d_ff = property(lambda self: self.config.moe_mlp_dim)
+  num_experts = property(lambda self: self.config.num_experts)
+  top_k = property(lambda self: self.config.num_experts_per_tok)
 
-  def __call__(self, x: jax.Array):
-    shape = x.shape
-    if shape[-1] != self.d_model:
-      raise ValueError(f"jax_moe_overlap: MoE expects inputs [..., {self.d_model}], got {shape}")
-    x2d = x.reshape(-1, self.d_model)
-    ids, gates, lb, z = self.route(x2d)
-    y, dropped = moe_experts(x2d.astype(self.dtype), ids, gates, self.w1[...].astype(self.dtype),
-                             self.w2[...].astype(self.dtype), mesh=self.mesh, axis_name=self.expert_axis,
-                             capacity_factor=self.capacity_factor, impl=self.impl, config=self.config,
+  def route(self, x2d: jax.Array, token_mask: jax.Array | None = None) -> routing_lib.Routing:
+    """x2d [T, D] -> ``Routing`` (expert ids, gates, losses, load)."""
+    logits = x2d.astype(jnp.float32) @ self._dense_weight(self.router[...], x2d).astype(jnp.float32)
+    bias = self.routing_bias[...] if self.routing_bias is not None else None
+    return routing_lib.route(logits, self.config, bias, token_mask)
+
+  def shared(self, x2d: jax.Array) -> jax.Array:
+    """The shared experts' dense SwiGLU path on [T, D] tokens (float32 accumulation), in the compute dtype. It
+    reads only x, so XLA is free to run it while the routed tokens are in flight."""
+    dt = self.config.dtype
+    w1, w2 = (self._dense_weight(w[...], x2d).astype(dt) for w in (self.shared_w1, self.shared_w2))
+    a = jnp.dot(x2d.astype(dt), w1, preferred_element_type=jnp.float32)
+    return jnp.dot(swiglu(a).astype(dt), w2, preferred_element_type=jnp.float32)
+
+  def _dense_weight(self, w: jax.Array, x2d: jax.Array) -> jax.Array:
+    """A replicated weight applied to tokens sharded over an Explicit mesh is placed on that mesh (replicated), so
+    its gradient, a contraction over the sharded tokens, has a sharding to take (a sum over the ranks)."""
+    if _explicit_in(x2d) and jax.typeof(w).sharding.mesh != jax.typeof(x2d).sharding.mesh:
+      return jax.sharding.reshard(w, jax.sharding.NamedSharding(self.mesh, P()))
+    return w
+
+  def update_routing_bias(self, expert_load: jax.Array) -> None:
+    """One step of DeepSeek-V3's bias update from an [E] load (``MoEAux.expert_load``, or its mean over steps)."""
+    if self.routing_bias is None:
+      raise ValueError("jax_moe_overlap: this MoE has no routing bias (MoEConfig.routed_bias is False)")
+    self.routing_bias[...] = routing_lib.update_routing_bias(self.routing_bias[...], expert_load,
+                                                             self.config.routed_bias_update_rate)
+
+  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None):
+    cfg = self.config
+    if x.shape[-1] != cfg.emb_dim:
+      raise ValueError(f"jax_moe_overlap: MoE expects inputs [..., {cfg.emb_dim}], got {x.shape}")
+    if token_mask is not None and token_mask.shape != x.shape[:-1]:
+      raise ValueError(f"jax_moe_overlap: token_mask must have x's leading shape {x.shape[:-1]}, got "
+                       f"{token_mask.shape}")
+    x2d = self._flatten(x)
+    mask = None if token_mask is None else self._flatten(token_mask, features=False)
+    r = self.route(x2d, mask)
+    dt = cfg.dtype
+    y, dropped = moe_experts(x2d.astype(dt), r.expert_ids, r.gates, self.w1[...].astype(dt),
+                             self.w2[...].astype(dt), mesh=self.mesh, axis_name=self.expert_axis,
+                             capacity_factor=cfg.expert_capacity_factor, impl=self.impl, config=self.call_config,
                              batch_axes=self.batch_axes)
-    aux = MoEAux(lb, z, dropped.astype(jnp.float32) / (x2d.shape[0] * self.top_k))
-    return y.reshape(shape).astype(x.dtype), aux
+    if self.shared_w1 is not None:
+      y = (y.astype(jnp.float32) + self.shared(x2d)).astype(dt)
+    if cfg.routed_bias_update_rate and not self.deterministic:
+      self.update_routing_bias(r.expert_load)
+    aux = MoEAux(r.load_balance_loss, r.router_z_loss,
+                 dropped.astype(jnp.float32) / (x2d.shape[0] * cfg.num_experts_per_tok), r.expert_load)
+    return self._unflatten(y.astype(x.dtype), x), aux
+
+  def _flatten(self, a: jax.Array, features: bool = True) -> jax.Array:
+    """[..., D] -> [T, D] ([...] -> [T] without ``features``); on an Explicit mesh, tokens sharded over the expert
+    axis (a reshape of, say, a sequence-sharded x has no sharding of its own to take)."""
+    new = (-1, a.shape[-1]) if features else (-1,)
+    if _explicit_in(a):
+      spec = P(self.expert_axis, *([None] * (len(new) - 1)))
+      return jnp.reshape(a, new, out_sharding=jax.sharding.NamedSharding(self.mesh, spec))
+    return a.reshape(new)
+
+  def _unflatten(self, y: jax.Array, x: jax.Array) -> jax.Array:
+    """[T, D] -> x's shape, and on an Explicit mesh x's sharding."""
+    if _explicit_in(x):
+      return jnp.reshape(y, x.shape, out_sharding=jax.typeof(x).sharding)
+    return y.reshape(x.shape)
+
+
+class MoEBlock(MoE):
+  """``MoE`` as a drop-in feed-forward block: ``y = block(x)`` (x's shape, dtype and sharding), so it replaces a
+  dense MLP of an NNX model in one line.
+
+  Each call records with ``nnx.sow`` (collection ``nnx.Intermediate``): ``moe_aux_loss``, the weighted auxiliary loss
+  ``load_balance_loss_weight * load_balance_loss + router_z_loss_weight * router_z_loss``, and ``moe_aux``, the
+  call's ``MoEAux``. Collect them with ``y, inter = nnx.capture(model, nnx.Intermediate)(x)`` and add
+  ``total_aux_loss(inter)`` to the training loss.
+  """
+
+  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+    y, aux = super().__call__(x, token_mask)
+    cfg = self.config
+    self.sow(nnx.Intermediate, "moe_aux_loss", cfg.load_balance_loss_weight * aux.load_balance_loss +
+             cfg.router_z_loss_weight * aux.router_z_loss)
+    self.sow(nnx.Intermediate, "moe_aux", aux)
+    return y
+
+
+def total_aux_loss(intermediates) -> jax.Array:
+  """The sum of every ``moe_aux_loss`` record in ``intermediates`` (the ``nnx.Intermediate`` state from
+  ``nnx.capture(model, nnx.Intermediate)`` or ``nnx.pop(model, nnx.Intermediate)``); 0.0 when there is none."""
+  total = jnp.zeros((), jnp.float32)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
+    if any(getattr(key, "key", None) == "moe_aux_loss" for key in path):
+      total = total + leaf
+  return total
+
+
+def _explicit_in(a: jax.Array) -> bool:
+  """Whether a's sharding type names a mesh with Explicit axes."""
+  mesh = jax.typeof(a).sharding.mesh
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _legacy_config(d_model: int, d_ff: int, num_experts: int, top_k: int, *, capacity_factor=None,
+                   dtype=jnp.float32, param_dtype=jnp.float32, config: CallConfig | None = None):
+  """The ``MoEConfig`` (and ``CallConfig``) of the keyword form ``MoE(d_model, d_ff, num_experts, top_k, ...)``."""
+  return MoEConfig(emb_dim=d_model, moe_mlp_dim=d_ff, num_experts=num_experts, num_experts_per_tok=top_k,
+                   capacity_factor=capacity_factor, dtype=dtype, weight_dtype=param_dtype), config

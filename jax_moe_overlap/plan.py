@@ -4,7 +4,7 @@ One expert-parallel group has ``R`` ranks; rank ``r`` holds ``T`` tokens and the
 ``r*E_local ... (r+1)*E_local - 1``. Each token picks ``k`` experts, giving ``P = T*k`` *slots*; slot
 ``p = t*k + j`` is token ``t``'s ``j``-th choice.
 
-Layouts (DESIGN §2):
+Layouts:
 
 * **send order** (on the source rank): slots sorted stably by (destination rank, local expert). A slot's position
   in this order is also its row in the source's ``ret`` buffer, where its expert output comes back.
@@ -14,6 +14,11 @@ Layouts (DESIGN §2):
 Capacity (Switch-Transformer semantics, deterministic): every expert takes at most ``expert_capacity`` rows per
 call, first come first served in the global slot order ``(source rank, slot index)``. Dropped slots contribute
 zero to the output, are counted, and are identical in the reference implementation (``reference.py``).
+
+Skipped slots: expert id ``SKIP`` (-1) means "no selection" (a padding token, or a router that picks fewer than k
+experts). Such a slot is in no count, takes no capacity, moves no row and computes nothing; it contributes zero to
+the output and is not counted as dropped. It carries ``slot_dest_rank = rank`` (any valid rank would do) and
+``slot_dest_row = slot_ret_row = -1``, which the custom calls skip like a dropped slot.
 
 Because both sides compute the same plan from the all-gathered count matrix ``C[R_src, R_dst, E_local]``, no
 per-row metadata crosses the wire.
@@ -27,6 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+SKIP = -1  # the expert id of a skipped slot
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +41,8 @@ class Plan:
   """Per-rank routing plan. All arrays are int32.
 
   Sender side (this rank's ``P = T*k`` slots, in slot order):
-    slot_dest_rank: [P] rank that owns the slot's expert; -1 marks an expert id outside [0, E).
+    slot_dest_rank: [P] rank that owns the slot's expert (this rank for a skipped slot); -1 marks an invalid id
+      (outside [0, E) and not ``SKIP``).
     slot_dest_row: [P] row in that rank's recv buffer, -1 if the slot was dropped.
     slot_ret_row: [P] row in this rank's ret buffer where the slot's output returns, -1 if dropped.
     ret_rows: [] number of kept slots (rows this rank receives back in expert_combine).
@@ -43,7 +51,7 @@ class Plan:
     seg_ret_off: [E_local, R] first ret row of that segment on its source rank.
     expert_rows: [E_local] rows per local expert in recv (the grouped GEMM's group sizes).
     recv_rows: [] total rows this rank receives in dispatch.
-  dropped: [] slots of this rank dropped by the capacity rule.
+  dropped: [] slots of this rank dropped by the capacity rule (skipped slots are not dropped).
   """
 
   slot_dest_rank: jax.Array
@@ -77,16 +85,30 @@ def recv_capacity(tokens_per_rank: int, ranks: int, top_k: int, experts_per_rank
 def local_counts(expert_ids: jax.Array, num_experts: int) -> jax.Array:
   """[T, k] global expert ids -> [E] slot counts of this rank (reshape to [R, E_local] for the gather).
 
-  Ids outside [0, E) count as expert 0, exactly as ``make_plan`` treats them, so every rank's plan stays
-  consistent while the custom call on the offending rank reports them.
+  Skipped slots (id ``SKIP``) count nowhere. Other ids outside [0, E) count as expert 0, exactly as ``make_plan``
+  treats them, so every rank's plan stays consistent while the custom call on the offending rank reports them.
   """
   ids = expert_ids.reshape(-1)
-  ids = jnp.where((ids >= 0) & (ids < num_experts), ids, 0)
-  return jnp.zeros((num_experts,), jnp.int32).at[ids].add(1)
+  key = _group_key(ids, num_experts)
+  return jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
 
 
-def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+def _group_key(ids: jax.Array, num_experts: int) -> jax.Array:
+  """The send-order key of each slot: its expert id; ``num_experts`` (after every expert) for a skipped slot; 0 for
+  an invalid id (it is reported by the custom calls)."""
+  ids = ids.astype(jnp.int32)
+  return jnp.where(ids == SKIP, num_experts, jnp.where((ids >= 0) & (ids < num_experts), ids, 0))
+
+
+def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.cumsum(x, axis=axis) - x
+
+
+def kept_counts(counts: jax.Array, expert_cap: int) -> jax.Array:
+  """[R_src, R_dst, E_local] slot counts -> the rows of each (source, expert) group that the capacity keeps: first
+  come first served over source ranks, per expert."""
+  counts = counts.astype(jnp.int32)
+  return jnp.clip(expert_cap - exclusive_cumsum(counts, axis=0), 0, counts)
 
 
 def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_cap: int) -> Plan:
@@ -102,36 +124,37 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
   R, _, E_l = counts.shape
   P = T * k
   counts = counts.astype(jnp.int32)
-  # kept[s, d, e]: first come first served over source ranks, per expert.
-  before = _exclusive_cumsum(counts, axis=0)
-  kept = jnp.clip(expert_cap - before, 0, counts)
+  kept = kept_counts(counts, expert_cap)
 
-  flat = expert_ids.reshape(P).astype(jnp.int32)
-  valid = (flat >= 0) & (flat < R * E_l)
-  flat = jnp.where(valid, flat, 0)  # invalid ids are reported by the custom calls (slot_dest_rank = -1)
+  raw = expert_ids.reshape(P).astype(jnp.int32)
+  E = R * E_l
+  skipped = raw == SKIP
+  valid = (raw >= 0) & (raw < E)
+  key = _group_key(raw, E)                                   # skipped slots sort after every group
+  flat = jnp.minimum(key, E - 1)
   dest = flat // E_l
   e_loc = flat % E_l
   # Stable sort by group id (d, e) = global expert id: the send order. pos = slot's index in the send order.
-  order = jnp.argsort(flat, stable=True)
+  order = jnp.argsort(key, stable=True)
   pos = jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))
-  my_counts = counts[rank].reshape(R * E_l)                   # [E] counts of this rank, (d, e) order
-  send_start = _exclusive_cumsum(my_counts)                   # first send position of each group
+  my_counts = counts[rank].reshape(E)                         # [E] counts of this rank, (d, e) order
+  send_start = exclusive_cumsum(my_counts)                   # first send position of each group
   pos_in_group = pos - send_start[flat]
-  my_kept = kept[rank].reshape(R * E_l)
-  is_kept = pos_in_group < my_kept[flat]
+  my_kept = kept[rank].reshape(E)
+  is_kept = (pos_in_group < my_kept[flat]) & ~skipped
 
   # recv_off[d, e, s]: first recv row of segment (e, s) on rank d (segments packed in (e, s) order).
   kept_des = jnp.transpose(kept, (1, 2, 0))                    # [d, e, s]
-  recv_off = _exclusive_cumsum(kept_des.reshape(R, E_l * R)).reshape(R, E_l, R)
+  recv_off = exclusive_cumsum(kept_des.reshape(R, E_l * R)).reshape(R, E_l, R)
   dest_row = recv_off[dest, e_loc, rank] + pos_in_group
 
   # seg_ret_off[e, s] = first send position of group (rank, e) on source s.
-  send_start_all = _exclusive_cumsum(counts.reshape(R, R * E_l)).reshape(R, R, E_l)  # [s, d, e]
+  send_start_all = exclusive_cumsum(counts.reshape(R, R * E_l)).reshape(R, R, E_l)  # [s, d, e]
   seg_ret_off = jnp.transpose(send_start_all[:, rank, :], (1, 0))                     # [e, s]
   seg_rows = jnp.transpose(kept[:, rank, :], (1, 0))                                  # [e, s]
   ret_rows = jnp.sum(my_kept)
   return Plan(
-      slot_dest_rank=jnp.where(valid, dest, -1).astype(jnp.int32),
+      slot_dest_rank=jnp.where(valid, dest, jnp.where(skipped, rank, -1)).astype(jnp.int32),
       slot_dest_row=jnp.where(is_kept, dest_row, -1).astype(jnp.int32),
       slot_ret_row=jnp.where(is_kept, pos, -1).astype(jnp.int32),
       ret_rows=ret_rows.astype(jnp.int32),
@@ -139,5 +162,5 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
       seg_ret_off=seg_ret_off.astype(jnp.int32),
       expert_rows=jnp.sum(seg_rows, axis=1).astype(jnp.int32),
       recv_rows=jnp.sum(seg_rows).astype(jnp.int32),
-      dropped=(P - ret_rows).astype(jnp.int32),
+      dropped=(P - jnp.sum(skipped) - ret_rows).astype(jnp.int32),
   )

@@ -9,8 +9,9 @@ the routed work and float32 weight gradients of tens of GB.
 ``moe_experts_sparse_reference`` is the same layer (same capacity rule, the same y, dropped count and gradients up to
 float32 rounding) at the cost of the routed rows only, T k per GEMM, always in float32 at precision HIGHEST:
 ``routed_combine`` runs each expert's slots in fixed-size blocks under a ``lax.scan``. The benchmarks check big
-shapes with it (benchmarks/bench_ep_layer.py runs it expert-parallel); tests/test_reference.py holds it equal to the
-dense oracle.
+shapes with it (run expert-parallel); tests/test_reference.py holds it equal to the dense oracle.
+
+Skipped slots (expert id -1) select nothing in both: they contribute zero, take no capacity and are not dropped.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import _jmo
+from jax_moe_overlap.checks import check_axis
 from jax_moe_overlap.cuda_workspace import rank_devices
 
 
@@ -106,7 +107,7 @@ class Workspace:
   _release_hooks: list[Callable[["Workspace"], None]] = []
 
   def __init__(self, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes):
-    _check_axis(mesh, axis_name)
+    check_axis(mesh, axis_name)
     _ffi.register()
     self.mesh = mesh
     self.axis_name = axis_name
@@ -235,12 +236,6 @@ def check_groups_in_this_process(mesh: jax.sharding.Mesh, axis_name: str) -> Non
           f"{[str(d) for d in devs]}); a CPU workspace shares memory only within one process. Put the expert axis "
           "inside each process (jax.make_mesh orders devices by process, so make the expert axis the last one and "
           "at most jax.local_device_count() long) and let the other mesh axes span the processes")
-
-
-def _check_axis(mesh, axis_name):
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
-                     f"{axis_name!r} for expert parallelism")
 
 
 def release_workspaces() -> int:

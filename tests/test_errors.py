@@ -123,11 +123,11 @@ def test_module_rejects_bad_configuration():
   mesh = mesh_of(4)
   with pytest.raises(ValueError, match=r"6 experts cannot be split evenly over the 4 devices"):
     jmo.MoE(16, 32, 6, 2, mesh=mesh, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=8\]"):
+  with pytest.raises(ValueError, match=r"top-k must be in \[1, num_experts=8\]"):
     jmo.MoE(16, 32, 8, 9, mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"no axis named 'experts'"):
     jmo.MoE(16, 32, 8, 2, mesh=mesh, expert_axis="experts", rngs=nnx.Rngs(0))
-  with pytest.raises(TypeError, match=r"dtype must be float32 or bfloat16"):
+  with pytest.raises(TypeError, match=r"dtype has dtype float16; supported: float32, bfloat16"):
     jmo.MoE(16, 32, 8, 2, mesh=mesh, dtype=jnp.float16, rngs=nnx.Rngs(0))
   m = jmo.MoE(16, 32, 8, 2, mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"expects inputs \[..., 16\]"):

@@ -1,0 +1,92 @@
+"""Input rules of the library, each checked in exactly one place.
+
+Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy,
+so a rule and its message change in one place. Each raises a ValueError or TypeError naming the problem before
+anything runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_overlap.plan import SKIP
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+IMPLS = ("overlap", "reference", "xla")
+
+
+def check_axis(mesh: jax.sharding.Mesh, axis_name: str) -> int:
+  """The mesh has an axis ``axis_name``; returns its size R."""
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
+                     f"{axis_name!r} for expert parallelism")
+  return int(mesh.shape[axis_name])
+
+
+def check_experts(num_experts: int, top_k: int, ranks: int, axis_name: str) -> None:
+  """1 <= top_k <= num_experts, and the experts split evenly over the R ranks of the axis."""
+  if top_k < 1 or top_k > num_experts:
+    raise ValueError(f"jax_moe_overlap: top-k must be in [1, num_experts={num_experts}], got {top_k}")
+  if num_experts % ranks:
+    raise ValueError(f"jax_moe_overlap: {num_experts} experts cannot be split evenly over the {ranks} devices of "
+                     f"mesh axis {axis_name!r}")
+
+
+def check_tokens(tokens: int, ranks: int, axis_name: str) -> None:
+  if tokens % ranks:
+    raise ValueError(f"jax_moe_overlap: {tokens} tokens cannot be split evenly over the {ranks} devices of mesh axis "
+                     f"{axis_name!r}")
+
+
+def check_impl(impl: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference' or 'xla', got {impl!r}")
+
+
+def check_dtype(name: str, dtype) -> None:
+  """A compute dtype of the expert layer: float32 or bfloat16."""
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    raise TypeError(f"jax_moe_overlap: {name} has dtype {jnp.dtype(dtype)}; supported: float32, bfloat16")
+
+
+def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name) -> None:
+  """The arguments of ``moe_experts``: shapes, dtypes and their fit to the mesh axis."""
+  R = check_axis(mesh, axis_name)
+  if x.ndim != 2:
+    raise ValueError(f"jax_moe_overlap: x must be [tokens, d_model], got shape {x.shape}")
+  T, D = x.shape
+  if w1.ndim != 3 or w2.ndim != 3:
+    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] and w2 [E, F, D], got {w1.shape} and {w2.shape}")
+  E = w1.shape[0]
+  if w1.shape[1] != D or w1.shape[2] % 2 or w2.shape != (E, w1.shape[2] // 2, D):
+    raise ValueError(f"jax_moe_overlap: weight shapes w1 {w1.shape}, w2 {w2.shape} do not fit d_model={D} "
+                     f"(expected w1 [E, {D}, 2F], w2 [E, F, {D}])")
+  if expert_ids.ndim != 2 or expert_ids.shape[0] != T or gates.shape != expert_ids.shape:
+    raise ValueError(f"jax_moe_overlap: expert_ids {expert_ids.shape} and gates {gates.shape} must both be "
+                     f"[tokens={T}, k]")
+  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise TypeError(f"jax_moe_overlap: expert_ids must be integers, got {expert_ids.dtype}")
+  for name, a in (("x", x), ("w1", w1), ("w2", w2)):
+    check_dtype(name, a.dtype)
+  if not (x.dtype == w1.dtype == w2.dtype):
+    raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
+  check_experts(E, expert_ids.shape[1], R, axis_name)
+  check_tokens(T, R, axis_name)
+
+
+def check_expert_ids(expert_ids, num_experts: int) -> None:
+  """Concrete expert ids must lie in [0, E) or be ``SKIP`` (-1); traced ones are checked by the custom calls at run
+  time (the other impls give an invalid id no output, as for a skipped slot)."""
+  try:
+    ids = np.asarray(expert_ids)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return
+  if ids.size == 0:
+    return
+  bad = (ids != SKIP) & ((ids < 0) | (ids >= num_experts))
+  if bad.any():
+    lo, hi = int(ids.min()), int(ids.max())
+    raise ValueError(f"jax_moe_overlap: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}] "
+                     f"({SKIP} marks a skipped slot; other values are errors)")

@@ -1,0 +1,142 @@
+"""``impl="xla"``: the expert-parallel MoE layer from XLA collectives and ``lax.ragged_dot`` alone, no custom call.
+
+It is the path a JAX user has without this library (route, sort, ragged all-to-all, grouped GEMM, ragged all-to-all
+back, combine), kept first-class: the fallback where the custom calls cannot run (TPU, an expert axis across hosts)
+and the honest baseline of the benchmarks. Same semantics as ``impl="reference"``: the plan's capacity rule (first
+come first served in the global slot order), skipped slots (id -1) moving nothing, the sum over a token's choices in
+the fixed order j = 0..k-1. Differentiable by JAX's own rules.
+
+Per rank, inside ``shard_map``:
+
+1. The slot counts are all-gathered and the capacity kept per (source, destination, local expert) group computed as
+   in ``plan.make_plan``. Kept slots go to a compact send buffer in the send order (destination rank, expert).
+2. The exchange sends each destination its contiguous chunk. It lands on the receiver in (source, expert) order; a
+   gather puts it in (expert, source) order, the plan's recv layout, so each local expert's rows are contiguous.
+3. GEMM1 (float32 accumulation), SwiGLU, GEMM2 as ``lax.ragged_dot`` over the local experts.
+4. The inverse gather, the exchange back, and the gate-weighted sum per token.
+
+The exchange is ``lax.ragged_all_to_all`` on GPU and TPU. XLA:CPU has no ragged all-to-all: there every destination's
+chunk is padded to a static bound and sent with ``lax.all_to_all`` (the same rows land in the same places).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.primitives import swiglu
+
+
+def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
+                    batch_axes: tuple[str, ...] = ()):
+  """The expert layer with tokens sharded over ``(*batch_axes, axis_name)`` and experts over ``axis_name`` (each
+  position on the batch axes an independent expert-parallel group): returns (y [T, D], dropped [])."""
+  ragged = _uses_ragged_all_to_all(mesh)
+  fn = functools.partial(_moe_local, axis_name=axis_name, batch_axes=batch_axes, num_experts=w1.shape[0],
+                         expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged)
+  token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(token_spec,) * 3 + (weight_spec,) * 2,
+                       out_specs=(token_spec, P()), check_vma=False)(x, expert_ids, gates, w1, w2)
+
+
+def _uses_ragged_all_to_all(mesh) -> bool:
+  return {d.platform for d in mesh.devices.flat} != {"cpu"}
+
+
+def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, expert_cap, recv_cap,
+               ragged):
+  T, k = expert_ids.shape
+  R = jax.lax.axis_size(axis_name)
+  E_l = num_experts // R
+  rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+  counts = plan_lib.local_counts(expert_ids, num_experts).reshape(R, E_l)
+  counts_all = jax.lax.all_gather(counts, axis_name)                       # [s, d, e]
+  plan = plan_lib.make_plan(expert_ids, counts_all, rank, expert_cap)
+  kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
+  cs = plan_lib.exclusive_cumsum
+
+  # 1. Compact send buffer: a kept slot's place in the send order minus the dropped slots before it.
+  my_counts, my_kept = counts_all[rank].reshape(-1), kept[rank].reshape(-1)
+  g = jnp.clip(expert_ids.reshape(T * k), 0, num_experts - 1)
+  is_kept = plan.slot_ret_row >= 0
+  send_row = jnp.where(is_kept, plan.slot_ret_row - cs(my_counts - my_kept)[g], T * k)
+  token = jnp.arange(T * k, dtype=jnp.int32) // k
+  send = jnp.zeros((T * k, x.shape[1]), x.dtype).at[send_row].set(x[token], mode="drop")
+
+  kept_sd = jnp.sum(kept, axis=2)                                           # [s, d] rows from s to d
+  send_sizes = kept_sd[rank]
+  recv_sizes = kept_sd[:, rank]
+  send_offsets = cs(send_sizes)
+  recv_offsets = cs(recv_sizes)
+  at_dest = cs(kept_sd, axis=0)[rank]            # where this rank's chunk starts on each destination
+  at_source = cs(kept_sd, axis=1)[:, rank]       # where each source's chunk to this rank starts in its send order
+  exchange = functools.partial(_exchange_ragged if ragged else _exchange_padded, axis_name=axis_name)
+
+  # 2. Receive in (source, expert) order, gather into (expert, source) order.
+  recv_se = exchange(send, recv_cap, send_offsets, send_sizes, at_dest, recv_sizes)
+  es_from_se, se_from_es = _layout_maps(kept[:, rank, :], recv_cap)
+  x_recv = jnp.take(recv_se, es_from_se, axis=0, mode="fill", fill_value=0)
+
+  # 3. The local experts.
+  a = jax.lax.ragged_dot(x_recv, w1, plan.expert_rows, preferred_element_type=jnp.float32)
+  out = jax.lax.ragged_dot(swiglu(a).astype(x.dtype), w2, plan.expert_rows,
+                           preferred_element_type=jnp.float32).astype(x.dtype)
+
+  # 4. Back to (source, expert) order, back to the sources, combine.
+  out_se = jnp.take(out, se_from_es, axis=0, mode="fill", fill_value=0)
+  ret = exchange(out_se, T * k, recv_offsets, recv_sizes, at_source, send_sizes)
+  slot_out = jnp.take(ret, send_row, axis=0, mode="fill", fill_value=0).astype(jnp.float32).reshape(T, k, -1)
+  w = jnp.where(is_kept.reshape(T, k), gates.astype(jnp.float32), 0)
+  y = w[:, 0, None] * slot_out[:, 0]
+  for j in range(1, k):
+    y = y + w[:, j, None] * slot_out[:, j]
+  return y.astype(x.dtype), jax.lax.psum(plan.dropped, (*batch_axes, axis_name))
+
+
+def _layout_maps(kept_se: jax.Array, rows: int):
+  """kept_se [R_src, E_local]: rows of each (source, expert) segment on this rank -> (es_from_se, se_from_es), two
+  [rows] int32 maps: the (source, expert)-order row of each (expert, source)-order row and the inverse; ``rows``
+  (out of range: a zero row) past the received rows."""
+  R, E_l = kept_se.shape
+  sizes_se = kept_se.reshape(R * E_l)
+  sizes_es = kept_se.T.reshape(E_l * R)
+  start_se = plan_lib.exclusive_cumsum(sizes_se).reshape(R, E_l)
+  start_es = plan_lib.exclusive_cumsum(sizes_es).reshape(E_l, R)
+  i = jnp.arange(rows, dtype=jnp.int32)
+  total = jnp.sum(sizes_se)
+
+  def lookup(sizes, start_from, start_to, transpose):
+    seg = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), i, side="right"), sizes.shape[0] - 1)
+    a, b = seg // start_from.shape[1], seg % start_from.shape[1]
+    within = i - start_from[a, b]
+    dst = (start_to[b, a] if transpose else start_to[a, b]) + within
+    return jnp.where(i < total, dst, rows).astype(jnp.int32)
+
+  es_from_se = lookup(sizes_es, start_es, start_se, transpose=True)
+  se_from_es = lookup(sizes_se, start_se, start_es, transpose=True)
+  return es_from_se, se_from_es
+
+
+def _exchange_ragged(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+  output = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
+  return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                   axis_name=axis_name)
+
+
+def _exchange_padded(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+  """``ragged_all_to_all``'s result through ``lax.all_to_all``: every chunk padded to the most rows it can hold."""
+  R = input_offsets.shape[0]
+  bound = min(operand.shape[0], out_rows)
+  i = jnp.arange(bound, dtype=jnp.int32)
+  src = jnp.where(i[None, :] < send_sizes[:, None], input_offsets[:, None] + i[None, :], operand.shape[0])
+  blocks = jnp.take(operand, src.reshape(-1), axis=0, mode="fill", fill_value=0).reshape((R, bound) +
+                                                                                         operand.shape[1:])
+  got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape((R, bound) + operand.shape[1:])
+  where = jax.lax.all_to_all(output_offsets.reshape(R, 1), axis_name, 0, 0, tiled=True).reshape(R)
+  dst = jnp.where(i[None, :] < recv_sizes[:, None], where[:, None] + i[None, :], out_rows)
+  output = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
+  return output.at[dst.reshape(-1)].set(got.reshape((R * bound,) + operand.shape[1:]), mode="drop")

@@ -1,0 +1,113 @@
+"""impl="xla" and skipped slots (expert id -1) against the dense reference, forward and gradients, on 4 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_overlap as jmo
+from cases import layer_inputs, mesh_of, rel_err
+
+E, D, F, K, T = 8, 16, 24, 2, 32
+
+
+def with_skips(ids, seed, fraction=0.3):
+  """Marks a random `fraction` of the slots -1, and every slot of tokens 0..3 (whole padding tokens)."""
+  rng = np.random.default_rng(seed)
+  ids = np.array(ids)
+  ids[rng.random(ids.shape) < fraction] = -1
+  ids[:4] = -1
+  return jnp.asarray(ids)
+
+
+def loss(impl, mesh, ids, cf):
+  def f(x, gates, w1, w2):
+    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=cf, impl=impl)
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+
+@pytest.mark.parametrize("kind,cf", [("skewed", None), ("skewed", 0.5), ("all_to_one", 1.0), ("empty_experts", 0.5)])
+def test_xla_matches_reference(kind, cf):
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, kind, 3)
+  y, dropped = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, capacity_factor=cf, impl="xla"))(
+      x, ids, gates, w1, w2)
+  y_ref, dropped_ref = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=cf, impl="reference")
+  assert int(dropped) == int(dropped_ref)
+  assert rel_err(y, y_ref) < 1e-5
+  v, g = loss("xla", mesh, ids, cf)(x, gates, w1, w2)
+  v_ref, g_ref = loss("reference", mesh, ids, cf)(x, gates, w1, w2)
+  assert abs(float(v) - float(v_ref)) < 1e-4 * max(1.0, abs(float(v_ref)))
+  for a, b in zip(g, g_ref):
+    assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["overlap", "xla", "reference"])
+@pytest.mark.parametrize("cf", [None, 0.75])
+def test_skipped_slots(impl, cf):
+  """A -1 slot contributes zero and is not dropped: the layer equals the one where its gate is zero (id kept,
+  so that slot is routed), apart from the capacity the routed slot takes; with cf=None that is exact."""
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, "skewed", 5)
+  sk = with_skips(ids, 5)
+  y, dropped = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, capacity_factor=cf, impl=impl))(
+      x, sk, gates, w1, w2)
+  # NumPy oracle: per token, sum of gate * expert MLP over kept, non-skipped slots; capacity per expert in the
+  # global slot order counts non-skipped slots only.
+  xn, gn, w1n, w2n, idn = (np.asarray(a, np.float64) for a in (x, gates, w1, w2, sk))
+  cap = T * 1 if cf is None else max(1, min(int(np.ceil(cf * T * K / E)), T))
+  used = np.zeros(E, int)
+  y_np = np.zeros((T, D))
+  n_dropped = 0
+  for t in range(T):
+    for j in range(K):
+      e = int(idn[t, j])
+      if e < 0:
+        continue
+      if used[e] >= cap:
+        n_dropped += 1
+        continue
+      used[e] += 1
+      a = xn[t] @ w1n[e]
+      h = a[:F] / (1 + np.exp(-a[:F])) * a[F:]
+      y_np[t] += gn[t, j] * (h @ w2n[e])
+  assert int(dropped) == n_dropped
+  assert rel_err(y, y_np) < 1e-5
+  np.testing.assert_array_equal(np.asarray(y[:4]), 0)
+  v, g = loss(impl, mesh, sk, cf)(x, gates, w1, w2)
+  v_ref, g_ref = loss("reference", mesh, sk, cf)(x, gates, w1, w2)
+  assert abs(float(v) - float(v_ref)) < 1e-4 * max(1.0, abs(float(v_ref)))
+  for a, b in zip(g, g_ref):
+    assert rel_err(a, b) < 1e-5
+  # Skipped slots get no gradient: their gates' cotangents are zero, as are padding tokens' dx.
+  np.testing.assert_array_equal(np.asarray(g[1])[np.asarray(sk) < 0], 0)
+  np.testing.assert_array_equal(np.asarray(g[0][:4]), 0)
+
+
+def test_all_skipped():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, "skewed", 1)
+  sk = jnp.full_like(ids, -1)
+  for impl in ("overlap", "xla", "reference"):
+    y, dropped = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, impl=impl))(x, sk, gates, w1, w2)
+    assert int(dropped) == 0
+    np.testing.assert_array_equal(np.asarray(y), 0)
+
+
+@pytest.mark.parametrize("bad", [-2, E])
+def test_other_out_of_range_ids_stay_errors(bad):
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, "skewed", 1)
+  with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\)"):
+    jmo.moe_experts(x, ids.at[2, 1].set(bad), gates, w1, w2, mesh=mesh)
+
+
+def test_xla_bf16_close_to_reference():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, "skewed", 2, dtype=jnp.bfloat16)
+  y = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, impl="xla")[0])(x, ids, gates, w1, w2)
+  y_ref = jmo.moe_experts(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+                            for a in (x, ids, gates, w1, w2)), mesh=mesh, impl="reference")[0]
+  assert y.dtype == jnp.bfloat16
+  assert rel_err(y, y_ref) < 2e-2
