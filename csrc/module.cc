@@ -36,6 +36,22 @@ int64_t CreateCpuWorkspace(int ranks, int groups, int64_t row_bytes, int64_t rec
   return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s));
 }
 
+// A workspace whose groups span processes: creates this process's shared-memory objects (workspace_cpu.h).
+int64_t CreateCpuSharedWorkspace(int ranks, int groups, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
+                                 int64_t num_segments, const std::vector<int>& process, int here,
+                                 const std::string& prefix) {
+  if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
+    throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
+  jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, num_segments)};
+  return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s, process, here, prefix));
+}
+
+jmo::cpu::Workspace& LiveCpuWorkspace(int64_t handle) {
+  jmo::cpu::Workspace* ws = jmo::cpu::LookupWorkspace(handle);
+  if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: no live CPU workspace " + std::to_string(handle));
+  return *ws;
+}
+
 std::vector<jmo::ModelSegment> Segments(const std::vector<std::tuple<int, int>>& segs) {
   std::vector<jmo::ModelSegment> out;
   for (auto& [rows, remote] : segs) out.push_back(jmo::ModelSegment{rows, remote});
@@ -56,6 +72,12 @@ NB_MODULE(_jmo, m) {
   });
   m.def("create_cpu_workspace", &CreateCpuWorkspace, nb::arg("ranks"), nb::arg("groups"), nb::arg("row_bytes"),
         nb::arg("recv_rows"), nb::arg("ret_rows"), nb::arg("num_segments"));
+  m.def("create_cpu_shared_workspace", &CreateCpuSharedWorkspace, nb::arg("ranks"), nb::arg("groups"),
+        nb::arg("row_bytes"), nb::arg("recv_rows"), nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("process"),
+        nb::arg("here"), nb::arg("prefix"));
+  m.def("map_cpu_workspace_peers", [](int64_t handle) { LiveCpuWorkspace(handle).MapPeers(); }, nb::arg("handle"));
+  m.def("unlink_cpu_workspace_names", [](int64_t handle) { LiveCpuWorkspace(handle).UnlinkOwn(); },
+        nb::arg("handle"));
   // CPU and CUDA workspace handles live in disjoint ranges; each side releases its own.
   m.def(
       "release_workspace",

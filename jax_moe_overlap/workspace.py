@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import math
+import secrets
 import threading
 from typing import Callable
 
@@ -124,10 +126,14 @@ class Workspace:
     self.consumer_policy = "CPU: one consumer thread per rank (consumer_ctas is checked but has no effect)"
     self.calibration = None
     self.sm_budget = None
+    self.shm_prefix = None  # CPU groups spanning processes: the names of the shared-memory objects
     if self.platform == "cpu":
-      check_groups_in_this_process(mesh, axis_name)
-      self.handle = int(_jmo.create_cpu_workspace(self.ranks, self.groups, sizes.row_bytes, sizes.recv_rows,
-                                                  sizes.ret_rows, sizes.num_segments))
+      devs = rank_devices(mesh, axis_name)
+      if any(len({d.process_index for d in row}) > 1 for row in devs):
+        self.handle, self.shm_prefix = _create_cpu_shared(devs, sizes)
+      else:
+        self.handle = int(_jmo.create_cpu_workspace(self.ranks, self.groups, sizes.row_bytes, sizes.recv_rows,
+                                                    sizes.ret_rows, sizes.num_segments))
     elif self.platform == "gpu" and _ffi.with_cuda():
       from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
       self.handle = cuda_workspace.create(self, mesh, axis_name, sizes)
@@ -222,20 +228,56 @@ class Workspace:
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
 
 
-def check_groups_in_this_process(mesh: jax.sharding.Mesh, axis_name: str) -> None:
-  """A CPU workspace shares memory between the threads of one process: every expert-parallel group with a device of
-  this process must have all its devices here. Groups wholly in other processes are theirs (the other mesh axes may
-  span processes: data parallelism over jax.distributed), so this fails before anything runs, on every process
-  whose groups span processes, instead of each call waiting for a peer that never writes."""
+# How long creating a shared CPU workspace waits for each peer process's step (creating, then mapping, its
+# shared-memory objects). Every process builds the same programs, so peers reach this within the compile-time skew.
+SHARED_SETUP_TIMEOUT_S = 60.0
+_shared_seq = itertools.count()
+
+
+def _create_cpu_shared(devs: np.ndarray, sizes: WorkspaceSizes) -> tuple[int, str]:
+  """A CPU workspace whose groups span processes (``devs``: [groups, ranks]). Each process creates a POSIX
+  shared-memory object per rank it owns, the processes meet through jax.distributed's key-value store (every process
+  of the mesh creates its workspaces in the same order, so the n-th one has the same keys everywhere), each maps
+  its peers' objects, and once all have mapped them each removes its names: nothing is left in /dev/shm after
+  setup, whatever happens to the processes later. Returns (handle, name prefix)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("jax_moe_overlap: a CPU expert axis spanning processes needs jax.distributed.initialize() "
+                       "(its key-value store exchanges the shared-memory names)")
   here = jax.process_index()
-  for group, devs in enumerate(rank_devices(mesh, axis_name)):
-    owners = sorted({d.process_index for d in devs})
-    if here in owners and len(owners) > 1:
-      raise NotImplementedError(
-          f"jax_moe_overlap: the expert axis {axis_name!r} of group {group} spans processes {owners} (devices "
-          f"{[str(d) for d in devs]}); a CPU workspace shares memory only within one process. Put the expert axis "
-          "inside each process (jax.make_mesh orders devices by process, so make the expert axis the last one and "
-          "at most jax.local_device_count() long) and let the other mesh axes span the processes")
+  procs = sorted({d.process_index for d in devs.flat})
+  groups, ranks = devs.shape
+  key = f"jmo/ws/{next(_shared_seq)}"
+  timeout_ms = int(SHARED_SETUP_TIMEOUT_S * 1000)
+
+  def wait_for(step: str, process: int) -> str:
+    try:
+      return client.blocking_key_value_get(f"{key}/{step}/{process}", timeout_ms)
+    except Exception as e:  # pylint: disable=broad-except
+      raise RuntimeError(
+          f"jax_moe_overlap: process {here} waited {SHARED_SETUP_TIMEOUT_S:.0f} s for process {process} to {step} "
+          f"its part of the shared CPU workspace {key} (it died, hangs, or runs a different program): {e}") from e
+
+  if here == procs[0]:
+    client.key_value_set(f"{key}/prefix/{here}", f"/jmo-{secrets.token_hex(8)}")
+  prefix = wait_for("prefix", procs[0])
+  handle = int(_jmo.create_cpu_shared_workspace(ranks, groups, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
+                                                sizes.num_segments, [int(d.process_index) for d in devs.flat], here,
+                                                prefix))
+  try:
+    client.key_value_set(f"{key}/create/{here}", "1")
+    for p in procs:
+      wait_for("create", p)
+    _jmo.map_cpu_workspace_peers(handle)
+    client.key_value_set(f"{key}/map/{here}", "1")
+    for p in procs:
+      wait_for("map", p)
+    _jmo.unlink_cpu_workspace_names(handle)
+  except BaseException:
+    _jmo.release_workspace(handle)  # also removes this process's names
+    raise
+  return handle, prefix
 
 
 def release_workspaces() -> int:

@@ -4,11 +4,16 @@ argv: process_id num_processes port local_devices case. Cases:
   data_across: mesh (data = processes, expert = local devices), tokens over both (batch_axes=("data",)); prints
     "match" when the output and gradients of the last of $JMO_CALLS consecutive calls (default 3) equal a
     single-process float32 oracle on the same global inputs.
-  expert_across: the expert axis spans the processes; prints "refused after <seconds> s: <error>" when the workspace
-    refuses it at creation (before any call could wait for a peer).
+  expert_across: the expert axis spans every device of every process (a shared-memory workspace); runs $JMO_CALLS
+    calls, saves the last one's output and gradients to $JMO_OUT (process 0) or compares them bitwise with
+    $JMO_ORACLE (the same case run as one process holding every device), and prints "bitwise" when equal, after
+    checking them against the float32 oracle too. It prints the workspace's shared-memory name prefix ("shm <prefix>").
+  killed_peer: expert_across, but after the first call the last process kills itself (SIGKILL); the others print
+    "failed after <seconds> s: <error>" for the next call and exit normally.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -67,11 +72,19 @@ def main():
     return jnp.sum(jnp.sin(y)), (y, dropped)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-  start = time.monotonic()
-  try:
-    (_, (y, dropped)), grads = step(args[0], args[2], args[3], args[4], args[1])
-  except NotImplementedError as e:
-    print(f"refused after {time.monotonic() - start:.1f} s: {e}", flush=True)
+  (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
+  for ws in jmo.workspace.Workspace.cached():
+    print(f"shm {ws.shm_prefix}", flush=True)
+  if case == "killed_peer":
+    if pid == nproc - 1:
+      os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+      jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"failed after {time.monotonic() - start:.1f} s: {e}", flush=True)
+    else:
+      print("no failure", flush=True)
     return
   # Each call finishes before the next is dispatched: with two CPU devices per process, XLA:CPU's gloo collectives
   # of many programs in flight at once can deadlock, the layer or not (a plain shard_map with an all_gather and a
@@ -79,6 +92,15 @@ def main():
   for _ in range(int(os.environ.get("JMO_CALLS", "3")) - 1):
     (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   y, grads = multihost_utils.process_allgather((y, grads), tiled=True)
+  if case == "expert_across":
+    got = dict(y=np.asarray(y), **{f"d{n}": np.asarray(a) for n, a in zip(("x", "gates", "w1", "w2"), grads)})
+    if os.environ.get("JMO_OUT") and pid == 0:
+      np.savez(os.environ["JMO_OUT"], **got)
+    if os.environ.get("JMO_ORACLE"):
+      want = np.load(os.environ["JMO_ORACLE"])
+      for n, a in got.items():
+        assert a.tobytes() == want[n].tobytes(), f"{n} differs from the single-process run"
+      print(f"process {pid}: bitwise", flush=True)
 
   groups = mesh.size // mesh.shape["expert"]
   R = mesh.shape["expert"]

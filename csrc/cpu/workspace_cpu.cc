@@ -3,9 +3,16 @@
 #include "common/error_text.h"
 #include "common/registry.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 namespace jmo::cpu {
 
@@ -124,17 +131,99 @@ Workspace::Workspace(int ranks, int groups, WorkspaceSizes sizes)
     : ranks_(ranks), groups_(groups), sizes_(sizes), layout_(MakeLayout(sizes)) {
   for (int i = 0; i < ranks * groups; ++i) blocks_.push_back(AllocZeroed(layout_.total));
   for (int g = 0; g < groups; ++g) {
-    shared_.push_back(AllocZeroed(GroupSharedBytes(ranks)));
-    barriers_.push_back(std::make_unique<Barrier>());
+    shared_.push_back(AllocZeroed(GroupSharedBytes(ranks) + GroupTailBytes(ranks)));
+    GroupTail* tail = TailOf(shared(g), ranks);
+    for (int r = 0; r < ranks; ++r) tail->process[r] = -1;
   }
-  for (int g = 0; g < groups; ++g)
-    for (int r = 0; r < ranks; ++r) consumers_.push_back(std::make_unique<Consumer>(this, g, r));
+  StartConsumers();
+}
+
+Workspace::Workspace(int ranks, int groups, WorkspaceSizes sizes, std::vector<int> process, int here,
+                     std::string prefix)
+    : ranks_(ranks), groups_(groups), sizes_(sizes), layout_(MakeLayout(sizes)), process_(std::move(process)),
+      here_(here), prefix_(std::move(prefix)) {
+  if ((int64_t)process_.size() != (int64_t)ranks * groups)
+    throw std::invalid_argument("jax_moe_overlap: the process table needs one entry per rank of every group");
+  blocks_.assign(ranks * groups, nullptr);
+  shared_.assign(groups, nullptr);
+  try {
+    for (int g = 0; g < groups; ++g)
+      for (int r = 0; r < ranks; ++r)
+        if (Local(g, r)) Map(g, r, /*create=*/true);
+  } catch (...) {
+    UnlinkOwn();
+    for (auto& [p, n] : mappings_) munmap(p, n);
+    throw;
+  }
+}
+
+bool Workspace::GroupHere(int g) const {
+  for (int r = 0; r < ranks_; ++r)
+    if (Local(g, r)) return true;
+  return false;
+}
+
+std::string Workspace::ObjectName(int g, int r) const {
+  return prefix_ + "-g" + std::to_string(g) + "-r" + std::to_string(r);
+}
+
+void Workspace::Map(int g, int r, bool create) {
+  const std::string name = ObjectName(g, r);
+  const size_t bytes = (size_t)ObjectBytes();
+  const int fd = shm_open(name.c_str(), create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+  if (fd < 0)
+    throw std::runtime_error("jax_moe_overlap: shm_open(" + name + ") for rank " + std::to_string(r) + " of group " +
+                             std::to_string(g) + " (process " + std::to_string(process_[g * ranks_ + r]) +
+                             ") failed: " + std::strerror(errno));
+  if (create) own_names_.push_back(name);
+  struct stat st {};
+  if ((create && ftruncate(fd, (off_t)bytes) != 0) || fstat(fd, &st) != 0 || (size_t)st.st_size < bytes) {
+    const int err = errno;
+    close(fd);
+    throw std::runtime_error("jax_moe_overlap: shared-memory object " + name + " of " + std::to_string(bytes) +
+                             " bytes could not be sized or is too small: " + std::strerror(err));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (p == MAP_FAILED)
+    throw std::runtime_error("jax_moe_overlap: mmap(" + name + ") failed: " + std::strerror(err));
+  mappings_.emplace_back(p, bytes);  // a fresh object reads as zeros
+  blocks_[g * ranks_ + r] = static_cast<char*>(p);
+  if (r == 0) shared_[g] = static_cast<char*>(p) + layout_.total;
+}
+
+void Workspace::MapPeers() {
+  for (int g = 0; g < groups_; ++g) {
+    if (!GroupHere(g)) continue;
+    for (int r = 0; r < ranks_; ++r)
+      if (!Local(g, r)) Map(g, r, /*create=*/false);
+    GroupTail* tail = TailOf(shared(g), ranks_);
+    for (int r = 0; r < ranks_; ++r) tail->process[r] = process_[g * ranks_ + r];
+  }
+  StartConsumers();
+}
+
+void Workspace::UnlinkOwn() {
+  for (const std::string& name : own_names_) shm_unlink(name.c_str());
+  own_names_.clear();
+}
+
+void Workspace::StartConsumers() {
+  for (int g = 0; g < groups_; ++g)
+    for (int r = 0; r < ranks_; ++r)
+      consumers_.push_back(Local(g, r) ? std::make_unique<Consumer>(this, g, r) : nullptr);
 }
 
 Workspace::~Workspace() {
   consumers_.clear();  // joins the threads before the memory they poll goes away
-  for (char* b : blocks_) std::free(b);
-  for (char* s : shared_) std::free(s);
+  if (process_.empty()) {
+    for (char* b : blocks_) std::free(b);
+    for (char* s : shared_) std::free(s);
+    return;
+  }
+  UnlinkOwn();
+  for (auto& [p, n] : mappings_) munmap(p, n);
 }
 
 ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t count, int group, int rank,
@@ -186,27 +275,34 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
     AtomicStore(&view(group, rank).control()->calls.value, epoch);
     return ErrorRecord{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)ranks_, epoch, 0, 0, 0, 0};
   }
-  Barrier& bar = *barriers_[group];
-  std::unique_lock<std::mutex> lock(bar.mu);
-  const uint64_t gen = bar.generation;
-  if (++bar.arrived == ranks_) {
+  // The barrier word (generation << 32 | arrived) lives in group memory, so it works across processes too.
+  uint64_t* word = &TailOf(g, ranks_)->barrier.value;
+  std::atomic_ref<uint64_t> bar(*word);
+  const uint64_t before = bar.fetch_add(1, std::memory_order_acq_rel);
+  const uint64_t gen = before >> 32;
+  if ((before & 0xffffffffu) + 1 == (uint64_t)ranks_) {
     // Every rank of the group is here, so nobody reads or writes group memory: reset it all.
     for (int r = 0; r < ranks_; ++r) {
       RankView v = view(group, r);
       std::memset(v.base + layout_.control, 0, layout_.recv - layout_.control);  // control words + tile flags
     }
     std::memset(shared_[group], 0, GroupSharedBytes(ranks_));
-    bar.arrived = 0;
-    ++bar.generation;
-    bar.cv.notify_all();
+    bar.store((gen + 1) << 32, std::memory_order_release);
     return ErrorRecord{};
   }
-  if (!bar.cv.wait_until(lock, deadline, [&] { return bar.generation != gen; })) {
-    --bar.arrived;
-    return ErrorRecord{kStageReset, (uint64_t)rank, (uint64_t)ranks_, 0, (uint64_t)bar.arrived + 1,
-                       (uint64_t)ranks_, 0, 0};
+  int spins = 0;
+  for (;;) {
+    uint64_t v = bar.load(std::memory_order_acquire);
+    if ((v >> 32) != gen) return ErrorRecord{};
+    if (Clock::now() >= deadline) {
+      // Leave the barrier unless the last rank arrived in the meantime (the generation is in the same word).
+      if (bar.compare_exchange_strong(v, v - 1, std::memory_order_acq_rel))
+        return ErrorRecord{kStageReset, (uint64_t)rank, (uint64_t)ranks_, 0, (v & 0xffffffffu), (uint64_t)ranks_, 0,
+                           0};
+      continue;
+    }
+    Backoff(spins);
   }
-  return ErrorRecord{};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -223,6 +319,25 @@ int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws) { return Registry().Add
 Workspace* LookupWorkspace(int64_t handle) { return Registry().Find(handle); }
 bool ReleaseWorkspace(int64_t handle) { return Registry().Remove(handle); }
 
+namespace {
+// For a group spanning processes: which process the awaited peer (or every rank) belongs to.
+std::string ProcessNote(const ErrorRecord& e, int ranks, const GroupShared* shared) {
+  if (shared == nullptr) return "";
+  const GroupTail* tail = TailOf(shared, ranks);
+  if (tail->process[0] < 0) return "";
+  std::ostringstream os;
+  if (e.peer < (uint64_t)ranks) {
+    os << " (peer rank " << e.peer << " is in process " << tail->process[e.peer]
+       << "; a process that died or hangs stops its ranks)";
+    return os.str();
+  }
+  os << " (the group's ranks are in processes";
+  for (int r = 0; r < ranks; ++r) os << (r ? ", " : " [") << tail->process[r];
+  os << "] by rank; a process that died or hangs stops its ranks)";
+  return os.str();
+}
+}  // namespace
+
 std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms,
                         const GroupShared* shared) {
   std::ostringstream os;
@@ -233,7 +348,7 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
     for (int r = 0; shared != nullptr && r < ranks; ++r) {
       const ErrorRecord& first = shared->errors[r];
       if (first.code != 0 && first.code != kStageAbortedByPeer) {
-        os << "; first failure: " << DescribeRecord(first, group, ranks);
+        os << "; first failure: " << DescribeRecord(first, group, ranks) << ProcessNote(first, ranks, shared);
         break;
       }
     }
@@ -245,7 +360,7 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
        << " ranks arrived";
     return os.str();
   }
-  os << DescribeRecord(e, group, ranks);
+  os << DescribeRecord(e, group, ranks) << ProcessNote(e, ranks, shared);
   return os.str();
 }
 

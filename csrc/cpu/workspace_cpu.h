@@ -3,6 +3,12 @@
 // XLA:CPU runs the per-device programs of one jitted call concurrently on host threads, so "peer memory" is just
 // another rank's block in this process. The layout and protocol are those of protocol.h, exactly as on the GPU.
 // Each rank also owns a persistent consumer thread: the CPU analogue of the communication kernel on its own SMs.
+//
+// A group may span processes (jax.distributed): each process then creates the blocks of its own ranks as POSIX
+// shared-memory objects and maps its peers' objects (SharedWorkspace below). The protocol keeps no pointers in
+// shared memory, only counters, flags and rows, so each process uses its own mapping addresses; atomics on
+// lock-free 64-bit words of a shared mapping work across processes. A rank's consumer thread lives in the process
+// that owns the rank.
 #pragma once
 
 #include <atomic>
@@ -66,10 +72,34 @@ class Consumer {
   std::thread thread_;
 };
 
+// Per group, after GroupShared: the recovery barrier's word (generation << 32 | ranks arrived) and which process
+// owns each rank (-1 everywhere when the group lives in one process), for error texts.
+struct GroupTail {
+  Word barrier;
+  int32_t process[1];  // really [R]
+};
+inline int64_t GroupTailBytes(int64_t ranks) { return AlignUp((int64_t)sizeof(Word) + 4 * ranks); }
+inline GroupTail* TailOf(const GroupShared* shared, int ranks) {
+  return reinterpret_cast<GroupTail*>(reinterpret_cast<char*>(const_cast<GroupShared*>(shared)) +
+                                      GroupSharedBytes(ranks));
+}
+
 class Workspace {
  public:
+  // Every rank of every group in this process.
   Workspace(int ranks, int groups, WorkspaceSizes sizes);
+  // Groups spanning processes: `process[g * ranks + r]` owns rank r of group g; this process is `here`. Creates
+  // (O_EXCL) the shared-memory object `<prefix>-g<g>-r<r>` of every rank it owns; MapPeers() then maps the other
+  // ranks of the groups it has a rank in, once their owners created them. Throws std::runtime_error naming the
+  // object and errno on failure.
+  Workspace(int ranks, int groups, WorkspaceSizes sizes, std::vector<int> process, int here, std::string prefix);
   ~Workspace();
+
+  // Shared mode: maps the peers' objects, fills the process table and starts the local consumers.
+  void MapPeers();
+  // Shared mode: removes the names of this process's objects (the mappings stay valid); idempotent. Called once
+  // every process has mapped them, and at release, so that nothing stays in /dev/shm.
+  void UnlinkOwn();
 
   int ranks() const { return ranks_; }
   int groups() const { return groups_; }
@@ -92,19 +122,25 @@ class Workspace {
   ErrorRecord RecoverIfAborted(int group, int rank, Clock::time_point deadline);
 
  private:
+  bool Local(int g, int r) const { return process_.empty() || process_[g * ranks_ + r] == here_; }
+  bool GroupHere(int g) const;
+  std::string ObjectName(int g, int r) const;
+  int64_t ObjectBytes() const { return layout_.total + GroupSharedBytes(ranks_) + GroupTailBytes(ranks_); }
+  void Map(int g, int r, bool create);
+  void StartConsumers();
+
   int ranks_, groups_;
   WorkspaceSizes sizes_;
   Layout layout_;
-  std::vector<char*> blocks_;
-  std::vector<char*> shared_;
-  std::vector<std::unique_ptr<Consumer>> consumers_;
-  struct Barrier {
-    std::mutex mu;
-    std::condition_variable cv;
-    int arrived = 0;
-    uint64_t generation = 0;
-  };
-  std::vector<std::unique_ptr<Barrier>> barriers_;
+  std::vector<char*> blocks_;   // per g * ranks + r (nullptr: a group this process has no rank in)
+  std::vector<char*> shared_;   // per group: GroupShared then GroupTail
+  std::vector<std::unique_ptr<Consumer>> consumers_;  // null for ranks of other processes
+  // Shared mode only.
+  std::vector<int> process_;
+  int here_ = -1;
+  std::string prefix_;
+  std::vector<std::pair<void*, size_t>> mappings_;
+  std::vector<std::string> own_names_;
 };
 
 // Registry: the custom calls name a workspace by an integer handle attribute.
