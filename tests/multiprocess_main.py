@@ -8,12 +8,18 @@ argv: process_id num_processes port local_devices case. Cases:
     calls, saves the last one's output and gradients to $JMO_OUT (process 0) or compares them bitwise with
     $JMO_ORACLE (the same case run as one process holding every device), and prints "bitwise" when equal, after
     checking them against the float32 oracle too. It prints the workspace's shared-memory name prefix ("shm <prefix>").
-  killed_peer: expert_across, but after the first call the last process kills itself (SIGKILL); the others print
-    "failed after <seconds> s: <error>" for the next call and exit normally.
+  killed_peer: expert_across; in the second call the last rank is held back 3 s inside the layer (after the
+    counts' all_gather, before its first push) and its process kills itself (SIGKILL) 1 s into the call; the others
+    print "failed after <seconds> s: <error>" for that call and exit normally (jax_enable_recoverability lets the
+    distributed runtime's shutdown survive a dead task).
+  killed_between_calls: the last process kills itself between two calls; the others' next call fails in gloo's
+    all_gather of the routing counts (the first collective of the layer), reported the same way.
 """
 
+import functools
 import os
 import signal
+import threading
 import sys
 import time
 
@@ -24,6 +30,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if case.startswith("killed"):
+  jax.config.update("jax_enable_recoverability", True)
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc, process_id=pid,
                            initialization_timeout=120)
 
@@ -67,17 +75,23 @@ def main():
   tok, wsp = P((*batch_axes, "expert")), P("expert")
   args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp)]
 
-  def loss(x, g, w1, w2, ids):
-    y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes)
+  def loss(x, g, w1, w2, ids, config=jmo.CallConfig()):
+    y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config)
     return jnp.sum(jnp.sin(y)), (y, dropped)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
   (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)
-  if case == "killed_peer":
+  if case.startswith("killed"):
+    held = jmo.CallConfig(delay_rank=mesh.size - 1, delay_us=3_000_000)
+    if case == "killed_peer":
+      step = jax.jit(jax.value_and_grad(functools.partial(loss, config=held), argnums=(0, 1, 2, 3),
+                                        has_aux=True)).lower(args[0], args[2], args[3], args[4], args[1]).compile()
     if pid == nproc - 1:
-      os.kill(os.getpid(), signal.SIGKILL)
+      threading.Timer(1.0 if case == "killed_peer" else 0.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+      if case == "killed_between_calls":
+        time.sleep(60)
     start = time.monotonic()
     try:
       jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))

@@ -1,14 +1,19 @@
 """Several processes under jax.distributed on localhost CPU (gloo collectives), each running multiprocess_main.py.
 
-An expert axis inside each process with the data axis across processes runs and matches a float32 oracle (outputs
-and gradients); an expert axis spanning processes is refused at workspace creation on every process, quickly, with
-exit status 0 (no call waits for a peer, nothing aborts at exit).
+Data axis across processes (expert axis inside each): matches a float32 oracle (outputs and gradients). Expert
+axis across processes (a workspace in POSIX shared memory): outputs and gradients bitwise equal to the same program
+run as one process holding every device, and no shared-memory name left behind. A peer process killed inside a
+call makes the others fail within the timeout with an error naming its rank and process, and they exit with status
+0; killed between calls, the others fail at once in gloo's all_gather of the routing counts.
 """
 
+import glob
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,23 +24,37 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_processes(nproc: int, local: int, case: str, calls: int = 3):
+def run_processes(nproc: int, local: int, case: str, calls: int = 3, limit_s: float = 240, **env_extra):
+  """Runs the processes of one job; returns [(exit status, output)] by process. Each child is killed (SIGKILL)
+  when the job runs past limit_s."""
   here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, JMO_CALLS=str(calls))
+  env = dict(os.environ, JMO_CALLS=str(calls), **env_extra)
   env.pop("XLA_FLAGS", None)
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, os.path.join(here, "multiprocess_main.py"), str(i), str(nproc), port,
                              str(local), case], cwd=here, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for i in range(nproc)]
   outs = []
+  deadline = time.monotonic() + limit_s
   try:
     for p in procs:
-      outs.append((p.wait(timeout=240), p.stdout.read()))
+      try:
+        rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+      outs.append((rc, p.stdout.read()))
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
   return outs
+
+
+def _shm_left(outs) -> list[str]:
+  prefixes = {m for _, out in outs for m in re.findall(r"^shm (/jmo-[0-9a-f]+)$", out, re.M)}
+  assert prefixes, [out[-2000:] for _, out in outs]
+  return [f for p in prefixes for f in glob.glob(f"/dev/shm{p}-*")]
 
 
 @pytest.mark.parametrize("nproc,local,calls", [(2, 2, 100), (4, 1, 3)])
@@ -44,10 +63,46 @@ def test_data_axis_across_processes_matches_the_oracle(nproc, local, calls):
     assert rc == 0 and ": match" in out, out
 
 
+def _expert_across(nproc, local, calls, tmp_path):
+  oracle = str(tmp_path / "one_process.npz")
+  [(rc, out)] = run_processes(1, nproc * local, "expert_across", calls, JMO_OUT=oracle)
+  assert rc == 0 and ": match" in out, out
+  outs = run_processes(nproc, local, "expert_across", calls, JMO_ORACLE=oracle)
+  for rc, out in outs:
+    assert rc == 0 and ": match" in out and ": bitwise" in out, out
+  assert _shm_left(outs) == []
+
+
+@pytest.mark.parametrize("nproc,local", [(2, 1), (2, 2), (4, 1)])
+def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, local, tmp_path):
+  _expert_across(nproc, local, 3, tmp_path)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,local", [(2, 2), (4, 1)])
-def test_expert_axis_across_processes_is_refused_at_creation(nproc, local):
-  for rc, out in run_processes(nproc, local, "expert_across"):
-    assert rc == 0, out
-    line = next(l for l in out.splitlines() if l.startswith("refused after"))
-    assert float(line.split()[2]) < 5.0, line
-    assert "shares memory only within one process" in line and "spans processes" in line, line
+def test_expert_axis_across_processes_100_consecutive_calls(nproc, local, tmp_path):
+  _expert_across(nproc, local, 100, tmp_path)
+
+
+@pytest.mark.parametrize("nproc,local", [(2, 1), (4, 1)])
+def test_killed_peer_inside_a_call_fails_the_others_within_the_timeout(nproc, local):
+  timeout_s = 3.0
+  outs = run_processes(nproc, local, "killed_peer", JMO_TIMEOUT_MS=str(int(timeout_s * 1000)))
+  dead = nproc - 1
+  assert outs[dead][0] == -9, outs[dead][1]
+  for rc, out in outs[:dead]:
+    line = next((l for l in out.splitlines() if l.startswith("failed after")), None)
+    assert rc == 0 and line is not None, out
+    assert float(line.split()[2]) < timeout_s + 5.0, line
+    assert "DEADLINE_EXCEEDED" in line and f"is in process {dead}" in line, line
+  assert _shm_left(outs) == []
+
+
+def test_killed_peer_between_calls_fails_the_others_at_once():
+  outs = run_processes(2, 1, "killed_between_calls")
+  assert outs[1][0] == -9, outs[1][1]
+  rc, out = outs[0]
+  line = next((l for l in out.splitlines() if l.startswith("failed after")), None)
+  assert rc == 0 and line is not None, out
+  assert float(line.split()[2]) < 10.0 and "Gloo" in line, line
+  assert _shm_left(outs) == []
