@@ -8,8 +8,8 @@ argv: process_id num_processes port local_devices case. Cases:
     calls, saves the last one's output and gradients to $JMO_OUT (process 0) or compares them bitwise with
     $JMO_ORACLE (the same case run as one process holding every device), and prints "bitwise" when equal, after
     checking them against the float32 oracle too. It prints the workspace's shared-memory name prefix ("shm <prefix>").
-  killed_peer: expert_across; in the second call the last rank is held back 3 s inside the layer (after the
-    counts' all_gather, before its first push) and its process kills itself (SIGKILL) 1 s into the call; the others
+  killed_peer: expert_across; in the second call the last rank is held back 6 s inside the layer (after the
+    counts' all_gather, before its first push) and its process kills itself (SIGKILL) 2 s into the call; the others
     print "failed after <seconds> s: <error>" for that call and exit normally (jax_enable_recoverability lets the
     distributed runtime's shutdown survive a dead task).
   killed_between_calls: the last process kills itself between two calls; the others' next call fails in gloo's
@@ -84,12 +84,15 @@ def main():
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)
   if case.startswith("killed"):
-    held = jmo.CallConfig(delay_rank=mesh.size - 1, delay_us=3_000_000)
+    held = jmo.CallConfig(delay_rank=mesh.size - 1, delay_us=6_000_000)
     if case == "killed_peer":
       step = jax.jit(jax.value_and_grad(functools.partial(loss, config=held), argnums=(0, 1, 2, 3),
                                         has_aux=True)).lower(args[0], args[2], args[3], args[4], args[1]).compile()
+    # Every process dispatches the call together, so the counts' all_gather completes before the kill.
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    distributed.global_state.client.wait_at_barrier("test/held_call", 60_000)
     if pid == nproc - 1:
-      threading.Timer(1.0 if case == "killed_peer" else 0.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+      threading.Timer(2.0 if case == "killed_peer" else 0.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
       if case == "killed_between_calls":
         time.sleep(60)
     start = time.monotonic()
@@ -137,6 +140,31 @@ def main():
   print(f"process {pid}: match", flush=True)
 
 
+def leave_after_a_dead_peer():
+  """With a dead task, the runtime's shutdown has no barrier (jax_enable_recoverability), and a task whose
+  ShutdownTask RPC finds the leader (process 0, which hosts the coordination service) already gone is terminated
+  (LOG(FATAL) in JAX's client, SIGABRT). So the leader leaves last: the others say they are leaving through the
+  key-value store, and the leader waits (bounded) for them, then a moment for their RPCs."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  client = distributed.global_state.client
+  if pid != 0:
+    client.key_value_set(f"test/leaving/{pid}", "1")
+  else:
+    deadline = time.monotonic() + 20
+    for p in range(1, nproc - 1):  # the last process is the dead one
+      while time.monotonic() < deadline:
+        try:
+          client.key_value_try_get(f"test/leaving/{p}")
+          break
+        except Exception:  # pylint: disable=broad-except
+          time.sleep(0.05)
+    time.sleep(2)
+  jax.distributed.shutdown()
+
+
 if __name__ == "__main__":
   main()
-  jax.distributed.shutdown()
+  if case.startswith("killed"):
+    leave_after_a_dead_peer()
+  else:
+    jax.distributed.shutdown()
