@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <string>
 
+#include <sys/mman.h>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -78,6 +80,7 @@ NB_MODULE(_jmo, m) {
   m.def("map_cpu_workspace_peers", [](int64_t handle) { LiveCpuWorkspace(handle).MapPeers(); }, nb::arg("handle"));
   m.def("unlink_cpu_workspace_names", [](int64_t handle) { LiveCpuWorkspace(handle).UnlinkOwn(); },
         nb::arg("handle"));
+  m.def("unlink_shm", [](const std::string& name) { return shm_unlink(name.c_str()) == 0; }, nb::arg("name"));
   // CPU and CUDA workspace handles live in disjoint ranges; each side releases its own.
   m.def(
       "release_workspace",

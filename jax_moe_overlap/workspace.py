@@ -276,6 +276,10 @@ def _create_cpu_shared(devs: np.ndarray, sizes: WorkspaceSizes) -> tuple[int, st
     _jmo.unlink_cpu_workspace_names(handle)
   except BaseException:
     _jmo.release_workspace(handle)  # also removes this process's names
+    # A peer that died during setup cannot remove its names: remove every name of this workspace.
+    for g in range(groups):
+      for r in range(ranks):
+        _jmo.unlink_shm(f"{prefix}-g{g}-r{r}")
     raise
   return handle, prefix
 

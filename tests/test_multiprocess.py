@@ -73,7 +73,7 @@ def _expert_across(nproc, local, calls, tmp_path):
   assert _shm_left(outs) == []
 
 
-@pytest.mark.parametrize("nproc,local", [(2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("nproc,local", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 2), (4, 1)])
 def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, local, tmp_path):
   _expert_across(nproc, local, 3, tmp_path)
 
@@ -84,7 +84,7 @@ def test_expert_axis_across_processes_100_consecutive_calls(nproc, local, tmp_pa
   _expert_across(nproc, local, 100, tmp_path)
 
 
-@pytest.mark.parametrize("nproc,local", [(2, 1), (4, 1)])
+@pytest.mark.parametrize("nproc,local", [(2, 1), pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_killed_peer_inside_a_call_fails_the_others_within_the_timeout(nproc, local):
   timeout_s = 3.0
   outs = run_processes(nproc, local, "killed_peer", JMO_TIMEOUT_MS=str(int(timeout_s * 1000)))
