@@ -12,6 +12,14 @@ when its largest batch comes first or ``reserve`` made room). Sharing is safe be
 calls one after another in program order, the same order on every rank of a group (on CPU enforced by a token chain,
 ``ordering.py``; on GPU by the one stream), and every call is one epoch of the protocol.
 
+Processes: on CPU a group may span the processes of a ``jax.distributed`` job (an expert axis over processes). Each
+process then holds its own ranks' blocks in POSIX shared memory and maps its peers' (``_create_cpu_shared``), with
+the same protocol, epochs and bounded waits; a timeout names the process of the awaited peer. What bounds a dead or
+hung peer: a rank that dies inside a layer call leaves its peers waiting in a bounded workspace wait (they fail
+within ``timeout_ms``); a process that dies between calls breaks gloo's TCP connections, so the peers' next call
+fails at once in the all_gather of the routing counts; a process that hangs between calls (stopped, not dead)
+blocks its peers inside that gloo all_gather, which JAX gives no timeout to.
+
 Memory: ``Workspace.bytes_per_rank`` (and ``workspace_bytes`` before anything is allocated) is what one rank holds:
 on CPU host memory; on CUDA device memory of that rank's GPU (plus host-mapped control words), allocated with
 cudaMalloc *outside* XLA's allocator. XLA preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75) of each

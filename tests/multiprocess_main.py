@@ -14,6 +14,7 @@ argv: process_id num_processes port local_devices case. Cases:
     distributed runtime's shutdown survive a dead task).
   killed_between_calls: the last process kills itself between two calls; the others' next call fails in gloo's
     all_gather of the routing counts (the first collective of the layer), reported the same way.
+  killed_stopped_between_calls: as killed_between_calls, but the last process stops (SIGSTOP) instead: a hung peer.
 """
 
 import functools
@@ -92,8 +93,9 @@ def main():
     from jax._src import distributed  # pylint: disable=g-import-not-at-top
     distributed.global_state.client.wait_at_barrier("test/held_call", 60_000)
     if pid == nproc - 1:
-      threading.Timer(2.0 if case == "killed_peer" else 0.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
-      if case == "killed_between_calls":
+      sig = signal.SIGSTOP if case == "killed_stopped_between_calls" else signal.SIGKILL
+      threading.Timer(2.0 if case == "killed_peer" else 0.0, os.kill, (os.getpid(), sig)).start()
+      if case != "killed_peer":
         time.sleep(60)
     start = time.monotonic()
     try:
