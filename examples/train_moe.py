@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import sys
 import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
