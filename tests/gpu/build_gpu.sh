@@ -2,6 +2,7 @@
 # logs the machine, builds the extension into build/gpu and the tools (tools/CMakeLists.txt: the loopback runner)
 # into build/tools, both sm_90a + sm_80 and side by side, puts the extension and the runner next to their Python
 # sources (nothing is pip-installed) and exports what the tests and benchmarks need.
+# JMO_BUILD_TYPE (default Release) sets both builds' CMAKE_BUILD_TYPE (RelWithDebInfo for backtraces).
 # Returns 1 (after printing the failed build log's tail) if a build fails. Sets t0 = the start time in seconds.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 {
@@ -16,7 +17,7 @@ t0=$(date +%s)
 # The two builds compile the kernels each; their largest translation units run in parallel this way.
 jmo_cmake() {  # source dir, build dir
   cmake -S "$1" -B "$2" -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
-    && cmake --build "$2" -j"$(nproc)"
+    -DCMAKE_BUILD_TYPE="${JMO_BUILD_TYPE:-Release}" && cmake --build "$2" -j"$(nproc)"
 }
 jmo_cmake . build/gpu > "$OUT/build.log" 2>&1 &
 jmo_ext=$!
