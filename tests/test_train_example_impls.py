@@ -1,18 +1,8 @@
 """examples/train_moe.py with impl="xla" and the model-scale preset's argument handling (the preset's run itself
-needs GPUs: the lead's GPU runs)."""
+needs GPUs)."""
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-
-import pathlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import sys  # noqa: E402  pylint: disable=wrong-import-position
-
-import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
-import train_moe  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np
+import train_moe  # examples/train_moe.py (examples/ is on pytest's pythonpath)
 
 TINY = ["--steps", "12", "--layers", "2", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--experts", "8",
         "--top-k", "2", "--capacity-factor", "1.25", "--seq-len", "32", "--batch-size", "8", "--eval-batches", "2",
