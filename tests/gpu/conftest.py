@@ -3,8 +3,8 @@ $JMO_GPU_TEST_TIMEOUT_S seconds (default 300; 0 turns it off), or than its own `
 (tests that wait on a subprocess with a longer time limit of its own).
 
 A device kernel that never finishes (a wait that is not bounded, a warp that deadlocks) blocks the test's thread in
-C: pytest would wait until the caller's own time limit killed it, and the log would not say which test hung (session
-6, call 2: a deadlocked combine gather, only "." in the log). The watchdog runs on its own thread, so it fires while
+C: pytest would wait until the caller's own time limit killed it, and the log would not say which test hung (a
+deadlocked kernel leaves only "." in the log). The watchdog runs on its own thread, so it fires while
 the test's thread is stuck; it prints the test's id and every thread's Python stack to the real stderr (pytest's
 output capture suspended) and exits the process with status 3.
 """
