@@ -2,6 +2,7 @@
 // bad input reads the same on both platforms. Host code only.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -18,7 +19,10 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
   if (e.code == kStageBadInput) {
     os << "found an invalid input in epoch " << e.epoch << ": ";
     switch (e.detail) {
-      case kBadExpertId: os << "slot " << e.peer << " names an expert id outside [0, num_experts)"; break;
+      case kBadExpertId:
+        os << "its token " << (int64_t)e.got << " (slot " << e.peer << ") names expert id " << (int64_t)e.expected
+           << ", which is neither -1 (no selection) nor in [0, num_experts)";
+        break;
       case kBadRoute:
         os << "slot " << e.peer << " routes outside the workspace (value " << (int64_t)e.got << ", bound "
            << e.expected << ")";
@@ -38,6 +42,7 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
       case kBadTooManyTiles:
         os << "more tiles (" << e.got << ") than the workspace has flags (" << e.expected << ")";
         break;
+      case kBadCallShape: os << "the call's operands do not fit the workspace (that rank's own error names them)"; break;
       default: os << "code " << e.detail; break;
     }
     return os.str();
@@ -51,6 +56,19 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
     os << "peer " << e.peer;
   os << ": observed " << e.got << ", expected " << e.expected;
   return os.str();
+}
+
+// The record of the group's first failure: the rank named by the first_failed word, else (a record written by code
+// that does not claim the word) the lowest rank holding a failure of its own; nullptr when no rank recorded one.
+// The caller has seen the abort word raised (acquire), which orders the records and first_failed before it.
+inline const ErrorRecord* FirstFailure(const GroupShared* shared, int ranks) {
+  if (shared == nullptr) return nullptr;
+  const uint64_t first =
+      std::atomic_ref<uint64_t>(const_cast<uint64_t&>(shared->first_failed.value)).load(std::memory_order_acquire);
+  if (first >= 1 && first <= (uint64_t)ranks && shared->errors[first - 1].code != 0) return &shared->errors[first - 1];
+  for (int r = 0; r < ranks; ++r)
+    if (shared->errors[r].code != 0 && shared->errors[r].code != kStageAbortedByPeer) return &shared->errors[r];
+  return nullptr;
 }
 
 }  // namespace jmo
