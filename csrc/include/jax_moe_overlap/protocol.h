@@ -175,6 +175,8 @@ struct GroupShared {
   Word first_failed;         // 1 + the rank whose failure was recorded first (0: none): its record is the cause every
                              // rank reports. A rank writes its record, then claims this word (compare-and-swap from
                              // 0), then raises abort, so a rank that sees abort also sees the record it names.
+                             // CPU only: GPUs have no atomic on host-mapped memory over PCIe, so on CUDA it stays 0
+                             // and the host picks the first record by rule (csrc/cuda/workspace.cc FirstRecord).
   ErrorRecord errors[1];     // really [R]: one record per rank (allocated with R entries)
 };
 
