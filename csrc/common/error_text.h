@@ -2,6 +2,7 @@
 // bad input reads the same on both platforms. Host code only.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -22,7 +23,10 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
   if (e.code == kStageBadInput) {
     s += "found an invalid input in epoch " + to_string(e.epoch) + ": ";
     switch (e.detail) {
-      case kBadExpertId: s += "slot " + to_string(e.peer) + " names an expert id outside [0, num_experts)"; break;
+      case kBadExpertId:
+        s += "its token " + i64(e.got) + " (slot " + to_string(e.peer) + ") names expert id " + i64(e.expected) +
+             ", which is neither -1 (no selection) nor in [0, num_experts)";
+        break;
       case kBadRoute:
         s += "slot " + to_string(e.peer) + " routes outside the workspace (value " + i64(e.got) + ", bound " +
              to_string(e.expected) + ")";
@@ -43,6 +47,7 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
       case kBadTooManyTiles:
         s += "more tiles (" + to_string(e.got) + ") than the workspace has flags (" + to_string(e.expected) + ")";
         break;
+      case kBadCallShape: s += "the call's operands do not fit the workspace (that rank's own error names them)"; break;
       default: s += "code " + to_string(e.detail); break;
     }
     return s;
@@ -56,6 +61,19 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
     s += "peer " + to_string(e.peer);
   s += ": observed " + to_string(e.got) + ", expected " + to_string(e.expected);
   return s;
+}
+
+// The record of the group's first failure: the rank named by the first_failed word, else (a record written by code
+// that does not claim the word) the lowest rank holding a failure of its own; nullptr when no rank recorded one.
+// The caller has seen the abort word raised (acquire), which orders the records and first_failed before it.
+inline const ErrorRecord* FirstFailure(const GroupShared* shared, int ranks) {
+  if (shared == nullptr) return nullptr;
+  const uint64_t first =
+      std::atomic_ref<uint64_t>(const_cast<uint64_t&>(shared->first_failed.value)).load(std::memory_order_acquire);
+  if (first >= 1 && first <= (uint64_t)ranks && shared->errors[first - 1].code != 0) return &shared->errors[first - 1];
+  for (int r = 0; r < ranks; ++r)
+    if (shared->errors[r].code != 0 && shared->errors[r].code != kStageAbortedByPeer) return &shared->errors[r];
+  return nullptr;
 }
 
 }  // namespace jmo
