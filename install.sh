@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv (Python >= 3.12, pinned jax) and builds + installs jax-moe-overlap with its test and example extras.
-# The C++ FFI handlers always build; the CUDA kernels build too when nvcc is found (JMO_ENABLE_CUDA=OFF skips them).
+# The C++ FFI handlers always build; the CUDA kernels build too when nvcc is found (JMO_CUDA=auto, the default;
+# JMO_CUDA=on makes a missing nvcc an error, JMO_CUDA=off skips them; JMO_CUDA_ARCHS="80;90a" picks the GPU targets).
+# A GPU install without this script: pip install "jax-moe-overlap[cuda12]" (or [cuda13]) from the checkout.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -22,4 +24,12 @@ PY=$(find_python) || { echo "install.sh: need Python >= 3.12 (jax >= 0.11); set 
 # Build requirements first, pinned, so that the extension compiles against the same jax FFI headers it runs with.
 .venv/bin/python -m pip install -q -c constraints.txt scikit-build-core nanobind jax jaxlib
 .venv/bin/python -m pip install -q -c constraints.txt --no-build-isolation -e ".[test,examples]"
-.venv/bin/python -c "import jax_moe_overlap._ffi as f; print('jax-moe-overlap installed; CUDA kernels compiled in:', f.with_cuda())"
+.venv/bin/python - <<'PY'
+import sys
+import jax_moe_overlap as jmo
+info = jmo.build_info()
+print("jax-moe-overlap installed:", info)
+if not info["cuda"]:
+  print("install.sh: CUDA kernels not built (nvcc not found, or JMO_CUDA=off): this install runs on CPU only",
+        file=sys.stderr)
+PY

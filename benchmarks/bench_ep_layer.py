@@ -10,6 +10,11 @@ xla_ragged      MaxText's GPU path in shard_map: sort slots by expert, ragged_al
                 un-permute, ragged_all_to_all back, unsort, weighted sum over k. XLA:CPU has no ragged_all_to_all:
                 on CPU it is skipped (its offsets are still checked, through an all_gather emulation of the
                 documented semantics, as ``xla_ragged[emulated]``).
+xla             jax_moe_overlap.moe_experts(impl="xla") (xla_path.py): the library's own path of this kind, the fallback a
+                user of the library has: ragged_all_to_all with a receive buffer of every slot of the group (the
+                worst case) and lax.ragged_dot; on CPU a padded all_to_all instead, so it runs (and is checked) there.
+                xla_ragged stays this module's own (baselines.ragged_layer): its buffer follows --ragged-buffer and
+                its grouped GEMM is swappable for tokamax's.
 tokamax_ragged  the same with tokamax.ragged_dot(implementation="mosaic") (MaxText's GPU choice), when tokamax imports.
 xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_local, C, D], all_to_all, batched GEMMs
                 per local expert, all_to_all back, combine. C = T_local (dropless worst case) unless
@@ -193,7 +198,8 @@ def implementations(mesh, ids_np, shape: Shape, args, capacity_factor, ragged_bu
                     max_dense_gib: float, dispatch_pushers: int = 0):
   """{name: (fn on global arrays, None) or (None, reason it is skipped)}; check-only entries end in '[emulated]'."""
   R = mesh.shape[AXIS]
-  impls = {"ours": (ours_layer(mesh), None), "serialized": (ours_layer(mesh, jmo.CallConfig(serialize=True)), None)}
+  impls = {"ours": (ours_layer(mesh), None), "serialized": (ours_layer(mesh, jmo.CallConfig(serialize=True)), None),
+           "xla": (lambda *a: jmo.moe_experts(*a, mesh=mesh, impl="xla")[0], None)}
   if dispatch_pushers > 0:
     impls["ours_dg"] = (ours_layer(mesh, jmo.CallConfig(dispatch_pushers=dispatch_pushers)), None)
   rows = max(baselines.ragged_recv_rows(i, R, shape.experts, ragged_buffer) for i in ids_np)
@@ -253,7 +259,7 @@ def parse_args(argv=None):
                        "time-limited sweep going past a pathologically slow one (reported as skipped, with the time)")
   ap.add_argument("--out", default="ep_layer.jsonl")
   a = ap.parse_args(argv)
-  known = {"ours", "xla_ragged", "tokamax_ragged", "xla_dense_a2a", "serialized", "ideal", "ours_dg"}
+  known = {"ours", "xla", "xla_ragged", "tokamax_ragged", "xla_dense_a2a", "serialized", "ideal", "ours_dg"}
   if a.impls and set(a.impls.split(",")) - known:
     ap.error(f"--impls: unknown {sorted(set(a.impls.split(',')) - known)}; known: {sorted(known)}")
   if set(a.passes.split(",")) - {"fwd", "fwd+bwd"}:

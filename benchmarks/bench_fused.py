@@ -18,7 +18,6 @@ float32 reference before it is timed (column err: max |y - ref| / max |ref|).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import jax
@@ -39,11 +38,7 @@ def shapes(quick: bool):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--skews", default="balanced,stress")
-  ap.add_argument("--out", default="fused.jsonl")
-  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  ap = common.shape_parser("fused.jsonl", skews="balanced,stress")
   ap.add_argument("--impls", default="", help="comma-separated implementations to run (default: all); e.g. "
                   "'ours,serialized,bare+combine,bare gemm,tokamax' leaves out XLA's dense-masked ragged_dot, which "
                   "takes most of a big-shape run")
@@ -64,7 +59,7 @@ def main():
     print(why)
   table = common.Table(["shape", "skew", "impl", "ms", "tflops", "vs_xla", "vs_bare_gemm", "err"])
   for name, T, F, D, E, k in shapes(args.quick):
-    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+    if not common.shape_selected(args, name):
       continue
     for skew in args.skews.split(","):
       ids = jnp.asarray(common.topk_routing(T, E, k, skew))

@@ -11,7 +11,6 @@ Dense is one [rows, K] @ [K, N] GEMM: the same FLOPs with no grouping, the ceili
 
 from __future__ import annotations
 
-import argparse
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +61,7 @@ def make_methods():
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--skews", default="balanced,moderate,stress")
-  ap.add_argument("--out", default="grouped_gemm.jsonl")
-  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  ap = common.shape_parser("grouped_gemm.jsonl", skews="balanced,moderate,stress")
   ap.add_argument("--methods", default="", help="comma-separated method names (dense is always kept)")
   args = ap.parse_args()
   methods = make_methods()
@@ -75,7 +70,7 @@ def main():
     methods = {k: v for k, v in methods.items() if k in keep}
   table = common.Table(["shape", "skew", "method", "ms", "tflops", "vs_dense", "max_err_vs_xla"])
   for name, rows, k, n, groups in shapes(args.quick):
-    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+    if not common.shape_selected(args, name):
       continue
     for skew in args.skews.split(","):
       gs = jnp.asarray(common.group_sizes(rows, groups, skew))

@@ -20,7 +20,6 @@ reads and the fixed costs of a call, not its FLOPs, dominate), forward only unle
 
 from __future__ import annotations
 
-import argparse
 
 import jax
 import jax.numpy as jnp
@@ -77,10 +76,7 @@ def error_vs(ref_outs, got) -> float:
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--out", default="layer.jsonl")
-  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  ap = common.shape_parser("layer.jsonl")
   ap.add_argument("--decode", action="store_true", help="decode-sized shapes (256 tokens) instead")
   ap.add_argument("--passes", default=None, help="comma list of fwd, fwd+bwd (default: both; fwd with --decode)")
   ap.add_argument("--impls", default="", help="comma list of implementations to run (default: all): xla,ours,tokamax")
@@ -97,7 +93,7 @@ def main():
     impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
   table = common.Table(["shape", "pass", "impl", "ms", "vs_xla", "vs_ideal", "err"])
   for name, T, D, F, E, k in shapes(args.quick, args.decode):
-    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+    if not common.shape_selected(args, name):
       continue
     rng = np.random.default_rng(T + E)
     arg_sets = []

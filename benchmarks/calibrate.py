@@ -116,8 +116,8 @@ def main(argv=None):
 
   # 2b. The push rate the model uses: per CTA while the producer runs (overlapped, K = 2048, C = 4 per rank), which is
   #     what a call sees. The consumer alone moves more per CTA (cta_gbps_alone), and a model fed that rate picked
-  #     too few consumer CTAs: oracle sweep mean / worst regret 5.3% / 25.4% with it, -0.6% / 2.7% with this one
-  #     (benchmarks/RESULTS.md, session 5, calls 3 and 4).
+  #     too few consumer CTAs: the oracle sweep of benchmarks.bench_resource gave a mean / worst regret of 5.3% / 25.4%
+  #     with it, -0.6% / 2.7% with this one.
   C0 = 4
   overlapped = [a for a in pushing if a != "--serialize"]
   res = lb.run(overlapped + ["--tokens", args.tokens, "--experts", 8 * R, "--k-dim", 2048, "--n-dim", N,

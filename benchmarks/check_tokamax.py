@@ -7,7 +7,6 @@ three max-relative errors (max |got - ref| / max |ref|); bf16 results are expect
 
   python3 -m benchmarks.check_tokamax [--out tokamax_check.jsonl]
 """
-import argparse
 import sys
 
 import jax
@@ -37,16 +36,14 @@ def vjp_of(fn, x, w, gs, cot):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="tokamax_check.jsonl")
-  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  ap = common.shape_parser("tokamax_check.jsonl", quick=False)
   args = ap.parse_args()
   tokamax_fn, why = baselines.tokamax_ragged_dot()
   if tokamax_fn is None:
     sys.exit(why)
   table = common.Table(["shape", "group_sizes", "err_out", "err_dx", "err_dw"])
   for name, rows, K, N, G in SHAPES:
-    if args.shapes and not any(p in name for p in args.shapes.split(",")):
+    if not common.shape_selected(args, name):
       continue
     kx, kw, kc = jax.random.split(jax.random.PRNGKey(rows + K + N + G), 3)
     ids = np.random.default_rng(G).integers(0, G, rows)

@@ -7,6 +7,7 @@ batches. Every number printed comes with the command line that produced it (``co
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -24,6 +25,24 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 AXIS = "expert"  # the mesh axis of every multi-device benchmark: tokens and experts are sharded over it
+
+
+def shape_parser(out: str, *, skews: str | None = None, quick: bool = True) -> argparse.ArgumentParser:
+  """The options the single-GPU benchmarks share: --quick (unless ``quick`` is False), --skews (when ``skews``
+  gives the default list), --out (the JSON-lines file) and --shapes (``shape_selected``)."""
+  ap = argparse.ArgumentParser()
+  if quick:
+    ap.add_argument("--quick", action="store_true")
+  if skews is not None:
+    ap.add_argument("--skews", default=skews)
+  ap.add_argument("--out", default=out)
+  ap.add_argument("--shapes", default="", help="comma-separated substrings: only shapes whose name holds one")
+  return ap
+
+
+def shape_selected(args, name: str) -> bool:
+  """Whether --shapes (comma-separated substrings; empty: all) selects the shape called ``name``."""
+  return not args.shapes or any(p in name for p in args.shapes.split(","))
 
 
 def command_line() -> str:

@@ -3,7 +3,7 @@
 Reads the JSON lines a benchmark writes (``--out``), or, for a run stopped by its time limit before it wrote them,
 the ``key=value`` rows it printed to its log:
 
-  python3 -m benchmarks.plot_results benchmarks/results/2026-11-29-h200-wgmma
+  python3 -m benchmarks.plot_results OUT   # OUT: a folder of <bench>.jsonl / <bench>.log (run_device_suite.sh writes one)
 """
 
 from __future__ import annotations

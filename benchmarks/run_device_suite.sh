@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 T_TESTS=${T_TESTS:-150} T_LAYER=${T_LAYER:-75} T_FUSED=${T_FUSED:-50} T_GEMM=${T_GEMM:-80} T_CONSUMER=${T_CONSUMER:-0}
 source benchmarks/tokamax_wheels.sh
 [ "$T_TESTS" = 0 ] || timeout "$T_TESTS" bash tests/gpu/run_device.sh -k "not racecheck and not synccheck" 2>&1 | tail -25
-export PYTHONPATH=$PWD:/tmp/site JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
+# The package that run_device.sh installed (tests/gpu/build_gpu.sh), not the checkout's jax_moe_overlap/.
+export PYTHONPATH=${JMO_SITE:-/tmp/jmo-site}:$PWD:/tmp/site PYTHONSAFEPATH=1 JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 python3 -c "from jax_moe_overlap import _jmo as m; print('producer', m.cuda_producer_path(True, 2048, 4096), \
 '| grouped_matmul', m.cuda_grouped_gemm_path(True, 2048, 4096))"
 run() {  # name limit cmd...

@@ -62,7 +62,8 @@ if step build "$T_BUILD"; then
   if [ ! -s /tmp/jmo-build-env.sh ]; then say "build failed or ran out of time: see build.log"; fi
 fi
 [ -s /tmp/jmo-build-env.sh ] && source /tmp/jmo-build-env.sh
-export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# PYTHONPATH and PYTHONSAFEPATH come from the build's environment: the installed package first (build_gpu.sh).
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 # The benchmarks run on the GPUs alone (BENCH_PLATFORMS=cpu: a dry run of this script on a CPU machine); the tests
 # keep build_gpu.sh's cuda,cpu.
 bench_env=(env JAX_PLATFORMS="${BENCH_PLATFORMS:-cuda}")

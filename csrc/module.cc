@@ -7,10 +7,12 @@
 #include <sys/mman.h>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/tuple.h>
 
+#include "common/build_info.h"
 #include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
@@ -132,6 +134,7 @@ NB_MODULE(_jmo, m) {
     return jmo::ChooseConsumerCtas(params, s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
                                    scratch.data());
   });
+  m.def("build_info", &jmo::BuildInfo);
 #ifdef JMO_WITH_CUDA
   m.attr("with_cuda") = true;
   jmo::cuda::RegisterModule(m);

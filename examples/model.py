@@ -74,12 +74,14 @@ class ModelConfig:
 # Devices and mesh.
 
 
-def make_mesh(num_devices: int | None = None, axis_type: str = "auto") -> jax.sharding.Mesh:
-  """A 1-D mesh over the local devices of the default backend (all GPUs when present, else the CPU devices).
+def make_mesh(num_devices: int | None = None, axis_type: str = "auto", shape: str | None = None) -> jax.sharding.Mesh:
+  """A mesh over the local devices of the default backend (all GPUs when present, else the CPU devices).
 
-  Tokens (the batch) and experts are both sharded over its one axis, ``"expert"``; every other parameter is
-  replicated (data parallel). ``axis_type``: "auto" (XLA propagates shardings) or "explicit" (shardings are part
-  of the array types); the model runs on either.
+  ``shape``: None for a 1-D mesh whose one axis, ``"expert"``, spans every device; else ``"data=2,expert=2"``, axes
+  in that order whose sizes multiply to the device count, one of them ``"expert"``. Experts are sharded over the
+  expert axis; tokens (the batch) over every axis (``batch_axes``: the others, each position on them an independent
+  expert-parallel group); every other parameter is replicated (data parallel). ``axis_type``: "auto" (XLA
+  propagates shardings) or "explicit" (shardings are part of the array types); the model runs on either.
   """
   devices = jax.local_devices()
   if num_devices:
@@ -87,12 +89,36 @@ def make_mesh(num_devices: int | None = None, axis_type: str = "auto") -> jax.sh
       raise ValueError(f"asked for {num_devices} devices, but only {len(devices)} {devices[0].platform} devices "
                        f"are present")
     devices = devices[:num_devices]
+  names, sizes = parse_mesh_shape(shape, len(devices))
   types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
-  return jax.make_mesh((len(devices),), (EXPERT_AXIS,), axis_types=(types[axis_type],), devices=devices)
+  return jax.make_mesh(sizes, names, axis_types=(types[axis_type],) * len(names), devices=devices)
+
+
+def parse_mesh_shape(shape: str | None, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """``"data=2,expert=2"`` -> (("data", "expert"), (2, 2)); None -> (("expert",), (num_devices,))."""
+  if not shape:
+    return (EXPERT_AXIS,), (num_devices,)
+  try:
+    pairs = [(name.strip(), int(size)) for name, size in (item.split("=") for item in shape.split(","))]
+  except ValueError:
+    raise ValueError(f"mesh {shape!r}: expected axis=size pairs separated by commas, e.g. data=2,expert=2") from None
+  names, sizes = tuple(n for n, _ in pairs), tuple(s for _, s in pairs)
+  if EXPERT_AXIS not in names or len(set(names)) != len(names) or min(sizes) < 1:
+    raise ValueError(f"mesh {shape!r}: distinct axes of size >= 1, one of them {EXPERT_AXIS!r}")
+  if int(np.prod(sizes)) != num_devices:
+    raise ValueError(f"mesh {shape!r} has {int(np.prod(sizes))} devices, but {num_devices} are in use")
+  return names, sizes
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes other than the expert axis: the tokens are sharded over them too (``jmo.MoE``'s batch_axes)."""
+  return tuple(a for a in mesh.axis_names if a != EXPERT_AXIS)
 
 
 def batch_sharding(mesh) -> NamedSharding:
-  return NamedSharding(mesh, P(EXPERT_AXIS, None))
+  """Sequences sharded over every mesh axis, the batch axes first (``moe_experts``' token layout)."""
+  axes = (*batch_axes(mesh), EXPERT_AXIS)
+  return NamedSharding(mesh, P(axes if len(axes) > 1 else EXPERT_AXIS, None))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -150,7 +176,8 @@ class Block(nnx.Module):
     self.attn = CausalSelfAttention(cfg, rngs=rngs)
     self.ffn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
     if use_moe:
-      self.ffn = jmo.MoE(cfg.moe_config(), mesh=mesh, expert_axis=EXPERT_AXIS, impl=cfg.impl, rngs=rngs)
+      self.ffn = jmo.MoE(cfg.moe_config(), mesh=mesh, expert_axis=EXPERT_AXIS, impl=cfg.impl,
+                         batch_axes=batch_axes(mesh), rngs=rngs)
     else:
       self.ffn = SwiGLU(cfg, rngs=rngs)
 

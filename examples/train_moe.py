@@ -1,7 +1,8 @@
 """Train a small byte-level MoE transformer with jax_moe_overlap's expert-parallel MoE layers.
 
 Runs on all local GPUs when present, else on 4 virtual CPU devices. Tokens (the batch) and experts are sharded over
-one mesh axis, "expert"; the train step is one jit-compiled function (forward, backward, AdamW update).
+one mesh axis, "expert" (or, with --mesh data=2,expert=2, tokens over both axes and experts over "expert"); the
+train step is one jit-compiled function (forward, backward, AdamW update).
 
   python examples/train_moe.py --steps 100 --ckpt-dir /tmp/moe-ckpt --overwrite   # ~30 s on a 2-core CPU
   python examples/train_moe.py --steps 600 --ckpt-dir /tmp/moe-ckpt --overwrite --stop-at 300
@@ -19,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import sys
 import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -71,7 +73,10 @@ def parse_args(argv=None):
   g.add_argument("--seed", type=int, default=0, help="parameter init and data order")
   g.add_argument("--devices", type=int, default=None, help="use only the first N local devices")
   g.add_argument("--mesh-axis-type", choices=("auto", "explicit"), default="auto",
-                 help="jax.sharding.AxisType of the mesh axis")
+                 help="jax.sharding.AxisType of the mesh axes")
+  g.add_argument("--mesh", default=None,
+                 help="mesh axes and sizes, e.g. data=2,expert=2: tokens over all axes, experts over 'expert', each "
+                      "data position its own expert-parallel group (default: one 'expert' axis over all devices)")
   g.add_argument("--data", default=None, help=f"text file; None: examples/data/{model_lib.DATA_FILE.name}")
   g = p.add_argument_group("evaluation, checkpoints, output")
   g.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
@@ -273,8 +278,11 @@ def main(argv=None):
   args = parse_args(argv)
   if (args.resume or args.overwrite) and not args.ckpt_dir:
     raise SystemExit("--resume and --overwrite need --ckpt-dir")
-  mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type)
-  R = mesh.shape[model_lib.EXPERT_AXIS]
+  try:
+    mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type, args.mesh)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
+  R = mesh.size
   if args.batch_size % R:
     raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {R} devices of the mesh")
   cfg = model_config(args)
@@ -328,7 +336,7 @@ def main(argv=None):
     loss_weights = (args.lb_weight, args.z_weight)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
     tokens_per_step = args.batch_size * args.seq_len
-    print(f"{jax.devices()[0].platform} x {R} devices | {n_params / 1e6:.2f}M parameters | {cfg.num_experts} "
+    print(f"{jax.devices()[0].platform} x {R} devices {dict(mesh.shape)} | {n_params / 1e6:.2f}M parameters | {cfg.num_experts} "
           f"experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl} | "
           f"{tokens_per_step} tokens/step | train {len(train_text)} B, held-out {len(held_text)} B")
 

@@ -10,8 +10,10 @@ Public API:
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).
   workspace_bytes     bytes per rank of the workspace a layer call of a given shape allocates (for planning memory).
   release_workspaces  frees every workspace now (after the programs in flight); later calls allocate again.
+  build_info          what the installed extension was compiled with (CUDA kernels or not, CUDA version, GPU targets).
 """
 
+from jax_moe_overlap._ffi import build_info
 from jax_moe_overlap.api import moe_experts
 from jax_moe_overlap.config import MoEConfig
 from jax_moe_overlap.layer import MoE, MoEAux, MoEBlock, total_aux_loss
@@ -19,5 +21,5 @@ from jax_moe_overlap.primitives import CallConfig
 from jax_moe_overlap.routing import Routing, route, update_routing_bias
 from jax_moe_overlap.workspace import Workspace, release_workspaces, workspace_bytes
 
-__all__ = ["moe_experts", "CallConfig", "Workspace", "MoE", "MoEAux", "MoEBlock", "MoEConfig", "Routing", "route",
-           "release_workspaces", "total_aux_loss", "update_routing_bias", "workspace_bytes"]
+__all__ = ["build_info", "moe_experts", "CallConfig", "Workspace", "MoE", "MoEAux", "MoEBlock", "MoEConfig", "Routing",
+           "route", "release_workspaces", "total_aux_loss", "update_routing_bias", "workspace_bytes"]

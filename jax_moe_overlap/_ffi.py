@@ -27,3 +27,19 @@ def register() -> None:
 def with_cuda() -> bool:
   """True when the CUDA kernels were compiled into the extension."""
   return bool(_jmo.with_cuda)
+
+
+def build_info() -> dict:
+  """What the installed extension was compiled with.
+
+  Keys: ``cuda`` (bool: the CUDA kernels are compiled in), ``cuda_version`` (the CUDA toolkit's, "" without CUDA),
+  ``cuda_archs`` (the GPU targets, e.g. ``["sm_80", "sm_90a", "compute_80"]``:
+  machine code ``sm_*``, PTX ``compute_*``; empty without CUDA), ``cuda_compiler``, ``cxx_compiler``, ``build_type``,
+  ``jax_version`` (the jax whose FFI headers the build used), ``xla_ffi_api`` (their XLA FFI API version), and
+  ``extension`` (the path of the loaded extension module).
+  """
+  info: dict = dict(_jmo.build_info())
+  info["cuda"] = info["cuda"] == "1"
+  info["cuda_archs"] = info["cuda_archs"].split()
+  info["extension"] = _jmo.__file__
+  return info

@@ -12,11 +12,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap.checks import check_expert_ids, check_impl, check_inputs
+from jax_moe_overlap.checks import batch_size, check_batch_axes, check_expert_ids, check_impl, check_inputs
 from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_block
 from jax_moe_overlap.reference import moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
@@ -55,7 +54,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   E = w1.shape[0]
   check_expert_ids(expert_ids, E)
   R = mesh.shape[axis_name]
-  B = _batch_size(mesh, batch_axes)
+  B = batch_size(mesh, batch_axes)
   T_local = x.shape[0] // (R * B)
   k = expert_ids.shape[1]
   cap_e = plan_lib.expert_capacity(T_local, R, k, E, capacity_factor)
@@ -70,24 +69,6 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     info = RankInfo(Workspace.get(mesh, axis_name, sizes), config)
     y, dropped = eager_program(_overlap_layer, mesh, axis_name, batch_axes, E, cap_e, sizes.recv_rows, info)(*args)
   return _like_committed(y, x), dropped
-
-
-def check_batch_axes(mesh, axis_name, batch_axes, tokens) -> tuple[str, ...]:
-  """The batch axes as a tuple of distinct mesh axes other than ``axis_name``, T divisible by all token shards."""
-  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-  for a in batch_axes:
-    if a not in mesh.axis_names or a == axis_name or batch_axes.count(a) > 1:
-      raise ValueError(f"jax_moe_overlap: batch_axes {batch_axes} must be distinct axes of the mesh "
-                       f"{tuple(mesh.axis_names)} other than the expert axis {axis_name!r}")
-  shards = _batch_size(mesh, batch_axes) * mesh.shape[axis_name]
-  if tokens % shards:
-    raise ValueError(f"jax_moe_overlap: {tokens} tokens cannot be split evenly over the {shards} devices of mesh "
-                     f"axes {(*batch_axes, axis_name)}")
-  return batch_axes
-
-
-def _batch_size(mesh, batch_axes) -> int:
-  return int(np.prod([mesh.shape[a] for a in batch_axes], dtype=np.int64))
 
 
 # One jitted program per static configuration, so that eager calls compile once: outside jit, shard_map would run

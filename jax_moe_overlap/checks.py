@@ -90,3 +90,22 @@ def check_expert_ids(expert_ids, num_experts: int) -> None:
     lo, hi = int(ids.min()), int(ids.max())
     raise ValueError(f"jax_moe_overlap: expert ids must lie in [0, {num_experts}), got values in [{lo}, {hi}] "
                      f"({SKIP} marks a skipped slot; other values are errors)")
+
+
+def check_batch_axes(mesh, axis_name, batch_axes, tokens) -> tuple[str, ...]:
+  """The batch axes as a tuple of distinct mesh axes other than ``axis_name``, T divisible by all token shards."""
+  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  for a in batch_axes:
+    if a not in mesh.axis_names or a == axis_name or batch_axes.count(a) > 1:
+      raise ValueError(f"jax_moe_overlap: batch_axes {batch_axes} must be distinct axes of the mesh "
+                       f"{tuple(mesh.axis_names)} other than the expert axis {axis_name!r}")
+  shards = batch_size(mesh, batch_axes) * mesh.shape[axis_name]
+  if tokens % shards:
+    raise ValueError(f"jax_moe_overlap: {tokens} tokens cannot be split evenly over the {shards} devices of mesh "
+                     f"axes {(*batch_axes, axis_name)}")
+  return batch_axes
+
+
+def batch_size(mesh, batch_axes) -> int:
+  """Devices along the batch axes: the number of independent expert-parallel groups the tokens split into."""
+  return int(np.prod([mesh.shape[a] for a in batch_axes], dtype=np.int64))

@@ -1,8 +1,8 @@
 """Bare grouped GEMMs as custom calls (no peers, no workspace): the expert GEMMs that do not feed the return
 all-to-all, i.e. GEMM1 of the forward pass and the GEMMs of the backward pass.
 
-XLA's own ``jax.lax.ragged_dot`` runs as dense-masked work on GPU (every group pays for all rows: 12-99 TFLOP/s on
-an H200, benchmarks/RESULTS.md); these calls run the tile engine of ``expert_combine``'s producer over the routed
+XLA's own ``jax.lax.ragged_dot`` runs as dense-masked work on GPU (every group pays for all rows: docs/performance.md
+has its TFLOP/s on an H200); these calls run the tile engine of ``expert_combine``'s producer over the routed
 rows only. On CPU they run reference loops (the specification the CUDA kernels are tested against).
 
 Groups are consecutive row blocks of ``lhs`` starting at row 0, ``group_sizes[g]`` rows each, as in

@@ -60,7 +60,7 @@ class MoE(nnx.Module):
     batch_axes: mesh axes other than expert_axis the tokens are also sharded over (``moe_experts``' batch_axes).
     rngs: parameter initialisation.
 
-  The keyword form of earlier releases, ``MoE(d_model, d_ff, num_experts, top_k, mesh=..., capacity_factor=...,
+  The keyword form, ``MoE(d_model, d_ff, num_experts, top_k, mesh=..., capacity_factor=...,
   dtype=..., param_dtype=..., config=CallConfig(...), rngs=...)``, builds the equivalent ``MoEConfig`` (softmax,
   renormalised top-k).
 
@@ -104,7 +104,7 @@ class MoE(nnx.Module):
     else:
       self.shared_w1 = self.shared_w2 = None
 
-  # The sizes under their earlier attribute names, for code written against the keyword form.
+  # The sizes under the keyword form's names.
   d_model = property(lambda self: self.config.emb_dim)
   d_ff = property(lambda self: self.config.moe_mlp_dim)
   num_experts = property(lambda self: self.config.num_experts)

@@ -43,7 +43,8 @@ class Plan:
   Sender side (this rank's ``P = T*k`` slots, in slot order):
     slot_dest_rank: [P] rank that owns the slot's expert (this rank for a skipped slot); -1 marks an invalid id
       (outside [0, E) and not ``SKIP``).
-    slot_dest_row: [P] row in that rank's recv buffer, -1 if the slot was dropped.
+    slot_dest_row: [P] row in that rank's recv buffer, -1 if the slot was dropped; for an invalid id the id itself
+      (the custom calls name it in their error).
     slot_ret_row: [P] row in this rank's ret buffer where the slot's output returns, -1 if dropped.
     ret_rows: [] number of kept slots (rows this rank receives back in expert_combine).
   Receiver side (this rank's local experts):
@@ -155,7 +156,7 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
   ret_rows = jnp.sum(my_kept)
   return Plan(
       slot_dest_rank=jnp.where(valid, dest, jnp.where(skipped, rank, -1)).astype(jnp.int32),
-      slot_dest_row=jnp.where(is_kept, dest_row, -1).astype(jnp.int32),
+      slot_dest_row=jnp.where(valid | skipped, jnp.where(is_kept, dest_row, -1), raw).astype(jnp.int32),
       slot_ret_row=jnp.where(is_kept, pos, -1).astype(jnp.int32),
       ret_rows=ret_rows.astype(jnp.int32),
       seg_rows=seg_rows.astype(jnp.int32),

@@ -311,7 +311,7 @@ def expert_mlp(x_recv, w1, w2, group_sizes):
 
   GEMM1 + SwiGLU + GEMM2 through the grouped GEMMs of expert_block (GEMM2 as ``grouped_matmul``, the tile engine of
   expert_combine's producer, on every SM), and under ``jax.grad`` expert_block's backward GEMMs, the input gradient
-  ``da @ W1^T`` as ``grouped_matmul``. The benchmarks' "compute alone" (bench_ep_layer.py).
+  ``da @ W1^T`` as ``grouped_matmul``. The benchmarks' "compute alone" (benchmarks/ideal_probes.py).
 
   Args:
     x_recv: [cap, D] rows grouped by local expert (float32 or bfloat16). w1: [E_local, D, 2F]; w2: [E_local, F, D].

@@ -145,10 +145,12 @@ class Workspace:
     elif self.platform == "gpu" and _ffi.with_cuda():
       from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
       self.handle = cuda_workspace.create(self, mesh, axis_name, sizes)
-    else:
+    elif self.platform == "gpu":
       raise NotImplementedError(
-          f"jax_moe_overlap: no kernels for platform {self.platform!r} in this build "
-          f"(CUDA compiled in: {_ffi.with_cuda()})")
+          "jax_moe_overlap: this build has no CUDA kernels (nvcc was not found when it was built, or JMO_CUDA=off; "
+          "jax_moe_overlap.build_info() says what was built): reinstall with nvcc on PATH and JMO_CUDA=on")
+    else:
+      raise NotImplementedError(f"jax_moe_overlap: no kernels for platform {self.platform!r} in this build")
     self._released = False
 
   @classmethod

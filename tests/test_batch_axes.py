@@ -1,9 +1,5 @@
 """Tokens sharded over a data axis and the expert axis on 4 CPU devices (2 x 2); 8 devices in a child process."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -11,6 +7,7 @@ import pytest
 import jax_moe_overlap as jmo
 from batch_axes_checks import check_matches_reference, mesh_of_shape
 from cases import layer_inputs
+from child_process import run_script
 
 
 @pytest.mark.parametrize("cf", [None, 0.5])
@@ -35,13 +32,8 @@ def test_bad_batch_axes_are_named():
 
 
 def test_eight_devices_data_fsdp_expert():
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, os.path.join(here, "batch_axes_main.py")], cwd=here, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert proc.stdout.count(": match") == 3, proc.stdout
+  out = run_script("batch_axes_main.py")
+  assert out.count(": match") == 3, out
 
 
 def test_module_with_batch_axes_matches_reference():

@@ -1,5 +1,5 @@
-"""benchmarks.bench_ep_layer's correctness check for the quick shape on 4 CPU devices: ours, serialized and
-xla_dense_a2a agree with the reference; xla_ragged is skipped on CPU (no ragged_all_to_all in XLA:CPU) with its
+"""benchmarks.bench_ep_layer's correctness check for the quick shape on 4 CPU devices: ours, serialized, xla (the
+library's impl="xla") and xla_dense_a2a agree with the reference; xla_ragged is skipped on CPU (no ragged_all_to_all in XLA:CPU) with its
 reason, and its offset logic agrees through the all_gather emulation of ragged_all_to_all; the probes of the ideal
 (compute_alone, comm_alone, dispatch_alone) pass their checks (and fail them when wrong), and the ideal and bound rows
 are derived from the timed rows as documented."""
@@ -29,7 +29,7 @@ def rows():
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("impl", ["ours", "serialized", "xla_dense_a2a", "xla_ragged[emulated]", "compute_alone",
+@pytest.mark.parametrize("impl", ["ours", "serialized", "xla", "xla_dense_a2a", "xla_ragged[emulated]", "compute_alone",
                                   "comm_alone", "dispatch_alone"])
 def test_agrees_with_reference(rows, pass_, impl):
   r = rows[(pass_, impl)]

@@ -12,6 +12,7 @@
 #include "workspace_cpu.h"
 #include "common/bf16.h"
 #include "common/call_signature.h"
+#include "common/error_text.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -65,10 +66,21 @@ ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank,
 }
 
 // A call that fails validation after its epoch began must not leave its peers waiting for rows that will never
-// come: raise the group's abort word, so they give up at once and the next call resets the group.
-ffi::Error Fail(const CallContext& c, ffi::Error err) {
-  c.ws->RaiseAbort(c.group, c.epoch);
+// come: record the failure (`detail`, `peer`, `got`, `expected` as protocol.h's BadInput describes them) and raise
+// the group's abort word, so they give up at once naming this rank's failure, and the next call resets the group.
+ffi::Error Fail(const CallContext& c, ffi::Error err, BadInput detail = kBadCallShape, uint64_t peer = 0,
+                uint64_t got = 0, uint64_t expected = 0) {
+  c.ws->RecordFailure(c.group, ErrorRecord{kStageBadInput, (uint64_t)c.rank, peer, c.epoch, got, expected,
+                                           (uint64_t)detail, 0});
   return err;
+}
+
+// A bad input whose record says it all: this rank's error is the record's text, as its peers quote it.
+ffi::Error FailInput(const CallContext& c, const char* op, BadInput detail, uint64_t peer, uint64_t got,
+                     uint64_t expected) {
+  const ErrorRecord rec{kStageBadInput, (uint64_t)c.rank, peer, c.epoch, got, expected, (uint64_t)detail, 0};
+  return Fail(c, InvalidCall(std::string(op) + ": " + DescribeRecord(rec, c.group, c.ws->ranks())), detail, peer, got,
+              expected);
 }
 
 ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c, int64_t timeout_ms) {
@@ -101,15 +113,17 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   const int32_t* dst_rank = slot_dest_rank.typed_data();
   const int32_t* dst_row = slot_dest_row.typed_data();
   const int64_t expected = recv_rows_expected.typed_data()[0];
-  if (expected < 0 || expected > cap) return Fail(c, InvalidCall("dispatch: expected rows outside [0, cap]"));
+  if (expected < 0 || expected > cap) return FailInput(c, "dispatch", kBadExpectedRows, 0, expected, cap);
   for (int64_t p = 0; p < P; ++p) {
+    // The plan marks an invalid expert id with dest rank -1 and puts the id itself in the slot's dest row.
     if (dst_rank[p] == -1)
-      return Fail(c, InvalidCall("dispatch: slot " + std::to_string(p) + " (token " + std::to_string(src_row[p]) +
-                     ") names an expert id outside [0, num_experts)"));
+      return FailInput(c, "dispatch", kBadExpertId, p, (uint64_t)(int64_t)src_row[p], (uint64_t)(int64_t)dst_row[p]);
     if (dst_row[p] < 0) continue;  // dropped by the capacity rule
-    if (dst_rank[p] < 0 || dst_rank[p] >= R || dst_row[p] >= cap || src_row[p] < 0 || src_row[p] >= S)
-      return Fail(c, InvalidCall("dispatch: slot " + std::to_string(p) + " routes outside the workspace (rank " +
-                     std::to_string(dst_rank[p]) + ", row " + std::to_string(dst_row[p]) + ")"));
+    const bool bad_rank = dst_rank[p] < 0 || dst_rank[p] >= R, bad_row = dst_row[p] >= cap;
+    if (bad_rank || bad_row || src_row[p] < 0 || src_row[p] >= S)
+      return FailInput(c, "dispatch", kBadRoute, p,
+                       (uint64_t)(int64_t)(bad_rank ? dst_rank[p] : bad_row ? dst_row[p] : src_row[p]),
+                       bad_rank ? R : bad_row ? cap : S);
   }
 
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
@@ -238,14 +252,15 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
       const int32_t ret_off = seg_ret_off.typed_data()[e * R + s];
       if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > ws->sizes().ret_rows)
         return Fail(c, InvalidCall("expert_combine: segment (expert " + std::to_string(e) + ", source " + std::to_string(s) +
-                       ") lies outside the buffers"));
+                       ") lies outside the buffers"), kBadSegment, e * R + s, (uint64_t)(int64_t)rows, cap);
       segs.push_back(Segment{e, s, off, rows, ret_off, band});
       off += rows;
       band += (rows + kBandRows - 1) / kBandRows;
       rows_to_rank[s] += rows;
     }
   }
-  if (band > ws->sizes().max_bands) return Fail(c, InvalidCall("expert_combine: more tiles than the workspace has flags"));
+  if (band > ws->sizes().max_bands)
+    return FailInput(c, "expert_combine", kBadTooManyTiles, 0, band, ws->sizes().max_bands);
   std::vector<int> order(segs.size());
   OrderSegments(segs.data(), static_cast<int>(segs.size()), c.rank, rows_to_rank.data(), order.data());
   std::vector<Segment> ordered;
@@ -282,7 +297,8 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   ctl->ret_expected.value = base + expected;
   const int32_t* ret_row = slot_ret_row.typed_data();
   for (int64_t p = 0; p < P; ++p)
-    if (ret_row[p] >= ws->sizes().ret_rows) return Fail(c, InvalidCall("expert_combine: slot_ret_row out of range"));
+    if (ret_row[p] >= ws->sizes().ret_rows)
+      return FailInput(c, "expert_combine", kBadRetRow, p, ret_row[p], ws->sizes().ret_rows);
   void* so_ptr = want_slots ? slot_out->untyped_data() : nullptr;
   if (dt == ffi::DataType::F32)
     CombineRows<float>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);

@@ -249,8 +249,7 @@ ErrorRecord Workspace::WaitAtLeast(const uint64_t* word, uint64_t base, uint64_t
           }
       }
       ErrorRecord e{stage, (uint64_t)rank, (uint64_t)peer, epoch, v - base, count, 0, (uint64_t)timeout_ms};
-      g->errors[rank] = e;
-      RaiseAbort(group, epoch);
+      RecordFailure(group, e);
       return e;
     }
     Backoff(spins);
@@ -262,6 +261,15 @@ void Workspace::RaiseAbort(int group, uint64_t epoch) {
   uint64_t expected = 0;
   std::atomic_ref<uint64_t>(shared(group)->abort.value)
       .compare_exchange_strong(expected, epoch, std::memory_order_acq_rel);
+}
+
+void Workspace::RecordFailure(int group, const ErrorRecord& e) {
+  GroupShared* g = shared(group);
+  g->errors[e.rank] = e;  // only this rank writes its record; readers see it after the release below
+  uint64_t none = 0;
+  std::atomic_ref<uint64_t>(g->first_failed.value)
+      .compare_exchange_strong(none, e.rank + 1, std::memory_order_acq_rel);
+  RaiseAbort(group, e.epoch);
 }
 
 ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point deadline) {
@@ -325,16 +333,12 @@ std::string ProcessNote(const ErrorRecord& e, int ranks, const GroupShared* shar
   if (shared == nullptr) return "";
   const GroupTail* tail = TailOf(shared, ranks);
   if (tail->process[0] < 0) return "";
-  std::ostringstream os;
-  if (e.peer < (uint64_t)ranks) {
-    os << " (peer rank " << e.peer << " is in process " << tail->process[e.peer]
-       << "; a process that died or hangs stops its ranks)";
-    return os.str();
-  }
-  os << " (the group's ranks are in processes";
-  for (int r = 0; r < ranks; ++r) os << (r ? ", " : " [") << tail->process[r];
-  os << "] by rank; a process that died or hangs stops its ranks)";
-  return os.str();
+  const std::string stops = "; a process that died or hangs stops its ranks)";
+  if (e.peer < (uint64_t)ranks)
+    return " (peer rank " + std::to_string(e.peer) + " is in process " + std::to_string(tail->process[e.peer]) + stops;
+  std::string s = " (the group's ranks are in processes";
+  for (int r = 0; r < ranks; ++r) s += (r ? ", " : " [") + std::to_string(tail->process[r]);
+  return s + "] by rank" + stops;
 }
 }  // namespace
 
@@ -345,13 +349,8 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
   if (e.code == kStageAbortedByPeer) {
     os << "rank " << e.rank << " (group " << group << ") gave up in epoch " << e.epoch
        << " because another rank of its group failed first";
-    for (int r = 0; shared != nullptr && r < ranks; ++r) {
-      const ErrorRecord& first = shared->errors[r];
-      if (first.code != 0 && first.code != kStageAbortedByPeer) {
-        os << "; first failure: " << DescribeRecord(first, group, ranks) << ProcessNote(first, ranks, shared);
-        break;
-      }
-    }
+    if (const ErrorRecord* first = FirstFailure(shared, ranks))
+      os << "; first failure: " << DescribeRecord(*first, group, ranks) << ProcessNote(*first, ranks, shared);
     return os.str();
   }
   if (e.code == kStageReset) {

@@ -117,6 +117,10 @@ class Workspace {
   // Marks the group failed in `epoch` (keeps the first failure's epoch), so every waiter gives up.
   void RaiseAbort(int group, uint64_t epoch);
 
+  // A rank's own failure (e.rank, e.epoch): stores its error record, claims the group's first_failed word if no rank
+  // has yet, then raises abort, so every rank's error can name the group's first failure and its cause.
+  void RecordFailure(int group, const ErrorRecord& e);
+
   // Called at the start of every call: if the group was aborted, a rank still entering the failed epoch fails
   // at once; a rank past it meets all ranks at the barrier, and the last to arrive resets the group.
   ErrorRecord RecoverIfAborted(int group, int rank, Clock::time_point deadline);

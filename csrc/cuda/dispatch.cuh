@@ -24,7 +24,7 @@ __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, i
     const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
     if (which != kPushAll && (d == rd.rank) != (which == kPushLocal)) continue;
     if (d == -1) {
-      if (lane == 0) ReportBadInput(rd, kBadExpertId, p, sr, 0);
+      if (lane == 0) ReportBadInput(rd, kBadExpertId, p, sr, (uint64_t)(int64_t)row);  // the plan puts the id in row
       continue;
     }
     if (row < 0) continue;  // dropped by the capacity rule

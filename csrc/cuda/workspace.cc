@@ -256,18 +256,28 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
     }
     records = bar.records;
   }
-  // Report this rank's own failure if it had one, else the group's first real failure.
-  const ErrorRecord* pick = nullptr;
-  if (records[r].code != 0) pick = &records[r];
-  for (int i = 0; i < ranks_ && pick == nullptr; ++i)
-    if (records[i].code != 0) pick = &records[i];
+  // Every rank reports the group's first failure (FirstRecord), and its own when it had a different one.
+  const ErrorRecord* pick = FirstRecord(records);
   std::string msg = std::string("jax_moe_overlap.") + op + ": an earlier call failed (reported by the next call; " +
                     "the group has been reset and the call after this one runs normally): ";
   if (pick == nullptr)
     return Status::Error(kFailedPrecondition,
                          msg + "a call of group " + std::to_string(g) + " failed validation on the host of some rank");
-  return Status::Error(pick->code == kStageBadInput ? kInvalidArgument : kDeadlineExceeded,
-                       msg + FormatRecord(*pick, g, ranks_, timeout_ms));
+  msg += "first failure: " + FormatRecord(*pick, g, ranks_, timeout_ms);
+  if (records[r].code != 0 && pick != &records[r])
+    msg += "; this rank's own failure: " + FormatRecord(records[r], g, ranks_, timeout_ms);
+  return Status::Error(pick->code == kStageBadInput ? kInvalidArgument : kDeadlineExceeded, msg);
+}
+
+// The kernels record failures without a cross-GPU atomic (host-mapped memory has none over PCIe), so the first is
+// chosen by rule: a bad input before a timeout (a timeout is usually a consequence of a peer's failure), then the
+// earliest epoch, then the lowest rank.
+const ErrorRecord* FirstRecord(const std::vector<ErrorRecord>& records) {
+  const ErrorRecord* pick = nullptr;
+  auto key = [](const ErrorRecord& e) { return std::make_pair(e.code == kStageBadInput ? 0 : 1, e.epoch); };
+  for (const ErrorRecord& e : records)
+    if (e.code != 0 && e.code != kStageAbortedByPeer && (pick == nullptr || key(e) < key(*pick))) pick = &e;
+  return pick;
 }
 
 std::string FormatRecord(const ErrorRecord& e, int group, int ranks, int64_t timeout_ms) {

@@ -150,6 +150,8 @@ Workspace* LookupWorkspace(int64_t handle);
 bool ReleaseWorkspace(int64_t handle);
 
 std::string FormatRecord(const ErrorRecord& e, int group, int ranks, int64_t timeout_ms);
+// The group's first failure among the ranks' records (nullptr: none).
+const ErrorRecord* FirstRecord(const std::vector<ErrorRecord>& records);
 
 // "<what> failed: <cudaGetErrorString>" when err != cudaSuccess.
 Status CudaStatus(cudaError_t err, const char* what);

@@ -1,9 +1,17 @@
 # Sourced by the GPU scripts (tests/gpu/run_device.sh, benchmarks/run_*.sh) from the repository root, with $OUT set:
-# logs the machine, builds the extension into build/gpu and the tools (tools/CMakeLists.txt: the loopback runner)
-# into build/tools, both sm_90a + sm_80 and side by side, puts the extension and the runner next to their Python
-# sources (nothing is pip-installed) and exports what the tests and benchmarks need.
+# logs the machine, pip-installs the package (CUDA kernels required: JMO_CUDA=on) into a fresh target $JMO_SITE
+# (default /tmp/jmo-site), builds the tools (tools/CMakeLists.txt: the loopback runner) into build/tools, both at
+# once, puts the runner next to tools/loopback/*.py, and exports what the tests and benchmarks need.
+#
+# Everything then runs against the installed package: PYTHONPATH puts $JMO_SITE first (the repository root after it,
+# for the `tools` and `benchmarks` packages and examples/) and PYTHONSAFEPATH=1 keeps Python from putting the
+# current directory (the checkout, with its own jax_moe_overlap/) in front; tests/gpu/conftest.py checks that the
+# imported jax_moe_overlap is the installed one. The machine has no internet: pip uses its installed build tools
+# (scikit-build-core, nanobind, cmake) and jax. JMO_CUDA_ARCHS (default "80;90a") picks the GPU targets;
+# JMO_BUILD_TYPE (default Release) the tools build's CMAKE_BUILD_TYPE (RelWithDebInfo for backtraces).
 # Returns 1 (after printing the failed build log's tail) if a build fails. Sets t0 = the start time in seconds.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
 {
   date -u
   nvidia-smi -L
@@ -13,22 +21,23 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   git log -1 --format='code at %h %s' 2>/dev/null || true
 } 2>&1 | tee "$OUT/env.log"
 t0=$(date +%s)
+rm -rf "$JMO_SITE"
 # The two builds compile the kernels each; their largest translation units run in parallel this way.
-jmo_cmake() {  # source dir, build dir
-  cmake -S "$1" -B "$2" -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
-    && cmake --build "$2" -j"$(nproc)"
-}
-jmo_cmake . build/gpu > "$OUT/build.log" 2>&1 &
+JMO_CUDA=on CUDACXX="$(command -v nvcc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+  python3 -m pip install -v --no-index --no-build-isolation --no-deps --target "$JMO_SITE" . > "$OUT/build.log" 2>&1 &
 jmo_ext=$!
-jmo_cmake tools build/tools > "$OUT/build_tools.log" 2>&1 &
+{ cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
+    -DCMAKE_BUILD_TYPE="${JMO_BUILD_TYPE:-Release}" \
+    && cmake --build build/tools -j"$(nproc)"; } > "$OUT/build_tools.log" 2>&1 &
 jmo_tools=$!
 wait $jmo_ext; jmo_ext_rc=$?
 wait $jmo_tools; jmo_tools_rc=$?
 if [ $jmo_ext_rc != 0 ]; then tail -60 "$OUT/build.log"; return 1; fi
 if [ $jmo_tools_rc != 0 ]; then tail -60 "$OUT/build_tools.log"; return 1; fi
 echo "build: $(( $(date +%s) - t0 )) s"
-cp build/gpu/_jmo*.so jax_moe_overlap/
 cp build/tools/_jmo_loopback*.so tools/loopback/
-export PYTHONPATH=$PWD JAX_PLATFORMS=cuda,cpu PYTHONUNBUFFERED=1
+export PYTHONPATH="$JMO_SITE:$PWD:$PWD/examples:/tmp/site" PYTHONSAFEPATH=1 JAX_PLATFORMS=cuda,cpu PYTHONUNBUFFERED=1
+(cd /tmp && python3 -c "import jax_moe_overlap as j; print('installed', j.__file__); print('build_info', j.build_info())") \
+  2>&1 | tee -a "$OUT/env.log"
 # R rank streams must not share hardware queues (a waiting kernel would block another rank's kernel behind it).
 export CUDA_DEVICE_MAX_CONNECTIONS=32

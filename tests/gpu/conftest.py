@@ -1,10 +1,16 @@
-"""GPU test set-up: a watchdog that ends the run, naming the test, once a test has run longer than
+"""GPU test set-up: the installed package, and a watchdog.
+
+The GPU tests run against the installed package: with $JMO_SITE set (tests/gpu/build_gpu.sh installs there), that
+directory goes first on sys.path, ahead of the repository root that pytest's `pythonpath` setting puts there for the
+CPU tests, and the session stops at once if jax_moe_overlap would still come from anywhere else.
+
+The watchdog ends the run, naming the test, once a test has run longer than
 $JMO_GPU_TEST_TIMEOUT_S seconds (default 300; 0 turns it off), or than its own `@pytest.mark.watchdog_s(seconds)`
 (tests that wait on a subprocess with a longer time limit of its own).
 
 A device kernel that never finishes (a wait that is not bounded, a warp that deadlocks) blocks the test's thread in
-C: pytest would wait until the caller's own time limit killed it, and the log would not say which test hung (session
-6, call 2: a deadlocked combine gather, only "." in the log). The watchdog runs on its own thread, so it fires while
+C: pytest would wait until the caller's own time limit killed it, and the log would not say which test hung (a
+deadlocked kernel leaves only "." in the log). The watchdog runs on its own thread, so it fires while
 the test's thread is stuck; it prints the test's id and every thread's Python stack to the real stderr (pytest's
 output capture suspended) and exits the process with status 3.
 """
@@ -15,6 +21,16 @@ import sys
 import threading
 
 import pytest
+
+JMO_SITE = os.environ.get("JMO_SITE")
+if JMO_SITE:
+  _site = os.path.realpath(JMO_SITE)
+  sys.path[:] = [_site] + [p for p in sys.path if os.path.realpath(p or ".") != _site]
+  import jax_moe_overlap  # noqa: E402  pylint: disable=g-import-not-at-top
+
+  if not os.path.realpath(jax_moe_overlap.__file__).startswith(_site + os.sep):
+    raise pytest.UsageError(f"JMO_SITE={JMO_SITE} but jax_moe_overlap comes from {jax_moe_overlap.__file__}: the "
+                            "GPU tests must run against the installed package")
 
 TIMEOUT_S = float(os.environ.get("JMO_GPU_TEST_TIMEOUT_S", "300"))
 EXIT_STATUS = 3

@@ -12,9 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-# The CPU suite's helpers (tests/cases.py, tests/layer_checks.py, tests/test_expert_combine.py) are shared.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def gpu_devices():
   try:

@@ -12,7 +12,7 @@ import pytest
 
 from gpu_common import gpu_mesh, is_hopper, rank_counts, rel_err, requires_gpu
 from jax_moe_overlap.primitives import CallConfig, RankInfo
-import test_expert_combine as base  # tests/test_expert_combine.py (gpu_common puts tests/ on sys.path)
+import test_expert_combine as base  # tests/test_expert_combine.py (tests/ is on pytest's pythonpath)
 
 pytestmark = requires_gpu
 

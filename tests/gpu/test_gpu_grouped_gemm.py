@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gpu_common import gpu_devices, requires_gpu
-import test_grouped_gemm as base  # tests/test_grouped_gemm.py (gpu_common puts tests/ on sys.path)  # noqa: I001
+import test_grouped_gemm as base  # tests/test_grouped_gemm.py (tests/ is on pytest's pythonpath)
 
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 

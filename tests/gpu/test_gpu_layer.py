@@ -11,7 +11,7 @@ there is no GPU.
 import pytest
 
 from gpu_common import gpu_devices, gpu_mesh, is_hopper, rank_counts, requires_gpu
-import layer_checks as checks  # tests/layer_checks.py (gpu_common puts tests/ on sys.path)  # noqa: I001
+import layer_checks as checks  # tests/layer_checks.py (tests/ is on pytest's pythonpath)
 
 pytestmark = requires_gpu
 

@@ -84,7 +84,7 @@ def test_options_through_jax_give_identical_results(R):
     outs.append(np.asarray(y.astype(jnp.float32)))
   for o in outs[1:]:
     np.testing.assert_array_equal(o, outs[0])
-  wss = [w for w in Workspace._cache.values() if w.platform == "gpu" and w.mesh == mesh]
+  wss = [w for w in Workspace.cached() if w.platform == "gpu" and w.mesh == mesh]
   assert wss and all(w.sm_budget and ("resource model" in w.consumer_policy or "fixed" in w.consumer_policy)
                      for w in wss), [(w.sm_budget, w.consumer_policy) for w in wss]
   print("consumer policy:", wss[0].consumer_policy)

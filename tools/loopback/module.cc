@@ -25,6 +25,18 @@ namespace {
 
 using HostArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
 
+// Error texts may carry bytes a kernel wrote (record fields): decoded with replacement, never an exception that
+// would lose the case's results.
+nb::str Text(const std::string& s) {
+  return nb::steal<nb::str>(PyUnicode_DecodeUTF8(s.data(), (Py_ssize_t)s.size(), "replace"));
+}
+
+nb::list Texts(const std::vector<std::string>& v) {
+  nb::list out;
+  for (const std::string& s : v) out.append(Text(s));
+  return out;
+}
+
 nb::dict MakeDict(std::initializer_list<std::pair<const char*, nb::object>> items) {
   nb::dict d;
   for (const auto& [key, value] : items) d[key] = value;
@@ -129,7 +141,7 @@ nb::dict ToDict(const Result& r) {
   }
   for (const TimeoutReport& t : r.timeout)
     timeout.append(MakeDict({{"reported", nb::cast(t.reported)}, {"code", nb::cast(t.code)},
-                             {"msg", nb::cast(t.msg)}}));
+                             {"msg", Text(t.msg)}}));
   for (const auto& variant : r.timed) {
     nb::list ranks;
     for (const RankTiming& t : variant) {
@@ -141,7 +153,7 @@ nb::dict ToDict(const Result& r) {
     timed.append(ranks);
   }
   for (const auto& v : r.dg_us) dg_us.append(nb::cast(v));
-  return MakeDict({{"errors", nb::cast(r.errors)}, {"calls", nb::cast(r.calls)}, {"digests", nb::cast(digests)},
+  return MakeDict({{"errors", Texts(r.errors)}, {"calls", nb::cast(r.calls)}, {"digests", nb::cast(digests)},
                    {"first", nb::cast(first)}, {"timeout", nb::cast(timeout)}, {"timed", nb::cast(timed)},
                    {"dg_us", nb::cast(dg_us)}, {"table_ns", nb::cast(r.table_ns)},
                    {"decision_ns", nb::cast(r.decision_ns)}, {"decision_choice", nb::cast(r.decision_choice)},

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import sys
+import traceback
 
 # Before CUDA or JAX start in this process: R rank streams must not share hardware queues (a waiting kernel would
 # block another rank's kernel behind it); every kernel loads up front (lazy loading can wait for running kernels,
@@ -152,6 +153,16 @@ def run_case(runner, case: cases_lib.Case) -> bool:
   return v.passed
 
 
+def _run_guarded(runner, case) -> bool:
+  """run_case, with an exception counted as the case's failure (printed with its traceback) so that the suite
+  goes on and its summary line is printed."""
+  try:
+    return run_case(runner, case)
+  except Exception:  # pylint: disable=broad-except
+    print(f"FAIL {case.name()} | the harness raised:\n{traceback.format_exc()}", flush=True)
+    return False
+
+
 def main(argv=None) -> int:
   args, base = parse_args(sys.argv[1:] if argv is None else argv)
   runner = load_runner()
@@ -166,7 +177,7 @@ def main(argv=None) -> int:
     return 0
   producer = lambda c: runner.producer_path(c.f32, c.k_dim, c.n_dim, c.transpose_rhs)  # noqa: E731
   todo = cases_lib.suite(args.suite, base, producer) if args.suite else [base]
-  passed = sum(run_case(runner, c) for c in todo)
+  passed = sum(_run_guarded(runner, c) for c in todo)
   print(f"loopback: {passed} of {len(todo)} cases passed", flush=True)
   return 0 if passed == len(todo) else 1
 

@@ -8,7 +8,7 @@
 //      the GEMM tiles that finish a segment), each copy waits for its flag, and an observer kernel records when the
 //      segment's last word lands. Latency = arrival - publish, both read from %globaltimer on the same GPU;
 //   3. the slowdown of an SM-bound kernel (a long FMA loop on every SM) while the copies of (1) run beside it.
-// Every CUDA call is checked; a wait in the device code is bounded and reports which segment it gave up on.
+// Every CUDA call is checked; every wait, on the host and in the device code, is bounded and names what it gave up on.
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -o /tmp/copy_engine_probe \
 //     tools/probes/copy_engine_probe.cu && /tmp/copy_engine_probe
@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -95,6 +96,23 @@ WaitValueFn LoadWaitValue() {
   return reinterpret_cast<WaitValueFn>(fn);
 }
 
+// Every host wait is bounded: polls `ev` for up to 10 s, then names the step that did not finish and exits.
+void WaitEvent(cudaEvent_t ev, const char* step) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) {
+      std::fprintf(stderr, "%s: %s\n", step, cudaGetErrorString(e));
+      std::exit(1);
+    }
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(10)) {
+      std::fprintf(stderr, "%s did not finish within 10 s\n", step);
+      std::exit(2);
+    }
+  }
+}
+
 float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -103,6 +121,7 @@ float Median(std::vector<float> v) {
 }  // namespace
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);  // each line shows even if a later step is stopped
   int dev = 0, sms = 0;
   CHECK(cudaSetDevice(dev));
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -134,7 +153,7 @@ int main() {
       CHECK(cudaEventRecord(e0, s_copy));
       for (int i = 0; i < n; ++i) CHECK(cudaMemcpyAsync(dst + i * seg, src + i * seg, seg, cudaMemcpyDeviceToDevice, s_copy));
       CHECK(cudaEventRecord(e1, s_copy));
-      CHECK(cudaEventSynchronize(e1));
+      WaitEvent(e1, "back-to-back copies");
       float t;
       CHECK(cudaEventElapsedTime(&t, e0, e1));
       if (rep >= 2) ms.push_back(t);
@@ -177,7 +196,17 @@ int main() {
         ProducerKernel<<<1, 32, 0, s_main>>>(reinterpret_cast<uint32_t*>(src), seg / 4, flags, kSegs,
                                              gap_us * 1000ull, epoch, t_pub);
         CHECK(cudaGetLastError());
-        CHECK(cudaDeviceSynchronize());
+        cudaEvent_t done[3];
+        cudaStream_t ss[3] = {s_main, s_copy, s_obs};
+        const char* names[3] = {"the producer kernel", "the flag-gated copies", "the observer kernel"};
+        for (int j = 0; j < 3; ++j) {
+          CHECK(cudaEventCreateWithFlags(&done[j], cudaEventDisableTiming));
+          CHECK(cudaEventRecord(done[j], ss[j]));
+        }
+        for (int j = 0; j < 3; ++j) {
+          WaitEvent(done[j], names[j]);
+          CHECK(cudaEventDestroy(done[j]));
+        }
         if (*err) {
           std::fprintf(stderr, "observer gave up waiting for segment %d (epoch %u, %lld KiB)\n", *err - 1, epoch,
                        static_cast<long long>(seg >> 10));
@@ -193,7 +222,7 @@ int main() {
         CHECK(cudaEventRecord(e0, s_copy));
         CHECK(cudaMemcpyAsync(dst, src, seg, cudaMemcpyDeviceToDevice, s_copy));
         CHECK(cudaEventRecord(e1, s_copy));
-        CHECK(cudaEventSynchronize(e1));
+        WaitEvent(e1, "one copy");
         float t;
         CHECK(cudaEventElapsedTime(&t, e0, e1));
         one.push_back(t * 1e3f);
@@ -206,6 +235,8 @@ int main() {
   // 3. Slowdown of an SM-bound kernel with copies running beside it.
   float* sink = nullptr;
   CHECK(cudaMalloc(&sink, sms * 4 * sizeof(float)));
+  cudaEvent_t copies_done;
+  CHECK(cudaEventCreateWithFlags(&copies_done, cudaEventDisableTiming));
   auto time_fma = [&](bool with_copies) {
     std::vector<float> ms;
     for (int rep = 0; rep < 7; ++rep) {
@@ -216,9 +247,11 @@ int main() {
       FmaKernel<<<sms * 4, 256, 0, s_main>>>(sink, 1 << 17);
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(e1, s_main));
-      CHECK(cudaDeviceSynchronize());
+      WaitEvent(e1, "the SM-bound kernel");
       float t;
       CHECK(cudaEventElapsedTime(&t, e0, e1));
+      CHECK(cudaEventRecord(copies_done, s_copy));
+      WaitEvent(copies_done, "the copies beside the SM-bound kernel");
       if (rep >= 2) ms.push_back(t);
     }
     return Median(ms);

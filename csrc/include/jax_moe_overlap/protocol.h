@@ -63,13 +63,15 @@ enum Stage : uint64_t {
 
 // Which input a kStageBadInput record is about (ErrorRecord.detail); csrc/common/error_text.h words each one.
 enum BadInput : uint64_t {
-  kBadExpertId = 1,       // a slot names an expert id outside [0, E)
+  kBadExpertId = 1,       // a slot names an expert id that is neither -1 (no selection) nor in [0, E): ErrorRecord
+                          // peer = slot, got = the slot's token (source row), expected = the id (two's complement)
   kBadRoute = 2,          // a slot routes outside the workspace (rank, row or source row out of range)
   kBadSegment = 3,        // a (local expert, source) segment lies outside recv or the source's ret rows
   kBadExpectedRows = 4,   // the expected row count lies outside [0, capacity]
   kBadRankOperands = 5,   // the rank/group operands disagree with the device's place in the workspace
   kBadRetRow = 6,         // a slot's ret row is out of range
   kBadTooManyTiles = 7,   // more tiles than the workspace has tile_ready flags
+  kBadCallShape = 8,      // CPU: the call's operands do not fit the workspace (its own error names them)
 };
 
 inline const char* StageName(uint64_t s) {
@@ -170,6 +172,11 @@ struct RankView {
 // Group-wide words shared by the R ranks of one group (host memory; host-mapped on CUDA so kernels can poll it).
 struct GroupShared {
   Word abort;                // epoch of the group's first failure (0: none); cleared by the reset barrier
+  Word first_failed;         // 1 + the rank whose failure was recorded first (0: none): its record is the cause every
+                             // rank reports. A rank writes its record, then claims this word (compare-and-swap from
+                             // 0), then raises abort, so a rank that sees abort also sees the record it names.
+                             // CPU only: GPUs have no atomic on host-mapped memory over PCIe, so on CUDA it stays 0
+                             // and the host picks the first record by rule (csrc/cuda/workspace.cc FirstRecord).
   ErrorRecord errors[1];     // really [R]: one record per rank (allocated with R entries)
 };
 
