@@ -11,7 +11,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 
 namespace jmo::cpu {
@@ -344,23 +343,22 @@ std::string ProcessNote(const ErrorRecord& e, int ranks, const GroupShared* shar
 
 std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms,
                         const GroupShared* shared) {
-  std::ostringstream os;
-  os << "jax_moe_overlap." << op << ": ";
+  // String concatenation, not iostreams, as DescribeRecord (common/error_text.h) says why.
+  using std::to_string;
+  std::string s = std::string("jax_moe_overlap.") + op + ": ";
   if (e.code == kStageAbortedByPeer) {
-    os << "rank " << e.rank << " (group " << group << ") gave up in epoch " << e.epoch
-       << " because another rank of its group failed first";
+    s += "rank " + to_string(e.rank) + " (group " + to_string(group) + ") gave up in epoch " + to_string(e.epoch) +
+         " because another rank of its group failed first";
     if (const ErrorRecord* first = FirstFailure(shared, ranks))
-      os << "; first failure: " << DescribeRecord(*first, group, ranks) << ProcessNote(*first, ranks, shared);
-    return os.str();
+      s += "; first failure: " + DescribeRecord(*first, group, ranks) + ProcessNote(*first, ranks, shared);
+    return s;
   }
   if (e.code == kStageReset) {
-    os << "rank " << e.rank << " (group " << group << ") waited " << timeout_ms
-       << " ms at the recovery barrier after an earlier timeout; only " << e.got << " of " << e.expected
-       << " ranks arrived";
-    return os.str();
+    return s + "rank " + to_string(e.rank) + " (group " + to_string(group) + ") waited " + to_string(timeout_ms) +
+           " ms at the recovery barrier after an earlier timeout; only " + to_string(e.got) + " of " +
+           to_string(e.expected) + " ranks arrived";
   }
-  os << DescribeRecord(e, group, ranks) << ProcessNote(e, ranks, shared);
-  return os.str();
+  return s + DescribeRecord(e, group, ranks) + ProcessNote(e, ranks, shared);
 }
 
 }  // namespace jmo::cpu

@@ -8,7 +8,6 @@
 #include <atomic>
 #include <cstring>
 #include <map>
-#include <sstream>
 
 namespace jmo::cuda {
 
@@ -201,12 +200,13 @@ Status Workspace::FindByOrdinal(int ordinal, int* g, int* r) const {
     }
   }
   if (found == 1) return Status{};
-  std::ostringstream os;
-  os << "jax_moe_overlap: the custom call runs on CUDA device " << ordinal << " but the workspace's devices are [";
-  for (size_t i = 0; i < ordinals_.size(); ++i) os << (i ? ", " : "") << ordinals_[i];
-  os << "]";
-  if (found > 1) os << " (several ranks share this device: only the loopback test harness may do that)";
-  return Status::Error(kFailedPrecondition, os.str());
+  // String concatenation, not iostreams, as DescribeRecord (common/error_text.h) says why.
+  std::string msg = "jax_moe_overlap: the custom call runs on CUDA device " + std::to_string(ordinal) +
+                    " but the workspace's devices are [";
+  for (size_t i = 0; i < ordinals_.size(); ++i) msg += (i ? ", " : "") + std::to_string(ordinals_[i]);
+  msg += "]";
+  if (found > 1) msg += " (several ranks share this device: only the loopback test harness may do that)";
+  return Status::Error(kFailedPrecondition, msg);
 }
 
 void Workspace::RaiseAbort(int g) {
