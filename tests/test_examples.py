@@ -73,3 +73,17 @@ def test_generate_from_checkpoint(overlap_run, capsys):
   printable = sum(32 <= b < 127 or b in (9, 10) for b in text) / len(text)
   assert printable > 0.9, text
   assert "the " in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_training_script_runs_as_a_program(tmp_path):
+  """The README's first command goes through the script's own argument parsing (sys.argv), which the in-process
+  tests above bypass: run it as a program, briefly, and check it trains and reports its throughput."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_moe.py")
+  proc = subprocess.run([sys.executable, script, "--steps", "3", "--no-progress", "--skip-check", "--plot", ""],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "throughput impl=overlap" in proc.stdout and "step 3: train loss" in proc.stdout, proc.stdout[-3000:]
