@@ -112,23 +112,27 @@ def _reference_layer(mesh, cap_e, R, B, x, expert_ids, gates, w1, w2):
   return _like(y, x, mesh), dropped
 
 
-def _xla_layer(mesh, axis_name, batch_axes, cap_e, cap, x, expert_ids, gates, w1, w2):
+def _expert_parallel_inputs(mesh, axis_name, batch_axes, x, expert_ids, gates, w1, w2):
+  """The layer's inputs as the expert-parallel paths take them: tokens (int32 ids, float32 gates) over
+  ``(*batch_axes, axis_name)``, experts over ``axis_name``. Returns (args, token_spec, weight_spec)."""
   token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
   args = [_shard(a, mesh, s) for a, s in ((x, token_spec), (expert_ids.astype(jnp.int32), token_spec),
                                           (gates.astype(jnp.float32), token_spec), (w1, weight_spec),
                                           (w2, weight_spec))]
+  return args, token_spec, weight_spec
+
+
+def _xla_layer(mesh, axis_name, batch_axes, cap_e, cap, x, expert_ids, gates, w1, w2):
+  args, _, _ = _expert_parallel_inputs(mesh, axis_name, batch_axes, x, expert_ids, gates, w1, w2)
   y, dropped = moe_experts_xla(*args, mesh=mesh, axis_name=axis_name, expert_cap=cap_e, recv_cap=cap,
                                batch_axes=batch_axes)
   return _like(y, x, mesh), dropped
 
 
 def _overlap_layer(mesh, axis_name, batch_axes, num_experts, cap_e, cap, info, x, expert_ids, gates, w1, w2):
-  token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
+  args, token_spec, weight_spec = _expert_parallel_inputs(mesh, axis_name, batch_axes, x, expert_ids, gates, w1, w2)
   fn = functools.partial(_moe_local, axis_name=axis_name, batch_axes=batch_axes, num_experts=num_experts,
                          cap_e=cap_e, cap=cap, info=info)
-  args = [_shard(a, mesh, s) for a, s in ((x, token_spec), (expert_ids.astype(jnp.int32), token_spec),
-                                          (gates.astype(jnp.float32), token_spec), (w1, weight_spec),
-                                          (w2, weight_spec))]
   y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=(token_spec,) * 3 + (weight_spec,) * 2,
                              out_specs=(token_spec, P()), check_vma=False)(*args)
   return _like(y, x, mesh), dropped
@@ -170,10 +174,6 @@ def _shard(a, mesh, spec):
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, cap_e, cap, info):
-  R = jax.lax.axis_size(axis_name)
-  rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
-  counts = plan_lib.local_counts(expert_ids, num_experts).reshape(R, num_experts // R)
-  counts_all = jax.lax.all_gather(counts, axis_name)                        # [R_src, R_dst, E_local]
-  plan = plan_lib.make_plan(expert_ids, counts_all, rank, cap_e)
+  _, _, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, cap_e)
   y = expert_block(x, gates, w1, w2, plan, cap, info)
   return y, jax.lax.psum(plan.dropped, (*batch_axes, axis_name))

@@ -112,6 +112,17 @@ def kept_counts(counts: jax.Array, expert_cap: int) -> jax.Array:
   return jnp.clip(expert_cap - exclusive_cumsum(counts, axis=0), 0, counts)
 
 
+def plan_over_axis(expert_ids: jax.Array, num_experts: int, axis_name: str, expert_cap: int):
+  """Inside ``shard_map`` over ``axis_name``: all-gathers every rank's ``local_counts`` and computes this rank's
+  plan. Returns (counts [R_src, R_dst, E_local] int32, rank [] int32, ``Plan``). The one place the counts cross
+  ranks, for every expert-parallel path (the custom calls' and the pure-JAX one)."""
+  R = jax.lax.axis_size(axis_name)
+  rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+  counts = local_counts(expert_ids, num_experts).reshape(R, num_experts // R)
+  counts_all = jax.lax.all_gather(counts, axis_name)                        # [R_src, R_dst, E_local]
+  return counts_all, rank, make_plan(expert_ids, counts_all, rank, expert_cap)
+
+
 def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_cap: int) -> Plan:
   """Computes this rank's plan.
 

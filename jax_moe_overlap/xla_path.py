@@ -50,12 +50,7 @@ def _uses_ragged_all_to_all(mesh) -> bool:
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, expert_cap, recv_cap,
                ragged):
   T, k = expert_ids.shape
-  R = jax.lax.axis_size(axis_name)
-  E_l = num_experts // R
-  rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
-  counts = plan_lib.local_counts(expert_ids, num_experts).reshape(R, E_l)
-  counts_all = jax.lax.all_gather(counts, axis_name)                       # [s, d, e]
-  plan = plan_lib.make_plan(expert_ids, counts_all, rank, expert_cap)
+  counts_all, rank, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, expert_cap)  # [s, d, e]
   kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
   cs = plan_lib.exclusive_cumsum
 
