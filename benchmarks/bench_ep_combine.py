@@ -111,11 +111,9 @@ class Case:
 
 def make_plans(mesh, ids, E: int, cap_e: int) -> plan_lib.Plan:
   """ids [R T, k] -> every rank's dropless plan, stacked: each field gets a leading [R] (sharded over the ranks)."""
-  R = mesh.shape[AXIS]
 
   def local(ids):
-    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), AXIS)  # [src, dest, e]
-    plan = plan_lib.make_plan(ids, counts_all, jax.lax.axis_index(AXIS).astype(jnp.int32), cap_e)
+    _, _, plan = plan_lib.plan_over_axis(ids, E, AXIS, cap_e)
     return jax.tree.map(lambda a: a[None], plan)
 
   return rank_map(mesh, local)(ids)

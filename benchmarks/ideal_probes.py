@@ -57,9 +57,7 @@ def compute_probe(mesh, shape, want_grads: bool):
   spec = P(AXIS)
 
   def local_prepare(x, ids):
-    counts = plan_lib.local_counts(ids, E).reshape(R, E // R)
-    counts_all = jax.lax.all_gather(counts, AXIS)                    # [src, dest, e], as ours
-    plan = plan_lib.make_plan(ids, counts_all, jax.lax.axis_index(AXIS).astype(jnp.int32), cap_e)
+    _, _, plan = plan_lib.plan_over_axis(ids, E, AXIS, cap_e)         # as ours
     return jnp.tile(x, (-(-cap // x.shape[0]), 1))[:cap], plan.expert_rows
 
   def local_mlp(x_recv, group_sizes, w1, w2):
@@ -94,9 +92,7 @@ def dispatch_probe(mesh, shape, want_grads: bool):
   spec = P(AXIS)
 
   def local(x, ids, *d_slot, info):
-    counts = plan_lib.local_counts(ids, E).reshape(R, E // R)
-    counts_all = jax.lax.all_gather(counts, AXIS)                    # [src, dest, e], as ours
-    plan = plan_lib.make_plan(ids, counts_all, jax.lax.axis_index(AXIS).astype(jnp.int32), cap_e)
+    _, _, plan = plan_lib.plan_over_axis(ids, E, AXIS, cap_e)         # as ours
     T = ids.shape[0]
     x_recv = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info)
     if not d_slot:
