@@ -16,6 +16,7 @@ import pytest
 import jax_moe_overlap as jmo
 from benchmarks import baselines
 from benchmarks import bench_breakdown
+from benchmarks import bench_eager
 from benchmarks import bench_fused
 from benchmarks import bench_layer
 from benchmarks import check_tokamax
@@ -168,3 +169,13 @@ def test_check_tokamax_reports_each_gradient(tmp_path, monkeypatch, scale_dw):
   (row,) = _rows(out)
   assert float(row["err_out"]) < 1e-2 and float(row["err_dx"]) < 1e-2, row  # bf16 inputs vs float32
   assert (float(row["err_dw"]) > 0.1) == (scale_dw != 1.0), row
+
+
+def test_bench_eager_checks_and_times_every_impl(tmp_path):
+  rows = bench_eager.main(["--tokens", "32", "--d-model", "16", "--d-ff", "16", "--calls", "3",
+                           "--out", str(tmp_path / "eager.jsonl")])
+  assert [r["impl"] for r in rows] == ["overlap", "xla"]
+  for r in rows:
+    assert r["correct"] and r["max_rel_err"] < bench_eager.MAX_ERR, r
+    assert r["first_ms"] > 0 and r["later_median_ms"] > 0, r
+  assert len((tmp_path / "eager.jsonl").read_text().splitlines()) == 2
