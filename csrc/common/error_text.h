@@ -14,8 +14,8 @@ namespace jmo {
 // or the bad input a kernel found. `ranks` tells a named peer from "any peer" (peer == ranks).
 //
 // Built by string concatenation, not iostreams: the text is formed on the failure path inside Python processes
-// whose modules may carry their own copy of the C++ runtime, and a stream's locale machinery is where two copies
-// of it meet (a crash was seen there); std::to_string and std::string stay within one module.
+// whose modules may link their own copy of the C++ runtime, and a stream's locale machinery can then mix two copies
+// and crash; std::to_string and std::string stay within one module.
 inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
   using std::to_string;
   const auto i64 = [](uint64_t v) { return to_string(static_cast<int64_t>(v)); };
