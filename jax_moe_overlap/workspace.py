@@ -188,6 +188,12 @@ class Workspace:
     return self.sizes.bytes_per_rank()
 
   @property
+  def spans_processes(self) -> bool:
+    """Whether a group's ranks live in several processes (a CPU workspace in shared memory). The routing counts
+    then cross ranks through the workspace (``primitives.gather_counts``), where every wait is bounded."""
+    return self.shm_prefix is not None
+
+  @property
   def total_bytes(self) -> int:
     """Bytes of every rank of every group of this workspace together."""
     return self.bytes_per_rank * self.ranks * self.groups
