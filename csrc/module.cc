@@ -37,7 +37,7 @@ int64_t CreateCpuWorkspace(int ranks, int groups, int64_t row_bytes, int64_t rec
   if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
     throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
   jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, num_segments)};
-  return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s));
+  return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s, num_segments));
 }
 
 // A workspace whose groups span processes: creates this process's shared-memory objects (workspace_cpu.h).
@@ -47,7 +47,8 @@ int64_t CreateCpuSharedWorkspace(int ranks, int groups, int64_t row_bytes, int64
   if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
     throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
   jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, num_segments)};
-  return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s, process, here, prefix));
+  return jmo::cpu::RegisterWorkspace(
+      std::make_unique<jmo::cpu::Workspace>(ranks, groups, s, num_segments, process, here, prefix));
 }
 
 jmo::cpu::Workspace& LiveCpuWorkspace(int64_t handle) {
@@ -70,6 +71,7 @@ NB_MODULE(_jmo, m) {
     nb::dict d;
     d["jmo_dispatch"] = Capsule(JmoDispatchCpu);
     d["jmo_expert_combine"] = Capsule(JmoExpertCombineCpu);
+    d["jmo_exchange_counts"] = Capsule(JmoExchangeCountsCpu);
     d["jmo_grouped_matmul"] = Capsule(JmoGroupedMatmulCpu);
     d["jmo_grouped_outer"] = Capsule(JmoGroupedOuterCpu);
     return d;

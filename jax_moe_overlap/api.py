@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.checks import batch_size, check_batch_axes, check_expert_ids, check_impl, check_inputs
-from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_block
+from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_block, gather_counts
 from jax_moe_overlap.reference import moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
 from jax_moe_overlap.xla_path import moe_experts_xla
@@ -174,6 +174,7 @@ def _shard(a, mesh, spec):
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, cap_e, cap, info):
-  _, _, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, cap_e)
+  _, _, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, cap_e,
+                                       gather=functools.partial(gather_counts, info=info))
   y = expert_block(x, gates, w1, w2, plan, cap, info)
   return y, jax.lax.psum(plan.dropped, (*batch_axes, axis_name))

@@ -20,14 +20,15 @@ experts). Such a slot is in no count, takes no capacity, moves no row and comput
 the output and is not counted as dropped. It carries ``slot_dest_rank = rank`` (any valid rank would do) and
 ``slot_dest_row = slot_ret_row = -1``, which the custom calls skip like a dropped slot.
 
-Because both sides compute the same plan from the all-gathered count matrix ``C[R_src, R_dst, E_local]``, no
-per-row metadata crosses the wire.
+Because both sides compute the same plan from the gathered count matrix ``C[R_src, R_dst, E_local]``, no per-row
+metadata crosses the wire.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -112,14 +113,23 @@ def kept_counts(counts: jax.Array, expert_cap: int) -> jax.Array:
   return jnp.clip(expert_cap - exclusive_cumsum(counts, axis=0), 0, counts)
 
 
-def plan_over_axis(expert_ids: jax.Array, num_experts: int, axis_name: str, expert_cap: int):
-  """Inside ``shard_map`` over ``axis_name``: all-gathers every rank's ``local_counts`` and computes this rank's
-  plan. Returns (counts [R_src, R_dst, E_local] int32, rank [] int32, ``Plan``). The one place the counts cross
-  ranks, for every expert-parallel path (the custom calls' and the pure-JAX one)."""
+def plan_over_axis(expert_ids: jax.Array, num_experts: int, axis_name: str, expert_cap: int,
+                   gather: Callable[[jax.Array], jax.Array] | None = None):
+  """Inside ``shard_map`` over ``axis_name``: gathers every rank's ``local_counts`` and computes this rank's plan.
+  Returns (counts [R_src, R_dst, E_local] int32, rank [] int32, ``Plan``). The one place the counts cross ranks, for
+  every expert-parallel path (the custom calls' and the pure-JAX one).
+
+  gather: [R_dst, E_local] -> [R_src, R_dst, E_local], every rank's counts in rank order; default
+  ``jax.lax.all_gather`` over the axis (the custom calls pass ``primitives.gather_counts``, which picks it or the
+  workspace's own bounded exchange).
+  """
   R = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
   counts = local_counts(expert_ids, num_experts).reshape(R, num_experts // R)
-  counts_all = jax.lax.all_gather(counts, axis_name)                        # [R_src, R_dst, E_local]
+  if gather is None:
+    counts_all = jax.lax.all_gather(counts, axis_name)                      # [R_src, R_dst, E_local]
+  else:
+    counts_all = gather(counts)
   return counts_all, rank, make_plan(expert_ids, counts_all, rank, expert_cap)
 
 
@@ -128,7 +138,7 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
 
   Args:
     expert_ids: [T, k] int32 global expert ids of this rank's tokens.
-    counts: [R_src, R_dst, E_local] int32 slot counts of every rank of the group (all-gathered ``local_counts``).
+    counts: [R_src, R_dst, E_local] int32 slot counts of every rank of the group (gathered ``local_counts``).
     rank: [] int32 this rank's position on the expert axis.
     expert_cap: static rows per expert (``expert_capacity``).
   """

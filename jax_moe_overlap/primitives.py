@@ -1,7 +1,10 @@
-"""The two custom calls and the differentiable expert block built from them.
+"""The workspace's custom calls and the differentiable expert block built from them.
 
 All functions here run *per rank*, inside ``shard_map`` over the expert-parallel axis.
 
+* ``gather_counts(counts, info)``: every rank's routing counts for the plan: ``jax.lax.all_gather``, or where the
+  workspace's groups span processes (CPU) the custom call ``exchange_counts`` through the workspace, whose waits are
+  bounded like the others'.
 * ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
   rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero).
 * ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
@@ -149,6 +152,30 @@ def _workspace_call(info: RankInfo, target: str, out_types, *args, **attrs):
     return workspace_call(target, out_types, *args, **attrs)
   # vmap: one call per batch element (ordering._batching_rule says why that is the only correct way).
   return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
+
+
+def gather_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
+  """[R_dst, E_local] routing counts of this rank -> [R_src, R_dst, E_local] every rank's, for ``plan_over_axis``.
+
+  When the workspace's groups span processes (CPU), through the workspace (``exchange_counts``): across processes
+  ``jax.lax.all_gather`` runs on the collective backend (gloo), whose wait has no bound, so a peer process that hangs
+  between calls would block its peers there for good. Elsewhere (one process, CUDA) ``jax.lax.all_gather``.
+  """
+  if info.workspace.spans_processes:
+    return exchange_counts(counts, info)
+  return jax.lax.all_gather(counts, info.workspace.axis_name)
+
+
+def exchange_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
+  """[R_dst, E_local] int32 -> [R_src, R_dst, E_local] int32: every rank's counts through the workspace's count board
+  (protocol.h), one epoch of the workspace like the other calls, every wait bounded by ``timeout_ms``. CPU only."""
+  ws = info.workspace
+  if ws.platform != "cpu":
+    raise NotImplementedError(f"jax_moe_overlap: exchange_counts runs on CPU workspaces, not {ws.platform!r}")
+  _ffi.register()
+  group, rank = info.coords()
+  return _workspace_call(info, _ffi.EXCHANGE_COUNTS, jax.ShapeDtypeStruct((ws.ranks, *counts.shape), jnp.int32),
+                         counts.astype(jnp.int32), group, rank, **info.config.attrs(ws))
 
 
 def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:

@@ -14,11 +14,12 @@ calls one after another in program order, the same order on every rank of a grou
 
 Processes: on CPU a group may span the processes of a ``jax.distributed`` job (an expert axis over processes). Each
 process then holds its own ranks' blocks in POSIX shared memory and maps its peers' (``_create_cpu_shared``), with
-the same protocol, epochs and bounded waits; a timeout names the process of the awaited peer. What bounds a dead or
-hung peer: a rank that dies inside a layer call leaves its peers waiting in a bounded workspace wait (they fail
-within ``timeout_ms``); a process that dies between calls breaks gloo's TCP connections, so the peers' next call
-fails at once in the all_gather of the routing counts; a process that hangs between calls (stopped, not dead)
-blocks its peers inside that gloo all_gather, which JAX gives no timeout to.
+the same protocol, epochs and bounded waits; a timeout names the process of the awaited peer. The routing counts of
+such a workspace cross ranks through it as well (``spans_processes``: the layer calls ``exchange_counts`` instead of
+``jax.lax.all_gather``, whose gloo wait across processes has no timeout), so every wait of a layer call is a bounded
+workspace wait: a peer process that dies or hangs (stopped, not dead), inside a call or between calls, makes the
+others fail within ``timeout_ms`` with an error naming its rank, its process and the stage (``counts`` when it was
+lost between calls), and the workspace recovers on the next call once every rank is back.
 
 Memory: ``Workspace.bytes_per_rank`` (and ``workspace_bytes`` before anything is allocated) is what one rank holds:
 on CPU host memory; on CUDA device memory of that rank's GPU (plus host-mapped control words), allocated with
@@ -186,6 +187,12 @@ class Workspace:
   def bytes_per_rank(self) -> int:
     """Bytes one rank of this workspace holds (on CPU host memory, on CUDA device memory of the rank's GPU)."""
     return self.sizes.bytes_per_rank()
+
+  @property
+  def spans_processes(self) -> bool:
+    """Whether a group's ranks live in several processes (a CPU workspace in shared memory). The routing counts
+    then cross ranks through the workspace (``primitives.gather_counts``), where every wait is bounded."""
+    return self.shm_prefix is not None
 
   @property
   def total_bytes(self) -> int:

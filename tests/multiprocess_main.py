@@ -8,13 +8,14 @@ argv: process_id num_processes port local_devices case. Cases:
     calls, saves the last one's output and gradients to $JMO_OUT (process 0) or compares them bitwise with
     $JMO_ORACLE (the same case run as one process holding every device), and prints "bitwise" when equal, after
     checking them against the float32 oracle too. It prints the workspace's shared-memory name prefix ("shm <prefix>").
-  killed_peer: expert_across; in the second call the last rank is held back 6 s inside the layer (after the
-    counts' all_gather, before its first push) and its process kills itself (SIGKILL) 2 s into the call; the others
+  killed_peer: expert_across; in the second call the last rank is held back 6 s at the start of its workspace calls
+    (the first is the exchange of the routing counts) and its process kills itself (SIGKILL) 2 s into it; the others
     print "failed after <seconds> s: <error>" for that call and exit normally (jax_enable_recoverability lets the
     distributed runtime's shutdown survive a dead task).
-  killed_between_calls: the last process kills itself between two calls; the others' next call fails in gloo's
-    all_gather of the routing counts (the first collective of the layer), reported the same way.
-  killed_stopped_between_calls: as killed_between_calls, but the last process stops (SIGSTOP) instead: a hung peer.
+  killed_between_calls: the last process kills itself (SIGKILL) between two calls; the others' next call fails in
+    the layer's first workspace call, the exchange of the routing counts, reported the same way.
+  stopped_between_calls: as killed_between_calls, but the last process stops itself (SIGSTOP): a hung peer, which
+    the test kills once the others have exited.
 """
 
 import functools
@@ -31,7 +32,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-if case.startswith("killed"):
+LOST_PEER_CASES = ("killed_peer", "killed_between_calls", "stopped_between_calls")
+if case in LOST_PEER_CASES:
   jax.config.update("jax_enable_recoverability", True)
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc, process_id=pid,
                            initialization_timeout=120)
@@ -84,16 +86,17 @@ def main():
   (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)
-  if case.startswith("killed"):
+  if case in LOST_PEER_CASES:
     held = jmo.CallConfig(delay_rank=mesh.size - 1, delay_us=6_000_000)
     if case == "killed_peer":
       step = jax.jit(jax.value_and_grad(functools.partial(loss, config=held), argnums=(0, 1, 2, 3),
                                         has_aux=True)).lower(args[0], args[2], args[3], args[4], args[1]).compile()
-    # Every process dispatches the call together, so the counts' all_gather completes before the kill.
+    # Every process gets here before any dispatches the call: the kill lands inside the held call (killed_peer), or
+    # before the others' call starts (between calls).
     from jax._src import distributed  # pylint: disable=g-import-not-at-top
     distributed.global_state.client.wait_at_barrier("test/held_call", 60_000)
     if pid == nproc - 1:
-      sig = signal.SIGSTOP if case == "killed_stopped_between_calls" else signal.SIGKILL
+      sig = signal.SIGSTOP if case == "stopped_between_calls" else signal.SIGKILL
       threading.Timer(2.0 if case == "killed_peer" else 0.0, os.kill, (os.getpid(), sig)).start()
       if case != "killed_peer":
         time.sleep(60)
@@ -143,7 +146,7 @@ def main():
 
 
 def leave_after_a_dead_peer():
-  """With a dead task, the runtime's shutdown has no barrier (jax_enable_recoverability), and a task whose
+  """With a dead or stopped task, the runtime's shutdown has no barrier (jax_enable_recoverability), and a task whose
   ShutdownTask RPC finds the leader (process 0, which hosts the coordination service) already gone is terminated
   (LOG(FATAL) in JAX's client, SIGABRT). So the leader leaves last: the others say they are leaving through the
   key-value store, and the leader waits (bounded) for them, then a moment for their RPCs."""
@@ -153,7 +156,7 @@ def leave_after_a_dead_peer():
     client.key_value_set(f"test/leaving/{pid}", "1")
   else:
     deadline = time.monotonic() + 20
-    for p in range(1, nproc - 1):  # the last process is the dead one
+    for p in range(1, nproc - 1):  # the last process is the lost one (dead or stopped)
       while time.monotonic() < deadline:
         try:
           client.key_value_try_get(f"test/leaving/{p}")
@@ -166,7 +169,7 @@ def leave_after_a_dead_peer():
 
 if __name__ == "__main__":
   main()
-  if case.startswith("killed"):
+  if case in LOST_PEER_CASES:
     leave_after_a_dead_peer()
   else:
     jax.distributed.shutdown()

@@ -4,7 +4,8 @@ Data axis across processes (expert axis inside each): matches a float32 oracle (
 axis across processes (a workspace in POSIX shared memory): outputs and gradients bitwise equal to the same program
 run as one process holding every device, and no shared-memory name left behind. A peer process killed inside a
 call makes the others fail within the timeout with an error naming its rank and process, and they exit with status
-0; killed between calls, the others fail at once in gloo's all_gather of the routing counts.
+0; so does a peer process killed or stopped (SIGSTOP: hung) between calls, the others failing in the exchange of the
+routing counts (stage "counts"), which goes through the workspace rather than gloo's unbounded all_gather.
 """
 
 import glob
@@ -24,9 +25,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_processes(nproc: int, local: int, case: str, calls: int = 3, limit_s: float = 240, **env_extra):
+def run_processes(nproc: int, local: int, case: str, calls: int = 3, limit_s: float = 240, hung: int | None = None,
+                  **env_extra):
   """Runs the processes of one job; returns [(exit status, output)] by process. Each child is killed (SIGKILL)
-  when the job runs past limit_s."""
+  when the job runs past limit_s. ``hung``: a process that stops itself; it is killed once the others have exited
+  (or the job ran past limit_s)."""
   here = os.path.dirname(os.path.abspath(__file__))
   env = dict(os.environ, JMO_CALLS=str(calls), **env_extra)
   env.pop("XLA_FLAGS", None)
@@ -34,16 +37,17 @@ def run_processes(nproc: int, local: int, case: str, calls: int = 3, limit_s: fl
   procs = [subprocess.Popen([sys.executable, os.path.join(here, "multiprocess_main.py"), str(i), str(nproc), port,
                              str(local), case], cwd=here, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for i in range(nproc)]
-  outs = []
+  outs = [None] * nproc
   deadline = time.monotonic() + limit_s
   try:
-    for p in procs:
+    for i in [i for i in range(nproc) if i != hung] + ([hung] if hung is not None else []):
+      p = procs[i]
       try:
-        rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        rc = p.wait(timeout=0 if i == hung else max(1.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         p.kill()
-        rc = p.wait()
-      outs.append((rc, p.stdout.read()))
+        rc = p.wait(timeout=30)
+      outs[i] = (rc, p.stdout.read())
   finally:
     for p in procs:
       if p.poll() is None:
@@ -98,11 +102,18 @@ def test_killed_peer_inside_a_call_fails_the_others_within_the_timeout(nproc, lo
   assert _shm_left(outs) == []
 
 
-def test_killed_peer_between_calls_fails_the_others_at_once():
-  outs = run_processes(2, 1, "killed_between_calls")
-  assert outs[1][0] == -9, outs[1][1]
-  rc, out = outs[0]
-  line = next((l for l in out.splitlines() if l.startswith("failed after")), None)
-  assert rc == 0 and line is not None, out
-  assert float(line.split()[2]) < 10.0 and "Gloo" in line, line
+@pytest.mark.parametrize("case,nproc", [("killed_between_calls", 2), ("stopped_between_calls", 2),
+                                        pytest.param("stopped_between_calls", 4, marks=pytest.mark.slow)])
+def test_peer_lost_between_calls_fails_the_others_within_the_timeout(case, nproc):
+  timeout_s = 2.0
+  lost = nproc - 1
+  outs = run_processes(nproc, 1, case, limit_s=120, hung=lost if case.startswith("stopped") else None,
+                       JMO_TIMEOUT_MS=str(int(timeout_s * 1000)))
+  assert outs[lost][0] == -9, outs[lost][1]
+  for rc, out in outs[:lost]:
+    line = next((l for l in out.splitlines() if l.startswith("failed after")), None)
+    assert rc == 0 and line is not None, out
+    assert float(line.split()[2]) < timeout_s + 5.0, line
+    assert "DEADLINE_EXCEEDED" in line and "stage counts" in line, line
+    assert f"waiting for peer {lost}:" in line and f"peer rank {lost} is in process {lost}" in line, line
   assert _shm_left(outs) == []

@@ -1,4 +1,4 @@
-// The operands, results and attributes of the two custom calls, and the checks of their shapes, in one place for
+// The operands, results and attributes of the workspace calls, and the checks of their shapes, in one place for
 // every platform: the CPU and CUDA handlers prepend their platform context (the CUDA ones: stream and device
 // ordinal), bind the rest from here, and check shapes with the same functions (so both report the same errors).
 // (Binding methods are rvalue-qualified, hence the std::move of each partial binding.)
@@ -93,6 +93,17 @@ auto BindExpertCombine(Binding b) {
       .template Attr<int32_t>("push_issuers");
 }
 
+// exchange_counts(counts [R_dst, E_local] int32, group [], rank []) -> counts_all [R_src, R_dst, E_local] int32
+// Attributes: those of every call. CPU only: the count exchange of groups whose ranks span processes (protocol.h).
+template <typename Binding>
+auto BindExchangeCounts(Binding b) {
+  namespace ffi = xla::ffi;
+  return BindCallAttrs(std::move(b).template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Ret<ffi::Buffer<ffi::S32>>());
+}
+
 inline xla::ffi::Error InvalidCall(const std::string& msg) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
 }
@@ -142,6 +153,21 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
   return DispatchShape{src.element_type(), sd[0], sd[1], od[0], P};
+}
+
+struct CountsShape {
+  int64_t R_src, R_dst, E_local;
+};
+
+// counts holds R_dst x E_local values and counts_all is [R_src, R_dst, E_local].
+inline xla::ffi::ErrorOr<CountsShape> CheckExchangeCounts(const xla::ffi::Buffer<xla::ffi::S32>& counts,
+                                                          const xla::ffi::Buffer<xla::ffi::S32>& counts_all) {
+  auto od = counts_all.dimensions();
+  if (od.size() != 3 || counts.element_count() != od[1] * od[2])
+    return xla::ffi::Unexpected(InvalidCall("exchange_counts: counts [R_dst, E_local] and counts_all [R_src, R_dst, "
+                                            "E_local]; got counts " + DimsText(counts.dimensions()) +
+                                            ", counts_all " + DimsText(od)));
+  return CountsShape{od[0], od[1], od[2]};
 }
 
 struct CombineShape {

@@ -1,4 +1,4 @@
-// XLA:CPU handlers of the two primitives: dispatch and expert_combine.
+// XLA:CPU handlers of the workspace calls: dispatch, expert_combine and exchange_counts.
 //
 // The handler thread is the producer; the rank's persistent Consumer thread (workspace_cpu.h) is the
 // communication engine. Both follow protocol.h step by step, so the CUDA kernels can be checked against this code.
@@ -308,15 +308,66 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// exchange_counts: this rank's routing counts into its slot of the group's count board, every rank's counts out
+// (protocol.h's steps). The count exchange of groups whose ranks span processes: every wait bounded, unlike the
+// collective backend's.
+
+ffi::Error ExchangeCountsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Buffer<ffi::S32> counts,
+                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, int64_t workspace, int64_t timeout_ms,
+                              int32_t delay_rank, int64_t delay_us) {
+  auto shape = CheckExchangeCounts(counts, *counts_all);
+  if (shape.has_error()) return shape.error();
+  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  if (ctx.has_error()) return ctx.error();
+  CallContext c = ctx.value();
+  Workspace* ws = c.ws;
+  const int R = ws->ranks();
+  const int64_t n = counts.element_count();
+  if (shape->R_src != R || shape->R_dst != R || n > ws->count_values())
+    return Fail(c, InvalidCall("exchange_counts: counts_all [" + std::to_string(shape->R_src) + ", " +
+                               std::to_string(shape->R_dst) + ", " + std::to_string(shape->E_local) +
+                               "] does not fit the workspace (" + std::to_string(R) + " ranks, at most " +
+                               std::to_string(ws->count_values()) + " counts per rank)"));
+
+  // 1. Every peer has finished reading the board in the previous call.
+  for (int i = 1; i < R; ++i) {
+    const int d = (c.rank + i) % R;
+    ErrorRecord e = ws->WaitAtLeast(&ws->view(c.group, d).control()->done_epoch.value, 0, c.epoch - 1, c.group,
+                                    c.rank, d, c.epoch, kStagePeerReady, c.deadline, timeout_ms);
+    if (e.code) return TimeoutError("exchange_counts", e, c, timeout_ms);
+  }
+  // 2. Publish this rank's counts.
+  CountSlot* mine = ws->count_slot(c.group, c.rank);
+  std::memcpy(mine->values, counts.typed_data(), n * sizeof(int32_t));
+  AtomicStore(&mine->stamp.value, c.epoch);
+  // 3. Every rank's counts of this epoch, in source order.
+  int32_t* out = counts_all->typed_data();
+  for (int s = 0; s < R; ++s) {
+    const CountSlot* slot = ws->count_slot(c.group, s);
+    ErrorRecord e = ws->WaitAtLeast(&slot->stamp.value, 0, c.epoch, c.group, c.rank, s, c.epoch, kStageCounts,
+                                    c.deadline, timeout_ms);
+    if (e.code) return TimeoutError("exchange_counts", e, c, timeout_ms);
+    std::memcpy(out + s * n, slot->values, n * sizeof(int32_t));
+  }
+  // 4. Done reading: peers may publish the next epoch's counts.
+  AtomicStore(&ws->view(c.group, c.rank).control()->done_epoch.value, c.epoch);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmo::cpu
 
-// On CPU both calls take an ordering token first and return one first (jax_moe_overlap/ordering.py): XLA:CPU runs
-// thunks as soon as their operands are ready, several at a time, so two workspace calls with no data between them
-// could start in different orders on different ranks. The token chain (a JAX ordered effect) is the dependency that
-// makes every rank run its workspace calls in the one program order. The tokens carry no data.
+// On CPU the workspace calls take an ordering token first and return one first (jax_moe_overlap/ordering.py):
+// XLA:CPU runs thunks as soon as their operands are ready, several at a time, so two workspace calls with no data
+// between them could start in different orders on different ranks. The token chain (a JAX ordered effect) is the
+// dependency that makes every rank run its workspace calls in the one program order. The tokens carry no data.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl,
                               jmo::BindDispatch(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpu, jmo::cpu::ExpertCombineImpl,
                               jmo::BindExpertCombine(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCpu, jmo::cpu::ExchangeCountsImpl,
+                              jmo::BindExchangeCounts(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));

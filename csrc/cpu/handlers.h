@@ -5,6 +5,7 @@
 extern "C" {
 XLA_FFI_Error* JmoDispatchCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExpertCombineCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoExchangeCountsCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulCpu(XLA_FFI_CallFrame* frame);  // grouped_gemm_cpu.cc
 XLA_FFI_Error* JmoGroupedOuterCpu(XLA_FFI_CallFrame* frame);
 }

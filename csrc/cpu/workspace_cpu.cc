@@ -126,21 +126,21 @@ void Consumer::Loop() {
 // ---------------------------------------------------------------------------------------------------------------
 // Workspace
 
-Workspace::Workspace(int ranks, int groups, WorkspaceSizes sizes)
-    : ranks_(ranks), groups_(groups), sizes_(sizes), layout_(MakeLayout(sizes)) {
+Workspace::Workspace(int ranks, int groups, WorkspaceSizes sizes, int64_t count_values)
+    : ranks_(ranks), groups_(groups), sizes_(sizes), count_values_(count_values), layout_(MakeLayout(sizes)) {
   for (int i = 0; i < ranks * groups; ++i) blocks_.push_back(AllocZeroed(layout_.total));
   for (int g = 0; g < groups; ++g) {
-    shared_.push_back(AllocZeroed(GroupSharedBytes(ranks) + GroupTailBytes(ranks)));
+    shared_.push_back(AllocZeroed(GroupBytes()));
     GroupTail* tail = TailOf(shared(g), ranks);
     for (int r = 0; r < ranks; ++r) tail->process[r] = -1;
   }
   StartConsumers();
 }
 
-Workspace::Workspace(int ranks, int groups, WorkspaceSizes sizes, std::vector<int> process, int here,
-                     std::string prefix)
-    : ranks_(ranks), groups_(groups), sizes_(sizes), layout_(MakeLayout(sizes)), process_(std::move(process)),
-      here_(here), prefix_(std::move(prefix)) {
+Workspace::Workspace(int ranks, int groups, WorkspaceSizes sizes, int64_t count_values, std::vector<int> process,
+                     int here, std::string prefix)
+    : ranks_(ranks), groups_(groups), sizes_(sizes), count_values_(count_values), layout_(MakeLayout(sizes)),
+      process_(std::move(process)), here_(here), prefix_(std::move(prefix)) {
   if ((int64_t)process_.size() != (int64_t)ranks * groups)
     throw std::invalid_argument("jax_moe_overlap: the process table needs one entry per rank of every group");
   blocks_.assign(ranks * groups, nullptr);
@@ -294,6 +294,7 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
       std::memset(v.base + layout_.control, 0, layout_.recv - layout_.control);  // control words + tile flags
     }
     std::memset(shared_[group], 0, GroupSharedBytes(ranks_));
+    for (int r = 0; r < ranks_; ++r) count_slot(group, r)->stamp.value = 0;  // stamps are epochs, which restart
     bar.store((gen + 1) << 32, std::memory_order_release);
     return ErrorRecord{};
   }

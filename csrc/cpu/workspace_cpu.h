@@ -84,15 +84,26 @@ inline GroupTail* TailOf(const GroupShared* shared, int ranks) {
                                       GroupSharedBytes(ranks));
 }
 
+// Per group, after GroupTail: the count board of exchange_counts (protocol.h), one slot per rank: its stamp (the
+// epoch whose counts the slot holds) on its own cache line, then up to `count_values` int32 counts.
+struct CountSlot {
+  Word stamp;
+  int32_t values[1];  // really [count_values]
+};
+inline int64_t CountSlotBytes(int64_t count_values) { return AlignUp((int64_t)sizeof(Word) + 4 * count_values); }
+inline int64_t CountBoardBytes(int64_t ranks, int64_t count_values) { return ranks * CountSlotBytes(count_values); }
+
 class Workspace {
  public:
-  // Every rank of every group in this process.
-  Workspace(int ranks, int groups, WorkspaceSizes sizes);
+  // Every rank of every group in this process. count_values: the most routing counts one rank exchanges per call
+  // (R x E_local, the workspace's segments).
+  Workspace(int ranks, int groups, WorkspaceSizes sizes, int64_t count_values);
   // Groups spanning processes: `process[g * ranks + r]` owns rank r of group g; this process is `here`. Creates
   // (O_EXCL) the shared-memory object `<prefix>-g<g>-r<r>` of every rank it owns; MapPeers() then maps the other
   // ranks of the groups it has a rank in, once their owners created them. Throws std::runtime_error naming the
   // object and errno on failure.
-  Workspace(int ranks, int groups, WorkspaceSizes sizes, std::vector<int> process, int here, std::string prefix);
+  Workspace(int ranks, int groups, WorkspaceSizes sizes, int64_t count_values, std::vector<int> process, int here,
+            std::string prefix);
   ~Workspace();
 
   // Shared mode: maps the peers' objects, fills the process table and starts the local consumers.
@@ -106,6 +117,11 @@ class Workspace {
   const WorkspaceSizes& sizes() const { return sizes_; }
   RankView view(int group, int rank) const { return RankView{blocks_[group * ranks_ + rank], layout_}; }
   GroupShared* shared(int group) const { return reinterpret_cast<GroupShared*>(shared_[group]); }
+  int64_t count_values() const { return count_values_; }
+  CountSlot* count_slot(int group, int rank) const {
+    return reinterpret_cast<CountSlot*>(shared_[group] + GroupSharedBytes(ranks_) + GroupTailBytes(ranks_) +
+                                        rank * CountSlotBytes(count_values_));
+  }
   Consumer& consumer(int group, int rank) { return *consumers_[group * ranks_ + rank]; }
 
   // Bounded wait until *word >= base + count. Gives up at `deadline` (records the error, with the counts relative
@@ -129,15 +145,19 @@ class Workspace {
   bool Local(int g, int r) const { return process_.empty() || process_[g * ranks_ + r] == here_; }
   bool GroupHere(int g) const;
   std::string ObjectName(int g, int r) const;
-  int64_t ObjectBytes() const { return layout_.total + GroupSharedBytes(ranks_) + GroupTailBytes(ranks_); }
+  int64_t GroupBytes() const {
+    return GroupSharedBytes(ranks_) + GroupTailBytes(ranks_) + CountBoardBytes(ranks_, count_values_);
+  }
+  int64_t ObjectBytes() const { return layout_.total + GroupBytes(); }
   void Map(int g, int r, bool create);
   void StartConsumers();
 
   int ranks_, groups_;
   WorkspaceSizes sizes_;
+  int64_t count_values_;
   Layout layout_;
   std::vector<char*> blocks_;   // per g * ranks + r (nullptr: a group this process has no rank in)
-  std::vector<char*> shared_;   // per group: GroupShared then GroupTail
+  std::vector<char*> shared_;   // per group: GroupShared, GroupTail, then the count board
   std::vector<std::unique_ptr<Consumer>> consumers_;  // null for ranks of other processes
   // Shared mode only.
   std::vector<int> process_;

@@ -30,6 +30,16 @@
 // up too instead of waiting out its own timeout. A rank that only now starts that failed epoch fails it at once.
 // A rank starting a later call first meets all R ranks at a host barrier, and the last to arrive resets all
 // control words and flags to zero (epochs restart at 1); only then does anyone write again.
+//
+// exchange_counts (CPU: groups whose ranks span processes, where the collective backend's wait has no bound) is an
+// epoch like the others. Each rank owns one slot of the group's count board (csrc/cpu/workspace_cpu.h): its routing
+// counts and a stamp, the epoch they belong to. Epoch n on rank r:
+//   1. Wait until every peer d has d.done_epoch >= n-1 (d has finished reading the board in call n-1).
+//   2. Store r's counts in its slot, then release-store its stamp = n.
+//   3. For every source s, wait (acquire) until s's stamp >= n, and copy s's counts. No peer can move its stamp
+//      past n before r's done_epoch reaches n (step 1), so the counts read are those of epoch n.
+//   4. Release-store done_epoch = n.
+// A peer that hangs or died before step 2 leaves its stamp at an earlier epoch: the wait in step 3 names it.
 #pragma once
 
 #include <stddef.h>
@@ -59,6 +69,8 @@ enum Stage : uint64_t {
   kStageReset = 6,        // the recovery barrier after an abort did not gather every rank
   kStageBadInput = 7,     // CUDA only: a kernel found an invalid routing input (device data the host cannot check
                           // without a sync); ErrorRecord.detail says which input (BadInput)
+  kStageCounts = 8,       // exchange_counts waiting for a peer's routing counts (its stamp: got = the epoch of its
+                          // last published counts, expected = this call's epoch)
 };
 
 // Which input a kStageBadInput record is about (ErrorRecord.detail); csrc/common/error_text.h words each one.
@@ -83,6 +95,7 @@ inline const char* StageName(uint64_t s) {
     case kStageAbortedByPeer: return "aborted_by_peer (another rank of the group failed first)";
     case kStageReset: return "reset (recovery barrier after an earlier timeout)";
     case kStageBadInput: return "bad_input (a kernel found an invalid routing input)";
+    case kStageCounts: return "counts (exchange_counts waiting for a peer's routing counts; values are epochs)";
     default: return "none";
   }
 }

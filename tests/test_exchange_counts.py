@@ -1,0 +1,100 @@
+"""exchange_counts, the routing counts through the workspace (the path of groups spanning processes), in one process:
+every rank's counts as all_gather gives them, call after call; a late peer fails it within the timeout naming the
+counts stage, and the next call works; gather_counts picks it only for a workspace spanning processes, and the layer
+through it equals the one through all_gather bit for bit. (Across processes: test_multiprocess.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_moe_overlap as jmo
+from cases import layer_inputs, mesh_of
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.primitives import CallConfig, RankInfo, exchange_counts
+from jax_moe_overlap.workspace import Workspace, WorkspaceSizes, release_workspaces
+
+R, E = 4, 8
+
+
+def _exchanges(mesh, config, calls):
+  """A program of `calls` exchanges per rank (their inputs differ), returning each next to all_gather's result."""
+  ws = Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=64, recv_rows=64, ret_rows=64, num_segments=E))
+  info = RankInfo(ws, config)
+
+  def local(counts):  # [calls, R_dst, E_local] per rank
+    got = [exchange_counts(counts[i], info) for i in range(calls)]
+    want = [jax.lax.all_gather(counts[i], "expert") for i in range(calls)]
+    return jnp.stack(got)[None], jnp.stack(want)[None]
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "expert"), out_specs=P("expert"),
+                               check_vma=False))
+
+
+def test_every_ranks_counts_call_after_call():
+  mesh = mesh_of(R)
+  calls = 5
+  fn = _exchanges(mesh, CallConfig(timeout_ms=5000), calls)
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    counts = jnp.asarray(rng.integers(0, 1000, (calls, R * R, E // R)).astype(np.int32))
+    got, want = fn(counts)
+    assert got.shape == (R, calls, R, R, E // R)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_late_peer_fails_the_exchange_naming_the_counts_stage_then_the_next_call_works():
+  mesh = mesh_of(R)
+  late_rank, timeout_ms = 2, 300
+  late = _exchanges(mesh, CallConfig(timeout_ms=timeout_ms, delay_rank=late_rank, delay_us=2_000_000), 1)
+  counts = jnp.arange(R * R * (E // R), dtype=jnp.int32).reshape(1, R * R, E // R)
+  with pytest.raises(jax.errors.JaxRuntimeError) as err:
+    jax.block_until_ready(late(counts))
+  msg = str(err.value)
+  assert "DEADLINE_EXCEEDED" in msg and "exchange_counts" in msg, msg
+  assert f"timed out after {timeout_ms} ms" in msg and "stage counts" in msg, msg
+  assert f"waiting for peer {late_rank}: observed " in msg, msg
+  got, want = _exchanges(mesh, CallConfig(timeout_ms=5000), 1)(counts)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_counts_larger_than_the_workspace_are_refused_then_the_next_call_works():
+  mesh = mesh_of(R)
+  ws = Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=64, recv_rows=64, ret_rows=64, num_segments=E))
+  info = RankInfo(ws, CallConfig(timeout_ms=5000))
+  fn = jax.jit(jax.shard_map(lambda c: exchange_counts(c, info)[None], mesh=mesh, in_specs=P("expert"),
+                             out_specs=P("expert"), check_vma=False))
+  # The error raised is some rank's: its own, or one that gave up naming the first rank's.
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"exchange_counts: counts_all \[4, 4, 4\] does not fit the workspace \(4 ranks, at most "
+                           r"8 counts per rank\)|operands do not fit the workspace"):
+    jax.block_until_ready(fn(jnp.ones((R * R, 2 * E // R), jnp.int32)))
+  counts = jnp.arange(R * R * (E // R), dtype=jnp.int32).reshape(R * R, E // R)
+  every = np.asarray(counts).reshape(R, R, E // R)  # [R_src, R_dst, E_local], the same on every rank
+  np.testing.assert_array_equal(fn(counts), np.broadcast_to(every, (R, *every.shape)))
+
+
+def test_the_layer_gathers_the_counts_through_the_workspace_only_when_it_spans_processes(monkeypatch):
+  mesh = mesh_of(R)
+  x, ids, gates, w1, w2 = layer_inputs(64, 16, 24, E, 2, "skewed", 3)
+
+  def run():
+    f = jax.jit(jax.value_and_grad(lambda x, g, w1, w2: jnp.sum(jnp.sin(jmo.moe_experts(x, ids, g, w1, w2,
+                                                                                         mesh=mesh)[0])),
+                                   argnums=(0, 1, 2, 3)))
+    hlo = f.lower(x, gates, w1, w2).compile().as_text()
+    return "jmo_exchange_counts" in hlo, jax.tree.map(np.asarray, f(x, gates, w1, w2))
+
+  release_workspaces()
+  try:
+    exchanged, plain = run()
+    assert not exchanged
+    release_workspaces()  # the programs compiled against the gather path go with their workspace
+    monkeypatch.setattr(Workspace, "spans_processes", property(lambda self: True))
+    exchanged, through_workspace = run()
+    assert exchanged
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(through_workspace)):
+      assert a.tobytes() == b.tobytes()
+  finally:
+    release_workspaces()
