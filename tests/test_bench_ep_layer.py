@@ -2,11 +2,15 @@
 library's impl="xla") and xla_dense_a2a agree with the reference; xla_ragged is skipped on CPU (no ragged_all_to_all in XLA:CPU) with its
 reason, and its offset logic agrees through the all_gather emulation of ragged_all_to_all; the probes of the ideal
 (compute_alone, comm_alone, dispatch_alone) pass their checks (and fail them when wrong), the ideal and bound rows
-are derived from the timed rows as documented, and the summary table has its columns, the wire bytes of a count
-from the expert ids and the ratios of the rows it quotes."""
+are derived from the timed rows as documented, the summary table has its columns, the wire bytes of a count from
+the expert ids and the ratios of the rows it quotes, and run_multi_gpu.sh's dry run selects this benchmark's shapes."""
 
 import functools
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -270,3 +274,22 @@ def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
   r = {r["impl"]: r for r in bench_ep_layer.run(args, timing=False).rows}["ours"]
   errs = [float(e) for e in r["check"].split()[3].split("/")]       # FAIL rel err dx/dgates/dw1/dw2 (...)
   assert r["check"].startswith("FAIL") and max(errs[:2] + errs[3:]) < 1e-5 < errs[2], r
+
+
+def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
+  """benchmarks/run_multi_gpu.sh --dry-run: its default EP groups each select their shape of this benchmark (seed,
+  Mixtral-like, DeepSeek-like E=64), each run of bench_ep_layer times ours, serialized, xla and the ideal, and
+  nothing runs (only summary.txt is written)."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
+             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+  r = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run"], cwd=root, env=env, capture_output=True,
+                     text=True, timeout=300, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  for shape in ("seed T=8192 N=4096 E=8 balanced:", "mixtral-like balanced:", "deepseek-like E=64 balanced:"):
+    assert f"     {shape}" in r.stdout, r.stdout
+  runs = [line for line in r.stdout.splitlines() if line.startswith("== ep_layer")]
+  assert len(runs) == 3 and all("bench_ep_layer" in x and "--out" in x for x in runs), runs
+  impls = [x.split("--impls ")[1].split()[0].replace("\\", "") for x in runs]
+  assert impls == ["ours,serialized,xla,ideal"] * 3, impls
+  assert os.listdir(tmp_path) == ["summary.txt"]
