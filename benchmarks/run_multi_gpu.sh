@@ -42,6 +42,7 @@
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-multi-gpu-out}
 cd "$(dirname "$0")/.."
+root=$(pwd -P)
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 
 STEPS=topo,build,links,ep_layer,ep_combine
@@ -92,6 +93,7 @@ for g in $EP_GROUPS; do
 done
 
 mkdir -p "$OUT"
+[ $DRY_RUN = 1 ] || rm -f "$OUT/ep_layer.jsonl" "$OUT/ep_layer.log"     # the groups append to them
 start=$(date +%s)
 summary=$OUT/summary.txt
 : > "$summary"
@@ -162,7 +164,12 @@ fi
 [ -f benchmarks/tokamax_wheels.sh ] && [ $DRY_RUN = 0 ] && source benchmarks/tokamax_wheels.sh
 
 # build_gpu.sh is sourced in a subshell under the limit; its exports (PYTHONPATH with the installed package first,
-# PYTHONSAFEPATH, JAX_PLATFORMS, ...) are captured and read back.
+# PYTHONSAFEPATH, JAX_PLATFORMS, ...) are captured and read back, all but OUT (this call's).
+load_build_env() {
+  local out=$OUT
+  source "$build_env"
+  export OUT=$out
+}
 if wanted build; then
   export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
   build_env=$JMO_SITE.env.sh
@@ -173,9 +180,9 @@ if wanted build; then
     say "== build: reused $JMO_SITE (same sources, hash $src_hash)"
     steps_done+=("build|0|0|0|reused")
     if [ $DRY_RUN = 0 ]; then
-      source "$build_env"
-      # The checkout may sit elsewhere than at the build: the repository root comes from here.
-      export PYTHONPATH="$JMO_SITE:$PWD:$PWD/examples:/tmp/site"
+      load_build_env
+      # The checkout may sit elsewhere than at the build: the repository root comes from this call.
+      export PYTHONPATH="$JMO_SITE:$root:$root/examples:/tmp/site"
       cp build/tools/_jmo_loopback*.so tools/loopback/ 2>/dev/null
       { nvidia-smi -L; python3 -c "import jax_moe_overlap as j; print('installed', j.__file__, j.build_info())"; } \
         > "$OUT/env.log" 2>&1
@@ -187,7 +194,7 @@ if wanted build; then
     if [ $DRY_RUN = 0 ]; then
       if [ -s "$build_env" ]; then
         echo "$src_hash" > "$JMO_SITE.src-hash"
-        source "$build_env"
+        load_build_env
         grep -E "^build:|^installed|^build_info" "$OUT/build_step.log" | cut -c1-230 | tee -a "$summary"
       else
         say "build failed or ran out of time: the end of its log:"
@@ -223,7 +230,8 @@ if wanted ep_layer; then
       "${bench[@]}" -m benchmarks.bench_ep_layer --shapes "$regex" --impls "$EP_IMPLS" $EP_ARGS \
       --out "$OUT/ep_layer_$g.jsonl" || continue
     if [ $DRY_RUN = 0 ]; then
-      grep -E "^mesh|EXCLUDED|skipped" "$OUT/ep_layer_$g.log" | cut -c1-230 | tee -a "$summary"
+      grep -E "^mesh|EXCLUDED|not timed|error while timing|do not split" "$OUT/ep_layer_$g.log" | cut -c1-230 |
+        tee -a "$summary"
       errors "$OUT/ep_layer_$g.log"
       cat "$OUT/ep_layer_$g.jsonl" >> "$OUT/ep_layer.jsonl" 2>/dev/null
       { echo "== ep_layer $g: --shapes '$regex'"; cat "$OUT/ep_layer_$g.log"; } >> "$OUT/ep_layer.log"
