@@ -161,7 +161,8 @@ if wanted topo; then
     [ $DRY_RUN = 0 ] && cut -c1-200 "$OUT/topo.log" | tee -a "$summary"
 fi
 
-[ -f benchmarks/tokamax_wheels.sh ] && [ $DRY_RUN = 0 ] && source benchmarks/tokamax_wheels.sh
+# The tokamax wheels of .whl/ (when the call carries them) into /tmp/site, which build_gpu.sh puts on PYTHONPATH.
+[ $DRY_RUN = 0 ] && { timeout 60 bash -c 'source benchmarks/tokamax_wheels.sh' || say "tokamax wheels: rc $?"; }
 
 # build_gpu.sh is sourced in a subshell under the limit; its exports (PYTHONPATH with the installed package first,
 # PYTHONSAFEPATH, JAX_PLATFORMS, ...) are captured and read back, all but OUT (this call's).
@@ -184,8 +185,9 @@ if wanted build; then
       # The checkout may sit elsewhere than at the build: the repository root comes from this call.
       export PYTHONPATH="$JMO_SITE:$root:$root/examples:/tmp/site"
       cp build/tools/_jmo_loopback*.so tools/loopback/ 2>/dev/null
-      { nvidia-smi -L; python3 -c "import jax_moe_overlap as j; print('installed', j.__file__, j.build_info())"; } \
-        > "$OUT/env.log" 2>&1
+      { timeout 20 nvidia-smi -L
+        timeout 60 python3 -c "import jax_moe_overlap as j; print('installed', j.__file__, j.build_info())"
+      } > "$OUT/env.log" 2>&1
     fi
   else
     [ $DRY_RUN = 1 ] || rm -f "$build_env" "$JMO_SITE.src-hash"
@@ -285,7 +287,7 @@ say "| step | rc | s | limit s | note |"
 say "|---|---|---|---|---|"
 for r in "${steps_done[@]}"; do say "| ${r//|/ | } |"; done
 if [ $DRY_RUN = 0 ]; then
-  python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$summary"
+  timeout 30 python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$summary"
 import json, os, sys
 out = sys.argv[1]
 
