@@ -136,8 +136,9 @@ def shapes(quick: bool) -> list[Shape]:
   GEMM1 N = 2F in {4096, 8192}, E in {8, 16, 32, 64}), Mixtral-like (D 4096, F 14336, E 8, top-2, 8192 tokens per
   rank), DeepSeek-like (DeepSeek-V3's per-layer D 7168, F 2048, 256 experts, top-8, 4096 tokens per rank) and
   DeepSeek-like E=64 (the same D, F, top-k and tokens with 64 experts: 32 local experts at EP = 2, as
-  bench_layer.py's DeepSeek-like E_l=32; its weights are 2.8 GB per rank and input set at EP = 2, so the layer, the
-  probes and the float32 reference fit two 141 GB H200s with room to spare), each under balanced / moderate (Zipf
+  bench_layer.py's DeepSeek-like E_l=32; at EP = 2 its weights are 2.8 GB per rank and input set, and the layer,
+  the probes and the float32 reference come to about 30 GB per GPU by their array sizes, well inside two 141 GB
+  H200s; the 256-expert one has 4x the weights, 11.3 GB per rank and set), each under balanced / moderate (Zipf
   0.8) / stress (Zipf 2.0) expert popularity (common.topk_routing)."""
   if quick:
     return [Shape("quick", 16, 32, 32, 8, 2, "stress")]
