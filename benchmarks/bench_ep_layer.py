@@ -52,7 +52,9 @@ ideal           max(compute alone, communication alone), both measured in the sa
                                row a rank receives is the source row the plan sends there.
                 The ideal row reports compute_ms, comm_ms, ms = ideal_ms = max of the two, overlap_eff =
                 (serialized - ours) / min(compute, comm) (1: the shorter of the two is fully hidden; needs the
-                serialized row) and ours/ideal (1: perfect overlap at no cost). max(compute, comm) is not what
+                serialized row), hidden = (compute + comm - ours) / comm (the share of comm_alone's time that ours
+                hides behind compute: 1 all of it, 0 none, negative when ours is slower than the two in a row) and
+                ours/ideal (1: perfect overlap at no cost). max(compute, comm) is not what
                 this design can reach: only the return (expert_combine's) overlaps a GEMM, the dispatch runs before
                 GEMM1. The bound row is that design's limit, compute_alone + dispatch_alone: ms = bound_ms,
                 compute_ms, dispatch_ms and ours/bound (1: the return and the rest are fully hidden).
@@ -68,23 +70,34 @@ named in the check text); dx and dgates always whole. The probes of the ideal ar
 comm_alone against the reference on its shrunk weights; compute_alone (which computes on copies of tokens) by its group
 sizes, the routing's rows per (rank, local expert) counted on the host, and finite outputs; dispatch_alone bit-exact
 against the plan's placement of the source rows. Per shape and pass it reports ms, the ratio vs ``ours`` (>1: ours is
-faster), and the bytes the two all-to-alls move per layer (2 x T_global x k x D x itemsize; twice that for fwd+bwd,
-whose backward has the same two transfers; logical payload: the padded path moves more) with the rate that makes of the
-layer time.
+faster), and the bytes the two all-to-alls move per layer (a2a_MB: 2 x T_global x k x D x itemsize; twice that for
+fwd+bwd, whose backward has the same two transfers; logical payload: the padded path moves more) with the rate that
+makes of the layer time (a2a_GBps). The rows of ours' transfers (ours, serialized, ours_dg, comm_alone, and
+dispatch_alone with half of it) also report wire_MB, the bytes that cross ranks: ours' plan of the actual routing
+(``ideal_probes.wire_rows``: kept slots whose expert's rank is not the token's rank; a slot on its own rank moves
+nothing between GPUs) x D x itemsize, once per transfer: the dispatch and the return forward, for fwd+bwd also the
+backward's dispatch of gates * dy and its dx return (4 transfers); the mean over the input sets the timing cycles
+through. The plan's count all_gather (R x E int32 per rank) is not counted. wire_GBps = wire_MB / ms.
+
+At the end (and in --out, after the result rows, as rows with table="summary") a summary table, one line per shape x
+pass: ours_ms, serialized_ms, xla_ms, compute_ms (compute_alone), comm_ms (comm_alone), comm_wire_MB (its wire bytes)
+and comm_GBps (wire bytes / comm_ms), ideal_ms = max(compute, comm), ours/ideal, hidden (as in the ideal row),
+ours/serialized and ours/xla (< 1: ours is faster). Nothing is asserted about these numbers.
 
   python3 -m benchmarks.bench_ep_layer --quick                                   # CPU try-out, 4 devices
   python3 -m benchmarks.bench_ep_layer --shapes 'seed T=8192' --out $OUT/ep_layer.jsonl   # all GPUs
-  bash benchmarks/run_multi_gpu.sh     # the one-call device run: build, links, GPU tests, a shape subset, training
+  bash benchmarks/run_multi_gpu.sh     # the one-call device run: build, topology, links, a shape subset, C sweep
 
-The default list is 54 shapes (48 seed-sweep, 3 Mixtral-like, 3 DeepSeek-like), more than one 10-minute device
-command holds: select subsets with --shapes (a regex on "name skew") and --impls. --tokens-per-rank N runs the same
-list scaled down (a CPU dry run). --check-only runs the checks alone.
+The default list is 57 shapes (48 seed-sweep, 3 Mixtral-like, 3 DeepSeek-like, 3 DeepSeek-like E=64), more than
+one 10-minute device command holds: select subsets with --shapes (a regex on "name skew") and --impls.
+--tokens-per-rank N runs the same list scaled down (a CPU dry run). --check-only runs the checks alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import time
@@ -121,8 +134,12 @@ class Shape:
 def shapes(quick: bool) -> list[Shape]:
   """--quick: one tiny CPU shape. Else the seed-paper sweep (tokens per rank 8192 and 16384, top-2, D 2048,
   GEMM1 N = 2F in {4096, 8192}, E in {8, 16, 32, 64}), Mixtral-like (D 4096, F 14336, E 8, top-2, 8192 tokens per
-  rank) and DeepSeek-like (D 7168, F 2048, 256 experts, top-8, 4096 tokens per rank, as in bench_layer.py), each
-  under balanced / moderate (Zipf 0.8) / stress (Zipf 2.0) expert popularity (common.topk_routing)."""
+  rank), DeepSeek-like (DeepSeek-V3's per-layer D 7168, F 2048, 256 experts, top-8, 4096 tokens per rank) and
+  DeepSeek-like E=64 (the same D, F, top-k and tokens with 64 experts: 32 local experts at EP = 2, as
+  bench_layer.py's DeepSeek-like E_l=32; at EP = 2 its weights are 2.8 GB per rank and input set, and the layer,
+  the probes and the float32 reference come to about 30 GB per GPU by their array sizes, well inside two 141 GB
+  H200s; the 256-expert one has 4x the weights, 11.3 GB per rank and set), each under balanced / moderate (Zipf
+  0.8) / stress (Zipf 2.0) expert popularity (common.topk_routing)."""
   if quick:
     return [Shape("quick", 16, 32, 32, 8, 2, "stress")]
   out = []
@@ -134,6 +151,18 @@ def shapes(quick: bool) -> list[Shape]:
   for skew in ("balanced", "moderate", "stress"):
     out.append(Shape("mixtral-like", 8192, 4096, 14336, 8, 2, skew))
     out.append(Shape("deepseek-like", 4096, 7168, 2048, 256, 8, skew))
+    out.append(Shape("deepseek-like E=64", 4096, 7168, 2048, 64, 8, skew))
+  return out
+
+
+def selected_shapes(args) -> list[Shape]:
+  """The shapes --shapes selects (a regex on "name skew"), with --tokens-per-rank applied; SystemExit naming the
+  regex when it selects none (a mistyped regex would otherwise run nothing and look like a finished run)."""
+  out = [dataclasses.replace(s, tokens_per_rank=args.tokens_per_rank or s.tokens_per_rank)
+         for s in shapes(args.quick) if not args.shapes or re.search(args.shapes, f"{s.name} {s.skew}")]
+  if not out:
+    raise SystemExit(f"--shapes {args.shapes!r} selects none of these shapes: "
+                     + "; ".join(f"{s.name} {s.skew}" for s in shapes(args.quick)))
   return out
 
 
@@ -254,6 +283,8 @@ def parse_args(argv=None):
                   help="> 0: also run ours_dg, ours with CallConfig(dispatch_pushers=this) (dispatch + GEMM1 fused)")
   ap.add_argument("--rtol", type=float, default=None, help="default 1e-2 (bfloat16) / 1e-4 (float32)")
   ap.add_argument("--check-only", action="store_true", help="correctness checks, no timing")
+  ap.add_argument("--list-shapes", action="store_true",
+                  help="print the selected shapes (name skew: tokens per rank, D, F, E, top-k) and exit")
   ap.add_argument("--max-call-s", type=float, default=None,
                   help="do not time an implementation whose checked call took longer than this (seconds): keeps a "
                        "time-limited sweep going past a pathologically slow one (reported as skipped, with the time)")
@@ -269,8 +300,10 @@ def parse_args(argv=None):
   return a
 
 
-COLUMNS = ["shape", "skew", "pass", "impl", "ms", "vs_ours", "a2a_MB", "a2a_GBps", "compute_ms", "comm_ms",
-           "dispatch_ms", "overlap_eff", "ours/ideal", "ours/bound", "check"]
+COLUMNS = ["shape", "skew", "pass", "impl", "ms", "vs_ours", "a2a_MB", "a2a_GBps", "wire_MB", "wire_GBps",
+           "compute_ms", "comm_ms", "dispatch_ms", "overlap_eff", "hidden", "ours/ideal", "ours/bound", "check"]
+# Implementations that run ours' transfers on ours' plan: their rows quote the pass's wire bytes.
+OUR_TRANSFERS = ("ours", "serialized", "ours_dg")
 
 
 @dataclasses.dataclass
@@ -281,6 +314,7 @@ class Pass:
   shape: Shape
   name: str
   a2a_bytes: int          # logical payload of the pass's all-to-alls
+  wire_bytes: float       # what ours' transfers of the pass move between ranks (mean over the input sets)
   rtol: float
   timing: bool
   max_call_s: float | None = None   # an impl whose checked call took longer is not timed
@@ -295,13 +329,16 @@ class Pass:
     self.table.add(**row)
 
   def measure(self, impl: str, fn, arg_sets, verdict: references.Verdict, moves_bytes: bool = True,
-              a2a_bytes: int | None = None) -> float | None:
+              a2a_bytes: int | None = None, wire_bytes: float | None = None) -> float | None:
     """Times fn over arg_sets unless its check failed (then: excluded) or its checked call was slower than
     max_call_s (then: skipped); adds its row; returns the ms, or None if untimed. ``a2a_bytes``: what fn moves,
-    when not the pass's a2a_bytes (the dispatch probe: one of the two transfers)."""
+    when not the pass's a2a_bytes (the dispatch probe: one of the two transfers). ``wire_bytes``: what fn moves
+    between ranks on ours' plan (None: not counted for fn)."""
     ok, text, call_s = verdict
     moved = self.a2a_bytes if a2a_bytes is None else a2a_bytes
     a2a = dict(a2a_MB=f"{moved / 1e6:.4g}" if moves_bytes else "")
+    if wire_bytes is not None:
+      a2a.update(wire_MB=f"{wire_bytes / 1e6:.4g}", wire_bytes=wire_bytes)
     if not ok:
       print(f"  {impl}: EXCLUDED from timing, disagrees with the reference ({text}; rtol {self.rtol})")
       self.add(impl, ms="excluded", check=f"FAIL {text}", **a2a)
@@ -324,7 +361,8 @@ class Pass:
     self.ms[impl] = ms
     base = self.ms.get("ours")
     self.add(impl, ms=f"{ms:.3f}", vs_ours=f"{ms / base:.2f}" if base else "", check=f"ok {text}",
-             a2a_GBps=f"{moved / ms / 1e6:.4g}" if moves_bytes else "", **a2a)
+             a2a_GBps=f"{moved / ms / 1e6:.4g}" if moves_bytes else "",
+             wire_GBps=f"{wire_bytes / ms / 1e6:.4g}" if wire_bytes is not None else "", **a2a)
     return ms
 
 
@@ -342,12 +380,12 @@ def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
   comm_fn = (grad_fn if want_grads else fwd_fn)(ours_layer(mesh))
   verdict = references.verdicts(mesh, {"comm": comm_fn}, comm_sets, want_grads, p.rtol)["comm"]
   comm = p.measure("comm_alone", comm_fn, comm_sets,
-                   verdict._replace(text=f"{verdict.text} (F={comm_sets[0][4].shape[1]})"))
+                   verdict._replace(text=f"{verdict.text} (F={comm_sets[0][4].shape[1]})"), wire_bytes=p.wire_bytes)
   del comm_sets
   prepare, fn = ideal_probes.dispatch_probe(mesh, p.shape, want_grads)
   sets = [prepare(x, ids) for x, ids, *_ in arg_sets]
   disp = p.measure("dispatch_alone", fn, sets, ideal_probes.dispatch_probe_verdict(fn, sets, ids_np, mesh, p.shape),
-                   a2a_bytes=p.a2a_bytes // 2)             # the dispatches: half the pass's logical payload
+                   a2a_bytes=p.a2a_bytes // 2, wire_bytes=p.wire_bytes / 2)   # the dispatches: half the pass's bytes
   del sets
   ours, serialized = p.ms.get("ours"), p.ms.get("serialized")
   if compute is None or comm is None:
@@ -358,6 +396,7 @@ def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
     p.add("ideal", a2a_MB="", ms=f"{ideal:.3f}", vs_ours=f"{ideal / ours:.2f}" if ours else "",
           compute_ms=f"{compute:.3f}", comm_ms=f"{comm:.3f}",
           overlap_eff=f"{(serialized - ours) / min(compute, comm):.2f}" if ours and serialized else "",
+          hidden=f"{(compute + comm - ours) / comm:.2f}" if ours else "",
           check=f"max(compute_alone, comm_alone): {'communication' if comm >= compute else 'compute'}-bound",
           **{"ours/ideal": f"{ours / ideal:.2f}" if ours else ""})
   why = "compute_alone + dispatch_alone: the dispatch runs before GEMM1, only the return overlaps"
@@ -368,6 +407,62 @@ def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
   p.add("bound", a2a_MB="", ms=f"{bound:.3f}", vs_ours=f"{bound / ours:.2f}" if ours else "",
         compute_ms=f"{compute:.3f}", dispatch_ms=f"{disp:.3f}", check=why,
         **{"ours/bound": f"{ours / bound:.2f}" if ours else ""})
+
+
+SUMMARY_COLUMNS = ["shape", "skew", "pass", "ours_ms", "serialized_ms", "xla_ms", "compute_ms", "comm_ms",
+                   "comm_wire_MB", "comm_GBps", "ideal_ms", "ours/ideal", "hidden", "ours/serialized", "ours/xla"]
+
+
+def summary(rows: list[dict]) -> common.Table:
+  """One row per shape x pass of ``rows`` (a run's result rows), columns SUMMARY_COLUMNS (the module docstring says
+  what each is): the ms of ours, serialized, xla, compute_alone and comm_alone, comm_alone's wire_GBps, the ideal
+  row's ms, ours/ideal and hidden (computed there from the unrounded times), the wire bytes of the pass and the
+  ratios of ours' ms to serialized's and xla's. A time that was not measured shows its row's ms text (check only,
+  skipped, excluded, ...) or "-" where the row is absent; ratios with it stay empty. The JSON rows carry
+  table="summary" and wire_bytes, the exact count."""
+  groups: dict[tuple, dict] = {}
+  for r in rows:
+    groups.setdefault((r["shape"], r["skew"], r["pass"]), {})[r["impl"]] = r
+  out = common.Table(SUMMARY_COLUMNS)
+  for (shape, skew, pname), by in groups.items():
+    ms = {}
+    for impl in ("ours", "serialized", "xla", "compute_alone", "comm_alone"):
+      try:
+        ms[impl] = float(by[impl]["ms"])
+      except (KeyError, ValueError):
+        ms[impl] = None
+
+    def cell(impl):
+      return by.get(impl, {}).get("ms", "-")
+
+    def ratio(a, b):
+      return f"{a / b:.2f}" if a is not None and b else ""
+
+    ideal = by.get("ideal", {})
+    wire = next((r["wire_bytes"] for r in by.values() if "wire_bytes" in r), None)
+    out.rows.append({
+        "table": "summary", "shape": shape, "skew": skew, "pass": pname, "ours_ms": cell("ours"),
+        "serialized_ms": cell("serialized"), "xla_ms": cell("xla"), "compute_ms": cell("compute_alone"),
+        "comm_ms": cell("comm_alone"), "comm_wire_MB": f"{wire / 1e6:.4g}" if wire is not None else "",
+        "comm_GBps": by.get("comm_alone", {}).get("wire_GBps", ""), "ideal_ms": ideal.get("ms", "-"),
+        "ours/ideal": ideal.get("ours/ideal", ""), "hidden": ideal.get("hidden", ""),
+        "ours/serialized": ratio(ms["ours"], ms["serialized"]), "ours/xla": ratio(ms["ours"], ms["xla"]),
+        "wire_bytes": wire})
+  return out
+
+
+class LayerTable(common.Table):
+  """The result rows, with ``summary``'s table printed after them and its rows written after theirs."""
+
+  def render(self) -> str:
+    return (f"{super().render()}\n\nSummary (ms; comm_wire_MB: bytes crossing ranks per call; hidden = (compute + "
+            f"comm - ours) / comm):\n{summary(self.rows).render()}")
+
+  def save(self, path: str, meta: dict):
+    super().save(path, meta)
+    with open(path, "a") as f:
+      for r in summary(self.rows).rows:
+        f.write(json.dumps(r) + "\n")
 
 
 def run(args, *, timing: bool = True, table: common.Table | None = None):
@@ -381,12 +476,8 @@ def run(args, *, timing: bool = True, table: common.Table | None = None):
   itemsize = jnp.dtype(dtype).itemsize
   wanted = set(args.impls.split(",")) | {"ours"} if args.impls else None
   print(f"mesh: {R} x {jax.devices()[0].device_kind} on axis {AXIS!r}; dtype {jnp.dtype(dtype).name}; rtol {rtol}")
-  table = table if table is not None else common.Table(COLUMNS)
-  for shape in shapes(args.quick):
-    if args.tokens_per_rank:
-      shape = dataclasses.replace(shape, tokens_per_rank=args.tokens_per_rank)
-    if args.shapes and not re.search(args.shapes, f"{shape.name} {shape.skew}"):
-      continue
+  table = table if table is not None else LayerTable(COLUMNS)
+  for shape in selected_shapes(args):
     if shape.experts % R:
       print(f"{shape.name} {shape.skew}: skipped, {shape.experts} experts do not split over {R} ranks")
       continue
@@ -396,11 +487,14 @@ def run(args, *, timing: bool = True, table: common.Table | None = None):
     impls, sizes = implementations(mesh, ids_np, shape, arg_sets[0], args.capacity_factor, args.ragged_buffer,
                                    itemsize, args.max_dense_gib, args.dispatch_pushers)
     fwd_bytes = 2 * T * shape.k * shape.d * itemsize        # dispatch + return all-to-all, logical payload
+    # Ours' forward moves each cross-rank row twice (dispatch, return); the timing cycles through the input sets.
+    wire_fwd = 2 * shape.d * itemsize * float(np.mean([ideal_probes.wire_rows(i, R, shape) for i in ids_np]))
     print(f"\n{shape} R={R} T_global={T}: {sizes} (started at {time.strftime('%H:%M:%S')})")
     for pname in args.passes.split(","):
       want_grads = pname == "fwd+bwd"
       # The backward pass has the same two transfers.
-      p = Pass(table, shape, pname, fwd_bytes * (2 if want_grads else 1), rtol, timing, args.max_call_s)
+      scale = 2 if want_grads else 1
+      p = Pass(table, shape, pname, fwd_bytes * scale, wire_fwd * scale, rtol, timing, args.max_call_s)
       selected = {n: v for n, v in impls.items() if not wanted or n.split("[")[0] in wanted}
       fns = {n: (fwd_fn(f) if not want_grads else grad_fn(f)) for n, (f, _) in selected.items() if f is not None}
       verdict = references.verdicts(mesh, fns, arg_sets, want_grads, rtol)
@@ -409,7 +503,8 @@ def run(args, *, timing: bool = True, table: common.Table | None = None):
           print(f"  {iname}: {reason}")
           p.add(iname, ms="skipped", check=reason[:120])
         else:
-          p.measure(iname, fns[iname], arg_sets, verdict[iname])
+          p.measure(iname, fns[iname], arg_sets, verdict[iname],
+                    wire_bytes=p.wire_bytes if iname in OUR_TRANSFERS else None)
       if not wanted or "ideal" in wanted:
         measure_ideal(p, mesh, arg_sets, ids_np)
   return table
@@ -420,7 +515,11 @@ def main(argv=None):
   and prints the table of the rows done so far."""
   common.virtual_cpu_devices(sys.argv if argv is None else argv)  # a CPU try-out: --devices N, else 4
   args = parse_args(argv)
-  with common.rows_kept_on_sigterm(common.Table(COLUMNS), args.out, "bench_ep_layer") as table:
+  if args.list_shapes:
+    for s in selected_shapes(args):
+      print(f"{s.name} {s.skew}: T/rank {s.tokens_per_rank}, D {s.d}, F {s.f}, E {s.experts}, top-{s.k}")
+    return
+  with common.rows_kept_on_sigterm(LayerTable(COLUMNS), args.out, "bench_ep_layer") as table:
     run(args, timing=not args.check_only, table=table)
 
 

@@ -4,6 +4,7 @@ alone, each with its check (what each measures: bench_ep_layer's module docstrin
   compute_probe     expert_mlp on rows a rank already holds, with ours' per-rank group sizes.
   comm_probe_args   the layer's inputs with the expert width shrunk to COMM_PROBE_F: ours on them moves the same rows.
   dispatch_probe    ours' plan and dispatches, nothing else.
+  wire_rows         the rows one of ours' transfers moves between ranks, from the plan of the routing.
 
 ``shape`` arguments are bench_ep_layer's Shape (fields tokens_per_rank, d, f, experts, k).
 """
@@ -117,28 +118,43 @@ def dispatch_probe(mesh, shape, want_grads: bool):
   return prepare, jax.jit(fn)
 
 
+def plan_placements(ids: np.ndarray, R: int, shape) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """Where ours' plan (dropless, as moe_experts builds it) sends each kept slot of global routing ``ids`` [T, k]:
+  per source rank s, (dest rank, dest row, slot) of its kept slots, from make_plan on the host's counts."""
+  E, k, T_l = shape.experts, shape.k, shape.tokens_per_rank
+  cap_e = plan_lib.expert_capacity(T_l, R, k, E, None)
+  ids = ids.reshape(R, T_l, k)
+  counts_all = jnp.asarray(np.stack([np.bincount(ids[s].ravel(), minlength=E).reshape(R, E // R)
+                                     for s in range(R)]))
+  placements = []
+  for s in range(R):
+    plan = plan_lib.make_plan(jnp.asarray(ids[s], jnp.int32), counts_all, jnp.int32(s), cap_e)
+    rank, row = np.asarray(plan.slot_dest_rank), np.asarray(plan.slot_dest_row)
+    kept = row >= 0
+    placements.append((rank[kept], row[kept], np.flatnonzero(kept)))
+  return placements
+
+
+def wire_rows(ids: np.ndarray, R: int, shape) -> int:
+  """Rows one of ours' transfers (a dispatch, or a return of expert_combine) moves between ranks for routing ``ids``:
+  the plan's kept slots whose destination rank is not their source rank. Each is one D-wide row; a slot whose expert
+  is on its own rank stays in the rank's memory and is not counted."""
+  return sum(int(np.count_nonzero(rank != s)) for s, (rank, _, _) in enumerate(plan_placements(ids, R, shape)))
+
+
 def dispatch_probe_verdict(fn, sets, ids_np, mesh, shape) -> Verdict:
   """The dispatch probe's check: fn on the first set, every row each rank received against the source row the plan
   sends there (bit-exact; the placement from make_plan per source rank, slot_dest_rank / slot_dest_row, as
   tests/test_expert_combine.py's reference), for fwd+bwd also d_recv's rows against d_slot's. Rows past what a rank
   received are not checked. call_s 0, as compute_probe_verdict."""
   R = mesh.shape[AXIS]
-  E, k, T_l = shape.experts, shape.k, shape.tokens_per_rank
+  k, T_l = shape.k, shape.tokens_per_rank
   try:
     outs = fn(*sets[0])
   except Exception as e:  # pylint: disable=broad-except
     return Verdict(False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
   outs = outs if isinstance(outs, tuple) else (outs,)
-  cap_e = plan_lib.expert_capacity(T_l, R, k, E, None)
-  ids = ids_np[0].reshape(R, T_l, k)
-  counts_all = jnp.asarray(np.stack([np.bincount(ids[s].ravel(), minlength=E).reshape(R, E // R)
-                                     for s in range(R)]))
-  placements = []                                                     # (dest rank, dest row, src row) per source
-  for s in range(R):
-    plan = plan_lib.make_plan(jnp.asarray(ids[s], jnp.int32), counts_all, jnp.int32(s), cap_e)
-    rank, row = np.asarray(plan.slot_dest_rank), np.asarray(plan.slot_dest_row)
-    kept = row >= 0
-    placements.append((rank[kept], row[kept], np.flatnonzero(kept)))
+  placements = plan_placements(ids_np[0], R, shape)
   srcs = (sets[0][0], *sets[0][2:])                                   # x (row = slot // k), d_slot (row = slot)
   for name, src, out, per in zip(("x_recv", "d_recv"), srcs, outs, (k, 1)):
     got = np.asarray(out).reshape(R, -1, out.shape[-1])

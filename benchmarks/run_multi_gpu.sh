@@ -1,124 +1,336 @@
 #!/usr/bin/env bash
-# One device call on a machine with 2 or more GPUs, every step under its own time limit:
-#   build (tests/gpu/build_gpu.sh) -> bench_links.py -> pytest tests/gpu -> examples/train_moe.py tokens/s, overlap vs
-#   reference -> bench_ep_combine.py on all GPUs (expert_combine alone: ours, serialized, pinned C sweep, bare GEMM,
-#   with the kernels' per-rank record of C, producer / consumer spans and push GB/s) -> bench_ep_layer.py on all GPUs
-#   (a shape subset; ours, serialized, ideal, tokamax_ragged, xla_ragged).
+# The measurements of a machine with 2 or more GPUs (one process drives them all), in one device call of at most
+# 10 minutes. Every step runs under its own `timeout`, so a hang costs that step's limit and not the call; every
+# step's log goes under $OUT; a short table ends the output.
 #
-#   bash benchmarks/run_multi_gpu.sh     (on the GPU machine; the tokamax wheels in .whl/ when the call carries them)
+#   topo        nvidia-smi topo -m (how the GPUs are connected)
+#   build       tests/gpu/build_gpu.sh, sourced: the package pip-installed into $JMO_SITE, the tools built. A later call
+#               on the same warm machine reuses that build when the sources hash the same (REUSE_BUILD=0: rebuild).
+#   links       benchmarks.bench_links: peer access of every GPU pair and the link bandwidth
+#   ep_layer    benchmarks.bench_ep_layer on all GPUs, forward and forward+backward: ours, serialized, xla (the
+#               library's impl="xla") and the ideal's probes (compute alone, comm alone with its wire bytes,
+#               dispatch alone), then its summary (ours / ideal, hidden share, ours / serialized, ours / xla). One
+#               process and one time limit per shape group (EP_GROUPS): a slow group cannot starve the next.
+#   ep_combine  benchmarks.bench_ep_combine on all GPUs: expert_combine with the resource manager's consumer CTA count
+#               C and with every pinned C of a sweep, on the real links; the table gives the manager's regret
+#               (its time over the fastest pinned C's, minus 1).
+# Not in the default --steps (name them to run them):
+#   resource    benchmarks.bench_resource --quick: the manager's regret sweep on the loopback harness (R ranks sharing
+#               GPU 0, each with SMs / R and the link ceiling / R; the tools build of `build` and the shipped
+#               calibration of this GPU). Not real links: ep_combine is the real-link sweep.
+#   tests       pytest tests/gpu (TESTS_K: its -k)
+#   train       examples/train_moe.py --impl overlap and --impl reference, tokens/s (TRAIN_ARGS)
 #
-# Limits in seconds (0 skips a step): T_BUILD=150 T_LINKS=40 T_TESTS=120 T_TRAIN=45 (per impl) T_EP_COMBINE=120;
-# bench_ep_layer, last, gets what is left of T_TOTAL=500 (at most T_EP=400): the whole script ends by about T_TOTAL.
-# EP_SHAPES (a regex on "name skew"), EP_IMPLS, EP_ARGS (more bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags),
-# TESTS_K (pytest -k; '' runs every GPU test, racecheck/synccheck included), TRAIN_ARGS replace the defaults below.
-# NCCL_NVLS_ENABLE=0 throughout: no NVLink multicast. A CPU dry run of the steps' plumbing (no build, no GPU tests;
-# python3 with jax on PATH):
-#   T_BUILD=0 T_TESTS=0 BENCH_PLATFORMS=cpu EP_ARGS=--quick EP_SHAPES=quick EPC_ARGS="--quick --ctas 4,8" \
-#   TRAIN_ARGS="--steps 8 --log-every 1 --no-progress --plot=" bash benchmarks/run_multi_gpu.sh
-# $OUT at the end (at most 8 files): summary.txt (what this prints, the links table included), env.log,
-# ep_combine.jsonl, ep_layer.jsonl, ep_layer.log, pytest.log, train.log, logs.tgz (build.log, links.jsonl, the step
-# logs not kept whole).
+#   bash benchmarks/run_multi_gpu.sh                      # on the GPU machine, from the repository root
+#   EP_GROUPS=deepseek bash benchmarks/run_multi_gpu.sh --steps build,ep_layer   # a later call, build reused
+#   bash benchmarks/run_multi_gpu.sh --dry-run            # each step's command and limit (as if every step took
+#                     # its whole limit) and the shapes of each group; runs nothing; exit 1 if a group selects none
+#
+# Options: --steps LIST (comma list, in the order above; default topo,build,links,ep_layer,ep_combine), --budget S
+# (the whole script's seconds, default 540: it ends by then, tar included), --dry-run.
+# Environment (defaults below): limits in seconds T_TOPO, T_BUILD, T_LINKS, T_EP_GROUP (at most, per group),
+# T_EP_COMBINE, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
+# and the ep_layer groups share equally what is left after the limits of the steps after them. EP_GROUPS (names of
+# ep_group_shapes below), EP_SHAPES (one regex on "name skew" instead of the groups), EP_IMPLS, EP_ARGS (more
+# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), RESOURCE_ARGS, TESTS_K, TRAIN_ARGS. *_ARGS are split on
+# spaces (flags and numbers only). NCCL_NVLS_ENABLE=0 throughout: no NVLink multicast.
+# A CPU run of the steps' plumbing (no build; python3 with jax and a built jax_moe_overlap/ on PYTHONPATH):
+#   BENCH_PLATFORMS=cpu EP_GROUPS=quick EP_ARGS=--quick EPC_ARGS="--quick --ctas 4,8" \
+#     bash benchmarks/run_multi_gpu.sh --steps links,ep_layer,ep_combine
+# $OUT at the end (at most 8 files): summary.txt (what this prints), env.log, ep_layer.jsonl (every group's rows, each
+# group's meta line first, its summary rows last), ep_layer.log, ep_combine.jsonl, links.jsonl, logs.tgz (the rest).
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-multi-gpu-out}
-mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0
-T_TOTAL=${T_TOTAL:-500} T_BUILD=${T_BUILD:-150} T_LINKS=${T_LINKS:-40} T_TESTS=${T_TESTS:-120} T_EP=${T_EP:-400}
-T_TRAIN=${T_TRAIN:-45} T_EP_COMBINE=${T_EP_COMBINE:-120}
+root=$(pwd -P)
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+
+STEPS=topo,build,links,ep_layer,ep_combine
+T_TOTAL=540
+DRY_RUN=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) STEPS=$2; shift 2 ;;
+    --budget) T_TOTAL=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run_multi_gpu.sh: unknown argument '$1' (--steps LIST, --budget S, --dry-run)" >&2; exit 2 ;;
+  esac
+done
+ALL_STEPS="topo build links ep_layer ep_combine resource tests train"
+for s in ${STEPS//,/ }; do
+  [[ " $ALL_STEPS " == *" $s "* ]] || { echo "run_multi_gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
+done
+wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+T_TOPO=${T_TOPO:-20} T_BUILD=${T_BUILD:-200} T_LINKS=${T_LINKS:-60} T_EP_GROUP=${T_EP_GROUP:-300}
+T_EP_COMBINE=${T_EP_COMBINE:-90} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120} T_TRAIN=${T_TRAIN:-45}
+EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
+EP_IMPLS=${EP_IMPLS:-ours,serialized,xla,ideal}
+EP_ARGS=${EP_ARGS:---max-call-s 5}
 EPC_ARGS=${EPC_ARGS:---max-call-s 1}
-EP_SHAPES=${EP_SHAPES:-'^seed T=8192 N=4096 E=8 (balanced|stress)$|^(mixtral|deepseek)-like balanced$'}
-EP_IMPLS=${EP_IMPLS:-ours,serialized,ideal,tokamax_ragged,xla_ragged}
-EP_ARGS=${EP_ARGS:---max-call-s 2}
+RESOURCE_ARGS=${RESOURCE_ARGS:---quick --reps 3}
 TESTS_K=${TESTS_K-not racecheck and not synccheck}
 TRAIN_ARGS=${TRAIN_ARGS:---steps 40 --layers 2 --d-model 1024 --heads 8 --d-ff 2048 --experts 8 --top-k 2 \
 --batch-size 32 --seq-len 256 --dtype bfloat16 --eval-batches 1 --plot= --no-progress --log-every 1 --skip-check}
+END_RESERVE=15        # seconds kept for the final table and the tar
+
+ep_group_shapes() {  # group name -> its bench_ep_layer --shapes regex (bench_ep_layer --list-shapes shows the names)
+  case "$1" in
+    seed) echo '^seed T=8192 N=4096 E=8 balanced$' ;;
+    seed-stress) echo '^seed T=8192 N=4096 E=8 stress$' ;;
+    mixtral) echo '^mixtral-like balanced$' ;;
+    deepseek) echo '^deepseek-like E=64 balanced$' ;;      # DeepSeek-V3's D, F, top-8 with 64 experts: fits EP = 2
+    deepseek-256) echo '^deepseek-like balanced$' ;;       # all 256 experts: 128 per GPU at EP = 2
+    quick) echo '^quick' ;;
+    *) return 1 ;;
+  esac
+}
+if [ -n "${EP_SHAPES:-}" ]; then EP_GROUPS=custom; fi
+group_regex() { if [ "$1" = custom ]; then echo "$EP_SHAPES"; else ep_group_shapes "$1"; fi; }
+for g in $EP_GROUPS; do
+  group_regex "$g" > /dev/null || { echo "run_multi_gpu.sh: unknown EP_GROUPS entry '$g'" >&2; exit 2; }
+done
+
+mkdir -p "$OUT"
+[ $DRY_RUN = 1 ] || rm -f "$OUT/ep_layer.jsonl" "$OUT/ep_layer.log"     # the groups append to them
 start=$(date +%s)
 summary=$OUT/summary.txt
 : > "$summary"
 say() { echo "$*" | tee -a "$summary"; }
-since() { echo $(( $(date +%s) - start )); }
-step() {  # name limit: prints the step's start; returns 1 if the step is to be skipped
-  [ "$2" -gt 0 ] || { say "== $1: skipped (limit $2)"; return 1; }
-  say "== $1 (limit $2 s) at $(since) s"
+dry_spent=0         # --dry-run: the seconds the steps would take at worst (each its whole limit)
+since() { echo $(( $(date +%s) - start + dry_spent )); }
+steps_done=()       # "name|rc|seconds|limit|note" per step run (or skipped)
+bad_groups=""       # --dry-run: the EP_GROUPS whose regex bench_ep_layer could not list shapes for
+
+limit_for() {  # step-limit: the least of the step's limit and the budget left
+  local left=$(( T_TOTAL - $(since) - END_RESERVE ))
+  echo $(( left < $1 ? left : $1 ))
+}
+reserve_after() {  # step: the summed limits of the wanted steps after it (what the ep_layer groups leave them)
+  local total=0 after=0 s lim
+  for s in $ALL_STEPS; do
+    if [ $after = 1 ] && wanted "$s"; then
+      case "$s" in
+        ep_combine) lim=$T_EP_COMBINE ;; resource) lim=$T_RESOURCE ;; tests) lim=$T_TESTS ;;
+        train) lim=$(( 2 * T_TRAIN )) ;; *) lim=0 ;;
+      esac
+      total=$(( total + lim ))
+    fi
+    [ "$s" = "$1" ] && after=1
+  done
+  echo $total
+}
+
+# run_step name limit log command...: the command under `timeout` (SIGTERM at the limit, SIGKILL 10 s later; the
+# benchmarks write their rows so far on SIGTERM), stdout and stderr to log; records rc and seconds.
+run_step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  if [ "$limit" -lt 10 ]; then
+    say "== $name: skipped, ${limit} s left of the budget"
+    steps_done+=("$name|-|0|$limit|no time left")
+    return 1
+  fi
+  if [ $DRY_RUN = 1 ]; then
+    say "== $name (limit $limit s) at $(since) s: timeout -k 10 $limit $(printf '%q ' "$@")> $log"
+    steps_done+=("$name|-|0|$limit|dry run")
+    dry_spent=$(( dry_spent + limit ))
+    return 0
+  fi
+  say "== $name (limit $limit s) at $(since) s"
+  local t=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  local note=""
+  [ $rc = 124 ] || [ $rc = 137 ] && note="out of time (rows so far kept)"
+  steps_done+=("$name|$rc|$(( $(date +%s) - t ))|$limit|$note")
+  say "rc $rc $note"
+  return 0
 }
 errors() {  # log: the lines that end a Python traceback, or say a process was stopped
   grep -E "^[A-Za-z_.]*(Error|Exception|Exit)\b|stopped by signal" "$1" | cut -c1-230 | tail -5 | tee -a "$summary"
 }
-bench_report() {  # log rc: a benchmark step's exit status, its markdown table (rows so far on timeout), its mesh and
-  # consumer policy lines, errors
-  say "rc $2$([ "$2" = 124 ] && echo ': out of time; the rows done by then:')"
-  sed -n '/^| shape/,$p' "$1" | cut -c1-300 | tee -a "$summary"
-  grep -E "^mesh|EXCLUDED|consumer policy" "$1" | cut -c1-230 | tee -a "$summary"
-  errors "$1"
+
+# The benchmarks run on the GPUs alone (BENCH_PLATFORMS=cpu: the plumbing run on a CPU machine); the tests keep
+# build_gpu.sh's cuda,cpu.
+bench=(env JAX_PLATFORMS="${BENCH_PLATFORMS:-cuda}" python3)
+
+if wanted topo; then
+  run_step topo "$(limit_for "$T_TOPO")" "$OUT/topo.log" nvidia-smi topo -m &&
+    [ $DRY_RUN = 0 ] && cut -c1-200 "$OUT/topo.log" | tee -a "$summary"
+fi
+
+# The tokamax wheels of .whl/ (when the call carries them) into /tmp/site, which build_gpu.sh puts on PYTHONPATH.
+[ $DRY_RUN = 0 ] && { timeout 60 bash -c 'source benchmarks/tokamax_wheels.sh' || say "tokamax wheels: rc $?"; }
+
+# build_gpu.sh is sourced in a subshell under the limit; its exports (PYTHONPATH with the installed package first,
+# PYTHONSAFEPATH, JAX_PLATFORMS, ...) are captured and read back, all but OUT (this call's).
+load_build_env() {
+  local out=$OUT
+  source "$build_env"
+  export OUT=$out
 }
+if wanted build; then
+  export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
+  build_env=$JMO_SITE.env.sh
+  src_hash=$(find csrc tools jax_moe_overlap CMakeLists.txt pyproject.toml -type f ! -name '*.so' \
+               ! -path '*/__pycache__/*' -print0 2>/dev/null | sort -z | xargs -0 md5sum | md5sum | cut -c1-32)
+  if [ "${REUSE_BUILD:-1}" = 1 ] && [ -s "$build_env" ] && [ -d "$JMO_SITE/jax_moe_overlap" ] &&
+     [ "$(cat "$JMO_SITE.src-hash" 2>/dev/null)" = "$src_hash" ]; then
+    say "== build: reused $JMO_SITE (same sources, hash $src_hash)"
+    steps_done+=("build|0|0|0|reused")
+    if [ $DRY_RUN = 0 ]; then
+      load_build_env
+      # The checkout may sit elsewhere than at the build: the repository root comes from this call.
+      export PYTHONPATH="$JMO_SITE:$root:$root/examples:/tmp/site"
+      cp build/tools/_jmo_loopback*.so tools/loopback/ 2>/dev/null
+      { timeout 20 nvidia-smi -L
+        timeout 60 python3 -c "import jax_moe_overlap as j; print('installed', j.__file__, j.build_info())"
+      } > "$OUT/env.log" 2>&1
+    fi
+  else
+    [ $DRY_RUN = 1 ] || rm -f "$build_env" "$JMO_SITE.src-hash"
+    run_step build "$(limit_for "$T_BUILD")" "$OUT/build_step.log" \
+      bash -c 'source tests/gpu/build_gpu.sh && export -p > "$1"' _ "$build_env"
+    if [ $DRY_RUN = 0 ]; then
+      if [ -s "$build_env" ]; then
+        echo "$src_hash" > "$JMO_SITE.src-hash"
+        load_build_env
+        grep -E "^build:|^installed|^build_info" "$OUT/build_step.log" | cut -c1-230 | tee -a "$summary"
+      else
+        say "build failed or ran out of time: the end of its log:"
+        tail -20 "$OUT/build_step.log" | cut -c1-230 | tee -a "$summary"
+      fi
+    fi
+  fi
+  export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+fi
 
-source benchmarks/tokamax_wheels.sh
+if wanted links; then
+  run_step links "$(limit_for "$T_LINKS")" "$OUT/links.log" \
+    "${bench[@]}" -m benchmarks.bench_links --out "$OUT/links.jsonl"
+  if [ $DRY_RUN = 0 ]; then
+    errors "$OUT/links.log"
+    sed -n '/^| kind/,$p' "$OUT/links.log" | tee -a "$summary"
+  fi
+fi
 
-# Build in a subshell under the limit (build_gpu.sh is sourced: its exports are captured and read back).
-rm -f /tmp/jmo-build-env.sh
-if step build "$T_BUILD"; then
-  timeout "$T_BUILD" bash -c 'source tests/gpu/build_gpu.sh && export -p > /tmp/jmo-build-env.sh' 2>&1 |
+if wanted ep_layer; then
+  groups=($EP_GROUPS)
+  for i in "${!groups[@]}"; do
+    g=${groups[$i]}
+    regex=$(group_regex "$g")
+    # This group's share: what is left after the later steps' limits, split over the groups still to run.
+    share=$(( (T_TOTAL - $(since) - END_RESERVE - $(reserve_after ep_layer)) / (${#groups[@]} - i) ))
+    if [ $DRY_RUN = 1 ]; then
+      say "   $g: --shapes '$regex' selects:"
+      listed=$("${bench[@]}" -m benchmarks.bench_ep_layer --list-shapes --shapes "$regex" 2>&1) || bad_groups+=" $g"
+      echo "$listed" | sed 's/^/     /' | cut -c1-200 | tee -a "$summary"
+    fi
+    run_step "ep_layer $g" "$(( share < T_EP_GROUP ? share : T_EP_GROUP ))" "$OUT/ep_layer_$g.log" \
+      "${bench[@]}" -m benchmarks.bench_ep_layer --shapes "$regex" --impls "$EP_IMPLS" $EP_ARGS \
+      --out "$OUT/ep_layer_$g.jsonl" || continue
+    if [ $DRY_RUN = 0 ]; then
+      grep -E "^mesh|EXCLUDED|not timed|error while timing|do not split" "$OUT/ep_layer_$g.log" | cut -c1-230 |
+        tee -a "$summary"
+      errors "$OUT/ep_layer_$g.log"
+      cat "$OUT/ep_layer_$g.jsonl" >> "$OUT/ep_layer.jsonl" 2>/dev/null
+      { echo "== ep_layer $g: --shapes '$regex'"; cat "$OUT/ep_layer_$g.log"; } >> "$OUT/ep_layer.log"
+      rm -f "$OUT/ep_layer_$g.jsonl" "$OUT/ep_layer_$g.log"       # kept whole in the two files above
+    fi
+  done
+fi
+
+if wanted ep_combine; then
+  run_step ep_combine "$(limit_for "$T_EP_COMBINE")" "$OUT/ep_combine.log" \
+    "${bench[@]}" -m benchmarks.bench_ep_combine $EPC_ARGS --out "$OUT/ep_combine.jsonl"
+  if [ $DRY_RUN = 0 ]; then
+    grep -E "^mesh|EXCLUDED|consumer policy" "$OUT/ep_combine.log" | cut -c1-230 | tee -a "$summary"
+    errors "$OUT/ep_combine.log"
+  fi
+fi
+
+if wanted resource; then
+  run_step resource "$(limit_for "$T_RESOURCE")" "$OUT/resource.log" \
+    "${bench[@]}" -m benchmarks.bench_resource $RESOURCE_ARGS --out "$OUT/resource.jsonl" --log "$OUT/loopback.log"
+  if [ $DRY_RUN = 0 ]; then
+    grep -E "^\||^mean regret" "$OUT/resource.log" | cut -c1-300 | tee -a "$summary"
+    errors "$OUT/resource.log"
+  fi
+fi
+
+if wanted tests; then
+  run_step "pytest tests/gpu" "$(limit_for "$T_TESTS")" "$OUT/pytest.log" \
+    python3 -m pytest -q -rs -p no:cacheprovider tests/gpu ${TESTS_K:+-k "$TESTS_K"}
+  [ $DRY_RUN = 0 ] && grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | cut -c1-300 | tail -15 |
     tee -a "$summary"
-  if [ ! -s /tmp/jmo-build-env.sh ]; then say "build failed or ran out of time: see build.log"; fi
-fi
-[ -s /tmp/jmo-build-env.sh ] && source /tmp/jmo-build-env.sh
-# PYTHONPATH and PYTHONSAFEPATH come from the build's environment: the installed package first (build_gpu.sh).
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-# The benchmarks run on the GPUs alone (BENCH_PLATFORMS=cpu: a dry run of this script on a CPU machine); the tests
-# keep build_gpu.sh's cuda,cpu.
-bench_env=(env JAX_PLATFORMS="${BENCH_PLATFORMS:-cuda}")
-
-if step links "$T_LINKS"; then
-  timeout "$T_LINKS" "${bench_env[@]}" python3 -m benchmarks.bench_links --out "$OUT/links.jsonl" \
-    > "$OUT/links.log" 2>&1
-  say "rc $?"
-  grep "^bench_links" "$OUT/links.log" | tee -a "$summary"
-  errors "$OUT/links.log"
-  sed -n '/^| kind/,$p' "$OUT/links.log" | tee -a "$summary"
-fi
-
-if step "pytest tests/gpu" "$T_TESTS"; then
-  timeout "$T_TESTS" python3 -m pytest -q -rs -p no:cacheprovider tests/gpu ${TESTS_K:+-k "$TESTS_K"} \
-    > "$OUT/pytest.log" 2>&1
-  say "rc $?"
-  grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest.log" | cut -c1-300 | tail -25 | tee -a "$summary"
 fi
 
 median_tok_s() {  # log: the median tokens/s of its per-step lines after the first 5 (compilation, warm-up)
   grep -o 'tokens/s [0-9,]*' "$1" | tail -n +6 | tr -d , | awk '{print $2}' | sort -n |
     awk '{v[NR] = $1} END {print NR ? v[int((NR + 1) / 2)] " (median of " NR " steps)" : "n/a"}'
 }
-for impl in overlap reference; do
-  step "train_moe --impl $impl" "$T_TRAIN" || continue
-  # TRAIN_ARGS is split on spaces (flags and numbers only).
-  timeout "$T_TRAIN" "${bench_env[@]}" python3 examples/train_moe.py --impl $impl $TRAIN_ARGS \
-    > "$OUT/train_$impl.log" 2>&1
-  say "rc $?: tokens/s $(median_tok_s "$OUT/train_$impl.log")"
-  grep -E "devices \||^step [0-9]+: train" "$OUT/train_$impl.log" | cut -c1-230 | tee -a "$summary"
-  errors "$OUT/train_$impl.log"
-  { echo "== $impl"; cat "$OUT/train_$impl.log"; } >> "$OUT/train.log"
-done
-
-# expert_combine alone, with the kernels' per-rank record (EPC_ARGS split on spaces: flags and numbers only). On
-# timeout's SIGTERM it still writes its rows so far.
-if step "bench_ep_combine" "$T_EP_COMBINE"; then
-  timeout -k 10 "$T_EP_COMBINE" "${bench_env[@]}" python3 -m benchmarks.bench_ep_combine $EPC_ARGS \
-    --out "$OUT/ep_combine.jsonl" > "$OUT/ep_combine.log" 2>&1
-  bench_report "$OUT/ep_combine.log" $?
+if wanted train; then
+  for impl in overlap reference; do
+    run_step "train $impl" "$(limit_for "$T_TRAIN")" "$OUT/train_$impl.log" \
+      "${bench[@]}" examples/train_moe.py --impl $impl $TRAIN_ARGS || continue
+    [ $DRY_RUN = 0 ] && say "tokens/s $(median_tok_s "$OUT/train_$impl.log")" && errors "$OUT/train_$impl.log"
+  done
 fi
 
-# Last, with what is left of T_TOTAL: the one open-ended step. On timeout's SIGTERM it still writes its rows so far.
-ep_limit=$(( T_TOTAL - $(since) - 15 ))
-ep_limit=$(( ep_limit < T_EP ? ep_limit : T_EP ))
-if step "bench_ep_layer" "$ep_limit"; then
-  # EP_ARGS is split on spaces (flags and numbers only); EP_SHAPES stays one argument.
-  timeout -k 10 "$ep_limit" "${bench_env[@]}" python3 -m benchmarks.bench_ep_layer --shapes "$EP_SHAPES" \
-    --impls "$EP_IMPLS" $EP_ARGS --out "$OUT/ep_layer.jsonl" > "$OUT/ep_layer.log" 2>&1
-  bench_report "$OUT/ep_layer.log" $?
-fi
+# The short table: every step, then the EP layer's summary rows of all groups, the link pairs and the manager's
+# regret on the real links (ours vs the fastest pinned C of bench_ep_combine).
+say ""
+say "== steps (rc 124: stopped at its limit; its rows so far are kept)"
+say "| step | rc | s | limit s | note |"
+say "|---|---|---|---|---|"
+for r in "${steps_done[@]}"; do say "| ${r//|/ | } |"; done
+if [ $DRY_RUN = 0 ]; then
+  timeout 30 python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$summary"
+import json, os, sys
+out = sys.argv[1]
 
+def rows(name):
+  path = os.path.join(out, name)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+def table(title, cols, body):
+  if body:
+    print(f"\n{title}\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for b in body:
+      print("| " + " | ".join(str(c) for c in b) + " |")
+
+cols = ["shape", "skew", "pass", "ours_ms", "serialized_ms", "xla_ms", "compute_ms", "comm_ms", "comm_wire_MB",
+        "comm_GBps", "ideal_ms", "ours/ideal", "hidden", "ours/serialized", "ours/xla"]
+table("EP layer (bench_ep_layer; hidden = (compute + comm - ours) / comm; ratios < 1: ours faster)", cols,
+      [[r.get(c, "") for c in cols] for r in rows("ep_layer.jsonl") if r.get("table") == "summary"])
+links = ["kind", "src", "dst", "peer", "GBps", "reason"]
+table("Links (bench_links)", links, [[r.get(c, "") for c in links] for r in rows("links.jsonl") if "meta" not in r])
+combine, regret = {}, []
+for r in rows("ep_combine.jsonl"):
+  combine.setdefault((r.get("shape"), r.get("skew")), {})[r.get("impl")] = r
+for (shape, skew), by in combine.items():
+  try:
+    ours, oracle = float(by["ours"]["ms"]), float(by["oracle"]["ms"])
+  except (KeyError, ValueError):
+    continue
+  regret.append([shape, skew, by["ours"].get("C", ""), f"{ours:.3f}", by["oracle"].get("C", ""), f"{oracle:.3f}",
+                 f"{100 * (ours / oracle - 1):.1f}%"])
+table("Resource manager on the real links (bench_ep_combine: the manager's C vs the fastest pinned C)",
+      ["shape", "skew", "manager C", "ms", "oracle C", "ms", "regret"], regret)
+EOF
+fi
 say "== done at $(since) s"
-keep="summary.txt env.log ep_combine.jsonl ep_layer.jsonl ep_layer.log pytest.log train.log"
+if [ $DRY_RUN = 1 ]; then
+  [ -z "$bad_groups" ] || { say "EP_GROUPS that select no shape (or could not be listed):$bad_groups"; exit 1; }
+  exit 0
+fi
+
+keep="summary.txt env.log ep_layer.jsonl ep_layer.log ep_combine.jsonl links.jsonl"
 (
   cd "$OUT" || exit 1
   rest=$(ls -A | grep -v -x -F "$(printf '%s\n' $keep)")

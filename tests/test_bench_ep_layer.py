@@ -1,10 +1,16 @@
 """benchmarks.bench_ep_layer's correctness check for the quick shape on 4 CPU devices: ours, serialized, xla (the
 library's impl="xla") and xla_dense_a2a agree with the reference; xla_ragged is skipped on CPU (no ragged_all_to_all in XLA:CPU) with its
 reason, and its offset logic agrees through the all_gather emulation of ragged_all_to_all; the probes of the ideal
-(compute_alone, comm_alone, dispatch_alone) pass their checks (and fail them when wrong), and the ideal and bound rows
-are derived from the timed rows as documented."""
+(compute_alone, comm_alone, dispatch_alone) pass their checks (and fail them when wrong), the ideal and bound rows
+are derived from the timed rows as documented, the summary table has its columns, the wire bytes of a count from
+the expert ids and the ratios of the rows it quotes, and run_multi_gpu.sh's dry run selects this benchmark's shapes."""
 
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -22,10 +28,55 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def rows():
+def table():
   args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--check-only"])
-  table = bench_ep_layer.run(args, timing=False)
+  return bench_ep_layer.run(args, timing=False)
+
+
+@pytest.fixture(scope="module")
+def rows(table):
   return {(r["pass"], r["impl"]): r for r in table.rows}
+
+
+def wire_bytes_from_ids(shape, R: int, itemsize: int, transfers: int) -> float:
+  """The bytes ours' transfers move between ranks, counted here from the expert ids of the benchmark's two input
+  sets (seeds 0 and 1): slots whose expert's rank (id // (E / R)) is not the token's rank (token // T_local), one
+  D-wide row per slot and transfer, the mean over the sets."""
+  T = shape.tokens_per_rank * R
+  counts = []
+  for seed in range(2):
+    ids = common.topk_routing(T, shape.experts, shape.k, shape.skew, seed=seed)
+    token_rank = np.arange(T)[:, None] // shape.tokens_per_rank
+    counts.append(np.count_nonzero(ids // (shape.experts // R) != token_rank))
+  return float(np.mean(counts)) * shape.d * itemsize * transfers
+
+
+def test_summary_columns_and_wire_bytes(table, tmp_path):
+  """One summary line per pass with exactly the summary columns; its wire bytes (and those of the rows of ours'
+  transfers) are the count from the expert ids: 2 transfers forward, 4 for fwd+bwd, fewer than the logical payload
+  (some slots stay on their rank); written to --out after the result rows as table="summary" rows."""
+  shape = bench_ep_layer.shapes(quick=True)[0]
+  summ = bench_ep_layer.summary(table.rows)
+  assert summ.columns == ["shape", "skew", "pass", "ours_ms", "serialized_ms", "xla_ms", "compute_ms", "comm_ms",
+                          "comm_wire_MB", "comm_GBps", "ideal_ms", "ours/ideal", "hidden", "ours/serialized",
+                          "ours/xla"]
+  assert [r["pass"] for r in summ.rows] == ["fwd", "fwd+bwd"], summ.rows
+  by_pass = {(r["pass"], r["impl"]): r for r in table.rows}
+  for r in summ.rows:
+    want = wire_bytes_from_ids(shape, 4, 4, 2 if r["pass"] == "fwd" else 4)      # float32 on CPU
+    assert r["wire_bytes"] == want and r["comm_wire_MB"] == f"{want / 1e6:.4g}", (r, want)
+    assert 0 < want < float(by_pass[(r["pass"], "ours")]["a2a_MB"]) * 1e6, (r, want)
+    for impl in ("ours", "serialized", "comm_alone"):
+      assert by_pass[(r["pass"], impl)]["wire_bytes"] == want, impl
+    assert by_pass[(r["pass"], "dispatch_alone")]["wire_bytes"] == want / 2
+    assert "wire_bytes" not in by_pass[(r["pass"], "xla")]
+    assert r["ours_ms"] == r["xla_ms"] == r["comm_ms"] == "check only", r      # nothing timed: no ratios
+    assert r["ours/xla"] == r["ours/serialized"] == r["hidden"] == "", r
+  path = tmp_path / "ep_layer.jsonl"
+  table.save(str(path), meta={})
+  lines = [json.loads(x) for x in path.read_text().splitlines()]
+  assert [x for x in lines if x.get("table") == "summary"] == summ.rows
+  assert len(lines) == 1 + len(table.rows) + len(summ.rows)
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
@@ -82,15 +133,25 @@ def test_ideal_and_bound_rows_from_timed_rows(monkeypatch):
   ours/ideal; bound = compute_alone + dispatch_alone, ours/bound; the probes' rows are what the two rows quote, and
   dispatch_alone moves half of ours' bytes."""
   monkeypatch.setattr(common, "time_fn", functools.partial(common.time_fn, warmup=1, batches=2, per_batch=1))
-  args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "serialized,ideal"])
-  r = {x["impl"]: x for x in bench_ep_layer.run(args, timing=True).rows}
-  assert set(r) == {"ours", "serialized", "compute_alone", "comm_alone", "dispatch_alone", "ideal", "bound"}, r
+  args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--passes", "fwd", "--impls", "serialized,xla,ideal"])
+  table = bench_ep_layer.run(args, timing=True)
+  r = {x["impl"]: x for x in table.rows}
+  assert set(r) == {"ours", "serialized", "xla", "compute_alone", "comm_alone", "dispatch_alone", "ideal", "bound"}, r
   ms = {k: float(v["ms"]) for k, v in r.items()}
   ideal = r["ideal"]
   assert float(ideal["compute_ms"]) == ms["compute_alone"] and float(ideal["comm_ms"]) == ms["comm_alone"], ideal
   assert ms["ideal"] == max(ms["compute_alone"], ms["comm_alone"]), ideal
   eff = (ms["serialized"] - ms["ours"]) / min(ms["compute_alone"], ms["comm_alone"])
   assert float(ideal["overlap_eff"]) == pytest.approx(eff, abs=0.02), ideal
+  hidden = (ms["compute_alone"] + ms["comm_alone"] - ms["ours"]) / ms["comm_alone"]
+  assert float(ideal["hidden"]) == pytest.approx(hidden, abs=0.02), ideal
+  (s,) = bench_ep_layer.summary(table.rows).rows                    # the summary quotes these rows
+  assert [float(s[c]) for c in ("ours_ms", "serialized_ms", "xla_ms", "compute_ms", "comm_ms", "ideal_ms")] == \
+      [ms[i] for i in ("ours", "serialized", "xla", "compute_alone", "comm_alone", "ideal")], s
+  assert s["hidden"] == ideal["hidden"] and s["ours/ideal"] == ideal["ours/ideal"], s
+  assert float(s["ours/serialized"]) == pytest.approx(ms["ours"] / ms["serialized"], abs=0.01), s
+  assert float(s["ours/xla"]) == pytest.approx(ms["ours"] / ms["xla"], abs=0.01), s
+  assert float(s["comm_GBps"]) == pytest.approx(s["wire_bytes"] / ms["comm_alone"] / 1e6, rel=2e-3), s
   assert float(ideal["ours/ideal"]) == pytest.approx(ms["ours"] / ms["ideal"], abs=0.02), ideal
   assert r["compute_alone"]["a2a_MB"] == "" and r["comm_alone"]["a2a_MB"] == r["ours"]["a2a_MB"], r
   assert ideal["dispatch_ms"] == "" and ideal["ours/bound"] == "", ideal
@@ -213,3 +274,22 @@ def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
   r = {r["impl"]: r for r in bench_ep_layer.run(args, timing=False).rows}["ours"]
   errs = [float(e) for e in r["check"].split()[3].split("/")]       # FAIL rel err dx/dgates/dw1/dw2 (...)
   assert r["check"].startswith("FAIL") and max(errs[:2] + errs[3:]) < 1e-5 < errs[2], r
+
+
+def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
+  """benchmarks/run_multi_gpu.sh --dry-run: its default EP groups each select their shape of this benchmark (seed,
+  Mixtral-like, DeepSeek-like E=64), each run of bench_ep_layer times ours, serialized, xla and the ideal, and
+  nothing runs (only summary.txt is written)."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
+             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+  r = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run"], cwd=root, env=env, capture_output=True,
+                     text=True, timeout=300, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  for shape in ("seed T=8192 N=4096 E=8 balanced:", "mixtral-like balanced:", "deepseek-like E=64 balanced:"):
+    assert f"     {shape}" in r.stdout, r.stdout
+  runs = [line for line in r.stdout.splitlines() if line.startswith("== ep_layer")]
+  assert len(runs) == 3 and all("bench_ep_layer" in x and "--out" in x for x in runs), runs
+  impls = [x.split("--impls ")[1].split()[0].replace("\\", "") for x in runs]
+  assert impls == ["ours,serialized,xla,ideal"] * 3, impls
+  assert os.listdir(tmp_path) == ["summary.txt"]
