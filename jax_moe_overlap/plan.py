@@ -48,6 +48,9 @@ class Plan:
       (the custom calls name it in their error).
     slot_ret_row: [P] row in this rank's ret buffer where the slot's output returns, -1 if dropped.
     ret_rows: [] number of kept slots (rows this rank receives back in expert_combine).
+    send_order: [P] the slot at each send position (the inverse of the send order).
+    send_start: [R + 1] first send position of the rows for each destination rank; send_start[R] = the slots that
+      are not skipped. (dispatch_gemm pushes the send order in 128-position blocks.)
   Receiver side (this rank's local experts):
     seg_rows: [E_local, R] kept rows of segment (local expert e, source rank s).
     seg_ret_off: [E_local, R] first ret row of that segment on its source rank.
@@ -60,6 +63,8 @@ class Plan:
   slot_dest_row: jax.Array
   slot_ret_row: jax.Array
   ret_rows: jax.Array
+  send_order: jax.Array
+  send_start: jax.Array
   seg_rows: jax.Array
   seg_ret_off: jax.Array
   expert_rows: jax.Array
@@ -180,6 +185,9 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
       slot_dest_row=jnp.where(valid | skipped, jnp.where(is_kept, dest_row, -1), raw).astype(jnp.int32),
       slot_ret_row=jnp.where(is_kept, pos, -1).astype(jnp.int32),
       ret_rows=ret_rows.astype(jnp.int32),
+      send_order=order.astype(jnp.int32),
+      send_start=jnp.concatenate([send_start.reshape(R, E_l)[:, 0], jnp.sum(my_counts, keepdims=True)]
+                                 ).astype(jnp.int32),
       seg_rows=seg_rows.astype(jnp.int32),
       seg_ret_off=seg_ret_off.astype(jnp.int32),
       expert_rows=jnp.sum(seg_rows, axis=1).astype(jnp.int32),

@@ -187,26 +187,28 @@ def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info
                          group, rank, **info.config.attrs(info.workspace))
 
 
-def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int,
-                  info: RankInfo) -> tuple[jax.Array, jax.Array]:
-  """dispatch and GEMM1 in one CUDA call: [S, D] bf16 rows, w [E_local, D, N] bf16 -> (recv [cap, D] as
-  ``dispatch``, a [cap, N] float32 = recv rows of each (expert, source) segment @ w[expert], zero past the rows).
-  ``info.config.dispatch_pushers`` CTAs push; the GEMM's tiles of each source start once its rows are in."""
+def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo,
+                  transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
+  """dispatch and GEMM1 in one CUDA call: [S, D] bf16 rows, w [E_local, D, N] bf16 (or [E_local, N, D] read
+  transposed with ``transpose_rhs``) -> (recv [cap, D] as ``dispatch``, a [cap, N] float32 = recv rows of each
+  (expert, source) segment @ w[expert], zero past the rows). ``info.config.dispatch_pushers`` CTAs push the rows for
+  other ranks, then join the GEMM; each GEMM tile starts once the 128-row blocks holding its rows are in."""
   _ffi.register()
   group, rank = info.coords()
-  out_types = (jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype), jax.ShapeDtypeStruct((cap, w.shape[2]),
-                                                                                          jnp.float32))
+  N = w.shape[1] if transpose_rhs else w.shape[2]
+  out_types = (jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype), jax.ShapeDtypeStruct((cap, N), jnp.float32))
   return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
-                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.seg_rows, plan.seg_ret_off, w,
-                         group, rank, pushers=np.int32(info.config.dispatch_pushers),
+                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
+                         plan.seg_rows, plan.seg_ret_off, w, group, rank,
+                         pushers=np.int32(info.config.dispatch_pushers), transpose_rhs=np.bool_(transpose_rhs),
                          **info.config.attrs(info.workspace))
 
 
-def _fuses_dispatch(x, w1, info: RankInfo) -> bool:
-  """Whether GEMM1 runs inside dispatch_gemm: asked for (CallConfig.dispatch_pushers), a CUDA workspace, bf16, and
-  the wgmma engine's multiples of 64."""
+def _fuses_dispatch(x, w, info: RankInfo) -> bool:
+  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: asked for (CallConfig.dispatch_pushers), a
+  CUDA workspace, bf16, and the wgmma engine's multiples of 64 (x's width; w's last two dimensions)."""
   return (info.config.dispatch_pushers > 0 and info.workspace.platform != "cpu" and x.dtype == jnp.bfloat16 and
-          w1.dtype == jnp.bfloat16 and x.shape[1] % 64 == 0 and w1.shape[2] % 64 == 0)
+          w.dtype == jnp.bfloat16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and w.shape[2] % 64 == 0)
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
@@ -300,14 +302,16 @@ def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
   return y, (x_recv, a, slot_out, gates, w1, w2, plan)
 
 
-def _expert_grads(x_recv, a, d_out, w1, w2, group_sizes):
+def _expert_grads(x_recv, a, d_out, w1, w2, group_sizes, dh=None):
   """The local backward GEMMs of GEMM1 + SwiGLU + GEMM2 on a rank's recv rows, all but the input gradient.
 
   x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D,
   2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes).
+  dh [cap, F] float32 = d_out W2^T when the caller has it (dispatch_gemm), else computed here.
   """
   h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
-  dh = _matmul(d_out, w2, group_sizes, transpose_rhs=True)
+  if dh is None:
+    dh = _matmul(d_out, w2, group_sizes, transpose_rhs=True)
   dw2 = _outer(h.astype(w2.dtype), d_out, group_sizes, w2.dtype)
   (da,) = swiglu_vjp(dh)
   da = da.astype(x_recv.dtype)
@@ -321,8 +325,14 @@ def _expert_block_bwd(cap, info, res, dy):
   dy_slot = jnp.repeat(dy, k, axis=0)                                     # [P, D], slot p = t*k + j
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
-  d_out = dispatch(d_slot, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)   # [cap, D] at the experts
-  da, dw1, dw2 = _expert_grads(x_recv, a, d_out, w1, w2, plan.expert_rows)
+  slot_rows = jnp.arange(T * k, dtype=jnp.int32)
+  if _fuses_dispatch(d_slot, w2, info):
+    # The dispatch of gates * dy with dh = d_out W2^T, as the forward's dispatch with GEMM1.
+    d_out, dh = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)
+  else:
+    d_out = dispatch(d_slot, slot_rows, plan, cap, info)                                # [cap, D] at the experts
+    dh = None
+  da, dw1, dw2 = _expert_grads(x_recv, a, d_out, w1, w2, plan.expert_rows, dh)
   # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).
   dx, _ = expert_combine(da, w1, jnp.ones_like(gates, jnp.float32), plan, info, want_slots=False, transpose_rhs=True)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)

@@ -57,7 +57,11 @@ def brute_force(all_ids, num_experts, expert_cap):
       if kept[r, p]:
         dest_row[p] = out[dest_rank[p]]["recv"].index((r, p))
         ret_row[p] = send_pos[r][p]
-    out[r].update(dest_rank=dest_rank, dest_row=dest_row, ret_row=ret_row,
+    order = [0] * (T * k)  # the slot at each send position
+    for p in range(T * k):
+      order[send_pos[r][p]] = p
+    send_start = [sum(1 for g in flat if 0 <= int(g) and int(g) // E_l < d) for d in range(R + 1)]
+    out[r].update(dest_rank=dest_rank, dest_row=dest_row, ret_row=ret_row, send_order=order, send_start=send_start,
                   dropped=sum(not kept[r, p] for p in range(T * k)))
   return out
 
@@ -81,6 +85,8 @@ def test_plan_matches_brute_force(R, k, kind, cf):
     np.testing.assert_array_equal(got.slot_dest_rank, w["dest_rank"])
     np.testing.assert_array_equal(got.slot_dest_row, w["dest_row"])
     np.testing.assert_array_equal(got.slot_ret_row, w["ret_row"])
+    np.testing.assert_array_equal(got.send_order, w["send_order"])
+    np.testing.assert_array_equal(got.send_start, w["send_start"])
     np.testing.assert_array_equal(got.seg_rows, w["seg_rows"])
     # A segment's ret offset matters only where it has rows.
     np.testing.assert_array_equal(np.where(w["seg_rows"] > 0, got.seg_ret_off, 0),

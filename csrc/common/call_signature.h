@@ -42,15 +42,17 @@ auto BindDispatch(Binding b) {
                            .template Ret<ffi::AnyBuffer>());
 }
 
-// dispatch_gemm(dispatch rows (above; src bf16), seg_rows [E_local, R], seg_ret_off [E_local, R],
-//               w [E_local, D, N] bf16, group [], rank []) -> recv [cap, D] bf16, a [cap, N] float32 = recv[segment] @
-//               w[expert]
-// Attributes: those of every call, then pushers (int32: CTAs that push, the others run the GEMM). CUDA (Hopper) only:
-// the dispatch and GEMM1 in one launch, GEMM1's tiles of a source starting once its rows are in.
+// dispatch_gemm(dispatch rows (above; src bf16), send_order [P], send_start [R + 1], seg_rows [E_local, R],
+//               seg_ret_off [E_local, R], w [E_local, D, N] bf16 (or [E_local, N, D] with transpose_rhs),
+//               group [], rank []) -> recv [cap, D] bf16, a [cap, N] float32 = recv[segment] @ w[expert]
+// Attributes: those of every call, then pushers (int32: CTAs that push first, then join the GEMM) and transpose_rhs
+// (bool). CUDA (Hopper) only: the dispatch and GEMM1 in one launch, each GEMM1 tile starting once its rows are in.
 template <typename Binding>
 auto BindDispatchGemm(Binding b) {
   namespace ffi = xla::ffi;
   return BindCallAttrs(BindDispatchRows(std::move(b))
+                           .template Arg<ffi::Buffer<ffi::S32>>()
+                           .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::AnyBuffer>()
@@ -58,7 +60,8 @@ auto BindDispatchGemm(Binding b) {
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Ret<ffi::AnyBuffer>()
                            .template Ret<ffi::Buffer<ffi::F32>>())
-      .template Attr<int32_t>("pushers");
+      .template Attr<int32_t>("pushers")
+      .template Attr<bool>("transpose_rhs");
 }
 
 // expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), gates [T, k] f32,

@@ -54,15 +54,22 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
                 const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P, const int32_t* recv_expected,
                 const int32_t* group_op, const int32_t* rank_op, void* out, int64_t cap);
 
+// The sender side of a dispatch_gemm's plan (plan.py): per slot [P] the source row, destination rank and recv row;
+// the slot at each send position [P]; the first send position of each destination's rows [R + 1].
+struct DispatchSlots {
+  const int32_t *src_row, *dest_rank, *dest_row, *send_order, *send_start;
+  int64_t P;
+};
+
 // dispatch_gemm: the dispatch (as Dispatch: x_recv [cap, D] out) and GEMM1 a [cap, N] float32 = x_recv[segment] @
-// w[expert] (w [E_l, D, N] bf16; rows past *recv_expected zero) in one launch, GEMM1's tiles of each source starting
-// once that source's rows have arrived. `pushers` CTAs push (1 .. SM budget - 1). Hopper and bf16 only (the wgmma
-// engine; an InvalidArgument error otherwise).
-Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
-                    const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P,
+// w[expert] (w [E_l, D, N] bf16, or [E_l, N, K] read transposed in place with transpose_rhs; rows past
+// *recv_expected zero) in one launch, each GEMM1 tile starting once the 128-row blocks of its source that hold its
+// rows have arrived. `pushers` CTAs push the rows for other ranks, then join the GEMM (1 .. SM budget - 1). Hopper
+// and bf16 only (the wgmma engine; an InvalidArgument error otherwise).
+Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
-                    const void* w, int64_t N, const int32_t* group_op, const int32_t* rank_op, void* x_recv, float* a,
-                    int64_t cap, int pushers);
+                    const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
+                    void* x_recv, float* a, int64_t cap, int pushers);
 
 // expert_combine: producer = grouped GEMM lhs[segment] @ w[expert] over the (expert, source) segments in
 // SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;

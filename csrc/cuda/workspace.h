@@ -59,10 +59,10 @@ struct RankPrivate {
   uint64_t comb_t0, comb_t1;  // CombineKernel: first CTA started, last CTA finished
 };
 
-// The per-band tile counters (uint32, zeroed by one memset per call) followed by the count of finished bands of the
-// call (uint64, 8-byte aligned) that the serialized mode's consumer waits for.
+// The per-band tile counters (uint32, zeroed by one memset per call) followed by the count of the call's producer
+// CTAs that are done (uint64, 8-byte aligned) and dispatch_gemm's next unclaimed GEMM1 tile (uint32 in a uint64).
 inline int64_t BandCounterWords(int64_t max_bands) { return (max_bands + 1) / 2 * 2; }
-inline int64_t BandCounterBytes(int64_t max_bands) { return BandCounterWords(max_bands) * 4 + 8; }
+inline int64_t BandCounterBytes(int64_t max_bands) { return BandCounterWords(max_bands) * 4 + 16; }
 
 struct PeerTable {
   char* base[kMaxRanks];
@@ -77,6 +77,7 @@ struct RankDev {
   RankPrivate* priv;     // device
   uint32_t* band_done;   // device, [sizes.max_bands], then producers_done (BandCounterBytes in all)
   uint64_t* producers_done;  // device: producer CTAs of this call that have stored all their tiles
+  unsigned* tile_claims;     // device: dispatch_gemm's GEMM1 tiles claimed so far in this call
   int32_t rank, group, ranks, pad_;
 };
 

@@ -355,6 +355,8 @@ class RankData:
     if self.w1 is not None:
       d["w1"] = self.w1.data
       d["expert_rows"] = np.ascontiguousarray(self.plan["expert_rows"], np.int32)  # GEMM1's group sizes
+      d["send_order"] = np.ascontiguousarray(self.plan["send_order"], np.int32)
+      d["send_start"] = np.ascontiguousarray(self.plan["send_start"], np.int32)
     return d
 
 

@@ -114,6 +114,8 @@ RankInputs ParseInputs(const nb::dict& d, std::vector<HostArray>* keep) {
   in.seg_ret_off = ArrayBytes(d, "seg_ret_off", keep);
   in.w1 = ArrayBytes(d, "w1", keep);
   in.expert_rows = ArrayBytes(d, "expert_rows", keep);
+  in.send_order = ArrayBytes(d, "send_order", keep);
+  in.send_start = ArrayBytes(d, "send_start", keep);
   return in;
 }
 

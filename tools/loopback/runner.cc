@@ -83,7 +83,7 @@ class DeviceArena {
 
 struct DeviceSet {  // one data set of one rank, on the device
   void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
-      *ret_expected, *w1 = nullptr, *expert_rows = nullptr;
+      *ret_expected, *w1 = nullptr, *expert_rows = nullptr, *send_order = nullptr, *send_start = nullptr;
 };
 
 class Barrier {
@@ -207,6 +207,8 @@ class Run {
         if (dg_) {
           d.w1 = mem_.Keep(ToDevice(in.w1));
           d.expert_rows = mem_.Keep(ToDevice(in.expert_rows));
+          d.send_order = mem_.Keep(ToDevice(in.send_order));
+          d.send_start = mem_.Keep(ToDevice(in.send_start));
         }
       }
     streams_.resize(R_);
@@ -229,9 +231,12 @@ class Run {
 
   Status Dispatch(int r, const CallSite& c, const DeviceSet& d) {
     if (dg_)
-      return cuda::DispatchGemm(c, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                                (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
-                                (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_,
+      return cuda::DispatchGemm(c, d.x, T_, D_,
+                                cuda::DispatchSlots{(const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                                                    (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
+                                                    (const int32_t*)d.send_start, P_},
+                                (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
+                                (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_, /*transpose_rhs=*/false,
                                 (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r],
                                 static_cast<float*>(out_a_[r]), cap_, s_.dispatch_gemm_pushers);
     return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,

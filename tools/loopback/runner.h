@@ -33,6 +33,7 @@ struct RankInputs {
   Bytes w;                                      // [E_l, K, N], or [E_l, N, K] with transpose_rhs
   Bytes gates;                                  // [P] float32
   Bytes seg_rows, seg_ret_off;                  // [E_l * R] int32, (expert, source) order
+  Bytes send_order, send_start;                 // dispatch_gemm: [P], [R + 1] int32 (plan.py)
   Bytes w1;                                     // dispatch_gemm: [E_l, D, K] bf16
   Bytes expert_rows;                            // dispatch_gemm: [E_l] int32 GEMM1 group sizes
 };

@@ -1,8 +1,10 @@
 // Hopper (sm_90a) warp-specialized persistent wgmma + TMA mainloop as a reusable device function.
 //
 //   WgmmaTileLoop<kTransB, kOutF32>(a_map, b_map, K, first, stride, count, tile_of, tile_done, smem[, tile_wait])
+//   WgmmaTileLoopNext<kTransB, kOutF32>(a_map, b_map, K, count, next_tile, tile_of, tile_done, smem[, tile_wait])
 //
-// computes, for i = first, first + stride, ... < count, the output tile t = tile_of(i):
+// computes, for i = first, first + stride, ... < count (or for the indices next_tile hands out, below), the output
+// tile t = tile_of(i):
 //   out_t[r, c] = sum_k A[t.a_row + r, k] * B[t.b_idx][k, t.n0 + c]     r < t.rows, c < t.cols
 // (fp32 accumulate, stored as bf16 or f32 to t.out[r * t.ldc + c]) and, when DoneFn is not NoTileDone, calls
 // tile_done(t) once per tile after all of the tile's stores (contract below). The bare grouped GEMM
@@ -15,7 +17,7 @@
 //   * All 384 threads call the function, uniformly (it contains __syncthreads() at entry and at exit); after it
 //     returns the smem region may be reused and the function may be called again.
 //   * smem: >= LoopSmemBytes<kNumStages>() bytes of dynamic shared memory (any alignment: the function aligns up to
-//     1024 inside, that is what the 1 KB slack is for). kNumStages = 4 (default): 197,696 bytes; 3: 148,480.
+//     1024 inside, that is what the 1 KB slack is for). kNumStages = 4 (default): 197,712 bytes; 3: 148,492.
 //   * Named barriers 1 (256 consumer threads) and 2 (128 producer threads) are used; the caller must not have any
 //     of its own in flight across the call.
 //   * a_map: 2D bf16 tensor map of A ([rows, K] row-major), box (kBK = 64, kBM = 128), 128B swizzle, OOB zero fill.
@@ -43,6 +45,12 @@
 //   keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads (128..383) before the
 //   tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the entry __syncthreads()
 //   orders it for smem written by the CTA before the call).
+//
+// ---- next_tile(prev) (WgmmaTileLoopNext) ------------------------------------------------------------------------
+//   Called by thread 0 only: the CTA's first tile index with prev = -1, then the next one after prev; an index
+//   >= count ends the CTA's loop. A static schedule (WgmmaTileLoop: first, first + stride, ...) or a dynamic one
+//   (an atomicAdd on a per-call counter: CTAs that join late take what is left, dispatch_gemm's pushers). Thread 0
+//   passes each index to the consumer warpgroups through shared memory, next to the tile's first stage.
 //
 // ---- tile_wait(tile) (optional) ---------------------------------------------------------------------------------
 //   Called by thread 0 (the TMA thread, 24 registers) with tile_of(i)'s value before the first TMA load of the
@@ -102,10 +110,10 @@ constexpr int kBBytes = kBN * kBK * 2;  // 32768
 constexpr int kStageBytes = kABytes + kBBytes;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
 
-// Dynamic smem the loop needs: 1 KB alignment slack + stages + 2 * stages mbarriers.
+// Dynamic smem the loop needs: 1 KB alignment slack + stages + 2 * stages mbarriers + the tile index of each stage.
 template <int kNumStages = kStages>
 constexpr int LoopSmemBytes() {
-  return 1024 + kNumStages * kStageBytes + 2 * kNumStages * 8;
+  return 1024 + kNumStages * kStageBytes + 2 * kNumStages * 8 + kNumStages * 4;
 }
 constexpr int kLoopSmemBytes = LoopSmemBytes<kStages>();
 
@@ -292,10 +300,11 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
 // ------------------------------------------------------------------------------------------------------------
 // The loop
 // ------------------------------------------------------------------------------------------------------------
-template <int kTransB, bool kOutF32, int kNumStages = kStages, class TileFn, class DoneFn, class WaitFn = NoTileWait>
-__device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CUtensorMap& b_map, int K, int first,
-                                              int stride, int count, TileFn tile_of, DoneFn tile_done, char* smem,
-                                              WaitFn tile_wait = {}) {
+template <int kTransB, bool kOutF32, int kNumStages = kStages, class NextFn, class TileFn, class DoneFn,
+          class WaitFn = NoTileWait>
+__device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, const CUtensorMap& b_map, int K,
+                                                  int count, NextFn next_tile, TileFn tile_of, DoneFn tile_done,
+                                                  char* smem, WaitFn tile_wait = {}) {
   static_assert(kNumStages >= 2, "at least two stages (one wgmma group is kept in flight)");
   constexpr bool kHasDone = !std::is_same<typename std::decay<DoneFn>::type, NoTileDone>::value;
   // 128B swizzle atoms must start 1024-aligned (the descriptor base offset field is left 0).
@@ -305,6 +314,10 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
   unsigned char* sB = base + kNumStages * kABytes;      // kNumStages x kBBytes
   uint64_t* full = reinterpret_cast<uint64_t*>(base + kNumStages * kStageBytes);
   uint64_t* empty = full + kNumStages;
+  // ids[s]: the tile whose first k-step stage s holds, or -1: no more tiles. Written by thread 0 before the stage's
+  // full-barrier arrive (release), read by the consumers after their wait on it (acquire); rewritten only after the
+  // stage's empty barrier completes, which every consumer warp arrives on after its read.
+  volatile int* ids = reinterpret_cast<volatile int*>(empty + kNumStages);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -327,13 +340,21 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
       PrefetchTensorMap(&b_map);
       int stage = 0;
       uint32_t phase = 0;
-      for (int i = first; i < count; i += stride) {
+      for (int i = next_tile(-1);; i = next_tile(i)) {
+        if (i >= count) {
+          // The end: a stage that carries no operands, only ids = -1 (a plain arrive completes its full phase).
+          MbarWait(SmemAddr(&empty[stage]), phase ^ 1);
+          ids[stage] = -1;
+          MbarArrive(SmemAddr(&full[stage]));
+          break;
+        }
         const auto tile = tile_of(i);
         tile_wait(tile);  // (the TMA thread, before the tile's first load)
         const int a_row = tile.a_row, b_idx = tile.b_idx, n0 = tile.n0;
         for (int kt = 0; kt < ktiles; ++kt) {
           const uint32_t fb = SmemAddr(&full[stage]);
           MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // consumers released this slot (first pass: free)
+          if (kt == 0) ids[stage] = i;
           MbarArriveExpectTx(fb, kStageBytes);           // OOB parts of a box are zero-filled and still counted
           const uint32_t a_dst = SmemAddr(sA + stage * kABytes);
           const uint32_t b_dst = SmemAddr(sB + stage * kBBytes);
@@ -360,14 +381,17 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
     float acc[128];
     int stage = 0;
     uint32_t phase = 0;
-    for (int i = first; i < count; i += stride) {
+    for (;;) {
+      MbarWait(SmemAddr(&full[stage]), phase);  // the next tile's first stage (or the end)
+      const int i = ids[stage];
+      if (i < 0) break;
       const auto tile = tile_of(i);
       if (c * 64 >= tile.rows) {
         // No valid row for this warpgroup (a segment's last m-tile with <= 64 rows): skip the MMAs
         // (warpgroup-uniform) but wait on every full barrier and arrive on every empty barrier so that the
         // barrier phases stay in step.
         for (int kt = 0; kt < ktiles; ++kt) {
-          MbarWait(SmemAddr(&full[stage]), phase);
+          if (kt > 0) MbarWait(SmemAddr(&full[stage]), phase);
           __syncwarp();
           if (lane == 0) MbarArrive(SmemAddr(&empty[stage]));
           if (++stage == kNumStages) { stage = 0; phase ^= 1; }
@@ -377,7 +401,7 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
         for (int j = 0; j < 128; ++j) acc[j] = 0.f;
         int prev_stage = -1;
         for (int kt = 0; kt < ktiles; ++kt) {
-          MbarWait(SmemAddr(&full[stage]), phase);
+          if (kt > 0) MbarWait(SmemAddr(&full[stage]), phase);
           const uint32_t a_base = SmemAddr(sA + stage * kABytes) + c * (64 * 128);  // this WG's 64 rows
           const uint32_t b_base = SmemAddr(sB + stage * kBBytes);
           MmaKStep<0, kTransB>(acc, a_base, b_base);
@@ -408,6 +432,20 @@ __device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CU
     ConsumerExit();
   }
   __syncthreads();
+}
+
+// The static schedule: tiles first, first + stride, ... < count.
+struct StaticTiles {
+  int first, stride;
+  __device__ __forceinline__ int operator()(int prev) const { return prev < 0 ? first : prev + stride; }
+};
+
+template <int kTransB, bool kOutF32, int kNumStages = kStages, class TileFn, class DoneFn, class WaitFn = NoTileWait>
+__device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CUtensorMap& b_map, int K, int first,
+                                              int stride, int count, TileFn tile_of, DoneFn tile_done, char* smem,
+                                              WaitFn tile_wait = {}) {
+  WgmmaTileLoopNext<kTransB, kOutF32, kNumStages>(a_map, b_map, K, count, StaticTiles{first, stride}, tile_of,
+                                                  tile_done, smem, tile_wait);
 }
 
 }  // namespace wgmma_gemm

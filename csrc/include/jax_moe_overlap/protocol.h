@@ -18,9 +18,13 @@
 //   2. Store the rows, then release-add the row count to d.recv_arrivals (dispatch) or d.ret_arrivals (combine).
 //   3. Wait (acquire) until own arrivals >= own expected_* + expected rows of this call; advance expected_*.
 //   4. Read the rows into the XLA output, then release-store done_epoch = n.
-// dispatch_gemm (the dispatch and GEMM1 in one launch) refines steps 2-3 per source: each pushing CTA also
-// release-adds its rows for d into d.src_arrivals[r], and a GEMM1 tile of a segment from source s waits (acquire)
-// until src_arrivals[s] >= src_expected[s] + the rows s sends this call, instead of waiting for every row.
+// dispatch_gemm (the dispatch and GEMM1 in one launch) refines steps 2-3 per block of rows: a pushing CTA moves the
+// rows of one block J of its send order (send positions [128 J, 128 J + 128), its ret rows) that go to one rank d
+// and release-adds their count to d.src_blocks[r][J] (and to d.recv_arrivals, so the call ends like a dispatch); a
+// GEMM1 tile of rows from source s waits (acquire) until the blocks of s its rows lie in hold all the rows s keeps
+// for d in them, which d knows from its plan (seg_ret_off, seg_rows). These counters are not monotonic: d zeroes
+// the blocks of a call after its last tile and before the call's done_epoch, and no source adds before it has seen
+// that done_epoch (step 1).
 // Rows a rank sends to itself follow the same steps with d = r: step 1 holds by stream order (the rank's own call
 // n-1 ended before call n began). On CUDA the producer of expert_combine stores a local segment's output tiles
 // straight into the rank's own ret rows and counts each finished band into its own ret_arrivals, so the consumer
@@ -71,6 +75,7 @@ enum Stage : uint64_t {
                           // without a sync); ErrorRecord.detail says which input (BadInput)
   kStageCounts = 8,       // exchange_counts waiting for a peer's routing counts (its stamp: got = the epoch of its
                           // last published counts, expected = this call's epoch)
+  kStageSrcBlock = 9,     // dispatch_gemm's GEMM waiting for a block of rows from a source (peer = the source)
 };
 
 // Which input a kStageBadInput record is about (ErrorRecord.detail); csrc/common/error_text.h words each one.
@@ -96,6 +101,7 @@ inline const char* StageName(uint64_t s) {
     case kStageReset: return "reset (recovery barrier after an earlier timeout)";
     case kStageBadInput: return "bad_input (a kernel found an invalid routing input)";
     case kStageCounts: return "counts (exchange_counts waiting for a peer's routing counts; values are epochs)";
+    case kStageSrcBlock: return "src_block (dispatch_gemm's GEMM waiting for a block of rows from a peer)";
     default: return "none";
   }
 }
@@ -118,14 +124,12 @@ struct alignas(kAlign) Word {
   uint64_t pad[kAlign / 8 - 1];
 };
 
-// Ranks whose dispatch_gemm rows are counted per source (the CUDA kernels' kMaxRanks).
+// dispatch_gemm's arrival counters: src_blocks[s * SrcBlocks(ret_rows) + J] = rows of block J of source s's send
+// order that s has pushed into this rank's recv in the current call. kMaxSourceCounters = the CUDA kernels'
+// kMaxRanks; a block is one 128-row tile of GEMM1.
 constexpr int kMaxSourceCounters = 32;
-
-// One counter per source rank, packed (pollers of different sources share lines; each source adds once per pushing
-// CTA, so there is little to contend on).
-struct alignas(kAlign) SourceCounters {
-  uint64_t rows[kMaxSourceCounters];
-};
+constexpr int kSrcBlockRows = 128;
+JMO_HD inline int64_t SrcBlocks(int64_t ret_rows) { return (ret_rows + kSrcBlockRows - 1) / kSrcBlockRows; }
 
 struct RankControl {
   Word calls;              // epochs started by this rank (written by this rank only)
@@ -134,11 +138,6 @@ struct RankControl {
   Word recv_expected;      // rows this rank has consumed from recv, all calls together
   Word ret_arrivals;       // rows that peers have pushed into ret, all calls together
   Word ret_expected;       // rows this rank has consumed from ret, all calls together
-  // dispatch_gemm (CUDA): its pushes also count into src_arrivals[source] (and recv_arrivals, so that the call ends
-  // like a dispatch), so GEMM1 tiles of source s start once s's rows are all in; src_expected[s] is what this rank's
-  // earlier dispatch_gemm calls consumed from s (written by this rank only).
-  SourceCounters src_arrivals;
-  SourceCounters src_expected;
 };
 
 // Sizes of one rank's workspace; identical on every rank (the workspace is symmetric).
@@ -152,15 +151,17 @@ struct WorkspaceSizes {
 JMO_HD inline int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // Byte offsets inside one rank's workspace block.
+// Everything before `recv` is control state, which the recovery after a failure zeroes.
 struct Layout {
-  int64_t control, tile_ready, recv, ret, stage, total;
+  int64_t control, tile_ready, src_blocks, recv, ret, stage, total;
 };
 
 JMO_HD inline Layout MakeLayout(const WorkspaceSizes& s) {
   Layout l;
   l.control = 0;
   l.tile_ready = AlignUp(l.control + (int64_t)sizeof(RankControl));
-  l.recv = AlignUp(l.tile_ready + s.max_bands * 8);
+  l.src_blocks = AlignUp(l.tile_ready + s.max_bands * 8);
+  l.recv = AlignUp(l.src_blocks + kMaxSourceCounters * SrcBlocks(s.ret_rows) * 8);
   l.ret = AlignUp(l.recv + s.recv_rows * s.row_bytes);
   l.stage = AlignUp(l.ret + s.ret_rows * s.row_bytes);
   l.total = AlignUp(l.stage + s.recv_rows * s.row_bytes);
@@ -177,6 +178,7 @@ struct RankView {
   Layout layout;
   JMO_HD RankControl* control() const { return reinterpret_cast<RankControl*>(base + layout.control); }
   JMO_HD uint64_t* tile_ready() const { return reinterpret_cast<uint64_t*>(base + layout.tile_ready); }
+  JMO_HD uint64_t* src_blocks() const { return reinterpret_cast<uint64_t*>(base + layout.src_blocks); }
   JMO_HD char* recv() const { return base + layout.recv; }
   JMO_HD char* ret() const { return base + layout.ret; }
   JMO_HD char* stage() const { return base + layout.stage; }
