@@ -7,7 +7,8 @@
 //   2. trigger latency: a producer kernel publishes segments one by one (a spin of `gap_us` between them stands in for
 //      the GEMM tiles that finish a segment), each copy waits for its flag, and an observer kernel records when the
 //      segment's last word lands. Latency = arrival - publish, both read from %globaltimer on the same GPU;
-//   3. the slowdown of an SM-bound kernel (a long FMA loop on every SM) while the copies of (1) run beside it.
+//   3. the slowdown of an SM-bound kernel (a long FMA loop on every SM) and of an HBM-bound one (a 1 GiB stream) while
+//      large device-to-device copies run beside it.
 // Every CUDA call is checked; every wait, on the host and in the device code, is bounded and names what it gave up on.
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -o /tmp/copy_engine_probe \
@@ -41,10 +42,22 @@ __device__ uint64_t GlobalTimer() {
   return t;
 }
 
-// Publishes segment i after gap_ns of spinning: writes its sentinel into the source, then releases flag i.
+// Waits (bounded) until the host has enqueued every flag-gated copy and raised *go, so the latencies do not include
+// the host's enqueueing; then publishes segment i after gap_ns of spinning: writes its sentinel into the source, then
+// releases flag i. err[0] = -1 if *go never came.
 __global__ void ProducerKernel(uint32_t* src_last_words, int64_t words_per_seg, uint32_t* flags, int segs,
-                               uint64_t gap_ns, uint32_t epoch, uint64_t* t_publish) {
+                               uint64_t gap_ns, uint32_t epoch, uint64_t* t_publish, const volatile uint32_t* go,
+                               int* err) {
   if (threadIdx.x != 0) return;
+  const uint64_t start = GlobalTimer();
+  while (*go != epoch) {
+    if (GlobalTimer() - start > kSpinLimitNs) {
+      err[0] = -1;
+      epoch = 0xffffffffu;  // release every copy, so that nothing stays blocked on the device
+      for (int i = 0; i < segs; ++i) flags[i] = epoch;
+      return;
+    }
+  }
   for (int i = 0; i < segs; ++i) {
     uint64_t t0 = GlobalTimer();
     while (GlobalTimer() - t0 < gap_ns) {
@@ -81,6 +94,12 @@ __global__ void FmaKernel(float* out, int iters) {
     b = fmaf(b, c, a * 1e-9f);
   }
   if (a == 12345.f) out[blockIdx.x] = a + b;
+}
+
+// An HBM-bound kernel: streams n float4s from in to out (a GEMM's operand reads stand in for this kind of load).
+__global__ void StreamKernel(const float4* __restrict__ in, float4* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = in[i];
 }
 
 using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
@@ -173,6 +192,9 @@ int main() {
   CHECK(cudaMallocHost(&t_pub, kSegs * sizeof(uint64_t)));  // pinned: read by the host after a sync
   CHECK(cudaMallocHost(&t_arr, kSegs * sizeof(uint64_t)));
   CHECK(cudaMallocHost(&err, sizeof(int)));
+  uint32_t* go = nullptr;  // pinned, read by the producer kernel: the host raises it once every copy is enqueued
+  CHECK(cudaHostAlloc(&go, sizeof(uint32_t), cudaHostAllocMapped));
+  *go = 0;
   std::printf("\n| segment KiB | gap us | latency median us | p90 us | max us | copy alone us |\n|---|---|---|---|---|---|\n");
   uint32_t epoch = 0;
   for (int64_t seg : {64ll << 10, 1ll << 20, 4ll << 20}) {
@@ -181,7 +203,13 @@ int main() {
       for (int rep = 0; rep < 4; ++rep) {
         ++epoch;
         *err = 0;
-        // The copies are enqueued first: each waits for its flag on the device, with no host in the loop.
+        std::fprintf(stderr, "trigger latency: %lld KiB, gap %d us, rep %d\n", static_cast<long long>(seg >> 10),
+                     gap_us, rep);
+        // The producer first (it waits for *go), then the flag-gated copies (each waits for its flag on the device,
+        // no host in the loop), then the observer; then *go.
+        ProducerKernel<<<1, 32, 0, s_main>>>(reinterpret_cast<uint32_t*>(src), seg / 4, flags, kSegs,
+                                             gap_us * 1000ull, epoch, t_pub, go, err);
+        CHECK(cudaGetLastError());
         for (int i = 0; i < kSegs; ++i) {
           CUresult r = wait_value(reinterpret_cast<CUstream>(s_copy), reinterpret_cast<CUdeviceptr>(flags + i), epoch,
                                   CU_STREAM_WAIT_VALUE_GEQ);
@@ -193,9 +221,7 @@ int main() {
         }
         ObserverKernel<<<1, 32, 0, s_obs>>>(reinterpret_cast<uint32_t*>(dst), seg / 4, kSegs, epoch, t_arr, err);
         CHECK(cudaGetLastError());
-        ProducerKernel<<<1, 32, 0, s_main>>>(reinterpret_cast<uint32_t*>(src), seg / 4, flags, kSegs,
-                                             gap_us * 1000ull, epoch, t_pub);
-        CHECK(cudaGetLastError());
+        __atomic_store_n(go, epoch, __ATOMIC_RELEASE);
         cudaEvent_t done[3];
         cudaStream_t ss[3] = {s_main, s_copy, s_obs};
         const char* names[3] = {"the producer kernel", "the flag-gated copies", "the observer kernel"};
@@ -206,6 +232,10 @@ int main() {
         for (int j = 0; j < 3; ++j) {
           WaitEvent(done[j], names[j]);
           CHECK(cudaEventDestroy(done[j]));
+        }
+        if (*err == -1) {
+          std::fprintf(stderr, "the producer kernel never saw the host's go (epoch %u)\n", epoch);
+          return 1;
         }
         if (*err) {
           std::fprintf(stderr, "observer gave up waiting for segment %d (epoch %u, %lld KiB)\n", *err - 1, epoch,
@@ -237,28 +267,40 @@ int main() {
   CHECK(cudaMalloc(&sink, sms * 4 * sizeof(float)));
   cudaEvent_t copies_done;
   CHECK(cudaEventCreateWithFlags(&copies_done, cudaEventDisableTiming));
-  auto time_fma = [&](bool with_copies) {
+  const int64_t kStreamBytes = 1ll << 30;
+  float4 *s_in = nullptr, *s_out = nullptr;
+  CHECK(cudaMalloc(&s_in, kStreamBytes));
+  CHECK(cudaMalloc(&s_out, kStreamBytes));
+  CHECK(cudaMemset(s_in, 0x3c, kStreamBytes));
+  // Times `launch` on s_main alone and with eight 512 MiB device-to-device copies queued beside it on s_copy.
+  auto time_beside = [&](auto launch, bool with_copies) {
     std::vector<float> ms;
     for (int rep = 0; rep < 7; ++rep) {
       if (with_copies) {
         for (int i = 0; i < 8; ++i) CHECK(cudaMemcpyAsync(dst, src, kMaxBytes, cudaMemcpyDeviceToDevice, s_copy));
       }
       CHECK(cudaEventRecord(e0, s_main));
-      FmaKernel<<<sms * 4, 256, 0, s_main>>>(sink, 1 << 17);
+      launch();
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(e1, s_main));
-      WaitEvent(e1, "the SM-bound kernel");
+      WaitEvent(e1, "the kernel beside the copies");
       float t;
       CHECK(cudaEventElapsedTime(&t, e0, e1));
       CHECK(cudaEventRecord(copies_done, s_copy));
-      WaitEvent(copies_done, "the copies beside the SM-bound kernel");
+      WaitEvent(copies_done, "the copies beside the kernel");
       if (rep >= 2) ms.push_back(t);
     }
     return Median(ms);
   };
-  const float alone = time_fma(false), beside = time_fma(true);
-  std::printf("\nSM-bound kernel: %.3f ms alone, %.3f ms beside device-to-device copies (%+.1f%%)\n", alone, beside,
-              100.0 * (beside - alone) / alone);
+  auto fma = [&] { FmaKernel<<<sms * 4, 256, 0, s_main>>>(sink, 1 << 17); };
+  auto stream = [&] { StreamKernel<<<sms * 8, 256, 0, s_main>>>(s_in, s_out, kStreamBytes / 16); };
+  std::printf("\n| kernel | alone ms | beside copies ms | slowdown |\n|---|---|---|---|\n");
+  for (int which = 0; which < 2; ++which) {
+    const float alone = which == 0 ? time_beside(fma, false) : time_beside(stream, false);
+    const float beside = which == 0 ? time_beside(fma, true) : time_beside(stream, true);
+    std::printf("| %s | %.3f | %.3f | %+.1f%% |\n", which == 0 ? "SM-bound (FMA chain)" : "HBM-bound (1 GiB stream)",
+                alone, beside, 100.0 * (beside - alone) / alone);
+  }
   std::printf("copy_engine_probe: done\n");
   return 0;
 }
