@@ -39,9 +39,6 @@ struct CallOptions {
   int32_t consumer_ctas = 0;
   bool serialize = false;
   ConsumerTuning tuning;
-  // dispatch_gemm only, a measuring aid (the loopback harness): how many experts the claim order takes the rank's own
-  // segments ahead of the other sources' (ArrivalOrder); -1 = the shipped kDispatchOrderLag.
-  int32_t dg_order_lag = -1;
 };
 
 struct CallSite {

@@ -17,10 +17,6 @@ bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, co
 
 namespace {
 
-// ArrivalOrder's lag as shipped: an expert's remote segments are claimed after the rank's own segment of the next
-// expert (a lag of one: the pushes get one expert's own tiles of head start; the expert's weights are still in L2).
-constexpr int kDispatchOrderLag = 1;
-
 // dispatch_gemm: the dispatch and GEMM1 in one launch, so that GEMM1 runs while the tokens are still in flight (the
 // dispatch-side producer / consumer; expert_combine is the return side). Roles by block index, one CTA per SM as in
 // ExpertKernel (the same co-residency argument: every CTA of every rank is resident, so the waits below end):
@@ -32,9 +28,9 @@ constexpr int kDispatchOrderLag = 1;
 //   GEMM     CTAs [pushers, grid) first copy the rows this rank keeps into its own recv (the same blocks and
 //            counters), then run the grouped GEMM; the pushers join it when their push is done.
 // The GEMM is over recv's (expert, source) segments with A read by TMA straight from the workspace's recv rows. Its
-// tiles are claimed one at a time from a per-call counter (CTAs that join late take what is left), by expert in the
-// order rows arrive (ArrivalOrder). Before a tile's first load the TMA thread waits until the source's blocks that
-// hold the tile's rows are complete.
+// tiles are claimed one at a time from a per-call counter (CTAs that join late take what is left), in the order
+// rows arrive: the rank's own segments, then the other sources' by expert, then source. Before a tile's first load
+// the TMA thread waits until the source's blocks that hold the tile's rows are complete.
 // a [cap, N] float32 = recv[segment] @ w[expert] (w[expert]^T with transpose_rhs) on every kept row, zero on the rows
 // past them. The call then ends as a dispatch does (RecvKernel copies recv to x_recv, EndKernel frees recv for the
 // next call); before that the last CTA zeroes the src_blocks counters of this call.
@@ -48,7 +44,6 @@ struct DispatchGemmArgs {
   const int32_t *seg_rows, *seg_ret_off;  // [E_l * R] rows this rank receives per (expert, source), and their first
                                           // send position on the source
   int E_l, pushers;
-  int order_lag;         // ArrivalOrder's lag
   int64_t K, N;
   float* a;              // [cap, N]
 };
@@ -113,27 +108,17 @@ __device__ __forceinline__ uint64_t BlockRows(const TableScratch& sc, int R, int
   return n;
 }
 
-// Rewrites table->seg (non-empty segments) in the order the GEMM claims them. Step j = 0, 1, ... takes this rank's own
-// segment of expert j (if j < E_l), then the other sources' segments of expert j - lag (from the next rank on).
-// lag = E_l: every own segment first (the most head start for the pushes, every expert's weights read twice from HBM
-// when they do not stay in L2); lag = 0: expert by expert (each expert's weights read once, its remote rows needed
-// soonest). A source pushes a destination's rows in its send order, by the destination's local expert, so expert
-// e's remote rows arrive in expert order in every variant. One thread per position and a block scan.
-__device__ inline int ArrivalOrder(const RankDev& rd, int E_l, int lag, SegTable* t, TableScratch* sc) {
+// Rewrites table->seg (non-empty segments) in the order their rows arrive: this rank's own by expert, then the
+// others' by expert, then source (from the next rank on). One thread per position and a block scan.
+__device__ inline int ArrivalOrder(const RankDev& rd, int E_l, SegTable* t, TableScratch* sc) {
   const int R = rd.ranks, n = E_l * R, i = threadIdx.x;
-  lag = max(0, min(lag, E_l));
   int e = 0, s = rd.rank;
-  for (int j = 0, pos = 0; i < n && j < E_l + lag; ++j) {
-    if (j < E_l && pos++ == i) {
-      e = j;
-      break;
-    }
-    if (j >= lag && i < pos + R - 1) {
-      e = j - lag;
-      s = (rd.rank + 1 + (i - pos)) % R;
-      break;
-    }
-    if (j >= lag) pos += R - 1;
+  if (i >= E_l && i < n) {
+    const int j = i - E_l;
+    e = j / (R - 1);
+    s = (rd.rank + 1 + j % (R - 1)) % R;
+  } else if (i < E_l) {
+    e = i;
   }
   const int64_t kept = i < n && sc->raw[e * R + s].rows > 0 ? 1 : 0;
   int64_t total = 0;
@@ -185,7 +170,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   }
 
   if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
-  ArrivalOrder(rd, g.E_l, g.order_lag, &table, &scratch);
+  ArrivalOrder(rd, g.E_l, &table, &scratch);
   const int col_tiles = (int)((g.N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, scratch.warp_sums);
   const int total_tiles = tile_prefix[table.n];
@@ -296,8 +281,7 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
     return s;
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
-                              (int)E_l, pushers,
-                              c.opts.dg_order_lag >= 0 ? c.opts.dg_order_lag : kDispatchOrderLag, D, N, a};
+                              (int)E_l, pushers, D, N, a};
   if (transpose_rhs)
     DispatchGemmKernel<true><<<budget, wgmma_gemm::kThreads, smem, c.stream>>>(rd, args, a_map, b_map);
   else

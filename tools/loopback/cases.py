@@ -70,7 +70,6 @@ class Case:
   # > 0: every dispatch is a dispatch_gemm with this many pushing CTAs; GEMM1 a [cap, K] float32 = x_recv @
   # w1[expert] (w1 [E_l, D, K] bf16). bf16, D and K multiples of 64, a Hopper GPU.
   dispatch_gemm_pushers: int = 0
-  dg_order_lag: int = -1         # dispatch_gemm's claim order (CallOptions::dg_order_lag); -1: the shipped one
 
   @property
   def experts_per_rank(self) -> int:
@@ -141,8 +140,6 @@ class Case:
       s += " serialized"
     if self.dispatch_gemm_pushers > 0:
       s += f" dispatch_gemm pushers={self.dispatch_gemm_pushers}"
-      if self.dg_order_lag >= 0:
-        s += f" order_lag={self.dg_order_lag}"
     if self.delay_rank >= 0:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:
@@ -203,13 +200,11 @@ def _dispatch_gemm(base: Case) -> list[Case]:
 
 def _dispatch_gemm_time(base: Case) -> list[Case]:
   # A seed-like shape (R = 2 ranks sharing the GPU): dispatch + GEMM1 as two calls against dispatch_gemm with 8 and 16
-  # pushing CTAs and claim orders from expert by expert (lag 0) to every own segment first (lag = E_l = 4), after a
-  # checked call on every 64th token; and R = 1 (no remote rows: what the fused kernel costs over the two calls when
-  # there is nothing to hide). K is GEMM1's N = 2F (F = 2048) and expert_combine's K.
+  # pushing CTAs, after a checked call on every 64th token; and R = 1 (no remote rows: what the fused kernel costs
+  # over the two calls when there is nothing to hide). K is GEMM1's N = 2F (F = 2048) and expert_combine's K.
   shape = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, routing=0, datasets=1, iters=2,
                check_tokens=64, time=True, reps=20)
-  v = [dataclasses.replace(base, ranks=2, dispatch_gemm_pushers=p, dg_order_lag=lag, **shape)
-       for p, lag in ((8, 0), (8, 1), (8, 2), (8, 4), (16, 1))]
+  v = [dataclasses.replace(base, ranks=2, dispatch_gemm_pushers=p, **shape) for p in (8, 16)]
   v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_pushers=1, **dict(shape, experts=4, tokens=8192)))
   return v
 

@@ -82,7 +82,6 @@ Spec ParseSpec(const nb::dict& d) {
   s.sm_budget = Get<int>(d, "sm_budget", s.sm_budget);
   s.device = Get<int>(d, "device", s.device);
   s.dispatch_gemm_pushers = Get<int>(d, "dispatch_gemm_pushers", s.dispatch_gemm_pushers);
-  s.dg_order_lag = Get<int>(d, "dg_order_lag", s.dg_order_lag);
   s.time = Get<bool>(d, "time", s.time);
   s.warmup = Get<int>(d, "warmup", s.warmup);
   s.reps = Get<int>(d, "reps", s.reps);

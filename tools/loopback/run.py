@@ -73,7 +73,6 @@ def parse_args(argv):
       "--consumers": ("consumers", int), "--sm-budget": ("sm_budget", int), "--device": ("device", int),
       "--warmup": ("warmup", int), "--reps": ("reps", int), "--decision-cost": ("decision_iters", int),
       "--check-tokens": ("check_tokens", int), "--dispatch-gemm": ("dispatch_gemm_pushers", int),
-      "--dg-order-lag": ("dg_order_lag", int),
       "--sweep-consumers": ("sweep", _ints), "--model": ("model", _floats),
       "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
       "--push-issuers": ("push_issuers", int),

@@ -440,7 +440,6 @@ class Run {
       opts.consumer_ctas = s_.consumers;
       opts.serialize = s_.serialize;
       opts.tuning = s_.tuning;
-      opts.dg_order_lag = s_.dg_order_lag;
       CallSite site{ws_.get(), 0, r, streams_[r], opts};
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the
       // whole device, so a rank thread doing either while a peer's kernel waits for this rank's next call would

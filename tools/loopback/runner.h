@@ -59,7 +59,6 @@ struct Spec {
   ModelParams model{};
   int sm_budget = 0, device = 0;
   int dispatch_gemm_pushers = 0;     // > 0: every dispatch is a DispatchGemm with this many pushing CTAs
-  int dg_order_lag = -1;             // CallOptions::dg_order_lag
   // Timing, after the checked iterations, on data set 0: expert_combine alone per variant (or, with dispatch_gemm,
   // dispatch + GEMM1 as two calls and as one), `warmup` calls then `reps` timed ones.
   bool time = false;
