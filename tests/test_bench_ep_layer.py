@@ -278,8 +278,8 @@ def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
 
 def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
   """benchmarks/run_multi_gpu.sh --dry-run: its default EP groups each select their shape of this benchmark (seed,
-  Mixtral-like, DeepSeek-like E=64), each run of bench_ep_layer times ours, serialized, xla and the ideal, and
-  nothing runs (only summary.txt is written)."""
+  Mixtral-like, DeepSeek-like E=64), each run of bench_ep_layer times ours, serialized, xla, the ideal and
+  dispatch_gemm (ours_dg, 8 pushing CTAs), and nothing runs (only summary.txt is written)."""
   root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
              PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
@@ -291,5 +291,6 @@ def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
   runs = [line for line in r.stdout.splitlines() if line.startswith("== ep_layer")]
   assert len(runs) == 3 and all("bench_ep_layer" in x and "--out" in x for x in runs), runs
   impls = [x.split("--impls ")[1].split()[0].replace("\\", "") for x in runs]
-  assert impls == ["ours,serialized,xla,ideal"] * 3, impls
+  assert impls == ["ours,serialized,xla,ideal,ours_dg"] * 3, impls
+  assert all("--dispatch-pushers 8" in x for x in runs), runs
   assert os.listdir(tmp_path) == ["summary.txt"]
