@@ -10,6 +10,7 @@ train step is one jit-compiled function (forward, backward, AdamW update).
   python examples/generate.py --ckpt-dir /tmp/moe-ckpt --prompt "This License " --temperature 0.8
   python examples/train_moe.py --preset gpu --impl overlap --data FILE   # ~0.4 B params, 32 k tokens/step: GPUs
   python examples/train_moe.py --preset gpu --impl xla --data FILE       # the same through XLA's collectives
+  python examples/train_moe.py --preset gpu --impl xla --grad-accum 4 --data FILE   # that on one H200 (memory)
 
 See examples/README.md.
 """
@@ -125,8 +126,8 @@ PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 # Flags that, besides the model config, determine the loss curve: a resumed run should keep them. grad_accum is one:
-# expert capacity, the load-balancing loss (a product of batch means) and hence the dropped tokens and the gradient
-# are computed per microbatch.
+# expert capacity and the load-balancing loss (a product of two means over the tokens) are computed per microbatch,
+# so the dropped tokens and the gradient change with it (only rounding changes with dropless routing, --lb-weight 0).
 RESUME_ARGS = ("steps", "batch_size", "grad_accum", "lr", "warmup", "weight_decay", "lb_weight", "z_weight", "seed",
                "data")
 
@@ -195,7 +196,7 @@ def accumulated_grads(model, tokens, loss_weights, grad_accum):
 
   def body(carry, mb):
     rest, grad_sum = carry
-    m = nnx.merge(graphdef, params, rest, copy=True)   # Variables of this trace: nnx's grad rejects the jit's
+    m = nnx.merge(graphdef, params, rest, copy=True)   # new Variables: nnx.value_and_grad rejects the jit's
     grads, metrics = loss_and_grads(m, mb, loss_weights)
     grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
     return (nnx.state(m, nnx.Not(nnx.Param)), grad_sum), metrics
