@@ -10,6 +10,7 @@ train step is one jit-compiled function (forward, backward, AdamW update).
   python examples/generate.py --ckpt-dir /tmp/moe-ckpt --prompt "This License " --temperature 0.8
   python examples/train_moe.py --preset gpu --impl overlap --data FILE   # ~0.4 B params, 32 k tokens/step: GPUs
   python examples/train_moe.py --preset gpu --impl xla --data FILE       # the same through XLA's collectives
+  python examples/train_moe.py --preset gpu --impl xla --grad-accum 4 --data FILE   # that on one H200 (memory)
 
 See examples/README.md.
 """
@@ -64,6 +65,9 @@ def parse_args(argv=None):
   g.add_argument("--stop-at", type=int, default=None,
                  help="end this run after this step (the schedule still spans --steps); e.g. to test resuming")
   g.add_argument("--batch-size", type=int, default=16, help="sequences per step (divisible by the devices)")
+  g.add_argument("--grad-accum", type=int, default=1,
+                 help="microbatches per step: the step's batch is split into N, their gradients averaged before one "
+                      "update, so activations take one microbatch's memory (batch / N divisible by the devices)")
   g.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
   g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
   g.add_argument("--warmup", type=int, default=None, help="warm-up steps; None: 10%% of --steps")
@@ -121,8 +125,11 @@ PRESETS = {
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
-# Flags that, besides the model config, determine the loss curve: a resumed run should keep them.
-RESUME_ARGS = ("steps", "batch_size", "lr", "warmup", "weight_decay", "lb_weight", "z_weight", "seed", "data")
+# Flags that, besides the model config, determine the loss curve: a resumed run should keep them. grad_accum is one:
+# expert capacity and the load-balancing loss (a product of two means over the tokens) are computed per microbatch,
+# so the dropped tokens and the gradient change with it (only rounding changes with dropless routing, --lb-weight 0).
+RESUME_ARGS = ("steps", "batch_size", "grad_accum", "lr", "warmup", "weight_decay", "lb_weight", "z_weight", "seed",
+               "data")
 
 
 def model_config(args) -> model_lib.ModelConfig:
@@ -159,15 +166,56 @@ def lm_loss(model, tokens, lb_weight, z_weight):
   return total, (ce, aux)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
-def train_step(graphdef, loss_weights, state, tokens):
-  """One AdamW step on the split (model, optimizer) state; returns the new state and the step's metrics."""
-  model, optimizer = nnx.merge(graphdef, state)
+def loss_and_grads(model, tokens, loss_weights):
+  """(gradients of the total loss w.r.t. the nnx.Params, metrics) of one batch or microbatch."""
   grad_fn = nnx.value_and_grad(lm_loss, has_aux=True)
   (total, (ce, aux)), grads = grad_fn(model, tokens, *loss_weights)
-  optimizer.update(model, grads)
   metrics = {"loss": ce, "total_loss": total, "load_balance": aux.load_balance_loss, "z_loss": aux.router_z_loss,
-             "dropped": aux.dropped_fraction, "grad_norm": optax.tree.norm(grads)}
+             "dropped": aux.dropped_fraction}
+  return grads, metrics
+
+
+def accumulated_grads(model, tokens, loss_weights, grad_accum):
+  """loss_and_grads of tokens [B, L+1] as the mean over grad_accum microbatches of B / grad_accum sequences: the
+  gradients summed in float32 and divided by grad_accum, each metric averaged (the microbatches have equal numbers of
+  tokens, so the cross-entropy and dropped fraction are the whole batch's). One lax.scan iteration per microbatch, so
+  activations are live for one microbatch at a time. grad_accum 1 is loss_and_grads of the whole batch.
+
+  Microbatch i holds sequences i, i + N, i + 2N, ... (N = grad_accum): the batch's rows lie on the devices in
+  contiguous blocks of B / R, and with B / N divisible by R every device holds B / (N R) rows of each microbatch, so
+  the split moves no data and each microbatch is spread over all devices like the whole batch.
+
+  State that the model's forward mutates (nnx variables other than Params; the example's MoE layers have none, as
+  they carry no routing bias) is carried from microbatch to microbatch in order: a routing bias would take
+  grad_accum update steps per train step, each from one microbatch's load."""
+  if grad_accum == 1:
+    return loss_and_grads(model, tokens, loss_weights)
+  B = tokens.shape[0]
+  micro = jnp.swapaxes(tokens.reshape(B // grad_accum, grad_accum, *tokens.shape[1:]), 0, 1)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def body(carry, mb):
+    rest, grad_sum = carry
+    m = nnx.merge(graphdef, params, rest, copy=True)   # new Variables: nnx.value_and_grad rejects the jit's
+    grads, metrics = loss_and_grads(m, mb, loss_weights)
+    grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+    return (nnx.state(m, nnx.Not(nnx.Param)), grad_sum), metrics
+
+  zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+  (rest, grad_sum), metrics = jax.lax.scan(body, (rest, zeros), micro)
+  nnx.update(model, rest)
+  grads = jax.tree.map(lambda s, p: (s / grad_accum).astype(p.dtype), grad_sum, params)
+  return grads, jax.tree.map(lambda m: m.mean(0), metrics)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("grad_accum",), donate_argnums=(2,))
+def train_step(graphdef, loss_weights, state, tokens, grad_accum=1):
+  """One AdamW step on the split (model, optimizer) state from the (accumulated) gradients of tokens [B, L+1]; returns
+  the new state and the step's metrics."""
+  model, optimizer = nnx.merge(graphdef, state)
+  grads, metrics = accumulated_grads(model, tokens, loss_weights, grad_accum)
+  optimizer.update(model, grads)
+  metrics["grad_norm"] = optax.tree.norm(grads)
   return nnx.state((model, optimizer)), metrics
 
 
@@ -208,6 +256,21 @@ def check_against_reference(model, tokens, num_devices):
         f"{tol:g})")
   if not rel < tol:
     raise SystemExit("the custom calls disagree with the reference implementation")
+
+
+def check_batch_split(batch_size, grad_accum, num_devices):
+  """SystemExit unless the step's batch splits into grad_accum microbatches of whole sequences, each divisible by
+  the devices of the mesh (its sequences are sharded over them)."""
+  if grad_accum < 1:
+    raise SystemExit(f"--grad-accum {grad_accum}: the microbatches per step must be at least 1")
+  if batch_size % grad_accum:
+    raise SystemExit(f"--batch-size {batch_size} is not divisible by --grad-accum {grad_accum}: a microbatch holds "
+                     f"whole sequences")
+  per_micro = batch_size // grad_accum
+  if per_micro % num_devices:
+    what = (f"--batch-size {batch_size}" if grad_accum == 1 else
+            f"--batch-size {batch_size} / --grad-accum {grad_accum} = {per_micro} sequences per microbatch")
+    raise SystemExit(f"{what} must be divisible by the {num_devices} devices of the mesh")
 
 
 def peak_tflops(args) -> float | None:
@@ -283,8 +346,7 @@ def main(argv=None):
   except ValueError as e:
     raise SystemExit(str(e)) from None
   R = mesh.size
-  if args.batch_size % R:
-    raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {R} devices of the mesh")
+  check_batch_split(args.batch_size, args.grad_accum, R)
   cfg = model_config(args)
   train_text, held_text = model_lib.load_text(args.data)
   eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches)
@@ -336,9 +398,10 @@ def main(argv=None):
     loss_weights = (args.lb_weight, args.z_weight)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
     tokens_per_step = args.batch_size * args.seq_len
+    micro = f" in {args.grad_accum} microbatches" if args.grad_accum > 1 else ""
     print(f"{jax.devices()[0].platform} x {R} devices {dict(mesh.shape)} | {n_params / 1e6:.2f}M parameters | {cfg.num_experts} "
           f"experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl} | "
-          f"{tokens_per_step} tokens/step | train {len(train_text)} B, held-out {len(held_text)} B")
+          f"{tokens_per_step} tokens/step{micro} | train {len(train_text)} B, held-out {len(held_text)} B")
 
     def save(step):
       if mngr is None:
@@ -358,7 +421,7 @@ def main(argv=None):
     for step in range(start, stop):
       batch = jax.device_put(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
                              sharding)
-      state, metrics = train_step(graphdef, loss_weights, state, batch)
+      state, metrics = train_step(graphdef, loss_weights, state, batch, grad_accum=args.grad_accum)
       loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
       t_now = time.perf_counter()
       if t_prev is not None:
