@@ -10,7 +10,7 @@ train step is one jit-compiled function (forward, backward, AdamW update).
   python examples/generate.py --ckpt-dir /tmp/moe-ckpt --prompt "This License " --temperature 0.8
   python examples/train_moe.py --preset gpu --impl overlap --data FILE   # ~0.4 B params, 32 k tokens/step: GPUs
   python examples/train_moe.py --preset gpu --impl xla --data FILE       # the same through XLA's collectives
-  python examples/train_moe.py --preset gpu --impl xla --grad-accum 4 --data FILE   # that on one H200 (memory)
+  python examples/train_moe.py --preset gpu --impl xla --grad-accum 8 --data FILE   # that on one H200 (memory)
 
 See examples/README.md.
 """
