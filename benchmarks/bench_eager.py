@@ -37,12 +37,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   mesh = common.expert_mesh(args.devices, "expert")
   T, D, F, E, k = args.tokens, args.d_model, args.d_ff, args.experts, args.top_k
-  ks = jax.random.split(jax.random.key(0), 5)
-  x = jax.random.normal(ks[0], (T, D), jnp.bfloat16)
-  ids = jax.random.randint(ks[1], (T, k), 0, E).astype(jnp.int32)
-  gates = jax.nn.softmax(jax.random.normal(ks[2], (T, k)), -1)
-  w1 = (jax.random.normal(ks[3], (E, D, 2 * F)) / np.sqrt(D)).astype(jnp.bfloat16)
-  w2 = (jax.random.normal(ks[4], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)
+  x, ids, gates, w1, w2 = common.layer_operands(T, D, F, E, k)
   ref, _ = jmo.moe_experts(x.astype(jnp.float32), ids, gates, w1.astype(jnp.float32), w2.astype(jnp.float32),
                            mesh=mesh, impl="reference")
   meta = dict(common.environment(), command=common.command_line(), tokens=T, d_model=D, d_ff=F, experts=E, top_k=k,

@@ -158,6 +158,18 @@ def gemm2_operands(seed: int, rows: int, tokens: int, F: int, D: int, E: int, k:
 SKEWS = {"balanced": 0.0, "moderate": 0.8, "stress": 2.0}  # Zipf exponent of the expert popularity
 
 
+def layer_operands(T: int, D: int, F: int, E: int, k: int, seed: int = 0):
+  """Random bf16 operands of one expert layer after the router: x [T, D], expert_ids [T, k] (uniform over E), gates
+  [T, k] (a softmax), w1 [E, D, 2F] and w2 [E, F, D] scaled by 1/sqrt(fan-in)."""
+  ks = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(ks[0], (T, D), jnp.bfloat16)
+  ids = jax.random.randint(ks[1], (T, k), 0, E).astype(jnp.int32)
+  gates = jax.nn.softmax(jax.random.normal(ks[2], (T, k)), -1)
+  w1 = (jax.random.normal(ks[3], (E, D, 2 * F)) / np.sqrt(D)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(ks[4], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)
+  return x, ids, gates, w1, w2
+
+
 def expert_probs(groups: int, skew: str, seed: int = 0) -> np.ndarray:
   """Popularity of ``groups`` experts, Zipf(``SKEWS[skew]``), in a seeded random order (the heavy one moves)."""
   p = 1.0 / (np.arange(groups) + 1.0) ** SKEWS[skew]

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_overlap as jmo
+from benchmarks import common
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 
@@ -43,12 +44,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
   T, D, F, E, k = a.tokens, a.d_model, a.d_ff, a.experts, a.top_k
   mesh = jax.make_mesh((1,), ("expert",))
-  keys = jax.random.split(jax.random.key(0), 5)
-  x = jax.random.normal(keys[0], (T, D), jnp.bfloat16)
-  ids = jax.random.randint(keys[1], (T, k), 0, E).astype(jnp.int32)
-  gates = jax.nn.softmax(jax.random.normal(keys[2], (T, k)), -1)
-  w1 = (jax.random.normal(keys[3], (E, D, 2 * F)) / np.sqrt(D)).astype(jnp.bfloat16)
-  w2 = (jax.random.normal(keys[4], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)
+  x, ids, gates, w1, w2 = common.layer_operands(T, D, F, E, k)
   print(f"one layer, forward + backward: T={T} D={D} F={F} E={E} k={k} cf={a.capacity_factor} bf16, "
         f"{jax.devices()[0].platform}")
   for impl in a.impls.split(","):
