@@ -314,9 +314,10 @@ namespace {
 // before it frees them anyway (a peer that hangs); a dead peer is not waited for.
 constexpr int64_t kReleaseWaitMs = 5000;
 
-// Whether process `pid` of this host is gone (or a zombie, which runs no kernels any more).
+// Whether the owner of a peer rank no longer maps this process's blocks: it never got as far as opening them (its
+// pid is written once it has), or its process `pid` of this host is gone (or a zombie, which runs no kernels).
 bool ProcessGone(int32_t pid) {
-  if (pid <= 0) return false;
+  if (pid <= 0) return true;
   if (kill(pid, 0) != 0 && errno == ESRCH) return true;
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
@@ -372,7 +373,7 @@ Workspace::~Workspace() {
   }
   // Across processes, a block is freed only once no other process writes it any more: they have closed their
   // mappings (or are gone), as on CPU the last munmap of a shared-memory object frees it.
-  if (!process_.empty()) AwaitPeersReleased();
+  if (!process_.empty() && (int)shared_.size() == groups_) AwaitPeersReleased();
   for (size_t i = 0; i < blocks_.size(); ++i) {
     if (opened_[i]) continue;
     cudaSetDevice(ordinals_[i]);
