@@ -109,8 +109,8 @@ def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
 
 
 def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
-  """Allocates the CUDA workspace of ``ws`` (a ``Workspace``) and returns its handle (its part of it, when the
-  groups span processes: then ``ws.shm_prefix`` is set)."""
+  """Allocates the CUDA workspace of ``ws`` (a ``Workspace``) and returns its handle: this process's part when the
+  mesh has devices of other processes (then ``ws.shm_prefix`` is set if a group spans processes)."""
   devs = rank_devices(mesh, axis_name)
   groups, ranks = devs.shape
   here = jax.process_index()
@@ -140,10 +140,15 @@ def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
   else:
     from jax_moe_overlap import workspace as workspace_lib  # pylint: disable=g-import-not-at-top
     process = [int(d.process_index) for d in devs.flat]
-    handle, ws.shm_prefix = workspace_lib.create_shared(
+    # Other processes' devices on the mesh: this process creates its part with the process table, and the
+    # processes meet to open each other's blocks. Only a group that itself spans processes makes the workspace
+    # spans_processes (groups each inside one process, a data axis across processes, keep the collectives).
+    handle, prefix = workspace_lib.create_shared(
         devs, "CUDA", create=lambda prefix: create_part(process, prefix), export=_export_blocks,
         open_peers=lambda h, exports: _open_peers(h, exports, groups * ranks), unlink=_jmo.unlink_cuda_workspace_names,
         names=lambda prefix: [f"{prefix}-g{g}" for g in range(groups)])
+    if any(len({d.process_index for d in row}) > 1 for row in devs):
+      ws.shm_prefix = prefix
   ws.sm_budget = int(_jmo.cuda_workspace_info(handle)["min_sm_budget"])
   return handle
 

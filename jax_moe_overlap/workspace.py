@@ -263,8 +263,8 @@ def create_shared(devs: np.ndarray, platform: str, create: Callable[[str], int],
   through jax.distributed's key-value store (every process of the mesh creates its workspaces in the same order, so
   the n-th one has the same keys everywhere):
 
-  1. every process publishes its host name: processes of different hosts cannot map each other's memory, and the
-     workspace is refused before anything is allocated;
+  1. every process publishes its host name: processes of different hosts cannot map each other's memory, so a group
+     over several hosts is refused before anything is allocated;
   2. the first process publishes a fresh name prefix; each process creates its part (``create(prefix)`` -> handle)
      and publishes what its peers need to map it (``export(handle)``, a string);
   3. each process maps its peers' parts (``open_peers(handle, {process: export})``), and once all have, each removes
@@ -293,12 +293,14 @@ def create_shared(devs: np.ndarray, platform: str, create: Callable[[str], int],
 
   client.key_value_set(f"{key}/host/{here}", socket.gethostname())
   hosts = {p: wait_for("host", p) for p in procs}
-  if len(set(hosts.values())) > 1:
-    raise NotImplementedError(
-        f"jax_moe_overlap: the mesh's expert axis spans processes of different hosts "
-        f"({', '.join(f'process {p} on {h}' for p, h in hosts.items())}); impl=\"overlap\" needs every rank of an "
-        "expert-parallel group on one host (its workspace is memory the processes map), so use impl=\"xla\" (XLA "
-        "collectives) for an expert axis across hosts, or put the hosts on another mesh axis (batch_axes)")
+  for row in devs:
+    group_hosts = sorted({(int(d.process_index), hosts[int(d.process_index)]) for d in row})
+    if len({h for _, h in group_hosts}) > 1:
+      raise NotImplementedError(
+          "jax_moe_overlap: the mesh's expert axis spans processes of different hosts ("
+          f"{', '.join(f'process {p} on {h}' for p, h in group_hosts)}); impl=\"overlap\" needs every rank of an "
+          "expert-parallel group on one host (its workspace is memory the processes map), so use impl=\"xla\" "
+          "(XLA collectives) for an expert axis across hosts, or put the hosts on another mesh axis (batch_axes)")
   if here == procs[0]:
     client.key_value_set(f"{key}/prefix/{here}", f"/jmo-{secrets.token_hex(8)}")
   prefix = wait_for("prefix", procs[0])

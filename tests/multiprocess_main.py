@@ -16,11 +16,14 @@ argv: process_id num_processes port local_devices case. Cases:
     the layer's first workspace call, the exchange of the routing counts, reported the same way.
   stopped_between_calls: as killed_between_calls, but the last process stops itself (SIGSTOP): a hung peer, which
     the test kills once the others have exited.
+  different_hosts: expert_across, but the last process reports another host name: every process prints
+    "refused: <error>" for its first call (the workspace is refused before anything runs).
 """
 
 import functools
 import os
 import signal
+import socket
 import threading
 import sys
 import time
@@ -83,6 +86,14 @@ def main():
     return jnp.sum(jnp.sin(y)), (y, dropped)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  if case == "different_hosts":
+    if pid == nproc - 1:
+      socket.gethostname = lambda: "another-host"
+    try:
+      step(args[0], args[2], args[3], args[4], args[1])
+    except NotImplementedError as e:
+      print(f"refused: {e}", flush=True)
+    return
   (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)
