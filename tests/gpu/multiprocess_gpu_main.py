@@ -40,35 +40,28 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_overlap as jmo  # noqa: E402
 from jax_moe_overlap.plan import expert_capacity  # noqa: E402
 from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
 
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+# tests/gpu and tests/ (not on sys.path under PYTHONSAFEPATH=1, which the GPU scripts set).
+sys.path[1:1] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from gpu_common import rel_err  # noqa: E402  pylint: disable=g-import-not-at-top
+from multiprocess_inputs import global_inputs, put, save_or_compare  # noqa: E402  pylint: disable=g-import-not-at-top
 
 E, D, F, K, TOKENS_PER_RANK = 4, 64, 64, 2, 32
 TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
 NAMES = ("y", "dx", "dgates", "dw1", "dw2")
 
 
-def global_inputs(tokens, dtype):
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((tokens, D)).astype(np.float32)
-  ids = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32)
-  g = rng.random((tokens, K)).astype(np.float32) + 0.1
-  w1 = (rng.standard_normal((E, D, 2 * F)) / np.sqrt(D)).astype(np.float32)
-  w2 = (rng.standard_normal((E, F, D)) / np.sqrt(F)).astype(np.float32)
-  dy = rng.standard_normal((tokens, D)).astype(np.float32)
-  # The operands as the layer gets them (rounded to `dtype`), and their float32 values for the reference.
+def layer_inputs(tokens, dtype):
+  """The global inputs (multiprocess_inputs.py) and a cotangent dy, x, w1, w2 and dy rounded to `dtype`."""
+  x, ids, g, w1, w2 = global_inputs(tokens, E, D, F, K)
+  dy = np.random.default_rng(1).standard_normal((tokens, D)).astype(np.float32)
   cast = lambda a: np.asarray(jnp.asarray(a, dtype))
-  return cast(x), ids, g / g.sum(1, keepdims=True), cast(w1), cast(w2), cast(dy)
-
-
-def put(a, mesh, spec):
-  return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
+  return cast(x), ids, g, cast(w1), cast(w2), cast(dy)
 
 
 def local_shards(arrays, devices):
@@ -88,7 +81,7 @@ def main():
   tok, wsp = P("expert"), P("expert")
   results = {}
   for dtype in (jnp.float32, jnp.bfloat16):
-    x, ids, g, w1, w2, dy = global_inputs(tokens, dtype)
+    x, ids, g, w1, w2, dy = layer_inputs(tokens, dtype)
     args = [put(x, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp), put(ids, mesh, tok),
             put(dy, mesh, tok)]
 
@@ -112,13 +105,7 @@ def main():
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)
   print(f"process {pid}: match (spans_processes={jmo.workspace.Workspace.cached()[0].spans_processes})", flush=True)
-  if os.environ.get("JMO_OUT"):
-    np.savez(os.environ["JMO_OUT"], **results)
-  if os.environ.get("JMO_ORACLE"):
-    want = np.load(os.environ["JMO_ORACLE"])
-    for k, a in results.items():
-      assert a.tobytes() == want[k].tobytes(), f"{k} differs from the one-process run"
-    print(f"process {pid}: bitwise", flush=True)
+  save_or_compare(results, pid)
 
 
 def check_reference(got, dtype, x, ids, g, w1, w2, dy, R):
