@@ -11,7 +11,8 @@ Cases:
     matmuls at "highest" precision) within 1e-2 relative, norm-wise; prints "process <i>: match". $JMO_OUT: saves
     this process's shards by rank (the oracle: one process holding every rank); $JMO_ORACLE: each process compares
     its shards bitwise with that file and prints "process <i>: bitwise".
-  killed_between_calls: after one good call, the last process kills itself (SIGKILL); the others then call again
+  killed_between_calls: after one good call, the process of the mesh's last rank prints "losing rank <r> in process
+    <p>" and kills itself (SIGKILL); the others then call again
     until a call fails (at most 3 calls) and print "failed after <seconds> s: <error>", then release the workspaces
     (bounded though the peer is dead) and print "released after <seconds> s".
 
@@ -93,7 +94,7 @@ def main():
     step = jax.jit(fwd_bwd)
     first = jax.block_until_ready(step(*args))
     if case == "killed_between_calls":
-      return lose_a_peer(step, args)
+      return lose_a_peer(step, args, devices)
     got = local_shards(first, devices)
     for call in range(1, int(os.environ.get("JMO_CALLS", "5"))):
       again = local_shards(jax.block_until_ready(step(*args)), devices)
@@ -121,10 +122,13 @@ def check_reference(got, dtype, x, ids, g, w1, w2, dy, R):
       assert err < 1e-2, f"{np.dtype(dtype).name} {n} rank {rank}: relative error {err:.2e} vs the reference"
 
 
-def lose_a_peer(step, args):
+def lose_a_peer(step, args, devices):
+  # The process of the mesh's last rank is lost (jax orders the global devices, not necessarily by process).
+  lost = devices.flat[-1].process_index
+  print(f"losing rank {devices.size - 1} in process {lost}", flush=True)
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   distributed.global_state.client.wait_at_barrier("test/lose_a_peer", 60_000)
-  if pid == nproc - 1:
+  if pid == lost:
     os.kill(os.getpid(), signal.SIGKILL)
   time.sleep(1.0)  # the kill lands before this process's next call: the peer is lost between calls
   start = time.monotonic()
