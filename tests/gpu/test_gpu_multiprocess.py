@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -36,29 +37,33 @@ def _free_port() -> int:
 
 def run_processes(nproc: int, placement: str, case: str, limit_s: float = 300, **env_extra):
   """Runs the processes of one job (multiprocess_gpu_main.py); returns [(exit status, output)] by process. A child
-  still running at limit_s is killed (SIGKILL)."""
+  still running at limit_s is killed (SIGKILL). Outputs go to files, not pipes: a child blocked on a full pipe
+  would stall its peers."""
   env = dict(os.environ, **env_extra)
   env.pop("XLA_FLAGS", None)
   port = str(_free_port())
+  logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_gpu_main.py"), str(i), str(nproc), port,
-                             placement, case], cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for i in range(nproc)]
-  outs = []
+                             placement, case], cwd=HERE, env=env, stdout=logs[i], stderr=subprocess.STDOUT)
+           for i in range(nproc)]
   deadline = time.monotonic() + limit_s
   try:
     for p in procs:
       try:
-        out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         p.kill()
-        out, _ = p.communicate(timeout=30)
-      outs.append((p.returncode, out))
+        p.wait(timeout=30)
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
-  for i, (rc, out) in enumerate(outs):
-    print(f"--- process {i} (exit status {rc}):\n{out[-6000:]}")
+  outs = []
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    log.seek(0)
+    outs.append((p.returncode, log.read()))
+    log.close()
+    print(f"--- process {i} (exit status {p.returncode}):\n{outs[-1][1][-6000:]}")
   return outs
 
 
