@@ -7,7 +7,9 @@ process. Each checks bfloat16 and float32 forward and gradients (jax.vjp through
 reference (1e-2 relative), repeated calls bitwise identical, and no shared-memory name left behind. A peer process
 killed between calls makes the survivor fail (the routing counts' exchange, stage "counts") within about two
 timeouts (the kernel's wait, then the next call's recovery barrier, which reports it), naming the peer and its
-process, and the survivor's release does not wait for the dead peer. Every subprocess wait is bounded.
+process, and the survivor's release does not wait for the dead peer. Every subprocess wait is bounded. In this
+process, over every visible GPU (R = 1 on a one-GPU machine): the CUDA exchange_counts path of the layer equals the
+all_gather one bit for bit.
 """
 
 import glob
@@ -21,7 +23,8 @@ import time
 
 import pytest
 
-from gpu_common import gpu_devices, requires_gpu
+import layer_checks as checks  # tests/layer_checks.py (tests/ is on pytest's pythonpath)
+from gpu_common import gpu_devices, gpu_mesh, requires_gpu
 
 pytestmark = requires_gpu
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -109,3 +112,7 @@ def test_peer_killed_between_calls_fails_the_survivor_within_the_timeout(placeme
   released = next((l for l in out.splitlines() if l.startswith("released after")), None)
   assert released is not None and float(released.split()[2]) < 5.0, out[-4000:]
   assert _shm_left(outs) == []
+
+
+def test_counts_through_the_workspace_equal_all_gather_in_one_process(monkeypatch):
+  checks.check_counts_through_the_workspace(gpu_mesh(GPUS), monkeypatch, num_experts=8 * GPUS)
