@@ -314,7 +314,8 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
     s += "rank " + to_string(e.rank) + " (group " + to_string(group) + ") gave up in epoch " + to_string(e.epoch) +
          " because another rank of its group failed first";
     if (const ErrorRecord* first = FirstFailure(shared, ranks))
-      s += "; first failure: " + DescribeRecord(*first, group, ranks) + ProcessNote(*first, ranks, TailOf(shared, ranks)->process);
+      s += "; first failure: " + DescribeRecord(*first, group, ranks) +
+           ProcessNote(*first, ranks, TailOf(shared, ranks)->process);
     return s;
   }
   if (e.code == kStageReset) {

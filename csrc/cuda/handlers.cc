@@ -1,5 +1,6 @@
-// XLA:CUDA handlers of the workspace calls (dispatch, dispatch_gemm, expert_combine, exchange_counts): the same operands, results and attributes as the CPU handlers
-// (csrc/cpu/handlers.cc), the same shape checks, then the launchers of api.h on XLA's stream.
+// XLA:CUDA handlers of the workspace calls (dispatch, dispatch_gemm, expert_combine, exchange_counts): the same
+// operands, results and attributes as the CPU handlers (csrc/cpu/handlers.cc), the same shape checks, then the
+// launchers of api.h on XLA's stream.
 //
 // Rank mapping: the group/rank operands live in device memory, and reading them on the host would cost a stream
 // synchronization per call. The handler instead finds its (group, rank) from the FFI device ordinal in the workspace

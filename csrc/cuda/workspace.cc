@@ -51,9 +51,10 @@ Status EnablePeerAccess(int from, int to) {
   JMO_RETURN_IF_CUDA(cudaDeviceCanAccessPeer(&can, from, to));
   if (!can)
     return Status::Error(kFailedPrecondition,
-                         "jax_moe_overlap: CUDA device " + std::to_string(from) + " cannot access the memory of device " +
-                             std::to_string(to) + " (cudaDeviceCanAccessPeer = 0); the expert-parallel axis needs "
-                             "peer access (NVLink or PCIe P2P) between all of its GPUs");
+                         "jax_moe_overlap: CUDA device " + std::to_string(from) +
+                             " cannot access the memory of device " + std::to_string(to) +
+                             " (cudaDeviceCanAccessPeer = 0); the expert-parallel axis needs peer access (NVLink or "
+                             "PCIe P2P) between all of its GPUs");
   DeviceGuard guard;
   JMO_RETURN_IF_CUDA(cudaSetDevice(from));
   cudaError_t e = cudaDeviceEnablePeerAccess(to, 0);
@@ -491,7 +492,8 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
                         " of " + std::to_string(ranks_) + " ranks arrived";
       std::vector<ErrorRecord> now(gs->errors, gs->errors + ranks_);
       if (const ErrorRecord* first = FirstRecord(now))
-        msg += "; the failure: " + FormatRecord(*first, g, ranks_, timeout_ms) + ProcessNote(*first, ranks_, t->process);
+        msg += "; the failure: " + FormatRecord(*first, g, ranks_, timeout_ms) +
+               ProcessNote(*first, ranks_, t->process);
       return Status::Error(kDeadlineExceeded, msg);
     }
   }

@@ -130,8 +130,8 @@ class Workspace {
   static Status Create(int ranks, int groups, const std::vector<int>& ordinals, WorkspaceSizes sizes,
                        int consumer_ctas, int sm_budget, const ModelParams* model, std::unique_ptr<Workspace>* out,
                        const Sharing* sharing = nullptr);
-  // Sharing only; the release order (closing the mappings of peers' blocks, then waiting, bounded, for the peers'
-  // processes to close theirs before freeing this process's blocks) is in the destructor.
+  // Frees this process's part after its kernels end. Sharing: first closes its IPC mappings of the peers' blocks,
+  // then waits (bounded) for the peers' processes to close theirs, and only then frees its own blocks.
   ~Workspace();
 
   // Sharing: the exports of this process's ranks, by g * ranks + r (empty entries for the others).

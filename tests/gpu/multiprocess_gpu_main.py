@@ -48,7 +48,8 @@ from jax_moe_overlap.plan import expert_capacity  # noqa: E402
 from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
 
 # tests/gpu and tests/ (not on sys.path under PYTHONSAFEPATH=1, which the GPU scripts set).
-sys.path[1:1] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[1:1] = [_HERE, os.path.dirname(_HERE)]
 from gpu_common import rel_err  # noqa: E402  pylint: disable=g-import-not-at-top
 from multiprocess_inputs import global_inputs, put, save_or_compare  # noqa: E402  pylint: disable=g-import-not-at-top
 
