@@ -10,7 +10,8 @@ Cases:
     process, match the float32 reference (moe_experts_reference on this process's GPU, on the same rounded inputs,
     matmuls at "highest" precision) within 1e-2 relative, norm-wise; prints "process <i>: match". $JMO_OUT: saves
     this process's shards by rank (the oracle: one process holding every rank); $JMO_ORACLE: each process compares
-    its shards bitwise with that file and prints "process <i>: bitwise".
+    its shards bitwise with that file and prints "process <i>: bitwise". Then the processes release their
+    workspaces together.
   killed_between_calls: after one good call, the process of the mesh's last rank prints "losing rank <r> in process
     <p>" and kills itself (SIGKILL); the others then call again
     until a call fails (at most 3 calls) and print "failed after <seconds> s: <error>", then release the workspaces
@@ -108,6 +109,11 @@ def main():
     print(f"shm {ws.shm_prefix}", flush=True)
   print(f"process {pid}: match (spans_processes={jmo.workspace.Workspace.cached()[0].spans_processes})", flush=True)
   save_or_compare(results, pid)
+  # A shared workspace's release waits (bounded) for the peers' processes to close their mappings of this process's
+  # blocks: release together.
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  distributed.global_state.client.wait_at_barrier("test/release", 120_000)
+  jmo.release_workspaces()
 
 
 def check_reference(got, dtype, x, ids, g, w1, w2, dy, R):

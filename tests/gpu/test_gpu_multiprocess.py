@@ -91,6 +91,7 @@ def test_expert_axis_over_processes_matches_the_reference(placement, tmp_path):
     assert rc == 0 and ": match (spans_processes=True)" in out, out[-4000:]
     if placement == "own_gpu":
       assert ": bitwise" in out, out[-4000:]
+    assert "freeing them anyway" not in out, out[-4000:]  # the release found every peer's mappings closed
   assert _shm_left(outs) == []
 
 
