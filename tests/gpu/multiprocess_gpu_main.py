@@ -12,8 +12,8 @@ Cases:
     this process's shards by rank (the oracle: one process holding every rank); $JMO_ORACLE: each process compares
     its shards bitwise with that file and prints "process <i>: bitwise". Then the processes release their
     workspaces together.
-  killed_between_calls: after one good call, the process of the mesh's last rank prints "losing rank <r> in process
-    <p>" and kills itself (SIGKILL); the others then call again
+  killed_between_calls: after one good call, the last process prints "losing rank <r> in process <p>" and kills
+    itself (SIGKILL); the others then call again
     until a call fails (at most 3 calls) and print "failed after <seconds> s: <error>", then release the workspaces
     (bounded though the peer is dead) and print "released after <seconds> s".
 
@@ -130,9 +130,11 @@ def check_reference(got, dtype, x, ids, g, w1, w2, dy, R):
 
 
 def lose_a_peer(step, args, devices):
-  # The process of the mesh's last rank is lost (jax orders the global devices, not necessarily by process).
-  lost = devices.flat[-1].process_index
-  print(f"losing rank {devices.size - 1} in process {lost}", flush=True)
+  # The last process is lost, never process 0: it hosts the distributed runtime's coordination service, without
+  # which the others' runtime clients terminate their processes. Its rank: where jax put its device on the mesh.
+  lost = nproc - 1
+  rank = next(i for i, d in enumerate(devices.flat) if d.process_index == lost)
+  print(f"losing rank {rank} in process {lost}", flush=True)
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   distributed.global_state.client.wait_at_barrier("test/lose_a_peer", 60_000)
   if pid == lost:
