@@ -232,7 +232,9 @@ class Workspace:
     """Frees the native buffers, after waiting for the dispatched programs (``jax.effects_barrier``; on CUDA the
     native release also synchronizes the devices). Programs compiled for this workspace are dropped from the eager
     cache; a jitted function of the user that traced it must be retraced (the next ``moe_experts`` call allocates a
-    new workspace)."""
+    new workspace). A workspace spanning processes is released by every process of it, at about the same time: on
+    CUDA each process frees its blocks only once the others have closed their mappings of them (or are gone), and
+    waits for that at most 5 s."""
     if self._released:
       return
     jax.effects_barrier()
