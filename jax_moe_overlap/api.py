@@ -174,7 +174,12 @@ def _shard(a, mesh, spec):
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, cap_e, cap, info):
-  _, _, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, cap_e,
-                                       gather=functools.partial(gather_counts, info=info))
+  counts_all, _, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, cap_e,
+                                                gather=functools.partial(gather_counts, info=info))
   y = expert_block(x, gates, w1, w2, plan, cap, info)
+  if info.workspace.spans_processes:
+    # The group's dropped slots from the counts every rank holds (the routed slots less those the capacity keeps),
+    # equal to the psum of the ranks' plan.dropped: no collective crosses the processes of the expert axis.
+    dropped = jnp.sum(counts_all) - jnp.sum(plan_lib.kept_counts(counts_all, cap_e))
+    return y, jax.lax.psum(dropped, batch_axes) if batch_axes else dropped
   return y, jax.lax.psum(plan.dropped, (*batch_axes, axis_name))

@@ -1,19 +1,23 @@
 """CUDA peer workspaces: creation for ``Workspace`` on platform "gpu", and device queries through cuda-python.
 
 The buffers themselves are allocated in C++ (``_jmo.create_cuda_workspace``: one ``cudaMalloc``'d block per rank on
-that rank's device, the peer pointer table, the group's abort word and error records in host-mapped memory; peer
-access is checked with ``cudaDeviceCanAccessPeer`` for every pair and enabled there). Python only maps the mesh to
-(group, rank) -> CUDA device ordinal and asks the devices what it needs to size the kernels, through ``cuda.bindings``
-(the ``cuda-python`` package of the ``gpu`` extra), never through hard-coded numbers.
+that rank's device, the peer pointer table, the group's abort word, error records and count board in host-mapped
+memory; peer access is checked with ``cudaDeviceCanAccessPeer`` for every pair and enabled there). Python only maps
+the mesh to (group, rank) -> CUDA device ordinal and asks the devices what it needs to size the kernels, through
+``cuda.bindings`` (the ``cuda-python`` package of the ``gpu`` extra), never through hard-coded numbers.
 
-Scope today: one process driving all GPUs of the mesh (jax's single-controller mode). One process per GPU
-(``jax.distributed``) needs a CUDA VMM export path and is refused with a clear error.
+Processes: the expert axis may span the processes of one host (``jax.distributed``: one process per GPU, several
+GPUs per process, or several processes on one GPU). Each process then allocates its own ranks' blocks and exports
+them as CUDA IPC handles, published through the distributed runtime's key-value store; each opens its peers' blocks
+(``cudaIpcOpenMemHandle``) into its peer table, and the group memory is a POSIX shared-memory object created by the
+process of rank 0 and registered with CUDA in every process (``workspace.create_shared`` runs the steps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 
 import jax
@@ -105,20 +109,19 @@ def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
 
 
 def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
-  """Allocates the CUDA workspace of ``ws`` (a ``Workspace``) and returns its handle."""
+  """Allocates the CUDA workspace of ``ws`` (a ``Workspace``) and returns its handle: this process's part when the
+  mesh has devices of other processes (then ``ws.shm_prefix`` is set if a group spans processes)."""
   devs = rank_devices(mesh, axis_name)
   groups, ranks = devs.shape
   here = jax.process_index()
-  remote = [d for d in devs.flat if d.process_index != here]
-  if remote:
-    raise NotImplementedError(
-        f"jax_moe_overlap: the mesh's expert axis spans devices of other processes ({remote[0]}); CUDA workspaces "
-        "support one process driving all GPUs of the mesh so far (multi-process needs the CUDA VMM export path)")
-  ordinals = [int(d.local_hardware_id) for d in devs.flat]
+  mine = [d.process_index == here for d in devs.flat]
+  # Ranks of other processes have no device here (-1); the C++ side reaches their blocks through IPC.
+  ordinals = [int(d.local_hardware_id) if m else -1 for d, m in zip(devs.flat, mine)]
   for g in range(groups):
-    check_peer_access(ordinals[g * ranks:(g + 1) * ranks])
-  info = device_info(ordinals[0])
-  if len({device_info(o).name for o in set(ordinals)}) != 1:
+    check_peer_access([o for o, m in zip(ordinals[g * ranks:(g + 1) * ranks], mine[g * ranks:(g + 1) * ranks]) if m])
+  local = [o for o, m in zip(ordinals, mine) if m]
+  info = device_info(local[0])
+  if len({device_info(o).name for o in set(local)}) != 1:
     raise NotImplementedError("jax_moe_overlap: a CUDA workspace over GPUs of different models is not supported")
   cal = calibration(info)
   fixed = default_consumer_ctas(info)
@@ -126,11 +129,43 @@ def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
   ws.consumer_policy = cal.reason if cal.params is not None else f"{cal.reason} (fixed C used: {fixed})"
   ws.calibration = cal
   (log.info if cal.params is not None else log.warning)("jax_moe_overlap: %s", ws.consumer_policy)
-  handle = _jmo.create_cuda_workspace(ranks, groups, ordinals, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
-                                      sizes.num_segments, fixed, 0,
-                                      cal.params.native() if cal.params is not None else None)
-  ws.sm_budget = int(_jmo.cuda_workspace_info(int(handle))["min_sm_budget"])
-  return int(handle)
+  model = cal.params.native() if cal.params is not None else None
+
+  def create_part(process=None, prefix=""):
+    return int(_jmo.create_cuda_workspace(ranks, groups, ordinals, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
+                                          sizes.num_segments, fixed, 0, model, process, here, prefix))
+
+  if all(mine):
+    handle = create_part()
+  else:
+    from jax_moe_overlap import workspace as workspace_lib  # pylint: disable=g-import-not-at-top
+    process = [int(d.process_index) for d in devs.flat]
+    # Other processes' devices on the mesh: this process creates its part with the process table, and the
+    # processes meet to open each other's blocks. Only a group that itself spans processes makes the workspace
+    # spans_processes (groups each inside one process, a data axis across processes, keep the collectives).
+    handle, prefix = workspace_lib.create_shared(
+        devs, "CUDA", create=lambda prefix: create_part(process, prefix), export=_export_blocks,
+        open_peers=lambda h, exports: _open_peers(h, exports, groups * ranks), unlink=_jmo.unlink_cuda_workspace_names,
+        names=lambda prefix: [f"{prefix}-g{g}" for g in range(groups)])
+    if any(len({d.process_index for d in row}) > 1 for row in devs):
+      ws.shm_prefix = prefix
+  ws.sm_budget = int(_jmo.cuda_workspace_info(handle)["min_sm_budget"])
+  return handle
+
+
+def _export_blocks(handle: int) -> str:
+  """This process's blocks of a shared workspace as the key-value store carries them: JSON of
+  {g * ranks + r: [IPC handle hex, PCI bus id]} for its own ranks."""
+  return json.dumps({i: [h.hex(), bus] for i, (h, bus) in enumerate(_jmo.export_cuda_workspace_blocks(handle))
+                     if h})
+
+
+def _open_peers(handle: int, exports: dict[int, str], blocks_total: int) -> None:
+  """Opens every other process's blocks (``exports``: each process's ``_export_blocks``)."""
+  blocks: dict[int, tuple[bytes, str]] = {}
+  for text in exports.values():
+    blocks.update({int(i): (bytes.fromhex(h), bus) for i, (h, bus) in json.loads(text).items()})
+  _jmo.open_cuda_workspace_peers(handle, [blocks.get(i, (b"", "")) for i in range(blocks_total)])
 
 
 # ----------------------------------------------------------------------------------------------------------------

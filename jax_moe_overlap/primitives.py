@@ -3,7 +3,7 @@
 All functions here run *per rank*, inside ``shard_map`` over the expert-parallel axis.
 
 * ``gather_counts(counts, info)``: every rank's routing counts for the plan: ``jax.lax.all_gather``, or where the
-  workspace's groups span processes (CPU) the custom call ``exchange_counts`` through the workspace, whose waits are
+  workspace's groups span processes the custom call ``exchange_counts`` through the workspace, whose waits are
   bounded like the others'.
 * ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
   rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero).
@@ -157,9 +157,10 @@ def _workspace_call(info: RankInfo, target: str, out_types, *args, **attrs):
 def gather_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
   """[R_dst, E_local] routing counts of this rank -> [R_src, R_dst, E_local] every rank's, for ``plan_over_axis``.
 
-  When the workspace's groups span processes (CPU), through the workspace (``exchange_counts``): across processes
-  ``jax.lax.all_gather`` runs on the collective backend (gloo), whose wait has no bound, so a peer process that hangs
-  between calls would block its peers there for good. Elsewhere (one process, CUDA) ``jax.lax.all_gather``.
+  When the workspace's groups span processes, through the workspace (``exchange_counts``): across processes
+  ``jax.lax.all_gather`` runs on the collective backend (gloo on CPU, NCCL on CUDA), whose wait has no bound, so a
+  peer process that hangs between calls would block its peers there for good (and NCCL refuses two processes on
+  one GPU). Elsewhere (one process) ``jax.lax.all_gather``.
   """
   if info.workspace.spans_processes:
     return exchange_counts(counts, info)
@@ -168,10 +169,8 @@ def gather_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
 
 def exchange_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
   """[R_dst, E_local] int32 -> [R_src, R_dst, E_local] int32: every rank's counts through the workspace's count board
-  (protocol.h), one epoch of the workspace like the other calls, every wait bounded by ``timeout_ms``. CPU only."""
+  (protocol.h), one epoch of the workspace like the other calls, every wait bounded by ``timeout_ms``."""
   ws = info.workspace
-  if ws.platform != "cpu":
-    raise NotImplementedError(f"jax_moe_overlap: exchange_counts runs on CPU workspaces, not {ws.platform!r}")
   _ffi.register()
   group, rank = info.coords()
   return _workspace_call(info, _ffi.EXCHANGE_COUNTS, jax.ShapeDtypeStruct((ws.ranks, *counts.shape), jnp.int32),

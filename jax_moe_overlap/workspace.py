@@ -12,14 +12,18 @@ when its largest batch comes first or ``reserve`` made room). Sharing is safe be
 calls one after another in program order, the same order on every rank of a group (on CPU enforced by a token chain,
 ``ordering.py``; on GPU by the one stream), and every call is one epoch of the protocol.
 
-Processes: on CPU a group may span the processes of a ``jax.distributed`` job (an expert axis over processes). Each
-process then holds its own ranks' blocks in POSIX shared memory and maps its peers' (``_create_cpu_shared``), with
-the same protocol, epochs and bounded waits; a timeout names the process of the awaited peer. The routing counts of
-such a workspace cross ranks through it as well (``spans_processes``: the layer calls ``exchange_counts`` instead of
-``jax.lax.all_gather``, whose gloo wait across processes has no timeout), so every wait of a layer call is a bounded
-workspace wait: a peer process that dies or hangs (stopped, not dead), inside a call or between calls, makes the
-others fail within ``timeout_ms`` with an error naming its rank, its process and the stage (``counts`` when it was
-lost between calls), and the workspace recovers on the next call once every rank is back.
+Processes: a group may span the processes of a ``jax.distributed`` job on one host (an expert axis over processes;
+``create_shared``). On CPU each process holds its own ranks' blocks in POSIX shared memory and maps its peers'
+(``_create_cpu_shared``); on CUDA each process cudaMallocs its own ranks' blocks and opens its peers' through CUDA
+IPC handles, and the group memory is a POSIX shared-memory object every process maps and registers with CUDA
+(``cuda_workspace.create``). The protocol, epochs and bounded waits are the same; a timeout names the process of
+the awaited peer. The routing counts of such a workspace cross ranks through it as well (``spans_processes``: the
+layer calls ``exchange_counts`` instead of ``jax.lax.all_gather``, whose wait across processes on the collective
+backend has no timeout, and counts the dropped slots from the exchanged counts instead of a ``psum``), so every wait
+of a layer call is a bounded workspace wait: a peer process that dies or hangs (stopped, not dead), inside a call or
+between calls, makes the others fail within ``timeout_ms`` with an error naming its rank, its process and the stage
+(``counts`` when it was lost between calls), and the workspace recovers on the next call once every rank is back.
+An expert axis over processes of different hosts is refused (``impl="xla"`` serves it).
 
 Memory: ``Workspace.bytes_per_rank`` (and ``workspace_bytes`` before anything is allocated) is what one rank holds:
 on CPU host memory; on CUDA device memory of that rank's GPU (plus host-mapped control words), allocated with
@@ -37,6 +41,7 @@ import dataclasses
 import itertools
 import math
 import secrets
+import socket
 import threading
 from typing import Callable
 
@@ -135,7 +140,7 @@ class Workspace:
     self.consumer_policy = "CPU: one consumer thread per rank (consumer_ctas is checked but has no effect)"
     self.calibration = None
     self.sm_budget = None
-    self.shm_prefix = None  # CPU groups spanning processes: the names of the shared-memory objects
+    self.shm_prefix = None  # groups spanning processes: the prefix of the shared-memory objects' names
     if self.platform == "cpu":
       devs = rank_devices(mesh, axis_name)
       if any(len({d.process_index for d in row}) > 1 for row in devs):
@@ -190,8 +195,8 @@ class Workspace:
 
   @property
   def spans_processes(self) -> bool:
-    """Whether a group's ranks live in several processes (a CPU workspace in shared memory). The routing counts
-    then cross ranks through the workspace (``primitives.gather_counts``), where every wait is bounded."""
+    """Whether a group's ranks live in several processes (of one host). The routing counts then cross ranks through
+    the workspace (``primitives.gather_counts``), where every wait is bounded."""
     return self.shm_prefix is not None
 
   @property
@@ -227,7 +232,9 @@ class Workspace:
     """Frees the native buffers, after waiting for the dispatched programs (``jax.effects_barrier``; on CUDA the
     native release also synchronizes the devices). Programs compiled for this workspace are dropped from the eager
     cache; a jitted function of the user that traced it must be retraced (the next ``moe_experts`` call allocates a
-    new workspace)."""
+    new workspace). A workspace spanning processes is released by every process of it, at about the same time: on
+    CUDA each process frees its blocks only once the others have closed their mappings of them (or are gone), and
+    waits for that at most 5 s."""
     if self._released:
       return
     jax.effects_barrier()
@@ -245,26 +252,35 @@ class Workspace:
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
 
 
-# How long creating a shared CPU workspace waits for each peer process's step (creating, then mapping, its
-# shared-memory objects). Every process builds the same programs, so peers reach this within the compile-time skew.
+# How long creating a workspace that spans processes waits for each peer process's step (creating, then mapping, its
+# part). Every process builds the same programs, so peers reach this within the compile-time skew.
 SHARED_SETUP_TIMEOUT_S = 60.0
 _shared_seq = itertools.count()
 
 
-def _create_cpu_shared(devs: np.ndarray, sizes: WorkspaceSizes) -> tuple[int, str]:
-  """A CPU workspace whose groups span processes (``devs``: [groups, ranks]). Each process creates a POSIX
-  shared-memory object per rank it owns, the processes meet through jax.distributed's key-value store (every process
-  of the mesh creates its workspaces in the same order, so the n-th one has the same keys everywhere), each maps
-  its peers' objects, and once all have mapped them each removes its names: nothing is left in /dev/shm after
-  setup, whatever happens to the processes later. Returns (handle, name prefix)."""
+def create_shared(devs: np.ndarray, platform: str, create: Callable[[str], int], export: Callable[[int], str],
+                  open_peers: Callable[[int, dict[int, str]], None], unlink: Callable[[int], None],
+                  names: Callable[[str], list[str]]) -> tuple[int, str]:
+  """A workspace whose groups span processes (``devs``: [groups, ranks]), set up in steps the processes take together
+  through jax.distributed's key-value store (every process of the mesh creates its workspaces in the same order, so
+  the n-th one has the same keys everywhere):
+
+  1. every process publishes its host name: processes of different hosts cannot map each other's memory, so a group
+     over several hosts is refused before anything is allocated;
+  2. the first process publishes a fresh name prefix; each process creates its part (``create(prefix)`` -> handle)
+     and publishes what its peers need to map it (``export(handle)``, a string);
+  3. each process maps its peers' parts (``open_peers(handle, {process: export})``), and once all have, each removes
+     its names (``unlink(handle)``): nothing is left in /dev/shm after setup, whatever happens to the processes
+     later. On a failure every name of the workspace (``names(prefix)``) is removed.
+
+  Returns (handle, name prefix)."""
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   client = distributed.global_state.client
   if client is None:
-    raise RuntimeError("jax_moe_overlap: a CPU expert axis spanning processes needs jax.distributed.initialize() "
-                       "(its key-value store exchanges the shared-memory names)")
+    raise RuntimeError(f"jax_moe_overlap: a {platform} expert axis spanning processes needs "
+                       "jax.distributed.initialize() (its key-value store exchanges the workspace's names)")
   here = jax.process_index()
   procs = sorted({d.process_index for d in devs.flat})
-  groups, ranks = devs.shape
   key = f"jmo/ws/{next(_shared_seq)}"
   timeout_ms = int(SHARED_SETUP_TIMEOUT_S * 1000)
 
@@ -274,31 +290,53 @@ def _create_cpu_shared(devs: np.ndarray, sizes: WorkspaceSizes) -> tuple[int, st
     except Exception as e:  # pylint: disable=broad-except
       raise RuntimeError(
           f"jax_moe_overlap: process {here} waited {SHARED_SETUP_TIMEOUT_S:.0f} s for process {process} to {step} "
-          f"its part of the shared CPU workspace {key} (it died, hangs, or runs a different program): {e}") from e
+          f"its part of the shared {platform} workspace {key} (it died, hangs, or runs a different program): {e}"
+      ) from e
 
+  client.key_value_set(f"{key}/host/{here}", socket.gethostname())
+  hosts = {p: wait_for("host", p) for p in procs}
+  for row in devs:
+    group_hosts = sorted({(int(d.process_index), hosts[int(d.process_index)]) for d in row})
+    if len({h for _, h in group_hosts}) > 1:
+      raise NotImplementedError(
+          "jax_moe_overlap: the mesh's expert axis spans processes of different hosts ("
+          f"{', '.join(f'process {p} on {h}' for p, h in group_hosts)}); impl=\"overlap\" needs every rank of an "
+          "expert-parallel group on one host (its workspace is memory the processes map), so use impl=\"xla\" "
+          "(XLA collectives) for an expert axis across hosts, or put the hosts on another mesh axis (batch_axes)")
   if here == procs[0]:
     client.key_value_set(f"{key}/prefix/{here}", f"/jmo-{secrets.token_hex(8)}")
   prefix = wait_for("prefix", procs[0])
-  handle = int(_jmo.create_cpu_shared_workspace(ranks, groups, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
-                                                sizes.num_segments, [int(d.process_index) for d in devs.flat], here,
-                                                prefix))
+  handle = create(prefix)
   try:
-    client.key_value_set(f"{key}/create/{here}", "1")
-    for p in procs:
-      wait_for("create", p)
-    _jmo.map_cpu_workspace_peers(handle)
+    client.key_value_set(f"{key}/create/{here}", export(handle))
+    open_peers(handle, {p: wait_for("create", p) for p in procs})
     client.key_value_set(f"{key}/map/{here}", "1")
     for p in procs:
       wait_for("map", p)
-    _jmo.unlink_cpu_workspace_names(handle)
+    unlink(handle)
   except BaseException:
     _jmo.release_workspace(handle)  # also removes this process's names
     # A peer that died during setup cannot remove its names: remove every name of this workspace.
-    for g in range(groups):
-      for r in range(ranks):
-        _jmo.unlink_shm(f"{prefix}-g{g}-r{r}")
+    for name in names(prefix):
+      _jmo.unlink_shm(name)
     raise
   return handle, prefix
+
+
+def _create_cpu_shared(devs: np.ndarray, sizes: WorkspaceSizes) -> tuple[int, str]:
+  """A CPU workspace whose groups span processes: each process creates a POSIX shared-memory object per rank it owns
+  (``<prefix>-g<g>-r<r>``; the group memory follows rank 0's block) and maps its peers' objects."""
+  groups, ranks = devs.shape
+  here = jax.process_index()
+  return create_shared(
+      devs, "CPU",
+      create=lambda prefix: int(_jmo.create_cpu_shared_workspace(
+          ranks, groups, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows, sizes.num_segments,
+          [int(d.process_index) for d in devs.flat], here, prefix)),
+      export=lambda handle: "1",
+      open_peers=lambda handle, _: _jmo.map_cpu_workspace_peers(handle),
+      unlink=_jmo.unlink_cpu_workspace_names,
+      names=lambda prefix: [f"{prefix}-g{g}-r{r}" for g in range(groups) for r in range(ranks)])
 
 
 def release_workspaces() -> int:

@@ -237,3 +237,34 @@ def check_module(mesh, seed=3):
     errs["d" + name] = rel_err(a, getattr(g_ref, name)[...])
   print(f"R={R} module: {_fmt(errs)}")
   assert all(v < TOL for v in errs.values()), errs
+
+
+def check_counts_through_the_workspace(mesh, monkeypatch, num_experts=8, seed=3):
+  """The layer with its routing counts through the workspace (exchange_counts, and the dropped slots from the
+  exchanged counts: the path of groups spanning processes, forced in one process by patching
+  ``Workspace.spans_processes`` with ``monkeypatch``) equals the layer through all_gather bit for bit, outputs and
+  gradients, and counts the same dropped slots (capacity factor 0.5); only its program holds the custom call."""
+  from jax_moe_overlap.workspace import Workspace, release_workspaces  # pylint: disable=g-import-not-at-top
+  x, ids, gates, w1, w2 = layer_inputs(64, 16, 24, num_experts, 2, "skewed", seed)
+
+  def run():
+    f = jax.jit(jax.value_and_grad(lambda x, g, w1, w2: jnp.sum(jnp.sin(jmo.moe_experts(x, ids, g, w1, w2,
+                                                                                         mesh=mesh)[0])),
+                                   argnums=(0, 1, 2, 3)))
+    hlo = f.lower(x, gates, w1, w2).compile().as_text()
+    dropped = jax.jit(lambda x, g, w1, w2: jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, capacity_factor=0.5)[1])
+    return "jmo_exchange_counts" in hlo, jax.tree.map(np.asarray, (f(x, gates, w1, w2), dropped(x, gates, w1, w2)))
+
+  release_workspaces()
+  try:
+    exchanged, plain = run()
+    assert int(plain[1]) > 0, "the capacity factor drops slots"
+    assert not exchanged
+    release_workspaces()  # the programs compiled against the gather path go with their workspace
+    monkeypatch.setattr(Workspace, "spans_processes", property(lambda self: True))
+    exchanged, through_workspace = run()
+    assert exchanged
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(through_workspace)):
+      assert a.tobytes() == b.tobytes()
+  finally:
+    release_workspaces()

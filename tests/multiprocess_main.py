@@ -16,11 +16,14 @@ argv: process_id num_processes port local_devices case. Cases:
     the layer's first workspace call, the exchange of the routing counts, reported the same way.
   stopped_between_calls: as killed_between_calls, but the last process stops itself (SIGSTOP): a hung peer, which
     the test kills once the others have exited.
+  different_hosts: expert_across, but the last process reports another host name: every process prints
+    "refused: <error>" for its first call (the workspace is refused before anything runs).
 """
 
 import functools
 import os
 import signal
+import socket
 import threading
 import sys
 import time
@@ -41,27 +44,14 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_moe_overlap as jmo  # noqa: E402
 from jax_moe_overlap.plan import expert_capacity  # noqa: E402
 from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
+from multiprocess_inputs import global_inputs, put, save_or_compare  # noqa: E402  (tests/)
 
 E, D, F, K = 8, 16, 24, 2
-
-
-def global_inputs(tokens):
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((tokens, D)).astype(np.float32)
-  ids = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32)
-  g = rng.random((tokens, K)).astype(np.float32) + 0.1
-  w1 = (rng.standard_normal((E, D, 2 * F)) / np.sqrt(D)).astype(np.float32)
-  w2 = (rng.standard_normal((E, F, D)) / np.sqrt(F)).astype(np.float32)
-  return x, ids, g / g.sum(1, keepdims=True), w1, w2
-
-
-def put(a, mesh, spec):
-  return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
 
 
 def main():
@@ -74,7 +64,7 @@ def main():
     mesh = jax.sharding.Mesh(devices, ("expert",))
     batch_axes = ()
   tokens = 16 * devices.size
-  x, ids, g, w1, w2 = global_inputs(tokens)
+  x, ids, g, w1, w2 = global_inputs(tokens, E, D, F, K)
   tok, wsp = P((*batch_axes, "expert")), P("expert")
   args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp)]
 
@@ -83,6 +73,14 @@ def main():
     return jnp.sum(jnp.sin(y)), (y, dropped)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  if case == "different_hosts":
+    if pid == nproc - 1:
+      socket.gethostname = lambda: "another-host"
+    try:
+      step(args[0], args[2], args[3], args[4], args[1])
+    except NotImplementedError as e:
+      print(f"refused: {e}", flush=True)
+    return
   (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)
@@ -116,13 +114,7 @@ def main():
   y, grads = multihost_utils.process_allgather((y, grads), tiled=True)
   if case == "expert_across":
     got = dict(y=np.asarray(y), **{f"d{n}": np.asarray(a) for n, a in zip(("x", "gates", "w1", "w2"), grads)})
-    if os.environ.get("JMO_OUT") and pid == 0:
-      np.savez(os.environ["JMO_OUT"], **got)
-    if os.environ.get("JMO_ORACLE"):
-      want = np.load(os.environ["JMO_ORACLE"])
-      for n, a in got.items():
-        assert a.tobytes() == want[n].tobytes(), f"{n} differs from the single-process run"
-      print(f"process {pid}: bitwise", flush=True)
+    save_or_compare(got, pid, save=pid == 0)
 
   groups = mesh.size // mesh.shape["expert"]
   R = mesh.shape["expert"]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import jax_moe_overlap as jmo
-from cases import layer_inputs, mesh_of
+import layer_checks as checks
+from cases import mesh_of
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.primitives import CallConfig, RankInfo, exchange_counts
-from jax_moe_overlap.workspace import Workspace, WorkspaceSizes, release_workspaces
+from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
 
 R, E = 4, 8
 
@@ -76,25 +76,4 @@ def test_counts_larger_than_the_workspace_are_refused_then_the_next_call_works()
 
 
 def test_the_layer_gathers_the_counts_through_the_workspace_only_when_it_spans_processes(monkeypatch):
-  mesh = mesh_of(R)
-  x, ids, gates, w1, w2 = layer_inputs(64, 16, 24, E, 2, "skewed", 3)
-
-  def run():
-    f = jax.jit(jax.value_and_grad(lambda x, g, w1, w2: jnp.sum(jnp.sin(jmo.moe_experts(x, ids, g, w1, w2,
-                                                                                         mesh=mesh)[0])),
-                                   argnums=(0, 1, 2, 3)))
-    hlo = f.lower(x, gates, w1, w2).compile().as_text()
-    return "jmo_exchange_counts" in hlo, jax.tree.map(np.asarray, f(x, gates, w1, w2))
-
-  release_workspaces()
-  try:
-    exchanged, plain = run()
-    assert not exchanged
-    release_workspaces()  # the programs compiled against the gather path go with their workspace
-    monkeypatch.setattr(Workspace, "spans_processes", property(lambda self: True))
-    exchanged, through_workspace = run()
-    assert exchanged
-    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(through_workspace)):
-      assert a.tobytes() == b.tobytes()
-  finally:
-    release_workspaces()
+  checks.check_counts_through_the_workspace(mesh_of(R), monkeypatch, num_experts=E)

@@ -5,7 +5,8 @@ axis across processes (a workspace in POSIX shared memory): outputs and gradient
 run as one process holding every device, and no shared-memory name left behind. A peer process killed inside a
 call makes the others fail within the timeout with an error naming its rank and process, and they exit with status
 0; so does a peer process killed or stopped (SIGSTOP: hung) between calls, the others failing in the exchange of the
-routing counts (stage "counts"), which goes through the workspace rather than gloo's unbounded all_gather.
+routing counts (stage "counts"), which goes through the workspace rather than gloo's unbounded all_gather. An
+expert axis over processes of different hosts is refused before anything runs, naming impl="xla".
 """
 
 import glob
@@ -117,3 +118,10 @@ def test_peer_lost_between_calls_fails_the_others_within_the_timeout(case, nproc
     assert "DEADLINE_EXCEEDED" in line and "stage counts" in line, line
     assert f"waiting for peer {lost}:" in line and f"peer rank {lost} is in process {lost}" in line, line
   assert _shm_left(outs) == []
+
+
+def test_expert_axis_over_different_hosts_is_refused_naming_the_xla_impl():
+  for rc, out in run_processes(2, 1, "different_hosts", limit_s=120):
+    line = next((l for l in out.splitlines() if l.startswith("refused:")), None)
+    assert rc == 0 and line is not None, out
+    assert "different hosts" in line and "process 1 on another-host" in line and 'impl="xla"' in line, line

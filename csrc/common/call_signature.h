@@ -97,7 +97,7 @@ auto BindExpertCombine(Binding b) {
 }
 
 // exchange_counts(counts [R_dst, E_local] int32, group [], rank []) -> counts_all [R_src, R_dst, E_local] int32
-// Attributes: those of every call. CPU only: the count exchange of groups whose ranks span processes (protocol.h).
+// Attributes: those of every call. The count exchange of groups whose ranks span processes (protocol.h).
 template <typename Binding>
 auto BindExchangeCounts(Binding b) {
   namespace ffi = xla::ffi;

@@ -76,4 +76,16 @@ inline const ErrorRecord* FirstFailure(const GroupShared* shared, int ranks) {
   return nullptr;
 }
 
+// For a group spanning processes (`process[r]`: the process owning rank r; null, or -1 everywhere, in one process):
+// which process the awaited peer (or every rank) belongs to, appended to a record's text.
+inline std::string ProcessNote(const ErrorRecord& e, int ranks, const int32_t* process) {
+  if (process == nullptr || process[0] < 0) return "";
+  const std::string stops = "; a process that died or hangs stops its ranks)";
+  if (e.peer < (uint64_t)ranks)
+    return " (peer rank " + std::to_string(e.peer) + " is in process " + std::to_string(process[e.peer]) + stops;
+  std::string s = " (the group's ranks are in processes";
+  for (int r = 0; r < ranks; ++r) s += (r ? ", " : " [") + std::to_string(process[r]);
+  return s + "] by rank" + stops;
+}
+
 }  // namespace jmo

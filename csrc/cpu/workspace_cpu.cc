@@ -1,6 +1,7 @@
 #include "workspace_cpu.h"
 
 #include "common/error_text.h"
+#include "common/group_barrier.h"
 #include "common/registry.h"
 
 #include <fcntl.h>
@@ -22,16 +23,6 @@ char* AllocZeroed(int64_t bytes) {
   if (p == nullptr) throw std::bad_alloc();
   std::memset(p, 0, AlignUp(bytes > 0 ? bytes : kAlign));
   return static_cast<char*>(p);
-}
-
-// Poll politely: the CI machine has 2 cores shared by 4 device threads and 4 consumer threads.
-void Backoff(int& spins) {
-  if (++spins < 64) return;
-  if (spins < 256) {
-    std::this_thread::yield();
-    return;
-  }
-  std::this_thread::sleep_for(std::chrono::microseconds(spins < 2048 ? 20 : 200));
 }
 
 }  // namespace
@@ -282,12 +273,9 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
     AtomicStore(&view(group, rank).control()->calls.value, epoch);
     return ErrorRecord{kStageAbortedByPeer, (uint64_t)rank, (uint64_t)ranks_, epoch, 0, 0, 0, 0};
   }
-  // The barrier word (generation << 32 | arrived) lives in group memory, so it works across processes too.
-  uint64_t* word = &TailOf(g, ranks_)->barrier.value;
-  std::atomic_ref<uint64_t> bar(*word);
-  const uint64_t before = bar.fetch_add(1, std::memory_order_acq_rel);
-  const uint64_t gen = before >> 32;
-  if ((before & 0xffffffffu) + 1 == (uint64_t)ranks_) {
+  // The barrier word lives in group memory, so it works across processes too.
+  GroupBarrier bar(&TailOf(g, ranks_)->barrier.value);
+  if (bar.Arrive(ranks_)) {
     // Every rank of the group is here, so nobody reads or writes group memory: reset it all.
     for (int r = 0; r < ranks_; ++r) {
       RankView v = view(group, r);
@@ -295,22 +283,12 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
     }
     std::memset(shared_[group], 0, GroupSharedBytes(ranks_));
     for (int r = 0; r < ranks_; ++r) count_slot(group, r)->stamp.value = 0;  // stamps are epochs, which restart
-    bar.store((gen + 1) << 32, std::memory_order_release);
+    bar.Open();
     return ErrorRecord{};
   }
-  int spins = 0;
-  for (;;) {
-    uint64_t v = bar.load(std::memory_order_acquire);
-    if ((v >> 32) != gen) return ErrorRecord{};
-    if (Clock::now() >= deadline) {
-      // Leave the barrier unless the last rank arrived in the meantime (the generation is in the same word).
-      if (bar.compare_exchange_strong(v, v - 1, std::memory_order_acq_rel))
-        return ErrorRecord{kStageReset, (uint64_t)rank, (uint64_t)ranks_, 0, (v & 0xffffffffu), (uint64_t)ranks_, 0,
-                           0};
-      continue;
-    }
-    Backoff(spins);
-  }
+  uint64_t arrived = 0;
+  if (bar.Wait(deadline, &arrived)) return ErrorRecord{};
+  return ErrorRecord{kStageReset, (uint64_t)rank, (uint64_t)ranks_, 0, arrived, (uint64_t)ranks_, 0, 0};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -327,21 +305,6 @@ int64_t RegisterWorkspace(std::unique_ptr<Workspace> ws) { return Registry().Add
 Workspace* LookupWorkspace(int64_t handle) { return Registry().Find(handle); }
 bool ReleaseWorkspace(int64_t handle) { return Registry().Remove(handle); }
 
-namespace {
-// For a group spanning processes: which process the awaited peer (or every rank) belongs to.
-std::string ProcessNote(const ErrorRecord& e, int ranks, const GroupShared* shared) {
-  if (shared == nullptr) return "";
-  const GroupTail* tail = TailOf(shared, ranks);
-  if (tail->process[0] < 0) return "";
-  const std::string stops = "; a process that died or hangs stops its ranks)";
-  if (e.peer < (uint64_t)ranks)
-    return " (peer rank " + std::to_string(e.peer) + " is in process " + std::to_string(tail->process[e.peer]) + stops;
-  std::string s = " (the group's ranks are in processes";
-  for (int r = 0; r < ranks; ++r) s += (r ? ", " : " [") + std::to_string(tail->process[r]);
-  return s + "] by rank" + stops;
-}
-}  // namespace
-
 std::string FormatError(const char* op, const ErrorRecord& e, int group, int ranks, int64_t timeout_ms,
                         const GroupShared* shared) {
   // String concatenation, not iostreams, as DescribeRecord (common/error_text.h) says why.
@@ -351,7 +314,8 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
     s += "rank " + to_string(e.rank) + " (group " + to_string(group) + ") gave up in epoch " + to_string(e.epoch) +
          " because another rank of its group failed first";
     if (const ErrorRecord* first = FirstFailure(shared, ranks))
-      s += "; first failure: " + DescribeRecord(*first, group, ranks) + ProcessNote(*first, ranks, shared);
+      s += "; first failure: " + DescribeRecord(*first, group, ranks) +
+           ProcessNote(*first, ranks, TailOf(shared, ranks)->process);
     return s;
   }
   if (e.code == kStageReset) {
@@ -359,7 +323,7 @@ std::string FormatError(const char* op, const ErrorRecord& e, int group, int ran
            " ms at the recovery barrier after an earlier timeout; only " + to_string(e.got) + " of " +
            to_string(e.expected) + " ranks arrived";
   }
-  return s + DescribeRecord(e, group, ranks) + ProcessNote(e, ranks, shared);
+  return s + DescribeRecord(e, group, ranks) + ProcessNote(e, ranks, shared ? TailOf(shared, ranks)->process : nullptr);
 }
 
 }  // namespace jmo::cpu

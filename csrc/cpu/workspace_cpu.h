@@ -84,14 +84,7 @@ inline GroupTail* TailOf(const GroupShared* shared, int ranks) {
                                       GroupSharedBytes(ranks));
 }
 
-// Per group, after GroupTail: the count board of exchange_counts (protocol.h), one slot per rank: its stamp (the
-// epoch whose counts the slot holds) on its own cache line, then up to `count_values` int32 counts.
-struct CountSlot {
-  Word stamp;
-  int32_t values[1];  // really [count_values]
-};
-inline int64_t CountSlotBytes(int64_t count_values) { return AlignUp((int64_t)sizeof(Word) + 4 * count_values); }
-inline int64_t CountBoardBytes(int64_t ranks, int64_t count_values) { return ranks * CountSlotBytes(count_values); }
+// Per group, after GroupTail: the count board of exchange_counts (protocol.h's CountSlot per rank).
 
 class Workspace {
  public:

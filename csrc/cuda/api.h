@@ -81,6 +81,11 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out);
 
+// exchange_counts: counts [R_dst * E_local] of this rank -> out [R_src, R_dst, E_local], every rank's, through the
+// group's count board (protocol.h); R_src and R_dst must be the workspace's ranks, R_dst * E_local <= kMaxSegments.
+Status ExchangeCounts(const CallSite& c, const int32_t* counts, int64_t R_src, int64_t R_dst, int64_t E_local,
+                      const int32_t* group_op, const int32_t* rank_op, int32_t* out);
+
 // What the host needs of a device (cached per ordinal, thread-safe): SMs, shared memory per SM, compute capability.
 struct DeviceInfo {
   int sms = 0;

@@ -1,5 +1,6 @@
-// XLA:CUDA handlers of the two primitives: the same operands, results and attributes as the CPU handlers
-// (csrc/cpu/handlers.cc), the same shape checks, then the launchers of api.h on XLA's stream.
+// XLA:CUDA handlers of the workspace calls (dispatch, dispatch_gemm, expert_combine, exchange_counts): the same
+// operands, results and attributes as the CPU handlers (csrc/cpu/handlers.cc), the same shape checks, then the
+// launchers of api.h on XLA's stream.
 //
 // Rank mapping: the group/rank operands live in device memory, and reading them on the host would cost a stream
 // synchronization per call. The handler instead finds its (group, rank) from the FFI device ordinal in the workspace
@@ -115,6 +116,19 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              want_slots ? slot_out->untyped_data() : nullptr));
 }
 
+// exchange_counts (the routing counts of groups spanning processes): the same checks as the CPU handler's.
+ffi::Error ExchangeCountsImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> counts,
+                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, int64_t workspace, int64_t timeout_ms,
+                              int32_t delay_rank, int64_t delay_us) {
+  auto shape = CheckExchangeCounts(counts, *counts_all);
+  if (shape.has_error()) return shape.error();
+  auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
+  if (c.has_error()) return c.error();
+  return ToFfi(ExchangeCounts(c.value(), counts.typed_data(), shape->R_src, shape->R_dst, shape->E_local,
+                              group_op.typed_data(), rank_op.typed_data(), counts_all->typed_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -133,3 +147,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCuda, jmo::cuda::ExpertCombineImpl
                               jmo::BindExpertCombine(ffi::Ffi::Bind()
                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                          .Ctx<ffi::DeviceOrdinal>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCuda, jmo::cuda::ExchangeCountsImpl,
+                              jmo::BindExchangeCounts(ffi::Ffi::Bind()
+                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                          .Ctx<ffi::DeviceOrdinal>()));

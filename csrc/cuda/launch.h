@@ -38,6 +38,7 @@ Status PrepareProtocolKernels(int dev);
 Status PrepareDispatchKernels(int dev);
 Status PrepareExpertKernels(int dev);
 Status PrepareCombineKernels(int dev);
+Status PrepareCountsKernels(int dev);
 
 // The combine of expert_combine: y = sum_j gates * ret rows (CombineKernel, which closes the call).
 Status LaunchCombine(const RankDev& rd, int grid, cudaStream_t stream, DType dt, const float* gates,

@@ -9,6 +9,7 @@
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "cuda/grouped_gemm.h"
@@ -20,37 +21,81 @@ namespace nb = nanobind;
 
 namespace jmo::cuda {
 
+namespace {
+Workspace& LiveWorkspace(int64_t handle) {
+  Workspace* ws = LookupWorkspace(handle);
+  if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: not a live CUDA workspace handle");
+  return *ws;
+}
+}  // namespace
+
 void RegisterModule(nb::module_& m) {
   m.def("cuda_registrations", []() {
     nb::dict d;
     d["jmo_dispatch"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchCuda));
     d["jmo_expert_combine"] = nb::capsule(reinterpret_cast<void*>(JmoExpertCombineCuda));
     d["jmo_dispatch_gemm"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchGemmCuda));
+    d["jmo_exchange_counts"] = nb::capsule(reinterpret_cast<void*>(JmoExchangeCountsCuda));
     d["jmo_grouped_matmul"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulCuda));
     d["jmo_grouped_outer"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedOuterCuda));
     return d;
   });
+  // process, here, prefix: a workspace whose groups span processes (workspace.h's Sharing; process[g * ranks + r]
+  // owns rank r of group g, ordinals of other processes' ranks are -1): this process's part, completed by
+  // open_cuda_workspace_peers once every process has created its own (jax_moe_overlap/cuda_workspace.py).
   m.def(
       "create_cuda_workspace",
       [](int ranks, int groups, std::vector<int> ordinals, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
-         int64_t num_segments, int consumer_ctas, int sm_budget, std::optional<ModelParams> model) {
+         int64_t num_segments, int consumer_ctas, int sm_budget, std::optional<ModelParams> model,
+         std::optional<std::vector<int>> process, int here, std::string prefix) {
         if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
           throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
         WorkspaceSizes s{row_bytes, recv_rows, ret_rows, MaxBands(recv_rows, num_segments)};
+        std::optional<Sharing> sharing;
+        if (process) sharing = Sharing{*process, here, prefix};
         std::unique_ptr<Workspace> ws;
         Status st = Workspace::Create(ranks, groups, ordinals, s, consumer_ctas, sm_budget,
-                                      model ? &*model : nullptr, &ws);
+                                      model ? &*model : nullptr, &ws, sharing ? &*sharing : nullptr);
         if (!st.ok()) throw std::runtime_error(st.msg);
         return RegisterWorkspace(std::move(ws));
       },
       nb::arg("ranks"), nb::arg("groups"), nb::arg("ordinals"), nb::arg("row_bytes"), nb::arg("recv_rows"),
       nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("consumer_ctas"), nb::arg("sm_budget") = 0,
-      nb::arg("model") = nb::none());
+      nb::arg("model") = nb::none(), nb::arg("process") = nb::none(), nb::arg("here") = -1,
+      nb::arg("prefix") = "");
+  // The exports of this process's ranks of a shared workspace, by g * ranks + r: (IPC handle bytes, PCI bus id),
+  // (b"", "") for the ranks of other processes.
+  m.def(
+      "export_cuda_workspace_blocks",
+      [](int64_t handle) {
+        std::vector<BlockExport> ex;
+        Status st = LiveWorkspace(handle).ExportHandles(&ex);
+        if (!st.ok()) throw std::runtime_error(st.msg);
+        nb::list out;
+        for (const BlockExport& e : ex)
+          out.append(nb::make_tuple(nb::bytes(e.ipc_handle.data(), e.ipc_handle.size()), e.pci_bus_id));
+        return out;
+      },
+      nb::arg("handle"));
+  m.def(
+      "open_cuda_workspace_peers",
+      [](int64_t handle, const std::vector<std::tuple<nb::bytes, std::string>>& peers) {
+        std::vector<BlockExport> ex;
+        for (const auto& [h, bus] : peers) ex.push_back(BlockExport{std::string(h.c_str(), h.size()), bus});
+        Workspace& ws = LiveWorkspace(handle);
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = ws.OpenPeers(ex);
+        }
+        if (!st.ok()) throw std::runtime_error(st.msg);
+      },
+      nb::arg("handle"), nb::arg("peers"));
+  m.def("unlink_cuda_workspace_names", [](int64_t handle) { LiveWorkspace(handle).UnlinkOwn(); }, nb::arg("handle"));
   m.def(
       "cuda_workspace_info",
       [](int64_t handle) {
-        Workspace* ws = LookupWorkspace(handle);
-        if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: not a live CUDA workspace handle");
+        Workspace* ws = &LiveWorkspace(handle);
         nb::dict d;
         d["min_sm_budget"] = ws->min_budget();
         d["fixed_consumer_ctas"] = ws->consumer_ctas();
@@ -66,8 +111,7 @@ void RegisterModule(nb::module_& m) {
   m.def(
       "cuda_last_combine_records",
       [](int64_t handle, int group) {
-        Workspace* ws = LookupWorkspace(handle);
-        if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: not a live CUDA workspace handle");
+        Workspace* ws = &LiveWorkspace(handle);
         std::vector<RankPrivate> recs(ws->ranks());
         {
           nb::gil_scoped_release release;  // the synchronization may wait for XLA's running kernels

@@ -1,10 +1,19 @@
 // The peer workspace on CUDA devices, laid out by protocol.h exactly as on the CPU.
 //
-// One process, one or more local GPUs (jax's single-controller mode): each rank's symmetric block is cudaMalloc'd on
-// that rank's device; every rank's kernels get the table of all R blocks of their group (peer pointers, valid through
-// CUDA peer access, which Create checks and enables for every pair of distinct devices). The group's abort word and
-// error records (GroupShared) live in host-mapped pinned memory: kernels write them, and the host reads them at the
-// start of the next call without any synchronization. Several ranks may share one device (the loopback harness).
+// Each rank's symmetric block is cudaMalloc'd on that rank's device by the process that owns the rank; every rank's
+// kernels get the table of all R blocks of their group (peer pointers). In one process (jax's single-controller mode)
+// the table holds the blocks themselves, valid through CUDA peer access, which Create checks and enables for every
+// pair of distinct devices. Several ranks may share one device (the loopback harness).
+//
+// A group may span processes of one host (jax.distributed, a process per GPU or several GPUs per process; Sharing
+// below): each process allocates its own ranks' blocks, exports each with cudaIpcGetMemHandle (ExportHandles), and
+// opens its peers' with cudaIpcOpenMemHandle (OpenPeers); the table then holds those mappings. Peers on the opener's
+// own device work too (IPC works across processes of one device; peer access of a device with itself is not needed).
+//
+// The group memory (GroupShared: abort word and error records; then GroupTail and the count board) is host memory
+// mapped into the GPUs' address space: kernels write it, and the host reads it at the start of the next call
+// without any synchronization. In one process it is cudaHostAlloc'd; across processes it is a POSIX shared-memory
+// object created by the process of rank 0 and mapped by the others, each cudaHostRegister'ing its mapping.
 //
 // Per rank there is also a small private device block (RankPrivate + one tile counter per band), which peers never
 // touch: the epoch and deadline of the call in flight, whether it failed, and the producer's per-band tile counts.
@@ -12,12 +21,10 @@
 
 #include <cuda_runtime.h>
 
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "jax_moe_overlap/protocol.h"
@@ -64,6 +71,21 @@ struct RankPrivate {
 inline int64_t BandCounterWords(int64_t max_bands) { return (max_bands + 1) / 2 * 2; }
 inline int64_t BandCounterBytes(int64_t max_bands) { return BandCounterWords(max_bands) * 4 + 16; }
 
+// Per group, after GroupShared (GroupSharedBytes): what the host sides of the ranks share. Then the count board of
+// exchange_counts (protocol.h's CountSlot per rank, kMaxSegments values each, at CountBoardOffset). The board lives
+// here, in host-mapped memory, rather than in a device block: it is a few hundred bytes polled by one thread per
+// rank once per layer call, every process maps group memory anyway, and a board in rank 0's block would grow the
+// symmetric layout of every rank.
+struct GroupTail {
+  Word barrier;                       // the recovery barrier (common/group_barrier.h)
+  ErrorRecord reset_records[kMaxRanks];  // the group's records as the last reset found them, for every rank's report
+  int32_t process[kMaxRanks];         // the process owning each rank (-1 everywhere: the group is in one process)
+  int32_t pid[kMaxRanks];             // its OS process id (0: not known), so a release need not wait for a dead one
+  uint32_t released[kMaxRanks];       // 1 once the owner of the rank closed its mappings of the peers' blocks
+};
+inline int64_t CountBoardOffset(int ranks) { return GroupSharedBytes(ranks) + AlignUp(sizeof(GroupTail)); }
+inline int64_t GroupMemoryBytes(int ranks) { return CountBoardOffset(ranks) + CountBoardBytes(ranks, kMaxSegments); }
+
 struct PeerTable {
   char* base[kMaxRanks];
 };
@@ -81,16 +103,45 @@ struct RankDev {
   int32_t rank, group, ranks, pad_;
 };
 
+// A group spanning processes: process[g * ranks + r] owns rank r of group g; this process is `here`; the group
+// memory of group g is the POSIX shared-memory object "<prefix>-g<g>".
+struct Sharing {
+  std::vector<int> process;
+  int here = -1;
+  std::string prefix;
+};
+
+// What a process publishes for one of its ranks so that the others can open its block: the cudaIpcMemHandle_t's
+// bytes and the PCI bus id of the rank's device (to find it among the opener's devices for peer access).
+struct BlockExport {
+  std::string ipc_handle;
+  std::string pci_bus_id;
+};
+
 class Workspace {
  public:
-  // ordinals[g * ranks + r]: CUDA device of rank r of group g. consumer_ctas: the fixed C (communication CTAs of
-  // expert_combine) used when no resource model applies; model: calibrated constants of the resource model
-  // (resource_model.h), or null: then every call not pinning C uses consumer_ctas. sm_budget: CTAs of every kernel
-  // of one rank (0 = the device's SM count divided by the number of ranks on that device, so that all ranks sharing
-  // a device fit on it at once).
+  // ordinals[g * ranks + r]: CUDA device of rank r of group g (-1 for ranks of other processes). consumer_ctas: the
+  // fixed C (communication CTAs of expert_combine) used when no resource model applies; model: calibrated constants
+  // of the resource model (resource_model.h), or null: then every call not pinning C uses consumer_ctas. sm_budget:
+  // CTAs of every kernel of one rank (0 = the device's SM count divided by the number of this process's ranks on
+  // that device, so that they all fit on it at once). sharing: null for a workspace of one process; else the
+  // process table, and Create allocates this process's part: its ranks' blocks and the group memory of the groups
+  // whose rank 0 it owns. OpenPeers completes it once every process has created its part.
   static Status Create(int ranks, int groups, const std::vector<int>& ordinals, WorkspaceSizes sizes,
-                       int consumer_ctas, int sm_budget, const ModelParams* model, std::unique_ptr<Workspace>* out);
+                       int consumer_ctas, int sm_budget, const ModelParams* model, std::unique_ptr<Workspace>* out,
+                       const Sharing* sharing = nullptr);
+  // Frees this process's part after its kernels end. Sharing: first closes its IPC mappings of the peers' blocks,
+  // then waits (bounded) for the peers' processes to close theirs, and only then frees its own blocks.
   ~Workspace();
+
+  // Sharing: the exports of this process's ranks, by g * ranks + r (empty entries for the others).
+  Status ExportHandles(std::vector<BlockExport>* out) const;
+  // Sharing: maps the group memory created by other processes and opens the other processes' blocks (`peers`, by
+  // g * ranks + r, as their ExportHandles gave them), enabling peer access where the opener's devices differ.
+  Status OpenPeers(const std::vector<BlockExport>& peers);
+  // Sharing: removes the names of the shared-memory objects this process created (the mappings stay valid);
+  // idempotent. Called once every process has mapped them, and at release, so that nothing stays in /dev/shm.
+  void UnlinkOwn();
 
   int ranks() const { return ranks_; }
   int groups() const { return groups_; }
@@ -106,16 +157,21 @@ class Workspace {
   // included; for benchmarks, which do not know XLA's stream).
   Status ReadPrivate(int g, int r, cudaStream_t stream, RankPrivate* out) const;
   RankDev Dev(int g, int r) const;
+  // The group memory: host address (for the host side) and its device address (for kernels).
   GroupShared* shared(int g) const { return reinterpret_cast<GroupShared*>(shared_[g]); }
+  GroupTail* tail(int g) const { return reinterpret_cast<GroupTail*>(shared_[g] + GroupSharedBytes(ranks_)); }
+  char* shared_device(int g) const { return shared_dev_[g]; }
+  // Whether rank r of group g belongs to this process.
+  bool Local(int g, int r) const { return process_.empty() || process_[g * ranks_ + r] == here_; }
 
-  // The (group, rank) living on `ordinal`; an error if none or several do.
+  // The (group, rank) of this process living on `ordinal`; an error if none or several do.
   Status FindByOrdinal(int ordinal, int* g, int* r) const;
 
   // Start of every call on the host. If the group was aborted (a wait timed out, or an input was invalid, in some
-  // earlier call), synchronize this rank's stream, meet every rank of the group at a host barrier (bounded by
-  // timeout_ms), let the last one reset all control words, flags and error records, and return the recorded error:
-  // the call that reports a failure is the one after it (kernels run asynchronously), and the call after that
-  // runs normally again.
+  // earlier call), synchronize this rank's stream, meet every rank of the group at the barrier in group memory
+  // (bounded by timeout_ms), let the last one reset all control words, flags, count stamps and error records, and
+  // return the recorded error: the call that reports a failure is the one after it (kernels run asynchronously),
+  // and the call after that runs normally again.
   Status RecoverIfAborted(int g, int r, cudaStream_t stream, const char* op, int64_t timeout_ms);
 
   // Raises the group's abort word from the host (a call that fails validation after peers may depend on it).
@@ -123,24 +179,30 @@ class Workspace {
 
  private:
   Workspace() = default;
+  bool GroupHere(int g) const;
+  Status AllocGroupMemory(int g);
+  Status MapGroupMemory(int g, bool create);
+  // Sharing: marks this process's ranks released in group memory, then waits (bounded) for the other processes'.
+  void AwaitPeersReleased();
   int ranks_ = 0, groups_ = 0, consumer_ctas_ = 0;
   bool has_model_ = false;
   ModelParams model_{};
   WorkspaceSizes sizes_{};
   Layout layout_{};
-  std::vector<int> ordinals_, budget_;
-  std::vector<char*> blocks_;          // device
-  std::vector<RankPrivate*> priv_;     // device
-  std::vector<uint32_t*> band_done_;   // device, BandCounterBytes(max_bands)
-  std::vector<char*> shared_;          // host-mapped (device pointer == host pointer under UVA)
-  struct Barrier {
-    std::mutex mu;
-    std::condition_variable cv;
-    int arrived = 0;
-    uint64_t generation = 0;
-    std::vector<ErrorRecord> records;  // the group's error records captured by the last reset
-  };
-  std::vector<std::unique_ptr<Barrier>> barriers_;
+  std::vector<int> ordinals_, budget_;  // per g * ranks + r (-1 / 0 for ranks of other processes)
+  std::vector<char*> blocks_;           // device: own blocks, or the IPC mappings of other processes' blocks
+  std::vector<int> access_dev_;         // the device this process reaches each block through (the opener's)
+  std::vector<bool> opened_;            // blocks_[i] is an IPC mapping (closed, never freed, by this process)
+  std::vector<RankPrivate*> priv_;      // device (own ranks)
+  std::vector<uint32_t*> band_done_;    // device (own ranks), BandCounterBytes(max_bands)
+  std::vector<char*> shared_;           // per group: host address of the group memory (null: no rank here)
+  std::vector<char*> shared_dev_;       // per group: its device address
+  // Sharing only.
+  std::vector<int> process_;
+  int here_ = -1;
+  std::string prefix_;
+  std::vector<std::pair<void*, size_t>> mappings_;  // group memory mappings (registered with CUDA)
+  std::vector<std::string> own_names_;
 };
 
 // Registry: the custom calls name a workspace by an integer handle. CUDA handles start at kHandleBase, so they never

@@ -35,8 +35,8 @@
 // A rank starting a later call first meets all R ranks at a host barrier, and the last to arrive resets all
 // control words and flags to zero (epochs restart at 1); only then does anyone write again.
 //
-// exchange_counts (CPU: groups whose ranks span processes, where the collective backend's wait has no bound) is an
-// epoch like the others. Each rank owns one slot of the group's count board (csrc/cpu/workspace_cpu.h): its routing
+// exchange_counts (groups whose ranks span processes, where the collective backend's wait has no bound) is an epoch
+// like the others. Each rank owns one slot of the group's count board (CountSlot below, in group memory): its routing
 // counts and a stamp, the epoch they belong to. Epoch n on rank r:
 //   1. Wait until every peer d has d.done_epoch >= n-1 (d has finished reading the board in call n-1).
 //   2. Store r's counts in its slot, then release-store its stamp = n.
@@ -197,6 +197,20 @@ struct GroupShared {
 
 JMO_HD inline int64_t GroupSharedBytes(int64_t ranks) {
   return AlignUp((int64_t)sizeof(GroupShared) + (ranks - 1) * (int64_t)sizeof(ErrorRecord));
+}
+
+// The count board of exchange_counts, in group memory: one slot per rank, its stamp (the epoch whose counts the slot
+// holds) on its own cache line, then up to `count_values` int32 counts. Each platform places the board after its
+// own group words (csrc/cpu/workspace_cpu.h, csrc/cuda/workspace.h).
+struct CountSlot {
+  Word stamp;
+  int32_t values[1];  // really [count_values]
+};
+JMO_HD inline int64_t CountSlotBytes(int64_t count_values) {
+  return AlignUp((int64_t)sizeof(Word) + 4 * count_values);
+}
+JMO_HD inline int64_t CountBoardBytes(int64_t ranks, int64_t count_values) {
+  return ranks * CountSlotBytes(count_values);
 }
 
 // One routing segment as the producer and consumer see it: the rows of recv that came from source rank `src` for

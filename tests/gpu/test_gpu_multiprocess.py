@@ -1,0 +1,119 @@
+"""The overlap layer on CUDA with its expert axis over processes (jax.distributed on localhost, one rank per
+process): the workspace's blocks cross processes through CUDA IPC, its group memory through POSIX shared memory.
+
+Placements: two processes sharing GPU 0 (the one-GPU machine; a process per rank, time-sliced on the device), and
+where there are several GPUs one process per GPU, which is also compared bitwise with the same mesh driven by one
+process. Each checks bfloat16 and float32 forward and gradients (jax.vjp through moe_experts) against the float32
+reference (1e-2 relative), repeated calls bitwise identical, and no shared-memory name left behind. A peer process
+killed between calls makes the survivor fail (the routing counts' exchange, stage "counts") within about two
+timeouts (the kernel's wait, then the next call's recovery barrier, which reports it), naming the peer and its
+process, and the survivor's release does not wait for the dead peer. Every subprocess wait is bounded. In this
+process, over every visible GPU (R = 1 on a one-GPU machine): the CUDA exchange_counts path of the layer equals the
+all_gather one bit for bit.
+"""
+
+import glob
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import layer_checks as checks  # tests/layer_checks.py (tests/ is on pytest's pythonpath)
+from gpu_common import gpu_devices, gpu_mesh, requires_gpu
+
+pytestmark = requires_gpu
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPUS = len(gpu_devices())
+PLACEMENTS = ["one_gpu"] + (["own_gpu"] if GPUS >= 2 else [])
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(nproc: int, placement: str, case: str, limit_s: float = 300, **env_extra):
+  """Runs the processes of one job (multiprocess_gpu_main.py); returns [(exit status, output)] by process. A child
+  still running at limit_s is killed (SIGKILL). Outputs go to files, not pipes: a child blocked on a full pipe
+  would stall its peers."""
+  env = dict(os.environ, **env_extra)
+  env.pop("XLA_FLAGS", None)
+  port = str(_free_port())
+  logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_gpu_main.py"), str(i), str(nproc), port,
+                             placement, case], cwd=HERE, env=env, stdout=logs[i], stderr=subprocess.STDOUT)
+           for i in range(nproc)]
+  deadline = time.monotonic() + limit_s
+  try:
+    for p in procs:
+      try:
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=30)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  outs = []
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    log.seek(0)
+    outs.append((p.returncode, log.read()))
+    log.close()
+    print(f"--- process {i} (exit status {p.returncode}):\n{outs[-1][1][-6000:]}")
+  return outs
+
+
+def _shm_left(outs) -> list[str]:
+  prefixes = {m for _, out in outs for m in re.findall(r"^shm (/jmo-[0-9a-f]+)$", out, re.M)}
+  assert prefixes, [out[-2000:] for _, out in outs]
+  return [f for p in prefixes for f in glob.glob(f"/dev/shm{p}-*")]
+
+
+@pytest.mark.watchdog_s(900)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_expert_axis_over_processes_matches_the_reference(placement, tmp_path):
+  env = {}
+  if placement == "own_gpu":
+    # The same mesh driven by one process holding both GPUs: the multi-process run must equal it bitwise.
+    oracle = str(tmp_path / "one_process.npz")
+    [(rc, out)] = run_processes(1, "all_gpus", "equal", JMO_GPUS="2", JMO_OUT=oracle)
+    assert rc == 0 and ": match (spans_processes=False)" in out, out[-4000:]
+    env["JMO_ORACLE"] = oracle
+  outs = run_processes(2, placement, "equal", **env)
+  for rc, out in outs:
+    assert rc == 0 and ": match (spans_processes=True)" in out, out[-4000:]
+    if placement == "own_gpu":
+      assert ": bitwise" in out, out[-4000:]
+    assert "freeing them anyway" not in out, out[-4000:]  # the release found every peer's mappings closed
+  assert _shm_left(outs) == []
+
+
+@pytest.mark.watchdog_s(600)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_peer_killed_between_calls_fails_the_survivor_within_the_timeout(placement):
+  timeout_s = 3.0
+  outs = run_processes(2, placement, "killed_between_calls", limit_s=240, JMO_TIMEOUT_MS=str(int(timeout_s * 1000)))
+  lost_rank, lost = map(int, re.search(r"^losing rank (\d+) in process (\d+)$", outs[0][1], re.M).groups())
+  assert outs[lost][0] == -9, outs[lost][1][-4000:]
+  rc, out = outs[1 - lost]
+  line = next((l for l in out.splitlines() if l.startswith("failed after")), None)
+  assert rc == 0 and line is not None, out[-4000:]
+  # The counts kernel's wait expires (one timeout); the next call meets the recovery barrier, which the dead peer
+  # never reaches (a second timeout), and reports the first failure.
+  assert float(line.split()[2]) < 2 * timeout_s + 10.0, line
+  assert "DEADLINE_EXCEEDED" in line and "stage counts" in line, line
+  assert f"waiting for peer {lost_rank}:" in line and f"peer rank {lost_rank} is in process {lost}" in line, line
+  released = next((l for l in out.splitlines() if l.startswith("released after")), None)
+  assert released is not None and float(released.split()[2]) < 5.0, out[-4000:]
+  assert _shm_left(outs) == []
+
+
+def test_counts_through_the_workspace_equal_all_gather_in_one_process(monkeypatch):
+  checks.check_counts_through_the_workspace(gpu_mesh(GPUS), monkeypatch, num_experts=8 * GPUS)
