@@ -214,3 +214,10 @@ def test_timeout_at_src_block_names_the_late_source_and_recovery_clears_the_coun
   np.testing.assert_allclose(y, good, rtol=1e-5, atol=1e-5)
   for _ in range(3):
     np.testing.assert_array_equal(np.asarray(fused(x, ids, gates, w1, w2)), good)
+
+
+@pytest.mark.slow  # two more meshes, each compiling the fused and the two-call programs again
+@pytest.mark.parametrize("R", [1, 2])
+def test_layer_equals_two_calls_dispatch_on_1_and_2_ranks(R):
+  # R = 1: no pushes, the rank's own rows only; R = 2: one peer per round.
+  check_layer_equals_two_calls(mesh_of(R), [("skewed", True), ("all_to_one", False)], jnp.bfloat16, None)
