@@ -22,7 +22,8 @@ xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_loca
                 inputs, so nothing drops).
 ours_dg         (with --dispatch-pushers P > 0) ours with CallConfig(dispatch_pushers=P): the dispatch and GEMM1 in one
                 dispatch_gemm call (Hopper, bf16), GEMM1's tiles of each source starting once its rows are in, so the
-                dispatch overlaps GEMM1 as the return overlaps GEMM2 (on CPU it runs as ours).
+                dispatch overlaps GEMM1 as the return overlaps GEMM2 (on CPU dispatch_gemm's CPU handler, the
+                protocol's specification: checked, its time no GPU measure).
 serialized      ours with CallConfig(serialize=True): expert_combine's consumer starts pushing only after the producer
                 has finished the whole GEMM (every expert_combine of the pass: GEMM2 forward, dx backward). Same
                 kernels, same results, no overlap: the baseline the overlap is measured against.

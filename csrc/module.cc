@@ -71,6 +71,7 @@ NB_MODULE(_jmo, m) {
     nb::dict d;
     d["jmo_dispatch"] = Capsule(JmoDispatchCpu);
     d["jmo_expert_combine"] = Capsule(JmoExpertCombineCpu);
+    d["jmo_dispatch_gemm"] = Capsule(JmoDispatchGemmCpu);
     d["jmo_exchange_counts"] = Capsule(JmoExchangeCountsCpu);
     d["jmo_grouped_matmul"] = Capsule(JmoGroupedMatmulCpu);
     d["jmo_grouped_outer"] = Capsule(JmoGroupedOuterCpu);
@@ -81,6 +82,20 @@ NB_MODULE(_jmo, m) {
   m.def("create_cpu_shared_workspace", &CreateCpuSharedWorkspace, nb::arg("ranks"), nb::arg("groups"),
         nb::arg("row_bytes"), nb::arg("recv_rows"), nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("process"),
         nb::arg("here"), nb::arg("prefix"));
+  // Testing aid: dispatch_gemm's arrival counters (src_blocks, protocol.h) of rank `rank` of group `group`, sources
+  // by block, so that tests can see every call leave them zero and the recovery after a failure clear them. Read
+  // between calls only (a call in flight writes them).
+  m.def(
+      "cpu_src_blocks",
+      [](int64_t handle, int group, int rank) {
+        jmo::cpu::Workspace& ws = LiveCpuWorkspace(handle);
+        if (group < 0 || group >= ws.groups() || rank < 0 || rank >= ws.ranks())
+          throw std::invalid_argument("jax_moe_overlap: no rank " + std::to_string(rank) + " of group " +
+                                      std::to_string(group) + " in CPU workspace " + std::to_string(handle));
+        const uint64_t* b = ws.view(group, rank).src_blocks();
+        return std::vector<uint64_t>(b, b + jmo::kMaxSourceCounters * jmo::SrcBlocks(ws.sizes().ret_rows));
+      },
+      nb::arg("handle"), nb::arg("group"), nb::arg("rank"));
   m.def("map_cpu_workspace_peers", [](int64_t handle) { LiveCpuWorkspace(handle).MapPeers(); }, nb::arg("handle"));
   m.def("unlink_cpu_workspace_names", [](int64_t handle) { LiveCpuWorkspace(handle).UnlinkOwn(); },
         nb::arg("handle"));

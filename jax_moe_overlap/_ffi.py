@@ -10,7 +10,7 @@ from jax_moe_overlap import _jmo
 
 DISPATCH = "jmo_dispatch"
 EXPERT_COMBINE = "jmo_expert_combine"
-DISPATCH_GEMM = "jmo_dispatch_gemm"  # CUDA (Hopper) only
+DISPATCH_GEMM = "jmo_dispatch_gemm"  # CPU, and CUDA on Hopper
 EXCHANGE_COUNTS = "jmo_exchange_counts"
 BAND_ROWS: int = _jmo.band_rows
 

@@ -82,11 +82,15 @@ class CallConfig:
   serialize: expert_combine's consumer starts only after the producer has finished every tile (no overlap: the
     baseline of the benchmarks; results are identical).
   consumer_tuning: how the CUDA consumer pushes (ConsumerTuning).
-  dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): on CUDA, with bfloat16
-    operands and d_model, 2 * d_ff multiples of 64, one dispatch_gemm call in which this many CTAs push the tokens
-    and the others run GEMM1, each source's tiles starting once its rows have arrived (Hopper only: elsewhere the
-    call fails with an error saying so). The same results, bit for bit. Not faster than the two calls on two H200s:
-    leave it at 0 for speed.
+  dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): one dispatch_gemm call
+    for both (forward, and the backward's dispatch of gates * dy with its d_out W2^T), each source's GEMM1 tiles
+    starting once its rows have arrived. On CUDA with bfloat16 operands and d_model, 2 * d_ff multiples of 64 (other
+    operands keep the two calls): this many CTAs push the tokens and the others run GEMM1 (Hopper only: elsewhere the
+    call fails with an error saying so); the same results as the two calls, bit for bit. Not faster than the two calls
+    on two H200s: leave it at 0 for speed. On CPU any value > 0 selects the fused call (float32 or bfloat16, any
+    shape) and has no other effect: the handler thread pushes and then computes, with the bare grouped GEMM's
+    numerics (jmo_grouped_matmul's CPU handler), while the two calls' GEMM1 on CPU is XLA's ragged_dot, so the results
+    agree to float32 rounding, not bit for bit.
   """
 
   timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
@@ -188,10 +192,12 @@ def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info
 
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo,
                   transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
-  """dispatch and GEMM1 in one CUDA call: [S, D] bf16 rows, w [E_local, D, N] bf16 (or [E_local, N, D] read
+  """dispatch and GEMM1 in one call: [S, D] rows, w [E_local, D, N] in their dtype (or [E_local, N, D] read
   transposed with ``transpose_rhs``) -> (recv [cap, D] as ``dispatch``, a [cap, N] float32 = recv rows of each
-  (expert, source) segment @ w[expert], zero past the rows). ``info.config.dispatch_pushers`` CTAs push the rows for
-  other ranks, then join the GEMM; each GEMM tile starts once the 128-row blocks holding its rows are in."""
+  (expert, source) segment @ w[expert], zero past the rows); each GEMM tile starts once the 128-row blocks holding
+  its rows are in. On CUDA (Hopper, bfloat16) ``info.config.dispatch_pushers`` CTAs push the rows for other ranks,
+  then join the GEMM; on CPU (float32 or bfloat16) the handler thread pushes, then computes with
+  ``grouped_matmul``'s CPU numerics."""
   _ffi.register()
   group, rank = info.coords()
   N = w.shape[1] if transpose_rhs else w.shape[2]
@@ -204,10 +210,15 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
 
 
 def _fuses_dispatch(x, w, info: RankInfo) -> bool:
-  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: asked for (CallConfig.dispatch_pushers), a
-  CUDA workspace, bf16, and the wgmma engine's multiples of 64 (x's width; w's last two dimensions)."""
-  return (info.config.dispatch_pushers > 0 and info.workspace.platform != "cpu" and x.dtype == jnp.bfloat16 and
-          w.dtype == jnp.bfloat16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and w.shape[2] % 64 == 0)
+  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: asked for (CallConfig.dispatch_pushers), and
+  on CUDA the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64); a CPU
+  workspace takes any operands the layer takes."""
+  if info.config.dispatch_pushers <= 0:
+    return False
+  if info.workspace.platform == "cpu":
+    return True
+  return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and
+          w.shape[2] % 64 == 0)
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,

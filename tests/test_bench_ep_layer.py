@@ -98,7 +98,7 @@ def test_ragged_skipped_on_cpu_with_reason(rows, pass_):
 
 
 def test_dispatch_pushers_adds_ours_dg():
-  # ours with CallConfig(dispatch_pushers=...) (on CPU the unfused layer): checked like every implementation.
+  # ours with CallConfig(dispatch_pushers=...) (on CPU dispatch_gemm's CPU handler): checked like every implementation.
   args = bench_ep_layer.parse_args(["--quick", "--devices", "4", "--check-only", "--passes", "fwd",
                                     "--impls", "ours_dg", "--dispatch-pushers", "2"])
   got = {r["impl"]: r for r in bench_ep_layer.run(args, timing=False).rows}

@@ -9,3 +9,9 @@ from child_process import run_script
 def test_eight_ranks_match_reference():
   out = run_script("eight_ranks_main.py")
   assert out.count(": match") == 3, out
+
+
+@pytest.mark.slow  # as above
+def test_eight_ranks_dispatch_gemm_equals_two_calls():
+  out = run_script("dispatch_gemm_eight_main.py")
+  assert out.count(": match") == 2, out

@@ -75,9 +75,10 @@ def test_bfloat16_within_tolerance(kind):
   layer_checks.check_layer(mesh_of(4), kind, seed=3)
 
 
-def test_dispatch_pushers_on_cpu_keeps_two_calls():
-  # CallConfig(dispatch_pushers=2) fuses the dispatch and GEMM1 on Hopper GPUs only; on CPU devices the layer keeps
-  # its two calls and gives the default config's bits (tests/gpu/test_gpu_layer.py runs the same check where it fuses).
+def test_dispatch_pushers_fuses_on_cpu_too():
+  # CallConfig(dispatch_pushers=2) runs dispatch_gemm's CPU handler: the bits of the two calls with jmo_grouped_matmul
+  # as GEMM1 (tests/gpu/test_gpu_layer.py runs the same check on the fused kernel; tests/test_dispatch_gemm.py has the
+  # CPU cases).
   layer_checks.check_dispatch_gemm(mesh_of(4))
 
 

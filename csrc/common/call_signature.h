@@ -42,11 +42,12 @@ auto BindDispatch(Binding b) {
                            .template Ret<ffi::AnyBuffer>());
 }
 
-// dispatch_gemm(dispatch rows (above; src bf16), send_order [P], send_start [R + 1], seg_rows [E_local, R],
-//               seg_ret_off [E_local, R], w [E_local, D, N] bf16 (or [E_local, N, D] with transpose_rhs),
-//               group [], rank []) -> recv [cap, D] bf16, a [cap, N] float32 = recv[segment] @ w[expert]
-// Attributes: those of every call, then pushers (int32: CTAs that push first, then join the GEMM) and transpose_rhs
-// (bool). CUDA (Hopper) only: the dispatch and GEMM1 in one launch, each GEMM1 tile starting once its rows are in.
+// dispatch_gemm(dispatch rows (above), send_order [P], send_start [R + 1], seg_rows [E_local, R],
+//               seg_ret_off [E_local, R], w [E_local, D, N] in src's dtype (or [E_local, N, D] with transpose_rhs),
+//               group [], rank []) -> recv [cap, D] in src's dtype, a [cap, N] float32 = recv[segment] @ w[expert]
+// Attributes: those of every call, then pushers (int32 >= 1: CUDA CTAs that push first, then join the GEMM; no
+// effect on CPU) and transpose_rhs (bool). The dispatch and GEMM1 in one call, each GEMM1 tile starting once its rows
+// are in: CUDA on Hopper with bfloat16 (the wgmma engine's shapes), CPU with float32 or bfloat16.
 template <typename Binding>
 auto BindDispatchGemm(Binding b) {
   namespace ffi = xla::ffi;
@@ -156,6 +157,52 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
   return DispatchShape{src.element_type(), sd[0], sd[1], od[0], P};
+}
+
+struct DispatchGemmShape {
+  DispatchShape rows;  // src, slots and recv, as a dispatch's
+  int64_t E_local, N;  // w's experts and output columns
+};
+
+// dispatch_gemm's operands apart from the plan arrays whose sizes depend on the workspace's ranks
+// (CheckDispatchGemmPlan): a dispatch's, w [E_local, D, N] (or [E_local, N, D] with transpose_rhs) in src's dtype,
+// and a [cap, N] float32.
+inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::AnyBuffer& src,
+                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
+                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
+                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
+                                                              const xla::ffi::AnyBuffer& w,
+                                                              const xla::ffi::AnyBuffer& out,
+                                                              const xla::ffi::Buffer<xla::ffi::F32>& a,
+                                                              bool transpose_rhs) {
+  auto rows = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, out);
+  if (rows.has_error()) return xla::ffi::Unexpected(rows.error());
+  if (w.element_type() != src.element_type())
+    return xla::ffi::Unexpected(InvalidCall("dispatch_gemm: src and w must share one dtype, float32 or bfloat16"));
+  auto wd = w.dimensions();
+  auto ad = a.dimensions();
+  const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
+  if (wd.size() != 3 || wd[wk] != rows->D || ad.size() != 2 || ad[0] != rows->cap || ad[1] != wd[wn])
+    return xla::ffi::Unexpected(InvalidCall(
+        std::string(transpose_rhs ? "dispatch_gemm: w must be [E_local, N, D] (transpose_rhs)"
+                                  : "dispatch_gemm: w must be [E_local, D, N]") +
+        " and a [cap, N] with D = src's row width; got src " + DimsText(src.dimensions()) + ", w " + DimsText(wd) +
+        ", a " + DimsText(ad)));
+  return DispatchGemmShape{*rows, wd[0], wd[wn]};
+}
+
+// dispatch_gemm's plan arrays against the workspace's R ranks: send_order [P], send_start [R + 1], seg_rows and
+// seg_ret_off [E_local, R].
+inline xla::ffi::Error CheckDispatchGemmPlan(const DispatchGemmShape& s, int64_t R,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& send_order,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& send_start,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& seg_rows,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& seg_ret_off) {
+  if (seg_rows.element_count() != s.E_local * R || seg_ret_off.element_count() != seg_rows.element_count())
+    return InvalidCall("dispatch_gemm: seg_rows and seg_ret_off must be [E_local, R] with R = workspace ranks");
+  if (send_order.element_count() != s.rows.P || send_start.element_count() != R + 1)
+    return InvalidCall("dispatch_gemm: send_order must be [P] (one per slot) and send_start [R + 1]");
+  return xla::ffi::Error::Success();
 }
 
 struct CountsShape {

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "common/bf16.h"
 #include "common/grouped_gemm_signature.h"
+#include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -13,22 +13,6 @@ namespace ffi = xla::ffi;
 
 namespace jmo::cpu {
 namespace {
-
-// Element access in either dtype, as float.
-struct View {
-  const void* p;
-  bool bf16;
-  float operator[](int64_t i) const {
-    return bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-  }
-};
-
-void Store(void* p, bool bf16, int64_t i, float v) {
-  if (bf16)
-    static_cast<uint16_t*>(p)[i] = FloatToBf16(v);
-  else
-    static_cast<float*>(p)[i] = v;
-}
 
 // Row offsets of the groups; an error names the first invalid group.
 ffi::ErrorOr<std::vector<int64_t>> RowOffsets(const char* op, const ffi::Buffer<ffi::S32>& sizes, int64_t M) {
@@ -52,24 +36,12 @@ ffi::Error GroupedMatmulImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer
   auto off = RowOffsets("grouped_matmul", group_sizes, M);
   if (off.has_error()) return off.error();
   const bool bf16 = shape->dtype == ffi::DataType::BF16, out_bf16 = !shape->out_f32;
-  const View a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
+  const ElemView a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
   void* o = out->untyped_data();
   std::vector<float> acc(N);
-  for (int64_t g = 0; g < shape->G; ++g) {
-    const int64_t wb = g * K * N;
-    for (int64_t r = (*off)[g]; r < (*off)[g + 1]; ++r) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t k = 0; k < K; ++k) {
-        const float x = a[r * K + k];
-        if (transpose_rhs)
-          for (int64_t n = 0; n < N; ++n) acc[n] += x * b[wb + n * K + k];
-        else
-          for (int64_t n = 0; n < N; ++n) acc[n] += x * b[wb + k * N + n];
-      }
-      for (int64_t n = 0; n < N; ++n) Store(o, out_bf16, r * N + n, acc[n]);
-    }
-  }
-  for (int64_t i = off->back() * N; i < M * N; ++i) Store(o, out_bf16, i, 0.f);
+  for (int64_t g = 0; g < shape->G; ++g)
+    MatmulRows(a, b, g * K * N, (*off)[g], (*off)[g + 1], K, N, transpose_rhs, o, out_bf16, acc);
+  for (int64_t i = off->back() * N; i < M * N; ++i) StoreElem(o, out_bf16, i, 0.f);
   return ffi::Error::Success();
 }
 
@@ -81,7 +53,7 @@ ffi::Error GroupedOuterImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<
   auto off = RowOffsets("grouped_outer", group_sizes, M);
   if (off.has_error()) return off.error();
   const bool bf16 = shape->dtype == ffi::DataType::BF16, out_bf16 = !shape->out_f32;
-  const View a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
+  const ElemView a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
   std::vector<float> acc(K * N);
   for (int64_t g = 0; g < shape->G; ++g) {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -90,7 +62,7 @@ ffi::Error GroupedOuterImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<
         const float x = a[r * K + k];
         for (int64_t n = 0; n < N; ++n) acc[k * N + n] += x * b[r * N + n];
       }
-    for (int64_t i = 0; i < K * N; ++i) Store(out->untyped_data(), out_bf16, g * K * N + i, acc[i]);
+    for (int64_t i = 0; i < K * N; ++i) StoreElem(out->untyped_data(), out_bf16, g * K * N + i, acc[i]);
   }
   return ffi::Error::Success();
 }

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "cpu/call_steps.h"
 #include "cpu/handlers.h"
 #include "workspace_cpu.h"
 #include "common/bf16.h"
@@ -32,60 +32,6 @@ struct Elem<uint16_t> {
   static float Load(const void* p, int64_t i) { return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]); }
   static void Store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = FloatToBf16(v); }
 };
-
-struct CallContext {
-  Workspace* ws;
-  int group, rank;
-  uint64_t epoch;
-  Clock::time_point deadline;
-};
-
-// Common start of every call: resolve the workspace, check rank/group, apply the test delay, recover from an
-// earlier abort, and open the epoch.
-ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank, int64_t timeout_ms,
-                                    int32_t delay_rank, int64_t delay_us) {
-  Workspace* ws = LookupWorkspace(handle);
-  if (ws == nullptr)
-    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                                      "jax_moe_overlap: workspace handle " + std::to_string(handle) +
-                                          " is not live (released, or created in another process)"));
-  if (rank < 0 || rank >= ws->ranks() || group < 0 || group >= ws->groups())
-    return ffi::Unexpected(InvalidCall("rank " + std::to_string(rank) + " / group " + std::to_string(group) +
-                                   " outside the workspace's " + std::to_string(ws->ranks()) + " ranks x " +
-                                   std::to_string(ws->groups()) + " groups"));
-  if (delay_rank == rank && delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-  CallContext c{ws, group, rank, 0, Clock::now() + std::chrono::milliseconds(timeout_ms)};
-  ErrorRecord rec = ws->RecoverIfAborted(group, rank, c.deadline);
-  if (rec.code)
-    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                                      FormatError("recover", rec, group, ws->ranks(), timeout_ms, ws->shared(group))));
-  RankControl* ctl = ws->view(group, rank).control();
-  c.epoch = ctl->calls.value + 1;  // only this rank writes `calls`
-  AtomicStore(&ctl->calls.value, c.epoch);
-  return c;
-}
-
-// A call that fails validation after its epoch began must not leave its peers waiting for rows that will never
-// come: record the failure (`detail`, `peer`, `got`, `expected` as protocol.h's BadInput describes them) and raise
-// the group's abort word, so they give up at once naming this rank's failure, and the next call resets the group.
-ffi::Error Fail(const CallContext& c, ffi::Error err, BadInput detail = kBadCallShape, uint64_t peer = 0,
-                uint64_t got = 0, uint64_t expected = 0) {
-  c.ws->RecordFailure(c.group, ErrorRecord{kStageBadInput, (uint64_t)c.rank, peer, c.epoch, got, expected,
-                                           (uint64_t)detail, 0});
-  return err;
-}
-
-// A bad input whose record says it all: this rank's error is the record's text, as its peers quote it.
-ffi::Error FailInput(const CallContext& c, const char* op, BadInput detail, uint64_t peer, uint64_t got,
-                     uint64_t expected) {
-  const ErrorRecord rec{kStageBadInput, (uint64_t)c.rank, peer, c.epoch, got, expected, (uint64_t)detail, 0};
-  return Fail(c, InvalidCall(std::string(op) + ": " + DescribeRecord(rec, c.group, c.ws->ranks())), detail, peer, got,
-              expected);
-}
-
-ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c, int64_t timeout_ms) {
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError(op, e, c.group, c.ws->ranks(), timeout_ms, c.ws->shared(c.group)));
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out.
@@ -114,17 +60,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   const int32_t* dst_row = slot_dest_row.typed_data();
   const int64_t expected = recv_rows_expected.typed_data()[0];
   if (expected < 0 || expected > cap) return FailInput(c, "dispatch", kBadExpectedRows, 0, expected, cap);
-  for (int64_t p = 0; p < P; ++p) {
-    // The plan marks an invalid expert id with dest rank -1 and puts the id itself in the slot's dest row.
-    if (dst_rank[p] == -1)
-      return FailInput(c, "dispatch", kBadExpertId, p, (uint64_t)(int64_t)src_row[p], (uint64_t)(int64_t)dst_row[p]);
-    if (dst_row[p] < 0) continue;  // dropped by the capacity rule
-    const bool bad_rank = dst_rank[p] < 0 || dst_rank[p] >= R, bad_row = dst_row[p] >= cap;
-    if (bad_rank || bad_row || src_row[p] < 0 || src_row[p] >= S)
-      return FailInput(c, "dispatch", kBadRoute, p,
-                       (uint64_t)(int64_t)(bad_rank ? dst_rank[p] : bad_row ? dst_row[p] : src_row[p]),
-                       bad_rank ? R : bad_row ? cap : S);
-  }
+  if (ffi::Error err = CheckSlots(c, "dispatch", src_row, dst_rank, dst_row, P, S, cap); err.failure()) return err;
 
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
   // Start with the next rank so that the R senders do not all hit the same receiver at once.
@@ -143,18 +79,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
   }
 
-  RankView self = ws->view(c.group, c.rank);
-  RankControl* ctl = self.control();
-  const uint64_t base = ctl->recv_expected.value;
-  ErrorRecord e = ws->WaitAtLeast(&ctl->recv_arrivals.value, base, expected, c.group, c.rank, R, c.epoch,
-                                  kStageRecvArrivals, c.deadline, timeout_ms);
-  if (e.code) return TimeoutError("dispatch", e, c, timeout_ms);
-  ctl->recv_expected.value = base + expected;
-  char* o = static_cast<char*>(out->untyped_data());
-  std::memcpy(o, self.recv(), expected * row_bytes);
-  std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
-  AtomicStore(&ctl->done_epoch.value, c.epoch);
-  return ffi::Error::Success();
+  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), timeout_ms);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -243,22 +168,12 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
                    ", cap " + std::to_string(cap) + ", slots " + std::to_string(P) + ")"));
 
   // Segments in (expert, source) order, as the plan laid out recv; then the producer's order.
-  std::vector<Segment> segs;
-  std::vector<int64_t> rows_to_rank(R, 0);
-  int32_t off = 0, band = 0;
-  for (int e = 0; e < E_l; ++e) {
-    for (int s = 0; s < R; ++s) {
-      const int32_t rows = seg_rows.typed_data()[e * R + s];
-      const int32_t ret_off = seg_ret_off.typed_data()[e * R + s];
-      if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > ws->sizes().ret_rows)
-        return Fail(c, InvalidCall("expert_combine: segment (expert " + std::to_string(e) + ", source " + std::to_string(s) +
-                       ") lies outside the buffers"), kBadSegment, e * R + s, (uint64_t)(int64_t)rows, cap);
-      segs.push_back(Segment{e, s, off, rows, ret_off, band});
-      off += rows;
-      band += (rows + kBandRows - 1) / kBandRows;
-      rows_to_rank[s] += rows;
-    }
-  }
+  std::vector<int64_t> rows_to_rank;
+  auto recv_segs = RecvSegments(c, "expert_combine", seg_rows.typed_data(), seg_ret_off.typed_data(), E_l, cap,
+                                &rows_to_rank);
+  if (recv_segs.has_error()) return recv_segs.error();
+  const std::vector<Segment>& segs = *recv_segs;
+  const int64_t band = segs.empty() ? 0 : segs.back().band_base + (segs.back().rows + kBandRows - 1) / kBandRows;
   if (band > ws->sizes().max_bands)
     return FailInput(c, "expert_combine", kBadTooManyTiles, 0, band, ws->sizes().max_bands);
   std::vector<int> order(segs.size());

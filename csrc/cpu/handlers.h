@@ -1,11 +1,12 @@
-// XLA FFI handler symbols for XLA:CPU (defined in handlers.cc).
+// XLA FFI handler symbols for XLA:CPU (defined in handlers.cc unless noted).
 #pragma once
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
 XLA_FFI_Error* JmoDispatchCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExpertCombineCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoDispatchGemmCpu(XLA_FFI_CallFrame* frame);  // dispatch_gemm.cc
 XLA_FFI_Error* JmoExchangeCountsCpu(XLA_FFI_CallFrame* frame);
-XLA_FFI_Error* JmoGroupedMatmulCpu(XLA_FFI_CallFrame* frame);  // grouped_gemm_cpu.cc
+XLA_FFI_Error* JmoGroupedMatmulCpu(XLA_FFI_CallFrame* frame);  // grouped_gemm.cc
 XLA_FFI_Error* JmoGroupedOuterCpu(XLA_FFI_CallFrame* frame);
 }

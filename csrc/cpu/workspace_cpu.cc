@@ -279,7 +279,8 @@ ErrorRecord Workspace::RecoverIfAborted(int group, int rank, Clock::time_point d
     // Every rank of the group is here, so nobody reads or writes group memory: reset it all.
     for (int r = 0; r < ranks_; ++r) {
       RankView v = view(group, r);
-      std::memset(v.base + layout_.control, 0, layout_.recv - layout_.control);  // control words + tile flags
+      // Everything before recv: the control words, the tile flags and dispatch_gemm's src_blocks counters.
+      std::memset(v.base + layout_.control, 0, layout_.recv - layout_.control);
     }
     std::memset(shared_[group], 0, GroupSharedBytes(ranks_));
     for (int r = 0; r < ranks_; ++r) count_slot(group, r)->stamp.value = 0;  // stamps are epochs, which restart

@@ -60,31 +60,22 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> a, int64_t workspace,
                             int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t pushers,
                             bool transpose_rhs) {
-  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *out, *a, transpose_rhs);
   if (shape.has_error()) return shape.error();
-  auto wd = w.dimensions();
-  auto ad = a->dimensions();
-  if (shape->dtype != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
-    return InvalidCall("dispatch_gemm: src and w must be bfloat16");
-  const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
-  if (wd.size() != 3 || wd[wk] != shape->D || ad.size() != 2 || ad[0] != shape->cap || ad[1] != wd[wn])
-    return InvalidCall(transpose_rhs ? "dispatch_gemm: w must be [E_local, N, D] (transpose_rhs) and a [cap, N] with "
-                                       "D = src's row width"
-                                     : "dispatch_gemm: w must be [E_local, D, N] and a [cap, N] with D = src's row "
-                                       "width");
+  if (shape->rows.dtype != ffi::DataType::BF16)
+    return InvalidCall("dispatch_gemm: src and w must be bfloat16 on CUDA (the wgmma engine)");
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
-  const int64_t E_l = wd[0], R = c.value().ws->ranks();
-  if (seg_rows.element_count() != E_l * R || seg_ret_off.element_count() != seg_rows.element_count())
-    return InvalidCall("dispatch_gemm: seg_rows and seg_ret_off must be [E_local, R] with R = workspace ranks");
-  if (send_order.element_count() != shape->P || send_start.element_count() != R + 1)
-    return InvalidCall("dispatch_gemm: send_order must be [P] (one per slot) and send_start [R + 1]");
+  if (ffi::Error e = CheckDispatchGemmPlan(*shape, c.value().ws->ranks(), send_order, send_start, seg_rows,
+                                           seg_ret_off);
+      e.failure())
+    return e;
   const cuda::DispatchSlots slots{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
-                                  send_order.typed_data(), send_start.typed_data(), shape->P};
-  return ToFfi(DispatchGemm(c.value(), src.untyped_data(), shape->S, shape->D, slots, recv_rows_expected.typed_data(),
-                            seg_rows.typed_data(), seg_ret_off.typed_data(), E_l, w.untyped_data(), wd[wn],
-                            transpose_rhs, group_op.typed_data(), rank_op.typed_data(), out->untyped_data(),
-                            a->typed_data(), shape->cap, pushers));
+                                  send_order.typed_data(), send_start.typed_data(), shape->rows.P};
+  return ToFfi(DispatchGemm(c.value(), src.untyped_data(), shape->rows.S, shape->rows.D, slots,
+                            recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
+                            shape->E_local, w.untyped_data(), shape->N, transpose_rhs, group_op.typed_data(),
+                            rank_op.typed_data(), out->untyped_data(), a->typed_data(), shape->rows.cap, pushers));
 }
 
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,

@@ -1,0 +1,112 @@
+#include "cpu/call_steps.h"
+
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "common/call_signature.h"
+#include "common/error_text.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmo::cpu {
+
+ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank, int64_t timeout_ms,
+                                    int32_t delay_rank, int64_t delay_us) {
+  Workspace* ws = LookupWorkspace(handle);
+  if (ws == nullptr)
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                      "jax_moe_overlap: workspace handle " + std::to_string(handle) +
+                                          " is not live (released, or created in another process)"));
+  if (rank < 0 || rank >= ws->ranks() || group < 0 || group >= ws->groups())
+    return ffi::Unexpected(InvalidCall("rank " + std::to_string(rank) + " / group " + std::to_string(group) +
+                                   " outside the workspace's " + std::to_string(ws->ranks()) + " ranks x " +
+                                   std::to_string(ws->groups()) + " groups"));
+  if (delay_rank == rank && delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+  CallContext c{ws, group, rank, 0, Clock::now() + std::chrono::milliseconds(timeout_ms)};
+  ErrorRecord rec = ws->RecoverIfAborted(group, rank, c.deadline);
+  if (rec.code)
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                                      FormatError("recover", rec, group, ws->ranks(), timeout_ms, ws->shared(group))));
+  RankControl* ctl = ws->view(group, rank).control();
+  c.epoch = ctl->calls.value + 1;  // only this rank writes `calls`
+  AtomicStore(&ctl->calls.value, c.epoch);
+  return c;
+}
+
+ffi::Error Fail(const CallContext& c, ffi::Error err, BadInput detail, uint64_t peer, uint64_t got,
+                uint64_t expected) {
+  c.ws->RecordFailure(c.group, ErrorRecord{kStageBadInput, (uint64_t)c.rank, peer, c.epoch, got, expected,
+                                           (uint64_t)detail, 0});
+  return err;
+}
+
+ffi::Error FailInput(const CallContext& c, const char* op, BadInput detail, uint64_t peer, uint64_t got,
+                     uint64_t expected) {
+  const ErrorRecord rec{kStageBadInput, (uint64_t)c.rank, peer, c.epoch, got, expected, (uint64_t)detail, 0};
+  return Fail(c, InvalidCall(std::string(op) + ": " + DescribeRecord(rec, c.group, c.ws->ranks())), detail, peer, got,
+              expected);
+}
+
+ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c, int64_t timeout_ms) {
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError(op, e, c.group, c.ws->ranks(), timeout_ms, c.ws->shared(c.group)));
+}
+
+ffi::Error CheckSlots(const CallContext& c, const char* op, const int32_t* src_row, const int32_t* dst_rank,
+                      const int32_t* dst_row, int64_t P, int64_t S, int64_t cap) {
+  const int R = c.ws->ranks();
+  for (int64_t p = 0; p < P; ++p) {
+    // The plan marks an invalid expert id with dest rank -1 and puts the id itself in the slot's dest row.
+    if (dst_rank[p] == -1)
+      return FailInput(c, op, kBadExpertId, p, (uint64_t)(int64_t)src_row[p], (uint64_t)(int64_t)dst_row[p]);
+    if (dst_row[p] < 0) continue;  // dropped by the capacity rule
+    const bool bad_rank = dst_rank[p] < 0 || dst_rank[p] >= R, bad_row = dst_row[p] >= cap;
+    if (bad_rank || bad_row || src_row[p] < 0 || src_row[p] >= S)
+      return FailInput(c, op, kBadRoute, p,
+                       (uint64_t)(int64_t)(bad_rank ? dst_rank[p] : bad_row ? dst_row[p] : src_row[p]),
+                       bad_rank ? R : bad_row ? cap : S);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const char* op, const int32_t* seg_rows,
+                                                const int32_t* seg_ret_off, int64_t E_l, int64_t cap,
+                                                std::vector<int64_t>* rows_to_rank) {
+  const int R = c.ws->ranks();
+  std::vector<Segment> segs;
+  rows_to_rank->assign(R, 0);
+  int32_t off = 0, band = 0;
+  for (int e = 0; e < E_l; ++e) {
+    for (int s = 0; s < R; ++s) {
+      const int32_t rows = seg_rows[e * R + s];
+      const int32_t ret_off = seg_ret_off[e * R + s];
+      if (rows < 0 || off + (int64_t)rows > cap || ret_off < 0 || (int64_t)ret_off + rows > c.ws->sizes().ret_rows)
+        return ffi::Unexpected(Fail(c, InvalidCall(std::string(op) + ": segment (expert " + std::to_string(e) +
+                                                   ", source " + std::to_string(s) + ") lies outside the buffers"),
+                                    kBadSegment, e * R + s, (uint64_t)(int64_t)rows, cap));
+      segs.push_back(Segment{e, s, off, rows, ret_off, band});
+      off += rows;
+      band += (rows + kBandRows - 1) / kBandRows;
+      (*rows_to_rank)[s] += rows;
+    }
+  }
+  return segs;
+}
+
+ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
+                       void* out, int64_t timeout_ms) {
+  RankView self = c.ws->view(c.group, c.rank);
+  RankControl* ctl = self.control();
+  const uint64_t base = ctl->recv_expected.value;
+  ErrorRecord e = c.ws->WaitAtLeast(&ctl->recv_arrivals.value, base, expected, c.group, c.rank, c.ws->ranks(),
+                                    c.epoch, kStageRecvArrivals, c.deadline, timeout_ms);
+  if (e.code) return TimeoutError(op, e, c, timeout_ms);
+  ctl->recv_expected.value = base + expected;
+  char* o = static_cast<char*>(out);
+  std::memcpy(o, self.recv(), expected * row_bytes);
+  std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
+  AtomicStore(&ctl->done_epoch.value, c.epoch);
+  return ffi::Error::Success();
+}
+
+}  // namespace jmo::cpu

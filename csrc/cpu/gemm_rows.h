@@ -1,0 +1,49 @@
+// The CPU's one row loop of a grouped GEMM with float32 accumulation: the bare grouped_matmul handler
+// (grouped_gemm.cc) and dispatch_gemm's GEMM (dispatch_gemm.cc) both call it, so the fused call gives the two calls'
+// bits (each output row is summed over k in order 0..K-1 whatever range of rows one call covers).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common/bf16.h"
+
+namespace jmo::cpu {
+
+// Element access in either dtype, as float.
+struct ElemView {
+  const void* p;
+  bool bf16;
+  float operator[](int64_t i) const {
+    return bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+};
+
+inline void StoreElem(void* p, bool bf16, int64_t i, float v) {
+  if (bf16)
+    static_cast<uint16_t*>(p)[i] = FloatToBf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+// out[r] = a[r] @ w for the rows r in [r0, r1): a [*, K]; w the K x N matrix at element w_off of b, [K, N], or with
+// transpose_rhs [N, K] read as its transpose; out [*, N] (bfloat16 when out_bf16, else float32). `acc` is scratch of
+// N floats.
+inline void MatmulRows(ElemView a, ElemView b, int64_t w_off, int64_t r0, int64_t r1, int64_t K, int64_t N,
+                       bool transpose_rhs, void* out, bool out_bf16, std::vector<float>& acc) {
+  acc.resize(N);
+  for (int64_t r = r0; r < r1; ++r) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float x = a[r * K + k];
+      if (transpose_rhs)
+        for (int64_t n = 0; n < N; ++n) acc[n] += x * b[w_off + n * K + k];
+      else
+        for (int64_t n = 0; n < N; ++n) acc[n] += x * b[w_off + k * N + n];
+    }
+    for (int64_t n = 0; n < N; ++n) StoreElem(out, out_bf16, r * N + n, acc[n]);
+  }
+}
+
+}  // namespace jmo::cpu

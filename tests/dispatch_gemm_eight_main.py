@@ -1,0 +1,26 @@
+"""Run by test_eight_ranks.py in a fresh process with 8 virtual CPU devices (pytest's own process has 4): the layer
+with CallConfig(dispatch_pushers=2) against the two calls and the reference (test_dispatch_gemm's check) at R = 8."""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import test_dispatch_gemm  # noqa: E402  (reuses its inputs and comparison)
+from cases import mesh_of  # noqa: E402
+
+
+def main():
+  assert jax.device_count() == 8
+  mesh = mesh_of(8)
+  for dtype, cf, cases in ((jnp.bfloat16, None, [("skewed", True), ("balanced", False)]),
+                           (jnp.float32, 0.5, [("skewed", False)])):
+    test_dispatch_gemm.check_layer_equals_two_calls(mesh, cases, dtype, cf)
+    print(f"R=8 dispatch_gemm {jnp.dtype(dtype).name} cf={cf} {cases}: match")
+
+
+if __name__ == "__main__":
+  main()
