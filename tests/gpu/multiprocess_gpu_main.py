@@ -48,9 +48,7 @@ import jax_moe_overlap as jmo  # noqa: E402
 from jax_moe_overlap.plan import expert_capacity  # noqa: E402
 from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
 
-# tests/gpu and tests/ (not on sys.path under PYTHONSAFEPATH=1, which the GPU scripts set).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[1:1] = [_HERE, os.path.dirname(_HERE)]
+# tests/gpu and tests/ come from PYTHONPATH (test_gpu_multiprocess.run_processes appends them).
 from gpu_common import rel_err  # noqa: E402  pylint: disable=g-import-not-at-top
 from multiprocess_inputs import global_inputs, put, save_or_compare  # noqa: E402  pylint: disable=g-import-not-at-top
 

@@ -44,6 +44,8 @@ def run_processes(nproc: int, placement: str, case: str, limit_s: float = 300, *
   would stall its peers."""
   env = dict(os.environ, **env_extra)
   env.pop("XLA_FLAGS", None)
+  # The child imports helpers of tests/gpu and tests/: after whatever PYTHONPATH has (the installed package first).
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), HERE, os.path.dirname(HERE)) if p)
   port = str(_free_port())
   logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_gpu_main.py"), str(i), str(nproc), port,
