@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) RecvKernel(RankDev rd, const int32_t
   __syncthreads();
   if (!st.ok) return;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)gridDim.x * blockDim.x;
-  CopyBytes(out, View(rd, rd.rank).recv(), expected * row_bytes, tid, n);
+  CopyBand(out, View(rd, rd.rank).recv(), expected * row_bytes, tid, n);
   ZeroBytes(out + expected * row_bytes, (cap - expected) * row_bytes, tid, n);
 }
 

@@ -34,7 +34,7 @@ __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, i
                        (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
       continue;
     }
-    CopyBytes(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane, 32);
+    CopyRowWarp(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane);
     if (lane == 0) atomicAdd(&sent[d], 1u);
   }
 }

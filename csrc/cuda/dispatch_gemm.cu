@@ -70,8 +70,8 @@ __device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, i
                        dr != d ? rd.ranks : (row >= g.cap ? g.cap : g.S));
       continue;
     }
-    CopyBytes(View(rd, d).recv() + (int64_t)row * g.row_bytes, g.src + (int64_t)sr * g.row_bytes, g.row_bytes, lane,
-              32);
+    CopyRowWarp(View(rd, d).recv() + (int64_t)row * g.row_bytes, g.src + (int64_t)sr * g.row_bytes, g.row_bytes,
+                lane);
     ++moved;
   }
   if (lane == 0 && moved > 0) atomicAdd(sent, moved);

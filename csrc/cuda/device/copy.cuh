@@ -33,9 +33,10 @@ __device__ inline void CopyBytes(char* dst, const char* src, int64_t bytes, int6
   }
 }
 
-// CopyBytes for the consumer's big contiguous bands: with 16-byte alignment, each thread first issues kUnroll
-// independent 16-byte loads, then the stores, so an SM keeps 256 x 16 x 16 B = 64 KiB in flight (one load at a time
-// per thread left the consumer latency-bound at ~9 GB/s per CTA on the H200).
+// CopyBytes for big contiguous ranges (the consumer's bands, the dispatch's recv rows into its output): with 16-byte
+// alignment, each thread first issues kUnroll independent 16-byte loads, then the stores, so an SM keeps
+// 256 x 16 x 16 B = 64 KiB in flight (one load at a time per thread left the consumer latency-bound at ~9 GB/s per
+// CTA on the H200).
 __device__ inline void CopyBand(char* dst, const char* src, int64_t bytes, int64_t tid, int64_t nthreads) {
   constexpr int kUnroll = 16;
   const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
@@ -56,6 +57,32 @@ __device__ inline void CopyBand(char* dst, const char* src, int64_t bytes, int64
   }
   for (; i < n; i += nthreads) d[i] = __ldcg(s + i);
   for (int64_t j = n * 16 + tid; j < bytes; j += nthreads) dst[j] = src[j];
+}
+
+// One row by one warp (every lane calls it with its lane index), for the dispatch's row pushes: with 16-byte
+// alignment each lane first issues up to kUnroll independent 16-byte loads of the row, then the stores, so a warp keeps
+// 32 x 8 x 16 B = 4 KiB in flight (a 2048-wide bf16 row at once). One load at a time per lane (CopyBytes) left the
+// dispatch latency-bound at about half of the HBM bandwidth on the H200.
+__device__ inline void CopyRowWarp(char* dst, const char* src, int64_t bytes, int lane) {
+  constexpr int kUnroll = 8;
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  if ((align & 15) != 0) {
+    CopyBytes(dst, src, bytes, lane, 32);
+    return;
+  }
+  const int64_t n = bytes / 16;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  for (int64_t base = lane; base < n; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 32 * u < n) v[u] = __ldcg(s + base + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 32 * u < n) d[base + 32 * u] = v[u];
+  }
+  for (int64_t j = n * 16 + lane; j < bytes; j += 32) dst[j] = src[j];
 }
 
 __device__ inline void ZeroBytes(char* dst, int64_t bytes, int64_t tid, int64_t nthreads) {
