@@ -135,7 +135,7 @@ def _exact_run(case, sets):
       digests.append([it, r, ds, hash(first[ds][r]["recv"]), hash(first[ds][r]["y"]), hash(first[ds][r]["slot"]),
                       hash(first[ds][r]["a"])])
   return {"errors": [], "calls": 2 * case.ranks * case.iters, "digests": digests, "first": first,
-          "timeout": [{"reported": False, "code": 0, "msg": ""}] * case.ranks, "timed": [], "dg_us": [[], []],
+          "timeout": [{"reported": False, "code": 0, "msg": ""}] * case.ranks, "timed": [], "dg_us": [[], [], []],
           "budget": 66, "producer": "test", "seconds": 0.0}
 
 

@@ -244,11 +244,16 @@ class Run {
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
   }
 
-  // dispatch_gemm's two-call twin: Dispatch into out_recv2, then GEMM1 by GroupedMatmul into out_a2.
+  // The first of dispatch_gemm's two-call twin: Dispatch into out_recv2.
+  Status DispatchAlone(int r, const CallSite& c, const DeviceSet& d) {
+    return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                          (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
+                          (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
+  }
+
+  // dispatch_gemm's two-call twin: DispatchAlone, then GEMM1 by GroupedMatmul into out_a2.
   Status DispatchTwoCalls(int r, const CallSite& c, const DeviceSet& d) {
-    Status s = cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                              (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
-                              (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
+    Status s = DispatchAlone(r, c, d);
     if (!s.ok()) return s;
     return cuda::GroupedMatmul(c.stream, DType::kBF16, /*out_f32=*/true, out_recv2_[r], cap_, D_, d.w1, E_l_, K_,
                                /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r]);
@@ -404,12 +409,15 @@ class Run {
     for (auto& e : ev) cudaEventDestroy(e);
   }
 
-  // dispatch + GEMM1 as two calls, then as dispatch_gemm: back-to-back calls on data set 0.
+  // dispatch + GEMM1 as two calls, then as dispatch_gemm, then the two calls' dispatch alone (what the GEMM1 of the
+  // two calls adds is the difference): back-to-back calls on data set 0.
   void TimeDispatchGemm(int r, const CallSite& site) {
     const DeviceSet& d = dsets_[0][r];
     const int reps = std::max(2, s_.reps);
-    for (int v = 0; v < 2 && !stop_; ++v) {
-      auto once = [&]() { return v == 0 ? DispatchTwoCalls(r, site, d) : Dispatch(r, site, d); };
+    for (int v = 0; v < 3 && !stop_; ++v) {
+      auto once = [&]() {
+        return v == 0 ? DispatchTwoCalls(r, site, d) : v == 1 ? Dispatch(r, site, d) : DispatchAlone(r, site, d);
+      };
       std::vector<cudaEvent_t> ev(reps + 1);
       for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
       bool ok = true;

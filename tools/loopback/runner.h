@@ -97,7 +97,7 @@ struct Result {
   std::vector<std::vector<FirstOutputs>> first;   // [data set][rank]
   std::vector<TimeoutReport> timeout;             // [rank]
   std::vector<std::vector<RankTiming>> timed;     // [variant][rank]
-  std::vector<std::vector<double>> dg_us[2];      // dispatch_gemm timing: [two calls, one launch][rank] us per call
+  std::vector<std::vector<double>> dg_us[3];      // dispatch_gemm timing: [two calls, one launch, the dispatch alone][rank] us per call
   double table_ns = 0, decision_ns = 0;
   int decision_choice = 0;
   int budget = 0;                          // CTAs per rank

@@ -90,8 +90,9 @@ def decision_lines(result: dict) -> list[str]:
 
 
 def dispatch_gemm_summary(result: dict) -> str:
-  """dispatch + GEMM1 per call, two calls against one launch: per call the slowest rank, the median over calls."""
-  two, fused = result["dg_us"]
+  """dispatch + GEMM1 per call, two calls against one launch, and the two calls' dispatch alone: per call the slowest
+  rank, the median over calls."""
+  two, fused, alone = result["dg_us"]
   if not two or not two[0] or not fused or not fused[0]:
     return ""
 
@@ -100,4 +101,5 @@ def dispatch_gemm_summary(result: dict) -> str:
     return m[len(m) // 2]
 
   a, b = median_of_max(two), median_of_max(fused)
-  return f" | dispatch + GEMM1 per call: two calls {a:.1f} us, dispatch_gemm {b:.1f} us ({a / b:.3f}x)"
+  d = f", of which the dispatch alone {median_of_max(alone):.1f} us" if alone and alone[0] else ""
+  return f" | dispatch + GEMM1 per call: two calls {a:.1f} us{d}, dispatch_gemm {b:.1f} us ({a / b:.3f}x)"
