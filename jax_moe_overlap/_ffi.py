@@ -25,6 +25,13 @@ def register() -> None:
       jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
+@functools.cache
+def swiglu_fused(bf16: bool, K: int, F: int) -> bool:
+  """Whether ``grouped_matmul_swiglu`` applies the SwiGLU in its GEMM's epilogue on this machine's CUDA device (the
+  wgmma engine: a Hopper GPU, bfloat16, K a multiple of 64, F of 32). Only then may it leave out the preactivation."""
+  return bool(_jmo.with_cuda) and bool(_jmo.cuda_swiglu_fused(bf16, K, F))
+
+
 def with_cuda() -> bool:
   """True when the CUDA kernels were compiled into the extension."""
   return bool(_jmo.with_cuda)

@@ -19,6 +19,7 @@ from jax_moe_overlap import _ffi
 
 GROUPED_MATMUL = "jmo_grouped_matmul"
 GROUPED_OUTER = "jmo_grouped_outer"
+GROUPED_MATMUL_SWIGLU = "jmo_grouped_matmul_swiglu"
 
 
 def _out_dtype(lhs, preferred_element_type):
@@ -76,3 +77,34 @@ def grouped_outer(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, pre
   _ffi.register()
   out = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), _out_dtype(lhs, preferred_element_type))
   return jax.ffi.ffi_call(GROUPED_OUTER, out, vmap_method="sequential")(lhs, rhs, group_sizes.astype(jnp.int32))
+
+
+def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                          keep_preactivation: bool) -> tuple[jax.Array, jax.Array | None]:
+  """GEMM1 of the expert MLP with its SwiGLU: ``a = lhs[r] @ rhs[g]`` in float32 for the rows ``r`` of group ``g``,
+  ``h = silu(a[:, :F]) * a[:, F:]`` in float32, rounded to lhs's dtype; rows past the last group are zero.
+
+  On a Hopper GPU with bfloat16 operands (K a multiple of 64, F of 32) one kernel applies the SwiGLU to the GEMM's
+  accumulators, so ``a`` is written only when it is kept (the backward pass needs it); elsewhere on GPU the grouped
+  GEMM writes ``a`` and a second kernel reads it. On CPU a reference loop.
+
+  Args:
+    lhs: [M, K]. rhs: [G, K, 2F] (the gate's columns, then the up projection's). group_sizes: [G] integer rows per
+      group. keep_preactivation: also return ``a``.
+  Returns:
+    (h [M, F] in lhs's dtype, a [M, 2F] float32 or None).
+  """
+  _check_operands("grouped_matmul_swiglu", lhs, rhs, group_sizes)
+  G = rhs.shape[0]
+  if (lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or rhs.shape[2] % 2 or
+      group_sizes.shape != (G,)):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
+                     f"{group_sizes.shape} do not fit lhs [M, K], rhs [G, K, 2F], group_sizes [G]")
+  _ffi.register()
+  M, K, F = lhs.shape[0], lhs.shape[1], rhs.shape[2] // 2
+  # Where the fused kernel does not run, a is the first kernel's output: it is always written there.
+  a_rows = M if keep_preactivation or not _ffi.swiglu_fused(lhs.dtype == jnp.bfloat16, K, F) else 0
+  out = (jax.ShapeDtypeStruct((M, F), lhs.dtype), jax.ShapeDtypeStruct((a_rows, 2 * F), jnp.float32))
+  h, a = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU, out, vmap_method="sequential")(lhs, rhs,
+                                                                               group_sizes.astype(jnp.int32))
+  return h, (a if keep_preactivation else None)

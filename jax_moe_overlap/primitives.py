@@ -30,7 +30,7 @@ import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import env
-from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
@@ -283,32 +283,45 @@ def _outer(lhs, rhs, group_sizes, out_dtype):
   return jax.lax.platform_dependent(cpu=xla, default=ours)
 
 
-def _gemm1(x_recv, w1, group_sizes):
-  """Grouped GEMM1 with float32 accumulation and output (the SwiGLU epilogue runs in float32, as in a fused kernel)."""
-  return _matmul(x_recv, w1, group_sizes)
+def _gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
+  """GEMM1 and its SwiGLU in float32: (h [cap, F] in x_recv's dtype, a [cap, 2F] float32 GEMM1's output, or None
+  unless keep_a). On GPU one custom call, which on Hopper applies the SwiGLU in the GEMM's epilogue (no pass over a,
+  and a is written only when kept); on CPU XLA's ragged_dot, then the SwiGLU."""
+  def xla():
+    a = _matmul(x_recv, w1, group_sizes)
+    return (swiglu(a).astype(x_recv.dtype), a) if keep_a else swiglu(a).astype(x_recv.dtype)
+
+  def ours():
+    h, a = grouped_matmul_swiglu(x_recv, w1, group_sizes, keep_preactivation=keep_a)
+    return (h, a) if keep_a else h
+
+  out = jax.lax.platform_dependent(cpu=xla, default=ours)
+  return out if keep_a else (out, None)
 
 
-def _dispatch_and_gemm1(x, gates, w1, plan, cap, info):
-  """Tokens to their experts' ranks, then GEMM1: (x_recv [cap, D], a [cap, 2F] float32)."""
+def _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
+  """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D], h [cap, F] in x's dtype,
+  a [cap, 2F] float32 or None unless keep_a)."""
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
   if _fuses_dispatch(x, w1, info):
-    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info)
+    x_recv, a = dispatch_gemm(x, slot_src_row, w1, plan, cap, info)
+    return x_recv, swiglu(a).astype(x.dtype), (a if keep_a else None)
   x_recv = dispatch(x, slot_src_row, plan, cap, info)
-  return x_recv, _gemm1(x_recv, w1, plan.expert_rows)
+  return (x_recv, *_gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def expert_block(x, gates, w1, w2, plan: Plan, cap: int, info: RankInfo):
   """Per-rank expert block. x [T, D], gates [T, k] f32, w1 [E_local, D, 2F], w2 [E_local, F, D] -> y [T, D]."""
-  _, a = _dispatch_and_gemm1(x, gates, w1, plan, cap, info)
-  y, _ = expert_combine(swiglu(a).astype(x.dtype), w2, gates, plan, info, want_slots=False)  # no per-slot rows without a backward pass
+  _, h, _ = _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a=False)
+  y, _ = expert_combine(h, w2, gates, plan, info, want_slots=False)  # no per-slot rows without a backward pass
   return y
 
 
 def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
-  x_recv, a = _dispatch_and_gemm1(x, gates, w1, plan, cap, info)
-  y, slot_out = expert_combine(swiglu(a).astype(x.dtype), w2, gates, plan, info, want_slots=True)
+  x_recv, h, a = _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a=True)
+  y, slot_out = expert_combine(h, w2, gates, plan, info, want_slots=True)
   return y, (x_recv, a, slot_out, gates, w1, w2, plan)
 
 
@@ -366,12 +379,13 @@ def expert_mlp(x_recv, w1, w2, group_sizes):
   Returns:
     [cap, D] in x_recv's dtype; rows past the last group are zero.
   """
-  return _expert_mlp_fwd(x_recv, w1, w2, group_sizes)[0]
+  h, _ = _gemm1_swiglu(x_recv, w1, group_sizes, keep_a=False)
+  return _matmul(h, w2, group_sizes, out_dtype=x_recv.dtype)
 
 
 def _expert_mlp_fwd(x_recv, w1, w2, group_sizes):
-  a = _gemm1(x_recv, w1, group_sizes)
-  out = _matmul(swiglu(a).astype(x_recv.dtype), w2, group_sizes, out_dtype=x_recv.dtype)
+  h, a = _gemm1_swiglu(x_recv, w1, group_sizes, keep_a=True)
+  out = _matmul(h, w2, group_sizes, out_dtype=x_recv.dtype)
   return out, (x_recv, a, w1, w2, group_sizes)
 
 

@@ -177,31 +177,38 @@ def check_held_back(mesh, delay_rank, delay_us=2000, calls=3, seed=11):
 @contextlib.contextmanager
 def grouped_matmul_gemms():
   """The layer with ``jmo_grouped_matmul`` for its bare grouped matmuls (GEMM1, the backward's d_out W2^T) on every
-  platform: the two calls that dispatch_gemm equals bit for bit. On GPU the layer runs that anyway; on CPU it runs
+  platform, and GEMM1's SwiGLU applied by XLA to its float32 output: the two calls that dispatch_gemm, which returns
+  that output, equals bit for bit. On GPU the layer runs the same grouped matmuls but fuses GEMM1's SwiGLU into its
+  epilogue (grouped_matmul_swiglu; the same float32 a, an h that differs in the last bits of the silu); on CPU it runs
   XLA's ragged_dot there (faster), whose float32 sums go in another order than the CPU handlers' row loop, which
   dispatch_gemm's CPU handler shares with jmo_grouped_matmul's. Traced programs are dropped on entry and exit, so that
   no program traced on one side runs on the other."""
   def ours(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
 
+  def unfused(x_recv, w1, group_sizes, keep_a):
+    a = ours(x_recv, w1, group_sizes)
+    return primitives.swiglu(a).astype(x_recv.dtype), (a if keep_a else None)
+
   def forget():
     api._programs.clear()  # pylint: disable=protected-access
     jax.clear_caches()
 
-  plain = primitives._matmul  # pylint: disable=protected-access
+  plain = primitives._matmul, primitives._gemm1_swiglu  # pylint: disable=protected-access
   forget()
-  primitives._matmul = ours  # pylint: disable=protected-access
+  primitives._matmul, primitives._gemm1_swiglu = ours, unfused  # pylint: disable=protected-access
   try:
     yield
   finally:
-    primitives._matmul = plain  # pylint: disable=protected-access
+    primitives._matmul, primitives._gemm1_swiglu = plain  # pylint: disable=protected-access
     forget()
 
 
 def check_dispatch_gemm(mesh, pushers=2, seed=13):
   """CallConfig(dispatch_pushers=...) (the dispatch and GEMM1 in one dispatch_gemm call: on a Hopper GPU the fused
   kernel, on CPU its handler): forward and gradients bitwise equal to the two calls with jmo_grouped_matmul as GEMM1
-  (``grouped_matmul_gemms``), and within TOL of the reference, every output computed into the poison."""
+  and XLA's SwiGLU after it (``grouped_matmul_gemms``), and within TOL of the reference, every output computed into
+  the poison."""
   layer = Layer(mesh, "skewed", seed)
   args = layer.args(jnp.bfloat16)
   with grouped_matmul_gemms():

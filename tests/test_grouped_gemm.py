@@ -1,14 +1,15 @@
 """The bare grouped GEMMs (jax_moe_overlap.grouped_gemm) against numpy, on the CPU handlers: random group sizes with
 empty groups and a tail of rows past the last group, the transposed-rhs form, the weight-gradient form, both
 dtypes, and the errors; and expert_mlp, the communication-free expert work built on the grouped GEMMs (XLA's
-ragged_dot on CPU). tests/gpu/test_gpu_grouped_gemm.py runs the same GEMM cases on the CUDA kernels."""
+ragged_dot on CPU); and grouped_matmul_swiglu, GEMM1 with its SwiGLU. tests/gpu/test_gpu_grouped_gemm.py runs the
+same GEMM cases on the CUDA kernels."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
 from jax_moe_overlap.primitives import expert_mlp, swiglu
 
 CASES = [  # (M, K, N, group sizes): empty groups, partial tiles, a tail of rows past the last group
@@ -27,6 +28,56 @@ def _ref_matmul(lhs, rhs, sizes, transpose):
     out[off:off + n] = lhs[off:off + n] @ w
     off += n
   return out
+
+
+def _ref_swiglu(a):
+  F = a.shape[1] // 2
+  g = a[:, :F]
+  return g / (1.0 + np.exp(-g)) * a[:, F:]
+
+
+def check_grouped_matmul_swiglu(case, dtype, keep, tol, seed=0):
+  """grouped_matmul_swiglu against float64 numpy (GEMM1, then the SwiGLU): h and, when kept, a; the rows past the
+  groups zero in both. Returns (h, a) for the GPU tests' further checks."""
+  M, K, F, sizes = case
+  lhs, rhs = _inputs(seed + M + K, (M, K), (len(sizes), K, 2 * F), dtype=dtype)
+  fn = jax.jit(lambda x, w, s: grouped_matmul_swiglu(x, w, s, keep_preactivation=keep))
+  h, a = fn(lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  ref_a = _ref_matmul(_f64(lhs), _f64(rhs), sizes, False)
+  assert h.shape == (M, F) and h.dtype == dtype
+  assert _rel(h.astype(jnp.float32), _ref_swiglu(ref_a)) < tol
+  assert np.all(np.asarray(h[sum(sizes):].astype(jnp.float32)) == 0.0)
+  if keep:
+    assert a.shape == (M, 2 * F) and a.dtype == jnp.float32
+    assert _rel(a, ref_a) < 1e-5
+    assert np.all(np.asarray(a[sum(sizes):]) == 0.0)
+  else:
+    assert a is None
+  return h, a
+
+
+SWIGLU_CASES = [  # (M, K, F, group sizes)
+    (37, 24, 20, [5, 0, 20, 12]),
+    (50, 32, 12, [0, 0, 30]),  # 20 tail rows
+]
+
+
+@pytest.mark.parametrize("case", SWIGLU_CASES)
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("keep", [True, False])
+def test_grouped_matmul_swiglu(case, dtype, tol, keep):
+  check_grouped_matmul_swiglu(case, dtype, keep, tol)
+
+
+def test_grouped_matmul_swiglu_bad_operands_raise():
+  lhs, rhs = _inputs(6, (10, 8), (2, 8, 6), dtype=jnp.float32)
+  sizes = jnp.asarray([5, 5], jnp.int32)
+  with pytest.raises(ValueError, match="do not fit"):
+    grouped_matmul_swiglu(lhs, rhs[:, :, :5], sizes, keep_preactivation=True)  # odd 2F
+  with pytest.raises(ValueError, match="do not fit"):
+    grouped_matmul_swiglu(lhs, rhs[:, :4], sizes, keep_preactivation=True)
+  with pytest.raises(TypeError, match="share a dtype"):
+    grouped_matmul_swiglu(lhs, rhs.astype(jnp.bfloat16), sizes, keep_preactivation=False)
 
 
 def _ref_outer(lhs, rhs, sizes):

@@ -5,6 +5,9 @@
 //       -> out [M, N]                 out[r] = lhs[r] @ rhs[g(r)] for the rows of group g; rows past the groups are 0
 //   jmo_grouped_outer(lhs [M, K], rhs [M, N], group_sizes [G] s32)
 //       -> out [G, K, N]              out[g] = lhs[rows of g]^T @ rhs[rows of g]
+//   jmo_grouped_matmul_swiglu(lhs [M, K], rhs [G, K, 2F], group_sizes [G] s32)
+//       -> h [M, F], a [M or 0, 2F]   a = lhs[r] @ rhs[g(r)] in float32 (0 rows: not kept), h = silu(a[:, :F]) *
+//                                     a[:, F:] in lhs's dtype; rows past the groups are 0 in both
 //
 // Operands are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype (fp32 accumulation).
 #pragma once
@@ -30,6 +33,11 @@ auto BindGroupedOuter(Binding&& b) {
 template <typename Binding>
 auto BindGroupedMatmul(Binding&& b) {
   return BindGroupedOuter(std::move(b)).template Attr<bool>("transpose_rhs");
+}
+
+template <typename Binding>
+auto BindGroupedSwiGlu(Binding&& b) {
+  return BindGroupedOuter(std::move(b)).template Ret<xla::ffi::AnyBuffer>();
 }
 
 struct GroupedShape {
@@ -61,6 +69,29 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedMatmul(const xla::ffi::AnyBuf
   GroupedShape s{lhs.element_type(), out.element_type() == xla::ffi::DataType::F32, ld[0], K, N, rd[0]};
   if (rhs_k != K || od[0] != s.M || od[1] != N || static_cast<int64_t>(group_sizes.element_count()) != s.G)
     return xla::ffi::Unexpected(InvalidCall("grouped_matmul: inconsistent shapes"));
+  return s;
+}
+
+// N of the result is F; out_f32 is whether h is float32. keep_a: a has M rows.
+inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuffer& lhs,
+                                                          const xla::ffi::AnyBuffer& rhs,
+                                                          const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+                                                          const xla::ffi::AnyBuffer& h, const xla::ffi::AnyBuffer& a,
+                                                          bool* keep_a) {
+  const auto dt = lhs.element_type();
+  if (!SupportedFloat(dt) || rhs.element_type() != dt || h.element_type() != dt ||
+      a.element_type() != xla::ffi::DataType::F32)
+    return xla::ffi::Unexpected(InvalidCall(
+        "grouped_matmul_swiglu: lhs, rhs and h must share one dtype, float32 or bfloat16, and a must be float32"));
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), hd = h.dimensions(), ad = a.dimensions();
+  if (ld.size() != 2 || rd.size() != 3 || hd.size() != 2 || ad.size() != 2 || group_sizes.dimensions().size() != 1)
+    return xla::ffi::Unexpected(InvalidCall(
+        "grouped_matmul_swiglu: expected lhs [M, K], rhs [G, K, 2F], group_sizes [G], h [M, F], a [M or 0, 2F]"));
+  GroupedShape s{dt, dt == xla::ffi::DataType::F32, ld[0], ld[1], rd[2] / 2, rd[0]};
+  *keep_a = ad[0] == s.M;
+  if (rd[1] != s.K || rd[2] % 2 != 0 || hd[0] != s.M || hd[1] != s.N || ad[1] != 2 * s.N ||
+      (ad[0] != 0 && ad[0] != s.M) || static_cast<int64_t>(group_sizes.element_count()) != s.G)
+    return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu: inconsistent shapes"));
   return s;
 }
 

@@ -1,6 +1,8 @@
 // XLA:CPU handlers of the bare grouped GEMMs (csrc/common/grouped_gemm_signature.h): plain loops with float32
 // accumulation, the executable specification of csrc/cuda/grouped_gemm.cu. The group sizes are host data here, so
 // invalid ones (negative, or more rows than lhs has) are reported instead of clipped as on the device.
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -67,9 +69,36 @@ ffi::Error GroupedOuterImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error GroupedMatmulSwiGluImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
+                                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> a) {
+  bool keep_a = false;
+  auto shape = CheckGroupedSwiGlu(lhs, rhs, group_sizes, *h, *a, &keep_a);
+  if (shape.has_error()) return shape.error();
+  const int64_t M = shape->M, K = shape->K, F = shape->N;
+  auto off = RowOffsets("grouped_matmul_swiglu", group_sizes, M);
+  if (off.has_error()) return off.error();
+  const bool bf16 = shape->dtype == ffi::DataType::BF16;
+  const ElemView x{lhs.untyped_data(), bf16}, w{rhs.untyped_data(), bf16};
+  // The preactivation in float32 (into a, or scratch when a is not kept), then the SwiGLU in float32.
+  std::vector<float> scratch(keep_a ? 0 : M * 2 * F), acc;
+  float* pre = keep_a ? static_cast<float*>(a->untyped_data()) : scratch.data();
+  for (int64_t g = 0; g < shape->G; ++g)
+    MatmulRows(x, w, g * K * 2 * F, (*off)[g], (*off)[g + 1], K, 2 * F, false, pre, false, acc);
+  for (int64_t r = 0; r < off->back(); ++r)
+    for (int64_t j = 0; j < F; ++j) {
+      const float gate = pre[r * 2 * F + j];
+      StoreElem(h->untyped_data(), bf16, r * F + j, gate / (1.0f + std::exp(-gate)) * pre[r * 2 * F + F + j]);
+    }
+  for (int64_t i = off->back() * F; i < M * F; ++i) StoreElem(h->untyped_data(), bf16, i, 0.f);
+  if (keep_a) std::fill(pre + off->back() * 2 * F, pre + M * 2 * F, 0.f);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmo::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulCpu, jmo::cpu::GroupedMatmulImpl,
                               jmo::BindGroupedMatmul(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCpu, jmo::cpu::GroupedOuterImpl, jmo::BindGroupedOuter(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCpu, jmo::cpu::GroupedMatmulSwiGluImpl,
+                              jmo::BindGroupedSwiGlu(ffi::Ffi::Bind()));

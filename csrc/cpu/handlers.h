@@ -9,4 +9,5 @@ XLA_FFI_Error* JmoDispatchGemmCpu(XLA_FFI_CallFrame* frame);  // dispatch_gemm.c
 XLA_FFI_Error* JmoExchangeCountsCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulCpu(XLA_FFI_CallFrame* frame);  // grouped_gemm.cc
 XLA_FFI_Error* JmoGroupedOuterCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulSwiGluCpu(XLA_FFI_CallFrame* frame);
 }

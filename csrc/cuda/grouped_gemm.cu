@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -211,7 +212,110 @@ Status LaunchOuter(cudaStream_t stream, const void* lhs, int64_t M, int64_t K, c
   return CudaStatus(cudaGetLastError(), "launch of GroupedOuterKernel");
 }
 
+// The fused GEMM1 + SwiGLU on the wgmma engine (the grouped GEMM's schedule, csrc/cuda/gemm/wgmma_grouped.cuh, with
+// SwiGluTile's epilogue).
+namespace swiglu_wgmma {
+using namespace wgmma_gemm;
+
+// GEMM1 with its SwiGLU epilogue: h [M, F] bf16 = silu(lhs @ rhs[g][:, :F]) * (lhs @ rhs[g][:, F:]) per group's rows
+// (rhs [G, K, 2F], MN-major), and the float32 preactivation a [M, 2F] = lhs @ rhs[g] when a is not null. Each tile
+// is 128 rows x 128 columns of h, computed from the gate's 128 columns and the up projection's 128 (SwiGluTile).
+// Rows past the groups are zero in h and a.
+__global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
+    GroupedSwiGluKernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                        const int32_t* __restrict__ group_sizes, int G, int M, int F, int K,
+                        __nv_bfloat16* __restrict__ h, float* __restrict__ a) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  int* row_start = reinterpret_cast<int*>(smem_raw + kLoopSmemBytes);  // G + 1
+  int* tile_start = row_start + (kMaxGroups + 1);                      // G + 1
+  const int tid = threadIdx.x;
+  constexpr int kHalf = kBN / 2;
+  const int n_tiles = (F + kHalf - 1) / kHalf;
+  for (int g = tid; g < G; g += kThreads) row_start[g] = max(0, group_sizes[g]);
+  __syncthreads();
+  if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
+  __syncthreads();
+  ZeroPadRows(h, row_start[G], M, F, 2);
+  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, 4);
+  auto tile_of = [&](int t) {
+    const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
+    SwiGluTile tile;
+    tile.a_row = row_start[p.g] + p.mt * kBM;
+    tile.b_idx = p.g;
+    tile.n0 = p.nt * kHalf;
+    tile.n_hi = F + tile.n0;
+    tile.rows = min(kBM, p.rows_g - p.mt * kBM);
+    tile.cols = min(kHalf, F - tile.n0);
+    tile.out = h + (int64_t)tile.a_row * F + tile.n0;
+    tile.ldc = F;
+    tile.a = a != nullptr ? a + (int64_t)tile.a_row * 2 * F : nullptr;
+    tile.lda = 2 * (int64_t)F;
+    return tile;
+  };
+  WgmmaTileLoop</*kTransB=*/1, /*kOutF32=*/false>(tm_a, tm_b, K, (int)blockIdx.x, (int)gridDim.x, tile_start[G],
+                                                   tile_of, NoTileDone{}, smem_raw);
+}
+
+// GroupedSwiGluKernel's launch: lhs [M, K], rhs [G, K, 2F] bf16, h [M, F] bf16, a [M, 2F] float32 or nullptr.
+// Requires K % 64 == 0 and F % 32 == 0 (2F a multiple of 64, and whole 16-column stores); cudaErrorInvalidValue
+// otherwise, cudaErrorNotSupported where the wgmma kernels cannot run.
+inline cudaError_t GroupedSwiGlu(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs, int64_t G,
+                                 int64_t F, const int32_t* group_sizes_dev, __nv_bfloat16* h, float* a, int num_sms,
+                                 cudaStream_t stream) {
+  if (M <= 0 || K <= 0 || F <= 0 || K % kBK != 0 || F % 32 != 0 || G < 1 || G > kMaxGroups ||
+      M > 0x7fffffff - kBM || K > 0x7fffffff || 2 * F > 0x7fffffff ||
+      (reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) | reinterpret_cast<uintptr_t>(h) |
+       reinterpret_cast<uintptr_t>(a)) % 16 ||
+      num_sms <= 0) {
+    fprintf(stderr, "GroupedSwiGlu: unsupported shape/alignment M=%lld K=%lld F=%lld G=%lld num_sms=%d\n",
+            (long long)M, (long long)K, (long long)F, (long long)G, num_sms);
+    return cudaErrorInvalidValue;
+  }
+  CUtensorMap ta, tb;
+  const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, 2 * F, /*b_k_major=*/false, &ta, &tb);
+  if (e != cudaSuccess) return e;
+  return LaunchWgmmaKernel(GroupedSwiGluKernel, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev, (int)G, (int)M,
+                           (int)F, (int)K, h, a);
+}
+
+}  // namespace swiglu_wgmma
+
+// h[r, j] = silu(a[r, j]) * a[r, F + j] over every row (GroupedMatmulSwiGlu's unfused path; a's zero rows give zero).
+template <typename OutT>
+__global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t F, OutT* __restrict__ h) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < M * F; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / F, j = i - r * F;
+    const float g = a[r * 2 * F + j];
+    h[i] = FromFloat<OutT>(g / (1.0f + expf(-g)) * a[r * 2 * F + F + j]);
+  }
+}
+
 }  // namespace
+
+bool SwiGluFused(DType dt, int64_t K, int64_t F) { return UseWgmma(dt, 1, K, 2 * F) && F % 32 == 0; }
+
+Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
+                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a) {
+  Status s = CheckSizes("grouped_matmul_swiglu", M, G);
+  if (!s.ok() || M == 0 || F == 0) return s;
+  if (SwiGluFused(dt, K, F)) {
+    const cudaError_t e = swiglu_wgmma::GroupedSwiGlu(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs),
+                                                   G, F, group_sizes, static_cast<bf16*>(h), a, HopperSms(), stream);
+    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
+  }
+  if (a == nullptr)
+    return Status::Error(kInvalidArgument,
+                         "jax_moe_overlap: grouped_matmul_swiglu: the fused kernel does not run here (it needs a "
+                         "Hopper GPU, bfloat16, K a multiple of 64 and F of 32); ask for the preactivation output");
+  s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, a);
+  if (!s.ok()) return s;
+  const int grid = (int)std::min<int64_t>(4096, (M * F + 255) / 256);
+  if (dt == DType::kF32)
+    SwiGluRowsKernel<float><<<grid, 256, 0, stream>>>(a, M, F, static_cast<float*>(h));
+  else
+    SwiGluRowsKernel<bf16><<<grid, 256, 0, stream>>>(a, M, F, static_cast<bf16*>(h));
+  return CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
+}
 
 const char* GroupedGemmPath(DType dt, int64_t K, int64_t N) {
   if (UseWgmma(dt, 1, K, N)) return "wgmma bf16";

@@ -31,6 +31,18 @@ Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lh
 Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
                     const void* rhs, int64_t N, int64_t G, const int32_t* group_sizes, void* out);
 
+// GEMM1 of the expert MLP with its SwiGLU epilogue: h [M, F] (lhs's dtype) = silu(lhs @ rhs[g][:, :F]) *
+// (lhs @ rhs[g][:, F:]) for the rows of group g, rhs [G, K, 2F], computed in float32; a [M, 2F] float32 = the
+// preactivation lhs @ rhs[g], or nullptr when the caller does not keep it. Where SwiGluFused holds (Hopper, bf16,
+// K % 64 == 0, F % 32 == 0) one kernel applies the SwiGLU to the accumulators; elsewhere GroupedMatmul writes a and a
+// second kernel computes h from it, so a must be given there (InvalidArgument otherwise). Rows past the last group
+// are zero in h and a.
+Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
+                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a);
+
+// Whether GroupedMatmulSwiGlu runs as one fused kernel on the current device for these operands.
+bool SwiGluFused(DType dt, int64_t K, int64_t F);
+
 // Which tile engine GroupedMatmul / GroupedOuter use for these operands ("mma.sync bf16" or "simt fp32").
 const char* GroupedGemmPath(DType dt, int64_t K, int64_t N);
 

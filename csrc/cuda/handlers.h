@@ -9,4 +9,5 @@ XLA_FFI_Error* JmoDispatchGemmCuda(XLA_FFI_CallFrame* frame);  // Hopper only
 XLA_FFI_Error* JmoExchangeCountsCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulCuda(XLA_FFI_CallFrame* frame);  // handlers_gemm_cuda.cc
 XLA_FFI_Error* JmoGroupedOuterCuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulSwiGluCuda(XLA_FFI_CallFrame* frame);
 }

@@ -30,6 +30,18 @@ ffi::Error GroupedOuterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                          rhs.untyped_data(), s->N, s->G, group_sizes.typed_data(), out->untyped_data()));
 }
 
+ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                                   ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> h,
+                                   ffi::Result<ffi::AnyBuffer> a) {
+  bool keep_a = false;
+  auto s = CheckGroupedSwiGlu(lhs, rhs, group_sizes, *h, *a, &keep_a);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmulSwiGlu(stream, ToDType(s->dtype), lhs.untyped_data(), s->M, s->K, rhs.untyped_data(),
+                                   s->G, s->N, group_sizes.typed_data(), h->untyped_data(),
+                                   keep_a ? static_cast<float*>(a->untyped_data()) : nullptr));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -39,3 +51,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulCuda, jmo::cuda::GroupedMatmulImpl
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCuda, jmo::cuda::GroupedOuterImpl,
                               jmo::BindGroupedOuter(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                       .Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCuda, jmo::cuda::GroupedMatmulSwiGluImpl,
+                              jmo::BindGroupedSwiGlu(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                       .Ctx<ffi::DeviceOrdinal>()));

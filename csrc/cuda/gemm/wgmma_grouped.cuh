@@ -59,19 +59,30 @@ __device__ __forceinline__ void BandRaster(int local, int mt_g, int n_tiles, int
   *mt = band * band_m + r % band_mt;
 }
 
+// Where tile t of the schedule sits: group g, m-tile mt and n-tile nt of it, and the group's rows.
+struct TilePlace {
+  int g, mt, nt, rows_g;
+};
+
 // row_start[0..G]: clamped group row offsets (row_start[G] = min(sum, M)); tile_start[0..G]: tile offsets.
-__device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, const int* tile_start, int G,
-                                                int n_tiles, int N, void* out, bool out_f32) {
+__device__ __forceinline__ TilePlace PlaceTile(int t, const int* row_start, const int* tile_start, int G,
+                                               int n_tiles) {
   int lo = 0, hi = G - 1;  // largest g with tile_start[g] <= t (then tile_start[g + 1] > t: the group is non-empty)
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (tile_start[mid] <= t) lo = mid; else hi = mid - 1;
   }
-  const int g = lo;
-  const int rows_g = row_start[g + 1] - row_start[g];
-  const int mt_g = (rows_g + kBM - 1) / kBM;
-  int mt, nt;
-  BandRaster(t - tile_start[g], mt_g, n_tiles, kBandM, &mt, &nt);
+  TilePlace p;
+  p.g = lo;
+  p.rows_g = row_start[p.g + 1] - row_start[p.g];
+  BandRaster(t - tile_start[p.g], (p.rows_g + kBM - 1) / kBM, n_tiles, kBandM, &p.mt, &p.nt);
+  return p;
+}
+
+__device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, const int* tile_start, int G,
+                                                int n_tiles, int N, void* out, bool out_f32) {
+  const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
+  const int g = p.g, mt = p.mt, nt = p.nt, rows_g = p.rows_g;
   GroupTile tile;
   tile.a_row = row_start[g] + mt * kBM;
   tile.b_idx = g;
@@ -110,6 +121,15 @@ __device__ __forceinline__ void ScanGroups(int* row_start, int* tile_start, int 
   }
 }
 
+// Padding rows [first, M) of a row-major [M, width] array of `esize`-byte elements -> 0, striped over every thread of
+// the grid (16-byte stores: width * esize is a multiple of 16).
+__device__ __forceinline__ void ZeroPadRows(void* out, int64_t first, int64_t M, int64_t width, int64_t esize) {
+  const int64_t chunks = (M - first) * width * esize / 16;
+  int4* base = reinterpret_cast<int4*>(static_cast<unsigned char*>(out) + first * width * esize);
+  for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < chunks; i += (int64_t)gridDim.x * kThreads)
+    base[i] = make_int4(0, 0, 0, 0);
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // Kernel: one user of WgmmaTileLoop. `done` is passed through as the loop's tile_done (NoTileDone for the plain
 // GEMM; the probe passes a band counter), called with a GroupTile.
@@ -131,15 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
   __syncthreads();
 
-  // Padding rows [min(sum, M), M) -> 0, striped over all threads of the grid (16-byte stores; a few us at most).
-  {
-    const int64_t esize = kOutF32 ? 4 : 2;
-    const int64_t pad_begin = row_start[G];
-    const int64_t chunks = (int64_t)(M - pad_begin) * N * esize / 16;
-    int4* base = reinterpret_cast<int4*>(reinterpret_cast<unsigned char*>(out) + pad_begin * N * esize);
-    for (int64_t i = (int64_t)blockIdx.x * kThreads + tid; i < chunks; i += (int64_t)gridDim.x * kThreads)
-      base[i] = make_int4(0, 0, 0, 0);
-  }
+  ZeroPadRows(out, row_start[G], M, N, kOutF32 ? 4 : 2);  // rows [min(sum, M), M)
 
   const int total_tiles = tile_start[G];
   auto tile_of = [&](int t) { return DecodeTile(t, row_start, tile_start, G, n_tiles, N, out, kOutF32); };
@@ -354,6 +366,7 @@ inline cudaError_t GroupedGemmWithDone(const __nv_bfloat16* lhs, int64_t M, int6
   return out_f32 ? LaunchOne<1, true>(ta, tb, group_sizes_dev, g, m, n, k, out, num_sms, done, stream)
                  : LaunchOne<1, false>(ta, tb, group_sizes_dev, g, m, n, k, out, num_sms, done, stream);
 }
+
 
 }  // namespace wgmma_gemm
 

@@ -40,6 +40,9 @@
 //     out   : address of the tile's element (0, 0) in the row-major destination (bf16 or float per kOutF32);
 //             8-byte (bf16) / 16-byte (f32) aligned.
 //     ldc   : destination row stride in elements, a multiple of 4.
+//     n_hi  : (kTransB = 1 only) B's first column for the tile's accumulator columns 128..255; -1 = n0 + 128.
+//   A SwiGluTile (derived from WgmmaTile) selects the SwiGLU epilogue (StoreSwiGluTile): out gets `cols` bf16
+//   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators (GroupedSwiGluKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile
 //   by thread 0 (the TMA thread; only a_row, b_idx, n0 are used there, and that warp runs with 24 registers, so
 //   keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads (128..383) before the
@@ -129,6 +132,17 @@ struct WgmmaTile {
   // With a tile_done: whether this tile is reported (fence + consumer barrier + tile_done). A tile nobody waits for
   // (expert_combine's tiles of the rank's own rows) skips all three. Must be the same in every consumer thread.
   int publish = 1;
+  // B's columns of the tile's second 128 accumulator columns: n_hi .. n_hi + 127 (-1: n0 + 128, contiguous). MN-major
+  // B (kTransB = 1) only: the SwiGLU tiles load the gate columns n0.. and the up columns F + n0.. side by side.
+  int n_hi = -1;
+};
+
+// A tile whose epilogue is SwiGLU (SwiGluTile below, the fused GEMM1 of the expert MLP): the loop stores
+// h = silu(acc[:, :128]) * acc[:, 128:] (bf16, `cols` columns to out) and, when `a` is set, the float32 accumulators
+// themselves (the preactivation the backward pass needs: columns n0.. to a + n0, n_hi.. to a + n_hi).
+struct SwiGluTile : WgmmaTile {
+  float* a = nullptr;  // row 0 of the tile in the preactivation [rows, 2F] (column 0), or nullptr
+  int64_t lda = 0;
 };
 
 // tile_done that does nothing; selecting it removes the per-tile fence + consumer barrier.
@@ -264,7 +278,9 @@ __device__ __forceinline__ void MmaKStep(float* acc, uint32_t a_base, uint32_t b
 // cols 8 j + 2 (l%4) .. +3, the odd lane cols 8 (j+1) + 2 (l%4 - 1) .. +3. A warp store then covers 32
 // (bf16) or 64 (f32) contiguous bytes per row. cols % 16 == 0: blocks j and j+1 are both in or both out.
 // out: the tile's element (0, 0) (bf16 or float per kOutF32), rows / cols: stored extent, ldc: row stride.
-template <bool kOutF32>
+// kBlocks: the accumulator's 8-column blocks to store (32: all 256 columns; 16: the first 128 of acc, which may
+// point into the middle of the array at a multiple of 64, the SwiGLU epilogue's halves).
+template <bool kOutF32, int kBlocks = 32>
 __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, int lane, int rows, int cols, void* out,
                                              int64_t ldc) {
   const int r_lo = c * 64 + wq * 16 + lane / 4;
@@ -277,7 +293,7 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
     const bool row_ok = r < rows;
     const int64_t orow = (int64_t)(row_ok ? r : 0) * ldc;
 #pragma unroll
-    for (int j = 0; j < 32; j += 2) {
+    for (int j = 0; j < kBlocks; j += 2) {
       const float* a0 = &acc[4 * j + 2 * h];        // block j, this row
       const float* a1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1, this row
       const int col = (odd ? col_odd : col_even) + 8 * j;
@@ -295,6 +311,20 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
       }
     }
   }
+}
+
+// The SwiGLU epilogue of a consumer warpgroup (see SwiGluTile): acc's columns 0..127 are the gate's, 128..255 the
+// up projection's, for the same output columns (the thread's block j and block j + 16 hold the same columns of the
+// two halves). Stores the preactivation first when asked for, then h = silu(gate) * up in float32, rounded to bf16.
+template <class Tile>
+__device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int lane, const Tile& t) {
+  if (t.a != nullptr) {
+    StoreAccTile<true, 16>(acc, c, wq, lane, t.rows, t.cols, t.a + t.n0, t.lda);
+    StoreAccTile<true, 16>(acc + 64, c, wq, lane, t.rows, t.cols, t.a + t.n_hi, t.lda);
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = acc[i] / (1.0f + expf(-acc[i])) * acc[i + 64];
+  StoreAccTile<false, 16>(acc, c, wq, lane, t.rows, t.cols, t.out, t.ldc);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -351,6 +381,7 @@ __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, cons
         const auto tile = tile_of(i);
         tile_wait(tile);  // (the TMA thread, before the tile's first load)
         const int a_row = tile.a_row, b_idx = tile.b_idx, n0 = tile.n0;
+        const int n_hi = tile.n_hi < 0 ? n0 + kBN / 2 : tile.n_hi;
         for (int kt = 0; kt < ktiles; ++kt) {
           const uint32_t fb = SmemAddr(&full[stage]);
           MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // consumers released this slot (first pass: free)
@@ -361,7 +392,8 @@ __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, cons
           TmaLoad2D(a_dst, &a_map, fb, kt * kBK, a_row);
           if (kTransB) {
 #pragma unroll
-            for (int j = 0; j < kBN / 64; ++j) TmaLoad3D(b_dst + j * 8192, &b_map, fb, n0 + 64 * j, kt * kBK, b_idx);
+            for (int j = 0; j < kBN / 64; ++j)
+              TmaLoad3D(b_dst + j * 8192, &b_map, fb, j < 2 ? n0 + 64 * j : n_hi + 64 * (j - 2), kt * kBK, b_idx);
           } else {
             TmaLoad3D(b_dst, &b_map, fb, kt * kBK, n0, b_idx);
           }
@@ -414,7 +446,10 @@ __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, cons
         FenceRegs(acc);
         if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
 
-        StoreAccTile<kOutF32>(acc, c, wq, lane, tile.rows, tile.cols, tile.out, tile.ldc);
+        if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
+          StoreSwiGluTile(acc, c, wq, lane, tile);
+        else
+          StoreAccTile<kOutF32>(acc, c, wq, lane, tile.rows, tile.cols, tile.out, tile.ldc);
       }
       if constexpr (kHasDone) {
         // Every consumer thread: its stores of this tile, then a gpu-scope fence, then the consumer barrier; then
