@@ -299,8 +299,9 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
   Status s = CheckSizes("grouped_matmul_swiglu", M, G);
   if (!s.ok() || M == 0 || F == 0) return s;
   if (SwiGluFused(dt, K, F)) {
-    const cudaError_t e = swiglu_wgmma::GroupedSwiGlu(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs),
-                                                   G, F, group_sizes, static_cast<bf16*>(h), a, HopperSms(), stream);
+    const cudaError_t e = swiglu_wgmma::GroupedSwiGlu(static_cast<const bf16*>(lhs), M, K,
+                                                      static_cast<const bf16*>(rhs), G, F, group_sizes,
+                                                      static_cast<bf16*>(h), a, HopperSms(), stream);
     if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
   }
   if (a == nullptr)

@@ -42,12 +42,13 @@
 //     ldc   : destination row stride in elements, a multiple of 4.
 //     n_hi  : (kTransB = 1 only) B's first column for the tile's accumulator columns 128..255; -1 = n0 + 128.
 //   A SwiGluTile (derived from WgmmaTile) selects the SwiGLU epilogue (StoreSwiGluTile): out gets `cols` bf16
-//   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators (GroupedSwiGluKernel).
+//   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators
+//   (GroupedSwiGluKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile
-//   by thread 0 (the TMA thread; only a_row, b_idx, n0 are used there, and that warp runs with 24 registers, so
-//   keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads (128..383) before the
-//   tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the entry __syncthreads()
-//   orders it for smem written by the CTA before the call).
+//   by thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24
+//   registers, so keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads
+//   (128..383) before the tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the
+//   entry __syncthreads() orders it for smem written by the CTA before the call).
 //
 // ---- next_tile(prev) (WgmmaTileLoopNext) ------------------------------------------------------------------------
 //   Called by thread 0 only: the CTA's first tile index with prev = -1, then the next one after prev; an index
@@ -137,7 +138,7 @@ struct WgmmaTile {
   int n_hi = -1;
 };
 
-// A tile whose epilogue is SwiGLU (SwiGluTile below, the fused GEMM1 of the expert MLP): the loop stores
+// A tile whose epilogue is SwiGLU (the fused GEMM1 of the expert MLP, GroupedSwiGluKernel): the loop stores
 // h = silu(acc[:, :128]) * acc[:, 128:] (bf16, `cols` columns to out) and, when `a` is set, the float32 accumulators
 // themselves (the preactivation the backward pass needs: columns n0.. to a + n0, n_hi.. to a + n_hi).
 struct SwiGluTile : WgmmaTile {
