@@ -75,7 +75,8 @@ class ModelConfig:
 
 
 def make_mesh(num_devices: int | None = None, axis_type: str = "auto", shape: str | None = None) -> jax.sharding.Mesh:
-  """A mesh over the local devices of the default backend (all GPUs when present, else the CPU devices).
+  """A mesh over the devices of the default backend (all GPUs when present, else the CPU devices): this process's,
+  or in a jax.distributed job every process's (``num_devices`` then must be None).
 
   ``shape``: None for a 1-D mesh whose one axis, ``"expert"``, spans every device; else ``"data=2,expert=2"``, axes
   in that order whose sizes multiply to the device count, one of them ``"expert"``. Experts are sharded over the
@@ -83,7 +84,10 @@ def make_mesh(num_devices: int | None = None, axis_type: str = "auto", shape: st
   expert-parallel group); every other parameter is replicated (data parallel). ``axis_type``: "auto" (XLA
   propagates shardings) or "explicit" (shardings are part of the array types); the model runs on either.
   """
-  devices = jax.local_devices()
+  devices = jax.devices()
+  if num_devices and jax.process_count() > 1:
+    raise ValueError(f"--devices {num_devices}: a job of {jax.process_count()} processes uses every process's "
+                     f"devices (choose each process's with --local-device-ids)")
   if num_devices:
     if num_devices > len(devices):
       raise ValueError(f"asked for {num_devices} devices, but only {len(devices)} {devices[0].platform} devices "
@@ -113,6 +117,12 @@ def parse_mesh_shape(shape: str | None, num_devices: int) -> tuple[tuple[str, ..
 def batch_axes(mesh) -> tuple[str, ...]:
   """The mesh axes other than the expert axis: the tokens are sharded over them too (``jmo.MoE``'s batch_axes)."""
   return tuple(a for a in mesh.axis_names if a != EXPERT_AXIS)
+
+
+def put_global(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array every process holds whole, as a global array with ``sharding`` (each process places its shards:
+  one process or many)."""
+  return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
 
 def batch_sharding(mesh) -> NamedSharding:

@@ -11,6 +11,8 @@ train step is one jit-compiled function (forward, backward, AdamW update).
   python examples/train_moe.py --preset gpu --impl overlap --data FILE   # ~0.4 B params, 32 k tokens/step: GPUs
   python examples/train_moe.py --preset gpu --impl xla --data FILE       # the same through XLA's collectives
   python examples/train_moe.py --preset gpu --impl xla --grad-accum 8 --data FILE   # that on one H200 (memory)
+  for i in 0 1 2 3; do python examples/train_moe.py --preset gpu --num-processes 4 --process-id $i \
+    --local-device-ids $i --coordinator localhost:12345 & done; wait      # one process per GPU of a 4-GPU host
 
 See examples/README.md.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import sys
 import time
@@ -33,6 +36,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
+from jax.experimental import multihost_utils  # pylint: disable=wrong-import-position
 
 import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -82,6 +86,12 @@ def parse_args(argv=None):
                  help="mesh axes and sizes, e.g. data=2,expert=2: tokens over all axes, experts over 'expert', each "
                       "data position its own expert-parallel group (default: one 'expert' axis over all devices)")
   g.add_argument("--data", default=None, help=f"text file; None: examples/data/{model_lib.DATA_FILE.name}")
+  g = p.add_argument_group("processes (a jax.distributed job: one process per GPU, or several CPU processes)")
+  g.add_argument("--num-processes", type=int, default=1, help="processes of the job (1: no jax.distributed)")
+  g.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. --num-processes - 1")
+  g.add_argument("--coordinator", default=None, help="host:port of process 0's coordination service")
+  g.add_argument("--local-device-ids", default=None,
+                 help="comma list of the local devices this process uses (e.g. its GPU); None: all of them")
   g = p.add_argument_group("evaluation, checkpoints, output")
   g.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
   g.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
@@ -94,6 +104,8 @@ def parse_args(argv=None):
   g.add_argument("--skip-check", action="store_true",
                  help="skip the start-up comparison of the custom calls with impl=reference")
   g.add_argument("--log-every", type=int, default=0, help="with --no-progress: print every N steps")
+  g.add_argument("--history-out", default=None,
+                 help="write the per-step train losses, dropped fractions and the held-out loss here as JSON")
   g.add_argument("--peak-tflops", type=float, default=None,
                  help="peak dense TFLOP/s of one device in the compute dtype, for model FLOP utilisation (MFU); "
                       "None: known GPUs' datasheet value, else no MFU")
@@ -130,6 +142,35 @@ PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 # so the dropped tokens and the gradient change with it (only rounding changes with dropless routing, --lb-weight 0).
 RESUME_ARGS = ("steps", "batch_size", "grad_accum", "lr", "warmup", "weight_decay", "lb_weight", "z_weight", "seed",
                "data")
+
+
+def say(*args, **kwargs):
+  """print, by process 0 of the job only (every process computes the same numbers)."""
+  if jax.process_index() == 0:
+    print(*args, **kwargs)
+
+
+def start_processes(args):
+  """Joins the jax.distributed job that --num-processes asks for (before anything touches a device). On CPU the
+  processes' collectives run over gloo."""
+  n = args.num_processes
+  if n < 1:
+    raise SystemExit(f"--num-processes {n}: at least 1")
+  if n == 1:
+    if args.process_id not in (None, 0) or args.coordinator:
+      raise SystemExit("--process-id and --coordinator belong to a job of several processes (--num-processes)")
+    return
+  if args.process_id is None or not 0 <= args.process_id < n or not args.coordinator:
+    raise SystemExit(f"--num-processes {n} needs --process-id in 0..{n - 1} and --coordinator host:port")
+  if args.ckpt_dir:
+    raise SystemExit("--ckpt-dir: this example checkpoints from one process only")
+  if args.devices:
+    raise SystemExit("--devices: a job of several processes uses every process's devices; choose each process's "
+                     "with --local-device-ids")
+  ids = [int(i) for i in args.local_device_ids.split(",")] if args.local_device_ids else None
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=n, process_id=args.process_id,
+                             local_device_ids=ids)
 
 
 def model_config(args) -> model_lib.ModelConfig:
@@ -227,7 +268,7 @@ def eval_step(graphdef, state, tokens):
 
 
 def evaluate(graphdef, state, batches, sharding):
-  losses = [eval_step(graphdef, state, jax.device_put(b, sharding))[0] for b in batches]
+  losses = [eval_step(graphdef, state, model_lib.put_global(b, sharding))[0] for b in batches]
   return float(np.mean([float(l) for l in losses]))
 
 
@@ -241,17 +282,18 @@ def check_against_reference(model, tokens, num_devices):
   dtype = config.dtype
   x = x.astype(dtype)
   forward = nnx.jit(lambda m, x: m(x)[0])
+  host = lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True), np.float32)  # every process's rows
   with jax.default_matmul_precision("highest"):    # no TF32 in the reference's float32 matmuls on GPUs
-    y = np.asarray(forward(moe, x), np.float32)
+    y = host(forward(moe, x))
     # The oracle computes in float32 on the same (rounded) input.
     moe.impl, moe.config = "reference", dataclasses.replace(config, dtype=jnp.float32)
     try:
-      y_ref = np.asarray(forward(moe, x.astype(jnp.float32)), np.float32)
+      y_ref = host(forward(moe, x.astype(jnp.float32)))
     finally:
       moe.impl, moe.config = "overlap", config
   rel = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
   tol = 1e-4 if jnp.dtype(dtype) == jnp.float32 else 1e-2
-  print(f"check: an MoE layer through the custom calls on {num_devices} devices vs impl=reference: relative "
+  say(f"check: an MoE layer through the custom calls on {num_devices} devices vs impl=reference: relative "
         f"difference {rel:.2e} over {y.size} values ({jnp.dtype(dtype).name} vs a float32 reference, tolerance "
         f"{tol:g})")
   if not rel < tol:
@@ -289,7 +331,7 @@ def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   """Prints the median training throughput of the timed steps and, when the device's peak is known, the model FLOP
   utilisation: model FLOPs per token (ModelConfig.flops_per_token) x tokens/s over the devices' summed peak."""
   if not step_times:
-    print("throughput: no timed step (the first step compiles and is not timed)")
+    say("throughput: no timed step (the first step compiles and is not timed)")
     return
   tok_s = tokens_per_step / float(np.median(step_times))
   line = (f"throughput impl={cfg.impl}: {tok_s:,.0f} tokens/s (median of {len(step_times)} steps, "
@@ -298,7 +340,7 @@ def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   if peak:
     mfu = cfg.flops_per_token() * tok_s / (peak * 1e12 * num_devices)
     line += f" | MFU {100 * mfu:.1f}% of {peak:g} TFLOP/s x {num_devices}"
-  print(line, flush=True)
+  say(line, flush=True)
 
 
 def plot_curve(path, history, title):
@@ -341,6 +383,7 @@ def main(argv=None):
   args = parse_args(argv)
   if (args.resume or args.overwrite) and not args.ckpt_dir:
     raise SystemExit("--resume and --overwrite need --ckpt-dir")
+  start_processes(args)
   try:
     mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type, args.mesh)
   except ValueError as e:
@@ -382,16 +425,16 @@ def main(argv=None):
         changed = {k: (v, vars(args).get(k)) for k, v in restored["meta"]["args"].items()
                    if k in RESUME_ARGS and vars(args).get(k) != v}
         if changed:
-          print("warning: these flags differ from the checkpointed run, so the loss curve will not continue as it "
+          say("warning: these flags differ from the checkpointed run, so the loss curve will not continue as it "
                 "would have: " + ", ".join(f"--{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in changed.items()))
         nnx.update(model, restored["model"])
         nnx.update(optimizer, restored["opt"])
         history = restored["meta"]["history"]
         start = latest
-        print(f"resumed from {args.ckpt_dir} at step {start}")
+        say(f"resumed from {args.ckpt_dir} at step {start}")
 
     if cfg.impl == "overlap" and not args.skip_check:
-      check_against_reference(model, jax.device_put(eval_set[0], sharding)[:, :-1], R)
+      check_against_reference(model, model_lib.put_global(eval_set[0], sharding)[:, :-1], R)
 
     graphdef, state = nnx.split((model, optimizer))   # the jitted steps take and return the state pytree
     del model, optimizer
@@ -399,9 +442,10 @@ def main(argv=None):
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
     tokens_per_step = args.batch_size * args.seq_len
     micro = f" in {args.grad_accum} microbatches" if args.grad_accum > 1 else ""
-    print(f"{jax.devices()[0].platform} x {R} devices {dict(mesh.shape)} | {n_params / 1e6:.2f}M parameters | {cfg.num_experts} "
-          f"experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl} | "
-          f"{tokens_per_step} tokens/step{micro} | train {len(train_text)} B, held-out {len(held_text)} B")
+    procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    say(f"{jax.devices()[0].platform} x {R} devices{procs} {dict(mesh.shape)} | {n_params / 1e6:.2f}M parameters | "
+        f"{cfg.num_experts} experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl} | "
+        f"{tokens_per_step} tokens/step{micro} | train {len(train_text)} B, held-out {len(held_text)} B")
 
     def save(step):
       if mngr is None:
@@ -413,14 +457,14 @@ def main(argv=None):
       mngr.wait_until_finished()   # the next step donates (reuses) these buffers
 
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and jax.process_index() == 0:
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
       bar = tqdm(total=stop, initial=start, desc="train", dynamic_ncols=True)
     t_prev, tok_s = None, float("nan")
     step_times = []                                     # seconds of the timed steps (not the first: compilation)
     for step in range(start, stop):
-      batch = jax.device_put(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
-                             sharding)
+      batch = model_lib.put_global(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
+                                   sharding)
       state, metrics = train_step(graphdef, loss_weights, state, batch, grad_accum=args.grad_accum)
       loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
       t_now = time.perf_counter()
@@ -439,7 +483,7 @@ def main(argv=None):
                         dropped=f"{dropped:.3f}", lr=f"{float(schedule(step)):.1e}", refresh=False)
         bar.update(1)
       elif args.log_every and done % args.log_every == 0:
-        print(f"step {done}: loss {loss:.4f}  tokens/s {tok_s:,.0f}  dropped {dropped:.4f}", flush=True)
+        say(f"step {done}: loss {loss:.4f}  tokens/s {tok_s:,.0f}  dropped {dropped:.4f}", flush=True)
       if not np.isfinite(loss):
         raise FloatingPointError(f"loss became {loss} at step {done}")
       if mngr is not None and done % args.save_every == 0 and done != stop:
@@ -458,13 +502,17 @@ def main(argv=None):
 
   report_throughput(cfg, args, step_times, tokens_per_step, R)
   first = history["loss"][0] if history["loss"] else float("nan")
-  print(f"step {stop}: train loss {np.mean(history['loss'][-10:]):.4f} (first step {first:.4f}), "
+  say(f"step {stop}: train loss {np.mean(history['loss'][-10:]):.4f} (first step {first:.4f}), "
         f"held-out loss {eval_loss:.4f} nats/byte ({eval_loss / np.log(2):.3f} bits/byte), "
         f"dropped {np.mean(history['dropped'][-10:]) if history['dropped'] else 0:.4f}")
-  if args.plot:
+  if args.history_out and jax.process_index() == 0:
+    with open(args.history_out, "w") as f:
+      json.dump({"losses": history["loss"], "dropped": history["dropped"], "eval": history["eval"],
+                 "eval_loss": eval_loss, "processes": jax.process_count(), "devices": R}, f)
+  if args.plot and jax.process_index() == 0:
     plot_curve(args.plot, history, f"{cfg.num_layers} layers, d={cfg.d_model}, {cfg.num_experts} experts top-"
                f"{cfg.top_k}, cf={cfg.capacity_factor}, impl={cfg.impl}, {R} {jax.devices()[0].platform} devices")
-    print(f"wrote {args.plot}")
+    say(f"wrote {args.plot}")
   return {"losses": history["loss"], "eval": history["eval"], "eval_loss": eval_loss,
           "dropped": history["dropped"], "state": state}
 
