@@ -19,7 +19,9 @@
 #               GPU 0, each with SMs / R and the link ceiling / R; the tools build of `build` and the shipped
 #               calibration of this GPU). Not real links: ep_combine is the real-link sweep.
 #   tests       pytest tests/gpu (TESTS_K: its -k)
-#   train       examples/train_moe.py --impl overlap and --impl reference, tokens/s (TRAIN_ARGS)
+#   train       examples/train_moe.py on all GPUs (TRAIN_ARGS: its GPU preset, briefly) with each of TRAIN_IMPLS
+#               (overlap, xla; TRAIN_XLA_ARGS added to xla's), then overlap as one process per GPU
+#               (benchmarks.launch_job); tokens/s and MFU of each
 #
 #   bash benchmarks/run_multi_gpu.sh                      # on the GPU machine, from the repository root
 #   EP_GROUPS=deepseek bash benchmarks/run_multi_gpu.sh --steps build,ep_layer   # a later call, build reused
@@ -28,11 +30,13 @@
 #
 # Options: --steps LIST (comma list, in the order above; default topo,build,links,ep_layer,ep_combine), --budget S
 # (the whole script's seconds, default 540: it ends by then, tar included), --dry-run.
+# A call for the training runs alone: bash benchmarks/run_multi_gpu.sh --steps build,train
 # Environment (defaults below): limits in seconds T_TOPO, T_BUILD, T_LINKS, T_EP_GROUP (at most, per group),
 # T_EP_COMBINE, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
 # and the ep_layer groups share equally what is left after the limits of the steps after them. EP_GROUPS (names of
 # ep_group_shapes below), EP_SHAPES (one regex on "name skew" instead of the groups), EP_IMPLS, EP_ARGS (more
-# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), RESOURCE_ARGS, TESTS_K, TRAIN_ARGS. *_ARGS are split on
+# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), RESOURCE_ARGS, TESTS_K, TRAIN_ARGS, TRAIN_IMPLS,
+# TRAIN_XLA_ARGS. *_ARGS are split on
 # spaces (flags and numbers only). NCCL_NVLS_ENABLE=0 throughout: no NVLink multicast.
 # A CPU run of the steps' plumbing (no build; python3 with jax and a built jax_moe_overlap/ on PYTHONPATH):
 #   BENCH_PLATFORMS=cpu EP_GROUPS=quick EP_ARGS=--quick EPC_ARGS="--quick --ctas 4,8" \
@@ -64,15 +68,18 @@ done
 wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 T_TOPO=${T_TOPO:-20} T_BUILD=${T_BUILD:-200} T_LINKS=${T_LINKS:-60} T_EP_GROUP=${T_EP_GROUP:-300}
-T_EP_COMBINE=${T_EP_COMBINE:-90} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120} T_TRAIN=${T_TRAIN:-45}
+T_EP_COMBINE=${T_EP_COMBINE:-90} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120} T_TRAIN=${T_TRAIN:-120}
 EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
 EP_IMPLS=${EP_IMPLS:-ours,serialized,xla,ideal,ours_dg}
 EP_ARGS=${EP_ARGS:---max-call-s 5 --dispatch-pushers 8}
 EPC_ARGS=${EPC_ARGS:---max-call-s 1}
 RESOURCE_ARGS=${RESOURCE_ARGS:---quick --reps 3}
 TESTS_K=${TESTS_K-not racecheck and not synccheck}
-TRAIN_ARGS=${TRAIN_ARGS:---steps 40 --layers 2 --d-model 1024 --heads 8 --d-ff 2048 --experts 8 --top-k 2 \
---batch-size 32 --seq-len 256 --dtype bfloat16 --eval-batches 1 --plot= --no-progress --log-every 1 --skip-check}
+TRAIN_ARGS=${TRAIN_ARGS:---preset gpu --steps 30 --log-every 5 --eval-batches 1 --skip-check}
+TRAIN_IMPLS=${TRAIN_IMPLS:-overlap xla}
+# xla at the preset needs its microbatches on one H200 (ragged_dot's weight gradient is dense: performance.md), and
+# XLA's loop unrolling off so that they run one at a time.
+TRAIN_XLA_ARGS=${TRAIN_XLA_ARGS:---grad-accum 4}
 END_RESERVE=15        # seconds kept for the final table and the tar
 
 ep_group_shapes() {  # group name -> its bench_ep_layer --shapes regex (bench_ep_layer --list-shapes shows the names)
@@ -113,7 +120,7 @@ reserve_after() {  # step: the summed limits of the wanted steps after it (what 
     if [ $after = 1 ] && wanted "$s"; then
       case "$s" in
         ep_combine) lim=$T_EP_COMBINE ;; resource) lim=$T_RESOURCE ;; tests) lim=$T_TESTS ;;
-        train) lim=$(( 2 * T_TRAIN )) ;; *) lim=0 ;;
+        train) lim=$(( ($(wc -w <<< "$TRAIN_IMPLS") + 1) * T_TRAIN )) ;; *) lim=0 ;;
       esac
       total=$(( total + lim ))
     fi
@@ -272,11 +279,28 @@ median_tok_s() {  # log: the median tokens/s of its per-step lines after the fir
     awk '{v[NR] = $1} END {print NR ? v[int((NR + 1) / 2)] " (median of " NR " steps)" : "n/a"}'
 }
 if wanted train; then
-  for impl in overlap reference; do
+  for impl in $TRAIN_IMPLS; do
+    extra=()
+    [ "$impl" = xla ] && extra=(env XLA_FLAGS=--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL)
     run_step "train $impl" "$(limit_for "$T_TRAIN")" "$OUT/train_$impl.log" \
-      "${bench[@]}" examples/train_moe.py --impl $impl $TRAIN_ARGS || continue
-    [ $DRY_RUN = 0 ] && say "tokens/s $(median_tok_s "$OUT/train_$impl.log")" && errors "$OUT/train_$impl.log"
+      "${extra[@]}" "${bench[@]}" examples/train_moe.py --impl $impl $TRAIN_ARGS \
+      $([ "$impl" = xla ] && echo "$TRAIN_XLA_ARGS") || continue
+    [ $DRY_RUN = 0 ] && { grep -E "^throughput" "$OUT/train_$impl.log" | cut -c1-230 | tee -a "$summary"
+                          say "tokens/s $(median_tok_s "$OUT/train_$impl.log")"; errors "$OUT/train_$impl.log"; }
   done
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ $DRY_RUN = 1 ] && [ "$gpus" -lt 2 ] && gpus=2      # (the dry run shows the command of a 2-GPU machine)
+  if [ "$gpus" -ge 2 ]; then
+    lim=$(limit_for "$T_TRAIN")
+    # launch_job's own deadline comes first, so that it kills the job's processes itself.
+    run_step "train overlap, one process per GPU" "$lim" "$OUT/train_processes.log" \
+      "${bench[@]}" -m benchmarks.launch_job --processes "$gpus" --limit-s "$(( lim - 10 ))" \
+      --logs "$OUT/train_processes" -- python3 examples/train_moe.py --impl overlap $TRAIN_ARGS
+    [ $DRY_RUN = 0 ] && { grep -E "^throughput|exit status" "$OUT/train_processes.log" | cut -c1-230 |
+                            tee -a "$summary"; errors "$OUT/train_processes.log"; }
+  else
+    say "== train, one process per GPU: skipped ($gpus GPU)"
+  fi
 fi
 
 # The short table: every step, then the EP layer's summary rows of all groups, the link pairs and the manager's

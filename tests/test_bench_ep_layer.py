@@ -294,3 +294,23 @@ def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
   assert impls == ["ours,serialized,xla,ideal,ours_dg"] * 3, impls
   assert all("--dispatch-pushers 8" in x for x in runs), runs
   assert os.listdir(tmp_path) == ["summary.txt"]
+
+
+def test_multi_gpu_script_dry_run_trains_each_impl_and_one_process_per_gpu(tmp_path):
+  """run_multi_gpu.sh --steps train --dry-run: the training example at its GPU preset with impl overlap and xla (xla
+  in microbatches), then overlap as a job of one process per GPU through benchmarks.launch_job, whose own deadline
+  comes before the step's."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
+             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+  r = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run", "--steps", "train"], cwd=root, env=env,
+                     capture_output=True, text=True, timeout=60, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  runs = {line.split(" (limit")[0][3:]: line for line in r.stdout.splitlines() if line.startswith("== train")}
+  assert list(runs) == ["train overlap", "train xla", "train overlap, one process per GPU"], runs
+  assert all("--preset gpu" in line for line in runs.values()), runs
+  assert "--impl xla" in runs["train xla"] and "--grad-accum 4" in runs["train xla"]
+  job = runs["train overlap, one process per GPU"]
+  step_limit = int(job.split("(limit ")[1].split(" s)")[0])
+  assert "benchmarks.launch_job --processes 2" in job and "--impl overlap" in job
+  assert int(job.split("--limit-s ")[1].split()[0]) < step_limit
