@@ -27,9 +27,16 @@ def register() -> None:
 
 @functools.cache
 def swiglu_fused(bf16: bool, K: int, F: int) -> bool:
-  """Whether ``grouped_matmul_swiglu`` applies the SwiGLU in its GEMM's epilogue on this machine's CUDA device (the
-  wgmma engine: a Hopper GPU, bfloat16, K a multiple of 64, F of 32). Only then may it leave out the preactivation."""
-  return bool(_jmo.with_cuda) and bool(_jmo.cuda_swiglu_fused(bf16, K, F))
+  """Whether ``grouped_matmul_swiglu`` applies the SwiGLU in its GEMM's epilogue on this process's GPUs (the wgmma
+  engine: a Hopper GPU, bfloat16, K a multiple of 64, F of 32; the CUDA handler's SwiGluFused). Only then may it
+  leave out the preactivation. False where JAX's default devices are not GPUs."""
+  if not (_jmo.with_cuda and bf16 and K % 64 == 0 and F % 32 == 0):
+    return False
+  gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+  if not gpus:
+    return False
+  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
+  return cuda_workspace.device_info(int(gpus[0].local_hardware_id)).compute_capability[0] == 9
 
 
 def with_cuda() -> bool:

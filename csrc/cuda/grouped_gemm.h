@@ -40,7 +40,8 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
                            int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a);
 
-// Whether GroupedMatmulSwiGlu runs as one fused kernel on the current device for these operands.
+// Whether GroupedMatmulSwiGlu runs as one fused kernel on the current device for these operands (mirrored in Python
+// by jax_moe_overlap._ffi.swiglu_fused, which decides whether the preactivation output may be left out).
 bool SwiGluFused(DType dt, int64_t K, int64_t F);
 
 // Which tile engine GroupedMatmul / GroupedOuter use for these operands ("mma.sync bf16" or "simt fp32").

@@ -41,12 +41,6 @@ void RegisterModule(nb::module_& m) {
     d["jmo_grouped_matmul_swiglu"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulSwiGluCuda));
     return d;
   });
-  // Whether jmo_grouped_matmul_swiglu runs as one fused kernel on the current CUDA device (then its preactivation
-  // output may be left out); false where no CUDA device is visible.
-  m.def(
-      "cuda_swiglu_fused",
-      [](bool bf16, int64_t K, int64_t F) { return SwiGluFused(bf16 ? DType::kBF16 : DType::kF32, K, F); },
-      nb::arg("bf16"), nb::arg("K"), nb::arg("F"));
   // process, here, prefix: a workspace whose groups span processes (workspace.h's Sharing; process[g * ranks + r]
   // owns rank r of group g, ordinals of other processes' ranks are -1): this process's part, completed by
   // open_cuda_workspace_peers once every process has created its own (jax_moe_overlap/cuda_workspace.py).
