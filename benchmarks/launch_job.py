@@ -7,7 +7,7 @@ or the deadline passes, every other process is killed: a dead peer never leaves 
   python -m benchmarks.launch_job --processes 2 --no-local-ids -- python3 examples/train_moe.py   # CPU processes
 
 Exit status: 0 when every process exited 0; else the first failure's status (124 when the deadline passed). Prints
-one line per process (status, seconds) and, after them, process 0's last lines.
+each process's exit status, the job's seconds and process 0's last lines.
 """
 
 from __future__ import annotations
@@ -20,17 +20,20 @@ import sys
 import time
 
 
-def _free_port() -> int:
+def free_port() -> int:
+  """A TCP port of localhost that is free now (for the job's coordination service)."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
 
 
-def run(command: list[str], processes: int, limit_s: float, logs: str, local_ids: bool = True) -> int:
+def run(command: list[str], processes: int, limit_s: float, logs: str, local_ids: bool = True,
+        report: bool = True) -> int:
   """Starts the job, waits (polling) until every process has exited, one has failed or limit_s has passed, kills
-  what is left, and returns the job's exit status (see the module docstring)."""
+  what is left, and returns the job's exit status (see the module docstring); prints the report unless told not
+  to."""
   os.makedirs(logs, exist_ok=True)
-  port = _free_port()
+  port = free_port()
   procs, files = [], []
   for i in range(processes):
     f = open(os.path.join(logs, f"process-{i}.log"), "w")  # pylint: disable=consider-using-with
@@ -61,10 +64,11 @@ def run(command: list[str], processes: int, limit_s: float, logs: str, local_ids
       p.wait(timeout=60)
     for f in files:
       f.close()
-  took = time.monotonic() - start
+  if not report:
+    return status
   for i, p in enumerate(procs):
-    print(f"process {i}: exit status {p.returncode}{' (killed)' if p.returncode and p.returncode < 0 else ''}, "
-          f"{took:.1f} s")
+    print(f"process {i}: exit status {p.returncode}{' (killed)' if p.returncode and p.returncode < 0 else ''}")
+  print(f"the job took {time.monotonic() - start:.1f} s")
   if status == 124:
     print(f"the job did not finish within {limit_s:.0f} s: every process was killed")
   with open(os.path.join(logs, "process-0.log")) as f:
