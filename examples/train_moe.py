@@ -164,9 +164,6 @@ def start_processes(args):
     raise SystemExit(f"--num-processes {n} needs --process-id in 0..{n - 1} and --coordinator host:port")
   if args.ckpt_dir:
     raise SystemExit("--ckpt-dir: this example checkpoints from one process only")
-  if args.devices:
-    raise SystemExit("--devices: a job of several processes uses every process's devices; choose each process's "
-                     "with --local-device-ids")
   ids = [int(i) for i in args.local_device_ids.split(",")] if args.local_device_ids else None
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=n, process_id=args.process_id,
