@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda/device/activation.cuh"
 #include "cuda/gemm/mma_tile.cuh"
 #include "cuda/gemm/wgmma_grouped.cuh"
 #include "cuda/gemm/wgmma_outer.cuh"
@@ -285,8 +286,7 @@ template <typename OutT>
 __global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t F, OutT* __restrict__ h) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < M * F; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / F, j = i - r * F;
-    const float g = a[r * 2 * F + j];
-    h[i] = FromFloat<OutT>(g / (1.0f + expf(-g)) * a[r * 2 * F + F + j]);
+    h[i] = FromFloat<OutT>(SiluMul(a[r * 2 * F + j], a[r * 2 * F + F + j]));
   }
 }
 

@@ -93,6 +93,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/device/activation.cuh"
 #include "cuda/device/ptx.cuh"
 
 namespace wgmma_gemm {
@@ -324,7 +325,7 @@ __device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int l
     StoreAccTile<true, 16>(acc + 64, c, wq, lane, t.rows, t.cols, t.a + t.n_hi, t.lda);
   }
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = acc[i] / (1.0f + expf(-acc[i])) * acc[i + 64];
+  for (int i = 0; i < 64; ++i) acc[i] = jmo::cuda::SiluMul(acc[i], acc[i + 64]);
   StoreAccTile<false, 16>(acc, c, wq, lane, t.rows, t.cols, t.out, t.ldc);
 }
 
