@@ -280,11 +280,13 @@ median_tok_s() {  # log: the median tokens/s of its per-step lines after the fir
 }
 if wanted train; then
   for impl in $TRAIN_IMPLS; do
-    extra=()
-    [ "$impl" = xla ] && extra=(env XLA_FLAGS=--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL)
+    env_extra=() args_extra=""
+    if [ "$impl" = xla ]; then
+      env_extra=(env XLA_FLAGS=--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL)
+      args_extra=$TRAIN_XLA_ARGS
+    fi
     run_step "train $impl" "$(limit_for "$T_TRAIN")" "$OUT/train_$impl.log" \
-      "${extra[@]}" "${bench[@]}" examples/train_moe.py --impl $impl $TRAIN_ARGS \
-      $([ "$impl" = xla ] && echo "$TRAIN_XLA_ARGS") || continue
+      "${env_extra[@]}" "${bench[@]}" examples/train_moe.py --impl $impl $TRAIN_ARGS $args_extra || continue
     [ $DRY_RUN = 0 ] && { grep -E "^throughput" "$OUT/train_$impl.log" | cut -c1-230 | tee -a "$summary"
                           say "tokens/s $(median_tok_s "$OUT/train_$impl.log")"; errors "$OUT/train_$impl.log"; }
   done
