@@ -38,11 +38,12 @@ def _ref_swiglu(a):
 
 def check_grouped_matmul_swiglu(case, dtype, keep, tol, seed=0):
   """grouped_matmul_swiglu against float64 numpy (GEMM1, then the SwiGLU): h and, when kept, a; the rows past the
-  groups zero in both. Returns (h, a) for the GPU tests' further checks."""
+  groups zero in both. Returns the call (jitted), its operands and (h, a) for the GPU tests' further checks."""
   M, K, F, sizes = case
   lhs, rhs = _inputs(seed + M + K, (M, K), (len(sizes), K, 2 * F), dtype=dtype)
   fn = jax.jit(lambda x, w, s: grouped_matmul_swiglu(x, w, s, keep_preactivation=keep))
-  h, a = fn(lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  gs = jnp.asarray(sizes, jnp.int32)
+  h, a = fn(lhs, rhs, gs)
   ref_a = _ref_matmul(_f64(lhs), _f64(rhs), sizes, False)
   assert h.shape == (M, F) and h.dtype == dtype
   assert _rel(h.astype(jnp.float32), _ref_swiglu(ref_a)) < tol
@@ -53,7 +54,7 @@ def check_grouped_matmul_swiglu(case, dtype, keep, tol, seed=0):
     assert np.all(np.asarray(a[sum(sizes):]) == 0.0)
   else:
     assert a is None
-  return h, a
+  return fn, (lhs, rhs, gs), (h, a)
 
 
 SWIGLU_CASES = [  # (M, K, F, group sizes)

@@ -12,7 +12,7 @@ from gpu_common import gpu_devices, requires_gpu
 import test_grouped_gemm as base  # tests/test_grouped_gemm.py (tests/ is on pytest's pythonpath)
 
 from jax_moe_overlap import _ffi
-from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 
 pytestmark = requires_gpu
 
@@ -70,12 +70,8 @@ SWIGLU_BIG = [  # (M, K, F, sizes): the fused kernel's shapes on Hopper (K % 64,
 @pytest.mark.parametrize("keep", [True, False])
 def test_grouped_matmul_swiglu_gpu(case, dtype, tol, keep):
   with jax.default_device(gpu_devices()[0]):
-    h, a = base.check_grouped_matmul_swiglu(case, dtype, keep, tol, seed=1)
-    M, K, F, sizes = case
-    lhs, rhs = base._inputs(1 + M + K, (M, K), (len(sizes), K, 2 * F), dtype=dtype)
-    gs = jnp.asarray(sizes, jnp.int32)
-    fn = jax.jit(lambda x, w, s: grouped_matmul_swiglu(x, w, s, keep_preactivation=keep))
-    h2, a2 = fn(lhs, rhs, gs)
+    fn, (lhs, rhs, gs), (h, a) = base.check_grouped_matmul_swiglu(case, dtype, keep, tol, seed=1)
+    h2, _ = fn(lhs, rhs, gs)
     assert np.array_equal(np.asarray(h.astype(jnp.float32)), np.asarray(h2.astype(jnp.float32)))  # repeatable
     if keep:
       # The preactivation is the bare grouped GEMM's float32 output, bit for bit (the same tiles, the same k order).
