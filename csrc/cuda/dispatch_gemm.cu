@@ -1,6 +1,5 @@
-// Experimental: dispatch_gemm, the dispatch and GEMM1 of the expert MLP in one launch. Everything of this path is in
-// this file (the kernel, its launch, DispatchGemm in api.h) and in the FFI handler that calls it; removing it removes
-// nothing the other primitives use.
+// dispatch_gemm: the dispatch and GEMM1 of the expert MLP in one launch (the kernel, its launch and DispatchGemm in
+// api.h; the FFI handler calls it).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -18,24 +17,29 @@ bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, co
 namespace {
 
 // dispatch_gemm: the dispatch and GEMM1 in one launch, so that GEMM1 runs while the tokens are still in flight (the
-// dispatch-side producer / consumer; expert_combine is the return side). Roles by block index, one CTA per SM as in
-// ExpertKernel (the same co-residency argument: every CTA of every rank is resident, so the waits below end):
-//   pushers  CTAs [0, pushers) first push this rank's rows for the other ranks, a 128-row block of the send order
+// dispatch-side producer / consumer; expert_combine is the return side). Every CTA of every rank is resident (one per
+// SM, as in ExpertKernel), so the waits below end. Roles by block index:
+//   pushers  CTAs [0, pushers) push this rank's rows for the other ranks, a 128-row block of the send order
 //            (SrcBlocks, protocol.h) at a time, in rounds: block i of every destination's rows before block i + 1,
 //            each destination from the next rank on, so that every rank receives from every source at once and in
-//            the order its GEMM consumes; each block's count is release-added into the destination's
-//            src_blocks[rank][J] and recv_arrivals. Then they join the GEMM.
-//   GEMM     CTAs [pushers, grid) first copy the rows this rank keeps into its own recv (the same blocks and
-//            counters), then run the grouped GEMM; the pushers join it when their push is done.
+//            the order its GEMM consumes; each block's count is release-added into the destination's recv_arrivals
+//            and then its src_blocks[rank][J]. Then they take side work (below), then join the GEMM.
+//   GEMM     CTAs [pushers, grid) copy the rows this rank keeps into its own recv (the same blocks and counters),
+//            then run the grouped GEMM, then take what side work is left.
 // The GEMM is over recv's (expert, source) segments with A read by TMA straight from the workspace's recv rows. Its
-// tiles are claimed one at a time from a per-call counter (CTAs that join late take what is left), in the order
-// rows arrive: the rank's own segments, then the other sources' by expert, then source. Before a tile's first load
-// the TMA thread waits until the source's blocks that hold the tile's rows are complete.
-// a [cap, N] float32 = recv[segment] @ w[expert] (w[expert]^T with transpose_rhs) on every kept row, zero on the rows
-// past them. The call then ends as a dispatch does (RecvKernel copies recv to x_recv, EndKernel frees recv for the
-// next call); before that the last CTA zeroes the src_blocks counters of this call.
+// tiles are claimed one at a time from a per-call counter (CTAs that join late take what is left), in the order rows
+// arrive: the rank's own segments, then the other sources' by expert, then source. Before a tile's first load the
+// TMA thread waits until the blocks of the source that hold the tile's rows are complete. Epilogue: the float32
+// product (out [cap, N]), or with kSwiGlu GEMM1's SwiGLU (h [cap, N / 2] and optionally the preactivation a [cap,
+// N]), as the bare grouped GEMMs store them, so the results are theirs bit for bit.
+// Side work, claimed from a second per-call counter: the copy of the kept rows into x_recv (when kept), one 128-row
+// chunk of a segment per unit after a wait for its blocks, then the zeroing of every result's rows past the kept ones
+// in kZeroUnitBytes units. Memory-bound work thus runs on the pushers' SMs beside the compute-bound GEMM, and the
+// GEMM CTAs that run out of tiles finish it.
+// The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
+// done_epoch): every read of recv is done by then.
 struct DispatchGemmArgs {
-  const char* src;       // x [S, K] bf16 (row_bytes = K * 2)
+  const char* src;       // x [S, D] bf16 (row_bytes = D * 2)
   int64_t S, row_bytes;
   const int32_t *src_row, *dst_rank, *dst_row;  // the dispatch plan's slots [P]
   const int32_t *send_order;                     // [P]: the slot at each send position
@@ -43,15 +47,29 @@ struct DispatchGemmArgs {
   int64_t P, cap;
   const int32_t *seg_rows, *seg_ret_off;  // [E_l * R] rows this rank receives per (expert, source), and their first
                                           // send position on the source
+  const int32_t* recv_expected;           // [] rows this rank receives in all
   int E_l, pushers;
-  int64_t K, N;
-  float* a;              // [cap, N]
+  int64_t K, N;          // d_model, GEMM columns (2F with kSwiGlu)
+  char* x_recv;          // [cap, D] bf16, or null: not kept
+  void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16
+  float* a;              // kSwiGlu: the preactivation [cap, N] float32, or null: not kept
+  double cta_link_bytes_per_ns;  // > 0: each pusher paces its pushes to other ranks to this rate (CallOptions)
+};
+
+constexpr int64_t kZeroUnitBytes = 1 << 20;
+
+// Per-CTA pacing of the emulated link (CallOptions::emulated_link_gbps): thread 0 only.
+struct Pace {
+  uint64_t t0;
+  double bytes;
 };
 
 // Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
-// recv rows, then (one thread) release-adds their count to d's src_blocks[rank][J] and recv_arrivals. Every thread of
-// the CTA calls it. Invalid slots are reported as PushRows does.
-__device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, unsigned* sent) {
+// recv rows, then (one thread) release-adds their count to d's recv_arrivals and then to its src_blocks[rank][J]: a
+// reader that acquires the block's count also sees the arrivals of it. Every thread of the CTA calls it. Invalid
+// slots are reported as PushRows does. Pushes to other ranks are paced when the link is emulated.
+__device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, unsigned* sent,
+                                 Pace* pace) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t q0 = max(J * kSrcBlockRows, (int64_t)g.send_start[d]);
   const int64_t q1 = min((J + 1) * kSrcBlockRows, (int64_t)g.send_start[d + 1]);
@@ -75,13 +93,17 @@ __device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, i
     ++moved;
   }
   if (lane == 0 && moved > 0) atomicAdd(sent, moved);
-  __threadfence_system();
+  if (d != rd.rank) __threadfence_system(); else __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned n = *sent;
     if (n > 0) {
-      AddReleaseSys(&View(rd, d).src_blocks()[(int64_t)rd.rank * SrcBlocks(rd.sizes.ret_rows) + J], n);
       AddReleaseSys(&View(rd, d).control()->recv_arrivals.value, n);
+      AddReleaseSys(&View(rd, d).src_blocks()[(int64_t)rd.rank * SrcBlocks(rd.sizes.ret_rows) + J], n);
+      if (d != rd.rank && g.cta_link_bytes_per_ns > 0) {
+        pace->bytes += (double)n * (double)g.row_bytes;
+        PaceLink(pace->t0, pace->bytes, g.cta_link_bytes_per_ns);
+      }
     }
     *sent = 0;
   }
@@ -108,6 +130,15 @@ __device__ __forceinline__ uint64_t BlockRows(const TableScratch& sc, int R, int
   return n;
 }
 
+// One thread: waits (acquire) until every block of source s that holds send positions [pos0, pos0 + rows) has all
+// the rows this rank keeps from it. False once the call failed (the error names the source and the counts).
+__device__ inline bool WaitRows(const RankDev& rd, const TableScratch& sc, int E_l, int s, int64_t pos0, int rows) {
+  const uint64_t* blocks = View(rd, rd.rank).src_blocks() + (int64_t)s * SrcBlocks(rd.sizes.ret_rows);
+  for (int64_t J = pos0 / kSrcBlockRows; rows > 0 && J <= (pos0 + rows - 1) / kSrcBlockRows; ++J)
+    if (!WaitAtLeast(rd, &blocks[J], 0, BlockRows(sc, rd.ranks, E_l, s, J), s, kStageSrcBlock)) return false;
+  return true;
+}
+
 // Rewrites table->seg (non-empty segments) in the order their rows arrive: this rank's own by expert, then the
 // others' by expert, then source (from the next rank on). One thread per position and a block scan.
 __device__ inline int ArrivalOrder(const RankDev& rd, int E_l, SegTable* t, TableScratch* sc) {
@@ -129,25 +160,109 @@ __device__ inline int ArrivalOrder(const RankDev& rd, int E_l, SegTable* t, Tabl
   return (int)total;
 }
 
-template <bool kTransB>
+// The side work of one call (see the kernel's comment): copy units first, then zero units.
+struct SideWork {
+  int64_t copy_units;          // 128-row chunks of the segments, in table order (x_recv kept), else 0
+  int64_t zero_bytes[3];       // padding bytes of x_recv, out, a (0 where not kept)
+  char* zero_at[3];            // their first padding byte
+  int64_t zero_units[3];
+  int64_t total;
+};
+
+__device__ inline SideWork MakeSideWork(const DispatchGemmArgs& g, bool swiglu, int64_t kept_rows,
+                                        int64_t copy_units) {
+  SideWork w;
+  w.copy_units = g.x_recv != nullptr ? copy_units : 0;
+  const int64_t pad = g.cap - kept_rows;
+  const int64_t out_row = swiglu ? (g.N / 2) * 2 : g.N * 4;
+  w.zero_bytes[0] = g.x_recv != nullptr ? pad * g.row_bytes : 0;
+  w.zero_bytes[1] = pad * out_row;
+  w.zero_bytes[2] = g.a != nullptr ? pad * g.N * 4 : 0;
+  w.zero_at[0] = g.x_recv + kept_rows * g.row_bytes;
+  w.zero_at[1] = static_cast<char*>(g.out) + kept_rows * out_row;
+  w.zero_at[2] = reinterpret_cast<char*>(g.a) + kept_rows * g.N * 4;
+  w.total = w.copy_units;
+  for (int i = 0; i < 3; ++i) {
+    w.zero_units[i] = (w.zero_bytes[i] + kZeroUnitBytes - 1) / kZeroUnitBytes;
+    w.total += w.zero_units[i];
+  }
+  return w;
+}
+
+// Segment i of the table holding 128-row chunk u (chunk_prefix[i] = tile_prefix[i] / col_tiles).
+__device__ __forceinline__ int ChunkSegment(const SegTable& t, const int32_t* tile_prefix, int col_tiles, int64_t u) {
+  int lo = 0, hi = t.n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if ((int64_t)tile_prefix[mid] <= u * col_tiles) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Claims and does side units until none is left. Every thread of the CTA calls it.
+__device__ inline void DoSideWork(const RankDev& rd, const DispatchGemmArgs& g, const SideWork& w,
+                                  const SegTable& t, const TableScratch& sc, const int32_t* tile_prefix, int col_tiles,
+                                  int64_t* claim) {
+  const int64_t tid = threadIdx.x, nt = blockDim.x;
+  for (;;) {
+    if (threadIdx.x == 0) *claim = (int64_t)atomicAdd(rd.side_claims, 1u);
+    __syncthreads();
+    int64_t v = *claim;
+    __syncthreads();
+    if (v >= w.total) return;
+    if (v < w.copy_units) {
+      const int i = ChunkSegment(t, tile_prefix, col_tiles, v);
+      const Segment& s = t.seg[i];
+      const int64_t m0 = (v - tile_prefix[i] / col_tiles) * kWgBM;
+      const int rows = (int)min((int64_t)kWgBM, (int64_t)s.rows - m0);
+      __shared__ int ok;
+      if (threadIdx.x == 0) ok = WaitRows(rd, sc, g.E_l, s.src, s.ret_off + m0, rows);
+      __syncthreads();
+      if (ok) {
+        const int64_t off = ((int64_t)s.recv_off + m0) * g.row_bytes;
+        CopyBand(g.x_recv + off, View(rd, rd.rank).recv() + off, rows * g.row_bytes, tid, nt);
+      }
+      continue;
+    }
+    v -= w.copy_units;
+    for (int i = 0; i < 3; ++i) {
+      if (v < w.zero_units[i]) {
+        const int64_t off = v * kZeroUnitBytes;
+        ZeroBytes(w.zero_at[i] + off, min(kZeroUnitBytes, w.zero_bytes[i] - off), tid, nt);
+        break;
+      }
+      v -= w.zero_units[i];
+    }
+  }
+}
+
+template <bool kTransB, bool kSwiGlu>
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
                        const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
+  static_assert(!(kTransB && kSwiGlu), "the SwiGLU epilogue is GEMM1's (B MN-major)");
   extern __shared__ __align__(16) char smem[];
   __shared__ CallState st;
   __shared__ unsigned sent[kMaxRanks];
   __shared__ int32_t tile_prefix[kMaxSegments + 1];
   __shared__ SegTable table;
   __shared__ TableScratch scratch;
+  __shared__ int64_t claim;
+  __shared__ Pace pace;
   __shared__ int last_cta;
   LoadCallState(rd, &st);
   if (!st.ok) return;
   const int R = rd.ranks;
-  const int64_t nb = SrcBlocks(rd.sizes.ret_rows);
+  const bool pusher = (int)blockIdx.x < g.pushers;
 
-  if ((int)blockIdx.x < g.pushers) {
+  if (pusher) {
     // The rows for the other ranks, in rounds (see above). Unit u: round u / (R - 1), destination rank + 1 + u % (R - 1).
     if (!BeginPush(rd, &st, sent)) return;
+    if (threadIdx.x == 0) {
+      pace.t0 = GlobalTimer();
+      pace.bytes = 0;
+      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)pace.t0);
+    }
     int64_t rounds = 0;
     for (int d = 0; d < R; ++d) {
       int64_t f, e;
@@ -158,62 +273,99 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       const int d = (rd.rank + 1 + (int)(u % (R - 1))) % R;
       int64_t f, e;
       DestBlocks(g, d, &f, &e);
-      if (f + u / (R - 1) < e) PushBlock(rd, g, d, f + u / (R - 1), sent);
+      if (f + u / (R - 1) < e) PushBlock(rd, g, d, f + u / (R - 1), sent, &pace);
     }
+    if (threadIdx.x == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->push_t1), (unsigned long long)GlobalTimer());
   } else {
     // The rows this rank keeps, spread over the GEMM CTAs (step 1 holds for the own recv by stream order).
     if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
     __syncthreads();
     int64_t f, e;
     DestBlocks(g, rd.rank, &f, &e);
-    for (int64_t J = f + blockIdx.x - g.pushers; J < e; J += gridDim.x - g.pushers) PushBlock(rd, g, rd.rank, J, sent);
+    for (int64_t J = f + blockIdx.x - g.pushers; J < e; J += gridDim.x - g.pushers)
+      PushBlock(rd, g, rd.rank, J, sent, &pace);
   }
 
   if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
   ArrivalOrder(rd, g.E_l, &table, &scratch);
-  const int col_tiles = (int)((g.N + kWgBN - 1) / kWgBN);
+  // n-tiles: 256 columns of out, or with kSwiGlu 128 columns of h (the gate's 128 and the up projection's 128).
+  const int64_t n_out = kSwiGlu ? g.N / 2 : g.N;
+  constexpr int kTileCols = kSwiGlu ? kWgBN / 2 : kWgBN;
+  const int col_tiles = (int)((n_out + kTileCols - 1) / kTileCols);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, scratch.warp_sums);
   const int total_tiles = tile_prefix[table.n];
-  // Rows past the kept ones (recv is packed from row 0) are zero, as the bare grouped GEMM leaves them.
-  int64_t kept_rows = 0;
-  for (int s = 0; s < R; ++s) kept_rows += scratch.rows_to_rank[s];
-  for (int64_t x = kept_rows * g.N + ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * 4; x < g.cap * g.N;
-       x += (int64_t)gridDim.x * blockDim.x * 4)
-    *reinterpret_cast<float4*>(g.a + x) = make_float4(0.f, 0.f, 0.f, 0.f);  // (N % 64 == 0: whole float4s)
-  struct DgTile : wgmma_gemm::WgmmaTile {
+  // (Recomputed from shared memory where needed rather than kept live across the tile loop, whose producer warps run
+  // with 24 registers.)
+  auto kept = [&]() {
+    int64_t n = 0;  // recv is packed from row 0
+    for (int s = 0; s < R; ++s) n += scratch.rows_to_rank[s];
+    return n;
+  };
+  auto side_work = [&]() {
+    DoSideWork(rd, g, MakeSideWork(g, kSwiGlu, kept(), tile_prefix[table.n] / col_tiles), table, scratch, tile_prefix,
+               col_tiles, &claim);
+  };
+  if (pusher) {
+    side_work();
+    if (threadIdx.x == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
+  }
+
+  using Base = typename std::conditional<kSwiGlu, wgmma_gemm::SwiGluTile, wgmma_gemm::WgmmaTile>::type;
+  struct DgTile : Base {
     int src;     // the source rank of the tile's rows
     int pos0;    // the send position of its first row on the source
   };
   auto tile_of = [&](int i) {
-    // Bands of row blocks (nothing reads a's rows during the call): GEMM1's N = 2 * d_ff spans up to ~100 n-tiles.
+    // Bands of row blocks (nothing reads the output's rows during the call): GEMM1's N = 2 * d_ff spans up to ~100
+    // n-tiles.
     const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, g.N, i, wgmma_gemm::kBandM);
     DgTile t;
     static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
-    t.out = g.a + (int64_t)t.a_row * g.N + t.n0;
-    t.ldc = g.N;
+    if constexpr (kSwiGlu) {
+      const int64_t F = g.N / 2;
+      t.n0 = (at.t.n0 / kWgBN) * kTileCols;
+      t.n_hi = (int)(F + t.n0);
+      t.cols = (int)min((int64_t)kTileCols, F - t.n0);
+      t.out = static_cast<__nv_bfloat16*>(g.out) + (int64_t)t.a_row * F + t.n0;
+      t.ldc = F;
+      t.a = g.a != nullptr ? g.a + (int64_t)t.a_row * g.N : nullptr;
+      t.lda = g.N;
+    } else {
+      t.out = static_cast<float*>(g.out) + (int64_t)t.a_row * g.N + t.n0;
+      t.ldc = g.N;
+    }
     t.publish = 0;
     t.src = at.s->src;
     t.pos0 = at.s->ret_off + at.mt * kWgBM;
     return t;
   };
-  const uint64_t* blocks = View(rd, rd.rank).src_blocks();
   auto tile_wait = [&](const DgTile& t) {
     // On failure the call is failed (the error names source and counts); the loop runs on rather than hang.
-    for (int64_t J = t.pos0 / kSrcBlockRows; t.rows > 0 && J <= (t.pos0 + t.rows - 1) / kSrcBlockRows; ++J)
-      WaitAtLeast(rd, &blocks[t.src * nb + J], 0, BlockRows(scratch, R, g.E_l, t.src, J), t.src, kStageSrcBlock);
+    WaitRows(rd, scratch, g.E_l, t.src, t.pos0, t.rows);
     ptx::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
   };
   auto next_tile = [&](int) { return (int)atomicAdd(rd.tile_claims, 1u); };
-  wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, true>(a_map, b_map, (int)g.K, total_tiles, next_tile, tile_of,
-                                                       wgmma_gemm::NoTileDone{}, smem, tile_wait);
-  // The last CTA to finish zeroes the call's src_blocks: every tile has waited for its blocks, so every add of the
-  // call has landed, and no source adds again before this rank's done_epoch (EndKernel, later on the stream).
+  if (threadIdx.x == 0)
+    atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
+  wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K, total_tiles, next_tile, tile_of,
+                                                           wgmma_gemm::NoTileDone{}, smem, tile_wait);
+  if (threadIdx.x == 0)
+    atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
+  if (!pusher) side_work();
+
+  // The last CTA to finish: every tile and copy unit has waited for its blocks, so every add of the call has landed,
+  // and every read of recv is done. It zeroes the call's src_blocks (no source adds again before this rank's
+  // done_epoch of this call) and closes the call.
+  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0)
     last_cta = atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) == gridDim.x - 1ull;
   __syncthreads();
   if (!last_cta) return;
   uint64_t* own = View(rd, rd.rank).src_blocks();
+  const int64_t nb = SrcBlocks(rd.sizes.ret_rows);
   for (int s = 0; s < R; ++s) {
     int64_t lo = INT64_MAX, hi = 0;  // s's send positions kept here: [lo, hi)
     for (int e = 0; e < g.E_l; ++e) {
@@ -227,16 +379,29 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
          J += blockDim.x)
       own[s * nb + J] = 0;
   }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // The plan's count of the rows this rank receives must be its segments' (a dispatch's recv_arrivals account).
+    const int64_t expected = g.recv_expected[0];
+    const int64_t kept_rows = kept();
+    if (expected != kept_rows) ReportBadInput(rd, kBadKeptRows, 0, expected, (uint64_t)kept_rows);
+    CloseCall(rd, kept_rows, 0);
+  }
+}
+
+template <bool kTransB, bool kSwiGlu>
+const void* Kernel() {
+  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu>);
 }
 
 }  // namespace
 
-// dispatch_gemm (see DispatchGemmKernel): Begin, the fused kernel, then the end of a dispatch (RecvKernel copies recv
-// into x_recv; EndKernel frees recv for the peers' next call).
+// dispatch_gemm (see DispatchGemmKernel): Begin, the per-call counters zeroed, the fused kernel (which closes the
+// call).
 Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                     const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
-                    void* x_recv, float* a, int64_t cap, int pushers) {
+                    const DispatchGemmOut& out, int64_t cap, int pushers) {
   const int64_t row_bytes = D * 2;
   Status s = BeginCall(c, "dispatch_gemm", group_op, rank_op);
   if (!s.ok()) return s;
@@ -254,18 +419,26 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
   else if (!WgmmaProducerApplies(DType::kBF16, D, N, transpose_rhs, src, w))
     bad = "dispatch_gemm: needs the wgmma engine (a Hopper GPU, bfloat16, d_model and N multiples of 64; got " +
           std::to_string(D) + ", " + std::to_string(N) + ")";
+  else if (out.swiglu && (transpose_rhs || N % 64 != 0))
+    bad = "dispatch_gemm: the SwiGLU epilogue takes w [E_local, D, 2F] with 2F a multiple of 64 (got N = " +
+          std::to_string(N) + (transpose_rhs ? ", transpose_rhs)" : ")");
   else if (pushers < 1 || pushers > budget - 1)
     bad = "dispatch_gemm: pushers=" + std::to_string(pushers) + " but rank " + std::to_string(c.rank) +
           " has an SM budget of " + std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
+  else if (out.a != nullptr && !out.swiglu)
+    bad = "dispatch_gemm: the preactivation a is a result of the SwiGLU epilogue only";
+  else if (!(c.opts.emulated_link_gbps >= 0))
+    bad = "dispatch_gemm: emulated_link_gbps must be >= 0";
   if (!bad.empty()) {
     ws.RaiseAbort(c.group);
     return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
   }
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int dev = ws.device(c.group, c.rank);
-  // producers_done counts the CTAs done with the GEMM (the last one zeroes src_blocks); tile_claims hands out tiles.
-  if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
-                       "cudaMemsetAsync(band counters)")).ok())
+  // producers_done counts the CTAs done (the last one closes the call); tile_claims and side_claims hand out GEMM
+  // tiles and side units.
+  if (!(s = CudaStatus(cudaMemsetAsync(rd.producers_done, 0, kCallCounterBytes, c.stream),
+                       "cudaMemsetAsync(call counters)")).ok())
     return s;
   CUtensorMap a_map, b_map;
   const void* recv = RankView{rd.peers.base[c.rank], rd.layout}.recv();  // A: where the peers' pushes land
@@ -273,21 +446,21 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
                                                   &b_map),
                        "tensor maps of dispatch_gemm")).ok())
     return s;
-  const void* kernel = transpose_rhs ? reinterpret_cast<const void*>(DispatchGemmKernel<true>)
-                                     : reinterpret_cast<const void*>(DispatchGemmKernel<false>);
+  const void* kernel = out.swiglu ? Kernel<false, true>() : transpose_rhs ? Kernel<true, false>()
+                                                                           : Kernel<false, false>();
   int smem = 0;
   if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, wgmma_gemm::kLoopSmemBytes, /*wgmma=*/true,
                                "DispatchGemmKernel", dev, &smem)).ok())
     return s;
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
-                              (int)E_l, pushers, D, N, a};
-  if (transpose_rhs)
-    DispatchGemmKernel<true><<<budget, wgmma_gemm::kThreads, smem, c.stream>>>(rd, args, a_map, b_map);
-  else
-    DispatchGemmKernel<false><<<budget, wgmma_gemm::kThreads, smem, c.stream>>>(rd, args, a_map, b_map);
-  if (!(s = LaunchError("launch of DispatchGemmKernel")).ok()) return s;
-  return LaunchRecvAndEnd(rd, budget, c.stream, recv_expected, static_cast<char*>(x_recv), cap, row_bytes);
+                              recv_expected, (int)E_l, pushers, D, N, static_cast<char*>(out.x_recv), out.out, out.a,
+                              c.opts.emulated_link_gbps / pushers};
+  void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};
+  if (!(s = CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
+                       "launch of DispatchGemmKernel")).ok())
+    return s;
+  return LaunchError("launch of DispatchGemmKernel");
 }
 
 }  // namespace jmo::cuda
