@@ -83,14 +83,16 @@ class CallConfig:
     baseline of the benchmarks; results are identical).
   consumer_tuning: how the CUDA consumer pushes (ConsumerTuning).
   dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): one dispatch_gemm call
-    for both (forward, and the backward's dispatch of gates * dy with its d_out W2^T), each source's GEMM1 tiles
-    starting once its rows have arrived. On CUDA with bfloat16 operands and d_model, 2 * d_ff multiples of 64 (other
-    operands keep the two calls): this many CTAs push the tokens and the others run GEMM1 (Hopper only: elsewhere the
-    call fails with an error saying so); the same results as the two calls, bit for bit. Not faster than the two calls
-    on two H200s: leave it at 0 for speed. On CPU any value > 0 selects the fused call (float32 or bfloat16, any
-    shape) and has no other effect: the handler thread pushes and then computes, with the bare grouped GEMM's
-    numerics (jmo_grouped_matmul's CPU handler), while the two calls' GEMM1 on CPU is XLA's ragged_dot, so the results
-    agree to float32 rounding, not bit for bit.
+    for both, each source's GEMM1 tiles starting once its rows have arrived: in the forward GEMM1 with its SwiGLU in
+    the call's epilogue (no SwiGLU after it), in the backward the dispatch of gates * dy with its d_out W2^T. The
+    fused call equals the dispatch followed by grouped_matmul_swiglu (forward) or grouped_matmul (backward) bit for
+    bit, on the CUDA engine and on the CPU handlers alike. On CUDA with bfloat16 operands and d_model, 2 * d_ff
+    multiples of 64 (other operands keep the two calls): this many CTAs push the tokens and the others run GEMM1
+    (Hopper only: elsewhere the call fails with an error saying so); there the two calls are the default path, so the
+    results are the default's bits. Not faster than the two calls on two H200s: leave it at 0 for speed. On CPU any
+    value > 0 selects the fused call (float32 or bfloat16, any shape) and has no other effect: the handler thread
+    pushes and then computes with the bare grouped GEMMs' CPU numerics, while the default two calls' GEMMs on CPU are
+    XLA's ragged_dot (and SwiGLU), so the results agree with the default to float32 rounding, not bit for bit.
   """
 
   timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
@@ -190,35 +192,72 @@ def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info
                          group, rank, **info.config.attrs(info.workspace))
 
 
-def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo,
-                  transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
-  """dispatch and GEMM1 in one call: [S, D] rows, w [E_local, D, N] in their dtype (or [E_local, N, D] read
-  transposed with ``transpose_rhs``) -> (recv [cap, D] as ``dispatch``, a [cap, N] float32 = recv rows of each
-  (expert, source) segment @ w[expert], zero past the rows); each GEMM tile starts once the 128-row blocks holding
-  its rows are in. On CUDA (Hopper, bfloat16) ``info.config.dispatch_pushers`` CTAs push the rows for other ranks,
-  then join the GEMM; on CPU (float32 or bfloat16) the handler thread pushes, then computes with
-  ``grouped_matmul``'s CPU numerics."""
+def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
+                  transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
+                  keep_a: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
+  """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
+
+  Args:
+    src: [S, D] rows, float32 or bfloat16; slot_src_row, plan, cap, info: as ``dispatch``.
+    w: [E_local, D, N] in src's dtype, or [E_local, N, D] read transposed with ``transpose_rhs``.
+    swiglu: GEMM1 of the expert MLP (w [E_local, D, 2F], not with ``transpose_rhs``): the call's epilogue applies the
+      SwiGLU in float32 to the float32 preactivation.
+    keep_recv: also return the recv rows (the backward pass reads them; the inference forward does not).
+    keep_a: with ``swiglu``, also return the preactivation (for the backward pass).
+  Returns:
+    (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
+    out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
+    out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
+    w[expert], and a is returned when keep_a. Rows past the kept ones are zero in every result. The results equal
+    ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit.
+  On CUDA (Hopper, bfloat16) ``info.config.dispatch_pushers`` CTAs push the rows for other ranks, then join the GEMM;
+  on CPU (float32 or bfloat16) the handler thread pushes, then computes with the bare grouped GEMMs' CPU numerics.
+  """
+  if src.ndim != 2 or w.ndim != 3 or w.shape[2 if transpose_rhs else 1] != src.shape[1]:
+    raise ValueError(f"jax_moe_overlap: dispatch_gemm: src {src.shape} and w {w.shape} do not fit src [S, D], w "
+                     f"{'[E_local, N, D] (transpose_rhs)' if transpose_rhs else '[E_local, D, N]'}")
+  if swiglu and transpose_rhs:
+    raise ValueError("jax_moe_overlap: dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]); it does not "
+                     "take transpose_rhs")
+  if swiglu and w.shape[2] % 2:
+    raise ValueError(f"jax_moe_overlap: dispatch_gemm: with swiglu w must be [E_local, D, 2F] (an even number of "
+                     f"columns: the gate's F, then the up projection's F), got w {w.shape}")
+  if keep_a and not swiglu:
+    raise ValueError("jax_moe_overlap: dispatch_gemm: keep_a keeps the SwiGLU's preactivation; without swiglu the "
+                     "GEMM's output is `out` itself (keep_a needs swiglu=True)")
+  D, N = src.shape[1], (w.shape[1] if transpose_rhs else w.shape[2])
+  out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
+  out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
+               jax.ShapeDtypeStruct((cap if keep_a else 0, N), jnp.float32))
+  x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu)
+  return (x_recv if keep_recv else None), out, (a if keep_a else None)
+
+
+def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_types, transpose_rhs: bool,
+                        swiglu: bool):
+  """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a): unchecked here, so that
+  the tests reach the handlers' own shape checks."""
   _ffi.register()
   group, rank = info.coords()
-  N = w.shape[1] if transpose_rhs else w.shape[2]
-  out_types = (jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype), jax.ShapeDtypeStruct((cap, N), jnp.float32))
   return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
                          plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
                          plan.seg_rows, plan.seg_ret_off, w, group, rank,
                          pushers=np.int32(info.config.dispatch_pushers), transpose_rhs=np.bool_(transpose_rhs),
-                         **info.config.attrs(info.workspace))
+                         swiglu=np.bool_(swiglu), **info.config.attrs(info.workspace))
 
 
-def _fuses_dispatch(x, w, info: RankInfo) -> bool:
+def _fuses_dispatch(x, w, info: RankInfo, swiglu: bool) -> bool:
   """Whether a dispatch and the GEMM after it run as one dispatch_gemm: asked for (CallConfig.dispatch_pushers), and
-  on CUDA the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64); a CPU
-  workspace takes any operands the layer takes."""
+  on CUDA the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64) and, for GEMM1
+  with its SwiGLU (``swiglu``: w [E_local, D, 2F]), what the SwiGLU epilogue takes (_ffi.swiglu_epilogue_operands);
+  a CPU workspace takes any operands the layer takes."""
   if info.config.dispatch_pushers <= 0:
     return False
   if info.workspace.platform == "cpu":
     return True
-  return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and
-          w.shape[2] % 64 == 0)
+  bf16 = x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+  engine = bf16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and w.shape[2] % 64 == 0
+  return engine and (not swiglu or _ffi.swiglu_epilogue_operands(bf16, w.shape[1], w.shape[2] // 2))
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
@@ -300,15 +339,15 @@ def _gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
 
 
 def _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
-  """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D], h [cap, F] in x's dtype,
-  a [cap, 2F] float32 or None unless keep_a)."""
+  """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D] or None, h [cap, F] in x's dtype,
+  a [cap, 2F] float32 or None). keep_a: keep what the backward pass reads, x_recv and a (the forward alone needs
+  neither, so without it the fused call writes neither)."""
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
-  if _fuses_dispatch(x, w1, info):
-    x_recv, a = dispatch_gemm(x, slot_src_row, w1, plan, cap, info)
-    return x_recv, swiglu(a).astype(x.dtype), (a if keep_a else None)
+  if _fuses_dispatch(x, w1, info, swiglu=True):
+    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a)
   x_recv = dispatch(x, slot_src_row, plan, cap, info)
-  return (x_recv, *_gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
+  return ((x_recv if keep_a else None), *_gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -349,9 +388,10 @@ def _expert_block_bwd(cap, info, res, dy):
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   slot_rows = jnp.arange(T * k, dtype=jnp.int32)
-  if _fuses_dispatch(d_slot, w2, info):
-    # The dispatch of gates * dy with dh = d_out W2^T, as the forward's dispatch with GEMM1.
-    d_out, dh = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)
+  if _fuses_dispatch(d_slot, w2, info, swiglu=False):
+    # The dispatch of gates * dy with dh = d_out W2^T (float32), as the forward's dispatch with GEMM1; d_out is kept
+    # for the weight gradient dW2.
+    d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)
   else:
     d_out = dispatch(d_slot, slot_rows, plan, cap, info)                                # [cap, D] at the experts
     dh = None

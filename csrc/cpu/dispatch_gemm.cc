@@ -1,6 +1,10 @@
 // XLA:CPU handler of dispatch_gemm: the dispatch and GEMM1 in one call, by protocol.h's per-block refinement of the
 // dispatch. The CPU twin of csrc/cuda/dispatch_gemm.cu's DispatchGemmKernel, and the specification it is tested
 // against: the same blocks, counters, round order, claim order and waits, played by the handler thread in turn.
+// Results (call_signature.h, BindDispatchGemm): x_recv [cap, D] (the recv rows, or [0, D]: not kept), out and a:
+//   plain:  out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N], unused.
+//   swiglu: out = h [cap, F] in src's dtype = silu(pre[:, :F]) * pre[:, F:] in float32 of the float32 preactivation
+//           pre [cap, 2F] = recv[segment] @ w[expert]; a = pre when kept ([cap, 2F]), else [0, 2F].
 //
 //   1. push   this rank's rows for the other ranks, one 128-row block of its send order (kSrcBlockRows) at a time,
 //             in the CUDA pushers' rounds: block i of every destination's rows before block i + 1, each round from
@@ -9,15 +13,19 @@
 //             for its done_epoch >= n - 1.
 //   2. copy   the rows this rank keeps into its own recv, by the same blocks and counters (step 1 holds by program
 //             order).
-//   3. GEMM   a [cap, N] float32 = recv[segment] @ w[expert] (w[expert]^T with transpose_rhs) over the non-empty
+//   3. GEMM   the float32 product recv[segment] @ w[expert] (w[expert]^T with transpose_rhs) over the non-empty
 //             segments in the kernel's claim order (the rank's own segments, then the other sources' by expert,
 //             then source from the next rank on), in tiles of up to 128 rows of a segment. Before a tile: a bounded
 //             wait (stage src_block, peer = the source) until every block of the source that holds the tile's rows
-//             has all the rows this rank keeps from it. Rows past the kept ones are zero. The row loop is the bare
-//             grouped GEMM's (gemm_rows.h), so a equals dispatch + grouped_matmul bit for bit.
+//             has all the rows this rank keeps from it. The product goes to out [cap, N] (plain), or with swiglu
+//             is the preactivation pre [cap, 2F] (into a when kept, else into one tile of scratch) whose epilogue,
+//             right after the tile, stores the tile's rows of out = h [cap, F] in src's dtype. Rows past the kept
+//             ones are zero in out and a. The row loop and the SwiGLU are the bare grouped GEMMs' (gemm_rows.h), so
+//             the call equals dispatch + grouped_matmul (plain) or dispatch + grouped_matmul_swiglu (swiglu) bit for
+//             bit.
 //   4. zero   the call's src_blocks: every block with rows has been waited for, so every add of the call has landed,
 //             and no source adds again before this rank's done_epoch of this call. Then the end of a dispatch
-//             (recv -> x_recv, done_epoch).
+//             (recv -> x_recv when kept, done_epoch); without x_recv every step of it but the copy.
 // Every rank pushes all its rows before it waits for any, so no rank waits on a rank that is waiting on it: the waits
 // end with one thread per rank. `pushers` sizes the CUDA launch and has no effect here (checked, unused).
 #include <algorithm>
@@ -122,18 +130,19 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> a_out,
-                            int64_t workspace, int64_t timeout_ms, int32_t delay_rank, int64_t delay_us,
-                            int32_t pushers, bool transpose_rhs) {
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *out, *a_out, transpose_rhs);
+                            ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> a_out, int64_t workspace, int64_t timeout_ms,
+                            int32_t delay_rank, int64_t delay_us, int32_t pushers, bool transpose_rhs, bool swiglu) {
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a_out,
+                                 transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   if (pushers < 1)
     return InvalidCall("dispatch_gemm: pushers must be >= 1 (it selects this call; on CPU it has no other effect), "
                        "got " + std::to_string(pushers));
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
-  const int64_t E_l = shape->E_local, N = shape->N;
+  const int64_t E_l = shape->E_local, N = shape->N, F = N / 2;
   const bool bf16 = shape->rows.dtype == ffi::DataType::BF16;
-  const int64_t row_bytes = K * ElemBytes(shape->rows.dtype);
+  const int64_t elem_bytes = ElemBytes(shape->rows.dtype), row_bytes = K * elem_bytes;
 
   auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
   if (ctx.has_error()) return ctx.error();
@@ -188,13 +197,18 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     for (int64_t J = f; J < end; ++J) PushBlock(c, sp, src_bytes, row_bytes, c.rank, J);
   }
 
-  // 3. GEMM over the segments in claim order, each tile after the source blocks that hold its rows.
+  // 3. GEMM over the segments in claim order, each tile after the source blocks that hold its rows, then with swiglu
+  //    the tile's epilogue. A tile's float32 product goes to `product` at the tile's rows (out when plain, a when
+  //    swiglu keeps it), else to `tile_scratch`, which the epilogue reads before the next tile overwrites it. The row
+  //    loops see the tile's rows as rows 0..rows-1 of views that start at its first recv row.
   RankView self = ws->view(c.group, c.rank);
   uint64_t* blocks = self.src_blocks();
   const int64_t nb = SrcBlocks(ws->sizes().ret_rows);
-  float* a = a_out->typed_data();
-  const ElemView lhs{self.recv(), bf16}, rhs{w.untyped_data(), bf16};
-  std::vector<float> acc(N);
+  float* product = !swiglu ? static_cast<float*>(out->untyped_data()) : shape->keep_a ? a_out->typed_data() : nullptr;
+  std::vector<float> tile_scratch(product == nullptr ? kTileRows * N : 0), acc(N);
+  const char* recv = self.recv();
+  char* h = static_cast<char*>(out->untyped_data());  // swiglu: [cap, F] in src's dtype
+  const ElemView rhs{w.untyped_data(), bf16};
   for (const Segment& seg : ArrivalOrder(segs, R, E_l, c.rank)) {
     for (int64_t m0 = 0; m0 < seg.rows; m0 += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, seg.rows - m0), pos0 = seg.ret_off + m0;
@@ -203,13 +217,17 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                                         c.rank, seg.src, c.epoch, kStageSrcBlock, c.deadline, timeout_ms);
         if (e.code) return TimeoutError("dispatch_gemm", e, c, timeout_ms);
       }
-      MatmulRows(lhs, rhs, (int64_t)seg.expert * K * N, seg.recv_off + m0, seg.recv_off + m0 + rows, K, N,
-                 transpose_rhs, a, /*out_bf16=*/false, acc);
+      const int64_t r0 = seg.recv_off + m0;  // the tile's first recv row
+      float* tile = product != nullptr ? product + r0 * N : tile_scratch.data();
+      MatmulRows(ElemView{recv + r0 * row_bytes, bf16}, rhs, (int64_t)seg.expert * K * N, 0, rows, K, N,
+                 transpose_rhs, tile, /*out_bf16=*/false, acc);
+      if (swiglu) SwiGluRows(tile, 0, rows, F, h + r0 * F * elem_bytes, bf16);
     }
   }
   int64_t kept_rows = 0;  // recv is packed from row 0
   for (int64_t r : rows_to_rank) kept_rows += r;
-  std::fill(a + kept_rows * N, a + cap * N, 0.f);
+  if (product != nullptr) std::fill(product + kept_rows * N, product + cap * N, 0.f);
+  if (swiglu) std::memset(h + kept_rows * F * elem_bytes, 0, (cap - kept_rows) * F * elem_bytes);
 
   // 4. Zero this call's blocks of every source (the send positions it keeps here: [lo, hi)), then end as a dispatch.
   for (int s = 0; s < R; ++s) {
@@ -224,7 +242,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     for (int64_t J = hi > lo ? lo / kSrcBlockRows : 0; hi > lo && J <= (hi - 1) / kSrcBlockRows; ++J)
       AtomicStore(&blocks[s * nb + J], 0);
   }
-  return EndDispatch(c, "dispatch_gemm", expected, cap, row_bytes, out->untyped_data(), timeout_ms);
+  return EndDispatch(c, "dispatch_gemm", expected, cap, row_bytes,
+                     shape->keep_recv ? x_recv->untyped_data() : nullptr, timeout_ms);
 }
 
 }  // namespace
