@@ -13,7 +13,7 @@ namespace {
 __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* src, int64_t S, int64_t row_bytes,
                                                        const int32_t* src_row, const int32_t* dst_rank,
                                                        const int32_t* dst_row, int64_t P, int64_t cap,
-                                                       double warp_link_bytes_per_ns) {
+                                                       double link_bytes_per_ns) {
   __shared__ CallState st;
   __shared__ unsigned sent[kMaxRanks];
   LoadCallState(rd, &st);
@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   if (!BeginPush(rd, &st, sent)) return;
   const int warps = blockDim.x / 32;
   PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll,
-           (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent, warp_link_bytes_per_ns);
+           (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent, link_bytes_per_ns);
   __threadfence_system();
   __syncthreads();
   // Then release-add the rows to each destination's arrival counter.
@@ -90,8 +90,7 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int grid = ws.budget(c.group, c.rank);
   PushKernel<<<grid, kThreads, 0, c.stream>>>(rd, static_cast<const char*>(src), S, row_bytes, slot_src_row,
-                                              slot_dest_rank, slot_dest_row, P, cap,
-                                              c.opts.emulated_link_gbps / (grid * (kThreads / 32)));
+                                              slot_dest_rank, slot_dest_row, P, cap, c.opts.emulated_link_gbps);
   if (!(s = LaunchError("launch of PushKernel")).ok()) return s;
   return LaunchRecvAndEnd(rd, grid, c.stream, recv_expected, static_cast<char*>(out), cap, row_bytes);
 }
