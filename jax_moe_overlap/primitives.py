@@ -79,20 +79,20 @@ class CallConfig:
   consumer_ctas: CTAs of expert_combine's consumer (the communication engine) on CUDA. 0 (default): the resource
     manager chooses per call on the device from the routed counts (or a fixed count when the GPU has no
     calibration: ``Workspace.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
-  serialize: expert_combine's consumer starts only after the producer has finished every tile (no overlap: the
-    baseline of the benchmarks; results are identical).
+  serialize: no overlap anywhere (the baseline of the benchmarks; results are identical): the dispatch and GEMM1 run
+    as two calls, and expert_combine's consumer starts only after the producer has finished every tile.
   consumer_tuning: how the CUDA consumer pushes (ConsumerTuning).
-  dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): one dispatch_gemm call
-    for both, each source's GEMM1 tiles starting once its rows have arrived: in the forward GEMM1 with its SwiGLU in
-    the call's epilogue (no SwiGLU after it), in the backward the dispatch of gates * dy with its d_out W2^T. The
-    fused call equals the dispatch followed by grouped_matmul_swiglu (forward) or grouped_matmul (backward) bit for
-    bit, on the CUDA engine and on the CPU handlers alike. On CUDA with bfloat16 operands and d_model, 2 * d_ff
-    multiples of 64 (other operands keep the two calls): this many CTAs push the tokens and the others run GEMM1
-    (Hopper only: elsewhere the call fails with an error saying so); there the two calls are the default path, so the
-    results are the default's bits. Not faster than the two calls on two H200s: leave it at 0 for speed. On CPU any
-    value > 0 selects the fused call (float32 or bfloat16, any shape) and has no other effect: the handler thread
-    pushes and then computes with the bare grouped GEMMs' CPU numerics, while the default two calls' GEMMs on CPU are
-    XLA's ragged_dot (and SwiGLU), so the results agree with the default to float32 rounding, not bit for bit.
+  dispatch_pushers: whether the dispatch and the GEMM after it run as one dispatch_gemm call, each GEMM1 tile
+    starting once its rows have arrived (in the forward GEMM1 with its SwiGLU in the call's epilogue, in the backward
+    the dispatch of gates * dy with its d_out W2^T), and with how many pushing CTAs; else as two calls (the dispatch,
+    then the bare grouped GEMM). The fused call equals the two calls bit for bit on the CUDA engine and on the CPU
+    handlers alike. 0 (default): the library's choice (``dispatch_pushers_for``): fused with AUTO_PUSHERS pushing
+    CTAs where the expert axis has two ranks or more on Hopper GPUs and the operands take the wgmma engine (bfloat16,
+    d_model and 2 * d_ff multiples of 64, d_ff of 32), two calls elsewhere (one rank: nothing to hide; CPU: XLA's
+    ragged_dot is faster there). > 0: fused with this many pushing CTAs wherever the operands allow (on CUDA only on
+    Hopper: elsewhere the call fails with an error saying so); on CPU any value > 0 selects the fused CPU handler, the
+    protocol's specification, whose GEMMs are the bare grouped GEMMs' CPU loops, while the default two calls' are
+    XLA's ragged_dot (results equal to float32 rounding, not bit for bit). Not with serialize.
   """
 
   timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
@@ -112,8 +112,11 @@ class CallConfig:
       raise ValueError(f"jax_moe_overlap: CallConfig.serialize must be a bool, got {self.serialize!r}")
     if isinstance(self.dispatch_pushers, bool) or not isinstance(self.dispatch_pushers, (int, np.integer)) or \
         self.dispatch_pushers < 0 or self.dispatch_pushers > 2**31 - 1:
-      raise ValueError(f"jax_moe_overlap: CallConfig.dispatch_pushers must be an int >= 0 (0: dispatch and GEMM1 as "
-                       f"two calls), got {self.dispatch_pushers!r}")
+      raise ValueError(f"jax_moe_overlap: CallConfig.dispatch_pushers must be an int >= 0 (0: the library's choice), "
+                       f"got {self.dispatch_pushers!r}")
+    if self.serialize and self.dispatch_pushers > 0:
+      raise ValueError(f"jax_moe_overlap: CallConfig(serialize=True) runs the dispatch and GEMM1 as two calls (no "
+                       f"overlap anywhere); it excludes dispatch_pushers={self.dispatch_pushers}, which overlaps them")
 
   def attrs(self, workspace) -> dict:
     return dict(workspace=np.int64(workspace.handle), timeout_ms=np.int64(self.timeout_ms),
@@ -210,7 +213,8 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
     w[expert], and a is returned when keep_a. Rows past the kept ones are zero in every result. The results equal
     ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit.
-  On CUDA (Hopper, bfloat16) ``info.config.dispatch_pushers`` CTAs push the rows for other ranks, then join the GEMM;
+  On CUDA (Hopper, bfloat16) ``dispatch_pushers_for(info)`` CTAs (at least one) push the rows for other ranks, then
+  copy x_recv and zero the padding rows beside the GEMM, then join it;
   on CPU (float32 or bfloat16) the handler thread pushes, then computes with the bare grouped GEMMs' CPU numerics.
   """
   if src.ndim != 2 or w.ndim != 3 or w.shape[2 if transpose_rhs else 1] != src.shape[1]:
@@ -242,16 +246,36 @@ def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_ty
   return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
                          plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
                          plan.seg_rows, plan.seg_ret_off, w, group, rank,
-                         pushers=np.int32(info.config.dispatch_pushers), transpose_rhs=np.bool_(transpose_rhs),
+                         pushers=np.int32(max(1, dispatch_pushers_for(info))), transpose_rhs=np.bool_(transpose_rhs),
                          swiglu=np.bool_(swiglu), **info.config.attrs(info.workspace))
 
 
+# Pushing CTAs of dispatch_gemm where the library chooses (CallConfig.dispatch_pushers = 0), at most one in 8 of the
+# rank's SMs. Measured in loopback on one H200 (two ranks of 66 SMs, the seed shape, an emulated NVLink): 8 pushers
+# 1.07x the two calls, 16 pushers 1.05x (docs/performance.md, dispatch_gemm).
+AUTO_PUSHERS = 8
+
+
+def dispatch_pushers_for(info: RankInfo) -> int:
+  """dispatch_gemm's pushing CTAs at this call site, or 0: the dispatch and GEMM1 run as two calls (CallConfig's
+  rule: pinned, or the library's choice on Hopper GPUs with two ranks or more, none with serialize)."""
+  cfg, ws = info.config, info.workspace
+  if cfg.serialize:
+    return 0
+  if cfg.dispatch_pushers > 0:
+    return cfg.dispatch_pushers
+  hopper = ws.platform != "cpu" and (ws.compute_capability or (0,))[0] == 9
+  if not hopper or ws.ranks < 2:
+    return 0
+  return max(1, min(AUTO_PUSHERS, (ws.sm_budget or 0) // 8))
+
+
 def _fuses_dispatch(x, w, info: RankInfo, swiglu: bool) -> bool:
-  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: asked for (CallConfig.dispatch_pushers), and
-  on CUDA the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64) and, for GEMM1
-  with its SwiGLU (``swiglu``: w [E_local, D, 2F]), what the SwiGLU epilogue takes (_ffi.swiglu_epilogue_operands);
-  a CPU workspace takes any operands the layer takes."""
-  if info.config.dispatch_pushers <= 0:
+  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: chosen (dispatch_pushers_for), and on CUDA
+  the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64) and, for GEMM1 with its
+  SwiGLU (``swiglu``: w [E_local, D, 2F]), what the SwiGLU epilogue takes (_ffi.swiglu_epilogue_operands); a CPU
+  workspace takes any operands the layer takes."""
+  if dispatch_pushers_for(info) <= 0:
     return False
   if info.workspace.platform == "cpu":
     return True

@@ -317,3 +317,32 @@ def test_timeout_at_src_block_names_the_late_source_and_recovery_clears_the_coun
 def test_layer_equals_two_calls_dispatch_on_1_and_2_ranks(R):
   # R = 1: no pushes, the rank's own rows only; R = 2: one peer per round.
   check_layer_equals_two_calls(mesh_of(R), [("skewed", True), ("all_to_one", False)], jnp.bfloat16, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the library fuses by itself (CallConfig.dispatch_pushers = 0).
+
+def test_dispatch_pushers_rule():
+  import types  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.primitives import AUTO_PUSHERS, dispatch_pushers_for  # pylint: disable=g-import-not-at-top
+
+  def at(config=CallConfig(), **ws):
+    base = dict(platform="gpu", compute_capability=(9, 0), ranks=2, sm_budget=132)
+    return dispatch_pushers_for(RankInfo(types.SimpleNamespace(**{**base, **ws}), config))
+
+  assert at() == AUTO_PUSHERS == 8                      # Hopper, two ranks: fused
+  assert at(sm_budget=66) == 8 and at(sm_budget=16) == 2 and at(sm_budget=4) == 1  # at most one in 8 SMs
+  assert at(ranks=1) == 0                               # nothing to hide: two calls
+  assert at(compute_capability=(8, 0)) == 0             # no wgmma engine
+  assert at(platform="cpu", compute_capability=None) == 0  # XLA's ragged_dot is faster on CPU
+  assert at(CallConfig(dispatch_pushers=3), ranks=1) == 3 and at(CallConfig(dispatch_pushers=3), platform="cpu") == 3
+  assert at(CallConfig(serialize=True)) == 0            # the baseline: no overlap anywhere
+  with pytest.raises(ValueError, match=r"serialize=True\) runs the dispatch and GEMM1 as two calls"):
+    CallConfig(serialize=True, dispatch_pushers=2)
+
+
+def test_default_layer_on_cpu_runs_two_calls():
+  mesh = mesh_of(4)
+  x, gates, w1, w2, ids = layer_case(4, "skewed", False, jnp.float32, tokens_per_rank=16)
+  hlo = layer_fn(mesh, None).lower(x, gates, w1, w2, ids).as_text()
+  assert "@jmo_dispatch_gemm(" not in hlo and hlo.count("@jmo_dispatch(") == 2, "CPU defaults to the two calls"
