@@ -21,12 +21,14 @@ xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_loca
                 --capacity-factor (a number: ceil(cf T_local k / E); 'fit': the largest (rank, expert) count of these
                 inputs, so nothing drops).
 ours_dg         (with --dispatch-pushers P > 0) ours with CallConfig(dispatch_pushers=P): the dispatch and GEMM1 in one
-                dispatch_gemm call (Hopper, bf16), GEMM1's tiles of each source starting once its rows are in, so the
-                dispatch overlaps GEMM1 as the return overlaps GEMM2 (on CPU dispatch_gemm's CPU handler, the
-                protocol's specification: checked, its time no GPU measure).
-serialized      ours with CallConfig(serialize=True): expert_combine's consumer starts pushing only after the producer
-                has finished the whole GEMM (every expert_combine of the pass: GEMM2 forward, dx backward). Same
-                kernels, same results, no overlap: the baseline the overlap is measured against.
+                dispatch_gemm call with P pushing CTAs pinned (ours makes the library's choice: that call with
+                AUTO_PUSHERS pushers on Hopper GPUs at two ranks or more, else the dispatch and GEMM1 as two calls; on
+                CPU ours_dg is dispatch_gemm's CPU handler, the protocol's specification: checked, its time no GPU
+                measure).
+serialized      ours with CallConfig(serialize=True): no overlap anywhere. The dispatch and GEMM1 run as two calls, and
+                expert_combine's consumer starts pushing only after the producer has finished the whole GEMM (every
+                expert_combine of the pass: GEMM2 forward, dx backward). Same results: the baseline the overlap is
+                measured against.
 ideal           max(compute alone, communication alone), both measured in the same run on the same inputs (extra
                 rows compute_alone, comm_alone and dispatch_alone, then the ideal and bound rows):
                 compute_alone  the expert work of ours with no inter-rank traffic: on every rank, ops.expert_mlp
@@ -49,16 +51,17 @@ ideal           max(compute alone, communication alone), both measured in the sa
                                make_plan) and the forward dispatch of the token rows, through the same workspace as
                                ours; for fwd+bwd a second dispatch in the same call of [T k, D] rows made untimed, as
                                the backward's dispatch of gates * dy. Half the pass's bytes (its a2a_MB): the dispatch
-                               half, which ours runs before GEMM1, where nothing overlaps it. Checked bit-exact: every
-                               row a rank receives is the source row the plan sends there.
+                               half, which the two-call path runs before GEMM1, where nothing overlaps it. Checked
+                               bit-exact: every row a rank receives is the source row the plan sends there.
                 The ideal row reports compute_ms, comm_ms, ms = ideal_ms = max of the two, overlap_eff =
                 (serialized - ours) / min(compute, comm) (1: the shorter of the two is fully hidden; needs the
                 serialized row), hidden = (compute + comm - ours) / comm (the share of comm_alone's time that ours
                 hides behind compute: 1 all of it, 0 none, negative when ours is slower than the two in a row) and
-                ours/ideal (1: perfect overlap at no cost). max(compute, comm) is not what
-                this design can reach: only the return (expert_combine's) overlaps a GEMM, the dispatch runs before
-                GEMM1. The bound row is that design's limit, compute_alone + dispatch_alone: ms = bound_ms,
-                compute_ms, dispatch_ms and ours/bound (1: the return and the rest are fully hidden).
+                ours/ideal (1: perfect overlap at no cost). The bound row is the limit of the two-call path, where
+                only the return (expert_combine's) overlaps a GEMM and the dispatch runs before GEMM1: compute_alone +
+                dispatch_alone (ms = bound_ms, compute_ms, dispatch_ms and ours/bound; 1: the return and the rest
+                fully hidden). Where ours fuses the dispatch with GEMM1 (dispatch_gemm), ours/bound < 1 is what the
+                dispatch's overlap gains.
 
 Nothing is timed before it agrees with the float32 reference on the same inputs: relative error (Frobenius) of y and,
 for fwd+bwd, of the gradients wrt x, gates, w1, w2 of sum(y * ct) for a fixed random ct, within --rtol (1e-2 for
@@ -400,7 +403,7 @@ def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
           hidden=f"{(compute + comm - ours) / comm:.2f}" if ours else "",
           check=f"max(compute_alone, comm_alone): {'communication' if comm >= compute else 'compute'}-bound",
           **{"ours/ideal": f"{ours / ideal:.2f}" if ours else ""})
-  why = "compute_alone + dispatch_alone: the dispatch runs before GEMM1, only the return overlaps"
+  why = "compute_alone + dispatch_alone: the two-call path's limit (the dispatch before GEMM1, only the return overlaps)"
   if compute is None or disp is None:
     p.add("bound", a2a_MB="", ms="check only" if not p.timing else "not measured", check=f"{why}; needs both timed")
     return

@@ -71,7 +71,7 @@ T_TOPO=${T_TOPO:-20} T_BUILD=${T_BUILD:-200} T_LINKS=${T_LINKS:-60} T_EP_GROUP=$
 T_EP_COMBINE=${T_EP_COMBINE:-90} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120} T_TRAIN=${T_TRAIN:-120}
 EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
 EP_IMPLS=${EP_IMPLS:-ours,serialized,xla,ideal,ours_dg}
-EP_ARGS=${EP_ARGS:---max-call-s 5 --dispatch-pushers 8}
+EP_ARGS=${EP_ARGS:---max-call-s 5 --dispatch-pushers 16}
 EPC_ARGS=${EPC_ARGS:---max-call-s 1}
 RESOURCE_ARGS=${RESOURCE_ARGS:---quick --reps 3}
 TESTS_K=${TESTS_K-not racecheck and not synccheck}

@@ -128,6 +128,7 @@ def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
   # What decides C, once per workspace (the per-call pick happens on the device and is not logged).
   ws.consumer_policy = cal.reason if cal.params is not None else f"{cal.reason} (fixed C used: {fixed})"
   ws.calibration = cal
+  ws.compute_capability = tuple(info.compute_capability)
   (log.info if cal.params is not None else log.warning)("jax_moe_overlap: %s", ws.consumer_policy)
   model = cal.params.native() if cal.params is not None else None
 

@@ -79,18 +79,20 @@ class CallConfig:
   consumer_ctas: CTAs of expert_combine's consumer (the communication engine) on CUDA. 0 (default): the resource
     manager chooses per call on the device from the routed counts (or a fixed count when the GPU has no
     calibration: ``Workspace.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
-  serialize: expert_combine's consumer starts only after the producer has finished every tile (no overlap: the
-    baseline of the benchmarks; results are identical).
+  serialize: no overlap anywhere (the baseline of the benchmarks; results are identical): the dispatch and GEMM1 run
+    as two calls, and expert_combine's consumer starts only after the producer has finished every tile.
   consumer_tuning: how the CUDA consumer pushes (ConsumerTuning).
-  dispatch_pushers: 0 (default): the dispatch, then GEMM1, as two calls. > 0 (experimental): one dispatch_gemm call
-    for both (forward, and the backward's dispatch of gates * dy with its d_out W2^T), each source's GEMM1 tiles
-    starting once its rows have arrived. On CUDA with bfloat16 operands and d_model, 2 * d_ff multiples of 64 (other
-    operands keep the two calls): this many CTAs push the tokens and the others run GEMM1 (Hopper only: elsewhere the
-    call fails with an error saying so); the same results as the two calls, bit for bit. Not faster than the two calls
-    on two H200s: leave it at 0 for speed. On CPU any value > 0 selects the fused call (float32 or bfloat16, any
-    shape) and has no other effect: the handler thread pushes and then computes, with the bare grouped GEMM's
-    numerics (jmo_grouped_matmul's CPU handler), while the two calls' GEMM1 on CPU is XLA's ragged_dot, so the results
-    agree to float32 rounding, not bit for bit.
+  dispatch_pushers: whether the dispatch and the GEMM after it run as one dispatch_gemm call, each GEMM1 tile
+    starting once its rows have arrived (in the forward GEMM1 with its SwiGLU in the call's epilogue, in the backward
+    the dispatch of gates * dy with its d_out W2^T), and with how many pushing CTAs; else as two calls (the dispatch,
+    then the bare grouped GEMM). The fused call equals the two calls bit for bit on the CUDA engine and on the CPU
+    handlers alike. 0 (default): the library's choice (``dispatch_pushers_for``): fused with AUTO_PUSHERS pushing
+    CTAs where the expert axis has two ranks or more on Hopper GPUs and the operands take the wgmma engine (bfloat16,
+    d_model and 2 * d_ff multiples of 64, d_ff of 32), two calls elsewhere (one rank: nothing to hide; CPU: XLA's
+    ragged_dot is faster there). > 0: fused with this many pushing CTAs wherever the operands allow (on CUDA only on
+    Hopper: elsewhere the call fails with an error saying so); on CPU any value > 0 selects the fused CPU handler, the
+    protocol's specification, whose GEMMs are the bare grouped GEMMs' CPU loops, while the default two calls' are
+    XLA's ragged_dot (results equal to float32 rounding, not bit for bit). Not with serialize.
   """
 
   timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
@@ -110,8 +112,11 @@ class CallConfig:
       raise ValueError(f"jax_moe_overlap: CallConfig.serialize must be a bool, got {self.serialize!r}")
     if isinstance(self.dispatch_pushers, bool) or not isinstance(self.dispatch_pushers, (int, np.integer)) or \
         self.dispatch_pushers < 0 or self.dispatch_pushers > 2**31 - 1:
-      raise ValueError(f"jax_moe_overlap: CallConfig.dispatch_pushers must be an int >= 0 (0: dispatch and GEMM1 as "
-                       f"two calls), got {self.dispatch_pushers!r}")
+      raise ValueError(f"jax_moe_overlap: CallConfig.dispatch_pushers must be an int >= 0 (0: the library's choice), "
+                       f"got {self.dispatch_pushers!r}")
+    if self.serialize and self.dispatch_pushers > 0:
+      raise ValueError(f"jax_moe_overlap: CallConfig(serialize=True) runs the dispatch and GEMM1 as two calls (no "
+                       f"overlap anywhere); it excludes dispatch_pushers={self.dispatch_pushers}, which overlaps them")
 
   def attrs(self, workspace) -> dict:
     return dict(workspace=np.int64(workspace.handle), timeout_ms=np.int64(self.timeout_ms),
@@ -190,35 +195,93 @@ def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info
                          group, rank, **info.config.attrs(info.workspace))
 
 
-def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo,
-                  transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
-  """dispatch and GEMM1 in one call: [S, D] rows, w [E_local, D, N] in their dtype (or [E_local, N, D] read
-  transposed with ``transpose_rhs``) -> (recv [cap, D] as ``dispatch``, a [cap, N] float32 = recv rows of each
-  (expert, source) segment @ w[expert], zero past the rows); each GEMM tile starts once the 128-row blocks holding
-  its rows are in. On CUDA (Hopper, bfloat16) ``info.config.dispatch_pushers`` CTAs push the rows for other ranks,
-  then join the GEMM; on CPU (float32 or bfloat16) the handler thread pushes, then computes with
-  ``grouped_matmul``'s CPU numerics."""
+def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
+                  transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
+                  keep_a: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
+  """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
+
+  Args:
+    src: [S, D] rows, float32 or bfloat16; slot_src_row, plan, cap, info: as ``dispatch``.
+    w: [E_local, D, N] in src's dtype, or [E_local, N, D] read transposed with ``transpose_rhs``.
+    swiglu: GEMM1 of the expert MLP (w [E_local, D, 2F], not with ``transpose_rhs``): the call's epilogue applies the
+      SwiGLU in float32 to the float32 preactivation.
+    keep_recv: also return the recv rows (the backward pass reads them; the inference forward does not).
+    keep_a: with ``swiglu``, also return the preactivation (for the backward pass).
+  Returns:
+    (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
+    out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
+    out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
+    w[expert], and a is returned when keep_a. Rows past the kept ones are zero in every result. The results equal
+    ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit.
+  On CUDA (Hopper, bfloat16) ``dispatch_pushers_for(info)`` CTAs (at least one) push the rows for other ranks, then
+  copy x_recv and zero the padding rows beside the GEMM, then join it;
+  on CPU (float32 or bfloat16) the handler thread pushes, then computes with the bare grouped GEMMs' CPU numerics.
+  """
+  if src.ndim != 2 or w.ndim != 3 or w.shape[2 if transpose_rhs else 1] != src.shape[1]:
+    raise ValueError(f"jax_moe_overlap: dispatch_gemm: src {src.shape} and w {w.shape} do not fit src [S, D], w "
+                     f"{'[E_local, N, D] (transpose_rhs)' if transpose_rhs else '[E_local, D, N]'}")
+  if swiglu and transpose_rhs:
+    raise ValueError("jax_moe_overlap: dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]); it does not "
+                     "take transpose_rhs")
+  if swiglu and w.shape[2] % 2:
+    raise ValueError(f"jax_moe_overlap: dispatch_gemm: with swiglu w must be [E_local, D, 2F] (an even number of "
+                     f"columns: the gate's F, then the up projection's F), got w {w.shape}")
+  if keep_a and not swiglu:
+    raise ValueError("jax_moe_overlap: dispatch_gemm: keep_a keeps the SwiGLU's preactivation; without swiglu the "
+                     "GEMM's output is `out` itself (keep_a needs swiglu=True)")
+  D, N = src.shape[1], (w.shape[1] if transpose_rhs else w.shape[2])
+  out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
+  out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
+               jax.ShapeDtypeStruct((cap if keep_a else 0, N), jnp.float32))
+  x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu)
+  return (x_recv if keep_recv else None), out, (a if keep_a else None)
+
+
+def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_types, transpose_rhs: bool,
+                        swiglu: bool):
+  """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a): unchecked here, so that
+  the tests reach the handlers' own shape checks."""
   _ffi.register()
   group, rank = info.coords()
-  N = w.shape[1] if transpose_rhs else w.shape[2]
-  out_types = (jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype), jax.ShapeDtypeStruct((cap, N), jnp.float32))
   return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
                          plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
                          plan.seg_rows, plan.seg_ret_off, w, group, rank,
-                         pushers=np.int32(info.config.dispatch_pushers), transpose_rhs=np.bool_(transpose_rhs),
-                         **info.config.attrs(info.workspace))
+                         pushers=np.int32(max(1, dispatch_pushers_for(info))), transpose_rhs=np.bool_(transpose_rhs),
+                         swiglu=np.bool_(swiglu), **info.config.attrs(info.workspace))
 
 
-def _fuses_dispatch(x, w, info: RankInfo) -> bool:
-  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: asked for (CallConfig.dispatch_pushers), and
-  on CUDA the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64); a CPU
+# Pushing CTAs of dispatch_gemm where the library chooses (CallConfig.dispatch_pushers = 0), at most one in 8 of the
+# rank's SMs. Measured in loopback on one H200 (two ranks of 66 SMs, the seed shape, an emulated NVLink): 8 pushers
+# 1.07x the two calls, 16 pushers 1.05x (docs/performance.md, dispatch_gemm).
+AUTO_PUSHERS = 8
+
+
+def dispatch_pushers_for(info: RankInfo) -> int:
+  """dispatch_gemm's pushing CTAs at this call site, or 0: the dispatch and GEMM1 run as two calls (CallConfig's
+  rule: pinned, or the library's choice on Hopper GPUs with two ranks or more, none with serialize)."""
+  cfg, ws = info.config, info.workspace
+  if cfg.serialize:
+    return 0
+  if cfg.dispatch_pushers > 0:
+    return cfg.dispatch_pushers
+  hopper = ws.platform != "cpu" and (ws.compute_capability or (0,))[0] == 9
+  if not hopper or ws.ranks < 2:
+    return 0
+  return max(1, min(AUTO_PUSHERS, (ws.sm_budget or 0) // 8))
+
+
+def _fuses_dispatch(x, w, info: RankInfo, swiglu: bool) -> bool:
+  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: chosen (dispatch_pushers_for), and on CUDA
+  the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64) and, for GEMM1 with its
+  SwiGLU (``swiglu``: w [E_local, D, 2F]), what the SwiGLU epilogue takes (_ffi.swiglu_epilogue_operands); a CPU
   workspace takes any operands the layer takes."""
-  if info.config.dispatch_pushers <= 0:
+  if dispatch_pushers_for(info) <= 0:
     return False
   if info.workspace.platform == "cpu":
     return True
-  return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and
-          w.shape[2] % 64 == 0)
+  bf16 = x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+  engine = bf16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and w.shape[2] % 64 == 0
+  return engine and (not swiglu or _ffi.swiglu_epilogue_operands(bf16, w.shape[1], w.shape[2] // 2))
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
@@ -300,15 +363,15 @@ def _gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
 
 
 def _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
-  """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D], h [cap, F] in x's dtype,
-  a [cap, 2F] float32 or None unless keep_a)."""
+  """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D] or None, h [cap, F] in x's dtype,
+  a [cap, 2F] float32 or None). keep_a: keep what the backward pass reads, x_recv and a (the forward alone needs
+  neither, so without it the fused call writes neither)."""
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
-  if _fuses_dispatch(x, w1, info):
-    x_recv, a = dispatch_gemm(x, slot_src_row, w1, plan, cap, info)
-    return x_recv, swiglu(a).astype(x.dtype), (a if keep_a else None)
+  if _fuses_dispatch(x, w1, info, swiglu=True):
+    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a)
   x_recv = dispatch(x, slot_src_row, plan, cap, info)
-  return (x_recv, *_gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
+  return ((x_recv if keep_a else None), *_gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -349,9 +412,10 @@ def _expert_block_bwd(cap, info, res, dy):
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   slot_rows = jnp.arange(T * k, dtype=jnp.int32)
-  if _fuses_dispatch(d_slot, w2, info):
-    # The dispatch of gates * dy with dh = d_out W2^T, as the forward's dispatch with GEMM1.
-    d_out, dh = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)
+  if _fuses_dispatch(d_slot, w2, info, swiglu=False):
+    # The dispatch of gates * dy with dh = d_out W2^T (float32), as the forward's dispatch with GEMM1; d_out is kept
+    # for the weight gradient dW2.
+    d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)
   else:
     d_out = dispatch(d_slot, slot_rows, plan, cap, info)                                # [cap, D] at the experts
     dh = None

@@ -140,6 +140,7 @@ class Workspace:
     self.consumer_policy = "CPU: one consumer thread per rank (consumer_ctas is checked but has no effect)"
     self.calibration = None
     self.sm_budget = None
+    self.compute_capability = None  # CUDA: the GPUs' (major, minor), set by cuda_workspace.create
     self.shm_prefix = None  # groups spanning processes: the prefix of the shared-memory objects' names
     if self.platform == "cpu":
       devs = rank_devices(mesh, axis_name)

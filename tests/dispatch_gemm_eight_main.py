@@ -1,5 +1,6 @@
 """Run by test_eight_ranks.py in a fresh process with 8 virtual CPU devices (pytest's own process has 4): the layer
-with CallConfig(dispatch_pushers=2) against the two calls and the reference (test_dispatch_gemm's check) at R = 8."""
+with CallConfig(dispatch_pushers=2) (GEMM1's SwiGLU in the fused call's epilogue) against the two calls with the bare
+grouped GEMM calls and the reference (test_dispatch_gemm's check) at R = 8."""
 
 import os
 

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_moe_overlap as jmo
 from jax_moe_overlap import api, primitives
-from jax_moe_overlap.grouped_gemm import grouped_matmul
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu
 from cases import layer_inputs, rel_err
 
 TOL = 1e-2
@@ -176,19 +176,19 @@ def check_held_back(mesh, delay_rank, delay_us=2000, calls=3, seed=11):
 
 @contextlib.contextmanager
 def grouped_matmul_gemms():
-  """The layer with ``jmo_grouped_matmul`` for its bare grouped matmuls (GEMM1, the backward's d_out W2^T) on every
-  platform, and GEMM1's SwiGLU applied by XLA to its float32 output: the two calls that dispatch_gemm, which returns
-  that output, equals bit for bit. On GPU the layer runs the same grouped matmuls but fuses GEMM1's SwiGLU into its
-  epilogue (grouped_matmul_swiglu; the same float32 a, an h that differs in the last bits of the silu); on CPU it runs
-  XLA's ragged_dot there (faster), whose float32 sums go in another order than the CPU handlers' row loop, which
-  dispatch_gemm's CPU handler shares with jmo_grouped_matmul's. Traced programs are dropped on entry and exit, so that
-  no program traced on one side runs on the other."""
+  """The layer with the bare grouped GEMM custom calls on every platform: ``jmo_grouped_matmul_swiglu`` as GEMM1 (its
+  preactivation kept as the layer asks: in the forward of a training step) and ``jmo_grouped_matmul`` for the other
+  grouped matmuls (the backward's d_out W2^T). These are the two calls that dispatch_gemm equals bit for bit: the
+  dispatch + grouped_matmul_swiglu of the forward, the dispatch + grouped_matmul of the backward. On GPU that is the
+  layer's default path; on CPU the default runs XLA's ragged_dot and SwiGLU there (faster), whose float32 sums go in
+  another order than the CPU handlers' row loop, which dispatch_gemm's CPU handler shares with the bare ones (and
+  their SwiGLU). Traced programs are dropped on entry and exit, so that no program traced on one side runs on the
+  other."""
   def ours(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
 
-  def unfused(x_recv, w1, group_sizes, keep_a):
-    a = ours(x_recv, w1, group_sizes)
-    return primitives.swiglu(a).astype(x_recv.dtype), (a if keep_a else None)
+  def gemm1_swiglu(x_recv, w1, group_sizes, keep_a):
+    return grouped_matmul_swiglu(x_recv, w1, group_sizes, keep_preactivation=keep_a)
 
   def forget():
     api._programs.clear()  # pylint: disable=protected-access
@@ -196,7 +196,7 @@ def grouped_matmul_gemms():
 
   plain = primitives._matmul, primitives._gemm1_swiglu  # pylint: disable=protected-access
   forget()
-  primitives._matmul, primitives._gemm1_swiglu = ours, unfused  # pylint: disable=protected-access
+  primitives._matmul, primitives._gemm1_swiglu = ours, gemm1_swiglu  # pylint: disable=protected-access
   try:
     yield
   finally:
@@ -205,10 +205,11 @@ def grouped_matmul_gemms():
 
 
 def check_dispatch_gemm(mesh, pushers=2, seed=13):
-  """CallConfig(dispatch_pushers=...) (the dispatch and GEMM1 in one dispatch_gemm call: on a Hopper GPU the fused
-  kernel, on CPU its handler): forward and gradients bitwise equal to the two calls with jmo_grouped_matmul as GEMM1
-  and XLA's SwiGLU after it (``grouped_matmul_gemms``), and within TOL of the reference, every output computed into
-  the poison."""
+  """CallConfig(dispatch_pushers=...) (the dispatch and GEMM1 with its SwiGLU in one dispatch_gemm call, and the
+  backward's dispatch with d_out W2^T in another: on a Hopper GPU the fused kernel, on CPU its handler): forward and
+  gradients bitwise equal to the two calls with jmo_grouped_matmul_swiglu as GEMM1 and jmo_grouped_matmul for the
+  backward's d_out W2^T (``grouped_matmul_gemms``), and within TOL of the reference, every output computed into the
+  poison."""
   layer = Layer(mesh, "skewed", seed)
   args = layer.args(jnp.bfloat16)
   with grouped_matmul_gemms():

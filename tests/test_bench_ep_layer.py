@@ -279,7 +279,8 @@ def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
 def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
   """benchmarks/run_multi_gpu.sh --dry-run: its default EP groups each select their shape of this benchmark (seed,
   Mixtral-like, DeepSeek-like E=64), each run of bench_ep_layer times ours, serialized, xla, the ideal and
-  dispatch_gemm (ours_dg, 8 pushing CTAs), and nothing runs (only summary.txt is written)."""
+  dispatch_gemm with 16 pushing CTAs pinned (ours_dg; ours takes the library's 8), and nothing runs (only summary.txt is
+  written)."""
   root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
              PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
@@ -292,7 +293,7 @@ def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
   assert len(runs) == 3 and all("bench_ep_layer" in x and "--out" in x for x in runs), runs
   impls = [x.split("--impls ")[1].split()[0].replace("\\", "") for x in runs]
   assert impls == ["ours,serialized,xla,ideal,ours_dg"] * 3, impls
-  assert all("--dispatch-pushers 8" in x for x in runs), runs
+  assert all("--dispatch-pushers 16" in x for x in runs), runs
   assert os.listdir(tmp_path) == ["summary.txt"]
 
 

@@ -1,7 +1,8 @@
 """dispatch_gemm's CPU handler (csrc/cpu/dispatch_gemm.cc) on 4 CPU devices: the call against dispatch +
-grouped_matmul, the layer with CallConfig(dispatch_pushers=2) against the two calls (bit for bit, with
-jmo_grouped_matmul as GEMM1: layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and failures
-inside it with the recovery after them. tests/test_eight_ranks.py runs the layer comparison on 8 devices."""
+grouped_matmul (plain, and transpose_rhs) and dispatch + grouped_matmul_swiglu (swiglu, with and without x_recv and
+the preactivation), its shape errors, the layer with CallConfig(dispatch_pushers=2) against the two calls (bit for
+bit, with the bare grouped GEMM calls: layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and
+failures inside it with the recovery after them. tests/test_eight_ranks.py runs the layer comparison on 8 devices."""
 
 import re
 import time
@@ -16,7 +17,8 @@ import jax_moe_overlap as jmo
 import layer_checks
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap.grouped_gemm import grouped_matmul
+from jax_moe_overlap import primitives
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu
 from jax_moe_overlap.primitives import CallConfig, RankInfo, dispatch, dispatch_gemm
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
 from cases import layer_inputs, mesh_of, rel_err, routing
@@ -37,9 +39,15 @@ def src_blocks_nonzero(mesh):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The call on its own: (recv, a) against dispatch, then grouped_matmul, bit for bit.
+# The call on its own: its kept results against dispatch, then the bare grouped GEMM, bit for bit.
 
-def _call_fns(mesh, tokens, k, cap_e, cap, dtype, N, transpose_rhs):
+# (name, transpose_rhs, swiglu, keep_recv, keep_a): the backward's plain GEMM (d_out W2^T), the plain GEMM as is, and
+# GEMM1 with its SwiGLU in a training step (x_recv and a kept) and in inference (neither).
+MODES = [("plain", False, False, True, False), ("plain_transposed", True, False, True, False),
+         ("swiglu_train", False, True, True, True), ("swiglu_inference", False, True, False, False)]
+
+
+def _call_setup(mesh, tokens, k, cap_e, cap, dtype):
   R = mesh.shape["expert"]
   sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * k,
                          num_segments=E)
@@ -50,32 +58,52 @@ def _call_fns(mesh, tokens, k, cap_e, cap, dtype, N, transpose_rhs):
     counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
     return plan_lib.make_plan(ids, counts_all, rank, cap_e)
 
+  def sharded(f, n_in, n_out):
+    spec = P("expert")
+    return jax.shard_map(f, mesh=mesh, in_specs=(spec,) * n_in, out_specs=(spec,) * n_out, check_vma=False)
+
+  return info, plan_of, sharded
+
+
+def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode):
+  """(fused, two_calls, kept_rows, names): the call and its two-call twin, each returning the results the mode
+  keeps (named by `names`), and each rank's kept recv rows."""
+  _, transpose_rhs, swiglu, keep_recv, keep_a = mode
+  info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, dtype)
+  slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
+  names = tuple(n for n, kept in (("x_recv", keep_recv), ("out", True), ("a", keep_a)) if kept)
+
   def fused(ids, x, w):
-    plan = plan_of(ids)
-    return dispatch_gemm(x, jnp.arange(tokens * k, dtype=jnp.int32) // k, w, plan, cap, info, transpose_rhs)
+    got = dispatch_gemm(x, slot_rows, w, plan_of(ids), cap, info, transpose_rhs=transpose_rhs, swiglu=swiglu,
+                        keep_recv=keep_recv, keep_a=keep_a)
+    assert [v is not None for v in got] == [keep_recv, True, keep_a]
+    return tuple(v for v in got if v is not None)
 
   def two_calls(ids, x, w):
     plan = plan_of(ids)
-    x_recv = dispatch(x, jnp.arange(tokens * k, dtype=jnp.int32) // k, plan, cap, info)
-    return x_recv, grouped_matmul(x_recv, w, plan.expert_rows, transpose_rhs=transpose_rhs,
-                                  preferred_element_type=jnp.float32)
+    x_recv = dispatch(x, slot_rows, plan, cap, info)
+    if swiglu:
+      out, a = grouped_matmul_swiglu(x_recv, w, plan.expert_rows, keep_preactivation=keep_a)
+    else:
+      out, a = grouped_matmul(x_recv, w, plan.expert_rows, transpose_rhs=transpose_rhs,
+                              preferred_element_type=jnp.float32), None
+    return tuple(v for v, kept in ((x_recv, keep_recv), (out, True), (a, keep_a)) if kept)
 
-  def kept_rows(ids):
-    return plan_of(ids).recv_rows.reshape(1)
-
-  spec = P("expert")
-  wrap = lambda f, n: jax.shard_map(f, mesh=mesh, in_specs=(spec,) * n, out_specs=(spec, spec), check_vma=False)
-  return (layer_checks.Poisoned(wrap(fused, 3), mesh), jax.jit(wrap(two_calls, 3)),
-          jax.jit(jax.shard_map(kept_rows, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)))
+  kept_rows = jax.jit(sharded(lambda ids: (plan_of(ids).recv_rows.reshape(1),), 1, 1))
+  n = len(names)
+  return (layer_checks.Poisoned(sharded(fused, 3, n), mesh), jax.jit(sharded(two_calls, 3, n)),
+          lambda ids: np.asarray(kept_rows(ids)[0]), names)
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("mode", MODES, ids=[m[0] for m in MODES])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind,cf,skip", [("all_to_one", None, False), ("skewed", 0.5, True)])
-def test_call_equals_dispatch_and_grouped_matmul(kind, cf, skip, dtype, transpose_rhs):
+def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode):
   # 160 tokens x 2 choices per rank: 3 send blocks per source; "all_to_one" gives segments of 160 rows (two tiles,
   # each across two blocks), "skewed" at cf 0.5 drops slots, and `skip` leaves every fifth token's second slot -1.
+  # The twin: dispatch, then grouped_matmul (float32 out) or grouped_matmul_swiglu (h, and a when kept).
   mesh, R, tokens, k, N = mesh_of(4), 4, 160, 2, 40
+  transpose_rhs = mode[1]
   ids = routing(kind, tokens * R, E, k, seed=21)
   if skip:
     ids[::5, 1] = plan_lib.SKIP
@@ -84,19 +112,67 @@ def test_call_equals_dispatch_and_grouped_matmul(kind, cf, skip, dtype, transpos
   kx, kw = jax.random.split(jax.random.PRNGKey(3))
   x = jax.random.normal(kx, (tokens * R, D), jnp.float32).astype(dtype)
   w = (jax.random.normal(kw, (E, N, D) if transpose_rhs else (E, D, N), jnp.float32) / np.sqrt(D)).astype(dtype)
-  fused, two_calls, kept_rows = _call_fns(mesh, tokens, k, cap_e, cap, dtype, N, transpose_rhs)
+  fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode)
   got = fused(jnp.asarray(ids), x, w)
   want = two_calls(jnp.asarray(ids), x, w)
-  assert fused.aliased == fused.buffers, f"{fused.aliased} of {fused.buffers} outputs computed into the poison"
-  for name, a, b in zip(("recv", "a"), got, want):
-    assert a.dtype == b.dtype and a.shape == b.shape, name
-    assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{name} differs from dispatch + grouped_matmul"
-  a = np.asarray(got[1]).reshape(R, cap, N)
-  kept = np.asarray(kept_rows(jnp.asarray(ids)))
+  assert fused.aliased == fused.buffers == len(names) * R, \
+      f"{fused.aliased} of {fused.buffers} outputs computed into the poison"
+  kept = kept_rows(jnp.asarray(ids))
   assert kept.sum() > 0
-  for r in range(R):  # rows past the kept ones are zero (written: the output was poisoned)
-    assert np.all(a[r, kept[r]:] == 0) and (kept[r] == 0 or np.abs(a[r, :kept[r]]).max() > 0), r
+  for name, a, b in zip(names, got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{name} differs from the two calls"
+    rows = np.asarray(a.astype(jnp.float32)).reshape(R, cap, -1)
+    for r in range(R):  # rows past the kept ones are zero (written: the output was poisoned)
+      assert np.all(rows[r, kept[r]:] == 0) and (kept[r] == 0 or np.abs(rows[r, :kept[r]]).max() > 0), (name, r)
   assert src_blocks_nonzero(mesh) == 0, "a call must leave its src_blocks zero"
+
+
+def test_call_shape_errors_name_the_problem():
+  mesh, R, tokens, k, N = mesh_of(4), 4, 8, 2, 8
+  ids = routing("balanced", tokens * R, E, k, seed=2)
+  cap_e = plan_lib.expert_capacity(tokens, R, k, E, None)
+  cap = plan_lib.recv_capacity(tokens, R, k, E // R, cap_e)
+  info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, jnp.float32)
+  x = jnp.ones((tokens * R, D), jnp.float32)
+  slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+  def raw(out_types, transpose_rhs, swiglu):
+    """The custom call with these result types, past the Python wrapper's checks: the handler's own."""
+    def f(ids, x, w):
+      return tuple(primitives._dispatch_gemm_call(x, slot_rows, w, plan_of(ids), info, out_types, transpose_rhs,
+                                                  swiglu))  # pylint: disable=protected-access
+    return jax.jit(sharded(f, 3, 3))
+
+  w = jnp.ones((E, D, N), jnp.float32)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      "dispatch_gemm: expected src [S, D], w [E_local, D, N], x_recv [cap or 0, D], out [cap, N / 2] and a "
+      f"[cap or 0, N] (swiglu); got src [{tokens}, {D}], w [{E // R}, {D}, {N}], x_recv [{cap}, {D}], out "
+      f"[{cap}, {N // 2}], a [{cap}, {N + 2}]")):
+    jax.block_until_ready(raw((shape(cap, D), shape(cap, N // 2), shape(cap, N + 2)), False, True)(
+        jnp.asarray(ids), x, w))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("out [cap, N] and a [0, N]; got")):
+    jax.block_until_ready(raw((shape(cap, D), shape(cap, N), shape(cap, N)), False, False)(jnp.asarray(ids), x, w))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      "dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for transpose_rhs")):
+    jax.block_until_ready(raw((shape(cap, D), shape(cap, D // 2), shape(0, D)), True, True)(
+        jnp.asarray(ids), x, jnp.ones((E, D, D), jnp.float32)))
+  # The wrapper refuses the same before tracing a call.
+  plan = object()  # never reached
+  with pytest.raises(ValueError, match="swiglu is GEMM1's epilogue .* does not take transpose_rhs"):
+    dispatch_gemm(x, slot_rows, jnp.ones((E, N, D)), plan, cap, info, transpose_rhs=True, swiglu=True)
+  with pytest.raises(ValueError, match="keep_a needs swiglu=True"):
+    dispatch_gemm(x, slot_rows, w, plan, cap, info, keep_a=True)
+  with pytest.raises(ValueError, match=r"an even number of columns.*got w \(8, 32, 7\)"):
+    dispatch_gemm(x, slot_rows, w[:, :, :7], plan, cap, info, swiglu=True)
+  with pytest.raises(ValueError, match=r"do not fit src \[S, D\], w \[E_local, N, D\] \(transpose_rhs\)"):
+    dispatch_gemm(x, slot_rows, w, plan, cap, info, transpose_rhs=True)
+  # A shape error is found before the call opens an epoch: the group goes on.
+  f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, config=FUSED)[0])
+  x_l, ids_l, gates, w1, w2 = layer_inputs(tokens * R, D, F, E, k, "balanced", 2)
+  y_ref, _ = jmo.moe_experts(x_l, ids_l, gates, w1, w2, mesh=mesh, impl="reference")
+  np.testing.assert_allclose(f(x_l, ids_l, gates, w1, w2), y_ref, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,15 +195,20 @@ def layer_case(R, kind, skip, dtype, tokens_per_rank=40, k=2, seed=5):
 
 
 def check_layer_equals_two_calls(mesh, cases, dtype, cf, tokens_per_rank=80):
-  """The fused layer against the two calls with jmo_grouped_matmul as GEMM1 (bit for bit: loss, y, dropped and the
-  gradients w.r.t. x, gates, w1, w2), and within rounding of the default two calls (XLA's ragged_dot as GEMM1) and the
-  float32 reference, on each (kind, skip) routing; the fused program runs dispatch_gemm twice (forward, backward)
-  and dispatch never. 80 tokens x 2 choices per rank: two 128-row send blocks per source, and tiles across both."""
+  """The fused layer against the two calls with the bare grouped GEMM calls (layer_checks.grouped_matmul_gemms:
+  jmo_grouped_matmul_swiglu as GEMM1, jmo_grouped_matmul for the backward's d_out W2^T; bit for bit: loss, y, dropped
+  and the gradients w.r.t. x, gates, w1, w2), and within rounding of the default two calls (XLA's ragged_dot and
+  SwiGLU as GEMM1) and the float32 reference, on each (kind, skip) routing; the fused program runs dispatch_gemm
+  twice (forward with the SwiGLU epilogue, backward plain with transpose_rhs) and dispatch never. 80 tokens x 2
+  choices per rank: two 128-row send blocks per source, and tiles across both."""
   R = mesh.shape["expert"]
   fused = layer_fn(mesh, cf, FUSED)
   inputs = [layer_case(R, kind, skip, dtype, tokens_per_rank) for kind, skip in cases]
   hlo = fused.lower(*inputs[0]).as_text()
   assert hlo.count("@jmo_dispatch_gemm(") == 2 and "@jmo_dispatch(" not in hlo, "the layer did not fuse"
+  calls = [line for line in hlo.splitlines() if "@jmo_dispatch_gemm(" in line]
+  assert sorted(re.search(r"swiglu = (\w+), .*transpose_rhs = (\w+)", c).groups() for c in calls) == \
+      [("false", "true"), ("true", "false")], "GEMM1 with its SwiGLU in the forward, d_out W2^T in the backward"
   got = [fused(*a) for a in inputs]
   with layer_checks.grouped_matmul_gemms():
     two_calls = layer_fn(mesh, cf)
@@ -157,6 +238,21 @@ def test_layer_equals_two_calls_dropless(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_layer_equals_two_calls_with_capacity_drops(dtype):
   check_layer_equals_two_calls(mesh_of(4), [("skewed", False), ("skewed", True)], dtype, 0.5)
+
+
+def test_inference_forward_has_no_xla_swiglu():
+  # The forward alone: one dispatch_gemm with the SwiGLU in its epilogue, keeping neither x_recv nor a ([0, D] and
+  # [0, 2F] results), and no SwiGLU of XLA's after it (no silu, logistic or exponential anywhere in the program).
+  mesh = mesh_of(4)
+  x, gates, w1, w2, ids = layer_case(4, "skewed", False, jnp.float32)
+  hlo = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, config=FUSED)[0]).lower(x, ids, gates, w1, w2).as_text()
+  calls = [line for line in hlo.splitlines() if "@jmo_dispatch_gemm(" in line]
+  assert len(calls) == 1 and "@jmo_dispatch(" not in hlo, calls
+  assert "swiglu = true" in calls[0] and "transpose_rhs = false" in calls[0], calls[0]
+  results = re.search(r"-> \(!stablehlo.token, (.*)\)$", calls[0]).group(1)
+  assert re.fullmatch(rf"tensor<0x{D}xf32>, tensor<\d+x{F}xf32>, tensor<0x{2 * F}xf32>", results), results
+  for op in ("silu", "logistic", "exponential"):
+    assert op not in hlo, f"XLA's {op} in the fused forward"
 
 
 def test_fifty_calls_bitwise_identical_and_counters_zero():
@@ -221,3 +317,32 @@ def test_timeout_at_src_block_names_the_late_source_and_recovery_clears_the_coun
 def test_layer_equals_two_calls_dispatch_on_1_and_2_ranks(R):
   # R = 1: no pushes, the rank's own rows only; R = 2: one peer per round.
   check_layer_equals_two_calls(mesh_of(R), [("skewed", True), ("all_to_one", False)], jnp.bfloat16, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the library fuses by itself (CallConfig.dispatch_pushers = 0).
+
+def test_dispatch_pushers_rule():
+  import types  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.primitives import AUTO_PUSHERS, dispatch_pushers_for  # pylint: disable=g-import-not-at-top
+
+  def at(config=CallConfig(), **ws):
+    base = dict(platform="gpu", compute_capability=(9, 0), ranks=2, sm_budget=132)
+    return dispatch_pushers_for(RankInfo(types.SimpleNamespace(**{**base, **ws}), config))
+
+  assert at() == AUTO_PUSHERS == 8                      # Hopper, two ranks: fused
+  assert at(sm_budget=66) == 8 and at(sm_budget=16) == 2 and at(sm_budget=4) == 1  # at most one in 8 SMs
+  assert at(ranks=1) == 0                               # nothing to hide: two calls
+  assert at(compute_capability=(8, 0)) == 0             # no wgmma engine
+  assert at(platform="cpu", compute_capability=None) == 0  # XLA's ragged_dot is faster on CPU
+  assert at(CallConfig(dispatch_pushers=3), ranks=1) == 3 and at(CallConfig(dispatch_pushers=3), platform="cpu") == 3
+  assert at(CallConfig(serialize=True)) == 0            # the baseline: no overlap anywhere
+  with pytest.raises(ValueError, match=r"serialize=True\) runs the dispatch and GEMM1 as two calls"):
+    CallConfig(serialize=True, dispatch_pushers=2)
+
+
+def test_default_layer_on_cpu_runs_two_calls():
+  mesh = mesh_of(4)
+  x, gates, w1, w2, ids = layer_case(4, "skewed", False, jnp.float32, tokens_per_rank=16)
+  hlo = layer_fn(mesh, None).lower(x, gates, w1, w2, ids).as_text()
+  assert "@jmo_dispatch_gemm(" not in hlo and hlo.count("@jmo_dispatch(") == 2, "CPU defaults to the two calls"

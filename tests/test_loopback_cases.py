@@ -125,22 +125,27 @@ def _exact_run(case, sets):
     row = []
     for e in ex:
       dt = np.float32 if case.f32 else ml_dtypes.bfloat16
-      a = e.a.tobytes() if e.a is not None else b""
-      row.append({"recv": e.recv.tobytes(), "y": e.y.astype(dt).tobytes(), "slot": e.slot.astype(dt).tobytes(),
-                  "a": a, "recv2": e.recv.tobytes() if a else b"", "a2": a})
+      a = pre = b""  # dispatch_gemm's GEMM1 output (float32, or the SwiGLU's h in bf16) and kept preactivation
+      if e.a is not None:
+        a = check_lib.swiglu(e.a).astype(ml_dtypes.bfloat16).tobytes() if case.swiglu else e.a.tobytes()
+        pre = e.a.tobytes() if case.dispatch_gemm_mode == "train" else b""
+      recv = e.recv.tobytes() if case.keeps_recv else b"\xff" * e.recv.nbytes  # not kept: left poisoned
+      row.append({"recv": recv, "y": e.y.astype(dt).tobytes(), "slot": e.slot.astype(dt).tobytes(), "a": a,
+                  "pre": pre, "recv2": e.recv.tobytes() if a else b"", "a2": a, "pre2": pre})
     first.append(row)
   for it in range(case.iters):
     ds = it % case.datasets
     for r in range(case.ranks):
-      digests.append([it, r, ds, hash(first[ds][r]["recv"]), hash(first[ds][r]["y"]), hash(first[ds][r]["slot"]),
-                      hash(first[ds][r]["a"])])
+      f = first[ds][r]
+      digests.append([it, r, ds, hash(f["recv"]), hash(f["y"]), hash(f["slot"]), hash(f["a"]), hash(f["pre"])])
   return {"errors": [], "calls": 2 * case.ranks * case.iters, "digests": digests, "first": first,
           "timeout": [{"reported": False, "code": 0, "msg": ""}] * case.ranks, "timed": [], "dg_us": [[], [], []],
           "budget": 66, "producer": "test", "seconds": 0.0}
 
 
 @pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},
-                                {"check_tokens": 4}])
+                                {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "train"},
+                                {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"}, {"check_tokens": 4}])
 def test_check_verdicts(kw, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
@@ -152,12 +157,12 @@ def test_check_verdicts(kw, monkeypatch):
   assert v.passed, v.failures
   assert v.bit_checks == case.ranks * (case.iters - case.datasets)
 
-  bad = _exact_run(case, sets)  # one received row wrong
+  bad = _exact_run(case, sets)  # one received row wrong (where the call returns them)
   recv = bytearray(bad["first"][0][1]["recv"])
   recv[0] ^= 1
   bad["first"][0][1]["recv"] = bytes(recv)
   v = check_lib.check(case, sets, bad)
-  assert not v.passed and "dispatch output differs" in v.failures[0]
+  assert v.passed != case.keeps_recv and (v.passed or "dispatch output differs" in v.failures[0])
 
   bad = _exact_run(case, sets)  # a slot output row left poisoned (all bits set: NaN)
   slot = bytearray(bad["first"][1][0]["slot"])
@@ -177,12 +182,26 @@ def test_check_verdicts(kw, monkeypatch):
   assert not check_lib.check(case, sets, bad).passed
 
   if case.dispatch_gemm_pushers:
-    bad = _exact_run(case, sets)  # GEMM1 wrong in one element
-    a = np.frombuffer(bad["first"][0][0]["a"], np.float32).copy()
+    bad = _exact_run(case, sets)  # GEMM1's output (its float32 product or h) wrong in one element
+    dt = ml_dtypes.bfloat16 if case.swiglu else np.float32
+    a = np.frombuffer(bad["first"][0][0]["a"], dt).copy()
     a[0] += 1.0
     bad["first"][0][0]["a"] = a.tobytes()
     v = check_lib.check(case, sets, bad)
-    assert not v.passed and any("GEMM1" in f for f in v.failures)
+    assert not v.passed and any(("h rel err" if case.swiglu else "GEMM1 rel err") in f for f in v.failures)
+    bad = _exact_run(case, sets)  # a padding row of GEMM1's output left poisoned
+    cap, row = case.cap, len(bad["first"][0][0]["a"]) // case.cap
+    a = bytearray(bad["first"][0][0]["a"])
+    a[(cap - 1) * row:] = b"\xff" * row
+    bad["first"][0][0]["a"] = bytes(a)
+    v = check_lib.check(case, sets, bad)
+    assert not v.passed and any("rows past the kept ones are not zero" in f for f in v.failures)
+    bad = _exact_run(case, sets)  # the fused call differs from its two-call twin in one bit
+    a2 = bytearray(bad["first"][1][1]["a2"])
+    a2[0] ^= 1
+    bad["first"][1][1]["a2"] = bytes(a2)
+    v = check_lib.check(case, sets, bad)
+    assert not v.passed and any("differs from dispatch + GEMM1 as two calls" in f for f in v.failures)
 
 
 def test_forced_timeout_report(monkeypatch):

@@ -76,9 +76,10 @@ def test_bfloat16_within_tolerance(kind):
 
 
 def test_dispatch_pushers_fuses_on_cpu_too():
-  # CallConfig(dispatch_pushers=2) runs dispatch_gemm's CPU handler: the bits of the two calls with jmo_grouped_matmul
-  # as GEMM1 (tests/gpu/test_gpu_layer.py runs the same check on the fused kernel; tests/test_dispatch_gemm.py has the
-  # CPU cases).
+  # CallConfig(dispatch_pushers=2) runs dispatch_gemm's CPU handler: the bits of the two calls with the bare grouped
+  # GEMM calls, jmo_grouped_matmul_swiglu as GEMM1 and jmo_grouped_matmul for the backward's d_out W2^T
+  # (tests/gpu/test_gpu_layer.py runs the same check on the fused kernel; tests/test_dispatch_gemm.py has the CPU
+  # cases).
   layer_checks.check_dispatch_gemm(mesh_of(4))
 
 

@@ -44,10 +44,16 @@ auto BindDispatch(Binding b) {
 
 // dispatch_gemm(dispatch rows (above), send_order [P], send_start [R + 1], seg_rows [E_local, R],
 //               seg_ret_off [E_local, R], w [E_local, D, N] in src's dtype (or [E_local, N, D] with transpose_rhs),
-//               group [], rank []) -> recv [cap, D] in src's dtype, a [cap, N] float32 = recv[segment] @ w[expert]
-// Attributes: those of every call, then pushers (int32 >= 1: CUDA CTAs that push first, then join the GEMM; no
-// effect on CPU) and transpose_rhs (bool). The dispatch and GEMM1 in one call, each GEMM1 tile starting once its rows
-// are in: CUDA on Hopper with bfloat16 (the wgmma engine's shapes), CPU with float32 or bfloat16.
+//               group [], rank []) -> (x_recv, out, a)
+// The dispatch and GEMM1 in one call, each GEMM1 tile starting once its rows are in: CUDA on Hopper with bfloat16
+// (the wgmma engine's shapes), CPU with float32 or bfloat16. Results:
+//   x_recv [cap, D] in src's dtype: the recv rows, as a dispatch returns them; or [0, D]: not kept (inference).
+//   swiglu = false: out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N] (unused).
+//   swiglu = true (GEMM1 of the expert MLP; not with transpose_rhs): N = 2F, out = h [cap, F] in src's dtype =
+//     silu(pre[:, :F]) * pre[:, F:] of the float32 preactivation pre = recv[segment] @ w[expert]; a [cap, 2F]
+//     float32 = pre (kept for the backward pass) or [0, 2F] (not kept).
+// Rows past the kept ones are zero in every result. Attributes: those of every call, then pushers (int32 >= 1: CUDA
+// CTAs that push first, then join the GEMM; no effect on CPU), transpose_rhs (bool) and swiglu (bool).
 template <typename Binding>
 auto BindDispatchGemm(Binding b) {
   namespace ffi = xla::ffi;
@@ -60,9 +66,11 @@ auto BindDispatchGemm(Binding b) {
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Arg<ffi::Buffer<ffi::S32>>()
                            .template Ret<ffi::AnyBuffer>()
+                           .template Ret<ffi::AnyBuffer>()
                            .template Ret<ffi::Buffer<ffi::F32>>())
       .template Attr<int32_t>("pushers")
-      .template Attr<bool>("transpose_rhs");
+      .template Attr<bool>("transpose_rhs")
+      .template Attr<bool>("swiglu");
 }
 
 // expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), gates [T, k] f32,
@@ -160,35 +168,53 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
 }
 
 struct DispatchGemmShape {
-  DispatchShape rows;  // src, slots and recv, as a dispatch's
-  int64_t E_local, N;  // w's experts and output columns
+  DispatchShape rows;  // src and the slots as a dispatch's; cap = out's rows
+  int64_t E_local, N;  // w's experts and GEMM columns (2F with swiglu)
+  bool keep_recv;      // x_recv has cap rows (else 0)
+  bool keep_a;         // swiglu: a has cap rows (else 0)
 };
 
-// dispatch_gemm's operands apart from the plan arrays whose sizes depend on the workspace's ranks
-// (CheckDispatchGemmPlan): a dispatch's, w [E_local, D, N] (or [E_local, N, D] with transpose_rhs) in src's dtype,
-// and a [cap, N] float32.
+// dispatch_gemm's operands and results apart from the plan arrays whose sizes depend on the workspace's ranks
+// (CheckDispatchGemmPlan); see BindDispatchGemm for the shapes.
 inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::AnyBuffer& src,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
                                                               const xla::ffi::AnyBuffer& w,
+                                                              const xla::ffi::AnyBuffer& x_recv,
                                                               const xla::ffi::AnyBuffer& out,
                                                               const xla::ffi::Buffer<xla::ffi::F32>& a,
-                                                              bool transpose_rhs) {
-  auto rows = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, out);
-  if (rows.has_error()) return xla::ffi::Unexpected(rows.error());
-  if (w.element_type() != src.element_type())
-    return xla::ffi::Unexpected(InvalidCall("dispatch_gemm: src and w must share one dtype, float32 or bfloat16"));
-  auto wd = w.dimensions();
+                                                              bool transpose_rhs, bool swiglu) {
+  using xla::ffi::Unexpected;
+  const auto dt = src.element_type();
+  if (!SupportedFloat(dt) || w.element_type() != dt || x_recv.element_type() != dt)
+    return Unexpected(InvalidCall("dispatch_gemm: src, w and x_recv must share one dtype, float32 or bfloat16"));
+  if (swiglu && transpose_rhs)
+    return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
+                                  "transpose_rhs"));
+  if (out.element_type() != (swiglu ? dt : xla::ffi::DataType::F32))
+    return Unexpected(InvalidCall(swiglu ? "dispatch_gemm: with swiglu, out (h) must be in src's dtype"
+                                         : "dispatch_gemm: out must be float32"));
+  auto sd = src.dimensions(), wd = w.dimensions(), xd = x_recv.dimensions(), od = out.dimensions();
   auto ad = a.dimensions();
+  const int64_t P = slot_src_row.element_count();
+  if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
+    return Unexpected(InvalidCall("dispatch_gemm: slot arrays must have equal length"));
   const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
-  if (wd.size() != 3 || wd[wk] != rows->D || ad.size() != 2 || ad[0] != rows->cap || ad[1] != wd[wn])
-    return xla::ffi::Unexpected(InvalidCall(
-        std::string(transpose_rhs ? "dispatch_gemm: w must be [E_local, N, D] (transpose_rhs)"
-                                  : "dispatch_gemm: w must be [E_local, D, N]") +
-        " and a [cap, N] with D = src's row width; got src " + DimsText(src.dimensions()) + ", w " + DimsText(wd) +
-        ", a " + DimsText(ad)));
-  return DispatchGemmShape{*rows, wd[0], wd[wn]};
+  const bool ranks_ok = sd.size() == 2 && wd.size() == 3 && xd.size() == 2 && od.size() == 2 && ad.size() == 2;
+  const int64_t D = ranks_ok ? sd[1] : 0, N = ranks_ok ? wd[wn] : 0, cap = ranks_ok ? od[0] : 0;
+  const bool ok = ranks_ok && wd[wk] == D && xd[1] == D && (xd[0] == cap || xd[0] == 0) &&
+                  (swiglu ? N % 2 == 0 && od[1] == N / 2 && ad[1] == N && (ad[0] == cap || ad[0] == 0)
+                          : od[1] == N && ad[1] == N && ad[0] == 0);
+  if (!ok)
+    return Unexpected(InvalidCall(
+        std::string("dispatch_gemm: expected src [S, D], ") +
+        (transpose_rhs ? "w [E_local, N, D] (transpose_rhs), " : "w [E_local, D, N], ") + "x_recv [cap or 0, D], " +
+        (swiglu ? "out [cap, N / 2] and a [cap or 0, N] (swiglu)" : "out [cap, N] and a [0, N]") + "; got src " +
+        DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
+        DimsText(ad)));
+  return DispatchGemmShape{DispatchShape{dt, sd[0], D, cap, P}, wd[0], N, xd[0] == cap && cap > 0,
+                           swiglu && ad[0] == cap && cap > 0};
 }
 
 // dispatch_gemm's plan arrays against the workspace's R ranks: send_order [P], send_start [R + 1], seg_rows and

@@ -47,6 +47,9 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
       case kBadTooManyTiles:
         s += "more tiles (" + to_string(e.got) + ") than the workspace has flags (" + to_string(e.expected) + ")";
         break;
+      case kBadKeptRows:
+        s += "expected rows " + i64(e.got) + " differ from the rows of its segments (" + to_string(e.expected) + ")";
+        break;
       case kBadCallShape: s += "the call's operands do not fit the workspace (that rank's own error names them)"; break;
       default: s += "code " + to_string(e.detail); break;
     }

@@ -102,9 +102,11 @@ ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, i
                                     c.epoch, kStageRecvArrivals, c.deadline, timeout_ms);
   if (e.code) return TimeoutError(op, e, c, timeout_ms);
   ctl->recv_expected.value = base + expected;
-  char* o = static_cast<char*>(out);
-  std::memcpy(o, self.recv(), expected * row_bytes);
-  std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
+  if (out != nullptr) {
+    char* o = static_cast<char*>(out);
+    std::memcpy(o, self.recv(), expected * row_bytes);
+    std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
+  }
   AtomicStore(&ctl->done_epoch.value, c.epoch);
   return ffi::Error::Success();
 }

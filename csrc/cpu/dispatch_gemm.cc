@@ -1,6 +1,10 @@
 // XLA:CPU handler of dispatch_gemm: the dispatch and GEMM1 in one call, by protocol.h's per-block refinement of the
 // dispatch. The CPU twin of csrc/cuda/dispatch_gemm.cu's DispatchGemmKernel, and the specification it is tested
 // against: the same blocks, counters, round order, claim order and waits, played by the handler thread in turn.
+// Results (call_signature.h, BindDispatchGemm): x_recv [cap, D] (the recv rows, or [0, D]: not kept), out and a:
+//   plain:  out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N], unused.
+//   swiglu: out = h [cap, F] in src's dtype = silu(pre[:, :F]) * pre[:, F:] in float32 of the float32 preactivation
+//           pre [cap, 2F] = recv[segment] @ w[expert]; a = pre when kept ([cap, 2F]), else [0, 2F].
 //
 //   1. push   this rank's rows for the other ranks, one 128-row block of its send order (kSrcBlockRows) at a time,
 //             in the CUDA pushers' rounds: block i of every destination's rows before block i + 1, each round from
@@ -9,15 +13,19 @@
 //             for its done_epoch >= n - 1.
 //   2. copy   the rows this rank keeps into its own recv, by the same blocks and counters (step 1 holds by program
 //             order).
-//   3. GEMM   a [cap, N] float32 = recv[segment] @ w[expert] (w[expert]^T with transpose_rhs) over the non-empty
-//             segments in the kernel's claim order (the rank's own segments, then the other sources' by expert,
-//             then source from the next rank on), in tiles of up to 128 rows of a segment. Before a tile: a bounded
-//             wait (stage src_block, peer = the source) until every block of the source that holds the tile's rows
-//             has all the rows this rank keeps from it. Rows past the kept ones are zero. The row loop is the bare
-//             grouped GEMM's (gemm_rows.h), so a equals dispatch + grouped_matmul bit for bit.
+//   3. GEMM   the float32 product recv[rows of expert e] @ w[e] (w[e]^T with transpose_rhs) in the kernel's tiles
+//             and claim order (TileOrder: 128-row tiles of each expert's rows from its first row, the tiles of the
+//             rank's own rows alone first, then the others expert by expert). Before a tile: a bounded wait (stage
+//             src_block, peer = the source) until, for each source the tile's rows come from, every block of that
+//             source holding them has all the rows this rank keeps from it. The product goes to out [cap, N] (plain), or with swiglu
+//             is the preactivation pre [cap, 2F] (into a when kept, else into one tile of scratch) whose epilogue,
+//             right after the tile, stores the tile's rows of out = h [cap, F] in src's dtype. Rows past the kept
+//             ones are zero in out and a. The row loop and the SwiGLU are the bare grouped GEMMs' (gemm_rows.h), so
+//             the call equals dispatch + grouped_matmul (plain) or dispatch + grouped_matmul_swiglu (swiglu) bit for
+//             bit.
 //   4. zero   the call's src_blocks: every block with rows has been waited for, so every add of the call has landed,
 //             and no source adds again before this rank's done_epoch of this call. Then the end of a dispatch
-//             (recv -> x_recv, done_epoch).
+//             (recv -> x_recv when kept, done_epoch); without x_recv every step of it but the copy.
 // Every rank pushes all its rows before it waits for any, so no rank waits on a rank that is waiting on it: the waits
 // end with one thread per rank. `pushers` sizes the CUDA launch and has no effect here (checked, unused).
 #include <algorithm>
@@ -103,17 +111,28 @@ uint64_t BlockRows(const std::vector<Segment>& segs, int R, int64_t E_l, int s, 
   return n;
 }
 
-// The non-empty segments in the order their rows arrive, the CUDA kernel's claim order (ArrivalOrder): this rank's
-// own by expert, then the others' by expert, then source from the next rank on.
-std::vector<Segment> ArrivalOrder(const std::vector<Segment>& segs, int R, int64_t E_l, int rank) {
-  std::vector<Segment> order;
-  for (int64_t e = 0; e < E_l; ++e)
-    if (segs[e * R + rank].rows > 0) order.push_back(segs[e * R + rank]);
-  for (int64_t j = 0; R > 1 && j < E_l * (R - 1); ++j) {
-    const Segment& x = segs[(j / (R - 1)) * R + (rank + 1 + j % (R - 1)) % R];
-    if (x.rows > 0) order.push_back(x);
+// The GEMM's m-tiles in the CUDA kernel's claim order (DgSchedule): 128-row tiles of each local expert's rows of recv
+// (all sources, contiguous: segments (e, 0), (e, 1), ...) from the expert's first row, as the bare grouped GEMM
+// tiles its groups; first the m-tiles made of this rank's own rows alone, then the others expert by expert.
+struct MTile {
+  int64_t expert, r0, rows;  // recv rows [r0, r0 + rows)
+};
+std::vector<MTile> TileOrder(const std::vector<Segment>& segs, int R, int64_t E_l, int rank) {
+  std::vector<MTile> own, rest;
+  for (int64_t e = 0; e < E_l; ++e) {
+    int64_t rows = 0;
+    for (int s = 0; s < R; ++s) rows += std::max<int32_t>(segs[e * R + s].rows, 0);
+    const int64_t row0 = segs[e * R].recv_off, mt = (rows + kTileRows - 1) / kTileRows;
+    const Segment& o = segs[e * R + rank];
+    const int64_t lo = o.recv_off - row0, hi = lo + std::max<int32_t>(o.rows, 0);
+    int64_t own_lo = (lo + kTileRows - 1) / kTileRows, own_hi = hi == rows ? mt : hi / kTileRows;
+    if (own_hi < own_lo || o.rows <= 0) own_lo = own_hi = 0;
+    for (int64_t m = 0; m < mt; ++m)
+      (m >= own_lo && m < own_hi ? own : rest)
+          .push_back(MTile{e, row0 + m * kTileRows, std::min<int64_t>(kTileRows, rows - m * kTileRows)});
   }
-  return order;
+  own.insert(own.end(), rest.begin(), rest.end());
+  return own;
 }
 
 ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
@@ -122,18 +141,19 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> a_out,
-                            int64_t workspace, int64_t timeout_ms, int32_t delay_rank, int64_t delay_us,
-                            int32_t pushers, bool transpose_rhs) {
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *out, *a_out, transpose_rhs);
+                            ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> a_out, int64_t workspace, int64_t timeout_ms,
+                            int32_t delay_rank, int64_t delay_us, int32_t pushers, bool transpose_rhs, bool swiglu) {
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a_out,
+                                 transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   if (pushers < 1)
     return InvalidCall("dispatch_gemm: pushers must be >= 1 (it selects this call; on CPU it has no other effect), "
                        "got " + std::to_string(pushers));
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
-  const int64_t E_l = shape->E_local, N = shape->N;
+  const int64_t E_l = shape->E_local, N = shape->N, F = N / 2;
   const bool bf16 = shape->rows.dtype == ffi::DataType::BF16;
-  const int64_t row_bytes = K * ElemBytes(shape->rows.dtype);
+  const int64_t elem_bytes = ElemBytes(shape->rows.dtype), row_bytes = K * elem_bytes;
 
   auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
   if (ctx.has_error()) return ctx.error();
@@ -162,6 +182,10 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                                 &rows_to_rank);
   if (recv_segs.has_error()) return recv_segs.error();
   const std::vector<Segment>& segs = *recv_segs;
+  int64_t kept_rows = 0;  // recv is packed from row 0
+  for (int64_t r : rows_to_rank) kept_rows += r;
+  // The plan's count of the rows this rank receives must be its segments' (the recv_arrivals account), as on CUDA.
+  if (expected != kept_rows) return FailInput(c, "dispatch_gemm", kBadKeptRows, 0, expected, kept_rows);
 
   // 1. Push: the other ranks' rows in rounds (unit u: round u / (R - 1), destination rank + 1 + u % (R - 1)).
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
@@ -188,28 +212,38 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     for (int64_t J = f; J < end; ++J) PushBlock(c, sp, src_bytes, row_bytes, c.rank, J);
   }
 
-  // 3. GEMM over the segments in claim order, each tile after the source blocks that hold its rows.
+  // 3. GEMM over the segments in claim order, each tile after the source blocks that hold its rows, then with swiglu
+  //    the tile's epilogue. A tile's float32 product goes to `product` at the tile's rows (out when plain, a when
+  //    swiglu keeps it), else to `tile_scratch`, which the epilogue reads before the next tile overwrites it. The row
+  //    loops see the tile's rows as rows 0..rows-1 of views that start at its first recv row.
   RankView self = ws->view(c.group, c.rank);
   uint64_t* blocks = self.src_blocks();
   const int64_t nb = SrcBlocks(ws->sizes().ret_rows);
-  float* a = a_out->typed_data();
-  const ElemView lhs{self.recv(), bf16}, rhs{w.untyped_data(), bf16};
-  std::vector<float> acc(N);
-  for (const Segment& seg : ArrivalOrder(segs, R, E_l, c.rank)) {
-    for (int64_t m0 = 0; m0 < seg.rows; m0 += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, seg.rows - m0), pos0 = seg.ret_off + m0;
-      for (int64_t J = pos0 / kSrcBlockRows; J <= (pos0 + rows - 1) / kSrcBlockRows; ++J) {
-        ErrorRecord e = ws->WaitAtLeast(&blocks[seg.src * nb + J], 0, BlockRows(segs, R, E_l, seg.src, J), c.group,
-                                        c.rank, seg.src, c.epoch, kStageSrcBlock, c.deadline, timeout_ms);
+  float* product = !swiglu ? static_cast<float*>(out->untyped_data()) : shape->keep_a ? a_out->typed_data() : nullptr;
+  std::vector<float> tile_scratch(product == nullptr ? kTileRows * N : 0), acc(N);
+  const char* recv = self.recv();
+  char* h = static_cast<char*>(out->untyped_data());  // swiglu: [cap, F] in src's dtype
+  const ElemView rhs{w.untyped_data(), bf16};
+  for (const MTile& t : TileOrder(segs, R, E_l, c.rank)) {
+    // Wait for the rows of each source the tile's rows come from: segment (e, s) holds recv rows [recv_off,
+    // recv_off + rows), s's send positions from ret_off.
+    for (int s = 0; s < R; ++s) {
+      const Segment& x = segs[t.expert * R + s];
+      const int64_t lo = std::max<int64_t>(t.r0, x.recv_off), hi = std::min<int64_t>(t.r0 + t.rows, x.recv_off + x.rows);
+      for (int64_t pos = x.ret_off + (lo - x.recv_off), J = pos / kSrcBlockRows;
+           hi > lo && J <= (pos + (hi - lo) - 1) / kSrcBlockRows; ++J) {
+        ErrorRecord e = ws->WaitAtLeast(&blocks[s * nb + J], 0, BlockRows(segs, R, E_l, s, J), c.group, c.rank, s,
+                                        c.epoch, kStageSrcBlock, c.deadline, timeout_ms);
         if (e.code) return TimeoutError("dispatch_gemm", e, c, timeout_ms);
       }
-      MatmulRows(lhs, rhs, (int64_t)seg.expert * K * N, seg.recv_off + m0, seg.recv_off + m0 + rows, K, N,
-                 transpose_rhs, a, /*out_bf16=*/false, acc);
     }
+    float* tile = product != nullptr ? product + t.r0 * N : tile_scratch.data();
+    MatmulRows(ElemView{recv + t.r0 * row_bytes, bf16}, rhs, t.expert * K * N, 0, t.rows, K, N, transpose_rhs, tile,
+               /*out_bf16=*/false, acc);
+    if (swiglu) SwiGluRows(tile, 0, t.rows, F, h + t.r0 * F * elem_bytes, bf16);
   }
-  int64_t kept_rows = 0;  // recv is packed from row 0
-  for (int64_t r : rows_to_rank) kept_rows += r;
-  std::fill(a + kept_rows * N, a + cap * N, 0.f);
+  if (product != nullptr) std::fill(product + kept_rows * N, product + cap * N, 0.f);
+  if (swiglu) std::memset(h + kept_rows * F * elem_bytes, 0, (cap - kept_rows) * F * elem_bytes);
 
   // 4. Zero this call's blocks of every source (the send positions it keeps here: [lo, hi)), then end as a dispatch.
   for (int s = 0; s < R; ++s) {
@@ -224,7 +258,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     for (int64_t J = hi > lo ? lo / kSrcBlockRows : 0; hi > lo && J <= (hi - 1) / kSrcBlockRows; ++J)
       AtomicStore(&blocks[s * nb + J], 0);
   }
-  return EndDispatch(c, "dispatch_gemm", expected, cap, row_bytes, out->untyped_data(), timeout_ms);
+  return EndDispatch(c, "dispatch_gemm", expected, cap, row_bytes,
+                     shape->keep_recv ? x_recv->untyped_data() : nullptr, timeout_ms);
 }
 
 }  // namespace

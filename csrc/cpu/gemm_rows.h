@@ -1,9 +1,11 @@
-// The CPU's one row loop of a grouped GEMM with float32 accumulation: the bare grouped_matmul handler
-// (grouped_gemm.cc) and dispatch_gemm's GEMM (dispatch_gemm.cc) both call it, so the fused call gives the two calls'
-// bits (each output row is summed over k in order 0..K-1 whatever range of rows one call covers).
+// The CPU's one row loop of a grouped GEMM with float32 accumulation, and its one SwiGLU: the bare grouped GEMM
+// handlers (grouped_gemm.cc) and dispatch_gemm's GEMM and epilogue (dispatch_gemm.cc) all call them, so the fused call
+// gives the two calls' bits (each output row is summed over k in order 0..K-1, and each h element is one function of
+// its row's preactivation, whatever range of rows one call covers).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -44,6 +46,16 @@ inline void MatmulRows(ElemView a, ElemView b, int64_t w_off, int64_t r0, int64_
     }
     for (int64_t n = 0; n < N; ++n) StoreElem(out, out_bf16, r * N + n, acc[n]);
   }
+}
+
+// h[r] = silu(pre[r, :F]) * pre[r, F:] in float32 for the rows r in [r0, r1): pre [*, 2F] float32 (the gate's F
+// columns, then the up projection's), h [*, F] (bfloat16 when h_bf16, else float32), rounded once at the store.
+inline void SwiGluRows(const float* pre, int64_t r0, int64_t r1, int64_t F, void* h, bool h_bf16) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t j = 0; j < F; ++j) {
+      const float gate = pre[r * 2 * F + j];
+      StoreElem(h, h_bf16, r * F + j, gate / (1.0f + std::exp(-gate)) * pre[r * 2 * F + F + j]);
+    }
 }
 
 }  // namespace jmo::cpu

@@ -2,7 +2,6 @@
 // accumulation, the executable specification of csrc/cuda/grouped_gemm.cu. The group sizes are host data here, so
 // invalid ones (negative, or more rows than lhs has) are reported instead of clipped as on the device.
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -84,11 +83,7 @@ ffi::Error GroupedMatmulSwiGluImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::
   float* pre = keep_a ? static_cast<float*>(a->untyped_data()) : scratch.data();
   for (int64_t g = 0; g < shape->G; ++g)
     MatmulRows(x, w, g * K * 2 * F, (*off)[g], (*off)[g + 1], K, 2 * F, false, pre, false, acc);
-  for (int64_t r = 0; r < off->back(); ++r)
-    for (int64_t j = 0; j < F; ++j) {
-      const float gate = pre[r * 2 * F + j];
-      StoreElem(h->untyped_data(), bf16, r * F + j, gate / (1.0f + std::exp(-gate)) * pre[r * 2 * F + F + j]);
-    }
+  SwiGluRows(pre, 0, off->back(), F, h->untyped_data(), bf16);
   for (int64_t i = off->back() * F; i < M * F; ++i) StoreElem(h->untyped_data(), bf16, i, 0.f);
   if (keep_a) std::fill(pre + off->back() * 2 * F, pre + M * 2 * F, 0.f);
   return ffi::Error::Success();

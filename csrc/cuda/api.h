@@ -39,6 +39,10 @@ struct CallOptions {
   int32_t consumer_ctas = 0;
   bool serialize = false;
   ConsumerTuning tuning;
+  // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
+  // paces every push to another rank (dispatch, dispatch_gemm) so that a rank's pushing CTAs together move at most this
+  // many GB/s, as over a link of that bandwidth. Never set by the library's Python API (0: no pacing).
+  double emulated_link_gbps = 0;
 };
 
 struct CallSite {
@@ -61,15 +65,24 @@ struct DispatchSlots {
   int64_t P;
 };
 
-// dispatch_gemm: the dispatch (as Dispatch: x_recv [cap, D] out) and GEMM1 a [cap, N] float32 = x_recv[segment] @
-// w[expert] (w [E_l, D, N] bf16, or [E_l, N, K] read transposed in place with transpose_rhs; rows past
-// *recv_expected zero) in one launch, each GEMM1 tile starting once the 128-row blocks of its source that hold its
-// rows have arrived. `pushers` CTAs push the rows for other ranks, then join the GEMM (1 .. SM budget - 1). Hopper
-// and bf16 only (the wgmma engine; an InvalidArgument error otherwise).
+// dispatch_gemm's results (all device pointers; rows past *recv_expected are zero in each).
+struct DispatchGemmOut {
+  void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
+  void* out;     // swiglu: h [cap, N / 2] bf16 = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32 = pre
+  float* a;      // swiglu: pre [cap, N] float32, or nullptr: not kept (must be nullptr without swiglu)
+  bool swiglu;   // GEMM1's SwiGLU epilogue (not with transpose_rhs)
+};
+
+// dispatch_gemm: the dispatch (as Dispatch) and GEMM1 pre = recv[segment] @ w[expert] (w [E_l, D, N] bf16, or
+// [E_l, N, D] read transposed in place with transpose_rhs) in one launch, each GEMM1 tile starting once the 128-row
+// blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says, bitwise those of
+// Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. `pushers` CTAs push the rows for other ranks, then copy
+// x_recv and zero the padding rows beside the GEMM, then join it (1 .. SM budget - 1). Hopper and bf16 only (the wgmma
+// engine; an InvalidArgument error otherwise).
 Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                     const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
-                    void* x_recv, float* a, int64_t cap, int pushers);
+                    const DispatchGemmOut& out, int64_t cap, int pushers);
 
 // expert_combine: producer = grouped GEMM lhs[segment] @ w[expert] over the (expert, source) segments in
 // SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;

@@ -12,7 +12,8 @@ namespace {
 
 __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* src, int64_t S, int64_t row_bytes,
                                                        const int32_t* src_row, const int32_t* dst_rank,
-                                                       const int32_t* dst_row, int64_t P, int64_t cap) {
+                                                       const int32_t* dst_row, int64_t P, int64_t cap,
+                                                       double link_bytes_per_ns) {
   __shared__ CallState st;
   __shared__ unsigned sent[kMaxRanks];
   LoadCallState(rd, &st);
@@ -20,7 +21,7 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   if (!BeginPush(rd, &st, sent)) return;
   const int warps = blockDim.x / 32;
   PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll,
-           (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent);
+           (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent, link_bytes_per_ns);
   __threadfence_system();
   __syncthreads();
   // Then release-add the rows to each destination's arrival counter.
@@ -82,10 +83,14 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
                              std::to_string(cap) + " but the workspace holds " +
                              std::to_string(ws.sizes().row_bytes) + " B x " + std::to_string(ws.sizes().recv_rows));
   }
+  if (!(c.opts.emulated_link_gbps >= 0)) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: dispatch: emulated_link_gbps must be >= 0");
+  }
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int grid = ws.budget(c.group, c.rank);
   PushKernel<<<grid, kThreads, 0, c.stream>>>(rd, static_cast<const char*>(src), S, row_bytes, slot_src_row,
-                                              slot_dest_rank, slot_dest_row, P, cap);
+                                              slot_dest_rank, slot_dest_row, P, cap, c.opts.emulated_link_gbps);
   if (!(s = LaunchError("launch of PushKernel")).ok()) return s;
   return LaunchRecvAndEnd(rd, grid, c.stream, recv_expected, static_cast<char*>(out), cap, row_bytes);
 }

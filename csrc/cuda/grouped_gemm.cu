@@ -170,6 +170,9 @@ int HopperSms() {
   return info.cc_major == 9 ? info.sms : 0;
 }
 
+// The wgmma grid: the device's SMs, or at most `sms` of them.
+int WgmmaGrid(int sms) { return sms > 0 ? std::min(sms, HopperSms()) : HopperSms(); }
+
 // The wgmma + TMA kernel (csrc/cuda/gemm/wgmma_grouped.cuh) takes bf16 operands with K and N multiples of 64 on Hopper.
 bool UseWgmma(DType dt, int64_t M, int64_t K, int64_t N) {
   return dt == DType::kBF16 && M > 0 && K % 64 == 0 && N % 64 == 0 && HopperSms() > 0;
@@ -295,20 +298,21 @@ __global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t
 bool SwiGluFused(DType dt, int64_t K, int64_t F) { return UseWgmma(dt, 1, K, 2 * F) && F % 32 == 0; }
 
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
-                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a) {
+                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms) {
   Status s = CheckSizes("grouped_matmul_swiglu", M, G);
   if (!s.ok() || M == 0 || F == 0) return s;
   if (SwiGluFused(dt, K, F)) {
     const cudaError_t e = swiglu_wgmma::GroupedSwiGlu(static_cast<const bf16*>(lhs), M, K,
                                                       static_cast<const bf16*>(rhs), G, F, group_sizes,
-                                                      static_cast<bf16*>(h), a, HopperSms(), stream);
+                                                      static_cast<bf16*>(h), a, WgmmaGrid(sms), stream);
     if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
   }
   if (a == nullptr)
     return Status::Error(kInvalidArgument,
                          "jax_moe_overlap: grouped_matmul_swiglu: the fused kernel does not run here (it needs a "
                          "Hopper GPU, bfloat16, K a multiple of 64 and F of 32); ask for the preactivation output");
-  s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, a);
+  s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, a,
+                    sms);
   if (!s.ok()) return s;
   const int grid = (int)std::min<int64_t>(4096, (M * F + 255) / 256);
   if (dt == DType::kF32)
@@ -324,13 +328,14 @@ const char* GroupedGemmPath(DType dt, int64_t K, int64_t N) {
 }
 
 Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
-                     const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out) {
+                     const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out,
+                     int sms) {
   Status s = CheckSizes("grouped_matmul", M, G);
   if (!s.ok()) return s;
   if (M == 0 || N == 0) return Status{};
   if (UseWgmma(dt, M, K, N))
     return CudaStatus(WgmmaGroupedGemm(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), G, N,
-                                       transpose_rhs, group_sizes, out, out_f32, HopperSms(), stream),
+                                       transpose_rhs, group_sizes, out, out_f32, WgmmaGrid(sms), stream),
                       "grouped_matmul (wgmma)");
   const bool tc = UseTensorCores(dt, K, N);
 #define JMO_MATMUL(BM, TB, T, OUT, TC) \

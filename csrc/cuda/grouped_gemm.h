@@ -22,9 +22,11 @@ constexpr int64_t kMaxGroups = 1024;
 
 // out [M, N] = lhs [M, K] @ rhs[g]  for the rows of group g, with rhs [G, K, N] or, transpose_rhs, [G, N, K] read as
 // its transpose (the input gradient dy @ W^T without a transposed copy of W). Rows past the last group are zero.
-// out_f32: float32 output, else the input dtype. fp32 accumulation.
+// out_f32: float32 output, else the input dtype. fp32 accumulation. sms > 0: the wgmma engine runs on at most that
+// many SMs (the loopback harness's per-rank SM budget); 0: all of the device's.
 Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
-                     const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out);
+                     const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out,
+                     int sms = 0);
 
 // out [G, K, N] = per group g: lhs[rows of g]^T @ rhs[rows of g], lhs [M, K], rhs [M, N] (the weight gradient);
 // zero for empty groups. out_f32 as above.
@@ -36,9 +38,9 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
 // preactivation lhs @ rhs[g], or nullptr when the caller does not keep it. Where SwiGluFused holds (Hopper, bf16,
 // K % 64 == 0, F % 32 == 0) one kernel applies the SwiGLU to the accumulators; elsewhere GroupedMatmul writes a and a
 // second kernel computes h from it, so a must be given there (InvalidArgument otherwise). Rows past the last group
-// are zero in h and a.
+// are zero in h and a. sms as GroupedMatmul's.
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
-                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a);
+                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms = 0);
 
 // Whether GroupedMatmulSwiGlu runs as one fused kernel on the current device for these operands (mirrored in Python
 // by jax_moe_overlap._ffi.swiglu_fused, which decides whether the preactivation output may be left out).

@@ -57,10 +57,11 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> a, int64_t workspace,
-                            int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t pushers,
-                            bool transpose_rhs) {
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *out, *a, transpose_rhs);
+                            ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> a, int64_t workspace, int64_t timeout_ms,
+                            int32_t delay_rank, int64_t delay_us, int32_t pushers, bool transpose_rhs, bool swiglu) {
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
+                                 transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   if (shape->rows.dtype != ffi::DataType::BF16)
     return InvalidCall("dispatch_gemm: src and w must be bfloat16 on CUDA (the wgmma engine)");
@@ -72,10 +73,12 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
     return e;
   const cuda::DispatchSlots slots{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
                                   send_order.typed_data(), send_start.typed_data(), shape->rows.P};
+  const cuda::DispatchGemmOut results{shape->keep_recv ? x_recv->untyped_data() : nullptr, out->untyped_data(),
+                                      shape->keep_a ? a->typed_data() : nullptr, swiglu};
   return ToFfi(DispatchGemm(c.value(), src.untyped_data(), shape->rows.S, shape->rows.D, slots,
                             recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
                             shape->E_local, w.untyped_data(), shape->N, transpose_rhs, group_op.typed_data(),
-                            rank_op.typed_data(), out->untyped_data(), a->typed_data(), shape->rows.cap, pushers));
+                            rank_op.typed_data(), results, shape->rows.cap, pushers));
 }
 
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,

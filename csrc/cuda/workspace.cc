@@ -405,6 +405,7 @@ RankDev Workspace::Dev(int g, int r) const {
   d.band_done = band_done_[g * ranks_ + r];
   d.producers_done = reinterpret_cast<uint64_t*>(d.band_done + BandCounterWords(sizes_.max_bands));
   d.tile_claims = reinterpret_cast<unsigned*>(d.producers_done + 1);
+  d.side_claims = d.tile_claims + 1;
   d.rank = r;
   d.group = g;
   d.ranks = ranks_;

@@ -64,12 +64,20 @@ struct RankPrivate {
   uint64_t begin_t;           // BeginKernel started (before the testing delay)
   uint64_t prod_t0_last;      // the last producer CTA with work started: > prod_t0 by much = CTAs not co-resident
   uint64_t comb_t0, comb_t1;  // CombineKernel: first CTA started, last CTA finished
+  // dispatch_gemm's (its GEMM span is prod_t0..prod_t1, its pushers' cons_t0..cons_t1, from their first push to the
+  // end of their side work):
+  uint64_t push_t1;           // the last pusher finished pushing
+  // The emulated link of the call (CallOptions::emulated_link_gbps; dispatch.cuh PaceLink): its first push, and the
+  // bytes reserved on it so far.
+  uint64_t link_t0, link_bytes;
 };
 
-// The per-band tile counters (uint32, zeroed by one memset per call) followed by the count of the call's producer
-// CTAs that are done (uint64, 8-byte aligned) and dispatch_gemm's next unclaimed GEMM1 tile (uint32 in a uint64).
+// The per-band tile counters (uint32, zeroed by one memset per call) followed by the call counters (kCallCounterBytes,
+// 8-byte aligned): the count of the call's producer CTAs that are done (uint64), then dispatch_gemm's next unclaimed
+// GEMM1 tile and next unclaimed side unit (uint32 each).
+constexpr int64_t kCallCounterBytes = 16;
 inline int64_t BandCounterWords(int64_t max_bands) { return (max_bands + 1) / 2 * 2; }
-inline int64_t BandCounterBytes(int64_t max_bands) { return BandCounterWords(max_bands) * 4 + 16; }
+inline int64_t BandCounterBytes(int64_t max_bands) { return BandCounterWords(max_bands) * 4 + kCallCounterBytes; }
 
 // Per group, after GroupShared (GroupSharedBytes): what the host sides of the ranks share. Then the count board of
 // exchange_counts (protocol.h's CountSlot per rank, kMaxSegments values each, at CountBoardOffset). The board lives
@@ -100,6 +108,7 @@ struct RankDev {
   uint32_t* band_done;   // device, [sizes.max_bands], then producers_done (BandCounterBytes in all)
   uint64_t* producers_done;  // device: producer CTAs of this call that have stored all their tiles
   unsigned* tile_claims;     // device: dispatch_gemm's GEMM1 tiles claimed so far in this call
+  unsigned* side_claims;     // device: dispatch_gemm's side units claimed so far in this call
   int32_t rank, group, ranks, pad_;
 };
 

@@ -67,9 +67,15 @@ class Case:
   per_call_stats: bool = False   # synchronize around every timed call and read its device spans
   decision_iters: int = 0        # > 0: also time the device-side choice on rank 0's plan
   check_tokens: int = 0          # > 0: check the expert outputs of about this many tokens per rank only
-  # > 0: every dispatch is a dispatch_gemm with this many pushing CTAs; GEMM1 a [cap, K] float32 = x_recv @
-  # w1[expert] (w1 [E_l, D, K] bf16). bf16, D and K multiples of 64, a Hopper GPU.
+  # > 0: every dispatch is a dispatch_gemm with this many pushing CTAs; GEMM1 pre = x_recv @ w1[expert] (w1 [E_l, D,
+  # K] bf16). bf16, D and K multiples of 64, a Hopper GPU. Its results by `dispatch_gemm_mode` (DG_MODES): "plain"
+  # pre [cap, K] float32 and x_recv (the backward pass's form), "train" the SwiGLU h [cap, K / 2] bf16, pre and x_recv
+  # (the training forward), "infer" h alone (the inference forward).
   dispatch_gemm_pushers: int = 0
+  dispatch_gemm_mode: str = "plain"
+  # > 0: every push to another rank (dispatch, dispatch_gemm) is paced as over a link of this many GB/s per rank
+  # (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's memory.
+  link_gbps: float = 0.0
 
   @property
   def experts_per_rank(self) -> int:
@@ -125,7 +131,21 @@ class Case:
       return str(e)
     if self.dispatch_gemm_pushers > 0 and (self.f32 or self.d_model % 64 or self.k_dim % 64):
       return "dispatch_gemm takes bf16 with D and K multiples of 64"
+    if self.dispatch_gemm_mode not in DG_MODES:
+      return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
+    if not self.link_gbps >= 0:
+      return f"link_gbps {self.link_gbps} must be >= 0"
     return None
+
+  @property
+  def swiglu(self) -> bool:
+    """dispatch_gemm's GEMM1 ends in the SwiGLU (h [cap, K / 2])."""
+    return self.dispatch_gemm_pushers > 0 and self.dispatch_gemm_mode != "plain"
+
+  @property
+  def keeps_recv(self) -> bool:
+    """The dispatch (or dispatch_gemm) returns x_recv."""
+    return not (self.dispatch_gemm_pushers > 0 and self.dispatch_gemm_mode == "infer")
 
   def name(self) -> str:
     """The case's line in the output (tests/gpu greps it)."""
@@ -139,7 +159,9 @@ class Case:
     if self.serialize:
       s += " serialized"
     if self.dispatch_gemm_pushers > 0:
-      s += f" dispatch_gemm pushers={self.dispatch_gemm_pushers}"
+      s += f" dispatch_gemm pushers={self.dispatch_gemm_pushers} mode={self.dispatch_gemm_mode}"
+    if self.link_gbps > 0:
+      s += f" link={self.link_gbps:g}GB/s"
     if self.delay_rank >= 0:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:
@@ -152,6 +174,7 @@ class Case:
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "small", "small-mma")
+DG_MODES = ("plain", "train", "infer")
 
 
 def _rank_case(base: Case, R: int, routing: int, iters: int) -> Case:
@@ -188,24 +211,38 @@ def _resource(base: Case) -> list[Case]:
 
 
 def _dispatch_gemm(base: Case) -> list[Case]:
-  # The dispatch and GEMM1 in one launch (bf16, D and K multiples of 64: the wgmma engine).
+  # The dispatch and GEMM1 in one launch (bf16, D and K multiples of 64: the wgmma engine), each routing in another
+  # of the three result modes; K = 320: two column tiles, the second one partial (GEMM1's 256 columns, or the SwiGLU's
+  # 128 columns of h).
   v = []
   for R in (1, 2, 4, 8):
     for routing in (0, 1, 2):
-      v.append(dataclasses.replace(_rank_case(base, R, routing, 12), d_model=192, k_dim=128,
-                                   dispatch_gemm_pushers=1 if R == 1 else 2))
+      v.append(dataclasses.replace(_rank_case(base, R, routing, 12), d_model=192, k_dim=320,
+                                   dispatch_gemm_pushers=1 if R == 1 else 2,
+                                   dispatch_gemm_mode=DG_MODES[(routing + R) % 3]))
   v.append(dataclasses.replace(v[3], timeout_at=5))  # a forced timeout and recovery with the per-source waits
+  v.append(dataclasses.replace(v[4], link_gbps=20.0))  # pushes paced: GEMM tiles run while rows are in flight
   return v
 
 
+# NVLink between two H200s moves about 390 GB/s per direction (docs/performance.md, Link bandwidth). A loopback rank
+# has 1 / R of the GPU's SMs, so a link of 390 / R GB/s keeps the ratio of its pushes to its GEMM that of R GPUs.
+NVLINK_GBPS = 390.0
+
+
 def _dispatch_gemm_time(base: Case) -> list[Case]:
-  # A seed-like shape (R = 2 ranks sharing the GPU): dispatch + GEMM1 as two calls against dispatch_gemm with 8 and 16
-  # pushing CTAs, after a checked call on every 64th token; and R = 1 (no remote rows: what the fused kernel costs
-  # over the two calls when there is nothing to hide). K is GEMM1's N = 2F (F = 2048) and expert_combine's K.
+  # A seed-like shape: dispatch + GEMM1 as two calls (Dispatch, then the bare GEMM on the rank's SMs) against
+  # dispatch_gemm, after a checked call on every 64th token. R = 2 in the three result modes at HBM speed, then the
+  # training forward over the emulated NVLink at R = 2 and 4, with 8 and 16 pushing CTAs; R = 1 (no remote rows:
+  # what the fused kernel costs when there is nothing to hide). K is GEMM1's N = 2F (F = 2048).
   shape = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, routing=0, datasets=1, iters=2,
                check_tokens=64, time=True, reps=20)
-  v = [dataclasses.replace(base, ranks=2, dispatch_gemm_pushers=p, **shape) for p in (8, 16)]
-  v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_pushers=1, **dict(shape, experts=4, tokens=8192)))
+  v = [dataclasses.replace(base, ranks=2, dispatch_gemm_pushers=8, dispatch_gemm_mode=m, **shape) for m in DG_MODES]
+  for R, p in ((2, 8), (2, 16), (4, 8)):
+    v.append(dataclasses.replace(base, ranks=R, dispatch_gemm_pushers=p, dispatch_gemm_mode="train",
+                                 link_gbps=NVLINK_GBPS / R, **shape))
+  v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_pushers=1, dispatch_gemm_mode="train",
+                               **dict(shape, experts=4, tokens=8192)))
   return v
 
 

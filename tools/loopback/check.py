@@ -2,9 +2,12 @@
 
 * The first call of each rank on each data set against the references: dispatch's rows exactly (rows past the
   received ones zero; outputs were poisoned before the call, so an unwritten row shows), expert_combine's y and
-  slot outputs by relative error, dispatch_gemm's GEMM1 by max-norm relative error, and no non-finite value.
+  slot outputs by relative error, dispatch_gemm's GEMM1 (its float32 product or preactivation, and its SwiGLU h) by
+  max-norm relative error with the rows past the kept ones exactly zero, and no non-finite value. Where
+  dispatch_gemm keeps no x_recv (its inference mode), the dispatch is checked through h alone.
 * Every later call bit for bit against that first call (the kernels are deterministic), also after the timed calls.
-* dispatch_gemm equals the same dispatch and GEMM1 made as two calls, bit for bit.
+* dispatch_gemm equals the same dispatch and GEMM1 made as two calls (Dispatch, then GroupedMatmul or
+  GroupedMatmulSwiGlu), bit for bit.
 * A forced timeout is reported by the next call of every rank (DEADLINE_EXCEEDED, "timed out"), and the calls
   after it are correct again; every call ran (2 per rank and iteration).
 * A timed run recorded every rank's consumer count C, with C >= 1 exactly where the rank had rows to push.
@@ -28,8 +31,14 @@ class Expected:
   recv: np.ndarray          # [cap, D] in the call's dtype (bytes compared exactly)
   y: np.ndarray             # [T, N] float32
   slot: np.ndarray          # [P, N] float32
-  a: np.ndarray | None      # [cap, K] float32: dispatch_gemm's GEMM1 (zero past the kept rows)
+  a: np.ndarray | None      # [cap, K] float32: dispatch_gemm's GEMM1 preactivation (zero past the kept rows)
   a_checked: np.ndarray | None  # [cap] bool: rows whose GEMM1 reference was computed
+
+
+def swiglu(pre: np.ndarray) -> np.ndarray:
+  """[rows, 2F] -> [rows, F]: silu(pre[:, :F]) * pre[:, F:] in float64."""
+  gate, up = np.split(pre.astype(np.float64), 2, axis=1)
+  return gate / (1.0 + np.exp(-gate)) * up
 
 
 def references(case: Case, data: list[RankData]) -> list[Expected]:
@@ -140,7 +149,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
       got = result["first"][ds][r]
       recv = np.frombuffer(got["recv"], np.uint8).reshape(cap, -1)  # bytes: NaN poison and -0.0 count as different
       bad = int(np.count_nonzero(np.any(recv != ex.recv.view(np.uint8).reshape(cap, -1), axis=1)))
-      if bad:
+      if bad and case.keeps_recv:
         v.fail(f"{where}: dispatch output differs from the reference in {bad} of {cap} rows")
       ey, ny = rel_err(_floats(got["y"], case.f32, (T, N)), ex.y, token_rows)
       es, ns = rel_err(_floats(got["slot"], case.f32, (P, N)), ex.slot, slot_rows)
@@ -148,17 +157,31 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
       if not (ey < v.tol and es < v.tol) or ny + ns:
         v.fail(f"{where}: expert_combine rel err y {ey:g}, slots {es:g}, non-finite {ny + ns} (tolerance {v.tol:g})")
       if dg:
-        a = np.frombuffer(got["a"], np.float32).reshape(cap, K)
-        nonfinite = int(np.count_nonzero(~np.isfinite(a)))
-        diff = np.abs(a[ex.a_checked].astype(np.float64) - ex.a[ex.a_checked])
-        num = float(diff.max()) if diff.size else 0.0
-        den = float(np.abs(ex.a[ex.a_checked]).max()) if diff.size else 0.0
-        ea = num / den if den > 0 else num
-        if not ea < 1e-4 or nonfinite:
-          v.fail(f"{where}: dispatch_gemm GEMM1 rel err {ea:g}, non-finite {nonfinite} (tolerance 1e-4)")
-        if got["a2"] != got["a"] or got["recv2"] != got["recv"]:
-          v.fail(f"{where}: dispatch_gemm differs from dispatch + GroupedMatmul (recv "
-                 f"{int(got['recv2'] != got['recv'])}, GEMM1 {int(got['a2'] != got['a'])})")
+        checks = []  # (name, got [cap, cols] float32, reference, tolerance)
+        if case.swiglu:
+          h = _floats(got["a"], False, (cap, K // 2))
+          checks.append(("h", h, swiglu(ex.a), 1e-2))
+          if case.dispatch_gemm_mode == "train":
+            checks.append(("preactivation", np.frombuffer(got["pre"], np.float32).reshape(cap, K), ex.a, 1e-4))
+        else:
+          checks.append(("GEMM1", np.frombuffer(got["a"], np.float32).reshape(cap, K), ex.a, 1e-4))
+        for name, a, ref, tol in checks:
+          nonfinite = int(np.count_nonzero(~np.isfinite(a)))
+          diff = np.abs(a[ex.a_checked].astype(np.float64) - ref[ex.a_checked])
+          num = float(diff.max()) if diff.size else 0.0
+          den = float(np.abs(ref[ex.a_checked]).max()) if diff.size else 0.0
+          ea = num / den if den > 0 else num
+          if not ea < tol or nonfinite:
+            v.fail(f"{where}: dispatch_gemm {name} rel err {ea:g}, non-finite {nonfinite} (tolerance {tol:g})")
+          pad = a[int(ranks[r].plan["recv_rows"]):]
+          if np.any(pad != 0):  # (the poison is NaN)
+            v.fail(f"{where}: dispatch_gemm {name}: {int(np.count_nonzero(np.any(pad != 0, axis=1)))} rows past the "
+                   "kept ones are not zero")
+        differ = {key: int(got[key + "2"] != got[key]) for key in ("recv", "a", "pre")}
+        if not case.keeps_recv:
+          differ.pop("recv")
+        if any(differ.values()):
+          v.fail(f"{where}: dispatch_gemm differs from dispatch + GEMM1 as two calls ({differ})")
 
   # Every later call on a data set: bit for bit the first call's outputs.
   first_digest = {}
@@ -168,9 +191,9 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
       continue
     v.bit_checks += 1
     if digests != ref:
-      recv, y, slot, _ = (int(a != b) for a, b in zip(digests, ref))
+      recv, y, slot, a, pre = (int(x != y_) for x, y_ in zip(digests, ref))
       v.fail(f"rank {r} iter {it}: outputs differ from the first call on the same data (recv {recv}, y {y}, "
-             f"slots {slot}{', GEMM1 ' + str(int(digests[3] != ref[3])) if dg else ''})")
+             f"slots {slot}{f', GEMM1 {a}, preactivation {pre}' if dg else ''})")
 
   if 0 <= case.timeout_at < case.iters:
     for r, rep in enumerate(result["timeout"]):

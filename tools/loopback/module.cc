@@ -82,6 +82,8 @@ Spec ParseSpec(const nb::dict& d) {
   s.sm_budget = Get<int>(d, "sm_budget", s.sm_budget);
   s.device = Get<int>(d, "device", s.device);
   s.dispatch_gemm_pushers = Get<int>(d, "dispatch_gemm_pushers", s.dispatch_gemm_pushers);
+  s.dg_mode = Get<int>(d, "dg_mode", s.dg_mode);
+  s.emulated_link_gbps = Get<double>(d, "emulated_link_gbps", s.emulated_link_gbps);
   s.time = Get<bool>(d, "time", s.time);
   s.warmup = Get<int>(d, "warmup", s.warmup);
   s.reps = Get<int>(d, "reps", s.reps);
@@ -126,19 +128,20 @@ nb::dict DeviceRecord(const cuda::RankPrivate& q) {
                    {"prod_t0", nb::cast(q.prod_t0)}, {"prod_t1", nb::cast(q.prod_t1)},
                    {"prod_t0_last", nb::cast(q.prod_t0_last)}, {"cons_t0", nb::cast(q.cons_t0)},
                    {"cons_t1", nb::cast(q.cons_t1)}, {"comb_t0", nb::cast(q.comb_t0)}, {"comb_t1", nb::cast(q.comb_t1)},
-                   {"pushed_bytes", nb::cast(q.pushed_bytes)}});
+                   {"pushed_bytes", nb::cast(q.pushed_bytes)}, {"push_t1", nb::cast(q.push_t1)}});
 }
 
 nb::dict ToDict(const Result& r) {
   nb::list digests, first, timeout, timed, dg_us;
   for (const CallDigest& c : r.digests)
-    digests.append(nb::make_tuple(c.iter, c.rank, c.dataset, c.recv, c.y, c.slot, c.a));
+    digests.append(nb::make_tuple(c.iter, c.rank, c.dataset, c.recv, c.y, c.slot, c.a, c.pre));
   for (const auto& set : r.first) {
     nb::list ranks;
     for (const FirstOutputs& f : set)
       ranks.append(MakeDict({{"recv", nb::cast(ToBytes(f.recv))}, {"y", nb::cast(ToBytes(f.y))},
                              {"slot", nb::cast(ToBytes(f.slot))}, {"a", nb::cast(ToBytes(f.a))},
-                             {"recv2", nb::cast(ToBytes(f.recv2))}, {"a2", nb::cast(ToBytes(f.a2))}}));
+                             {"pre", nb::cast(ToBytes(f.pre))}, {"recv2", nb::cast(ToBytes(f.recv2))},
+                             {"a2", nb::cast(ToBytes(f.a2))}, {"pre2", nb::cast(ToBytes(f.pre2))}}));
     first.append(ranks);
   }
   for (const TimeoutReport& t : r.timeout)
@@ -155,9 +158,11 @@ nb::dict ToDict(const Result& r) {
     timed.append(ranks);
   }
   for (const auto& v : r.dg_us) dg_us.append(nb::cast(v));
+  nb::list dg_device;
+  for (const cuda::RankPrivate& q : r.dg_device) dg_device.append(DeviceRecord(q));
   return MakeDict({{"errors", Texts(r.errors)}, {"calls", nb::cast(r.calls)}, {"digests", nb::cast(digests)},
                    {"first", nb::cast(first)}, {"timeout", nb::cast(timeout)}, {"timed", nb::cast(timed)},
-                   {"dg_us", nb::cast(dg_us)}, {"table_ns", nb::cast(r.table_ns)},
+                   {"dg_us", nb::cast(dg_us)}, {"dg_device", nb::cast(dg_device)}, {"table_ns", nb::cast(r.table_ns)},
                    {"decision_ns", nb::cast(r.decision_ns)}, {"decision_choice", nb::cast(r.decision_choice)},
                    {"budget", nb::cast(r.budget)}, {"producer", nb::cast(r.producer)},
                    {"seconds", nb::cast(r.seconds)}});

@@ -5,8 +5,10 @@
                                                     recovery, 1000 consecutive iterations, w transposed on every
                                                     producer engine, the resource suite
   python -m tools.loopback.run --suite resource     the device-side manager and the serialized mode
-  python -m tools.loopback.run --suite dispatch-gemm        dispatch and GEMM1 in one launch, R = 1, 2, 4, 8
+  python -m tools.loopback.run --suite dispatch-gemm        dispatch and GEMM1 in one launch, R = 1, 2, 4, 8, its
+                                                            three result modes, a forced timeout, an emulated link
   python -m tools.loopback.run --suite dispatch-gemm-time   dispatch + GEMM1 as two calls vs dispatch_gemm, timed
+                                                            (also over an emulated NVLink)
   python -m tools.loopback.run --suite small        one-rank calls at small sizes (for compute-sanitizer)
   python -m tools.loopback.run --suite small-mma    the same without the wgmma-producer cases (for racecheck)
   python -m tools.loopback.run --ranks 4 --routing 1 --iters 100 ...   one case (the options: cases.Case)
@@ -25,6 +27,9 @@ Timing (benchmarks/loopback_runner.py drives these):
                            the bulk-copy consumer's ring slots, stores that may still read their slot, issuing
                            threads per CTA (CallConfig.consumer_tuning; defaults as the library's)
   --per-call-stats         synchronize around every timed call and read its device spans (and a TIMELINE line)
+  --dispatch-gemm P --dispatch-gemm-mode plain|train|infer
+                           every dispatch a dispatch_gemm with P pushing CTAs, and its results (cases.Case)
+  --link-gbps G            pace every push to another rank as over a link of G GB/s per rank (0: HBM speed)
   --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
   --check-tokens N         check the expert outputs of about N tokens per rank (big timing shapes)
   --copy-ceiling B1,B2     only: median cudaMemcpyAsync device-to-device time of each size
@@ -75,7 +80,8 @@ def parse_args(argv):
       "--check-tokens": ("check_tokens", int), "--dispatch-gemm": ("dispatch_gemm_pushers", int),
       "--sweep-consumers": ("sweep", _ints), "--model": ("model", _floats),
       "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
-      "--push-issuers": ("push_issuers", int),
+      "--push-issuers": ("push_issuers", int), "--dispatch-gemm-mode": ("dispatch_gemm_mode", str),
+      "--link-gbps": ("link_gbps", float),
   }
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
@@ -120,9 +126,10 @@ def run_case(runner, case: cases_lib.Case) -> bool:
   sets = cases_lib.make_data(case)
   spec = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
           if f.name not in ("experts", "sweep", "model", "routing", "zipf", "capacity_factor", "datasets", "seed",
-                            "check_tokens")}
+                            "check_tokens", "dispatch_gemm_mode", "link_gbps")}
   spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
-              variants=case.variants())
+              variants=case.variants(), dg_mode=cases_lib.DG_MODES.index(case.dispatch_gemm_mode),
+              emulated_link_gbps=case.link_gbps)
   result = runner.run_ranks(spec, [[d.inputs(case) for d in ranks] for ranks in sets])
   v = check_lib.check(case, sets, result)
   line = (f"{'PASS' if v.passed else 'FAIL'} {case.name()} | calls {result['calls']} | max rel err y "

@@ -153,6 +153,7 @@ class Run {
     res_.timeout.assign(R_, TimeoutReport{});
     res_.timed.assign(s_.variants.size(), std::vector<RankTiming>(R_));
     for (auto& v : res_.dg_us) v.assign(R_, {});
+    res_.dg_device.assign(R_, RankPrivate{});
     have_first_.assign(nd * R_, 0);
 
     const auto t0 = std::chrono::steady_clock::now();
@@ -214,20 +215,30 @@ class Run {
     streams_.resize(R_);
     for (auto& st : streams_) LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     out_recv_.assign(R_, nullptr);
-    out_y_ = out_slot_ = out_a_ = out_a2_ = out_recv2_ = rank_op_ = group_op_ = out_recv_;
+    out_y_ = out_slot_ = out_a_ = out_a2_ = out_pre_ = out_pre2_ = out_recv2_ = rank_op_ = group_op_ = out_recv_;
     for (int r = 0; r < R_; ++r) {
       out_recv_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
       out_y_[r] = mem_.Alloc((size_t)T_ * N_ * eb_);
       out_slot_[r] = mem_.Alloc((size_t)P_ * N_ * eb_);
-      if (dg_) {  // out_*2: the same dispatch and GEMM1 as two calls (Dispatch, GroupedMatmul), for comparison
-        out_a_[r] = mem_.Alloc((size_t)cap_ * K_ * 4);
-        out_a2_[r] = mem_.Alloc((size_t)cap_ * K_ * 4);
+      if (dg_) {  // out_*2: the same dispatch and GEMM1 as two calls, for comparison
+        out_a_[r] = mem_.Alloc(GemmOutBytes());
+        out_a2_[r] = mem_.Alloc(GemmOutBytes());
+        out_pre_[r] = mem_.Alloc(PreBytes());
+        out_pre2_[r] = mem_.Alloc(PreBytes());
         out_recv2_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
       }
       rank_op_[r] = mem_.Keep(ToDevice(r));
       group_op_[r] = mem_.Keep(ToDevice(0));
     }
   }
+
+  // dispatch_gemm's modes (Spec::dg_mode): its SwiGLU epilogue, and which results it keeps.
+  bool Swiglu() const { return s_.dg_mode != 0; }
+  bool KeepRecv() const { return s_.dg_mode != 2; }
+  bool KeepPre() const { return s_.dg_mode == 1; }
+  // GEMM1's output: float32 [cap, K], or with the SwiGLU h [cap, K / 2] bf16; the preactivation float32 [cap, K].
+  size_t GemmOutBytes() const { return Swiglu() ? (size_t)cap_ * (K_ / 2) * 2 : (size_t)cap_ * K_ * 4; }
+  size_t PreBytes() const { return KeepPre() ? (size_t)cap_ * K_ * 4 : 0; }
 
   Status Dispatch(int r, const CallSite& c, const DeviceSet& d) {
     if (dg_)
@@ -237,8 +248,11 @@ class Run {
                                                     (const int32_t*)d.send_start, P_},
                                 (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
                                 (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_, /*transpose_rhs=*/false,
-                                (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r],
-                                static_cast<float*>(out_a_[r]), cap_, s_.dispatch_gemm_pushers);
+                                (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r],
+                                cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r],
+                                                      KeepPre() ? static_cast<float*>(out_pre_[r]) : nullptr,
+                                                      Swiglu()},
+                                cap_, s_.dispatch_gemm_pushers);
     return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                           (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
@@ -251,12 +265,18 @@ class Run {
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
   }
 
-  // dispatch_gemm's two-call twin: DispatchAlone, then GEMM1 by GroupedMatmul into out_a2.
+  // dispatch_gemm's two-call twin: DispatchAlone, then GEMM1 into out_a2 (and out_pre2) by GroupedMatmul or, with the
+  // SwiGLU, GroupedMatmulSwiGlu, on the rank's SM budget as dispatch_gemm.
   Status DispatchTwoCalls(int r, const CallSite& c, const DeviceSet& d) {
     Status s = DispatchAlone(r, c, d);
     if (!s.ok()) return s;
+    const int sms = res_.budget;
+    if (Swiglu())
+      return cuda::GroupedMatmulSwiGlu(c.stream, DType::kBF16, out_recv2_[r], cap_, D_, d.w1, E_l_, K_ / 2,
+                                       (const int32_t*)d.expert_rows, out_a2_[r],
+                                       KeepPre() ? static_cast<float*>(out_pre2_[r]) : nullptr, sms);
     return cuda::GroupedMatmul(c.stream, DType::kBF16, /*out_f32=*/true, out_recv2_[r], cap_, D_, d.w1, E_l_, K_,
-                               /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r]);
+                               /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r], sms);
   }
 
   Status Combine(int r, const CallSite& c, const DeviceSet& d) {
@@ -297,9 +317,9 @@ class Run {
   }
 
   struct HostOut {  // page-locked copies of one rank's outputs
-    Pinned recv, y, slot, a, a2, recv2;
-    HostOut(size_t recv_n, size_t y_n, size_t slot_n, size_t a_n)
-        : recv(recv_n), y(y_n), slot(slot_n), a(a_n), a2(a_n), recv2(a_n ? recv_n : 0) {}
+    Pinned recv, y, slot, a, a2, pre, pre2, recv2;
+    HostOut(size_t recv_n, size_t y_n, size_t slot_n, size_t a_n, size_t pre_n)
+        : recv(recv_n), y(y_n), slot(slot_n), a(a_n), a2(a_n), pre(pre_n), pre2(pre_n), recv2(a_n ? recv_n : 0) {}
   };
 
   // One checked iteration: poison, dispatch, expert_combine, copy back, digest (and keep the first call's outputs).
@@ -310,7 +330,8 @@ class Run {
     LB_CHECK(cudaMemsetAsync(out_recv_[r], 0xFF, (size_t)cap_ * D_ * eb_, stream));
     LB_CHECK(cudaMemsetAsync(out_y_[r], 0xFF, (size_t)T_ * N_ * eb_, stream));
     LB_CHECK(cudaMemsetAsync(out_slot_[r], 0xFF, (size_t)P_ * N_ * eb_, stream));
-    if (dg_) LB_CHECK(cudaMemsetAsync(out_a_[r], 0xFF, (size_t)cap_ * K_ * 4, stream));
+    if (dg_) LB_CHECK(cudaMemsetAsync(out_a_[r], 0xFF, h.a.n, stream));
+    if (h.pre.n) LB_CHECK(cudaMemsetAsync(out_pre_[r], 0xFF, h.pre.n, stream));
     Status s = Dispatch(r, site, d);
     if (!s.ok()) return Fail(Where(r, it) + " dispatch: " + s.msg);
     s = Combine(r, site, d);
@@ -320,8 +341,10 @@ class Run {
     LB_CHECK(cudaMemcpyAsync(h.y.p, out_y_[r], h.y.n, cudaMemcpyDeviceToHost, stream));
     LB_CHECK(cudaMemcpyAsync(h.slot.p, out_slot_[r], h.slot.n, cudaMemcpyDeviceToHost, stream));
     if (dg_) LB_CHECK(cudaMemcpyAsync(h.a.p, out_a_[r], h.a.n, cudaMemcpyDeviceToHost, stream));
+    if (h.pre.n) LB_CHECK(cudaMemcpyAsync(h.pre.p, out_pre_[r], h.pre.n, cudaMemcpyDeviceToHost, stream));
     LB_CHECK(cudaStreamSynchronize(stream));
-    CallDigest cd{it, r, ds, h.recv.digest(), h.y.digest(), h.slot.digest(), dg_ ? h.a.digest() : 0};
+    CallDigest cd{it, r, ds, h.recv.digest(), h.y.digest(), h.slot.digest(), dg_ ? h.a.digest() : 0,
+                  h.pre.n ? h.pre.digest() : 0};
     {
       std::lock_guard<std::mutex> lock(mu_);
       res_.digests.push_back(cd);
@@ -335,15 +358,19 @@ class Run {
     f.slot = h.slot.vec();
     if (!dg_) return;
     f.a = h.a.vec();
+    f.pre = h.pre.vec();
     // The same dispatch and GEMM1 as two calls (every rank makes them at this iteration, so they pair up).
     LB_CHECK(cudaMemsetAsync(out_a2_[r], 0xFF, h.a2.n, stream));
+    if (h.pre2.n) LB_CHECK(cudaMemsetAsync(out_pre2_[r], 0xFF, h.pre2.n, stream));
     LB_CHECK(cudaMemsetAsync(out_recv2_[r], 0xFF, h.recv2.n, stream));
     s = DispatchTwoCalls(r, site, d);
     if (!s.ok()) return Fail(Where(r, it) + " dispatch + GEMM1: " + s.msg);
     LB_CHECK(cudaMemcpyAsync(h.a2.p, out_a2_[r], h.a2.n, cudaMemcpyDeviceToHost, stream));
+    if (h.pre2.n) LB_CHECK(cudaMemcpyAsync(h.pre2.p, out_pre2_[r], h.pre2.n, cudaMemcpyDeviceToHost, stream));
     LB_CHECK(cudaMemcpyAsync(h.recv2.p, out_recv2_[r], h.recv2.n, cudaMemcpyDeviceToHost, stream));
     LB_CHECK(cudaStreamSynchronize(stream));
     f.a2 = h.a2.vec();
+    f.pre2 = h.pre2.vec();
     f.recv2 = h.recv2.vec();
   }
 
@@ -411,7 +438,8 @@ class Run {
 
   // dispatch + GEMM1 as two calls, then as dispatch_gemm, then the two calls' dispatch alone (what the GEMM1 of the
   // two calls adds is the difference): back-to-back calls on data set 0.
-  void TimeDispatchGemm(int r, const CallSite& site) {
+  // h_priv: page-locked room for a RankPrivate, allocated before the first call (see RankMain).
+  void TimeDispatchGemm(int r, const CallSite& site, Pinned& h_priv) {
     const DeviceSet& d = dsets_[0][r];
     const int reps = std::max(2, s_.reps);
     for (int v = 0; v < 3 && !stop_; ++v) {
@@ -435,6 +463,11 @@ class Run {
         res_.dg_us[v][r].push_back(1000.0 * ms);
       }
       for (auto& e : ev) cudaEventDestroy(e);
+      if (v == 1 && ok) {  // the last dispatch_gemm's timeline
+        Status s = ws_->ReadPrivate(0, r, site.stream, reinterpret_cast<RankPrivate*>(h_priv.p));
+        if (!s.ok()) throw std::runtime_error(s.msg);
+        res_.dg_device[r] = *reinterpret_cast<RankPrivate*>(h_priv.p);
+      }
     }
   }
 
@@ -448,17 +481,20 @@ class Run {
       opts.consumer_ctas = s_.consumers;
       opts.serialize = s_.serialize;
       opts.tuning = s_.tuning;
+      opts.emulated_link_gbps = s_.emulated_link_gbps;
       CallSite site{ws_.get(), 0, r, streams_[r], opts};
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the
       // whole device, so a rank thread doing either while a peer's kernel waits for this rank's next call would
       // stall both until the call times out.
-      HostOut h((size_t)cap_ * D_ * eb_, (size_t)T_ * N_ * eb_, (size_t)P_ * N_ * eb_, dg_ ? (size_t)cap_ * K_ * 4 : 0);
+      HostOut h((size_t)cap_ * D_ * eb_, (size_t)T_ * N_ * eb_, (size_t)P_ * N_ * eb_, dg_ ? GemmOutBytes() : 0,
+                dg_ ? PreBytes() : 0);
+      Pinned h_priv(sizeof(RankPrivate));
       for (int it = 0; it < s_.iters && !stop_; ++it) {
         if (it == s_.timeout_at && !ForcedTimeout(r, site, dsets_[it % data_.size()][r])) break;
         CheckedCall(r, it, site, h);
       }
       if (s_.time && !stop_) {
-        if (dg_) TimeDispatchGemm(r, site);
+        if (dg_) TimeDispatchGemm(r, site, h_priv);
         else TimeCombine(r, site, h.y);
       }
     } catch (const std::exception& e) {
@@ -478,7 +514,8 @@ class Run {
   DeviceArena mem_;
   std::vector<std::vector<DeviceSet>> dsets_;
   std::vector<cudaStream_t> streams_;
-  std::vector<void*> out_recv_, out_y_, out_slot_, out_a_, out_a2_, out_recv2_, rank_op_, group_op_;
+  std::vector<void*> out_recv_, out_y_, out_slot_, out_a_, out_a2_, out_pre_, out_pre2_, out_recv2_, rank_op_,
+      group_op_;
   std::vector<char> have_first_;
   std::mutex mu_;
   std::atomic<int64_t> calls_{0};

@@ -59,6 +59,9 @@ struct Spec {
   ModelParams model{};
   int sm_budget = 0, device = 0;
   int dispatch_gemm_pushers = 0;     // > 0: every dispatch is a DispatchGemm with this many pushing CTAs
+  int dg_mode = 0;                   // its results: 0 plain (GEMM1 [cap, K] float32, x_recv), 1 training (SwiGLU: h,
+                                     // the preactivation and x_recv), 2 inference (SwiGLU: h alone)
+  double emulated_link_gbps = 0;     // CallOptions::emulated_link_gbps of every call (0: pushes at HBM speed)
   // Timing, after the checked iterations, on data set 0: expert_combine alone per variant (or, with dispatch_gemm,
   // dispatch + GEMM1 as two calls and as one), `warmup` calls then `reps` timed ones.
   bool time = false;
@@ -70,12 +73,15 @@ struct Spec {
 
 struct CallDigest {  // one checked iteration of one rank
   int iter = 0, rank = 0, dataset = 0;
-  uint64_t recv = 0, y = 0, slot = 0, a = 0;  // digests of the outputs (a: dispatch_gemm's GEMM1, else 0)
+  // Digests of the outputs (a: dispatch_gemm's GEMM1 output, its float32 product or h; pre: its preactivation; 0
+  // where the call has no such output).
+  uint64_t recv = 0, y = 0, slot = 0, a = 0, pre = 0;
 };
 
 struct FirstOutputs {  // the first call of a rank on a data set, whole
-  std::vector<char> recv, y, slot, a;
-  std::vector<char> recv2, a2;  // dispatch_gemm: the same dispatch + GEMM1 as two calls (Dispatch, GroupedMatmul)
+  std::vector<char> recv, y, slot, a, pre;
+  // dispatch_gemm: the same dispatch + GEMM1 as two calls (Dispatch, then GroupedMatmul or GroupedMatmulSwiGlu).
+  std::vector<char> recv2, a2, pre2;
 };
 
 struct TimeoutReport {  // the call after the forced timeout, per rank
@@ -98,6 +104,7 @@ struct Result {
   std::vector<TimeoutReport> timeout;             // [rank]
   std::vector<std::vector<RankTiming>> timed;     // [variant][rank]
   std::vector<std::vector<double>> dg_us[3];      // dispatch_gemm timing: [two calls, one launch, the dispatch alone][rank] us per call
+  std::vector<cuda::RankPrivate> dg_device;       // [rank]: the timeline of its last timed dispatch_gemm
   double table_ns = 0, decision_ns = 0;
   int decision_choice = 0;
   int budget = 0;                          // CTAs per rank

@@ -102,4 +102,23 @@ def dispatch_gemm_summary(result: dict) -> str:
 
   a, b = median_of_max(two), median_of_max(fused)
   d = f", of which the dispatch alone {median_of_max(alone):.1f} us" if alone and alone[0] else ""
-  return f" | dispatch + GEMM1 per call: two calls {a:.1f} us{d}, dispatch_gemm {b:.1f} us ({a / b:.3f}x)"
+  return (f" | dispatch + GEMM1 per call: two calls {a:.1f} us{d}, dispatch_gemm {b:.1f} us ({a / b:.3f}x)"
+          f"{dispatch_gemm_timeline(result)}")
+
+
+def dispatch_gemm_timeline(result: dict) -> str:
+  """Where the last timed dispatch_gemm of each rank spent its time, in microseconds from its BeginKernel: the pushers
+  from their first push to the end of the push and of their side work, and the GEMM from the first CTA entering the
+  tile loop to the last leaving it."""
+  parts = []
+  for r, q in enumerate(result.get("dg_device", [])):
+    t0 = q["begin_t"]
+    if not t0:
+      continue
+
+    def at(t: int) -> str:
+      return f"{(t - t0) * 1e-3:.1f}" if t and t != 2**64 - 1 else "-"
+
+    parts.append(f"r{r} push {at(q['cons_t0'])}..{at(q['push_t1'])} side ..{at(q['cons_t1'])} "
+                 f"gemm {at(q['prod_t0'])}..{at(q['prod_t1'])}")
+  return f" | timeline (us): {'; '.join(parts)}" if parts else ""

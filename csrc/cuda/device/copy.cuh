@@ -85,6 +85,38 @@ __device__ inline void CopyRowWarp(char* dst, const char* src, int64_t bytes, in
   for (int64_t j = n * 16 + lane; j < bytes; j += 32) dst[j] = src[j];
 }
 
+// Two rows of `bytes` each by one warp (every lane calls it): as CopyRowWarp, with both rows' loads issued before any
+// store, so a warp keeps 8 KiB in flight for 4 KiB rows. Falls back to two CopyRowWarp calls without 16-byte alignment.
+__device__ inline void CopyRowPairWarp(char* dst0, const char* src0, char* dst1, const char* src1, int64_t bytes,
+                                       int lane) {
+  constexpr int kUnroll = 8;
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst0) | reinterpret_cast<uintptr_t>(src0) |
+                          reinterpret_cast<uintptr_t>(dst1) | reinterpret_cast<uintptr_t>(src1) | (uintptr_t)bytes;
+  if ((align & 15) != 0) {
+    CopyRowWarp(dst0, src0, bytes, lane);
+    CopyRowWarp(dst1, src1, bytes, lane);
+    return;
+  }
+  const int64_t n = bytes / 16;
+  const uint4 *s0 = reinterpret_cast<const uint4*>(src0), *s1 = reinterpret_cast<const uint4*>(src1);
+  uint4 *d0 = reinterpret_cast<uint4*>(dst0), *d1 = reinterpret_cast<uint4*>(dst1);
+  for (int64_t base = lane; base < n; base += 32 * kUnroll) {
+    uint4 v0[kUnroll], v1[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 32 * u < n) {
+        v0[u] = __ldcg(s0 + base + 32 * u);
+        v1[u] = __ldcg(s1 + base + 32 * u);
+      }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 32 * u < n) {
+        d0[base + 32 * u] = v0[u];
+        d1[base + 32 * u] = v1[u];
+      }
+  }
+}
+
 __device__ inline void ZeroBytes(char* dst, int64_t bytes, int64_t tid, int64_t nthreads) {
   if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
     const int64_t n = bytes / 16;

@@ -89,6 +89,7 @@ enum BadInput : uint64_t {
   kBadRetRow = 6,         // a slot's ret row is out of range
   kBadTooManyTiles = 7,   // more tiles than the workspace has tile_ready flags
   kBadCallShape = 8,      // CPU: the call's operands do not fit the workspace (its own error names them)
+  kBadKeptRows = 9,       // dispatch_gemm: the expected row count (got) differs from its segments' rows (expected)
 };
 
 inline const char* StageName(uint64_t s) {
