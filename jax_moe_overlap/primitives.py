@@ -214,8 +214,8 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     w[expert], and a is returned when keep_a. Rows past the kept ones are zero in every result. The results equal
     ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit.
   On CUDA (Hopper, bfloat16) ``dispatch_pushers_for(info)`` CTAs (at least one) push the rows for other ranks, then
-  copy x_recv and zero the padding rows beside the GEMM, then join it;
-  on CPU (float32 or bfloat16) the handler thread pushes, then computes with the bare grouped GEMMs' CPU numerics.
+  copy x_recv and zero the padding rows beside the GEMM, then join it; on CPU (float32 or bfloat16) the handler
+  thread pushes, then computes with the bare grouped GEMMs' CPU numerics.
   """
   if src.ndim != 2 or w.ndim != 3 or w.shape[2 if transpose_rhs else 1] != src.shape[1]:
     raise ValueError(f"jax_moe_overlap: dispatch_gemm: src {src.shape} and w {w.shape} do not fit src [S, D], w "

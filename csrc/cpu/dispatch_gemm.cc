@@ -17,10 +17,10 @@
 //             and claim order (TileOrder: 128-row tiles of each expert's rows from its first row, the tiles of the
 //             rank's own rows alone first, then the others expert by expert). Before a tile: a bounded wait (stage
 //             src_block, peer = the source) until, for each source the tile's rows come from, every block of that
-//             source holding them has all the rows this rank keeps from it. The product goes to out [cap, N] (plain), or with swiglu
-//             is the preactivation pre [cap, 2F] (into a when kept, else into one tile of scratch) whose epilogue,
-//             right after the tile, stores the tile's rows of out = h [cap, F] in src's dtype. Rows past the kept
-//             ones are zero in out and a. The row loop and the SwiGLU are the bare grouped GEMMs' (gemm_rows.h), so
+//             source holding them has all the rows this rank keeps from it. The product goes to out [cap, N]
+//             (plain), or with swiglu is the preactivation pre [cap, 2F] (into a when kept, else into one tile of
+//             scratch) whose epilogue, right after the tile, stores the tile's rows of out = h [cap, F] in src's
+//             dtype. Rows past the kept ones are zero in out and a. The row loop and the SwiGLU are the bare grouped GEMMs' (gemm_rows.h), so
 //             the call equals dispatch + grouped_matmul (plain) or dispatch + grouped_matmul_swiglu (swiglu) bit for
 //             bit.
 //   4. zero   the call's src_blocks: every block with rows has been waited for, so every add of the call has landed,
@@ -212,7 +212,7 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     for (int64_t J = f; J < end; ++J) PushBlock(c, sp, src_bytes, row_bytes, c.rank, J);
   }
 
-  // 3. GEMM over the segments in claim order, each tile after the source blocks that hold its rows, then with swiglu
+  // 3. GEMM over the m-tiles in claim order, each after the source blocks that hold its rows, then with swiglu
   //    the tile's epilogue. A tile's float32 product goes to `product` at the tile's rows (out when plain, a when
   //    swiglu keeps it), else to `tile_scratch`, which the epilogue reads before the next tile overwrites it. The row
   //    loops see the tile's rows as rows 0..rows-1 of views that start at its first recv row.
@@ -229,7 +229,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     // recv_off + rows), s's send positions from ret_off.
     for (int s = 0; s < R; ++s) {
       const Segment& x = segs[t.expert * R + s];
-      const int64_t lo = std::max<int64_t>(t.r0, x.recv_off), hi = std::min<int64_t>(t.r0 + t.rows, x.recv_off + x.rows);
+      const int64_t lo = std::max<int64_t>(t.r0, x.recv_off);
+      const int64_t hi = std::min<int64_t>(t.r0 + t.rows, x.recv_off + x.rows);
       for (int64_t pos = x.ret_off + (lo - x.recv_off), J = pos / kSrcBlockRows;
            hi > lo && J <= (pos + (hi - lo) - 1) / kSrcBlockRows; ++J) {
         ErrorRecord e = ws->WaitAtLeast(&blocks[s * nb + J], 0, BlockRows(segs, R, E_l, s, J), c.group, c.rank, s,

@@ -83,10 +83,6 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
                              std::to_string(cap) + " but the workspace holds " +
                              std::to_string(ws.sizes().row_bytes) + " B x " + std::to_string(ws.sizes().recv_rows));
   }
-  if (!(c.opts.emulated_link_gbps >= 0)) {
-    ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument, "jax_moe_overlap: dispatch: emulated_link_gbps must be >= 0");
-  }
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int grid = ws.budget(c.group, c.rank);
   PushKernel<<<grid, kThreads, 0, c.stream>>>(rd, static_cast<const char*>(src), S, row_bytes, slot_src_row,

@@ -51,7 +51,13 @@ Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, con
   const int64_t delay_ns = (c.opts.delay_rank == c.rank && c.opts.delay_us > 0) ? c.opts.delay_us * 1000 : 0;
   BeginKernel<<<1, 1, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), group_op, rank_op,
                                      std::max<int64_t>(1, c.opts.timeout_ms) * 1000000, delay_ns);
-  return LaunchError("launch of BeginKernel");
+  s = LaunchError("launch of BeginKernel");
+  if (s.ok() && !(c.opts.emulated_link_gbps >= 0)) {  // (the epoch has begun: the peers must give up too)
+    c.ws->RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op +
+                                               ": CallOptions::emulated_link_gbps must be >= 0");
+  }
+  return s;
 }
 
 Status PrepareProtocolKernels(int dev) {
