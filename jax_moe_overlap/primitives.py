@@ -252,7 +252,7 @@ def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_ty
 
 # Pushing CTAs of dispatch_gemm where the library chooses (CallConfig.dispatch_pushers = 0), at most one in 8 of the
 # rank's SMs. Measured in loopback on one H200 (two ranks of 66 SMs, the seed shape, an emulated NVLink): 8 pushers
-# 1.07x the two calls, 16 pushers 1.05x (docs/performance.md, dispatch_gemm).
+# 1.06-1.07x the two calls, 16 pushers 1.05x, so the fewer SMs off the GEMM (docs/performance.md, dispatch_gemm).
 AUTO_PUSHERS = 8
 
 
