@@ -19,7 +19,7 @@
 #include "jax_moe_overlap/resource_model.h"
 
 #ifdef JMO_WITH_CUDA
-#include "cuda/module.h"
+#include "cuda/handlers/module.h"
 #endif
 
 namespace nb = nanobind;

@@ -1,5 +1,5 @@
 // What this build of the extension was compiled with, as name -> text pairs for jax_moe_overlap.build_info(). The
-// build system passes the facts as JMO_BUILD_* definitions (CMakeLists.txt, csrc/cuda/CMakeLists.txt); a fact the
+// build system passes the facts as JMO_BUILD_* definitions (CMakeLists.txt, ffi/cuda/CMakeLists.txt); a fact the
 // build did not give reads "".
 #pragma once
 

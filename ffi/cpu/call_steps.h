@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
-#include "workspace_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo::cpu {

@@ -1,5 +1,5 @@
 // XLA:CPU handler of dispatch_gemm: the dispatch and GEMM1 in one call, by protocol.h's per-block refinement of the
-// dispatch. The CPU twin of csrc/cuda/dispatch_gemm.cu's DispatchGemmKernel, and the specification it is tested
+// dispatch. The CPU twin of ffi/cuda/ops/dispatch_gemm.cu's DispatchGemmKernel, and the specification it is tested
 // against: the same blocks, counters, round order, claim order and waits, played by the handler thread in turn.
 // Results (call_signature.h, BindDispatchGemm): x_recv [cap, D] (the recv rows, or [0, D]: not kept), out and a:
 //   plain:  out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N], unused.
@@ -38,7 +38,7 @@
 #include "cpu/call_steps.h"
 #include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
-#include "workspace_cpu.h"
+#include "cpu/workspace_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,5 +1,5 @@
-// XLA:CPU handlers of the bare grouped GEMMs (csrc/common/grouped_gemm_signature.h): plain loops with float32
-// accumulation, the executable specification of csrc/cuda/grouped_gemm.cu. The group sizes are host data here, so
+// XLA:CPU handlers of the bare grouped GEMMs (ffi/common/grouped_gemm_signature.h): plain loops with float32
+// accumulation, the executable specification of ffi/cuda/ops/grouped_gemm.cu. The group sizes are host data here, so
 // invalid ones (negative, or more rows than lhs has) are reported instead of clipped as on the device.
 #include <algorithm>
 #include <string>

@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "cpu/call_steps.h"
-#include "cpu/handlers.h"
-#include "workspace_cpu.h"
 #include "common/bf16.h"
 #include "common/call_signature.h"
 #include "common/error_text.h"
+#include "cpu/call_steps.h"
+#include "cpu/handlers.h"
+#include "cpu/workspace_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,4 +1,4 @@
-#include "workspace_cpu.h"
+#include "cpu/workspace_cpu.h"
 
 #include "common/error_text.h"
 #include "common/group_barrier.h"

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/workspace.h"
+#include "cuda/workspace/workspace.h"
 
 namespace jmo::cuda {
 

@@ -8,7 +8,6 @@
 #include <string>
 #include <utility>
 
-#include "cuda/gemm/wgmma_grouped.cuh"
 #include "cuda/launch.h"
 
 namespace jmo::cuda {
@@ -34,8 +33,8 @@ Status GetDeviceInfo(int dev, DeviceInfo* info) {
   return Status{};
 }
 
-Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, bool wgmma, const char* name, int dev,
-                          int* smem_bytes) {
+Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, const KernelSetup& setup, const char* name,
+                          int dev, int* smem_bytes) {
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, int> prepared;  // (kernel, device) -> bytes set
   DeviceInfo info;
@@ -46,9 +45,10 @@ Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, bool wgmma,
   std::lock_guard<std::mutex> lock(mu);
   int& done = prepared[{kernel, dev}];
   if (done != bytes) {
-    const std::string what = std::string(wgmma ? "PrepareWgmmaKernel(" : "cudaFuncSetAttribute(") + name + ")";
-    s = CudaStatus(wgmma ? wgmma_gemm::PrepareWgmmaKernel(kernel, bytes)
-                         : cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+    const std::string what = std::string(setup.name) + "(" + name + ")";
+    s = CudaStatus(setup.set_smem != nullptr
+                       ? setup.set_smem(kernel, bytes)
+                       : cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                    what.c_str());
     if (!s.ok()) return s;
     int blocks = 0;

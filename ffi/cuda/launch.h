@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "cuda/api.h"
-#include "cuda/workspace.h"
+#include "cuda/workspace/workspace.h"
 
 namespace jmo::cuda {
 
@@ -15,12 +15,20 @@ inline int ElemBytes(DType dt) { return dt == DType::kF32 ? 4 : 2; }
 // The launch error of the last kernel launch on this thread, if any, as a Status naming `what`.
 Status LaunchError(const char* what);
 
+// How a kernel's dynamic shared memory limit is set on a device: cudaFuncSetAttribute (set_smem = nullptr), or a GEMM
+// engine's own preparation, which also checks that the kernel can run there (ops/expert_producer.cuh:
+// kWgmmaKernelSetup, the wgmma engine's: a Hopper device, the sm_90a build and the register budget). `name` words
+// its errors.
+struct KernelSetup {
+  const char* name = "cudaFuncSetAttribute";
+  cudaError_t (*set_smem)(const void* kernel, int smem_bytes) = nullptr;
+};
+
 // Dynamic shared memory of a kernel whose CTAs wait on each other and on peers, so every CTA must be resident:
-// `need` bytes, at least half an SM's (one CTA per SM). Set on the kernel once per device (PrepareWgmmaKernel for
-// wgmma kernels: it also checks a Hopper device, the sm_90a build and the register budget) and checked with the
-// occupancy API. *smem_bytes = the launch's dynamic shared memory.
-Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, bool wgmma, const char* name, int dev,
-                          int* smem_bytes);
+// `need` bytes, at least half an SM's (one CTA per SM). Set on the kernel once per device by `setup` and checked with
+// the occupancy API. *smem_bytes = the launch's dynamic shared memory.
+Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, const KernelSetup& setup, const char* name,
+                          int dev, int* smem_bytes);
 
 // Protocol step 0 on the host: recover from an earlier failure (reported here), then BeginKernel on the device.
 Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, const int32_t* rank_op);

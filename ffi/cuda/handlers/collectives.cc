@@ -1,5 +1,5 @@
 // XLA:CUDA handlers of the workspace calls (dispatch, dispatch_gemm, expert_combine, exchange_counts): the same
-// operands, results and attributes as the CPU handlers (csrc/cpu/handlers.cc), the same shape checks, then the
+// operands, results and attributes as the CPU handlers (ffi/cpu/handlers.cc), the same shape checks, then the
 // launchers of api.h on XLA's stream.
 //
 // Rank mapping: the group/rank operands live in device memory, and reading them on the host would cost a stream
@@ -8,11 +8,11 @@
 // operands agree, reporting a mismatch as an error of the next call.
 #include <string>
 
-#include "cuda/handler_support.h"
-#include "cuda/handlers.h"
-#include "cuda/api.h"
-#include "cuda/workspace.h"
 #include "common/call_signature.h"
+#include "cuda/api.h"
+#include "cuda/handlers/handlers.h"
+#include "cuda/handlers/support.h"
+#include "cuda/workspace/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

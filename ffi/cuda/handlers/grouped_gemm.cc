@@ -1,9 +1,9 @@
 // XLA:CUDA handlers of the bare grouped GEMMs: the shape checks shared with the CPU handlers
-// (csrc/common/grouped_gemm_signature.h), then the kernels of grouped_gemm.cu on XLA's stream.
+// (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu on XLA's stream.
 #include "common/grouped_gemm_signature.h"
-#include "cuda/handler_support.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/handlers.h"
+#include "cuda/handlers/handlers.h"
+#include "cuda/handlers/support.h"
+#include "cuda/ops/grouped_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,4 +1,4 @@
-#include "cuda/module.h"
+#include "cuda/handlers/module.h"
 
 #include <cstdint>
 #include <memory>
@@ -12,10 +12,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "cuda/grouped_gemm.h"
-#include "cuda/handlers.h"
 #include "cuda/api.h"
-#include "cuda/workspace.h"
+#include "cuda/handlers/handlers.h"
+#include "cuda/ops/grouped_gemm.h"
+#include "cuda/workspace/workspace.h"
 
 namespace nb = nanobind;
 

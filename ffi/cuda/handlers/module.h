@@ -1,4 +1,4 @@
-// nanobind bindings of the CUDA side, called from csrc/module.cc when the extension is built with nvcc.
+// nanobind bindings of the CUDA side, called from ffi/module.cc when the extension is built with nvcc.
 #pragma once
 
 #include <nanobind/nanobind.h>

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "cuda/api.h"
-#include "cuda/workspace.h"
+#include "cuda/workspace/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo::cuda {

@@ -3,9 +3,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "cuda/combine_gather.cuh"
 #include "cuda/launch.h"
-#include "cuda/protocol.cuh"
+#include "cuda/ops/combine_gather.cuh"
+#include "cuda/workspace/protocol.cuh"
 
 namespace jmo::cuda {
 namespace {

@@ -4,8 +4,8 @@
 
 #include <string>
 
-#include "cuda/dispatch.cuh"
 #include "cuda/launch.h"
+#include "cuda/transport/row_push.cuh"
 
 namespace jmo::cuda {
 namespace {

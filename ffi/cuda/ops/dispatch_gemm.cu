@@ -5,15 +5,12 @@
 
 #include <string>
 
-#include "cuda/dispatch.cuh"
-#include "cuda/expert_producer.cuh"
-#include "cuda/gemm/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/launch.h"
+#include "cuda/ops/expert_producer.cuh"
+#include "cuda/transport/row_push.cuh"
 
 namespace jmo::cuda {
-
-bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
-
 namespace {
 
 // dispatch_gemm: the dispatch and GEMM1 in one launch, so that GEMM1 runs while the tokens are still in flight (the
@@ -496,7 +493,7 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
   const void* kernel = out.swiglu ? Kernel<false, true>() : transpose_rhs ? Kernel<true, false>()
                                                                            : Kernel<false, false>();
   int smem = 0;
-  if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, wgmma_gemm::kLoopSmemBytes, /*wgmma=*/true,
+  if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, wgmma_gemm::kLoopSmemBytes, kWgmmaKernelSetup,
                                "DispatchGemmKernel", dev, &smem)).ok())
     return s;
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,

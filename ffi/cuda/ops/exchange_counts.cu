@@ -6,7 +6,7 @@
 #include <string>
 
 #include "cuda/launch.h"
-#include "cuda/protocol.cuh"
+#include "cuda/workspace/protocol.cuh"
 
 namespace jmo::cuda {
 namespace {

@@ -1,7 +1,7 @@
 // expert_combine, the overlapped operator: ExpertKernel runs the producer (the grouped GEMM over the call's segments,
-// expert_producer.cuh) and the consumer (pushing each finished remote band to its source's ret rows, bulk_copy.cuh)
-// as CTAs of one launch; then the combine (combine.cu) waits for this rank's ret rows and closes the call. Also the
-// host's choice of producer path and consumer policy for a call.
+// expert_producer.cuh) and the consumer (pushing each finished remote band to its source's ret rows,
+// transport/bulk_push.cuh) as CTAs of one launch; then the combine (combine.cu) waits for this rank's ret rows and
+// closes the call. Also the host's choice of producer path and consumer policy for a call.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -9,12 +9,12 @@
 #include <algorithm>
 #include <string>
 
-#include "cuda/bulk_copy.cuh"
 #include "cuda/device/copy.cuh"
-#include "cuda/expert_producer.cuh"
-#include "cuda/gemm/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/launch.h"
-#include "cuda/resource_manager.cuh"
+#include "cuda/ops/expert_producer.cuh"
+#include "cuda/schedule/resource_manager.cuh"
+#include "cuda/transport/bulk_push.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   const int issuers = max(1, min(pol.push_issuers, (int)(blockDim.x / 32)));
   const int slots = min(pol.push_slots, (pol.smem_bytes / issuers - PushRingBytes(0)) / kPushChunkBytes);
   if (pol.bulk_copy && row_bytes % 16 == 0 && slots >= 2) {
-    // TMA bulk copies, driven by `issuers` threads (bulk_copy.cuh).
+    // TMA bulk copies, driven by `issuers` threads (transport/bulk_push.cuh).
     const int w = threadIdx.x / 32;
     if (threadIdx.x % 32 != 0 || w >= issuers) return;
     const int mine = count > w ? (count - 1 - w) / issuers + 1 : 0;
@@ -176,13 +176,14 @@ template <typename T, int kEngine, bool kTransB>
 Status PrepareExpertKernel(int dev, int* smem_bytes) {
   const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
   return PrepareOneCtaPerSm(reinterpret_cast<const void*>(ExpertKernel<T, kEngine, kTransB>), kEngineThreads<kEngine>,
-                            need, kEngine == kWgmma, "ExpertKernel", dev, smem_bytes);
+                            need, kEngine == kWgmma ? kWgmmaKernelSetup : KernelSetup{}, "ExpertKernel", dev,
+                            smem_bytes);
 }
 
 // Row length of w[e] as stored (the tile engines' ldb): N for [K, N], K for the transposed layout [N, K].
 int64_t WeightLd(int64_t K, int64_t N, bool transpose_rhs) { return transpose_rhs ? K : N; }
 
-// Whether the tensor-core tile (gemm/mma_tile.cuh) takes these operands: bf16, 16-byte aligned, lhs rows (K) and w
+// Whether the tensor-core tile (gemm/sm80/mma_tile.cuh) takes these operands: bf16, 16-byte aligned, lhs rows (K) and w
 // rows as stored multiples of 8 elements. N need not be one when w is transposed (B is then loaded along K; the stores
 // check their alignment pair by pair).
 bool TcProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {

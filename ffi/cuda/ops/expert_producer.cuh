@@ -9,11 +9,13 @@
 
 #include <cstdint>
 
-#include "cuda/gemm/mma_tile.cuh"
-#include "cuda/gemm/wgmma_grouped.cuh"
-#include "cuda/gemm/wgmma_mainloop.cuh"
-#include "cuda/protocol.cuh"
-#include "cuda/segment_table.cuh"
+#include "cuda/gemm/simt_tile.cuh"
+#include "cuda/gemm/sm80/mma_tile.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_mainloop.cuh"
+#include "cuda/launch.h"
+#include "cuda/schedule/segment_table.cuh"
+#include "cuda/workspace/protocol.cuh"
 
 namespace jmo::cuda {
 
@@ -21,12 +23,20 @@ using bf16 = __nv_bfloat16;
 
 //
 // kTransB (every engine): w is [E_l, N, K] and the producer reads w[e]^T in place (the input gradient dy @ W^T of
-// the backward pass), else w is [E_l, K, N]. Meaning as in gemm/mma_tile.cuh: B[k, n] = kTransB ? w_e[n K + k]
+// the backward pass), else w is [E_l, K, N]. Meaning as in gemm/sm80/mma_tile.cuh: B[k, n] = kTransB ? w_e[n K + k]
 // : w_e[k N + n].
 
 enum Engine : int { kSimt = 0, kMmaSync = 1, kWgmma = 2 };
 template <int kEngine>
 constexpr int kEngineThreads = kEngine == kWgmma ? wgmma_gemm::kThreads : kThreads;
+
+// How PrepareOneCtaPerSm prepares a kernel of the wgmma engine: wgmma_gemm::PrepareWgmmaKernel checks a Hopper device,
+// the sm_90a build and the register budget, then sets the shared memory.
+constexpr KernelSetup kWgmmaKernelSetup{"PrepareWgmmaKernel", wgmma_gemm::PrepareWgmmaKernel};
+
+// Whether the current device runs the wgmma producer for these operands (defined in expert_combine.cu; also what
+// dispatch_gemm requires).
+bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
 
 // Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier: the CTA
 // completing a band of a remote segment publishes it through its tile_ready flag (the consumer pushes it). Tiles of
@@ -67,7 +77,7 @@ __device__ __forceinline__ T* TileOut(const RankDev& rd, const Segment& s, int r
   return s.src == rd.rank ? ret + ((int64_t)s.ret_off + row) * N + n0 : stage + ((int64_t)s.recv_off + row) * N + n0;
 }
 
-// mma.sync / SIMT engine (gemm/mma_tile.cuh): one band (64 rows) x kTileN columns per tile.
+// mma.sync / SIMT engine (gemm/sm80/mma_tile.cuh, gemm/simt_tile.cuh): one band (64 rows) x kTileN columns per tile.
 constexpr int kMmaBM = 64;
 constexpr int kMmaBN = kTileN;
 static_assert(kMmaBM == kBandRows, "a producer tile is one row band");
@@ -104,8 +114,8 @@ __device__ inline void ProduceBands(const RankDev& rd, const SegTable& table, ui
   }
 }
 
-// wgmma engine (sm_90a, gemm/wgmma_mainloop.cuh): 128 rows (two bands) x 256 columns of one segment per tile, TMA-fed,
-// warp-specialized (384 threads). tile_prefix[i] = tiles of the segments before segment i, in producer order.
+// wgmma engine (sm_90a, gemm/sm90/wgmma_mainloop.cuh): 128 rows (two bands) x 256 columns of one segment per tile,
+// TMA-fed, warp-specialized (384 threads). tile_prefix[i] = tiles of the segments before segment i, in producer order.
 constexpr int kWgBM = wgmma_gemm::kBM;
 constexpr int kWgBN = wgmma_gemm::kBN;
 static_assert(kWgBM % kBandRows == 0, "a wgmma tile covers whole bands");
@@ -179,7 +189,7 @@ __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, ui
   auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
   // The loop's kTransB is the wgmma instruction's operand layout, the opposite sense of ours: 1 = B MN-major (w [E_l,
   // K, N], b_map built with b_k_major = false), 0 = B K-major (w [E_l, N, K], b_k_major = true), as the bare grouped
-  // GEMM's transpose_rhs (gemm/wgmma_grouped.cuh, GroupedGemmWithDone).
+  // GEMM's transpose_rhs (gemm/sm90/wgmma_grouped.cuh, GroupedGemmWithDone).
   wgmma_gemm::WgmmaTileLoop<kTransB ? 0 : 1, false>(a_map, b_map, (int)K, pid, np, tile_prefix[table.n], tile_of,
                                                     tile_done, smem);
 }

@@ -1,6 +1,6 @@
 // Bare grouped GEMMs (grouped_gemm.h): persistent kernels over a tile space that every CTA derives on the device
-// from the group sizes (block scans into shared memory), then the tile engine of gemm/mma_tile.cuh per tile.
-#include "cuda/grouped_gemm.h"
+// from the group sizes (block scans into shared memory), then a tile engine of gemm/ (tile.cuh) per tile.
+#include "cuda/ops/grouped_gemm.h"
 
 #include <cuda_bf16.h>
 
@@ -11,9 +11,10 @@
 #include <utility>
 
 #include "cuda/device/activation.cuh"
-#include "cuda/gemm/mma_tile.cuh"
-#include "cuda/gemm/wgmma_grouped.cuh"
-#include "cuda/gemm/wgmma_outer.cuh"
+#include "cuda/gemm/simt_tile.cuh"
+#include "cuda/gemm/sm80/mma_tile.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_outer.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -173,7 +174,7 @@ int HopperSms() {
 // The wgmma grid: the device's SMs, or at most `sms` of them.
 int WgmmaGrid(int sms) { return sms > 0 ? std::min(sms, HopperSms()) : HopperSms(); }
 
-// The wgmma + TMA kernel (csrc/cuda/gemm/wgmma_grouped.cuh) takes bf16 operands with K and N multiples of 64 on Hopper.
+// The wgmma + TMA kernel (gemm/sm90/wgmma_grouped.cuh) takes bf16 operands with K and N multiples of 64 on Hopper.
 bool UseWgmma(DType dt, int64_t M, int64_t K, int64_t N) {
   return dt == DType::kBF16 && M > 0 && K % 64 == 0 && N % 64 == 0 && HopperSms() > 0;
 }
@@ -216,7 +217,7 @@ Status LaunchOuter(cudaStream_t stream, const void* lhs, int64_t M, int64_t K, c
   return CudaStatus(cudaGetLastError(), "launch of GroupedOuterKernel");
 }
 
-// The fused GEMM1 + SwiGLU on the wgmma engine (the grouped GEMM's schedule, csrc/cuda/gemm/wgmma_grouped.cuh, with
+// The fused GEMM1 + SwiGLU on the wgmma engine (the grouped GEMM's schedule, gemm/sm90/wgmma_grouped.cuh, with
 // SwiGluTile's epilogue).
 namespace swiglu_wgmma {
 using namespace wgmma_gemm;
@@ -366,7 +367,7 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
   Status s = CheckSizes("grouped_outer", M, G);
   if (!s.ok()) return s;
   if (K == 0 || N == 0) return Status{};
-  // Hopper: the wgmma + TMA kernel (gemm/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
+  // Hopper: the wgmma + TMA kernel (gemm/sm90/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
   // builds it refuses (cudaErrorInvalidValue / cudaErrorNotSupported, before any launch) fall through to mma.sync.
   if (UseWgmma(dt, M, K, N)) {
     const cudaError_t e = WgmmaGroupedOuter(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), N, G,

@@ -1,6 +1,6 @@
 // Bare grouped GEMMs on CUDA (no workspace, no peers): the expert GEMMs of the MoE layer that do not feed the
 // return all-to-all (GEMM1 forward, and the backward pass), with the same tile engine as the producer of
-// expert_combine (gemm/mma_tile.cuh). Group sizes are device data (the routing inside jit): the kernels read them on the
+// expert_combine (gemm/tile.cuh). Group sizes are device data (the routing inside jit): the kernels read them on the
 // device, so a call never synchronizes with the host.
 //
 // Groups are consecutive row blocks starting at row 0: group g owns rows [off_g, off_g + size_g), off_g the sum of
@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "cuda/api.h"
-#include "cuda/workspace.h"
+#include "cuda/workspace/workspace.h"
 
 namespace jmo::cuda {
 

@@ -9,8 +9,8 @@
 #include <cstdint>
 
 #include "cuda/device/warp.cuh"
-#include "cuda/segment_table.cuh"
-#include "cuda/workspace.h"      // kThreads, kMaxSegments, Segment, resource_model.h
+#include "cuda/schedule/segment_table.cuh"
+#include "cuda/workspace/workspace.h"      // kThreads, kMaxSegments, Segment, resource_model.h
 
 namespace jmo::cuda {
 

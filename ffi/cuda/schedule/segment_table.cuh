@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "cuda/device/warp.cuh"
-#include "cuda/protocol.cuh"
+#include "cuda/workspace/protocol.cuh"
 
 namespace jmo::cuda {
 

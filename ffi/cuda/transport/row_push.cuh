@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "cuda/device/copy.cuh"
-#include "cuda/protocol.cuh"
+#include "cuda/workspace/protocol.cuh"
 
 namespace jmo::cuda {
 

@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "cuda/device/ptx.cuh"
-#include "cuda/workspace.h"
+#include "cuda/workspace/workspace.h"
 
 namespace jmo::cuda {
 

@@ -1,7 +1,7 @@
-#include "cuda/workspace.h"
 #include "common/error_text.h"
 #include "common/group_barrier.h"
 #include "common/registry.h"
+#include "cuda/workspace/workspace.h"
 
 #include "cuda/api.h"
 

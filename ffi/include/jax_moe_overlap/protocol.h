@@ -1,6 +1,6 @@
 // The one definition of the peer workspace layout and the signalling protocol.
 //
-// Both the CPU handlers (csrc/cpu) and the CUDA kernels (csrc/cuda) include this header, so the two can never
+// Both the CPU handlers (ffi/cpu) and the CUDA kernels (ffi/cuda) include this header, so the two can never
 // disagree about where a counter lives or what a flag value means. It is plain C++ (no <atomic>, no CUDA headers):
 // each side applies its own atomics (std::atomic_ref on the host, cuda::atomic_ref / PTX on the device) to the
 // 64-bit words defined here.
@@ -78,7 +78,7 @@ enum Stage : uint64_t {
   kStageSrcBlock = 9,     // dispatch_gemm's GEMM waiting for a block of rows from a source (peer = the source)
 };
 
-// Which input a kStageBadInput record is about (ErrorRecord.detail); csrc/common/error_text.h words each one.
+// Which input a kStageBadInput record is about (ErrorRecord.detail); ffi/common/error_text.h words each one.
 enum BadInput : uint64_t {
   kBadExpertId = 1,       // a slot names an expert id that is neither -1 (no selection) nor in [0, E): ErrorRecord
                           // peer = slot, got = the slot's token (source row), expected = the id (two's complement)
@@ -192,7 +192,7 @@ struct GroupShared {
                              // rank reports. A rank writes its record, then claims this word (compare-and-swap from
                              // 0), then raises abort, so a rank that sees abort also sees the record it names.
                              // CPU only: GPUs have no atomic on host-mapped memory over PCIe, so on CUDA it stays 0
-                             // and the host picks the first record by rule (csrc/cuda/workspace.cc FirstRecord).
+                             // and the host picks the first record by rule (cuda/workspace/workspace.cc FirstRecord).
   ErrorRecord errors[1];     // really [R]: one record per rank (allocated with R entries)
 };
 
@@ -202,7 +202,7 @@ JMO_HD inline int64_t GroupSharedBytes(int64_t ranks) {
 
 // The count board of exchange_counts, in group memory: one slot per rank, its stamp (the epoch whose counts the slot
 // holds) on its own cache line, then up to `count_values` int32 counts. Each platform places the board after its
-// own group words (csrc/cpu/workspace_cpu.h, csrc/cuda/workspace.h).
+// own group words (ffi/cpu/workspace_cpu.h, ffi/cuda/workspace/workspace.h).
 struct CountSlot {
   Word stamp;
   int32_t values[1];  // really [count_values]

@@ -1,13 +1,4 @@
-// One output tile of a matrix product, computed by one CTA of kThreads threads: the inner engine shared by the
-// producer of expert_combine (expert_producer.cuh) and the bare grouped GEMMs (grouped_gemm.cu).
-//
-//   C[m, n] = sum_k A[m, k] * B[k, n]     for m < tile.m, n < tile.n, fp32 accumulation,
-//
-// where A and B are read through row-major storage with a leading dimension, either as stored or transposed:
-//   A:  kTransA ? a[k * lda + m] : a[m * lda + k]
-//   B:  kTransB ? b[n * ldb + k] : b[k * ldb + n]
-// so one engine covers x @ W (forward), dy @ W^T (input gradient: no transposed copy of W) and x^T @ dy (weight
-// gradient: the rows of a group are the reduction). Rows/columns past the valid extents are neither read nor written.
+// The tensor-core tile engine (sm80+: mma.sync bf16): one output tile per CTA, as gemm/tile.cuh describes it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,42 +6,11 @@
 
 #include <cstdint>
 
-#include "cuda/device/convert.cuh"
 #include "cuda/device/ptx.cuh"
+#include "cuda/gemm/tile.cuh"
 
 namespace jmo::cuda {
 
-template <typename T, typename OutT>
-struct TileArgs {
-  const T* a;
-  int64_t lda;
-  const T* b;
-  int64_t ldb;
-  OutT* c;
-  int64_t ldc;
-  int m, n, k;  // valid extents: m <= BM, n <= kTileN, k >= 0 (k == 0 gives zeros)
-};
-
-constexpr int kTileN = 128;  // columns of every tile
-constexpr int kTileThreads = 256;
-
-// Stores the element pair (v0, v1) at columns (col, col + 1) of row `row`, each only if inside the valid extents.
-template <typename OutT>
-__device__ __forceinline__ void StorePair(OutT* c, int64_t ldc, int row, int col, int m, int n, float v0, float v1) {
-  if (row >= m || col >= n) return;
-  OutT* p = c + (int64_t)row * ldc + col;
-  if (col + 1 < n && (reinterpret_cast<uintptr_t>(p) % (2 * sizeof(OutT))) == 0) {
-    if constexpr (sizeof(OutT) == 4)
-      *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-    else
-      *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
-  } else {
-    p[0] = FromFloat<OutT>(v0);
-    if (col + 1 < n) p[1] = FromFloat<OutT>(v1);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------------------
 // Tensor-core path (sm80+: mma.sync m16n8k16 bf16, cp.async multi-stage pipeline, ldmatrix). 8 warps as 2 (M) x 4
 // (N), each a (BM/2) x 32 warp tile. Needs lda, ldb % 8 == 0 and 16-byte aligned a, b: every 8-element chunk is one
 // 16-byte cp.async, and a chunk that crosses a valid extent is zero-filled past it by cp.async's src-size.
@@ -196,70 +156,6 @@ __device__ void TcTile(const TileArgs<__nv_bfloat16, OutT>& t, char* smem) {
 inline bool TcTileApplies(bool bf16, int64_t lda, int64_t ldb, const void* a, const void* b) {
   const bool aligned = ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
   return bf16 && lda % 8 == 0 && ldb % 8 == 0 && aligned;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// SIMT path (float32 operands, or operands the tensor-core path does not take). Each thread: BM/16 rows x 8 columns.
-
-constexpr int kSimtBK = 16;
-
-template <int BM>
-constexpr int SimtSmemBytes() { return kSimtBK * (BM + kTileN) * 4; }
-
-template <int BM, bool kTransA, bool kTransB, typename T, typename OutT>
-__device__ void SimtTile(const TileArgs<T, OutT>& t, char* smem) {
-  constexpr int RM = BM / 16;
-  float* As = reinterpret_cast<float*>(smem);  // [BK][BM]
-  float* Bs = As + kSimtBK * BM;               // [BK][BN]
-  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
-  float acc[RM][8];
-#pragma unroll
-  for (int i = 0; i < RM; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-  for (int k0 = 0; k0 < t.k; k0 += kSimtBK) {
-#pragma unroll
-    for (int i = 0; i < BM * kSimtBK / kTileThreads; ++i) {
-      const int idx = tid + i * kTileThreads;
-      // The contiguous dimension of the stored operand varies fastest across threads (coalesced loads).
-      const int r = kTransA ? idx % BM : idx / kSimtBK, kk = kTransA ? idx / BM : idx % kSimtBK;
-      const bool ok = r < t.m && k0 + kk < t.k;
-      As[kk * BM + r] = ok ? ToFloat(kTransA ? t.a[(int64_t)(k0 + kk) * t.lda + r] : t.a[(int64_t)r * t.lda + k0 + kk])
-                           : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < kTileN * kSimtBK / kTileThreads; ++i) {
-      const int idx = tid + i * kTileThreads;
-      const int c = kTransB ? idx / kSimtBK : idx % kTileN, kk = kTransB ? idx % kSimtBK : idx / kTileN;
-      const bool ok = k0 + kk < t.k && c < t.n;
-      Bs[kk * kTileN + c] =
-          ok ? ToFloat(kTransB ? t.b[(int64_t)c * t.ldb + k0 + kk] : t.b[(int64_t)(k0 + kk) * t.ldb + c]) : 0.f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < kSimtBK; ++kk) {
-      float a[RM], b[8];
-#pragma unroll
-      for (int i = 0; i < RM; ++i) a[i] = As[kk * BM + ty * RM + i];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) b[j] = Bs[kk * kTileN + tx + 16 * j];
-#pragma unroll
-      for (int i = 0; i < RM; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < RM; ++i) {
-    const int r = ty * RM + i;
-    if (r >= t.m) continue;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int c = tx + 16 * j;
-      if (c < t.n) t.c[(int64_t)r * t.ldc + c] = FromFloat<OutT>(acc[i][j]);
-    }
-  }
 }
 
 }  // namespace jmo::cuda

@@ -27,7 +27,7 @@
 #include <utility>
 
 #include "cuda/device/warp.cuh"
-#include "cuda/gemm/wgmma_mainloop.cuh"
+#include "cuda/gemm/sm90/wgmma_mainloop.cuh"
 
 namespace wgmma_gemm {
 

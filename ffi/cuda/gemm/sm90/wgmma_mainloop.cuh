@@ -60,7 +60,7 @@
 //   Called by thread 0 (the TMA thread, 24 registers) with tile_of(i)'s value before the first TMA load of the
 //   tile: it may block until the tile's operands exist (dispatch_gemm: until the segment's source rank has pushed
 //   its rows). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
-//   it must end with fence.proxy.async.global after its acquire (bulk_copy.cuh's FenceProxyAsyncGlobal). It must
+//   it must end with fence.proxy.async.global after its acquire (FenceProxyAsyncGlobal, device/ptx.cuh). It must
 //   return (a bounded wait) even on failure.
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------

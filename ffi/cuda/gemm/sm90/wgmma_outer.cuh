@@ -60,7 +60,8 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "cuda/gemm/wgmma_grouped.cuh"  // loop building blocks (wgmma_mainloop.cuh), EncodeMap, CachedMapPair, LaunchWgmmaKernel
+// The loop's building blocks (wgmma_mainloop.cuh), EncodeMap, CachedMapPair, LaunchWgmmaKernel.
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
 
 namespace wgmma_outer {
 
