@@ -1,5 +1,5 @@
 // The launchers of the CUDA library (jmo_cuda): the host entry points of the primitives and what the handlers, the
-// workspace and the tools need to know about the kernels. Plain C++: the XLA FFI handlers (handlers.cc) and the
+// workspace and the tools need to know about the kernels. Plain C++: the XLA FFI handlers (handlers/) and the
 // tools (the loopback harness) call the same functions.
 //
 // All pointers are device pointers (operands of the custom call); every call only enqueues work on `stream`,
@@ -20,12 +20,12 @@ namespace jmo::cuda {
 enum class DType { kF32, kBF16 };
 
 // How expert_combine's consumer CTAs push their bands (the tuning attributes of a call; CallConfig in Python checks
-// the ranges). The defaults are what the shipped calibration was measured with.
+// the ranges). The defaults are the ones the shipped calibration describes.
 struct ConsumerTuning {
-  bool bulk_copy = true;      // TMA bulk copies on sm_90 (bulk_copy.cuh); false: CopyBand, 16-byte loads and stores
+  bool bulk_copy = true;      // TMA bulk copies on sm_90 (transport/bulk_push.cuh); false: CopyBand (16-byte copies)
   int32_t push_slots = 12;    // ring slots of one issuing thread (2..kPushMaxSlots; the launch's smem may give fewer)
   int32_t push_read_lag = 4;  // bulk stores that may still read their slot (1..16; below the slots)
-  int32_t push_issuers = 4;   // issuing threads per consumer CTA, one ring each (1..8): one thread moves ~12 GB/s
+  int32_t push_issuers = 4;   // issuing threads per consumer CTA, one ring each (1..8): one thread's rate is bounded
 };
 
 struct CallOptions {

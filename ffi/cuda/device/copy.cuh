@@ -35,8 +35,7 @@ __device__ inline void CopyBytes(char* dst, const char* src, int64_t bytes, int6
 
 // CopyBytes for big contiguous ranges (the consumer's bands, the dispatch's recv rows into its output): with 16-byte
 // alignment, each thread first issues kUnroll independent 16-byte loads, then the stores, so an SM keeps
-// 256 x 16 x 16 B = 64 KiB in flight (one load at a time per thread left the consumer latency-bound at ~9 GB/s per
-// CTA on the H200).
+// 256 x 16 x 16 B = 64 KiB in flight (one load at a time per thread leaves a copy bound by load latency).
 __device__ inline void CopyBand(char* dst, const char* src, int64_t bytes, int64_t tid, int64_t nthreads) {
   constexpr int kUnroll = 16;
   const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
@@ -61,8 +60,8 @@ __device__ inline void CopyBand(char* dst, const char* src, int64_t bytes, int64
 
 // One row by one warp (every lane calls it with its lane index), for the dispatch's row pushes: with 16-byte
 // alignment each lane first issues up to kUnroll independent 16-byte loads of the row, then the stores, so a warp keeps
-// 32 x 8 x 16 B = 4 KiB in flight (a 2048-wide bf16 row at once). One load at a time per lane (CopyBytes) left the
-// dispatch latency-bound at about half of the HBM bandwidth on the H200.
+// 32 x 8 x 16 B = 4 KiB in flight (a 2048-wide bf16 row at once). One load at a time per lane (CopyBytes) would leave
+// the dispatch bound by load latency.
 __device__ inline void CopyRowWarp(char* dst, const char* src, int64_t bytes, int lane) {
   constexpr int kUnroll = 8;
   const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);

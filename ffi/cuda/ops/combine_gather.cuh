@@ -33,9 +33,8 @@ struct Pack {
 // One warp per token (grid-stride over tokens): lane j holds the row and gate of choice j (k > 32: 32 choices at a
 // time) and shuffles them to the warp, so each row index is read once, not once per column; the warp walks the row
 // in chunks of 32 kU vectors, lane l taking vectors l, l + 32, ..., and keeps kU x kJ 16-byte loads in flight before
-// it accumulates. With 512 threads x kU 4 x kJ 2 on one CTA per SM this runs within a few percent of a plain copy of
-// the same traffic on the H200; an item-per-thread loop pays a 64-bit item -> (token, column) division per load and
-// re-reads the row index per vector, and is ~40% slower.
+// it accumulates. An item-per-thread loop would pay a 64-bit item -> (token, column) division per load and re-read the
+// row index per vector.
 template <typename T, int V, int kU, int kJ, class Load, class BadRow>
 __device__ __forceinline__ void GatherWeightedSum(const T* ret, int64_t ret_rows, const float* gates,
                                                   const int32_t* slot_ret_row, int64_t T_, int64_t k, int64_t N, T* y,

@@ -29,8 +29,8 @@ namespace jmo::cuda {
 //   scans     (ChooseByScans) block scans of tiles and bytes to shared memory, lane c of warp w over segments w,
 //             w + 8, ...: every other input, so both forms give the same C on every input.
 // The divisions the chunked form needs are computed by the host (CandidateConsts) and each warp reduces the maxima
-// itself, so a decision costs about a microsecond on the H200 (tools/decision_bench.cu measures it); it grows with the
-// chunk a warp scans (n / 8 segments).
+// itself, so a decision stays a small part of a call (tools/decision_bench.cu times it); its cost grows with the chunk
+// a warp scans (n / 8 segments).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
@@ -261,7 +261,7 @@ struct ConsumerConfig {
   int32_t serialize;
   int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
   // The call's ConsumerTuning (api.h):
-  int32_t bulk_copy;      // 1: TMA bulk copies on sm_90 (bulk_copy.cuh); 0: CopyBand
+  int32_t bulk_copy;      // 1: TMA bulk copies on sm_90 (transport/bulk_push.cuh); 0: CopyBand
   int32_t push_slots;     // bulk copies: ring slots per issuer
   int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot
   int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each

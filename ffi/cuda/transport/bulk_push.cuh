@@ -1,16 +1,16 @@
-// TMA bulk copies (cp.async.bulk, sm_90) and the consumer's chunk stream built on them.
+// Band pushes by TMA bulk copies (cp.async.bulk, sm_90): the chunk stream with which expert_combine's consumer moves
+// finished bands to the peers' ret rows.
 //
-// Why: a consumer CTA that copies with ordinary loads and stores keeps at most (threads x loads per thread) bytes in
-// flight, and at ~1 us of latency per load that caps it near 9 GB/s with one load per thread (measured, H200) and
-// ~25-60 GB/s with 16. The copy engine of the SM (TMA) moves a whole chunk per instruction, so one thread keeps a
-// ring of chunks in flight (global -> shared -> global: 64 KiB of loads and up to 128 KiB of stores), and the consumer needs fewer SMs for the same
-// bytes/s: SMs that the producer keeps.
+// Why: a CTA that copies with ordinary loads and stores keeps at most (threads x loads per thread) bytes in flight, so
+// load latency bounds its rate. The copy engine of the SM (TMA) moves a whole chunk per instruction, so one thread
+// keeps a ring of chunks in flight (global -> shared -> global: 64 KiB of loads and up to 128 KiB of stores), and the
+// consumer needs fewer SMs for the same bytes/s: SMs that the producer keeps.
 //
 // StreamBands pushes a CTA's bands in order through a ring of shared-memory slots: a band's chunks are loaded only
 // once the band is ready (polled, so one slow band never stops the stores of chunks already loaded), each chunk is
 // stored as soon as its load lands, and a band is reported done only when all of its stores have completed (so the
 // caller can release-add the arrival counter). One StreamBands runs on one thread; a CTA may run several, each on its
-// own ring and bands (one thread issues ~12 GB/s of bulk copies on the H200 whatever the ring's depth).
+// own ring and bands, because one issuing thread pays a fixed cost per chunk whatever the ring's depth.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,10 +24,10 @@ namespace jmo::cuda {
 constexpr int kPushChunkBytes = 8192;  // bytes of one bulk copy (a multiple of 16)
 constexpr int kPushMaxSlots = 24;      // ring slots (192 KB of shared memory at most; the launch's smem decides)
 constexpr int kPushReadLag = 4;        // default: stores whose shared-memory reads may be pending (the rest load)
-// The ring's slots and read lag are per-call tuning (ConsumerTuning in api.h). On the H200 neither changes the rate of
-// one issuing thread (~12 GB/s); more issuing threads do, so the consumer runs several StreamBands per CTA, each on
-// its own slice of shared memory (ConsumerTuning::push_issuers).
-constexpr int kPushWriteLag = 16;      // stores whose global writes may be pending (128 KiB: ~2 us of store latency)
+// The ring's slots and read lag are per-call tuning (ConsumerTuning in api.h). Neither raises the rate of one issuing
+// thread; more issuing threads do, so the consumer runs several StreamBands per CTA, each on its own slice of shared
+// memory (ConsumerTuning::push_issuers).
+constexpr int kPushWriteLag = 16;      // stores whose global writes may be pending (128 KiB: covers the store latency)
 constexpr int kPushMaxPending = 32;    // bands with stores issued but not yet reported (at most kPushWriteLag + 1)
 
 // Shared memory StreamBands needs for `slots` slots (barriers first, then the 128-aligned ring).

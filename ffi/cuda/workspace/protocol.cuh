@@ -56,7 +56,7 @@ __device__ inline void ReportBadInput(const RankDev& rd, uint64_t sub, uint64_t 
 //
 // The group's abort word is host-mapped memory, and a GPU read of it crosses PCIe: read often by many waiting
 // threads, those reads stall the producer's tiles on the same GPU (the producer span grows with the number of waiting
-// consumer CTAs, by two orders of magnitude at C = 32 on the H200). So the abort word is read once per 1024 spins
+// consumer CTAs). So the abort word is read once per 1024 spins
 // (about every millisecond once the sleeps are 1 us); relaxed polling loads or longer sleeps alone do not avoid the
 // stall. Our own rank's failure and the deadline, both in device memory, are checked every 16 spins; a peer's abort
 // is seen within about a millisecond.
