@@ -1,4 +1,4 @@
-"""Measures the resource model's constants (csrc/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
+"""Measures the resource model's constants (ffi/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
 harness and writes the calibration JSON that jax_moe_overlap loads (jax_moe_overlap/calibration/<gpu name>.json).
 
 Everything but cta_gbps runs in the serialized mode, which isolates both halves of expert_combine: the consumer starts
@@ -150,7 +150,7 @@ def main(argv=None):
     out = os.path.join(out, rm.calibration_file_name(dev["name"]))
   doc = dict(params.__dict__, gpu_name=dev["name"], compute_capability=dev["cc"],
              producer=dev.get("producer", "?"),
-             consumer="bulk copies (csrc/cuda/bulk_copy.cuh)" if tuning.bulk_copy
+             consumer="bulk copies (ffi/cuda/transport/bulk_push.cuh)" if tuning.bulk_copy
              else "CopyBand, 16-byte loads and stores (--plain-copy)",
              consumer_tuning=dataclasses.asdict(tuning),
              measured_on="loopback, one GPU (R = 1 tile time, R = 2 pushes)",

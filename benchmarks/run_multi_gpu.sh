@@ -181,7 +181,7 @@ load_build_env() {
 if wanted build; then
   export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
   build_env=$JMO_SITE.env.sh
-  src_hash=$(find csrc tools jax_moe_overlap CMakeLists.txt pyproject.toml -type f ! -name '*.so' \
+  src_hash=$(find ffi tools jax_moe_overlap CMakeLists.txt pyproject.toml -type f ! -name '*.so' \
                ! -path '*/__pycache__/*' -print0 2>/dev/null | sort -z | xargs -0 md5sum | md5sum | cut -c1-32)
   if [ "${REUSE_BUILD:-1}" = 1 ] && [ -s "$build_env" ] && [ -d "$JMO_SITE/jax_moe_overlap" ] &&
      [ "$(cat "$JMO_SITE.src-hash" 2>/dev/null)" = "$src_hash" ]; then

@@ -1,5 +1,5 @@
 """The analytical resource manager in Python: the same wave-quantized model as
-``csrc/include/jax_moe_overlap/resource_model.h`` (which the kernels evaluate on the device at kernel start), for
+``ffi/include/jax_moe_overlap/resource_model.h`` (which the kernels evaluate on the device at kernel start), for
 tests, plots and reports.
 
 ``makespan_us(params, segments, n, k, elem_bytes, consumer_ctas)`` models one expert_combine call;

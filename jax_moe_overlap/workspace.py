@@ -2,7 +2,7 @@
 
 A ``Workspace`` belongs to one mesh and one expert-parallel axis. The axis' ``R`` devices form a *group*; the
 other mesh axes (if any) enumerate ``G`` independent groups. The native side keeps, per group and rank, one block
-laid out by ``csrc/include/jax_moe_overlap/protocol.h`` (recv rows, ret rows, stage rows, tile-ready flags and the
+laid out by ``ffi/include/jax_moe_overlap/protocol.h`` (recv rows, ret rows, stage rows, tile-ready flags and the
 monotonic counters) plus the per-rank consumer engine, and the custom calls name the workspace by ``handle``.
 
 Workspaces are cached per (devices, axis): a call gets the smallest cached workspace of its mesh and axis that fits its

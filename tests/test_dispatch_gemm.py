@@ -1,4 +1,4 @@
-"""dispatch_gemm's CPU handler (csrc/cpu/dispatch_gemm.cc) on 4 CPU devices: the call against dispatch +
+"""dispatch_gemm's CPU handler (ffi/cpu/dispatch_gemm.cc) on 4 CPU devices: the call against dispatch +
 grouped_matmul (plain, and transpose_rhs) and dispatch + grouped_matmul_swiglu (swiglu, with and without x_recv and
 the preactivation), its shape errors, the layer with CallConfig(dispatch_pushers=2) against the two calls (bit for
 bit, with the bare grouped GEMM calls: layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and

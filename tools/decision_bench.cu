@@ -5,8 +5,8 @@
 #include <cuda_runtime.h>
 
 #include "cuda/launch.h"
-#include "cuda/resource_manager.cuh"
-#include "cuda/segment_table.cuh"
+#include "cuda/schedule/resource_manager.cuh"
+#include "cuda/schedule/segment_table.cuh"
 
 namespace jmo::tools {
 namespace {

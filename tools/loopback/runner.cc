@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "cuda/api.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/workspace.h"
+#include "cuda/ops/grouped_gemm.h"
+#include "cuda/workspace/workspace.h"
 #include "decision_bench.h"  // jmo::tools::MeasureDecision
 
 namespace jmo::loopback {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cuda/api.h"
-#include "cuda/workspace.h"
+#include "cuda/workspace/workspace.h"
 #include "jax_moe_overlap/resource_model.h"
 
 namespace jmo::loopback {

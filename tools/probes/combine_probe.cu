@@ -20,7 +20,7 @@
 // Median of --reps timed launches (CUDA events, one pair per launch) after a checked warm-up launch (y poisoned with
 // 0xFFFF, a bf16 NaN, before it); --flush 1 overwrites a 256 MB buffer before each timed launch (cold L2).
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
 //     -o /tmp/combine_probe tools/probes/combine_probe.cu && /tmp/combine_probe
 //   /tmp/combine_probe --tokens 4096 --k 8 --n 7168      (DeepSeek-like; also --reps R, --flush 1)
 #include <cuda_bf16.h>
@@ -33,8 +33,8 @@
 #include <random>
 #include <vector>
 
-#include "cuda/bulk_copy.cuh"
-#include "cuda/combine_gather.cuh"
+#include "cuda/ops/combine_gather.cuh"
+#include "cuda/transport/bulk_push.cuh"
 #include "probe_common.cuh"  // CK, FillKernel
 
 namespace {

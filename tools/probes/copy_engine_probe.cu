@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/grouped_gemm.h"
+#include "cuda/ops/grouped_gemm.h"
 
 #define CHECK(x)                                                                                  \
   do {                                                                                            \

@@ -15,7 +15,7 @@
 // Parameters: jax_moe_overlap/calibration/nvidia_h200.json (tile 128 x 256, K = 2048, bf16, max_ctas 32).
 //
 // Build and run (repository root; < 30 s; options: --iters 1000 --reps 5 --seeds 12):
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
 //     -o /tmp/decision_probe tools/probes/decision_probe.cu && /tmp/decision_probe
 #include <cuda_runtime.h>
 
@@ -27,7 +27,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/resource_manager.cuh"
+#include "cuda/schedule/resource_manager.cuh"
 #include "probe_common.cuh"  // CK
 
 namespace {

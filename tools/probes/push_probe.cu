@@ -3,14 +3,14 @@
 //
 // Copies `total` bytes in 512 KiB bands (64 rows of 8 KiB, the consumer's band at N = 4096 bf16) from one buffer to
 // another of the same GPU with C CTAs, each taking bands c, c + C, ..., in these ways:
-//   bulk W      StreamBands (bulk_copy.cuh, the consumer's code) run by W issuing threads per CTA (lane 0 of warps
+//   bulk W      StreamBands (transport/bulk_push.cuh, the consumer's) by W issuing threads per CTA (lane 0 of warps
 //               0..W-1), each with its own ring of `slots` slots of 8, 16 or 32 KiB and every W-th of the CTA's bands
 //   band T      CopyBand (device/copy.cuh's 16-loads-in-flight copy) by T threads per CTA
 //   memcpy      cudaMemcpyAsync of all bytes (the copy ceiling bench_consumer.py reports)
 // Median of --reps timed launches (CUDA events) after one warm-up; the destination is checked against the source
 // after each configuration's first launch (poisoned before it).
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I csrc -I csrc/include \
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
 //     -o /tmp/push_probe tools/probes/push_probe.cu && /tmp/push_probe
 #include <cuda_runtime.h>
 
@@ -21,7 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cuda/bulk_copy.cuh"
+#include "cuda/transport/bulk_push.cuh"
 #include "probe_common.cuh"  // CK
 
 namespace {

@@ -25,7 +25,7 @@ if [ "$mode" != outer-prebuilt ]; then
   # The library's gencodes: sm_90a SASS (the wgmma kernels) + sm_80 SASS + compute_80 PTX (guarded __trap() bodies).
   "$NVCC" -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
     -gencode=arch=compute_80,code=compute_80 -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall \
-    -I"$repo/csrc" -I"$repo/csrc/include" \
+    -I"$repo/ffi" -I"$repo/ffi/include" \
     -Xptxas -v -o "$dir/$probe" "$here/$probe.cu" 2> "$dir/ptxas_$probe.log" || { cat "$dir/ptxas_$probe.log"; exit 1; }
   # One line per sm_90a kernel instantiation: registers / spills.
   if [ "$probe" = wgmma_probe ]; then

@@ -1,10 +1,10 @@
-// Standalone probe for gemm/wgmma_outer.cuh (WgmmaGroupedOuter, the weight-gradient grouped GEMM): correctness against
-// a tiled fp32 GPU reference, then timing.
+// Standalone probe for gemm/sm90/wgmma_outer.cuh (WgmmaGroupedOuter, the weight-gradient grouped GEMM): correctness
+// against a tiled fp32 GPU reference, then timing.
 //   wgmma_outer_probe [--small-only] [--no-timing]
 // Exit codes: 0 all PASS, 1 some FAIL, 2 CUDA error, 3 watchdog timeout.
 // Rows of lhs / rhs that belong to no group (past min(sum(sizes), M)) are filled with NaN, so a reduction tail that
 // is not masked in BOTH operands shows up as non-finite output; empty groups must come out exactly +0.
-#include "cuda/gemm/wgmma_outer.cuh"
+#include "cuda/gemm/sm90/wgmma_outer.cuh"
 #include "probe_common.cuh"
 
 // Reference: ref[g, k, n] = sum_{r in group g} lhs[r, k] * rhs[r, n] in fp32. Block 16 x 16 threads, 64 x 64 outputs

@@ -1,7 +1,7 @@
-// Standalone probe for gemm/wgmma_grouped.cuh: correctness against a naive fp32 GPU reference, then timing.
+// Standalone probe for gemm/sm90/wgmma_grouped.cuh: correctness against a naive fp32 GPU reference, then timing.
 //   wgmma_probe [--small-only] [--no-timing]
 // Exit codes: 0 all PASS, 1 some FAIL, 2 CUDA error, 3 watchdog timeout.
-#include "cuda/gemm/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "probe_common.cuh"
 
 // [G, K, N] -> [G, N, K]

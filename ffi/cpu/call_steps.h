@@ -1,0 +1,60 @@
+// The steps the CPU handlers of the workspace calls share (handlers.cc, dispatch_gemm.cc): opening an epoch,
+// recording a failure, and the parts of protocol.h's dispatch that dispatch_gemm repeats (the slot checks, the recv
+// segments, the end of the call).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/workspace_cpu.h"
+#include "jax_moe_overlap/protocol.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jmo::cpu {
+
+struct CallContext {
+  Workspace* ws;
+  int group, rank;
+  uint64_t epoch;
+  Clock::time_point deadline;
+};
+
+// Common start of every call: resolve the workspace, check rank/group, apply the test delay, recover from an
+// earlier abort, and open the epoch.
+xla::ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank, int64_t timeout_ms,
+                                         int32_t delay_rank, int64_t delay_us);
+
+// A call that fails validation after its epoch began must not leave its peers waiting for rows that will never
+// come: record the failure (`detail`, `peer`, `got`, `expected` as protocol.h's BadInput describes them) and raise
+// the group's abort word, so they give up at once naming this rank's failure, and the next call resets the group.
+xla::ffi::Error Fail(const CallContext& c, xla::ffi::Error err, BadInput detail = kBadCallShape, uint64_t peer = 0,
+                     uint64_t got = 0, uint64_t expected = 0);
+
+// A bad input whose record says it all: this rank's error is the record's text, as its peers quote it.
+xla::ffi::Error FailInput(const CallContext& c, const char* op, BadInput detail, uint64_t peer, uint64_t got,
+                          uint64_t expected);
+
+// The error of a failed wait (its record), for op.
+xla::ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c, int64_t timeout_ms);
+
+// Every slot of a dispatch before any row moves: a valid expert id, and a kept slot's destination rank, recv row
+// (< cap) and source row (< S) in range. Dropped and skipped slots (dest row -1) are not moved.
+xla::ffi::Error CheckSlots(const CallContext& c, const char* op, const int32_t* src_row, const int32_t* dst_rank,
+                           const int32_t* dst_row, int64_t P, int64_t S, int64_t cap);
+
+// The (local expert, source) segments of this rank's recv in (expert, source) order, as the plan packs them
+// (Segment: recv_off from the packing, ret_off = the first send position on the source, band_base = the first
+// tile_ready flag of the segment); rows_to_rank[s] = the rows this rank receives from s. A segment outside recv
+// (cap rows) or the source's ret rows fails the call (kBadSegment).
+xla::ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const char* op, const int32_t* seg_rows,
+                                                     const int32_t* seg_ret_off, int64_t E_l, int64_t cap,
+                                                     std::vector<int64_t>* rows_to_rank);
+
+// The end of a dispatch (protocol.h steps 3-4): wait until `expected` more rows have arrived in recv, advance
+// recv_expected, copy them to out [cap, row_bytes] (zeros past them), then release-store done_epoch. out == nullptr:
+// the caller does not keep the rows (dispatch_gemm without x_recv); every step but the copy still runs, since the
+// counters and done_epoch are what the next call of this rank and its peers' pushes wait on.
+xla::ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
+                            void* out, int64_t timeout_ms);
+
+}  // namespace jmo::cpu

@@ -1,0 +1,288 @@
+// XLA:CPU handlers of the workspace calls: dispatch, expert_combine and exchange_counts.
+//
+// The handler thread is the producer; the rank's persistent Consumer thread (workspace_cpu.h) is the
+// communication engine. Both follow protocol.h step by step, so the CUDA kernels can be checked against this code.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/call_signature.h"
+#include "common/error_text.h"
+#include "cpu/call_steps.h"
+#include "cpu/handlers.h"
+#include "cpu/workspace_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmo::cpu {
+namespace {
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static float Load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  static void Store(void* p, int64_t i, float v) { static_cast<float*>(p)[i] = v; }
+};
+template <>
+struct Elem<uint16_t> {
+  static float Load(const void* p, int64_t i) { return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]); }
+  static void Store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = FloatToBf16(v); }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out.
+
+ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
+                        ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
+                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t workspace, int64_t timeout_ms, int32_t delay_rank,
+                        int64_t delay_us) {
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+  if (shape.has_error()) return shape.error();
+  const int64_t S = shape->S, cap = shape->cap, P = shape->P;
+  const int64_t row_bytes = shape->D * ElemBytes(shape->dtype);
+
+  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  if (ctx.has_error()) return ctx.error();
+  CallContext c = ctx.value();
+  Workspace* ws = c.ws;
+  const int R = ws->ranks();
+  if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows)
+    return Fail(c, InvalidCall("dispatch: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
+                   " but the workspace holds " + std::to_string(ws->sizes().row_bytes) + " B x " +
+                   std::to_string(ws->sizes().recv_rows)));
+  const int32_t* src_row = slot_src_row.typed_data();
+  const int32_t* dst_rank = slot_dest_rank.typed_data();
+  const int32_t* dst_row = slot_dest_row.typed_data();
+  const int64_t expected = recv_rows_expected.typed_data()[0];
+  if (expected < 0 || expected > cap) return FailInput(c, "dispatch", kBadExpectedRows, 0, expected, cap);
+  if (ffi::Error err = CheckSlots(c, "dispatch", src_row, dst_rank, dst_row, P, S, cap); err.failure()) return err;
+
+  const char* src_bytes = static_cast<const char*>(src.untyped_data());
+  // Start with the next rank so that the R senders do not all hit the same receiver at once.
+  for (int i = 1; i <= R; ++i) {
+    const int d = (c.rank + i) % R;
+    RankView peer = ws->view(c.group, d);
+    ErrorRecord e = ws->WaitAtLeast(&peer.control()->done_epoch.value, 0, c.epoch - 1, c.group, c.rank, d, c.epoch,
+                                    kStagePeerReady, c.deadline, timeout_ms);
+    if (e.code) return TimeoutError("dispatch", e, c, timeout_ms);
+    uint64_t sent = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      if (dst_row[p] < 0 || dst_rank[p] != d) continue;
+      std::memcpy(peer.recv() + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, row_bytes);
+      ++sent;
+    }
+    if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
+  }
+
+  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), timeout_ms);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// expert_combine: producer = grouped GEMM over the (expert, source) segments, remote first, one ready flag per
+// band; consumer thread = pushes bands to their source ranks; then combine this rank's returned rows.
+
+// w[e] is [K, N], or with transpose_rhs [N, K] read as its transpose: element (k, n) at k * w_k + n * w_n. The sums
+// run in the same order either way, so the transposed call equals the plain one on the transposed weights bit for bit.
+template <typename T>
+void ProduceSegments(const std::vector<Segment>& order, const void* lhs, const void* w, int64_t K, int64_t N,
+                     bool transpose_rhs, const RankView& self, uint64_t epoch) {
+  const int64_t w_k = transpose_rhs ? 1 : N, w_n = transpose_rhs ? K : 1;
+  std::vector<float> acc(N);
+  for (const Segment& seg : order) {
+    const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
+    const int64_t w_off = static_cast<int64_t>(seg.expert) * K * N;
+    for (int64_t b = 0; b < bands; ++b) {
+      const int64_t r0 = seg.recv_off + b * kBandRows;
+      const int64_t r1 = seg.recv_off + std::min<int64_t>(seg.rows, (b + 1) * kBandRows);
+      for (int64_t i = r0; i < r1; ++i) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < K; ++k) {
+          const float a = Elem<T>::Load(lhs, i * K + k);
+          if (a == 0.f) continue;
+          const int64_t wrow = w_off + k * w_k;
+          for (int64_t n = 0; n < N; ++n) acc[n] += a * Elem<T>::Load(w, wrow + n * w_n);
+        }
+        for (int64_t n = 0; n < N; ++n) Elem<T>::Store(self.stage(), i * N + n, acc[n]);
+      }
+      // The band is stored: publish it (release) so the consumer may ship it.
+      AtomicStore(&self.tile_ready()[seg.band_base + b], epoch);
+    }
+  }
+}
+
+template <typename T>
+void CombineRows(const RankView& self, const float* gates, const int32_t* slot_ret_row, int64_t T_, int64_t k,
+                 int64_t N, void* y, void* slot_out) {
+  std::vector<float> acc(N);
+  for (int64_t t = 0; t < T_; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < k; ++j) {  // fixed order j = 0..k-1: deterministic sums
+      const int64_t p = t * k + j;
+      const int32_t row = slot_ret_row[p];
+      if (row < 0) {
+        if (slot_out) for (int64_t n = 0; n < N; ++n) Elem<T>::Store(slot_out, p * N + n, 0.f);
+        continue;
+      }
+      const float g = gates[p];
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = Elem<T>::Load(self.ret(), row * N + n);
+        acc[n] += g * v;
+        if (slot_out) Elem<T>::Store(slot_out, p * N + n, v);
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) Elem<T>::Store(y, t * N + n, acc[n]);
+  }
+}
+
+ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> gates,
+                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off,
+                             ffi::Buffer<ffi::S32> slot_ret_row, ffi::Buffer<ffi::S32> ret_rows_expected,
+                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace,
+                             int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas,
+                             int32_t serialize, bool transpose_rhs, bool /*push_bulk_copy*/,
+                             int32_t /*push_slots*/, int32_t /*push_read_lag*/, int32_t /*push_issuers*/) {
+  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
+  if (shape.has_error()) return shape.error();
+  // consumer_ctas and the push tuning are CUDA resources (the CPU consumer is one thread per rank): checked, unused.
+  if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
+  const ffi::DataType dt = shape->dtype;
+  const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;
+  const int64_t P = shape->P;
+  const bool want_slots = shape->want_slots;
+  const int64_t row_bytes = N * ElemBytes(dt);
+
+  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  if (ctx.has_error()) return ctx.error();
+  CallContext c = ctx.value();
+  Workspace* ws = c.ws;
+  const int R = ws->ranks();
+  if (shape->R != R) return Fail(c, InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
+  if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows || P > ws->sizes().ret_rows)
+    return Fail(c, InvalidCall("expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) +
+                   ", cap " + std::to_string(cap) + ", slots " + std::to_string(P) + ")"));
+
+  // Segments in (expert, source) order, as the plan laid out recv; then the producer's order.
+  std::vector<int64_t> rows_to_rank;
+  auto recv_segs = RecvSegments(c, "expert_combine", seg_rows.typed_data(), seg_ret_off.typed_data(), E_l, cap,
+                                &rows_to_rank);
+  if (recv_segs.has_error()) return recv_segs.error();
+  const std::vector<Segment>& segs = *recv_segs;
+  const int64_t band = segs.empty() ? 0 : segs.back().band_base + (segs.back().rows + kBandRows - 1) / kBandRows;
+  if (band > ws->sizes().max_bands)
+    return FailInput(c, "expert_combine", kBadTooManyTiles, 0, band, ws->sizes().max_bands);
+  std::vector<int> order(segs.size());
+  OrderSegments(segs.data(), static_cast<int>(segs.size()), c.rank, rows_to_rank.data(), order.data());
+  std::vector<Segment> ordered;
+  for (int i : order)
+    if (segs[i].rows > 0) ordered.push_back(segs[i]);
+
+  RankView self = ws->view(c.group, c.rank);
+  // "Launch" the consumer first, as the CUDA side launches the communication kernel first on its own SMs.
+  ConsumerJob job;
+  job.epoch = c.epoch;
+  job.group = c.group;
+  job.rank = c.rank;
+  job.segments = ordered;
+  job.row_bytes = row_bytes;
+  job.deadline = c.deadline;
+  job.timeout_ms = timeout_ms;
+  job.serialize = serialize != 0;
+  Consumer& consumer = ws->consumer(c.group, c.rank);
+  consumer.Post(std::move(job));
+
+  if (dt == ffi::DataType::F32)
+    ProduceSegments<float>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
+  else
+    ProduceSegments<uint16_t>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
+
+  RankControl* ctl = self.control();
+  const uint64_t base = ctl->ret_expected.value;
+  const int64_t expected = ret_rows_expected.typed_data()[0];
+  ErrorRecord e = ws->WaitAtLeast(&ctl->ret_arrivals.value, base, expected, c.group, c.rank, R, c.epoch,
+                                  kStageRetArrivals, c.deadline, timeout_ms);
+  ErrorRecord ce = consumer.Join();  // always join: the next call must not start while it still reads stage
+  if (e.code) return TimeoutError("expert_combine", e, c, timeout_ms);
+  if (ce.code) return TimeoutError("expert_combine", ce, c, timeout_ms);
+  ctl->ret_expected.value = base + expected;
+  const int32_t* ret_row = slot_ret_row.typed_data();
+  for (int64_t p = 0; p < P; ++p)
+    if (ret_row[p] >= ws->sizes().ret_rows)
+      return FailInput(c, "expert_combine", kBadRetRow, p, ret_row[p], ws->sizes().ret_rows);
+  void* so_ptr = want_slots ? slot_out->untyped_data() : nullptr;
+  if (dt == ffi::DataType::F32)
+    CombineRows<float>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);
+  else
+    CombineRows<uint16_t>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);
+  AtomicStore(&ctl->done_epoch.value, c.epoch);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// exchange_counts: this rank's routing counts into its slot of the group's count board, every rank's counts out
+// (protocol.h's steps). The count exchange of groups whose ranks span processes: every wait bounded, unlike the
+// collective backend's.
+
+ffi::Error ExchangeCountsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Buffer<ffi::S32> counts,
+                              ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, int64_t workspace, int64_t timeout_ms,
+                              int32_t delay_rank, int64_t delay_us) {
+  auto shape = CheckExchangeCounts(counts, *counts_all);
+  if (shape.has_error()) return shape.error();
+  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  if (ctx.has_error()) return ctx.error();
+  CallContext c = ctx.value();
+  Workspace* ws = c.ws;
+  const int R = ws->ranks();
+  const int64_t n = counts.element_count();
+  if (shape->R_src != R || shape->R_dst != R || n > ws->count_values())
+    return Fail(c, InvalidCall("exchange_counts: counts_all [" + std::to_string(shape->R_src) + ", " +
+                               std::to_string(shape->R_dst) + ", " + std::to_string(shape->E_local) +
+                               "] does not fit the workspace (" + std::to_string(R) + " ranks, at most " +
+                               std::to_string(ws->count_values()) + " counts per rank)"));
+
+  // 1. Every peer has finished reading the board in the previous call.
+  for (int i = 1; i < R; ++i) {
+    const int d = (c.rank + i) % R;
+    ErrorRecord e = ws->WaitAtLeast(&ws->view(c.group, d).control()->done_epoch.value, 0, c.epoch - 1, c.group,
+                                    c.rank, d, c.epoch, kStagePeerReady, c.deadline, timeout_ms);
+    if (e.code) return TimeoutError("exchange_counts", e, c, timeout_ms);
+  }
+  // 2. Publish this rank's counts.
+  CountSlot* mine = ws->count_slot(c.group, c.rank);
+  std::memcpy(mine->values, counts.typed_data(), n * sizeof(int32_t));
+  AtomicStore(&mine->stamp.value, c.epoch);
+  // 3. Every rank's counts of this epoch, in source order.
+  int32_t* out = counts_all->typed_data();
+  for (int s = 0; s < R; ++s) {
+    const CountSlot* slot = ws->count_slot(c.group, s);
+    ErrorRecord e = ws->WaitAtLeast(&slot->stamp.value, 0, c.epoch, c.group, c.rank, s, c.epoch, kStageCounts,
+                                    c.deadline, timeout_ms);
+    if (e.code) return TimeoutError("exchange_counts", e, c, timeout_ms);
+    std::memcpy(out + s * n, slot->values, n * sizeof(int32_t));
+  }
+  // 4. Done reading: peers may publish the next epoch's counts.
+  AtomicStore(&ws->view(c.group, c.rank).control()->done_epoch.value, c.epoch);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jmo::cpu
+
+// On CPU the workspace calls take an ordering token first and return one first (jax_moe_overlap/ordering.py):
+// XLA:CPU runs thunks as soon as their operands are ready, several at a time, so two workspace calls with no data
+// between them could start in different orders on different ranks. The token chain (a JAX ordered effect) is the
+// dependency that makes every rank run its workspace calls in the one program order. The tokens carry no data.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl,
+                              jmo::BindDispatch(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpu, jmo::cpu::ExpertCombineImpl,
+                              jmo::BindExpertCombine(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCpu, jmo::cpu::ExchangeCountsImpl,
+                              jmo::BindExchangeCounts(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));

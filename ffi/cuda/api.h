@@ -1,0 +1,138 @@
+// The launchers of the CUDA library (jmo_cuda): the host entry points of the primitives and what the handlers, the
+// workspace and the tools need to know about the kernels. Plain C++: the XLA FFI handlers (handlers/) and the
+// tools (the loopback harness) call the same functions.
+//
+// All pointers are device pointers (operands of the custom call); every call only enqueues work on `stream`,
+// except after a failure (RecoverIfAborted synchronizes). A failure inside the kernels (a timed-out wait, an invalid
+// routing input found on the device) is reported by the *next* call of the same rank, with rank, peer, stage and
+// counts: the kernels run asynchronously, so the call that fails cannot know yet.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/workspace/workspace.h"
+
+namespace jmo::cuda {
+
+enum class DType { kF32, kBF16 };
+
+// How expert_combine's consumer CTAs push their bands (the tuning attributes of a call; CallConfig in Python checks
+// the ranges). The defaults are the ones the shipped calibration describes.
+struct ConsumerTuning {
+  bool bulk_copy = true;      // TMA bulk copies on sm_90 (transport/bulk_push.cuh); false: CopyBand (16-byte copies)
+  int32_t push_slots = 12;    // ring slots of one issuing thread (2..kPushMaxSlots; the launch's smem may give fewer)
+  int32_t push_read_lag = 4;  // bulk stores that may still read their slot (1..16; below the slots)
+  int32_t push_issuers = 4;   // issuing threads per consumer CTA, one ring each (1..8): one thread's rate is bounded
+};
+
+struct CallOptions {
+  int64_t timeout_ms = 10000;
+  int32_t delay_rank = -1;  // testing aid: this rank spins delay_us on its device at the start of every call
+  int64_t delay_us = 0;
+  // expert_combine only. consumer_ctas: 0 = the resource manager's choice (the workspace's model evaluated on the
+  // device from the call's routed counts, or its fixed count without a model); > 0 = pinned (never negative; must
+  // leave a producer CTA: at most the rank's SM budget - 1). serialize: the consumer starts pushing only after the
+  // producer has finished every tile (the "same kernels, no overlap" baseline).
+  int32_t consumer_ctas = 0;
+  bool serialize = false;
+  ConsumerTuning tuning;
+  // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
+  // paces every push to another rank (dispatch, dispatch_gemm) so that a rank's pushing CTAs together move at most this
+  // many GB/s, as over a link of that bandwidth. Never set by the library's Python API (0: no pacing).
+  double emulated_link_gbps = 0;
+};
+
+struct CallSite {
+  Workspace* ws;
+  int group, rank;
+  cudaStream_t stream;
+  CallOptions opts;
+};
+
+// dispatch: rows src[slot_src_row[p]] -> peer slot_dest_rank[p]'s recv row slot_dest_row[p] (-1: dropped); waits for
+// this rank's *expected rows, then writes out [cap, D] (rows past *expected are zero).
+Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
+                const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P, const int32_t* recv_expected,
+                const int32_t* group_op, const int32_t* rank_op, void* out, int64_t cap);
+
+// The sender side of a dispatch_gemm's plan (plan.py): per slot [P] the source row, destination rank and recv row;
+// the slot at each send position [P]; the first send position of each destination's rows [R + 1].
+struct DispatchSlots {
+  const int32_t *src_row, *dest_rank, *dest_row, *send_order, *send_start;
+  int64_t P;
+};
+
+// dispatch_gemm's results (all device pointers; rows past *recv_expected are zero in each).
+struct DispatchGemmOut {
+  void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
+  void* out;     // swiglu: h [cap, N / 2] bf16 = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32 = pre
+  float* a;      // swiglu: pre [cap, N] float32, or nullptr: not kept (must be nullptr without swiglu)
+  bool swiglu;   // GEMM1's SwiGLU epilogue (not with transpose_rhs)
+};
+
+// dispatch_gemm: the dispatch (as Dispatch) and GEMM1 pre = recv[segment] @ w[expert] (w [E_l, D, N] bf16, or
+// [E_l, N, D] read transposed in place with transpose_rhs) in one launch, each GEMM1 tile starting once the 128-row
+// blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says, bitwise those of
+// Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. `pushers` CTAs push the rows for other ranks, then copy
+// x_recv and zero the padding rows beside the GEMM, then join it (1 .. SM budget - 1). Hopper and bf16 only (the wgmma
+// engine; an InvalidArgument error otherwise).
+Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
+                    const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
+                    const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
+                    const DispatchGemmOut& out, int64_t cap, int pushers);
+
+// expert_combine: producer = grouped GEMM lhs[segment] @ w[expert] over the (expert, source) segments in
+// SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;
+// consumer = C CTAs pushing each finished remote band to its source's ret rows (TMA bulk copies on sm_90); then
+// y[t] = sum_j gates[t, j] * ret[slot_ret_row[t*k + j]] (fixed order j = 0..k-1), slot_out[p] = ret[...] if given.
+// w is [E_l, K, N], or with transpose_rhs [E_l, N, K], read as w[expert]^T in place (no transposed copy).
+Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
+                     int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
+                     const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
+                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out);
+
+// exchange_counts: counts [R_dst * E_local] of this rank -> out [R_src, R_dst, E_local], every rank's, through the
+// group's count board (protocol.h); R_src and R_dst must be the workspace's ranks, R_dst * E_local <= kMaxSegments.
+Status ExchangeCounts(const CallSite& c, const int32_t* counts, int64_t R_src, int64_t R_dst, int64_t E_local,
+                      const int32_t* group_op, const int32_t* rank_op, int32_t* out);
+
+// What the host needs of a device (cached per ordinal, thread-safe): SMs, shared memory per SM, compute capability.
+struct DeviceInfo {
+  int sms = 0;
+  int smem_per_sm = 0;
+  int cc_major = 0;
+};
+Status GetDeviceInfo(int dev, DeviceInfo* info);
+
+// Loads every kernel on device `dev` and sets the expert kernel's shared memory (once per device). Workspace::Create
+// calls it: with CUDA's lazy module loading, a kernel loaded at its first launch can wait for kernels already running,
+// and ours spin on each other across ranks sharing a device.
+Status PrepareKernels(int dev);
+
+// The producer engine ExpertCombine runs for a call's operands: wgmma (Hopper: bf16, K and N multiples of 64, either
+// layout of w), mma.sync (bf16 tensor cores, sm80+) or SIMT (float32 operands, or shapes the tensor-core path does not
+// take: a row length of lhs or w as stored -- K, and N unless transpose_rhs -- not a multiple of 8).
+enum class ProducerPath { kWgmmaBf16, kMmaSyncBf16, kSimtFp32 };
+ProducerPath SelectProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
+const char* ProducerPathName(ProducerPath p);  // "wgmma bf16", "mma.sync bf16", "simt fp32"
+
+// Columns of one mma.sync / SIMT producer tile (a tile is kBandRows x this).
+int ProducerTileN();
+
+// Rows and columns of one tile of a producer engine (wgmma: 128 x 256, two bands per tile; the others: 64 x 128).
+void ProducerTile(ProducerPath path, int* tile_m, int* tile_n);
+
+// Empty if `p` can drive the device-side choice (tile shape of the compiled kernels, one CTA per SM, finite positive
+// rates), else what is wrong.
+std::string CheckModelParams(const ModelParams& p);
+
+// How the resource manager picks a call's consumer CTA count C: pinned by the call, the workspace's model evaluated
+// on the device (when it describes the call's producer engine), or the workspace's fixed count.
+enum class ConsumerPolicy { kPinned, kModel, kFixed };
+ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, ProducerPath path);
+const char* ConsumerPolicyName(ConsumerPolicy p);  // "pinned", "model", "fixed"
+
+}  // namespace jmo::cuda

@@ -1,0 +1,488 @@
+// Hopper (sm_90a) warp-specialized persistent wgmma + TMA mainloop as a reusable device function.
+//
+//   WgmmaTileLoop<kTransB, kOutF32>(a_map, b_map, K, first, stride, count, tile_of, tile_done, smem[, tile_wait])
+//   WgmmaTileLoopNext<kTransB, kOutF32>(a_map, b_map, K, count, next_tile, tile_of, tile_done, smem[, tile_wait])
+//
+// computes, for i = first, first + stride, ... < count (or for the indices next_tile hands out, below), the output
+// tile t = tile_of(i):
+//   out_t[r, c] = sum_k A[t.a_row + r, k] * B[t.b_idx][k, t.n0 + c]     r < t.rows, c < t.cols
+// (fp32 accumulate, stored as bf16 or f32 to t.out[r * t.ldc + c]) and, when DoneFn is not NoTileDone, calls
+// tile_done(t) once per tile after all of the tile's stores (contract below). The bare grouped GEMM
+// (wgmma_grouped.cuh, GroupedGemmKernel), the expert_combine producer (expert_producer.cuh) and dispatch_gemm use it.
+//
+// ---- Caller requirements -------------------------------------------------------------------------------------
+//   * Block of exactly kThreads = 384 threads (3 warpgroups), kernel declared __launch_bounds__(kThreads, 1), so
+//     ptxas gives it kEntryRegs = 168 registers at entry (WG0 releases to 24, WG1/WG2 grow to 240, and all return
+//     to 168 before the function returns). PrepareWgmmaKernel (wgmma_grouped.cuh) checks this on the host.
+//   * All 384 threads call the function, uniformly (it contains __syncthreads() at entry and at exit); after it
+//     returns the smem region may be reused and the function may be called again.
+//   * smem: >= LoopSmemBytes<kNumStages>() bytes of dynamic shared memory (any alignment: the function aligns up to
+//     1024 inside, that is what the 1 KB slack is for). kNumStages = 4 (default): 197,712 bytes; 3: 148,492.
+//   * Named barriers 1 (256 consumer threads) and 2 (128 producer threads) are used; the caller must not have any
+//     of its own in flight across the call.
+//   * a_map: 2D bf16 tensor map of A ([rows, K] row-major), box (kBK = 64, kBM = 128), 128B swizzle, OOB zero fill.
+//     b_map: 3D bf16 tensor map of B, 128B swizzle, OOB zero fill:
+//       kTransB = 1 (B [G, K, N], N contiguous, "MN-major"): dims (N, K, G), box (64, 64, 1);
+//       kTransB = 0 (B [G, N, K], K contiguous):               dims (K, N, G), box (64, 256, 1).
+//     EncodeGemmMaps / CachedGemmMaps (wgmma_grouped.cuh) build exactly these. The maps must live in kernel-parameter
+//     space (__grid_constant__ CUtensorMap kernel arguments, passed here by reference), or in global/const memory.
+//   * K % 64 == 0, K > 0.
+//
+// ---- tile_of(i) -> Tile --------------------------------------------------------------------------------------
+//   Tile is WgmmaTile or a struct derived from it (extra fields travel to tile_done untouched). Fields:
+//     a_row : first row of the tile in A (TMA row coordinate). Rows a_row .. a_row + 127 are loaded; rows past
+//             `rows` (the next segment, or past the end of A: zero filled) are multiplied but never stored.
+//     b_idx : B matrix index (3rd coordinate of b_map: group / expert).
+//     n0    : first column (B coordinate). Columns n0 .. n0 + 255 are loaded (OOB zero filled).
+//     rows  : rows to store, 0..128. rows <= 64: the second consumer warpgroup skips its MMAs (it still follows
+//             the barrier protocol); rows == 0 stores nothing (tile_done is still called).
+//     cols  : columns to store, counted from n0: a multiple of 16 in 16..256.
+//     out   : address of the tile's element (0, 0) in the row-major destination (bf16 or float per kOutF32);
+//             8-byte (bf16) / 16-byte (f32) aligned.
+//     ldc   : destination row stride in elements, a multiple of 4.
+//     n_hi  : (kTransB = 1 only) B's first column for the tile's accumulator columns 128..255; -1 = n0 + 128.
+//   A SwiGluTile (derived from WgmmaTile) selects the SwiGLU epilogue (StoreSwiGluTile): out gets `cols` bf16
+//   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators
+//   (GroupedSwiGluKernel).
+//   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile
+//   by thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24
+//   registers, so keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads
+//   (128..383) before the tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the
+//   entry __syncthreads() orders it for smem written by the CTA before the call).
+//
+// ---- next_tile(prev) (WgmmaTileLoopNext) ------------------------------------------------------------------------
+//   Called by thread 0 only: the CTA's first tile index with prev = -1, then the next one after prev; an index
+//   >= count ends the CTA's loop. A static schedule (WgmmaTileLoop: first, first + stride, ...) or a dynamic one
+//   (an atomicAdd on a per-call counter: CTAs that join late take what is left, dispatch_gemm's pushers). Thread 0
+//   passes each index to the consumer warpgroups through shared memory, next to the tile's first stage.
+//
+// ---- tile_wait(tile) (optional) ---------------------------------------------------------------------------------
+//   Called by thread 0 (the TMA thread, 24 registers) with tile_of(i)'s value before the first TMA load of the
+//   tile: it may block until the tile's operands exist (dispatch_gemm: until the segment's source rank has pushed
+//   its rows). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
+//   it must end with fence.proxy.async.global after its acquire (FenceProxyAsyncGlobal, device/ptx.cuh). It must
+//   return (a bounded wait) even on failure.
+//
+// ---- tile_done(tile) --------------------------------------------------------------------------------------------
+//   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
+//   of warp 4, the first consumer warp), with the Tile value that tile_of returned. At that point:
+//     every consumer thread (128..383) has issued all its global stores of this tile, then executed
+//     __threadfence() (fence.sc.gpu), then named barrier 1 (bar.sync 1, 256) was passed by all 256 consumers.
+//   So the tile's stores are ordered before anything thread 128 does next at gpu scope: it can count the tile
+//   (e.g. atomicAdd on a per-band counter) and the thread that completes a band can __threadfence() and
+//   release-store the band's flag -- the same pattern as ExpertKernel's producer (__threadfence, __syncthreads,
+//   thread 0 atomicAdd). tile_done runs in a consumer warp (240 registers) while the other consumer threads
+//   already start the next tile; it must not use __syncthreads / named barriers, and it delays the next tile of
+//   warp 4 by its own duration (a few atomics are fine).
+//   With DoneFn = NoTileDone the fence, the barrier and the call are compiled out (the bare GEMM's fast path).
+//
+// ---- Schedule / pipeline (see README.md) ------------------------------------------------------------------------
+//   CTA tile 128 x 256, BK = 64, kNumStages smem stages of (A 16 KB + B 32 KB), mbarrier full/empty pairs.
+//   WG0 = producer (thread 0 issues TMA), WG1/WG2 = consumers, rows [64 c, 64 c + 64) of the tile each,
+//   wgmma m64n256k16, one commit group in flight. Epilogue straight from registers (no smem), so it does not
+//   overlap the next tile's MMAs of the same warpgroup (the producer does prefetch the next tile's stages).
+//
+// Compiles for any target: the sm_90a instructions are only emitted under WGMMA_SM90A (sm_90a device pass); other
+// device passes (sm_80, compute_80 PTX) get __trap() bodies, and the host side refuses to launch there.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/device/activation.cuh"
+#include "cuda/device/ptx.cuh"
+
+namespace wgmma_gemm {
+
+using namespace jmo::ptx;  // mbarriers, TMA, register reallocation, named barriers
+
+constexpr int kBM = 128;
+constexpr int kBN = 256;
+constexpr int kBK = 64;  // 64 bf16 = 128 bytes = one 128B swizzle row
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kEntryRegs = 168;      // 65536 / 384 rounded down to a multiple of 8: what __launch_bounds__(384,1) gives
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;   // 24 * 128 + 240 * 256 = 64512 = 168 * 384
+constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
+constexpr int kProducerBarrier = 2;  // named barrier of the 128 producer threads
+constexpr int kABytes = kBM * kBK * 2;  // 16384
+constexpr int kBBytes = kBN * kBK * 2;  // 32768
+constexpr int kStageBytes = kABytes + kBBytes;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
+
+// Dynamic smem the loop needs: 1 KB alignment slack + stages + 2 * stages mbarriers + the tile index of each stage.
+template <int kNumStages = kStages>
+constexpr int LoopSmemBytes() {
+  return 1024 + kNumStages * kStageBytes + 2 * kNumStages * 8 + kNumStages * 4;
+}
+constexpr int kLoopSmemBytes = LoopSmemBytes<kStages>();
+
+// One output tile of the loop (see the header comment). Derive from it to carry caller data to tile_done.
+struct WgmmaTile {
+  int a_row;
+  int b_idx;
+  int n0;
+  int rows;
+  int cols;
+  void* out;
+  int64_t ldc;
+  // With a tile_done: whether this tile is reported (fence + consumer barrier + tile_done). A tile nobody waits for
+  // (expert_combine's tiles of the rank's own rows) skips all three. Must be the same in every consumer thread.
+  int publish = 1;
+  // B's columns of the tile's second 128 accumulator columns: n_hi .. n_hi + 127 (-1: n0 + 128, contiguous). MN-major
+  // B (kTransB = 1) only: the SwiGLU tiles load the gate columns n0.. and the up columns F + n0.. side by side.
+  int n_hi = -1;
+};
+
+// A tile whose epilogue is SwiGLU (the fused GEMM1 of the expert MLP, GroupedSwiGluKernel): the loop stores
+// h = silu(acc[:, :128]) * acc[:, 128:] (bf16, `cols` columns to out) and, when `a` is set, the float32 accumulators
+// themselves (the preactivation the backward pass needs: columns n0.. to a + n0, n_hi.. to a + n_hi).
+struct SwiGluTile : WgmmaTile {
+  float* a = nullptr;  // row 0 of the tile in the preactivation [rows, 2F] (column 0), or nullptr
+  int64_t lda = 0;
+};
+
+// tile_done that does nothing; selecting it removes the per-tile fence + consumer barrier.
+struct NoTileDone {
+  template <class T>
+  __device__ __forceinline__ void operator()(const T&) const {}
+};
+
+// tile_wait that does nothing (every operand is ready before the loop starts).
+struct NoTileWait {
+  template <class T>
+  __device__ __forceinline__ void operator()(const T&) const {}
+};
+
+// ------------------------------------------------------------------------------------------------------------
+// PTX wrappers (sm_90a only; __trap() elsewhere)
+// ------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void WgmmaFence() {
+#if WGMMA_SM90A
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void WgmmaCommit() {
+#if WGMMA_SM90A
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+#if WGMMA_SM90A
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#else
+  __trap();
+#endif
+}
+// The accumulators are "+f" operands of the wgmma asm, but the compiler must also not move them across the
+// wait: this no-op asm ties each register to a point after the wait_group.
+__device__ __forceinline__ void FenceRegs(float* d) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// wgmma shared-memory matrix descriptor (PTX ISA "matrix descriptor format"):
+//   bits  0-13 start address >> 4, bits 16-29 leading byte offset >> 4, bits 32-45 stride byte offset >> 4,
+//   bits 49-51 base offset (0: every swizzle atom starts 1024-aligned), bits 62-63 swizzle (1 = 128B).
+__device__ __forceinline__ uint64_t MakeDesc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  uint64_t d = 0;
+  d |= (uint64_t)((smem_addr & 0x3FFFF) >> 4);
+  d |= (uint64_t)((lbo_bytes & 0x3FFFF) >> 4) << 16;
+  d |= (uint64_t)((sbo_bytes & 0x3FFFF) >> 4) << 32;
+  d |= (uint64_t)1 << 62;
+  return d;
+}
+
+// D[64 x 256] (+)= A[64 x 16] * B[16 x 256], both from smem. imm-trans-a = kTransA, imm-trans-b = kTransB: 0 = the
+// operand is K-major, 1 = MN-major (legal for 16-bit types). scale_d = 0 ignores (zeroes) the old accumulator.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void Wgmma64x256(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+#if WGMMA_SM90A
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+#else
+  __trap();
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Building blocks of the warp-specialized loops (WgmmaTileLoop below, GroupedOuterKernel in wgmma_outer.cuh)
+// (each one inlines to exactly the code the loops had written out)
+// ------------------------------------------------------------------------------------------------------------
+// setmaxnreg rule: the warps of a warpgroup synchronize between two setmaxnreg. The producer's increase back to
+// the entry count waits until the consumers have released their extra registers at their end (ConsumerExit).
+__device__ __forceinline__ void ProducerExit() {
+  __syncwarp();
+  NamedBarSync(kProducerBarrier, 128);
+  SetMaxNRegInc<kEntryRegs>();
+}
+__device__ __forceinline__ void ConsumerExit() {
+  NamedBarSync(kConsumerBarrier, 256);
+  SetMaxNRegDec<kEntryRegs>();
+}
+
+// One BK = 64 k-step of a consumer warpgroup: 4 x wgmma m64n256k16 on the stage's operands at smem addresses a_base
+// (this warpgroup's 64 rows of A) and b_base, committed as one group; then waits until only this group is in flight.
+// Descriptor steps along K by 16 elements per wgmma:
+//   K-major (kTrans = 0; 128B rows of K): +32 bytes inside the swizzled row (the hardware applies the XOR on the
+//     final address, so advancing the start address by 32 B selects the next 16 k), SBO = 1024 (8 rows), LBO unused.
+//   MN-major (kTrans = 1): +16 k-rows of 128 B = 2048 bytes; LBO = 8192 (next 64-wide chunk), SBO = 1024 (next 8 k).
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void MmaKStep(float* acc, uint32_t a_base, uint32_t b_base) {
+  const uint32_t a_lbo = kTransA ? 8192 : 16, a_kstep = kTransA ? 2048 : 32;
+  const uint32_t b_lbo = kTransB ? 8192 : 16, b_kstep = kTransB ? 2048 : 32;
+  FenceRegs(acc);
+  WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    const uint64_t da = MakeDesc(a_base + kk * a_kstep, a_lbo, 1024);
+    const uint64_t db = MakeDesc(b_base + kk * b_kstep, b_lbo, 1024);
+    Wgmma64x256<kTransA, kTransB>(acc, da, db, 1);
+  }
+  WgmmaCommit();
+  WgmmaWait<1>();
+  FenceRegs(acc);
+}
+
+// Epilogue of a consumer warpgroup c (rows [64 c, 64 c + 64) of a 128-row tile), straight from registers:
+// m64nNk16 f32 accumulator layout. Thread (warp wq, lane l) holds, for j = 0..31:
+//   acc[4j + 0/1] -> row 16 wq + l/4,     cols 8 j + 2 (l%4) + 0/1
+//   acc[4j + 2/3] -> row 16 wq + l/4 + 8, same cols
+// Lanes l and l^1 swap one pair per (j, j+1) so that each lane stores 4 consecutive columns: the even lane
+// cols 8 j + 2 (l%4) .. +3, the odd lane cols 8 (j+1) + 2 (l%4 - 1) .. +3. A warp store then covers 32
+// (bf16) or 64 (f32) contiguous bytes per row. cols % 16 == 0: blocks j and j+1 are both in or both out.
+// out: the tile's element (0, 0) (bf16 or float per kOutF32), rows / cols: stored extent, ldc: row stride.
+// kBlocks: the accumulator's 8-column blocks to store (32: all 256 columns; 16: the first 128 of acc, which may
+// point into the middle of the array at a multiple of 64, the SwiGLU epilogue's halves).
+template <bool kOutF32, int kBlocks = 32>
+__device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, int lane, int rows, int cols, void* out,
+                                             int64_t ldc) {
+  const int r_lo = c * 64 + wq * 16 + lane / 4;
+  const bool odd = lane & 1;
+  const int col_even = 2 * (lane % 4);           // for even lanes, block j
+  const int col_odd = 8 + 2 * (lane % 4 - 1);    // for odd lanes, block j + 1
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    const bool row_ok = r < rows;
+    const int64_t orow = (int64_t)(row_ok ? r : 0) * ldc;
+#pragma unroll
+    for (int j = 0; j < kBlocks; j += 2) {
+      const float* a0 = &acc[4 * j + 2 * h];        // block j, this row
+      const float* a1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1, this row
+      const int col = (odd ? col_odd : col_even) + 8 * j;
+      if (kOutF32) {
+        const float s0 = odd ? a0[0] : a1[0], s1 = odd ? a0[1] : a1[1];
+        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        const float4 v = odd ? make_float4(r0, r1, a1[0], a1[1]) : make_float4(a0[0], a0[1], r0, r1);
+        if (row_ok && col < cols) *reinterpret_cast<float4*>(static_cast<float*>(out) + orow + col) = v;
+      } else {
+        __nv_bfloat162 p0 = __floats2bfloat162_rn(a0[0], a0[1]), p1 = __floats2bfloat162_rn(a1[0], a1[1]);
+        const uint32_t u0 = *reinterpret_cast<uint32_t*>(&p0), u1 = *reinterpret_cast<uint32_t*>(&p1);
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? u0 : u1, 1);
+        const uint2 v = odd ? make_uint2(got, u1) : make_uint2(u0, got);
+        if (row_ok && col < cols) *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(out) + orow + col) = v;
+      }
+    }
+  }
+}
+
+// The SwiGLU epilogue of a consumer warpgroup (see SwiGluTile): acc's columns 0..127 are the gate's, 128..255 the
+// up projection's, for the same output columns (the thread's block j and block j + 16 hold the same columns of the
+// two halves). Stores the preactivation first when asked for, then h = silu(gate) * up in float32, rounded to bf16.
+template <class Tile>
+__device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int lane, const Tile& t) {
+  if (t.a != nullptr) {
+    StoreAccTile<true, 16>(acc, c, wq, lane, t.rows, t.cols, t.a + t.n0, t.lda);
+    StoreAccTile<true, 16>(acc + 64, c, wq, lane, t.rows, t.cols, t.a + t.n_hi, t.lda);
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = jmo::cuda::SiluMul(acc[i], acc[i + 64]);
+  StoreAccTile<false, 16>(acc, c, wq, lane, t.rows, t.cols, t.out, t.ldc);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The loop
+// ------------------------------------------------------------------------------------------------------------
+template <int kTransB, bool kOutF32, int kNumStages = kStages, class NextFn, class TileFn, class DoneFn,
+          class WaitFn = NoTileWait>
+__device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, const CUtensorMap& b_map, int K,
+                                                  int count, NextFn next_tile, TileFn tile_of, DoneFn tile_done,
+                                                  char* smem, WaitFn tile_wait = {}) {
+  static_assert(kNumStages >= 2, "at least two stages (one wgmma group is kept in flight)");
+  constexpr bool kHasDone = !std::is_same<typename std::decay<DoneFn>::type, NoTileDone>::value;
+  // 128B swizzle atoms must start 1024-aligned (the descriptor base offset field is left 0).
+  unsigned char* base =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~(uintptr_t)1023);
+  unsigned char* sA = base;                             // kNumStages x kABytes
+  unsigned char* sB = base + kNumStages * kABytes;      // kNumStages x kBBytes
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + kNumStages * kStageBytes);
+  uint64_t* empty = full + kNumStages;
+  // ids[s]: the tile whose first k-step stage s holds, or -1: no more tiles. Written by thread 0 before the stage's
+  // full-barrier arrive (release), read by the consumers after their wait on it (acquire); rewritten only after the
+  // stage's empty barrier completes, which every consumer warp arrives on after its read.
+  volatile int* ids = reinterpret_cast<volatile int*>(empty + kNumStages);
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int ktiles = K / kBK;
+
+  if (tid == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      MbarInit(SmemAddr(&full[s]), 1);   // one arrive.expect_tx by the producer; the TMA bytes complete it
+      MbarInit(SmemAddr(&empty[s]), 8);  // one arrive per consumer warp (2 warpgroups x 4 warps)
+    }
+    MbarInitFence();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ================= producer warpgroup =================
+    SetMaxNRegDec<kProducerRegs>();
+    if (tid == 0) {
+      PrefetchTensorMap(&a_map);
+      PrefetchTensorMap(&b_map);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int i = next_tile(-1);; i = next_tile(i)) {
+        if (i >= count) {
+          // The end: a stage that carries no operands, only ids = -1 (a plain arrive completes its full phase).
+          MbarWait(SmemAddr(&empty[stage]), phase ^ 1);
+          ids[stage] = -1;
+          MbarArrive(SmemAddr(&full[stage]));
+          break;
+        }
+        const auto tile = tile_of(i);
+        tile_wait(tile);  // (the TMA thread, before the tile's first load)
+        const int a_row = tile.a_row, b_idx = tile.b_idx, n0 = tile.n0;
+        const int n_hi = tile.n_hi < 0 ? n0 + kBN / 2 : tile.n_hi;
+        for (int kt = 0; kt < ktiles; ++kt) {
+          const uint32_t fb = SmemAddr(&full[stage]);
+          MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // consumers released this slot (first pass: free)
+          if (kt == 0) ids[stage] = i;
+          MbarArriveExpectTx(fb, kStageBytes);           // OOB parts of a box are zero-filled and still counted
+          const uint32_t a_dst = SmemAddr(sA + stage * kABytes);
+          const uint32_t b_dst = SmemAddr(sB + stage * kBBytes);
+          TmaLoad2D(a_dst, &a_map, fb, kt * kBK, a_row);
+          if (kTransB) {
+#pragma unroll
+            for (int j = 0; j < kBN / 64; ++j)
+              TmaLoad3D(b_dst + j * 8192, &b_map, fb, j < 2 ? n0 + 64 * j : n_hi + 64 * (j - 2), kt * kBK, b_idx);
+          } else {
+            TmaLoad3D(b_dst, &b_map, fb, kt * kBK, n0, b_idx);
+          }
+          if (++stage == kNumStages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+    // setmaxnreg rule: the warps of a warpgroup synchronize between two setmaxnreg. The increase waits until the
+    // consumers have released their extra registers at their end.
+    ProducerExit();
+  } else {
+    // ================= consumer warpgroups =================
+    SetMaxNRegInc<kConsumerRegs>();
+    const int c = warp / 4 - 1;  // consumer index: rows [64 c, 64 c + 64) of the tile
+    const int wq = warp % 4;     // warp within the warpgroup: rows 16 wq .. 16 wq + 15 of its 64
+
+    float acc[128];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (;;) {
+      MbarWait(SmemAddr(&full[stage]), phase);  // the next tile's first stage (or the end)
+      const int i = ids[stage];
+      if (i < 0) break;
+      const auto tile = tile_of(i);
+      if (c * 64 >= tile.rows) {
+        // No valid row for this warpgroup (a segment's last m-tile with <= 64 rows): skip the MMAs
+        // (warpgroup-uniform) but wait on every full barrier and arrive on every empty barrier so that the
+        // barrier phases stay in step.
+        for (int kt = 0; kt < ktiles; ++kt) {
+          if (kt > 0) MbarWait(SmemAddr(&full[stage]), phase);
+          __syncwarp();
+          if (lane == 0) MbarArrive(SmemAddr(&empty[stage]));
+          if (++stage == kNumStages) { stage = 0; phase ^= 1; }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 128; ++j) acc[j] = 0.f;
+        int prev_stage = -1;
+        for (int kt = 0; kt < ktiles; ++kt) {
+          if (kt > 0) MbarWait(SmemAddr(&full[stage]), phase);
+          const uint32_t a_base = SmemAddr(sA + stage * kABytes) + c * (64 * 128);  // this WG's 64 rows
+          const uint32_t b_base = SmemAddr(sB + stage * kBBytes);
+          MmaKStep<0, kTransB>(acc, a_base, b_base);
+          // Keep this k-step's group in flight; the previous one is done -> release its slot.
+          if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
+          prev_stage = stage;
+          if (++stage == kNumStages) { stage = 0; phase ^= 1; }
+        }
+        WgmmaWait<0>();
+        FenceRegs(acc);
+        if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
+
+        if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
+          StoreSwiGluTile(acc, c, wq, lane, tile);
+        else
+          StoreAccTile<kOutF32>(acc, c, wq, lane, tile.rows, tile.cols, tile.out, tile.ldc);
+      }
+      if constexpr (kHasDone) {
+        // Every consumer thread: its stores of this tile, then a gpu-scope fence, then the consumer barrier; then
+        // one thread reports the tile (contract in the header comment).
+        if (tile.publish) {
+          __threadfence();
+          NamedBarSync(kConsumerBarrier, 256);
+          if (tid == 128) tile_done(tile);
+          __syncwarp();
+        }
+      }
+    }
+    // Back to the entry register count (frees the registers the producer's increase waits for). setmaxnreg rule:
+    // the warps of each warpgroup synchronize between two setmaxnreg.
+    ConsumerExit();
+  }
+  __syncthreads();
+}
+
+// The static schedule: tiles first, first + stride, ... < count.
+struct StaticTiles {
+  int first, stride;
+  __device__ __forceinline__ int operator()(int prev) const { return prev < 0 ? first : prev + stride; }
+};
+
+template <int kTransB, bool kOutF32, int kNumStages = kStages, class TileFn, class DoneFn, class WaitFn = NoTileWait>
+__device__ __forceinline__ void WgmmaTileLoop(const CUtensorMap& a_map, const CUtensorMap& b_map, int K, int first,
+                                              int stride, int count, TileFn tile_of, DoneFn tile_done, char* smem,
+                                              WaitFn tile_wait = {}) {
+  WgmmaTileLoopNext<kTransB, kOutF32, kNumStages>(a_map, b_map, K, count, StaticTiles{first, stride}, tile_of,
+                                                  tile_done, smem, tile_wait);
+}
+
+}  // namespace wgmma_gemm

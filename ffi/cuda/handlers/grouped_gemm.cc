@@ -1,0 +1,56 @@
+// XLA:CUDA handlers of the bare grouped GEMMs: the shape checks shared with the CPU handlers
+// (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu on XLA's stream.
+#include "common/grouped_gemm_signature.h"
+#include "cuda/handlers/handlers.h"
+#include "cuda/handlers/support.h"
+#include "cuda/ops/grouped_gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmo::cuda {
+namespace {
+
+ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+  auto s = CheckGroupedMatmul(lhs, rhs, group_sizes, *out, transpose_rhs);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmul(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
+                         rhs.untyped_data(), s->G, s->N, transpose_rhs, group_sizes.typed_data(),
+                         out->untyped_data()));
+}
+
+ffi::Error GroupedOuterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  auto s = CheckGroupedOuter(lhs, rhs, group_sizes, *out);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedOuter(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
+                         rhs.untyped_data(), s->N, s->G, group_sizes.typed_data(), out->untyped_data()));
+}
+
+ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                                   ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> h,
+                                   ffi::Result<ffi::AnyBuffer> a) {
+  bool keep_a = false;
+  auto s = CheckGroupedSwiGlu(lhs, rhs, group_sizes, *h, *a, &keep_a);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmulSwiGlu(stream, ToDType(s->dtype), lhs.untyped_data(), s->M, s->K, rhs.untyped_data(),
+                                   s->G, s->N, group_sizes.typed_data(), h->untyped_data(),
+                                   keep_a ? static_cast<float*>(a->untyped_data()) : nullptr));
+}
+
+}  // namespace
+}  // namespace jmo::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulCuda, jmo::cuda::GroupedMatmulImpl,
+                              jmo::BindGroupedMatmul(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                      .Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCuda, jmo::cuda::GroupedOuterImpl,
+                              jmo::BindGroupedOuter(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                      .Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCuda, jmo::cuda::GroupedMatmulSwiGluImpl,
+                              jmo::BindGroupedSwiGlu(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                       .Ctx<ffi::DeviceOrdinal>()));

@@ -1,0 +1,162 @@
+#include "cuda/handlers/module.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "cuda/api.h"
+#include "cuda/handlers/handlers.h"
+#include "cuda/ops/grouped_gemm.h"
+#include "cuda/workspace/workspace.h"
+
+namespace nb = nanobind;
+
+namespace jmo::cuda {
+
+namespace {
+Workspace& LiveWorkspace(int64_t handle) {
+  Workspace* ws = LookupWorkspace(handle);
+  if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: not a live CUDA workspace handle");
+  return *ws;
+}
+}  // namespace
+
+void RegisterModule(nb::module_& m) {
+  m.def("cuda_registrations", []() {
+    nb::dict d;
+    d["jmo_dispatch"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchCuda));
+    d["jmo_expert_combine"] = nb::capsule(reinterpret_cast<void*>(JmoExpertCombineCuda));
+    d["jmo_dispatch_gemm"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchGemmCuda));
+    d["jmo_exchange_counts"] = nb::capsule(reinterpret_cast<void*>(JmoExchangeCountsCuda));
+    d["jmo_grouped_matmul"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulCuda));
+    d["jmo_grouped_outer"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedOuterCuda));
+    d["jmo_grouped_matmul_swiglu"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulSwiGluCuda));
+    return d;
+  });
+  // process, here, prefix: a workspace whose groups span processes (workspace.h's Sharing; process[g * ranks + r]
+  // owns rank r of group g, ordinals of other processes' ranks are -1): this process's part, completed by
+  // open_cuda_workspace_peers once every process has created its own (jax_moe_overlap/cuda_workspace.py).
+  m.def(
+      "create_cuda_workspace",
+      [](int ranks, int groups, std::vector<int> ordinals, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
+         int64_t num_segments, int consumer_ctas, int sm_budget, std::optional<ModelParams> model,
+         std::optional<std::vector<int>> process, int here, std::string prefix) {
+        if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
+          throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
+        WorkspaceSizes s{row_bytes, recv_rows, ret_rows, MaxBands(recv_rows, num_segments)};
+        std::optional<Sharing> sharing;
+        if (process) sharing = Sharing{*process, here, prefix};
+        std::unique_ptr<Workspace> ws;
+        Status st = Workspace::Create(ranks, groups, ordinals, s, consumer_ctas, sm_budget,
+                                      model ? &*model : nullptr, &ws, sharing ? &*sharing : nullptr);
+        if (!st.ok()) throw std::runtime_error(st.msg);
+        return RegisterWorkspace(std::move(ws));
+      },
+      nb::arg("ranks"), nb::arg("groups"), nb::arg("ordinals"), nb::arg("row_bytes"), nb::arg("recv_rows"),
+      nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("consumer_ctas"), nb::arg("sm_budget") = 0,
+      nb::arg("model") = nb::none(), nb::arg("process") = nb::none(), nb::arg("here") = -1,
+      nb::arg("prefix") = "");
+  // The exports of this process's ranks of a shared workspace, by g * ranks + r: (IPC handle bytes, PCI bus id),
+  // (b"", "") for the ranks of other processes.
+  m.def(
+      "export_cuda_workspace_blocks",
+      [](int64_t handle) {
+        std::vector<BlockExport> ex;
+        Status st = LiveWorkspace(handle).ExportHandles(&ex);
+        if (!st.ok()) throw std::runtime_error(st.msg);
+        nb::list out;
+        for (const BlockExport& e : ex)
+          out.append(nb::make_tuple(nb::bytes(e.ipc_handle.data(), e.ipc_handle.size()), e.pci_bus_id));
+        return out;
+      },
+      nb::arg("handle"));
+  m.def(
+      "open_cuda_workspace_peers",
+      [](int64_t handle, const std::vector<std::tuple<nb::bytes, std::string>>& peers) {
+        std::vector<BlockExport> ex;
+        for (const auto& [h, bus] : peers) ex.push_back(BlockExport{std::string(h.c_str(), h.size()), bus});
+        Workspace& ws = LiveWorkspace(handle);
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = ws.OpenPeers(ex);
+        }
+        if (!st.ok()) throw std::runtime_error(st.msg);
+      },
+      nb::arg("handle"), nb::arg("peers"));
+  m.def("unlink_cuda_workspace_names", [](int64_t handle) { LiveWorkspace(handle).UnlinkOwn(); }, nb::arg("handle"));
+  m.def(
+      "cuda_workspace_info",
+      [](int64_t handle) {
+        Workspace* ws = &LiveWorkspace(handle);
+        nb::dict d;
+        d["min_sm_budget"] = ws->min_budget();
+        d["fixed_consumer_ctas"] = ws->consumer_ctas();
+        d["has_model"] = ws->has_model();
+        return d;
+      },
+      nb::arg("handle"));
+  // What the last expert_combine recorded on each rank of group `group` (RankPrivate), after synchronizing every device
+  // of the group (cudaDeviceSynchronize: for benchmarks, between calls). The %globaltimer values are raw: a start of
+  // 2^64 - 1 or an end of 0 means that side did nothing in the last call (or the last call was not an expert_combine:
+  // every call's BeginKernel resets the spans; a group's recovery zeroes them). jax_moe_overlap/cuda_workspace.py
+  // turns them into CallStats (Workspace.last_call_stats).
+  m.def(
+      "cuda_last_combine_records",
+      [](int64_t handle, int group) {
+        Workspace* ws = &LiveWorkspace(handle);
+        std::vector<RankPrivate> recs(ws->ranks());
+        {
+          nb::gil_scoped_release release;  // the synchronization may wait for XLA's running kernels
+          for (int r = 0; r < ws->ranks(); ++r) {
+            Status st = ws->ReadPrivate(group, r, nullptr, &recs[r]);
+            if (!st.ok()) throw std::runtime_error(st.msg);
+          }
+        }
+        nb::list out;
+        for (const RankPrivate& p : recs) {
+          nb::dict d;
+          d["consumers"] = p.consumers;
+          d["pushed_bytes"] = p.pushed_bytes;
+          d["producer_start_ns"] = p.prod_t0;
+          d["producer_end_ns"] = p.prod_t1;
+          d["consumer_start_ns"] = p.cons_t0;
+          d["consumer_end_ns"] = p.cons_t1;
+          d["begin_ns"] = p.begin_t;
+          d["last_producer_start_ns"] = p.prod_t0_last;
+          d["combine_start_ns"] = p.comb_t0;
+          d["combine_end_ns"] = p.comb_t1;
+          out.append(d);
+        }
+        return out;
+      },
+      nb::arg("handle"), nb::arg("group") = 0);
+  m.attr("cuda_tile_n") = ProducerTileN();
+  m.def(
+      "cuda_grouped_gemm_path",
+      [](bool bf16, int64_t K, int64_t N) { return std::string(GroupedGemmPath(bf16 ? DType::kBF16 : DType::kF32, K, N)); },
+      nb::arg("bf16"), nb::arg("K"), nb::arg("N"));
+  m.def(
+      "cuda_producer_path",
+      [](bool bf16, int64_t K, int64_t N, bool transpose_rhs) {
+        // With 16-byte aligned operands (XLA's buffers are): which producer kernel expert_combine runs (w [E, K, N],
+        // or [E, N, K] with transpose_rhs).
+        alignas(16) static char dummy[16];
+        return std::string(
+            ProducerPathName(SelectProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy)));
+      },
+      nb::arg("bf16"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false);
+}
+
+bool IsCudaWorkspaceHandle(int64_t handle) { return handle >= kHandleBase; }
+bool ReleaseCudaWorkspace(int64_t handle) { return ReleaseWorkspace(handle); }
+
+}  // namespace jmo::cuda

@@ -1,0 +1,56 @@
+// Host helpers the kernel files share to launch their kernels (internal to the library: api.h is the interface).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/api.h"
+#include "cuda/workspace/workspace.h"
+
+namespace jmo::cuda {
+
+inline int ElemBytes(DType dt) { return dt == DType::kF32 ? 4 : 2; }
+
+// The launch error of the last kernel launch on this thread, if any, as a Status naming `what`.
+Status LaunchError(const char* what);
+
+// How a kernel's dynamic shared memory limit is set on a device: cudaFuncSetAttribute (set_smem = nullptr), or a GEMM
+// engine's own preparation, which also checks that the kernel can run there (ops/expert_producer.cuh:
+// kWgmmaKernelSetup, the wgmma engine's: a Hopper device, the sm_90a build and the register budget). `name` words
+// its errors.
+struct KernelSetup {
+  const char* name = "cudaFuncSetAttribute";
+  cudaError_t (*set_smem)(const void* kernel, int smem_bytes) = nullptr;
+};
+
+// Dynamic shared memory of a kernel whose CTAs wait on each other and on peers, so every CTA must be resident:
+// `need` bytes, at least half an SM's (one CTA per SM). Set on the kernel once per device by `setup` and checked with
+// the occupancy API. *smem_bytes = the launch's dynamic shared memory.
+Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, const KernelSetup& setup, const char* name,
+                          int dev, int* smem_bytes);
+
+// Protocol step 0 on the host: recover from an earlier failure (reported here), then BeginKernel on the device.
+Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, const int32_t* rank_op);
+
+// EndKernel: closes the call (which = 0: a dispatch's recv rows, 1: expert_combine's ret rows).
+Status LaunchEnd(const RankDev& rd, cudaStream_t stream, const int32_t* expected, int which);
+
+// The end of a dispatch: RecvKernel (wait for this rank's *expected rows, copy recv -> out [cap rows], zero the rest)
+// on `grid` CTAs, then EndKernel (frees recv for the peers' next call).
+Status LaunchRecvAndEnd(const RankDev& rd, int grid, cudaStream_t stream, const int32_t* expected, char* out,
+                        int64_t cap, int64_t row_bytes);
+
+// Each kernel file loads its kernels on a device (and sets their shared memory): PrepareKernels calls them all.
+Status PrepareProtocolKernels(int dev);
+Status PrepareDispatchKernels(int dev);
+Status PrepareExpertKernels(int dev);
+Status PrepareCombineKernels(int dev);
+Status PrepareCountsKernels(int dev);
+
+// The combine of expert_combine: y = sum_j gates * ret rows (CombineKernel, which closes the call).
+Status LaunchCombine(const RankDev& rd, int grid, cudaStream_t stream, DType dt, const float* gates,
+                     const int32_t* slot_ret_row, const int32_t* ret_expected, int64_t T, int64_t k, int64_t N,
+                     int64_t row_bytes, void* y, void* slot_out);
+
+}  // namespace jmo::cuda

@@ -1,0 +1,508 @@
+// dispatch_gemm: the dispatch and GEMM1 of the expert MLP in one launch (the kernel, its launch and DispatchGemm in
+// api.h; the FFI handler calls it).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/launch.h"
+#include "cuda/ops/expert_producer.cuh"
+#include "cuda/transport/row_push.cuh"
+
+namespace jmo::cuda {
+namespace {
+
+// dispatch_gemm: the dispatch and GEMM1 in one launch, so that GEMM1 runs while the tokens are still in flight (the
+// dispatch-side producer / consumer; expert_combine is the return side). Every CTA of every rank is resident (one per
+// SM, as in ExpertKernel), so the waits below end. Roles by block index:
+//   pushers  CTAs [0, pushers) push this rank's rows for the other ranks, a 128-row block of the send order
+//            (SrcBlocks, protocol.h) at a time, in rounds: block i of every destination's rows before block i + 1,
+//            each destination from the next rank on, so that every rank receives from every source at once and in
+//            the order its GEMM consumes (a source's send order is sorted by expert); each block's count is
+//            release-added into the destination's recv_arrivals and then its src_blocks[rank][J]. Then they take
+//            side work (below), then join the GEMM.
+//   GEMM     CTAs [pushers, grid) copy the rows this rank keeps into its own recv (the same blocks and counters),
+//            then run the grouped GEMM, then take what side work is left.
+// The GEMM is the bare grouped GEMM's (DgSchedule): over the local experts' rows of recv (each expert's segments of
+// every source, contiguous), 128-row m-tiles from each expert's first row, with A read by TMA straight from the
+// workspace's recv rows. Its tiles are claimed one at a time from a per-call counter (CTAs that join late take what
+// is left): first the m-tiles made of this rank's own rows alone, then the others expert by expert, each expert in
+// bands of row blocks. Before a tile's first load the TMA thread waits until, for each source its rows come from, the
+// blocks of that source holding them are complete. Epilogue: the float32 product (out [cap, N]), or with kSwiGlu
+// GEMM1's SwiGLU (h [cap, N / 2] and optionally the preactivation a [cap, N]), as the bare grouped GEMMs store them,
+// so the results are theirs bit for bit.
+// Side work, claimed from a second per-call counter: the copy of the kept rows into x_recv (when kept), one m-tile's
+// rows per unit after the same wait as its GEMM tiles, then the zeroing of every result's rows past the kept ones in
+// kZeroUnitBytes units. Memory-bound work thus runs on the pushers' SMs beside the compute-bound GEMM, and the GEMM
+// CTAs that run out of tiles finish it.
+// The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
+// done_epoch): every read of recv is done by then.
+struct DispatchGemmArgs {
+  const char* src;       // x [S, D] bf16 (row_bytes = D * 2)
+  int64_t S, row_bytes;
+  const int32_t *src_row, *dst_rank, *dst_row;  // the dispatch plan's slots [P]
+  const int32_t *send_order;                     // [P]: the slot at each send position
+  const int32_t *send_start;                     // [R + 1]: first send position of each destination's rows
+  int64_t P, cap;
+  const int32_t *seg_rows, *seg_ret_off;  // [E_l * R] rows this rank receives per (expert, source), and their first
+                                          // send position on the source
+  const int32_t* recv_expected;           // [] rows this rank receives in all
+  int E_l, pushers;
+  int64_t K, N;          // d_model, GEMM columns (2F with kSwiGlu)
+  char* x_recv;          // [cap, D] bf16, or null: not kept
+  void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16
+  float* a;              // kSwiGlu: the preactivation [cap, N] float32, or null: not kept
+  double link_bytes_per_ns;  // > 0: pushes to other ranks go over the emulated link (CallOptions, PaceLink)
+};
+
+constexpr int64_t kZeroUnitBytes = 1 << 20;
+
+// Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
+// recv rows, then (one thread) release-adds their count to d's recv_arrivals and then to its src_blocks[rank][J]: a
+// reader that acquires the block's count also sees the arrivals of it. Every thread of the CTA calls it. Warp w moves
+// positions w, w + warps, ... of the block: its lanes load the indices of up to 32 of them at once, then the warp
+// copies two rows at a time. Invalid slots are reported as PushRows does.
+__device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, unsigned* sent) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t q0 = max(J * kSrcBlockRows, (int64_t)g.send_start[d]) + warp;
+  const int64_t q1 = min((J + 1) * kSrcBlockRows, (int64_t)g.send_start[d + 1]);
+  const int mine = q1 > q0 ? (int)((q1 - q0 + warps - 1) / warps) : 0;  // positions of this warp (<= 32)
+  int sr = 0, row = -1;  // lane i: the source row and recv row of the warp's i-th position, row -1: not moved
+  if (lane < mine) {
+    const int p = g.send_order[q0 + (int64_t)lane * warps];
+    const int dr = g.dst_rank[p];
+    row = g.dst_row[p];
+    sr = g.src_row[p];
+    if (dr == -1) {
+      ReportBadInput(rd, kBadExpertId, p, sr, (uint64_t)(int64_t)row);  // the plan puts the id in row
+      row = -1;
+    } else if (row >= 0 && (dr != d || row >= g.cap || sr < 0 || sr >= g.S)) {
+      ReportBadInput(rd, kBadRoute, p, dr != d ? dr : (row >= g.cap ? row : sr),
+                     dr != d ? rd.ranks : (row >= g.cap ? g.cap : g.S));
+      row = -1;
+    }  // row < 0 with a valid id: dropped by the capacity rule
+  }
+  const unsigned moves = __ballot_sync(0xffffffffu, row >= 0);
+  char* recv = View(rd, d).recv();
+  for (unsigned left = moves; left != 0;) {
+    const int i = __ffs(left) - 1;
+    left &= left - 1;
+    const int r0 = __shfl_sync(0xffffffffu, row, i), s0 = __shfl_sync(0xffffffffu, sr, i);
+    if (left != 0) {
+      const int j = __ffs(left) - 1;
+      left &= left - 1;
+      const int r1 = __shfl_sync(0xffffffffu, row, j), s1 = __shfl_sync(0xffffffffu, sr, j);
+      CopyRowPairWarp(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes,
+                      recv + (int64_t)r1 * g.row_bytes, g.src + (int64_t)s1 * g.row_bytes, g.row_bytes, lane);
+    } else {
+      CopyRowWarp(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes, g.row_bytes, lane);
+    }
+  }
+  if (lane == 0 && moves != 0) atomicAdd(sent, (unsigned)__popc(moves));
+  if (d != rd.rank) __threadfence_system(); else __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned n = *sent;
+    if (n > 0) {
+      if (d != rd.rank && g.link_bytes_per_ns > 0) PaceLink(rd, (uint64_t)n * g.row_bytes, g.link_bytes_per_ns);
+      AddReleaseSys(&View(rd, d).control()->recv_arrivals.value, n);
+      AddReleaseSys(&View(rd, d).src_blocks()[(int64_t)rd.rank * SrcBlocks(rd.sizes.ret_rows) + J], n);
+    }
+    *sent = 0;
+  }
+  __syncthreads();
+}
+
+// Send blocks of rank d's rows: [first, end).
+__device__ __forceinline__ void DestBlocks(const DispatchGemmArgs& g, int d, int64_t* first, int64_t* end) {
+  const int64_t q0 = g.send_start[d], q1 = g.send_start[d + 1];
+  *first = q0 / kSrcBlockRows;
+  *end = q1 > q0 ? (q1 - 1) / kSrcBlockRows + 1 : *first;
+}
+
+// Rows of source s's send block J that this rank keeps (from its plan: segment (e, s) holds s's send positions
+// [seg_ret_off, seg_ret_off + seg_rows)).
+__device__ __forceinline__ uint64_t BlockRows(const TableScratch& sc, int R, int E_l, int s, int64_t J) {
+  const int64_t lo = J * kSrcBlockRows, hi = lo + kSrcBlockRows;
+  uint64_t n = 0;
+  for (int e = 0; e < E_l; ++e) {
+    const Segment& x = sc.raw[e * R + s];
+    const int64_t a = max(lo, (int64_t)x.ret_off), b = min(hi, (int64_t)x.ret_off + max(x.rows, 0));
+    if (b > a) n += (uint64_t)(b - a);
+  }
+  return n;
+}
+
+// One thread: waits (acquire) until every block of source s that holds send positions [pos0, pos0 + rows) has all
+// the rows this rank keeps from it. False once the call failed (the error names the source and the counts).
+__device__ inline bool WaitRows(const RankDev& rd, const TableScratch& sc, int E_l, int s, int64_t pos0, int64_t rows) {
+  const uint64_t* blocks = View(rd, rd.rank).src_blocks() + (int64_t)s * SrcBlocks(rd.sizes.ret_rows);
+  for (int64_t J = pos0 / kSrcBlockRows; rows > 0 && J <= (pos0 + rows - 1) / kSrcBlockRows; ++J)
+    if (!WaitAtLeast(rd, &blocks[J], 0, BlockRows(sc, rd.ranks, E_l, s, J), s, kStageSrcBlock)) return false;
+  return true;
+}
+
+// One thread: waits until recv rows [r0, r0 + rows) of expert e have arrived, from each source they come from
+// (segment (e, s) holds recv rows [recv_off, recv_off + rows), s's send positions from ret_off). False once the call
+// failed.
+__device__ inline bool WaitRecvRows(const RankDev& rd, const TableScratch& sc, int E_l, int e, int64_t r0,
+                                    int64_t rows) {
+  bool ok = true;
+  for (int s = 0; s < rd.ranks && ok; ++s) {
+    const Segment& x = sc.raw[e * rd.ranks + s];
+    const int64_t lo = max(r0, (int64_t)x.recv_off), hi = min(r0 + rows, (int64_t)x.recv_off + max(x.rows, 0));
+    if (hi > lo) ok = WaitRows(rd, sc, E_l, s, x.ret_off + (lo - x.recv_off), hi - lo);
+  }
+  return ok;
+}
+
+// The GEMM's tile order (see the kernel's comment), from the plan's segments. Per local expert e: its first recv
+// row and rows (all sources), its m-tiles [own_lo, own_hi) made of this rank's own rows alone; then per phase (A: those
+// own m-tiles, B: the others) the tiles of the experts before e (pre_a, pre_b, col_tiles tiles per m-tile).
+struct DgSchedule {
+  int32_t row0[kMaxSegments], rows[kMaxSegments], own_lo[kMaxSegments], own_hi[kMaxSegments];
+  int32_t pre_a[kMaxSegments + 1], pre_b[kMaxSegments + 1];
+  int32_t col_tiles;
+};
+
+// Every thread calls it (one per expert, and block scans).
+__device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, int E_l, int col_tiles, DgSchedule* d,
+                                     int64_t* warp_sums) {
+  const int e = threadIdx.x, R = rd.ranks;
+  int64_t a = 0, b = 0;
+  if (e < E_l) {
+    int64_t rows = 0;
+    for (int s = 0; s < R; ++s) rows += max(sc.raw[e * R + s].rows, 0);
+    const Segment& own = sc.raw[e * R + rd.rank];
+    const int64_t row0 = sc.raw[e * R].recv_off, mt = (rows + kWgBM - 1) / kWgBM;
+    const int64_t lo = own.recv_off - row0, hi = lo + max(own.rows, 0);  // the own rows within the expert
+    int64_t own_lo = (lo + kWgBM - 1) / kWgBM, own_hi = hi == rows ? mt : hi / kWgBM;
+    if (own_hi < own_lo || own.rows <= 0) own_lo = own_hi = 0;
+    d->row0[e] = (int32_t)row0;
+    d->rows[e] = (int32_t)rows;
+    d->own_lo[e] = (int32_t)own_lo;
+    d->own_hi[e] = (int32_t)own_hi;
+    a = (own_hi - own_lo) * col_tiles;
+    b = (mt - (own_hi - own_lo)) * col_tiles;
+  }
+  int64_t total_a = 0, total_b = 0;
+  const int64_t ia = BlockInclusiveScan(a, warp_sums, &total_a);
+  const int64_t ib = BlockInclusiveScan(b, warp_sums, &total_b);
+  if (e < E_l) {
+    d->pre_a[e] = (int32_t)(ia - a);
+    d->pre_b[e] = (int32_t)(ib - b);
+  }
+  if (e == 0) {
+    d->pre_a[E_l] = (int32_t)total_a;
+    d->pre_b[E_l] = (int32_t)total_b;
+    d->col_tiles = col_tiles;
+  }
+  __syncthreads();
+}
+
+struct MTile {
+  int e, mt, nt;
+};
+
+// Tile i of the schedule: its expert, m-tile and n-tile. `band_m` as BandRaster's (1: each m-tile's n-tiles in a row,
+// as the side work's units take them with col_tiles = 1).
+__device__ inline MTile TileAt(const DgSchedule& d, int E_l, int64_t i, int col_tiles, int band_m) {
+  MTile t;
+  const int64_t total_a = d.pre_a[E_l] / d.col_tiles * col_tiles;
+  const bool own = i < total_a;
+  const int32_t* pre = own ? d.pre_a : d.pre_b;
+  const int64_t j = own ? i : i - total_a;
+  // (pre counts d.col_tiles tiles per m-tile; in units of col_tiles: pre / d.col_tiles * col_tiles.)
+  int lo = 0, hi = E_l - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if ((int64_t)pre[mid] / d.col_tiles * col_tiles <= j) lo = mid; else hi = mid - 1;
+  }
+  t.e = lo;
+  const int own_m = d.own_hi[lo] - d.own_lo[lo];
+  const int mt_e = (d.rows[lo] + kWgBM - 1) / kWgBM;
+  int mt = 0;
+  wgmma_gemm::BandRaster((int)(j - (int64_t)pre[lo] / d.col_tiles * col_tiles), own ? own_m : mt_e - own_m, col_tiles,
+                         band_m, &mt, &t.nt);
+  t.mt = own ? d.own_lo[lo] + mt : (mt < d.own_lo[lo] ? mt : mt + own_m);
+  return t;
+}
+
+// The side work of one call (see the kernel's comment): copy units first, then zero units.
+struct SideWork {
+  int64_t copy_units;          // m-tiles of the schedule (x_recv kept), else 0
+  int64_t zero_bytes[3];       // padding bytes of x_recv, out, a (0 where not kept)
+  char* zero_at[3];            // their first padding byte
+  int64_t zero_units[3];
+  int64_t total;
+};
+
+__device__ inline SideWork MakeSideWork(const DispatchGemmArgs& g, bool swiglu, int64_t kept_rows, int64_t m_tiles) {
+  SideWork w;
+  w.copy_units = g.x_recv != nullptr ? m_tiles : 0;
+  const int64_t pad = g.cap - kept_rows;
+  const int64_t out_row = swiglu ? (g.N / 2) * 2 : g.N * 4;
+  w.zero_bytes[0] = g.x_recv != nullptr ? pad * g.row_bytes : 0;
+  w.zero_bytes[1] = pad * out_row;
+  w.zero_bytes[2] = g.a != nullptr ? pad * g.N * 4 : 0;
+  w.zero_at[0] = g.x_recv != nullptr ? g.x_recv + kept_rows * g.row_bytes : nullptr;
+  w.zero_at[1] = static_cast<char*>(g.out) + kept_rows * out_row;
+  w.zero_at[2] = g.a != nullptr ? reinterpret_cast<char*>(g.a + kept_rows * g.N) : nullptr;
+  w.total = w.copy_units;
+  for (int i = 0; i < 3; ++i) {
+    w.zero_units[i] = (w.zero_bytes[i] + kZeroUnitBytes - 1) / kZeroUnitBytes;
+    w.total += w.zero_units[i];
+  }
+  return w;
+}
+
+// Claims and does side units until none is left. Every thread of the CTA calls it.
+__device__ inline void DoSideWork(const RankDev& rd, const DispatchGemmArgs& g, const SideWork& w, const DgSchedule& d,
+                                  const TableScratch& sc, int64_t* claim) {
+  __shared__ int ok;
+  const int64_t tid = threadIdx.x, nt = blockDim.x;
+  for (;;) {
+    if (threadIdx.x == 0) *claim = (int64_t)atomicAdd(rd.side_claims, 1u);
+    __syncthreads();
+    int64_t v = *claim;
+    __syncthreads();
+    if (v >= w.total) return;
+    if (v < w.copy_units) {
+      const MTile t = TileAt(d, g.E_l, v, 1, 1);
+      const int64_t r0 = d.row0[t.e] + (int64_t)t.mt * kWgBM;
+      const int64_t rows = min((int64_t)kWgBM, (int64_t)d.rows[t.e] - (int64_t)t.mt * kWgBM);
+      if (threadIdx.x == 0) ok = WaitRecvRows(rd, sc, g.E_l, t.e, r0, rows);
+      __syncthreads();
+      if (ok) CopyBand(g.x_recv + r0 * g.row_bytes, View(rd, rd.rank).recv() + r0 * g.row_bytes, rows * g.row_bytes,
+                       tid, nt);
+      continue;
+    }
+    v -= w.copy_units;
+    for (int i = 0; i < 3; ++i) {
+      if (v < w.zero_units[i]) {
+        const int64_t off = v * kZeroUnitBytes;
+        ZeroBytes(w.zero_at[i] + off, min(kZeroUnitBytes, w.zero_bytes[i] - off), tid, nt);
+        break;
+      }
+      v -= w.zero_units[i];
+    }
+  }
+}
+
+template <bool kTransB, bool kSwiGlu>
+__global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
+    DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
+                       const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
+  static_assert(!(kTransB && kSwiGlu), "the SwiGLU epilogue is GEMM1's (B MN-major)");
+  extern __shared__ __align__(16) char smem[];
+  __shared__ CallState st;
+  __shared__ unsigned sent[kMaxRanks];
+  __shared__ SegTable table;
+  __shared__ TableScratch scratch;
+  __shared__ DgSchedule sched;
+  __shared__ int64_t claim;
+  __shared__ int last_cta;
+  LoadCallState(rd, &st);
+  if (!st.ok) return;
+  const int R = rd.ranks;
+  const bool pusher = (int)blockIdx.x < g.pushers;
+
+  if (pusher) {
+    // The rows for the other ranks, in rounds (see above). Unit u: round u / (R - 1), destination rank + 1 +
+    // u % (R - 1).
+    if (!BeginPush(rd, &st, sent)) return;
+    if (threadIdx.x == 0)
+      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)GlobalTimer());
+    int64_t rounds = 0;
+    for (int d = 0; d < R; ++d) {
+      int64_t f, e;
+      DestBlocks(g, d, &f, &e);
+      if (d != rd.rank) rounds = max(rounds, e - f);
+    }
+    for (int64_t u = blockIdx.x; R > 1 && u < rounds * (R - 1); u += g.pushers) {
+      const int d = (rd.rank + 1 + (int)(u % (R - 1))) % R;
+      int64_t f, e;
+      DestBlocks(g, d, &f, &e);
+      if (f + u / (R - 1) < e) PushBlock(rd, g, d, f + u / (R - 1), sent);
+    }
+    if (threadIdx.x == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->push_t1), (unsigned long long)GlobalTimer());
+  } else {
+    // The rows this rank keeps, spread over the GEMM CTAs (step 1 holds for the own recv by stream order).
+    if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
+    __syncthreads();
+    int64_t f, e;
+    DestBlocks(g, rd.rank, &f, &e);
+    for (int64_t J = f + blockIdx.x - g.pushers; J < e; J += gridDim.x - g.pushers) PushBlock(rd, g, rd.rank, J, sent);
+  }
+
+  if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
+  // n-tiles: 256 columns of out, or with kSwiGlu 128 columns of h (the gate's 128 and the up projection's 128).
+  const int64_t n_out = kSwiGlu ? g.N / 2 : g.N;
+  constexpr int kTileCols = kSwiGlu ? kWgBN / 2 : kWgBN;
+  BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), &sched, scratch.warp_sums);
+  // (Recomputed from shared memory where needed rather than kept live across the tile loop, whose producer warps run
+  // with 24 registers.)
+  auto kept = [&]() {
+    int64_t n = 0;  // recv is packed from row 0
+    for (int s = 0; s < R; ++s) n += scratch.rows_to_rank[s];
+    return n;
+  };
+  auto side_work = [&]() {
+    const int64_t m_tiles = (sched.pre_a[g.E_l] + sched.pre_b[g.E_l]) / sched.col_tiles;
+    DoSideWork(rd, g, MakeSideWork(g, kSwiGlu, kept(), m_tiles), sched, scratch, &claim);
+  };
+  if (pusher) {
+    side_work();
+    if (threadIdx.x == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
+  }
+
+  using Base = typename std::conditional<kSwiGlu, wgmma_gemm::SwiGluTile, wgmma_gemm::WgmmaTile>::type;
+  struct DgTile : Base {
+    int e;  // the tile's local expert
+  };
+  auto tile_of = [&](int i) {
+    // Bands of row blocks within an expert (nothing reads the output's rows during the call): GEMM1's N = 2 * d_ff
+    // spans up to ~100 n-tiles.
+    const MTile m = TileAt(sched, g.E_l, i, sched.col_tiles, wgmma_gemm::kBandM);
+    DgTile t;
+    t.e = m.e;
+    t.b_idx = m.e;
+    t.a_row = sched.row0[m.e] + m.mt * kWgBM;
+    t.rows = min(kWgBM, sched.rows[m.e] - m.mt * kWgBM);
+    t.n0 = m.nt * kTileCols;
+    t.cols = (int)min((int64_t)kTileCols, n_out - t.n0);
+    if constexpr (kSwiGlu) {
+      t.n_hi = (int)(n_out + t.n0);
+      t.out = static_cast<__nv_bfloat16*>(g.out) + (int64_t)t.a_row * n_out + t.n0;
+      t.ldc = n_out;
+      t.a = g.a != nullptr ? g.a + (int64_t)t.a_row * g.N : nullptr;
+      t.lda = g.N;
+    } else {
+      t.out = static_cast<float*>(g.out) + (int64_t)t.a_row * g.N + t.n0;
+      t.ldc = g.N;
+    }
+    t.publish = 0;
+    return t;
+  };
+  auto tile_wait = [&](const DgTile& t) {
+    // On failure the call is failed (the error names source and counts); the loop runs on rather than hang.
+    WaitRecvRows(rd, scratch, g.E_l, t.e, t.a_row, t.rows);
+    ptx::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
+  };
+  auto next_tile = [&](int) { return (int)atomicAdd(rd.tile_claims, 1u); };
+  if (threadIdx.x == 0)
+    atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
+  wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K,
+                                                           sched.pre_a[g.E_l] + sched.pre_b[g.E_l], next_tile, tile_of,
+                                                           wgmma_gemm::NoTileDone{}, smem, tile_wait);
+  if (threadIdx.x == 0)
+    atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
+  if (!pusher) side_work();
+
+  // The last CTA to finish: every tile and copy unit has waited for its blocks, so every add of the call has landed,
+  // and every read of recv is done. It zeroes the call's src_blocks (no source adds again before this rank's
+  // done_epoch of this call) and closes the call.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    last_cta = atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) == gridDim.x - 1ull;
+  __syncthreads();
+  if (!last_cta) return;
+  uint64_t* own = View(rd, rd.rank).src_blocks();
+  const int64_t nb = SrcBlocks(rd.sizes.ret_rows);
+  for (int s = 0; s < R; ++s) {
+    int64_t lo = INT64_MAX, hi = 0;  // s's send positions kept here: [lo, hi)
+    for (int e = 0; e < g.E_l; ++e) {
+      const Segment& x = scratch.raw[e * R + s];
+      if (x.rows > 0) {
+        lo = min(lo, (int64_t)x.ret_off);
+        hi = max(hi, (int64_t)x.ret_off + x.rows);
+      }
+    }
+    for (int64_t J = (hi > lo ? lo / kSrcBlockRows : 0) + threadIdx.x; hi > lo && J <= (hi - 1) / kSrcBlockRows;
+         J += blockDim.x)
+      own[s * nb + J] = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // The plan's count of the rows this rank receives must be its segments' (a dispatch's recv_arrivals account).
+    const int64_t expected = g.recv_expected[0];
+    const int64_t kept_rows = kept();
+    if (expected != kept_rows) ReportBadInput(rd, kBadKeptRows, 0, expected, (uint64_t)kept_rows);
+    CloseCall(rd, kept_rows, 0);
+  }
+}
+
+template <bool kTransB, bool kSwiGlu>
+const void* Kernel() {
+  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu>);
+}
+
+}  // namespace
+
+// dispatch_gemm (see DispatchGemmKernel): Begin, the per-call counters zeroed, the fused kernel (which closes the
+// call).
+Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
+                    const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
+                    const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
+                    const DispatchGemmOut& out, int64_t cap, int pushers) {
+  const int64_t row_bytes = D * 2;
+  Status s = BeginCall(c, "dispatch_gemm", group_op, rank_op);
+  if (!s.ok()) return s;
+  Workspace& ws = *c.ws;
+  const int R = ws.ranks();
+  const int budget = ws.budget(c.group, c.rank);
+  std::string bad;
+  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows || slots.P > ws.sizes().ret_rows)
+    bad = "dispatch_gemm: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
+          " and " + std::to_string(slots.P) + " slots but the workspace holds " + std::to_string(ws.sizes().row_bytes) +
+          " B x " + std::to_string(ws.sizes().recv_rows) + " and " + std::to_string(ws.sizes().ret_rows);
+  else if (E_l * R > kMaxSegments)
+    bad = "dispatch_gemm: " + std::to_string(E_l * R) + " segments (local experts x ranks) exceed the CUDA kernels' " +
+          std::to_string(kMaxSegments);
+  else if (!WgmmaProducerApplies(DType::kBF16, D, N, transpose_rhs, src, w))
+    bad = "dispatch_gemm: needs the wgmma engine (a Hopper GPU, bfloat16, d_model and N multiples of 64; got " +
+          std::to_string(D) + ", " + std::to_string(N) + ")";
+  else if (out.swiglu && transpose_rhs)
+    bad = "dispatch_gemm: the SwiGLU epilogue is GEMM1's (w [E_local, D, 2F]), not for transpose_rhs";
+  else if (pushers < 1 || pushers > budget - 1)
+    bad = "dispatch_gemm: pushers=" + std::to_string(pushers) + " but rank " + std::to_string(c.rank) +
+          " has an SM budget of " + std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
+  else if (out.a != nullptr && !out.swiglu)
+    bad = "dispatch_gemm: the preactivation a is a result of the SwiGLU epilogue only";
+  if (!bad.empty()) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
+  }
+  const RankDev rd = ws.Dev(c.group, c.rank);
+  const int dev = ws.device(c.group, c.rank);
+  // producers_done counts the CTAs done (the last one closes the call); tile_claims and side_claims hand out GEMM
+  // tiles and side units.
+  if (!(s = CudaStatus(cudaMemsetAsync(rd.producers_done, 0, kCallCounterBytes, c.stream),
+                       "cudaMemsetAsync(call counters)")).ok())
+    return s;
+  CUtensorMap a_map, b_map;
+  const void* recv = RankView{rd.peers.base[c.rank], rd.layout}.recv();  // A: where the peers' pushes land
+  if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(recv, cap, D, w, E_l, N, /*b_k_major=*/transpose_rhs, &a_map,
+                                                  &b_map),
+                       "tensor maps of dispatch_gemm")).ok())
+    return s;
+  const void* kernel = out.swiglu ? Kernel<false, true>() : transpose_rhs ? Kernel<true, false>()
+                                                                           : Kernel<false, false>();
+  int smem = 0;
+  if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, wgmma_gemm::kLoopSmemBytes, kWgmmaKernelSetup,
+                               "DispatchGemmKernel", dev, &smem)).ok())
+    return s;
+  const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,
+                              slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
+                              recv_expected, (int)E_l, pushers, D, N, static_cast<char*>(out.x_recv), out.out, out.a,
+                              c.opts.emulated_link_gbps};
+  void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};
+  return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
+                    "launch of DispatchGemmKernel");
+}
+
+}  // namespace jmo::cuda

@@ -1,0 +1,387 @@
+// expert_combine, the overlapped operator: ExpertKernel runs the producer (the grouped GEMM over the call's segments,
+// expert_producer.cuh) and the consumer (pushing each finished remote band to its source's ret rows,
+// transport/bulk_push.cuh) as CTAs of one launch; then the combine (combine.cu) waits for this rank's ret rows and
+// closes the call. Also the host's choice of producer path and consumer policy for a call.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "cuda/device/copy.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/launch.h"
+#include "cuda/ops/expert_producer.cuh"
+#include "cuda/schedule/resource_manager.cuh"
+#include "cuda/transport/bulk_push.cuh"
+
+namespace jmo::cuda {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// The overlapped operator: producer and consumer CTAs of one launch, roles by block index.
+//
+// Co-residency. CTAs [0, C) are the consumer, CTAs [C, grid) the producer, grid <= the rank's SM budget, and the
+// dynamic shared memory of this kernel is padded to more than half an SM's, so at most one CTA fits per SM: every
+// consumer CTA sits on an SM of its own, and the whole grid is resident at once (grid <= SMs; the host checks the
+// occupancy). Progress never depends on co-residency: producer CTAs wait for nothing, so even if the hardware
+// scheduled consumers first and producers later (or the reverse), every wait is eventually satisfied; co-residency is
+// what gives the overlap. One ordinary launch rather than a cooperative one: in the loopback harness R ranks' grids
+// run concurrently from R streams, and all of them must be resident together, which per-rank SM budgets give.
+template <typename T, int kEngine, bool kTransB>
+__global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
+    ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
+                 const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                 const __grid_constant__ ConsumerConfig pol,
+                 const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ int32_t tile_prefix[kEngine == kWgmma ? kMaxSegments + 1 : 1];
+  __shared__ CallState st;
+  __shared__ SegTable table;
+  __shared__ TableScratch scratch;
+  __shared__ ChoiceScratch choice;
+  __shared__ int wait_ok;
+  LoadCallState(rd, &st);
+  if (!st.ok) return;
+  if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) return;
+  const int consumers = ConsumersOfCall(table, pol, N, K, &choice);
+  const int64_t row_bytes = N * (int64_t)sizeof(T);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    rd.priv->consumers = (uint64_t)consumers;
+    rd.priv->pushed_bytes = (uint64_t)(table.remote_rows * row_bytes);
+  }
+  RankView self = View(rd, rd.rank);
+  T* stage = reinterpret_cast<T*>(self.stage());
+  T* ret = reinterpret_cast<T*>(self.ret());
+  uint64_t* flags = self.tile_ready();
+
+  if ((int)blockIdx.x >= consumers) {
+    // Producer: tiles in producer order (remote-critical segments first), statically striped over the CTAs.
+    const int pid = blockIdx.x - consumers, np = gridDim.x - consumers;
+    if (threadIdx.x == 0 && pid < table.bands) {
+      const unsigned long long now = GlobalTimer();
+      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), now);
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0_last), now);
+    }
+    if constexpr (kEngine == kWgmma)
+      ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix,
+                            scratch.warp_sums, smem);
+    else
+      ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
+                                                    smem);
+    CountLocalRows(rd, table, np);
+    if (threadIdx.x == 0 && pid < table.bands)
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
+    return;
+  }
+
+  // Consumer: the remote bands [0, remote_bands) in producer order; CTA c pushes bands c, c + C, c + 2 C, ...
+  const int first = blockIdx.x;
+  const int count = first < table.remote_bands ? (table.remote_bands - 1 - first) / consumers + 1 : 0;
+  if (count == 0) return;
+  if (pol.serialize) {
+    // The baseline without overlap: start pushing only once every producer CTA has stored all its tiles.
+    if (threadIdx.x == 0)
+      wait_ok = WaitAtLeast(rd, rd.producers_done, 0, (uint64_t)(gridDim.x - consumers), rd.rank, kStageTileReady);
+    __syncthreads();
+    const int ok = wait_ok;
+    __syncthreads();  // every thread has read wait_ok before thread 0 writes it again below
+    if (!ok) return;
+  }
+  if (threadIdx.x == 0)
+    atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)GlobalTimer());
+  struct BandAt {
+    const Segment* s;
+    int b;     // band within the segment
+    int rows;
+  };
+  auto band_at = [&](int i) {
+    const int band = first + i * consumers;
+    const Segment& s = table.seg[FindSegment(table, band)];
+    const int b = band - table.band_prefix[&s - table.seg];
+    return BandAt{&s, b, min((int)kBandRows, s.rows - b * (int)kBandRows)};
+  };
+  // A band is contiguous on both ends: rows x N at stage row (recv_off + 64 b) -> source's ret row (ret_off + 64 b).
+  auto src_of = [&](const BandAt& a) {
+    return reinterpret_cast<const char*>(stage) + ((int64_t)a.s->recv_off + (int64_t)a.b * kBandRows) * row_bytes;
+  };
+  auto dst_of = [&](const BandAt& a) {
+    return View(rd, a.s->src).ret() + ((int64_t)a.s->ret_off + (int64_t)a.b * kBandRows) * row_bytes;
+  };
+  auto arrivals_of = [&](const BandAt& a) { return &View(rd, a.s->src).control()->ret_arrivals.value; };
+  // The source must have finished reading its ret rows of the previous call; then the band must be ready. A source's
+  // done_epoch only grows during the call, so once a thread has seen it (with an acquire, which orders everything the
+  // thread does after it) it skips that read -- a remote one over NVLink -- for the source's later bands.
+  uint32_t peers_seen = 0;  // this thread's: bit s = source s has finished the previous call
+  auto peer_ready = [&](int src, bool block) {
+    if ((peers_seen >> src) & 1u) return true;
+    const uint64_t* done = &View(rd, src).control()->done_epoch.value;
+    const bool ok = block ? WaitAtLeast(rd, done, 0, st.epoch - 1, src, kStagePeerReady)
+                          : LoadAcquireSys(done) >= st.epoch - 1;
+    if (ok) peers_seen |= 1u << src;
+    return ok;
+  };
+  static_assert(kMaxRanks <= 32, "peers_seen holds one bit per rank");
+  auto wait_ready = [&](const BandAt& a) {
+    return peer_ready(a.s->src, true) &&
+           WaitAtLeast(rd, &flags[a.s->band_base + a.b], 0, st.epoch, rd.rank, kStageTileReady);
+  };
+#if WGMMA_SM90A
+  // Issuers: lane 0 of warps 0..W-1, each streaming every W-th of the CTA's bands through its own ring (a slice of
+  // the dynamic shared memory).
+  const int issuers = max(1, min(pol.push_issuers, (int)(blockDim.x / 32)));
+  const int slots = min(pol.push_slots, (pol.smem_bytes / issuers - PushRingBytes(0)) / kPushChunkBytes);
+  if (pol.bulk_copy && row_bytes % 16 == 0 && slots >= 2) {
+    // TMA bulk copies, driven by `issuers` threads (transport/bulk_push.cuh).
+    const int w = threadIdx.x / 32;
+    if (threadIdx.x % 32 != 0 || w >= issuers) return;
+    const int mine = count > w ? (count - 1 - w) / issuers + 1 : 0;
+    auto band_at_w = [&](int i) { return band_at(w + i * issuers); };
+    auto ready = [&](int i, bool block) {
+      const BandAt a = band_at_w(i);
+      if (block) return wait_ready(a);
+      return peer_ready(a.s->src, false) && LoadAcquireSys(&flags[a.s->band_base + a.b]) >= st.epoch;
+    };
+    auto band_of = [&](int i) {
+      const BandAt a = band_at_w(i);
+      return PushBand{src_of(a), dst_of(a), (int64_t)a.rows * row_bytes};
+    };
+    auto done = [&](int i) {
+      const BandAt a = band_at_w(i);
+      __threadfence_system();
+      AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
+    };
+    if (StreamBands(mine, ready, band_of, done, smem + (int64_t)w * PushRingBytes(slots), slots,
+                    min(pol.push_read_lag, slots - 1)))
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
+    return;
+  }
+#endif
+  for (int i = 0; i < count; ++i) {
+    const BandAt a = band_at(i);
+    if (threadIdx.x == 0) wait_ok = wait_ready(a);
+    __syncthreads();
+    if (!wait_ok) return;
+    CopyBand(dst_of(a), src_of(a), (int64_t)a.rows * row_bytes, threadIdx.x, blockDim.x);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
+  }
+  if (threadIdx.x == 0)
+    atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
+}
+
+template <typename T, int kEngine, bool kTransB>
+Status PrepareExpertKernel(int dev, int* smem_bytes) {
+  const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
+  return PrepareOneCtaPerSm(reinterpret_cast<const void*>(ExpertKernel<T, kEngine, kTransB>), kEngineThreads<kEngine>,
+                            need, kEngine == kWgmma ? kWgmmaKernelSetup : KernelSetup{}, "ExpertKernel", dev,
+                            smem_bytes);
+}
+
+// Row length of w[e] as stored (the tile engines' ldb): N for [K, N], K for the transposed layout [N, K].
+int64_t WeightLd(int64_t K, int64_t N, bool transpose_rhs) { return transpose_rhs ? K : N; }
+
+// Whether the tensor-core tile (gemm/sm80/mma_tile.cuh) takes these operands: bf16, 16-byte aligned, lhs rows (K) and w
+// rows as stored multiples of 8 elements. N need not be one when w is transposed (B is then loaded along K; the stores
+// check their alignment pair by pair).
+bool TcProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
+  return TcTileApplies(dt == DType::kBF16, K, WeightLd(K, N, transpose_rhs), lhs, w);
+}
+
+// ExpertKernel's launch arguments, for LaunchExpertKernel.
+struct ExpertLaunch {
+  cudaStream_t stream;
+  int dev, budget;  // the rank's device and SM budget (the grid)
+  RankDev rd;
+  const void *lhs, *w;
+  int64_t cap, K, N, E_l;
+  const int32_t *seg_rows, *seg_ret_off;
+  ConsumerConfig pol;  // smem_bytes is filled in here
+  CUtensorMap a_map, b_map;
+};
+
+// Prepares ExpertKernel<T, kEngine, kTransB> on the device (once) and launches it: one CTA per SM of the budget.
+template <typename T, int kEngine, bool kTransB>
+Status LaunchExpertKernel(ExpertLaunch l) {
+  int smem = 0;
+  Status s = PrepareExpertKernel<T, kEngine, kTransB>(l.dev, &smem);
+  if (!s.ok()) return s;
+  l.pol.smem_bytes = smem;
+  ExpertKernel<T, kEngine, kTransB><<<l.budget, kEngineThreads<kEngine>, smem, l.stream>>>(
+      l.rd, static_cast<const T*>(l.lhs), static_cast<const T*>(l.w), l.cap, l.K, l.N, l.seg_rows, l.seg_ret_off,
+      (int)l.E_l, l.pol, l.a_map, l.b_map);
+  return LaunchError("launch of ExpertKernel");
+}
+
+template <typename T, int kEngine>
+Status LaunchExpertKernel(const ExpertLaunch& l, bool transpose_rhs) {
+  return transpose_rhs ? LaunchExpertKernel<T, kEngine, true>(l) : LaunchExpertKernel<T, kEngine, false>(l);
+}
+
+// PrepareExpertKernel for both layouts of w.
+template <typename T, int kEngine>
+Status PrepareExpertKernelPair(int dev, int* smem_bytes) {
+  Status s = PrepareExpertKernel<T, kEngine, false>(dev, smem_bytes);
+  return s.ok() ? PrepareExpertKernel<T, kEngine, true>(dev, smem_bytes) : s;
+}
+
+}  // namespace
+
+// Whether the current device runs the wgmma producer for these operands (bf16, K and N multiples of 64 in either
+// layout of w, as the bare grouped GEMM's wgmma path; Hopper). Also what dispatch_gemm requires.
+bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
+  if (!TcProducerApplies(dt, K, N, transpose_rhs, lhs, w) || K % 64 != 0 || N % 64 != 0 || K <= 0) return false;
+  int dev = 0;
+  DeviceInfo info;
+  return cudaGetDevice(&dev) == cudaSuccess && GetDeviceInfo(dev, &info).ok() && info.cc_major == 9;
+}
+
+Status PrepareExpertKernels(int dev) {
+  int smem = 0;
+  DeviceInfo info;
+  Status s = GetDeviceInfo(dev, &info);
+  if (s.ok() && info.cc_major == 9) s = PrepareExpertKernelPair<bf16, kWgmma>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernelPair<bf16, kMmaSync>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernelPair<bf16, kSimt>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernelPair<float, kSimt>(dev, &smem);
+  return s;
+}
+
+const char* ProducerPathName(ProducerPath p) {
+  switch (p) {
+    case ProducerPath::kWgmmaBf16: return "wgmma bf16";
+    case ProducerPath::kMmaSyncBf16: return "mma.sync bf16";
+    default: return "simt fp32";
+  }
+}
+
+ProducerPath SelectProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
+  if (WgmmaProducerApplies(dt, K, N, transpose_rhs, lhs, w)) return ProducerPath::kWgmmaBf16;
+  return TcProducerApplies(dt, K, N, transpose_rhs, lhs, w) ? ProducerPath::kMmaSyncBf16 : ProducerPath::kSimtFp32;
+}
+
+int ProducerTileN() { return kMmaBN; }
+
+void ProducerTile(ProducerPath path, int* tile_m, int* tile_n) {
+  const bool wg = path == ProducerPath::kWgmmaBf16;
+  *tile_m = wg ? kWgBM : kMmaBM;
+  *tile_n = wg ? kWgBN : kMmaBN;
+}
+
+std::string CheckModelParams(const ModelParams& p) {
+  auto finite_nonneg = [](double v) { return v >= 0.0 && v < 1e300; };
+  if (!(p.tile_m == kMmaBM && p.tile_n == kMmaBN) && !(p.tile_m == kWgBM && p.tile_n == kWgBN))
+    return "the model describes " + std::to_string(p.tile_m) + "x" + std::to_string(p.tile_n) +
+           " tiles but the compiled producers use " + std::to_string(kMmaBM) + "x" + std::to_string(kMmaBN) +
+           " (mma.sync) or " +
+           std::to_string(kWgBM) + "x" + std::to_string(kWgBN) + " (wgmma)";
+  if (p.ctas_per_sm != 1) return "ctas_per_sm must be 1 (the expert kernel runs one CTA per SM)";
+  if (p.sms < 2) return "sms must be >= 2";
+  if (!finite_nonneg(p.tile_us_base) || !finite_nonneg(p.tile_us_per_k) || !finite_nonneg(p.seg_us))
+    return "tile_us_base, tile_us_per_k and seg_us must be finite and >= 0";
+  if (!(p.tile_us_base + p.tile_us_per_k > 0.0)) return "the tile time must be positive";
+  if (!(p.cta_gbps > 0.0 && p.cta_gbps < 1e300) || !(p.link_gbps > 0.0 && p.link_gbps < 1e300))
+    return "cta_gbps and link_gbps must be finite and > 0";
+  return "";
+}
+
+const char* ConsumerPolicyName(ConsumerPolicy p) {
+  switch (p) {
+    case ConsumerPolicy::kPinned: return "pinned";
+    case ConsumerPolicy::kModel: return "model";
+    default: return "fixed";
+  }
+}
+
+ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, ProducerPath path) {
+  if (o.consumer_ctas > 0) return ConsumerPolicy::kPinned;
+  // A calibration describes one tensor-core engine, named by its tile shape; calls on another engine (and the SIMT
+  // path: float32, odd shapes) keep the fixed C.
+  if (!ws.has_model() || path == ProducerPath::kSimtFp32) return ConsumerPolicy::kFixed;
+  int tile_m = 0, tile_n = 0;
+  ProducerTile(path, &tile_m, &tile_n);
+  const ModelParams& m = ws.model();
+  return tile_m == m.tile_m && tile_n == m.tile_n ? ConsumerPolicy::kModel : ConsumerPolicy::kFixed;
+}
+
+Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
+                     int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
+                     const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
+                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
+  const int64_t row_bytes = N * ElemBytes(dt);
+  Status s = BeginCall(c, "expert_combine", group_op, rank_op);
+  if (!s.ok()) return s;
+  Workspace& ws = *c.ws;
+  const int R = ws.ranks();
+  std::string bad;
+  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows || T * k > ws.sizes().ret_rows)
+    bad = "expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) + ", cap " +
+          std::to_string(cap) + ", slots " + std::to_string(T * k) + ")";
+  else if (E_l * R > kMaxSegments)
+    bad = "expert_combine: " + std::to_string(E_l * R) + " segments (local experts x ranks) exceed the CUDA kernels' " +
+          std::to_string(kMaxSegments);
+  if (!bad.empty()) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
+  }
+  const RankDev rd = ws.Dev(c.group, c.rank);
+  const int dev = ws.device(c.group, c.rank);
+  const int budget = ws.budget(c.group, c.rank);
+  if (c.opts.consumer_ctas > budget - 1) {  // (>= 0: the handler checks it)
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument,
+                         "jax_moe_overlap: expert_combine: consumer_ctas=" + std::to_string(c.opts.consumer_ctas) +
+                             " but rank " + std::to_string(c.rank) + " (group " + std::to_string(c.group) +
+                             ") has an SM budget of " + std::to_string(budget) +
+                             " CTAs and needs at least one producer CTA: pin C in [1, " + std::to_string(budget - 1) +
+                             "], or 0 for the resource manager's choice");
+  }
+  ConsumerConfig pol{};
+  pol.serialize = c.opts.serialize ? 1 : 0;
+  // How the consumer pushes (CallOptions::tuning; the ranges are checked where CallConfig builds the attributes).
+  pol.bulk_copy = c.opts.tuning.bulk_copy ? 1 : 0;
+  pol.push_slots = c.opts.tuning.push_slots;
+  pol.push_read_lag = c.opts.tuning.push_read_lag;
+  pol.push_issuers = c.opts.tuning.push_issuers;
+  pol.elem_bytes = ElemBytes(dt);
+  pol.max_ctas = ModelMaxCtas(budget);
+  const ProducerPath path = SelectProducerPath(dt, K, N, transpose_rhs, lhs, w);
+  const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, path);
+  if (policy == ConsumerPolicy::kPinned) {
+    pol.consumers = c.opts.consumer_ctas;
+  } else if (policy == ConsumerPolicy::kModel) {
+    pol.use_model = 1;
+    pol.model = ws.model();
+    pol.model.sms = budget;  // the rank's CTAs are its SMs (one CTA per SM, checked by PrepareExpertKernel)
+    pol.model.ctas_per_sm = 1;
+    pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);
+    pol.consumers = 0;
+  } else {
+    pol.consumers = std::min(ws.consumer_ctas(), budget - 1);
+  }
+  // Per-band tile counters and the finished-band count start from zero every call (stream-ordered: the previous
+  // call's kernels are done).
+  if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
+                       "cudaMemsetAsync(band counters)")).ok())
+    return s;
+  ExpertLaunch l{c.stream, dev, budget, rd, lhs, w, cap, K, N, E_l, seg_rows, seg_ret_off, pol, {}, {}};
+  if (path == ProducerPath::kWgmmaBf16) {  // the TMA descriptors of the wgmma engine (unused by the others)
+    if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(lhs, cap, K, w, E_l, N, /*b_k_major=*/transpose_rhs, &l.a_map,
+                                                    &l.b_map),
+                         "tensor maps of the wgmma producer")).ok())
+      return s;
+    s = LaunchExpertKernel<bf16, kWgmma>(l, transpose_rhs);
+  } else if (path == ProducerPath::kMmaSyncBf16) {
+    s = LaunchExpertKernel<bf16, kMmaSync>(l, transpose_rhs);
+  } else if (dt == DType::kBF16) {
+    s = LaunchExpertKernel<bf16, kSimt>(l, transpose_rhs);
+  } else {
+    s = LaunchExpertKernel<float, kSimt>(l, transpose_rhs);
+  }
+  if (!s.ok()) return s;
+  return LaunchCombine(rd, budget, c.stream, dt, gates, slot_ret_row, ret_expected, T, k, N, row_bytes, y, slot_out);
+}
+
+}  // namespace jmo::cuda

@@ -1,0 +1,197 @@
+// The producer side of expert_combine: adapters from the segment table to the GEMM engines (mma.sync / SIMT tiles,
+// the wgmma mainloop) that store each tile where the consumer or the combine reads it and publish finished bands.
+// ExpertKernel (expert_combine.cu) runs them; the fused dispatch_gemm reuses the wgmma tile order.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gemm/simt_tile.cuh"
+#include "cuda/gemm/sm80/mma_tile.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_mainloop.cuh"
+#include "cuda/launch.h"
+#include "cuda/schedule/segment_table.cuh"
+#include "cuda/workspace/protocol.cuh"
+
+namespace jmo::cuda {
+
+using bf16 = __nv_bfloat16;
+
+//
+// kTransB (every engine): w is [E_l, N, K] and the producer reads w[e]^T in place (the input gradient dy @ W^T of
+// the backward pass), else w is [E_l, K, N]. Meaning as in gemm/sm80/mma_tile.cuh: B[k, n] = kTransB ? w_e[n K + k]
+// : w_e[k N + n].
+
+enum Engine : int { kSimt = 0, kMmaSync = 1, kWgmma = 2 };
+template <int kEngine>
+constexpr int kEngineThreads = kEngine == kWgmma ? wgmma_gemm::kThreads : kThreads;
+
+// How PrepareOneCtaPerSm prepares a kernel of the wgmma engine: wgmma_gemm::PrepareWgmmaKernel checks a Hopper device,
+// the sm_90a build and the register budget, then sets the shared memory.
+constexpr KernelSetup kWgmmaKernelSetup{"PrepareWgmmaKernel", wgmma_gemm::PrepareWgmmaKernel};
+
+// Whether the current device runs the wgmma producer for these operands (defined in expert_combine.cu; also what
+// dispatch_gemm requires).
+bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
+
+// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier: the CTA
+// completing a band of a remote segment publishes it through its tile_ready flag (the consumer pushes it). Tiles of
+// local segments publish nothing: see CountLocalRows.
+__device__ __forceinline__ void PublishTile(const RankDev& rd, uint64_t* flags, int first_flag, int bands,
+                                            int col_tiles, uint64_t epoch) {
+  for (int b = 0; b < bands; ++b) {
+    if (atomicAdd(&rd.band_done[first_flag + b], 1u) == (unsigned)(col_tiles - 1)) {
+      __threadfence();
+      StoreReleaseGpu(&flags[first_flag + b], epoch);
+    }
+  }
+}
+
+// Every thread of every producer CTA calls this once it has stored all its tiles. The rows of local segments (stored
+// in place in this rank's ret rows; no consumer and no peer reads them, only this rank's CombineKernel, later on the
+// stream) are counted into ret_arrivals once, by the last producer CTA to finish: each thread's fence and the CTA
+// barrier order the CTA's stores before its producers_done add, so the last adder's count follows every store of
+// the call. This keeps the per-tile fence and consumer barrier off local tiles (all tiles at EP = 1). Also what the
+// serialized mode's consumer waits for (producers_done == producer CTAs).
+__device__ inline void CountLocalRows(const RankDev& rd, const SegTable& t, int producers) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) != (unsigned long long)(producers - 1))
+    return;
+  uint64_t local_rows = 0;
+  for (int i = t.remote_segs; i < t.n; ++i) local_rows += (uint64_t)t.seg[i].rows;
+  __threadfence();
+  if (local_rows > 0) AddReleaseSys(&View(rd, rd.rank).control()->ret_arrivals.value, local_rows);
+}
+
+// Where a producer tile of segment s goes: the stage rows the consumer pushes from, or for a local segment the
+// rank's own ret rows (no push). `row` is the tile's first row within the segment.
+template <typename T>
+__device__ __forceinline__ T* TileOut(const RankDev& rd, const Segment& s, int row, int64_t n0, int64_t N, T* stage,
+                                      T* ret) {
+  return s.src == rd.rank ? ret + ((int64_t)s.ret_off + row) * N + n0 : stage + ((int64_t)s.recv_off + row) * N + n0;
+}
+
+// mma.sync / SIMT engine (gemm/sm80/mma_tile.cuh, gemm/simt_tile.cuh): one band (64 rows) x kTileN columns per tile.
+constexpr int kMmaBM = 64;
+constexpr int kMmaBN = kTileN;
+static_assert(kMmaBM == kBandRows, "a producer tile is one row band");
+static_assert(kTileThreads == kThreads, "the tile engine assumes the kernels' CTA size");
+constexpr int kTcSmemBytes = TcLayout<kMmaBM>::kSmemBytes;
+constexpr int kSimtSmemBytes = SimtSmemBytes<kMmaBM>();
+
+template <typename T, bool kTensorCores, bool kTransB>
+__device__ inline void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t epoch, const T* __restrict__ lhs,
+                                    const T* __restrict__ w, int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags,
+                                    int pid, int np, char* smem) {
+  const int64_t ntiles = (N + kMmaBN - 1) / kMmaBN;
+  const int64_t tiles = (int64_t)table.bands * ntiles;
+  for (int64_t t = pid; t < tiles; t += np) {
+    const int band = (int)(t / ntiles);
+    const int64_t n0 = (t % ntiles) * kMmaBN;
+    const Segment& s = table.seg[FindSegment(table, band)];
+    const int b = band - table.band_prefix[&s - table.seg];
+    const int64_t row0 = s.recv_off + (int64_t)b * kMmaBM;
+    const int rows = min((int)kMmaBM, s.rows - b * (int)kMmaBM);
+    const T* w_e = w + (int64_t)s.expert * K * N;
+    // Column n0 of B: column n0 of row 0 of w_e [K, N], or row n0 of w_e [N, K].
+    const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0 * (kTransB ? K : 1), kTransB ? K : N,
+                              TileOut(rd, s, b * kMmaBM, n0, N, stage, ret), N, rows, (int)min((int64_t)kMmaBN, N - n0),
+                              (int)K};
+    if constexpr (kTensorCores)
+      TcTile<kMmaBM, false, kTransB, T>(tile, smem);
+    else
+      SimtTile<kMmaBM, false, kTransB, T, T>(tile, smem);
+    const bool publish = s.src != rd.rank;  // (uniform in the CTA)
+    if (publish) __threadfence();
+    __syncthreads();
+    if (publish && threadIdx.x == 0) PublishTile(rd, flags, s.band_base + b, 1, (int)ntiles, epoch);
+  }
+}
+
+// wgmma engine (sm_90a, gemm/sm90/wgmma_mainloop.cuh): 128 rows (two bands) x 256 columns of one segment per tile,
+// TMA-fed, warp-specialized (384 threads). tile_prefix[i] = tiles of the segments before segment i, in producer order.
+constexpr int kWgBM = wgmma_gemm::kBM;
+constexpr int kWgBN = wgmma_gemm::kBN;
+static_assert(kWgBM % kBandRows == 0, "a wgmma tile covers whole bands");
+
+struct WgTile : wgmma_gemm::WgmmaTile {
+  int flag;   // tile_ready index of the tile's first band
+  int bands;  // bands the tile covers (1 or 2)
+};
+
+static_assert(kMaxSegments <= wgmma_gemm::kThreads, "one thread per segment for the tile prefix scan");
+
+// tile_prefix[i] = wgmma tiles of the segments before segment i (tile_prefix[n] = all of them), col_tiles per 128-row
+// block: one thread per segment and a block scan (kMaxSegments <= the CTA's threads), not one thread's loop over up
+// to 256 segments with a division each (microseconds at kernel start, on every CTA). Every thread calls it.
+__device__ inline void WgmmaTilePrefix(const SegTable& table, int col_tiles, int32_t* tile_prefix, int64_t* warp_sums) {
+  const int i = threadIdx.x;
+  const int64_t tiles = i < table.n ? (int64_t)((table.seg[i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
+  int64_t total = 0;
+  const int64_t incl = BlockInclusiveScan(tiles, warp_sums, &total);
+  if (i < table.n) tile_prefix[i] = (int32_t)(incl - tiles);
+  if (i == 0) tile_prefix[table.n] = (int32_t)total;
+  __syncthreads();
+}
+
+// Wgmma tile j of the table (tiles in segment order, WgmmaTilePrefix): its segment, its 128-row block within the
+// segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the caller's. Inside a
+// segment the tiles go in bands of band_m row blocks (wgmma_gemm::BandRaster).
+struct SegmentTile {
+  const Segment* s;
+  int mt;
+  wgmma_gemm::WgmmaTile t;
+};
+__device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const int32_t* tile_prefix, int col_tiles,
+                                                   int64_t N, int j, int band_m) {
+  int lo = 0, hi = table.n - 1;  // the segment holding tile j: last lo with tile_prefix[lo] <= j
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_prefix[mid] <= j) lo = mid; else hi = mid - 1;
+  }
+  const Segment& s = table.seg[lo];
+  int mt, nt;
+  wgmma_gemm::BandRaster(j - tile_prefix[lo], (s.rows + kWgBM - 1) / kWgBM, col_tiles, band_m, &mt, &nt);
+  SegmentTile at{&s, mt, {}};
+  at.t.a_row = s.recv_off + mt * kWgBM;
+  at.t.b_idx = s.expert;
+  at.t.n0 = nt * kWgBN;
+  at.t.rows = min(kWgBM, s.rows - mt * kWgBM);
+  at.t.cols = (int)min((int64_t)kWgBN, N - at.t.n0);
+  return at;
+}
+
+template <bool kTransB>
+__device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
+                                    const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret,
+                                    uint64_t* flags, int pid, int np, int32_t* tile_prefix, int64_t* warp_sums,
+                                    char* smem) {
+  const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
+  WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
+  auto tile_of = [&](int i) {
+    // Row-block order (band_m = 1): a row block's flags complete together, so the consumer can ship it early.
+    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i, 1);
+    WgTile t;
+    static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
+    t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret);
+    t.ldc = N;
+    t.flag = at.s->band_base + at.mt * (kWgBM / (int)kBandRows);
+    t.bands = (t.rows + (int)kBandRows - 1) / (int)kBandRows;
+    t.publish = at.s->src != rd.rank;  // local tiles: no fence, no barrier, no flag (CountLocalRows)
+    return t;
+  };
+  auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
+  // The loop's kTransB is the wgmma instruction's operand layout, the opposite sense of ours: 1 = B MN-major (w [E_l,
+  // K, N], b_map built with b_k_major = false), 0 = B K-major (w [E_l, N, K], b_k_major = true), as the bare grouped
+  // GEMM's transpose_rhs (gemm/sm90/wgmma_grouped.cuh, GroupedGemmWithDone).
+  wgmma_gemm::WgmmaTileLoop<kTransB ? 0 : 1, false>(a_map, b_map, (int)K, pid, np, tile_prefix[table.n], tile_of,
+                                                    tile_done, smem);
+}
+
+}  // namespace jmo::cuda

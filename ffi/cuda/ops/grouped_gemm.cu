@@ -1,0 +1,387 @@
+// Bare grouped GEMMs (grouped_gemm.h): persistent kernels over a tile space that every CTA derives on the device
+// from the group sizes (block scans into shared memory), then a tile engine of gemm/ (tile.cuh) per tile.
+#include "cuda/ops/grouped_gemm.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "cuda/device/activation.cuh"
+#include "cuda/gemm/simt_tile.cuh"
+#include "cuda/gemm/sm80/mma_tile.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_outer.cuh"
+
+namespace jmo::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kTcBM = 128;   // rows of a tensor-core tile (bigger than the producer's one-band tile: more reuse)
+constexpr int kSimtBM = 64;
+
+// out[0..G] = exclusive prefix sums of value(g) over g < G (out[G] = total), computed by the whole CTA: each thread
+// sums a contiguous chunk, a Hillis-Steele scan combines the chunk sums, then each thread writes its chunk's prefixes.
+template <typename ValueFn>
+__device__ void BlockExclusiveScan(int G, ValueFn value, int32_t* out) {
+  __shared__ int32_t part[kTileThreads];
+  const int tid = threadIdx.x;
+  const int per = (G + kTileThreads - 1) / kTileThreads;
+  const int lo = min(G, tid * per), hi = min(G, lo + per);
+  int32_t sum = 0;
+  for (int g = lo; g < hi; ++g) sum += value(g);
+  part[tid] = sum;
+  __syncthreads();
+  for (int off = 1; off < kTileThreads; off *= 2) {
+    const int32_t v = tid >= off ? part[tid - off] : 0;
+    __syncthreads();
+    part[tid] += v;
+    __syncthreads();
+  }
+  int32_t run = tid ? part[tid - 1] : 0;
+  for (int g = lo; g < hi; ++g) {
+    out[g] = run;
+    run += value(g);
+  }
+  if (tid == kTileThreads - 1) out[G] = part[tid];
+  __syncthreads();
+}
+
+// Row offsets of the groups, clipped to [0, M]: row_off[g] = min(M, sizes[0] + ... + sizes[g-1]) (negatives as 0).
+__device__ void BuildRowOffsets(const int32_t* sizes, int G, int64_t M, int32_t* row_off) {
+  BlockExclusiveScan(G, [&](int g) { return max(0, sizes[g]); }, row_off);
+  for (int g = threadIdx.x; g <= G; g += blockDim.x) row_off[g] = (int32_t)min((int64_t)row_off[g], M);
+  __syncthreads();
+}
+
+__device__ __forceinline__ int FindGroup(const int32_t* off, int G, int32_t x) {  // last g with off[g] <= x
+  int lo = 0, hi = G - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (off[mid] <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <typename OutT>
+__device__ void ZeroRows(OutT* out, int64_t first, int64_t last, int64_t N) {
+  const int64_t n = (last - first) * N;
+  OutT* p = out + first * N;
+  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = tid; i < n; i += stride) p[i] = FromFloat<OutT>(0.f);
+}
+
+template <int BM, bool kTransB, typename T, typename OutT, bool kTC>
+__device__ __forceinline__ void Tile(const TileArgs<T, OutT>& t, char* smem) {
+  if constexpr (kTC)
+    TcTile<BM, false, kTransB, OutT>(t, smem);
+  else
+    SimtTile<BM, false, kTransB, T, OutT>(t, smem);
+}
+
+// Tiles in group order, the column tiles of one row block adjacent (they share the A rows in L2); within a group
+// every row block streams the same weight matrix, which stays in L2 across the group's concurrent tiles.
+template <int BM, bool kTransB, typename T, typename OutT, bool kTC>
+__global__ void __launch_bounds__(kTileThreads) GroupedMatmulKernel(const T* __restrict__ lhs, int64_t M, int64_t K,
+                                                                    const T* __restrict__ rhs, int G, int64_t N,
+                                                                    const int32_t* sizes, OutT* __restrict__ out) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ int32_t row_off[kMaxGroups + 1];
+  __shared__ int32_t tile_off[kMaxGroups + 1];
+  const int col_tiles = (int)((N + kTileN - 1) / kTileN);
+  BuildRowOffsets(sizes, G, M, row_off);
+  BlockExclusiveScan(G, [&](int g) { return (row_off[g + 1] - row_off[g] + BM - 1) / BM * col_tiles; }, tile_off);
+  const int32_t tiles = tile_off[G];
+  for (int32_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int g = FindGroup(tile_off, G, t);
+    const int local = t - tile_off[g];
+    const int64_t row0 = row_off[g] + (int64_t)(local / col_tiles) * BM, n0 = (int64_t)(local % col_tiles) * kTileN;
+    const T* b = kTransB ? rhs + (int64_t)g * N * K + n0 * K : rhs + (int64_t)g * K * N + n0;
+    const TileArgs<T, OutT> args{lhs + row0 * K, K, b, kTransB ? K : N, out + row0 * N + n0, N,
+                                 (int)min((int64_t)BM, row_off[g + 1] - row0), (int)min((int64_t)kTileN, N - n0),
+                                 (int)K};
+    Tile<BM, kTransB, T, OutT, kTC>(args, smem);
+  }
+  ZeroRows(out, row_off[G], M, N);
+}
+
+// One tile = (group, BM columns of lhs, kTileN columns of rhs), reducing over the group's rows.
+template <int BM, typename T, typename OutT, bool kTC>
+__global__ void __launch_bounds__(kTileThreads) GroupedOuterKernel(const T* __restrict__ lhs, int64_t M, int64_t K,
+                                                                   const T* __restrict__ rhs, int64_t N, int G,
+                                                                   const int32_t* sizes, OutT* __restrict__ out) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ int32_t row_off[kMaxGroups + 1];
+  BuildRowOffsets(sizes, G, M, row_off);
+  const int64_t m_tiles = (K + BM - 1) / BM, n_tiles = (N + kTileN - 1) / kTileN;
+  const int64_t tiles = (int64_t)G * m_tiles * n_tiles;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int g = (int)(t / (m_tiles * n_tiles));
+    const int64_t local = t % (m_tiles * n_tiles);
+    const int64_t m0 = (local / n_tiles) * BM, n0 = (local % n_tiles) * kTileN;
+    const int64_t r0 = row_off[g];
+    const TileArgs<T, OutT> args{lhs + r0 * K + m0, K, rhs + r0 * N + n0, N, out + (int64_t)g * K * N + m0 * N + n0,
+                                 N, (int)min((int64_t)BM, K - m0), (int)min((int64_t)kTileN, N - n0),
+                                 row_off[g + 1] - row_off[g]};
+    if constexpr (kTC)
+      TcTile<BM, true, false, OutT>(args, smem);
+    else
+      SimtTile<BM, true, false, T, OutT>(args, smem);
+  }
+}
+
+// Grid of a persistent kernel: every CTA the device holds at once (occupancy of the compiled kernel at its shared
+// memory), never more than the work. The dynamic shared-memory limit is raised once per (kernel, device).
+Status PersistentGrid(const void* kernel, int smem, int64_t work, int* grid) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> resident;  // (kernel, device) -> CTAs the device holds
+  int dev = 0;
+  Status s = CudaStatus(cudaGetDevice(&dev), "cudaGetDevice");
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = resident.find({kernel, dev});
+  if (it == resident.end()) {
+    int per_sm = 0;
+    DeviceInfo info;
+    s = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                   "cudaFuncSetAttribute(grouped GEMM)");
+    if (s.ok()) s = GetDeviceInfo(dev, &info);
+    if (s.ok())
+      s = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileThreads, smem),
+                     "cudaOccupancyMaxActiveBlocksPerMultiprocessor(grouped GEMM)");
+    if (!s.ok()) return s;
+    if (per_sm < 1) return Status::Error(kInternal, "jax_moe_overlap: the grouped GEMM kernel does not fit an SM");
+    it = resident.emplace(std::make_pair(kernel, dev), info.sms * per_sm).first;
+  }
+  *grid = (int)std::max<int64_t>(1, std::min<int64_t>(it->second, work));
+  return Status{};
+}
+
+bool UseTensorCores(DType dt, int64_t K, int64_t N) { return dt == DType::kBF16 && K % 8 == 0 && N % 8 == 0; }
+
+// SM count of the current device if it is a Hopper GPU (the wgmma kernel's target), else 0.
+int HopperSms() {
+  int dev = 0;
+  DeviceInfo info;
+  if (cudaGetDevice(&dev) != cudaSuccess || !GetDeviceInfo(dev, &info).ok()) return 0;
+  return info.cc_major == 9 ? info.sms : 0;
+}
+
+// The wgmma grid: the device's SMs, or at most `sms` of them.
+int WgmmaGrid(int sms) { return sms > 0 ? std::min(sms, HopperSms()) : HopperSms(); }
+
+// The wgmma + TMA kernel (gemm/sm90/wgmma_grouped.cuh) takes bf16 operands with K and N multiples of 64 on Hopper.
+bool UseWgmma(DType dt, int64_t M, int64_t K, int64_t N) {
+  return dt == DType::kBF16 && M > 0 && K % 64 == 0 && N % 64 == 0 && HopperSms() > 0;
+}
+
+Status CheckSizes(const char* op, int64_t M, int64_t G) {
+  if (G < 1 || G > kMaxGroups)
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": " + std::to_string(G) +
+                                               " groups; supported: 1.." + std::to_string(kMaxGroups));
+  if (M >= (int64_t(1) << 31))
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": more than 2^31 rows");
+  return Status{};
+}
+
+template <int BM, bool kTransB, typename T, typename OutT, bool kTC>
+Status LaunchMatmul(cudaStream_t stream, const void* lhs, int64_t M, int64_t K, const void* rhs, int64_t G, int64_t N,
+                    const int32_t* sizes, void* out) {
+  const auto kernel = GroupedMatmulKernel<BM, kTransB, T, OutT, kTC>;
+  const int smem = kTC ? TcLayout<BM>::kSmemBytes : SimtSmemBytes<BM>();
+  int grid = 0;
+  // Work bound: every row block of every column tile, plus one per group for partial blocks.
+  const int64_t work = ((M + BM - 1) / BM + G) * ((N + kTileN - 1) / kTileN);
+  Status s = PersistentGrid(reinterpret_cast<const void*>(kernel), smem, work, &grid);
+  if (!s.ok()) return s;
+  kernel<<<grid, kTileThreads, smem, stream>>>(static_cast<const T*>(lhs), M, K, static_cast<const T*>(rhs), (int)G, N,
+                                               sizes, static_cast<OutT*>(out));
+  return CudaStatus(cudaGetLastError(), "launch of GroupedMatmulKernel");
+}
+
+template <int BM, typename T, typename OutT, bool kTC>
+Status LaunchOuter(cudaStream_t stream, const void* lhs, int64_t M, int64_t K, const void* rhs, int64_t N, int64_t G,
+                   const int32_t* sizes, void* out) {
+  const auto kernel = GroupedOuterKernel<BM, T, OutT, kTC>;
+  const int smem = kTC ? TcLayout<BM>::kSmemBytes : SimtSmemBytes<BM>();
+  int grid = 0;
+  const int64_t work = G * ((K + BM - 1) / BM) * ((N + kTileN - 1) / kTileN);
+  Status s = PersistentGrid(reinterpret_cast<const void*>(kernel), smem, work, &grid);
+  if (!s.ok()) return s;
+  kernel<<<grid, kTileThreads, smem, stream>>>(static_cast<const T*>(lhs), M, K, static_cast<const T*>(rhs), N, (int)G,
+                                               sizes, static_cast<OutT*>(out));
+  return CudaStatus(cudaGetLastError(), "launch of GroupedOuterKernel");
+}
+
+// The fused GEMM1 + SwiGLU on the wgmma engine (the grouped GEMM's schedule, gemm/sm90/wgmma_grouped.cuh, with
+// SwiGluTile's epilogue).
+namespace swiglu_wgmma {
+using namespace wgmma_gemm;
+
+// GEMM1 with its SwiGLU epilogue: h [M, F] bf16 = silu(lhs @ rhs[g][:, :F]) * (lhs @ rhs[g][:, F:]) per group's rows
+// (rhs [G, K, 2F], MN-major), and the float32 preactivation a [M, 2F] = lhs @ rhs[g] when a is not null. Each tile
+// is 128 rows x 128 columns of h, computed from the gate's 128 columns and the up projection's 128 (SwiGluTile).
+// Rows past the groups are zero in h and a.
+__global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
+    GroupedSwiGluKernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                        const int32_t* __restrict__ group_sizes, int G, int M, int F, int K,
+                        __nv_bfloat16* __restrict__ h, float* __restrict__ a) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  int* row_start = reinterpret_cast<int*>(smem_raw + kLoopSmemBytes);  // G + 1
+  int* tile_start = row_start + (kMaxGroups + 1);                      // G + 1
+  const int tid = threadIdx.x;
+  constexpr int kHalf = kBN / 2;
+  const int n_tiles = (F + kHalf - 1) / kHalf;
+  for (int g = tid; g < G; g += kThreads) row_start[g] = max(0, group_sizes[g]);
+  __syncthreads();
+  if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
+  __syncthreads();
+  ZeroPadRows(h, row_start[G], M, F, 2);
+  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, 4);
+  auto tile_of = [&](int t) {
+    const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
+    SwiGluTile tile;
+    tile.a_row = row_start[p.g] + p.mt * kBM;
+    tile.b_idx = p.g;
+    tile.n0 = p.nt * kHalf;
+    tile.n_hi = F + tile.n0;
+    tile.rows = min(kBM, p.rows_g - p.mt * kBM);
+    tile.cols = min(kHalf, F - tile.n0);
+    tile.out = h + (int64_t)tile.a_row * F + tile.n0;
+    tile.ldc = F;
+    tile.a = a != nullptr ? a + (int64_t)tile.a_row * 2 * F : nullptr;
+    tile.lda = 2 * (int64_t)F;
+    return tile;
+  };
+  WgmmaTileLoop</*kTransB=*/1, /*kOutF32=*/false>(tm_a, tm_b, K, (int)blockIdx.x, (int)gridDim.x, tile_start[G],
+                                                   tile_of, NoTileDone{}, smem_raw);
+}
+
+// GroupedSwiGluKernel's launch: lhs [M, K], rhs [G, K, 2F] bf16, h [M, F] bf16, a [M, 2F] float32 or nullptr.
+// Requires K % 64 == 0 and F % 32 == 0 (2F a multiple of 64, and whole 16-column stores); cudaErrorInvalidValue
+// otherwise, cudaErrorNotSupported where the wgmma kernels cannot run.
+inline cudaError_t GroupedSwiGlu(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs, int64_t G,
+                                 int64_t F, const int32_t* group_sizes_dev, __nv_bfloat16* h, float* a, int num_sms,
+                                 cudaStream_t stream) {
+  if (M <= 0 || K <= 0 || F <= 0 || K % kBK != 0 || F % 32 != 0 || G < 1 || G > kMaxGroups ||
+      M > 0x7fffffff - kBM || K > 0x7fffffff || 2 * F > 0x7fffffff ||
+      (reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) | reinterpret_cast<uintptr_t>(h) |
+       reinterpret_cast<uintptr_t>(a)) % 16 ||
+      num_sms <= 0) {
+    fprintf(stderr, "GroupedSwiGlu: unsupported shape/alignment M=%lld K=%lld F=%lld G=%lld num_sms=%d\n",
+            (long long)M, (long long)K, (long long)F, (long long)G, num_sms);
+    return cudaErrorInvalidValue;
+  }
+  CUtensorMap ta, tb;
+  const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, 2 * F, /*b_k_major=*/false, &ta, &tb);
+  if (e != cudaSuccess) return e;
+  return LaunchWgmmaKernel(GroupedSwiGluKernel, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev, (int)G, (int)M,
+                           (int)F, (int)K, h, a);
+}
+
+}  // namespace swiglu_wgmma
+
+// h[r, j] = silu(a[r, j]) * a[r, F + j] over every row (GroupedMatmulSwiGlu's unfused path; a's zero rows give zero).
+template <typename OutT>
+__global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t F, OutT* __restrict__ h) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < M * F; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / F, j = i - r * F;
+    h[i] = FromFloat<OutT>(SiluMul(a[r * 2 * F + j], a[r * 2 * F + F + j]));
+  }
+}
+
+}  // namespace
+
+bool SwiGluFused(DType dt, int64_t K, int64_t F) { return UseWgmma(dt, 1, K, 2 * F) && F % 32 == 0; }
+
+Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
+                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms) {
+  Status s = CheckSizes("grouped_matmul_swiglu", M, G);
+  if (!s.ok() || M == 0 || F == 0) return s;
+  if (SwiGluFused(dt, K, F)) {
+    const cudaError_t e = swiglu_wgmma::GroupedSwiGlu(static_cast<const bf16*>(lhs), M, K,
+                                                      static_cast<const bf16*>(rhs), G, F, group_sizes,
+                                                      static_cast<bf16*>(h), a, WgmmaGrid(sms), stream);
+    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
+  }
+  if (a == nullptr)
+    return Status::Error(kInvalidArgument,
+                         "jax_moe_overlap: grouped_matmul_swiglu: the fused kernel does not run here (it needs a "
+                         "Hopper GPU, bfloat16, K a multiple of 64 and F of 32); ask for the preactivation output");
+  s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, a,
+                    sms);
+  if (!s.ok()) return s;
+  const int grid = (int)std::min<int64_t>(4096, (M * F + 255) / 256);
+  if (dt == DType::kF32)
+    SwiGluRowsKernel<float><<<grid, 256, 0, stream>>>(a, M, F, static_cast<float*>(h));
+  else
+    SwiGluRowsKernel<bf16><<<grid, 256, 0, stream>>>(a, M, F, static_cast<bf16*>(h));
+  return CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
+}
+
+const char* GroupedGemmPath(DType dt, int64_t K, int64_t N) {
+  if (UseWgmma(dt, 1, K, N)) return "wgmma bf16";
+  return UseTensorCores(dt, K, N) ? "mma.sync bf16" : "simt fp32";
+}
+
+Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
+                     const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out,
+                     int sms) {
+  Status s = CheckSizes("grouped_matmul", M, G);
+  if (!s.ok()) return s;
+  if (M == 0 || N == 0) return Status{};
+  if (UseWgmma(dt, M, K, N))
+    return CudaStatus(WgmmaGroupedGemm(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), G, N,
+                                       transpose_rhs, group_sizes, out, out_f32, WgmmaGrid(sms), stream),
+                      "grouped_matmul (wgmma)");
+  const bool tc = UseTensorCores(dt, K, N);
+#define JMO_MATMUL(BM, TB, T, OUT, TC) \
+  return LaunchMatmul<BM, TB, T, OUT, TC>(stream, lhs, M, K, rhs, G, N, group_sizes, out)
+  if (dt == DType::kF32) {
+    if (transpose_rhs) JMO_MATMUL(kSimtBM, true, float, float, false);
+    JMO_MATMUL(kSimtBM, false, float, float, false);
+  }
+  if (tc) {
+    if (transpose_rhs) {
+      if (out_f32) JMO_MATMUL(kTcBM, true, bf16, float, true);
+      JMO_MATMUL(kTcBM, true, bf16, bf16, true);
+    }
+    if (out_f32) JMO_MATMUL(kTcBM, false, bf16, float, true);
+    JMO_MATMUL(kTcBM, false, bf16, bf16, true);
+  }
+  if (transpose_rhs) {
+    if (out_f32) JMO_MATMUL(kSimtBM, true, bf16, float, false);
+    JMO_MATMUL(kSimtBM, true, bf16, bf16, false);
+  }
+  if (out_f32) JMO_MATMUL(kSimtBM, false, bf16, float, false);
+  JMO_MATMUL(kSimtBM, false, bf16, bf16, false);
+#undef JMO_MATMUL
+}
+
+Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
+                    const void* rhs, int64_t N, int64_t G, const int32_t* group_sizes, void* out) {
+  Status s = CheckSizes("grouped_outer", M, G);
+  if (!s.ok()) return s;
+  if (K == 0 || N == 0) return Status{};
+  // Hopper: the wgmma + TMA kernel (gemm/sm90/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
+  // builds it refuses (cudaErrorInvalidValue / cudaErrorNotSupported, before any launch) fall through to mma.sync.
+  if (UseWgmma(dt, M, K, N)) {
+    const cudaError_t e = WgmmaGroupedOuter(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), N, G,
+                                            group_sizes, out, out_f32, HopperSms(), stream);
+    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_outer (wgmma)");
+  }
+  const bool tc = UseTensorCores(dt, K, N);
+  if (dt == DType::kF32) return LaunchOuter<kSimtBM, float, float, false>(stream, lhs, M, K, rhs, N, G, group_sizes, out);
+  if (tc) {
+    if (out_f32) return LaunchOuter<kTcBM, bf16, float, true>(stream, lhs, M, K, rhs, N, G, group_sizes, out);
+    return LaunchOuter<kTcBM, bf16, bf16, true>(stream, lhs, M, K, rhs, N, G, group_sizes, out);
+  }
+  if (out_f32) return LaunchOuter<kSimtBM, bf16, float, false>(stream, lhs, M, K, rhs, N, G, group_sizes, out);
+  return LaunchOuter<kSimtBM, bf16, bf16, false>(stream, lhs, M, K, rhs, N, G, group_sizes, out);
+}
+
+}  // namespace jmo::cuda

@@ -1,0 +1,282 @@
+// The resource manager's device side: the choice of the consumer CTA count C from the call's segment table, and
+// ConsumerConfig, what ExpertKernel is told about C and about how its consumer pushes. Used by ExpertKernel
+// (expert_combine.cu) and by tools/decision_bench.cu. Every function with a barrier is called by every thread of the
+// CTA.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/device/warp.cuh"
+#include "cuda/schedule/segment_table.cuh"
+#include "cuda/workspace/workspace.h"      // kThreads, kMaxSegments, Segment, resource_model.h
+
+namespace jmo::cuda {
+
+// The resource manager on the device (resource_model.h): every CTA evaluates the model on its own copy of the
+// segment table and gets the same C (same inputs, same operations, no FMA contraction: see the header), then takes
+// its role by block index. Lane c of a warp evaluates candidate C = c + 1 over some of the segments; a max over the
+// warps and an argmin over the lanes (smallest C on ties, as ChooseConsumerCtas) finish it. Two forms, the same C:
+//   chunked   (DeviceChooseConsumers) warp w takes the contiguous chunk of remote
+//             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
+//             scans its chunk with one warp scan, so its prefixes stay warp-private: 1 barrier instead of 7, and per
+//             (C, j) pair FP64 operations only (ceil(cum / P) by ReadyUsFp; the scans' form paid a CeilDiv and three
+//             int -> double conversions per pair, and cc 9.0 issues those at 16 results/clk/SM against 64 for
+//             DMUL/DADD). Its shortcuts are exact when rows are in [1, 2^23), ceil(N / BN) < 2^19, N * eb < 2^32 and
+//             the lanes' tile_us, seg_us and us_per_byte are finite and >= +0 (ChunkedIsExact): true of every real
+//             call (calibrated times and rates are positive).
+//   scans     (ChooseByScans) block scans of tiles and bytes to shared memory, lane c of warp w over segments w,
+//             w + 8, ...: every other input, so both forms give the same C on every input.
+// The divisions the chunked form needs are computed by the host (CandidateConsts) and each warp reduces the maxima
+// itself, so a decision stays a small part of a call (tools/decision_bench.cu times it); its cost grows with the chunk
+// a warp scans (n / 8 segments).
+
+static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
+static_assert(kMaxModelCtas == 32, "one lane per candidate");
+constexpr int kWarps = kThreads / 32;
+static_assert(kMaxSegments <= 32 * kWarps, "a chunk of remote segments fits in a warp");
+
+struct ChoiceScratch {
+  union {
+    ModelPrefix pre[kMaxSegments];  // ChooseByScans
+    struct {                        // the chunked form: segment j's parts of its term that do not depend on C
+      double ceil_arg[kMaxSegments];  // CeilArg(cum_tiles)
+      double push_us[kMaxSegments];   // pushed_from * seg_us
+      double bytes[kMaxSegments];     // (double)bytes_from
+    } seg;                            // (the same 6 KB as pre[]: shared memory does not grow)
+  };
+  double us[2][kWarps][32];  // per-warp maxima by lane; the chunked form alternates halves by call parity
+  int64_t warp_sums[32];
+  int chosen;                // ChooseByScans
+};
+
+// The constants of the chunked form that need a division, computed by the host before the launch
+// (FillCandidateConsts), so that no division sequence sits on the decision's critical path: per candidate,
+// ModelUsPerByte's and 1 / P (IEEE division and reciprocal are correctly rounded on both sides: the doubles the device
+// would compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and per call the 32-bit magic of
+// tile_m (MagicCeilDiv) and ceil(N / BN) (integers: the same on both sides).
+struct CandidateConsts {
+  double us_per_byte[kMaxModelCtas];
+  double rcp_producers[kMaxModelCtas];
+  uint32_t tile_m;        // max(p.tile_m, 1)
+  uint32_t tile_m_magic;  // 0xffffffff / tile_m
+  int64_t col_tiles;      // ceil(N / p.tile_n), -1 if p.tile_n <= 0 (ChunkedIsExact then falls back)
+};
+
+// Policy::cand for the model p, candidates 1..max_ctas and rows N wide (host).
+inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas, int64_t N) {
+  CandidateConsts cc{};
+  cc.tile_m = p.tile_m > 0 ? (uint32_t)p.tile_m : 1u;
+  cc.tile_m_magic = 0xffffffffu / cc.tile_m;
+  cc.col_tiles = p.tile_n > 0 ? CeilDiv(N, p.tile_n) : -1;
+  for (int c = 1; c <= kMaxModelCtas; ++c) {
+    const int cl = c <= max_ctas && ModelFeasible(p, c) ? c : 1;
+    const int64_t producers = (int64_t)(p.sms - cl) * p.ctas_per_sm;
+    cc.us_per_byte[c - 1] = ModelUsPerByte(p, cl);
+    cc.rcp_producers[c - 1] = 1.0 / (double)(producers > 0 ? producers : 1);
+  }
+  return cc;
+}
+
+// The scans form (see above). Called by every thread of the CTA (contains barriers).
+__device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
+                                    int max_ctas, ChoiceScratch* sc) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int mr = t.remote_segs;
+  // Prefix sums of tiles (all segments) and pushed bytes (remote ones) in producer order.
+  const int64_t own_bytes = tid < mr ? (int64_t)t.seg[tid].rows * N * eb : 0;
+  int64_t total_tiles = 0, total_bytes = 0;
+  const int64_t tiles = BlockInclusiveScan(tid < t.n ? ModelTiles(p, t.seg[tid].rows, N) : 0, sc->warp_sums,
+                                           &total_tiles);
+  const int64_t bytes = BlockInclusiveScan(own_bytes, sc->warp_sums, &total_bytes);
+  if (tid < mr) sc->pre[tid] = ModelPrefix{tiles, mr - tid, total_bytes - (bytes - own_bytes)};
+  __syncthreads();
+  const bool active = warp < kWarps;  // a 384-thread CTA (wgmma engine): warps 8..11 only meet the barriers
+  const int c = lane + 1;
+  const bool feasible = c <= max_ctas && ModelFeasible(p, c);
+  double us = 0.0;
+  if (feasible && active) {
+    const ModelEval e = ModelEvalFor(p, K, c);
+    if (warp == 0) us = ModelProducerUs(e, total_tiles);
+    for (int j = warp; j < mr; j += kWarps) us = RmMax(us, ModelTermUs(e, sc->pre[j]));
+  }
+  if (active) sc->us[0][warp][lane] = us;
+  __syncthreads();
+  if (warp == 0) {
+    double v = sc->us[0][0][lane];
+    for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[0][w][lane]);
+    if (!feasible) v = 1e300;
+    int cand = c;
+    for (int d = 16; d > 0; d >>= 1) {
+      const double ov = __shfl_down_sync(0xffffffffu, v, d);
+      const int oc = __shfl_down_sync(0xffffffffu, cand, d);
+      if (ov < v || (ov == v && oc < cand)) {
+        v = ov;
+        cand = oc;
+      }
+    }
+    if (lane == 0) sc->chosen = cand;
+  }
+  __syncthreads();
+  return sc->chosen;
+}
+
+// ceil(a / d) for a < 2^32, 1 <= d < 2^32, m = 0xffffffff / d: q = umulhi(a, m) is floor(a / d) or one less (m * d >
+// 2^32 - d, so a * m / 2^32 > a / d - 1; and m <= 2^32 / d), one correction makes it exact. Instead of the ~20
+// instructions of a 32-bit division.
+__device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_t m) {
+  uint32_t q = __umulhi(a, m), r = a - q * d;
+  if (r >= d) {
+    ++q;
+    r -= d;
+  }
+  return q + (r != 0u);
+}
+
+// ModelTermUs's ready = RmMul((double)CeilDiv(cum, P), tile_us) in FP64 only, from ceil_arg = CeilArg(cum) and rp =
+// the correctly rounded 1 / P: s = ceil_arg * rp is within (cum / P) * 2^-51 of (cum - 0.5) / P, which lies >= 0.5 / P
+// from every integer, so for cum < 2^50 rounding s + 2^52 up gives 2^52 + ceil(cum / P) exactly (s = 0 for cum = 0),
+// and subtracting 2^52 is exact: the same double as (double)CeilDiv(cum, P), then the same RmMul.
+constexpr double kTwo52 = 4503599627370496.0;
+__device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
+__device__ __forceinline__ double ReadyUsFp(double ceil_arg, double rp, double tile_us) {
+  return RmMul(__dadd_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), -kTwo52), tile_us);
+}
+
+// x is +0 or a positive finite double (no sign bit, not inf or NaN).
+__device__ __forceinline__ bool FiniteNonNegative(double x) {
+  return (unsigned long long)__double_as_longlong(x) < 0x7ff0000000000000ull;
+}
+
+// The chunked form's shortcuts are exact (one answer on every thread: every warp has read the whole table, every
+// lane's e is checked). Rows in [1, 2^23) (`rows_ok`, this lane's segments) and n <= 256: the sums of rows and of row
+// tiles are < 2^31 (32-bit sums, a 64-bit scan of (row tiles << 32 | rows) without carries), and with ceil(N / BN) <
+// 2^19 every cum_tiles is < 2^50 (ReadyUsFp); N * eb < 2^32: bytes_from < 2^63. Finite parts >= +0 make every term
+// >= +0 and not NaN (no inf * 0, no -0): max is then exact in any grouping (the warps hold other segments than
+// ChooseByScans's), and such doubles order like their bit patterns (ArgminC).
+__device__ __forceinline__ bool ChunkedIsExact(bool rows_ok, const ModelEval& e, const ModelParams& p, int64_t nn,
+                                               int64_t N, int64_t eb) {
+  const bool lanes_ok = __all_sync(0xffffffffu, rows_ok && FiniteNonNegative(e.us_per_byte));
+  return lanes_ok && p.tile_m > 0 && nn >= 0 && nn < (1 << 19) && (uint64_t)N < (1ull << 32) &&
+         (uint64_t)eb < (1ull << 32) && (uint64_t)N * (uint64_t)eb < (1ull << 32) && FiniteNonNegative(e.tile_us) &&
+         FiniteNonNegative(p.seg_us);
+}
+
+// 1 + the lowest lane with the smallest v, i.e. C (v >= +0 and not NaN: min of the high words, then of the low words
+// among those; a ballot picks the smallest C on ties, as ChooseConsumerCtas). 2 redux.sync and a ballot instead of
+// five rounds of three shuffles.
+__device__ __forceinline__ int ArgminC(double v) {
+  const unsigned long long bits = (unsigned long long)__double_as_longlong(v);
+  const uint32_t hi = (uint32_t)(bits >> 32), lo = (uint32_t)bits;
+  const uint32_t mhi = __reduce_min_sync(0xffffffffu, hi);
+  const uint32_t mlo = __reduce_min_sync(0xffffffffu, hi == mhi ? lo : 0xffffffffu);
+  return __ffs(__ballot_sync(0xffffffffu, hi == mhi && lo == mlo));
+}
+
+// Called by every thread of the CTA (contains a barrier). The consumer pushes the remote segments [0, remote_segs)
+// only (local ones are stored in place by the producer): resource_model.h ModelPrefixes with remote = src != rank.
+// The chunked form (see above), or ChooseByScans where its shortcuts would not be exact. `parity`: 0 or 1, alternated
+// by a caller that decides more than once with the same scratch (see the end), 0 for a single decision.
+__device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams& p, const CandidateConsts& cand,
+                                            int64_t N, int64_t K, int64_t eb, int max_ctas, ChoiceScratch* sc,
+                                            int parity = 0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = t.n, mr = t.remote_segs;
+  // This lane's candidate and its constants (an infeasible lane gets C = 1's: checked by ChunkedIsExact, never used in
+  // a term); the two that need a division come from the host (CandidateConsts).
+  const int c = lane + 1;
+  const bool feasible = c <= max_ctas && ModelFeasible(p, c);
+  const ModelEval e = ModelEvalWith(p, K, feasible ? c : 1, cand.us_per_byte[lane]);
+  const double rp = cand.rcp_producers[lane];
+  const uint32_t tm = cand.tile_m, mtm = cand.tile_m_magic;
+  const int64_t nn = cand.col_tiles;
+  // Warp w's chunk (ch <= 32: one segment per lane). Warps 8..11 of a 384-thread CTA (wgmma engine) get none, they
+  // only take the table pass (for ChunkedIsExact's common answer) and meet the barriers.
+  const int ch = (mr + kWarps - 1) / kWarps, beg = warp * ch, end = min(beg + ch, mr);
+  // This lane's share of: row tiles of all segments, rows of the remote ones, both of the segments before the chunk.
+  uint32_t all_t = 0, rem_r = 0, pre_t = 0, pre_r = 0;
+  bool rows_ok = true;
+#pragma unroll
+  for (int i = 0; i < kMaxSegments / 32; ++i) {
+    const int j = lane + 32 * i;
+    if (j >= n) break;
+    const int32_t r = t.seg[j].rows;
+    rows_ok = rows_ok && (uint32_t)r - 1u < (1u << 23) - 1u;
+    const uint32_t mt = MagicCeilDiv((uint32_t)r, tm, mtm);
+    all_t += mt;
+    if (j < mr) rem_r += (uint32_t)r;
+    if (j < beg) {
+      pre_t += mt;
+      pre_r += (uint32_t)r;
+    }
+  }
+  if (!ChunkedIsExact(rows_ok, e, p, nn, N, eb)) return ChooseByScans(t, p, N, K, eb, max_ctas, sc);
+  double us = 0.0;
+  if (beg < end || warp == 0) {  // warp-uniform
+    all_t = __reduce_add_sync(0xffffffffu, all_t);
+    rem_r = __reduce_add_sync(0xffffffffu, rem_r);
+    pre_t = __reduce_add_sync(0xffffffffu, pre_t);
+    pre_r = __reduce_add_sync(0xffffffffu, pre_r);
+    // Segment j = beg + lane: tiles up to j and rows from j to the end, as ModelPrefixes (exact integer reorderings:
+    // (sum of row tiles) * ceil(N / BN), (sum of rows) * N * eb).
+    const int j = beg + lane;
+    const bool mine = j < end;
+    const uint32_t r = mine ? (uint32_t)t.seg[j].rows : 0u;
+    const uint64_t incl = (uint64_t)WarpInclusiveSum(
+        (long long)((uint64_t)MagicCeilDiv(r, tm, mtm) << 32 | r), lane);
+    if (mine) {
+      sc->seg.ceil_arg[j] = CeilArg((int64_t)(pre_t + (uint32_t)(incl >> 32)) * nn);
+      sc->seg.push_us[j] = RmMul((double)(mr - j), p.seg_us);
+      sc->seg.bytes[j] = (double)((int64_t)(rem_r - pre_r - ((uint32_t)incl - r)) * (N * eb));
+    }
+    __syncwarp();  // the chunk is this warp's own: no barrier
+    if (feasible) {
+      // ModelProducerUs and ModelTermUs: the same rounded operations in the same order per term.
+      us = warp == 0 ? ReadyUsFp(CeilArg((int64_t)all_t * nn), rp, e.tile_us) : 0.0;
+#pragma unroll 4
+      for (int s = beg; s < end; ++s)
+        us = RmMax(us, RmAdd(ReadyUsFp(sc->seg.ceil_arg[s], rp, e.tile_us),
+                             RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
+    }
+  }
+  double(*us_half)[32] = sc->us[parity & 1];
+  if (warp < kWarps) us_half[warp][lane] = us;
+  __syncthreads();
+  // One barrier: every warp reduces the per-warp maxima itself (no second barrier to publish warp 0's answer). Safe
+  // with the same scratch across calls: this call's reads of its half come after its barrier, and the next call that
+  // writes the same half (two calls on) does so only after the next call's barrier, which every warp reaches after
+  // these reads; seg[] is read before the barrier and each warp writes only its own chunk. (ChooseByScans uses us[0]
+  // between barriers of its own.)
+  double v = us_half[0][lane];
+  for (int w = 1; w < kWarps; ++w) v = RmMax(v, us_half[w][lane]);
+  return ArgminC(feasible ? v : 1e300);
+}
+
+// What ExpertKernel is told about C and about how its consumer pushes.
+struct ConsumerConfig {
+  ModelParams model;  // sms = the rank's SM budget, ctas_per_sm = 1
+  int32_t use_model;  // 1: choose on the device; 0: `consumers`
+  int32_t consumers;  // pinned or fixed C
+  int32_t max_ctas;   // candidates 1..max_ctas (ModelMaxCtas(budget))
+  int32_t serialize;
+  int32_t smem_bytes;  // dynamic shared memory of the launch (a consumer CTA's bulk-copy ring lives there)
+  // The call's ConsumerTuning (api.h):
+  int32_t bulk_copy;      // 1: TMA bulk copies on sm_90 (transport/bulk_push.cuh); 0: CopyBand
+  int32_t push_slots;     // bulk copies: ring slots per issuer
+  int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot
+  int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each
+  int64_t elem_bytes;
+  CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
+};
+
+// C of one call (every thread calls it): none when the call has no remote band (EP = 1, or nothing routed to other
+// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice. Python mirror:
+// resource.kernel_consumer_ctas.
+__device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, int64_t N, int64_t K,
+                                      ChoiceScratch* sc) {
+  if (t.remote_bands == 0) return 0;
+  return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
+                       : pol.consumers;
+}
+
+}  // namespace jmo::cuda

@@ -1,0 +1,78 @@
+// The pushing half of dispatch, shared by PushKernel (dispatch.cu) and the fused dispatch_gemm (dispatch_gemm.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/device/copy.cuh"
+#include "cuda/workspace/protocol.cuh"
+
+namespace jmo::cuda {
+
+enum PushWhich { kPushAll = 0, kPushLocal = 1, kPushRemote = 2 };
+
+// The emulated link (CallOptions::emulated_link_gbps): this rank's pushes to other ranks share one first-come
+// first-served link of bytes_per_ns from the call's first push on. A push of `bytes` (already stored) reserves them
+// and waits until the link would have carried everything reserved before it and itself; only then is it signalled.
+// One thread calls it.
+__device__ inline void PaceLink(const RankDev& rd, uint64_t bytes, double bytes_per_ns) {
+  auto* t0p = reinterpret_cast<unsigned long long*>(&rd.priv->link_t0);
+  const uint64_t now = GlobalTimer();
+  const unsigned long long seen = atomicCAS(t0p, 0ull, (unsigned long long)now);
+  const uint64_t t0 = seen == 0 ? now : seen;
+  const uint64_t end =
+      atomicAdd(reinterpret_cast<unsigned long long*>(&rd.priv->link_bytes), (unsigned long long)bytes) + bytes;
+  const uint64_t until = t0 + static_cast<uint64_t>((double)end / bytes_per_ns);
+  while (GlobalTimer() < until) __nanosleep(500);
+}
+
+// Step 2 of dispatch for slots p = first, first + stride, ... (one warp each; `first` differs per warp): the row
+// src[src_row[p]] into peer dst_rank[p]'s recv row dst_row[p] with 16-byte stores, counted into sent[d] (shared).
+// `which` picks the destinations this pass moves (the rank itself, the others, or all); invalid slots are reported
+// by the pass that would move them to another rank. link_bytes_per_ns > 0: pushes to other ranks go over the emulated
+// link (PaceLink).
+__device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes,
+                                const int32_t* src_row, const int32_t* dst_rank, const int32_t* dst_row, int64_t P,
+                                int64_t cap, PushWhich which, int64_t first, int64_t stride, unsigned* sent,
+                                double link_bytes_per_ns) {
+  const int lane = threadIdx.x % 32, R = rd.ranks;
+  for (int64_t p = first; p < P; p += stride) {
+    const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
+    if (which != kPushAll && (d == rd.rank) != (which == kPushLocal)) continue;
+    if (d == -1) {
+      if (lane == 0) ReportBadInput(rd, kBadExpertId, p, sr, (uint64_t)(int64_t)row);  // the plan puts the id in row
+      continue;
+    }
+    if (row < 0) continue;  // dropped by the capacity rule
+    if (d < 0 || d >= R || row >= cap || sr < 0 || sr >= S) {
+      if (lane == 0)
+        ReportBadInput(rd, kBadRoute, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr),
+                       (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
+      continue;
+    }
+    CopyRowWarp(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane);
+    if (lane == 0) atomicAdd(&sent[d], 1u);
+    if (d != rd.rank && link_bytes_per_ns > 0) {
+      if (lane == 0) PaceLink(rd, (uint64_t)row_bytes, link_bytes_per_ns);
+      __syncwarp();
+    }
+  }
+}
+
+// Step 1 of dispatch, by every thread of a pushing CTA: thread 0 waits until every destination has finished reading
+// call epoch - 1 (st is written by thread 0 only until the barrier: racecheck-clean); sent[] is zeroed. False if the
+// call failed (here or before).
+__device__ inline bool BeginPush(const RankDev& rd, CallState* st, unsigned* sent) {
+  if (threadIdx.x == 0) {
+    for (int i = 1; i <= rd.ranks && st->ok; ++i) {
+      const int d = (rd.rank + i) % rd.ranks;
+      st->ok = WaitAtLeast(rd, &View(rd, d).control()->done_epoch.value, 0, st->epoch - 1, d, kStagePeerReady);
+    }
+  }
+  if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
+  __syncthreads();
+  return st->ok;
+}
+
+}  // namespace jmo::cuda

@@ -1,0 +1,75 @@
+// Begin and End of a call (protocol.h step 0 and the close of a dispatch): one-thread kernels on the caller's stream.
+// Epoch state lives in device memory (RankControl::calls, RankPrivate), so no kernel depends on host values that
+// change per call.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/launch.h"
+#include "cuda/workspace/protocol.cuh"
+
+namespace jmo::cuda {
+namespace {
+
+__global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* rank_op, int64_t timeout_ns,
+                            int64_t delay_ns) {
+  const uint64_t begin_t = GlobalTimer();
+  if (delay_ns > 0) {  // the testing delay: hold this rank back on its device (bounded by itself)
+    const uint64_t t0 = GlobalTimer();
+    while (GlobalTimer() - t0 < static_cast<uint64_t>(delay_ns)) __nanosleep(1000);
+  }
+  RankControl* ctl = View(rd, rd.rank).control();
+  const uint64_t epoch = LoadVolatile(&ctl->calls.value) + 1;  // only this rank writes `calls`
+  *reinterpret_cast<volatile uint64_t*>(&ctl->calls.value) = epoch;
+  RankPrivate* p = rd.priv;
+  p->epoch = epoch;
+  p->deadline_ns = GlobalTimer() + static_cast<uint64_t>(timeout_ns);
+  p->timeout_ms = static_cast<uint64_t>(timeout_ns / 1000000);
+  p->prod_t0 = p->cons_t0 = p->comb_t0 = ~0ull;
+  p->prod_t1 = p->cons_t1 = p->prod_t0_last = p->comb_t1 = p->push_t1 = p->link_t0 = p->link_bytes = 0;
+  p->begin_t = begin_t;
+  p->combine_done = 0;
+  // An abort raised before this call began: do nothing; the next call's host side recovers and reports.
+  p->failed = LoadVolatile(&rd.shared->abort.value) != 0 ? 1 : 0;
+  __threadfence();
+  if (rank_op != nullptr && group_op != nullptr && (rank_op[0] != rd.rank || group_op[0] != rd.group))
+    ReportBadInput(rd, kBadRankOperands, static_cast<uint64_t>(group_op[0]), rank_op[0],
+                   static_cast<uint64_t>(rd.group));
+}
+
+__global__ void EndKernel(RankDev rd, const int32_t* expected, int which) { CloseCall(rd, expected[0], which); }
+
+}  // namespace
+
+// Host part of protocol step 0: recover from an earlier failure (reported here), then Begin on the device.
+Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, const int32_t* rank_op) {
+  if (c.ws == nullptr) return Status::Error(kFailedPrecondition, "jax_moe_overlap: no workspace");
+  if (c.rank < 0 || c.rank >= c.ws->ranks() || c.group < 0 || c.group >= c.ws->groups())
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: rank/group outside the workspace");
+  Status s = c.ws->RecoverIfAborted(c.group, c.rank, c.stream, op, c.opts.timeout_ms);
+  if (!s.ok()) return s;
+  const int64_t delay_ns = (c.opts.delay_rank == c.rank && c.opts.delay_us > 0) ? c.opts.delay_us * 1000 : 0;
+  BeginKernel<<<1, 1, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), group_op, rank_op,
+                                     std::max<int64_t>(1, c.opts.timeout_ms) * 1000000, delay_ns);
+  s = LaunchError("launch of BeginKernel");
+  if (s.ok() && !(c.opts.emulated_link_gbps >= 0)) {  // (the epoch has begun: the peers must give up too)
+    c.ws->RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op +
+                                               ": CallOptions::emulated_link_gbps must be >= 0");
+  }
+  return s;
+}
+
+Status PrepareProtocolKernels(int dev) {
+  cudaFuncAttributes attr;
+  Status s = CudaStatus(cudaFuncGetAttributes(&attr, (const void*)BeginKernel), "cudaFuncGetAttributes");
+  if (s.ok()) s = CudaStatus(cudaFuncGetAttributes(&attr, (const void*)EndKernel), "cudaFuncGetAttributes");
+  return s;
+}
+
+Status LaunchEnd(const RankDev& rd, cudaStream_t stream, const int32_t* expected, int which) {
+  EndKernel<<<1, 1, 0, stream>>>(rd, expected, which);
+  return LaunchError("launch of EndKernel");
+}
+
+}  // namespace jmo::cuda

@@ -1,0 +1,162 @@
+// The nanobind extension `jax_moe_overlap._jmo`: FFI handler capsules and workspace management.
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <sys/mman.h>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <nanobind/stl/tuple.h>
+
+#include "common/build_info.h"
+#include "cpu/handlers.h"
+#include "cpu/workspace_cpu.h"
+#include "jax_moe_overlap/protocol.h"
+#include "jax_moe_overlap/resource_model.h"
+
+#ifdef JMO_WITH_CUDA
+#include "cuda/handlers/module.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>, "not an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+int64_t CreateCpuWorkspace(int ranks, int groups, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
+                           int64_t num_segments) {
+  if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
+    throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
+  jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, num_segments)};
+  return jmo::cpu::RegisterWorkspace(std::make_unique<jmo::cpu::Workspace>(ranks, groups, s, num_segments));
+}
+
+// A workspace whose groups span processes: creates this process's shared-memory objects (workspace_cpu.h).
+int64_t CreateCpuSharedWorkspace(int ranks, int groups, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
+                                 int64_t num_segments, const std::vector<int>& process, int here,
+                                 const std::string& prefix) {
+  if (ranks < 1 || groups < 1 || row_bytes < 1 || recv_rows < 0 || ret_rows < 0 || num_segments < 0)
+    throw std::invalid_argument("jax_moe_overlap: invalid workspace sizes");
+  jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, num_segments)};
+  return jmo::cpu::RegisterWorkspace(
+      std::make_unique<jmo::cpu::Workspace>(ranks, groups, s, num_segments, process, here, prefix));
+}
+
+jmo::cpu::Workspace& LiveCpuWorkspace(int64_t handle) {
+  jmo::cpu::Workspace* ws = jmo::cpu::LookupWorkspace(handle);
+  if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: no live CPU workspace " + std::to_string(handle));
+  return *ws;
+}
+
+std::vector<jmo::ModelSegment> Segments(const std::vector<std::tuple<int, int>>& segs) {
+  std::vector<jmo::ModelSegment> out;
+  for (auto& [rows, remote] : segs) out.push_back(jmo::ModelSegment{rows, remote});
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_jmo, m) {
+  m.doc() = "jax-moe-overlap native extension: XLA FFI handlers and peer workspaces";
+  m.def("cpu_registrations", []() {
+    nb::dict d;
+    d["jmo_dispatch"] = Capsule(JmoDispatchCpu);
+    d["jmo_expert_combine"] = Capsule(JmoExpertCombineCpu);
+    d["jmo_dispatch_gemm"] = Capsule(JmoDispatchGemmCpu);
+    d["jmo_exchange_counts"] = Capsule(JmoExchangeCountsCpu);
+    d["jmo_grouped_matmul"] = Capsule(JmoGroupedMatmulCpu);
+    d["jmo_grouped_outer"] = Capsule(JmoGroupedOuterCpu);
+    d["jmo_grouped_matmul_swiglu"] = Capsule(JmoGroupedMatmulSwiGluCpu);
+    return d;
+  });
+  m.def("create_cpu_workspace", &CreateCpuWorkspace, nb::arg("ranks"), nb::arg("groups"), nb::arg("row_bytes"),
+        nb::arg("recv_rows"), nb::arg("ret_rows"), nb::arg("num_segments"));
+  m.def("create_cpu_shared_workspace", &CreateCpuSharedWorkspace, nb::arg("ranks"), nb::arg("groups"),
+        nb::arg("row_bytes"), nb::arg("recv_rows"), nb::arg("ret_rows"), nb::arg("num_segments"), nb::arg("process"),
+        nb::arg("here"), nb::arg("prefix"));
+  // Testing aid: dispatch_gemm's arrival counters (src_blocks, protocol.h) of rank `rank` of group `group`, sources
+  // by block, so that tests can see every call leave them zero and the recovery after a failure clear them. Read
+  // between calls only (a call in flight writes them).
+  m.def(
+      "cpu_src_blocks",
+      [](int64_t handle, int group, int rank) {
+        jmo::cpu::Workspace& ws = LiveCpuWorkspace(handle);
+        if (group < 0 || group >= ws.groups() || rank < 0 || rank >= ws.ranks())
+          throw std::invalid_argument("jax_moe_overlap: no rank " + std::to_string(rank) + " of group " +
+                                      std::to_string(group) + " in CPU workspace " + std::to_string(handle));
+        const uint64_t* b = ws.view(group, rank).src_blocks();
+        return std::vector<uint64_t>(b, b + jmo::kMaxSourceCounters * jmo::SrcBlocks(ws.sizes().ret_rows));
+      },
+      nb::arg("handle"), nb::arg("group"), nb::arg("rank"));
+  m.def("map_cpu_workspace_peers", [](int64_t handle) { LiveCpuWorkspace(handle).MapPeers(); }, nb::arg("handle"));
+  m.def("unlink_cpu_workspace_names", [](int64_t handle) { LiveCpuWorkspace(handle).UnlinkOwn(); },
+        nb::arg("handle"));
+  m.def("unlink_shm", [](const std::string& name) { return shm_unlink(name.c_str()) == 0; }, nb::arg("name"));
+  // CPU and CUDA workspace handles live in disjoint ranges; each side releases its own.
+  m.def(
+      "release_workspace",
+      [](int64_t handle) {
+#ifdef JMO_WITH_CUDA
+        if (jmo::cuda::IsCudaWorkspaceHandle(handle)) return jmo::cuda::ReleaseCudaWorkspace(handle);
+#endif
+        return jmo::cpu::ReleaseWorkspace(handle);
+      },
+      nb::arg("handle"));
+  m.def("workspace_bytes_per_rank", [](int64_t row_bytes, int64_t recv_rows, int64_t ret_rows, int64_t segs) {
+    jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, segs)};
+    return jmo::MakeLayout(s).total;
+  });
+  m.attr("band_rows") = jmo::kBandRows;
+  // The resource model's constants (resource_model.h), by name: what create_cuda_workspace and the model functions take
+  // (jax_moe_overlap.resource.ModelParams.native() builds one).
+  nb::class_<jmo::ModelParams>(m, "ModelParams")
+      .def(
+          "__init__",
+          [](jmo::ModelParams* p, int32_t sms, int32_t ctas_per_sm, int32_t tile_m, int32_t tile_n, double tile_us_base,
+             double tile_us_per_k, double cta_gbps, double link_gbps, double seg_us) {
+            new (p) jmo::ModelParams{sms, ctas_per_sm, tile_m, tile_n, tile_us_base, tile_us_per_k, cta_gbps,
+                                     link_gbps, seg_us};
+          },
+          nb::kw_only(), nb::arg("sms"), nb::arg("ctas_per_sm"), nb::arg("tile_m"), nb::arg("tile_n"),
+          nb::arg("tile_us_base"), nb::arg("tile_us_per_k"), nb::arg("cta_gbps"), nb::arg("link_gbps"),
+          nb::arg("seg_us"))
+      .def_rw("sms", &jmo::ModelParams::sms)
+      .def_rw("ctas_per_sm", &jmo::ModelParams::ctas_per_sm)
+      .def_rw("tile_m", &jmo::ModelParams::tile_m)
+      .def_rw("tile_n", &jmo::ModelParams::tile_n)
+      .def_rw("tile_us_base", &jmo::ModelParams::tile_us_base)
+      .def_rw("tile_us_per_k", &jmo::ModelParams::tile_us_per_k)
+      .def_rw("cta_gbps", &jmo::ModelParams::cta_gbps)
+      .def_rw("link_gbps", &jmo::ModelParams::link_gbps)
+      .def_rw("seg_us", &jmo::ModelParams::seg_us);
+  m.def("model_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,
+                                int64_t n, int64_t k, int64_t elem_bytes, int ctas) {
+    auto s = Segments(segs);
+    std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
+    return jmo::ModelMakespanUs(params, s.data(), (int)s.size(), n, k, elem_bytes, ctas, scratch.data());
+  });
+  m.def("model_choose_consumer_ctas", [](const jmo::ModelParams& params,
+                                         const std::vector<std::tuple<int, int>>& segs, int64_t n, int64_t k,
+                                         int64_t elem_bytes, int max_ctas) {
+    auto s = Segments(segs);
+    std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
+    return jmo::ChooseConsumerCtas(params, s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
+                                   scratch.data());
+  });
+  m.def("build_info", &jmo::BuildInfo);
+#ifdef JMO_WITH_CUDA
+  m.attr("with_cuda") = true;
+  jmo::cuda::RegisterModule(m);
+#else
+  m.attr("with_cuda") = false;
+#endif
+}
