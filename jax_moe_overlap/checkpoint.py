@@ -41,7 +41,11 @@ def load_params(module: MoE, params: dict) -> None:
   """Writes ``params`` (this library's layout; arrays of any kind) into ``module`` in the dtype of the variable it
   replaces, placed on the module's mesh: with the variable's own sharding when it already has one there, else the
   experts' weights sharded over the expert axis and the rest replicated. Every variable of the module must be given,
-  with its exact shape."""
+  with its exact shape. Host (NumPy) arrays go from the host straight to their shards: no device holds a whole copy.
+
+  Each variable's array is replaced whole, never updated in place: an in-place update (``var[...] = value``) is a
+  scatter, which on a mesh with Explicit axes must be told its output sharding and fails when the new value's
+  sharding differs from the old one's."""
   have = {n for n in NAMES if getattr(module, n, None) is not None}
   if set(params) != have:
     raise ValueError(f"jax_moe_overlap: load_params: the module has {sorted(have)}, got {sorted(params)}")
@@ -51,7 +55,8 @@ def load_params(module: MoE, params: dict) -> None:
     if tuple(value.shape) != tuple(old.shape):
       raise ValueError(f"jax_moe_overlap: load_params: {name} has shape {tuple(old.shape)}, got "
                        f"{tuple(value.shape)}")
-    var[...] = jax.device_put(jnp.asarray(value, old.dtype), _target_sharding(module, name, old))
+    value = value.astype(old.dtype) if isinstance(value, jax.Array) else np.asarray(value).astype(old.dtype)
+    var.set_value(jax.device_put(value, _target_sharding(module, name, old)))
 
 
 def _target_sharding(module: MoE, name: str, old: jax.Array):

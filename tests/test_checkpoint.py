@@ -12,11 +12,17 @@ from jax_moe_overlap import checkpoint
 from cases import mesh_of, rel_err
 
 CFG = jmo.MoEConfig(emb_dim=16, moe_mlp_dim=12, num_experts=8, num_experts_per_tok=2, routed_score_func="sigmoid",
-                    routed_bias=True, shared_experts=1, weight_dtype=jnp.bfloat16)
+                    routed_bias=True, shared_experts=1, dtype=jnp.float32, weight_dtype=jnp.bfloat16)
+AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
 
 
-def _module(seed, cfg=CFG):
-  return jmo.MoE(cfg, mesh=mesh_of(4), impl="xla", rngs=nnx.Rngs(seed))
+def _mesh(axis_type):
+  """The README's mesh, ``jax.make_mesh((4,), ("expert",))``, with the given axis type (Explicit: jax's default)."""
+  return jax.make_mesh((4,), ("expert",), axis_types=(AXIS_TYPES[axis_type],))
+
+
+def _module(seed, cfg=CFG, axis_type="auto"):
+  return jmo.MoE(cfg, mesh=_mesh(axis_type), impl="xla", rngs=nnx.Rngs(seed))
 
 
 def _same_bits(a, b):
@@ -25,9 +31,10 @@ def _same_bits(a, b):
   np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+@pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
 @pytest.mark.parametrize("layout", ["maxtext", "per_expert"])
-def test_round_trip_and_restore(layout):
-  src, dst = _module(0), _module(1)
+def test_round_trip_and_restore(layout, axis_type):
+  src, dst = _module(0, axis_type=axis_type), _module(1, axis_type=axis_type)
   dst.routing_bias[...] = jnp.ones(8)
   src.routing_bias[...] = jax.random.normal(jax.random.PRNGKey(9), (8,))
   params = checkpoint.params_of(src)
