@@ -58,7 +58,13 @@ class MoEConfig:
       scores) and picks its k experts among them. -1: off.
     norm_topk_prob: divide the k selected scores by their sum. routed_scaling_factor: multiplies the gates after.
     load_balance_loss_weight, router_z_loss_weight: weights of the Switch load-balance loss and the ST-MoE z-loss
-      in the total auxiliary loss that the drop-in block records (``MoEBlock``).
+      in the total auxiliary loss that the drop-in block records (``MoEBlock``; ``total_aux_loss`` sums the layers).
+      This library's load-balance loss is 1.0 for a balanced router; Hugging Face's ``load_balancing_loss_func``
+      (weighted by ``router_aux_loss_coef``) and MaxText's ``load_balance_loss`` (weighted by MaxText's own
+      ``load_balance_loss_weight``) score k = num_experts_per_tok there, and both stand for all L MoE layers at once
+      (HF pools every layer's tokens into one loss; MaxText averages the layers' losses). So the same penalty takes
+      load_balance_loss_weight = k * coef / L here: exactly for one layer against HF, and against MaxText when each
+      call holds one sequence (MaxText takes the statistics per sequence and averages over the batch).
   Dtypes:
     dtype: compute dtype of the experts (float32 or bfloat16). weight_dtype: dtype the parameters are kept in.
     The router always computes in float32.
