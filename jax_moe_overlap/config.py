@@ -12,6 +12,12 @@ Examples (the experts' widths scaled down; the routing as published):
   Mixtral / Qwen3-MoE style: softmax over all experts, top-k renormalised, no shared expert::
 
     MoEConfig(emb_dim=1024, moe_mlp_dim=3584, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+
+  Qwen2-MoE style (Qwen1.5-MoE-A2.7B's sizes and routing): softmax, top-4 of 60 not renormalised, one shared expert of width
+  5632 scaled per token by sigmoid(x @ shared_expert_gate)::
+
+    MoEConfig(emb_dim=2048, moe_mlp_dim=1408, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+              shared_experts=1, shared_mlp_dim=5632, shared_expert_gate=True)
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class MoEConfig:
     num_experts: E routed experts. num_experts_per_tok: k experts per token.
     shared_experts: number of shared (always-on) experts; their dense SwiGLU path is shared_experts * moe_mlp_dim
       wide (as MaxText and DeepSeek-V3 size it) unless shared_mlp_dim gives the width. 0: none.
+    shared_expert_gate: scale the shared path per token by sigmoid(x @ g), with g a learned [D, 1] weight:
+      y = routed(x) + sigmoid(x @ g) * shared(x), as Qwen2-MoE and Qwen3-Next do (the weight is their
+      ``shared_expert_gate``: ``mlp.shared_expert_gate.weight`` [1, D] in Hugging Face checkpoints,
+      ``shared_expert_gate/kernel`` [D, 1] in MaxText's Qwen3-Next block). Needs shared experts.
   Capacity:
     capacity_factor: None or any value <= 0 (MaxText's -1): dropless. Else each expert takes at most
       ceil(cf * tokens * k / E) rows per call; later slots (in global token order) are dropped.
@@ -48,7 +58,13 @@ class MoEConfig:
       scores) and picks its k experts among them. -1: off.
     norm_topk_prob: divide the k selected scores by their sum. routed_scaling_factor: multiplies the gates after.
     load_balance_loss_weight, router_z_loss_weight: weights of the Switch load-balance loss and the ST-MoE z-loss
-      in the total auxiliary loss that the drop-in block records (``MoEBlock``).
+      in the total auxiliary loss that the drop-in block records (``MoEBlock``; ``total_aux_loss`` sums the layers).
+      This library's load-balance loss is 1.0 for a balanced router; Hugging Face's ``load_balancing_loss_func``
+      (weighted by ``router_aux_loss_coef``) and MaxText's ``load_balance_loss`` (weighted by MaxText's own
+      ``load_balance_loss_weight``) score k = num_experts_per_tok there, and both stand for all L MoE layers at once
+      (HF pools every layer's tokens into one loss; MaxText averages the layers' losses). So the same penalty takes
+      load_balance_loss_weight = k * coef / L here: exactly for one layer against HF, and against MaxText when each
+      call holds one sequence (MaxText takes the statistics per sequence and averages over the batch).
   Dtypes:
     dtype: compute dtype of the experts (float32 or bfloat16). weight_dtype: dtype the parameters are kept in.
     The router always computes in float32.
@@ -68,6 +84,7 @@ class MoEConfig:
   routed_scaling_factor: float = 1.0
   shared_experts: int = 0
   shared_mlp_dim: int | None = None
+  shared_expert_gate: bool = False
   load_balance_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.0
   dtype: Any = jnp.float32
@@ -96,6 +113,8 @@ class MoEConfig:
     if self.shared_experts < 0 or (self.shared_mlp_dim is not None and self.shared_mlp_dim < 1):
       raise ValueError(f"jax_moe_overlap: shared_experts must be >= 0 and shared_mlp_dim positive or None, got "
                        f"{self.shared_experts} and {self.shared_mlp_dim}")
+    if self.shared_expert_gate and self.shared_experts == 0:
+      raise ValueError("jax_moe_overlap: shared_expert_gate scales the shared experts' output, but shared_experts is 0")
     if self.routed_bias_update_rate and not self.routed_bias:
       raise ValueError("jax_moe_overlap: routed_bias_update_rate is set but routed_bias is False")
     check_dtype("MoEConfig.dtype", self.dtype)

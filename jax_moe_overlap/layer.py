@@ -6,7 +6,8 @@ feed-forward block: it returns ``y`` alone and records its auxiliary loss with `
 Parameters (``checkpoint.py`` converts them to and from MaxText's and the per-expert published layouts):
   router [D, E]; routing_bias [E] (a ``RoutingBias``, not trained by gradients; only with ``routed_bias``);
   w1 [E, D, 2F] (gate and up projections, concatenated on the last axis); w2 [E, F, D];
-  shared_w1 [D, 2S], shared_w2 [S, D] (only with shared experts).
+  shared_w1 [D, 2S], shared_w2 [S, D] (only with shared experts); shared_expert_gate [D, 1] (only with
+  ``MoEConfig.shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class MoE(nnx.Module):
       self.shared_w2 = nnx.Param(dense(rngs.params(), (S, D), wd))
     else:
       self.shared_w1 = self.shared_w2 = None
+    self.shared_expert_gate = (nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (D, 1), wd))
+                               if config.shared_expert_gate else None)
 
   # The sizes under the keyword form's names.
   d_model = property(lambda self: self.config.emb_dim)
@@ -118,11 +121,16 @@ class MoE(nnx.Module):
 
   def shared(self, x2d: jax.Array) -> jax.Array:
     """The shared experts' dense SwiGLU path on [T, D] tokens (float32 accumulation), in the compute dtype. It
-    reads only x, so XLA is free to run it while the routed tokens are in flight."""
+    reads only x, so XLA is free to run it while the routed tokens are in flight. With ``shared_expert_gate`` each
+    token's output is scaled by sigmoid(x @ shared_expert_gate), its logit computed in float32 as the router's."""
     dt = self.config.dtype
     w1, w2 = (self._dense_weight(w[...], x2d).astype(dt) for w in (self.shared_w1, self.shared_w2))
     a = jnp.dot(x2d.astype(dt), w1, preferred_element_type=jnp.float32)
-    return jnp.dot(swiglu(a).astype(dt), w2, preferred_element_type=jnp.float32)
+    y = jnp.dot(swiglu(a).astype(dt), w2, preferred_element_type=jnp.float32)
+    if self.shared_expert_gate is not None:
+      g = self._dense_weight(self.shared_expert_gate[...], x2d).astype(jnp.float32)
+      y = jax.nn.sigmoid(x2d.astype(jnp.float32) @ g) * y
+    return y
 
   def _dense_weight(self, w: jax.Array, x2d: jax.Array) -> jax.Array:
     """A replicated weight applied to tokens sharded over an Explicit mesh is placed on that mesh (replicated), so
