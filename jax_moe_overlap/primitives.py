@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import _ffi
+from jax_moe_overlap import engines
 from jax_moe_overlap import env
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
 from jax_moe_overlap.ordering import workspace_call
@@ -78,7 +79,7 @@ class CallConfig:
   delay_rank, delay_us: testing aid that holds one rank back at the start of every call (-1: none).
   consumer_ctas: CTAs of expert_combine's consumer (the communication engine) on CUDA. 0 (default): the resource
     manager chooses per call on the device from the routed counts (or a fixed count when the GPU has no
-    calibration: ``Workspace.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
+    calibration: ``Workspace.device.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
   serialize: no overlap anywhere (the baseline of the benchmarks; results are identical): the dispatch and GEMM1 run
     as two calls, and expert_combine's consumer starts only after the producer has finished every tile.
   consumer_tuning: how the CUDA consumer pushes (ConsumerTuning).
@@ -125,7 +126,7 @@ class CallConfig:
   def combine_attrs(self, workspace) -> dict:
     """expert_combine's attributes: those of every call plus the consumer options (checked against the workspace's
     SM budget here, before anything runs)."""
-    budget = getattr(workspace, "sm_budget", None)
+    budget = workspace.device.sm_budget
     if self.consumer_ctas > 0 and budget is not None and self.consumer_ctas > budget - 1:
       raise ValueError(f"jax_moe_overlap: CallConfig.consumer_ctas={self.consumer_ctas} leaves no producer CTA: each "
                        f"rank of this workspace has an SM budget of {budget} CTAs, so pin C in [1, {budget - 1}] "
@@ -264,24 +265,19 @@ def dispatch_pushers_for(info: RankInfo) -> int:
     return 0
   if cfg.dispatch_pushers > 0:
     return cfg.dispatch_pushers
-  hopper = ws.platform != "cpu" and (ws.compute_capability or (0,))[0] == 9
-  if not hopper or ws.ranks < 2:
+  if not engines.wgmma_runs_on(ws.device.compute_capability) or ws.ranks < 2:
     return 0
-  return max(1, min(AUTO_PUSHERS, (ws.sm_budget or 0) // 8))
+  return max(1, min(AUTO_PUSHERS, (ws.device.sm_budget or 0) // 8))
 
 
-def _fuses_dispatch(x, w, info: RankInfo, swiglu: bool) -> bool:
-  """Whether a dispatch and the GEMM after it run as one dispatch_gemm: chosen (dispatch_pushers_for), and on CUDA
-  the wgmma engine's operands (bf16, x's width and w's last two dimensions multiples of 64) and, for GEMM1 with its
-  SwiGLU (``swiglu``: w [E_local, D, 2F]), what the SwiGLU epilogue takes (_ffi.swiglu_epilogue_operands); a CPU
-  workspace takes any operands the layer takes."""
+def _fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> bool:
+  """Whether a dispatch of rows x and the GEMM with w after it run as one dispatch_gemm: chosen
+  (dispatch_pushers_for) and taken by the engine (``engines.dispatch_gemm_operands``)."""
   if dispatch_pushers_for(info) <= 0:
     return False
-  if info.workspace.platform == "cpu":
-    return True
+  K, N = (w.shape[2], w.shape[1]) if transpose_rhs else (w.shape[1], w.shape[2])
   bf16 = x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
-  engine = bf16 and x.shape[1] % 64 == 0 and w.shape[1] % 64 == 0 and w.shape[2] % 64 == 0
-  return engine and (not swiglu or _ffi.swiglu_epilogue_operands(bf16, w.shape[1], w.shape[2] // 2))
+  return engines.dispatch_gemm_operands(info.workspace.platform, bf16, K, N, swiglu)
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
@@ -368,7 +364,7 @@ def _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
   neither, so without it the fused call writes neither)."""
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
-  if _fuses_dispatch(x, w1, info, swiglu=True):
+  if _fuses_dispatch(x, w1, info, swiglu=True, transpose_rhs=False):
     return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a)
   x_recv = dispatch(x, slot_src_row, plan, cap, info)
   return ((x_recv if keep_a else None), *_gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
@@ -412,7 +408,7 @@ def _expert_block_bwd(cap, info, res, dy):
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   slot_rows = jnp.arange(T * k, dtype=jnp.int32)
-  if _fuses_dispatch(d_slot, w2, info, swiglu=False):
+  if _fuses_dispatch(d_slot, w2, info, swiglu=False, transpose_rhs=True):
     # The dispatch of gates * dy with dh = d_out W2^T (float32), as the forward's dispatch with GEMM1; d_out is kept
     # for the weight gradient dW2.
     d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)

@@ -325,17 +325,20 @@ def test_layer_equals_two_calls_dispatch_on_1_and_2_ranks(R):
 def test_dispatch_pushers_rule():
   import types  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.primitives import AUTO_PUSHERS, dispatch_pushers_for  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace_backend import DeviceFacts  # pylint: disable=g-import-not-at-top
 
-  def at(config=CallConfig(), **ws):
-    base = dict(platform="gpu", compute_capability=(9, 0), ranks=2, sm_budget=132)
-    return dispatch_pushers_for(RankInfo(types.SimpleNamespace(**{**base, **ws}), config))
+  def at(config=CallConfig(), ranks=2, **device):
+    base = dict(compute_capability=(9, 0), sm_budget=132, consumer_policy="test", calibration=None)
+    ws = types.SimpleNamespace(ranks=ranks, device=DeviceFacts(**{**base, **device}))
+    return dispatch_pushers_for(RankInfo(ws, config))
 
   assert at() == AUTO_PUSHERS == 8                      # Hopper, two ranks: fused
   assert at(sm_budget=66) == 8 and at(sm_budget=16) == 2 and at(sm_budget=4) == 1  # at most one in 8 SMs
   assert at(ranks=1) == 0                               # nothing to hide: two calls
   assert at(compute_capability=(8, 0)) == 0             # no wgmma engine
-  assert at(platform="cpu", compute_capability=None) == 0  # XLA's ragged_dot is faster on CPU
-  assert at(CallConfig(dispatch_pushers=3), ranks=1) == 3 and at(CallConfig(dispatch_pushers=3), platform="cpu") == 3
+  assert at(compute_capability=None, sm_budget=None) == 0  # CPU: XLA's ragged_dot is faster there
+  assert at(CallConfig(dispatch_pushers=3), ranks=1) == 3
+  assert at(CallConfig(dispatch_pushers=3), compute_capability=None, sm_budget=None) == 3
   assert at(CallConfig(serialize=True)) == 0            # the baseline: no overlap anywhere
   with pytest.raises(ValueError, match=r"serialize=True\) runs the dispatch and GEMM1 as two calls"):
     CallConfig(serialize=True, dispatch_pushers=2)

@@ -18,6 +18,7 @@ from benchmarks import bench_resource
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import resource as rm
 from jax_moe_overlap.primitives import CallConfig
+from jax_moe_overlap.workspace_backend import DeviceFacts
 from cases import layer_inputs, mesh_of
 
 # Shapes of an H200-like device; the constants only need to be plausible for these properties to be tested.
@@ -249,7 +250,7 @@ def test_call_config_validation(kw):
 def test_pinned_count_checked_against_the_sm_budget():
   class FakeWorkspace:
     handle = 1
-    sm_budget = 33
+    device = DeviceFacts(compute_capability=(9, 0), sm_budget=33, consumer_policy="test", calibration=None)
   attrs = CallConfig(consumer_ctas=32, serialize=True).combine_attrs(FakeWorkspace())
   assert attrs["consumer_ctas"] == 32 and attrs["serialize"] == 1 and attrs["consumer_ctas"].dtype == np.int32
   with pytest.raises(ValueError, match=r"consumer_ctas=33 leaves no producer CTA: .* SM budget of 33 CTAs, so pin C "

@@ -86,8 +86,9 @@ def test_options_through_jax_give_identical_results(R):
   for o in outs[1:]:
     np.testing.assert_array_equal(o, outs[0])
   wss = [w for w in Workspace.cached() if w.platform == "gpu" and w.mesh == mesh]
-  assert wss and all(w.sm_budget and ("resource model" in w.consumer_policy or "fixed" in w.consumer_policy)
-                     for w in wss), [(w.sm_budget, w.consumer_policy) for w in wss]
-  print("consumer policy:", wss[0].consumer_policy)
+  assert wss and all(w.device.sm_budget and ("resource model" in w.device.consumer_policy or
+                                             "fixed" in w.device.consumer_policy)
+                     for w in wss), [w.device for w in wss]
+  print("consumer policy:", wss[0].device.consumer_policy)
   with pytest.raises(ValueError, match=r"leaves no producer CTA"):
-    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, config=CallConfig(consumer_ctas=wss[0].sm_budget))
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, config=CallConfig(consumer_ctas=wss[0].device.sm_budget))
