@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap.api import moe_experts
 from jax_moe_overlap.checks import check_axis, check_experts, check_impl
-from jax_moe_overlap.config import MoEConfig
-from jax_moe_overlap.primitives import CallConfig, swiglu
+from jax_moe_overlap.config import CallConfig, MoEConfig
+from jax_moe_overlap.expert_gemms import swiglu
 
 
 @jax.tree_util.register_dataclass

@@ -188,7 +188,7 @@ class Workspace:
   @property
   def spans_processes(self) -> bool:
     """Whether a group's ranks live in several processes (of one host). The routing counts then cross ranks through
-    the workspace (``primitives.gather_counts``), where every wait is bounded."""
+    the workspace (``workspace_calls.gather_counts``), where every wait is bounded."""
     return self.shm_prefix is not None
 
   @property

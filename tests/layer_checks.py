@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_moe_overlap as jmo
-from jax_moe_overlap import api, primitives
+from jax_moe_overlap import api, expert_gemms
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu
 from cases import layer_inputs, rel_err
 
@@ -194,13 +194,13 @@ def grouped_matmul_gemms():
     api._programs.clear()  # pylint: disable=protected-access
     jax.clear_caches()
 
-  plain = primitives._matmul, primitives._gemm1_swiglu  # pylint: disable=protected-access
+  plain = expert_gemms.matmul, expert_gemms.gemm1_swiglu
   forget()
-  primitives._matmul, primitives._gemm1_swiglu = ours, gemm1_swiglu  # pylint: disable=protected-access
+  expert_gemms.matmul, expert_gemms.gemm1_swiglu = ours, gemm1_swiglu
   try:
     yield
   finally:
-    primitives._matmul, primitives._gemm1_swiglu = plain  # pylint: disable=protected-access
+    expert_gemms.matmul, expert_gemms.gemm1_swiglu = plain
     forget()
 
 

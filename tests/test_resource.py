@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import types
 
 import jax
 import numpy as np
@@ -17,7 +18,8 @@ import jax_moe_overlap as jmo
 from benchmarks import bench_resource
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import resource as rm
-from jax_moe_overlap.primitives import CallConfig
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.workspace_backend import DeviceFacts
 from cases import layer_inputs, mesh_of
 
@@ -248,15 +250,15 @@ def test_call_config_validation(kw):
 
 
 def test_pinned_count_checked_against_the_sm_budget():
-  class FakeWorkspace:
-    handle = 1
-    device = DeviceFacts(compute_capability=(9, 0), sm_budget=33, consumer_policy="test", calibration=None)
-  attrs = CallConfig(consumer_ctas=32, serialize=True).combine_attrs(FakeWorkspace())
+  # Checked once, when the call site is set up (RankInfo), before anything is traced.
+  gpu = types.SimpleNamespace(handle=1, ranks=2, device=DeviceFacts(compute_capability=(9, 0), sm_budget=33,
+                                                                     consumer_policy="test", calibration=None))
+  attrs = RankInfo(gpu, CallConfig(consumer_ctas=32, serialize=True)).combine_attrs()
   assert attrs["consumer_ctas"] == 32 and attrs["serialize"] == 1 and attrs["consumer_ctas"].dtype == np.int32
   with pytest.raises(ValueError, match=r"consumer_ctas=33 leaves no producer CTA: .* SM budget of 33 CTAs, so pin C "
                                        r"in \[1, 32\]"):
-    CallConfig(consumer_ctas=33).combine_attrs(FakeWorkspace())
-  assert "consumer_ctas" not in CallConfig().attrs(FakeWorkspace())  # dispatch takes no consumer options
+    RankInfo(gpu, CallConfig(consumer_ctas=33))
+  assert "consumer_ctas" not in RankInfo(gpu, CallConfig()).attrs()  # dispatch takes no consumer options
 
 
 def _run(config, impl="overlap"):

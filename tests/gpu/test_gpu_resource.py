@@ -68,7 +68,7 @@ def test_copy_ceiling_mode():
 @pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
 def test_options_through_jax_give_identical_results(R):
   import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap.primitives import CallConfig  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.config import CallConfig  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.workspace import Workspace  # pylint: disable=g-import-not-at-top
   ks = jax.random.split(jax.random.PRNGKey(0), 5)
   T, D, F, E, k = 512, 256, 384, 8, 2

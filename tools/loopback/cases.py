@@ -48,7 +48,7 @@ class Case:
   seed: int = 1
   consumers: int = 2             # consumer CTAs per rank and call (0: the manager's choice)
   serialize: bool = False
-  # How the consumer pushes (CallOptions::tuning; the fields of jax_moe_overlap.primitives.ConsumerTuning), defaults
+  # How the consumer pushes (CallOptions::tuning; the fields of jax_moe_overlap.config.ConsumerTuning), defaults
   # as the library's: $JMO_CONSUMER_COPY, $JMO_PUSH_SLOTS, $JMO_PUSH_READ_LAG, $JMO_PUSH_ISSUERS (env.py), else the
   # shipped values.
   bulk_copy: bool = dataclasses.field(default_factory=env.consumer_bulk_copy)  # False: 16-byte loads and stores
@@ -124,7 +124,7 @@ class Case:
     if self.consumers < 0:
       return "consumers must be >= 0 (0: the manager)"
     from jax_moe_overlap import engines  # pylint: disable=g-import-not-at-top
-    from jax_moe_overlap.primitives import ConsumerTuning  # pylint: disable=g-import-not-at-top
+    from jax_moe_overlap.config import ConsumerTuning  # pylint: disable=g-import-not-at-top
     try:
       ConsumerTuning(bulk_copy=self.bulk_copy, slots=self.push_slots, read_lag=self.push_read_lag,
                      issuers=self.push_issuers)
