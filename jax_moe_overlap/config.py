@@ -133,7 +133,8 @@ class ConsumerTuning:
   bulk_copy: TMA bulk copies on Hopper (True), or ordinary 16-byte loads and stores (False).
   slots: shared-memory ring slots of one issuing thread, 2..24 (the launch's shared memory may give fewer).
   read_lag: bulk stores that may still be reading their slot, 1..16 (kept below the slots).
-  issuers: issuing threads per consumer CTA, one ring each, 1..8 (one thread moves ~12 GB/s on the H200).
+  issuers: issuing threads per consumer CTA, one ring each, 1..8 (a fixed cost per chunk bounds what one thread
+    moves, so more threads move more bytes per consumer SM: docs/design.md).
   """
 
   bulk_copy: bool = dataclasses.field(default_factory=env.consumer_bulk_copy)
