@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap.api import moe_experts
 from jax_moe_overlap.checks import check_axis, check_experts, check_impl
-from jax_moe_overlap.config import MoEConfig
-from jax_moe_overlap.primitives import CallConfig, swiglu
+from jax_moe_overlap.config import CallConfig, MoEConfig
+from jax_moe_overlap.expert_gemms import swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -61,10 +61,6 @@ class MoE(nnx.Module):
     batch_axes: mesh axes other than expert_axis the tokens are also sharded over (``moe_experts``' batch_axes).
     rngs: parameter initialisation.
 
-  The keyword form, ``MoE(d_model, d_ff, num_experts, top_k, mesh=..., capacity_factor=...,
-  dtype=..., param_dtype=..., config=CallConfig(...), rngs=...)``, builds the equivalent ``MoEConfig`` (softmax,
-  renormalised top-k).
-
   Call: ``y, aux = moe(x, token_mask=None)`` with x [..., D] (the number of tokens divisible by the axis size) and an
   optional bool mask of x's leading shape (False: a padding token; it selects no expert, costs nothing and gets
   y = 0 from the routed experts); y has x's shape, dtype and sharding; aux is a ``MoEAux``. With
@@ -72,16 +68,10 @@ class MoE(nnx.Module):
   routing bias from its load.
   """
 
-  def __init__(self, config: MoEConfig | int, *legacy_sizes, mesh: jax.sharding.Mesh, rngs: nnx.Rngs,
-               expert_axis: str = "expert", impl: str = "overlap", call_config: CallConfig | None = None,
-               batch_axes: tuple[str, ...] = (),
-               **legacy_options):
+  def __init__(self, config: MoEConfig, *, mesh: jax.sharding.Mesh, rngs: nnx.Rngs, expert_axis: str = "expert",
+               impl: str = "overlap", call_config: CallConfig | None = None, batch_axes: tuple[str, ...] = ()):
     if not isinstance(config, MoEConfig):
-      config, legacy_call_config = _legacy_config(config, *legacy_sizes, **legacy_options)
-      call_config = call_config or legacy_call_config
-    elif legacy_sizes or legacy_options:
-      raise TypeError(f"jax_moe_overlap: MoE(config, ...) takes no further sizes or options, got {legacy_sizes} "
-                      f"{sorted(legacy_options)}")
+      raise TypeError(f"jax_moe_overlap: MoE takes a MoEConfig as its first argument, got {config!r}")
     R = check_axis(mesh, expert_axis)
     check_experts(config.num_experts, config.num_experts_per_tok, R, expert_axis)
     check_impl(impl)
@@ -106,12 +96,6 @@ class MoE(nnx.Module):
       self.shared_w1 = self.shared_w2 = None
     self.shared_expert_gate = (nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (D, 1), wd))
                                if config.shared_expert_gate else None)
-
-  # The sizes under the keyword form's names.
-  d_model = property(lambda self: self.config.emb_dim)
-  d_ff = property(lambda self: self.config.moe_mlp_dim)
-  num_experts = property(lambda self: self.config.num_experts)
-  top_k = property(lambda self: self.config.num_experts_per_tok)
 
   def route(self, x2d: jax.Array, token_mask: jax.Array | None = None) -> routing_lib.Routing:
     """x2d [T, D] -> ``Routing`` (expert ids, gates, losses, load)."""
@@ -218,10 +202,3 @@ def _explicit_in(a: jax.Array) -> bool:
   """Whether a's sharding type names a mesh with Explicit axes."""
   mesh = jax.typeof(a).sharding.mesh
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-
-
-def _legacy_config(d_model: int, d_ff: int, num_experts: int, top_k: int, *, capacity_factor=None,
-                   dtype=jnp.float32, param_dtype=jnp.float32, config: CallConfig | None = None):
-  """The ``MoEConfig`` (and ``CallConfig``) of the keyword form ``MoE(d_model, d_ff, num_experts, top_k, ...)``."""
-  return MoEConfig(emb_dim=d_model, moe_mlp_dim=d_ff, num_experts=num_experts, num_experts_per_tok=top_k,
-                   capacity_factor=capacity_factor, dtype=dtype, weight_dtype=param_dtype), config

@@ -14,9 +14,10 @@ class TwoLayerMoE(nnx.Module):
   """Two MoE layers of equal sizes (sharing one workspace) with residuals, to exercise several layers per step."""
 
   def __init__(self, mesh, impl, dtype, capacity_factor, rngs):
-    kw = dict(mesh=mesh, impl=impl, dtype=dtype, capacity_factor=capacity_factor, rngs=rngs)
-    self.a = jmo.MoE(16, 32, 8, 2, **kw)
-    self.b = jmo.MoE(16, 32, 8, 2, **kw)
+    cfg = jmo.MoEConfig(emb_dim=16, moe_mlp_dim=32, num_experts=8, num_experts_per_tok=2, dtype=dtype,
+                        capacity_factor=capacity_factor)
+    self.a = jmo.MoE(cfg, mesh=mesh, impl=impl, rngs=rngs)
+    self.b = jmo.MoE(cfg, mesh=mesh, impl=impl, rngs=rngs)
 
   def __call__(self, x):
     ya, aux_a = self.a(x)
@@ -77,7 +78,8 @@ def test_module_bfloat16_and_router_learns():
 def test_module_on_explicit_mesh():
   devs = np.array(jax.devices("cpu")[:4])
   mesh = jax.sharding.Mesh(devs, ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
-  m = jmo.MoE(16, 32, 8, 2, mesh=mesh, rngs=nnx.Rngs(0))
+  m = jmo.MoE(jmo.MoEConfig(emb_dim=16, moe_mlp_dim=32, num_experts=8, num_experts_per_tok=2), mesh=mesh,
+              rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
   y, aux = nnx.jit(lambda m, x: m(x))(m, x)
   # Tokens already sharded over the expert axis, for both implementations.
