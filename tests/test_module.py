@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import jax_moe_overlap as jmo
-from cases import mesh_of, rel_err
+from cases import mesh_of, moe_config, rel_err
 
 
 class TwoLayerMoE(nnx.Module):
@@ -78,7 +78,7 @@ def test_module_bfloat16_and_router_learns():
 def test_module_on_explicit_mesh():
   devs = np.array(jax.devices("cpu")[:4])
   mesh = jax.sharding.Mesh(devs, ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
-  m = jmo.MoE(jmo.MoEConfig(emb_dim=16, moe_mlp_dim=32, num_experts=8, num_experts_per_tok=2), mesh=mesh,
+  m = jmo.MoE(moe_config(emb_dim=16, moe_mlp_dim=32, num_experts=8, num_experts_per_tok=2), mesh=mesh,
               rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
   y, aux = nnx.jit(lambda m, x: m(x))(m, x)
