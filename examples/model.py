@@ -351,7 +351,7 @@ def eval_batches(held: np.ndarray, batch_size: int, seq_len: int, max_batches: i
   """Consecutive, non-overlapping windows of seq_len + 1 bytes of the held-out text, grouped into at most
   ``max_batches`` full batches of ``batch_size`` windows. A held-out text too short for one such batch gives one
   smaller batch instead: as many of its windows as divide by ``multiple_of`` (the devices the batch is sharded
-  over), so every held-out byte that fits is evaluated and none is seen twice. ValueError when not even
+  over), so every held-out byte that fits is scored, none twice. ValueError when not even
   ``multiple_of`` windows fit."""
   n = (len(held) - 1) // seq_len
   if n < max(multiple_of, 1):
