@@ -13,11 +13,10 @@
 #include <cstdint>
 #include <string>
 
+#include "common/dtype.h"
 #include "cuda/workspace/workspace.h"
 
 namespace jmo::cuda {
-
-enum class DType { kF32, kBF16 };
 
 // How expert_combine's consumer CTAs push their bands (the tuning attributes of a call; CallConfig in Python checks
 // the ranges). The defaults are the ones the shipped calibration describes.

@@ -201,7 +201,7 @@ nb::dict DeviceInfo(int device, int64_t k_dim, int64_t n_dim, bool transpose_rhs
   // looks at the operands' alignment, so any 16-byte aligned address stands in for them.
   alignas(16) static char dummy[16];
   const cuda::ProducerPath path =
-      cuda::SelectProducerPath(cuda::DType::kBF16, k_dim, n_dim, transpose_rhs, dummy, dummy);
+      cuda::SelectProducerPath(DType::kBF16, k_dim, n_dim, transpose_rhs, dummy, dummy);
   int tile_m = 0, tile_n = 0;
   cuda::ProducerTile(path, &tile_m, &tile_n);
   return MakeDict({{"kind", nb::cast("device")}, {"name", nb::cast(std::string(prop.name))},
@@ -224,7 +224,7 @@ NB_MODULE(_jmo_loopback, m) {
       [](bool f32, int64_t k_dim, int64_t n_dim, bool transpose_rhs) {
         namespace cuda = jmo::cuda;
         return std::string(cuda::ProducerPathName(cuda::SelectProducerPath(
-            f32 ? cuda::DType::kF32 : cuda::DType::kBF16, k_dim, n_dim, transpose_rhs, nullptr, nullptr)));
+            f32 ? jmo::DType::kF32 : jmo::DType::kBF16, k_dim, n_dim, transpose_rhs, nullptr, nullptr)));
       },
       "f32"_a, "k_dim"_a, "n_dim"_a, "transpose_rhs"_a,
       "The producer engine of expert_combine for these operands on the current device (buffers assumed aligned)");

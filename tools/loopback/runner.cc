@@ -23,7 +23,7 @@ namespace jmo::loopback {
 
 using cuda::CallOptions;
 using cuda::CallSite;
-using cuda::DType;
+using jmo::DType;
 using cuda::RankPrivate;
 using cuda::Status;
 using cuda::Workspace;
@@ -132,7 +132,8 @@ class Run {
  public:
   Run(const Spec& s, const std::vector<std::vector<RankInputs>>& data, Result* res)
       : s_(s), data_(data), res_(*res), R_(s.ranks), T_(s.tokens), k_(s.top_k), E_l_(s.experts_per_rank),
-        D_(s.d_model), K_(s.k_dim), N_(s.n_dim), P_(s.tokens * s.top_k), cap_(s.cap), eb_(s.f32 ? 4 : 2),
+        D_(s.d_model), K_(s.k_dim), N_(s.n_dim), P_(s.tokens * s.top_k), cap_(s.cap),
+        eb_(Traits(s.f32 ? DType::kF32 : DType::kBF16).elem_bytes),
         dt_(s.f32 ? DType::kF32 : DType::kBF16), dg_(s.dispatch_gemm_pushers > 0), barrier_(s.ranks),
         bar_timeout_(3 * s.timeout_ms + 10000) {}
 

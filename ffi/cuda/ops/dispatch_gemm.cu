@@ -39,7 +39,7 @@ namespace {
 // The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
 // done_epoch): every read of recv is done by then.
 struct DispatchGemmArgs {
-  const char* src;       // x [S, D] bf16 (row_bytes = D * 2)
+  const char* src;       // x [S, D] bf16 (row_bytes = RowBytes(kBF16, D))
   int64_t S, row_bytes;
   const int32_t *src_row, *dst_rank, *dst_row;  // the dispatch plan's slots [P]
   const int32_t *send_order;                     // [P]: the slot at each send position
@@ -242,7 +242,7 @@ __device__ inline SideWork MakeSideWork(const DispatchGemmArgs& g, bool swiglu, 
   SideWork w;
   w.copy_units = g.x_recv != nullptr ? m_tiles : 0;
   const int64_t pad = g.cap - kept_rows;
-  const int64_t out_row = swiglu ? (g.N / 2) * 2 : g.N * 4;
+  const int64_t out_row = swiglu ? (g.N / 2) * (int64_t)sizeof(bf16) : g.N * (int64_t)sizeof(float);
   w.zero_bytes[0] = g.x_recv != nullptr ? pad * g.row_bytes : 0;
   w.zero_bytes[1] = pad * out_row;
   w.zero_bytes[2] = g.a != nullptr ? pad * g.N * 4 : 0;
@@ -449,7 +449,7 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                     const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
                     const DispatchGemmOut& out, int64_t cap, int pushers) {
-  const int64_t row_bytes = D * 2;
+  const int64_t row_bytes = RowBytes(DType::kBF16, D);
   Status s = BeginCall(c, "dispatch_gemm", group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;

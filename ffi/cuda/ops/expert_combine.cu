@@ -310,7 +310,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                      int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
-  const int64_t row_bytes = N * ElemBytes(dt);
+  const int64_t row_bytes = RowBytes(dt, N);
   Status s = BeginCall(c, "expert_combine", group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
@@ -345,7 +345,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   pol.push_slots = c.opts.tuning.push_slots;
   pol.push_read_lag = c.opts.tuning.push_read_lag;
   pol.push_issuers = c.opts.tuning.push_issuers;
-  pol.elem_bytes = ElemBytes(dt);
+  pol.elem_bytes = Traits(dt).elem_bytes;
   pol.max_ctas = ModelMaxCtas(budget);
   const ProducerPath path = SelectProducerPath(dt, K, N, transpose_rhs, lhs, w);
   const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, path);

@@ -240,8 +240,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   __syncthreads();
   if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
   __syncthreads();
-  ZeroPadRows(h, row_start[G], M, F, 2);
-  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, 4);
+  ZeroPadRows(h, row_start[G], M, F, sizeof(__nv_bfloat16));
+  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, sizeof(float));
   auto tile_of = [&](int t) {
     const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
     SwiGluTile tile;

@@ -17,6 +17,7 @@ namespace jmo::cuda {
 
 constexpr int kTcBK = 32;
 constexpr int kTcStages = 4;
+constexpr int kTcElemBytes = static_cast<int>(sizeof(__nv_bfloat16));
 
 template <int BM>
 struct TcLayout {
@@ -25,7 +26,7 @@ struct TcLayout {
   static constexpr int kAElems = (BM * (kTcBK + 8) > kTcBK * (BM + 8)) ? BM * (kTcBK + 8) : kTcBK * (BM + 8);
   static constexpr int kBElems = (kTileN * (kTcBK + 8) > kTcBK * (kTileN + 8)) ? kTileN * (kTcBK + 8)
                                                                                : kTcBK * (kTileN + 8);
-  static constexpr int kSmemBytes = kTcStages * (kAElems + kBElems) * 2;
+  static constexpr int kSmemBytes = kTcStages * (kAElems + kBElems) * kTcElemBytes;
 };
 
 using ptx::CpAsync16;
@@ -45,7 +46,7 @@ __device__ __forceinline__ void MmaBf16(float* c, const uint32_t* a, const uint3
 // Bytes of the 8-element chunk starting at `first` (of `valid` elements) that lie inside the valid extent.
 __device__ __forceinline__ int ChunkBytes(int first, int valid) {
   const int left = valid - first;
-  return left <= 0 ? 0 : (left >= 8 ? 16 : left * 2);
+  return left <= 0 ? 0 : (left >= 8 ? 16 : left * kTcElemBytes);
 }
 
 template <int BM, bool kTransA, bool kTransB, typename OutT>
