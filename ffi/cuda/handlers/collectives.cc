@@ -63,8 +63,6 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
-  if (shape->rows.dtype != DType::kBF16)
-    return InvalidCall("dispatch_gemm: src and w must be bfloat16 on CUDA (the wgmma engine)");
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckDispatchGemmPlan(*shape, c.value().ws->ranks(), send_order, send_start, seg_rows,
@@ -75,7 +73,7 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                                   send_order.typed_data(), send_start.typed_data(), shape->rows.P};
   const cuda::DispatchGemmOut results{shape->keep_recv ? x_recv->untyped_data() : nullptr, out->untyped_data(),
                                       shape->keep_a ? a->typed_data() : nullptr, swiglu};
-  return ToFfi(DispatchGemm(c.value(), src.untyped_data(), shape->rows.S, shape->rows.D, slots,
+  return ToFfi(DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,
                             recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
                             shape->E_local, w.untyped_data(), shape->N, transpose_rhs, group_op.typed_data(),
                             rank_op.typed_data(), results, shape->rows.cap, pushers));
