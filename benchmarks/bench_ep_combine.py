@@ -31,7 +31,7 @@ most any rank sends / ms. Then, after timing, one more call and ``Workspace.last
               expert kernel's recorded work): launch gaps and host time between back-to-back calls
   push_GBps   the bytes the consumer pushed / cons_us
 A note names any rank whose recorded pushed bytes differ from the plan's remote bytes. The JSON lines (--out) hold
-the same rows plus ``stats``: every rank's CallStats (cuda_workspace.py) in full.
+the same rows plus ``stats``: every rank's CallStats (workspace_cuda.py) in full.
 
   python3 -m benchmarks.bench_ep_combine --out $OUT/ep_combine.jsonl                  # all GPUs
   python3 -m benchmarks.bench_ep_combine --quick --ctas 4,8                             # CPU dry run, 4 devices
@@ -277,7 +277,7 @@ def run(args, table: common.Table) -> common.Table:
     for skew in args.skews.split(","):
       case = make_case(mesh, shape, skew)
       print(f"\n{shape[0]} {skew}, R={R}: remote MB per rank {joined(case.remote_bytes / 1e6, '{:.4g}')}; "
-            f"consumer policy: {case.ws.consumer_policy} (started at {time.strftime('%H:%M:%S')})")
+            f"consumer policy: {case.ws.device.consumer_policy} (started at {time.strftime('%H:%M:%S')})")
       run_case(case, args.ctas, args.max_call_s, table)
       del case
   return table

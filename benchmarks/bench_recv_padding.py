@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from jax_moe_overlap import grouped_gemm, plan, primitives
+from jax_moe_overlap import expert_gemms, grouped_gemm, plan
 
 D, F, E_LOCAL, TOKENS, TOP_K = 2048, 2048, 4, 8192, 2
 
@@ -41,10 +41,10 @@ def main(argv=None):
       sets.append((x, w1, w2, jnp.full((E_LOCAL,), kept // E_LOCAL, jnp.int32)))
     gemm1 = jax.jit(lambda x, w1, w2, gs: grouped_gemm.grouped_matmul(x, w1, gs, preferred_element_type=jnp.float32))
     a_sets = [(gemm1(*s),) for s in sets]
-    act = jax.jit(lambda a: primitives.swiglu(a).astype(jnp.bfloat16))
+    act = jax.jit(lambda a: expert_gemms.swiglu(a).astype(jnp.bfloat16))
     h_sets = [(act(*a), s[2], s[3]) for a, s in zip(a_sets, sets)]
     gemm2 = jax.jit(lambda h, w2, gs: grouped_gemm.grouped_matmul(h, w2, gs))
-    mlp = jax.jit(primitives.expert_mlp)
+    mlp = jax.jit(expert_gemms.expert_mlp)
     fused = {keep: jax.jit(lambda x, w1, w2, gs, keep=keep: grouped_gemm.grouped_matmul_swiglu(
         x, w1, gs, keep_preactivation=keep)) for keep in (False, True)}
     r = {"question": "recv padding cost", "ranks": ranks, "recv_rows": cap, "kept_rows": kept,

@@ -32,6 +32,7 @@ import sys
 import time
 
 from benchmarks import loopback_runner as lb
+from jax_moe_overlap import _jmo
 from jax_moe_overlap import resource as rm
 
 SKEW_ARGS = {"balanced": ["--routing", 0], "moderate": ["--routing", 1, "--zipf", 0.8],
@@ -46,6 +47,34 @@ def workloads(quick: bool):
     out.append(dict(tokens=tokens, n=n, k=2048, top_k=2, experts=next(experts), skew=skew))
   # --quick: 4 of them covering both token counts, both N, all three skews and 8..64 experts.
   return [out[i] for i in (0, 5, 7, 10)] if quick else out
+
+
+# The consumer CTA counts the device kernel considers: C in [1, min(MAX_MODEL_CTAS, budget - 1)], one warp of
+# candidates (resource_manager.cuh, kMaxModelCtas).
+MAX_MODEL_CTAS = 32
+
+
+def device_segments(seg_rows, rank: int) -> list[tuple[int, int]]:
+  """The kernel's view of one rank's call, as the model takes it: (rows, remote) of the non-empty segments of
+  ``seg_rows [E_local, R]`` in the producer's order (protocol.h SegmentBefore: remote first, the most loaded
+  destination first, then by source and expert; own segments last). Only remote segments are pushed: the CUDA
+  producer stores the rank's own segments in place."""
+  E_l = len(seg_rows)
+  R = len(seg_rows[0]) if E_l else 0
+  to_rank = [sum(int(seg_rows[e][s]) for e in range(E_l)) for s in range(R)]
+  keys = sorted(((s == rank, -to_rank[s], s, e) for e in range(E_l) for s in range(R)))
+  return [(int(seg_rows[e][s]), int(s != rank)) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+
+
+def kernel_consumer_ctas(p: rm.ModelParams, seg_rows, rank: int, n: int, k: int, elem_bytes: int, max_ctas: int,
+                         pinned: int = 0) -> int:
+  """The consumer CTA count the CUDA kernel uses for one rank's call (resource_manager.cuh ConsumersOfCall): 0 when
+  nothing is pushed (no remote segment: every CTA produces), else ``pinned`` if given, else the model's choice
+  (``_jmo.model_choose_consumer_ctas``, the device's model run on the host)."""
+  segs = device_segments(seg_rows, rank)
+  if not any(remote for _, remote in segs):
+    return 0
+  return pinned if pinned > 0 else _jmo.model_choose_consumer_ctas(p.native(), segs, n, k, elem_bytes, max_ctas)
 
 
 def model_for_ranks(p: rm.ModelParams, ranks: int) -> rm.ModelParams:
@@ -88,8 +117,8 @@ def main(argv=None):
   R = args.ranks
   budget = dev["sms"] // R
   per_rank = model_for_ranks(params, R)
-  cs = list(range(1, rm.MAX_MODEL_CTAS + 1)) if args.ctas == "all" else [int(c) for c in args.ctas.split(",")]
-  cs = [c for c in cs if 1 <= c <= min(rm.MAX_MODEL_CTAS, budget - 1)]
+  cs = list(range(1, MAX_MODEL_CTAS + 1)) if args.ctas == "all" else [int(c) for c in args.ctas.split(",")]
+  cs = [c for c in cs if 1 <= c <= min(MAX_MODEL_CTAS, budget - 1)]
   header = dict(kind="header", command=" ".join(["python3"] + sys.argv), device=dev, calibration=cal_path,
                 params=dataclasses.asdict(params), ranks=R, budget=budget, ctas=cs,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
@@ -134,10 +163,10 @@ def main(argv=None):
     fixed_c = min(max(1, dev["sms"] // 8), budget - 1)
     fixed_us = times.get(fixed_c)
     oracle = min(times, key=lambda c: (times[c], c))
-    # The Python mirror on the same segment tables must pick what the device picked.
+    # The model run on the host on the same segment tables (the "mirror") must pick what the device picked.
     p_rank = dataclasses.replace(per_rank, sms=budget, ctas_per_sm=1)
-    mirror = [rm.kernel_consumer_ctas(p_rank, _grid(pl["seg_rows"], R), pl["rank"], w["n"], w["k"], 2,
-                                      min(rm.MAX_MODEL_CTAS, budget - 1)) for pl in plans]
+    mirror = [kernel_consumer_ctas(p_rank, _grid(pl["seg_rows"], R), pl["rank"], w["n"], w["k"], 2,
+                                   min(MAX_MODEL_CTAS, budget - 1)) for pl in plans]
     mirror_ok = mirror == manager["chosen"]
     wl_decision = [r for r in res["results"] if r["kind"] == "decision"]
     decision += wl_decision
@@ -146,8 +175,8 @@ def main(argv=None):
                regret=manager["median_us"] / times[oracle] - 1.0, serialized_us=ser_us, fixed_c=fixed_c,
                fixed_us=fixed_us, mirror_chosen=mirror, mirror_agrees=mirror_ok, seconds=time.time() - t0,
                decision_ns=[d["decision_ns"] for d in wl_decision], table_ns=[d["table_ns"] for d in wl_decision],
-               model_us={c: rm.makespan_us(p_rank, rm.device_segments(_grid(plans[0]["seg_rows"], R), 0), w["n"], w["k"],
-                                           2, c) for c in cs})
+               model_us={c: _jmo.model_makespan_us(p_rank.native(), device_segments(_grid(plans[0]["seg_rows"], R), 0),
+                                                   w["n"], w["k"], 2, c) for c in cs})
     out_rows.append(row)
     emit(row)
     print(f"| {i} | {w['tokens']} | {w['n']} | {w['experts']} | {w['skew']} | {oracle} | {times[oracle] / 1e3:.3f} | "
@@ -167,7 +196,7 @@ def main(argv=None):
         f"(total time), {summary.get('speedup_vs_best_fixed_geomean', float('nan')):.3f}x (geomean) | decision "
         f"{summary.get('decision_ns_median', float('nan')):.0f} ns per call (max "
         f"{summary.get('decision_ns_max', float('nan')):.0f}; table build "
-        f"{summary.get('table_build_ns_median', float('nan')):.0f} ns, needed anyway) | Python mirror agrees: "
+        f"{summary.get('table_build_ns_median', float('nan')):.0f} ns, needed anyway) | host model agrees: "
         f"{summary.get('mirror_agrees')} | {summary['seconds']:.0f} s")
   emit(summary)
   if out_f:

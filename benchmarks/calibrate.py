@@ -34,8 +34,8 @@ import sys
 import time
 
 from benchmarks import loopback_runner as lb
-from jax_moe_overlap import primitives
 from jax_moe_overlap import resource as rm
+from jax_moe_overlap.config import ConsumerTuning
 
 
 def fit_line(xs, ys):
@@ -57,7 +57,7 @@ def main(argv=None):
   ap.add_argument("--tokens", type=int, default=8192, help="tokens of the tile-time and bandwidth runs (top-2)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--log", default=None, help="append the harness' full output here")
-  default = primitives.ConsumerTuning()
+  default = ConsumerTuning()
   ap.add_argument("--plain-copy", action="store_true", default=not default.bulk_copy,
                   help="the consumer pushes with 16-byte loads and stores instead of TMA bulk copies")
   ap.add_argument("--push-slots", type=int, default=default.slots, help="ring slots of one issuing thread")
@@ -65,7 +65,7 @@ def main(argv=None):
                   help="bulk stores that may still read their slot")
   ap.add_argument("--push-issuers", type=int, default=default.issuers, help="issuing threads per consumer CTA")
   args = ap.parse_args(argv)
-  tuning = primitives.ConsumerTuning(bulk_copy=not args.plain_copy, slots=args.push_slots,
+  tuning = ConsumerTuning(bulk_copy=not args.plain_copy, slots=args.push_slots,
                                      read_lag=args.push_read_lag, issuers=args.push_issuers)
   log = open(args.log, "a") if args.log else None
   t_start = time.time()

@@ -57,7 +57,7 @@ def params_arg(params) -> str:
 
 
 def tuning_args(tuning) -> list[str]:
-  """The harness flags of a consumer tuning (jax_moe_overlap.primitives.ConsumerTuning): how its consumer pushes."""
+  """The harness flags of a consumer tuning (jax_moe_overlap.config.ConsumerTuning): how its consumer pushes."""
   args = [] if tuning.bulk_copy else ["--plain-copy"]
   return args + ["--push-slots", str(tuning.slots), "--push-read-lag", str(tuning.read_lag),
                  "--push-issuers", str(tuning.issuers)]

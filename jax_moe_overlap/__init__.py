@@ -15,9 +15,8 @@ Public API:
 
 from jax_moe_overlap._ffi import build_info
 from jax_moe_overlap.api import moe_experts
-from jax_moe_overlap.config import MoEConfig
+from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.layer import MoE, MoEAux, MoEBlock, total_aux_loss
-from jax_moe_overlap.primitives import CallConfig
 from jax_moe_overlap.routing import Routing, route, update_routing_bias
 from jax_moe_overlap.workspace import Workspace, release_workspaces, workspace_bytes
 

@@ -25,26 +25,6 @@ def register() -> None:
       jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
-def swiglu_epilogue_operands(bf16: bool, K: int, F: int) -> bool:
-  """Whether the wgmma engine's SwiGLU epilogue takes these operands (the CUDA handlers' SwiGluFused, less its Hopper
-  check): bfloat16, K a multiple of 64 and F of 32 (2F a multiple of 64, and whole 16-column stores of h)."""
-  return bool(bf16) and K % 64 == 0 and F % 32 == 0
-
-
-@functools.cache
-def swiglu_fused(bf16: bool, K: int, F: int) -> bool:
-  """Whether ``grouped_matmul_swiglu`` applies the SwiGLU in its GEMM's epilogue on this process's GPUs (the wgmma
-  engine: a Hopper GPU and ``swiglu_epilogue_operands``; the CUDA handler's SwiGluFused). Only then may it leave out
-  the preactivation. False where JAX's default devices are not GPUs."""
-  if not (_jmo.with_cuda and swiglu_epilogue_operands(bf16, K, F)):
-    return False
-  gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-  if not gpus:
-    return False
-  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
-  return cuda_workspace.device_info(int(gpus[0].local_hardware_id)).compute_capability[0] == 9
-
-
 def with_cuda() -> bool:
   """True when the CUDA kernels were compiled into the extension."""
   return bool(_jmo.with_cuda)

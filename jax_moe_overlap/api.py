@@ -15,10 +15,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.call_site import RankInfo
 from jax_moe_overlap.checks import batch_size, check_batch_axes, check_expert_ids, check_impl, check_inputs
-from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_block, gather_counts
+from jax_moe_overlap.config import CallConfig
+from jax_moe_overlap.expert_block import expert_block
 from jax_moe_overlap.reference import moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
+from jax_moe_overlap.workspace_calls import gather_counts
 from jax_moe_overlap.xla_path import moe_experts_xla
 
 

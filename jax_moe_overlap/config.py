@@ -1,4 +1,5 @@
-"""``MoEConfig``: the static description of one MoE block, with MaxText's names where MaxText has the option.
+"""The static configuration types: ``MoEConfig``, the description of one MoE block (with MaxText's names where MaxText
+has the option), and ``CallConfig`` (with its ``ConsumerTuning``), the settings of the custom calls.
 
 Examples (the experts' widths scaled down; the routing as published):
 
@@ -26,7 +27,9 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
+from jax_moe_overlap import env
 from jax_moe_overlap.checks import check_dtype, check_experts
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -65,9 +68,13 @@ class MoEConfig:
       (HF pools every layer's tokens into one loss; MaxText averages the layers' losses). So the same penalty takes
       load_balance_loss_weight = k * coef / L here: exactly for one layer against HF, and against MaxText when each
       call holds one sequence (MaxText takes the statistics per sequence and averages over the batch).
-  Dtypes:
-    dtype: compute dtype of the experts (float32 or bfloat16). weight_dtype: dtype the parameters are kept in.
-    The router always computes in float32.
+  Dtypes (MaxText's names and defaults):
+    dtype: the compute dtype, bfloat16 (default) or float32: the routed and shared experts' inputs and weights are
+      cast to it for their matmuls, which accumulate in float32. dtype=jnp.float32 chooses float32 compute on
+      purpose (on GPUs float32 GEMMs run on the SIMT engine, bfloat16 ones on the tensor cores).
+    weight_dtype: the dtype the parameters are kept in (the master weights), float32 by default; they are cast to
+      dtype for each call, so the gradients and the optimizer see weight_dtype.
+    The router always computes in float32, and the output y has the input's dtype.
   """
 
   emb_dim: int
@@ -87,7 +94,7 @@ class MoEConfig:
   shared_expert_gate: bool = False
   load_balance_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.0
-  dtype: Any = jnp.float32
+  dtype: Any = jnp.bfloat16
   weight_dtype: Any = jnp.float32
 
   def __post_init__(self):
@@ -134,3 +141,83 @@ class MoEConfig:
     if self.shared_experts == 0:
       return 0
     return self.shared_mlp_dim if self.shared_mlp_dim is not None else self.shared_experts * self.moe_mlp_dim
+
+
+def _int_in(value, lo: int, hi: int) -> bool:
+  return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and lo <= value <= hi
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerTuning:
+  """How expert_combine's CUDA consumer CTAs push their bands (ignored on CPU). Defaults: $JMO_CONSUMER_COPY,
+  $JMO_PUSH_SLOTS, $JMO_PUSH_READ_LAG, $JMO_PUSH_ISSUERS (env.py), else the values the shipped calibration was
+  measured with.
+
+  bulk_copy: TMA bulk copies on Hopper (True), or ordinary 16-byte loads and stores (False).
+  slots: shared-memory ring slots of one issuing thread, 2..24 (the launch's shared memory may give fewer).
+  read_lag: bulk stores that may still be reading their slot, 1..16 (kept below the slots).
+  issuers: issuing threads per consumer CTA, one ring each, 1..8 (a fixed cost per chunk bounds what one thread
+    moves, so more threads move more bytes per consumer SM: docs/design.md).
+  """
+
+  bulk_copy: bool = dataclasses.field(default_factory=env.consumer_bulk_copy)
+  slots: int = dataclasses.field(default_factory=env.push_slots)
+  read_lag: int = dataclasses.field(default_factory=env.push_read_lag)
+  issuers: int = dataclasses.field(default_factory=env.push_issuers)
+
+  def __post_init__(self):
+    if not isinstance(self.bulk_copy, (bool, np.bool_)):
+      raise ValueError(f"jax_moe_overlap: ConsumerTuning.bulk_copy must be a bool, got {self.bulk_copy!r}")
+    for name, lo, hi in (("slots", 2, 24), ("read_lag", 1, 16), ("issuers", 1, 8)):
+      if not _int_in(getattr(self, name), lo, hi):
+        raise ValueError(f"jax_moe_overlap: ConsumerTuning.{name} must be an int in [{lo}, {hi}], got "
+                         f"{getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallConfig:
+  """Static settings of the custom calls.
+
+  timeout_ms: bound on every wait for a peer or flag; a wait that expires raises an error naming rank, peer,
+    stage and counts (default $JMO_TIMEOUT_MS, else 10 s).
+  delay_rank, delay_us: testing aid that holds one rank back at the start of every call (-1: none).
+  consumer_ctas: CTAs of expert_combine's consumer (the communication engine) on CUDA. 0 (default): the resource
+    manager chooses per call on the device from the routed counts (or a fixed count when the GPU has no
+    calibration: ``Workspace.device.consumer_policy`` says which); > 0: pinned, at most the rank's SM budget - 1.
+  serialize: no overlap anywhere (the baseline of the benchmarks; results are identical): the dispatch and GEMM1 run
+    as two calls, and expert_combine's consumer starts only after the producer has finished every tile.
+  consumer_tuning: how the CUDA consumer pushes (ConsumerTuning).
+  dispatch_pushers: whether the dispatch and the GEMM after it run as one dispatch_gemm call, each GEMM1 tile
+    starting once its rows have arrived (in the forward GEMM1 with its SwiGLU in the call's epilogue, in the backward
+    the dispatch of gates * dy with its d_out W2^T), and with how many pushing CTAs; else as two calls (the dispatch,
+    then the bare grouped GEMM). The fused call equals the two calls bit for bit on the CUDA engine and on the CPU
+    handlers alike. 0 (default): the library's choice (``call_site.dispatch_pushers``): fused with AUTO_PUSHERS
+    pushing CTAs where the expert axis has two ranks or more on Hopper GPUs and the operands take the wgmma engine
+    (``engines.dispatch_gemm_operands``: bfloat16, d_model and 2 * d_ff multiples of 64, d_ff of 32), two calls
+    elsewhere (one rank: nothing to hide; CPU: XLA's ragged_dot is faster there). > 0: fused with this many pushing
+    CTAs wherever the operands allow (on CUDA only on Hopper: elsewhere the call fails with an error saying so); on
+    CPU any value > 0 selects the fused CPU handler, the protocol's specification, whose GEMMs are the bare grouped
+    GEMMs' CPU loops, while the default two calls' are XLA's ragged_dot (results equal to float32 rounding, not bit
+    for bit). Not with serialize.
+  """
+
+  timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
+  delay_rank: int = -1
+  delay_us: int = 0
+  consumer_ctas: int = 0
+  serialize: bool = False
+  dispatch_pushers: int = 0
+  consumer_tuning: ConsumerTuning = dataclasses.field(default_factory=ConsumerTuning)
+
+  def __post_init__(self):
+    if not _int_in(self.consumer_ctas, 0, 2**31 - 1):
+      raise ValueError(f"jax_moe_overlap: CallConfig.consumer_ctas must be an int >= 0 (0: the resource manager's "
+                       f"choice), got {self.consumer_ctas!r}")
+    if not isinstance(self.serialize, (bool, np.bool_)):
+      raise ValueError(f"jax_moe_overlap: CallConfig.serialize must be a bool, got {self.serialize!r}")
+    if not _int_in(self.dispatch_pushers, 0, 2**31 - 1):
+      raise ValueError(f"jax_moe_overlap: CallConfig.dispatch_pushers must be an int >= 0 (0: the library's choice), "
+                       f"got {self.dispatch_pushers!r}")
+    if self.serialize and self.dispatch_pushers > 0:
+      raise ValueError(f"jax_moe_overlap: CallConfig(serialize=True) runs the dispatch and GEMM1 as two calls (no "
+                       f"overlap anywhere); it excludes dispatch_pushers={self.dispatch_pushers}, which overlaps them")

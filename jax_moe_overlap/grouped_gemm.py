@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moe_overlap import _ffi
+from jax_moe_overlap import engines
 
 GROUPED_MATMUL = "jmo_grouped_matmul"
 GROUPED_OUTER = "jmo_grouped_outer"
@@ -84,8 +85,8 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
   """GEMM1 of the expert MLP with its SwiGLU: ``a = lhs[r] @ rhs[g]`` in float32 for the rows ``r`` of group ``g``,
   ``h = silu(a[:, :F]) * a[:, F:]`` in float32, rounded to lhs's dtype; rows past the last group are zero.
 
-  On a Hopper GPU with bfloat16 operands (K a multiple of 64, F of 32) one kernel applies the SwiGLU to the GEMM's
-  accumulators, so ``a`` is written only when it is kept (the backward pass needs it); elsewhere on GPU the grouped
+  Where the wgmma engine runs and takes the operands (``engines.swiglu_fused``: a Hopper GPU, bfloat16, K a multiple
+  of 64, F of 32) one kernel applies the SwiGLU to the GEMM's accumulators, so ``a`` is written only when it is kept (the backward pass needs it); elsewhere on GPU the grouped
   GEMM writes ``a`` and a second kernel reads it. On CPU a reference loop.
 
   Args:
@@ -103,7 +104,7 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
   _ffi.register()
   M, K, F = lhs.shape[0], lhs.shape[1], rhs.shape[2] // 2
   # Where the fused kernel does not run, a is the first kernel's output: it is always written there.
-  a_rows = M if keep_preactivation or not _ffi.swiglu_fused(lhs.dtype == jnp.bfloat16, K, F) else 0
+  a_rows = M if keep_preactivation or not engines.swiglu_fused(lhs.dtype == jnp.bfloat16, K, F) else 0
   out = (jax.ShapeDtypeStruct((M, F), lhs.dtype), jax.ShapeDtypeStruct((a_rows, 2 * F), jnp.float32))
   h, a = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU, out, vmap_method="sequential")(lhs, rhs,
                                                                                group_sizes.astype(jnp.int32))

@@ -14,10 +14,13 @@ Every call that moves rows between ranks runs inside ``jax.shard_map`` over the 
 """
 
 from jax_moe_overlap._ffi import with_cuda
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
+from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 from jax_moe_overlap.plan import Plan
-from jax_moe_overlap.primitives import CallConfig, RankInfo, dispatch, expert_combine, expert_mlp, swiglu
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace_calls import dispatch, expert_combine
 
 __all__ = ["dispatch", "expert_combine", "grouped_matmul", "grouped_outer", "expert_mlp", "swiglu", "CallConfig",
            "RankInfo", "Plan", "Workspace", "WorkspaceSizes", "with_cuda"]

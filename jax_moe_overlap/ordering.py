@@ -7,8 +7,7 @@ by remat next to another layer's backward pass). ``jax.ffi.ffi_call(..., has_sid
 from being removed or merged: XLA:CPU's thunk executor builds its graph from buffer and resource uses alone (custom
 calls declare no resource) and runs ready thunks concurrently, so two such calls can start in different orders on
 different ranks, or overlap on one rank. Rows of one call then land in another (silently wrong results) or a wait
-times out: with plain ``ffi_call``, eight independent dispatches of one program did so in 2 of 3 runs of 400
-repetitions (tests/test_ordering.py checks the chain in the compiled program and the rows each call delivers).
+times out (tests/test_ordering.py checks the chain in the compiled program and the rows each call delivers).
 
 How: on CPU the calls bind ``workspace_call_p``, whose effect ``WorkspaceEffect`` is ordered. JAX threads a token
 through every primitive with an ordered effect in program (jaxpr) order: across ``shard_map``, ``custom_vjp``
@@ -24,9 +23,9 @@ anyway (JAX relies on the same total order for its runtime tokens), and the link
 whose workspace call fails (a timeout, an expert id out of range) returns its token in error, and every later program
 would fail on that input before running, where the library recovers on the next call instead (tests/test_errors.py).
 
-CUDA does not use this: XLA:GPU launches the calls on one stream in program order, and ``primitives.py`` binds plain
-``ffi_call`` there, with no effect at all (the CUDA handlers take no token): an effect of any kind turns off JAX's
-C++ dispatch fast path, which cost 0.8 ms of host time per call on the GPU (primitives._workspace_call).
+CUDA does not use this: XLA:GPU launches the calls on one stream in program order, and ``workspace_calls.py`` binds
+plain ``ffi_call`` there, with no effect at all (the CUDA handlers take no token): an effect of any kind turns off
+JAX's C++ dispatch fast path (workspace_calls._workspace_call says why that matters).
 
 This uses JAX internals (``jax._src``: effects, core, mlir lowering, batching, the runtime token set), checked against
 JAX 0.11.2. The public mechanisms do not serve: ``jax.ffi.ffi_call(..., has_side_effect=True)`` gives an *unordered*

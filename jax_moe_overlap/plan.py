@@ -125,7 +125,7 @@ def plan_over_axis(expert_ids: jax.Array, num_experts: int, axis_name: str, expe
   every expert-parallel path (the custom calls' and the pure-JAX one).
 
   gather: [R_dst, E_local] -> [R_src, R_dst, E_local], every rank's counts in rank order; default
-  ``jax.lax.all_gather`` over the axis (the custom calls pass ``primitives.gather_counts``, which picks it or the
+  ``jax.lax.all_gather`` over the axis (the custom calls pass ``workspace_calls.gather_counts``, which picks it or the
   workspace's own bounded exchange).
   """
   R = jax.lax.axis_size(axis_name)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import numpy as np
 
-from jax_moe_overlap.primitives import swiglu
+from jax_moe_overlap.expert_gemms import swiglu
 
 
 def kept_mask(expert_ids: jax.Array, num_experts: int, expert_cap: int, ranks: int) -> jax.Array:

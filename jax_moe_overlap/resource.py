@@ -1,10 +1,8 @@
-"""The analytical resource manager in Python: the same wave-quantized model as
-``ffi/include/jax_moe_overlap/resource_model.h`` (which the kernels evaluate on the device at kernel start), for
-tests, plots and reports.
+"""The resource manager's host side: its calibrated constants and where they come from.
 
-``makespan_us(params, segments, n, k, elem_bytes, consumer_ctas)`` models one expert_combine call;
-``choose_consumer_ctas(...)`` returns the consumer CTA count with the smallest modelled makespan. Both compute
-exactly what the C++/CUDA code computes, operation by operation (tests/test_resource.py checks bit equality).
+The model itself (``ffi/include/jax_moe_overlap/resource_model.h``) runs on the device, in each expert_combine at
+kernel start; the extension exposes it to Python as ``_jmo.model_makespan_us`` and ``_jmo.model_choose_consumer_ctas``
+(for tests and benchmarks), taking a ``ModelParams.native()``.
 
 ``params`` are calibrated per GPU and producer variant by ``benchmarks/calibrate.py`` and shipped as JSON under
 ``jax_moe_overlap/calibration/<gpu name>.json``; ``calibration_for(name, sms)`` finds the file for a device and says
@@ -18,12 +16,10 @@ import json
 import math
 import os
 import re
-from typing import Sequence
 
+from jax_moe_overlap import _jmo
 from jax_moe_overlap import env as _env
 
-# What the device kernel considers: C in [1, min(MAX_MODEL_CTAS, budget - 1)] (one warp of candidates).
-MAX_MODEL_CTAS = 32
 CALIBRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration")
 
 
@@ -43,97 +39,11 @@ class ModelParams:
 
   def native(self):
     """The C++ struct (``_jmo.ModelParams``, built by name): what create_cuda_workspace and the model functions take."""
-    from jax_moe_overlap import _jmo
     return _jmo.ModelParams(**dataclasses.asdict(self))
 
   def as_list(self) -> list[float]:
     """The 9 numbers in the order of the C++ struct: the loopback harness's --model flag."""
     return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-  rows: int
-  remote: bool  # True: the consumer pushes the rows (the CUDA kernel pushes every segment, its own ones too)
-
-
-def _ceil_div(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-def _prefixes(p: ModelParams, segments: Sequence[Segment], n: int, elem_bytes: int):
-  cum = pushed = nbytes = 0
-  pre = []
-  for s in segments:
-    if s.rows <= 0:
-      continue
-    cum += _ceil_div(s.rows, p.tile_m) * _ceil_div(n, p.tile_n)
-    if not s.remote:
-      continue
-    pre.append((cum, pushed, nbytes))
-    pushed += 1
-    nbytes += s.rows * n * elem_bytes
-  return [(c, pushed - a, nbytes - b) for c, a, b in pre], cum
-
-
-def _makespan_from(p: ModelParams, pre, total_tiles: int, k: int, c: int) -> float:
-  producers = (p.sms - c) * p.ctas_per_sm
-  tile_us = p.tile_us_base + p.tile_us_per_k * float(k)
-  rate = min(float(c) * p.cta_gbps, p.link_gbps)
-  us_per_byte = 1e-3 / rate
-  us = float(_ceil_div(total_tiles, producers)) * tile_us
-  for cum, pushed_from, bytes_from in pre:
-    term = float(_ceil_div(cum, producers)) * tile_us + (float(pushed_from) * p.seg_us + float(bytes_from) * us_per_byte)
-    us = max(us, term)
-  return us
-
-
-def makespan_us(p: ModelParams, segments: Sequence[Segment], n: int, k: int, elem_bytes: int,
-                consumer_ctas: int) -> float:
-  """Modelled time of one call with ``consumer_ctas`` consumer CTAs; raises ValueError if infeasible."""
-  if consumer_ctas < 1 or consumer_ctas >= p.sms:
-    raise ValueError(f"consumer_ctas must be in [1, {p.sms - 1}] on a device with {p.sms} SMs, got {consumer_ctas}")
-  pre, total = _prefixes(p, segments, n, elem_bytes)
-  return _makespan_from(p, pre, total, k, consumer_ctas)
-
-
-def choose_consumer_ctas(p: ModelParams, segments: Sequence[Segment], n: int, k: int, elem_bytes: int,
-                         max_ctas: int = MAX_MODEL_CTAS) -> int:
-  """The consumer CTA count in [1, min(max_ctas, sms - 1)] minimising the model (smallest on ties)."""
-  if p.sms < 2:
-    raise ValueError(f"the model needs at least 2 SMs (a consumer and a producer), got {p.sms}")
-  pre, total = _prefixes(p, segments, n, elem_bytes)
-  best, best_us = 1, _makespan_from(p, pre, total, k, 1)
-  for c in range(2, min(max_ctas, p.sms - 1) + 1):
-    us = _makespan_from(p, pre, total, k, c)
-    if us < best_us:
-      best, best_us = c, us
-  return best
-
-
-def device_segments(seg_rows, rank: int) -> list[Segment]:
-  """The kernel's view of one rank's call: segments of ``seg_rows [E_local, R]`` in the producer's order (remote
-  first, the most loaded destination first, then by source and expert; own segments last). Only remote segments
-  are pushed: the CUDA producer stores the rank's own segments in place. Mirrors protocol.h SegmentBefore."""
-  E_l = len(seg_rows)
-  R = len(seg_rows[0]) if E_l else 0
-  to_rank = [sum(int(seg_rows[e][s]) for e in range(E_l)) for s in range(R)]
-  keys = sorted(((s == rank, -to_rank[s], s, e) for e in range(E_l) for s in range(R)))
-  return [Segment(int(seg_rows[e][s]), s != rank) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
-
-
-def kernel_consumer_ctas(p: ModelParams, seg_rows, rank: int, n: int, k: int, elem_bytes: int, max_ctas: int,
-                         pinned: int = 0) -> int:
-  """The consumer CTA count the CUDA kernel uses for one rank's call (resource_manager.cuh ConsumersOfCall): 0 when nothing
-  is pushed (no remote segment: every CTA produces), else ``pinned`` if given, else the model's choice."""
-  segs = device_segments(seg_rows, rank)
-  if not any(s.remote for s in segs):
-    return 0
-  return pinned if pinned > 0 else choose_consumer_ctas(p, segs, n, k, elem_bytes, max_ctas)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Calibration files
 
 
 def calibration_file_name(gpu_name: str) -> str:

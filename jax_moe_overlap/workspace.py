@@ -13,10 +13,10 @@ calls one after another in program order, the same order on every rank of a grou
 ``ordering.py``; on GPU by the one stream), and every call is one epoch of the protocol.
 
 Processes: a group may span the processes of a ``jax.distributed`` job on one host (an expert axis over processes;
-``create_shared``). On CPU each process holds its own ranks' blocks in POSIX shared memory and maps its peers'
-(``_create_cpu_shared``); on CUDA each process cudaMallocs its own ranks' blocks and opens its peers' through CUDA
-IPC handles, and the group memory is a POSIX shared-memory object every process maps and registers with CUDA
-(``cuda_workspace.create``). The protocol, epochs and bounded waits are the same; a timeout names the process of
+``workspace_backend.create_shared``). On CPU each process holds its own ranks' blocks in POSIX shared memory and maps
+its peers' (``workspace_cpu``); on CUDA each process cudaMallocs its own ranks' blocks and opens its peers' through
+CUDA IPC handles, and the group memory is a POSIX shared-memory object every process maps and registers with CUDA
+(``workspace_cuda``). The protocol, epochs and bounded waits are the same; a timeout names the process of
 the awaited peer. The routing counts of such a workspace cross ranks through it as well (``spans_processes``: the
 layer calls ``exchange_counts`` instead of ``jax.lax.all_gather``, whose wait across processes on the collective
 backend has no timeout, and counts the dropped slots from the exchanged counts instead of a ``psum``), so every wait
@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import itertools
 import math
-import secrets
-import socket
 import threading
 from typing import Callable
 
@@ -50,8 +47,10 @@ import numpy as np
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import _jmo
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap import workspace_cpu
+from jax_moe_overlap import workspace_cuda
 from jax_moe_overlap.checks import check_axis
-from jax_moe_overlap.cuda_workspace import rank_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +86,6 @@ def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, 
                 capacity_factor: float | None) -> WorkspaceSizes:
   """The capacities one MoE layer call needs. Every row that crosses ranks is d_model wide (tokens, their gradients,
   expert outputs): the lhs of a GEMM (F or 2F wide) never leaves its rank, so rows are d_model x itemsize bytes."""
-  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
   cap_e = plan_lib.expert_capacity(tokens_per_rank, ranks, top_k, num_experts, capacity_factor)
   e_local = num_experts // ranks
   cap = plan_lib.recv_capacity(tokens_per_rank, ranks, top_k, e_local, cap_e)
@@ -135,29 +133,22 @@ class Workspace:
     if len(platforms) != 1:
       raise ValueError(f"jax_moe_overlap: a mesh mixing platforms {sorted(platforms)} is not supported")
     self.platform = platforms.pop()
-    # How expert_combine picks its consumer CTA count C on this workspace (CUDA: the resource model or a fixed
-    # count, set by cuda_workspace.create); sm_budget: CTAs of one rank (None: no such limit, as on CPU).
-    self.consumer_policy = "CPU: one consumer thread per rank (consumer_ctas is checked but has no effect)"
-    self.calibration = None
-    self.sm_budget = None
-    self.compute_capability = None  # CUDA: the GPUs' (major, minor), set by cuda_workspace.create
-    self.shm_prefix = None  # groups spanning processes: the prefix of the shared-memory objects' names
     if self.platform == "cpu":
-      devs = rank_devices(mesh, axis_name)
-      if any(len({d.process_index for d in row}) > 1 for row in devs):
-        self.handle, self.shm_prefix = _create_cpu_shared(devs, sizes)
-      else:
-        self.handle = int(_jmo.create_cpu_workspace(self.ranks, self.groups, sizes.row_bytes, sizes.recv_rows,
-                                                    sizes.ret_rows, sizes.num_segments))
+      native = workspace_cpu.create(mesh, axis_name, sizes)
     elif self.platform == "gpu" and _ffi.with_cuda():
-      from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
-      self.handle = cuda_workspace.create(self, mesh, axis_name, sizes)
+      native = workspace_cuda.create(mesh, axis_name, sizes)
     elif self.platform == "gpu":
       raise NotImplementedError(
           "jax_moe_overlap: this build has no CUDA kernels (nvcc was not found when it was built, or JMO_CUDA=off; "
           "jax_moe_overlap.build_info() says what was built): reinstall with nvcc on PATH and JMO_CUDA=on")
     else:
       raise NotImplementedError(f"jax_moe_overlap: no kernels for platform {self.platform!r} in this build")
+    self.handle = native.handle
+    # groups spanning processes: the prefix of the shared-memory objects' names (else None)
+    self.shm_prefix = native.shm_prefix
+    # What the backend learned about the devices (workspace_backend.DeviceFacts): the GPUs' compute capability, a
+    # rank's SM budget, how expert_combine picks its consumer CTA count C here (``device.consumer_policy``).
+    self.device = native.device
     self._released = False
 
   @classmethod
@@ -197,7 +188,7 @@ class Workspace:
   @property
   def spans_processes(self) -> bool:
     """Whether a group's ranks live in several processes (of one host). The routing counts then cross ranks through
-    the workspace (``primitives.gather_counts``), where every wait is bounded."""
+    the workspace (``workspace_calls.gather_counts``), where every wait is bounded."""
     return self.shm_prefix is not None
 
   @property
@@ -214,7 +205,7 @@ class Workspace:
 
   def last_call_stats(self, group: int = 0):
     """Per rank of ``group``: what its last expert_combine did, as recorded by the CUDA kernels (a list of
-    ``cuda_workspace.CallStats``: consumer CTAs C, bytes pushed to peers, producer and consumer spans, and the call's
+    ``workspace_cuda.CallStats``: consumer CTAs C, bytes pushed to peers, producer and consumer spans, and the call's
     timeline from BeginKernel to the end of CombineKernel). For
     benchmarks: it synchronizes every device of the group (waits for all their work, XLA's included), so call it
     between calls, after the one of interest. The record describes the last workspace call when that was an
@@ -224,10 +215,9 @@ class Workspace:
     """
     if self.platform == "cpu":
       return None
-    from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
     if not 0 <= group < self.groups:
       raise ValueError(f"jax_moe_overlap: group {group} of a workspace with {self.groups} groups")
-    return cuda_workspace.last_call_stats(self.handle, group)
+    return workspace_cuda.last_call_stats(self.handle, group)
 
   def release(self) -> None:
     """Frees the native buffers, after waiting for the dispatched programs (``jax.effects_barrier``; on CUDA the
@@ -251,93 +241,6 @@ class Workspace:
   def __repr__(self):
     return (f"Workspace(axis={self.axis_name!r}, ranks={self.ranks}, groups={self.groups}, "
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
-
-
-# How long creating a workspace that spans processes waits for each peer process's step (creating, then mapping, its
-# part). Every process builds the same programs, so peers reach this within the compile-time skew.
-SHARED_SETUP_TIMEOUT_S = 60.0
-_shared_seq = itertools.count()
-
-
-def create_shared(devs: np.ndarray, platform: str, create: Callable[[str], int], export: Callable[[int], str],
-                  open_peers: Callable[[int, dict[int, str]], None], unlink: Callable[[int], None],
-                  names: Callable[[str], list[str]]) -> tuple[int, str]:
-  """A workspace whose groups span processes (``devs``: [groups, ranks]), set up in steps the processes take together
-  through jax.distributed's key-value store (every process of the mesh creates its workspaces in the same order, so
-  the n-th one has the same keys everywhere):
-
-  1. every process publishes its host name: processes of different hosts cannot map each other's memory, so a group
-     over several hosts is refused before anything is allocated;
-  2. the first process publishes a fresh name prefix; each process creates its part (``create(prefix)`` -> handle)
-     and publishes what its peers need to map it (``export(handle)``, a string);
-  3. each process maps its peers' parts (``open_peers(handle, {process: export})``), and once all have, each removes
-     its names (``unlink(handle)``): nothing is left in /dev/shm after setup, whatever happens to the processes
-     later. On a failure every name of the workspace (``names(prefix)``) is removed.
-
-  Returns (handle, name prefix)."""
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  client = distributed.global_state.client
-  if client is None:
-    raise RuntimeError(f"jax_moe_overlap: a {platform} expert axis spanning processes needs "
-                       "jax.distributed.initialize() (its key-value store exchanges the workspace's names)")
-  here = jax.process_index()
-  procs = sorted({d.process_index for d in devs.flat})
-  key = f"jmo/ws/{next(_shared_seq)}"
-  timeout_ms = int(SHARED_SETUP_TIMEOUT_S * 1000)
-
-  def wait_for(step: str, process: int) -> str:
-    try:
-      return client.blocking_key_value_get(f"{key}/{step}/{process}", timeout_ms)
-    except Exception as e:  # pylint: disable=broad-except
-      raise RuntimeError(
-          f"jax_moe_overlap: process {here} waited {SHARED_SETUP_TIMEOUT_S:.0f} s for process {process} to {step} "
-          f"its part of the shared {platform} workspace {key} (it died, hangs, or runs a different program): {e}"
-      ) from e
-
-  client.key_value_set(f"{key}/host/{here}", socket.gethostname())
-  hosts = {p: wait_for("host", p) for p in procs}
-  for row in devs:
-    group_hosts = sorted({(int(d.process_index), hosts[int(d.process_index)]) for d in row})
-    if len({h for _, h in group_hosts}) > 1:
-      raise NotImplementedError(
-          "jax_moe_overlap: the mesh's expert axis spans processes of different hosts ("
-          f"{', '.join(f'process {p} on {h}' for p, h in group_hosts)}); impl=\"overlap\" needs every rank of an "
-          "expert-parallel group on one host (its workspace is memory the processes map), so use impl=\"xla\" "
-          "(XLA collectives) for an expert axis across hosts, or put the hosts on another mesh axis (batch_axes)")
-  if here == procs[0]:
-    client.key_value_set(f"{key}/prefix/{here}", f"/jmo-{secrets.token_hex(8)}")
-  prefix = wait_for("prefix", procs[0])
-  handle = create(prefix)
-  try:
-    client.key_value_set(f"{key}/create/{here}", export(handle))
-    open_peers(handle, {p: wait_for("create", p) for p in procs})
-    client.key_value_set(f"{key}/map/{here}", "1")
-    for p in procs:
-      wait_for("map", p)
-    unlink(handle)
-  except BaseException:
-    _jmo.release_workspace(handle)  # also removes this process's names
-    # A peer that died during setup cannot remove its names: remove every name of this workspace.
-    for name in names(prefix):
-      _jmo.unlink_shm(name)
-    raise
-  return handle, prefix
-
-
-def _create_cpu_shared(devs: np.ndarray, sizes: WorkspaceSizes) -> tuple[int, str]:
-  """A CPU workspace whose groups span processes: each process creates a POSIX shared-memory object per rank it owns
-  (``<prefix>-g<g>-r<r>``; the group memory follows rank 0's block) and maps its peers' objects."""
-  groups, ranks = devs.shape
-  here = jax.process_index()
-  return create_shared(
-      devs, "CPU",
-      create=lambda prefix: int(_jmo.create_cpu_shared_workspace(
-          ranks, groups, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows, sizes.num_segments,
-          [int(d.process_index) for d in devs.flat], here, prefix)),
-      export=lambda handle: "1",
-      open_peers=lambda handle, _: _jmo.map_cpu_workspace_peers(handle),
-      unlink=_jmo.unlink_cpu_workspace_names,
-      names=lambda prefix: [f"{prefix}-g{g}-r{r}" for g in range(groups) for r in range(ranks)])
 
 
 def release_workspaces() -> int:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap.primitives import swiglu
+from jax_moe_overlap.expert_gemms import swiglu
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_moe_overlap as jmo
-from jax_moe_overlap import api, primitives
+from jax_moe_overlap import api, expert_gemms
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu
 from cases import layer_inputs, rel_err
 
@@ -194,13 +194,13 @@ def grouped_matmul_gemms():
     api._programs.clear()  # pylint: disable=protected-access
     jax.clear_caches()
 
-  plain = primitives._matmul, primitives._gemm1_swiglu  # pylint: disable=protected-access
+  plain = expert_gemms.matmul, expert_gemms.gemm1_swiglu
   forget()
-  primitives._matmul, primitives._gemm1_swiglu = ours, gemm1_swiglu  # pylint: disable=protected-access
+  expert_gemms.matmul, expert_gemms.gemm1_swiglu = ours, gemm1_swiglu
   try:
     yield
   finally:
-    primitives._matmul, primitives._gemm1_swiglu = plain  # pylint: disable=protected-access
+    expert_gemms.matmul, expert_gemms.gemm1_swiglu = plain
     forget()
 
 
@@ -253,7 +253,8 @@ def check_module(mesh, seed=3):
   loss, output and the gradients of every parameter, through nnx.jit + nnx.value_and_grad. (Its outputs are XLA's
   casts of the layer's, so there is no custom-call output to poison here.)"""
   R = mesh.shape[AXIS]
-  models = [jmo.MoE(D, F, E, K, mesh=mesh, impl=impl, dtype=dtype, rngs=nnx.Rngs(seed))
+  models = [jmo.MoE(jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K, dtype=dtype),
+                    mesh=mesh, impl=impl, rngs=nnx.Rngs(seed))
             for impl, dtype in (("overlap", jnp.bfloat16), ("reference", jnp.float32))]
   x = jax.random.normal(jax.random.PRNGKey(seed + 1), (2, TOKENS // 2, D)).astype(jnp.bfloat16).astype(jnp.float32)
   target = jax.random.normal(jax.random.PRNGKey(seed + 2), x.shape, jnp.float32)

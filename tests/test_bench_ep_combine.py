@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import bench_ep_combine
 from benchmarks import common
-from jax_moe_overlap import cuda_workspace
+from jax_moe_overlap import workspace_cuda
 
 STATS_COLUMNS = ("C", "prod_us", "cons_us", "overlap_us", "outside_us", "push_GBps")
 
@@ -68,7 +68,7 @@ def test_remote_bytes_from_the_plan():
 def test_stats_cells():
   raw = dict(consumers=8, pushed_bytes=40_000_000, producer_start_ns=1000, producer_end_ns=401000,
              consumer_start_ns=3000, consumer_end_ns=503000)
-  stats = [cuda_workspace.call_stats(0, raw), cuda_workspace.call_stats(1, dict(raw, consumer_start_ns=2**64 - 1))]
+  stats = [workspace_cuda.call_stats(0, raw), workspace_cuda.call_stats(1, dict(raw, consumer_start_ns=2**64 - 1))]
   cells = bench_ep_combine.stats_cells(stats, wall_ms=0.6, remote=np.array([40_000_000, 5]))
   assert cells == dict(C="8/8", prod_us="400/400", cons_us="500/-", overlap_us="398/-", outside_us="98/200",
                        push_GBps="80/-", note="rank 1 pushed 40000000 B, plan 5 B")

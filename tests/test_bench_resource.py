@@ -81,7 +81,7 @@ def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
 
 
 def test_bench_resource_writes_each_workload_as_it_finishes(tmp_path, monkeypatch):
-  """bench_resource.main against a fake harness whose manager picks what the Python mirror picks: every workload's
+  """bench_resource.main against a fake harness whose manager picks what the host model picks: every workload's
   row is in --out as soon as it is measured (a run stopped by a time limit keeps them), then the summary."""
   cal = os.path.join(rm.CALIBRATION_DIR, "nvidia_h200.json")
   R, cs = 2, [1, 2, 4]
@@ -95,7 +95,8 @@ def test_bench_resource_writes_each_workload_as_it_finishes(tmp_path, monkeypatc
     seg_rows = [100] * (E // R * R)
     p = bench_resource.model_for_ranks(rm.load_params(cal), R)
     p_rank = bench_resource.dataclasses.replace(p, sms=66, ctas_per_sm=1)
-    chosen = [rm.kernel_consumer_ctas(p_rank, bench_resource._grid(seg_rows, R), r, N, K, 2, 32) for r in range(R)]
+    chosen = [bench_resource.kernel_consumer_ctas(p_rank, bench_resource._grid(seg_rows, R), r, N, K, 2, 32)
+              for r in range(R)]
     if seen:  # the rows of earlier workloads are already on disk while this one runs
       assert sum(1 for line in open(out) if json.loads(line)["kind"] == "workload") == len(seen)
     seen.append(E)

@@ -4,7 +4,7 @@ CPU workspaces, whose handlers record no spans."""
 
 import pytest
 
-from jax_moe_overlap import cuda_workspace
+from jax_moe_overlap import workspace_cuda
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
 from cases import mesh_of
 
@@ -18,7 +18,7 @@ def record(consumers=8, pushed=0, prod=(NO_START, 0), cons=(NO_START, 0)):
 
 def test_overlapped_call():
   # Producer 1000..401000 ns, consumer 3000..503000 ns pushing 40 MB: 100 us of the kernel's 502 us apart.
-  s = cuda_workspace.call_stats(1, record(8, 40_000_000, (10**12 + 1000, 10**12 + 401000),
+  s = workspace_cuda.call_stats(1, record(8, 40_000_000, (10**12 + 1000, 10**12 + 401000),
                                           (10**12 + 3000, 10**12 + 503000)))
   assert (s.rank, s.consumers, s.pushed_bytes, s.origin_ns) == (1, 8, 40_000_000, 10**12 + 1000)
   assert (s.producer_start_us, s.producer_end_us, s.consumer_start_us, s.consumer_end_us) == (0, 400, 2, 502)
@@ -27,17 +27,17 @@ def test_overlapped_call():
 
 
 def test_serialized_call_has_a_gap():
-  s = cuda_workspace.call_stats(0, record(4, 1_000_000, (5000, 105000), (110000, 120000)))
+  s = workspace_cuda.call_stats(0, record(4, 1_000_000, (5000, 105000), (110000, 120000)))
   assert s.overlap_us == pytest.approx(-5.0) and s.busy_us == pytest.approx(115.0)
   assert s.push_gbps == pytest.approx(100.0)
 
 
 @pytest.mark.parametrize("cons", [(NO_START, 0), (0, 0)])  # nothing remote; a group reset (all words zero)
 def test_a_side_that_did_nothing_is_none(cons):
-  s = cuda_workspace.call_stats(0, record(8, 0, (2000, 9000), cons))
+  s = workspace_cuda.call_stats(0, record(8, 0, (2000, 9000), cons))
   assert (s.consumer_start_us, s.consumer_end_us, s.consumer_us, s.overlap_us, s.push_gbps) == (None,) * 5
   assert (s.origin_ns, s.producer_us, s.busy_us) == (2000, 7.0, 7.0)
-  empty = cuda_workspace.call_stats(0, record(0, 0))
+  empty = workspace_cuda.call_stats(0, record(0, 0))
   assert (empty.origin_ns, empty.producer_us, empty.consumer_us, empty.busy_us) == (0, None, None, None)
 
 
@@ -50,12 +50,12 @@ def test_the_whole_call_timeline():
   # Begin at 1000 ns, producer CTAs start 5000..5400 ns and end 405000, combine 406000..466000.
   r = record(0, 0, (5000, 405000))
   r.update(begin_ns=1000, last_producer_start_ns=5400, combine_start_ns=406000, combine_end_ns=466000)
-  s = cuda_workspace.call_stats(0, r)
+  s = workspace_cuda.call_stats(0, r)
   assert s.origin_ns == 1000 and (s.begin_us, s.producer_start_us, s.combine_end_us) == (0, 4, 465)
   assert s.call_us == 465 and s.producer_start_spread_us == pytest.approx(0.4)
   assert s.combine_start_us == 405 and s.busy_us == 400  # busy_us: the expert kernel's recorded work alone
   # A record without them (an older extension, or a reset group) leaves them None.
-  old = cuda_workspace.call_stats(0, record(0, 0, (5000, 405000)))
+  old = workspace_cuda.call_stats(0, record(0, 0, (5000, 405000)))
   assert (old.begin_us, old.call_us, old.producer_start_spread_us, old.combine_start_us) == (None,) * 4
   reset = dict(r, begin_ns=0, last_producer_start_ns=0, combine_start_ns=0, combine_end_ns=0)
-  assert cuda_workspace.call_stats(0, reset).call_us is None
+  assert workspace_cuda.call_stats(0, reset).call_us is None

@@ -17,10 +17,13 @@ import jax_moe_overlap as jmo
 import layer_checks
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap import primitives
+from jax_moe_overlap import workspace_calls
+from jax_moe_overlap.call_site import AUTO_PUSHERS, RankInfo, dispatch_pushers
+from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu
-from jax_moe_overlap.primitives import CallConfig, RankInfo, dispatch, dispatch_gemm
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace_backend import DeviceFacts
+from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm
 from cases import layer_inputs, mesh_of, rel_err, routing
 
 E, D, F = 8, 32, 48
@@ -141,7 +144,7 @@ def test_call_shape_errors_name_the_problem():
   def raw(out_types, transpose_rhs, swiglu):
     """The custom call with these result types, past the Python wrapper's checks: the handler's own."""
     def f(ids, x, w):
-      return tuple(primitives._dispatch_gemm_call(x, slot_rows, w, plan_of(ids), info, out_types, transpose_rhs,
+      return tuple(workspace_calls._dispatch_gemm_call(x, slot_rows, w, plan_of(ids), info, out_types, transpose_rhs,
                                                   swiglu))  # pylint: disable=protected-access
     return jax.jit(sharded(f, 3, 3))
 
@@ -323,20 +326,22 @@ def test_layer_equals_two_calls_dispatch_on_1_and_2_ranks(R):
 # Where the library fuses by itself (CallConfig.dispatch_pushers = 0).
 
 def test_dispatch_pushers_rule():
-  import types  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap.primitives import AUTO_PUSHERS, dispatch_pushers_for  # pylint: disable=g-import-not-at-top
-
-  def at(config=CallConfig(), **ws):
-    base = dict(platform="gpu", compute_capability=(9, 0), ranks=2, sm_budget=132)
-    return dispatch_pushers_for(RankInfo(types.SimpleNamespace(**{**base, **ws}), config))
+  def at(config=CallConfig(), ranks=2, **device):
+    base = dict(compute_capability=(9, 0), sm_budget=132, consumer_policy="test", calibration=None)
+    return dispatch_pushers(config, DeviceFacts(**{**base, **device}), ranks)
 
   assert at() == AUTO_PUSHERS == 8                      # Hopper, two ranks: fused
   assert at(sm_budget=66) == 8 and at(sm_budget=16) == 2 and at(sm_budget=4) == 1  # at most one in 8 SMs
   assert at(ranks=1) == 0                               # nothing to hide: two calls
   assert at(compute_capability=(8, 0)) == 0             # no wgmma engine
-  assert at(platform="cpu", compute_capability=None) == 0  # XLA's ragged_dot is faster on CPU
-  assert at(CallConfig(dispatch_pushers=3), ranks=1) == 3 and at(CallConfig(dispatch_pushers=3), platform="cpu") == 3
+  assert at(compute_capability=None, sm_budget=None) == 0  # CPU: XLA's ragged_dot is faster there
+  assert at(CallConfig(dispatch_pushers=3), ranks=1) == 3
+  assert at(CallConfig(dispatch_pushers=3), compute_capability=None, sm_budget=None) == 3
   assert at(CallConfig(serialize=True)) == 0            # the baseline: no overlap anywhere
+  # The call site takes the decision once, from its workspace's facts: a CPU workspace runs two calls by default.
+  ws = Workspace.get(mesh_of(2), "expert", WorkspaceSizes(row_bytes=64, recv_rows=16, ret_rows=16, num_segments=4))
+  assert RankInfo(ws, CallConfig()).dispatch_pushers == 0
+  assert RankInfo(ws, CallConfig(dispatch_pushers=5)).dispatch_pushers == 5
   with pytest.raises(ValueError, match=r"serialize=True\) runs the dispatch and GEMM1 as two calls"):
     CallConfig(serialize=True, dispatch_pushers=2)
 

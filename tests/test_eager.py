@@ -82,7 +82,8 @@ def test_eager_call_on_explicit_mesh():
 
 def test_eager_module_call_reuses_the_expert_program():
   mesh = mesh_of(4)
-  m = jmo.MoE(D, F, E, 2, mesh=mesh, rngs=nnx.Rngs(0))
+  m = jmo.MoE(jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=2), mesh=mesh,
+              rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(4), (2, 32, D))
   m(x)
   # The router runs op by op (XLA caches each op's executable); the expert layer reuses its compiled program.

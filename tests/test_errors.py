@@ -1,6 +1,7 @@
 """Bad inputs raise clear errors before anything runs; a peer that never arrives raises within the timeout, and
 the library works again on the next call."""
 
+import functools
 import time
 
 import jax
@@ -121,14 +122,17 @@ def test_peer_that_never_arrives_times_out_then_recovers(inputs, late_rank):
 def test_module_rejects_bad_configuration():
   from flax import nnx
   mesh = mesh_of(4)
+  cfg = functools.partial(jmo.MoEConfig, emb_dim=16, moe_mlp_dim=32, num_experts=8, num_experts_per_tok=2)
   with pytest.raises(ValueError, match=r"6 experts cannot be split evenly over the 4 devices"):
-    jmo.MoE(16, 32, 6, 2, mesh=mesh, rngs=nnx.Rngs(0))
+    jmo.MoE(cfg(num_experts=6), mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"top-k must be in \[1, num_experts=8\]"):
-    jmo.MoE(16, 32, 8, 9, mesh=mesh, rngs=nnx.Rngs(0))
+    jmo.MoE(cfg(num_experts_per_tok=9), mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"no axis named 'experts'"):
-    jmo.MoE(16, 32, 8, 2, mesh=mesh, expert_axis="experts", rngs=nnx.Rngs(0))
+    jmo.MoE(cfg(), mesh=mesh, expert_axis="experts", rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match=r"dtype has dtype float16; supported: float32, bfloat16"):
-    jmo.MoE(16, 32, 8, 2, mesh=mesh, dtype=jnp.float16, rngs=nnx.Rngs(0))
-  m = jmo.MoE(16, 32, 8, 2, mesh=mesh, rngs=nnx.Rngs(0))
+    jmo.MoE(cfg(dtype=jnp.float16), mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"MoE takes a MoEConfig as its first argument, got 16"):
+    jmo.MoE(16, mesh=mesh, rngs=nnx.Rngs(0))
+  m = jmo.MoE(cfg(), mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"expects inputs \[..., 16\]"):
     m(jnp.ones((4, 8, 12)))

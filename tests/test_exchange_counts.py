@@ -12,8 +12,10 @@ from jax.sharding import PartitionSpec as P
 import layer_checks as checks
 from cases import mesh_of
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap.primitives import CallConfig, RankInfo, exchange_counts
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace_calls import exchange_counts
 
 R, E = 4, 8
 

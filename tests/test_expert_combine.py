@@ -12,9 +12,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.ordering import workspace_call
-from jax_moe_overlap.primitives import CallConfig, RankInfo, expert_combine
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace_calls import expert_combine
 from cases import mesh_of, rel_err, routing
 
 E, TOP_K = 8, 2
@@ -156,7 +158,7 @@ def _raw_call(lhs, w, n_out, transpose_rhs, info):
   # workspace_call rather than a bare ffi_call.
   return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, 1),
                         zeros(E_l, 1), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
-                        transpose_rhs=np.bool_(transpose_rhs), **info.config.combine_attrs(info.workspace))
+                        transpose_rhs=np.bool_(transpose_rhs), **info.combine_attrs())
 
 
 def test_handler_names_the_shape_problem():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
-from jax_moe_overlap.primitives import expert_mlp, swiglu
+from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
 
 CASES = [  # (M, K, N, group sizes): empty groups, partial tiles, a tail of rows past the last group
     (37, 24, 40, [5, 0, 20, 12]),

@@ -14,9 +14,12 @@ from jax.sharding import PartitionSpec as P
 import jax_moe_overlap as jmo
 from cases import layer_inputs, mesh_of
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap import primitives
-from jax_moe_overlap.primitives import CallConfig, RankInfo, dispatch
+from jax_moe_overlap import workspace_calls
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace_backend import DeviceFacts
+from jax_moe_overlap.workspace_calls import dispatch
 
 WORKSPACE_TARGETS = ("jmo_dispatch", "jmo_expert_combine")
 
@@ -113,17 +116,18 @@ def test_a_failed_call_does_not_fail_the_next_program():
 
 def test_cuda_workspace_calls_carry_no_effect():
   """On CUDA the workspace calls must stay effect-free: any effect (``has_side_effect=True`` included) turns off
-  jit's C++ dispatch fast path, which cost 0.8 ms of host time per call on an H200 (primitives._workspace_call).
+  jit's C++ dispatch fast path (workspace_calls._workspace_call says why that matters).
   Traced only (no lowering, no GPU): a stand-in workspace that says it is a CUDA one."""
 
   class CudaLikeWorkspace:
     platform = "cuda"
     handle = 1
-    sm_budget = 132
+    ranks = 2
+    device = DeviceFacts(compute_capability=(9, 0), sm_budget=132, consumer_policy="test", calibration=None)
 
   info = RankInfo(CudaLikeWorkspace(), CallConfig())
-  jaxpr = jax.make_jaxpr(lambda x: primitives._workspace_call(
-      info, "jmo_dispatch", jax.ShapeDtypeStruct(x.shape, x.dtype), x, **CallConfig().attrs(info.workspace)))(
+  jaxpr = jax.make_jaxpr(lambda x: workspace_calls._workspace_call(
+      info, "jmo_dispatch", jax.ShapeDtypeStruct(x.shape, x.dtype), x, **info.attrs()))(
           jnp.ones((4, 8), jnp.float32))
   assert not jaxpr.effects, jaxpr.effects
   assert any(e.primitive.name == "ffi_call" for e in jaxpr.eqns)

@@ -1,10 +1,10 @@
-"""cuda_workspace.check_peer_access against a fake CUDA runtime (CI has neither a GPU nor cuda-python): every ordered
+"""workspace_cuda.check_peer_access against a fake CUDA runtime (CI has neither a GPU nor cuda-python): every ordered
 pair of distinct GPUs of the expert axis is asked, the first pair without peer access is named in the error, and a
 failing query is reported as such."""
 
 import pytest
 
-from jax_moe_overlap import cuda_workspace
+from jax_moe_overlap import workspace_cuda
 
 
 class FakeRuntime:
@@ -28,30 +28,30 @@ class FakeRuntime:
 def fake(monkeypatch):
   def install(**kw):
     rt = FakeRuntime(**kw)
-    monkeypatch.setattr(cuda_workspace, "_runtime", lambda: rt)
+    monkeypatch.setattr(workspace_cuda, "_runtime", lambda: rt)
     return rt
   return install
 
 
 def test_full_peer_access_passes_and_asks_every_ordered_pair(fake):
   rt = fake()
-  cuda_workspace.check_peer_access([2, 0, 1, 0])  # a device twice in the axis (groups share GPUs) is asked once
+  workspace_cuda.check_peer_access([2, 0, 1, 0])  # a device twice in the axis (groups share GPUs) is asked once
   assert sorted(rt.asked) == [(a, b) for a in range(3) for b in range(3) if a != b]
 
 
 def test_one_gpu_needs_no_peer_access(fake):
   rt = fake()
-  cuda_workspace.check_peer_access([3, 3])
+  workspace_cuda.check_peer_access([3, 3])
   assert rt.asked == []
 
 
 def test_missing_peer_access_names_the_pair(fake):
   fake(no_access={(1, 2)})
   with pytest.raises(RuntimeError, match=r"CUDA device 1 cannot access the memory of device 2 .*peer access"):
-    cuda_workspace.check_peer_access([0, 1, 2, 3])
+    workspace_cuda.check_peer_access([0, 1, 2, 3])
 
 
 def test_a_failing_query_is_reported(fake):
   fake(failing=(0, 1))
   with pytest.raises(RuntimeError, match="cudaDeviceCanAccessPeer failed"):
-    cuda_workspace.check_peer_access([0, 1])
+    workspace_cuda.check_peer_access([0, 1])

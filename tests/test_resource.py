@@ -1,5 +1,6 @@
-"""The analytical resource model: its properties, the Python mirror against the C++ header the kernels use (bit for
-bit), the calibration loader and its fallback, and the per-call consumer options (consumer_ctas, serialize)."""
+"""The analytical resource model as the extension exposes it (the C++ header the kernels use): its properties and
+the recurrence it unrolls; the calibration loader and its fallback; and the per-call consumer options (consumer_ctas,
+serialize)."""
 
 import dataclasses
 import glob
@@ -7,15 +8,19 @@ import json
 import math
 import os
 import random
+import types
 
 import jax
 import numpy as np
 import pytest
 
 import jax_moe_overlap as jmo
+from benchmarks import bench_resource
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import resource as rm
-from jax_moe_overlap.primitives import CallConfig
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
+from jax_moe_overlap.workspace_backend import DeviceFacts
 from cases import layer_inputs, mesh_of
 
 # Shapes of an H200-like device; the constants only need to be plausible for these properties to be tested.
@@ -23,64 +28,60 @@ P = rm.ModelParams(sms=132, ctas_per_sm=1, tile_m=128, tile_n=128, tile_us_base=
                    cta_gbps=12.0, link_gbps=370.0, seg_us=1.0)
 
 
-def cpp_makespan(p, segs, n, k, eb, c):
-  return _jmo.model_makespan_us(p.native(), [(s.rows, int(s.remote)) for s in segs], n, k, eb, c)
+def makespan(p, segs, n, k, eb, c):
+  """The modelled time of one call with C = c consumer CTAs; segs: [(rows, remote)] in producer order. Negative
+  where c is infeasible."""
+  return _jmo.model_makespan_us(p.native(), segs, n, k, eb, c)
 
 
-def cpp_choose(p, segs, n, k, eb, max_ctas):
-  return _jmo.model_choose_consumer_ctas(p.native(), [(s.rows, int(s.remote)) for s in segs], n, k, eb, max_ctas)
+def choose(p, segs, n, k, eb, max_ctas=32):
+  return _jmo.model_choose_consumer_ctas(p.native(), segs, n, k, eb, max_ctas)
 
 
-def test_python_mirror_matches_cpp_on_random_inputs():
+def recurrence(p, segs, n, k, eb, c):
+  """The sequential recurrence of resource_model.h's comment, in plain floats."""
+  producers = (p.sms - c) * p.ctas_per_sm
+  tile_us = p.tile_us_base + p.tile_us_per_k * k
+  rate = min(c * p.cta_gbps, p.link_gbps)
+  cum, cons = 0, 0.0
+  for rows, remote in segs:
+    if rows <= 0:
+      continue
+    cum += math.ceil(rows / p.tile_m) * math.ceil(n / p.tile_n)
+    if remote:
+      cons = max(cons, math.ceil(cum / producers) * tile_us) + p.seg_us + rows * n * eb / rate * 1e-3
+  return max(math.ceil(cum / producers) * tile_us, cons)
+
+
+def test_model_equals_the_recurrence_on_random_inputs():
+  # The evaluated max-over-segments form equals the sequential recurrence, and the choice is the feasible C with the
+  # smallest makespan (the smallest C on ties).
   rng = random.Random(0)
-  for _ in range(300):
+  for _ in range(200):
     p = dataclasses.replace(P, sms=rng.choice([16, 108, 132]), ctas_per_sm=rng.choice([1, 2]),
                             tile_m=rng.choice([64, 128]), tile_n=rng.choice([128, 256]),
                             tile_us_base=rng.uniform(0.2, 3), tile_us_per_k=rng.uniform(1e-4, 5e-3),
                             cta_gbps=rng.uniform(2, 30), link_gbps=rng.uniform(50, 450), seg_us=rng.uniform(0, 3))
-    segs = [rm.Segment(rng.choice([0, 1, 63, 64, 65, 500, 2048]), rng.random() < 0.7)
-            for _ in range(rng.randint(1, 24))]
+    segs = [(rng.choice([0, 1, 63, 64, 65, 500, 2048]), int(rng.random() < 0.7)) for _ in range(rng.randint(1, 24))]
     n, k, eb = rng.choice([1024, 4096, 7168]), rng.choice([512, 2048, 14336]), rng.choice([2, 4])
     for c in (1, 2, 7, rng.randint(1, p.sms - 1), min(32, p.sms - 1)):
-      # The same operations in the same order on both sides: equal bit for bit, not just close.
-      assert rm.makespan_us(p, segs, n, k, eb, c) == cpp_makespan(p, segs, n, k, eb, c)
+      assert makespan(p, segs, n, k, eb, c) == pytest.approx(recurrence(p, segs, n, k, eb, c), rel=1e-12)
     max_ctas = rng.choice([1, 5, 32, 200])
-    assert rm.choose_consumer_ctas(p, segs, n, k, eb, max_ctas) == cpp_choose(p, segs, n, k, eb, max_ctas)
+    times = [makespan(p, segs, n, k, eb, c) for c in range(1, min(max_ctas, p.sms - 1) + 1)]
+    assert choose(p, segs, n, k, eb, max_ctas) == 1 + times.index(min(times))
 
 
-def test_mirror_matches_cpp_on_near_ties():
-  # Many candidates share a makespan when the producer dominates (wave quantization) or the link caps the rate:
-  # both sides must break the ties the same way (the smallest C).
+def test_choice_on_near_ties_is_the_smallest_c():
+  # Many candidates share a makespan when the producer dominates (wave quantization) or the link caps the rate.
   p = dataclasses.replace(P, cta_gbps=500.0, link_gbps=400.0, seg_us=0.0)
   rng = random.Random(1)
   for _ in range(100):
-    segs = [rm.Segment(rng.choice([64, 128, 640]), True) for _ in range(rng.randint(1, 8))]
+    segs = [(rng.choice([64, 128, 640]), 1) for _ in range(rng.randint(1, 8))]
     for n, k in ((128, 64), (4096, 2048), (8192, 16384)):
-      c = rm.choose_consumer_ctas(p, segs, n, k, 2)
-      assert c == cpp_choose(p, segs, n, k, 2, 32)
-      best = rm.makespan_us(p, segs, n, k, 2, c)
-      assert all(rm.makespan_us(p, segs, n, k, 2, d) > best for d in range(1, c))
-      assert all(rm.makespan_us(p, segs, n, k, 2, d) >= best for d in range(c, 32))
-
-
-def test_recurrence_form():
-  # The evaluated max-over-segments form equals the sequential recurrence of the header comment.
-  rng = random.Random(2)
-  for _ in range(200):
-    segs = [rm.Segment(rng.choice([0, 1, 64, 300, 2048]), rng.random() < 0.7) for _ in range(rng.randint(1, 12))]
-    n, k, c = rng.choice([512, 4096]), rng.choice([256, 2048]), rng.randint(1, 40)
-    producers = P.sms - c
-    tile_us = P.tile_us_base + P.tile_us_per_k * k
-    rate = min(c * P.cta_gbps, P.link_gbps)
-    cum, cons = 0, 0.0
-    for s in segs:
-      if s.rows <= 0:
-        continue
-      cum += math.ceil(s.rows / P.tile_m) * math.ceil(n / P.tile_n)
-      if s.remote:
-        cons = max(cons, math.ceil(cum / producers) * tile_us) + P.seg_us + s.rows * n * 2 / rate * 1e-3
-    want = max(math.ceil(cum / producers) * tile_us, cons)
-    assert rm.makespan_us(P, segs, n, k, 2, c) == pytest.approx(want, rel=1e-12)
+      c = choose(p, segs, n, k, 2)
+      best = makespan(p, segs, n, k, 2, c)
+      assert all(makespan(p, segs, n, k, 2, d) > best for d in range(1, c))
+      assert all(makespan(p, segs, n, k, 2, d) >= best for d in range(c, 32))
 
 
 def test_wave_boundaries():
@@ -89,93 +90,84 @@ def test_wave_boundaries():
   c = 4
   producers = p.sms - c
   t = p.tile_us_base + p.tile_us_per_k * 1024
-  one_wave = [rm.Segment(128 * producers, False)]
-  two_waves = [rm.Segment(128 * producers + 1, False)]
-  assert rm.makespan_us(p, one_wave, 4096, 1024, 2, c) == pytest.approx(t)
-  assert rm.makespan_us(p, two_waves, 4096, 1024, 2, c) == pytest.approx(2 * t)
+  assert makespan(p, [(128 * producers, 0)], 4096, 1024, 2, c) == pytest.approx(t)
+  assert makespan(p, [(128 * producers + 1, 0)], 4096, 1024, 2, c) == pytest.approx(2 * t)
 
 
 def test_monotone_in_load():
-  base = [rm.Segment(512, True), rm.Segment(256, True), rm.Segment(128, False)]
-  more = [rm.Segment(1024, True), rm.Segment(256, True), rm.Segment(128, False)]
+  base = [(512, 1), (256, 1), (128, 0)]
+  more = [(1024, 1), (256, 1), (128, 0)]
   for c in (1, 4, 16):
-    assert rm.makespan_us(P, more, 4096, 2048, 2, c) >= rm.makespan_us(P, base, 4096, 2048, 2, c)
+    assert makespan(P, more, 4096, 2048, 2, c) >= makespan(P, base, 4096, 2048, 2, c)
 
 
 def test_coupling_consumer_waits_for_the_last_tile():
   # A single remote segment: its push can start only when the producer is done with it, so the makespan is the
   # production time plus the whole push, not the larger of the two.
   p = dataclasses.replace(P, seg_us=0.0)
-  seg = [rm.Segment(4096, True)]
   n, k, c = 4096, 2048, 8
-  produce = rm.makespan_us(p, [rm.Segment(4096, False)], n, k, 2, c)
+  produce = makespan(p, [(4096, 0)], n, k, 2, c)
   push = 4096 * n * 2 / min(c * p.cta_gbps, p.link_gbps) * 1e-3
-  assert rm.makespan_us(p, seg, n, k, 2, c) == pytest.approx(produce + p.seg_us + push)
+  assert makespan(p, [(4096, 1)], n, k, 2, c) == pytest.approx(produce + p.seg_us + push)
 
 
 def test_no_remote_tiles_needs_one_consumer_cta():
-  segs = [rm.Segment(2048, False), rm.Segment(1024, False)]
-  assert rm.choose_consumer_ctas(P, segs, 4096, 2048, 2) == 1
+  assert choose(P, [(2048, 0), (1024, 0)], 4096, 2048, 2) == 1
 
 
 def test_communication_heavy_picks_more_ctas_than_compute_heavy():
-  comm_heavy = [rm.Segment(256, True) for _ in range(32)]        # small K: cheap tiles, many bytes
-  compute_heavy = [rm.Segment(256, True) for _ in range(32)]
-  c_comm = rm.choose_consumer_ctas(P, comm_heavy, 8192, 256, 2)
-  c_comp = rm.choose_consumer_ctas(P, compute_heavy, 1024, 16384, 2)
+  segs = [(256, 1)] * 32
+  c_comm = choose(P, segs, 8192, 256, 2)       # small K: cheap tiles, many bytes
+  c_comp = choose(P, segs, 1024, 16384, 2)
   assert c_comm > c_comp >= 1
 
 
 def test_no_rows_at_all():
-  assert rm.makespan_us(P, [], 4096, 2048, 2, 3) == 0.0
-  assert rm.choose_consumer_ctas(P, [], 4096, 2048, 2) == 1 == cpp_choose(P, [], 4096, 2048, 2, 32)
-  assert rm.choose_consumer_ctas(P, [rm.Segment(0, True)], 4096, 2048, 2) == 1
+  assert makespan(P, [], 4096, 2048, 2, 3) == 0.0
+  assert choose(P, [], 4096, 2048, 2) == 1
+  assert choose(P, [(0, 1)], 4096, 2048, 2) == 1
 
 
 def test_two_sms_leave_one_candidate():
   p = dataclasses.replace(P, sms=2)
-  segs = [rm.Segment(4096, True)] * 4
-  assert rm.choose_consumer_ctas(p, segs, 8192, 64, 2) == 1 == cpp_choose(p, segs, 8192, 64, 2, 32)
-  with pytest.raises(ValueError, match=r"\[1, 1\]"):
-    rm.makespan_us(p, segs, 8192, 64, 2, 2)
+  segs = [(4096, 1)] * 4
+  assert choose(p, segs, 8192, 64, 2) == 1
+  assert makespan(p, segs, 8192, 64, 2, 1) > 0 and makespan(p, segs, 8192, 64, 2, 2) < 0  # C = 2 leaves no producer
 
 
 def test_more_consumers_never_slow_the_push_until_the_link():
   # With the producer out of the way (tiny tiles), the makespan falls as C grows, until C * cta_gbps reaches the link.
   p = dataclasses.replace(P, tile_us_base=1e-6, tile_us_per_k=0.0, seg_us=0.0)
-  segs = [rm.Segment(2048, True)] * 8
-  times = [rm.makespan_us(p, segs, 4096, 64, 2, c) for c in range(1, 40)]
+  segs = [(2048, 1)] * 8
+  times = [makespan(p, segs, 4096, 64, 2, c) for c in range(1, 40)]
   knee = int(p.link_gbps // p.cta_gbps)
   assert all(a > b for a, b in zip(times[:knee - 1], times[1:knee]))
-  assert rm.choose_consumer_ctas(p, segs, 4096, 64, 2) == min(32, knee + 1)
+  assert choose(p, segs, 4096, 64, 2) == min(32, knee + 1)
 
 
 def test_device_segments_order():
   # seg_rows [E_local=2, R=3] of rank 1: remote sources first, the most loaded destination first, own (1) last.
-  seg_rows = [[5, 7, 0], [1, 2, 30]]
-  segs = rm.device_segments(seg_rows, rank=1)
-  assert [s.rows for s in segs] == [30, 5, 1, 7, 2]
-  assert [s.remote for s in segs] == [True, True, True, False, False]  # own rows are stored in place, not pushed
+  segs = bench_resource.device_segments([[5, 7, 0], [1, 2, 30]], rank=1)
+  assert segs == [(30, 1), (5, 1), (1, 1), (7, 0), (2, 0)]  # own rows are stored in place, not pushed
 
 
 def test_kernel_consumer_ctas_is_zero_without_remote_rows():
   # EP = 1 (one source), or a rank whose every routed row is its own: nothing to push, so no consumer CTA.
-  assert rm.kernel_consumer_ctas(P, [[100], [7]], 0, 4096, 2048, 2, 32) == 0
-  assert rm.kernel_consumer_ctas(P, [[0, 9], [0, 4]], 1, 4096, 2048, 2, 32, pinned=5) == 0
-  assert rm.kernel_consumer_ctas(P, [[3, 9], [0, 4]], 1, 4096, 2048, 2, 32, pinned=5) == 5
+  kernel_consumer_ctas = bench_resource.kernel_consumer_ctas
+  assert kernel_consumer_ctas(P, [[100], [7]], 0, 4096, 2048, 2, 32) == 0
+  assert kernel_consumer_ctas(P, [[0, 9], [0, 4]], 1, 4096, 2048, 2, 32, pinned=5) == 0
+  assert kernel_consumer_ctas(P, [[3, 9], [0, 4]], 1, 4096, 2048, 2, 32, pinned=5) == 5
   grid = [[300, 9000], [2000, 40]]
-  assert rm.kernel_consumer_ctas(P, grid, 1, 4096, 2048, 2, 32) == rm.choose_consumer_ctas(
-      P, rm.device_segments(grid, 1), 4096, 2048, 2, 32)
+  assert kernel_consumer_ctas(P, grid, 1, 4096, 2048, 2, 32) == choose(
+      P, bench_resource.device_segments(grid, 1), 4096, 2048, 2, 32)
 
 
 def test_single_segment_and_infeasible_counts():
-  segs = [rm.Segment(100, True)]
-  assert 1 <= rm.choose_consumer_ctas(P, segs, 4096, 2048, 2) <= 32
-  with pytest.raises(ValueError, match=r"consumer_ctas must be in \[1, 131\]"):
-    rm.makespan_us(P, segs, 4096, 2048, 2, 132)
-  with pytest.raises(ValueError):
-    rm.makespan_us(P, segs, 4096, 2048, 2, 0)
-  assert cpp_makespan(P, segs, 4096, 2048, 2, 132) < 0  # the C++ side reports infeasible as negative
+  segs = [(100, 1)]
+  assert 1 <= choose(P, segs, 4096, 2048, 2) <= 32
+  assert makespan(P, segs, 4096, 2048, 2, 131) > 0
+  assert makespan(P, segs, 4096, 2048, 2, 132) < 0  # C in [1, sms - 1]: infeasible is reported as negative
+  assert makespan(P, segs, 4096, 2048, 2, 0) < 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,15 +250,15 @@ def test_call_config_validation(kw):
 
 
 def test_pinned_count_checked_against_the_sm_budget():
-  class FakeWorkspace:
-    handle = 1
-    sm_budget = 33
-  attrs = CallConfig(consumer_ctas=32, serialize=True).combine_attrs(FakeWorkspace())
+  # Checked once, when the call site is set up (RankInfo), before anything is traced.
+  gpu = types.SimpleNamespace(handle=1, ranks=2, device=DeviceFacts(compute_capability=(9, 0), sm_budget=33,
+                                                                     consumer_policy="test", calibration=None))
+  attrs = RankInfo(gpu, CallConfig(consumer_ctas=32, serialize=True)).combine_attrs()
   assert attrs["consumer_ctas"] == 32 and attrs["serialize"] == 1 and attrs["consumer_ctas"].dtype == np.int32
   with pytest.raises(ValueError, match=r"consumer_ctas=33 leaves no producer CTA: .* SM budget of 33 CTAs, so pin C "
                                        r"in \[1, 32\]"):
-    CallConfig(consumer_ctas=33).combine_attrs(FakeWorkspace())
-  assert "consumer_ctas" not in CallConfig().attrs(FakeWorkspace())  # dispatch takes no consumer options
+    RankInfo(gpu, CallConfig(consumer_ctas=33))
+  assert "consumer_ctas" not in RankInfo(gpu, CallConfig()).attrs()  # dispatch takes no consumer options
 
 
 def _run(config, impl="overlap"):

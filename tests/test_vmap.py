@@ -10,9 +10,11 @@ from jax.sharding import PartitionSpec as P
 
 from cases import mesh_of, routing
 from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
-from jax_moe_overlap.primitives import CallConfig, RankInfo, dispatch, expert_combine
 from jax_moe_overlap.workspace import Workspace, layer_sizes
+from jax_moe_overlap.workspace_calls import dispatch, expert_combine
 
 
 def test_vmap_of_the_workspace_calls_equals_a_loop():

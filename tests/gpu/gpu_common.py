@@ -22,8 +22,8 @@ def gpu_devices():
 
 def is_hopper() -> bool:
   """Whether the first GPU is a Hopper (sm_90) one: where the wgmma engine and dispatch_gemm run."""
-  from jax_moe_overlap import cuda_workspace  # pylint: disable=g-import-not-at-top
-  return cuda_workspace.device_info(gpu_devices()[0].local_hardware_id).compute_capability[0] == 9
+  from jax_moe_overlap import engines  # pylint: disable=g-import-not-at-top
+  return engines.first_gpu_runs_wgmma()
 
 
 def rank_counts() -> list[int]:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gpu_common import gpu_mesh, is_hopper, rank_counts, rel_err, requires_gpu
-from jax_moe_overlap.primitives import CallConfig, RankInfo
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
 import test_expert_combine as base  # tests/test_expert_combine.py (tests/ is on pytest's pythonpath)
 
 pytestmark = requires_gpu

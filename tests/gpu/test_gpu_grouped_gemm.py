@@ -11,7 +11,7 @@ import pytest
 from gpu_common import gpu_devices, requires_gpu
 import test_grouped_gemm as base  # tests/test_grouped_gemm.py (tests/ is on pytest's pythonpath)
 
-from jax_moe_overlap import _ffi
+from jax_moe_overlap import engines
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 
 pytestmark = requires_gpu
@@ -82,6 +82,6 @@ def test_grouped_matmul_swiglu_gpu(case, dtype, tol, keep):
 def test_grouped_matmul_swiglu_fused_on_hopper():
   """The fused path is what runs on a Hopper GPU for bf16 operands of the kernel's shapes (and only there)."""
   from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
-  assert _ffi.swiglu_fused(True, 256, 192) == is_hopper()
-  assert not _ffi.swiglu_fused(False, 256, 192)
-  assert not _ffi.swiglu_fused(True, 200, 192) and not _ffi.swiglu_fused(True, 256, 100)
+  assert engines.swiglu_fused(True, 256, 192) == is_hopper()
+  assert not engines.swiglu_fused(False, 256, 192)
+  assert not engines.swiglu_fused(True, 200, 192) and not engines.swiglu_fused(True, 256, 100)

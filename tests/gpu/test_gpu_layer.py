@@ -22,11 +22,11 @@ KINDS = ["balanced", "skewed", "one_rank", "empty_experts"]
 
 
 def test_producer_path_and_device_queries():
-  from jax_moe_overlap import _jmo, cuda_workspace  # pylint: disable=g-import-not-at-top
-  info = cuda_workspace.device_info(gpu_devices()[0].local_hardware_id)
+  from jax_moe_overlap import _jmo, engines, workspace_cuda  # pylint: disable=g-import-not-at-top
+  info = workspace_cuda.device_info(gpu_devices()[0].local_hardware_id)
   assert info.sm_count > 0 and info.compute_capability >= (8, 0), info
   # The layer tests below (D = 256, F = 384) run the engine named here: wgmma on Hopper, mma.sync elsewhere.
-  hopper = info.compute_capability[0] == 9
+  hopper = engines.wgmma_runs_on(info.compute_capability)
   assert _jmo.cuda_producer_path(True, 384, 256) == ("wgmma bf16" if hopper else "mma.sync bf16")
   assert _jmo.cuda_grouped_gemm_path(True, 384, 256) == ("wgmma bf16" if hopper else "mma.sync bf16")
   assert _jmo.cuda_producer_path(True, 200, 136) == "mma.sync bf16"   # K, N not multiples of 64

@@ -1,5 +1,5 @@
 """The resource manager and the per-call consumer options: on one GPU the loopback harness' manager/serialized cases
-and a timing sweep whose device-side choices must equal the Python mirror's on the same segment tables; through JAX on
+and a timing sweep whose device-side choices must equal the host model's on the same segment tables; through JAX on
 every visible GPU (and on one) the options (identical results, a clear error for a pinned C past the SM budget).
 Skips where there is no GPU.
 """
@@ -33,7 +33,8 @@ def test_loopback_resource_suite():
 
 
 @pytest.mark.parametrize("ranks,routing", [(2, 1), (4, 0), (4, 2)])
-def test_device_choice_equals_python_mirror(ranks, routing):
+def test_device_choice_equals_the_host_model(ranks, routing):
+  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap import resource as rm  # pylint: disable=g-import-not-at-top
   # K, N multiples of 8 but not of 64: the mma.sync producer, which the model describes (64 x 128 tiles).
   proc = _run(["--ranks", ranks, "--experts", 4 * ranks, "--tokens", 1024, "--k-dim", 520, "--n-dim", 1032,
@@ -51,7 +52,7 @@ def test_device_choice_equals_python_mirror(ranks, routing):
   grids = [[plan["seg_rows"][e * ranks:(e + 1) * ranks] for e in range(len(plan["seg_rows"]) // ranks)]
            for plan in plans]
   for i, pinned in ((0, 1), (1, 4), (2, 0)):  # pinned C = 1, C = 4, then the manager (0 where nothing is pushed)
-    want = [rm.kernel_consumer_ctas(p, g, plan["rank"], 1032, 520, 2, min(32, budget - 1), pinned)
+    want = [bench_resource.kernel_consumer_ctas(p, g, plan["rank"], 1032, 520, 2, min(32, budget - 1), pinned)
             for g, plan in zip(grids, plans)]
     assert timed[i]["chosen"] == want, (i, plans, timed[i])
   dec = [r for r in res if r["kind"] == "decision"][0]
@@ -67,7 +68,7 @@ def test_copy_ceiling_mode():
 @pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
 def test_options_through_jax_give_identical_results(R):
   import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap.primitives import CallConfig  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.config import CallConfig  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.workspace import Workspace  # pylint: disable=g-import-not-at-top
   ks = jax.random.split(jax.random.PRNGKey(0), 5)
   T, D, F, E, k = 512, 256, 384, 8, 2
@@ -85,8 +86,9 @@ def test_options_through_jax_give_identical_results(R):
   for o in outs[1:]:
     np.testing.assert_array_equal(o, outs[0])
   wss = [w for w in Workspace.cached() if w.platform == "gpu" and w.mesh == mesh]
-  assert wss and all(w.sm_budget and ("resource model" in w.consumer_policy or "fixed" in w.consumer_policy)
-                     for w in wss), [(w.sm_budget, w.consumer_policy) for w in wss]
-  print("consumer policy:", wss[0].consumer_policy)
+  assert wss and all(w.device.sm_budget and ("resource model" in w.device.consumer_policy or
+                                             "fixed" in w.device.consumer_policy)
+                     for w in wss), [w.device for w in wss]
+  print("consumer policy:", wss[0].device.consumer_policy)
   with pytest.raises(ValueError, match=r"leaves no producer CTA"):
-    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, config=CallConfig(consumer_ctas=wss[0].sm_budget))
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, config=CallConfig(consumer_ctas=wss[0].device.sm_budget))

@@ -48,7 +48,7 @@ class Case:
   seed: int = 1
   consumers: int = 2             # consumer CTAs per rank and call (0: the manager's choice)
   serialize: bool = False
-  # How the consumer pushes (CallOptions::tuning; the fields of jax_moe_overlap.primitives.ConsumerTuning), defaults
+  # How the consumer pushes (CallOptions::tuning; the fields of jax_moe_overlap.config.ConsumerTuning), defaults
   # as the library's: $JMO_CONSUMER_COPY, $JMO_PUSH_SLOTS, $JMO_PUSH_READ_LAG, $JMO_PUSH_ISSUERS (env.py), else the
   # shipped values.
   bulk_copy: bool = dataclasses.field(default_factory=env.consumer_bulk_copy)  # False: 16-byte loads and stores
@@ -123,14 +123,16 @@ class Case:
       return f"top_k {k} larger than the experts it chooses from"
     if self.consumers < 0:
       return "consumers must be >= 0 (0: the manager)"
-    from jax_moe_overlap.primitives import ConsumerTuning  # pylint: disable=g-import-not-at-top
+    from jax_moe_overlap import engines  # pylint: disable=g-import-not-at-top
+    from jax_moe_overlap.config import ConsumerTuning  # pylint: disable=g-import-not-at-top
     try:
       ConsumerTuning(bulk_copy=self.bulk_copy, slots=self.push_slots, read_lag=self.push_read_lag,
                      issuers=self.push_issuers)
     except ValueError as e:
       return str(e)
-    if self.dispatch_gemm_pushers > 0 and (self.f32 or self.d_model % 64 or self.k_dim % 64):
-      return "dispatch_gemm takes bf16 with D and K multiples of 64"
+    if self.dispatch_gemm_pushers > 0 and not engines.dispatch_gemm_operands("gpu", not self.f32, self.d_model,
+                                                                             self.k_dim, self.swiglu):
+      return "dispatch_gemm takes bf16 with D and K multiples of 64 (engines.dispatch_gemm_operands)"
     if self.dispatch_gemm_mode not in DG_MODES:
       return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
     if not self.link_gbps >= 0:

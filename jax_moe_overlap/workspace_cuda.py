@@ -1,16 +1,17 @@
-"""CUDA peer workspaces: creation for ``Workspace`` on platform "gpu", and device queries through cuda-python.
+"""CUDA peer workspaces: the backend of ``Workspace`` on platform "gpu", and device queries through cuda-python.
 
 The buffers themselves are allocated in C++ (``_jmo.create_cuda_workspace``: one ``cudaMalloc``'d block per rank on
 that rank's device, the peer pointer table, the group's abort word, error records and count board in host-mapped
 memory; peer access is checked with ``cudaDeviceCanAccessPeer`` for every pair and enabled there). Python only maps
 the mesh to (group, rank) -> CUDA device ordinal and asks the devices what it needs to size the kernels, through
-``cuda.bindings`` (the ``cuda-python`` package of the ``gpu`` extra), never through hard-coded numbers.
+``cuda.bindings`` (the ``cuda-python`` package of the ``gpu`` extra, imported on the first query, so that CPU-only
+installs never need it), never through hard-coded numbers.
 
 Processes: the expert axis may span the processes of one host (``jax.distributed``: one process per GPU, several
 GPUs per process, or several processes on one GPU). Each process then allocates its own ranks' blocks and exports
 them as CUDA IPC handles, published through the distributed runtime's key-value store; each opens its peers' blocks
 (``cudaIpcOpenMemHandle``) into its peer table, and the group memory is a POSIX shared-memory object created by the
-process of rank 0 and registered with CUDA in every process (``workspace.create_shared`` runs the steps).
+process of rank 0 and registered with CUDA in every process (``workspace_backend.create_shared`` runs the steps).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import json
 import logging
 
 import jax
-import numpy as np
 
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import env
 from jax_moe_overlap import resource
+from jax_moe_overlap.workspace_backend import DeviceFacts, NativeWorkspace, create_shared, groups_span_processes
+from jax_moe_overlap.workspace_backend import rank_devices
 
 log = logging.getLogger("jax_moe_overlap")
 
@@ -100,17 +102,9 @@ def calibration(info: DeviceInfo) -> resource.Calibration:
   return resource.calibration_for(info.name, info.sm_count)
 
 
-def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
-  """[groups, ranks] array of the mesh's devices: rank = position on ``axis_name``, group = linear index over the
-  other axes in mesh order (what ``Workspace.group_index`` computes inside shard_map)."""
-  axis = list(mesh.axis_names).index(axis_name)
-  R = mesh.devices.shape[axis]
-  return np.moveaxis(mesh.devices, axis, -1).reshape(-1, R)
-
-
-def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
-  """Allocates the CUDA workspace of ``ws`` (a ``Workspace``) and returns its handle: this process's part when the
-  mesh has devices of other processes (then ``ws.shm_prefix`` is set if a group spans processes)."""
+def create(mesh: jax.sharding.Mesh, axis_name: str, sizes) -> NativeWorkspace:
+  """Allocates the CUDA workspace of ``mesh``'s axis ``axis_name`` with ``sizes`` (a ``WorkspaceSizes``): this
+  process's part when the mesh has devices of other processes."""
   devs = rank_devices(mesh, axis_name)
   groups, ranks = devs.shape
   here = jax.process_index()
@@ -126,32 +120,31 @@ def create(ws, mesh: jax.sharding.Mesh, axis_name: str, sizes) -> int:
   cal = calibration(info)
   fixed = default_consumer_ctas(info)
   # What decides C, once per workspace (the per-call pick happens on the device and is not logged).
-  ws.consumer_policy = cal.reason if cal.params is not None else f"{cal.reason} (fixed C used: {fixed})"
-  ws.calibration = cal
-  ws.compute_capability = tuple(info.compute_capability)
-  (log.info if cal.params is not None else log.warning)("jax_moe_overlap: %s", ws.consumer_policy)
+  policy = cal.reason if cal.params is not None else f"{cal.reason} (fixed C used: {fixed})"
+  (log.info if cal.params is not None else log.warning)("jax_moe_overlap: %s", policy)
   model = cal.params.native() if cal.params is not None else None
 
   def create_part(process=None, prefix=""):
     return int(_jmo.create_cuda_workspace(ranks, groups, ordinals, sizes.row_bytes, sizes.recv_rows, sizes.ret_rows,
                                           sizes.num_segments, fixed, 0, model, process, here, prefix))
 
+  shm_prefix = None
   if all(mine):
     handle = create_part()
   else:
-    from jax_moe_overlap import workspace as workspace_lib  # pylint: disable=g-import-not-at-top
     process = [int(d.process_index) for d in devs.flat]
     # Other processes' devices on the mesh: this process creates its part with the process table, and the
     # processes meet to open each other's blocks. Only a group that itself spans processes makes the workspace
     # spans_processes (groups each inside one process, a data axis across processes, keep the collectives).
-    handle, prefix = workspace_lib.create_shared(
+    handle, prefix = create_shared(
         devs, "CUDA", create=lambda prefix: create_part(process, prefix), export=_export_blocks,
         open_peers=lambda h, exports: _open_peers(h, exports, groups * ranks), unlink=_jmo.unlink_cuda_workspace_names,
         names=lambda prefix: [f"{prefix}-g{g}" for g in range(groups)])
-    if any(len({d.process_index for d in row}) > 1 for row in devs):
-      ws.shm_prefix = prefix
-  ws.sm_budget = int(_jmo.cuda_workspace_info(handle)["min_sm_budget"])
-  return handle
+    if groups_span_processes(devs):
+      shm_prefix = prefix
+  device = DeviceFacts(compute_capability=tuple(info.compute_capability), consumer_policy=policy, calibration=cal,
+                       sm_budget=int(_jmo.cuda_workspace_info(handle)["min_sm_budget"]))
+  return NativeWorkspace(handle, shm_prefix, device)
 
 
 def _export_blocks(handle: int) -> str:

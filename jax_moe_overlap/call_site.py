@@ -1,0 +1,82 @@
+"""One call site of the workspace's custom calls: the workspace, the ``CallConfig``, and what is decided once for them.
+
+``RankInfo(workspace, config)`` is built once where a layer (or a benchmark) sets up its calls, before tracing, and is
+a static argument of everything after: the call wrappers (``workspace_calls``) read their attributes from it, and the
+differentiable block (``expert_block``) the fusion decision. Built here, once:
+
+* ``dispatch_pushers``: dispatch_gemm's pushing CTAs, or 0 where the dispatch and GEMM1 run as two calls
+  (``dispatch_pushers``, from the config and the facts the workspace's backend returned);
+* the check of a pinned consumer CTA count against the rank's SM budget, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_overlap import engines
+from jax_moe_overlap.config import CallConfig, ConsumerTuning
+from jax_moe_overlap.workspace_backend import DeviceFacts
+
+# Pushing CTAs of dispatch_gemm where the library chooses (CallConfig.dispatch_pushers = 0), at most one in 8 of the
+# rank's SMs: as fast as twice as many over an NVLink-paced link, with fewer SMs taken from the GEMM
+# (docs/performance.md, dispatch_gemm).
+AUTO_PUSHERS = 8
+
+
+def dispatch_pushers(config: CallConfig, device: DeviceFacts, ranks: int) -> int:
+  """dispatch_gemm's pushing CTAs for a call site, or 0: the dispatch and GEMM1 run as two calls. None with
+  ``serialize``; pinned by ``config.dispatch_pushers``; else the library's choice: AUTO_PUSHERS (at most one in 8 of
+  the rank's SMs) where dispatch_gemm's CUDA kernel runs (engines.wgmma_runs_on) and the expert axis has two ranks or
+  more, two calls elsewhere (one rank: no link to hide; CPU: XLA's ragged_dot beats the CPU handler's loops)."""
+  if config.serialize:
+    return 0
+  if config.dispatch_pushers > 0:
+    return config.dispatch_pushers
+  if not engines.wgmma_runs_on(device.compute_capability) or ranks < 2:
+    return 0
+  return max(1, min(AUTO_PUSHERS, (device.sm_budget or 0) // 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+  """Static description of one call site: the workspace (hashable by identity), the ``CallConfig``, and
+  ``dispatch_pushers``, decided once from them (``dispatch_pushers(...)``)."""
+
+  workspace: object  # Workspace
+  config: CallConfig
+  dispatch_pushers: int = dataclasses.field(init=False, compare=False)
+
+  def __post_init__(self):
+    ws, cfg = self.workspace, self.config
+    budget = ws.device.sm_budget
+    if cfg.consumer_ctas > 0 and budget is not None and cfg.consumer_ctas > budget - 1:
+      raise ValueError(f"jax_moe_overlap: CallConfig.consumer_ctas={cfg.consumer_ctas} leaves no producer CTA: each "
+                       f"rank of this workspace has an SM budget of {budget} CTAs, so pin C in [1, {budget - 1}] "
+                       "(or 0 for the resource manager's choice)")
+    object.__setattr__(self, "dispatch_pushers", dispatch_pushers(cfg, ws.device, ws.ranks))
+
+  def coords(self):
+    """Inside shard_map: (group, rank) of this device, the operands every workspace call takes."""
+    ws = self.workspace
+    return ws.group_index(), jax.lax.axis_index(ws.axis_name).astype(jnp.int32)
+
+  def attrs(self) -> dict:
+    """The attributes every workspace call takes."""
+    cfg = self.config
+    return dict(workspace=np.int64(self.workspace.handle), timeout_ms=np.int64(cfg.timeout_ms),
+                delay_rank=np.int32(cfg.delay_rank), delay_us=np.int64(cfg.delay_us))
+
+  def combine_attrs(self) -> dict:
+    """expert_combine's attributes: those of every call plus the consumer options."""
+    cfg = self.config
+    return dict(self.attrs(), consumer_ctas=np.int32(cfg.consumer_ctas), serialize=np.int32(1 if cfg.serialize else 0),
+                **_tuning_attrs(cfg.consumer_tuning))
+
+
+def _tuning_attrs(tuning: ConsumerTuning) -> dict:
+  return dict(push_bulk_copy=np.bool_(tuning.bulk_copy), push_slots=np.int32(tuning.slots),
+              push_read_lag=np.int32(tuning.read_lag), push_issuers=np.int32(tuning.issuers))

@@ -1,0 +1,117 @@
+"""The expert MLP on rows a rank already holds, with no communication: the SwiGLU, the platform's grouped GEMMs, GEMM1
+with its SwiGLU, the backward GEMMs, and ``expert_mlp``, their differentiable composition.
+
+``expert_block`` builds on these pieces around its custom calls; ``expert_mlp`` is the same GEMM sequence without
+them (the benchmarks' "compute alone", exported by ``ops``). On GPU the GEMMs are this library's grouped-GEMM custom
+calls (``grouped_gemm.py``); on CPU XLA's ``ragged_dot``, faster there than the custom calls' reference loops
+(which ``tests/test_grouped_gemm.py`` checks on their own). The order of the workspace calls does not depend on
+this choice: ``ordering.py`` chains them on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
+
+
+def swiglu(a: jax.Array) -> jax.Array:
+  """[rows, 2F] -> [rows, F]: silu(a[:, :F]) * a[:, F:]."""
+  gate, up = jnp.split(a, 2, axis=-1)
+  return jax.nn.silu(gate) * up
+
+
+def matmul(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
+  """Grouped matmul of the expert GEMMs outside expert_combine: our custom call on GPU; XLA's ragged_dot on CPU."""
+  def xla():
+    rhs_ = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    return jax.lax.ragged_dot(lhs, rhs_, group_sizes, preferred_element_type=jnp.float32).astype(out_dtype)
+
+  def ours():
+    return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
+
+  return jax.lax.platform_dependent(cpu=xla, default=ours)
+
+
+def outer(lhs, rhs, group_sizes, out_dtype):
+  """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (as matmul: ours on
+  GPU, XLA's ragged_dot_general on CPU)."""
+  def xla():
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims,
+                                      preferred_element_type=jnp.float32).astype(out_dtype)
+
+  def ours():
+    return grouped_outer(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+
+  return jax.lax.platform_dependent(cpu=xla, default=ours)
+
+
+def gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
+  """GEMM1 and its SwiGLU in float32: (h [cap, F] in x_recv's dtype, a [cap, 2F] float32 GEMM1's output, or None
+  unless keep_a). On GPU one custom call, which on Hopper applies the SwiGLU in the GEMM's epilogue (no pass over a,
+  and a is written only when kept); on CPU XLA's ragged_dot, then the SwiGLU."""
+  def xla():
+    a = matmul(x_recv, w1, group_sizes)
+    return (swiglu(a).astype(x_recv.dtype), a) if keep_a else swiglu(a).astype(x_recv.dtype)
+
+  def ours():
+    h, a = grouped_matmul_swiglu(x_recv, w1, group_sizes, keep_preactivation=keep_a)
+    return (h, a) if keep_a else h
+
+  out = jax.lax.platform_dependent(cpu=xla, default=ours)
+  return out if keep_a else (out, None)
+
+
+def expert_grads(x_recv, a, d_out, w1, w2, group_sizes, dh=None):
+  """The local backward GEMMs of GEMM1 + SwiGLU + GEMM2 on a rank's recv rows, all but the input gradient.
+
+  x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D,
+  2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes).
+  dh [cap, F] float32 = d_out W2^T when the caller has it (dispatch_gemm), else computed here.
+  """
+  h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
+  if dh is None:
+    dh = matmul(d_out, w2, group_sizes, transpose_rhs=True)
+  dw2 = outer(h.astype(w2.dtype), d_out, group_sizes, w2.dtype)
+  (da,) = swiglu_vjp(dh)
+  da = da.astype(x_recv.dtype)
+  dw1 = outer(x_recv, da, group_sizes, w1.dtype)
+  return da, dw1, dw2
+
+
+@jax.custom_vjp
+def expert_mlp(x_recv, w1, w2, group_sizes):
+  """One rank's expert work on rows it already holds, with no communication: expert_block minus its custom calls.
+
+  GEMM1 + SwiGLU + GEMM2 through the grouped GEMMs of expert_block (GEMM2 as ``grouped_matmul``, the tile engine of
+  expert_combine's producer, on every SM), and under ``jax.grad`` expert_block's backward GEMMs, the input gradient
+  ``da @ W1^T`` as ``grouped_matmul``. The benchmarks' "compute alone" (benchmarks/ideal_probes.py).
+
+  Args:
+    x_recv: [cap, D] rows grouped by local expert (float32 or bfloat16). w1: [E_local, D, 2F]; w2: [E_local, F, D].
+    group_sizes: [E_local] int32 rows per local expert (their sum <= cap).
+  Returns:
+    [cap, D] in x_recv's dtype; rows past the last group are zero.
+  """
+  h, _ = gemm1_swiglu(x_recv, w1, group_sizes, keep_a=False)
+  return matmul(h, w2, group_sizes, out_dtype=x_recv.dtype)
+
+
+def _expert_mlp_fwd(x_recv, w1, w2, group_sizes):
+  h, a = gemm1_swiglu(x_recv, w1, group_sizes, keep_a=True)
+  out = matmul(h, w2, group_sizes, out_dtype=x_recv.dtype)
+  return out, (x_recv, a, w1, w2, group_sizes)
+
+
+def _expert_mlp_bwd(res, d_out):
+  x_recv, a, w1, w2, group_sizes = res
+  da, dw1, dw2 = expert_grads(x_recv, a, d_out, w1, w2, group_sizes)
+  dx = matmul(da, w1, group_sizes, transpose_rhs=True, out_dtype=x_recv.dtype)
+  return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)

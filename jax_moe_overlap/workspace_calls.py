@@ -1,0 +1,154 @@
+"""The workspace's custom calls, one wrapper each. They run *per rank*, inside ``shard_map`` over the expert-parallel
+axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what is decided once for them).
+
+* ``gather_counts(counts, info)``: every rank's routing counts for the plan: ``jax.lax.all_gather``, or where the
+  workspace's groups span processes the custom call ``exchange_counts`` through the workspace, whose waits are
+  bounded like the others'.
+* ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
+  rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero).
+* ``dispatch_gemm(src, slot_src_row, w, plan, ...)``: the dispatch and the GEMM after it in one call, each GEMM tile
+  starting once its rows have arrived.
+* ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
+  ``lhs[segment] @ w[expert]`` per (local expert, source rank) segment, remote-critical segments first, flagging each
+  finished band; the consumer ships each band back to its source rank; the source combines
+  ``y[t] = sum_j gates[t, j] * out[slot(t, j)]`` in the fixed order ``j = 0..k-1``. Returns ``y [T, N]`` and, when
+  asked, the per-slot outputs ``[T*k, N]`` (for the gates' gradient).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_overlap import _ffi
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.ordering import workspace_call
+from jax_moe_overlap.plan import Plan
+
+
+def _workspace_call(info: RankInfo, target: str, out_types, *args, **attrs):
+  """One call on the workspace. On CPU an ordered effect (ordering.py): XLA:CPU would otherwise start two workspace
+  calls with no data between them in any order, per rank. On CUDA a plain custom call: XLA:GPU runs the calls on one
+  stream in program order.
+
+  Not ``has_side_effect=True`` on CUDA: that gives the call an effect, and any effect in a program turns off JAX's
+  C++ dispatch fast path (pjit ``_get_fastpath_data``), so every call of the jitted function would go through Python
+  dispatch, whose host time exceeds the fused kernels' device time (docs/design.md, "Effect-free custom calls on
+  GPU"). What the flag would add is not needed: every rank runs the same compiled program, so if XLA removes a call
+  whose outputs are unused, or merges two identical calls, it does so on every rank alike and the ranks' call
+  sequences still match (the protocol needs only that)."""
+  if info.workspace.platform == "cpu":
+    return workspace_call(target, out_types, *args, **attrs)
+  # vmap: one call per batch element (ordering._batching_rule says why that is the only correct way).
+  return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
+
+
+def gather_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
+  """[R_dst, E_local] routing counts of this rank -> [R_src, R_dst, E_local] every rank's, for ``plan_over_axis``.
+
+  When the workspace's groups span processes, through the workspace (``exchange_counts``): across processes
+  ``jax.lax.all_gather`` runs on the collective backend (gloo on CPU, NCCL on CUDA), whose wait has no bound, so a
+  peer process that hangs between calls would block its peers there for good (and NCCL refuses two processes on
+  one GPU). Elsewhere (one process) ``jax.lax.all_gather``.
+  """
+  if info.workspace.spans_processes:
+    return exchange_counts(counts, info)
+  return jax.lax.all_gather(counts, info.workspace.axis_name)
+
+
+def exchange_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
+  """[R_dst, E_local] int32 -> [R_src, R_dst, E_local] int32: every rank's counts through the workspace's count board
+  (protocol.h), one epoch of the workspace like the other calls, every wait bounded by ``timeout_ms``."""
+  ws = info.workspace
+  _ffi.register()
+  group, rank = info.coords()
+  return _workspace_call(info, _ffi.EXCHANGE_COUNTS, jax.ShapeDtypeStruct((ws.ranks, *counts.shape), jnp.int32),
+                         counts.astype(jnp.int32), group, rank, **info.attrs())
+
+
+def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:
+  """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank))."""
+  _ffi.register()
+  group, rank = info.coords()
+  return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
+                         src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
+                         group, rank, **info.attrs())
+
+
+def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
+                  transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
+                  keep_a: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
+  """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
+
+  Args:
+    src: [S, D] rows, float32 or bfloat16; slot_src_row, plan, cap, info: as ``dispatch``.
+    w: [E_local, D, N] in src's dtype, or [E_local, N, D] read transposed with ``transpose_rhs``.
+    swiglu: GEMM1 of the expert MLP (w [E_local, D, 2F], not with ``transpose_rhs``): the call's epilogue applies the
+      SwiGLU in float32 to the float32 preactivation.
+    keep_recv: also return the recv rows (the backward pass reads them; the inference forward does not).
+    keep_a: with ``swiglu``, also return the preactivation (for the backward pass).
+  Returns:
+    (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
+    out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
+    out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
+    w[expert], and a is returned when keep_a. Rows past the kept ones are zero in every result. The results equal
+    ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit.
+  On CUDA (Hopper, bfloat16) ``info.dispatch_pushers`` CTAs (at least one) push the rows for other ranks, then
+  copy x_recv and zero the padding rows beside the GEMM, then join it; on CPU (float32 or bfloat16) the handler
+  thread pushes, then computes with the bare grouped GEMMs' CPU numerics.
+  """
+  if src.ndim != 2 or w.ndim != 3 or w.shape[2 if transpose_rhs else 1] != src.shape[1]:
+    raise ValueError(f"jax_moe_overlap: dispatch_gemm: src {src.shape} and w {w.shape} do not fit src [S, D], w "
+                     f"{'[E_local, N, D] (transpose_rhs)' if transpose_rhs else '[E_local, D, N]'}")
+  if swiglu and transpose_rhs:
+    raise ValueError("jax_moe_overlap: dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]); it does not "
+                     "take transpose_rhs")
+  if swiglu and w.shape[2] % 2:
+    raise ValueError(f"jax_moe_overlap: dispatch_gemm: with swiglu w must be [E_local, D, 2F] (an even number of "
+                     f"columns: the gate's F, then the up projection's F), got w {w.shape}")
+  if keep_a and not swiglu:
+    raise ValueError("jax_moe_overlap: dispatch_gemm: keep_a keeps the SwiGLU's preactivation; without swiglu the "
+                     "GEMM's output is `out` itself (keep_a needs swiglu=True)")
+  D, N = src.shape[1], (w.shape[1] if transpose_rhs else w.shape[2])
+  out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
+  out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
+               jax.ShapeDtypeStruct((cap if keep_a else 0, N), jnp.float32))
+  x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu)
+  return (x_recv if keep_recv else None), out, (a if keep_a else None)
+
+
+def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_types, transpose_rhs: bool,
+                        swiglu: bool):
+  """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a): unchecked here, so that
+  the tests reach the handlers' own shape checks."""
+  _ffi.register()
+  group, rank = info.coords()
+  return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
+                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
+                         plan.seg_rows, plan.seg_ret_off, w, group, rank,
+                         pushers=np.int32(max(1, info.dispatch_pushers)), transpose_rhs=np.bool_(transpose_rhs),
+                         swiglu=np.bool_(swiglu), **info.attrs())
+
+
+def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,
+                   want_slots: bool, transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
+  """lhs [cap, K], w [E_local, K, N], gates [T, k] float32 -> (y [T, N], slot_out [T*k or 0, N]).
+
+  lhs, w and the outputs share one dtype (float32 or bfloat16); accumulation is float32. With ``transpose_rhs``, w is
+  [E_local, N, K] and the producer reads ``w[e].T`` in place (the input gradient ``da @ W1^T`` of the backward pass
+  without a transposed copy of W1), as ``grouped_matmul``'s ``transpose_rhs``.
+  """
+  _ffi.register()
+  group, rank = info.coords()
+  T, k = gates.shape
+  K, N = (w.shape[2], w.shape[1]) if transpose_rhs else (w.shape[1], w.shape[2])
+  if lhs.ndim != 2 or w.ndim != 3 or lhs.shape[1] != K:
+    raise ValueError(f"jax_moe_overlap: expert_combine: lhs {lhs.shape} and w {w.shape}"
+                     f"{' (transpose_rhs)' if transpose_rhs else ''} do not fit lhs [cap, K], "
+                     f"w {'[E_local, N, K]' if transpose_rhs else '[E_local, K, N]'}")
+  out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype),
+               jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
+  return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, gates.astype(jnp.float32), plan.seg_rows,
+                         plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows, group, rank,
+                         transpose_rhs=np.bool_(transpose_rhs), **info.combine_attrs())
