@@ -6,7 +6,8 @@
 # the order base, new, base, new.
 #
 #   AB_BASE=.ab_base bash benchmarks/run_ab.sh
-# Steps and their limits (seconds): AB_LAYER (bench_layer --quick, each run; 0 skips), AB_DG (the loopback suite
+# Steps and their limits (seconds): AB_TESTS (the new tree's GPU tests against its installed package, before the
+# timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_LAYER (bench_layer, each run, with AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the loopback suite
 # dispatch-gemm-time, each run; 0 skips), AB_ROUNDS (rounds of base, new; default 2). Logs and tables in $OUT:
 # resource_usage.diff (empty when the kernels match), ab_layer.txt, ab_dg.txt, and each run's log.
 set -uo pipefail
@@ -15,7 +16,8 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 NEW=$PWD
 BASE=$(cd "${AB_BASE:?set AB_BASE to the older tree}" && pwd)
-AB_LAYER=${AB_LAYER:-90} AB_DG=${AB_DG:-150} AB_ROUNDS=${AB_ROUNDS:-2}
+AB_LAYER=${AB_LAYER:-90} AB_DG=${AB_DG:-150} AB_ROUNDS=${AB_ROUNDS:-2} AB_TESTS=${AB_TESTS:-0}
+AB_LAYER_ARGS=${AB_LAYER_ARGS:---quick}
 S=$(date +%s)
 el() { echo "== elapsed $(( $(date +%s) - S )) s: $*"; }
 
@@ -37,7 +39,7 @@ usage() {  # binary -> sorted "arch kernel usage" lines
   cuobjdump -res-usage "$1" 2>/dev/null | awk '
     /arch = /{for(i=1;i<=NF;i++) if($i=="=") arch=$(i+1)}
     /Function /{fn=$2; sub(/:$/,"",fn)}
-    /REG:/{line=$0; gsub(/^[ \t]+/,"",line); print arch, fn, line}' | sort
+    /REG:/{line=$0; gsub(/^[ \t]+/,"",line); print arch, fn, line}' | sort -u
 }
 for side in base new; do
   site=/tmp/jmo-site-$side; tree=$BASE; [ $side = new ] && tree=$NEW
@@ -47,6 +49,7 @@ done
 diff "$OUT/resource_usage_base.txt" "$OUT/resource_usage_new.txt" > "$OUT/resource_usage.diff"
 echo "kernels (arch x function): base $(wc -l < "$OUT/resource_usage_base.txt"), new $(wc -l < "$OUT/resource_usage_new.txt");" \
   "differing lines: $(grep -c '^[<>]' "$OUT/resource_usage.diff")"
+grep '^[<>]' "$OUT/resource_usage.diff" | cut -c1-220 | head -8
 grep -E "LOCAL:[1-9]" "$OUT/resource_usage_new.txt" | cut -c1-200 | head -5
 el "resource usage"
 
@@ -57,12 +60,19 @@ run_in() {  # side limit log cmd...: runs cmd in that side's tree against its in
   (cd "$tree" && PYTHONPATH="/tmp/jmo-site-$side:$tree:$tree/examples:/tmp/site" timeout "$limit" "$@") > "$log" 2>&1
   echo "$side rc $?"
 }
+if [ "$AB_TESTS" != 0 ]; then
+  (cd /tmp && JMO_SITE=/tmp/jmo-site-new PYTHONPATH="/tmp/jmo-site-new:$NEW:$NEW/examples:/tmp/site" timeout "$AB_TESTS" python3 -m pytest -q -rs \
+    -p no:cacheprovider "$NEW/tests/gpu" -k "${AB_TESTS_K:-not racecheck and not synccheck}") > "$OUT/gpu_tests.log" 2>&1
+  echo "GPU tests rc $?: $(tail -n 1 "$OUT/gpu_tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-200 | head -10
+  el "GPU tests"
+fi
 for r in $(seq 1 "$AB_ROUNDS"); do
   for side in base new; do
     if [ "$AB_LAYER" != 0 ]; then
-      run_in $side "$AB_LAYER" "$OUT/layer_${side}_$r.log" python3 -m benchmarks.bench_layer --quick \
+      run_in $side "$AB_LAYER" "$OUT/layer_${side}_$r.log" python3 -m benchmarks.bench_layer $AB_LAYER_ARGS \
         --out "$OUT/layer_${side}_$r.jsonl"
-      grep -E "^\|" "$OUT/layer_${side}_$r.log" | sed "s/^/$side $r /" | cut -c1-200 >> "$OUT/ab_layer.txt"
+      grep -E "shape=" "$OUT/layer_${side}_$r.log" | sed "s/^/$side $r /" | cut -c1-200 >> "$OUT/ab_layer.txt"
     fi
     if [ "$AB_DG" != 0 ]; then
       run_in $side "$AB_DG" "$OUT/dg_${side}_$r.log" python3 -m tools.loopback.run --suite dispatch-gemm-time
