@@ -158,7 +158,7 @@ def _raw_call(lhs, w, n_out, transpose_rhs, info):
   # workspace_call rather than a bare ffi_call.
   return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, 1),
                         zeros(E_l, 1), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
-                        transpose_rhs=np.bool_(transpose_rhs), **info.combine_attrs())
+                        transpose_rhs=np.bool_(transpose_rhs), **info.attrs())
 
 
 def test_handler_names_the_shape_problem():
