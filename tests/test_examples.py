@@ -3,8 +3,11 @@ resume, and generation from the checkpoint. The scripts run in this process (the
 same model share compiled steps."""
 
 import generate  # examples/generate.py (examples/ is on pytest's pythonpath, as a script's own folder is)
+import jax
+import model as model_lib  # examples/model.py
 import numpy as np
 import pytest
+import step_profile  # examples/step_profile.py
 import train_moe  # examples/train_moe.py
 
 STEPS = 30
@@ -15,9 +18,11 @@ TINY = ["--steps", str(STEPS), "--layers", "2", "--d-model", "64", "--heads", "4
 
 @pytest.fixture(scope="module")
 def overlap_run(tmp_path_factory):
-  """The uninterrupted 30-step run with impl=overlap; it leaves a checkpoint of step 30 and a loss-curve PNG."""
+  """The uninterrupted 30-step run with impl=overlap; it leaves a checkpoint of step 30 and a loss-curve PNG, and
+  profiles steps 2 and 3 (the resumed run, which does not, checks that this changes no loss)."""
   d = tmp_path_factory.mktemp("overlap")
-  out = train_moe.main(TINY + ["--impl", "overlap", "--ckpt-dir", str(d / "ckpt"), "--plot", str(d / "loss.png")])
+  out = train_moe.main(TINY + ["--impl", "overlap", "--ckpt-dir", str(d / "ckpt"), "--plot", str(d / "loss.png"),
+                               "--profile-steps", "2"])
   return out, d
 
 
@@ -87,3 +92,67 @@ def test_training_script_runs_as_a_program(tmp_path):
                         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "throughput impl=overlap" in proc.stdout and "step 3: train loss" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_step_profile_attributes_the_device_time(overlap_run):
+  """--profile-steps: every part of the model gets device time from the trace, this library's custom calls among
+  them, and the parts add up to the busy time; the CPU run's attention is XLA's."""
+  out, _ = overlap_run
+  assert out["attention"] == "xla"
+  prof = out["profile"]
+  assert prof["steps"] == 2 and prof["devices"] == 4
+  assert all(prof["ms"][part] > 0 for part in step_profile.PARTS), prof["ms"]
+  assert all(op.startswith("jmo_") for op, _ in prof["top_ops"]["routed_experts"]), prof["top_ops"]
+  assert np.isclose(prof["busy_ms"], sum(prof["ms"].values()))
+  assert 0 < prof["busy_ms"] and 0 < prof["wall_ms"]
+  text = step_profile.format_table(prof, train_moe.part_flops(model_lib.ModelConfig(), 64.0))
+  assert "this library's custom calls" in text and "TFLOP/s" in text
+
+
+def test_hlo_parts_follow_scopes_and_targets():
+  """Ops are attributed by custom-call target first (this library's, cuDNN's attention), then by the named scope
+  in their metadata, in the forward pass and under transpose/jvp in the backward pass."""
+  hlo = "\n".join([
+      "HloModule jit_train_step, is_scheduled=true",
+      "ENTRY %main.1 (p: f32[8]) -> f32[8] {",
+      '  %custom-call.3 = f32[8] custom-call(%p), custom_call_target="jmo_dispatch", metadata={op_name="jit(s)/moe/x"}',
+      '  %fusion.1 = f32[8] fusion(%p), kind=kLoop, metadata={op_name="jit(s)/transpose(jvp(moe))/dot_general"}',
+      '  %fusion.2 = f32[8] fusion(%p), kind=kLoop, metadata={op_name="jit(s)/jvp(attention)/exp"}',
+      '  %custom-call.4 = f32[8] custom-call(%p), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="p"}',
+      '  %fusion.3 = f32[8] fusion(%p), kind=kLoop, metadata={op_name="jit(s)/moe_like/attention_free/add"}',
+      "  ROOT %copy.1 = f32[8] copy(%p)",
+      "}"])
+  module, parts = step_profile.hlo_parts(hlo, moe_scope="moe", attention_scope="attention")
+  assert module == "jit_train_step"
+  assert parts == {"custom-call.3": "routed_experts", "fusion.1": "moe_other", "fusion.2": "attention",
+                   "custom-call.4": "attention", "fusion.3": "rest", "copy.1": "rest"}
+
+
+def test_gpu_preset_evaluates_on_the_shipped_text():
+  """The README's GPU line (--preset gpu, no --data): the held-out text of the shipped data holds fewer than 32
+  windows of 1025 bytes, so the evaluation takes one batch of as many whole windows as divide by the devices; a
+  text too short for one window per device is refused with the rule."""
+  _, held = model_lib.load_text()
+  preset = train_moe.PRESETS["gpu"]
+  windows = (len(held) - 1) // preset["seq_len"]
+  assert windows < preset["batch_size"]
+  for devices in (1, 2, 4, 8):
+    batches = model_lib.eval_batches(held, preset["batch_size"], preset["seq_len"], preset["eval_batches"],
+                                     multiple_of=devices)
+    assert len(batches) == 1 and len(batches[0]) == windows - windows % devices
+    assert batches[0].shape[1] == preset["seq_len"] + 1
+    np.testing.assert_array_equal(batches[0][1, :-1], held[preset["seq_len"]:2 * preset["seq_len"]])
+  full = model_lib.eval_batches(held, 8, 32, 4, multiple_of=4)      # long enough: whole batches, as many as asked
+  assert [b.shape for b in full] == [(8, 33)] * 4
+  with pytest.raises(ValueError, match="needs at least 16"):
+    model_lib.eval_batches(held[:3000], 32, 1024, 2, multiple_of=16)
+
+
+def test_attention_is_chosen_once_xla_on_cpu():
+  cfg = model_lib.ModelConfig(dtype="bfloat16")
+  mesh = model_lib.make_mesh()
+  assert model_lib.choose_attention(cfg, mesh, 8) == ("xla", "cuDNN attention needs a GPU, the backend is cpu")
+  assert model_lib.choose_attention(cfg, mesh, 8, "xla")[0] == "xla"
+  with pytest.raises(ValueError, match="--attention cudnn does not apply: cuDNN attention needs a GPU"):
+    model_lib.choose_attention(cfg, mesh, 8, "cudnn")
+  assert jax.default_backend() == "cpu"

@@ -258,5 +258,5 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
 }  // namespace jmo::cpu
 
 // The ordering token first, as the other workspace calls on CPU (handlers.cc says why).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchGemmCpu, jmo::cpu::DispatchGemmImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchGemmCpuBody, jmo::cpu::DispatchGemmImpl,
                               jmo::BindDispatchGemm(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));

@@ -266,11 +266,11 @@ ffi::Error ExchangeCountsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Buffer<f
 // XLA:CPU runs thunks as soon as their operands are ready, several at a time, so two workspace calls with no data
 // between them could start in different orders on different ranks. The token chain (a JAX ordered effect) is the
 // dependency that makes every rank run its workspace calls in the one program order. The tokens carry no data.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpuBody, jmo::cpu::DispatchImpl,
                               jmo::BindDispatch(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpu, jmo::cpu::ExpertCombineImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpuBody, jmo::cpu::ExpertCombineImpl,
                               jmo::BindExpertCombine(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCpu, jmo::cpu::ExchangeCountsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCpuBody, jmo::cpu::ExchangeCountsImpl,
                               jmo::BindExchangeCounts(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
