@@ -66,14 +66,13 @@ class RankInfo:
     return ws.group_index(), jax.lax.axis_index(ws.axis_name).astype(jnp.int32)
 
   def attrs(self) -> dict:
-    """The attributes every workspace call takes: the workspace handle and the call's options, one dictionary
-    that the handlers of both platforms decode into one struct (CallOptions of ffi/common/call_options.h, read by
-    name in ffi/common/call_signature.h, which lists the entries). The calls' own attributes (transpose_rhs,
-    swiglu) are their wrappers'."""
+    """The attributes every workspace call takes: the workspace handle and the call's options, which the handlers of
+    both platforms decode by name into one struct (CallAttrs of ffi/common/call_attrs.h; the options are its
+    CallOptions, ffi/common/call_options.h). The calls' own attributes (transpose_rhs, swiglu) are their wrappers'."""
     cfg, tuning = self.config, self.config.consumer_tuning
-    options = dict(timeout_ms=np.int64(cfg.timeout_ms), delay_rank=np.int32(cfg.delay_rank),
-                   delay_us=np.int64(cfg.delay_us), consumer_ctas=np.int32(cfg.consumer_ctas),
-                   serialize=np.bool_(cfg.serialize), push_bulk_copy=np.bool_(tuning.bulk_copy),
-                   push_slots=np.int32(tuning.slots), push_read_lag=np.int32(tuning.read_lag),
-                   push_issuers=np.int32(tuning.issuers), pushers=np.int32(max(1, self.dispatch_pushers)))
-    return dict(workspace=np.int64(self.workspace.handle), options=options)
+    return dict(workspace=np.int64(self.workspace.handle), timeout_ms=np.int64(cfg.timeout_ms),
+                delay_rank=np.int32(cfg.delay_rank), delay_us=np.int64(cfg.delay_us),
+                consumer_ctas=np.int32(cfg.consumer_ctas), serialize=np.bool_(cfg.serialize),
+                push_bulk_copy=np.bool_(tuning.bulk_copy), push_slots=np.int32(tuning.slots),
+                push_read_lag=np.int32(tuning.read_lag), push_issuers=np.int32(tuning.issuers),
+                pushers=np.int32(max(1, self.dispatch_pushers)))

@@ -27,11 +27,11 @@ CUDA does not use this: XLA:GPU launches the calls on one stream in program orde
 plain ``ffi_call`` there, with no effect at all (the CUDA handlers take no token): an effect of any kind turns off
 JAX's C++ dispatch fast path (workspace_calls._workspace_call says why that matters).
 
-This uses JAX internals (``jax._src``: effects, core, mlir lowering, batching, the runtime token set, FrozenDict),
-checked against JAX 0.11.2. The public mechanisms do not serve: ``jax.ffi.ffi_call(..., has_side_effect=True)``
-gives an *unordered* effect (see above); ``jax.experimental.io_callback(..., ordered=True)`` orders Python callbacks,
-not custom calls; JAX offers no public ordered effect or token for a custom call. ``_drop_cross_program_token``
-checks the one method it wraps and fails loudly if it moved.
+This uses JAX internals (``jax._src``: effects, core, mlir lowering, batching, the runtime token set), checked against
+JAX 0.11.2. The public mechanisms do not serve: ``jax.ffi.ffi_call(..., has_side_effect=True)`` gives an *unordered*
+effect (see above); ``jax.experimental.io_callback(..., ordered=True)`` orders Python callbacks, not custom calls;
+JAX offers no public ordered effect or token for a custom call. ``_drop_cross_program_token`` checks the one method
+it wraps and fails loudly if it moved.
 
 vmap: a workspace call under ``jax.vmap`` runs once per batch element in a ``lax.scan`` (``_batching_rule``), as
 ``ffi_call``'s ``vmap_method="sequential"`` does for the CUDA calls.
@@ -47,7 +47,6 @@ import numpy as np
 from jax._src import core
 from jax._src import dispatch
 from jax._src import effects
-from jax._src.frozen_dict import FrozenDict
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 
@@ -110,9 +109,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *operands, target_name, result_aval
   token = ctx.tokens_in.get(workspace_effect)
   tok = core.abstract_token
   rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True)
-  attrs = {k: dict(v) if isinstance(v, FrozenDict) else v for k, v in attributes}
   token_out, *outs = rule(ctx.replace(avals_in=(tok, *ctx.avals_in), avals_out=(tok, *ctx.avals_out)),
-                          token, *operands, **attrs)
+                          token, *operands, **dict(attributes))
   ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({workspace_effect: token_out})))
   return outs
 
@@ -148,17 +146,14 @@ def workspace_call(target_name: str, result_shape_dtypes, *args, **attributes: A
   returns one first; see the module docstring).
 
   ``result_shape_dtypes``: one ``jax.ShapeDtypeStruct`` or a tuple of them (then a tuple comes back).
-  Attributes: numpy scalars, or dicts of numpy scalars (a dictionary attribute: the call's options).
+  Attributes: numpy scalars (the custom call's attributes).
   """
   multiple = isinstance(result_shape_dtypes, (tuple, list))
   shapes = tuple(result_shape_dtypes) if multiple else (result_shape_dtypes,)
   result_avals = tuple(core.ShapedArray(s.shape, s.dtype) for s in shapes)
   for k, v in attributes.items():
-    scalars = v.values() if isinstance(v, dict) else (v,)
-    if not all(isinstance(x, np.generic) for x in scalars):
-      raise TypeError(f"jax_moe_overlap: workspace call attribute {k}={v!r} must be a numpy scalar or a dict of them")
-  # Primitive parameters are hashable: a dict travels as a FrozenDict, a dict again in the lowering.
+    if not isinstance(v, np.generic):
+      raise TypeError(f"jax_moe_overlap: workspace call attribute {k}={v!r} must be a numpy scalar")
   outs = workspace_call_p.bind(*args, target_name=target_name, result_avals=result_avals,
-                               attributes=tuple(sorted((k, FrozenDict(v) if isinstance(v, dict) else v)
-                                                       for k, v in attributes.items())))
+                               attributes=tuple(sorted(attributes.items())))
   return tuple(outs) if multiple else outs[0]

@@ -4,68 +4,13 @@
 // (Binding methods are rvalue-qualified, hence the std::move of each partial binding.)
 #pragma once
 
-#include <optional>
 #include <string>
-#include <string_view>
-#include <type_traits>
 #include <utility>
 
-#include "common/call_options.h"
+#include "common/call_attrs.h"
 #include "xla/ffi/api/ffi.h"
 
-// jmo::CallOptions from a call's `options` attribute: a dictionary holding exactly these entries, read by name
-// (jax_moe_overlap's call_site.RankInfo.attrs builds it from the CallConfig): timeout_ms, delay_us (int64);
-// delay_rank, consumer_ctas, pushers, push_slots, push_read_lag, push_issuers (int32); serialize, push_bulk_copy
-// (bool). emulated_link_gbps is the tools' alone (0 here). The rules the values follow are CheckOptions', made where
-// the call begins.
-namespace xla::ffi {
-template <>
-struct AttrDecoding<jmo::CallOptions> {
-  using Type = jmo::CallOptions;
-  static std::optional<jmo::CallOptions> Decode(XLA_FFI_AttrType type, void* attr, DiagnosticEngine& diagnostic) {
-    if (type != XLA_FFI_AttrType_DICTIONARY)
-      return diagnostic.Emit("jax_moe_overlap: the call's `options` attribute must be a dictionary");
-    const Dictionary d(static_cast<const XLA_FFI_Attrs*>(attr));
-    jmo::CallOptions o;
-    size_t read = 0;
-    std::string bad;
-    const auto get = [&](std::string_view name, auto& field) {
-      auto v = d.get<std::decay_t<decltype(field)>>(name);
-      if (v.has_error()) {
-        bad += (bad.empty() ? "" : ", ") + std::string(name);
-        return;
-      }
-      field = *v;
-      ++read;
-    };
-    get("timeout_ms", o.timeout_ms);
-    get("delay_rank", o.delay_rank);
-    get("delay_us", o.delay_us);
-    get("consumer_ctas", o.consumer_ctas);
-    get("serialize", o.serialize);
-    get("push_bulk_copy", o.tuning.bulk_copy);
-    get("push_slots", o.tuning.push_slots);
-    get("push_read_lag", o.tuning.push_read_lag);
-    get("push_issuers", o.tuning.push_issuers);
-    get("pushers", o.pushers);
-    if (bad.empty() && read == d.size()) return o;
-    std::string got;
-    for (std::string_view name : d) got += (got.empty() ? "" : ", ") + std::string(name);
-    return diagnostic.Emit("jax_moe_overlap: the call's options " +
-                           (bad.empty() ? std::string("hold entries CallOptions does not know")
-                                        : "lack (or mistype) " + bad) +
-                           "; got " + got);
-  }
-};
-}  // namespace xla::ffi
-
 namespace jmo {
-
-// Attributes common to every workspace call: the workspace handle and the call's options (CallOptions, above).
-template <typename Binding>
-auto BindCallAttrs(Binding b) {
-  return std::move(b).template Attr<int64_t>("workspace").template Attr<CallOptions>("options");
-}
 
 // The operands a dispatch starts with: src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1:
 // dropped), recv_rows_expected [].
@@ -80,13 +25,15 @@ auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be m
 }
 
 // dispatch(dispatch rows (above), group [], rank []) -> recv [cap, D]
+// Attributes: those of every call (CallAttrs, call_attrs.h).
 template <typename Binding>
 auto BindDispatch(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(BindDispatchRows(std::move(b))
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::AnyBuffer>());
+  return BindDispatchRows(std::move(b))
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attrs<CallAttrs>();
 }
 
 // dispatch_gemm(dispatch rows (above), send_order [P], send_start [R + 1], seg_rows [E_local, R],
@@ -99,48 +46,47 @@ auto BindDispatch(Binding b) {
 //   swiglu = true (GEMM1 of the expert MLP; not with transpose_rhs): N = 2F, out = h [cap, F] in src's dtype =
 //     silu(pre[:, :F]) * pre[:, F:] of the float32 preactivation pre = recv[segment] @ w[expert]; a [cap, 2F]
 //     float32 = pre (kept for the backward pass) or [0, 2F] (not kept).
-// Rows past the kept ones are zero in every result. Attributes: those of every call (its pushing CTAs are
-// CallOptions::pushers), then transpose_rhs (bool) and swiglu (bool).
+// Rows past the kept ones are zero in every result. Attributes (DispatchGemmAttrs): those of every call (its pushing
+// CTAs are CallOptions::pushers), then transpose_rhs (bool) and swiglu (bool).
 template <typename Binding>
 auto BindDispatchGemm(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(BindDispatchRows(std::move(b))
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::AnyBuffer>()
-                           .template Ret<ffi::AnyBuffer>()
-                           .template Ret<ffi::Buffer<ffi::F32>>())
-      .template Attr<bool>("transpose_rhs")
-      .template Attr<bool>("swiglu");
+  return BindDispatchRows(std::move(b))
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attrs<DispatchGemmAttrs>();
 }
 
 // expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), gates [T, k] f32,
 //                seg_rows [E_local, R], seg_ret_off [E_local, R], slot_ret_row [T*k] (-1: dropped),
 //                ret_rows_expected [], group [], rank [])
 //   -> y [T, N], slot_out [T*k or 0, N]
-// Attributes: those of every call (its consumer is CallOptions' consumer_ctas, serialize and tuning), then
-// transpose_rhs (bool: w is [E_local, N, K] and the producer reads w[e]^T in place, as jmo_grouped_matmul's
-// transpose_rhs: the input gradient dy @ W^T without a transposed copy of W).
+// Attributes (ExpertCombineAttrs): those of every call (its consumer is CallOptions' consumer_ctas, serialize and
+// tuning), then transpose_rhs (bool: w is [E_local, N, K] and the producer reads w[e]^T in place, as
+// jmo_grouped_matmul's transpose_rhs: the input gradient dy @ W^T without a transposed copy of W).
 template <typename Binding>
 auto BindExpertCombine(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(std::move(b).template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::Buffer<ffi::F32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::AnyBuffer>()
-                           .template Ret<ffi::AnyBuffer>())
-      .template Attr<bool>("transpose_rhs");
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attrs<ExpertCombineAttrs>();
 }
 
 // exchange_counts(counts [R_dst, E_local] int32, group [], rank []) -> counts_all [R_src, R_dst, E_local] int32
@@ -148,10 +94,11 @@ auto BindExpertCombine(Binding b) {
 template <typename Binding>
 auto BindExchangeCounts(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(std::move(b).template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::Buffer<ffi::S32>>());
+  return std::move(b).template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Attrs<CallAttrs>();
 }
 
 inline xla::ffi::Error InvalidCall(const std::string& msg) {

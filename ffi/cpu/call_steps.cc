@@ -12,8 +12,10 @@ namespace ffi = xla::ffi;
 
 namespace jmo::cpu {
 
-ffi::ErrorOr<CallContext> BeginCall(const char* op, int64_t handle, int32_t group, int32_t rank,
-                                    const CallOptions& opts, const CallFootprint& need) {
+ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int32_t group, int32_t rank,
+                                    const CallFootprint& need) {
+  const int64_t handle = attrs.workspace;
+  const CallOptions& opts = attrs.options;
   Workspace* ws = LookupWorkspace(handle);
   if (ws == nullptr)
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,

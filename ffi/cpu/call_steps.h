@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/call_attrs.h"
 #include "common/call_options.h"
 #include "common/workspace_fit.h"
 #include "cpu/workspace_cpu.h"
@@ -24,12 +25,12 @@ struct CallContext {
   Clock::time_point deadline;
 };
 
-// Common start of every call: resolve the workspace, check rank/group and the options (CheckOptions: like a shape
+// Common start of every call: resolve the workspace (attrs.workspace), check rank/group and the options (CheckOptions: like a shape
 // error, a refusal before the epoch, which leaves the group as it was), apply the test delay, recover from an earlier
 // abort and open the epoch; then check that `need` fits the workspace (CheckFits), failing the epoch (Fail) if not,
 // so the peers give up at once.
-xla::ffi::ErrorOr<CallContext> BeginCall(const char* op, int64_t handle, int32_t group, int32_t rank,
-                                         const CallOptions& opts, const CallFootprint& need);
+xla::ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int32_t group, int32_t rank,
+                                         const CallFootprint& need);
 
 // Bounded wait of the call until *word >= base + count (Workspace::WaitAtLeast with the call's rank, epoch and
 // deadline): `peer` and `stage` name what it waits for in the error record.

@@ -142,8 +142,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> a_out, int64_t workspace, CallOptions options,
-                            bool transpose_rhs, bool swiglu) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> a_out, DispatchGemmAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a_out,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
@@ -152,7 +152,7 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   const bool bf16 = shape->rows.dtype == ffi::DataType::BF16;
   const int64_t elem_bytes = ElemBytes(shape->rows.dtype), row_bytes = K * elem_bytes;
 
-  auto ctx = BeginCall("dispatch_gemm", workspace, group_op.typed_data()[0], rank_op.typed_data()[0], options,
+  auto ctx = BeginCall("dispatch_gemm", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
                        CallFootprint{row_bytes, cap, P});
   if (ctx.has_error()) return ctx.error();
   const CallContext c = ctx.value();

@@ -40,14 +40,13 @@ struct Elem<uint16_t> {
 ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
                         ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
-                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, int64_t workspace,
-                        CallOptions options) {
+                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
   auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->S, cap = shape->cap, P = shape->P;
   const int64_t row_bytes = shape->D * ElemBytes(shape->dtype);
 
-  auto ctx = BeginCall("dispatch", workspace, group_op.typed_data()[0], rank_op.typed_data()[0], options,
+  auto ctx = BeginCall("dispatch", attrs, group_op.typed_data()[0], rank_op.typed_data()[0],
                        CallFootprint{row_bytes, cap});
   if (ctx.has_error()) return ctx.error();
   const CallContext c = ctx.value();
@@ -141,8 +140,8 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
                              ffi::Buffer<ffi::S32> seg_ret_off, ffi::Buffer<ffi::S32> slot_ret_row,
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, CallOptions options,
-                             bool transpose_rhs) {
+                             ffi::Result<ffi::AnyBuffer> slot_out, ExpertCombineAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs;
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
   const ffi::DataType dt = shape->dtype;
@@ -152,7 +151,7 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   const int64_t row_bytes = N * ElemBytes(dt);
 
   // consumer_ctas and the push tuning are CUDA resources (the CPU consumer is one thread per rank): checked, unused.
-  auto ctx = BeginCall("expert_combine", workspace, group_op.typed_data()[0], rank_op.typed_data()[0], options,
+  auto ctx = BeginCall("expert_combine", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
                        CallFootprint{row_bytes, cap, P, E_l});
   if (ctx.has_error()) return ctx.error();
   const CallContext c = ctx.value();
@@ -222,11 +221,10 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
 
 ffi::Error ExchangeCountsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Buffer<ffi::S32> counts,
                               ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, int64_t workspace, CallOptions options) {
+                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, CallAttrs attrs) {
   auto shape = CheckExchangeCounts(counts, *counts_all);
   if (shape.has_error()) return shape.error();
-  auto ctx = BeginCall("exchange_counts", workspace, group_op.typed_data()[0], rank_op.typed_data()[0], options,
-                       CallFootprint{});
+  auto ctx = BeginCall("exchange_counts", attrs, group_op.typed_data()[0], rank_op.typed_data()[0], CallFootprint{});
   if (ctx.has_error()) return ctx.error();
   const CallContext c = ctx.value();
   Workspace* ws = c.ws;

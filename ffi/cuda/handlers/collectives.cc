@@ -20,14 +20,14 @@ namespace ffi = xla::ffi;
 namespace jmo::cuda {
 namespace {
 
-ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, int64_t handle, const CallOptions& options) {
-  Workspace* ws = LookupWorkspace(handle);
+ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, const CallAttrs& attrs) {
+  Workspace* ws = LookupWorkspace(attrs.workspace);
   if (ws == nullptr)
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                                      "jax_moe_overlap: workspace handle " + std::to_string(handle) +
+                                      "jax_moe_overlap: workspace handle " + std::to_string(attrs.workspace) +
                                           " is not a live CUDA workspace (released, created in another process, or "
                                           "a CPU workspace)"));
-  CallSite c{ws, 0, 0, stream, options};
+  CallSite c{ws, 0, 0, stream, attrs.options};
   Status s = ws->FindByOrdinal(ordinal, &c.group, &c.rank);
   if (!s.ok()) return ffi::Unexpected(ToFfi(s));
   if (Status d = UseDevice(ordinal); !d.ok()) return ffi::Unexpected(ToFfi(d));
@@ -37,11 +37,10 @@ ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, int64_t han
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
                         ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
-                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, int64_t workspace,
-                        CallOptions options) {
+                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
   auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
   if (shape.has_error()) return shape.error();
-  auto c = Resolve(stream, ordinal, workspace, options);
+  auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
   return ToFfi(Dispatch(c.value(), ToDType(shape->dtype), src.untyped_data(), shape->S, shape->D,
                         slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(), shape->P,
@@ -56,14 +55,14 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> a, int64_t workspace, CallOptions options,
-                            bool transpose_rhs, bool swiglu) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> a, DispatchGemmAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   if (shape->rows.dtype != ffi::DataType::BF16)
     return InvalidCall("dispatch_gemm: src and w must be bfloat16 on CUDA (the wgmma engine)");
-  auto c = Resolve(stream, ordinal, workspace, options);
+  auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckDispatchGemmPlan(*shape, c.value().ws->ranks(), send_order, send_start, seg_rows,
                                            seg_ret_off);
@@ -86,11 +85,11 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> seg_ret_off, ffi::Buffer<ffi::S32> slot_ret_row,
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, CallOptions options,
-                             bool transpose_rhs) {
+                             ffi::Result<ffi::AnyBuffer> slot_out, ExpertCombineAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs;
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
-  auto c = Resolve(stream, ordinal, workspace, options);
+  auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (shape->R != c.value().ws->ranks())
     return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
@@ -104,10 +103,10 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 // exchange_counts (the routing counts of groups spanning processes): the same checks as the CPU handler's.
 ffi::Error ExchangeCountsImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> counts,
                               ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, int64_t workspace, CallOptions options) {
+                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, CallAttrs attrs) {
   auto shape = CheckExchangeCounts(counts, *counts_all);
   if (shape.has_error()) return shape.error();
-  auto c = Resolve(stream, ordinal, workspace, options);
+  auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
   return ToFfi(ExchangeCounts(c.value(), counts.typed_data(), shape->R_src, shape->R_dst, shape->E_local,
                               group_op.typed_data(), rank_op.typed_data(), counts_all->typed_data()));
