@@ -147,9 +147,9 @@ def test_transpose_rhs_python_shape_error():
     combine_fn(c, False)(c.ids, gates, lhs, jnp.swapaxes(w, 1, 2))
 
 
-def _raw_call(lhs, w, n_out, transpose_rhs, info, attrs=None):
+def _raw_call(lhs, w, n_out, transpose_rhs, info, attrs=None, seg_ranks=1):
   """The custom call with no Python-side checks: (y [T, n_out], slot_out [0, n_out]) on device 0 (one rank), with the
-  attributes of `info` updated by `attrs` (None: the attribute left out)."""
+  attributes of `info` updated by `attrs` (None: the attribute left out) and seg_rows [E_local, seg_ranks]."""
   _ffi.register()
   attrs = {k: v for k, v in dict(info.attrs(), **(attrs or {})).items() if v is not None}
   T, k = 4, 2
@@ -158,8 +158,8 @@ def _raw_call(lhs, w, n_out, transpose_rhs, info, attrs=None):
   zeros = lambda *s: jnp.zeros(s, jnp.int32)
   # The CPU handler takes the workspace ordering token first (ordering.py), so the raw call goes through
   # workspace_call rather than a bare ffi_call.
-  return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, 1),
-                        zeros(E_l, 1), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
+  return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, seg_ranks),
+                        zeros(E_l, seg_ranks), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
                         transpose_rhs=np.bool_(transpose_rhs), **attrs)
 
 
@@ -216,5 +216,10 @@ def test_options_and_capacity_are_checked_once_for_every_call():
                      match=r"expert_combine: the call needs rows of 320 B x 16 recv rows and 8 ret rows \(slots\) but "
                            r"the workspace holds rows of 256 B x 16 recv rows and 8 ret rows"):
     run(n_out=80, w=jnp.ones((2, 24, 80), jnp.float32))
+  # seg_rows against the workspace's ranks: after the epoch opened too (the group aborts and recovers).
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"expert_combine: seg_rows must be \[E_local, R\] with R = workspace ranks"):
+    jax.block_until_ready(jax.jit(functools.partial(_raw_call, info=info, seg_ranks=2), static_argnums=(2, 3))(
+        lhs, w, 40, False))
   y, _ = run()
   np.testing.assert_array_equal(y, np.zeros((4, 40), np.float32))

@@ -263,4 +263,10 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
   return s;
 }
 
+// expert_combine's segments against the workspace's R ranks: seg_rows and seg_ret_off [E_local, R].
+inline xla::ffi::Error CheckExpertCombinePlan(const CombineShape& s, int64_t R) {
+  if (s.R != R) return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
+  return xla::ffi::Error::Success();
+}
+
 }  // namespace jmo

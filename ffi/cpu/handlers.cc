@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/bf16.h"
@@ -157,7 +158,7 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   const CallContext c = ctx.value();
   Workspace* ws = c.ws;
   const int R = ws->ranks();
-  if (shape->R != R) return Fail(c, InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
+  if (ffi::Error e = CheckExpertCombinePlan(*shape, R); e.failure()) return Fail(c, std::move(e));
 
   // Segments in (expert, source) order, as the plan laid out recv; then the producer's order.
   std::vector<int64_t> rows_to_rank;

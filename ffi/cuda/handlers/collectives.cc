@@ -91,8 +91,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
-  if (shape->R != c.value().ws->ranks())
-    return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
+  if (ffi::Error e = CheckExpertCombinePlan(*shape, c.value().ws->ranks()); e.failure()) return e;
   return ToFfi(ExpertCombine(c.value(), ToDType(shape->dtype), lhs.untyped_data(), shape->cap, shape->K,
                              w.untyped_data(), shape->E_local, shape->N, transpose_rhs, gates.typed_data(), shape->T,
                              shape->k, seg_rows.typed_data(), seg_ret_off.typed_data(), slot_ret_row.typed_data(),
