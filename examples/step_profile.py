@@ -8,15 +8,23 @@ Parts (``PARTS``):
                   "reference", the routed experts too);
   attention       the ops under the attention scope and cuDNN's fused attention calls: ``jax.nn.dot_product_attention``,
                   forward and backward;
-  rest            everything else: projections, norms, embedding, head, loss, optimizer update, and device work the
-                  HLO does not name (copies without an op).
+  rest            everything else: projections, norms, embedding, head, loss, optimizer update, and device work no
+                  instruction of the step's HLO annotates (copies without an op, a CUDA graph's kernels); the table
+                  says how much of it there is.
+
+Each GPU kernel is attributed to the HLO instruction whose thunk launched it (a cuDNN attention call's kernels to
+its custom call). XLA:GPU command buffers (CUDA graphs) hide that: the kernels of a graph carry only the graph's
+name. So the profiled steps run a jit of their own, compiled with ``compiler_options(platform)``, which turns
+command buffers off for its executable alone (the process's XLA_FLAGS and the other steps' executable keep them).
 
 Device time: on GPUs the kernels and copies on the device planes' streams; on CPU the XLA:CPU thunks on the host
 threads, each without the thunks nested in it (a loop's body counts once). The trace is read back with
 ``jax.profiler.ProfileData`` (part of jaxlib), so nothing beyond JAX is needed.
 
-  profile = step_profile.StepProfile(compiled.as_text(), moe_scope="moe", attention_scope="attention")
-  profile.start(); ...run steps...; profile.stop(steps=3)
+  step = jax.jit(step_fn, compiler_options=step_profile.compiler_options(platform))
+  hlo = step.lower(*args).compile().as_text()      # the executable the steps below run (jit's cache)
+  profile = step_profile.StepProfile(hlo, moe_scope="moe", attention_scope="attention")
+  profile.start(); ...run steps through step...; profile.stop(steps=3)
   print(step_profile.format_table(profile.result(num_devices=4), flops_per_device_step))
 """
 
@@ -43,6 +51,19 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=%]+)\s*=")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _MODULE = re.compile(r"^HloModule\s+([^\s,]+)")
+
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# XLA DebugOptions for the profiled executable on GPUs: an empty list of command-buffer op types, so that no op runs
+# inside a CUDA graph and every kernel carries its own instruction's name. (A compile option naming a repeated field
+# replaces the whole list; "" leaves it empty.)
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def compiler_options(platform: str) -> dict[str, str]:
+  """The ``Lowered.compile(compiler_options=...)`` of a profiled step on devices of ``platform`` (a jax Device's
+  ``.platform``): GPU_COMPILER_OPTIONS on GPUs, none elsewhere (XLA:CPU has no command buffers)."""
+  return dict(GPU_COMPILER_OPTIONS) if platform in GPU_PLATFORMS else {}
 
 
 def _in_scope(op_name: str, scope: str) -> bool:
@@ -92,9 +113,10 @@ def _self_times(events):
 
 def device_time_by_part(data, module: str, parts: dict[str, str]) -> dict:
   """Sums the device time of a ``jax.profiler.ProfileData`` by part: {"ns": {part: ns}, "ops": {part: {op: ns}},
-  "device_planes": the GPU planes with events of the module (0 on CPU), "unnamed_ns": time of GPU events that no
-  HLO op annotates}. Events of other modules than ``module`` are left out. With GPU planes in the trace only they
-  count: the host threads then only launch work."""
+  "device_planes": the GPU planes with events of the module (0 on CPU), "unnamed_ns": time of device events that no
+  instruction of ``parts`` annotates (GPU events without an HLO op, events whose op the HLO text lacks, such as a
+  CUDA graph's); they count as "rest"}. Events of other modules than ``module`` are left out. With GPU planes in the
+  trace only they count: the host threads then only launch work."""
   ns = collections.Counter()
   ops = collections.defaultdict(collections.Counter)
   unnamed, gpu_planes, other_modules = 0, 0, set()
@@ -123,6 +145,8 @@ def device_time_by_part(data, module: str, parts: dict[str, str]) -> dict:
         part = parts.get(op, "rest")
         ns[part] += duration
         ops[part][op] += duration
+        if op not in parts:
+          unnamed += duration
       seen = seen or bool(timed)
     gpu_planes += gpu and seen
   if not ns:
@@ -197,5 +221,6 @@ def format_table(result: dict, flops: dict[str, float] | None = None) -> str:
     ops = "" if part == "busy" else ", ".join(f"{op} {v:.2f}" for op, v in result["top_ops"][part])
     lines.append(f"  {label:44s} {ms:9.2f} {100 * ms / wall:7.1f}% {rate}   {ops}")
   if result["unnamed_ms"]:
-    lines.append(f"  ({result['unnamed_ms']:.2f} ms of the rest are device events no HLO op annotates)")
+    lines.append(f"  ({result['unnamed_ms']:.2f} ms of the rest are device events that no instruction of the step's "
+                 f"HLO annotates)")
   return "\n".join(lines)

@@ -254,7 +254,11 @@ def accumulated_grads(model, tokens, loss_weights, grad_accum):
   return grads, jax.tree.map(lambda m: m.mean(0), metrics)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("grad_accum",), donate_argnums=(2,))
+# train_step's jit: the graph definition, loss weights and microbatch count are static, the state is donated.
+TRAIN_STEP_JIT = {"static_argnums": (0, 1), "static_argnames": ("grad_accum",), "donate_argnums": (2,)}
+
+
+@functools.partial(jax.jit, **TRAIN_STEP_JIT)
 def train_step(graphdef, loss_weights, state, tokens, grad_accum=1):
   """One AdamW step on the split (model, optimizer) state from the (accumulated) gradients of tokens [B, L+1]; returns
   the new state and the step's metrics."""
@@ -464,11 +468,18 @@ def main(argv=None):
       if args.profile_steps < 0 or args.profile_steps >= stop - start:
         raise SystemExit(f"--profile-steps {args.profile_steps}: this run has {stop - start} steps, and the first "
                          f"is not traced")
-      # The compiled step's HLO names the ops the trace times; jit's cache hands the loop this same executable.
+      # The traced steps run a jit of their own, compiled without CUDA graphs (step_profile.compiler_options) so
+      # that each kernel carries its HLO op's name; the other steps keep train_step's executable. Its compiled HLO
+      # text names the ops the trace times; jit's cache hands the traced steps this same executable. A jit, not the
+      # Compiled object, runs them: the step takes an effect token, which jit's dispatch passes on every call and
+      # a Compiled object's fast path (jax 0.11) not after the first.
+      profiled_jit = jax.jit(train_step.__wrapped__, **TRAIN_STEP_JIT,
+                             compiler_options=step_profile.compiler_options(mesh.devices.flat[0].platform))
       batch_type = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32, sharding=sharding)
-      hlo = train_step.lower(graphdef, loss_weights, state, batch_type, grad_accum=args.grad_accum).compile()
+      hlo = profiled_jit.lower(graphdef, loss_weights, state, batch_type, grad_accum=args.grad_accum).compile()
       profile = step_profile.StepProfile(hlo.as_text(), moe_scope=model_lib.MOE_SCOPE,
                                          attention_scope=model_lib.ATTENTION_SCOPE)
+      profiled_step = functools.partial(profiled_jit, graphdef, loss_weights, grad_accum=args.grad_accum)
     traced = range(start + 1, start + 1 + args.profile_steps)   # the steps under the trace
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
     tokens_per_step = args.batch_size * args.seq_len
@@ -500,7 +511,7 @@ def main(argv=None):
                                    sharding)
       if profile is not None and step == traced.start:
         profile.start()
-      state, metrics = run_step(state, batch)
+      state, metrics = (profiled_step if step in traced else run_step)(state, batch)
       loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
       t_now = time.perf_counter()
       if t_prev is not None:

@@ -128,6 +128,51 @@ def test_hlo_parts_follow_scopes_and_targets():
                    "custom-call.4": "attention", "fusion.3": "rest", "copy.1": "rest"}
 
 
+def test_profiled_step_turns_off_command_buffers_only_on_gpus():
+  """The profiled step's executable compiles with XLA:GPU command buffers off on GPUs and with no option elsewhere;
+  XLA's compile-option parser (the same DebugOptions on every backend) takes the GPU options by name and value."""
+  for platform in ("gpu", "cuda", "rocm"):
+    assert step_profile.compiler_options(platform) == {"xla_gpu_enable_command_buffer": ""}
+  assert step_profile.compiler_options("cpu") == {}
+  lowered = jax.jit(lambda x: x * 2.0).lower(jax.numpy.ones(4))
+  assert lowered.compile(compiler_options=step_profile.GPU_COMPILER_OPTIONS) is not None
+  with pytest.raises(Exception, match="not a valid"):   # the value is parsed as the list of op types it is
+    lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": "NO_SUCH_OP_TYPE"})
+
+
+class _Event:
+  def __init__(self, start_ns, end_ns, **stats):
+    self.start_ns, self.end_ns, self.duration_ns, self.stats = start_ns, end_ns, end_ns - start_ns, stats.items()
+
+
+class _Named:
+  def __init__(self, name, **kw):
+    self.name = name
+    self.__dict__.update(kw)
+
+
+def test_device_time_of_ops_the_hlo_lacks_is_counted_as_unnamed():
+  """GPU events are attributed through the HLO's instructions; an event of an op the HLO text lacks (a CUDA graph's
+  kernels carry only the graph's name) or of no op counts as rest and as unnamed, so the table says how much of the
+  device time no instruction explains. Events of other modules and the "XLA Ops" line are left out."""
+  parts = {"custom-call.4": "attention", "ffi_call.1": "routed_experts", "fusion.2": "rest"}
+  m = "jit_train_step"
+  stream = [_Event(0, 100, hlo_module=m, hlo_op="custom-call.4"),      # a cuDNN kernel under its custom call
+            _Event(100, 130, hlo_module=m, hlo_op="ffi_call.1"),
+            _Event(130, 170, hlo_module=m, hlo_op="command_buffer_7"),   # a CUDA graph's kernel
+            _Event(170, 175, hlo_module=m),                              # a copy without an op
+            _Event(175, 185, hlo_module=m, hlo_op="fusion.2"),
+            _Event(185, 999, hlo_module="jit_eval_step", hlo_op="fusion.2")]
+  ops_line = [_Event(0, 185, hlo_module=m, hlo_op="custom-call.4")]
+  data = _Named("data", planes=[_Named("/device:GPU:0", lines=[_Named("Stream #13", events=stream),
+                                                               _Named("XLA Ops", events=ops_line)]),
+                                _Named("/host:CPU", lines=[_Named("python", events=ops_line)])])
+  got = step_profile.device_time_by_part(data, m, parts)
+  assert got["ns"] == {"routed_experts": 30, "moe_other": 0, "attention": 100, "rest": 55}
+  assert got["unnamed_ns"] == 45 and got["device_planes"] == 1
+  assert got["ops"]["rest"] == {"command_buffer_7": 40, "fusion.2": 10}
+
+
 def test_gpu_preset_evaluates_on_the_shipped_text():
   """The README's GPU line (--preset gpu, no --data): the held-out text of the shipped data holds fewer than 32
   windows of 1025 bytes, so the evaluation takes one batch of as many whole windows as divide by the devices; a

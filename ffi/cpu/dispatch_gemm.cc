@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "common/call_signature.h"
+#include "common/dtype.h"
 #include "cpu/call_steps.h"
 #include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
@@ -149,8 +150,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
   const int64_t E_l = shape->E_local, N = shape->N, F = N / 2;
-  const bool bf16 = shape->rows.dtype == ffi::DataType::BF16;
-  const int64_t elem_bytes = ElemBytes(shape->rows.dtype), row_bytes = K * elem_bytes;
+  const bool bf16 = shape->rows.dtype == DType::kBF16;
+  const int64_t elem_bytes = Traits(shape->rows.dtype).elem_bytes, row_bytes = RowBytes(shape->rows.dtype, K);
 
   auto ctx = BeginCall("dispatch_gemm", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
                        CallFootprint{row_bytes, cap, P});

@@ -10,6 +10,7 @@
 
 #include "common/bf16.h"
 #include "common/call_signature.h"
+#include "common/dtype.h"
 #include "common/error_text.h"
 #include "common/workspace_fit.h"
 #include "cpu/call_steps.h"
@@ -45,7 +46,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->S, cap = shape->cap, P = shape->P;
-  const int64_t row_bytes = shape->D * ElemBytes(shape->dtype);
+  const int64_t row_bytes = RowBytes(shape->dtype, shape->D);
 
   auto ctx = BeginCall("dispatch", attrs, group_op.typed_data()[0], rank_op.typed_data()[0],
                        CallFootprint{row_bytes, cap});
@@ -145,11 +146,11 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   const bool transpose_rhs = attrs.transpose_rhs;
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
-  const ffi::DataType dt = shape->dtype;
+  const DType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;
   const int64_t P = shape->P;
   const bool want_slots = shape->want_slots;
-  const int64_t row_bytes = N * ElemBytes(dt);
+  const int64_t row_bytes = RowBytes(dt, N);
 
   // consumer_ctas and the push tuning are CUDA resources (the CPU consumer is one thread per rank): checked, unused.
   auto ctx = BeginCall("expert_combine", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
@@ -189,7 +190,7 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));
 
-  if (dt == ffi::DataType::F32)
+  if (dt == DType::kF32)
     ProduceSegments<float>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
   else
     ProduceSegments<uint16_t>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
@@ -207,7 +208,7 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
     if (ret_row[p] >= ws->sizes().ret_rows)
       return FailInput(c, "expert_combine", kBadRetRow, p, ret_row[p], ws->sizes().ret_rows);
   void* so_ptr = want_slots ? slot_out->untyped_data() : nullptr;
-  if (dt == ffi::DataType::F32)
+  if (dt == DType::kF32)
     CombineRows<float>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);
   else
     CombineRows<uint16_t>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);

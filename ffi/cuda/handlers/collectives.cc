@@ -42,7 +42,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
-  return ToFfi(Dispatch(c.value(), ToDType(shape->dtype), src.untyped_data(), shape->S, shape->D,
+  return ToFfi(Dispatch(c.value(), shape->dtype, src.untyped_data(), shape->S, shape->D,
                         slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(), shape->P,
                         recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
                         out->untyped_data(), shape->cap));
@@ -60,8 +60,6 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
-  if (shape->rows.dtype != ffi::DataType::BF16)
-    return InvalidCall("dispatch_gemm: src and w must be bfloat16 on CUDA (the wgmma engine)");
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckDispatchGemmPlan(*shape, c.value().ws->ranks(), send_order, send_start, seg_rows,
@@ -74,7 +72,7 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                                       shape->keep_a ? a->typed_data() : nullptr};
   // (CheckDispatchGemm refused swiglu with transpose_rhs.)
   const Gemm1Form form = swiglu ? Gemm1Form::kSwiGlu : transpose_rhs ? Gemm1Form::kTransposedRhs : Gemm1Form::kPlain;
-  return ToFfi(DispatchGemm(c.value(), src.untyped_data(), shape->rows.S, shape->rows.D, slots,
+  return ToFfi(DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,
                             recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
                             shape->E_local, w.untyped_data(), shape->N, form, group_op.typed_data(),
                             rank_op.typed_data(), results, shape->rows.cap));
@@ -92,7 +90,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckExpertCombinePlan(*shape, c.value().ws->ranks()); e.failure()) return e;
-  return ToFfi(ExpertCombine(c.value(), ToDType(shape->dtype), lhs.untyped_data(), shape->cap, shape->K,
+  return ToFfi(ExpertCombine(c.value(), shape->dtype, lhs.untyped_data(), shape->cap, shape->K,
                              w.untyped_data(), shape->E_local, shape->N, transpose_rhs, gates.typed_data(), shape->T,
                              shape->k, seg_rows.typed_data(), seg_ret_off.typed_data(), slot_ret_row.typed_data(),
                              ret_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
