@@ -1,8 +1,9 @@
 """One call site of the workspace's custom calls: the workspace, the ``CallConfig``, and what is decided once for them.
 
 ``RankInfo(workspace, config)`` is built once where a layer (or a benchmark) sets up its calls, before tracing, and is
-a static argument of everything after: the call wrappers (``workspace_calls``) read their attributes from it, and the
-differentiable block (``expert_block``) the fusion decision. Built here, once:
+a static argument of everything after: the call wrappers (``workspace_calls``) read their attributes from it
+(``attrs``: the workspace and the call options, the same for every call), and the differentiable block
+(``expert_block``) the fusion decision. Built here, once:
 
 * ``dispatch_pushers``: dispatch_gemm's pushing CTAs, or 0 where the dispatch and GEMM1 run as two calls
   (``dispatch_pushers``, from the config and the facts the workspace's backend returned);
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import engines
-from jax_moe_overlap.config import CallConfig, ConsumerTuning
+from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.workspace_backend import DeviceFacts
 
 # Pushing CTAs of dispatch_gemm where the library chooses (CallConfig.dispatch_pushers = 0), at most one in 8 of the
@@ -65,18 +66,13 @@ class RankInfo:
     return ws.group_index(), jax.lax.axis_index(ws.axis_name).astype(jnp.int32)
 
   def attrs(self) -> dict:
-    """The attributes every workspace call takes."""
-    cfg = self.config
+    """The attributes every workspace call takes: the workspace handle and the call's options, which the handlers of
+    both platforms decode by name into one struct (CallAttrs of ffi/common/call_attrs.h; the options are its
+    CallOptions, ffi/common/call_options.h). The calls' own attributes (transpose_rhs, swiglu) are their wrappers'."""
+    cfg, tuning = self.config, self.config.consumer_tuning
     return dict(workspace=np.int64(self.workspace.handle), timeout_ms=np.int64(cfg.timeout_ms),
-                delay_rank=np.int32(cfg.delay_rank), delay_us=np.int64(cfg.delay_us))
-
-  def combine_attrs(self) -> dict:
-    """expert_combine's attributes: those of every call plus the consumer options."""
-    cfg = self.config
-    return dict(self.attrs(), consumer_ctas=np.int32(cfg.consumer_ctas), serialize=np.int32(1 if cfg.serialize else 0),
-                **_tuning_attrs(cfg.consumer_tuning))
-
-
-def _tuning_attrs(tuning: ConsumerTuning) -> dict:
-  return dict(push_bulk_copy=np.bool_(tuning.bulk_copy), push_slots=np.int32(tuning.slots),
-              push_read_lag=np.int32(tuning.read_lag), push_issuers=np.int32(tuning.issuers))
+                delay_rank=np.int32(cfg.delay_rank), delay_us=np.int64(cfg.delay_us),
+                consumer_ctas=np.int32(cfg.consumer_ctas), serialize=np.bool_(cfg.serialize),
+                push_bulk_copy=np.bool_(tuning.bulk_copy), push_slots=np.int32(tuning.slots),
+                push_read_lag=np.int32(tuning.read_lag), push_issuers=np.int32(tuning.issuers),
+                pushers=np.int32(max(1, self.dispatch_pushers)))

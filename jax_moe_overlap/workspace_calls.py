@@ -126,8 +126,7 @@ def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_ty
   group, rank = info.coords()
   return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
                          plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
-                         plan.seg_rows, plan.seg_ret_off, w, group, rank,
-                         pushers=np.int32(max(1, info.dispatch_pushers)), transpose_rhs=np.bool_(transpose_rhs),
+                         plan.seg_rows, plan.seg_ret_off, w, group, rank, transpose_rhs=np.bool_(transpose_rhs),
                          swiglu=np.bool_(swiglu), **info.attrs())
 
 
@@ -151,4 +150,4 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
                jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
   return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, gates.astype(jnp.float32), plan.seg_rows,
                          plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows, group, rank,
-                         transpose_rhs=np.bool_(transpose_rhs), **info.combine_attrs())
+                         transpose_rhs=np.bool_(transpose_rhs), **info.attrs())

@@ -147,18 +147,20 @@ def test_transpose_rhs_python_shape_error():
     combine_fn(c, False)(c.ids, gates, lhs, jnp.swapaxes(w, 1, 2))
 
 
-def _raw_call(lhs, w, n_out, transpose_rhs, info):
-  """The custom call with no Python-side checks: (y [T, n_out], slot_out [0, n_out]) on device 0 (one rank)."""
+def _raw_call(lhs, w, n_out, transpose_rhs, info, attrs=None, seg_ranks=1):
+  """The custom call with no Python-side checks: (y [T, n_out], slot_out [0, n_out]) on device 0 (one rank), with the
+  attributes of `info` updated by `attrs` (None: the attribute left out) and seg_rows [E_local, seg_ranks]."""
   _ffi.register()
+  attrs = {k: v for k, v in dict(info.attrs(), **(attrs or {})).items() if v is not None}
   T, k = 4, 2
   out_types = (jax.ShapeDtypeStruct((T, n_out), lhs.dtype), jax.ShapeDtypeStruct((0, n_out), lhs.dtype))
   E_l = w.shape[0]
   zeros = lambda *s: jnp.zeros(s, jnp.int32)
   # The CPU handler takes the workspace ordering token first (ordering.py), so the raw call goes through
   # workspace_call rather than a bare ffi_call.
-  return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, 1),
-                        zeros(E_l, 1), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
-                        transpose_rhs=np.bool_(transpose_rhs), **info.combine_attrs())
+  return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, seg_ranks),
+                        zeros(E_l, seg_ranks), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
+                        transpose_rhs=np.bool_(transpose_rhs), **attrs)
 
 
 def test_handler_names_the_shape_problem():
@@ -183,4 +185,41 @@ def test_handler_names_the_shape_problem():
     run(lhs, w_t, 24, True)
   # The failed calls opened no epoch: the next good call runs.
   y, _ = run(lhs, w_t, 40, True)
+  np.testing.assert_array_equal(y, np.zeros((4, 40), np.float32))
+
+
+def test_options_and_capacity_are_checked_once_for_every_call():
+  """The call's attributes are read by name into one struct (every one, nothing else) and its options checked before
+  the call opens an epoch; a call larger than the workspace fails its epoch and the next call recovers."""
+  mesh = mesh_of(1)
+  sizes = WorkspaceSizes(row_bytes=64 * 4, recv_rows=16, ret_rows=8, num_segments=2)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig(timeout_ms=5000))
+  lhs, w = jnp.ones((16, 24), jnp.float32), jnp.ones((2, 24, 40), jnp.float32)
+
+  def run(attrs=None, n_out=40, lhs=lhs, w=w):
+    f = functools.partial(_raw_call, info=info, attrs=attrs)
+    return jax.block_until_ready(jax.jit(f, static_argnums=(2, 3))(lhs, w, n_out, False))
+
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"the call's attributes lack \(or mistype\) pushers"):
+    run(dict(pushers=None))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"the call's attributes lack \(or mistype\) consumer_ctas"):
+    run(dict(consumer_ctas=np.int64(0)))
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"the call's attributes hold pushers_typo, which it does not take"):
+    run(dict(pushers_typo=np.int32(1)))
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"expert_combine: pushers must be >= 1 \(dispatch_gemm's pushing CTAs; no effect on CPU\), "
+                           r"got 0"):
+    run(dict(pushers=np.int32(0)))
+  # 80 float32 columns: 320 B rows in a workspace of 256 B rows.
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"expert_combine: the call needs rows of 320 B x 16 recv rows and 8 ret rows \(slots\) but "
+                           r"the workspace holds rows of 256 B x 16 recv rows and 8 ret rows"):
+    run(n_out=80, w=jnp.ones((2, 24, 80), jnp.float32))
+  # seg_rows against the workspace's ranks: after the epoch opened too (the group aborts and recovers).
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"expert_combine: seg_rows must be \[E_local, R\] with R = workspace ranks"):
+    jax.block_until_ready(jax.jit(functools.partial(_raw_call, info=info, seg_ranks=2), static_argnums=(2, 3))(
+        lhs, w, 40, False))
+  y, _ = run()
   np.testing.assert_array_equal(y, np.zeros((4, 40), np.float32))

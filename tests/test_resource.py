@@ -253,12 +253,12 @@ def test_pinned_count_checked_against_the_sm_budget():
   # Checked once, when the call site is set up (RankInfo), before anything is traced.
   gpu = types.SimpleNamespace(handle=1, ranks=2, device=DeviceFacts(compute_capability=(9, 0), sm_budget=33,
                                                                      consumer_policy="test", calibration=None))
-  attrs = RankInfo(gpu, CallConfig(consumer_ctas=32, serialize=True)).combine_attrs()
-  assert attrs["consumer_ctas"] == 32 and attrs["serialize"] == 1 and attrs["consumer_ctas"].dtype == np.int32
+  attrs = RankInfo(gpu, CallConfig(consumer_ctas=32, serialize=True)).attrs()
+  assert attrs["consumer_ctas"] == 32 and attrs["consumer_ctas"].dtype == np.int32
+  assert attrs["serialize"] == np.bool_(True) and attrs["serialize"].dtype == np.bool_
   with pytest.raises(ValueError, match=r"consumer_ctas=33 leaves no producer CTA: .* SM budget of 33 CTAs, so pin C "
                                        r"in \[1, 32\]"):
     RankInfo(gpu, CallConfig(consumer_ctas=33))
-  assert "consumer_ctas" not in RankInfo(gpu, CallConfig()).attrs()  # dispatch takes no consumer options
 
 
 def _run(config, impl="overlap"):

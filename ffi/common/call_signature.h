@@ -8,19 +8,11 @@
 #include <string>
 #include <utility>
 
+#include "common/call_attrs.h"
 #include "common/dtype.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo {
-
-// Attributes common to both calls: the workspace handle, the wait bound and the testing delay.
-template <typename Binding>
-auto BindCallAttrs(Binding b) {
-  return std::move(b).template Attr<int64_t>("workspace")
-      .template Attr<int64_t>("timeout_ms")
-      .template Attr<int32_t>("delay_rank")
-      .template Attr<int64_t>("delay_us");
-}
 
 // The operands a dispatch starts with: src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1:
 // dropped), recv_rows_expected [].
@@ -35,13 +27,15 @@ auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be m
 }
 
 // dispatch(dispatch rows (above), group [], rank []) -> recv [cap, D]
+// Attributes: those of every call (CallAttrs, call_attrs.h).
 template <typename Binding>
 auto BindDispatch(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(BindDispatchRows(std::move(b))
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::AnyBuffer>());
+  return BindDispatchRows(std::move(b))
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attrs<CallAttrs>();
 }
 
 // dispatch_gemm(dispatch rows (above), send_order [P], send_start [R + 1], seg_rows [E_local, R],
@@ -54,57 +48,47 @@ auto BindDispatch(Binding b) {
 //   swiglu = true (GEMM1 of the expert MLP; not with transpose_rhs): N = 2F, out = h [cap, F] in src's dtype =
 //     silu(pre[:, :F]) * pre[:, F:] of the float32 preactivation pre = recv[segment] @ w[expert]; a [cap, 2F]
 //     float32 = pre (kept for the backward pass) or [0, 2F] (not kept).
-// Rows past the kept ones are zero in every result. Attributes: those of every call, then pushers (int32 >= 1: CUDA
-// CTAs that push first, then join the GEMM; no effect on CPU), transpose_rhs (bool) and swiglu (bool).
+// Rows past the kept ones are zero in every result. Attributes (DispatchGemmAttrs): those of every call (its pushing
+// CTAs are CallOptions::pushers), then transpose_rhs (bool) and swiglu (bool).
 template <typename Binding>
 auto BindDispatchGemm(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(BindDispatchRows(std::move(b))
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::AnyBuffer>()
-                           .template Ret<ffi::AnyBuffer>()
-                           .template Ret<ffi::Buffer<ffi::F32>>())
-      .template Attr<int32_t>("pushers")
-      .template Attr<bool>("transpose_rhs")
-      .template Attr<bool>("swiglu");
+  return BindDispatchRows(std::move(b))
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attrs<DispatchGemmAttrs>();
 }
 
 // expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), gates [T, k] f32,
 //                seg_rows [E_local, R], seg_ret_off [E_local, R], slot_ret_row [T*k] (-1: dropped),
 //                ret_rows_expected [], group [], rank [])
 //   -> y [T, N], slot_out [T*k or 0, N]
-// Attributes: those of every call, then consumer_ctas (int32: 0 = the resource manager's choice, > 0 = pinned),
-// serialize (int32: 1 = the consumer starts only after the producer has finished every tile), transpose_rhs
-// (bool: w is [E_local, N, K] and the producer reads w[e]^T in place, as jmo_grouped_matmul's transpose_rhs: the
-// input gradient dy @ W^T without a transposed copy of W), and how the CUDA consumer pushes (ConsumerTuning of
-// cuda/api.h: push_bulk_copy bool, push_slots, push_read_lag, push_issuers int32; the CPU handler ignores them).
+// Attributes (ExpertCombineAttrs): those of every call (its consumer is CallOptions' consumer_ctas, serialize and
+// tuning), then transpose_rhs (bool: w is [E_local, N, K] and the producer reads w[e]^T in place, as
+// jmo_grouped_matmul's transpose_rhs: the input gradient dy @ W^T without a transposed copy of W).
 template <typename Binding>
 auto BindExpertCombine(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(std::move(b).template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::AnyBuffer>()
-                           .template Arg<ffi::Buffer<ffi::F32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::AnyBuffer>()
-                           .template Ret<ffi::AnyBuffer>())
-      .template Attr<int32_t>("consumer_ctas")
-      .template Attr<int32_t>("serialize")
-      .template Attr<bool>("transpose_rhs")
-      .template Attr<bool>("push_bulk_copy")
-      .template Attr<int32_t>("push_slots")
-      .template Attr<int32_t>("push_read_lag")
-      .template Attr<int32_t>("push_issuers");
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attrs<ExpertCombineAttrs>();
 }
 
 // exchange_counts(counts [R_dst, E_local] int32, group [], rank []) -> counts_all [R_src, R_dst, E_local] int32
@@ -112,25 +96,15 @@ auto BindExpertCombine(Binding b) {
 template <typename Binding>
 auto BindExchangeCounts(Binding b) {
   namespace ffi = xla::ffi;
-  return BindCallAttrs(std::move(b).template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Arg<ffi::Buffer<ffi::S32>>()
-                           .template Ret<ffi::Buffer<ffi::S32>>());
+  return std::move(b).template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Attrs<CallAttrs>();
 }
 
 inline xla::ffi::Error InvalidCall(const std::string& msg) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
-}
-
-// The per-call consumer options, checked the same way by every platform's handler (ExpertCombine on CUDA checks C
-// against the rank's SM budget, which only it knows).
-inline xla::ffi::Error CheckCombineOptions(int32_t consumer_ctas, int32_t serialize) {
-  if (consumer_ctas < 0)
-    return InvalidCall("expert_combine: consumer_ctas must be 0 (the resource manager's choice) or a positive CTA "
-                       "count, got " + std::to_string(consumer_ctas));
-  if (serialize != 0 && serialize != 1)
-    return InvalidCall("expert_combine: serialize must be 0 or 1, got " + std::to_string(serialize));
-  return xla::ffi::Error::Success();
 }
 
 // The library's dtype (common/dtype.h) of an XLA element type: nullopt for the types no call takes, which every
@@ -296,6 +270,12 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
       seg_ret_off.element_count() != seg_rows.element_count())
     return Unexpected(InvalidCall("expert_combine: slot arrays must have T*k rows"));
   return s;
+}
+
+// expert_combine's segments against the workspace's R ranks: seg_rows and seg_ret_off [E_local, R].
+inline xla::ffi::Error CheckExpertCombinePlan(const CombineShape& s, int64_t R) {
+  if (s.R != R) return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
+  return xla::ffi::Error::Success();
 }
 
 }  // namespace jmo

@@ -1,5 +1,6 @@
 #include "cpu/call_steps.h"
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -11,8 +12,10 @@ namespace ffi = xla::ffi;
 
 namespace jmo::cpu {
 
-ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank, int64_t timeout_ms,
-                                    int32_t delay_rank, int64_t delay_us) {
+ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int32_t group, int32_t rank,
+                                    const CallFootprint& need) {
+  const int64_t handle = attrs.workspace;
+  const CallOptions& opts = attrs.options;
   Workspace* ws = LookupWorkspace(handle);
   if (ws == nullptr)
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -22,16 +25,27 @@ ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank,
     return ffi::Unexpected(InvalidCall("rank " + std::to_string(rank) + " / group " + std::to_string(group) +
                                    " outside the workspace's " + std::to_string(ws->ranks()) + " ranks x " +
                                    std::to_string(ws->groups()) + " groups"));
-  if (delay_rank == rank && delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-  CallContext c{ws, group, rank, 0, Clock::now() + std::chrono::milliseconds(timeout_ms)};
+  if (std::string bad = CheckOptions(opts); !bad.empty())
+    return ffi::Unexpected(InvalidCall(std::string(op) + ": " + bad));
+  if (opts.delay_rank == rank && opts.delay_us > 0)
+    std::this_thread::sleep_for(std::chrono::microseconds(opts.delay_us));
+  CallContext c{ws, group, rank, opts, 0, Clock::now() + std::chrono::milliseconds(opts.timeout_ms)};
   ErrorRecord rec = ws->RecoverIfAborted(group, rank, c.deadline);
   if (rec.code)
-    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                                      FormatError("recover", rec, group, ws->ranks(), timeout_ms, ws->shared(group))));
+    return ffi::Unexpected(
+        ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                   FormatError("recover", rec, group, ws->ranks(), opts.timeout_ms, ws->shared(group))));
   RankControl* ctl = ws->view(group, rank).control();
   c.epoch = ctl->calls.value + 1;  // only this rank writes `calls`
   AtomicStore(&ctl->calls.value, c.epoch);
+  // The CPU handlers keep their segments in vectors: no segment bound.
+  if (std::string bad = CheckFits(need, ws->sizes(), ws->ranks(), INT64_MAX); !bad.empty())
+    return ffi::Unexpected(Fail(c, InvalidCall(std::string(op) + ": " + bad)));
   return c;
+}
+
+ErrorRecord WaitFor(const CallContext& c, const uint64_t* word, uint64_t base, uint64_t count, int peer, Stage stage) {
+  return c.ws->WaitAtLeast(word, base, count, c.group, c.rank, peer, c.epoch, stage, c.deadline, c.opts.timeout_ms);
 }
 
 ffi::Error Fail(const CallContext& c, ffi::Error err, BadInput detail, uint64_t peer, uint64_t got,
@@ -48,8 +62,9 @@ ffi::Error FailInput(const CallContext& c, const char* op, BadInput detail, uint
               expected);
 }
 
-ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c, int64_t timeout_ms) {
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, FormatError(op, e, c.group, c.ws->ranks(), timeout_ms, c.ws->shared(c.group)));
+ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c) {
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                    FormatError(op, e, c.group, c.ws->ranks(), c.opts.timeout_ms, c.ws->shared(c.group)));
 }
 
 ffi::Error CheckSlots(const CallContext& c, const char* op, const int32_t* src_row, const int32_t* dst_rank,
@@ -94,13 +109,12 @@ ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const char
 }
 
 ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
-                       void* out, int64_t timeout_ms) {
+                       void* out) {
   RankView self = c.ws->view(c.group, c.rank);
   RankControl* ctl = self.control();
   const uint64_t base = ctl->recv_expected.value;
-  ErrorRecord e = c.ws->WaitAtLeast(&ctl->recv_arrivals.value, base, expected, c.group, c.rank, c.ws->ranks(),
-                                    c.epoch, kStageRecvArrivals, c.deadline, timeout_ms);
-  if (e.code) return TimeoutError(op, e, c, timeout_ms);
+  ErrorRecord e = WaitFor(c, &ctl->recv_arrivals.value, base, expected, c.ws->ranks(), kStageRecvArrivals);
+  if (e.code) return TimeoutError(op, e, c);
   ctl->recv_expected.value = base + expected;
   if (out != nullptr) {
     char* o = static_cast<char*>(out);

@@ -6,23 +6,35 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/call_attrs.h"
+#include "common/call_options.h"
+#include "common/workspace_fit.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo::cpu {
 
+// One call of a rank, as the CUDA launchers' CallSite: where it runs, its options, and the epoch it opened with the
+// deadline of its waits (now + opts.timeout_ms at its start).
 struct CallContext {
   Workspace* ws;
   int group, rank;
+  CallOptions opts;
   uint64_t epoch;
   Clock::time_point deadline;
 };
 
-// Common start of every call: resolve the workspace, check rank/group, apply the test delay, recover from an
-// earlier abort, and open the epoch.
-xla::ffi::ErrorOr<CallContext> BeginCall(int64_t handle, int32_t group, int32_t rank, int64_t timeout_ms,
-                                         int32_t delay_rank, int64_t delay_us);
+// Common start of every call: resolve the workspace (attrs.workspace), check rank/group and the options (CheckOptions: like a shape
+// error, a refusal before the epoch, which leaves the group as it was), apply the test delay, recover from an earlier
+// abort and open the epoch; then check that `need` fits the workspace (CheckFits), failing the epoch (Fail) if not,
+// so the peers give up at once.
+xla::ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int32_t group, int32_t rank,
+                                         const CallFootprint& need);
+
+// Bounded wait of the call until *word >= base + count (Workspace::WaitAtLeast with the call's rank, epoch and
+// deadline): `peer` and `stage` name what it waits for in the error record.
+ErrorRecord WaitFor(const CallContext& c, const uint64_t* word, uint64_t base, uint64_t count, int peer, Stage stage);
 
 // A call that fails validation after its epoch began must not leave its peers waiting for rows that will never
 // come: record the failure (`detail`, `peer`, `got`, `expected` as protocol.h's BadInput describes them) and raise
@@ -35,7 +47,7 @@ xla::ffi::Error FailInput(const CallContext& c, const char* op, BadInput detail,
                           uint64_t expected);
 
 // The error of a failed wait (its record), for op.
-xla::ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c, int64_t timeout_ms);
+xla::ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c);
 
 // Every slot of a dispatch before any row moves: a valid expert id, and a kept slot's destination rank, recv row
 // (< cap) and source row (< S) in range. Dropped and skipped slots (dest row -1) are not moved.
@@ -55,6 +67,6 @@ xla::ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const
 // the caller does not keep the rows (dispatch_gemm without x_recv); every step but the copy still runs, since the
 // counters and done_epoch are what the next call of this rank and its peers' pushes wait on.
 xla::ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
-                            void* out, int64_t timeout_ms);
+                            void* out);
 
 }  // namespace jmo::cpu

@@ -27,7 +27,7 @@
 //             and no source adds again before this rank's done_epoch of this call. Then the end of a dispatch
 //             (recv -> x_recv when kept, done_epoch); without x_recv every step of it but the copy.
 // Every rank pushes all its rows before it waits for any, so no rank waits on a rank that is waiting on it: the waits
-// end with one thread per rank. `pushers` sizes the CUDA launch and has no effect here (checked, unused).
+// end with one thread per rank. CallOptions::pushers sizes the CUDA launch and has no effect here (checked, unused).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -143,20 +143,18 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> a_out, int64_t workspace, int64_t timeout_ms,
-                            int32_t delay_rank, int64_t delay_us, int32_t pushers, bool transpose_rhs, bool swiglu) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> a_out, DispatchGemmAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a_out,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
-  if (pushers < 1)
-    return InvalidCall("dispatch_gemm: pushers must be >= 1 (it selects this call; on CPU it has no other effect), "
-                       "got " + std::to_string(pushers));
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
   const int64_t E_l = shape->E_local, N = shape->N, F = N / 2;
   const bool bf16 = shape->rows.dtype == DType::kBF16;
   const int64_t elem_bytes = Traits(shape->rows.dtype).elem_bytes, row_bytes = RowBytes(shape->rows.dtype, K);
 
-  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  auto ctx = BeginCall("dispatch_gemm", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
+                       CallFootprint{row_bytes, cap, P});
   if (ctx.has_error()) return ctx.error();
   const CallContext c = ctx.value();
   Workspace* ws = c.ws;
@@ -166,11 +164,6 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   if (R > kMaxSourceCounters)
     return Fail(c, InvalidCall("dispatch_gemm: " + std::to_string(R) + " ranks exceed the workspace's " +
                                std::to_string(kMaxSourceCounters) + " src_blocks sources"));
-  if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows || P > ws->sizes().ret_rows)
-    return Fail(c, InvalidCall("dispatch_gemm: call needs rows of " + std::to_string(row_bytes) + " B x " +
-                               std::to_string(cap) + " and " + std::to_string(P) + " slots but the workspace holds " +
-                               std::to_string(ws->sizes().row_bytes) + " B x " + std::to_string(ws->sizes().recv_rows) +
-                               " and " + std::to_string(ws->sizes().ret_rows)));
   const SendPlan sp{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
                     send_order.typed_data(), send_start.typed_data(), P};
   const int64_t expected = recv_rows_expected.typed_data()[0];
@@ -193,9 +186,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   int64_t rounds = 0;
   for (int i = 1; i < R; ++i) {
     const int d = (c.rank + i) % R;
-    ErrorRecord e = ws->WaitAtLeast(&ws->view(c.group, d).control()->done_epoch.value, 0, c.epoch - 1, c.group,
-                                    c.rank, d, c.epoch, kStagePeerReady, c.deadline, timeout_ms);
-    if (e.code) return TimeoutError("dispatch_gemm", e, c, timeout_ms);
+    ErrorRecord e = WaitFor(c, &ws->view(c.group, d).control()->done_epoch.value, 0, c.epoch - 1, d, kStagePeerReady);
+    if (e.code) return TimeoutError("dispatch_gemm", e, c);
     int64_t f, end;
     DestBlocks(sp, d, &f, &end);
     rounds = std::max(rounds, end - f);
@@ -234,9 +226,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
       const int64_t hi = std::min<int64_t>(t.r0 + t.rows, x.recv_off + x.rows);
       for (int64_t pos = x.ret_off + (lo - x.recv_off), J = pos / kSrcBlockRows;
            hi > lo && J <= (pos + (hi - lo) - 1) / kSrcBlockRows; ++J) {
-        ErrorRecord e = ws->WaitAtLeast(&blocks[s * nb + J], 0, BlockRows(segs, R, E_l, s, J), c.group, c.rank, s,
-                                        c.epoch, kStageSrcBlock, c.deadline, timeout_ms);
-        if (e.code) return TimeoutError("dispatch_gemm", e, c, timeout_ms);
+        ErrorRecord e = WaitFor(c, &blocks[s * nb + J], 0, BlockRows(segs, R, E_l, s, J), s, kStageSrcBlock);
+        if (e.code) return TimeoutError("dispatch_gemm", e, c);
       }
     }
     float* tile = product != nullptr ? product + t.r0 * N : tile_scratch.data();
@@ -261,7 +252,7 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
       AtomicStore(&blocks[s * nb + J], 0);
   }
   return EndDispatch(c, "dispatch_gemm", expected, cap, row_bytes,
-                     shape->keep_recv ? x_recv->untyped_data() : nullptr, timeout_ms);
+                     shape->keep_recv ? x_recv->untyped_data() : nullptr);
 }
 
 }  // namespace

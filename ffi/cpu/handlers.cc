@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/bf16.h"
 #include "common/call_signature.h"
 #include "common/dtype.h"
 #include "common/error_text.h"
+#include "common/workspace_fit.h"
 #include "cpu/call_steps.h"
 #include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
@@ -37,25 +39,21 @@ struct Elem<uint16_t> {
 // ---------------------------------------------------------------------------------------------------------------
 // dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out.
 
-ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
-                        ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
-                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                        ffi::Result<ffi::AnyBuffer> out, int64_t workspace, int64_t timeout_ms, int32_t delay_rank,
-                        int64_t delay_us) {
+ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
+                        ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
+                        ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
+                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
   auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->S, cap = shape->cap, P = shape->P;
   const int64_t row_bytes = RowBytes(shape->dtype, shape->D);
 
-  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  auto ctx = BeginCall("dispatch", attrs, group_op.typed_data()[0], rank_op.typed_data()[0],
+                       CallFootprint{row_bytes, cap});
   if (ctx.has_error()) return ctx.error();
-  CallContext c = ctx.value();
+  const CallContext c = ctx.value();
   Workspace* ws = c.ws;
   const int R = ws->ranks();
-  if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows)
-    return Fail(c, InvalidCall("dispatch: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
-                   " but the workspace holds " + std::to_string(ws->sizes().row_bytes) + " B x " +
-                   std::to_string(ws->sizes().recv_rows)));
   const int32_t* src_row = slot_src_row.typed_data();
   const int32_t* dst_rank = slot_dest_rank.typed_data();
   const int32_t* dst_row = slot_dest_row.typed_data();
@@ -68,9 +66,8 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   for (int i = 1; i <= R; ++i) {
     const int d = (c.rank + i) % R;
     RankView peer = ws->view(c.group, d);
-    ErrorRecord e = ws->WaitAtLeast(&peer.control()->done_epoch.value, 0, c.epoch - 1, c.group, c.rank, d, c.epoch,
-                                    kStagePeerReady, c.deadline, timeout_ms);
-    if (e.code) return TimeoutError("dispatch", e, c, timeout_ms);
+    ErrorRecord e = WaitFor(c, &peer.control()->done_epoch.value, 0, c.epoch - 1, d, kStagePeerReady);
+    if (e.code) return TimeoutError("dispatch", e, c);
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
       if (dst_row[p] < 0 || dst_rank[p] != d) continue;
@@ -80,7 +77,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
   }
 
-  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), timeout_ms);
+  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -140,33 +137,29 @@ void CombineRows(const RankView& self, const float* gates, const int32_t* slot_r
   }
 }
 
-ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> gates,
-                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off,
-                             ffi::Buffer<ffi::S32> slot_ret_row, ffi::Buffer<ffi::S32> ret_rows_expected,
-                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace,
-                             int64_t timeout_ms, int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas,
-                             int32_t serialize, bool transpose_rhs, bool /*push_bulk_copy*/,
-                             int32_t /*push_slots*/, int32_t /*push_read_lag*/, int32_t /*push_issuers*/) {
+ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::S32> seg_rows,
+                             ffi::Buffer<ffi::S32> seg_ret_off, ffi::Buffer<ffi::S32> slot_ret_row,
+                             ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
+                             ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::AnyBuffer> slot_out, ExpertCombineAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs;
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
-  // consumer_ctas and the push tuning are CUDA resources (the CPU consumer is one thread per rank): checked, unused.
-  if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
   const DType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;
   const int64_t P = shape->P;
   const bool want_slots = shape->want_slots;
   const int64_t row_bytes = RowBytes(dt, N);
 
-  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  // consumer_ctas and the push tuning are CUDA resources (the CPU consumer is one thread per rank): checked, unused.
+  auto ctx = BeginCall("expert_combine", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
+                       CallFootprint{row_bytes, cap, P, E_l});
   if (ctx.has_error()) return ctx.error();
-  CallContext c = ctx.value();
+  const CallContext c = ctx.value();
   Workspace* ws = c.ws;
   const int R = ws->ranks();
-  if (shape->R != R) return Fail(c, InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks"));
-  if (row_bytes > ws->sizes().row_bytes || cap > ws->sizes().recv_rows || P > ws->sizes().ret_rows)
-    return Fail(c, InvalidCall("expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) +
-                   ", cap " + std::to_string(cap) + ", slots " + std::to_string(P) + ")"));
+  if (ffi::Error e = CheckExpertCombinePlan(*shape, R); e.failure()) return Fail(c, std::move(e));
 
   // Segments in (expert, source) order, as the plan laid out recv; then the producer's order.
   std::vector<int64_t> rows_to_rank;
@@ -192,8 +185,8 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   job.segments = ordered;
   job.row_bytes = row_bytes;
   job.deadline = c.deadline;
-  job.timeout_ms = timeout_ms;
-  job.serialize = serialize != 0;
+  job.timeout_ms = c.opts.timeout_ms;
+  job.serialize = c.opts.serialize;
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));
 
@@ -205,11 +198,10 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   RankControl* ctl = self.control();
   const uint64_t base = ctl->ret_expected.value;
   const int64_t expected = ret_rows_expected.typed_data()[0];
-  ErrorRecord e = ws->WaitAtLeast(&ctl->ret_arrivals.value, base, expected, c.group, c.rank, R, c.epoch,
-                                  kStageRetArrivals, c.deadline, timeout_ms);
+  ErrorRecord e = WaitFor(c, &ctl->ret_arrivals.value, base, expected, R, kStageRetArrivals);
   ErrorRecord ce = consumer.Join();  // always join: the next call must not start while it still reads stage
-  if (e.code) return TimeoutError("expert_combine", e, c, timeout_ms);
-  if (ce.code) return TimeoutError("expert_combine", ce, c, timeout_ms);
+  if (e.code) return TimeoutError("expert_combine", e, c);
+  if (ce.code) return TimeoutError("expert_combine", ce, c);
   ctl->ret_expected.value = base + expected;
   const int32_t* ret_row = slot_ret_row.typed_data();
   for (int64_t p = 0; p < P; ++p)
@@ -231,28 +223,24 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
 
 ffi::Error ExchangeCountsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Buffer<ffi::S32> counts,
                               ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, int64_t workspace, int64_t timeout_ms,
-                              int32_t delay_rank, int64_t delay_us) {
+                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, CallAttrs attrs) {
   auto shape = CheckExchangeCounts(counts, *counts_all);
   if (shape.has_error()) return shape.error();
-  auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
+  auto ctx = BeginCall("exchange_counts", attrs, group_op.typed_data()[0], rank_op.typed_data()[0], CallFootprint{});
   if (ctx.has_error()) return ctx.error();
-  CallContext c = ctx.value();
+  const CallContext c = ctx.value();
   Workspace* ws = c.ws;
   const int R = ws->ranks();
   const int64_t n = counts.element_count();
-  if (shape->R_src != R || shape->R_dst != R || n > ws->count_values())
-    return Fail(c, InvalidCall("exchange_counts: counts_all [" + std::to_string(shape->R_src) + ", " +
-                               std::to_string(shape->R_dst) + ", " + std::to_string(shape->E_local) +
-                               "] does not fit the workspace (" + std::to_string(R) + " ranks, at most " +
-                               std::to_string(ws->count_values()) + " counts per rank)"));
+  if (std::string bad = CheckCountsFit(shape->R_src, shape->R_dst, shape->E_local, R, ws->count_values());
+      !bad.empty())
+    return Fail(c, InvalidCall("exchange_counts: " + bad));
 
   // 1. Every peer has finished reading the board in the previous call.
   for (int i = 1; i < R; ++i) {
     const int d = (c.rank + i) % R;
-    ErrorRecord e = ws->WaitAtLeast(&ws->view(c.group, d).control()->done_epoch.value, 0, c.epoch - 1, c.group,
-                                    c.rank, d, c.epoch, kStagePeerReady, c.deadline, timeout_ms);
-    if (e.code) return TimeoutError("exchange_counts", e, c, timeout_ms);
+    ErrorRecord e = WaitFor(c, &ws->view(c.group, d).control()->done_epoch.value, 0, c.epoch - 1, d, kStagePeerReady);
+    if (e.code) return TimeoutError("exchange_counts", e, c);
   }
   // 2. Publish this rank's counts.
   CountSlot* mine = ws->count_slot(c.group, c.rank);
@@ -262,9 +250,8 @@ ffi::Error ExchangeCountsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Buffer<f
   int32_t* out = counts_all->typed_data();
   for (int s = 0; s < R; ++s) {
     const CountSlot* slot = ws->count_slot(c.group, s);
-    ErrorRecord e = ws->WaitAtLeast(&slot->stamp.value, 0, c.epoch, c.group, c.rank, s, c.epoch, kStageCounts,
-                                    c.deadline, timeout_ms);
-    if (e.code) return TimeoutError("exchange_counts", e, c, timeout_ms);
+    ErrorRecord e = WaitFor(c, &slot->stamp.value, 0, c.epoch, s, kStageCounts);
+    if (e.code) return TimeoutError("exchange_counts", e, c);
     std::memcpy(out + s * n, slot->values, n * sizeof(int32_t));
   }
   // 4. Done reading: peers may publish the next epoch's counts.

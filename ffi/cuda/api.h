@@ -13,38 +13,15 @@
 #include <cstdint>
 #include <string>
 
+#include "common/call_options.h"
 #include "common/dtype.h"
 #include "cuda/gemm/engine.h"
 #include "cuda/workspace/workspace.h"
 
 namespace jmo::cuda {
 
-// How expert_combine's consumer CTAs push their bands (the tuning attributes of a call; CallConfig in Python checks
-// the ranges). The defaults are the ones the shipped calibration describes.
-struct ConsumerTuning {
-  bool bulk_copy = true;      // TMA bulk copies on sm_90 (transport/bulk_push.cuh); false: CopyBand (16-byte copies)
-  int32_t push_slots = 12;    // ring slots of one issuing thread (2..kPushMaxSlots; the launch's smem may give fewer)
-  int32_t push_read_lag = 4;  // bulk stores that may still read their slot (1..16; below the slots)
-  int32_t push_issuers = 4;   // issuing threads per consumer CTA, one ring each (1..8): one thread's rate is bounded
-};
-
-struct CallOptions {
-  int64_t timeout_ms = 10000;
-  int32_t delay_rank = -1;  // testing aid: this rank spins delay_us on its device at the start of every call
-  int64_t delay_us = 0;
-  // expert_combine only. consumer_ctas: 0 = the resource manager's choice (the workspace's model evaluated on the
-  // device from the call's routed counts, or its fixed count without a model); > 0 = pinned (never negative; must
-  // leave a producer CTA: at most the rank's SM budget - 1). serialize: the consumer starts pushing only after the
-  // producer has finished every tile (the "same kernels, no overlap" baseline).
-  int32_t consumer_ctas = 0;
-  bool serialize = false;
-  ConsumerTuning tuning;
-  // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
-  // paces every push to another rank (dispatch, dispatch_gemm) so that a rank's pushing CTAs together move at most this
-  // many GB/s, as over a link of that bandwidth. Never set by the library's Python API (0: no pacing).
-  double emulated_link_gbps = 0;
-};
-
+// One call of a rank: where it runs, and its options (jmo::CallOptions, common/call_options.h: one struct for both
+// platforms).
 struct CallSite {
   Workspace* ws;
   int group, rank;
@@ -65,24 +42,27 @@ struct DispatchSlots {
   int64_t P;
 };
 
+// What dispatch_gemm's GEMM1 computes: pre = recv[segment] @ w[expert] with w [E_l, D, N] (kPlain) or [E_l, N, D]
+// read transposed in place (kTransposedRhs), or GEMM1 of the expert MLP with its SwiGLU epilogue (kSwiGlu: w
+// [E_l, D, 2F]; the epilogue has no transposed form).
+enum class Gemm1Form { kPlain, kTransposedRhs, kSwiGlu };
+
 // dispatch_gemm's results (all device pointers; rows past *recv_expected are zero in each).
 struct DispatchGemmOut {
   void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
-  void* out;     // swiglu: h [cap, N / 2] in src's dtype = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32
-  float* a;      // swiglu: pre [cap, N] float32, or nullptr: not kept (must be nullptr without swiglu)
-  bool swiglu;   // GEMM1's SwiGLU epilogue (not with transpose_rhs)
+  void* out;     // kSwiGlu: h [cap, N / 2] in src's dtype = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32
+  float* a;      // kSwiGlu: pre [cap, N] float32, or nullptr: not kept (must be nullptr in the other forms)
 };
 
-// dispatch_gemm: the dispatch (as Dispatch) and GEMM1 pre = recv[segment] @ w[expert] (w [E_l, D, N] in src's dtype,
-// or [E_l, N, D] read transposed in place with transpose_rhs) in one launch, each GEMM1 tile starting once the
-// 128-row blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says, bitwise those of
-// Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. `pushers` CTAs push the rows for other ranks, then copy
-// x_recv and zero the padding rows beside the GEMM, then join it (1 .. SM budget - 1). The wgmma engine only: an
-// InvalidArgument error naming its rule where it does not run the device or take the operands.
+// dispatch_gemm: the dispatch (as Dispatch) and GEMM1 (w in src's dtype, in `form`) in one launch, each GEMM1 tile
+// starting once the 128-row blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says,
+// bitwise those of Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. c.opts.pushers CTAs push the rows for other
+// ranks, then copy x_recv and zero the padding rows beside the GEMM, then join it (1 .. SM budget - 1). The wgmma
+// engine only: an InvalidArgument error naming its rule where it does not run the device or take the operands.
 Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
-                    const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
-                    const DispatchGemmOut& out, int64_t cap, int pushers);
+                    const void* w, int64_t N, Gemm1Form form, const int32_t* group_op, const int32_t* rank_op,
+                    const DispatchGemmOut& out, int64_t cap);
 
 // expert_combine: producer = grouped GEMM lhs[segment] @ w[expert] over the (expert, source) segments in
 // SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;

@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
+#include "common/workspace_fit.h"
 #include "cuda/api.h"
 #include "cuda/workspace/workspace.h"
 
@@ -28,8 +30,15 @@ struct KernelSetup {
 Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, const KernelSetup& setup, const char* name,
                           int dev, int* smem_bytes);
 
-// Protocol step 0 on the host: recover from an earlier failure (reported here), then BeginKernel on the device.
-Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, const int32_t* rank_op);
+// Protocol step 0 on the host: check the call's options (CheckOptions; a refusal before the epoch leaves the group as
+// it was), recover from an earlier failure (reported here), then BeginKernel on the device; then check that `need`
+// fits the workspace (CheckFits, at most kMaxSegments segments), failing the call as FailCall does if not.
+Status BeginCall(const CallSite& c, const char* op, const CallFootprint& need, const int32_t* group_op,
+                 const int32_t* rank_op);
+
+// A call refused after BeginCall: raises the group's abort (the peers give up at once instead of waiting for this
+// rank's rows) and returns InvalidArgument "jax_moe_overlap: <op>: <why>".
+Status FailCall(const CallSite& c, const char* op, const std::string& why);
 
 // EndKernel: closes the call (which = 0: a dispatch's recv rows, 1: expert_combine's ret rows).
 Status LaunchEnd(const RankDev& rd, cudaStream_t stream, const int32_t* expected, int which);

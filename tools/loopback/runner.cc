@@ -23,7 +23,6 @@
 
 namespace jmo::loopback {
 
-using cuda::CallOptions;
 using cuda::CallSite;
 using jmo::DType;
 using cuda::RankPrivate;
@@ -255,12 +254,12 @@ class Run {
                                                     (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
                                                     (const int32_t*)d.send_start, P_},
                                 (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
-                                (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_, /*transpose_rhs=*/false,
+                                (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_,
+                                Swiglu() ? cuda::Gemm1Form::kSwiGlu : cuda::Gemm1Form::kPlain,
                                 (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r],
                                 cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r],
-                                                      KeepPre() ? static_cast<float*>(out_pre_[r]) : nullptr,
-                                                      Swiglu()},
-                                cap_, s_.dispatch_gemm_pushers);
+                                                      KeepPre() ? static_cast<float*>(out_pre_[r]) : nullptr},
+                                cap_);
     return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                           (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
@@ -489,6 +488,7 @@ class Run {
       opts.consumer_ctas = s_.consumers;
       opts.serialize = s_.serialize;
       opts.tuning = s_.tuning;
+      if (dg_) opts.pushers = s_.dispatch_gemm_pushers;
       opts.emulated_link_gbps = s_.emulated_link_gbps;
       CallSite site{ws_.get(), 0, r, streams_[r], opts};
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the

@@ -54,7 +54,7 @@ struct Spec {
   int64_t delay_us = 0;
   int consumers = 2;                 // CallOptions::consumer_ctas (0: the manager)
   bool serialize = false;
-  cuda::ConsumerTuning tuning{};     // CallOptions::tuning of every expert_combine call (the consumer's push)
+  ConsumerTuning tuning{};           // CallOptions::tuning of every expert_combine call (the consumer's push)
   bool has_model = false;            // the workspace gets `model` (else the fixed C = SMs / 8)
   ModelParams model{};
   int sm_budget = 0, device = 0;

@@ -20,15 +20,14 @@ namespace ffi = xla::ffi;
 namespace jmo::cuda {
 namespace {
 
-ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, int64_t handle, int64_t timeout_ms,
-                               int32_t delay_rank, int64_t delay_us) {
-  Workspace* ws = LookupWorkspace(handle);
+ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, const CallAttrs& attrs) {
+  Workspace* ws = LookupWorkspace(attrs.workspace);
   if (ws == nullptr)
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                                      "jax_moe_overlap: workspace handle " + std::to_string(handle) +
+                                      "jax_moe_overlap: workspace handle " + std::to_string(attrs.workspace) +
                                           " is not a live CUDA workspace (released, created in another process, or "
                                           "a CPU workspace)"));
-  CallSite c{ws, 0, 0, stream, CallOptions{timeout_ms, delay_rank, delay_us}};
+  CallSite c{ws, 0, 0, stream, attrs.options};
   Status s = ws->FindByOrdinal(ordinal, &c.group, &c.rank);
   if (!s.ok()) return ffi::Unexpected(ToFfi(s));
   if (Status d = UseDevice(ordinal); !d.ok()) return ffi::Unexpected(ToFfi(d));
@@ -38,15 +37,13 @@ ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, int64_t han
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
                         ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
-                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, int64_t workspace,
-                        int64_t timeout_ms, int32_t delay_rank, int64_t delay_us) {
+                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
   auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
   if (shape.has_error()) return shape.error();
-  const int64_t P = shape->P;
-  auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
+  auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
   return ToFfi(Dispatch(c.value(), shape->dtype, src.untyped_data(), shape->S, shape->D,
-                        slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(), P,
+                        slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(), shape->P,
                         recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
                         out->untyped_data(), shape->cap));
 }
@@ -58,12 +55,12 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> a, int64_t workspace, int64_t timeout_ms,
-                            int32_t delay_rank, int64_t delay_us, int32_t pushers, bool transpose_rhs, bool swiglu) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> a, DispatchGemmAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
-  auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
+  auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckDispatchGemmPlan(*shape, c.value().ws->ranks(), send_order, send_start, seg_rows,
                                            seg_ret_off);
@@ -72,11 +69,13 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   const cuda::DispatchSlots slots{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
                                   send_order.typed_data(), send_start.typed_data(), shape->rows.P};
   const cuda::DispatchGemmOut results{shape->keep_recv ? x_recv->untyped_data() : nullptr, out->untyped_data(),
-                                      shape->keep_a ? a->typed_data() : nullptr, swiglu};
+                                      shape->keep_a ? a->typed_data() : nullptr};
+  // (CheckDispatchGemm refused swiglu with transpose_rhs.)
+  const Gemm1Form form = swiglu ? Gemm1Form::kSwiGlu : transpose_rhs ? Gemm1Form::kTransposedRhs : Gemm1Form::kPlain;
   return ToFfi(DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,
                             recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
-                            shape->E_local, w.untyped_data(), shape->N, transpose_rhs, group_op.typed_data(),
-                            rank_op.typed_data(), results, shape->rows.cap, pushers));
+                            shape->E_local, w.untyped_data(), shape->N, form, group_op.typed_data(),
+                            rank_op.typed_data(), results, shape->rows.cap));
 }
 
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
@@ -84,38 +83,27 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> seg_ret_off, ffi::Buffer<ffi::S32> slot_ret_row,
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::AnyBuffer> slot_out, int64_t workspace, int64_t timeout_ms,
-                             int32_t delay_rank, int64_t delay_us, int32_t consumer_ctas, int32_t serialize,
-                             bool transpose_rhs, bool push_bulk_copy, int32_t push_slots, int32_t push_read_lag,
-                             int32_t push_issuers) {
+                             ffi::Result<ffi::AnyBuffer> slot_out, ExpertCombineAttrs attrs) {
+  const bool transpose_rhs = attrs.transpose_rhs;
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
-  if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
-  const DType dt = shape->dtype;
-  const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T = shape->T, k = shape->k;
-  const bool want_slots = shape->want_slots;
-  auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
+  auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
-  c.value().opts.consumer_ctas = consumer_ctas;
-  c.value().opts.serialize = serialize != 0;
-  c.value().opts.tuning = ConsumerTuning{push_bulk_copy, push_slots, push_read_lag, push_issuers};
-  if (shape->R != c.value().ws->ranks())
-    return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
-  return ToFfi(ExpertCombine(c.value(), dt, lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
-                             transpose_rhs, gates.typed_data(), T, k, seg_rows.typed_data(), seg_ret_off.typed_data(),
-                             slot_ret_row.typed_data(), ret_rows_expected.typed_data(), group_op.typed_data(),
-                             rank_op.typed_data(), y->untyped_data(),
-                             want_slots ? slot_out->untyped_data() : nullptr));
+  if (ffi::Error e = CheckExpertCombinePlan(*shape, c.value().ws->ranks()); e.failure()) return e;
+  return ToFfi(ExpertCombine(c.value(), shape->dtype, lhs.untyped_data(), shape->cap, shape->K,
+                             w.untyped_data(), shape->E_local, shape->N, transpose_rhs, gates.typed_data(), shape->T,
+                             shape->k, seg_rows.typed_data(), seg_ret_off.typed_data(), slot_ret_row.typed_data(),
+                             ret_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
+                             y->untyped_data(), shape->want_slots ? slot_out->untyped_data() : nullptr));
 }
 
 // exchange_counts (the routing counts of groups spanning processes): the same checks as the CPU handler's.
 ffi::Error ExchangeCountsImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> counts,
                               ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, int64_t workspace, int64_t timeout_ms,
-                              int32_t delay_rank, int64_t delay_us) {
+                              ffi::Result<ffi::Buffer<ffi::S32>> counts_all, CallAttrs attrs) {
   auto shape = CheckExchangeCounts(counts, *counts_all);
   if (shape.has_error()) return shape.error();
-  auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
+  auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
   return ToFfi(ExchangeCounts(c.value(), counts.typed_data(), shape->R_src, shape->R_dst, shape->E_local,
                               group_op.typed_data(), rank_op.typed_data(), counts_all->typed_data()));

@@ -73,16 +73,9 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
                 const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P, const int32_t* recv_expected,
                 const int32_t* group_op, const int32_t* rank_op, void* out, int64_t cap) {
   const int64_t row_bytes = RowBytes(dt, D);
-  Status s = BeginCall(c, "dispatch", group_op, rank_op);
+  Status s = BeginCall(c, "dispatch", CallFootprint{row_bytes, cap}, group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
-  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows) {
-    ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument,
-                         "jax_moe_overlap: dispatch: call needs rows of " + std::to_string(row_bytes) + " B x " +
-                             std::to_string(cap) + " but the workspace holds " +
-                             std::to_string(ws.sizes().row_bytes) + " B x " + std::to_string(ws.sizes().recv_rows));
-  }
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int grid = ws.budget(c.group, c.rank);
   PushKernel<<<grid, kThreads, 0, c.stream>>>(rd, static_cast<const char*>(src), S, row_bytes, slot_src_row,

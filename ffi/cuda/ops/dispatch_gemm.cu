@@ -447,43 +447,34 @@ const void* Kernel() {
 // call).
 Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
-                    const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
-                    const DispatchGemmOut& out, int64_t cap, int pushers) {
+                    const void* w, int64_t N, Gemm1Form form, const int32_t* group_op, const int32_t* rank_op,
+                    const DispatchGemmOut& out, int64_t cap) {
   const int64_t row_bytes = RowBytes(dt, D);
-  Status s = BeginCall(c, "dispatch_gemm", group_op, rank_op);
+  const bool transpose_rhs = form == Gemm1Form::kTransposedRhs, swiglu = form == Gemm1Form::kSwiGlu;
+  Status s = BeginCall(c, "dispatch_gemm", CallFootprint{row_bytes, cap, slots.P, E_l}, group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
-  const int R = ws.ranks();
   const int budget = ws.budget(c.group, c.rank);
   const int dev = ws.device(c.group, c.rank);
+  const int pushers = c.opts.pushers;
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
   // The GEMM of the recv rows, which arrive as src's rows are laid out (its alignment stands for theirs), on the
   // wgmma engine, the one whose tile loop waits for its rows.
   const GemmOperands gemm{dt, GemmForm::kRows, cap, D, N, transpose_rhs,
-                          out.swiglu ? GemmEpilogue::kSwiGlu : GemmEpilogue::kNone, src, w};
+                          swiglu ? GemmEpilogue::kSwiGlu : GemmEpilogue::kNone, src, w};
   std::string bad;
-  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows || slots.P > ws.sizes().ret_rows)
-    bad = "dispatch_gemm: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
-          " and " + std::to_string(slots.P) + " slots but the workspace holds " + std::to_string(ws.sizes().row_bytes) +
-          " B x " + std::to_string(ws.sizes().recv_rows) + " and " + std::to_string(ws.sizes().ret_rows);
-  else if (E_l * R > kMaxSegments)
-    bad = "dispatch_gemm: " + std::to_string(E_l * R) + " segments (local experts x ranks) exceed the CUDA kernels' " +
-          std::to_string(kMaxSegments);
-  else if (const char* why = GemmEngineRefusal(GemmEngine::kWgmma, info.cc, gemm))
-    bad = std::string("dispatch_gemm: runs on the wgmma engine only: ") + why + " (got " + Traits(dt).name +
-          ", d_model " + std::to_string(D) + ", N " + std::to_string(N) + (transpose_rhs ? ", w transposed" : "") +
-          (out.swiglu ? ", the SwiGLU epilogue" : "") + ", rows " + std::to_string(cap) + ", compute capability " +
+  if (const char* why = GemmEngineRefusal(GemmEngine::kWgmma, info.cc, gemm))
+    bad = std::string("runs on the wgmma engine only: ") + why + " (got " + Traits(dt).name + ", d_model " +
+          std::to_string(D) + ", N " + std::to_string(N) + (transpose_rhs ? ", w transposed" : "") +
+          (swiglu ? ", the SwiGLU epilogue" : "") + ", rows " + std::to_string(cap) + ", compute capability " +
           std::to_string(info.cc.major) + "." + std::to_string(info.cc.minor) + ")";
-  else if (pushers < 1 || pushers > budget - 1)
-    bad = "dispatch_gemm: pushers=" + std::to_string(pushers) + " but rank " + std::to_string(c.rank) +
-          " has an SM budget of " + std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
-  else if (out.a != nullptr && !out.swiglu)
-    bad = "dispatch_gemm: the preactivation a is a result of the SwiGLU epilogue only";
-  if (!bad.empty()) {
-    ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
-  }
+  else if (pushers > budget - 1)  // (>= 1: CheckOptions)
+    bad = "pushers=" + std::to_string(pushers) + " but rank " + std::to_string(c.rank) + " has an SM budget of " +
+          std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
+  else if (out.a != nullptr && !swiglu)
+    bad = "the preactivation a is a result of the SwiGLU epilogue only";
+  if (!bad.empty()) return FailCall(c, "dispatch_gemm", bad);
   const RankDev rd = ws.Dev(c.group, c.rank);
   // producers_done counts the CTAs done (the last one closes the call); tile_claims and side_claims hand out GEMM
   // tiles and side units.
@@ -496,8 +487,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                                                   &b_map),
                        "tensor maps of dispatch_gemm")).ok())
     return s;
-  const void* kernel = out.swiglu ? Kernel<false, true>() : transpose_rhs ? Kernel<true, false>()
-                                                                           : Kernel<false, false>();
+  const void* kernel = swiglu ? Kernel<false, true>() : transpose_rhs ? Kernel<true, false>() : Kernel<false, false>();
   int smem = 0;
   if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, wgmma_gemm::kLoopSmemBytes, kWgmmaKernelSetup,
                                "DispatchGemmKernel", dev, &smem)).ok())

@@ -64,18 +64,12 @@ Status PrepareCountsKernels(int dev) {
 
 Status ExchangeCounts(const CallSite& c, const int32_t* counts, int64_t R_src, int64_t R_dst, int64_t E_local,
                       const int32_t* group_op, const int32_t* rank_op, int32_t* out) {
-  Status s = BeginCall(c, "exchange_counts", group_op, rank_op);
+  Status s = BeginCall(c, "exchange_counts", CallFootprint{}, group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
   const int64_t n = R_dst * E_local;
-  if (R_src != ws.ranks() || R_dst != ws.ranks() || n > kMaxSegments) {
-    ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument, "jax_moe_overlap: exchange_counts: counts_all [" + std::to_string(R_src) +
-                                               ", " + std::to_string(R_dst) + ", " + std::to_string(E_local) +
-                                               "] does not fit the workspace (" + std::to_string(ws.ranks()) +
-                                               " ranks, at most " + std::to_string(kMaxSegments) +
-                                               " counts per rank)");
-  }
+  if (std::string bad = CheckCountsFit(R_src, R_dst, E_local, ws.ranks(), kMaxSegments); !bad.empty())
+    return FailCall(c, "exchange_counts", bad);
   CountsKernel<<<1, kThreads, 0, c.stream>>>(ws.Dev(c.group, c.rank), ws.shared_device(c.group) +
                                              CountBoardOffset(ws.ranks()), counts, n, out);
   return LaunchError("launch of CountsKernel");

@@ -281,36 +281,21 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
   const int64_t row_bytes = RowBytes(dt, N);
-  Status s = BeginCall(c, "expert_combine", group_op, rank_op);
+  Status s = BeginCall(c, "expert_combine", CallFootprint{row_bytes, cap, T * k, E_l}, group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
-  const int R = ws.ranks();
-  std::string bad;
-  if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows || T * k > ws.sizes().ret_rows)
-    bad = "expert_combine: call does not fit the workspace (row bytes " + std::to_string(row_bytes) + ", cap " +
-          std::to_string(cap) + ", slots " + std::to_string(T * k) + ")";
-  else if (E_l * R > kMaxSegments)
-    bad = "expert_combine: " + std::to_string(E_l * R) + " segments (local experts x ranks) exceed the CUDA kernels' " +
-          std::to_string(kMaxSegments);
-  if (!bad.empty()) {
-    ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
-  }
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int dev = ws.device(c.group, c.rank);
   const int budget = ws.budget(c.group, c.rank);
-  if (c.opts.consumer_ctas > budget - 1) {  // (>= 0: the handler checks it)
-    ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument,
-                         "jax_moe_overlap: expert_combine: consumer_ctas=" + std::to_string(c.opts.consumer_ctas) +
-                             " but rank " + std::to_string(c.rank) + " (group " + std::to_string(c.group) +
-                             ") has an SM budget of " + std::to_string(budget) +
-                             " CTAs and needs at least one producer CTA: pin C in [1, " + std::to_string(budget - 1) +
-                             "], or 0 for the resource manager's choice");
-  }
+  if (c.opts.consumer_ctas > budget - 1)  // (>= 0: CheckOptions)
+    return FailCall(c, "expert_combine",
+                    "consumer_ctas=" + std::to_string(c.opts.consumer_ctas) + " but rank " + std::to_string(c.rank) +
+                        " (group " + std::to_string(c.group) + ") has an SM budget of " + std::to_string(budget) +
+                        " CTAs and needs at least one producer CTA: pin C in [1, " + std::to_string(budget - 1) +
+                        "], or 0 for the resource manager's choice");
   ConsumerConfig pol{};
   pol.serialize = c.opts.serialize ? 1 : 0;
-  // How the consumer pushes (CallOptions::tuning; the ranges are checked where CallConfig builds the attributes).
+  // How the consumer pushes (CallOptions::tuning; the ranges are checked where CallConfig builds the options).
   pol.bulk_copy = c.opts.tuning.bulk_copy ? 1 : 0;
   pol.push_slots = c.opts.tuning.push_slots;
   pol.push_read_lag = c.opts.tuning.push_read_lag;
@@ -321,11 +306,9 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
   const std::optional<GemmEngine> selected =
       SelectGemmEngine(info.cc, {dt, GemmForm::kRows, cap, K, N, transpose_rhs, GemmEpilogue::kNone, lhs, w});
-  if (!selected) {
-    ws.RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: expert_combine: no GEMM engine takes ") +
-                                               Traits(dt).name + " operands on this device");
-  }
+  if (!selected)
+    return FailCall(c, "expert_combine", std::string("no GEMM engine takes ") + Traits(dt).name +
+                                             " operands on this device");
   const GemmEngine engine = *selected;
   const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, engine);
   if (policy == ConsumerPolicy::kPinned) {

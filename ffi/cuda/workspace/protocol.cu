@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <string>
 
 #include "cuda/launch.h"
 #include "cuda/workspace/protocol.cuh"
@@ -41,23 +42,30 @@ __global__ void EndKernel(RankDev rd, const int32_t* expected, int which) { Clos
 
 }  // namespace
 
-// Host part of protocol step 0: recover from an earlier failure (reported here), then Begin on the device.
-Status BeginCall(const CallSite& c, const char* op, const int32_t* group_op, const int32_t* rank_op) {
+// Host part of protocol step 0: the options checked (before the epoch: a refusal leaves the group as it was), recover
+// from an earlier failure (reported here), then Begin on the device; then the call's footprint is checked (once the
+// epoch has begun, so that on a failure the peers give up too).
+Status BeginCall(const CallSite& c, const char* op, const CallFootprint& need, const int32_t* group_op,
+                 const int32_t* rank_op) {
   if (c.ws == nullptr) return Status::Error(kFailedPrecondition, "jax_moe_overlap: no workspace");
   if (c.rank < 0 || c.rank >= c.ws->ranks() || c.group < 0 || c.group >= c.ws->groups())
     return Status::Error(kInvalidArgument, "jax_moe_overlap: rank/group outside the workspace");
+  if (std::string bad = CheckOptions(c.opts); !bad.empty())
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": " + bad);
   Status s = c.ws->RecoverIfAborted(c.group, c.rank, c.stream, op, c.opts.timeout_ms);
   if (!s.ok()) return s;
   const int64_t delay_ns = (c.opts.delay_rank == c.rank && c.opts.delay_us > 0) ? c.opts.delay_us * 1000 : 0;
   BeginKernel<<<1, 1, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), group_op, rank_op,
                                      std::max<int64_t>(1, c.opts.timeout_ms) * 1000000, delay_ns);
   s = LaunchError("launch of BeginKernel");
-  if (s.ok() && !(c.opts.emulated_link_gbps >= 0)) {  // (the epoch has begun: the peers must give up too)
-    c.ws->RaiseAbort(c.group);
-    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op +
-                                               ": CallOptions::emulated_link_gbps must be >= 0");
-  }
-  return s;
+  if (!s.ok()) return s;
+  std::string bad = CheckFits(need, c.ws->sizes(), c.ws->ranks(), kMaxSegments);
+  return bad.empty() ? s : FailCall(c, op, bad);
+}
+
+Status FailCall(const CallSite& c, const char* op, const std::string& why) {
+  c.ws->RaiseAbort(c.group);
+  return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": " + why);
 }
 
 Status PrepareProtocolKernels(int dev) {

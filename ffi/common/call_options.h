@@ -1,0 +1,56 @@
+// The options of a workspace call: how it runs (its wait bound, the testing delay, the CUDA resources it takes and how
+// its pushes go), never what it computes. One struct for every call and both platforms: the XLA FFI handlers decode
+// it once from the call's `options` attribute (call_signature.h), the CUDA launchers and the CPU handlers read it from
+// their call context (cuda/api.h's CallSite, cpu/call_steps.h's CallContext), and the tools fill it directly.
+// Plain C++ (no XLA, no CUDA headers), so every side of the library includes it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace jmo {
+
+// How expert_combine's consumer CTAs push their bands on CUDA (ConsumerTuning of jax_moe_overlap's CallConfig, which
+// checks the ranges; the CPU consumer, one thread per rank, ignores them). The defaults are the ones the shipped
+// calibration describes.
+struct ConsumerTuning {
+  bool bulk_copy = true;      // TMA bulk copies on sm_90 (transport/bulk_push.cuh); false: CopyBand (16-byte copies)
+  int32_t push_slots = 12;    // ring slots of one issuing thread (2..kPushMaxSlots; the launch's smem may give fewer)
+  int32_t push_read_lag = 4;  // bulk stores that may still read their slot (1..16; below the slots)
+  int32_t push_issuers = 4;   // issuing threads per consumer CTA, one ring each (1..8): one thread's rate is bounded
+};
+
+struct CallOptions {
+  int64_t timeout_ms = 10000;  // bound of every wait of the call
+  int32_t delay_rank = -1;     // testing aid: this rank is held back delay_us at the start of every call
+  int64_t delay_us = 0;
+  // expert_combine's consumer. consumer_ctas: 0 = the resource manager's choice (the workspace's model evaluated on
+  // the device from the call's routed counts, or its fixed count without a model); > 0 = pinned (on CUDA it must
+  // leave a producer CTA: at most the rank's SM budget - 1). serialize: the consumer starts pushing only after the
+  // producer has finished every tile (the "same kernels, no overlap" baseline).
+  int32_t consumer_ctas = 0;
+  bool serialize = false;
+  ConsumerTuning tuning;
+  // dispatch_gemm's CTAs that push the rows for other ranks first, then join the GEMM (on CUDA at most the rank's SM
+  // budget - 1; no effect on CPU).
+  int32_t pushers = 1;
+  // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
+  // paces every push to another rank (dispatch, dispatch_gemm) so that a rank's pushing CTAs together move at most
+  // this many GB/s, as over a link of that bandwidth. Never set by the library's Python API (0: no pacing).
+  double emulated_link_gbps = 0;
+};
+
+// The rules every call's options follow on every platform, checked in one place (each platform's BeginCall, before
+// the call's epoch opens, as a shape error): empty, or the first rule `o` breaks, named. The bounds that depend on the
+// rank's SM budget are the CUDA launchers' (only they know the budget).
+inline std::string CheckOptions(const CallOptions& o) {
+  if (o.consumer_ctas < 0)
+    return "consumer_ctas must be 0 (the resource manager's choice) or a positive CTA count, got " +
+           std::to_string(o.consumer_ctas);
+  if (o.pushers < 1)
+    return "pushers must be >= 1 (dispatch_gemm's pushing CTAs; no effect on CPU), got " + std::to_string(o.pushers);
+  if (!(o.emulated_link_gbps >= 0)) return "CallOptions::emulated_link_gbps must be >= 0";
+  return {};
+}
+
+}  // namespace jmo
