@@ -2,7 +2,7 @@
 with its SwiGLU, the backward GEMMs, and ``expert_mlp``, their differentiable composition.
 
 ``expert_block`` builds on these pieces around its custom calls; ``expert_mlp`` is the same GEMM sequence without
-them (the benchmarks' "compute alone", exported by ``ops``). On GPU the GEMMs are this library's grouped-GEMM custom
+them (``impl="collective"``'s local experts, and the benchmarks' "compute alone", exported by ``ops``). On GPU the GEMMs are this library's grouped-GEMM custom
 calls (``grouped_gemm.py``); on CPU XLA's ``ragged_dot``, faster there than the custom calls' reference loops
 (which ``tests/test_grouped_gemm.py`` checks on their own). The order of the workspace calls does not depend on
 this choice: ``ordering.py`` chains them on CPU.
@@ -99,7 +99,8 @@ def expert_mlp(x_recv, w1, w2, group_sizes):
 
   GEMM1 + SwiGLU + GEMM2 through the grouped GEMMs of expert_block (GEMM2 as ``grouped_matmul``, the tile engine of
   expert_combine's producer, on every SM), and under ``jax.grad`` expert_block's backward GEMMs, the input gradient
-  ``da @ W1^T`` as ``grouped_matmul``. The benchmarks' "compute alone" (benchmarks/ideal_probes.py).
+  ``da @ W1^T`` as ``grouped_matmul``. The local experts of ``impl="collective"`` (``xla_path.py``) and the
+  benchmarks' "compute alone" (benchmarks/ideal_probes.py).
 
   Args:
     x_recv: [cap, D] rows grouped by local expert (float32 or bfloat16). w1: [E_local, D, 2F]; w2: [E_local, F, D].
