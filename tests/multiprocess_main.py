@@ -1,6 +1,6 @@
 """One process of a jax.distributed CPU run (test_multiprocess.py starts several on localhost).
 
-argv: process_id num_processes port local_devices case. Cases:
+argv: process_id num_processes port local_devices case; $JMO_IMPL: the layer's impl (default "overlap"). Cases:
   data_across: mesh (data = processes, expert = local devices), tokens over both (batch_axes=("data",)); prints
     "match" when the output and gradients of the last of $JMO_CALLS consecutive calls (default 3) equal a
     single-process float32 oracle on the same global inputs.
@@ -70,7 +70,8 @@ def main():
   args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp)]
 
   def loss(x, g, w1, w2, ids, config=jmo.CallConfig()):
-    y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config)
+    y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config,
+                                 impl=os.environ.get("JMO_IMPL", "overlap"))
     return jnp.sum(jnp.sin(y)), (y, dropped)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))

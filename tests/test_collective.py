@@ -78,6 +78,10 @@ def test_explicit_mesh_skew_drops_and_skipped_slots(gemms):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   y, _, grads = first
   assert jax.typeof(y).sharding.spec == jax.typeof(x).sharding.spec
+  # The experts are the grouped-GEMM custom calls (on CPU outside the context: their GPU branch).
+  program = str(jax.make_jaxpr(lambda *a: jmo.moe_experts(*a, mesh=mesh, capacity_factor=0.75, impl="collective"))(
+      *args))
+  assert "jmo_grouped_matmul_swiglu" in program and "ragged_all_to_all" not in program
   # Skipped slots move nothing and get no gradient: whole padding tokens (0..3) give y = 0 and dx = 0.
   np.testing.assert_array_equal(np.asarray(y)[:4], 0)
   np.testing.assert_array_equal(np.asarray(grads[0])[:4], 0)

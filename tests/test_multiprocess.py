@@ -121,6 +121,15 @@ def test_peer_lost_between_calls_fails_the_others_within_the_timeout(case, nproc
   assert _shm_left(outs) == []
 
 
+@pytest.mark.slow
+def test_collective_impl_across_processes_is_bitwise_the_one_process_run(tmp_path):
+  oracle = str(tmp_path / "one_process.npz")
+  [(rc, out)] = run_processes(1, 2, "expert_across", 1, JMO_OUT=oracle, JMO_IMPL="collective")
+  assert rc == 0 and ": match" in out, out
+  for rc, out in run_processes(2, 1, "expert_across", 1, JMO_ORACLE=oracle, JMO_IMPL="collective"):
+    assert rc == 0 and ": match" in out and ": bitwise" in out and "shm /" not in out, out
+
+
 def test_expert_axis_over_different_hosts_runs_the_collective_impl():
   for rc, out in run_processes(2, 1, "different_hosts", calls=1, limit_s=120):
     line = next((l for l in out.splitlines() if l.startswith("refused:")), None)
