@@ -21,7 +21,7 @@ import numpy as np
 from jax._src import distributed
 
 from jax_moe_overlap import _jmo
-from jax_moe_overlap.hosts import groups_across_hosts, groups_span_processes, process_hosts  # noqa: F401 (re-exported)
+from jax_moe_overlap.hosts import groups_across_hosts, process_hosts
 from jax_moe_overlap.resource import Calibration
 
 
