@@ -245,6 +245,11 @@ def test_axis_spans_hosts_asks_for_hosts_only_across_processes(monkeypatch):
   assert len(asked) == 2
 
 
+def test_hosts_need_jax_distributed():
+  with pytest.raises(RuntimeError, match=r"needs jax.distributed.initialize\(\)"):
+    hosts.process_hosts([0, 1])
+
+
 def test_overlap_over_an_axis_across_hosts_runs_the_collective_impl(monkeypatch):
   """With a stand-in saying the expert axis spans hosts, an impl="overlap" call (the default) runs as
   impl="collective": no workspace is created, the results are the collective's bit for bit; "xla" and
