@@ -22,13 +22,14 @@ el() { echo "== elapsed $(( $(date +%s) - S )) s: $*"; }
 # Both builds at once, each in its own pip target; tests/gpu/build_gpu.sh of each tree builds it as that tree
 # expects (its own paths), and leaves its loopback runner beside that tree's tools/loopback/*.py.
 build() {  # tree site out
-  (cd "$1" && mkdir -p "$3" && OUT=$3 JMO_SITE=$2 bash -c 'source tests/gpu/build_gpu.sh') > "$3/build_driver.log" 2>&1
+  mkdir -p "$3"
+  (cd "$1" && OUT=$3 JMO_SITE=$2 bash -c 'source tests/gpu/build_gpu.sh') > "$3/build_driver.log" 2>&1
 }
 build "$BASE" /tmp/jmo-site-base "$OUT/base" & b=$!
 build "$NEW" /tmp/jmo-site-new "$OUT/new" & n=$!
 wait $b; rb=$?; wait $n; rn=$?
 el "builds (base rc $rb, new rc $rn)"
-if [ $rb != 0 ] || [ $rn != 0 ]; then tail -30 "$OUT"/base/build_driver.log "$OUT"/new/build_driver.log; exit 1; fi
+if [ $rb != 0 ] || [ $rn != 0 ]; then tail -n 30 "$OUT"/base/build_driver.log "$OUT"/new/build_driver.log; exit 1; fi
 
 # Resource usage per (binary, architecture, kernel): cuobjdump prints a "Function <mangled>:" line, then a
 # "REG:.. STACK:.. SHARED:.. LOCAL:.. ..." line, inside "arch = sm_XX" sections.

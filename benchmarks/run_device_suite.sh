@@ -16,8 +16,10 @@ source benchmarks/tokamax_wheels.sh
 [ "$T_TESTS" = 0 ] || timeout "$T_TESTS" bash tests/gpu/run_device.sh -k "not racecheck and not synccheck" 2>&1 | tail -25
 # The package that run_device.sh installed (tests/gpu/build_gpu.sh), not the checkout's jax_moe_overlap/.
 export PYTHONPATH=${JMO_SITE:-/tmp/jmo-site}:$PWD:/tmp/site PYTHONSAFEPATH=1 JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
-python3 -c "from jax_moe_overlap import _jmo as m; print('producer', m.cuda_producer_path(True, 2048, 4096), \
-'| grouped_matmul', m.cuda_grouped_gemm_path(True, 2048, 4096))"
+# The GEMM engine every op selects on GPU 0 for bf16 GEMMs with K = 2048, N = 4096 (and GEMM1's fused SwiGLU).
+python3 -c "from jax_moe_overlap import _jmo, workspace_cuda as w; cc = w.device_info(0).compute_capability; \
+print('GPU', cc, '| gemm engine', _jmo.select_gemm_engine(cc, 'bfloat16', 2048, 4096), \
+'| with the SwiGLU', _jmo.select_gemm_engine(cc, 'bfloat16', 2048, 4096, swiglu=True))"
 run() {  # name limit cmd...
   local name=$1 limit=$2; shift 2
   [ "$limit" = 0 ] && return

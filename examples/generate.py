@@ -53,7 +53,8 @@ def load(ckpt_dir, step, mesh, impl=None, capacity_factor=None):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   step, meta = model_lib.read_meta(ckpt_dir, step)
   cfg = model_lib.ModelConfig.from_json(meta["config"])
-  cfg = dataclasses.replace(cfg, impl=impl or cfg.impl, capacity_factor=capacity_factor or None)
+  cfg = dataclasses.replace(cfg, impl=impl or cfg.impl, capacity_factor=capacity_factor or None,
+                            attention=model_lib.choose_attention(cfg, mesh, mesh.size)[0])   # this machine's
   graphdef, abstract = model_lib.abstract_model(cfg, mesh)     # nothing to initialize: all comes from the file
   mngr = model_lib.checkpoint_manager(ckpt_dir, create=False)
   restored = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))

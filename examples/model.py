@@ -22,6 +22,11 @@ import jax_moe_overlap as jmo
 
 DATA_FILE = pathlib.Path(__file__).parent / "data" / "licenses.txt"
 EXPERT_AXIS = "expert"
+ATTENTION_IMPLS = ("xla", "cudnn")
+# Named scopes of the attention core and the MoE layers: the HLO ops under them carry the name in their metadata,
+# which is how a step profile (step_profile.py) attributes device time to them.
+ATTENTION_SCOPE = "attention"
+MOE_SCOPE = "moe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,8 @@ class ModelConfig:
   dtype: str = "float32"          # compute dtype; parameters stay float32
   routed_score_func: str = "softmax"   # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
   shared_experts: int = 0         # always-on experts of width d_ff beside the routed ones
+  attention: str = "xla"          # jax.nn.dot_product_attention's implementation (choose_attention); no parameter
+                                  # depends on it, so a checkpoint made with either runs with either
 
   def moe_config(self) -> jmo.MoEConfig:
     """The MoE blocks' configuration (the auxiliary-loss weights are applied by the training loop)."""
@@ -54,13 +61,20 @@ class ModelConfig:
     """Model FLOPs of one training token: 6 per multiply-add (2 forward, 4 backward) of the matmuls a token runs
     through (attention projections, router, the k routed experts and the shared ones, dense MLPs, the head) and of
     causal attention over the sequence (half of the L x L scores)."""
+    return sum(self.flops_per_token_by_part().values())
+
+  def flops_per_token_by_part(self) -> dict[str, float]:
+    """``flops_per_token`` split by the parts of the model a step profile times (``step_profile.PARTS``):
+    "routed_experts" (the k routed SwiGLU experts of every MoE layer), "moe_other" (routers and shared experts),
+    "attention" (QK^T and AV: 2 L D multiply-adds per token and layer, halved for causality) and "rest"
+    (attention projections, dense MLPs, the head)."""
     D, F, L = self.d_model, self.d_ff, self.seq_len
     moe_layers = sum(1 for i in range(self.num_layers) if i % self.moe_every == self.moe_every - 1)
     dense_layers = self.num_layers - moe_layers
-    per_token_params = (self.num_layers * 4 * D * D + moe_layers * (self.top_k + self.shared_experts) * 3 * D * F +
-                        moe_layers * D * self.num_experts + dense_layers * 3 * D * F + D * self.vocab_size)
-    attention = self.num_layers * L * D          # QK^T and AV: 2 L D multiply-adds per token, halved for causality
-    return 6.0 * per_token_params + 6.0 * attention
+    return {"routed_experts": 6.0 * moe_layers * self.top_k * 3 * D * F,
+            "moe_other": 6.0 * moe_layers * (self.shared_experts * 3 * D * F + D * self.num_experts),
+            "attention": 6.0 * self.num_layers * L * D,
+            "rest": 6.0 * (self.num_layers * 4 * D * D + dense_layers * 3 * D * F + D * self.vocab_size)}
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -150,7 +164,10 @@ class CausalSelfAttention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     if cfg.d_model % cfg.num_heads:
       raise ValueError(f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}")
+    if cfg.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"attention={cfg.attention!r}: one of {ATTENTION_IMPLS}")
     self.num_heads = cfg.num_heads
+    self.implementation = cfg.attention
     dtype = jnp.dtype(cfg.dtype)
     self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=False, dtype=dtype, rngs=rngs)
     self.out = nnx.Linear(cfg.d_model, cfg.d_model, use_bias=False, dtype=dtype, rngs=rngs,
@@ -161,7 +178,8 @@ class CausalSelfAttention(nnx.Module):
     q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * self.num_heads, D // self.num_heads), 3, axis=2)
     pos = jnp.arange(T)
     q, k = rope(q, pos), rope(k, pos)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    with jax.named_scope(ATTENTION_SCOPE):
+      y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
     return self.out(y.reshape(B, T, D))
 
 
@@ -195,7 +213,8 @@ class Block(nnx.Module):
     x = x + self.attn(self.attn_norm(x))
     h = self.ffn_norm(x)
     if self.use_moe:
-      y, aux = self.ffn(h)         # aux: load_balance_loss, router_z_loss, dropped_fraction
+      with jax.named_scope(MOE_SCOPE):
+        y, aux = self.ffn(h)       # aux: load_balance_loss, router_z_loss, dropped_fraction
     else:
       y, aux = self.ffn(h), None
     return x + y, aux
@@ -230,6 +249,52 @@ class Transformer(nnx.Module):
     logits = self.head(x.astype(jnp.float32))
     aux = jax.tree.map(lambda *a: sum(a) / len(a), *auxes)
     return logits, aux
+
+
+def choose_attention(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int,
+                     request: str = "auto") -> tuple[str, str]:
+  """(implementation, reason): how ``jax.nn.dot_product_attention`` runs in this model, chosen once per run.
+
+  "cudnn" (cuDNN's fused flash attention: the [B, N, L, L] scores are never in memory) where it applies: a GPU
+  backend, a bfloat16 or float16 compute dtype, and shapes and shardings cuDNN takes, which is checked by compiling
+  the attention's forward and backward at the run's shapes (``batch_size`` sequences sharded like a batch) on the
+  mesh; "xla" (XLA's attention, which materializes the scores) elsewhere and on CPU. ``request`` "xla" or "cudnn"
+  asks for one; a "cudnn" that does not apply raises ValueError with the reason.
+  """
+  if request == "xla":
+    return "xla", "asked for"
+  if request not in ("auto", "cudnn"):
+    raise ValueError(f"attention {request!r}: auto, xla or cudnn")
+  platform = jax.default_backend()
+  if platform != "gpu":
+    why = f"cuDNN attention needs a GPU, the backend is {platform}"
+  elif jnp.dtype(cfg.dtype) not in (jnp.bfloat16, jnp.float16):
+    why = f"cuDNN's flash attention takes bfloat16 or float16, the compute dtype is {cfg.dtype}"
+  else:
+    why = _cudnn_attention_refusal(cfg, mesh, batch_size)
+  if why is None:
+    return "cudnn", "cuDNN flash attention: a GPU, a 16-bit compute dtype and shapes cuDNN takes"
+  if request == "cudnn":
+    raise ValueError(f"--attention cudnn does not apply: {why}")
+  return "xla", why
+
+
+def _cudnn_attention_refusal(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int) -> str | None:
+  """None when the model's attention compiles with implementation="cudnn" (forward and backward, at the run's
+  shapes and batch sharding), else why not."""
+  shape = (batch_size, cfg.seq_len, cfg.num_heads, cfg.d_model // cfg.num_heads)
+  qkv = jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=batch_sharding(mesh))
+
+  def loss(q, k, v):
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return jnp.sum(y.astype(jnp.float32))
+
+  try:
+    with jax.set_mesh(mesh):
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qkv, qkv, qkv).compile()
+  except Exception as e:  # pylint: disable=broad-exception-caught  # cuDNN's refusals come as several types
+    return f"cuDNN refused the attention: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+  return None
 
 
 def create_model(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int) -> Transformer:
@@ -281,14 +346,21 @@ def train_batch(train: np.ndarray, step: int, seed: int, batch_size: int, seq_le
   return np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
-def eval_batches(held: np.ndarray, batch_size: int, seq_len: int, max_batches: int) -> list[np.ndarray]:
-  """Consecutive, non-overlapping windows of the held-out text, grouped into full batches."""
+def eval_batches(held: np.ndarray, batch_size: int, seq_len: int, max_batches: int,
+                 multiple_of: int = 1) -> list[np.ndarray]:
+  """Consecutive, non-overlapping windows of seq_len + 1 bytes of the held-out text, grouped into at most
+  ``max_batches`` full batches of ``batch_size`` windows. A held-out text too short for one such batch gives one
+  smaller batch instead: as many of its windows as divide by ``multiple_of`` (the devices the batch is sharded
+  over), so every held-out byte that fits is scored, none twice. ValueError when not even
+  ``multiple_of`` windows fit."""
   n = (len(held) - 1) // seq_len
+  if n < max(multiple_of, 1):
+    raise ValueError(f"the held-out text ({len(held)} bytes) holds {n} windows of {seq_len + 1} bytes; evaluating "
+                     f"on {multiple_of} devices needs at least {multiple_of}")
   windows = np.stack([held[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)]).astype(np.int32)
+  if n < batch_size:
+    return [windows[:n - n % multiple_of]]
   nb = min(max_batches, n // batch_size)
-  if nb < 1:
-    raise ValueError(f"the held-out text ({len(held)} bytes) is too short for one batch of {batch_size} x "
-                     f"{seq_len + 1}")
   return [windows[i * batch_size:(i + 1) * batch_size] for i in range(nb)]
 
 

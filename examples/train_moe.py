@@ -8,9 +8,10 @@ train step is one jit-compiled function (forward, backward, AdamW update).
   python examples/train_moe.py --steps 600 --ckpt-dir /tmp/moe-ckpt --overwrite --stop-at 300
   python examples/train_moe.py --steps 600 --ckpt-dir /tmp/moe-ckpt --resume       # the same curve, continued
   python examples/generate.py --ckpt-dir /tmp/moe-ckpt --prompt "This License " --temperature 0.8
-  python examples/train_moe.py --preset gpu --impl overlap --data FILE   # ~0.4 B params, 32 k tokens/step: GPUs
-  python examples/train_moe.py --preset gpu --impl xla --data FILE       # the same through XLA's collectives
-  python examples/train_moe.py --preset gpu --impl xla --grad-accum 8 --data FILE   # that on one H200 (memory)
+  python examples/train_moe.py --preset gpu --impl overlap   # ~0.4 B params, 32 k tokens/step: GPUs
+  python examples/train_moe.py --preset gpu --impl xla       # the same through XLA's collectives
+  python examples/train_moe.py --preset gpu --impl xla --grad-accum 8   # that on one H200 (memory)
+  python examples/train_moe.py --preset gpu --profile-steps 3   # and where its device time goes, by part
   for i in 0 1 2 3; do python examples/train_moe.py --preset gpu --num-processes 4 --process-id $i \
     --local-device-ids $i --coordinator localhost:12345 & done; wait      # one process per GPU of a 4-GPU host
 
@@ -39,6 +40,7 @@ from flax import nnx  # pylint: disable=wrong-import-position
 from jax.experimental import multihost_utils  # pylint: disable=wrong-import-position
 
 import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+import step_profile  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -61,6 +63,9 @@ def parse_args(argv=None):
   g.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax", help="router scores")
   g.add_argument("--shared-experts", type=int, default=0, help="always-on experts of width --d-ff")
   g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+  g.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
+                 help="jax.nn.dot_product_attention's implementation; auto: cudnn (fused flash attention) on GPUs "
+                      "with a 16-bit compute dtype where cuDNN takes the shapes, else xla (materialized scores)")
   p.add_argument("--preset", choices=tuple(PRESETS), default=None,
                  help="a named set of model and training sizes (flags given explicitly still win): " +
                       "; ".join(f"{k}: {v['help']}" for k, v in PRESETS.items()))
@@ -106,6 +111,9 @@ def parse_args(argv=None):
   g.add_argument("--log-every", type=int, default=0, help="with --no-progress: print every N steps")
   g.add_argument("--history-out", default=None,
                  help="write the per-step train losses, dropped fractions and the held-out loss here as JSON")
+  g.add_argument("--profile-steps", type=int, default=0,
+                 help="trace this many train steps (after the first) with jax.profiler and print where their device "
+                      "time goes: this library's custom calls, the rest of the MoE layers, attention, the rest")
   g.add_argument("--peak-tflops", type=float, default=None,
                  help="peak dense TFLOP/s of one device in the compute dtype, for model FLOP utilisation (MFU); "
                       "None: known GPUs' datasheet value, else no MFU")
@@ -246,7 +254,11 @@ def accumulated_grads(model, tokens, loss_weights, grad_accum):
   return grads, jax.tree.map(lambda m: m.mean(0), metrics)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("grad_accum",), donate_argnums=(2,))
+# train_step's jit: the graph definition, loss weights and microbatch count are static, the state is donated.
+TRAIN_STEP_JIT = {"static_argnums": (0, 1), "static_argnames": ("grad_accum",), "donate_argnums": (2,)}
+
+
+@functools.partial(jax.jit, **TRAIN_STEP_JIT)
 def train_step(graphdef, loss_weights, state, tokens, grad_accum=1):
   """One AdamW step on the split (model, optimizer) state from the (accumulated) gradients of tokens [B, L+1]; returns
   the new state and the step's metrics."""
@@ -340,6 +352,15 @@ def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   say(line, flush=True)
 
 
+def part_flops(cfg, tokens_per_device: float) -> dict[str, float]:
+  """Model FLOPs per device and step of each part a step profile times (step_profile.PARTS). Without this library's
+  custom calls (impl xla or reference) the routed experts run among the MoE layers' other ops."""
+  flops = {part: f * tokens_per_device for part, f in cfg.flops_per_token_by_part().items()}
+  if cfg.impl != "overlap":
+    flops["moe_other"] += flops.pop("routed_experts")
+  return flops
+
+
 def plot_curve(path, history, title):
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -388,8 +409,13 @@ def main(argv=None):
   R = mesh.size
   check_batch_split(args.batch_size, args.grad_accum, R)
   cfg = model_config(args)
-  train_text, held_text = model_lib.load_text(args.data)
-  eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches)
+  try:
+    attention, why = model_lib.choose_attention(cfg, mesh, args.batch_size // args.grad_accum, args.attention)
+    train_text, held_text = model_lib.load_text(args.data)
+    eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches, multiple_of=R)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
+  cfg = dataclasses.replace(cfg, attention=attention)
   sharding = model_lib.batch_sharding(mesh)
   stop = min(args.stop_at or args.steps, args.steps)
   history = {"loss": [], "eval": [], "dropped": []}
@@ -416,7 +442,7 @@ def main(argv=None):
             opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer))),
             meta=ocp.args.JsonRestore()))
         saved_cfg = model_lib.ModelConfig.from_json(restored["meta"]["config"])
-        if dataclasses.replace(saved_cfg, impl=cfg.impl) != cfg:   # either impl can continue a checkpoint
+        if dataclasses.replace(saved_cfg, impl=cfg.impl, attention=cfg.attention) != cfg:   # any impl continues
           raise SystemExit(f"the checkpoint in {args.ckpt_dir} has model config {saved_cfg}, but the flags give "
                            f"{cfg}")
         changed = {k: (v, vars(args).get(k)) for k, v in restored["meta"]["args"].items()
@@ -436,6 +462,25 @@ def main(argv=None):
     graphdef, state = nnx.split((model, optimizer))   # the jitted steps take and return the state pytree
     del model, optimizer
     loss_weights = (args.lb_weight, args.z_weight)
+    run_step = functools.partial(train_step, graphdef, loss_weights, grad_accum=args.grad_accum)
+    profile = None
+    if args.profile_steps:
+      if args.profile_steps < 0 or args.profile_steps >= stop - start:
+        raise SystemExit(f"--profile-steps {args.profile_steps}: this run has {stop - start} steps, and the first "
+                         f"is not traced")
+      # The traced steps run a jit of their own, compiled without CUDA graphs (step_profile.compiler_options) so
+      # that each kernel carries its HLO op's name; the other steps keep train_step's executable. Its compiled HLO
+      # text names the ops the trace times; jit's cache hands the traced steps this same executable. A jit, not the
+      # Compiled object, runs them: the step takes an effect token, which jit's dispatch passes on every call and
+      # a Compiled object's fast path (jax 0.11) not after the first.
+      profiled_jit = jax.jit(train_step.__wrapped__, **TRAIN_STEP_JIT,
+                             compiler_options=step_profile.compiler_options(mesh.devices.flat[0].platform))
+      batch_type = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32, sharding=sharding)
+      hlo = profiled_jit.lower(graphdef, loss_weights, state, batch_type, grad_accum=args.grad_accum).compile()
+      profile = step_profile.StepProfile(hlo.as_text(), moe_scope=model_lib.MOE_SCOPE,
+                                         attention_scope=model_lib.ATTENTION_SCOPE)
+      profiled_step = functools.partial(profiled_jit, graphdef, loss_weights, grad_accum=args.grad_accum)
+    traced = range(start + 1, start + 1 + args.profile_steps)   # the steps under the trace
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
     tokens_per_step = args.batch_size * args.seq_len
     micro = f" in {args.grad_accum} microbatches" if args.grad_accum > 1 else ""
@@ -443,6 +488,8 @@ def main(argv=None):
     say(f"{jax.devices()[0].platform} x {R} devices{procs} {dict(mesh.shape)} | {n_params / 1e6:.2f}M parameters | "
         f"{cfg.num_experts} experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl} | "
         f"{tokens_per_step} tokens/step{micro} | train {len(train_text)} B, held-out {len(held_text)} B")
+    say(f"attention: {cfg.attention} ({why}) | evaluation: {len(eval_set)} held-out batch(es) of "
+        f"{len(eval_set[0])} x {args.seq_len + 1} bytes")
 
     def save(step):
       if mngr is None:
@@ -462,13 +509,18 @@ def main(argv=None):
     for step in range(start, stop):
       batch = model_lib.put_global(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
                                    sharding)
-      state, metrics = train_step(graphdef, loss_weights, state, batch, grad_accum=args.grad_accum)
+      if profile is not None and step == traced.start:
+        profile.start()
+      state, metrics = (profiled_step if step in traced else run_step)(state, batch)
       loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
       t_now = time.perf_counter()
       if t_prev is not None:
         tok_s = tokens_per_step / (t_now - t_prev)
-        step_times.append(t_now - t_prev)
+        if step not in traced:                          # the profiler's overhead is no training time
+          step_times.append(t_now - t_prev)
       t_prev = t_now
+      if profile is not None and step == traced[-1]:
+        profile.stop(len(traced))
       history["loss"].append(loss)
       history["dropped"].append(dropped)
       done = step + 1
@@ -498,6 +550,10 @@ def main(argv=None):
       mngr.close()
 
   report_throughput(cfg, args, step_times, tokens_per_step, R)
+  profile_result = None
+  if profile is not None:
+    profile_result = profile.result(sum(d.process_index == jax.process_index() for d in mesh.devices.flat))
+    say(step_profile.format_table(profile_result, part_flops(cfg, tokens_per_step / R)))
   first = history["loss"][0] if history["loss"] else float("nan")
   say(f"step {stop}: train loss {np.mean(history['loss'][-10:]):.4f} (first step {first:.4f}), "
         f"held-out loss {eval_loss:.4f} nats/byte ({eval_loss / np.log(2):.3f} bits/byte), "
@@ -511,7 +567,8 @@ def main(argv=None):
                f"{cfg.top_k}, cf={cfg.capacity_factor}, impl={cfg.impl}, {R} {jax.devices()[0].platform} devices")
     say(f"wrote {args.plot}")
   return {"losses": history["loss"], "eval": history["eval"], "eval_loss": eval_loss,
-          "dropped": history["dropped"], "state": state}
+          "dropped": history["dropped"], "state": state, "attention": cfg.attention, "eval_set": eval_set,
+          "profile": profile_result}
 
 
 if __name__ == "__main__":

@@ -68,9 +68,13 @@ class MoEConfig:
       (HF pools every layer's tokens into one loss; MaxText averages the layers' losses). So the same penalty takes
       load_balance_loss_weight = k * coef / L here: exactly for one layer against HF, and against MaxText when each
       call holds one sequence (MaxText takes the statistics per sequence and averages over the batch).
-  Dtypes:
-    dtype: compute dtype of the experts (float32 or bfloat16). weight_dtype: dtype the parameters are kept in.
-    The router always computes in float32.
+  Dtypes (MaxText's names and defaults):
+    dtype: the compute dtype, bfloat16 (default) or float32: the routed and shared experts' inputs and weights are
+      cast to it for their matmuls, which accumulate in float32. dtype=jnp.float32 chooses float32 compute on
+      purpose (on GPUs float32 GEMMs run on the SIMT engine, bfloat16 ones on the tensor cores).
+    weight_dtype: the dtype the parameters are kept in (the master weights), float32 by default; they are cast to
+      dtype for each call, so the gradients and the optimizer see weight_dtype.
+    The router always computes in float32, and the output y has the input's dtype.
   """
 
   emb_dim: int
@@ -90,7 +94,7 @@ class MoEConfig:
   shared_expert_gate: bool = False
   load_balance_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.0
-  dtype: Any = jnp.float32
+  dtype: Any = jnp.bfloat16
   weight_dtype: Any = jnp.float32
 
   def __post_init__(self):

@@ -1,13 +1,16 @@
-"""Which GEMM engine runs on a device and takes given operands: every place the Python side needs that rule asks here.
+"""Which GEMM engine runs on a device and takes given operands, as far as the host must know it beforehand.
 
-The CUDA handlers choose the engine of each call themselves (docs/design.md, "GEMM engines"); the host needs the same
-answer beforehand where it shapes a call: whether ``grouped_matmul_swiglu`` may leave out the preactivation, and
-whether the layer runs the dispatch and GEMM1 as one ``dispatch_gemm`` call. The rules here state what the handlers
-check (SwiGluFused, WgmmaProducerApplies), so a new architecture or dtype changes them in this file only.
+The CUDA ops choose the engine of each call in C++ (``SelectGemmEngine``, ffi/cuda/gemm/engine.cc; docs/design.md,
+"GEMM engines"); the host needs the same answer where it shapes a call: whether ``grouped_matmul_swiglu`` may leave
+out the preactivation, and whether the layer runs the dispatch and GEMM1 as one ``dispatch_gemm`` call. Every
+function here asks the extension (``_jmo.select_gemm_engine``, ``gemm_engine_device_refusal``,
+``gemm_engine_operand_refusal``) instead of restating a rule, so a new architecture or dtype changes the C++ rules
+only. A build without the CUDA kernels (``_jmo.with_cuda`` false) has no GPU engine: every question about one
+answers False there (and ``dispatch_gemm_operands`` still answers for the CPU handler, which takes any operands).
 
-  wgmma_runs_on(cc)                   the wgmma engine (and dispatch_gemm's CUDA kernel) runs on this GPU: Hopper
-  wgmma_operands(bf16, K, N)          it takes a GEMM [M, K] x [K, N]: bfloat16, K and N multiples of 64
-  swiglu_epilogue_operands(bf16, K, F)  its SwiGLU epilogue takes GEMM1 [M, K] x [K, 2F]: also F a multiple of 32
+  wgmma_runs_on(cc)                   the wgmma engine (and dispatch_gemm's CUDA kernel) runs on this GPU
+  wgmma_operands(bf16, K, N)          it takes a GEMM [M, K] x [K, N]
+  swiglu_epilogue_operands(bf16, K, F)  its SwiGLU epilogue takes GEMM1 [M, K] x [K, 2F]
   swiglu_fused(bf16, K, F)            grouped_matmul_swiglu applies the SwiGLU in its epilogue on this process's GPUs
   dispatch_gemm_operands(platform, bf16, K, N, swiglu)  a dispatch_gemm call takes these operands on this platform
 """
@@ -21,36 +24,51 @@ import jax
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import workspace_cuda
 
+# The engine names of the extension (GemmEngineName, ffi/cuda/gemm/engine.cc).
+WGMMA = "wgmma bf16"
+
+
+def _dtype(bf16: bool) -> str:
+  return "bfloat16" if bf16 else "float32"
+
 
 def wgmma_runs_on(compute_capability: tuple[int, int] | None) -> bool:
-  """Whether the wgmma engine runs on a GPU of this compute capability (Hopper, sm_90; None: not a CUDA device)."""
-  return compute_capability is not None and compute_capability[0] == 9
+  """Whether the wgmma engine runs on a GPU of this compute capability (None: not a CUDA device)."""
+  return (bool(_jmo.with_cuda) and compute_capability is not None and
+          _jmo.gemm_engine_device_refusal(WGMMA, tuple(compute_capability)) is None)
 
 
 def wgmma_operands(bf16: bool, K: int, N: int) -> bool:
-  """Whether the wgmma engine takes a GEMM of contraction K and N output columns: bfloat16, both multiples of 64."""
-  return bool(bf16) and K % 64 == 0 and N % 64 == 0
+  """Whether the wgmma engine takes a GEMM of contraction K and N output columns (w in either layout)."""
+  return bool(_jmo.with_cuda) and _jmo.gemm_engine_operand_refusal(WGMMA, _dtype(bf16), K, N) is None
 
 
 def swiglu_epilogue_operands(bf16: bool, K: int, F: int) -> bool:
-  """Whether the wgmma engine's SwiGLU epilogue takes GEMM1's operands, lhs [M, K] and w [K, 2F]: the engine's
-  (2F a multiple of 64) and whole 16-column stores of h (F a multiple of 32)."""
-  return wgmma_operands(bf16, K, 2 * F) and F % 32 == 0
+  """Whether the wgmma engine's SwiGLU epilogue takes GEMM1's operands, lhs [M, K] and w [K, 2F]."""
+  return (bool(_jmo.with_cuda) and
+          _jmo.gemm_engine_operand_refusal(WGMMA, _dtype(bf16), K, 2 * F, swiglu=True) is None)
+
+
+def _first_gpu_compute_capability() -> tuple[int, int] | None:
+  """JAX's first local GPU's compute capability; None where this process has no GPU or no CUDA build."""
+  gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+  if not (_jmo.with_cuda and gpus):
+    return None
+  return tuple(workspace_cuda.device_info(int(gpus[0].local_hardware_id)).compute_capability)
 
 
 def first_gpu_runs_wgmma() -> bool:
   """Whether JAX's first local GPU runs the wgmma engine (False where this process has no GPU or no CUDA build)."""
-  gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-  if not (_jmo.with_cuda and gpus):
-    return False
-  return wgmma_runs_on(workspace_cuda.device_info(int(gpus[0].local_hardware_id)).compute_capability)
+  return wgmma_runs_on(_first_gpu_compute_capability())
 
 
 @functools.cache
 def swiglu_fused(bf16: bool, K: int, F: int) -> bool:
-  """Whether ``grouped_matmul_swiglu`` applies the SwiGLU in its GEMM's epilogue on this process's GPUs (the CUDA
-  handler's SwiGluFused): only then may it leave out the preactivation. False where JAX's devices are not GPUs."""
-  return swiglu_epilogue_operands(bf16, K, F) and first_gpu_runs_wgmma()
+  """Whether ``grouped_matmul_swiglu`` applies the SwiGLU in its GEMM's epilogue on this process's GPUs (an engine
+  of the first GPU has the epilogue for these operands, as the CUDA handler selects): only then may it leave out the
+  preactivation. False where JAX's devices are not GPUs."""
+  cc = _first_gpu_compute_capability()
+  return cc is not None and _jmo.select_gemm_engine(cc, _dtype(bf16), K, 2 * F, swiglu=True) is not None
 
 
 def dispatch_gemm_operands(platform: str, bf16: bool, K: int, N: int, swiglu: bool) -> bool:
@@ -59,6 +77,4 @@ def dispatch_gemm_operands(platform: str, bf16: bool, K: int, N: int, swiglu: bo
   ``swiglu`` (N = 2F) what its SwiGLU epilogue takes."""
   if platform == "cpu":
     return True
-  if swiglu:
-    return N % 2 == 0 and swiglu_epilogue_operands(bf16, K, N // 2)
-  return wgmma_operands(bf16, K, N)
+  return bool(_jmo.with_cuda) and _jmo.gemm_engine_operand_refusal(WGMMA, _dtype(bf16), K, N, swiglu=swiglu) is None

@@ -13,10 +13,12 @@ Parameters (``checkpoint.py`` converts them to and from MaxText's and the per-ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import routing as routing_lib
@@ -80,23 +82,18 @@ class MoE(nnx.Module):
     self.call_config = call_config or CallConfig()
     self.batch_axes = tuple(batch_axes)
     self.deterministic = False
-    D, F, E, wd = config.emb_dim, config.moe_mlp_dim, config.num_experts, config.weight_dtype
-    init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)  # fan-in per expert
-    self.router = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (D, E), wd))
-    self.routing_bias = RoutingBias(jnp.zeros((E,), jnp.float32)) if config.routed_bias else None
-    self.w1 = nnx.Param(init(rngs.params(), (E, D, 2 * F), wd), out_sharding=(expert_axis, None, None),
-                        eager_sharding=False)
-    self.w2 = nnx.Param(init(rngs.params(), (E, F, D), wd), out_sharding=(expert_axis, None, None),
-                        eager_sharding=False)
-    S = config.shared_width
-    if S:
-      dense = nnx.initializers.lecun_normal()
-      self.shared_w1 = nnx.Param(dense(rngs.params(), (D, 2 * S), wd))
-      self.shared_w2 = nnx.Param(dense(rngs.params(), (S, D), wd))
+    values = _param_initializer(config, mesh, expert_axis)(tuple(rngs.params() for _ in range(_num_keys(config))))
+    self.router = nnx.Param(values["router"])
+    self.routing_bias = RoutingBias(values["routing_bias"]) if config.routed_bias else None
+    # The experts' sharding as metadata too (nnx.get_partition_spec); the values already have it.
+    self.w1 = nnx.Param(values["w1"], out_sharding=(expert_axis, None, None), eager_sharding=False)
+    self.w2 = nnx.Param(values["w2"], out_sharding=(expert_axis, None, None), eager_sharding=False)
+    if config.shared_width:
+      self.shared_w1 = nnx.Param(values["shared_w1"])
+      self.shared_w2 = nnx.Param(values["shared_w2"])
     else:
       self.shared_w1 = self.shared_w2 = None
-    self.shared_expert_gate = (nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (D, 1), wd))
-                               if config.shared_expert_gate else None)
+    self.shared_expert_gate = nnx.Param(values["shared_expert_gate"]) if config.shared_expert_gate else None
 
   def route(self, x2d: jax.Array, token_mask: jax.Array | None = None) -> routing_lib.Routing:
     """x2d [T, D] -> ``Routing`` (expert ids, gates, losses, load)."""
@@ -197,6 +194,46 @@ def total_aux_loss(intermediates) -> jax.Array:
     if any(getattr(key, "key", None) == "moe_aux_loss" for key in path):
       total = total + leaf
   return total
+
+
+def _num_keys(config: MoEConfig) -> int:
+  """Random keys the parameters take: router, w1, w2, the two shared-expert matrices when there are any, and the
+  shared expert's gate when it has one."""
+  return 3 + (2 if config.shared_width else 0) + (1 if config.shared_expert_gate else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_initializer(config: MoEConfig, mesh: jax.sharding.Mesh, expert_axis: str):
+  """The jit-compiled initializer of one layer's parameters: keys -> {name: array}, each array created with its
+  sharding on the mesh (w1 and w2 split over expert_axis, the rest replicated), so that no parameter is ever whole
+  on one device and the first call of the layer finds its parameters where it needs them (no resharding, no second
+  compilation). Cached per (config, mesh, axis): layers of one configuration share one compiled initializer. Under
+  a trace (``nnx.eval_shape``, a jitted model constructor) the shardings become the values' sharding constraints."""
+  D, F, E, S, wd = config.emb_dim, config.moe_mlp_dim, config.num_experts, config.shared_width, config.weight_dtype
+  experts = NamedSharding(mesh, P(expert_axis, None, None))
+  replicated = NamedSharding(mesh, P())
+  shardings = {"router": replicated, "w1": experts, "w2": experts}
+  if config.routed_bias:
+    shardings.update(routing_bias=replicated)
+  if S:
+    shardings.update(shared_w1=replicated, shared_w2=replicated)
+  if config.shared_expert_gate:
+    shardings.update(shared_expert_gate=replicated)
+
+  def init(keys):
+    fan_in = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)  # fan-in per expert
+    values = {"router": nnx.initializers.normal(0.02)(keys[0], (D, E), wd),
+              "w1": fan_in(keys[1], (E, D, 2 * F), wd), "w2": fan_in(keys[2], (E, F, D), wd)}
+    if config.routed_bias:
+      values.update(routing_bias=jnp.zeros((E,), jnp.float32))
+    if S:
+      dense = nnx.initializers.lecun_normal()
+      values.update(shared_w1=dense(keys[3], (D, 2 * S), wd), shared_w2=dense(keys[4], (S, D), wd))
+    if config.shared_expert_gate:
+      values.update(shared_expert_gate=nnx.initializers.lecun_normal()(keys[-1], (D, 1), wd))
+    return values
+
+  return jax.jit(init, out_shardings=shardings)
 
 
 def _explicit_in(a: jax.Array) -> bool:

@@ -6,7 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_moe_overlap as jmo
+
 ROUTINGS = ("balanced", "skewed", "all_to_one", "empty_experts")
+
+
+def moe_config(**kwargs) -> jmo.MoEConfig:
+  """A ``MoEConfig`` that computes in float32 unless kwargs say otherwise (the library's default is bfloat16), so
+  that the layer can be held to float32 tolerances against the float32 reference."""
+  return jmo.MoEConfig(**{"dtype": jnp.float32, **kwargs})
 
 
 def mesh_of(n: int, axis: str = "expert") -> jax.sharding.Mesh:

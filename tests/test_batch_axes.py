@@ -6,7 +6,7 @@ import pytest
 
 import jax_moe_overlap as jmo
 from batch_axes_checks import check_matches_reference, mesh_of_shape
-from cases import layer_inputs
+from cases import layer_inputs, moe_config
 from child_process import run_script
 
 
@@ -40,7 +40,7 @@ def test_module_with_batch_axes_matches_reference():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   mesh = mesh_of_shape({"data": 2, "expert": 2})
   x = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 16))
-  cfg = jmo.MoEConfig(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2)
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2)
   m = jmo.MoE(cfg, mesh=mesh, batch_axes=("data",), rngs=nnx.Rngs(0))
   y, aux = nnx.jit(lambda m, x: m(x))(m, x)
   m.impl = "reference"

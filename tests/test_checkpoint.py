@@ -74,7 +74,8 @@ def test_round_trip_and_restore(layout, axis_type):
   cfg = CONFIGS["deepseek" if layout == "maxtext" else layout.split("-")[1]]
   src, dst = _module(0, cfg, axis_type), _module(1, cfg, axis_type)
   if cfg.routed_bias:
-    src.routing_bias[...] = jax.random.normal(jax.random.PRNGKey(9), (8,))
+    bias = src.routing_bias[...]   # on the mesh from creation: the value written goes there too (Explicit axes)
+    src.routing_bias[...] = jax.device_put(jax.random.normal(jax.random.PRNGKey(9), (8,)), bias.sharding)
   params = checkpoint.params_of(src)
   assert sorted(params) == sorted(n for n in checkpoint.NAMES if getattr(src, n) is not None)
   back = _there_and_back(layout, params)

@@ -5,10 +5,12 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jax_moe_overlap as jmo
 from cases import layer_inputs, mesh_of
+from child_process import run_script
 
 E, D, F = 8, 16, 24
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -92,3 +94,17 @@ def test_eager_module_call_reuses_the_expert_program():
   assert not compiled, f"the second eager MoE call compiled {len(compiled)} programs"
   y_jit, _ = nnx.jit(lambda m, x: m(x))(m, x)
   np.testing.assert_allclose(y, y_jit, rtol=1e-6, atol=1e-6)
+
+
+def test_eager_vjp_on_a_data_by_expert_mesh_of_eight():
+  """An eager jax.vjp on a (data 2, expert 4) mesh of 8 CPU devices, ten times: its programs hold XLA collectives
+  beside the workspace calls, so it needs the calls to wait off XLA's threads (ffi/cpu/async_call.h); a pool that
+  runs out does so at random, hence the repeats."""
+  out = run_script("eager_meshes_main.py", "vjp")
+  assert "overlap vjp: match" in out, out
+
+
+@pytest.mark.slow  # 8 devices in a second process; 27 eager calls, each compiled again under jit and as the oracle
+def test_eager_forward_vjp_grad_of_every_impl_on_every_test_mesh():
+  out = run_script("eager_meshes_main.py", "all")
+  assert out.count(": match") == 9, out

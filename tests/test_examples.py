@@ -3,8 +3,11 @@ resume, and generation from the checkpoint. The scripts run in this process (the
 same model share compiled steps."""
 
 import generate  # examples/generate.py (examples/ is on pytest's pythonpath, as a script's own folder is)
+import jax
+import model as model_lib  # examples/model.py
 import numpy as np
 import pytest
+import step_profile  # examples/step_profile.py
 import train_moe  # examples/train_moe.py
 
 STEPS = 30
@@ -15,9 +18,11 @@ TINY = ["--steps", str(STEPS), "--layers", "2", "--d-model", "64", "--heads", "4
 
 @pytest.fixture(scope="module")
 def overlap_run(tmp_path_factory):
-  """The uninterrupted 30-step run with impl=overlap; it leaves a checkpoint of step 30 and a loss-curve PNG."""
+  """The uninterrupted 30-step run with impl=overlap; it leaves a checkpoint of step 30 and a loss-curve PNG, and
+  profiles steps 2 and 3 (the resumed run, which does not, checks that this changes no loss)."""
   d = tmp_path_factory.mktemp("overlap")
-  out = train_moe.main(TINY + ["--impl", "overlap", "--ckpt-dir", str(d / "ckpt"), "--plot", str(d / "loss.png")])
+  out = train_moe.main(TINY + ["--impl", "overlap", "--ckpt-dir", str(d / "ckpt"), "--plot", str(d / "loss.png"),
+                               "--profile-steps", "2"])
   return out, d
 
 
@@ -87,3 +92,112 @@ def test_training_script_runs_as_a_program(tmp_path):
                         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "throughput impl=overlap" in proc.stdout and "step 3: train loss" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_step_profile_attributes_the_device_time(overlap_run):
+  """--profile-steps: every part of the model gets device time from the trace, this library's custom calls among
+  them, and the parts add up to the busy time; the CPU run's attention is XLA's."""
+  out, _ = overlap_run
+  assert out["attention"] == "xla"
+  prof = out["profile"]
+  assert prof["steps"] == 2 and prof["devices"] == 4
+  assert all(prof["ms"][part] > 0 for part in step_profile.PARTS), prof["ms"]
+  assert all(op.startswith("jmo_") for op, _ in prof["top_ops"]["routed_experts"]), prof["top_ops"]
+  assert np.isclose(prof["busy_ms"], sum(prof["ms"].values()))
+  assert 0 < prof["busy_ms"] and 0 < prof["wall_ms"]
+  text = step_profile.format_table(prof, train_moe.part_flops(model_lib.ModelConfig(), 64.0))
+  assert "this library's custom calls" in text and "TFLOP/s" in text
+
+
+def test_hlo_parts_follow_scopes_and_targets():
+  """Ops are attributed by custom-call target first (this library's, cuDNN's attention), then by the named scope
+  in their metadata, in the forward pass and under transpose/jvp in the backward pass."""
+  hlo = "\n".join([
+      "HloModule jit_train_step, is_scheduled=true",
+      "ENTRY %main.1 (p: f32[8]) -> f32[8] {",
+      '  %custom-call.3 = f32[8] custom-call(%p), custom_call_target="jmo_dispatch", metadata={op_name="jit(s)/moe/x"}',
+      '  %fusion.1 = f32[8] fusion(%p), kind=kLoop, metadata={op_name="jit(s)/transpose(jvp(moe))/dot_general"}',
+      '  %fusion.2 = f32[8] fusion(%p), kind=kLoop, metadata={op_name="jit(s)/jvp(attention)/exp"}',
+      '  %custom-call.4 = f32[8] custom-call(%p), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="p"}',
+      '  %fusion.3 = f32[8] fusion(%p), kind=kLoop, metadata={op_name="jit(s)/moe_like/attention_free/add"}',
+      "  ROOT %copy.1 = f32[8] copy(%p)",
+      "}"])
+  module, parts = step_profile.hlo_parts(hlo, moe_scope="moe", attention_scope="attention")
+  assert module == "jit_train_step"
+  assert parts == {"custom-call.3": "routed_experts", "fusion.1": "moe_other", "fusion.2": "attention",
+                   "custom-call.4": "attention", "fusion.3": "rest", "copy.1": "rest"}
+
+
+def test_profiled_step_turns_off_command_buffers_only_on_gpus():
+  """The profiled step's executable compiles with XLA:GPU command buffers off on GPUs and with no option elsewhere;
+  XLA's compile-option parser (the same DebugOptions on every backend) takes the GPU options by name and value."""
+  for platform in ("gpu", "cuda", "rocm"):
+    assert step_profile.compiler_options(platform) == {"xla_gpu_enable_command_buffer": ""}
+  assert step_profile.compiler_options("cpu") == {}
+  lowered = jax.jit(lambda x: x * 2.0).lower(jax.numpy.ones(4))
+  assert lowered.compile(compiler_options=step_profile.GPU_COMPILER_OPTIONS) is not None
+  with pytest.raises(Exception, match="not a valid"):   # the value is parsed as the list of op types it is
+    lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": "NO_SUCH_OP_TYPE"})
+
+
+class _Event:
+  def __init__(self, start_ns, end_ns, **stats):
+    self.start_ns, self.end_ns, self.duration_ns, self.stats = start_ns, end_ns, end_ns - start_ns, stats.items()
+
+
+class _Named:
+  def __init__(self, name, **kw):
+    self.name = name
+    self.__dict__.update(kw)
+
+
+def test_device_time_of_ops_the_hlo_lacks_is_counted_as_unnamed():
+  """GPU events are attributed through the HLO's instructions; an event of an op the HLO text lacks (a CUDA graph's
+  kernels carry only the graph's name) or of no op counts as rest and as unnamed, so the table says how much of the
+  device time no instruction explains. Events of other modules and the "XLA Ops" line are left out."""
+  parts = {"custom-call.4": "attention", "ffi_call.1": "routed_experts", "fusion.2": "rest"}
+  m = "jit_train_step"
+  stream = [_Event(0, 100, hlo_module=m, hlo_op="custom-call.4"),      # a cuDNN kernel under its custom call
+            _Event(100, 130, hlo_module=m, hlo_op="ffi_call.1"),
+            _Event(130, 170, hlo_module=m, hlo_op="command_buffer_7"),   # a CUDA graph's kernel
+            _Event(170, 175, hlo_module=m),                              # a copy without an op
+            _Event(175, 185, hlo_module=m, hlo_op="fusion.2"),
+            _Event(185, 999, hlo_module="jit_eval_step", hlo_op="fusion.2")]
+  ops_line = [_Event(0, 185, hlo_module=m, hlo_op="custom-call.4")]
+  data = _Named("data", planes=[_Named("/device:GPU:0", lines=[_Named("Stream #13", events=stream),
+                                                               _Named("XLA Ops", events=ops_line)]),
+                                _Named("/host:CPU", lines=[_Named("python", events=ops_line)])])
+  got = step_profile.device_time_by_part(data, m, parts)
+  assert got["ns"] == {"routed_experts": 30, "moe_other": 0, "attention": 100, "rest": 55}
+  assert got["unnamed_ns"] == 45 and got["device_planes"] == 1
+  assert got["ops"]["rest"] == {"command_buffer_7": 40, "fusion.2": 10}
+
+
+def test_gpu_preset_evaluates_on_the_shipped_text():
+  """The README's GPU line (--preset gpu, no --data): the held-out text of the shipped data holds fewer than 32
+  windows of 1025 bytes, so the evaluation takes one batch of as many whole windows as divide by the devices; a
+  text too short for one window per device is refused with the rule."""
+  _, held = model_lib.load_text()
+  preset = train_moe.PRESETS["gpu"]
+  windows = (len(held) - 1) // preset["seq_len"]
+  assert windows < preset["batch_size"]
+  for devices in (1, 2, 4, 8):
+    batches = model_lib.eval_batches(held, preset["batch_size"], preset["seq_len"], preset["eval_batches"],
+                                     multiple_of=devices)
+    assert len(batches) == 1 and len(batches[0]) == windows - windows % devices
+    assert batches[0].shape[1] == preset["seq_len"] + 1
+    np.testing.assert_array_equal(batches[0][1, :-1], held[preset["seq_len"]:2 * preset["seq_len"]])
+  full = model_lib.eval_batches(held, 8, 32, 4, multiple_of=4)      # long enough: whole batches, as many as asked
+  assert [b.shape for b in full] == [(8, 33)] * 4
+  with pytest.raises(ValueError, match="needs at least 16"):
+    model_lib.eval_batches(held[:3000], 32, 1024, 2, multiple_of=16)
+
+
+def test_attention_is_chosen_once_xla_on_cpu():
+  cfg = model_lib.ModelConfig(dtype="bfloat16")
+  mesh = model_lib.make_mesh()
+  assert model_lib.choose_attention(cfg, mesh, 8) == ("xla", "cuDNN attention needs a GPU, the backend is cpu")
+  assert model_lib.choose_attention(cfg, mesh, 8, "xla")[0] == "xla"
+  with pytest.raises(ValueError, match="--attention cudnn does not apply: cuDNN attention needs a GPU"):
+    model_lib.choose_attention(cfg, mesh, 8, "cudnn")
+  assert jax.default_backend() == "cpu"

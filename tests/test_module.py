@@ -1,13 +1,17 @@
 """The Flax NNX MoE module: overlap vs reference through nnx.jit, gradients of every parameter, several layers."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_moe_overlap as jmo
-from cases import mesh_of, rel_err
+from cases import mesh_of, moe_config, rel_err
 
 
 class TwoLayerMoE(nnx.Module):
@@ -78,7 +82,7 @@ def test_module_bfloat16_and_router_learns():
 def test_module_on_explicit_mesh():
   devs = np.array(jax.devices("cpu")[:4])
   mesh = jax.sharding.Mesh(devs, ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
-  m = jmo.MoE(jmo.MoEConfig(emb_dim=16, moe_mlp_dim=32, num_experts=8, num_experts_per_tok=2), mesh=mesh,
+  m = jmo.MoE(moe_config(emb_dim=16, moe_mlp_dim=32, num_experts=8, num_experts_per_tok=2), mesh=mesh,
               rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
   y, aux = nnx.jit(lambda m, x: m(x))(m, x)
@@ -93,3 +97,50 @@ def test_module_on_explicit_mesh():
   y_ref, _ = nnx.jit(lambda m, x: m(x))(m, x)
   assert y.shape == x.shape
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@contextlib.contextmanager
+def backend_compilations():
+  """The names of the functions XLA compiles inside the block (jax.monitoring's backend-compile events)."""
+  names = []
+
+  def listener(event, duration_secs, **kwargs):
+    del duration_secs
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_parameters_are_created_sharded_and_only_the_first_call_compiles(axis_type):
+  """The README's construction: every parameter is created on the mesh with the sharding the layer computes with
+  (each device holds E / 4 experts, never all of them), so the first jitted call finds them in place and the second
+  and third compile nothing; a second layer of the same configuration reuses the compiled initializer."""
+  types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+  mesh = jax.make_mesh((4,), ("expert",), axis_types=(types[axis_type],), devices=jax.devices("cpu")[:4])
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=8, num_experts=8, num_experts_per_tok=2, shared_experts=1,
+                   shared_expert_gate=True, routed_bias=True)
+  m = jmo.MoE(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  for name in ("router", "routing_bias", "w1", "w2", "shared_w1", "shared_w2", "shared_expert_gate"):
+    a = getattr(m, name)[...]
+    experts = name in ("w1", "w2")
+    assert a.sharding.is_equivalent_to(NamedSharding(mesh, P("expert") if experts else P()), a.ndim), name
+    assert {s.data.shape[0] for s in a.addressable_shards} == {a.shape[0] // 4 if experts else a.shape[0]}, name
+  with backend_compilations() as compiled:
+    jmo.MoE(cfg, mesh=mesh, rngs=nnx.Rngs(1))
+  assert "jit(init)" not in compiled, compiled
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 8, 16))
+  step = nnx.jit(lambda m, x: m(x))
+  counts = []
+  for _ in range(3):
+    with backend_compilations() as compiled:
+      y, _ = step(m, x)
+      jax.block_until_ready(y)
+    counts.append(len(compiled))
+  assert counts[0] >= 1 and counts[1:] == [0, 0], counts
+  assert m.w1[...].sharding.is_equivalent_to(NamedSharding(mesh, P("expert")), 3)

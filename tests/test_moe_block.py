@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 
 import jax_moe_overlap as jmo
-from cases import mesh_of, rel_err
+from cases import mesh_of, moe_config, rel_err
 
-DEEPSEEK = jmo.MoEConfig(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=3, routed_score_func="sigmoid",
+DEEPSEEK = moe_config(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=3, routed_score_func="sigmoid",
                          routed_bias=True, routed_bias_update_rate=1e-3, n_routing_groups=4, topk_routing_group=2,
                          norm_topk_prob=True, routed_scaling_factor=2.5, shared_experts=1, capacity_factor=1.0)
-MIXTRAL = jmo.MoEConfig(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2, capacity_factor=-1)
+MIXTRAL = moe_config(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2, capacity_factor=-1)
 
 
 def _loss(m, x, mask):
@@ -50,7 +50,7 @@ def test_impls_agree_forward_and_grads(cfg):
 
 def test_shared_experts_add_a_dense_swiglu():
   mesh = mesh_of(4)
-  cfg = jmo.MoEConfig(emb_dim=16, moe_mlp_dim=8, num_experts=8, num_experts_per_tok=2, shared_experts=2)
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=8, num_experts=8, num_experts_per_tok=2, shared_experts=2)
   m = jmo.MoE(cfg, mesh=mesh, impl="xla", rngs=nnx.Rngs(0))
   assert m.shared_w1.shape == (16, 32) and m.shared_w2.shape == (16, 16)
   x = jax.random.normal(jax.random.PRNGKey(2), (32, 16))
@@ -135,7 +135,7 @@ class TinyTransformer(nnx.Module):
 def test_drop_in_block_in_a_transformer(axis_type):
   types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("expert",), axis_types=(types[axis_type],))
-  cfg = jmo.MoEConfig(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2, shared_experts=1,
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2, shared_experts=1,
                       load_balance_loss_weight=0.01, router_z_loss_weight=0.001)
   dense = TinyTransformer(lambda r: Dense(16, 24, r), nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(6), (4, 8, 16))

@@ -63,7 +63,7 @@ Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t
   pol.model.ctas_per_sm = 1;
   pol.max_ctas = ModelMaxCtas(pol.model.sms);
   pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);
-  pol.elem_bytes = ElemBytes(dt);
+  pol.elem_bytes = Traits(dt).elem_bytes;
   unsigned long long* out = nullptr;
   Status s = CudaStatus(cudaMalloc(&out, 4 * sizeof(unsigned long long)), "cudaMalloc");
   if (!s.ok()) return s;

@@ -11,7 +11,7 @@ namespace jmo::tools {
 // ExpertKernel does, then evaluates the workspace's model `iters` times. Reports the nanoseconds of one table build,
 // of one decision (prefix scan + all candidates + the reduction), and the choice.
 cuda::Status MeasureDecision(const cuda::CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off,
-                             int64_t E_l, int64_t cap, int64_t K, int64_t N, cuda::DType dt, int iters,
+                             int64_t E_l, int64_t cap, int64_t K, int64_t N, DType dt, int iters,
                              double* table_ns, double* decision_ns, int* choice);
 
 }  // namespace jmo::tools

@@ -4,9 +4,11 @@
 // (Binding methods are rvalue-qualified, hence the std::move of each partial binding.)
 #pragma once
 
+#include <optional>
 #include <string>
 #include <utility>
 
+#include "common/dtype.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo {
@@ -131,11 +133,15 @@ inline xla::ffi::Error CheckCombineOptions(int32_t consumer_ctas, int32_t serial
   return xla::ffi::Error::Success();
 }
 
-inline bool SupportedFloat(xla::ffi::DataType t) {
-  return t == xla::ffi::DataType::F32 || t == xla::ffi::DataType::BF16;
+// The library's dtype (common/dtype.h) of an XLA element type: nullopt for the types no call takes, which every
+// shape check refuses, so that a handler never maps a dtype it does not know.
+inline std::optional<DType> DTypeOf(xla::ffi::DataType t) {
+  switch (t) {
+    case xla::ffi::DataType::F32: return DType::kF32;
+    case xla::ffi::DataType::BF16: return DType::kBF16;
+    default: return std::nullopt;
+  }
 }
-
-inline int64_t ElemBytes(xla::ffi::DataType t) { return t == xla::ffi::DataType::F32 ? 4 : 2; }
 
 // "[2, 3, 4]": a buffer's dimensions, for error messages.
 template <typename Dims>
@@ -146,7 +152,7 @@ std::string DimsText(const Dims& d) {
 }
 
 struct DispatchShape {
-  xla::ffi::DataType dtype;
+  DType dtype;
   int64_t S, D, cap, P;  // src rows, row width, recv capacity, slots
 };
 
@@ -155,8 +161,9 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
                                                       const xla::ffi::AnyBuffer& out) {
-  if (!SupportedFloat(src.element_type()) || out.element_type() != src.element_type())
-    return xla::ffi::Unexpected(InvalidCall("dispatch: rows must be float32 or bfloat16"));
+  const std::optional<DType> dt = DTypeOf(src.element_type());
+  if (!dt || out.element_type() != src.element_type())
+    return xla::ffi::Unexpected(InvalidCall("dispatch: rows must be " + DTypeNames()));
   auto sd = src.dimensions();
   auto od = out.dimensions();
   if (sd.size() != 2 || od.size() != 2 || sd[1] != od[1])
@@ -164,7 +171,7 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
   const int64_t P = slot_src_row.element_count();
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
-  return DispatchShape{src.element_type(), sd[0], sd[1], od[0], P};
+  return DispatchShape{*dt, sd[0], sd[1], od[0], P};
 }
 
 struct DispatchGemmShape {
@@ -186,13 +193,14 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
                                                               const xla::ffi::Buffer<xla::ffi::F32>& a,
                                                               bool transpose_rhs, bool swiglu) {
   using xla::ffi::Unexpected;
-  const auto dt = src.element_type();
-  if (!SupportedFloat(dt) || w.element_type() != dt || x_recv.element_type() != dt)
-    return Unexpected(InvalidCall("dispatch_gemm: src, w and x_recv must share one dtype, float32 or bfloat16"));
+  const auto xt = src.element_type();
+  const std::optional<DType> dt = DTypeOf(xt);
+  if (!dt || w.element_type() != xt || x_recv.element_type() != xt)
+    return Unexpected(InvalidCall("dispatch_gemm: src, w and x_recv must share one dtype, " + DTypeNames()));
   if (swiglu && transpose_rhs)
     return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
                                   "transpose_rhs"));
-  if (out.element_type() != (swiglu ? dt : xla::ffi::DataType::F32))
+  if (out.element_type() != (swiglu ? xt : xla::ffi::DataType::F32))
     return Unexpected(InvalidCall(swiglu ? "dispatch_gemm: with swiglu, out (h) must be in src's dtype"
                                          : "dispatch_gemm: out must be float32"));
   auto sd = src.dimensions(), wd = w.dimensions(), xd = x_recv.dimensions(), od = out.dimensions();
@@ -213,7 +221,7 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
         (swiglu ? "out [cap, N / 2] and a [cap or 0, N] (swiglu)" : "out [cap, N] and a [0, N]") + "; got src " +
         DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
         DimsText(ad)));
-  return DispatchGemmShape{DispatchShape{dt, sd[0], D, cap, P}, wd[0], N, xd[0] == cap && cap > 0,
+  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P}, wd[0], N, xd[0] == cap && cap > 0,
                            swiglu && ad[0] == cap && cap > 0};
 }
 
@@ -247,7 +255,7 @@ inline xla::ffi::ErrorOr<CountsShape> CheckExchangeCounts(const xla::ffi::Buffer
 }
 
 struct CombineShape {
-  xla::ffi::DataType dtype;
+  DType dtype;
   int64_t cap, K, E_local, N, T, k, P, R;  // R: columns of seg_rows (must equal the workspace's ranks)
   bool want_slots;                        // slot_out has T*k rows (else 0)
 };
@@ -263,9 +271,10 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
                                                           const xla::ffi::AnyBuffer& y,
                                                           const xla::ffi::AnyBuffer& slot_out, bool transpose_rhs) {
   using xla::ffi::Unexpected;
-  const xla::ffi::DataType dt = lhs.element_type();
-  if (!SupportedFloat(dt) || w.element_type() != dt || y.element_type() != dt || slot_out.element_type() != dt)
-    return Unexpected(InvalidCall("expert_combine: lhs, w and outputs must share one dtype, float32 or bfloat16"));
+  const xla::ffi::DataType xt = lhs.element_type();
+  const std::optional<DType> dt = DTypeOf(xt);
+  if (!dt || w.element_type() != xt || y.element_type() != xt || slot_out.element_type() != xt)
+    return Unexpected(InvalidCall("expert_combine: lhs, w and outputs must share one dtype, " + DTypeNames()));
   auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y.dimensions(),
        sd = seg_rows.dimensions(), so = slot_out.dimensions();
   const char* w_layout = transpose_rhs ? "w [E_local, N, K] (transpose_rhs)" : "w [E_local, K, N]";
@@ -274,7 +283,7 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
                                   ", gates [T, k], seg_rows [E_local, R]; got lhs " + DimsText(ld) + ", w " +
                                   DimsText(wd) + ", gates " + DimsText(gd) + ", seg_rows " + DimsText(sd)));
   const int64_t w_k = transpose_rhs ? wd[2] : wd[1], w_n = transpose_rhs ? wd[1] : wd[2];
-  CombineShape s{dt, ld[0], ld[1], wd[0], w_n, gd[0], gd[1], gd[0] * gd[1], sd[1], so[0] != 0};
+  CombineShape s{*dt, ld[0], ld[1], wd[0], w_n, gd[0], gd[1], gd[0] * gd[1], sd[1], so[0] != 0};
   if (w_k != s.K)
     return Unexpected(InvalidCall(std::string("expert_combine: ") + w_layout + " does not fit lhs [cap, K]: lhs " +
                                   DimsText(ld) + ", w " + DimsText(wd) + " (K " + std::to_string(s.K) + " vs " +

@@ -12,9 +12,12 @@
 // Operands are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype (fp32 accumulation).
 #pragma once
 
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "common/call_signature.h"
+#include "common/dtype.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo {
@@ -41,32 +44,34 @@ auto BindGroupedSwiGlu(Binding&& b) {
 }
 
 struct GroupedShape {
-  xla::ffi::DataType dtype;  // operands
+  DType dtype;  // operands
   bool out_f32;
   int64_t M, K, N, G;
 };
 
-// Common dtype rules of both calls.
-inline xla::ffi::Error CheckGroupedDtypes(const char* op, const xla::ffi::AnyBuffer& lhs,
-                                          const xla::ffi::AnyBuffer& rhs, const xla::ffi::AnyBuffer& out) {
-  const auto dt = lhs.element_type();
-  if (!SupportedFloat(dt) || rhs.element_type() != dt)
-    return InvalidCall(std::string(op) + ": lhs and rhs must share one dtype, float32 or bfloat16");
-  if (out.element_type() != dt && out.element_type() != xla::ffi::DataType::F32)
-    return InvalidCall(std::string(op) + ": the output must be float32 or the operands' dtype");
-  return xla::ffi::Error::Success();
+// Common dtype rules of both calls: the operands' dtype.
+inline xla::ffi::ErrorOr<DType> CheckGroupedDtypes(const char* op, const xla::ffi::AnyBuffer& lhs,
+                                                   const xla::ffi::AnyBuffer& rhs, const xla::ffi::AnyBuffer& out) {
+  const auto xt = lhs.element_type();
+  const std::optional<DType> dt = DTypeOf(xt);
+  if (!dt || rhs.element_type() != xt)
+    return xla::ffi::Unexpected(InvalidCall(std::string(op) + ": lhs and rhs must share one dtype, " + DTypeNames()));
+  if (out.element_type() != xt && out.element_type() != xla::ffi::DataType::F32)
+    return xla::ffi::Unexpected(InvalidCall(std::string(op) + ": the output must be float32 or the operands' dtype"));
+  return *dt;
 }
 
 inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedMatmul(const xla::ffi::AnyBuffer& lhs,
                                                           const xla::ffi::AnyBuffer& rhs,
                                                           const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                                           const xla::ffi::AnyBuffer& out, bool transpose_rhs) {
-  if (auto e = CheckGroupedDtypes("grouped_matmul", lhs, rhs, out); e.failure()) return xla::ffi::Unexpected(e);
+  auto dt = CheckGroupedDtypes("grouped_matmul", lhs, rhs, out);
+  if (dt.has_error()) return xla::ffi::Unexpected(dt.error());
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || od.size() != 2 || group_sizes.dimensions().size() != 1)
     return xla::ffi::Unexpected(InvalidCall("grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]"));
   const int64_t K = ld[1], N = transpose_rhs ? rd[1] : rd[2], rhs_k = transpose_rhs ? rd[2] : rd[1];
-  GroupedShape s{lhs.element_type(), out.element_type() == xla::ffi::DataType::F32, ld[0], K, N, rd[0]};
+  GroupedShape s{*dt, out.element_type() == xla::ffi::DataType::F32, ld[0], K, N, rd[0]};
   if (rhs_k != K || od[0] != s.M || od[1] != N || static_cast<int64_t>(group_sizes.element_count()) != s.G)
     return xla::ffi::Unexpected(InvalidCall("grouped_matmul: inconsistent shapes"));
   return s;
@@ -78,16 +83,16 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuf
                                                           const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                                           const xla::ffi::AnyBuffer& h, const xla::ffi::AnyBuffer& a,
                                                           bool* keep_a) {
-  const auto dt = lhs.element_type();
-  if (!SupportedFloat(dt) || rhs.element_type() != dt || h.element_type() != dt ||
-      a.element_type() != xla::ffi::DataType::F32)
-    return xla::ffi::Unexpected(InvalidCall(
-        "grouped_matmul_swiglu: lhs, rhs and h must share one dtype, float32 or bfloat16, and a must be float32"));
+  const auto xt = lhs.element_type();
+  const std::optional<DType> dt = DTypeOf(xt);
+  if (!dt || rhs.element_type() != xt || h.element_type() != xt || a.element_type() != xla::ffi::DataType::F32)
+    return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu: lhs, rhs and h must share one dtype, " +
+                                            DTypeNames() + ", and a must be float32"));
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), hd = h.dimensions(), ad = a.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || hd.size() != 2 || ad.size() != 2 || group_sizes.dimensions().size() != 1)
     return xla::ffi::Unexpected(InvalidCall(
         "grouped_matmul_swiglu: expected lhs [M, K], rhs [G, K, 2F], group_sizes [G], h [M, F], a [M or 0, 2F]"));
-  GroupedShape s{dt, dt == xla::ffi::DataType::F32, ld[0], ld[1], rd[2] / 2, rd[0]};
+  GroupedShape s{*dt, xt == xla::ffi::DataType::F32, ld[0], ld[1], rd[2] / 2, rd[0]};
   *keep_a = ad[0] == s.M;
   if (rd[1] != s.K || rd[2] % 2 != 0 || hd[0] != s.M || hd[1] != s.N || ad[1] != 2 * s.N ||
       (ad[0] != 0 && ad[0] != s.M) || static_cast<int64_t>(group_sizes.element_count()) != s.G)
@@ -98,11 +103,12 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuf
 inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedOuter(const xla::ffi::AnyBuffer& lhs, const xla::ffi::AnyBuffer& rhs,
                                                          const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                                          const xla::ffi::AnyBuffer& out) {
-  if (auto e = CheckGroupedDtypes("grouped_outer", lhs, rhs, out); e.failure()) return xla::ffi::Unexpected(e);
+  auto dt = CheckGroupedDtypes("grouped_outer", lhs, rhs, out);
+  if (dt.has_error()) return xla::ffi::Unexpected(dt.error());
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
   if (ld.size() != 2 || rd.size() != 2 || od.size() != 3 || group_sizes.dimensions().size() != 1)
     return xla::ffi::Unexpected(InvalidCall("grouped_outer: expected lhs [M, K], rhs [M, N], group_sizes [G]"));
-  GroupedShape s{lhs.element_type(), out.element_type() == xla::ffi::DataType::F32, ld[0], ld[1], rd[1],
+  GroupedShape s{*dt, out.element_type() == xla::ffi::DataType::F32, ld[0], ld[1], rd[1],
                  static_cast<int64_t>(group_sizes.element_count())};
   if (rd[0] != s.M || od[0] != s.G || od[1] != s.K || od[2] != s.N)
     return xla::ffi::Unexpected(InvalidCall("grouped_outer: inconsistent shapes"));

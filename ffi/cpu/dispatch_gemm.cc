@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "common/call_signature.h"
+#include "common/dtype.h"
 #include "cpu/call_steps.h"
 #include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
@@ -152,8 +153,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                        "got " + std::to_string(pushers));
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
   const int64_t E_l = shape->E_local, N = shape->N, F = N / 2;
-  const bool bf16 = shape->rows.dtype == ffi::DataType::BF16;
-  const int64_t elem_bytes = ElemBytes(shape->rows.dtype), row_bytes = K * elem_bytes;
+  const bool bf16 = shape->rows.dtype == DType::kBF16;
+  const int64_t elem_bytes = Traits(shape->rows.dtype).elem_bytes, row_bytes = RowBytes(shape->rows.dtype, K);
 
   auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
   if (ctx.has_error()) return ctx.error();
@@ -267,5 +268,5 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
 }  // namespace jmo::cpu
 
 // The ordering token first, as the other workspace calls on CPU (handlers.cc says why).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchGemmCpu, jmo::cpu::DispatchGemmImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchGemmCpuBody, jmo::cpu::DispatchGemmImpl,
                               jmo::BindDispatchGemm(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/grouped_gemm_signature.h"
+#include "common/dtype.h"
 #include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -36,7 +37,7 @@ ffi::Error GroupedMatmulImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer
   const int64_t M = shape->M, K = shape->K, N = shape->N;
   auto off = RowOffsets("grouped_matmul", group_sizes, M);
   if (off.has_error()) return off.error();
-  const bool bf16 = shape->dtype == ffi::DataType::BF16, out_bf16 = !shape->out_f32;
+  const bool bf16 = shape->dtype == DType::kBF16, out_bf16 = !shape->out_f32;
   const ElemView a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
   void* o = out->untyped_data();
   std::vector<float> acc(N);
@@ -53,7 +54,7 @@ ffi::Error GroupedOuterImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<
   const int64_t M = shape->M, K = shape->K, N = shape->N;
   auto off = RowOffsets("grouped_outer", group_sizes, M);
   if (off.has_error()) return off.error();
-  const bool bf16 = shape->dtype == ffi::DataType::BF16, out_bf16 = !shape->out_f32;
+  const bool bf16 = shape->dtype == DType::kBF16, out_bf16 = !shape->out_f32;
   const ElemView a{lhs.untyped_data(), bf16}, b{rhs.untyped_data(), bf16};
   std::vector<float> acc(K * N);
   for (int64_t g = 0; g < shape->G; ++g) {
@@ -76,7 +77,7 @@ ffi::Error GroupedMatmulSwiGluImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::
   const int64_t M = shape->M, K = shape->K, F = shape->N;
   auto off = RowOffsets("grouped_matmul_swiglu", group_sizes, M);
   if (off.has_error()) return off.error();
-  const bool bf16 = shape->dtype == ffi::DataType::BF16;
+  const bool bf16 = shape->dtype == DType::kBF16;
   const ElemView x{lhs.untyped_data(), bf16}, w{rhs.untyped_data(), bf16};
   // The preactivation in float32 (into a, or scratch when a is not kept), then the SwiGLU in float32.
   std::vector<float> scratch(keep_a ? 0 : M * 2 * F), acc;

@@ -9,6 +9,7 @@
 
 #include "common/bf16.h"
 #include "common/call_signature.h"
+#include "common/dtype.h"
 #include "common/error_text.h"
 #include "cpu/call_steps.h"
 #include "cpu/handlers.h"
@@ -44,7 +45,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->S, cap = shape->cap, P = shape->P;
-  const int64_t row_bytes = shape->D * ElemBytes(shape->dtype);
+  const int64_t row_bytes = RowBytes(shape->dtype, shape->D);
 
   auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
   if (ctx.has_error()) return ctx.error();
@@ -151,11 +152,11 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   if (shape.has_error()) return shape.error();
   // consumer_ctas and the push tuning are CUDA resources (the CPU consumer is one thread per rank): checked, unused.
   if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
-  const ffi::DataType dt = shape->dtype;
+  const DType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;
   const int64_t P = shape->P;
   const bool want_slots = shape->want_slots;
-  const int64_t row_bytes = N * ElemBytes(dt);
+  const int64_t row_bytes = RowBytes(dt, N);
 
   auto ctx = BeginCall(workspace, group_op.typed_data()[0], rank_op.typed_data()[0], timeout_ms, delay_rank, delay_us);
   if (ctx.has_error()) return ctx.error();
@@ -196,7 +197,7 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));
 
-  if (dt == ffi::DataType::F32)
+  if (dt == DType::kF32)
     ProduceSegments<float>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
   else
     ProduceSegments<uint16_t>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
@@ -215,7 +216,7 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
     if (ret_row[p] >= ws->sizes().ret_rows)
       return FailInput(c, "expert_combine", kBadRetRow, p, ret_row[p], ws->sizes().ret_rows);
   void* so_ptr = want_slots ? slot_out->untyped_data() : nullptr;
-  if (dt == ffi::DataType::F32)
+  if (dt == DType::kF32)
     CombineRows<float>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);
   else
     CombineRows<uint16_t>(self, gates.typed_data(), ret_row, T_, k, N, y->untyped_data(), so_ptr);
@@ -278,11 +279,11 @@ ffi::Error ExchangeCountsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Buffer<f
 // XLA:CPU runs thunks as soon as their operands are ready, several at a time, so two workspace calls with no data
 // between them could start in different orders on different ranks. The token chain (a JAX ordered effect) is the
 // dependency that makes every rank run its workspace calls in the one program order. The tokens carry no data.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpu, jmo::cpu::DispatchImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCpuBody, jmo::cpu::DispatchImpl,
                               jmo::BindDispatch(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpu, jmo::cpu::ExpertCombineImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCpuBody, jmo::cpu::ExpertCombineImpl,
                               jmo::BindExpertCombine(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCpu, jmo::cpu::ExchangeCountsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCpuBody, jmo::cpu::ExchangeCountsImpl,
                               jmo::BindExchangeCounts(ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>()));

@@ -3,10 +3,17 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
+// The workspace calls as registered with XLA (async_call.cc): each runs its synchronous handler below off XLA's
+// threads (async_call.h says why).
 XLA_FFI_Error* JmoDispatchCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExpertCombineCpu(XLA_FFI_CallFrame* frame);
-XLA_FFI_Error* JmoDispatchGemmCpu(XLA_FFI_CallFrame* frame);  // dispatch_gemm.cc
+XLA_FFI_Error* JmoDispatchGemmCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExchangeCountsCpu(XLA_FFI_CallFrame* frame);
+// Their synchronous handlers, which wait for the peers on the calling thread.
+XLA_FFI_Error* JmoDispatchCpuBody(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoExpertCombineCpuBody(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoDispatchGemmCpuBody(XLA_FFI_CallFrame* frame);  // dispatch_gemm.cc
+XLA_FFI_Error* JmoExchangeCountsCpuBody(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulCpu(XLA_FFI_CallFrame* frame);  // grouped_gemm.cc
 XLA_FFI_Error* JmoGroupedOuterCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulSwiGluCpu(XLA_FFI_CallFrame* frame);

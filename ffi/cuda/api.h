@@ -13,11 +13,11 @@
 #include <cstdint>
 #include <string>
 
+#include "common/dtype.h"
+#include "cuda/gemm/engine.h"
 #include "cuda/workspace/workspace.h"
 
 namespace jmo::cuda {
-
-enum class DType { kF32, kBF16 };
 
 // How expert_combine's consumer CTAs push their bands (the tuning attributes of a call; CallConfig in Python checks
 // the ranges). The defaults are the ones the shipped calibration describes.
@@ -68,18 +68,18 @@ struct DispatchSlots {
 // dispatch_gemm's results (all device pointers; rows past *recv_expected are zero in each).
 struct DispatchGemmOut {
   void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
-  void* out;     // swiglu: h [cap, N / 2] bf16 = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32 = pre
+  void* out;     // swiglu: h [cap, N / 2] in src's dtype = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32
   float* a;      // swiglu: pre [cap, N] float32, or nullptr: not kept (must be nullptr without swiglu)
   bool swiglu;   // GEMM1's SwiGLU epilogue (not with transpose_rhs)
 };
 
-// dispatch_gemm: the dispatch (as Dispatch) and GEMM1 pre = recv[segment] @ w[expert] (w [E_l, D, N] bf16, or
-// [E_l, N, D] read transposed in place with transpose_rhs) in one launch, each GEMM1 tile starting once the 128-row
-// blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says, bitwise those of
+// dispatch_gemm: the dispatch (as Dispatch) and GEMM1 pre = recv[segment] @ w[expert] (w [E_l, D, N] in src's dtype,
+// or [E_l, N, D] read transposed in place with transpose_rhs) in one launch, each GEMM1 tile starting once the
+// 128-row blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says, bitwise those of
 // Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. `pushers` CTAs push the rows for other ranks, then copy
-// x_recv and zero the padding rows beside the GEMM, then join it (1 .. SM budget - 1). Hopper and bf16 only (the wgmma
-// engine; an InvalidArgument error otherwise).
-Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
+// x_recv and zero the padding rows beside the GEMM, then join it (1 .. SM budget - 1). The wgmma engine only: an
+// InvalidArgument error naming its rule where it does not run the device or take the operands.
+Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                     const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
                     const DispatchGemmOut& out, int64_t cap, int pushers);
@@ -103,27 +103,24 @@ Status ExchangeCounts(const CallSite& c, const int32_t* counts, int64_t R_src, i
 struct DeviceInfo {
   int sms = 0;
   int smem_per_sm = 0;
-  int cc_major = 0;
+  ComputeCapability cc;
 };
 Status GetDeviceInfo(int dev, DeviceInfo* info);
+Status CurrentDeviceInfo(DeviceInfo* info);  // of the current device (cudaGetDevice)
 
 // Loads every kernel on device `dev` and sets the expert kernel's shared memory (once per device). Workspace::Create
 // calls it: with CUDA's lazy module loading, a kernel loaded at its first launch can wait for kernels already running,
 // and ours spin on each other across ranks sharing a device.
 Status PrepareKernels(int dev);
 
-// The producer engine ExpertCombine runs for a call's operands: wgmma (Hopper: bf16, K and N multiples of 64, either
-// layout of w), mma.sync (bf16 tensor cores, sm80+) or SIMT (float32 operands, or shapes the tensor-core path does not
-// take: a row length of lhs or w as stored -- K, and N unless transpose_rhs -- not a multiple of 8).
-enum class ProducerPath { kWgmmaBf16, kMmaSyncBf16, kSimtFp32 };
-ProducerPath SelectProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
-const char* ProducerPathName(ProducerPath p);  // "wgmma bf16", "mma.sync bf16", "simt fp32"
+// ExpertCombine's producer runs the engine SelectGemmEngine (gemm/engine.h) picks for the GEMM lhs [cap, K] @ w[e]
+// (GemmForm::kRows, no epilogue) on the rank's device.
 
 // Columns of one mma.sync / SIMT producer tile (a tile is kBandRows x this).
 int ProducerTileN();
 
 // Rows and columns of one tile of a producer engine (wgmma: 128 x 256, two bands per tile; the others: 64 x 128).
-void ProducerTile(ProducerPath path, int* tile_m, int* tile_n);
+void ProducerTile(GemmEngine engine, int* tile_m, int* tile_n);
 
 // Empty if `p` can drive the device-side choice (tile shape of the compiled kernels, one CTA per SM, finite positive
 // rates), else what is wrong.
@@ -132,7 +129,7 @@ std::string CheckModelParams(const ModelParams& p);
 // How the resource manager picks a call's consumer CTA count C: pinned by the call, the workspace's model evaluated
 // on the device (when it describes the call's producer engine), or the workspace's fixed count.
 enum class ConsumerPolicy { kPinned, kModel, kFixed };
-ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, ProducerPath path);
+ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, GemmEngine producer);
 const char* ConsumerPolicyName(ConsumerPolicy p);  // "pinned", "model", "fixed"
 
 }  // namespace jmo::cuda

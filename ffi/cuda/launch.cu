@@ -23,7 +23,9 @@ Status GetDeviceInfo(int dev, DeviceInfo* info) {
       s = CudaStatus(
           cudaDeviceGetAttribute(&cache[dev].smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "attr");
     if (s.ok())
-      s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc_major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
+      s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc.major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
+    if (s.ok())
+      s = CudaStatus(cudaDeviceGetAttribute(&cache[dev].cc.minor, cudaDevAttrComputeCapabilityMinor, dev), "attr");
     if (!s.ok()) {
       cache[dev].sms = 0;
       return s;
@@ -31,6 +33,12 @@ Status GetDeviceInfo(int dev, DeviceInfo* info) {
   }
   *info = cache[dev];
   return Status{};
+}
+
+Status CurrentDeviceInfo(DeviceInfo* info) {
+  int dev = 0;
+  Status s = CudaStatus(cudaGetDevice(&dev), "cudaGetDevice");
+  return s.ok() ? GetDeviceInfo(dev, info) : s;
 }
 
 Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, const KernelSetup& setup, const char* name,

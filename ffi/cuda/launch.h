@@ -10,8 +10,6 @@
 
 namespace jmo::cuda {
 
-inline int ElemBytes(DType dt) { return dt == DType::kF32 ? 4 : 2; }
-
 // The launch error of the last kernel launch on this thread, if any, as a Status naming `what`.
 Status LaunchError(const char* what);
 

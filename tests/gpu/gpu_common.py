@@ -26,6 +26,14 @@ def is_hopper() -> bool:
   return engines.first_gpu_runs_wgmma()
 
 
+def gemm_engine(dtype, K: int, N: int, **operands) -> str | None:
+  """The GEMM engine the CUDA ops select on the first GPU for these operands (SelectGemmEngine, through _jmo;
+  operands: transpose_rhs, swiglu, outer, M as _jmo.select_gemm_engine takes them)."""
+  from jax_moe_overlap import _jmo, workspace_cuda  # pylint: disable=g-import-not-at-top
+  cc = workspace_cuda.device_info(gpu_devices()[0].local_hardware_id).compute_capability
+  return _jmo.select_gemm_engine(tuple(cc), np.dtype(dtype).name, K, N, **operands)
+
+
 def rank_counts() -> list[int]:
   """The expert-parallel sizes R the multi-rank GPU tests run at: every visible GPU, and 1 as well when there are
   several ([1] without a GPU, where the tests are collected and skip)."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import gpu_mesh, is_hopper, rank_counts, rel_err, requires_gpu
+from gpu_common import gemm_engine, gpu_mesh, is_hopper, rank_counts, rel_err, requires_gpu
 from jax_moe_overlap.call_site import RankInfo
 from jax_moe_overlap.config import CallConfig
 import test_expert_combine as base  # tests/test_expert_combine.py (tests/ is on pytest's pythonpath)
@@ -29,9 +29,8 @@ CASES = [
 @pytest.mark.parametrize("K,N,dtype,engine", CASES)
 @pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
 def test_transpose_rhs_gpu(R, K, N, dtype, engine):
-  from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
   want = engine or ("wgmma bf16" if is_hopper() else "mma.sync bf16")
-  assert _jmo.cuda_producer_path(dtype == jnp.bfloat16, K, N, transpose_rhs=True) == want
+  assert gemm_engine(dtype, K, N, transpose_rhs=True) == want
   # 512 slots per rank over 8 experts: multi-tile segments; at R > 1 each rank's slots spread over every GPU.
   c = base.make_case(gpu_mesh(R), N, dtype, tokens=256, seed=K + N + R)
   lhs, w, gates = base.operands(c, K, N, dtype, seed=K)

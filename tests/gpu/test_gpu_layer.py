@@ -8,9 +8,10 @@ below 1e-2, outputs computed into NaN-poisoned buffers); tests/test_moe.py runs 
 there is no GPU.
 """
 
+import jax.numpy as jnp
 import pytest
 
-from gpu_common import gpu_devices, gpu_mesh, is_hopper, rank_counts, requires_gpu
+from gpu_common import gemm_engine, gpu_devices, gpu_mesh, is_hopper, rank_counts, requires_gpu
 import layer_checks as checks  # tests/layer_checks.py (tests/ is on pytest's pythonpath)
 
 pytestmark = requires_gpu
@@ -21,23 +22,26 @@ by_ranks = pytest.mark.parametrize("R", RANKS, ids=lambda r: f"R{r}")
 KINDS = ["balanced", "skewed", "one_rank", "empty_experts"]
 
 
-def test_producer_path_and_device_queries():
-  from jax_moe_overlap import _jmo, engines, workspace_cuda  # pylint: disable=g-import-not-at-top
+def test_gemm_engine_and_device_queries():
+  from jax_moe_overlap import engines, workspace_cuda  # pylint: disable=g-import-not-at-top
   info = workspace_cuda.device_info(gpu_devices()[0].local_hardware_id)
   assert info.sm_count > 0 and info.compute_capability >= (8, 0), info
-  # The layer tests below (D = 256, F = 384) run the engine named here: wgmma on Hopper, mma.sync elsewhere.
+  # The layer tests below (D = 256, F = 384) run the engine named here: wgmma on Hopper, mma.sync elsewhere; every op
+  # (expert_combine's producer, the grouped GEMMs, dispatch_gemm) selects with the same rule.
   hopper = engines.wgmma_runs_on(info.compute_capability)
-  assert _jmo.cuda_producer_path(True, 384, 256) == ("wgmma bf16" if hopper else "mma.sync bf16")
-  assert _jmo.cuda_grouped_gemm_path(True, 384, 256) == ("wgmma bf16" if hopper else "mma.sync bf16")
-  assert _jmo.cuda_producer_path(True, 200, 136) == "mma.sync bf16"   # K, N not multiples of 64
-  assert _jmo.cuda_producer_path(False, 384, 256) == "simt fp32"
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  assert gemm_engine(bf16, 384, 256) == ("wgmma bf16" if hopper else "mma.sync bf16")
+  assert gemm_engine(bf16, 384, 256, outer=True, M=1024) == ("wgmma bf16" if hopper else "mma.sync bf16")
+  assert gemm_engine(bf16, 256, 768, swiglu=True) == ("wgmma bf16" if hopper else None)
+  assert gemm_engine(bf16, 200, 136) == "mma.sync bf16"   # K, N not multiples of 64
+  assert gemm_engine(f32, 384, 256) == "simt fp32"
   # w transposed in place (the backward pass's dx = da @ W1^T: K = 2F = 768, N = D = 256 here): the same engines,
   # except that only K must be a multiple of 8 for mma.sync (w's rows hold K elements).
-  assert _jmo.cuda_producer_path(True, 768, 256, transpose_rhs=True) == ("wgmma bf16" if hopper else "mma.sync bf16")
-  assert _jmo.cuda_producer_path(True, 200, 140) == "simt fp32"
-  assert _jmo.cuda_producer_path(True, 200, 140, transpose_rhs=True) == "mma.sync bf16"
-  assert _jmo.cuda_producer_path(True, 204, 136, transpose_rhs=True) == "simt fp32"
-  assert _jmo.cuda_producer_path(False, 384, 256, transpose_rhs=True) == "simt fp32"
+  assert gemm_engine(bf16, 768, 256, transpose_rhs=True) == ("wgmma bf16" if hopper else "mma.sync bf16")
+  assert gemm_engine(bf16, 200, 140) == "simt fp32"
+  assert gemm_engine(bf16, 200, 140, transpose_rhs=True) == "mma.sync bf16"
+  assert gemm_engine(bf16, 204, 136, transpose_rhs=True) == "simt fp32"
+  assert gemm_engine(f32, 384, 256, transpose_rhs=True) == "simt fp32"
 
 
 @pytest.mark.parametrize("kind", KINDS)

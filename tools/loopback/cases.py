@@ -123,16 +123,18 @@ class Case:
       return f"top_k {k} larger than the experts it chooses from"
     if self.consumers < 0:
       return "consumers must be >= 0 (0: the manager)"
-    from jax_moe_overlap import engines  # pylint: disable=g-import-not-at-top
+    from jax_moe_overlap import _jmo, engines  # pylint: disable=g-import-not-at-top
     from jax_moe_overlap.config import ConsumerTuning  # pylint: disable=g-import-not-at-top
     try:
       ConsumerTuning(bulk_copy=self.bulk_copy, slots=self.push_slots, read_lag=self.push_read_lag,
                      issuers=self.push_issuers)
     except ValueError as e:
       return str(e)
-    if self.dispatch_gemm_pushers > 0 and not engines.dispatch_gemm_operands("gpu", not self.f32, self.d_model,
-                                                                             self.k_dim, self.swiglu):
-      return "dispatch_gemm takes bf16 with D and K multiples of 64 (engines.dispatch_gemm_operands)"
+    # The engine rules come with the CUDA build (the harness's); a build without it has none to ask, and cannot run
+    # the harness either.
+    if (self.dispatch_gemm_pushers > 0 and _jmo.with_cuda and
+        not engines.dispatch_gemm_operands("gpu", not self.f32, self.d_model, self.k_dim, self.swiglu)):
+      return "dispatch_gemm's engine does not take the case's operands (engines.dispatch_gemm_operands)"
     if self.dispatch_gemm_mode not in DG_MODES:
       return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
     if not self.link_gbps >= 0:

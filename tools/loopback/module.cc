@@ -9,12 +9,15 @@
 #include <nanobind/stl/vector.h>
 
 #include <initializer_list>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "cuda/api.h"
+#include "cuda/gemm/engine.h"
 #include "runner.h"
 
 namespace nb = nanobind;
@@ -197,16 +200,15 @@ nb::dict DeviceInfo(int device, int64_t k_dim, int64_t n_dim, bool transpose_rhs
   cudaDeviceProp prop;
   if (cudaGetDeviceProperties(&prop, device) != cudaSuccess || cudaSetDevice(device) != cudaSuccess)
     throw std::runtime_error("cannot query CUDA device " + std::to_string(device));
-  // The producer engine (and its tile) that bf16 calls of k_dim x n_dim take on this device; SelectProducerPath only
-  // looks at the operands' alignment, so any 16-byte aligned address stands in for them.
-  alignas(16) static char dummy[16];
-  const cuda::ProducerPath path =
-      cuda::SelectProducerPath(cuda::DType::kBF16, k_dim, n_dim, transpose_rhs, dummy, dummy);
+  // The producer engine (and its tile) that bf16 calls of k_dim x n_dim take on this device (aligned operands).
+  const cuda::GemmEngine engine = cuda::SelectGemmEngine(
+      cuda::ComputeCapability{prop.major, prop.minor},
+      {DType::kBF16, cuda::GemmForm::kRows, 1, k_dim, n_dim, transpose_rhs, cuda::GemmEpilogue::kNone}).value();
   int tile_m = 0, tile_n = 0;
-  cuda::ProducerTile(path, &tile_m, &tile_n);
+  cuda::ProducerTile(engine, &tile_m, &tile_n);
   return MakeDict({{"kind", nb::cast("device")}, {"name", nb::cast(std::string(prop.name))},
                    {"sms", nb::cast(prop.multiProcessorCount)}, {"tile_m", nb::cast(tile_m)},
-                   {"tile_n", nb::cast(tile_n)}, {"producer", nb::cast(std::string(cuda::ProducerPathName(path)))},
+                   {"tile_n", nb::cast(tile_n)}, {"producer", nb::cast(std::string(cuda::GemmEngineName(engine)))},
                    {"cc", nb::cast(std::to_string(prop.major) + "." + std::to_string(prop.minor))}});
 }
 
@@ -223,8 +225,12 @@ NB_MODULE(_jmo_loopback, m) {
       "producer_path",
       [](bool f32, int64_t k_dim, int64_t n_dim, bool transpose_rhs) {
         namespace cuda = jmo::cuda;
-        return std::string(cuda::ProducerPathName(cuda::SelectProducerPath(
-            f32 ? cuda::DType::kF32 : cuda::DType::kBF16, k_dim, n_dim, transpose_rhs, nullptr, nullptr)));
+        cuda::DeviceInfo info;
+        if (cuda::Status s = cuda::CurrentDeviceInfo(&info); !s.ok()) throw std::runtime_error(s.msg);
+        const std::optional<cuda::GemmEngine> engine = cuda::SelectGemmEngine(
+            info.cc, {f32 ? jmo::DType::kF32 : jmo::DType::kBF16, cuda::GemmForm::kRows, 1, k_dim, n_dim,
+                      transpose_rhs, cuda::GemmEpilogue::kNone});
+        return std::string(engine ? cuda::GemmEngineName(*engine) : "none");
       },
       "f32"_a, "k_dim"_a, "n_dim"_a, "transpose_rhs"_a,
       "The producer engine of expert_combine for these operands on the current device (buffers assumed aligned)");

@@ -9,12 +9,14 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cuda/api.h"
+#include "cuda/gemm/engine.h"
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/workspace/workspace.h"
 #include "decision_bench.h"  // jmo::tools::MeasureDecision
@@ -23,7 +25,7 @@ namespace jmo::loopback {
 
 using cuda::CallOptions;
 using cuda::CallSite;
-using cuda::DType;
+using jmo::DType;
 using cuda::RankPrivate;
 using cuda::Status;
 using cuda::Workspace;
@@ -132,7 +134,8 @@ class Run {
  public:
   Run(const Spec& s, const std::vector<std::vector<RankInputs>>& data, Result* res)
       : s_(s), data_(data), res_(*res), R_(s.ranks), T_(s.tokens), k_(s.top_k), E_l_(s.experts_per_rank),
-        D_(s.d_model), K_(s.k_dim), N_(s.n_dim), P_(s.tokens * s.top_k), cap_(s.cap), eb_(s.f32 ? 4 : 2),
+        D_(s.d_model), K_(s.k_dim), N_(s.n_dim), P_(s.tokens * s.top_k), cap_(s.cap),
+        eb_(Traits(s.f32 ? DType::kF32 : DType::kBF16).elem_bytes),
         dt_(s.f32 ? DType::kF32 : DType::kBF16), dg_(s.dispatch_gemm_pushers > 0), barrier_(s.ranks),
         bar_timeout_(3 * s.timeout_ms + 10000) {}
 
@@ -171,8 +174,13 @@ class Run {
                                         &res_.decision_choice);
       if (!s.ok()) Fail("decision benchmark: " + s.msg);
     }
-    res_.producer =
-        cuda::ProducerPathName(cuda::SelectProducerPath(dt_, K_, N_, s_.transpose_rhs, out_y_[0], out_y_[0]));
+    // The engine of the expert_combine calls (cudaMalloc'ed operands: out_y_[0] stands for their alignment).
+    cuda::DeviceInfo info;
+    if (Status s = cuda::GetDeviceInfo(s_.device, &info); !s.ok()) Fail("device info: " + s.msg);
+    const std::optional<cuda::GemmEngine> engine = cuda::SelectGemmEngine(
+        info.cc, {dt_, cuda::GemmForm::kRows, cap_, K_, N_, s_.transpose_rhs, cuda::GemmEpilogue::kNone, out_y_[0],
+                  out_y_[0]});
+    res_.producer = engine ? cuda::GemmEngineName(*engine) : "none";
     for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
     streams_.clear();
     ws_.reset();
@@ -242,7 +250,7 @@ class Run {
 
   Status Dispatch(int r, const CallSite& c, const DeviceSet& d) {
     if (dg_)
-      return cuda::DispatchGemm(c, d.x, T_, D_,
+      return cuda::DispatchGemm(c, dt_, d.x, T_, D_,
                                 cuda::DispatchSlots{(const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                                                     (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
                                                     (const int32_t*)d.send_start, P_},

@@ -108,7 +108,7 @@ struct Result {
   double table_ns = 0, decision_ns = 0;
   int decision_choice = 0;
   int budget = 0;                          // CTAs per rank
-  std::string producer;                    // ProducerPathName of the case's expert_combine engine
+  std::string producer;                    // GemmEngineName of the case's expert_combine engine
   double seconds = 0;
 };
 

@@ -374,7 +374,7 @@ int main() {
       {"HBM-bound (1 GiB stream)", [&] { StreamKernel<<<sms * 8, 256, 0, s_main>>>(s_in, s_out, kStreamBytes / 16); }}};
   for (const Gemm& g : gemms)
     kernels.push_back({g.name, [&g, &s_main] {
-                         jmo::cuda::Status st = jmo::cuda::GroupedMatmul(s_main, jmo::cuda::DType::kBF16, false, g.lhs,
+                         jmo::cuda::Status st = jmo::cuda::GroupedMatmul(s_main, jmo::DType::kBF16, false, g.lhs,
                                                                          g.M, g.K, g.rhs, g.G, g.N, false, g.sizes,
                                                                          g.out);
                          if (!st.ok()) {

@@ -45,7 +45,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
   const int64_t P = shape->P;
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
-  return ToFfi(Dispatch(c.value(), ToDType(shape->dtype), src.untyped_data(), shape->S, shape->D,
+  return ToFfi(Dispatch(c.value(), shape->dtype, src.untyped_data(), shape->S, shape->D,
                         slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(), P,
                         recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
                         out->untyped_data(), shape->cap));
@@ -63,8 +63,6 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
-  if (shape->rows.dtype != ffi::DataType::BF16)
-    return InvalidCall("dispatch_gemm: src and w must be bfloat16 on CUDA (the wgmma engine)");
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckDispatchGemmPlan(*shape, c.value().ws->ranks(), send_order, send_start, seg_rows,
@@ -75,7 +73,7 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                                   send_order.typed_data(), send_start.typed_data(), shape->rows.P};
   const cuda::DispatchGemmOut results{shape->keep_recv ? x_recv->untyped_data() : nullptr, out->untyped_data(),
                                       shape->keep_a ? a->typed_data() : nullptr, swiglu};
-  return ToFfi(DispatchGemm(c.value(), src.untyped_data(), shape->rows.S, shape->rows.D, slots,
+  return ToFfi(DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,
                             recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
                             shape->E_local, w.untyped_data(), shape->N, transpose_rhs, group_op.typed_data(),
                             rank_op.typed_data(), results, shape->rows.cap, pushers));
@@ -93,7 +91,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
   if (ffi::Error e = CheckCombineOptions(consumer_ctas, serialize); e.failure()) return e;
-  const ffi::DataType dt = shape->dtype;
+  const DType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T = shape->T, k = shape->k;
   const bool want_slots = shape->want_slots;
   auto c = Resolve(stream, ordinal, workspace, timeout_ms, delay_rank, delay_us);
@@ -103,7 +101,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   c.value().opts.tuning = ConsumerTuning{push_bulk_copy, push_slots, push_read_lag, push_issuers};
   if (shape->R != c.value().ws->ranks())
     return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
-  return ToFfi(ExpertCombine(c.value(), ToDType(dt), lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
+  return ToFfi(ExpertCombine(c.value(), dt, lhs.untyped_data(), cap, K, w.untyped_data(), E_l, N,
                              transpose_rhs, gates.typed_data(), T, k, seg_rows.typed_data(), seg_ret_off.typed_data(),
                              slot_ret_row.typed_data(), ret_rows_expected.typed_data(), group_op.typed_data(),
                              rank_op.typed_data(), y->untyped_data(),

@@ -16,7 +16,7 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   auto s = CheckGroupedMatmul(lhs, rhs, group_sizes, *out, transpose_rhs);
   if (s.has_error()) return s.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
-  return ToFfi(GroupedMatmul(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
+  return ToFfi(GroupedMatmul(stream, s->dtype, s->out_f32, lhs.untyped_data(), s->M, s->K,
                          rhs.untyped_data(), s->G, s->N, transpose_rhs, group_sizes.typed_data(),
                          out->untyped_data()));
 }
@@ -26,7 +26,7 @@ ffi::Error GroupedOuterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   auto s = CheckGroupedOuter(lhs, rhs, group_sizes, *out);
   if (s.has_error()) return s.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
-  return ToFfi(GroupedOuter(stream, ToDType(s->dtype), s->out_f32, lhs.untyped_data(), s->M, s->K,
+  return ToFfi(GroupedOuter(stream, s->dtype, s->out_f32, lhs.untyped_data(), s->M, s->K,
                          rhs.untyped_data(), s->N, s->G, group_sizes.typed_data(), out->untyped_data()));
 }
 
@@ -37,7 +37,7 @@ ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::An
   auto s = CheckGroupedSwiGlu(lhs, rhs, group_sizes, *h, *a, &keep_a);
   if (s.has_error()) return s.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
-  return ToFfi(GroupedMatmulSwiGlu(stream, ToDType(s->dtype), lhs.untyped_data(), s->M, s->K, rhs.untyped_data(),
+  return ToFfi(GroupedMatmulSwiGlu(stream, s->dtype, lhs.untyped_data(), s->M, s->K, rhs.untyped_data(),
                                    s->G, s->N, group_sizes.typed_data(), h->untyped_data(),
                                    keep_a ? static_cast<float*>(a->untyped_data()) : nullptr));
 }

@@ -12,9 +12,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "common/dtype.h"
 #include "cuda/api.h"
+#include "cuda/gemm/engine.h"
 #include "cuda/handlers/handlers.h"
-#include "cuda/ops/grouped_gemm.h"
 #include "cuda/workspace/workspace.h"
 
 namespace nb = nanobind;
@@ -26,6 +27,28 @@ Workspace& LiveWorkspace(int64_t handle) {
   Workspace* ws = LookupWorkspace(handle);
   if (ws == nullptr) throw std::invalid_argument("jax_moe_overlap: not a live CUDA workspace handle");
   return *ws;
+}
+
+GemmEngine EngineNamed(const std::string& name) {
+  const std::optional<GemmEngine> e = GemmEngineNamed(name);
+  if (!e) throw std::invalid_argument("jax_moe_overlap: no GEMM engine is named '" + name + "'");
+  return *e;
+}
+
+ComputeCapability Capability(std::tuple<int, int> cc) { return {std::get<0>(cc), std::get<1>(cc)}; }
+
+// A GEMM's operands as Python describes them (aligned addresses, as XLA's buffers are).
+GemmOperands Operands(const std::string& dtype, int64_t M, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,
+                      bool outer) {
+  GemmOperands o{DType::kF32, outer ? GemmForm::kOuter : GemmForm::kRows, M, K, N, transpose_rhs,
+                 swiglu ? GemmEpilogue::kSwiGlu : GemmEpilogue::kNone};
+  if (!DTypeNamed(dtype, &o.dtype))
+    throw std::invalid_argument("jax_moe_overlap: dtype '" + dtype + "' is none of " + DTypeNames());
+  return o;
+}
+
+std::optional<std::string> Text(const char* why) {
+  return why != nullptr ? std::optional<std::string>(why) : std::nullopt;
 }
 }  // namespace
 
@@ -140,20 +163,36 @@ void RegisterModule(nb::module_& m) {
       },
       nb::arg("handle"), nb::arg("group") = 0);
   m.attr("cuda_tile_n") = ProducerTileN();
+  // The GEMM engine selection of every op (cuda/gemm/engine.h), for jax_moe_overlap/engines.py, the tests and the
+  // benchmarks: the engine a GEMM of these operands takes on a device of compute capability (major, minor), or None
+  // where none does; and why an engine refuses a device or operands (None: it does not). A GEMM is lhs [M, K] @ w
+  // [K, N] per group (w stored [N, K] with transpose_rhs; swiglu: the SwiGLU epilogue, N = 2F), or with outer
+  // lhs[rows]^T @ rhs[rows] -> [K, N]; M is any row count >= 1 where the caller does not know it yet.
   m.def(
-      "cuda_grouped_gemm_path",
-      [](bool bf16, int64_t K, int64_t N) { return std::string(GroupedGemmPath(bf16 ? DType::kBF16 : DType::kF32, K, N)); },
-      nb::arg("bf16"), nb::arg("K"), nb::arg("N"));
-  m.def(
-      "cuda_producer_path",
-      [](bool bf16, int64_t K, int64_t N, bool transpose_rhs) {
-        // With 16-byte aligned operands (XLA's buffers are): which producer kernel expert_combine runs (w [E, K, N],
-        // or [E, N, K] with transpose_rhs).
-        alignas(16) static char dummy[16];
-        return std::string(
-            ProducerPathName(SelectProducerPath(bf16 ? DType::kBF16 : DType::kF32, K, N, transpose_rhs, dummy, dummy)));
+      "select_gemm_engine",
+      [](std::tuple<int, int> cc, const std::string& dtype, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,
+         bool outer, int64_t M) -> std::optional<std::string> {
+        const std::optional<GemmEngine> e =
+            SelectGemmEngine(Capability(cc), Operands(dtype, M, K, N, transpose_rhs, swiglu, outer));
+        return e ? std::optional<std::string>(GemmEngineName(*e)) : std::nullopt;
       },
-      nb::arg("bf16"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false);
+      nb::arg("compute_capability"), nb::arg("dtype"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false,
+      nb::arg("swiglu") = false, nb::arg("outer") = false, nb::arg("M") = 1);
+  m.def(
+      "gemm_engine_device_refusal",
+      [](const std::string& engine, std::tuple<int, int> cc) {
+        return Text(GemmEngineDeviceRefusal(EngineNamed(engine), Capability(cc)));
+      },
+      nb::arg("engine"), nb::arg("compute_capability"));
+  m.def(
+      "gemm_engine_operand_refusal",
+      [](const std::string& engine, const std::string& dtype, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,
+         bool outer, int64_t M) {
+        const GemmOperands o = Operands(dtype, M, K, N, transpose_rhs, swiglu, outer);
+        return Text(GemmEngineOperandRefusal(EngineNamed(engine), o));
+      },
+      nb::arg("engine"), nb::arg("dtype"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false,
+      nb::arg("swiglu") = false, nb::arg("outer") = false, nb::arg("M") = 1);
 }
 
 bool IsCudaWorkspaceHandle(int64_t handle) { return handle >= kHandleBase; }

@@ -7,7 +7,8 @@
 
 namespace jmo::cuda {
 
-// Adds cuda_registrations(), create_cuda_workspace(...), cuda_producer_path(...) and the CUDA workspace queries.
+// Adds cuda_registrations(), create_cuda_workspace(...), the CUDA workspace queries and the GEMM engine selection
+// (select_gemm_engine, gemm_engine_device_refusal, gemm_engine_operand_refusal).
 void RegisterModule(nanobind::module_& m);
 
 // Whether `handle` names a CUDA workspace (their handles live in a range of their own), and releasing one.

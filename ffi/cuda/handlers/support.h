@@ -1,5 +1,6 @@
 // What every XLA:CUDA handler of this library needs between the FFI and the kernels' host API: the Status -> FFI
-// error mapping, the dtype mapping, and selecting the device that owns XLA's stream.
+// error mapping and selecting the device that owns XLA's stream. (The dtype comes mapped with the shape checks of
+// common/: DTypeOf in call_signature.h.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,8 +25,6 @@ inline xla::ffi::Error ToFfi(const Status& s) {
   }
   return ffi::Error(code, s.msg);
 }
-
-inline DType ToDType(xla::ffi::DataType t) { return t == xla::ffi::DataType::F32 ? DType::kF32 : DType::kBF16; }
 
 // Launch on the device that owns XLA's stream (XLA makes its context current; be explicit anyway).
 inline Status UseDevice(int32_t ordinal) {

@@ -72,7 +72,7 @@ Status PrepareDispatchKernels(int dev) {
 Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
                 const int32_t* slot_dest_rank, const int32_t* slot_dest_row, int64_t P, const int32_t* recv_expected,
                 const int32_t* group_op, const int32_t* rank_op, void* out, int64_t cap) {
-  const int64_t row_bytes = D * ElemBytes(dt);
+  const int64_t row_bytes = RowBytes(dt, D);
   Status s = BeginCall(c, "dispatch", group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;

@@ -39,7 +39,7 @@ namespace {
 // The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
 // done_epoch): every read of recv is done by then.
 struct DispatchGemmArgs {
-  const char* src;       // x [S, D] bf16 (row_bytes = D * 2)
+  const char* src;       // x [S, D] bf16 (row_bytes = RowBytes(kBF16, D))
   int64_t S, row_bytes;
   const int32_t *src_row, *dst_rank, *dst_row;  // the dispatch plan's slots [P]
   const int32_t *send_order;                     // [P]: the slot at each send position
@@ -242,7 +242,7 @@ __device__ inline SideWork MakeSideWork(const DispatchGemmArgs& g, bool swiglu, 
   SideWork w;
   w.copy_units = g.x_recv != nullptr ? m_tiles : 0;
   const int64_t pad = g.cap - kept_rows;
-  const int64_t out_row = swiglu ? (g.N / 2) * 2 : g.N * 4;
+  const int64_t out_row = swiglu ? (g.N / 2) * (int64_t)sizeof(bf16) : g.N * (int64_t)sizeof(float);
   w.zero_bytes[0] = g.x_recv != nullptr ? pad * g.row_bytes : 0;
   w.zero_bytes[1] = pad * out_row;
   w.zero_bytes[2] = g.a != nullptr ? pad * g.N * 4 : 0;
@@ -445,16 +445,23 @@ const void* Kernel() {
 
 // dispatch_gemm (see DispatchGemmKernel): Begin, the per-call counters zeroed, the fused kernel (which closes the
 // call).
-Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
+Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                     const void* w, int64_t N, bool transpose_rhs, const int32_t* group_op, const int32_t* rank_op,
                     const DispatchGemmOut& out, int64_t cap, int pushers) {
-  const int64_t row_bytes = D * 2;
+  const int64_t row_bytes = RowBytes(dt, D);
   Status s = BeginCall(c, "dispatch_gemm", group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
   const int R = ws.ranks();
   const int budget = ws.budget(c.group, c.rank);
+  const int dev = ws.device(c.group, c.rank);
+  DeviceInfo info;
+  if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
+  // The GEMM of the recv rows, which arrive as src's rows are laid out (its alignment stands for theirs), on the
+  // wgmma engine, the one whose tile loop waits for its rows.
+  const GemmOperands gemm{dt, GemmForm::kRows, cap, D, N, transpose_rhs,
+                          out.swiglu ? GemmEpilogue::kSwiGlu : GemmEpilogue::kNone, src, w};
   std::string bad;
   if (row_bytes > ws.sizes().row_bytes || cap > ws.sizes().recv_rows || slots.P > ws.sizes().ret_rows)
     bad = "dispatch_gemm: call needs rows of " + std::to_string(row_bytes) + " B x " + std::to_string(cap) +
@@ -463,11 +470,11 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
   else if (E_l * R > kMaxSegments)
     bad = "dispatch_gemm: " + std::to_string(E_l * R) + " segments (local experts x ranks) exceed the CUDA kernels' " +
           std::to_string(kMaxSegments);
-  else if (!WgmmaProducerApplies(DType::kBF16, D, N, transpose_rhs, src, w))
-    bad = "dispatch_gemm: needs the wgmma engine (a Hopper GPU, bfloat16, d_model and N multiples of 64; got " +
-          std::to_string(D) + ", " + std::to_string(N) + ")";
-  else if (out.swiglu && transpose_rhs)
-    bad = "dispatch_gemm: the SwiGLU epilogue is GEMM1's (w [E_local, D, 2F]), not for transpose_rhs";
+  else if (const char* why = GemmEngineRefusal(GemmEngine::kWgmma, info.cc, gemm))
+    bad = std::string("dispatch_gemm: runs on the wgmma engine only: ") + why + " (got " + Traits(dt).name +
+          ", d_model " + std::to_string(D) + ", N " + std::to_string(N) + (transpose_rhs ? ", w transposed" : "") +
+          (out.swiglu ? ", the SwiGLU epilogue" : "") + ", rows " + std::to_string(cap) + ", compute capability " +
+          std::to_string(info.cc.major) + "." + std::to_string(info.cc.minor) + ")";
   else if (pushers < 1 || pushers > budget - 1)
     bad = "dispatch_gemm: pushers=" + std::to_string(pushers) + " but rank " + std::to_string(c.rank) +
           " has an SM budget of " + std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
@@ -478,7 +485,6 @@ Status DispatchGemm(const CallSite& c, const void* src, int64_t S, int64_t D, co
     return Status::Error(kInvalidArgument, "jax_moe_overlap: " + bad);
   }
   const RankDev rd = ws.Dev(c.group, c.rank);
-  const int dev = ws.device(c.group, c.rank);
   // producers_done counts the CTAs done (the last one closes the call); tile_claims and side_claims hand out GEMM
   // tiles and side units.
   if (!(s = CudaStatus(cudaMemsetAsync(rd.producers_done, 0, kCallCounterBytes, c.stream),

@@ -1,12 +1,13 @@
 // expert_combine, the overlapped operator: ExpertKernel runs the producer (the grouped GEMM over the call's segments,
 // expert_producer.cuh) and the consumer (pushing each finished remote band to its source's ret rows,
 // transport/bulk_push.cuh) as CTAs of one launch; then the combine (combine.cu) waits for this rank's ret rows and
-// closes the call. Also the host's choice of producer path and consumer policy for a call.
+// closes the call. Also the host's choice of consumer policy for a call.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "cuda/device/copy.cuh"
@@ -180,16 +181,6 @@ Status PrepareExpertKernel(int dev, int* smem_bytes) {
                             smem_bytes);
 }
 
-// Row length of w[e] as stored (the tile engines' ldb): N for [K, N], K for the transposed layout [N, K].
-int64_t WeightLd(int64_t K, int64_t N, bool transpose_rhs) { return transpose_rhs ? K : N; }
-
-// Whether the tensor-core tile (gemm/sm80/mma_tile.cuh) takes these operands: bf16, 16-byte aligned, lhs rows (K) and w
-// rows as stored multiples of 8 elements. N need not be one when w is transposed (B is then loaded along K; the stores
-// check their alignment pair by pair).
-bool TcProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
-  return TcTileApplies(dt == DType::kBF16, K, WeightLd(K, N, transpose_rhs), lhs, w);
-}
-
 // ExpertKernel's launch arguments, for LaunchExpertKernel.
 struct ExpertLaunch {
   cudaStream_t stream;
@@ -229,43 +220,22 @@ Status PrepareExpertKernelPair(int dev, int* smem_bytes) {
 
 }  // namespace
 
-// Whether the current device runs the wgmma producer for these operands (bf16, K and N multiples of 64 in either
-// layout of w, as the bare grouped GEMM's wgmma path; Hopper). Also what dispatch_gemm requires.
-bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
-  if (!TcProducerApplies(dt, K, N, transpose_rhs, lhs, w) || K % 64 != 0 || N % 64 != 0 || K <= 0) return false;
-  int dev = 0;
-  DeviceInfo info;
-  return cudaGetDevice(&dev) == cudaSuccess && GetDeviceInfo(dev, &info).ok() && info.cc_major == 9;
-}
-
 Status PrepareExpertKernels(int dev) {
   int smem = 0;
   DeviceInfo info;
   Status s = GetDeviceInfo(dev, &info);
-  if (s.ok() && info.cc_major == 9) s = PrepareExpertKernelPair<bf16, kWgmma>(dev, &smem);
+  if (s.ok() && GemmEngineDeviceRefusal(GemmEngine::kWgmma, info.cc) == nullptr)
+    s = PrepareExpertKernelPair<bf16, kWgmma>(dev, &smem);
   if (s.ok()) s = PrepareExpertKernelPair<bf16, kMmaSync>(dev, &smem);
   if (s.ok()) s = PrepareExpertKernelPair<bf16, kSimt>(dev, &smem);
   if (s.ok()) s = PrepareExpertKernelPair<float, kSimt>(dev, &smem);
   return s;
 }
 
-const char* ProducerPathName(ProducerPath p) {
-  switch (p) {
-    case ProducerPath::kWgmmaBf16: return "wgmma bf16";
-    case ProducerPath::kMmaSyncBf16: return "mma.sync bf16";
-    default: return "simt fp32";
-  }
-}
-
-ProducerPath SelectProducerPath(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w) {
-  if (WgmmaProducerApplies(dt, K, N, transpose_rhs, lhs, w)) return ProducerPath::kWgmmaBf16;
-  return TcProducerApplies(dt, K, N, transpose_rhs, lhs, w) ? ProducerPath::kMmaSyncBf16 : ProducerPath::kSimtFp32;
-}
-
 int ProducerTileN() { return kMmaBN; }
 
-void ProducerTile(ProducerPath path, int* tile_m, int* tile_n) {
-  const bool wg = path == ProducerPath::kWgmmaBf16;
+void ProducerTile(GemmEngine engine, int* tile_m, int* tile_n) {
+  const bool wg = engine == GemmEngine::kWgmma;
   *tile_m = wg ? kWgBM : kMmaBM;
   *tile_n = wg ? kWgBN : kMmaBN;
 }
@@ -295,13 +265,13 @@ const char* ConsumerPolicyName(ConsumerPolicy p) {
   }
 }
 
-ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, ProducerPath path) {
+ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, GemmEngine producer) {
   if (o.consumer_ctas > 0) return ConsumerPolicy::kPinned;
   // A calibration describes one tensor-core engine, named by its tile shape; calls on another engine (and the SIMT
-  // path: float32, odd shapes) keep the fixed C.
-  if (!ws.has_model() || path == ProducerPath::kSimtFp32) return ConsumerPolicy::kFixed;
+  // engine: float32, odd shapes) keep the fixed C.
+  if (!ws.has_model() || producer == GemmEngine::kSimt) return ConsumerPolicy::kFixed;
   int tile_m = 0, tile_n = 0;
-  ProducerTile(path, &tile_m, &tile_n);
+  ProducerTile(producer, &tile_m, &tile_n);
   const ModelParams& m = ws.model();
   return tile_m == m.tile_m && tile_n == m.tile_n ? ConsumerPolicy::kModel : ConsumerPolicy::kFixed;
 }
@@ -310,7 +280,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                      int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
-  const int64_t row_bytes = N * ElemBytes(dt);
+  const int64_t row_bytes = RowBytes(dt, N);
   Status s = BeginCall(c, "expert_combine", group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
@@ -345,10 +315,19 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   pol.push_slots = c.opts.tuning.push_slots;
   pol.push_read_lag = c.opts.tuning.push_read_lag;
   pol.push_issuers = c.opts.tuning.push_issuers;
-  pol.elem_bytes = ElemBytes(dt);
+  pol.elem_bytes = Traits(dt).elem_bytes;
   pol.max_ctas = ModelMaxCtas(budget);
-  const ProducerPath path = SelectProducerPath(dt, K, N, transpose_rhs, lhs, w);
-  const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, path);
+  DeviceInfo info;
+  if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
+  const std::optional<GemmEngine> selected =
+      SelectGemmEngine(info.cc, {dt, GemmForm::kRows, cap, K, N, transpose_rhs, GemmEpilogue::kNone, lhs, w});
+  if (!selected) {
+    ws.RaiseAbort(c.group);
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: expert_combine: no GEMM engine takes ") +
+                                               Traits(dt).name + " operands on this device");
+  }
+  const GemmEngine engine = *selected;
+  const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, engine);
   if (policy == ConsumerPolicy::kPinned) {
     pol.consumers = c.opts.consumer_ctas;
   } else if (policy == ConsumerPolicy::kModel) {
@@ -367,13 +346,13 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                        "cudaMemsetAsync(band counters)")).ok())
     return s;
   ExpertLaunch l{c.stream, dev, budget, rd, lhs, w, cap, K, N, E_l, seg_rows, seg_ret_off, pol, {}, {}};
-  if (path == ProducerPath::kWgmmaBf16) {  // the TMA descriptors of the wgmma engine (unused by the others)
+  if (engine == GemmEngine::kWgmma) {  // the TMA descriptors of the wgmma engine (unused by the others)
     if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(lhs, cap, K, w, E_l, N, /*b_k_major=*/transpose_rhs, &l.a_map,
                                                     &l.b_map),
                          "tensor maps of the wgmma producer")).ok())
       return s;
     s = LaunchExpertKernel<bf16, kWgmma>(l, transpose_rhs);
-  } else if (path == ProducerPath::kMmaSyncBf16) {
+  } else if (engine == GemmEngine::kMmaSync) {
     s = LaunchExpertKernel<bf16, kMmaSync>(l, transpose_rhs);
   } else if (dt == DType::kBF16) {
     s = LaunchExpertKernel<bf16, kSimt>(l, transpose_rhs);

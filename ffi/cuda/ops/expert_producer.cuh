@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/engine.h"
 #include "cuda/gemm/simt_tile.cuh"
 #include "cuda/gemm/sm80/mma_tile.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
@@ -26,17 +27,18 @@ using bf16 = __nv_bfloat16;
 // the backward pass), else w is [E_l, K, N]. Meaning as in gemm/sm80/mma_tile.cuh: B[k, n] = kTransB ? w_e[n K + k]
 // : w_e[k N + n].
 
-enum Engine : int { kSimt = 0, kMmaSync = 1, kWgmma = 2 };
+// The engines (gemm/engine.h's GemmEngine) as int template arguments of the producer kernels.
+enum Engine : int {
+  kSimt = static_cast<int>(GemmEngine::kSimt),
+  kMmaSync = static_cast<int>(GemmEngine::kMmaSync),
+  kWgmma = static_cast<int>(GemmEngine::kWgmma),
+};
 template <int kEngine>
 constexpr int kEngineThreads = kEngine == kWgmma ? wgmma_gemm::kThreads : kThreads;
 
 // How PrepareOneCtaPerSm prepares a kernel of the wgmma engine: wgmma_gemm::PrepareWgmmaKernel checks a Hopper device,
 // the sm_90a build and the register budget, then sets the shared memory.
 constexpr KernelSetup kWgmmaKernelSetup{"PrepareWgmmaKernel", wgmma_gemm::PrepareWgmmaKernel};
-
-// Whether the current device runs the wgmma producer for these operands (defined in expert_combine.cu; also what
-// dispatch_gemm requires).
-bool WgmmaProducerApplies(DType dt, int64_t K, int64_t N, bool transpose_rhs, const void* lhs, const void* w);
 
 // Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier: the CTA
 // completing a band of a remote segment publishes it through its tile_ready flag (the consumer pushes it). Tiles of

@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "cuda/device/activation.cuh"
+#include "cuda/gemm/engine.h"
 #include "cuda/gemm/simt_tile.cuh"
 #include "cuda/gemm/sm80/mma_tile.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
@@ -161,22 +163,14 @@ Status PersistentGrid(const void* kernel, int smem, int64_t work, int* grid) {
   return Status{};
 }
 
-bool UseTensorCores(DType dt, int64_t K, int64_t N) { return dt == DType::kBF16 && K % 8 == 0 && N % 8 == 0; }
+// The grid of a wgmma kernel: the device's SMs, or at most `sms` of them.
+int WgmmaGrid(const DeviceInfo& dev, int sms) { return sms > 0 ? std::min(sms, dev.sms) : dev.sms; }
 
-// SM count of the current device if it is a Hopper GPU (the wgmma kernel's target), else 0.
-int HopperSms() {
-  int dev = 0;
-  DeviceInfo info;
-  if (cudaGetDevice(&dev) != cudaSuccess || !GetDeviceInfo(dev, &info).ok()) return 0;
-  return info.cc_major == 9 ? info.sms : 0;
-}
-
-// The wgmma grid: the device's SMs, or at most `sms` of them.
-int WgmmaGrid(int sms) { return sms > 0 ? std::min(sms, HopperSms()) : HopperSms(); }
-
-// The wgmma + TMA kernel (gemm/sm90/wgmma_grouped.cuh) takes bf16 operands with K and N multiples of 64 on Hopper.
-bool UseWgmma(DType dt, int64_t M, int64_t K, int64_t N) {
-  return dt == DType::kBF16 && M > 0 && K % 64 == 0 && N % 64 == 0 && HopperSms() > 0;
+// The engine SelectGemmEngine picks on the current device (*dev: its facts).
+Status SelectOnCurrentDevice(const GemmOperands& o, DeviceInfo* dev, std::optional<GemmEngine>* engine) {
+  Status s = CurrentDeviceInfo(dev);
+  if (s.ok()) *engine = SelectGemmEngine(dev->cc, o);
+  return s;
 }
 
 Status CheckSizes(const char* op, int64_t M, int64_t G) {
@@ -240,8 +234,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   __syncthreads();
   if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
   __syncthreads();
-  ZeroPadRows(h, row_start[G], M, F, 2);
-  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, 4);
+  ZeroPadRows(h, row_start[G], M, F, sizeof(__nv_bfloat16));
+  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, sizeof(float));
   auto tile_of = [&](int t) {
     const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
     SwiGluTile tile;
@@ -296,22 +290,29 @@ __global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t
 
 }  // namespace
 
-bool SwiGluFused(DType dt, int64_t K, int64_t F) { return UseWgmma(dt, 1, K, 2 * F) && F % 32 == 0; }
-
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
                            int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms) {
   Status s = CheckSizes("grouped_matmul_swiglu", M, G);
   if (!s.ok() || M == 0 || F == 0) return s;
-  if (SwiGluFused(dt, K, F)) {
+  // The fused kernel where an engine has the SwiGLU epilogue for these operands (the wgmma engine); it falls back
+  // to the two kernels below where its launch refuses the call after all (an output's alignment, the build).
+  const GemmOperands fused{dt, GemmForm::kRows, M, K, 2 * F, false, GemmEpilogue::kSwiGlu, lhs, rhs};
+  DeviceInfo dev;
+  std::optional<GemmEngine> engine;
+  if (!(s = SelectOnCurrentDevice(fused, &dev, &engine)).ok()) return s;
+  if (engine == GemmEngine::kWgmma) {
     const cudaError_t e = swiglu_wgmma::GroupedSwiGlu(static_cast<const bf16*>(lhs), M, K,
                                                       static_cast<const bf16*>(rhs), G, F, group_sizes,
-                                                      static_cast<bf16*>(h), a, WgmmaGrid(sms), stream);
+                                                      static_cast<bf16*>(h), a, WgmmaGrid(dev, sms), stream);
     if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
   }
-  if (a == nullptr)
+  if (a == nullptr) {
+    const char* why = GemmEngineRefusal(GemmEngine::kWgmma, dev.cc, fused);
     return Status::Error(kInvalidArgument,
-                         "jax_moe_overlap: grouped_matmul_swiglu: the fused kernel does not run here (it needs a "
-                         "Hopper GPU, bfloat16, K a multiple of 64 and F of 32); ask for the preactivation output");
+                         std::string("jax_moe_overlap: grouped_matmul_swiglu: the fused kernel does not run here (") +
+                             (why != nullptr ? why : "its launch refused the operands") +
+                             "); ask for the preactivation output");
+  }
   s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, a,
                     sms);
   if (!s.ok()) return s;
@@ -323,22 +324,22 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
   return CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
 }
 
-const char* GroupedGemmPath(DType dt, int64_t K, int64_t N) {
-  if (UseWgmma(dt, 1, K, N)) return "wgmma bf16";
-  return UseTensorCores(dt, K, N) ? "mma.sync bf16" : "simt fp32";
-}
-
 Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
                      const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out,
                      int sms) {
   Status s = CheckSizes("grouped_matmul", M, G);
   if (!s.ok()) return s;
   if (M == 0 || N == 0) return Status{};
-  if (UseWgmma(dt, M, K, N))
+  DeviceInfo dev;
+  std::optional<GemmEngine> engine;
+  s = SelectOnCurrentDevice({dt, GemmForm::kRows, M, K, N, transpose_rhs, GemmEpilogue::kNone, lhs, rhs}, &dev,
+                            &engine);
+  if (!s.ok()) return s;
+  if (engine == GemmEngine::kWgmma)
     return CudaStatus(WgmmaGroupedGemm(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), G, N,
-                                       transpose_rhs, group_sizes, out, out_f32, WgmmaGrid(sms), stream),
+                                       transpose_rhs, group_sizes, out, out_f32, WgmmaGrid(dev, sms), stream),
                       "grouped_matmul (wgmma)");
-  const bool tc = UseTensorCores(dt, K, N);
+  const bool tc = engine == GemmEngine::kMmaSync;
 #define JMO_MATMUL(BM, TB, T, OUT, TC) \
   return LaunchMatmul<BM, TB, T, OUT, TC>(stream, lhs, M, K, rhs, G, N, group_sizes, out)
   if (dt == DType::kF32) {
@@ -367,14 +368,19 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
   Status s = CheckSizes("grouped_outer", M, G);
   if (!s.ok()) return s;
   if (K == 0 || N == 0) return Status{};
-  // Hopper: the wgmma + TMA kernel (gemm/sm90/wgmma_outer.cuh: bf16, K and N multiples of 64, M >= 1). Shapes or
-  // builds it refuses (cudaErrorInvalidValue / cudaErrorNotSupported, before any launch) fall through to mma.sync.
-  if (UseWgmma(dt, M, K, N)) {
+  const GemmOperands gemm{dt, GemmForm::kOuter, M, K, N, false, GemmEpilogue::kNone, lhs, rhs};
+  DeviceInfo dev;
+  std::optional<GemmEngine> engine;
+  if (!(s = SelectOnCurrentDevice(gemm, &dev, &engine)).ok()) return s;
+  // The wgmma kernel (gemm/sm90/wgmma_outer.cuh) refuses, before any launch, what the rule does not know of (the
+  // group count's tile budget, the build: cudaErrorInvalidValue / cudaErrorNotSupported): mma.sync runs then.
+  if (engine == GemmEngine::kWgmma) {
     const cudaError_t e = WgmmaGroupedOuter(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), N, G,
-                                            group_sizes, out, out_f32, HopperSms(), stream);
+                                            group_sizes, out, out_f32, dev.sms, stream);
     if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_outer (wgmma)");
+    engine = SelectGemmEngine(dev.cc, gemm, GemmEngine::kWgmma);
   }
-  const bool tc = UseTensorCores(dt, K, N);
+  const bool tc = engine == GemmEngine::kMmaSync;
   if (dt == DType::kF32) return LaunchOuter<kSimtBM, float, float, false>(stream, lhs, M, K, rhs, N, G, group_sizes, out);
   if (tc) {
     if (out_f32) return LaunchOuter<kTcBM, bf16, float, true>(stream, lhs, M, K, rhs, N, G, group_sizes, out);

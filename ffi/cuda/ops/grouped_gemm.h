@@ -1,7 +1,7 @@
 // Bare grouped GEMMs on CUDA (no workspace, no peers): the expert GEMMs of the MoE layer that do not feed the
-// return all-to-all (GEMM1 forward, and the backward pass), with the same tile engine as the producer of
-// expert_combine (gemm/tile.cuh). Group sizes are device data (the routing inside jit): the kernels read them on the
-// device, so a call never synchronizes with the host.
+// return all-to-all (GEMM1 forward, and the backward pass), each on the engine SelectGemmEngine (gemm/engine.h) picks
+// for its operands on the current device, as the producer of expert_combine does. Group sizes are device data (the
+// routing inside jit): the kernels read them on the device, so a call never synchronizes with the host.
 //
 // Groups are consecutive row blocks starting at row 0: group g owns rows [off_g, off_g + size_g), off_g the sum of
 // the sizes before it. Negative sizes count as 0 and groups are clipped at M rows (the callers' plans never produce
@@ -35,18 +35,12 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
 
 // GEMM1 of the expert MLP with its SwiGLU epilogue: h [M, F] (lhs's dtype) = silu(lhs @ rhs[g][:, :F]) *
 // (lhs @ rhs[g][:, F:]) for the rows of group g, rhs [G, K, 2F], computed in float32; a [M, 2F] float32 = the
-// preactivation lhs @ rhs[g], or nullptr when the caller does not keep it. Where SwiGluFused holds (Hopper, bf16,
-// K % 64 == 0, F % 32 == 0) one kernel applies the SwiGLU to the accumulators; elsewhere GroupedMatmul writes a and a
-// second kernel computes h from it, so a must be given there (InvalidArgument otherwise). Rows past the last group
-// are zero in h and a. sms as GroupedMatmul's.
+// preactivation lhs @ rhs[g], or nullptr when the caller does not keep it. Where an engine of the device has the
+// SwiGLU epilogue for these operands (SelectGemmEngine with GemmEpilogue::kSwiGlu, gemm/engine.h: the wgmma engine)
+// one kernel applies the SwiGLU to the accumulators; elsewhere GroupedMatmul writes a and a second kernel computes h
+// from it, so a must be given there (InvalidArgument otherwise, naming the rule that refused). Rows past the last
+// group are zero in h and a. sms as GroupedMatmul's.
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
                            int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms = 0);
-
-// Whether GroupedMatmulSwiGlu runs as one fused kernel on the current device for these operands (mirrored in Python
-// by jax_moe_overlap._ffi.swiglu_fused, which decides whether the preactivation output may be left out).
-bool SwiGluFused(DType dt, int64_t K, int64_t F);
-
-// Which tile engine GroupedMatmul / GroupedOuter use for these operands ("mma.sync bf16" or "simt fp32").
-const char* GroupedGemmPath(DType dt, int64_t K, int64_t N);
 
 }  // namespace jmo::cuda

@@ -13,10 +13,12 @@ namespace jmo::cuda {
 
 // Tensor-core path (sm80+: mma.sync m16n8k16 bf16, cp.async multi-stage pipeline, ldmatrix). 8 warps as 2 (M) x 4
 // (N), each a (BM/2) x 32 warp tile. Needs lda, ldb % 8 == 0 and 16-byte aligned a, b: every 8-element chunk is one
-// 16-byte cp.async, and a chunk that crosses a valid extent is zero-filled past it by cp.async's src-size.
+// 16-byte cp.async, and a chunk that crosses a valid extent is zero-filled past it by cp.async's src-size. Which
+// operands and devices it takes is gemm/engine.cc's mma.sync rule.
 
 constexpr int kTcBK = 32;
 constexpr int kTcStages = 4;
+constexpr int kTcElemBytes = static_cast<int>(sizeof(__nv_bfloat16));
 
 template <int BM>
 struct TcLayout {
@@ -25,7 +27,7 @@ struct TcLayout {
   static constexpr int kAElems = (BM * (kTcBK + 8) > kTcBK * (BM + 8)) ? BM * (kTcBK + 8) : kTcBK * (BM + 8);
   static constexpr int kBElems = (kTileN * (kTcBK + 8) > kTcBK * (kTileN + 8)) ? kTileN * (kTcBK + 8)
                                                                                : kTcBK * (kTileN + 8);
-  static constexpr int kSmemBytes = kTcStages * (kAElems + kBElems) * 2;
+  static constexpr int kSmemBytes = kTcStages * (kAElems + kBElems) * kTcElemBytes;
 };
 
 using ptx::CpAsync16;
@@ -45,7 +47,7 @@ __device__ __forceinline__ void MmaBf16(float* c, const uint32_t* a, const uint3
 // Bytes of the 8-element chunk starting at `first` (of `valid` elements) that lie inside the valid extent.
 __device__ __forceinline__ int ChunkBytes(int first, int valid) {
   const int left = valid - first;
-  return left <= 0 ? 0 : (left >= 8 ? 16 : left * 2);
+  return left <= 0 ? 0 : (left >= 8 ? 16 : left * kTcElemBytes);
 }
 
 template <int BM, bool kTransA, bool kTransB, typename OutT>
@@ -150,12 +152,6 @@ __device__ void TcTile(const TileArgs<__nv_bfloat16, OutT>& t, char* smem) {
       StorePair(t.c, t.ldc, r, c, t.m, t.n, acc[mi][ni][0], acc[mi][ni][1]);
       StorePair(t.c, t.ldc, r + 8, c, t.m, t.n, acc[mi][ni][2], acc[mi][ni][3]);
     }
-}
-
-// Whether the tensor-core path can take these operands (bf16, 8-element leading dimensions, 16-byte aligned).
-inline bool TcTileApplies(bool bf16, int64_t lda, int64_t ldb, const void* a, const void* b) {
-  const bool aligned = ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
-  return bf16 && lda % 8 == 0 && ldb % 8 == 0 && aligned;
 }
 
 }  // namespace jmo::cuda

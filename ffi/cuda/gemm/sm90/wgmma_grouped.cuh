@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
   __syncthreads();
 
-  ZeroPadRows(out, row_start[G], M, N, kOutF32 ? 4 : 2);  // rows [min(sum, M), M)
+  ZeroPadRows(out, row_start[G], M, N, kOutF32 ? sizeof(float) : kElemBytes);  // rows [min(sum, M), M)
 
   const int total_tiles = tile_start[G];
   auto tile_of = [&](int t) { return DecodeTile(t, row_start, tile_start, G, n_tiles, N, out, kOutF32); };
@@ -211,18 +211,18 @@ inline cudaError_t EncodeGemmMaps(const void* a, int64_t a_rows, int64_t K, cons
   }
   {
     const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)a_rows};
-    const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+    const cuuint64_t strides[1] = {(cuuint64_t)K * kElemBytes};
     const cuuint32_t box[2] = {kBK, kBM};
     if (!EncodeMap(ta, a, 2, dims, strides, box, "A [rows, K]")) return cudaErrorInvalidValue;
   }
   if (b_k_major) {  // [G, N, K]
     const cuuint64_t dims[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)G};
-    const cuuint64_t strides[2] = {(cuuint64_t)K * 2, (cuuint64_t)N * K * 2};
+    const cuuint64_t strides[2] = {(cuuint64_t)K * kElemBytes, (cuuint64_t)N * K * kElemBytes};
     const cuuint32_t box[3] = {kBK, kBN, 1};
     if (!EncodeMap(tb, b, 3, dims, strides, box, "B [G, N, K]")) return cudaErrorInvalidValue;
   } else {  // [G, K, N]
     const cuuint64_t dims[3] = {(cuuint64_t)N, (cuuint64_t)K, (cuuint64_t)G};
-    const cuuint64_t strides[2] = {(cuuint64_t)N * 2, (cuuint64_t)K * N * 2};
+    const cuuint64_t strides[2] = {(cuuint64_t)N * kElemBytes, (cuuint64_t)K * N * kElemBytes};
     const cuuint32_t box[3] = {64, kBK, 1};
     if (!EncodeMap(tb, b, 3, dims, strides, box, "B [G, K, N]")) return cudaErrorInvalidValue;
   }

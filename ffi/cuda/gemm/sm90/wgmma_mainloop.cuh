@@ -110,8 +110,9 @@ constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;   // 24 * 128 + 240 * 256 = 64512 = 168 * 384
 constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
 constexpr int kProducerBarrier = 2;  // named barrier of the 128 producer threads
-constexpr int kABytes = kBM * kBK * 2;  // 16384
-constexpr int kBBytes = kBN * kBK * 2;  // 32768
+constexpr int kElemBytes = static_cast<int>(sizeof(__nv_bfloat16));  // the engine's operands (its TMA maps') are bf16
+constexpr int kABytes = kBM * kBK * kElemBytes;  // 16384
+constexpr int kBBytes = kBN * kBK * kElemBytes;  // 32768
 constexpr int kStageBytes = kABytes + kBBytes;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
 

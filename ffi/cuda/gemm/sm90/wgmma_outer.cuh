@@ -277,8 +277,8 @@ inline cudaError_t CachedOuterMaps(const void* lhs, int64_t M, int64_t K, const 
   };
   return CachedMapPair<Key, 16>(Key{lhs, rhs, M, K, N}, ta, tb, [&](CUtensorMap* ma, CUtensorMap* mb) {
     const cuuint32_t box[2] = {64, 64};
-    const cuuint64_t a_dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, a_strides[1] = {(cuuint64_t)K * 2};
-    const cuuint64_t b_dims[2] = {(cuuint64_t)N, (cuuint64_t)M}, b_strides[1] = {(cuuint64_t)N * 2};
+    const cuuint64_t a_dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, a_strides[1] = {(cuuint64_t)K * kElemBytes};
+    const cuuint64_t b_dims[2] = {(cuuint64_t)N, (cuuint64_t)M}, b_strides[1] = {(cuuint64_t)N * kElemBytes};
     if (!EncodeMap(ma, lhs, 2, a_dims, a_strides, box, "outer lhs [M, K]") ||
         !EncodeMap(mb, rhs, 2, b_dims, b_strides, box, "outer rhs [M, N]"))
       return cudaErrorInvalidValue;
