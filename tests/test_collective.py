@@ -107,7 +107,8 @@ def test_auto_mesh_expert_axis_only(kind, cf):
 @pytest.mark.slow
 def test_module_with_token_mask():
   """MoE(impl="collective") against MoE(impl="reference"): outputs and parameter gradients, padding tokens masked."""
-  cfg = jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K, capacity_factor=1.0)
+  cfg = jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K, capacity_factor=1.0,
+                      dtype=jnp.float32)
   x = jax.random.normal(jax.random.PRNGKey(2), (2, 16, D))
   mask = jnp.arange(32).reshape(2, 16) % 5 != 0
   out = {}
