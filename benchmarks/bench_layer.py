@@ -1,8 +1,13 @@
 """Whole MoE expert layer at EP=1 (one GPU), forward and forward+backward: ours vs the XLA path MaxText uses.
 
 ours         jax_moe_overlap.moe_experts(impl="overlap"): dispatch + grouped GEMM1 + expert_combine custom calls.
+collective   moe_experts(impl="collective"), the multi-host path: the exchange in XLA collectives (ragged_all_to_all),
+             the experts in this library's grouped GEMMs (grouped_matmul_swiglu, grouped_matmul).
+jmo-xla      moe_experts(impl="xla"): the same exchange, the experts in jax.lax.ragged_dot.
 xla          sort slots by expert, jax.lax.ragged_dot GEMM1, SwiGLU, ragged_dot GEMM2, unsort, weighted sum.
 tokamax      the same with tokamax.ragged_dot(implementation="mosaic") (MaxText's GPU choice), when installed.
+
+Columns vs_xla and vs_ours: the xla row's ms / the row's ms, the ours row's ms / the row's ms.
 
 ideal        (forward only) max(reading every expert weight once, the two GEMMs as dense jnp.dot at the same FLOPs),
              each timed here: what no forward pass can beat on this GPU (weight reads bound decode sizes, FLOPs the
@@ -16,6 +21,7 @@ reads and the fixed costs of a call, not its FLOPs, dominate), forward only unle
 
   python3 -m benchmarks.bench_layer --quick --out /tmp/layer.jsonl
   python3 -m benchmarks.bench_layer --decode --out /tmp/layer_decode.jsonl
+  python3 -m benchmarks.bench_layer --quick --impls xla,ours,collective,jmo-xla --out /tmp/layer_collective.jsonl
 """
 
 from __future__ import annotations
@@ -79,11 +85,14 @@ def main():
   ap = common.shape_parser("layer.jsonl")
   ap.add_argument("--decode", action="store_true", help="decode-sized shapes (256 tokens) instead")
   ap.add_argument("--passes", default=None, help="comma list of fwd, fwd+bwd (default: both; fwd with --decode)")
-  ap.add_argument("--impls", default="", help="comma list of implementations to run (default: all): xla,ours,tokamax")
+  ap.add_argument("--impls", default="",
+                  help="comma list of implementations to run (default: all): xla,ours,collective,jmo-xla,tokamax")
   args = ap.parse_args()
   passes = (args.passes or ("fwd" if args.decode else "fwd,fwd+bwd")).split(",")
   mesh = jax.make_mesh((1,), ("expert",))
   impls = {"xla": baselines.xla_layer(jax.lax.ragged_dot), "ours": lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]}
+  for name, impl in (("collective", "collective"), ("jmo-xla", "xla")):
+    impls[name] = lambda *a, impl=impl: jmo.moe_experts(*a, mesh=mesh, impl=impl)[0]
   tokamax_fn, why = baselines.tokamax_ragged_dot()
   if tokamax_fn:
     impls["tokamax"] = baselines.xla_layer(tokamax_fn)
@@ -91,7 +100,7 @@ def main():
     print(why)
   if args.impls:
     impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
-  table = common.Table(["shape", "pass", "impl", "ms", "vs_xla", "vs_ideal", "err"])
+  table = common.Table(["shape", "pass", "impl", "ms", "vs_xla", "vs_ours", "vs_ideal", "err"])
   for name, T, D, F, E, k in shapes(args.quick, args.decode):
     if not common.shape_selected(args, name):
       continue
@@ -106,7 +115,7 @@ def main():
                        (jax.random.normal(ks[2], (E, D, 2 * F)) / np.sqrt(D)).astype(jnp.bfloat16),
                        (jax.random.normal(ks[3], (E, F, D)) / np.sqrt(F)).astype(jnp.bfloat16)))
     for pname in passes:
-      base = ideal = None
+      base = ours = ideal = None
       if pname == "fwd":
         read_ms, dense_ms = ideal_fwd_ms(arg_sets)
         ideal = max(read_ms, dense_ms)
@@ -126,9 +135,11 @@ def main():
           continue
         if iname == "xla":
           base = ms
+        if iname == "ours":
+          ours = ms
         table.add(shape=name, **{"pass": pname}, impl=iname, ms=f"{ms:.3f}",
-                  vs_xla=f"{base / ms:.2f}" if base else "", vs_ideal=f"{ideal / ms:.2f}" if ideal else "",
-                  err=f"{err:.1e}")
+                  vs_xla=f"{base / ms:.2f}" if base else "", vs_ours=f"{ours / ms:.2f}" if ours else "",
+                  vs_ideal=f"{ideal / ms:.2f}" if ideal else "", err=f"{err:.1e}")
       del ref_outs
   table.finish(args.out)
 

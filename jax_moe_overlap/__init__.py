@@ -5,7 +5,8 @@ Public API:
   MoE, MoEAux         Flax NNX module (router + SwiGLU experts + shared experts) over an expert mesh axis, and its
                       router statistics; MoEBlock: the same as a drop-in feed-forward block returning y alone.
   route, update_routing_bias  the routers (softmax / sigmoid, routing bias, group-limited) as functions.
-  moe_experts         the expert layer as a function on global arrays (impl="overlap" | "xla" | "reference").
+  moe_experts         the expert layer as a function on global arrays (impl="overlap" | "collective" | "xla" |
+                      "reference").
   CallConfig          timeouts and testing aids of the custom calls.
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).
   workspace_bytes     bytes per rank of the workspace a layer call of a given shape allocates (for planning memory).

@@ -2,18 +2,22 @@
 
 ``moe_experts(x, expert_ids, gates, w1, w2, mesh=..., axis_name=...)`` runs the layer with tokens and experts
 sharded over ``axis_name``: ``impl="overlap"`` through this library's custom calls inside ``shard_map``,
-``impl="reference"`` as plain dense JAX (the oracle), ``impl="xla"`` as the expert-parallel path from XLA collectives
-and ``lax.ragged_dot`` (``xla_path.py``). All return ``(y, dropped)`` with y sharded as x.
+``impl="collective"`` as XLA collectives for the exchange and this library's grouped GEMMs for the experts,
+``impl="xla"`` as XLA collectives and ``lax.ragged_dot`` (both ``xla_path.py``), ``impl="reference"`` as plain dense
+JAX (the oracle). All return ``(y, dropped)`` with y sharded as x. An ``"overlap"`` call over an expert axis that
+spans hosts, where no workspace can serve it, runs as ``"collective"`` (``chosen_impl``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_moe_overlap import hosts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
 from jax_moe_overlap.checks import batch_size, check_batch_axes, check_expert_ids, check_impl, check_inputs
@@ -21,8 +25,11 @@ from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.expert_block import expert_block
 from jax_moe_overlap.reference import moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
+from jax_moe_overlap.workspace_backend import rank_devices
 from jax_moe_overlap.workspace_calls import gather_counts
 from jax_moe_overlap.xla_path import moe_experts_xla
+
+log = logging.getLogger("jax_moe_overlap")
 
 
 def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_name: str = "expert",
@@ -38,8 +45,9 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     mesh, axis_name: tokens and experts are sharded over this axis (E divisible by its size).
     capacity_factor: None for dropless; else rows per expert = ceil(cf * T_group * k / E), overflow dropped, where
       T_group = T / (product of the batch axes' sizes) are the tokens of one expert-parallel group.
-    impl: "overlap" (custom calls), "xla" (expert-parallel pure JAX: ragged_all_to_all and ragged_dot) or
-      "reference" (dense pure JAX, the oracle).
+    impl: "overlap" (custom calls; over an expert axis that spans hosts it runs as "collective"), "collective" (XLA
+      collectives for the exchange, this library's grouped GEMMs for the experts: any expert axis, hosts included),
+      "xla" (expert-parallel pure JAX: XLA collectives and ragged_dot) or "reference" (dense pure JAX, the oracle).
     batch_axes: other mesh axes the tokens are also sharded over (data, FSDP): tokens are laid out as
       ``P((*batch_axes, axis_name))``, each device holds T / (B * R) of them, and every position on the batch axes
       is an independent expert-parallel group over the same experts (weights replicated over the batch axes, their
@@ -62,16 +70,34 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   k = expert_ids.shape[1]
   cap_e = plan_lib.expert_capacity(T_local, R, k, E, capacity_factor)
   args = [_onto_mesh(a, mesh) for a in (x, expert_ids, gates, w1, w2)]
+  impl = chosen_impl(impl, mesh, axis_name)
   if impl == "reference":
     y, dropped = eager_program(_reference_layer, mesh, cap_e, R, B)(*args)
-  elif impl == "xla":
+  elif impl in ("xla", "collective"):
     cap = plan_lib.recv_capacity(T_local, R, k, E // R, cap_e)
-    y, dropped = eager_program(_xla_layer, mesh, axis_name, batch_axes, cap_e, cap)(*args)
+    y, dropped = eager_program(_xla_layer, mesh, axis_name, batch_axes, cap_e, cap, impl)(*args)
   else:
     sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor)
     info = RankInfo(Workspace.get(mesh, axis_name, sizes), config)
     y, dropped = eager_program(_overlap_layer, mesh, axis_name, batch_axes, E, cap_e, sizes.recv_rows, info)(*args)
   return _like_committed(y, x), dropped
+
+
+def chosen_impl(impl: str, mesh: jax.sharding.Mesh, axis_name: str) -> str:
+  """The impl a call asking for ``impl`` runs: ``"collective"`` for ``"overlap"`` where the expert axis spans hosts
+  (a workspace is memory its processes map: ``hosts.py``), else ``impl``."""
+  if impl == "overlap" and _axis_spans_hosts(mesh, axis_name):
+    return "collective"
+  return impl
+
+
+@functools.cache
+def _axis_spans_hosts(mesh: jax.sharding.Mesh, axis_name: str) -> bool:
+  spans = hosts.axis_spans_hosts(rank_devices(mesh, axis_name))
+  if spans:
+    log.info("jax_moe_overlap: the expert axis %r spans hosts: impl=\"overlap\" runs as impl=\"collective\" (XLA "
+             "collectives and this library's grouped GEMMs)", axis_name)
+  return spans
 
 
 # One jitted program per static configuration, so that eager calls compile once: outside jit, shard_map would run
@@ -125,10 +151,10 @@ def _expert_parallel_inputs(mesh, axis_name, batch_axes, x, expert_ids, gates, w
   return args, token_spec, weight_spec
 
 
-def _xla_layer(mesh, axis_name, batch_axes, cap_e, cap, x, expert_ids, gates, w1, w2):
+def _xla_layer(mesh, axis_name, batch_axes, cap_e, cap, impl, x, expert_ids, gates, w1, w2):
   args, _, _ = _expert_parallel_inputs(mesh, axis_name, batch_axes, x, expert_ids, gates, w1, w2)
   y, dropped = moe_experts_xla(*args, mesh=mesh, axis_name=axis_name, expert_cap=cap_e, recv_cap=cap,
-                               batch_axes=batch_axes)
+                               batch_axes=batch_axes, impl=impl)
   return _like(y, x, mesh), dropped
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from jax_moe_overlap.plan import SKIP
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
-IMPLS = ("overlap", "reference", "xla")
+IMPLS = ("overlap", "collective", "xla", "reference")
 
 
 def check_axis(mesh: jax.sharding.Mesh, axis_name: str) -> int:
@@ -42,7 +42,7 @@ def check_tokens(tokens: int, ranks: int, axis_name: str) -> None:
 
 def check_impl(impl: str) -> None:
   if impl not in IMPLS:
-    raise ValueError(f"jax_moe_overlap: impl must be 'overlap' or 'reference' or 'xla', got {impl!r}")
+    raise ValueError(f"jax_moe_overlap: impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
 
 
 def check_dtype(name: str, dtype) -> None:

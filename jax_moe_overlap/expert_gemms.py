@@ -2,7 +2,7 @@
 with its SwiGLU, the backward GEMMs, and ``expert_mlp``, their differentiable composition.
 
 ``expert_block`` builds on these pieces around its custom calls; ``expert_mlp`` is the same GEMM sequence without
-them (the benchmarks' "compute alone", exported by ``ops``). On GPU the GEMMs are this library's grouped-GEMM custom
+them (``impl="collective"``'s local experts, and the benchmarks' "compute alone", exported by ``ops``). On GPU the GEMMs are this library's grouped-GEMM custom
 calls (``grouped_gemm.py``); on CPU XLA's ``ragged_dot``, faster there than the custom calls' reference loops
 (which ``tests/test_grouped_gemm.py`` checks on their own). The order of the workspace calls does not depend on
 this choice: ``ordering.py`` chains them on CPU.
@@ -23,11 +23,24 @@ def swiglu(a: jax.Array) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
+# XLA's ragged_dot as the CPU branch of the grouped GEMMs below. JAX has no batching rule for it (vmap raises), so it
+# runs one call per batch element under vmap, as the GPU branch's custom calls do (vmap_method="sequential"). A
+# sequential_vmap function has no reverse-mode rule: these run only inside the custom_vjp rules of expert_mlp and
+# expert_block, never differentiated themselves.
+_ragged_dot = jax.custom_batching.sequential_vmap(
+    lambda lhs, rhs, group_sizes: jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32))
+_OUTER_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+_ragged_outer = jax.custom_batching.sequential_vmap(
+    lambda lhs, rhs, group_sizes: jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _OUTER_DIMS,
+                                                             preferred_element_type=jnp.float32))
+
+
 def matmul(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
   """Grouped matmul of the expert GEMMs outside expert_combine: our custom call on GPU; XLA's ragged_dot on CPU."""
   def xla():
     rhs_ = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return jax.lax.ragged_dot(lhs, rhs_, group_sizes, preferred_element_type=jnp.float32).astype(out_dtype)
+    return _ragged_dot(lhs, rhs_, group_sizes).astype(out_dtype)
 
   def ours():
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
@@ -39,10 +52,7 @@ def outer(lhs, rhs, group_sizes, out_dtype):
   """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (as matmul: ours on
   GPU, XLA's ragged_dot_general on CPU)."""
   def xla():
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims,
-                                      preferred_element_type=jnp.float32).astype(out_dtype)
+    return _ragged_outer(lhs, rhs, group_sizes).astype(out_dtype)
 
   def ours():
     return grouped_outer(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
@@ -89,7 +99,8 @@ def expert_mlp(x_recv, w1, w2, group_sizes):
 
   GEMM1 + SwiGLU + GEMM2 through the grouped GEMMs of expert_block (GEMM2 as ``grouped_matmul``, the tile engine of
   expert_combine's producer, on every SM), and under ``jax.grad`` expert_block's backward GEMMs, the input gradient
-  ``da @ W1^T`` as ``grouped_matmul``. The benchmarks' "compute alone" (benchmarks/ideal_probes.py).
+  ``da @ W1^T`` as ``grouped_matmul``. The local experts of ``impl="collective"`` (``xla_path.py``) and the
+  benchmarks' "compute alone" (benchmarks/ideal_probes.py).
 
   Args:
     x_recv: [cap, D] rows grouped by local expert (float32 or bfloat16). w1: [E_local, D, 2F]; w2: [E_local, F, D].

@@ -52,14 +52,15 @@ class RoutingBias(nnx.Variable):
 class MoE(nnx.Module):
   """Mixture-of-Experts feed-forward block, expert-parallel over mesh axis ``expert_axis``.
 
-  ``impl="overlap"`` runs the experts and the all-to-alls in this library's custom calls inside ``shard_map``;
-  ``impl="xla"`` as XLA collectives and ``lax.ragged_dot``; ``impl="reference"`` densely in plain JAX (the oracle).
-  Layers of equal sizes share one peer workspace (see ``Workspace``).
+  ``impl="overlap"`` runs the experts and the all-to-alls in this library's custom calls inside ``shard_map`` (over
+  an expert axis that spans hosts, as ``"collective"``); ``impl="collective"`` as XLA collectives and this library's
+  grouped GEMMs; ``impl="xla"`` as XLA collectives and ``lax.ragged_dot``; ``impl="reference"`` densely in plain JAX
+  (the oracle). Layers of equal sizes share one peer workspace (see ``Workspace``).
 
   Args:
     config: a ``MoEConfig``.
     mesh: the device mesh; expert_axis: its expert-parallel axis name (E divisible by its size).
-    impl: "overlap", "xla" or "reference". call_config: ``CallConfig`` (timeouts) of the custom calls.
+    impl: "overlap", "collective", "xla" or "reference". call_config: ``CallConfig`` (timeouts) of the custom calls.
     batch_axes: mesh axes other than expert_axis the tokens are also sharded over (``moe_experts``' batch_axes).
     rngs: parameter initialisation.
 

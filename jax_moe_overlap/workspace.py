@@ -23,7 +23,7 @@ backend has no timeout, and counts the dropped slots from the exchanged counts i
 of a layer call is a bounded workspace wait: a peer process that dies or hangs (stopped, not dead), inside a call or
 between calls, makes the others fail within ``timeout_ms`` with an error naming its rank, its process and the stage
 (``counts`` when it was lost between calls), and the workspace recovers on the next call once every rank is back.
-An expert axis over processes of different hosts is refused (``impl="xla"`` serves it).
+An expert axis over processes of different hosts is refused (``moe_experts`` runs it as ``impl="collective"``).
 
 Memory: ``Workspace.bytes_per_rank`` (and ``workspace_bytes`` before anything is allocated) is what one rank holds:
 on CPU host memory; on CUDA device memory of that rank's GPU (plus host-mapped control words), allocated with

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import secrets
-import socket
 from typing import Callable
 
 import jax
@@ -22,6 +21,7 @@ import numpy as np
 from jax._src import distributed
 
 from jax_moe_overlap import _jmo
+from jax_moe_overlap.hosts import groups_across_hosts, process_hosts
 from jax_moe_overlap.resource import Calibration
 
 
@@ -61,11 +61,6 @@ def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
   return np.moveaxis(mesh.devices, axis, -1).reshape(-1, R)
 
 
-def groups_span_processes(devs: np.ndarray) -> bool:
-  """Whether a group of ``devs`` ([groups, ranks]) has ranks in several processes."""
-  return any(len({d.process_index for d in row}) > 1 for row in devs)
-
-
 # How long creating a workspace that spans processes waits for each peer process's step (creating, then mapping, its
 # part). Every process builds the same programs, so peers reach this within the compile-time skew.
 SHARED_SETUP_TIMEOUT_S = 60.0
@@ -79,8 +74,8 @@ def create_shared(devs: np.ndarray, platform: str, create: Callable[[str], int],
   through jax.distributed's key-value store (every process of the mesh creates its workspaces in the same order, so
   the n-th one has the same keys everywhere):
 
-  1. every process publishes its host name: processes of different hosts cannot map each other's memory, so a group
-     over several hosts is refused before anything is allocated;
+  1. the processes learn each other's hosts (``hosts.process_hosts``): processes of different hosts cannot map each
+     other's memory, so a group over several hosts is refused before anything is allocated;
   2. the first process publishes a fresh name prefix; each process creates its part (``create(prefix)`` -> handle)
      and publishes what its peers need to map it (``export(handle)``, a string);
   3. each process maps its peers' parts (``open_peers(handle, {process: export})``), and once all have, each removes
@@ -106,16 +101,14 @@ def create_shared(devs: np.ndarray, platform: str, create: Callable[[str], int],
           f"its part of the shared {platform} workspace {key} (it died, hangs, or runs a different program): {e}"
       ) from e
 
-  client.key_value_set(f"{key}/host/{here}", socket.gethostname())
-  hosts = {p: wait_for("host", p) for p in procs}
-  for row in devs:
-    group_hosts = sorted({(int(d.process_index), hosts[int(d.process_index)]) for d in row})
-    if len({h for _, h in group_hosts}) > 1:
-      raise NotImplementedError(
-          "jax_moe_overlap: the mesh's expert axis spans processes of different hosts ("
-          f"{', '.join(f'process {p} on {h}' for p, h in group_hosts)}); impl=\"overlap\" needs every rank of an "
-          "expert-parallel group on one host (its workspace is memory the processes map), so use impl=\"xla\" "
-          "(XLA collectives) for an expert axis across hosts, or put the hosts on another mesh axis (batch_axes)")
+  across = groups_across_hosts(devs, process_hosts(procs))
+  if across:
+    raise NotImplementedError(
+        "jax_moe_overlap: the mesh's expert axis spans processes of different hosts ("
+        f"{', '.join(f'process {p} on {h}' for p, h in across[0])}); a workspace (impl=\"overlap\") needs every "
+        "rank of an expert-parallel group on one host (it is memory the processes map). moe_experts and MoE run such "
+        "an axis with impl=\"collective\" (XLA collectives and this library's grouped GEMMs), which they choose by "
+        "themselves for impl=\"overlap\"; or put the hosts on another mesh axis (batch_axes)")
   if here == procs[0]:
     client.key_value_set(f"{key}/prefix/{here}", f"/jmo-{secrets.token_hex(8)}")
   prefix = wait_for("prefix", procs[0])

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from jax_moe_overlap import _jmo
-from jax_moe_overlap.workspace_backend import DeviceFacts, NativeWorkspace, create_shared, groups_span_processes
-from jax_moe_overlap.workspace_backend import rank_devices
+from jax_moe_overlap.hosts import groups_span_processes
+from jax_moe_overlap.workspace_backend import DeviceFacts, NativeWorkspace, create_shared, rank_devices
 
 DEVICE = DeviceFacts(compute_capability=None, sm_budget=None, calibration=None,
                      consumer_policy="CPU: one consumer thread per rank (consumer_ctas is checked but has no effect)")

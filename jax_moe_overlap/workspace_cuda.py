@@ -26,8 +26,8 @@ import jax
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import env
 from jax_moe_overlap import resource
-from jax_moe_overlap.workspace_backend import DeviceFacts, NativeWorkspace, create_shared, groups_span_processes
-from jax_moe_overlap.workspace_backend import rank_devices
+from jax_moe_overlap.hosts import groups_span_processes
+from jax_moe_overlap.workspace_backend import DeviceFacts, NativeWorkspace, create_shared, rank_devices
 
 log = logging.getLogger("jax_moe_overlap")
 

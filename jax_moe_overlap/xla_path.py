@@ -1,10 +1,18 @@
-"""``impl="xla"``: the expert-parallel MoE layer from XLA collectives and ``lax.ragged_dot`` alone, no custom call.
+"""``impl="xla"`` and ``impl="collective"``: the expert-parallel MoE layer with its exchange in XLA collectives.
 
-It is the path a JAX user has without this library (route, sort, ragged all-to-all, grouped GEMM, ragged all-to-all
-back, combine), kept first-class: the fallback where the custom calls cannot run (TPU, an expert axis across hosts)
-and the honest baseline of the benchmarks. Same semantics as ``impl="reference"``: the plan's capacity rule (first
-come first served in the global slot order), skipped slots (id -1) moving nothing, the sum over a token's choices in
-the fixed order j = 0..k-1. Differentiable by JAX's own rules.
+One code path, two choices of the local expert GEMMs (``LOCAL_EXPERTS``):
+
+- ``"xla"``: ``lax.ragged_dot``, no custom call at all. It is the path a JAX user has without this library (route,
+  sort, ragged all-to-all, grouped GEMM, ragged all-to-all back, combine), kept first-class: the fallback where the
+  custom calls cannot run (TPU) and the honest baseline of the benchmarks. Differentiated by JAX's own rules.
+- ``"collective"``: this library's grouped GEMMs (``expert_gemms.expert_mlp``: on GPU ``grouped_matmul_swiglu``, its
+  SwiGLU in the GEMM's epilogue where the engine takes it, and ``grouped_matmul``; a ``custom_vjp`` whose backward is
+  the same grouped GEMMs). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
+  ``moe_experts`` chooses it where ``impl="overlap"`` cannot run for that reason (``hosts.py``).
+
+Same semantics as ``impl="reference"``: the plan's capacity rule (first come first served in the global slot order),
+skipped slots (id -1) moving nothing, the sum over a token's choices in the fixed order j = 0..k-1. The exchange is
+differentiated by JAX's own rules (its transpose is the exchange back).
 
 Per rank, inside ``shard_map``:
 
@@ -12,7 +20,7 @@ Per rank, inside ``shard_map``:
    in ``plan.make_plan``. Kept slots go to a compact send buffer in the send order (destination rank, expert).
 2. The exchange sends each destination its contiguous chunk. It lands on the receiver in (source, expert) order; a
    gather puts it in (expert, source) order, the plan's recv layout, so each local expert's rows are contiguous.
-3. GEMM1 (float32 accumulation), SwiGLU, GEMM2 as ``lax.ragged_dot`` over the local experts.
+3. GEMM1 (float32 accumulation), SwiGLU, GEMM2 over the local experts (``LOCAL_EXPERTS[impl]``).
 4. The inverse gather, the exchange back, and the gate-weighted sum per token.
 
 The exchange is ``lax.ragged_all_to_all`` on GPU and TPU. XLA:CPU has no ragged all-to-all: there every destination's
@@ -28,16 +36,31 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap.expert_gemms import swiglu
+from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
+
+
+def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
+  """GEMM1 (float32 accumulation), SwiGLU, GEMM2 of a rank's recv rows with ``lax.ragged_dot``: [cap, D] in x_recv's
+  dtype, rows past the last group zero (``expert_mlp``'s contract)."""
+  a = jax.lax.ragged_dot(x_recv, w1, group_sizes, preferred_element_type=jnp.float32)
+  return jax.lax.ragged_dot(swiglu(a).astype(x_recv.dtype), w2, group_sizes,
+                            preferred_element_type=jnp.float32).astype(x_recv.dtype)
+
+
+# The impls of this module by the function that runs a rank's local experts on its recv rows:
+# f(x_recv [cap, D], w1 [E_local, D, 2F], w2 [E_local, F, D], group_sizes [E_local]) -> [cap, D].
+LOCAL_EXPERTS = {"xla": ragged_dot_mlp, "collective": expert_mlp}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
-                    batch_axes: tuple[str, ...] = ()):
+                    batch_axes: tuple[str, ...] = (), impl: str = "xla"):
   """The expert layer with tokens sharded over ``(*batch_axes, axis_name)`` and experts over ``axis_name`` (each
-  position on the batch axes an independent expert-parallel group): returns (y [T, D], dropped [])."""
+  position on the batch axes an independent expert-parallel group), the local experts run by ``LOCAL_EXPERTS[impl]``
+  (``impl``: "xla" or "collective"): returns (y [T, D], dropped [])."""
   ragged = _uses_ragged_all_to_all(mesh)
   fn = functools.partial(_moe_local, axis_name=axis_name, batch_axes=batch_axes, num_experts=w1.shape[0],
-                         expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged)
+                         expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
+                         local_experts=LOCAL_EXPERTS[impl])
   token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
   return jax.shard_map(fn, mesh=mesh, in_specs=(token_spec,) * 3 + (weight_spec,) * 2,
                        out_specs=(token_spec, P()), check_vma=False)(x, expert_ids, gates, w1, w2)
@@ -48,7 +71,7 @@ def _uses_ragged_all_to_all(mesh) -> bool:
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, expert_cap, recv_cap,
-               ragged):
+               ragged, local_experts):
   T, k = expert_ids.shape
   counts_all, rank, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, expert_cap)  # [s, d, e]
   kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
@@ -77,9 +100,7 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_exper
   x_recv = jnp.take(recv_se, es_from_se, axis=0, mode="fill", fill_value=0)
 
   # 3. The local experts.
-  a = jax.lax.ragged_dot(x_recv, w1, plan.expert_rows, preferred_element_type=jnp.float32)
-  out = jax.lax.ragged_dot(swiglu(a).astype(x.dtype), w2, plan.expert_rows,
-                           preferred_element_type=jnp.float32).astype(x.dtype)
+  out = local_experts(x_recv, w1, w2, plan.expert_rows)
 
   # 4. Back to (source, expert) order, back to the sources, combine.
   out_se = jnp.take(out, se_from_es, axis=0, mode="fill", fill_value=0)
@@ -118,8 +139,27 @@ def _layout_maps(kept_se: jax.Array, rows: int):
 
 def _exchange_ragged(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
   output = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
-  return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                   axis_name=axis_name)
+  sizes = _batched_with(jax.lax.stop_gradient(operand), input_offsets, send_sizes, output_offsets, recv_sizes)
+  return jax.lax.ragged_all_to_all(operand, output, *sizes, axis_name=axis_name)
+
+
+@jax.custom_batching.custom_vmap
+def _batched_with(operand, *sizes):
+  """``sizes`` unchanged. Under vmap they carry a batch dimension whenever ``operand`` or any of them does: JAX's
+  batching rule of ``ragged_all_to_all`` takes offsets and sizes that are all batched or none (vmap over the tokens
+  with the routing held fixed batches the rows and not the counts). ``operand`` only tells the batching; it is read
+  through ``stop_gradient``, so that differentiation never enters this function (it has no reverse-mode rule)."""
+  del operand
+  return sizes
+
+
+@_batched_with.def_vmap
+def _batched_with_rule(axis_size, in_batched, operand, *sizes):
+  del operand
+  if not any(in_batched):
+    return sizes, (False,) * len(sizes)
+  out = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(sizes, in_batched[1:]))
+  return out, (True,) * len(sizes)
 
 
 def _exchange_padded(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):

@@ -1,6 +1,6 @@
 """One process of a jax.distributed CPU run (test_multiprocess.py starts several on localhost).
 
-argv: process_id num_processes port local_devices case. Cases:
+argv: process_id num_processes port local_devices case; $JMO_IMPL: the layer's impl (default "overlap"). Cases:
   data_across: mesh (data = processes, expert = local devices), tokens over both (batch_axes=("data",)); prints
     "match" when the output and gradients of the last of $JMO_CALLS consecutive calls (default 3) equal a
     single-process float32 oracle on the same global inputs.
@@ -16,8 +16,9 @@ argv: process_id num_processes port local_devices case. Cases:
     the layer's first workspace call, the exchange of the routing counts, reported the same way.
   stopped_between_calls: as killed_between_calls, but the last process stops itself (SIGSTOP): a hung peer, which
     the test kills once the others have exited.
-  different_hosts: expert_across, but the last process reports another host name: every process prints
-    "refused: <error>" for its first call (the workspace is refused before anything runs).
+  different_hosts: expert_across, but the last process reports another host name: the layer (impl="overlap", the
+    default) runs as impl="collective" with no workspace ("no workspace"), matches the float32 oracle ("match"), and
+    creating a workspace over the mesh is refused before anything is allocated ("refused: <error>").
 """
 
 import functools
@@ -69,18 +70,13 @@ def main():
   args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp)]
 
   def loss(x, g, w1, w2, ids, config=jmo.CallConfig()):
-    y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config)
+    y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config,
+                                 impl=os.environ.get("JMO_IMPL", "overlap"))
     return jnp.sum(jnp.sin(y)), (y, dropped)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-  if case == "different_hosts":
-    if pid == nproc - 1:
-      socket.gethostname = lambda: "another-host"
-    try:
-      step(args[0], args[2], args[3], args[4], args[1])
-    except NotImplementedError as e:
-      print(f"refused: {e}", flush=True)
-    return
+  if case == "different_hosts" and pid == nproc - 1:
+    socket.gethostname = lambda: "another-host"
   (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)
@@ -135,6 +131,13 @@ def main():
   for name, a, b in zip(("x", "gates", "w1", "w2"), grads, grads_ref):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
   print(f"process {pid}: match", flush=True)
+  if case == "different_hosts":
+    if not jmo.workspace.Workspace.cached():
+      print(f"process {pid}: no workspace", flush=True)
+    try:
+      jmo.workspace.Workspace.get(mesh, "expert", jmo.workspace.layer_sizes(t // R, R, K, E, D, 4, None))
+    except NotImplementedError as e:
+      print(f"refused: {e}", flush=True)
 
 
 def leave_after_a_dead_peer():

@@ -79,7 +79,8 @@ def test_bench_layer_checks_every_impl_before_timing(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, "argv", ["bench_layer.py", "--out", str(out)])
   bench_layer.main()
   rows = _rows(out)
-  assert {(r["pass"], r["impl"]) for r in rows} >= {(p, i) for p in ("fwd", "fwd+bwd") for i in ("xla", "ours")}
+  assert {(r["pass"], r["impl"]) for r in rows} >= {(p, i) for p in ("fwd", "fwd+bwd")
+                                                    for i in ("xla", "ours", "collective", "jmo-xla")}
   assert [r["pass"] for r in rows if r["impl"] == "ideal"] == ["fwd"]  # the ideal is of the forward pass only
   ideal = next(float(r["ms"]) for r in rows if r["impl"] == "ideal")
   for r in rows:

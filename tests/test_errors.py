@@ -71,7 +71,7 @@ def test_mesh_without_the_axis(inputs):
 
 def test_bad_impl(inputs):
   x, ids, gates, w1, w2 = inputs
-  with pytest.raises(ValueError, match=r"impl must be 'overlap' or 'reference'"):
+  with pytest.raises(ValueError, match=r"impl must be one of 'overlap', 'collective', 'xla', 'reference'"):
     jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(2), impl="fast")
 
 

@@ -6,7 +6,8 @@ run as one process holding every device, and no shared-memory name left behind. 
 call makes the others fail within the timeout with an error naming its rank and process, and they exit with status
 0; so does a peer process killed or stopped (SIGSTOP: hung) between calls, the others failing in the exchange of the
 routing counts (stage "counts"), which goes through the workspace rather than gloo's unbounded all_gather. An
-expert axis over processes of different hosts is refused before anything runs, naming impl="xla".
+expert axis over processes of different hosts runs as impl="collective" (XLA collectives, no workspace) and matches
+the oracle; a workspace over it is refused before anything is allocated, naming impl="collective".
 """
 
 import glob
@@ -120,8 +121,17 @@ def test_peer_lost_between_calls_fails_the_others_within_the_timeout(case, nproc
   assert _shm_left(outs) == []
 
 
-def test_expert_axis_over_different_hosts_is_refused_naming_the_xla_impl():
-  for rc, out in run_processes(2, 1, "different_hosts", limit_s=120):
+@pytest.mark.slow
+def test_collective_impl_across_processes_is_bitwise_the_one_process_run(tmp_path):
+  oracle = str(tmp_path / "one_process.npz")
+  [(rc, out)] = run_processes(1, 2, "expert_across", 1, JMO_OUT=oracle, JMO_IMPL="collective")
+  assert rc == 0 and ": match" in out, out
+  for rc, out in run_processes(2, 1, "expert_across", 1, JMO_ORACLE=oracle, JMO_IMPL="collective"):
+    assert rc == 0 and ": match" in out and ": bitwise" in out and "shm /" not in out, out
+
+
+def test_expert_axis_over_different_hosts_runs_the_collective_impl():
+  for rc, out in run_processes(2, 1, "different_hosts", calls=1, limit_s=120):
     line = next((l for l in out.splitlines() if l.startswith("refused:")), None)
-    assert rc == 0 and line is not None, out
-    assert "different hosts" in line and "process 1 on another-host" in line and 'impl="xla"' in line, line
+    assert rc == 0 and ": match" in out and ": no workspace" in out and line is not None, out
+    assert "different hosts" in line and "process 1 on another-host" in line and 'impl="collective"' in line, line

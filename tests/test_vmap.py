@@ -19,8 +19,8 @@ from jax_moe_overlap.workspace_calls import dispatch, expert_combine
 
 def test_vmap_of_the_workspace_calls_equals_a_loop():
   # dispatch and expert_combine under vmap inside shard_map: each batch element is one call (one epoch) on every
-  # rank, in the same order. (The whole layer under vmap also needs XLA:CPU's ragged_dot batched over operands
-  # with and without a batch dimension, which JAX 0.11.2 does not implement.)
+  # rank, in the same order. (The whole layer under vmap:
+  # test_collective.test_vmap_equals_the_reference_per_batch_element.)
   R, T, K, N, E_, B = 4, 16, 16, 8, 8, 3
   mesh = mesh_of(R)
   cap_e = plan_lib.expert_capacity(T, R, 2, E_, None)
