@@ -1,9 +1,8 @@
 """Run by test_batch_axes.py in a fresh process with 8 virtual CPU devices (pytest's own process has 4)."""
 
-import os
+from cpu_flags import set_cpu_flags  # tests/
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+set_cpu_flags(8)
 
 import jax  # noqa: E402
 

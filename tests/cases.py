@@ -52,14 +52,18 @@ def routing(kind: str, tokens: int, num_experts: int, k: int, seed: int, ranks: 
 
 def layer_inputs(tokens: int, d: int, f: int, num_experts: int, k: int, kind: str, seed: int,
                  dtype=jnp.float32, ranks: int = 1):
-  """x [T, D], ids [T, k], gates [T, k] (positive, rows sum to 1), w1 [E, D, 2F], w2 [E, F, D]; never zeros."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  x = jax.random.normal(ks[0], (tokens, d), jnp.float32)
-  gates = jax.nn.softmax(jax.random.normal(ks[1], (tokens, k)), axis=-1)
-  w1 = jax.random.normal(ks[2], (num_experts, d, 2 * f), jnp.float32) / np.sqrt(d)
-  w2 = jax.random.normal(ks[3], (num_experts, f, d), jnp.float32) / np.sqrt(f)
-  ids = jnp.asarray(routing(kind, tokens, num_experts, k, seed, ranks))
-  return x.astype(dtype), ids, gates, w1.astype(dtype), w2.astype(dtype)
+  """x [T, D], ids [T, k], gates [T, k] (positive, rows sum to 1), w1 [E, D, 2F], w2 [E, F, D]; never zeros. Drawn
+  with NumPy: jax.random would compile a program for every new shape, in every test that asks for one."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((tokens, d), np.float32)
+  logits = rng.standard_normal((tokens, k), np.float32)
+  gates = np.exp(logits - logits.max(axis=-1, keepdims=True))
+  gates /= gates.sum(axis=-1, keepdims=True)
+  w1 = rng.standard_normal((num_experts, d, 2 * f), np.float32) / np.float32(np.sqrt(d))
+  w2 = rng.standard_normal((num_experts, f, d), np.float32) / np.float32(np.sqrt(f))
+  ids = routing(kind, tokens, num_experts, k, seed, ranks)
+  return (jnp.asarray(x.astype(dtype)), jnp.asarray(ids), jnp.asarray(gates), jnp.asarray(w1.astype(dtype)),
+          jnp.asarray(w2.astype(dtype)))
 
 
 def rel_err(a, b) -> float:

@@ -2,8 +2,12 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+from cpu_flags import cpu_xla_flags  # noqa: E402  (tests/, on pytest's pythonpath)
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CPU flags (cpu_flags.py) only where the run is CPU-only: the GPU tests keep XLA's default code generation.
+os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(4) if os.environ["JAX_PLATFORMS"] == "cpu" else
+                      "--xla_force_host_platform_device_count=4")
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import pytest  # noqa: E402

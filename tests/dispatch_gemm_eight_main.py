@@ -2,10 +2,9 @@
 with CallConfig(dispatch_pushers=2) (GEMM1's SwiGLU in the fused call's epilogue) against the two calls with the bare
 grouped GEMM calls and the reference (test_dispatch_gemm's check) at R = 8."""
 
-import os
+from cpu_flags import set_cpu_flags  # tests/
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+set_cpu_flags(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -2,11 +2,11 @@
 the layer on the meshes the tests use. Argument: "vjp" (the eager jax.vjp on a (data 2, expert 4) mesh, repeated) or
 "all" (forward, jax.vjp and jax.grad of every impl on every mesh)."""
 
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from cpu_flags import set_cpu_flags  # tests/
+
+set_cpu_flags(8)
 
 import jax  # noqa: E402
 

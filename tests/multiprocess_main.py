@@ -30,8 +30,9 @@ import sys
 import time
 
 pid, nproc, port, local, case = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local}"
-os.environ["JAX_PLATFORMS"] = "cpu"
+from cpu_flags import set_cpu_flags  # noqa: E402  (tests/)
+
+set_cpu_flags(local)
 
 import jax  # noqa: E402
 

@@ -31,6 +31,7 @@ def test_bad_batch_axes_are_named():
     jmo.moe_experts(x[:62], ids[:62], gates[:62], w1, w2, mesh=mesh, batch_axes=("data",))
 
 
+@pytest.mark.slow  # a child process with 8 devices, compiling every program again; the 2 x 2 mesh above stays
 def test_eight_devices_data_fsdp_expert():
   out = run_script("batch_axes_main.py")
   assert out.count(": match") == 3, out

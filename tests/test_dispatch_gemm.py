@@ -98,9 +98,19 @@ def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode):
           lambda ids: np.asarray(kept_rows(ids)[0]), names)
 
 
-@pytest.mark.parametrize("mode", MODES, ids=[m[0] for m in MODES])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kind,cf,skip", [("all_to_one", None, False), ("skewed", 0.5, True)])
+ROUTED = [("all_to_one", None, False), ("skewed", 0.5, True)]
+# Each mode, dtype and routing in the default pass, each mode with both dtypes and both routings: the rest of the
+# product (each case compiles its two programs) in the slow pass.
+DEFAULT_CALLS = {("plain", "float32", "all_to_one"), ("plain", "bfloat16", "skewed"),
+                 ("plain_transposed", "bfloat16", "all_to_one"), ("plain_transposed", "float32", "skewed"),
+                 ("swiglu_train", "bfloat16", "all_to_one"), ("swiglu_train", "float32", "skewed"),
+                 ("swiglu_inference", "float32", "all_to_one"), ("swiglu_inference", "bfloat16", "skewed")}
+
+
+@pytest.mark.parametrize("kind,cf,skip,dtype,mode", [
+    pytest.param(*routed, dtype, mode, id=f"{routed[0]}-{jnp.dtype(dtype).name}-{mode[0]}",
+                 marks=() if (mode[0], jnp.dtype(dtype).name, routed[0]) in DEFAULT_CALLS else pytest.mark.slow)
+    for routed in ROUTED for dtype in (jnp.float32, jnp.bfloat16) for mode in MODES])
 def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode):
   # 160 tokens x 2 choices per rank: 3 send blocks per source; "all_to_one" gives segments of 160 rows (two tiles,
   # each across two blocks), "skewed" at cf 0.5 drops slots, and `skip` leaves every fifth token's second slot -1.
@@ -232,13 +242,14 @@ def check_layer_equals_two_calls(mesh, cases, dtype, cf, tokens_per_rank=80):
   assert src_blocks_nonzero(mesh) == 0
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# Each dtype once in the default pass, dropless and with drops; the other pairs in the slow pass.
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
 def test_layer_equals_two_calls_dropless(dtype):
   check_layer_equals_two_calls(mesh_of(4), [("balanced", False), ("skewed", False), ("skewed", True),
                                             ("all_to_one", False)], dtype, None)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_layer_equals_two_calls_with_capacity_drops(dtype):
   check_layer_equals_two_calls(mesh_of(4), [("skewed", False), ("skewed", True)], dtype, 0.5)
 

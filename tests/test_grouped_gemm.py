@@ -165,9 +165,9 @@ def test_expert_mlp_value_and_grads():
 
   got, grads = value_and_vjp(lambda *a: expert_mlp(*a, gs))(x, w1, w2, ct)
   want, ref_grads = value_and_vjp(ref)(x, w1, w2, ct)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  for g, r in zip(grads, ref_grads):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+  # Float32 sums whose terms reach ~50 round to ~1e-5 on their own: absolute errors are judged on each output's scale.
+  for a, r in zip((got, *grads), (want, *ref_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
 
 
 def test_bad_group_sizes_raise():

@@ -131,7 +131,8 @@ class TinyTransformer(nnx.Module):
     return x
 
 
-@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+# Auto axes in the slow pass: the other tests of this file and of tests/test_moe.py run on Auto meshes.
+@pytest.mark.parametrize("axis_type", [pytest.param("auto", marks=pytest.mark.slow), "explicit"])
 def test_drop_in_block_in_a_transformer(axis_type):
   types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("expert",), axis_types=(types[axis_type],))

@@ -63,7 +63,8 @@ def _shm_left(outs) -> list[str]:
   return [f for p in prefixes for f in glob.glob(f"/dev/shm{p}-*")]
 
 
-@pytest.mark.parametrize("nproc,local,calls", [(2, 2, 100), (4, 1, 3)])
+# The 4-process variants (each process compiling the programs again) run in the slow pass.
+@pytest.mark.parametrize("nproc,local,calls", [(2, 2, 100), pytest.param(4, 1, 3, marks=pytest.mark.slow)])
 def test_data_axis_across_processes_matches_the_oracle(nproc, local, calls):
   for rc, out in run_processes(nproc, local, "data_across", calls):
     assert rc == 0 and ": match" in out, out
@@ -79,7 +80,8 @@ def _expert_across(nproc, local, calls, tmp_path):
   assert _shm_left(outs) == []
 
 
-@pytest.mark.parametrize("nproc,local", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 2), (4, 1)])
+# 4 processes of one device: test_expert_axis_across_processes_100_consecutive_calls, in the slow pass.
+@pytest.mark.parametrize("nproc,local", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 2)])
 def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, local, tmp_path):
   _expert_across(nproc, local, 3, tmp_path)
 
@@ -104,7 +106,10 @@ def test_killed_peer_inside_a_call_fails_the_others_within_the_timeout(nproc, lo
   assert _shm_left(outs) == []
 
 
-@pytest.mark.parametrize("case,nproc", [("killed_between_calls", 2), ("stopped_between_calls", 2),
+# A peer killed between calls in the slow pass: the default one keeps the peer killed inside a call and the one
+# stopped (hung) between calls.
+@pytest.mark.parametrize("case,nproc", [pytest.param("killed_between_calls", 2, marks=pytest.mark.slow),
+                                        ("stopped_between_calls", 2),
                                         pytest.param("stopped_between_calls", 4, marks=pytest.mark.slow)])
 def test_peer_lost_between_calls_fails_the_others_within_the_timeout(case, nproc):
   timeout_s = 2.0

@@ -10,6 +10,9 @@ TINY = ["--steps", "12", "--layers", "2", "--d-model", "32", "--heads", "2", "--
         "--no-progress", "--plot", "", "--skip-check"]
 
 
+# Two training runs; impl="xla" with the sigmoid router and shared experts agrees with the reference in
+# tests/test_moe_block.py, and trains in the example in tests/test_grad_accum.py.
+@pytest.mark.slow
 def test_xla_trains_like_reference():
   xla = train_moe.main(TINY + ["--impl", "xla", "--router", "sigmoid", "--shared-experts", "1"])
   ref = train_moe.main(TINY + ["--impl", "reference", "--router", "sigmoid", "--shared-experts", "1"])
@@ -26,6 +29,7 @@ def test_preset_sizes_and_overrides():
   assert train_moe.parse_args([]).d_model == 64     # no preset: the CPU defaults
 
 
+@pytest.mark.slow  # two training runs; tests/test_batch_axes.py has the layer and the module on a (data, expert) mesh
 def test_data_expert_mesh_trains_like_the_expert_mesh():
   """--mesh data=2,expert=2: two expert-parallel groups of 2 ranks (tokens over both axes, batch_axes=("data",)).
   Dropless, so each token meets the same experts as on the 1-D mesh of 4 ranks and the losses agree."""

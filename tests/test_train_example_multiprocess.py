@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import train_moe  # examples/train_moe.py
+from cpu_flags import cpu_xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_moe.py"
@@ -23,7 +24,7 @@ TINY = ["--steps", "5", "--layers", "2", "--d-model", "64", "--heads", "4", "--d
 def _train(tmp_path, processes: int, devices_each: int) -> dict:
   """Runs the script as `processes` CPU processes of `devices_each` devices (through benchmarks.launch_job when
   several); returns process 0's history."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices_each))
   out = tmp_path / f"history-{processes}x{devices_each}.json"
   logs = tmp_path / f"logs-{processes}x{devices_each}"
   train = [sys.executable, str(SCRIPT), *TINY, "--history-out", str(out)]

@@ -34,7 +34,7 @@ def test_sizes_are_known_before_allocation_and_match_the_workspace():
     workspace_bytes(63, D, 2, E, ranks=4)
 
 
-DECODE_BATCHES = (4, 8, 12, 20, 36, 64, 100, 132, 200, 256)   # a decode loop's batch sizes (not every one: compiles)
+DECODE_BATCHES = (4, 12, 36, 100, 256)   # a decode loop's batch sizes, about 3x apart (each one compiles)
 
 
 def test_a_decode_loop_allocates_once_per_layer_width():

@@ -27,7 +27,9 @@ def loss(impl, mesh, ids, cf):
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
 
 
-@pytest.mark.parametrize("kind,cf", [("skewed", None), ("skewed", 0.5), ("all_to_one", 1.0), ("empty_experts", 0.5)])
+# Dropless impl="xla" against the reference: also tests/test_moe_block.py (the module, forward and gradients).
+@pytest.mark.parametrize("kind,cf", [pytest.param("skewed", None, marks=pytest.mark.slow), ("skewed", 0.5),
+                                     ("all_to_one", 1.0), pytest.param("empty_experts", 0.5, marks=pytest.mark.slow)])
 def test_xla_matches_reference(kind, cf):
   mesh = mesh_of(4)
   x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, kind, 3)
@@ -43,8 +45,11 @@ def test_xla_matches_reference(kind, cf):
     assert rel_err(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["overlap", "xla", "reference"])
-@pytest.mark.parametrize("cf", [None, 0.75])
+# Each impl dropless and with drops; the default pass takes each impl once and each capacity rule (each case
+# compiles its programs).
+@pytest.mark.parametrize("impl,cf", [("overlap", None), pytest.param("overlap", 0.75, marks=pytest.mark.slow),
+                                     pytest.param("xla", None, marks=pytest.mark.slow), ("xla", 0.75),
+                                     pytest.param("reference", None, marks=pytest.mark.slow), ("reference", 0.75)])
 def test_skipped_slots(impl, cf):
   """A -1 slot contributes zero and is not dropped: the layer equals the one where its gate is zero (id kept,
   so that slot is routed), apart from the capacity the routed slot takes; with cf=None that is exact."""
