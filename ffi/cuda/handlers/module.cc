@@ -66,7 +66,7 @@ void RegisterModule(nb::module_& m) {
   });
   // process, here, prefix: a workspace whose groups span processes (workspace.h's Sharing; process[g * ranks + r]
   // owns rank r of group g, ordinals of other processes' ranks are -1): this process's part, completed by
-  // open_cuda_workspace_peers once every process has created its own (jax_moe_overlap/cuda_workspace.py).
+  // open_cuda_workspace_peers once every process has created its own (jax_moe_overlap/workspace_cuda.py).
   m.def(
       "create_cuda_workspace",
       [](int ranks, int groups, std::vector<int> ordinals, int64_t row_bytes, int64_t recv_rows, int64_t ret_rows,
@@ -130,7 +130,7 @@ void RegisterModule(nb::module_& m) {
   // What the last expert_combine recorded on each rank of group `group` (RankPrivate), after synchronizing every device
   // of the group (cudaDeviceSynchronize: for benchmarks, between calls). The %globaltimer values are raw: a start of
   // 2^64 - 1 or an end of 0 means that side did nothing in the last call (or the last call was not an expert_combine:
-  // every call's BeginKernel resets the spans; a group's recovery zeroes them). jax_moe_overlap/cuda_workspace.py
+  // every call's BeginKernel resets the spans; a group's recovery zeroes them). jax_moe_overlap/workspace_cuda.py
   // turns them into CallStats (Workspace.last_call_stats).
   m.def(
       "cuda_last_combine_records",

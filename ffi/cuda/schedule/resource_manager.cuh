@@ -270,8 +270,8 @@ struct ConsumerConfig {
 };
 
 // C of one call (every thread calls it): none when the call has no remote band (EP = 1, or nothing routed to other
-// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice. Python mirror:
-// resource.kernel_consumer_ctas.
+// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice. Its host twin, for the
+// benchmarks' check of the device's pick: benchmarks/bench_resource.py's kernel_consumer_ctas.
 __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, int64_t N, int64_t K,
                                       ChoiceScratch* sc) {
   if (t.remote_bands == 0) return 0;

@@ -1,7 +1,8 @@
 // The analytical resource manager (seed: "Analytical Resource Management for Fine-grained MoE
 // Computation-Communication Overlap"): a wave-quantized model of one expert_combine call, and the choice of the
 // consumer's CTA count C that minimises it. Host and device callable, no allocation, so that a kernel can evaluate
-// it from the real routed counts at start without a host sync. Python mirror: jax_moe_overlap/resource.py.
+// it from the real routed counts at start without a host sync. Python calls these same functions through the
+// extension (_jmo.model_makespan_us, _jmo.model_choose_consumer_ctas).
 //
 // Model of one call with C consumer CTAs (each on its own SM):
 //   producer CTAs resident  P = (sms - C) * ctas_per_sm            (occupancy of the compiled GEMM kernel)
@@ -14,7 +15,7 @@
 // The recurrence unrolls to c_last = max over pushed j of (r_j + d_j + ... + d_last), which is what is evaluated:
 //   term_j = r_j + (pushed segments from j on) * seg_us + (their bytes) * (1e-3 / rate)
 // Each term is independent of the others, so a CTA evaluates all (C, j) pairs in parallel and reduces with max
-// (exact, order-free): the device, the host and the Python mirror compute bit-identical makespans. Device code uses
+// (exact, order-free): the device and the host compute bit-identical makespans. Device code uses
 // the explicitly rounded __dmul_rn/__dadd_rn so that nvcc cannot contract a multiply-add into an FMA (which would
 // round differently from the host and could flip a near-tie).
 #pragma once
