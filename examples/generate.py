@@ -39,7 +39,7 @@ def parse_args(argv=None):
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (with --temperature > 0)")
   p.add_argument("--num-samples", type=int, default=1, help="independent continuations, generated as one batch")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
-  p.add_argument("--impl", choices=("overlap", "xla", "reference"), default=None,
+  p.add_argument("--impl", choices=("overlap", "collective", "xla", "reference"), default=None,
                  help="MoE implementation (default: the one the checkpoint was trained with)")
   p.add_argument("--capacity-factor", type=float, default=0.0,
                  help="expert capacity factor at inference (0: dropless)")

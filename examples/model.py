@@ -43,7 +43,7 @@ class ModelConfig:
   top_k: int = 2
   capacity_factor: float | None = 1.25   # None: dropless
   moe_every: int = 1              # 1: an MoE feed-forward in every layer; 2: in every other layer (others dense)
-  impl: str = "overlap"           # "overlap" (custom calls), "xla" (XLA collectives) or "reference" (dense JAX)
+  impl: str = "overlap"           # "overlap" (custom calls), "collective", "xla" (XLA collectives) or "reference"
   dtype: str = "float32"          # compute dtype; parameters stay float32
   routed_score_func: str = "softmax"   # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
   shared_experts: int = 0         # always-on experts of width d_ff beside the routed ones

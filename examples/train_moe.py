@@ -57,9 +57,11 @@ def parse_args(argv=None):
   g.add_argument("--capacity-factor", type=float, default=1.25,
                  help="expert capacity = ceil(cf * tokens * k / experts); 0 for dropless")
   g.add_argument("--moe-every", type=int, default=1, help="1: MoE in every layer, 2: in every other layer")
-  g.add_argument("--impl", choices=("overlap", "xla", "reference"), default="overlap",
-                 help="overlap: this library's custom calls; xla: the expert-parallel layer from XLA collectives and "
-                      "ragged_dot; reference: the same layer computed densely in plain JAX")
+  g.add_argument("--impl", choices=("overlap", "collective", "xla", "reference"), default="overlap",
+                 help="overlap: this library's custom calls; collective: XLA collectives for the exchange and this "
+                      "library's grouped GEMMs (what overlap runs as when the expert axis spans hosts); xla: the "
+                      "expert-parallel layer from XLA collectives and ragged_dot; reference: the same layer computed "
+                      "densely in plain JAX")
   g.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax", help="router scores")
   g.add_argument("--shared-experts", type=int, default=0, help="always-on experts of width --d-ff")
   g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")

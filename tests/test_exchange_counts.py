@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jax_moe_overlap as jmo
 import layer_checks as checks
 from cases import mesh_of
 from jax_moe_overlap import plan as plan_lib
@@ -63,6 +64,9 @@ def test_a_late_peer_fails_the_exchange_naming_the_counts_stage_then_the_next_ca
 
 def test_counts_larger_than_the_workspace_are_refused_then_the_next_call_works():
   mesh = mesh_of(R)
+  # A workspace of exactly these sizes: Workspace.get hands back the mesh's cached one when it is large enough, and an
+  # earlier test in this process may have left one with room for these counts.
+  jmo.release_workspaces()
   ws = Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=64, recv_rows=64, ret_rows=64, num_segments=E))
   info = RankInfo(ws, CallConfig(timeout_ms=5000))
   fn = jax.jit(jax.shard_map(lambda c: exchange_counts(c, info)[None], mesh=mesh, in_specs=P("expert"),
