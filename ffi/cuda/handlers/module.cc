@@ -102,7 +102,8 @@ void RegisterModule(nb::module_& m) {
     for (const Target& t : kTargets) d[t.name] = DeclaredTraits(t.handler);
     return d;
   });
-  m.attr("ffi_trait_command_buffer_compatible") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+  m.attr("ffi_trait_command_buffer_compatible") =
+      static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
   // process, here, prefix: a workspace whose groups span processes (workspace.h's Sharing; process[g * ranks + r]
   // owns rank r of group g, ordinals of other processes' ranks are -1): this process's part, completed by
   // open_cuda_workspace_peers once every process has created its own (jax_moe_overlap/workspace_cuda.py).
