@@ -159,5 +159,6 @@ def test_timeout_inside_a_graph_stops_both_processes():
     # Rank 0's wait expires after one timeout; rank 1 stops once its three-timeout delay ends.
     assert float(slow.split()[2]) < 3 * timeout_ms / 1000 + 30, slow
     assert _line(out, "next call").startswith("failed after"), out[-4000:]
+    # (Rank 0 waiting for peer 1, unless process 0 compiled the step a delay later than process 1.)
     recorded = _line(out, "recorded")
-    assert "timed out" in recorded and "waiting for peer 1" in recorded, recorded
+    assert "timed out" in recorded and "waiting for peer" in recorded, recorded
