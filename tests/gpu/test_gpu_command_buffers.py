@@ -65,7 +65,8 @@ def _decode_steps(nproc: int, tmp_path):
   runs = {}
   for graphs in ("off", "on"):
     outs = []
-    job = _run(nproc, "steps", graphs, limit_s=420, JMO_STEPS=str(STEPS),
+    # (A minute's bound on every wait: the processes' first steps wait for each other's compilation.)
+    job = _run(nproc, "steps", graphs, limit_s=420, JMO_STEPS=str(STEPS), JMO_TIMEOUT_MS="60000",
                JMO_OUT=str(tmp_path / f"{graphs}-{{pid}}.npz"))
     for i, (rc, out) in enumerate(job):
       assert rc == 0 and f"process {i}: done" in out and "finite outputs: True" in out, out[-4000:]
