@@ -11,6 +11,8 @@ Public API:
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).
   workspace_bytes     bytes per rank of the workspace a layer call of a given shape allocates (for planning memory).
   release_workspaces  frees every workspace now (after the programs in flight); later calls allocate again.
+  recorded_failures   the failures recorded in the live workspaces: what a call inside a CUDA graph that stopped the
+                      device (XLA raising a CUDA error) had found.
   build_info          what the installed extension was compiled with (CUDA kernels or not, CUDA version, GPU targets).
 """
 
@@ -19,7 +21,8 @@ from jax_moe_overlap.api import moe_experts
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.layer import MoE, MoEAux, MoEBlock, total_aux_loss
 from jax_moe_overlap.routing import Routing, route, update_routing_bias
-from jax_moe_overlap.workspace import Workspace, release_workspaces, workspace_bytes
+from jax_moe_overlap.workspace import Workspace, recorded_failures, release_workspaces, workspace_bytes
 
 __all__ = ["build_info", "moe_experts", "CallConfig", "Workspace", "MoE", "MoEAux", "MoEBlock", "MoEConfig", "Routing",
-           "route", "release_workspaces", "total_aux_loss", "update_routing_bias", "workspace_bytes"]
+           "recorded_failures", "route", "release_workspaces", "total_aux_loss", "update_routing_bias",
+           "workspace_bytes"]
