@@ -16,16 +16,19 @@ Tiles (``TILE`` = 128):
            along the rows (``quantize_columns``).
 
 Scale of a tile whose largest magnitude is amax (float32):
-  s = max(amax / 448, 2^-126)           float32 division rounded to nearest even; the floor (the smallest normal
-                                        float32) keeps s normal, so an all-zero tile gets s = 2^-126 and all-zero q.
+  s = max(amax * r, 2^-126)             r = float32(1 / 448) (0.00223214296), the product rounded to nearest even:
+                                        a multiplication, not a division by 448, because compilers (XLA among them)
+                                        turn a division by a constant into that multiplication. The floor (the
+                                        smallest normal float32) keeps s normal, so an all-zero tile gets s = 2^-126
+                                        and all-zero q.
   power-of-two tiles:  s = 2^ceil(log2(s)), exact on s's float32 bits: the exponent field, plus one when any mantissa
                        bit is set. The recipe takes them for the rows dispatched to the experts and the activation
                        gradients dispatched before GEMM2's backward (section 3.3.3), so that their dequantized values
                        are exact in float32 (and in bfloat16: four significant bits) and re-tiling them (1 x 128 to 128 x 1 for
                        the weight gradients) adds no rounding of the scale.
 Value: q = e4m3(clip(x / s, -448, 448)): float32 division, then one rounding to e4m3, to nearest, ties to even
-(``round_e4m3``). Since |x| <= amax, |x / s| exceeds 448 at most by the rounding of s; the clip states the
-saturation for every input. A NaN in a tile makes its scale NaN and every value of the tile NaN; an infinity makes
+(``round_e4m3``). Since |x| <= amax, |x / s| exceeds 448 at most by the roundings of s (a few float32 ulps, which
+round to 448 anyway); the clip states the saturation for every input. A NaN in a tile makes its scale NaN and every value of the tile NaN; an infinity makes
 the scale infinite and the infinity itself NaN: non-finite input never becomes finite numbers.
 
 ``Fp8Weight`` is a quantized expert weight as the layer takes it pre-quantized (``quantize_weights``): values stored
@@ -42,6 +45,7 @@ import numpy as np
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0          # the largest finite float8_e4m3fn
+E4M3_MAX_INV = np.float32(1.0 / E4M3_MAX)   # r of the scale rule
 TILE = 128                # channels of a row tile, rows of a column tile, each side of a weight block
 SCALE_FLOOR = 2.0 ** -126  # the smallest normal float32: the least scale of a tile
 
@@ -61,9 +65,9 @@ def round_e4m3(v: jax.Array) -> jax.Array:
 
 
 def tile_scale(amax: jax.Array, pow2: bool = False) -> jax.Array:
-  """Scales of tiles with these float32 amaxes (the module's rule): max(amax / 448, 2^-126), and with ``pow2`` the
-  least power of two >= that."""
-  s = jnp.maximum(amax.astype(jnp.float32) / jnp.float32(E4M3_MAX), jnp.float32(SCALE_FLOOR))
+  """Scales of tiles with these float32 amaxes (the module's rule): max(amax * float32(1 / 448), 2^-126), and with
+  ``pow2`` the least power of two >= that."""
+  s = jnp.maximum(amax.astype(jnp.float32) * E4M3_MAX_INV, jnp.float32(SCALE_FLOOR))
   if not pow2:
     return s
   bits = jax.lax.bitcast_convert_type(s, jnp.uint32)
