@@ -233,3 +233,22 @@ def test_gpu_without_fp8_tensor_cores_is_refused():
   hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
   with pytest.raises(NotImplementedError, match=r"the e4m3 wgmma kernels on Hopper"):
     check_fp8_impl("overlap", types.SimpleNamespace(devices=np.array([hopper])))
+
+
+def test_what_the_forward_keeps():
+  """The recipe's residuals: per row x in e4m3 with its 1 x 128 scales and the SwiGLU input a likewise (D + 2F bytes
+  and (D + 2F) / 32 bytes of scales), against x in bfloat16 and a in float32 (2 D + 8 F bytes) of the unquantized
+  expert MLP; and the quantized weights (one byte per element and a scale per 128 x 128 block)."""
+  M, D, F, G = 512, 256, 384, 4
+  x = jax.ShapeDtypeStruct((M, D), jnp.bfloat16)
+  w1, w2 = jax.ShapeDtypeStruct((G, D, 2 * F), jnp.float32), jax.ShapeDtypeStruct((G, F, D), jnp.float32)
+  gs = jax.ShapeDtypeStruct((G,), jnp.int32)
+  _, kept = jax.eval_shape(lambda *a: fp8_experts._fp8_expert_mlp_fwd(*a, fp8_experts.RAGGED), x, w1, w2, gs)
+  nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(kept))
+  weights = 3 * G * D * F * (1 + 4 / 128 ** 2)
+  assert nbytes == M * (D + 2 * F) * (1 + 4 / 128) + weights + 4 * G
+  from jax_moe_overlap import expert_gemms
+  _, kept_bf16 = jax.eval_shape(expert_gemms._expert_mlp_fwd, x, w1.update(dtype=jnp.bfloat16),
+                                w2.update(dtype=jnp.bfloat16), gs)
+  rows_bf16 = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(kept_bf16)[:2])
+  assert rows_bf16 == M * (2 * D + 8 * F)
