@@ -6,7 +6,8 @@ Public API:
                       router statistics; MoEBlock: the same as a drop-in feed-forward block returning y alone.
   route, update_routing_bias  the routers (softmax / sigmoid, routing bias, group-limited) as functions.
   moe_experts         the expert layer as a function on global arrays (impl="overlap" | "collective" | "xla" |
-                      "reference").
+                      "reference"; quantization=None | "fp8").
+  quantize_weights, Fp8Weight  expert weights quantized once (FP8, 128 x 128 blocks) for moe_experts' inference.
   CallConfig          timeouts and testing aids of the custom calls.
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).
   workspace_bytes     bytes per rank of the workspace a layer call of a given shape allocates (for planning memory).
@@ -19,10 +20,12 @@ Public API:
 from jax_moe_overlap._ffi import build_info
 from jax_moe_overlap.api import moe_experts
 from jax_moe_overlap.config import CallConfig, MoEConfig
+from jax_moe_overlap.fp8 import Fp8Weight, quantize_weights
 from jax_moe_overlap.layer import MoE, MoEAux, MoEBlock, total_aux_loss
 from jax_moe_overlap.routing import Routing, route, update_routing_bias
 from jax_moe_overlap.workspace import Workspace, recorded_failures, release_workspaces, workspace_bytes
 
-__all__ = ["build_info", "moe_experts", "CallConfig", "Workspace", "MoE", "MoEAux", "MoEBlock", "MoEConfig", "Routing",
-           "recorded_failures", "route", "release_workspaces", "total_aux_loss", "update_routing_bias",
+__all__ = ["build_info", "moe_experts", "CallConfig", "Fp8Weight", "Workspace", "MoE", "MoEAux", "MoEBlock", "MoEConfig",
+           "Routing", "quantize_weights", "recorded_failures", "route", "release_workspaces", "total_aux_loss",
+           "update_routing_bias",
            "workspace_bytes"]

@@ -20,10 +20,11 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import hosts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.checks import batch_size, check_batch_axes, check_expert_ids, check_impl, check_inputs
+from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_expert_ids, check_fp8_impl, check_impl,
+                                    check_inputs)
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.expert_block import expert_block
-from jax_moe_overlap.reference import moe_experts_reference
+from jax_moe_overlap.reference import moe_experts_fp8_reference, moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
 from jax_moe_overlap.workspace_backend import rank_devices
 from jax_moe_overlap.workspace_calls import gather_counts
@@ -34,14 +35,16 @@ log = logging.getLogger("jax_moe_overlap")
 
 def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_name: str = "expert",
                 capacity_factor: float | None = None, impl: str = "overlap", config: CallConfig = CallConfig(),
-                batch_axes: tuple[str, ...] = ()):
+                batch_axes: tuple[str, ...] = (), quantization: str | None = None):
   """Expert-parallel MoE expert layer (after the router).
 
   Args:
     x: [T, D] tokens (T divisible by the number of token shards), float32 or bfloat16.
     expert_ids: [T, k] int32 expert choices in [0, E), or -1 for "no selection" (the slot contributes zero, moves
       nothing and is not counted as dropped). gates: [T, k] float weights of the choices.
-    w1: [E, D, 2F] (gate and up projections, SwiGLU); w2: [E, F, D]; same dtype as x.
+    w1: [E, D, 2F] (gate and up projections, SwiGLU); w2: [E, F, D]; same dtype as x (with quantization="fp8":
+      float32 or bfloat16 master weights whatever x's dtype, or pre-quantized ``fp8.Fp8Weight``s from
+      ``quantize_weights``).
     mesh, axis_name: tokens and experts are sharded over this axis (E divisible by its size).
     capacity_factor: None for dropless; else rows per expert = ceil(cf * T_group * k / E), overflow dropped, where
       T_group = T / (product of the batch axes' sizes) are the tokens of one expert-parallel group.
@@ -53,13 +56,17 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       is an independent expert-parallel group over the same experts (weights replicated over the batch axes, their
       gradients summed). Empty (the default): tokens are sharded over ``axis_name`` only, and replicated over the
       other mesh axes.
+    quantization: None, or "fp8": the experts' GEMMs follow DeepSeek-V3's FP8 recipe (``fp8_experts.py``), forward
+      and backward; D and F multiples of 128; impl "xla" or "reference" (the other impls refuse it: their FP8 custom
+      calls are not built yet). The weights' gradients are those of the quantized weights (straight-through), in
+      the weights' dtype; pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
 
   Outside ``jit`` each call runs one compiled program, cached per static configuration (mesh, axes, capacities,
   config, workspace) by ``eager_program`` and per shapes, dtypes and shardings by ``jax.jit``.
   """
-  check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name)
+  check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization)
   check_impl(impl)
   batch_axes = check_batch_axes(mesh, axis_name, batch_axes, x.shape[0])
   E = w1.shape[0]
@@ -71,11 +78,13 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   cap_e = plan_lib.expert_capacity(T_local, R, k, E, capacity_factor)
   args = [_onto_mesh(a, mesh) for a in (x, expert_ids, gates, w1, w2)]
   impl = chosen_impl(impl, mesh, axis_name)
+  if quantization is not None:
+    check_fp8_impl(impl, mesh)
   if impl == "reference":
-    y, dropped = eager_program(_reference_layer, mesh, cap_e, R, B)(*args)
+    y, dropped = eager_program(_reference_layer, mesh, cap_e, R, B, quantization)(*args)
   elif impl in ("xla", "collective"):
     cap = plan_lib.recv_capacity(T_local, R, k, E // R, cap_e)
-    y, dropped = eager_program(_xla_layer, mesh, axis_name, batch_axes, cap_e, cap, impl)(*args)
+    y, dropped = eager_program(_xla_layer, mesh, axis_name, batch_axes, cap_e, cap, impl, quantization)(*args)
   else:
     sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor)
     info = RankInfo(Workspace.get(mesh, axis_name, sizes), config)
@@ -125,16 +134,17 @@ def _forget_programs(workspace) -> None:
 Workspace.on_release(_forget_programs)
 
 
-def _reference_layer(mesh, cap_e, R, B, x, expert_ids, gates, w1, w2):
+def _reference_layer(mesh, cap_e, R, B, quantization, x, expert_ids, gates, w1, w2):
   """The dense oracle on whole (replicated) arrays, every device computing all of it (its capacity rule scans all
   tokens of a group in order; B > 1: B independent groups of T / B tokens). Inside ``shard_map`` so that it runs on
   the mesh's devices whatever x's placement (under ``jit`` a plain x and mesh-sharded weights could not meet
   otherwise)."""
   args = [_shard(a, mesh, P()) for a in (x, expert_ids.astype(jnp.int32), gates, w1, w2)]
+  layer = moe_experts_reference if quantization is None else moe_experts_fp8_reference
 
   def groups(x, ids, g, w1, w2):
     x_, ids_, g_ = (a.reshape(B, a.shape[0] // B, *a.shape[1:]) for a in (x, ids, g))
-    y, dropped = jax.vmap(lambda x, i, g: moe_experts_reference(x, i, g, w1, w2, cap_e, R))(x_, ids_, g_)
+    y, dropped = jax.vmap(lambda x, i, g: layer(x, i, g, w1, w2, cap_e, R))(x_, ids_, g_)
     return y.reshape(x.shape), jnp.sum(dropped).astype(jnp.int32)
 
   y, dropped = jax.shard_map(groups, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(), P()))(*args)
@@ -151,10 +161,10 @@ def _expert_parallel_inputs(mesh, axis_name, batch_axes, x, expert_ids, gates, w
   return args, token_spec, weight_spec
 
 
-def _xla_layer(mesh, axis_name, batch_axes, cap_e, cap, impl, x, expert_ids, gates, w1, w2):
+def _xla_layer(mesh, axis_name, batch_axes, cap_e, cap, impl, quantization, x, expert_ids, gates, w1, w2):
   args, _, _ = _expert_parallel_inputs(mesh, axis_name, batch_axes, x, expert_ids, gates, w1, w2)
   y, dropped = moe_experts_xla(*args, mesh=mesh, axis_name=axis_name, expert_cap=cap_e, recv_cap=cap,
-                               batch_axes=batch_axes, impl=impl)
+                               batch_axes=batch_axes, impl=impl, quantization=quantization)
   return _like(y, x, mesh), dropped
 
 
@@ -186,20 +196,23 @@ def _explicit(mesh) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def _onto_mesh(a, mesh):
-  """A concrete array on other devices than the mesh's, replicated onto the mesh (inside the program shard_map
-  reshards over Auto axes, but not across device sets)."""
-  if (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and
-      a.sharding.device_set != set(mesh.devices.flat)):
-    return jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))
-  return a
+def _onto_mesh(tree, mesh):
+  """Each concrete array of `tree` on other devices than the mesh's, replicated onto the mesh (inside the program
+  shard_map reshards over Auto axes, but not across device sets)."""
+  def onto(a):
+    if (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and
+        a.sharding.device_set != set(mesh.devices.flat)):
+      return jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))
+    return a
+
+  return jax.tree.map(onto, tree)
 
 
-def _shard(a, mesh, spec):
-  """Places `a` on `spec` over an Explicit mesh (shard_map reshards by itself over Auto axes)."""
+def _shard(tree, mesh, spec):
+  """Places each array of `tree` on `spec` over an Explicit mesh (shard_map reshards by itself over Auto axes)."""
   if _explicit(mesh):
-    return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
-  return a
+    return jax.tree.map(lambda a: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec)), tree)
+  return tree
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, cap_e, cap, info):

@@ -23,15 +23,16 @@ def swiglu(a: jax.Array) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
-# XLA's ragged_dot as the CPU branch of the grouped GEMMs below. JAX has no batching rule for it (vmap raises), so it
-# runs one call per batch element under vmap, as the GPU branch's custom calls do (vmap_method="sequential"). A
-# sequential_vmap function has no reverse-mode rule: these run only inside the custom_vjp rules of expert_mlp and
-# expert_block, never differentiated themselves.
-_ragged_dot = jax.custom_batching.sequential_vmap(
+# XLA's ragged_dot with float32 results, as the CPU branch of the grouped GEMMs below and the GEMMs of the FP8 recipe's
+# impl="xla" (fp8_experts.RAGGED). JAX has no batching rule for it (vmap raises), so it runs one call per batch element
+# under vmap, as the GPU branch's custom calls do (vmap_method="sequential"). A sequential_vmap function has no
+# reverse-mode rule: these run only inside custom_vjp rules (expert_mlp, expert_block, fp8_expert_mlp), never
+# differentiated themselves.
+ragged_matmul_f32 = jax.custom_batching.sequential_vmap(
     lambda lhs, rhs, group_sizes: jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32))
 _OUTER_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-_ragged_outer = jax.custom_batching.sequential_vmap(
+ragged_outer_f32 = jax.custom_batching.sequential_vmap(
     lambda lhs, rhs, group_sizes: jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _OUTER_DIMS,
                                                              preferred_element_type=jnp.float32))
 
@@ -40,7 +41,7 @@ def matmul(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
   """Grouped matmul of the expert GEMMs outside expert_combine: our custom call on GPU; XLA's ragged_dot on CPU."""
   def xla():
     rhs_ = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return _ragged_dot(lhs, rhs_, group_sizes).astype(out_dtype)
+    return ragged_matmul_f32(lhs, rhs_, group_sizes).astype(out_dtype)
 
   def ours():
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
@@ -52,7 +53,7 @@ def outer(lhs, rhs, group_sizes, out_dtype):
   """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (as matmul: ours on
   GPU, XLA's ragged_dot_general on CPU)."""
   def xla():
-    return _ragged_outer(lhs, rhs, group_sizes).astype(out_dtype)
+    return ragged_outer_f32(lhs, rhs, group_sizes).astype(out_dtype)
 
   def ours():
     return grouped_outer(lhs, rhs, group_sizes, preferred_element_type=out_dtype)

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
+from jax_moe_overlap.fp8_experts import fp8_ragged_mlp
 
 
 def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
@@ -49,18 +50,21 @@ def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
 
 # The impls of this module by the function that runs a rank's local experts on its recv rows:
 # f(x_recv [cap, D], w1 [E_local, D, 2F], w2 [E_local, F, D], group_sizes [E_local]) -> [cap, D].
+# Under quantization="fp8" impl="xla" runs the FP8 recipe with ragged_dot (fp8_experts.py).
 LOCAL_EXPERTS = {"xla": ragged_dot_mlp, "collective": expert_mlp}
+FP8_LOCAL_EXPERTS = {"xla": fp8_ragged_mlp}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
-                    batch_axes: tuple[str, ...] = (), impl: str = "xla"):
+                    batch_axes: tuple[str, ...] = (), impl: str = "xla", quantization: str | None = None):
   """The expert layer with tokens sharded over ``(*batch_axes, axis_name)`` and experts over ``axis_name`` (each
   position on the batch axes an independent expert-parallel group), the local experts run by ``LOCAL_EXPERTS[impl]``
-  (``impl``: "xla" or "collective"): returns (y [T, D], dropped [])."""
+  (``impl``: "xla" or "collective"; with quantization="fp8" ``FP8_LOCAL_EXPERTS[impl]``): returns (y [T, D],
+  dropped [])."""
   ragged = _uses_ragged_all_to_all(mesh)
   fn = functools.partial(_moe_local, axis_name=axis_name, batch_axes=batch_axes, num_experts=w1.shape[0],
                          expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
-                         local_experts=LOCAL_EXPERTS[impl])
+                         local_experts=(LOCAL_EXPERTS if quantization is None else FP8_LOCAL_EXPERTS)[impl])
   token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
   return jax.shard_map(fn, mesh=mesh, in_specs=(token_spec,) * 3 + (weight_spec,) * 2,
                        out_specs=(token_spec, P()), check_vma=False)(x, expert_ids, gates, w1, w2)
