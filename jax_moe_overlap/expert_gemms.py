@@ -77,14 +77,18 @@ def gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
   return out if keep_a else (out, None)
 
 
-def expert_grads(x_recv, a, d_out, w1, w2, group_sizes, dh=None):
+def expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes, dh=None):
   """The local backward GEMMs of GEMM1 + SwiGLU + GEMM2 on a rank's recv rows, all but the input gradient.
 
-  x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D,
-  2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes).
-  dh [cap, F] float32 = d_out W2^T when the caller has it (dispatch_gemm), else computed here.
+  x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), h [cap, F] in x_recv's dtype (its SwiGLU, GEMM2's input, as
+  the forward pass wrote it), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D, 2F], w2 [E_local, F, D],
+  group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes). dh [cap, F] float32 =
+  d_out W2^T when the caller has it (dispatch_gemm), else computed here.
+
+  h is the forward's, kept, not recomputed from a: a recomputation is one more pass over a (the largest residual,
+  float32 [cap, 2F]) and a write of h, for a value the forward had already written.
   """
-  h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
+  _, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
   if dh is None:
     dh = matmul(d_out, w2, group_sizes, transpose_rhs=True)
   dw2 = outer(h.astype(w2.dtype), d_out, group_sizes, w2.dtype)
@@ -116,12 +120,12 @@ def expert_mlp(x_recv, w1, w2, group_sizes):
 def _expert_mlp_fwd(x_recv, w1, w2, group_sizes):
   h, a = gemm1_swiglu(x_recv, w1, group_sizes, keep_a=True)
   out = matmul(h, w2, group_sizes, out_dtype=x_recv.dtype)
-  return out, (x_recv, a, w1, w2, group_sizes)
+  return out, (x_recv, a, h, w1, w2, group_sizes)
 
 
 def _expert_mlp_bwd(res, d_out):
-  x_recv, a, w1, w2, group_sizes = res
-  da, dw1, dw2 = expert_grads(x_recv, a, d_out, w1, w2, group_sizes)
+  x_recv, a, h, w1, w2, group_sizes = res
+  da, dw1, dw2 = expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes)
   dx = matmul(da, w1, group_sizes, transpose_rhs=True, out_dtype=x_recv.dtype)
   return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
