@@ -125,9 +125,13 @@ def test_bad_input_inside_a_graph_stops_the_failing_call():
 def test_bad_input_outside_graphs_is_reported_by_the_next_call():
   [(rc, out)] = _run(1, "bad_input", "off")
   assert rc == 0, out[-4000:]
-  assert _line(out, "bad call") == "returned", out[-4000:]
-  assert _line(out, "next call").startswith("failed after"), out[-4000:]
-  assert "names expert id 8" in _error_text(out, "next call"), out[-4000:]
+  # The next workspace call reports the failure: the bad call's own second layer, or else the next call's first.
+  if _line(out, "bad call") == "returned":
+    assert _line(out, "next call").startswith("failed after"), out[-4000:]
+    assert "names expert id 8" in _error_text(out, "next call"), out[-4000:]
+  else:
+    assert "names expert id 8" in _error_text(out, "bad call"), out[-4000:]
+    assert _line(out, "next call") == "returned", out[-4000:]
   assert _line(out, "third call") == "returned", out[-4000:]
   assert all(c[1] == 0 for c in _calls(out).values()), out[-4000:]
 
@@ -136,6 +140,7 @@ def test_bad_input_outside_graphs_is_reported_by_the_next_call():
 def test_call_traced_while_the_group_is_aborted_reports_the_failure():
   [(rc, out)] = _run(1, "aborted_at_record", "on")
   assert rc == 0, out[-4000:]
+  assert _line(out, "on warm-up 1") == "returned" and _line(out, "on warm-up 2") == "returned", out[-4000:]
   assert _line(out, "off bad call") == "returned", out[-4000:]  # outside a graph: left for the next call
   assert _line(out, "graph call").startswith("failed after"), out[-4000:]
   graph_calls = json.loads(_line(out, "graph call handler calls"))
@@ -144,22 +149,25 @@ def test_call_traced_while_the_group_is_aborted_reports_the_failure():
     assert "recorded into a CUDA graph" in text and "names expert id 8" in text, text
     assert _line(out, "off call 1").startswith("failed after"), out[-4000:]  # the reset, reporting it again
     assert "names expert id 8" in _error_text(out, "off call 1"), out[-4000:]
-  else:  # XLA ran the executable's first call outside the graph: the ordinary report and reset
-    assert "names expert id 8" in text and "has been reset" in text, text
-  assert _line(out, "off call 2") == "returned", out[-4000:]
+    assert _line(out, "off call 2") == "returned", out[-4000:]
+  elif "has been reset" in text:  # XLA ran the calls outside the graph: the ordinary report and reset
+    assert "names expert id 8" in text, text
+    assert _line(out, "off call 2") == "returned", out[-4000:]
+  else:  # a replay without a new trace: the captured calls found the group aborted and stopped the device
+    assert "recorded" in out and "names expert id 8" in _line(out, "recorded"), out[-4000:]
 
 
 @pytest.mark.watchdog_s(600)
-def test_timeout_inside_a_graph_stops_both_processes():
+def test_timeout_inside_a_graph_stops_the_waiting_process():
+  # Process 1 stops calling after five steps; process 0's next step is a replay of the graph, whose wait for peer 1
+  # expires: the call fails (the device stopped), never returns silently, and the record names the peer.
   timeout_ms = 2000
   outs = _run(2, "timeout", "on", limit_s=240, JMO_TIMEOUT_MS=str(timeout_ms))
   for rc, out in outs:
     assert rc == 0 and _line(out, "good steps") == "returned", out[-4000:]
-    slow = _line(out, "slow call")
-    assert slow.startswith("failed after"), out[-4000:]
-    # Rank 0's wait expires after one timeout; rank 1 stops once its three-timeout delay ends.
-    assert float(slow.split()[2]) < 3 * timeout_ms / 1000 + 30, slow
-    assert _line(out, "next call").startswith("failed after"), out[-4000:]
-    # (Rank 0 waiting for peer 1, unless process 0 compiled the step a delay later than process 1.)
-    recorded = _line(out, "recorded")
-    assert "timed out" in recorded and "waiting for peer" in recorded, recorded
+  out = outs[0][1]
+  stalled = _line(out, "stalled call")
+  assert stalled.startswith("failed after"), out[-4000:]
+  assert float(stalled.split()[2]) < timeout_ms / 1000 + 30, stalled
+  recorded = _line(out, "recorded")
+  assert "timed out" in recorded and "waiting for peer 1" in recorded, recorded
