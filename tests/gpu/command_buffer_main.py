@@ -19,8 +19,8 @@ Cases:
                handler runs. Outside a graph the failure is reported by the next workspace call, which may be the
                bad call's own second layer.
   aborted_at_record  (one process, graphs on) an executable with command buffers on is run twice (its first run is
-               XLA's, outside the graph; the second replays it); one layer compiled with command buffers off makes the
-               bad call (its failure is left for the next call), then the first executable runs on inputs at new
+               XLA's, outside the graph; the second replays it); one layer compiled with command buffers off and its
+               first kernel held back makes the bad call (its failure is left for the next call), then the first executable runs on inputs at new
                addresses, so XLA traces its calls again while the group is aborted ("graph call: ..." with the runs
                captured during it), then two calls of the one-layer executable ("off call 1/2: ...").
   timeout      (two processes) 5 steps, then process 1 stops calling while process 0 runs the step again: rank 0's
@@ -142,12 +142,13 @@ def check_reference(mesh, params, x0):
   say(f"reference: relative error {rel_err(np.asarray(y, np.float32), np.asarray(y_ref)):.3e}")
 
 
-def two_layers(mesh, layers=2, **jit_options):
+def two_layers(mesh, layers=2, config=None, **jit_options):
   """jit of (x, ids, gates, params) -> `layers` moe_experts layers on the same routing (ids given, not routed)."""
+  config = config or jmo.CallConfig(timeout_ms=TIMEOUT_MS)
 
   def f(x, ids, gates, params):
     for p in params[:layers]:
-      y, _ = jmo.moe_experts(x, ids, gates, p["w1"], p["w2"], mesh=mesh, config=jmo.CallConfig(timeout_ms=TIMEOUT_MS))
+      y, _ = jmo.moe_experts(x, ids, gates, p["w1"], p["w2"], mesh=mesh, config=config)
       x = ds.rms_norm(x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)
     return x
 
@@ -179,7 +180,10 @@ def aborted_at_record_case():
   _, mesh, params, x0 = setup()
   ids, bad, gates = routed(x0, params)
   # Command buffers off for this executable alone (an empty list of command kinds).
-  off = two_layers(mesh, layers=1, compiler_options={"xla_gpu_enable_command_buffer": ""})
+  # The bad call's first kernel is held back 200 ms on the device (the testing delay), so its later calls are
+  # enqueued before the dispatch raises the abort: the failure is left for the next call.
+  held = jmo.CallConfig(timeout_ms=TIMEOUT_MS, delay_rank=0, delay_us=200_000)
+  off = two_layers(mesh, layers=1, config=held, compiler_options={"xla_gpu_enable_command_buffer": ""})
   on = two_layers(mesh)
   outcome("on warm-up 1", lambda: on(x0, ids, gates, params))
   outcome("on warm-up 2", lambda: on(x0, ids, gates, params))

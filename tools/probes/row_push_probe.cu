@@ -99,6 +99,15 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(d_perm, perm.data(), rows * sizeof(int32_t), cudaMemcpyHostToDevice));
     for (int64_t r = 0; r < rows; ++r) memcpy(&want[(int64_t)perm[r] * row], &h[r * row], row);
     const int64_t bytes = rows * row;
+    // Configurations whose threads the kernel's registers do not allow are skipped (printed as such).
+    auto fits = [&](const void* kernel, int threads, const char* what) {
+      cudaFuncAttributes a;
+      CK(cudaFuncGetAttributes(&a, kernel));
+      if (a.maxThreadsPerBlock >= threads) return true;
+      printf("| %lld | %s | - | - | - | - | - | skipped: %d threads, at most %d |\n", (long long)row, what, threads,
+             a.maxThreadsPerBlock);
+      return false;
+    };
     auto time = [&](const char* what, int C, double inflight_kib, auto launch) {
       CK(cudaMemset(dst, 0xA5, total));
       launch();
@@ -116,9 +125,11 @@ int main(int argc, char** argv) {
     for (int C : {1, 2, 4, 8, 16}) {
       for (int W : {4, 8, 16, 32}) {
         snprintf(name, sizeof name, "16B warp W=%d", W);
-        time(name, C, W * 4.0, [&] { WarpRowsKernel<false><<<C, 32 * W, 0, st>>>(src, dst, d_perm, rows, row); });
+        if (fits((const void*)WarpRowsKernel<false>, 32 * W, name))
+          time(name, C, W * 4.0, [&] { WarpRowsKernel<false><<<C, 32 * W, 0, st>>>(src, dst, d_perm, rows, row); });
         snprintf(name, sizeof name, "16B warp pair W=%d", W);
-        time(name, C, W * 8.0, [&] { WarpRowsKernel<true><<<C, 32 * W, 0, st>>>(src, dst, d_perm, rows, row); });
+        if (fits((const void*)WarpRowsKernel<true>, 32 * W, name))
+          time(name, C, W * 8.0, [&] { WarpRowsKernel<true><<<C, 32 * W, 0, st>>>(src, dst, d_perm, rows, row); });
       }
       using K4 = std::integral_constant<int, 4096>;
       using K8 = std::integral_constant<int, 8192>;
