@@ -57,12 +57,14 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name) -> None:
   if x.ndim != 2:
     raise ValueError(f"jax_moe_overlap: x must be [tokens, d_model], got shape {x.shape}")
   T, D = x.shape
-  if w1.ndim != 3 or w2.ndim != 3:
-    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] and w2 [E, F, D], got {w1.shape} and {w2.shape}")
+  if w1.ndim not in (3, 4) or w2.ndim != 3 or (w1.ndim == 4 and w1.shape[2] != 2):
+    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] (or its view [E, D, 2, F]) and w2 [E, F, D], got "
+                     f"{w1.shape} and {w2.shape}")
   E = w1.shape[0]
-  if w1.shape[1] != D or w1.shape[2] % 2 or w2.shape != (E, w1.shape[2] // 2, D):
+  width = w1.shape[2] * (w1.shape[3] if w1.ndim == 4 else 1)
+  if w1.shape[1] != D or width % 2 or w2.shape != (E, width // 2, D):
     raise ValueError(f"jax_moe_overlap: weight shapes w1 {w1.shape}, w2 {w2.shape} do not fit d_model={D} "
-                     f"(expected w1 [E, {D}, 2F], w2 [E, F, {D}])")
+                     f"(expected w1 [E, {D}, 2F] or [E, {D}, 2, F], w2 [E, F, {D}])")
   if expert_ids.ndim != 2 or expert_ids.shape[0] != T or gates.shape != expert_ids.shape:
     raise ValueError(f"jax_moe_overlap: expert_ids {expert_ids.shape} and gates {gates.shape} must both be "
                      f"[tokens={T}, k]")
@@ -92,18 +94,44 @@ def check_expert_ids(expert_ids, num_experts: int) -> None:
                      f"({SKIP} marks a skipped slot; other values are errors)")
 
 
-def check_batch_axes(mesh, axis_name, batch_axes, tokens) -> tuple[str, ...]:
-  """The batch axes as a tuple of distinct mesh axes other than ``axis_name``, T divisible by all token shards."""
+def check_batch_axes(mesh, axis_name, batch_axes, tokens, tensor_axis: str | None = None) -> tuple[str, ...]:
+  """The batch axes as a tuple of distinct mesh axes other than ``axis_name`` and ``tensor_axis``, T divisible by
+  all token shards (the devices of the batch axes, the expert axis and the tensor axis)."""
   batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
   for a in batch_axes:
-    if a not in mesh.axis_names or a == axis_name or batch_axes.count(a) > 1:
+    if a not in mesh.axis_names or a in (axis_name, tensor_axis) or batch_axes.count(a) > 1:
+      other = f" and the tensor axis {tensor_axis!r}" if tensor_axis is not None else ""
       raise ValueError(f"jax_moe_overlap: batch_axes {batch_axes} must be distinct axes of the mesh "
-                       f"{tuple(mesh.axis_names)} other than the expert axis {axis_name!r}")
-  shards = batch_size(mesh, batch_axes) * mesh.shape[axis_name]
+                       f"{tuple(mesh.axis_names)} other than the expert axis {axis_name!r}{other}")
+  token_axes = (*batch_axes, axis_name) + ((tensor_axis,) if tensor_axis is not None else ())
+  shards = batch_size(mesh, token_axes)
   if tokens % shards:
     raise ValueError(f"jax_moe_overlap: {tokens} tokens cannot be split evenly over the {shards} devices of mesh "
-                     f"axes {(*batch_axes, axis_name)}")
+                     f"axes {token_axes}")
   return batch_axes
+
+
+def check_tensor_axis(mesh, axis_name: str, tensor_axis: str | None) -> int:
+  """The tensor axis of expert tensor parallelism (each expert's hidden width F split over it): None (no tensor
+  parallelism, size 1) or a mesh axis other than the expert axis. Returns its size."""
+  if tensor_axis is None:
+    return 1
+  if not isinstance(tensor_axis, str) or tensor_axis not in mesh.axis_names:
+    raise ValueError(f"jax_moe_overlap: tensor_axis {tensor_axis!r} is not an axis of the mesh "
+                     f"{tuple(mesh.axis_names)}")
+  if tensor_axis == axis_name:
+    raise ValueError(f"jax_moe_overlap: tensor_axis {tensor_axis!r} is the expert axis; the experts' hidden width is "
+                     "split over another mesh axis than the one the experts are split over")
+  return int(mesh.shape[tensor_axis])
+
+
+def check_tensor_split(hidden: int, tensor: int, tensor_axis: str | None) -> None:
+  """The experts' hidden width F splits evenly over the tensor axis (each device takes F / size columns of the gate
+  and of the up projection, and as many rows of w2)."""
+  if hidden % tensor:
+    raise ValueError(f"jax_moe_overlap: the experts' hidden width F={hidden} cannot be split evenly over the {tensor} "
+                     f"devices of tensor axis {tensor_axis!r} (each takes F / {tensor} columns of w1's gate and of its "
+                     f"up projection, and as many rows of w2)")
 
 
 def batch_size(mesh, batch_axes) -> int:
