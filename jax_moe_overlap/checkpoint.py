@@ -40,6 +40,7 @@ a restore lands sharded over the expert axis without a replicated copy on one de
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -74,7 +75,7 @@ def load_params(module: MoE, params: dict) -> None:
     var = getattr(module, name)
     old = var[...]
     if name == "w1" and _w1_views(tuple(value.shape), tuple(old.shape)):
-      value = value.reshape(old.shape)  # [E, D, 2F] <-> its view [E, D, 2, F]: the same elements in the same order
+      value = _reshaped(value, old.shape)  # [E, D, 2F] <-> its view [E, D, 2, F]: the same elements, same order
     if tuple(value.shape) != tuple(old.shape):
       raise ValueError(f"jax_moe_overlap: load_params: {name} has shape {tuple(old.shape)}, got "
                        f"{tuple(value.shape)}")
@@ -99,7 +100,21 @@ def _w1_views(a: tuple, b: tuple) -> bool:
 
 def _w1(w):
   """w1 as [E, D, 2F] (from either of the module's layouts)."""
-  return w.reshape(w.shape[0], w.shape[1], -1)
+  return _reshaped(w, (w.shape[0], w.shape[1], math.prod(w.shape[2:])))
+
+
+def _reshaped(a, shape):
+  """``a`` in ``shape``, the same elements in the same order. A jax array on a mesh with Explicit axes, where a
+  reshape must be told its output sharding, is laid out over the mesh axes of its first axis alone first (as the
+  experts' weights are without a tensor axis)."""
+  if tuple(a.shape) == tuple(shape):
+    return a
+  sharding = getattr(a, "sharding", None)
+  if (isinstance(a, jax.Array) and isinstance(sharding, NamedSharding) and
+      jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())):
+    first = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[:1]))
+    return jnp.reshape(jax.sharding.reshard(a, first), shape, out_sharding=first)
+  return a.reshape(shape)
 
 
 def _split(w):
