@@ -47,6 +47,33 @@ def test_repeated_calls_are_bitwise_identical():
   check_repeatable(EXPERT_TENSOR, "overlap")
 
 
+def test_counts_through_the_workspace_count_each_dropped_slot_once(monkeypatch):
+  # Where the group spans processes the layer counts the dropped slots from the exchanged counts (each dropped slot
+  # counted once per tensor shard by the plans): forced here in one process, as layer_checks does without a tensor
+  # axis. Outputs bitwise equal to the all_gather path's, the dropped count the oracle's.
+  mesh = mesh_of_shape(EXPERT_TENSOR)
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, K, "skewed", 8)
+  def f():
+    layer = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, tensor_axis="tensor", capacity_factor=0.5))
+    exchanged = "jmo_exchange_counts" in layer.lower(x, ids, gates, w1, w2).as_text()
+    return (*layer(x, ids, gates, w1, w2), exchanged)
+
+  _, want = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, tensor_axis="tensor", capacity_factor=0.5,
+                            impl="reference")
+  jmo.release_workspaces()
+  try:
+    y, dropped, exchanged = f()
+    assert not exchanged
+    jmo.release_workspaces()  # the programs compiled against the gather path go with their workspace
+    monkeypatch.setattr(jmo.Workspace, "spans_processes", property(lambda self: True))
+    y_ws, dropped_ws, exchanged = f()
+    assert exchanged
+  finally:
+    jmo.release_workspaces()
+  assert int(dropped) == int(dropped_ws) == int(want) > 0
+  assert np.asarray(y).tobytes() == np.asarray(y_ws).tobytes()
+
+
 def test_workspace_group_over_two_axes():
   mesh = mesh_of_shape({"data": 1, "tensor": 2, "expert": 2})
   devs = rank_devices(mesh, ("expert", "tensor"))
