@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_overlap as jmo
-from cases import layer_inputs
+from cases import layer_inputs, rel_err
+from layer_checks import Poisoned
 from jax_moe_overlap.plan import SKIP, expert_capacity
 from jax_moe_overlap.reference import moe_experts_reference
 
@@ -20,19 +21,20 @@ E, D, F, K = 8, 16, 24, 2
 IMPLS = ("overlap", "collective", "xla", "reference")
 
 
-def mesh_of_shape(shape: dict[str, int], explicit: bool = False) -> jax.sharding.Mesh:
+def mesh_of_shape(shape: dict[str, int], explicit: bool = False, devices=None) -> jax.sharding.Mesh:
+  """A mesh of ``shape`` over the first devices of ``devices`` (default: jax.devices(), CPU ones in the CPU tests)."""
   n = math.prod(shape.values())
-  devs = np.array(jax.devices("cpu")[:n]).reshape(tuple(shape.values()))
+  devs = np.array(list(devices or jax.devices())[:n]).reshape(tuple(shape.values()))
   kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
   return jax.sharding.Mesh(devs, tuple(shape), axis_types=(kind,) * len(shape))
 
 
-def routing_inputs(tokens: int, kind: str, seed: int):
+def routing_inputs(tokens: int, kind: str, seed: int, d: int = D, f: int = F):
   """x, ids, gates, w1, w2 (cases.layer_inputs) for one routing: "skewed", "empty_experts" (only the first half of
   the experts chosen: every expert of the upper expert ranks empty), or "skipped" (skewed, with about a quarter of
   the slots SKIP and a few tokens skipping every choice)."""
   base = "empty_experts" if kind == "empty_experts" else "skewed"
-  x, ids, gates, w1, w2 = layer_inputs(tokens, D, F, E, K, base, seed)
+  x, ids, gates, w1, w2 = layer_inputs(tokens, d, f, E, K, base, seed)
   if kind == "skipped":
     rng = np.random.default_rng(seed + 1)
     ids = np.where(rng.random(ids.shape) < 0.25, SKIP, np.asarray(ids))
@@ -127,12 +129,54 @@ def check_matches_oracle(shape: dict[str, int], impl: str, kinds=("skewed", "emp
   return drops
 
 
-def check_repeatable(shape: dict[str, int], impl: str, calls: int = 5, cf=0.5, batch_axes=(), tokens=64, seed=9):
+def check_repeatable(shape: dict[str, int], impl: str, calls: int = 5, cf=0.5, batch_axes=(), tokens=64, seed=9,
+                     devices=None):
   """``calls`` calls of the layer's forward and gradients on the same inputs: every output bitwise equal."""
-  mesh = mesh_of_shape(shape)
+  mesh = mesh_of_shape(shape, devices=devices)
   run = layer_program(mesh, impl, tuple(batch_axes), cf, True)
   args = _placed(mesh, batch_axes, *routing_inputs(tokens, "skipped", seed), True)
   first = [np.asarray(a).tobytes() for a in jax.tree.leaves(run(*args))]
   for i in range(calls - 1):
     again = [np.asarray(a).tobytes() for a in jax.tree.leaves(run(*args))]
     assert again == first, f"{shape} {impl}: call {i + 2} differs from the first"
+
+
+def check_bfloat16(shape: dict[str, int], kind="skipped", cf=None, tokens=64, d=D, f=F, seed=13, tol=1e-2,
+                   devices=None):
+  """The overlap layer in bfloat16 (the shards' partial outputs cross in bfloat16) against the float32 oracle on the
+  same bf16-rounded inputs: y and the gradients within ``tol`` relative error, every output computed into a buffer
+  of NaN (``layer_checks.Poisoned``), so that an element the custom calls leave unwritten shows. Returns the
+  relative errors."""
+  mesh = mesh_of_shape(shape, devices=devices)
+  x, ids, gates, w1, w2 = routing_inputs(tokens, kind, seed, d, f)
+  x, w1, w2 = (a.astype(jnp.bfloat16) for a in (x, w1, w2))
+  target = jnp.asarray(np.random.default_rng(seed).standard_normal(x.shape), jnp.float32)
+
+  def loss(x, gates, w1, w2):
+    y, dropped = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=cf, tensor_axis="tensor")
+    return jnp.sum(y.astype(jnp.float32) * target), (y, dropped)
+
+  tokens_spec = jax.P(("expert", "tensor"))
+  specs = {(tokens, d): tokens_spec, (tokens, K): tokens_spec, (E, d, 2, f): jax.P("expert", None, None, "tensor"),
+           (E, f, d): jax.P("expert", "tensor", None)}
+  run = Poisoned(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), mesh,
+                 spec_of=lambda s: specs.get(tuple(s.shape), jax.P()))
+  (_, (y, dropped)), grads = run(x, gates, w1.reshape(E, d, 2, f), w2)
+
+  def ref_loss(x, gates, w1, w2):
+    y, dropped = oracle(x, ids, gates, w1, w2, 1, math.prod(shape.values()), cf)
+    return jnp.sum(y * target), (y, dropped)
+
+  f32 = [a.astype(jnp.float32) for a in (x, gates, w1, w2)]
+  (_, (y_ref, dropped_ref)), grads_ref = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3),
+                                                                    has_aux=True))(*f32)
+  assert y.dtype == jnp.bfloat16 and int(dropped) == int(dropped_ref)
+  errs = {}
+  for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), (y, *grads), (y_ref, *grads_ref)):
+    a = np.asarray(a, np.float32).reshape(b.shape)
+    assert np.isfinite(a).all(), f"{name} has NaN/inf (poison left: unwritten elements?)"
+    errs[name] = rel_err(a, b)
+  assert all(v < tol for v in errs.values()), errs
+  assert run.aliased == run.buffers, f"only {run.aliased} of {run.buffers} outputs were computed into the poison"
+  print(f"{shape} bfloat16 {kind} cf={cf} dropped={int(dropped)}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+  return errs
