@@ -1,5 +1,6 @@
-"""Expert tensor parallelism on the expert-parallel protocol: the tensor shards of the experts as the experts of one
-exchange group (``impl="overlap"``; docs/design.md, "Expert tensor parallelism").
+"""Expert tensor parallelism (``tensor_axis``; docs/design.md, "Expert tensor parallelism"): the layer's layout over a
+tensor axis (``w1_view``, ``operand_specs``, ``gate_up_shards``, every expert-parallel impl), and for
+``impl="overlap"`` the tensor shards of the experts as the experts of one exchange group (``shard_slots``).
 
 The expert axis (R devices) and the tensor axis (TP devices) together form one exchange group of R TP ranks, rank
 g = r TP + t (``jax.lax.axis_index`` of the tuple (expert axis, tensor axis)). Rank g holds, of the experts
