@@ -81,6 +81,37 @@ def test_counts_through_the_workspace_count_each_dropped_slot_once(monkeypatch):
   assert np.asarray(y).tobytes() == np.asarray(y_ws).tobytes()
 
 
+def test_eager_call_and_its_workspace_size():
+  # Outside jit: y in x's sharding; the workspace it allocates has the bytes workspace_bytes(tensor=2) announces.
+  mesh = mesh_of_shape(EXPERT_TENSOR)
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, K, "skewed", 10)
+  x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(("expert", "tensor"))))
+  jmo.release_workspaces()
+  y, dropped = jmo.moe_experts(x_sharded, ids, gates, w1, w2, mesh=mesh, tensor_axis="tensor", capacity_factor=0.5)
+  y_ref, dropped_ref = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, tensor_axis="tensor", capacity_factor=0.5,
+                                       impl="reference")
+  assert y.sharding == x_sharded.sharding and int(dropped) == int(dropped_ref) > 0
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  [ws] = jmo.Workspace.cached()
+  assert ws.axis_name == ("expert", "tensor") and ws.ranks == 4
+  assert ws.bytes_per_rank == jmo.workspace_bytes(64, D, K, E, ranks=2, tensor=2, capacity_factor=0.5)
+
+
+def test_fused_dispatch_gemm_with_a_tensor_axis():
+  # CallConfig(dispatch_pushers=2): dispatch_gemm's CPU handler on the shard slots, forward and gradients.
+  mesh = mesh_of_shape(EXPERT_TENSOR)
+  x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, K, "skewed", 12)
+
+  def grads(impl, config=jmo.CallConfig()):
+    loss = lambda x, g, w1, w2: jnp.sum(jnp.sin(jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, tensor_axis="tensor",
+                                                                impl=impl, config=config)[0]))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+
+  got, want = grads("overlap", jmo.CallConfig(dispatch_pushers=2)), grads("reference")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_workspace_group_over_two_axes():
   mesh = mesh_of_shape({"data": 1, "tensor": 2, "expert": 2})
   devs = rank_devices(mesh, ("expert", "tensor"))
