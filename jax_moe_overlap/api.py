@@ -1,7 +1,8 @@
 """The functional API: one expert-parallel MoE expert layer on global arrays.
 
 ``moe_experts(x, expert_ids, gates, w1, w2, mesh=..., axis_name=...)`` runs the layer with tokens and experts
-sharded over ``axis_name`` (and with ``tensor_axis`` each expert's hidden width split over that axis): ``impl="overlap"`` through this library's custom calls inside ``shard_map``,
+sharded over ``axis_name`` (with ``tensor_axis``, each expert's hidden width split over that axis too):
+``impl="overlap"`` through this library's custom calls inside ``shard_map``,
 ``impl="collective"`` as XLA collectives for the exchange and this library's grouped GEMMs for the experts,
 ``impl="xla"`` as XLA collectives and ``lax.ragged_dot`` (both ``xla_path.py``), ``impl="reference"`` as plain dense
 JAX (the oracle). All return ``(y, dropped)`` with y sharded as x. An ``"overlap"`` call over an expert axis that
@@ -252,11 +253,13 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_ax
                                                 gather=functools.partial(gather_counts, info=info))
   plan = tp_lib.name_expert_ids(plan, expert_ids, TP)
   y = expert_block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, plan, cap, info)
-  # Every shard of an expert drops the expert's slots: the plans count each dropped slot TP times.
   if info.workspace.spans_processes:
     # The group's dropped slots from the counts every rank holds (the routed slots less those the capacity keeps),
     # equal to the psum of the ranks' plan.dropped: no collective crosses the processes of the expert axis.
-    dropped = (jnp.sum(counts_all) - jnp.sum(plan_lib.kept_counts(counts_all, cap_e))) // TP
-    return y, jax.lax.psum(dropped, batch_axes) if batch_axes else dropped
-  tensor = (tensor_axis,) if tensor_axis is not None else ()
-  return y, jax.lax.psum(plan.dropped, (*batch_axes, axis_name, *tensor)) // TP
+    dropped = jnp.sum(counts_all) - jnp.sum(plan_lib.kept_counts(counts_all, cap_e))
+    dropped = jax.lax.psum(dropped, batch_axes) if batch_axes else dropped
+  else:
+    tensor = (tensor_axis,) if tensor_axis is not None else ()
+    dropped = jax.lax.psum(plan.dropped, (*batch_axes, axis_name, *tensor))
+  # Every shard of an expert drops the expert's slots: the plans count each dropped slot TP times.
+  return y, dropped // TP if TP > 1 else dropped

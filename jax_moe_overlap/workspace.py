@@ -2,9 +2,10 @@
 
 A ``Workspace`` belongs to one mesh and one expert-parallel axis. The axis' ``R`` devices form a *group*; the
 other mesh axes (if any) enumerate ``G`` independent groups. Under expert tensor parallelism the group is the
-devices of the expert axis and the tensor axis together (``axis_name`` a tuple of both: R = their product). The native side keeps, per group and rank, one block
-laid out by ``ffi/include/jax_moe_overlap/protocol.h`` (recv rows, ret rows, stage rows, tile-ready flags and the
-monotonic counters) plus the per-rank consumer engine, and the custom calls name the workspace by ``handle``.
+devices of the expert axis and the tensor axis together (``axis_name`` a tuple of both: R = their product). The
+native side keeps, per group and rank, one block laid out by ``ffi/include/jax_moe_overlap/protocol.h`` (recv rows,
+ret rows, stage rows, tile-ready flags and the monotonic counters) plus the per-rank consumer engine, and the custom
+calls name the workspace by ``handle``.
 
 Workspaces are cached per (devices, axis): a call gets the smallest cached workspace of its mesh and axis that fits its
 sizes, else a new one whose row counts are rounded up to a power of two (``bucket``), so every MoE layer of a model
