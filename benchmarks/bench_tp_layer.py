@@ -43,8 +43,8 @@ from benchmarks.common import AXIS, Table, rows_kept_on_sigterm, time_fn, topk_r
 from jax_moe_overlap.plan import expert_capacity  # noqa: E402
 
 IMPLS = ("overlap", "serialized", "collective", "xla", "ep_only")
-# (name, global tokens, d_model, d_ff, experts, top-k)
-SHAPES = [(f"mixtral T={t}", t, 4096, 14336, 8, 2) for t in (4096, 8192, 16384)]
+# (name, global tokens, d_model, d_ff, experts, top-k): Mixtral-like at --tokens
+MIXTRAL = (4096, 14336, 8, 2)
 QUICK = [("quick T=256", 256, 128, 256, 8, 2)]
 
 
@@ -54,6 +54,7 @@ def parse_args(argv):
   ap.add_argument("--tp", type=int, default=2, help="tensor axis size")
   ap.add_argument("--devices", type=int, default=None, help="CPU try-out: virtual devices (default 4)")
   ap.add_argument("--quick", action="store_true", help="one small shape")
+  ap.add_argument("--tokens", default="4096,8192,16384", help="global token counts of the Mixtral-like shapes")
   ap.add_argument("--impls", default=",".join(IMPLS))
   ap.add_argument("--passes", default="fwd,fwdbwd")
   ap.add_argument("--skew", default="balanced", help="routing skew: balanced, moderate or stress")
@@ -149,7 +150,8 @@ def main(argv=None) -> Table:
   impls = [i for i in args.impls.split(",") if i]
   table = Table(["shape", "pass", "impl", "ep", "tp", "ms", "overlap_speedup", "max_rel_err"])
   with rows_kept_on_sigterm(table, args.out, "bench_tp_layer"):
-    for name, T, D, F, E, k in (QUICK if args.quick else SHAPES):
+    shapes = QUICK if args.quick else [(f"mixtral T={t}", int(t), *MIXTRAL) for t in args.tokens.split(",")]
+    for name, T, D, F, E, k in shapes:
       tp_args, ep_args, ct_tp, ct_ep = operands(T, D, F, E, k, args.skew, 0, two_d, one_d)
       ids_host = np.asarray(ep_args[1])
       for passes in args.passes.split(","):
