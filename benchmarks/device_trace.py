@@ -87,6 +87,16 @@ def summarize(data, *, top: int = 8) -> dict:
 def trace_calls(fn, args, *, calls: int = 10, warmup: int = 3, logdir: str | None = None) -> dict:
   """Runs ``fn(*args)`` ``warmup`` times, then ``calls`` times back to back under a trace; returns ``summarize``'s
   dict plus ``calls`` and the trace's wall microseconds per call."""
+  logdir = logdir or tempfile.mkdtemp(prefix="jmo-trace-")
+  data, wall = trace_data(fn, args, calls=calls, warmup=warmup, logdir=logdir)
+  summary = summarize(data)
+  summary.update(calls=calls, wall_us_per_call=wall / calls * 1e6, logdir=logdir)
+  return summary
+
+
+def trace_data(fn, args, *, calls: int, warmup: int = 1, logdir: str | None = None):
+  """Runs ``fn(*args)`` ``warmup`` times, then ``calls`` times back to back under ``jax.profiler.trace``: returns
+  (the trace as a ``jax.profiler.ProfileData``, wall seconds of the traced calls)."""
   import time  # pylint: disable=g-import-not-at-top
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
@@ -101,10 +111,7 @@ def trace_calls(fn, args, *, calls: int = 10, warmup: int = 3, logdir: str | Non
   paths = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs if f.endswith(".xplane.pb")]
   if not paths:
     raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {logdir}")
-  data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
-  summary = summarize(data)
-  summary.update(calls=calls, wall_us_per_call=wall / calls * 1e6, logdir=logdir)
-  return summary
+  return jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)), wall
 
 
 def format_summary(s: dict, *, kernels: int = 10, host: int = 8) -> str:

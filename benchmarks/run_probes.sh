@@ -3,6 +3,8 @@
 # check against a reference, built sm_90a by tools/CMakeLists.txt (target `probes`) into build/tools and run with its
 # defaults; tables to stdout, full outputs in $OUT.
 #   push_probe      what limits a consumer CTA's copy (bulk loads / stores alone, issuers, ring depth, chunk size)
+#   row_push_probe  the dispatch's row pushes: GB/s per pushing CTA against bytes in flight, 16-byte warp stores
+#                   against TMA bulk copies
 #   combine_probe   CombineKernel's gather + weighted sum (the library's loop at several shapes) against the copy
 #                   ceiling of the same traffic, XLA's shape of it and a TMA gather
 #   decision_probe  the resource manager's device-side choice (resource_manager.cuh) against the host's on random
@@ -21,12 +23,13 @@ if ! { cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)"
   tail -40 "$OUT/probes_build.log"
   exit 1
 fi
-for p in push combine decision; do
+for p in push row_push combine decision; do
   echo "== ${p}_probe"
   args=()
   [ "$p" = push ] && args=(--mib 256 --reps 5)
+  [ "$p" = row_push ] && args=(--mib 64 --reps 5)
   timeout 120 "build/tools/${p}_probe" "${args[@]}" > "$OUT/${p}_probe.txt" 2>&1
-  echo "rc $?"; grep -E "^\||WRONG|rror" "$OUT/${p}_probe.txt" | head -60
+  echo "rc $?"; grep -E "^\||WRONG|rror" "$OUT/${p}_probe.txt" | head -200
 done
 [ -z "${SKIP_DEEPSEEK:-}" ] && {
   echo "== combine_probe, DeepSeek-like (T 4096, k 8, N 7168)"

@@ -48,6 +48,7 @@ class ModelConfig:
   dtype: str = "float32"          # compute dtype; parameters stay float32
   routed_score_func: str = "softmax"   # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
   shared_experts: int = 0         # always-on experts of width d_ff beside the routed ones
+  quantization: str | None = None  # None, or "fp8": the routed experts' GEMMs in FP8 (MoEConfig.quantization)
   attention: str = "xla"          # jax.nn.dot_product_attention's implementation (choose_attention); no parameter
                                   # depends on it, so a checkpoint made with either runs with either
 
@@ -56,7 +57,7 @@ class ModelConfig:
     return jmo.MoEConfig(emb_dim=self.d_model, moe_mlp_dim=self.d_ff, num_experts=self.num_experts,
                          num_experts_per_tok=self.top_k, capacity_factor=self.capacity_factor,
                          routed_score_func=self.routed_score_func, shared_experts=self.shared_experts,
-                         dtype=jnp.dtype(self.dtype))
+                         dtype=jnp.dtype(self.dtype), quantization=self.quantization)
 
   def flops_per_token(self) -> float:
     """Model FLOPs of one training token: 6 per multiply-add (2 forward, 4 backward) of the matmuls a token runs

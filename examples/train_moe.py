@@ -12,6 +12,7 @@ train step is one jit-compiled function (forward, backward, AdamW update).
   python examples/train_moe.py --preset gpu --impl xla       # the same through XLA's collectives
   python examples/train_moe.py --preset gpu --impl xla --grad-accum 8   # that on one H200 (memory)
   python examples/train_moe.py --preset gpu --profile-steps 3   # and where its device time goes, by part
+  python examples/train_moe.py --d-model 128 --impl xla --quantization fp8   # FP8 experts (DeepSeek-V3's recipe)
   for i in 0 1 2 3; do python examples/train_moe.py --preset gpu --num-processes 4 --process-id $i \
     --local-device-ids $i --coordinator localhost:12345 & done; wait      # one process per GPU of a 4-GPU host
 
@@ -42,6 +43,7 @@ from jax.experimental import multihost_utils  # pylint: disable=wrong-import-pos
 import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import step_profile  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_moe_overlap.checks import check_fp8_impl  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_args(argv=None):
@@ -65,6 +67,11 @@ def parse_args(argv=None):
   g.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax", help="router scores")
   g.add_argument("--shared-experts", type=int, default=0, help="always-on experts of width --d-ff")
   g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+  g.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                 help="fp8: the routed experts' GEMMs in FP8 by DeepSeek-V3's recipe (MoEConfig.quantization; "
+                      "--d-model and --d-ff multiples of 128), emulated in XLA: it runs with --impl xla or "
+                      "reference, and the overlap and collective impls refuse it (their FP8 kernels are not built "
+                      "yet)")
   g.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
                  help="jax.nn.dot_product_attention's implementation; auto: cudnn (fused flash attention) on GPUs "
                       "with a 16-bit compute dtype where cuDNN takes the shapes, else xla (materialized scores)")
@@ -186,7 +193,8 @@ def model_config(args) -> model_lib.ModelConfig:
                                num_heads=args.heads, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
                                capacity_factor=args.capacity_factor or None, moe_every=args.moe_every,
                                impl=args.impl, dtype=args.dtype, routed_score_func=args.router,
-                               shared_experts=args.shared_experts)
+                               shared_experts=args.shared_experts,
+                               quantization=None if args.quantization == "none" else args.quantization)
 
 
 def make_optimizer(model, args):
@@ -413,6 +421,12 @@ def main(argv=None):
   check_batch_split(args.batch_size, args.grad_accum, R)
   cfg = model_config(args)
   try:
+    cfg.moe_config()                                   # the MoE blocks' rules (fp8: D and F multiples of 128)
+    if cfg.quantization is not None:
+      check_fp8_impl(cfg.impl, mesh)
+  except (ValueError, NotImplementedError) as e:
+    raise SystemExit(f"{e}") from None
+  try:
     attention, why = model_lib.choose_attention(cfg, mesh, args.batch_size // args.grad_accum, args.attention)
     train_text, held_text = model_lib.load_text(args.data)
     eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches, multiple_of=R)
@@ -445,7 +459,9 @@ def main(argv=None):
             opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer))),
             meta=ocp.args.JsonRestore()))
         saved_cfg = model_lib.ModelConfig.from_json(restored["meta"]["config"])
-        if dataclasses.replace(saved_cfg, impl=cfg.impl, attention=cfg.attention) != cfg:   # any impl continues
+        # Any impl and quantization continue a checkpoint: neither changes the parameters.
+        if dataclasses.replace(saved_cfg, impl=cfg.impl, attention=cfg.attention,
+                               quantization=cfg.quantization) != cfg:
           raise SystemExit(f"the checkpoint in {args.ckpt_dir} has model config {saved_cfg}, but the flags give "
                            f"{cfg}")
         changed = {k: (v, vars(args).get(k)) for k, v in restored["meta"]["args"].items()
@@ -489,7 +505,8 @@ def main(argv=None):
     micro = f" in {args.grad_accum} microbatches" if args.grad_accum > 1 else ""
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(f"{jax.devices()[0].platform} x {R} devices{procs} {dict(mesh.shape)} | {n_params / 1e6:.2f}M parameters | "
-        f"{cfg.num_experts} experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl} | "
+        f"{cfg.num_experts} experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl}"
+        f"{' fp8' if cfg.quantization else ''} | "
         f"{tokens_per_step} tokens/step{micro} | train {len(train_text)} B, held-out {len(held_text)} B")
     say(f"attention: {cfg.attention} ({why}) | evaluation: {len(eval_set)} held-out batch(es) of "
         f"{len(eval_set[0])} x {args.seq_len + 1} bytes")

@@ -22,11 +22,12 @@ from jax_moe_overlap import hosts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_expert_ids, check_impl, check_inputs,
-                                    check_tensor_axis, check_tensor_split)
+from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_expert_ids, check_fp8_impl,
+                                    check_fp8_tensor_split, check_impl, check_inputs, check_tensor_axis,
+                                    check_tensor_split)
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.expert_block import expert_block
-from jax_moe_overlap.reference import moe_experts_reference
+from jax_moe_overlap.reference import moe_experts_fp8_reference, moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
 from jax_moe_overlap.workspace_backend import rank_devices
 from jax_moe_overlap.workspace_calls import gather_counts
@@ -37,7 +38,7 @@ log = logging.getLogger("jax_moe_overlap")
 
 def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_name: str = "expert",
                 capacity_factor: float | None = None, impl: str = "overlap", config: CallConfig = CallConfig(),
-                batch_axes: tuple[str, ...] = (), tensor_axis: str | None = None):
+                batch_axes: tuple[str, ...] = (), tensor_axis: str | None = None, quantization: str | None = None):
   """Expert-parallel MoE expert layer (after the router).
 
   Args:
@@ -45,7 +46,9 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     expert_ids: [T, k] int32 expert choices in [0, E), or -1 for "no selection" (the slot contributes zero, moves
       nothing and is not counted as dropped). gates: [T, k] float weights of the choices.
     w1: [E, D, 2F] (gate and up projections, SwiGLU) or its view [E, D, 2, F] ([..., 0, :] the gate, [..., 1, :]
-      the up projection: the layout that splits over ``tensor_axis``); w2: [E, F, D]; same dtype as x.
+      the up projection: the layout that splits over ``tensor_axis``); w2: [E, F, D]; same dtype as x (with
+      quantization="fp8": float32 or bfloat16 master weights whatever x's dtype, or pre-quantized ``fp8.Fp8Weight``s
+      from ``quantize_weights``).
     mesh, axis_name: tokens and experts are sharded over this axis (E divisible by its size).
     capacity_factor: None for dropless; else rows per expert = ceil(cf * T_group * k / E), overflow dropped, where
       T_group = T / (product of the batch axes' sizes) are the tokens of one expert-parallel group (its expert and
@@ -66,17 +69,24 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       expert-parallel group. Each member of an expert's tensor group computes its shard for every row the expert
       takes; a token's output sums the shards' partial outputs in tensor order (every impl: the same capacity rule,
       the same results). None (the default): no tensor parallelism.
+    quantization: None, or "fp8": the experts' GEMMs follow DeepSeek-V3's FP8 recipe (``fp8_experts.py``), forward
+      and backward; D and F multiples of 128 (with a tensor axis F / TP too: each shard's 128 x 128 weight blocks
+      and 1 x 128 tiles are the whole expert's); impl "xla" or "reference" (the other impls refuse it: their FP8
+      custom calls are not built yet). The weights' gradients are those of the quantized weights (straight-through),
+      in the weights' dtype; pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
 
   Outside ``jit`` each call runs one compiled program, cached per static configuration (mesh, axes, capacities,
   config, workspace) by ``eager_program`` and per shapes, dtypes and shardings by ``jax.jit``.
   """
-  check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name)
+  check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization)
   check_impl(impl)
   TP = check_tensor_axis(mesh, axis_name, tensor_axis)
   batch_axes = check_batch_axes(mesh, axis_name, batch_axes, x.shape[0], tensor_axis)
   check_tensor_split(w2.shape[1], TP, tensor_axis)
+  if quantization == "fp8":
+    check_fp8_tensor_split(w2.shape[1], TP, tensor_axis)
   E = w1.shape[0]
   check_expert_ids(expert_ids, E)
   R = mesh.shape[axis_name]
@@ -87,11 +97,13 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   args = [_onto_mesh(a, mesh) for a in (x, expert_ids, gates, w1, w2)]
   axes = (axis_name, tensor_axis, batch_axes)
   impl = chosen_impl(impl, mesh, exchange_axes(axis_name, tensor_axis))
+  if quantization is not None:
+    check_fp8_impl(impl, mesh)
   if impl == "reference":
-    y, dropped = eager_program(_reference_layer, mesh, cap_e, B)(*args)
+    y, dropped = eager_program(_reference_layer, mesh, cap_e, B, quantization)(*args)
   elif impl in ("xla", "collective"):
     cap = plan_lib.recv_capacity(T_local * TP, R, k, E // R, cap_e)
-    y, dropped = eager_program(_xla_layer, mesh, axes, cap_e, cap, impl)(*args)
+    y, dropped = eager_program(_xla_layer, mesh, axes, cap_e, cap, impl, quantization)(*args)
   else:
     sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor, TP)
     info = RankInfo(Workspace.get(mesh, exchange_axes(axis_name, tensor_axis), sizes), config)
@@ -148,17 +160,18 @@ def _forget_programs(workspace) -> None:
 Workspace.on_release(_forget_programs)
 
 
-def _reference_layer(mesh, cap_e, B, x, expert_ids, gates, w1, w2):
+def _reference_layer(mesh, cap_e, B, quantization, x, expert_ids, gates, w1, w2):
   """The dense oracle on whole (replicated) arrays, every device computing all of it (its capacity rule scans all
   tokens of a group in order; B > 1: B independent groups of T / B tokens), whole experts whatever the tensor axis.
   Inside ``shard_map`` so that it runs on the mesh's devices whatever x's placement (under ``jit`` a plain x and
   mesh-sharded weights could not meet otherwise)."""
   args = [_shard(a, mesh, P()) for a in (x, expert_ids.astype(jnp.int32), gates, w1, w2)]
+  layer = moe_experts_reference if quantization is None else moe_experts_fp8_reference
 
   def groups(x, ids, g, w1, w2):
-    w1 = w1.reshape(w1.shape[0], w1.shape[1], -1)                      # the [E, D, 2, F] view: [E, D, 2F]
+    w1 = tp_lib.gate_up_shards(w1)                                      # the [E, D, 2, F] view: [E, D, 2F]
     x_, ids_, g_ = (a.reshape(B, a.shape[0] // B, *a.shape[1:]) for a in (x, ids, g))
-    y, dropped = jax.vmap(lambda x, i, g: moe_experts_reference(x, i, g, w1, w2, cap_e, 1))(x_, ids_, g_)
+    y, dropped = jax.vmap(lambda x, i, g: layer(x, i, g, w1, w2, cap_e, 1))(x_, ids_, g_)
     return y.reshape(x.shape), jnp.sum(dropped).astype(jnp.int32)
 
   y, dropped = jax.shard_map(groups, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(), P()))(*args)
@@ -168,22 +181,22 @@ def _reference_layer(mesh, cap_e, B, x, expert_ids, gates, w1, w2):
 def _expert_parallel_inputs(mesh, axes, x, expert_ids, gates, w1, w2):
   """The layer's inputs as the expert-parallel paths take them (``axes``: (axis_name, tensor_axis, batch_axes)):
   tokens (int32 ids, float32 gates) over ``(*batch_axes, axis_name, tensor_axis)``, experts over ``axis_name`` and
-  their hidden width over ``tensor_axis``, w1 as its [E, D, 2, F] view (``tensor_parallel.operand_specs``).
-  Returns (args, in_specs, token_spec)."""
+  their hidden width over ``tensor_axis``, w1 as its [E, D, 2, F] view (``tensor_parallel.operand_specs``; an
+  ``Fp8Weight``'s values and scales by ``tensor_parallel.weight_spec``). Returns (args, in_specs, token_spec)."""
   axis_name, tensor_axis, batch_axes = axes
   token_spec, w1_spec, w2_spec = tp_lib.operand_specs(axis_name, tensor_axis, batch_axes)
-  specs = (token_spec, token_spec, token_spec, w1_spec, w2_spec)
   w1 = _w1_view(w1, mesh, axis_name)
+  specs = (token_spec, token_spec, token_spec, tp_lib.weight_spec(w1, w1_spec), tp_lib.weight_spec(w2, w2_spec))
   args = [_shard(a, mesh, s) for a, s in zip((x, expert_ids.astype(jnp.int32), gates.astype(jnp.float32), w1, w2),
                                              specs)]
   return args, specs, token_spec
 
 
-def _xla_layer(mesh, axes, cap_e, cap, impl, x, expert_ids, gates, w1, w2):
+def _xla_layer(mesh, axes, cap_e, cap, impl, quantization, x, expert_ids, gates, w1, w2):
   args, _, _ = _expert_parallel_inputs(mesh, axes, x, expert_ids, gates, w1, w2)
   axis_name, tensor_axis, batch_axes = axes
   y, dropped = moe_experts_xla(*args, mesh=mesh, axis_name=axis_name, expert_cap=cap_e, recv_cap=cap,
-                               batch_axes=batch_axes, impl=impl, tensor_axis=tensor_axis)
+                               batch_axes=batch_axes, impl=impl, tensor_axis=tensor_axis, quantization=quantization)
   return _like(y, x, mesh), dropped
 
 
@@ -215,31 +228,39 @@ def _explicit(mesh) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def _onto_mesh(a, mesh):
-  """A concrete array on other devices than the mesh's, replicated onto the mesh (inside the program shard_map
-  reshards over Auto axes, but not across device sets)."""
-  if (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and
-      a.sharding.device_set != set(mesh.devices.flat)):
-    return jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))
-  return a
+def _onto_mesh(tree, mesh):
+  """Each concrete array of `tree` on other devices than the mesh's, replicated onto the mesh (inside the program
+  shard_map reshards over Auto axes, but not across device sets)."""
+  def onto(a):
+    if (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and
+        a.sharding.device_set != set(mesh.devices.flat)):
+      return jax.device_put(a, jax.sharding.NamedSharding(mesh, P()))
+    return a
+
+  return jax.tree.map(onto, tree)
 
 
 def _w1_view(w1, mesh, axis_name):
-  """w1 as its [E, D, 2, F] view (``tensor_parallel.w1_view``). On an Explicit mesh a reshape must be told its
-  output sharding: a [E, D, 2F] w1 is laid out over the expert axis first (its 2F axis cannot be split over a tensor
-  axis with the gate and up halves split alike; the view can, without moving data)."""
-  if w1.ndim == 4 or not _explicit(mesh):
+  """w1 as its [E, D, 2, F] view (``tensor_parallel.w1_view``; an ``Fp8Weight``'s arrays alike). On an Explicit mesh
+  a reshape must be told its output sharding: a [E, D, 2F] w1 is laid out over the expert axis first (its 2F axis
+  cannot be split over a tensor axis with the gate and up halves split alike; the view can, without moving data)."""
+  if not _explicit(mesh):
     return tp_lib.w1_view(w1)
-  w1 = jax.sharding.reshard(w1, jax.sharding.NamedSharding(mesh, P(axis_name)))
-  E, D, F2 = w1.shape
-  return jnp.reshape(w1, (E, D, 2, F2 // 2), out_sharding=jax.sharding.NamedSharding(mesh, P(axis_name)))
+  experts = jax.sharding.NamedSharding(mesh, P(axis_name))
+
+  def reshape(a, shape):
+    return jnp.reshape(jax.sharding.reshard(a, experts), shape, out_sharding=experts)
+
+  return tp_lib.w1_view(w1, reshape)
 
 
-def _shard(a, mesh, spec):
-  """Places `a` on `spec` over an Explicit mesh (shard_map reshards by itself over Auto axes)."""
-  if _explicit(mesh):
-    return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
-  return a
+def _shard(tree, mesh, spec):
+  """Places each array of `tree` on `spec` (one PartitionSpec for all, or a tree of them shaped as `tree`) over an
+  Explicit mesh (shard_map reshards by itself over Auto axes)."""
+  if not _explicit(mesh):
+    return tree
+  specs = jax.tree.map(lambda _: spec, tree) if isinstance(spec, P) else spec
+  return jax.tree.map(lambda a, s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s)), tree, specs)
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, cap_e, cap, info):

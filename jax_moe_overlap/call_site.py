@@ -7,7 +7,9 @@ a static argument of everything after: the call wrappers (``workspace_calls``) r
 
 * ``dispatch_pushers``: dispatch_gemm's pushing CTAs, or 0 where the dispatch and GEMM1 run as two calls
   (``dispatch_pushers``, from the config and the facts the workspace's backend returned);
-* the check of a pinned consumer CTA count against the rank's SM budget, before anything is traced.
+* the check of a pinned consumer CTA count against the rank's SM budget, before anything is traced;
+* on CUDA, the check that XLA_FLAGS keeps the workspace calls of a CUDA graph in program order
+  (``command_buffers.check_scheduling``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe_overlap import command_buffers
 from jax_moe_overlap import engines
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.workspace_backend import DeviceFacts
@@ -58,6 +61,8 @@ class RankInfo:
       raise ValueError(f"jax_moe_overlap: CallConfig.consumer_ctas={cfg.consumer_ctas} leaves no producer CTA: each "
                        f"rank of this workspace has an SM budget of {budget} CTAs, so pin C in [1, {budget - 1}] "
                        "(or 0 for the resource manager's choice)")
+    if ws.platform != "cpu":
+      command_buffers.check_scheduling()
     object.__setattr__(self, "dispatch_pushers", dispatch_pushers(cfg, ws.device, ws.ranks))
 
   def coords(self):

@@ -11,10 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe_overlap import fp8
 from jax_moe_overlap.plan import SKIP
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 IMPLS = ("overlap", "collective", "xla", "reference")
+QUANTIZATIONS = (None, "fp8")
+# The impls that run quantization="fp8": the recipe emulated in XLA (fp8_experts.py). The others' custom calls take
+# float32 and bfloat16 rows only.
+FP8_IMPLS = ("xla", "reference")
+# FP8 tensor cores: compute capability 8.9 (Ada) and newer.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 def check_axis(mesh: jax.sharding.Mesh, axis_name: str) -> int:
@@ -51,29 +58,93 @@ def check_dtype(name: str, dtype) -> None:
     raise TypeError(f"jax_moe_overlap: {name} has dtype {jnp.dtype(dtype)}; supported: float32, bfloat16")
 
 
-def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name) -> None:
-  """The arguments of ``moe_experts``: shapes, dtypes and their fit to the mesh axis."""
+def check_quantization(quantization) -> None:
+  if quantization not in QUANTIZATIONS:
+    raise ValueError(f"jax_moe_overlap: quantization must be None (no quantization) or 'fp8', got {quantization!r}")
+
+
+def check_fp8_sizes(d_model: int, d_ff: int) -> None:
+  """quantization="fp8" tiles D and F by 128 (fp8.py): both multiples of 128."""
+  if d_model % fp8.TILE or d_ff % fp8.TILE:
+    raise ValueError(f"jax_moe_overlap: quantization='fp8' scales activations per 1 x {fp8.TILE} tile and weights "
+                     f"per {fp8.TILE} x {fp8.TILE} block: d_model (emb_dim) and d_ff (moe_mlp_dim) must be multiples "
+                     f"of {fp8.TILE}, got d_model={d_model}, d_ff={d_ff}")
+
+
+def check_fp8_tensor_split(d_ff: int, tensor: int, tensor_axis: str | None) -> None:
+  """quantization="fp8" with expert tensor parallelism: each device's F / TP hidden units are whole 128-wide tiles
+  of h and a, and whole 128 x 128 blocks of w1's gate and up halves and of w2, so that every shard quantizes exactly
+  the whole expert's tiles and blocks."""
+  if tensor > 1 and (d_ff // tensor) % fp8.TILE:
+    raise ValueError(f"jax_moe_overlap: quantization='fp8' with tensor_axis {tensor_axis!r} needs each device's share "
+                     f"of the experts' hidden width to be whole {fp8.TILE} x {fp8.TILE} weight blocks and 1 x "
+                     f"{fp8.TILE} tiles: d_ff (moe_mlp_dim) / {tensor} must be a multiple of {fp8.TILE}, got "
+                     f"d_ff={d_ff}, {d_ff} / {tensor} = {d_ff // tensor}")
+
+
+def check_fp8_impl(impl: str, mesh: jax.sharding.Mesh) -> None:
+  """quantization="fp8" runs with the impls of FP8_IMPLS (the recipe in XLA, on any device). The others are refused
+  by what they lack: on a GPU without FP8 tensor cores, those; elsewhere, their FP8 custom calls."""
+  if impl in FP8_IMPLS:
+    return
+  for d in mesh.devices.flat:
+    cc = getattr(d, "compute_capability", None) if d.platform == "gpu" else None
+    if cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) < FP8_MIN_COMPUTE_CAPABILITY:
+      raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl={impl!r} needs FP8 tensor cores (compute "
+                       f"capability {'.'.join(map(str, FP8_MIN_COMPUTE_CAPABILITY))} or newer: Ada, Hopper); "
+                       f"{d} ({d.device_kind}) has {cc}. impl='xla' emulates the recipe on any device")
+  raise NotImplementedError(
+      f"jax_moe_overlap: quantization='fp8' runs with impl='xla' or impl='reference' (the recipe emulated: quantize, "
+      f"dequantize, float32 GEMMs); impl={impl!r} has no FP8 path yet: its custom calls take float32 and bfloat16 "
+      f"rows only. Missing: FP8 rows with their scales in dispatch and dispatch_gemm, FP8 operands in the grouped "
+      f"GEMMs and expert_combine (the CPU handlers dequantizing, the e4m3 wgmma kernels on Hopper)")
+
+
+def _weight_shape_dtype(name: str, w, quantization):
+  """(shape, dtype) of a weight argument: a float array, or under quantization="fp8" also an ``fp8.Fp8Weight`` (its
+  logical [E, K, N] shape, dtype None)."""
+  if isinstance(w, fp8.Fp8Weight):
+    if quantization != "fp8":
+      raise TypeError(f"jax_moe_overlap: {name} is a pre-quantized Fp8Weight, which only quantization='fp8' takes")
+    E, N, K = w.values.shape
+    if w.values.dtype != fp8.E4M3 or w.scales.dtype != jnp.float32 or w.scales.shape != (
+        E, N // fp8.TILE, K // fp8.TILE):
+      raise TypeError(f"jax_moe_overlap: {name}: an Fp8Weight holds float8_e4m3fn values [E, N, K] and float32 "
+                      f"scales [E, N / {fp8.TILE}, K / {fp8.TILE}] (fp8.quantize_weights makes one), got "
+                      f"{w.values.dtype}{list(w.values.shape)} and {w.scales.dtype}{list(w.scales.shape)}")
+    return w.shape, None
+  check_dtype(name, w.dtype)
+  return tuple(w.shape), w.dtype
+
+
+def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=None) -> None:
+  """The arguments of ``moe_experts``: shapes, dtypes and their fit to the mesh axis. Without quantization x, w1 and
+  w2 share a dtype; with quantization="fp8" each weight is float32, bfloat16 or an ``fp8.Fp8Weight``, whatever x's
+  dtype, and D and F are multiples of 128."""
   R = check_axis(mesh, axis_name)
+  check_quantization(quantization)
   if x.ndim != 2:
     raise ValueError(f"jax_moe_overlap: x must be [tokens, d_model], got shape {x.shape}")
   T, D = x.shape
-  if w1.ndim not in (3, 4) or w2.ndim != 3 or (w1.ndim == 4 and w1.shape[2] != 2):
+  check_dtype("x", x.dtype)
+  (s1, dt1), (s2, dt2) = _weight_shape_dtype("w1", w1, quantization), _weight_shape_dtype("w2", w2, quantization)
+  if len(s1) not in (3, 4) or len(s2) != 3 or (len(s1) == 4 and s1[2] != 2):
     raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] (or its view [E, D, 2, F]) and w2 [E, F, D], got "
-                     f"{w1.shape} and {w2.shape}")
-  E = w1.shape[0]
-  width = w1.shape[2] * (w1.shape[3] if w1.ndim == 4 else 1)
-  if w1.shape[1] != D or width % 2 or w2.shape != (E, width // 2, D):
-    raise ValueError(f"jax_moe_overlap: weight shapes w1 {w1.shape}, w2 {w2.shape} do not fit d_model={D} "
+                     f"{s1} and {s2}")
+  E = s1[0]
+  width = s1[2] * (s1[3] if len(s1) == 4 else 1)
+  if s1[1] != D or width % 2 or s2 != (E, width // 2, D):
+    raise ValueError(f"jax_moe_overlap: weight shapes w1 {s1}, w2 {s2} do not fit d_model={D} "
                      f"(expected w1 [E, {D}, 2F] or [E, {D}, 2, F], w2 [E, F, {D}])")
   if expert_ids.ndim != 2 or expert_ids.shape[0] != T or gates.shape != expert_ids.shape:
     raise ValueError(f"jax_moe_overlap: expert_ids {expert_ids.shape} and gates {gates.shape} must both be "
                      f"[tokens={T}, k]")
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise TypeError(f"jax_moe_overlap: expert_ids must be integers, got {expert_ids.dtype}")
-  for name, a in (("x", x), ("w1", w1), ("w2", w2)):
-    check_dtype(name, a.dtype)
-  if not (x.dtype == w1.dtype == w2.dtype):
-    raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
+  if quantization is None and not (x.dtype == dt1 == dt2):
+    raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {dt1}, {dt2}")
+  if quantization == "fp8":
+    check_fp8_sizes(D, width // 2)
   check_experts(E, expert_ids.shape[1], R, axis_name)
   check_tokens(T, R, axis_name)
 

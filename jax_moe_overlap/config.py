@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import env
-from jax_moe_overlap.checks import check_dtype, check_experts
+from jax_moe_overlap.checks import check_dtype, check_experts, check_fp8_sizes, check_quantization
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -75,6 +75,14 @@ class MoEConfig:
     weight_dtype: the dtype the parameters are kept in (the master weights), float32 by default; they are cast to
       dtype for each call, so the gradients and the optimizer see weight_dtype.
     The router always computes in float32, and the output y has the input's dtype.
+  Quantization (MaxText's name):
+    quantization: None (default): the routed experts compute in ``dtype``. "fp8": their GEMMs follow DeepSeek-V3's
+      FP8 recipe (``fp8_experts.py``; docs/design.md, "FP8"): e4m3 operands with float32 scales per 1 x 128 tile of
+      the activations and gradients and per 128 x 128 block of the weights, quantized per call from the master
+      weights (weight_dtype), float32 accumulation; the rows and the combine keep ``dtype``. emb_dim and
+      moe_mlp_dim must be multiples of 128. It runs with impl "xla" and "reference"; the overlap and collective
+      impls refuse it (their FP8 custom calls are not built yet). The shared experts and the router are not
+      quantized.
   """
 
   emb_dim: int
@@ -96,6 +104,7 @@ class MoEConfig:
   router_z_loss_weight: float = 0.0
   dtype: Any = jnp.bfloat16
   weight_dtype: Any = jnp.float32
+  quantization: str | None = None
 
   def __post_init__(self):
     for name in ("emb_dim", "moe_mlp_dim", "num_experts", "num_experts_per_tok"):
@@ -125,6 +134,9 @@ class MoEConfig:
     if self.routed_bias_update_rate and not self.routed_bias:
       raise ValueError("jax_moe_overlap: routed_bias_update_rate is set but routed_bias is False")
     check_dtype("MoEConfig.dtype", self.dtype)
+    check_quantization(self.quantization)
+    if self.quantization == "fp8":
+      check_fp8_sizes(self.emb_dim, self.moe_mlp_dim)
 
   @property
   def dropless(self) -> bool:

@@ -55,11 +55,11 @@ def expert_block(x, gates, w1, w2, plan: Plan, cap: int, info: RankInfo):
 def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
   x_recv, h, a = _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a=True)
   y, slot_out = expert_combine(h, w2, gates, plan, info, want_slots=True)
-  return y, (x_recv, a, slot_out, gates, w1, w2, plan)
+  return y, (x_recv, a, h, slot_out, gates, w1, w2, plan)
 
 
 def _expert_block_bwd(cap, info, res, dy):
-  x_recv, a, slot_out, gates, w1, w2, plan = res
+  x_recv, a, h, slot_out, gates, w1, w2, plan = res
   T, k = gates.shape
   dy_slot = jnp.repeat(dy, k, axis=0)                                     # [P, D], slot p = t*k + j
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
@@ -72,7 +72,7 @@ def _expert_block_bwd(cap, info, res, dy):
   else:
     d_out = dispatch(d_slot, slot_rows, plan, cap, info)                                # [cap, D] at the experts
     dh = None
-  da, dw1, dw2 = expert_gemms.expert_grads(x_recv, a, d_out, w1, w2, plan.expert_rows, dh)
+  da, dw1, dw2 = expert_gemms.expert_grads(x_recv, a, h, d_out, w1, w2, plan.expert_rows, dh)
   # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).
   dx, _ = expert_combine(da, w1, jnp.ones_like(gates, jnp.float32), plan, info, want_slots=False, transpose_rhs=True)
   plan_ct = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), plan)

@@ -23,15 +23,16 @@ def swiglu(a: jax.Array) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
-# XLA's ragged_dot as the CPU branch of the grouped GEMMs below. JAX has no batching rule for it (vmap raises), so it
-# runs one call per batch element under vmap, as the GPU branch's custom calls do (vmap_method="sequential"). A
-# sequential_vmap function has no reverse-mode rule: these run only inside the custom_vjp rules of expert_mlp and
-# expert_block, never differentiated themselves.
-_ragged_dot = jax.custom_batching.sequential_vmap(
+# XLA's ragged_dot with float32 results, as the CPU branch of the grouped GEMMs below and the GEMMs of the FP8 recipe's
+# impl="xla" (fp8_experts.RAGGED). JAX has no batching rule for it (vmap raises), so it runs one call per batch element
+# under vmap, as the GPU branch's custom calls do (vmap_method="sequential"). A sequential_vmap function has no
+# reverse-mode rule: these run only inside custom_vjp rules (expert_mlp, expert_block, fp8_expert_mlp), never
+# differentiated themselves.
+ragged_matmul_f32 = jax.custom_batching.sequential_vmap(
     lambda lhs, rhs, group_sizes: jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32))
 _OUTER_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-_ragged_outer = jax.custom_batching.sequential_vmap(
+ragged_outer_f32 = jax.custom_batching.sequential_vmap(
     lambda lhs, rhs, group_sizes: jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _OUTER_DIMS,
                                                              preferred_element_type=jnp.float32))
 
@@ -40,7 +41,7 @@ def matmul(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
   """Grouped matmul of the expert GEMMs outside expert_combine: our custom call on GPU; XLA's ragged_dot on CPU."""
   def xla():
     rhs_ = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return _ragged_dot(lhs, rhs_, group_sizes).astype(out_dtype)
+    return ragged_matmul_f32(lhs, rhs_, group_sizes).astype(out_dtype)
 
   def ours():
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
@@ -52,7 +53,7 @@ def outer(lhs, rhs, group_sizes, out_dtype):
   """[rows, K], [rows, N] grouped by consecutive row blocks -> [G, K, N] per-group lhs^T @ rhs (as matmul: ours on
   GPU, XLA's ragged_dot_general on CPU)."""
   def xla():
-    return _ragged_outer(lhs, rhs, group_sizes).astype(out_dtype)
+    return ragged_outer_f32(lhs, rhs, group_sizes).astype(out_dtype)
 
   def ours():
     return grouped_outer(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
@@ -76,14 +77,18 @@ def gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
   return out if keep_a else (out, None)
 
 
-def expert_grads(x_recv, a, d_out, w1, w2, group_sizes, dh=None):
+def expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes, dh=None):
   """The local backward GEMMs of GEMM1 + SwiGLU + GEMM2 on a rank's recv rows, all but the input gradient.
 
-  x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D,
-  2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes).
-  dh [cap, F] float32 = d_out W2^T when the caller has it (dispatch_gemm), else computed here.
+  x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), h [cap, F] in x_recv's dtype (its SwiGLU, GEMM2's input, as
+  the forward pass wrote it), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D, 2F], w2 [E_local, F, D],
+  group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes). dh [cap, F] float32 =
+  d_out W2^T when the caller has it (dispatch_gemm), else computed here.
+
+  h is the forward's, kept, not recomputed from a: a recomputation is one more pass over a (the largest residual,
+  float32 [cap, 2F]) and a write of h, for a value the forward had already written.
   """
-  h, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
+  _, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
   if dh is None:
     dh = matmul(d_out, w2, group_sizes, transpose_rhs=True)
   dw2 = outer(h.astype(w2.dtype), d_out, group_sizes, w2.dtype)
@@ -115,12 +120,12 @@ def expert_mlp(x_recv, w1, w2, group_sizes):
 def _expert_mlp_fwd(x_recv, w1, w2, group_sizes):
   h, a = gemm1_swiglu(x_recv, w1, group_sizes, keep_a=True)
   out = matmul(h, w2, group_sizes, out_dtype=x_recv.dtype)
-  return out, (x_recv, a, w1, w2, group_sizes)
+  return out, (x_recv, a, h, w1, w2, group_sizes)
 
 
 def _expert_mlp_bwd(res, d_out):
-  x_recv, a, w1, w2, group_sizes = res
-  da, dw1, dw2 = expert_grads(x_recv, a, d_out, w1, w2, group_sizes)
+  x_recv, a, h, w1, w2, group_sizes = res
+  da, dw1, dw2 = expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes)
   dx = matmul(da, w1, group_sizes, transpose_rhs=True, out_dtype=x_recv.dtype)
   return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
 

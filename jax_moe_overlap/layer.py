@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.api import moe_experts
-from jax_moe_overlap.checks import (check_axis, check_batch_axes, check_experts, check_impl, check_tensor_axis,
-                                    check_tensor_split)
+from jax_moe_overlap.checks import (check_axis, check_batch_axes, check_experts, check_fp8_impl,
+                                    check_fp8_tensor_split, check_impl, check_tensor_axis, check_tensor_split)
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
 
@@ -86,7 +86,11 @@ class MoE(nnx.Module):
     R = check_axis(mesh, expert_axis)
     check_experts(config.num_experts, config.num_experts_per_tok, R, expert_axis)
     check_impl(impl)
-    check_tensor_split(config.moe_mlp_dim, check_tensor_axis(mesh, expert_axis, tensor_axis), tensor_axis)
+    TP = check_tensor_axis(mesh, expert_axis, tensor_axis)
+    check_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
+    if config.quantization is not None:
+      check_fp8_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
+      check_fp8_impl(impl, mesh)
     # The axes' rules now; the tokens' count is checked per call (0 tokens split over any devices).
     self.batch_axes = check_batch_axes(mesh, expert_axis, batch_axes, 0, tensor_axis)
     self.config, self.mesh, self.expert_axis, self.tensor_axis, self.impl = config, mesh, expert_axis, tensor_axis, impl
@@ -151,10 +155,13 @@ class MoE(nnx.Module):
     mask = None if token_mask is None else self._flatten(token_mask, features=False)
     r = self.route(x2d, mask)
     dt = cfg.dtype
-    y, dropped = moe_experts(x2d.astype(dt), r.expert_ids, r.gates, self.w1[...].astype(dt),
-                             self.w2[...].astype(dt), mesh=self.mesh, axis_name=self.expert_axis,
-                             capacity_factor=cfg.expert_capacity_factor, impl=self.impl, config=self.call_config,
-                             batch_axes=self.batch_axes, tensor_axis=self.tensor_axis)
+    # Quantized experts read the master weights (quantized per call, their gradients in weight_dtype), the others
+    # the weights cast to the compute dtype.
+    w1, w2 = (w[...] if cfg.quantization else w[...].astype(dt) for w in (self.w1, self.w2))
+    y, dropped = moe_experts(x2d.astype(dt), r.expert_ids, r.gates, w1, w2, mesh=self.mesh,
+                             axis_name=self.expert_axis, capacity_factor=cfg.expert_capacity_factor, impl=self.impl,
+                             config=self.call_config, batch_axes=self.batch_axes, tensor_axis=self.tensor_axis,
+                             quantization=cfg.quantization)
     if self.shared_w1 is not None:
       y = (y.astype(jnp.float32) + self.shared(x2d)).astype(dt)
     if cfg.routed_bias_update_rate and not self.deterministic:

@@ -11,7 +11,13 @@ float32 rounding) at the cost of the routed rows only, T k per GEMM, always in f
 ``routed_combine`` runs each expert's slots in fixed-size blocks under a ``lax.scan``. The benchmarks check big
 shapes with it (run expert-parallel); tests/test_reference.py holds it equal to the dense oracle.
 
-Skipped slots (expert id -1) select nothing in both: they contribute zero, take no capacity and are not dropped.
+``moe_experts_fp8_reference`` is the layer under ``quantization="fp8"``: the kept slots gathered into one row per
+slot, grouped by expert in the global slot order (the order the plan lays each expert's rows out in on its rank, so
+the recipe's 128-row tiles of an expert's rows are the expert-parallel paths' tiles), through the FP8 recipe with
+dense float32 GEMMs (``fp8_experts.DENSE``), and combined as above.
+
+Skipped slots (expert id -1) select nothing in all of them: they contribute zero, take no capacity and are not
+dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap.expert_gemms import swiglu
+from jax_moe_overlap.fp8_experts import DENSE, fp8_expert_mlp
 
 
 def kept_mask(expert_ids: jax.Array, num_experts: int, expert_cap: int, ranks: int) -> jax.Array:
@@ -178,4 +185,30 @@ def moe_experts_sparse_reference(x, expert_ids, gates, w1, w2, expert_cap: int, 
   kept = slot_kept(expert_ids, w1.shape[0], expert_cap)
   y = routed_combine(x, jnp.where(kept, expert_ids, -1), jnp.where(kept, gates, 0), w1, w2,
                      block_rows=block_rows, num_blocks=num_blocks)
+  return y.astype(x.dtype), jnp.sum(~kept).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The FP8 oracle: the layer under quantization="fp8".
+
+
+def moe_experts_fp8_reference(x, expert_ids, gates, w1, w2, expert_cap: int, ranks: int):
+  """``moe_experts_reference`` under ``quantization="fp8"``: args and returns as there, w1 and w2 float master
+  weights or ``fp8.Fp8Weight``. Each kept slot is one row of the recipe (``fp8_experts.fp8_expert_mlp`` with dense
+  GEMMs), the rows grouped by expert in the global slot order; y sums a token's k rows times their gates in float32
+  in the order j = 0..k-1. Differentiable (the recipe's backward for the expert GEMMs)."""
+  del ranks  # global token order already is (rank, local token)
+  T, k = expert_ids.shape
+  E = w1.shape[0]
+  kept = kept_mask(expert_ids, E, expert_cap, 1)
+  routed = kept & (expert_ids >= 0) & (expert_ids < E)
+  order, key, counts, _ = _sort_slots(jnp.where(routed, expert_ids, -1).reshape(T * k), E)
+  rows = (key[order] < E)[:, None]
+  x_rows = jnp.where(rows, jnp.take(x, order // k, axis=0), 0).astype(x.dtype)            # [T k, D] by expert
+  out = fp8_expert_mlp(x_rows, w1, w2, counts, DENSE)
+  slot_out = jnp.zeros_like(out).at[order].set(out).reshape(T, k, -1).astype(jnp.float32)
+  w = jnp.where(routed, gates, 0).astype(jnp.float32)
+  y = w[:, 0, None] * slot_out[:, 0]
+  for j in range(1, k):
+    y = y + w[:, j, None] * slot_out[:, j]
   return y.astype(x.dtype), jnp.sum(~kept).astype(jnp.int32)

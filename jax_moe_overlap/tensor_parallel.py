@@ -1,5 +1,5 @@
 """Expert tensor parallelism (``tensor_axis``; docs/design.md, "Expert tensor parallelism"): the layer's layout over a
-tensor axis (``w1_view``, ``operand_specs``, ``gate_up_shards``, every expert-parallel impl), and for
+tensor axis (``w1_view``, ``operand_specs``, ``weight_spec``, ``gate_up_shards``, every expert-parallel impl), and for
 ``impl="overlap"`` the tensor shards of the experts as the experts of one exchange group (``shard_slots``).
 
 The expert axis (R devices) and the tensor axis (TP devices) together form one exchange group of R TP ranks, rank
@@ -25,6 +25,12 @@ Backward (``expert_block``'s, unchanged): a shard slot's gate gradient is dy . i
 gate gradient sums a choice's TP of them in tensor order; dx is the combine of the shards' partial input gradients
 da W1_shard^T with unit gates, summed over a token's k TP slots in the same order; each rank's weight gradients are
 those of its shards.
+
+FP8 (``quantization="fp8"``: impl "xla"; the reference computes whole experts): F / TP is a multiple of 128, so a
+shard's 128 x 128 weight blocks and its 1 x 128 tiles of a and h are tiles of the whole expert's, and each rank runs
+the recipe on its shard (master weights quantized per call, or its part of a pre-quantized ``fp8.Fp8Weight``, laid
+out by ``w1_view`` and ``weight_spec``). The result is the unsplit recipe's but for where its sums over F split: the
+forward's partial outputs and the backward's partial input gradients, each in the layer's dtype, summed in float32.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_moe_overlap import fp8
 from jax_moe_overlap.plan import SKIP, Plan
 
 # The shard expert id of an expert id outside [0, E) other than SKIP: outside [0, E TP) and not SKIP, so the plan
@@ -43,9 +50,13 @@ from jax_moe_overlap.plan import SKIP, Plan
 _INVALID = SKIP - 1
 
 
-def gate_up_shards(w1: jax.Array) -> jax.Array:
+def gate_up_shards(w1):
   """A rank's w1 as the grouped GEMMs take it: [E_l, D, 2, F_l] (the [E, D, 2, F] view's shard: gate, up) ->
-  [E_l, D, 2 F_l] (its gate columns, then its up columns: the SwiGLU's halves of the same F_l hidden units)."""
+  [E_l, D, 2 F_l] (its gate columns, then its up columns: the SwiGLU's halves of the same F_l hidden units). An
+  ``fp8.Fp8Weight`` in the view ``w1_view`` gives it (values [E_l, 2, F_l, D], scales [E_l, 2, F_l / 128, D / 128])
+  -> the Fp8Weight of those [E_l, D, 2 F_l] columns. [E, D, 2F] (and a 3-D Fp8Weight) as given."""
+  if isinstance(w1, fp8.Fp8Weight):
+    return fp8.Fp8Weight(*(a.reshape(a.shape[0], -1, a.shape[-1]) for a in (w1.values, w1.scales)))
   return w1.reshape(w1.shape[0], w1.shape[1], -1)
 
 
@@ -102,12 +113,20 @@ def name_expert_ids(plan: Plan, expert_ids: jax.Array, tensor: int) -> Plan:
                                                            plan.slot_dest_row).astype(jnp.int32))
 
 
-def w1_view(w1: jax.Array) -> jax.Array:
+def w1_view(w1, reshape=jnp.reshape):
   """w1 [E, D, 2F] (gate | up) or its view [E, D, 2, F] -> the view (the same elements in the same order): the
-  layout that splits over a tensor axis along F with the gate's and the up projection's columns split alike."""
+  layout that splits over a tensor axis along F with the gate's and the up projection's columns split alike. An
+  ``fp8.Fp8Weight`` of w1 (values [E, 2F, D], scales [E, 2F / 128, D / 128]: W^T's rows are w1's columns) -> the
+  Fp8Weight of the view, values [E, 2, F, D] and scales [E, 2, F / 128, D / 128] (F a multiple of 128: no block
+  straddles the gate and the up halves). ``reshape(a, shape)`` reshapes each array (``jnp.reshape``, or one that
+  names its output sharding)."""
+  if isinstance(w1, fp8.Fp8Weight):
+    if w1.values.ndim == 4:
+      return w1
+    return fp8.Fp8Weight(*(reshape(a, (a.shape[0], 2, a.shape[1] // 2, a.shape[2])) for a in (w1.values, w1.scales)))
   if w1.ndim == 4:
     return w1
-  return w1.reshape(w1.shape[0], w1.shape[1], 2, w1.shape[2] // 2)
+  return reshape(w1, (w1.shape[0], w1.shape[1], 2, w1.shape[2] // 2))
 
 
 def operand_specs(axis_name: str, tensor_axis: str | None, batch_axes: tuple[str, ...]):
@@ -116,3 +135,13 @@ def operand_specs(axis_name: str, tensor_axis: str | None, batch_axes: tuple[str
   tensor axis, their hidden width F over it."""
   tensor = (tensor_axis,) if tensor_axis is not None else ()
   return P((*batch_axes, axis_name, *tensor)), P(axis_name, None, None, tensor_axis), P(axis_name, tensor_axis, None)
+
+
+def weight_spec(w, spec: P):
+  """The layout of a weight argument whose float array (w1's view [E, D, 2, F] or w2 [E, F, D]) takes ``spec``: a
+  float array takes ``spec``; an ``fp8.Fp8Weight`` stores W^T per expert (its values and its scales [E, ..., K],
+  the contraction axis K last), so each takes ``spec`` with K's entry (axis 1) moved last."""
+  if isinstance(w, fp8.Fp8Weight):
+    moved = P(spec[0], *spec[2:], spec[1])
+    return fp8.Fp8Weight(moved, moved)
+  return spec

@@ -242,6 +242,19 @@ class Workspace:
       raise ValueError(f"jax_moe_overlap: group {group} of a workspace with {self.groups} groups")
     return workspace_cuda.last_call_stats(self.handle, group)
 
+  def recorded_failures(self) -> list[str]:
+    """The failure recorded in each aborted group of this workspace (one text per such group; [] when none is).
+
+    A call inside a CUDA graph (XLA's command buffers) that fails stops the device, and XLA then raises only CUDA's
+    error (an unspecified launch failure or illegal instruction); this says which rank waited for which peer at
+    which stage with which counts, or which input was invalid. It reads the group's host memory alone, so it answers
+    after such a failure, when every CUDA call of the process fails. [] on CPU workspaces, whose calls report their
+    failures themselves.
+    """
+    if self.platform == "cpu" or self._released:
+      return []
+    return [t for t in workspace_cuda.failures(self.handle) if t]
+
   def release(self) -> None:
     """Frees the native buffers, after waiting for the dispatched programs (``jax.effects_barrier``; on CUDA the
     native release also synchronizes the devices). Programs compiled for this workspace are dropped from the eager
@@ -264,6 +277,12 @@ class Workspace:
   def __repr__(self):
     return (f"Workspace(axis={self.axis_name!r}, ranks={self.ranks}, groups={self.groups}, "
             f"platform={self.platform!r}, sizes={self.sizes}, handle={self.handle})")
+
+
+def recorded_failures() -> list[str]:
+  """The failures recorded in the live workspaces of this process (``Workspace.recorded_failures``), one text per
+  aborted group: what to read when a program whose workspace calls ran inside a CUDA graph raised a CUDA error."""
+  return [t for ws in Workspace.cached() for t in ws.recorded_failures()]
 
 
 def release_workspaces() -> int:

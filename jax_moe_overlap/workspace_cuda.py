@@ -269,3 +269,9 @@ def call_stats(rank: int, record: dict) -> CallStats:
 def last_call_stats(handle: int, group: int = 0) -> list[CallStats]:
   """Per rank of ``group``, what its last expert_combine recorded. Synchronizes every device of the group first."""
   return [call_stats(r, rec) for r, rec in enumerate(_jmo.cuda_last_combine_records(int(handle), int(group)))]
+
+
+def failures(handle: int, timeout_ms: int = 0) -> list[str]:
+  """Per group of the workspace, the text of its recorded failure ("" where the group is not aborted), read from the
+  group's host memory alone (``Workspace.recorded_failures``)."""
+  return [str(t) for t in _jmo.cuda_workspace_failures(int(handle), int(timeout_ms))]

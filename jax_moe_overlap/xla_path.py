@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
+from jax_moe_overlap.fp8_experts import fp8_ragged_mlp
 
 
 def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
@@ -59,23 +60,29 @@ def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
 
 # The impls of this module by the function that runs a rank's local experts on its recv rows:
 # f(x_recv [cap, D], w1 [E_local, D, 2F], w2 [E_local, F, D], group_sizes [E_local]) -> [cap, D].
+# Under quantization="fp8" impl="xla" runs the FP8 recipe with ragged_dot (fp8_experts.py).
 LOCAL_EXPERTS = {"xla": ragged_dot_mlp, "collective": expert_mlp}
+FP8_LOCAL_EXPERTS = {"xla": fp8_ragged_mlp}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
-                    batch_axes: tuple[str, ...] = (), impl: str = "xla", tensor_axis: str | None = None):
+                    batch_axes: tuple[str, ...] = (), impl: str = "xla", tensor_axis: str | None = None,
+                    quantization: str | None = None):
   """The expert layer with tokens sharded over ``(*batch_axes, axis_name, tensor_axis)``, experts over ``axis_name``
   and their hidden width over ``tensor_axis`` (each position on the batch axes an independent expert-parallel
-  group), the local experts run by ``LOCAL_EXPERTS[impl]`` (``impl``: "xla" or "collective"). w1: [E, D, 2F] or its
-  view [E, D, 2, F]. expert_cap: rows per expert; recv_cap: a rank's recv rows for the T TP tokens of its tensor
-  group. Returns (y [T, D], dropped [])."""
+  group), the local experts run by ``LOCAL_EXPERTS[impl]`` (``impl``: "xla" or "collective"; with
+  quantization="fp8" ``FP8_LOCAL_EXPERTS[impl]``). w1: [E, D, 2F] or its view [E, D, 2, F] (with quantization="fp8"
+  also an ``fp8.Fp8Weight``, as w2). expert_cap: rows per expert; recv_cap: a rank's recv rows for the T TP tokens
+  of its tensor group. Returns (y [T, D], dropped [])."""
   ragged = _uses_ragged_all_to_all(mesh)
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
-                         num_experts=w1.shape[0], expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
-                         local_experts=LOCAL_EXPERTS[impl])
+                         num_experts=w2.shape[0], expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
+                         local_experts=(LOCAL_EXPERTS if quantization is None else FP8_LOCAL_EXPERTS)[impl])
   token_spec, w1_spec, w2_spec = tp_lib.operand_specs(axis_name, tensor_axis, batch_axes)
-  return jax.shard_map(fn, mesh=mesh, in_specs=(token_spec,) * 3 + (w1_spec, w2_spec),
-                       out_specs=(token_spec, P()), check_vma=False)(x, expert_ids, gates, tp_lib.w1_view(w1), w2)
+  w1 = tp_lib.w1_view(w1)
+  in_specs = (token_spec,) * 3 + (tp_lib.weight_spec(w1, w1_spec), tp_lib.weight_spec(w2, w2_spec))
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(token_spec, P()),
+                       check_vma=False)(x, expert_ids, gates, w1, w2)
 
 
 def _uses_ragged_all_to_all(mesh) -> bool:

@@ -114,6 +114,24 @@ def test_a_failed_call_does_not_fail_the_next_program():
   np.testing.assert_allclose(f(x, ids, gates, w1, w2), y_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_an_ahead_of_time_compiled_program_runs_more_than_once():
+  # jit(f).lower(...).compile() gives an object whose later calls take JAX's C++ path: it must still pass the
+  # ordered effect's token (ordering._keep_tokens_in_compiled_calls), forward and backward.
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(32, 16, 24, 8, 2, "skewed", 2)
+  y_ref, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="reference")
+  fwd = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh)[0]).lower(x, ids, gates, w1, w2).compile()
+  first = fwd(x, ids, gates, w1, w2)
+  np.testing.assert_allclose(first, y_ref, rtol=1e-5, atol=1e-5)
+  for _ in range(2):
+    np.testing.assert_array_equal(fwd(x, ids, gates, w1, w2), first)
+  loss = lambda x, w1: jnp.sum(jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh)[0] ** 2)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w1).compile()
+  g0 = grad(x, w1)
+  for a, b in zip(grad(x, w1), g0):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_cuda_workspace_calls_carry_no_effect():
   """On CUDA the workspace calls must stay effect-free: any effect (``has_side_effect=True`` included) turns off
   jit's C++ dispatch fast path (workspace_calls._workspace_call says why that matters).

@@ -62,22 +62,25 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   if (ffi::Error err = CheckSlots(c, "dispatch", src_row, dst_rank, dst_row, P, S, cap); err.failure()) return err;
 
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
+  // A group of one rank stores its rows straight into the output (protocol.h: no recv rows, no copy).
+  char* direct = R == 1 ? static_cast<char*>(out->untyped_data()) : nullptr;
   // Start with the next rank so that the R senders do not all hit the same receiver at once.
   for (int i = 1; i <= R; ++i) {
     const int d = (c.rank + i) % R;
     RankView peer = ws->view(c.group, d);
     ErrorRecord e = WaitFor(c, &peer.control()->done_epoch.value, 0, c.epoch - 1, d, kStagePeerReady);
     if (e.code) return TimeoutError("dispatch", e, c);
+    char* rows = direct != nullptr ? direct : peer.recv();
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
       if (dst_row[p] < 0 || dst_rank[p] != d) continue;
-      std::memcpy(peer.recv() + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, row_bytes);
+      std::memcpy(rows + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, row_bytes);
       ++sent;
     }
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
   }
 
-  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data());
+  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), direct != nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

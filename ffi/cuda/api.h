@@ -6,6 +6,12 @@
 // except after a failure (RecoverIfAborted synchronizes). A failure inside the kernels (a timed-out wait, an invalid
 // routing input found on the device) is reported by the *next* call of the same rank, with rank, peer, stage and
 // counts: the kernels run asynchronously, so the call that fails cannot know yet.
+//
+// CUDA graphs: every call launches the same device work whatever happened before it (per-call state lives on the
+// device), so XLA may capture it into a command buffer (a CUDA graph) and replay it without calling the host side
+// again. `stream` may then be capturing: a call detects that (cudaStreamIsCapturing), never synchronizes, reports an
+// earlier failure without recovering from it, and tells its kernels, which stop the device on a failure instead of
+// leaving it to the next call (StopIfCaptured, workspace/protocol.cuh).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -75,6 +75,15 @@ Status LaunchError(const char* what) {
   return CudaStatus(cudaGetLastError(), what);
 }
 
+namespace {
+__global__ void EmptyKernel() {}
+}  // namespace
+
+Status LaunchEmpty(cudaStream_t stream) {
+  EmptyKernel<<<1, 1, 0, stream>>>();
+  return LaunchError("launch of EmptyKernel");
+}
+
 Status PrepareKernels(int dev) {
   Status s = PrepareExpertKernels(dev);
   if (s.ok()) s = PrepareProtocolKernels(dev);

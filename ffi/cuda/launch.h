@@ -15,6 +15,10 @@ namespace jmo::cuda {
 // The launch error of the last kernel launch on this thread, if any, as a Status naming `what`.
 Status LaunchError(const char* what);
 
+// One empty kernel on `stream`: what a call with nothing to compute launches, so that XLA's trace of it into a CUDA
+// graph is not empty (XLA refuses an empty traced graph).
+Status LaunchEmpty(cudaStream_t stream);
+
 // How a kernel's dynamic shared memory limit is set on a device: cudaFuncSetAttribute (set_smem = nullptr), or a GEMM
 // engine's own preparation, which also checks that the kernel can run there (ops/expert_producer.cuh:
 // kWgmmaKernelSetup, the wgmma engine's: a Hopper device, the sm_90a build and the register budget). `name` words
@@ -31,10 +35,15 @@ Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, const Kerne
                           int dev, int* smem_bytes);
 
 // Protocol step 0 on the host: check the call's options (CheckOptions; a refusal before the epoch leaves the group as
-// it was), recover from an earlier failure (reported here), then BeginKernel on the device; then check that `need`
-// fits the workspace (CheckFits, at most kMaxSegments segments), failing the call as FailCall does if not.
+// it was), recover from an earlier failure (reported here; a call being captured into a CUDA graph only reports it:
+// Workspace::RecordedFailure), then BeginKernel on the device, told whether the call is captured; then check that
+// `need` fits the workspace (CheckFits, at most kMaxSegments segments), failing the call as FailCall does if not.
 Status BeginCall(const CallSite& c, const char* op, const CallFootprint& need, const int32_t* group_op,
                  const int32_t* rank_op);
+
+// Whether `stream` is being captured into a CUDA graph (XLA's command buffers trace a custom call on a capturing
+// stream); an error naming `op` when its capture was already invalidated.
+Status StreamCaptured(cudaStream_t stream, const char* op, bool* captured);
 
 // A call refused after BeginCall: raises the group's abort (the peers give up at once instead of waiting for this
 // rank's rows) and returns InvalidArgument "jax_moe_overlap: <op>: <why>".
@@ -43,10 +52,11 @@ Status FailCall(const CallSite& c, const char* op, const std::string& why);
 // EndKernel: closes the call (which = 0: a dispatch's recv rows, 1: expert_combine's ret rows).
 Status LaunchEnd(const RankDev& rd, cudaStream_t stream, const int32_t* expected, int which);
 
-// The end of a dispatch: RecvKernel (wait for this rank's *expected rows, copy recv -> out [cap rows], zero the rest)
-// on `grid` CTAs, then EndKernel (frees recv for the peers' next call).
+// The end of a dispatch: RecvKernel (wait for this rank's *expected rows, copy recv -> out [cap rows], zero the rest;
+// with rows_in_out the rows are already in out and only the rest is zeroed) on `grid` CTAs, then EndKernel (frees
+// recv for the peers' next call).
 Status LaunchRecvAndEnd(const RankDev& rd, int grid, cudaStream_t stream, const int32_t* expected, char* out,
-                        int64_t cap, int64_t row_bytes);
+                        int64_t cap, int64_t row_bytes, bool rows_in_out);
 
 // Each kernel file loads its kernels on a device (and sets their shared memory): PrepareKernels calls them all.
 Status PrepareProtocolKernels(int dev);

@@ -1,12 +1,16 @@
-"""Shared helpers of the GPU tests: skip cleanly where there is no GPU (CI), run the loopback harness."""
+"""Shared helpers of the GPU tests: skip cleanly where there is no GPU (CI), run the loopback harness, run the
+processes of a multi-process job."""
 
 from __future__ import annotations
 
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 import numpy as np
@@ -59,7 +63,8 @@ def skip_reason() -> str | None:
 requires_gpu = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def run_loopback(args, timeout: float, wrapper=()) -> subprocess.CompletedProcess:
@@ -86,3 +91,46 @@ def rel_err(a, b) -> float:
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(nproc: int, placement: str, case: str, limit_s: float = 300, script: str = "multiprocess_gpu_main.py",
+                  **env_extra):
+  """Runs the processes of one job (tests/gpu/<script>, argv: process_id num_processes port placement case);
+  returns [(exit status, output)] by process. The children get this process's environment without its XLA_FLAGS,
+  then env_extra (which may set them). A child still running at limit_s is killed (SIGKILL). Outputs go to files,
+  not pipes: a child blocked on a full pipe would stall its peers."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.update(env_extra)
+  # The child imports helpers of tests/gpu and tests/: after whatever PYTHONPATH has (the installed package first).
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), HERE, os.path.dirname(HERE)) if p)
+  port = str(_free_port())
+  logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), str(nproc), port, placement, case],
+                            cwd=HERE, env=env, stdout=logs[i], stderr=subprocess.STDOUT)
+           for i in range(nproc)]
+  deadline = time.monotonic() + limit_s
+  try:
+    for p in procs:
+      try:
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=30)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  outs = []
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    log.seek(0)
+    outs.append((p.returncode, log.read()))
+    log.close()
+    print(f"--- process {i} (exit status {p.returncode}):\n{outs[-1][1][-6000:]}")
+  return outs

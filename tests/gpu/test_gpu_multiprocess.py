@@ -7,69 +7,25 @@ process. Each checks bfloat16 and float32 forward and gradients (jax.vjp through
 reference (1e-2 relative), repeated calls bitwise identical, and no shared-memory name left behind. A peer process
 killed between calls makes the survivor fail (the routing counts' exchange, stage "counts") within about two
 timeouts (the kernel's wait, then the next call's recovery barrier, which reports it), naming the peer and its
-process, and the survivor's release does not wait for the dead peer. Every subprocess wait is bounded. In this
+process, and the survivor's release does not wait for the dead peer (with the custom calls outside CUDA graphs: inside
+one a failure stops the device, test_gpu_command_buffers.py). Every subprocess wait is bounded. In this
 process, over every visible GPU (R = 1 on a one-GPU machine): the CUDA exchange_counts path of the layer equals the
 all_gather one bit for bit.
 """
 
 import glob
-import os
 import re
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 
 import layer_checks as checks  # tests/layer_checks.py (tests/ is on pytest's pythonpath)
-from gpu_common import gpu_devices, gpu_mesh, requires_gpu
+from gpu_common import gpu_devices, gpu_mesh, requires_gpu, run_processes
 
 pytestmark = requires_gpu
-HERE = os.path.dirname(os.path.abspath(__file__))
 GPUS = len(gpu_devices())
+# XLA's default command buffer kinds without CUSTOM_CALL.
+NO_CUSTOM_CALL_GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"
 PLACEMENTS = ["one_gpu"] + (["own_gpu"] if GPUS >= 2 else [])
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def run_processes(nproc: int, placement: str, case: str, limit_s: float = 300, **env_extra):
-  """Runs the processes of one job (multiprocess_gpu_main.py); returns [(exit status, output)] by process. A child
-  still running at limit_s is killed (SIGKILL). Outputs go to files, not pipes: a child blocked on a full pipe
-  would stall its peers."""
-  env = dict(os.environ, **env_extra)
-  env.pop("XLA_FLAGS", None)
-  # The child imports helpers of tests/gpu and tests/: after whatever PYTHONPATH has (the installed package first).
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), HERE, os.path.dirname(HERE)) if p)
-  port = str(_free_port())
-  logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
-  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_gpu_main.py"), str(i), str(nproc), port,
-                             placement, case], cwd=HERE, env=env, stdout=logs[i], stderr=subprocess.STDOUT)
-           for i in range(nproc)]
-  deadline = time.monotonic() + limit_s
-  try:
-    for p in procs:
-      try:
-        p.wait(timeout=max(1.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(timeout=30)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  outs = []
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    log.seek(0)
-    outs.append((p.returncode, log.read()))
-    log.close()
-    print(f"--- process {i} (exit status {p.returncode}):\n{outs[-1][1][-6000:]}")
-  return outs
 
 
 def _shm_left(outs) -> list[str]:
@@ -101,7 +57,10 @@ def test_expert_axis_over_processes_matches_the_reference(placement, tmp_path):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_peer_killed_between_calls_fails_the_survivor_within_the_timeout(placement):
   timeout_s = 3.0
-  outs = run_processes(2, placement, "killed_between_calls", limit_s=240, JMO_TIMEOUT_MS=str(int(timeout_s * 1000)))
+  # The recovery outside CUDA graphs: the custom calls are kept out of XLA's command buffers (a failure inside one
+  # stops the device instead: test_gpu_command_buffers.py).
+  outs = run_processes(2, placement, "killed_between_calls", limit_s=240, JMO_TIMEOUT_MS=str(int(timeout_s * 1000)),
+                       XLA_FLAGS=NO_CUSTOM_CALL_GRAPHS)
   lost_rank, lost = map(int, re.search(r"^losing rank (\d+) in process (\d+)$", outs[0][1], re.M).groups())
   assert outs[lost][0] == -9, outs[lost][1][-4000:]
   rc, out = outs[1 - lost]

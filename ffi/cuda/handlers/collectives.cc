@@ -6,10 +6,16 @@
 // synchronization per call. The handler instead finds its (group, rank) from the FFI device ordinal in the workspace
 // table (one rank per device outside the loopback harness), and the first kernel of the call checks that the
 // operands agree, reporting a mismatch as an error of the next call.
+//
+// CUDA graphs: each handler declares XLA's command-buffer trait (kCmdBufferCompatible). What a call launches depends
+// only on its attributes, the operand shapes and addresses and the workspace, never on an earlier call (the epoch and
+// every per-call counter live on the device), so XLA may trace it into a CUDA graph and replay that; docs/design.md
+// ("CUDA graphs") says how a captured call fails.
 #include <string>
 
 #include "common/call_signature.h"
 #include "cuda/api.h"
+#include "cuda/handlers/call_counts.h"
 #include "cuda/handlers/handlers.h"
 #include "cuda/handlers/support.h"
 #include "cuda/workspace/workspace.h"
@@ -38,6 +44,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
                         ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
                         ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
+  NoteHandlerCall(HandlerOp::kDispatch, stream);
   auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs);
@@ -56,6 +63,7 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> a, DispatchGemmAttrs attrs) {
+  NoteHandlerCall(HandlerOp::kDispatchGemm, stream);
   const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
   auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
                                  transpose_rhs, swiglu);
@@ -84,6 +92,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> slot_out, ExpertCombineAttrs attrs) {
+  NoteHandlerCall(HandlerOp::kExpertCombine, stream);
   const bool transpose_rhs = attrs.transpose_rhs;
   auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
@@ -101,6 +110,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 ffi::Error ExchangeCountsImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> counts,
                               ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                               ffi::Result<ffi::Buffer<ffi::S32>> counts_all, CallAttrs attrs) {
+  NoteHandlerCall(HandlerOp::kExchangeCounts, stream);
   auto shape = CheckExchangeCounts(counts, *counts_all);
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs);
@@ -112,23 +122,28 @@ ffi::Error ExchangeCountsImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<
 }  // namespace
 }  // namespace jmo::cuda
 
-// XLA's stream and the device ordinal first, then the operands shared with the CPU handlers.
+// XLA's stream and the device ordinal first, then the operands shared with the CPU handlers; each may be traced
+// into a CUDA graph (XLA's command buffers).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchCuda, jmo::cuda::DispatchImpl,
                               jmo::BindDispatch(ffi::Ffi::Bind()
                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                    .Ctx<ffi::DeviceOrdinal>()));
+                                                    .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoDispatchGemmCuda, jmo::cuda::DispatchGemmImpl,
                               jmo::BindDispatchGemm(ffi::Ffi::Bind()
                                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                        .Ctx<ffi::DeviceOrdinal>()));
+                                                        .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCuda, jmo::cuda::ExpertCombineImpl,
                               jmo::BindExpertCombine(ffi::Ffi::Bind()
                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                         .Ctx<ffi::DeviceOrdinal>()));
+                                                         .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCuda, jmo::cuda::ExchangeCountsImpl,
                               jmo::BindExchangeCounts(ffi::Ffi::Bind()
                                                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                          .Ctx<ffi::DeviceOrdinal>()));
+                                                          .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});

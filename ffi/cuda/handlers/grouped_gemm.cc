@@ -1,6 +1,9 @@
 // XLA:CUDA handlers of the bare grouped GEMMs: the shape checks shared with the CPU handlers
-// (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu on XLA's stream.
+// (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu on XLA's stream. They keep no state
+// between calls and launch what the shapes and addresses decide (group sizes are read on the device), so each
+// declares XLA's command-buffer trait: XLA may trace it into a CUDA graph and replay it.
 #include "common/grouped_gemm_signature.h"
+#include "cuda/handlers/call_counts.h"
 #include "cuda/handlers/handlers.h"
 #include "cuda/handlers/support.h"
 #include "cuda/ops/grouped_gemm.h"
@@ -13,6 +16,7 @@ namespace {
 
 ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+  NoteHandlerCall(HandlerOp::kGroupedMatmul, stream);
   auto s = CheckGroupedMatmul(lhs, rhs, group_sizes, *out, transpose_rhs);
   if (s.has_error()) return s.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
@@ -23,6 +27,7 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 
 ffi::Error GroupedOuterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  NoteHandlerCall(HandlerOp::kGroupedOuter, stream);
   auto s = CheckGroupedOuter(lhs, rhs, group_sizes, *out);
   if (s.has_error()) return s.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
@@ -33,6 +38,7 @@ ffi::Error GroupedOuterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                                    ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> h,
                                    ffi::Result<ffi::AnyBuffer> a) {
+  NoteHandlerCall(HandlerOp::kGroupedMatmulSwiGlu, stream);
   bool keep_a = false;
   auto s = CheckGroupedSwiGlu(lhs, rhs, group_sizes, *h, *a, &keep_a);
   if (s.has_error()) return s.error();
@@ -47,10 +53,13 @@ ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::An
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulCuda, jmo::cuda::GroupedMatmulImpl,
                               jmo::BindGroupedMatmul(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                                      .Ctx<ffi::DeviceOrdinal>()));
+                                                                      .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCuda, jmo::cuda::GroupedOuterImpl,
                               jmo::BindGroupedOuter(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                                      .Ctx<ffi::DeviceOrdinal>()));
+                                                                      .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCuda, jmo::cuda::GroupedMatmulSwiGluImpl,
                               jmo::BindGroupedSwiGlu(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                                       .Ctx<ffi::DeviceOrdinal>()));
+                                                                       .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -15,8 +15,10 @@
 #include "common/dtype.h"
 #include "cuda/api.h"
 #include "cuda/gemm/engine.h"
+#include "cuda/handlers/call_counts.h"
 #include "cuda/handlers/handlers.h"
 #include "cuda/workspace/workspace.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
@@ -50,20 +52,58 @@ GemmOperands Operands(const std::string& dtype, int64_t M, int64_t K, int64_t N,
 std::optional<std::string> Text(const char* why) {
   return why != nullptr ? std::optional<std::string>(why) : std::nullopt;
 }
+
+// The XLA:CUDA handlers by custom call target.
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* handler;
+};
+constexpr Target kTargets[] = {{"jmo_dispatch", JmoDispatchCuda},
+                               {"jmo_expert_combine", JmoExpertCombineCuda},
+                               {"jmo_dispatch_gemm", JmoDispatchGemmCuda},
+                               {"jmo_exchange_counts", JmoExchangeCountsCuda},
+                               {"jmo_grouped_matmul", JmoGroupedMatmulCuda},
+                               {"jmo_grouped_outer", JmoGroupedOuterCuda},
+                               {"jmo_grouped_matmul_swiglu", JmoGroupedMatmulSwiGluCuda}};
+
+// The traits a handler declares to XLA, read as XLA reads them when it registers the handler: a call frame carrying
+// only the metadata extension, which the handler fills in without running anything (no device needed).
+uint32_t DeclaredTraits(XLA_FFI_Handler* handler) {
+  XLA_FFI_Metadata metadata{};
+  metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  metadata.api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension extension{};
+  extension.extension_base = {XLA_FFI_Metadata_Extension_STRUCT_SIZE, XLA_FFI_Extension_Metadata, nullptr};
+  extension.metadata = &metadata;
+  XLA_FFI_CallFrame frame{};
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.extension_start = &extension.extension_base;
+  frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
+  frame.args.struct_size = XLA_FFI_Args_STRUCT_SIZE;
+  frame.rets.struct_size = XLA_FFI_Rets_STRUCT_SIZE;
+  frame.attrs.struct_size = XLA_FFI_Attrs_STRUCT_SIZE;
+  // (The structs come from the headers the handlers were built with, so the metadata path returns no error, which
+  // would need the XLA API this frame does not carry.)
+  if (handler(&frame) != nullptr) throw std::runtime_error("jax_moe_overlap: a handler refused its metadata query");
+  return metadata.traits;
+}
 }  // namespace
 
 void RegisterModule(nb::module_& m) {
   m.def("cuda_registrations", []() {
     nb::dict d;
-    d["jmo_dispatch"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchCuda));
-    d["jmo_expert_combine"] = nb::capsule(reinterpret_cast<void*>(JmoExpertCombineCuda));
-    d["jmo_dispatch_gemm"] = nb::capsule(reinterpret_cast<void*>(JmoDispatchGemmCuda));
-    d["jmo_exchange_counts"] = nb::capsule(reinterpret_cast<void*>(JmoExchangeCountsCuda));
-    d["jmo_grouped_matmul"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulCuda));
-    d["jmo_grouped_outer"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedOuterCuda));
-    d["jmo_grouped_matmul_swiglu"] = nb::capsule(reinterpret_cast<void*>(JmoGroupedMatmulSwiGluCuda));
+    for (const Target& t : kTargets) d[t.name] = nb::capsule(reinterpret_cast<void*>(t.handler));
     return d;
   });
+  // {custom call target: the XLA_FFI_Handler_Traits its handler declares}, and the bit of the command-buffer trait
+  // (XLA may trace the call into a CUDA graph).
+  m.def("cuda_handler_traits", []() {
+    nb::dict d;
+    for (const Target& t : kTargets) d[t.name] = DeclaredTraits(t.handler);
+    return d;
+  });
+  m.attr("ffi_trait_command_buffer_compatible") =
+      static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
   // process, here, prefix: a workspace whose groups span processes (workspace.h's Sharing; process[g * ranks + r]
   // owns rank r of group g, ordinals of other processes' ranks are -1): this process's part, completed by
   // open_cuda_workspace_peers once every process has created its own (jax_moe_overlap/workspace_cuda.py).
@@ -162,6 +202,25 @@ void RegisterModule(nb::module_& m) {
         return out;
       },
       nb::arg("handle"), nb::arg("group") = 0);
+  // Per group of the workspace: the text of its recorded failure ("" where the group is not aborted), read from the
+  // group's host memory alone, so it also answers after a call inside a CUDA graph stopped the device (when every
+  // CUDA call of the process fails). timeout_ms words a record that does not hold its own bound.
+  m.def(
+      "cuda_workspace_failures",
+      [](int64_t handle, int64_t timeout_ms) {
+        Workspace& ws = LiveWorkspace(handle);
+        std::vector<std::string> out;
+        for (int g = 0; g < ws.groups(); ++g) out.push_back(ws.FailureText(g, timeout_ms));
+        return out;
+      },
+      nb::arg("handle"), nb::arg("timeout_ms") = 0);
+  // {custom call target: (host runs of its handler, of which traced into a CUDA graph)} since the process started
+  // (handlers/call_counts.h).
+  m.def("cuda_handler_calls", []() {
+    nb::dict d;
+    for (const HandlerCalls& c : HandlerCallCounts()) d[c.target] = nb::make_tuple(c.calls, c.captured);
+    return d;
+  });
   m.attr("cuda_tile_n") = ProducerTileN();
   // The GEMM engine selection of every op (cuda/gemm/engine.h), for jax_moe_overlap/engines.py, the tests and the
   // benchmarks: the engine a GEMM of these operands takes on a device of compute capability (major, minor), or None

@@ -1,5 +1,6 @@
 // dispatch: PushKernel pushes this rank's rows to the peers' recv rows and release-adds their arrival counters;
-// RecvKernel waits (acquire) for this rank's rows and copies recv -> out; EndKernel closes the call.
+// RecvKernel waits (acquire) for this rank's rows and copies recv -> out; EndKernel closes the call. In a group of one
+// rank PushKernel stores the rows straight into out and RecvKernel only zeroes the rows past them (protocol.h).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -13,7 +14,7 @@ namespace {
 __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* src, int64_t S, int64_t row_bytes,
                                                        const int32_t* src_row, const int32_t* dst_rank,
                                                        const int32_t* dst_row, int64_t P, int64_t cap,
-                                                       double link_bytes_per_ns) {
+                                                       double link_bytes_per_ns, char* own_rows) {
   __shared__ CallState st;
   __shared__ unsigned sent[kMaxRanks];
   LoadCallState(rd, &st);
@@ -21,7 +22,8 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   if (!BeginPush(rd, &st, sent)) return;
   const int warps = blockDim.x / 32;
   PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll,
-           (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent, link_bytes_per_ns);
+           (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent, link_bytes_per_ns,
+           own_rows);
   __threadfence_system();
   __syncthreads();
   // Then release-add the rows to each destination's arrival counter.
@@ -29,8 +31,9 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
     AddReleaseSys(&View(rd, threadIdx.x).control()->recv_arrivals.value, sent[threadIdx.x]);
 }
 
+// rows_in_out: PushKernel stored the rows in out (a group of one rank); only the zeros past them are left to write.
 __global__ void __launch_bounds__(kThreads) RecvKernel(RankDev rd, const int32_t* expected_p, char* out, int64_t cap,
-                                                       int64_t row_bytes) {
+                                                       int64_t row_bytes, bool rows_in_out) {
   __shared__ CallState st;
   __shared__ int64_t expected;
   LoadCallState(rd, &st);
@@ -49,15 +52,15 @@ __global__ void __launch_bounds__(kThreads) RecvKernel(RankDev rd, const int32_t
   __syncthreads();
   if (!st.ok) return;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)gridDim.x * blockDim.x;
-  CopyBand(out, View(rd, rd.rank).recv(), expected * row_bytes, tid, n);
+  if (!rows_in_out) CopyBand(out, View(rd, rd.rank).recv(), expected * row_bytes, tid, n);
   ZeroBytes(out + expected * row_bytes, (cap - expected) * row_bytes, tid, n);
 }
 
 }  // namespace
 
 Status LaunchRecvAndEnd(const RankDev& rd, int grid, cudaStream_t stream, const int32_t* expected, char* out,
-                        int64_t cap, int64_t row_bytes) {
-  RecvKernel<<<grid, kThreads, 0, stream>>>(rd, expected, out, cap, row_bytes);
+                        int64_t cap, int64_t row_bytes, bool rows_in_out) {
+  RecvKernel<<<grid, kThreads, 0, stream>>>(rd, expected, out, cap, row_bytes, rows_in_out);
   Status s = LaunchError("launch of RecvKernel");
   return s.ok() ? LaunchEnd(rd, stream, expected, 0) : s;
 }
@@ -78,10 +81,14 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
   Workspace& ws = *c.ws;
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int grid = ws.budget(c.group, c.rank);
+  // A group of one rank: its rows go straight into out (no recv rows, no copy).
+  char* own_rows = rd.ranks == 1 ? static_cast<char*>(out) : nullptr;
   PushKernel<<<grid, kThreads, 0, c.stream>>>(rd, static_cast<const char*>(src), S, row_bytes, slot_src_row,
-                                              slot_dest_rank, slot_dest_row, P, cap, c.opts.emulated_link_gbps);
+                                              slot_dest_rank, slot_dest_row, P, cap, c.opts.emulated_link_gbps,
+                                              own_rows);
   if (!(s = LaunchError("launch of PushKernel")).ok()) return s;
-  return LaunchRecvAndEnd(rd, grid, c.stream, recv_expected, static_cast<char*>(out), cap, row_bytes);
+  return LaunchRecvAndEnd(rd, grid, c.stream, recv_expected, static_cast<char*>(out), cap, row_bytes,
+                          own_rows != nullptr);
 }
 
 }  // namespace jmo::cuda

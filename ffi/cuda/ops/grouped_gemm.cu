@@ -17,6 +17,7 @@
 #include "cuda/gemm/sm80/mma_tile.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/gemm/sm90/wgmma_outer.cuh"
+#include "cuda/launch.h"
 
 namespace jmo::cuda {
 namespace {
@@ -293,7 +294,8 @@ __global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
                            int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms) {
   Status s = CheckSizes("grouped_matmul_swiglu", M, G);
-  if (!s.ok() || M == 0 || F == 0) return s;
+  if (!s.ok()) return s;
+  if (M == 0 || F == 0) return LaunchEmpty(stream);
   // The fused kernel where an engine has the SwiGLU epilogue for these operands (the wgmma engine); it falls back
   // to the two kernels below where its launch refuses the call after all (an output's alignment, the build).
   const GemmOperands fused{dt, GemmForm::kRows, M, K, 2 * F, false, GemmEpilogue::kSwiGlu, lhs, rhs};
@@ -329,7 +331,7 @@ Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lh
                      int sms) {
   Status s = CheckSizes("grouped_matmul", M, G);
   if (!s.ok()) return s;
-  if (M == 0 || N == 0) return Status{};
+  if (M == 0 || N == 0) return LaunchEmpty(stream);
   DeviceInfo dev;
   std::optional<GemmEngine> engine;
   s = SelectOnCurrentDevice({dt, GemmForm::kRows, M, K, N, transpose_rhs, GemmEpilogue::kNone, lhs, rhs}, &dev,
@@ -367,7 +369,7 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
                     const void* rhs, int64_t N, int64_t G, const int32_t* group_sizes, void* out) {
   Status s = CheckSizes("grouped_outer", M, G);
   if (!s.ok()) return s;
-  if (K == 0 || N == 0) return Status{};
+  if (K == 0 || N == 0) return LaunchEmpty(stream);
   const GemmOperands gemm{dt, GemmForm::kOuter, M, K, N, false, GemmEpilogue::kNone, lhs, rhs};
   DeviceInfo dev;
   std::optional<GemmEngine> engine;

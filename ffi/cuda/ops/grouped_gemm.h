@@ -3,6 +3,8 @@
 // for its operands on the current device, as the producer of expert_combine does. Group sizes are device data (the
 // routing inside jit): the kernels read them on the device, so a call never synchronizes with the host.
 //
+// A call with an empty output launches one empty kernel (LaunchEmpty), so that it can be traced into a CUDA graph.
+//
 // Groups are consecutive row blocks starting at row 0: group g owns rows [off_g, off_g + size_g), off_g the sum of
 // the sizes before it. Negative sizes count as 0 and groups are clipped at M rows (the callers' plans never produce
 // either; ragged_dot leaves them undefined).

@@ -31,11 +31,12 @@ __device__ inline void PaceLink(const RankDev& rd, uint64_t bytes, double bytes_
 // src[src_row[p]] into peer dst_rank[p]'s recv row dst_row[p] with 16-byte stores, counted into sent[d] (shared).
 // `which` picks the destinations this pass moves (the rank itself, the others, or all); invalid slots are reported
 // by the pass that would move them to another rank. link_bytes_per_ns > 0: pushes to other ranks go over the emulated
-// link (PaceLink).
+// link (PaceLink). own_rows != nullptr: the rows for this rank itself go there instead of its recv rows (a group of
+// one rank stores them straight into the call's output: protocol.h).
 __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes,
                                 const int32_t* src_row, const int32_t* dst_rank, const int32_t* dst_row, int64_t P,
                                 int64_t cap, PushWhich which, int64_t first, int64_t stride, unsigned* sent,
-                                double link_bytes_per_ns) {
+                                double link_bytes_per_ns, char* own_rows = nullptr) {
   const int lane = threadIdx.x % 32, R = rd.ranks;
   for (int64_t p = first; p < P; p += stride) {
     const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
@@ -51,7 +52,8 @@ __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, i
                        (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
       continue;
     }
-    CopyRowWarp(View(rd, d).recv() + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane);
+    char* rows = d == rd.rank && own_rows != nullptr ? own_rows : View(rd, d).recv();
+    CopyRowWarp(rows + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane);
     if (lane == 0) atomicAdd(&sent[d], 1u);
     if (d != rd.rank && link_bytes_per_ns > 0) {
       if (lane == 0) PaceLink(rd, (uint64_t)row_bytes, link_bytes_per_ns);

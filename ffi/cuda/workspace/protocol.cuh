@@ -25,8 +25,22 @@ using ptx::StoreReleaseSys;
 
 __device__ __forceinline__ RankView View(const RankDev& rd, int r) { return RankView{rd.peers.base[r], rd.layout}; }
 
+// A failed call inside a CUDA graph stops the device. On a stream the failing call's kernels give up and the rank's
+// next call reports the failure from the host and resets the group; at the replay of a CUDA graph no host code of
+// the library runs, so nothing would report it, and every later replay would find the group aborted and skip its
+// work: wrong numbers without an error. So once a captured call (RankPrivate::captured) has recorded its failure,
+// or seen that the group failed (a peer's abort, an abort raised before it began), __trap() leaves a sticky error
+// in the CUDA context, which XLA raises at the next synchronization; the records stay in the group's host memory
+// (Workspace::FailureText). Called by the thread that found the failure.
+__device__ inline void StopIfCaptured(const RankDev& rd) {
+  if (LoadVolatile(&rd.priv->captured) != 0) {
+    __threadfence_system();
+    __trap();
+  }
+}
+
 // Records this rank's first failure in its ErrorRecord (host-mapped), marks the call failed and raises the group's
-// abort word. Called by one thread.
+// abort word; inside a CUDA graph then stops the device (StopIfCaptured). Called by one thread.
 __device__ inline void RecordError(const RankDev& rd, uint64_t code, uint64_t sub, uint64_t peer, uint64_t got,
                                    uint64_t expected) {
   const uint64_t epoch = LoadVolatile(&rd.priv->epoch);
@@ -45,6 +59,7 @@ __device__ inline void RecordError(const RankDev& rd, uint64_t code, uint64_t su
   *reinterpret_cast<volatile uint64_t*>(&rd.priv->failed) = 1;
   __threadfence_system();
   StoreReleaseSys(&rd.shared->abort.value, 1);
+  StopIfCaptured(rd);
 }
 
 __device__ inline void ReportBadInput(const RankDev& rd, uint64_t sub, uint64_t index, int64_t got, uint64_t bound) {
@@ -53,6 +68,7 @@ __device__ inline void ReportBadInput(const RankDev& rd, uint64_t sub, uint64_t 
 
 // Bounded wait (one thread) until *word >= base + count. On timeout records (rank, peer, stage, counts relative to
 // base) and raises abort; on a peer's abort gives up silently (the next call reports the group's first failure).
+// Inside a CUDA graph either way stops the device (StopIfCaptured).
 //
 // The group's abort word is host-mapped memory, and a GPU read of it crosses PCIe: read often by many waiting
 // threads, those reads stall the producer's tiles on the same GPU (the producer span grows with the number of waiting
@@ -72,6 +88,7 @@ __device__ inline bool WaitAtLeast(const RankDev& rd, const uint64_t* word, uint
       const bool peer_abort = spin >= 1024 && (spin & 1023) == 0 && LoadVolatile(&rd.shared->abort.value) != 0;
       if (peer_abort || LoadVolatile(&rd.priv->failed) != 0) {
         *reinterpret_cast<volatile uint64_t*>(&rd.priv->failed) = 1;
+        StopIfCaptured(rd);
         return false;
       }
       if (GlobalTimer() > deadline) {
@@ -94,7 +111,8 @@ __device__ inline void CloseCall(const RankDev& rd, int64_t expected, int which)
   StoreReleaseSys(&ctl->done_epoch.value, LoadVolatile(&rd.priv->epoch));
 }
 
-// Every kernel starts with this: epoch of the call, and whether it already failed.
+// Every kernel starts with this: epoch of the call, and whether it already failed (a captured call stops there
+// rather than skip its work).
 struct CallState {
   uint64_t epoch;
   int ok;
@@ -104,6 +122,7 @@ __device__ inline void LoadCallState(const RankDev& rd, CallState* s) {
   if (threadIdx.x == 0) {
     s->epoch = LoadVolatile(&rd.priv->epoch);
     s->ok = LoadVolatile(&rd.priv->failed) == 0;
+    if (!s->ok) StopIfCaptured(rd);
   }
   __syncthreads();
 }

@@ -379,8 +379,13 @@ Workspace::~Workspace() {
     if (opened_[i]) continue;
     cudaSetDevice(ordinals_[i]);
     if (blocks_[i] != nullptr) cudaFree(blocks_[i]);
-    if (priv_[i] != nullptr) cudaFree(priv_[i]);
     if (band_done_[i] != nullptr) cudaFree(band_done_[i]);
+    // The private block is kept, marked released (RankPrivate::released): a CUDA graph still holding this
+    // workspace's addresses stops in its first kernel instead of writing freed memory.
+    if (priv_[i] != nullptr) {
+      const uint64_t one = 1;
+      cudaMemcpy(&priv_[i]->released, &one, sizeof(one), cudaMemcpyHostToDevice);
+    }
   }
   if (process_.empty()) {
     for (char* s : shared_)
@@ -503,17 +508,59 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
   JMO_RETURN_IF_CUDA(cudaMemset(priv_[g * ranks_ + r], 0, sizeof(RankPrivate)));
   JMO_RETURN_IF_CUDA(cudaDeviceSynchronize());
   const std::vector<ErrorRecord> records(t->reset_records, t->reset_records + ranks_);
-  // Every rank reports the group's first failure (FirstRecord), and its own when it had a different one.
+  return ReportRecords(g, r, records,
+                       std::string("jax_moe_overlap.") + op + ": an earlier call failed (reported by the next call; " +
+                           "the group has been reset and the call after this one runs normally): ",
+                       timeout_ms);
+}
+
+// Every rank reports the group's first failure (FirstRecord), and its own when it had a different one.
+Status Workspace::ReportRecords(int g, int r, const std::vector<ErrorRecord>& records, std::string msg,
+                                int64_t timeout_ms) const {
   const ErrorRecord* pick = FirstRecord(records);
-  std::string msg = std::string("jax_moe_overlap.") + op + ": an earlier call failed (reported by the next call; " +
-                    "the group has been reset and the call after this one runs normally): ";
   if (pick == nullptr)
     return Status::Error(kFailedPrecondition,
                          msg + "a call of group " + std::to_string(g) + " failed validation on the host of some rank");
-  msg += "first failure: " + FormatRecord(*pick, g, ranks_, timeout_ms) + ProcessNote(*pick, ranks_, t->process);
-  if (records[r].code != 0 && pick != &records[r])
+  msg += "first failure: " + FormatRecord(*pick, g, ranks_, timeout_ms) + ProcessNote(*pick, ranks_, tail(g)->process);
+  if (r >= 0 && records[r].code != 0 && pick != &records[r])
     msg += "; this rank's own failure: " + FormatRecord(records[r], g, ranks_, timeout_ms);
   return Status::Error(pick->code == kStageBadInput ? kInvalidArgument : kDeadlineExceeded, msg);
+}
+
+namespace {
+// The group's records as its memory holds them now (volatile reads: kernels write them), and whether the group is
+// aborted (its abort word raised, or any rank's record written).
+bool CurrentRecords(const GroupShared* gs, int ranks, std::vector<ErrorRecord>* records) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const bool aborted = *reinterpret_cast<const volatile uint64_t*>(&gs->abort.value) != 0;
+  records->resize(ranks);
+  bool any = false;
+  for (int i = 0; i < ranks; ++i) {
+    const volatile uint64_t* src = reinterpret_cast<const volatile uint64_t*>(&gs->errors[i]);
+    uint64_t* dst = reinterpret_cast<uint64_t*>(&(*records)[i]);
+    for (size_t w = 0; w < sizeof(ErrorRecord) / sizeof(uint64_t); ++w) dst[w] = src[w];
+    any = any || (*records)[i].code != 0;
+  }
+  return aborted || any;
+}
+}  // namespace
+
+Status Workspace::RecordedFailure(int g, int r, const char* op, int64_t timeout_ms) const {
+  std::vector<ErrorRecord> records;
+  if (!CurrentRecords(shared(g), ranks_, &records)) return Status{};
+  return ReportRecords(g, r, records,
+                       std::string("jax_moe_overlap.") + op + ": an earlier call of group " + std::to_string(g) +
+                           " failed, and this call is being recorded into a CUDA graph (XLA's command buffers), "
+                           "where it may not synchronize to reset the group: the group stays aborted until a call "
+                           "outside a CUDA graph resets it (or the process restarts): ",
+                       timeout_ms);
+}
+
+std::string Workspace::FailureText(int g, int64_t timeout_ms) const {
+  if (g < 0 || g >= groups_ || shared_[g] == nullptr) return "";
+  std::vector<ErrorRecord> records;
+  if (!CurrentRecords(shared(g), ranks_, &records)) return "";
+  return ReportRecords(g, -1, records, "group " + std::to_string(g) + " is aborted: ", timeout_ms).msg;
 }
 
 // The kernels record failures without a cross-GPU atomic (host-mapped memory has none over PCIe), so the first is

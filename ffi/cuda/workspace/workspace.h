@@ -16,7 +16,8 @@
 // object created by the process of rank 0 and mapped by the others, each cudaHostRegister'ing its mapping.
 //
 // Per rank there is also a small private device block (RankPrivate + one tile counter per band), which peers never
-// touch: the epoch and deadline of the call in flight, whether it failed, and the producer's per-band tile counts.
+// touch: the epoch and deadline of the call in flight, whether it failed, whether it runs inside a CUDA graph, and
+// the producer's per-band tile counts. The RankPrivate block is kept (marked released) when the workspace is freed.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -70,6 +71,13 @@ struct RankPrivate {
   // The emulated link of the call (CallOptions::emulated_link_gbps; PaceLink, transport/row_push.cuh): its first push,
   // and the bytes reserved on it so far.
   uint64_t link_t0, link_bytes;
+  // 1 while the call in flight runs inside a CUDA graph (its BeginKernel was captured by XLA's command buffers), where
+  // a failure stops the device instead of waiting for the next call to report it (StopIfCaptured, protocol.cuh).
+  uint64_t captured;
+  // 1 once the workspace is released. The block outlives its workspace (never freed): a CUDA graph recorded against
+  // the workspace and replayed after its release finds this set in its first kernel and stops the device there,
+  // before it touches the freed blocks.
+  uint64_t released;
 };
 
 // The per-band tile counters (uint32, zeroed by one memset per call) followed by the call counters (kCallCounterBytes,
@@ -183,6 +191,16 @@ class Workspace {
   // and the call after that runs normally again.
   Status RecoverIfAborted(int g, int r, cudaStream_t stream, const char* op, int64_t timeout_ms);
 
+  // The group's failure as the error a call of rank r reports, read from the group memory on the host alone (no
+  // CUDA call, no synchronization, no reset), or OK when the group is not aborted. What a call being captured into
+  // a CUDA graph returns instead of RecoverIfAborted: a capturing thread may not synchronize.
+  Status RecordedFailure(int g, int r, const char* op, int64_t timeout_ms) const;
+
+  // The text of group g's failure as the records in its memory hold it now ("" when the group is not aborted), read
+  // on the host alone: it stays readable after a call inside a CUDA graph stopped the device (the group memory is
+  // host memory), when every CUDA call of the process fails.
+  std::string FailureText(int g, int64_t timeout_ms) const;
+
   // Raises the group's abort word from the host (a call that fails validation after peers may depend on it).
   void RaiseAbort(int g);
 
@@ -193,6 +211,10 @@ class Workspace {
   Status MapGroupMemory(int g, bool create);
   // Sharing: marks this process's ranks released in group memory, then waits (bounded) for the other processes'.
   void AwaitPeersReleased();
+  // `msg` followed by the group's first failure among `records` (and rank r's own when it differs; r < 0: none), as
+  // the status a call reports.
+  Status ReportRecords(int g, int r, const std::vector<ErrorRecord>& records, std::string msg,
+                       int64_t timeout_ms) const;
   int ranks_ = 0, groups_ = 0, consumer_ctas_ = 0;
   bool has_model_ = false;
   ModelParams model_{};

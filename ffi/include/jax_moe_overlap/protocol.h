@@ -28,7 +28,9 @@
 // Rows a rank sends to itself follow the same steps with d = r: step 1 holds by stream order (the rank's own call
 // n-1 ended before call n began). On CUDA the producer of expert_combine stores a local segment's output tiles
 // straight into the rank's own ret rows and counts each finished band into its own ret_arrivals, so the consumer
-// never copies them (at EP = 1 every row is local and no copy is left).
+// never copies them (at EP = 1 every row is local and no copy is left). Likewise a dispatch in a group of one rank
+// stores its rows straight into the call's output (no recv rows), still counting them into its recv_arrivals; step 4
+// then only zeroes the output's rows past them.
 // Every wait is bounded by the call's timeout. A rank whose wait expires (or whose inputs fail validation) records
 // an ErrorRecord and raises the group's abort word to the failing epoch, so every other waiter of the group gives
 // up too instead of waiting out its own timeout. A rank that only now starts that failed epoch fails it at once.

@@ -1,0 +1,215 @@
+"""FP8 quantization: the one definition of the formats, tiles, scale rules and rounding of ``quantization="fp8"``
+(DeepSeek-V3's recipe, arXiv 2412.19437 section 3.3). The recipe (``fp8_experts.py``), the oracle and the XLA path
+quantize with these functions only; kernels and CPU handlers that quantize restate exactly these rules and are tested
+against them.
+
+Format: e4m3 values (``float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, no infinities, largest finite 448) with
+one float32 scale per tile; a value stands for ``float32(q) * s`` (one float32 product, rounded to nearest even).
+
+Tiles (``TILE`` = 128):
+  rows     1 x 128: per row (token), per 128 consecutive channels: activations and activation gradients, the
+           operands whose reduction runs along their channels (``quantize_rows``).
+  blocks   128 x 128 of a weight [..., K, N]: the weights (``quantize_blocks``). A block of W^T is the transpose of a
+           block of W with the same amax, so the transposed copy of a quantized weight is exact.
+  columns  128 x 1: per channel, per 128 consecutive rows of one group (an expert's rows), each group starting a new
+           tile as if padded with zeros to a multiple of 128: the weight-gradient operands, whose reduction runs
+           along the rows (``quantize_columns``).
+
+Scale of a tile whose largest magnitude is amax (float32):
+  s = max(amax * r, 2^-126)             r = float32(1 / 448) (0.00223214296), the product rounded to nearest even:
+                                        a multiplication, not a division by 448, because compilers (XLA among them)
+                                        turn a division by a constant into that multiplication. The floor (the
+                                        smallest normal float32) keeps s normal, so an all-zero tile gets s = 2^-126
+                                        and all-zero q.
+  power-of-two tiles:  s = 2^ceil(log2(s)), exact on s's float32 bits: the exponent field, plus one when any mantissa
+                       bit is set. The recipe takes them for the rows dispatched to the experts and the activation
+                       gradients dispatched before GEMM2's backward (section 3.3.3), so that their dequantized values
+                       are exact in float32 (and in bfloat16: four significant bits) and re-tiling them (1 x 128 to 128 x 1 for
+                       the weight gradients) adds no rounding of the scale.
+Value: q = e4m3(clip(x / s, -448, 448)): float32 division, then one rounding to e4m3, to nearest, ties to even
+(``round_e4m3``). Since |x| <= amax, |x / s| exceeds 448 at most by the roundings of s (a few float32 ulps, which
+round to 448 anyway); the clip states the saturation for every input. A NaN in a tile makes its scale NaN and every value of the tile NaN; an infinity makes
+the scale infinite and the infinity itself NaN: non-finite input never becomes finite numbers.
+
+``Fp8Weight`` is a quantized expert weight as the layer takes it pre-quantized (``quantize_weights``): values stored
+K-major, the layout Hopper's FP8 wgmma reads its B operand in (docs/design.md, "FP8").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0          # the largest finite float8_e4m3fn
+E4M3_MAX_INV = np.float32(1.0 / E4M3_MAX)   # r of the scale rule
+TILE = 128                # channels of a row tile, rows of a column tile, each side of a weight block
+SCALE_FLOOR = 2.0 ** -126  # the smallest normal float32: the least scale of a tile
+
+_EXPONENT_BITS = 0x7F800000
+_MANTISSA_BITS = 0x007FFFFF
+
+
+def _check_tiles(what: str, extent: int) -> None:
+  if extent % TILE:
+    raise ValueError(f"jax_moe_overlap: FP8 quantization tiles {what} by {TILE}: it must be a multiple of {TILE}, "
+                     f"got {extent}")
+
+
+def round_e4m3(v: jax.Array) -> jax.Array:
+  """float32 values -> e4m3: clipped to [-448, 448] (saturation), then rounded to nearest, ties to even."""
+  return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def tile_scale(amax: jax.Array, pow2: bool = False) -> jax.Array:
+  """Scales of tiles with these float32 amaxes (the module's rule): max(amax * float32(1 / 448), 2^-126), and with
+  ``pow2`` the least power of two >= that."""
+  s = jnp.maximum(amax.astype(jnp.float32) * E4M3_MAX_INV, jnp.float32(SCALE_FLOOR))
+  if not pow2:
+    return s
+  bits = jax.lax.bitcast_convert_type(s, jnp.uint32)
+  up = jnp.where((bits & _MANTISSA_BITS) != 0, jnp.uint32(1 << 23), jnp.uint32(0))
+  p = jax.lax.bitcast_convert_type((bits & _EXPONENT_BITS) + up, jnp.float32)
+  return jnp.where(jnp.isfinite(s), p, s)   # s <= 2^120 when finite: no carry into the infinities
+
+
+def _quantize(x, s):
+  return round_e4m3(x.astype(jnp.float32) / s)
+
+
+def _dequantize(q, s):
+  return q.astype(jnp.float32) * s
+
+
+def quantize_rows(x: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Array]:
+  """1 x 128 tiles along the last axis: x [..., C] -> (q [..., C] e4m3, s [..., C / 128] float32)."""
+  C = x.shape[-1]
+  _check_tiles("the channels of a row", C)
+  t = x.astype(jnp.float32).reshape(*x.shape[:-1], C // TILE, TILE)
+  s = tile_scale(jnp.max(jnp.abs(t), axis=-1), pow2)
+  return _quantize(t, s[..., None]).reshape(x.shape), s
+
+
+def dequantize_rows(q: jax.Array, s: jax.Array) -> jax.Array:
+  """(q [..., C], s [..., C / 128]) -> float32 [..., C]."""
+  t = q.reshape(*q.shape[:-1], q.shape[-1] // TILE, TILE)
+  return _dequantize(t, s[..., None]).reshape(q.shape)
+
+
+def _blocked(a):
+  *lead, K, N = a.shape
+  return a.reshape(*lead, K // TILE, TILE, N // TILE, TILE)
+
+
+def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """128 x 128 blocks of the last two axes: w [..., K, N] -> (q [..., K, N] e4m3, s [..., K / 128, N / 128])."""
+  _check_tiles("both axes of a weight matrix", w.shape[-2])
+  _check_tiles("both axes of a weight matrix", w.shape[-1])
+  b = _blocked(w.astype(jnp.float32))
+  s = tile_scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
+  return _quantize(b, s[..., :, None, :, None]).reshape(w.shape), s
+
+
+def dequantize_blocks(q: jax.Array, s: jax.Array) -> jax.Array:
+  """(q [..., K, N], s [..., K / 128, N / 128]) -> float32 [..., K, N]."""
+  return _dequantize(_blocked(q), s[..., :, None, :, None]).reshape(q.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ColumnTiles:
+  """Where the 128 x 1 tiles of ``quantize_columns`` lie: ``row_tile`` [M] int32, the tile of each row (``count``
+  for a row past the last group); ``count``: the static number of tile rows of the scales, ceil(M / 128) + G,
+  enough for any group sizes (group g takes ceil(size_g / 128))."""
+
+  row_tile: jax.Array
+  count: int = dataclasses.field(metadata=dict(static=True))
+
+
+def column_tiles(rows: int, group_sizes: jax.Array) -> ColumnTiles:
+  """The 128 x 1 tiles of ``rows`` rows grouped as ``group_sizes`` [G] (consecutive groups from row 0, as
+  ``lax.ragged_dot`` takes them): row r of group g, at position i within it, lies in tile base_g + i // 128, where
+  base_g counts the tiles of the groups before g."""
+  G = group_sizes.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  tiles = (sizes + (TILE - 1)) // TILE
+  base = jnp.cumsum(tiles) - tiles
+  r = jnp.arange(rows, dtype=jnp.int32)
+  g = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+  gc = jnp.minimum(g, G - 1)
+  count = -(-rows // TILE) + G
+  tile = base[gc] + (r - (ends[gc] - sizes[gc])) // TILE
+  return ColumnTiles(jnp.where(g < G, tile, count).astype(jnp.int32), count)
+
+
+def quantize_columns(x: jax.Array, tiles: ColumnTiles) -> tuple[jax.Array, jax.Array]:
+  """128 x 1 tiles down the rows of each group: x [M, C] -> (q [M, C] e4m3, s [tiles.count, C] float32). Rows past
+  the last group quantize to zero."""
+  xf = x.astype(jnp.float32)
+  amax = jax.ops.segment_max(jnp.abs(xf), tiles.row_tile, num_segments=tiles.count)   # past-the-end rows dropped
+  s = tile_scale(jnp.maximum(amax, 0.0))                                               # an empty tile: -inf
+  row_s = jnp.take(s, tiles.row_tile, axis=0, mode="fill", fill_value=1.0)
+  inside = (tiles.row_tile < tiles.count)[:, None]
+  return jnp.where(inside, _quantize(xf, row_s), jnp.zeros((), E4M3)), s
+
+
+def dequantize_columns(q: jax.Array, s: jax.Array, tiles: ColumnTiles) -> jax.Array:
+  """(q [M, C], s [tiles.count, C]) -> float32 [M, C]; zero past the last group."""
+  return _dequantize(q, jnp.take(s, tiles.row_tile, axis=0, mode="fill", fill_value=0.0))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+  """An expert weight W [E, K, N] (w1: K = D, N = 2F; w2: K = F, N = D) quantized per 128 x 128 block.
+
+  values: [E, N, K] e4m3, each expert's matrix stored transposed (K-major: the contraction axis contiguous, the only
+    layout of an FP8 wgmma's B operand on Hopper). scales: [E, N / 128, K / 128] float32, one per block.
+  W[e] ~= (values[e] * scales[e] per block)^T. ``shape`` is W's shape. A pytree: it crosses jit, shard_map and
+  device_put like the weight it stands for, sharded over the experts (its leading axis).
+  """
+
+  values: jax.Array
+  scales: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    E, N, K = self.values.shape
+    return (E, K, N)
+
+  def dequantize(self) -> jax.Array:
+    """W [E, K, N] float32."""
+    return jnp.swapaxes(dequantize_blocks(self.values, self.scales), -1, -2)
+
+
+def quantize_weight(w: jax.Array) -> Fp8Weight:
+  """W [E, K, N] (any float dtype) -> ``Fp8Weight``: the blocks of W^T, the same blocks transposed."""
+  q, s = quantize_blocks(jnp.swapaxes(w, -1, -2))
+  return Fp8Weight(q, s)
+
+
+def as_fp8_weight(w) -> Fp8Weight:
+  """A weight as the recipe reads it: an ``Fp8Weight`` as given, a float array quantized."""
+  return w if isinstance(w, Fp8Weight) else quantize_weight(w)
+
+
+def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight]:
+  """The expert weights quantized once, for inference: ``moe_experts(x, ids, gates, *quantize_weights(w1, w2),
+  quantization="fp8", ...)`` then reads only their FP8 values and scales, and equals the call on w1 and w2 bit for
+  bit (that call quantizes them the same way on every call). No gradient flows to pre-quantized weights.
+
+  Args:
+    w1: [E, D, 2F]; w2: [E, F, D]; float32 or bfloat16, D and F multiples of 128. Sharded arrays keep their
+      sharding over the experts (call under ``jax.jit`` to quantize each device's experts in place).
+  Returns:
+    (Fp8Weight of w1, Fp8Weight of w2).
+  """
+  for name, w in (("w1", w1), ("w2", w2)):
+    if getattr(w, "ndim", None) != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
+      raise TypeError(f"jax_moe_overlap: quantize_weights: {name} must be a float [E, K, N] array, got "
+                      f"{getattr(w, 'dtype', type(w))}{list(np.shape(w))}")
+  return quantize_weight(w1), quantize_weight(w2)

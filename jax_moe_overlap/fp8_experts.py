@@ -1,0 +1,140 @@
+"""The FP8 expert MLP (``quantization="fp8"``): DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3) on the rows one
+rank's experts hold, GEMM1 + SwiGLU + GEMM2 forward and the recipe's backward, as a ``custom_vjp``.
+
+Every operand of every GEMM is quantized by ``fp8.py``'s rules and dequantized to float32, and the GEMMs run in
+float32 on the dequantized operands: an emulation of FP8 tensor-core GEMMs that accumulate in float32 (the Hopper
+kernels' promotion every 128 of K keeps their sums this close to it; docs/design.md, "FP8"). ``Gemms`` chooses how
+the float32 GEMMs run: ``DENSE`` (the oracle: every expert's product at precision HIGHEST, each row taking its own
+expert's) or ``RAGGED`` (XLA's ``ragged_dot``: ``impl="xla"``).
+
+With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
+
+  forward   x      1 x 128, power-of-two scales (the rows dispatched to the experts, section 3.3.3)
+            W1, W2 128 x 128 blocks (quantized per call from the master weights, or given as ``fp8.Fp8Weight``)
+            a      GEMM1 in float32; SwiGLU in float32
+            h      1 x 128 (GEMM2's input; GEMM1's epilogue writes it in FP8 on Hopper)
+            out    GEMM2 in float32, rounded to x's dtype (the combine stays in that dtype)
+  kept      x as quantized (e4m3 + scales), a quantized 1 x 128 (the recipe caches the SwiGLU input in FP8 and
+            recomputes h), the quantized weights: per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
+  backward  dy     1 x 128, power-of-two scales (the gradient dispatched before GEMM2's backward, section 3.3.3)
+            dh = dy W2^T (dgrad, W2's blocks transposed: exact)
+            dW2 = h^T dy, both operands re-quantized 128 x 1 per expert (h recomputed from the kept a)
+            da = SwiGLU'(a) dh in float32, quantized 1 x 128 for dx = da W1^T (dgrad)
+            dW1 = x^T da, both operands re-quantized 128 x 1 per expert
+  The weight gradients are straight-through: the gradient of the quantized weight, returned for the master weight
+  (in its dtype); pre-quantized weights get none (zero cotangents).
+
+Rows are grouped by expert as ``lax.ragged_dot`` takes them (``group_sizes``); rows past the last group are zero in
+the input and the output, and take no part in any tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_overlap import fp8
+from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemms:
+  """The float32 grouped GEMMs the recipe runs on dequantized operands.
+
+  rows(lhs [M, K], w [G, K, N], group_sizes [G]) -> [M, N]: lhs[r] @ w[g] for the rows r of group g, zero past them.
+  outer(lhs [M, K], rhs [M, N], group_sizes [G]) -> [G, K, N]: lhs[rows of g]^T @ rhs[rows of g].
+  """
+
+  name: str
+  rows: Callable
+  outer: Callable
+
+
+def _row_groups(rows: int, group_sizes):
+  """[rows] int32 group of each row (G for a row past the last group)."""
+  return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right").astype(jnp.int32)
+
+
+def _dense_rows(lhs, w, group_sizes):
+  every = jnp.einsum("mk,gkn->gmn", lhs, w, precision=jax.lax.Precision.HIGHEST)
+  own = jax.nn.one_hot(_row_groups(lhs.shape[0], group_sizes), w.shape[0], dtype=jnp.bool_)    # [M, G]
+  return jnp.sum(jnp.where(own.T[:, :, None], every, 0.0), axis=0)                              # exact selection
+
+
+def _dense_outer(lhs, rhs, group_sizes):
+  own = jax.nn.one_hot(_row_groups(lhs.shape[0], group_sizes), group_sizes.shape[0], dtype=jnp.float32)
+  return jnp.einsum("mg,mk,mn->gkn", own, lhs, rhs, precision=jax.lax.Precision.HIGHEST)
+
+
+DENSE = Gemms("dense", _dense_rows, _dense_outer)
+RAGGED = Gemms("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
+
+
+def _weight_cotangent_template(w):
+  """What the backward needs to return w's cotangent: None for a pre-quantized weight (zero cotangents of the
+  Fp8Weight the residuals hold), else an empty array of the master weight's dtype."""
+  return None if isinstance(w, fp8.Fp8Weight) else jnp.zeros((0,), w.dtype)
+
+
+def _forward(x, w1, w2, group_sizes, gemms):
+  xq, xs = fp8.quantize_rows(x, pow2=True)
+  w1q, w2q = fp8.as_fp8_weight(w1), fp8.as_fp8_weight(w2)
+  a = gemms.rows(fp8.dequantize_rows(xq, xs), w1q.dequantize(), group_sizes)
+  h = fp8.dequantize_rows(*fp8.quantize_rows(swiglu(a)))
+  out = gemms.rows(h, w2q.dequantize(), group_sizes).astype(x.dtype)
+  kept = (xq, xs, fp8.quantize_rows(a), w1q, w2q, group_sizes,
+          _weight_cotangent_template(w1), _weight_cotangent_template(w2))
+  return out, kept
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def fp8_expert_mlp(x, w1, w2, group_sizes, gemms: Gemms):
+  """The FP8 expert MLP on rows grouped by expert.
+
+  Args:
+    x: [M, D] float32 or bfloat16, rows grouped by expert (zero past the last group). w1: [E, D, 2F] and w2:
+      [E, F, D], float arrays (master weights, quantized on each call) or ``fp8.Fp8Weight``. group_sizes: [E] int32
+      rows per expert (their sum <= M). gemms: ``DENSE`` or ``RAGGED``. D and F multiples of 128.
+  Returns:
+    [M, D] in x's dtype.
+  """
+  return _forward(x, w1, w2, group_sizes, gemms)[0]
+
+
+def _fp8_expert_mlp_fwd(x, w1, w2, group_sizes, gemms):
+  return _forward(x, w1, w2, group_sizes, gemms)
+
+
+def _fp8_expert_mlp_bwd(gemms, kept, d_out):
+  (xq, xs, (aq, a_s), w1q, w2q, group_sizes, w1_like, w2_like) = kept
+  tiles = fp8.column_tiles(d_out.shape[0], group_sizes)
+
+  def columns(v):
+    return fp8.dequantize_columns(*fp8.quantize_columns(v, tiles), tiles)
+
+  dy = fp8.dequantize_rows(*fp8.quantize_rows(d_out, pow2=True))
+  h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))
+  dh = gemms.rows(dy, jnp.swapaxes(w2q.dequantize(), 1, 2), group_sizes)
+  dw2 = gemms.outer(columns(h), columns(dy), group_sizes)
+  (da,) = swiglu_vjp(dh)
+  dx = gemms.rows(fp8.dequantize_rows(*fp8.quantize_rows(da)), jnp.swapaxes(w1q.dequantize(), 1, 2), group_sizes)
+  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), columns(da), group_sizes)
+
+  def weight_ct(dw, like, wq):
+    return jax.tree.map(jnp.zeros_like, wq) if like is None else dw.astype(like.dtype)
+
+  return (dx.astype(d_out.dtype), weight_ct(dw1, w1_like, w1q), weight_ct(dw2, w2_like, w2q),
+          np.zeros(group_sizes.shape, jax.dtypes.float0))
+
+
+fp8_expert_mlp.defvjp(_fp8_expert_mlp_fwd, _fp8_expert_mlp_bwd)
+
+
+def fp8_ragged_mlp(x_recv, w1, w2, group_sizes):
+  """``fp8_expert_mlp`` with XLA's ragged_dot: the local experts of ``impl="xla"`` under ``quantization="fp8"``."""
+  return fp8_expert_mlp(x_recv, w1, w2, group_sizes, RAGGED)

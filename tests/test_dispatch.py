@@ -1,0 +1,79 @@
+"""dispatch on its own on CPU devices: every rank's recv rows against a NumPy model of the plan, written into poisoned
+buffers, at R = 1 (a group of one rank stores its rows straight into the output, protocol.h) and R = 4 (through the
+workspace's recv rows), with capacity drops and skipped slots; and at R = 1 the invalid expert id the call reports."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import layer_checks
+from cases import mesh_of, routing
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.config import CallConfig
+from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace_calls import dispatch
+
+E, D, K = 8, 24, 2
+
+
+def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True):
+  """ids, x -> (recv rows [R * cap, D], slot_dest_rank, slot_dest_row, recv_rows [R]) of one dispatch per rank."""
+  R = mesh.shape["expert"]
+  sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * K,
+                         num_segments=E)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig(timeout_ms=5000))
+
+  def local(ids, x):
+    rank = jax.lax.axis_index("expert").astype(jnp.int32)
+    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
+    plan = plan_lib.make_plan(ids, counts_all, rank, cap_e)
+    recv = dispatch(x, jnp.arange(tokens * K, dtype=jnp.int32) // K, plan, cap, info)
+    return recv, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows.reshape(1)
+
+  spec = P("expert")
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * 4, check_vma=False)
+  return layer_checks.Poisoned(fn, mesh) if poisoned else jax.jit(fn)
+
+
+@pytest.mark.parametrize("R,dtype", [(1, jnp.bfloat16), (1, jnp.float32), (4, jnp.bfloat16)])
+def test_recv_rows_match_the_plan(R, dtype):
+  # Skewed routing at capacity factor 0.75 drops slots (so each rank's recv rows end before cap), and every seventh
+  # token's second slot is skipped (-1).
+  tokens = 48
+  mesh = mesh_of(R)
+  ids = routing("skewed", tokens * R, E, K, seed=5)
+  ids[::7, 1] = plan_lib.SKIP
+  cap_e = plan_lib.expert_capacity(tokens, R, K, E, 0.75)
+  cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((tokens * R, D)).astype(np.float32)).astype(dtype)
+  f = _dispatch_program(mesh, tokens, cap_e, cap, dtype)
+  recv, dest_rank, dest_row, recv_rows = (np.asarray(a) for a in f(jnp.asarray(ids), x))
+  assert f.aliased == f.buffers, f"{f.aliased} of {f.buffers} outputs computed into the poison"
+  xs = np.asarray(x.astype(jnp.float32)).reshape(R, tokens, D)
+  want = np.zeros((R, cap, D), np.float32)
+  for s in range(R):
+    for p in range(tokens * K):
+      d, row = dest_rank[s * tokens * K + p], dest_row[s * tokens * K + p]
+      if row >= 0:
+        want[d, row] = xs[s, p // K]
+  assert 0 < recv_rows.min() < cap, (recv_rows, cap)          # rows on every rank, padding rows on one at least
+  assert np.array_equal(np.asarray(jnp.asarray(recv).astype(jnp.float32)).reshape(R, cap, D), want)
+
+
+def test_invalid_expert_id_fails_the_call_at_one_rank():
+  # The rows of a one-rank group skip the recv rows; the slot check before them stays.
+  tokens = 32
+  mesh = mesh_of(1)
+  cap_e = plan_lib.expert_capacity(tokens, 1, K, E, None)
+  cap = plan_lib.recv_capacity(tokens, 1, K, E, cap_e)
+  ids = routing("skewed", tokens, E, K, seed=7)
+  x = jnp.ones((tokens, D), jnp.float32)
+  f = _dispatch_program(mesh, tokens, cap_e, cap, jnp.float32, poisoned=False)
+  jax.block_until_ready(f(jnp.asarray(ids), x))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"token 3 \(slot 7\) names expert id 9, which is neither -1"):
+    jax.block_until_ready(f(jnp.asarray(ids).at[3, 1].set(9), x))
+  recv, *_ = f(jnp.asarray(ids), x)                        # the next call works
+  assert np.asarray(recv).shape == (cap, D)

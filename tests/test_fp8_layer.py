@@ -1,0 +1,254 @@
+"""quantization="fp8": the recipe (fp8_experts.py) against its NumPy twin, the oracle (impl="reference") against the
+unquantized float64 layer, impl="xla" against the oracle (forward and gradients, on meshes with Auto and Explicit
+axes), pre-quantized weights, the module, and the refusals."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8_numpy
+import jax_moe_overlap as jmo
+from cases import layer_inputs, moe_config, rel_err
+from jax_moe_overlap import fp8_experts
+from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap.reference import kept_mask, moe_experts_reference
+
+E, K, T = 8, 2, 64
+AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+# e4m3 keeps 3 mantissa bits: one rounding errs by at most u = 2^-4 relatively (half a step), by about u / 2.5 in
+# the root mean square over random values. y passes four quantized operands (x, W1, h, W2), each gradient five or
+# six (the output gradient, a weight, the kept SwiGLU input, da or h, and the re-tiled wgrad operands): their
+# random errors add in quadrature to 0.05-0.08 of the norm. The bound, 2u = 0.125, leaves room for the routing's
+# spread of values and is far below what a wrong scale or a missing dequantization gives (errors of order 1); the
+# floor 2^-10 shows that the operands are quantized at all (float32 rounding alone is below 1e-6).
+FP8_ERROR_BOUND = 2.0 ** -3
+FP8_ERROR_FLOOR = 2.0 ** -10
+
+
+def mesh_of(n, axis_type="auto"):
+  return jax.make_mesh((n,), ("expert",), axis_types=(AXIS_TYPES[axis_type],), devices=jax.devices("cpu")[:n])
+
+
+def grads_fn(mesh, ids, cotangent, impl, quantization="fp8", cf=None):
+  """jit of (y, (dx, dgates, dw1, dw2)) of sum(y * cotangent) through moe_experts."""
+  def loss(x, gates, w1, w2):
+    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=cf,
+                           quantization=quantization)
+    return jnp.sum(y.astype(jnp.float32) * cotangent), y
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def float64_layer(x, ids, gates, w1, w2, cotangent, cap_e):
+  """The unquantized layer in float64 (the dense reference's formula) and its gradients."""
+  with jax.enable_x64(True):
+    args = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, gates, w1, w2)]
+
+    def loss(x, g, w1, w2):
+      y, _ = moe_experts_reference(x, jnp.asarray(ids), g, w1, w2, cap_e, 1)
+      return jnp.sum(y * jnp.asarray(np.asarray(cotangent, np.float64))), y
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+    return [np.asarray(a) for a in (y, *grads)]
+
+
+@pytest.mark.parametrize("gemms", [fp8_experts.DENSE, fp8_experts.RAGGED], ids=lambda g: g.name)
+def test_recipe_matches_its_numpy_twin(gemms):
+  """fp8_expert_mlp forward and backward against fp8_numpy.recipe (float64 GEMMs on the same quantized operands).
+  They differ by float32 rounding in the GEMMs, and where that moves a value across an e4m3 rounding boundary, by
+  one e4m3 step of it (rare); a different rule for any operand (its tile, its scale, power of two or not, kept or
+  recomputed) differs by several percent."""
+  rng = np.random.default_rng(0)
+  M, D, F, sizes = 384, 128, 256, [130, 0, 70, 128]
+  x = rng.standard_normal((M, D)).astype(np.float32)
+  x[sum(sizes):] = 0.0
+  w1 = (rng.standard_normal((4, D, 2 * F)) / np.sqrt(D)).astype(np.float32)
+  w2 = (rng.standard_normal((4, F, D)) / np.sqrt(F)).astype(np.float32)
+  d_out = rng.standard_normal((M, D)).astype(np.float32)
+  d_out[sum(sizes):] = 0.0
+  gs = jnp.asarray(sizes, jnp.int32)
+  out, vjp = jax.vjp(lambda x, w1, w2: fp8_experts.fp8_expert_mlp(x, w1, w2, gs, gemms), x, w1, w2)
+  got = [out, *vjp(jnp.asarray(d_out))]
+  want = fp8_numpy.recipe(x, w1, w2, sizes, d_out)
+  for name, a, b in zip(("out", "dx", "dw1", "dw2"), got, want):
+    assert rel_err(a, b) < 1e-3, name
+    assert float(jnp.max(jnp.abs(a))) > 0, name
+  np.testing.assert_array_equal(np.asarray(got[0])[sum(sizes):], 0.0)
+  np.testing.assert_array_equal(np.asarray(got[1])[sum(sizes):], 0.0)
+
+
+@pytest.mark.parametrize("d,f", [(128, 128), pytest.param(256, 128, marks=pytest.mark.slow),
+                                 pytest.param(128, 256, marks=pytest.mark.slow)])
+def test_oracle_error_against_float64(d, f, capsys):
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, d, f, E, K, "skewed", 1)
+  cot = np.random.default_rng(2).standard_normal((T, d)).astype(np.float32)
+  (_, y), grads = grads_fn(mesh, ids, cot, "reference")(x, gates, w1, w2)
+  want = float64_layer(x, ids, gates, w1, w2, cot, T * K)
+  errs = {n: rel_err(a, b) for n, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), (y, *grads), want)}
+  with capsys.disabled():
+    print(f"\nfp8 oracle vs float64, D={d} F={f} T={T} E={E} k={K}: " +
+          ", ".join(f"{n} {e:.3f}" for n, e in errs.items()))
+  for n, e in errs.items():
+    assert FP8_ERROR_FLOOR < e < FP8_ERROR_BOUND, (n, e)
+
+
+@pytest.mark.parametrize("axis_type,cf", [("auto", 0.5), ("explicit", None),
+                                          pytest.param("auto", None, marks=pytest.mark.slow),
+                                          pytest.param("explicit", 0.5, marks=pytest.mark.slow)])
+def test_xla_matches_the_oracle(axis_type, cf):
+  """The two impls quantize the same rows with the same tiles (each expert's rows in the global slot order), so
+  they differ only by float32 rounding in the GEMMs (and, rarely, one e4m3 step where that crosses a boundary)."""
+  mesh = mesh_of(4, axis_type)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "skewed", 3, dtype=jnp.bfloat16)
+  w1, w2 = w1.astype(jnp.float32), w2.astype(jnp.float32)            # master weights
+  cot = jnp.asarray(np.random.default_rng(4).standard_normal((T, 128)).astype(np.float32))
+  if axis_type == "explicit":
+    x = jax.device_put(x, NamedSharding(mesh, P("expert")))
+    w1, w2 = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (w1, w2))
+  (_, y), g = grads_fn(mesh, ids, cot, "xla", cf=cf)(x, gates, w1, w2)
+  (_, y_ref), g_ref = grads_fn(mesh, ids, cot, "reference", cf=cf)(x, gates, w1, w2)
+  assert y.dtype == jnp.bfloat16 and g[0].dtype == jnp.bfloat16 and g[2].dtype == jnp.float32
+  if axis_type == "explicit":
+    assert y.sharding.is_equivalent_to(x.sharding, 2)
+  assert rel_err(y, y_ref) < 1e-3
+  for a, b in zip(g, g_ref):
+    assert float(jnp.max(jnp.abs(b))) > 0
+    assert rel_err(a, b) < 1e-3
+  if cf is not None:   # dropped slots: zero gate gradient in both
+    kept = np.asarray(kept_mask(ids, E, plan_lib.expert_capacity(T // 4, 4, K, E, cf), 4))
+    assert (~kept).any()
+    np.testing.assert_array_equal(np.asarray(g[1])[~kept], 0.0)
+
+
+def test_deterministic():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 5, dtype=jnp.bfloat16)
+  cot = jnp.ones((T, 128), jnp.float32)
+  f = grads_fn(mesh, ids, cot, "xla")
+  a, b = f(x, gates, w1, w2), f(x, gates, w1, w2)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("axis_type,impls", [("explicit", ("xla",)),
+                                             pytest.param("auto", ("xla", "reference"), marks=pytest.mark.slow)])
+def test_prequantized_weights_equal_per_call_quantization(axis_type, impls):
+  mesh = mesh_of(4, axis_type)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "skewed", 6, dtype=jnp.bfloat16)
+  x = jax.device_put(x, NamedSharding(mesh, P("expert")))
+  w1, w2 = (jax.device_put(w.astype(jnp.float32), NamedSharding(mesh, P("expert"))) for w in (w1, w2))
+  q1, q2 = jax.jit(jmo.quantize_weights)(w1, w2)
+  for q in (q1, q2):
+    for leaf in (q.values, q.scales):
+      assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P("expert")), 3)
+      assert {s.data.shape[0] for s in leaf.addressable_shards} == {E // 4}
+  for impl in impls:
+    run = jax.jit(lambda x, w1, w2, impl=impl: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl,
+                                                               quantization="fp8")[0])
+    np.testing.assert_array_equal(np.asarray(run(x, q1, q2), np.float32), np.asarray(run(x, w1, w2), np.float32))
+    # The input gradient flows; pre-quantized weights get zero cotangents.
+    dx, dq1 = jax.jit(jax.grad(lambda x, q1: jnp.sum(run(x, q1, q2).astype(jnp.float32)), argnums=(0, 1)))(x, q1)
+    dx_master = jax.jit(jax.grad(lambda x: jnp.sum(run(x, w1, w2).astype(jnp.float32))))(x)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_master, np.float32))
+    assert not np.any(np.asarray(dq1.scales)) and not np.any(np.asarray(dq1.values, np.float32))
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", pytest.param("auto", marks=pytest.mark.slow)])
+def test_module_xla_matches_reference(axis_type):
+  mesh = mesh_of(4, axis_type)
+  cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, dtype=jnp.bfloat16,
+                   quantization="fp8", shared_experts=1)
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 128)).astype(jnp.bfloat16)
+
+  def loss(m, x):
+    y, aux = m(x)
+    return jnp.sum(jnp.sin(y.astype(jnp.float32))) + 0.1 * aux.load_balance_loss
+
+  forward = nnx.jit(lambda m, x: m(x)[0])
+  res, y = {}, {}
+  for impl in ("xla", "reference"):
+    m = jmo.MoE(cfg, mesh=mesh, impl=impl, rngs=nnx.Rngs(0))
+    res[impl] = nnx.jit(lambda m, x: nnx.value_and_grad(loss)(m, x))(m, x)
+    y[impl] = forward(m, x)
+  (v, g), (v_ref, g_ref) = res["xla"], res["reference"]
+  assert y["xla"].dtype == jnp.bfloat16 and y["xla"].shape == x.shape
+  assert rel_err(y["xla"], y["reference"]) < 1e-2
+  assert abs(float(v) - float(v_ref)) < 1e-2 * abs(float(v_ref))
+  for name in ("router", "w1", "w2", "shared_w1"):
+    assert g[name][...].dtype == jnp.float32                       # the master weights' dtype
+    assert float(jnp.max(jnp.abs(g_ref[name][...]))) > 0, name
+    assert rel_err(g[name][...], g_ref[name][...]) < 1e-2, name
+  # The FP8 layer differs from the unquantized one by the quantization, no more.
+  m = jmo.MoE(jmo.MoEConfig(**{**cfg.__dict__, "quantization": None}), mesh=mesh, impl="xla", rngs=nnx.Rngs(0))
+  assert FP8_ERROR_FLOOR < rel_err(y["xla"], forward(m, x)) < FP8_ERROR_BOUND
+
+
+def test_fp8_needs_multiples_of_128():
+  with pytest.raises(ValueError, match=r"d_model \(emb_dim\) and d_ff \(moe_mlp_dim\) must be multiples of 128, "
+                                       r"got d_model=64, d_ff=128"):
+    jmo.MoEConfig(emb_dim=64, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="fp8")
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 96, E, K, "balanced", 0)
+  with pytest.raises(ValueError, match=r"multiples of 128, got d_model=128, d_ff=96"):
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(4), impl="xla", quantization="fp8")
+
+
+def test_refusals():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
+  with pytest.raises(ValueError, match=r"quantization must be None \(no quantization\) or 'fp8', got 'int8'"):
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="xla", quantization="int8")
+  with pytest.raises(ValueError, match=r"quantization must be None"):
+    jmo.MoEConfig(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="e4m3")
+  for impl in ("overlap", "collective"):
+    with pytest.raises(NotImplementedError, match=rf"impl='{impl}' has no FP8 path yet: .* Missing: FP8 rows with "
+                                                  r"their scales in dispatch"):
+      jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, quantization="fp8")
+    cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="fp8")
+    with pytest.raises(NotImplementedError, match=r"runs with impl='xla' or impl='reference'"):
+      jmo.MoE(cfg, mesh=mesh, impl=impl, rngs=nnx.Rngs(0))
+  q1, q2 = jmo.quantize_weights(w1, w2)
+  with pytest.raises(TypeError, match=r"w1 is a pre-quantized Fp8Weight, which only quantization='fp8' takes"):
+    jmo.moe_experts(x, ids, gates, q1, w2, mesh=mesh, impl="xla")
+  bad = jmo.Fp8Weight(q1.values.astype(jnp.bfloat16), q1.scales)
+  with pytest.raises(TypeError, match=r"an Fp8Weight holds float8_e4m3fn values \[E, N, K\]"):
+    jmo.moe_experts(x, ids, gates, bad, q2, mesh=mesh, impl="xla", quantization="fp8")
+  with pytest.raises(ValueError, match=r"weight shapes w1 \(8, 128, 256\), w2 \(8, 128, 256\) do not fit"):
+    jmo.moe_experts(x, ids, gates, q1, jmo.quantize_weights(w1, w1)[1], mesh=mesh, impl="xla", quantization="fp8")
+
+
+def test_gpu_without_fp8_tensor_cores_is_refused():
+  """The device rule, on a stand-in mesh of GPUs of compute capability 8.0 (the test machines have no GPU)."""
+  from jax_moe_overlap.checks import check_fp8_impl
+  gpu = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100",
+                              __str__=lambda self: "cuda:0")
+  mesh = types.SimpleNamespace(devices=np.array([gpu, gpu]))
+  with pytest.raises(ValueError, match=r"impl='overlap' needs FP8 tensor cores \(compute capability 8.9 or newer"):
+    check_fp8_impl("overlap", mesh)
+  check_fp8_impl("xla", mesh)             # the emulation runs anywhere
+  hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+  with pytest.raises(NotImplementedError, match=r"the e4m3 wgmma kernels on Hopper"):
+    check_fp8_impl("overlap", types.SimpleNamespace(devices=np.array([hopper])))
+
+
+def test_what_the_forward_keeps():
+  """The recipe's residuals: per row x in e4m3 with its 1 x 128 scales and the SwiGLU input a likewise (D + 2F bytes
+  and (D + 2F) / 32 bytes of scales), against x in bfloat16 and a in float32 (2 D + 8 F bytes) of the unquantized
+  expert MLP; and the quantized weights (one byte per element and a scale per 128 x 128 block)."""
+  M, D, F, G = 512, 256, 384, 4
+  x = jax.ShapeDtypeStruct((M, D), jnp.bfloat16)
+  w1, w2 = jax.ShapeDtypeStruct((G, D, 2 * F), jnp.float32), jax.ShapeDtypeStruct((G, F, D), jnp.float32)
+  gs = jax.ShapeDtypeStruct((G,), jnp.int32)
+  _, kept = jax.eval_shape(lambda *a: fp8_experts._fp8_expert_mlp_fwd(*a, fp8_experts.RAGGED), x, w1, w2, gs)
+  nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(kept))
+  weights = 3 * G * D * F * (1 + 4 / 128 ** 2)
+  assert nbytes == M * (D + 2 * F) * (1 + 4 / 128) + weights + 4 * G
+  from jax_moe_overlap import expert_gemms
+  _, kept_bf16 = jax.eval_shape(expert_gemms._expert_mlp_fwd, x, w1.update(dtype=jnp.bfloat16),
+                                w2.update(dtype=jnp.bfloat16), gs)
+  rows_bf16 = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(kept_bf16)[:2])
+  assert rows_bf16 == M * (2 * D + 8 * F)

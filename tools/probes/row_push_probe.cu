@@ -1,0 +1,145 @@
+// Row-push probe: bytes/s per pushing SM against bytes in flight, for the dispatch's row-granular pushes, by
+// 16-byte stores (one warp per row, transport/row_push.cuh's CopyRowWarp and CopyRowPairWarp) and by TMA bulk copies
+// (one issuing thread per ring, transport/bulk_push.cuh's StreamBands with each row a band).
+//
+// Rows of `row` bytes are copied from a source buffer to scattered destination rows (a fixed random permutation, as
+// the dispatch writes each slot's row into the peer's recv row of its expert), by C CTAs of one GPU. Each
+// configuration reports GB/s in all and per CTA, and the bytes each CTA keeps in flight: W warps x 32 lanes x 8
+// loads x 16 B for the warp copies (twice that for the pair copy), issuers x slots x chunk for the bulk copies. On
+// one GPU the stores land in HBM; the rate per CTA at a given bytes-in-flight is inflight / latency, so the curve
+// gives the latency the copy sees, from which the SMs a push needs over a link of another latency follow
+// (docs/design.md, "How many SMs the push needs").
+//
+// The destination is poisoned before each configuration's first launch and compared with the permuted source after
+// it; medians of --reps timed launches (CUDA events) after that check.
+//
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
+//     -o /tmp/row_push_probe tools/probes/row_push_probe.cu && /tmp/row_push_probe --mib 64
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/device/copy.cuh"
+#include "cuda/transport/bulk_push.cuh"
+#include "probe_common.cuh"  // CK, MedianLaunchMs
+
+namespace {
+using namespace jmo::cuda;
+
+// Warp copies: warp w of CTA b takes rows b * W + w, + C * W, ...; pair = two rows per step (CopyRowPairWarp).
+template <bool kPair>
+__global__ void WarpRowsKernel(const char* src, char* dst, const int32_t* dst_row, int64_t rows, int64_t row) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if constexpr (kPair) {
+    for (; r + warps < rows; r += 2 * warps)
+      CopyRowPairWarp(dst + (int64_t)dst_row[r] * row, src + r * row, dst + (int64_t)dst_row[r + warps] * row,
+                      src + (r + warps) * row, row, lane);
+  }
+  for (; r < rows; r += (kPair ? 2 : 1) * warps) CopyRowWarp(dst + (int64_t)dst_row[r] * row, src + r * row, row, lane);
+}
+
+// Bulk copies: issuer i (lane 0 of warp i) of CTA b streams rows b + (i + j * I) * C, j = 0, 1, ... through its own
+// ring of `slots` slots of kChunk bytes.
+template <int kChunk>
+__global__ void BulkRowsKernel(const char* src, char* dst, const int32_t* dst_row, int64_t rows, int64_t row,
+                               int issuers, int slots) {
+  extern __shared__ __align__(128) char smem[];
+  const int w = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0 || w >= issuers) return;
+  const int64_t step = (int64_t)issuers * gridDim.x, first = blockIdx.x + (int64_t)w * gridDim.x;
+  const int count = first < rows ? (int)((rows - 1 - first) / step + 1) : 0;
+  if (count == 0) return;
+  auto ready = [](int, bool) { return true; };
+  auto band_of = [&](int i) {
+    const int64_t r = first + (int64_t)i * step;
+    return PushBand{src + r * row, dst + (int64_t)dst_row[r] * row, row};
+  };
+  auto done = [](int) {};
+  StreamBands<kChunk>(count, ready, band_of, done, smem + (int64_t)w * PushRingBytes<kChunk>(slots), slots,
+                      slots - 1 < kPushReadLag ? slots - 1 : kPushReadLag);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t total = 64ll << 20;
+  int reps = 7;
+  std::vector<int64_t> row_sizes = {4096, 14336};  // D = 2048 and D = 7168 in bf16
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--mib")) total = atoll(argv[i + 1]) << 20;
+    if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+    if (!strcmp(argv[i], "--row")) row_sizes = {atoll(argv[i + 1])};
+  }
+  char *src, *dst;
+  int32_t* d_perm;
+  CK(cudaMalloc(&src, total));
+  CK(cudaMalloc(&dst, total));
+  std::vector<unsigned char> h(total), back(total), want(total);
+  for (int64_t i = 0; i < total; ++i) h[i] = (unsigned char)((i * 2654435761ull) >> 13);
+  CK(cudaMemcpy(src, h.data(), total, cudaMemcpyHostToDevice));
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  printf("row push probe: %lld MiB of rows to scattered destination rows, one GPU, median of %d\n",
+         (long long)(total >> 20), reps);
+  printf("| row B | copy | CTAs | in flight per CTA KiB | us | GB/s | GB/s per CTA | check |\n|---|---|---|---|---|---|---|---|\n");
+  for (const int64_t row : row_sizes) {
+    const int64_t rows = total / row;
+    std::vector<int32_t> perm(rows);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(1234));
+    CK(cudaMalloc(&d_perm, rows * sizeof(int32_t)));
+    CK(cudaMemcpy(d_perm, perm.data(), rows * sizeof(int32_t), cudaMemcpyHostToDevice));
+    for (int64_t r = 0; r < rows; ++r) memcpy(&want[(int64_t)perm[r] * row], &h[r * row], row);
+    const int64_t bytes = rows * row;
+    auto time = [&](const char* what, int C, double inflight_kib, auto launch) {
+      CK(cudaMemset(dst, 0xA5, total));
+      launch();
+      CK(cudaGetLastError());
+      CK(cudaStreamSynchronize(st));
+      CK(cudaMemcpy(back.data(), dst, bytes, cudaMemcpyDeviceToHost));
+      const bool ok = memcmp(back.data(), want.data(), bytes) == 0;
+      const float ms = MedianLaunchMs(st, reps, launch, [](int) {});
+      const double gbs = bytes / (ms * 1e-3) / 1e9;
+      printf("| %lld | %s | %d | %.0f | %.1f | %.1f | %.2f | %s |\n", (long long)row, what, C, inflight_kib, ms * 1e3,
+             gbs, gbs / C, ok ? "ok" : "WRONG");
+      fflush(stdout);
+    };
+    char name[96];
+    for (int C : {1, 2, 4, 8, 16}) {
+      for (int W : {4, 8, 16, 32}) {
+        snprintf(name, sizeof name, "16B warp W=%d", W);
+        time(name, C, W * 4.0, [&] { WarpRowsKernel<false><<<C, 32 * W, 0, st>>>(src, dst, d_perm, rows, row); });
+        snprintf(name, sizeof name, "16B warp pair W=%d", W);
+        time(name, C, W * 8.0, [&] { WarpRowsKernel<true><<<C, 32 * W, 0, st>>>(src, dst, d_perm, rows, row); });
+      }
+      using K4 = std::integral_constant<int, 4096>;
+      using K8 = std::integral_constant<int, 8192>;
+      auto bulk = [&](auto chunk, int I, int slots) {
+        constexpr int kChunk = decltype(chunk)::value;
+        const int smem = I * PushRingBytes<kChunk>(slots);
+        if (smem > 227 * 1024) return;
+        CK(cudaFuncSetAttribute((const void*)BulkRowsKernel<kChunk>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                smem));
+        snprintf(name, sizeof name, "TMA bulk I=%d %d x %d KiB", I, slots, kChunk / 1024);
+        time(name, C, I * slots * kChunk / 1024.0, [&] {
+          BulkRowsKernel<kChunk><<<C, 32 * I, smem, st>>>(src, dst, d_perm, rows, row, I, slots);
+        });
+      };
+      for (int I : {1, 2, 4}) {
+        bulk(K4{}, I, 8);
+        bulk(K8{}, I, 8);
+        bulk(K8{}, I, 24 / I);
+      }
+    }
+    CK(cudaFree(d_perm));
+  }
+  return 0;
+}
