@@ -207,7 +207,7 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "small", "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "tensor", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -280,6 +280,25 @@ def _dispatch_gemm_time(base: Case) -> list[Case]:
   return v
 
 
+def _tensor(base: Case) -> list[Case]:
+  # Expert tensor parallelism (tools/loopback/tensor.py): R = 4 as 2 x 2, R = 8 as 2 x 4 and 4 x 2 (expert x tensor
+  # ranks), two experts per expert rank, balanced and skewed routing, dropless and with drops, y against the whole
+  # experts. K = 400 gives each rank K = 200 at TP = 2 (mma.sync; SIMT in float32), K = 512, N = 320 at TP = 4 gives
+  # K = 128 (wgmma on Hopper); then w transposed, and dispatch_gemm at 2 x 2 in its three result modes (D = 192,
+  # K = 2F = 640: each rank's GEMM1 N = 320, two column tiles, the second partial; its SwiGLU's F / TP = 160).
+  def tp(R_e, TP, routing, **kw):
+    return dataclasses.replace(base, ranks=R_e * TP, tensor=TP, experts=2 * R_e, routing=routing, iters=12,
+                               **{"k_dim": 400, **kw})
+  v = [tp(2, 2, 0), tp(2, 2, 1, capacity_factor=1.0), tp(2, 2, 1, f32=True),
+       tp(2, 4, 0, k_dim=512, n_dim=320, tokens=192), tp(2, 4, 2, k_dim=512, n_dim=320, tokens=192),
+       tp(4, 2, 1), tp(4, 2, 1, capacity_factor=1.0), tp(4, 2, 0, capacity_factor=1.0),
+       tp(2, 2, 1, transpose_rhs=True)]
+  for routing, mode in ((0, "train"), (1, "plain"), (2, "infer")):
+    v.append(tp(2, 2, routing, d_model=192, k_dim=640, dispatch_gemm_pushers=2, dispatch_gemm_mode=mode,
+                capacity_factor=1.0 if routing == 1 else 0.0))
+  return v
+
+
 def _full(base: Case) -> list[Case]:
   v = [_rank_case(base, R, routing, 30) for R in (2, 4, 8) for routing in (0, 1, 2)]
   # 1000 consecutive iterations (2000 calls per rank) without a reset
@@ -329,6 +348,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _dispatch_gemm(base)
   if name == "dispatch-gemm-time":
     return _dispatch_gemm_time(base)
+  if name == "tensor":
+    return _tensor(base)
   if name == "full":
     return _full(base)
   raise ValueError(f"unknown suite {name!r} (one of {', '.join(SUITES)})")
