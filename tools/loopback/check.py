@@ -1,6 +1,7 @@
 """The loopback checks: what a run of the kernels must have produced, judged against float32 host references.
 
-* The first call of each rank on each data set against the references: dispatch's rows exactly (rows past the
+* The first call of each rank on each data set against the references (with expert tensor parallelism, y and GEMM1
+  against the whole experts': tools/loopback/tensor.py): dispatch's rows exactly (rows past the
   received ones zero; outputs were poisoned before the call, so an unwritten row shows), expert_combine's y and
   slot outputs by relative error, dispatch_gemm's GEMM1 (its float32 product or preactivation, and its SwiGLU h) by
   max-norm relative error with the rows past the kept ones exactly zero, and no non-finite value. Where
@@ -20,6 +21,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
+from tools.loopback import tensor
 from tools.loopback.cases import Case, RankData
 
 MAX_LOGGED = 20
@@ -42,10 +44,13 @@ def swiglu(pre: np.ndarray) -> np.ndarray:
 
 
 def references(case: Case, data: list[RankData]) -> list[Expected]:
-  """Per rank, the references of one data set, from the plans and the float32 values of the operands."""
-  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.top_k, case.n_dim, case.k_dim, case.slots, case.cap
+  """Per rank, the references of one data set, from the plans and the float32 values of the operands: the dispatch
+  and the slot outputs from each rank's own operands; y and GEMM1 from them too, or with `tensor` > 1 from the whole
+  experts (tensor.references)."""
+  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.slot_top_k, case.n_dim, case.rank_k, case.slots, case.cap
   stride = case.check_stride
   dg = case.dispatch_gemm_pushers > 0
+  whole = case.tensor > 1
   out = []
   for d in range(R):
     dtype = data[d].x.data.dtype
@@ -67,12 +72,15 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
           continue
         # expert_combine: the slot's row of lhs on its expert's rank, times that expert's w, back on the source.
         out[s].slot[sel] = data[d].lhs.f[dest_row[sel]] @ data[d].w.f[e]
-        if dg:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
+        if dg and not whole:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
           out[d].a[dest_row[sel]] = data[s].x.f[token[sel]] @ data[d].w1.f[e]
           out[d].a_checked[dest_row[sel]] = True
+  if whole:
+    tensor.references(case, data, out)
   for s in range(R):
-    weighted = out[s].slot.reshape(T, k, N) * data[s].gates.reshape(T, k, 1)
-    out[s].y = weighted.sum(axis=1, dtype=np.float32)
+    if not whole:
+      weighted = out[s].slot.reshape(T, k, N) * data[s].gates.reshape(T, k, 1)
+      out[s].y = weighted.sum(axis=1, dtype=np.float32)
     if dg:  # rows past the kept ones must be exactly zero: checked too
       kept = np.zeros(cap, bool)
       kept[: int(data[s].plan["recv_rows"])] = True
@@ -121,7 +129,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   """Judges one run (tools/loopback/module.cc's run_ranks result) of `case` over the data `sets`."""
   from tools.loopback import _jmo_loopback  # pylint: disable=g-import-not-at-top
   v = Verdict(tol=1e-5 if case.f32 else 1e-2)
-  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.top_k, case.n_dim, case.k_dim, case.slots, case.cap
+  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.slot_top_k, case.n_dim, case.rank_k, case.slots, case.cap
   dg = case.dispatch_gemm_pushers > 0
   for msg in result["errors"]:
     v.fail(msg)
@@ -130,7 +138,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   for ranks in sets:
     for d in ranks:
       v.max_recv_rows = max(v.max_recv_rows, int(d.plan["recv_rows"]))
-      v.dropped += int(d.plan["dropped"])
+      v.dropped += int(d.plan["dropped"]) // case.tensor  # the layer's count: a dropped choice is `tensor` slots
 
   stride = case.check_stride
   slot_rows = (np.arange(P) // k) % stride == 0
