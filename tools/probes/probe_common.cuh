@@ -140,6 +140,24 @@ static CmpSummary ReadCompare(const CmpResult* d_res, cudaStream_t stream, const
   return s;
 }
 
+// One checked call of a grouped GEMM: out [M, N] (f32 or bf16) poisoned (0xFF bytes: NaN in both), call() issued on
+// stream and waited for (watchdog), then compared with ref (CompareRowsKernel: rows >= total_rows must be +0).
+template <class Call>
+static CmpSummary CheckGroupedCall(Call call, void* out, const float* ref, int64_t total_rows, int64_t M, int64_t N,
+                                   bool f32, CmpResult* d_res, cudaStream_t stream, const std::string& what,
+                                   double tol = 0.0) {
+  CK(cudaMemsetAsync(out, 0xFF, M * N * (f32 ? 4 : 2), stream));
+  call();
+  WaitOrDie(stream, what);
+  CK(cudaMemsetAsync(d_res, 0, sizeof(CmpResult), stream));
+  if (f32)
+    CompareRowsKernel<true><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
+  else
+    CompareRowsKernel<false><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
+  CK(cudaGetLastError());
+  return ReadCompare(d_res, stream, what, f32, total_rows, tol);
+}
+
 struct Case {
   std::string name;
   int64_t M, K, N;

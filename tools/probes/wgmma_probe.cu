@@ -155,17 +155,7 @@ int main(int argc, char** argv) {
           exit(2);
         }
       };
-      // Poison: 0xFF bytes are NaN in bf16 (0xFFFF) and in f32 (0xFFFFFFFF).
-      CK(cudaMemsetAsync(out, 0xFF, M * N * (f32 ? 4 : 2), stream));
-      call();
-      WaitOrDie(stream, vname);
-      CK(cudaMemsetAsync(d_res, 0, sizeof(CmpResult), stream));
-      if (f32)
-        CompareRowsKernel<true><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
-      else
-        CompareRowsKernel<false><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
-      CK(cudaGetLastError());
-      const CmpSummary cmp = ReadCompare(d_res, stream, vname, f32, total_rows);
+      const CmpSummary cmp = CheckGroupedCall(call, out, ref, total_rows, M, N, f32, d_res, stream, vname);
       bool pass = cmp.ok;
       std::string cb_note;
       if (cb) {
