@@ -9,9 +9,10 @@
 // The caller falls back to another path otherwise (WgmmaGroupedGemm returns cudaErrorInvalidValue), and on a
 // device that is not compute capability 9.x or a build without sm_90a code (cudaErrorNotSupported).
 //
-// The mainloop is WgmmaTileLoop (wgmma_mainloop.cuh); this file adds the grouped-GEMM tile schedule, the host
-// launch, and host helpers shared with other users of the loop (tensor-map encoding + cache, per-device kernel
-// preparation). Tile order: group-major, then bands of kBandM m-tiles, n-tile-major inside a band (L2 reuse).
+// The mainloop is WgmmaLoop (wgmma_mainloop.cuh); this file adds the grouped-GEMM tile schedule and kernel body for
+// any operand format (the e4m3 one: wgmma_grouped_fp8.cuh), the bf16 host launch, and host helpers shared with other
+// users of the loop (tensor-map encoding + cache, per-device kernel preparation). Tile order: group-major, then bands
+// of kBandM m-tiles, n-tile-major inside a band (L2 reuse).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and enums only: the driver function comes via cudaGetDriverEntryPointByVersion
