@@ -251,8 +251,9 @@ def test_call_config_validation(kw):
 
 def test_pinned_count_checked_against_the_sm_budget():
   # Checked once, when the call site is set up (RankInfo), before anything is traced.
-  gpu = types.SimpleNamespace(platform="cuda", handle=1, ranks=2, device=DeviceFacts(compute_capability=(9, 0), sm_budget=33,
-                                                                     consumer_policy="test", calibration=None))
+  gpu = types.SimpleNamespace(platform="cuda", handle=1, ranks=2,
+                              device=DeviceFacts(compute_capability=(9, 0), sm_budget=33, consumer_policy="test",
+                                                 calibration=None))
   attrs = RankInfo(gpu, CallConfig(consumer_ctas=32, serialize=True)).attrs()
   assert attrs["consumer_ctas"] == 32 and attrs["consumer_ctas"].dtype == np.int32
   assert attrs["serialize"] == np.bool_(True) and attrs["serialize"].dtype == np.bool_
