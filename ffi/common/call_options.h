@@ -35,8 +35,9 @@ struct CallOptions {
   // budget - 1; no effect on CPU).
   int32_t pushers = 1;
   // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
-  // paces every push to another rank (dispatch, dispatch_gemm) so that a rank's pushing CTAs together move at most
-  // this many GB/s, as over a link of that bandwidth. Never set by the library's Python API (0: no pacing).
+  // paces every push to another rank (the rows of dispatch and dispatch_gemm, the bands of expert_combine's consumer)
+  // so that a rank's pushing CTAs together move at most this many GB/s, as over a link of that bandwidth (on CUDA:
+  // transport/emulated_link.cuh). Never set by the library's Python API (0: no pacing); no effect on CPU.
   double emulated_link_gbps = 0;
 };
 
