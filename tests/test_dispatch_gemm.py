@@ -18,7 +18,7 @@ import layer_checks
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import workspace_calls
-from jax_moe_overlap.call_site import AUTO_PUSHERS, RankInfo, dispatch_pushers
+from jax_moe_overlap.call_site import RankInfo, dispatch_pushers
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
@@ -341,9 +341,13 @@ def test_dispatch_pushers_rule():
     base = dict(compute_capability=(9, 0), sm_budget=132, consumer_policy="test", calibration=None)
     return dispatch_pushers(config, DeviceFacts(**{**base, **device}), ranks)
 
+  # The one rule (call_options.h's DefaultPushers): 8 on an H200's 132 SMs, the same share of a smaller budget
+  # (a rank holding part of a GPU, as the loopback harness's), rounded, at least one, and a GEMM CTA left.
+  assert [_jmo.default_dispatch_pushers(b) for b in (132, 114, 66, 44, 33, 16, 8, 2)] == [8, 7, 4, 3, 2, 1, 1, 1]
+  assert all(1 <= _jmo.default_dispatch_pushers(b) <= b - 1 for b in range(2, 1000))
   if _jmo.with_cuda:
-    assert at() == AUTO_PUSHERS == 8                    # Hopper, two ranks: fused
-    assert at(sm_budget=66) == 8 and at(sm_budget=16) == 2 and at(sm_budget=4) == 1  # at most one in 8 SMs
+    assert at() == 8                                    # Hopper, two ranks: fused, with the rule's pushers
+    assert at(sm_budget=66) == 4 and at(sm_budget=33) == 2 and at(sm_budget=16) == 1
   else:
     assert at() == 0                                    # a build without CUDA has no wgmma engine to fuse on
   assert at(ranks=1) == 0                               # nothing to hide: two calls
