@@ -1,8 +1,9 @@
 """dispatch_gemm's CPU handler (ffi/cpu/dispatch_gemm.cc) on 4 CPU devices: the call against dispatch +
 grouped_matmul (plain, and transpose_rhs) and dispatch + grouped_matmul_swiglu (swiglu, with and without x_recv and
-the preactivation) in the kept rows, its padding rows left unwritten and read by no consumer, its shape errors, the layer with CallConfig(dispatch_pushers=2) against the two calls (bit for
-bit, with the bare grouped GEMM calls: layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and
-failures inside it with the recovery after them. tests/test_eight_ranks.py runs the layer comparison on 8 devices."""
+the preactivation) in the kept rows, its padding rows read by no consumer of the layer, its shape errors, the layer
+with CallConfig(dispatch_pushers=2) against the two calls (bit for bit, with the bare grouped GEMM calls:
+layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and failures inside it with the recovery after
+them. tests/test_eight_ranks.py runs the layer comparison on 8 devices."""
 
 import re
 import time
