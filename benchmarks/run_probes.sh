@@ -9,8 +9,8 @@
 #                   ceiling of the same traffic, XLA's shape of it and a TMA gather
 #   decision_probe  the resource manager's device-side choice (resource_manager.cuh) against the host's on random
 #                   tables, and ns per decision
-# The wgmma probes (wgmma_probe, wgmma_outer_probe) build with the same target; tools/probes/wgmma_build_and_run.sh
-# runs them (with ptxas statistics and a memcheck mode).
+# The wgmma probes (wgmma_probe, wgmma_outer_probe, wgmma_fp8_probe) build with the same target;
+# tools/probes/wgmma_build_and_run.sh runs them (with ptxas statistics and a memcheck mode).
 #
 #   bash benchmarks/run_probes.sh
 set -uo pipefail

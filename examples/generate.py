@@ -45,6 +45,9 @@ def parse_args(argv=None):
                  help="expert capacity factor at inference (0: dropless)")
   p.add_argument("--devices", type=int, default=None, help="use only the first N local devices")
   p.add_argument("--mesh-axis-type", choices=("auto", "explicit"), default="auto")
+  p.add_argument("--mesh", default=None,
+                 help="mesh axes and sizes as train_moe.py takes them; a checkpoint trained with a 'tensor' axis "
+                      "(its w1 kept as [E, D, 2, F]) restores onto a mesh with one (default: one 'expert' axis)")
   return p.parse_args(argv)
 
 
@@ -84,7 +87,7 @@ def next_byte(graphdef, state, window, pos, key, temperature, top_p):
 def generate(model, cfg, mesh, prompt: bytes, max_new_tokens: int, temperature=0.0, top_p=1.0, num_samples=1,
              seed=0) -> list[bytes]:
   """Continues ``prompt`` by ``max_new_tokens`` bytes, ``num_samples`` times (one batch)."""
-  R = mesh.shape[model_lib.EXPERT_AXIS]
+  R = mesh.size
   B = -(-num_samples // R) * R                  # the batch is sharded over the devices: pad it to a multiple
   L = cfg.seq_len
   graphdef, state = nnx.split(model)
@@ -108,12 +111,12 @@ def generate(model, cfg, mesh, prompt: bytes, max_new_tokens: int, temperature=0
 
 def main(argv=None):
   args = parse_args(argv)
-  mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type)
+  mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type, args.mesh)
   with jax.set_mesh(mesh):
     model, cfg, step = load(args.ckpt_dir, args.step, mesh, args.impl, args.capacity_factor)
     print(f"loaded step {step} from {args.ckpt_dir}: {cfg.num_layers} layers, {cfg.num_experts} experts top-"
-          f"{cfg.top_k}, impl={cfg.impl}, on {mesh.shape[model_lib.EXPERT_AXIS]} {jax.devices()[0].platform} "
-          f"devices", file=sys.stderr)
+          f"{cfg.top_k}, impl={cfg.impl}, on {mesh.size} {jax.devices()[0].platform} devices {dict(mesh.shape)}",
+          file=sys.stderr)
     prompt = args.prompt.encode("utf-8")
     outs = generate(model, cfg, mesh, prompt, args.max_new_tokens, args.temperature, args.top_p,
                     args.num_samples, args.seed)

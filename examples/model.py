@@ -22,6 +22,7 @@ import jax_moe_overlap as jmo
 
 DATA_FILE = pathlib.Path(__file__).parent / "data" / "licenses.txt"
 EXPERT_AXIS = "expert"
+TENSOR_AXIS = "tensor"  # a mesh axis of this name splits each expert's hidden width (jmo.MoE's tensor_axis)
 ATTENTION_IMPLS = ("xla", "cudnn")
 # Named scopes of the attention core and the MoE layers: the HLO ops under them carry the name in their metadata,
 # which is how a step profile (step_profile.py) attributes device time to them.
@@ -95,7 +96,8 @@ def make_mesh(num_devices: int | None = None, axis_type: str = "auto", shape: st
 
   ``shape``: None for a 1-D mesh whose one axis, ``"expert"``, spans every device; else ``"data=2,expert=2"``, axes
   in that order whose sizes multiply to the device count, one of them ``"expert"``. Experts are sharded over the
-  expert axis; tokens (the batch) over every axis (``batch_axes``: the others, each position on them an independent
+  expert axis, and their hidden width over an axis named ``"tensor"`` if there is one (expert tensor parallelism);
+  tokens (the batch) over every axis (``batch_axes``: the others, each position on them an independent
   expert-parallel group); every other parameter is replicated (data parallel). ``axis_type``: "auto" (XLA
   propagates shardings) or "explicit" (shardings are part of the array types); the model runs on either.
   """
@@ -130,8 +132,14 @@ def parse_mesh_shape(shape: str | None, num_devices: int) -> tuple[tuple[str, ..
 
 
 def batch_axes(mesh) -> tuple[str, ...]:
-  """The mesh axes other than the expert axis: the tokens are sharded over them too (``jmo.MoE``'s batch_axes)."""
-  return tuple(a for a in mesh.axis_names if a != EXPERT_AXIS)
+  """The mesh axes other than the expert and tensor axes: the tokens are sharded over them too (``jmo.MoE``'s
+  batch_axes)."""
+  return tuple(a for a in mesh.axis_names if a not in (EXPERT_AXIS, TENSOR_AXIS))
+
+
+def tensor_axis(mesh) -> str | None:
+  """The tensor axis of expert tensor parallelism (``jmo.MoE``'s tensor_axis), if the mesh has one."""
+  return TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None
 
 
 def put_global(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -141,8 +149,9 @@ def put_global(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def batch_sharding(mesh) -> NamedSharding:
-  """Sequences sharded over every mesh axis, the batch axes first (``moe_experts``' token layout)."""
-  axes = (*batch_axes(mesh), EXPERT_AXIS)
+  """Sequences sharded over every mesh axis, the batch axes first, the tensor axis last (``moe_experts``' token
+  layout)."""
+  axes = (*batch_axes(mesh), EXPERT_AXIS, *([TENSOR_AXIS] if tensor_axis(mesh) else []))
   return NamedSharding(mesh, P(axes if len(axes) > 1 else EXPERT_AXIS, None))
 
 
@@ -206,7 +215,7 @@ class Block(nnx.Module):
     self.ffn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
     if use_moe:
       self.ffn = jmo.MoE(cfg.moe_config(), mesh=mesh, expert_axis=EXPERT_AXIS, impl=cfg.impl,
-                         batch_axes=batch_axes(mesh), rngs=rngs)
+                         batch_axes=batch_axes(mesh), tensor_axis=tensor_axis(mesh), rngs=rngs)
     else:
       self.ffn = SwiGLU(cfg, rngs=rngs)
 

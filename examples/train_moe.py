@@ -98,7 +98,8 @@ def parse_args(argv=None):
                  help="jax.sharding.AxisType of the mesh axes")
   g.add_argument("--mesh", default=None,
                  help="mesh axes and sizes, e.g. data=2,expert=2: tokens over all axes, experts over 'expert', each "
-                      "data position its own expert-parallel group (default: one 'expert' axis over all devices)")
+                      "data position its own expert-parallel group; an axis 'tensor' (expert=2,tensor=2) splits each "
+                      "expert's hidden width over it (default: one 'expert' axis over all devices)")
   g.add_argument("--data", default=None, help=f"text file; None: examples/data/{model_lib.DATA_FILE.name}")
   g = p.add_argument_group("processes (a jax.distributed job: one process per GPU, or several CPU processes)")
   g.add_argument("--num-processes", type=int, default=1, help="processes of the job (1: no jax.distributed)")

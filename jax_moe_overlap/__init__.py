@@ -2,11 +2,12 @@
 
 Public API:
   MoEConfig           the static description of an MoE block (MaxText's option names).
-  MoE, MoEAux         Flax NNX module (router + SwiGLU experts + shared experts) over an expert mesh axis, and its
-                      router statistics; MoEBlock: the same as a drop-in feed-forward block returning y alone.
+  MoE, MoEAux         Flax NNX module (router + SwiGLU experts + shared experts) over an expert mesh axis (and
+                      optionally a tensor axis), and its router statistics; MoEBlock: the same as a drop-in
+                      feed-forward block returning y alone.
   route, update_routing_bias  the routers (softmax / sigmoid, routing bias, group-limited) as functions.
   moe_experts         the expert layer as a function on global arrays (impl="overlap" | "collective" | "xla" |
-                      "reference"; quantization=None | "fp8").
+                      "reference"; batch_axes; tensor_axis: expert tensor parallelism; quantization=None | "fp8").
   quantize_weights, Fp8Weight  expert weights quantized once (FP8, 128 x 128 blocks) for moe_experts' inference.
   CallConfig          timeouts and testing aids of the custom calls.
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).

@@ -3,7 +3,10 @@
 Four layouts of one layer's parameters (D = emb_dim, E experts of hidden width F, shared width S):
 
 * This library (``MoE``): ``router [D, E]``, ``routing_bias [E]``, ``w1 [E, D, 2F]`` (gate | up on the last
-  axis), ``w2 [E, F, D]``, ``shared_w1 [D, 2S]`` (gate | up), ``shared_w2 [S, D]``, ``shared_expert_gate [D, 1]``.
+  axis; a module with a ``tensor_axis`` keeps its view ``[E, D, 2, F]``, the same elements in the same order),
+  ``w2 [E, F, D]``, ``shared_w1 [D, 2S]`` (gate | up), ``shared_w2 [S, D]``, ``shared_expert_gate [D, 1]``. The
+  ``to_*`` converters take w1 in either shape, the ``from_*`` ones give ``[E, D, 2F]``, and ``load_params`` puts
+  either into the module's own.
 * MaxText (``to_maxtext`` / ``from_maxtext``): ``RoutedMoE``'s parameters and its shared experts' ``MlpBlock``, as
   nested dicts: ``gate/kernel [D, E]``, ``gate/bias [E]``, ``wi_0 [E, D, F]`` (gate), ``wi_1 [E, D, F]`` (up),
   ``wo [E, F, D]``; ``shared_experts/{wi_0,wi_1}/kernel [D, S]``, ``shared_experts/wo/kernel [S, D]``;
@@ -37,6 +40,7 @@ a restore lands sharded over the expert axis without a replicated copy on one de
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -45,7 +49,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_overlap.layer import MoE
+from jax_moe_overlap.layer import MoE, expert_specs
 
 NAMES = ("router", "routing_bias", "w1", "w2", "shared_w1", "shared_w2", "shared_expert_gate")
 
@@ -70,6 +74,8 @@ def load_params(module: MoE, params: dict) -> None:
   for name, value in params.items():
     var = getattr(module, name)
     old = var[...]
+    if name == "w1" and _w1_views(tuple(value.shape), tuple(old.shape)):
+      value = _reshaped(value, old.shape)  # [E, D, 2F] <-> its view [E, D, 2, F]: the same elements, same order
     if tuple(value.shape) != tuple(old.shape):
       raise ValueError(f"jax_moe_overlap: load_params: {name} has shape {tuple(old.shape)}, got "
                        f"{tuple(value.shape)}")
@@ -81,8 +87,34 @@ def _target_sharding(module: MoE, name: str, old: jax.Array):
   sharding = getattr(old, "sharding", None)
   if isinstance(sharding, NamedSharding) and set(sharding.mesh.devices.flat) == set(module.mesh.devices.flat):
     return sharding
-  spec = P(module.expert_axis) if name in ("w1", "w2") else P()
+  w1_spec, w2_spec = expert_specs(module.expert_axis, module.tensor_axis)
+  spec = {"w1": w1_spec, "w2": w2_spec}.get(name, P())
   return NamedSharding(module.mesh, spec)
+
+
+def _w1_views(a: tuple, b: tuple) -> bool:
+  """Whether shapes a and b are w1 [E, D, 2F] and its view [E, D, 2, F], in either order."""
+  three, four = (a, b) if len(a) == 3 else (b, a)
+  return len(three) == 3 and len(four) == 4 and four == (*three[:2], 2, three[2] // 2) and three[2] % 2 == 0
+
+
+def _w1(w):
+  """w1 as [E, D, 2F] (from either of the module's layouts)."""
+  return _reshaped(w, (w.shape[0], w.shape[1], math.prod(w.shape[2:])))
+
+
+def _reshaped(a, shape):
+  """``a`` in ``shape``, the same elements in the same order. A jax array on a mesh with Explicit axes, where a
+  reshape must be told its output sharding, is laid out over the mesh axes of its first axis alone first (as the
+  experts' weights are without a tensor axis)."""
+  if tuple(a.shape) == tuple(shape):
+    return a
+  sharding = getattr(a, "sharding", None)
+  if (isinstance(a, jax.Array) and isinstance(sharding, NamedSharding) and
+      jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())):
+    first = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[:1]))
+    return jnp.reshape(jax.sharding.reshard(a, first), shape, out_sharding=first)
+  return a.reshape(shape)
 
 
 def _split(w):
@@ -159,7 +191,7 @@ _SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def to_maxtext(params: dict) -> dict:
   """This library's layout -> MaxText's nested dict."""
-  gate, up = _split(params["w1"])
+  gate, up = _split(_w1(params["w1"]))
   out = {"gate": {"kernel": params["router"]}, "wi_0": gate, "wi_1": up, "wo": params["w2"]}
   if "routing_bias" in params:
     out["gate"]["bias"] = params["routing_bias"]
@@ -247,7 +279,7 @@ def to_per_expert(params: dict, prefix: str = "", style: str = "deepseek") -> di
   p = {k: np.asarray(v) for k, v in params.items()}
   out = _router_and_shared_to(p, prefix, style)
   names = _style(style).expert_projections
-  gate, up = _split(p["w1"])
+  gate, up = _split(_w1(p["w1"]))
   for i in range(p["w1"].shape[0]):
     for proj, w in zip(names, (gate[i], up[i], p["w2"][i])):
       out[f"{prefix}experts.{i}.{proj}.weight"] = w.T
@@ -292,7 +324,7 @@ def to_transformers(params: dict, prefix: str = "", style: str = "deepseek") -> 
   ``style``)."""
   p = {k: np.asarray(v) for k, v in params.items()}
   out = _router_and_shared_to(p, prefix, style)
-  out[f"{prefix}experts.gate_up_proj"] = p["w1"].transpose(0, 2, 1)
+  out[f"{prefix}experts.gate_up_proj"] = _w1(p["w1"]).transpose(0, 2, 1)
   out[f"{prefix}experts.down_proj"] = p["w2"].transpose(0, 2, 1)
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 

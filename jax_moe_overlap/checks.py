@@ -71,6 +71,17 @@ def check_fp8_sizes(d_model: int, d_ff: int) -> None:
                      f"of {fp8.TILE}, got d_model={d_model}, d_ff={d_ff}")
 
 
+def check_fp8_tensor_split(d_ff: int, tensor: int, tensor_axis: str | None) -> None:
+  """quantization="fp8" with expert tensor parallelism: each device's F / TP hidden units are whole 128-wide tiles
+  of h and a, and whole 128 x 128 blocks of w1's gate and up halves and of w2, so that every shard quantizes exactly
+  the whole expert's tiles and blocks."""
+  if tensor > 1 and (d_ff // tensor) % fp8.TILE:
+    raise ValueError(f"jax_moe_overlap: quantization='fp8' with tensor_axis {tensor_axis!r} needs each device's share "
+                     f"of the experts' hidden width to be whole {fp8.TILE} x {fp8.TILE} weight blocks and 1 x "
+                     f"{fp8.TILE} tiles: d_ff (moe_mlp_dim) / {tensor} must be a multiple of {fp8.TILE}, got "
+                     f"d_ff={d_ff}, {d_ff} / {tensor} = {d_ff // tensor}")
+
+
 def check_fp8_impl(impl: str, mesh: jax.sharding.Mesh) -> None:
   """quantization="fp8" runs with the impls of FP8_IMPLS (the recipe in XLA, on any device). The others are refused
   by what they lack: on a GPU without FP8 tensor cores, those; elsewhere, their FP8 custom calls."""
@@ -117,12 +128,14 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=Non
   T, D = x.shape
   check_dtype("x", x.dtype)
   (s1, dt1), (s2, dt2) = _weight_shape_dtype("w1", w1, quantization), _weight_shape_dtype("w2", w2, quantization)
-  if len(s1) != 3 or len(s2) != 3:
-    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] and w2 [E, F, D], got {s1} and {s2}")
+  if len(s1) not in (3, 4) or len(s2) != 3 or (len(s1) == 4 and s1[2] != 2):
+    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] (or its view [E, D, 2, F]) and w2 [E, F, D], got "
+                     f"{s1} and {s2}")
   E = s1[0]
-  if s1[1] != D or s1[2] % 2 or s2 != (E, s1[2] // 2, D):
+  width = s1[2] * (s1[3] if len(s1) == 4 else 1)
+  if s1[1] != D or width % 2 or s2 != (E, width // 2, D):
     raise ValueError(f"jax_moe_overlap: weight shapes w1 {s1}, w2 {s2} do not fit d_model={D} "
-                     f"(expected w1 [E, {D}, 2F], w2 [E, F, {D}])")
+                     f"(expected w1 [E, {D}, 2F] or [E, {D}, 2, F], w2 [E, F, {D}])")
   if expert_ids.ndim != 2 or expert_ids.shape[0] != T or gates.shape != expert_ids.shape:
     raise ValueError(f"jax_moe_overlap: expert_ids {expert_ids.shape} and gates {gates.shape} must both be "
                      f"[tokens={T}, k]")
@@ -131,7 +144,7 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=Non
   if quantization is None and not (x.dtype == dt1 == dt2):
     raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {dt1}, {dt2}")
   if quantization == "fp8":
-    check_fp8_sizes(D, s1[2] // 2)
+    check_fp8_sizes(D, width // 2)
   check_experts(E, expert_ids.shape[1], R, axis_name)
   check_tokens(T, R, axis_name)
 
@@ -152,18 +165,44 @@ def check_expert_ids(expert_ids, num_experts: int) -> None:
                      f"({SKIP} marks a skipped slot; other values are errors)")
 
 
-def check_batch_axes(mesh, axis_name, batch_axes, tokens) -> tuple[str, ...]:
-  """The batch axes as a tuple of distinct mesh axes other than ``axis_name``, T divisible by all token shards."""
+def check_batch_axes(mesh, axis_name, batch_axes, tokens, tensor_axis: str | None = None) -> tuple[str, ...]:
+  """The batch axes as a tuple of distinct mesh axes other than ``axis_name`` and ``tensor_axis``, T divisible by
+  all token shards (the devices of the batch axes, the expert axis and the tensor axis)."""
   batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
   for a in batch_axes:
-    if a not in mesh.axis_names or a == axis_name or batch_axes.count(a) > 1:
+    if a not in mesh.axis_names or a in (axis_name, tensor_axis) or batch_axes.count(a) > 1:
+      other = f" and the tensor axis {tensor_axis!r}" if tensor_axis is not None else ""
       raise ValueError(f"jax_moe_overlap: batch_axes {batch_axes} must be distinct axes of the mesh "
-                       f"{tuple(mesh.axis_names)} other than the expert axis {axis_name!r}")
-  shards = batch_size(mesh, batch_axes) * mesh.shape[axis_name]
+                       f"{tuple(mesh.axis_names)} other than the expert axis {axis_name!r}{other}")
+  token_axes = (*batch_axes, axis_name) + ((tensor_axis,) if tensor_axis is not None else ())
+  shards = batch_size(mesh, token_axes)
   if tokens % shards:
     raise ValueError(f"jax_moe_overlap: {tokens} tokens cannot be split evenly over the {shards} devices of mesh "
-                     f"axes {(*batch_axes, axis_name)}")
+                     f"axes {token_axes}")
   return batch_axes
+
+
+def check_tensor_axis(mesh, axis_name: str, tensor_axis: str | None) -> int:
+  """The tensor axis of expert tensor parallelism (each expert's hidden width F split over it): None (no tensor
+  parallelism, size 1) or a mesh axis other than the expert axis. Returns its size."""
+  if tensor_axis is None:
+    return 1
+  if not isinstance(tensor_axis, str) or tensor_axis not in mesh.axis_names:
+    raise ValueError(f"jax_moe_overlap: tensor_axis {tensor_axis!r} is not an axis of the mesh "
+                     f"{tuple(mesh.axis_names)}")
+  if tensor_axis == axis_name:
+    raise ValueError(f"jax_moe_overlap: tensor_axis {tensor_axis!r} is the expert axis; the experts' hidden width is "
+                     "split over another mesh axis than the one the experts are split over")
+  return int(mesh.shape[tensor_axis])
+
+
+def check_tensor_split(hidden: int, tensor: int, tensor_axis: str | None) -> None:
+  """The experts' hidden width F splits evenly over the tensor axis (each device takes F / size columns of the gate
+  and of the up projection, and as many rows of w2)."""
+  if hidden % tensor:
+    raise ValueError(f"jax_moe_overlap: the experts' hidden width F={hidden} cannot be split evenly over the {tensor} "
+                     f"devices of tensor axis {tensor_axis!r} (each takes F / {tensor} columns of w1's gate and of its "
+                     f"up projection, and as many rows of w2)")
 
 
 def batch_size(mesh, batch_axes) -> int:

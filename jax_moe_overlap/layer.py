@@ -5,7 +5,9 @@ feed-forward block: it returns ``y`` alone and records its auxiliary loss with `
 
 Parameters (``checkpoint.py`` converts them to and from MaxText's and the per-expert published layouts):
   router [D, E]; routing_bias [E] (a ``RoutingBias``, not trained by gradients; only with ``routed_bias``);
-  w1 [E, D, 2F] (gate and up projections, concatenated on the last axis); w2 [E, F, D];
+  w1 [E, D, 2F] (gate and up projections, concatenated on the last axis), or with a ``tensor_axis`` its view
+  [E, D, 2, F] (gate, up: the layout whose F axis splits over the tensor axis with both halves split alike;
+  ``reshape(E, D, 2F)`` gives the [E, D, 2F] layout, element for element); w2 [E, F, D];
   shared_w1 [D, 2S], shared_w2 [S, D] (only with shared experts); shared_expert_gate [D, 1] (only with
   ``MoEConfig.shared_expert_gate``).
 """
@@ -22,8 +24,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import routing as routing_lib
+from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.api import moe_experts
-from jax_moe_overlap.checks import check_axis, check_experts, check_fp8_impl, check_impl
+from jax_moe_overlap.checks import (check_axis, check_batch_axes, check_experts, check_fp8_impl,
+                                    check_fp8_tensor_split, check_impl, check_tensor_axis, check_tensor_split)
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
 
@@ -62,9 +66,12 @@ class MoE(nnx.Module):
     mesh: the device mesh; expert_axis: its expert-parallel axis name (E divisible by its size).
     impl: "overlap", "collective", "xla" or "reference". call_config: ``CallConfig`` (timeouts) of the custom calls.
     batch_axes: mesh axes other than expert_axis the tokens are also sharded over (``moe_experts``' batch_axes).
+    tensor_axis: expert tensor parallelism (``moe_experts``' tensor_axis): each expert's hidden width split over this
+      mesh axis; w1 is then kept as its [E, D, 2, F] view, sharded over (expert_axis, -, -, tensor_axis), and w2 over
+      (expert_axis, tensor_axis, -). None: experts whole on their device.
     rngs: parameter initialisation.
 
-  Call: ``y, aux = moe(x, token_mask=None)`` with x [..., D] (the number of tokens divisible by the axis size) and an
+  Call: ``y, aux = moe(x, token_mask=None)`` with x [..., D] (the number of tokens divisible by the token shards) and an
   optional bool mask of x's leading shape (False: a padding token; it selects no expert, costs nothing and gets
   y = 0 from the routed experts); y has x's shape, dtype and sharding; aux is a ``MoEAux``. With
   ``routed_bias_update_rate`` > 0 and the module in training mode (``deterministic`` False), each call updates the
@@ -72,24 +79,31 @@ class MoE(nnx.Module):
   """
 
   def __init__(self, config: MoEConfig, *, mesh: jax.sharding.Mesh, rngs: nnx.Rngs, expert_axis: str = "expert",
-               impl: str = "overlap", call_config: CallConfig | None = None, batch_axes: tuple[str, ...] = ()):
+               impl: str = "overlap", call_config: CallConfig | None = None, batch_axes: tuple[str, ...] = (),
+               tensor_axis: str | None = None):
     if not isinstance(config, MoEConfig):
       raise TypeError(f"jax_moe_overlap: MoE takes a MoEConfig as its first argument, got {config!r}")
     R = check_axis(mesh, expert_axis)
     check_experts(config.num_experts, config.num_experts_per_tok, R, expert_axis)
     check_impl(impl)
+    TP = check_tensor_axis(mesh, expert_axis, tensor_axis)
+    check_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
     if config.quantization is not None:
+      check_fp8_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
       check_fp8_impl(impl, mesh)
-    self.config, self.mesh, self.expert_axis, self.impl = config, mesh, expert_axis, impl
+    # The axes' rules now; the tokens' count is checked per call (0 tokens split over any devices).
+    self.batch_axes = check_batch_axes(mesh, expert_axis, batch_axes, 0, tensor_axis)
+    self.config, self.mesh, self.expert_axis, self.tensor_axis, self.impl = config, mesh, expert_axis, tensor_axis, impl
     self.call_config = call_config or CallConfig()
-    self.batch_axes = tuple(batch_axes)
     self.deterministic = False
-    values = _param_initializer(config, mesh, expert_axis)(tuple(rngs.params() for _ in range(_num_keys(config))))
+    values = _param_initializer(config, mesh, expert_axis, tensor_axis)(
+        tuple(rngs.params() for _ in range(_num_keys(config))))
     self.router = nnx.Param(values["router"])
     self.routing_bias = RoutingBias(values["routing_bias"]) if config.routed_bias else None
     # The experts' sharding as metadata too (nnx.get_partition_spec); the values already have it.
-    self.w1 = nnx.Param(values["w1"], out_sharding=(expert_axis, None, None), eager_sharding=False)
-    self.w2 = nnx.Param(values["w2"], out_sharding=(expert_axis, None, None), eager_sharding=False)
+    w1_spec, w2_spec = expert_specs(expert_axis, tensor_axis)
+    self.w1 = nnx.Param(values["w1"], out_sharding=tuple(w1_spec), eager_sharding=False)
+    self.w2 = nnx.Param(values["w2"], out_sharding=tuple(w2_spec), eager_sharding=False)
     if config.shared_width:
       self.shared_w1 = nnx.Param(values["shared_w1"])
       self.shared_w2 = nnx.Param(values["shared_w2"])
@@ -146,7 +160,8 @@ class MoE(nnx.Module):
     w1, w2 = (w[...] if cfg.quantization else w[...].astype(dt) for w in (self.w1, self.w2))
     y, dropped = moe_experts(x2d.astype(dt), r.expert_ids, r.gates, w1, w2, mesh=self.mesh,
                              axis_name=self.expert_axis, capacity_factor=cfg.expert_capacity_factor, impl=self.impl,
-                             config=self.call_config, batch_axes=self.batch_axes, quantization=cfg.quantization)
+                             config=self.call_config, batch_axes=self.batch_axes, tensor_axis=self.tensor_axis,
+                             quantization=cfg.quantization)
     if self.shared_w1 is not None:
       y = (y.astype(jnp.float32) + self.shared(x2d)).astype(dt)
     if cfg.routed_bias_update_rate and not self.deterministic:
@@ -156,11 +171,13 @@ class MoE(nnx.Module):
     return self._unflatten(y.astype(x.dtype), x), aux
 
   def _flatten(self, a: jax.Array, features: bool = True) -> jax.Array:
-    """[..., D] -> [T, D] ([...] -> [T] without ``features``); on an Explicit mesh, tokens sharded over the expert
-    axis (a reshape of, say, a sequence-sharded x has no sharding of its own to take)."""
+    """[..., D] -> [T, D] ([...] -> [T] without ``features``); on an Explicit mesh, tokens sharded as the layer takes
+    them (``tensor_parallel.operand_specs``: over the batch, expert and tensor axes), as a reshape of, say, a
+    sequence-sharded x has no sharding of its own to take."""
     new = (-1, a.shape[-1]) if features else (-1,)
     if _explicit_in(a):
-      spec = P(self.expert_axis, *([None] * (len(new) - 1)))
+      tokens = tp_lib.operand_specs(self.expert_axis, self.tensor_axis, self.batch_axes)[0][0]
+      spec = P(tokens, *([None] * (len(new) - 1)))
       return jnp.reshape(a, new, out_sharding=jax.sharding.NamedSharding(self.mesh, spec))
     return a.reshape(new)
 
@@ -206,17 +223,27 @@ def _num_keys(config: MoEConfig) -> int:
   return 3 + (2 if config.shared_width else 0) + (1 if config.shared_expert_gate else 0)
 
 
+def expert_specs(expert_axis: str, tensor_axis: str | None) -> tuple[P, P]:
+  """The PartitionSpecs of the module's w1 and w2: over the expert axis; with a tensor axis, w1's [E, D, 2, F] view
+  and w2 split over it along F as well."""
+  if tensor_axis is None:
+    return P(expert_axis, None, None), P(expert_axis, None, None)
+  return tp_lib.operand_specs(expert_axis, tensor_axis, ())[1:]
+
+
 @functools.lru_cache(maxsize=None)
-def _param_initializer(config: MoEConfig, mesh: jax.sharding.Mesh, expert_axis: str):
+def _param_initializer(config: MoEConfig, mesh: jax.sharding.Mesh, expert_axis: str, tensor_axis: str | None):
   """The jit-compiled initializer of one layer's parameters: keys -> {name: array}, each array created with its
-  sharding on the mesh (w1 and w2 split over expert_axis, the rest replicated), so that no parameter is ever whole
-  on one device and the first call of the layer finds its parameters where it needs them (no resharding, no second
-  compilation). Cached per (config, mesh, axis): layers of one configuration share one compiled initializer. Under
-  a trace (``nnx.eval_shape``, a jitted model constructor) the shardings become the values' sharding constraints."""
+  sharding on the mesh (w1 and w2 split over expert_axis and tensor_axis, the rest replicated), so that no parameter
+  is ever whole on one device and the first call of the layer finds its parameters where it needs them (no
+  resharding, no second compilation). Cached per (config, mesh, axes): layers of one configuration share one
+  compiled initializer. Under a trace (``nnx.eval_shape``, a jitted model constructor) the shardings become the
+  values' sharding constraints. With a tensor axis w1 is drawn as [E, D, 2F] (the draws of a layer without one, up
+  to the rounding of the compiled initializer) and kept as its [E, D, 2, F] view."""
   D, F, E, S, wd = config.emb_dim, config.moe_mlp_dim, config.num_experts, config.shared_width, config.weight_dtype
-  experts = NamedSharding(mesh, P(expert_axis, None, None))
+  w1_spec, w2_spec = expert_specs(expert_axis, tensor_axis)
   replicated = NamedSharding(mesh, P())
-  shardings = {"router": replicated, "w1": experts, "w2": experts}
+  shardings = {"router": replicated, "w1": NamedSharding(mesh, w1_spec), "w2": NamedSharding(mesh, w2_spec)}
   if config.routed_bias:
     shardings.update(routing_bias=replicated)
   if S:
@@ -226,8 +253,9 @@ def _param_initializer(config: MoEConfig, mesh: jax.sharding.Mesh, expert_axis: 
 
   def init(keys):
     fan_in = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)  # fan-in per expert
+    w1 = fan_in(keys[1], (E, D, 2 * F), wd)
     values = {"router": nnx.initializers.normal(0.02)(keys[0], (D, E), wd),
-              "w1": fan_in(keys[1], (E, D, 2 * F), wd), "w2": fan_in(keys[2], (E, F, D), wd)}
+              "w1": w1 if tensor_axis is None else tp_lib.w1_view(w1), "w2": fan_in(keys[2], (E, F, D), wd)}
     if config.routed_bias:
       values.update(routing_bias=jnp.zeros((E,), jnp.float32))
     if S:

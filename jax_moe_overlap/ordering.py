@@ -30,8 +30,8 @@ JAX's C++ dispatch fast path (workspace_calls._workspace_call says why that matt
 This uses JAX internals (``jax._src``: effects, core, mlir lowering, batching, the runtime token set), checked against
 JAX 0.11.2. The public mechanisms do not serve: ``jax.ffi.ffi_call(..., has_side_effect=True)`` gives an *unordered*
 effect (see above); ``jax.experimental.io_callback(..., ordered=True)`` orders Python callbacks, not custom calls;
-JAX offers no public ordered effect or token for a custom call. ``_drop_cross_program_token`` and
-``_keep_tokens_in_compiled_calls`` check the one method each wraps and fail loudly if it moved.
+JAX offers no public ordered effect or token for a custom call. ``_wrap_jax_method`` checks the one method each of
+``_drop_cross_program_token`` and ``_keep_tokens_in_compiled_calls`` wraps and fails loudly if it moved.
 
 vmap: a workspace call under ``jax.vmap`` runs once per batch element in a ``lax.scan`` (``_batching_rule``), as
 ``ffi_call``'s ``vmap_method="sequential"`` does for the CUDA calls.
@@ -49,6 +49,7 @@ from jax._src import dispatch
 from jax._src import effects
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
+from jax._src.interpreters import pxla
 
 
 class WorkspaceEffect(effects.Effect):
@@ -67,57 +68,49 @@ for _set in (effects.ordered_effects, effects.shardable_ordered_effects, effects
   _set.add_type(WorkspaceEffect)
 
 
-def _drop_cross_program_token():
-  """JAX stores the token a program returns for each ordered effect and feeds it to the next program; for
-  ``WorkspaceEffect`` keep none, so every program starts from a fresh token (see the module docstring)."""
-  cls = dispatch.RuntimeTokenSet
-  original = getattr(cls, "set_token_result", None)
+def _wrap_jax_method(cls, name: str, make):
+  """Replaces ``cls.name`` (a JAX internal) by ``make(original)``, once; fails loudly if this JAX lacks it."""
+  original = getattr(cls, name, None)
   if original is None or not callable(original):
-    raise ImportError("jax_moe_overlap: this JAX has no RuntimeTokenSet.set_token_result; the CPU workspace ordering "
+    raise ImportError(f"jax_moe_overlap: this JAX has no {cls.__name__}.{name}; the CPU workspace ordering "
                       "(jax_moe_overlap/ordering.py) needs updating for it")
   if getattr(original, "_jmo_wrapped", False):
     return
+  wrapped = functools.wraps(original)(make(original))
+  wrapped._jmo_wrapped = True
+  setattr(cls, name, wrapped)
 
-  @functools.wraps(original)
+
+def _drop_cross_program_token(original):
+  """JAX stores the token a program returns for each ordered effect and feeds it to the next program; for
+  ``WorkspaceEffect`` keep none, so every program starts from a fresh token (see the module docstring)."""
+
   def set_token_result(self, eff, token):
     if isinstance(eff, WorkspaceEffect):
       return
     original(self, eff, token)
 
-  set_token_result._jmo_wrapped = True
-  cls.set_token_result = set_token_result
+  return set_token_result
 
 
-_drop_cross_program_token()
-
-
-def _keep_tokens_in_compiled_calls():
+def _keep_tokens_in_compiled_calls(original):
   """An ahead-of-time compiled program (``jax.jit(f).lower(...).compile()``) that makes workspace calls must be
   called through JAX's Python path, which adds the ordered effect's token to the arguments: ``jax.jit`` itself keeps
   programs with ordered effects off its C++ fast path (``pjit._get_fastpath_data``), but
   ``MeshExecutable.create_cpp_call`` (the compiled object's call) only checks for unordered effects, so its second
   call would run without the token ("supplied N arguments but compiled program expected N + 1"). For such programs
   make it decline the fast path, as ``jax.jit`` does."""
-  from jax._src.interpreters import pxla
-  cls = pxla.MeshExecutable
-  original = getattr(cls, "create_cpp_call", None)
-  if original is None or not callable(original):
-    raise ImportError("jax_moe_overlap: this JAX has no MeshExecutable.create_cpp_call; the CPU workspace ordering "
-                      "(jax_moe_overlap/ordering.py) needs updating for it")
-  if getattr(original, "_jmo_wrapped", False):
-    return
 
-  @functools.wraps(original)
   def create_cpp_call(self, params):
     if any(isinstance(e, WorkspaceEffect) for e in getattr(self.unsafe_call, "ordered_effects", ())):
       return None
     return original(self, params)
 
-  create_cpp_call._jmo_wrapped = True
-  cls.create_cpp_call = create_cpp_call
+  return create_cpp_call
 
 
-_keep_tokens_in_compiled_calls()
+_wrap_jax_method(dispatch.RuntimeTokenSet, "set_token_result", _drop_cross_program_token)
+_wrap_jax_method(pxla.MeshExecutable, "create_cpp_call", _keep_tokens_in_compiled_calls)
 
 
 workspace_call_p = core.Primitive("jmo_workspace_call")

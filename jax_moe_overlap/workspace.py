@@ -1,9 +1,11 @@
 """The peer workspace: each rank's symmetric buffers and signal words, owned by one Python object.
 
 A ``Workspace`` belongs to one mesh and one expert-parallel axis. The axis' ``R`` devices form a *group*; the
-other mesh axes (if any) enumerate ``G`` independent groups. The native side keeps, per group and rank, one block
-laid out by ``ffi/include/jax_moe_overlap/protocol.h`` (recv rows, ret rows, stage rows, tile-ready flags and the
-monotonic counters) plus the per-rank consumer engine, and the custom calls name the workspace by ``handle``.
+other mesh axes (if any) enumerate ``G`` independent groups. Under expert tensor parallelism the group is the
+devices of the expert axis and the tensor axis together (``axis_name`` a tuple of both: R = their product). The
+native side keeps, per group and rank, one block laid out by ``ffi/include/jax_moe_overlap/protocol.h`` (recv rows,
+ret rows, stage rows, tile-ready flags and the monotonic counters) plus the per-rank consumer engine, and the custom
+calls name the workspace by ``handle``.
 
 Workspaces are cached per (devices, axis): a call gets the smallest cached workspace of its mesh and axis that fits its
 sizes, else a new one whose row counts are rounded up to a power of two (``bucket``), so every MoE layer of a model
@@ -78,36 +80,53 @@ class WorkspaceSizes:
     return int(_jmo.workspace_bytes_per_rank(self.row_bytes, self.recv_rows, self.ret_rows, self.num_segments))
 
 
+def group_axes(axis_name: str | tuple[str, ...]) -> str | tuple[str, ...]:
+  """The mesh axes of a workspace's groups in one spelling: one axis as its name (a 1-tuple too), several as a tuple
+  (the expert axis, then the tensor axis)."""
+  if isinstance(axis_name, str):
+    return axis_name
+  axes = tuple(axis_name)
+  return axes[0] if len(axes) == 1 else axes
+
+
 def _pow2(n: int) -> int:
   return 1 << max(0, math.ceil(math.log2(n))) if n > 0 else 0
 
 
 def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, d_model: int, itemsize: int,
-                capacity_factor: float | None) -> WorkspaceSizes:
+                capacity_factor: float | None, tensor: int = 1) -> WorkspaceSizes:
   """The capacities one MoE layer call needs. Every row that crosses ranks is d_model wide (tokens, their gradients,
-  expert outputs): the lhs of a GEMM (F or 2F wide) never leaves its rank, so rows are d_model x itemsize bytes."""
-  cap_e = plan_lib.expert_capacity(tokens_per_rank, ranks, top_k, num_experts, capacity_factor)
+  expert outputs): the lhs of a GEMM (F or 2F wide) never leaves its rank, so rows are d_model x itemsize bytes.
+
+  ranks: the expert axis' size R; tensor: the tensor axis' size TP (expert tensor parallelism: the group is the
+  R TP devices of both axes, each holding the tensor shards of E / R experts, and each slot of a token is TP slots,
+  one per shard: ``tensor_parallel.py``). A rank receives a row of an expert's shard for every row the expert
+  takes, so its recv rows are those of an expert-parallel rank of the group's R TP ranks; its ret rows are its
+  T k TP slots."""
+  group = ranks * tensor
+  cap_e = plan_lib.expert_capacity(tokens_per_rank, group, top_k, num_experts, capacity_factor)
   e_local = num_experts // ranks
-  cap = plan_lib.recv_capacity(tokens_per_rank, ranks, top_k, e_local, cap_e)
-  return WorkspaceSizes(row_bytes=d_model * itemsize, recv_rows=cap, ret_rows=tokens_per_rank * top_k,
-                        num_segments=e_local * ranks)
+  cap = plan_lib.recv_capacity(tokens_per_rank, group, top_k, e_local, cap_e)
+  return WorkspaceSizes(row_bytes=d_model * itemsize, recv_rows=cap, ret_rows=tokens_per_rank * top_k * tensor,
+                        num_segments=e_local * group)
 
 
 def workspace_bytes(tokens: int, d_model: int, top_k: int, num_experts: int, *, ranks: int, dtype="float32",
-                    capacity_factor: float | None = None, token_shards: int | None = None) -> int:
+                    capacity_factor: float | None = None, token_shards: int | None = None, tensor: int = 1) -> int:
   """Bytes per rank of the workspace that ``moe_experts`` allocates for a layer call of this shape (after rounding
   up to its bucket), for planning memory before anything runs.
 
-  tokens: T of the call (global); ranks: size of the expert axis; token_shards: devices the tokens are split over
-  (ranks x the batch axes' sizes; default ranks).
+  tokens: T of the call (global); ranks: size of the expert axis; tensor: size of the tensor axis (expert tensor
+  parallelism); token_shards: devices the tokens are split over (ranks x tensor x the batch axes' sizes; default
+  ranks x tensor).
   """
-  shards = ranks if token_shards is None else token_shards
+  shards = ranks * tensor if token_shards is None else token_shards
   if tokens % shards or num_experts % ranks:
     raise ValueError(f"jax_moe_overlap: {tokens} tokens over {shards} shards and {num_experts} experts over {ranks} "
                      "ranks must split evenly")
   itemsize = np.dtype(dtype).itemsize
-  return layer_sizes(tokens // shards, ranks, top_k, num_experts, d_model, itemsize,
-                     capacity_factor).bucket().bytes_per_rank()
+  return layer_sizes(tokens // shards, ranks, top_k, num_experts, d_model, itemsize, capacity_factor,
+                     tensor).bucket().bytes_per_rank()
 
 
 class Workspace:
@@ -120,15 +139,19 @@ class Workspace:
   _lock = threading.Lock()
   _release_hooks: list[Callable[["Workspace"], None]] = []
 
-  def __init__(self, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes):
-    check_axis(mesh, axis_name)
+  def __init__(self, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], sizes: WorkspaceSizes):
+    axis_name = group_axes(axis_name)
+    axes = (axis_name,) if isinstance(axis_name, str) else axis_name
+    ranks = [check_axis(mesh, a) for a in axes]
     _ffi.register()
     self.mesh = mesh
+    # One mesh axis, or a tuple of them (the expert and tensor axes of expert tensor parallelism), whose devices
+    # form one group: inside shard_map, jax.lax.axis_index and all_gather take it as it is.
     self.axis_name = axis_name
     self.sizes = sizes
-    self.ranks = int(mesh.shape[axis_name])
+    self.ranks = int(np.prod(ranks))
     self.groups = int(mesh.devices.size // self.ranks)
-    self.other_axes = tuple(a for a in mesh.axis_names if a != axis_name)
+    self.other_axes = tuple(a for a in mesh.axis_names if a not in axes)
     platforms = {d.platform for d in mesh.devices.flat}
     if len(platforms) != 1:
       raise ValueError(f"jax_moe_overlap: a mesh mixing platforms {sorted(platforms)} is not supported")
@@ -152,10 +175,10 @@ class Workspace:
     self._released = False
 
   @classmethod
-  def get(cls, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes) -> "Workspace":
-    """The cached workspace of these devices and axis that fits ``sizes`` (the smallest such), else a new one with
-    ``sizes.bucket()``."""
-    key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape, axis_name)
+  def get(cls, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], sizes: WorkspaceSizes) -> "Workspace":
+    """The cached workspace of these devices and axis (or tuple of axes: one group over their devices) that fits
+    ``sizes`` (the smallest such), else a new one with ``sizes.bucket()``."""
+    key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape, group_axes(axis_name))
     with cls._lock:
       fitting = [ws for ws in cls._cache.get(key, ()) if ws.sizes.fits(sizes)]
       if fitting:
@@ -165,7 +188,7 @@ class Workspace:
       return ws
 
   @classmethod
-  def reserve(cls, mesh: jax.sharding.Mesh, axis_name: str, sizes: WorkspaceSizes) -> "Workspace":
+  def reserve(cls, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], sizes: WorkspaceSizes) -> "Workspace":
     """Allocates (or finds) the workspace for the largest calls ahead, so that smaller ones reuse it."""
     return cls.get(mesh, axis_name, sizes)
 

@@ -53,12 +53,15 @@ class NativeWorkspace:
   device: DeviceFacts
 
 
-def rank_devices(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
+def rank_devices(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> np.ndarray:
   """[groups, ranks] array of the mesh's devices: rank = position on ``axis_name``, group = linear index over the
-  other axes in mesh order (what ``Workspace.group_index`` computes inside shard_map)."""
-  axis = list(mesh.axis_names).index(axis_name)
-  R = mesh.devices.shape[axis]
-  return np.moveaxis(mesh.devices, axis, -1).reshape(-1, R)
+  other axes in mesh order (what ``Workspace.group_index`` computes inside shard_map). A tuple of axes (an expert
+  axis and a tensor axis) makes one group of their devices, rank = the linear index over them in the tuple's order,
+  as ``jax.lax.axis_index`` of the tuple numbers them."""
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  where = [list(mesh.axis_names).index(a) for a in axes]
+  R = int(np.prod([mesh.devices.shape[i] for i in where]))
+  return np.moveaxis(mesh.devices, where, list(range(-len(where), 0))).reshape(-1, R)
 
 
 # How long creating a workspace that spans processes waits for each peer process's step (creating, then mapping, its

@@ -23,6 +23,15 @@ Per rank, inside ``shard_map``:
 3. GEMM1 (float32 accumulation), SwiGLU, GEMM2 over the local experts (``LOCAL_EXPERTS[impl]``).
 4. The inverse gather, the exchange back, and the gate-weighted sum per token.
 
+Expert tensor parallelism (``tensor_axis``): each expert's hidden width is split over the tensor axis, and the
+layer is the all-gather / reduce-scatter pattern around the expert-parallel one. The TP devices of a tensor group
+all-gather their tokens (``all_gather`` over the tensor axis, in tensor order), run steps 1-4 over the expert axis
+on the group's tokens with their shards of the experts, which gives each device its shard's partial sum of every
+output, in float32, and ``psum_scatter`` over the tensor axis hands each device the sum of its own tokens' rows
+(the partials cross in float32; the order of the sum is XLA's reduce-scatter's, fixed for a compiled program). The
+gathered tokens are in the group's global order (expert rank, tensor rank, token), so the capacity rule keeps the
+slots the other impls keep. JAX differentiates both collectives (each is the other's transpose).
+
 The exchange is ``lax.ragged_all_to_all`` on GPU and TPU. XLA:CPU has no ragged all-to-all: there every destination's
 chunk is padded to a static bound and sent with ``lax.all_to_all`` (the same rows land in the same places).
 """
@@ -36,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
+from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
 from jax_moe_overlap.fp8_experts import fp8_ragged_mlp
 
@@ -56,26 +66,47 @@ FP8_LOCAL_EXPERTS = {"xla": fp8_ragged_mlp}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
-                    batch_axes: tuple[str, ...] = (), impl: str = "xla", quantization: str | None = None):
-  """The expert layer with tokens sharded over ``(*batch_axes, axis_name)`` and experts over ``axis_name`` (each
-  position on the batch axes an independent expert-parallel group), the local experts run by ``LOCAL_EXPERTS[impl]``
-  (``impl``: "xla" or "collective"; with quantization="fp8" ``FP8_LOCAL_EXPERTS[impl]``): returns (y [T, D],
-  dropped [])."""
+                    batch_axes: tuple[str, ...] = (), impl: str = "xla", tensor_axis: str | None = None,
+                    quantization: str | None = None):
+  """The expert layer with tokens sharded over ``(*batch_axes, axis_name, tensor_axis)``, experts over ``axis_name``
+  and their hidden width over ``tensor_axis`` (each position on the batch axes an independent expert-parallel
+  group), the local experts run by ``LOCAL_EXPERTS[impl]`` (``impl``: "xla" or "collective"; with
+  quantization="fp8" ``FP8_LOCAL_EXPERTS[impl]``). w1: [E, D, 2F] or its view [E, D, 2, F] (with quantization="fp8"
+  also an ``fp8.Fp8Weight``, as w2). expert_cap: rows per expert; recv_cap: a rank's recv rows for the T TP tokens
+  of its tensor group. Returns (y [T, D], dropped [])."""
   ragged = _uses_ragged_all_to_all(mesh)
-  fn = functools.partial(_moe_local, axis_name=axis_name, batch_axes=batch_axes, num_experts=w1.shape[0],
-                         expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
+  fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
+                         num_experts=w2.shape[0], expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
                          local_experts=(LOCAL_EXPERTS if quantization is None else FP8_LOCAL_EXPERTS)[impl])
-  token_spec, weight_spec = P((*batch_axes, axis_name)), P(axis_name)
-  return jax.shard_map(fn, mesh=mesh, in_specs=(token_spec,) * 3 + (weight_spec,) * 2,
-                       out_specs=(token_spec, P()), check_vma=False)(x, expert_ids, gates, w1, w2)
+  token_spec, w1_spec, w2_spec = tp_lib.operand_specs(axis_name, tensor_axis, batch_axes)
+  w1 = tp_lib.w1_view(w1)
+  in_specs = (token_spec,) * 3 + (tp_lib.weight_spec(w1, w1_spec), tp_lib.weight_spec(w2, w2_spec))
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(token_spec, P()),
+                       check_vma=False)(x, expert_ids, gates, w1, w2)
 
 
 def _uses_ragged_all_to_all(mesh) -> bool:
   return {d.platform for d in mesh.devices.flat} != {"cpu"}
 
 
-def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_experts, expert_cap, recv_cap,
-               ragged, local_experts):
+def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, expert_cap,
+               recv_cap, ragged, local_experts):
+  w1 = tp_lib.gate_up_shards(w1)
+  if tensor_axis is None:
+    y, dropped = _expert_parallel(x, expert_ids, gates, w1, w2, axis_name=axis_name, num_experts=num_experts,
+                                  expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged, local_experts=local_experts)
+  else:
+    gathered = (jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True) for a in (x, expert_ids, gates))
+    y, dropped = _expert_parallel(*gathered, w1, w2, axis_name=axis_name, num_experts=num_experts,
+                                  expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged, local_experts=local_experts)
+    y = jax.lax.psum_scatter(y, tensor_axis, scatter_dimension=0, tiled=True)
+  # Every device of a tensor group holds its group's dropped slots: the sum runs over the groups of the expert axis.
+  return y.astype(x.dtype), jax.lax.psum(dropped, (*batch_axes, axis_name))
+
+
+def _expert_parallel(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, expert_cap, recv_cap, ragged,
+                     local_experts):
+  """Steps 1-4 over the expert axis on this rank's tokens: (y [T, D] float32, this rank's dropped slots [])."""
   T, k = expert_ids.shape
   counts_all, rank, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, expert_cap)  # [s, d, e]
   kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
@@ -114,7 +145,7 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, batch_axes, num_exper
   y = w[:, 0, None] * slot_out[:, 0]
   for j in range(1, k):
     y = y + w[:, j, None] * slot_out[:, j]
-  return y.astype(x.dtype), jax.lax.psum(plan.dropped, (*batch_axes, axis_name))
+  return y, plan.dropped
 
 
 def _layout_maps(kept_se: jax.Array, rows: int):

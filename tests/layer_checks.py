@@ -44,19 +44,22 @@ class Poisoned:
   The layer's outputs are fresh XLA buffers, which may still hold an earlier call's values, the right ones when the
   same call is repeated: XLA writes each output into the poisoned buffer it was given, so an element the custom calls
   do not write stays NaN. Output shardings: a leading dimension divisible by R is split over the expert axis (as the
-  layer's outputs and gradients are), the rest replicated. After each call, ``aliased`` counts the output buffers
+  layer's outputs and gradients are), the rest replicated, unless ``spec_of`` says otherwise. After each call, ``aliased`` counts the output buffers
   (over all devices) that were the poisoned ones, of ``buffers``: XLA may decline a donation.
   """
 
-  def __init__(self, fn, mesh):
+  def __init__(self, fn, mesh, spec_of=None):
+    """spec_of: output ShapeDtypeStruct -> its PartitionSpec, for other layouts than the one above."""
     self._fn, self._mesh, self._compiled = fn, mesh, None
+    self._spec_of = spec_of or self._split_over_axis
     self.aliased = self.buffers = 0
 
+  def _split_over_axis(self, s):
+    return P(AXIS) if s.ndim and s.shape[0] % self._mesh.shape[AXIS] == 0 else P()
+
   def _build(self, args):
-    R = self._mesh.shape[AXIS]
     shapes = jax.eval_shape(self._fn, *args)
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(self._mesh, P(AXIS) if s.ndim and s.shape[0] % R == 0 else P()), shapes)
+    shardings = jax.tree.map(lambda s: NamedSharding(self._mesh, self._spec_of(s)), shapes)
     fill = jax.jit(lambda: jax.tree.map(lambda s: jnp.full(s.shape, _poison_value(s.dtype), s.dtype), shapes),
                    out_shardings=shardings)
     # keep_unused: jit would prune the unused donated argument, and no output would be aliased to it.

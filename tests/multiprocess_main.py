@@ -16,6 +16,8 @@ argv: process_id num_processes port local_devices case; $JMO_IMPL: the layer's i
     the layer's first workspace call, the exchange of the routing counts, reported the same way.
   stopped_between_calls: as killed_between_calls, but the last process stops itself (SIGSTOP): a hung peer, which
     the test kills once the others have exited.
+  tensor_across: expert_across on a mesh (expert = 2, tensor = the devices / 2) with tensor_axis="tensor": the
+    workspace's group is every device of both axes (expert tensor parallelism), spanning the processes.
   different_hosts: expert_across, but the last process reports another host name: the layer (impl="overlap", the
     default) runs as impl="collective" with no workspace ("no workspace"), matches the float32 oracle ("match"), and
     creating a workspace over the mesh is refused before anything is allocated ("refused: <error>").
@@ -59,20 +61,28 @@ E, D, F, K = 8, 16, 24, 2
 def main():
   assert jax.process_count() == nproc and jax.local_device_count() == local
   devices = np.array(jax.devices())
+  batch_axes, tensor_axis = (), None
   if case == "data_across":
     mesh = jax.sharding.Mesh(devices.reshape(nproc, local), ("data", "expert"))
     batch_axes = ("data",)
+  elif case == "tensor_across":
+    mesh = jax.sharding.Mesh(devices.reshape(2, devices.size // 2), ("expert", "tensor"))
+    tensor_axis = "tensor"
   else:
     mesh = jax.sharding.Mesh(devices, ("expert",))
-    batch_axes = ()
   tokens = 16 * devices.size
   x, ids, g, w1, w2 = global_inputs(tokens, E, D, F, K)
-  tok, wsp = P((*batch_axes, "expert")), P("expert")
-  args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp)]
+  if tensor_axis:  # w1 as its [E, D, 2, F] view, F over the tensor axis (so is w2's)
+    tok, w1_spec, w2_spec = P(("expert", "tensor")), P("expert", None, None, "tensor"), P("expert", "tensor")
+    w1_in = w1.reshape(E, D, 2, F)
+  else:
+    tok, w1_spec, w2_spec, w1_in = P((*batch_axes, "expert")), P("expert"), P("expert"), w1
+  args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1_in, mesh, w1_spec),
+          put(w2, mesh, w2_spec)]
 
   def loss(x, g, w1, w2, ids, config=jmo.CallConfig()):
     y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config,
-                                 impl=os.environ.get("JMO_IMPL", "overlap"))
+                                 impl=os.environ.get("JMO_IMPL", "overlap"), tensor_axis=tensor_axis)
     return jnp.sum(jnp.sin(y)), (y, dropped)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
@@ -109,12 +119,12 @@ def main():
   for _ in range(int(os.environ.get("JMO_CALLS", "3")) - 1):
     (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   y, grads = multihost_utils.process_allgather((y, grads), tiled=True)
-  if case == "expert_across":
+  if case in ("expert_across", "tensor_across"):
     got = dict(y=np.asarray(y), **{f"d{n}": np.asarray(a) for n, a in zip(("x", "gates", "w1", "w2"), grads)})
     save_or_compare(got, pid, save=pid == 0)
 
-  groups = mesh.size // mesh.shape["expert"]
-  R = mesh.shape["expert"]
+  R = mesh.shape["expert"] * (mesh.shape[tensor_axis] if tensor_axis else 1)  # the ranks of one group
+  groups = mesh.size // R
   t = tokens // groups
   cap_e = expert_capacity(t // R, R, K, E, None)
 
@@ -130,7 +140,7 @@ def main():
   assert int(dropped) == 0
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
   for name, a, b in zip(("x", "gates", "w1", "w2"), grads, grads_ref):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(a).reshape(b.shape), b, rtol=1e-4, atol=1e-5, err_msg=name)
   print(f"process {pid}: match", flush=True)
   if case == "different_hosts":
     if not jmo.workspace.Workspace.cached():

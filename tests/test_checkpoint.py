@@ -94,6 +94,37 @@ def test_round_trip_and_restore(layout, axis_type):
   np.testing.assert_array_equal(np.asarray(forward(dst, x)), np.asarray(forward(src, x)))
 
 
+@pytest.mark.parametrize("axis_type", sorted(AXIS_TYPES))
+def test_tensor_parallel_module_round_trips(axis_type):
+  # A module with a tensor axis keeps w1 as its [E, D, 2, F] view: every converter takes it and gives [E, D, 2F]
+  # with the same bits, and load_params puts it back sharded over (expert, -, -, tensor), or into a module without
+  # a tensor axis (and that one's checkpoint into the tensor-parallel one).
+  types = (AXIS_TYPES[axis_type],) * 2
+  mesh = jax.make_mesh((2, 2), ("expert", "tensor"), axis_types=types)
+  cfg = CONFIGS["deepseek"]
+  src, dst = (jmo.MoE(cfg, mesh=mesh, tensor_axis="tensor", impl="xla", rngs=nnx.Rngs(s)) for s in (0, 1))
+  plain = _module(2, cfg, axis_type)
+  params = checkpoint.params_of(src)
+  assert params["w1"].shape == (8, 16, 2, 12)
+  whole_w1 = np.asarray(params["w1"]).reshape(8, 16, 24)
+  for layout in ("maxtext", "per_expert-deepseek", "transformers-deepseek"):
+    back = _there_and_back(layout, params)
+    _same_bits(back["w1"], whole_w1)
+    for name in params:
+      if name != "w1":
+        _same_bits(back[name], params[name])
+  checkpoint.load_params(dst, back)
+  assert dst.w1[...].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, jax.P("expert", None, None,
+                                                                                      "tensor")), 4)
+  assert dst.w2[...].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, jax.P("expert", "tensor")), 3)
+  for name, value in checkpoint.params_of(dst).items():
+    _same_bits(value, params[name])
+  checkpoint.load_params(plain, params)                     # the view into a module that keeps [E, D, 2F]
+  _same_bits(plain.w1[...], whole_w1)
+  checkpoint.load_params(dst, checkpoint.params_of(plain))  # and back
+  _same_bits(dst.w1[...], params["w1"])
+
+
 def _published(naming, rng):
   """One layer's random float32 tensors in a published naming, with the projections each expert applies as its
   published code reads them: (tensors, prefix, experts) with experts[e] = (gate [F, D], up [F, D], down [D, F])

@@ -70,7 +70,7 @@ def test_cuda_call_sites_refuse_concurrent_command_buffer_scheduling(monkeypatch
   with pytest.raises(ValueError, match=r"jax_moe_overlap: .*CONCURRENT.*program order"):
     RankInfo(_CudaWorkspaceStub(), jmo.CallConfig())
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=LHS")
-  assert RankInfo(_CudaWorkspaceStub(), jmo.CallConfig()).dispatch_pushers > 0
+  RankInfo(_CudaWorkspaceStub(), jmo.CallConfig())  # XLA's default scheduling keeps program order: accepted
   # CPU call sites: XLA:CPU has no command buffers.
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
   RankInfo(_CudaWorkspaceStub(platform="cpu", device=DeviceFacts(None, None, "cpu", None)), jmo.CallConfig())

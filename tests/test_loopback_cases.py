@@ -12,6 +12,7 @@ import pytest
 
 from tools.loopback import cases as cases_lib
 from tools.loopback import check as check_lib
+from tools.loopback import tensor as tensor_lib
 
 
 def _all_cases():
@@ -86,6 +87,9 @@ def test_suite_case_plans(case):
   for r in range(R):
     assert ids[r].shape == (T, k) and ids[r].min() >= 0 and ids[r].max() < E
     assert all(len(set(row)) == k for row in ids[r].tolist()), "k distinct experts per token"
+  if case.tensor > 1:  # the kernels see the shard slots: k TP choices of E TP shard experts (tools/loopback/tensor.py)
+    ids = [tensor_lib.shard_slots(case, i, np.ones(i.shape, np.float32))[0] for i in ids]
+    k, E = case.slot_top_k, E * case.tensor
   plans = cases_lib.make_plans(case, ids)
   want = _slot_by_slot_plans(ids, R, T, k, E, case.expert_cap)
   for r in range(R):
@@ -115,8 +119,8 @@ def test_suite_case_plans(case):
 
 
 def _small_case(**kw):
-  return dataclasses.replace(cases_lib.Case(), ranks=2, tokens=16, experts=4, d_model=64, k_dim=64, n_dim=24,
-                             iters=4, datasets=2, routing=1, **kw)
+  return dataclasses.replace(cases_lib.Case(), **{**dict(ranks=2, tokens=16, experts=4, d_model=64, k_dim=64, n_dim=24,
+                                                         iters=4, datasets=2, routing=1), **kw})
 
 
 def _unwritten_padding(raw: bytes, cap: int, kept: int) -> bytes:
@@ -159,9 +163,17 @@ def _exact_run(case, sets):
           "seconds": 0.0}
 
 
+# Small expert x tensor cases: 2 x 2 (bf16, float32, drops, dispatch_gemm's training forward, a strided check), 1 x 2.
+TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
+    {}, {"f32": True}, {"capacity_factor": 1.0},
+    {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "train", "k_dim": 128},  # each rank's GEMM1 N = 64: wgmma's
+    {"check_tokens": 4}, {"ranks": 2, "routing": 2})]
+
+
 @pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},
                                 {"dispatch_gemm_pushers": cases_lib.AUTO, "dispatch_gemm_mode": "train"},
-                                {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"}, {"check_tokens": 4}])
+                                {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"}, {"check_tokens": 4},
+                                *TENSOR_SMALL])
 def test_check_verdicts(kw, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
@@ -318,3 +330,144 @@ def test_overlap_table_rows(monkeypatch, capsys):
   assert "dispatch_gemm pushers=auto mode=plain" in out and "| pushers 4 |" in out, out
   assert timing.overlap_cells(row).startswith("| dispatch_gemm plain R=2 T=16 k=2 E=4 D=64 K=64 N=24 | 10 | 200.0 |")
   assert timing.TABLE_HEADER.count("|---") == timing.overlap_cells(row).count(" |")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Expert tensor parallelism (tools/loopback/tensor.py): what the kernels see against the design's rules, stated here
+# independently of tensor_parallel.py and plan.py, and the references as the whole experts'.
+
+
+def _tensor_cases():
+  out = [pytest.param(c, id=f"tensor-{i}") for i, c in enumerate(cases_lib.suite("tensor", cases_lib.Case()))]
+  return out + [pytest.param(_small_case(**kw), id=f"small-{i}") for i, kw in enumerate(TENSOR_SMALL)]
+
+
+@pytest.mark.parametrize("case", _tensor_cases())
+def test_tensor_slots_plans_and_capacity(case):
+  """Each choice j of expert e is TP shard slots j TP + s with its gate, on tensor rank s of e's expert rank (as the
+  shard expert of e there); a choice's shards are kept or dropped together, as the whole experts' first come first
+  served rule keeps them; the plans count each dropped choice TP times; the capacities are the layer's."""
+  from jax_moe_overlap import plan, workspace  # pylint: disable=g-import-not-at-top
+  R, T, k, TP, E, E_l = case.ranks, case.tokens, case.top_k, case.tensor, case.experts, case.experts_per_rank
+  assert case.invalid() is None, case.invalid()
+  assert case.expert_cap == plan.expert_capacity(T, R, k, E, case.capacity_factor or None)  # api.moe_experts'
+  assert case.cap == workspace.layer_sizes(T, R // TP, k, E, case.d_model, 2, case.capacity_factor or None,
+                                           TP).recv_rows
+  data = cases_lib.make_data(dataclasses.replace(case, datasets=1))[0]
+  keep = tensor_lib.kept(case, [d.whole.ids for d in data])
+  whole_dropped = 0
+  for g, d in enumerate(data):
+    ids, gates = d.whole.ids, d.whole.gates
+    assert d.ids.shape == (T, k * TP)
+    s = np.arange(TP)[None, None, :]
+    shard_rank = (ids[:, :, None] // E_l) * TP + s                         # tensor rank s of e's expert rank
+    np.testing.assert_array_equal(d.ids.reshape(T, k, TP), shard_rank * E_l + ids[:, :, None] % E_l)
+    np.testing.assert_array_equal(d.gates.reshape(T, k, TP), np.repeat(gates[:, :, None], TP, axis=2))
+    pl = d.plan
+    np.testing.assert_array_equal(pl["slot_dest_rank"].reshape(T, k, TP), shard_rank)
+    kept_shards = (pl["slot_dest_row"] >= 0).reshape(T, k, TP)
+    np.testing.assert_array_equal(kept_shards, np.repeat(keep[g][:, :, None], TP, axis=2), err_msg=f"rank {g}")
+    whole_dropped += int((~keep[g]).sum())
+  assert sum(int(d.plan["dropped"]) for d in data) == TP * whole_dropped
+  if case.capacity_factor > 0:
+    assert whole_dropped > 0, "the capacity case drops choices"
+
+
+@pytest.mark.parametrize("case", _tensor_cases())
+def test_tensor_rank_operands(case):
+  """Rank g = r TP + t holds rows t K / TP ... of its expert rank's experts' w, and of w1 [E, D, 2F] the gate columns
+  t F / TP ... and the up columns F + t F / TP ... (gate first); each received shard slot's lhs row is its choice's
+  whole row, columns t K / TP ...; the data are those of the whole experts exactly."""
+  R, T, k, TP, K, E_l = case.ranks, case.tokens, case.top_k, case.tensor, case.k_dim, case.experts_per_rank
+  Ks, F = K // TP, K // 2
+  data = cases_lib.make_data(dataclasses.replace(case, datasets=1))[0]
+  whole_w, whole_w1 = data[0].whole.w, data[0].whole.w1
+  for g, d in enumerate(data):
+    r, t = divmod(g, TP)
+    experts = slice(r * E_l, (r + 1) * E_l)
+    for part in ("data", "f"):
+      np.testing.assert_array_equal(getattr(d.w, part), getattr(whole_w, part)[experts, t * Ks:(t + 1) * Ks])
+      if whole_w1 is not None:
+        w1 = getattr(whole_w1, part)[experts]
+        f = F // TP
+        np.testing.assert_array_equal(getattr(d.w1, part), np.concatenate(
+            [w1[:, :, t * f:(t + 1) * f], w1[:, :, F + t * f:F + (t + 1) * f]], axis=2))
+    for s, src in enumerate(data):
+      pl = src.plan
+      sel = np.nonzero((pl["slot_dest_rank"] == g) & (pl["slot_dest_row"] >= 0))[0]
+      assert np.all(sel % TP == t), "shard slot s goes to tensor rank s"
+      h = src.whole.h.data.reshape(T * k, K)[sel // TP, t * Ks:(t + 1) * Ks]
+      np.testing.assert_array_equal(d.lhs.data[pl["slot_dest_row"][sel]], h)
+    assert d.lhs.data.shape == (int(d.plan["recv_rows"]), Ks), "the received rows (the runner pads them with NaN)"
+
+
+def test_tensor_references_are_the_whole_experts(monkeypatch):
+  """y's reference is the whole experts' output (equal, up to float32 rounding, to the sum of the shards' partials
+  over each token's k TP slots); a run that leaves one shard out of y, or that computes with the tensor ranks' w
+  swapped, fails the check (the slot references, from each rank's own operands, alone would not see the swap);
+  GEMM1's reference is the whole expert's, of which the layer's split gives each rank its gate and up columns."""
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  case = _small_case(ranks=4, tensor=2, dispatch_gemm_pushers=2, capacity_factor=1.0)
+  T, kp, N, TP = case.tokens, case.slot_top_k, case.n_dim, case.tensor
+  sets = cases_lib.make_data(case)
+  assert sum(int(d.plan["dropped"]) for d in sets[0]) > 0
+  ex = check_lib.references(case, sets[0])
+  for e, d in zip(ex, sets[0]):
+    partial_sum = (e.slot.reshape(T, kp, N) * d.gates.reshape(T, kp, 1)).sum(axis=1)
+    assert check_lib.rel_err(partial_sum, e.y, np.arange(T))[0] < 1e-6
+    assert np.abs(e.y).max() > 0.1  # not trivially zero
+    # GEMM1: the whole expert's columns of this rank against the rank's own operands.
+    rows = np.nonzero(e.a_checked[: int(d.plan["recv_rows"])])[0]
+    assert rows.size
+  for g, (e, d) in enumerate(zip(ex, sets[0])):
+    own = np.zeros_like(e.a)
+    for s, src in enumerate(sets[0]):
+      pl = src.plan
+      sel = np.nonzero((pl["slot_dest_rank"] == g) & (pl["slot_dest_row"] >= 0))[0]
+      own[pl["slot_dest_row"][sel]] = np.einsum("rd,rdk->rk", src.x.f[pl["slot_src_row"][sel]],
+                                                d.w1.f[pl["slot_expert"][sel]])
+    np.testing.assert_allclose(own, e.a, rtol=1e-5, atol=1e-5)
+
+  # One shard's partial left out of y on rank 0: the check fails.
+  case_nodg = _small_case(ranks=4, tensor=2)
+  sets = cases_lib.make_data(case_nodg)
+  res = _exact_run(case_nodg, sets)
+  e0 = check_lib.references(case_nodg, sets[0])[0]
+  parts = e0.slot.reshape(T, case_nodg.top_k, TP, N) * sets[0][0].gates.reshape(T, case_nodg.top_k, TP, 1)
+  res["first"][0][0]["y"] = parts[:, :, 0].sum(axis=1).astype(ml_dtypes.bfloat16).tobytes()
+  v = check_lib.check(case_nodg, sets, res)
+  assert not v.passed and "expert_combine rel err y" in v.failures[0]
+
+  # The tensor ranks 0 and 1 computing with each other's w: each rank's partials from its own operands look right,
+  # their sum does not.
+  swapped = [dataclasses.replace(d) for d in sets[0]]
+  swapped[0].w, swapped[1].w = sets[0][1].w, sets[0][0].w
+  wrong = check_lib.references(case_nodg, swapped)
+  for r in (0, 1):
+    y_wrong = (wrong[r].slot.reshape(T, kp, N) * swapped[r].gates.reshape(T, kp, 1)).sum(axis=1)
+    assert check_lib.rel_err(y_wrong, wrong[r].y, np.arange(T))[0] > 0.1
+
+
+def test_run_case_tensor_spec(monkeypatch, capsys):
+  """run.py hands the runner the kernels' shapes: k TP slots per token, each rank's K / TP, its shard experts."""
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  from tools.loopback import run  # pylint: disable=g-import-not-at-top
+  case = _small_case(ranks=4, tensor=2, dispatch_gemm_pushers=2, dispatch_gemm_mode="train", k_dim=128)
+  seen = {}
+
+  def run_ranks(spec, data):
+    seen.update(spec=spec, data=data)
+    return _exact_run(case, cases_lib.make_data(case))
+
+  assert run.run_case(types.SimpleNamespace(run_ranks=run_ranks), case)
+  spec, data = seen["spec"], seen["data"]
+  assert (spec["ranks"], spec["top_k"], spec["k_dim"], spec["experts_per_rank"]) == (4, 4, 64, 2)
+  assert "tensor" not in spec
+  rank = data[0][0]
+  assert rank["w"].shape == (2, 64, case.n_dim) and rank["w1"].shape == (2, case.d_model, 64)
+  assert rank["gates"].shape == rank["slot_dest_rank"].shape == (case.tokens * 4,)
+  assert capsys.readouterr().out.startswith("PASS R=4 TP=2 T=16 k=2 E=4 D=64 K=128 ")

@@ -1,8 +1,9 @@
 """Several processes under jax.distributed on localhost CPU (gloo collectives), each running multiprocess_main.py.
 
 Data axis across processes (expert axis inside each): matches a float32 oracle (outputs and gradients). Expert
-axis across processes (a workspace in POSIX shared memory): outputs and gradients bitwise equal to the same program
-run as one process holding every device, and no shared-memory name left behind. A peer process killed inside a
+axis across processes (a workspace in POSIX shared memory), also with a tensor axis (expert tensor parallelism):
+outputs and gradients bitwise equal to the same program run as one process holding every device, and no
+shared-memory name left behind. A peer process killed inside a
 call makes the others fail within the timeout with an error naming its rank and process, and they exit with status
 0; so does a peer process killed or stopped (SIGSTOP: hung) between calls, the others failing in the exchange of the
 routing counts (stage "counts"), which goes through the workspace rather than gloo's unbounded all_gather. An
@@ -70,11 +71,11 @@ def test_data_axis_across_processes_matches_the_oracle(nproc, local, calls):
     assert rc == 0 and ": match" in out, out
 
 
-def _expert_across(nproc, local, calls, tmp_path):
+def _expert_across(nproc, local, calls, tmp_path, case="expert_across"):
   oracle = str(tmp_path / "one_process.npz")
-  [(rc, out)] = run_processes(1, nproc * local, "expert_across", calls, JMO_OUT=oracle)
+  [(rc, out)] = run_processes(1, nproc * local, case, calls, JMO_OUT=oracle)
   assert rc == 0 and ": match" in out, out
-  outs = run_processes(nproc, local, "expert_across", calls, JMO_ORACLE=oracle)
+  outs = run_processes(nproc, local, case, calls, JMO_ORACLE=oracle)
   for rc, out in outs:
     assert rc == 0 and ": match" in out and ": bitwise" in out, out
   assert _shm_left(outs) == []
@@ -84,6 +85,12 @@ def _expert_across(nproc, local, calls, tmp_path):
 @pytest.mark.parametrize("nproc,local", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 2)])
 def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, local, tmp_path):
   _expert_across(nproc, local, 3, tmp_path)
+
+
+def test_tensor_axis_across_processes_is_bitwise_the_one_process_run(tmp_path):
+  # Expert tensor parallelism on (expert=2, tensor=2), one expert rank per process: the workspace's group is the four
+  # devices of both axes, across the two processes.
+  _expert_across(2, 2, 3, tmp_path, case="tensor_across")
 
 
 @pytest.mark.slow

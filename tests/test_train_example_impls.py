@@ -39,6 +39,17 @@ def test_data_expert_mesh_trains_like_the_expert_mesh():
   np.testing.assert_allclose(two_d["losses"], one_d["losses"], rtol=2e-4)
 
 
+@pytest.mark.slow  # two training runs; tests/test_tensor_parallel.py has the layer and the module with a tensor axis
+def test_expert_tensor_mesh_trains_like_the_expert_mesh():
+  """--mesh expert=2,tensor=2: each expert's hidden width split over "tensor", one expert-parallel group of the 4
+  devices (tokens over both axes). Dropless, so each token meets the same experts as on the 1-D mesh of 4 ranks and
+  the losses agree."""
+  dropless = ["--capacity-factor", "0", "--steps", "6"]
+  two_d = train_moe.main(TINY + dropless + ["--mesh", "expert=2,tensor=2"])
+  one_d = train_moe.main(TINY + dropless)
+  np.testing.assert_allclose(two_d["losses"], one_d["losses"], rtol=2e-4)
+
+
 def test_mesh_flag_errors():
   import model  # examples/model.py  pylint: disable=g-import-not-at-top
   assert model.parse_mesh_shape(None, 4) == (("expert",), (4,))

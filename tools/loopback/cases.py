@@ -2,7 +2,8 @@
 
 A case runs R ranks of the library's kernels on one GPU (tools/loopback/run.py). Its routing plans come from the
 library's own ``plan.py`` (``local_counts``, ``make_plan``, ``expert_capacity``, ``recv_capacity``), evaluated by JAX
-on the CPU, so the harness exercises exactly the offsets the layer computes.
+on the CPU, so the harness exercises exactly the offsets the layer computes. A case with ``tensor`` > 1 runs the
+exchange group of expert tensor parallelism (tools/loopback/tensor.py).
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ AUTO = -1  # Case.dispatch_gemm_pushers: the library's count for the rank's SM b
 @dataclasses.dataclass
 class Case:
   """One loopback case (the command-line options of run.py, one field each)."""
-  ranks: int = 2
+  ranks: int = 2                 # the exchange group's ranks (with `tensor`: expert ranks x tensor ranks)
   tokens: int = 128              # per rank
   top_k: int = 2
-  experts: int = 8               # total, divisible by ranks
+  experts: int = 8               # total, divisible by the expert ranks
   d_model: int = 128             # dispatch row width
-  k_dim: int = 200               # expert_combine K
+  k_dim: int = 200               # expert_combine K (the whole expert's; a rank's is k_dim / tensor)
   n_dim: int = 136               # expert_combine N
+  # Expert tensor parallelism (docs/design.md, "Expert tensor parallelism"; tools/loopback/tensor.py): the ranks are
+  # ranks / tensor expert ranks x `tensor` tensor ranks (rank g = r tensor + t), each token's choice is `tensor` shard
+  # slots (tensor_parallel.shard_slots), each rank holds its K / tensor shard of its expert rank's experts (of
+  # dispatch_gemm's w1, k_dim = 2F: the gate's and the up projection's F / tensor columns), and the references are
+  # the whole experts'.
+  tensor: int = 1
   iters: int = 20                # iterations of (dispatch, expert_combine)
   # 0 balanced, 1 moderate (Zipf with exponent `zipf`), 2 extreme (token's j-th choice = expert j), 3 exact round
   # robin (slot p -> expert p mod E: equal segments), 4 next rank (rank r's slots round robin over rank r+1's
@@ -91,13 +98,30 @@ class Case:
     return self.dispatch_gemm_pushers != 0
 
   @property
+  def expert_ranks(self) -> int:
+    return self.ranks // self.tensor
+
+  @property
   def experts_per_rank(self) -> int:
-    return self.experts // self.ranks
+    """Experts of each rank (with `tensor` > 1 its shard experts: one shard of each expert of its expert rank)."""
+    return self.experts // self.expert_ranks
+
+  @property
+  def slot_top_k(self) -> int:
+    """Slots per token that the kernels see (each choice as `tensor` shard slots)."""
+    return self.top_k * self.tensor
 
   @property
   def slots(self) -> int:
-    return self.tokens * self.top_k
+    return self.tokens * self.slot_top_k
 
+  @property
+  def rank_k(self) -> int:
+    """K of each rank's calls: expert_combine's K, dispatch_gemm's GEMM1 N."""
+    return self.k_dim // self.tensor
+
+  # The layer's capacities (api.moe_experts, workspace.layer_sizes): its group is the `ranks` ranks, with the whole
+  # layer's top_k and experts.
   @property
   def expert_cap(self) -> int:
     from jax_moe_overlap import plan  # pylint: disable=g-import-not-at-top
@@ -129,12 +153,17 @@ class Case:
 
   def invalid(self) -> str | None:
     """Why the case cannot run, or None."""
-    R, E, k = self.ranks, self.experts, self.top_k
-    if R < 1 or R > 32 or E % R:
-      return f"ranks {R} must be in 1..32 and divide experts {E}"
+    R, E, k, TP = self.ranks, self.experts, self.top_k, self.tensor
+    if TP < 1 or R % TP:
+      return f"tensor {TP} must be >= 1 and divide ranks {R}"
+    if R < 1 or R > 32 or E % (R // TP):
+      return f"ranks {R} must be in 1..32 and their {R // TP} expert ranks divide experts {E}"
+    if self.k_dim % TP or (TP > 1 and self.dg and self.k_dim % (2 * TP)):
+      return (f"k_dim {self.k_dim} must split into {TP} shards (with dispatch_gemm, k_dim = 2F: F divisible by "
+              f"tensor)")
     if not 0 <= self.routing < len(ROUTINGS):
       return f"routing {self.routing} not in 0..{len(ROUTINGS) - 1}"
-    if k > E or (self.routing == 4 and k > E // R):
+    if k > E or (self.routing == 4 and k > self.experts_per_rank):
       return f"top_k {k} larger than the experts it chooses from"
     if self.consumers < 0:
       return "consumers must be >= 0 (0: the manager)"
@@ -150,7 +179,7 @@ class Case:
     if self.dispatch_gemm_pushers < 0 and self.dispatch_gemm_pushers != AUTO:
       return f"dispatch_gemm_pushers {self.dispatch_gemm_pushers}: a count > 0, AUTO ({AUTO}) or 0"
     if (self.dg and _jmo.with_cuda and
-        not engines.dispatch_gemm_operands("gpu", not self.f32, self.d_model, self.k_dim, self.swiglu)):
+        not engines.dispatch_gemm_operands("gpu", not self.f32, self.d_model, self.rank_k, self.swiglu)):
       return "dispatch_gemm's engine does not take the case's operands (engines.dispatch_gemm_operands)"
     if self.dispatch_gemm_mode not in DG_MODES:
       return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
@@ -171,8 +200,9 @@ class Case:
   def name(self) -> str:
     """The case's line in the output (tests/gpu greps it)."""
     consumers = str(self.consumers) if self.consumers > 0 else ("model" if self.model else "fixed")
-    s = (f"R={self.ranks} T={self.tokens} k={self.top_k} E={self.experts} D={self.d_model} K={self.k_dim} "
-         f"N={self.n_dim} dtype={'f32' if self.f32 else 'bf16'}{' w=transposed' if self.transpose_rhs else ''} "
+    s = (f"R={self.ranks}{f' TP={self.tensor}' if self.tensor > 1 else ''} T={self.tokens} k={self.top_k} "
+         f"E={self.experts} D={self.d_model} K={self.k_dim} N={self.n_dim} dtype={'f32' if self.f32 else 'bf16'}"
+         f"{' w=transposed' if self.transpose_rhs else ''} "
          f"routing={ROUTINGS[min(max(self.routing, 0), len(ROUTINGS) - 1)]}"
          f"{f' zipf={self.zipf:f}' if self.routing == 1 and self.zipf != 1.0 else ''}"
          f"{f' cf={self.capacity_factor:f}' if self.capacity_factor > 0 else ' dropless'} iters={self.iters} "
@@ -195,7 +225,7 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "small", "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "tensor", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -309,6 +339,25 @@ def _combine_time(base: Case) -> list[Case]:
   return v
 
 
+def _tensor(base: Case) -> list[Case]:
+  # Expert tensor parallelism (tools/loopback/tensor.py): R = 4 as 2 x 2, R = 8 as 2 x 4 and 4 x 2 (expert x tensor
+  # ranks), two experts per expert rank, balanced and skewed routing, dropless and with drops, y against the whole
+  # experts. K = 400 gives each rank K = 200 at TP = 2 (mma.sync; SIMT in float32), K = 512, N = 320 at TP = 4 gives
+  # K = 128 (wgmma on Hopper); then w transposed, and dispatch_gemm at 2 x 2 in its three result modes (D = 192,
+  # K = 2F = 640: each rank's GEMM1 N = 320, two column tiles, the second partial; its SwiGLU's F / TP = 160).
+  def tp(R_e, TP, routing, **kw):
+    return dataclasses.replace(base, ranks=R_e * TP, tensor=TP, experts=2 * R_e, routing=routing, iters=12,
+                               **{"k_dim": 400, **kw})
+  v = [tp(2, 2, 0), tp(2, 2, 1, capacity_factor=1.0), tp(2, 2, 1, f32=True),
+       tp(2, 4, 0, k_dim=512, n_dim=320, tokens=192), tp(2, 4, 2, k_dim=512, n_dim=320, tokens=192),
+       tp(4, 2, 1), tp(4, 2, 1, capacity_factor=1.0), tp(4, 2, 0, capacity_factor=1.0),
+       tp(2, 2, 1, transpose_rhs=True)]
+  for routing, mode in ((0, "train"), (1, "plain"), (2, "infer")):
+    v.append(tp(2, 2, routing, d_model=192, k_dim=640, dispatch_gemm_pushers=2, dispatch_gemm_mode=mode,
+                capacity_factor=1.0 if routing == 1 else 0.0))
+  return v
+
+
 def _full(base: Case) -> list[Case]:
   v = [_rank_case(base, R, routing, 30) for R in (2, 4, 8) for routing in (0, 1, 2)]
   # 1000 consecutive iterations (2000 calls per rank) without a reset
@@ -360,6 +409,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _dispatch_gemm_time(base)
   if name == "combine-time":
     return _combine_time(base)
+  if name == "tensor":
+    return _tensor(base)
   if name == "full":
     return _full(base)
   raise ValueError(f"unknown suite {name!r} (one of {', '.join(SUITES)})")
@@ -370,14 +421,13 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
 
 
 def route(rng: np.random.Generator, case: Case, rank: int) -> np.ndarray:
-  """[T, k] int32: k distinct global experts per token of `rank`."""
-  T, k, E, R = case.tokens, case.top_k, case.experts, case.ranks
+  """[T, k] int32: k distinct global experts per token of `rank` (the layer's routing, before any slot expansion)."""
+  T, k, E, R_e, E_l = case.tokens, case.top_k, case.experts, case.expert_ranks, case.experts_per_rank
   P = T * k
   if case.routing == 3:  # exact round robin: every expert gets the same number of slots when E divides T*k
     return (np.arange(P) % E).astype(np.int32).reshape(T, k)
-  if case.routing == 4:  # to the next rank: round robin over the experts of rank r + 1 (every row is pushed, R > 1)
-    E_l = E // R
-    return ((rank + 1) % R * E_l + np.arange(P) % E_l).astype(np.int32).reshape(T, k)
+  if case.routing == 4:  # to the next expert rank: round robin over its experts (every row is pushed, R_e > 1)
+    return ((rank // case.tensor + 1) % R_e * E_l + np.arange(P) % E_l).astype(np.int32).reshape(T, k)
   if case.routing == 2:  # extreme: every token chooses experts 0..k-1: most experts and ranks get nothing
     return np.tile(np.arange(k, dtype=np.int32), (T, 1))
   # Balanced (uniform) or Zipf weights; k draws without replacement in order, each proportional to the remaining
@@ -389,12 +439,13 @@ def route(rng: np.random.Generator, case: Case, rank: int) -> np.ndarray:
 
 def make_plans(case: Case, ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
   """Every rank's plan from plan.py (JAX on the CPU), as int32 numpy arrays; seg_* flattened in (expert, source)
-  order; slot_src_row added (dispatch's source row of each slot: its token)."""
+  order; slot_src_row added (dispatch's source row of each slot: its token). ids: every rank's [T, slot_top_k] slot
+  expert ids (with `tensor` > 1 the shard slots of tensor.shard_slots, over experts x tensor shard experts)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap import plan  # pylint: disable=g-import-not-at-top
 
-  R, E, E_l = case.ranks, case.experts, case.experts_per_rank
+  R, E, E_l = case.ranks, case.experts * case.tensor, case.experts_per_rank
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
     counts = jnp.stack([plan.local_counts(jnp.asarray(i), E).reshape(R, E_l) for i in ids])  # [R_src, R_dst, E_l]
@@ -404,7 +455,7 @@ def make_plans(case: Case, ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]
       out = {f.name: np.asarray(getattr(p, f.name)) for f in dataclasses.fields(p)}
       out["seg_rows"] = out["seg_rows"].reshape(-1)
       out["seg_ret_off"] = out["seg_ret_off"].reshape(-1)
-      out["slot_src_row"] = (np.arange(case.slots) // case.top_k).astype(np.int32)
+      out["slot_src_row"] = (np.arange(case.slots) // case.slot_top_k).astype(np.int32)
       out["slot_expert"] = (ids[r].reshape(-1) % E_l).astype(np.int32)  # local expert of each slot (references)
       plans.append(out)
   return plans
@@ -455,14 +506,15 @@ def random_values(rng: np.random.Generator, shape, scale: float, f32: bool) -> V
 
 @dataclasses.dataclass
 class RankData:
-  """One rank's inputs of one data set: its plan, and its operands."""
+  """One rank's inputs of one data set: its plan, and its operands (K: the rank's, Case.rank_k)."""
   plan: dict[str, np.ndarray]
-  ids: np.ndarray      # [T, k]
+  ids: np.ndarray      # [T, slot_top_k] slot expert ids (the plan's)
   x: Values            # [T, D]
   lhs: Values          # [recv_rows, K]: the rows expert_combine reads (the runner adds cap - recv_rows rows of NaN)
   w: Values            # [E_l, K, N] (the references' layout)
   gates: np.ndarray    # [P] float32
   w1: Values | None    # dispatch_gemm: [E_l, D, K] bf16
+  whole: Any = None    # tensor > 1: the layer's routing and whole experts (tensor.Whole), the references' input
 
   def inputs(self, case: Case) -> dict[str, Any]:
     """The runner's dict (tools/loopback/module.cc): arrays in the calls' layouts."""
@@ -484,6 +536,9 @@ class RankData:
 def make_data(case: Case) -> list[list[RankData]]:
   """[data set][rank]: routing, plans from plan.py, random operands (deterministic in case.seed)."""
   rng = np.random.default_rng(case.seed)
+  if case.tensor > 1:
+    from tools.loopback import tensor  # pylint: disable=g-import-not-at-top
+    return [tensor.make_data_set(case, rng) for _ in range(case.datasets)]
   R, T, D, K, N, E_l, P = (case.ranks, case.tokens, case.d_model, case.k_dim, case.n_dim, case.experts_per_rank,
                            case.slots)
   sets = []

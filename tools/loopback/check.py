@@ -1,7 +1,7 @@
 """The loopback checks: what a run of the kernels must have produced, judged against float32 host references.
 
-* The first call of each rank on each data set against the references: dispatch's rows exactly (rows past the
-  received ones zero; outputs were poisoned before the call, so an unwritten row shows), expert_combine's y and
+* The first call of each rank on each data set against the references (with expert tensor parallelism, y and GEMM1
+  against the whole experts': tools/loopback/tensor.py): dispatch's rows exactly (rows past the received ones zero; outputs were poisoned before the call, so an unwritten row shows), expert_combine's y and
   slot outputs by relative error (its input's rows past the received ones are NaN: a read of one shows),
   dispatch_gemm's GEMM1 (its float32 product or preactivation, and its SwiGLU h) by max-norm relative error and no
   non-finite value. dispatch_gemm leaves every result's rows past the kept ones unwritten (no consumer reads them):
@@ -22,6 +22,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
+from tools.loopback import tensor
 from tools.loopback.cases import Case, RankData
 
 MAX_LOGGED = 20
@@ -33,7 +34,7 @@ class Expected:
   recv: np.ndarray          # [cap, D] in the call's dtype (bytes compared exactly)
   y: np.ndarray             # [T, N] float32
   slot: np.ndarray          # [P, N] float32
-  a: np.ndarray | None      # [cap, K] float32: dispatch_gemm's GEMM1 preactivation (zero past the kept rows)
+  a: np.ndarray | None      # [cap, K] float32: dispatch_gemm's GEMM1 preactivation (at the rows a_checked marks)
   a_checked: np.ndarray | None  # [cap] bool: rows whose GEMM1 reference was computed
 
 
@@ -44,10 +45,13 @@ def swiglu(pre: np.ndarray) -> np.ndarray:
 
 
 def references(case: Case, data: list[RankData]) -> list[Expected]:
-  """Per rank, the references of one data set, from the plans and the float32 values of the operands."""
-  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.top_k, case.n_dim, case.k_dim, case.slots, case.cap
+  """Per rank, the references of one data set, from the plans and the float32 values of the operands: the dispatch
+  and the slot outputs from each rank's own operands; y and GEMM1 from them too, or with `tensor` > 1 from the whole
+  experts (tensor.references)."""
+  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.slot_top_k, case.n_dim, case.rank_k, case.slots, case.cap
   stride = case.check_stride
   dg = case.dg
+  whole = case.tensor > 1
   out = []
   for d in range(R):
     dtype = data[d].x.data.dtype
@@ -74,7 +78,7 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
       recv_rows = np.concatenate([data[s].plan["slot_dest_row"][i] for s, i in parts])
       # expert_combine: the slot's row of lhs on its expert's rank, times that expert's w, back on the source.
       slot = data[d].lhs.rows(recv_rows) @ data[d].w.rows(e)
-      if dg:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
+      if dg and not whole:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
         tokens = np.concatenate([data[s].x.rows(data[s].plan["slot_src_row"][i]) for s, i in parts])
         out[d].a[recv_rows] = tokens @ data[d].w1.rows(e)
         out[d].a_checked[recv_rows] = True
@@ -82,6 +86,9 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
       for s, i in parts:
         out[s].slot[i] = slot[at:at + i.size]
         at += i.size
+  if whole:
+    tensor.references(case, data, out)
+    return out
   for s in range(R):
     weighted = out[s].slot.reshape(T, k, N) * data[s].gates.reshape(T, k, 1)
     out[s].y = weighted.sum(axis=1, dtype=np.float32)
@@ -134,7 +141,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   """Judges one run (tools/loopback/module.cc's run_ranks result) of `case` over the data `sets`."""
   from tools.loopback import _jmo_loopback  # pylint: disable=g-import-not-at-top
   v = Verdict(tol=1e-5 if case.f32 else 1e-2)
-  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.top_k, case.n_dim, case.k_dim, case.slots, case.cap
+  R, T, k, N, K, P, cap = case.ranks, case.tokens, case.slot_top_k, case.n_dim, case.rank_k, case.slots, case.cap
   dg = case.dg
   for msg in result["errors"]:
     v.fail(msg)
@@ -143,7 +150,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   for ranks in sets:
     for d in ranks:
       v.max_recv_rows = max(v.max_recv_rows, int(d.plan["recv_rows"]))
-      v.dropped += int(d.plan["dropped"])
+      v.dropped += int(d.plan["dropped"]) // case.tensor  # the layer's count: a dropped choice is `tensor` slots
 
   stride = case.check_stride
   slot_rows = (np.arange(P) // k) % stride == 0

@@ -11,6 +11,8 @@
                                                             (also over an emulated NVLink)
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
                                                             over an emulated NVLink, R = 2, 4, 8, three shapes
+  python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
+                                                    4 x 2 (expert x tensor ranks), y against the whole experts
   python -m tools.loopback.run --suite small        one-rank calls at small sizes (for compute-sanitizer)
   python -m tools.loopback.run --suite small-mma    the same without the wgmma-producer cases (for racecheck)
   python -m tools.loopback.run --ranks 4 --routing 1 --iters 100 ...   one case (the options: cases.Case)
@@ -36,6 +38,8 @@ Timing (benchmarks/loopback_runner.py drives these):
   --link-gbps G            pace every push to another rank (dispatch rows, expert_combine bands) as over a link of
                            G GB/s per rank (0: HBM speed)
   --table                  with --time: also the GEMM alone (and expert_combine serialized), and the overlap row
+  --tensor TP              expert tensor parallelism: the --ranks are ranks / TP expert ranks x TP tensor ranks
+                           (tools/loopback/tensor.py; K is the whole expert's)
   --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
   --check-tokens N         check the expert outputs of about N tokens per rank (big timing shapes)
   --copy-ceiling B1,B2     only: median cudaMemcpyAsync device-to-device time of each size
@@ -91,7 +95,7 @@ def parse_args(argv):
       "--sweep-consumers": ("sweep", _ints), "--model": ("model", _floats),
       "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
       "--push-issuers": ("push_issuers", int), "--dispatch-gemm-mode": ("dispatch_gemm_mode", str),
-      "--link-gbps": ("link_gbps", float),
+      "--link-gbps": ("link_gbps", float), "--tensor": ("tensor", int),
   }
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
@@ -136,7 +140,9 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> b
   sets = cases_lib.make_data(case)
   spec = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
           if f.name not in ("experts", "sweep", "model", "routing", "zipf", "capacity_factor", "datasets", "seed",
-                            "check_tokens", "dispatch_gemm_mode", "link_gbps", "table")}
+                            "check_tokens", "dispatch_gemm_mode", "link_gbps", "table", "tensor")}
+  # The kernels' shapes: with `tensor` > 1 each choice is `tensor` shard slots and each rank's K is its shard's.
+  spec.update(top_k=case.slot_top_k, k_dim=case.rank_k)
   spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
               variants=case.variants(), dg_mode=cases_lib.DG_MODES.index(case.dispatch_gemm_mode),
               emulated_link_gbps=case.link_gbps, gemm_alone=case.time and case.table)
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
       print(f"COPY bytes={b:.0f} median_us={us:.3f} GB/s={b / us * 1e-3:.1f}")
       print("RESULT " + json.dumps({"kind": "copy", "bytes": b, "median_us": us, "gbps": b / us * 1e-3}))
     return 0
-  producer = lambda c: runner.producer_path(c.f32, c.k_dim, c.n_dim, c.transpose_rhs)  # noqa: E731
+  producer = lambda c: runner.producer_path(c.f32, c.rank_k, c.n_dim, c.transpose_rhs)  # noqa: E731
   todo = cases_lib.suite(args.suite, base, producer) if args.suite else [base]
   table = []
   passed = sum(_run_guarded(runner, c, table) for c in todo)

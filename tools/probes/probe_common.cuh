@@ -109,9 +109,18 @@ __device__ __forceinline__ void CompareOut(const void* out, const float* ref, in
   if (bad_z) atomicAdd(&res->bad_zero, bad_z);
 }
 
+// The grouped GEMMs' comparison: out [M, N] (bf16 or f32) against ref [M, N]; rows >= total_rows (past the groups)
+// must be exactly +0.
+template <bool kF32>
+__global__ void CompareRowsKernel(const void* out, const float* ref, int64_t total_rows, int64_t M, int64_t N,
+                                  CmpResult* res) {
+  CompareOut<kF32>(
+      out, ref, M * N, [=](int64_t i) { return i / N; }, [=](int64_t r) { return r >= total_rows; }, res);
+}
+
 // Host side of the comparison: reads d_res back (watchdog wait), relative error max_err / max_ref; `ok` = no
-// non-finite value, no bad zero, rel below the tolerance (2e-3 f32 out, 1e-2 bf16 out) and a non-zero reference
-// unless nothing was computed.
+// non-finite value, no bad zero, rel below the tolerance (tol; by default 2e-3 f32 out, 1e-2 bf16 out) and a
+// non-zero reference unless nothing was computed.
 struct CmpSummary {
   CmpResult res;
   float max_err, max_ref;
@@ -119,16 +128,34 @@ struct CmpSummary {
   bool ok;
 };
 static CmpSummary ReadCompare(const CmpResult* d_res, cudaStream_t stream, const std::string& what, bool f32,
-                              int64_t total_rows) {
+                              int64_t total_rows, double tol = 0.0) {
   CmpSummary s;
   CK(cudaMemcpyAsync(&s.res, d_res, sizeof(s.res), cudaMemcpyDeviceToHost, stream));
   WaitOrDie(stream, what + " (compare)");
   memcpy(&s.max_err, &s.res.max_err_bits, 4);
   memcpy(&s.max_ref, &s.res.max_ref_bits, 4);
   s.rel = s.max_ref > 0 ? s.max_err / s.max_ref : s.max_err;
-  const double tol = f32 ? 2e-3 : 1e-2;
+  if (tol <= 0.0) tol = f32 ? 2e-3 : 1e-2;
   s.ok = s.res.bad_values == 0 && s.res.bad_zero == 0 && s.rel < tol && (total_rows == 0 || s.max_ref > 0);
   return s;
+}
+
+// One checked call of a grouped GEMM: out [M, N] (f32 or bf16) poisoned (0xFF bytes: NaN in both), call() issued on
+// stream and waited for (watchdog), then compared with ref (CompareRowsKernel: rows >= total_rows must be +0).
+template <class Call>
+static CmpSummary CheckGroupedCall(Call call, void* out, const float* ref, int64_t total_rows, int64_t M, int64_t N,
+                                   bool f32, CmpResult* d_res, cudaStream_t stream, const std::string& what,
+                                   double tol = 0.0) {
+  CK(cudaMemsetAsync(out, 0xFF, M * N * (f32 ? 4 : 2), stream));
+  call();
+  WaitOrDie(stream, what);
+  CK(cudaMemsetAsync(d_res, 0, sizeof(CmpResult), stream));
+  if (f32)
+    CompareRowsKernel<true><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
+  else
+    CompareRowsKernel<false><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
+  CK(cudaGetLastError());
+  return ReadCompare(d_res, stream, what, f32, total_rows, tol);
 }
 
 struct Case {

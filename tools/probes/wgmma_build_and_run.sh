@@ -10,6 +10,12 @@
 #     outer-sanitize      build, then memcheck on the small cases only, no timing
 #     outer-build         build + SASS sanity line only
 #     outer-prebuilt      run $dir/wgmma_outer_probe as it is (built elsewhere); all cases
+#   FP8 grouped GEMM probe (wgmma_fp8_probe.cu, WgmmaGroupedGemmFp8: e4m3, DeepSeek-V3's block scales), timed beside
+#   the bf16 grouped GEMM and cuBLASLt's FP8 GEMM when cublasLt.h and libcublasLt are found (the CUDA toolkit, or the
+#   nvidia-cublas wheels of python3; CUBLASLT_HOME=<dir with include/ and lib/> points elsewhere):
+#     fp8                 build, SASS sanity line, run all cases (correctness + timing; about half a minute)
+#     fp8-sanitize        build, then memcheck on the small cases only, no timing
+#     fp8-build           build + SASS sanity line only
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -18,17 +24,56 @@ mode="${2:-run}"
 mkdir -p "$dir"
 NVCC="${NVCC:-nvcc}"
 case "$mode" in
-  outer*) probe=wgmma_outer_probe; kernel_re=GroupedOuterKernel ;;
-  *) probe=wgmma_probe; kernel_re=GroupedGemmKernel ;;
+  outer*) probe=wgmma_outer_probe ;;
+  fp8*) probe=wgmma_fp8_probe ;;
+  *) probe=wgmma_probe ;;
 esac
+# cuBLASLt for the FP8 probe's comparison: a folder with include/cublasLt.h and lib*/libcublasLt.so*.
+cublas=()
+if [ "$probe" = wgmma_fp8_probe ] && [ "$mode" != fp8-sanitize ]; then
+  homes=("${CUBLASLT_HOME:-}" "$(dirname "$(command -v "$NVCC")")/..")
+  while IFS= read -r d; do homes+=("$d"); done < <(python3 -c '
+import glob, os, site, sys
+for r in sorted(set(sys.path + site.getsitepackages())):
+    for d in glob.glob(os.path.join(r, "nvidia", "*")):
+        print(d)' 2>/dev/null || true)
+  for d in "${homes[@]}"; do
+    [ -n "$d" ] && [ -f "$d/include/cublasLt.h" ] || continue
+    lib=$(ls "$d"/lib*/libcublasLt.so* 2>/dev/null | head -1 || true)
+    if [ -n "$lib" ]; then
+      cublas=(-DPROBE_CUBLASLT=1 -I"$d/include" "$lib" -Xlinker "-rpath=$(dirname "$lib")")
+      echo "cuBLASLt: $lib"
+      break
+    fi
+  done
+  [ ${#cublas[@]} -gt 0 ] || echo "cuBLASLt: not found (the FP8 probe times without it)"
+fi
 if [ "$mode" != outer-prebuilt ]; then
   # The library's gencodes: sm_90a SASS (the wgmma kernels) + sm_80 SASS + compute_80 PTX (guarded __trap() bodies).
-  "$NVCC" -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
-    -gencode=arch=compute_80,code=compute_80 -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall \
-    -I"$repo/ffi" -I"$repo/ffi/include" \
-    -Xptxas -v -o "$dir/$probe" "$here/$probe.cu" 2> "$dir/ptxas_$probe.log" || { cat "$dir/ptxas_$probe.log"; exit 1; }
+  build() {
+    "$NVCC" -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+      -gencode=arch=compute_80,code=compute_80 -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall \
+      -I"$repo/ffi" -I"$repo/ffi/include" \
+      -Xptxas -v -o "$dir/$probe" "$here/$probe.cu" "$@" 2> "$dir/ptxas_$probe.log"
+  }
+  if ! build "${cublas[@]}"; then
+    if [ ${#cublas[@]} -gt 0 ]; then
+      grep -m5 -i error "$dir/ptxas_$probe.log" || true
+      echo "cuBLASLt: the build with it failed (above); building without it"
+      build || { cat "$dir/ptxas_$probe.log"; exit 1; }
+    else
+      cat "$dir/ptxas_$probe.log"
+      exit 1
+    fi
+  fi
   # One line per sm_90a kernel instantiation: registers / spills.
-  if [ "$probe" = wgmma_probe ]; then
+  if [ "$probe" = wgmma_fp8_probe ]; then
+    awk '/Compiling entry function/ { k = ""
+         if ($0 ~ /sm_90a/ && $0 ~ /GroupedGemmFp8Kernel/) k = "GroupedGemmFp8Kernel<f32=" (($0 ~ /KernelILb1/) ? 1 : 0) ">"
+         else if ($0 ~ /sm_90a/ && $0 ~ /GroupedGemmKernel/) { match($0, /GroupedGemmKernelILi[01]ELb[01]/); s = substr($0, RSTART, RLENGTH)
+           k = "GroupedGemmKernel<transB=" substr(s, 21, 1) ",f32=" substr(s, 25, 1) "> (bf16, timed beside)" } }
+       k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
+  elif [ "$probe" = wgmma_probe ]; then
     awk '/Compiling entry function/ { k = ""
          if ($0 ~ /GroupedGemmKernel/ && $0 ~ /sm_90a/) { match($0, /GroupedGemmKernelILi[01]ELb[01]/); s = substr($0, RSTART, RLENGTH)
            k = "GroupedGemmKernel<transB=" substr(s, 21, 1) ",f32=" substr(s, 25, 1) "," (($0 ~ /NoTileDone/) ? "plain" : "callback") ">" } }
@@ -42,15 +87,16 @@ if [ "$mode" != outer-prebuilt ]; then
   grep -iE "warning|C7520" "$dir/ptxas_$probe.log" && echo "WARNING: see $dir/ptxas_$probe.log" || true
 fi
 if command -v cuobjdump > /dev/null; then
-  echo "SASS HGMMA count ($probe): $(cuobjdump -sass "$dir/$probe" | grep -c HGMMA || true)"
+  echo "SASS HGMMA count ($probe): $(cuobjdump -sass "$dir/$probe" | grep -c HGMMA || true)," \
+    "QGMMA (e4m3) count: $(cuobjdump -sass "$dir/$probe" | grep -c QGMMA || true)"
 else
   echo "SASS HGMMA count: (cuobjdump not found)"
 fi
 case "$mode" in
-  build|outer-build) exit 0 ;;
-  sanitize|outer-sanitize)
+  build|outer-build|fp8-build) exit 0 ;;
+  sanitize|outer-sanitize|fp8-sanitize)
     WGMMA_WATCHDOG_S=300 compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$dir/$probe" --small-only --no-timing ;;
-  run|outer|outer-prebuilt) "$dir/$probe" ;;
+  run|outer|outer-prebuilt|fp8) "$dir/$probe" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -35,14 +35,6 @@ __global__ void RefKernel(const __nv_bfloat16* lhs, const __nv_bfloat16* rhs_kn,
   ref[(int64_t)r * N + n] = acc;
 }
 
-// Padding rows (r >= total_rows) must be exactly +0.
-template <bool kF32>
-__global__ void CompareKernel(const void* out, const float* ref, int64_t total_rows, int64_t M, int64_t N,
-                              CmpResult* res) {
-  CompareOut<kF32>(
-      out, ref, M * N, [=](int64_t i) { return i / N; }, [=](int64_t r) { return r >= total_rows; }, res);
-}
-
 // tile_done of the callback variants: counts every 64-row band of every group once per finished tile that covers
 // it (a 128-row tile covers 1 or 2 bands of its group), and checks that two far corners of the tile, stored by
 // other consumer threads, are already visible (not the NaN poison) to the calling thread.
@@ -163,17 +155,7 @@ int main(int argc, char** argv) {
           exit(2);
         }
       };
-      // Poison: 0xFF bytes are NaN in bf16 (0xFFFF) and in f32 (0xFFFFFFFF).
-      CK(cudaMemsetAsync(out, 0xFF, M * N * (f32 ? 4 : 2), stream));
-      call();
-      WaitOrDie(stream, vname);
-      CK(cudaMemsetAsync(d_res, 0, sizeof(CmpResult), stream));
-      if (f32)
-        CompareKernel<true><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
-      else
-        CompareKernel<false><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
-      CK(cudaGetLastError());
-      const CmpSummary cmp = ReadCompare(d_res, stream, vname, f32, total_rows);
+      const CmpSummary cmp = CheckGroupedCall(call, out, ref, total_rows, M, N, f32, d_res, stream, vname);
       bool pass = cmp.ok;
       std::string cb_note;
       if (cb) {

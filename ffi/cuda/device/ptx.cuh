@@ -160,11 +160,33 @@ __device__ __forceinline__ void NamedBarSync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
+// Shared-memory loads by 32-bit address (for data behind a generic pointer the compiler cannot place in shared
+// memory, which it would read with slower generic loads). Volatile: they stay after the barrier wait before them.
+__device__ __forceinline__ float LdSharedF32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 LdSharedF32x2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // ---- cp.async and ldmatrix (sm_80+) ----------------------------------------------------------------------------
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
                : "memory");
+}
+// 4 bytes global -> shared (L1-allocating: small, reused values such as per-block scales).
+__device__ __forceinline__ void CpAsync4(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem), "l"(gmem) : "memory");
+}
+// Counts this thread's cp.async copies issued so far on an mbarrier: one more pending arrival on its current phase
+// now, and that arrival once the copies have landed (their writes are then visible to whoever waits on the phase).
+__device__ __forceinline__ void CpAsyncMbarArrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>

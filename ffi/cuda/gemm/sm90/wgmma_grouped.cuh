@@ -9,9 +9,10 @@
 // The caller falls back to another path otherwise (WgmmaGroupedGemm returns cudaErrorInvalidValue), and on a
 // device that is not compute capability 9.x or a build without sm_90a code (cudaErrorNotSupported).
 //
-// The mainloop is WgmmaTileLoop (wgmma_mainloop.cuh); this file adds the grouped-GEMM tile schedule, the host
-// launch, and host helpers shared with other users of the loop (tensor-map encoding + cache, per-device kernel
-// preparation). Tile order: group-major, then bands of kBandM m-tiles, n-tile-major inside a band (L2 reuse).
+// The mainloop is WgmmaLoop (wgmma_mainloop.cuh); this file adds the grouped-GEMM tile schedule and kernel body for
+// any operand format (the e4m3 one: wgmma_grouped_fp8.cuh), the bf16 host launch, and host helpers shared with other
+// users of the loop (tensor-map encoding + cache, per-device kernel preparation). Tile order: group-major, then bands
+// of kBandM m-tiles, n-tile-major inside a band (L2 reuse).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and enums only: the driver function comes via cudaGetDriverEntryPointByVersion
@@ -35,8 +36,12 @@ using jmo::cuda::WarpInclusiveSum;
 
 constexpr int kBandM = 8;  // m-tiles per raster band
 constexpr int kMaxGroups = 1024;
-// Dynamic smem of the grouped GEMM: the loop's + two int tables of kMaxGroups + 1.
-constexpr int kSmemBytes = kLoopSmemBytes + 2 * (kMaxGroups + 1) * 4;
+// Dynamic smem of the grouped GEMM over the operand format Ops: the loop's + two int tables of kMaxGroups + 1.
+template <class Ops>
+constexpr int GroupedSmemBytes() {
+  return LoopSmemBytes<kStages, Ops::kExtraBytes>() + 2 * (kMaxGroups + 1) * 4;
+}
+constexpr int kSmemBytes = GroupedSmemBytes<Bf16Operands<0>>();  // (either kTransB)
 
 // ------------------------------------------------------------------------------------------------------------
 // Grouped-GEMM tile schedule (identical in every thread of every CTA: derived from the smem tables)
@@ -131,18 +136,15 @@ __device__ __forceinline__ void ZeroPadRows(void* out, int64_t first, int64_t M,
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Kernel: one user of WgmmaTileLoop. `done` is passed through as the loop's tile_done (NoTileDone for the plain
-// GEMM; the probe passes a band counter), called with a GroupTile.
-// tm_a: lhs as 2D (K, M), box (64, 128); tm_b: rhs 3D, see wgmma_mainloop.cuh.
+// Kernel: one user of WgmmaLoop. `done` is passed through as the loop's tile_done (NoTileDone for the plain GEMM;
+// the probe passes a band counter), called with a GroupTile.
 // ------------------------------------------------------------------------------------------------------------
-template <int kTransB, bool kOutF32, class Done>
-__global__ void __launch_bounds__(kThreads, 1)
-    GroupedGemmKernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
-                      const int32_t* __restrict__ group_sizes, int G, int M, int N, int K, void* __restrict__ out,
-                      Done done) {
-  extern __shared__ __align__(1024) char smem_raw[];
-  int* row_start = reinterpret_cast<int*>(smem_raw + kLoopSmemBytes);  // G + 1
-  int* tile_start = row_start + (kMaxGroups + 1);                      // G + 1
+// The kernel body, any operand format: group tables, padding rows, the tile schedule, the loop.
+template <class Ops, bool kOutF32, class Done>
+__device__ __forceinline__ void GroupedGemmBody(const Ops& ops, const int32_t* __restrict__ group_sizes, int G, int M,
+                                                int N, int K, void* __restrict__ out, Done done, char* smem_raw) {
+  int* row_start = reinterpret_cast<int*>(smem_raw + LoopSmemBytes<kStages, Ops::kExtraBytes>());  // G + 1
+  int* tile_start = row_start + (kMaxGroups + 1);                                                   // G + 1
   const int tid = threadIdx.x;
   const int n_tiles = (N + kBN - 1) / kBN;
 
@@ -155,8 +157,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int total_tiles = tile_start[G];
   auto tile_of = [&](int t) { return DecodeTile(t, row_start, tile_start, G, n_tiles, N, out, kOutF32); };
-  WgmmaTileLoop<kTransB, kOutF32>(tm_a, tm_b, K, (int)blockIdx.x, (int)gridDim.x, total_tiles, tile_of, done,
-                                  smem_raw);
+  WgmmaLoop<Ops, kOutF32>(ops, K, total_tiles, StaticTiles{(int)blockIdx.x, (int)gridDim.x}, tile_of, done,
+                          smem_raw);
+}
+
+// tm_a: lhs as 2D (K, M), box (64, 128); tm_b: rhs 3D, see wgmma_mainloop.cuh.
+template <int kTransB, bool kOutF32, class Done>
+__global__ void __launch_bounds__(kThreads, 1)
+    GroupedGemmKernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                      const int32_t* __restrict__ group_sizes, int G, int M, int N, int K, void* __restrict__ out,
+                      Done done) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  GroupedGemmBody<Bf16Operands<kTransB>, kOutF32>(Bf16Operands<kTransB>{&tm_a, &tm_b}, group_sizes, G, M, N, K, out,
+                                                  done, smem_raw);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -179,15 +192,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 GetEncodeTiled() {
   return fn;
 }
 
-// dims/strides innermost first; strides[i] is the byte stride of dim i + 1.
+// dims/strides innermost first; strides[i] is the byte stride of dim i + 1. bf16 elements and the 128B swizzle unless
+// told otherwise (the e4m3 operands are UINT8 maps; scale vectors are unswizzled FLOAT32).
 inline bool EncodeMap(CUtensorMap* map, const void* ptr, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                      const cuuint32_t* box, const char* what) {
+                      const cuuint32_t* box, const char* what,
+                      CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                      CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   PFN_cuTensorMapEncodeTiled_v12000 enc = GetEncodeTiled();
   if (!enc) return false;
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void*>(ptr), dims, strides,
-                         box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE /* zeros */);
+  const CUresult r = enc(map, dtype, (cuuint32_t)rank, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                         CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE /* zeros */);
   if (r != CUDA_SUCCESS) {
     fprintf(stderr, "wgmma_gemm: cuTensorMapEncodeTiled(%s) failed with CUresult %d\n", what, (int)r);
     return false;
@@ -229,16 +245,16 @@ inline cudaError_t EncodeGemmMaps(const void* a, int64_t a_rows, int64_t K, cons
   return cudaSuccess;
 }
 
-// A small thread-safe cache of (ta, tb) map pairs keyed by Key (pointers + extents + layout; Key needs ==): XLA
+// A small thread-safe cache of sets of kMaps tensor maps keyed by Key (pointers + extents + layout; Key needs ==): XLA
 // reuses buffers, so the same maps come back call after call. A map only encodes address, extents and strides, so a
 // hit is exact even if the buffer was freed and reallocated in between. kEntries slots, round-robin replacement.
-// encode(ta, tb) builds the maps on a miss (returns cudaSuccess or the error to pass on). One cache per Key type.
-template <class Key, int kEntries, class Encode>
-inline cudaError_t CachedMapPair(const Key& key, CUtensorMap* ta, CUtensorMap* tb, Encode encode) {
+// encode(maps) builds the maps on a miss (returns cudaSuccess or the error to pass on). One cache per Key type.
+template <class Key, int kEntries, int kMaps, class Encode>
+inline cudaError_t CachedMapSet(const Key& key, CUtensorMap* maps, Encode encode) {
   struct Entry {
     Key key;
     bool valid;
-    CUtensorMap ta, tb;
+    CUtensorMap maps[kMaps];
   };
   static std::mutex mu;
   static Entry cache[kEntries];
@@ -247,21 +263,31 @@ inline cudaError_t CachedMapPair(const Key& key, CUtensorMap* ta, CUtensorMap* t
     std::lock_guard<std::mutex> lock(mu);
     for (const Entry& e : cache) {
       if (e.valid && e.key == key) {
-        *ta = e.ta;
-        *tb = e.tb;
+        for (int i = 0; i < kMaps; ++i) maps[i] = e.maps[i];
         return cudaSuccess;
       }
     }
   }
-  const cudaError_t err = encode(ta, tb);
+  const cudaError_t err = encode(maps);
   if (err != cudaSuccess) return err;
   std::lock_guard<std::mutex> lock(mu);
   Entry& e = cache[next];
   next = (next + 1) % kEntries;
   e.key = key;
-  e.ta = *ta;
-  e.tb = *tb;
+  for (int i = 0; i < kMaps; ++i) e.maps[i] = maps[i];
   e.valid = true;
+  return cudaSuccess;
+}
+
+// CachedMapSet of (ta, tb) pairs: encode(ta, tb).
+template <class Key, int kEntries, class Encode>
+inline cudaError_t CachedMapPair(const Key& key, CUtensorMap* ta, CUtensorMap* tb, Encode encode) {
+  CUtensorMap maps[2];
+  const cudaError_t err =
+      CachedMapSet<Key, kEntries, 2>(key, maps, [&](CUtensorMap* m) { return encode(&m[0], &m[1]); });
+  if (err != cudaSuccess) return err;
+  *ta = maps[0];
+  *tb = maps[1];
   return cudaSuccess;
 }
 

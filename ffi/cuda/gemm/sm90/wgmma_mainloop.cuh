@@ -2,6 +2,11 @@
 //
 //   WgmmaTileLoop<kTransB, kOutF32>(a_map, b_map, K, first, stride, count, tile_of, tile_done, smem[, tile_wait])
 //   WgmmaTileLoopNext<kTransB, kOutF32>(a_map, b_map, K, count, next_tile, tile_of, tile_done, smem[, tile_wait])
+//   WgmmaLoop<Ops, kOutF32>(ops, K, count, next_tile, tile_of, tile_done, smem[, tile_wait])
+//
+// The first two are the bf16 loop described below; WgmmaLoop is the same loop over an operand format Ops (what a
+// stage holds, how the producer fills it, how a consumer multiplies over it: Bf16Operands here, the e4m3
+// block-scaled Fp8BlockScaledOperands in wgmma_mainloop_fp8.cuh), with everything else of this comment unchanged.
 //
 // computes, for i = first, first + stride, ... < count (or for the indices next_tile hands out, below), the output
 // tile t = tile_of(i):
@@ -12,12 +17,14 @@
 //
 // ---- Caller requirements -------------------------------------------------------------------------------------
 //   * Block of exactly kThreads = 384 threads (3 warpgroups), kernel declared __launch_bounds__(kThreads, 1), so
-//     ptxas gives it kEntryRegs = 168 registers at entry (WG0 releases to 24, WG1/WG2 grow to 240, and all return
-//     to 168 before the function returns). PrepareWgmmaKernel (wgmma_grouped.cuh) checks this on the host.
+//     ptxas gives it kEntryRegs = 168 registers at entry (WG0 releases to 24, WG1/WG2 grow to 240 -- the operand
+//     format's kProducerRegs / kConsumerRegs -- and all return to 168 before the function returns).
+//     PrepareWgmmaKernel (wgmma_grouped.cuh) checks this on the host.
 //   * All 384 threads call the function, uniformly (it contains __syncthreads() at entry and at exit); after it
 //     returns the smem region may be reused and the function may be called again.
-//   * smem: >= LoopSmemBytes<kNumStages>() bytes of dynamic shared memory (any alignment: the function aligns up to
-//     1024 inside, that is what the 1 KB slack is for). kNumStages = 4 (default): 197,712 bytes; 3: 148,492.
+//   * smem: >= LoopSmemBytes<kNumStages, Ops::kExtraBytes>() bytes of dynamic shared memory (any alignment: the
+//     function aligns up to 1024 inside, that is what the 1 KB slack is for). bf16, kNumStages = 4 (default):
+//     197,712 bytes; 3: 148,492.
 //   * Named barriers 1 (256 consumer threads) and 2 (128 producer threads) are used; the caller must not have any
 //     of its own in flight across the call.
 //   * a_map: 2D bf16 tensor map of A ([rows, K] row-major), box (kBK = 64, kBM = 128), 128B swizzle, OOB zero fill.
@@ -116,13 +123,6 @@ constexpr int kBBytes = kBN * kBK * kElemBytes;  // 32768
 constexpr int kStageBytes = kABytes + kBBytes;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
 
-// Dynamic smem the loop needs: 1 KB alignment slack + stages + 2 * stages mbarriers + the tile index of each stage.
-template <int kNumStages = kStages>
-constexpr int LoopSmemBytes() {
-  return 1024 + kNumStages * kStageBytes + 2 * kNumStages * 8 + kNumStages * 4;
-}
-constexpr int kLoopSmemBytes = LoopSmemBytes<kStages>();
-
 // One output tile of the loop (see the header comment). Derive from it to carry caller data to tile_done.
 struct WgmmaTile {
   int a_row;
@@ -187,10 +187,19 @@ __device__ __forceinline__ void WgmmaWait() {
 }
 // The accumulators are "+f" operands of the wgmma asm, but the compiler must also not move them across the
 // wait: this no-op asm ties each register to a point after the wait_group.
+template <int kCount = 128>
 __device__ __forceinline__ void FenceRegs(float* d) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+
+// The accumulator operands d[i .. i + 63] of a wgmma inline asm ("+f": read and written).
+#define JMO_WGMMA_ACC8(d, i)                                                                                    \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define JMO_WGMMA_ACC64(d, i)                                                                                 \
+  JMO_WGMMA_ACC8(d, i), JMO_WGMMA_ACC8(d, i + 8), JMO_WGMMA_ACC8(d, i + 16), JMO_WGMMA_ACC8(d, i + 24),       \
+      JMO_WGMMA_ACC8(d, i + 32), JMO_WGMMA_ACC8(d, i + 40), JMO_WGMMA_ACC8(d, i + 48), JMO_WGMMA_ACC8(d, i + 56)
 
 // wgmma shared-memory matrix descriptor (PTX ISA "matrix descriptor format"):
 //   bits  0-13 start address >> 4, bits 16-29 leading byte offset >> 4, bits 32-45 stride byte offset >> 4,
@@ -212,22 +221,7 @@ __device__ __forceinline__ void Wgmma64x256(float* d, uint64_t desc_a, uint64_t 
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : JMO_WGMMA_ACC64(d, 0), JMO_WGMMA_ACC64(d, 64)
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 #else
   __trap();
@@ -331,35 +325,146 @@ __device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int l
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// The stage ring and the operand formats
+// ------------------------------------------------------------------------------------------------------------
+// The loop's shared memory, from a 1024-aligned base: kNumStages A slots (kABytes), kNumStages B slots (kBBytes),
+// kNumStages slots of the format's extra data (kExtraBytes: 0 for bf16; the FP8 scales), the full and the empty
+// mbarrier of each stage, then the tile index of each stage (ids, see WgmmaLoop). stage / phase: the slot a role
+// (the producer, or a consumer warpgroup) works on next and the parity of its barriers' current phase; both roles
+// walk the slots in the same order, tile after tile.
+template <int kNumStages, int kExtraBytes>
+struct StageRing {
+  unsigned char* base;
+  int stage = 0;
+  uint32_t phase = 0;
+
+  __device__ __forceinline__ unsigned char* A(int s) const { return base + s * kABytes; }
+  __device__ __forceinline__ unsigned char* B(int s) const { return base + kNumStages * kABytes + s * kBBytes; }
+  __device__ __forceinline__ unsigned char* X(int s) const { return base + kNumStages * kStageBytes + s * kExtraBytes; }
+  __device__ __forceinline__ uint64_t* Full(int s) const {
+    return reinterpret_cast<uint64_t*>(base + kNumStages * (kStageBytes + kExtraBytes)) + s;
+  }
+  __device__ __forceinline__ uint64_t* Empty(int s) const { return Full(kNumStages + s); }
+  __device__ __forceinline__ volatile int* Ids() const { return reinterpret_cast<volatile int*>(Full(2 * kNumStages)); }
+  __device__ __forceinline__ void WaitFull() const { MbarWait(SmemAddr(Full(stage)), phase); }
+  __device__ __forceinline__ void Advance() {
+    if (++stage == kNumStages) { stage = 0; phase ^= 1; }
+  }
+};
+
+// Dynamic smem the loop needs: 1 KB alignment slack + the ring (stages, their extra data, 2 * stages mbarriers, the
+// tile index of each stage).
+template <int kNumStages = kStages, int kExtraBytes = 0>
+constexpr int LoopSmemBytes() {
+  return 1024 + kNumStages * (kStageBytes + kExtraBytes) + 2 * kNumStages * 8 + kNumStages * 4;
+}
+constexpr int kLoopSmemBytes = LoopSmemBytes<kStages>();
+
+// Where a tile's operands lie, as the producer loads them: A's first row, B's index (group) and first column, and
+// B's first column for the tile's accumulator columns 128..255 (WgmmaTile::n_hi resolved).
+struct TileCoords {
+  int a_row, b_idx, n0, n_hi;
+  template <class Tile>
+  __device__ __forceinline__ static TileCoords Of(const Tile& t) {
+    return {t.a_row, t.b_idx, t.n0, t.n_hi < 0 ? t.n0 + kBN / 2 : t.n_hi};
+  }
+};
+
+// An operand format of WgmmaLoop: what a stage holds, how the producer fills it and how a consumer warpgroup
+// multiplies a tile over the stages. Members:
+//   kBK            K elements per stage (each stage holds a 128-byte-wide K slice of A's 128 rows and B's 256 rows)
+//   kExtraBytes    smem per stage beside the A and B slots (a multiple of 128)
+//   kProducerRegs, kConsumerRegs   the registers of a producer / consumer thread (setmaxnreg; within the entry budget)
+//   Prefetch()                                         the TMA thread, before its first load
+//   LoadStage(fb, a_dst, b_dst, x, coords, kt)         the TMA thread, once the stage's slot is free: arms the full
+//                                                      barrier fb with the stage's bytes and issues its loads
+//   Multiply(acc, ring, c, wq, lane, ktiles)           a consumer warpgroup (c: rows [64 c, 64 c + 64) of the tile):
+//                                                      acc = the tile's 64 x 256 block in the m64n256 f32 layout,
+//                                                      over the tile's ktiles stages from ring.stage on (the first
+//                                                      one's full barrier already waited for); waits on each later
+//                                                      stage's full barrier, arrives (lane 0 of each warp) on each
+//                                                      stage's empty barrier once it is done with it, and leaves
+//                                                      ring.stage / ring.phase after the tile's last stage.
+// bf16 (this file): A [rows, K] K-major, B K-major (kTransB = 0) or MN-major (kTransB = 1), wgmma m64n256k16, one
+// commit group kept in flight. e4m3 with block scales: wgmma_mainloop_fp8.cuh.
+template <int kTransB>
+struct Bf16Operands {
+  const CUtensorMap* a_map;
+  const CUtensorMap* b_map;
+  static constexpr int kBK = wgmma_gemm::kBK;
+  static constexpr int kExtraBytes = 0;
+  static constexpr int kProducerRegs = wgmma_gemm::kProducerRegs;
+  static constexpr int kConsumerRegs = wgmma_gemm::kConsumerRegs;
+
+  __device__ __forceinline__ void Prefetch() const {
+    PrefetchTensorMap(a_map);
+    PrefetchTensorMap(b_map);
+  }
+
+  __device__ __forceinline__ void LoadStage(uint32_t fb, uint32_t a_dst, uint32_t b_dst, unsigned char*,
+                                            const TileCoords& t, int kt) const {
+    MbarArriveExpectTx(fb, kStageBytes);  // OOB parts of a box are zero-filled and still counted
+    TmaLoad2D(a_dst, a_map, fb, kt * kBK, t.a_row);
+    if (kTransB) {
+#pragma unroll
+      for (int j = 0; j < kBN / 64; ++j)
+        TmaLoad3D(b_dst + j * 8192, b_map, fb, j < 2 ? t.n0 + 64 * j : t.n_hi + 64 * (j - 2), kt * kBK, t.b_idx);
+    } else {
+      TmaLoad3D(b_dst, b_map, fb, kt * kBK, t.n0, t.b_idx);
+    }
+  }
+
+  template <class Ring>
+  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, int c, int, int lane, int ktiles) const {
+#pragma unroll
+    for (int j = 0; j < 128; ++j) acc[j] = 0.f;
+    int prev_stage = -1;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      if (kt > 0) ring.WaitFull();
+      const uint32_t a_base = SmemAddr(ring.A(ring.stage)) + c * (64 * 128);  // this WG's 64 rows
+      const uint32_t b_base = SmemAddr(ring.B(ring.stage));
+      MmaKStep<0, kTransB>(acc, a_base, b_base);
+      // Keep this k-step's group in flight; the previous one is done -> release its slot.
+      if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
+      prev_stage = ring.stage;
+      ring.Advance();
+    }
+    WgmmaWait<0>();
+    FenceRegs(acc);
+    if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
+  }
+};
+
+// ------------------------------------------------------------------------------------------------------------
 // The loop
 // ------------------------------------------------------------------------------------------------------------
-template <int kTransB, bool kOutF32, int kNumStages = kStages, class NextFn, class TileFn, class DoneFn,
+// WgmmaLoop<Ops, kOutF32, kNumStages>(ops, K, count, next_tile, tile_of, tile_done, smem[, tile_wait]): the loop of
+// the header comment over the operand format Ops (K % Ops::kBK == 0; smem >= LoopSmemBytes<kNumStages,
+// Ops::kExtraBytes>()). WgmmaTileLoopNext / WgmmaTileLoop below are its bf16 instances.
+template <class Ops, bool kOutF32, int kNumStages = kStages, class NextFn, class TileFn, class DoneFn,
           class WaitFn = NoTileWait>
-__device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, const CUtensorMap& b_map, int K,
-                                                  int count, NextFn next_tile, TileFn tile_of, DoneFn tile_done,
-                                                  char* smem, WaitFn tile_wait = {}) {
+__device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, NextFn next_tile, TileFn tile_of,
+                                          DoneFn tile_done, char* smem, WaitFn tile_wait = {}) {
   static_assert(kNumStages >= 2, "at least two stages (one wgmma group is kept in flight)");
+  static_assert(Ops::kExtraBytes % 128 == 0, "the extra slots keep 128-byte alignment (TMA destinations)");
+  static_assert(Ops::kProducerRegs * 128 + Ops::kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
   constexpr bool kHasDone = !std::is_same<typename std::decay<DoneFn>::type, NoTileDone>::value;
+  using Ring = StageRing<kNumStages, Ops::kExtraBytes>;
   // 128B swizzle atoms must start 1024-aligned (the descriptor base offset field is left 0).
-  unsigned char* base =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~(uintptr_t)1023);
-  unsigned char* sA = base;                             // kNumStages x kABytes
-  unsigned char* sB = base + kNumStages * kABytes;      // kNumStages x kBBytes
-  uint64_t* full = reinterpret_cast<uint64_t*>(base + kNumStages * kStageBytes);
-  uint64_t* empty = full + kNumStages;
+  Ring ring{reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~(uintptr_t)1023)};
   // ids[s]: the tile whose first k-step stage s holds, or -1: no more tiles. Written by thread 0 before the stage's
   // full-barrier arrive (release), read by the consumers after their wait on it (acquire); rewritten only after the
   // stage's empty barrier completes, which every consumer warp arrives on after its read.
-  volatile int* ids = reinterpret_cast<volatile int*>(empty + kNumStages);
+  volatile int* ids = ring.Ids();
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
-  const int ktiles = K / kBK;
+  const int ktiles = K / Ops::kBK;
 
   if (tid == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      MbarInit(SmemAddr(&full[s]), 1);   // one arrive.expect_tx by the producer; the TMA bytes complete it
-      MbarInit(SmemAddr(&empty[s]), 8);  // one arrive per consumer warp (2 warpgroups x 4 warps)
+      MbarInit(SmemAddr(ring.Full(s)), 1);   // one arrive.expect_tx by the producer; the TMA bytes complete it
+      MbarInit(SmemAddr(ring.Empty(s)), 8);  // one arrive per consumer warp (2 warpgroups x 4 warps)
     }
     MbarInitFence();
   }
@@ -367,40 +472,27 @@ __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, cons
 
   if (warp < 4) {
     // ================= producer warpgroup =================
-    SetMaxNRegDec<kProducerRegs>();
+    SetMaxNRegDec<Ops::kProducerRegs>();
     if (tid == 0) {
-      PrefetchTensorMap(&a_map);
-      PrefetchTensorMap(&b_map);
-      int stage = 0;
-      uint32_t phase = 0;
+      ops.Prefetch();
       for (int i = next_tile(-1);; i = next_tile(i)) {
         if (i >= count) {
           // The end: a stage that carries no operands, only ids = -1 (a plain arrive completes its full phase).
-          MbarWait(SmemAddr(&empty[stage]), phase ^ 1);
-          ids[stage] = -1;
-          MbarArrive(SmemAddr(&full[stage]));
+          MbarWait(SmemAddr(ring.Empty(ring.stage)), ring.phase ^ 1);
+          ids[ring.stage] = -1;
+          MbarArrive(SmemAddr(ring.Full(ring.stage)));
           break;
         }
         const auto tile = tile_of(i);
         tile_wait(tile);  // (the TMA thread, before the tile's first load)
-        const int a_row = tile.a_row, b_idx = tile.b_idx, n0 = tile.n0;
-        const int n_hi = tile.n_hi < 0 ? n0 + kBN / 2 : tile.n_hi;
+        const TileCoords coords = TileCoords::Of(tile);
         for (int kt = 0; kt < ktiles; ++kt) {
-          const uint32_t fb = SmemAddr(&full[stage]);
-          MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // consumers released this slot (first pass: free)
-          if (kt == 0) ids[stage] = i;
-          MbarArriveExpectTx(fb, kStageBytes);           // OOB parts of a box are zero-filled and still counted
-          const uint32_t a_dst = SmemAddr(sA + stage * kABytes);
-          const uint32_t b_dst = SmemAddr(sB + stage * kBBytes);
-          TmaLoad2D(a_dst, &a_map, fb, kt * kBK, a_row);
-          if (kTransB) {
-#pragma unroll
-            for (int j = 0; j < kBN / 64; ++j)
-              TmaLoad3D(b_dst + j * 8192, &b_map, fb, j < 2 ? n0 + 64 * j : n_hi + 64 * (j - 2), kt * kBK, b_idx);
-          } else {
-            TmaLoad3D(b_dst, &b_map, fb, kt * kBK, n0, b_idx);
-          }
-          if (++stage == kNumStages) { stage = 0; phase ^= 1; }
+          const int s = ring.stage;
+          const uint32_t fb = SmemAddr(ring.Full(s));
+          MbarWait(SmemAddr(ring.Empty(s)), ring.phase ^ 1);  // consumers released this slot (first pass: free)
+          if (kt == 0) ids[s] = i;
+          ops.LoadStage(fb, SmemAddr(ring.A(s)), SmemAddr(ring.B(s)), ring.X(s), coords, kt);
+          ring.Advance();
         }
       }
     }
@@ -409,16 +501,14 @@ __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, cons
     ProducerExit();
   } else {
     // ================= consumer warpgroups =================
-    SetMaxNRegInc<kConsumerRegs>();
+    SetMaxNRegInc<Ops::kConsumerRegs>();
     const int c = warp / 4 - 1;  // consumer index: rows [64 c, 64 c + 64) of the tile
     const int wq = warp % 4;     // warp within the warpgroup: rows 16 wq .. 16 wq + 15 of its 64
 
     float acc[128];
-    int stage = 0;
-    uint32_t phase = 0;
     for (;;) {
-      MbarWait(SmemAddr(&full[stage]), phase);  // the next tile's first stage (or the end)
-      const int i = ids[stage];
+      ring.WaitFull();  // the next tile's first stage (or the end)
+      const int i = ids[ring.stage];
       if (i < 0) break;
       const auto tile = tile_of(i);
       if (c * 64 >= tile.rows) {
@@ -426,29 +516,13 @@ __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, cons
         // (warpgroup-uniform) but wait on every full barrier and arrive on every empty barrier so that the
         // barrier phases stay in step.
         for (int kt = 0; kt < ktiles; ++kt) {
-          if (kt > 0) MbarWait(SmemAddr(&full[stage]), phase);
+          if (kt > 0) ring.WaitFull();
           __syncwarp();
-          if (lane == 0) MbarArrive(SmemAddr(&empty[stage]));
-          if (++stage == kNumStages) { stage = 0; phase ^= 1; }
+          if (lane == 0) MbarArrive(SmemAddr(ring.Empty(ring.stage)));
+          ring.Advance();
         }
       } else {
-#pragma unroll
-        for (int j = 0; j < 128; ++j) acc[j] = 0.f;
-        int prev_stage = -1;
-        for (int kt = 0; kt < ktiles; ++kt) {
-          if (kt > 0) MbarWait(SmemAddr(&full[stage]), phase);
-          const uint32_t a_base = SmemAddr(sA + stage * kABytes) + c * (64 * 128);  // this WG's 64 rows
-          const uint32_t b_base = SmemAddr(sB + stage * kBBytes);
-          MmaKStep<0, kTransB>(acc, a_base, b_base);
-          // Keep this k-step's group in flight; the previous one is done -> release its slot.
-          if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
-          prev_stage = stage;
-          if (++stage == kNumStages) { stage = 0; phase ^= 1; }
-        }
-        WgmmaWait<0>();
-        FenceRegs(acc);
-        if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[prev_stage]));
-
+        ops.Multiply(acc, ring, c, wq, lane, ktiles);
         if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
           StoreSwiGluTile(acc, c, wq, lane, tile);
         else
@@ -470,6 +544,16 @@ __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, cons
     ConsumerExit();
   }
   __syncthreads();
+}
+
+// The bf16 loop (the header comment) with tile indices from next_tile.
+template <int kTransB, bool kOutF32, int kNumStages = kStages, class NextFn, class TileFn, class DoneFn,
+          class WaitFn = NoTileWait>
+__device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, const CUtensorMap& b_map, int K,
+                                                  int count, NextFn next_tile, TileFn tile_of, DoneFn tile_done,
+                                                  char* smem, WaitFn tile_wait = {}) {
+  WgmmaLoop<Bf16Operands<kTransB>, kOutF32, kNumStages>(Bf16Operands<kTransB>{&a_map, &b_map}, K, count, next_tile,
+                                                        tile_of, tile_done, smem, tile_wait);
 }
 
 // The static schedule: tiles first, first + stride, ... < count.

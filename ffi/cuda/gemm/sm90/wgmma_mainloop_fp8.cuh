@@ -1,0 +1,146 @@
+// Hopper (sm_90a) e4m3 operands with DeepSeek-V3's block scales for WgmmaLoop (wgmma_mainloop.cuh): the FP8 operand
+// format, Fp8BlockScaledOperands.
+//
+//   acc[r, c] = sum over 128-wide K chunks kc of
+//               (sum_{k in kc} A[a_row + r, k] * B[b_idx][n(c), k]) * sa[kc][a_row + r] * sb[b_idx][n(c) / 128][kc]
+//
+// A [rows, K] e4m3 (K-major), B [G, N, K] e4m3 (K-major: FP8 wgmma reads both operands K-major only), sa the float32
+// scale of each (row, 128-wide K chunk) of A stored MN-major ([K/128, lds]: one chunk's scales of consecutive rows
+// contiguous), sb the float32 scale of each 128 x 128 block of B ([G, N/128, K/128]: the layout of Fp8Weight.scales).
+// n(c) = n0 + c for the tile's accumulator columns c < 128 and n_hi + c - 128 for the others (WgmmaTile::n_hi).
+//
+// ---- Stage (one 128-wide K chunk: kBK = 128 e4m3 = 128 bytes, the same byte geometry as a bf16 stage) ----------
+//   A slot  128 rows x 128 B (16 KB), TMA box (128, 128) of a 2D map (K, rows), 128B swizzle, OOB zero fill;
+//   B slot  two boxes of 128 rows x 128 B (32 KB): rows n0.. and n_hi.. of B[b_idx], box (128, 128, 1) of a 3D map
+//           (K, N, G), 128B swizzle, OOB zero fill (a tile's second half past N is zeros);
+//   extra   sa's 128 floats of the tile's rows for the chunk (512 B, TMA box (128, 1) of a 2D map (rows, K/128), rows
+//           past the map's end zero), then sb's 2 floats (the block of each half; by cp.async, whose completion the
+//           full barrier counts as one more pending arrival, so that the barrier's arrival count stays 1).
+//   The full barrier's transaction bytes: 16 KB + 32 KB + 512 B.
+//
+// ---- Promotion (DeepSeek-V3 section 3.3.2; as DeepGEMM's sm90 FP8 GEMM does it) -----------------------------------
+// FP8 wgmma (m64nNk32 .e4m3.e4m3 .f32) keeps only about 14 bits of its sum, so a chunk's partial sums leave the
+// tensor core every 128 of K: per stage and per 128-column half h of the tile, a consumer warpgroup issues 4 x
+// wgmma m64n128k32 into 64 partial registers (the first with scale-d = 0), waits for them, and adds
+// part * (sa[row] * sb[h]) into the 128 float32 accumulators (acc[64 h ..] is the half's m64n128 layout, so acc is
+// the m64n256 layout the epilogues take). 64 + 128 accumulator registers, within the consumers' 240. The wait after
+// each half leaves the tensor core to the other consumer warpgroup while this one promotes. A stage is released
+// (empty barrier) after its second half's wait: its operands and scales have all been read.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gemm/sm90/wgmma_mainloop.cuh"
+
+namespace wgmma_gemm {
+
+constexpr int kFp8BK = 128;        // e4m3 K elements per stage (128 bytes, one 128B swizzle row)
+constexpr int kScaleChunk = 128;   // K elements per scale (A's 1 x 128 tiles, B's 128 x 128 blocks)
+constexpr int kFp8SaBytes = kBM * 4;                            // sa of the stage's 128 rows
+constexpr int kFp8ExtraBytes = kFp8SaBytes + 128;               // + sb (2 floats), padded to 128-byte slots
+constexpr int kFp8TxBytes = kABytes + kBBytes + kFp8SaBytes;    // what TMA brings per stage
+static_assert(kFp8BK * 1 == kBK * kElemBytes, "an e4m3 stage has the bf16 stage's byte geometry");
+static_assert(kFp8BK == kScaleChunk, "one stage is one scale chunk: the promotion happens once per stage");
+static_assert(kScaleChunk == 1 << 7, "LoadStage divides column indices by 128 with a shift");
+
+// D[64 x 128] (+)= A[64 x 32] * B[32 x 128], e4m3 from smem, both K-major (the only FP8 layout), f32 accumulate.
+// scale_d = 0 ignores (zeroes) the old accumulator.
+__device__ __forceinline__ void Wgmma64x128E4m3(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+#if WGMMA_SM90A
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
+      : JMO_WGMMA_ACC64(d, 0)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+#else
+  __trap();
+#endif
+}
+
+// The e4m3 block-scaled operand format of WgmmaLoop (the header comment; the members' contract is Bf16Operands').
+struct Fp8BlockScaledOperands {
+  const CUtensorMap* a_map;   // A [rows, K] e4m3: 2D (K, rows), box (128, 128), 128B swizzle
+  const CUtensorMap* b_map;   // B [G, N, K] e4m3: 3D (K, N, G), box (128, 128, 1), 128B swizzle
+  const CUtensorMap* sa_map;  // sa [K/128, lds] float32: 2D (rows, K/128), box (128, 1), no swizzle
+  const float* sb;            // sb [G, N/128, K/128] float32
+  int n_blocks;               // N / 128
+  int k_chunks;               // K / 128
+  static constexpr int kBK = kFp8BK;
+  static constexpr int kExtraBytes = kFp8ExtraBytes;
+  // The producer computes the scale addresses besides the TMA coordinates (24 registers spill); a consumer holds 192
+  // accumulators (part and acc). 40 * 128 + 232 * 256 = 168 * 384, DeepGEMM's split.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+
+  __device__ __forceinline__ void Prefetch() const {
+    PrefetchTensorMap(a_map);
+    PrefetchTensorMap(b_map);
+    PrefetchTensorMap(sa_map);
+  }
+
+  __device__ __forceinline__ void LoadStage(uint32_t fb, uint32_t a_dst, uint32_t b_dst, unsigned char* x,
+                                            const TileCoords& t, int kt) const {
+    // sb of the two halves first: their pending arrival must be on the phase before the expect_tx arrival can
+    // complete it. A second half past N (N % 256 == 128) multiplies zeros; its scale is read from the last block.
+    // (32-bit indices: the host refuses G * N/128 * K/128 >= 2^31; the producer has 24 registers.)
+    const int blocks_g = t.b_idx * n_blocks;
+    const uint32_t x_addr = SmemAddr(x);
+    CpAsync4(x_addr + kFp8SaBytes, sb + ((blocks_g + (t.n0 >> 7)) * k_chunks + kt));
+    CpAsync4(x_addr + kFp8SaBytes + 4, sb + ((blocks_g + min(t.n_hi >> 7, n_blocks - 1)) * k_chunks + kt));
+    CpAsyncMbarArrive(fb);
+    MbarArriveExpectTx(fb, kFp8TxBytes);  // OOB parts of a box are zero-filled and still counted
+    TmaLoad2D(a_dst, a_map, fb, kt * kBK, t.a_row);
+    TmaLoad2D(x_addr, sa_map, fb, t.a_row, kt);
+    TmaLoad3D(b_dst, b_map, fb, kt * kBK, t.n0, t.b_idx);
+    TmaLoad3D(b_dst + kBBytes / 2, b_map, fb, kt * kBK, t.n_hi, t.b_idx);
+  }
+
+  template <class Ring>
+  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, int c, int wq, int lane, int ktiles) const {
+    float part[64];
+    const int row = c * 64 + wq * 16 + lane / 4;  // the thread's rows of the tile: row and row + 8
+#pragma unroll
+    for (int j = 0; j < 128; ++j) acc[j] = 0.f;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      if (kt > 0) ring.WaitFull();
+      const int s = ring.stage;
+      const uint32_t x = SmemAddr(ring.X(s));
+      const float sa_lo = LdSharedF32(x + row * 4), sa_hi = LdSharedF32(x + (row + 8) * 4);
+      const float2 sb2 = LdSharedF32x2(x + kFp8SaBytes);
+      const float sb_h[2] = {sb2.x, sb2.y};
+      const uint32_t a_base = SmemAddr(ring.A(s)) + c * (64 * 128);  // this WG's 64 rows
+      const uint32_t b_base = SmemAddr(ring.B(s));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        FenceRegs<64>(part);
+        WgmmaFence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 32; ++kk) {
+          // K-major, 128B swizzle: +32 bytes (32 e4m3) per k32 inside the swizzled row, SBO = 1024 (8 rows).
+          const uint64_t da = MakeDesc(a_base + kk * 32, 16, 1024);
+          const uint64_t db = MakeDesc(b_base + h * (kBBytes / 2) + kk * 32, 16, 1024);
+          Wgmma64x128E4m3(part, da, db, kk > 0);
+        }
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceRegs<64>(part);
+        if (h == 1 && lane == 0) MbarArrive(SmemAddr(ring.Empty(s)));
+        // m64n128 f32 layout: part[4j + 0/1] is row `row`, part[4j + 2/3] row `row + 8`.
+        const float s_lo = sa_lo * sb_h[h], s_hi = sa_hi * sb_h[h];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[64 * h + 4 * j + 0] = fmaf(part[4 * j + 0], s_lo, acc[64 * h + 4 * j + 0]);
+          acc[64 * h + 4 * j + 1] = fmaf(part[4 * j + 1], s_lo, acc[64 * h + 4 * j + 1]);
+          acc[64 * h + 4 * j + 2] = fmaf(part[4 * j + 2], s_hi, acc[64 * h + 4 * j + 2]);
+          acc[64 * h + 4 * j + 3] = fmaf(part[4 * j + 3], s_hi, acc[64 * h + 4 * j + 3]);
+        }
+      }
+      ring.Advance();
+    }
+  }
+};
+
+}  // namespace wgmma_gemm
