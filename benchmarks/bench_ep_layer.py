@@ -22,9 +22,9 @@ xla_dense_a2a   GShard-style capacity-padded path: scatter slots into [R, E_loca
                 inputs, so nothing drops).
 ours_dg         (with --dispatch-pushers P > 0) ours with CallConfig(dispatch_pushers=P): the dispatch and GEMM1 in one
                 dispatch_gemm call with P pushing CTAs pinned (ours makes the library's choice: that call with
-                AUTO_PUSHERS pushers on Hopper GPUs at two ranks or more, else the dispatch and GEMM1 as two calls; on
-                CPU ours_dg is dispatch_gemm's CPU handler, the protocol's specification: checked, its time no GPU
-                measure).
+                the library's pusher count (call_site.dispatch_pushers) on Hopper GPUs at two ranks or more, else
+                the dispatch and GEMM1 as two calls; on CPU ours_dg is dispatch_gemm's CPU handler, the protocol's
+                specification: checked, its time no GPU measure).
 serialized      ours with CallConfig(serialize=True): no overlap anywhere. The dispatch and GEMM1 run as two calls, and
                 expert_combine's consumer starts pushing only after the producer has finished the whole GEMM (every
                 expert_combine of the pass: GEMM2 forward, dx backward). Same results: the baseline the overlap is

@@ -13,6 +13,7 @@
 #include <nanobind/stl/tuple.h>
 
 #include "common/build_info.h"
+#include "common/call_options.h"
 #include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
@@ -153,6 +154,8 @@ NB_MODULE(_jmo, m) {
                                    scratch.data());
   });
   m.def("build_info", &jmo::BuildInfo);
+  m.def("default_dispatch_pushers", &jmo::DefaultPushers, nb::arg("sm_budget"),
+        "dispatch_gemm's pushing CTAs on a rank of sm_budget SMs where the library chooses (call_options.h)");
 #ifdef JMO_WITH_CUDA
   m.attr("with_cuda") = true;
   jmo::cuda::RegisterModule(m);

@@ -20,29 +20,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe_overlap import _jmo
 from jax_moe_overlap import command_buffers
 from jax_moe_overlap import engines
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.workspace_backend import DeviceFacts
 
-# Pushing CTAs of dispatch_gemm where the library chooses (CallConfig.dispatch_pushers = 0), at most one in 8 of the
-# rank's SMs: as fast as twice as many over an NVLink-paced link, with fewer SMs taken from the GEMM
-# (docs/performance.md, dispatch_gemm).
-AUTO_PUSHERS = 8
-
-
 def dispatch_pushers(config: CallConfig, device: DeviceFacts, ranks: int) -> int:
   """dispatch_gemm's pushing CTAs for a call site, or 0: the dispatch and GEMM1 run as two calls. None with
-  ``serialize``; pinned by ``config.dispatch_pushers``; else the library's choice: AUTO_PUSHERS (at most one in 8 of
-  the rank's SMs) where dispatch_gemm's CUDA kernel runs (engines.wgmma_runs_on) and the expert axis has two ranks or
-  more, two calls elsewhere (one rank: no link to hide; CPU: XLA's ragged_dot beats the CPU handler's loops)."""
+  ``serialize``; pinned by ``config.dispatch_pushers``; else the library's choice where dispatch_gemm's CUDA kernel
+  runs (engines.wgmma_runs_on) and the expert axis has two ranks or more: ``_jmo.default_dispatch_pushers`` of the
+  rank's SM budget (the one rule, ffi/common/call_options.h's DefaultPushers: 8 on an H200's 132 SMs, the same share
+  of a smaller budget); two calls elsewhere (one rank: no link to hide; CPU: XLA's ragged_dot beats the CPU
+  handler's loops)."""
   if config.serialize:
     return 0
   if config.dispatch_pushers > 0:
     return config.dispatch_pushers
   if not engines.wgmma_runs_on(device.compute_capability) or ranks < 2:
     return 0
-  return max(1, min(AUTO_PUSHERS, (device.sm_budget or 0) // 8))
+  return int(_jmo.default_dispatch_pushers(int(device.sm_budget or 0)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,15 +202,16 @@ class CallConfig:
   dispatch_pushers: whether the dispatch and the GEMM after it run as one dispatch_gemm call, each GEMM1 tile
     starting once its rows have arrived (in the forward GEMM1 with its SwiGLU in the call's epilogue, in the backward
     the dispatch of gates * dy with its d_out W2^T), and with how many pushing CTAs; else as two calls (the dispatch,
-    then the bare grouped GEMM). The fused call equals the two calls bit for bit on the CUDA engine and on the CPU
-    handlers alike. 0 (default): the library's choice (``call_site.dispatch_pushers``): fused with AUTO_PUSHERS
-    pushing CTAs where the expert axis has two ranks or more on Hopper GPUs and the operands take the wgmma engine
-    (``engines.dispatch_gemm_operands``: bfloat16, d_model and 2 * d_ff multiples of 64, d_ff of 32), two calls
-    elsewhere (one rank: nothing to hide; CPU: XLA's ragged_dot is faster there). > 0: fused with this many pushing
-    CTAs wherever the operands allow (on CUDA only on Hopper: elsewhere the call fails with an error saying so); on
-    CPU any value > 0 selects the fused CPU handler, the protocol's specification, whose GEMMs are the bare grouped
-    GEMMs' CPU loops, while the default two calls' are XLA's ragged_dot (results equal to float32 rounding, not bit
-    for bit). Not with serialize.
+    then the bare grouped GEMM). The fused call equals the two calls bit for bit (the layer's results; its own
+    results in their kept rows) on the CUDA engine and on the CPU handlers alike. 0 (default): the library's choice
+    (``call_site.dispatch_pushers``): fused with the library's pusher count (8 on an H200's 132 SMs, the same share
+    of a rank's smaller SM budget) where the expert axis has two ranks or more on Hopper GPUs and the operands take
+    the wgmma engine (``engines.dispatch_gemm_operands``: bfloat16, d_model and 2 * d_ff multiples of 64, d_ff of
+    32), two calls elsewhere (one rank: nothing to hide; CPU: XLA's ragged_dot is faster there). > 0: fused with this
+    many pushing CTAs wherever the operands allow (on CUDA only on Hopper: elsewhere the call fails with an error
+    saying so); on CPU any value > 0 selects the fused CPU handler, the protocol's specification, whose GEMMs are the
+    bare grouped GEMMs' CPU loops, while the default two calls' are XLA's ragged_dot (results equal to float32
+    rounding, not bit for bit). Not with serialize.
   """
 
   timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)

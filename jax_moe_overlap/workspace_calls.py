@@ -92,11 +92,13 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
     out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
     out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
-    w[expert], and a is returned when keep_a. Rows past the kept ones are zero in every result. The results equal
-    ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit.
+    w[expert], and a is returned when keep_a. In the kept rows (the first ``plan.recv_rows``) the results equal
+    ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit; the rows
+    past them are unspecified (left unwritten, where those calls zero them): no consumer of the layer reads them
+    (docs/design.md, "Padding rows").
   On CUDA (Hopper, bfloat16) ``info.dispatch_pushers`` CTAs (at least one) push the rows for other ranks, then
-  copy x_recv and zero the padding rows beside the GEMM, then join it; on CPU (float32 or bfloat16) the handler
-  thread pushes, then computes with the bare grouped GEMMs' CPU numerics.
+  copy x_recv beside the GEMM, then join it; on CPU (float32 or bfloat16) the handler thread pushes, then computes
+  with the bare grouped GEMMs' CPU numerics.
   """
   if src.ndim != 2 or w.ndim != 3 or w.shape[2 if transpose_rhs else 1] != src.shape[1]:
     raise ValueError(f"jax_moe_overlap: dispatch_gemm: src {src.shape} and w {w.shape} do not fit src [S, D], w "

@@ -279,8 +279,8 @@ def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
 def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
   """benchmarks/run_multi_gpu.sh --dry-run: its default EP groups each select their shape of this benchmark (seed,
   Mixtral-like, DeepSeek-like E=64), each run of bench_ep_layer times ours, serialized, xla, the ideal and
-  dispatch_gemm with 16 pushing CTAs pinned (ours_dg; ours takes the library's 8), and nothing runs (only summary.txt is
-  written)."""
+  dispatch_gemm with 16 pushing CTAs pinned (ours_dg; ours takes the library's choice, 8 on an H200), and nothing
+  runs (only summary.txt is written)."""
   root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
              PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")

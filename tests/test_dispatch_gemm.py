@@ -1,8 +1,9 @@
 """dispatch_gemm's CPU handler (ffi/cpu/dispatch_gemm.cc) on 4 CPU devices: the call against dispatch +
 grouped_matmul (plain, and transpose_rhs) and dispatch + grouped_matmul_swiglu (swiglu, with and without x_recv and
-the preactivation), its shape errors, the layer with CallConfig(dispatch_pushers=2) against the two calls (bit for
-bit, with the bare grouped GEMM calls: layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and
-failures inside it with the recovery after them. tests/test_eight_ranks.py runs the layer comparison on 8 devices."""
+the preactivation) in the kept rows, its padding rows read by no consumer of the layer, its shape errors, the layer
+with CallConfig(dispatch_pushers=2) against the two calls (bit for bit, with the bare grouped GEMM calls:
+layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and failures inside it with the recovery after
+them. tests/test_eight_ranks.py runs the layer comparison on 8 devices."""
 
 import re
 import time
@@ -16,9 +17,11 @@ from jax.sharding import PartitionSpec as P
 import jax_moe_overlap as jmo
 import layer_checks
 from jax_moe_overlap import _jmo
+from jax_moe_overlap import api as jmo_api
+from jax_moe_overlap import expert_block
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import workspace_calls
-from jax_moe_overlap.call_site import AUTO_PUSHERS, RankInfo, dispatch_pushers
+from jax_moe_overlap.call_site import RankInfo, dispatch_pushers
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
@@ -134,10 +137,13 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode):
   assert kept.sum() > 0
   for name, a, b in zip(names, got, want):
     assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
-    assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{name} differs from the two calls"
-    rows = np.asarray(a.astype(jnp.float32)).reshape(R, cap, -1)
-    for r in range(R):  # rows past the kept ones are zero (written: the output was poisoned)
-      assert np.all(rows[r, kept[r]:] == 0) and (kept[r] == 0 or np.abs(rows[r, :kept[r]]).max() > 0), (name, r)
+    a, b = np.asarray(a).reshape(R, cap, -1), np.asarray(b).reshape(R, cap, -1)
+    for r in range(R):
+      # The kept rows: bitwise the two calls'. The rows past them are unspecified: the call leaves them unwritten (no
+      # consumer reads them: test_layer_reads_no_padding_row_of_dispatch_gemm), so they hold whatever XLA's buffer
+      # held, where the two calls zero them.
+      assert a[r, :kept[r]].tobytes() == b[r, :kept[r]].tobytes(), f"{name} differs from the two calls on rank {r}"
+      assert kept[r] == 0 or np.abs(a[r, :kept[r]].astype(np.float32)).max() > 0, (name, r)
   assert src_blocks_nonzero(mesh) == 0, "a call must leave its src_blocks zero"
 
 
@@ -254,6 +260,54 @@ def test_layer_equals_two_calls_with_capacity_drops(dtype):
   check_layer_equals_two_calls(mesh_of(4), [("skewed", False), ("skewed", True)], dtype, 0.5)
 
 
+def test_layer_reads_no_padding_row_of_dispatch_gemm(monkeypatch):
+  """No consumer reads the rows of dispatch_gemm's results past the rank's kept rows (the padding of the dropless
+  recv buffer), which the call therefore leaves unwritten: with those rows NaN in every result of both calls of a
+  training step (x_recv, h and a of the forward; d_out and dh of the backward), the loss, y and every gradient are
+  bitwise those of the calls as they are. The consumers on CPU: expert_combine's handler (segment rows only), XLA's
+  SwiGLU backward (row by row: the NaN stays in da's padding rows) and ragged_dot's outer products (rows outside
+  every group selected away, not multiplied by zero). A control run that poisons one kept row too must differ, so
+  the poison does reach the consumers."""
+  mesh = mesh_of(4)
+  x, gates, w1, w2, ids = layer_case(4, "skewed", False, jnp.bfloat16, tokens_per_rank=80)
+  real = expert_block.dispatch_gemm
+  poisoned_results = []
+
+  def poisoning(extra_rows):
+    def call(src, slot_src_row, w, plan, cap, info, **kw):
+      got = real(src, slot_src_row, w, plan, cap, info, **kw)
+      pad = jnp.arange(cap)[:, None] >= plan.recv_rows - extra_rows
+      poisoned_results.append(sum(v is not None for v in got))
+      return tuple(None if v is None else jnp.where(pad, jnp.asarray(jnp.nan, v.dtype), v) for v in got)
+    return call
+
+  def run(extra_rows=None):
+    jmo_api._programs.clear()  # pylint: disable=protected-access
+    jax.clear_caches()
+    if extra_rows is not None:
+      monkeypatch.setattr(expert_block, "dispatch_gemm", poisoning(extra_rows))
+    try:
+      return layer_fn(mesh, None, FUSED)(x, gates, w1, w2, ids)
+    finally:
+      monkeypatch.setattr(expert_block, "dispatch_gemm", real)
+      jmo_api._programs.clear()  # pylint: disable=protected-access
+      jax.clear_caches()
+
+  as_is = run()
+  R, T, k = 4, x.shape[0] // 4, ids.shape[1]
+  cap = plan_lib.recv_capacity(T, R, k, E // R, plan_lib.expert_capacity(T, R, k, E, None))
+  kept = np.bincount(np.asarray(ids).reshape(-1) // (E // R), minlength=R)
+  assert kept.max() < cap, (kept, cap)  # every rank has padding rows
+  padded = run(extra_rows=0)
+  # Traced last: the forward rule (x_recv, h, a) and the backward rule (d_out, dh).
+  assert poisoned_results[-2:] == [3, 2], poisoned_results
+  names = ("loss", "y", "dropped", "dx", "dgates", "dw1", "dw2")
+  same = dict(zip(names, (a == b for a, b in zip(layer_checks.bits(padded), layer_checks.bits(as_is)))))
+  assert all(same.values()), f"a consumer read a padding row: {same}"
+  control = run(extra_rows=1)
+  assert layer_checks.bits(control) != layer_checks.bits(as_is), "the poison did not reach the consumers"
+
+
 def test_inference_forward_has_no_xla_swiglu():
   # The forward alone: one dispatch_gemm with the SwiGLU in its epilogue, keeping neither x_recv nor a ([0, D] and
   # [0, 2F] results), and no SwiGLU of XLA's after it (no silu, logistic or exponential anywhere in the program).
@@ -341,9 +395,13 @@ def test_dispatch_pushers_rule():
     base = dict(compute_capability=(9, 0), sm_budget=132, consumer_policy="test", calibration=None)
     return dispatch_pushers(config, DeviceFacts(**{**base, **device}), ranks)
 
+  # The one rule (call_options.h's DefaultPushers): 8 on an H200's 132 SMs, the same share of a smaller budget
+  # (a rank holding part of a GPU, as the loopback harness's), rounded, at least one, and a GEMM CTA left.
+  assert [_jmo.default_dispatch_pushers(b) for b in (132, 114, 66, 44, 33, 16, 8, 2)] == [8, 7, 4, 3, 2, 1, 1, 1]
+  assert all(1 <= _jmo.default_dispatch_pushers(b) <= b - 1 for b in range(2, 1000))
   if _jmo.with_cuda:
-    assert at() == AUTO_PUSHERS == 8                    # Hopper, two ranks: fused
-    assert at(sm_budget=66) == 8 and at(sm_budget=16) == 2 and at(sm_budget=4) == 1  # at most one in 8 SMs
+    assert at() == 8                                    # Hopper, two ranks: fused, with the rule's pushers
+    assert at(sm_budget=66) == 4 and at(sm_budget=33) == 2 and at(sm_budget=16) == 1
   else:
     assert at() == 0                                    # a build without CUDA has no wgmma engine to fuse on
   assert at(ranks=1) == 0                               # nothing to hide: two calls

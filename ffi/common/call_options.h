@@ -32,13 +32,26 @@ struct CallOptions {
   bool serialize = false;
   ConsumerTuning tuning;
   // dispatch_gemm's CTAs that push the rows for other ranks first, then join the GEMM (on CUDA at most the rank's SM
-  // budget - 1; no effect on CPU).
+  // budget - 1; no effect on CPU). Where the library chooses: DefaultPushers below.
   int32_t pushers = 1;
   // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
-  // paces every push to another rank (dispatch, dispatch_gemm) so that a rank's pushing CTAs together move at most
-  // this many GB/s, as over a link of that bandwidth. Never set by the library's Python API (0: no pacing).
+  // paces every push to another rank (the rows of dispatch and dispatch_gemm, the bands of expert_combine's consumer)
+  // so that a rank's pushing CTAs together move at most this many GB/s, as over a link of that bandwidth (on CUDA:
+  // transport/emulated_link.cuh). Never set by the library's Python API (0: no pacing); no effect on CPU.
   double emulated_link_gbps = 0;
 };
+
+// dispatch_gemm's pushing CTAs where the library chooses (CallConfig.dispatch_pushers = 0; the loopback harness's
+// `--dispatch-gemm auto`) on a rank of `sm_budget` SMs: 8 on an H200's 132 (docs/performance.md, dispatch_gemm), and
+// the same share of any other budget, rounded to the nearest count, at least one, so that a rank holding part of a
+// GPU (several ranks per GPU, as in the loopback harness) gives its pushers the share of its SMs a whole GPU would.
+// At most budget - 1 for every budget >= 2 (a GEMM CTA is left). The one rule: the Python call site
+// (call_site.dispatch_pushers) and the harness ask it, once per call site.
+constexpr int32_t kPushersPerH200 = 8, kH200Sms = 132;
+inline int32_t DefaultPushers(int32_t sm_budget) {
+  const int32_t p = (sm_budget * kPushersPerH200 + kH200Sms / 2) / kH200Sms;
+  return p > 1 ? p : 1;
+}
 
 // The rules every call's options follow on every platform, checked in one place (each platform's BeginCall, before
 // the call's epoch opens, as a shape error): empty, or the first rule `o` breaks, named. The bounds that depend on the

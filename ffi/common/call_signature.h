@@ -48,8 +48,9 @@ auto BindDispatch(Binding b) {
 //   swiglu = true (GEMM1 of the expert MLP; not with transpose_rhs): N = 2F, out = h [cap, F] in src's dtype =
 //     silu(pre[:, :F]) * pre[:, F:] of the float32 preactivation pre = recv[segment] @ w[expert]; a [cap, 2F]
 //     float32 = pre (kept for the backward pass) or [0, 2F] (not kept).
-// Rows past the kept ones are zero in every result. Attributes (DispatchGemmAttrs): those of every call (its pushing
-// CTAs are CallOptions::pushers), then transpose_rhs (bool) and swiglu (bool).
+// Rows past the kept ones are left unwritten in every result (no consumer reads them: docs/design.md, "Padding
+// rows"). Attributes (DispatchGemmAttrs): those of every call (its pushing CTAs are CallOptions::pushers), then
+// transpose_rhs (bool) and swiglu (bool).
 template <typename Binding>
 auto BindDispatchGemm(Binding b) {
   namespace ffi = xla::ffi;

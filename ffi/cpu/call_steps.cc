@@ -109,7 +109,7 @@ ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const char
 }
 
 ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
-                       void* out, bool rows_in_out) {
+                       void* out, bool rows_in_out, bool zero_padding) {
   RankView self = c.ws->view(c.group, c.rank);
   RankControl* ctl = self.control();
   const uint64_t base = ctl->recv_expected.value;
@@ -119,7 +119,7 @@ ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, i
   if (out != nullptr) {
     char* o = static_cast<char*>(out);
     if (!rows_in_out) std::memcpy(o, self.recv(), expected * row_bytes);
-    std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
+    if (zero_padding) std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
   }
   AtomicStore(&ctl->done_epoch.value, c.epoch);
   return ffi::Error::Success();

@@ -63,11 +63,12 @@ xla::ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const
                                                      std::vector<int64_t>* rows_to_rank);
 
 // The end of a dispatch (protocol.h steps 3-4): wait until `expected` more rows have arrived in recv, advance
-// recv_expected, copy them to out [cap, row_bytes] (zeros past them), then release-store done_epoch. out == nullptr:
-// the caller does not keep the rows (dispatch_gemm without x_recv); every step but the copy still runs, since the
-// counters and done_epoch are what the next call of this rank and its peers' pushes wait on. rows_in_out: the rows
-// were stored straight into out (a group of one rank), so only the zeros past them are written.
+// recv_expected, copy them to out [cap, row_bytes], then release-store done_epoch. out == nullptr: the caller does not
+// keep the rows (dispatch_gemm without x_recv); every step but the copy still runs, since the counters and done_epoch
+// are what the next call of this rank and its peers' pushes wait on. rows_in_out: the rows were stored straight into
+// out (a group of one rank), so only what follows them is written. zero_padding: out's rows past them are zeroed
+// (dispatch's result); else left unwritten (dispatch_gemm's, which no consumer reads there).
 xla::ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
-                            void* out, bool rows_in_out = false);
+                            void* out, bool rows_in_out, bool zero_padding);
 
 }  // namespace jmo::cpu

@@ -20,12 +20,12 @@
 //             source holding them has all the rows this rank keeps from it. The product goes to out [cap, N]
 //             (plain), or with swiglu is the preactivation pre [cap, 2F] (into a when kept, else into one tile of
 //             scratch) whose epilogue, right after the tile, stores the tile's rows of out = h [cap, F] in src's
-//             dtype. Rows past the kept ones are zero in out and a. The row loop and the SwiGLU are the bare grouped GEMMs' (gemm_rows.h), so
-//             the call equals dispatch + grouped_matmul (plain) or dispatch + grouped_matmul_swiglu (swiglu) bit for
-//             bit.
+//             dtype. The row loop and the SwiGLU are the bare grouped GEMMs' (gemm_rows.h), so the call equals
+//             dispatch + grouped_matmul (plain) or dispatch + grouped_matmul_swiglu (swiglu) bit for bit in the kept
+//             rows. No result's rows past them are written (no consumer reads them: docs/design.md, "Padding rows").
 //   4. zero   the call's src_blocks: every block with rows has been waited for, so every add of the call has landed,
 //             and no source adds again before this rank's done_epoch of this call. Then the end of a dispatch
-//             (recv -> x_recv when kept, done_epoch); without x_recv every step of it but the copy.
+//             (recv -> x_recv's kept rows when kept, done_epoch); without x_recv every step of it but the copy.
 // Every rank pushes all its rows before it waits for any, so no rank waits on a rank that is waiting on it: the waits
 // end with one thread per rank. CallOptions::pushers sizes the CUDA launch and has no effect here (checked, unused).
 #include <algorithm>
@@ -235,8 +235,6 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                /*out_bf16=*/false, acc);
     if (swiglu) SwiGluRows(tile, 0, t.rows, F, h + t.r0 * F * elem_bytes, bf16);
   }
-  if (product != nullptr) std::fill(product + kept_rows * N, product + cap * N, 0.f);
-  if (swiglu) std::memset(h + kept_rows * F * elem_bytes, 0, (cap - kept_rows) * F * elem_bytes);
 
   // 4. Zero this call's blocks of every source (the send positions it keeps here: [lo, hi)), then end as a dispatch.
   for (int s = 0; s < R; ++s) {
@@ -252,7 +250,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
       AtomicStore(&blocks[s * nb + J], 0);
   }
   return EndDispatch(c, "dispatch_gemm", expected, cap, row_bytes,
-                     shape->keep_recv ? x_recv->untyped_data() : nullptr);
+                     shape->keep_recv ? x_recv->untyped_data() : nullptr, /*rows_in_out=*/false,
+                     /*zero_padding=*/false);
 }
 
 }  // namespace

@@ -80,7 +80,8 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
   }
 
-  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), direct != nullptr);
+  return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), direct != nullptr,
+                     /*zero_padding=*/true);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

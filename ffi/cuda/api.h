@@ -53,7 +53,8 @@ struct DispatchSlots {
 // [E_l, D, 2F]; the epilogue has no transposed form).
 enum class Gemm1Form { kPlain, kTransposedRhs, kSwiGlu };
 
-// dispatch_gemm's results (all device pointers; rows past *recv_expected are zero in each).
+// dispatch_gemm's results (all device pointers; rows past *recv_expected are left unwritten in each: no consumer
+// reads them, docs/design.md "Padding rows").
 struct DispatchGemmOut {
   void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
   void* out;     // kSwiGlu: h [cap, N / 2] in src's dtype = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32
@@ -62,8 +63,8 @@ struct DispatchGemmOut {
 
 // dispatch_gemm: the dispatch (as Dispatch) and GEMM1 (w in src's dtype, in `form`) in one launch, each GEMM1 tile
 // starting once the 128-row blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says,
-// bitwise those of Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. c.opts.pushers CTAs push the rows for other
-// ranks, then copy x_recv and zero the padding rows beside the GEMM, then join it (1 .. SM budget - 1). The wgmma
+// in the kept rows bitwise those of Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. c.opts.pushers CTAs push
+// the rows for other ranks, then copy x_recv beside the GEMM, then join it (1 .. SM budget - 1). The wgmma
 // engine only: an InvalidArgument error naming its rule where it does not run the device or take the operands.
 Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,

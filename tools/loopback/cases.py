@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import ml_dtypes
@@ -18,6 +19,7 @@ import numpy as np
 from jax_moe_overlap import env
 
 ROUTINGS = ("balanced", "moderate", "extreme", "round_robin", "next_rank")
+AUTO = -1  # Case.dispatch_gemm_pushers: the library's count for the rank's SM budget (DefaultPushers, call_options.h)
 
 
 @dataclasses.dataclass
@@ -73,16 +75,27 @@ class Case:
   reps: int = 20
   per_call_stats: bool = False   # synchronize around every timed call and read its device spans
   decision_iters: int = 0        # > 0: also time the device-side choice on rank 0's plan
+  # Timing: the overlap table's columns (timing.overlap_row): the GEMM alone (the bare grouped GEMM over the rank's
+  # kept rows, on its SMs), and for expert_combine (consumers as given, 0: the manager) its serialized form beside
+  # it; dispatch_gemm always times its two calls and the dispatch alone.
+  table: bool = False
   check_tokens: int = 0          # > 0: check the expert outputs of about this many tokens per rank only
-  # > 0: every dispatch is a dispatch_gemm with this many pushing CTAs; GEMM1 pre = x_recv @ w1[expert] (w1 [E_l, D,
-  # K] bf16). bf16, D and K multiples of 64, a Hopper GPU. Its results by `dispatch_gemm_mode` (DG_MODES): "plain"
+  # != 0: every dispatch is a dispatch_gemm with this many pushing CTAs (> 0; AUTO: the library's count for the rank's
+  # SM budget, DefaultPushers); GEMM1 pre = x_recv @ w1[expert] (w1 [E_l, D, K] bf16). bf16, D and K multiples of 64,
+  # a Hopper GPU. Its results by `dispatch_gemm_mode` (DG_MODES): "plain"
   # pre [cap, K] float32 and x_recv (the backward pass's form), "train" the SwiGLU h [cap, K / 2] bf16, pre and x_recv
   # (the training forward), "infer" h alone (the inference forward).
   dispatch_gemm_pushers: int = 0
   dispatch_gemm_mode: str = "plain"
-  # > 0: every push to another rank (dispatch, dispatch_gemm) is paced as over a link of this many GB/s per rank
-  # (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's memory.
+  # > 0: every push to another rank (dispatch and dispatch_gemm rows, expert_combine bands) is paced as over a link
+  # of this many GB/s per rank (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's
+  # memory.
   link_gbps: float = 0.0
+
+  @property
+  def dg(self) -> bool:
+    """Every dispatch is a dispatch_gemm."""
+    return self.dispatch_gemm_pushers != 0
 
   @property
   def expert_ranks(self) -> int:
@@ -129,6 +142,8 @@ class Case:
     """The timed (consumers, serialize) variants."""
     if not self.time:
       return []
+    if self.table and not self.dg:  # the call and its serialized form (the no-overlap baseline)
+      return [(self.consumers, False), (self.consumers, True)]
     if not self.sweep:
       return [(self.consumers, self.serialize)]
     v = [(c, self.serialize) for c in self.sweep] + [(0, self.serialize)]
@@ -143,7 +158,7 @@ class Case:
       return f"tensor {TP} must be >= 1 and divide ranks {R}"
     if R < 1 or R > 32 or E % (R // TP):
       return f"ranks {R} must be in 1..32 and their {R // TP} expert ranks divide experts {E}"
-    if self.k_dim % TP or (TP > 1 and self.dispatch_gemm_pushers > 0 and self.k_dim % (2 * TP)):
+    if self.k_dim % TP or (TP > 1 and self.dg and self.k_dim % (2 * TP)):
       return (f"k_dim {self.k_dim} must split into {TP} shards (with dispatch_gemm, k_dim = 2F: F divisible by "
               f"tensor)")
     if not 0 <= self.routing < len(ROUTINGS):
@@ -161,7 +176,9 @@ class Case:
       return str(e)
     # The engine rules come with the CUDA build (the harness's); a build without it has none to ask, and cannot run
     # the harness either.
-    if (self.dispatch_gemm_pushers > 0 and _jmo.with_cuda and
+    if self.dispatch_gemm_pushers < 0 and self.dispatch_gemm_pushers != AUTO:
+      return f"dispatch_gemm_pushers {self.dispatch_gemm_pushers}: a count > 0, AUTO ({AUTO}) or 0"
+    if (self.dg and _jmo.with_cuda and
         not engines.dispatch_gemm_operands("gpu", not self.f32, self.d_model, self.rank_k, self.swiglu)):
       return "dispatch_gemm's engine does not take the case's operands (engines.dispatch_gemm_operands)"
     if self.dispatch_gemm_mode not in DG_MODES:
@@ -173,12 +190,12 @@ class Case:
   @property
   def swiglu(self) -> bool:
     """dispatch_gemm's GEMM1 ends in the SwiGLU (h [cap, K / 2])."""
-    return self.dispatch_gemm_pushers > 0 and self.dispatch_gemm_mode != "plain"
+    return self.dg and self.dispatch_gemm_mode != "plain"
 
   @property
   def keeps_recv(self) -> bool:
     """The dispatch (or dispatch_gemm) returns x_recv."""
-    return not (self.dispatch_gemm_pushers > 0 and self.dispatch_gemm_mode == "infer")
+    return not (self.dg and self.dispatch_gemm_mode == "infer")
 
   def name(self) -> str:
     """The case's line in the output (tests/gpu greps it)."""
@@ -192,8 +209,9 @@ class Case:
          f"consumers={consumers}")
     if self.serialize:
       s += " serialized"
-    if self.dispatch_gemm_pushers > 0:
-      s += f" dispatch_gemm pushers={self.dispatch_gemm_pushers} mode={self.dispatch_gemm_mode}"
+    if self.dg:
+      pushers = "auto" if self.dispatch_gemm_pushers == AUTO else self.dispatch_gemm_pushers
+      s += f" dispatch_gemm pushers={pushers} mode={self.dispatch_gemm_mode}"
     if self.link_gbps > 0:
       s += f" link={self.link_gbps:g}GB/s"
     if self.delay_rank >= 0:
@@ -207,7 +225,7 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "tensor", "small", "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "tensor", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -259,24 +277,65 @@ def _dispatch_gemm(base: Case) -> list[Case]:
   return v
 
 
-# NVLink between two H200s moves about 390 GB/s per direction (docs/performance.md, Link bandwidth). A loopback rank
-# has 1 / R of the GPU's SMs, so a link of 390 / R GB/s keeps the ratio of its pushes to its GEMM that of R GPUs.
-NVLINK_GBPS = 390.0
+# The emulated NVLink per direction, for an H200 rank: 370 GB/s, what NCCL's maintainers put usable NVLink4 at. Our
+# copy-engine copies between two H200s moved 390 (docs/performance.md, Link bandwidth), but the pushers and the
+# consumer move rows with SM stores (16-byte stores, TMA bulk stores), not the copy engines, so the lower figure is the
+# one they can hope for. A loopback rank has 1 / R of the GPU's SMs, so a link of 370 / R GB/s keeps the ratio of its
+# pushes to its GEMM that of R GPUs.
+NVLINK_GBPS = 370.0
+# The timed suites' repetitions: medians of few back-to-back calls, so that both suites run in minutes.
+_TIMED = dict(routing=0, datasets=1, iters=2, check_tokens=64, time=True, table=True, warmup=2, reps=10)
 
 
 def _dispatch_gemm_time(base: Case) -> list[Case]:
   # A seed-like shape: dispatch + GEMM1 as two calls (Dispatch, then the bare GEMM on the rank's SMs) against
-  # dispatch_gemm, after a checked call on every 64th token. R = 2 in the three result modes at HBM speed, then the
-  # training forward over the emulated NVLink at R = 2 and 4, with 8 and 16 pushing CTAs; R = 1 (no remote rows:
-  # what the fused kernel costs when there is nothing to hide). K is GEMM1's N = 2F (F = 2048).
-  shape = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, routing=0, datasets=1, iters=2,
-               check_tokens=64, time=True, reps=20)
-  v = [dataclasses.replace(base, ranks=2, dispatch_gemm_pushers=8, dispatch_gemm_mode=m, **shape) for m in DG_MODES]
-  for R, p in ((2, 8), (2, 16), (4, 8)):
-    v.append(dataclasses.replace(base, ranks=R, dispatch_gemm_pushers=p, dispatch_gemm_mode="train",
-                                 link_gbps=NVLINK_GBPS / R, **shape))
-  v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_pushers=1, dispatch_gemm_mode="train",
-                               **dict(shape, experts=4, tokens=8192)))
+  # dispatch_gemm, after a checked call on every 64th token, with the library's pusher count for the rank's SMs.
+  # R = 2 in the three result modes at HBM speed, then over the emulated NVLink: the training forward at R = 2 (and
+  # with 8 pushers pinned, the count of a whole H200) and R = 4, the inference forward at R = 8 (2048 tokens per rank:
+  # its dropless buffers hold every slot of the group); R = 1 (no remote rows: what the fused kernel costs when there
+  # is nothing to hide). K is GEMM1's N = 2F (F = 2048).
+  shape = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, dispatch_gemm_pushers=AUTO, **_TIMED)
+  v = [dataclasses.replace(base, ranks=2, dispatch_gemm_mode=m, **shape) for m in DG_MODES]
+  for R, p, mode, tokens in ((2, AUTO, "train", 4096), (2, 8, "train", 4096), (4, AUTO, "train", 4096),
+                             (8, AUTO, "infer", 2048)):
+    v.append(dataclasses.replace(base, ranks=R, link_gbps=NVLINK_GBPS / R,
+                                 **dict(shape, dispatch_gemm_pushers=p, dispatch_gemm_mode=mode, tokens=tokens)))
+  v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_mode="train", **dict(shape, experts=4, tokens=8192)))
+  return v
+
+
+# expert_combine's shapes (GEMM2: h [rows, F] @ W2 [F, D], so K = F and N = D; the dispatch's own rows are narrow),
+# each with the GEMM-to-return ratio of its model: a row costs 2 F D flops and returns D elements, so the ratio is F,
+# which the scaled shapes keep while D (and T, E) shrink to fit R ranks' buffers on one GPU.
+COMBINE_SHAPES = {
+    "seed": dict(experts=8, top_k=2, tokens=4096, k_dim=2048, n_dim=2048),
+    # Mixtral 8x7B: E = 8, top-2, F = 14336 (D = 4096 scaled to 1024).
+    "mixtral": dict(experts=8, top_k=2, tokens=2048, k_dim=14336, n_dim=1024),
+    # DeepSeek-V3: top-8 of many fine-grained experts, F = 2048 (E = 256 scaled to 64, D = 7168 to 2048).
+    "deepseek": dict(experts=64, top_k=8, tokens=1024, k_dim=2048, n_dim=2048),
+}
+
+
+def calibrated_model(ranks: int, link_gbps: float) -> tuple[float, ...]:
+  """The shipped H200 calibration of the resource manager as the harness's --model for one loopback rank: its link
+  the emulated one, or the rank's share of the GPU's copy ceiling where that is lower (bench_resource.py's rule)."""
+  from jax_moe_overlap import resource  # pylint: disable=g-import-not-at-top
+  p = resource.load_params(os.path.join(resource.CALIBRATION_DIR, "nvidia_h200.json"))
+  link = p.link_gbps / ranks if link_gbps <= 0 else min(link_gbps, p.link_gbps / ranks)
+  return tuple(dataclasses.replace(p, link_gbps=link).as_list())
+
+
+def _combine_time(base: Case) -> list[Case]:
+  # expert_combine (GEMM2 and the return of its bands) against its serialized form (the pushes after the last tile)
+  # and GEMM2 alone, over the emulated NVLink at R = 2, 4, 8, for each shape, with the consumer count the resource
+  # manager picks from the shipped H200 calibration (the library's choice on an H200), after a checked call on every
+  # 64th token.
+  v = []
+  for name, shape in COMBINE_SHAPES.items():
+    for R in (2, 4, 8):
+      link = NVLINK_GBPS / R
+      v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
+                                   link_gbps=link, **shape, **_TIMED))
   return v
 
 
@@ -348,6 +407,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _dispatch_gemm(base)
   if name == "dispatch-gemm-time":
     return _dispatch_gemm_time(base)
+  if name == "combine-time":
+    return _combine_time(base)
   if name == "tensor":
     return _tensor(base)
   if name == "full":
@@ -413,18 +474,34 @@ def _make_plan_jit(ids, counts, rank, expert_cap):
 
 @dataclasses.dataclass
 class Values:
-  """A tensor in the call's dtype: the bytes the kernels read and their float32 values (the references' input)."""
+  """A tensor in the call's dtype: the bytes the kernels read, and their float32 values for the references (of the
+  rows they check: a few rows convert faster than the whole, at the timing suites' sizes)."""
   data: np.ndarray  # float32, or uint16 holding bfloat16 bits
-  f: np.ndarray     # float32
+
+  def rows(self, index) -> np.ndarray:
+    """float32 values of data[index]."""
+    d = self.data[index]
+    return d if d.dtype == np.float32 else (d.astype(np.uint32) << 16).view(np.float32)
+
+  @property
+  def f(self) -> np.ndarray:
+    return self.rows(slice(None))
 
 
 def random_values(rng: np.random.Generator, shape, scale: float, f32: bool) -> Values:
-  """Uniform values in [-scale, scale), rounded to the dtype."""
-  v = ((rng.random(shape, dtype=np.float32) * 2 - 1) * np.float32(scale)).astype(np.float32)
+  """Random values of either sign below `scale` in magnitude: float32 uniform in [-scale, scale); bfloat16 drawn as
+  bits, a random sign and mantissa in one of the four binades below scale's (the timing suites' operands run to
+  hundreds of millions of values, which a float32 draw and rounding would take minutes to make)."""
   if f32:
-    return Values(v, v)
-  b = v.astype(ml_dtypes.bfloat16)
-  return Values(b.view(np.uint16), b.astype(np.float32))
+    v = rng.random(shape, dtype=np.float32)
+    v *= 2
+    v -= 1
+    v *= np.float32(scale)
+    return Values(v)
+  u = np.frombuffer(rng.bytes(2 * math.prod(shape)), np.uint16).reshape(shape)
+  below = np.frexp(scale)[1] - 1 + 127 - 1  # the biased exponent of the binade below scale's
+  exponent = np.uint16(below) - ((u >> np.uint16(7)) & np.uint16(3))
+  return Values((u & np.uint16(0x807F)) | (exponent << np.uint16(7)))
 
 
 @dataclasses.dataclass
@@ -433,7 +510,7 @@ class RankData:
   plan: dict[str, np.ndarray]
   ids: np.ndarray      # [T, slot_top_k] slot expert ids (the plan's)
   x: Values            # [T, D]
-  lhs: Values          # [cap, K]: rows past recv_rows zero (never read)
+  lhs: Values          # [recv_rows, K]: the rows expert_combine reads (the runner adds cap - recv_rows rows of NaN)
   w: Values            # [E_l, K, N] (the references' layout)
   gates: np.ndarray    # [P] float32
   w1: Values | None    # dispatch_gemm: [E_l, D, K] bf16
@@ -446,11 +523,11 @@ class RankData:
       w = np.ascontiguousarray(np.swapaxes(w, 1, 2))
     d = {"x": self.x.data, "lhs": self.lhs.data, "w": w, "gates": self.gates,
          "recv_rows": int(self.plan["recv_rows"]), "ret_rows": int(self.plan["ret_rows"])}
-    for key in ("slot_src_row", "slot_dest_rank", "slot_dest_row", "slot_ret_row", "seg_rows", "seg_ret_off"):
+    for key in ("slot_src_row", "slot_dest_rank", "slot_dest_row", "slot_ret_row", "seg_rows", "seg_ret_off",
+                "expert_rows"):  # (expert_rows: the grouped GEMMs' group sizes)
       d[key] = np.ascontiguousarray(self.plan[key], np.int32)
     if self.w1 is not None:
       d["w1"] = self.w1.data
-      d["expert_rows"] = np.ascontiguousarray(self.plan["expert_rows"], np.int32)  # GEMM1's group sizes
       d["send_order"] = np.ascontiguousarray(self.plan["send_order"], np.int32)
       d["send_start"] = np.ascontiguousarray(self.plan["send_start"], np.int32)
     return d
@@ -472,12 +549,9 @@ def make_data(case: Case) -> list[list[RankData]]:
     for r in range(R):
       recv_rows = int(plans[r]["recv_rows"])
       x = random_values(rng, (T, D), 1.0, case.f32)
-      lhs = random_values(rng, (recv_rows, K), 1.0, case.f32)
-      pad = np.zeros((case.cap - recv_rows, K), lhs.data.dtype)
-      lhs = Values(np.concatenate([lhs.data, pad]), np.concatenate([lhs.f, pad.astype(np.float32)]))
+      lhs = random_values(rng, (recv_rows, K), 1.0, case.f32)  # (the runner pads it to cap rows of NaN)
       w = random_values(rng, (E_l, K, N), 1.0 / math.sqrt(K), case.f32)
-      w1 = (random_values(rng, (E_l, D, K), 1.0 / math.sqrt(D), case.f32)
-            if case.dispatch_gemm_pushers > 0 else None)
+      w1 = random_values(rng, (E_l, D, K), 1.0 / math.sqrt(D), case.f32) if case.dg else None
       gates = rng.uniform(0.1, 1.0, P).astype(np.float32)
       ranks.append(RankData(plans[r], ids[r], x, lhs, w, gates, w1))
     sets.append(ranks)

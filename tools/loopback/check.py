@@ -1,14 +1,15 @@
 """The loopback checks: what a run of the kernels must have produced, judged against float32 host references.
 
 * The first call of each rank on each data set against the references (with expert tensor parallelism, y and GEMM1
-  against the whole experts': tools/loopback/tensor.py): dispatch's rows exactly (rows past the
-  received ones zero; outputs were poisoned before the call, so an unwritten row shows), expert_combine's y and
-  slot outputs by relative error, dispatch_gemm's GEMM1 (its float32 product or preactivation, and its SwiGLU h) by
-  max-norm relative error with the rows past the kept ones exactly zero, and no non-finite value. Where
-  dispatch_gemm keeps no x_recv (its inference mode), the dispatch is checked through h alone.
+  against the whole experts': tools/loopback/tensor.py): dispatch's rows exactly (rows past the received ones zero; outputs were poisoned before the call, so an unwritten row shows), expert_combine's y and
+  slot outputs by relative error (its input's rows past the received ones are NaN: a read of one shows),
+  dispatch_gemm's GEMM1 (its float32 product or preactivation, and its SwiGLU h) by max-norm relative error and no
+  non-finite value. dispatch_gemm leaves every result's rows past the kept ones unwritten (no consumer reads them):
+  they must still hold the poison. Where dispatch_gemm keeps no x_recv (its inference mode), the dispatch is
+  checked through h alone.
 * Every later call bit for bit against that first call (the kernels are deterministic), also after the timed calls.
 * dispatch_gemm equals the same dispatch and GEMM1 made as two calls (Dispatch, then GroupedMatmul or
-  GroupedMatmulSwiGlu), bit for bit.
+  GroupedMatmulSwiGlu), bit for bit in the kept rows.
 * A forced timeout is reported by the next call of every rank (DEADLINE_EXCEEDED, "timed out"), and the calls
   after it are correct again; every call ran (2 per rank and iteration).
 * A timed run recorded every rank's consumer count C, with C >= 1 exactly where the rank had rows to push.
@@ -33,7 +34,7 @@ class Expected:
   recv: np.ndarray          # [cap, D] in the call's dtype (bytes compared exactly)
   y: np.ndarray             # [T, N] float32
   slot: np.ndarray          # [P, N] float32
-  a: np.ndarray | None      # [cap, K] float32: dispatch_gemm's GEMM1 preactivation (zero past the kept rows)
+  a: np.ndarray | None      # [cap, K] float32: dispatch_gemm's GEMM1 preactivation (at the rows a_checked marks)
   a_checked: np.ndarray | None  # [cap] bool: rows whose GEMM1 reference was computed
 
 
@@ -49,7 +50,7 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
   experts (tensor.references)."""
   R, T, k, N, K, P, cap = case.ranks, case.tokens, case.slot_top_k, case.n_dim, case.rank_k, case.slots, case.cap
   stride = case.check_stride
-  dg = case.dispatch_gemm_pushers > 0
+  dg = case.dg
   whole = case.tensor > 1
   out = []
   for d in range(R):
@@ -57,6 +58,7 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
     out.append(Expected(np.zeros((cap, case.d_model), dtype), np.zeros((T, N), np.float32),
                         np.zeros((P, N), np.float32), np.zeros((cap, K), np.float32) if dg else None,
                         np.zeros(cap, bool) if dg else None))
+  sel = {}  # (s, d, e): the checked slots of source s kept by expert e of rank d
   for s in range(R):
     pl = data[s].plan
     dest_rank, dest_row, expert = pl["slot_dest_rank"], pl["slot_dest_row"], pl["slot_expert"]
@@ -64,27 +66,32 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
     checked_slot = (token % stride) == 0
     for d in range(R):
       to_d = (dest_rank == d) & (dest_row >= 0)
-      rows = dest_row[to_d]
-      out[d].recv[rows] = data[s].x.data[token[to_d]]
+      out[d].recv[dest_row[to_d]] = data[s].x.data[token[to_d]]
       for e in range(case.experts_per_rank):
-        sel = np.nonzero(to_d & checked_slot & (expert == e))[0]
-        if not sel.size:
-          continue
-        # expert_combine: the slot's row of lhs on its expert's rank, times that expert's w, back on the source.
-        out[s].slot[sel] = data[d].lhs.f[dest_row[sel]] @ data[d].w.f[e]
-        if dg and not whole:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
-          out[d].a[dest_row[sel]] = data[s].x.f[token[sel]] @ data[d].w1.f[e]
-          out[d].a_checked[dest_row[sel]] = True
+        sel[s, d, e] = np.nonzero(to_d & checked_slot & (expert == e))[0]
+  # Per expert, one product over the checked rows of every source (each weight converted and read once).
+  for d in range(R):
+    for e in range(case.experts_per_rank):
+      parts = [(s, sel[s, d, e]) for s in range(R) if sel[s, d, e].size]
+      if not parts:
+        continue
+      recv_rows = np.concatenate([data[s].plan["slot_dest_row"][i] for s, i in parts])
+      # expert_combine: the slot's row of lhs on its expert's rank, times that expert's w, back on the source.
+      slot = data[d].lhs.rows(recv_rows) @ data[d].w.rows(e)
+      if dg and not whole:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
+        tokens = np.concatenate([data[s].x.rows(data[s].plan["slot_src_row"][i]) for s, i in parts])
+        out[d].a[recv_rows] = tokens @ data[d].w1.rows(e)
+        out[d].a_checked[recv_rows] = True
+      at = 0
+      for s, i in parts:
+        out[s].slot[i] = slot[at:at + i.size]
+        at += i.size
   if whole:
     tensor.references(case, data, out)
+    return out
   for s in range(R):
-    if not whole:
-      weighted = out[s].slot.reshape(T, k, N) * data[s].gates.reshape(T, k, 1)
-      out[s].y = weighted.sum(axis=1, dtype=np.float32)
-    if dg:  # rows past the kept ones must be exactly zero: checked too
-      kept = np.zeros(cap, bool)
-      kept[: int(data[s].plan["recv_rows"])] = True
-      out[s].a_checked |= ~kept
+    weighted = out[s].slot.reshape(T, k, N) * data[s].gates.reshape(T, k, 1)
+    out[s].y = weighted.sum(axis=1, dtype=np.float32)
   return out
 
 
@@ -92,6 +99,11 @@ def _floats(raw: bytes, f32: bool, shape) -> np.ndarray:
   if f32:
     return np.frombuffer(raw, np.float32).reshape(shape)
   return np.frombuffer(raw, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32).reshape(shape)
+
+
+def _kept_bytes(raw: bytes, cap: int, kept: int) -> bytes:
+  """The first `kept` of the `cap` rows of a result's bytes."""
+  return raw[: len(raw) // cap * kept] if cap else raw
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray, rows: np.ndarray) -> tuple[float, int]:
@@ -130,7 +142,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   from tools.loopback import _jmo_loopback  # pylint: disable=g-import-not-at-top
   v = Verdict(tol=1e-5 if case.f32 else 1e-2)
   R, T, k, N, K, P, cap = case.ranks, case.tokens, case.slot_top_k, case.n_dim, case.rank_k, case.slots, case.cap
-  dg = case.dispatch_gemm_pushers > 0
+  dg = case.dg
   for msg in result["errors"]:
     v.fail(msg)
   for ranks in sets[:1]:
@@ -155,10 +167,13 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
         continue
       where = f"rank {r} iter {first_iter[(ds, r)]}"
       got = result["first"][ds][r]
+      kept = int(ranks[r].plan["recv_rows"])
       recv = np.frombuffer(got["recv"], np.uint8).reshape(cap, -1)  # bytes: NaN poison and -0.0 count as different
-      bad = int(np.count_nonzero(np.any(recv != ex.recv.view(np.uint8).reshape(cap, -1), axis=1)))
+      # dispatch: every row (zeros past the kept ones); dispatch_gemm: the kept rows (the rest: below)
+      rows = kept if dg else cap
+      bad = int(np.count_nonzero(np.any(recv[:rows] != ex.recv.view(np.uint8).reshape(cap, -1)[:rows], axis=1)))
       if bad and case.keeps_recv:
-        v.fail(f"{where}: dispatch output differs from the reference in {bad} of {cap} rows")
+        v.fail(f"{where}: dispatch output differs from the reference in {bad} of {rows} rows")
       ey, ny = rel_err(_floats(got["y"], case.f32, (T, N)), ex.y, token_rows)
       es, ns = rel_err(_floats(got["slot"], case.f32, (P, N)), ex.slot, slot_rows)
       v.max_rel_y, v.max_rel_slot = max(v.max_rel_y, ey), max(v.max_rel_slot, es)
@@ -174,22 +189,25 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
         else:
           checks.append(("GEMM1", np.frombuffer(got["a"], np.float32).reshape(cap, K), ex.a, 1e-4))
         for name, a, ref, tol in checks:
-          nonfinite = int(np.count_nonzero(~np.isfinite(a)))
+          nonfinite = int(np.count_nonzero(~np.isfinite(a[:kept])))
           diff = np.abs(a[ex.a_checked].astype(np.float64) - ref[ex.a_checked])
           num = float(diff.max()) if diff.size else 0.0
           den = float(np.abs(ref[ex.a_checked]).max()) if diff.size else 0.0
           ea = num / den if den > 0 else num
           if not ea < tol or nonfinite:
             v.fail(f"{where}: dispatch_gemm {name} rel err {ea:g}, non-finite {nonfinite} (tolerance {tol:g})")
-          pad = a[int(ranks[r].plan["recv_rows"]):]
-          if np.any(pad != 0):  # (the poison is NaN)
-            v.fail(f"{where}: dispatch_gemm {name}: {int(np.count_nonzero(np.any(pad != 0, axis=1)))} rows past the "
-                   "kept ones are not zero")
-        differ = {key: int(got[key + "2"] != got[key]) for key in ("recv", "a", "pre")}
-        if not case.keeps_recv:
-          differ.pop("recv")
+        results = ("recv", "a", "pre") if case.keeps_recv else ("a", "pre")
+        for key in results:  # rows past the kept ones: left as poisoned (all bits set), never written
+          raw = np.frombuffer(got[key], np.uint8)
+          if raw.size:
+            pad = raw.reshape(cap, -1)[kept:]
+            if np.any(pad != 0xFF):
+              v.fail(f"{where}: dispatch_gemm {key}: {int(np.count_nonzero(np.any(pad != 0xFF, axis=1)))} rows past "
+                     "the kept ones were written")
+        differ = {key: int(_kept_bytes(got[key + "2"], cap, kept) != _kept_bytes(got[key], cap, kept))
+                  for key in results}
         if any(differ.values()):
-          v.fail(f"{where}: dispatch_gemm differs from dispatch + GEMM1 as two calls ({differ})")
+          v.fail(f"{where}: dispatch_gemm differs from dispatch + GEMM1 as two calls in the kept rows ({differ})")
 
   # Every later call on a data set: bit for bit the first call's outputs.
   first_digest = {}

@@ -91,6 +91,7 @@ Spec ParseSpec(const nb::dict& d) {
   s.warmup = Get<int>(d, "warmup", s.warmup);
   s.reps = Get<int>(d, "reps", s.reps);
   s.per_call_stats = Get<bool>(d, "per_call_stats", s.per_call_stats);
+  s.gemm_alone = Get<bool>(d, "gemm_alone", s.gemm_alone);
   s.decision_iters = Get<int>(d, "decision_iters", s.decision_iters);
   if (d.contains("model") && !d["model"].is_none()) {
     std::vector<double> m = nb::cast<std::vector<double>>(d["model"]);
@@ -165,7 +166,8 @@ nb::dict ToDict(const Result& r) {
   for (const cuda::RankPrivate& q : r.dg_device) dg_device.append(DeviceRecord(q));
   return MakeDict({{"errors", Texts(r.errors)}, {"calls", nb::cast(r.calls)}, {"digests", nb::cast(digests)},
                    {"first", nb::cast(first)}, {"timeout", nb::cast(timeout)}, {"timed", nb::cast(timed)},
-                   {"dg_us", nb::cast(dg_us)}, {"dg_device", nb::cast(dg_device)}, {"table_ns", nb::cast(r.table_ns)},
+                   {"dg_us", nb::cast(dg_us)}, {"dg_device", nb::cast(dg_device)}, {"gemm_us", nb::cast(r.gemm_us)},
+                   {"pushers", nb::cast(r.pushers)}, {"table_ns", nb::cast(r.table_ns)},
                    {"decision_ns", nb::cast(r.decision_ns)}, {"decision_choice", nb::cast(r.decision_choice)},
                    {"budget", nb::cast(r.budget)}, {"producer", nb::cast(r.producer)},
                    {"seconds", nb::cast(r.seconds)}});

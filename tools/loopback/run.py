@@ -9,13 +9,16 @@
                                                             three result modes, a forced timeout, an emulated link
   python -m tools.loopback.run --suite dispatch-gemm-time   dispatch + GEMM1 as two calls vs dispatch_gemm, timed
                                                             (also over an emulated NVLink)
+  python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
+                                                            over an emulated NVLink, R = 2, 4, 8, three shapes
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts
   python -m tools.loopback.run --suite small        one-rank calls at small sizes (for compute-sanitizer)
   python -m tools.loopback.run --suite small-mma    the same without the wgmma-producer cases (for racecheck)
   python -m tools.loopback.run --ranks 4 --routing 1 --iters 100 ...   one case (the options: cases.Case)
 
-Prints one PASS/FAIL line per case, then "loopback: N of M cases passed"; exits 1 if a case fails, 2 if the harness
+Prints one PASS/FAIL line per case, then (timed cases with --table, as the *-time suites' are) one markdown table of
+their overlap rows (timing.overlap_row), then "loopback: N of M cases passed"; exits 1 if a case fails, 2 if the harness
 cannot run (no GPU, runner not built, bad options). Run from the repository root after building tools/
 (tools/CMakeLists.txt); the plans come from jax_moe_overlap.plan under JAX on the CPU, so JAX never takes GPU memory.
 
@@ -30,8 +33,11 @@ Timing (benchmarks/loopback_runner.py drives these):
                            threads per CTA (CallConfig.consumer_tuning; defaults as the library's)
   --per-call-stats         synchronize around every timed call and read its device spans (and a TIMELINE line)
   --dispatch-gemm P --dispatch-gemm-mode plain|train|infer
-                           every dispatch a dispatch_gemm with P pushing CTAs, and its results (cases.Case)
-  --link-gbps G            pace every push to another rank as over a link of G GB/s per rank (0: HBM speed)
+                           every dispatch a dispatch_gemm with P pushing CTAs (auto: the library's count for the
+                           rank's SMs), and its results (cases.Case)
+  --link-gbps G            pace every push to another rank (dispatch rows, expert_combine bands) as over a link of
+                           G GB/s per rank (0: HBM speed)
+  --table                  with --time: also the GEMM alone (and expert_combine serialized), and the overlap row
   --tensor TP              expert tensor parallelism: the --ranks are ranks / TP expert ranks x TP tensor ranks
                            (tools/loopback/tensor.py; K is the whole expert's)
   --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
@@ -69,6 +75,10 @@ def _floats(s: str) -> tuple[float, ...]:
   return tuple(float(v) for v in s.split(",") if v)
 
 
+def _pushers(s: str) -> int:
+  return cases_lib.AUTO if s == "auto" else int(s)
+
+
 def parse_args(argv):
   ap = argparse.ArgumentParser(prog="python -m tools.loopback.run", description=__doc__.split("\n")[0])
   ap.add_argument("--suite", choices=cases_lib.SUITES)
@@ -81,7 +91,7 @@ def parse_args(argv):
       "--timeout-ms": ("timeout_ms", int), "--datasets": ("datasets", int), "--seed": ("seed", int),
       "--consumers": ("consumers", int), "--sm-budget": ("sm_budget", int), "--device": ("device", int),
       "--warmup": ("warmup", int), "--reps": ("reps", int), "--decision-cost": ("decision_iters", int),
-      "--check-tokens": ("check_tokens", int), "--dispatch-gemm": ("dispatch_gemm_pushers", int),
+      "--check-tokens": ("check_tokens", int), "--dispatch-gemm": ("dispatch_gemm_pushers", _pushers),
       "--sweep-consumers": ("sweep", _ints), "--model": ("model", _floats),
       "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
       "--push-issuers": ("push_issuers", int), "--dispatch-gemm-mode": ("dispatch_gemm_mode", str),
@@ -90,7 +100,7 @@ def parse_args(argv):
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
-                     ("--time", "time"), ("--per-call-stats", "per_call_stats")):
+                     ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
   ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--copy-ceiling", type=_floats, default=None)
@@ -121,8 +131,8 @@ def load_runner():
   return _jmo_loopback
 
 
-def run_case(runner, case: cases_lib.Case) -> bool:
-  """Runs and checks one case; prints its lines. True if it passed."""
+def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> bool:
+  """Runs and checks one case; prints its lines (and appends its overlap row to `table`). True if it passed."""
   why = case.invalid()
   if why:
     print(f"FAIL {case.name()}: bad config: {why}", flush=True)
@@ -130,12 +140,12 @@ def run_case(runner, case: cases_lib.Case) -> bool:
   sets = cases_lib.make_data(case)
   spec = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
           if f.name not in ("experts", "sweep", "model", "routing", "zipf", "capacity_factor", "datasets", "seed",
-                            "check_tokens", "dispatch_gemm_mode", "link_gbps", "tensor")}
+                            "check_tokens", "dispatch_gemm_mode", "link_gbps", "table", "tensor")}
   # The kernels' shapes: with `tensor` > 1 each choice is `tensor` shard slots and each rank's K is its shard's.
   spec.update(top_k=case.slot_top_k, k_dim=case.rank_k)
   spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
               variants=case.variants(), dg_mode=cases_lib.DG_MODES.index(case.dispatch_gemm_mode),
-              emulated_link_gbps=case.link_gbps)
+              emulated_link_gbps=case.link_gbps, gemm_alone=case.time and case.table)
   result = runner.run_ranks(spec, [[d.inputs(case) for d in ranks] for ranks in sets])
   v = check_lib.check(case, sets, result)
   line = (f"{'PASS' if v.passed else 'FAIL'} {case.name()} | calls {result['calls']} | max rel err y "
@@ -144,7 +154,9 @@ def run_case(runner, case: cases_lib.Case) -> bool:
           f"{result['seconds']:g} s")
   if case.check_stride > 1:
     line += f" | expert outputs checked on every {case.check_stride}th token"
-  if case.dispatch_gemm_pushers > 0 and case.time:
+  if case.dg:
+    line += f" | pushers {result.get('pushers', case.dispatch_gemm_pushers)}"
+  if case.dg and case.time:
     line += timing.dispatch_gemm_summary(result)
   if v.failure_count:
     line += f" | failures {v.failure_count}"
@@ -153,9 +165,15 @@ def run_case(runner, case: cases_lib.Case) -> bool:
     print(f"  {msg}")
   if 0 <= case.timeout_at < case.iters:
     print(f"  reported after the forced timeout (rank 0): {v.timeout_msg}")
-  if case.dispatch_gemm_pushers <= 0:
+  if not case.dg:
     for text in timing.variant_lines(case, result, v.identical, v.remote_rows):
       print(text)
+  row = timing.overlap_row(case, result, sets[0]) if case.time and case.table else None
+  if row is not None:
+    print("OVERLAP " + timing.overlap_cells(row))
+    print("RESULT " + json.dumps(row))
+    if table is not None:
+      table.append(row)
   if case.time:
     for text in timing.plan_lines(case, sets[0], result["budget"]):
       print(text)
@@ -166,11 +184,11 @@ def run_case(runner, case: cases_lib.Case) -> bool:
   return v.passed
 
 
-def _run_guarded(runner, case) -> bool:
+def _run_guarded(runner, case, table) -> bool:
   """run_case, with an exception counted as the case's failure (printed with its traceback) so that the suite
   goes on and its summary line is printed."""
   try:
-    return run_case(runner, case)
+    return run_case(runner, case, table)
   except Exception:  # pylint: disable=broad-except
     print(f"FAIL {case.name()} | the harness raised:\n{traceback.format_exc()}", flush=True)
     return False
@@ -190,7 +208,13 @@ def main(argv=None) -> int:
     return 0
   producer = lambda c: runner.producer_path(c.f32, c.rank_k, c.n_dim, c.transpose_rhs)  # noqa: E731
   todo = cases_lib.suite(args.suite, base, producer) if args.suite else [base]
-  passed = sum(_run_guarded(runner, c) for c in todo)
+  table = []
+  passed = sum(_run_guarded(runner, c, table) for c in todo)
+  if table:
+    print("\n" + timing.TABLE_HEADER)
+    for row in table:
+      print(timing.overlap_cells(row))
+    print()
   print(f"loopback: {passed} of {len(todo)} cases passed", flush=True)
   return 0 if passed == len(todo) else 1
 

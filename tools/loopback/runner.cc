@@ -51,11 +51,12 @@ namespace {
     if (e_ != cudaSuccess) throw std::runtime_error(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
-void* ToDevice(const void* p, size_t n) {
+// n bytes of p in a device allocation of at least `size` bytes, the bytes past them all `fill`.
+void* ToDevice(const void* p, size_t n, size_t size = 0, int fill = 0) {
   void* d = nullptr;
-  const size_t bytes = std::max<size_t>(16, n);
+  const size_t bytes = std::max<size_t>({16, n, size});
   LB_CHECK(cudaMalloc(&d, bytes));
-  LB_CHECK(cudaMemset(d, 0, bytes));
+  LB_CHECK(cudaMemset(d, fill, bytes));
   if (n) LB_CHECK(cudaMemcpy(d, p, n, cudaMemcpyHostToDevice));
   return d;
 }
@@ -135,7 +136,7 @@ class Run {
       : s_(s), data_(data), res_(*res), R_(s.ranks), T_(s.tokens), k_(s.top_k), E_l_(s.experts_per_rank),
         D_(s.d_model), K_(s.k_dim), N_(s.n_dim), P_(s.tokens * s.top_k), cap_(s.cap),
         eb_(Traits(s.f32 ? DType::kF32 : DType::kBF16).elem_bytes),
-        dt_(s.f32 ? DType::kF32 : DType::kBF16), dg_(s.dispatch_gemm_pushers > 0), barrier_(s.ranks),
+        dt_(s.f32 ? DType::kF32 : DType::kBF16), dg_(s.dispatch_gemm_pushers != 0), barrier_(s.ranks),
         bar_timeout_(3 * s.timeout_ms + 10000) {}
 
   void Go() {
@@ -149,6 +150,9 @@ class Run {
                                   s_.has_model ? &s_.model : nullptr, &ws_);
     if (!st.ok()) throw std::runtime_error("Workspace::Create: " + st.msg);
     res_.budget = ws_->budget(0, 0);
+    res_.pushers = s_.dispatch_gemm_pushers > 0 ? s_.dispatch_gemm_pushers
+                   : dg_                         ? DefaultPushers(res_.budget)
+                                                 : 0;
     Upload();
     const size_t nd = data_.size();
     res_.first.assign(nd, std::vector<FirstOutputs>(R_));
@@ -156,6 +160,7 @@ class Run {
     res_.timed.assign(s_.variants.size(), std::vector<RankTiming>(R_));
     for (auto& v : res_.dg_us) v.assign(R_, {});
     res_.dg_device.assign(R_, RankPrivate{});
+    res_.gemm_us.assign(R_, {});
     have_first_.assign(nd * R_, 0);
 
     const auto t0 = std::chrono::steady_clock::now();
@@ -205,16 +210,16 @@ class Run {
         d.dest_rank = mem_.Keep(ToDevice(in.slot_dest_rank));
         d.dest_row = mem_.Keep(ToDevice(in.slot_dest_row));
         d.recv_expected = mem_.Keep(ToDevice(in.recv_rows));
-        d.lhs = mem_.Keep(ToDevice(in.lhs));
+        d.lhs = mem_.Keep(ToDevice(in.lhs.p, in.lhs.n, (size_t)cap_ * K_ * eb_, 0xFF));  // padding rows NaN
         d.w = mem_.Keep(ToDevice(in.w));
         d.gates = mem_.Keep(ToDevice(in.gates));
         d.seg_rows = mem_.Keep(ToDevice(in.seg_rows));
         d.seg_ret_off = mem_.Keep(ToDevice(in.seg_ret_off));
         d.ret_row = mem_.Keep(ToDevice(in.slot_ret_row));
         d.ret_expected = mem_.Keep(ToDevice(in.ret_rows));
+        d.expert_rows = mem_.Keep(ToDevice(in.expert_rows));
         if (dg_) {
           d.w1 = mem_.Keep(ToDevice(in.w1));
-          d.expert_rows = mem_.Keep(ToDevice(in.expert_rows));
           d.send_order = mem_.Keep(ToDevice(in.send_order));
           d.send_start = mem_.Keep(ToDevice(in.send_start));
         }
@@ -222,7 +227,8 @@ class Run {
     streams_.resize(R_);
     for (auto& st : streams_) LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     out_recv_.assign(R_, nullptr);
-    out_y_ = out_slot_ = out_a_ = out_a2_ = out_pre_ = out_pre2_ = out_recv2_ = rank_op_ = group_op_ = out_recv_;
+    out_y_ = out_slot_ = out_a_ = out_a2_ = out_pre_ = out_pre2_ = out_recv2_ = out_gemm2_ = rank_op_ = group_op_ =
+        out_recv_;
     for (int r = 0; r < R_; ++r) {
       out_recv_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
       out_y_[r] = mem_.Alloc((size_t)T_ * N_ * eb_);
@@ -234,6 +240,7 @@ class Run {
         out_pre2_[r] = mem_.Alloc(PreBytes());
         out_recv2_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
       }
+      if (s_.gemm_alone && !dg_) out_gemm2_[r] = mem_.Alloc((size_t)cap_ * N_ * eb_);  // GEMM2 alone's output
       rank_op_[r] = mem_.Keep(ToDevice(r));
       group_op_[r] = mem_.Keep(ToDevice(0));
     }
@@ -272,18 +279,29 @@ class Run {
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
   }
 
-  // dispatch_gemm's two-call twin: DispatchAlone, then GEMM1 into out_a2 (and out_pre2) by GroupedMatmul or, with the
-  // SwiGLU, GroupedMatmulSwiGlu, on the rank's SM budget as dispatch_gemm.
+  // dispatch_gemm's two-call twin: DispatchAlone, then GEMM1 over all cap rows of out_recv2.
   Status DispatchTwoCalls(int r, const CallSite& c, const DeviceSet& d) {
     Status s = DispatchAlone(r, c, d);
-    if (!s.ok()) return s;
+    return s.ok() ? Gemm1(r, c.stream, d, cap_) : s;
+  }
+
+  // GEMM1 of dispatch_gemm's two calls over the first M rows of out_recv2 into out_a2 (and out_pre2) by GroupedMatmul
+  // or, with the SwiGLU, GroupedMatmulSwiGlu, on the rank's SM budget as dispatch_gemm. M = cap: the two calls (rows
+  // past the groups zeroed); M = the kept rows: the GEMM alone.
+  Status Gemm1(int r, cudaStream_t stream, const DeviceSet& d, int64_t M) {
     const int sms = res_.budget;
     if (Swiglu())
-      return cuda::GroupedMatmulSwiGlu(c.stream, DType::kBF16, out_recv2_[r], cap_, D_, d.w1, E_l_, K_ / 2,
+      return cuda::GroupedMatmulSwiGlu(stream, DType::kBF16, out_recv2_[r], M, D_, d.w1, E_l_, K_ / 2,
                                        (const int32_t*)d.expert_rows, out_a2_[r],
                                        KeepPre() ? static_cast<float*>(out_pre2_[r]) : nullptr, sms);
-    return cuda::GroupedMatmul(c.stream, DType::kBF16, /*out_f32=*/true, out_recv2_[r], cap_, D_, d.w1, E_l_, K_,
+    return cuda::GroupedMatmul(stream, DType::kBF16, /*out_f32=*/true, out_recv2_[r], M, D_, d.w1, E_l_, K_,
                                /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r], sms);
+  }
+
+  // expert_combine's GEMM2 alone over the first M rows of lhs into out_gemm2, by GroupedMatmul on the rank's SM budget.
+  Status Gemm2(int r, cudaStream_t stream, const DeviceSet& d, int64_t M) {
+    return cuda::GroupedMatmul(stream, dt_, /*out_f32=*/false, d.lhs, M, K_, d.w, E_l_, N_, s_.transpose_rhs,
+                               (const int32_t*)d.expert_rows, out_gemm2_[r], res_.budget);
   }
 
   Status Combine(int r, const CallSite& c, const DeviceSet& d) {
@@ -448,34 +466,54 @@ class Run {
   // h_priv: page-locked room for a RankPrivate, allocated before the first call (see RankMain).
   void TimeDispatchGemm(int r, const CallSite& site, Pinned& h_priv) {
     const DeviceSet& d = dsets_[0][r];
-    const int reps = std::max(2, s_.reps);
     for (int v = 0; v < 3 && !stop_; ++v) {
       auto once = [&]() {
         return v == 0 ? DispatchTwoCalls(r, site, d) : v == 1 ? Dispatch(r, site, d) : DispatchAlone(r, site, d);
       };
-      std::vector<cudaEvent_t> ev(reps + 1);
-      for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
-      bool ok = true;
-      for (int i = 0; i < s_.warmup && ok; ++i) ok = once().ok();
-      LB_CHECK(cudaEventRecord(ev[0], site.stream));
-      for (int i = 0; i < reps && ok; ++i) {
-        ok = once().ok();
-        LB_CHECK(cudaEventRecord(ev[i + 1], site.stream));
-      }
-      LB_CHECK(cudaStreamSynchronize(site.stream));
+      const bool ok = TimeCalls(site.stream, once, &res_.dg_us[v][r]);
       if (!ok) Fail("rank " + std::to_string(r) + ": a timed dispatch + GEMM1 call failed");
-      for (int i = 0; i < reps && ok; ++i) {
-        float ms = 0;
-        LB_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-        res_.dg_us[v][r].push_back(1000.0 * ms);
-      }
-      for (auto& e : ev) cudaEventDestroy(e);
       if (v == 1 && ok) {  // the last dispatch_gemm's timeline
         Status s = ws_->ReadPrivate(0, r, site.stream, reinterpret_cast<RankPrivate*>(h_priv.p));
         if (!s.ok()) throw std::runtime_error(s.msg);
         res_.dg_device[r] = *reinterpret_cast<RankPrivate*>(h_priv.p);
       }
     }
+  }
+
+  // `warmup` calls, then `reps` back to back, each timed from the end of the one before (events), into *us. False if
+  // a call failed.
+  template <class Call>
+  bool TimeCalls(cudaStream_t stream, Call once, std::vector<double>* us) {
+    const int reps = std::max(2, s_.reps);
+    std::vector<cudaEvent_t> ev(reps + 1);
+    for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
+    bool ok = true;
+    for (int i = 0; i < s_.warmup && ok; ++i) ok = once().ok();
+    LB_CHECK(cudaEventRecord(ev[0], stream));
+    for (int i = 0; i < reps && ok; ++i) {
+      ok = once().ok();
+      LB_CHECK(cudaEventRecord(ev[i + 1], stream));
+    }
+    LB_CHECK(cudaStreamSynchronize(stream));
+    for (int i = 0; i < reps && ok; ++i) {
+      float ms = 0;
+      LB_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+      us->push_back(1000.0 * ms);
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    return ok;
+  }
+
+  // The GEMM alone (Spec::gemm_alone) on data set 0: GEMM1 over the rows the last DispatchAlone left in out_recv2, or
+  // GEMM2 over lhs; M = the rank's kept rows. The ranks start together and run at once, each on its SMs, as in the
+  // calls this is compared with.
+  void TimeGemmAlone(int r, const CallSite& site) {
+    const DeviceSet& d = dsets_[0][r];
+    const int64_t M = data_[0][r].recv_rows;
+    if (!barrier_.Wait(bar_timeout_))
+      return Fail("rank " + std::to_string(r) + ": peers did not reach the GEMM barrier");
+    auto once = [&]() { return dg_ ? Gemm1(r, site.stream, d, M) : Gemm2(r, site.stream, d, M); };
+    if (!TimeCalls(site.stream, once, &res_.gemm_us[r])) Fail("rank " + std::to_string(r) + ": a timed GEMM failed");
   }
 
   void RankMain(int r) {
@@ -488,7 +526,7 @@ class Run {
       opts.consumer_ctas = s_.consumers;
       opts.serialize = s_.serialize;
       opts.tuning = s_.tuning;
-      if (dg_) opts.pushers = s_.dispatch_gemm_pushers;
+      if (dg_) opts.pushers = res_.pushers;
       opts.emulated_link_gbps = s_.emulated_link_gbps;
       CallSite site{ws_.get(), 0, r, streams_[r], opts};
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the
@@ -504,6 +542,7 @@ class Run {
       if (s_.time && !stop_) {
         if (dg_) TimeDispatchGemm(r, site, h_priv);
         else TimeCombine(r, site, h.y);
+        if (s_.gemm_alone && !stop_) TimeGemmAlone(r, site);
       }
     } catch (const std::exception& e) {
       Fail("rank " + std::to_string(r) + ": " + e.what());
@@ -522,8 +561,8 @@ class Run {
   DeviceArena mem_;
   std::vector<std::vector<DeviceSet>> dsets_;
   std::vector<cudaStream_t> streams_;
-  std::vector<void*> out_recv_, out_y_, out_slot_, out_a_, out_a2_, out_pre_, out_pre2_, out_recv2_, rank_op_,
-      group_op_;
+  std::vector<void*> out_recv_, out_y_, out_slot_, out_a_, out_a2_, out_pre_, out_pre2_, out_recv2_, out_gemm2_,
+      rank_op_, group_op_;
   std::vector<char> have_first_;
   std::mutex mu_;
   std::atomic<int64_t> calls_{0};

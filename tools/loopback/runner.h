@@ -29,13 +29,14 @@ struct RankInputs {
   Bytes x;                                      // [T, D] dispatch rows
   Bytes slot_src_row, slot_dest_rank, slot_dest_row, slot_ret_row;  // [P] int32
   int32_t recv_rows = 0, ret_rows = 0;          // rows this rank receives in dispatch / gets back in expert_combine
-  Bytes lhs;                                    // [cap, K] expert_combine's input (rows past recv_rows: zero)
+  Bytes lhs;                                    // [recv_rows, K] expert_combine's input (on the device [cap, K],
+                                                // the rows past recv_rows NaN: never read, so a read shows)
   Bytes w;                                      // [E_l, K, N], or [E_l, N, K] with transpose_rhs
   Bytes gates;                                  // [P] float32
   Bytes seg_rows, seg_ret_off;                  // [E_l * R] int32, (expert, source) order
   Bytes send_order, send_start;                 // dispatch_gemm: [P], [R + 1] int32 (plan.py)
   Bytes w1;                                     // dispatch_gemm: [E_l, D, K] bf16
-  Bytes expert_rows;                            // dispatch_gemm: [E_l] int32 GEMM1 group sizes
+  Bytes expert_rows;                            // [E_l] int32 rows per local expert in recv (the GEMMs' groups)
 };
 
 struct Variant {  // one timed configuration of expert_combine
@@ -58,7 +59,8 @@ struct Spec {
   bool has_model = false;            // the workspace gets `model` (else the fixed C = SMs / 8)
   ModelParams model{};
   int sm_budget = 0, device = 0;
-  int dispatch_gemm_pushers = 0;     // > 0: every dispatch is a DispatchGemm with this many pushing CTAs
+  int dispatch_gemm_pushers = 0;     // != 0: every dispatch is a DispatchGemm with this many pushing CTAs (> 0), or
+                                     // the library's count for the rank's SM budget (< 0: DefaultPushers)
   int dg_mode = 0;                   // its results: 0 plain (GEMM1 [cap, K] float32, x_recv), 1 training (SwiGLU: h,
                                      // the preactivation and x_recv), 2 inference (SwiGLU: h alone)
   double emulated_link_gbps = 0;     // CallOptions::emulated_link_gbps of every call (0: pushes at HBM speed)
@@ -68,6 +70,10 @@ struct Spec {
   std::vector<Variant> variants;
   int warmup = 3, reps = 20;
   bool per_call_stats = false;       // synchronize around every timed call and read its device record
+  // Also time the GEMM alone after the calls: the bare grouped GEMM over the rank's kept rows (M = recv rows: no
+  // padding rows zeroed) on its SM budget, all ranks at once: dispatch_gemm's GEMM1 in its mode's form, or
+  // expert_combine's GEMM2.
+  bool gemm_alone = false;
   int decision_iters = 0;            // > 0: MeasureDecision on rank 0's plan of data set 0
 };
 
@@ -105,6 +111,8 @@ struct Result {
   std::vector<std::vector<RankTiming>> timed;     // [variant][rank]
   std::vector<std::vector<double>> dg_us[3];      // dispatch_gemm timing: [two calls, one launch, the dispatch alone][rank] us per call
   std::vector<cuda::RankPrivate> dg_device;       // [rank]: the timeline of its last timed dispatch_gemm
+  std::vector<std::vector<double>> gemm_us;       // [rank]: us per call of the GEMM alone (Spec::gemm_alone)
+  int pushers = 0;                                // dispatch_gemm's pushing CTAs per rank (as resolved)
   double table_ns = 0, decision_ns = 0;
   int decision_choice = 0;
   int budget = 0;                          // CTAs per rank

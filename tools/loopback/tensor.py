@@ -81,12 +81,11 @@ def rank_weights(case: Case, rank: int, w: Values, w1: Values | None) -> tuple[V
   dispatch_gemm w1 [E_l, D, 2F / TP], split by the layer's layout functions."""
   from jax_moe_overlap import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
   _, w1_spec, w2_spec = tp.operand_specs(AXES[0], AXES[1], ())
-  w_rank = Values(*(rank_block(a, w2_spec, case, rank) for a in (w.data, w.f)))
+  w_rank = Values(rank_block(w.data, w2_spec, case, rank))
   if w1 is None:
     return w_rank, None
-  w1_rank = Values(*(np.ascontiguousarray(tp.gate_up_shards(rank_block(tp.w1_view(a, np.reshape), w1_spec, case,
-                                                                           rank)))
-                     for a in (w1.data, w1.f)))
+  w1_rank = Values(np.ascontiguousarray(tp.gate_up_shards(rank_block(tp.w1_view(w1.data, np.reshape), w1_spec, case,
+                                                                     rank))))
   return w_rank, w1_rank
 
 
@@ -99,19 +98,19 @@ def make_data_set(case: Case, rng: np.random.Generator) -> list[RankData]:
   slots = [shard_slots(case, i, g) for i, g in zip(ids, gates)]
   plans = make_plans(case, [v for v, _ in slots])
   w = random_values(rng, (E, K, N), 1.0 / math.sqrt(K), case.f32)
-  w1 = random_values(rng, (E, D, K), 1.0 / math.sqrt(D), case.f32) if case.dispatch_gemm_pushers > 0 else None
+  w1 = random_values(rng, (E, D, K), 1.0 / math.sqrt(D), case.f32) if case.dg else None
   xs = [random_values(rng, (T, D), 1.0, case.f32) for _ in range(R)]
   hs = [random_values(rng, (T, k, K), 1.0, case.f32) for _ in range(R)]
   out = []
   for d in range(R):
-    # lhs row of each shard slot received: its (token, choice)'s whole row, the slot's shard s of the columns.
-    lhs = Values(np.zeros((case.cap, K // TP), hs[0].data.dtype), np.zeros((case.cap, K // TP), np.float32))
+    # lhs row of each shard slot received: its (token, choice)'s whole row, the slot's shard s of the columns; the
+    # received rows only (the runner pads them to cap rows of NaN, as cases.make_data's).
+    lhs = Values(np.zeros((int(plans[d]["recv_rows"]), K // TP), hs[0].data.dtype))
     for s in range(R):
       pl = plans[s]
       sel = np.nonzero((pl["slot_dest_rank"] == d) & (pl["slot_dest_row"] >= 0))[0]
       rows, choice, shard = pl["slot_dest_row"][sel], sel // TP, sel % TP
-      for dst, src in ((lhs.data, hs[s].data), (lhs.f, hs[s].f)):
-        dst[rows] = src.reshape(T * k, TP, K // TP)[choice, shard]
+      lhs.data[rows] = hs[s].data.reshape(T * k, TP, K // TP)[choice, shard]
     w_rank, w1_rank = rank_weights(case, d, w, w1)
     out.append(RankData(plans[d], slots[d][0], xs[d], lhs, w_rank, slots[d][1].reshape(-1), w1_rank,
                         Whole(ids[d], gates[d], hs[d], w, w1)))
@@ -145,9 +144,9 @@ def references(case: Case, data: list[RankData], out: list) -> None:
     part = np.zeros((T, k, case.n_dim), np.float32)
     for e in np.unique(wh.ids[use]):
       sel = use & (wh.ids == e)
-      part[sel] = wh.h.f[sel] @ wh.w.f[e]
+      part[sel] = wh.h.rows(sel) @ wh.w.rows(e)
     out[s].y = (part * wh.gates[:, :, None]).sum(axis=1, dtype=np.float32)
-  if case.dispatch_gemm_pushers <= 0:
+  if not case.dg:
     return
   F = K // 2
   for s, src in enumerate(data):
@@ -161,7 +160,7 @@ def references(case: Case, data: list[RankData], out: list) -> None:
       t = d % TP
       for e in np.unique(experts):
         m = experts == e
-        a = src.x.f[token[m]] @ wh.w1.f[e]                               # [rows, 2F] gate | up, whole expert
+        a = src.x.rows(token[m]) @ wh.w1.rows(e)                         # [rows, 2F] gate | up, whole expert
         a = a.reshape(-1, 2, TP, F // TP)[:, :, t].reshape(-1, 2 * F // TP)  # rank d's gate and up columns
         rows = pl["slot_dest_row"][sel[m]]
         out[d].a[rows] = a

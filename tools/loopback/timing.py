@@ -1,10 +1,13 @@
 """Timing statistics of a loopback run: per timed variant, the group's per-call time (the slowest rank of each call),
-the device spans of producer and consumer, the consumer counts the kernels used, and the median call's timeline."""
+the device spans of producer and consumer, the consumer counts the kernels used, and the median call's timeline; and
+the overlap table's row of a case (GEMM alone, transfer alone, the no-overlap baseline, ours, the hidden share)."""
 
 from __future__ import annotations
 
 import json
 import math
+
+import numpy as np
 
 from tools.loopback.cases import Case, RankData
 
@@ -34,6 +37,35 @@ def _timeline(records: list[list[dict]], med: int) -> str:
   return " | ".join(parts)
 
 
+def _variant_stats(result: dict, vi: int) -> tuple[dict, list[list[dict]], list[float]]:
+  """Timed variant vi: its statistics (per call the slowest rank; producer and consumer spans, the slowest rank's of
+  each call), each rank's device records, and the per-call times."""
+  ranks = result["timed"][vi]
+  calls = len(ranks[0]["call_us"]) if ranks else 0
+  per_call = [max(t["call_us"][i] for t in ranks if i < len(t["call_us"])) for i in range(calls)]
+  records = [t["device"] for t in ranks]
+  prod, cons, comb = [], [], []
+  for i in range(len(records[0]) if records else 0):
+    pm = cm = bm = 0.0
+    for rec in records:
+      if i < len(rec):
+        q = rec[i]
+        if q["prod_t1"] > q["prod_t0"]:
+          pm = max(pm, (q["prod_t1"] - q["prod_t0"]) * 1e-3)
+        if q["cons_t1"] > q["cons_t0"]:
+          cm = max(cm, (q["cons_t1"] - q["cons_t0"]) * 1e-3)
+        if q["comb_t1"] > q["comb_t0"]:
+          bm = max(bm, (q["comb_t1"] - q["comb_t0"]) * 1e-3)
+    prod.append(pm)
+    cons.append(cm)
+    comb.append(bm)
+  stats = {"median_us": quantile(per_call, 0.5), "p10_us": quantile(per_call, 0.1), "p90_us": quantile(per_call, 0.9),
+           "mean_us": sum(per_call) / len(per_call) if per_call else 0.0,
+           "producer_span_us": quantile(prod, 0.5), "consumer_span_us": quantile(cons, 0.5),
+           "combine_span_us": quantile(comb, 0.5)}
+  return stats, records, per_call
+
+
 def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: list[int]) -> list[str]:
   """The TIMED, RESULT and TIMELINE lines of every timed variant (benchmarks/loopback_runner.py parses RESULT)."""
   lines = []
@@ -42,26 +74,8 @@ def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: 
   for vi, (consumers, serialize) in enumerate(case.variants()):
     if vi >= len(result["timed"]):
       break
-    ranks = result["timed"][vi]
-    calls = len(ranks[0]["call_us"]) if ranks else 0
-    per_call = [max(t["call_us"][i] for t in ranks if i < len(t["call_us"])) for i in range(calls)]
-    records = [t["device"] for t in ranks]
-    prod, cons = [], []
-    for i in range(len(records[0]) if records else 0):
-      pm = cm = 0.0
-      for rec in records:
-        if i < len(rec):
-          q = rec[i]
-          if q["prod_t1"] > q["prod_t0"]:
-            pm = max(pm, (q["prod_t1"] - q["prod_t0"]) * 1e-3)
-          if q["cons_t1"] > q["cons_t0"]:
-            cm = max(cm, (q["cons_t1"] - q["cons_t0"]) * 1e-3)
-      prod.append(pm)
-      cons.append(cm)
-    med_us = quantile(per_call, 0.5)
-    stats = {"median_us": med_us, "p10_us": quantile(per_call, 0.1), "p90_us": quantile(per_call, 0.9),
-             "mean_us": sum(per_call) / len(per_call) if per_call else 0.0,
-             "producer_span_us": quantile(prod, 0.5), "consumer_span_us": quantile(cons, 0.5)}
+    stats, records, per_call = _variant_stats(result, vi)
+    med_us = stats["median_us"]
     chosen = [rec[-1]["consumers"] if rec else 0 for rec in records]
     same = identical[vi] if vi < len(identical) else True
     label = str(consumers) if consumers > 0 else "manager"
@@ -75,6 +89,74 @@ def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: 
       med = min(range(len(per_call)), key=lambda i: abs(per_call[i] - med_us))
       lines.append("TIMELINE " + _timeline(records, med))
   return lines
+
+
+def _median_of_max(us: list[list[float]]) -> float:
+  """Per call the slowest rank, the median over calls."""
+  if not us or not us[0]:
+    return 0.0
+  return quantile([max(u[i] for u in us if i < len(u)) for i in range(len(us[0]))], 0.5)
+
+
+# The overlap table (one row per timed case; run.py prints the rows of a run as one markdown table at its end).
+TABLE_HEADER = ("| case | link GB/s per rank | GEMM alone us | transfer alone: us, MB, GB/s, % of link | two calls / "
+                "serialized us | ours us | ours / GEMM alone | hidden share of the transfer | SMs used by the transfer "
+                "|\n|---|---|---|---|---|---|---|---|---|")
+
+
+def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
+  """The overlap table's row of a timed case with ``table`` (None without the timings it needs). Per call the
+  slowest rank, the median over calls; bytes and SMs the largest rank's.
+
+  dispatch_gemm: GEMM alone = the bare GEMM1 over the kept rows; transfer alone = the dispatch call alone (its
+  copies of the rank's own rows included), bytes = the rows it pushes to other ranks; two calls = the dispatch, then
+  the bare GEMM1 over all recv rows; ours = dispatch_gemm; SMs = its pushing CTAs.
+  expert_combine: GEMM alone = the bare GEMM2 over the kept rows; transfer alone = the consumer's span in the
+  serialized call (from its first push after the last tile to its last), bytes = the rows of remote segments;
+  serialized = expert_combine with its pushes after the last tile; ours = expert_combine (its combine's span,
+  which no GEMM hides, beside: combine_us); SMs = the consumer CTAs the calls used.
+  hidden share = 1 - (ours - GEMM alone) / transfer alone: 1 when ours costs the GEMM alone, 0 when GEMM + transfer.
+  """
+  eb = 4 if case.f32 else 2
+  gemm = _median_of_max(result.get("gemm_us", []))
+  if case.dg:
+    two, fused, alone = result["dg_us"]
+    transfer, baseline, ours = _median_of_max(alone), _median_of_max(two), _median_of_max(fused)
+    sent = [int(np.count_nonzero((d.plan["slot_dest_rank"] != r) & (d.plan["slot_dest_row"] >= 0)))
+            for r, d in enumerate(ranks)]
+    moved, sms, extra = max(sent) * case.d_model * eb, result.get("pushers", case.dispatch_gemm_pushers), {}
+    op = f"dispatch_gemm {case.dispatch_gemm_mode}"
+  else:
+    variants = case.variants()
+    if (case.consumers, False) not in variants or (case.consumers, True) not in variants:
+      return None
+    ours_stats, records, _ = _variant_stats(result, variants.index((case.consumers, False)))
+    ser_stats, _, _ = _variant_stats(result, variants.index((case.consumers, True)))
+    transfer, baseline, ours = ser_stats["consumer_span_us"], ser_stats["median_us"], ours_stats["median_us"]
+    remote = [int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % case.ranks != r)) for r, d in enumerate(ranks)]
+    moved = max(remote) * case.n_dim * eb
+    sms = max((q["consumers"] for rec in records for q in rec), default=0)
+    extra = {"combine_us": ours_stats["combine_span_us"]}
+    op = "expert_combine"
+  if not (gemm > 0 and transfer > 0 and ours > 0):
+    return None
+  gbps = moved / transfer * 1e-3
+  return {"kind": "overlap", "case": f"{op} R={case.ranks}{f' TP={case.tensor}' if case.tensor > 1 else ''} "
+                                     f"T={case.tokens} k={case.top_k} E={case.experts} "
+                                     f"D={case.d_model} K={case.k_dim} N={case.n_dim}",
+          "link_gbps": case.link_gbps, "gemm_us": gemm, "transfer_us": transfer, "transfer_bytes": moved,
+          "transfer_gbps": gbps, "link_share": gbps / case.link_gbps if case.link_gbps > 0 else None,
+          "baseline_us": baseline, "ours_us": ours, "ours_over_gemm": ours / gemm,
+          "hidden": 1.0 - (ours - gemm) / transfer, "sms": sms, **extra}
+
+
+def overlap_cells(row: dict) -> str:
+  """One markdown table row (TABLE_HEADER's columns)."""
+  link = f"{row['link_gbps']:g}" if row["link_gbps"] > 0 else "none (HBM)"
+  share = f", {100 * row['link_share']:.0f}%" if row["link_share"] is not None else ""
+  return (f"| {row['case']} | {link} | {row['gemm_us']:.1f} | {row['transfer_us']:.1f}, "
+          f"{row['transfer_bytes'] / 1e6:.1f}, {row['transfer_gbps']:.0f}{share} | {row['baseline_us']:.1f} | "
+          f"{row['ours_us']:.1f} | {row['ours_over_gemm']:.3f} | {100 * row['hidden']:.0f}% | {row['sms']} |")
 
 
 def plan_lines(case: Case, ranks: list[RankData], budget: int) -> list[str]:
@@ -95,13 +177,8 @@ def dispatch_gemm_summary(result: dict) -> str:
   two, fused, alone = result["dg_us"]
   if not two or not two[0] or not fused or not fused[0]:
     return ""
-
-  def median_of_max(us: list[list[float]]) -> float:
-    m = sorted(max(u[i] for u in us if i < len(u)) for i in range(len(us[0])))
-    return m[len(m) // 2]
-
-  a, b = median_of_max(two), median_of_max(fused)
-  d = f", of which the dispatch alone {median_of_max(alone):.1f} us" if alone and alone[0] else ""
+  a, b = _median_of_max(two), _median_of_max(fused)
+  d = f", of which the dispatch alone {_median_of_max(alone):.1f} us" if alone and alone[0] else ""
   return (f" | dispatch + GEMM1 per call: two calls {a:.1f} us{d}, dispatch_gemm {b:.1f} us ({a / b:.3f}x)"
           f"{dispatch_gemm_timeline(result)}")
 

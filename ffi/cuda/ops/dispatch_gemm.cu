@@ -33,9 +33,9 @@ namespace {
 // GEMM1's SwiGLU (h [cap, N / 2] and optionally the preactivation a [cap, N]), as the bare grouped GEMMs store them,
 // so the results are theirs bit for bit.
 // Side work, claimed from a second per-call counter: the copy of the kept rows into x_recv (when kept), one m-tile's
-// rows per unit after the same wait as its GEMM tiles, then the zeroing of every result's rows past the kept ones in
-// kZeroUnitBytes units. Memory-bound work thus runs on the pushers' SMs beside the compute-bound GEMM, and the GEMM
-// CTAs that run out of tiles finish it.
+// rows per unit after the same wait as its GEMM tiles. Memory-bound work thus runs on the pushers' SMs beside the
+// compute-bound GEMM, and the GEMM CTAs that run out of tiles finish it. No result's rows past the kept ones are
+// written: no consumer of the call reads them (docs/design.md, "Padding rows").
 // The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
 // done_epoch): every read of recv is done by then.
 struct DispatchGemmArgs {
@@ -55,8 +55,6 @@ struct DispatchGemmArgs {
   float* a;              // kSwiGlu: the preactivation [cap, N] float32, or null: not kept
   double link_bytes_per_ns;  // > 0: pushes to other ranks go over the emulated link (CallOptions, PaceLink)
 };
-
-constexpr int64_t kZeroUnitBytes = 1 << 20;
 
 // Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
 // recv rows, then (one thread) release-adds their count to d's recv_arrivals and then to its src_blocks[rank][J]: a
@@ -229,64 +227,25 @@ __device__ inline MTile TileAt(const DgSchedule& d, int E_l, int64_t i, int col_
   return t;
 }
 
-// The side work of one call (see the kernel's comment): copy units first, then zero units.
-struct SideWork {
-  int64_t copy_units;          // m-tiles of the schedule (x_recv kept), else 0
-  int64_t zero_bytes[3];       // padding bytes of x_recv, out, a (0 where not kept)
-  char* zero_at[3];            // their first padding byte
-  int64_t zero_units[3];
-  int64_t total;
-};
-
-__device__ inline SideWork MakeSideWork(const DispatchGemmArgs& g, bool swiglu, int64_t kept_rows, int64_t m_tiles) {
-  SideWork w;
-  w.copy_units = g.x_recv != nullptr ? m_tiles : 0;
-  const int64_t pad = g.cap - kept_rows;
-  const int64_t out_row = swiglu ? (g.N / 2) * (int64_t)sizeof(bf16) : g.N * (int64_t)sizeof(float);
-  w.zero_bytes[0] = g.x_recv != nullptr ? pad * g.row_bytes : 0;
-  w.zero_bytes[1] = pad * out_row;
-  w.zero_bytes[2] = g.a != nullptr ? pad * g.N * 4 : 0;
-  w.zero_at[0] = g.x_recv != nullptr ? g.x_recv + kept_rows * g.row_bytes : nullptr;
-  w.zero_at[1] = static_cast<char*>(g.out) + kept_rows * out_row;
-  w.zero_at[2] = g.a != nullptr ? reinterpret_cast<char*>(g.a + kept_rows * g.N) : nullptr;
-  w.total = w.copy_units;
-  for (int i = 0; i < 3; ++i) {
-    w.zero_units[i] = (w.zero_bytes[i] + kZeroUnitBytes - 1) / kZeroUnitBytes;
-    w.total += w.zero_units[i];
-  }
-  return w;
-}
-
-// Claims and does side units until none is left. Every thread of the CTA calls it.
-__device__ inline void DoSideWork(const RankDev& rd, const DispatchGemmArgs& g, const SideWork& w, const DgSchedule& d,
+// Claims and does side units (see the kernel's comment: the copy of one m-tile's kept rows into x_recv each) until
+// none is left; `units`: the schedule's m-tiles where x_recv is kept, else 0. Every thread of the CTA calls it.
+__device__ inline void DoSideWork(const RankDev& rd, const DispatchGemmArgs& g, int64_t units, const DgSchedule& d,
                                   const TableScratch& sc, int64_t* claim) {
   __shared__ int ok;
   const int64_t tid = threadIdx.x, nt = blockDim.x;
   for (;;) {
     if (threadIdx.x == 0) *claim = (int64_t)atomicAdd(rd.side_claims, 1u);
     __syncthreads();
-    int64_t v = *claim;
+    const int64_t v = *claim;
     __syncthreads();
-    if (v >= w.total) return;
-    if (v < w.copy_units) {
-      const MTile t = TileAt(d, g.E_l, v, 1, 1);
-      const int64_t r0 = d.row0[t.e] + (int64_t)t.mt * kWgBM;
-      const int64_t rows = min((int64_t)kWgBM, (int64_t)d.rows[t.e] - (int64_t)t.mt * kWgBM);
-      if (threadIdx.x == 0) ok = WaitRecvRows(rd, sc, g.E_l, t.e, r0, rows);
-      __syncthreads();
-      if (ok) CopyBand(g.x_recv + r0 * g.row_bytes, View(rd, rd.rank).recv() + r0 * g.row_bytes, rows * g.row_bytes,
-                       tid, nt);
-      continue;
-    }
-    v -= w.copy_units;
-    for (int i = 0; i < 3; ++i) {
-      if (v < w.zero_units[i]) {
-        const int64_t off = v * kZeroUnitBytes;
-        ZeroBytes(w.zero_at[i] + off, min(kZeroUnitBytes, w.zero_bytes[i] - off), tid, nt);
-        break;
-      }
-      v -= w.zero_units[i];
-    }
+    if (v >= units) return;
+    const MTile t = TileAt(d, g.E_l, v, 1, 1);
+    const int64_t r0 = d.row0[t.e] + (int64_t)t.mt * kWgBM;
+    const int64_t rows = min((int64_t)kWgBM, (int64_t)d.rows[t.e] - (int64_t)t.mt * kWgBM);
+    if (threadIdx.x == 0) ok = WaitRecvRows(rd, sc, g.E_l, t.e, r0, rows);
+    __syncthreads();
+    if (ok) CopyBand(g.x_recv + r0 * g.row_bytes, View(rd, rd.rank).recv() + r0 * g.row_bytes, rows * g.row_bytes,
+                     tid, nt);
   }
 }
 
@@ -351,7 +310,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   };
   auto side_work = [&]() {
     const int64_t m_tiles = (sched.pre_a[g.E_l] + sched.pre_b[g.E_l]) / sched.col_tiles;
-    DoSideWork(rd, g, MakeSideWork(g, kSwiGlu, kept(), m_tiles), sched, scratch, &claim);
+    DoSideWork(rd, g, g.x_recv != nullptr ? m_tiles : 0, sched, scratch, &claim);
   };
   if (pusher) {
     side_work();

@@ -16,6 +16,7 @@
 #include "cuda/ops/expert_producer.cuh"
 #include "cuda/schedule/resource_manager.cuh"
 #include "cuda/transport/bulk_push.cuh"
+#include "cuda/transport/emulated_link.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -110,7 +111,13 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   auto dst_of = [&](const BandAt& a) {
     return View(rd, a.s->src).ret() + ((int64_t)a.s->ret_off + (int64_t)a.b * kBandRows) * row_bytes;
   };
-  auto arrivals_of = [&](const BandAt& a) { return &View(rd, a.s->src).control()->ret_arrivals.value; };
+  // A band's stores have completed: fenced, carried by the emulated link where there is one (every band here goes to
+  // another rank), then counted at its source. One thread.
+  auto signal_band = [&](const BandAt& a) {
+    __threadfence_system();
+    if (pol.link_bytes_per_ns > 0) PaceLink(rd, (uint64_t)a.rows * row_bytes, pol.link_bytes_per_ns);
+    AddReleaseSys(&View(rd, a.s->src).control()->ret_arrivals.value, (uint64_t)a.rows);
+  };
   // The source must have finished reading its ret rows of the previous call; then the band must be ready. A source's
   // done_epoch only grows during the call, so once a thread has seen it (with an acquire, which orders everything the
   // thread does after it) it skips that read -- a remote one over NVLink -- for the source's later bands.
@@ -148,11 +155,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
       const BandAt a = band_at_w(i);
       return PushBand{src_of(a), dst_of(a), (int64_t)a.rows * row_bytes};
     };
-    auto done = [&](int i) {
-      const BandAt a = band_at_w(i);
-      __threadfence_system();
-      AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
-    };
+    auto done = [&](int i) { signal_band(band_at_w(i)); };
     if (StreamBands(mine, ready, band_of, done, smem + (int64_t)w * PushRingBytes(slots), slots,
                     min(pol.push_read_lag, slots - 1)))
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     CopyBand(dst_of(a), src_of(a), (int64_t)a.rows * row_bytes, threadIdx.x, blockDim.x);
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) AddReleaseSys(arrivals_of(a), (uint64_t)a.rows);
+    if (threadIdx.x == 0) signal_band(a);
   }
   if (threadIdx.x == 0)
     atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
@@ -301,6 +304,7 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   pol.push_read_lag = c.opts.tuning.push_read_lag;
   pol.push_issuers = c.opts.tuning.push_issuers;
   pol.elem_bytes = Traits(dt).elem_bytes;
+  pol.link_bytes_per_ns = c.opts.emulated_link_gbps;  // GB/s = bytes/ns
   pol.max_ctas = ModelMaxCtas(budget);
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;

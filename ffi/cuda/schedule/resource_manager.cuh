@@ -266,6 +266,9 @@ struct ConsumerConfig {
   int32_t push_read_lag;  // bulk copies: stores allowed to be reading their slot
   int32_t push_issuers;   // bulk copies: issuing threads per consumer CTA, one ring each
   int64_t elem_bytes;
+  // The call's emulated link (CallOptions::emulated_link_gbps; 0: none): each band is paced through it
+  // (transport/emulated_link.cuh) before its arrival count is added.
+  double link_bytes_per_ns;
   CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
 };
 

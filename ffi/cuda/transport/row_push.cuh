@@ -6,26 +6,12 @@
 #include <cstdint>
 
 #include "cuda/device/copy.cuh"
+#include "cuda/transport/emulated_link.cuh"
 #include "cuda/workspace/protocol.cuh"
 
 namespace jmo::cuda {
 
 enum PushWhich { kPushAll = 0, kPushLocal = 1, kPushRemote = 2 };
-
-// The emulated link (CallOptions::emulated_link_gbps): this rank's pushes to other ranks share one first-come
-// first-served link of bytes_per_ns from the call's first push on. A push of `bytes` (already stored) reserves them
-// and waits until the link would have carried everything reserved before it and itself; only then is it signalled.
-// One thread calls it.
-__device__ inline void PaceLink(const RankDev& rd, uint64_t bytes, double bytes_per_ns) {
-  auto* t0p = reinterpret_cast<unsigned long long*>(&rd.priv->link_t0);
-  const uint64_t now = GlobalTimer();
-  const unsigned long long seen = atomicCAS(t0p, 0ull, (unsigned long long)now);
-  const uint64_t t0 = seen == 0 ? now : seen;
-  const uint64_t end =
-      atomicAdd(reinterpret_cast<unsigned long long*>(&rd.priv->link_bytes), (unsigned long long)bytes) + bytes;
-  const uint64_t until = t0 + static_cast<uint64_t>((double)end / bytes_per_ns);
-  while (GlobalTimer() < until) __nanosleep(500);
-}
 
 // Step 2 of dispatch for slots p = first, first + stride, ... (one warp each; `first` differs per warp): the row
 // src[src_row[p]] into peer dst_rank[p]'s recv row dst_row[p] with 16-byte stores, counted into sent[d] (shared).
