@@ -56,7 +56,8 @@ def float64_layer(x, ids, gates, w1, w2, cotangent, cap_e):
     return [np.asarray(a) for a in (y, *grads)]
 
 
-@pytest.mark.parametrize("gemms", [fp8_experts.DENSE, fp8_experts.RAGGED], ids=lambda g: g.name)
+@pytest.mark.parametrize("gemms", [pytest.param(fp8_experts.DENSE, marks=pytest.mark.slow), fp8_experts.RAGGED],
+                         ids=lambda g: g.name)
 def test_recipe_matches_its_numpy_twin(gemms):
   """fp8_expert_mlp forward and backward against fp8_numpy.recipe (float64 GEMMs on the same quantized operands).
   They differ by float32 rounding in the GEMMs, and where that moves a value across an e4m3 rounding boundary, by
@@ -135,8 +136,8 @@ def test_deterministic():
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
-@pytest.mark.parametrize("axis_type,impls", [("explicit", ("xla",)),
-                                             pytest.param("auto", ("xla", "reference"), marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default pass keeps the recipe, oracle and xla checks
+@pytest.mark.parametrize("axis_type,impls", [("explicit", ("xla",)), ("auto", ("xla", "reference"))])
 def test_prequantized_weights_equal_per_call_quantization(axis_type, impls):
   mesh = mesh_of(4, axis_type)
   x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "skewed", 6, dtype=jnp.bfloat16)
@@ -158,7 +159,8 @@ def test_prequantized_weights_equal_per_call_quantization(axis_type, impls):
     assert not np.any(np.asarray(dq1.scales)) and not np.any(np.asarray(dq1.values, np.float32))
 
 
-@pytest.mark.parametrize("axis_type", ["explicit", pytest.param("auto", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default pass keeps the recipe, oracle and xla checks
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
 def test_module_xla_matches_reference(axis_type):
   mesh = mesh_of(4, axis_type)
   cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, dtype=jnp.bfloat16,

@@ -77,6 +77,7 @@ def test_xla_matches_the_oracle(explicit, dtype, cf):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.slow  # the default pass keeps the xla-vs-oracle check and the refusals
 def test_shards_quantize_the_whole_experts_tiles():
   """The tensor-parallel recipe against the recipe on whole experts through the same impl (impl="xla" on the 4
   devices as one expert axis, the same capacity group): float32 inputs, so the only differences are float32
@@ -92,7 +93,8 @@ def test_shards_quantize_the_whole_experts_tiles():
     assert rel_err(a, b) < 1e-4, name
 
 
-@pytest.mark.parametrize("explicit", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default pass keeps the xla-vs-oracle check and the refusals
+@pytest.mark.parametrize("explicit", [True, False])
 def test_prequantized_weights_split_over_the_tensor_axis(explicit):
   """Fp8Weights of w1 and w2 (values [E, N, K], scales [E, N / 128, K / 128]) split over the tensor axis on F as
   the float weights do: the same bits as the call that quantizes the master weights, the same input gradient, zero
@@ -112,6 +114,7 @@ def test_prequantized_weights_split_over_the_tensor_axis(explicit):
   assert dq1.values.shape == q1.values.shape and dq1.scales.shape == q1.scales.shape
 
 
+@pytest.mark.slow  # the default pass keeps the xla-vs-oracle check and the refusals
 def test_module_with_a_tensor_axis_matches_reference():
   """The module (w1 kept as its [E, D, 2, F] view, sharded over the tensor axis) in float32 compute: the shards'
   partials differ from the oracle's whole sums by float32 rounding only, so no e4m3 rounding moves (in bfloat16 the

@@ -87,6 +87,7 @@ def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, loca
   _expert_across(nproc, local, 3, tmp_path)
 
 
+@pytest.mark.slow  # child processes; the expert axis across processes stays in the default pass
 def test_tensor_axis_across_processes_is_bitwise_the_one_process_run(tmp_path):
   # Expert tensor parallelism on (expert=2, tensor=2), one expert rank per process: the workspace's group is the four
   # devices of both axes, across the two processes.

@@ -180,8 +180,9 @@ def test_invalid_expert_id_under_jit_is_reported_with_its_own_value():
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
 
 
-# Auto axes in the slow pass: the layer tests above run on them, and test_moe_block_with_a_tensor_axis runs the module.
-@pytest.mark.parametrize("explicit", [pytest.param(False, marks=pytest.mark.slow), True])
+# In the slow pass: the default pass runs the module through test_moe_block_with_a_tensor_axis.
+@pytest.mark.slow
+@pytest.mark.parametrize("explicit", [False, True])
 def test_module_trains_with_a_tensor_axis(explicit):
   mesh = mesh_of_shape(EXPERT_TENSOR, explicit)
   cfg = moe_config(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K, capacity_factor=1.0)
