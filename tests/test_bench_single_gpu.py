@@ -73,6 +73,7 @@ def _tiny_layer_shapes(quick, decode=False):
   return [("tiny", 64, 32, 48, 4, 2)]
 
 
+@pytest.mark.slow  # every impl compiled for the benchmark's check
 def test_bench_layer_checks_every_impl_before_timing(tmp_path, monkeypatch):
   monkeypatch.setattr(bench_layer, "shapes", _tiny_layer_shapes)
   out = tmp_path / "layer.jsonl"

@@ -33,6 +33,7 @@ def _two_steps(args, grad_accum):
     return metrics, before, [np.asarray(p) for p in jax.tree.leaves(state[0])]
 
 
+@pytest.mark.slow  # trains the example model twice; the refusals stay in the default pass
 def test_two_microbatches_step_like_the_whole_batch():
   args = train_moe.parse_args(TINY)
   whole, init, whole_params = _two_steps(args, 1)

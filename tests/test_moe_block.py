@@ -22,7 +22,7 @@ def _loss(m, x, mask):
   return jnp.sum(jnp.sin(y)) + 0.1 * aux.load_balance_loss + 0.01 * aux.router_z_loss, aux
 
 
-@pytest.mark.parametrize("cfg", [DEEPSEEK, MIXTRAL], ids=["deepseek", "mixtral"])
+@pytest.mark.parametrize("cfg", [pytest.param(DEEPSEEK, marks=pytest.mark.slow), MIXTRAL], ids=["deepseek", "mixtral"])
 def test_impls_agree_forward_and_grads(cfg):
   mesh = mesh_of(4)
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 16))
