@@ -212,6 +212,20 @@ Status LaunchOuter(cudaStream_t stream, const void* lhs, int64_t M, int64_t K, c
   return CudaStatus(cudaGetLastError(), "launch of GroupedOuterKernel");
 }
 
+// The launch checks of the two SwiGLU kernels below, before their maps are encoded: lhs [M, K] x F columns per half,
+// K a multiple of 64 and F of f_multiple, extents within the loop's 32-bit tile coordinates, every operand and output
+// 16-byte aligned (`addresses`: their addresses or-ed), a grid. Prints why not (`what`: the launch).
+inline bool FusedLaunchFits(const char* what, int64_t M, int64_t K, int64_t F, int64_t G, int64_t f_multiple,
+                            uintptr_t addresses, int num_sms) {
+  if (M > 0 && K > 0 && F > 0 && K % wgmma_gemm::kBK == 0 && F % f_multiple == 0 && G >= 1 &&
+      G <= wgmma_gemm::kMaxGroups && M <= 0x7fffffff - wgmma_gemm::kBM && K <= 0x7fffffff && 2 * F <= 0x7fffffff &&
+      addresses % 16 == 0 && num_sms > 0)
+    return true;
+  fprintf(stderr, "%s: unsupported shape/alignment M=%lld K=%lld F=%lld G=%lld num_sms=%d\n", what, (long long)M,
+          (long long)K, (long long)F, (long long)G, num_sms);
+  return false;
+}
+
 // The fused GEMM1 + SwiGLU on the wgmma engine (the grouped GEMM's schedule, gemm/sm90/wgmma_grouped.cuh, with
 // SwiGluTile's epilogue).
 namespace swiglu_wgmma {
@@ -258,15 +272,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
 inline cudaError_t GroupedSwiGlu(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs, int64_t G,
                                  int64_t F, const int32_t* group_sizes_dev, __nv_bfloat16* h, float* a, int num_sms,
                                  cudaStream_t stream) {
-  if (M <= 0 || K <= 0 || F <= 0 || K % kBK != 0 || F % 32 != 0 || G < 1 || G > kMaxGroups ||
-      M > 0x7fffffff - kBM || K > 0x7fffffff || 2 * F > 0x7fffffff ||
-      (reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) | reinterpret_cast<uintptr_t>(h) |
-       reinterpret_cast<uintptr_t>(a)) % 16 ||
-      num_sms <= 0) {
-    fprintf(stderr, "GroupedSwiGlu: unsupported shape/alignment M=%lld K=%lld F=%lld G=%lld num_sms=%d\n",
-            (long long)M, (long long)K, (long long)F, (long long)G, num_sms);
-    return cudaErrorInvalidValue;
-  }
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) |
+                              reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(a);
+  if (!FusedLaunchFits("GroupedSwiGlu", M, K, F, G, 32, addresses, num_sms)) return cudaErrorInvalidValue;
   CUtensorMap ta, tb;
   const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, 2 * F, /*b_k_major=*/false, &ta, &tb);
   if (e != cudaSuccess) return e;
@@ -319,15 +327,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
 inline cudaError_t GroupedSwiGluGrad(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs,
                                      int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes_dev,
                                      const float* a, __nv_bfloat16* da, int num_sms, cudaStream_t stream) {
-  if (M <= 0 || K <= 0 || F <= 0 || K % kBK != 0 || F % 64 != 0 || G < 1 || G > kMaxGroups ||
-      M > 0x7fffffff - kBM || K > 0x7fffffff || 2 * F > 0x7fffffff ||
-      (reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) | reinterpret_cast<uintptr_t>(a) |
-       reinterpret_cast<uintptr_t>(da)) % 16 ||
-      num_sms <= 0) {
-    fprintf(stderr, "GroupedSwiGluGrad: unsupported shape/alignment M=%lld K=%lld F=%lld G=%lld num_sms=%d\n",
-            (long long)M, (long long)K, (long long)F, (long long)G, num_sms);
-    return cudaErrorInvalidValue;
-  }
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) |
+                              reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(da);
+  if (!FusedLaunchFits("GroupedSwiGluGrad", M, K, F, G, 64, addresses, num_sms)) return cudaErrorInvalidValue;
   CUtensorMap ta, tb;
   const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, F, /*b_k_major=*/transpose_rhs, &ta, &tb);
   if (e != cudaSuccess) return e;

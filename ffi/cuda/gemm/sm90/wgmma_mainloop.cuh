@@ -348,8 +348,8 @@ __device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int l
 
 // The SwiGLU-gradient epilogue of a consumer warpgroup (see SwiGluGradTile): acc is dh's 64 x 256 block in the
 // m64n256 layout (StoreAccTile's). For each of its elements the thread reads the preactivation's gate and up values
-// of the same row and column (float2 loads of its own column pairs: a warp reads 32 contiguous bytes per row and
-// half), computes (d_gate, d_up) in float32 (SwiGluGrad) and stores both in bf16 with StoreAccTile's pair exchange,
+// of the same row and column (float2 loads of its own column pairs: one load of a warp covers 32 contiguous bytes of
+// each of 8 rows, whole 32-byte sectors), computes (d_gate, d_up) in float32 (SwiGluGrad) and stores both in bf16 with StoreAccTile's pair exchange,
 // d_gate at the column, d_up `up` columns right of it. dh itself is never stored.
 template <class Tile>
 __device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int wq, int lane, const Tile& t) {
