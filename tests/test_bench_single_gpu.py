@@ -53,6 +53,7 @@ def test_bench_breakdown_times_every_stage(tmp_path, monkeypatch):
   assert all(ms > 0 for ms in stages.values())
 
 
+@pytest.mark.slow
 def test_bench_swiglu_grad_times_every_method(tmp_path, monkeypatch):
   # On CPU the fused call is its CPU handler (the benchmark is told the epilogue exists): it agrees with the unfused
   # path within a bf16 ulp, and every method is timed.

@@ -134,9 +134,17 @@ SWIGLU_GRAD_CASES = [  # (M, K, F, group sizes): empty and skewed groups, a tail
 ]
 
 
-@pytest.mark.parametrize("case", SWIGLU_GRAD_CASES)
-@pytest.mark.parametrize("transpose", [True, False])
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def _swiglu_grad_params():
+  """Every (case, transpose, dtype); four of them, each case and each option once, in the default pass, the rest slow."""
+  quick = {(0, True, "float32"), (1, False, "bfloat16"), (2, True, "bfloat16"), (3, False, "float32")}
+  for i, case in enumerate(SWIGLU_GRAD_CASES):
+    for transpose in (True, False):
+      for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        marks = () if (i, transpose, jnp.dtype(dtype).name) in quick else (pytest.mark.slow,)
+        yield pytest.param(case, transpose, dtype, tol, marks=marks)
+
+
+@pytest.mark.parametrize("case,transpose,dtype,tol", list(_swiglu_grad_params()))
 def test_grouped_matmul_swiglu_grad(case, transpose, dtype, tol):
   check_grouped_matmul_swiglu_grad(case, transpose, dtype, tol)
 
@@ -258,6 +266,7 @@ def test_expert_mlp_value_and_grads():
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
 
 
+@pytest.mark.slow
 def test_expert_mlp_grads_with_the_fused_swiglu_grad(monkeypatch):
   """expert_mlp's backward with the SwiGLU's gradient in the backward GEMM's call (grouped_matmul_swiglu_grad, as on a
   Hopper GPU; its CPU handler here) = the default (XLA's ragged_dot, then jax.vjp of swiglu), within float32
