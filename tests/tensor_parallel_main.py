@@ -1,12 +1,15 @@
 """Run by test_tensor_parallel.py in a fresh process with 8 virtual CPU devices (pytest's own process has 4): every
 impl with a tensor axis on the meshes (expert=2, tensor=4), (expert=4, tensor=2) and (data=2, expert=2, tensor=2)
-against the float32 oracle, dropless and with dropped slots, and repeated calls bitwise equal."""
+against the float32 oracle, dropless and with dropped slots, impl "overlap" with GatherRS too
+(CallConfig(tensor_reduce="gather_rs")), and repeated calls bitwise equal."""
 
 from cpu_flags import set_cpu_flags  # tests/
 
 set_cpu_flags(8)
 
 import jax  # noqa: E402
+
+import jax_moe_overlap as jmo  # noqa: E402
 
 from tensor_parallel_checks import IMPLS, check_matches_oracle, check_repeatable  # noqa: E402
 
@@ -25,8 +28,17 @@ def main():
                                      seed=12)
       assert dropped[0] > 0, dropped
       print(f"{shape} {impl} cf=0.5: dropped {dropped[0]} as the oracle", flush=True)
+    gather_rs = jmo.CallConfig(tensor_reduce="gather_rs")
+    check_matches_oracle(shape, "overlap", batch_axes=batch_axes, tokens=128, seed=13, config=gather_rs)
+    dropped = check_matches_oracle(shape, "overlap", kinds=("skipped",), cf=0.5, batch_axes=batch_axes, tokens=128,
+                                   seed=14, config=gather_rs)
+    assert dropped[0] > 0, dropped
+    print(f"{shape} overlap gather_rs: match, dropped {dropped[0]} as the oracle", flush=True)
   check_repeatable({"data": 2, "expert": 2, "tensor": 2}, "overlap", batch_axes=("data",), tokens=128)
   print("(data=2, expert=2, tensor=2) overlap: repeated calls bitwise equal", flush=True)
+  check_repeatable({"data": 2, "expert": 2, "tensor": 2}, "overlap", batch_axes=("data",), tokens=128, calls=3,
+                   config=jmo.CallConfig(tensor_reduce="gather_rs"))
+  print("(data=2, expert=2, tensor=2) overlap gather_rs: repeated calls bitwise equal", flush=True)
 
 
 if __name__ == "__main__":
