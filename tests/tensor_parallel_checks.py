@@ -144,10 +144,10 @@ def check_repeatable(shape: dict[str, int], impl: str, calls: int = 5, cf=0.5, b
 
 def check_bfloat16(shape: dict[str, int], kind="skipped", cf=None, tokens=64, d=D, f=F, seed=13, tol=1e-2,
                    devices=None, config: jmo.CallConfig = jmo.CallConfig()):
-  """The overlap layer in bfloat16 (the shards' partial outputs cross in bfloat16) against the float32 oracle on the
-  same bf16-rounded inputs: y and the gradients within ``tol`` relative error, every output computed into a buffer
-  of NaN (``layer_checks.Poisoned``), so that an element the custom calls leave unwritten shows. Returns the
-  relative errors."""
+  """The overlap layer in bfloat16 (the shards' partial outputs cross in bfloat16, or with GatherRS in float32)
+  against the float32 oracle on the same bf16-rounded inputs: y and the gradients within ``tol`` relative error,
+  every output computed into a buffer of NaN (``layer_checks.Poisoned``), so that an element the custom calls leave
+  unwritten shows. Returns the relative errors."""
   mesh = mesh_of_shape(shape, devices=devices)
   x, ids, gates, w1, w2 = routing_inputs(tokens, kind, seed, d, f)
   x, w1, w2 = (a.astype(jnp.bfloat16) for a in (x, w1, w2))
