@@ -21,6 +21,7 @@ from jax_moe_overlap import engines
 GROUPED_MATMUL = "jmo_grouped_matmul"
 GROUPED_OUTER = "jmo_grouped_outer"
 GROUPED_MATMUL_SWIGLU = "jmo_grouped_matmul_swiglu"
+GROUPED_MATMUL_SWIGLU_GRAD = "jmo_grouped_matmul_swiglu_grad"
 
 
 def _out_dtype(lhs, preferred_element_type):
@@ -109,3 +110,42 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
   h, a = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU, out, vmap_method="sequential")(lhs, rhs,
                                                                                group_sizes.astype(jnp.int32))
   return h, (a if keep_preactivation else None)
+
+
+def grouped_matmul_swiglu_grad(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, a: jax.Array, *,
+                               transpose_rhs: bool = False) -> jax.Array:
+  """The backward GEMM of the expert MLP with the SwiGLU's gradient: ``dh = lhs[r] @ rhs[g]`` in float32 for the rows
+  ``r`` of group ``g`` (not returned), then ``da``, the input gradient of ``silu(a[:, :F]) * a[:, F:]`` at ``dh``,
+  rounded to lhs's dtype; rows past the last group are zero.
+
+  The expressions are those of ``jax.vjp`` of that SwiGLU in float32, grouped the same way (docs/design.md, "The
+  backward pass"). On GPU only where an engine has this epilogue for the operands (``engines.swiglu_grad_fused``: the
+  wgmma engine, a Hopper GPU, bfloat16, K and F multiples of 64): one kernel computes dh tile by tile in registers and
+  writes da, never dh; elsewhere on GPU the call fails naming the rule (the callers ask first and run
+  ``grouped_matmul`` and the gradient apart). On CPU a reference loop.
+
+  Args:
+    lhs: [M, K] (the output gradient of GEMM2, d_out). rhs: [G, K, F], or [G, F, K] with ``transpose_rhs`` (W2
+      [G, F, K] read transposed: dh = d_out W2^T). group_sizes: [G] integer rows per group. a: [M, 2F] float32, GEMM1's
+      preactivation (the gate's F columns, then the up projection's).
+  Returns:
+    da [M, 2F] in lhs's dtype (d_gate, then d_up).
+  """
+  _check_operands("grouped_matmul_swiglu_grad", lhs, rhs, group_sizes)
+  G = rhs.shape[0]
+  if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (G,):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
+                     f"{group_sizes.shape} do not fit lhs [M, K], rhs [G, K, F] (or [G, F, K] transposed), "
+                     "group_sizes [G]")
+  M = lhs.shape[0]
+  K, F = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+  if lhs.shape[1] != K:
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: lhs {lhs.shape} and rhs {rhs.shape}"
+                     f"{' (transposed)' if transpose_rhs else ''} do not share the contraction K")
+  if a.dtype != jnp.float32 or a.shape != (M, 2 * F):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: a must be float32 [{M}, {2 * F}] (lhs's rows, "
+                     f"twice rhs's F), got {a.dtype}{list(a.shape)}")
+  _ffi.register()
+  out = jax.ShapeDtypeStruct((M, 2 * F), lhs.dtype)
+  return jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU_GRAD, out, vmap_method="sequential")(
+      lhs, rhs, group_sizes.astype(jnp.int32), a, transpose_rhs=bool(transpose_rhs))

@@ -90,6 +90,24 @@ ffi::Error GroupedMatmulSwiGluImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error GroupedMatmulSwiGluGradImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
+                                       ffi::Buffer<ffi::F32> a, ffi::Result<ffi::AnyBuffer> da, bool transpose_rhs) {
+  auto shape = CheckGroupedSwiGluGrad(lhs, rhs, group_sizes, a, *da, transpose_rhs);
+  if (shape.has_error()) return shape.error();
+  const int64_t M = shape->M, K = shape->K, F = shape->N;
+  auto off = RowOffsets("grouped_matmul_swiglu_grad", group_sizes, M);
+  if (off.has_error()) return off.error();
+  const bool bf16 = shape->dtype == DType::kBF16;
+  const ElemView x{lhs.untyped_data(), bf16}, w{rhs.untyped_data(), bf16};
+  // dh in float32 scratch (the CUDA kernel keeps it in registers), then the SwiGLU's gradient from it.
+  std::vector<float> dh(off->back() * F), acc;
+  for (int64_t g = 0; g < shape->G; ++g)
+    MatmulRows(x, w, g * K * F, (*off)[g], (*off)[g + 1], K, F, transpose_rhs, dh.data(), false, acc);
+  SwiGluGradRows(dh.data(), a.typed_data(), 0, off->back(), F, da->untyped_data(), bf16);
+  for (int64_t i = off->back() * 2 * F; i < M * 2 * F; ++i) StoreElem(da->untyped_data(), bf16, i, 0.f);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmo::cpu
 
@@ -98,3 +116,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulCpu, jmo::cpu::GroupedMatmulImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCpu, jmo::cpu::GroupedOuterImpl, jmo::BindGroupedOuter(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCpu, jmo::cpu::GroupedMatmulSwiGluImpl,
                               jmo::BindGroupedSwiGlu(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCpu, jmo::cpu::GroupedMatmulSwiGluGradImpl,
+                              jmo::BindGroupedSwiGluGrad(ffi::Ffi::Bind()));

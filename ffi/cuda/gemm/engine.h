@@ -46,7 +46,10 @@ enum class GemmForm : uint8_t { kRows, kOuter };
 
 // kSwiGlu (kRows only): N = 2F columns, the gate's F then the up projection's F, and the epilogue stores
 // h = silu(gate) * up [*, F] (and optionally the float32 preactivation) instead of the N columns.
-enum class GemmEpilogue : uint8_t { kNone, kSwiGlu };
+// kSwiGluGrad (kRows only): the GEMM is dh = d_out @ W2^T, N = F columns, and the epilogue stores the SwiGLU's input
+// gradient da [*, 2F] (d_gate, then d_up, in lhs's dtype) from dh and the float32 preactivation a [*, 2F], instead
+// of dh itself (the backward pass's GEMM; w in either layout).
+enum class GemmEpilogue : uint8_t { kNone, kSwiGlu, kSwiGluGrad };
 
 struct GemmOperands {
   DType dtype;  // of lhs and w (rhs)

@@ -48,6 +48,18 @@ ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::An
                                    keep_a ? static_cast<float*>(a->untyped_data()) : nullptr));
 }
 
+ffi::Error GroupedMatmulSwiGluGradImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                                       ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> a,
+                                       ffi::Result<ffi::AnyBuffer> da, bool transpose_rhs) {
+  NoteHandlerCall(HandlerOp::kGroupedMatmulSwiGluGrad, stream);
+  auto s = CheckGroupedSwiGluGrad(lhs, rhs, group_sizes, a, *da, transpose_rhs);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmulSwiGluGrad(stream, s->dtype, lhs.untyped_data(), s->M, s->K, rhs.untyped_data(), s->G,
+                                       s->N, transpose_rhs, group_sizes.typed_data(), a.typed_data(),
+                                       da->untyped_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -62,4 +74,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCuda, jmo::cuda::GroupedOuterImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCuda, jmo::cuda::GroupedMatmulSwiGluImpl,
                               jmo::BindGroupedSwiGlu(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                        .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCuda, jmo::cuda::GroupedMatmulSwiGluGradImpl,
+                              jmo::BindGroupedSwiGluGrad(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                           .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
