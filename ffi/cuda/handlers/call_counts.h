@@ -20,6 +20,7 @@ enum class HandlerOp : int {
   kGroupedMatmul,
   kGroupedOuter,
   kGroupedMatmulSwiGlu,
+  kGroupedMatmulFp8,
   kCount
 };
 
