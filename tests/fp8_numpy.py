@@ -148,11 +148,11 @@ def block_scaled_grouped_gemm(lhs_q, lhs_s, rhs_q, rhs_s, sizes, out_dtype=np.fl
   for g, n in enumerate(sizes):
     rows = slice(off, off + n)
     b = rhs_q[g].astype(np.float64).reshape(N, K // 128, 128)
-    part = np.einsum("mck,nck->mnc", a[rows], b).astype(np.float32)                      # [n, N, chunks]
-    scale = (lhs_s[rows][:, None, :] * np.repeat(rhs_s[g], 128, axis=0)[None]).astype(np.float32)
     acc = np.zeros((n, N), np.float32)
     for c in range(K // 128):
-      acc = (part[..., c].astype(np.float64) * scale[..., c] + acc).astype(np.float32)
+      part = (a[rows, c] @ b[:, c].T).astype(np.float32)        # exact in float64 in any order, then one rounding
+      scale = (lhs_s[rows, c][:, None] * np.repeat(rhs_s[g][:, c], 128)[None]).astype(np.float32)
+      acc = (part.astype(np.float64) * scale + acc).astype(np.float32)
     out[rows] = acc
     off += n
   return out.astype(out_dtype)
