@@ -96,16 +96,17 @@ def check_fp8_impl(impl: str, mesh: jax.sharding.Mesh) -> None:
     for d in gpus:
       why = engines.fp8_gemm_device_refusal(_compute_capability(d))
       if why is not None:
-        raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl='collective' runs the FP8 grouped GEMM: {why}; "
-                         f"{d} ({d.device_kind}) has compute capability {d.compute_capability}. impl='xla' emulates "
-                         f"the recipe on any device")
+        raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl='collective' runs the FP8 grouped GEMM: "
+                         f"{why}; {d} ({d.device_kind}) has compute capability {d.compute_capability}. impl='xla' "
+                         f"emulates the recipe on any device")
     return
   for d in gpus:
     cc = _compute_capability(d)
     if cc < FP8_MIN_COMPUTE_CAPABILITY:
       raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl={impl!r} needs FP8 tensor cores (compute "
                        f"capability {'.'.join(map(str, FP8_MIN_COMPUTE_CAPABILITY))} or newer: Ada, Hopper); "
-                       f"{d} ({d.device_kind}) has {d.compute_capability}. impl='xla' emulates the recipe on any device")
+                       f"{d} ({d.device_kind}) has {d.compute_capability}. impl='xla' emulates the recipe on any "
+                       f"device")
   raise NotImplementedError(
       f"jax_moe_overlap: quantization='fp8' runs with impl='collective' (the FP8 grouped GEMM: Hopper's e4m3 wgmma "
       f"kernel, its emulation on CPU), impl='xla' or impl='reference' (the recipe emulated: quantize, dequantize, "
