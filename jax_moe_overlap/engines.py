@@ -14,6 +14,7 @@ answers False there (and ``dispatch_gemm_operands`` still answers for the CPU ha
   swiglu_fused(bf16, K, F)            grouped_matmul_swiglu applies the SwiGLU in its epilogue on this process's GPUs
   swiglu_grad_fused(bf16, K, F, transpose_rhs)  grouped_matmul_swiglu_grad runs (its SwiGLU-gradient epilogue) there
   dispatch_gemm_operands(platform, bf16, K, N, swiglu)  a dispatch_gemm call takes these operands on this platform
+  fp8_gemm_device_refusal(cc)         why the FP8 grouped GEMM (grouped_matmul_fp8) does not run on this GPU, or None
 """
 
 from __future__ import annotations
@@ -90,3 +91,11 @@ def dispatch_gemm_operands(platform: str, bf16: bool, K: int, N: int, swiglu: bo
   if platform == "cpu":
     return True
   return bool(_jmo.with_cuda) and _jmo.gemm_engine_operand_refusal(WGMMA, _dtype(bf16), K, N, swiglu=swiglu) is None
+
+
+def fp8_gemm_device_refusal(compute_capability: tuple[int, int]) -> str | None:
+  """Why ``grouped_matmul_fp8`` does not run on a GPU of this compute capability (None: it runs): the extension's
+  rule (Fp8GroupedGemmDeviceRefusal, ffi/cuda/gemm/engine.cc), or that this build has no CUDA kernels."""
+  if not _jmo.with_cuda:
+    return "this build of jax_moe_overlap has no CUDA kernels (built without nvcc, or JMO_CUDA=off)"
+  return _jmo.fp8_gemm_device_refusal(tuple(compute_capability))

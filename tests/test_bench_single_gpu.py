@@ -17,6 +17,7 @@ import jax_moe_overlap as jmo
 from benchmarks import baselines
 from benchmarks import bench_breakdown
 from benchmarks import bench_eager
+from benchmarks import bench_fp8_layer
 from benchmarks import bench_fused
 from benchmarks import bench_layer
 from benchmarks import bench_swiglu_grad
@@ -109,6 +110,22 @@ def test_bench_layer_checks_every_impl_before_timing(tmp_path, monkeypatch):
       ratio = ideal / float(r["ms"])
       tol = 0.0051 + ratio * (0.0005 / ideal + 0.0005 / float(r["ms"]))
       assert float(r["vs_ideal"]) == pytest.approx(ratio, abs=tol), r
+
+
+@pytest.mark.slow  # both quantizations' layers compiled, forward and backward
+def test_bench_fp8_layer_checks_before_timing(tmp_path, monkeypatch):
+  """bench_fp8_layer on CPU devices (impl="collective" with fp8 runs the FP8 grouped GEMM's CPU emulation): every
+  row timed after its checks, bf16 against the float32 reference and fp8 collective against the fp8 emulation."""
+  monkeypatch.setattr(bench_fp8_layer, "shapes", lambda quick: [("tiny", 64, 128, 128, 4, 2)])
+  out = tmp_path / "fp8_layer.jsonl"
+  monkeypatch.setattr(sys, "argv", ["bench_fp8_layer.py", "--out", str(out)])
+  bench_fp8_layer.main()
+  rows = _rows(out)
+  assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+  for r in rows:
+    for c in ("bf16_ms", "fp8_ms", "fp8_xla_ms", "speedup"):
+      assert float(r[c]) > 0, r
+    assert float(r["err_bf16"]) < bench_fp8_layer.MAX_ERR and float(r["err_fp8"]) < bench_fp8_layer.MAX_ERR, r
 
 
 def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):

@@ -76,6 +76,12 @@ const EngineRules& Rules(GemmEngine e) { return kRules[static_cast<int>(e)]; }
 
 }  // namespace
 
+const char* Fp8GroupedGemmDeviceRefusal(ComputeCapability cc) {
+  return cc.major == 9 ? nullptr
+                       : "the FP8 grouped GEMM needs Hopper FP8 tensor cores (compute capability 9.x, sm_90a code: "
+                         "e4m3 wgmma)";
+}
+
 const char* GemmEngineName(GemmEngine e) { return Rules(e).name; }
 
 std::optional<GemmEngine> GemmEngineNamed(std::string_view name) {

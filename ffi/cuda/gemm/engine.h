@@ -70,6 +70,11 @@ const char* GemmEngineOperandRefusal(GemmEngine e, const GemmOperands& o);
 // nullptr if engine e runs on the device and takes the operands, else why not: what a caller that requires e reports.
 const char* GemmEngineRefusal(GemmEngine e, ComputeCapability cc, const GemmOperands& o);
 
+// nullptr if the FP8 block-scaled grouped GEMM (gemm/sm90/wgmma_grouped_fp8.cuh: e4m3 wgmma, Hopper's FP8 tensor
+// cores) runs on a device of this compute capability, else why not. It is no GemmEngine (it takes e4m3 operands
+// with their scales, which no other engine does, so there is nothing to select among).
+const char* Fp8GroupedGemmDeviceRefusal(ComputeCapability cc);
+
 // The first engine that runs on the device and takes the operands, other than `refused` (an engine whose launch
 // refused the call after all, for what its rule cannot see: a kernel's build, an output's alignment). None only where
 // the epilogue is one that the other engines of this device do not have (SIMT takes every other GEMM).

@@ -21,6 +21,7 @@ enum class HandlerOp : int {
   kGroupedOuter,
   kGroupedMatmulSwiGlu,
   kGroupedMatmulSwiGluGrad,
+  kGroupedMatmulFp8,
   kCount
 };
 

@@ -60,6 +60,18 @@ ffi::Error GroupedMatmulSwiGluGradImpl(cudaStream_t stream, int32_t ordinal, ffi
                                        da->untyped_data()));
 }
 
+ffi::Error GroupedMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs,
+                                ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs, ffi::Buffer<ffi::F32> rhs_scales,
+                                ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  NoteHandlerCall(HandlerOp::kGroupedMatmulFp8, stream);
+  auto s = CheckGroupedMatmulFp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *out);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmulFp8(stream, s->out_f32, lhs.untyped_data(), lhs_scales.typed_data(), s->scales_ld, s->M,
+                                s->K, rhs.untyped_data(), rhs_scales.typed_data(), s->G, s->N,
+                                group_sizes.typed_data(), out->untyped_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -78,4 +90,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCuda, jmo::cuda::GroupedMatm
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCuda, jmo::cuda::GroupedMatmulSwiGluGradImpl,
                               jmo::BindGroupedSwiGluGrad(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                            .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cuda, jmo::cuda::GroupedMatmulFp8Impl,
+                              jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                         .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});

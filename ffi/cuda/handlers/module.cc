@@ -67,7 +67,8 @@ constexpr Target kTargets[] = {{"jmo_dispatch", JmoDispatchCuda},
                                {"jmo_grouped_matmul", JmoGroupedMatmulCuda},
                                {"jmo_grouped_outer", JmoGroupedOuterCuda},
                                {"jmo_grouped_matmul_swiglu", JmoGroupedMatmulSwiGluCuda},
-                               {"jmo_grouped_matmul_swiglu_grad", JmoGroupedMatmulSwiGluGradCuda}};
+                               {"jmo_grouped_matmul_swiglu_grad", JmoGroupedMatmulSwiGluGradCuda},
+                               {"jmo_grouped_matmul_fp8", JmoGroupedMatmulFp8Cuda}};
 
 // The traits a handler declares to XLA, read as XLA reads them when it registers the handler: a call frame carrying
 // only the metadata extension, which the handler fills in without running anything (no device needed).
@@ -247,6 +248,10 @@ void RegisterModule(nb::module_& m) {
         return Text(GemmEngineDeviceRefusal(EngineNamed(engine), Capability(cc)));
       },
       nb::arg("engine"), nb::arg("compute_capability"));
+  m.def(
+      "fp8_gemm_device_refusal",
+      [](std::tuple<int, int> cc) { return Text(Fp8GroupedGemmDeviceRefusal(Capability(cc))); },
+      nb::arg("compute_capability"));
   m.def(
       "gemm_engine_operand_refusal",
       [](const std::string& engine, const std::string& dtype, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,

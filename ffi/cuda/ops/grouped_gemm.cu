@@ -16,6 +16,7 @@
 #include "cuda/gemm/simt_tile.cuh"
 #include "cuda/gemm/sm80/mma_tile.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/gemm/sm90/wgmma_outer.cuh"
 #include "cuda/launch.h"
 
@@ -451,6 +452,31 @@ Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lh
   if (out_f32) JMO_MATMUL(kSimtBM, false, bf16, float, false);
   JMO_MATMUL(kSimtBM, false, bf16, bf16, false);
 #undef JMO_MATMUL
+}
+
+Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, const float* lhs_scales,
+                        int64_t scales_ld, int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G,
+                        int64_t N, const int32_t* group_sizes, void* out, int sms) {
+  Status s = CheckSizes("grouped_matmul_fp8", M, G);
+  if (!s.ok()) return s;
+  DeviceInfo dev;
+  if (!(s = CurrentDeviceInfo(&dev)).ok()) return s;
+  if (const char* why = Fp8GroupedGemmDeviceRefusal(dev.cc))
+    return Status::Error(kFailedPrecondition, std::string("jax_moe_overlap: grouped_matmul_fp8: ") + why +
+                                                  "; this device is compute capability " +
+                                                  std::to_string(dev.cc.major) + "." + std::to_string(dev.cc.minor));
+  if (M == 0) return LaunchEmpty(stream);
+  if (const char* why = wgmma_gemm::GroupedGemmFp8Refusal(M, K, N, G, scales_ld, lhs, lhs_scales, rhs, rhs_scales,
+                                                          out))
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: grouped_matmul_fp8: ") + why);
+  const cudaError_t e = WgmmaGroupedGemmFp8(static_cast<const __nv_fp8_e4m3*>(lhs), lhs_scales, scales_ld, M, K,
+                                            static_cast<const __nv_fp8_e4m3*>(rhs), rhs_scales, G, N, group_sizes,
+                                            out, out_f32, WgmmaGrid(dev, sms), stream);
+  if (e == cudaErrorNotSupported)  // the device is Hopper: the build lacks the sm_90a code (the kernel printed why)
+    return Status::Error(kFailedPrecondition,
+                         "jax_moe_overlap: grouped_matmul_fp8: this build has no sm_90a code for the e4m3 wgmma "
+                         "kernel (build with JMO_CUDA_ARCHS including 90a)");
+  return CudaStatus(e, "grouped_matmul_fp8 (wgmma e4m3)");
 }
 
 Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
