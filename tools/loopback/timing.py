@@ -124,7 +124,8 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     transfer, baseline, ours = _median_of_max(alone), _median_of_max(two), _median_of_max(fused)
     sent = [int(np.count_nonzero((d.plan["slot_dest_rank"] != r) & (d.plan["slot_dest_row"] >= 0)))
             for r, d in enumerate(ranks)]
-    moved, sms, extra = max(sent) * case.d_model * eb, result.get("pushers", case.dispatch_gemm_pushers), {}
+    used = [q.get("pushers", 0) for q in result.get("dg_device", [])]  # P of each rank's last fused call
+    moved, sms, extra = max(sent) * case.d_model * eb, max(used, default=0) or result.get("pushers", 0), {}
     op = f"dispatch_gemm {case.dispatch_gemm_mode}"
   else:
     variants = case.variants()
@@ -196,6 +197,6 @@ def dispatch_gemm_timeline(result: dict) -> str:
     def at(t: int) -> str:
       return f"{(t - t0) * 1e-3:.1f}" if t and t != 2**64 - 1 else "-"
 
-    parts.append(f"r{r} push {at(q['cons_t0'])}..{at(q['push_t1'])} side ..{at(q['cons_t1'])} "
+    parts.append(f"r{r} P={q.get('pushers', '?')} push {at(q['cons_t0'])}..{at(q['push_t1'])} side ..{at(q['cons_t1'])} "
                  f"gemm {at(q['prod_t0'])}..{at(q['prod_t1'])}")
   return f" | timeline (us): {'; '.join(parts)}" if parts else ""
