@@ -169,6 +169,7 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None, regr
     used = sorted({q.get("pushers", 0) for q in result.get("dg_device", [])} - {0})
     pinned = result.get("pushers", case.dispatch_gemm_pushers)
     line += f" | pushers {pinned if pinned > 0 else 'auto'}{f' (used {used})' if used and pinned <= 0 else ''}"
+  push = timing.dispatch_gemm_push_rates(case, result, sets[0]) if case.dg and case.time else None
   if case.dg and case.time:
     line += timing.dispatch_gemm_summary(result)
   if v.failure_count:
@@ -176,6 +177,8 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None, regr
   print(line)
   for msg in v.failures:
     print(f"  {msg}")
+  if push is not None:
+    print("RESULT " + json.dumps(push))
   if 0 <= case.timeout_at < case.iters:
     print(f"  reported after the forced timeout (rank 0): {v.timeout_msg}")
   if not case.dg:

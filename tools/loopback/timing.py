@@ -184,6 +184,23 @@ def dispatch_gemm_summary(result: dict) -> str:
           f"{dispatch_gemm_timeline(result)}")
 
 
+def dispatch_gemm_push_rates(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
+  """Per rank, what its pushers moved in its last timed dispatch_gemm: P, the bytes of its rows for other ranks, the
+  push span (first push to the last pusher's end of pushing) and GB/s per pusher (benchmarks/calibrate.py's
+  pusher_gbps)."""
+  out = []
+  eb = 4 if case.f32 else 2
+  for r, q in enumerate(result.get("dg_device", [])):
+    sent = int(np.count_nonzero((ranks[r].plan["slot_dest_rank"] != r) & (ranks[r].plan["slot_dest_row"] >= 0)))
+    t0, t1, p = q["cons_t0"], q["push_t1"], q.get("pushers", 0)
+    if not (p > 0 and sent > 0 and t0 and t1 > t0 and t0 != 2**64 - 1):
+      continue
+    us = (t1 - t0) * 1e-3
+    out.append({"rank": r, "pushers": p, "bytes": sent * case.d_model * eb, "push_us": us,
+                "gbps_per_pusher": sent * case.d_model * eb / us * 1e-3 / p})
+  return {"kind": "dispatch_gemm_push", "link_gbps": case.link_gbps, "ranks": out} if out else None
+
+
 def dispatch_gemm_timeline(result: dict) -> str:
   """Where the last timed dispatch_gemm of each rank spent its time, in microseconds from its BeginKernel: the pushers
   from their first push to the end of the push and of their side work, and the GEMM from the first CTA entering the
