@@ -80,6 +80,20 @@ inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas, i
   return cc;
 }
 
+// The candidate with the smallest v over the warp, the smallest candidate on ties (lexicographic (v, cand), so any
+// reduction order gives it): in lane 0 (the other lanes hold partial results). Called by a whole warp.
+__device__ __forceinline__ int ShuffleArgminLane0(double v, int cand) {
+  for (int d = 16; d > 0; d >>= 1) {
+    const double ov = __shfl_down_sync(0xffffffffu, v, d);
+    const int oc = __shfl_down_sync(0xffffffffu, cand, d);
+    if (ov < v || (ov == v && oc < cand)) {
+      v = ov;
+      cand = oc;
+    }
+  }
+  return cand;
+}
+
 // The scans form (see above). Called by every thread of the CTA (contains barriers).
 __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
                                     int max_ctas, ChoiceScratch* sc) {
@@ -108,15 +122,7 @@ __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int
     double v = sc->us[0][0][lane];
     for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[0][w][lane]);
     if (!feasible) v = 1e300;
-    int cand = c;
-    for (int d = 16; d > 0; d >>= 1) {
-      const double ov = __shfl_down_sync(0xffffffffu, v, d);
-      const int oc = __shfl_down_sync(0xffffffffu, cand, d);
-      if (ov < v || (ov == v && oc < cand)) {
-        v = ov;
-        cand = oc;
-      }
-    }
+    const int cand = ShuffleArgminLane0(v, c);
     if (lane == 0) sc->chosen = cand;
   }
   __syncthreads();
@@ -338,16 +344,7 @@ __device__ inline int WarpChooseDispatchPushers(const PusherConfig& pc, const Pu
   const int max_q = pc.max_pushers < pc.model.sms - 1 ? pc.max_pushers : pc.model.sms - 1;
   double v = q <= max_q ? PushersMakespanUs(pc.model, in, q) : -1.0;
   if (v < 0.0) v = 1e300;  // infeasible (candidate 1 is feasible: the launch checks sms >= 2 and pusher_gbps > 0)
-  int cand = q;
-  for (int d = 16; d > 0; d >>= 1) {
-    const double ov = __shfl_down_sync(0xffffffffu, v, d);
-    const int oc = __shfl_down_sync(0xffffffffu, cand, d);
-    if (ov < v || (ov == v && oc < cand)) {
-      v = ov;
-      cand = oc;
-    }
-  }
-  return __shfl_sync(0xffffffffu, cand, 0);
+  return __shfl_sync(0xffffffffu, ShuffleArgminLane0(v, q), 0);
 }
 
 }  // namespace jmo::cuda
