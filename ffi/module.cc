@@ -74,6 +74,7 @@ NB_MODULE(_jmo, m) {
     d["jmo_expert_combine"] = Capsule(JmoExpertCombineCpu);
     d["jmo_dispatch_gemm"] = Capsule(JmoDispatchGemmCpu);
     d["jmo_exchange_counts"] = Capsule(JmoExchangeCountsCpu);
+    d["jmo_gather_rs"] = Capsule(JmoGatherRsCpu);
     d["jmo_grouped_matmul"] = Capsule(JmoGroupedMatmulCpu);
     d["jmo_grouped_outer"] = Capsule(JmoGroupedOuterCpu);
     d["jmo_grouped_matmul_swiglu"] = Capsule(JmoGroupedMatmulSwiGluCpu);

@@ -155,6 +155,10 @@ class MoEConfig:
     return self.shared_mlp_dim if self.shared_mlp_dim is not None else self.shared_experts * self.moe_mlp_dim
 
 
+# CallConfig.tensor_reduce's values.
+TENSOR_REDUCES = ("auto", "gather_rs", "per_slot")
+
+
 def _int_in(value, lo: int, hi: int) -> bool:
   return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and lo <= value <= hi
 
@@ -212,6 +216,13 @@ class CallConfig:
     saying so); on CPU any value > 0 selects the fused CPU handler, the protocol's specification, whose GEMMs are the
     bare grouped GEMMs' CPU loops, while the default two calls' are XLA's ragged_dot (results equal to float32
     rounding, not bit for bit). Not with serialize.
+  tensor_reduce: how an ``impl="overlap"`` layer with a tensor axis sums the tensor shards' partial outputs
+    (docs/design.md, "GatherRS"). "per_slot": expert_combine returns every shard's partial of every slot to the
+    token's owner, which sums them (partials in the layer's dtype). "gather_rs": each rank scales its GEMM2 rows by
+    their gates and sums each token's rows (the top-k gather-reduce), and one reduce-scatter over the expert x
+    tensor group, overlapped with GEMM2, hands every rank its tokens' rows (partials in float32, summed in rank
+    order). "auto" (default): the library's choice per call, ``call_site.tensor_reduce``'s rule. Without a tensor
+    axis the layer runs "per_slot" whatever this says.
   """
 
   timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
@@ -221,8 +232,12 @@ class CallConfig:
   serialize: bool = False
   dispatch_pushers: int = 0
   consumer_tuning: ConsumerTuning = dataclasses.field(default_factory=ConsumerTuning)
+  tensor_reduce: str = "auto"
 
   def __post_init__(self):
+    if self.tensor_reduce not in TENSOR_REDUCES:
+      raise ValueError(f"jax_moe_overlap: CallConfig.tensor_reduce must be one of {TENSOR_REDUCES}, got "
+                       f"{self.tensor_reduce!r}")
     if not _int_in(self.consumer_ctas, 0, 2**31 - 1):
       raise ValueError(f"jax_moe_overlap: CallConfig.consumer_ctas must be an int >= 0 (0: the resource manager's "
                        f"choice), got {self.consumer_ctas!r}")

@@ -13,6 +13,10 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   finished band; the consumer ships each band back to its source rank; the source combines
   ``y[t] = sum_j gates[t, j] * out[slot(t, j)]`` in the fixed order ``j = 0..k-1``. Returns ``y [T, N]`` and, when
   asked, the per-slot outputs ``[T*k, N]`` (for the gates' gradient).
+* ``gather_rs(lhs, w, row_gate, token_rows, plan, ...)``: GEMM2 + GatherRS. The producer as expert_combine's; the
+  consumer sums each source's tokens' gated rows here (the top-k gather-reduce) into a dense float32 partial and
+  ships it to the source; each rank sums the group's partials of its tokens in rank order. Returns ``y [T, N]`` and,
+  when asked, the GEMM's rows ``[cap, N]`` (for the gates' gradient).
 """
 
 from __future__ import annotations
@@ -152,4 +156,27 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
                jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
   return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, gates.astype(jnp.float32), plan.seg_rows,
                          plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows, group, rank,
+                         transpose_rhs=np.bool_(transpose_rhs), **info.attrs())
+
+
+def gather_rs(lhs: jax.Array, w: jax.Array, row_gate: jax.Array, token_rows: jax.Array, plan: Plan, info: RankInfo,
+              want_rows: bool, transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
+  """lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with ``transpose_rhs``), row_gate [cap] float32 (the gate of
+  each recv row), token_rows [R, T, Q] int32 (the recv row of slot q of source s's token t here, -1: none) ->
+  (y [T, N], rows [cap or 0, N]), all in lhs's dtype but row_gate.
+
+  y[t] = sum over the group's ranks g in order 0, 1, ..., R - 1 of g's partial sum_q row_gate[i] * (lhs[i] @
+  w[expert of i]) for i = g's token_rows[this rank, t, q], each partial float32, the GEMM's rows rounded to lhs's
+  dtype first (as expert_combine's). ``want_rows``: also the GEMM's rows (recv rows outside the segments zero)."""
+  _ffi.register()
+  group, rank = info.coords()
+  K, N = (w.shape[2], w.shape[1]) if transpose_rhs else (w.shape[1], w.shape[2])
+  if lhs.ndim != 2 or w.ndim != 3 or lhs.shape[1] != K or token_rows.ndim != 3:
+    raise ValueError(f"jax_moe_overlap: gather_rs: lhs {lhs.shape}, w {w.shape} and token_rows {token_rows.shape} do "
+                     f"not fit lhs [cap, K], w {'[E_local, N, K]' if transpose_rhs else '[E_local, K, N]'}, "
+                     "token_rows [R, T, Q]")
+  cap, T = lhs.shape[0], token_rows.shape[1]
+  out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype), jax.ShapeDtypeStruct((cap if want_rows else 0, N), lhs.dtype))
+  return _workspace_call(info, _ffi.GATHER_RS, out_types, lhs, w, row_gate.astype(jnp.float32),
+                         token_rows.astype(jnp.int32), plan.seg_rows, plan.seg_ret_off, group, rank,
                          transpose_rhs=np.bool_(transpose_rhs), **info.attrs())

@@ -147,7 +147,7 @@ def test_fuses_dispatch_on_a_hopper_call_site():
 
   def fuses(x, w_shape, swiglu, transpose_rhs, dtype=jnp.bfloat16):
     w = jax.ShapeDtypeStruct(w_shape, dtype)
-    return expert_block._fuses_dispatch(x, w, info, swiglu=swiglu, transpose_rhs=transpose_rhs)
+    return expert_block.fuses_dispatch(x, w, info, swiglu=swiglu, transpose_rhs=transpose_rhs)
 
   assert fuses(x, (4, 128, 256), swiglu=True, transpose_rhs=False)       # GEMM1: D = 128, F = 128
   assert not fuses(x, (4, 128, 96), swiglu=True, transpose_rhs=False)    # F = 48: not the epilogue's
@@ -163,9 +163,9 @@ def test_fusion_is_decided_by_the_call_site():
   for info in (_site("gpu", (8, 0), 108), _site("gpu", (9, 0), 132, CallConfig(serialize=True)),
                _site("cpu", None, None)):
     assert info.dispatch_pushers == 0
-    assert not expert_block._fuses_dispatch(x, w, info, swiglu=True, transpose_rhs=False)
+    assert not expert_block.fuses_dispatch(x, w, info, swiglu=True, transpose_rhs=False)
   # Pinned on a CPU workspace: any operands (float32, widths no engine tiles).
   cpu = _site("cpu", None, None, CallConfig(dispatch_pushers=2))
   w_odd = jax.ShapeDtypeStruct((4, 30, 14), jnp.float32)
-  assert expert_block._fuses_dispatch(jax.ShapeDtypeStruct((8, 30), jnp.float32), w_odd, cpu, swiglu=True,
+  assert expert_block.fuses_dispatch(jax.ShapeDtypeStruct((8, 30), jnp.float32), w_odd, cpu, swiglu=True,
                                       transpose_rhs=False)

@@ -108,6 +108,23 @@ ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const char
   return segs;
 }
 
+ffi::ErrorOr<std::vector<Segment>> ProducerSegments(const CallContext& c, const char* op, const int32_t* seg_rows,
+                                                    const int32_t* seg_ret_off, int64_t E_l, int64_t cap,
+                                                    std::vector<int64_t>* rows_to_rank) {
+  auto recv_segs = RecvSegments(c, op, seg_rows, seg_ret_off, E_l, cap, rows_to_rank);
+  if (recv_segs.has_error()) return recv_segs;
+  const std::vector<Segment>& segs = *recv_segs;
+  const int64_t band = segs.empty() ? 0 : segs.back().band_base + (segs.back().rows + kBandRows - 1) / kBandRows;
+  if (band > c.ws->sizes().max_bands)
+    return ffi::Unexpected(FailInput(c, op, kBadTooManyTiles, 0, band, c.ws->sizes().max_bands));
+  std::vector<int> order(segs.size());
+  OrderSegments(segs.data(), static_cast<int>(segs.size()), c.rank, rows_to_rank->data(), order.data());
+  std::vector<Segment> ordered;
+  for (int i : order)
+    if (segs[i].rows > 0) ordered.push_back(segs[i]);
+  return ordered;
+}
+
 ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
                        void* out, bool rows_in_out, bool zero_padding) {
   RankView self = c.ws->view(c.group, c.rank);

@@ -62,6 +62,13 @@ xla::ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const
                                                      const int32_t* seg_ret_off, int64_t E_l, int64_t cap,
                                                      std::vector<int64_t>* rows_to_rank);
 
+// The producer's segments of a call that runs a grouped GEMM over recv (expert_combine, gather_rs): RecvSegments,
+// then the tile-ready flags checked against the workspace's (kBadTooManyTiles), then the non-empty segments in
+// protocol.h's producer order (OrderSegments: remote sources first, the most loaded first; local last).
+xla::ffi::ErrorOr<std::vector<Segment>> ProducerSegments(const CallContext& c, const char* op,
+                                                         const int32_t* seg_rows, const int32_t* seg_ret_off,
+                                                         int64_t E_l, int64_t cap, std::vector<int64_t>* rows_to_rank);
+
 // The end of a dispatch (protocol.h steps 3-4): wait until `expected` more rows have arrived in recv, advance
 // recv_expected, copy them to out [cap, row_bytes], then release-store done_epoch. out == nullptr: the caller does not
 // keep the rows (dispatch_gemm without x_recv); every step but the copy still runs, since the counters and done_epoch

@@ -378,7 +378,7 @@ struct TileCoords {
 //   Prefetch()                                         the TMA thread, before its first load
 //   LoadStage(fb, a_dst, b_dst, x, coords, kt)         the TMA thread, once the stage's slot is free: arms the full
 //                                                      barrier fb with the stage's bytes and issues its loads
-//   Multiply(acc, ring, c, wq, lane, ktiles)           a consumer warpgroup (c: rows [64 c, 64 c + 64) of the tile):
+//   Multiply(acc, ring, coords, c, wq, lane, ktiles)   a consumer warpgroup (c: rows [64 c, 64 c + 64) of the tile):
 //                                                      acc = the tile's 64 x 256 block in the m64n256 f32 layout,
 //                                                      over the tile's ktiles stages from ring.stage on (the first
 //                                                      one's full barrier already waited for); waits on each later
@@ -415,7 +415,8 @@ struct Bf16Operands {
   }
 
   template <class Ring>
-  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, int c, int, int lane, int ktiles) const {
+  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, const TileCoords&, int c, int, int lane,
+                                           int ktiles) const {
 #pragma unroll
     for (int j = 0; j < 128; ++j) acc[j] = 0.f;
     int prev_stage = -1;
@@ -522,7 +523,7 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
           ring.Advance();
         }
       } else {
-        ops.Multiply(acc, ring, c, wq, lane, ktiles);
+        ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, ktiles);
         if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
           StoreSwiGluTile(acc, c, wq, lane, tile);
         else
