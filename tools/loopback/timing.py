@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 
 from tools.loopback import cases as cases_lib
 from tools.loopback.cases import Case, RankData
@@ -193,13 +192,12 @@ def dispatch_gemm_push_rates(case: Case, result: dict, ranks: list[RankData]) ->
   out = []
   eb = 4 if case.f32 else 2
   for r, q in enumerate(result.get("dg_device", [])):
-    sent = int(np.count_nonzero((ranks[r].plan["slot_dest_rank"] != r) & (ranks[r].plan["slot_dest_row"] >= 0)))
+    _, sent = cases_lib.wire_bytes(case, ranks[r].plan, r, case.d_model * eb)  # the bytes that crossed (send once)
     t0, t1, p = q["cons_t0"], q["push_t1"], q.get("pushers", 0)
     if not (p > 0 and sent > 0 and t0 and t1 > t0 and t0 != 2**64 - 1):
       continue
     us = (t1 - t0) * 1e-3
-    out.append({"rank": r, "pushers": p, "bytes": sent * case.d_model * eb, "push_us": us,
-                "gbps_per_pusher": sent * case.d_model * eb / us * 1e-3 / p})
+    out.append({"rank": r, "pushers": p, "bytes": sent, "push_us": us, "gbps_per_pusher": sent / us * 1e-3 / p})
   return {"kind": "dispatch_gemm_push", "link_gbps": case.link_gbps, "ranks": out} if out else None
 
 
