@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-
 from tools.loopback import cases as cases_lib
 from tools.loopback.cases import Case, RankData
 
