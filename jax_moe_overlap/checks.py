@@ -1,6 +1,7 @@
 """Input rules of the library, each checked in exactly one place.
 
-Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy,
+Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy
+(``check_layer``: all of ``MoE``'s, for a script that checks its flags before it builds a model),
 so a rule and its message change in one place. Each raises a ValueError or TypeError naming the problem before
 anything runs.
 """
@@ -203,6 +204,23 @@ def check_tensor_split(hidden: int, tensor: int, tensor_axis: str | None) -> Non
     raise ValueError(f"jax_moe_overlap: the experts' hidden width F={hidden} cannot be split evenly over the {tensor} "
                      f"devices of tensor axis {tensor_axis!r} (each takes F / {tensor} columns of w1's gate and of its "
                      f"up projection, and as many rows of w2)")
+
+
+def check_layer(config, mesh, expert_axis: str, impl: str, batch_axes=(), tensor_axis: str | None = None
+                ) -> tuple[str, ...]:
+  """A layer of ``config`` (an ``MoEConfig``) on ``mesh``: every rule ``MoE`` checks when it is built (the expert
+  axis and its split of the experts, the impl, the tensor axis and its split of the hidden width, FP8's split and
+  impl, the batch axes), for callers that check their flags before they build a model. Returns the batch axes as a
+  tuple. The tokens' count is checked per call (0 tokens split over any devices)."""
+  R = check_axis(mesh, expert_axis)
+  check_experts(config.num_experts, config.num_experts_per_tok, R, expert_axis)
+  check_impl(impl)
+  TP = check_tensor_axis(mesh, expert_axis, tensor_axis)
+  check_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
+  if config.quantization is not None:
+    check_fp8_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
+    check_fp8_impl(impl, mesh)
+  return check_batch_axes(mesh, expert_axis, batch_axes, 0, tensor_axis)
 
 
 def batch_size(mesh, batch_axes) -> int:
