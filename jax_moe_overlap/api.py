@@ -22,7 +22,8 @@ from jax_moe_overlap import hosts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_expert_ids, check_fp8_impl,
+from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_call_config, check_capacity_factor,
+                                    check_expert_ids, check_fp8_impl,
                                     check_fp8_tensor_split, check_impl, check_inputs, check_tensor_axis,
                                     check_tensor_split)
 from jax_moe_overlap.config import CallConfig
@@ -82,6 +83,8 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   """
   check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization)
   check_impl(impl)
+  check_capacity_factor(capacity_factor)
+  check_call_config(config)
   TP = check_tensor_axis(mesh, axis_name, tensor_axis)
   batch_axes = check_batch_axes(mesh, axis_name, batch_axes, x.shape[0], tensor_axis)
   check_tensor_split(w2.shape[1], TP, tensor_axis)

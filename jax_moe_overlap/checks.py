@@ -26,7 +26,10 @@ FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 def check_axis(mesh: jax.sharding.Mesh, axis_name: str) -> int:
-  """The mesh has an axis ``axis_name``; returns its size R."""
+  """The mesh is a ``jax.sharding.Mesh`` with an axis ``axis_name``; returns its size R."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"jax_moe_overlap: mesh must be a jax.sharding.Mesh (jax.make_mesh makes one), got "
+                    f"{type(mesh).__name__}")
   if axis_name not in mesh.axis_names:
     raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
                      f"{axis_name!r} for expert parallelism")
@@ -57,6 +60,39 @@ def check_dtype(name: str, dtype) -> None:
   """A compute dtype of the expert layer: float32 or bfloat16."""
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     raise TypeError(f"jax_moe_overlap: {name} has dtype {jnp.dtype(dtype)}; supported: float32, bfloat16")
+
+
+def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> None:
+  """None (dropless) or a finite real number (whose sign rule is the caller's: ``plan.expert_capacity``, or
+  ``MoEConfig``'s "<= 0: dropless")."""
+  if capacity_factor is None:
+    return
+  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float, np.integer, np.floating)) or (
+      not np.isfinite(capacity_factor)):
+    raise TypeError(f"jax_moe_overlap: {name} must be None (dropless) or a finite number, got {capacity_factor!r}")
+
+
+def check_call_config(config) -> None:
+  from jax_moe_overlap.config import CallConfig  # pylint: disable=g-import-not-at-top  # config imports this module
+  if not isinstance(config, CallConfig):
+    raise TypeError(f"jax_moe_overlap: config must be a CallConfig, got {config!r}")
+
+
+def check_token_mask(token_mask, leading_shape: tuple[int, ...]) -> None:
+  """None, or a bool mask of the tokens' leading shape (True: the token is routed)."""
+  if token_mask is None:
+    return
+  if tuple(token_mask.shape) != tuple(leading_shape):
+    raise ValueError(f"jax_moe_overlap: token_mask must have x's leading shape {tuple(leading_shape)}, got "
+                     f"{tuple(token_mask.shape)}")
+  if token_mask.dtype != jnp.bool_:
+    raise TypeError(f"jax_moe_overlap: token_mask must be bool (False: a padding token), got {token_mask.dtype}")
+
+
+def check_router_logits(logits, num_experts: int) -> None:
+  if logits.ndim != 2 or logits.shape[1] != num_experts or not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"jax_moe_overlap: router logits must be floating [tokens, num_experts={num_experts}], got "
+                     f"{logits.dtype}{list(logits.shape)}")
 
 
 def check_quantization(quantization) -> None:
@@ -142,6 +178,8 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=Non
                      f"[tokens={T}, k]")
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise TypeError(f"jax_moe_overlap: expert_ids must be integers, got {expert_ids.dtype}")
+  if not jnp.issubdtype(gates.dtype, jnp.floating):
+    raise TypeError(f"jax_moe_overlap: gates must be real floating point, got {gates.dtype}")
   if quantization is None and not (x.dtype == dt1 == dt2):
     raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {dt1}, {dt2}")
   if quantization == "fp8":

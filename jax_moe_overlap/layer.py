@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.api import moe_experts
-from jax_moe_overlap.checks import check_layer
+from jax_moe_overlap.checks import check_layer, check_token_mask
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
 
@@ -138,9 +138,9 @@ class MoE(nnx.Module):
     cfg = self.config
     if x.shape[-1] != cfg.emb_dim:
       raise ValueError(f"jax_moe_overlap: MoE expects inputs [..., {cfg.emb_dim}], got {x.shape}")
-    if token_mask is not None and token_mask.shape != x.shape[:-1]:
-      raise ValueError(f"jax_moe_overlap: token_mask must have x's leading shape {x.shape[:-1]}, got "
-                       f"{token_mask.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"jax_moe_overlap: MoE takes floating-point inputs, got {x.dtype}")
+    check_token_mask(token_mask, x.shape[:-1])
     x2d = self._flatten(x)
     mask = None if token_mask is None else self._flatten(token_mask, features=False)
     r = self.route(x2d, mask)
