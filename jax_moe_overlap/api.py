@@ -21,13 +21,14 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import hosts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
-from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.call_site import RankInfo, tensor_reduce
 from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_call_config, check_capacity_factor,
                                     check_expert_ids, check_fp8_impl,
                                     check_fp8_tensor_split, check_impl, check_inputs, check_tensor_axis,
                                     check_tensor_split)
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.expert_block import expert_block
+from jax_moe_overlap.gather_rs_block import gather_rs_block
 from jax_moe_overlap.reference import moe_experts_fp8_reference, moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
 from jax_moe_overlap.workspace_backend import rank_devices
@@ -72,8 +73,9 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       the same results). None (the default): no tensor parallelism.
     quantization: None, or "fp8": the experts' GEMMs follow DeepSeek-V3's FP8 recipe (``fp8_experts.py``), forward
       and backward; D and F multiples of 128 (with a tensor axis F / TP too: each shard's 128 x 128 weight blocks
-      and 1 x 128 tiles are the whole expert's); impl "xla" or "reference" (the other impls refuse it: their FP8
-      custom calls are not built yet). The weights' gradients are those of the quantized weights (straight-through),
+      and 1 x 128 tiles are the whole expert's); impl "collective" (the FP8 grouped GEMM: Hopper GPUs, its
+      emulation on CPU), "xla" or "reference" (the recipe emulated in XLA); "overlap" refuses it (its FP8 dispatch
+      and combine are not built yet). The weights' gradients are those of the quantized weights (straight-through),
       in the weights' dtype; pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
@@ -108,9 +110,13 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     cap = plan_lib.recv_capacity(T_local * TP, R, k, E // R, cap_e)
     y, dropped = eager_program(_xla_layer, mesh, axes, cap_e, cap, impl, quantization)(*args)
   else:
-    sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor, TP)
+    platform = next(iter(mesh.devices.flat)).platform
+    reduce = tensor_reduce(config, platform, R, TP, k, x.dtype.itemsize, T_local * k * TP)
+    sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor, TP,
+                        gather_rs=reduce == "gather_rs")
+    cap = plan_lib.recv_capacity(T_local, R * TP, k, E // R, cap_e)
     info = RankInfo(Workspace.get(mesh, exchange_axes(axis_name, tensor_axis), sizes), config)
-    y, dropped = eager_program(_overlap_layer, mesh, axes, E, cap_e, sizes.recv_rows, info)(*args)
+    y, dropped = eager_program(_overlap_layer, mesh, axes, E, cap_e, cap, info, reduce)(*args)
   return _like_committed(y, x), dropped
 
 
@@ -203,11 +209,11 @@ def _xla_layer(mesh, axes, cap_e, cap, impl, quantization, x, expert_ids, gates,
   return _like(y, x, mesh, axes), dropped
 
 
-def _overlap_layer(mesh, axes, num_experts, cap_e, cap, info, x, expert_ids, gates, w1, w2):
+def _overlap_layer(mesh, axes, num_experts, cap_e, cap, info, reduce, x, expert_ids, gates, w1, w2):
   args, in_specs, token_spec = _expert_parallel_inputs(mesh, axes, x, expert_ids, gates, w1, w2)
   axis_name, tensor_axis, batch_axes = axes
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
-                         num_experts=num_experts, cap_e=cap_e, cap=cap, info=info)
+                         num_experts=num_experts, cap_e=cap_e, cap=cap, info=info, reduce=reduce)
   y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(token_spec, P()), check_vma=False)(*args)
   return _like(y, x, mesh, axes), dropped
 
@@ -269,17 +275,20 @@ def _shard(tree, mesh, spec):
   return jax.tree.map(lambda a, s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s)), tree, specs)
 
 
-def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, cap_e, cap, info):
+def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, cap_e, cap, info,
+               reduce):
   """One rank of the exchange group (``info.workspace.axis_name``: the expert axis, or the expert and tensor axes):
   its tokens' slots (with a tensor axis, each choice as TP shard slots: ``tensor_parallel``) through the plan and the
-  expert block."""
+  expert block, whose shards' partials ``reduce`` sums ("per_slot": ``expert_block``; "gather_rs":
+  ``gather_rs_block``; ``call_site.tensor_reduce`` chose)."""
   R = jax.lax.axis_size(axis_name)
   TP = jax.lax.axis_size(tensor_axis) if tensor_axis is not None else 1
   slot_ids, slot_gates = tp_lib.shard_slots(expert_ids, gates, num_experts, R, TP)
   counts_all, _, plan = plan_lib.plan_over_axis(slot_ids, num_experts * TP, info.workspace.axis_name, cap_e,
                                                 gather=functools.partial(gather_counts, info=info))
   plan = tp_lib.name_expert_ids(plan, expert_ids, TP)
-  y = expert_block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, plan, cap, info)
+  block = gather_rs_block if reduce == "gather_rs" else expert_block
+  y = block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, plan, cap, info)
   if info.workspace.spans_processes:
     # The group's dropped slots from the counts every rank holds (the routed slots less those the capacity keeps),
     # equal to the psum of the ranks' plan.dropped: no collective crosses the processes of the expert axis.

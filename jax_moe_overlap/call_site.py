@@ -7,6 +7,7 @@ a static argument of everything after: the call wrappers (``workspace_calls``) r
 
 * ``dispatch_pushers``: dispatch_gemm's pushing CTAs, or 0 where the dispatch and GEMM1 run as two calls
   (``dispatch_pushers``, from the config and the facts the workspace's backend returned);
+* ``send_once``: whether the forward's dispatch sends a token's row once per destination rank (``send_once``);
 * the check of a pinned consumer CTA count against the rank's SM budget, before anything is traced;
 * on CUDA, the check that XLA_FLAGS keeps the workspace calls of a CUDA graph in program order
   (``command_buffers.check_scheduling``).
@@ -42,14 +43,59 @@ def dispatch_pushers(config: CallConfig, device: DeviceFacts, ranks: int) -> int
   return int(_jmo.default_dispatch_pushers(int(device.sm_budget or 0)))
 
 
+def send_once(config: CallConfig, ranks: int) -> bool:
+  """Whether the forward's dispatch sends a token's row once per destination rank (``Plan.slot_primary``): pinned by
+  ``config.send_once``, else at two ranks or more, where rows cross a link (a token routed to two experts of one
+  rank crosses it once, not twice); at one rank every row is local and the dispatch stays one row per slot."""
+  if config.send_once is not None:
+    return bool(config.send_once)
+  return ranks >= 2
+
+
+# gather_rs's metadata carries a slot's index as a float32 (exact below 2^24): a rank's slots T k TP must be fewer.
+GATHER_RS_MAX_SLOTS = 2**24
+
+
+def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, top_k: int, itemsize: int,
+                  slots: int) -> str:
+  """How an ``impl="overlap"`` layer sums its tensor shards' partial outputs: "gather_rs" (GEMM2 + GatherRS) or
+  "per_slot" (expert_combine's per-slot partials to the token owners). The one rule, for a group of G = ranks x
+  tensor ranks, top_k choices per token, rows of itemsize bytes and ``slots`` = T k TP slots per rank:
+
+  * no tensor axis (tensor == 1): "per_slot" (nothing to reduce over shards);
+  * pinned by ``config.tensor_reduce``: that, where it can run (else an error saying why);
+  * "auto": "gather_rs" where its kernel runs (the CPU handlers; CUDA's is not built yet) and it moves no more bytes
+    than the per-slot return: per token and rank, GatherRS ships G - 1 dense float32 partials (4 (G - 1) N bytes),
+    the per-slot return k TP (G - 1) / G rows in the layer's dtype under balanced routing (k TP (G - 1) / G x
+    itemsize x N), so GatherRS when 4 G <= k TP itemsize; else "per_slot". The GPU's measured crossover replaces
+    this byte model once measured; ``CallConfig(tensor_reduce=...)`` overrides it.
+  """
+  if tensor == 1:
+    return "per_slot"
+  runs = platform == "cpu"
+  if config.tensor_reduce == "gather_rs":
+    if not runs:
+      raise ValueError(f"jax_moe_overlap: CallConfig(tensor_reduce='gather_rs') has no {platform} kernel yet (the "
+                       "CPU handlers run it); use 'per_slot' or 'auto'")
+    if slots >= GATHER_RS_MAX_SLOTS:
+      raise ValueError(f"jax_moe_overlap: CallConfig(tensor_reduce='gather_rs') takes fewer than 2^24 slots per "
+                       f"rank (T k TP, carried as float32), got {slots}")
+    return "gather_rs"
+  if config.tensor_reduce == "per_slot":
+    return "per_slot"
+  group = ranks * tensor
+  return "gather_rs" if runs and slots < GATHER_RS_MAX_SLOTS and 4 * group <= top_k * tensor * itemsize else "per_slot"
+
+
 @dataclasses.dataclass(frozen=True)
 class RankInfo:
   """Static description of one call site: the workspace (hashable by identity), the ``CallConfig``, and
-  ``dispatch_pushers``, decided once from them (``dispatch_pushers(...)``)."""
+  ``dispatch_pushers`` and ``send_once``, decided once from them (the functions of those names)."""
 
   workspace: object  # Workspace
   config: CallConfig
   dispatch_pushers: int = dataclasses.field(init=False, compare=False)
+  send_once: bool = dataclasses.field(init=False, compare=False)
 
   def __post_init__(self):
     ws, cfg = self.workspace, self.config
@@ -61,6 +107,7 @@ class RankInfo:
     if ws.platform != "cpu":
       command_buffers.check_scheduling()
     object.__setattr__(self, "dispatch_pushers", dispatch_pushers(cfg, ws.device, ws.ranks))
+    object.__setattr__(self, "send_once", send_once(cfg, ws.ranks))
 
   def coords(self):
     """Inside shard_map: (group, rank) of this device, the operands every workspace call takes."""

@@ -5,6 +5,8 @@ Its backward pass uses the same two custom calls: ``gates * dy`` is dispatched l
 copy) and unit gates. Where the call site fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``)
 and the operands take dispatch_gemm's engine (``engines.dispatch_gemm_operands``), the forward's dispatch and GEMM1,
 and the backward's dispatch of ``gates * dy`` and ``d_out W2^T``, each run as one ``dispatch_gemm`` call.
+The forward's dispatch sends a token's row once per destination rank where the call site says so
+(``RankInfo.send_once``); the backward's sends one row per slot, since ``gates * dy`` differs per slot.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from jax_moe_overlap.plan import Plan
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm, expert_combine
 
 
-def _fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> bool:
+def fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> bool:
   """Whether a dispatch of rows x and the GEMM with w after it run as one dispatch_gemm: chosen for the call site
   (``info.dispatch_pushers``) and taken by the engine (``engines.dispatch_gemm_operands``)."""
   if info.dispatch_pushers <= 0:
@@ -32,28 +34,29 @@ def _fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> 
   return engines.dispatch_gemm_operands(info.workspace.platform, bf16, K, N, swiglu)
 
 
-def _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
+def dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
   """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D] or None, h [cap, F] in x's dtype,
   a [cap, 2F] float32 or None). keep_a: keep what the backward pass reads, x_recv and a (the forward alone needs
   neither, so without it the fused call writes neither)."""
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
-  if _fuses_dispatch(x, w1, info, swiglu=True, transpose_rhs=False):
-    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a)
-  x_recv = dispatch(x, slot_src_row, plan, cap, info)
+  if fuses_dispatch(x, w1, info, swiglu=True, transpose_rhs=False):
+    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a,
+                         send_once=info.send_once)
+  x_recv = dispatch(x, slot_src_row, plan, cap, info, send_once=info.send_once)
   return ((x_recv if keep_a else None), *expert_gemms.gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def expert_block(x, gates, w1, w2, plan: Plan, cap: int, info: RankInfo):
   """Per-rank expert block. x [T, D], gates [T, k] f32, w1 [E_local, D, 2F], w2 [E_local, F, D] -> y [T, D]."""
-  _, h, _ = _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a=False)
+  _, h, _ = dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a=False)
   y, _ = expert_combine(h, w2, gates, plan, info, want_slots=False)  # no per-slot rows without a backward pass
   return y
 
 
 def _expert_block_fwd(x, gates, w1, w2, plan, cap, info):
-  x_recv, h, a = _dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a=True)
+  x_recv, h, a = dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a=True)
   y, slot_out = expert_combine(h, w2, gates, plan, info, want_slots=True)
   return y, (x_recv, a, h, slot_out, gates, w1, w2, plan)
 
@@ -65,7 +68,7 @@ def _expert_block_bwd(cap, info, res, dy):
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   slot_rows = jnp.arange(T * k, dtype=jnp.int32)
-  if _fuses_dispatch(d_slot, w2, info, swiglu=False, transpose_rhs=True):
+  if fuses_dispatch(d_slot, w2, info, swiglu=False, transpose_rhs=True):
     # The dispatch of gates * dy with dh = d_out W2^T (float32), as the forward's dispatch with GEMM1; d_out is kept
     # for the weight gradient dW2.
     d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)

@@ -94,7 +94,7 @@ def _pow2(n: int) -> int:
 
 
 def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, d_model: int, itemsize: int,
-                capacity_factor: float | None, tensor: int = 1) -> WorkspaceSizes:
+                capacity_factor: float | None, tensor: int = 1, gather_rs: bool = False) -> WorkspaceSizes:
   """The capacities one MoE layer call needs. Every row that crosses ranks is d_model wide (tokens, their gradients,
   expert outputs): the lhs of a GEMM (F or 2F wide) never leaves its rank, so rows are d_model x itemsize bytes.
 
@@ -102,23 +102,32 @@ def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, 
   R TP devices of both axes, each holding the tensor shards of E / R experts, and each slot of a token is TP slots,
   one per shard: ``tensor_parallel.py``). A rank receives a row of an expert's shard for every row the expert
   takes, so its recv rows are those of an expert-parallel rank of the group's R TP ranks; its ret rows are its
-  T k TP slots."""
+  T k TP slots.
+
+  gather_rs: the layer sums the shards' partials with GatherRS (``call_site.tensor_reduce``): its ret rows also hold
+  the group's float32 partials of the rank's tokens (G T d_model x 4 bytes), and its recv rows the return of the
+  gates' gradient to its T k TP slots (one row per slot)."""
   group = ranks * tensor
   cap_e = plan_lib.expert_capacity(tokens_per_rank, group, top_k, num_experts, capacity_factor)
   e_local = num_experts // ranks
   cap = plan_lib.recv_capacity(tokens_per_rank, group, top_k, e_local, cap_e)
-  return WorkspaceSizes(row_bytes=d_model * itemsize, recv_rows=cap, ret_rows=tokens_per_rank * top_k * tensor,
-                        num_segments=e_local * group)
+  slots = tokens_per_rank * top_k * tensor
+  recv, ret = cap, slots
+  if gather_rs:
+    recv = max(cap, slots)
+    ret = max(slots, -(-group * tokens_per_rank * 4 // itemsize))
+  return WorkspaceSizes(row_bytes=d_model * itemsize, recv_rows=recv, ret_rows=ret, num_segments=e_local * group)
 
 
 def workspace_bytes(tokens: int, d_model: int, top_k: int, num_experts: int, *, ranks: int, dtype="float32",
-                    capacity_factor: float | None = None, token_shards: int | None = None, tensor: int = 1) -> int:
+                    capacity_factor: float | None = None, token_shards: int | None = None, tensor: int = 1,
+                    gather_rs: bool = False) -> int:
   """Bytes per rank of the workspace that ``moe_experts`` allocates for a layer call of this shape (after rounding
   up to its bucket), for planning memory before anything runs.
 
   tokens: T of the call (global); ranks: size of the expert axis; tensor: size of the tensor axis (expert tensor
   parallelism); token_shards: devices the tokens are split over (ranks x tensor x the batch axes' sizes; default
-  ranks x tensor).
+  ranks x tensor); gather_rs: the call sums its tensor shards' partials by GatherRS (``call_site.tensor_reduce``).
   """
   shards = ranks * tensor if token_shards is None else token_shards
   if tokens % shards or num_experts % ranks:
@@ -126,7 +135,7 @@ def workspace_bytes(tokens: int, d_model: int, top_k: int, num_experts: int, *, 
                      "ranks must split evenly")
   itemsize = np.dtype(dtype).itemsize
   return layer_sizes(tokens // shards, ranks, top_k, num_experts, d_model, itemsize, capacity_factor,
-                     tensor).bucket().bytes_per_rank()
+                     tensor, gather_rs).bucket().bytes_per_rank()
 
 
 class Workspace:

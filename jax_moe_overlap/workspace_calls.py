@@ -5,7 +5,8 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   workspace's groups span processes the custom call ``exchange_counts`` through the workspace, whose waits are
   bounded like the others'.
 * ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
-  rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero).
+  rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero). With ``send_once`` a
+  token's row crosses to each rank once and the receiver fills its other slots' rows from it.
 * ``dispatch_gemm(src, slot_src_row, w, plan, ...)``: the dispatch and the GEMM after it in one call, each GEMM tile
   starting once its rows have arrived.
 * ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
@@ -13,6 +14,10 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   finished band; the consumer ships each band back to its source rank; the source combines
   ``y[t] = sum_j gates[t, j] * out[slot(t, j)]`` in the fixed order ``j = 0..k-1``. Returns ``y [T, N]`` and, when
   asked, the per-slot outputs ``[T*k, N]`` (for the gates' gradient).
+* ``gather_rs(lhs, w, row_gate, token_rows, plan, ...)``: GEMM2 + GatherRS. The producer as expert_combine's; the
+  consumer sums each source's tokens' gated rows here (the top-k gather-reduce) into a dense float32 partial and
+  ships it to the source; each rank sums the group's partials of its tokens in rank order. Returns ``y [T, N]`` and,
+  when asked, the GEMM's rows ``[cap, N]`` (for the gates' gradient).
 """
 
 from __future__ import annotations
@@ -67,18 +72,26 @@ def exchange_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
                          counts.astype(jnp.int32), group, rank, **info.attrs())
 
 
-def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:
-  """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank))."""
+def slot_primary(plan: Plan, send_once: bool) -> jax.Array:
+  """The dispatch's slot_primary operand: the plan's (a row crosses to each rank once: ``slot_src_row`` must give
+  every slot of a token the same source row, as the forward's token rows do) or [0] (one row per slot)."""
+  return plan.slot_primary if send_once else jnp.zeros((0,), jnp.int32)
+
+
+def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
+             send_once: bool = False) -> jax.Array:
+  """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank)). send_once: a token's
+  row crosses to each other rank once (``slot_primary``); the result is the same."""
   _ffi.register()
   group, rank = info.coords()
   return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
                          src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
-                         group, rank, **info.attrs())
+                         slot_primary(plan, send_once), group, rank, **info.attrs())
 
 
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
                   transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
-                  keep_a: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
+                  keep_a: bool = False, send_once: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
   """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
 
   Args:
@@ -88,6 +101,7 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
       SwiGLU in float32 to the float32 preactivation.
     keep_recv: also return the recv rows (the backward pass reads them; the inference forward does not).
     keep_a: with ``swiglu``, also return the preactivation (for the backward pass).
+    send_once: as ``dispatch``'s (the receiver fills a token's other rows before the GEMM tiles that read them).
   Returns:
     (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
     out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
@@ -116,18 +130,20 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
   out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
   out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
                jax.ShapeDtypeStruct((cap if keep_a else 0, N), jnp.float32))
-  x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu)
+  x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu,
+                                       send_once)
   return (x_recv if keep_recv else None), out, (a if keep_a else None)
 
 
 def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_types, transpose_rhs: bool,
-                        swiglu: bool):
+                        swiglu: bool, send_once: bool = False):
   """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a): unchecked here, so that
   the tests reach the handlers' own shape checks."""
   _ffi.register()
   group, rank = info.coords()
   return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
-                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
+                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, slot_primary(plan, send_once),
+                         plan.send_order, plan.send_start,
                          plan.seg_rows, plan.seg_ret_off, w, group, rank, transpose_rhs=np.bool_(transpose_rhs),
                          swiglu=np.bool_(swiglu), **info.attrs())
 
@@ -152,4 +168,27 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
                jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
   return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, gates.astype(jnp.float32), plan.seg_rows,
                          plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows, group, rank,
+                         transpose_rhs=np.bool_(transpose_rhs), **info.attrs())
+
+
+def gather_rs(lhs: jax.Array, w: jax.Array, row_gate: jax.Array, token_rows: jax.Array, plan: Plan, info: RankInfo,
+              want_rows: bool, transpose_rhs: bool = False) -> tuple[jax.Array, jax.Array]:
+  """lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with ``transpose_rhs``), row_gate [cap] float32 (the gate of
+  each recv row), token_rows [R, T, Q] int32 (the recv row of slot q of source s's token t here, -1: none) ->
+  (y [T, N], rows [cap or 0, N]), all in lhs's dtype but row_gate.
+
+  y[t] = sum over the group's ranks g in order 0, 1, ..., R - 1 of g's partial sum_q row_gate[i] * (lhs[i] @
+  w[expert of i]) for i = g's token_rows[this rank, t, q], each partial float32, the GEMM's rows rounded to lhs's
+  dtype first (as expert_combine's). ``want_rows``: also the GEMM's rows (recv rows outside the segments zero)."""
+  _ffi.register()
+  group, rank = info.coords()
+  K, N = (w.shape[2], w.shape[1]) if transpose_rhs else (w.shape[1], w.shape[2])
+  if lhs.ndim != 2 or w.ndim != 3 or lhs.shape[1] != K or token_rows.ndim != 3:
+    raise ValueError(f"jax_moe_overlap: gather_rs: lhs {lhs.shape}, w {w.shape} and token_rows {token_rows.shape} do "
+                     f"not fit lhs [cap, K], w {'[E_local, N, K]' if transpose_rhs else '[E_local, K, N]'}, "
+                     "token_rows [R, T, Q]")
+  cap, T = lhs.shape[0], token_rows.shape[1]
+  out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype), jax.ShapeDtypeStruct((cap if want_rows else 0, N), lhs.dtype))
+  return _workspace_call(info, _ffi.GATHER_RS, out_types, lhs, w, row_gate.astype(jnp.float32),
+                         token_rows.astype(jnp.int32), plan.seg_rows, plan.seg_ret_off, group, rank,
                          transpose_rhs=np.bool_(transpose_rhs), **info.attrs())

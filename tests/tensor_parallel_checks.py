@@ -64,13 +64,13 @@ def _readout(y):
 
 
 @functools.lru_cache(maxsize=None)
-def layer_program(mesh, impl: str, batch_axes: tuple, cf, view: bool):
+def layer_program(mesh, impl: str, batch_axes: tuple, cf, view: bool, config: jmo.CallConfig = jmo.CallConfig()):
   """Jitted (x, ids, gates, w1, w2) -> ((loss, (y, dropped)), grads wrt x, gates, w1, w2) of the layer with
-  tensor_axis="tensor" (w1 given as its [E, D, 2, F] view with ``view``); the routing is an argument, so one
-  compilation serves every routing of a shape."""
+  tensor_axis="tensor" (w1 given as its [E, D, 2, F] view with ``view``) and the custom calls' ``config``; the
+  routing is an argument, so one compilation serves every routing of a shape."""
   def loss(x, gates, w1, w2, ids):
     y, dropped = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=cf, impl=impl,
-                                 batch_axes=batch_axes, tensor_axis="tensor")
+                                 batch_axes=batch_axes, tensor_axis="tensor", config=config)
     return _readout(y), (y, dropped)
 
   grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
@@ -99,14 +99,15 @@ def _placed(mesh, batch_axes, x, ids, gates, w1, w2, view: bool):
 
 
 def check_matches_oracle(shape: dict[str, int], impl: str, kinds=("skewed", "empty_experts", "skipped"), cf=None,
-                         batch_axes=(), tokens=64, seed=0, explicit=False, view=True) -> list[int]:
+                         batch_axes=(), tokens=64, seed=0, explicit=False, view=True,
+                         config: jmo.CallConfig = jmo.CallConfig()) -> list[int]:
   """The layer (mesh ``shape`` with axes "expert", "tensor" and the batch axes) against the oracle for each routing
   of ``kinds``: y, dropped and the gradients wrt x, gates, w1, w2; y sharded as x (each device its own T / devices
   tokens). Returns the dropped counts."""
   mesh = mesh_of_shape(shape, explicit)
   groups = math.prod(shape[a] for a in batch_axes)
   group_ranks = shape["expert"] * shape["tensor"]
-  run = layer_program(mesh, impl, tuple(batch_axes), cf, view)
+  run = layer_program(mesh, impl, tuple(batch_axes), cf, view, config)
   ref = _oracle_program(groups, group_ranks, cf)
   drops = []
   for i, kind in enumerate(kinds):
@@ -114,7 +115,7 @@ def check_matches_oracle(shape: dict[str, int], impl: str, kinds=("skewed", "emp
     args = _placed(mesh, batch_axes, x, ids, gates, w1, w2, view)
     (_, (y, dropped)), grads = run(*args)
     (_, (y_ref, dropped_ref)), grads_ref = ref(x, gates, w1, w2, ids)
-    what = f"{shape} {impl} {kind} cf={cf}"
+    what = f"{shape} {impl} {kind} cf={cf} {config.tensor_reduce}"
     assert float(jnp.max(jnp.abs(y_ref))) > 0.1, what
     assert int(dropped) == int(dropped_ref), (what, int(dropped), int(dropped_ref))
     assert y.sharding.is_equivalent_to(args[0].sharding, 2), (what, y.sharding, args[0].sharding)
@@ -129,10 +130,10 @@ def check_matches_oracle(shape: dict[str, int], impl: str, kinds=("skewed", "emp
 
 
 def check_repeatable(shape: dict[str, int], impl: str, calls: int = 5, cf=0.5, batch_axes=(), tokens=64, seed=9,
-                     devices=None):
+                     devices=None, config: jmo.CallConfig = jmo.CallConfig()):
   """``calls`` calls of the layer's forward and gradients on the same inputs: every output bitwise equal."""
   mesh = mesh_of_shape(shape, devices=devices)
-  run = layer_program(mesh, impl, tuple(batch_axes), cf, True)
+  run = layer_program(mesh, impl, tuple(batch_axes), cf, True, config)
   args = _placed(mesh, batch_axes, *routing_inputs(tokens, "skipped", seed), True)
   first = [np.asarray(a).tobytes() for a in jax.tree.leaves(run(*args))]
   for i in range(calls - 1):
@@ -141,18 +142,19 @@ def check_repeatable(shape: dict[str, int], impl: str, calls: int = 5, cf=0.5, b
 
 
 def check_bfloat16(shape: dict[str, int], kind="skipped", cf=None, tokens=64, d=D, f=F, seed=13, tol=1e-2,
-                   devices=None):
-  """The overlap layer in bfloat16 (the shards' partial outputs cross in bfloat16) against the float32 oracle on the
-  same bf16-rounded inputs: y and the gradients within ``tol`` relative error, every output computed into a buffer
-  of NaN (``layer_checks.Poisoned``), so that an element the custom calls leave unwritten shows. Returns the
-  relative errors."""
+                   devices=None, config: jmo.CallConfig = jmo.CallConfig()):
+  """The overlap layer in bfloat16 (the shards' partial outputs cross in bfloat16, or with GatherRS in float32)
+  against the float32 oracle on the same bf16-rounded inputs: y and the gradients within ``tol`` relative error,
+  every output computed into a buffer of NaN (``layer_checks.Poisoned``), so that an element the custom calls leave
+  unwritten shows. Returns the relative errors."""
   mesh = mesh_of_shape(shape, devices=devices)
   x, ids, gates, w1, w2 = routing_inputs(tokens, kind, seed, d, f)
   x, w1, w2 = (a.astype(jnp.bfloat16) for a in (x, w1, w2))
   target = jnp.asarray(np.random.default_rng(seed).standard_normal(x.shape), jnp.float32)
 
   def loss(x, gates, w1, w2):
-    y, dropped = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=cf, tensor_axis="tensor")
+    y, dropped = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=cf, tensor_axis="tensor",
+                                 config=config)
     return jnp.sum(y.astype(jnp.float32) * target), (y, dropped)
 
   tokens_spec = jax.P(("expert", "tensor"))
@@ -177,5 +179,5 @@ def check_bfloat16(shape: dict[str, int], kind="skipped", cf=None, tokens=64, d=
     errs[name] = rel_err(a, b)
   assert all(v < tol for v in errs.values()), errs
   assert run.aliased == run.buffers, f"only {run.aliased} of {run.buffers} outputs were computed into the poison"
-  print(f"{shape} bfloat16 {kind} cf={cf} dropped={int(dropped)}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+  print(f"{shape} bfloat16 {kind} cf={cf} {config.tensor_reduce} dropped={int(dropped)}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
   return errs

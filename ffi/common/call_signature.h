@@ -15,11 +15,15 @@
 namespace jmo {
 
 // The operands a dispatch starts with: src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1:
-// dropped), recv_rows_expected [].
+// dropped), recv_rows_expected [], slot_primary [P] or [0]. slot_primary [P] sends each row once per destination
+// rank (protocol.h, "Send once"): a kept slot routed to another rank whose slot_primary names another slot takes
+// that slot's row on the destination (the primary: a kept slot of the same source row and destination, earlier in the
+// send order, its own primary) instead of a row of its own; [0]: every slot sends its own row.
 template <typename Binding>
 auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be moved into a parameter)
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
@@ -92,6 +96,31 @@ auto BindExpertCombine(Binding b) {
       .template Attrs<ExpertCombineAttrs>();
 }
 
+// gather_rs(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), row_gate [cap] f32,
+//           token_rows [R, T, Q] int32, seg_rows [E_local, R], seg_ret_off [E_local, R], group [], rank [])
+//   -> y [T, N], rows [cap or 0, N]
+// GEMM2 with the top-k gather-reduce and a reduce-scatter over the group (docs/design.md, "GatherRS"): the producer
+// as expert_combine's; token_rows[s, t, q] is the recv row holding the q-th slot of source s's token t on this rank
+// (-1: none here), row_gate[i] the gate of recv row i. y[t] = sum over the group's ranks g = 0, 1, ..., R - 1 of
+// rank g's float32 partial sum_q row_gate[i] * out[i] (i = token_rows[this rank, t, q] on g). rows: the GEMM's
+// output rows in lhs's dtype (recv rows outside the segments zero), kept for the gates' gradient; [0, N]: not kept.
+// Attributes (ExpertCombineAttrs): those of every call, then transpose_rhs.
+template <typename Binding>
+auto BindGatherRs(Binding b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attrs<ExpertCombineAttrs>();
+}
+
 // exchange_counts(counts [R_dst, E_local] int32, group [], rank []) -> counts_all [R_src, R_dst, E_local] int32
 // Attributes: those of every call. The count exchange of groups whose ranks span processes (protocol.h).
 template <typename Binding>
@@ -129,12 +158,14 @@ std::string DimsText(const Dims& d) {
 struct DispatchShape {
   DType dtype;
   int64_t S, D, cap, P;  // src rows, row width, recv capacity, slots
+  bool send_once;        // slot_primary has P entries (else 0)
 };
 
 inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer& src,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& slot_primary,
                                                       const xla::ffi::AnyBuffer& out) {
   const std::optional<DType> dt = DTypeOf(src.element_type());
   if (!dt || out.element_type() != src.element_type())
@@ -146,7 +177,9 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
   const int64_t P = slot_src_row.element_count();
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
-  return DispatchShape{*dt, sd[0], sd[1], od[0], P};
+  if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
+    return xla::ffi::Unexpected(InvalidCall("dispatch: slot_primary must be [P] (send once) or [0]"));
+  return DispatchShape{*dt, sd[0], sd[1], od[0], P, P > 0 && slot_primary.element_count() == P};
 }
 
 struct DispatchGemmShape {
@@ -162,6 +195,7 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
+                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_primary,
                                                               const xla::ffi::AnyBuffer& w,
                                                               const xla::ffi::AnyBuffer& x_recv,
                                                               const xla::ffi::AnyBuffer& out,
@@ -183,6 +217,8 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
   const int64_t P = slot_src_row.element_count();
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return Unexpected(InvalidCall("dispatch_gemm: slot arrays must have equal length"));
+  if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
+    return Unexpected(InvalidCall("dispatch_gemm: slot_primary must be [P] (send once) or [0]"));
   const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
   const bool ranks_ok = sd.size() == 2 && wd.size() == 3 && xd.size() == 2 && od.size() == 2 && ad.size() == 2;
   const int64_t D = ranks_ok ? sd[1] : 0, N = ranks_ok ? wd[wn] : 0, cap = ranks_ok ? od[0] : 0;
@@ -196,7 +232,7 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
         (swiglu ? "out [cap, N / 2] and a [cap or 0, N] (swiglu)" : "out [cap, N] and a [0, N]") + "; got src " +
         DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
         DimsText(ad)));
-  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P}, wd[0], N, xd[0] == cap && cap > 0,
+  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P, P > 0 && slot_primary.element_count() == P}, wd[0], N, xd[0] == cap && cap > 0,
                            swiglu && ad[0] == cap && cap > 0};
 }
 
@@ -277,6 +313,43 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
 inline xla::ffi::Error CheckExpertCombinePlan(const CombineShape& s, int64_t R) {
   if (s.R != R) return InvalidCall("expert_combine: seg_rows must be [E_local, R] with R = workspace ranks");
   return xla::ffi::Error::Success();
+}
+
+struct GatherRsShape {
+  DType dtype;
+  int64_t cap, K, E_local, N, T, Q, R;  // R: seg_rows' columns and token_rows' sources (the workspace's ranks)
+  bool want_rows;                       // rows has cap rows (else 0)
+};
+
+// gather_rs's operands and results (BindGatherRs); each error names the shapes it got.
+inline xla::ffi::ErrorOr<GatherRsShape> CheckGatherRs(const xla::ffi::AnyBuffer& lhs, const xla::ffi::AnyBuffer& w,
+                                                      const xla::ffi::Buffer<xla::ffi::F32>& row_gate,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& token_rows,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& seg_rows,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& seg_ret_off,
+                                                      const xla::ffi::AnyBuffer& y, const xla::ffi::AnyBuffer& rows,
+                                                      bool transpose_rhs) {
+  using xla::ffi::Unexpected;
+  const xla::ffi::DataType xt = lhs.element_type();
+  const std::optional<DType> dt = DTypeOf(xt);
+  if (!dt || w.element_type() != xt || y.element_type() != xt || rows.element_type() != xt)
+    return Unexpected(InvalidCall("gather_rs: lhs, w and outputs must share one dtype, " + DTypeNames()));
+  auto ld = lhs.dimensions(), wd = w.dimensions(), td = token_rows.dimensions(), yd = y.dimensions(),
+       sd = seg_rows.dimensions(), rd = rows.dimensions();
+  const char* w_layout = transpose_rhs ? "w [E_local, N, K] (transpose_rhs)" : "w [E_local, K, N]";
+  const bool ranks_ok = ld.size() == 2 && wd.size() == 3 && td.size() == 3 && yd.size() == 2 && sd.size() == 2 &&
+                        rd.size() == 2;
+  const int64_t w_k = ranks_ok ? (transpose_rhs ? wd[2] : wd[1]) : 0, w_n = ranks_ok ? (transpose_rhs ? wd[1] : wd[2]) : 0;
+  const bool ok = ranks_ok && w_k == ld[1] && yd[1] == w_n && td[1] == yd[0] && sd[0] == wd[0] && sd[1] == td[0] &&
+                  row_gate.element_count() == ld[0] && seg_ret_off.element_count() == seg_rows.element_count() &&
+                  rd[1] == w_n && (rd[0] == ld[0] || rd[0] == 0);
+  if (!ok)
+    return Unexpected(InvalidCall(std::string("gather_rs: expected lhs [cap, K], ") + w_layout +
+                                  ", row_gate [cap], token_rows [R, T, Q], seg_rows and seg_ret_off [E_local, R], "
+                                  "y [T, N], rows [cap or 0, N]; got lhs " + DimsText(ld) + ", w " + DimsText(wd) +
+                                  ", row_gate " + DimsText(row_gate.dimensions()) + ", token_rows " + DimsText(td) +
+                                  ", seg_rows " + DimsText(sd) + ", y " + DimsText(yd) + ", rows " + DimsText(rd)));
+  return GatherRsShape{*dt, ld[0], ld[1], wd[0], w_n, yd[0], td[2], td[0], rd[0] != 0 && ld[0] > 0};
 }
 
 }  // namespace jmo

@@ -257,4 +257,7 @@ XLA_FFI_Error* JmoDispatchGemmCpu(XLA_FFI_CallFrame* frame) {
 XLA_FFI_Error* JmoExchangeCountsCpu(XLA_FFI_CallFrame* frame) {
   return jmo::cpu::CallOffXlaThreads(JmoExchangeCountsCpuBody, frame);
 }
+XLA_FFI_Error* JmoGatherRsCpu(XLA_FFI_CallFrame* frame) {
+  return jmo::cpu::CallOffXlaThreads(JmoGatherRsCpuBody, frame);
+}
 }

@@ -14,6 +14,7 @@
 #include "common/error_text.h"
 #include "common/workspace_fit.h"
 #include "cpu/call_steps.h"
+#include "cpu/segment_producer.h"
 #include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,27 +24,17 @@ namespace ffi = xla::ffi;
 namespace jmo::cpu {
 namespace {
 
-template <typename T>
-struct Elem;
-template <>
-struct Elem<float> {
-  static float Load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
-  static void Store(void* p, int64_t i, float v) { static_cast<float*>(p)[i] = v; }
-};
-template <>
-struct Elem<uint16_t> {
-  static float Load(const void* p, int64_t i) { return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]); }
-  static void Store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = FloatToBf16(v); }
-};
-
 // ---------------------------------------------------------------------------------------------------------------
-// dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out.
+// dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out. With
+// send once (slot_primary [P]) a source row crosses to another rank once (its primary slot's), with every slot's
+// recv_from entry, and the copy out gathers each row from the row its entry names (protocol.h).
 
 ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
-                        ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
-                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
-  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+                        ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> slot_primary,
+                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                        ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, *out);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->S, cap = shape->cap, P = shape->P;
   const int64_t row_bytes = RowBytes(shape->dtype, shape->D);
@@ -60,6 +51,10 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   const int64_t expected = recv_rows_expected.typed_data()[0];
   if (expected < 0 || expected > cap) return FailInput(c, "dispatch", kBadExpectedRows, 0, expected, cap);
   if (ffi::Error err = CheckSlots(c, "dispatch", src_row, dst_rank, dst_row, P, S, cap); err.failure()) return err;
+  const int32_t* primary = shape->send_once ? slot_primary.typed_data() : nullptr;
+  if (primary != nullptr)
+    if (ffi::Error err = CheckPrimaries(c, "dispatch", src_row, dst_rank, dst_row, primary, P); err.failure())
+      return err;
 
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
   // A group of one rank stores its rows straight into the output (protocol.h: no recv rows, no copy).
@@ -74,48 +69,19 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
       if (dst_row[p] < 0 || dst_rank[p] != d) continue;
-      std::memcpy(rows + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, row_bytes);
-      ++sent;
+      MoveSlot(c, peer, d, p, src_bytes, row_bytes, src_row, dst_row, primary, rows);
+      ++sent;  // every kept slot, sent once or not: the receiver's plan counts slots
     }
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
   }
 
   return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), direct != nullptr,
-                     /*zero_padding=*/true);
+                     /*zero_padding=*/true, /*gather=*/primary != nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // expert_combine: producer = grouped GEMM over the (expert, source) segments, remote first, one ready flag per
 // band; consumer thread = pushes bands to their source ranks; then combine this rank's returned rows.
-
-// w[e] is [K, N], or with transpose_rhs [N, K] read as its transpose: element (k, n) at k * w_k + n * w_n. The sums
-// run in the same order either way, so the transposed call equals the plain one on the transposed weights bit for bit.
-template <typename T>
-void ProduceSegments(const std::vector<Segment>& order, const void* lhs, const void* w, int64_t K, int64_t N,
-                     bool transpose_rhs, const RankView& self, uint64_t epoch) {
-  const int64_t w_k = transpose_rhs ? 1 : N, w_n = transpose_rhs ? K : 1;
-  std::vector<float> acc(N);
-  for (const Segment& seg : order) {
-    const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
-    const int64_t w_off = static_cast<int64_t>(seg.expert) * K * N;
-    for (int64_t b = 0; b < bands; ++b) {
-      const int64_t r0 = seg.recv_off + b * kBandRows;
-      const int64_t r1 = seg.recv_off + std::min<int64_t>(seg.rows, (b + 1) * kBandRows);
-      for (int64_t i = r0; i < r1; ++i) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k = 0; k < K; ++k) {
-          const float a = Elem<T>::Load(lhs, i * K + k);
-          if (a == 0.f) continue;
-          const int64_t wrow = w_off + k * w_k;
-          for (int64_t n = 0; n < N; ++n) acc[n] += a * Elem<T>::Load(w, wrow + n * w_n);
-        }
-        for (int64_t n = 0; n < N; ++n) Elem<T>::Store(self.stage(), i * N + n, acc[n]);
-      }
-      // The band is stored: publish it (release) so the consumer may ship it.
-      AtomicStore(&self.tile_ready()[seg.band_base + b], epoch);
-    }
-  }
-}
 
 template <typename T>
 void CombineRows(const RankView& self, const float* gates, const int32_t* slot_ret_row, int64_t T_, int64_t k,
@@ -165,20 +131,11 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   const int R = ws->ranks();
   if (ffi::Error e = CheckExpertCombinePlan(*shape, R); e.failure()) return Fail(c, std::move(e));
 
-  // Segments in (expert, source) order, as the plan laid out recv; then the producer's order.
   std::vector<int64_t> rows_to_rank;
-  auto recv_segs = RecvSegments(c, "expert_combine", seg_rows.typed_data(), seg_ret_off.typed_data(), E_l, cap,
-                                &rows_to_rank);
-  if (recv_segs.has_error()) return recv_segs.error();
-  const std::vector<Segment>& segs = *recv_segs;
-  const int64_t band = segs.empty() ? 0 : segs.back().band_base + (segs.back().rows + kBandRows - 1) / kBandRows;
-  if (band > ws->sizes().max_bands)
-    return FailInput(c, "expert_combine", kBadTooManyTiles, 0, band, ws->sizes().max_bands);
-  std::vector<int> order(segs.size());
-  OrderSegments(segs.data(), static_cast<int>(segs.size()), c.rank, rows_to_rank.data(), order.data());
-  std::vector<Segment> ordered;
-  for (int i : order)
-    if (segs[i].rows > 0) ordered.push_back(segs[i]);
+  auto producer_segs = ProducerSegments(c, "expert_combine", seg_rows.typed_data(), seg_ret_off.typed_data(), E_l,
+                                        cap, &rows_to_rank);
+  if (producer_segs.has_error()) return producer_segs.error();
+  std::vector<Segment>& ordered = *producer_segs;
 
   RankView self = ws->view(c.group, c.rank);
   // "Launch" the consumer first, as the CUDA side launches the communication kernel first on its own SMs.

@@ -9,12 +9,16 @@ XLA_FFI_Error* JmoDispatchCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExpertCombineCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoDispatchGemmCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExchangeCountsCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGatherRsCpu(XLA_FFI_CallFrame* frame);
 // Their synchronous handlers, which wait for the peers on the calling thread.
 XLA_FFI_Error* JmoDispatchCpuBody(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExpertCombineCpuBody(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoDispatchGemmCpuBody(XLA_FFI_CallFrame* frame);  // dispatch_gemm.cc
 XLA_FFI_Error* JmoExchangeCountsCpuBody(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGatherRsCpuBody(XLA_FFI_CallFrame* frame);  // gather_rs.cc
 XLA_FFI_Error* JmoGroupedMatmulCpu(XLA_FFI_CallFrame* frame);  // grouped_gemm.cc
 XLA_FFI_Error* JmoGroupedOuterCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulSwiGluCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulSwiGluGradCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulFp8Cpu(XLA_FFI_CallFrame* frame);
 }

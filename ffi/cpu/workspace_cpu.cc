@@ -74,7 +74,9 @@ void Consumer::Loop() {
     ErrorRecord err{};
     RankView self = ws_->view(job.group, job.rank);
     const int64_t row_bytes = job.row_bytes;
-    if (job.serialize) {
+    if (job.run) {
+      err = job.run();  // such a job posts no segments: the band copy below ships nothing
+    } else if (job.serialize) {
       // The producer publishes bands in this order; wait for every one of them before the first push.
       for (const Segment& seg : job.segments) {
         const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;

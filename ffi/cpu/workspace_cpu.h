@@ -47,6 +47,10 @@ struct ConsumerJob {
   Clock::time_point deadline;
   int64_t timeout_ms = 0;         // the bound behind `deadline`, for error records
   bool serialize = false;         // push nothing before every band of the call is ready (the no-overlap baseline)
+  // A call whose consumer does other work than shipping bands (gather_rs: reduce, then ship per source) posts it
+  // here; the consumer thread runs it in place of the band copy and returns its record. Its waits must be bounded
+  // by `deadline`, as the band copy's are.
+  std::function<ErrorRecord()> run;
 };
 
 class Workspace;

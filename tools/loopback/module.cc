@@ -122,6 +122,7 @@ RankInputs ParseInputs(const nb::dict& d, std::vector<HostArray>* keep) {
   in.expert_rows = ArrayBytes(d, "expert_rows", keep);
   in.send_order = ArrayBytes(d, "send_order", keep);
   in.send_start = ArrayBytes(d, "send_start", keep);
+  in.slot_primary = ArrayBytes(d, "slot_primary", keep);
   return in;
 }
 

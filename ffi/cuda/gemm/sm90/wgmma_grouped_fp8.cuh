@@ -72,7 +72,7 @@ inline const char* GroupedGemmFp8Refusal(int64_t M, int64_t K, int64_t N, int64_
 
 // The three tensor maps of Fp8BlockScaledOperands, behind CachedMapSet (32 entries): A [M, K] e4m3 as (K, M) box
 // (128, 128); B [G, N, K] e4m3 as (K, N, G) box (128, 128, 1), both 128B swizzled; the A scales [K/128, ld] float32
-// as (M, K/128) box (128, 1), unswizzled. All with OOB zero fill.
+// as (M, K/128) box (kFp8SaRows = 132, 1), unswizzled. All with OOB zero fill.
 inline cudaError_t CachedFp8Maps(const void* a, const float* sa, int64_t sa_ld, int64_t M, int64_t K, const void* b,
                                  int64_t G, int64_t N, CUtensorMap* maps) {
   struct Key {
@@ -92,7 +92,7 @@ inline cudaError_t CachedFp8Maps(const void* a, const float* sa, int64_t sa_ld, 
     const cuuint32_t b_box[3] = {kFp8BK, kBN / 2, 1};
     const cuuint64_t s_dims[2] = {(cuuint64_t)M, (cuuint64_t)(K / kScaleChunk)};
     const cuuint64_t s_strides[1] = {(cuuint64_t)sa_ld * sizeof(float)};
-    const cuuint32_t s_box[2] = {kBM, 1};
+    const cuuint32_t s_box[2] = {kFp8SaRows, 1};
     if (!EncodeMap(&m[0], a, 2, a_dims, a_strides, a_box, "e4m3 A [M, K]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
         !EncodeMap(&m[1], b, 3, b_dims, b_strides, b_box, "e4m3 B [G, N, K]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
         !EncodeMap(&m[2], sa, 2, s_dims, s_strides, s_box, "A scales [K/128, ld]", CU_TENSOR_MAP_DATA_TYPE_FLOAT32,

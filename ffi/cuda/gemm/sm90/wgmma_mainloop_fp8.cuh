@@ -13,10 +13,13 @@
 //   A slot  128 rows x 128 B (16 KB), TMA box (128, 128) of a 2D map (K, rows), 128B swizzle, OOB zero fill;
 //   B slot  two boxes of 128 rows x 128 B (32 KB): rows n0.. and n_hi.. of B[b_idx], box (128, 128, 1) of a 3D map
 //           (K, N, G), 128B swizzle, OOB zero fill (a tile's second half past N is zeros);
-//   extra   sa's 128 floats of the tile's rows for the chunk (512 B, TMA box (128, 1) of a 2D map (rows, K/128), rows
-//           past the map's end zero), then sb's 2 floats (the block of each half; by cp.async, whose completion the
-//           full barrier counts as one more pending arrival, so that the barrier's arrival count stays 1).
-//   The full barrier's transaction bytes: 16 KB + 32 KB + 512 B.
+//   extra   sa's floats of the chunk for rows a_row & ~3 .. (a_row & ~3) + 131 (528 B, TMA box (132, 1) of a 2D map
+//           (rows, K/128), rows past the map's end zero): a TMA box's first element in the innermost dimension must
+//           be 16-byte aligned, and a group's first row (a_row) is any row, so the box starts at the 4-row boundary
+//           below it and the consumers read row r of the tile at r + (a_row & 3). Then sb's 2 floats (the block of
+//           each half; by cp.async, whose completion the full barrier counts as one more pending arrival, so that
+//           the barrier's arrival count stays 1).
+//   The full barrier's transaction bytes: 16 KB + 32 KB + 528 B.
 //
 // ---- Promotion (DeepSeek-V3 section 3.3.2; as DeepGEMM's sm90 FP8 GEMM does it) -----------------------------------
 // FP8 wgmma (m64nNk32 .e4m3.e4m3 .f32) keeps only about 14 bits of its sum, so a chunk's partial sums leave the
@@ -39,10 +42,12 @@ namespace wgmma_gemm {
 
 constexpr int kFp8BK = 128;        // e4m3 K elements per stage (128 bytes, one 128B swizzle row)
 constexpr int kScaleChunk = 128;   // K elements per scale (A's 1 x 128 tiles, B's 128 x 128 blocks)
-constexpr int kFp8SaBytes = kBM * 4;                            // sa of the stage's 128 rows
-constexpr int kFp8ExtraBytes = kFp8SaBytes + 128;               // + sb (2 floats), padded to 128-byte slots
+constexpr int kFp8SaRows = kBM + 4;  // the tile's 128 rows from the 4-row boundary below them
+constexpr int kFp8SaBytes = kFp8SaRows * 4;  // sa of those rows (a multiple of 16: a TMA box row)
+constexpr int kFp8ExtraBytes = (kFp8SaBytes + 8 + 127) / 128 * 128;  // + sb (2 floats), padded to 128-byte slots
 constexpr int kFp8TxBytes = kABytes + kBBytes + kFp8SaBytes;    // what TMA brings per stage
 static_assert(kFp8BK * 1 == kBK * kElemBytes, "an e4m3 stage has the bf16 stage's byte geometry");
+static_assert(kFp8SaBytes % 16 == 0, "sa is whole 16-byte TMA box rows (and sb after it 8-byte aligned)");
 static_assert(kFp8BK == kScaleChunk, "one stage is one scale chunk: the promotion happens once per stage");
 static_assert(kScaleChunk == 1 << 7, "LoadStage divides column indices by 128 with a shift");
 
@@ -64,7 +69,7 @@ __device__ __forceinline__ void Wgmma64x128E4m3(float* d, uint64_t desc_a, uint6
 struct Fp8BlockScaledOperands {
   const CUtensorMap* a_map;   // A [rows, K] e4m3: 2D (K, rows), box (128, 128), 128B swizzle
   const CUtensorMap* b_map;   // B [G, N, K] e4m3: 3D (K, N, G), box (128, 128, 1), 128B swizzle
-  const CUtensorMap* sa_map;  // sa [K/128, lds] float32: 2D (rows, K/128), box (128, 1), no swizzle
+  const CUtensorMap* sa_map;  // sa [K/128, lds] float32: 2D (rows, K/128), box (kFp8SaRows, 1), no swizzle
   const float* sb;            // sb [G, N/128, K/128] float32
   int n_blocks;               // N / 128
   int k_chunks;               // K / 128
@@ -93,22 +98,24 @@ struct Fp8BlockScaledOperands {
     CpAsyncMbarArrive(fb);
     MbarArriveExpectTx(fb, kFp8TxBytes);  // OOB parts of a box are zero-filled and still counted
     TmaLoad2D(a_dst, a_map, fb, kt * kBK, t.a_row);
-    TmaLoad2D(x_addr, sa_map, fb, t.a_row, kt);
+    TmaLoad2D(x_addr, sa_map, fb, t.a_row & ~3, kt);  // (the 16-byte aligned box start: header)
     TmaLoad3D(b_dst, b_map, fb, kt * kBK, t.n0, t.b_idx);
     TmaLoad3D(b_dst + kBBytes / 2, b_map, fb, kt * kBK, t.n_hi, t.b_idx);
   }
 
   template <class Ring>
-  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, int c, int wq, int lane, int ktiles) const {
+  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, const TileCoords& t, int c, int wq, int lane,
+                                           int ktiles) const {
     float part[64];
     const int row = c * 64 + wq * 16 + lane / 4;  // the thread's rows of the tile: row and row + 8
+    const int sa_row = row + (t.a_row & 3);       // its place in the stage's sa (the box starts at a_row & ~3)
 #pragma unroll
     for (int j = 0; j < 128; ++j) acc[j] = 0.f;
     for (int kt = 0; kt < ktiles; ++kt) {
       if (kt > 0) ring.WaitFull();
       const int s = ring.stage;
       const uint32_t x = SmemAddr(ring.X(s));
-      const float sa_lo = LdSharedF32(x + row * 4), sa_hi = LdSharedF32(x + (row + 8) * 4);
+      const float sa_lo = LdSharedF32(x + sa_row * 4), sa_hi = LdSharedF32(x + (sa_row + 8) * 4);
       const float2 sb2 = LdSharedF32x2(x + kFp8SaBytes);
       const float sb_h[2] = {sb2.x, sb2.y};
       const uint32_t a_base = SmemAddr(ring.A(s)) + c * (64 * 128);  // this WG's 64 rows
