@@ -41,6 +41,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 E4M3 = jnp.float8_e4m3fn
@@ -80,8 +81,21 @@ def _quantize(x, s):
   return round_e4m3(x.astype(jnp.float32) / s)
 
 
+# The float32 value of each e4m3 byte (0x7F and 0xFF: NaN). Dequantization reads a value's bits from this table
+# instead of converting the e4m3 array back to float32: XLA:GPU, whose excess-precision simplification is on by default
+# (xla_allow_excess_precision), removes a float32 -> e4m3 -> float32 pair of converts together with its rounding, so a
+# plain convert would leave the emulation unquantized on GPUs. A table lookup on the bits cannot be folded that way and
+# gives the same values everywhere.
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def e4m3_values(q: jax.Array) -> jax.Array:
+  """e4m3 values -> float32, exactly (from their bits; see _E4M3_VALUES)."""
+  return jnp.asarray(_E4M3_VALUES)[jax.lax.bitcast_convert_type(q, jnp.uint8)]
+
+
 def _dequantize(q, s):
-  return q.astype(jnp.float32) * s
+  return e4m3_values(q) * s
 
 
 def quantize_rows(x: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Array]:

@@ -103,3 +103,17 @@ def test_layer_collective_matches_xla(kind):
   (_, y2), g2 = f(x, gates, w1, w2)
   for a, b in zip(jax.tree.leaves((y, g)), jax.tree.leaves((y2, g2))):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+@requires_gpu
+def test_emulation_quantizes_on_the_gpu():
+  """fp8.py's quantize-then-dequantize under jit on a GPU gives the CPU's values bit for bit: XLA:GPU must not drop the
+  float32 -> e4m3 -> float32 round trip (its excess-precision simplification would, for a plain pair of converts)."""
+  from jax_moe_overlap import fp8  # pylint: disable=g-import-not-at-top
+  x = np.random.default_rng(3).standard_normal((64, 384)).astype(np.float32)
+  def f(v):
+    return fp8.dequantize_rows(*fp8.quantize_rows(v))
+  got = np.asarray(jax.jit(f)(jax.device_put(jnp.asarray(x), gpu_devices()[0])))
+  want = np.asarray(jax.jit(f)(jax.device_put(jnp.asarray(x), jax.devices("cpu")[0])))
+  assert np.max(np.abs(want - x)) > 1e-3 * np.max(np.abs(x)), "the CPU side must quantize (the test's premise)"
+  np.testing.assert_array_equal(got, want)
