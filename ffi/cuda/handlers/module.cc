@@ -62,6 +62,7 @@ constexpr Target kTargets[] = {{"jmo_dispatch", JmoDispatchCuda},
                                {"jmo_expert_combine", JmoExpertCombineCuda},
                                {"jmo_dispatch_gemm", JmoDispatchGemmCuda},
                                {"jmo_exchange_counts", JmoExchangeCountsCuda},
+                               {"jmo_gather_rs", JmoGatherRsCuda},
                                {"jmo_grouped_matmul", JmoGroupedMatmulCuda},
                                {"jmo_grouped_outer", JmoGroupedOuterCuda},
                                {"jmo_grouped_matmul_swiglu", JmoGroupedMatmulSwiGluCuda}};
