@@ -26,8 +26,16 @@ struct GatherSources {
   int32_t order[kMaxRanks];    // the sources with no row here first (their partial is zero, ready at once), by index;
                                // then the others in producer order (remote, most rows first; this rank last)
   int32_t band_lo[kMaxRanks];  // by source: its bands [band_lo, band_hi) in producer order (a source's segments are
-  int32_t band_hi[kMaxRanks];  // consecutive there: SegmentBefore orders by source first)
+  int32_t band_hi[kMaxRanks];  // consecutive there: SegmentBefore orders by source first); band b's flag is
+                               // tile_ready[band_base + b - band_prefix[i]] of its segment i (BandFlag)
 };
+
+// The tile_ready index of band b (in producer order): its segment's flags are numbered from the segment's band_base
+// (the plan's order, BuildSegments), not from its place in producer order.
+__device__ __forceinline__ int BandFlag(const SegTable& t, int b) {
+  const int i = FindSegment(t, b);
+  return t.seg[i].band_base + (b - t.band_prefix[i]);
+}
 
 // Thread 0 fills `out` from the segment table.
 __device__ inline void OrderGatherSources(const SegTable& t, int R, GatherSources* out) {
@@ -154,7 +162,7 @@ __device__ void GatherConsume(const RankDev& rd, const SegTable& table, uint64_t
       // reading its ret rows of the previous call (protocol step 1).
       bool ok = true;
       for (int b = src.band_lo[s] + threadIdx.x; b < src.band_hi[s] && ok; b += blockDim.x)
-        ok = WaitAtLeast(rd, &flags[b], 0, epoch, rd.rank, kStageTileReady);
+        ok = WaitAtLeast(rd, &flags[BandFlag(table, b)], 0, epoch, rd.rank, kStageTileReady);
       if (threadIdx.x == 0 && ok)
         ok = WaitAtLeast(rd, &View(rd, s).control()->done_epoch.value, 0, epoch - 1, s, kStagePeerReady);
       if (!__syncthreads_and(ok)) return;
