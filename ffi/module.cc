@@ -78,6 +78,8 @@ NB_MODULE(_jmo, m) {
     d["jmo_grouped_matmul"] = Capsule(JmoGroupedMatmulCpu);
     d["jmo_grouped_outer"] = Capsule(JmoGroupedOuterCpu);
     d["jmo_grouped_matmul_swiglu"] = Capsule(JmoGroupedMatmulSwiGluCpu);
+    d["jmo_grouped_matmul_swiglu_grad"] = Capsule(JmoGroupedMatmulSwiGluGradCpu);
+    d["jmo_grouped_matmul_fp8"] = Capsule(JmoGroupedMatmulFp8Cpu);
     return d;
   });
   m.def("create_cpu_workspace", &CreateCpuWorkspace, nb::arg("ranks"), nb::arg("groups"), nb::arg("row_bytes"),

@@ -72,8 +72,9 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       the same results). None (the default): no tensor parallelism.
     quantization: None, or "fp8": the experts' GEMMs follow DeepSeek-V3's FP8 recipe (``fp8_experts.py``), forward
       and backward; D and F multiples of 128 (with a tensor axis F / TP too: each shard's 128 x 128 weight blocks
-      and 1 x 128 tiles are the whole expert's); impl "xla" or "reference" (the other impls refuse it: their FP8
-      custom calls are not built yet). The weights' gradients are those of the quantized weights (straight-through),
+      and 1 x 128 tiles are the whole expert's); impl "collective" (the FP8 grouped GEMM: Hopper GPUs, its
+      emulation on CPU), "xla" or "reference" (the recipe emulated in XLA); "overlap" refuses it (its FP8 dispatch
+      and combine are not built yet). The weights' gradients are those of the quantized weights (straight-through),
       in the weights' dtype; pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.

@@ -7,6 +7,7 @@ a static argument of everything after: the call wrappers (``workspace_calls``) r
 
 * ``dispatch_pushers``: dispatch_gemm's pushing CTAs, or 0 where the dispatch and GEMM1 run as two calls
   (``dispatch_pushers``, from the config and the facts the workspace's backend returned);
+* ``send_once``: whether the forward's dispatch sends a token's row once per destination rank (``send_once``);
 * the check of a pinned consumer CTA count against the rank's SM budget, before anything is traced;
 * on CUDA, the check that XLA_FLAGS keeps the workspace calls of a CUDA graph in program order
   (``command_buffers.check_scheduling``).
@@ -40,6 +41,15 @@ def dispatch_pushers(config: CallConfig, device: DeviceFacts, ranks: int) -> int
   if not engines.wgmma_runs_on(device.compute_capability) or ranks < 2:
     return 0
   return int(_jmo.default_dispatch_pushers(int(device.sm_budget or 0)))
+
+
+def send_once(config: CallConfig, ranks: int) -> bool:
+  """Whether the forward's dispatch sends a token's row once per destination rank (``Plan.slot_primary``): pinned by
+  ``config.send_once``, else at two ranks or more, where rows cross a link (a token routed to two experts of one
+  rank crosses it once, not twice); at one rank every row is local and the dispatch stays one row per slot."""
+  if config.send_once is not None:
+    return bool(config.send_once)
+  return ranks >= 2
 
 
 # gather_rs's metadata carries a slot's index as a float32 (exact below 2^24): a rank's slots T k TP must be fewer.
@@ -80,11 +90,12 @@ def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, to
 @dataclasses.dataclass(frozen=True)
 class RankInfo:
   """Static description of one call site: the workspace (hashable by identity), the ``CallConfig``, and
-  ``dispatch_pushers``, decided once from them (``dispatch_pushers(...)``)."""
+  ``dispatch_pushers`` and ``send_once``, decided once from them (the functions of those names)."""
 
   workspace: object  # Workspace
   config: CallConfig
   dispatch_pushers: int = dataclasses.field(init=False, compare=False)
+  send_once: bool = dataclasses.field(init=False, compare=False)
 
   def __post_init__(self):
     ws, cfg = self.workspace, self.config
@@ -96,6 +107,7 @@ class RankInfo:
     if ws.platform != "cpu":
       command_buffers.check_scheduling()
     object.__setattr__(self, "dispatch_pushers", dispatch_pushers(cfg, ws.device, ws.ranks))
+    object.__setattr__(self, "send_once", send_once(cfg, ws.ranks))
 
   def coords(self):
     """Inside shard_map: (group, rank) of this device, the operands every workspace call takes."""

@@ -17,9 +17,10 @@ from jax_moe_overlap.plan import SKIP
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 IMPLS = ("overlap", "collective", "xla", "reference")
 QUANTIZATIONS = (None, "fp8")
-# The impls that run quantization="fp8": the recipe emulated in XLA (fp8_experts.py). The others' custom calls take
-# float32 and bfloat16 rows only.
-FP8_IMPLS = ("xla", "reference")
+# The impls that run quantization="fp8": the recipe emulated in XLA ("xla", "reference": fp8_experts.py's RAGGED and
+# DENSE) on any device, and "collective" with the FP8 grouped GEMM (fp8_experts.KERNELS: on GPU Hopper's e4m3 wgmma
+# kernel, on CPU its emulation). "overlap"'s custom calls take float32 and bfloat16 rows only.
+FP8_IMPLS = ("xla", "reference", "collective")
 # FP8 tensor cores: compute capability 8.9 (Ada) and newer.
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
@@ -83,21 +84,40 @@ def check_fp8_tensor_split(d_ff: int, tensor: int, tensor_axis: str | None) -> N
 
 
 def check_fp8_impl(impl: str, mesh: jax.sharding.Mesh) -> None:
-  """quantization="fp8" runs with the impls of FP8_IMPLS (the recipe in XLA, on any device). The others are refused
-  by what they lack: on a GPU without FP8 tensor cores, those; elsewhere, their FP8 custom calls."""
-  if impl in FP8_IMPLS:
+  """quantization="fp8" runs with the impls of FP8_IMPLS; "collective" on GPUs only where the FP8 grouped GEMM runs
+  (Hopper). "overlap" is refused by what it lacks: on a GPU without FP8 tensor cores, those; elsewhere, its FP8
+  custom calls."""
+  if impl in ("xla", "reference"):
     return
-  for d in mesh.devices.flat:
-    cc = getattr(d, "compute_capability", None) if d.platform == "gpu" else None
-    if cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) < FP8_MIN_COMPUTE_CAPABILITY:
+  gpus = [d for d in mesh.devices.flat
+          if d.platform == "gpu" and getattr(d, "compute_capability", None) is not None]
+  if impl == "collective":
+    from jax_moe_overlap import engines   # (engines imports the CUDA workspace module: only where it is asked)
+    for d in gpus:
+      why = engines.fp8_gemm_device_refusal(_compute_capability(d))
+      if why is not None:
+        raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl='collective' runs the FP8 grouped GEMM: "
+                         f"{why}; {d} ({d.device_kind}) has compute capability {d.compute_capability}. impl='xla' "
+                         f"emulates the recipe on any device")
+    return
+  for d in gpus:
+    cc = _compute_capability(d)
+    if cc < FP8_MIN_COMPUTE_CAPABILITY:
       raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl={impl!r} needs FP8 tensor cores (compute "
                        f"capability {'.'.join(map(str, FP8_MIN_COMPUTE_CAPABILITY))} or newer: Ada, Hopper); "
-                       f"{d} ({d.device_kind}) has {cc}. impl='xla' emulates the recipe on any device")
+                       f"{d} ({d.device_kind}) has {d.compute_capability}. impl='xla' emulates the recipe on any "
+                       f"device")
   raise NotImplementedError(
-      f"jax_moe_overlap: quantization='fp8' runs with impl='xla' or impl='reference' (the recipe emulated: quantize, "
-      f"dequantize, float32 GEMMs); impl={impl!r} has no FP8 path yet: its custom calls take float32 and bfloat16 "
-      f"rows only. Missing: FP8 rows with their scales in dispatch and dispatch_gemm, FP8 operands in the grouped "
-      f"GEMMs and expert_combine (the CPU handlers dequantizing, the e4m3 wgmma kernels on Hopper)")
+      f"jax_moe_overlap: quantization='fp8' runs with impl='collective' (the FP8 grouped GEMM: Hopper's e4m3 wgmma "
+      f"kernel, its emulation on CPU), impl='xla' or impl='reference' (the recipe emulated: quantize, dequantize, "
+      f"float32 GEMMs); impl={impl!r} has no FP8 path yet: its workspace calls take float32 and bfloat16 rows only. "
+      f"Missing: FP8 rows with their scales in dispatch and dispatch_gemm (GEMM1 on the e4m3 kernel), and "
+      f"expert_combine's producer (GEMM2, feeding the return all-to-all) on e4m3 operands")
+
+
+def _compute_capability(device) -> tuple[int, int]:
+  """(major, minor) of a GPU device's compute capability (JAX gives it as the string "9.0")."""
+  return tuple(int(v) for v in str(device.compute_capability).split(".")[:2])
 
 
 def _weight_shape_dtype(name: str, w, quantization):

@@ -80,8 +80,9 @@ class MoEConfig:
       FP8 recipe (``fp8_experts.py``; docs/design.md, "FP8"): e4m3 operands with float32 scales per 1 x 128 tile of
       the activations and gradients and per 128 x 128 block of the weights, quantized per call from the master
       weights (weight_dtype), float32 accumulation; the rows and the combine keep ``dtype``. emb_dim and
-      moe_mlp_dim must be multiples of 128. It runs with impl "xla" and "reference"; the overlap and collective
-      impls refuse it (their FP8 custom calls are not built yet). The shared experts and the router are not
+      moe_mlp_dim must be multiples of 128. It runs with impl "collective" (the FP8 grouped GEMM: Hopper GPUs, its
+      emulation on CPU), "xla" and "reference" (the recipe emulated in XLA); the overlap impl refuses it (its FP8
+      dispatch and combine are not built yet). The shared experts and the router are not
       quantized.
   """
 
@@ -216,6 +217,10 @@ class CallConfig:
     saying so); on CPU any value > 0 selects the fused CPU handler, the protocol's specification, whose GEMMs are the
     bare grouped GEMMs' CPU loops, while the default two calls' are XLA's ragged_dot (results equal to float32
     rounding, not bit for bit). Not with serialize.
+  send_once: whether the forward's dispatch sends a token's row once per destination rank rather than once per slot
+    (the receiver fills the token's other slots' rows from it: docs/design.md, "Send once"); results are identical
+    either way. None (default): the library's choice (``call_site.send_once``), at two ranks or more (one rank has
+    no link). The backward's dispatch of ``gates * dy`` always sends one row per slot (each slot's row differs).
   tensor_reduce: how an ``impl="overlap"`` layer with a tensor axis sums the tensor shards' partial outputs
     (docs/design.md, "GatherRS"). "per_slot": expert_combine returns every shard's partial of every slot to the
     token's owner, which sums them (partials in the layer's dtype). "gather_rs": each rank scales its GEMM2 rows by
@@ -231,6 +236,7 @@ class CallConfig:
   consumer_ctas: int = 0
   serialize: bool = False
   dispatch_pushers: int = 0
+  send_once: bool | None = None
   consumer_tuning: ConsumerTuning = dataclasses.field(default_factory=ConsumerTuning)
   tensor_reduce: str = "auto"
 
@@ -246,6 +252,9 @@ class CallConfig:
     if not _int_in(self.dispatch_pushers, 0, 2**31 - 1):
       raise ValueError(f"jax_moe_overlap: CallConfig.dispatch_pushers must be an int >= 0 (0: the library's choice), "
                        f"got {self.dispatch_pushers!r}")
+    if self.send_once is not None and not isinstance(self.send_once, (bool, np.bool_)):
+      raise ValueError(f"jax_moe_overlap: CallConfig.send_once must be None (the library's choice) or a bool, got "
+                       f"{self.send_once!r}")
     if self.serialize and self.dispatch_pushers > 0:
       raise ValueError(f"jax_moe_overlap: CallConfig(serialize=True) runs the dispatch and GEMM1 as two calls (no "
                        f"overlap anywhere); it excludes dispatch_pushers={self.dispatch_pushers}, which overlaps them")

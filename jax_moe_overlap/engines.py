@@ -12,7 +12,9 @@ answers False there (and ``dispatch_gemm_operands`` still answers for the CPU ha
   wgmma_operands(bf16, K, N)          it takes a GEMM [M, K] x [K, N]
   swiglu_epilogue_operands(bf16, K, F)  its SwiGLU epilogue takes GEMM1 [M, K] x [K, 2F]
   swiglu_fused(bf16, K, F)            grouped_matmul_swiglu applies the SwiGLU in its epilogue on this process's GPUs
+  swiglu_grad_fused(bf16, K, F, transpose_rhs)  grouped_matmul_swiglu_grad runs (its SwiGLU-gradient epilogue) there
   dispatch_gemm_operands(platform, bf16, K, N, swiglu)  a dispatch_gemm call takes these operands on this platform
+  fp8_gemm_device_refusal(cc)         why the FP8 grouped GEMM (grouped_matmul_fp8) does not run on this GPU, or None
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ def swiglu_fused(bf16: bool, K: int, F: int) -> bool:
   return cc is not None and _jmo.select_gemm_engine(cc, _dtype(bf16), K, 2 * F, swiglu=True) is not None
 
 
+@functools.cache
+def swiglu_grad_fused(bf16: bool, K: int, F: int, transpose_rhs: bool) -> bool:
+  """Whether ``grouped_matmul_swiglu_grad`` runs on this process's GPUs for a backward GEMM of contraction K and F
+  output columns (w stored [F, K] with transpose_rhs): an engine of the first GPU has the SwiGLU-gradient epilogue
+  for these operands, as the CUDA handler selects. Where it does not, the layer runs ``grouped_matmul`` and the
+  gradient apart. False where JAX's devices are not GPUs."""
+  cc = _first_gpu_compute_capability()
+  return cc is not None and _jmo.select_gemm_engine(cc, _dtype(bf16), K, F, transpose_rhs=transpose_rhs,
+                                                    swiglu_grad=True) is not None
+
+
 def dispatch_gemm_operands(platform: str, bf16: bool, K: int, N: int, swiglu: bool) -> bool:
   """Whether a ``dispatch_gemm`` call takes its operands, rows [S, K] and w giving N output columns: on CPU any the
   layer takes (the handler computes with the bare grouped GEMMs' loops); on CUDA the wgmma engine's, and with
@@ -78,3 +91,11 @@ def dispatch_gemm_operands(platform: str, bf16: bool, K: int, N: int, swiglu: bo
   if platform == "cpu":
     return True
   return bool(_jmo.with_cuda) and _jmo.gemm_engine_operand_refusal(WGMMA, _dtype(bf16), K, N, swiglu=swiglu) is None
+
+
+def fp8_gemm_device_refusal(compute_capability: tuple[int, int]) -> str | None:
+  """Why ``grouped_matmul_fp8`` does not run on a GPU of this compute capability (None: it runs): the extension's
+  rule (Fp8GroupedGemmDeviceRefusal, ffi/cuda/gemm/engine.cc), or that this build has no CUDA kernels."""
+  if not _jmo.with_cuda:
+    return "this build of jax_moe_overlap has no CUDA kernels (built without nvcc, or JMO_CUDA=off)"
+  return _jmo.fp8_gemm_device_refusal(tuple(compute_capability))

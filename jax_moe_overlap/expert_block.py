@@ -5,6 +5,8 @@ Its backward pass uses the same two custom calls: ``gates * dy`` is dispatched l
 copy) and unit gates. Where the call site fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``)
 and the operands take dispatch_gemm's engine (``engines.dispatch_gemm_operands``), the forward's dispatch and GEMM1,
 and the backward's dispatch of ``gates * dy`` and ``d_out W2^T``, each run as one ``dispatch_gemm`` call.
+The forward's dispatch sends a token's row once per destination rank where the call site says so
+(``RankInfo.send_once``); the backward's sends one row per slot, since ``gates * dy`` differs per slot.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
   if fuses_dispatch(x, w1, info, swiglu=True, transpose_rhs=False):
-    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a)
-  x_recv = dispatch(x, slot_src_row, plan, cap, info)
+    return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a,
+                         send_once=info.send_once)
+  x_recv = dispatch(x, slot_src_row, plan, cap, info, send_once=info.send_once)
   return ((x_recv if keep_a else None), *expert_gemms.gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
 
 

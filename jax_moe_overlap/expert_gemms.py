@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
+from jax_moe_overlap import engines
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_matmul_swiglu_grad
+from jax_moe_overlap.grouped_gemm import grouped_outer
 
 
 def swiglu(a: jax.Array) -> jax.Array:
@@ -77,23 +79,49 @@ def gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
   return out if keep_a else (out, None)
 
 
+def swiglu_grad(a, dh, out_dtype):
+  """da [rows, 2F] in out_dtype: the input gradient of ``swiglu`` at a [rows, 2F] float32 for dh [rows, F] float32,
+  computed in float32 (``jax.vjp``), rounded once."""
+  _, swiglu_vjp = jax.vjp(swiglu, a)
+  (da,) = swiglu_vjp(dh)
+  return da.astype(out_dtype)
+
+
+def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
+  """dh = d_out W2^T (float32) and the SwiGLU's gradient at a from it: da [cap, 2F] in out_dtype. On GPU, where an
+  engine has the SwiGLU-gradient epilogue for the operands (``engines.swiglu_grad_fused``), one custom call that
+  never writes dh (``grouped_matmul_swiglu_grad``); elsewhere on GPU ``grouped_matmul`` writes dh in float32 and XLA
+  computes the gradient; on CPU XLA's ragged_dot, then the gradient."""
+  F, D = w2.shape[1], w2.shape[2]
+  fused = (jnp.dtype(out_dtype) == d_out.dtype and
+           engines.swiglu_grad_fused(d_out.dtype == jnp.bfloat16 and w2.dtype == jnp.bfloat16, D, F, True))
+
+  def unfused():
+    return swiglu_grad(a, matmul(d_out, w2, group_sizes, transpose_rhs=True), out_dtype)
+
+  def ours():
+    return grouped_matmul_swiglu_grad(d_out, w2, group_sizes, a, transpose_rhs=True)
+
+  return jax.lax.platform_dependent(cpu=unfused, default=ours if fused else unfused)
+
+
 def expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes, dh=None):
   """The local backward GEMMs of GEMM1 + SwiGLU + GEMM2 on a rank's recv rows, all but the input gradient.
 
   x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), h [cap, F] in x_recv's dtype (its SwiGLU, GEMM2's input, as
   the forward pass wrote it), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D, 2F], w2 [E_local, F, D],
   group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes). dh [cap, F] float32 =
-  d_out W2^T when the caller has it (dispatch_gemm), else computed here.
+  d_out W2^T when the caller has it (dispatch_gemm), else computed here, with the SwiGLU's gradient in the GEMM's
+  epilogue where the engine has it (``gemm2_grad_swiglu_grad``).
 
   h is the forward's, kept, not recomputed from a: a recomputation is one more pass over a (the largest residual,
   float32 [cap, 2F]) and a write of h, for a value the forward had already written.
   """
-  _, swiglu_vjp = jax.vjp(swiglu, a)                                       # float32
   if dh is None:
-    dh = matmul(d_out, w2, group_sizes, transpose_rhs=True)
+    da = gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, x_recv.dtype)
+  else:
+    da = swiglu_grad(a, dh, x_recv.dtype)
   dw2 = outer(h.astype(w2.dtype), d_out, group_sizes, w2.dtype)
-  (da,) = swiglu_vjp(dh)
-  da = da.astype(x_recv.dtype)
   dw1 = outer(x_recv, da, group_sizes, w1.dtype)
   return da, dw1, dw2
 

@@ -186,6 +186,14 @@ class Fp8Weight:
     return jnp.swapaxes(dequantize_blocks(self.values, self.scales), -1, -2)
 
 
+def transpose_weight(w: Fp8Weight) -> Fp8Weight:
+  """The ``Fp8Weight`` of W^T [E, N, K] from that of W [E, K, N]: each expert's values and block scales transposed.
+  Exact (a 128 x 128 block of W^T is a block of W transposed, with the same amax and so the same scale); the
+  dgrad GEMMs' weights (dy W^T), since FP8 wgmma reads its B operand K-major only. A pass over the values (one byte
+  per element) and the scales."""
+  return Fp8Weight(jnp.swapaxes(w.values, -1, -2), jnp.swapaxes(w.scales, -1, -2))
+
+
 def quantize_weight(w: jax.Array) -> Fp8Weight:
   """W [E, K, N] (any float dtype) -> ``Fp8Weight``: the blocks of W^T, the same blocks transposed."""
   q, s = quantize_blocks(jnp.swapaxes(w, -1, -2))

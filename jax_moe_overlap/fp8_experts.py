@@ -1,19 +1,32 @@
 """The FP8 expert MLP (``quantization="fp8"``): DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3) on the rows one
 rank's experts hold, GEMM1 + SwiGLU + GEMM2 forward and the recipe's backward, as a ``custom_vjp``.
 
-Every operand of every GEMM is quantized by ``fp8.py``'s rules and dequantized to float32, and the GEMMs run in
-float32 on the dequantized operands: an emulation of FP8 tensor-core GEMMs that accumulate in float32 (the Hopper
-kernels' promotion every 128 of K keeps their sums this close to it; docs/design.md, "FP8"). ``Gemms`` chooses how
-the float32 GEMMs run: ``DENSE`` (the oracle: every expert's product at precision HIGHEST, each row taking its own
-expert's) or ``RAGGED`` (XLA's ``ragged_dot``: ``impl="xla"``).
+Every operand of every GEMM is quantized by ``fp8.py``'s rules, and ``Gemms`` takes the quantized operands (e4m3
+values and their float32 scales) and chooses how the GEMMs run:
+
+  ``DENSE``    the oracle: the operands dequantized to float32, every expert's product at precision HIGHEST, each
+               row taking its own expert's (an emulation of FP8 tensor-core GEMMs that accumulate in float32: the
+               Hopper kernels' promotion every 128 of K keeps their sums this close to it; docs/design.md, "FP8")
+  ``RAGGED``   the same dequantized float32 operands through XLA's ``ragged_dot``: ``impl="xla"``, the honest
+               baseline (no custom call)
+  ``KERNELS``  this library's custom calls: the four row GEMMs (GEMM1, GEMM2 and the two dgrads) on the quantized
+               operands themselves, ``grouped_gemm.grouped_matmul_fp8`` (on Hopper the e4m3 wgmma kernel; on CPU its
+               emulation); ``impl="collective"``. The two wgrad (outer) GEMMs have no FP8 kernel yet: they run
+               ``expert_gemms.outer`` (the bf16 ``grouped_outer`` custom call on GPU, float32 output; XLA's
+               ``ragged_dot`` on CPU) on the dequantized 128 x 1-tile operands rounded to bfloat16, one more rounding
+               of at most 2^-9 relatively per element (1/32 of the e4m3 rounding the recipe puts on them; float32
+               operands would take grouped_outer's SIMT path or XLA's dense-masked ragged_dot on GPU, both far
+               slower). The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``:
+               exact), since FP8 wgmma takes its B operand K-major only: one pass over each weight's e4m3 values and
+               scales per backward.
 
 With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
 
   forward   x      1 x 128, power-of-two scales (the rows dispatched to the experts, section 3.3.3)
             W1, W2 128 x 128 blocks (quantized per call from the master weights, or given as ``fp8.Fp8Weight``)
-            a      GEMM1 in float32; SwiGLU in float32
+            a      GEMM1, float32 output; SwiGLU in float32
             h      1 x 128 (GEMM2's input; GEMM1's epilogue writes it in FP8 on Hopper)
-            out    GEMM2 in float32, rounded to x's dtype (the combine stays in that dtype)
+            out    GEMM2, rounded to x's dtype (the combine stays in that dtype)
   kept      x as quantized (e4m3 + scales), a quantized 1 x 128 (the recipe caches the SwiGLU input in FP8 and
             recomputes h), the quantized weights: per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
   backward  dy     1 x 128, power-of-two scales (the gradient dispatched before GEMM2's backward, section 3.3.3)
@@ -39,20 +52,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import fp8
+from jax_moe_overlap.expert_gemms import outer as grouped_outer_any
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
+from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8
 
 
 @dataclasses.dataclass(frozen=True)
 class Gemms:
-  """The float32 grouped GEMMs the recipe runs on dequantized operands.
+  """The grouped GEMMs of the recipe, on quantized operands.
 
-  rows(lhs [M, K], w [G, K, N], group_sizes [G]) -> [M, N]: lhs[r] @ w[g] for the rows r of group g, zero past them.
-  outer(lhs [M, K], rhs [M, N], group_sizes [G]) -> [G, K, N]: lhs[rows of g]^T @ rhs[rows of g].
+  rows(lhs_q [M, K] e4m3, lhs_s [M, K / 128], w: fp8.Fp8Weight of W [G, K, N], group_sizes [G], out_dtype) -> [M, N]
+    in out_dtype: dequantize_rows(lhs_q, lhs_s)[r] @ W[g] for the rows r of group g, zero past them; accumulated in
+    float32, then rounded to out_dtype.
+  outer(lhs (q [M, K], s [tiles.count, K]), rhs (q [M, N], s [tiles.count, N]), tiles: fp8.ColumnTiles,
+    group_sizes [G]) -> [G, K, N] float32: lhs[rows of g]^T @ rhs[rows of g], both dequantized per 128 x 1 tile.
   """
 
   name: str
   rows: Callable
   outer: Callable
+
+
+def _on_dequantized(name: str, rows_f32: Callable, outer_f32: Callable) -> Gemms:
+  """A backend of float32 GEMMs on the dequantized operands."""
+  def rows(lhs_q, lhs_s, w, group_sizes, out_dtype=jnp.float32):
+    return rows_f32(fp8.dequantize_rows(lhs_q, lhs_s), w.dequantize(), group_sizes).astype(out_dtype)
+
+  def outer(lhs, rhs, tiles, group_sizes):
+    return outer_f32(fp8.dequantize_columns(*lhs, tiles), fp8.dequantize_columns(*rhs, tiles), group_sizes)
+
+  return Gemms(name, rows, outer)
 
 
 def _row_groups(rows: int, group_sizes):
@@ -71,8 +100,20 @@ def _dense_outer(lhs, rhs, group_sizes):
   return jnp.einsum("mg,mk,mn->gkn", own, lhs, rhs, precision=jax.lax.Precision.HIGHEST)
 
 
-DENSE = Gemms("dense", _dense_rows, _dense_outer)
-RAGGED = Gemms("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
+def _kernel_rows(lhs_q, lhs_s, w, group_sizes, out_dtype=jnp.float32):
+  return grouped_matmul_fp8(lhs_q, lhs_s, w.values, w.scales, group_sizes, preferred_element_type=out_dtype)
+
+
+def _kernel_outer(lhs, rhs, tiles, group_sizes):
+  """The wgrad with no FP8 kernel: the dequantized operands rounded to bfloat16, the bf16 grouped GEMM (the module
+  docstring says why)."""
+  lhs_bf16, rhs_bf16 = (fp8.dequantize_columns(*v, tiles).astype(jnp.bfloat16) for v in (lhs, rhs))
+  return grouped_outer_any(lhs_bf16, rhs_bf16, group_sizes, jnp.float32)
+
+
+DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
+RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
+KERNELS = Gemms("kernels", _kernel_rows, _kernel_outer)
 
 
 def _weight_cotangent_template(w):
@@ -84,9 +125,8 @@ def _weight_cotangent_template(w):
 def _forward(x, w1, w2, group_sizes, gemms):
   xq, xs = fp8.quantize_rows(x, pow2=True)
   w1q, w2q = fp8.as_fp8_weight(w1), fp8.as_fp8_weight(w2)
-  a = gemms.rows(fp8.dequantize_rows(xq, xs), w1q.dequantize(), group_sizes)
-  h = fp8.dequantize_rows(*fp8.quantize_rows(swiglu(a)))
-  out = gemms.rows(h, w2q.dequantize(), group_sizes).astype(x.dtype)
+  a = gemms.rows(xq, xs, w1q, group_sizes)
+  out = gemms.rows(*fp8.quantize_rows(swiglu(a)), w2q, group_sizes, x.dtype)
   kept = (xq, xs, fp8.quantize_rows(a), w1q, w2q, group_sizes,
           _weight_cotangent_template(w1), _weight_cotangent_template(w2))
   return out, kept
@@ -99,7 +139,7 @@ def fp8_expert_mlp(x, w1, w2, group_sizes, gemms: Gemms):
   Args:
     x: [M, D] float32 or bfloat16, rows grouped by expert (zero past the last group). w1: [E, D, 2F] and w2:
       [E, F, D], float arrays (master weights, quantized on each call) or ``fp8.Fp8Weight``. group_sizes: [E] int32
-      rows per expert (their sum <= M). gemms: ``DENSE`` or ``RAGGED``. D and F multiples of 128.
+      rows per expert (their sum <= M). gemms: ``DENSE``, ``RAGGED`` or ``KERNELS``. D and F multiples of 128.
   Returns:
     [M, D] in x's dtype.
   """
@@ -115,20 +155,21 @@ def _fp8_expert_mlp_bwd(gemms, kept, d_out):
   tiles = fp8.column_tiles(d_out.shape[0], group_sizes)
 
   def columns(v):
-    return fp8.dequantize_columns(*fp8.quantize_columns(v, tiles), tiles)
+    return fp8.quantize_columns(v, tiles)
 
-  dy = fp8.dequantize_rows(*fp8.quantize_rows(d_out, pow2=True))
+  dyq, dys = fp8.quantize_rows(d_out, pow2=True)
+  dy = fp8.dequantize_rows(dyq, dys)
   h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))
-  dh = gemms.rows(dy, jnp.swapaxes(w2q.dequantize(), 1, 2), group_sizes)
-  dw2 = gemms.outer(columns(h), columns(dy), group_sizes)
+  dh = gemms.rows(dyq, dys, fp8.transpose_weight(w2q), group_sizes)
+  dw2 = gemms.outer(columns(h), columns(dy), tiles, group_sizes)
   (da,) = swiglu_vjp(dh)
-  dx = gemms.rows(fp8.dequantize_rows(*fp8.quantize_rows(da)), jnp.swapaxes(w1q.dequantize(), 1, 2), group_sizes)
-  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), columns(da), group_sizes)
+  dx = gemms.rows(*fp8.quantize_rows(da), fp8.transpose_weight(w1q), group_sizes, d_out.dtype)
+  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), columns(da), tiles, group_sizes)
 
   def weight_ct(dw, like, wq):
     return jax.tree.map(jnp.zeros_like, wq) if like is None else dw.astype(like.dtype)
 
-  return (dx.astype(d_out.dtype), weight_ct(dw1, w1_like, w1q), weight_ct(dw2, w2_like, w2q),
+  return (dx, weight_ct(dw1, w1_like, w1q), weight_ct(dw2, w2_like, w2q),
           np.zeros(group_sizes.shape, jax.dtypes.float0))
 
 
@@ -138,3 +179,9 @@ fp8_expert_mlp.defvjp(_fp8_expert_mlp_fwd, _fp8_expert_mlp_bwd)
 def fp8_ragged_mlp(x_recv, w1, w2, group_sizes):
   """``fp8_expert_mlp`` with XLA's ragged_dot: the local experts of ``impl="xla"`` under ``quantization="fp8"``."""
   return fp8_expert_mlp(x_recv, w1, w2, group_sizes, RAGGED)
+
+
+def fp8_kernel_mlp(x_recv, w1, w2, group_sizes):
+  """``fp8_expert_mlp`` with this library's custom calls: the local experts of ``impl="collective"`` under
+  ``quantization="fp8"``."""
+  return fp8_expert_mlp(x_recv, w1, w2, group_sizes, KERNELS)

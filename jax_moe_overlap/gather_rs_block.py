@@ -94,10 +94,12 @@ def _gather_rs_block_bwd(cap, info, res, dy):
   x_recv, a, h, rows, row_gate, token_rows, src, row_kept_index, valid, kept_index, gates, w1, w2, plan = res
   T, Q = gates.shape
   slot_src_row = jnp.arange(T * Q, dtype=jnp.int32) // Q
+  # dy's rows are the tokens' (the gates are applied at the experts), so they cross once per rank as x's do.
   if fuses_dispatch(dy, w2, info, swiglu=False, transpose_rhs=True):
-    dy_recv, dh_raw, _ = dispatch_gemm(dy, slot_src_row, w2, plan, cap, info, transpose_rhs=True)
+    dy_recv, dh_raw, _ = dispatch_gemm(dy, slot_src_row, w2, plan, cap, info, transpose_rhs=True,
+                                       send_once=info.send_once)
   else:
-    dy_recv = dispatch(dy, slot_src_row, plan, cap, info)
+    dy_recv = dispatch(dy, slot_src_row, plan, cap, info, send_once=info.send_once)
     dh_raw = expert_gemms.matmul(dy_recv, w2, plan.expert_rows, transpose_rhs=True)
   g = row_gate[:, None]
   d_out = (g * dy_recv.astype(jnp.float32)).astype(dy.dtype)

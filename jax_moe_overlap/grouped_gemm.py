@@ -21,6 +21,8 @@ from jax_moe_overlap import engines
 GROUPED_MATMUL = "jmo_grouped_matmul"
 GROUPED_OUTER = "jmo_grouped_outer"
 GROUPED_MATMUL_SWIGLU = "jmo_grouped_matmul_swiglu"
+GROUPED_MATMUL_SWIGLU_GRAD = "jmo_grouped_matmul_swiglu_grad"
+GROUPED_MATMUL_FP8 = "jmo_grouped_matmul_fp8"
 
 
 def _out_dtype(lhs, preferred_element_type):
@@ -109,3 +111,102 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
   h, a = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU, out, vmap_method="sequential")(lhs, rhs,
                                                                                group_sizes.astype(jnp.int32))
   return h, (a if keep_preactivation else None)
+
+
+def grouped_matmul_swiglu_grad(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, a: jax.Array, *,
+                               transpose_rhs: bool = False) -> jax.Array:
+  """The backward GEMM of the expert MLP with the SwiGLU's gradient: ``dh = lhs[r] @ rhs[g]`` in float32 for the rows
+  ``r`` of group ``g`` (not returned), then ``da``, the input gradient of ``silu(a[:, :F]) * a[:, F:]`` at ``dh``,
+  rounded to lhs's dtype; rows past the last group are zero.
+
+  The expressions are those of ``jax.vjp`` of that SwiGLU in float32, grouped the same way (docs/design.md, "The
+  backward pass"). On GPU only where an engine has this epilogue for the operands (``engines.swiglu_grad_fused``: the
+  wgmma engine, a Hopper GPU, bfloat16, K and F multiples of 64): one kernel computes dh tile by tile in registers and
+  writes da, never dh; elsewhere on GPU the call fails naming the rule (the callers ask first and run
+  ``grouped_matmul`` and the gradient apart). On CPU a reference loop.
+
+  Args:
+    lhs: [M, K] (the output gradient of GEMM2, d_out). rhs: [G, K, F], or [G, F, K] with ``transpose_rhs`` (W2
+      [G, F, K] read transposed: dh = d_out W2^T). group_sizes: [G] integer rows per group. a: [M, 2F] float32, GEMM1's
+      preactivation (the gate's F columns, then the up projection's).
+  Returns:
+    da [M, 2F] in lhs's dtype (d_gate, then d_up).
+  """
+  _check_operands("grouped_matmul_swiglu_grad", lhs, rhs, group_sizes)
+  G = rhs.shape[0]
+  if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (G,):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
+                     f"{group_sizes.shape} do not fit lhs [M, K], rhs [G, K, F] (or [G, F, K] transposed), "
+                     "group_sizes [G]")
+  M = lhs.shape[0]
+  K, F = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+  if lhs.shape[1] != K:
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: lhs {lhs.shape} and rhs {rhs.shape}"
+                     f"{' (transposed)' if transpose_rhs else ''} do not share the contraction K")
+  if a.dtype != jnp.float32 or a.shape != (M, 2 * F):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: a must be float32 [{M}, {2 * F}] (lhs's rows, "
+                     f"twice rhs's F), got {a.dtype}{list(a.shape)}")
+  _ffi.register()
+  out = jax.ShapeDtypeStruct((M, 2 * F), lhs.dtype)
+  return jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU_GRAD, out, vmap_method="sequential")(
+      lhs, rhs, group_sizes.astype(jnp.int32), a, transpose_rhs=bool(transpose_rhs))
+
+
+def fp8_scales_ld(rows: int) -> int:
+  """The row stride of ``grouped_matmul_fp8``'s lhs scales in the kernel's layout: rows rounded up to a multiple of 4
+  (16-byte rows, which the Hopper kernel loads by TMA)."""
+  return -(-rows // 4) * 4
+
+
+def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rhs_scales: jax.Array,
+                       group_sizes: jax.Array, *, preferred_element_type=jnp.float32) -> jax.Array:
+  """DeepSeek-V3's block-scaled FP8 grouped GEMM (arXiv 2412.19437 section 3.3) on quantized operands (``fp8.py``):
+  ``out[r] = dequantize_rows(lhs, lhs_scales)[r] @ W[g]`` for the rows ``r`` of group ``g``, with ``W[g]`` the
+  weight block-dequantized from ``rhs[g].T`` (an ``fp8.Fp8Weight``'s values and scales), each 128-wide K chunk's sum
+  scaled and added into a float32 accumulator; rows past the last group are zero.
+
+  On Hopper (compute capability 9.x) the e4m3 wgmma kernel (ffi/cuda/gemm/sm90/wgmma_grouped_fp8.cuh); on another
+  GPU the call fails naming that requirement (``engines.fp8_gemm_runs_on`` says beforehand). On CPU a reference
+  loop, the emulation of the kernel (ffi/cpu/grouped_gemm.cc: each chunk's sum exact, rounded once to float32, then
+  the kernel's promotion), slow: for tests.
+
+  The lhs scales come in the layout ``fp8.quantize_rows`` gives them, [M, K / 128]; the kernel reads them MN-major,
+  [K / 128, ld] (one chunk's scales of consecutive rows contiguous, ld = M rounded up to a multiple of 4): the
+  transpose (and padding) runs here, in XLA, a pass over M * K / 128 floats (1/32 of lhs's bytes).
+
+  Args:
+    lhs: [M, K] float8_e4m3fn. lhs_scales: [M, K / 128] float32. rhs: [G, N, K] float8_e4m3fn (K-major).
+    rhs_scales: [G, N / 128, K / 128] float32. group_sizes: [G] integer rows per group (>= 0, sum <= M).
+    preferred_element_type: float32 (default) or bfloat16, the output's dtype. K and N multiples of 128.
+  Returns:
+    [M, N].
+  """
+  E4M3 = jnp.float8_e4m3fn
+  if lhs.dtype != E4M3 or rhs.dtype != E4M3 or lhs_scales.dtype != jnp.float32 or rhs_scales.dtype != jnp.float32:
+    raise TypeError(f"jax_moe_overlap: grouped_matmul_fp8: lhs and rhs must be float8_e4m3fn and their scales "
+                    f"float32; got {lhs.dtype}, {lhs_scales.dtype}, {rhs.dtype}, {rhs_scales.dtype}")
+  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"jax_moe_overlap: grouped_matmul_fp8: group_sizes must be a 1-D integer array, got "
+                    f"{group_sizes.dtype}{list(group_sizes.shape)}")
+  out_dtype = jnp.dtype(preferred_element_type)
+  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise TypeError(f"jax_moe_overlap: grouped_matmul_fp8: preferred_element_type must be float32 or bfloat16, got "
+                    f"{out_dtype}")
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and "
+                     f"[G, N, K]")
+  (M, K), (G, N) = lhs.shape, rhs.shape[:2]
+  if K % 128 or N % 128 or K == 0 or N == 0:
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: K and N must be positive multiples of 128 (whole "
+                     f"1 x 128 and 128 x 128 scale tiles), got K={K}, N={N}")
+  if (rhs.shape[2] != K or lhs_scales.shape != (M, K // 128) or rhs_scales.shape != (G, N // 128, K // 128) or
+      group_sizes.shape != (G,)):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: lhs {lhs.shape}, lhs_scales {lhs_scales.shape}, rhs "
+                     f"{rhs.shape}, rhs_scales {rhs_scales.shape} and group_sizes {group_sizes.shape} do not fit "
+                     f"lhs [M, K], lhs_scales [M, K/128], rhs [G, N, K], rhs_scales [G, N/128, K/128], "
+                     f"group_sizes [G]")
+  _ffi.register()
+  scales_mn = jnp.pad(lhs_scales.T, ((0, 0), (0, fp8_scales_ld(M) - M)))
+  out = jax.ShapeDtypeStruct((M, N), out_dtype)
+  return jax.ffi.ffi_call(GROUPED_MATMUL_FP8, out, vmap_method="sequential")(
+      lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))

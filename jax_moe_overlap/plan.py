@@ -10,6 +10,10 @@ Layouts:
   in this order is also its row in the source's ``ret`` buffer, where its expert output comes back.
 * **recv** (on the destination rank): rows grouped by (local expert ``e``, source rank ``s``), segment ``(e, s)``
   contiguous, in the sender's order inside a segment, segments packed in ``(e, s)`` order.
+* **send once** (``slot_primary``): of a token's kept slots routed to one *other* rank, the first in the send order
+  (the lowest expert id) is the *primary*: its row crosses the link, and the token's other slots for that rank take
+  their recv rows' bytes from the primary's recv row on the receiver (docs/design.md, "Send once"). The recv layout
+  is the same either way.
 
 Capacity (Switch-Transformer semantics, deterministic): every expert takes at most ``expert_capacity`` rows per
 call, first come first served in the global slot order ``(source rank, slot index)``. Dropped slots contribute
@@ -51,6 +55,9 @@ class Plan:
     send_order: [P] the slot at each send position (the inverse of the send order).
     send_start: [R + 1] first send position of the rows for each destination rank; send_start[R] = the slots that
       are not skipped. (dispatch_gemm pushes the send order in 128-position blocks.)
+    slot_primary: [P] the slot whose row carries this slot's bytes to its destination (send once): for a kept slot
+      routed to another rank, the kept slot of the same token and destination first in the send order (itself, if it
+      is that slot); every other slot (kept by this rank, dropped, skipped, invalid) names itself.
   Receiver side (this rank's local experts):
     seg_rows: [E_local, R] kept rows of segment (local expert e, source rank s).
     seg_ret_off: [E_local, R] first ret row of that segment on its source rank.
@@ -65,6 +72,7 @@ class Plan:
   ret_rows: jax.Array
   send_order: jax.Array
   send_start: jax.Array
+  slot_primary: jax.Array
   seg_rows: jax.Array
   seg_ret_off: jax.Array
   expert_rows: jax.Array
@@ -180,6 +188,14 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
   seg_ret_off = jnp.transpose(send_start_all[:, rank, :], (1, 0))                     # [e, s]
   seg_rows = jnp.transpose(kept[:, rank, :], (1, 0))                                  # [e, s]
   ret_rows = jnp.sum(my_kept)
+
+  # slot_primary: per token, among its kept slots with the same remote destination, the one first in send order.
+  remote = is_kept & valid & (dest != rank)
+  tok_dest, tok_pos, tok_remote = dest.reshape(T, k), pos.reshape(T, k), remote.reshape(T, k)
+  same = (tok_dest[:, :, None] == tok_dest[:, None, :]) & tok_remote[:, None, :]      # [T, j, j'] j' may carry j
+  first = jnp.argmin(jnp.where(same, tok_pos[:, None, :], P), axis=2).astype(jnp.int32)  # [T, j]
+  own = jnp.arange(P, dtype=jnp.int32)
+  slot_primary = jnp.where(remote, (own // k) * k + first.reshape(P), own)
   return Plan(
       slot_dest_rank=jnp.where(valid, dest, jnp.where(skipped, rank, -1)).astype(jnp.int32),
       slot_dest_row=jnp.where(valid | skipped, jnp.where(is_kept, dest_row, -1), raw).astype(jnp.int32),
@@ -188,6 +204,7 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
       send_order=order.astype(jnp.int32),
       send_start=jnp.concatenate([send_start.reshape(R, E_l)[:, 0], jnp.sum(my_counts, keepdims=True)]
                                  ).astype(jnp.int32),
+      slot_primary=slot_primary.astype(jnp.int32),
       seg_rows=seg_rows.astype(jnp.int32),
       seg_ret_off=seg_ret_off.astype(jnp.int32),
       expert_rows=jnp.sum(seg_rows, axis=1).astype(jnp.int32),

@@ -5,7 +5,8 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   workspace's groups span processes the custom call ``exchange_counts`` through the workspace, whose waits are
   bounded like the others'.
 * ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
-  rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero).
+  rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero). With ``send_once`` a
+  token's row crosses to each rank once and the receiver fills its other slots' rows from it.
 * ``dispatch_gemm(src, slot_src_row, w, plan, ...)``: the dispatch and the GEMM after it in one call, each GEMM tile
   starting once its rows have arrived.
 * ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
@@ -71,18 +72,26 @@ def exchange_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
                          counts.astype(jnp.int32), group, rank, **info.attrs())
 
 
-def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo) -> jax.Array:
-  """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank))."""
+def slot_primary(plan: Plan, send_once: bool) -> jax.Array:
+  """The dispatch's slot_primary operand: the plan's (a row crosses to each rank once: ``slot_src_row`` must give
+  every slot of a token the same source row, as the forward's token rows do) or [0] (one row per slot)."""
+  return plan.slot_primary if send_once else jnp.zeros((0,), jnp.int32)
+
+
+def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
+             send_once: bool = False) -> jax.Array:
+  """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank)). send_once: a token's
+  row crosses to each other rank once (``slot_primary``); the result is the same."""
   _ffi.register()
   group, rank = info.coords()
   return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
                          src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
-                         group, rank, **info.attrs())
+                         slot_primary(plan, send_once), group, rank, **info.attrs())
 
 
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
                   transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
-                  keep_a: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
+                  keep_a: bool = False, send_once: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
   """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
 
   Args:
@@ -92,6 +101,7 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
       SwiGLU in float32 to the float32 preactivation.
     keep_recv: also return the recv rows (the backward pass reads them; the inference forward does not).
     keep_a: with ``swiglu``, also return the preactivation (for the backward pass).
+    send_once: as ``dispatch``'s (the receiver fills a token's other rows before the GEMM tiles that read them).
   Returns:
     (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
     out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
@@ -120,18 +130,20 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
   out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
   out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
                jax.ShapeDtypeStruct((cap if keep_a else 0, N), jnp.float32))
-  x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu)
+  x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu,
+                                       send_once)
   return (x_recv if keep_recv else None), out, (a if keep_a else None)
 
 
 def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_types, transpose_rhs: bool,
-                        swiglu: bool):
+                        swiglu: bool, send_once: bool = False):
   """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a): unchecked here, so that
   the tests reach the handlers' own shape checks."""
   _ffi.register()
   group, rank = info.coords()
   return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
-                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, plan.send_order, plan.send_start,
+                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, slot_primary(plan, send_once),
+                         plan.send_order, plan.send_start,
                          plan.seg_rows, plan.seg_ret_off, w, group, rank, transpose_rhs=np.bool_(transpose_rhs),
                          swiglu=np.bool_(swiglu), **info.attrs())
 

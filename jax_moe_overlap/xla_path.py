@@ -7,7 +7,7 @@ One code path, two choices of the local expert GEMMs (``LOCAL_EXPERTS``):
   custom calls cannot run (TPU) and the honest baseline of the benchmarks. Differentiated by JAX's own rules.
 - ``"collective"``: this library's grouped GEMMs (``expert_gemms.expert_mlp``: on GPU ``grouped_matmul_swiglu``, its
   SwiGLU in the GEMM's epilogue where the engine takes it, and ``grouped_matmul``; a ``custom_vjp`` whose backward is
-  the same grouped GEMMs). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
+  the same grouped GEMMs; under quantization="fp8" ``fp8_experts.fp8_kernel_mlp``, the FP8 grouped GEMM). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
   ``moe_experts`` chooses it where ``impl="overlap"`` cannot run for that reason (``hosts.py``).
 
 Same semantics as ``impl="reference"``: the plan's capacity rule (first come first served in the global slot order),
@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
-from jax_moe_overlap.fp8_experts import fp8_ragged_mlp
+from jax_moe_overlap.fp8_experts import fp8_kernel_mlp, fp8_ragged_mlp
 
 
 def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
@@ -60,9 +60,11 @@ def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
 
 # The impls of this module by the function that runs a rank's local experts on its recv rows:
 # f(x_recv [cap, D], w1 [E_local, D, 2F], w2 [E_local, F, D], group_sizes [E_local]) -> [cap, D].
-# Under quantization="fp8" impl="xla" runs the FP8 recipe with ragged_dot (fp8_experts.py).
+# Under quantization="fp8" both run the FP8 recipe (fp8_experts.py): impl="xla" with ragged_dot on the dequantized
+# operands (the emulation, the baseline), impl="collective" with this library's FP8 grouped GEMM on the quantized
+# operands (the e4m3 wgmma kernel on Hopper, its emulation on CPU).
 LOCAL_EXPERTS = {"xla": ragged_dot_mlp, "collective": expert_mlp}
-FP8_LOCAL_EXPERTS = {"xla": fp8_ragged_mlp}
+FP8_LOCAL_EXPERTS = {"xla": fp8_ragged_mlp, "collective": fp8_kernel_mlp}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,

@@ -131,3 +131,28 @@ def recipe(x, w1, w2, sizes, d_out):
     dw1[e] = xc[:len(group)][m].T @ dac[:len(group)][m]
     dw2[e] = hc[:len(group)][m].T @ dyc[:len(group)][m]
   return out, dx, dw1, dw2
+
+
+def block_scaled_grouped_gemm(lhs_q, lhs_s, rhs_q, rhs_s, sizes, out_dtype=np.float32):
+  """The FP8 grouped GEMM's emulation (grouped_matmul_fp8's CPU handler, ffi/cpu/grouped_gemm.cc) restated: lhs_q [M, K]
+  e4m3 with lhs_s [M, K / 128]; rhs_q [G, N, K] e4m3 with rhs_s [G, N / 128, K / 128]. Per 128-wide K chunk the exact
+  sum of the products (float64: exact for e4m3 operands), rounded to float32, times the float32 product of the two
+  scales and added to a float32 accumulator in one rounding (an FMA: the product and the sum in float64, then rounded
+  to float32; that double rounding can differ from a true FMA only on a float32 tie, which random operands never
+  hit). Rows past the groups are zero."""
+  M, K = lhs_q.shape
+  G, N, _ = rhs_q.shape
+  a = lhs_q.astype(np.float64).reshape(M, K // 128, 128)
+  out = np.zeros((M, N), np.float32)
+  off = 0
+  for g, n in enumerate(sizes):
+    rows = slice(off, off + n)
+    b = rhs_q[g].astype(np.float64).reshape(N, K // 128, 128)
+    acc = np.zeros((n, N), np.float32)
+    for c in range(K // 128):
+      part = (a[rows, c] @ b[:, c].T).astype(np.float32)        # exact in float64 in any order, then one rounding
+      scale = (lhs_s[rows, c][:, None] * np.repeat(rhs_s[g][:, c], 128)[None]).astype(np.float32)
+      acc = (part.astype(np.float64) * scale + acc).astype(np.float32)
+    out[rows] = acc
+    off += n
+  return out.astype(out_dtype)

@@ -1,7 +1,7 @@
 """The single-GPU benchmarks' own checks run on CPU at tiny sizes, so that CI exercises them on every change:
 bench_fused's and bench_layer's implementations all agree with their float32 references (each row's err; a wrong
 layer is not timed), bench_layer's float32 reference equals the dense one, check_tokamax tells a wrong gradient,
-bench_breakdown times every stage, and plot_results draws the PNGs from JSON lines and from the
+bench_breakdown times every stage, bench_swiglu_grad compares and times its three methods, and plot_results draws the PNGs from JSON lines and from the
 key=value rows of a log cut short."""
 
 import functools
@@ -17,8 +17,10 @@ import jax_moe_overlap as jmo
 from benchmarks import baselines
 from benchmarks import bench_breakdown
 from benchmarks import bench_eager
+from benchmarks import bench_fp8_layer
 from benchmarks import bench_fused
 from benchmarks import bench_layer
+from benchmarks import bench_swiglu_grad
 from benchmarks import check_tokamax
 from benchmarks import plot_results
 from benchmarks import references
@@ -50,6 +52,21 @@ def test_bench_breakdown_times_every_stage(tmp_path, monkeypatch):
   stages = {r["stage"]: float(r["ms"]) for r in _rows(out)}
   assert set(stages) == {"plan", "dispatch", "gemm1", "swiglu", "expert_combine", "layer"}
   assert all(ms > 0 for ms in stages.values())
+
+
+@pytest.mark.slow
+def test_bench_swiglu_grad_times_every_method(tmp_path, monkeypatch):
+  # On CPU the fused call is its CPU handler (the benchmark is told the epilogue exists): it agrees with the unfused
+  # path within a bf16 ulp, and every method is timed.
+  monkeypatch.setattr(bench_swiglu_grad, "shapes", lambda quick: [("tiny", 96, 32, 24, 4)])
+  monkeypatch.setattr(bench_swiglu_grad.engines, "swiglu_grad_fused", lambda *a: True)
+  out = tmp_path / "swiglu_grad.jsonl"
+  monkeypatch.setattr(sys, "argv", ["bench_swiglu_grad.py", "--skews", "stress", "--out", str(out)])
+  bench_swiglu_grad.main()
+  rows = {r["method"]: r for r in _rows(out)}
+  assert set(rows) == {"fused", "unfused", "gemm"}
+  assert all(float(r["ms"]) > 0 for r in rows.values()), rows
+  assert float(rows["fused"]["ulps"]) <= 1.0, rows["fused"]
 
 
 def test_plot_results_from_jsonl_and_from_a_cut_log(tmp_path, monkeypatch):
@@ -93,6 +110,22 @@ def test_bench_layer_checks_every_impl_before_timing(tmp_path, monkeypatch):
       ratio = ideal / float(r["ms"])
       tol = 0.0051 + ratio * (0.0005 / ideal + 0.0005 / float(r["ms"]))
       assert float(r["vs_ideal"]) == pytest.approx(ratio, abs=tol), r
+
+
+@pytest.mark.slow  # both quantizations' layers compiled, forward and backward
+def test_bench_fp8_layer_checks_before_timing(tmp_path, monkeypatch):
+  """bench_fp8_layer on CPU devices (impl="collective" with fp8 runs the FP8 grouped GEMM's CPU emulation): every
+  row timed after its checks, bf16 against the float32 reference and fp8 collective against the fp8 emulation."""
+  monkeypatch.setattr(bench_fp8_layer, "shapes", lambda quick: [("tiny", 64, 128, 128, 4, 2)])
+  out = tmp_path / "fp8_layer.jsonl"
+  monkeypatch.setattr(sys, "argv", ["bench_fp8_layer.py", "--out", str(out)])
+  bench_fp8_layer.main()
+  rows = _rows(out)
+  assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+  for r in rows:
+    for c in ("bf16_ms", "fp8_ms", "fp8_xla_ms", "speedup"):
+      assert float(r[c]) > 0, r
+    assert float(r["err_bf16"]) < bench_fp8_layer.MAX_ERR and float(r["err_fp8"]) < bench_fp8_layer.MAX_ERR, r
 
 
 def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):

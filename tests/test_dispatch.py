@@ -1,6 +1,9 @@
 """dispatch on its own on CPU devices: every rank's recv rows against a NumPy model of the plan, written into poisoned
 buffers, at R = 1 (a group of one rank stores its rows straight into the output, protocol.h) and R = 4 (through the
-workspace's recv rows), with capacity drops and skipped slots; and at R = 1 the invalid expert id the call reports."""
+workspace's recv rows, one row per slot and sent once per destination rank), with capacity drops and skipped slots;
+at R = 1 the invalid expert id the call reports, and at R = 4 a slot_primary that breaks the send-once rule."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +22,9 @@ from jax_moe_overlap.workspace_calls import dispatch
 E, D, K = 8, 24, 2
 
 
-def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True):
-  """ids, x -> (recv rows [R * cap, D], slot_dest_rank, slot_dest_row, recv_rows [R]) of one dispatch per rank."""
+def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True, send_once=False, primary_of=None):
+  """ids, x -> (recv rows [R * cap, D], slot_dest_rank, slot_dest_row, recv_rows [R]) of one dispatch per rank.
+  primary_of(plan, rank): the slot_primary operand in place of the plan's (send_once)."""
   R = mesh.shape["expert"]
   sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * K,
                          num_segments=E)
@@ -30,7 +34,9 @@ def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True):
     rank = jax.lax.axis_index("expert").astype(jnp.int32)
     counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
     plan = plan_lib.make_plan(ids, counts_all, rank, cap_e)
-    recv = dispatch(x, jnp.arange(tokens * K, dtype=jnp.int32) // K, plan, cap, info)
+    if primary_of is not None:
+      plan = dataclasses.replace(plan, slot_primary=primary_of(plan, rank))
+    recv = dispatch(x, jnp.arange(tokens * K, dtype=jnp.int32) // K, plan, cap, info, send_once=send_once)
     return recv, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows.reshape(1)
 
   spec = P("expert")
@@ -38,8 +44,10 @@ def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True):
   return layer_checks.Poisoned(fn, mesh) if poisoned else jax.jit(fn)
 
 
-@pytest.mark.parametrize("R,dtype", [(1, jnp.bfloat16), (1, jnp.float32), (4, jnp.bfloat16)])
-def test_recv_rows_match_the_plan(R, dtype):
+@pytest.mark.parametrize("R,dtype,send_once", [(1, jnp.bfloat16, False), (1, jnp.float32, False),
+                                               (4, jnp.bfloat16, False), (4, jnp.bfloat16, True),
+                                               (4, jnp.float32, True)])
+def test_recv_rows_match_the_plan(R, dtype, send_once):
   # Skewed routing at capacity factor 0.75 drops slots (so each rank's recv rows end before cap), and every seventh
   # token's second slot is skipped (-1).
   tokens = 48
@@ -49,7 +57,7 @@ def test_recv_rows_match_the_plan(R, dtype):
   cap_e = plan_lib.expert_capacity(tokens, R, K, E, 0.75)
   cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
   x = jnp.asarray(np.random.default_rng(6).standard_normal((tokens * R, D)).astype(np.float32)).astype(dtype)
-  f = _dispatch_program(mesh, tokens, cap_e, cap, dtype)
+  f = _dispatch_program(mesh, tokens, cap_e, cap, dtype, send_once=send_once)
   recv, dest_rank, dest_row, recv_rows = (np.asarray(a) for a in f(jnp.asarray(ids), x))
   assert f.aliased == f.buffers, f"{f.aliased} of {f.buffers} outputs computed into the poison"
   xs = np.asarray(x.astype(jnp.float32)).reshape(R, tokens, D)
@@ -77,3 +85,29 @@ def test_invalid_expert_id_fails_the_call_at_one_rank():
     jax.block_until_ready(f(jnp.asarray(ids).at[3, 1].set(9), x))
   recv, *_ = f(jnp.asarray(ids), x)                        # the next call works
   assert np.asarray(recv).shape == (cap, D)
+
+
+def test_bad_slot_primary_fails_the_call():
+  # Send once at R = 4: a remote slot whose primary is another token's slot is refused before any row moves (the row
+  # it would take is not its token's), naming the slot; the next call works.
+  R, tokens = 4, 32
+  mesh = mesh_of(R)
+  cap_e = plan_lib.expert_capacity(tokens, R, K, E, None)
+  cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
+  ids = np.zeros((tokens * R, K), np.int32)
+  ids[:, 0], ids[:, 1] = 2, 3                      # both choices on rank 1: every token of ranks 0, 2, 3 sends once
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((tokens * R, D)).astype(np.float32))
+
+  def wrong(plan, rank):  # rank 0's slot 3 (token 1, choice 1) names slot 0 (token 0's): same rank, another row
+    bad = plan.slot_primary.at[3].set(0)
+    return jnp.where(rank == 0, bad, plan.slot_primary)
+
+  good = _dispatch_program(mesh, tokens, cap_e, cap, jnp.float32, poisoned=False, send_once=True)
+  f = _dispatch_program(mesh, tokens, cap_e, cap, jnp.float32, poisoned=False, send_once=True, primary_of=wrong)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"send once: slot 3 names slot 0 of 64 as its primary"):
+    jax.block_until_ready(f(jnp.asarray(ids), x))
+  recv, *_ = good(jnp.asarray(ids), x)             # the next call works, and its rows are the tokens'
+  recv = np.asarray(recv).reshape(R, cap, D)
+  xs = np.asarray(x).reshape(R, tokens, D)
+  # rank 1's recv: segment (expert 2, source s) for s = 0..3, then (expert 3, s): each source's tokens in order
+  assert np.array_equal(recv[1, :2 * tokens * R], np.concatenate([xs.reshape(-1, D)] * 2))

@@ -71,9 +71,10 @@ def _call_setup(mesh, tokens, k, cap_e, cap, dtype):
   return info, plan_of, sharded
 
 
-def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode):
-  """(fused, two_calls, kept_rows, names): the call and its two-call twin, each returning the results the mode
-  keeps (named by `names`), and each rank's kept recv rows."""
+def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False):
+  """(fused, two_calls, kept_rows, names): the call (sending each row once per destination rank with send_once) and
+  its two-call twin (one row per slot), each returning the results the mode keeps (named by `names`), and each
+  rank's kept recv rows."""
   _, transpose_rhs, swiglu, keep_recv, keep_a = mode
   info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, dtype)
   slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
@@ -81,7 +82,7 @@ def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode):
 
   def fused(ids, x, w):
     got = dispatch_gemm(x, slot_rows, w, plan_of(ids), cap, info, transpose_rhs=transpose_rhs, swiglu=swiglu,
-                        keep_recv=keep_recv, keep_a=keep_a)
+                        keep_recv=keep_recv, keep_a=keep_a, send_once=send_once)
     assert [v is not None for v in got] == [keep_recv, True, keep_a]
     return tuple(v for v in got if v is not None)
 
@@ -114,7 +115,7 @@ DEFAULT_CALLS = {("plain", "float32", "all_to_one"), ("plain", "bfloat16", "skew
     pytest.param(*routed, dtype, mode, id=f"{routed[0]}-{jnp.dtype(dtype).name}-{mode[0]}",
                  marks=() if (mode[0], jnp.dtype(dtype).name, routed[0]) in DEFAULT_CALLS else pytest.mark.slow)
     for routed in ROUTED for dtype in (jnp.float32, jnp.bfloat16) for mode in MODES])
-def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode):
+def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=False):
   # 160 tokens x 2 choices per rank: 3 send blocks per source; "all_to_one" gives segments of 160 rows (two tiles,
   # each across two blocks), "skewed" at cf 0.5 drops slots, and `skip` leaves every fifth token's second slot -1.
   # The twin: dispatch, then grouped_matmul (float32 out) or grouped_matmul_swiglu (h, and a when kept).
@@ -128,7 +129,7 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode):
   kx, kw = jax.random.split(jax.random.PRNGKey(3))
   x = jax.random.normal(kx, (tokens * R, D), jnp.float32).astype(dtype)
   w = (jax.random.normal(kw, (E, N, D) if transpose_rhs else (E, D, N), jnp.float32) / np.sqrt(D)).astype(dtype)
-  fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode)
+  fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once)
   got = fused(jnp.asarray(ids), x, w)
   want = two_calls(jnp.asarray(ids), x, w)
   assert fused.aliased == fused.buffers == len(names) * R, \
@@ -145,6 +146,16 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode):
       assert a[r, :kept[r]].tobytes() == b[r, :kept[r]].tobytes(), f"{name} differs from the two calls on rank {r}"
       assert kept[r] == 0 or np.abs(a[r, :kept[r]].astype(np.float32)).max() > 0, (name, r)
   assert src_blocks_nonzero(mesh) == 0, "a call must leave its src_blocks zero"
+
+
+@pytest.mark.parametrize("kind,cf,skip,dtype,mode", [
+    pytest.param(*ROUTED[0], jnp.bfloat16, MODES[2], id="all_to_one-bfloat16-swiglu_train"),
+    pytest.param(*ROUTED[1], jnp.float32, MODES[1], id="skewed-float32-plain_transposed"),
+    pytest.param(*ROUTED[1], jnp.bfloat16, MODES[3], id="skewed-bfloat16-swiglu_inference", marks=pytest.mark.slow)])
+def test_call_sending_once_equals_the_two_calls(kind, cf, skip, dtype, mode):
+  # Send once (each token's row crosses to a rank once; the receiver fills its other rows before the GEMM tiles that
+  # read them) against the two calls sending one row per slot: bit for bit, and src_blocks left zero.
+  test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=True)
 
 
 def test_call_shape_errors_name_the_problem():
@@ -423,3 +434,28 @@ def test_default_layer_on_cpu_runs_two_calls():
   x, gates, w1, w2, ids = layer_case(4, "skewed", False, jnp.float32, tokens_per_rank=16)
   hlo = layer_fn(mesh, None).lower(x, gates, w1, w2, ids).as_text()
   assert "@jmo_dispatch_gemm(" not in hlo and hlo.count("@jmo_dispatch(") == 2, "CPU defaults to the two calls"
+
+
+def test_layer_sends_once_by_default_at_two_ranks_or_more():
+  # The forward's dispatch gets the plan's slot_primary [P] (send once) by default at R >= 2, the backward's [0] (its
+  # rows, gates * dy, differ per slot); CallConfig(send_once=False) gives [0] to both, and the layer's results are
+  # the same bit for bit (loss, y, dropped and every gradient).
+  mesh = mesh_of(4)
+  args = layer_case(4, "all_to_one", True, jnp.float32, tokens_per_rank=16)
+
+  def dispatch_lines(config):
+    hlo = layer_fn(mesh, None, config).lower(*args).as_text()
+    return [line for line in hlo.splitlines() if "@jmo_dispatch(" in line]
+
+  once, per_slot = dispatch_lines(CallConfig()), dispatch_lines(CallConfig(send_once=False))
+  assert len(once) == len(per_slot) == 2
+  assert sorted("tensor<0xi32>" in line for line in once) == [False, True], once
+  assert all("tensor<0xi32>" in line for line in per_slot), per_slot
+  got = layer_fn(mesh, None, CallConfig())(*args)
+  want = layer_fn(mesh, None, CallConfig(send_once=False))(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  ws = Workspace.get(mesh_of(1), "expert", WorkspaceSizes(row_bytes=64, recv_rows=16, ret_rows=16, num_segments=8))
+  assert not RankInfo(ws, CallConfig()).send_once and RankInfo(ws, CallConfig(send_once=True)).send_once
+  with pytest.raises(ValueError, match="send_once must be None"):
+    CallConfig(send_once=1)

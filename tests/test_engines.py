@@ -38,6 +38,11 @@ WGMMA, MMA, SIMT = "wgmma bf16", "mma.sync bf16", "simt fp32"
     (HOPPER, "bfloat16", 256, 96, {"swiglu": True}, None),   # F = 48: no engine has this epilogue
     (AMPERE, "bfloat16", 256, 384, {"swiglu": True}, None),
     (HOPPER, "bfloat16", 256, 384, {"swiglu": True, "transpose_rhs": True}, None),
+    (HOPPER, "bfloat16", 256, 384, {"swiglu_grad": True, "transpose_rhs": True}, WGMMA),  # dh = d_out W2^T, F = 384
+    (HOPPER, "bfloat16", 256, 384, {"swiglu_grad": True}, WGMMA),
+    (HOPPER, "bfloat16", 256, 96, {"swiglu_grad": True, "transpose_rhs": True}, None),  # F = 96: not a multiple of 64
+    (HOPPER, "float32", 256, 384, {"swiglu_grad": True, "transpose_rhs": True}, None),
+    (AMPERE, "bfloat16", 256, 384, {"swiglu_grad": True, "transpose_rhs": True}, None),
     (HOPPER, "bfloat16", 256, 384, {"outer": True, "M": 512}, WGMMA),
     (HOPPER, "bfloat16", 256, 384, {"outer": True, "M": 0}, MMA),   # the outer form reduces over M rows
     (HOPPER, "bfloat16", 256, 136, {"outer": True, "M": 512}, MMA),
@@ -59,6 +64,10 @@ def test_refusals_name_the_rule():
                                                               swiglu=True)
   assert "SwiGLU" in _jmo.gemm_engine_operand_refusal(MMA, "bfloat16", 128, 64, swiglu=True)
   assert "multiple of 8" in _jmo.gemm_engine_operand_refusal(MMA, "bfloat16", 128, 60)
+  assert "SwiGLU" in _jmo.gemm_engine_operand_refusal(MMA, "bfloat16", 128, 64, swiglu_grad=True)
+  assert "dtype" in _jmo.gemm_engine_operand_refusal(WGMMA, "float32", 128, 64, swiglu_grad=True)
+  with pytest.raises(ValueError, match="one epilogue"):
+    _jmo.select_gemm_engine(HOPPER, "bfloat16", 128, 64, swiglu=True, swiglu_grad=True)
   with pytest.raises(ValueError, match=r"dtype 'float16' is none of float32 or bfloat16"):
     _jmo.select_gemm_engine(HOPPER, "float16", 128, 64)
   with pytest.raises(ValueError, match=r"no GEMM engine is named 'tcgen05'"):
@@ -88,6 +97,7 @@ def test_no_gpu_engine_without_cuda(monkeypatch):
   assert not engines.wgmma_operands(True, 128, 64)
   assert not engines.swiglu_epilogue_operands(True, 256, 192)
   assert not engines.dispatch_gemm_operands("gpu", True, 128, 256, swiglu=True)
+  assert not engines.swiglu_grad_fused.__wrapped__(True, 256, 192, True)
   assert engines.dispatch_gemm_operands("cpu", True, 30, 7, swiglu=True)
   assert not engines.first_gpu_runs_wgmma()
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import fp8_numpy
 import jax_moe_overlap as jmo
 from cases import layer_inputs, moe_config, rel_err
-from jax_moe_overlap import fp8_experts
+from jax_moe_overlap import _jmo, fp8_experts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.reference import kept_mask, moe_experts_reference
 
@@ -126,6 +126,47 @@ def test_xla_matches_the_oracle(axis_type, cf):
     np.testing.assert_array_equal(np.asarray(g[1])[~kept], 0.0)
 
 
+@pytest.mark.parametrize("axis_type", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
+def test_collective_matches_xla(axis_type, capsys):
+  """impl="collective" runs the recipe on the FP8 grouped GEMM's quantized operands (on CPU its emulation, ffi/cpu/
+  grouped_gemm.cc), impl="xla" on dequantized operands with ragged_dot: the same quantized operands, so they differ
+  by float32 rounding in the row GEMMs (and, rarely, one e4m3 step where that crosses a boundary) and in the
+  gradients also by the wgrad operands' rounding to bfloat16 (KERNELS has no FP8 outer GEMM: at most 2^-9 per
+  element). Both stay within the FP8 error bound of the float64 layer."""
+  mesh = mesh_of(4, axis_type)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "skewed", 6, dtype=jnp.bfloat16)
+  w1, w2 = w1.astype(jnp.float32), w2.astype(jnp.float32)
+  cot = np.random.default_rng(7).standard_normal((T, 128)).astype(np.float32)
+  if axis_type == "explicit":
+    x = jax.device_put(x, NamedSharding(mesh, P("expert")))
+    w1, w2 = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (w1, w2))
+  (_, y), g = grads_fn(mesh, ids, jnp.asarray(cot), "collective")(x, gates, w1, w2)
+  (_, y_xla), g_xla = grads_fn(mesh, ids, jnp.asarray(cot), "xla")(x, gates, w1, w2)
+  assert y.dtype == jnp.bfloat16 and g[0].dtype == jnp.bfloat16 and g[2].dtype == jnp.float32
+  names = ("y", "dx", "dgates", "dw1", "dw2")
+  close = {n: rel_err(a, b) for n, a, b in zip(names, (y, *g), (y_xla, *g_xla))}
+  want = float64_layer(x, ids, gates, w1, w2, cot, T * K)
+  errs = {n: rel_err(a, b) for n, a, b in zip(names, (y, *g), want)}
+  with capsys.disabled():
+    print(f"\nfp8 collective ({axis_type}): vs xla " + ", ".join(f"{n} {e:.1e}" for n, e in close.items()) +
+          "; vs float64 " + ", ".join(f"{n} {e:.3f}" for n, e in errs.items()))
+  for n in names:
+    assert close[n] < 1e-2, (n, close[n])
+    assert FP8_ERROR_FLOOR < errs[n] < FP8_ERROR_BOUND, (n, errs[n])
+  assert close["y"] < 1e-3
+
+
+def test_collective_runs_the_fp8_custom_call():
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
+  cot = jnp.ones((T, 128), jnp.float32)
+  text = grads_fn(mesh, ids, cot, "collective").lower(x, gates, w1, w2).as_text()
+  assert text.count("jmo_grouped_matmul_fp8") == 4, "GEMM1, GEMM2 and the two dgrads"
+  # The two wgrads: XLA's ragged_dot on CPU (lowered to dots; the bf16 grouped_outer custom call on GPU), the only
+  # dots of the program.
+  assert text.count("dot_general") == 2 and "jmo_grouped_outer" not in text
+
+
 def test_deterministic():
   mesh = mesh_of(4)
   x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 5, dtype=jnp.bfloat16)
@@ -206,13 +247,13 @@ def test_refusals():
     jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="xla", quantization="int8")
   with pytest.raises(ValueError, match=r"quantization must be None"):
     jmo.MoEConfig(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="e4m3")
-  for impl in ("overlap", "collective"):
-    with pytest.raises(NotImplementedError, match=rf"impl='{impl}' has no FP8 path yet: .* Missing: FP8 rows with "
-                                                  r"their scales in dispatch"):
-      jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, quantization="fp8")
-    cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="fp8")
-    with pytest.raises(NotImplementedError, match=r"runs with impl='xla' or impl='reference'"):
-      jmo.MoE(cfg, mesh=mesh, impl=impl, rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match=r"impl='overlap' has no FP8 path yet: .* Missing: FP8 rows with "
+                                                r"their scales in dispatch and dispatch_gemm .* expert_combine's "
+                                                r"producer"):
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="overlap", quantization="fp8")
+  cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="fp8")
+  with pytest.raises(NotImplementedError, match=r"runs with impl='collective' .* impl='xla' or impl='reference'"):
+    jmo.MoE(cfg, mesh=mesh, impl="overlap", rngs=nnx.Rngs(0))
   q1, q2 = jmo.quantize_weights(w1, w2)
   with pytest.raises(TypeError, match=r"w1 is a pre-quantized Fp8Weight, which only quantization='fp8' takes"):
     jmo.moe_experts(x, ids, gates, q1, w2, mesh=mesh, impl="xla")
@@ -233,8 +274,14 @@ def test_gpu_without_fp8_tensor_cores_is_refused():
     check_fp8_impl("overlap", mesh)
   check_fp8_impl("xla", mesh)             # the emulation runs anywhere
   hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
-  with pytest.raises(NotImplementedError, match=r"the e4m3 wgmma kernels on Hopper"):
+  with pytest.raises(NotImplementedError, match=r"impl='overlap' has no FP8 path yet"):
     check_fp8_impl("overlap", types.SimpleNamespace(devices=np.array([hopper])))
+  if _jmo.with_cuda:  # the FP8 grouped GEMM's device rule comes from the extension's CUDA build
+    ada = types.SimpleNamespace(platform="gpu", compute_capability="8.9", device_kind="NVIDIA L40S")
+    with pytest.raises(ValueError, match=r"impl='collective' runs the FP8 grouped GEMM: the FP8 grouped GEMM needs "
+                                         r"Hopper FP8 tensor cores \(compute capability 9.x"):
+      check_fp8_impl("collective", types.SimpleNamespace(devices=np.array([ada])))
+    check_fp8_impl("collective", types.SimpleNamespace(devices=np.array([hopper])))
 
 
 def test_what_the_forward_keeps():

@@ -1,15 +1,18 @@
 """The bare grouped GEMMs (jax_moe_overlap.grouped_gemm) against numpy, on the CPU handlers: random group sizes with
 empty groups and a tail of rows past the last group, the transposed-rhs form, the weight-gradient form, both
 dtypes, and the errors; and expert_mlp, the communication-free expert work built on the grouped GEMMs (XLA's
-ragged_dot on CPU); and grouped_matmul_swiglu, GEMM1 with its SwiGLU. tests/gpu/test_gpu_grouped_gemm.py runs the
-same GEMM cases on the CUDA kernels."""
+ragged_dot on CPU); grouped_matmul_swiglu, GEMM1 with its SwiGLU; and grouped_matmul_swiglu_grad, the backward's
+d_out W2^T with the SwiGLU's gradient. tests/gpu/test_gpu_grouped_gemm.py runs the same GEMM cases on the CUDA
+kernels."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
+from jax_moe_overlap import expert_gemms
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_matmul_swiglu_grad
+from jax_moe_overlap.grouped_gemm import grouped_outer
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
 
 CASES = [  # (M, K, N, group sizes): empty groups, partial tiles, a tail of rows past the last group
@@ -79,6 +82,99 @@ def test_grouped_matmul_swiglu_bad_operands_raise():
     grouped_matmul_swiglu(lhs, rhs[:, :4], sizes, keep_preactivation=True)
   with pytest.raises(TypeError, match="share a dtype"):
     grouped_matmul_swiglu(lhs, rhs.astype(jnp.bfloat16), sizes, keep_preactivation=False)
+
+
+def _ref_swiglu_grad(a, dh):
+  """float64: the input gradient of silu(a[:, :F]) * a[:, F:] for dh, analytically."""
+  F = a.shape[1] // 2
+  g, u = a[:, :F], a[:, F:]
+  sig = 1.0 / (1.0 + np.exp(-g))
+  return np.concatenate([dh * u * (sig + g * sig * (1.0 - sig)), dh * g * sig], axis=1)
+
+
+def _into_poison(fn, *args):
+  """fn(*args) jitted, its output computed into a donated NaN-filled buffer (an element fn does not write stays NaN);
+  asserts that XLA took the donation."""
+  shape = jax.eval_shape(fn, *args)
+  poison = jnp.full(shape.shape, jnp.nan, shape.dtype)
+  before = poison.unsafe_buffer_pointer()
+  out = jax.jit(lambda p, *a: fn(*a), donate_argnums=0, keep_unused=True)(poison, *args)
+  assert out.unsafe_buffer_pointer() == before, "XLA declined the poisoned buffer"
+  return out
+
+
+def check_grouped_matmul_swiglu_grad(case, transpose, dtype, tol, seed=0):
+  """grouped_matmul_swiglu_grad against float64 numpy (dh = d_out @ W^T per group, then SwiGLU's gradient at a), its
+  output computed into NaN: every row of the groups within tol, the rows past them zero. a is random on every row (the
+  tail too: the call must not read it there). Returns the call (jitted), its operands and da for the GPU tests."""
+  M, K, F, sizes = case
+  G = len(sizes)
+  d_out, w, a = _inputs(seed + 7 * M + K, (M, K), (G, F, K) if transpose else (G, K, F), (M, 2 * F), dtype=dtype)
+  a = a.astype(jnp.float32) * 2.0  # float32 whatever the operands' dtype; the gate past the silu's knee both ways
+  gs = jnp.asarray(sizes, jnp.int32)
+  fn = lambda x, w, s, a: grouped_matmul_swiglu_grad(x, w, s, a, transpose_rhs=transpose)
+  da = _into_poison(fn, d_out, w, gs, a)
+  assert da.shape == (M, 2 * F) and da.dtype == dtype
+  rows = sum(sizes)
+  dh = _ref_matmul(_f64(d_out), _f64(w), sizes, transpose)[:rows]
+  ref = _ref_swiglu_grad(np.asarray(a, np.float64)[:rows], dh)
+  got = np.asarray(da.astype(jnp.float32), np.float64)
+  assert np.isfinite(got).all()
+  if rows:
+    assert _rel(got[:rows], ref) < tol, _rel(got[:rows], ref)
+  assert np.all(got[rows:] == 0.0)
+  return jax.jit(fn), (d_out, w, gs, a), da
+
+
+SWIGLU_GRAD_CASES = [  # (M, K, F, group sizes): empty and skewed groups, a tail of rows past the last group
+    (37, 24, 20, [5, 0, 20, 12]),
+    (50, 32, 12, [0, 0, 30]),     # 20 tail rows
+    (40, 16, 8, [0, 40, 0]),      # one group has every row
+    (16, 8, 4, [0, 0]),           # no rows at all: da is all zero
+]
+
+
+def _swiglu_grad_params():
+  """Every (case, transpose, dtype); four of them, each case and each option once, in the default pass, the rest slow."""
+  quick = {(0, True, "float32"), (1, False, "bfloat16"), (2, True, "bfloat16"), (3, False, "float32")}
+  for i, case in enumerate(SWIGLU_GRAD_CASES):
+    for transpose in (True, False):
+      for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+        marks = () if (i, transpose, jnp.dtype(dtype).name) in quick else (pytest.mark.slow,)
+        yield pytest.param(case, transpose, dtype, tol, marks=marks)
+
+
+@pytest.mark.parametrize("case,transpose,dtype,tol", list(_swiglu_grad_params()))
+def test_grouped_matmul_swiglu_grad(case, transpose, dtype, tol):
+  check_grouped_matmul_swiglu_grad(case, transpose, dtype, tol)
+
+
+def test_grouped_matmul_swiglu_grad_is_the_unfused_math():
+  # The call = grouped_matmul's float32 dh (the CPU handlers' one row loop: the same bits), then jax.vjp of swiglu,
+  # rounded once: within a float32 ulp or two of it (the exp of C++ and of XLA:CPU may differ in the last bit).
+  d_out, w, a = _inputs(21, (45, 32), (3, 24, 32), (45, 48), dtype=jnp.float32)
+  gs = jnp.asarray([20, 0, 19], jnp.int32)
+  fused = grouped_matmul_swiglu_grad(d_out, w, gs, a, transpose_rhs=True)
+  unfused = expert_gemms.swiglu_grad(a, grouped_matmul(d_out, w, gs, transpose_rhs=True), jnp.float32)
+  np.testing.assert_allclose(np.asarray(fused), np.asarray(unfused), rtol=2e-6, atol=1e-6)
+
+
+def test_grouped_matmul_swiglu_grad_bad_operands_raise():
+  d_out, w, a = _inputs(8, (10, 8), (2, 6, 8), (10, 12), dtype=jnp.float32)
+  sizes = jnp.asarray([5, 5], jnp.int32)
+  with pytest.raises(ValueError, match="contraction K"):
+    grouped_matmul_swiglu_grad(d_out, w, sizes, a)  # w [G, 6, 8] as stored [G, K, F]: K = 6, d_out has 8
+  with pytest.raises(ValueError, match=r"a must be float32 \[10, 12\]"):
+    grouped_matmul_swiglu_grad(d_out, w, sizes, a[:, :10], transpose_rhs=True)
+  with pytest.raises(ValueError, match="a must be float32"):
+    grouped_matmul_swiglu_grad(d_out, w, sizes, a.astype(jnp.bfloat16), transpose_rhs=True)
+  with pytest.raises(ValueError, match="do not fit"):
+    grouped_matmul_swiglu_grad(d_out, w, sizes[:1], a, transpose_rhs=True)
+  with pytest.raises(TypeError, match="share a dtype"):
+    grouped_matmul_swiglu_grad(d_out, w.astype(jnp.bfloat16), sizes, a, transpose_rhs=True)
+  with pytest.raises(Exception, match="group sizes must be >= 0 and sum to at most 10"):
+    jax.block_until_ready(grouped_matmul_swiglu_grad(d_out, w, jnp.asarray([6, 6], jnp.int32), a,
+                                                     transpose_rhs=True))
 
 
 def _ref_outer(lhs, rhs, sizes):
@@ -168,6 +264,27 @@ def test_expert_mlp_value_and_grads():
   # Float32 sums whose terms reach ~50 round to ~1e-5 on their own: absolute errors are judged on each output's scale.
   for a, r in zip((got, *grads), (want, *ref_grads)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
+
+
+@pytest.mark.slow
+def test_expert_mlp_grads_with_the_fused_swiglu_grad(monkeypatch):
+  """expert_mlp's backward with the SwiGLU's gradient in the backward GEMM's call (grouped_matmul_swiglu_grad, as on a
+  Hopper GPU; its CPU handler here) = the default (XLA's ragged_dot, then jax.vjp of swiglu), within float32
+  rounding: the wiring (operands, W2 read transposed, d_gate | d_up) of expert_grads' fused branch."""
+  sizes, D, F = [5, 0, 20, 12], 16, 8
+  x, w1, w2, ct = _inputs(9, (41, D), (4, D, 2 * F), (4, F, D), (41, D), dtype=jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+
+  def grads():
+    jax.clear_caches()
+    return jax.jit(lambda *a: jax.vjp(lambda x, w1, w2: expert_mlp(x, w1, w2, gs), *a[:3])[1](a[3]))(x, w1, w2, ct)
+
+  default = grads()
+  monkeypatch.setattr(expert_gemms, "gemm2_grad_swiglu_grad",
+                      lambda d_out, w2, s, a, dt: grouped_matmul_swiglu_grad(d_out, w2, s, a, transpose_rhs=True))
+  fused = grads()
+  for f, d in zip(fused, default):
+    np.testing.assert_allclose(np.asarray(f), np.asarray(d), rtol=1e-5, atol=1e-5 * float(np.abs(d).max()))
 
 
 def test_bad_group_sizes_raise():

@@ -355,10 +355,14 @@ def test_overlap_table_rows(monkeypatch, capsys):
   table = []
   assert run.run_case(types.SimpleNamespace(run_ranks=lambda spec, data: res), case, table)
   (row,) = table
-  sent = max(int(np.count_nonzero((d.plan["slot_dest_rank"] != r) & (d.plan["slot_dest_row"] >= 0)))
-             for r, d in enumerate(sets[0]))
+  # Bytes sent once per (token, destination rank) (R = 2: send once is the default), plus 8 per remote slot's entry.
+  wire = []
+  for r, d in enumerate(sets[0]):
+    remote = np.flatnonzero((d.plan["slot_dest_rank"] != r) & (d.plan["slot_dest_row"] >= 0))
+    pairs = {(p // case.top_k, int(d.plan["slot_dest_rank"][p])) for p in remote}
+    wire.append(len(pairs) * case.d_model * 2 + 8 * len(remote))
   assert (row["gemm_us"], row["transfer_us"], row["baseline_us"], row["ours_us"], row["sms"]) == (200, 100, 300, 250, 4)
-  assert row["transfer_bytes"] == sent * case.d_model * 2 and row["hidden"] == pytest.approx(0.5)
+  assert row["transfer_bytes"] == max(wire) and row["hidden"] == pytest.approx(0.5)
   out = capsys.readouterr().out
   assert "dispatch_gemm pushers=auto mode=plain" in out and "| pushers 4 |" in out, out
   assert timing.overlap_cells(row).startswith("| dispatch_gemm plain R=2 T=16 k=2 E=4 D=64 K=64 N=24 | 10 | 200.0 |")
@@ -538,3 +542,20 @@ def test_run_case_tensor_spec(monkeypatch, capsys):
   assert rank["w"].shape == (2, 64, case.n_dim) and rank["w1"].shape == (2, case.d_model, 64)
   assert rank["gates"].shape == rank["slot_dest_rank"].shape == (case.tokens * 4,)
   assert capsys.readouterr().out.startswith("PASS R=4 TP=2 T=16 k=2 E=4 D=64 K=128 ")
+
+
+def test_wire_bytes_count_each_row_once_per_destination():
+  # Routing 2 at R = 2 with two experts per rank: every token's two choices are rank 0's experts, so rank 1 sends each
+  # token's row once with send once (plus an 8-byte entry per slot), twice without; rank 0 sends nothing remote.
+  case = dataclasses.replace(cases_lib.Case(), ranks=2, experts=4, tokens=32, routing=2)
+  rng = np.random.default_rng(0)
+  ids = [cases_lib.route(rng, case, r) for r in range(case.ranks)]
+  plans = cases_lib.make_plans(case, ids)
+  row = case.d_model * 2
+  assert case.sends_once
+  assert cases_lib.wire_bytes(case, plans[1], 1, row) == (32, 32 * row + 64 * 8)
+  assert cases_lib.wire_bytes(case, plans[0], 0, row) == (0, 0)
+  per_slot = dataclasses.replace(case, send_once=0)
+  assert not per_slot.sends_once
+  assert cases_lib.wire_bytes(per_slot, plans[1], 1, row) == (64, 64 * row)
+  assert not dataclasses.replace(case, ranks=1, experts=2).sends_once

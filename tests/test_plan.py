@@ -61,8 +61,16 @@ def brute_force(all_ids, num_experts, expert_cap):
     for p in range(T * k):
       order[send_pos[r][p]] = p
     send_start = [sum(1 for g in flat if 0 <= int(g) and int(g) // E_l < d) for d in range(R + 1)]
+    # Send once: a kept slot routed to another rank takes the row of its token's kept slot for that rank that is first
+    # in the send order; every other slot names itself.
+    primary = list(range(T * k))
+    for p in range(T * k):
+      if kept[r, p] and dest_rank[p] != r:
+        t = p // k
+        same = [q for q in range(t * k, t * k + k) if kept[r, q] and dest_rank[q] == dest_rank[p]]
+        primary[p] = min(same, key=lambda q: send_pos[r][q])
     out[r].update(dest_rank=dest_rank, dest_row=dest_row, ret_row=ret_row, send_order=order, send_start=send_start,
-                  dropped=sum(not kept[r, p] for p in range(T * k)))
+                  primary=np.array(primary), dropped=sum(not kept[r, p] for p in range(T * k)))
   return out
 
 
@@ -87,6 +95,7 @@ def test_plan_matches_brute_force(R, k, kind, cf):
     np.testing.assert_array_equal(got.slot_ret_row, w["ret_row"])
     np.testing.assert_array_equal(got.send_order, w["send_order"])
     np.testing.assert_array_equal(got.send_start, w["send_start"])
+    np.testing.assert_array_equal(got.slot_primary, w["primary"])
     np.testing.assert_array_equal(got.seg_rows, w["seg_rows"])
     # A segment's ret offset matters only where it has rows.
     np.testing.assert_array_equal(np.where(w["seg_rows"] > 0, got.seg_ret_off, 0),
@@ -99,6 +108,25 @@ def test_plan_matches_brute_force(R, k, kind, cf):
     total_dropped += int(got.dropped)
   if cf is None:
     assert total_dropped == 0
+
+
+@pytest.mark.parametrize("R,E,k,saved", [(2, 8, 2, 3 / 14), (4, 8, 2, 1 / 14), (8, 8, 2, 0.0), (8, 256, 8, 0.338)])
+def test_send_once_saves_the_repeated_rows(R, E, k, saved):
+  # Rows one rank sends to the others, one per slot against one per (token, destination) (slot_primary): uniform
+  # routing saves (E_l - 1) / (E - 1) x (R - 1) / R of a token's remote rows at k = 2 per remote slot (3/14 = 21% at
+  # R = 2, E = 8; 1/14 at R = 4; none at one expert per rank), and for DeepSeek-like top-8 of 256 at EP = 8,
+  # 1 - P(a rank gets a choice) x 7 / 7 = 33.8% (docs/design.md, "Send once").
+  T = 4096 if E == 8 else 1024
+  rng = np.random.default_rng(R + E)
+  all_ids = [np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32) for _ in range(R)]
+  counts = np.stack([np.asarray(plan_lib.local_counts(jnp.asarray(i), E)).reshape(R, E // R) for i in all_ids])
+  slots = once = 0
+  for r in range(R):
+    got = plan_lib.make_plan(jnp.asarray(all_ids[r]), jnp.asarray(counts), jnp.int32(r), T * R)
+    remote = (np.asarray(got.slot_dest_rank) != r) & (np.asarray(got.slot_dest_row) >= 0)
+    slots += int(remote.sum())
+    once += int((remote & (np.asarray(got.slot_primary) == np.arange(T * k))).sum())
+  assert abs((1 - once / slots) - saved) < 0.02, (once, slots)
 
 
 def test_capacity_rule_drops_when_overloaded():

@@ -15,11 +15,15 @@
 namespace jmo {
 
 // The operands a dispatch starts with: src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1:
-// dropped), recv_rows_expected [].
+// dropped), recv_rows_expected [], slot_primary [P] or [0]. slot_primary [P] sends each row once per destination
+// rank (protocol.h, "Send once"): a kept slot routed to another rank whose slot_primary names another slot takes
+// that slot's row on the destination (the primary: a kept slot of the same source row and destination, earlier in the
+// send order, its own primary) instead of a row of its own; [0]: every slot sends its own row.
 template <typename Binding>
 auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be moved into a parameter)
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
@@ -154,12 +158,14 @@ std::string DimsText(const Dims& d) {
 struct DispatchShape {
   DType dtype;
   int64_t S, D, cap, P;  // src rows, row width, recv capacity, slots
+  bool send_once;        // slot_primary has P entries (else 0)
 };
 
 inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer& src,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
+                                                      const xla::ffi::Buffer<xla::ffi::S32>& slot_primary,
                                                       const xla::ffi::AnyBuffer& out) {
   const std::optional<DType> dt = DTypeOf(src.element_type());
   if (!dt || out.element_type() != src.element_type())
@@ -171,7 +177,9 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
   const int64_t P = slot_src_row.element_count();
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
-  return DispatchShape{*dt, sd[0], sd[1], od[0], P};
+  if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
+    return xla::ffi::Unexpected(InvalidCall("dispatch: slot_primary must be [P] (send once) or [0]"));
+  return DispatchShape{*dt, sd[0], sd[1], od[0], P, P > 0 && slot_primary.element_count() == P};
 }
 
 struct DispatchGemmShape {
@@ -187,6 +195,7 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
+                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_primary,
                                                               const xla::ffi::AnyBuffer& w,
                                                               const xla::ffi::AnyBuffer& x_recv,
                                                               const xla::ffi::AnyBuffer& out,
@@ -208,6 +217,8 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
   const int64_t P = slot_src_row.element_count();
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return Unexpected(InvalidCall("dispatch_gemm: slot arrays must have equal length"));
+  if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
+    return Unexpected(InvalidCall("dispatch_gemm: slot_primary must be [P] (send once) or [0]"));
   const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
   const bool ranks_ok = sd.size() == 2 && wd.size() == 3 && xd.size() == 2 && od.size() == 2 && ad.size() == 2;
   const int64_t D = ranks_ok ? sd[1] : 0, N = ranks_ok ? wd[wn] : 0, cap = ranks_ok ? od[0] : 0;
@@ -221,7 +232,7 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
         (swiglu ? "out [cap, N / 2] and a [cap or 0, N] (swiglu)" : "out [cap, N] and a [0, N]") + "; got src " +
         DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
         DimsText(ad)));
-  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P}, wd[0], N, xd[0] == cap && cap > 0,
+  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P, P > 0 && slot_primary.element_count() == P}, wd[0], N, xd[0] == cap && cap > 0,
                            swiglu && ad[0] == cap && cap > 0};
 }
 

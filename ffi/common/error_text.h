@@ -50,6 +50,16 @@ inline std::string DescribeRecord(const ErrorRecord& e, int group, int ranks) {
       case kBadKeptRows:
         s += "expected rows " + i64(e.got) + " differ from the rows of its segments (" + to_string(e.expected) + ")";
         break;
+      case kBadRecvFrom:
+        s += "send once: recv row " + to_string(e.peer) + " has recv_from entry " + to_string(e.got) +
+             " (epoch << 32 | row), not this call's (epoch " + to_string(e.expected) +
+             ") naming an earlier primary row of the same source: the ranks do not agree on sending once";
+        break;
+      case kBadPrimary:
+        s += "send once: slot " + to_string(e.peer) + " names slot " + i64(e.got) + " of " + to_string(e.expected) +
+             " as its primary, which is not a kept slot of the same source row and destination rank, its own "
+             "primary, at an earlier recv row";
+        break;
       case kBadCallShape: s += "the call's operands do not fit the workspace (that rank's own error names them)"; break;
       default: s += "code " + to_string(e.detail); break;
     }

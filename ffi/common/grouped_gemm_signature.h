@@ -8,8 +8,25 @@
 //   jmo_grouped_matmul_swiglu(lhs [M, K], rhs [G, K, 2F], group_sizes [G] s32)
 //       -> h [M, F], a [M or 0, 2F]   a = lhs[r] @ rhs[g(r)] in float32 (0 rows: not kept), h = silu(a[:, :F]) *
 //                                     a[:, F:] in lhs's dtype; rows past the groups are 0 in both
+//   jmo_grouped_matmul_swiglu_grad(lhs [M, K], rhs [G, K, F] (or [G, F, K] with transpose_rhs), group_sizes [G] s32,
+//                                  a [M, 2F] f32)
+//       -> da [M, 2F]                 dh = lhs[r] @ rhs[g(r)] in float32 (not an output), da = the input gradient of
+//                                     silu(a[:, :F]) * a[:, F:] at dh (d_gate | d_up) in lhs's dtype; rows past the
+//                                     groups are 0
+//   jmo_grouped_matmul_fp8(lhs [M, K] e4m3, lhs_scales [K/128, ld] f32, rhs [G, N, K] e4m3,
+//                          rhs_scales [G, N/128, K/128] f32, group_sizes [G] s32)
+//       -> out [M, N] bf16 or f32     DeepSeek-V3's block-scaled GEMM (arXiv 2412.19437 section 3.3):
+//                                     out[r, n] = sum over 128-wide K chunks kc of
+//                                       (sum_{k in kc} lhs[r, k] rhs[g(r)][n, k]) * lhs_scales[kc][r] *
+//                                       rhs_scales[g(r)][n / 128][kc]
+//                                     rows past the groups are 0. lhs_scales is MN-major (one chunk's scales of
+//                                     consecutive rows contiguous: the layout the Hopper kernel loads by TMA), with
+//                                     ld >= M and ld % 4 == 0 (16-byte rows); rhs is K-major (fp8.Fp8Weight's values,
+//                                     the only B layout of FP8 wgmma), rhs_scales Fp8Weight's scales. K and N are
+//                                     positive multiples of 128 (whole scale tiles).
 //
-// Operands are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype (fp32 accumulation).
+// Operands of the first three are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype
+// (fp32 accumulation).
 #pragma once
 
 #include <optional>
@@ -41,6 +58,30 @@ auto BindGroupedMatmul(Binding&& b) {
 template <typename Binding>
 auto BindGroupedSwiGlu(Binding&& b) {
   return BindGroupedOuter(std::move(b)).template Ret<xla::ffi::AnyBuffer>();
+}
+
+// grouped_matmul_swiglu_grad: grouped_matmul's operands and attribute, then the preactivation a as a fourth operand.
+template <typename Binding>
+auto BindGroupedSwiGluGrad(Binding&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("transpose_rhs");
+}
+
+// lhs, lhs_scales, rhs, rhs_scales, group_sizes -> out.
+template <typename Binding>
+auto BindGroupedMatmulFp8(Binding&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>();
 }
 
 struct GroupedShape {
@@ -100,6 +141,29 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuf
   return s;
 }
 
+// N of the result is F (dh's columns); out_f32 is false (da is in the operands' dtype).
+inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGluGrad(const xla::ffi::AnyBuffer& lhs,
+                                                              const xla::ffi::AnyBuffer& rhs,
+                                                              const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+                                                              const xla::ffi::Buffer<xla::ffi::F32>& a,
+                                                              const xla::ffi::AnyBuffer& da, bool transpose_rhs) {
+  const auto xt = lhs.element_type();
+  const std::optional<DType> dt = DTypeOf(xt);
+  if (!dt || rhs.element_type() != xt || da.element_type() != xt)
+    return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu_grad: lhs, rhs and da must share one dtype, " +
+                                            DTypeNames() + ", and a must be float32"));
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), pd = a.dimensions(), dd = da.dimensions();
+  if (ld.size() != 2 || rd.size() != 3 || pd.size() != 2 || dd.size() != 2 || group_sizes.dimensions().size() != 1)
+    return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu_grad: expected lhs [M, K], rhs [G, K, F] (or "
+                                            "[G, F, K] transposed), group_sizes [G], a [M, 2F], da [M, 2F]"));
+  const int64_t K = ld[1], F = transpose_rhs ? rd[1] : rd[2], rhs_k = transpose_rhs ? rd[2] : rd[1];
+  GroupedShape s{*dt, false, ld[0], K, F, rd[0]};
+  if (rhs_k != K || pd[0] != s.M || pd[1] != 2 * F || dd[0] != s.M || dd[1] != 2 * F ||
+      static_cast<int64_t>(group_sizes.element_count()) != s.G)
+    return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu_grad: inconsistent shapes"));
+  return s;
+}
+
 inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedOuter(const xla::ffi::AnyBuffer& lhs, const xla::ffi::AnyBuffer& rhs,
                                                          const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                                          const xla::ffi::AnyBuffer& out) {
@@ -112,6 +176,43 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedOuter(const xla::ffi::AnyBuff
                  static_cast<int64_t>(group_sizes.element_count())};
   if (rd[0] != s.M || od[0] != s.G || od[1] != s.K || od[2] != s.N)
     return xla::ffi::Unexpected(InvalidCall("grouped_outer: inconsistent shapes"));
+  return s;
+}
+
+struct GroupedFp8Shape {
+  bool out_f32;  // else bfloat16
+  int64_t M, K, N, G;
+  int64_t scales_ld;  // the row stride of lhs_scales [K/128, ld]
+};
+
+constexpr int64_t kFp8Tile = 128;  // K elements per scale; the side of a weight block
+
+inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedMatmulFp8(
+    const xla::ffi::AnyBuffer& lhs, const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales, const xla::ffi::AnyBuffer& rhs,
+    const xla::ffi::Buffer<xla::ffi::F32>& rhs_scales, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+    const xla::ffi::AnyBuffer& out) {
+  namespace ffi = xla::ffi;
+  auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("grouped_matmul_fp8: " + why)); };
+  if (lhs.element_type() != ffi::DataType::F8E4M3FN || rhs.element_type() != ffi::DataType::F8E4M3FN)
+    return fail("lhs and rhs must be float8_e4m3fn");
+  if (out.element_type() != ffi::DataType::F32 && out.element_type() != ffi::DataType::BF16)
+    return fail("the output must be float32 or bfloat16");
+  auto ld = lhs.dimensions(), sd = lhs_scales.dimensions(), rd = rhs.dimensions(), bd = rhs_scales.dimensions(),
+       od = out.dimensions();
+  if (ld.size() != 2 || sd.size() != 2 || rd.size() != 3 || bd.size() != 3 || od.size() != 2 ||
+      group_sizes.dimensions().size() != 1)
+    return fail("expected lhs [M, K], lhs_scales [K/128, ld], rhs [G, N, K], rhs_scales [G, N/128, K/128], "
+                "group_sizes [G]");
+  GroupedFp8Shape s{out.element_type() == ffi::DataType::F32, ld[0], ld[1], rd[1], rd[0], sd[1]};
+  if (s.K < kFp8Tile || s.K % kFp8Tile != 0 || s.N < kFp8Tile || s.N % kFp8Tile != 0)
+    return fail("K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
+                std::to_string(s.K) + ", N=" + std::to_string(s.N));
+  if (rd[2] != s.K || od[0] != s.M || od[1] != s.N || static_cast<int64_t>(group_sizes.element_count()) != s.G ||
+      bd[0] != s.G || bd[1] != s.N / kFp8Tile || bd[2] != s.K / kFp8Tile || sd[0] != s.K / kFp8Tile)
+    return fail("inconsistent shapes");
+  if (s.scales_ld < s.M || s.scales_ld % 4 != 0)
+    return fail("lhs_scales [K/128, ld] needs ld >= M and a multiple of 4 (16-byte rows), got ld=" +
+                std::to_string(s.scales_ld) + " for M=" + std::to_string(s.M));
   return s;
 }
 

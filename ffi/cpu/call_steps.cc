@@ -84,6 +84,34 @@ ffi::Error CheckSlots(const CallContext& c, const char* op, const int32_t* src_r
   return ffi::Error::Success();
 }
 
+ffi::Error CheckPrimaries(const CallContext& c, const char* op, const int32_t* src_row, const int32_t* dst_rank,
+                          const int32_t* dst_row, const int32_t* primary, int64_t P) {
+  for (int64_t p = 0; p < P; ++p) {
+    if (dst_row[p] < 0 || dst_rank[p] == c.rank) continue;  // not moved, or kept by this rank (one row per slot)
+    const int64_t q = primary[p];
+    if (q == p) continue;
+    const bool ok = q >= 0 && q < P && primary[q] == q && dst_row[q] >= 0 && dst_rank[q] == dst_rank[p] &&
+                    src_row[q] == src_row[p] && dst_row[q] < dst_row[p];
+    if (!ok) return FailInput(c, op, kBadPrimary, p, (uint64_t)q, P);
+  }
+  return ffi::Error::Success();
+}
+
+void MoveSlot(const CallContext& c, const RankView& peer, int d, int64_t p, const char* src, int64_t row_bytes,
+              const int32_t* src_row, const int32_t* dst_row, const int32_t* primary, char* rows) {
+  const bool own = primary == nullptr || d == c.rank || primary[p] == p;
+  if (own) std::memcpy(rows + dst_row[p] * row_bytes, src + src_row[p] * row_bytes, row_bytes);
+  if (primary != nullptr)
+    peer.recv_from()[dst_row[p]] = RecvFrom(c.epoch, own ? dst_row[p] : dst_row[primary[p]]);
+}
+
+ffi::ErrorOr<int64_t> RecvFromChecked(const CallContext& c, const char* op, const RankView& self, int64_t r) {
+  const uint64_t entry = self.recv_from()[r];
+  const int64_t f = RecvFromRow(entry);
+  if (RecvFromOfEpoch(entry, c.epoch) && f <= r && (f == r || self.recv_from()[f] == RecvFrom(c.epoch, f))) return f;
+  return ffi::Unexpected(FailInput(c, op, kBadRecvFrom, r, entry, c.epoch));
+}
+
 ffi::ErrorOr<std::vector<Segment>> RecvSegments(const CallContext& c, const char* op, const int32_t* seg_rows,
                                                 const int32_t* seg_ret_off, int64_t E_l, int64_t cap,
                                                 std::vector<int64_t>* rows_to_rank) {
@@ -126,7 +154,7 @@ ffi::ErrorOr<std::vector<Segment>> ProducerSegments(const CallContext& c, const 
 }
 
 ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
-                       void* out, bool rows_in_out, bool zero_padding) {
+                       void* out, bool rows_in_out, bool zero_padding, bool gather) {
   RankView self = c.ws->view(c.group, c.rank);
   RankControl* ctl = self.control();
   const uint64_t base = ctl->recv_expected.value;
@@ -135,7 +163,15 @@ ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, i
   ctl->recv_expected.value = base + expected;
   if (out != nullptr) {
     char* o = static_cast<char*>(out);
-    if (!rows_in_out) std::memcpy(o, self.recv(), expected * row_bytes);
+    if (!rows_in_out && gather) {
+      for (int64_t r = 0; r < expected; ++r) {
+        auto f = RecvFromChecked(c, op, self, r);
+        if (f.has_error()) return f.error();
+        std::memcpy(o + r * row_bytes, self.recv() + *f * row_bytes, row_bytes);
+      }
+    } else if (!rows_in_out) {
+      std::memcpy(o, self.recv(), expected * row_bytes);
+    }
     if (zero_padding) std::memset(o + expected * row_bytes, 0, (cap - expected) * row_bytes);
   }
   AtomicStore(&ctl->done_epoch.value, c.epoch);

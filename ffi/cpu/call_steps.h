@@ -54,6 +54,24 @@ xla::ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallCon
 xla::ffi::Error CheckSlots(const CallContext& c, const char* op, const int32_t* src_row, const int32_t* dst_rank,
                            const int32_t* dst_row, int64_t P, int64_t S, int64_t cap);
 
+// Send once (protocol.h): every kept slot routed to another rank whose slot_primary names another slot must name a
+// kept slot of the same source row and destination rank that is its own primary and lies at an earlier recv row
+// (kBadPrimary). Slots this rank keeps for itself ignore slot_primary (their rows are always copied one per slot).
+xla::ffi::Error CheckPrimaries(const CallContext& c, const char* op, const int32_t* src_row, const int32_t* dst_rank,
+                               const int32_t* dst_row, const int32_t* primary, int64_t P);
+
+// The sender's side of one kept slot p routed to rank d (peer = d's view), as a dispatch moves it: the row
+// src[src_row[p]] into d's recv row dst_row[p], or with send once (primary != nullptr) only where p is its own
+// primary or d is this rank, and then also d's recv_from entry of that row (RecvFrom: the call's epoch, the recv row
+// holding its bytes). The caller counts the slot.
+void MoveSlot(const CallContext& c, const RankView& peer, int d, int64_t p, const char* src, int64_t row_bytes,
+              const int32_t* src_row, const int32_t* dst_row, const int32_t* primary, char* rows);
+
+// Send once, the receiver's side: the recv row whose bytes row r takes (RecvFromRow of its entry), after checking
+// that the entry is this call's and names r itself or an earlier row whose own entry names itself; else the call
+// fails (kBadRecvFrom).
+xla::ffi::ErrorOr<int64_t> RecvFromChecked(const CallContext& c, const char* op, const RankView& self, int64_t r);
+
 // The (local expert, source) segments of this rank's recv in (expert, source) order, as the plan packs them
 // (Segment: recv_off from the packing, ret_off = the first send position on the source, band_base = the first
 // tile_ready flag of the segment); rows_to_rank[s] = the rows this rank receives from s. A segment outside recv
@@ -74,8 +92,9 @@ xla::ffi::ErrorOr<std::vector<Segment>> ProducerSegments(const CallContext& c, c
 // keep the rows (dispatch_gemm without x_recv); every step but the copy still runs, since the counters and done_epoch
 // are what the next call of this rank and its peers' pushes wait on. rows_in_out: the rows were stored straight into
 // out (a group of one rank), so only what follows them is written. zero_padding: out's rows past them are zeroed
-// (dispatch's result); else left unwritten (dispatch_gemm's, which no consumer reads there).
+// (dispatch's result); else left unwritten (dispatch_gemm's, which no consumer reads there). gather: send once, so
+// row r of out is recv's row RecvFromChecked(r) (the expansion as part of the copy: no bytes beyond it).
 xla::ffi::Error EndDispatch(const CallContext& c, const char* op, int64_t expected, int64_t cap, int64_t row_bytes,
-                            void* out, bool rows_in_out, bool zero_padding);
+                            void* out, bool rows_in_out, bool zero_padding, bool gather = false);
 
 }  // namespace jmo::cpu

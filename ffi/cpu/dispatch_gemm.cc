@@ -23,6 +23,10 @@
 //             dtype. The row loop and the SwiGLU are the bare grouped GEMMs' (gemm_rows.h), so the call equals
 //             dispatch + grouped_matmul (plain) or dispatch + grouped_matmul_swiglu (swiglu) bit for bit in the kept
 //             rows. No result's rows past them are written (no consumer reads them: docs/design.md, "Padding rows").
+//   send once (slot_primary [P], protocol.h): step 1 moves only the rows of primary slots, with the recv_from entry
+//             of every slot of the block (step 2 every row, with its entry), and before a tile's GEMM the tile's rows
+//             whose entry names another row are copied from it in recv (the expansion), after a bounded wait for the
+//             block of the source that holds that row. The counts stay the slots', so the waits are those above.
 //   4. zero   the call's src_blocks: every block with rows has been waited for, so every add of the call has landed,
 //             and no source adds again before this rank's done_epoch of this call. Then the end of a dispatch
 //             (recv -> x_recv's kept rows when kept, done_epoch); without x_recv every step of it but the copy.
@@ -53,6 +57,7 @@ constexpr int64_t kTileRows = 128;
 // The sender's side of the plan: slots [P] and the send order in kSrcBlockRows blocks.
 struct SendPlan {
   const int32_t *src_row, *dst_rank, *dst_row, *send_order, *send_start;
+  const int32_t* primary;  // send once: slot_primary [P]; nullptr: one row per slot
   int64_t P;
 };
 
@@ -90,9 +95,8 @@ void PushBlock(const CallContext& c, const SendPlan& sp, const char* src, int64_
   for (int64_t q = q0; q < q1; ++q) {
     const int32_t p = sp.send_order[q];
     if (sp.dst_row[p] < 0) continue;  // dropped by the capacity rule
-    std::memcpy(peer.recv() + (int64_t)sp.dst_row[p] * row_bytes, src + (int64_t)sp.src_row[p] * row_bytes,
-                row_bytes);
-    ++moved;
+    MoveSlot(c, peer, d, p, src, row_bytes, sp.src_row, sp.dst_row, sp.primary, peer.recv());
+    ++moved;  // every kept slot, sent once or not: the receiver's plan counts slots
   }
   if (moved == 0) return;  // the receiver expects nothing of this block (its plan agrees)
   AtomicAdd(&peer.src_blocks()[(int64_t)c.rank * SrcBlocks(c.ws->sizes().ret_rows) + J], moved);
@@ -110,6 +114,46 @@ uint64_t BlockRows(const std::vector<Segment>& segs, int R, int64_t E_l, int s, 
     if (b > a) n += (uint64_t)(b - a);
   }
   return n;
+}
+
+// The segment holding recv row r (segs in (expert, source) order, packed from row 0; r below their rows).
+const Segment& SegmentOf(const std::vector<Segment>& segs, int64_t r) {
+  auto it = std::upper_bound(segs.begin(), segs.end(), r,
+                             [](int64_t row, const Segment& x) { return row < (int64_t)x.recv_off; });
+  while (it != segs.begin() && (it - 1)->rows <= 0) --it;  // empty segments share their successor's recv_off
+  return *(it - 1);
+}
+
+// One thread, one source s: waits until every block of s holding send positions [pos0, pos0 + rows) has all the rows
+// this rank keeps from it.
+ErrorRecord WaitSourceRows(const CallContext& c, const std::vector<Segment>& segs, int64_t E_l, const uint64_t* blocks,
+                           int64_t nb, int s, int64_t pos0, int64_t rows) {
+  const int R = c.ws->ranks();
+  for (int64_t J = pos0 / kSrcBlockRows; rows > 0 && J <= (pos0 + rows - 1) / kSrcBlockRows; ++J) {
+    ErrorRecord e = WaitFor(c, &blocks[s * nb + J], 0, BlockRows(segs, R, E_l, s, J), s, kStageSrcBlock);
+    if (e.code) return e;
+  }
+  return ErrorRecord{};
+}
+
+// Send once: fills the rows [r0, r0 + rows) of recv whose recv_from entry names another row, from that row, after
+// waiting for the block of the same source that holds it (the rows themselves have arrived: the caller waited for
+// their blocks).
+ffi::Error ExpandRows(const CallContext& c, const std::vector<Segment>& segs, int64_t E_l, const uint64_t* blocks,
+                      int64_t nb, int64_t r0, int64_t rows, int64_t row_bytes) {
+  RankView self = c.ws->view(c.group, c.rank);
+  for (int64_t r = r0; r < r0 + rows; ++r) {
+    auto f = RecvFromChecked(c, "dispatch_gemm", self, r);
+    if (f.has_error()) return f.error();
+    if (*f == r) continue;
+    const Segment& x = SegmentOf(segs, r);
+    const Segment& y = SegmentOf(segs, *f);
+    if (y.src != x.src) return FailInput(c, "dispatch_gemm", kBadRecvFrom, r, self.recv_from()[r], c.epoch);
+    ErrorRecord e = WaitSourceRows(c, segs, E_l, blocks, nb, y.src, y.ret_off + (*f - y.recv_off), 1);
+    if (e.code) return TimeoutError("dispatch_gemm", e, c);
+    std::memcpy(self.recv() + r * row_bytes, self.recv() + *f * row_bytes, row_bytes);
+  }
+  return ffi::Error::Success();
 }
 
 // The GEMM's m-tiles in the CUDA kernel's claim order (DgSchedule): 128-row tiles of each local expert's rows of recv
@@ -139,13 +183,14 @@ std::vector<MTile> TileOrder(const std::vector<Segment>& segs, int R, int64_t E_
 ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
                             ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
                             ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
-                            ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
+                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> a_out, DispatchGemmAttrs attrs) {
   const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a_out,
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, *x_recv, *out,
+                                 *a_out,
                                  transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
@@ -165,12 +210,17 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     return Fail(c, InvalidCall("dispatch_gemm: " + std::to_string(R) + " ranks exceed the workspace's " +
                                std::to_string(kMaxSourceCounters) + " src_blocks sources"));
   const SendPlan sp{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
-                    send_order.typed_data(), send_start.typed_data(), P};
+                    send_order.typed_data(), send_start.typed_data(),
+                    shape->rows.send_once ? slot_primary.typed_data() : nullptr, P};
   const int64_t expected = recv_rows_expected.typed_data()[0];
   if (expected < 0 || expected > cap) return FailInput(c, "dispatch_gemm", kBadExpectedRows, 0, expected, cap);
   if (ffi::Error e = CheckSlots(c, "dispatch_gemm", sp.src_row, sp.dst_rank, sp.dst_row, P, S, cap); e.failure())
     return e;
   if (ffi::Error e = CheckSendOrder(c, sp); e.failure()) return e;
+  if (sp.primary != nullptr)
+    if (ffi::Error e = CheckPrimaries(c, "dispatch_gemm", sp.src_row, sp.dst_rank, sp.dst_row, sp.primary, P);
+        e.failure())
+      return e;
   std::vector<int64_t> rows_to_rank;
   auto recv_segs = RecvSegments(c, "dispatch_gemm", seg_rows.typed_data(), seg_ret_off.typed_data(), E_l, cap,
                                 &rows_to_rank);
@@ -224,12 +274,12 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
       const Segment& x = segs[t.expert * R + s];
       const int64_t lo = std::max<int64_t>(t.r0, x.recv_off);
       const int64_t hi = std::min<int64_t>(t.r0 + t.rows, x.recv_off + x.rows);
-      for (int64_t pos = x.ret_off + (lo - x.recv_off), J = pos / kSrcBlockRows;
-           hi > lo && J <= (pos + (hi - lo) - 1) / kSrcBlockRows; ++J) {
-        ErrorRecord e = WaitFor(c, &blocks[s * nb + J], 0, BlockRows(segs, R, E_l, s, J), s, kStageSrcBlock);
-        if (e.code) return TimeoutError("dispatch_gemm", e, c);
-      }
+      if (hi <= lo) continue;
+      ErrorRecord e = WaitSourceRows(c, segs, E_l, blocks, nb, s, x.ret_off + (lo - x.recv_off), hi - lo);
+      if (e.code) return TimeoutError("dispatch_gemm", e, c);
     }
+    if (sp.primary != nullptr)
+      if (ffi::Error e = ExpandRows(c, segs, E_l, blocks, nb, t.r0, t.rows, row_bytes); e.failure()) return e;
     float* tile = product != nullptr ? product + t.r0 * N : tile_scratch.data();
     MatmulRows(ElemView{recv + t.r0 * row_bytes, bf16}, rhs, t.expert * K * N, 0, t.rows, K, N, transpose_rhs, tile,
                /*out_bf16=*/false, acc);

@@ -2,11 +2,14 @@
 // accumulation, the executable specification of ffi/cuda/ops/grouped_gemm.cu. The group sizes are host data here, so
 // invalid ones (negative, or more rows than lhs has) are reported instead of clipped as on the device.
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "common/grouped_gemm_signature.h"
 #include "common/dtype.h"
+#include "common/e4m3.h"
 #include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -90,6 +93,69 @@ ffi::Error GroupedMatmulSwiGluImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error GroupedMatmulSwiGluGradImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
+                                       ffi::Buffer<ffi::F32> a, ffi::Result<ffi::AnyBuffer> da, bool transpose_rhs) {
+  auto shape = CheckGroupedSwiGluGrad(lhs, rhs, group_sizes, a, *da, transpose_rhs);
+  if (shape.has_error()) return shape.error();
+  const int64_t M = shape->M, K = shape->K, F = shape->N;
+  auto off = RowOffsets("grouped_matmul_swiglu_grad", group_sizes, M);
+  if (off.has_error()) return off.error();
+  const bool bf16 = shape->dtype == DType::kBF16;
+  const ElemView x{lhs.untyped_data(), bf16}, w{rhs.untyped_data(), bf16};
+  // dh in float32 scratch (the CUDA kernel keeps it in registers), then the SwiGLU's gradient from it.
+  std::vector<float> dh(off->back() * F), acc;
+  for (int64_t g = 0; g < shape->G; ++g)
+    MatmulRows(x, w, g * K * F, (*off)[g], (*off)[g + 1], K, F, transpose_rhs, dh.data(), false, acc);
+  SwiGluGradRows(dh.data(), a.typed_data(), 0, off->back(), F, da->untyped_data(), bf16);
+  for (int64_t i = off->back() * 2 * F; i < M * 2 * F; ++i) StoreElem(da->untyped_data(), bf16, i, 0.f);
+  return ffi::Error::Success();
+}
+
+// The FP8 block-scaled grouped GEMM (grouped_gemm_signature.h): the emulation of what the Hopper kernel
+// (ffi/cuda/gemm/sm90/wgmma_grouped_fp8.cuh) computes, up to the tensor core's accumulation inside a chunk. Per row r
+// of group g, column n and 128-wide K chunk kc (in K order):
+//   part = sum_{k in kc} float(lhs[r, k]) * float(rhs[g][n, k])   in float64, then rounded once to float32: exact
+//          before that rounding (a product of two e4m3 values is a multiple of 2^-18 below 2^18, so 128 of them sum
+//          exactly in float64's 53 bits): the correctly rounded chunk sum, which the tensor core approximates (it
+//          keeps about 14 bits inside a chunk)
+//   acc  = fmaf(part, lhs_scales[kc][r] * rhs_scales[g][n / 128][kc], acc)   float32, the scale product rounded
+//          first, acc starting at 0: the kernel's promotion, operation for operation
+// then out = acc rounded to the output dtype (to nearest even). Rows past the groups are zero. The kernel matches it
+// within what the in-chunk accumulation differs by (tests/gpu/test_gpu_grouped_gemm_fp8.py).
+ffi::Error GroupedMatmulFp8Impl(ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
+                                ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
+                                ffi::Result<ffi::AnyBuffer> out) {
+  auto shape = CheckGroupedMatmulFp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *out);
+  if (shape.has_error()) return shape.error();
+  const int64_t M = shape->M, K = shape->K, N = shape->N, ld = shape->scales_ld, chunks = K / kFp8Tile;
+  auto off = RowOffsets("grouped_matmul_fp8", group_sizes, M);
+  if (off.has_error()) return off.error();
+  static const E4m3Table e4m3;
+  const auto* a = static_cast<const uint8_t*>(lhs.untyped_data());
+  const auto* b = static_cast<const uint8_t*>(rhs.untyped_data());
+  const float* sa = lhs_scales.typed_data();
+  const float* sb = rhs_scales.typed_data();
+  void* o = out->untyped_data();
+  const bool out_bf16 = !shape->out_f32;
+  for (int64_t g = 0; g < shape->G; ++g)
+    for (int64_t r = (*off)[g]; r < (*off)[g + 1]; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* ar = a + r * K;
+        const uint8_t* bn = b + (g * N + n) * K;
+        float acc = 0.f;
+        for (int64_t kc = 0; kc < chunks; ++kc) {
+          double part = 0.0;
+          for (int64_t k = kc * kFp8Tile; k < (kc + 1) * kFp8Tile; ++k)
+            part += static_cast<double>(e4m3.value[ar[k]]) * static_cast<double>(e4m3.value[bn[k]]);
+          const float scale = sa[kc * ld + r] * sb[(g * (N / kFp8Tile) + n / kFp8Tile) * chunks + kc];
+          acc = std::fma(static_cast<float>(part), scale, acc);
+        }
+        StoreElem(o, out_bf16, r * N + n, acc);
+      }
+  for (int64_t i = off->back() * N; i < M * N; ++i) StoreElem(o, out_bf16, i, 0.f);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmo::cpu
 
@@ -98,3 +164,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulCpu, jmo::cpu::GroupedMatmulImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCpu, jmo::cpu::GroupedOuterImpl, jmo::BindGroupedOuter(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCpu, jmo::cpu::GroupedMatmulSwiGluImpl,
                               jmo::BindGroupedSwiGlu(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCpu, jmo::cpu::GroupedMatmulSwiGluGradImpl,
+                              jmo::BindGroupedSwiGluGrad(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cpu, jmo::cpu::GroupedMatmulFp8Impl,
+                              jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind()));

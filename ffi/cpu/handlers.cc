@@ -25,13 +25,16 @@ namespace jmo::cpu {
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
-// dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out.
+// dispatch: push src rows to their destination ranks' recv rows; wait for this rank's rows; copy them out. With
+// send once (slot_primary [P]) a source row crosses to another rank once (its primary slot's), with every slot's
+// recv_from entry, and the copy out gathers each row from the row its entry names (protocol.h).
 
 ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
-                        ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
-                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
-  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+                        ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> slot_primary,
+                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                        ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, *out);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->S, cap = shape->cap, P = shape->P;
   const int64_t row_bytes = RowBytes(shape->dtype, shape->D);
@@ -48,6 +51,10 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
   const int64_t expected = recv_rows_expected.typed_data()[0];
   if (expected < 0 || expected > cap) return FailInput(c, "dispatch", kBadExpectedRows, 0, expected, cap);
   if (ffi::Error err = CheckSlots(c, "dispatch", src_row, dst_rank, dst_row, P, S, cap); err.failure()) return err;
+  const int32_t* primary = shape->send_once ? slot_primary.typed_data() : nullptr;
+  if (primary != nullptr)
+    if (ffi::Error err = CheckPrimaries(c, "dispatch", src_row, dst_rank, dst_row, primary, P); err.failure())
+      return err;
 
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
   // A group of one rank stores its rows straight into the output (protocol.h: no recv rows, no copy).
@@ -62,14 +69,14 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
       if (dst_row[p] < 0 || dst_rank[p] != d) continue;
-      std::memcpy(rows + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, row_bytes);
-      ++sent;
+      MoveSlot(c, peer, d, p, src_bytes, row_bytes, src_row, dst_row, primary, rows);
+      ++sent;  // every kept slot, sent once or not: the receiver's plan counts slots
     }
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);
   }
 
   return EndDispatch(c, "dispatch", expected, cap, row_bytes, out->untyped_data(), direct != nullptr,
-                     /*zero_padding=*/true);
+                     /*zero_padding=*/true, /*gather=*/primary != nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -19,4 +19,6 @@ XLA_FFI_Error* JmoGatherRsCpuBody(XLA_FFI_CallFrame* frame);  // gather_rs.cc
 XLA_FFI_Error* JmoGroupedMatmulCpu(XLA_FFI_CallFrame* frame);  // grouped_gemm.cc
 XLA_FFI_Error* JmoGroupedOuterCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulSwiGluCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulSwiGluGradCpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulFp8Cpu(XLA_FFI_CallFrame* frame);
 }

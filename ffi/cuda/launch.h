@@ -53,10 +53,10 @@ Status FailCall(const CallSite& c, const char* op, const std::string& why);
 Status LaunchEnd(const RankDev& rd, cudaStream_t stream, const int32_t* expected, int which);
 
 // The end of a dispatch: RecvKernel (wait for this rank's *expected rows, copy recv -> out [cap rows], zero the rest;
-// with rows_in_out the rows are already in out and only the rest is zeroed) on `grid` CTAs, then EndKernel (frees
-// recv for the peers' next call).
+// with rows_in_out the rows are already in out and only the rest is zeroed; with gather, send once: each row copied
+// from the recv row its recv_from entry names) on `grid` CTAs, then EndKernel (frees recv for the peers' next call).
 Status LaunchRecvAndEnd(const RankDev& rd, int grid, cudaStream_t stream, const int32_t* expected, char* out,
-                        int64_t cap, int64_t row_bytes, bool rows_in_out);
+                        int64_t cap, int64_t row_bytes, bool rows_in_out, bool gather);
 
 // Each kernel file loads its kernels on a device (and sets their shared memory): PrepareKernels calls them all.
 Status PrepareProtocolKernels(int dev);

@@ -31,7 +31,7 @@ pytestmark = requires_gpu
 
 STEPS = 100
 TARGETS = ("jmo_dispatch", "jmo_dispatch_gemm", "jmo_expert_combine", "jmo_exchange_counts", "jmo_gather_rs",
-           "jmo_grouped_matmul", "jmo_grouped_matmul_swiglu")
+           "jmo_grouped_matmul", "jmo_grouped_matmul_swiglu", "jmo_grouped_matmul_swiglu_grad")
 
 
 def _flags(graphs: str) -> str:

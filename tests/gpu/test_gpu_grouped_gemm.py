@@ -1,7 +1,9 @@
 """The bare grouped GEMMs on the CUDA kernels against float64 numpy: the CPU suite's cases (tests/test_grouped_gemm.py)
 plus shapes with many tiles per group, both tile engines (bf16 tensor cores, fp32 SIMT), the transposed-rhs and the
-weight-gradient forms; and bitwise-identical repeats; and GEMM1 with its SwiGLU (on Hopper the fused epilogue: its
-preactivation bitwise equal to the bare grouped GEMM's). Skips where there is no GPU."""
+weight-gradient forms; and bitwise-identical repeats; GEMM1 with its SwiGLU (on Hopper the fused epilogue: its
+preactivation bitwise equal to the bare grouped GEMM's); and on Hopper the backward's d_out W2^T with the SwiGLU's
+gradient in its epilogue (grouped_matmul_swiglu_grad) against the unfused path (grouped_matmul's float32 dh, then
+XLA's jax.vjp of swiglu). Skips where there is no GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from gpu_common import gpu_devices, requires_gpu
 import test_grouped_gemm as base  # tests/test_grouped_gemm.py (tests/ is on pytest's pythonpath)
 
 from jax_moe_overlap import engines
+from jax_moe_overlap import expert_gemms
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
 
 pytestmark = requires_gpu
@@ -85,3 +88,54 @@ def test_grouped_matmul_swiglu_fused_on_hopper():
   assert engines.swiglu_fused(True, 256, 192) == is_hopper()
   assert not engines.swiglu_fused(False, 256, 192)
   assert not engines.swiglu_fused(True, 200, 192) and not engines.swiglu_fused(True, 256, 100)
+
+
+SWIGLU_GRAD_BIG = [  # (M, K, F, sizes): the fused kernel's shapes (K % 64, F % 64), F not a multiple of 256
+    (2048, 256, 192, [700, 0, 13, 129, 1000, 6]),  # multi-tile groups, partial tiles, an empty group, 200 tail rows
+    (1024, 512, 320, [128, 256, 512, 128]),         # exact row tiles; a 64-column last column tile
+    (512, 128, 64, [0, 511, 0]),                     # one group has every row but the tail one
+    (1200, 2048, 768, [1000, 50, 50, 0]),           # the training preset's K = D = 2048, skewed
+]
+
+
+def _bf16_ulps(got, want):
+  """Per element: |got - want| in bfloat16 ulps of max(|got|, |want|) (0 where both are 0)."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  scale = np.maximum(np.abs(got), np.abs(want))
+  ulp = np.where(scale > 0, 2.0 ** (np.floor(np.log2(np.where(scale > 0, scale, 1.0))) - 7), 1.0)
+  return np.abs(got - want) / ulp
+
+
+@pytest.mark.parametrize("case", SWIGLU_GRAD_BIG)
+@pytest.mark.parametrize("transpose", [True, False])
+def test_grouped_matmul_swiglu_grad_gpu(case, transpose):
+  """The fused epilogue (Hopper): against float64 numpy, into a NaN-poisoned output (tests/test_grouped_gemm.py's
+  check), repeatable bit for bit, and against the unfused path the layer runs elsewhere (grouped_matmul's float32 dh,
+  then jax.vjp of swiglu by XLA, rounded to bf16): within one bf16 ulp element by element (the dh tiles are the bare
+  GEMM's, bit for bit; the two compute the same float32 expressions in the same order, so they differ only where
+  XLA's exp or FMA contraction rounds otherwise than expf and the epilogue's one-rounding-per-operation). Prints how
+  many elements are bitwise equal."""
+  M, K, F, _ = case
+  if not engines.swiglu_grad_fused(True, K, F, transpose):
+    pytest.skip("no engine of this GPU has the SwiGLU-gradient epilogue (the wgmma engine: Hopper)")
+  with jax.default_device(gpu_devices()[0]):
+    fn, (d_out, w, gs, a), da = base.check_grouped_matmul_swiglu_grad(case, transpose, jnp.bfloat16, 1e-2, seed=2)
+    again = fn(d_out, w, gs, a)
+    assert np.array_equal(np.asarray(da.astype(jnp.float32)), np.asarray(again.astype(jnp.float32)))
+    unfused = jax.jit(lambda x, w, s, a: expert_gemms.swiglu_grad(
+        a, grouped_matmul(x, w, s, transpose_rhs=transpose, preferred_element_type=jnp.float32), jnp.bfloat16))(
+            d_out, w, gs, a)
+  got, want = np.asarray(da.astype(jnp.float32)), np.asarray(unfused.astype(jnp.float32))
+  ulps = _bf16_ulps(got, want)
+  same = int(np.sum(got.view(np.uint32) == want.view(np.uint32)))
+  print(f"swiglu_grad M={M} K={K} F={F} transpose={transpose}: {same} of {got.size} elements bitwise equal to the "
+        f"unfused path, max {ulps.max():.2f} bf16 ulps apart")
+  assert ulps.max() <= 1.0, ulps.max()
+
+
+def test_swiglu_grad_fused_on_hopper_only():
+  """The fused backward GEMM runs on a Hopper GPU for bf16 operands of the kernel's shapes, and only there."""
+  from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
+  assert engines.swiglu_grad_fused(True, 2048, 768, True) == is_hopper()
+  assert not engines.swiglu_grad_fused(False, 2048, 768, True)
+  assert not engines.swiglu_grad_fused(True, 200, 768, True) and not engines.swiglu_grad_fused(True, 2048, 96, True)

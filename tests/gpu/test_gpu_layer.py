@@ -8,6 +8,9 @@ below 1e-2, outputs computed into NaN-poisoned buffers); tests/test_moe.py runs 
 there is no GPU.
 """
 
+import re
+
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -66,6 +69,22 @@ def test_dispatch_gemm_equals_two_calls(R):
   if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   checks.check_dispatch_gemm(gpu_mesh(R))
+
+
+def test_one_rank_backward_fuses_the_swiglu_gradient():
+  """At R = 1 on Hopper the backward's dh = d_out W2^T and the SwiGLU's gradient are one grouped_matmul_swiglu_grad
+  call: the program has it, and no [cap, 2F] concatenate (the unfused gradient's fusion) is left; elsewhere
+  the unfused path (grouped_matmul, then XLA). The gradients themselves: test_moe_experts_forward_and_grads."""
+  layer = checks.Layer(gpu_mesh(1), "skewed", seed=7)
+  fn = checks.layer_fn(layer.mesh, layer.ids, layer.target, "overlap")
+  hlo = jax.jit(fn).lower(*layer.args(jnp.bfloat16)).compile().as_text()
+  fused = 'custom_call_target="jmo_grouped_matmul_swiglu_grad"' in hlo
+  concats = re.findall(rf"(?:bf16|f32)\[\d+,{2 * checks.F}\][^ ]* concatenate\(", hlo)
+  print(f"R=1 backward: grouped_matmul_swiglu_grad {'in' if fused else 'not in'} the program, "
+        f"{len(concats)} [*, 2F] concatenates")
+  assert fused == is_hopper(), hlo[-4000:]
+  if fused:
+    assert not concats, concats
 
 
 @pytest.mark.parametrize("R", [R_ALL], ids=lambda r: f"R{r}")

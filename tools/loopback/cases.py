@@ -95,11 +95,20 @@ class Case:
   # expert_combine's place (tools/loopback/tensor.py gather_tables); its rows output is checked in the slot output's
   # place, and y also bit for bit against its float32 sums restated on the host (tensor.gather_sums).
   gather_rs: bool = False
+  # Send once (docs/design.md, "Send once"): every dispatch (and dispatch_gemm) sends a token's row once per destination
+  # rank (plan.slot_primary); AUTO: the library's rule (call_site.send_once: at two ranks or more), 0: one row per
+  # slot, 1: send once.
+  send_once: int = AUTO
 
   @property
   def dg(self) -> bool:
     """Every dispatch is a dispatch_gemm."""
     return self.dispatch_gemm_pushers != 0
+
+  @property
+  def sends_once(self) -> bool:
+    """Whether the dispatches send each row once per destination rank."""
+    return self.ranks >= 2 if self.send_once == AUTO else bool(self.send_once)
 
   @property
   def expert_ranks(self) -> int:
@@ -283,6 +292,10 @@ def _dispatch_gemm(base: Case) -> list[Case]:
                                    dispatch_gemm_mode=DG_MODES[(routing + R) % 3]))
   v.append(dataclasses.replace(v[3], timeout_at=5))  # a forced timeout and recovery with the per-source waits
   v.append(dataclasses.replace(v[4], link_gbps=20.0))  # pushes paced: GEMM tiles run while rows are in flight
+  # One row per slot (the backward's dispatch; the cases above send once at R >= 2): R = 2, every token's two choices
+  # on rank 0 (routing 2), and R = 4 over the emulated link.
+  v.append(dataclasses.replace(v[5], send_once=0))
+  v.append(dataclasses.replace(v[-2], send_once=0))
   return v
 
 
@@ -310,6 +323,8 @@ def _dispatch_gemm_time(base: Case) -> list[Case]:
     v.append(dataclasses.replace(base, ranks=R, link_gbps=NVLINK_GBPS / R,
                                  **dict(shape, dispatch_gemm_pushers=p, dispatch_gemm_mode=mode, tokens=tokens)))
   v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_mode="train", **dict(shape, experts=4, tokens=8192)))
+  # The linked R = 2 and R = 4 training forwards again with one row per slot: what sending once saves.
+  v += [dataclasses.replace(v[i], send_once=0) for i in (3, 5)]
   return v
 
 
@@ -421,6 +436,8 @@ def _full(base: Case) -> list[Case]:
   v.append(dataclasses.replace(base, ranks=4, experts=8, delay_rank=1, delay_us=3000, iters=20))
   for R in (2, 8):  # a forced timeout: reported by the next call, then recovery
     v.append(dataclasses.replace(base, ranks=R, experts=2 * R, timeout_at=5, iters=15))
+  # one row per slot (the cases above send once): every token's choices on rank 0's two experts
+  v.append(dataclasses.replace(_rank_case(base, 4, 2, 20), send_once=0))
   return v + _resource(base)
 
 
@@ -569,11 +586,23 @@ class RankData:
       d[key] = np.ascontiguousarray(self.plan[key], np.int32)
     if case.gather_rs:
       d["row_gate"], d["token_rows"] = self.row_gate, self.token_rows
+    d["slot_primary"] = np.ascontiguousarray(self.plan["slot_primary"] if case.sends_once else np.zeros(0), np.int32)
     if self.w1 is not None:
       d["w1"] = self.w1.data
       d["send_order"] = np.ascontiguousarray(self.plan["send_order"], np.int32)
       d["send_start"] = np.ascontiguousarray(self.plan["send_start"], np.int32)
     return d
+
+
+def wire_bytes(case: Case, plan: dict[str, np.ndarray], rank: int, row_bytes: int) -> tuple[int, int]:
+  """What one rank's dispatch sends over links (to other ranks): (rows, bytes). One row per kept slot routed to
+  another rank; with send once only the primaries' rows, plus each such slot's 8-byte recv_from entry."""
+  remote = (plan["slot_dest_rank"] != rank) & (plan["slot_dest_row"] >= 0)
+  if not case.sends_once:
+    rows = int(np.count_nonzero(remote))
+    return rows, rows * row_bytes
+  rows = int(np.count_nonzero(remote & (plan["slot_primary"] == np.arange(remote.size))))
+  return rows, rows * row_bytes + 8 * int(np.count_nonzero(remote))
 
 
 def make_data(case: Case) -> list[list[RankData]]:

@@ -125,6 +125,7 @@ RankInputs ParseInputs(const nb::dict& d, std::vector<HostArray>* keep) {
   in.send_start = ArrayBytes(d, "send_start", keep);
   in.row_gate = ArrayBytes(d, "row_gate", keep);
   in.token_rows = ArrayBytes(d, "token_rows", keep);
+  in.slot_primary = ArrayBytes(d, "slot_primary", keep);
   return in;
 }
 

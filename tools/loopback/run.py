@@ -38,6 +38,8 @@ Timing (benchmarks/loopback_runner.py drives these):
   --dispatch-gemm P --dispatch-gemm-mode plain|train|infer
                            every dispatch a dispatch_gemm with P pushing CTAs (auto: the library's count for the
                            rank's SMs), and its results (cases.Case)
+  --send-once 0|1          every dispatch sends a token's row once per destination rank (1) or once per slot (0);
+                           default the library's rule (at two ranks or more)
   --link-gbps G            pace every push to another rank (dispatch rows, expert_combine bands) as over a link of
                            G GB/s per rank (0: HBM speed)
   --table                  with --time: also the GEMM alone (and expert_combine serialized), and the overlap row
@@ -99,7 +101,7 @@ def parse_args(argv):
       "--sweep-consumers": ("sweep", _ints), "--model": ("model", _floats),
       "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
       "--push-issuers": ("push_issuers", int), "--dispatch-gemm-mode": ("dispatch_gemm_mode", str),
-      "--link-gbps": ("link_gbps", float), "--tensor": ("tensor", int),
+      "--link-gbps": ("link_gbps", float), "--tensor": ("tensor", int), "--send-once": ("send_once", int),
   }
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)

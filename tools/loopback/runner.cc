@@ -86,7 +86,7 @@ class DeviceArena {
 struct DeviceSet {  // one data set of one rank, on the device
   void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
       *ret_expected, *w1 = nullptr, *expert_rows = nullptr, *send_order = nullptr, *send_start = nullptr,
-      *row_gate = nullptr, *token_rows = nullptr;
+      *row_gate = nullptr, *token_rows = nullptr, *primary = nullptr;
 };
 
 class Barrier {
@@ -213,6 +213,7 @@ class Run {
         d.dest_rank = mem_.Keep(ToDevice(in.slot_dest_rank));
         d.dest_row = mem_.Keep(ToDevice(in.slot_dest_row));
         d.recv_expected = mem_.Keep(ToDevice(in.recv_rows));
+        d.primary = in.slot_primary.n > 0 ? mem_.Keep(ToDevice(in.slot_primary)) : nullptr;
         d.lhs = mem_.Keep(ToDevice(in.lhs.p, in.lhs.n, (size_t)cap_ * K_ * eb_, 0xFF));  // padding rows NaN
         d.w = mem_.Keep(ToDevice(in.w));
         d.gates = mem_.Keep(ToDevice(in.gates));
@@ -269,7 +270,7 @@ class Run {
       return cuda::DispatchGemm(c, dt_, d.x, T_, D_,
                                 cuda::DispatchSlots{(const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                                                     (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
-                                                    (const int32_t*)d.send_start, P_},
+                                                    (const int32_t*)d.send_start, (const int32_t*)d.primary, P_},
                                 (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
                                 (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_,
                                 Swiglu() ? cuda::Gemm1Form::kSwiGlu : cuda::Gemm1Form::kPlain,
@@ -278,14 +279,14 @@ class Run {
                                                       KeepPre() ? static_cast<float*>(out_pre_[r]) : nullptr},
                                 cap_);
     return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                          (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
+                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, P_, (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
   }
 
   // The first of dispatch_gemm's two-call twin: Dispatch into out_recv2.
   Status DispatchAlone(int r, const CallSite& c, const DeviceSet& d) {
     return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                          (const int32_t*)d.dest_row, P_, (const int32_t*)d.recv_expected,
+                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, P_, (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
   }
 

@@ -35,6 +35,7 @@ struct RankInputs {
   Bytes gates;                                  // [P] float32
   Bytes seg_rows, seg_ret_off;                  // [E_l * R] int32, (expert, source) order
   Bytes send_order, send_start;                 // dispatch_gemm: [P], [R + 1] int32 (plan.py)
+  Bytes slot_primary;                           // [P] int32 (send once, plan.py), or empty: one row per slot
   Bytes w1;                                     // dispatch_gemm: [E_l, D, K] bf16
   Bytes expert_rows;                            // [E_l] int32 rows per local expert in recv (the GEMMs' groups)
   Bytes row_gate, token_rows;                   // gather_rs: [cap] float32 gate of each recv row, [R, T, Q] int32

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from tools.loopback import cases as cases_lib
 from tools.loopback.cases import Case, RankData
 
 
@@ -111,7 +112,8 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   slowest rank, the median over calls; bytes and SMs the largest rank's.
 
   dispatch_gemm: GEMM alone = the bare GEMM1 over the kept rows; transfer alone = the dispatch call alone (its
-  copies of the rank's own rows included), bytes = the rows it pushes to other ranks; two calls = the dispatch, then
+  copies of the rank's own rows included), bytes = what it pushes to other ranks (cases.wire_bytes: with send once
+  the primaries' rows and every remote slot's 8-byte entry); two calls = the dispatch, then
   the bare GEMM1 over all recv rows; ours = dispatch_gemm; SMs = its pushing CTAs.
   expert_combine: GEMM alone = the bare GEMM2 over the kept rows; transfer alone = the consumer's span in the
   serialized call (from its first push after the last tile to its last), bytes = the rows of remote segments;
@@ -126,9 +128,10 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   if case.dg:
     two, fused, alone = result["dg_us"]
     transfer, baseline, ours = _median_of_max(alone), _median_of_max(two), _median_of_max(fused)
-    sent = [int(np.count_nonzero((d.plan["slot_dest_rank"] != r) & (d.plan["slot_dest_row"] >= 0)))
-            for r, d in enumerate(ranks)]
-    moved, sms, extra = max(sent) * case.d_model * eb, result.get("pushers", case.dispatch_gemm_pushers), {}
+    wire = [cases_lib.wire_bytes(case, d.plan, r, case.d_model * eb) for r, d in enumerate(ranks)]
+    moved = max(b for _, b in wire)
+    sms, extra = result.get("pushers", case.dispatch_gemm_pushers), {"send_once": case.sends_once,
+                                                                   "rows_sent": max(n for n, _ in wire)}
     op = f"dispatch_gemm {case.dispatch_gemm_mode}"
   else:
     variants = case.variants()

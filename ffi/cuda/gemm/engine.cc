@@ -26,14 +26,14 @@ const char* Hopper(ComputeCapability cc) {
 }
 
 const char* SimtOperands(const GemmOperands& o) {
-  return o.epilogue == GemmEpilogue::kNone ? nullptr : "the SIMT engine has no SwiGLU epilogue";
+  return o.epilogue == GemmEpilogue::kNone ? nullptr : "the SIMT engine has no SwiGLU epilogues";
 }
 
 // The tile of gemm/sm80/mma_tile.cuh loads lhs and w rows as stored (lhs [*, K]; w [K, N], or [N, K] transposed;
 // rhs [*, N] of the outer form) with 16-byte cp.async: both row lengths multiples of 8 elements, 16-byte aligned
 // bases. Its stores check their alignment pair by pair, so N need not be a multiple of 8 when w is transposed.
 const char* MmaSyncOperands(const GemmOperands& o) {
-  if (o.epilogue != GemmEpilogue::kNone) return "the mma.sync engine has no SwiGLU epilogue";
+  if (o.epilogue != GemmEpilogue::kNone) return "the mma.sync engine has no SwiGLU epilogues";
   const int64_t w_row = o.form == GemmForm::kRows && o.transpose_rhs ? o.K : o.N;
   if (o.K % 8 != 0 || w_row % 8 != 0)
     return "the mma.sync engine needs lhs and w rows (as stored) of a multiple of 8 elements";
@@ -44,11 +44,12 @@ const char* MmaSyncOperands(const GemmOperands& o) {
 // The wgmma loops read tiles of 64 k (or 64 rows of K in the outer form) and stores of 64-column groups through TMA
 // maps, which need every extent >= 1, 16-byte aligned bases and 32-bit tile coordinates. The SwiGLU epilogue pairs
 // the gate's and the up projection's 128-column halves and stores h in 16-column groups: 2F a multiple of 64, the
-// same as F a multiple of 32.
+// same as F a multiple of 32. The SwiGLU-gradient epilogue has N = F (dh's columns) and writes bf16 only.
 const char* WgmmaOperands(const GemmOperands& o) {
   if (o.M < 1 || o.K < 1 || o.N < 1) return "the wgmma engine needs every extent >= 1";
   if (o.K % 64 != 0 || o.N % 64 != 0)
-    return "the wgmma engine needs K and N multiples of 64 (with the SwiGLU epilogue N = 2F: F a multiple of 32)";
+    return "the wgmma engine needs K and N multiples of 64 (with the SwiGLU epilogue N = 2F: F a multiple of 32; "
+           "with the SwiGLU-gradient epilogue N = F)";
   if (o.M > kInt32Max - 128 || o.K > kInt32Max || o.N > kInt32Max)
     return "the wgmma engine needs extents that fit its 32-bit tile coordinates";
   if (!Aligned16(o)) return "the wgmma engine needs 16-byte aligned operands";
@@ -75,6 +76,12 @@ const EngineRules& Rules(GemmEngine e) { return kRules[static_cast<int>(e)]; }
 
 }  // namespace
 
+const char* Fp8GroupedGemmDeviceRefusal(ComputeCapability cc) {
+  return cc.major == 9 ? nullptr
+                       : "the FP8 grouped GEMM needs Hopper FP8 tensor cores (compute capability 9.x, sm_90a code: "
+                         "e4m3 wgmma)";
+}
+
 const char* GemmEngineName(GemmEngine e) { return Rules(e).name; }
 
 std::optional<GemmEngine> GemmEngineNamed(std::string_view name) {
@@ -92,6 +99,8 @@ const char* GemmEngineOperandRefusal(GemmEngine e, const GemmOperands& o) {
     return "the outer form has neither a transposed rhs nor an epilogue";
   if (o.epilogue == GemmEpilogue::kSwiGlu && o.transpose_rhs)
     return "the SwiGLU epilogue reads w as stored [K, 2F], not transposed";
+  if (o.epilogue == GemmEpilogue::kSwiGluGrad && o.dtype != DType::kBF16)
+    return "the SwiGLU-gradient epilogue writes bfloat16 only";
   return Rules(e).operands(o);
 }
 

@@ -46,7 +46,10 @@ enum class GemmForm : uint8_t { kRows, kOuter };
 
 // kSwiGlu (kRows only): N = 2F columns, the gate's F then the up projection's F, and the epilogue stores
 // h = silu(gate) * up [*, F] (and optionally the float32 preactivation) instead of the N columns.
-enum class GemmEpilogue : uint8_t { kNone, kSwiGlu };
+// kSwiGluGrad (kRows only): the GEMM is dh = d_out @ W2^T, N = F columns, and the epilogue stores the SwiGLU's input
+// gradient da [*, 2F] (d_gate, then d_up, in lhs's dtype) from dh and the float32 preactivation a [*, 2F], instead
+// of dh itself (the backward pass's GEMM; w in either layout).
+enum class GemmEpilogue : uint8_t { kNone, kSwiGlu, kSwiGluGrad };
 
 struct GemmOperands {
   DType dtype;  // of lhs and w (rhs)
@@ -66,6 +69,11 @@ const char* GemmEngineOperandRefusal(GemmEngine e, const GemmOperands& o);
 
 // nullptr if engine e runs on the device and takes the operands, else why not: what a caller that requires e reports.
 const char* GemmEngineRefusal(GemmEngine e, ComputeCapability cc, const GemmOperands& o);
+
+// nullptr if the FP8 block-scaled grouped GEMM (gemm/sm90/wgmma_grouped_fp8.cuh: e4m3 wgmma, Hopper's FP8 tensor
+// cores) runs on a device of this compute capability, else why not. It is no GemmEngine (it takes e4m3 operands
+// with their scales, which no other engine does, so there is nothing to select among).
+const char* Fp8GroupedGemmDeviceRefusal(ComputeCapability cc);
 
 // The first engine that runs on the device and takes the operands, other than `refused` (an engine whose launch
 // refused the call after all, for what its rule cannot see: a kernel's build, an output's alignment). None only where

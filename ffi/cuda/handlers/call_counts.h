@@ -21,6 +21,8 @@ enum class HandlerOp : int {
   kGroupedMatmul,
   kGroupedOuter,
   kGroupedMatmulSwiGlu,
+  kGroupedMatmulSwiGluGrad,
+  kGroupedMatmulFp8,
   kCount
 };
 

@@ -42,15 +42,17 @@ ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, const CallA
 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
-                        ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> group_op,
-                        ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
+                        ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> slot_primary,
+                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                        ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
   NoteHandlerCall(HandlerOp::kDispatch, stream);
-  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, *out);
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, *out);
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
   return ToFfi(Dispatch(c.value(), shape->dtype, src.untyped_data(), shape->S, shape->D,
-                        slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(), shape->P,
+                        slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
+                        shape->send_once ? slot_primary.typed_data() : nullptr, shape->P,
                         recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
                         out->untyped_data(), shape->cap));
 }
@@ -58,15 +60,15 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
 ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src,
                             ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
                             ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
-                            ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
+                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> a, DispatchGemmAttrs attrs) {
   NoteHandlerCall(HandlerOp::kDispatchGemm, stream);
   const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, w, *x_recv, *out, *a,
-                                 transpose_rhs, swiglu);
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, *x_recv, *out,
+                                 *a, transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
@@ -75,7 +77,8 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
       e.failure())
     return e;
   const cuda::DispatchSlots slots{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
-                                  send_order.typed_data(), send_start.typed_data(), shape->rows.P};
+                                  send_order.typed_data(), send_start.typed_data(),
+                                  shape->rows.send_once ? slot_primary.typed_data() : nullptr, shape->rows.P};
   const cuda::DispatchGemmOut results{shape->keep_recv ? x_recv->untyped_data() : nullptr, out->untyped_data(),
                                       shape->keep_a ? a->typed_data() : nullptr};
   // (CheckDispatchGemm refused swiglu with transpose_rhs.)

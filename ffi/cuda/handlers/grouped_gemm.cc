@@ -48,6 +48,30 @@ ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::An
                                    keep_a ? static_cast<float*>(a->untyped_data()) : nullptr));
 }
 
+ffi::Error GroupedMatmulSwiGluGradImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                                       ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> a,
+                                       ffi::Result<ffi::AnyBuffer> da, bool transpose_rhs) {
+  NoteHandlerCall(HandlerOp::kGroupedMatmulSwiGluGrad, stream);
+  auto s = CheckGroupedSwiGluGrad(lhs, rhs, group_sizes, a, *da, transpose_rhs);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmulSwiGluGrad(stream, s->dtype, lhs.untyped_data(), s->M, s->K, rhs.untyped_data(), s->G,
+                                       s->N, transpose_rhs, group_sizes.typed_data(), a.typed_data(),
+                                       da->untyped_data()));
+}
+
+ffi::Error GroupedMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs,
+                                ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs, ffi::Buffer<ffi::F32> rhs_scales,
+                                ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  NoteHandlerCall(HandlerOp::kGroupedMatmulFp8, stream);
+  auto s = CheckGroupedMatmulFp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *out);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmulFp8(stream, s->out_f32, lhs.untyped_data(), lhs_scales.typed_data(), s->scales_ld, s->M,
+                                s->K, rhs.untyped_data(), rhs_scales.typed_data(), s->G, s->N,
+                                group_sizes.typed_data(), out->untyped_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -62,4 +86,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterCuda, jmo::cuda::GroupedOuterImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCuda, jmo::cuda::GroupedMatmulSwiGluImpl,
                               jmo::BindGroupedSwiGlu(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                        .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCuda, jmo::cuda::GroupedMatmulSwiGluGradImpl,
+                              jmo::BindGroupedSwiGluGrad(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                           .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cuda, jmo::cuda::GroupedMatmulFp8Impl,
+                              jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                         .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -11,4 +11,6 @@ XLA_FFI_Error* JmoGatherRsCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulCuda(XLA_FFI_CallFrame* frame);  // grouped_gemm.cc
 XLA_FFI_Error* JmoGroupedOuterCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulSwiGluCuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulSwiGluGradCuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulFp8Cuda(XLA_FFI_CallFrame* frame);
 }

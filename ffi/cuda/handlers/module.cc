@@ -41,9 +41,11 @@ ComputeCapability Capability(std::tuple<int, int> cc) { return {std::get<0>(cc),
 
 // A GEMM's operands as Python describes them (aligned addresses, as XLA's buffers are).
 GemmOperands Operands(const std::string& dtype, int64_t M, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,
-                      bool outer) {
+                      bool outer, bool swiglu_grad) {
+  if (swiglu && swiglu_grad)
+    throw std::invalid_argument("jax_moe_overlap: a GEMM has one epilogue: swiglu or swiglu_grad, not both");
   GemmOperands o{DType::kF32, outer ? GemmForm::kOuter : GemmForm::kRows, M, K, N, transpose_rhs,
-                 swiglu ? GemmEpilogue::kSwiGlu : GemmEpilogue::kNone};
+                 swiglu ? GemmEpilogue::kSwiGlu : swiglu_grad ? GemmEpilogue::kSwiGluGrad : GemmEpilogue::kNone};
   if (!DTypeNamed(dtype, &o.dtype))
     throw std::invalid_argument("jax_moe_overlap: dtype '" + dtype + "' is none of " + DTypeNames());
   return o;
@@ -65,7 +67,9 @@ constexpr Target kTargets[] = {{"jmo_dispatch", JmoDispatchCuda},
                                {"jmo_gather_rs", JmoGatherRsCuda},
                                {"jmo_grouped_matmul", JmoGroupedMatmulCuda},
                                {"jmo_grouped_outer", JmoGroupedOuterCuda},
-                               {"jmo_grouped_matmul_swiglu", JmoGroupedMatmulSwiGluCuda}};
+                               {"jmo_grouped_matmul_swiglu", JmoGroupedMatmulSwiGluCuda},
+                               {"jmo_grouped_matmul_swiglu_grad", JmoGroupedMatmulSwiGluGradCuda},
+                               {"jmo_grouped_matmul_fp8", JmoGroupedMatmulFp8Cuda}};
 
 // The traits a handler declares to XLA, read as XLA reads them when it registers the handler: a call frame carrying
 // only the metadata extension, which the handler fills in without running anything (no device needed).
@@ -226,18 +230,19 @@ void RegisterModule(nb::module_& m) {
   // The GEMM engine selection of every op (cuda/gemm/engine.h), for jax_moe_overlap/engines.py, the tests and the
   // benchmarks: the engine a GEMM of these operands takes on a device of compute capability (major, minor), or None
   // where none does; and why an engine refuses a device or operands (None: it does not). A GEMM is lhs [M, K] @ w
-  // [K, N] per group (w stored [N, K] with transpose_rhs; swiglu: the SwiGLU epilogue, N = 2F), or with outer
-  // lhs[rows]^T @ rhs[rows] -> [K, N]; M is any row count >= 1 where the caller does not know it yet.
+  // [K, N] per group (w stored [N, K] with transpose_rhs; swiglu: the SwiGLU epilogue, N = 2F; swiglu_grad: the
+  // SwiGLU-gradient epilogue, N = F), or with outer lhs[rows]^T @ rhs[rows] -> [K, N]; M is any row count >= 1 where
+  // the caller does not know it yet.
   m.def(
       "select_gemm_engine",
       [](std::tuple<int, int> cc, const std::string& dtype, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,
-         bool outer, int64_t M) -> std::optional<std::string> {
+         bool outer, int64_t M, bool swiglu_grad) -> std::optional<std::string> {
         const std::optional<GemmEngine> e =
-            SelectGemmEngine(Capability(cc), Operands(dtype, M, K, N, transpose_rhs, swiglu, outer));
+            SelectGemmEngine(Capability(cc), Operands(dtype, M, K, N, transpose_rhs, swiglu, outer, swiglu_grad));
         return e ? std::optional<std::string>(GemmEngineName(*e)) : std::nullopt;
       },
       nb::arg("compute_capability"), nb::arg("dtype"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false,
-      nb::arg("swiglu") = false, nb::arg("outer") = false, nb::arg("M") = 1);
+      nb::arg("swiglu") = false, nb::arg("outer") = false, nb::arg("M") = 1, nb::arg("swiglu_grad") = false);
   m.def(
       "gemm_engine_device_refusal",
       [](const std::string& engine, std::tuple<int, int> cc) {
@@ -245,14 +250,18 @@ void RegisterModule(nb::module_& m) {
       },
       nb::arg("engine"), nb::arg("compute_capability"));
   m.def(
+      "fp8_gemm_device_refusal",
+      [](std::tuple<int, int> cc) { return Text(Fp8GroupedGemmDeviceRefusal(Capability(cc))); },
+      nb::arg("compute_capability"));
+  m.def(
       "gemm_engine_operand_refusal",
       [](const std::string& engine, const std::string& dtype, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,
-         bool outer, int64_t M) {
-        const GemmOperands o = Operands(dtype, M, K, N, transpose_rhs, swiglu, outer);
+         bool outer, int64_t M, bool swiglu_grad) {
+        const GemmOperands o = Operands(dtype, M, K, N, transpose_rhs, swiglu, outer, swiglu_grad);
         return Text(GemmEngineOperandRefusal(EngineNamed(engine), o));
       },
       nb::arg("engine"), nb::arg("dtype"), nb::arg("K"), nb::arg("N"), nb::arg("transpose_rhs") = false,
-      nb::arg("swiglu") = false, nb::arg("outer") = false, nb::arg("M") = 1);
+      nb::arg("swiglu") = false, nb::arg("outer") = false, nb::arg("M") = 1, nb::arg("swiglu_grad") = false);
 }
 
 bool IsCudaWorkspaceHandle(int64_t handle) { return handle >= kHandleBase; }

@@ -36,6 +36,12 @@ namespace {
 // rows per unit after the same wait as its GEMM tiles. Memory-bound work thus runs on the pushers' SMs beside the
 // compute-bound GEMM, and the GEMM CTAs that run out of tiles finish it. No result's rows past the kept ones are
 // written: no consumer of the call reads them (docs/design.md, "Padding rows").
+// Send once (slot_primary, protocol.h): the pushers move a token's row to another rank once, with every slot's
+// recv_from entry; the rows of an m-tile that are not all this rank's own (phase B) are filled from their primaries by
+// a side unit (the expansion: a local copy of the duplicated rows), which then publishes tile_ready[m] = epoch, and the
+// m-tile's GEMM tiles wait for that flag instead of the blocks. Those units come first in the side work; the pushers
+// build the schedule before pushing and take any of them whose rows are all in between two of their pushes
+// (TryExpandUnit, which never waits), then the rest after their pushes, so the expansions keep ahead of the GEMM.
 // The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
 // done_epoch): every read of recv is done by then.
 struct DispatchGemmArgs {
@@ -54,6 +60,7 @@ struct DispatchGemmArgs {
   void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16
   float* a;              // kSwiGlu: the preactivation [cap, N] float32, or null: not kept
   double link_bytes_per_ns;  // > 0: pushes to other ranks go over the emulated link (CallOptions, PaceLink)
+  const int32_t* primary;    // send once: slot_primary [P] (protocol.h); nullptr: one row per slot
 };
 
 // Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
@@ -61,12 +68,15 @@ struct DispatchGemmArgs {
 // reader that acquires the block's count also sees the arrivals of it. Every thread of the CTA calls it. Warp w moves
 // positions w, w + warps, ... of the block: its lanes load the indices of up to 32 of them at once, then the warp
 // copies two rows at a time. Invalid slots are reported as PushRows does.
-__device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, unsigned* sent) {
+// Send once (g.primary): a slot routed to another rank moves its row only where it is its own primary (CheckPrimary;
+// else reported as kBadPrimary and not moved), and every kept slot of the block stores its recv_from entry.
+__device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, uint64_t epoch,
+                                 unsigned* sent) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t q0 = max(J * kSrcBlockRows, (int64_t)g.send_start[d]) + warp;
   const int64_t q1 = min((J + 1) * kSrcBlockRows, (int64_t)g.send_start[d + 1]);
   const int mine = q1 > q0 ? (int)((q1 - q0 + warps - 1) / warps) : 0;  // positions of this warp (<= 32)
-  int sr = 0, row = -1;  // lane i: the source row and recv row of the warp's i-th position, row -1: not moved
+  int sr = 0, row = -1, from = -1;  // lane i: the source row, recv row (-1: not moved) and recv row holding its bytes
   if (lane < mine) {
     const int p = g.send_order[q0 + (int64_t)lane * warps];
     const int dr = g.dst_rank[p];
@@ -80,8 +90,20 @@ __device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, i
                      dr != d ? rd.ranks : (row >= g.cap ? g.cap : g.S));
       row = -1;
     }  // row < 0 with a valid id: dropped by the capacity rule
+    from = row;
+    if (row >= 0 && g.primary != nullptr && d != rd.rank && g.primary[p] != p) {
+      const int q = g.primary[p];
+      if (CheckPrimary(g.src_row, g.dst_rank, g.dst_row, g.primary, g.P, p, q)) {
+        from = g.dst_row[q];
+      } else {
+        ReportBadInput(rd, kBadPrimary, p, q, g.P);
+        row = from = -1;
+      }
+    }
+    if (row >= 0 && g.primary != nullptr) View(rd, d).recv_from()[row] = RecvFrom(epoch, from);
   }
-  const unsigned moves = __ballot_sync(0xffffffffu, row >= 0);
+  const unsigned kept = __ballot_sync(0xffffffffu, row >= 0);
+  const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);
   char* recv = View(rd, d).recv();
   for (unsigned left = moves; left != 0;) {
     const int i = __ffs(left) - 1;
@@ -97,17 +119,20 @@ __device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, i
       CopyRowWarp(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes, g.row_bytes, lane);
     }
   }
-  if (lane == 0 && moves != 0) atomicAdd(sent, (unsigned)__popc(moves));
+  // sent[0]: kept slots (the counts: the receiver's plan counts slots); sent[1]: rows moved.
+  if (lane == 0 && kept != 0) atomicAdd(&sent[0], (unsigned)__popc(kept));
+  if (lane == 0 && moves != 0) atomicAdd(&sent[1], (unsigned)__popc(moves));
   if (d != rd.rank) __threadfence_system(); else __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned n = *sent;
+    const unsigned n = sent[0];
     if (n > 0) {
-      if (d != rd.rank && g.link_bytes_per_ns > 0) PaceLink(rd, (uint64_t)n * g.row_bytes, g.link_bytes_per_ns);
+      if (d != rd.rank && g.link_bytes_per_ns > 0)
+        PaceLink(rd, (uint64_t)sent[1] * g.row_bytes + (g.primary != nullptr ? 8ull * n : 0), g.link_bytes_per_ns);
       AddReleaseSys(&View(rd, d).control()->recv_arrivals.value, n);
       AddReleaseSys(&View(rd, d).src_blocks()[(int64_t)rd.rank * SrcBlocks(rd.sizes.ret_rows) + J], n);
     }
-    *sent = 0;
+    sent[0] = sent[1] = 0;
   }
   __syncthreads();
 }
@@ -201,6 +226,8 @@ __device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, 
 
 struct MTile {
   int e, mt, nt;
+  int m;     // the m-tile's index in the schedule's m-tile order (col_tiles 1): its tile_ready flag under send once
+  bool own;  // made of this rank's own rows alone (phase A)
 };
 
 // Tile i of the schedule: its expert, m-tile and n-tile. `band_m` as BandRaster's (1: each m-tile's n-tiles in a row,
@@ -224,29 +251,127 @@ __device__ inline MTile TileAt(const DgSchedule& d, int E_l, int64_t i, int col_
   wgmma_gemm::BandRaster((int)(j - (int64_t)pre[lo] / d.col_tiles * col_tiles), own ? own_m : mt_e - own_m, col_tiles,
                          band_m, &mt, &t.nt);
   t.mt = own ? d.own_lo[lo] + mt : (mt < d.own_lo[lo] ? mt : mt + own_m);
+  t.own = own;
+  t.m = own ? d.pre_a[lo] / d.col_tiles + mt : d.pre_a[E_l] / d.col_tiles + d.pre_b[lo] / d.col_tiles + mt;
   return t;
 }
 
-// Claims and does side units (see the kernel's comment: the copy of one m-tile's kept rows into x_recv each) until
-// none is left; `units`: the schedule's m-tiles where x_recv is kept, else 0. Every thread of the CTA calls it.
-__device__ inline void DoSideWork(const RankDev& rd, const DispatchGemmArgs& g, int64_t units, const DgSchedule& d,
-                                  const TableScratch& sc, int64_t* claim) {
+// Send once, every thread of the CTA: fills recv rows [r0, r0 + rows) of expert e whose recv_from entry names another
+// row from that row (the expansion; a warp per row), after lane 0 has checked the entry and waited for the block of
+// the same source that holds the named row. The rows' own blocks have been waited for (their entries are in).
+__device__ inline void ExpandRows(const RankDev& rd, const DispatchGemmArgs& g, const TableScratch& sc, int e,
+                                  int64_t r0, int64_t rows, uint64_t epoch) {
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32, R = rd.ranks;
+  char* recv = View(rd, rd.rank).recv();
+  for (int64_t r = r0 + threadIdx.x / 32; r < r0 + rows; r += warps) {
+    int64_t f = -1;
+    if (lane == 0 && (f = RecvFromChecked(rd, epoch, r)) >= 0 && f != r) {
+      int s = 0;  // r's source: segment (e, s) holds recv rows [recv_off, recv_off + rows)
+      while (s + 1 < R && r >= (int64_t)sc.raw[e * R + s].recv_off + max(sc.raw[e * R + s].rows, 0)) ++s;
+      int64_t pos = -1;  // f's send position on s, if f lies in a segment of s
+      for (int x = 0; x <= e; ++x) {
+        const Segment& y = sc.raw[x * R + s];
+        if (f >= y.recv_off && f < (int64_t)y.recv_off + max(y.rows, 0)) pos = y.ret_off + (f - y.recv_off);
+      }
+      if (pos < 0) {
+        ReportBadInput(rd, kBadRecvFrom, r, (int64_t)RecvFrom(epoch, f), epoch);
+        f = -1;
+      } else if (!WaitRows(rd, sc, g.E_l, s, pos, 1)) {
+        f = -1;
+      }
+    }
+    f = __shfl_sync(0xffffffffu, f, 0);
+    __syncwarp();  // lane 0's acquire before the other lanes' loads
+    if (f >= 0 && f != r) CopyRowWarp(recv + r * g.row_bytes, recv + f * g.row_bytes, g.row_bytes, lane);
+  }
+}
+
+// The side units (see the kernel's comment). One row per slot: unit v is m-tile v of the schedule, the copy of its
+// kept rows into x_recv (none where x_recv is not kept). Send once: first the m-tiles not made of own rows alone
+// (phase B), each expanded (ExpandRows), published (tile_ready[m] = epoch: its GEMM tiles wait for it) and then
+// copied into x_recv; then, where x_recv is kept, the own m-tiles' copies.
+__device__ inline int64_t SideUnits(const DispatchGemmArgs& g, const DgSchedule& d) {
+  const int64_t na = d.pre_a[g.E_l] / d.col_tiles, nb = d.pre_b[g.E_l] / d.col_tiles;
+  return (g.primary != nullptr ? nb : 0) + (g.x_recv != nullptr ? na + (g.primary != nullptr ? 0 : nb) : 0);
+}
+__device__ inline MTile SideUnit(const DispatchGemmArgs& g, const DgSchedule& d, int64_t v) {
+  if (g.primary == nullptr) return TileAt(d, g.E_l, v, 1, 1);
+  const int64_t na = d.pre_a[g.E_l] / d.col_tiles, nb = d.pre_b[g.E_l] / d.col_tiles;
+  return TileAt(d, g.E_l, v < nb ? na + v : v - nb, 1, 1);
+}
+
+// One side unit (SideUnit), by every thread of the CTA: waits for its rows' blocks, then as SideUnits says.
+__device__ inline void DoSideUnit(const RankDev& rd, const DispatchGemmArgs& g, const DgSchedule& d,
+                                  const TableScratch& sc, const MTile& t, uint64_t epoch) {
   __shared__ int ok;
   const int64_t tid = threadIdx.x, nt = blockDim.x;
+  const int64_t r0 = d.row0[t.e] + (int64_t)t.mt * kWgBM;
+  const int64_t rows = min((int64_t)kWgBM, (int64_t)d.rows[t.e] - (int64_t)t.mt * kWgBM);
+  if (threadIdx.x == 0) ok = WaitRecvRows(rd, sc, g.E_l, t.e, r0, rows);
+  __syncthreads();
+  if (ok && g.primary != nullptr && !t.own) {
+    ExpandRows(rd, g, sc, t.e, r0, rows, epoch);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && LoadVolatile(&rd.priv->failed) == 0)
+      StoreReleaseGpu(&View(rd, rd.rank).tile_ready()[t.m], epoch);
+  }
+  if (ok && g.x_recv != nullptr)
+    CopyBand(g.x_recv + r0 * g.row_bytes, View(rd, rd.rank).recv() + r0 * g.row_bytes, rows * g.row_bytes, tid, nt);
+  __syncthreads();
+}
+
+// Claims and does side units until none is left. Every thread of the CTA calls it.
+__device__ inline void DoSideWork(const RankDev& rd, const DispatchGemmArgs& g, const DgSchedule& d,
+                                  const TableScratch& sc, uint64_t epoch, int64_t* claim) {
+  const int64_t units = SideUnits(g, d);
   for (;;) {
     if (threadIdx.x == 0) *claim = (int64_t)atomicAdd(rd.side_claims, 1u);
     __syncthreads();
     const int64_t v = *claim;
     __syncthreads();
     if (v >= units) return;
-    const MTile t = TileAt(d, g.E_l, v, 1, 1);
-    const int64_t r0 = d.row0[t.e] + (int64_t)t.mt * kWgBM;
-    const int64_t rows = min((int64_t)kWgBM, (int64_t)d.rows[t.e] - (int64_t)t.mt * kWgBM);
-    if (threadIdx.x == 0) ok = WaitRecvRows(rd, sc, g.E_l, t.e, r0, rows);
-    __syncthreads();
-    if (ok) CopyBand(g.x_recv + r0 * g.row_bytes, View(rd, rd.rank).recv() + r0 * g.row_bytes, rows * g.row_bytes,
-                     tid, nt);
+    DoSideUnit(rd, g, d, sc, SideUnit(g, d, v), epoch);
   }
+}
+
+// Send once, a pusher between two of its pushes (every thread of the CTA): claims and does the next side unit if it
+// is an expansion whose rows can be filled without waiting: for each source its rows come from, every block of that
+// source's rows for this rank up to the last block holding them is complete (so are the blocks of their primaries,
+// which come earlier in the source's send order). Never waits: a pusher that waited here on a peer whose pushers
+// wait on it would stall both.
+__device__ inline void TryExpandUnit(const RankDev& rd, const DispatchGemmArgs& g, const DgSchedule& d,
+                                     const TableScratch& sc, uint64_t epoch, int64_t* claim) {
+  const int64_t nb = d.pre_b[g.E_l] / d.col_tiles;
+  if (threadIdx.x == 0) {
+    *claim = -1;
+    const unsigned v = *reinterpret_cast<volatile unsigned*>(rd.side_claims);
+    if ((int64_t)v < nb) {
+      const MTile t = SideUnit(g, d, v);
+      const int64_t r0 = d.row0[t.e] + (int64_t)t.mt * kWgBM;
+      const int64_t r1 = r0 + min((int64_t)kWgBM, (int64_t)d.rows[t.e] - (int64_t)t.mt * kWgBM);
+      const int R = rd.ranks;
+      const uint64_t* blocks = View(rd, rd.rank).src_blocks();
+      const int64_t per_src = SrcBlocks(rd.sizes.ret_rows);
+      bool ready = true;
+      for (int s = 0; s < R && ready; ++s) {
+        const Segment& x = sc.raw[t.e * R + s];
+        const int64_t lo = max(r0, (int64_t)x.recv_off), hi = min(r1, (int64_t)x.recv_off + max(x.rows, 0));
+        if (hi <= lo) continue;
+        int64_t first = INT64_MAX;  // s's first send position kept here
+        for (int e = 0; e < g.E_l; ++e)
+          if (sc.raw[e * R + s].rows > 0) first = min(first, (int64_t)sc.raw[e * R + s].ret_off);
+        const int64_t last = x.ret_off + (hi - 1 - x.recv_off);
+        for (int64_t J = first / kSrcBlockRows; ready && J <= last / kSrcBlockRows; ++J)
+          ready = LoadAcquireSys(&blocks[s * per_src + J]) >= BlockRows(sc, R, g.E_l, s, J);
+      }
+      if (ready && atomicCAS(rd.side_claims, v, v + 1) == v) *claim = v;
+    }
+  }
+  __syncthreads();
+  const int64_t v = *claim;
+  __syncthreads();
+  if (v >= 0) DoSideUnit(rd, g, d, sc, SideUnit(g, d, v), epoch);
 }
 
 template <bool kTransB, bool kSwiGlu>
@@ -267,6 +392,15 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   const int R = rd.ranks;
   const bool pusher = (int)blockIdx.x < g.pushers;
 
+  // n-tiles: 256 columns of out, or with kSwiGlu 128 columns of h (the gate's 128 and the up projection's 128).
+  const int64_t n_out = kSwiGlu ? g.N / 2 : g.N;
+  constexpr int kTileCols = kSwiGlu ? kWgBN / 2 : kWgBN;
+  // Send once: the pushers take expansions between their pushes (TryExpandUnit), so they need the schedule first.
+  const bool early_table = pusher && g.primary != nullptr;
+  if (early_table) {
+    if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
+    BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), &sched, scratch.warp_sums);
+  }
   if (pusher) {
     // The rows for the other ranks, in rounds (see above). Unit u: round u / (R - 1), destination rank + 1 +
     // u % (R - 1).
@@ -283,7 +417,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       const int d = (rd.rank + 1 + (int)(u % (R - 1))) % R;
       int64_t f, e;
       DestBlocks(g, d, &f, &e);
-      if (f + u / (R - 1) < e) PushBlock(rd, g, d, f + u / (R - 1), sent);
+      if (f + u / (R - 1) < e) PushBlock(rd, g, d, f + u / (R - 1), st.epoch, sent);
+      if (early_table) TryExpandUnit(rd, g, sched, scratch, st.epoch, &claim);
     }
     if (threadIdx.x == 0)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->push_t1), (unsigned long long)GlobalTimer());
@@ -293,14 +428,14 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     __syncthreads();
     int64_t f, e;
     DestBlocks(g, rd.rank, &f, &e);
-    for (int64_t J = f + blockIdx.x - g.pushers; J < e; J += gridDim.x - g.pushers) PushBlock(rd, g, rd.rank, J, sent);
+    for (int64_t J = f + blockIdx.x - g.pushers; J < e; J += gridDim.x - g.pushers)
+      PushBlock(rd, g, rd.rank, J, st.epoch, sent);
   }
 
-  if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
-  // n-tiles: 256 columns of out, or with kSwiGlu 128 columns of h (the gate's 128 and the up projection's 128).
-  const int64_t n_out = kSwiGlu ? g.N / 2 : g.N;
-  constexpr int kTileCols = kSwiGlu ? kWgBN / 2 : kWgBN;
-  BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), &sched, scratch.warp_sums);
+  if (!early_table) {
+    if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
+    BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), &sched, scratch.warp_sums);
+  }
   // (Recomputed from shared memory where needed rather than kept live across the tile loop, whose producer warps run
   // with 24 registers.)
   auto kept = [&]() {
@@ -308,10 +443,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     for (int s = 0; s < R; ++s) n += scratch.rows_to_rank[s];
     return n;
   };
-  auto side_work = [&]() {
-    const int64_t m_tiles = (sched.pre_a[g.E_l] + sched.pre_b[g.E_l]) / sched.col_tiles;
-    DoSideWork(rd, g, g.x_recv != nullptr ? m_tiles : 0, sched, scratch, &claim);
-  };
+  auto side_work = [&]() { DoSideWork(rd, g, sched, scratch, st.epoch, &claim); };
   if (pusher) {
     side_work();
     if (threadIdx.x == 0)
@@ -320,7 +452,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
 
   using Base = typename std::conditional<kSwiGlu, wgmma_gemm::SwiGluTile, wgmma_gemm::WgmmaTile>::type;
   struct DgTile : Base {
-    int e;  // the tile's local expert
+    int e;       // the tile's local expert
+    int expand;  // send once: the m-tile's tile_ready index (its rows filled by a side unit), else -1
   };
   auto tile_of = [&](int i) {
     // Bands of row blocks within an expert (nothing reads the output's rows during the call): GEMM1's N = 2 * d_ff
@@ -328,6 +461,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     const MTile m = TileAt(sched, g.E_l, i, sched.col_tiles, wgmma_gemm::kBandM);
     DgTile t;
     t.e = m.e;
+    t.expand = g.primary != nullptr && !m.own ? m.m : -1;
     t.b_idx = m.e;
     t.a_row = sched.row0[m.e] + m.mt * kWgBM;
     t.rows = min(kWgBM, sched.rows[m.e] - m.mt * kWgBM);
@@ -347,8 +481,12 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     return t;
   };
   auto tile_wait = [&](const DgTile& t) {
-    // On failure the call is failed (the error names source and counts); the loop runs on rather than hang.
-    WaitRecvRows(rd, scratch, g.E_l, t.e, t.a_row, t.rows);
+    // On failure the call is failed (the error names source and counts); the loop runs on rather than hang. Send
+    // once: an m-tile with other ranks' rows waits for its side unit, which waited for its blocks and filled its rows.
+    if (t.expand >= 0)
+      WaitAtLeast(rd, &View(rd, rd.rank).tile_ready()[t.expand], 0, st.epoch, (uint64_t)t.expand, kStageExpand);
+    else
+      WaitRecvRows(rd, scratch, g.E_l, t.e, t.a_row, t.rows);
     ptx::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
   };
   auto next_tile = [&](int) { return (int)atomicAdd(rd.tile_claims, 1u); };
@@ -454,7 +592,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
                               recv_expected, (int)E_l, pushers, D, N, static_cast<char*>(out.x_recv), out.out, out.a,
-                              c.opts.emulated_link_gbps};
+                              c.opts.emulated_link_gbps, slots.primary};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};
   return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
                     "launch of DispatchGemmKernel");

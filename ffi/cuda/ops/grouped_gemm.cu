@@ -16,6 +16,7 @@
 #include "cuda/gemm/simt_tile.cuh"
 #include "cuda/gemm/sm80/mma_tile.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/gemm/sm90/wgmma_outer.cuh"
 #include "cuda/launch.h"
 
@@ -212,6 +213,20 @@ Status LaunchOuter(cudaStream_t stream, const void* lhs, int64_t M, int64_t K, c
   return CudaStatus(cudaGetLastError(), "launch of GroupedOuterKernel");
 }
 
+// The launch checks of the two SwiGLU kernels below, before their maps are encoded: lhs [M, K] x F columns per half,
+// K a multiple of 64 and F of f_multiple, extents within the loop's 32-bit tile coordinates, every operand and output
+// 16-byte aligned (`addresses`: their addresses or-ed), a grid. Prints why not (`what`: the launch).
+inline bool FusedLaunchFits(const char* what, int64_t M, int64_t K, int64_t F, int64_t G, int64_t f_multiple,
+                            uintptr_t addresses, int num_sms) {
+  if (M > 0 && K > 0 && F > 0 && K % wgmma_gemm::kBK == 0 && F % f_multiple == 0 && G >= 1 &&
+      G <= wgmma_gemm::kMaxGroups && M <= 0x7fffffff - wgmma_gemm::kBM && K <= 0x7fffffff && 2 * F <= 0x7fffffff &&
+      addresses % 16 == 0 && num_sms > 0)
+    return true;
+  fprintf(stderr, "%s: unsupported shape/alignment M=%lld K=%lld F=%lld G=%lld num_sms=%d\n", what, (long long)M,
+          (long long)K, (long long)F, (long long)G, num_sms);
+  return false;
+}
+
 // The fused GEMM1 + SwiGLU on the wgmma engine (the grouped GEMM's schedule, gemm/sm90/wgmma_grouped.cuh, with
 // SwiGluTile's epilogue).
 namespace swiglu_wgmma {
@@ -228,13 +243,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   int* row_start = reinterpret_cast<int*>(smem_raw + kLoopSmemBytes);  // G + 1
   int* tile_start = row_start + (kMaxGroups + 1);                      // G + 1
-  const int tid = threadIdx.x;
   constexpr int kHalf = kBN / 2;
   const int n_tiles = (F + kHalf - 1) / kHalf;
-  for (int g = tid; g < G; g += kThreads) row_start[g] = max(0, group_sizes[g]);
-  __syncthreads();
-  if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
-  __syncthreads();
+  BuildGroupTables(group_sizes, G, M, n_tiles, row_start, tile_start);
   ZeroPadRows(h, row_start[G], M, F, sizeof(__nv_bfloat16));
   if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, sizeof(float));
   auto tile_of = [&](int t) {
@@ -262,15 +273,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
 inline cudaError_t GroupedSwiGlu(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs, int64_t G,
                                  int64_t F, const int32_t* group_sizes_dev, __nv_bfloat16* h, float* a, int num_sms,
                                  cudaStream_t stream) {
-  if (M <= 0 || K <= 0 || F <= 0 || K % kBK != 0 || F % 32 != 0 || G < 1 || G > kMaxGroups ||
-      M > 0x7fffffff - kBM || K > 0x7fffffff || 2 * F > 0x7fffffff ||
-      (reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) | reinterpret_cast<uintptr_t>(h) |
-       reinterpret_cast<uintptr_t>(a)) % 16 ||
-      num_sms <= 0) {
-    fprintf(stderr, "GroupedSwiGlu: unsupported shape/alignment M=%lld K=%lld F=%lld G=%lld num_sms=%d\n",
-            (long long)M, (long long)K, (long long)F, (long long)G, num_sms);
-    return cudaErrorInvalidValue;
-  }
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) |
+                              reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(a);
+  if (!FusedLaunchFits("GroupedSwiGlu", M, K, F, G, 32, addresses, num_sms)) return cudaErrorInvalidValue;
   CUtensorMap ta, tb;
   const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, 2 * F, /*b_k_major=*/false, &ta, &tb);
   if (e != cudaSuccess) return e;
@@ -279,6 +284,64 @@ inline cudaError_t GroupedSwiGlu(const __nv_bfloat16* lhs, int64_t M, int64_t K,
 }
 
 }  // namespace swiglu_wgmma
+
+// The backward GEMM dh = d_out @ W2^T with the SwiGLU's gradient in its epilogue on the wgmma engine (the grouped
+// GEMM's schedule, gemm/sm90/wgmma_grouped.cuh, with SwiGluGradTile's epilogue).
+namespace swiglu_grad_wgmma {
+using namespace wgmma_gemm;
+
+// da [M, 2F] bf16 = the input gradient of silu(a[:, :F]) * a[:, F:] for dh = lhs @ rhs[g] per group's rows (rhs
+// [G, K, F] MN-major with kTransB = 1, [G, F, K] K-major with kTransB = 0), a [M, 2F] float32. Each tile is 128 rows
+// x 256 columns of dh: d_gate's 256 columns and d_up's 256 of da. Rows past the groups are zero in da.
+template <int kTransB>
+__global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
+    GroupedSwiGluGradKernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                            const int32_t* __restrict__ group_sizes, int G, int M, int F, int K,
+                            const float* __restrict__ a, __nv_bfloat16* __restrict__ da) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  int* row_start = reinterpret_cast<int*>(smem_raw + kLoopSmemBytes);  // G + 1
+  int* tile_start = row_start + (kMaxGroups + 1);                      // G + 1
+  const int n_tiles = (F + kBN - 1) / kBN;
+  BuildGroupTables(group_sizes, G, M, n_tiles, row_start, tile_start);
+  ZeroPadRows(da, row_start[G], M, 2 * (int64_t)F, sizeof(__nv_bfloat16));
+  auto tile_of = [&](int t) {
+    const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
+    SwiGluGradTile tile;
+    tile.a_row = row_start[p.g] + p.mt * kBM;
+    tile.b_idx = p.g;
+    tile.n0 = p.nt * kBN;
+    tile.rows = min(kBM, p.rows_g - p.mt * kBM);
+    tile.cols = min(kBN, F - tile.n0);
+    tile.ldc = 2 * (int64_t)F;
+    tile.out = da + (int64_t)tile.a_row * tile.ldc + tile.n0;
+    tile.a = a + (int64_t)tile.a_row * tile.ldc + tile.n0;
+    tile.up = F;
+    return tile;
+  };
+  WgmmaTileLoop<kTransB, /*kOutF32=*/false>(tm_a, tm_b, K, (int)blockIdx.x, (int)gridDim.x, tile_start[G], tile_of,
+                                            NoTileDone{}, smem_raw);
+}
+
+// GroupedSwiGluGradKernel's launch: lhs [M, K], rhs [G, F, K] (transpose_rhs) or [G, K, F] bf16, a [M, 2F] float32,
+// da [M, 2F] bf16. Requires K % 64 == 0 and F % 64 == 0 (GemmEngineOperandRefusal's wgmma rule); cudaErrorInvalidValue
+// otherwise, cudaErrorNotSupported where the wgmma kernels cannot run.
+inline cudaError_t GroupedSwiGluGrad(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs,
+                                     int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes_dev,
+                                     const float* a, __nv_bfloat16* da, int num_sms, cudaStream_t stream) {
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) |
+                              reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(da);
+  if (!FusedLaunchFits("GroupedSwiGluGrad", M, K, F, G, 64, addresses, num_sms)) return cudaErrorInvalidValue;
+  CUtensorMap ta, tb;
+  const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, F, /*b_k_major=*/transpose_rhs, &ta, &tb);
+  if (e != cudaSuccess) return e;
+  if (transpose_rhs)
+    return LaunchWgmmaKernel(GroupedSwiGluGradKernel<0>, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev,
+                             (int)G, (int)M, (int)F, (int)K, a, da);
+  return LaunchWgmmaKernel(GroupedSwiGluGradKernel<1>, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev, (int)G,
+                           (int)M, (int)F, (int)K, a, da);
+}
+
+}  // namespace swiglu_grad_wgmma
 
 // h[r, j] = silu(a[r, j]) * a[r, F + j] over every row (GroupedMatmulSwiGlu's unfused path; a's zero rows give zero).
 template <typename OutT>
@@ -326,6 +389,32 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
   return CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
 }
 
+Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
+                               int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes, const float* a,
+                               void* da, int sms) {
+  Status s = CheckSizes("grouped_matmul_swiglu_grad", M, G);
+  if (!s.ok()) return s;
+  if (M == 0 || F == 0) return LaunchEmpty(stream);
+  const GemmOperands gemm{dt, GemmForm::kRows, M, K, F, transpose_rhs, GemmEpilogue::kSwiGluGrad, lhs, rhs};
+  DeviceInfo dev;
+  std::optional<GemmEngine> engine;
+  if (!(s = SelectOnCurrentDevice(gemm, &dev, &engine)).ok()) return s;
+  if (engine == GemmEngine::kWgmma) {
+    const cudaError_t e = swiglu_grad_wgmma::GroupedSwiGluGrad(
+        static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), G, F, transpose_rhs, group_sizes, a,
+        static_cast<bf16*>(da), WgmmaGrid(dev, sms), stream);
+    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported)
+      return CudaStatus(e, "grouped_matmul_swiglu_grad (wgmma)");
+  }
+  // No engine of this device has the epilogue for these operands: the caller runs grouped_matmul and the SwiGLU's
+  // gradient apart (engines.swiglu_grad_fused answers before it traces this call).
+  const char* why = GemmEngineRefusal(GemmEngine::kWgmma, dev.cc, gemm);
+  return Status::Error(kInvalidArgument,
+                       std::string("jax_moe_overlap: grouped_matmul_swiglu_grad: the fused kernel does not run here (") +
+                           (why != nullptr ? why : "its launch refused the operands") +
+                           "); run grouped_matmul and the SwiGLU's gradient apart");
+}
+
 Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,
                      const void* rhs, int64_t G, int64_t N, bool transpose_rhs, const int32_t* group_sizes, void* out,
                      int sms) {
@@ -363,6 +452,31 @@ Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lh
   if (out_f32) JMO_MATMUL(kSimtBM, false, bf16, float, false);
   JMO_MATMUL(kSimtBM, false, bf16, bf16, false);
 #undef JMO_MATMUL
+}
+
+Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, const float* lhs_scales,
+                        int64_t scales_ld, int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G,
+                        int64_t N, const int32_t* group_sizes, void* out, int sms) {
+  Status s = CheckSizes("grouped_matmul_fp8", M, G);
+  if (!s.ok()) return s;
+  DeviceInfo dev;
+  if (!(s = CurrentDeviceInfo(&dev)).ok()) return s;
+  if (const char* why = Fp8GroupedGemmDeviceRefusal(dev.cc))
+    return Status::Error(kFailedPrecondition, std::string("jax_moe_overlap: grouped_matmul_fp8: ") + why +
+                                                  "; this device is compute capability " +
+                                                  std::to_string(dev.cc.major) + "." + std::to_string(dev.cc.minor));
+  if (M == 0) return LaunchEmpty(stream);
+  if (const char* why = wgmma_gemm::GroupedGemmFp8Refusal(M, K, N, G, scales_ld, lhs, lhs_scales, rhs, rhs_scales,
+                                                          out))
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: grouped_matmul_fp8: ") + why);
+  const cudaError_t e = WgmmaGroupedGemmFp8(static_cast<const __nv_fp8_e4m3*>(lhs), lhs_scales, scales_ld, M, K,
+                                            static_cast<const __nv_fp8_e4m3*>(rhs), rhs_scales, G, N, group_sizes,
+                                            out, out_f32, WgmmaGrid(dev, sms), stream);
+  if (e == cudaErrorNotSupported)  // the device is Hopper: the build lacks the sm_90a code (the kernel printed why)
+    return Status::Error(kFailedPrecondition,
+                         "jax_moe_overlap: grouped_matmul_fp8: this build has no sm_90a code for the e4m3 wgmma "
+                         "kernel (build with JMO_CUDA_ARCHS including 90a)");
+  return CudaStatus(e, "grouped_matmul_fp8 (wgmma e4m3)");
 }
 
 Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,

@@ -45,4 +45,27 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
                            int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms = 0);
 
+// The backward GEMM of the expert MLP with the SwiGLU's gradient in its epilogue: dh = lhs @ rhs[g] (rhs [G, K, F], or
+// [G, F, K] read transposed with transpose_rhs: dh = d_out @ W2^T) for the rows of group g, computed in float32 tile
+// by tile and never stored; da [M, 2F] (lhs's dtype) = (d_gate, d_up), the input gradient of silu(a[:, :F]) *
+// a[:, F:] at the float32 preactivation a [M, 2F] (device/activation.cuh's SwiGluGrad). Rows past the last group are
+// zero. Only where an engine of the device has the epilogue for these operands (SelectGemmEngine with
+// GemmEpilogue::kSwiGluGrad: the wgmma engine); InvalidArgument elsewhere, naming the rule that refused (the caller
+// asks first: jax_moe_overlap/engines.py). sms as GroupedMatmul's.
+Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
+                               int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes, const float* a,
+                               void* da, int sms = 0);
+
+// The FP8 block-scaled grouped GEMM (DeepSeek-V3's recipe; ffi/common/grouped_gemm_signature.h states the math and
+// the layouts): out [M, N] (bfloat16, or float32 with out_f32) from lhs [M, K] e4m3 with its 1 x 128 scales
+// lhs_scales [K/128, scales_ld] (MN-major), rhs [G, N, K] e4m3 (K-major) with its 128 x 128 block scales
+// rhs_scales [G, N/128, K/128]; rows past the last group are zero. Runs the e4m3 wgmma kernel of
+// gemm/sm90/wgmma_grouped_fp8.cuh, on Hopper only (Fp8GroupedGemmDeviceRefusal, gemm/engine.h): elsewhere, and in a
+// build without sm_90a code, a kFailedPrecondition error naming the requirement; operands the kernel does not take
+// (K or N not multiples of 128, the scales' stride, alignment) are kInvalidArgument naming the rule. sms as
+// GroupedMatmul's.
+Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, const float* lhs_scales,
+                        int64_t scales_ld, int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G,
+                        int64_t N, const int32_t* group_sizes, void* out, int sms = 0);
+
 }  // namespace jmo::cuda

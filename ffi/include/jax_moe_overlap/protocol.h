@@ -25,6 +25,15 @@
 // for d in them, which d knows from its plan (seg_ret_off, seg_rows). These counters are not monotonic: d zeroes
 // the blocks of a call after its last tile and before the call's done_epoch, and no source adds before it has seen
 // that done_epoch (step 1).
+// Send once (dispatch and dispatch_gemm with a slot_primary operand of [P] slots): a token's row crosses to a rank once,
+// not once per slot. Of the kept slots of one token routed to one other rank d, the one first in the send order (its
+// primary) carries the row into its recv row; with every block, the source also stores, for each kept slot of the
+// block, recv_from[row] = RecvFrom(epoch, primary's recv row) into d (a primary names its own row; slots the rank
+// keeps for itself are all their own primaries). The counts stay those of the slots, so d's plan is unchanged. d
+// fills a row whose entry names another row f < r (the expansion) only after the counter covering f's slot: in
+// dispatch while copying recv into its output (a gather, no extra bytes), in dispatch_gemm before the GEMM tile that
+// reads the row (its own copy in its recv). An entry of another epoch, or one naming a row that is not a primary of
+// the same source, is a bad input (kBadRecvFrom), never a silent row.
 // Rows a rank sends to itself follow the same steps with d = r: step 1 holds by stream order (the rank's own call
 // n-1 ended before call n began). On CUDA the producer of expert_combine stores a local segment's output tiles
 // straight into the rank's own ret rows and counts each finished band into its own ret_arrivals, so the consumer
@@ -78,6 +87,8 @@ enum Stage : uint64_t {
   kStageCounts = 8,       // exchange_counts waiting for a peer's routing counts (its stamp: got = the epoch of its
                           // last published counts, expected = this call's epoch)
   kStageSrcBlock = 9,     // dispatch_gemm's GEMM waiting for a block of rows from a source (peer = the source)
+  kStageExpand = 10,      // CUDA dispatch_gemm, send once: a GEMM tile waiting for its rows to be filled from their
+                          // primaries (peer = the m-tile; values are epochs)
 };
 
 // Which input a kStageBadInput record is about (ErrorRecord.detail); ffi/common/error_text.h words each one.
@@ -92,6 +103,10 @@ enum BadInput : uint64_t {
   kBadTooManyTiles = 7,   // more tiles than the workspace has tile_ready flags
   kBadCallShape = 8,      // CPU: the call's operands do not fit the workspace (its own error names them)
   kBadKeptRows = 9,       // dispatch_gemm: the expected row count (got) differs from its segments' rows (expected)
+  kBadRecvFrom = 10,      // send once: recv row `peer`'s recv_from entry (got, RecvFrom) is not of this call or names a
+                          // row that is not an earlier primary row of the same source (expected: the call's epoch)
+  kBadPrimary = 11,       // send once: slot `peer`'s slot_primary (got) is not a kept slot of the same source row and
+                          // destination, its own primary, at an earlier recv row (expected: the slots P)
 };
 
 inline const char* StageName(uint64_t s) {
@@ -105,6 +120,7 @@ inline const char* StageName(uint64_t s) {
     case kStageBadInput: return "bad_input (a kernel found an invalid routing input)";
     case kStageCounts: return "counts (exchange_counts waiting for a peer's routing counts; values are epochs)";
     case kStageSrcBlock: return "src_block (dispatch_gemm's GEMM waiting for a block of rows from a peer)";
+    case kStageExpand: return "expand (dispatch_gemm's GEMM waiting for its rows to be filled from their primaries)";
     default: return "none";
   }
 }
@@ -134,6 +150,13 @@ constexpr int kMaxSourceCounters = 32;
 constexpr int kSrcBlockRows = 128;
 JMO_HD inline int64_t SrcBlocks(int64_t ret_rows) { return (ret_rows + kSrcBlockRows - 1) / kSrcBlockRows; }
 
+// Send once: recv_from[r] of a recv row r = the call's epoch in the high 32 bits, the recv row holding r's bytes in
+// the low 32 (r itself for a primary row). Tagged with the epoch so that an entry no source wrote in this call is
+// reported, not read as a row.
+JMO_HD inline uint64_t RecvFrom(uint64_t epoch, int64_t row) { return (epoch << 32) | (uint64_t)(uint32_t)row; }
+JMO_HD inline bool RecvFromOfEpoch(uint64_t entry, uint64_t epoch) { return (entry >> 32) == (epoch & 0xffffffffu); }
+JMO_HD inline int64_t RecvFromRow(uint64_t entry) { return (int64_t)(uint32_t)entry; }
+
 struct RankControl {
   Word calls;              // epochs started by this rank (written by this rank only)
   Word done_epoch;         // last epoch whose reads this rank has finished (read by peers before they write)
@@ -156,7 +179,7 @@ JMO_HD inline int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kA
 // Byte offsets inside one rank's workspace block.
 // Everything before `recv` is control state, which the recovery after a failure zeroes.
 struct Layout {
-  int64_t control, tile_ready, src_blocks, recv, ret, stage, total;
+  int64_t control, tile_ready, src_blocks, recv_from, recv, ret, stage, total;
 };
 
 JMO_HD inline Layout MakeLayout(const WorkspaceSizes& s) {
@@ -164,7 +187,8 @@ JMO_HD inline Layout MakeLayout(const WorkspaceSizes& s) {
   l.control = 0;
   l.tile_ready = AlignUp(l.control + (int64_t)sizeof(RankControl));
   l.src_blocks = AlignUp(l.tile_ready + s.max_bands * 8);
-  l.recv = AlignUp(l.src_blocks + kMaxSourceCounters * SrcBlocks(s.ret_rows) * 8);
+  l.recv_from = AlignUp(l.src_blocks + kMaxSourceCounters * SrcBlocks(s.ret_rows) * 8);
+  l.recv = AlignUp(l.recv_from + s.recv_rows * 8);
   l.ret = AlignUp(l.recv + s.recv_rows * s.row_bytes);
   l.stage = AlignUp(l.ret + s.ret_rows * s.row_bytes);
   l.total = AlignUp(l.stage + s.recv_rows * s.row_bytes);
@@ -182,6 +206,7 @@ struct RankView {
   JMO_HD RankControl* control() const { return reinterpret_cast<RankControl*>(base + layout.control); }
   JMO_HD uint64_t* tile_ready() const { return reinterpret_cast<uint64_t*>(base + layout.tile_ready); }
   JMO_HD uint64_t* src_blocks() const { return reinterpret_cast<uint64_t*>(base + layout.src_blocks); }
+  JMO_HD uint64_t* recv_from() const { return reinterpret_cast<uint64_t*>(base + layout.recv_from); }
   JMO_HD char* recv() const { return base + layout.recv; }
   JMO_HD char* ret() const { return base + layout.ret; }
   JMO_HD char* stage() const { return base + layout.stage; }

@@ -126,6 +126,16 @@ __device__ __forceinline__ void ScanGroups(int* row_start, int* tile_start, int 
   }
 }
 
+// The group tables of a grouped kernel, by all its threads: group_sizes -> row_start[0..G] and tile_start[0..G]
+// (ScanGroups, n_tiles column tiles per 128-row block), ready in every thread on return.
+__device__ __forceinline__ void BuildGroupTables(const int32_t* __restrict__ group_sizes, int G, int M, int n_tiles,
+                                                 int* row_start, int* tile_start) {
+  for (int g = threadIdx.x; g < G; g += kThreads) row_start[g] = max(0, group_sizes[g]);
+  __syncthreads();
+  if (threadIdx.x < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, threadIdx.x);
+  __syncthreads();
+}
+
 // Padding rows [first, M) of a row-major [M, width] array of `esize`-byte elements -> 0, striped over every thread of
 // the grid (16-byte stores: width * esize is a multiple of 16).
 __device__ __forceinline__ void ZeroPadRows(void* out, int64_t first, int64_t M, int64_t width, int64_t esize) {
@@ -145,13 +155,8 @@ __device__ __forceinline__ void GroupedGemmBody(const Ops& ops, const int32_t* _
                                                 int N, int K, void* __restrict__ out, Done done, char* smem_raw) {
   int* row_start = reinterpret_cast<int*>(smem_raw + LoopSmemBytes<kStages, Ops::kExtraBytes>());  // G + 1
   int* tile_start = row_start + (kMaxGroups + 1);                                                   // G + 1
-  const int tid = threadIdx.x;
   const int n_tiles = (N + kBN - 1) / kBN;
-
-  for (int g = tid; g < G; g += kThreads) row_start[g] = max(0, group_sizes[g]);
-  __syncthreads();
-  if (tid < 32) ScanGroups(row_start, tile_start, G, M, n_tiles, tid);
-  __syncthreads();
+  BuildGroupTables(group_sizes, G, M, n_tiles, row_start, tile_start);
 
   ZeroPadRows(out, row_start[G], M, N, kOutF32 ? sizeof(float) : kElemBytes);  // rows [min(sum, M), M)
 

@@ -51,6 +51,8 @@
 //   A SwiGluTile (derived from WgmmaTile) selects the SwiGLU epilogue (StoreSwiGluTile): out gets `cols` bf16
 //   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators
 //   (GroupedSwiGluKernel).
+//   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
+//   gets da = (d_gate, d_up) in bf16 from dh and the float32 preactivation at `a` (GroupedSwiGluGradKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile
 //   by thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24
 //   registers, so keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads
@@ -146,6 +148,17 @@ struct WgmmaTile {
 struct SwiGluTile : WgmmaTile {
   float* a = nullptr;  // row 0 of the tile in the preactivation [rows, 2F] (column 0), or nullptr
   int64_t lda = 0;
+};
+
+// A tile whose epilogue is the SwiGLU's gradient (the backward GEMM dh = d_out @ W2^T of the expert MLP,
+// GroupedSwiGluGradKernel): the accumulators are dh's columns n0 .. n0 + cols - 1 (of F), and the loop stores, for
+// each, da's d_gate and d_up in bf16 (StoreSwiGluGradTile), computed from dh and the float32 preactivation's gate and
+// up values; dh is never stored. out: da's element (tile row 0, column n0) in [rows, 2F] bf16; a: the preactivation's
+// element (tile row 0, column n0) in [rows, 2F] float32; both have the row stride ldc (2F); the up columns lie `up`
+// (F) columns right of the gate's, in both.
+struct SwiGluGradTile : WgmmaTile {
+  const float* a = nullptr;
+  int64_t up = 0;
 };
 
 // tile_done that does nothing; selecting it removes the per-tile fence + consumer barrier.
@@ -267,6 +280,18 @@ __device__ __forceinline__ void MmaKStep(float* acc, uint32_t a_base, uint32_t b
   FenceRegs(acc);
 }
 
+// The bf16 store of StoreAccTile (below): a lane's pair of columns of block j (v0) and of block j + 1 (v1), rounded to
+// bf16; lanes l and l^1 exchange one pair so that each stores 4 consecutive columns at dst (the even lane block j's
+// four, the odd lane block j + 1's). Every lane of the warp calls it (the exchange is a shuffle); `store`: whether
+// this lane's 4 columns are stored (the same in lanes l and l^1).
+__device__ __forceinline__ void StoreBf16Quad(float2 v0, float2 v1, bool odd, bool store, __nv_bfloat16* dst) {
+  __nv_bfloat162 p0 = __floats2bfloat162_rn(v0.x, v0.y), p1 = __floats2bfloat162_rn(v1.x, v1.y);
+  const uint32_t u0 = *reinterpret_cast<uint32_t*>(&p0), u1 = *reinterpret_cast<uint32_t*>(&p1);
+  const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? u0 : u1, 1);
+  const uint2 v = odd ? make_uint2(got, u1) : make_uint2(u0, got);
+  if (store) *reinterpret_cast<uint2*>(dst) = v;
+}
+
 // Epilogue of a consumer warpgroup c (rows [64 c, 64 c + 64) of a 128-row tile), straight from registers:
 // m64nNk16 f32 accumulator layout. Thread (warp wq, lane l) holds, for j = 0..31:
 //   acc[4j + 0/1] -> row 16 wq + l/4,     cols 8 j + 2 (l%4) + 0/1
@@ -300,11 +325,8 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
         const float4 v = odd ? make_float4(r0, r1, a1[0], a1[1]) : make_float4(a0[0], a0[1], r0, r1);
         if (row_ok && col < cols) *reinterpret_cast<float4*>(static_cast<float*>(out) + orow + col) = v;
       } else {
-        __nv_bfloat162 p0 = __floats2bfloat162_rn(a0[0], a0[1]), p1 = __floats2bfloat162_rn(a1[0], a1[1]);
-        const uint32_t u0 = *reinterpret_cast<uint32_t*>(&p0), u1 = *reinterpret_cast<uint32_t*>(&p1);
-        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? u0 : u1, 1);
-        const uint2 v = odd ? make_uint2(got, u1) : make_uint2(u0, got);
-        if (row_ok && col < cols) *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(out) + orow + col) = v;
+        StoreBf16Quad(make_float2(a0[0], a0[1]), make_float2(a1[0], a1[1]), odd, row_ok && col < cols,
+                      static_cast<__nv_bfloat16*>(out) + orow + col);
       }
     }
   }
@@ -322,6 +344,49 @@ __device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int l
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = jmo::cuda::SiluMul(acc[i], acc[i + 64]);
   StoreAccTile<false, 16>(acc, c, wq, lane, t.rows, t.cols, t.out, t.ldc);
+}
+
+// The SwiGLU-gradient epilogue of a consumer warpgroup (see SwiGluGradTile): acc is dh's 64 x 256 block in the
+// m64n256 layout (StoreAccTile's). For each of its elements the thread reads the preactivation's gate and up values
+// of the same row and column (float2 loads of its own column pairs: one load of a warp covers 32 contiguous bytes of
+// each of 8 rows, whole 32-byte sectors), computes (d_gate, d_up) in float32 (SwiGluGrad) and stores both in bf16 with StoreAccTile's pair exchange,
+// d_gate at the column, d_up `up` columns right of it. dh itself is never stored.
+template <class Tile>
+__device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int wq, int lane, const Tile& t) {
+  const int r_lo = c * 64 + wq * 16 + lane / 4;
+  const bool odd = lane & 1;
+  const int own = 2 * (lane % 4);                  // the thread's first column in each 8-column block
+  const int swapped = odd ? 8 + 2 * (lane % 4 - 1) : own;  // its first stored column of each block pair
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    const bool row_ok = r < t.rows;
+    const int64_t orow = (int64_t)(row_ok ? r : 0) * t.ldc;
+    const float* a_row = t.a + orow;
+    __nv_bfloat16* d_row = static_cast<__nv_bfloat16*>(t.out) + orow;
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      const int c0 = 8 * j + own, c1 = c0 + 8;  // the thread's columns of blocks j and j + 1
+      const bool ok = row_ok && c0 < t.cols;    // cols % 16 == 0: blocks j and j + 1 are both in or both out
+      float2 g0 = make_float2(0.f, 0.f), u0 = g0, g1 = g0, u1 = g0;
+      if (ok) {
+        g0 = *reinterpret_cast<const float2*>(a_row + c0);
+        g1 = *reinterpret_cast<const float2*>(a_row + c1);
+        u0 = *reinterpret_cast<const float2*>(a_row + t.up + c0);
+        u1 = *reinterpret_cast<const float2*>(a_row + t.up + c1);
+      }
+      const float* d0 = &acc[4 * j + 2 * h];        // dh, block j, this row
+      const float* d1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1
+      float2 dg0, du0, dg1, du1;
+      jmo::cuda::SwiGluGrad(g0.x, u0.x, d0[0], &dg0.x, &du0.x);
+      jmo::cuda::SwiGluGrad(g0.y, u0.y, d0[1], &dg0.y, &du0.y);
+      jmo::cuda::SwiGluGrad(g1.x, u1.x, d1[0], &dg1.x, &du1.x);
+      jmo::cuda::SwiGluGrad(g1.y, u1.y, d1[1], &dg1.y, &du1.y);
+      const int col = swapped + 8 * j;
+      StoreBf16Quad(dg0, dg1, odd, ok, d_row + col);
+      StoreBf16Quad(du0, du1, odd, ok, d_row + t.up + col);
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -526,6 +591,8 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, ktiles);
         if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
           StoreSwiGluTile(acc, c, wq, lane, tile);
+        else if constexpr (std::is_base_of<SwiGluGradTile, decltype(tile)>::value)
+          StoreSwiGluGradTile(acc, c, wq, lane, tile);
         else
           StoreAccTile<kOutF32>(acc, c, wq, lane, tile.rows, tile.cols, tile.out, tile.ldc);
       }

@@ -1,0 +1,98 @@
+"""The MoE expert layer at EP = 1 (one GPU), forward and forward+backward, with quantization="fp8" against bf16:
+``moe_experts(impl="collective")`` both times (the exchange in XLA collectives, the experts in this library's grouped
+GEMMs: bf16 ``grouped_matmul_swiglu`` / ``grouped_matmul`` / ``grouped_outer``, or under fp8 the e4m3 grouped GEMM
+for GEMM1, GEMM2 and the two dgrads and the bf16 ``grouped_outer`` for the two wgrads, fp8_experts.KERNELS), and
+the FP8 recipe emulated in XLA (``impl="xla"``, fp8_experts.RAGGED) beside them.
+
+Each fp8 timing includes everything the recipe does per call: the weights quantized from the bf16 master weights
+(128 x 128 blocks), the activations and gradients quantized 1 x 128 and 128 x 1, the lhs scales transposed to the
+kernel's layout, and in the backward the two transposed weight copies (the dgrads' K-major B operands).
+
+Columns: bf16_ms, fp8_ms (collective), fp8_xla_ms (the emulation; --no-xla leaves it out: its ragged_dot is dense-
+masked on GPU, so it is slow at many experts), speedup = bf16_ms / fp8_ms; medians after warm-up (common.time_fn).
+Nothing is timed before it agrees: bf16 with the float32 reference (references.layer_reference, max-relative error
+err_bf16 <= 2e-2), fp8 collective with the fp8 emulation on the same inputs (err_fp8, max |collective - xla| /
+max |xla| <= 2e-2: the same quantized operands, different float32 summation orders and the wgrads' bf16 rounding).
+
+  python3 -m benchmarks.bench_fp8_layer --out /tmp/fp8_layer.jsonl
+  python3 -m benchmarks.bench_fp8_layer --quick --out /tmp/fp8_layer_quick.jsonl
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe_overlap as jmo
+from benchmarks import bench_layer
+from benchmarks import common
+from benchmarks import references
+
+MAX_ERR = 2e-2
+
+
+def shapes(quick: bool):
+  """(name, tokens, D, F, E, k): bench_layer's Mixtral-like and DeepSeek-like layers (--quick: a small one)."""
+  if quick:
+    return [("small", 2048, 1024, 1024, 8, 2)]
+  return [("mixtral-like", 4096, 4096, 14336, 8, 2), ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8)]
+
+
+def layer_fn(mesh, impl: str, quantization: str | None):
+  return lambda *a: jmo.moe_experts(*a, mesh=mesh, impl=impl, quantization=quantization)[0]
+
+
+def _checked_ms(fn, arg_sets, ref_outs, what: str):
+  """(ms, err) of fn after checking it against ref_outs on the first input set; (message, err) when it is wrong."""
+  try:
+    err = bench_layer.error_vs(ref_outs, fn(*arg_sets[0]))
+    if not err <= MAX_ERR:  # (NaN too)
+      return f"wrong result ({what}), not timed", err
+    return f"{common.time_fn(fn, arg_sets) * 1e3:.3f}", err
+  except Exception as e:  # pylint: disable=broad-except
+    return f"error: {type(e).__name__}: {str(e)[:100]}", float("nan")
+
+
+def main():
+  ap = common.shape_parser("fp8_layer.jsonl")
+  ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
+  ap.add_argument("--no-xla", action="store_true", help="leave out the fp8 emulation's timing (impl='xla')")
+  args = ap.parse_args()
+  mesh = jax.make_mesh((1,), ("expert",))
+  table = common.Table(["shape", "pass", "bf16_ms", "fp8_ms", "speedup", "fp8_xla_ms", "err_bf16", "err_fp8"])
+  for name, T, D, F, E, k in shapes(args.quick):
+    if not common.shape_selected(args, name):
+      continue
+    arg_sets = [common.layer_operands(T, D, F, E, k, seed=s) for s in range(2)]
+    for pname in args.passes.split(","):
+      row = dict(shape=name, **{"pass": pname})
+      ref = bench_layer.pass_fn(references.layer_reference(np.asarray(arg_sets[0][1]), E), pname)(*arg_sets[0])
+      bf16_ms, err = _checked_ms(bench_layer.pass_fn(layer_fn(mesh, "collective", None), pname), arg_sets, ref,
+                                 "vs the float32 reference")
+      row.update(bf16_ms=bf16_ms, err_bf16=f"{err:.1e}")
+      del ref
+      emulation = bench_layer.pass_fn(layer_fn(mesh, "xla", "fp8"), pname)
+      try:
+        fp8_ref = emulation(*arg_sets[0])
+      except Exception as e:  # pylint: disable=broad-except
+        row.update(fp8_ms=f"not checked (the fp8 emulation failed: {type(e).__name__}: {str(e)[:100]})")
+        table.add(**row)
+        continue
+      fp8_ms, err = _checked_ms(bench_layer.pass_fn(layer_fn(mesh, "collective", "fp8"), pname), arg_sets, fp8_ref,
+                                "vs the fp8 emulation")
+      del fp8_ref
+      row.update(fp8_ms=fp8_ms, err_fp8=f"{err:.1e}")
+      try:
+        row["speedup"] = f"{float(bf16_ms) / float(fp8_ms):.2f}"
+      except ValueError:
+        pass
+      if not args.no_xla:
+        row["fp8_xla_ms"] = f"{common.time_fn(emulation, arg_sets) * 1e3:.3f}"
+      table.add(**row)
+      jax.clear_caches()
+  table.finish(args.out)
+
+
+if __name__ == "__main__":
+  main()
