@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   }
 
   if constexpr (kGather) {
-    GatherConsume<T>(rd, table, st.epoch, ga, cap, N, stage, flags, pol, consumers, gridDim.x - consumers);
+    GatherConsume<T>(rd, table, st.epoch, ga, cap, N, stage, flags, pol, consumers, gridDim.x - consumers, smem);
     return;
   }
   // Consumer: the remote bands [0, remote_bands) in producer order; CTA c pushes bands c, c + C, c + 2 C, ...

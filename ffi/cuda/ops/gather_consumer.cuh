@@ -132,14 +132,15 @@ __device__ __forceinline__ void GatherToken(const RankDev& rd, const T* stage, c
 }
 
 // The consumer CTAs' work (every thread of CTAs [0, consumers) calls it; returns when the CTA's units are done or a
-// wait gave up). Unit u = (position i of the consumer's source order, token chunk) = (u / chunks, u % chunks); CTA b
+// wait gave up). smem: the launch's dynamic shared memory, which only the producer's GEMM uses otherwise (the source
+// order lives there rather than in static shared memory, which the wgmma producer's ring leaves little of). Unit u = (position i of the consumer's source order, token chunk) = (u / chunks, u % chunks); CTA b
 // takes u = b, b + C, b + 2 C, ..., so the sources go in the consumer's order across the CTAs. `producers`: the
 // launch's producer CTAs (the serialized mode waits for all of them).
 template <typename T>
 __device__ void GatherConsume(const RankDev& rd, const SegTable& table, uint64_t epoch, const GatherArgs& ga,
                               int64_t cap, int64_t N, const T* stage, const uint64_t* flags,
-                              const ConsumerConfig& pol, int consumers, int producers) {
-  __shared__ GatherSources src;
+                              const ConsumerConfig& pol, int consumers, int producers, char* smem) {
+  GatherSources& src = *reinterpret_cast<GatherSources*>(smem);
   const int R = rd.ranks;
   if (threadIdx.x == 0) OrderGatherSources(table, R, &src);
   __syncthreads();
