@@ -396,13 +396,15 @@ def _tensor(base: Case) -> list[Case]:
 # 4096 per rank), over the emulated NVLink; each shape as the per-slot path (expert_combine, the shards' partials to
 # the token owners) and as GatherRS, each timed against its serialized form and GEMM2 alone, with the consumer count
 # the resource manager picks from the shipped H200 calibration. run.py prints them as one table (timing.tensor_table).
+# A --tokens other than Case's default picks that one shape (per rank), so that the suite can run in parts.
 TENSOR_TIME_TOKENS = (1024, 2048, 4096)
 
 
 def _tensor_time(base: Case) -> list[Case]:
   link = NVLINK_GBPS / 4
   v = []
-  for tokens in TENSOR_TIME_TOKENS:
+  picked = base.tokens != Case().tokens
+  for tokens in (base.tokens,) if picked else TENSOR_TIME_TOKENS:
     for gather in (False, True):
       v.append(dataclasses.replace(base, ranks=4, tensor=2, experts=8, top_k=2, tokens=tokens, d_model=256,
                                    k_dim=14336, n_dim=4096, consumers=0, model=calibrated_model(4, link),

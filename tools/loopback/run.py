@@ -16,6 +16,7 @@
                                                     the shards' partials summed per slot and by GatherRS
   python -m tools.loopback.run --suite tensor-time  GEMM2 + GatherRS overlapped vs serialized vs the per-slot path
                                                     at TP = 2 / EP = 2, Mixtral-like, 4096-16384 tokens, one table
+                                                    (--tokens 1024|2048|4096: one of its shapes, per rank)
   python -m tools.loopback.run --suite small        one-rank calls at small sizes (for compute-sanitizer)
   python -m tools.loopback.run --suite small-mma    the same without the wgmma-producer cases (for racecheck)
   python -m tools.loopback.run --ranks 4 --routing 1 --iters 100 ...   one case (the options: cases.Case)
