@@ -15,6 +15,9 @@ tile stored; first push .. last push) time each half alone.
                   consumer CTAs with it.)
   link_gbps       the best bandwidth of both ranks' consumers together over C in 1..32 (the ceiling the consumer
                   reaches on this GPU, loopback: HBM to HBM; a multi-GPU calibration would measure NVLink instead).
+  pusher_gbps     two loopback ranks at HBM speed, dispatch_gemm (train mode, 4096 tokens, D 2048, 2F 4096) with 8
+                  pushers pinned: the rows each rank sends its peer / its pushers' push span / 8, the median over the
+                  ranks (the rate of one pushing CTA beside the GEMM: dispatch_gemm's P, resource_model.h).
   seg_us          the per-segment cost the model adds serially: (span - bytes / rate(C)) / segments per rank at C = 8
                   per rank with many small segments (128 per rank), rate(C) from the big-segment run; clamped at 0.
 
@@ -139,8 +142,23 @@ def main(argv=None):
         f"{seg_us:.3f} us", flush=True)
   raw["seg_run"] = v
 
+  # 4. dispatch_gemm's pushers beside its GEMM (Hopper: the wgmma engine), 8 per rank.
+  P0 = 8
+  try:
+    res = lb.run(["--ranks", R, "--dispatch-gemm", P0, "--dispatch-gemm-mode", "train", "--experts", 8, "--tokens",
+                  4096, "--d-model", 2048, "--k-dim", 4096, "--n-dim", 2048, "--routing", 0, "--datasets", 1, "--iters",
+                  2, "--check-tokens", 64, "--time", "--reps", args.reps], log=log)
+    push = [r for r in res["results"] if r["kind"] == "dispatch_gemm_push"]
+  except lb.LoopbackError as e:  # no dispatch_gemm here (not Hopper): P keeps the fixed rule
+    print(f"dispatch_gemm did not run ({str(e).splitlines()[0]}): pusher_gbps 0", flush=True)
+    push = []
+  pusher_gbps = lb.median([x["gbps_per_pusher"] for x in push[0]["ranks"]]) if push else 0.0
+  print(f"dispatch_gemm pushers ({P0} per rank, beside the GEMM): {pusher_gbps:.1f} GB/s per pusher", flush=True)
+  raw["pusher_run"] = push[0] if push else None
+
   params = rm.ModelParams(sms=sms, ctas_per_sm=1, tile_m=tile_m, tile_n=tile_n, tile_us_base=base,
-                          tile_us_per_k=per_k, cta_gbps=cta_gbps, link_gbps=link_gbps, seg_us=seg_us)
+                          tile_us_per_k=per_k, cta_gbps=cta_gbps, link_gbps=link_gbps, seg_us=seg_us,
+                          pusher_gbps=pusher_gbps)
   problems = rm.validate_params(params)
   if problems:
     sys.exit(f"calibration failed: {problems}")

@@ -51,18 +51,31 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def load(ckpt_dir, step, mesh, impl=None, capacity_factor=None):
-  """(model, config, step) restored from a train_moe.py checkpoint (parameters only) onto ``mesh``."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+def checkpoint_config(ckpt_dir, step, mesh, impl=None, capacity_factor=None):
+  """(config, step) of a train_moe.py checkpoint as it runs here on ``mesh``, checked against the mesh
+  (``ModelConfig.check``): FileNotFoundError or ValueError (the library's TypeError or NotImplementedError) naming
+  what does not fit."""
   step, meta = model_lib.read_meta(ckpt_dir, step)
   cfg = model_lib.ModelConfig.from_json(meta["config"])
-  cfg = dataclasses.replace(cfg, impl=impl or cfg.impl, capacity_factor=capacity_factor or None,
-                            attention=model_lib.choose_attention(cfg, mesh, mesh.size)[0])   # this machine's
+  cfg = dataclasses.replace(cfg, impl=impl or cfg.impl, capacity_factor=capacity_factor or None)
+  cfg.check(mesh)
+  return dataclasses.replace(cfg, attention=model_lib.choose_attention(cfg, mesh, mesh.size)[0]), step  # this machine's
+
+
+def load(ckpt_dir, step, mesh, impl=None, capacity_factor=None):
+  """(model, config, step) restored from a train_moe.py checkpoint (parameters only) onto ``mesh``."""
+  cfg, step = checkpoint_config(ckpt_dir, step, mesh, impl, capacity_factor)
+  return restore(ckpt_dir, step, cfg, mesh), cfg, step
+
+
+def restore(ckpt_dir, step, cfg, mesh):
+  """The model of ``cfg`` with the parameters of checkpoint ``step`` (``checkpoint_config``'s), placed on ``mesh``."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   graphdef, abstract = model_lib.abstract_model(cfg, mesh)     # nothing to initialize: all comes from the file
   mngr = model_lib.checkpoint_manager(ckpt_dir, create=False)
   restored = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
   mngr.close()
-  return nnx.merge(graphdef, restored["model"]), cfg, step
+  return nnx.merge(graphdef, restored["model"])
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -109,11 +122,28 @@ def generate(model, cfg, mesh, prompt: bytes, max_new_tokens: int, temperature=0
   return [bytes(t[start:]) for t in texts[:num_samples]]
 
 
+def check_args(args) -> None:
+  """SystemExit naming the rule a sampling flag breaks."""
+  if args.max_new_tokens < 0:
+    raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: at least 0")
+  if args.num_samples < 1:
+    raise SystemExit(f"--num-samples {args.num_samples}: at least 1")
+  if not args.temperature >= 0:
+    raise SystemExit(f"--temperature {args.temperature}: 0 (greedy) or more")
+  if not 0 < args.top_p <= 1:
+    raise SystemExit(f"--top-p {args.top_p}: in (0, 1]")
+
+
 def main(argv=None):
   args = parse_args(argv)
-  mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type, args.mesh)
+  check_args(args)
+  try:
+    mesh = model_lib.make_mesh(args.devices, args.mesh_axis_type, args.mesh)
+    cfg, step = checkpoint_config(args.ckpt_dir, args.step, mesh, args.impl, args.capacity_factor)
+  except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
+    raise SystemExit(str(e)) from None
   with jax.set_mesh(mesh):
-    model, cfg, step = load(args.ckpt_dir, args.step, mesh, args.impl, args.capacity_factor)
+    model = restore(args.ckpt_dir, step, cfg, mesh)
     print(f"loaded step {step} from {args.ckpt_dir}: {cfg.num_layers} layers, {cfg.num_experts} experts top-"
           f"{cfg.top_k}, impl={cfg.impl}, on {mesh.size} {jax.devices()[0].platform} devices {dict(mesh.shape)}",
           file=sys.stderr)

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_overlap as jmo
+from jax_moe_overlap.checks import check_layer
 
 DATA_FILE = pathlib.Path(__file__).parent / "data" / "licenses.txt"
 EXPERT_AXIS = "expert"
@@ -58,6 +59,20 @@ class ModelConfig:
                          num_experts_per_tok=self.top_k, capacity_factor=self.capacity_factor,
                          routed_score_func=self.routed_score_func, shared_experts=self.shared_experts,
                          dtype=jnp.dtype(self.dtype), quantization=self.quantization)
+
+  def check(self, mesh: jax.sharding.Mesh) -> None:
+    """Raises ValueError (the library's TypeError or NotImplementedError for its own rules) naming the rule a size
+    breaks, before anything is built: the model's own (heads, MoE layers) and, through the library's checks, its MoE
+    layers' on ``mesh`` (``jmo.checks.check_layer``: experts over the expert axis, the hidden width over a tensor
+    axis, FP8's sizes and impl)."""
+    for name in ("seq_len", "num_heads", "num_layers"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)}: at least 1")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    if not 1 <= self.moe_every <= self.num_layers:
+      raise ValueError(f"moe_every={self.moe_every} leaves no MoE layer among {self.num_layers} layers")
+    check_layer(self.moe_config(), mesh, EXPERT_AXIS, self.impl, batch_axes(mesh), tensor_axis(mesh))
 
   def flops_per_token(self) -> float:
     """Model FLOPs of one training token: 6 per multiply-add (2 forward, 4 backward) of the matmuls a token runs
@@ -172,8 +187,6 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 class CausalSelfAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    if cfg.d_model % cfg.num_heads:
-      raise ValueError(f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}")
     if cfg.attention not in ATTENTION_IMPLS:
       raise ValueError(f"attention={cfg.attention!r}: one of {ATTENTION_IMPLS}")
     self.num_heads = cfg.num_heads
@@ -235,8 +248,7 @@ class Transformer(nnx.Module):
   statistics (``load_balance_loss``, ``router_z_loss``, ``dropped_fraction``) over the MoE layers."""
 
   def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, rngs: nnx.Rngs):
-    if not 1 <= cfg.moe_every <= cfg.num_layers:
-      raise ValueError(f"moe_every={cfg.moe_every} leaves no MoE layer among {cfg.num_layers} layers")
+    cfg.check(mesh)
     self.cfg = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
     self.blocks = nnx.List([Block(cfg, mesh, use_moe=(i % cfg.moe_every == cfg.moe_every - 1), rngs=rngs)

@@ -44,7 +44,6 @@ from jax.experimental import multihost_utils  # pylint: disable=wrong-import-pos
 import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import step_profile  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax_moe_overlap.checks import check_fp8_impl  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_args(argv=None):
@@ -321,6 +320,14 @@ def check_against_reference(model, tokens, num_devices):
     raise SystemExit("the custom calls disagree with the reference implementation")
 
 
+def check_counts(args):
+  """SystemExit naming the first count flag below its least value (the model's sizes: ``ModelConfig.check``)."""
+  least = {"batch_size": 1, "eval_batches": 1, "save_every": 1, "eval_every": 0, "log_every": 0, "steps": 0}
+  for name, low in least.items():
+    if getattr(args, name) < low:
+      raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: at least {low}")
+
+
 def check_batch_split(batch_size, grad_accum, num_devices):
   """SystemExit unless the step's batch splits into grad_accum microbatches of whole sequences, each divisible by
   the devices of the mesh (its sequences are sharded over them)."""
@@ -411,6 +418,7 @@ def plot_curve(path, history, title):
 
 def main(argv=None):
   args = parse_args(argv)
+  check_counts(args)
   if (args.resume or args.overwrite) and not args.ckpt_dir:
     raise SystemExit("--resume and --overwrite need --ckpt-dir")
   start_processes(args)
@@ -422,11 +430,9 @@ def main(argv=None):
   check_batch_split(args.batch_size, args.grad_accum, R)
   cfg = model_config(args)
   try:
-    cfg.moe_config()                                   # the MoE blocks' rules (fp8: D and F multiples of 128)
-    if cfg.quantization is not None:
-      check_fp8_impl(cfg.impl, mesh)
-  except (ValueError, NotImplementedError) as e:
-    raise SystemExit(f"{e}") from None
+    cfg.check(mesh)                                    # the model's and its MoE blocks' rules on this mesh
+  except (ValueError, TypeError, NotImplementedError) as e:
+    raise SystemExit(str(e)) from None
   try:
     attention, why = model_lib.choose_attention(cfg, mesh, args.batch_size // args.grad_accum, args.attention)
     train_text, held_text = model_lib.load_text(args.data)

@@ -126,13 +126,13 @@ NB_MODULE(_jmo, m) {
       .def(
           "__init__",
           [](jmo::ModelParams* p, int32_t sms, int32_t ctas_per_sm, int32_t tile_m, int32_t tile_n, double tile_us_base,
-             double tile_us_per_k, double cta_gbps, double link_gbps, double seg_us) {
-            new (p) jmo::ModelParams{sms, ctas_per_sm, tile_m, tile_n, tile_us_base, tile_us_per_k, cta_gbps,
-                                     link_gbps, seg_us};
+             double tile_us_per_k, double cta_gbps, double link_gbps, double seg_us, double pusher_gbps) {
+            new (p) jmo::ModelParams{sms,      ctas_per_sm, tile_m,    tile_n, tile_us_base, tile_us_per_k,
+                                     cta_gbps, link_gbps,   seg_us,    pusher_gbps};
           },
           nb::kw_only(), nb::arg("sms"), nb::arg("ctas_per_sm"), nb::arg("tile_m"), nb::arg("tile_n"),
           nb::arg("tile_us_base"), nb::arg("tile_us_per_k"), nb::arg("cta_gbps"), nb::arg("link_gbps"),
-          nb::arg("seg_us"))
+          nb::arg("seg_us"), nb::arg("pusher_gbps") = 0.0)
       .def_rw("sms", &jmo::ModelParams::sms)
       .def_rw("ctas_per_sm", &jmo::ModelParams::ctas_per_sm)
       .def_rw("tile_m", &jmo::ModelParams::tile_m)
@@ -141,7 +141,10 @@ NB_MODULE(_jmo, m) {
       .def_rw("tile_us_per_k", &jmo::ModelParams::tile_us_per_k)
       .def_rw("cta_gbps", &jmo::ModelParams::cta_gbps)
       .def_rw("link_gbps", &jmo::ModelParams::link_gbps)
-      .def_rw("seg_us", &jmo::ModelParams::seg_us);
+      .def_rw("seg_us", &jmo::ModelParams::seg_us)
+      .def_rw("pusher_gbps", &jmo::ModelParams::pusher_gbps);
+  // The model with a call's link (resource_model.h ModelWithLink: what the launches evaluate; 0: no link).
+  m.def("model_with_link", &jmo::ModelWithLink, nb::arg("params"), nb::arg("link_gbps"));
   m.def("model_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,
                                 int64_t n, int64_t k, int64_t elem_bytes, int ctas) {
     auto s = Segments(segs);
@@ -156,6 +159,18 @@ NB_MODULE(_jmo, m) {
     return jmo::ChooseConsumerCtas(params, s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
                                    scratch.data());
   });
+  // dispatch_gemm's pushing CTAs (resource_model.h): the modelled time with P pushers, and the choice (0: the model
+  // has no pusher rate).
+  m.def("model_pushers_makespan_us", [](const jmo::ModelParams& params, int64_t push_bytes, int64_t gemm_rows,
+                                        int64_t k, int64_t n, int pushers) {
+    return jmo::PushersMakespanUs(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n}, pushers);
+  }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"), nb::arg("pushers"));
+  m.def("model_choose_dispatch_pushers", [](const jmo::ModelParams& params, int64_t push_bytes, int64_t gemm_rows,
+                                            int64_t k, int64_t n, int max_pushers) {
+    return jmo::ChooseDispatchPushers(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n}, max_pushers);
+  }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"),
+        nb::arg("max_pushers"));
+  m.def("model_max_ctas", &jmo::ModelMaxCtas, nb::arg("budget"));
   m.def("build_info", &jmo::BuildInfo);
   m.def("default_dispatch_pushers", &jmo::DefaultPushers, nb::arg("sm_budget"),
         "dispatch_gemm's pushing CTAs on a rank of sm_budget SMs where the library chooses (call_options.h)");

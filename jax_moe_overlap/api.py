@@ -22,7 +22,8 @@ from jax_moe_overlap import hosts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.call_site import RankInfo, tensor_reduce
-from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_expert_ids, check_fp8_impl,
+from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_call_config, check_capacity_factor,
+                                    check_expert_ids, check_fp8_impl,
                                     check_fp8_tensor_split, check_impl, check_inputs, check_tensor_axis,
                                     check_tensor_split)
 from jax_moe_overlap.config import CallConfig
@@ -84,6 +85,8 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   """
   check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization)
   check_impl(impl)
+  check_capacity_factor(capacity_factor)
+  check_call_config(config)
   TP = check_tensor_axis(mesh, axis_name, tensor_axis)
   batch_axes = check_batch_axes(mesh, axis_name, batch_axes, x.shape[0], tensor_axis)
   check_tensor_split(w2.shape[1], TP, tensor_axis)
@@ -102,7 +105,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   if quantization is not None:
     check_fp8_impl(impl, mesh)
   if impl == "reference":
-    y, dropped = eager_program(_reference_layer, mesh, cap_e, B, quantization)(*args)
+    y, dropped = eager_program(_reference_layer, mesh, axes, cap_e, B, quantization)(*args)
   elif impl in ("xla", "collective"):
     cap = plan_lib.recv_capacity(T_local * TP, R, k, E // R, cap_e)
     y, dropped = eager_program(_xla_layer, mesh, axes, cap_e, cap, impl, quantization)(*args)
@@ -166,7 +169,7 @@ def _forget_programs(workspace) -> None:
 Workspace.on_release(_forget_programs)
 
 
-def _reference_layer(mesh, cap_e, B, quantization, x, expert_ids, gates, w1, w2):
+def _reference_layer(mesh, axes, cap_e, B, quantization, x, expert_ids, gates, w1, w2):
   """The dense oracle on whole (replicated) arrays, every device computing all of it (its capacity rule scans all
   tokens of a group in order; B > 1: B independent groups of T / B tokens), whole experts whatever the tensor axis.
   Inside ``shard_map`` so that it runs on the mesh's devices whatever x's placement (under ``jit`` a plain x and
@@ -181,7 +184,7 @@ def _reference_layer(mesh, cap_e, B, quantization, x, expert_ids, gates, w1, w2)
     return y.reshape(x.shape), jnp.sum(dropped).astype(jnp.int32)
 
   y, dropped = jax.shard_map(groups, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(), P()))(*args)
-  return _like(y, x, mesh), dropped
+  return _like(y, x, mesh, axes), dropped
 
 
 def _expert_parallel_inputs(mesh, axes, x, expert_ids, gates, w1, w2):
@@ -203,7 +206,7 @@ def _xla_layer(mesh, axes, cap_e, cap, impl, quantization, x, expert_ids, gates,
   axis_name, tensor_axis, batch_axes = axes
   y, dropped = moe_experts_xla(*args, mesh=mesh, axis_name=axis_name, expert_cap=cap_e, recv_cap=cap,
                                batch_axes=batch_axes, impl=impl, tensor_axis=tensor_axis, quantization=quantization)
-  return _like(y, x, mesh), dropped
+  return _like(y, x, mesh, axes), dropped
 
 
 def _overlap_layer(mesh, axes, num_experts, cap_e, cap, info, reduce, x, expert_ids, gates, w1, w2):
@@ -212,15 +215,18 @@ def _overlap_layer(mesh, axes, num_experts, cap_e, cap, info, reduce, x, expert_
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
                          num_experts=num_experts, cap_e=cap_e, cap=cap, info=info, reduce=reduce)
   y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(token_spec, P()), check_vma=False)(*args)
-  return _like(y, x, mesh), dropped
+  return _like(y, x, mesh, axes), dropped
 
 
-def _like(y, x, mesh):
-  """Inside the layer's program: on a mesh with Explicit axes, y laid out as x's sharding type says (so that
-  ``x + y`` works and callers can reshape y as they could x)."""
+def _like(y, x, mesh, axes):
+  """Inside the layer's program, y's layout, the same for every impl: on a mesh with Explicit axes, as x's sharding
+  type says (so that ``x + y`` works and callers can reshape y as they could x); on Auto axes, where a traced x
+  carries no sharding, the layer's token layout (``tensor_parallel.operand_specs``), which is x's when x is laid out
+  as the layer takes its tokens (an eager call's committed x gets its own back: ``_like_committed``)."""
   if _explicit(mesh):
     return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))
-  return y
+  token_spec = tp_lib.operand_specs(*axes)[0]
+  return jax.lax.with_sharding_constraint(y, jax.sharding.NamedSharding(mesh, token_spec))
 
 
 def _like_committed(y, x):

@@ -5,8 +5,10 @@ a static argument of everything after: the call wrappers (``workspace_calls``) r
 (``attrs``: the workspace and the call options, the same for every call), and the differentiable block
 (``expert_block``) the fusion decision. Built here, once:
 
-* ``dispatch_pushers``: dispatch_gemm's pushing CTAs, or 0 where the dispatch and GEMM1 run as two calls
-  (``dispatch_pushers``, from the config and the facts the workspace's backend returned);
+* ``dispatch_pushers``: whether the dispatch and GEMM1 run as one dispatch_gemm call (> 0) or as two (0), from the
+  config and the facts the workspace's backend returned (``dispatch_pushers``). A fused call's pusher count is
+  the pinned one, or the library's: the resource model's on the device, per call, where the workspace has a
+  calibration with a pusher rate, else the fixed rule (docs/resource_manager.md);
 * ``send_once``: whether the forward's dispatch sends a token's row once per destination rank (``send_once``);
 * the check of a pinned consumer CTA count against the rank's SM budget, before anything is traced;
 * on CUDA, the check that XLA_FLAGS keeps the workspace calls of a CUDA graph in program order
@@ -29,11 +31,12 @@ from jax_moe_overlap.workspace_backend import DeviceFacts
 
 def dispatch_pushers(config: CallConfig, device: DeviceFacts, ranks: int) -> int:
   """dispatch_gemm's pushing CTAs for a call site, or 0: the dispatch and GEMM1 run as two calls. None with
-  ``serialize``; pinned by ``config.dispatch_pushers``; else the library's choice where dispatch_gemm's CUDA kernel
-  runs (engines.wgmma_runs_on) and the expert axis has two ranks or more: ``_jmo.default_dispatch_pushers`` of the
-  rank's SM budget (the one rule, ffi/common/call_options.h's DefaultPushers: 8 on an H200's 132 SMs, the same share
-  of a smaller budget); two calls elsewhere (one rank: no link to hide; CPU: XLA's ragged_dot beats the CPU
-  handler's loops)."""
+  ``serialize``; pinned by ``config.dispatch_pushers``; else fused where dispatch_gemm's CUDA kernel runs
+  (engines.wgmma_runs_on) and the expert axis has two ranks or more, with ``_jmo.default_dispatch_pushers`` of the
+  rank's SM budget as the count it reports (ffi/common/call_options.h's DefaultPushers: 8 on an H200's 132 SMs, the
+  same share of a smaller budget: the launch's count without a resource model; with one, the launch lets the model
+  choose P on the device, ``RankInfo.attrs``); two calls elsewhere (one rank: no link to hide; CPU: XLA's ragged_dot
+  beats the CPU handler's loops)."""
   if config.serialize:
     return 0
   if config.dispatch_pushers > 0:
@@ -124,4 +127,4 @@ class RankInfo:
                 consumer_ctas=np.int32(cfg.consumer_ctas), serialize=np.bool_(cfg.serialize),
                 push_bulk_copy=np.bool_(tuning.bulk_copy), push_slots=np.int32(tuning.slots),
                 push_read_lag=np.int32(tuning.read_lag), push_issuers=np.int32(tuning.issuers),
-                pushers=np.int32(max(1, self.dispatch_pushers)))
+                pushers=np.int32(cfg.dispatch_pushers))  # 0: the library's choice, made by the launch

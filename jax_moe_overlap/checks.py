@@ -1,6 +1,7 @@
 """Input rules of the library, each checked in exactly one place.
 
-Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy,
+Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy
+(``check_layer``: all of ``MoE``'s, for a script that checks its flags before it builds a model),
 so a rule and its message change in one place. Each raises a ValueError or TypeError naming the problem before
 anything runs.
 """
@@ -26,7 +27,10 @@ FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 def check_axis(mesh: jax.sharding.Mesh, axis_name: str) -> int:
-  """The mesh has an axis ``axis_name``; returns its size R."""
+  """The mesh is a ``jax.sharding.Mesh`` with an axis ``axis_name``; returns its size R."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"jax_moe_overlap: mesh must be a jax.sharding.Mesh (jax.make_mesh makes one), got "
+                    f"{type(mesh).__name__}")
   if axis_name not in mesh.axis_names:
     raise ValueError(f"jax_moe_overlap: the mesh has axes {tuple(mesh.axis_names)} but no axis named "
                      f"{axis_name!r} for expert parallelism")
@@ -57,6 +61,39 @@ def check_dtype(name: str, dtype) -> None:
   """A compute dtype of the expert layer: float32 or bfloat16."""
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
     raise TypeError(f"jax_moe_overlap: {name} has dtype {jnp.dtype(dtype)}; supported: float32, bfloat16")
+
+
+def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> None:
+  """None (dropless) or a finite real number (whose sign rule is the caller's: ``plan.expert_capacity``, or
+  ``MoEConfig``'s "<= 0: dropless")."""
+  if capacity_factor is None:
+    return
+  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float, np.integer, np.floating)) or (
+      not np.isfinite(capacity_factor)):
+    raise TypeError(f"jax_moe_overlap: {name} must be None (dropless) or a finite number, got {capacity_factor!r}")
+
+
+def check_call_config(config) -> None:
+  from jax_moe_overlap.config import CallConfig  # pylint: disable=g-import-not-at-top  # config imports this module
+  if not isinstance(config, CallConfig):
+    raise TypeError(f"jax_moe_overlap: config must be a CallConfig, got {config!r}")
+
+
+def check_token_mask(token_mask, leading_shape: tuple[int, ...]) -> None:
+  """None, or a bool mask of the tokens' leading shape (True: the token is routed)."""
+  if token_mask is None:
+    return
+  if tuple(token_mask.shape) != tuple(leading_shape):
+    raise ValueError(f"jax_moe_overlap: token_mask must have x's leading shape {tuple(leading_shape)}, got "
+                     f"{tuple(token_mask.shape)}")
+  if token_mask.dtype != jnp.bool_:
+    raise TypeError(f"jax_moe_overlap: token_mask must be bool (False: a padding token), got {token_mask.dtype}")
+
+
+def check_router_logits(logits, num_experts: int) -> None:
+  if logits.ndim != 2 or logits.shape[1] != num_experts or not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"jax_moe_overlap: router logits must be floating [tokens, num_experts={num_experts}], got "
+                     f"{logits.dtype}{list(logits.shape)}")
 
 
 def check_quantization(quantization) -> None:
@@ -161,6 +198,8 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=Non
                      f"[tokens={T}, k]")
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise TypeError(f"jax_moe_overlap: expert_ids must be integers, got {expert_ids.dtype}")
+  if not jnp.issubdtype(gates.dtype, jnp.floating):
+    raise TypeError(f"jax_moe_overlap: gates must be real floating point, got {gates.dtype}")
   if quantization is None and not (x.dtype == dt1 == dt2):
     raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {dt1}, {dt2}")
   if quantization == "fp8":
@@ -223,6 +262,23 @@ def check_tensor_split(hidden: int, tensor: int, tensor_axis: str | None) -> Non
     raise ValueError(f"jax_moe_overlap: the experts' hidden width F={hidden} cannot be split evenly over the {tensor} "
                      f"devices of tensor axis {tensor_axis!r} (each takes F / {tensor} columns of w1's gate and of its "
                      f"up projection, and as many rows of w2)")
+
+
+def check_layer(config, mesh, expert_axis: str, impl: str, batch_axes=(), tensor_axis: str | None = None
+                ) -> tuple[str, ...]:
+  """A layer of ``config`` (an ``MoEConfig``) on ``mesh``: every rule ``MoE`` checks when it is built (the expert
+  axis and its split of the experts, the impl, the tensor axis and its split of the hidden width, FP8's split and
+  impl, the batch axes), for callers that check their flags before they build a model. Returns the batch axes as a
+  tuple. The tokens' count is checked per call (0 tokens split over any devices)."""
+  R = check_axis(mesh, expert_axis)
+  check_experts(config.num_experts, config.num_experts_per_tok, R, expert_axis)
+  check_impl(impl)
+  TP = check_tensor_axis(mesh, expert_axis, tensor_axis)
+  check_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
+  if config.quantization is not None:
+    check_fp8_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
+    check_fp8_impl(impl, mesh)
+  return check_batch_axes(mesh, expert_axis, batch_axes, 0, tensor_axis)
 
 
 def batch_size(mesh, batch_axes) -> int:

@@ -3,9 +3,12 @@
 XLA:GPU records runs of a program's thunks into *command buffers*, CUDA graphs that later executions replay with one
 launch. ``--xla_gpu_enable_command_buffer`` lists the kinds of thunk it records (XLA's default list includes
 CUSTOM_CALL: custom calls whose FFI handler declares the command-buffer trait, as every CUDA handler of this library
-does), and ``--xla_gpu_graph_min_graph_size`` the fewest consecutive thunks worth a graph. XLA records a custom call
-by running its handler once on a capturing stream, and runs it again only when the addresses of its buffers change;
-a replay runs no host code of the library (docs/design.md, "CUDA graphs").
+does), and ``--xla_gpu_graph_min_graph_size`` the fewest consecutive thunks worth a graph. An executable's first
+execution runs this library's custom calls on the stream, outside any graph, and a failure there follows the
+stream's rule (reported by the next call). Later executions record the graph, XLA recording a custom call by
+running its handler once on a capturing stream and again only when the addresses of its buffers change; a replay
+runs no host code of the library, and a failure inside a recorded or replayed graph follows the graph's rule
+(docs/design.md, "CUDA graphs (XLA command buffers)").
 
 * ``scheduling_refusal(xla_flags)``: why XLA_FLAGS would let a CUDA graph reorder the workspace calls (None: it
   would not). The protocol needs every rank to run its workspace calls one after another in program order. XLA's

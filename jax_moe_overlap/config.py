@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import env
-from jax_moe_overlap.checks import check_dtype, check_experts, check_fp8_sizes, check_quantization
+from jax_moe_overlap.checks import (check_capacity_factor, check_dtype, check_experts, check_fp8_sizes,
+                                    check_quantization)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -113,6 +114,7 @@ class MoEConfig:
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"jax_moe_overlap: MoEConfig.{name} must be a positive int, got {v!r}")
     check_experts(self.num_experts, self.num_experts_per_tok, 1, "")
+    check_capacity_factor(self.capacity_factor, "MoEConfig.capacity_factor")
     if self.routed_score_func not in SCORE_FUNCS:
       raise ValueError(f"jax_moe_overlap: MoEConfig.routed_score_func must be one of {SCORE_FUNCS}, got "
                        f"{self.routed_score_func!r}")

@@ -26,8 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.api import moe_experts
-from jax_moe_overlap.checks import (check_axis, check_batch_axes, check_experts, check_fp8_impl,
-                                    check_fp8_tensor_split, check_impl, check_tensor_axis, check_tensor_split)
+from jax_moe_overlap.checks import check_layer, check_token_mask
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
 
@@ -83,16 +82,7 @@ class MoE(nnx.Module):
                tensor_axis: str | None = None):
     if not isinstance(config, MoEConfig):
       raise TypeError(f"jax_moe_overlap: MoE takes a MoEConfig as its first argument, got {config!r}")
-    R = check_axis(mesh, expert_axis)
-    check_experts(config.num_experts, config.num_experts_per_tok, R, expert_axis)
-    check_impl(impl)
-    TP = check_tensor_axis(mesh, expert_axis, tensor_axis)
-    check_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
-    if config.quantization is not None:
-      check_fp8_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
-      check_fp8_impl(impl, mesh)
-    # The axes' rules now; the tokens' count is checked per call (0 tokens split over any devices).
-    self.batch_axes = check_batch_axes(mesh, expert_axis, batch_axes, 0, tensor_axis)
+    self.batch_axes = check_layer(config, mesh, expert_axis, impl, batch_axes, tensor_axis)
     self.config, self.mesh, self.expert_axis, self.tensor_axis, self.impl = config, mesh, expert_axis, tensor_axis, impl
     self.call_config = call_config or CallConfig()
     self.deterministic = False
@@ -148,9 +138,9 @@ class MoE(nnx.Module):
     cfg = self.config
     if x.shape[-1] != cfg.emb_dim:
       raise ValueError(f"jax_moe_overlap: MoE expects inputs [..., {cfg.emb_dim}], got {x.shape}")
-    if token_mask is not None and token_mask.shape != x.shape[:-1]:
-      raise ValueError(f"jax_moe_overlap: token_mask must have x's leading shape {x.shape[:-1]}, got "
-                       f"{token_mask.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"jax_moe_overlap: MoE takes floating-point inputs, got {x.dtype}")
+    check_token_mask(token_mask, x.shape[:-1])
     x2d = self._flatten(x)
     mask = None if token_mask is None else self._flatten(token_mask, features=False)
     r = self.route(x2d, mask)

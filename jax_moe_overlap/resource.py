@@ -4,6 +4,9 @@ The model itself (``ffi/include/jax_moe_overlap/resource_model.h``) runs on the 
 kernel start; the extension exposes it to Python as ``_jmo.model_makespan_us`` and ``_jmo.model_choose_consumer_ctas``
 (for tests and benchmarks), taking a ``ModelParams.native()``.
 
+``_jmo.model_choose_dispatch_pushers`` and ``_jmo.model_pushers_makespan_us`` are the same for dispatch_gemm's pushing
+CTAs, and ``_jmo.model_with_link`` gives the model of a call over a link of a given rate (what the launches evaluate).
+
 ``params`` are calibrated per GPU and producer variant by ``benchmarks/calibrate.py`` and shipped as JSON under
 ``jax_moe_overlap/calibration/<gpu name>.json``; ``calibration_for(name, sms)`` finds the file for a device and says
 why none applies (then the kernels use a fixed consumer count: ``fallback_consumer_ctas``).
@@ -36,13 +39,14 @@ class ModelParams:
   cta_gbps: float
   link_gbps: float
   seg_us: float
+  pusher_gbps: float = 0.0  # dispatch_gemm's pusher rate per CTA (0: not calibrated, the fixed pusher rule applies)
 
   def native(self):
     """The C++ struct (``_jmo.ModelParams``, built by name): what create_cuda_workspace and the model functions take."""
     return _jmo.ModelParams(**dataclasses.asdict(self))
 
   def as_list(self) -> list[float]:
-    """The 9 numbers in the order of the C++ struct: the loopback harness's --model flag."""
+    """The 10 numbers in the order of the C++ struct: the loopback harness's --model flag."""
     return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
 
 
@@ -55,11 +59,13 @@ def load_params(path: str) -> ModelParams:
   """Reads calibrated constants written by benchmarks/calibrate.py (extra keys, e.g. provenance, are ignored)."""
   with open(path) as f:
     data = json.load(f)
-  missing = [f.name for f in dataclasses.fields(ModelParams) if f.name not in data]
+  missing = [f.name for f in dataclasses.fields(ModelParams)
+             if f.name not in data and f.default is dataclasses.MISSING]
   if missing:
     raise ValueError(f"jax_moe_overlap: calibration file {path} lacks {missing}")
   ints = ("sms", "ctas_per_sm", "tile_m", "tile_n")
-  p = ModelParams(**{f.name: (int if f.name in ints else float)(data[f.name]) for f in dataclasses.fields(ModelParams)})
+  p = ModelParams(**{f.name: (int if f.name in ints else float)(data[f.name]) for f in dataclasses.fields(ModelParams)
+                     if f.name in data})
   problems = validate_params(p)
   if problems:
     raise ValueError(f"jax_moe_overlap: calibration file {path}: {'; '.join(problems)}")
@@ -80,6 +86,8 @@ def validate_params(p: ModelParams) -> list[str]:
     v = getattr(p, name)
     if not (math.isfinite(v) and v > 0):
       out.append(f"{name} must be finite and > 0, got {v}")
+  if not (math.isfinite(p.pusher_gbps) and p.pusher_gbps >= 0):
+    out.append(f"pusher_gbps must be finite and >= 0 (0: not calibrated), got {p.pusher_gbps}")
   if p.tile_us_base + p.tile_us_per_k <= 0:
     out.append("tile time must be positive")
   return out

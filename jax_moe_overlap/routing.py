@@ -27,6 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax_moe_overlap.checks import check_router_logits, check_token_mask
 from jax_moe_overlap.plan import SKIP
 
 
@@ -79,6 +80,8 @@ def route(logits: jax.Array, config, bias: jax.Array | None = None,
     logits: [T, E] router logits. bias: [E] selection-only routing bias (None: none; used when
       ``config.routed_bias``). token_mask: [T] bool, False for tokens that select nothing (None: all select).
   """
+  check_router_logits(logits, config.num_experts)
+  check_token_mask(token_mask, logits.shape[:1])
   logits = logits.astype(jnp.float32)
   T, E = logits.shape
   k = config.num_experts_per_tok

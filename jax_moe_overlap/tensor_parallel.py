@@ -81,7 +81,7 @@ def repeat_gates(gates: jax.Array, tensor: int) -> jax.Array:
 
 
 def _repeat_gates_fwd(gates, tensor):
-  return jnp.repeat(gates, tensor, axis=1), None
+  return repeat_gates(gates, tensor), None
 
 
 def _repeat_gates_bwd(tensor, _, ct):

@@ -39,7 +39,7 @@ def test_grid_and_fit():
 def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
   """calibrate.main against a fake loopback harness with known constants: the tile-time line, the push rate while the
   producer runs (what the model uses), the rate alone (kept in raw), the link ceiling and the per-segment cost come
-  back out of the JSON it writes."""
+  back out of the JSON it writes, and the dispatch_gemm pusher rate (the median over the ranks)."""
   tile_base, tile_per_k, alone, overlapped, seg_us, sms = 2.5, 0.011, 42.0, 30.0, 0.5, 132
   calls = []
 
@@ -49,6 +49,10 @@ def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
   def fake_run(args, timeout=300, log=None):
     args = [str(a) for a in args]
     calls.append(args)
+    if "--dispatch-gemm" in args:  # 8 pushers per rank moving 16 MB in 100, 125 and 120 us
+      ranks = [dict(rank=r, pushers=8, bytes=16e6, push_us=us, gbps_per_pusher=16e6 / us * 1e-3 / 8)
+               for r, us in enumerate((100.0, 125.0, 120.0))]
+      return {"results": [dict(kind="dispatch_gemm_push", link_gbps=0.0, ranks=ranks)]}
     R, N, K, T = arg(args, "--ranks"), arg(args, "--n-dim"), arg(args, "--k-dim"), arg(args, "--tokens")
     if R == 1:  # tile time: every row local, all SMs produce
       tiles = -(-T * 2 // 8 // 128) * 8 * -(-N // 256)
@@ -76,7 +80,8 @@ def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
   assert doc["cta_gbps"] == pytest.approx(overlapped) and doc["raw"]["cta_gbps_alone"] == pytest.approx(alone)
   assert doc["link_gbps"] == pytest.approx(alone * 32 * 2)
   assert doc["seg_us"] == pytest.approx(seg_us)
-  overlap_runs = [a for a in calls if "--serialize" not in a]
+  assert doc["pusher_gbps"] == pytest.approx(16e6 / 120.0 * 1e-3 / 8)
+  overlap_runs = [a for a in calls if "--serialize" not in a and "--dispatch-gemm" not in a]
   assert len(overlap_runs) == 1 and arg(overlap_runs[0], "--k-dim") == 2048 and arg(overlap_runs[0], "--consumers") == 4
 
 

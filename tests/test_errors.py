@@ -75,6 +75,30 @@ def test_bad_impl(inputs):
     jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(2), impl="fast")
 
 
+def test_arguments_of_the_wrong_kind(inputs):
+  """Gates that are not real floats, a capacity factor that is no finite number, a config that is no CallConfig, a
+  mesh that is no Mesh: refused by name before anything runs (not cast, not an AttributeError)."""
+  x, ids, gates, w1, w2 = inputs
+  call = functools.partial(jmo.moe_experts, mesh=mesh_of(2), impl="xla")
+  for bad in (gates.astype(jnp.int32), gates.astype(jnp.complex64)):
+    with pytest.raises(TypeError, match=r"gates must be real floating point, got"):
+      call(x, ids, bad, w1, w2)
+  for cf in (float("nan"), "1.25"):
+    with pytest.raises(TypeError, match=r"capacity_factor must be None \(dropless\) or a finite number"):
+      call(x, ids, gates, w1, w2, capacity_factor=cf)
+  with pytest.raises(TypeError, match=r"config must be a CallConfig, got 'fast'"):
+    call(x, ids, gates, w1, w2, config="fast")
+  with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh="expert")
+  cfg = jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=2)
+  with pytest.raises(ValueError, match=r"router logits must be floating \[tokens, num_experts=8\], got float32\[4, 6\]"):
+    jmo.route(jnp.ones((4, 6)), cfg)
+  with pytest.raises(TypeError, match=r"token_mask must be bool"):
+    jmo.route(jnp.ones((4, E)), cfg, token_mask=jnp.ones((4,)))
+  with pytest.raises(TypeError, match=r"MoEConfig.capacity_factor must be None \(dropless\) or a finite number"):
+    jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=2, capacity_factor="1")
+
+
 def test_expert_ids_out_of_range_eager(inputs):
   x, ids, gates, w1, w2 = inputs
   with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\), got values in \[0, 11\]"):
@@ -136,3 +160,7 @@ def test_module_rejects_bad_configuration():
   m = jmo.MoE(cfg(), mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"expects inputs \[..., 16\]"):
     m(jnp.ones((4, 8, 12)))
+  with pytest.raises(TypeError, match=r"MoE takes floating-point inputs, got int32"):
+    m(jnp.ones((4, 16), jnp.int32))
+  with pytest.raises(TypeError, match=r"token_mask must be bool"):
+    m(jnp.ones((4, 16)), token_mask=jnp.ones((4,)))

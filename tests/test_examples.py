@@ -173,6 +173,51 @@ def test_device_time_of_ops_the_hlo_lacks_is_counted_as_unnamed():
   assert got["ops"]["rest"] == {"command_buffer_7": 40, "fusion.2": 10}
 
 
+@pytest.mark.parametrize("flags, rule", [
+    (["--mesh", "expert=1,tensor=4", "--d-ff", "130"],
+     "the experts' hidden width F=130 cannot be split evenly over the 4 devices of tensor axis 'tensor'"),
+    (["--mesh", "data=2,expert=2", "--experts", "7"], "7 experts cannot be split evenly over the 2 devices of mesh axis"),
+    (["--heads", "5"], "d_model=64 is not divisible by num_heads=5"),
+    (["--seq-len", "0"], "seq_len=0: at least 1"),
+    (["--save-every", "0"], "--save-every 0: at least 1"),
+    (["--mesh", "expert=3"], "mesh 'expert=3' has 3 devices, but 4 are in use"),
+])
+def test_training_refuses_bad_flags_in_one_line(flags, rule):
+  """Flags the model or the library's layer rules refuse end the script with one line naming the rule (the
+  library's own message for its rules), before anything is built: no traceback."""
+  with pytest.raises(SystemExit) as e:
+    train_moe.main(TINY + ["--plot", ""] + flags)
+  msg = str(e.value)
+  assert rule in msg and "\n" not in msg, msg
+
+
+def test_generation_refuses_bad_flags_in_one_line(overlap_run, tmp_path):
+  _, d = overlap_run
+  ckpt = str(d / "ckpt")
+  for flags, rule in [(["--devices", "3"], "8 experts cannot be split evenly over the 3 devices of mesh axis"),
+                      (["--mesh", "expert=2"], "mesh 'expert=2' has 2 devices, but 4 are in use"),
+                      (["--num-samples", "0"], "--num-samples 0: at least 1"),
+                      (["--top-p", "0"], "--top-p 0.0: in (0, 1]")]:
+    with pytest.raises(SystemExit) as e:
+      generate.main(["--ckpt-dir", ckpt] + flags)
+    assert rule in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
+  with pytest.raises(SystemExit, match="no checkpoint directory"):
+    generate.main(["--ckpt-dir", str(tmp_path / "none")])
+
+
+@pytest.mark.slow
+def test_bad_flags_exit_nonzero_as_a_program(tmp_path):
+  """As a program, a refused flag is one line on stderr and exit status 1."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_moe.py")
+  proc = subprocess.run([sys.executable, script, "--mesh", "expert=2,tensor=2", "--d-ff", "33", "--plot", ""],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "F=33" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_gpu_preset_evaluates_on_the_shipped_text():
   """The README's GPU line (--preset gpu, no --data): the held-out text of the shipped data holds fewer than 32
   windows of 1025 bytes, so the evaluation takes one batch of as many whole windows as divide by the devices; a

@@ -208,9 +208,9 @@ def test_options_and_capacity_are_checked_once_for_every_call():
                      match=r"the call's attributes hold pushers_typo, which it does not take"):
     run(dict(pushers_typo=np.int32(1)))
   with pytest.raises(jax.errors.JaxRuntimeError,
-                     match=r"expert_combine: pushers must be >= 1 \(dispatch_gemm's pushing CTAs; no effect on CPU\), "
-                           r"got 0"):
-    run(dict(pushers=np.int32(0)))
+                     match=r"expert_combine: pushers must be 0 \(the library's choice\) or a positive count of "
+                           r"dispatch_gemm's pushing CTAs \(no effect on CPU\), got -1"):
+    run(dict(pushers=np.int32(-1)))
   # 80 float32 columns: 320 B rows in a workspace of 256 B rows.
   with pytest.raises(jax.errors.JaxRuntimeError,
                      match=r"expert_combine: the call needs rows of 320 B x 16 recv rows and 8 ret rows \(slots\) but "

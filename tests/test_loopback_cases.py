@@ -559,3 +559,35 @@ def test_wire_bytes_count_each_row_once_per_destination():
   assert not per_slot.sends_once
   assert cases_lib.wire_bytes(per_slot, plans[1], 1, row) == (64, 64 * row)
   assert not dataclasses.replace(case, ranks=1, experts=2).sends_once
+
+
+def test_regret_rows_and_summary(capsys):
+  # tools/loopback/regret.py on a fake run: dispatch_gemm with a pusher sweep (P = 1, 2, 4 pinned, 0 the model's) and
+  # the device's recorded P equal to the host mirror's; the regret is the model's time over the best pinned one.
+  from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
+  from tools.loopback import regret  # pylint: disable=g-import-not-at-top
+  model = cases_lib.calibrated_model(2, 50.0)
+  case = _small_case(time=True, dispatch_gemm_pushers=cases_lib.AUTO, link_gbps=50.0, reps=3, model=model,
+                     dg_sweep=(1, 2, 4, 0))
+  sets = cases_lib.make_data(case)
+  p = _jmo.model_with_link(_jmo.ModelParams(**dict(zip(
+      ("sms", "ctas_per_sm", "tile_m", "tile_n", "tile_us_base", "tile_us_per_k", "cta_gbps", "link_gbps", "seg_us",
+       "pusher_gbps"), [int(v) for v in model[:4]] + list(model[4:])))), 50.0)
+  p.sms = 66
+  mirror = []
+  for r, d in enumerate(sets[0]):
+    st = d.plan["send_start"]
+    rows = int(st[2] - st[0]) - int(st[r + 1] - st[r])
+    mirror.append(_jmo.model_choose_dispatch_pushers(p, rows * case.d_model * 2, int(d.plan["recv_rows"]),
+                                                     case.d_model, case.k_dim, 32))
+  res = {"budget": 66, "dg_sweep_us": [[[110.0] * 3] * 2, [[100.0] * 3] * 2, [[104.0] * 3] * 2, [[102.0] * 3] * 2],
+         "dg_sweep_pushers": [[1, 1], [2, 2], [4, 4], mirror]}
+  row = regret.pusher_row(case, res, sets[0])
+  assert row["what"] == "P" and row["best"] == 2 and row["regret"] == pytest.approx(0.02) and row["mirror_agrees"]
+  assert regret.consumer_row(case, {"timed": []}, sets[0]) is None  # no consumer sweep in this case
+  res["dg_sweep_pushers"][3] = [m + 1 for m in mirror]
+  assert not regret.pusher_row(case, res, sets[0])["mirror_agrees"]
+  worse = dict(row, regret=0.2)
+  lines = regret.summary([row, worse])
+  assert lines[0].startswith("regret P: mean 11.0%, worst 20.0% over 2 cases (OUTSIDE the target")
+  assert regret.summary([row])[0].startswith("regret P: mean 2.0%, worst 2.0% over 1 cases (within the target")

@@ -225,6 +225,87 @@ def test_calibration_env_override(tmp_path, monkeypatch):
   assert cal.params is None and "disabled" in cal.reason
 
 
+def test_the_calls_link_lowers_the_ceiling_only():
+  # ModelWithLink: the lower of the calibrated ceiling and the call's link; no link (0) or a faster one changes nothing.
+  for link, want in ((0.0, 370.0), (1000.0, 370.0), (46.25, 46.25)):
+    assert _jmo.model_with_link(P.native(), link).link_gbps == want
+  # With a slow link the consumer choice stops where C * cta_gbps reaches it (12 GB/s per CTA, 30 GB/s: C <= 3), and
+  # a slower link never asks for more consumers.
+  segs = [(2048, 1)] * 8 + [(4096, 0)]
+  slow = dataclasses.replace(P, link_gbps=_jmo.model_with_link(P.native(), 30.0).link_gbps)
+  assert choose(slow, segs, 4096, 256, 2) <= 3 <= choose(P, segs, 4096, 256, 2)
+  picks = [choose(dataclasses.replace(P, link_gbps=g), segs, 4096, 256, 2) for g in (10, 20, 40, 80, 160, 370)]
+  assert picks == sorted(picks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dispatch_gemm's pushing CTAs P (resource_model.h PushersMakespanUs, ChooseDispatchPushers)
+
+PP = dataclasses.replace(P, tile_n=256, pusher_gbps=17.3)
+
+
+def pushers_us(p, push_bytes, rows, k, n, q):
+  return _jmo.model_pushers_makespan_us(p.native(), push_bytes, rows, k, n, q)
+
+
+def choose_pushers(p, push_bytes, rows, k, n, max_pushers=32):
+  return _jmo.model_choose_dispatch_pushers(p.native(), push_bytes, rows, k, n, max_pushers)
+
+
+def pushers_formula(p, push_bytes, rows, k, n, q):
+  """resource_model.h's dispatch model in plain Python floats (the same IEEE operations in the same order)."""
+  t = p.tile_us_base + p.tile_us_per_k * k
+  tiles = float(math.ceil(rows / p.tile_m) * math.ceil(n / p.tile_n)) if rows > 0 else 0.0
+  push = p.seg_us + push_bytes * (1e-3 / min(q * p.pusher_gbps, p.link_gbps)) if push_bytes > 0 else 0.0
+  work = math.ceil((tiles + q * push / t) / p.sms) * t
+  return max(work, push + t) if push_bytes > 0 else work
+
+
+def test_pushers_model_equals_its_formula_on_random_inputs():
+  # Bitwise: the extension's C++ (the device's code) and the formula; the choice is the feasible P with the smallest
+  # time, the smallest P on ties.
+  rng = random.Random(1)
+  for _ in range(300):
+    p = dataclasses.replace(PP, sms=rng.choice([2, 3, 16, 33, 66, 132]), link_gbps=rng.choice([20.0, 46.25, 185.0,
+                            1745.0]), pusher_gbps=rng.choice([5.0, 17.3, 41.0]))
+    rows = rng.randrange(0, 200000)
+    push = rng.randrange(0, rows + 1) * rng.choice([256, 4096])
+    k, n = rng.choice([256, 2048, 7168]), rng.choice([256, 4096, 28672])
+    us = [pushers_us(p, push, rows, k, n, q) for q in range(1, min(32, p.sms - 1) + 1)]
+    assert us == [pushers_formula(p, push, rows, k, n, q) for q in range(1, len(us) + 1)]
+    assert choose_pushers(p, push, rows, k, n) == 1 + us.index(min(us))
+  assert pushers_us(PP, 1 << 20, 4096, 2048, 4096, 0) < 0 and pushers_us(PP, 1 << 20, 4096, 2048, 4096, 132) < 0
+
+
+def test_pushers_without_a_rate_or_without_rows():
+  # No pusher rate: no choice (0: the launch keeps DefaultPushers). Nothing to push (EP = 1): one pusher, the fewest.
+  assert choose_pushers(dataclasses.replace(PP, pusher_gbps=0.0), 1 << 24, 8192, 2048, 4096) == 0
+  assert choose_pushers(PP, 0, 8192, 2048, 4096) == 1
+
+
+def test_pushers_link_limited_stop_at_the_link():
+  # A tiny GEMM: the transfer is everything, so P grows until P * pusher_gbps reaches the link and no further (more
+  # pushers would only take SMs from the GEMM).
+  for link in (46.25, 92.5, 185.0, 370.0):
+    p = dataclasses.replace(PP, link_gbps=link)
+    want = math.ceil(link / p.pusher_gbps)
+    assert choose_pushers(p, 64 << 20, 128, 256, 256) == min(want, 32)
+
+
+def test_pushers_compute_limited_take_one():
+  # A GEMM far longer than the transfer even at one pusher: one pusher (the others all multiply).
+  assert choose_pushers(PP, 16 << 20, 65536, 7168, 28672) == 1
+
+
+def test_pushers_grow_with_the_rows_to_push_and_shrink_with_the_gemm():
+  by_bytes = [choose_pushers(PP, mib << 20, 8192, 2048, 4096) for mib in (1, 4, 16, 64, 256)]
+  assert by_bytes == sorted(by_bytes) and by_bytes[0] < by_bytes[-1]
+  by_k = [choose_pushers(PP, 32 << 20, 8192, k, 4096) for k in (256, 1024, 4096, 16384)]
+  assert by_k == sorted(by_k, reverse=True) and by_k[0] > by_k[-1]
+  # and never more than the link can use
+  assert all(q <= math.ceil(PP.link_gbps / PP.pusher_gbps) for q in by_bytes + by_k)
+
+
 def test_fallback_count():
   assert [rm.fallback_consumer_ctas(s) for s in (4, 8, 108, 132)] == [1, 1, 13, 16]
 
@@ -236,6 +317,14 @@ def test_shipped_calibrations_are_valid(path):
   assert (p.tile_m, p.tile_n) in ((64, 128), (128, 256)) and p.tile_m % _jmo.band_rows == 0 and p.ctas_per_sm == 1
   with open(path) as f:
     assert rm.calibration_file_name(json.load(f)["gpu_name"]) == os.path.basename(path)
+  assert p.pusher_gbps > 0  # dispatch_gemm's P is the model's where the calibration has its rate
+
+
+def test_a_calibration_without_a_pusher_rate_loads_with_none(tmp_path):
+  data = {f.name: getattr(P, f.name) for f in dataclasses.fields(P) if f.name != "pusher_gbps"}
+  (tmp_path / "old.json").write_text(json.dumps(data))
+  assert rm.load_params(str(tmp_path / "old.json")).pusher_gbps == 0.0
+  assert rm.validate_params(dataclasses.replace(P, pusher_gbps=-1.0))
 
 
 # ---------------------------------------------------------------------------------------------------------------

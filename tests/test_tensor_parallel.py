@@ -145,6 +145,14 @@ def test_gate_gradient_sums_the_shards_in_tensor_order():
   assert float(d[0, 0]) == 1.0
 
 
+def test_repeat_gates_forward_rule_is_the_primal():
+  # Under differentiation (the fwd rule) the values are the primal's: choice j's gate in slots 3j .. 3j + 2.
+  gates = jax.random.uniform(jax.random.key(3), (5, 2), jnp.float32)
+  y, _ = jax.vjp(lambda g: tensor_parallel.repeat_gates(g, 3), gates)
+  np.testing.assert_array_equal(y, tensor_parallel.repeat_gates(gates, 3))
+  np.testing.assert_array_equal(y, np.repeat(np.asarray(gates), 3, axis=1))
+
+
 def test_refusals_name_the_rule():
   mesh = mesh_of_shape(EXPERT_TENSOR)
   x, ids, gates, w1, w2 = layer_inputs(64, D, F, E, K, "balanced", 0)

@@ -31,9 +31,10 @@ struct CallOptions {
   int32_t consumer_ctas = 0;
   bool serialize = false;
   ConsumerTuning tuning;
-  // dispatch_gemm's CTAs that push the rows for other ranks first, then join the GEMM (on CUDA at most the rank's SM
-  // budget - 1; no effect on CPU). Where the library chooses: DefaultPushers below.
-  int32_t pushers = 1;
+  // dispatch_gemm's CTAs that push the rows for other ranks first, then join the GEMM: 0 = the library's choice (the
+  // resource model's, evaluated on the device from the call's routed counts, where the workspace has a model with a
+  // pusher rate; else DefaultPushers below); > 0 = pinned (on CUDA at most the rank's SM budget - 1). No effect on CPU.
+  int32_t pushers = 0;
   // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
   // paces every push to another rank (the rows of dispatch and dispatch_gemm, the bands of expert_combine's consumer)
   // so that a rank's pushing CTAs together move at most this many GB/s, as over a link of that bandwidth (on CUDA:
@@ -41,12 +42,13 @@ struct CallOptions {
   double emulated_link_gbps = 0;
 };
 
-// dispatch_gemm's pushing CTAs where the library chooses (CallConfig.dispatch_pushers = 0; the loopback harness's
-// `--dispatch-gemm auto`) on a rank of `sm_budget` SMs: 8 on an H200's 132 (docs/performance.md, dispatch_gemm), and
+// dispatch_gemm's pushing CTAs where the library chooses without a resource model (no calibration, or one without a
+// pusher rate: docs/resource_manager.md) on a rank of `sm_budget` SMs: 8 on an H200's 132 (docs/performance.md, dispatch_gemm), and
 // the same share of any other budget, rounded to the nearest count, at least one, so that a rank holding part of a
 // GPU (several ranks per GPU, as in the loopback harness) gives its pushers the share of its SMs a whole GPU would.
-// At most budget - 1 for every budget >= 2 (a GEMM CTA is left). The one rule: the Python call site
-// (call_site.dispatch_pushers) and the harness ask it, once per call site.
+// At most budget - 1 for every budget >= 2 (a GEMM CTA is left). Applied by the launch (DispatchPushersPolicy,
+// cuda/schedule/resource_manager.cuh); the Python call site (call_site.dispatch_pushers) reports it as the count of a
+// fused call site without a model.
 constexpr int32_t kPushersPerH200 = 8, kH200Sms = 132;
 inline int32_t DefaultPushers(int32_t sm_budget) {
   const int32_t p = (sm_budget * kPushersPerH200 + kH200Sms / 2) / kH200Sms;
@@ -60,8 +62,9 @@ inline std::string CheckOptions(const CallOptions& o) {
   if (o.consumer_ctas < 0)
     return "consumer_ctas must be 0 (the resource manager's choice) or a positive CTA count, got " +
            std::to_string(o.consumer_ctas);
-  if (o.pushers < 1)
-    return "pushers must be >= 1 (dispatch_gemm's pushing CTAs; no effect on CPU), got " + std::to_string(o.pushers);
+  if (o.pushers < 0)
+    return "pushers must be 0 (the library's choice) or a positive count of dispatch_gemm's pushing CTAs (no effect "
+           "on CPU), got " + std::to_string(o.pushers);
   if (!(o.emulated_link_gbps >= 0)) return "CallOptions::emulated_link_gbps must be >= 0";
   return {};
 }

@@ -64,7 +64,9 @@ class Case:
   push_slots: int = dataclasses.field(default_factory=env.push_slots)
   push_read_lag: int = dataclasses.field(default_factory=env.push_read_lag)
   push_issuers: int = dataclasses.field(default_factory=env.push_issuers)
-  model: tuple[float, ...] | None = None  # the workspace's ModelParams (9 numbers), else the fixed C = SMs / 8
+  # The workspace's ModelParams (10 numbers, or 9 without pusher_gbps), else the fixed C = SMs / 8 and the fixed
+  # pusher rule.
+  model: tuple[float, ...] | None = None
   sm_budget: int = 0             # CTAs per rank (0: SMs / ranks)
   device: int = 0
   # Timing (after the checked iterations, on data set 0): per C of `sweep` (or just `consumers` when empty), then the
@@ -87,6 +89,9 @@ class Case:
   # (the training forward), "infer" h alone (the inference forward).
   dispatch_gemm_pushers: int = 0
   dispatch_gemm_mode: str = "plain"
+  # dispatch_gemm timing: also the fused call once per P of this sweep (0: the library's choice), for the regret of
+  # the P choice (tools/loopback/regret.py).
+  dg_sweep: tuple[int, ...] = ()
   # > 0: every push to another rank (dispatch and dispatch_gemm rows, expert_combine bands) is paced as over a link
   # of this many GB/s per rank (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's
   # memory.
@@ -242,8 +247,8 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "tensor", "tensor-time", "small",
-          "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "tensor", "tensor-time",
+          "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -320,7 +325,8 @@ def _dispatch_gemm_time(base: Case) -> list[Case]:
   v = [dataclasses.replace(base, ranks=2, dispatch_gemm_mode=m, **shape) for m in DG_MODES]
   for R, p, mode, tokens in ((2, AUTO, "train", 4096), (2, 8, "train", 4096), (4, AUTO, "train", 4096),
                              (8, AUTO, "infer", 2048)):
-    v.append(dataclasses.replace(base, ranks=R, link_gbps=NVLINK_GBPS / R,
+    # (P auto: the resource model's choice from the shipped calibration, the library's on an H200.)
+    v.append(dataclasses.replace(base, ranks=R, link_gbps=NVLINK_GBPS / R, model=calibrated_model(R, NVLINK_GBPS / R),
                                  **dict(shape, dispatch_gemm_pushers=p, dispatch_gemm_mode=mode, tokens=tokens)))
   v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_mode="train", **dict(shape, experts=4, tokens=8192)))
   # The linked R = 2 and R = 4 training forwards again with one row per slot: what sending once saves.
@@ -360,6 +366,30 @@ def _combine_time(base: Case) -> list[Case]:
       link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
                                    link_gbps=link, **shape, **_TIMED))
+  return v
+
+
+# The regret sweep's pinned counts (each within a loopback rank's budget at R = 8: 16 SMs, at most 15).
+REGRET_C = (1, 2, 3, 4, 6, 8, 12)
+REGRET_P = (1, 2, 3, 4, 6, 8, 12)
+
+
+def _regret(base: Case) -> list[Case]:
+  # The resource manager's choices against a sweep of pinned counts on the same data (tools/loopback/regret.py):
+  # expert_combine's C on combine-time's shapes over the emulated NVLink at R = 2, 4, 8, then dispatch_gemm's P on
+  # dispatch-gemm-time's shape (train mode) over the emulated NVLink at R = 2, 4, 8 and at HBM speed at R = 2, with the
+  # shipped calibration.
+  v = []
+  for shape in COMBINE_SHAPES.values():
+    for R in (2, 4, 8):
+      link = NVLINK_GBPS / R
+      v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
+                                   link_gbps=link, sweep=REGRET_C, **shape, **dict(_TIMED, table=False)))
+  dg = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, dispatch_gemm_mode="train",
+            dispatch_gemm_pushers=AUTO, dg_sweep=REGRET_P + (0,), **_TIMED)
+  for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0)):
+    v.append(dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link),
+                                 **dict(dg, tokens=2048 if R == 8 else 4096)))
   return v
 
 
@@ -465,6 +495,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _dispatch_gemm_time(base)
   if name == "combine-time":
     return _combine_time(base)
+  if name == "regret":
+    return _regret(base)
   if name == "tensor":
     return _tensor(base)
   if name == "tensor-time":

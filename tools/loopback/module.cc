@@ -85,6 +85,7 @@ Spec ParseSpec(const nb::dict& d) {
   s.sm_budget = Get<int>(d, "sm_budget", s.sm_budget);
   s.device = Get<int>(d, "device", s.device);
   s.dispatch_gemm_pushers = Get<int>(d, "dispatch_gemm_pushers", s.dispatch_gemm_pushers);
+  if (d.contains("dg_sweep") && !d["dg_sweep"].is_none()) s.dg_sweep = nb::cast<std::vector<int>>(d["dg_sweep"]);
   s.dg_mode = Get<int>(d, "dg_mode", s.dg_mode);
   s.emulated_link_gbps = Get<double>(d, "emulated_link_gbps", s.emulated_link_gbps);
   s.gather_rs = Get<bool>(d, "gather_rs", s.gather_rs);
@@ -96,9 +97,11 @@ Spec ParseSpec(const nb::dict& d) {
   s.decision_iters = Get<int>(d, "decision_iters", s.decision_iters);
   if (d.contains("model") && !d["model"].is_none()) {
     std::vector<double> m = nb::cast<std::vector<double>>(d["model"]);
-    if (m.size() != 9) throw nb::value_error("model takes the 9 ModelParams numbers (resource_model.h order)");
+    if (m.size() != 9 && m.size() != 10)
+      throw nb::value_error("model takes the 10 ModelParams numbers (resource_model.h order; 9: pusher_gbps 0)");
     s.has_model = true;
-    s.model = ModelParams{(int32_t)m[0], (int32_t)m[1], (int32_t)m[2], (int32_t)m[3], m[4], m[5], m[6], m[7], m[8]};
+    s.model = ModelParams{(int32_t)m[0], (int32_t)m[1], (int32_t)m[2], (int32_t)m[3], m[4], m[5], m[6], m[7], m[8],
+                          m.size() > 9 ? m[9] : 0.0};
   }
   if (d.contains("variants"))
     for (auto [c, ser] : nb::cast<std::vector<std::tuple<int, bool>>>(d["variants"])) s.variants.push_back({c, ser});
@@ -136,7 +139,8 @@ nb::dict DeviceRecord(const cuda::RankPrivate& q) {
                    {"prod_t0", nb::cast(q.prod_t0)}, {"prod_t1", nb::cast(q.prod_t1)},
                    {"prod_t0_last", nb::cast(q.prod_t0_last)}, {"cons_t0", nb::cast(q.cons_t0)},
                    {"cons_t1", nb::cast(q.cons_t1)}, {"comb_t0", nb::cast(q.comb_t0)}, {"comb_t1", nb::cast(q.comb_t1)},
-                   {"pushed_bytes", nb::cast(q.pushed_bytes)}, {"push_t1", nb::cast(q.push_t1)}});
+                   {"pushed_bytes", nb::cast(q.pushed_bytes)}, {"push_t1", nb::cast(q.push_t1)},
+                   {"pushers", nb::cast(q.pushers)}});
 }
 
 nb::dict ToDict(const Result& r) {
@@ -171,7 +175,8 @@ nb::dict ToDict(const Result& r) {
   return MakeDict({{"errors", Texts(r.errors)}, {"calls", nb::cast(r.calls)}, {"digests", nb::cast(digests)},
                    {"first", nb::cast(first)}, {"timeout", nb::cast(timeout)}, {"timed", nb::cast(timed)},
                    {"dg_us", nb::cast(dg_us)}, {"dg_device", nb::cast(dg_device)}, {"gemm_us", nb::cast(r.gemm_us)},
-                   {"pushers", nb::cast(r.pushers)}, {"table_ns", nb::cast(r.table_ns)},
+                   {"pushers", nb::cast(r.pushers)}, {"dg_sweep_us", nb::cast(r.dg_sweep_us)},
+                   {"dg_sweep_pushers", nb::cast(r.dg_sweep_pushers)}, {"table_ns", nb::cast(r.table_ns)},
                    {"decision_ns", nb::cast(r.decision_ns)}, {"decision_choice", nb::cast(r.decision_choice)},
                    {"budget", nb::cast(r.budget)}, {"producer", nb::cast(r.producer)},
                    {"seconds", nb::cast(r.seconds)}});

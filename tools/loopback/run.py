@@ -11,6 +11,9 @@
                                                             (also over an emulated NVLink)
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
                                                             over an emulated NVLink, R = 2, 4, 8, three shapes
+  python -m tools.loopback.run --suite regret       the resource manager's C (expert_combine) and P (dispatch_gemm)
+                                                    against sweeps of pinned counts over the emulated NVLink:
+                                                    REGRET lines and the mean / worst regret (target 3% / 10%)
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts,
                                                     the shards' partials summed per slot and by GatherRS
@@ -30,7 +33,7 @@ Timing (benchmarks/loopback_runner.py drives these):
   --time                   after the checked calls, time expert_combine alone on data set 0 (--warmup, --reps);
                            one TIMED and one `RESULT {json}` line per variant
   --sweep-consumers 1,2,4  one variant per C, then the manager, then the manager serialized
-  --model a,b,...          the workspace's 9 ModelParams (resource_model.h order)
+  --model a,b,...          the workspace's 10 ModelParams (resource_model.h order; 9: no pusher rate)
   --plain-copy             the consumer pushes with 16-byte loads and stores instead of TMA bulk copies
   --push-slots N, --push-read-lag N, --push-issuers N
                            the bulk-copy consumer's ring slots, stores that may still read their slot, issuing
@@ -41,6 +44,9 @@ Timing (benchmarks/loopback_runner.py drives these):
                            rank's SMs), and its results (cases.Case)
   --send-once 0|1          every dispatch sends a token's row once per destination rank (1) or once per slot (0);
                            default the library's rule (at two ranks or more)
+  --dispatch-pushers-sweep 1,2,4,0
+                           with --dispatch-gemm and --time: also the fused call per P (0: the library's choice), and
+                           with --model the regret of its choice (tools/loopback/regret.py)
   --link-gbps G            pace every push to another rank (dispatch rows, expert_combine bands) as over a link of
                            G GB/s per rank (0: HBM speed)
   --table                  with --time: also the GEMM alone (and expert_combine serialized), and the overlap row
@@ -71,6 +77,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 from tools.loopback import cases as cases_lib  # noqa: E402
 from tools.loopback import check as check_lib  # noqa: E402
+from tools.loopback import regret as regret_lib  # noqa: E402
 from tools.loopback import timing  # noqa: E402
 
 
@@ -103,6 +110,7 @@ def parse_args(argv):
       "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
       "--push-issuers": ("push_issuers", int), "--dispatch-gemm-mode": ("dispatch_gemm_mode", str),
       "--link-gbps": ("link_gbps", float), "--tensor": ("tensor", int), "--send-once": ("send_once", int),
+      "--dispatch-pushers-sweep": ("dg_sweep", _ints),
   }
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
@@ -116,8 +124,9 @@ def parse_args(argv):
   args = ap.parse_args(argv)
   fields = {f.name for f in dataclasses.fields(cases_lib.Case)}
   base = cases_lib.Case(**{k: v for k, v in vars(args).items() if k in fields})
-  if base.model is not None and len(base.model) != 9:
-    ap.error(f"--model takes 9 comma-separated numbers (ModelParams order), got {len(base.model)}")
+  if base.model is not None and len(base.model) not in (9, 10):
+    ap.error(f"--model takes 10 comma-separated numbers (ModelParams order; 9: no pusher rate), got "
+             f"{len(base.model)}")
   return args, base
 
 
@@ -139,8 +148,9 @@ def load_runner():
   return _jmo_loopback
 
 
-def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> bool:
-  """Runs and checks one case; prints its lines (and appends its overlap row to `table`). True if it passed."""
+def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None, regrets: list[dict] | None = None) -> bool:
+  """Runs and checks one case; prints its lines (and appends its overlap row to `table`, its regret rows to
+  `regrets`). True if it passed."""
   why = case.invalid()
   if why:
     print(f"FAIL {case.name()}: bad config: {why}", flush=True)
@@ -153,7 +163,8 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> b
   spec.update(top_k=case.slot_top_k, k_dim=case.rank_k)
   spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
               variants=case.variants(), dg_mode=cases_lib.DG_MODES.index(case.dispatch_gemm_mode),
-              emulated_link_gbps=case.link_gbps, gemm_alone=case.time and case.table)
+              emulated_link_gbps=case.link_gbps, gemm_alone=case.time and case.table,
+              dg_sweep=list(case.dg_sweep) if case.dg and case.time else [])
   result = runner.run_ranks(spec, [[d.inputs(case) for d in ranks] for ranks in sets])
   v = check_lib.check(case, sets, result)
   line = (f"{'PASS' if v.passed else 'FAIL'} {case.name()} | calls {result['calls']} | max rel err y "
@@ -163,7 +174,10 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> b
   if case.check_stride > 1:
     line += f" | expert outputs checked on every {case.check_stride}th token"
   if case.dg:
-    line += f" | pushers {result.get('pushers', case.dispatch_gemm_pushers)}"
+    used = sorted({q.get("pushers", 0) for q in result.get("dg_device", [])} - {0})
+    pinned = result.get("pushers", case.dispatch_gemm_pushers)
+    line += f" | pushers {pinned if pinned > 0 else 'auto'}{f' (used {used})' if used and pinned <= 0 else ''}"
+  push = timing.dispatch_gemm_push_rates(case, result, sets[0]) if case.dg and case.time else None
   if case.dg and case.time:
     line += timing.dispatch_gemm_summary(result)
   if v.failure_count:
@@ -171,6 +185,8 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> b
   print(line)
   for msg in v.failures:
     print(f"  {msg}")
+  if push is not None:
+    print("RESULT " + json.dumps(push))
   if 0 <= case.timeout_at < case.iters:
     print(f"  reported after the forced timeout (rank 0): {v.timeout_msg}")
   if not case.dg:
@@ -182,6 +198,13 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> b
     print("RESULT " + json.dumps(row))
     if table is not None:
       table.append(row)
+  if case.time and v.passed:
+    for rrow in (regret_lib.consumer_row(case, result, sets[0]), regret_lib.pusher_row(case, result, sets[0])):
+      if rrow is not None:
+        print(regret_lib.line(rrow))
+        print("RESULT " + json.dumps(rrow))
+        if regrets is not None:
+          regrets.append(rrow)
   if case.time:
     for text in timing.plan_lines(case, sets[0], result["budget"]):
       print(text)
@@ -192,11 +215,11 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None) -> b
   return v.passed
 
 
-def _run_guarded(runner, case, table) -> bool:
+def _run_guarded(runner, case, table, regrets) -> bool:
   """run_case, with an exception counted as the case's failure (printed with its traceback) so that the suite
   goes on and its summary line is printed."""
   try:
-    return run_case(runner, case, table)
+    return run_case(runner, case, table, regrets)
   except Exception:  # pylint: disable=broad-except
     print(f"FAIL {case.name()} | the harness raised:\n{traceback.format_exc()}", flush=True)
     return False
@@ -216,8 +239,8 @@ def main(argv=None) -> int:
     return 0
   producer = lambda c: runner.producer_path(c.f32, c.rank_k, c.n_dim, c.transpose_rhs)  # noqa: E731
   todo = cases_lib.suite(args.suite, base, producer) if args.suite else [base]
-  table = []
-  passed = sum(_run_guarded(runner, c, table) for c in todo)
+  table, regrets = [], []
+  passed = sum(_run_guarded(runner, c, table, regrets) for c in todo)
   if table:
     print("\n" + timing.TABLE_HEADER)
     for row in table:
@@ -226,6 +249,8 @@ def main(argv=None) -> int:
   tensor_lines = timing.tensor_table(table)
   if tensor_lines:
     print("\n".join(tensor_lines) + "\n")
+  for text in regret_lib.summary(regrets):
+    print(text)
   print(f"loopback: {passed} of {len(todo)} cases passed", flush=True)
   return 0 if passed == len(todo) else 1
 

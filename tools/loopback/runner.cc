@@ -153,9 +153,7 @@ class Run {
                                   s_.has_model ? &s_.model : nullptr, &ws_);
     if (!st.ok()) throw std::runtime_error("Workspace::Create: " + st.msg);
     res_.budget = ws_->budget(0, 0);
-    res_.pushers = s_.dispatch_gemm_pushers > 0 ? s_.dispatch_gemm_pushers
-                   : dg_                         ? DefaultPushers(res_.budget)
-                                                 : 0;
+    res_.pushers = s_.dispatch_gemm_pushers > 0 ? s_.dispatch_gemm_pushers : 0;  // 0: the library's choice
     Upload();
     const size_t nd = data_.size();
     res_.first.assign(nd, std::vector<FirstOutputs>(R_));
@@ -163,6 +161,8 @@ class Run {
     res_.timed.assign(s_.variants.size(), std::vector<RankTiming>(R_));
     for (auto& v : res_.dg_us) v.assign(R_, {});
     res_.dg_device.assign(R_, RankPrivate{});
+    res_.dg_sweep_us.assign(s_.dg_sweep.size(), std::vector<std::vector<double>>(R_));
+    res_.dg_sweep_pushers.assign(s_.dg_sweep.size(), std::vector<int>(R_, 0));
     res_.gemm_us.assign(R_, {});
     have_first_.assign(nd * R_, 0);
 
@@ -493,6 +493,19 @@ class Run {
         if (!s.ok()) throw std::runtime_error(s.msg);
         res_.dg_device[r] = *reinterpret_cast<RankPrivate*>(h_priv.p);
       }
+    }
+    // The sweep: the fused call per P (every rank times the same entries in the same order, so the calls pair up).
+    for (size_t v = 0; v < s_.dg_sweep.size() && !stop_; ++v) {
+      CallSite c = site;
+      c.opts.pushers = s_.dg_sweep[v];
+      if (!TimeCalls(c.stream, [&]() { return Dispatch(r, c, d); }, &res_.dg_sweep_us[v][r])) {
+        Fail("rank " + std::to_string(r) + ": a timed dispatch_gemm of the pusher sweep (P=" +
+             std::to_string(c.opts.pushers) + ") failed");
+        break;
+      }
+      Status s = ws_->ReadPrivate(0, r, c.stream, reinterpret_cast<RankPrivate*>(h_priv.p));
+      if (!s.ok()) throw std::runtime_error(s.msg);
+      res_.dg_sweep_pushers[v][r] = (int)reinterpret_cast<RankPrivate*>(h_priv.p)->pushers;
     }
   }
 

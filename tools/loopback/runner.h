@@ -62,7 +62,8 @@ struct Spec {
   ModelParams model{};
   int sm_budget = 0, device = 0;
   int dispatch_gemm_pushers = 0;     // != 0: every dispatch is a DispatchGemm with this many pushing CTAs (> 0), or
-                                     // the library's count for the rank's SM budget (< 0: DefaultPushers)
+                                     // the library's choice (< 0: CallOptions::pushers = 0, the model's P on the
+                                     // device where the workspace has a model with a pusher rate, else DefaultPushers)
   int dg_mode = 0;                   // its results: 0 plain (GEMM1 [cap, K] float32, x_recv), 1 training (SwiGLU: h,
                                      // the preactivation and x_recv), 2 inference (SwiGLU: h alone)
   double emulated_link_gbps = 0;     // CallOptions::emulated_link_gbps of every call (0: pushes at HBM speed)
@@ -74,6 +75,9 @@ struct Spec {
   std::vector<Variant> variants;
   int warmup = 3, reps = 20;
   bool per_call_stats = false;       // synchronize around every timed call and read its device record
+  // With dispatch_gemm timing: after its fixed variants, the fused call once per entry as CallOptions::pushers (> 0:
+  // pinned P, 0: the library's choice), `warmup` then `reps` timed calls each (the regret sweep of the P choice).
+  std::vector<int> dg_sweep;
   // Also time the GEMM alone after the calls: the bare grouped GEMM over the rank's kept rows (M = recv rows: no
   // padding rows zeroed) on its SM budget, all ranks at once: dispatch_gemm's GEMM1 in its mode's form, or
   // expert_combine's GEMM2.
@@ -116,7 +120,10 @@ struct Result {
   std::vector<std::vector<double>> dg_us[3];      // dispatch_gemm timing: [two calls, one launch, the dispatch alone][rank] us per call
   std::vector<cuda::RankPrivate> dg_device;       // [rank]: the timeline of its last timed dispatch_gemm
   std::vector<std::vector<double>> gemm_us;       // [rank]: us per call of the GEMM alone (Spec::gemm_alone)
-  int pushers = 0;                                // dispatch_gemm's pushing CTAs per rank (as resolved)
+  int pushers = 0;                                // dispatch_gemm's pushing CTAs per rank as pinned (0: the
+                                                  // library's choice per call: the device records say which)
+  std::vector<std::vector<std::vector<double>>> dg_sweep_us;  // [Spec::dg_sweep entry][rank]: us per fused call
+  std::vector<std::vector<int>> dg_sweep_pushers;             // [entry][rank]: the P its last call used (device)
   double table_ns = 0, decision_ns = 0;
   int decision_choice = 0;
   int budget = 0;                          // CTAs per rank

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
-
 from tools.loopback import cases as cases_lib
 from tools.loopback.cases import Case, RankData
 
@@ -129,9 +127,9 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     two, fused, alone = result["dg_us"]
     transfer, baseline, ours = _median_of_max(alone), _median_of_max(two), _median_of_max(fused)
     wire = [cases_lib.wire_bytes(case, d.plan, r, case.d_model * eb) for r, d in enumerate(ranks)]
-    moved = max(b for _, b in wire)
-    sms, extra = result.get("pushers", case.dispatch_gemm_pushers), {"send_once": case.sends_once,
-                                                                   "rows_sent": max(n for n, _ in wire)}
+    used = [q.get("pushers", 0) for q in result.get("dg_device", [])]  # P of each rank's last fused call
+    moved, sms = max(b for _, b in wire), max(used, default=0) or result.get("pushers", 0)
+    extra = {"send_once": case.sends_once, "rows_sent": max(n for n, _ in wire)}
     op = f"dispatch_gemm {case.dispatch_gemm_mode}"
   else:
     variants = case.variants()
@@ -216,6 +214,22 @@ def dispatch_gemm_summary(result: dict) -> str:
           f"{dispatch_gemm_timeline(result)}")
 
 
+def dispatch_gemm_push_rates(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
+  """Per rank, what its pushers moved in its last timed dispatch_gemm: P, the bytes of its rows for other ranks, the
+  push span (first push to the last pusher's end of pushing) and GB/s per pusher (benchmarks/calibrate.py's
+  pusher_gbps)."""
+  out = []
+  eb = 4 if case.f32 else 2
+  for r, q in enumerate(result.get("dg_device", [])):
+    _, sent = cases_lib.wire_bytes(case, ranks[r].plan, r, case.d_model * eb)  # the bytes that crossed (send once)
+    t0, t1, p = q["cons_t0"], q["push_t1"], q.get("pushers", 0)
+    if not (p > 0 and sent > 0 and t0 and t1 > t0 and t0 != 2**64 - 1):
+      continue
+    us = (t1 - t0) * 1e-3
+    out.append({"rank": r, "pushers": p, "bytes": sent, "push_us": us, "gbps_per_pusher": sent / us * 1e-3 / p})
+  return {"kind": "dispatch_gemm_push", "link_gbps": case.link_gbps, "ranks": out} if out else None
+
+
 def dispatch_gemm_timeline(result: dict) -> str:
   """Where the last timed dispatch_gemm of each rank spent its time, in microseconds from its BeginKernel: the pushers
   from their first push to the end of the push and of their side work, and the GEMM from the first CTA entering the
@@ -229,6 +243,6 @@ def dispatch_gemm_timeline(result: dict) -> str:
     def at(t: int) -> str:
       return f"{(t - t0) * 1e-3:.1f}" if t and t != 2**64 - 1 else "-"
 
-    parts.append(f"r{r} push {at(q['cons_t0'])}..{at(q['push_t1'])} side ..{at(q['cons_t1'])} "
+    parts.append(f"r{r} P={q.get('pushers', '?')} push {at(q['cons_t0'])}..{at(q['push_t1'])} side ..{at(q['cons_t1'])} "
                  f"gemm {at(q['prod_t0'])}..{at(q['prod_t1'])}")
   return f" | timeline (us): {'; '.join(parts)}" if parts else ""

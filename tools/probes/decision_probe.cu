@@ -13,6 +13,9 @@
 // DecisionBenchKernel: seg_us varies with the iteration's parity, the inputs are re-read with volatile loads so
 // nothing is hoisted out of the loop), median of `--reps` launches, ns per decision; the sum of the choices is checked.
 // Parameters: jax_moe_overlap/calibration/nvidia_h200.json (tile 128 x 256, K = 2048, bf16, max_ctas 32).
+// Then dispatch_gemm's pusher count P: WarpChooseDispatchPushers (the warp dispatch_gemm's CTAs run) against the host's
+// ChooseDispatchPushers on random calls (rows to push and to multiply, K, N, SM budget, link and per-CTA rates), one
+// warp per call, every lane's answer compared; any difference prints WRONG and the exit status is 1.
 //
 // Build and run (repository root; < 30 s; options: --iters 1000 --reps 5 --seeds 12):
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
@@ -110,6 +113,64 @@ Table MakeTable(int n, int mr, int max_rows, uint32_t seed) {
   for (int i = 0; i < n; ++i) t.seg[i] = Segment{i, i < mr ? 1 : 0, 0, 1 + (int32_t)(g() % (uint32_t)max_rows), 0, 0};
   return t;
 }
+// One warp per call: out[i] = its P where every lane agrees, -1 where they differ.
+__global__ void PusherCheckKernel(const PusherConfig* pc, const PusherInputs* in, int n, int* out) {
+  const int i = blockIdx.x;
+  if (i >= n) return;
+  const int p = WarpChooseDispatchPushers(pc[i], in[i]);
+  const bool same = __all_sync(0xffffffffu, p == __shfl_sync(0xffffffffu, p, 0));
+  if (threadIdx.x == 0) out[i] = same ? p : -1;
+}
+
+// Random calls, device against host; returns the count of differences.
+int64_t CheckPushers(int calls, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  auto pick = [&](std::initializer_list<double> v) { return *(v.begin() + g() % v.size()); };
+  std::vector<PusherConfig> pc(calls);
+  std::vector<PusherInputs> in(calls);
+  std::vector<int> host(calls);
+  for (int i = 0; i < calls; ++i) {
+    const int sms = (int)pick({2, 3, 8, 16, 17, 33, 44, 66, 132});
+    ModelParams p{sms, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
+                  pick({15.0, 46.25, 92.5, 185.0, 370.0, 1744.7}), 0.4301974372287516,
+                  pick({5.0, 17.3, 28.0, 41.5})};
+    pc[i] = PusherConfig{p, 1, 0, PusherMaxCtas(sms)};
+    const int64_t rows = (int64_t)(g() % 300000);
+    in[i] = PusherInputs{(int64_t)(g() % 2 ? 0 : g() % (rows + 1)) * (int64_t)pick({256, 4096, 14336}), rows,
+                         (int64_t)pick({128, 2048, 4096, 7168}), (int64_t)pick({256, 1024, 4096, 28672})};
+    host[i] = ChooseDispatchPushers(p, in[i], pc[i].max_pushers);
+  }
+  PusherConfig* d_pc;
+  PusherInputs* d_in;
+  int* d_out;
+  CK(cudaMalloc(&d_pc, calls * sizeof(PusherConfig)));
+  CK(cudaMalloc(&d_in, calls * sizeof(PusherInputs)));
+  CK(cudaMalloc(&d_out, calls * sizeof(int)));
+  CK(cudaMemcpy(d_pc, pc.data(), calls * sizeof(PusherConfig), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_in, in.data(), calls * sizeof(PusherInputs), cudaMemcpyHostToDevice));
+  PusherCheckKernel<<<calls, 32>>>(d_pc, d_in, calls, d_out);
+  CK(cudaGetLastError());
+  std::vector<int> dev(calls);
+  CK(cudaMemcpy(dev.data(), d_out, calls * sizeof(int), cudaMemcpyDeviceToHost));
+  int64_t wrong = 0;
+  std::vector<int> seen(33, 0);
+  for (int i = 0; i < calls; ++i) {
+    if (host[i] >= 0 && host[i] <= 32) seen[host[i]] = 1;
+    if (dev[i] != host[i] && ++wrong <= 20)
+      printf("WRONG pushers: sms %d link %g pusher %g bytes %lld rows %lld K %lld N %lld: device %d, host %d\n",
+             pc[i].model.sms, pc[i].model.link_gbps, pc[i].model.pusher_gbps, (long long)in[i].push_bytes,
+             (long long)in[i].gemm_rows, (long long)in[i].K, (long long)in[i].N, dev[i], host[i]);
+  }
+  int distinct = 0;
+  for (int v : seen) distinct += v;
+  printf("pushers check: %d calls, %d distinct choices: %s\n", calls, distinct,
+         wrong ? "WRONG" : "every choice identical to the host's ChooseDispatchPushers");
+  cudaFree(d_pc);
+  cudaFree(d_in);
+  cudaFree(d_out);
+  return wrong;
+}
+
 int HostChoice(const Table& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb, int max_ctas) {
   std::vector<ModelSegment> ms(t.seg.size());
   std::vector<ModelPrefix> scratch(t.seg.size() + 1);
@@ -180,8 +241,10 @@ int main(int argc, char** argv) {
                      o[2], o[3], h0, h1, o[4]);
           }
         }
-  printf("check: %lld tables x %d forms x 2 block sizes: %s\n\n", (long long)tables, kForms,
+  printf("check: %lld tables x %d forms x 2 block sizes: %s\n", (long long)tables, kForms,
          wrong ? "WRONG" : "every choice identical to the host's ChooseConsumerCtas");
+  wrong += CheckPushers(20000, 11);
+  printf("\n");
 
   // 2. Timing: one CTA of kThreads threads, `iters` decisions per launch, median of `reps` launches (after a warm-up).
   for (int sms : {66, 132}) {

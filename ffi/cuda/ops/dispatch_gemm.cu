@@ -8,6 +8,7 @@
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/launch.h"
 #include "cuda/ops/expert_producer.cuh"
+#include "cuda/schedule/resource_manager.cuh"
 #include "cuda/transport/row_push.cuh"
 
 namespace jmo::cuda {
@@ -15,14 +16,16 @@ namespace {
 
 // dispatch_gemm: the dispatch and GEMM1 in one launch, so that GEMM1 runs while the tokens are still in flight (the
 // dispatch-side producer / consumer; expert_combine is the return side). Every CTA of every rank is resident (one per
-// SM, as in ExpertKernel), so the waits below end. Roles by block index:
-//   pushers  CTAs [0, pushers) push this rank's rows for the other ranks, a 128-row block of the send order
+// SM, as in ExpertKernel), so the waits below end. The pusher count P is the host's (pinned or fixed) or the resource
+// model's choice, which every CTA's first warp computes from the call's routed counts (PusherConfig,
+// resource_manager.cuh; docs/resource_manager.md). Roles by block index:
+//   pushers  CTAs [0, P) push this rank's rows for the other ranks, a 128-row block of the send order
 //            (SrcBlocks, protocol.h) at a time, in rounds: block i of every destination's rows before block i + 1,
 //            each destination from the next rank on, so that every rank receives from every source at once and in
 //            the order its GEMM consumes (a source's send order is sorted by expert); each block's count is
 //            release-added into the destination's recv_arrivals and then its src_blocks[rank][J]. Then they take
 //            side work (below), then join the GEMM.
-//   GEMM     CTAs [pushers, grid) copy the rows this rank keeps into its own recv (the same blocks and counters),
+//   GEMM     CTAs [P, grid) copy the rows this rank keeps into its own recv (the same blocks and counters),
 //            then run the grouped GEMM, then take what side work is left.
 // The GEMM is the bare grouped GEMM's (DgSchedule): over the local experts' rows of recv (each expert's segments of
 // every source, contiguous), 128-row m-tiles from each expert's first row, with A read by TMA straight from the
@@ -54,7 +57,8 @@ struct DispatchGemmArgs {
   const int32_t *seg_rows, *seg_ret_off;  // [E_l * R] rows this rank receives per (expert, source), and their first
                                           // send position on the source
   const int32_t* recv_expected;           // [] rows this rank receives in all
-  int E_l, pushers;
+  int E_l;
+  PusherConfig pushers;  // P (see above)
   int64_t K, N;          // d_model, GEMM columns (2F with kSwiGlu)
   char* x_recv;          // [cap, D] bf16, or null: not kept
   void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16
@@ -390,7 +394,19 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   LoadCallState(rd, &st);
   if (!st.ok) return;
   const int R = rd.ranks;
-  const bool pusher = (int)blockIdx.x < g.pushers;
+  __shared__ int chosen_pushers;
+  if (threadIdx.x < 32) {
+    const int p = !g.pushers.use_model ? g.pushers.pushers
+                  : WarpChooseDispatchPushers(g.pushers, DevicePusherInputs(g.send_start, rd.rank, R,
+                                                                            g.recv_expected, g.row_bytes, g.K, g.N));
+    if (threadIdx.x == 0) {
+      chosen_pushers = p;
+      if (blockIdx.x == 0) rd.priv->pushers = (uint64_t)p;
+    }
+  }
+  __syncthreads();
+  const int pushers = chosen_pushers;
+  const bool pusher = (int)blockIdx.x < pushers;
 
   // n-tiles: 256 columns of out, or with kSwiGlu 128 columns of h (the gate's 128 and the up projection's 128).
   const int64_t n_out = kSwiGlu ? g.N / 2 : g.N;
@@ -413,7 +429,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       DestBlocks(g, d, &f, &e);
       if (d != rd.rank) rounds = max(rounds, e - f);
     }
-    for (int64_t u = blockIdx.x; R > 1 && u < rounds * (R - 1); u += g.pushers) {
+    for (int64_t u = blockIdx.x; R > 1 && u < rounds * (R - 1); u += pushers) {
       const int d = (rd.rank + 1 + (int)(u % (R - 1))) % R;
       int64_t f, e;
       DestBlocks(g, d, &f, &e);
@@ -428,7 +444,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     __syncthreads();
     int64_t f, e;
     DestBlocks(g, rd.rank, &f, &e);
-    for (int64_t J = f + blockIdx.x - g.pushers; J < e; J += gridDim.x - g.pushers)
+    for (int64_t J = f + blockIdx.x - pushers; J < e; J += gridDim.x - pushers)
       PushBlock(rd, g, rd.rank, J, st.epoch, sent);
   }
 
@@ -553,7 +569,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
   Workspace& ws = *c.ws;
   const int budget = ws.budget(c.group, c.rank);
   const int dev = ws.device(c.group, c.rank);
-  const int pushers = c.opts.pushers;
+  const int pushers = c.opts.pushers;  // 0: the library's choice (DispatchPushersPolicy)
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
   // The GEMM of the recv rows, which arrive as src's rows are laid out (its alignment stands for theirs), on the
@@ -591,8 +607,9 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
     return s;
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
-                              recv_expected, (int)E_l, pushers, D, N, static_cast<char*>(out.x_recv), out.out, out.a,
-                              c.opts.emulated_link_gbps, slots.primary};
+                              recv_expected, (int)E_l, DispatchPushersPolicy(ws, c.opts, budget, kWgBM, kWgBN), D, N,
+                              static_cast<char*>(out.x_recv), out.out, out.a, c.opts.emulated_link_gbps,
+                              slots.primary};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};
   return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
                     "launch of DispatchGemmKernel");

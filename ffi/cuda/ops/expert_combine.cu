@@ -270,6 +270,8 @@ std::string CheckModelParams(const ModelParams& p) {
   if (!(p.tile_us_base + p.tile_us_per_k > 0.0)) return "the tile time must be positive";
   if (!(p.cta_gbps > 0.0 && p.cta_gbps < 1e300) || !(p.link_gbps > 0.0 && p.link_gbps < 1e300))
     return "cta_gbps and link_gbps must be finite and > 0";
+  if (!(p.pusher_gbps >= 0.0 && p.pusher_gbps < 1e300))
+    return "pusher_gbps must be finite and >= 0 (0: no pusher rate, dispatch_gemm keeps the fixed rule)";
   return "";
 }
 
@@ -334,7 +336,7 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
     pol.consumers = c.opts.consumer_ctas;
   } else if (policy == ConsumerPolicy::kModel) {
     pol.use_model = 1;
-    pol.model = ws.model();
+    pol.model = ModelWithLink(ws.model(), c.opts.emulated_link_gbps);  // the call's link, where it has one
     pol.model.sms = budget;  // the rank's CTAs are its SMs (one CTA per SM, checked by PrepareExpertKernel)
     pol.model.ctas_per_sm = 1;
     pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);

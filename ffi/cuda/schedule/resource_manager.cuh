@@ -1,7 +1,7 @@
 // The resource manager's device side: the choice of the consumer CTA count C from the call's segment table, and
-// ConsumerConfig, what ExpertKernel is told about C and about how its consumer pushes. Used by ExpertKernel
-// (expert_combine.cu) and by tools/decision_bench.cu. Every function with a barrier is called by every thread of the
-// CTA.
+// ConsumerConfig, what ExpertKernel is told about C and about how its consumer pushes (used by ExpertKernel,
+// expert_combine.cu, and by tools/decision_bench.cu); and dispatch_gemm's pusher count P (PusherConfig, at the end).
+// Every function with a barrier is called by every thread of the CTA.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,6 +10,7 @@
 
 #include "cuda/device/warp.cuh"
 #include "cuda/schedule/segment_table.cuh"
+#include "common/call_options.h"          // CallOptions, DefaultPushers
 #include "cuda/workspace/workspace.h"      // kThreads, kMaxSegments, Segment, resource_model.h
 
 namespace jmo::cuda {
@@ -79,6 +80,20 @@ inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas, i
   return cc;
 }
 
+// The candidate with the smallest v over the warp, the smallest candidate on ties (lexicographic (v, cand), so any
+// reduction order gives it): in lane 0 (the other lanes hold partial results). Called by a whole warp.
+__device__ __forceinline__ int ShuffleArgminLane0(double v, int cand) {
+  for (int d = 16; d > 0; d >>= 1) {
+    const double ov = __shfl_down_sync(0xffffffffu, v, d);
+    const int oc = __shfl_down_sync(0xffffffffu, cand, d);
+    if (ov < v || (ov == v && oc < cand)) {
+      v = ov;
+      cand = oc;
+    }
+  }
+  return cand;
+}
+
 // The scans form (see above). Called by every thread of the CTA (contains barriers).
 __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb,
                                     int max_ctas, ChoiceScratch* sc) {
@@ -107,15 +122,7 @@ __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int
     double v = sc->us[0][0][lane];
     for (int w = 1; w < kWarps; ++w) v = RmMax(v, sc->us[0][w][lane]);
     if (!feasible) v = 1e300;
-    int cand = c;
-    for (int d = 16; d > 0; d >>= 1) {
-      const double ov = __shfl_down_sync(0xffffffffu, v, d);
-      const int oc = __shfl_down_sync(0xffffffffu, cand, d);
-      if (ov < v || (ov == v && oc < cand)) {
-        v = ov;
-        cand = oc;
-      }
-    }
+    const int cand = ShuffleArgminLane0(v, c);
     if (lane == 0) sc->chosen = cand;
   }
   __syncthreads();
@@ -280,6 +287,64 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& p
   if (t.remote_bands == 0) return 0;
   return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
                        : pol.consumers;
+}
+
+// What dispatch_gemm is told about its pushing CTAs P: pinned or fixed (the host's), or the model's choice on the
+// device from the call's routed counts (resource_model.h ChooseDispatchPushers, evaluated as below).
+struct PusherConfig {
+  ModelParams model;    // use_model: sms = the rank's SM budget, ctas_per_sm = 1, the call's link (ModelWithLink)
+  int32_t use_model;    // 1: choose on the device; 0: `pushers`
+  int32_t pushers;      // pinned or fixed P
+  int32_t max_pushers;  // use_model: candidates 1..max_pushers (PusherMaxCtas(budget))
+};
+
+// P of a dispatch_gemm launch (host) on a rank of `budget` >= 2 CTAs whose GEMM has tile_m x tile_n tiles: pinned
+// (o.pushers > 0), else the model's choice on the device where the workspace's model has a pusher rate and describes
+// that tile (the calibration's engine), with the call's link in it, else the fixed rule (DefaultPushers,
+// call_options.h). The one place the library decides P.
+inline PusherConfig DispatchPushersPolicy(const Workspace& ws, const CallOptions& o, int budget, int tile_m,
+                                          int tile_n) {
+  PusherConfig pc{};
+  pc.max_pushers = PusherMaxCtas(budget);
+  if (o.pushers > 0) {
+    pc.pushers = o.pushers;
+    return pc;
+  }
+  const ModelParams& m = ws.model();
+  if (ws.has_model() && m.pusher_gbps > 0.0 && m.tile_m == tile_m && m.tile_n == tile_n && budget >= 2) {
+    pc.use_model = 1;
+    pc.model = ModelWithLink(m, o.emulated_link_gbps);
+    pc.model.sms = budget;  // one CTA per SM (the launch checks it)
+    pc.model.ctas_per_sm = 1;
+    return pc;
+  }
+  pc.pushers = DefaultPushers(budget);
+  return pc;
+}
+
+// The model's inputs of one dispatch_gemm call from its plan on the device: the rows this rank pushes (its send
+// positions for the other ranks, send_start [R + 1]) and the rows it receives (recv_expected, the GEMM's rows). A
+// malformed plan gives clamped counts here; the call reports it where the rows are moved.
+__device__ inline PusherInputs DevicePusherInputs(const int32_t* send_start, int rank, int ranks,
+                                                  const int32_t* recv_expected, int64_t row_bytes, int64_t K,
+                                                  int64_t N) {
+  const int64_t all = (int64_t)send_start[ranks] - send_start[0];
+  const int64_t own = (int64_t)send_start[rank + 1] - send_start[rank];
+  const int64_t rows = all - own > 0 ? all - own : 0;
+  const int64_t recv = recv_expected[0] > 0 ? recv_expected[0] : 0;
+  return PusherInputs{rows * row_bytes, recv, K, N};
+}
+
+// P of one dispatch_gemm call, on every lane of the calling warp (called by one whole warp): the pinned or fixed
+// count, or the model's choice, lane q evaluating candidate q + 1 (PushersMakespanUs: the host's operations, so the
+// same doubles) and a shuffle argmin keeping the smallest P on ties, as ChooseDispatchPushers.
+__device__ inline int WarpChooseDispatchPushers(const PusherConfig& pc, const PusherInputs& in) {
+  if (!pc.use_model) return pc.pushers;
+  const int lane = threadIdx.x & 31, q = lane + 1;
+  const int max_q = pc.max_pushers < pc.model.sms - 1 ? pc.max_pushers : pc.model.sms - 1;
+  double v = q <= max_q ? PushersMakespanUs(pc.model, in, q) : -1.0;
+  if (v < 0.0) v = 1e300;  // infeasible (candidate 1 is feasible: the launch checks sms >= 2 and pusher_gbps > 0)
+  return __shfl_sync(0xffffffffu, ShuffleArgminLane0(v, q), 0);
 }
 
 }  // namespace jmo::cuda

@@ -68,6 +68,7 @@ struct RankPrivate {
   // dispatch_gemm's (its GEMM span is prod_t0..prod_t1, its pushers' cons_t0..cons_t1, from their first push to the
   // end of their side work):
   uint64_t push_t1;           // the last pusher finished pushing
+  uint64_t pushers;           // its pushing CTA count P (pinned, the fixed rule, or the device-side model's choice)
   // The emulated link of the call (CallOptions::emulated_link_gbps; PaceLink, transport/row_push.cuh): its first push,
   // and the bytes reserved on it so far.
   uint64_t link_t0, link_bytes;

@@ -12,6 +12,8 @@
 //   push of segment i       d_i = seg_us + bytes_i / min(C * cta_gbps, link_gbps)   (pushed segments only)
 //   consumer                c_i = max(c_{i-1}, r_i) + d_i            (the readiness coupling)
 //   makespan(C)             max(ceil(n_total / P) * t, c_last)
+// with link_gbps the lower of the calibrated ceiling and the call's link where it has one (ModelWithLink), so that a
+// call over a slower link gets more consumers only while C * cta_gbps is below the link's rate.
 // The recurrence unrolls to c_last = max over pushed j of (r_j + d_j + ... + d_last), which is what is evaluated:
 //   term_j = r_j + (pushed segments from j on) * seg_us + (their bytes) * (1e-3 / rate)
 // Each term is independent of the others, so a CTA evaluates all (C, j) pairs in parallel and reduces with max
@@ -20,6 +22,7 @@
 // round differently from the host and could flip a near-tie).
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 
 #ifdef __CUDACC__
@@ -41,7 +44,18 @@ struct ModelParams {
   double cta_gbps;        // push bandwidth of one consumer CTA while the producer runs (GB/s = bytes/ns; calibrate.py)
   double link_gbps;       // ceiling of the destination link(s)
   double seg_us;          // fixed cost per pushed segment (flag poll, arrival signal)
+  // Push bandwidth of one dispatch_gemm pushing CTA while the GEMM runs on the others (GB/s; calibrate.py's
+  // pusher_gbps, docs/performance.md). 0: not calibrated (the pushers' count is then the fixed rule, DefaultPushers).
+  double pusher_gbps;
 };
+
+// The model of a call whose pushes to other ranks cross a link of `link_gbps` (CallOptions::emulated_link_gbps; 0:
+// none): the link ceiling is the lower of the calibrated one and it. Used by every launch that evaluates the model,
+// and by the host mirrors, so that both see the same constants.
+JMO_RM_HD inline ModelParams ModelWithLink(ModelParams p, double link_gbps) {
+  if (link_gbps > 0.0 && link_gbps < p.link_gbps) p.link_gbps = link_gbps;
+  return p;
+}
 
 struct ModelSegment {
   int32_t rows;
@@ -193,6 +207,66 @@ JMO_RM_HD inline int ChooseConsumerCtas(const ModelParams& p, const ModelSegment
   int64_t total = 0;
   const int m = ModelPrefixes(p, segs, n, N, elem_bytes, scratch, &total);
   return ChooseConsumerCtasFromPrefixes(p, scratch, m, total, K, max_ctas);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// dispatch_gemm's pushing CTAs P (the dispatch side of the same model). P CTAs push this rank's rows for the other
+// ranks at min(P * pusher_gbps, link_gbps), then join the GEMM; the other SMs start on the GEMM at once (the tiles
+// of the rank's own rows first, then the others as they arrive). With
+//   push(P)     = seg_us + push_bytes / min(P * pusher_gbps, link_gbps)       (0 without rows to push)
+//   work(P)     = ceil((n * t + P * push(P)) / (sms * t)) * t                 (the GEMM's n tiles of time t and the
+//                                                                               pushers' time, on every SM, in waves)
+//   ready(P)    = push(P) + t                                                 (the tiles of the last rows to arrive)
+//   makespan(P) = max(work(P), ready(P))
+// Below the link's rate P * push(P) is push_bytes / pusher_gbps whatever P is, so more pushers cost the GEMM only
+// their start and what they take above the link; ready(P) falls until P * pusher_gbps reaches the link. The choice is
+// the smallest P with the smallest makespan: the fewest pushers that keep the transfer under the GEMM, never more than
+// the link can use. Rows arrive as the sources push them (every rank pushes at once, in the order the GEMM takes
+// them), so the own rows and the arrivals keep the GEMM's SMs busy whenever the end points do (both are linear in
+// time). The pushed bytes stand for the received ones (symmetric routing): the rank's pushers are what P sizes.
+struct PusherInputs {
+  int64_t push_bytes;  // bytes this rank pushes to the other ranks (its rows for them x row bytes)
+  int64_t gemm_rows;   // rows of the GEMM (the rows this rank receives, its own included)
+  int64_t K;           // the GEMM's K (d_model)
+  int64_t N;           // the GEMM's N (columns of the product; 2F with the SwiGLU epilogue)
+};
+
+// The largest P the model considers on a rank of `budget` CTAs: min(32, budget - 1) (one warp of candidates).
+JMO_RM_HD inline int PusherMaxCtas(int budget) { return ModelMaxCtas(budget); }
+
+// Modelled time of dispatch_gemm with P pushing CTAs in microseconds; negative when P is infeasible or the model has
+// no pusher rate.
+JMO_RM_HD inline double PushersMakespanUs(const ModelParams& p, const PusherInputs& in, int pushers) {
+  if (pushers < 1 || pushers >= p.sms || !(p.pusher_gbps > 0.0)) return -1.0;
+  const double t = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)in.K));
+  const double tiles = (double)ModelTiles(p, in.gemm_rows, in.N);
+  double push = 0.0;
+  if (in.push_bytes > 0) {
+    double rate = RmMul((double)pushers, p.pusher_gbps);  // bytes per ns
+    if (rate > p.link_gbps) rate = p.link_gbps;
+    push = RmAdd(p.seg_us, RmMul((double)in.push_bytes, 1e-3 / rate));
+  }
+  // (IEEE division and ceil are correctly rounded on host and device: the same doubles.)
+  const double waves = ceil(RmAdd(tiles, RmMul((double)pushers, push) / t) / (double)p.sms);
+  const double work = RmMul(waves, t);
+  return in.push_bytes > 0 ? RmMax(work, RmAdd(push, t)) : work;
+}
+
+// The P in [1, min(max_pushers, sms - 1)] with the smallest modelled time (the smallest such P on ties); 0 when the
+// model has no pusher rate (the caller then uses DefaultPushers).
+JMO_RM_HD inline int ChooseDispatchPushers(const ModelParams& p, const PusherInputs& in, int max_pushers) {
+  if (!(p.pusher_gbps > 0.0) || p.sms < 2) return 0;
+  if (max_pushers > p.sms - 1) max_pushers = p.sms - 1;
+  int best = 1;
+  double best_us = PushersMakespanUs(p, in, 1);
+  for (int q = 2; q <= max_pushers; ++q) {
+    const double us = PushersMakespanUs(p, in, q);
+    if (us >= 0.0 && us < best_us) {
+      best_us = us;
+      best = q;
+    }
+  }
+  return best;
 }
 
 }  // namespace jmo

@@ -1,0 +1,112 @@
+"""The regret of the resource manager's choices in the loopback harness: expert_combine's consumer count C and
+dispatch_gemm's pusher count P, each against a sweep of pinned counts on the same data.
+
+regret = (time with the model's choice) / (the best pinned time of the sweep) - 1, per call the slowest rank, the
+median over calls. Negative where the model chose a count the sweep does not pin and it was faster. The target
+(issue 31): mean <= 3%, worst <= 10%. Each case also checks the host mirror (the C++ model through the extension,
+on the plan the kernels got) against the counts the device recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from tools.loopback import timing
+from tools.loopback.cases import Case, RankData
+
+
+def _medians(us_by_rank: list[list[float]]) -> float:
+  return timing._median_of_max(us_by_rank)  # pylint: disable=protected-access
+
+
+def _rank_model(case: Case, budget: int):
+  """The model each rank's launch evaluates: the case's ModelParams with the rank's SM budget and the call's link."""
+  from jax_moe_overlap import _jmo, resource  # pylint: disable=g-import-not-at-top
+  ints = ("sms", "ctas_per_sm", "tile_m", "tile_n")
+  p = resource.ModelParams(**{f.name: (int if f.name in ints else float)(v)
+                              for f, v in zip(dataclasses.fields(resource.ModelParams), case.model)})
+  p = dataclasses.replace(p, sms=budget, ctas_per_sm=1)
+  q = _jmo.model_with_link(p.native(), float(case.link_gbps))
+  return dataclasses.replace(p, link_gbps=q.link_gbps), _jmo
+
+
+def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
+  """The C regret of a timed case with a consumer sweep (Case.sweep): its pinned variants against the manager's."""
+  variants = case.variants()
+  if not case.sweep or (0, False) not in variants or not case.model:
+    return None
+  times = {}
+  for vi, (c, ser) in enumerate(variants):
+    if ser or vi >= len(result["timed"]):
+      continue
+    stats, records, _ = timing._variant_stats(result, vi)  # pylint: disable=protected-access
+    times[c] = stats["median_us"]
+    if c == 0:
+      chosen = [rec[-1]["consumers"] if rec else 0 for rec in records]
+  pinned = {c: t for c, t in times.items() if c > 0}
+  if 0 not in times or not pinned:
+    return None
+  best = min(pinned, key=lambda c: (pinned[c], c))
+  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
+  budget = result["budget"]
+  p, _ = _rank_model(case, budget)
+  E_l, R = case.experts_per_rank, case.ranks
+  mirror = [bench_resource.kernel_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r, case.n_dim,
+                                                case.rank_k, 4 if case.f32 else 2, min(32, budget - 1))
+            for r, d in enumerate(ranks)]
+  return {"kind": "regret", "what": "C", "case": case.name(), "chosen": chosen, "mirror": mirror,
+          "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
+          "times_us": {str(c): t for c, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0}
+
+
+def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
+  """The P regret of a dispatch_gemm case with a pusher sweep (Case.dg_sweep, 0 = the model's choice)."""
+  sweep, us, used = case.dg_sweep, result.get("dg_sweep_us", []), result.get("dg_sweep_pushers", [])
+  if not sweep or 0 not in sweep or len(us) != len(sweep) or not case.model:
+    return None
+  times = {p: _medians(u) for p, u in zip(sweep, us)}
+  pinned = {p: t for p, t in times.items() if p > 0}
+  if not pinned:
+    return None
+  best = min(pinned, key=lambda q: (pinned[q], q))
+  chosen = used[sweep.index(0)]
+  budget = result["budget"]
+  p, jmo = _rank_model(case, budget)
+  row_bytes = case.d_model * (4 if case.f32 else 2)
+  mirror = []
+  for r, d in enumerate(ranks):
+    st = [int(v) for v in d.plan["send_start"]]
+    rows = max(0, (st[case.ranks] - st[0]) - (st[r + 1] - st[r]))
+    mirror.append(jmo.model_choose_dispatch_pushers(p.native(), rows * row_bytes, int(d.plan["recv_rows"]),
+                                                    case.d_model, case.rank_k, jmo.model_max_ctas(budget)))
+  return {"kind": "regret", "what": "P", "case": case.name(), "chosen": chosen, "mirror": mirror,
+          "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
+          "times_us": {str(q): t for q, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0}
+
+
+def line(row: dict) -> str:
+  times = " ".join(f"{c}:{t:.1f}" for c, t in row["times_us"].items())
+  return (f"REGRET {row['what']} model {','.join(map(str, row['chosen']))} (host mirror "
+          f"{'agrees' if row['mirror_agrees'] else 'DIFFERS: ' + ','.join(map(str, row['mirror']))}) "
+          f"{row['model_us']:.1f} us | best pinned {row['what']}={row['best']} {row['best_us']:.1f} us | regret "
+          f"{100 * row['regret']:.1f}% | pinned us {times}")
+
+
+def summary(rows: list[dict]) -> list[str]:
+  """Per kind: the mean and worst regret against the target (mean <= 3%, worst <= 10%), and whether every host mirror
+  agreed with the device."""
+  out = []
+  for what in ("C", "P"):
+    r = [x["regret"] for x in rows if x["what"] == what]
+    if not r:
+      continue
+    mean, worst = sum(r) / len(r), max(r)
+    ok = mean <= 0.03 and worst <= 0.10
+    agree = all(x["mirror_agrees"] for x in rows if x["what"] == what)
+    out.append(f"regret {what}: mean {100 * mean:.1f}%, worst {100 * worst:.1f}% over {len(r)} cases "
+               f"({'within' if ok else 'OUTSIDE'} the target: mean <= 3%, worst <= 10%); host mirror "
+               f"{'agrees on every rank' if agree else 'DIFFERS somewhere'}")
+    out.append("RESULT " + json.dumps({"kind": "regret_summary", "what": what, "cases": len(r), "mean": mean,
+                                       "worst": worst, "within_target": ok, "mirror_agrees": agree}))
+  return out
