@@ -12,7 +12,7 @@ DISPATCH = "jmo_dispatch"
 EXPERT_COMBINE = "jmo_expert_combine"
 DISPATCH_GEMM = "jmo_dispatch_gemm"  # CPU, and CUDA on Hopper
 EXCHANGE_COUNTS = "jmo_exchange_counts"
-GATHER_RS = "jmo_gather_rs"  # CPU
+GATHER_RS = "jmo_gather_rs"
 BAND_ROWS: int = _jmo.band_rows
 
 

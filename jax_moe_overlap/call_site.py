@@ -67,19 +67,19 @@ def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, to
 
   * no tensor axis (tensor == 1): "per_slot" (nothing to reduce over shards);
   * pinned by ``config.tensor_reduce``: that, where it can run (else an error saying why);
-  * "auto": "gather_rs" where its kernel runs (the CPU handlers; CUDA's is not built yet) and it moves no more bytes
-    than the per-slot return: per token and rank, GatherRS ships G - 1 dense float32 partials (4 (G - 1) N bytes),
-    the per-slot return k TP (G - 1) / G rows in the layer's dtype under balanced routing (k TP (G - 1) / G x
-    itemsize x N), so GatherRS when 4 G <= k TP itemsize; else "per_slot". The GPU's measured crossover replaces
+  * "auto": "gather_rs" where its kernel runs (the CPU handlers, the CUDA kernels: platforms "cpu" and "gpu") and
+    it moves no more bytes than the per-slot return: per token and rank, GatherRS ships G - 1 dense float32
+    partials (4 (G - 1) N bytes), the per-slot return k TP (G - 1) / G rows in the layer's dtype under balanced
+    routing (k TP (G - 1) / G x itemsize x N), so GatherRS when 4 G <= k TP itemsize; else "per_slot". The GPU's measured crossover replaces
     this byte model once measured; ``CallConfig(tensor_reduce=...)`` overrides it.
   """
   if tensor == 1:
     return "per_slot"
-  runs = platform == "cpu"
+  runs = platform in ("cpu", "gpu")
   if config.tensor_reduce == "gather_rs":
     if not runs:
-      raise ValueError(f"jax_moe_overlap: CallConfig(tensor_reduce='gather_rs') has no {platform} kernel yet (the "
-                       "CPU handlers run it); use 'per_slot' or 'auto'")
+      raise ValueError(f"jax_moe_overlap: CallConfig(tensor_reduce='gather_rs') has no {platform} kernel (the CPU "
+                       "handlers and the CUDA kernels run it); use 'per_slot' or 'auto'")
     if slots >= GATHER_RS_MAX_SLOTS:
       raise ValueError(f"jax_moe_overlap: CallConfig(tensor_reduce='gather_rs') takes fewer than 2^24 slots per "
                        f"rank (T k TP, carried as float32), got {slots}")

@@ -141,6 +141,17 @@ def check_repeatable(shape: dict[str, int], impl: str, calls: int = 5, cf=0.5, b
     assert again == first, f"{shape} {impl}: call {i + 2} differs from the first"
 
 
+def check_same_bits(shape: dict[str, int], configs, cf=0.5, tokens=64, seed=5, devices=None):
+  """The layer's forward and gradients on the same inputs under each of ``configs`` (e.g. overlapped and serialized):
+  every output bitwise the first config's."""
+  mesh = mesh_of_shape(shape, devices=devices)
+  args = _placed(mesh, (), *routing_inputs(tokens, "skewed", seed), True)
+  outs = [[np.asarray(a).tobytes() for a in jax.tree.leaves(layer_program(mesh, "overlap", (), cf, True, c)(*args))]
+          for c in configs]
+  for c, out in zip(configs[1:], outs[1:]):
+    assert out == outs[0], f"{shape}: {c} differs from {configs[0]}"
+
+
 def check_bfloat16(shape: dict[str, int], kind="skipped", cf=None, tokens=64, d=D, f=F, seed=13, tol=1e-2,
                    devices=None, config: jmo.CallConfig = jmo.CallConfig()):
   """The overlap layer in bfloat16 (the shards' partial outputs cross in bfloat16, or with GatherRS in float32)

@@ -20,8 +20,9 @@ def _all_cases():
   out = []
   for name in cases_lib.SUITES:
     for i, c in enumerate(cases_lib.suite(name, base, producer_path=lambda c: "mma.sync bf16")):
-      # combine-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in the slow pass
-      slow = name == "combine-time" and c.ranks != 8
+      # combine-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in the slow pass;
+      # tensor-time and the tensor suite's GatherRS cases (plans like its per-slot cases') in the slow pass
+      slow = (name == "combine-time" and c.ranks != 8) or name == "tensor-time" or c.gather_rs
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
@@ -131,12 +132,27 @@ def _unwritten_padding(raw: bytes, cap: int, kept: int) -> bytes:
   return raw[: kept * row] + b"\xff" * ((cap - kept) * row)
 
 
+def _gather_outputs(case, ranks, ex):
+  """gather_rs's outputs from the references: every rank's GEMM rows (each slot's product at its recv row, rounded to
+  the dtype, zero past the kept rows) and y as its float32 sums of those rows (tensor.gather_sums)."""
+  dt = np.float32 if case.f32 else ml_dtypes.bfloat16
+  rows = [np.zeros((case.cap, case.n_dim), np.float32) for _ in ranks]
+  for s, src in enumerate(ranks):
+    pl = src.plan
+    for d in range(case.ranks):
+      p = np.nonzero((pl["slot_dest_rank"] == d) & (pl["slot_dest_row"] >= 0))[0]
+      rows[d][pl["slot_dest_row"][p]] = ex[s].slot[p].astype(dt).astype(np.float32)
+  ys = tensor_lib.gather_sums(case, ranks, rows)
+  return [r.astype(dt).tobytes() for r in rows], [y.astype(dt).tobytes() for y in ys]
+
+
 def _exact_run(case, sets):
   """A run whose outputs are the references, as the runner would return it (dispatch_gemm's results with their
-  padding rows unwritten, its two-call twin's zeroed)."""
+  padding rows unwritten, its two-call twin's zeroed; gather_rs's rows and y: _gather_outputs)."""
   first, digests = [], []
   for ds, ranks in enumerate(sets):
     ex = check_lib.references(case, ranks)
+    gather = _gather_outputs(case, ranks, ex) if case.gather_rs else None
     row = []
     for r, e in enumerate(ex):
       dt = np.float32 if case.f32 else ml_dtypes.bfloat16
@@ -149,8 +165,8 @@ def _exact_run(case, sets):
       if case.dg:
         kept = int(ranks[r].plan["recv_rows"])
         fused = {key: _unwritten_padding(v, case.cap, kept) for key, v in fused.items()}
-      row.append({**fused, "y": e.y.astype(dt).tobytes(), "slot": e.slot.astype(dt).tobytes(),
-                  "recv2": e.recv.tobytes() if a else b"", "a2": a, "pre2": pre})
+      y, slot = (gather[1][r], gather[0][r]) if gather else (e.y.astype(dt).tobytes(), e.slot.astype(dt).tobytes())
+      row.append({**fused, "y": y, "slot": slot, "recv2": e.recv.tobytes() if a else b"", "a2": a, "pre2": pre})
     first.append(row)
   for it in range(case.iters):
     ds = it % case.datasets
@@ -167,7 +183,8 @@ def _exact_run(case, sets):
 TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
     {}, {"f32": True}, {"capacity_factor": 1.0},
     {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "train", "k_dim": 128},  # each rank's GEMM1 N = 64: wgmma's
-    {"check_tokens": 4}, {"ranks": 2, "routing": 2})]
+    {"check_tokens": 4}, {"ranks": 2, "routing": 2}, {"gather_rs": True}, {"gather_rs": True, "f32": True},
+    {"gather_rs": True, "capacity_factor": 1.0, "routing": 2})]
 
 
 @pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},
@@ -208,6 +225,22 @@ def test_check_verdicts(kw, monkeypatch):
   bad = _exact_run(case, sets)  # a call did not run
   bad["calls"] -= 1
   assert not check_lib.check(case, sets, bad).passed
+
+  if case.gather_rs:
+    bad = _exact_run(case, sets)  # y one bit off its float32 sums (within any tolerance of the whole experts)
+    y = bytearray(bad["first"][0][2]["y"])
+    y[0] ^= 1
+    bad["first"][0][2]["y"] = bytes(y)
+    v = check_lib.check(case, sets, bad)
+    assert not v.passed and any("differs from its float32 sums restated" in f for f in v.failures), v.failures
+    bad = _exact_run(case, sets)  # a GEMM row past the kept ones written (on the rank with the fewest rows)
+    r = min(range(case.ranks), key=lambda r: int(sets[0][r].plan["recv_rows"]))
+    assert int(sets[0][r].plan["recv_rows"]) < case.cap
+    rows = bytearray(bad["first"][0][r]["slot"])
+    rows[-1] = 1
+    bad["first"][0][r]["slot"] = bytes(rows)
+    v = check_lib.check(case, sets, bad)
+    assert not v.passed and any("past the" in f and "not zero" in f for f in v.failures), v.failures
 
   if case.dg:
     bad = _exact_run(case, sets)  # GEMM1's output (its float32 product or h) wrong in one element
@@ -336,13 +369,47 @@ def test_overlap_table_rows(monkeypatch, capsys):
   assert timing.TABLE_HEADER.count("|---") == timing.overlap_cells(row).count(" |")
 
 
+def test_tensor_time_table(monkeypatch, capsys):
+  """The tensor-time suite's rows on simulated runs: GatherRS's bytes are its float32 partials for the other ranks,
+  and timing.tensor_table pairs it with the per-slot path of the same shape."""
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  from tools.loopback import run, timing  # pylint: disable=g-import-not-at-top
+  assert [(c.tokens, c.gather_rs, c.ranks, c.tensor, c.rank_k, c.n_dim)
+          for c in cases_lib.suite("tensor-time", cases_lib.Case())] == [
+              (t, g, 4, 2, 7168, 4096) for t in cases_lib.TENSOR_TIME_TOKENS for g in (False, True)]
+  table = []
+  for gather, ours in ((False, 100.0), (True, 80.0)):
+    case = _small_case(ranks=4, tensor=2, time=True, table=True, consumers=0, link_gbps=10.0, reps=3,
+                       gather_rs=gather)
+    sets = cases_lib.make_data(case)
+    res = _exact_run(case, sets)
+    y0 = [d for d in res["digests"] if d[2] == 0]
+    rec = {"consumers": 2, "begin_t": 0, "prod_t0": 1000, "prod_t1": 5000, "prod_t0_last": 1000, "cons_t0": 6000,
+           "cons_t1": 46000, "comb_t0": 47000, "comb_t1": 48000, "pushed_bytes": 0}
+    res["timed"] = [[{"call_us": [us] * 3, "device": [rec], "y_after": y0[r][4]} for r in range(4)]
+                    for us in (ours, 120.0)]
+    res["gemm_us"] = [[60.0] * 3] * 4
+    assert run.run_case(types.SimpleNamespace(run_ranks=lambda spec, data: res), case, table)
+  per_slot, gather = table
+  assert gather["op"] == "gather_rs" and per_slot["op"] == "expert_combine"
+  assert gather["transfer_bytes"] == 3 * 16 * 24 * 4 and gather["group_tokens"] == 64
+  assert gather["hidden"] == pytest.approx(1 - (80 - 60) / 40)
+  lines = timing.tensor_table(table)
+  assert lines[0] == timing.TENSOR_HEADER and lines[1] == "| 64 | 60.0 | 100.0 | 120.0 | 80.0 | 0.800 | 50% |"
+  assert "TIMED C=manager serialized" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Expert tensor parallelism (tools/loopback/tensor.py): what the kernels see against the design's rules, stated here
 # independently of tensor_parallel.py and plan.py, and the references as the whole experts'.
 
 
 def _tensor_cases():
-  out = [pytest.param(c, id=f"tensor-{i}") for i, c in enumerate(cases_lib.suite("tensor", cases_lib.Case()))]
+  # (The GatherRS cases route and split like the per-slot ones: in the slow pass.)
+  out = [pytest.param(c, id=f"tensor-{i}", marks=pytest.mark.slow if c.gather_rs else ())
+         for i, c in enumerate(cases_lib.suite("tensor", cases_lib.Case()))]
   return out + [pytest.param(_small_case(**kw), id=f"small-{i}") for i, kw in enumerate(TENSOR_SMALL)]
 
 

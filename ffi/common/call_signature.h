@@ -352,4 +352,11 @@ inline xla::ffi::ErrorOr<GatherRsShape> CheckGatherRs(const xla::ffi::AnyBuffer&
   return GatherRsShape{*dt, ld[0], ld[1], wd[0], w_n, yd[0], td[2], td[0], rd[0] != 0 && ld[0] > 0};
 }
 
+// gather_rs's R (seg_rows' columns, token_rows' sources) against the workspace's ranks.
+inline xla::ffi::Error CheckGatherRsPlan(const GatherRsShape& s, int64_t R) {
+  if (s.R == R) return xla::ffi::Error::Success();
+  return InvalidCall("gather_rs: seg_rows [E_local, R] and token_rows [R, T, Q] must have R = the workspace's " +
+                     std::to_string(R) + " ranks, got R = " + std::to_string(s.R));
+}
+
 }  // namespace jmo

@@ -119,9 +119,7 @@ ffi::Error GatherRsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs,
   const CallContext c = ctx.value();
   Workspace* ws = c.ws;
   const int R = ws->ranks();
-  if (s.R != R)
-    return Fail(c, InvalidCall("gather_rs: seg_rows [E_local, R] and token_rows [R, T, Q] must have R = the "
-                               "workspace's " + std::to_string(R) + " ranks, got R = " + std::to_string(s.R)));
+  if (ffi::Error e = CheckGatherRsPlan(s, R); e.failure()) return Fail(c, std::move(e));
   const int32_t* table = token_rows.typed_data();
   for (int64_t p = 0; p < s.R * s.T * s.Q; ++p)
     if (table[p] < -1 || table[p] >= s.cap)

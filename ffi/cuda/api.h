@@ -85,6 +85,17 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
                      const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out);
 
+// gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS"): the producer as ExpertCombine's (every tile into stage);
+// consumer = C CTAs that reduce, once every band of a source's segments is ready, each of that source's tokens here
+// (row_gate[i] * row i for i = token_rows[s, t, q] >= 0, q = 0..Q-1 in order, float32) into slice `rank` of the
+// source's ret rows (float32 [R, T, N]); then y[t] = the R slices summed in rank order in float32, rounded once to
+// dt, and rows_out [cap, N] (or null) = the GEMM's rows, zero past the call's segment rows. token_rows entries outside
+// [-1, cap) fail the call (kBadRoute). Bitwise the CPU handler's sums of the same GEMM rows.
+Status GatherRs(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
+                int64_t N, bool transpose_rhs, const float* row_gate, const int32_t* token_rows, int64_t T, int64_t Q,
+                const int32_t* seg_rows, const int32_t* seg_ret_off, const int32_t* group_op, const int32_t* rank_op,
+                void* y, void* rows_out);
+
 // exchange_counts: counts [R_dst * E_local] of this rank -> out [R_src, R_dst, E_local], every rank's, through the
 // group's count board (protocol.h); R_src and R_dst must be the workspace's ranks, R_dst * E_local <= kMaxSegments.
 Status ExchangeCounts(const CallSite& c, const int32_t* counts, int64_t R_src, int64_t R_dst, int64_t E_local,

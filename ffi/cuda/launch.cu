@@ -89,6 +89,7 @@ Status PrepareKernels(int dev) {
   if (s.ok()) s = PrepareProtocolKernels(dev);
   if (s.ok()) s = PrepareDispatchKernels(dev);
   if (s.ok()) s = PrepareCombineKernels(dev);
+  if (s.ok()) s = PrepareGatherSumKernels(dev);
   if (s.ok()) s = PrepareCountsKernels(dev);
   return s;
 }

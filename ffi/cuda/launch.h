@@ -64,6 +64,24 @@ Status PrepareDispatchKernels(int dev);
 Status PrepareExpertKernels(int dev);
 Status PrepareCombineKernels(int dev);
 Status PrepareCountsKernels(int dev);
+Status PrepareGatherSumKernels(int dev);
+
+// What gather_rs's consumer reads beside expert_combine's operands (device pointers). docs/design.md, "GatherRS".
+struct GatherArgs {
+  bool active = false;                  // false: expert_combine
+  const float* row_gate = nullptr;      // [cap]: the gate of each recv row
+  const int32_t* token_rows = nullptr;  // [R, T, Q]: the recv row of slot q of source s's token t here (-1: none)
+  int64_t T = 0, Q = 0;
+};
+
+// The overlapped GEMM of expert_combine and gather_rs after BeginCall: the band counters zeroed, the GEMM engine and
+// the consumer policy chosen, then ExpertKernel (producer and consumer CTAs of one launch) on the rank's SM budget.
+// With gather.active, every tile goes to stage and the consumer is gather_rs's (ops/gather_consumer.cuh): it
+// reduces each source's tokens into a float32 partial and stores it into slice `rank` of the source's ret rows.
+// `op` names the call in errors.
+Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const void* lhs, int64_t cap, int64_t K,
+                            const void* w, int64_t E_l, int64_t N, bool transpose_rhs, const int32_t* seg_rows,
+                            const int32_t* seg_ret_off, const GatherArgs& gather);
 
 // The combine of expert_combine: y = sum_j gates * ret rows (CombineKernel, which closes the call).
 Status LaunchCombine(const RankDev& rd, int grid, cudaStream_t stream, DType dt, const float* gates,

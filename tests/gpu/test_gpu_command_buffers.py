@@ -30,8 +30,8 @@ from gpu_common import requires_gpu, run_processes
 pytestmark = requires_gpu
 
 STEPS = 100
-TARGETS = ("jmo_dispatch", "jmo_dispatch_gemm", "jmo_expert_combine", "jmo_exchange_counts", "jmo_grouped_matmul",
-           "jmo_grouped_matmul_swiglu", "jmo_grouped_matmul_swiglu_grad")
+TARGETS = ("jmo_dispatch", "jmo_dispatch_gemm", "jmo_expert_combine", "jmo_exchange_counts", "jmo_gather_rs",
+           "jmo_grouped_matmul", "jmo_grouped_matmul_swiglu", "jmo_grouped_matmul_swiglu_grad")
 
 
 def _flags(graphs: str) -> str:

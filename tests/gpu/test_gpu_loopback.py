@@ -1,5 +1,5 @@
-"""Loopback harness on one GPU (R = 2, 4, 8 ranks sharing the device; expert x tensor groups) and compute-sanitizer on
-it at a small size.
+"""Loopback harness on one GPU (R = 2, 4, 8 ranks sharing the device) and compute-sanitizer on it at a small size.
+(Its expert x tensor groups, the tensor suite: tests/gpu/test_gpu_tensor_parallel.py.)
 
 Under compute-sanitizer the harness runs one rank only: the tools serialize kernels, and ranks sharing one GPU spin on
 each other's kernels, so R >= 2 would only time out there.
@@ -52,31 +52,6 @@ def test_loopback_dispatch_gemm_suite():
       assert re.search(rf"PASS R={r} .* dispatch_gemm pushers=\d+ mode={mode}", proc.stdout), (r, mode)
   assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
   assert re.search(r"PASS R=2 .* mode=\w+ link=20GB/s", proc.stdout)
-
-
-@pytest.mark.watchdog_s(300)  # the subprocess's own limit is 240 s
-def test_loopback_tensor_suite():
-  """Expert tensor parallelism (tools/loopback/tensor.py): the exchange group of R = 4 as 2 x 2 and R = 8 as 2 x 4 and
-  4 x 2 expert x tensor ranks, each choice as TP shard slots (tensor_parallel.shard_slots), each rank with its K / TP
-  shard of whole experts, y against the whole experts in float32 (bf16 and float32; balanced and skewed routing,
-  dropless and with drops; w transposed), dispatch_gemm at 2 x 2 in its three result modes against the whole
-  experts' GEMM1, bit-identical repeats. Hopper only (its dispatch_gemm cases take the wgmma engine)."""
-  from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
-  if not is_hopper():
-    pytest.skip("the tensor suite's dispatch_gemm cases run on Hopper (sm_90a) only")
-  proc = run_loopback(["--suite", "tensor"], timeout=240)
-  m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
-  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 12, proc.stdout[-4000:]
-  passed = [l for l in proc.stdout.splitlines() if l.startswith("PASS ")]
-  for r, tp in ((4, 2), (8, 4), (8, 2)):
-    assert any(re.match(rf"PASS R={r} TP={tp} .* dtype=bf16 .* dropless", l) for l in passed), (r, tp)
-  assert any(re.match(r"PASS R=4 TP=2 .* dtype=f32 ", l) for l in passed)
-  assert sum(bool(re.match(r"PASS R=\d+ TP=\d+ .* cf=", l)) for l in passed) == 4
-  for mode in ("plain", "train", "infer"):
-    assert any(re.match(rf"PASS R=4 TP=2 .* dispatch_gemm pushers=2 mode={mode}", l) for l in passed), mode
-  for l in passed:  # every later call of every rank bit for bit its first call's (12 iterations, 3 data sets)
-    ranks = int(re.match(r"PASS R=(\d+)", l).group(1))
-    assert f"bit-identical repeats {9 * ranks} " in l, l
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])

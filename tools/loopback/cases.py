@@ -96,6 +96,10 @@ class Case:
   # of this many GB/s per rank (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's
   # memory.
   link_gbps: float = 0.0
+  # With `tensor` > 1: the shards' partials summed by gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS") in
+  # expert_combine's place (tools/loopback/tensor.py gather_tables); its rows output is checked in the slot output's
+  # place, and y also bit for bit against its float32 sums restated on the host (tensor.gather_sums).
+  gather_rs: bool = False
   # Send once (docs/design.md, "Send once"): every dispatch (and dispatch_gemm) sends a token's row once per destination
   # rank (plan.slot_primary); AUTO: the library's rule (call_site.send_once: at two ranks or more), 0: one row per
   # slot, 1: send once.
@@ -199,6 +203,8 @@ class Case:
       return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
     if not self.link_gbps >= 0:
       return f"link_gbps {self.link_gbps} must be >= 0"
+    if self.gather_rs and (TP < 2 or self.dg):
+      return "gather_rs takes a tensor-parallel case (tensor >= 2) without dispatch_gemm"
     return None
 
   @property
@@ -228,6 +234,8 @@ class Case:
       s += f" dispatch_gemm pushers={pushers} mode={self.dispatch_gemm_mode}"
     if self.link_gbps > 0:
       s += f" link={self.link_gbps:g}GB/s"
+    if self.gather_rs:
+      s += " gather_rs"
     if self.delay_rank >= 0:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:
@@ -239,8 +247,8 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "tensor", "small",
-          "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "tensor", "tensor-time",
+          "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -401,6 +409,36 @@ def _tensor(base: Case) -> list[Case]:
   for routing, mode in ((0, "train"), (1, "plain"), (2, "infer")):
     v.append(tp(2, 2, routing, d_model=192, k_dim=640, dispatch_gemm_pushers=2, dispatch_gemm_mode=mode,
                 capacity_factor=1.0 if routing == 1 else 0.0))
+  # GEMM2 + GatherRS in expert_combine's place: 2 x 2 in bf16 and (with drops) float32, 2 x 4 on the wgmma engine,
+  # 4 x 2 in float32 and in bf16 with extreme routing (most sources have no row on a rank: zero partials), w
+  # transposed, over an emulated link, and timed against its serialized form (its outputs bit for bit the checked
+  # call's), with the manager's C.
+  g = dict(gather_rs=True)
+  v += [tp(2, 2, 0, **g), tp(2, 2, 1, capacity_factor=1.0, f32=True, **g),
+        tp(2, 4, 0, k_dim=512, n_dim=320, tokens=192, **g), tp(4, 2, 1, f32=True, **g), tp(4, 2, 2, **g),
+        tp(2, 2, 1, transpose_rhs=True, **g), tp(2, 2, 1, link_gbps=20.0, **g),
+        tp(2, 2, 1, consumers=0, model=SUITE_MODEL, time=True, table=True, warmup=1, reps=3, **g)]
+  return v
+
+
+# GEMM2 + GatherRS at TP = 2 / EP = 2 (R = 4 ranks as 2 x 2) with Mixtral-like shapes: D = N = 4096, F = K = 14336
+# split over the tensor ranks (K = 7168 each), E = 8, top-2, 4096, 8192 and 16384 tokens in the group (1024, 2048,
+# 4096 per rank), over the emulated NVLink; each shape as the per-slot path (expert_combine, the shards' partials to
+# the token owners) and as GatherRS, each timed against its serialized form and GEMM2 alone, with the consumer count
+# the resource manager picks from the shipped H200 calibration. run.py prints them as one table (timing.tensor_table).
+# A --tokens other than Case's default picks that one shape (per rank), so that the suite can run in parts.
+TENSOR_TIME_TOKENS = (1024, 2048, 4096)
+
+
+def _tensor_time(base: Case) -> list[Case]:
+  link = NVLINK_GBPS / 4
+  v = []
+  picked = base.tokens != Case().tokens
+  for tokens in (base.tokens,) if picked else TENSOR_TIME_TOKENS:
+    for gather in (False, True):
+      v.append(dataclasses.replace(base, ranks=4, tensor=2, experts=8, top_k=2, tokens=tokens, d_model=256,
+                                   k_dim=14336, n_dim=4096, consumers=0, model=calibrated_model(4, link),
+                                   link_gbps=link, gather_rs=gather, **_TIMED))
   return v
 
 
@@ -461,6 +499,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _regret(base)
   if name == "tensor":
     return _tensor(base)
+  if name == "tensor-time":
+    return _tensor_time(base)
   if name == "full":
     return _full(base)
   raise ValueError(f"unknown suite {name!r} (one of {', '.join(SUITES)})")
@@ -565,6 +605,8 @@ class RankData:
   gates: np.ndarray    # [P] float32
   w1: Values | None    # dispatch_gemm: [E_l, D, K] bf16
   whole: Any = None    # tensor > 1: the layer's routing and whole experts (tensor.Whole), the references' input
+  row_gate: np.ndarray | None = None    # gather_rs: [cap] float32, tensor.gather_tables
+  token_rows: np.ndarray | None = None  # gather_rs: [R, T, Q] int32
 
   def inputs(self, case: Case) -> dict[str, Any]:
     """The runner's dict (tools/loopback/module.cc): arrays in the calls' layouts."""
@@ -576,6 +618,8 @@ class RankData:
     for key in ("slot_src_row", "slot_dest_rank", "slot_dest_row", "slot_ret_row", "seg_rows", "seg_ret_off",
                 "expert_rows"):  # (expert_rows: the grouped GEMMs' group sizes)
       d[key] = np.ascontiguousarray(self.plan[key], np.int32)
+    if case.gather_rs:
+      d["row_gate"], d["token_rows"] = self.row_gate, self.token_rows
     d["slot_primary"] = np.ascontiguousarray(self.plan["slot_primary"] if case.sends_once else np.zeros(0), np.int32)
     if self.w1 is not None:
       d["w1"] = self.w1.data

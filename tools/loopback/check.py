@@ -12,7 +12,12 @@
   GroupedMatmulSwiGlu), bit for bit in the kept rows.
 * A forced timeout is reported by the next call of every rank (DEADLINE_EXCEEDED, "timed out"), and the calls
   after it are correct again; every call ran (2 per rank and iteration).
-* A timed run recorded every rank's consumer count C, with C >= 1 exactly where the rank had rows to push.
+* A timed run recorded every rank's consumer count C, with C >= 1 exactly where the rank had rows to push (gather_rs:
+  on every rank, which ships a partial to every source).
+* gather_rs (tools/loopback/tensor.py): its y against the whole experts; its rows output (the GEMM's rows) against
+  each slot's product from the rank's own operands, exactly zero past the kept rows; and y bit for bit the operator's
+  float32 sums restated on the host from those rows (tensor.gather_sums: the CPU handler's order), so the kernel's
+  reduce-scatter equals the CPU handler's on the same GEMM rows.
 """
 
 from __future__ import annotations
@@ -137,6 +142,43 @@ class Verdict:
       self.failures.append(msg)
 
 
+def _check_gather(case: Case, ranks: list[RankData], expected: list[Expected], first: list[dict], first_iter: dict,
+                  ds: int, v: Verdict) -> None:
+  """gather_rs on one data set (the first call of every rank): its rows output and y's bits (module docstring)."""
+  R, T, N, cap = case.ranks, case.tokens, case.n_dim, case.cap
+  if any((ds, r) not in first_iter for r in range(R)):
+    return
+  rows = [_floats(first[r]["slot"], case.f32, (cap, N)) for r in range(R)]
+  for d in range(R):
+    where = f"rank {d} iter {first_iter[(ds, d)]}"
+    kept = int(ranks[d].plan["recv_rows"])
+    raw = np.frombuffer(first[d]["slot"], np.uint8).reshape(cap, -1)
+    if np.any(raw[kept:] != 0):
+      v.fail(f"{where}: gather_rs rows past the {kept} kept ones are not zero")
+    # Each checked slot of every source: its product at the recv row it has here (expected[s].slot).
+    got, ref = [], []
+    for s in range(R):
+      pl = ranks[s].plan
+      p = np.nonzero((pl["slot_dest_rank"] == d) & (pl["slot_dest_row"] >= 0) &
+                     (pl["slot_src_row"] % case.check_stride == 0))[0]
+      got.append(rows[d][pl["slot_dest_row"][p]])
+      ref.append(expected[s].slot[p])
+    if got:
+      g, r = np.concatenate(got), np.concatenate(ref)
+      e, nonfinite = rel_err(g, r, np.arange(len(g)))
+      v.max_rel_slot = max(v.max_rel_slot, e)
+      if not e < v.tol or nonfinite:
+        v.fail(f"{where}: gather_rs rows rel err {e:g}, non-finite {nonfinite} (tolerance {v.tol:g})")
+  for s, y in enumerate(tensor.gather_sums(case, ranks, rows)):
+    want = y.tobytes() if case.f32 else y.astype(ml_dtypes.bfloat16).tobytes()
+    if want != first[s]["y"]:
+      got_y = _floats(first[s]["y"], case.f32, (T, N))
+      bad = int(np.count_nonzero(np.any(got_y.view(np.uint32) != _floats(want, case.f32, (T, N)).view(np.uint32),
+                                        axis=1)))
+      v.fail(f"rank {s} iter {first_iter[(ds, s)]}: gather_rs y differs from its float32 sums restated on the host "
+             f"(tensor.gather_sums) in {bad} of {T} tokens")
+
+
 def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   """Judges one run (tools/loopback/module.cc's run_ranks result) of `case` over the data `sets`."""
   from tools.loopback import _jmo_loopback  # pylint: disable=g-import-not-at-top
@@ -162,6 +204,8 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
     if not any(key[0] == ds for key in first_iter):
       continue
     expected = references(case, ranks)
+    if case.gather_rs:
+      _check_gather(case, ranks, expected, result["first"][ds], first_iter, ds, v)
     for r, ex in enumerate(expected):
       if (ds, r) not in first_iter:
         continue
@@ -175,7 +219,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
       if bad and case.keeps_recv:
         v.fail(f"{where}: dispatch output differs from the reference in {bad} of {rows} rows")
       ey, ny = rel_err(_floats(got["y"], case.f32, (T, N)), ex.y, token_rows)
-      es, ns = rel_err(_floats(got["slot"], case.f32, (P, N)), ex.slot, slot_rows)
+      es, ns = (0.0, 0) if case.gather_rs else rel_err(_floats(got["slot"], case.f32, (P, N)), ex.slot, slot_rows)
       v.max_rel_y, v.max_rel_slot = max(v.max_rel_y, ey), max(v.max_rel_slot, es)
       if not (ey < v.tol and es < v.tol) or ny + ns:
         v.fail(f"{where}: expert_combine rel err y {ey:g}, slots {es:g}, non-finite {ny + ns} (tolerance {v.tol:g})")
@@ -244,7 +288,8 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   if case.time and not dg:
     last = result["timed"][-1] if result["timed"] else []
     chosen = [t["device"][-1]["consumers"] if t["device"] else 0 for t in last]
-    chosen_ok = len(chosen) == R and all((c > 0) == (rows > 0) for c, rows in zip(chosen, v.remote_rows))
+    chosen_ok = len(chosen) == R and all((c > 0) == (rows > 0 or case.gather_rs)
+                                         for c, rows in zip(chosen, v.remote_rows))
     if not chosen_ok:
       v.fail(f"consumer counts {chosen} do not match the ranks with rows to push {v.remote_rows}")
   if result["calls"] != 2 * R * case.iters:

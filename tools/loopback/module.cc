@@ -88,6 +88,7 @@ Spec ParseSpec(const nb::dict& d) {
   if (d.contains("dg_sweep") && !d["dg_sweep"].is_none()) s.dg_sweep = nb::cast<std::vector<int>>(d["dg_sweep"]);
   s.dg_mode = Get<int>(d, "dg_mode", s.dg_mode);
   s.emulated_link_gbps = Get<double>(d, "emulated_link_gbps", s.emulated_link_gbps);
+  s.gather_rs = Get<bool>(d, "gather_rs", s.gather_rs);
   s.time = Get<bool>(d, "time", s.time);
   s.warmup = Get<int>(d, "warmup", s.warmup);
   s.reps = Get<int>(d, "reps", s.reps);
@@ -125,6 +126,8 @@ RankInputs ParseInputs(const nb::dict& d, std::vector<HostArray>* keep) {
   in.expert_rows = ArrayBytes(d, "expert_rows", keep);
   in.send_order = ArrayBytes(d, "send_order", keep);
   in.send_start = ArrayBytes(d, "send_start", keep);
+  in.row_gate = ArrayBytes(d, "row_gate", keep);
+  in.token_rows = ArrayBytes(d, "token_rows", keep);
   in.slot_primary = ArrayBytes(d, "slot_primary", keep);
   return in;
 }

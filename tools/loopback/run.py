@@ -15,7 +15,11 @@
                                                     against sweeps of pinned counts over the emulated NVLink:
                                                     REGRET lines and the mean / worst regret (target 3% / 10%)
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
-                                                    4 x 2 (expert x tensor ranks), y against the whole experts
+                                                    4 x 2 (expert x tensor ranks), y against the whole experts,
+                                                    the shards' partials summed per slot and by GatherRS
+  python -m tools.loopback.run --suite tensor-time  GEMM2 + GatherRS overlapped vs serialized vs the per-slot path
+                                                    at TP = 2 / EP = 2, Mixtral-like, 4096-16384 tokens, one table
+                                                    (--tokens 1024|2048|4096: one of its shapes, per rank)
   python -m tools.loopback.run --suite small        one-rank calls at small sizes (for compute-sanitizer)
   python -m tools.loopback.run --suite small-mma    the same without the wgmma-producer cases (for racecheck)
   python -m tools.loopback.run --ranks 4 --routing 1 --iters 100 ...   one case (the options: cases.Case)
@@ -48,6 +52,7 @@ Timing (benchmarks/loopback_runner.py drives these):
   --table                  with --time: also the GEMM alone (and expert_combine serialized), and the overlap row
   --tensor TP              expert tensor parallelism: the --ranks are ranks / TP expert ranks x TP tensor ranks
                            (tools/loopback/tensor.py; K is the whole expert's)
+  --gather-rs              with --tensor: GEMM2 + GatherRS in expert_combine's place
   --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
   --check-tokens N         check the expert outputs of about N tokens per rank (big timing shapes)
   --copy-ceiling B1,B2     only: median cudaMemcpyAsync device-to-device time of each size
@@ -110,7 +115,8 @@ def parse_args(argv):
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
-                     ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table")):
+                     ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table"),
+                     ("--gather-rs", "gather_rs")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
   ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--copy-ceiling", type=_floats, default=None)
@@ -240,6 +246,9 @@ def main(argv=None) -> int:
     for row in table:
       print(timing.overlap_cells(row))
     print()
+  tensor_lines = timing.tensor_table(table)
+  if tensor_lines:
+    print("\n".join(tensor_lines) + "\n")
   for text in regret_lib.summary(regrets):
     print(text)
   print(f"loopback: {passed} of {len(todo)} cases passed", flush=True)

@@ -86,7 +86,7 @@ class DeviceArena {
 struct DeviceSet {  // one data set of one rank, on the device
   void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
       *ret_expected, *w1 = nullptr, *expert_rows = nullptr, *send_order = nullptr, *send_start = nullptr,
-      *primary = nullptr;
+      *row_gate = nullptr, *token_rows = nullptr, *primary = nullptr;
 };
 
 class Barrier {
@@ -143,7 +143,9 @@ class Run {
   void Go() {
     LB_CHECK(cudaSetDevice(s_.device));
     const int64_t row_bytes = (int64_t)std::max({D_, K_, N_}) * eb_;
-    WorkspaceSizes sizes{row_bytes, cap_, P_, MaxBands(cap_, (int64_t)E_l_ * R_)};
+    // gather_rs: the ret rows also hold the R float32 partial slices of the rank's tokens (workspace.layer_sizes).
+    const int64_t partials = s_.gather_rs ? ((int64_t)R_ * T_ * N_ * 4 + row_bytes - 1) / row_bytes : 0;
+    WorkspaceSizes sizes{row_bytes, cap_, std::max<int64_t>(P_, partials), MaxBands(cap_, (int64_t)E_l_ * R_)};
     int sms = 0;
     LB_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s_.device));
     // The fixed C without a model: SMs / 8, as jax_moe_overlap.resource.fallback_consumer_ctas.
@@ -220,6 +222,10 @@ class Run {
         d.ret_row = mem_.Keep(ToDevice(in.slot_ret_row));
         d.ret_expected = mem_.Keep(ToDevice(in.ret_rows));
         d.expert_rows = mem_.Keep(ToDevice(in.expert_rows));
+        if (s_.gather_rs) {
+          d.row_gate = mem_.Keep(ToDevice(in.row_gate));
+          d.token_rows = mem_.Keep(ToDevice(in.token_rows));
+        }
         if (dg_) {
           d.w1 = mem_.Keep(ToDevice(in.w1));
           d.send_order = mem_.Keep(ToDevice(in.send_order));
@@ -234,7 +240,7 @@ class Run {
     for (int r = 0; r < R_; ++r) {
       out_recv_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
       out_y_[r] = mem_.Alloc((size_t)T_ * N_ * eb_);
-      out_slot_[r] = mem_.Alloc((size_t)P_ * N_ * eb_);
+      out_slot_[r] = mem_.Alloc(SlotBytes());
       if (dg_) {  // out_*2: the same dispatch and GEMM1 as two calls, for comparison
         out_a_[r] = mem_.Alloc(GemmOutBytes());
         out_a2_[r] = mem_.Alloc(GemmOutBytes());
@@ -247,6 +253,9 @@ class Run {
       group_op_[r] = mem_.Keep(ToDevice(0));
     }
   }
+
+  // The slot output: expert_combine's [P, N] slot rows, or gather_rs's [cap, N] GEMM rows.
+  size_t SlotBytes() const { return (size_t)(s_.gather_rs ? cap_ : P_) * N_ * eb_; }
 
   // dispatch_gemm's modes (Spec::dg_mode): its SwiGLU epilogue, and which results it keeps.
   bool Swiglu() const { return s_.dg_mode != 0; }
@@ -307,6 +316,11 @@ class Run {
   }
 
   Status Combine(int r, const CallSite& c, const DeviceSet& d) {
+    if (s_.gather_rs)
+      return cuda::GatherRs(c, dt_, d.lhs, cap_, K_, d.w, E_l_, N_, s_.transpose_rhs, (const float*)d.row_gate,
+                            (const int32_t*)d.token_rows, T_, k_, (const int32_t*)d.seg_rows,
+                            (const int32_t*)d.seg_ret_off, (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r],
+                            out_y_[r], out_slot_[r]);
     return cuda::ExpertCombine(c, dt_, d.lhs, cap_, K_, d.w, E_l_, N_, s_.transpose_rhs, (const float*)d.gates, T_,
                                k_, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off,
                                (const int32_t*)d.ret_row, (const int32_t*)d.ret_expected,
@@ -356,7 +370,7 @@ class Run {
     cudaStream_t stream = site.stream;
     LB_CHECK(cudaMemsetAsync(out_recv_[r], 0xFF, (size_t)cap_ * D_ * eb_, stream));
     LB_CHECK(cudaMemsetAsync(out_y_[r], 0xFF, (size_t)T_ * N_ * eb_, stream));
-    LB_CHECK(cudaMemsetAsync(out_slot_[r], 0xFF, (size_t)P_ * N_ * eb_, stream));
+    LB_CHECK(cudaMemsetAsync(out_slot_[r], 0xFF, SlotBytes(), stream));
     if (dg_) LB_CHECK(cudaMemsetAsync(out_a_[r], 0xFF, h.a.n, stream));
     if (h.pre.n) LB_CHECK(cudaMemsetAsync(out_pre_[r], 0xFF, h.pre.n, stream));
     Status s = Dispatch(r, site, d);
@@ -547,7 +561,7 @@ class Run {
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the
       // whole device, so a rank thread doing either while a peer's kernel waits for this rank's next call would
       // stall both until the call times out.
-      HostOut h((size_t)cap_ * D_ * eb_, (size_t)T_ * N_ * eb_, (size_t)P_ * N_ * eb_, dg_ ? GemmOutBytes() : 0,
+      HostOut h((size_t)cap_ * D_ * eb_, (size_t)T_ * N_ * eb_, SlotBytes(), dg_ ? GemmOutBytes() : 0,
                 dg_ ? PreBytes() : 0);
       Pinned h_priv(sizeof(RankPrivate));
       for (int it = 0; it < s_.iters && !stop_; ++it) {

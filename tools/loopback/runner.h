@@ -38,6 +38,7 @@ struct RankInputs {
   Bytes slot_primary;                           // [P] int32 (send once, plan.py), or empty: one row per slot
   Bytes w1;                                     // dispatch_gemm: [E_l, D, K] bf16
   Bytes expert_rows;                            // [E_l] int32 rows per local expert in recv (the GEMMs' groups)
+  Bytes row_gate, token_rows;                   // gather_rs: [cap] float32 gate of each recv row, [R, T, Q] int32
 };
 
 struct Variant {  // one timed configuration of expert_combine
@@ -66,6 +67,8 @@ struct Spec {
   int dg_mode = 0;                   // its results: 0 plain (GEMM1 [cap, K] float32, x_recv), 1 training (SwiGLU: h,
                                      // the preactivation and x_recv), 2 inference (SwiGLU: h alone)
   double emulated_link_gbps = 0;     // CallOptions::emulated_link_gbps of every call (0: pushes at HBM speed)
+  bool gather_rs = false;            // GatherRs in expert_combine's place (Q = top_k slots per token); its y, and its
+                                     // GEMM rows [cap, N] in the slot output's place
   // Timing, after the checked iterations, on data set 0: expert_combine alone per variant (or, with dispatch_gemm,
   // dispatch + GEMM1 as two calls and as one), `warmup` calls then `reps` timed ones.
   bool time = false;

@@ -19,6 +19,12 @@ choices the capacity keeps (``kept``: the layer's rule stated independently of p
 x W1[e] of the whole expert, of which rank g must hold the gate and the up columns t F / TP ... (t + 1) F / TP - 1.
 So a pass shows that the kernels' partial sums over the shards reproduce the unsplit experts (within the dtype's
 tolerance), next to check.py's per-slot partials (from each rank's own operands) and its exact dispatch.
+
+With ``gather_rs`` the shards' partials are summed by GEMM2 + GatherRS (docs/design.md, "GatherRS") instead of
+expert_combine's per-slot return: each rank gets the gate of each of its recv rows and the table of the recv rows of
+every source's tokens (``gather_tables``: what the layer's metadata dispatch gives it, stated here from the plans), and
+``gather_sums`` restates the operator's float32 sums in its order, from the GEMM rows the call returns, for the
+bitwise check.
 """
 
 from __future__ import annotations
@@ -114,7 +120,45 @@ def make_data_set(case: Case, rng: np.random.Generator) -> list[RankData]:
     w_rank, w1_rank = rank_weights(case, d, w, w1)
     out.append(RankData(plans[d], slots[d][0], xs[d], lhs, w_rank, slots[d][1].reshape(-1), w1_rank,
                         Whole(ids[d], gates[d], hs[d], w, w1)))
+  if case.gather_rs:
+    for d, (row_gate, token_rows) in enumerate(gather_tables(case, out)):
+      out[d].row_gate, out[d].token_rows = row_gate, token_rows
   return out
+
+
+def gather_tables(case: Case, data: list[RankData]) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Per rank d, gather_rs's row_gate [cap] float32 (the gate of the slot each recv row serves, 0 past the received
+  rows) and token_rows [R, T, Q] int32 (the recv row here of slot q of source s's token t, -1: none), from the
+  sources' plans and shard gates: what gather_rs_block._recv_tables builds from the dispatched metadata."""
+  R, T, Q, cap = case.ranks, case.tokens, case.slot_top_k, case.cap
+  out = [(np.zeros(cap, np.float32), np.full((R, T, Q), -1, np.int32)) for _ in range(R)]
+  for s, src in enumerate(data):
+    dest, row = src.plan["slot_dest_rank"], src.plan["slot_dest_row"]
+    for d in range(R):
+      p = np.nonzero((dest == d) & (row >= 0))[0]
+      out[d][0][row[p]] = src.gates[p]
+      out[d][1][s].reshape(-1)[p] = row[p]
+  return out
+
+
+def gather_sums(case: Case, data: list[RankData], rows: list[np.ndarray]) -> list[np.ndarray]:
+  """Every rank's y in float32 as GatherRS computes it from the GEMM rows `rows` (rank g's [cap, N] float32 values
+  of its rows output): rank g's partial of source s's token t is sum over q = 0, 1, ..., Q - 1 of row_gate[i] *
+  rows[i] (i = token_rows[s, t, q] >= 0) from 0, and s sums the partials in rank order 0, 1, ..., R - 1 from 0; every
+  product and sum rounded to float32 on its own (numpy's float32 operations), as the CPU handler and the kernel do."""
+  R, T, Q, N = case.ranks, case.tokens, case.slot_top_k, case.n_dim
+  ys = []
+  for s in range(R):
+    y = np.zeros((T, N), np.float32)
+    for g in range(R):
+      part = np.zeros((T, N), np.float32)
+      for q in range(Q):
+        i = data[g].token_rows[s, :, q]
+        m = i >= 0
+        part[m] = part[m] + data[g].row_gate[i[m]][:, None] * rows[g][i[m]]
+      y = y + part
+    ys.append(y)
+  return ys
 
 
 def kept(case: Case, ids: list[np.ndarray]) -> list[np.ndarray]:

@@ -70,6 +70,8 @@ def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: 
   lines = []
   eb = 4 if case.f32 else 2
   pushed_bytes = float(sum(remote_rows) * case.n_dim * eb)
+  if case.gather_rs:  # every rank's float32 partials for the other ranks
+    pushed_bytes = float(case.ranks * (case.ranks - 1) * case.tokens * case.n_dim * 4)
   for vi, (consumers, serialize) in enumerate(case.variants()):
     if vi >= len(result["timed"]):
       break
@@ -115,6 +117,8 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   serialized call (from its first push after the last tile to its last), bytes = the rows of remote segments;
   serialized = expert_combine with its pushes after the last tile; ours = expert_combine (its combine's span,
   which no GEMM hides, beside: combine_us); SMs = the consumer CTAs the calls used.
+  gather_rs: the same with its consumer's reduce-scatter in the pushes' place: bytes = the float32 partials a rank
+  stores into the other ranks' slices, (R - 1) T N x 4; combine_us = the span of its slice sum.
   hidden share = 1 - (ours - GEMM alone) / transfer alone: 1 when ours costs the GEMM alone, 0 when GEMM + transfer.
   """
   eb = 4 if case.f32 else 2
@@ -136,15 +140,18 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     transfer, baseline, ours = ser_stats["consumer_span_us"], ser_stats["median_us"], ours_stats["median_us"]
     remote = [int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % case.ranks != r)) for r, d in enumerate(ranks)]
     moved = max(remote) * case.n_dim * eb
+    if case.gather_rs:
+      moved = (case.ranks - 1) * case.tokens * case.n_dim * 4
     sms = max((q["consumers"] for rec in records for q in rec), default=0)
     extra = {"combine_us": ours_stats["combine_span_us"]}
-    op = "expert_combine"
+    op = "gather_rs" if case.gather_rs else "expert_combine"
   if not (gemm > 0 and transfer > 0 and ours > 0):
     return None
   gbps = moved / transfer * 1e-3
   return {"kind": "overlap", "case": f"{op} R={case.ranks}{f' TP={case.tensor}' if case.tensor > 1 else ''} "
                                      f"T={case.tokens} k={case.top_k} E={case.experts} "
                                      f"D={case.d_model} K={case.k_dim} N={case.n_dim}",
+          "op": op, "group_tokens": case.tokens * case.ranks,
           "link_gbps": case.link_gbps, "gemm_us": gemm, "transfer_us": transfer, "transfer_bytes": moved,
           "transfer_gbps": gbps, "link_share": gbps / case.link_gbps if case.link_gbps > 0 else None,
           "baseline_us": baseline, "ours_us": ours, "ours_over_gemm": ours / gemm,
@@ -158,6 +165,29 @@ def overlap_cells(row: dict) -> str:
   return (f"| {row['case']} | {link} | {row['gemm_us']:.1f} | {row['transfer_us']:.1f}, "
           f"{row['transfer_bytes'] / 1e6:.1f}, {row['transfer_gbps']:.0f}{share} | {row['baseline_us']:.1f} | "
           f"{row['ours_us']:.1f} | {row['ours_over_gemm']:.3f} | {100 * row['hidden']:.0f}% | {row['sms']} |")
+
+
+TENSOR_HEADER = ("| tokens (group) | GEMM2 alone us | per-slot (expert_combine) us | GEMM2 + GatherRS serialized us | "
+                 "GEMM2 + GatherRS overlapped us | GatherRS overlapped / per-slot | GatherRS hidden share |\n"
+                 "|---|---|---|---|---|---|---|")
+
+
+def tensor_table(rows: list[dict]) -> list[str]:
+  """The tensor-time suite's table (cases.TENSOR_TIME_TOKENS): per group token count, GEMM2 alone (GatherRS case's),
+  the per-slot path, GatherRS serialized and overlapped (per call the slowest rank, medians after warm-up). Empty
+  when no shape has both rows."""
+  by = {}
+  for row in rows:
+    by.setdefault(row["group_tokens"], {})[row["op"]] = row
+  lines = []
+  for tokens in sorted(by):
+    pair = by[tokens]
+    if "gather_rs" not in pair or "expert_combine" not in pair:
+      continue
+    g, p = pair["gather_rs"], pair["expert_combine"]
+    lines.append(f"| {tokens} | {g['gemm_us']:.1f} | {p['ours_us']:.1f} | {g['baseline_us']:.1f} | "
+                 f"{g['ours_us']:.1f} | {g['ours_us'] / p['ours_us']:.3f} | {100 * g['hidden']:.0f}% |")
+  return [TENSOR_HEADER, *lines] if lines else []
 
 
 def plan_lines(case: Case, ranks: list[RankData], budget: int) -> list[str]:

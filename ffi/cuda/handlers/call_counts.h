@@ -17,6 +17,7 @@ enum class HandlerOp : int {
   kDispatchGemm,
   kExpertCombine,
   kExchangeCounts,
+  kGatherRs,
   kGroupedMatmul,
   kGroupedOuter,
   kGroupedMatmulSwiGlu,

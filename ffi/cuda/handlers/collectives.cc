@@ -1,5 +1,5 @@
-// XLA:CUDA handlers of the workspace calls (dispatch, dispatch_gemm, expert_combine, exchange_counts): the same
-// operands, results and attributes as the CPU handlers (ffi/cpu/handlers.cc), the same shape checks, then the
+// XLA:CUDA handlers of the workspace calls (dispatch, dispatch_gemm, expert_combine, gather_rs, exchange_counts): the
+// same operands, results and attributes as the CPU handlers (ffi/cpu/handlers.cc), the same shape checks, then the
 // launchers of api.h on XLA's stream.
 //
 // Rank mapping: the group/rank operands live in device memory, and reading them on the host would cost a stream
@@ -109,6 +109,26 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              y->untyped_data(), shape->want_slots ? slot_out->untyped_data() : nullptr));
 }
 
+// gather_rs (GEMM2 + GatherRS): the CPU handler's shape checks and its rule on R; token_rows' entries are device data,
+// checked by the kernel (kBadRoute, reported by the next call).
+ffi::Error GatherRsImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::F32> row_gate, ffi::Buffer<ffi::S32> token_rows,
+                        ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off,
+                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::AnyBuffer> rows, ExpertCombineAttrs attrs) {
+  NoteHandlerCall(HandlerOp::kGatherRs, stream);
+  const bool transpose_rhs = attrs.transpose_rhs;
+  auto shape = CheckGatherRs(lhs, w, row_gate, token_rows, seg_rows, seg_ret_off, *y, *rows, transpose_rhs);
+  if (shape.has_error()) return shape.error();
+  auto c = Resolve(stream, ordinal, attrs.call);
+  if (c.has_error()) return c.error();
+  if (ffi::Error e = CheckGatherRsPlan(*shape, c.value().ws->ranks()); e.failure()) return e;
+  return ToFfi(GatherRs(c.value(), shape->dtype, lhs.untyped_data(), shape->cap, shape->K, w.untyped_data(),
+                        shape->E_local, shape->N, transpose_rhs, row_gate.typed_data(), token_rows.typed_data(),
+                        shape->T, shape->Q, seg_rows.typed_data(), seg_ret_off.typed_data(), group_op.typed_data(),
+                        rank_op.typed_data(), y->untyped_data(), shape->want_rows ? rows->untyped_data() : nullptr));
+}
+
 // exchange_counts (the routing counts of groups spanning processes): the same checks as the CPU handler's.
 ffi::Error ExchangeCountsImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> counts,
                               ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
@@ -143,6 +163,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExpertCombineCuda, jmo::cuda::ExpertCombineImpl
                               jmo::BindExpertCombine(ffi::Ffi::Bind()
                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                          .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGatherRsCuda, jmo::cuda::GatherRsImpl,
+                              jmo::BindGatherRs(ffi::Ffi::Bind()
+                                                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                    .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoExchangeCountsCuda, jmo::cuda::ExchangeCountsImpl,

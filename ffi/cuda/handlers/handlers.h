@@ -7,6 +7,7 @@ XLA_FFI_Error* JmoDispatchCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoExpertCombineCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoDispatchGemmCuda(XLA_FFI_CallFrame* frame);  // Hopper only
 XLA_FFI_Error* JmoExchangeCountsCuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGatherRsCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulCuda(XLA_FFI_CallFrame* frame);  // grouped_gemm.cc
 XLA_FFI_Error* JmoGroupedOuterCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulSwiGluCuda(XLA_FFI_CallFrame* frame);

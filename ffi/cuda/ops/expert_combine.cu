@@ -1,7 +1,8 @@
 // expert_combine, the overlapped operator: ExpertKernel runs the producer (the grouped GEMM over the call's segments,
 // expert_producer.cuh) and the consumer (pushing each finished remote band to its source's ret rows,
 // transport/bulk_push.cuh) as CTAs of one launch; then the combine (combine.cu) waits for this rank's ret rows and
-// closes the call. Also the host's choice of consumer policy for a call.
+// closes the call. gather_rs (gather_rs.cu) runs the same kernel with its own consumer (gather_consumer.cuh). Also
+// the host's choice of consumer policy for a call.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -14,6 +15,7 @@
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/launch.h"
 #include "cuda/ops/expert_producer.cuh"
+#include "cuda/ops/gather_consumer.cuh"
 #include "cuda/schedule/resource_manager.cuh"
 #include "cuda/transport/bulk_push.cuh"
 #include "cuda/transport/emulated_link.cuh"
@@ -31,11 +33,14 @@ namespace {
 // scheduled consumers first and producers later (or the reverse), every wait is eventually satisfied; co-residency is
 // what gives the overlap. One ordinary launch rather than a cooperative one: in the loopback harness R ranks' grids
 // run concurrently from R streams, and all of them must be resident together, which per-rank SM budgets give.
-template <typename T, int kEngine, bool kTransB>
+//
+// kGather (gather_rs): every tile goes to stage and publishes its band, and the consumer is GatherConsume (ga), which
+// every source needs, so C >= 1 even where no band goes to another rank.
+template <typename T, int kEngine, bool kTransB, bool kGather>
 __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
                  const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
-                 const __grid_constant__ ConsumerConfig pol,
+                 const __grid_constant__ ConsumerConfig pol, const GatherArgs ga,
                  const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
   extern __shared__ __align__(16) char smem[];
   __shared__ int32_t tile_prefix[kEngine == kWgmma ? kMaxSegments + 1 : 1];
@@ -47,11 +52,14 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   LoadCallState(rd, &st);
   if (!st.ok) return;
   if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) return;
-  const int consumers = ConsumersOfCall(table, pol, N, K, &choice);
+  int consumers = ConsumersOfCall(table, pol, N, K, &choice);
+  if (kGather && consumers == 0) consumers = pol.consumers;  // (the host keeps it in [1, grid - 1])
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     rd.priv->consumers = (uint64_t)consumers;
-    rd.priv->pushed_bytes = (uint64_t)(table.remote_rows * row_bytes);
+    // gather_rs: its float32 partials for the other ranks.
+    rd.priv->pushed_bytes =
+        kGather ? (uint64_t)((rd.ranks - 1) * ga.T * N * 4) : (uint64_t)(table.remote_rows * row_bytes);
   }
   RankView self = View(rd, rd.rank);
   T* stage = reinterpret_cast<T*>(self.stage());
@@ -68,29 +76,26 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     }
     if constexpr (kEngine == kWgmma)
       ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix,
-                            scratch.warp_sums, smem);
+                            scratch.warp_sums, smem, kGather);
     else
       ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
-                                                    smem);
-    CountLocalRows(rd, table, np);
+                                                    smem, kGather);
+    CountLocalRows(rd, table, np, !kGather);
     if (threadIdx.x == 0 && pid < table.bands)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
     return;
   }
 
+  if constexpr (kGather) {
+    GatherConsume<T>(rd, table, st.epoch, ga, cap, N, stage, flags, pol, consumers, gridDim.x - consumers, smem);
+    return;
+  }
   // Consumer: the remote bands [0, remote_bands) in producer order; CTA c pushes bands c, c + C, c + 2 C, ...
   const int first = blockIdx.x;
   const int count = first < table.remote_bands ? (table.remote_bands - 1 - first) / consumers + 1 : 0;
   if (count == 0) return;
-  if (pol.serialize) {
-    // The baseline without overlap: start pushing only once every producer CTA has stored all its tiles.
-    if (threadIdx.x == 0)
-      wait_ok = WaitAtLeast(rd, rd.producers_done, 0, (uint64_t)(gridDim.x - consumers), rd.rank, kStageTileReady);
-    __syncthreads();
-    const int ok = wait_ok;
-    __syncthreads();  // every thread has read wait_ok before thread 0 writes it again below
-    if (!ok) return;
-  }
+  // The baseline without overlap: start pushing only once every producer CTA has stored all its tiles.
+  if (pol.serialize && !WaitProducersDone(rd, gridDim.x - consumers)) return;
   if (threadIdx.x == 0)
     atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)GlobalTimer());
   struct BandAt {
@@ -176,12 +181,12 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
 }
 
-template <typename T, int kEngine, bool kTransB>
+template <typename T, int kEngine, bool kTransB, bool kGather>
 Status PrepareExpertKernel(int dev, int* smem_bytes) {
   const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
-  return PrepareOneCtaPerSm(reinterpret_cast<const void*>(ExpertKernel<T, kEngine, kTransB>), kEngineThreads<kEngine>,
-                            need, kEngine == kWgmma ? kWgmmaKernelSetup : KernelSetup{}, "ExpertKernel", dev,
-                            smem_bytes);
+  return PrepareOneCtaPerSm(reinterpret_cast<const void*>(ExpertKernel<T, kEngine, kTransB, kGather>),
+                            kEngineThreads<kEngine>, need, kEngine == kWgmma ? kWgmmaKernelSetup : KernelSetup{},
+                            "ExpertKernel", dev, smem_bytes);
 }
 
 // ExpertKernel's launch arguments, for LaunchExpertKernel.
@@ -193,32 +198,40 @@ struct ExpertLaunch {
   int64_t cap, K, N, E_l;
   const int32_t *seg_rows, *seg_ret_off;
   ConsumerConfig pol;  // smem_bytes is filled in here
+  GatherArgs gather;   // active: gather_rs's kernel
   CUtensorMap a_map, b_map;
 };
 
-// Prepares ExpertKernel<T, kEngine, kTransB> on the device (once) and launches it: one CTA per SM of the budget.
-template <typename T, int kEngine, bool kTransB>
+// Prepares ExpertKernel<T, kEngine, kTransB, kGather> on the device (once) and launches it: one CTA per SM of the
+// budget.
+template <typename T, int kEngine, bool kTransB, bool kGather>
 Status LaunchExpertKernel(ExpertLaunch l) {
   int smem = 0;
-  Status s = PrepareExpertKernel<T, kEngine, kTransB>(l.dev, &smem);
+  Status s = PrepareExpertKernel<T, kEngine, kTransB, kGather>(l.dev, &smem);
   if (!s.ok()) return s;
   l.pol.smem_bytes = smem;
-  ExpertKernel<T, kEngine, kTransB><<<l.budget, kEngineThreads<kEngine>, smem, l.stream>>>(
+  ExpertKernel<T, kEngine, kTransB, kGather><<<l.budget, kEngineThreads<kEngine>, smem, l.stream>>>(
       l.rd, static_cast<const T*>(l.lhs), static_cast<const T*>(l.w), l.cap, l.K, l.N, l.seg_rows, l.seg_ret_off,
-      (int)l.E_l, l.pol, l.a_map, l.b_map);
+      (int)l.E_l, l.pol, l.gather, l.a_map, l.b_map);
   return LaunchError("launch of ExpertKernel");
 }
 
 template <typename T, int kEngine>
 Status LaunchExpertKernel(const ExpertLaunch& l, bool transpose_rhs) {
-  return transpose_rhs ? LaunchExpertKernel<T, kEngine, true>(l) : LaunchExpertKernel<T, kEngine, false>(l);
+  if (l.gather.active)
+    return transpose_rhs ? LaunchExpertKernel<T, kEngine, true, true>(l)
+                         : LaunchExpertKernel<T, kEngine, false, true>(l);
+  return transpose_rhs ? LaunchExpertKernel<T, kEngine, true, false>(l)
+                       : LaunchExpertKernel<T, kEngine, false, false>(l);
 }
 
-// PrepareExpertKernel for both layouts of w.
+// PrepareExpertKernel for both layouts of w and both consumers (expert_combine's, gather_rs's).
 template <typename T, int kEngine>
-Status PrepareExpertKernelPair(int dev, int* smem_bytes) {
-  Status s = PrepareExpertKernel<T, kEngine, false>(dev, smem_bytes);
-  return s.ok() ? PrepareExpertKernel<T, kEngine, true>(dev, smem_bytes) : s;
+Status PrepareExpertKernelSet(int dev, int* smem_bytes) {
+  Status s = PrepareExpertKernel<T, kEngine, false, false>(dev, smem_bytes);
+  if (s.ok()) s = PrepareExpertKernel<T, kEngine, true, false>(dev, smem_bytes);
+  if (s.ok()) s = PrepareExpertKernel<T, kEngine, false, true>(dev, smem_bytes);
+  return s.ok() ? PrepareExpertKernel<T, kEngine, true, true>(dev, smem_bytes) : s;
 }
 
 }  // namespace
@@ -228,10 +241,10 @@ Status PrepareExpertKernels(int dev) {
   DeviceInfo info;
   Status s = GetDeviceInfo(dev, &info);
   if (s.ok() && GemmEngineDeviceRefusal(GemmEngine::kWgmma, info.cc) == nullptr)
-    s = PrepareExpertKernelPair<bf16, kWgmma>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernelPair<bf16, kMmaSync>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernelPair<bf16, kSimt>(dev, &smem);
-  if (s.ok()) s = PrepareExpertKernelPair<float, kSimt>(dev, &smem);
+    s = PrepareExpertKernelSet<bf16, kWgmma>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernelSet<bf16, kMmaSync>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernelSet<bf16, kSimt>(dev, &smem);
+  if (s.ok()) s = PrepareExpertKernelSet<float, kSimt>(dev, &smem);
   return s;
 }
 
@@ -281,23 +294,24 @@ ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, G
   return tile_m == m.tile_m && tile_n == m.tile_n ? ConsumerPolicy::kModel : ConsumerPolicy::kFixed;
 }
 
-Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
-                     int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
-                     const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
-                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
-  const int64_t row_bytes = RowBytes(dt, N);
-  Status s = BeginCall(c, "expert_combine", CallFootprint{row_bytes, cap, T * k, E_l}, group_op, rank_op);
-  if (!s.ok()) return s;
+Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const void* lhs, int64_t cap, int64_t K,
+                            const void* w, int64_t E_l, int64_t N, bool transpose_rhs, const int32_t* seg_rows,
+                            const int32_t* seg_ret_off, const GatherArgs& gather) {
+  Status s;
   Workspace& ws = *c.ws;
   const RankDev rd = ws.Dev(c.group, c.rank);
   const int dev = ws.device(c.group, c.rank);
   const int budget = ws.budget(c.group, c.rank);
+  const bool gathers = gather.active;
   if (c.opts.consumer_ctas > budget - 1)  // (>= 0: CheckOptions)
-    return FailCall(c, "expert_combine",
+    return FailCall(c, op,
                     "consumer_ctas=" + std::to_string(c.opts.consumer_ctas) + " but rank " + std::to_string(c.rank) +
                         " (group " + std::to_string(c.group) + ") has an SM budget of " + std::to_string(budget) +
                         " CTAs and needs at least one producer CTA: pin C in [1, " + std::to_string(budget - 1) +
                         "], or 0 for the resource manager's choice");
+  if (gathers && budget < 2)
+    return FailCall(c, op, "rank " + std::to_string(c.rank) + " has an SM budget of " + std::to_string(budget) +
+                               " CTA: gather_rs needs a producer CTA and a consumer CTA");
   ConsumerConfig pol{};
   pol.serialize = c.opts.serialize ? 1 : 0;
   // How the consumer pushes (CallOptions::tuning; the ranges are checked where CallConfig builds the options).
@@ -313,9 +327,10 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
   const std::optional<GemmEngine> selected =
       SelectGemmEngine(info.cc, {dt, GemmForm::kRows, cap, K, N, transpose_rhs, GemmEpilogue::kNone, lhs, w});
   if (!selected)
-    return FailCall(c, "expert_combine", std::string("no GEMM engine takes ") + Traits(dt).name +
-                                             " operands on this device");
+    return FailCall(c, op, std::string("no GEMM engine takes ") + Traits(dt).name + " operands on this device");
   const GemmEngine engine = *selected;
+  // The fixed C; also gather_rs's where the model has nothing to choose from (no band goes to another rank).
+  const int fixed = std::max(1, std::min(ws.consumer_ctas(), budget - 1));
   const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, engine);
   if (policy == ConsumerPolicy::kPinned) {
     pol.consumers = c.opts.consumer_ctas;
@@ -325,31 +340,41 @@ Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, 
     pol.model.sms = budget;  // the rank's CTAs are its SMs (one CTA per SM, checked by PrepareExpertKernel)
     pol.model.ctas_per_sm = 1;
     pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);
-    pol.consumers = 0;
+    pol.consumers = gathers ? fixed : 0;
   } else {
-    pol.consumers = std::min(ws.consumer_ctas(), budget - 1);
+    pol.consumers = fixed;
   }
   // Per-band tile counters and the finished-band count start from zero every call (stream-ordered: the previous
   // call's kernels are done).
   if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
                        "cudaMemsetAsync(band counters)")).ok())
     return s;
-  ExpertLaunch l{c.stream, dev, budget, rd, lhs, w, cap, K, N, E_l, seg_rows, seg_ret_off, pol, {}, {}};
+  ExpertLaunch l{c.stream, dev, budget, rd, lhs, w, cap, K, N, E_l, seg_rows, seg_ret_off, pol, gather, {}, {}};
   if (engine == GemmEngine::kWgmma) {  // the TMA descriptors of the wgmma engine (unused by the others)
     if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(lhs, cap, K, w, E_l, N, /*b_k_major=*/transpose_rhs, &l.a_map,
                                                     &l.b_map),
                          "tensor maps of the wgmma producer")).ok())
       return s;
-    s = LaunchExpertKernel<bf16, kWgmma>(l, transpose_rhs);
-  } else if (engine == GemmEngine::kMmaSync) {
-    s = LaunchExpertKernel<bf16, kMmaSync>(l, transpose_rhs);
-  } else if (dt == DType::kBF16) {
-    s = LaunchExpertKernel<bf16, kSimt>(l, transpose_rhs);
-  } else {
-    s = LaunchExpertKernel<float, kSimt>(l, transpose_rhs);
+    return LaunchExpertKernel<bf16, kWgmma>(l, transpose_rhs);
   }
+  if (engine == GemmEngine::kMmaSync) return LaunchExpertKernel<bf16, kMmaSync>(l, transpose_rhs);
+  if (dt == DType::kBF16) return LaunchExpertKernel<bf16, kSimt>(l, transpose_rhs);
+  return LaunchExpertKernel<float, kSimt>(l, transpose_rhs);
+}
+
+Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
+                     int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
+                     const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
+                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
+  const int64_t row_bytes = RowBytes(dt, N);
+  Status s = BeginCall(c, "expert_combine", CallFootprint{row_bytes, cap, T * k, E_l}, group_op, rank_op);
   if (!s.ok()) return s;
-  return LaunchCombine(rd, budget, c.stream, dt, gates, slot_ret_row, ret_expected, T, k, N, row_bytes, y, slot_out);
+  s = LaunchExpertOperator(c, "expert_combine", dt, lhs, cap, K, w, E_l, N, transpose_rhs, seg_rows, seg_ret_off,
+                           GatherArgs{});
+  if (!s.ok()) return s;
+  const RankDev rd = c.ws->Dev(c.group, c.rank);
+  return LaunchCombine(rd, c.ws->budget(c.group, c.rank), c.stream, dt, gates, slot_ret_row, ret_expected, T, k, N,
+                       row_bytes, y, slot_out);
 }
 
 }  // namespace jmo::cuda

@@ -58,25 +58,37 @@ __device__ __forceinline__ void PublishTile(const RankDev& rd, uint64_t* flags, 
 // stream) are counted into ret_arrivals once, by the last producer CTA to finish: each thread's fence and the CTA
 // barrier order the CTA's stores before its producers_done add, so the last adder's count follows every store of
 // the call. This keeps the per-tile fence and consumer barrier off local tiles (all tiles at EP = 1). Also what the
-// serialized mode's consumer waits for (producers_done == producer CTAs).
-__device__ inline void CountLocalRows(const RankDev& rd, const SegTable& t, int producers) {
+// serialized mode's consumer waits for (producers_done == producer CTAs). count_local = false (gather_rs, whose
+// producer stores every tile in stage and whose ret rows count partial slices, not rows): producers_done only.
+__device__ inline void CountLocalRows(const RankDev& rd, const SegTable& t, int producers, bool count_local = true) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) != (unsigned long long)(producers - 1))
     return;
+  if (!count_local) return;
   uint64_t local_rows = 0;
   for (int i = t.remote_segs; i < t.n; ++i) local_rows += (uint64_t)t.seg[i].rows;
   __threadfence();
   if (local_rows > 0) AddReleaseSys(&View(rd, rd.rank).control()->ret_arrivals.value, local_rows);
 }
 
+// The serialized mode's start, for every thread of a consumer CTA: once every producer CTA has stored all its tiles
+// (CountLocalRows' producers_done); false if the wait gave up.
+__device__ inline bool WaitProducersDone(const RankDev& rd, int producers) {
+  int ok = 1;
+  if (threadIdx.x == 0) ok = WaitAtLeast(rd, rd.producers_done, 0, (uint64_t)producers, rd.rank, kStageTileReady);
+  return __syncthreads_and(ok) != 0;
+}
+
 // Where a producer tile of segment s goes: the stage rows the consumer pushes from, or for a local segment the
-// rank's own ret rows (no push). `row` is the tile's first row within the segment.
+// rank's own ret rows (no push). all_stage (gather_rs): every segment's tiles go to stage, where its consumer reduces
+// them. `row` is the tile's first row within the segment.
 template <typename T>
 __device__ __forceinline__ T* TileOut(const RankDev& rd, const Segment& s, int row, int64_t n0, int64_t N, T* stage,
-                                      T* ret) {
-  return s.src == rd.rank ? ret + ((int64_t)s.ret_off + row) * N + n0 : stage + ((int64_t)s.recv_off + row) * N + n0;
+                                      T* ret, bool all_stage) {
+  return s.src == rd.rank && !all_stage ? ret + ((int64_t)s.ret_off + row) * N + n0
+                                        : stage + ((int64_t)s.recv_off + row) * N + n0;
 }
 
 // mma.sync / SIMT engine (gemm/sm80/mma_tile.cuh, gemm/simt_tile.cuh): one band (64 rows) x kTileN columns per tile.
@@ -90,7 +102,7 @@ constexpr int kSimtSmemBytes = SimtSmemBytes<kMmaBM>();
 template <typename T, bool kTensorCores, bool kTransB>
 __device__ inline void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t epoch, const T* __restrict__ lhs,
                                     const T* __restrict__ w, int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags,
-                                    int pid, int np, char* smem) {
+                                    int pid, int np, char* smem, bool gather) {
   const int64_t ntiles = (N + kMmaBN - 1) / kMmaBN;
   const int64_t tiles = (int64_t)table.bands * ntiles;
   for (int64_t t = pid; t < tiles; t += np) {
@@ -103,13 +115,13 @@ __device__ inline void ProduceBands(const RankDev& rd, const SegTable& table, ui
     const T* w_e = w + (int64_t)s.expert * K * N;
     // Column n0 of B: column n0 of row 0 of w_e [K, N], or row n0 of w_e [N, K].
     const TileArgs<T, T> tile{lhs + row0 * K, K, w_e + n0 * (kTransB ? K : 1), kTransB ? K : N,
-                              TileOut(rd, s, b * kMmaBM, n0, N, stage, ret), N, rows, (int)min((int64_t)kMmaBN, N - n0),
-                              (int)K};
+                              TileOut(rd, s, b * kMmaBM, n0, N, stage, ret, gather), N, rows,
+                              (int)min((int64_t)kMmaBN, N - n0), (int)K};
     if constexpr (kTensorCores)
       TcTile<kMmaBM, false, kTransB, T>(tile, smem);
     else
       SimtTile<kMmaBM, false, kTransB, T, T>(tile, smem);
-    const bool publish = s.src != rd.rank;  // (uniform in the CTA)
+    const bool publish = gather || s.src != rd.rank;  // (uniform in the CTA)
     if (publish) __threadfence();
     __syncthreads();
     if (publish && threadIdx.x == 0) PublishTile(rd, flags, s.band_base + b, 1, (int)ntiles, epoch);
@@ -173,7 +185,7 @@ template <bool kTransB>
 __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
                                     const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret,
                                     uint64_t* flags, int pid, int np, int32_t* tile_prefix, int64_t* warp_sums,
-                                    char* smem) {
+                                    char* smem, bool gather) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
@@ -181,11 +193,12 @@ __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, ui
     const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i, 1);
     WgTile t;
     static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
-    t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret);
+    t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret, gather);
     t.ldc = N;
     t.flag = at.s->band_base + at.mt * (kWgBM / (int)kBandRows);
     t.bands = (t.rows + (int)kBandRows - 1) / (int)kBandRows;
-    t.publish = at.s->src != rd.rank;  // local tiles: no fence, no barrier, no flag (CountLocalRows)
+    // Local tiles: no fence, no barrier, no flag (CountLocalRows); gather_rs's consumer waits for every tile.
+    t.publish = gather || at.s->src != rd.rank;
     return t;
   };
   auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
