@@ -48,11 +48,14 @@ def dispatch_pushers(config: CallConfig, device: DeviceFacts, ranks: int) -> int
 
 def send_once(config: CallConfig, ranks: int) -> bool:
   """Whether the forward's dispatch sends a token's row once per destination rank (``Plan.slot_primary``): pinned by
-  ``config.send_once``, else at two ranks or more, where rows cross a link (a token routed to two experts of one
-  rank crosses it once, not twice); at one rank every row is local and the dispatch stays one row per slot."""
+  ``config.send_once``, else not. Sending once moves fewer bytes over the links at two ranks or more, but on the
+  GPU the receiver's expansion of those rows into the GEMM's rows costs more than the bytes it saves
+  (docs/performance.md, "dispatch_gemm: the dispatch overlapped with GEMM1"), so one row per slot is the default
+  until that expansion is cheaper; at one rank every row is local and sending once changes nothing."""
+  del ranks  # (the rule does not depend on the rank count while the default is one row per slot)
   if config.send_once is not None:
     return bool(config.send_once)
-  return ranks >= 2
+  return False
 
 
 # gather_rs's metadata carries a slot's index as a float32 (exact below 2^24): a rank's slots T k TP must be fewer.

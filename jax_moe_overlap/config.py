@@ -221,8 +221,9 @@ class CallConfig:
     rounding, not bit for bit). Not with serialize.
   send_once: whether the forward's dispatch sends a token's row once per destination rank rather than once per slot
     (the receiver fills the token's other slots' rows from it: docs/design.md, "Send once"); results are identical
-    either way. None (default): the library's choice (``call_site.send_once``), at two ranks or more (one rank has
-    no link). The backward's dispatch of ``gates * dy`` always sends one row per slot (each slot's row differs).
+    either way. None (default): the library's choice (``call_site.send_once``): one row per slot (on the GPU the
+    receiver's expansion costs more than the link bytes it saves; docs/performance.md). The backward's dispatch of
+    ``gates * dy`` always sends one row per slot (each slot's row differs).
   tensor_reduce: how an ``impl="overlap"`` layer with a tensor axis sums the tensor shards' partial outputs
     (docs/design.md, "GatherRS"). "per_slot": expert_combine returns every shard's partial of every slot to the
     token's owner, which sums them (partials in the layer's dtype). "gather_rs": each rank scales its GEMM2 rows by

@@ -436,10 +436,10 @@ def test_default_layer_on_cpu_runs_two_calls():
   assert "@jmo_dispatch_gemm(" not in hlo and hlo.count("@jmo_dispatch(") == 2, "CPU defaults to the two calls"
 
 
-def test_layer_sends_once_by_default_at_two_ranks_or_more():
-  # The forward's dispatch gets the plan's slot_primary [P] (send once) by default at R >= 2, the backward's [0] (its
-  # rows, gates * dy, differ per slot); CallConfig(send_once=False) gives [0] to both, and the layer's results are
-  # the same bit for bit (loss, y, dropped and every gradient).
+def test_layer_sends_once_where_pinned():
+  # CallConfig(send_once=True): the forward's dispatch gets the plan's slot_primary [P], the backward's [0] (its rows,
+  # gates * dy, differ per slot); the default (one row per slot, call_site.send_once) gives [0] to both, and the
+  # layer's results are the same bit for bit (loss, y, dropped and every gradient).
   mesh = mesh_of(4)
   args = layer_case(4, "all_to_one", True, jnp.float32, tokens_per_rank=16)
 
@@ -447,12 +447,12 @@ def test_layer_sends_once_by_default_at_two_ranks_or_more():
     hlo = layer_fn(mesh, None, config).lower(*args).as_text()
     return [line for line in hlo.splitlines() if "@jmo_dispatch(" in line]
 
-  once, per_slot = dispatch_lines(CallConfig()), dispatch_lines(CallConfig(send_once=False))
+  once, per_slot = dispatch_lines(CallConfig(send_once=True)), dispatch_lines(CallConfig())
   assert len(once) == len(per_slot) == 2
   assert sorted("tensor<0xi32>" in line for line in once) == [False, True], once
   assert all("tensor<0xi32>" in line for line in per_slot), per_slot
-  got = layer_fn(mesh, None, CallConfig())(*args)
-  want = layer_fn(mesh, None, CallConfig(send_once=False))(*args)
+  got = layer_fn(mesh, None, CallConfig(send_once=True))(*args)
+  want = layer_fn(mesh, None, CallConfig())(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   ws = Workspace.get(mesh_of(1), "expert", WorkspaceSizes(row_bytes=64, recv_rows=16, ret_rows=16, num_segments=8))

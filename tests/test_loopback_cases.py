@@ -347,7 +347,8 @@ def test_overlap_table_rows(monkeypatch, capsys):
 
   # dispatch_gemm with the library's pushers: two calls 300, fused 250, the dispatch alone 100, GEMM alone 200 us:
   # hidden = 1 - (250 - 200) / 100 = 50%; SMs = the pushers the runner resolved.
-  case = _small_case(time=True, table=True, dispatch_gemm_pushers=cases_lib.AUTO, link_gbps=10.0, reps=3)
+  case = _small_case(time=True, table=True, dispatch_gemm_pushers=cases_lib.AUTO, link_gbps=10.0, reps=3,
+                     send_once=1)
   sets = cases_lib.make_data(case)
   res = _exact_run(case, sets)
   res["dg_us"] = [[[300.0] * 3] * 2, [[250.0] * 3, [240.0] * 3], [[100.0] * 3] * 2]
@@ -355,7 +356,7 @@ def test_overlap_table_rows(monkeypatch, capsys):
   table = []
   assert run.run_case(types.SimpleNamespace(run_ranks=lambda spec, data: res), case, table)
   (row,) = table
-  # Bytes sent once per (token, destination rank) (R = 2: send once is the default), plus 8 per remote slot's entry.
+  # Bytes sent once per (token, destination rank) (send once pinned), plus 8 per remote slot's entry.
   wire = []
   for r, d in enumerate(sets[0]):
     remote = np.flatnonzero((d.plan["slot_dest_rank"] != r) & (d.plan["slot_dest_row"] >= 0))
@@ -547,7 +548,8 @@ def test_run_case_tensor_spec(monkeypatch, capsys):
 def test_wire_bytes_count_each_row_once_per_destination():
   # Routing 2 at R = 2 with two experts per rank: every token's two choices are rank 0's experts, so rank 1 sends each
   # token's row once with send once (plus an 8-byte entry per slot), twice without; rank 0 sends nothing remote.
-  case = dataclasses.replace(cases_lib.Case(), ranks=2, experts=4, tokens=32, routing=2)
+  case = dataclasses.replace(cases_lib.Case(), ranks=2, experts=4, tokens=32, routing=2, send_once=1)
+  assert not dataclasses.replace(case, send_once=cases_lib.AUTO).sends_once  # the library's default: one per slot
   rng = np.random.default_rng(0)
   ids = [cases_lib.route(rng, case, r) for r in range(case.ranks)]
   plans = cases_lib.make_plans(case, ids)
@@ -558,7 +560,6 @@ def test_wire_bytes_count_each_row_once_per_destination():
   per_slot = dataclasses.replace(case, send_once=0)
   assert not per_slot.sends_once
   assert cases_lib.wire_bytes(per_slot, plans[1], 1, row) == (64, 64 * row)
-  assert not dataclasses.replace(case, ranks=1, experts=2).sends_once
 
 
 def test_regret_rows_and_summary(capsys):

@@ -16,7 +16,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jax_moe_overlap import env
+from jax_moe_overlap import call_site, env
+from jax_moe_overlap.config import CallConfig
 
 ROUTINGS = ("balanced", "moderate", "extreme", "round_robin", "next_rank")
 AUTO = -1  # Case.dispatch_gemm_pushers: the library's count for the rank's SM budget (DefaultPushers, call_options.h)
@@ -101,8 +102,7 @@ class Case:
   # place, and y also bit for bit against its float32 sums restated on the host (tensor.gather_sums).
   gather_rs: bool = False
   # Send once (docs/design.md, "Send once"): every dispatch (and dispatch_gemm) sends a token's row once per destination
-  # rank (plan.slot_primary); AUTO: the library's rule (call_site.send_once: at two ranks or more), 0: one row per
-  # slot, 1: send once.
+  # rank (plan.slot_primary); AUTO: the library's rule (call_site.send_once), 0: one row per slot, 1: send once.
   send_once: int = AUTO
 
   @property
@@ -113,7 +113,9 @@ class Case:
   @property
   def sends_once(self) -> bool:
     """Whether the dispatches send each row once per destination rank."""
-    return self.ranks >= 2 if self.send_once == AUTO else bool(self.send_once)
+    if self.send_once == AUTO:
+      return call_site.send_once(CallConfig(), self.ranks)
+    return bool(self.send_once)
 
   @property
   def expert_ranks(self) -> int:
@@ -329,8 +331,9 @@ def _dispatch_gemm_time(base: Case) -> list[Case]:
     v.append(dataclasses.replace(base, ranks=R, link_gbps=NVLINK_GBPS / R, model=calibrated_model(R, NVLINK_GBPS / R),
                                  **dict(shape, dispatch_gemm_pushers=p, dispatch_gemm_mode=mode, tokens=tokens)))
   v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_mode="train", **dict(shape, experts=4, tokens=8192)))
-  # The linked R = 2 and R = 4 training forwards again with one row per slot: what sending once saves.
-  v += [dataclasses.replace(v[i], send_once=0) for i in (3, 5)]
+  # The linked R = 2 and R = 4 training forwards again sending each row once per destination rank: what it saves in
+  # bytes and costs in the receiver's expansion.
+  v += [dataclasses.replace(v[i], send_once=1) for i in (3, 5)]
   return v
 
 
@@ -489,8 +492,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return [c for c in _small(base) if producer_path(c) != "wgmma bf16"]
   if name == "resource":
     return _resource(base)
-  if name == "dispatch-gemm":
-    return _dispatch_gemm(base)
+  if name == "dispatch-gemm":  # sending once where the cases do not say (its receiver's expansion is checked here)
+    return _dispatch_gemm(dataclasses.replace(base, send_once=1))
   if name == "dispatch-gemm-time":
     return _dispatch_gemm_time(base)
   if name == "combine-time":
@@ -501,8 +504,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _tensor(base)
   if name == "tensor-time":
     return _tensor_time(base)
-  if name == "full":
-    return _full(base)
+  if name == "full":  # as dispatch-gemm: sending once where the cases do not say
+    return _full(dataclasses.replace(base, send_once=1))
   raise ValueError(f"unknown suite {name!r} (one of {', '.join(SUITES)})")
 
 
