@@ -143,8 +143,9 @@ class Run {
   void Go() {
     LB_CHECK(cudaSetDevice(s_.device));
     const int64_t row_bytes = (int64_t)std::max({D_, K_, N_}) * eb_;
-    // gather_rs: the ret rows also hold the R float32 partial slices of the rank's tokens (workspace.layer_sizes).
-    const int64_t partials = s_.gather_rs ? ((int64_t)R_ * T_ * N_ * 4 + row_bytes - 1) / row_bytes : 0;
+    // gather_rs: the ret rows also hold the R float32 partial slices of the rank's tokens (workspace.layer_sizes),
+    // counted as the call counts them: in rows of its own width (N elements), not of the workspace's wider rows.
+    const int64_t partials = s_.gather_rs ? ((int64_t)R_ * T_ * 4 + eb_ - 1) / eb_ : 0;
     WorkspaceSizes sizes{row_bytes, cap_, std::max<int64_t>(P_, partials), MaxBands(cap_, (int64_t)E_l_ * R_)};
     int sms = 0;
     LB_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s_.device));
