@@ -87,13 +87,21 @@ def swiglu_grad(a, dh, out_dtype):
   return da.astype(out_dtype)
 
 
+# Whether the layer's backward takes the SwiGLU-gradient epilogue (grouped_matmul_swiglu_grad) where an engine has
+# it. Off: on the H200 the fused call took 1.45 ms against 1.00 ms for grouped_matmul then XLA's fusion at the
+# training preset's shape, 3.84 against 3.45 at a DeepSeek-like one (docs/performance.md, "SwiGLU gradient in the
+# dgrad GEMM's epilogue"): its epilogue reads a while the tensor cores wait. The op itself stays public and tested.
+LAYER_FUSES_SWIGLU_GRAD = False
+
+
 def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
-  """dh = d_out W2^T (float32) and the SwiGLU's gradient at a from it: da [cap, 2F] in out_dtype. On GPU, where an
-  engine has the SwiGLU-gradient epilogue for the operands (``engines.swiglu_grad_fused``), one custom call that
-  never writes dh (``grouped_matmul_swiglu_grad``); elsewhere on GPU ``grouped_matmul`` writes dh in float32 and XLA
-  computes the gradient; on CPU XLA's ragged_dot, then the gradient."""
+  """dh = d_out W2^T (float32) and the SwiGLU's gradient at a from it: da [cap, 2F] in out_dtype. On GPU, where the
+  layer takes the fused epilogue (``LAYER_FUSES_SWIGLU_GRAD``) and an engine has it for the operands
+  (``engines.swiglu_grad_fused``), one custom call that never writes dh (``grouped_matmul_swiglu_grad``); elsewhere
+  on GPU ``grouped_matmul`` writes dh in float32 and XLA computes the gradient; on CPU XLA's ragged_dot, then the
+  gradient."""
   F, D = w2.shape[1], w2.shape[2]
-  fused = (jnp.dtype(out_dtype) == d_out.dtype and
+  fused = (LAYER_FUSES_SWIGLU_GRAD and jnp.dtype(out_dtype) == d_out.dtype and
            engines.swiglu_grad_fused(d_out.dtype == jnp.bfloat16 and w2.dtype == jnp.bfloat16, D, F, True))
 
   def unfused():

@@ -71,10 +71,15 @@ def test_dispatch_gemm_equals_two_calls(R):
   checks.check_dispatch_gemm(gpu_mesh(R))
 
 
-def test_one_rank_backward_fuses_the_swiglu_gradient():
-  """At R = 1 on Hopper the backward's dh = d_out W2^T and the SwiGLU's gradient are one grouped_matmul_swiglu_grad
-  call: the program has it, and no [cap, 2F] concatenate (the unfused gradient's fusion) is left; elsewhere
-  the unfused path (grouped_matmul, then XLA). The gradients themselves: test_moe_experts_forward_and_grads."""
+@pytest.mark.parametrize("fuse", [False, True])
+def test_one_rank_backward_fuses_the_swiglu_gradient(fuse, monkeypatch):
+  """With the layer taking the SwiGLU-gradient epilogue (expert_gemms.LAYER_FUSES_SWIGLU_GRAD; off by default, the
+  unfused path measured faster), at R = 1 on Hopper the backward's dh = d_out W2^T and the SwiGLU's gradient are one
+  grouped_matmul_swiglu_grad call: the program has it, and no [cap, 2F] concatenate (the unfused gradient's fusion)
+  is left; elsewhere, and by default, the unfused path (grouped_matmul, then XLA). The gradients themselves:
+  test_moe_experts_forward_and_grads."""
+  from jax_moe_overlap import expert_gemms  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(expert_gemms, "LAYER_FUSES_SWIGLU_GRAD", fuse)
   layer = checks.Layer(gpu_mesh(1), "skewed", seed=7)
   fn = checks.layer_fn(layer.mesh, layer.ids, layer.target, "overlap")
   hlo = jax.jit(fn).lower(*layer.args(jnp.bfloat16)).compile().as_text()
@@ -82,7 +87,7 @@ def test_one_rank_backward_fuses_the_swiglu_gradient():
   concats = re.findall(rf"(?:bf16|f32)\[\d+,{2 * checks.F}\][^ ]* concatenate\(", hlo)
   print(f"R=1 backward: grouped_matmul_swiglu_grad {'in' if fused else 'not in'} the program, "
         f"{len(concats)} [*, 2F] concatenates")
-  assert fused == is_hopper(), hlo[-4000:]
+  assert fused == (fuse and is_hopper()), hlo[-4000:]
   if fused:
     assert not concats, concats
 
