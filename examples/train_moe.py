@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -321,11 +322,14 @@ def check_against_reference(model, tokens, num_devices):
 
 
 def check_counts(args):
-  """SystemExit naming the first count flag below its least value (the model's sizes: ``ModelConfig.check``)."""
+  """SystemExit naming the first count flag below its least value, or a learning rate that is not a positive finite
+  number (the model's sizes: ``ModelConfig.check``)."""
   least = {"batch_size": 1, "eval_batches": 1, "save_every": 1, "eval_every": 0, "log_every": 0, "steps": 0}
   for name, low in least.items():
     if getattr(args, name) < low:
       raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: at least {low}")
+  if not (math.isfinite(args.lr) and args.lr > 0):
+    raise SystemExit(f"--lr {args.lr}: must be a positive finite number")
 
 
 def check_batch_split(batch_size, grad_accum, num_devices):

@@ -3,7 +3,8 @@
 Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy
 (``check_layer``: all of ``MoE``'s, for a script that checks its flags before it builds a model),
 so a rule and its message change in one place. Each raises a ValueError or TypeError naming the problem before
-anything runs.
+anything runs, or a NotImplementedError for a combination the library has no path for yet (``check_fp8_impl``: FP8
+with an impl whose FP8 kernels do not exist), naming what is missing.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def expert_capacity(tokens_per_rank: int, ranks: int, top_k: int, num_experts: i
   if capacity_factor is None:
     return dropless
   if capacity_factor <= 0:
-    raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor}")
+    raise ValueError(f"jax_moe_overlap: capacity_factor must be positive or None (dropless), got {capacity_factor}")
   cap = math.ceil(capacity_factor * tokens_per_rank * ranks * top_k / num_experts)
   return max(1, min(cap, dropless))
 

@@ -180,6 +180,7 @@ def test_device_time_of_ops_the_hlo_lacks_is_counted_as_unnamed():
     (["--heads", "5"], "d_model=64 is not divisible by num_heads=5"),
     (["--seq-len", "0"], "seq_len=0: at least 1"),
     (["--save-every", "0"], "--save-every 0: at least 1"),
+    (["--lr", "nan"], "--lr nan: must be a positive finite number"),
     (["--mesh", "expert=3"], "mesh 'expert=3' has 3 devices, but 4 are in use"),
 ])
 def test_training_refuses_bad_flags_in_one_line(flags, rule):
