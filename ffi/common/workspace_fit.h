@@ -18,6 +18,12 @@ struct CallFootprint {
   int64_t local_experts = 0;  // E_local: its (local expert, source) segments are E_local x ranks
 };
 
+// gather_rs's float32 partial slices [R, T, N] in a rank's ret rows, counted in rows of the call's own width
+// (row_bytes, its N elements): the ret rows of its footprint (0 for rows of no bytes).
+inline int64_t GatherRsPartialRows(int64_t R, int64_t T, int64_t N, int64_t row_bytes) {
+  return row_bytes ? (R * T * N * 4 + row_bytes - 1) / row_bytes : 0;
+}
+
 // Empty if `need` fits a workspace of `have` and `ranks` ranks whose kernels take at most `max_segments` segments
 // (the CUDA kernels keep them on chip); else what does not fit, with both sides' numbers.
 inline std::string CheckFits(const CallFootprint& need, const WorkspaceSizes& have, int ranks, int64_t max_segments) {

@@ -111,8 +111,7 @@ ffi::Error GatherRsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs,
   if (shape.has_error()) return shape.error();
   const GatherRsShape s = *shape;
   const int64_t row_bytes = RowBytes(s.dtype, s.N);
-  // The partials land in the ret rows as float32 [R, T, N]: that many bytes, counted in rows of this call's width.
-  const int64_t partial_rows = row_bytes ? (s.R * s.T * s.N * 4 + row_bytes - 1) / row_bytes : 0;
+  const int64_t partial_rows = GatherRsPartialRows(s.R, s.T, s.N, row_bytes);
   auto ctx = BeginCall("gather_rs", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
                        CallFootprint{row_bytes, s.cap, partial_rows, s.E_local});
   if (ctx.has_error()) return ctx.error();

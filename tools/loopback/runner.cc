@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/workspace_fit.h"  // GatherRsPartialRows
 #include "cuda/api.h"
 #include "cuda/gemm/engine.h"
 #include "cuda/ops/grouped_gemm.h"
@@ -145,7 +146,7 @@ class Run {
     const int64_t row_bytes = (int64_t)std::max({D_, K_, N_}) * eb_;
     // gather_rs: the ret rows also hold the R float32 partial slices of the rank's tokens (workspace.layer_sizes),
     // counted as the call counts them: in rows of its own width (N elements), not of the workspace's wider rows.
-    const int64_t partials = s_.gather_rs ? ((int64_t)R_ * T_ * 4 + eb_ - 1) / eb_ : 0;
+    const int64_t partials = s_.gather_rs ? GatherRsPartialRows(R_, T_, N_, (int64_t)N_ * eb_) : 0;
     WorkspaceSizes sizes{row_bytes, cap_, std::max<int64_t>(P_, partials), MaxBands(cap_, (int64_t)E_l_ * R_)};
     int sms = 0;
     LB_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s_.device));

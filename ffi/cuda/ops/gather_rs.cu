@@ -144,8 +144,7 @@ Status GatherRs(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64
                 void* y, void* rows_out) {
   const int64_t row_bytes = RowBytes(dt, N);
   const int64_t R = c.ws != nullptr ? c.ws->ranks() : 0;
-  // The partials land in the ret rows as float32 [R, T, N]: that many bytes, counted in rows of this call's width.
-  const int64_t partial_rows = row_bytes ? (R * T * N * 4 + row_bytes - 1) / row_bytes : 0;
+  const int64_t partial_rows = GatherRsPartialRows(R, T, N, row_bytes);
   Status s = BeginCall(c, "gather_rs", CallFootprint{row_bytes, cap, partial_rows, E_l}, group_op, rank_op);
   if (!s.ok()) return s;
   s = LaunchExpertOperator(c, "gather_rs", dt, lhs, cap, K, w, E_l, N, transpose_rhs, seg_rows, seg_ret_off,
