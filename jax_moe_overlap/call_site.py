@@ -46,16 +46,13 @@ def dispatch_pushers(config: CallConfig, device: DeviceFacts, ranks: int) -> int
   return int(_jmo.default_dispatch_pushers(int(device.sm_budget or 0)))
 
 
-def send_once(config: CallConfig, ranks: int) -> bool:
+def send_once(config: CallConfig) -> bool:
   """Whether the forward's dispatch sends a token's row once per destination rank (``Plan.slot_primary``): pinned by
   ``config.send_once``, else not. Sending once moves fewer bytes over the links at two ranks or more, but on the
   GPU the receiver's expansion of those rows into the GEMM's rows costs more than the bytes it saves
   (docs/performance.md, "dispatch_gemm: the dispatch overlapped with GEMM1"), so one row per slot is the default
   until that expansion is cheaper; at one rank every row is local and sending once changes nothing."""
-  del ranks  # (the rule does not depend on the rank count while the default is one row per slot)
-  if config.send_once is not None:
-    return bool(config.send_once)
-  return False
+  return bool(config.send_once)  # (None: not pinned, one row per slot)
 
 
 # gather_rs's metadata carries a slot's index as a float32 (exact below 2^24): a rank's slots T k TP must be fewer.
@@ -113,7 +110,7 @@ class RankInfo:
     if ws.platform != "cpu":
       command_buffers.check_scheduling()
     object.__setattr__(self, "dispatch_pushers", dispatch_pushers(cfg, ws.device, ws.ranks))
-    object.__setattr__(self, "send_once", send_once(cfg, ws.ranks))
+    object.__setattr__(self, "send_once", send_once(cfg))
 
   def coords(self):
     """Inside shard_map: (group, rank) of this device, the operands every workspace call takes."""

@@ -114,7 +114,7 @@ class Case:
   def sends_once(self) -> bool:
     """Whether the dispatches send each row once per destination rank."""
     if self.send_once == AUTO:
-      return call_site.send_once(CallConfig(), self.ranks)
+      return call_site.send_once(CallConfig())
     return bool(self.send_once)
 
   @property
