@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import engines
+from jax_moe_overlap import fp8
 
 GROUPED_MATMUL = "jmo_grouped_matmul"
 GROUPED_OUTER = "jmo_grouped_outer"
@@ -181,8 +182,7 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
   Returns:
     [M, N].
   """
-  E4M3 = jnp.float8_e4m3fn
-  if lhs.dtype != E4M3 or rhs.dtype != E4M3 or lhs_scales.dtype != jnp.float32 or rhs_scales.dtype != jnp.float32:
+  if lhs.dtype != fp8.E4M3 or rhs.dtype != fp8.E4M3 or lhs_scales.dtype != jnp.float32 or rhs_scales.dtype != jnp.float32:
     raise TypeError(f"jax_moe_overlap: grouped_matmul_fp8: lhs and rhs must be float8_e4m3fn and their scales "
                     f"float32; got {lhs.dtype}, {lhs_scales.dtype}, {rhs.dtype}, {rhs_scales.dtype}")
   if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
@@ -196,10 +196,11 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
     raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and "
                      f"[G, N, K]")
   (M, K), (G, N) = lhs.shape, rhs.shape[:2]
-  if K % 128 or N % 128 or K == 0 or N == 0:
+  if K % fp8.TILE or N % fp8.TILE or K == 0 or N == 0:
     raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: K and N must be positive multiples of 128 (whole "
                      f"1 x 128 and 128 x 128 scale tiles), got K={K}, N={N}")
-  if (rhs.shape[2] != K or lhs_scales.shape != (M, K // 128) or rhs_scales.shape != (G, N // 128, K // 128) or
+  t = fp8.TILE
+  if (rhs.shape[2] != K or lhs_scales.shape != (M, K // t) or rhs_scales.shape != (G, N // t, K // t) or
       group_sizes.shape != (G,)):
     raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: lhs {lhs.shape}, lhs_scales {lhs_scales.shape}, rhs "
                      f"{rhs.shape}, rhs_scales {rhs_scales.shape} and group_sizes {group_sizes.shape} do not fit "
