@@ -88,9 +88,8 @@ def swiglu_grad(a, dh, out_dtype):
 
 
 # Whether the layer's backward takes the SwiGLU-gradient epilogue (grouped_matmul_swiglu_grad) where an engine has
-# it. Off: on the H200 the fused call took 1.45 ms against 1.00 ms for grouped_matmul then XLA's fusion at the
-# training preset's shape, 3.84 against 3.45 at a DeepSeek-like one (docs/performance.md, "SwiGLU gradient in the
-# dgrad GEMM's epilogue"): its epilogue reads a while the tensor cores wait. The op itself stays public and tested.
+# it. Off while the fused call is slower than grouped_matmul then XLA's fusion (docs/performance.md, "SwiGLU gradient
+# in the dgrad GEMM's epilogue"): its epilogue reads a while the tensor cores wait. The op stays public and tested.
 LAYER_FUSES_SWIGLU_GRAD = False
 
 
