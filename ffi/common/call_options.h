@@ -40,6 +40,10 @@ struct CallOptions {
   // so that a rank's pushing CTAs together move at most this many GB/s, as over a link of that bandwidth (on CUDA:
   // transport/emulated_link.cuh). Never set by the library's Python API (0: no pacing); no effect on CPU.
   double emulated_link_gbps = 0;
+  // Benchmark aid of the loopback harness: > 0 pins the row blocks per raster band of expert_combine's and
+  // gather_rs's wgmma producer (wgmma_gemm::BandRaster inside each segment); 0: the rule (kProducerBandM,
+  // cuda/ops/expert_combine.cu). Never set by the library's Python API; no effect on CPU or on other GEMM engines.
+  int32_t producer_band_m = 0;
 };
 
 // dispatch_gemm's pushing CTAs where the library chooses without a resource model (no calibration, or one without a

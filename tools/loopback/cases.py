@@ -97,6 +97,9 @@ class Case:
   # of this many GB/s per rank (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's
   # memory.
   link_gbps: float = 0.0
+  # > 0: expert_combine's and gather_rs's wgmma producer goes in raster bands of this many row blocks
+  # (CallOptions::producer_band_m); 0: the library's rule.
+  producer_band_m: int = 0
   # With `tensor` > 1: the shards' partials summed by gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS") in
   # expert_combine's place (tools/loopback/tensor.py gather_tables); its rows output is checked in the slot output's
   # place, and y also bit for bit against its float32 sums restated on the host (tensor.gather_sums).
@@ -187,6 +190,8 @@ class Case:
       return f"top_k {k} larger than the experts it chooses from"
     if self.consumers < 0:
       return "consumers must be >= 0 (0: the manager)"
+    if self.producer_band_m < 0:
+      return "producer_band_m must be >= 0 (0: the library's rule)"
     from jax_moe_overlap import _jmo, engines  # pylint: disable=g-import-not-at-top
     from jax_moe_overlap.config import ConsumerTuning  # pylint: disable=g-import-not-at-top
     try:
@@ -238,6 +243,8 @@ class Case:
       s += f" link={self.link_gbps:g}GB/s"
     if self.gather_rs:
       s += " gather_rs"
+    if self.producer_band_m > 0:
+      s += f" band_m={self.producer_band_m}"
     if self.delay_rank >= 0:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:

@@ -88,6 +88,7 @@ Spec ParseSpec(const nb::dict& d) {
   if (d.contains("dg_sweep") && !d["dg_sweep"].is_none()) s.dg_sweep = nb::cast<std::vector<int>>(d["dg_sweep"]);
   s.dg_mode = Get<int>(d, "dg_mode", s.dg_mode);
   s.emulated_link_gbps = Get<double>(d, "emulated_link_gbps", s.emulated_link_gbps);
+  s.producer_band_m = Get<int>(d, "producer_band_m", s.producer_band_m);
   s.gather_rs = Get<bool>(d, "gather_rs", s.gather_rs);
   s.time = Get<bool>(d, "time", s.time);
   s.warmup = Get<int>(d, "warmup", s.warmup);

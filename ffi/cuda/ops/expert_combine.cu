@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     }
     if constexpr (kEngine == kWgmma)
       ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix,
-                            scratch.warp_sums, smem, kGather);
+                            scratch.warp_sums, smem, kGather, pol.band_m);
     else
       ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
                                                     smem, kGather);
@@ -294,6 +294,12 @@ ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, G
   return tile_m == m.tile_m && tile_n == m.tile_n ? ConsumerPolicy::kModel : ConsumerPolicy::kFixed;
 }
 
+// The wgmma producer's row blocks per raster band (ConsumerConfig::band_m) where the call does not pin it. Row-block
+// order (1) completes each band's flags soonest but reads every column slab of the expert's weight from HBM again for
+// each row block once the weight outgrows L2; bands of 4 row blocks share each slab over 4 row blocks while a band's
+// flags still complete within a few waves of tiles (docs/performance.md, "The producer's tile order").
+constexpr int kProducerBandM = 4;
+
 Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const void* lhs, int64_t cap, int64_t K,
                             const void* w, int64_t E_l, int64_t N, bool transpose_rhs, const int32_t* seg_rows,
                             const int32_t* seg_ret_off, const GatherArgs& gather) {
@@ -321,6 +327,7 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   pol.push_issuers = c.opts.tuning.push_issuers;
   pol.elem_bytes = Traits(dt).elem_bytes;
   pol.link_bytes_per_ns = c.opts.emulated_link_gbps;  // GB/s = bytes/ns
+  pol.band_m = c.opts.producer_band_m > 0 ? c.opts.producer_band_m : kProducerBandM;
   pol.max_ctas = ModelMaxCtas(budget);
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;

@@ -185,12 +185,13 @@ template <bool kTransB>
 __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
                                     const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret,
                                     uint64_t* flags, int pid, int np, int32_t* tile_prefix, int64_t* warp_sums,
-                                    char* smem, bool gather) {
+                                    char* smem, bool gather, int band_m) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
-    // Row-block order (band_m = 1): a row block's flags complete together, so the consumer can ship it early.
-    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i, 1);
+    // band_m = 1 (row-block order): a row block's flags complete together, so the consumer can ship it early; larger
+    // bands share B's column slabs in L2 across band_m row blocks (ConsumerConfig::band_m).
+    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i, band_m);
     WgTile t;
     static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
     t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret, gather);

@@ -276,6 +276,9 @@ struct ConsumerConfig {
   // The call's emulated link (CallOptions::emulated_link_gbps; 0: none): each band is paced through it
   // (transport/emulated_link.cuh) before its arrival count is added.
   double link_bytes_per_ns;
+  // The wgmma producer's tile order inside a segment: row blocks per raster band (wgmma_gemm::BandRaster; 1: each row
+  // block's tiles in a row, so that its flags complete together).
+  int32_t band_m;
   CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
 };
 
