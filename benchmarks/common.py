@@ -87,8 +87,8 @@ EXCHANGES = ("all_to_all", "ragged_all_to_all")
 
 def exchanged_rows(fn, *args, collectives=EXCHANGES) -> list[tuple[str, str, int]]:
   """(collective, element type, bytes per row) of each exchange of rows in ``fn``'s program as traced on ``args``
-  (a row: an operand's last axis; operands of integers, the exchanges' offsets and sizes, left out), in program
-  order; ``collectives``: the primitives counted. Counted on the jaxpr, so the same on every platform."""
+  (a row: an operand's last axis; integer operands other than bytes, the exchanges' offsets and sizes, left out), in
+  program order; ``collectives``: the primitives counted. Counted on the jaxpr, so the same on every platform."""
   found = []
 
   def walk(jaxpr):

@@ -39,6 +39,11 @@ With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
 
 Rows are grouped by expert as ``lax.ragged_dot`` takes them (``group_sizes``); rows past the last group are zero in
 the input and the output, and take no part in any tile.
+
+Two entries: ``fp8_expert_mlp`` (the ``custom_vjp`` on rows in the compute dtype, which quantizes x and dy itself:
+the oracle's, ``reference.py``), and ``recipe_forward`` / ``recipe_backward``, which take x and dy already quantized
+(1 x 128, power-of-two scales): ``fp8_exchange.py`` quantizes them on the token's owner and exchanges them in FP8,
+for ``impl="xla"`` (``RAGGED``) and ``impl="collective"`` (``KERNELS``).
 """
 
 from __future__ import annotations

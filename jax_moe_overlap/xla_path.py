@@ -7,17 +7,27 @@ One code path, two choices of the local expert GEMMs (``LOCAL_EXPERTS``):
   custom calls cannot run (TPU) and the honest baseline of the benchmarks. Differentiated by JAX's own rules.
 - ``"collective"``: this library's grouped GEMMs (``expert_gemms.expert_mlp``: on GPU ``grouped_matmul_swiglu``, its
   SwiGLU in the GEMM's epilogue where the engine takes it, and ``grouped_matmul``; a ``custom_vjp`` whose backward is
-  the same grouped GEMMs; under quantization="fp8" ``fp8_experts.fp8_kernel_mlp``, the FP8 grouped GEMM). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
+  the same grouped GEMMs). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
   ``moe_experts`` chooses it where ``impl="overlap"`` cannot run for that reason (``hosts.py``).
+
+Under quantization="fp8" both run DeepSeek-V3's FP8 recipe (``fp8_experts.py``) with the GEMMs of ``FP8_GEMMS``
+(``"xla"``: ragged_dot on the dequantized operands; ``"collective"``: the FP8 grouped GEMM), and the rows cross the
+exchange in FP8 (``fp8_exchange.py``): quantized 1 x 128 with power-of-two scales on the token's owner, e4m3 values
+and float32 scales in one packed row of D + D / 32 bytes, read by GEMM1 as they land; in the backward the output
+gradient likewise, read by GEMM2's dgrad. The combine and the input gradient cross in the compute dtype. The
+outputs and gradients are bit for bit those of the compute dtype's exchange with the rows quantized on arrival
+(a 1 x 128 tile lies within a row, and the exchange moves rows unchanged).
 
 Same semantics as ``impl="reference"``: the plan's capacity rule (first come first served in the global slot order),
 skipped slots (id -1) moving nothing, the sum over a token's choices in the fixed order j = 0..k-1. The exchange is
-differentiated by JAX's own rules (its transpose is the exchange back).
+differentiated by JAX's own rules (its transpose is the exchange back), but for the FP8 rows (fp8_exchange.py's
+``custom_vjp``).
 
 Per rank, inside ``shard_map``:
 
 1. The slot counts are all-gathered and the capacity kept per (source, destination, local expert) group computed as
-   in ``plan.make_plan``. Kept slots go to a compact send buffer in the send order (destination rank, expert).
+   in ``plan.make_plan`` (``Route``: where every row goes and comes back). Kept slots go to a compact send buffer in
+   the send order (destination rank, expert).
 2. The exchange sends each destination its contiguous chunk. It lands on the receiver in (source, expert) order; a
    gather puts it in (expert, source) order, the plan's recv layout, so each local expert's rows are contiguous.
 3. GEMM1 (float32 accumulation), SwiGLU, GEMM2 over the local experts (``LOCAL_EXPERTS[impl]``).
@@ -25,7 +35,8 @@ Per rank, inside ``shard_map``:
 
 Expert tensor parallelism (``tensor_axis``): each expert's hidden width is split over the tensor axis, and the
 layer is the all-gather / reduce-scatter pattern around the expert-parallel one. The TP devices of a tensor group
-all-gather their tokens (``all_gather`` over the tensor axis, in tensor order), run steps 1-4 over the expert axis
+all-gather their tokens (``all_gather`` over the tensor axis, in tensor order; under quantization="fp8" the packed
+FP8 rows), run steps 1-4 over the expert axis
 on the group's tokens with their shards of the experts, which gives each device its shard's partial sum of every
 output, in float32, and ``psum_scatter`` over the tensor axis hands each device the sum of its own tokens' rows
 (the partials cross in float32; the order of the sum is XLA's reduce-scatter's, fixed for a compiled program). The
