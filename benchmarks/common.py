@@ -20,6 +20,7 @@ import sys
 import time
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -78,6 +79,33 @@ def time_fn(fn, arg_sets, *, warmup: int = 3, batches: int = 15, per_batch: int 
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / per_batch)
   return statistics.median(times)
+
+
+# The collectives that exchange rows between ranks: XLA:CPU's padded exchange and the GPU's / TPU's (xla_path.py).
+EXCHANGES = ("all_to_all", "ragged_all_to_all")
+
+
+def exchanged_rows(fn, *args, collectives=EXCHANGES) -> list[tuple[str, str, int]]:
+  """(collective, element type, bytes per row) of each exchange of rows in ``fn``'s program as traced on ``args``
+  (a row: an operand's last axis; integer operands other than bytes, the exchanges' offsets and sizes, left out), in
+  program order; ``collectives``: the primitives counted. Counted on the jaxpr, so the same on every platform."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in collectives:
+        aval = eqn.invars[0].aval
+        if not jnp.issubdtype(aval.dtype, jnp.integer) or aval.dtype == jnp.uint8:
+          found.append((eqn.primitive.name, str(aval.dtype), aval.shape[-1] * aval.dtype.itemsize))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
 
 
 def virtual_cpu_devices(argv: list[str], default: int = 4) -> None:

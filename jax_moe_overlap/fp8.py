@@ -113,6 +113,25 @@ def dequantize_rows(q: jax.Array, s: jax.Array) -> jax.Array:
   return _dequantize(t, s[..., None]).reshape(q.shape)
 
 
+def pack_rows(q: jax.Array, s: jax.Array) -> jax.Array:
+  """The wire format of quantized rows: (q [N, C] e4m3, s [N, C / 128] float32) -> [N, C + C / 32] uint8, each row
+  its C e4m3 values' bytes, then its scales' bytes (each float32 as ``bitcast_convert_type`` lays it out, which
+  ``unpack_rows`` reads back on a device of the same byte order). Bytes, so that one exchange moves a row's values
+  and scales together, through any collective that moves bytes."""
+  N, C = q.shape
+  s_bytes = jax.lax.bitcast_convert_type(s, jnp.uint8).reshape(N, C // TILE * 4)
+  return jnp.concatenate([jax.lax.bitcast_convert_type(q, jnp.uint8), s_bytes], axis=1)
+
+
+def unpack_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``pack_rows``'s inverse: [N, C + C / 32] uint8 -> (q [N, C] e4m3, s [N, C / 128] float32). An all-zero row
+  (one no rank sent) gives zero values and a zero scale: a zero row dequantized."""
+  N, W = rows.shape
+  C = W * 32 // 33
+  s = jax.lax.bitcast_convert_type(rows[:, C:].reshape(N, C // TILE, 4), jnp.float32)
+  return jax.lax.bitcast_convert_type(rows[:, :C], E4M3), s
+
+
 def _blocked(a):
   *lead, K, N = a.shape
   return a.reshape(*lead, K // TILE, TILE, N // TILE, TILE)

@@ -39,6 +39,11 @@ With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
 
 Rows are grouped by expert as ``lax.ragged_dot`` takes them (``group_sizes``); rows past the last group are zero in
 the input and the output, and take no part in any tile.
+
+Two entries: ``fp8_expert_mlp`` (the ``custom_vjp`` on rows in the compute dtype, which quantizes x and dy itself:
+the oracle's, ``reference.py``), and ``recipe_forward`` / ``recipe_backward``, which take x and dy already quantized
+(1 x 128, power-of-two scales): ``fp8_exchange.py`` quantizes them on the token's owner and exchanges them in FP8,
+for ``impl="xla"`` (``RAGGED``) and ``impl="collective"`` (``KERNELS``).
 """
 
 from __future__ import annotations
@@ -122,14 +127,42 @@ def _weight_cotangent_template(w):
   return None if isinstance(w, fp8.Fp8Weight) else jnp.zeros((0,), w.dtype)
 
 
-def _forward(x, w1, w2, group_sizes, gemms):
-  xq, xs = fp8.quantize_rows(x, pow2=True)
+def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
+  """The forward from x quantized (1 x 128, power-of-two scales): (out [M, D] in out_dtype, what the backward
+  keeps)."""
   w1q, w2q = fp8.as_fp8_weight(w1), fp8.as_fp8_weight(w2)
   a = gemms.rows(xq, xs, w1q, group_sizes)
-  out = gemms.rows(*fp8.quantize_rows(swiglu(a)), w2q, group_sizes, x.dtype)
+  out = gemms.rows(*fp8.quantize_rows(swiglu(a)), w2q, group_sizes, out_dtype)
   kept = (xq, xs, fp8.quantize_rows(a), w1q, w2q, group_sizes,
           _weight_cotangent_template(w1), _weight_cotangent_template(w2))
   return out, kept
+
+
+def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
+  """The backward from the output gradient quantized (1 x 128, power-of-two scales): (dx [M, D] in dx_dtype, w1's
+  cotangent, w2's cotangent)."""
+  (xq, xs, (aq, a_s), w1q, w2q, group_sizes, w1_like, w2_like) = kept
+  tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
+
+  def columns(v):
+    return fp8.quantize_columns(v, tiles)
+
+  dy = fp8.dequantize_rows(dyq, dys)
+  h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))
+  dh = gemms.rows(dyq, dys, fp8.transpose_weight(w2q), group_sizes)
+  dw2 = gemms.outer(columns(h), columns(dy), tiles, group_sizes)
+  (da,) = swiglu_vjp(dh)
+  dx = gemms.rows(*fp8.quantize_rows(da), fp8.transpose_weight(w1q), group_sizes, dx_dtype)
+  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), columns(da), tiles, group_sizes)
+
+  def weight_ct(dw, like, wq):
+    return jax.tree.map(jnp.zeros_like, wq) if like is None else dw.astype(like.dtype)
+
+  return dx, weight_ct(dw1, w1_like, w1q), weight_ct(dw2, w2_like, w2q)
+
+
+def _forward(x, w1, w2, group_sizes, gemms):
+  return recipe_forward(*fp8.quantize_rows(x, pow2=True), w1, w2, group_sizes, gemms, x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -151,37 +184,10 @@ def _fp8_expert_mlp_fwd(x, w1, w2, group_sizes, gemms):
 
 
 def _fp8_expert_mlp_bwd(gemms, kept, d_out):
-  (xq, xs, (aq, a_s), w1q, w2q, group_sizes, w1_like, w2_like) = kept
-  tiles = fp8.column_tiles(d_out.shape[0], group_sizes)
-
-  def columns(v):
-    return fp8.quantize_columns(v, tiles)
-
-  dyq, dys = fp8.quantize_rows(d_out, pow2=True)
-  dy = fp8.dequantize_rows(dyq, dys)
-  h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))
-  dh = gemms.rows(dyq, dys, fp8.transpose_weight(w2q), group_sizes)
-  dw2 = gemms.outer(columns(h), columns(dy), tiles, group_sizes)
-  (da,) = swiglu_vjp(dh)
-  dx = gemms.rows(*fp8.quantize_rows(da), fp8.transpose_weight(w1q), group_sizes, d_out.dtype)
-  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), columns(da), tiles, group_sizes)
-
-  def weight_ct(dw, like, wq):
-    return jax.tree.map(jnp.zeros_like, wq) if like is None else dw.astype(like.dtype)
-
-  return (dx, weight_ct(dw1, w1_like, w1q), weight_ct(dw2, w2_like, w2q),
-          np.zeros(group_sizes.shape, jax.dtypes.float0))
+  dx, dw1, dw2 = recipe_backward(gemms, kept, *fp8.quantize_rows(d_out, pow2=True), d_out.dtype)
+  group_sizes = kept[5]
+  return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
 fp8_expert_mlp.defvjp(_fp8_expert_mlp_fwd, _fp8_expert_mlp_bwd)
 
-
-def fp8_ragged_mlp(x_recv, w1, w2, group_sizes):
-  """``fp8_expert_mlp`` with XLA's ragged_dot: the local experts of ``impl="xla"`` under ``quantization="fp8"``."""
-  return fp8_expert_mlp(x_recv, w1, w2, group_sizes, RAGGED)
-
-
-def fp8_kernel_mlp(x_recv, w1, w2, group_sizes):
-  """``fp8_expert_mlp`` with this library's custom calls: the local experts of ``impl="collective"`` under
-  ``quantization="fp8"``."""
-  return fp8_expert_mlp(x_recv, w1, w2, group_sizes, KERNELS)

@@ -7,17 +7,27 @@ One code path, two choices of the local expert GEMMs (``LOCAL_EXPERTS``):
   custom calls cannot run (TPU) and the honest baseline of the benchmarks. Differentiated by JAX's own rules.
 - ``"collective"``: this library's grouped GEMMs (``expert_gemms.expert_mlp``: on GPU ``grouped_matmul_swiglu``, its
   SwiGLU in the GEMM's epilogue where the engine takes it, and ``grouped_matmul``; a ``custom_vjp`` whose backward is
-  the same grouped GEMMs; under quantization="fp8" ``fp8_experts.fp8_kernel_mlp``, the FP8 grouped GEMM). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
+  the same grouped GEMMs). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
   ``moe_experts`` chooses it where ``impl="overlap"`` cannot run for that reason (``hosts.py``).
+
+Under quantization="fp8" both run DeepSeek-V3's FP8 recipe (``fp8_experts.py``) with the GEMMs of ``FP8_GEMMS``
+(``"xla"``: ragged_dot on the dequantized operands; ``"collective"``: the FP8 grouped GEMM), and the rows cross the
+exchange in FP8 (``fp8_exchange.py``): quantized 1 x 128 with power-of-two scales on the token's owner, e4m3 values
+and float32 scales in one packed row of D + D / 32 bytes, read by GEMM1 as they land; in the backward the output
+gradient likewise, read by GEMM2's dgrad. The combine and the input gradient cross in the compute dtype. The
+outputs and gradients are bit for bit those of the compute dtype's exchange with the rows quantized on arrival
+(a 1 x 128 tile lies within a row, and the exchange moves rows unchanged).
 
 Same semantics as ``impl="reference"``: the plan's capacity rule (first come first served in the global slot order),
 skipped slots (id -1) moving nothing, the sum over a token's choices in the fixed order j = 0..k-1. The exchange is
-differentiated by JAX's own rules (its transpose is the exchange back).
+differentiated by JAX's own rules (its transpose is the exchange back), but for the FP8 rows (fp8_exchange.py's
+``custom_vjp``).
 
 Per rank, inside ``shard_map``:
 
 1. The slot counts are all-gathered and the capacity kept per (source, destination, local expert) group computed as
-   in ``plan.make_plan``. Kept slots go to a compact send buffer in the send order (destination rank, expert).
+   in ``plan.make_plan`` (``Route``: where every row goes and comes back). Kept slots go to a compact send buffer in
+   the send order (destination rank, expert).
 2. The exchange sends each destination its contiguous chunk. It lands on the receiver in (source, expert) order; a
    gather puts it in (expert, source) order, the plan's recv layout, so each local expert's rows are contiguous.
 3. GEMM1 (float32 accumulation), SwiGLU, GEMM2 over the local experts (``LOCAL_EXPERTS[impl]``).
@@ -25,7 +35,8 @@ Per rank, inside ``shard_map``:
 
 Expert tensor parallelism (``tensor_axis``): each expert's hidden width is split over the tensor axis, and the
 layer is the all-gather / reduce-scatter pattern around the expert-parallel one. The TP devices of a tensor group
-all-gather their tokens (``all_gather`` over the tensor axis, in tensor order), run steps 1-4 over the expert axis
+all-gather their tokens (``all_gather`` over the tensor axis, in tensor order; under quantization="fp8" the packed
+FP8 rows), run steps 1-4 over the expert axis
 on the group's tokens with their shards of the experts, which gives each device its shard's partial sum of every
 output, in float32, and ``psum_scatter`` over the tensor axis hands each device the sum of its own tokens' rows
 (the partials cross in float32; the order of the sum is XLA's reduce-scatter's, fixed for a compiled program). The
@@ -38,6 +49,7 @@ chunk is padded to a static bound and sent with ``lax.all_to_all`` (the same row
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,7 +59,8 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
-from jax_moe_overlap.fp8_experts import fp8_kernel_mlp, fp8_ragged_mlp
+from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts
+from jax_moe_overlap.fp8_experts import KERNELS, RAGGED
 
 
 def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
@@ -60,11 +73,11 @@ def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
 
 # The impls of this module by the function that runs a rank's local experts on its recv rows:
 # f(x_recv [cap, D], w1 [E_local, D, 2F], w2 [E_local, F, D], group_sizes [E_local]) -> [cap, D].
-# Under quantization="fp8" both run the FP8 recipe (fp8_experts.py): impl="xla" with ragged_dot on the dequantized
-# operands (the emulation, the baseline), impl="collective" with this library's FP8 grouped GEMM on the quantized
-# operands (the e4m3 wgmma kernel on Hopper, its emulation on CPU).
 LOCAL_EXPERTS = {"xla": ragged_dot_mlp, "collective": expert_mlp}
-FP8_LOCAL_EXPERTS = {"xla": fp8_ragged_mlp, "collective": fp8_kernel_mlp}
+# Under quantization="fp8" both run the FP8 recipe (fp8_experts.py) on rows exchanged in FP8 (fp8_exchange.py), with
+# these GEMMs: impl="xla" ragged_dot on the dequantized operands (the emulation, the baseline), impl="collective"
+# this library's FP8 grouped GEMM on the quantized operands (the e4m3 wgmma kernel on Hopper, its emulation on CPU).
+FP8_GEMMS = {"xla": RAGGED, "collective": KERNELS}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
@@ -73,13 +86,17 @@ def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, exper
   """The expert layer with tokens sharded over ``(*batch_axes, axis_name, tensor_axis)``, experts over ``axis_name``
   and their hidden width over ``tensor_axis`` (each position on the batch axes an independent expert-parallel
   group), the local experts run by ``LOCAL_EXPERTS[impl]`` (``impl``: "xla" or "collective"; with
-  quantization="fp8" ``FP8_LOCAL_EXPERTS[impl]``). w1: [E, D, 2F] or its view [E, D, 2, F] (with quantization="fp8"
-  also an ``fp8.Fp8Weight``, as w2). expert_cap: rows per expert; recv_cap: a rank's recv rows for the T TP tokens
-  of its tensor group. Returns (y [T, D], dropped [])."""
+  quantization="fp8" the recipe with ``FP8_GEMMS[impl]``, its rows exchanged in FP8). w1: [E, D, 2F] or its view
+  [E, D, 2, F] (with quantization="fp8" also an ``fp8.Fp8Weight``, as w2). expert_cap: rows per expert; recv_cap: a
+  rank's recv rows for the T TP tokens of its tensor group. Returns (y [T, D], dropped [])."""
   ragged = _uses_ragged_all_to_all(mesh)
+  if quantization is None:
+    experts = functools.partial(_unquantized_experts, LOCAL_EXPERTS[impl])
+  else:
+    experts = functools.partial(fp8_exchanged_experts, gemms=FP8_GEMMS[impl])
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
                          num_experts=w2.shape[0], expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
-                         local_experts=(LOCAL_EXPERTS if quantization is None else FP8_LOCAL_EXPERTS)[impl])
+                         experts=experts)
   token_spec, w1_spec, w2_spec = tp_lib.operand_specs(axis_name, tensor_axis, batch_axes)
   w1 = tp_lib.w1_view(w1)
   in_specs = (token_spec,) * 3 + (tp_lib.weight_spec(w1, w1_spec), tp_lib.weight_spec(w2, w2_spec))
@@ -91,63 +108,128 @@ def _uses_ragged_all_to_all(mesh) -> bool:
   return {d.platform for d in mesh.devices.flat} != {"cpu"}
 
 
+def _unquantized_experts(local_experts, x, w1, w2, route):
+  """Steps 2-4 up to the combine: this rank's tokens x [T, D] -> their rows back from the experts [T TP k, D], the
+  rows crossing in x's dtype."""
+  recv = route.dispatch(route.send_buffer(route.slot_rows(x)))
+  return route.combine_rows(local_experts(recv, w1, w2, route.expert_rows))
+
+
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, expert_cap,
-               recv_cap, ragged, local_experts):
+               recv_cap, ragged, experts):
   w1 = tp_lib.gate_up_shards(w1)
-  if tensor_axis is None:
-    y, dropped = _expert_parallel(x, expert_ids, gates, w1, w2, axis_name=axis_name, num_experts=num_experts,
-                                  expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged, local_experts=local_experts)
-  else:
-    gathered = (jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True) for a in (x, expert_ids, gates))
-    y, dropped = _expert_parallel(*gathered, w1, w2, axis_name=axis_name, num_experts=num_experts,
-                                  expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged, local_experts=local_experts)
+  route, is_kept, dropped = _route(_group_tokens(expert_ids, tensor_axis), axis_name=axis_name,
+                                   tensor_axis=tensor_axis, num_experts=num_experts, expert_cap=expert_cap,
+                                   recv_cap=recv_cap, ragged=ragged)
+  slot_out = route.from_send_buffer(experts(x, w1, w2, route))
+  y = _combine(slot_out, _group_tokens(gates, tensor_axis), is_kept)
+  if tensor_axis is not None:
     y = jax.lax.psum_scatter(y, tensor_axis, scatter_dimension=0, tiled=True)
   # Every device of a tensor group holds its group's dropped slots: the sum runs over the groups of the expert axis.
   return y.astype(x.dtype), jax.lax.psum(dropped, (*batch_axes, axis_name))
 
 
-def _expert_parallel(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, expert_cap, recv_cap, ragged,
-                     local_experts):
-  """Steps 1-4 over the expert axis on this rank's tokens: (y [T, D] float32, this rank's dropped slots [])."""
+def _group_tokens(a, tensor_axis):
+  """A rank's token rows -> its tensor group's, in tensor order (with no tensor axis: its own)."""
+  return a if tensor_axis is None else jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Route:
+  """Where this rank's rows go and come back (steps 1, 2 and 4), as int32 arrays of the plan; every row moved
+  unchanged, whatever its dtype and width.
+
+  send_row: [T k] a slot's row in the compact send buffer, T k for a slot not kept (T: the tensor group's tokens).
+  send_offsets, send_sizes, at_dest: [R] this rank's chunk to each destination: where it starts in the send buffer,
+    its rows, where it lands on the destination; recv_offsets, recv_sizes, at_source: [R] the chunk from each
+    source, likewise, for the way back.
+  es_from_se, se_from_es: [recv_cap] ``_layout_maps``. expert_rows: [E_local] the recv rows of each local expert.
+  """
+
+  send_row: jax.Array
+  send_offsets: jax.Array
+  send_sizes: jax.Array
+  at_dest: jax.Array
+  recv_offsets: jax.Array
+  recv_sizes: jax.Array
+  at_source: jax.Array
+  es_from_se: jax.Array
+  se_from_es: jax.Array
+  expert_rows: jax.Array
+  axis_name: str = dataclasses.field(metadata=dict(static=True))
+  tensor_axis: str | None = dataclasses.field(metadata=dict(static=True))
+  ragged: bool = dataclasses.field(metadata=dict(static=True))
+  k: int = dataclasses.field(metadata=dict(static=True))
+
+  def _exchange(self, *args):
+    return (_exchange_ragged if self.ragged else _exchange_padded)(*args, axis_name=self.axis_name)
+
+  def slot_rows(self, x):
+    """This rank's token rows [T / TP, C] -> the tensor group's slot rows [T k, C] (row t k + j: token t's row)."""
+    rows = _group_tokens(x, self.tensor_axis)
+    return rows[jnp.arange(self.send_row.shape[0], dtype=jnp.int32) // self.k]
+
+  def send_buffer(self, slots):
+    """Slot rows [T k, C] -> the send buffer [T k, C]: each kept slot's row at its ``send_row``, zero past them."""
+    return jnp.zeros(slots.shape, slots.dtype).at[self.send_row].set(slots, mode="drop")
+
+  def from_send_buffer(self, send):
+    """``send_buffer``'s inverse on the kept slots: [T k, C] -> slot rows [T k, C], zero for a slot not kept."""
+    return jnp.take(send, self.send_row, axis=0, mode="fill", fill_value=0)
+
+  def dispatch(self, send):
+    """The send buffer [T k, C] -> this rank's recv rows [recv_cap, C], grouped by local expert (zero past them):
+    exchanged, received in (source, expert) order, gathered into (expert, source) order."""
+    recv_se = self._exchange(send, self.es_from_se.shape[0], self.send_offsets, self.send_sizes, self.at_dest,
+                             self.recv_sizes)
+    return jnp.take(recv_se, self.es_from_se, axis=0, mode="fill", fill_value=0)
+
+  def combine_rows(self, out):
+    """Recv rows [recv_cap, C] -> the send buffer's rows [T k, C] (each kept slot's at its ``send_row``, zero past
+    them): the inverse gather and the exchange back. It moves each row back where ``dispatch`` took it from, so
+    as a linear map it is ``dispatch``'s transpose."""
+    out_se = jnp.take(out, self.se_from_es, axis=0, mode="fill", fill_value=0)
+    return self._exchange(out_se, self.send_row.shape[0], self.recv_offsets, self.recv_sizes, self.at_source,
+                          self.send_sizes)
+
+
+def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_cap, ragged):
+  """Step 1 on the tensor group's routing [T, k]: (``Route``, is_kept [T k], this rank's dropped slots [])."""
   T, k = expert_ids.shape
   counts_all, rank, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, expert_cap)  # [s, d, e]
   kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
   cs = plan_lib.exclusive_cumsum
 
-  # 1. Compact send buffer: a kept slot's place in the send order minus the dropped slots before it.
+  # A kept slot's place in the send order minus the dropped slots before it.
   my_counts, my_kept = counts_all[rank].reshape(-1), kept[rank].reshape(-1)
   g = jnp.clip(expert_ids.reshape(T * k), 0, num_experts - 1)
   is_kept = plan.slot_ret_row >= 0
   send_row = jnp.where(is_kept, plan.slot_ret_row - cs(my_counts - my_kept)[g], T * k)
-  token = jnp.arange(T * k, dtype=jnp.int32) // k
-  send = jnp.zeros((T * k, x.shape[1]), x.dtype).at[send_row].set(x[token], mode="drop")
 
   kept_sd = jnp.sum(kept, axis=2)                                           # [s, d] rows from s to d
   send_sizes = kept_sd[rank]
   recv_sizes = kept_sd[:, rank]
-  send_offsets = cs(send_sizes)
-  recv_offsets = cs(recv_sizes)
-  at_dest = cs(kept_sd, axis=0)[rank]            # where this rank's chunk starts on each destination
-  at_source = cs(kept_sd, axis=1)[:, rank]       # where each source's chunk to this rank starts in its send order
-  exchange = functools.partial(_exchange_ragged if ragged else _exchange_padded, axis_name=axis_name)
-
-  # 2. Receive in (source, expert) order, gather into (expert, source) order.
-  recv_se = exchange(send, recv_cap, send_offsets, send_sizes, at_dest, recv_sizes)
   es_from_se, se_from_es = _layout_maps(kept[:, rank, :], recv_cap)
-  x_recv = jnp.take(recv_se, es_from_se, axis=0, mode="fill", fill_value=0)
+  route = Route(send_row=send_row, send_offsets=cs(send_sizes), send_sizes=send_sizes,
+                at_dest=cs(kept_sd, axis=0)[rank],        # where this rank's chunk starts on each destination
+                recv_offsets=cs(recv_sizes), recv_sizes=recv_sizes,
+                at_source=cs(kept_sd, axis=1)[:, rank],   # where each source's chunk starts in its send order
+                es_from_se=es_from_se, se_from_es=se_from_es, expert_rows=plan.expert_rows, axis_name=axis_name,
+                tensor_axis=tensor_axis, ragged=ragged, k=k)
+  return route, is_kept, plan.dropped
 
-  # 3. The local experts.
-  out = local_experts(x_recv, w1, w2, plan.expert_rows)
 
-  # 4. Back to (source, expert) order, back to the sources, combine.
-  out_se = jnp.take(out, se_from_es, axis=0, mode="fill", fill_value=0)
-  ret = exchange(out_se, T * k, recv_offsets, recv_sizes, at_source, send_sizes)
-  slot_out = jnp.take(ret, send_row, axis=0, mode="fill", fill_value=0).astype(jnp.float32).reshape(T, k, -1)
+def _combine(slot_out, gates, is_kept):
+  """Step 4's gate-weighted sum: the slots' rows back [T k, D] -> y [T, D] float32, the choices summed
+  j = 0..k-1."""
+  T, k = gates.shape
+  slot_out = slot_out.astype(jnp.float32).reshape(T, k, -1)
   w = jnp.where(is_kept.reshape(T, k), gates.astype(jnp.float32), 0)
   y = w[:, 0, None] * slot_out[:, 0]
   for j in range(1, k):
     y = y + w[:, j, None] * slot_out[:, j]
-  return y, plan.dropped
+  return y
 
 
 def _layout_maps(kept_se: jax.Array, rows: int):

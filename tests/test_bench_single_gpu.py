@@ -126,6 +126,7 @@ def test_bench_fp8_layer_checks_before_timing(tmp_path, monkeypatch):
     for c in ("bf16_ms", "fp8_ms", "fp8_xla_ms", "speedup"):
       assert float(r[c]) > 0, r
     assert float(r["err_bf16"]) < bench_fp8_layer.MAX_ERR and float(r["err_fp8"]) < bench_fp8_layer.MAX_ERR, r
+    assert (r["dispatch_B_row_bf16"], r["dispatch_B_row_fp8"]) == (2 * 128, 128 + 128 // 32), r
 
 
 def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):

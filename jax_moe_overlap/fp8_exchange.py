@@ -1,0 +1,77 @@
+"""FP8 rows on the wire: the local experts of ``impl="xla"`` and ``impl="collective"`` under ``quantization="fp8"``,
+with the rows the experts read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv 2412.19437, section 3.3.3;
+docs/design.md, "FP8").
+
+``fp8_exchanged_experts`` runs from a rank's token rows to the rows that come back to it, as one ``custom_vjp``:
+
+  forward   x [T, D] quantized 1 x 128 with power-of-two scales on the token's owner, once per token (before the
+            tensor axis's gather and the k copies of the dispatch); the e4m3 values and their float32 scales cross
+            the exchange as one packed row of D + D / 32 bytes (``fp8.pack_rows``; 2D bytes in bfloat16) and land on
+            the expert's rank as the recipe's GEMM1 operand, unchanged (``fp8_experts.recipe_forward``); the expert
+            outputs come back in the compute dtype (the combine stays in it).
+  backward  the output gradient of the rows that came back (the transpose of the combine's exchange, which is the
+            dispatch) quantized 1 x 128 with power-of-two scales on the token's owner and dispatched packed the same
+            way, read by the recipe's dgrad dh = dy W2^T as it lands (``fp8_experts.recipe_backward``); the input
+            gradient returns to the token owners in the compute dtype, by the transpose of the compute dtype's
+            dispatch (``jax.linear_transpose``: the exchange back and, with a tensor axis, the reduce-scatter).
+
+A 1 x 128 tile lies within one row, and the exchange moves rows unchanged: the rows quantized on the sender are, bit
+for bit, the rows the recipe would quantize on the expert's rank after an exchange in the compute dtype, so the
+layer's outputs and gradients are those of that order (``tests/test_fp8_exchange.py`` holds them equal bit for bit).
+
+The ``custom_vjp`` spans the exchanges because the quantized rows are no differentiable values (the cotangent of an
+e4m3 array would be e4m3): JAX differentiates neither the quantizer nor the packed bytes. The packed rows are uint8
+for every exchange (XLA:CPU's all_to_all moves float8_e4m3fn too, but a byte row carries the values and the scales in
+one exchange per direction).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moe_overlap import fp8
+from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_forward
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
+  """The FP8 recipe on the experts of this rank's tokens, their rows exchanged in FP8.
+
+  Args:
+    x: [T, D] this rank's token rows, float32 or bfloat16 (D a multiple of 128). w1: [E_local, D, 2F] and w2:
+      [E_local, F, D] this rank's experts (master weights or ``fp8.Fp8Weight``). route: ``xla_path.Route``, how rows
+      move (``dispatch``: tokens to recv rows, ``dispatch_rows``: send-buffer rows to recv rows, ``combine_rows``:
+      recv rows back to the send buffer; ``expert_rows``: the recv rows of each local expert). gemms:
+      ``fp8_experts.RAGGED`` or ``KERNELS``.
+  Returns:
+    [T TP k, D] in x's dtype: each kept slot's expert output at its send row (``route.combine_rows``).
+  """
+  return _forward(x, w1, w2, route, gemms)[0]
+
+
+def _forward(x, w1, w2, route, gemms):
+  packed = fp8.pack_rows(*fp8.quantize_rows(x, pow2=True))
+  xq, xs = fp8.unpack_rows(route.dispatch(route.send_buffer(route.slot_rows(packed))))
+  out, kept = recipe_forward(xq, xs, w1, w2, route.expert_rows, gemms, x.dtype)
+  # x_like: x's row count and dtype (an empty array) for the transpose of its dispatch.
+  x_like = jnp.zeros((x.shape[0], 0), x.dtype)
+  return route.combine_rows(out), (kept, route, x_like)
+
+
+def _backward(gemms, residuals, d_ret):
+  kept, route, x_like = residuals
+  dyq, dys = fp8.unpack_rows(route.dispatch(fp8.pack_rows(*fp8.quantize_rows(d_ret, pow2=True))))
+  dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dyq, dys, x_like.dtype)
+  # The transpose of x's way to the experts in the compute dtype: each recv row back to its send row, then to its
+  # slot (route.combine_rows and from_send_buffer move rows: the transposes of dispatch and send_buffer), then
+  # JAX's transpose of slot_rows (the sum over a token's slots, and with a tensor axis the reduce-scatter).
+  x_shape = jax.ShapeDtypeStruct((x_like.shape[0], dx_recv.shape[1]), x_like.dtype)
+  (dx,) = jax.linear_transpose(route.slot_rows, x_shape)(route.from_send_buffer(route.combine_rows(dx_recv)))
+  return dx, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), route)
+
+
+fp8_exchanged_experts.defvjp(_forward, _backward)
