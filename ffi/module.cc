@@ -80,6 +80,7 @@ NB_MODULE(_jmo, m) {
     d["jmo_grouped_matmul_swiglu"] = Capsule(JmoGroupedMatmulSwiGluCpu);
     d["jmo_grouped_matmul_swiglu_grad"] = Capsule(JmoGroupedMatmulSwiGluGradCpu);
     d["jmo_grouped_matmul_fp8"] = Capsule(JmoGroupedMatmulFp8Cpu);
+    d["jmo_grouped_outer_fp8"] = Capsule(JmoGroupedOuterFp8Cpu);
     return d;
   });
   m.def("create_cpu_workspace", &CreateCpuWorkspace, nb::arg("ranks"), nb::arg("groups"), nb::arg("row_bytes"),

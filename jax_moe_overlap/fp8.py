@@ -179,6 +179,18 @@ def column_tiles(rows: int, group_sizes: jax.Array) -> ColumnTiles:
   return ColumnTiles(jnp.where(g < G, tile, count).astype(jnp.int32), count)
 
 
+def padded_positions(tiles: ColumnTiles, group_sizes: jax.Array) -> jax.Array:
+  """[M] int32: where each row lies among the padded rows of ``tiles`` (128 * its tile + its place in the tile), at or
+  past 128 * tiles.count for a row past the groups: the token-contiguous layout of the FP8 weight-gradient GEMM's
+  operands (``grouped_gemm.grouped_outer_fp8``), each group's rows from a multiple of 128."""
+  M = tiles.row_tile.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  r = jnp.arange(M, dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(ends, r, side="right"), sizes.shape[0] - 1)
+  return tiles.row_tile * TILE + (r - (ends[g] - sizes[g])) % TILE
+
+
 def quantize_columns(x: jax.Array, tiles: ColumnTiles) -> tuple[jax.Array, jax.Array]:
   """128 x 1 tiles down the rows of each group: x [M, C] -> (q [M, C] e4m3, s [tiles.count, C] float32). Rows past
   the last group quantize to zero."""

@@ -9,16 +9,13 @@ values and their float32 scales) and chooses how the GEMMs run:
                Hopper kernels' promotion every 128 of K keeps their sums this close to it; docs/design.md, "FP8")
   ``RAGGED``   the same dequantized float32 operands through XLA's ``ragged_dot``: ``impl="xla"``, the honest
                baseline (no custom call)
-  ``KERNELS``  this library's custom calls: the four row GEMMs (GEMM1, GEMM2 and the two dgrads) on the quantized
-               operands themselves, ``grouped_gemm.grouped_matmul_fp8`` (on Hopper the e4m3 wgmma kernel; on CPU its
-               emulation); ``impl="collective"``. The two wgrad (outer) GEMMs have no FP8 kernel yet: they run
-               ``expert_gemms.outer`` (the bf16 ``grouped_outer`` custom call on GPU, float32 output; XLA's
-               ``ragged_dot`` on CPU) on the dequantized 128 x 1-tile operands rounded to bfloat16, one more rounding
-               of at most 2^-9 relatively per element (1/32 of the e4m3 rounding the recipe puts on them; float32
-               operands would take grouped_outer's SIMT path or XLA's dense-masked ragged_dot on GPU, both far
-               slower). The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``:
-               exact), since FP8 wgmma takes its B operand K-major only: one pass over each weight's e4m3 values and
-               scales per backward.
+  ``KERNELS``  this library's custom calls on the quantized operands themselves (on Hopper the e4m3 wgmma kernels;
+               on CPU their emulations); ``impl="collective"``: the four row GEMMs (GEMM1, GEMM2 and the two dgrads)
+               by ``grouped_gemm.grouped_matmul_fp8``, the two wgrads (dW1 = x^T da, dW2 = h^T dy) by
+               ``grouped_gemm.grouped_outer_fp8``, whose XLA pass makes their 128 x 1-tile operands token-contiguous
+               (each expert's rows padded to a multiple of 128), since FP8 wgmma takes both operands K-major only.
+               The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
+               the same reason: one pass over each weight's e4m3 values and scales per backward.
 
 With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
 
@@ -57,9 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import fp8
-from jax_moe_overlap.expert_gemms import outer as grouped_outer_any
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
-from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8
+from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_outer_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +105,9 @@ def _kernel_rows(lhs_q, lhs_s, w, group_sizes, out_dtype=jnp.float32):
   return grouped_matmul_fp8(lhs_q, lhs_s, w.values, w.scales, group_sizes, preferred_element_type=out_dtype)
 
 
-def _kernel_outer(lhs, rhs, tiles, group_sizes):
-  """The wgrad with no FP8 kernel: the dequantized operands rounded to bfloat16, the bf16 grouped GEMM (the module
-  docstring says why)."""
-  lhs_bf16, rhs_bf16 = (fp8.dequantize_columns(*v, tiles).astype(jnp.bfloat16) for v in (lhs, rhs))
-  return grouped_outer_any(lhs_bf16, rhs_bf16, group_sizes, jnp.float32)
-
-
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
-KERNELS = Gemms("kernels", _kernel_rows, _kernel_outer)
+KERNELS = Gemms("kernels", _kernel_rows, grouped_outer_fp8)
 
 
 def _weight_cotangent_template(w):

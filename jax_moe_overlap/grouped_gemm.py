@@ -24,6 +24,7 @@ GROUPED_OUTER = "jmo_grouped_outer"
 GROUPED_MATMUL_SWIGLU = "jmo_grouped_matmul_swiglu"
 GROUPED_MATMUL_SWIGLU_GRAD = "jmo_grouped_matmul_swiglu_grad"
 GROUPED_MATMUL_FP8 = "jmo_grouped_matmul_fp8"
+GROUPED_OUTER_FP8 = "jmo_grouped_outer_fp8"
 
 
 def _out_dtype(lhs, preferred_element_type):
@@ -159,6 +160,20 @@ def fp8_scales_ld(rows: int) -> int:
   return -(-rows // 4) * 4
 
 
+def _check_fp8_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes, preferred_element_type):
+  """The FP8 calls' dtype rules; returns the output's dtype."""
+  if lhs.dtype != fp8.E4M3 or rhs.dtype != fp8.E4M3 or lhs_scales.dtype != jnp.float32 or rhs_scales.dtype != jnp.float32:
+    raise TypeError(f"jax_moe_overlap: {name}: lhs and rhs must be float8_e4m3fn and their scales float32; got "
+                    f"{lhs.dtype}, {lhs_scales.dtype}, {rhs.dtype}, {rhs_scales.dtype}")
+  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"jax_moe_overlap: {name}: group_sizes must be a 1-D integer array, got "
+                    f"{group_sizes.dtype}{list(group_sizes.shape)}")
+  out_dtype = jnp.dtype(preferred_element_type)
+  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise TypeError(f"jax_moe_overlap: {name}: preferred_element_type must be float32 or bfloat16, got {out_dtype}")
+  return out_dtype
+
+
 def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rhs_scales: jax.Array,
                        group_sizes: jax.Array, *, preferred_element_type=jnp.float32) -> jax.Array:
   """DeepSeek-V3's block-scaled FP8 grouped GEMM (arXiv 2412.19437 section 3.3) on quantized operands (``fp8.py``):
@@ -182,16 +197,8 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
   Returns:
     [M, N].
   """
-  if lhs.dtype != fp8.E4M3 or rhs.dtype != fp8.E4M3 or lhs_scales.dtype != jnp.float32 or rhs_scales.dtype != jnp.float32:
-    raise TypeError(f"jax_moe_overlap: grouped_matmul_fp8: lhs and rhs must be float8_e4m3fn and their scales "
-                    f"float32; got {lhs.dtype}, {lhs_scales.dtype}, {rhs.dtype}, {rhs_scales.dtype}")
-  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise TypeError(f"jax_moe_overlap: grouped_matmul_fp8: group_sizes must be a 1-D integer array, got "
-                    f"{group_sizes.dtype}{list(group_sizes.shape)}")
-  out_dtype = jnp.dtype(preferred_element_type)
-  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise TypeError(f"jax_moe_overlap: grouped_matmul_fp8: preferred_element_type must be float32 or bfloat16, got "
-                    f"{out_dtype}")
+  out_dtype = _check_fp8_operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes,
+                                  preferred_element_type)
   if lhs.ndim != 2 or rhs.ndim != 3:
     raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and "
                      f"[G, N, K]")
@@ -211,3 +218,50 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
   out = jax.ShapeDtypeStruct((M, N), out_dtype)
   return jax.ffi.ffi_call(GROUPED_MATMUL_FP8, out, vmap_method="sequential")(
       lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))
+
+
+def grouped_outer_fp8(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, jax.Array], tiles: fp8.ColumnTiles,
+                      group_sizes: jax.Array, *, preferred_element_type=jnp.float32) -> jax.Array:
+  """The FP8 weight gradient of DeepSeek-V3's recipe: ``out[g] = lhs[rows of g]^T @ rhs[rows of g]`` with both
+  operands dequantized per 128 x 1 tile (``fp8.quantize_columns``), each 128-row chunk's sum scaled per element and
+  added into a float32 accumulator (the kernel's promotion); zero for a group without rows.
+
+  FP8 wgmma reads both operands K-major only, so the operands are made token-contiguous here, in XLA: each one's
+  e4m3 values scattered to their padded rows (each group from a multiple of 128, zeros between: ``fp8.
+  padded_positions``) and transposed, one pass over its bytes; the scales, [tiles.count, C], are already the layout
+  the kernel loads. On Hopper (compute capability 9.x) the e4m3 wgmma kernel (ffi/cuda/gemm/sm90/
+  wgmma_outer_fp8.cuh); on another GPU the call fails naming that requirement. On CPU a reference loop, the
+  emulation of the kernel (ffi/cpu/grouped_gemm.cc: each chunk's sum exact, rounded once to float32, then the
+  kernel's promotion), slow: for tests.
+
+  Args:
+    lhs: (q [M, K] float8_e4m3fn, s [tiles.count, K] float32), rhs: (q [M, N], s [tiles.count, N]): the outputs of
+      ``fp8.quantize_columns`` with ``tiles``. group_sizes: [G] integer rows per group (>= 0, sum <= M), those
+      ``tiles`` was made from. preferred_element_type: float32 (default) or bfloat16. K and N multiples of 128.
+  Returns:
+    [G, K, N].
+  """
+  (lq, ls), (rq, rs) = lhs, rhs
+  out_dtype = _check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
+  if lq.ndim != 2 or rq.ndim != 2 or lq.shape[0] != rq.shape[0]:
+    raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: lhs {lq.shape} and rhs {rq.shape} must be [M, K] and "
+                     f"[M, N]")
+  (M, K), N, G, t = lq.shape, rq.shape[1], group_sizes.shape[0], fp8.TILE
+  if K % t or N % t or K == 0 or N == 0:
+    raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: K and N must be positive multiples of 128, got K={K}, "
+                     f"N={N}")
+  if ls.shape != (tiles.count, K) or rs.shape != (tiles.count, N) or tiles.row_tile.shape != (M,):
+    raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: the scales {ls.shape} and {rs.shape} must be "
+                     f"[tiles.count, K] and [tiles.count, N] with tiles.count = {tiles.count} for {M} rows")
+  _ffi.register()
+  pos = fp8.padded_positions(tiles, group_sizes)
+  Mp = t * tiles.count
+
+  def token_contiguous(q):   # [M, C] -> [C, Mp], each group's rows from a multiple of 128, zeros between
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+    padded = jnp.zeros((Mp, q.shape[1]), jnp.uint8).at[pos].set(bits, mode="drop")
+    return jax.lax.bitcast_convert_type(padded.T, fp8.E4M3)
+
+  out = jax.ShapeDtypeStruct((G, K, N), out_dtype)
+  return jax.ffi.ffi_call(GROUPED_OUTER_FP8, out, vmap_method="sequential")(
+      token_contiguous(lq), ls, token_contiguous(rq), rs, group_sizes.astype(jnp.int32))

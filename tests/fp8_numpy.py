@@ -156,3 +156,30 @@ def block_scaled_grouped_gemm(lhs_q, lhs_s, rhs_q, rhs_s, sizes, out_dtype=np.fl
     out[rows] = acc
     off += n
   return out.astype(out_dtype)
+
+
+def outer_fp8(lhs_q, lhs_scales, rhs_q, rhs_scales, sizes, out_dtype=np.float32):
+  """The FP8 weight-gradient GEMM's emulation (grouped_outer_fp8's CPU handler) restated on ``columns``' outputs:
+  lhs_q [M, K] and rhs_q [M, N] e4m3, each with its list of per-group scales [tiles_g, C]. Per group, rows padded with
+  zeros to a multiple of 128; per 128-row chunk the exact sum of the products (float64), rounded to float32, times
+  the float32 product of the two channels' scales, added to a float32 accumulator in one rounding (as
+  block_scaled_grouped_gemm). [G, K, N]; zero for a group without rows."""
+  K, N = lhs_q.shape[1], rhs_q.shape[1]
+  out = np.zeros((len(sizes), K, N), np.float32)
+  off = 0
+  for g, n in enumerate(sizes):
+    n = int(n)
+    tiles = -(-n // 128)
+    a = np.zeros((tiles * 128, K))
+    b = np.zeros((tiles * 128, N))
+    a[:n] = lhs_q[off:off + n].astype(np.float64)
+    b[:n] = rhs_q[off:off + n].astype(np.float64)
+    acc = np.zeros((K, N), np.float32)
+    for c in range(tiles):
+      rows = slice(128 * c, 128 * c + 128)
+      part = (a[rows].T @ b[rows]).astype(np.float32)
+      scale = (lhs_scales[g][c][:, None] * rhs_scales[g][c][None, :]).astype(np.float32)
+      acc = (part.astype(np.float64) * scale + acc).astype(np.float32)
+    out[g] = acc
+    off += n
+  return out.astype(out_dtype)

@@ -162,9 +162,9 @@ def test_collective_runs_the_fp8_custom_call():
   cot = jnp.ones((T, 128), jnp.float32)
   text = grads_fn(mesh, ids, cot, "collective").lower(x, gates, w1, w2).as_text()
   assert text.count("jmo_grouped_matmul_fp8") == 4, "GEMM1, GEMM2 and the two dgrads"
-  # The two wgrads: XLA's ragged_dot on CPU (lowered to dots; the bf16 grouped_outer custom call on GPU), the only
-  # dots of the program.
-  assert text.count("dot_general") == 2 and "jmo_grouped_outer" not in text
+  assert text.count("jmo_grouped_outer_fp8") == 2, "the two wgrads"
+  # Every GEMM of the program is an FP8 custom call: no dot is left, and no bf16 grouped_outer.
+  assert "dot_general" not in text and "@jmo_grouped_outer(" not in text
 
 
 def test_deterministic():

@@ -24,6 +24,19 @@
 //                                     ld >= M and ld % 4 == 0 (16-byte rows); rhs is K-major (fp8.Fp8Weight's values,
 //                                     the only B layout of FP8 wgmma), rhs_scales Fp8Weight's scales. K and N are
 //                                     positive multiples of 128 (whole scale tiles).
+//   jmo_grouped_outer_fp8(lhs_t [K, Mp] e4m3, lhs_scales [Mp/128, lda] f32, rhs_t [N, Mp] e4m3,
+//                         rhs_scales [Mp/128, ldb] f32, group_sizes [G] s32)
+//       -> out [G, K, N] bf16 or f32  the weight gradient of the recipe, both operands scaled per 128 x 1 tile
+//                                     (per channel, per 128 rows of a group) and stored token-contiguous (FP8 wgmma
+//                                     reads both operands K-major only): with P_g = sum_{h<g} ceil(size_h / 128) * 128
+//                                     (each group's rows start a 128-row tile; clipped at Mp),
+//                                     out[g][m, n] = sum over the chunks kc = P_g / 128 .. P_{g+1} / 128 - 1 of
+//                                       (sum_{r in kc} lhs_t[m, r] rhs_t[n, r]) * lhs_scales[kc][m] *
+//                                       rhs_scales[kc][n]
+//                                     (zero for a group without rows). The columns P_g + size_g .. P_{g+1} - 1 of
+//                                     both operands (a group's padding) must be zero. The scales are
+//                                     fp8.quantize_columns' ([tiles, channels]); lda >= K, ldb >= N, both multiples
+//                                     of 4 (16-byte rows). Mp, K and N are positive multiples of 128.
 //
 // Operands of the first three are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype
 // (fp32 accumulation).
@@ -213,6 +226,43 @@ inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedMatmulFp8(
   if (s.scales_ld < s.M || s.scales_ld % 4 != 0)
     return fail("lhs_scales [K/128, ld] needs ld >= M and a multiple of 4 (16-byte rows), got ld=" +
                 std::to_string(s.scales_ld) + " for M=" + std::to_string(s.M));
+  return s;
+}
+
+struct GroupedOuterFp8Shape {
+  bool out_f32;  // else bfloat16
+  int64_t Mp, K, N, G;
+  int64_t lhs_ld, rhs_ld;  // the row strides of lhs_scales and rhs_scales [Mp/128, ld]
+};
+
+// jmo_grouped_outer_fp8's operands bind like jmo_grouped_matmul_fp8's (BindGroupedMatmulFp8).
+inline xla::ffi::ErrorOr<GroupedOuterFp8Shape> CheckGroupedOuterFp8(
+    const xla::ffi::AnyBuffer& lhs_t, const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales,
+    const xla::ffi::AnyBuffer& rhs_t, const xla::ffi::Buffer<xla::ffi::F32>& rhs_scales,
+    const xla::ffi::Buffer<xla::ffi::S32>& group_sizes, const xla::ffi::AnyBuffer& out) {
+  namespace ffi = xla::ffi;
+  auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("grouped_outer_fp8: " + why)); };
+  if (lhs_t.element_type() != ffi::DataType::F8E4M3FN || rhs_t.element_type() != ffi::DataType::F8E4M3FN)
+    return fail("lhs_t and rhs_t must be float8_e4m3fn");
+  if (out.element_type() != ffi::DataType::F32 && out.element_type() != ffi::DataType::BF16)
+    return fail("the output must be float32 or bfloat16");
+  auto ld = lhs_t.dimensions(), sd = lhs_scales.dimensions(), rd = rhs_t.dimensions(), bd = rhs_scales.dimensions(),
+       od = out.dimensions();
+  if (ld.size() != 2 || sd.size() != 2 || rd.size() != 2 || bd.size() != 2 || od.size() != 3 ||
+      group_sizes.dimensions().size() != 1)
+    return fail("expected lhs_t [K, Mp], lhs_scales [Mp/128, lda], rhs_t [N, Mp], rhs_scales [Mp/128, ldb], "
+                "group_sizes [G]");
+  GroupedOuterFp8Shape s{out.element_type() == ffi::DataType::F32, ld[1], ld[0], rd[0], od[0], sd[1], bd[1]};
+  if (s.Mp < kFp8Tile || s.Mp % kFp8Tile != 0 || s.K < kFp8Tile || s.K % kFp8Tile != 0 || s.N < kFp8Tile ||
+      s.N % kFp8Tile != 0)
+    return fail("Mp (the padded rows), K and N must be positive multiples of 128 (whole 128 x 1 tiles), got Mp=" +
+                std::to_string(s.Mp) + ", K=" + std::to_string(s.K) + ", N=" + std::to_string(s.N));
+  if (rd[1] != s.Mp || sd[0] != s.Mp / kFp8Tile || bd[0] != s.Mp / kFp8Tile || od[1] != s.K || od[2] != s.N ||
+      static_cast<int64_t>(group_sizes.element_count()) != s.G)
+    return fail("inconsistent shapes");
+  if (s.lhs_ld < s.K || s.lhs_ld % 4 != 0 || s.rhs_ld < s.N || s.rhs_ld % 4 != 0)
+    return fail("lhs_scales [Mp/128, lda] and rhs_scales [Mp/128, ldb] need lda >= K, ldb >= N, both multiples of 4 "
+                "(16-byte rows), got lda=" + std::to_string(s.lhs_ld) + ", ldb=" + std::to_string(s.rhs_ld));
   return s;
 }
 

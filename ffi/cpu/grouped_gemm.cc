@@ -156,6 +156,52 @@ ffi::Error GroupedMatmulFp8Impl(ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> lhs_sc
   return ffi::Error::Success();
 }
 
+// The FP8 weight-gradient GEMM (grouped_gemm_signature.h): the emulation of the Hopper kernel
+// (ffi/cuda/gemm/sm90/wgmma_outer_fp8.cuh) in the same terms as GroupedMatmulFp8Impl's: per output (m, n) of group g
+// and 128-row chunk kc of the group's padded rows (in row order), part = the chunk's exact sum of the e4m3 products
+// (float64, padding columns included: zeros), rounded once to float32; acc = fmaf(part, lhs_scales[kc][m] *
+// rhs_scales[kc][n], acc) in float32 with the scale product rounded first. A group without rows is zero. The
+// groups' padded rows must fit Mp (the device clips them; here that is an error naming the group).
+ffi::Error GroupedOuterFp8Impl(ffi::AnyBuffer lhs_t, ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs_t,
+                               ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  auto shape = CheckGroupedOuterFp8(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *out);
+  if (shape.has_error()) return shape.error();
+  const int64_t Mp = shape->Mp, K = shape->K, N = shape->N, lda = shape->lhs_ld, ldb = shape->rhs_ld;
+  std::vector<int64_t> chunk(shape->G + 1, 0);  // the groups' first chunks
+  for (int64_t g = 0; g < shape->G; ++g) {
+    const int64_t n = group_sizes.typed_data()[g];
+    chunk[g + 1] = chunk[g] + (n + kFp8Tile - 1) / kFp8Tile;
+    if (n < 0 || chunk[g + 1] * kFp8Tile > Mp)
+      return InvalidCall(
+          "grouped_outer_fp8: group " + std::to_string(g) + " has " + std::to_string(n) +
+          " rows; group sizes must be >= 0 and, each rounded up to a multiple of 128, sum to at most " +
+          std::to_string(Mp) + " (the padded rows of lhs_t)");
+  }
+  static const E4m3Table e4m3;
+  const auto* a = static_cast<const uint8_t*>(lhs_t.untyped_data());
+  const auto* b = static_cast<const uint8_t*>(rhs_t.untyped_data());
+  const float* sa = lhs_scales.typed_data();
+  const float* sb = rhs_scales.typed_data();
+  void* o = out->untyped_data();
+  const bool out_bf16 = !shape->out_f32;
+  for (int64_t g = 0; g < shape->G; ++g)
+    for (int64_t m = 0; m < K; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* am = a + m * Mp;
+        const uint8_t* bn = b + n * Mp;
+        float acc = 0.f;
+        for (int64_t kc = chunk[g]; kc < chunk[g + 1]; ++kc) {
+          double part = 0.0;
+          for (int64_t r = kc * kFp8Tile; r < (kc + 1) * kFp8Tile; ++r)
+            part += static_cast<double>(e4m3.value[am[r]]) * static_cast<double>(e4m3.value[bn[r]]);
+          acc = std::fma(static_cast<float>(part), sa[kc * lda + m] * sb[kc * ldb + n], acc);
+        }
+        StoreElem(o, out_bf16, (g * K + m) * N + n, acc);
+      }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jmo::cpu
 
@@ -167,4 +213,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluCpu, jmo::cpu::GroupedMatmul
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCpu, jmo::cpu::GroupedMatmulSwiGluGradImpl,
                               jmo::BindGroupedSwiGluGrad(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cpu, jmo::cpu::GroupedMatmulFp8Impl,
+                              jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterFp8Cpu, jmo::cpu::GroupedOuterFp8Impl,
                               jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind()));

@@ -77,9 +77,9 @@ def test_other_gpus_refuse_naming_the_requirement():
 @requires_hopper
 @pytest.mark.parametrize("kind", ["skewed", "empty_experts"])
 def test_layer_collective_matches_xla(kind):
-  """impl="collective" (the e4m3 kernel for GEMM1, GEMM2 and the dgrads, bf16 grouped_outer for the wgrads) against
-  impl="xla" (the same quantized operands, dequantized, ragged_dot) on one GPU: forward and the gradients of x, gates,
-  w1, w2 within 1e-2 (the kernels' chunk accumulation, the wgrad operands' bf16 rounding), four FP8 custom calls."""
+  """impl="collective" (the e4m3 kernels: grouped_matmul_fp8 for GEMM1, GEMM2 and the dgrads, grouped_outer_fp8 for
+  the wgrads) against impl="xla" (the same quantized operands, dequantized, ragged_dot) on one GPU: forward and the
+  gradients of x, gates, w1, w2 within 1e-2 (the kernels' chunk accumulation), four row and two outer FP8 calls."""
   import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((1,), ("expert",), devices=gpu_devices()[:1])
   T, D, F, E, k = 1024, 256, 384, 8, 2
@@ -93,7 +93,8 @@ def test_layer_collective_matches_xla(kind):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
   f = grads("collective")
-  assert f.lower(x, gates, w1, w2).as_text().count("jmo_grouped_matmul_fp8") == 4
+  hlo = f.lower(x, gates, w1, w2).as_text()
+  assert hlo.count("jmo_grouped_matmul_fp8") == 4 and hlo.count("jmo_grouped_outer_fp8") == 2
   (_, y), g = f(x, gates, w1, w2)
   (_, y_ref), g_ref = grads("xla")(x, gates, w1, w2)
   assert rel_err(y, y_ref) < 1e-2

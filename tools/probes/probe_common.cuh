@@ -118,6 +118,16 @@ __global__ void CompareRowsKernel(const void* out, const float* ref, int64_t tot
       out, ref, M * N, [=](int64_t i) { return i / N; }, [=](int64_t r) { return r >= total_rows; }, res);
 }
 
+// The grouped outer GEMMs' comparison: out [G, K, N] (KN = K * N elements per group) against ref; a group without
+// rows (row_start[g + 1] == row_start[g], G + 1 entries) must be exactly +0.
+template <bool kF32>
+__global__ void CompareGroupsKernel(const void* out, const float* ref, const int* row_start, int64_t G, int64_t KN,
+                                    CmpResult* res) {
+  CompareOut<kF32>(
+      out, ref, G * KN, [=](int64_t i) { return i / KN; }, [=](int64_t g) { return row_start[g + 1] == row_start[g]; },
+      res);
+}
+
 // Host side of the comparison: reads d_res back (watchdog wait), relative error max_err / max_ref; `ok` = no
 // non-finite value, no bad zero, rel below the tolerance (tol; by default 2e-3 f32 out, 1e-2 bf16 out) and a
 // non-zero reference unless nothing was computed.
@@ -156,6 +166,12 @@ static CmpSummary CheckGroupedCall(Call call, void* out, const float* ref, int64
     CompareRowsKernel<false><<<1024, 256, 0, stream>>>(out, ref, total_rows, M, N, d_res);
   CK(cudaGetLastError());
   return ReadCompare(d_res, stream, what, f32, total_rows, tol);
+}
+
+// cudaFree of each pointer, checked.
+template <class... P>
+static void FreeAll(P... p) {
+  for (void* q : {static_cast<void*>(p)...}) CK(cudaFree(q));
 }
 
 struct Case {
@@ -203,7 +219,7 @@ static std::vector<int32_t> RandomSizes(int64_t M, int G, uint64_t seed, double 
 }
 
 // Clamped group row offsets, G + 1 entries: row_start[g] = min(sum_{h<g} max(0, size_h), M).
-static std::vector<int> ClampedRowStart(const std::vector<int32_t>& sizes, int64_t M) {
+inline std::vector<int> ClampedRowStart(const std::vector<int32_t>& sizes, int64_t M) {
   const int64_t G = (int64_t)sizes.size();
   std::vector<int> row_start(G + 1, 0);
   int64_t acc = 0;

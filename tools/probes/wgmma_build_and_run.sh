@@ -10,6 +10,11 @@
 #     outer-sanitize      build, then memcheck on the small cases only, no timing
 #     outer-build         build + SASS sanity line only
 #     outer-prebuilt      run $dir/wgmma_outer_probe as it is (built elsewhere); all cases
+#   FP8 grouped outer probe (wgmma_outer_fp8_probe.cu, WgmmaGroupedOuterFp8: the FP8 weight gradient, 128 x 1 scales on
+#   both operands), timed beside the bf16 grouped outer GEMM:
+#     outer-fp8           build, SASS sanity line, run all cases (correctness + timing)
+#     outer-fp8-sanitize  build, then memcheck on the small cases only, no timing
+#     outer-fp8-build     build + SASS sanity line only
 #   FP8 grouped GEMM probe (wgmma_fp8_probe.cu, WgmmaGroupedGemmFp8: e4m3, DeepSeek-V3's block scales), timed beside
 #   the bf16 grouped GEMM and cuBLASLt's FP8 GEMM when cublasLt.h and libcublasLt are found (the CUDA toolkit, or the
 #   nvidia-cublas wheels of python3; CUBLASLT_HOME=<dir with include/ and lib/> points elsewhere):
@@ -24,6 +29,7 @@ mode="${2:-run}"
 mkdir -p "$dir"
 NVCC="${NVCC:-nvcc}"
 case "$mode" in
+  outer-fp8*) probe=wgmma_outer_fp8_probe ;;
   outer*) probe=wgmma_outer_probe ;;
   fp8*) probe=wgmma_fp8_probe ;;
   *) probe=wgmma_probe ;;
@@ -73,6 +79,11 @@ if [ "$mode" != outer-prebuilt ]; then
          else if ($0 ~ /sm_90a/ && $0 ~ /GroupedGemmKernel/) { match($0, /GroupedGemmKernelILi[01]ELb[01]/); s = substr($0, RSTART, RLENGTH)
            k = "GroupedGemmKernel<transB=" substr(s, 21, 1) ",f32=" substr(s, 25, 1) "> (bf16, timed beside)" } }
        k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
+  elif [ "$probe" = wgmma_outer_fp8_probe ]; then
+    awk '/Compiling entry function/ { k = ""
+         if ($0 ~ /sm_90a/ && $0 ~ /GroupedOuterFp8Kernel/) k = "GroupedOuterFp8Kernel<f32=" (($0 ~ /KernelILb1/) ? 1 : 0) ">"
+         else if ($0 ~ /sm_90a/ && $0 ~ /GroupedOuterKernel/) k = "GroupedOuterKernel<f32=" (($0 ~ /KernelILb1/) ? 1 : 0) "> (bf16, timed beside)" }
+       k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
   elif [ "$probe" = wgmma_probe ]; then
     awk '/Compiling entry function/ { k = ""
          if ($0 ~ /GroupedGemmKernel/ && $0 ~ /sm_90a/) { match($0, /GroupedGemmKernelILi[01]ELb[01]/); s = substr($0, RSTART, RLENGTH)
@@ -93,10 +104,10 @@ else
   echo "SASS HGMMA count: (cuobjdump not found)"
 fi
 case "$mode" in
-  build|outer-build|fp8-build) exit 0 ;;
-  sanitize|outer-sanitize|fp8-sanitize)
+  build|outer-build|fp8-build|outer-fp8-build) exit 0 ;;
+  sanitize|outer-sanitize|fp8-sanitize|outer-fp8-sanitize)
     WGMMA_WATCHDOG_S=300 compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$dir/$probe" --small-only --no-timing ;;
-  run|outer|outer-prebuilt|fp8) "$dir/$probe" ;;
+  run|outer|outer-prebuilt|fp8|outer-fp8) "$dir/$probe" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -19,6 +19,7 @@
 
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
+#include "fp8_probe_common.cuh"
 #include "probe_common.cuh"
 
 #if PROBE_CUBLASLT
@@ -26,35 +27,6 @@
 #endif
 
 constexpr int kChunk = 128;  // K per scale; N per weight block
-constexpr double kTolF32 = 2e-3, kTolBf16 = 5e-3;
-
-__device__ __forceinline__ float E4m3ToFloat(uint8_t b) {
-  __nv_fp8_e4m3 v;
-  v.__x = b;
-  return static_cast<float>(v);
-}
-
-// Random e4m3 values as a quantized tile holds them: magnitudes 448 u^3 (u uniform: many exponents, the largest
-// near 448), random signs, never zero (the smallest subnormal where the rounding gives 0).
-__global__ void FillE4m3Kernel(uint8_t* p, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const uint32_t h = Hash(i * 0x9E3779B97F4A7C15ULL + seed);
-    const float u = (float)(h >> 8) / 16777216.0f;
-    const float mag = 448.0f * u * u * u;
-    uint8_t q = __nv_cvt_float_to_fp8((h & 1) ? -mag : mag, __NV_SATFINITE, __NV_E4M3);
-    if ((q & 0x7F) == 0) q |= 1;
-    p[i] = q;
-  }
-}
-
-// Positive scales: powers of two 2^-12 .. 2^-5 (the recipe's activation tiles) or any float in [2^-13, 2^-6)
-// (amax / 448 of a weight block).
-__global__ void FillScalesKernel(float* p, int64_t n, uint64_t seed, bool pow2) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const uint32_t h = Hash(i * 0xD1B54A32D192ED03ULL + seed);
-    p[i] = pow2 ? ldexpf(1.0f, -12 + (int)(h % 8)) : ldexpf(1.0f + (float)(h >> 8) / 16777216.0f, -13 + (int)(h % 7));
-  }
-}
 
 // Reference for the rows [row0, row0 + rows) of group g: 32 x 32 outputs per block of 32 x 8 threads, each thread 4
 // rows of one column; dequantized tiles of 32 k in shared memory, float32 sums in K order.
@@ -85,14 +57,6 @@ __global__ void RefKernel(const uint8_t* __restrict__ a, const float* __restrict
     const int r = r0 + ty + 8 * j;
     if (r < rows) ref[(int64_t)(row0 + r) * N + n0 + tx] = acc[j];
   }
-}
-
-// Counts the 32-bit words in which a and b differ.
-__global__ void DiffWordsKernel(const uint32_t* a, const uint32_t* b, int64_t n, unsigned long long* diff) {
-  unsigned long long d = 0;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    d += a[i] != b[i];
-  if (d) atomicAdd(diff, d);
 }
 
 #if PROBE_CUBLASLT
@@ -194,7 +158,6 @@ struct CublasFp8 {
 };
 #endif
 
-static double Tflops(double flops, float ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
 
 int main(int argc, char** argv) {
   const ProbeArgs args = ParseProbeArgs(argc, argv);
@@ -211,12 +174,6 @@ int main(int argc, char** argv) {
   // Operands the kernel does not take are refused before anything runs (cudaErrorInvalidValue, the rule printed).
   int failures = 0;
   {
-    uint8_t* buf;
-    int32_t* sizes;
-    CK(cudaMalloc(&buf, 1 << 20));
-    CK(cudaMalloc(&sizes, 64));
-    const auto* q = reinterpret_cast<const __nv_fp8_e4m3*>(buf);
-    const float* s = reinterpret_cast<const float*>(buf);
     struct Bad {
       const char* what;
       int64_t M, K, N, G, lds, offset;
@@ -225,17 +182,15 @@ int main(int argc, char** argv) {
                        {"lds % 4 != 0", 63, 128, 128, 1, 63, 0},     {"lds < M", 64, 128, 128, 1, 60, 0},
                        {"G = 0", 64, 128, 128, 0, 64, 0},            {"M = 0", 0, 128, 128, 1, 4, 0},
                        {"misaligned lhs", 64, 128, 128, 1, 64, 8}};
-    for (const Bad& b : bad) {
-      const cudaError_t e = WgmmaGroupedGemmFp8(reinterpret_cast<const __nv_fp8_e4m3*>(buf + b.offset), s, b.lds, b.M,
-                                                b.K, q, s, b.G, b.N, sizes, buf, false, num_sms, stream);
-      const bool ok = e == cudaErrorInvalidValue;
-      if (!ok) ++failures;
-      printf("refusal %-16s %s (%s)\n", b.what, ok ? "PASS" : "FAIL", cudaGetErrorString(e));
-    }
-    CK(cudaGetLastError());
-    WaitOrDie(stream, "refusals");
-    CK(cudaFree(buf));
-    CK(cudaFree(sizes));
+    failures += CheckRefusals(
+        (int)(sizeof(bad) / sizeof(bad[0])),
+        [&](int i, uint8_t* buf, const __nv_fp8_e4m3* q, const float* s, const int32_t* sizes) {
+          const Bad& b = bad[i];
+          return std::make_pair(b.what, WgmmaGroupedGemmFp8(reinterpret_cast<const __nv_fp8_e4m3*>(buf + b.offset), s,
+                                                            b.lds, b.M, b.K, q, s, b.G, b.N, sizes, buf, false,
+                                                            num_sms, stream));
+        },
+        stream);
   }
 
   std::vector<Case> cases = {
@@ -308,23 +263,8 @@ int main(int argc, char** argv) {
       const CmpSummary cmp = CheckGroupedCall([&]() { call(f32); }, out, ref, total_rows, M, N, f32, d_res, stream,
                                               vname, f32 ? kTolF32 : kTolBf16);
       // The same call again (after timing, when timed): the output must be the same bits.
-      CK(cudaMemcpyAsync(first, out, out_bytes, cudaMemcpyDeviceToDevice, stream));
-      CK(cudaMemsetAsync(out, 0xFF, out_bytes, stream));
-      float ms = 0.f;
-      if (args.timing) {
-        for (int i = 0; i < 3; ++i) call(f32);
-        WaitOrDie(stream, vname + " (warm-up)");
-        ms = MedianLaunchMs(stream, 20, [&]() { call(f32); }, [](int) {});
-      } else {
-        call(f32);
-      }
-      CK(cudaMemsetAsync(d_diff, 0, sizeof(unsigned long long), stream));
-      DiffWordsKernel<<<1024, 256, 0, stream>>>(static_cast<const uint32_t*>(first), static_cast<const uint32_t*>(out),
-                                                out_bytes / 4, d_diff);
-      CK(cudaGetLastError());
       unsigned long long diff = 0;
-      CK(cudaMemcpyAsync(&diff, d_diff, sizeof(diff), cudaMemcpyDeviceToHost, stream));
-      WaitOrDie(stream, vname + " (repeat)");
+      const float ms = RepeatCall([&]() { call(f32); }, out, first, out_bytes, args.timing, d_diff, stream, vname, &diff);
       const bool pass = cmp.ok && diff == 0;
       if (!pass) ++failures;
       if (!f32) fp8_ms = ms;

@@ -23,6 +23,7 @@ enum class HandlerOp : int {
   kGroupedMatmulSwiGlu,
   kGroupedMatmulSwiGluGrad,
   kGroupedMatmulFp8,
+  kGroupedOuterFp8,
   kCount
 };
 

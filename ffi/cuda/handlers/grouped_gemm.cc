@@ -72,6 +72,19 @@ ffi::Error GroupedMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
                                 group_sizes.typed_data(), out->untyped_data()));
 }
 
+ffi::Error GroupedOuterFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs_t,
+                               ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs_t,
+                               ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  NoteHandlerCall(HandlerOp::kGroupedOuterFp8, stream);
+  auto s = CheckGroupedOuterFp8(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *out);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedOuterFp8(stream, s->out_f32, lhs_t.untyped_data(), lhs_scales.typed_data(), s->lhs_ld, s->K,
+                               rhs_t.untyped_data(), rhs_scales.typed_data(), s->rhs_ld, s->N, s->Mp, s->G,
+                               group_sizes.typed_data(), out->untyped_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -92,6 +105,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCuda, jmo::cuda::Grouped
                                                                            .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cuda, jmo::cuda::GroupedMatmulFp8Impl,
+                              jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                         .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterFp8Cuda, jmo::cuda::GroupedOuterFp8Impl,
                               jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                          .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});

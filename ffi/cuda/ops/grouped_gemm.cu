@@ -18,6 +18,7 @@
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/gemm/sm90/wgmma_outer.cuh"
+#include "cuda/gemm/sm90/wgmma_outer_fp8.cuh"
 #include "cuda/launch.h"
 
 namespace jmo::cuda {
@@ -454,29 +455,59 @@ Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lh
 #undef JMO_MATMUL
 }
 
+// The FP8 calls' device rule: Hopper FP8 tensor cores (Fp8GroupedGemmDeviceRefusal) on the current device (*dev:
+// its facts), else kFailedPrecondition naming the requirement.
+Status Fp8DeviceCheck(const char* op, DeviceInfo* dev) {
+  Status s = CurrentDeviceInfo(dev);
+  if (!s.ok()) return s;
+  if (const char* why = Fp8GroupedGemmDeviceRefusal(dev->cc))
+    return Status::Error(kFailedPrecondition, std::string("jax_moe_overlap: ") + op + ": " + why +
+                                                  "; this device is compute capability " +
+                                                  std::to_string(dev->cc.major) + "." + std::to_string(dev->cc.minor));
+  return Status{};
+}
+
+// An e4m3 wgmma launch's result as the FP8 calls report it: cudaErrorNotSupported on a Hopper device means the build
+// lacks the sm_90a code (the kernel printed why).
+Status Fp8LaunchStatus(const char* op, cudaError_t e) {
+  if (e == cudaErrorNotSupported)
+    return Status::Error(kFailedPrecondition, std::string("jax_moe_overlap: ") + op +
+                                                  ": this build has no sm_90a code for the e4m3 wgmma kernel (build "
+                                                  "with JMO_CUDA_ARCHS including 90a)");
+  return CudaStatus(e, (std::string(op) + " (wgmma e4m3)").c_str());
+}
+
 Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, const float* lhs_scales,
                         int64_t scales_ld, int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G,
                         int64_t N, const int32_t* group_sizes, void* out, int sms) {
   Status s = CheckSizes("grouped_matmul_fp8", M, G);
   if (!s.ok()) return s;
   DeviceInfo dev;
-  if (!(s = CurrentDeviceInfo(&dev)).ok()) return s;
-  if (const char* why = Fp8GroupedGemmDeviceRefusal(dev.cc))
-    return Status::Error(kFailedPrecondition, std::string("jax_moe_overlap: grouped_matmul_fp8: ") + why +
-                                                  "; this device is compute capability " +
-                                                  std::to_string(dev.cc.major) + "." + std::to_string(dev.cc.minor));
+  if (!(s = Fp8DeviceCheck("grouped_matmul_fp8", &dev)).ok()) return s;
   if (M == 0) return LaunchEmpty(stream);
   if (const char* why = wgmma_gemm::GroupedGemmFp8Refusal(M, K, N, G, scales_ld, lhs, lhs_scales, rhs, rhs_scales,
                                                           out))
     return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: grouped_matmul_fp8: ") + why);
-  const cudaError_t e = WgmmaGroupedGemmFp8(static_cast<const __nv_fp8_e4m3*>(lhs), lhs_scales, scales_ld, M, K,
-                                            static_cast<const __nv_fp8_e4m3*>(rhs), rhs_scales, G, N, group_sizes,
-                                            out, out_f32, WgmmaGrid(dev, sms), stream);
-  if (e == cudaErrorNotSupported)  // the device is Hopper: the build lacks the sm_90a code (the kernel printed why)
-    return Status::Error(kFailedPrecondition,
-                         "jax_moe_overlap: grouped_matmul_fp8: this build has no sm_90a code for the e4m3 wgmma "
-                         "kernel (build with JMO_CUDA_ARCHS including 90a)");
-  return CudaStatus(e, "grouped_matmul_fp8 (wgmma e4m3)");
+  return Fp8LaunchStatus("grouped_matmul_fp8",
+                         WgmmaGroupedGemmFp8(static_cast<const __nv_fp8_e4m3*>(lhs), lhs_scales, scales_ld, M, K,
+                                             static_cast<const __nv_fp8_e4m3*>(rhs), rhs_scales, G, N, group_sizes,
+                                             out, out_f32, WgmmaGrid(dev, sms), stream));
+}
+
+Status GroupedOuterFp8(cudaStream_t stream, bool out_f32, const void* lhs_t, const float* lhs_scales, int64_t lhs_ld,
+                       int64_t K, const void* rhs_t, const float* rhs_scales, int64_t rhs_ld, int64_t N, int64_t Mp,
+                       int64_t G, const int32_t* group_sizes, void* out, int sms) {
+  Status s = CheckSizes("grouped_outer_fp8", Mp, G);
+  if (!s.ok()) return s;
+  DeviceInfo dev;
+  if (!(s = Fp8DeviceCheck("grouped_outer_fp8", &dev)).ok()) return s;
+  if (const char* why = wgmma_outer::GroupedOuterFp8Refusal(Mp, K, N, G, lhs_ld, rhs_ld, lhs_t, lhs_scales, rhs_t,
+                                                            rhs_scales, out))
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: grouped_outer_fp8: ") + why);
+  return Fp8LaunchStatus("grouped_outer_fp8",
+                         WgmmaGroupedOuterFp8(static_cast<const __nv_fp8_e4m3*>(lhs_t), lhs_scales, lhs_ld, K,
+                                              static_cast<const __nv_fp8_e4m3*>(rhs_t), rhs_scales, rhs_ld, N, Mp, G,
+                                              group_sizes, out, out_f32, WgmmaGrid(dev, sms), stream));
 }
 
 Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs, int64_t M, int64_t K,

@@ -68,4 +68,13 @@ Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, cons
                         int64_t scales_ld, int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G,
                         int64_t N, const int32_t* group_sizes, void* out, int sms = 0);
 
+// The FP8 weight-gradient GEMM (grouped_gemm_signature.h, jmo_grouped_outer_fp8): out [G, K, N] (bfloat16, or
+// float32 with out_f32) from lhs_t [K, Mp] and rhs_t [N, Mp] e4m3, each group's rows from a multiple of 128 (padding
+// zero), with their 128 x 1 scales [Mp/128, ld] (lhs_ld >= K, rhs_ld >= N). Runs the e4m3 wgmma kernel of
+// gemm/sm90/wgmma_outer_fp8.cuh, on Hopper only, with GroupedMatmulFp8's errors (kFailedPrecondition naming the
+// requirement elsewhere or without sm_90a code, kInvalidArgument naming the rule for operands it does not take).
+Status GroupedOuterFp8(cudaStream_t stream, bool out_f32, const void* lhs_t, const float* lhs_scales, int64_t lhs_ld,
+                       int64_t K, const void* rhs_t, const float* rhs_scales, int64_t rhs_ld, int64_t N, int64_t Mp,
+                       int64_t G, const int32_t* group_sizes, void* out, int sms = 0);
+
 }  // namespace jmo::cuda

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          const int32_t* __restrict__ group_sizes, int G, int M, int N, int K, void* __restrict__ out,
                          Done done) {
   extern __shared__ __align__(1024) char smem_raw[];
-  const Fp8BlockScaledOperands ops{&tm_a, &tm_b, &tm_sa, sb, N / kScaleChunk, K / kScaleChunk};
+  const Fp8BlockScaledOperands ops{&tm_a, &tm_b, &tm_sa, {sb, N / kScaleChunk, K / kScaleChunk}};
   GroupedGemmBody<Fp8BlockScaledOperands, kOutF32>(ops, group_sizes, G, M, N, K, out, done, smem_raw);
 }
 

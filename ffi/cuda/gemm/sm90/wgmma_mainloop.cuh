@@ -51,6 +51,8 @@
 //   A SwiGluTile (derived from WgmmaTile) selects the SwiGLU epilogue (StoreSwiGluTile): out gets `cols` bf16
 //   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators
 //   (GroupedSwiGluKernel).
+//   A KRangeTile reduces over its own k-steps k_first .. k_first + k_steps - 1 instead of all of K (the grouped
+//   outer GEMM's tiles, whose reduction runs over their group's rows).
 //   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
 //   gets da = (d_gate, d_up) in bf16 from dh and the float32 preactivation at `a` (GroupedSwiGluGradKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile
@@ -160,6 +162,27 @@ struct SwiGluGradTile : WgmmaTile {
   const float* a = nullptr;
   int64_t up = 0;
 };
+
+// A tile that reduces over a range of K of its own instead of all of it: the k-steps (of Ops::kBK elements each)
+// k_first .. k_first + k_steps - 1, k_steps >= 1 (the grouped outer GEMM of wgmma_outer_fp8.cuh: each group's rows).
+// The loop's K argument is then unused; a tile that would reduce over nothing must not be scheduled (its output is
+// the caller's to write: zeros).
+struct KRangeTile : WgmmaTile {
+  int k_first = 0;
+  int k_steps = 1;
+};
+
+// The k-steps of a tile: its own range for a KRangeTile, else all of K (`all` = K / Ops::kBK).
+template <class Tile>
+__device__ __forceinline__ int TileKFirst(const Tile& t) {
+  if constexpr (std::is_base_of<KRangeTile, Tile>::value) return t.k_first;
+  else return 0;
+}
+template <class Tile>
+__device__ __forceinline__ int TileKSteps(const Tile& t, int all) {
+  if constexpr (std::is_base_of<KRangeTile, Tile>::value) return t.k_steps;
+  else return all;
+}
 
 // tile_done that does nothing; selecting it removes the per-tile fence + consumer barrier.
 struct NoTileDone {
@@ -442,7 +465,8 @@ struct TileCoords {
 //   kProducerRegs, kConsumerRegs   the registers of a producer / consumer thread (setmaxnreg; within the entry budget)
 //   Prefetch()                                         the TMA thread, before its first load
 //   LoadStage(fb, a_dst, b_dst, x, coords, kt)         the TMA thread, once the stage's slot is free: arms the full
-//                                                      barrier fb with the stage's bytes and issues its loads
+//                                                      barrier fb with the stage's bytes and issues its loads (kt:
+//                                                      the k-step within all of K, KRangeTile's k_first counted)
 //   Multiply(acc, ring, coords, c, wq, lane, ktiles)   a consumer warpgroup (c: rows [64 c, 64 c + 64) of the tile):
 //                                                      acc = the tile's 64 x 256 block in the m64n256 f32 layout,
 //                                                      over the tile's ktiles stages from ring.stage on (the first
@@ -552,12 +576,13 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         const auto tile = tile_of(i);
         tile_wait(tile);  // (the TMA thread, before the tile's first load)
         const TileCoords coords = TileCoords::Of(tile);
-        for (int kt = 0; kt < ktiles; ++kt) {
+        const int k_first = TileKFirst(tile), k_steps = TileKSteps(tile, ktiles);
+        for (int kt = 0; kt < k_steps; ++kt) {
           const int s = ring.stage;
           const uint32_t fb = SmemAddr(ring.Full(s));
           MbarWait(SmemAddr(ring.Empty(s)), ring.phase ^ 1);  // consumers released this slot (first pass: free)
           if (kt == 0) ids[s] = i;
-          ops.LoadStage(fb, SmemAddr(ring.A(s)), SmemAddr(ring.B(s)), ring.X(s), coords, kt);
+          ops.LoadStage(fb, SmemAddr(ring.A(s)), SmemAddr(ring.B(s)), ring.X(s), coords, k_first + kt);
           ring.Advance();
         }
       }
@@ -577,18 +602,19 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
       const int i = ids[ring.stage];
       if (i < 0) break;
       const auto tile = tile_of(i);
+      const int k_steps = TileKSteps(tile, ktiles);
       if (c * 64 >= tile.rows) {
         // No valid row for this warpgroup (a segment's last m-tile with <= 64 rows): skip the MMAs
         // (warpgroup-uniform) but wait on every full barrier and arrive on every empty barrier so that the
         // barrier phases stay in step.
-        for (int kt = 0; kt < ktiles; ++kt) {
+        for (int kt = 0; kt < k_steps; ++kt) {
           if (kt > 0) ring.WaitFull();
           __syncwarp();
           if (lane == 0) MbarArrive(SmemAddr(ring.Empty(ring.stage)));
           ring.Advance();
         }
       } else {
-        ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, ktiles);
+        ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, k_steps);
         if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
           StoreSwiGluTile(acc, c, wq, lane, tile);
         else if constexpr (std::is_base_of<SwiGluGradTile, decltype(tile)>::value)

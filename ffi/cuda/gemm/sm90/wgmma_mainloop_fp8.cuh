@@ -1,12 +1,16 @@
-// Hopper (sm_90a) e4m3 operands with DeepSeek-V3's block scales for WgmmaLoop (wgmma_mainloop.cuh): the FP8 operand
-// format, Fp8BlockScaledOperands.
+// Hopper (sm_90a) e4m3 operands with DeepSeek-V3's scales for WgmmaLoop (wgmma_mainloop.cuh): the FP8 operand format
+// Fp8Operands<BScales>, with B scaled per 128 x 128 block (Fp8BlockScaledOperands: the row GEMMs, forward and dgrad)
+// or per (row, 128-wide K chunk) like A (Fp8Operands<Fp8RowScalesB>: the weight-gradient outer GEMM, "1D1D").
 //
 //   acc[r, c] = sum over 128-wide K chunks kc of
-//               (sum_{k in kc} A[a_row + r, k] * B[b_idx][n(c), k]) * sa[kc][a_row + r] * sb[b_idx][n(c) / 128][kc]
+//               (sum_{k in kc} A[a_row + r, k] * B[b_idx][n(c), k]) * sa[kc][a_row + r] * sb(n(c), kc)
+//   sb(n, kc) = sb[b_idx][n / 128][kc]     (block scales)
+//             = sb[kc][n]                  (row scales)
 //
 // A [rows, K] e4m3 (K-major), B [G, N, K] e4m3 (K-major: FP8 wgmma reads both operands K-major only), sa the float32
 // scale of each (row, 128-wide K chunk) of A stored MN-major ([K/128, lds]: one chunk's scales of consecutive rows
-// contiguous), sb the float32 scale of each 128 x 128 block of B ([G, N/128, K/128]: the layout of Fp8Weight.scales).
+// contiguous); sb either the float32 scale of each 128 x 128 block of B ([G, N/128, K/128]: the layout of
+// Fp8Weight.scales) or, like sa, of each (row of B, chunk) MN-major ([K/128, ldb], G = 1).
 // n(c) = n0 + c for the tile's accumulator columns c < 128 and n_hi + c - 128 for the others (WgmmaTile::n_hi).
 //
 // ---- Stage (one 128-wide K chunk: kBK = 128 e4m3 = 128 bytes, the same byte geometry as a bf16 stage) ----------
@@ -16,19 +20,22 @@
 //   extra   sa's floats of the chunk for rows a_row & ~3 .. (a_row & ~3) + 131 (528 B, TMA box (132, 1) of a 2D map
 //           (rows, K/128), rows past the map's end zero): a TMA box's first element in the innermost dimension must
 //           be 16-byte aligned, and a group's first row (a_row) is any row, so the box starts at the 4-row boundary
-//           below it and the consumers read row r of the tile at r + (a_row & 3). Then sb's 2 floats (the block of
-//           each half; by cp.async, whose completion the full barrier counts as one more pending arrival, so that
-//           the barrier's arrival count stays 1).
-//   The full barrier's transaction bytes: 16 KB + 32 KB + 528 B.
+//           below it and the consumers read row r of the tile at r + (a_row & 3). Then B's scales of the chunk:
+//           block scales: 2 floats (the block of each half; by cp.async, whose completion the full barrier counts
+//             as one more pending arrival, so that the barrier's arrival count stays 1);
+//           row scales: 256 floats from the next 128-byte boundary (two TMA boxes (128, 1), rows n0.. and n_hi..).
+//   The full barrier's transaction bytes: 16 KB + 32 KB + 528 B (+ 1 KB with row scales).
 //
-// ---- Promotion (DeepSeek-V3 section 3.3.2; as DeepGEMM's sm90 FP8 GEMM does it) -----------------------------------
+// ---- Promotion (DeepSeek-V3 section 3.3.2; as DeepGEMM's sm90 FP8 GEMMs do it) ------------------------------------
 // FP8 wgmma (m64nNk32 .e4m3.e4m3 .f32) keeps only about 14 bits of its sum, so a chunk's partial sums leave the
 // tensor core every 128 of K: per stage and per 128-column half h of the tile, a consumer warpgroup issues 4 x
 // wgmma m64n128k32 into 64 partial registers (the first with scale-d = 0), waits for them, and adds
-// part * (sa[row] * sb[h]) into the 128 float32 accumulators (acc[64 h ..] is the half's m64n128 layout, so acc is
-// the m64n256 layout the epilogues take). 64 + 128 accumulator registers, within the consumers' 240. The wait after
-// each half leaves the tensor core to the other consumer warpgroup while this one promotes. A stage is released
-// (empty barrier) after its second half's wait: its operands and scales have all been read.
+// part * (sa[row] * sb) into the 128 float32 accumulators, the scale product rounded to float32 first (one per
+// row and half with block scales, one per element with row scales; acc[64 h ..] is the half's m64n128 layout, so acc
+// is the m64n256 layout the epilogues take). 64 + 128 accumulator registers, within the consumers' 232. The wait
+// after each half leaves the tensor core to the other consumer warpgroup while this one promotes. A stage is released
+// (empty barrier) once its operands and scales have all been read: with block scales after its second half's wait
+// (both scales are in registers), with row scales after the second half's promotion (which reads them from smem).
 #pragma once
 
 #include <cuda.h>
@@ -65,16 +72,99 @@ __device__ __forceinline__ void Wgmma64x128E4m3(float* d, uint64_t desc_a, uint6
 #endif
 }
 
-// The e4m3 block-scaled operand format of WgmmaLoop (the header comment; the members' contract is Bf16Operands').
-struct Fp8BlockScaledOperands {
+// B's scales of the row GEMMs: one per 128 x 128 block of B[g] ([G, N/128, K/128]), two per stage (the block of each
+// column half), by cp.async after sa in the stage's extra slot. Both are in registers before the stage's halves, so
+// the stage is released as soon as its second half's MMAs are done.
+struct Fp8BlockScalesB {
+  const float* sb;  // sb [G, N/128, K/128] float32
+  int n_blocks;     // N / 128
+  int k_chunks;     // K / 128
+  static constexpr int kOffset = kFp8SaBytes;  // in the stage's extra slot
+  static constexpr int kExtraBytes = kFp8ExtraBytes;
+  static constexpr int kTxBytes = 0;  // not TMA: cp.async, counted as a pending arrival
+  static constexpr bool kReleaseBeforePromote = true;
+  using StageScales = float2;  // the two halves' block scales
+
+  __device__ __forceinline__ void Prefetch() const {}
+
+  // Before the stage's expect_tx arrival: their pending arrival must be on the phase before that arrival can complete
+  // it. A second half past N (N % 256 == 128) multiplies zeros; its scale is read from the last block.
+  // (32-bit indices: the host refuses G * N/128 * K/128 >= 2^31; the producer has few registers.)
+  __device__ __forceinline__ void LoadBeforeArrive(uint32_t fb, uint32_t x, const TileCoords& t, int kt) const {
+    const int blocks_g = t.b_idx * n_blocks;
+    CpAsync4(x + kOffset, sb + ((blocks_g + (t.n0 >> 7)) * k_chunks + kt));
+    CpAsync4(x + kOffset + 4, sb + ((blocks_g + min(t.n_hi >> 7, n_blocks - 1)) * k_chunks + kt));
+    CpAsyncMbarArrive(fb);
+  }
+  __device__ __forceinline__ void LoadAfterArrive(uint32_t, uint32_t, const TileCoords&, int) const {}
+
+  __device__ __forceinline__ StageScales Read(uint32_t x) const { return LdSharedF32x2(x + kOffset); }
+
+  // acc (the half's 64 accumulators) += part * (sa * the half's block scale), rows `row` (sa_lo) and `row + 8`.
+  __device__ __forceinline__ void Promote(float* acc, const float* part, float sa_lo, float sa_hi, StageScales st,
+                                          uint32_t, int h, int) const {
+    const float sb = h ? st.y : st.x;
+    const float s_lo = sa_lo * sb, s_hi = sa_hi * sb;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      acc[4 * j + 0] = fmaf(part[4 * j + 0], s_lo, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], s_lo, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], s_hi, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi, acc[4 * j + 3]);
+    }
+  }
+};
+
+// B's scales of the weight-gradient (outer) GEMM, "1D1D": one per (row n of B, 128-wide K chunk), stored MN-major
+// ([K/128, ld]: one chunk's scales of consecutive rows contiguous), like sa. Per stage the tile's 256 (rows n0.. and
+// n_hi.. of B: two TMA boxes (128, 1) of a 2D map (N, K/128), n0 and n_hi multiples of 4) at a 128-byte aligned offset
+// of the extra slot. The promotion reads each column's scale from shared memory, so the stage is released after it.
+struct Fp8RowScalesB {
+  const CUtensorMap* sb_map;  // sb [K/128, ld] float32: 2D (N, K/128), box (128, 1), no swizzle
+  static constexpr int kHalfBytes = (kBN / 2) * 4;
+  static constexpr int kOffset = (kFp8SaBytes + 127) / 128 * 128;  // TMA destinations: 128-byte aligned
+  static constexpr int kExtraBytes = kOffset + 2 * kHalfBytes;
+  static constexpr int kTxBytes = 2 * kHalfBytes;
+  static constexpr bool kReleaseBeforePromote = false;
+  struct StageScales {};
+  static_assert(kExtraBytes % 128 == 0, "the extra slots keep 128-byte alignment");
+
+  __device__ __forceinline__ void Prefetch() const { PrefetchTensorMap(sb_map); }
+  __device__ __forceinline__ void LoadBeforeArrive(uint32_t, uint32_t, const TileCoords&, int) const {}
+  // (A half past N is a box wholly out of bounds: zeros, still counted.)
+  __device__ __forceinline__ void LoadAfterArrive(uint32_t fb, uint32_t x, const TileCoords& t, int kt) const {
+    TmaLoad2D(x + kOffset, sb_map, fb, t.n0, kt);
+    TmaLoad2D(x + kOffset + kHalfBytes, sb_map, fb, t.n_hi, kt);
+  }
+  __device__ __forceinline__ StageScales Read(uint32_t) const { return {}; }
+
+  // acc (the half's 64 accumulators) += part * (sa[row] * sb[column]) per element: the thread's columns of block j
+  // of the m64n128 layout are 8 j + 2 (lane % 4) and the next one, one 8-byte load of the half's scales.
+  __device__ __forceinline__ void Promote(float* acc, const float* part, float sa_lo, float sa_hi, StageScales,
+                                          uint32_t x, int h, int lane) const {
+    const uint32_t sb = x + kOffset + h * kHalfBytes + 8 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 b = LdSharedF32x2(sb + 32 * j);
+      acc[4 * j + 0] = fmaf(part[4 * j + 0], sa_lo * b.x, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], sa_lo * b.y, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], sa_hi * b.x, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], sa_hi * b.y, acc[4 * j + 3]);
+    }
+  }
+};
+
+// The e4m3 operand format of WgmmaLoop (the header comment; the members' contract is Bf16Operands'), over B's scale
+// format BScales (Fp8BlockScalesB: the row GEMMs; Fp8RowScalesB: the outer GEMM). A's scales, one per (row, chunk),
+// are the same in both: TMA, at the start of the stage's extra slot.
+template <class BScales>
+struct Fp8Operands {
   const CUtensorMap* a_map;   // A [rows, K] e4m3: 2D (K, rows), box (128, 128), 128B swizzle
   const CUtensorMap* b_map;   // B [G, N, K] e4m3: 3D (K, N, G), box (128, 128, 1), 128B swizzle
   const CUtensorMap* sa_map;  // sa [K/128, lds] float32: 2D (rows, K/128), box (kFp8SaRows, 1), no swizzle
-  const float* sb;            // sb [G, N/128, K/128] float32
-  int n_blocks;               // N / 128
-  int k_chunks;               // K / 128
+  BScales b_scales;
   static constexpr int kBK = kFp8BK;
-  static constexpr int kExtraBytes = kFp8ExtraBytes;
+  static constexpr int kExtraBytes = BScales::kExtraBytes;
   // The producer computes the scale addresses besides the TMA coordinates (24 registers spill); a consumer holds 192
   // accumulators (part and acc). 40 * 128 + 232 * 256 = 168 * 384, DeepGEMM's split.
   static constexpr int kProducerRegs = 40;
@@ -84,21 +174,17 @@ struct Fp8BlockScaledOperands {
     PrefetchTensorMap(a_map);
     PrefetchTensorMap(b_map);
     PrefetchTensorMap(sa_map);
+    b_scales.Prefetch();
   }
 
   __device__ __forceinline__ void LoadStage(uint32_t fb, uint32_t a_dst, uint32_t b_dst, unsigned char* x,
                                             const TileCoords& t, int kt) const {
-    // sb of the two halves first: their pending arrival must be on the phase before the expect_tx arrival can
-    // complete it. A second half past N (N % 256 == 128) multiplies zeros; its scale is read from the last block.
-    // (32-bit indices: the host refuses G * N/128 * K/128 >= 2^31; the producer has 24 registers.)
-    const int blocks_g = t.b_idx * n_blocks;
     const uint32_t x_addr = SmemAddr(x);
-    CpAsync4(x_addr + kFp8SaBytes, sb + ((blocks_g + (t.n0 >> 7)) * k_chunks + kt));
-    CpAsync4(x_addr + kFp8SaBytes + 4, sb + ((blocks_g + min(t.n_hi >> 7, n_blocks - 1)) * k_chunks + kt));
-    CpAsyncMbarArrive(fb);
-    MbarArriveExpectTx(fb, kFp8TxBytes);  // OOB parts of a box are zero-filled and still counted
+    b_scales.LoadBeforeArrive(fb, x_addr, t, kt);
+    MbarArriveExpectTx(fb, kFp8TxBytes + BScales::kTxBytes);  // OOB parts of a box are zero-filled and still counted
     TmaLoad2D(a_dst, a_map, fb, kt * kBK, t.a_row);
     TmaLoad2D(x_addr, sa_map, fb, t.a_row & ~3, kt);  // (the 16-byte aligned box start: header)
+    b_scales.LoadAfterArrive(fb, x_addr, t, kt);
     TmaLoad3D(b_dst, b_map, fb, kt * kBK, t.n0, t.b_idx);
     TmaLoad3D(b_dst + kBBytes / 2, b_map, fb, kt * kBK, t.n_hi, t.b_idx);
   }
@@ -116,8 +202,7 @@ struct Fp8BlockScaledOperands {
       const int s = ring.stage;
       const uint32_t x = SmemAddr(ring.X(s));
       const float sa_lo = LdSharedF32(x + sa_row * 4), sa_hi = LdSharedF32(x + (sa_row + 8) * 4);
-      const float2 sb2 = LdSharedF32x2(x + kFp8SaBytes);
-      const float sb_h[2] = {sb2.x, sb2.y};
+      const typename BScales::StageScales sb = b_scales.Read(x);
       const uint32_t a_base = SmemAddr(ring.A(s)) + c * (64 * 128);  // this WG's 64 rows
       const uint32_t b_base = SmemAddr(ring.B(s));
 #pragma unroll
@@ -134,20 +219,20 @@ struct Fp8BlockScaledOperands {
         WgmmaCommit();
         WgmmaWait<0>();
         FenceRegs<64>(part);
-        if (h == 1 && lane == 0) MbarArrive(SmemAddr(ring.Empty(s)));
+        if (BScales::kReleaseBeforePromote && h == 1 && lane == 0) MbarArrive(SmemAddr(ring.Empty(s)));
         // m64n128 f32 layout: part[4j + 0/1] is row `row`, part[4j + 2/3] row `row + 8`.
-        const float s_lo = sa_lo * sb_h[h], s_hi = sa_hi * sb_h[h];
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          acc[64 * h + 4 * j + 0] = fmaf(part[4 * j + 0], s_lo, acc[64 * h + 4 * j + 0]);
-          acc[64 * h + 4 * j + 1] = fmaf(part[4 * j + 1], s_lo, acc[64 * h + 4 * j + 1]);
-          acc[64 * h + 4 * j + 2] = fmaf(part[4 * j + 2], s_hi, acc[64 * h + 4 * j + 2]);
-          acc[64 * h + 4 * j + 3] = fmaf(part[4 * j + 3], s_hi, acc[64 * h + 4 * j + 3]);
-        }
+        b_scales.Promote(acc + 64 * h, part, sa_lo, sa_hi, sb, x, h, lane);
+      }
+      if (!BScales::kReleaseBeforePromote) {
+        __syncwarp();  // every lane's reads of the stage's scales before the warp's release
+        if (lane == 0) MbarArrive(SmemAddr(ring.Empty(s)));
       }
       ring.Advance();
     }
   }
 };
+
+// The row GEMMs' format (wgmma_grouped_fp8.cuh).
+using Fp8BlockScaledOperands = Fp8Operands<Fp8BlockScalesB>;
 
 }  // namespace wgmma_gemm

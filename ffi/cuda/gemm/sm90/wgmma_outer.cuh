@@ -19,7 +19,7 @@
 //     in chunks of kBK = 64 rows, ceil(rows_g / 64) chunks.
 //   * Schedule: persistent grid (<= num_sms CTAs, 1 CTA/SM, 384 threads). Every CTA reads group_sizes, builds the
 //     clamped row offsets (warp scan) and sorts the groups by chunk count, descending (rank sort in smem, G <= 256;
-//     natural order above), so the tile list is in descending work; tile positions are dealt out "snake" style
+//     above, the groups with rows first), so the tile list is in descending work (BuildOuterTables); tile positions are dealt out "snake" style
 //     (round j: CTA b takes position j * grid + b for even j, j * grid + grid - 1 - b for odd j): greedy-ish
 //     balance for skewed groups without an atomic counter. Inside a group: m-tile fastest, so the CTAs running the
 //     same group at the same time share the lhs / rhs row chunks in L2.
@@ -69,7 +69,7 @@ using namespace wgmma_gemm;  // kBM, kBN, kBK, kThreads, register budget, PTX wr
 
 constexpr int kOuterStages = 4;
 constexpr int kOuterMaxGroups = 1024;
-constexpr int kSortMaxGroups = 256;  // rank sort is O(G^2 / 384) per CTA; above this the natural order is kept
+constexpr int kSortMaxGroups = 256;  // rank sort is O(G^2 / 384) per CTA; above this, a partition
 constexpr int kChunkBytes = 64 * 128;  // one TMA box: 64 rows x 128 B
 // Dynamic smem: stages + barriers + 1 KB alignment slack (196,672 + 1,024). The group tables are static smem
 // (3 x 1025 ints = 12,300 B): 32-bit shared addresses keep the 24-register producer free of spills.
@@ -103,6 +103,82 @@ __device__ __forceinline__ OuterTile DecodeOuterTile(int p, const OuterTables& t
   return tile;
 }
 
+// The snake deal as WgmmaLoop's next_tile (the FP8 outer GEMM; the bf16 kernel below walks the same positions with
+// its two alternating steps): CTA b of `grid` takes position j * grid + b in round j even, j * grid + grid - 1 - b in
+// round j odd.
+struct SnakeTiles {
+  int b, grid;
+  __device__ __forceinline__ int operator()(int prev) const {
+    if (prev < 0) return b;
+    return prev + (((prev / grid) & 1) ? 2 * b + 1 : 2 * (grid - 1 - b) + 1);
+  }
+};
+
+// The group tables of the outer schedule, by all the CTA's threads (ready in every thread on return), from
+// group_sizes [G] (device; negative sizes count as 0):
+//   row_start[0..G]  the groups' row offsets, each group's size rounded up to a multiple of kRowAlign (1: none; 128:
+//                    the FP8 outer's padded groups), clamped at M;
+//   key[0..G)        each group's reduction steps, ceil(rows / kStepRows);
+//   order[0..G)      the groups by descending key (rank sort, stable; G <= kSortMaxGroups), or above that the groups
+//                    with rows first, each part in natural order;
+//   *live            (when not null) the number of groups with rows: order's first *live entries.
+template <int kRowAlign, int kStepRows>
+__device__ __forceinline__ void BuildOuterTables(const int32_t* __restrict__ group_sizes, int G, int M, int* row_start,
+                                                 int* order, int* key, int* live) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int g = tid; g < G; g += kThreads) row_start[g] = max(0, group_sizes[g]);
+  __syncthreads();
+  if (warp == 0) {
+    long long carry = 0;
+    int live_carry = 0;
+    for (int base = 0; base < G; base += 32) {
+      const int g = base + lane;
+      const long long v = g < G ? ((long long)row_start[g] + kRowAlign - 1) / kRowAlign * kRowAlign : 0;
+      const long long incl = WarpInclusiveSum(v, lane);
+      const long long beg = carry + incl - v, end = carry + incl;
+      const int rows = (int)((end < M ? end : M) - (beg < M ? beg : M));
+      const int has_rows = (int)WarpInclusiveSum(rows > 0, lane);
+      __syncwarp();
+      if (g < G) {
+        row_start[g] = (int)(beg < M ? beg : M);
+        key[g] = (rows + kStepRows - 1) / kStepRows;
+      }
+      carry = __shfl_sync(0xffffffffu, end, 31);
+      live_carry += __shfl_sync(0xffffffffu, has_rows, 31);
+    }
+    if (lane == 0) {
+      row_start[G] = (int)(carry < M ? carry : M);
+      if (live != nullptr) *live = live_carry;
+    }
+    if (G > kSortMaxGroups) {
+      // Stable partition: a group with rows goes after the groups with rows before it, one without after all
+      // live_carry groups with rows and the groups without before it.
+      __syncwarp();
+      int before = 0;  // groups with rows below `base`
+      for (int base = 0; base < G; base += 32) {
+        const int g = base + lane;
+        const int has = g < G && key[g] > 0;
+        const int incl = (int)WarpInclusiveSum(has, lane);
+        if (g < G) order[has ? before + incl - 1 : live_carry + g - (before + incl)] = g;
+        before += __shfl_sync(0xffffffffu, incl, 31);
+      }
+    }
+  }
+  __syncthreads();
+  if (G <= kSortMaxGroups) {
+    for (int g = tid; g < G; g += kThreads) {
+      const int kg = key[g];
+      int rank = 0;
+      for (int h = 0; h < G; ++h) {
+        const int kh = key[h];
+        rank += (kh > kg) | ((kh == kg) & (h < g));
+      }
+      order[rank] = g;
+    }
+  }
+  __syncthreads();
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // Kernel
 // ------------------------------------------------------------------------------------------------------------
@@ -117,39 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
 
-  // ---- group tables: clamped row offsets (warp 0 scan), then groups sorted by chunk count, descending ----
-  for (int g = tid; g < G; g += kThreads) row_start[g] = max(0, group_sizes[g]);
-  __syncthreads();
-  if (warp == 0) {
-    long long carry = 0;
-    for (int base = 0; base < G; base += 32) {
-      const int g = base + lane;
-      const long long v = g < G ? row_start[g] : 0;
-      const long long incl = WarpInclusiveSum(v, lane);
-      const long long beg = carry + incl - v;
-      __syncwarp();
-      if (g < G) row_start[g] = (int)(beg < M ? beg : M);
-      carry = __shfl_sync(0xffffffffu, carry + incl, 31);
-    }
-    if (lane == 0) row_start[G] = (int)(carry < M ? carry : M);
-  }
-  __syncthreads();
-  if (G <= kSortMaxGroups) {
-    for (int g = tid; g < G; g += kThreads) key[g] = (row_start[g + 1] - row_start[g] + kBK - 1) / kBK;
-    __syncthreads();
-    for (int g = tid; g < G; g += kThreads) {
-      const int kg = key[g];
-      int rank = 0;
-      for (int h = 0; h < G; ++h) {
-        const int kh = key[h];
-        rank += (kh > kg) | ((kh == kg) & (h < g));
-      }
-      order[rank] = g;
-    }
-  } else {
-    for (int g = tid; g < G; g += kThreads) order[g] = g;
-  }
-  // (the __syncthreads after the mbarrier init below orders these tables before every use)
+  BuildOuterTables<1, kBK>(group_sizes, G, M, row_start, order, key, nullptr);
 
   // total = G * m_tiles * n_tiles comes as a kernel parameter (constant bank: no register across the loops).
   OuterTables tables{row_start, order, (K + kBM - 1) / kBM, (N + kBN - 1) / kBN};
