@@ -605,7 +605,7 @@ def test_regret_suite_covers_gather_rs():
   for c in cases:
     assert c.invalid() is None, c.invalid()
     assert c.link_gbps == cases_lib.NVLINK_GBPS / c.ranks and c.model == cases_lib.calibrated_model(c.ranks, c.link_gbps)
-    assert c.sweep == cases_lib.REGRET_C and c.consumers == 0 and c.time and not c.table
+    assert c.sweep == cases_lib.REGRET_C and c.consumers == 0 and c.time and not c.table and c.decision_iters > 0
     assert c.variants()[-2:] == [(0, False), (0, True)]  # the library's C, and its serialized form
     assert max(c.sweep) <= 132 // c.ranks - 1  # every pinned C leaves a producer on an H200 rank's budget
     assert c.rank_k % 64 == 0 and c.n_dim % 64 == 0  # bf16: the wgmma engine, the calibration's tile

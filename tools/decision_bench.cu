@@ -63,7 +63,7 @@ Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t
     return Status::Error(kInvalidArgument, "MeasureDecision: too many segments or iters < 1");
   ConsumerConfig pol{};
   pol.use_model = 1;
-  pol.model = c.ws->model();
+  pol.model = ModelWithLink(c.ws->model(), c.opts.emulated_link_gbps);  // as the launches (the call's link)
   pol.model.sms = c.ws->budget(c.group, c.rank);
   pol.model.ctas_per_sm = 1;
   pol.max_ctas = ModelMaxCtas(pol.model.sms);

@@ -8,7 +8,7 @@
 namespace jmo::tools {
 
 // One CTA on c's device, on c's stream (synchronizes): builds the segment table of this call's plan arrays as
-// ExpertKernel does, then evaluates the workspace's model `iters` times. Reports the nanoseconds of one table build,
+// ExpertKernel does, then evaluates the workspace's model (with c.opts' link) `iters` times. Reports the nanoseconds of one table build,
 // of one decision (prefix scan + all candidates + the reduction), and the choice. gather_tokens > 0: the decision of
 // a gather_rs call of gather_tokens tokens per rank and gather_slots slots per token (DeviceChooseGatherConsumers;
 // the choice as GatherConsumersOfCall's, the workspace's fixed C where no band goes to another rank), else

@@ -407,7 +407,8 @@ REGRET_GATHER_TOKENS = {False: 1024, True: 256}  # f32 -> tokens per rank (the S
 def _regret_gather(base: Case) -> list[Case]:
   # GEMM2 + GatherRS (tools/loopback/tensor.py) on tensor-time's Mixtral-like shape (E = 8, top-2, F = K = 14336 split
   # over the tensor ranks, D = N = 4096), balanced routing, over the emulated NVLink (370 / R GB/s per rank), once
-  # per pinned C of REGRET_C and once with the library's C, on the same data.
+  # per pinned C of REGRET_C and once with the library's C, on the same data; and the device's decision timed on rank
+  # 0's plan (a DECISION line: gather_rs's choice alone, ns per decision).
   v = []
   for R_e, TP in REGRET_GATHER_MESHES:
     R = R_e * TP
@@ -416,7 +417,7 @@ def _regret_gather(base: Case) -> list[Case]:
       v.append(dataclasses.replace(base, ranks=R, tensor=TP, experts=8, top_k=2, tokens=REGRET_GATHER_TOKENS[f32],
                                    d_model=256, k_dim=14336, n_dim=4096, f32=f32, gather_rs=True, consumers=0,
                                    model=calibrated_model(R, link), link_gbps=link, sweep=REGRET_C,
-                                   **dict(_TIMED, table=False)))
+                                   decision_iters=1000, **dict(_TIMED, table=False)))
   return v
 
 

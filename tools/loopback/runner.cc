@@ -176,7 +176,9 @@ class Run {
     res_.calls = calls_;
 
     if (s_.decision_iters > 0 && s_.has_model && !stop_) {
-      CallSite c{ws_.get(), 0, 0, streams_[0], CallOptions{}};
+      CallOptions o{};
+      o.emulated_link_gbps = s_.emulated_link_gbps;  // the model of the case's calls
+      CallSite c{ws_.get(), 0, 0, streams_[0], o};
       const DeviceSet& d = dsets_[0][0];
       Status s = tools::MeasureDecision(c, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l_, cap_,
                                         K_, N_, dt_, s_.decision_iters, &res_.table_ns, &res_.decision_ns,

@@ -119,6 +119,15 @@ Table MakeTable(int n, int mr, int max_rows, uint32_t seed) {
   for (int i = 0; i < n; ++i) t.seg[i] = Segment{i, i < mr ? 1 : 0, 0, 1 + (int32_t)(g() % (uint32_t)max_rows), 0, 0};
   return t;
 }
+// A random check's summary: its calls, the distinct choices of the host (seen[c] = 1: some call chose c), and whether
+// every device choice was `host`'s.
+void PrintCheck(const char* what, int calls, const std::vector<int>& seen, int64_t wrong, const char* host) {
+  int distinct = 0;
+  for (int v : seen) distinct += v;
+  printf("%s: %d calls, %d distinct choices: %s%s\n", what, calls, distinct,
+         wrong ? "WRONG" : "every choice identical to ", wrong ? "" : host);
+}
+
 // One warp per call: out[i] = its P where every lane agrees, -1 where they differ.
 __global__ void PusherCheckKernel(const PusherConfig* pc, const PusherInputs* in, int n, int* out) {
   const int i = blockIdx.x;
@@ -167,10 +176,7 @@ int64_t CheckPushers(int calls, uint64_t seed) {
              pc[i].model.sms, pc[i].model.link_gbps, pc[i].model.pusher_gbps, (long long)in[i].push_bytes,
              (long long)in[i].gemm_rows, (long long)in[i].K, (long long)in[i].N, dev[i], host[i]);
   }
-  int distinct = 0;
-  for (int v : seen) distinct += v;
-  printf("pushers check: %d calls, %d distinct choices: %s\n", calls, distinct,
-         wrong ? "WRONG" : "every choice identical to the host's ChooseDispatchPushers");
+  PrintCheck("pushers check", calls, seen, wrong, "the host's ChooseDispatchPushers");
   cudaFree(d_pc);
   cudaFree(d_in);
   cudaFree(d_out);
@@ -290,10 +296,8 @@ int64_t CheckGather(int calls, uint64_t seed) {
                  (long long)cl[i].sh.elem_bytes, cl[i].p.link_gbps, dev[2 * i + k], host[i]);
     }
   }
-  int distinct = 0;
-  for (int v : seen) distinct += v;
-  printf("gather_rs check: %d calls x 2 block sizes, %d distinct choices: %s\n", calls, distinct,
-         wrong ? "WRONG" : "every choice identical to the host's ChooseGatherConsumerCtasFromSources on every thread");
+  PrintCheck("gather_rs check (256 and 384 threads)", calls, seen, wrong,
+             "the host's ChooseGatherConsumerCtasFromSources on every thread");
   cudaFree(d_calls);
   cudaFree(d_segs);
   cudaFree(d_out);
