@@ -223,7 +223,7 @@ JMO_RM_HD inline int ChooseConsumerCtas(const ModelParams& p, const ModelSegment
 // of s's ret rows, once every band of s's segments is flagged; a source with no row here gets zeros, ready at once.
 // In the consumer's order (the sources with no row here first, by index; then the others in producer order: remote,
 // the most rows first, this rank last):
-//   ready          r_s = ceil(n_1 + ... + n_last(s)) / P) * t       (tiles up to s's last segment; 0: no row here)
+//   ready          r_s = ceil((n_1 + ... + n_last(s)) / P) * t      (tiles up to s's last segment; 0: no row here)
 //   traffic        a_s = T N 4 + T Q 4 + rows_s (N eb + 4)          (the partial stored; its token_rows, its rows here
 //                                                                     and their gates read)
 //   link bytes     l_s = T N 4 if s is another rank, else 0          (the partial crosses the link; its own stays)
