@@ -54,16 +54,22 @@ def workloads(quick: bool):
 MAX_MODEL_CTAS = 32
 
 
-def device_segments(seg_rows, rank: int) -> list[tuple[int, int]]:
-  """The kernel's view of one rank's call, as the model takes it: (rows, remote) of the non-empty segments of
+def device_segment_sources(seg_rows, rank: int) -> list[tuple[int, int]]:
+  """The kernel's segment table of one rank's call: (rows, source) of the non-empty segments of
   ``seg_rows [E_local, R]`` in the producer's order (protocol.h SegmentBefore: remote first, the most loaded
-  destination first, then by source and expert; own segments last). Only remote segments are pushed: the CUDA
-  producer stores the rank's own segments in place."""
+  destination first, then by source and expert; own segments last)."""
   E_l = len(seg_rows)
   R = len(seg_rows[0]) if E_l else 0
   to_rank = [sum(int(seg_rows[e][s]) for e in range(E_l)) for s in range(R)]
   keys = sorted(((s == rank, -to_rank[s], s, e) for e in range(E_l) for s in range(R)))
-  return [(int(seg_rows[e][s]), int(s != rank)) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+  return [(int(seg_rows[e][s]), s) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+
+
+def device_segments(seg_rows, rank: int) -> list[tuple[int, int]]:
+  """The kernel's view of one rank's expert_combine, as the model takes it: (rows, remote) of the non-empty segments
+  in the producer's order (device_segment_sources). Only remote segments are pushed: the CUDA producer stores the
+  rank's own segments in place."""
+  return [(rows, int(s != rank)) for rows, s in device_segment_sources(seg_rows, rank)]
 
 
 def kernel_consumer_ctas(p: rm.ModelParams, seg_rows, rank: int, n: int, k: int, elem_bytes: int, max_ctas: int,
@@ -75,6 +81,21 @@ def kernel_consumer_ctas(p: rm.ModelParams, seg_rows, rank: int, n: int, k: int,
   if not any(remote for _, remote in segs):
     return 0
   return pinned if pinned > 0 else _jmo.model_choose_consumer_ctas(p.native(), segs, n, k, elem_bytes, max_ctas)
+
+
+def kernel_gather_consumer_ctas(p: rm.ModelParams, seg_rows, rank: int, tokens: int, slots: int, n: int, k: int,
+                                elem_bytes: int, max_ctas: int, fixed: int, pinned: int = 0) -> int:
+  """The consumer CTA count the CUDA kernel uses for one rank's gather_rs call under the model (resource_manager.cuh
+  GatherConsumersOfCall): ``pinned`` if given; else ``fixed`` (the workspace's fixed C) when no segment is another
+  rank's; else the model's choice (``_jmo.model_choose_gather_consumer_ctas``, the device's model run on the host)
+  from the segments in producer order, the tokens per rank and the slots per token (k TP)."""
+  if pinned > 0:
+    return pinned
+  segs = device_segment_sources(seg_rows, rank)
+  if not any(s != rank for _, s in segs):
+    return fixed
+  R = len(seg_rows[0])
+  return _jmo.model_choose_gather_consumer_ctas(p.native(), segs, rank, R, tokens, slots, n, k, elem_bytes, max_ctas)
 
 
 def model_for_ranks(p: rm.ModelParams, ranks: int) -> rm.ModelParams:

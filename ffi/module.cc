@@ -64,6 +64,24 @@ std::vector<jmo::ModelSegment> Segments(const std::vector<std::tuple<int, int>>&
   return out;
 }
 
+// gather_rs's sources in the consumer's order (resource_model.h GatherModelSources) from (rows, source) segments in
+// producer order; the tiles of all segments. Refuses what the kernels never see: ranks outside [1, 32], rank outside
+// [0, ranks), a source outside [0, ranks) or its segments apart.
+int64_t GatherSources(const jmo::ModelParams& p, const std::vector<std::tuple<int, int>>& segs, int rank, int ranks,
+                      int64_t n, std::vector<jmo::GatherModelSource>* out) {
+  if (ranks < 1 || ranks > 32 || rank < 0 || rank >= ranks)
+    throw std::invalid_argument("jax_moe_overlap: gather model: rank " + std::to_string(rank) + " of " +
+                                std::to_string(ranks) + " ranks (1..32)");
+  std::vector<jmo::GatherModelSegment> g;
+  for (auto& [rows, src] : segs) g.push_back(jmo::GatherModelSegment{rows, src});
+  out->assign(ranks, jmo::GatherModelSource{});
+  const int64_t total = jmo::GatherModelSources(p, g.data(), (int)g.size(), ranks, rank, n, out->data());
+  if (total < 0)
+    throw std::invalid_argument("jax_moe_overlap: gather model: the segments must be in producer order, each source "
+                                "in [0, ranks) with its segments consecutive");
+  return total;
+}
+
 }  // namespace
 
 NB_MODULE(_jmo, m) {
@@ -160,6 +178,27 @@ NB_MODULE(_jmo, m) {
     return jmo::ChooseConsumerCtas(params, s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
                                    scratch.data());
   });
+  // gather_rs's consumer CTAs (resource_model.h, "gather_rs's consumer CTAs"): the modelled time with C consumer CTAs
+  // and the choice, from the call's non-empty segments in producer order as (rows, source).
+  m.def("model_gather_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,
+                                       int rank, int ranks, int64_t tokens, int64_t slots, int64_t n, int64_t k,
+                                       int64_t elem_bytes, int ctas) {
+    std::vector<jmo::GatherModelSource> src;
+    const int64_t total = GatherSources(params, segs, rank, ranks, n, &src);
+    return jmo::GatherMakespanFromSources(params, src.data(), ranks, total,
+                                          jmo::GatherModelShape{tokens, slots, n, k, elem_bytes}, ctas);
+  }, nb::arg("params"), nb::arg("segs"), nb::arg("rank"), nb::arg("ranks"), nb::arg("tokens"), nb::arg("slots"),
+        nb::arg("n"), nb::arg("k"), nb::arg("elem_bytes"), nb::arg("ctas"));
+  m.def("model_choose_gather_consumer_ctas", [](const jmo::ModelParams& params,
+                                                const std::vector<std::tuple<int, int>>& segs, int rank, int ranks,
+                                                int64_t tokens, int64_t slots, int64_t n, int64_t k,
+                                                int64_t elem_bytes, int max_ctas) {
+    std::vector<jmo::GatherModelSource> src;
+    const int64_t total = GatherSources(params, segs, rank, ranks, n, &src);
+    return jmo::ChooseGatherConsumerCtasFromSources(params, src.data(), ranks, total,
+                                                    jmo::GatherModelShape{tokens, slots, n, k, elem_bytes}, max_ctas);
+  }, nb::arg("params"), nb::arg("segs"), nb::arg("rank"), nb::arg("ranks"), nb::arg("tokens"), nb::arg("slots"),
+        nb::arg("n"), nb::arg("k"), nb::arg("elem_bytes"), nb::arg("max_ctas"));
   // dispatch_gemm's pushing CTAs (resource_model.h): the modelled time with P pushers, and the choice (0: the model
   // has no pusher rate).
   m.def("model_pushers_makespan_us", [](const jmo::ModelParams& params, int64_t push_bytes, int64_t gemm_rows,

@@ -592,3 +592,66 @@ def test_regret_rows_and_summary(capsys):
   lines = regret.summary([row, worse])
   assert lines[0].startswith("regret P: mean 11.0%, worst 20.0% over 2 cases (OUTSIDE the target")
   assert regret.summary([row])[0].startswith("regret P: mean 2.0%, worst 2.0% over 1 cases (within the target")
+
+
+def test_regret_suite_covers_gather_rs():
+  # The regret suite's gather_rs cases (also alone as regret-gather): R = 4 as 2 x 2, R = 8 as 4 x 2 and 2 x 4, each in
+  # bf16 and float32, over the emulated NVLink at 370 / R GB/s, a sweep of pinned C and the library's C, with the
+  # shipped calibration's model for that link.
+  cases = [c for c in cases_lib.suite("regret", cases_lib.Case()) if c.gather_rs]
+  assert cases == cases_lib.suite("regret-gather", cases_lib.Case())
+  assert sorted((c.expert_ranks, c.tensor, c.f32) for c in cases) == sorted(
+      (R_e, TP, f32) for R_e, TP in ((2, 2), (4, 2), (2, 4)) for f32 in (False, True))
+  for c in cases:
+    assert c.invalid() is None, c.invalid()
+    assert c.link_gbps == cases_lib.NVLINK_GBPS / c.ranks and c.model == cases_lib.calibrated_model(c.ranks, c.link_gbps)
+    assert c.sweep == cases_lib.REGRET_C and c.consumers == 0 and c.time and not c.table and c.decision_iters > 0
+    assert c.variants()[-2:] == [(0, False), (0, True)]  # the library's C, and its serialized form
+    assert max(c.sweep) <= 132 // c.ranks - 1  # every pinned C leaves a producer on an H200 rank's budget
+    assert c.rank_k % 64 == 0 and c.n_dim % 64 == 0  # bf16: the wgmma engine, the calibration's tile
+
+
+def _gather_regret_result(case, sets, policy, fixed, chosen):
+  """A simulated timed run of a gather_rs case with a consumer sweep: pinned C = c takes 100 + |c - 2| us, the
+  library's C 101 us, and the device records `chosen` per rank."""
+  def variant(us, consumers):
+    rec = {"consumers": consumers, "begin_t": 0, "prod_t0": 1000, "prod_t1": 5000, "prod_t0_last": 1000,
+           "cons_t0": 6000, "cons_t1": 7000, "comb_t0": 9000, "comb_t1": 12000, "pushed_bytes": 0}
+    return [{"call_us": [us] * 3, "device": [dict(rec, consumers=c)]} for c in consumers]
+  timed = [variant(100.0 + abs(c - 2) if c else 101.0 if not ser else 150.0, [c] * case.ranks if c else chosen)
+           for c, ser in case.variants()]
+  return {"budget": 33, "consumer_policy": policy, "fixed_consumers": fixed, "timed": timed}
+
+
+def test_regret_rows_of_gather_rs():
+  # tools/loopback/regret.py on a simulated gather_rs sweep: under the model the host mirror is
+  # kernel_gather_consumer_ctas on each rank's plan (the device's GatherConsumersOfCall restated), under the fixed
+  # policy (float32: the SIMT engine) the workspace's fixed C; the rows' kinds are summarized apart.
+  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
+  from tools.loopback import regret  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  case = dataclasses.replace(_small_case(ranks=4, tensor=2, experts=4, gather_rs=True, tokens=1024, k_dim=14336,
+                                         n_dim=4096), time=True, consumers=0, sweep=(1, 2, 4), link_gbps=50.0,
+                             model=cases_lib.calibrated_model(4, 50.0), datasets=1)
+  assert case.invalid() is None
+  # Each rank's plan as consumer_row reads it: seg_rows [E_l, R] flattened (balanced rows, one source empty on rank 3).
+  rng = np.random.default_rng(0)
+  seg = [rng.integers(400, 700, (case.experts_per_rank, 4)) for _ in range(4)]
+  seg[3][:, 0] = 0
+  sets = [[types.SimpleNamespace(plan={"seg_rows": s.reshape(-1)}) for s in seg]]
+  p, _ = regret._rank_model(case, 33)  # pylint: disable=protected-access
+  assert p.sms == 33 and p.link_gbps == 50.0
+  want = [bench_resource.kernel_gather_consumer_ctas(p, d.plan["seg_rows"].reshape(case.experts_per_rank, 4).tolist(),
+                                                     r, case.tokens, case.slot_top_k, case.n_dim, case.rank_k, 2, 32,
+                                                     16) for r, d in enumerate(sets[0])]
+  assert all(1 <= c <= 32 for c in want)
+  row = regret.consumer_row(case, _gather_regret_result(case, sets, "model", 16, want), sets[0])
+  assert row["what"] == "C gather_rs" and row["mirror"] == want and row["mirror_agrees"]
+  assert row["best"] == 2 and row["regret"] == pytest.approx(0.01) and row["chosen"] == want
+  other = [c + 1 for c in want]
+  assert not regret.consumer_row(case, _gather_regret_result(case, sets, "model", 16, other), sets[0])["mirror_agrees"]
+  fixed = regret.consumer_row(case, _gather_regret_result(case, sets, "fixed", 16, [16] * 4), sets[0])
+  assert fixed["what"] == "C gather_rs (fixed policy)" and fixed["mirror"] == [16] * 4 and fixed["mirror_agrees"]
+  lines = regret.summary([row, fixed, dict(row, regret=0.2)])
+  assert lines[0].startswith("regret C gather_rs: mean 10.5%, worst 20.0% over 2 cases (OUTSIDE the target")
+  assert lines[2].startswith("regret C gather_rs (fixed policy): mean 1.0%, worst 1.0% over 1 cases (within")

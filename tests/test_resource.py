@@ -149,6 +149,8 @@ def test_device_segments_order():
   # seg_rows [E_local=2, R=3] of rank 1: remote sources first, the most loaded destination first, own (1) last.
   segs = bench_resource.device_segments([[5, 7, 0], [1, 2, 30]], rank=1)
   assert segs == [(30, 1), (5, 1), (1, 1), (7, 0), (2, 0)]  # own rows are stored in place, not pushed
+  assert bench_resource.device_segment_sources([[5, 7, 0], [1, 2, 30]], rank=1) == [(30, 2), (5, 0), (1, 0), (7, 1),
+                                                                                   (2, 1)]
 
 
 def test_kernel_consumer_ctas_is_zero_without_remote_rows():
@@ -304,6 +306,138 @@ def test_pushers_grow_with_the_rows_to_push_and_shrink_with_the_gemm():
   assert by_k == sorted(by_k, reverse=True) and by_k[0] > by_k[-1]
   # and never more than the link can use
   assert all(q <= math.ceil(PP.link_gbps / PP.pusher_gbps) for q in by_bytes + by_k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gather_rs's consumer CTAs C (resource_model.h GatherModelSources, GatherMakespanFromSources)
+
+PG = dataclasses.replace(P, tile_n=256, cta_gbps=29.6, link_gbps=92.5, seg_us=0.43)
+
+
+def gather_us(p, segs, rank, R, T, Q, n, k, eb, c):
+  return _jmo.model_gather_makespan_us(p.native(), segs, rank, R, T, Q, n, k, eb, c)
+
+
+def choose_gather(p, segs, rank, R, T, Q, n, k, eb, max_ctas=32):
+  return _jmo.model_choose_gather_consumer_ctas(p.native(), segs, rank, R, T, Q, n, k, eb, max_ctas)
+
+
+def gather_recurrence(p, segs, rank, R, T, Q, n, k, eb, c):
+  """gather_rs's model as resource_model.h's comment states it, in plain floats: the consumer's order
+  (gather_consumer.cuh OrderGatherSources: the sources with no row here by index, then the others in producer
+  order) and the forward recurrence c_s = max(c_{s-1}, r_s) + d_s."""
+  producers = (p.sms - c) * p.ctas_per_sm
+  tile_us = p.tile_us_base + p.tile_us_per_k * k
+  cum, rows, last, with_rows = 0, {}, {}, []
+  for r, s in segs:
+    if r <= 0:
+      continue
+    cum += math.ceil(r / p.tile_m) * math.ceil(n / p.tile_n)
+    if s not in rows:
+      with_rows.append(s)
+      rows[s] = 0
+    rows[s] += r
+    last[s] = cum
+  cons = 0.0
+  for s in [s for s in range(R) if s not in rows] + with_rows:
+    ready = math.ceil(last.get(s, 0) / producers) * tile_us
+    traffic = T * n * 4 + T * Q * 4 + rows.get(s, 0) * (n * eb + 4)
+    link = T * n * 4 if s != rank else 0
+    cons = max(cons, ready) + p.seg_us + max(traffic * 1e-3 / (2 * c * p.cta_gbps), link * 1e-3 / p.link_gbps)
+  return max(math.ceil(cum / producers) * tile_us, cons)
+
+
+def random_gather_call(rng):
+  """A rank's gather_rs call: (rows, source) segments in producer order (bench_resource.device_segment_sources of a
+  random seg_rows [E_l, R] with empty segments), rank, R, T, Q, N, K, eb."""
+  R = rng.choice([2, 4, 8, 16])
+  rank = rng.randrange(R)
+  E_l = rng.randint(1, 4)
+  empty = rng.choice([0.0, 0.4, 0.95])
+  seg_rows = [[0 if rng.random() < empty else rng.choice([1, 63, 64, 300, 2048]) for _ in range(R)]
+              for _ in range(E_l)]
+  segs = bench_resource.device_segment_sources(seg_rows, rank)
+  return (segs, rank, R, rng.choice([1, 64, 1024]), rng.choice([1, 2, 4, 8]), rng.choice([128, 1024, 4096]),
+          rng.choice([128, 7168]), rng.choice([2, 4]))
+
+
+def test_gather_model_equals_its_recurrence_on_random_inputs():
+  # The evaluated form (sources in the consumer's order, one reverse pass per C) equals the forward recurrence, and
+  # the choice is the feasible C with the smallest time (the smallest C on ties).
+  rng = random.Random(3)
+  for _ in range(300):
+    p = dataclasses.replace(PG, sms=rng.choice([2, 16, 33, 132]), tile_m=rng.choice([64, 128]),
+                            cta_gbps=rng.uniform(5, 40), link_gbps=rng.choice([15.0, 46.25, 92.5, 1745.0]),
+                            seg_us=rng.uniform(0, 2))
+    call = random_gather_call(rng)
+    cs = range(1, min(32, p.sms - 1) + 1)
+    us = [gather_us(p, *call, c) for c in cs]
+    for c, u in zip(cs, us):
+      assert u == pytest.approx(gather_recurrence(p, *call, c), rel=1e-12)
+    assert choose_gather(p, *call) == 1 + us.index(min(us))
+    assert gather_us(p, *call, 0) < 0 and gather_us(p, *call, p.sms) < 0
+
+
+def test_gather_sources_with_no_row_here_go_first_and_cost_their_zeros():
+  # Rank 0 of 4 holds rows of source 2 only: sources 1 and 3 (no row here) ship zero partials at once, before
+  # source 2's, and rank 0's own partial (no row here either) is one of them; their bytes count.
+  p, T, n = PG, 1024, 4096
+  only = [(4096, 2)]
+  assert gather_us(p, only, 0, 4, T, 4, n, 7168, 2, 4) == pytest.approx(
+      gather_recurrence(p, only, 0, 4, T, 4, n, 7168, 2, 4), rel=1e-12)
+  # More ranks with nothing here: more partials to ship, never less time.
+  assert gather_us(p, only, 0, 8, T, 4, n, 7168, 2, 4) > gather_us(p, only, 0, 4, T, 4, n, 7168, 2, 4)
+
+
+def test_gather_link_limited_stops_at_the_link():
+  # A tiny GEMM: the partials are everything, shipped one source after another. A remote source's traffic a runs at
+  # 2 C cta_gbps until its l bytes reach the link's rate (C >= knee); from there on only this rank's own partial (no
+  # link) still gains from more consumers.
+  seg_rows = [[64, 64, 64, 64]]
+  segs = bench_resource.device_segment_sources(seg_rows, 1)
+  T, n, eb = 4096, 4096, 2
+  traffic, link_bytes = T * n * 4 + T * 4 * 4 + 64 * (n * eb + 4), T * n * 4
+  for link in (15.0, 46.25, 92.5):
+    p = dataclasses.replace(PG, link_gbps=link, seg_us=0.0, tile_us_base=1e-9, tile_us_per_k=0.0)
+    knee = math.ceil(traffic * link / (2 * p.cta_gbps * link_bytes))  # the fewest C whose rate reaches the link's
+    remote = [gather_us(p, segs, 1, 4, T, 4, n, 64, eb, c) - traffic * 1e-3 / (2 * c * p.cta_gbps)
+              for c in range(1, 33)]  # the makespan less the own partial's work: the remote sources' work
+    assert remote[knee - 1:] == pytest.approx([3 * link_bytes * 1e-3 / link] * (32 - knee + 1), rel=1e-9)
+    assert all(r > remote[-1] * (1 + 1e-9) for r in remote[:knee - 1])
+
+
+def test_gather_consumers_grow_with_the_partials_and_shrink_with_the_gemm():
+  # A loopback rank of an H200 (33 SMs, the shipped tile time): a longer GEMM (K) leaves the partials more time, so
+  # fewer consumers; more tokens (bigger partials, whatever the rows here) ask for more. (Not monotone in the link:
+  # this rank's own partial, last and off the link, gains from every consumer once a slow link has held the others.)
+  p = dataclasses.replace(PG, sms=33, tile_us_base=2.4, tile_us_per_k=0.0108)
+  segs = bench_resource.device_segment_sources([[1024] * 4], 1)
+  by_k = [choose_gather(p, segs, 1, 4, 1024, 4, 4096, k, 2) for k in (256, 1024, 3584, 7168, 14336)]
+  assert by_k == sorted(by_k, reverse=True) and by_k[0] > by_k[-1]
+  by_t = [choose_gather(p, segs, 1, 4, t, 4, 4096, 7168, 2) for t in (64, 256, 1024, 4096)]
+  assert by_t == sorted(by_t) and by_t[0] < by_t[-1]
+
+
+def test_gather_refuses_segments_that_are_no_producer_order():
+  with pytest.raises(ValueError, match="producer order"):
+    choose_gather(PG, [(64, 1), (64, 2), (64, 1)], 0, 4, 64, 4, 128, 128, 2)
+  with pytest.raises(ValueError, match="producer order"):
+    choose_gather(PG, [(64, 4)], 0, 4, 64, 4, 128, 128, 2)
+  with pytest.raises(ValueError, match="rank 4 of 4 ranks"):
+    choose_gather(PG, [(64, 1)], 4, 4, 64, 4, 128, 128, 2)
+
+
+def test_kernel_gather_consumer_ctas():
+  # GatherConsumersOfCall on the host: pinned wins; the fixed C where no segment is another rank's (every source still
+  # needs its partial); else the model's choice from the segments in producer order.
+  f = bench_resource.kernel_gather_consumer_ctas
+  own_only = [[0, 90], [0, 7]]  # rank 1 holds rows of its own tokens only
+  assert f(PG, own_only, 1, 64, 4, 4096, 7168, 2, 32, fixed=16) == 16
+  assert f(PG, own_only, 1, 64, 4, 4096, 7168, 2, 32, fixed=16, pinned=3) == 3
+  grid = [[300, 9000], [2000, 40]]
+  assert f(PG, grid, 1, 1024, 4, 4096, 7168, 2, 32, fixed=16, pinned=5) == 5
+  assert f(PG, grid, 1, 1024, 4, 4096, 7168, 2, 32, fixed=16) == choose_gather(
+      PG, bench_resource.device_segment_sources(grid, 1), 1, 2, 1024, 4, 4096, 7168, 2, 32)
 
 
 def test_fallback_count():

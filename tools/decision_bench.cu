@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "cuda/launch.h"
 #include "cuda/schedule/resource_manager.cuh"
 #include "cuda/schedule/segment_table.cuh"
@@ -17,8 +19,8 @@ using namespace jmo::cuda;
 // out[0] = table build ns, out[1] = ns of `iters` decisions, out[2] = the choice.
 __global__ void __launch_bounds__(kThreads)
     DecisionBenchKernel(RankDev rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, int64_t cap,
-                        int64_t K, int64_t N, const __grid_constant__ ConsumerConfig pol, int iters,
-                        unsigned long long* out) {
+                        int64_t K, int64_t N, const __grid_constant__ ConsumerConfig pol, GatherModelShape gather,
+                        int iters, unsigned long long* out) {
   __shared__ SegTable table;
   __shared__ TableScratch scratch;
   __shared__ ChoiceScratch choice;
@@ -35,10 +37,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < iters; ++i) {
     ModelParams p = pol.model;
     p.seg_us += (double)(i & 1) * 1e-12;  // vary an input so no iteration can be folded into another
-    acc += DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice, i & 1);
+    acc += gather.T > 0
+               ? DeviceChooseGatherConsumers(table, p, gather, rd.rank, rd.ranks, pol.max_ctas, &choice, i & 1)
+               : DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice, i & 1);
   }
   if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;
-  const int final_choice = ConsumersOfCall(table, pol, N, K, &choice);
+  const int final_choice = gather.T > 0 ? GatherConsumersOfCall(table, pol, gather, rd.rank, rd.ranks, &choice)
+                                        : ConsumersOfCall(table, pol, N, K, &choice);
   if (threadIdx.x == 0) {
     out[2] = (unsigned long long)final_choice;
     out[3] = (unsigned long long)acc;
@@ -51,24 +56,26 @@ using namespace jmo::cuda;
 
 Status MeasureDecision(const CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                        int64_t cap, int64_t K, int64_t N, DType dt, int iters, double* table_ns, double* decision_ns,
-                       int* choice) {
+                       int* choice, int64_t gather_tokens, int64_t gather_slots) {
   if (c.ws == nullptr || !c.ws->has_model())
     return Status::Error(kFailedPrecondition, "MeasureDecision needs a workspace with a model");
   if (E_l * c.ws->ranks() > kMaxSegments || iters < 1)
     return Status::Error(kInvalidArgument, "MeasureDecision: too many segments or iters < 1");
   ConsumerConfig pol{};
   pol.use_model = 1;
-  pol.model = c.ws->model();
+  pol.model = ModelWithLink(c.ws->model(), c.opts.emulated_link_gbps);  // as the launches (the call's link)
   pol.model.sms = c.ws->budget(c.group, c.rank);
   pol.model.ctas_per_sm = 1;
   pol.max_ctas = ModelMaxCtas(pol.model.sms);
   pol.cand = FillCandidateConsts(pol.model, pol.max_ctas, N);
   pol.elem_bytes = Traits(dt).elem_bytes;
+  pol.consumers = gather_tokens > 0 ? std::max(1, std::min(c.ws->consumer_ctas(), pol.model.sms - 1)) : 0;
+  const GatherModelShape gather{gather_tokens, gather_slots, N, K, pol.elem_bytes};
   unsigned long long* out = nullptr;
   Status s = CudaStatus(cudaMalloc(&out, 4 * sizeof(unsigned long long)), "cudaMalloc");
   if (!s.ok()) return s;
   DecisionBenchKernel<<<1, kThreads, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), seg_rows, seg_ret_off, (int)E_l, cap,
-                                                    K, N, pol, iters, out);
+                                                    K, N, pol, gather, iters, out);
   unsigned long long h[4] = {0, 0, 0, 0};
   s = LaunchError("launch of DecisionBenchKernel");
   if (s.ok()) s = CudaStatus(cudaStreamSynchronize(c.stream), "cudaStreamSynchronize");

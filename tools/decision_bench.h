@@ -8,10 +8,14 @@
 namespace jmo::tools {
 
 // One CTA on c's device, on c's stream (synchronizes): builds the segment table of this call's plan arrays as
-// ExpertKernel does, then evaluates the workspace's model `iters` times. Reports the nanoseconds of one table build,
-// of one decision (prefix scan + all candidates + the reduction), and the choice.
+// ExpertKernel does, then evaluates the workspace's model (with c.opts' link) `iters` times. Reports the nanoseconds of one table build,
+// of one decision (prefix scan + all candidates + the reduction), and the choice. gather_tokens > 0: the decision of
+// a gather_rs call of gather_tokens tokens per rank and gather_slots slots per token (DeviceChooseGatherConsumers;
+// the choice as GatherConsumersOfCall's, the workspace's fixed C where no band goes to another rank), else
+// expert_combine's.
 cuda::Status MeasureDecision(const cuda::CallSite& c, const int32_t* seg_rows, const int32_t* seg_ret_off,
                              int64_t E_l, int64_t cap, int64_t K, int64_t N, DType dt, int iters,
-                             double* table_ns, double* decision_ns, int* choice);
+                             double* table_ns, double* decision_ns, int* choice, int64_t gather_tokens = 0,
+                             int64_t gather_slots = 0);
 
 }  // namespace jmo::tools

@@ -256,8 +256,8 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "tensor", "tensor-time",
-          "small", "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "regret-gather", "tensor",
+          "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -388,18 +388,43 @@ def _regret(base: Case) -> list[Case]:
   # The resource manager's choices against a sweep of pinned counts on the same data (tools/loopback/regret.py):
   # expert_combine's C on combine-time's shapes over the emulated NVLink at R = 2, 4, 8, then dispatch_gemm's P on
   # dispatch-gemm-time's shape (train mode) over the emulated NVLink at R = 2, 4, 8 and at HBM speed at R = 2, with the
-  # shipped calibration.
+  # shipped calibration; and gather_rs's C (GEMM2 + GatherRS, REGRET_GATHER).
   v = []
   for shape in COMBINE_SHAPES.values():
     for R in (2, 4, 8):
       link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
                                    link_gbps=link, sweep=REGRET_C, **shape, **dict(_TIMED, table=False)))
+  v += _regret_gather(base)
   dg = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, dispatch_gemm_mode="train",
             dispatch_gemm_pushers=AUTO, dg_sweep=REGRET_P + (0,), **_TIMED)
   for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0)):
     v.append(dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link),
                                  **dict(dg, tokens=2048 if R == 8 else 4096)))
+  return v
+
+
+# gather_rs's regret cases: (expert ranks, tensor ranks) of R = 4 as 2 x 2 and R = 8 as 4 x 2 and 2 x 4, each in
+# bfloat16 (the wgmma engine: the model's C) and float32 (the SIMT engine, which the calibration does not describe: the
+# workspace's fixed C, reported apart), with the tokens per rank of each dtype.
+REGRET_GATHER_MESHES = ((2, 2), (4, 2), (2, 4))
+REGRET_GATHER_TOKENS = {False: 1024, True: 256}  # f32 -> tokens per rank (the SIMT GEMM is slow: fewer)
+
+
+def _regret_gather(base: Case) -> list[Case]:
+  # GEMM2 + GatherRS (tools/loopback/tensor.py) on tensor-time's Mixtral-like shape (E = 8, top-2, F = K = 14336 split
+  # over the tensor ranks, D = N = 4096), balanced routing, over the emulated NVLink (370 / R GB/s per rank), once
+  # per pinned C of REGRET_C and once with the library's C, on the same data; and the device's decision timed on rank
+  # 0's plan (a DECISION line: gather_rs's choice alone, ns per decision).
+  v = []
+  for R_e, TP in REGRET_GATHER_MESHES:
+    R = R_e * TP
+    link = NVLINK_GBPS / R
+    for f32 in (False, True):
+      v.append(dataclasses.replace(base, ranks=R, tensor=TP, experts=8, top_k=2, tokens=REGRET_GATHER_TOKENS[f32],
+                                   d_model=256, k_dim=14336, n_dim=4096, f32=f32, gather_rs=True, consumers=0,
+                                   model=calibrated_model(R, link), link_gbps=link, sweep=REGRET_C,
+                                   decision_iters=1000, **dict(_TIMED, table=False)))
   return v
 
 
@@ -507,6 +532,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _combine_time(base)
   if name == "regret":
     return _regret(base)
+  if name == "regret-gather":  # regret's gather_rs cases alone
+    return _regret_gather(base)
   if name == "tensor":
     return _tensor(base)
   if name == "tensor-time":

@@ -180,6 +180,7 @@ nb::dict ToDict(const Result& r) {
                    {"dg_sweep_pushers", nb::cast(r.dg_sweep_pushers)}, {"table_ns", nb::cast(r.table_ns)},
                    {"decision_ns", nb::cast(r.decision_ns)}, {"decision_choice", nb::cast(r.decision_choice)},
                    {"budget", nb::cast(r.budget)}, {"producer", nb::cast(r.producer)},
+                   {"consumer_policy", nb::cast(r.consumer_policy)}, {"fixed_consumers", nb::cast(r.fixed_consumers)},
                    {"seconds", nb::cast(r.seconds)}});
 }
 

@@ -1,5 +1,6 @@
-"""The regret of the resource manager's choices in the loopback harness: expert_combine's consumer count C and
-dispatch_gemm's pusher count P, each against a sweep of pinned counts on the same data.
+"""The regret of the resource manager's choices in the loopback harness: expert_combine's consumer count C,
+gather_rs's (GEMM2 + GatherRS) and dispatch_gemm's pusher count P, each against a sweep of pinned counts on the same
+data.
 
 regret = (time with the model's choice) / (the best pinned time of the sweep) - 1, per call the slowest rank, the
 median over calls. Negative where the model chose a count the sweep does not pin and it was faster. The target
@@ -51,11 +52,22 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
   from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
   budget = result["budget"]
   p, _ = _rank_model(case, budget)
-  E_l, R = case.experts_per_rank, case.ranks
-  mirror = [bench_resource.kernel_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r, case.n_dim,
-                                                case.rank_k, 4 if case.f32 else 2, min(32, budget - 1))
-            for r, d in enumerate(ranks)]
-  return {"kind": "regret", "what": "C", "case": case.name(), "chosen": chosen, "mirror": mirror,
+  E_l, R, eb = case.experts_per_rank, case.ranks, 4 if case.f32 else 2
+  what = "C"
+  if case.gather_rs:
+    # gather_rs's C: the model's where the calls' engine is the calibrated one (the runner's consumer_policy), else
+    # the workspace's fixed C (float32: the SIMT engine, which the calibration does not describe).
+    fixed, policy = result.get("fixed_consumers", 0), result.get("consumer_policy", "")
+    what = "C gather_rs" if policy == "model" else f"C gather_rs ({policy or 'unknown'} policy)"
+    mirror = [bench_resource.kernel_gather_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r,
+                                                         case.tokens, case.slot_top_k, case.n_dim, case.rank_k, eb,
+                                                         min(32, budget - 1), fixed)
+              if policy == "model" else fixed for r, d in enumerate(ranks)]
+  else:
+    mirror = [bench_resource.kernel_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r, case.n_dim,
+                                                  case.rank_k, eb, min(32, budget - 1))
+              for r, d in enumerate(ranks)]
+  return {"kind": "regret", "what": what, "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
           "times_us": {str(c): t for c, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0}
 
@@ -94,10 +106,11 @@ def line(row: dict) -> str:
 
 
 def summary(rows: list[dict]) -> list[str]:
-  """Per kind: the mean and worst regret against the target (mean <= 3%, worst <= 10%), and whether every host mirror
-  agreed with the device."""
+  """Per kind (expert_combine's C, gather_rs's C by policy, dispatch_gemm's P, in the order they first appear): the
+  mean and worst regret against the target (mean <= 3%, worst <= 10%), and whether every host mirror agreed with the
+  device."""
   out = []
-  for what in ("C", "P"):
+  for what in dict.fromkeys(x["what"] for x in rows):
     r = [x["regret"] for x in rows if x["what"] == what]
     if not r:
       continue

@@ -11,9 +11,12 @@
                                                             (also over an emulated NVLink)
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
                                                             over an emulated NVLink, R = 2, 4, 8, three shapes
-  python -m tools.loopback.run --suite regret       the resource manager's C (expert_combine) and P (dispatch_gemm)
-                                                    against sweeps of pinned counts over the emulated NVLink:
-                                                    REGRET lines and the mean / worst regret (target 3% / 10%)
+  python -m tools.loopback.run --suite regret       the resource manager's C (expert_combine, gather_rs) and P
+                                                    (dispatch_gemm) against sweeps of pinned counts over the emulated
+                                                    NVLink: REGRET lines and the mean / worst regret per kind (target
+                                                    3% / 10%)
+  python -m tools.loopback.run --suite regret-gather    its gather_rs cases alone: R = 4 as 2 x 2, R = 8 as 4 x 2 and
+                                                        2 x 4, bf16 (the model's C) and float32 (the fixed C)
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts,
                                                     the shards' partials summed per slot and by GatherRS

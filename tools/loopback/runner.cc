@@ -176,11 +176,13 @@ class Run {
     res_.calls = calls_;
 
     if (s_.decision_iters > 0 && s_.has_model && !stop_) {
-      CallSite c{ws_.get(), 0, 0, streams_[0], CallOptions{}};
+      CallOptions o{};
+      o.emulated_link_gbps = s_.emulated_link_gbps;  // the model of the case's calls
+      CallSite c{ws_.get(), 0, 0, streams_[0], o};
       const DeviceSet& d = dsets_[0][0];
       Status s = tools::MeasureDecision(c, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off, E_l_, cap_,
                                         K_, N_, dt_, s_.decision_iters, &res_.table_ns, &res_.decision_ns,
-                                        &res_.decision_choice);
+                                        &res_.decision_choice, s_.gather_rs ? T_ : 0, s_.gather_rs ? k_ : 0);
       if (!s.ok()) Fail("decision benchmark: " + s.msg);
     }
     // The engine of the expert_combine calls (cudaMalloc'ed operands: out_y_[0] stands for their alignment).
@@ -190,6 +192,9 @@ class Run {
         info.cc, {dt_, cuda::GemmForm::kRows, cap_, K_, N_, s_.transpose_rhs, cuda::GemmEpilogue::kNone, out_y_[0],
                   out_y_[0]});
     res_.producer = engine ? cuda::GemmEngineName(*engine) : "none";
+    if (engine)
+      res_.consumer_policy = cuda::ConsumerPolicyName(cuda::SelectConsumerPolicy(*ws_, CallOptions{}, *engine));
+    res_.fixed_consumers = std::max(1, std::min(ws_->consumer_ctas(), res_.budget - 1));
     for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
     streams_.clear();
     ws_.reset();

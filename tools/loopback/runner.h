@@ -129,6 +129,8 @@ struct Result {
   int decision_choice = 0;
   int budget = 0;                          // CTAs per rank
   std::string producer;                    // GemmEngineName of the case's expert_combine engine
+  std::string consumer_policy;             // ConsumerPolicyName of its calls where C is the library's (consumers 0)
+  int fixed_consumers = 0;                 // the workspace's fixed C on a rank (min(its C, budget - 1))
   double seconds = 0;
 };
 

@@ -17,6 +17,12 @@
 // ChooseDispatchPushers on random calls (rows to push and to multiply, K, N, SM budget, link and per-CTA rates), one
 // warp per call, every lane's answer compared; any difference prints WRONG and the exit status is 1.
 //
+// Then gather_rs's C: DeviceChooseGatherConsumers (the library's, every CTA of ExpertKernel<kGather>) against the host's
+// GatherModelSources + ChooseGatherConsumerCtasFromSources on random calls (R 2..32, any rank, E_l experts with empty
+// segments, T, Q, N, K, bf16 or float32, the SM budget and the link), 256 and 384 threads, two decisions per CTA
+// (both halves of the scratch), every thread's answer compared; any difference prints WRONG and the exit status is 1.
+// And its time per decision, as the consumer choice's (one CTA, --iters decisions, median of --reps launches).
+//
 // Build and run (repository root; < 30 s; options: --iters 1000 --reps 5 --seeds 12):
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
 //     -o /tmp/decision_probe tools/probes/decision_probe.cu && /tmp/decision_probe
@@ -113,6 +119,15 @@ Table MakeTable(int n, int mr, int max_rows, uint32_t seed) {
   for (int i = 0; i < n; ++i) t.seg[i] = Segment{i, i < mr ? 1 : 0, 0, 1 + (int32_t)(g() % (uint32_t)max_rows), 0, 0};
   return t;
 }
+// A random check's summary: its calls, the distinct choices of the host (seen[c] = 1: some call chose c), and whether
+// every device choice was `host`'s.
+void PrintCheck(const char* what, int calls, const std::vector<int>& seen, int64_t wrong, const char* host) {
+  int distinct = 0;
+  for (int v : seen) distinct += v;
+  printf("%s: %d calls, %d distinct choices: %s%s\n", what, calls, distinct,
+         wrong ? "WRONG" : "every choice identical to ", wrong ? "" : host);
+}
+
 // One warp per call: out[i] = its P where every lane agrees, -1 where they differ.
 __global__ void PusherCheckKernel(const PusherConfig* pc, const PusherInputs* in, int n, int* out) {
   const int i = blockIdx.x;
@@ -161,12 +176,221 @@ int64_t CheckPushers(int calls, uint64_t seed) {
              pc[i].model.sms, pc[i].model.link_gbps, pc[i].model.pusher_gbps, (long long)in[i].push_bytes,
              (long long)in[i].gemm_rows, (long long)in[i].K, (long long)in[i].N, dev[i], host[i]);
   }
-  int distinct = 0;
-  for (int v : seen) distinct += v;
-  printf("pushers check: %d calls, %d distinct choices: %s\n", calls, distinct,
-         wrong ? "WRONG" : "every choice identical to the host's ChooseDispatchPushers");
+  PrintCheck("pushers check", calls, seen, wrong, "the host's ChooseDispatchPushers");
   cudaFree(d_pc);
   cudaFree(d_in);
+  cudaFree(d_out);
+  return wrong;
+}
+
+// gather_rs: one CTA per call decides twice (parities 0 and 1); out[2 i], out[2 i + 1]: its C where every thread
+// agrees, -1 where they differ. segs: the calls' tables back to back from seg_begin[i], in producer order.
+struct GatherCall {
+  ModelParams p;
+  GatherModelShape sh;
+  int rank, ranks, max_ctas, seg_begin, n;
+};
+template <int kBlock>
+__global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* calls, const Segment* segs, int* out) {
+  __shared__ SegTable table;
+  __shared__ ChoiceScratch cs;
+  __shared__ int ref[2], differ;
+  const GatherCall& g = calls[blockIdx.x];
+  for (int i = threadIdx.x; i < g.n; i += blockDim.x) table.seg[i] = segs[g.seg_begin + i];
+  if (threadIdx.x == 0) {
+    table.n = g.n;
+    differ = 0;
+  }
+  __syncthreads();
+  int c[2];
+  for (int k = 0; k < 2; ++k) c[k] = DeviceChooseGatherConsumers(table, g.p, g.sh, g.rank, g.ranks, g.max_ctas, &cs, k);
+  if (threadIdx.x == 0) ref[0] = c[0], ref[1] = c[1];
+  __syncthreads();
+  if (c[0] != ref[0] || c[1] != ref[1]) atomicAdd(&differ, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    out[2 * blockIdx.x] = differ ? -1 : c[0];
+    out[2 * blockIdx.x + 1] = differ ? -1 : c[1];
+  }
+}
+
+// One random gather_rs call: its non-empty segments in producer order (SegmentBefore) and its host choice.
+struct GatherDraw {
+  GatherCall call;
+  std::vector<Segment> segs;
+  int host;
+};
+GatherDraw DrawGather(std::mt19937_64& g) {
+  auto pick = [&](std::initializer_list<int64_t> v) { return *(v.begin() + g() % v.size()); };
+  GatherDraw d{};
+  const int R = (int)pick({2, 4, 8, 16, 32});
+  const int E_l = std::max(1, (int)(g() % (kMaxSegments / R)) + 1);
+  const int sms = (int)pick({2, 3, 16, 33, 66, 132});
+  ModelParams p{sms, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
+                (double)pick({15, 46, 92, 185, 370, 1745}) + 0.25, 0.4301974372287516, 17.3};
+  d.call.p = p;
+  d.call.sh = GatherModelShape{pick({1, 64, 1024, 4096}), pick({1, 2, 4, 8, 16}), pick({128, 1024, 4096}),
+                               pick({128, 2048, 7168}), pick({2, 4})};
+  d.call.rank = (int)(g() % R);
+  d.call.ranks = R;
+  d.call.max_ctas = ModelMaxCtas(sms);
+  const int zero_pct = (int)pick({0, 30, 90});
+  std::vector<Segment> raw;
+  std::vector<int64_t> to_rank(R, 0);
+  for (int e = 0; e < E_l; ++e)
+    for (int s = 0; s < R; ++s) {
+      const int32_t rows = (int)(g() % 100) < zero_pct ? 0 : 1 + (int32_t)(g() % (uint64_t)pick({16, 300, 5000}));
+      if (rows == 0) continue;
+      raw.push_back(Segment{e, s, 0, rows, 0, 0});
+      to_rank[s] += rows;
+    }
+  std::vector<int> order(raw.size());
+  if (!raw.empty()) OrderSegments(raw.data(), (int)raw.size(), d.call.rank, to_rank.data(), order.data());
+  std::vector<GatherModelSegment> ms;
+  for (int i : order) {
+    d.segs.push_back(raw[i]);
+    ms.push_back(GatherModelSegment{raw[i].rows, raw[i].src});
+  }
+  d.call.n = (int)d.segs.size();
+  std::vector<GatherModelSource> src(R);
+  const int64_t total = GatherModelSources(p, ms.data(), (int)ms.size(), R, d.call.rank, d.call.sh.N, src.data());
+  d.host = total < 0 ? -2 : ChooseGatherConsumerCtasFromSources(p, src.data(), R, total, d.call.sh, d.call.max_ctas);
+  return d;
+}
+
+// Random gather_rs calls, device against host; returns the count of differences.
+int64_t CheckGather(int calls, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::vector<GatherCall> cl;
+  std::vector<Segment> segs;
+  std::vector<int> host;
+  for (int i = 0; i < calls; ++i) {
+    GatherDraw d = DrawGather(g);
+    d.call.seg_begin = (int)segs.size();
+    segs.insert(segs.end(), d.segs.begin(), d.segs.end());
+    cl.push_back(d.call);
+    host.push_back(d.host);
+  }
+  GatherCall* d_calls;
+  Segment* d_segs;
+  int* d_out;
+  CK(cudaMalloc(&d_calls, calls * sizeof(GatherCall)));
+  CK(cudaMalloc(&d_segs, std::max<size_t>(1, segs.size()) * sizeof(Segment)));
+  CK(cudaMalloc(&d_out, 2 * calls * sizeof(int)));
+  CK(cudaMemcpy(d_calls, cl.data(), calls * sizeof(GatherCall), cudaMemcpyHostToDevice));
+  if (!segs.empty()) CK(cudaMemcpy(d_segs, segs.data(), segs.size() * sizeof(Segment), cudaMemcpyHostToDevice));
+  int64_t wrong = 0;
+  std::vector<int> seen(33, 0);
+  std::vector<int> dev(2 * calls);
+  for (int blk : {kThreads, 384}) {
+    (blk == kThreads ? GatherCheckKernel<kThreads> : GatherCheckKernel<384>)<<<calls, blk>>>(d_calls, d_segs, d_out);
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(dev.data(), d_out, 2 * calls * sizeof(int), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < calls; ++i) {
+      if (host[i] >= 0 && host[i] <= 32) seen[host[i]] = 1;
+      for (int k = 0; k < 2; ++k)
+        if (dev[2 * i + k] != host[i] && ++wrong <= 20)
+          printf("WRONG gather (%d threads, parity %d): R %d rank %d segments %d sms %d T %lld Q %lld N %lld K %lld "
+                 "eb %lld link %g: device %d, host %d\n", blk, k, cl[i].ranks, cl[i].rank, cl[i].n, cl[i].p.sms,
+                 (long long)cl[i].sh.T, (long long)cl[i].sh.Q, (long long)cl[i].sh.N, (long long)cl[i].sh.K,
+                 (long long)cl[i].sh.elem_bytes, cl[i].p.link_gbps, dev[2 * i + k], host[i]);
+    }
+  }
+  PrintCheck("gather_rs check (256 and 384 threads)", calls, seen, wrong,
+             "the host's ChooseGatherConsumerCtasFromSources on every thread");
+  cudaFree(d_calls);
+  cudaFree(d_segs);
+  cudaFree(d_out);
+  return wrong;
+}
+
+// gather_rs's decision timed in one CTA of kThreads threads: `iters` decisions (alternating parities; seg_us varies
+// with the parity as in DecisionBenchKernel), out[0] ns, out[1] the sum of the choices.
+__global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* call, const Segment* segs, int iters,
+                                                             unsigned long long* out) {
+  __shared__ SegTable table;
+  __shared__ ChoiceScratch cs;
+  __shared__ unsigned long long t0;
+  const GatherCall& g = *call;
+  for (int i = threadIdx.x; i < g.n; i += blockDim.x) table.seg[i] = segs[i];
+  if (threadIdx.x == 0) table.n = g.n;
+  __syncthreads();
+  if (threadIdx.x == 0) t0 = Now();
+  __syncthreads();
+  int acc = 0;
+  for (int i = 0; i < iters; ++i) {
+    ModelParams q = g.p;
+    q.seg_us = Vol(g.p.seg_us) + (double)(i & 1) * 1e-12;
+    acc += DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs, i & 1);
+  }
+  if (threadIdx.x == 0) {
+    out[0] = Now() - t0;
+    out[1] = (unsigned long long)acc;
+  }
+}
+
+// gather_rs's decision cost at the loopback's meshes (R = 4, 8; E_l = 2, 4 experts: n = E_l R segments) and at 32
+// ranks; returns 1 where the sum of the choices is not the host's.
+int64_t TimeGather(int iters, int reps) {
+  printf("gather_rs: ns per decision (one CTA of %d threads, %d iters, median of %d), sms 33, T 1024, Q 4, N 4096, "
+         "K 7168, bf16:\n| R | segments | ns | C |\n|---|---|---|---|\n", kThreads, iters, reps);
+  int64_t wrong = 0;
+  GatherCall* d_call;
+  Segment* d_segs;
+  unsigned long long* d_out;
+  CK(cudaMalloc(&d_call, sizeof(GatherCall)));
+  CK(cudaMalloc(&d_segs, kMaxSegments * sizeof(Segment)));
+  CK(cudaMalloc(&d_out, 2 * sizeof(unsigned long long)));
+  for (auto [R, E_l] : {std::pair{4, 2}, {4, 4}, {8, 2}, {8, 4}, {32, 8}}) {
+    std::vector<Segment> segs;
+    std::vector<GatherModelSegment> ms;
+    std::vector<int64_t> to_rank(R);
+    std::mt19937 g(5u + R * E_l);
+    std::vector<Segment> raw;
+    for (int e = 0; e < E_l; ++e)
+      for (int s = 0; s < R; ++s) {
+        raw.push_back(Segment{e, s, 0, 400 + (int32_t)(g() % 200), 0, 0});
+        to_rank[s] += raw.back().rows;
+      }
+    std::vector<int> order(raw.size());
+    OrderSegments(raw.data(), (int)raw.size(), 1, to_rank.data(), order.data());
+    for (int i : order) {
+      segs.push_back(raw[i]);
+      ms.push_back(GatherModelSegment{raw[i].rows, raw[i].src});
+    }
+    ModelParams p{33, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397, 370.0 / 4,
+                  0.4301974372287516, 17.3};
+    GatherCall call{p, GatherModelShape{1024, 4, 4096, 7168, 2}, 1, R, ModelMaxCtas(33), 0, (int)segs.size()};
+    std::vector<GatherModelSource> src(R);
+    int want = 0;
+    for (int k = 0; k < 2; ++k) {
+      ModelParams q = p;
+      q.seg_us += k * 1e-12;
+      const int64_t total = GatherModelSources(q, ms.data(), (int)ms.size(), R, 1, 4096, src.data());
+      want += (k == 0 ? (iters + 1) / 2 : iters / 2) *
+              ChooseGatherConsumerCtasFromSources(q, src.data(), R, total, call.sh, call.max_ctas);
+    }
+    CK(cudaMemcpy(d_call, &call, sizeof call, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_segs, segs.data(), segs.size() * sizeof(Segment), cudaMemcpyHostToDevice));
+    std::vector<double> ns;
+    bool ok = true;
+    unsigned long long o[2];
+    for (int r = 0; r <= reps; ++r) {
+      GatherBenchKernel<<<1, kThreads>>>(d_call, d_segs, iters, d_out);
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
+      ok = ok && o[1] == (unsigned long long)want;
+      if (r > 0) ns.push_back((double)o[0] / iters);
+    }
+    std::sort(ns.begin(), ns.end());
+    wrong += !ok;
+    const int64_t total = GatherModelSources(p, ms.data(), (int)ms.size(), R, 1, 4096, src.data());
+    printf("| %d | %d | %.0f%s | %d |\n", R, (int)segs.size(), ns[ns.size() / 2], ok ? "" : " WRONG",
+           ChooseGatherConsumerCtasFromSources(p, src.data(), R, total, call.sh, call.max_ctas));
+  }
+  printf("\n");
+  cudaFree(d_call);
+  cudaFree(d_segs);
   cudaFree(d_out);
   return wrong;
 }
@@ -244,7 +468,9 @@ int main(int argc, char** argv) {
   printf("check: %lld tables x %d forms x 2 block sizes: %s\n", (long long)tables, kForms,
          wrong ? "WRONG" : "every choice identical to the host's ChooseConsumerCtas");
   wrong += CheckPushers(20000, 11);
+  wrong += CheckGather(4000, 13);
   printf("\n");
+  wrong += TimeGather(iters, reps);
 
   // 2. Timing: one CTA of kThreads threads, `iters` decisions per launch, median of `reps` launches (after a warm-up).
   for (int sms : {66, 132}) {

@@ -35,7 +35,8 @@ namespace {
 // run concurrently from R streams, and all of them must be resident together, which per-rank SM budgets give.
 //
 // kGather (gather_rs): every tile goes to stage and publishes its band, and the consumer is GatherConsume (ga), which
-// every source needs, so C >= 1 even where no band goes to another rank.
+// every source needs, so C >= 1 even where no band goes to another rank; C is gather_rs's model's where it chooses
+// (GatherConsumersOfCall).
 template <typename T, int kEngine, bool kTransB, bool kGather>
 __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
@@ -52,8 +53,11 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   LoadCallState(rd, &st);
   if (!st.ok) return;
   if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) return;
-  int consumers = ConsumersOfCall(table, pol, N, K, &choice);
-  if (kGather && consumers == 0) consumers = pol.consumers;  // (the host keeps it in [1, grid - 1])
+  // (gather_rs: C >= 1, the host keeps the pinned and the fixed C in [1, grid - 1].)
+  const int consumers =
+      kGather ? GatherConsumersOfCall(table, pol, GatherModelShape{ga.T, ga.Q, N, K, (int64_t)sizeof(T)}, rd.rank,
+                                      rd.ranks, &choice)
+              : ConsumersOfCall(table, pol, N, K, &choice);
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     rd.priv->consumers = (uint64_t)consumers;
@@ -336,7 +340,7 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   if (!selected)
     return FailCall(c, op, std::string("no GEMM engine takes ") + Traits(dt).name + " operands on this device");
   const GemmEngine engine = *selected;
-  // The fixed C; also gather_rs's where the model has nothing to choose from (no band goes to another rank).
+  // The fixed C; also gather_rs's under the model where no band goes to another rank (GatherConsumersOfCall).
   const int fixed = std::max(1, std::min(ws.consumer_ctas(), budget - 1));
   const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, engine);
   if (policy == ConsumerPolicy::kPinned) {

@@ -1,5 +1,6 @@
 // The resource manager's device side: the choice of the consumer CTA count C from the call's segment table, and
-// ConsumerConfig, what ExpertKernel is told about C and about how its consumer pushes (used by ExpertKernel,
+// gather_rs's C (DeviceChooseGatherConsumers, GatherConsumersOfCall); ConsumerConfig, what ExpertKernel is told about C
+// and about how its consumer pushes (used by ExpertKernel,
 // expert_combine.cu, and by tools/decision_bench.cu); and dispatch_gemm's pusher count P (PusherConfig, at the end).
 // Every function with a barrier is called by every thread of the CTA.
 #pragma once
@@ -46,6 +47,14 @@ struct ChoiceScratch {
       double push_us[kMaxSegments];   // pushed_from * seg_us
       double bytes[kMaxSegments];     // (double)bytes_from
     } seg;                            // (the same 6 KB as pre[]: shared memory does not grow)
+    struct {                          // DeviceChooseGatherConsumers
+      GatherModelSource src[2][kMaxRanks];  // the sources in the consumer's order, by call parity
+      int64_t total_tiles[2];
+      int64_t cum_end[kMaxRanks];     // by source (warp 0's build): tiles up to its last segment,
+      int64_t rows_end[kMaxRanks];    // rows up to its last segment and before its first,
+      int64_t rows_before[kMaxRanks];
+      int32_t place[kMaxRanks];       // and its place among the sources with rows (producer order)
+    } gather;
   };
   double us[2][kWarps][32];  // per-warp maxima by lane; the chunked form alternates halves by call parity
   int64_t warp_sums[32];
@@ -259,6 +268,68 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
   return ArgminC(feasible ? v : 1e300);
 }
 
+// gather_rs's C from the call's segment table (resource_model.h, "gather_rs's consumer CTAs"): warp 0 builds the
+// sources in the consumer's order (GatherModelSources' integers: the segments' tile and row prefix sums by warp
+// scans, each source's from its first and last segment, its place by a ballot; exact in any order), one barrier, then
+// every warp evaluates GatherMakespanFromSources (the host's code) for C = lane + 1 and takes the argmin (smallest C on
+// ties, as ChooseGatherConsumerCtasFromSources), so every thread gets the host's C. Called by every thread of the CTA;
+// `parity` as DeviceChooseConsumers'. t.seg holds the non-empty segments in producer order, a source's consecutive.
+__device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const GatherModelShape& sh,
+                                                  int rank, int ranks, int max_ctas, ChoiceScratch* sc,
+                                                  int parity = 0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = t.n;
+  auto& g = sc->gather;
+  GatherModelSource* out = g.src[parity & 1];
+  if (warp == 0) {
+    int64_t carry_t = 0, carry_r = 0;
+    int carry_f = 0;
+    uint32_t has_rows = 0;
+    const uint32_t below = (1u << lane) - 1u;
+    for (int base = 0; base < n; base += 32) {  // warp-uniform
+      const int j = base + lane;
+      const bool valid = j < n;
+      const int src = valid ? t.seg[j].src : -1;
+      const int64_t rows = valid ? t.seg[j].rows : 0;
+      const int64_t tiles = valid ? ModelTiles(p, rows, sh.N) : 0;
+      const int64_t incl_t = carry_t + WarpInclusiveSum(tiles, lane);
+      const int64_t incl_r = carry_r + WarpInclusiveSum(rows, lane);
+      const bool first = valid && (j == 0 || t.seg[j - 1].src != src);
+      const bool last = valid && (j == n - 1 || t.seg[j + 1].src != src);
+      const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+      if (first) {
+        g.place[src] = carry_f + __popc(firsts & below);
+        g.rows_before[src] = incl_r - rows;
+      }
+      if (last) {
+        g.cum_end[src] = incl_t;
+        g.rows_end[src] = incl_r;
+      }
+      has_rows |= __reduce_or_sync(0xffffffffu, valid ? 1u << src : 0u);
+      carry_t = __shfl_sync(0xffffffffu, incl_t, 31);
+      carry_r = __shfl_sync(0xffffffffu, incl_r, 31);
+      carry_f += __popc(firsts);
+    }
+    __syncwarp();
+    const int no_rows = ranks - __popc(has_rows);
+    if (lane < ranks) {
+      const int s = lane;
+      const int32_t remote = s != rank ? 1 : 0;
+      if ((has_rows >> s) & 1u)
+        out[no_rows + g.place[s]] = GatherModelSource{g.cum_end[s], g.rows_end[s] - g.rows_before[s], s, remote};
+      else
+        out[__popc(~has_rows & below)] = GatherModelSource{0, 0, s, remote};
+    }
+    if (lane == 0) g.total_tiles[parity & 1] = carry_t;
+  }
+  __syncthreads();
+  // Safe with the same scratch across calls: as DeviceChooseConsumers' halves (warp 0's per-source arrays are its own).
+  const int c = lane + 1;
+  double v = 1e300;
+  if (c <= max_ctas && ModelFeasible(p, c))
+    v = GatherMakespanFromSources(p, out, ranks, g.total_tiles[parity & 1], sh, c);
+  return __shfl_sync(0xffffffffu, ShuffleArgminLane0(v, c), 0);
+}
+
 // What ExpertKernel is told about C and about how its consumer pushes.
 struct ConsumerConfig {
   ModelParams model;  // sms = the rank's SM budget, ctas_per_sm = 1
@@ -290,6 +361,16 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& p
   if (t.remote_bands == 0) return 0;
   return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
                        : pol.consumers;
+}
+
+// C of one gather_rs call (every thread calls it): the pinned or fixed C (pol.consumers, >= 1: every source needs
+// its partial, so the consumer runs even where no band goes to another rank, and there with the fixed C), or the
+// model's choice where some band goes to another rank. Its host twin, for the loopback harness's check of the
+// device's pick: benchmarks/bench_resource.py's kernel_gather_consumer_ctas.
+__device__ inline int GatherConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, const GatherModelShape& sh,
+                                            int rank, int ranks, ChoiceScratch* sc) {
+  if (!pol.use_model || t.remote_bands == 0) return pol.consumers;
+  return DeviceChooseGatherConsumers(t, pol.model, sh, rank, ranks, pol.max_ctas, sc);
 }
 
 // What dispatch_gemm is told about its pushing CTAs P: pinned or fixed (the host's), or the model's choice on the

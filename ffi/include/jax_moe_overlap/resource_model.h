@@ -186,20 +186,27 @@ JMO_RM_HD inline double ModelMakespanUs(const ModelParams& p, const ModelSegment
   return ModelMakespanFromPrefixes(p, scratch, m, total, K, consumer_ctas);
 }
 
-// The C in [1, min(max_ctas, sms - 1)] with the smallest modelled makespan (the smallest such C on ties).
-JMO_RM_HD inline int ChooseConsumerCtasFromPrefixes(const ModelParams& p, const ModelPrefix* pre, int m,
-                                                    int64_t total_tiles, int64_t K, int max_ctas) {
-  if (max_ctas > p.sms - 1) max_ctas = p.sms - 1;
+// The count c in [1, min(max_count, sms - 1)] with the smallest modelled time us(c) (the smallest such c on ties;
+// us(c) < 0: infeasible, skipped; c = 1 must be feasible). Every choice of the model takes its count by it.
+template <class F>
+JMO_RM_HD inline int ModelArgmin(const ModelParams& p, int max_count, F us) {
+  if (max_count > p.sms - 1) max_count = p.sms - 1;
   int best = 1;
-  double best_us = ModelMakespanFromPrefixes(p, pre, m, total_tiles, K, 1);
-  for (int c = 2; c <= max_ctas; ++c) {
-    const double us = ModelMakespanFromPrefixes(p, pre, m, total_tiles, K, c);
-    if (us >= 0.0 && us < best_us) {
-      best_us = us;
+  double best_us = us(1);
+  for (int c = 2; c <= max_count; ++c) {
+    const double v = us(c);
+    if (v >= 0.0 && v < best_us) {
+      best_us = v;
       best = c;
     }
   }
   return best;
+}
+
+// The C in [1, min(max_ctas, sms - 1)] with the smallest modelled makespan (the smallest such C on ties).
+JMO_RM_HD inline int ChooseConsumerCtasFromPrefixes(const ModelParams& p, const ModelPrefix* pre, int m,
+                                                    int64_t total_tiles, int64_t K, int max_ctas) {
+  return ModelArgmin(p, max_ctas, [&](int c) { return ModelMakespanFromPrefixes(p, pre, m, total_tiles, K, c); });
 }
 
 JMO_RM_HD inline int ChooseConsumerCtas(const ModelParams& p, const ModelSegment* segs, int n, int64_t N, int64_t K,
@@ -207,6 +214,116 @@ JMO_RM_HD inline int ChooseConsumerCtas(const ModelParams& p, const ModelSegment
   int64_t total = 0;
   const int m = ModelPrefixes(p, segs, n, N, elem_bytes, scratch, &total);
   return ChooseConsumerCtasFromPrefixes(p, scratch, m, total, K, max_ctas);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// gather_rs's consumer CTAs C (GEMM2 + GatherRS, gather_consumer.cuh): the same producer, in the same order, with
+// another consumer. Every source s of the group (R of them, this rank too) gets a float32 partial of its T tokens,
+// which the consumer reduces here (per token, its Q slots' rows here times their gates) and stores into slice `rank`
+// of s's ret rows, once every band of s's segments is flagged; a source with no row here gets zeros, ready at once.
+// In the consumer's order (the sources with no row here first, by index; then the others in producer order: remote,
+// the most rows first, this rank last):
+//   ready          r_s = ceil((n_1 + ... + n_last(s)) / P) * t      (tiles up to s's last segment; 0: no row here)
+//   traffic        a_s = T N 4 + T Q 4 + rows_s (N eb + 4)          (the partial stored; its token_rows, its rows here
+//                                                                     and their gates read)
+//   link bytes     l_s = T N 4 if s is another rank, else 0          (the partial crosses the link; its own stays)
+//   work           d_s = seg_us + max(a_s * 1e-3 / (2 C cta_gbps), l_s * 1e-3 / link_gbps)
+//   consumer       c_s = max(c_{s-1}, r_s) + d_s
+//   makespan(C)    max(ceil(n_total / P) * t, c_last)
+// cta_gbps is a consumer CTA's copy rate beside the GEMM, each byte read once and stored once, so 2 cta_gbps bytes of
+// traffic per ns: the reduction's loads and stores are taken at that rate (the same memory path, no other constant),
+// and the link carries only the partials for other ranks. The recurrence unrolls as the combine's, c_last = max over
+// s of (r_s + d_s + ... + d_last), evaluated per C by one reverse pass over the R sources (GatherMakespanFromSources):
+// the same operations in the same order on the host and on the device (resource_manager.cuh
+// DeviceChooseGatherConsumers: one lane per C), so both get the same doubles and the same C.
+
+// One segment of the call in producer order, as gather_rs's model takes it: its rows and its source.
+struct GatherModelSegment {
+  int32_t rows;
+  int32_t src;
+};
+
+// One source of the group in the consumer's order: what its terms need, independent of C.
+struct GatherModelSource {
+  int64_t cum_tiles;  // tiles up to its last segment in producer order (0: no row here)
+  int64_t rows;       // its rows here
+  int32_t src;
+  int32_t remote;     // 1: another rank (its partial crosses the link)
+};
+
+// The call's shape as the consumer's work depends on it.
+struct GatherModelShape {
+  int64_t T;           // tokens of every source
+  int64_t Q;           // slots per token (k TP)
+  int64_t N;           // the GEMM's N (columns of a row and of a partial)
+  int64_t K;           // the GEMM's K
+  int64_t elem_bytes;  // of the GEMM's rows
+};
+
+// The sources in the consumer's order (gather_consumer.cuh OrderGatherSources) from the non-empty segments of the
+// call in producer order (a source's segments are consecutive there: SegmentBefore orders by source first); out holds
+// `ranks` entries. Returns the tiles of all segments, or -1 where the segments are not such a list (a source out of
+// [0, ranks), or its segments apart). The device builds the same integers in parallel (resource_manager.cuh).
+JMO_RM_HD inline int64_t GatherModelSources(const ModelParams& p, const GatherModelSegment* segs, int n, int ranks,
+                                            int rank, int64_t N, GatherModelSource* out) {
+  uint32_t has_rows = 0;
+  for (int i = 0; i < n; ++i) {
+    if (segs[i].src < 0 || segs[i].src >= ranks || segs[i].src >= 32) return -1;
+    if (segs[i].rows > 0) has_rows |= 1u << segs[i].src;
+  }
+  int m = 0;
+  for (int s = 0; s < ranks; ++s)
+    if (!((has_rows >> s) & 1u)) out[m++] = GatherModelSource{0, 0, s, s != rank ? 1 : 0};
+  const int first_with_rows = m;
+  uint32_t seen = 0;
+  int64_t cum = 0;
+  for (int i = 0; i < n; ++i) {
+    const GatherModelSegment& g = segs[i];
+    if (g.rows <= 0) continue;
+    cum += ModelTiles(p, g.rows, N);
+    if (m > first_with_rows && out[m - 1].src == g.src) {
+      out[m - 1].cum_tiles = cum;
+      out[m - 1].rows += g.rows;
+      continue;
+    }
+    if ((seen >> g.src) & 1u) return -1;  // the source's segments are apart
+    seen |= 1u << g.src;
+    out[m++] = GatherModelSource{cum, g.rows, g.src, g.src != rank ? 1 : 0};
+  }
+  return cum;
+}
+
+// Modelled time of a gather_rs call with C consumer CTAs in microseconds from its sources in the consumer's order
+// (GatherModelSources); negative when C is infeasible.
+JMO_RM_HD inline double GatherMakespanFromSources(const ModelParams& p, const GatherModelSource* src, int m,
+                                                  int64_t total_tiles, const GatherModelShape& sh,
+                                                  int consumer_ctas) {
+  if (!ModelFeasible(p, consumer_ctas)) return -1.0;
+  const int64_t producers = (int64_t)(p.sms - consumer_ctas) * p.ctas_per_sm;
+  const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
+  // (IEEE division: the same doubles on host and device.)
+  const double us_per_traffic = 1e-3 / RmMul((double)(2 * consumer_ctas), p.cta_gbps);
+  const double us_per_link_byte = 1e-3 / p.link_gbps;
+  const int64_t partial = sh.T * sh.N * 4;
+  const int64_t fixed_traffic = partial + sh.T * sh.Q * 4;
+  const int64_t row_traffic = sh.N * sh.elem_bytes + 4;
+  double us = RmMul((double)CeilDiv(total_tiles, producers), tile_us);
+  double rest = 0.0;  // d_j + ... + d_last
+  for (int j = m - 1; j >= 0; --j) {
+    const double traffic = (double)(fixed_traffic + src[j].rows * row_traffic);
+    const double link = src[j].remote ? (double)partial : 0.0;
+    rest = RmAdd(rest, RmAdd(p.seg_us, RmMax(RmMul(traffic, us_per_traffic), RmMul(link, us_per_link_byte))));
+    const double ready = RmMul((double)CeilDiv(src[j].cum_tiles, producers), tile_us);
+    us = RmMax(us, RmAdd(ready, rest));
+  }
+  return us;
+}
+
+// The C in [1, min(max_ctas, sms - 1)] with the smallest modelled time (the smallest such C on ties).
+JMO_RM_HD inline int ChooseGatherConsumerCtasFromSources(const ModelParams& p, const GatherModelSource* src, int m,
+                                                         int64_t total_tiles, const GatherModelShape& sh,
+                                                         int max_ctas) {
+  return ModelArgmin(p, max_ctas, [&](int c) { return GatherMakespanFromSources(p, src, m, total_tiles, sh, c); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -256,17 +373,7 @@ JMO_RM_HD inline double PushersMakespanUs(const ModelParams& p, const PusherInpu
 // model has no pusher rate (the caller then uses DefaultPushers).
 JMO_RM_HD inline int ChooseDispatchPushers(const ModelParams& p, const PusherInputs& in, int max_pushers) {
   if (!(p.pusher_gbps > 0.0) || p.sms < 2) return 0;
-  if (max_pushers > p.sms - 1) max_pushers = p.sms - 1;
-  int best = 1;
-  double best_us = PushersMakespanUs(p, in, 1);
-  for (int q = 2; q <= max_pushers; ++q) {
-    const double us = PushersMakespanUs(p, in, q);
-    if (us >= 0.0 && us < best_us) {
-      best_us = us;
-      best = q;
-    }
-  }
-  return best;
+  return ModelArgmin(p, max_pushers, [&](int q) { return PushersMakespanUs(p, in, q); });
 }
 
 }  // namespace jmo
