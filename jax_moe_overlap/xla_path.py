@@ -163,6 +163,8 @@ class Route:
   k: int = dataclasses.field(metadata=dict(static=True))
 
   def _exchange(self, *args):
+    if jax.lax.axis_size(self.axis_name) == 1:
+      return _exchange_local(*args)
     return (_exchange_ragged if self.ragged else _exchange_padded)(*args, axis_name=self.axis_name)
 
   def slot_rows(self, x):
@@ -254,6 +256,17 @@ def _layout_maps(kept_se: jax.Array, rows: int):
   es_from_se = lookup(sizes_es, start_es, start_se, transpose=True)
   se_from_es = lookup(sizes_se, start_se, start_es, transpose=True)
   return es_from_se, se_from_es
+
+
+def _exchange_local(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes):
+  """The exchange of a one-rank expert axis: the rank's one chunk moved within the rank by a gather, the same rows
+  in the same places as ``ragged_all_to_all``'s result. No collective: XLA:GPU's ragged_all_to_all moves a chunk to
+  the device itself no faster than to a peer, far below HBM speed (docs/performance.md, "impl='collective' and
+  'xla' at EP = 1")."""
+  del recv_sizes   # one rank: what it receives is what it sends
+  o = jnp.arange(out_rows, dtype=jnp.int32) - output_offsets[0]
+  src = jnp.where((o >= 0) & (o < send_sizes[0]), input_offsets[0] + o, operand.shape[0])
+  return jnp.take(operand, src, axis=0, mode="fill", fill_value=0)
 
 
 def _exchange_ragged(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
