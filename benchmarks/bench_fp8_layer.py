@@ -10,8 +10,11 @@ kernel's layout, and in the backward the two transposed weight copies (the dgrad
 
 Columns: bf16_ms, fp8_ms (collective), fp8_xla_ms (the emulation; --no-xla leaves it out: its ragged_dot is dense-
 masked on GPU, so it is slow at many experts), speedup = bf16_ms / fp8_ms; medians after warm-up (common.time_fn).
-dispatch_B_row_bf16 / _fp8: the bytes per row of the dispatch's exchange (the program's first exchange of rows,
-counted on it: common.exchanged_rows), 2D in bf16, D + D / 32 under fp8 (e4m3 values and a float32 scale per 128).
+dispatch_B_row_bf16 / _fp8: the bytes per row the dispatch's exchange moves at EP >= 2 (the program's first exchange
+of rows, counted on it by common.exchanged_rows on a two-rank mesh of the host's CPU devices, traced only), 2D in
+bf16, D + D / 32 under fp8 (e4m3 values and a float32 scale per 128); the timed layer runs on one device, where no
+rows cross an exchange. Empty where the host has one CPU device (XLA_FLAGS=--xla_force_host_platform_device_count=2
+gives it two).
 Nothing is timed before it agrees: bf16 with the float32 reference (references.layer_reference, max-relative error
 err_bf16 <= 2e-2), fp8 collective with the fp8 emulation on the same inputs (err_fp8, max |collective - xla| /
 max |xla| <= 2e-2: the same quantized operands, different float32 summation orders and the wgrads' bf16 rounding).
@@ -62,14 +65,16 @@ def main():
   ap.add_argument("--no-xla", action="store_true", help="leave out the fp8 emulation's timing (impl='xla')")
   args = ap.parse_args()
   mesh = jax.make_mesh((1,), ("expert",))
+  cpus = jax.devices("cpu")
+  count_mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("expert",)) if len(cpus) >= 2 else None
   table = common.Table(["shape", "pass", "bf16_ms", "fp8_ms", "speedup", "fp8_xla_ms", "err_bf16", "err_fp8",
                         "dispatch_B_row_bf16", "dispatch_B_row_fp8"])
   for name, T, D, F, E, k in shapes(args.quick):
     if not common.shape_selected(args, name):
       continue
     arg_sets = [common.layer_operands(T, D, F, E, k, seed=s) for s in range(2)]
-    dispatch_bytes = {f"dispatch_B_row_{q or 'bf16'}": common.exchanged_rows(layer_fn(mesh, "collective", q),
-                                                                            *arg_sets[0])[0][2]
+    dispatch_bytes = {f"dispatch_B_row_{q or 'bf16'}": common.exchanged_rows(layer_fn(count_mesh, "collective", q),
+                                                                            *arg_sets[0])[0][2] if count_mesh else ""
                       for q in (None, "fp8")}
     for pname in args.passes.split(","):
       row = dict(shape=name, **{"pass": pname}, **dispatch_bytes)
