@@ -154,12 +154,19 @@ def dequantize_blocks(q: jax.Array, s: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ColumnTiles:
-  """Where the 128 x 1 tiles of ``quantize_columns`` lie: ``row_tile`` [M] int32, the tile of each row (``count``
-  for a row past the last group); ``count``: the static number of tile rows of the scales, ceil(M / 128) + G,
-  enough for any group sizes (group g takes ceil(size_g / 128))."""
+  """Where the 128 x 1 tiles of ``quantize_columns`` lie. ``padded_row`` [M] int32: each row's place when every group
+  starts at a multiple of 128 (128 * its tile + its place in the tile; 128 * ``count`` for a row past the last
+  group): the token-contiguous layout of the FP8 weight-gradient GEMM's operands (``grouped_gemm.
+  grouped_outer_fp8``). ``count``: the static number of tile rows of the scales, ceil(M / 128) + G, enough for any
+  group sizes (group g takes ceil(size_g / 128))."""
 
-  row_tile: jax.Array
+  padded_row: jax.Array
   count: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def row_tile(self) -> jax.Array:
+    """[M] int32: the tile of each row (``count`` for a row past the last group)."""
+    return self.padded_row // TILE
 
 
 def column_tiles(rows: int, group_sizes: jax.Array) -> ColumnTiles:
@@ -175,20 +182,8 @@ def column_tiles(rows: int, group_sizes: jax.Array) -> ColumnTiles:
   g = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
   gc = jnp.minimum(g, G - 1)
   count = -(-rows // TILE) + G
-  tile = base[gc] + (r - (ends[gc] - sizes[gc])) // TILE
-  return ColumnTiles(jnp.where(g < G, tile, count).astype(jnp.int32), count)
-
-
-def padded_positions(tiles: ColumnTiles, group_sizes: jax.Array) -> jax.Array:
-  """[M] int32: where each row lies among the padded rows of ``tiles`` (128 * its tile + its place in the tile), at or
-  past 128 * tiles.count for a row past the groups: the token-contiguous layout of the FP8 weight-gradient GEMM's
-  operands (``grouped_gemm.grouped_outer_fp8``), each group's rows from a multiple of 128."""
-  M = tiles.row_tile.shape[0]
-  sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  r = jnp.arange(M, dtype=jnp.int32)
-  g = jnp.minimum(jnp.searchsorted(ends, r, side="right"), sizes.shape[0] - 1)
-  return tiles.row_tile * TILE + (r - (ends[g] - sizes[g])) % TILE
+  padded = TILE * base[gc] + (r - (ends[gc] - sizes[gc]))
+  return ColumnTiles(jnp.where(g < G, padded, TILE * count).astype(jnp.int32), count)
 
 
 def quantize_columns(x: jax.Array, tiles: ColumnTiles) -> tuple[jax.Array, jax.Array]:

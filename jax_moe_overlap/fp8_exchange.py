@@ -44,8 +44,9 @@ def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
   Args:
     x: [T, D] this rank's token rows, float32 or bfloat16 (D a multiple of 128). w1: [E_local, D, 2F] and w2:
       [E_local, F, D] this rank's experts (master weights or ``fp8.Fp8Weight``). route: ``xla_path.Route``, how rows
-      move (``dispatch``: tokens to recv rows, ``dispatch_rows``: send-buffer rows to recv rows, ``combine_rows``:
-      recv rows back to the send buffer; ``expert_rows``: the recv rows of each local expert). gemms:
+      move (``slot_rows`` and ``send_buffer``: tokens to the send buffer, ``dispatch``: send-buffer rows to recv
+      rows, ``combine_rows``: recv rows back to the send buffer; ``expert_rows``: the recv rows of each local
+      expert). gemms:
       ``fp8_experts.RAGGED`` or ``KERNELS``.
   Returns:
     [T TP k, D] in x's dtype: each kept slot's expert output at its send row (``route.combine_rows``).

@@ -167,6 +167,14 @@ class Route:
       return _exchange_local(*args)
     return (_exchange_ragged if self.ragged else _exchange_padded)(*args, axis_name=self.axis_name)
 
+  def _regroup(self, rows, index):
+    """Rows between (source, expert) and (expert, source) order by ``index`` (``_layout_maps``), zero past the
+    received rows. With one rank there is one source and the two orders are the same: no gather (the exchange
+    already left the rows past the received ones zero, and the way back reads none of them)."""
+    if jax.lax.axis_size(self.axis_name) == 1:
+      return rows
+    return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
+
   def slot_rows(self, x):
     """This rank's token rows [T / TP, C] -> the tensor group's slot rows [T k, C] (row t k + j: token t's row)."""
     rows = _group_tokens(x, self.tensor_axis)
@@ -185,13 +193,13 @@ class Route:
     exchanged, received in (source, expert) order, gathered into (expert, source) order."""
     recv_se = self._exchange(send, self.es_from_se.shape[0], self.send_offsets, self.send_sizes, self.at_dest,
                              self.recv_sizes)
-    return jnp.take(recv_se, self.es_from_se, axis=0, mode="fill", fill_value=0)
+    return self._regroup(recv_se, self.es_from_se)
 
   def combine_rows(self, out):
     """Recv rows [recv_cap, C] -> the send buffer's rows [T k, C] (each kept slot's at its ``send_row``, zero past
     them): the inverse gather and the exchange back. It moves each row back where ``dispatch`` took it from, so
     as a linear map it is ``dispatch``'s transpose."""
-    out_se = jnp.take(out, self.se_from_es, axis=0, mode="fill", fill_value=0)
+    out_se = self._regroup(out, self.se_from_es)
     return self._exchange(out_se, self.send_row.shape[0], self.recv_offsets, self.recv_sizes, self.at_source,
                           self.send_sizes)
 

@@ -118,11 +118,12 @@ def test_xla_bf16_close_to_reference():
   assert rel_err(y, y_ref) < 2e-2
 
 
-@pytest.mark.parametrize("impl", ["xla", "collective"])
-def test_one_rank_moves_rows_without_a_collective(impl):
+@pytest.mark.parametrize("impl,axis_type", [("xla", "Auto"), ("collective", "Explicit")])
+def test_one_rank_moves_rows_without_a_collective(impl, axis_type):
   """An expert axis of one rank: the exchange is a gather within the device (no all-to-all in the program), with
   drops, the layer and its gradients equal to the reference's."""
-  mesh = mesh_of(1)
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("expert",),
+                           axis_types=(getattr(jax.sharding.AxisType, axis_type),))
   x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, "skewed", 7)
   fwd = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, capacity_factor=0.75, impl=impl))
   hlo = fwd.lower(x, ids, gates, w1, w2).as_text()
