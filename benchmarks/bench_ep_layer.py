@@ -391,7 +391,9 @@ def measure_ideal(p: Pass, mesh, arg_sets, ids_np):
   disp = p.measure("dispatch_alone", fn, sets, ideal_probes.dispatch_probe_verdict(fn, sets, ids_np, mesh, p.shape),
                    a2a_bytes=p.a2a_bytes // 2, wire_bytes=p.wire_bytes / 2)   # the dispatches: half the pass's bytes
   del sets
-  ours, serialized = p.ms.get("ours"), p.ms.get("serialized")
+  # Ratios come from the times as printed (ms to 1 us), so a reader recomputing them from the table gets the same.
+  ours, serialized, compute, comm, disp = (None if v is None else float(f"{v:.3f}")
+                                           for v in (p.ms.get("ours"), p.ms.get("serialized"), compute, comm, disp))
   if compute is None or comm is None:
     p.add("ideal", a2a_MB="", ms="check only" if not p.timing else "not measured",
           check="max(compute_alone, comm_alone): needs both timed")
@@ -420,7 +422,7 @@ SUMMARY_COLUMNS = ["shape", "skew", "pass", "ours_ms", "serialized_ms", "xla_ms"
 def summary(rows: list[dict]) -> common.Table:
   """One row per shape x pass of ``rows`` (a run's result rows), columns SUMMARY_COLUMNS (the module docstring says
   what each is): the ms of ours, serialized, xla, compute_alone and comm_alone, comm_alone's wire_GBps, the ideal
-  row's ms, ours/ideal and hidden (computed there from the unrounded times), the wire bytes of the pass and the
+  row's ms, ours/ideal and hidden (computed there from the printed times), the wire bytes of the pass and the
   ratios of ours' ms to serialized's and xla's. A time that was not measured shows its row's ms text (check only,
   skipped, excluded, ...) or "-" where the row is absent; ratios with it stay empty. The JSON rows carry
   table="summary" and wire_bytes, the exact count."""
