@@ -1,9 +1,10 @@
 """Measures the resource model's constants (ffi/include/jax_moe_overlap/resource_model.h) on this GPU with the loopback
 harness and writes the calibration JSON that jax_moe_overlap loads (jax_moe_overlap/calibration/<gpu name>.json).
 
-Everything but cta_gbps runs in the serialized mode, which isolates both halves of expert_combine: the consumer starts
-only after the producer has flagged every tile, so the device's own %globaltimer spans (first tile started .. last
-tile stored; first push .. last push) time each half alone.
+The tile time, link_gbps and seg_us come from the serialized mode, which isolates both halves of expert_combine: the
+consumer starts only after the producer has flagged every tile, so the device's own %globaltimer spans (first tile
+started .. last tile stored; first push .. last push) time each half alone. The rates the model uses beside a running
+GEMM (cta_gbps, pusher_gbps, gather_gbps) come from overlapped runs.
 
   tile time       one rank (R = 1: it owns every SM, and all its rows are its own, so every CTA produces): producer
                   span / waves, waves = ceil(tiles / SMs), for K in --ks; least squares
