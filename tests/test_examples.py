@@ -173,6 +173,21 @@ def test_device_time_of_ops_the_hlo_lacks_is_counted_as_unnamed():
   assert got["ops"]["rest"] == {"command_buffer_7": 40, "fusion.2": 10}
 
 
+def test_overlapping_kernel_times_on_a_stream_do_not_nest():
+  """A stream's kernels whose recorded times overlap by a little each keep their own duration (nesting the second in
+  the first took its whole time off the first: parts with negative times); host thunks still nest."""
+  parts = {"ffi_call.1": "routed_experts", "fusion.2": "moe_other"}
+  m = "jit_train_step"
+  stream = [_Event(0, 100, hlo_module=m, hlo_op="ffi_call.1"), _Event(99, 400, hlo_module=m, hlo_op="fusion.2")]
+  gpu = _Named("data", planes=[_Named("/device:GPU:0", lines=[_Named("Stream #14", events=stream)])])
+  got = step_profile.device_time_by_part(gpu, m, parts)
+  assert got["ns"]["routed_experts"] == 100 and got["ns"]["moe_other"] == 301, got
+  host = _Named("data", planes=[_Named("/host:CPU", lines=[_Named("worker", events=[
+      _Event(0, 100, hlo_module=m, hlo_op="fusion.2"), _Event(10, 40, hlo_module=m, hlo_op="ffi_call.1")])])])
+  got = step_profile.device_time_by_part(host, m, parts)
+  assert got["ns"]["moe_other"] == 70 and got["ns"]["routed_experts"] == 30, got
+
+
 @pytest.mark.parametrize("flags, rule", [
     (["--mesh", "expert=1,tensor=4", "--d-ff", "130"],
      "the experts' hidden width F=130 cannot be split evenly over the 4 devices of tensor axis 'tensor'"),
