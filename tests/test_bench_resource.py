@@ -78,8 +78,9 @@ def test_calibrate_gather_alone_merges_into_a_calibration(tmp_path, monkeypatch,
   assert doc["gather_gbps"] == pytest.approx(GATHER_GBPS[2]) and rm.load_params(str(cal)).gather_gbps == pytest.approx(
       GATHER_GBPS[2])
   assert {k: v for k, v in doc.items() if k not in ("gather_gbps", "gather_note", "raw")} == {
-      k: v for k, v in shipped.items() if k not in ("gather_gbps", "raw")}
-  assert {k: v for k, v in doc["raw"].items() if k != "gather_run"} == shipped["raw"]
+      k: v for k, v in shipped.items() if k not in ("gather_gbps", "gather_note", "raw")}
+  assert {k: v for k, v in doc["raw"].items() if k != "gather_run"} == {
+      k: v for k, v in shipped["raw"].items() if k != "gather_run"}
   by_c = doc["raw"]["gather_run"]["by_c"]
   assert by_c["1"]["gbps_per_cta"] == pytest.approx(GATHER_GBPS[1])
   assert [x["gbps_per_cta"] for x in by_c["2"]["ranks"]] == pytest.approx([15.0 * s for s in RANK_SPEED])
