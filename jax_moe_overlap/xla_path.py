@@ -122,7 +122,7 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_ax
                                    tensor_axis=tensor_axis, num_experts=num_experts, expert_cap=expert_cap,
                                    recv_cap=recv_cap, ragged=ragged)
   slot_out = route.from_send_buffer(experts(x, w1, w2, route))
-  y = _combine(slot_out, _group_tokens(gates, tensor_axis), is_kept)
+  y = combine_slots(slot_out, _group_tokens(gates, tensor_axis), is_kept)
   if tensor_axis is not None:
     y = jax.lax.psum_scatter(y, tensor_axis, scatter_dimension=0, tiled=True)
   # Every device of a tensor group holds its group's dropped slots: the sum runs over the groups of the expert axis.
@@ -177,8 +177,12 @@ class Route:
 
   def slot_rows(self, x):
     """This rank's token rows [T / TP, C] -> the tensor group's slot rows [T k, C] (row t k + j: token t's row)."""
-    rows = _group_tokens(x, self.tensor_axis)
-    return rows[jnp.arange(self.send_row.shape[0], dtype=jnp.int32) // self.k]
+    return token_slots(_group_tokens(x, self.tensor_axis), self.k)
+
+  def dispatch_tokens(self, x):
+    """This rank's token rows [T / TP, C] -> this rank's recv rows [recv_cap, C]: each kept slot's token row at
+    its expert (``dispatch`` of the slots' send buffer)."""
+    return self.dispatch(self.send_buffer(self.slot_rows(x)))
 
   def send_buffer(self, slots):
     """Slot rows [T k, C] -> the send buffer [T k, C]: each kept slot's row at its ``send_row``, zero past them."""
@@ -211,11 +215,8 @@ def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_
   kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
   cs = plan_lib.exclusive_cumsum
 
-  # A kept slot's place in the send order minus the dropped slots before it.
-  my_counts, my_kept = counts_all[rank].reshape(-1), kept[rank].reshape(-1)
-  g = jnp.clip(expert_ids.reshape(T * k), 0, num_experts - 1)
   is_kept = plan.slot_ret_row >= 0
-  send_row = jnp.where(is_kept, plan.slot_ret_row - cs(my_counts - my_kept)[g], T * k)
+  send_row = plan_lib.packed_rows(expert_ids, counts_all, rank, expert_cap, plan)
 
   kept_sd = jnp.sum(kept, axis=2)                                           # [s, d] rows from s to d
   send_sizes = kept_sd[rank]
@@ -230,7 +231,12 @@ def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_
   return route, is_kept, plan.dropped
 
 
-def _combine(slot_out, gates, is_kept):
+def token_slots(rows, k: int):
+  """Token rows [T, C] -> slot rows [T k, C], row t k + j token t's (its transpose sums a token's k slots)."""
+  return rows[jnp.arange(rows.shape[0] * k, dtype=jnp.int32) // k]
+
+
+def combine_slots(slot_out, gates, is_kept):
   """Step 4's gate-weighted sum: the slots' rows back [T k, D] -> y [T, D] float32, the choices summed
   j = 0..k-1."""
   T, k = gates.shape
