@@ -71,7 +71,7 @@ def parse_args(argv=None):
   g.add_argument("--quantization", choices=("none", "fp8"), default="none",
                  help="fp8: the routed experts' GEMMs in FP8 by DeepSeek-V3's recipe (MoEConfig.quantization; "
                       "--d-model and --d-ff multiples of 128, as the gpu preset's are): with --impl overlap (x "
-                      "dispatched in FP8 by the custom calls; no tensor axis yet) or collective on the e4m3 grouped "
+                      "dispatched in FP8 by the custom calls) or collective on the e4m3 grouped "
                       "GEMM (Hopper GPUs; its emulation on CPU), with --impl xla or reference emulated in XLA")
   g.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
                  help="jax.nn.dot_product_attention's implementation; auto: cudnn (fused flash attention) on GPUs "

@@ -75,9 +75,9 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     quantization: None, or "fp8": the experts' GEMMs follow DeepSeek-V3's FP8 recipe (``fp8_experts.py``), forward
       and backward; D and F multiples of 128 (with a tensor axis F / TP too: each shard's 128 x 128 weight blocks
       and 1 x 128 tiles are the whole expert's); impl "overlap" (x dispatched in FP8 by the workspace's dispatch,
-      the FP8 grouped GEMM, the combine in x's dtype: ``fp8_overlap.py``; no tensor axis yet) and "collective" (the
-      FP8 grouped GEMM: Hopper GPUs, its emulation on CPU; the two give the same bits), "xla" or "reference" (the
-      recipe emulated in XLA). The weights' gradients are those of the quantized weights (straight-through), in the
+      the FP8 grouped GEMM, the combine in x's dtype: ``fp8_overlap.py``) and "collective" (the FP8 grouped GEMM:
+      Hopper GPUs, its emulation on CPU; the two give the same bits, but with a tensor axis, where "overlap" returns
+      the shards' partials per slot in x's dtype), "xla" or "reference" (the recipe emulated in XLA). The weights' gradients are those of the quantized weights (straight-through), in the
       weights' dtype; pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
@@ -105,7 +105,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   axes = (axis_name, tensor_axis, batch_axes)
   impl = chosen_impl(impl, mesh, exchange_axes(axis_name, tensor_axis))
   if quantization is not None:
-    check_fp8_impl(impl, mesh, tensor_axis)
+    check_fp8_impl(impl, mesh)
   if impl == "reference":
     y, dropped = eager_program(_reference_layer, mesh, axes, cap_e, B, quantization)(*args)
   elif impl in ("xla", "collective"):
@@ -113,7 +113,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     y, dropped = eager_program(_xla_layer, mesh, axes, cap_e, cap, impl, quantization)(*args)
   else:
     platform = next(iter(mesh.devices.flat)).platform
-    reduce = tensor_reduce(config, platform, R, TP, k, x.dtype.itemsize, T_local * k * TP)
+    reduce = tensor_reduce(config, platform, R, TP, k, x.dtype.itemsize, T_local * k * TP, quantization)
     sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor, TP,
                         gather_rs=reduce == "gather_rs", quantization=quantization)
     cap = plan_lib.recv_capacity(T_local, R * TP, k, E // R, cap_e)
@@ -284,7 +284,7 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_ax
   its tokens' slots (with a tensor axis, each choice as TP shard slots: ``tensor_parallel``) through the plan and the
   expert block, whose shards' partials ``reduce`` sums ("per_slot": ``expert_block``; "gather_rs":
   ``gather_rs_block``; ``call_site.tensor_reduce`` chose). quantization="fp8": ``fp8_overlap.fp8_expert_block``
-  (no tensor axis: ``checks.check_fp8_impl``)."""
+  (the shards' partials per slot)."""
   R = jax.lax.axis_size(axis_name)
   TP = jax.lax.axis_size(tensor_axis) if tensor_axis is not None else 1
   slot_ids, slot_gates = tp_lib.shard_slots(expert_ids, gates, num_experts, R, TP)

@@ -3,8 +3,7 @@
 Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy
 (``check_layer``: all of ``MoE``'s, for a script that checks its flags before it builds a model),
 so a rule and its message change in one place. Each raises a ValueError or TypeError naming the problem before
-anything runs, or a NotImplementedError for a combination the library has no path for yet (``check_fp8_impl``: FP8
-with impl="overlap" and a tensor axis), naming what is missing.
+anything runs.
 """
 
 from __future__ import annotations
@@ -115,17 +114,11 @@ def check_fp8_tensor_split(d_ff: int, tensor: int, tensor_axis: str | None) -> N
                      f"d_ff={d_ff}, {d_ff} / {tensor} = {d_ff // tensor}")
 
 
-def check_fp8_impl(impl: str, mesh: jax.sharding.Mesh, tensor_axis: str | None = None) -> None:
+def check_fp8_impl(impl: str, mesh: jax.sharding.Mesh) -> None:
   """quantization="fp8" runs with every impl: "xla" and "reference" emulate the recipe on any device; "collective"
-  and "overlap" run the FP8 grouped GEMM, on GPUs only where it runs (Hopper), on CPU its emulation. "overlap" takes
-  no tensor axis under FP8 yet (its FP8 block returns per-slot rows of whole experts)."""
+  and "overlap" run the FP8 grouped GEMM, on GPUs only where it runs (Hopper), on CPU its emulation."""
   if impl in ("xla", "reference"):
     return
-  if impl == "overlap" and tensor_axis is not None:
-    raise NotImplementedError(
-        f"jax_moe_overlap: quantization='fp8' with impl='overlap' has no expert tensor parallelism yet "
-        f"(tensor_axis {tensor_axis!r}): its FP8 block (fp8_overlap.py) runs whole experts. impl='collective' and "
-        f"impl='xla' run FP8 with a tensor axis")
   gpus = [d for d in mesh.devices.flat
           if d.platform == "gpu" and getattr(d, "compute_capability", None) is not None]
   from jax_moe_overlap import engines   # (engines imports the CUDA workspace module: only where it is asked)
@@ -262,7 +255,7 @@ def check_layer(config, mesh, expert_axis: str, impl: str, batch_axes=(), tensor
   check_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
   if config.quantization is not None:
     check_fp8_tensor_split(config.moe_mlp_dim, TP, tensor_axis)
-    check_fp8_impl(impl, mesh, tensor_axis)
+    check_fp8_impl(impl, mesh)
   return check_batch_axes(mesh, expert_axis, batch_axes, 0, tensor_axis)
 
 

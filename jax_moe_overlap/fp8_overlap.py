@@ -18,7 +18,9 @@ The expert block is ``fp8_exchange.fp8_exchanged_experts`` (the ``custom_vjp`` o
 
 The rows the experts read, the GEMMs and every sum are impl="collective"'s under FP8, in the same order (only the
 transport differs, and both move rows unchanged), so outputs and gradients equal that impl's bit for bit
-(``tests/test_fp8_overlap.py``). Not fused (what docs/design.md lists as left): the dispatch with GEMM1
+(``tests/test_fp8_overlap.py``). With a tensor axis the slots are the tensor shard slots (``tensor_parallel.py``):
+each shard's partial output comes back per slot in the compute dtype, where impl="collective" sums the partials in
+float32 (a reduce-scatter), so the two agree to the compute dtype's rounding. Not fused (what docs/design.md lists as left): the dispatch with GEMM1
 (``dispatch_gemm`` takes float32 and bfloat16 rows) and GEMM2 with the return (``expert_combine``'s producer takes
 float32 and bfloat16 operands), so the return is a dispatch of GEMM2's finished rows.
 """
@@ -98,7 +100,8 @@ def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan
 
 
 def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute):
-  """Per-rank FP8 expert block. x [T, D] (D a multiple of 128), gates [T, k] float32, w1 [E_local, D, 2F], w2
-  [E_local, F, D] (master weights or ``fp8.Fp8Weight``) -> y [T, D] in x's dtype."""
+  """Per-rank FP8 expert block. x [T, D] (D a multiple of 128), gates [T, k] float32 (the route's slots per token),
+  w1 [E_local, D, 2F], w2 [E_local, F, D] (master weights or ``fp8.Fp8Weight``; with a tensor axis this rank's
+  shards) -> y [T, D] in x's dtype."""
   slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=KERNELS))
   return combine_slots(slot_out, gates, route.plan.slot_ret_row >= 0).astype(x.dtype)

@@ -1,10 +1,10 @@
 """impl="overlap" under quantization="fp8" (fp8_overlap.py) on 4 CPU devices: outputs and gradients equal
 impl="collective"'s under fp8 bit for bit (the same quantized rows reach the same FP8 GEMM emulation; only the
 transport differs), on meshes with Auto and Explicit axes, with capacity drops and skipped slots (expert id -1), batch
-axes and send once; x's rows cross the dispatch custom call as packed e4m3 rows (uint8, D + D / 32 bytes) and the
-expert outputs come back in the compute dtype, read on the lowered program; the calls that compute refuse packed
-rows with errors naming the rule; MoE and MoEBlock run FP8 on the default impl; the workspace counts FP8 rows by the
-native RowBytes."""
+axes and send once, and to the layer dtype's rounding with a tensor axis; x's rows cross the dispatch custom call as
+packed e4m3 rows (uint8, D + D / 32 bytes) and the expert outputs come back in the compute dtype, read on the lowered
+program; the calls that compute refuse packed rows with errors naming the rule; MoE and MoEBlock run FP8 on the
+default impl; the workspace counts FP8 rows by the native RowBytes."""
 
 import functools
 import re
@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_overlap as jmo
-from cases import layer_inputs, mesh_of, moe_config
+from cases import layer_inputs, mesh_of, moe_config, rel_err
 from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import workspace_calls
@@ -222,15 +222,32 @@ def test_moe_and_moe_block_fp8_on_the_default_impl():
       np.testing.assert_array_equal(bits(a), bits(b))
 
 
-def test_overlap_fp8_refusals():
+@pytest.mark.slow  # two layers' forward and backward
+def test_tensor_axis_within_rounding_of_collective():
+  """A tensor axis (expert=2, tensor=2, Explicit): the shards' partial outputs and input gradients come back per slot
+  in bfloat16 (impl="overlap"'s shard slots) where impl="collective" sums them in float32 by its reduce-scatter;
+  the results agree to bfloat16's rounding and the weight gradients (each shard's own) bit for bit."""
+  mesh = mesh_of_shape({"expert": 2, "tensor": 2}, explicit=True)
+  x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 21)
+  x = jax.device_put(x, NamedSharding(mesh, P(("expert", "tensor"))))
+  w1, w2 = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (w1, w2))
+  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, 0.5, "tensor", ()))(x, gates, w1, w2)
+  (_, (y, dropped)), grads = run("overlap")
+  (_, (y_ref, dropped_ref)), grads_ref = run("collective")
+  assert int(dropped) == int(dropped_ref) > 0
+  for what, a, b in zip(("y", "dx", "dgates"), (y, *grads[:2]), (y_ref, *grads_ref[:2])):
+    assert float(jnp.max(jnp.abs(b.astype(jnp.float32)))) > 0 and rel_err(a, b) < 1e-2, (what, rel_err(a, b))
+  for what, a, b in zip(("dw1", "dw2"), grads[2:], grads_ref[2:]):
+    np.testing.assert_array_equal(bits(a), bits(b), err_msg=what)
+
+
+def test_pinned_gather_rs_refused_under_fp8():
   mesh = mesh_of_shape({"expert": 2, "tensor": 2})
   x, ids, gates, w1, w2, _ = fp8_inputs(jnp.bfloat16, 2)
-  with pytest.raises(NotImplementedError, match=r"quantization='fp8' with impl='overlap' has no expert tensor "
-                                                r"parallelism yet \(tensor_axis 'tensor'\)"):
-    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, tensor_axis="tensor", quantization="fp8")
-  cfg = moe_config(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K, quantization="fp8")
-  with pytest.raises(NotImplementedError, match=r"impl='overlap' has no expert tensor parallelism yet"):
-    jmo.MoE(cfg, mesh=mesh, tensor_axis="tensor", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"CallConfig\(tensor_reduce='gather_rs'\) does not run under "
+                                       r"quantization='fp8': .*GatherRS's GEMM2 producer takes no e4m3 operands"):
+    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, tensor_axis="tensor", quantization="fp8",
+                    config=CallConfig(tensor_reduce="gather_rs"))
 
 
 def test_workspace_counts_fp8_rows_by_row_bytes():

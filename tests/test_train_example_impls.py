@@ -76,8 +76,6 @@ def test_fp8_trains_like_bfloat16():
 def test_fp8_flag_errors():
   with pytest.raises(SystemExit, match=r"d_model \(emb_dim\) and d_ff \(moe_mlp_dim\) must be multiples of 128"):
     train_moe.main(TINY + ["--quantization", "fp8", "--impl", "xla"])
-  with pytest.raises(SystemExit, match=r"impl='overlap' has no expert tensor parallelism yet"):
-    train_moe.main(TINY + FP8_TINY[:6] + ["--d-ff", "256", "--quantization", "fp8", "--mesh", "expert=2,tensor=2"])
 
 
 @pytest.mark.slow  # a training run (tests/test_fp8_overlap.py has the layer and the module)
