@@ -195,12 +195,14 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
     return xla::ffi::Unexpected(InvalidCall("dispatch: src [S, D] and out [cap, D]"));
   // D: the rows' channels (of packed rows, whose buffer holds their bytes, the channels of whole scale tiles).
   const int64_t D = RowChannels(*dt, sd[1]);
-  if (D < 0)
+  if (D < 0) {
+    const int64_t tile = Traits(*dt).channels_per_scale, tile_bytes = RowBytes(*dt, tile);
     return xla::ffi::Unexpected(InvalidCall(
         "dispatch: " + std::string(Traits(*dt).name) + " rows are packed e4m3 rows of whole 1 x " +
-        std::to_string(Traits(*dt).channels_per_scale) + " tiles (" + std::to_string(RowBytes(*dt, Traits(*dt).channels_per_scale)) +
+        std::to_string(tile) + " tiles (" + std::to_string(tile_bytes) +
         " bytes per tile: the values, then the tile's float32 scale), so their width must be a positive multiple of " +
-        std::to_string(RowBytes(*dt, Traits(*dt).channels_per_scale)) + "; got src " + DimsText(sd)));
+        std::to_string(tile_bytes) + "; got src " + DimsText(sd)));
+  }
   const int64_t P = slot_src_row.element_count();
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
@@ -234,7 +236,8 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
   if (!dt || w.element_type() != xt || x_recv.element_type() != xt)
     return Unexpected(InvalidCall(ComputeDTypeRule(
         "dispatch_gemm: src, w and x_recv must share one dtype, " + DTypeNames() +
-        " (the GEMM after the dispatch reads the rows as they land; packed e4m3 rows cross in dispatch, unfused)", xt)));
+            " (the GEMM after the dispatch reads the rows as they land; packed e4m3 rows cross in dispatch, unfused)",
+        xt)));
   if (swiglu && transpose_rhs)
     return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
                                   "transpose_rhs"));
@@ -365,7 +368,8 @@ inline xla::ffi::ErrorOr<GatherRsShape> CheckGatherRs(const xla::ffi::AnyBuffer&
   const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || w.element_type() != xt || y.element_type() != xt || rows.element_type() != xt)
     return Unexpected(InvalidCall(ComputeDTypeRule(
-        "gather_rs: lhs, w and outputs must share one dtype, " + DTypeNames() + " (its producer GEMM's operands)", xt)));
+        "gather_rs: lhs, w and outputs must share one dtype, " + DTypeNames() + " (its producer GEMM's operands)",
+        xt)));
   auto ld = lhs.dimensions(), wd = w.dimensions(), td = token_rows.dimensions(), yd = y.dimensions(),
        sd = seg_rows.dimensions(), rd = rows.dimensions();
   const char* w_layout = transpose_rhs ? "w [E_local, N, K] (transpose_rhs)" : "w [E_local, K, N]";

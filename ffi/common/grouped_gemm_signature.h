@@ -109,7 +109,8 @@ inline xla::ffi::ErrorOr<DType> CheckGroupedDtypes(const char* op, const xla::ff
   const auto xt = lhs.element_type();
   const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || rhs.element_type() != xt)
-    return xla::ffi::Unexpected(InvalidCall(ComputeDTypeRule(std::string(op) + ": lhs and rhs must share one dtype, " + DTypeNames(), xt)));
+    return xla::ffi::Unexpected(
+        InvalidCall(ComputeDTypeRule(std::string(op) + ": lhs and rhs must share one dtype, " + DTypeNames(), xt)));
   if (out.element_type() != xt && out.element_type() != xla::ffi::DataType::F32)
     return xla::ffi::Unexpected(InvalidCall(std::string(op) + ": the output must be float32 or the operands' dtype"));
   return *dt;
