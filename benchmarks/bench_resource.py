@@ -98,6 +98,14 @@ def kernel_gather_consumer_ctas(p: rm.ModelParams, seg_rows, rank: int, tokens: 
   return _jmo.model_choose_gather_consumer_ctas(p.native(), segs, rank, R, tokens, slots, n, k, elem_bytes, max_ctas)
 
 
+def gather_traffic_bytes(seg_rows, rank: int, tokens: int, slots: int, n: int, elem_bytes: int) -> int:
+  """The memory traffic of one rank's gather_rs call as the model counts it (``_jmo.model_gather_traffic_bytes``: per
+  source its partial stored, its token_rows and its rows here with their gates read), from ``seg_rows [E_local, R]``:
+  what benchmarks/calibrate.py divides by the consumer's span for gather_gbps."""
+  R = len(seg_rows[0])
+  return _jmo.model_gather_traffic_bytes(device_segment_sources(seg_rows, rank), rank, R, tokens, slots, n, elem_bytes)
+
+
 def model_for_ranks(p: rm.ModelParams, ranks: int) -> rm.ModelParams:
   """What the device sees per rank in loopback: the link shared by the R ranks of the GPU."""
   return dataclasses.replace(p, link_gbps=p.link_gbps / ranks)

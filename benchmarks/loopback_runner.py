@@ -51,7 +51,8 @@ def device_info(k_dim: int = 200, n_dim: int = 136) -> dict:
 
 
 def params_arg(params) -> str:
-  """--model value from a ModelParams (jax_moe_overlap.resource) or a 10-list (9: no pusher rate)."""
+  """--model value from a ModelParams (jax_moe_overlap.resource) or an 11-list (10: no gather rate, 9: nor a pusher
+  rate)."""
   vals = params.as_list() if hasattr(params, "as_list") else list(params)
   return ",".join(repr(float(v)) for v in vals)
 

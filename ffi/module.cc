@@ -159,13 +159,14 @@ NB_MODULE(_jmo, m) {
       .def(
           "__init__",
           [](jmo::ModelParams* p, int32_t sms, int32_t ctas_per_sm, int32_t tile_m, int32_t tile_n, double tile_us_base,
-             double tile_us_per_k, double cta_gbps, double link_gbps, double seg_us, double pusher_gbps) {
-            new (p) jmo::ModelParams{sms,      ctas_per_sm, tile_m,    tile_n, tile_us_base, tile_us_per_k,
-                                     cta_gbps, link_gbps,   seg_us,    pusher_gbps};
+             double tile_us_per_k, double cta_gbps, double link_gbps, double seg_us, double pusher_gbps,
+             double gather_gbps) {
+            new (p) jmo::ModelParams{sms,      ctas_per_sm, tile_m, tile_n,      tile_us_base, tile_us_per_k,
+                                     cta_gbps, link_gbps,   seg_us, pusher_gbps, gather_gbps};
           },
           nb::kw_only(), nb::arg("sms"), nb::arg("ctas_per_sm"), nb::arg("tile_m"), nb::arg("tile_n"),
           nb::arg("tile_us_base"), nb::arg("tile_us_per_k"), nb::arg("cta_gbps"), nb::arg("link_gbps"),
-          nb::arg("seg_us"), nb::arg("pusher_gbps") = 0.0)
+          nb::arg("seg_us"), nb::arg("pusher_gbps") = 0.0, nb::arg("gather_gbps") = 0.0)
       .def_rw("sms", &jmo::ModelParams::sms)
       .def_rw("ctas_per_sm", &jmo::ModelParams::ctas_per_sm)
       .def_rw("tile_m", &jmo::ModelParams::tile_m)
@@ -175,7 +176,8 @@ NB_MODULE(_jmo, m) {
       .def_rw("cta_gbps", &jmo::ModelParams::cta_gbps)
       .def_rw("link_gbps", &jmo::ModelParams::link_gbps)
       .def_rw("seg_us", &jmo::ModelParams::seg_us)
-      .def_rw("pusher_gbps", &jmo::ModelParams::pusher_gbps);
+      .def_rw("pusher_gbps", &jmo::ModelParams::pusher_gbps)
+      .def_rw("gather_gbps", &jmo::ModelParams::gather_gbps);
   // The model with a call's link (resource_model.h ModelWithLink: what the launches evaluate; 0: no link).
   m.def("model_with_link", &jmo::ModelWithLink, nb::arg("params"), nb::arg("link_gbps"));
   m.def("model_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,
@@ -203,6 +205,18 @@ NB_MODULE(_jmo, m) {
                                           jmo::GatherModelShape{tokens, slots, n, k, elem_bytes}, ctas);
   }, nb::arg("params"), nb::arg("segs"), nb::arg("rank"), nb::arg("ranks"), nb::arg("tokens"), nb::arg("slots"),
         nb::arg("n"), nb::arg("k"), nb::arg("elem_bytes"), nb::arg("ctas"));
+  // The memory traffic of the call's sources as the model counts it (GatherModelTraffic: the sum of a_s), in bytes;
+  // the gather consumer's rate gather_gbps is this / its span / C (benchmarks/calibrate.py). (The traffic depends on
+  // no constant: the sources are built with unit tiles.)
+  m.def("model_gather_traffic_bytes", [](const std::vector<std::tuple<int, int>>& segs, int rank, int ranks,
+                                         int64_t tokens, int64_t slots, int64_t n, int64_t elem_bytes) {
+    jmo::ModelParams unit{};
+    unit.tile_m = unit.tile_n = 1;
+    std::vector<jmo::GatherModelSource> src;
+    GatherSources(unit, segs, rank, ranks, n, &src);
+    return jmo::GatherModelTraffic(src.data(), ranks, jmo::GatherModelShape{tokens, slots, n, 0, elem_bytes});
+  }, nb::arg("segs"), nb::arg("rank"), nb::arg("ranks"), nb::arg("tokens"), nb::arg("slots"), nb::arg("n"),
+        nb::arg("elem_bytes"));
   m.def("model_choose_gather_consumer_ctas", [](const jmo::ModelParams& params,
                                                 const std::vector<std::tuple<int, int>>& segs, int rank, int ranks,
                                                 int64_t tokens, int64_t slots, int64_t n, int64_t k,

@@ -20,9 +20,11 @@ The rows the experts read, the GEMMs and every sum are impl="collective"'s under
 transport differs, and both move rows unchanged), so outputs and gradients equal that impl's bit for bit
 (``tests/test_fp8_overlap.py``). With a tensor axis the slots are the tensor shard slots (``tensor_parallel.py``):
 each shard's partial output comes back per slot in the compute dtype, where impl="collective" sums the partials in
-float32 (a reduce-scatter), so the two agree to the compute dtype's rounding. Not fused (what docs/design.md lists as left): the dispatch with GEMM1
-(``dispatch_gemm`` takes float32 and bfloat16 rows) and GEMM2 with the return (``expert_combine``'s producer takes
-float32 and bfloat16 operands), so the return is a dispatch of GEMM2's finished rows.
+float32 (a reduce-scatter), so the two agree to the compute dtype's rounding.
+
+Not fused (what docs/design.md lists as left): the dispatch with GEMM1 (``dispatch_gemm`` takes float32 and bfloat16
+rows) and GEMM2 with the return (``expert_combine``'s producer takes float32 and bfloat16 operands), so the return is
+a dispatch of GEMM2's finished rows.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
 from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts
 from jax_moe_overlap.fp8_experts import KERNELS
-from jax_moe_overlap.workspace_calls import dispatch, move_rows
-from jax_moe_overlap.xla_path import combine_slots, token_slots
+from jax_moe_overlap.workspace_calls import dispatch, dispatch_rows
+from jax_moe_overlap.xla_path import combine_slots, move_rows, token_slots
 
 
 @jax.tree_util.register_dataclass
@@ -46,13 +48,14 @@ class WorkspaceRoute:
   """Where one rank's rows go and come back through the workspace's dispatch custom call: the row moves
   ``fp8_exchanged_experts`` asks of a route (``xla_path.Route``'s, the send buffer being the packed kept slots).
 
-  plan: this rank's ``plan.Plan``. send_row: [P] ``plan.packed_rows``: each kept slot's row among this rank's kept
-  slots (P: not kept). ret_dest_rank, ret_dest_row: [cap] ``plan.packed_return``: each recv row's way back.
-  cap: the recv rows; k: slots per token; info: the call site.
+  plan: this rank's ``plan.Plan``. send_row, send_slot: [P] ``plan.packed_rows``: each kept slot's row among this
+  rank's kept slots (P: not kept), and the slot at each such row. ret_dest_rank, ret_dest_row: [cap]
+  ``plan.packed_return``: each recv row's way back. cap: the recv rows; k: slots per token; info: the call site.
   """
 
   plan: plan_lib.Plan
   send_row: jax.Array
+  send_slot: jax.Array
   ret_dest_rank: jax.Array
   ret_dest_row: jax.Array
   cap: int = dataclasses.field(metadata=dict(static=True))
@@ -82,12 +85,13 @@ class WorkspaceRoute:
     """Recv rows [cap, C] -> this rank's kept slots' rows [P, C] as they came back (``send_row``'s order, zero past
     them): every row moved back where ``dispatch`` took it from."""
     P = self.send_row.shape[0]
-    return move_rows(out, jnp.arange(self.cap, dtype=jnp.int32), self.ret_dest_rank, self.ret_dest_row,
+    return dispatch_rows(out, jnp.arange(self.cap, dtype=jnp.int32), self.ret_dest_rank, self.ret_dest_row,
                      self.plan.ret_rows, P, self.info)
 
   def from_send_buffer(self, send):
-    """Packed kept-slot rows [P, C] -> slot rows [P, C], zero for a slot not kept."""
-    return jnp.take(send, self.send_row, axis=0, mode="fill", fill_value=0)
+    """Packed kept-slot rows [P, C] -> slot rows [P, C], zero for a slot not kept (its gradient the gather back,
+    ``xla_path.move_rows``)."""
+    return move_rows(send, self.send_row, self.send_slot)
 
 
 def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan, cap: int,
@@ -95,8 +99,8 @@ def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan
   """The ``WorkspaceRoute`` of this rank's plan: slot_ids [T, k], counts [R_src, R_dst, E_local], rank and expert_cap
   as ``plan.plan_over_axis`` took and returned them; cap: the recv rows."""
   dest_rank, dest_row = plan_lib.packed_return(counts, rank, expert_cap, cap)
-  return WorkspaceRoute(plan, plan_lib.packed_rows(slot_ids, counts, rank, expert_cap, plan), dest_rank, dest_row,
-                        cap, slot_ids.shape[1], info)
+  send_row, send_slot = plan_lib.packed_rows(slot_ids, counts, rank, expert_cap, plan)
+  return WorkspaceRoute(plan, send_row, send_slot, dest_rank, dest_row, cap, slot_ids.shape[1], info)
 
 
 def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute):

@@ -213,11 +213,14 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
   )
 
 
-def packed_rows(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_cap: int, plan: Plan) -> jax.Array:
-  """[P] int32: each kept slot's row among this rank's kept slots in the send order (the send order without its
-  dropped and skipped slots): its row in a packed send buffer, and where its expert output lands in a packed return
-  (``packed_return``); P for a slot not kept. expert_ids [T, k], counts [R_src, R_dst, E_local] and expert_cap as
-  ``make_plan`` took them, ``plan`` its result."""
+def packed_rows(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_cap: int,
+                plan: Plan) -> tuple[jax.Array, jax.Array]:
+  """(packed_row [P], packed_slot [P]) int32: each kept slot's row among this rank's kept slots in the send order
+  (the send order without its dropped and skipped slots: its row in a packed send buffer, and where its expert
+  output lands in a packed return, ``packed_return``), P for a slot not kept; and the inverse, the slot at each
+  packed row, P past the kept slots (a scatter of P indices, not of rows, so that both ways of a row can be
+  gathers). expert_ids [T, k], counts [R_src, R_dst, E_local] and expert_cap as ``make_plan`` took them, ``plan``
+  its result."""
   P = plan.slot_ret_row.shape[0]
   R, _, E_l = counts.shape
   my_counts = counts[rank].reshape(R * E_l).astype(jnp.int32)
@@ -225,8 +228,9 @@ def packed_rows(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, exper
   group = jnp.clip(expert_ids.reshape(P).astype(jnp.int32), 0, R * E_l - 1)   # a kept slot's expert: its group
   # slot_ret_row is the slot's place in the whole send order; the slots dropped from the groups before its own
   # are the gaps before it.
-  return jnp.where(plan.slot_ret_row >= 0, plan.slot_ret_row - exclusive_cumsum(my_counts - my_kept)[group],
-                   P).astype(jnp.int32)
+  row = jnp.where(plan.slot_ret_row >= 0, plan.slot_ret_row - exclusive_cumsum(my_counts - my_kept)[group],
+                  P).astype(jnp.int32)
+  return row, jnp.full((P,), P, jnp.int32).at[row].set(jnp.arange(P, dtype=jnp.int32), mode="drop")
 
 
 def packed_return(counts: jax.Array, rank: jax.Array, expert_cap: int, rows: int) -> tuple[jax.Array, jax.Array]:

@@ -4,8 +4,11 @@ The model itself (``ffi/include/jax_moe_overlap/resource_model.h``) runs on the 
 kernel start; the extension exposes it to Python as ``_jmo.model_makespan_us`` and ``_jmo.model_choose_consumer_ctas``
 (for tests and benchmarks), taking a ``ModelParams.native()``.
 
-``_jmo.model_choose_dispatch_pushers`` and ``_jmo.model_pushers_makespan_us`` are the same for dispatch_gemm's pushing
-CTAs, and ``_jmo.model_with_link`` gives the model of a call over a link of a given rate (what the launches evaluate).
+gather_rs's consumer count has its own form: ``_jmo.model_gather_makespan_us`` and
+``_jmo.model_choose_gather_consumer_ctas``, with ``_jmo.model_gather_traffic_bytes`` the traffic its rate
+``gather_gbps`` is measured against. ``_jmo.model_choose_dispatch_pushers`` and ``_jmo.model_pushers_makespan_us``
+are the same for dispatch_gemm's pushing CTAs, and ``_jmo.model_with_link`` gives the model of a call over a link of a
+given rate (what the launches evaluate).
 
 ``params`` are calibrated per GPU and producer variant by ``benchmarks/calibrate.py`` and shipped as JSON under
 ``jax_moe_overlap/calibration/<gpu name>.json``; ``calibration_for(name, sms)`` finds the file for a device and says
@@ -40,13 +43,14 @@ class ModelParams:
   link_gbps: float
   seg_us: float
   pusher_gbps: float = 0.0  # dispatch_gemm's pusher rate per CTA (0: not calibrated, the fixed pusher rule applies)
+  gather_gbps: float = 0.0  # gather_rs's consumer traffic per CTA (0: not calibrated, the model takes 2 cta_gbps)
 
   def native(self):
     """The C++ struct (``_jmo.ModelParams``, built by name): what create_cuda_workspace and the model functions take."""
     return _jmo.ModelParams(**dataclasses.asdict(self))
 
   def as_list(self) -> list[float]:
-    """The 10 numbers in the order of the C++ struct: the loopback harness's --model flag."""
+    """The 11 numbers in the order of the C++ struct: the loopback harness's --model flag."""
     return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
 
 
@@ -86,8 +90,10 @@ def validate_params(p: ModelParams) -> list[str]:
     v = getattr(p, name)
     if not (math.isfinite(v) and v > 0):
       out.append(f"{name} must be finite and > 0, got {v}")
-  if not (math.isfinite(p.pusher_gbps) and p.pusher_gbps >= 0):
-    out.append(f"pusher_gbps must be finite and >= 0 (0: not calibrated), got {p.pusher_gbps}")
+  for name in ("pusher_gbps", "gather_gbps"):
+    v = getattr(p, name)
+    if not (math.isfinite(v) and v >= 0):
+      out.append(f"{name} must be finite and >= 0 (0: not calibrated), got {v}")
   if p.tile_us_base + p.tile_us_per_k <= 0:
     out.append("tile time must be positive")
   return out

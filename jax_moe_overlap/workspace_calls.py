@@ -7,7 +7,7 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
 * ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
   rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero). With ``send_once`` a
   token's row crosses to each rank once and the receiver fills its other slots' rows from it. The rows are moved as
-  bytes: float32, bfloat16, or packed e4m3 rows (uint8, ``fp8.pack_rows``). ``move_rows``: the same call on any
+  bytes: float32, bfloat16, or packed e4m3 rows (uint8, ``fp8.pack_rows``). ``dispatch_rows``: the same call on any
   routing (the FP8 layer's way back, ``fp8_overlap.py``).
 * ``dispatch_gemm(src, slot_src_row, w, plan, ...)``: the dispatch and the GEMM after it in one call, each GEMM tile
   starting once its rows have arrived.
@@ -96,11 +96,11 @@ def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info
 
   src: float32 or bfloat16 rows, or uint8 rows of packed e4m3 (``fp8.pack_rows``: D channels as D + D / 32 bytes,
   D a multiple of 128), moved unchanged."""
-  return move_rows(src, slot_src_row, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, cap, info,
+  return dispatch_rows(src, slot_src_row, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, cap, info,
                    slot_primary(plan, send_once))
 
 
-def move_rows(src: jax.Array, src_row: jax.Array, dest_rank: jax.Array, dest_row: jax.Array, expected: jax.Array,
+def dispatch_rows(src: jax.Array, src_row: jax.Array, dest_rank: jax.Array, dest_row: jax.Array, expected: jax.Array,
               cap: int, info: RankInfo, primary: jax.Array | None = None) -> jax.Array:
   """The dispatch custom call on any routing of rows: row ``src[src_row[p]]`` to row ``dest_row[p]`` of rank
   ``dest_rank[p]`` (-1: not moved), for every p; returns this rank's [cap, C] rows, the first ``expected`` (the rows

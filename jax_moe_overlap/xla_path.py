@@ -134,6 +134,28 @@ def _group_tokens(a, tensor_axis):
   return a if tensor_axis is None else jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True)
 
 
+@jax.custom_vjp
+def move_rows(rows, index, inverse):
+  """rows [N, C] -> [len(index), C]: out[i] = rows[index[i]], zero where index[i] is out of range. ``index`` takes
+  each row at most once, and ``inverse`` [N] is its inverse (inverse[j] = i where index[i] = j, out of range for a
+  row no output takes). The gradient is then the gather through ``inverse``, where JAX's transpose of a gather is a
+  scatter-add of rows, which XLA:GPU runs many times slower than a gather and with atomics. Every row move of the
+  route is such a one-to-one map. (A custom_vjp: forward-mode differentiation does not pass through it.)"""
+  return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
+
+
+def _move_rows_forward(rows, index, inverse):
+  return move_rows(rows, index, inverse), (index, inverse)
+
+
+def _move_rows_backward(residuals, d_out):
+  index, inverse = residuals
+  return move_rows(d_out, inverse, index), None, None
+
+
+move_rows.defvjp(_move_rows_forward, _move_rows_backward)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Route:
@@ -141,6 +163,7 @@ class Route:
   unchanged, whatever its dtype and width.
 
   send_row: [T k] a slot's row in the compact send buffer, T k for a slot not kept (T: the tensor group's tokens).
+  send_slot: [T k] the inverse: the slot at each send-buffer row, T k past the kept slots.
   send_offsets, send_sizes, at_dest: [R] this rank's chunk to each destination: where it starts in the send buffer,
     its rows, where it lands on the destination; recv_offsets, recv_sizes, at_source: [R] the chunk from each
     source, likewise, for the way back.
@@ -148,6 +171,7 @@ class Route:
   """
 
   send_row: jax.Array
+  send_slot: jax.Array
   send_offsets: jax.Array
   send_sizes: jax.Array
   at_dest: jax.Array
@@ -167,13 +191,13 @@ class Route:
       return _exchange_local(*args)
     return (_exchange_ragged if self.ragged else _exchange_padded)(*args, axis_name=self.axis_name)
 
-  def _regroup(self, rows, index):
-    """Rows between (source, expert) and (expert, source) order by ``index`` (``_layout_maps``), zero past the
-    received rows. With one rank there is one source and the two orders are the same: no gather (the exchange
-    already left the rows past the received ones zero, and the way back reads none of them)."""
+  def _regroup(self, rows, index, inverse):
+    """Rows between (source, expert) and (expert, source) order by ``index`` (``_layout_maps``; ``inverse`` the
+    other map), zero past the received rows. With one rank there is one source and the two orders are the same: no
+    gather (the exchange already left the rows past the received ones zero, and the way back reads none of them)."""
     if jax.lax.axis_size(self.axis_name) == 1:
       return rows
-    return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
+    return move_rows(rows, index, inverse)
 
   def slot_rows(self, x):
     """This rank's token rows [T / TP, C] -> the tensor group's slot rows [T k, C] (row t k + j: token t's row)."""
@@ -186,24 +210,24 @@ class Route:
 
   def send_buffer(self, slots):
     """Slot rows [T k, C] -> the send buffer [T k, C]: each kept slot's row at its ``send_row``, zero past them."""
-    return jnp.zeros(slots.shape, slots.dtype).at[self.send_row].set(slots, mode="drop")
+    return move_rows(slots, self.send_slot, self.send_row)
 
   def from_send_buffer(self, send):
     """``send_buffer``'s inverse on the kept slots: [T k, C] -> slot rows [T k, C], zero for a slot not kept."""
-    return jnp.take(send, self.send_row, axis=0, mode="fill", fill_value=0)
+    return move_rows(send, self.send_row, self.send_slot)
 
   def dispatch(self, send):
     """The send buffer [T k, C] -> this rank's recv rows [recv_cap, C], grouped by local expert (zero past them):
     exchanged, received in (source, expert) order, gathered into (expert, source) order."""
     recv_se = self._exchange(send, self.es_from_se.shape[0], self.send_offsets, self.send_sizes, self.at_dest,
                              self.recv_sizes)
-    return self._regroup(recv_se, self.es_from_se)
+    return self._regroup(recv_se, self.es_from_se, self.se_from_es)
 
   def combine_rows(self, out):
     """Recv rows [recv_cap, C] -> the send buffer's rows [T k, C] (each kept slot's at its ``send_row``, zero past
     them): the inverse gather and the exchange back. It moves each row back where ``dispatch`` took it from, so
     as a linear map it is ``dispatch``'s transpose."""
-    out_se = self._regroup(out, self.se_from_es)
+    out_se = self._regroup(out, self.se_from_es, self.es_from_se)
     return self._exchange(out_se, self.send_row.shape[0], self.recv_offsets, self.recv_sizes, self.at_source,
                           self.send_sizes)
 
@@ -216,13 +240,13 @@ def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_
   cs = plan_lib.exclusive_cumsum
 
   is_kept = plan.slot_ret_row >= 0
-  send_row = plan_lib.packed_rows(expert_ids, counts_all, rank, expert_cap, plan)
+  send_row, send_slot = plan_lib.packed_rows(expert_ids, counts_all, rank, expert_cap, plan)
 
   kept_sd = jnp.sum(kept, axis=2)                                           # [s, d] rows from s to d
   send_sizes = kept_sd[rank]
   recv_sizes = kept_sd[:, rank]
   es_from_se, se_from_es = _layout_maps(kept[:, rank, :], recv_cap)
-  route = Route(send_row=send_row, send_offsets=cs(send_sizes), send_sizes=send_sizes,
+  route = Route(send_row=send_row, send_slot=send_slot, send_offsets=cs(send_sizes), send_sizes=send_sizes,
                 at_dest=cs(kept_sd, axis=0)[rank],        # where this rank's chunk starts on each destination
                 recv_offsets=cs(recv_sizes), recv_sizes=recv_sizes,
                 at_source=cs(kept_sd, axis=1)[:, rank],   # where each source's chunk starts in its send order
@@ -232,8 +256,9 @@ def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_
 
 
 def token_slots(rows, k: int):
-  """Token rows [T, C] -> slot rows [T k, C], row t k + j token t's (its transpose sums a token's k slots)."""
-  return rows[jnp.arange(rows.shape[0] * k, dtype=jnp.int32) // k]
+  """Token rows [T, C] -> slot rows [T k, C], row t k + j token t's. A broadcast, so its transpose is the sum over a
+  token's k slots in slot order (no scatter-add)."""
+  return jnp.broadcast_to(rows[:, None], (rows.shape[0], k) + rows.shape[1:]).reshape((-1,) + rows.shape[1:])
 
 
 def combine_slots(slot_out, gates, is_kept):
@@ -280,7 +305,9 @@ def _exchange_local(operand, out_rows, input_offsets, send_sizes, output_offsets
   del recv_sizes   # one rank: what it receives is what it sends
   o = jnp.arange(out_rows, dtype=jnp.int32) - output_offsets[0]
   src = jnp.where((o >= 0) & (o < send_sizes[0]), input_offsets[0] + o, operand.shape[0])
-  return jnp.take(operand, src, axis=0, mode="fill", fill_value=0)
+  i = jnp.arange(operand.shape[0], dtype=jnp.int32) - input_offsets[0]
+  dst = jnp.where((i >= 0) & (i < send_sizes[0]), output_offsets[0] + i, out_rows)
+  return move_rows(operand, src, dst)
 
 
 def _exchange_ragged(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -309,15 +336,26 @@ def _batched_with_rule(axis_size, in_batched, operand, *sizes):
 
 
 def _exchange_padded(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-  """``ragged_all_to_all``'s result through ``lax.all_to_all``: every chunk padded to the most rows it can hold."""
+  """``ragged_all_to_all``'s result through ``lax.all_to_all``: every chunk padded to the most rows it can hold, the
+  rows into and out of the padded blocks moved by ``move_rows`` (one-to-one maps both ways)."""
   R = input_offsets.shape[0]
   bound = min(operand.shape[0], out_rows)
   i = jnp.arange(bound, dtype=jnp.int32)
   src = jnp.where(i[None, :] < send_sizes[:, None], input_offsets[:, None] + i[None, :], operand.shape[0])
-  blocks = jnp.take(operand, src.reshape(-1), axis=0, mode="fill", fill_value=0).reshape((R, bound) +
-                                                                                         operand.shape[1:])
-  got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape((R, bound) + operand.shape[1:])
+  blocks = move_rows(operand, src.reshape(-1), _padded_place(operand.shape[0], input_offsets, send_sizes, bound))
+  got = jax.lax.all_to_all(blocks.reshape((R, bound) + operand.shape[1:]), axis_name, 0, 0, tiled=True)
   where = jax.lax.all_to_all(output_offsets.reshape(R, 1), axis_name, 0, 0, tiled=True).reshape(R)
   dst = jnp.where(i[None, :] < recv_sizes[:, None], where[:, None] + i[None, :], out_rows)
-  output = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
-  return output.at[dst.reshape(-1)].set(got.reshape((R * bound,) + operand.shape[1:]), mode="drop")
+  return move_rows(got.reshape((R * bound,) + operand.shape[1:]), _padded_place(out_rows, where, recv_sizes, bound),
+                   dst.reshape(-1))
+
+
+def _padded_place(rows, starts, sizes, bound):
+  """[rows] int32: row j's place r * bound + (j - starts[r]) among R padded chunks of ``bound`` rows, for the
+  chunk r holding it (rows starts[r] .. starts[r] + sizes[r] - 1; the chunks disjoint), R * bound for a row in
+  none."""
+  j = jnp.arange(rows, dtype=jnp.int32)[:, None]
+  inside = (j >= starts[None, :]) & (j < (starts + sizes)[None, :])            # [rows, R]
+  r = jnp.argmax(inside, axis=1).astype(jnp.int32)
+  place = r * bound + j[:, 0] - starts[r]
+  return jnp.where(jnp.any(inside, axis=1), place, starts.shape[0] * bound).astype(jnp.int32)

@@ -36,6 +36,59 @@ def test_grid_and_fit():
   assert base == pytest.approx(1.0) and slope == pytest.approx(1 / 1024)
 
 
+# The fake gather_rs run: per rank C, its consumer moves the traffic the model counts at GATHER_GBPS[C] x RANK_SPEED[r]
+# per CTA (rank 2 the median of the four: lb.median takes the upper middle).
+GATHER_GBPS = {1: 20.0, 2: 15.0}
+RANK_SPEED = (0.8, 1.5, 1.0, 0.9)  # (their mean is not the median)
+
+
+def fake_gather_run(args):
+  """The harness's RESULT lines of calibrate.measure_gather's run: each rank's plan (seg_rows [E_l, R] flattened,
+  ranks holding different rows) and one timed variant per pinned C (and the manager's two, which it skips)."""
+  arg = lambda name: int(args[args.index(name) + 1])  # noqa: E731
+  R, TP, T, k, N = (arg(f) for f in ("--ranks", "--tensor", "--tokens", "--top-k", "--n-dim"))
+  E_l = arg("--experts") // (R // TP)
+  plans = [[(300 + 50 * r + 7 * i) for i in range(E_l * R)] for r in range(R)]
+  traffic = [R * (T * N * 4 + T * k * TP * 4) + sum(plans[r]) * (N * 2 + 4) for r in range(R)]
+  out = [dict(kind="plan", rank=r, ranks=R, budget=33, seg_rows=plans[r]) for r in range(R)]
+  for c, ser in [(c, False) for c in GATHER_GBPS] + [(0, False), (0, True)]:
+    spans = [traffic[r] * 1e-3 / (c * GATHER_GBPS[c] * RANK_SPEED[r]) if c else 1.0 for r in range(R)]
+    out.append(dict(kind="timed", consumers=c, serialize=int(ser), median_us=max(spans) + 50.0, producer_span_us=900.0,
+                    consumer_span_us=max(spans), rank_consumer_span_us=spans, chosen=[c or 16] * R))
+  return {"results": out, "command": "fake " + " ".join(args), "stdout": ""}
+
+
+def test_calibrate_gather_alone_merges_into_a_calibration(tmp_path, monkeypatch, capsys):
+  """--only gather: the regret-gather suite's 2 x 2 bf16 case at HBM speed, C = 1 and 2 pinned, per-call spans; per
+  rank the model's traffic (the plan's rows, counted by _jmo.model_gather_traffic_bytes) / span / C, the median over
+  the ranks, the lower C value; printed, and with --merge-into written into the file, its other constants kept."""
+  calls = []
+  monkeypatch.setattr(calibrate.lb, "run", lambda args, timeout=300, log=None: calls.append(args) or fake_gather_run(
+      [str(a) for a in args]))
+  cal = tmp_path / "cal.json"
+  with open(os.path.join(rm.CALIBRATION_DIR, "nvidia_h200.json")) as f:
+    shipped = json.load(f)
+  cal.write_text(json.dumps(shipped))
+  calibrate.main(["--only", "gather", "--merge-into", str(cal), "--reps", "3"])
+  args = [str(a) for a in calls[0]]
+  assert len(calls) == 1 and "--per-call-stats" in args and "--serialize" not in args and "--link-gbps" not in args
+  assert [args[args.index(f) + 1] for f in ("--ranks", "--tensor", "--tokens", "--k-dim", "--n-dim", "--experts",
+                                            "--sweep-consumers")] == ["4", "2", "1024", "14336", "4096", "8", "1,2"]
+  doc = json.loads(cal.read_text())
+  assert doc["gather_gbps"] == pytest.approx(GATHER_GBPS[2]) and rm.load_params(str(cal)).gather_gbps == pytest.approx(
+      GATHER_GBPS[2])
+  assert {k: v for k, v in doc.items() if k not in ("gather_gbps", "gather_note", "raw")} == {
+      k: v for k, v in shipped.items() if k not in ("gather_gbps", "raw")}
+  assert {k: v for k, v in doc["raw"].items() if k != "gather_run"} == shipped["raw"]
+  by_c = doc["raw"]["gather_run"]["by_c"]
+  assert by_c["1"]["gbps_per_cta"] == pytest.approx(GATHER_GBPS[1])
+  assert [x["gbps_per_cta"] for x in by_c["2"]["ranks"]] == pytest.approx([15.0 * s for s in RANK_SPEED])
+  out = capsys.readouterr().out
+  assert "gather_gbps 15.00 (the lower over C = 1, 2)" in out and f"wrote gather_gbps 15.00 into {cal}" in out
+  with pytest.raises(SystemExit):  # --merge-into belongs to --only gather
+    calibrate.main(["--merge-into", str(cal)])
+
+
 def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
   """calibrate.main against a fake loopback harness with known constants: the tile-time line, the push rate while the
   producer runs (what the model uses), the rate alone (kept in raw), the link ceiling and the per-segment cost come
@@ -49,6 +102,8 @@ def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
   def fake_run(args, timeout=300, log=None):
     args = [str(a) for a in args]
     calls.append(args)
+    if "--gather-rs" in args:
+      return fake_gather_run(args)
     if "--dispatch-gemm" in args:  # 8 pushers per rank moving 16 MB in 100, 125 and 120 us
       ranks = [dict(rank=r, pushers=8, bytes=16e6, push_us=us, gbps_per_pusher=16e6 / us * 1e-3 / 8)
                for r, us in enumerate((100.0, 125.0, 120.0))]
@@ -81,7 +136,8 @@ def test_calibrate_end_to_end_on_a_fake_harness(tmp_path, monkeypatch):
   assert doc["link_gbps"] == pytest.approx(alone * 32 * 2)
   assert doc["seg_us"] == pytest.approx(seg_us)
   assert doc["pusher_gbps"] == pytest.approx(16e6 / 120.0 * 1e-3 / 8)
-  overlap_runs = [a for a in calls if "--serialize" not in a and "--dispatch-gemm" not in a]
+  assert doc["gather_gbps"] == pytest.approx(GATHER_GBPS[2]) and rm.load_params(out).gather_gbps == doc["gather_gbps"]
+  overlap_runs = [a for a in calls if "--serialize" not in a and "--dispatch-gemm" not in a and "--gather-rs" not in a]
   assert len(overlap_runs) == 1 and arg(overlap_runs[0], "--k-dim") == 2048 and arg(overlap_runs[0], "--consumers") == 4
 
 

@@ -192,7 +192,8 @@ def test_calls_that_compute_refuse_packed_rows():
     jax.block_until_ready(jax.jit(functools.partial(_raw_call, info=one), static_argnums=(2, 3))(
         jnp.zeros((16, ROW), jnp.uint8), jnp.zeros((2, ROW, 256), jnp.uint8), 256, False))
   plan = object()  # the wrappers refuse before they read it
-  with pytest.raises(TypeError, match=r"dispatch_gemm: src is uint8 \(packed e4m3 rows, fp8.pack_rows\): dispatch_gemm's GEMM takes float32 or bfloat16 rows"):
+  with pytest.raises(TypeError, match=r"dispatch_gemm: src is uint8 \(packed e4m3 rows, fp8.pack_rows\): "
+                                      r"dispatch_gemm's GEMM takes float32 or bfloat16 rows"):
     workspace_calls.dispatch_gemm(rows, slot_rows, w, plan, cap, info)
   with pytest.raises(TypeError, match=r"expert_combine: lhs is uint8 \(packed e4m3 rows, fp8.pack_rows\)"):
     workspace_calls.expert_combine(rows, w, jnp.ones((tokens, K)), plan, info, want_slots=False)
@@ -275,8 +276,12 @@ def test_packed_return_inverts_packed_rows():
   cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
   counts = jnp.stack([plan_lib.local_counts(jnp.asarray(i), E).reshape(R, E // R) for i in ids])
   plans = [plan_lib.make_plan(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e) for r in range(R)]
-  packed = [np.asarray(plan_lib.packed_rows(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e, plans[r]))
+  packed = [np.asarray(plan_lib.packed_rows(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e, plans[r])[0])
             for r in range(R)]
+  for r in range(R):   # packed_rows' second result is the inverse map
+    slot = np.asarray(plan_lib.packed_rows(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e, plans[r])[1])
+    kept = int(plans[r].ret_rows)
+    assert np.all(packed[r][slot[:kept]] == np.arange(kept)) and np.all(slot[kept:] == tokens * K)
   back = [tuple(np.asarray(a) for a in plan_lib.packed_return(counts, jnp.int32(r), cap_e, cap)) for r in range(R)]
   seen = 0
   for s in range(R):

@@ -305,6 +305,7 @@ def test_run_case_lines(monkeypatch, capsys):
   assert [(t["consumers"], t["serialize"]) for t in timed] == [(1, 0), (2, 0), (0, 0), (0, 1)]
   assert all(t["identical"] and t["median_us"] == 11.0 for t in timed)
   assert out.count("TIMELINE r0 C=1 begin 0.0 prod 1.0..8.0") == 4
+  assert all(t["rank_consumer_span_us"] == [6.5] * case.ranks for t in timed)  # cons 3000..9500 ns on every call
   assert sum(1 for l in out.splitlines() if l.startswith("RESULT ") and '"plan"' in l) == case.ranks
 
 
@@ -573,7 +574,7 @@ def test_regret_rows_and_summary(capsys):
   sets = cases_lib.make_data(case)
   p = _jmo.model_with_link(_jmo.ModelParams(**dict(zip(
       ("sms", "ctas_per_sm", "tile_m", "tile_n", "tile_us_base", "tile_us_per_k", "cta_gbps", "link_gbps", "seg_us",
-       "pusher_gbps"), [int(v) for v in model[:4]] + list(model[4:])))), 50.0)
+       "pusher_gbps", "gather_gbps"), [int(v) for v in model[:4]] + list(model[4:])))), 50.0)
   p.sms = 66
   mirror = []
   for r, d in enumerate(sets[0]):
@@ -621,6 +622,25 @@ def _gather_regret_result(case, sets, policy, fixed, chosen):
   timed = [variant(100.0 + abs(c - 2) if c else 101.0 if not ser else 150.0, [c] * case.ranks if c else chosen)
            for c, ser in case.variants()]
   return {"budget": 33, "consumer_policy": policy, "fixed_consumers": fixed, "timed": timed}
+
+
+@pytest.mark.parametrize("n", [9, 10, 11, 8, 12])
+def test_model_flag_takes_9_to_11_numbers(n, capsys):
+  # --model: the 11 ModelParams numbers in resource_model.h's order; 10 leave gather_gbps 0, 9 pusher_gbps too. The
+  # regret's host model (regret._rank_model) reads them by the same order.
+  from tools.loopback import regret, run  # pylint: disable=g-import-not-at-top
+  vals = [132, 1, 128, 256, 2.4, 0.0108, 29.6, 1745.0, 0.43, 17.3, 14.5][:n] + [1.0] * max(0, n - 11)
+  argv = ["--model", ",".join(map(str, vals))]
+  if not 9 <= n <= 11:
+    with pytest.raises(SystemExit):
+      run.parse_args(argv)
+    assert "--model takes 11 comma-separated numbers" in capsys.readouterr().err
+    return
+  _, base = run.parse_args(argv)
+  assert base.model == tuple(float(v) for v in vals)
+  p, _ = regret._rank_model(dataclasses.replace(base, link_gbps=50.0), 33)  # pylint: disable=protected-access
+  assert (p.sms, p.link_gbps, p.cta_gbps) == (33, 50.0, 29.6)
+  assert (p.pusher_gbps, p.gather_gbps) == ((17.3 if n > 9 else 0.0), (14.5 if n > 10 else 0.0))
 
 
 def test_regret_rows_of_gather_rs():

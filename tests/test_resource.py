@@ -338,12 +338,13 @@ def gather_recurrence(p, segs, rank, R, T, Q, n, k, eb, c):
       rows[s] = 0
     rows[s] += r
     last[s] = cum
+  rate = p.gather_gbps if p.gather_gbps > 0 else 2 * p.cta_gbps  # one consumer CTA's traffic per ns
   cons = 0.0
   for s in [s for s in range(R) if s not in rows] + with_rows:
     ready = math.ceil(last.get(s, 0) / producers) * tile_us
     traffic = T * n * 4 + T * Q * 4 + rows.get(s, 0) * (n * eb + 4)
     link = T * n * 4 if s != rank else 0
-    cons = max(cons, ready) + p.seg_us + max(traffic * 1e-3 / (2 * c * p.cta_gbps), link * 1e-3 / p.link_gbps)
+    cons = max(cons, ready) + p.seg_us + max(traffic * 1e-3 / (c * rate), link * 1e-3 / p.link_gbps)
   return max(math.ceil(cum / producers) * tile_us, cons)
 
 
@@ -368,7 +369,7 @@ def test_gather_model_equals_its_recurrence_on_random_inputs():
   for _ in range(300):
     p = dataclasses.replace(PG, sms=rng.choice([2, 16, 33, 132]), tile_m=rng.choice([64, 128]),
                             cta_gbps=rng.uniform(5, 40), link_gbps=rng.choice([15.0, 46.25, 92.5, 1745.0]),
-                            seg_us=rng.uniform(0, 2))
+                            seg_us=rng.uniform(0, 2), gather_gbps=rng.choice([0.0, rng.uniform(3, 80)]))
     call = random_gather_call(rng)
     cs = range(1, min(32, p.sms - 1) + 1)
     us = [gather_us(p, *call, c) for c in cs]
@@ -418,6 +419,41 @@ def test_gather_consumers_grow_with_the_partials_and_shrink_with_the_gemm():
   assert by_t == sorted(by_t) and by_t[0] < by_t[-1]
 
 
+def test_gather_rate_is_the_calibrated_one_else_twice_the_copy_rate():
+  # gather_gbps = 0 (an older calibration): the model takes 2 cta_gbps, the same doubles as gather_gbps = 2 cta_gbps
+  # set (x 2 is exact), so the choice is the one before the field existed; a calibrated rate replaces it.
+  rng = random.Random(5)
+  for _ in range(100):
+    call = random_gather_call(rng)
+    p = dataclasses.replace(PG, sms=rng.choice([16, 33, 132]), cta_gbps=rng.uniform(5, 40))
+    q = dataclasses.replace(p, gather_gbps=2 * p.cta_gbps)
+    assert [gather_us(p, *call, c) for c in range(1, 16)] == [gather_us(q, *call, c) for c in range(1, 16)]
+    assert choose_gather(p, *call) == choose_gather(q, *call)
+  segs = bench_resource.device_segment_sources([[1024] * 4], 1)
+  p = dataclasses.replace(PG, sms=33, tile_us_base=2.4, tile_us_per_k=0.0108)
+  assert gather_us(dataclasses.replace(p, gather_gbps=15.0), segs, 1, 4, 1024, 4, 4096, 7168, 2, 3) != gather_us(
+      p, segs, 1, 4, 1024, 4, 4096, 7168, 2, 3)
+
+
+def test_gather_consumers_grow_as_their_rate_falls():
+  # Rank 0 of 2 holding 122880 rows of its own tokens only (T = 1, Q = 1, N = 256: one column tile), 33 SMs, a tile
+  # time of 1 us, no per-source cost, a link that never binds. Source 1's zero partial (no row here) goes first, at
+  # once, and is done long before the GEMM's 960 tiles are; the own source's partial can start only when the GEMM
+  # ends, at G(C) = ceil(960 / (33 - C)) us, and costs its traffic a = 1028 + 122880 (2 N + 4) bytes at C g. So the
+  # makespan is G(C) + X / C with X = a / g in us: C = 2 beats 1 when X > 2 (G: 30 -> 31), C = 3 beats 2 when X > 6
+  # (31 -> 32), C = 4 beats 3 when X > 24 (32 -> 34), and at X = 60 the best is C = 7 (37 + 8.6 us).
+  segs = bench_resource.device_segment_sources([[122880, 0]], 0)
+  p = dataclasses.replace(PG, sms=33, tile_us_base=1.0, tile_us_per_k=0.0, seg_us=0.0, link_gbps=1e9)
+  a = 1 * 256 * 4 + 1 * 1 * 4 + 122880 * (256 * 2 + 4)
+  call = (segs, 0, 2, 1, 1, 256, 0, 2)
+  chosen = []
+  for x in (1.0, 4.0, 12.0, 60.0):
+    q = dataclasses.replace(p, gather_gbps=a * 1e-3 / x)
+    assert gather_us(q, *call, 3) == pytest.approx(32 + x / 3, rel=1e-12)
+    chosen.append(choose_gather(q, *call))
+  assert chosen == [1, 2, 3, 7]
+
+
 def test_gather_refuses_segments_that_are_no_producer_order():
   with pytest.raises(ValueError, match="producer order"):
     choose_gather(PG, [(64, 1), (64, 2), (64, 1)], 0, 4, 64, 4, 128, 128, 2)
@@ -455,10 +491,26 @@ def test_shipped_calibrations_are_valid(path):
 
 
 def test_a_calibration_without_a_pusher_rate_loads_with_none(tmp_path):
-  data = {f.name: getattr(P, f.name) for f in dataclasses.fields(P) if f.name != "pusher_gbps"}
+  data = {f.name: getattr(P, f.name) for f in dataclasses.fields(P) if f.name not in ("pusher_gbps", "gather_gbps")}
   (tmp_path / "old.json").write_text(json.dumps(data))
   assert rm.load_params(str(tmp_path / "old.json")).pusher_gbps == 0.0
   assert rm.validate_params(dataclasses.replace(P, pusher_gbps=-1.0))
+
+
+def test_a_calibration_with_and_without_a_gather_rate(tmp_path):
+  # An older file (no gather_gbps) reads as 0: gather_rs's model keeps 2 cta_gbps. A file with one carries it to the
+  # C++ struct; a negative or infinite one is refused by name.
+  data = {f.name: getattr(P, f.name) for f in dataclasses.fields(P) if f.name != "gather_gbps"}
+  (tmp_path / "old.json").write_text(json.dumps(data))
+  assert rm.load_params(str(tmp_path / "old.json")).gather_gbps == 0.0
+  (tmp_path / "new.json").write_text(json.dumps(dict(data, gather_gbps=14.5)))
+  p = rm.load_params(str(tmp_path / "new.json"))
+  assert p.gather_gbps == 14.5 and p.native().gather_gbps == 14.5 and p.as_list()[-1] == 14.5
+  for bad in (-1.0, math.inf):
+    assert any("gather_gbps" in s for s in rm.validate_params(dataclasses.replace(P, gather_gbps=bad)))
+  (tmp_path / "bad.json").write_text(json.dumps(dict(data, gather_gbps=-2.0)))
+  with pytest.raises(ValueError, match="gather_gbps must be finite and >= 0"):
+    rm.load_params(str(tmp_path / "bad.json"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import pytest
 import jax_moe_overlap as jmo
 from cases import layer_inputs, rel_err
 from gpu_common import gpu_mesh, rank_counts, requires_gpu
-from test_gpu_grouped_gemm_fp8 import _hopper, requires_hopper  # noqa: F401  (requires_hopper's condition reads _hopper)
+# (requires_hopper's condition names _hopper in this module)
+from test_gpu_grouped_gemm_fp8 import _hopper, requires_hopper  # noqa: F401
 from jax_moe_overlap.plan import SKIP
 
 pytestmark = [requires_gpu, requires_hopper]

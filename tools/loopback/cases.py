@@ -65,8 +65,8 @@ class Case:
   push_slots: int = dataclasses.field(default_factory=env.push_slots)
   push_read_lag: int = dataclasses.field(default_factory=env.push_read_lag)
   push_issuers: int = dataclasses.field(default_factory=env.push_issuers)
-  # The workspace's ModelParams (10 numbers, or 9 without pusher_gbps), else the fixed C = SMs / 8 and the fixed
-  # pusher rule.
+  # The workspace's ModelParams (11 numbers, 10 without gather_gbps, 9 without pusher_gbps either), else the fixed
+  # C = SMs / 8 and the fixed pusher rule.
   model: tuple[float, ...] | None = None
   sm_budget: int = 0             # CTAs per rank (0: SMs / ranks)
   device: int = 0
@@ -409,6 +409,8 @@ def _regret(base: Case) -> list[Case]:
 # workspace's fixed C, reported apart), with the tokens per rank of each dtype.
 REGRET_GATHER_MESHES = ((2, 2), (4, 2), (2, 4))
 REGRET_GATHER_TOKENS = {False: 1024, True: 256}  # f32 -> tokens per rank (the SIMT GEMM is slow: fewer)
+# Their shape (Case fields; benchmarks/calibrate.py measures gather_gbps on the 2 x 2 bf16 case's).
+REGRET_GATHER_SHAPE = dict(experts=8, top_k=2, d_model=256, k_dim=14336, n_dim=4096)
 
 
 def _regret_gather(base: Case) -> list[Case]:
@@ -421,8 +423,8 @@ def _regret_gather(base: Case) -> list[Case]:
     R = R_e * TP
     link = NVLINK_GBPS / R
     for f32 in (False, True):
-      v.append(dataclasses.replace(base, ranks=R, tensor=TP, experts=8, top_k=2, tokens=REGRET_GATHER_TOKENS[f32],
-                                   d_model=256, k_dim=14336, n_dim=4096, f32=f32, gather_rs=True, consumers=0,
+      v.append(dataclasses.replace(base, ranks=R, tensor=TP, tokens=REGRET_GATHER_TOKENS[f32], **REGRET_GATHER_SHAPE,
+                                   f32=f32, gather_rs=True, consumers=0,
                                    model=calibrated_model(R, link), link_gbps=link, sweep=REGRET_C,
                                    decision_iters=1000, **dict(_TIMED, table=False)))
   return v

@@ -98,11 +98,12 @@ Spec ParseSpec(const nb::dict& d) {
   s.decision_iters = Get<int>(d, "decision_iters", s.decision_iters);
   if (d.contains("model") && !d["model"].is_none()) {
     std::vector<double> m = nb::cast<std::vector<double>>(d["model"]);
-    if (m.size() != 9 && m.size() != 10)
-      throw nb::value_error("model takes the 10 ModelParams numbers (resource_model.h order; 9: pusher_gbps 0)");
+    if (m.size() < 9 || m.size() > 11)
+      throw nb::value_error("model takes the 11 ModelParams numbers (resource_model.h order; 10: gather_gbps 0; 9: "
+                            "pusher_gbps 0 too)");
     s.has_model = true;
     s.model = ModelParams{(int32_t)m[0], (int32_t)m[1], (int32_t)m[2], (int32_t)m[3], m[4], m[5], m[6], m[7], m[8],
-                          m.size() > 9 ? m[9] : 0.0};
+                          m.size() > 9 ? m[9] : 0.0, m.size() > 10 ? m[10] : 0.0};
   }
   if (d.contains("variants"))
     for (auto [c, ser] : nb::cast<std::vector<std::tuple<int, bool>>>(d["variants"])) s.variants.push_back({c, ser});

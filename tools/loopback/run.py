@@ -36,7 +36,8 @@ Timing (benchmarks/loopback_runner.py drives these):
   --time                   after the checked calls, time expert_combine alone on data set 0 (--warmup, --reps);
                            one TIMED and one `RESULT {json}` line per variant
   --sweep-consumers 1,2,4  one variant per C, then the manager, then the manager serialized
-  --model a,b,...          the workspace's 10 ModelParams (resource_model.h order; 9: no pusher rate)
+  --model a,b,...          the workspace's 11 ModelParams (resource_model.h order; 10: no gather rate, 9: nor a
+                           pusher rate)
   --plain-copy             the consumer pushes with 16-byte loads and stores instead of TMA bulk copies
   --push-slots N, --push-read-lag N, --push-issuers N
                            the bulk-copy consumer's ring slots, stores that may still read their slot, issuing
@@ -128,9 +129,9 @@ def parse_args(argv):
   args = ap.parse_args(argv)
   fields = {f.name for f in dataclasses.fields(cases_lib.Case)}
   base = cases_lib.Case(**{k: v for k, v in vars(args).items() if k in fields})
-  if base.model is not None and len(base.model) not in (9, 10):
-    ap.error(f"--model takes 10 comma-separated numbers (ModelParams order; 9: no pusher rate), got "
-             f"{len(base.model)}")
+  if base.model is not None and len(base.model) not in (9, 10, 11):
+    ap.error(f"--model takes 11 comma-separated numbers (ModelParams order; 10: no gather rate, 9: nor a pusher "
+             f"rate), got {len(base.model)}")
   return args, base
 
 

@@ -36,6 +36,17 @@ def _timeline(records: list[list[dict]], med: int) -> str:
   return " | ".join(parts)
 
 
+def _span_us(q: dict, part: str) -> float:
+  """A device record's span of `part` ("prod", "cons", "comb") in microseconds; 0 where it did not run."""
+  t0, t1 = q[f"{part}_t0"], q[f"{part}_t1"]
+  return (t1 - t0) * 1e-3 if t1 > t0 else 0.0
+
+
+def rank_spans_us(records: list[list[dict]], part: str) -> list[float]:
+  """Per rank, the median over its recorded calls of its span of `part` (0 where it never ran)."""
+  return [quantile([s for s in (_span_us(q, part) for q in rec) if s > 0], 0.5) for rec in records]
+
+
 def _variant_stats(result: dict, vi: int) -> tuple[dict, list[list[dict]], list[float]]:
   """Timed variant vi: its statistics (per call the slowest rank; producer and consumer spans, the slowest rank's of
   each call), each rank's device records, and the per-call times."""
@@ -45,19 +56,10 @@ def _variant_stats(result: dict, vi: int) -> tuple[dict, list[list[dict]], list[
   records = [t["device"] for t in ranks]
   prod, cons, comb = [], [], []
   for i in range(len(records[0]) if records else 0):
-    pm = cm = bm = 0.0
-    for rec in records:
-      if i < len(rec):
-        q = rec[i]
-        if q["prod_t1"] > q["prod_t0"]:
-          pm = max(pm, (q["prod_t1"] - q["prod_t0"]) * 1e-3)
-        if q["cons_t1"] > q["cons_t0"]:
-          cm = max(cm, (q["cons_t1"] - q["cons_t0"]) * 1e-3)
-        if q["comb_t1"] > q["comb_t0"]:
-          bm = max(bm, (q["comb_t1"] - q["comb_t0"]) * 1e-3)
-    prod.append(pm)
-    cons.append(cm)
-    comb.append(bm)
+    here = [rec[i] for rec in records if i < len(rec)]
+    prod.append(max((_span_us(q, "prod") for q in here), default=0.0))
+    cons.append(max((_span_us(q, "cons") for q in here), default=0.0))
+    comb.append(max((_span_us(q, "comb") for q in here), default=0.0))
   stats = {"median_us": quantile(per_call, 0.5), "p10_us": quantile(per_call, 0.1), "p90_us": quantile(per_call, 0.9),
            "mean_us": sum(per_call) / len(per_call) if per_call else 0.0,
            "producer_span_us": quantile(prod, 0.5), "consumer_span_us": quantile(cons, 0.5),
@@ -66,7 +68,9 @@ def _variant_stats(result: dict, vi: int) -> tuple[dict, list[list[dict]], list[
 
 
 def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: list[int]) -> list[str]:
-  """The TIMED, RESULT and TIMELINE lines of every timed variant (benchmarks/loopback_runner.py parses RESULT)."""
+  """The TIMED, RESULT and TIMELINE lines of every timed variant (benchmarks/loopback_runner.py parses RESULT; its
+  rank_consumer_span_us: per rank the median of its consumer spans, over every call with --per-call-stats, else of
+  its last call)."""
   lines = []
   eb = 4 if case.f32 else 2
   pushed_bytes = float(sum(remote_rows) * case.n_dim * eb)
@@ -84,6 +88,7 @@ def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: 
                  + " ".join(f"{k}={v:.2f}" for k, v in stats.items())
                  + f" chosen={','.join(map(str, chosen))} pushed_MB={pushed_bytes / 1e6:.2f} identical={int(same)}")
     lines.append("RESULT " + json.dumps({"kind": "timed", "consumers": consumers, "serialize": int(serialize), **stats,
+                                         "rank_consumer_span_us": rank_spans_us(records, "cons"),
                                          "chosen": chosen, "pushed_bytes": pushed_bytes, "identical": same,
                                          "budget": result["budget"]}))
     if case.per_call_stats and per_call and len(records[0]) == len(per_call):

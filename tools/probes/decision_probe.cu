@@ -226,8 +226,10 @@ GatherDraw DrawGather(std::mt19937_64& g) {
   const int R = (int)pick({2, 4, 8, 16, 32});
   const int E_l = std::max(1, (int)(g() % (kMaxSegments / R)) + 1);
   const int sms = (int)pick({2, 3, 16, 33, 66, 132});
+  // gather_gbps: 0 (the model's 2 cta_gbps) or a calibrated traffic rate per CTA.
   ModelParams p{sms, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
-                (double)pick({15, 46, 92, 185, 370, 1745}) + 0.25, 0.4301974372287516, 17.3};
+                (double)pick({15, 46, 92, 185, 370, 1745}) + 0.25, 0.4301974372287516, 17.3,
+                (double)pick({0, 0, 9, 15, 23, 59}) * 1.0173};
   d.call.p = p;
   d.call.sh = GatherModelShape{pick({1, 64, 1024, 4096}), pick({1, 2, 4, 8, 16}), pick({128, 1024, 4096}),
                                pick({128, 2048, 7168}), pick({2, 4})};
@@ -291,9 +293,10 @@ int64_t CheckGather(int calls, uint64_t seed) {
       for (int k = 0; k < 2; ++k)
         if (dev[2 * i + k] != host[i] && ++wrong <= 20)
           printf("WRONG gather (%d threads, parity %d): R %d rank %d segments %d sms %d T %lld Q %lld N %lld K %lld "
-                 "eb %lld link %g: device %d, host %d\n", blk, k, cl[i].ranks, cl[i].rank, cl[i].n, cl[i].p.sms,
-                 (long long)cl[i].sh.T, (long long)cl[i].sh.Q, (long long)cl[i].sh.N, (long long)cl[i].sh.K,
-                 (long long)cl[i].sh.elem_bytes, cl[i].p.link_gbps, dev[2 * i + k], host[i]);
+                 "eb %lld link %g gather %g: device %d, host %d\n", blk, k, cl[i].ranks, cl[i].rank, cl[i].n,
+                 cl[i].p.sms, (long long)cl[i].sh.T, (long long)cl[i].sh.Q, (long long)cl[i].sh.N,
+                 (long long)cl[i].sh.K, (long long)cl[i].sh.elem_bytes, cl[i].p.link_gbps, cl[i].p.gather_gbps,
+                 dev[2 * i + k], host[i]);
     }
   }
   PrintCheck("gather_rs check (256 and 384 threads)", calls, seen, wrong,

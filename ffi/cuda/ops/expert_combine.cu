@@ -276,6 +276,8 @@ std::string CheckModelParams(const ModelParams& p) {
     return "cta_gbps and link_gbps must be finite and > 0";
   if (!(p.pusher_gbps >= 0.0 && p.pusher_gbps < 1e300))
     return "pusher_gbps must be finite and >= 0 (0: no pusher rate, dispatch_gemm keeps the fixed rule)";
+  if (!(p.gather_gbps >= 0.0 && p.gather_gbps < 1e300))
+    return "gather_gbps must be finite and >= 0 (0: no gather rate, gather_rs's model takes 2 cta_gbps)";
   return "";
 }
 

@@ -47,6 +47,10 @@ struct ModelParams {
   // Push bandwidth of one dispatch_gemm pushing CTA while the GEMM runs on the others (GB/s; calibrate.py's
   // pusher_gbps, docs/performance.md). 0: not calibrated (the pushers' count is then the fixed rule, DefaultPushers).
   double pusher_gbps;
+  // Memory traffic of one gather_rs consumer CTA while the GEMM runs on the others (GB/s of the traffic a_s that
+  // GatherMakespanFromSources counts; calibrate.py's gather_gbps). 0: not calibrated (the gather consumer's rate is
+  // then 2 cta_gbps: GatherTrafficGbpsPerCta).
+  double gather_gbps;
 };
 
 // The model of a call whose pushes to other ranks cross a link of `link_gbps` (CallOptions::emulated_link_gbps; 0:
@@ -227,12 +231,13 @@ JMO_RM_HD inline int ChooseConsumerCtas(const ModelParams& p, const ModelSegment
 //   traffic        a_s = T N 4 + T Q 4 + rows_s (N eb + 4)          (the partial stored; its token_rows, its rows here
 //                                                                     and their gates read)
 //   link bytes     l_s = T N 4 if s is another rank, else 0          (the partial crosses the link; its own stays)
-//   work           d_s = seg_us + max(a_s * 1e-3 / (2 C cta_gbps), l_s * 1e-3 / link_gbps)
+//   work           d_s = seg_us + max(a_s * 1e-3 / (C g), l_s * 1e-3 / link_gbps)
 //   consumer       c_s = max(c_{s-1}, r_s) + d_s
 //   makespan(C)    max(ceil(n_total / P) * t, c_last)
-// cta_gbps is a consumer CTA's copy rate beside the GEMM, each byte read once and stored once, so 2 cta_gbps bytes of
-// traffic per ns: the reduction's loads and stores are taken at that rate (the same memory path, no other constant),
-// and the link carries only the partials for other ranks. The recurrence unrolls as the combine's, c_last = max over
+// g is one consumer CTA's traffic rate beside the GEMM (GatherTrafficGbpsPerCta): the calibrated gather_gbps (the
+// gather consumer's own loads and stores, measured as this model counts them), else 2 cta_gbps (cta_gbps is a bulk-copy
+// consumer CTA's rate beside the GEMM, each byte read once and stored once: 2 cta_gbps bytes of traffic per ns).
+// The link carries only the partials for other ranks. The recurrence unrolls as the combine's, c_last = max over
 // s of (r_s + d_s + ... + d_last), evaluated per C by one reverse pass over the R sources (GatherMakespanFromSources):
 // the same operations in the same order on the host and on the device (resource_manager.cuh
 // DeviceChooseGatherConsumers: one lane per C), so both get the same doubles and the same C.
@@ -293,6 +298,24 @@ JMO_RM_HD inline int64_t GatherModelSources(const ModelParams& p, const GatherMo
   return cum;
 }
 
+// The traffic a_s of one source with `rows` rows here, in bytes: its partial stored (T N float32), its token_rows
+// read (T Q int32), its rows here and their gates read (N elements + a float32 gate each).
+JMO_RM_HD inline int64_t GatherSourceTraffic(const GatherModelShape& sh, int64_t rows) {
+  return sh.T * sh.N * 4 + sh.T * sh.Q * 4 + rows * (sh.N * sh.elem_bytes + 4);
+}
+
+// The traffic of all the call's sources (GatherModelSources' m entries): what gather_gbps is measured against.
+JMO_RM_HD inline int64_t GatherModelTraffic(const GatherModelSource* src, int m, const GatherModelShape& sh) {
+  int64_t bytes = 0;
+  for (int j = 0; j < m; ++j) bytes += GatherSourceTraffic(sh, src[j].rows);
+  return bytes;
+}
+
+// g: one consumer CTA's traffic rate beside the GEMM in bytes per ns (the calibrated gather_gbps, else 2 cta_gbps).
+JMO_RM_HD inline double GatherTrafficGbpsPerCta(const ModelParams& p) {
+  return p.gather_gbps > 0.0 ? p.gather_gbps : RmMul(2.0, p.cta_gbps);
+}
+
 // Modelled time of a gather_rs call with C consumer CTAs in microseconds from its sources in the consumer's order
 // (GatherModelSources); negative when C is infeasible.
 JMO_RM_HD inline double GatherMakespanFromSources(const ModelParams& p, const GatherModelSource* src, int m,
@@ -302,15 +325,13 @@ JMO_RM_HD inline double GatherMakespanFromSources(const ModelParams& p, const Ga
   const int64_t producers = (int64_t)(p.sms - consumer_ctas) * p.ctas_per_sm;
   const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
   // (IEEE division: the same doubles on host and device.)
-  const double us_per_traffic = 1e-3 / RmMul((double)(2 * consumer_ctas), p.cta_gbps);
+  const double us_per_traffic = 1e-3 / RmMul((double)consumer_ctas, GatherTrafficGbpsPerCta(p));
   const double us_per_link_byte = 1e-3 / p.link_gbps;
   const int64_t partial = sh.T * sh.N * 4;
-  const int64_t fixed_traffic = partial + sh.T * sh.Q * 4;
-  const int64_t row_traffic = sh.N * sh.elem_bytes + 4;
   double us = RmMul((double)CeilDiv(total_tiles, producers), tile_us);
   double rest = 0.0;  // d_j + ... + d_last
   for (int j = m - 1; j >= 0; --j) {
-    const double traffic = (double)(fixed_traffic + src[j].rows * row_traffic);
+    const double traffic = (double)GatherSourceTraffic(sh, src[j].rows);
     const double link = src[j].remote ? (double)partial : 0.0;
     rest = RmAdd(rest, RmAdd(p.seg_us, RmMax(RmMul(traffic, us_per_traffic), RmMul(link, us_per_link_byte))));
     const double ready = RmMul((double)CeilDiv(src[j].cum_tiles, producers), tile_us);
