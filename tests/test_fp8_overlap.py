@@ -165,10 +165,10 @@ def test_calls_that_compute_refuse_packed_rows():
   slot_rows = jnp.arange(tokens * K, dtype=jnp.int32) // K
   spec = P("expert")
 
-  def run(f, *args):
-    n = len(args)
-    return jax.block_until_ready(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * n, out_specs=spec,
-                                                       check_vma=False))(*args))
+  def run(f, *args, outs=1):
+    out_specs = spec if outs == 1 else (spec,) * outs
+    return jax.block_until_ready(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * len(args),
+                                                       out_specs=out_specs, check_vma=False))(*args))
 
   with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
       "dispatch: uint8 rows are packed e4m3 rows of whole 1 x 128 tiles (132 bytes per tile: the values, then the "
@@ -184,7 +184,7 @@ def test_calls_that_compute_refuse_packed_rows():
     run(lambda ids, x, w: workspace_calls._dispatch_gemm_call(  # pylint: disable=protected-access
         x, slot_rows, w, _plan_of(ids, R, cap_e), info,
         (u8(cap, ROW), jax.ShapeDtypeStruct((cap, 256), jnp.float32), jax.ShapeDtypeStruct((0, 256), jnp.float32)),
-        False, False)[1], ids, rows, w)
+        False, False), ids, rows, w, outs=3)
   one = RankInfo(Workspace.get(mesh_of(1), "expert", WorkspaceSizes(row_bytes=2 * D, recv_rows=16, ret_rows=8,
                                                                      num_segments=2)), CallConfig())
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"expert_combine: lhs, w and outputs must share one dtype, "
@@ -197,6 +197,10 @@ def test_calls_that_compute_refuse_packed_rows():
     workspace_calls.dispatch_gemm(rows, slot_rows, w, plan, cap, info)
   with pytest.raises(TypeError, match=r"expert_combine: lhs is uint8 \(packed e4m3 rows, fp8.pack_rows\)"):
     workspace_calls.expert_combine(rows, w, jnp.ones((tokens, K)), plan, info, want_slots=False)
+  # The refused calls opened no epoch: the next call (packed rows of whole tiles) runs.
+  ones = jnp.ones((tokens * R, ROW), jnp.uint8)
+  recv = run(lambda ids, x: workspace_calls.dispatch(x, slot_rows, _plan_of(ids, R, cap_e), cap, info), ids, ones)
+  assert recv.shape == (R * cap, ROW) and int(jnp.sum(recv.astype(jnp.int32))) == tokens * R * K * ROW
 
 
 def test_moe_and_moe_block_fp8_on_the_default_impl():
