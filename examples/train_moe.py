@@ -13,7 +13,7 @@ train step is one jit-compiled function (forward, backward, AdamW update).
   python examples/train_moe.py --preset gpu --impl xla --grad-accum 8   # that on one H200 (memory)
   python examples/train_moe.py --preset gpu --profile-steps 3   # and where its device time goes, by part
   python examples/train_moe.py --d-model 128 --impl xla --quantization fp8   # FP8 experts (DeepSeek-V3's recipe)
-  python examples/train_moe.py --preset gpu --impl collective --quantization fp8   # on the e4m3 kernel (Hopper)
+  python examples/train_moe.py --preset gpu --quantization fp8   # on the e4m3 kernel (Hopper), rows dispatched in FP8
   for i in 0 1 2 3; do python examples/train_moe.py --preset gpu --num-processes 4 --process-id $i \
     --local-device-ids $i --coordinator localhost:12345 & done; wait      # one process per GPU of a 4-GPU host
 
@@ -70,9 +70,9 @@ def parse_args(argv=None):
   g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
   g.add_argument("--quantization", choices=("none", "fp8"), default="none",
                  help="fp8: the routed experts' GEMMs in FP8 by DeepSeek-V3's recipe (MoEConfig.quantization; "
-                      "--d-model and --d-ff multiples of 128, as the gpu preset's are): with --impl collective on "
-                      "the e4m3 grouped GEMM (Hopper GPUs; its emulation on CPU), with --impl xla or reference "
-                      "emulated in XLA; --impl overlap refuses it (its FP8 dispatch and combine are not built yet)")
+                      "--d-model and --d-ff multiples of 128, as the gpu preset's are): with --impl overlap (x "
+                      "dispatched in FP8 by the custom calls) or collective on the e4m3 grouped "
+                      "GEMM (Hopper GPUs; its emulation on CPU), with --impl xla or reference emulated in XLA")
   g.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
                  help="jax.nn.dot_product_attention's implementation; auto: cudnn (fused flash attention) on GPUs "
                       "with a 16-bit compute dtype where cuDNN takes the shapes, else xla (materialized scores)")

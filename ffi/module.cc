@@ -14,6 +14,7 @@
 
 #include "common/build_info.h"
 #include "common/call_options.h"
+#include "common/dtype.h"
 #include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
@@ -138,6 +139,19 @@ NB_MODULE(_jmo, m) {
     jmo::WorkspaceSizes s{row_bytes, recv_rows, ret_rows, jmo::MaxBands(recv_rows, segs)};
     return jmo::MakeLayout(s).total;
   });
+  // Bytes of one row of `channels` channels as the workspace holds and ships it (dtype.h's RowBytes), for the
+  // workspace's sizes: dtype "float32", "bfloat16" or "uint8" (packed e4m3 rows: the values, then a float32 scale per
+  // 128 channels).
+  m.def(
+      "row_bytes",
+      [](const std::string& dtype, int64_t channels) {
+        jmo::DType d;
+        if (!jmo::DTypeNamed(dtype, &d, /*moved_too=*/true))
+          throw std::invalid_argument("jax_moe_overlap: row dtype '" + dtype + "' is none of " +
+                                      jmo::DTypeNames(/*moved_too=*/true));
+        return jmo::RowBytes(d, channels);
+      },
+      nb::arg("dtype"), nb::arg("channels"));
   m.attr("band_rows") = jmo::kBandRows;
   // The resource model's constants (resource_model.h), by name: what create_cuda_workspace and the model functions take
   // (jax_moe_overlap.resource.ModelParams.native() builds one).

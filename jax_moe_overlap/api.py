@@ -28,6 +28,7 @@ from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_call_con
                                     check_tensor_split)
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.expert_block import expert_block
+from jax_moe_overlap.fp8_overlap import fp8_expert_block, workspace_route
 from jax_moe_overlap.gather_rs_block import gather_rs_block
 from jax_moe_overlap.reference import moe_experts_fp8_reference, moe_experts_reference
 from jax_moe_overlap.workspace import Workspace, layer_sizes
@@ -73,10 +74,11 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       the same results). None (the default): no tensor parallelism.
     quantization: None, or "fp8": the experts' GEMMs follow DeepSeek-V3's FP8 recipe (``fp8_experts.py``), forward
       and backward; D and F multiples of 128 (with a tensor axis F / TP too: each shard's 128 x 128 weight blocks
-      and 1 x 128 tiles are the whole expert's); impl "collective" (the FP8 grouped GEMM: Hopper GPUs, its
-      emulation on CPU), "xla" or "reference" (the recipe emulated in XLA); "overlap" refuses it (its FP8 dispatch
-      and combine are not built yet). The weights' gradients are those of the quantized weights (straight-through),
-      in the weights' dtype; pre-quantized weights get none.
+      and 1 x 128 tiles are the whole expert's); impl "overlap" (x dispatched in FP8 by the workspace's dispatch,
+      the FP8 grouped GEMM, the combine in x's dtype: ``fp8_overlap.py``) and "collective" (the FP8 grouped GEMM:
+      Hopper GPUs, its emulation on CPU; the two give the same bits, but with a tensor axis, where "overlap" returns
+      the shards' partials per slot in x's dtype), "xla" or "reference" (the recipe emulated in XLA). The weights' gradients are those of the quantized weights (straight-through), in the
+      weights' dtype; pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
 
@@ -111,12 +113,12 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     y, dropped = eager_program(_xla_layer, mesh, axes, cap_e, cap, impl, quantization)(*args)
   else:
     platform = next(iter(mesh.devices.flat)).platform
-    reduce = tensor_reduce(config, platform, R, TP, k, x.dtype.itemsize, T_local * k * TP)
+    reduce = tensor_reduce(config, platform, R, TP, k, x.dtype.itemsize, T_local * k * TP, quantization)
     sizes = layer_sizes(T_local, R, k, E, x.shape[1], x.dtype.itemsize, capacity_factor, TP,
-                        gather_rs=reduce == "gather_rs")
+                        gather_rs=reduce == "gather_rs", quantization=quantization)
     cap = plan_lib.recv_capacity(T_local, R * TP, k, E // R, cap_e)
     info = RankInfo(Workspace.get(mesh, exchange_axes(axis_name, tensor_axis), sizes), config)
-    y, dropped = eager_program(_overlap_layer, mesh, axes, E, cap_e, cap, info, reduce)(*args)
+    y, dropped = eager_program(_overlap_layer, mesh, axes, E, cap_e, cap, info, reduce, quantization)(*args)
   return _like_committed(y, x), dropped
 
 
@@ -209,11 +211,12 @@ def _xla_layer(mesh, axes, cap_e, cap, impl, quantization, x, expert_ids, gates,
   return _like(y, x, mesh, axes), dropped
 
 
-def _overlap_layer(mesh, axes, num_experts, cap_e, cap, info, reduce, x, expert_ids, gates, w1, w2):
+def _overlap_layer(mesh, axes, num_experts, cap_e, cap, info, reduce, quantization, x, expert_ids, gates, w1, w2):
   args, in_specs, token_spec = _expert_parallel_inputs(mesh, axes, x, expert_ids, gates, w1, w2)
   axis_name, tensor_axis, batch_axes = axes
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
-                         num_experts=num_experts, cap_e=cap_e, cap=cap, info=info, reduce=reduce)
+                         num_experts=num_experts, cap_e=cap_e, cap=cap, info=info, reduce=reduce,
+                         quantization=quantization)
   y, dropped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(token_spec, P()), check_vma=False)(*args)
   return _like(y, x, mesh, axes), dropped
 
@@ -276,19 +279,24 @@ def _shard(tree, mesh, spec):
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, cap_e, cap, info,
-               reduce):
+               reduce, quantization=None):
   """One rank of the exchange group (``info.workspace.axis_name``: the expert axis, or the expert and tensor axes):
   its tokens' slots (with a tensor axis, each choice as TP shard slots: ``tensor_parallel``) through the plan and the
   expert block, whose shards' partials ``reduce`` sums ("per_slot": ``expert_block``; "gather_rs":
-  ``gather_rs_block``; ``call_site.tensor_reduce`` chose)."""
+  ``gather_rs_block``; ``call_site.tensor_reduce`` chose). quantization="fp8": ``fp8_overlap.fp8_expert_block``
+  (the shards' partials per slot)."""
   R = jax.lax.axis_size(axis_name)
   TP = jax.lax.axis_size(tensor_axis) if tensor_axis is not None else 1
   slot_ids, slot_gates = tp_lib.shard_slots(expert_ids, gates, num_experts, R, TP)
-  counts_all, _, plan = plan_lib.plan_over_axis(slot_ids, num_experts * TP, info.workspace.axis_name, cap_e,
-                                                gather=functools.partial(gather_counts, info=info))
+  counts_all, rank, plan = plan_lib.plan_over_axis(slot_ids, num_experts * TP, info.workspace.axis_name, cap_e,
+                                                   gather=functools.partial(gather_counts, info=info))
   plan = tp_lib.name_expert_ids(plan, expert_ids, TP)
-  block = gather_rs_block if reduce == "gather_rs" else expert_block
-  y = block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, plan, cap, info)
+  if quantization == "fp8":
+    route = workspace_route(slot_ids, counts_all, rank, cap_e, plan, cap, info)
+    y = fp8_expert_block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, route)
+  else:
+    block = gather_rs_block if reduce == "gather_rs" else expert_block
+    y = block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, plan, cap, info)
   if info.workspace.spans_processes:
     # The group's dropped slots from the counts every rank holds (the routed slots less those the capacity keeps),
     # equal to the psum of the ranks' plan.dropped: no collective crosses the processes of the expert axis.

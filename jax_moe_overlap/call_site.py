@@ -60,12 +60,14 @@ GATHER_RS_MAX_SLOTS = 2**24
 
 
 def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, top_k: int, itemsize: int,
-                  slots: int) -> str:
+                  slots: int, quantization: str | None = None) -> str:
   """How an ``impl="overlap"`` layer sums its tensor shards' partial outputs: "gather_rs" (GEMM2 + GatherRS) or
   "per_slot" (expert_combine's per-slot partials to the token owners). The one rule, for a group of G = ranks x
   tensor ranks, top_k choices per token, rows of itemsize bytes and ``slots`` = T k TP slots per rank:
 
   * no tensor axis (tensor == 1): "per_slot" (nothing to reduce over shards);
+  * quantization="fp8": "per_slot" (``fp8_overlap.py`` returns the shards' partials per slot; GatherRS's producer
+    takes no e4m3 operands), a pinned "gather_rs" refused;
   * pinned by ``config.tensor_reduce``: that, where it can run (else an error saying why);
   * "auto": "gather_rs" where its kernel runs (the CPU handlers, the CUDA kernels: platforms "cpu" and "gpu") and
     it moves no more bytes than the per-slot return: per token and rank, GatherRS ships G - 1 dense float32
@@ -74,6 +76,12 @@ def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, to
     this byte model once measured; ``CallConfig(tensor_reduce=...)`` overrides it.
   """
   if tensor == 1:
+    return "per_slot"
+  if quantization is not None:
+    if config.tensor_reduce == "gather_rs":
+      raise ValueError(f"jax_moe_overlap: CallConfig(tensor_reduce='gather_rs') does not run under "
+                       f"quantization={quantization!r}: impl='overlap' returns the shards' FP8 partial outputs per "
+                       f"slot (GatherRS's GEMM2 producer takes no e4m3 operands); use 'per_slot' or 'auto'")
     return "per_slot"
   runs = platform in ("cpu", "gpu")
   if config.tensor_reduce == "gather_rs":

@@ -3,8 +3,7 @@
 Every public entry point (``moe_experts``, ``MoE``, ``MoEConfig``, ``Workspace``) calls these instead of its own copy
 (``check_layer``: all of ``MoE``'s, for a script that checks its flags before it builds a model),
 so a rule and its message change in one place. Each raises a ValueError or TypeError naming the problem before
-anything runs, or a NotImplementedError for a combination the library has no path for yet (``check_fp8_impl``: FP8
-with an impl whose FP8 kernels do not exist), naming what is missing.
+anything runs.
 """
 
 from __future__ import annotations
@@ -19,12 +18,6 @@ from jax_moe_overlap.plan import SKIP
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 IMPLS = ("overlap", "collective", "xla", "reference")
 QUANTIZATIONS = (None, "fp8")
-# The impls that run quantization="fp8": the recipe emulated in XLA ("xla", "reference": fp8_experts.py's RAGGED and
-# DENSE) on any device, and "collective" with the FP8 grouped GEMM (fp8_experts.KERNELS: on GPU Hopper's e4m3 wgmma
-# kernel, on CPU its emulation). "overlap"'s custom calls take float32 and bfloat16 rows only.
-FP8_IMPLS = ("xla", "reference", "collective")
-# FP8 tensor cores: compute capability 8.9 (Ada) and newer.
-FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 def check_axis(mesh: jax.sharding.Mesh, axis_name: str) -> int:
@@ -122,35 +115,19 @@ def check_fp8_tensor_split(d_ff: int, tensor: int, tensor_axis: str | None) -> N
 
 
 def check_fp8_impl(impl: str, mesh: jax.sharding.Mesh) -> None:
-  """quantization="fp8" runs with the impls of FP8_IMPLS; "collective" on GPUs only where the FP8 grouped GEMM runs
-  (Hopper). "overlap" is refused by what it lacks: on a GPU without FP8 tensor cores, those; elsewhere, its FP8
-  custom calls."""
+  """quantization="fp8" runs with every impl: "xla" and "reference" emulate the recipe on any device; "collective"
+  and "overlap" run the FP8 grouped GEMM, on GPUs only where it runs (Hopper), on CPU its emulation."""
   if impl in ("xla", "reference"):
     return
   gpus = [d for d in mesh.devices.flat
           if d.platform == "gpu" and getattr(d, "compute_capability", None) is not None]
-  if impl == "collective":
-    from jax_moe_overlap import engines   # (engines imports the CUDA workspace module: only where it is asked)
-    for d in gpus:
-      why = engines.fp8_gemm_device_refusal(_compute_capability(d))
-      if why is not None:
-        raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl='collective' runs the FP8 grouped GEMM: "
-                         f"{why}; {d} ({d.device_kind}) has compute capability {d.compute_capability}. impl='xla' "
-                         f"emulates the recipe on any device")
-    return
+  from jax_moe_overlap import engines   # (engines imports the CUDA workspace module: only where it is asked)
   for d in gpus:
-    cc = _compute_capability(d)
-    if cc < FP8_MIN_COMPUTE_CAPABILITY:
-      raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl={impl!r} needs FP8 tensor cores (compute "
-                       f"capability {'.'.join(map(str, FP8_MIN_COMPUTE_CAPABILITY))} or newer: Ada, Hopper); "
-                       f"{d} ({d.device_kind}) has {d.compute_capability}. impl='xla' emulates the recipe on any "
-                       f"device")
-  raise NotImplementedError(
-      f"jax_moe_overlap: quantization='fp8' runs with impl='collective' (the FP8 grouped GEMM: Hopper's e4m3 wgmma "
-      f"kernel, its emulation on CPU), impl='xla' or impl='reference' (the recipe emulated: quantize, dequantize, "
-      f"float32 GEMMs); impl={impl!r} has no FP8 path yet: its workspace calls take float32 and bfloat16 rows only. "
-      f"Missing: FP8 rows with their scales in dispatch and dispatch_gemm (GEMM1 on the e4m3 kernel), and "
-      f"expert_combine's producer (GEMM2, feeding the return all-to-all) on e4m3 operands")
+    why = engines.fp8_gemm_device_refusal(_compute_capability(d))
+    if why is not None:
+      raise ValueError(f"jax_moe_overlap: quantization='fp8' with impl={impl!r} runs the FP8 grouped GEMM: "
+                       f"{why}; {d} ({d.device_kind}) has compute capability {d.compute_capability}. impl='xla' "
+                       f"emulates the recipe on any device")
 
 
 def _compute_capability(device) -> tuple[int, int]:

@@ -81,10 +81,9 @@ class MoEConfig:
       FP8 recipe (``fp8_experts.py``; docs/design.md, "FP8"): e4m3 operands with float32 scales per 1 x 128 tile of
       the activations and gradients and per 128 x 128 block of the weights, quantized per call from the master
       weights (weight_dtype), float32 accumulation; the rows and the combine keep ``dtype``. emb_dim and
-      moe_mlp_dim must be multiples of 128. It runs with impl "collective" (the FP8 grouped GEMM: Hopper GPUs, its
-      emulation on CPU), "xla" and "reference" (the recipe emulated in XLA); the overlap impl refuses it (its FP8
-      dispatch and combine are not built yet). The shared experts and the router are not
-      quantized.
+      moe_mlp_dim must be multiples of 128. It runs with impl "overlap" (the default) and
+      "collective" (the FP8 grouped GEMM: Hopper GPUs, its emulation on CPU), "xla" and "reference" (the recipe
+      emulated in XLA). The shared experts and the router are not quantized.
   """
 
   emb_dim: int

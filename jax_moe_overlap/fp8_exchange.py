@@ -1,6 +1,7 @@
-"""FP8 rows on the wire: the local experts of ``impl="xla"`` and ``impl="collective"`` under ``quantization="fp8"``,
-with the rows the experts read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv 2412.19437, section 3.3.3;
-docs/design.md, "FP8").
+"""FP8 rows on the wire: the local experts of ``impl="xla"``, ``impl="collective"`` and ``impl="overlap"`` under
+``quantization="fp8"``, with the rows the experts read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv
+2412.19437, section 3.3.3; docs/design.md, "FP8"). The exchange is a route's: ``xla_path.Route`` (XLA collectives)
+or ``fp8_overlap.WorkspaceRoute`` (the workspace's dispatch custom call).
 
 ``fp8_exchanged_experts`` runs from a rank's token rows to the rows that come back to it, as one ``custom_vjp``:
 
@@ -43,11 +44,12 @@ def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
 
   Args:
     x: [T, D] this rank's token rows, float32 or bfloat16 (D a multiple of 128). w1: [E_local, D, 2F] and w2:
-      [E_local, F, D] this rank's experts (master weights or ``fp8.Fp8Weight``). route: ``xla_path.Route``, how rows
-      move (``slot_rows`` and ``send_buffer``: tokens to the send buffer, ``dispatch``: send-buffer rows to recv
-      rows, ``combine_rows``: recv rows back to the send buffer; ``expert_rows``: the recv rows of each local
-      expert). gemms:
-      ``fp8_experts.RAGGED`` or ``KERNELS``.
+      [E_local, F, D] this rank's experts (master weights or ``fp8.Fp8Weight``). route: how rows move, an
+      ``xla_path.Route`` or a ``fp8_overlap.WorkspaceRoute`` (``dispatch_tokens``: token rows to recv rows,
+      ``dispatch``: send-buffer rows to recv rows, ``combine_rows``: recv rows back to the send buffer,
+      ``from_send_buffer``: send-buffer rows to slot rows, ``slot_rows``: token rows to slot rows, whose transpose
+      sums a token's slots; ``expert_rows``: the recv rows of each local expert). gemms: ``fp8_experts.RAGGED`` or
+      ``KERNELS``.
   Returns:
     [T TP k, D] in x's dtype: each kept slot's expert output at its send row (``route.combine_rows``).
   """
@@ -56,7 +58,7 @@ def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
 
 def _forward(x, w1, w2, route, gemms):
   packed = fp8.pack_rows(*fp8.quantize_rows(x, pow2=True))
-  xq, xs = fp8.unpack_rows(route.dispatch(route.send_buffer(route.slot_rows(packed))))
+  xq, xs = fp8.unpack_rows(route.dispatch_tokens(packed))
   out, kept = recipe_forward(xq, xs, w1, w2, route.expert_rows, gemms, x.dtype)
   # x_like: x's row count and dtype (an empty array) for the transpose of its dispatch.
   x_like = jnp.zeros((x.shape[0], 0), x.dtype)

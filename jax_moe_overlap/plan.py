@@ -211,3 +211,42 @@ def make_plan(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_
       recv_rows=jnp.sum(seg_rows).astype(jnp.int32),
       dropped=(P - jnp.sum(skipped) - ret_rows).astype(jnp.int32),
   )
+
+
+def packed_rows(expert_ids: jax.Array, counts: jax.Array, rank: jax.Array, expert_cap: int,
+                plan: Plan) -> tuple[jax.Array, jax.Array]:
+  """(packed_row [P], packed_slot [P]) int32: each kept slot's row among this rank's kept slots in the send order
+  (the send order without its dropped and skipped slots: its row in a packed send buffer, and where its expert
+  output lands in a packed return, ``packed_return``), P for a slot not kept; and the inverse, the slot at each
+  packed row, P past the kept slots (a scatter of P indices, not of rows, so that both ways of a row can be
+  gathers). expert_ids [T, k], counts [R_src, R_dst, E_local] and expert_cap as ``make_plan`` took them, ``plan``
+  its result."""
+  P = plan.slot_ret_row.shape[0]
+  R, _, E_l = counts.shape
+  my_counts = counts[rank].reshape(R * E_l).astype(jnp.int32)
+  my_kept = kept_counts(counts, expert_cap)[rank].reshape(R * E_l)
+  group = jnp.clip(expert_ids.reshape(P).astype(jnp.int32), 0, R * E_l - 1)   # a kept slot's expert: its group
+  # slot_ret_row is the slot's place in the whole send order; the slots dropped from the groups before its own
+  # are the gaps before it.
+  row = jnp.where(plan.slot_ret_row >= 0, plan.slot_ret_row - exclusive_cumsum(my_counts - my_kept)[group],
+                  P).astype(jnp.int32)
+  return row, jnp.full((P,), P, jnp.int32).at[row].set(jnp.arange(P, dtype=jnp.int32), mode="drop")
+
+
+def packed_return(counts: jax.Array, rank: jax.Array, expert_cap: int, rows: int) -> tuple[jax.Array, jax.Array]:
+  """The way back of this rank's ``rows`` recv rows (the plan's recv layout: segments (local expert e, source s) in
+  (e, s) order, the sender's order inside each): (dest_rank [rows], dest_row [rows]) int32, each kept recv row's
+  source rank and its row there among the source's packed rows (``packed_rows`` on the source); this rank and -1
+  past the kept rows."""
+  kept = kept_counts(counts, expert_cap)                                     # [s, d, e]
+  R, _, E_l = kept.shape
+  seg = jnp.transpose(kept[:, rank, :], (1, 0)).reshape(E_l * R)           # rows of segment (e, s) here
+  ends = jnp.cumsum(seg)
+  i = jnp.arange(rows, dtype=jnp.int32)
+  idx = jnp.minimum(jnp.searchsorted(ends, i, side="right"), E_l * R - 1).astype(jnp.int32)
+  e, s = idx // R, idx % R
+  # Segment (e, s) starts on source s after the kept rows of its groups (destination d, expert e') before (rank, e).
+  start = exclusive_cumsum(kept.reshape(R, R * E_l), axis=1).reshape(R, R, E_l)[s, rank, e]
+  inside = i < ends[-1]
+  return (jnp.where(inside, s, rank).astype(jnp.int32),
+          jnp.where(inside, start + i - (ends - seg)[idx], -1).astype(jnp.int32))

@@ -26,7 +26,8 @@ gate gradient sums a choice's TP of them in tensor order; dx is the combine of t
 da W1_shard^T with unit gates, summed over a token's k TP slots in the same order; each rank's weight gradients are
 those of its shards.
 
-FP8 (``quantization="fp8"``: impl "xla"; the reference computes whole experts): F / TP is a multiple of 128, so a
+FP8 (``quantization="fp8"``: impl "xla", "collective" and "overlap", whose shard slots are these; the reference
+computes whole experts): F / TP is a multiple of 128, so a
 shard's 128 x 128 weight blocks and its 1 x 128 tiles of a and h are tiles of the whole expert's, and each rank runs
 the recipe on its shard (master weights quantized per call, or its part of a pre-quantized ``fp8.Fp8Weight``, laid
 out by ``w1_view`` and ``weight_spec``). The result is the unsplit recipe's but for where its sums over F split: the

@@ -94,7 +94,8 @@ def _pow2(n: int) -> int:
 
 
 def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, d_model: int, itemsize: int,
-                capacity_factor: float | None, tensor: int = 1, gather_rs: bool = False) -> WorkspaceSizes:
+                capacity_factor: float | None, tensor: int = 1, gather_rs: bool = False,
+                quantization: str | None = None) -> WorkspaceSizes:
   """The capacities one MoE layer call needs. Every row that crosses ranks is d_model wide (tokens, their gradients,
   expert outputs): the lhs of a GEMM (F or 2F wide) never leaves its rank, so rows are d_model x itemsize bytes.
 
@@ -106,28 +107,44 @@ def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, 
 
   gather_rs: the layer sums the shards' partials with GatherRS (``call_site.tensor_reduce``): its ret rows also hold
   the group's float32 partials of the rank's tokens (G T d_model x 4 bytes), and its recv rows the return of the
-  gates' gradient to its T k TP slots (one row per slot)."""
+  gates' gradient to its T k TP slots (one row per slot).
+
+  quantization="fp8" (``fp8_overlap.py``): the tokens and their gradients cross as packed e4m3 rows
+  (``row_bytes("uint8", d_model)``: d_model + d_model / 32 bytes), the expert outputs and the input gradient in the
+  compute dtype, each back to its T k slots by a dispatch (its recv rows: the slots)."""
   group = ranks * tensor
   cap_e = plan_lib.expert_capacity(tokens_per_rank, group, top_k, num_experts, capacity_factor)
   e_local = num_experts // ranks
   cap = plan_lib.recv_capacity(tokens_per_rank, group, top_k, e_local, cap_e)
   slots = tokens_per_rank * top_k * tensor
   recv, ret = cap, slots
+  row = d_model * itemsize
   if gather_rs:
     recv = max(cap, slots)
     ret = max(slots, -(-group * tokens_per_rank * 4 // itemsize))
-  return WorkspaceSizes(row_bytes=d_model * itemsize, recv_rows=recv, ret_rows=ret, num_segments=e_local * group)
+  if quantization == "fp8":
+    recv = max(cap, slots)
+    row = max(row, row_bytes("uint8", d_model))
+  return WorkspaceSizes(row_bytes=row, recv_rows=recv, ret_rows=ret, num_segments=e_local * group)
+
+
+def row_bytes(dtype, channels: int) -> int:
+  """Bytes of one row of ``channels`` channels as the workspace holds and ships it (ffi/common/dtype.h's RowBytes):
+  dtype float32 or bfloat16 (its elements), or "uint8": packed e4m3 rows (``fp8.pack_rows``: the e4m3 values, then a
+  float32 scale per 128 channels)."""
+  return int(_jmo.row_bytes(np.dtype(dtype).name, channels))
 
 
 def workspace_bytes(tokens: int, d_model: int, top_k: int, num_experts: int, *, ranks: int, dtype="float32",
                     capacity_factor: float | None = None, token_shards: int | None = None, tensor: int = 1,
-                    gather_rs: bool = False) -> int:
+                    gather_rs: bool = False, quantization: str | None = None) -> int:
   """Bytes per rank of the workspace that ``moe_experts`` allocates for a layer call of this shape (after rounding
   up to its bucket), for planning memory before anything runs.
 
   tokens: T of the call (global); ranks: size of the expert axis; tensor: size of the tensor axis (expert tensor
   parallelism); token_shards: devices the tokens are split over (ranks x tensor x the batch axes' sizes; default
-  ranks x tensor); gather_rs: the call sums its tensor shards' partials by GatherRS (``call_site.tensor_reduce``).
+  ranks x tensor); gather_rs: the call sums its tensor shards' partials by GatherRS (``call_site.tensor_reduce``);
+  quantization: the layer's (``layer_sizes``).
   """
   shards = ranks * tensor if token_shards is None else token_shards
   if tokens % shards or num_experts % ranks:
@@ -135,7 +152,7 @@ def workspace_bytes(tokens: int, d_model: int, top_k: int, num_experts: int, *, 
                      "ranks must split evenly")
   itemsize = np.dtype(dtype).itemsize
   return layer_sizes(tokens // shards, ranks, top_k, num_experts, d_model, itemsize, capacity_factor,
-                     tensor, gather_rs).bucket().bytes_per_rank()
+                     tensor, gather_rs, quantization).bucket().bytes_per_rank()
 
 
 class Workspace:

@@ -6,7 +6,9 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   bounded like the others'.
 * ``dispatch(src, slot_src_row, plan, ...)``: rows ``src[slot_src_row[p]]`` go to ``plan.slot_dest_rank[p]``'s recv
   rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero). With ``send_once`` a
-  token's row crosses to each rank once and the receiver fills its other slots' rows from it.
+  token's row crosses to each rank once and the receiver fills its other slots' rows from it. The rows are moved as
+  bytes: float32, bfloat16, or packed e4m3 rows (uint8, ``fp8.pack_rows``). ``dispatch_rows``: the same call on any
+  routing (the FP8 layer's way back, ``fp8_overlap.py``).
 * ``dispatch_gemm(src, slot_src_row, w, plan, ...)``: the dispatch and the GEMM after it in one call, each GEMM tile
   starting once its rows have arrived.
 * ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
@@ -72,6 +74,15 @@ def exchange_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
                          counts.astype(jnp.int32), group, rank, **info.attrs())
 
 
+def _computed_rows(op: str, name: str, a: jax.Array) -> None:
+  """A call that computes on its rows (a GEMM's operands) takes float32 or bfloat16 ones: packed e4m3 rows (uint8)
+  cross in ``dispatch`` only, refused here before a call is traced (the handlers refuse them too)."""
+  if a.dtype == jnp.uint8:
+    raise TypeError(f"jax_moe_overlap: {op}: {name} is uint8 (packed e4m3 rows, fp8.pack_rows): {op}'s GEMM takes "
+                    f"float32 or bfloat16 rows; packed rows cross in dispatch only (quantization='fp8' unpacks them "
+                    f"for the FP8 grouped GEMM)")
+
+
 def slot_primary(plan: Plan, send_once: bool) -> jax.Array:
   """The dispatch's slot_primary operand: the plan's (a row crosses to each rank once: ``slot_src_row`` must give
   every slot of a token the same source row, as the forward's token rows do) or [0] (one row per slot)."""
@@ -81,12 +92,27 @@ def slot_primary(plan: Plan, send_once: bool) -> jax.Array:
 def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
              send_once: bool = False) -> jax.Array:
   """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank)). send_once: a token's
-  row crosses to each other rank once (``slot_primary``); the result is the same."""
+  row crosses to each other rank once (``slot_primary``); the result is the same.
+
+  src: float32 or bfloat16 rows, or uint8 rows of packed e4m3 (``fp8.pack_rows``: D channels as D + D / 32 bytes,
+  D a multiple of 128), moved unchanged."""
+  return dispatch_rows(src, slot_src_row, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, cap, info,
+                   slot_primary(plan, send_once))
+
+
+def dispatch_rows(src: jax.Array, src_row: jax.Array, dest_rank: jax.Array, dest_row: jax.Array, expected: jax.Array,
+              cap: int, info: RankInfo, primary: jax.Array | None = None) -> jax.Array:
+  """The dispatch custom call on any routing of rows: row ``src[src_row[p]]`` to row ``dest_row[p]`` of rank
+  ``dest_rank[p]`` (-1: not moved), for every p; returns this rank's [cap, C] rows, the first ``expected`` (the rows
+  sent to it, [] int32) as they landed and zero past them. The destination rows of a rank must be 0 .. expected - 1,
+  each once. ``dispatch`` is it on a plan's slots; the way back of expert rows to their slots' owners is it on
+  ``plan.packed_return``'s routing. primary: ``slot_primary`` (send once) or None."""
   _ffi.register()
   group, rank = info.coords()
+  primary = jnp.zeros((0,), jnp.int32) if primary is None else primary
   return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
-                         src, slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
-                         slot_primary(plan, send_once), group, rank, **info.attrs())
+                         src, src_row.astype(jnp.int32), dest_rank, dest_row, expected, primary, group, rank,
+                         **info.attrs())
 
 
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
@@ -114,6 +140,7 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
   copy x_recv beside the GEMM, then join it; on CPU (float32 or bfloat16) the handler thread pushes, then computes
   with the bare grouped GEMMs' CPU numerics.
   """
+  _computed_rows("dispatch_gemm", "src", src)
   if src.ndim != 2 or w.ndim != 3 or w.shape[2 if transpose_rhs else 1] != src.shape[1]:
     raise ValueError(f"jax_moe_overlap: dispatch_gemm: src {src.shape} and w {w.shape} do not fit src [S, D], w "
                      f"{'[E_local, N, D] (transpose_rhs)' if transpose_rhs else '[E_local, D, N]'}")
@@ -156,6 +183,7 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
   [E_local, N, K] and the producer reads ``w[e].T`` in place (the input gradient ``da @ W1^T`` of the backward pass
   without a transposed copy of W1), as ``grouped_matmul``'s ``transpose_rhs``.
   """
+  _computed_rows("expert_combine", "lhs", lhs)
   _ffi.register()
   group, rank = info.coords()
   T, k = gates.shape
@@ -180,6 +208,7 @@ def gather_rs(lhs: jax.Array, w: jax.Array, row_gate: jax.Array, token_rows: jax
   y[t] = sum over the group's ranks g in order 0, 1, ..., R - 1 of g's partial sum_q row_gate[i] * (lhs[i] @
   w[expert of i]) for i = g's token_rows[this rank, t, q], each partial float32, the GEMM's rows rounded to lhs's
   dtype first (as expert_combine's). ``want_rows``: also the GEMM's rows (recv rows outside the segments zero)."""
+  _computed_rows("gather_rs", "lhs", lhs)
   _ffi.register()
   group, rank = info.coords()
   K, N = (w.shape[2], w.shape[1]) if transpose_rhs else (w.shape[1], w.shape[2])

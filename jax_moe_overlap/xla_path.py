@@ -122,7 +122,7 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_ax
                                    tensor_axis=tensor_axis, num_experts=num_experts, expert_cap=expert_cap,
                                    recv_cap=recv_cap, ragged=ragged)
   slot_out = route.from_send_buffer(experts(x, w1, w2, route))
-  y = _combine(slot_out, _group_tokens(gates, tensor_axis), is_kept)
+  y = combine_slots(slot_out, _group_tokens(gates, tensor_axis), is_kept)
   if tensor_axis is not None:
     y = jax.lax.psum_scatter(y, tensor_axis, scatter_dimension=0, tiled=True)
   # Every device of a tensor group holds its group's dropped slots: the sum runs over the groups of the expert axis.
@@ -200,10 +200,13 @@ class Route:
     return move_rows(rows, index, inverse)
 
   def slot_rows(self, x):
-    """This rank's token rows [T / TP, C] -> the tensor group's slot rows [T k, C] (row t k + j: token t's row). A
-    broadcast, so its transpose is the sum over a token's k slots in slot order (no scatter-add)."""
-    rows = _group_tokens(x, self.tensor_axis)
-    return jnp.broadcast_to(rows[:, None], (rows.shape[0], self.k) + rows.shape[1:]).reshape((-1,) + rows.shape[1:])
+    """This rank's token rows [T / TP, C] -> the tensor group's slot rows [T k, C] (row t k + j: token t's row)."""
+    return token_slots(_group_tokens(x, self.tensor_axis), self.k)
+
+  def dispatch_tokens(self, x):
+    """This rank's token rows [T / TP, C] -> this rank's recv rows [recv_cap, C]: each kept slot's token row at
+    its expert (``dispatch`` of the slots' send buffer)."""
+    return self.dispatch(self.send_buffer(self.slot_rows(x)))
 
   def send_buffer(self, slots):
     """Slot rows [T k, C] -> the send buffer [T k, C]: each kept slot's row at its ``send_row``, zero past them."""
@@ -236,13 +239,8 @@ def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_
   kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
   cs = plan_lib.exclusive_cumsum
 
-  # A kept slot's place in the send order minus the dropped slots before it.
-  my_counts, my_kept = counts_all[rank].reshape(-1), kept[rank].reshape(-1)
-  g = jnp.clip(expert_ids.reshape(T * k), 0, num_experts - 1)
   is_kept = plan.slot_ret_row >= 0
-  send_row = jnp.where(is_kept, plan.slot_ret_row - cs(my_counts - my_kept)[g], T * k)
-  # The inverse map: a scatter of T k indices (not of rows), so that both ways of a row are gathers.
-  send_slot = jnp.full((T * k,), T * k, jnp.int32).at[send_row].set(jnp.arange(T * k, dtype=jnp.int32), mode="drop")
+  send_row, send_slot = plan_lib.packed_rows(expert_ids, counts_all, rank, expert_cap, plan)
 
   kept_sd = jnp.sum(kept, axis=2)                                           # [s, d] rows from s to d
   send_sizes = kept_sd[rank]
@@ -257,7 +255,13 @@ def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_
   return route, is_kept, plan.dropped
 
 
-def _combine(slot_out, gates, is_kept):
+def token_slots(rows, k: int):
+  """Token rows [T, C] -> slot rows [T k, C], row t k + j token t's. A broadcast, so its transpose is the sum over a
+  token's k slots in slot order (no scatter-add)."""
+  return jnp.broadcast_to(rows[:, None], (rows.shape[0], k) + rows.shape[1:]).reshape((-1,) + rows.shape[1:])
+
+
+def combine_slots(slot_out, gates, is_kept):
   """Step 4's gate-weighted sum: the slots' rows back [T k, D] -> y [T, D] float32, the choices summed
   j = 0..k-1."""
   T, k = gates.shape

@@ -247,13 +247,6 @@ def test_refusals():
     jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="xla", quantization="int8")
   with pytest.raises(ValueError, match=r"quantization must be None"):
     jmo.MoEConfig(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="e4m3")
-  with pytest.raises(NotImplementedError, match=r"impl='overlap' has no FP8 path yet: .* Missing: FP8 rows with "
-                                                r"their scales in dispatch and dispatch_gemm .* expert_combine's "
-                                                r"producer"):
-    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="overlap", quantization="fp8")
-  cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="fp8")
-  with pytest.raises(NotImplementedError, match=r"runs with impl='collective' .* impl='xla' or impl='reference'"):
-    jmo.MoE(cfg, mesh=mesh, impl="overlap", rngs=nnx.Rngs(0))
   q1, q2 = jmo.quantize_weights(w1, w2)
   with pytest.raises(TypeError, match=r"w1 is a pre-quantized Fp8Weight, which only quantization='fp8' takes"):
     jmo.moe_experts(x, ids, gates, q1, w2, mesh=mesh, impl="xla")
@@ -265,23 +258,26 @@ def test_refusals():
 
 
 def test_gpu_without_fp8_tensor_cores_is_refused():
-  """The device rule, on a stand-in mesh of GPUs of compute capability 8.0 (the test machines have no GPU)."""
+  """The device rule, on stand-in meshes of GPUs of compute capability 8.0, 8.9 and 9.0 (the test machines have no
+  GPU): impl "collective" and "overlap" run the FP8 grouped GEMM, on Hopper only."""
   from jax_moe_overlap.checks import check_fp8_impl
   gpu = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100",
                               __str__=lambda self: "cuda:0")
   mesh = types.SimpleNamespace(devices=np.array([gpu, gpu]))
-  with pytest.raises(ValueError, match=r"impl='overlap' needs FP8 tensor cores \(compute capability 8.9 or newer"):
-    check_fp8_impl("overlap", mesh)
   check_fp8_impl("xla", mesh)             # the emulation runs anywhere
   hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
-  with pytest.raises(NotImplementedError, match=r"impl='overlap' has no FP8 path yet"):
-    check_fp8_impl("overlap", types.SimpleNamespace(devices=np.array([hopper])))
-  if _jmo.with_cuda:  # the FP8 grouped GEMM's device rule comes from the extension's CUDA build
-    ada = types.SimpleNamespace(platform="gpu", compute_capability="8.9", device_kind="NVIDIA L40S")
-    with pytest.raises(ValueError, match=r"impl='collective' runs the FP8 grouped GEMM: the FP8 grouped GEMM needs "
-                                         r"Hopper FP8 tensor cores \(compute capability 9.x"):
-      check_fp8_impl("collective", types.SimpleNamespace(devices=np.array([ada])))
-    check_fp8_impl("collective", types.SimpleNamespace(devices=np.array([hopper])))
+  ada = types.SimpleNamespace(platform="gpu", compute_capability="8.9", device_kind="NVIDIA L40S")
+  for impl in ("collective", "overlap"):   # both run the FP8 grouped GEMM
+    if _jmo.with_cuda:  # the FP8 grouped GEMM's device rule comes from the extension's CUDA build
+      for device in (gpu, ada):
+        with pytest.raises(ValueError, match=rf"impl='{impl}' runs the FP8 grouped GEMM: the FP8 grouped GEMM needs "
+                                             r"Hopper FP8 tensor cores \(compute capability 9.x"):
+          check_fp8_impl(impl, types.SimpleNamespace(devices=np.array([device])))
+      check_fp8_impl(impl, types.SimpleNamespace(devices=np.array([hopper])))
+    else:
+      with pytest.raises(ValueError, match=rf"impl='{impl}' runs the FP8 grouped GEMM: this build of "
+                                           r"jax_moe_overlap has no CUDA kernels"):
+        check_fp8_impl(impl, types.SimpleNamespace(devices=np.array([hopper])))
 
 
 def test_what_the_forward_keeps():

@@ -1,7 +1,8 @@
 """quantization="fp8" with expert tensor parallelism (tensor_axis): impl="xla" on an (expert=2, tensor=2) mesh, each
 device running the recipe on its F / 2 shard, against the FP8 oracle (impl="reference", whole experts) and against
 impl="xla" without a tensor axis, forward and gradients, on Auto and Explicit axes; pre-quantized weights split over
-the tensor axis; the module; the refusals (F / TP not a multiple of 128, the impls without an FP8 path)."""
+the tensor axis; the module; the refusal of F / TP not a multiple of 128 by every impl (impl="overlap" with a tensor
+axis against impl="collective": tests/test_fp8_overlap.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -156,21 +157,15 @@ def test_refusals():
   x, ids, gates, w1, w2 = layer_inputs(T, D, 128, E, K, "balanced", 0)
   rule = (r"quantization='fp8' with tensor_axis 'tensor' needs .* d_ff \(moe_mlp_dim\) / 2 must be a multiple of "
           r"128, got d_ff=128, 128 / 2 = 64")
-  for impl in ("xla", "reference"):
+  jmo.release_workspaces()
+  for impl in ("xla", "reference", "collective", "overlap"):
     with pytest.raises(ValueError, match=rule):
       jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, tensor_axis="tensor", quantization="fp8")
   with pytest.raises(ValueError, match=rule):
     jmo.moe_experts(x, ids, gates, *jmo.quantize_weights(w1, w2), mesh=mesh, impl="xla", tensor_axis="tensor",
                     quantization="fp8")
   cfg = moe_config(emb_dim=D, moe_mlp_dim=128, num_experts=E, num_experts_per_tok=K, quantization="fp8")
-  with pytest.raises(ValueError, match=rule):
-    jmo.MoE(cfg, mesh=mesh, impl="xla", tensor_axis="tensor", rngs=nnx.Rngs(0))
-  # The impl without an FP8 path refuses it with a tensor axis too, before any workspace exists.
-  x, ids, gates, w1, w2 = layer_inputs(T, D, F, E, K, "balanced", 0)
-  jmo.release_workspaces()
-  with pytest.raises(NotImplementedError, match=r"impl='overlap' has no FP8 path yet"):
-    jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="overlap", tensor_axis="tensor", quantization="fp8")
-  cfg = moe_config(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K, quantization="fp8")
-  with pytest.raises(NotImplementedError, match=r"impl='xla' or impl='reference'"):
-    jmo.MoE(cfg, mesh=mesh, impl="overlap", tensor_axis="tensor", rngs=nnx.Rngs(0))
-  assert jmo.Workspace.cached() == []
+  for impl in ("xla", "overlap"):
+    with pytest.raises(ValueError, match=rule):
+      jmo.MoE(cfg, mesh=mesh, impl=impl, tensor_axis="tensor", rngs=nnx.Rngs(0))
+  assert jmo.Workspace.cached() == []   # refused before overlap's workspace exists

@@ -76,5 +76,14 @@ def test_fp8_trains_like_bfloat16():
 def test_fp8_flag_errors():
   with pytest.raises(SystemExit, match=r"d_model \(emb_dim\) and d_ff \(moe_mlp_dim\) must be multiples of 128"):
     train_moe.main(TINY + ["--quantization", "fp8", "--impl", "xla"])
-  with pytest.raises(SystemExit, match=r"impl='overlap' has no FP8 path yet"):
-    train_moe.main(TINY + FP8_TINY[:6] + ["--quantization", "fp8"])
+
+
+@pytest.mark.slow  # a training run (tests/test_fp8_overlap.py has the layer and the module)
+def test_fp8_trains_on_the_default_impl():
+  """--quantization fp8 with the default impl (overlap: FP8 rows through the dispatch custom call, the FP8 grouped
+  GEMM's CPU emulation), with its start-up check of a layer against impl=reference: a few steps, the loss
+  falling."""
+  steps = ["--steps", "4"]
+  base = [a for a in TINY if a != "--skip-check"] + FP8_TINY[:6] + ["--dtype", "bfloat16", "--quantization", "fp8"]
+  overlap = train_moe.main(base + steps)
+  assert np.all(np.isfinite(overlap["losses"])) and overlap["losses"][-1] < overlap["losses"][0]

@@ -138,14 +138,32 @@ inline xla::ffi::Error InvalidCall(const std::string& msg) {
 }
 
 // The library's dtype (common/dtype.h) of an XLA element type: nullopt for the types no call takes, which every
-// shape check refuses, so that a handler never maps a dtype it does not know.
+// shape check refuses, so that a handler never maps a dtype it does not know. uint8: packed e4m3 rows, which only the
+// dispatch takes (ComputeDTypeOf for every other call).
 inline std::optional<DType> DTypeOf(xla::ffi::DataType t) {
   switch (t) {
     case xla::ffi::DataType::F32: return DType::kF32;
     case xla::ffi::DataType::BF16: return DType::kBF16;
+    case xla::ffi::DataType::U8: return DType::kE4M3Rows;
     default: return std::nullopt;
   }
 }
+
+// The dtype of a call that computes on its rows (a GEMM's operands, rows it sums): DTypeOf's, but nullopt for a row
+// format the calls only move (MovedOnly), so that such a call refuses it in its shape check.
+inline std::optional<DType> ComputeDTypeOf(xla::ffi::DataType t) {
+  const std::optional<DType> d = DTypeOf(t);
+  return d && !MovedOnly(*d) ? d : std::nullopt;
+}
+
+// A computing call's dtype error: its rule, and where it was given rows that only the dispatch moves, what they are.
+inline std::string ComputeDTypeRule(const std::string& rule, xla::ffi::DataType t) {
+  const std::optional<DType> d = DTypeOf(t);
+  if (!d || !MovedOnly(*d)) return rule;
+  return rule + "; got " + Traits(*d).name + " (packed e4m3 rows): only dispatch takes them, moved unchanged (no GEMM "
+         "engine reads packed rows; quantization='fp8' unpacks them for the FP8 grouped GEMM)";
+}
+
 
 // "[2, 3, 4]": a buffer's dimensions, for error messages.
 template <typename Dims>
@@ -157,7 +175,7 @@ std::string DimsText(const Dims& d) {
 
 struct DispatchShape {
   DType dtype;
-  int64_t S, D, cap, P;  // src rows, row width, recv capacity, slots
+  int64_t S, D, cap, P;  // src rows, row channels (RowBytes(dtype, D) bytes a row), recv capacity, slots
   bool send_once;        // slot_primary has P entries (else 0)
 };
 
@@ -169,17 +187,28 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
                                                       const xla::ffi::AnyBuffer& out) {
   const std::optional<DType> dt = DTypeOf(src.element_type());
   if (!dt || out.element_type() != src.element_type())
-    return xla::ffi::Unexpected(InvalidCall("dispatch: rows must be " + DTypeNames()));
+    return xla::ffi::Unexpected(InvalidCall("dispatch: rows must be " + DTypeNames(/*moved_too=*/true) +
+                                            ", src and out alike"));
   auto sd = src.dimensions();
   auto od = out.dimensions();
   if (sd.size() != 2 || od.size() != 2 || sd[1] != od[1])
     return xla::ffi::Unexpected(InvalidCall("dispatch: src [S, D] and out [cap, D]"));
+  // D: the rows' channels (of packed rows, whose buffer holds their bytes, the channels of whole scale tiles).
+  const int64_t D = RowChannels(*dt, sd[1]);
+  if (D < 0) {
+    const int64_t tile = Traits(*dt).channels_per_scale, tile_bytes = RowBytes(*dt, tile);
+    return xla::ffi::Unexpected(InvalidCall(
+        "dispatch: " + std::string(Traits(*dt).name) + " rows are packed e4m3 rows of whole 1 x " +
+        std::to_string(tile) + " tiles (" + std::to_string(tile_bytes) +
+        " bytes per tile: the values, then the tile's float32 scale), so their width must be a positive multiple of " +
+        std::to_string(tile_bytes) + "; got src " + DimsText(sd)));
+  }
   const int64_t P = slot_src_row.element_count();
   if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
   if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot_primary must be [P] (send once) or [0]"));
-  return DispatchShape{*dt, sd[0], sd[1], od[0], P, P > 0 && slot_primary.element_count() == P};
+  return DispatchShape{*dt, sd[0], D, od[0], P, P > 0 && slot_primary.element_count() == P};
 }
 
 struct DispatchGemmShape {
@@ -203,9 +232,12 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::An
                                                               bool transpose_rhs, bool swiglu) {
   using xla::ffi::Unexpected;
   const auto xt = src.element_type();
-  const std::optional<DType> dt = DTypeOf(xt);
+  const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || w.element_type() != xt || x_recv.element_type() != xt)
-    return Unexpected(InvalidCall("dispatch_gemm: src, w and x_recv must share one dtype, " + DTypeNames()));
+    return Unexpected(InvalidCall(ComputeDTypeRule(
+        "dispatch_gemm: src, w and x_recv must share one dtype, " + DTypeNames() +
+            " (the GEMM after the dispatch reads the rows as they land; packed e4m3 rows cross in dispatch, unfused)",
+        xt)));
   if (swiglu && transpose_rhs)
     return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
                                   "transpose_rhs"));
@@ -283,9 +315,11 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
                                                           const xla::ffi::AnyBuffer& slot_out, bool transpose_rhs) {
   using xla::ffi::Unexpected;
   const xla::ffi::DataType xt = lhs.element_type();
-  const std::optional<DType> dt = DTypeOf(xt);
+  const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || w.element_type() != xt || y.element_type() != xt || slot_out.element_type() != xt)
-    return Unexpected(InvalidCall("expert_combine: lhs, w and outputs must share one dtype, " + DTypeNames()));
+    return Unexpected(InvalidCall(ComputeDTypeRule(
+        "expert_combine: lhs, w and outputs must share one dtype, " + DTypeNames() + " (its producer GEMM's operands)",
+        xt)));
   auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y.dimensions(),
        sd = seg_rows.dimensions(), so = slot_out.dimensions();
   const char* w_layout = transpose_rhs ? "w [E_local, N, K] (transpose_rhs)" : "w [E_local, K, N]";
@@ -331,9 +365,11 @@ inline xla::ffi::ErrorOr<GatherRsShape> CheckGatherRs(const xla::ffi::AnyBuffer&
                                                       bool transpose_rhs) {
   using xla::ffi::Unexpected;
   const xla::ffi::DataType xt = lhs.element_type();
-  const std::optional<DType> dt = DTypeOf(xt);
+  const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || w.element_type() != xt || y.element_type() != xt || rows.element_type() != xt)
-    return Unexpected(InvalidCall("gather_rs: lhs, w and outputs must share one dtype, " + DTypeNames()));
+    return Unexpected(InvalidCall(ComputeDTypeRule(
+        "gather_rs: lhs, w and outputs must share one dtype, " + DTypeNames() + " (its producer GEMM's operands)",
+        xt)));
   auto ld = lhs.dimensions(), wd = w.dimensions(), td = token_rows.dimensions(), yd = y.dimensions(),
        sd = seg_rows.dimensions(), rd = rows.dimensions();
   const char* w_layout = transpose_rhs ? "w [E_local, N, K] (transpose_rhs)" : "w [E_local, K, N]";

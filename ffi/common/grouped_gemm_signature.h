@@ -107,9 +107,10 @@ struct GroupedShape {
 inline xla::ffi::ErrorOr<DType> CheckGroupedDtypes(const char* op, const xla::ffi::AnyBuffer& lhs,
                                                    const xla::ffi::AnyBuffer& rhs, const xla::ffi::AnyBuffer& out) {
   const auto xt = lhs.element_type();
-  const std::optional<DType> dt = DTypeOf(xt);
+  const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || rhs.element_type() != xt)
-    return xla::ffi::Unexpected(InvalidCall(std::string(op) + ": lhs and rhs must share one dtype, " + DTypeNames()));
+    return xla::ffi::Unexpected(
+        InvalidCall(ComputeDTypeRule(std::string(op) + ": lhs and rhs must share one dtype, " + DTypeNames(), xt)));
   if (out.element_type() != xt && out.element_type() != xla::ffi::DataType::F32)
     return xla::ffi::Unexpected(InvalidCall(std::string(op) + ": the output must be float32 or the operands' dtype"));
   return *dt;
@@ -138,10 +139,10 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuf
                                                           const xla::ffi::AnyBuffer& h, const xla::ffi::AnyBuffer& a,
                                                           bool* keep_a) {
   const auto xt = lhs.element_type();
-  const std::optional<DType> dt = DTypeOf(xt);
+  const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || rhs.element_type() != xt || h.element_type() != xt || a.element_type() != xla::ffi::DataType::F32)
-    return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu: lhs, rhs and h must share one dtype, " +
-                                            DTypeNames() + ", and a must be float32"));
+    return xla::ffi::Unexpected(InvalidCall(ComputeDTypeRule(
+        "grouped_matmul_swiglu: lhs, rhs and h must share one dtype, " + DTypeNames() + ", and a must be float32", xt)));
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), hd = h.dimensions(), ad = a.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || hd.size() != 2 || ad.size() != 2 || group_sizes.dimensions().size() != 1)
     return xla::ffi::Unexpected(InvalidCall(
@@ -161,10 +162,11 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGluGrad(const xla::ffi::An
                                                               const xla::ffi::Buffer<xla::ffi::F32>& a,
                                                               const xla::ffi::AnyBuffer& da, bool transpose_rhs) {
   const auto xt = lhs.element_type();
-  const std::optional<DType> dt = DTypeOf(xt);
+  const std::optional<DType> dt = ComputeDTypeOf(xt);
   if (!dt || rhs.element_type() != xt || da.element_type() != xt)
-    return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu_grad: lhs, rhs and da must share one dtype, " +
-                                            DTypeNames() + ", and a must be float32"));
+    return xla::ffi::Unexpected(InvalidCall(ComputeDTypeRule(
+        "grouped_matmul_swiglu_grad: lhs, rhs and da must share one dtype, " + DTypeNames() + ", and a must be float32",
+        xt)));
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), pd = a.dimensions(), dd = da.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || pd.size() != 2 || dd.size() != 2 || group_sizes.dimensions().size() != 1)
     return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu_grad: expected lhs [M, K], rhs [G, K, F] (or "
