@@ -175,10 +175,8 @@ class ColumnTiles:
     return self.padded_row // TILE
 
   def gather(self, rows: jax.Array, fill=0) -> jax.Array:
-    """rows [M, C] -> [128 * count, C] in the padded layout, ``fill`` at the places no row takes. The result is
-    materialized (an optimization barrier): XLA would otherwise fuse the gather into its reader, the tiles'
-    reduction or the transpose to the token-contiguous layout, which then read the rows out of order."""
-    return jax.lax.optimization_barrier(jnp.take(rows, self.source_row, axis=0, mode="fill", fill_value=fill))
+    """rows [M, C] -> [128 * count, C] in the padded layout, ``fill`` at the places no row takes."""
+    return jnp.take(rows, self.source_row, axis=0, mode="fill", fill_value=fill)
 
 
 def _group_of(ends: jax.Array, i: jax.Array) -> jax.Array:
