@@ -154,35 +154,19 @@ def dequantize_blocks(q: jax.Array, s: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ColumnTiles:
-  """Where the 128 x 1 tiles of ``quantize_columns`` lie: the token-contiguous layout of the FP8 weight-gradient
-  GEMM's operands (``grouped_gemm.grouped_outer_fp8``), every group starting at a multiple of 128.
-
-  padded_row: [M] int32, each row's place in that layout (128 * its tile + its place in the tile; 128 * ``count``
-    for a row past the last group).
-  source_row: [128 * count] int32, the inverse: the row at each place (M for a place no row takes: the padding after
-    a group's last row, the tiles past the last group). The layout is built by gathering through it, never by
-    scattering rows (XLA:GPU's scatter of rows is many times slower than the gather).
-  count: the static number of tile rows of the scales, ceil(M / 128) + G, enough for any group sizes (group g takes
-    ceil(size_g / 128))."""
+  """Where the 128 x 1 tiles of ``quantize_columns`` lie. ``padded_row`` [M] int32: each row's place when every group
+  starts at a multiple of 128 (128 * its tile + its place in the tile; 128 * ``count`` for a row past the last
+  group): the token-contiguous layout of the FP8 weight-gradient GEMM's operands (``grouped_gemm.
+  grouped_outer_fp8``). ``count``: the static number of tile rows of the scales, ceil(M / 128) + G, enough for any
+  group sizes (group g takes ceil(size_g / 128))."""
 
   padded_row: jax.Array
-  source_row: jax.Array
   count: int = dataclasses.field(metadata=dict(static=True))
 
   @property
   def row_tile(self) -> jax.Array:
     """[M] int32: the tile of each row (``count`` for a row past the last group)."""
     return self.padded_row // TILE
-
-  def gather(self, rows: jax.Array, fill=0) -> jax.Array:
-    """rows [M, C] -> [128 * count, C] in the padded layout, ``fill`` at the places no row takes."""
-    return jnp.take(rows, self.source_row, axis=0, mode="fill", fill_value=fill)
-
-
-def _group_of(ends: jax.Array, i: jax.Array) -> jax.Array:
-  """The group of each index in i given the groups' exclusive ends (cumulative sizes): how many groups end at or
-  before it (G: past the last group). A compare against every end in one fused pass (G is a rank's experts)."""
-  return jnp.sum(ends[None, :] <= i[:, None], axis=1, dtype=jnp.int32)
 
 
 def column_tiles(rows: int, group_sizes: jax.Array) -> ColumnTiles:
@@ -191,28 +175,23 @@ def column_tiles(rows: int, group_sizes: jax.Array) -> ColumnTiles:
   base_g counts the tiles of the groups before g."""
   G = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
-  starts = jnp.cumsum(sizes) - sizes
+  ends = jnp.cumsum(sizes)
   tiles = (sizes + (TILE - 1)) // TILE
   base = jnp.cumsum(tiles) - tiles
-  count = -(-rows // TILE) + G
   r = jnp.arange(rows, dtype=jnp.int32)
-  g = _group_of(starts + sizes, r)
+  g = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
   gc = jnp.minimum(g, G - 1)
-  padded_row = jnp.where(g < G, TILE * base[gc] + (r - starts[gc]), TILE * count)
-  p = jnp.arange(TILE * count, dtype=jnp.int32)
-  pg = _group_of(base + tiles, p // TILE)
-  pgc = jnp.minimum(pg, G - 1)
-  within = p - TILE * base[pgc]
-  source_row = jnp.where((pg < G) & (within < sizes[pgc]), starts[pgc] + within, rows)
-  return ColumnTiles(padded_row.astype(jnp.int32), source_row.astype(jnp.int32), count)
+  count = -(-rows // TILE) + G
+  padded = TILE * base[gc] + (r - (ends[gc] - sizes[gc]))
+  return ColumnTiles(jnp.where(g < G, padded, TILE * count).astype(jnp.int32), count)
 
 
 def quantize_columns(x: jax.Array, tiles: ColumnTiles) -> tuple[jax.Array, jax.Array]:
   """128 x 1 tiles down the rows of each group: x [M, C] -> (q [M, C] e4m3, s [tiles.count, C] float32). Rows past
   the last group quantize to zero."""
   xf = x.astype(jnp.float32)
-  amax = tiles.gather(jnp.abs(xf), 0.0).reshape(tiles.count, TILE, -1).max(axis=1)   # an empty tile: 0
-  s = tile_scale(amax)
+  amax = jax.ops.segment_max(jnp.abs(xf), tiles.row_tile, num_segments=tiles.count)   # past-the-end rows dropped
+  s = tile_scale(jnp.maximum(amax, 0.0))                                               # an empty tile: -inf
   row_s = jnp.take(s, tiles.row_tile, axis=0, mode="fill", fill_value=1.0)
   inside = (tiles.row_tile < tiles.count)[:, None]
   return jnp.where(inside, _quantize(xf, row_s), jnp.zeros((), E4M3)), s

@@ -227,8 +227,8 @@ def grouped_outer_fp8(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, ja
   added into a float32 accumulator (the kernel's promotion); zero for a group without rows.
 
   FP8 wgmma reads both operands K-major only, so the operands are made token-contiguous here, in XLA: each one's
-  e4m3 values gathered into their padded rows (each group from a multiple of 128, zeros between: ``fp8.ColumnTiles.
-  gather``) and transposed, one pass over its bytes; the scales, [tiles.count, C], are already the layout
+  e4m3 values scattered to their padded rows (each group from a multiple of 128, zeros between: ``fp8.ColumnTiles.
+  padded_row``) and transposed, one pass over its bytes; the scales, [tiles.count, C], are already the layout
   the kernel loads. On Hopper (compute capability 9.x) the e4m3 wgmma kernel (ffi/cuda/gemm/sm90/
   wgmma_outer_fp8.cuh); on another GPU the call fails naming that requirement. On CPU a reference loop, the
   emulation of the kernel (ffi/cpu/grouped_gemm.cc: each chunk's sum exact, rounded once to float32, then the
@@ -250,15 +250,16 @@ def grouped_outer_fp8(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, ja
   if K % t or N % t or K == 0 or N == 0:
     raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: K and N must be positive multiples of 128, got K={K}, "
                      f"N={N}")
-  if (ls.shape != (tiles.count, K) or rs.shape != (tiles.count, N) or tiles.padded_row.shape != (M,)
-      or tiles.source_row.shape != (t * tiles.count,)):
+  if ls.shape != (tiles.count, K) or rs.shape != (tiles.count, N) or tiles.padded_row.shape != (M,):
     raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: the scales {ls.shape} and {rs.shape} must be "
                      f"[tiles.count, K] and [tiles.count, N] with tiles.count = {tiles.count} for {M} rows")
   _ffi.register()
+  Mp = t * tiles.count
 
   def token_contiguous(q):   # [M, C] -> [C, Mp], each group's rows from a multiple of 128, zeros between
     bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
-    return jax.lax.bitcast_convert_type(tiles.gather(bits).T, fp8.E4M3)
+    padded = jnp.zeros((Mp, q.shape[1]), jnp.uint8).at[tiles.padded_row].set(bits, mode="drop")
+    return jax.lax.bitcast_convert_type(padded.T, fp8.E4M3)
 
   out = jax.ShapeDtypeStruct((G, K, N), out_dtype)
   return jax.ffi.ffi_call(GROUPED_OUTER_FP8, out, vmap_method="sequential")(

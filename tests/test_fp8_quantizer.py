@@ -154,24 +154,6 @@ def test_columns_bitwise_against_padded_groups(sizes):
   assert tiles.count == -(-M // 128) + len(sizes)
 
 
-@pytest.mark.parametrize("sizes", [[0, 5, 130, 128, 1], [300, 0, 0], [0, 0, 0], [127, 129, 1]])
-def test_column_tiles_source_row_inverts_padded_row(sizes):
-  """source_row holds each row at its padded place and M at every other place; neither quantize_columns nor the
-  padded layout's gather scatters (a scatter of rows is what made the FP8 backward slow on GPUs)."""
-  M = 320
-  tiles = fp8.column_tiles(M, jnp.asarray(sizes, jnp.int32))
-  padded, source = np.asarray(tiles.padded_row), np.asarray(tiles.source_row)
-  assert source.shape == (128 * tiles.count,)
-  n = sum(sizes)
-  want = np.full(source.shape, M)
-  want[padded[:n]] = np.arange(n)
-  np.testing.assert_array_equal(source, want)
-  assert (padded[n:] == 128 * tiles.count).all()
-  x = jnp.asarray(wide_range((M, 128), 3))
-  hlo = jax.jit(lambda x, t: (fp8.quantize_columns(x, t), t.gather(x))).lower(x, tiles).as_text()
-  assert "scatter" not in hlo
-
-
 def test_columns_ignore_what_lies_past_the_groups():
   x = wide_range((256, 128), 9)
   tiles = fp8.column_tiles(256, jnp.asarray([100, 50], jnp.int32))
