@@ -78,8 +78,12 @@ def test_one_rank_backward_fuses_the_swiglu_gradient(fuse, monkeypatch):
   grouped_matmul_swiglu_grad call: the program has it, and no [cap, 2F] concatenate (the unfused gradient's fusion)
   is left; elsewhere, and by default, the unfused path (grouped_matmul, then XLA). The gradients themselves:
   test_moe_experts_forward_and_grads."""
-  from jax_moe_overlap import expert_gemms  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import api, expert_gemms  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(expert_gemms, "LAYER_FUSES_SWIGLU_GRAD", fuse)
+  # The flag is read while tracing: a layer program traced before (the other case, an earlier test with the same
+  # shapes) would be reused by the library's program cache and JAX's.
+  monkeypatch.setattr(api, "_programs", {})
+  jax.clear_caches()
   layer = checks.Layer(gpu_mesh(1), "skewed", seed=7)
   fn = checks.layer_fn(layer.mesh, layer.ids, layer.target, "overlap")
   hlo = jax.jit(fn).lower(*layer.args(jnp.bfloat16)).compile().as_text()
