@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_moe_overlap import fp8, fp8_experts
 from jax_moe_overlap.grouped_gemm import grouped_outer_fp8, quantize_columns_fp8
@@ -72,6 +73,18 @@ def test_equals_quantize_columns_and_the_scatter_layout(case, dtype):
     start += 128 * -(-n // 128)
   assert not q[:, ~taken].any()
   np.testing.assert_array_equal(s[used // 128:], np.float32(fp8.SCALE_FLOOR))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_rows_sharded_on_auto_and_explicit_meshes(axis_type):
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("x",), axis_types=(axis_type,))
+  x = rows(CASES[0], jnp.float32, seed=1)
+  tiles = fp8.column_tiles(x.shape[0], jnp.asarray(CASES[0][2], jnp.int32))
+  want_q, want_s = jax.jit(xla_path)(x, tiles)
+  with jax.set_mesh(mesh):
+    q, s = jax.jit(quantize_columns_fp8)(jax.device_put(x, NamedSharding(mesh, P(None, "x"))), tiles)
+  np.testing.assert_array_equal(bits(q), bits(want_q))
+  np.testing.assert_array_equal(bits(s), bits(want_s))
 
 
 def _e4m3_cases():
