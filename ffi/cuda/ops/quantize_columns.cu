@@ -41,6 +41,8 @@ __device__ __forceinline__ float4 Load4(const __nv_bfloat16* p) {
 // The place of word w of channel c's row in the packed buffer (c's row of 32 words, XOR-swizzled by c / 4).
 __device__ __forceinline__ int PackedWord(int c, int w) { return c * kWordsPerChannel + (w ^ ((c >> 2) & 31)); }
 
+// Three CTAs per SM (the register cap that sets; 31 KB of shared memory each): enough loads in flight for a kernel
+// that only moves bytes.
 template <typename T>
 __global__ void __launch_bounds__(kCtaThreads, 3) QuantizeColumnsKernel(const T* __restrict__ x, int64_t M, int64_t C,
                                                                   const int32_t* __restrict__ sizes, int G,
