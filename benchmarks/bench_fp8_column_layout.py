@@ -1,12 +1,16 @@
-"""The FP8 weight gradient's operand preparation in XLA, timed alone on one GPU: fp8.quantize_columns (128 x 1 tiles
-per group) and the token-contiguous layout grouped_outer_fp8 feeds its kernel ([C, Mp], each group from a multiple
-of 128), in variants: scatters (the shipped path), gathers through the inverse map, the gathered rows materialized,
-amax by scatter with the layout by gather, and x gathered once into the padded layout. Every variant's output is
-checked equal to the first's (the "same" column). docs/performance.md, "Where the FP8 step goes", quotes it; in a
-whole training step XLA may lay these arrays out differently (it does for the gathers), so this times the ops alone.
+"""The FP8 weight gradient's operand preparation, timed alone on one GPU: fp8.quantize_columns (128 x 1 tiles per
+group) and the token-contiguous layout the wgrad kernel reads ([C, Mp], each group from a multiple of 128), by the
+custom call the recipe runs (grouped_gemm.quantize_columns_fp8: one kernel) and by XLA ops in variants: scatters
+(fp8.token_contiguous, the path the custom call replaced), gathers through the inverse map, the gathered rows
+materialized, amax by scatter with the layout by gather, and x gathered once into the padded layout. Every variant's
+output bytes are checked equal to the first's (the "same" column). docs/performance.md, "Where the FP8 step goes",
+quotes it; in a whole training step XLA may lay the XLA variants' arrays out differently (it does for the gathers),
+so this times the ops alone.
 
-  python3 -m benchmarks.bench_fp8_column_layout      # M = 163840 rows, G = 16, C = 1024 and 2048, bf16
+  python3 -m benchmarks.bench_fp8_column_layout      # M = 163840 rows, G = 16, C = 1024 and 2048, bf16 in
+  python3 -m benchmarks.bench_fp8_column_layout --dtype float32   # the recipe's wgrad operands are float32
 """
+import argparse
 import statistics
 import time
 
@@ -15,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import fp8
+from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
 
 T = fp8.TILE
 ob = jax.lax.optimization_barrier
@@ -44,9 +49,8 @@ def q_gather(x, t, src, bar=False):
   return q_rows(xf, t, s), s
 
 
-def lay_scatter(q, t):   # grouped_outer_fp8's token_contiguous
-  b = jax.lax.bitcast_convert_type(q, jnp.uint8)
-  return jnp.zeros((T * t.count, q.shape[1]), jnp.uint8).at[t.padded_row].set(b, mode="drop").T
+def lay_scatter(q, t):
+  return jax.lax.bitcast_convert_type(fp8.token_contiguous(q, t), jnp.uint8)
 
 
 def lay_gather(q, src, bar=False):
@@ -64,7 +68,9 @@ def variant(name):
   def f(x, gs):
     t = fp8.column_tiles(x.shape[0], gs)
     src = ob(source_rows(t, gs))
-    if name == "scatters (shipped)":
+    if name == "custom call (shipped)":
+      return jax.lax.bitcast_convert_type(quantize_columns_fp8(x, t)[0], jnp.uint8)
+    if name == "scatters":
       return lay_scatter(fp8.quantize_columns(x, t)[0], t)
     if name == "gathers":
       return lay_gather(q_gather(x, t, src)[0], src)
@@ -76,7 +82,7 @@ def variant(name):
   return f
 
 
-VARIANTS = {n: variant(n) for n in ("scatters (shipped)", "gathers", "gathers, rows materialized",
+VARIANTS = {n: variant(n) for n in ("custom call (shipped)", "scatters", "gathers", "gathers, rows materialized",
                                     "amax by scatter, layout by gather", "padded layout first")}
 
 
@@ -92,13 +98,14 @@ def timeit(f, *a, n=15):
   return statistics.median(ts) * 1e3
 
 
-def main(M=163840, G=16, rows=131072, widths=(1024, 2048)):
+def main(M=163840, G=16, rows=131072, widths=(1024, 2048), dtype=jnp.bfloat16):
   rng = np.random.default_rng(0)
   sizes = rng.multinomial(rows, rng.dirichlet(np.ones(G) * 2))
   gs = jnp.asarray(sizes, jnp.int32)
-  print(f"M {M}, G {G}, rows {sizes.sum()}, bf16 in; ms per call (median of 15); 'same': equal to the first variant")
+  print(f"M {M}, G {G}, rows {sizes.sum()}, {jnp.dtype(dtype).name} in; ms per call (median of 15); 'same': equal "
+        "to the first variant")
   for C in widths:
-    x = jnp.asarray(rng.standard_normal((M, C)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((M, C)), dtype)
     ref = None
     for name, f in VARIANTS.items():
       jf = jax.jit(f)
@@ -109,4 +116,6 @@ def main(M=163840, G=16, rows=131072, widths=(1024, 2048)):
 
 
 if __name__ == "__main__":
-  main()
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the rows' dtype")
+  main(dtype=jnp.dtype(ap.parse_args().dtype))

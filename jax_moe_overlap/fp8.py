@@ -154,36 +154,44 @@ def dequantize_blocks(q: jax.Array, s: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ColumnTiles:
-  """Where the 128 x 1 tiles of ``quantize_columns`` lie. ``padded_row`` [M] int32: each row's place when every group
-  starts at a multiple of 128 (128 * its tile + its place in the tile; 128 * ``count`` for a row past the last
-  group): the token-contiguous layout of the FP8 weight-gradient GEMM's operands (``grouped_gemm.
-  grouped_outer_fp8``). ``count``: the static number of tile rows of the scales, ceil(M / 128) + G, enough for any
-  group sizes (group g takes ceil(size_g / 128))."""
+  """Where the 128 x 1 tiles of ``quantize_columns`` lie: ``rows`` rows grouped as ``group_sizes`` [G] int32
+  (consecutive groups from row 0, as ``lax.ragged_dot`` takes them). Row r of group g, at position i within it, lies
+  in tile base_g + i // 128, where base_g counts the tiles of the groups before g (group g takes ceil(size_g / 128));
+  rows past the last group lie in none. ``count``: the static number of tile rows of the scales, ceil(rows / 128) + G,
+  enough for any group sizes; tiles past the groups' are empty. The custom call ``grouped_gemm.quantize_columns_fp8``
+  takes the group sizes and ``count`` and restates this rule (ffi/common/fp8_columns.h)."""
 
-  padded_row: jax.Array
-  count: int = dataclasses.field(metadata=dict(static=True))
+  group_sizes: jax.Array
+  rows: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def count(self) -> int:
+    return -(-self.rows // TILE) + self.group_sizes.shape[0]
+
+  @property
+  def padded_row(self) -> jax.Array:
+    """[rows] int32: each row's place when every group starts at a multiple of 128 (128 * its tile + its place in
+    the tile; 128 * ``count`` for a row past the last group): the token-contiguous layout of the FP8 weight-gradient
+    GEMM's operands (``grouped_gemm.grouped_outer_fp8``)."""
+    G, sizes = self.group_sizes.shape[0], self.group_sizes
+    ends = jnp.cumsum(sizes)
+    tiles = (sizes + (TILE - 1)) // TILE
+    base = jnp.cumsum(tiles) - tiles
+    r = jnp.arange(self.rows, dtype=jnp.int32)
+    g = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+    gc = jnp.minimum(g, G - 1)
+    padded = TILE * base[gc] + (r - (ends[gc] - sizes[gc]))
+    return jnp.where(g < G, padded, TILE * self.count).astype(jnp.int32)
 
   @property
   def row_tile(self) -> jax.Array:
-    """[M] int32: the tile of each row (``count`` for a row past the last group)."""
+    """[rows] int32: the tile of each row (``count`` for a row past the last group)."""
     return self.padded_row // TILE
 
 
 def column_tiles(rows: int, group_sizes: jax.Array) -> ColumnTiles:
-  """The 128 x 1 tiles of ``rows`` rows grouped as ``group_sizes`` [G] (consecutive groups from row 0, as
-  ``lax.ragged_dot`` takes them): row r of group g, at position i within it, lies in tile base_g + i // 128, where
-  base_g counts the tiles of the groups before g."""
-  G = group_sizes.shape[0]
-  sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  tiles = (sizes + (TILE - 1)) // TILE
-  base = jnp.cumsum(tiles) - tiles
-  r = jnp.arange(rows, dtype=jnp.int32)
-  g = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
-  gc = jnp.minimum(g, G - 1)
-  count = -(-rows // TILE) + G
-  padded = TILE * base[gc] + (r - (ends[gc] - sizes[gc]))
-  return ColumnTiles(jnp.where(g < G, padded, TILE * count).astype(jnp.int32), count)
+  """The 128 x 1 tiles of ``rows`` rows grouped as ``group_sizes`` [G] (``ColumnTiles`` states the rule)."""
+  return ColumnTiles(group_sizes.astype(jnp.int32), rows)
 
 
 def quantize_columns(x: jax.Array, tiles: ColumnTiles) -> tuple[jax.Array, jax.Array]:
@@ -195,6 +203,16 @@ def quantize_columns(x: jax.Array, tiles: ColumnTiles) -> tuple[jax.Array, jax.A
   row_s = jnp.take(s, tiles.row_tile, axis=0, mode="fill", fill_value=1.0)
   inside = (tiles.row_tile < tiles.count)[:, None]
   return jnp.where(inside, _quantize(xf, row_s), jnp.zeros((), E4M3)), s
+
+
+def token_contiguous(q: jax.Array, tiles: ColumnTiles) -> jax.Array:
+  """``quantize_columns``' values q [M, C] in the FP8 weight-gradient GEMM's operand layout, [C, 128 * tiles.count]:
+  each row at its ``padded_row`` (every group from a multiple of 128), zeros between, transposed so that the tokens
+  are contiguous (FP8 wgmma reads both operands K-major). In XLA: a scatter of the rows, then a transpose.
+  ``grouped_gemm.quantize_columns_fp8`` quantizes rows into this layout in one custom call."""
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+  padded = jnp.zeros((TILE * tiles.count, q.shape[1]), jnp.uint8).at[tiles.padded_row].set(bits, mode="drop")
+  return jax.lax.bitcast_convert_type(padded.T, E4M3)
 
 
 def dequantize_columns(q: jax.Array, s: jax.Array, tiles: ColumnTiles) -> jax.Array:

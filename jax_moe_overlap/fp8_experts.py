@@ -12,8 +12,9 @@ values and their float32 scales) and chooses how the GEMMs run:
   ``KERNELS``  this library's custom calls on the quantized operands themselves (on Hopper the e4m3 wgmma kernels;
                on CPU their emulations); ``impl="collective"``: the four row GEMMs (GEMM1, GEMM2 and the two dgrads)
                by ``grouped_gemm.grouped_matmul_fp8``, the two wgrads (dW1 = x^T da, dW2 = h^T dy) by
-               ``grouped_gemm.grouped_outer_fp8``, whose XLA pass makes their 128 x 1-tile operands token-contiguous
-               (each expert's rows padded to a multiple of 128), since FP8 wgmma takes both operands K-major only.
+               ``grouped_gemm.grouped_outer_fp8_packed`` on operands that ``grouped_gemm.quantize_columns_fp8``
+               quantizes 128 x 1 straight into the token-contiguous layout (each expert's rows padded to a multiple
+               of 128), since FP8 wgmma takes both operands K-major only.
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
 
@@ -55,7 +56,7 @@ import numpy as np
 
 from jax_moe_overlap import fp8
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
-from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_outer_fp8
+from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_outer_fp8_packed, quantize_columns_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +66,16 @@ class Gemms:
   rows(lhs_q [M, K] e4m3, lhs_s [M, K / 128], w: fp8.Fp8Weight of W [G, K, N], group_sizes [G], out_dtype) -> [M, N]
     in out_dtype: dequantize_rows(lhs_q, lhs_s)[r] @ W[g] for the rows r of group g, zero past them; accumulated in
     float32, then rounded to out_dtype.
-  outer(lhs (q [M, K], s [tiles.count, K]), rhs (q [M, N], s [tiles.count, N]), tiles: fp8.ColumnTiles,
-    group_sizes [G]) -> [G, K, N] float32: lhs[rows of g]^T @ rhs[rows of g], both dequantized per 128 x 1 tile.
+  columns(v [M, C] float, tiles: fp8.ColumnTiles) -> v quantized per 128 x 1 tile (``fp8.quantize_columns``' values
+    and scales) in the layout ``outer`` takes: row layout (q [M, C], s [tiles.count, C]) for the XLA backends, the
+    kernel's token-contiguous one (``grouped_gemm.quantize_columns_fp8``) for ``KERNELS``.
+  outer(lhs = columns(a, tiles), rhs = columns(b, tiles), tiles, group_sizes [G]) -> [G, K, N] float32:
+    a[rows of g]^T @ b[rows of g], both dequantized per 128 x 1 tile.
   """
 
   name: str
   rows: Callable
+  columns: Callable
   outer: Callable
 
 
@@ -82,7 +87,7 @@ def _on_dequantized(name: str, rows_f32: Callable, outer_f32: Callable) -> Gemms
   def outer(lhs, rhs, tiles, group_sizes):
     return outer_f32(fp8.dequantize_columns(*lhs, tiles), fp8.dequantize_columns(*rhs, tiles), group_sizes)
 
-  return Gemms(name, rows, outer)
+  return Gemms(name, rows, fp8.quantize_columns, outer)
 
 
 def _row_groups(rows: int, group_sizes):
@@ -105,9 +110,13 @@ def _kernel_rows(lhs_q, lhs_s, w, group_sizes, out_dtype=jnp.float32):
   return grouped_matmul_fp8(lhs_q, lhs_s, w.values, w.scales, group_sizes, preferred_element_type=out_dtype)
 
 
+def _kernel_outer(lhs, rhs, tiles, group_sizes):
+  return grouped_outer_fp8_packed(lhs, rhs, group_sizes)
+
+
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
-KERNELS = Gemms("kernels", _kernel_rows, grouped_outer_fp8)
+KERNELS = Gemms("kernels", _kernel_rows, quantize_columns_fp8, _kernel_outer)
 
 
 def _weight_cotangent_template(w):
@@ -134,7 +143,7 @@ def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
   tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
 
   def columns(v):
-    return fp8.quantize_columns(v, tiles)
+    return gemms.columns(v, tiles)
 
   dy = fp8.dequantize_rows(dyq, dys)
   h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))

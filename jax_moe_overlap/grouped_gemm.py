@@ -25,6 +25,7 @@ GROUPED_MATMUL_SWIGLU = "jmo_grouped_matmul_swiglu"
 GROUPED_MATMUL_SWIGLU_GRAD = "jmo_grouped_matmul_swiglu_grad"
 GROUPED_MATMUL_FP8 = "jmo_grouped_matmul_fp8"
 GROUPED_OUTER_FP8 = "jmo_grouped_outer_fp8"
+QUANTIZE_COLUMNS_FP8 = "jmo_quantize_columns_fp8"
 
 
 def _out_dtype(lhs, preferred_element_type):
@@ -220,19 +221,84 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
       lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))
 
 
-def grouped_outer_fp8(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, jax.Array], tiles: fp8.ColumnTiles,
-                      group_sizes: jax.Array, *, preferred_element_type=jnp.float32) -> jax.Array:
-  """The FP8 weight gradient of DeepSeek-V3's recipe: ``out[g] = lhs[rows of g]^T @ rhs[rows of g]`` with both
-  operands dequantized per 128 x 1 tile (``fp8.quantize_columns``), each 128-row chunk's sum scaled per element and
+def quantize_columns_fp8(x: jax.Array, tiles: fp8.ColumnTiles) -> tuple[jax.Array, jax.Array]:
+  """``fp8.quantize_columns`` in the layout of ``grouped_outer_fp8_packed``'s operands, in one custom call: x [M, C]
+  -> (q_t [C, 128 * tiles.count] float8_e4m3fn, s [tiles.count, C] float32). ``q_t[c, 128 t + i]`` is channel c of
+  the i-th row of tile t quantized (each group's rows from a multiple of 128), zero at the places no row takes; ``s``
+  is ``quantize_columns``' scales. Bitwise ``quantize_columns`` followed by the scatter to the padded rows and the
+  transpose that ``grouped_outer_fp8`` runs in XLA.
+
+  One kernel reads x once and writes both outputs (ffi/cuda/ops/quantize_columns.cu), so XLA cannot re-lay its
+  output out (it folded the transpose of an XLA gather into the gather and wrote its rows out of order:
+  docs/design.md, "The e4m3 weight gradient"). On CUDA it runs where the FP8 GEMMs do (Hopper; elsewhere it fails
+  naming the requirement); on CPU a loop with the same rules (ffi/common/fp8_columns.h).
+
+  Args:
+    x: [M, C] float32 or bfloat16, C a positive multiple of 128. tiles: ``fp8.column_tiles(M, group_sizes)``; the
+      sizes must be >= 0 and sum to at most M (the CPU handler raises otherwise; the kernel clips).
+  Returns:
+    (q_t, s).
+  """
+  if x.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16):
+    raise TypeError(f"jax_moe_overlap: quantize_columns_fp8: x must be a float32 or bfloat16 [M, C] array, got "
+                    f"{x.dtype}{list(x.shape)}")
+  M, C = x.shape
+  if C % fp8.TILE or C == 0:
+    raise ValueError(f"jax_moe_overlap: quantize_columns_fp8: C must be a positive multiple of 128, got C={C}")
+  if tiles.rows != M or tiles.group_sizes.ndim != 1:
+    raise ValueError(f"jax_moe_overlap: quantize_columns_fp8: tiles were made for {tiles.rows} rows, x has {M}")
+  _ffi.register()
+  out = (jax.ShapeDtypeStruct((C, fp8.TILE * tiles.count), fp8.E4M3),
+         jax.ShapeDtypeStruct((tiles.count, C), jnp.float32))
+  return jax.ffi.ffi_call(QUANTIZE_COLUMNS_FP8, out, vmap_method="sequential")(x, tiles.group_sizes.astype(jnp.int32))
+
+
+def grouped_outer_fp8_packed(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, jax.Array],
+                             group_sizes: jax.Array, *, preferred_element_type=jnp.float32) -> jax.Array:
+  """The FP8 weight gradient of DeepSeek-V3's recipe on token-contiguous operands: ``out[g] = lhs[rows of g]^T @
+  rhs[rows of g]`` with both operands dequantized per 128 x 1 tile, each 128-row chunk's sum scaled per element and
   added into a float32 accumulator (the kernel's promotion); zero for a group without rows.
 
-  FP8 wgmma reads both operands K-major only, so the operands are made token-contiguous here, in XLA: each one's
-  e4m3 values scattered to their padded rows (each group from a multiple of 128, zeros between: ``fp8.ColumnTiles.
-  padded_row``) and transposed, one pass over its bytes; the scales, [tiles.count, C], are already the layout
-  the kernel loads. On Hopper (compute capability 9.x) the e4m3 wgmma kernel (ffi/cuda/gemm/sm90/
-  wgmma_outer_fp8.cuh); on another GPU the call fails naming that requirement. On CPU a reference loop, the
-  emulation of the kernel (ffi/cpu/grouped_gemm.cc: each chunk's sum exact, rounded once to float32, then the
-  kernel's promotion), slow: for tests.
+  The operands come as the kernel reads them (FP8 wgmma reads both operands K-major only, the reduction axis being
+  the tokens): each the output of ``quantize_columns_fp8`` with the tiles of ``group_sizes``, values [C, Mp] with
+  each group's rows from a multiple of 128 and zeros between, scales [Mp / 128, C]. On Hopper (compute capability
+  9.x) the e4m3 wgmma kernel (ffi/cuda/gemm/sm90/wgmma_outer_fp8.cuh); on another GPU the call fails naming that
+  requirement. On CPU a reference loop, the emulation of the kernel (ffi/cpu/grouped_gemm.cc: each chunk's sum exact,
+  rounded once to float32, then the kernel's promotion), slow: for tests.
+
+  Args:
+    lhs: (q_t [K, Mp] float8_e4m3fn, s [Mp / 128, K] float32), rhs: (q_t [N, Mp], s [Mp / 128, N]). group_sizes: [G]
+      integer rows per group (>= 0), those the operands were quantized with. preferred_element_type: float32
+      (default) or bfloat16. K, N and Mp multiples of 128.
+  Returns:
+    [G, K, N].
+  """
+  (lq, ls), (rq, rs) = lhs, rhs
+  out_dtype = _check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
+  t = fp8.TILE
+  if lq.ndim != 2 or rq.ndim != 2 or lq.shape[1] != rq.shape[1] or lq.shape[1] % t or lq.shape[1] == 0:
+    raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: lhs {lq.shape} and rhs {rq.shape} must be [K, Mp] and "
+                     f"[N, Mp] (token-contiguous), Mp a positive multiple of 128")
+  (K, Mp), N, G = lq.shape, rq.shape[0], group_sizes.shape[0]
+  if K % t or N % t or K == 0 or N == 0:
+    raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: K and N must be positive multiples of 128, got K={K}, "
+                     f"N={N}")
+  if ls.shape != (Mp // t, K) or rs.shape != (Mp // t, N):
+    raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: the scales {ls.shape} and {rs.shape} must be "
+                     f"[Mp / 128, K] and [Mp / 128, N] with Mp = {Mp}")
+  _ffi.register()
+  out = jax.ShapeDtypeStruct((G, K, N), out_dtype)
+  return jax.ffi.ffi_call(GROUPED_OUTER_FP8, out, vmap_method="sequential")(
+      lq, ls, rq, rs, group_sizes.astype(jnp.int32))
+
+
+def grouped_outer_fp8(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, jax.Array], tiles: fp8.ColumnTiles,
+                      group_sizes: jax.Array, *, preferred_element_type=jnp.float32) -> jax.Array:
+  """``grouped_outer_fp8_packed`` on operands in row layout, as ``fp8.quantize_columns`` gives them: each one's e4m3
+  values made token-contiguous here, in XLA (``fp8.token_contiguous``: scattered to their padded rows and transposed,
+  a pass over its bytes). The recipe's backward does not take this path: it quantizes its wgrad operands
+  into that layout directly (``quantize_columns_fp8``, one custom call), which XLA's scatters here are many times
+  slower than (docs/performance.md, "Where the FP8 step goes").
 
   Args:
     lhs: (q [M, K] float8_e4m3fn, s [tiles.count, K] float32), rhs: (q [M, N], s [tiles.count, N]): the outputs of
@@ -242,25 +308,13 @@ def grouped_outer_fp8(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, ja
     [G, K, N].
   """
   (lq, ls), (rq, rs) = lhs, rhs
-  out_dtype = _check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
+  _check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
   if lq.ndim != 2 or rq.ndim != 2 or lq.shape[0] != rq.shape[0]:
     raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: lhs {lq.shape} and rhs {rq.shape} must be [M, K] and "
                      f"[M, N]")
-  (M, K), N, G, t = lq.shape, rq.shape[1], group_sizes.shape[0], fp8.TILE
-  if K % t or N % t or K == 0 or N == 0:
-    raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: K and N must be positive multiples of 128, got K={K}, "
-                     f"N={N}")
-  if ls.shape != (tiles.count, K) or rs.shape != (tiles.count, N) or tiles.padded_row.shape != (M,):
+  (M, K), N = lq.shape, rq.shape[1]
+  if ls.shape != (tiles.count, K) or rs.shape != (tiles.count, N) or tiles.rows != M:
     raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: the scales {ls.shape} and {rs.shape} must be "
                      f"[tiles.count, K] and [tiles.count, N] with tiles.count = {tiles.count} for {M} rows")
-  _ffi.register()
-  Mp = t * tiles.count
-
-  def token_contiguous(q):   # [M, C] -> [C, Mp], each group's rows from a multiple of 128, zeros between
-    bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
-    padded = jnp.zeros((Mp, q.shape[1]), jnp.uint8).at[tiles.padded_row].set(bits, mode="drop")
-    return jax.lax.bitcast_convert_type(padded.T, fp8.E4M3)
-
-  out = jax.ShapeDtypeStruct((G, K, N), out_dtype)
-  return jax.ffi.ffi_call(GROUPED_OUTER_FP8, out, vmap_method="sequential")(
-      token_contiguous(lq), ls, token_contiguous(rq), rs, group_sizes.astype(jnp.int32))
+  return grouped_outer_fp8_packed((fp8.token_contiguous(lq, tiles), ls), (fp8.token_contiguous(rq, tiles), rs),
+                                  group_sizes, preferred_element_type=preferred_element_type)

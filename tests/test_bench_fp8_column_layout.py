@@ -1,5 +1,5 @@
 """benchmarks/bench_fp8_column_layout.py: every variant of the FP8 wgrad operand preparation it times gives the shipped
-path's bytes (it prints DIFF otherwise), on skewed groups with rows past the last group."""
+path's bytes (the custom call's; it prints DIFF otherwise), on skewed groups with rows past the last group."""
 
 from benchmarks import bench_fp8_column_layout as bench
 

@@ -37,6 +37,15 @@
 //                                     both operands (a group's padding) must be zero. The scales are
 //                                     fp8.quantize_columns' ([tiles, channels]); lda >= K, ldb >= N, both multiples
 //                                     of 4 (16-byte rows). Mp, K and N are positive multiples of 128.
+//   jmo_quantize_columns_fp8(x [M, C] f32 or bf16, group_sizes [G] s32)
+//       -> q_t [C, Mp] e4m3, s [Mp/128, C] f32
+//                                     jmo_grouped_outer_fp8's operand from rows: fp8.quantize_columns with the
+//                                     tiles of fp8.column_tiles(M, group_sizes) (common/fp8_columns.h states the
+//                                     rules), in the token-contiguous layout: q_t[c, 128 t + i] = channel c of the
+//                                     i-th row of tile t quantized, 0 where tile t has fewer than i + 1 rows; s[t, c]
+//                                     tile t's scale. Mp / 128 (the tiles) >= ceil(M / 128) + G, enough for any group
+//                                     sizes (fp8.ColumnTiles.count); the tiles past the groups' are empty (zero
+//                                     values, scale 2^-126). C is a positive multiple of 128.
 //
 // Operands of the first three are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype
 // (fp32 accumulation).
@@ -95,6 +104,14 @@ auto BindGroupedMatmulFp8(Binding&& b) {
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>();
+}
+
+// x, group_sizes -> q_t, s.
+template <typename Binding>
+auto BindQuantizeColumnsFp8(Binding&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>().template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 struct GroupedShape {
@@ -266,6 +283,35 @@ inline xla::ffi::ErrorOr<GroupedOuterFp8Shape> CheckGroupedOuterFp8(
     return fail("lhs_scales [Mp/128, lda] and rhs_scales [Mp/128, ldb] need lda >= K, ldb >= N, both multiples of 4 "
                 "(16-byte rows), got lda=" + std::to_string(s.lhs_ld) + ", ldb=" + std::to_string(s.rhs_ld));
   return s;
+}
+
+struct QuantizeColumnsShape {
+  DType dtype;  // x's
+  int64_t M, C, G;
+  int64_t tiles;  // Mp / 128
+};
+
+inline xla::ffi::ErrorOr<QuantizeColumnsShape> CheckQuantizeColumnsFp8(
+    const xla::ffi::AnyBuffer& x, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes, const xla::ffi::AnyBuffer& q_t,
+    const xla::ffi::Buffer<xla::ffi::F32>& s) {
+  namespace ffi = xla::ffi;
+  auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("quantize_columns_fp8: " + why)); };
+  const std::optional<DType> dt = ComputeDTypeOf(x.element_type());
+  if (!dt) return fail(ComputeDTypeRule("x must be " + DTypeNames(), x.element_type()));
+  if (q_t.element_type() != ffi::DataType::F8E4M3FN) return fail("q_t must be float8_e4m3fn");
+  auto xd = x.dimensions(), qd = q_t.dimensions(), sd = s.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || group_sizes.dimensions().size() != 1)
+    return fail("expected x [M, C], group_sizes [G], q_t [C, Mp], s [Mp/128, C]");
+  QuantizeColumnsShape r{*dt, xd[0], xd[1], static_cast<int64_t>(group_sizes.element_count()), sd[0]};
+  if (r.C < kFp8Tile || r.C % kFp8Tile != 0)
+    return fail("C (x's channels) must be a positive multiple of 128, got " + std::to_string(r.C));
+  if (qd[0] != r.C || qd[1] != kFp8Tile * r.tiles || sd[1] != r.C)
+    return fail("inconsistent shapes: x " + DimsText(xd) + ", q_t " + DimsText(qd) + ", s " + DimsText(sd));
+  const int64_t need = (r.M + kFp8Tile - 1) / kFp8Tile + r.G;
+  if (r.tiles < need)
+    return fail(std::to_string(r.tiles) + " tiles (Mp / 128) cannot hold " + std::to_string(r.M) + " rows in " +
+                std::to_string(r.G) + " groups: need ceil(M / 128) + G = " + std::to_string(need));
+  return r;
 }
 
 }  // namespace jmo

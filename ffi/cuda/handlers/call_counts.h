@@ -24,6 +24,7 @@ enum class HandlerOp : int {
   kGroupedMatmulSwiGluGrad,
   kGroupedMatmulFp8,
   kGroupedOuterFp8,
+  kQuantizeColumnsFp8,
   kCount
 };
 

@@ -1,5 +1,6 @@
-// XLA:CUDA handlers of the bare grouped GEMMs: the shape checks shared with the CPU handlers
-// (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu on XLA's stream. They keep no state
+// XLA:CUDA handlers of the bare grouped GEMMs and of the FP8 wgrad operands' quantizer: the shape checks shared with
+// the CPU handlers (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu and
+// ops/quantize_columns.cu on XLA's stream. They keep no state
 // between calls and launch what the shapes and addresses decide (group sizes are read on the device), so each
 // declares XLA's command-buffer trait: XLA may trace it into a CUDA graph and replay it.
 #include "common/grouped_gemm_signature.h"
@@ -7,6 +8,7 @@
 #include "cuda/handlers/handlers.h"
 #include "cuda/handlers/support.h"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/ops/quantize_columns.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -85,6 +87,17 @@ ffi::Error GroupedOuterFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                group_sizes.typed_data(), out->untyped_data()));
 }
 
+ffi::Error QuantizeColumnsFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                  ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> s) {
+  NoteHandlerCall(HandlerOp::kQuantizeColumnsFp8, stream);
+  auto shape = CheckQuantizeColumnsFp8(x, group_sizes, *q_t, *s);
+  if (shape.has_error()) return shape.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(QuantizeColumnsFp8(stream, shape->dtype, x.untyped_data(), shape->M, shape->C, shape->G,
+                                  group_sizes.typed_data(), shape->tiles, q_t->untyped_data(), s->typed_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -111,4 +124,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cuda, jmo::cuda::GroupedMatmulF
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterFp8Cuda, jmo::cuda::GroupedOuterFp8Impl,
                               jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                          .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoQuantizeColumnsFp8Cuda, jmo::cuda::QuantizeColumnsFp8Impl,
+                              jmo::BindQuantizeColumnsFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                          .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -20,6 +20,7 @@
 #include "cuda/gemm/sm90/wgmma_outer.cuh"
 #include "cuda/gemm/sm90/wgmma_outer_fp8.cuh"
 #include "cuda/launch.h"
+#include "cuda/ops/group_offsets.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -28,49 +29,6 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kTcBM = 128;   // rows of a tensor-core tile (bigger than the producer's one-band tile: more reuse)
 constexpr int kSimtBM = 64;
-
-// out[0..G] = exclusive prefix sums of value(g) over g < G (out[G] = total), computed by the whole CTA: each thread
-// sums a contiguous chunk, a Hillis-Steele scan combines the chunk sums, then each thread writes its chunk's prefixes.
-template <typename ValueFn>
-__device__ void BlockExclusiveScan(int G, ValueFn value, int32_t* out) {
-  __shared__ int32_t part[kTileThreads];
-  const int tid = threadIdx.x;
-  const int per = (G + kTileThreads - 1) / kTileThreads;
-  const int lo = min(G, tid * per), hi = min(G, lo + per);
-  int32_t sum = 0;
-  for (int g = lo; g < hi; ++g) sum += value(g);
-  part[tid] = sum;
-  __syncthreads();
-  for (int off = 1; off < kTileThreads; off *= 2) {
-    const int32_t v = tid >= off ? part[tid - off] : 0;
-    __syncthreads();
-    part[tid] += v;
-    __syncthreads();
-  }
-  int32_t run = tid ? part[tid - 1] : 0;
-  for (int g = lo; g < hi; ++g) {
-    out[g] = run;
-    run += value(g);
-  }
-  if (tid == kTileThreads - 1) out[G] = part[tid];
-  __syncthreads();
-}
-
-// Row offsets of the groups, clipped to [0, M]: row_off[g] = min(M, sizes[0] + ... + sizes[g-1]) (negatives as 0).
-__device__ void BuildRowOffsets(const int32_t* sizes, int G, int64_t M, int32_t* row_off) {
-  BlockExclusiveScan(G, [&](int g) { return max(0, sizes[g]); }, row_off);
-  for (int g = threadIdx.x; g <= G; g += blockDim.x) row_off[g] = (int32_t)min((int64_t)row_off[g], M);
-  __syncthreads();
-}
-
-__device__ __forceinline__ int FindGroup(const int32_t* off, int G, int32_t x) {  // last g with off[g] <= x
-  int lo = 0, hi = G - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (off[mid] <= x) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
 
 template <typename OutT>
 __device__ void ZeroRows(OutT* out, int64_t first, int64_t last, int64_t N) {
@@ -174,15 +132,6 @@ Status SelectOnCurrentDevice(const GemmOperands& o, DeviceInfo* dev, std::option
   Status s = CurrentDeviceInfo(dev);
   if (s.ok()) *engine = SelectGemmEngine(dev->cc, o);
   return s;
-}
-
-Status CheckSizes(const char* op, int64_t M, int64_t G) {
-  if (G < 1 || G > kMaxGroups)
-    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": " + std::to_string(G) +
-                                               " groups; supported: 1.." + std::to_string(kMaxGroups));
-  if (M >= (int64_t(1) << 31))
-    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": more than 2^31 rows");
-  return Status{};
 }
 
 template <int BM, bool kTransB, typename T, typename OutT, bool kTC>
@@ -455,8 +404,15 @@ Status GroupedMatmul(cudaStream_t stream, DType dt, bool out_f32, const void* lh
 #undef JMO_MATMUL
 }
 
-// The FP8 calls' device rule: Hopper FP8 tensor cores (Fp8GroupedGemmDeviceRefusal) on the current device (*dev:
-// its facts), else kFailedPrecondition naming the requirement.
+Status CheckSizes(const char* op, int64_t M, int64_t G) {
+  if (G < 1 || G > kMaxGroups)
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": " + std::to_string(G) +
+                                               " groups; supported: 1.." + std::to_string(kMaxGroups));
+  if (M >= (int64_t(1) << 31))
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": more than 2^31 rows");
+  return Status{};
+}
+
 Status Fp8DeviceCheck(const char* op, DeviceInfo* dev) {
   Status s = CurrentDeviceInfo(dev);
   if (!s.ok()) return s;

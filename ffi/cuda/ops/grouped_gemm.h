@@ -77,4 +77,13 @@ Status GroupedOuterFp8(cudaStream_t stream, bool out_f32, const void* lhs_t, con
                        int64_t K, const void* rhs_t, const float* rhs_scales, int64_t rhs_ld, int64_t N, int64_t Mp,
                        int64_t G, const int32_t* group_sizes, void* out, int sms = 0);
 
+// The group rules of the grouped calls: 1 .. kMaxGroups groups, fewer than 2^31 rows; kInvalidArgument naming `op`
+// otherwise.
+Status CheckSizes(const char* op, int64_t M, int64_t G);
+
+// The FP8 calls' device rule: Hopper FP8 tensor cores (Fp8GroupedGemmDeviceRefusal, gemm/engine.h) on the current
+// device (*dev: its facts), else kFailedPrecondition naming the requirement. Every FP8 call checks it, the
+// quantizer of the wgrad operands (ops/quantize_columns.cu) too: its output feeds only the Hopper kernels.
+Status Fp8DeviceCheck(const char* op, DeviceInfo* dev);
+
 }  // namespace jmo::cuda

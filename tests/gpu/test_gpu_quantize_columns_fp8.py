@@ -1,0 +1,100 @@
+"""The FP8 wgrad operands' quantizer (grouped_gemm.quantize_columns_fp8) on its CUDA kernel, bit for bit against the
+CPU handler and against fp8.quantize_columns + fp8.token_contiguous (the XLA scatter and transpose) run on the same
+GPU: values and scales, float32 and bfloat16 rows, skewed and empty groups, partial tiles, rows past the groups holding
+huge values, the outputs' memory poisoned first (unwritten bytes show); e4m3's rounding ties, subnormals and
+non-finite values; bitwise repeats; the recipe's gradients on the GPU equal those on the XLA layout bit for bit. On a
+GPU that is not a Hopper one the call must fail naming the requirement. Skips where there is no GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import test_quantize_columns_fp8 as base  # tests/test_quantize_columns_fp8.py (tests/ is on pytest's pythonpath)
+from gpu_common import gpu_devices, requires_gpu
+from test_gpu_grouped_gemm_fp8 import _hopper, _poison_allocator, requires_hopper
+
+from jax_moe_overlap import fp8
+from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
+
+pytestmark = requires_gpu
+
+BIG = [  # (M, C, sizes)
+    (4096, 1024, [2000, 0, 1, 127, 129, 1500, 0, 300]),        # skew, empty groups, 39 rows past the groups
+    (3000, 2048, [2999]),                                      # one group, the width of a Mixtral-like wgrad
+    (20480, 1152, list(np.random.default_rng(1).multinomial(20000, np.ones(16) / 16))),   # 16 groups, 480 past
+]
+
+
+def _run(f, x, tiles, device):
+  put = lambda v: jax.device_put(v, device)
+  q, s = jax.jit(f)(put(x), jax.tree.map(put, tiles))
+  return np.asarray(q).view(np.uint8), np.asarray(s)
+
+
+def _kernel(x, tiles):
+  M, C = x.shape
+  _poison_allocator((C, 128 * tiles.count), jnp.float32)   # NaN bytes where the kernel would leave any unwritten
+  _poison_allocator((tiles.count, C), jnp.float32)
+  return _run(quantize_columns_fp8, x, tiles, gpu_devices()[0])
+
+
+def _compare(x, sizes, nan_sign_free=False):
+  """The kernel's outputs against the jnp definition on the GPU (bit for bit) and the CPU handler (bit for bit; with
+  nan_sign_free, a NaN's sign aside: x86 makes inf / inf a negative NaN, the GPU a positive one)."""
+  tiles = fp8.column_tiles(x.shape[0], jnp.asarray(sizes, jnp.int32))
+  q, s = _kernel(x, tiles)
+  gq, gs = _run(base.xla_path, x, tiles, gpu_devices()[0])
+  cq, cs = _run(quantize_columns_fp8, x, tiles, jax.devices("cpu")[0])
+  np.testing.assert_array_equal(q, gq)
+  np.testing.assert_array_equal(s.view(np.uint32), gs.view(np.uint32))
+  if nan_sign_free:
+    nan_q = (q & 0x7F) == 0x7F
+    np.testing.assert_array_equal(nan_q, (cq & 0x7F) == 0x7F)
+    q, cq = np.where(nan_q, 0, q), np.where(nan_q, 0, cq)
+    np.testing.assert_array_equal(np.isnan(s), np.isnan(cs))
+    s, cs = np.where(np.isnan(s), 0, s), np.where(np.isnan(cs), 0, cs)
+  np.testing.assert_array_equal(q, cq)
+  np.testing.assert_array_equal(s.view(np.uint32), cs.view(np.uint32))
+  return q, s, tiles
+
+
+@requires_hopper
+@pytest.mark.parametrize("case", base.CASES + BIG)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_equals_the_cpu_handler_and_the_xla_path(case, dtype):
+  x = base.rows(case, dtype, seed=case[0] + case[1])
+  q, s, tiles = _compare(x, case[2])
+  if sum(case[2]):
+    assert np.count_nonzero(q) > 0.9 * sum(case[2]) * case[1]
+  q2, s2 = _kernel(x, tiles)
+  np.testing.assert_array_equal(q, q2)
+  np.testing.assert_array_equal(s.view(np.uint32), s2.view(np.uint32))
+
+
+@requires_hopper
+def test_kernel_rounding_ties_subnormals_and_non_finite_values():
+  v = base._e4m3_cases()
+  C, per_tile = 256, 127
+  tiles_needed = -(-v.size // (per_tile * C)) + 1
+  M = 128 * tiles_needed
+  x = np.zeros((M, C), np.float32)
+  t = x.reshape(tiles_needed, 128, C)
+  t[:, 1:, :] = np.resize(v, (tiles_needed, per_tile, C))
+  t[:, 0, :] = np.float32(447.99997)
+  t[-1, 5, 0], t[-1, 9, 1], t[-1, 9, 2], t[-1, 3, 3], t[-1, 7, 2] = np.nan, np.inf, -np.inf, -np.nan, np.inf
+  _compare(jnp.asarray(x), [M], nan_sign_free=True)
+
+
+@requires_hopper
+def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu():
+  with jax.default_device(gpu_devices()[0]):
+    base.test_recipe_gradients_equal_the_xla_layout_path()
+
+
+def test_other_gpus_refuse_naming_the_requirement():
+  if _hopper():
+    pytest.skip("a Hopper GPU runs the kernel (test_kernel_equals_the_cpu_handler_and_the_xla_path)")
+  tiles = fp8.column_tiles(256, jnp.asarray([100, 50], jnp.int32))
+  with pytest.raises(Exception, match=r"needs Hopper FP8 tensor cores \(compute capability 9.x"):
+    _run(quantize_columns_fp8, jnp.ones((256, 128), jnp.float32), tiles, gpu_devices()[0])

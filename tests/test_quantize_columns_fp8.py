@@ -1,0 +1,170 @@
+"""The FP8 wgrad operands' quantizer (grouped_gemm.quantize_columns_fp8, the custom call jmo_quantize_columns_fp8) on
+its CPU handler: bit for bit fp8.quantize_columns followed by fp8.token_contiguous (the XLA scatter and transpose it
+replaces), values and scales, on skewed and empty groups, partial tiles, rows past the last group holding large
+values, float32 and bfloat16 rows; e4m3's rounding ties, subnormals, signed zeros, NaN and infinities; the recipe's
+gradients on the custom call equal those on the XLA layout bit for bit; the refusals.
+tests/gpu/test_gpu_quantize_columns_fp8.py holds the CUDA kernel to the same bits."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jax_moe_overlap import fp8, fp8_experts
+from jax_moe_overlap.grouped_gemm import grouped_outer_fp8, quantize_columns_fp8
+
+CASES = [  # (M, C, group sizes): skew, empty groups, partial tiles, rows past the last group
+    (300, 256, [0, 130, 150]),           # 20 rows past the groups
+    (520, 128, [1, 0, 3, 385, 0, 128]),  # one-row groups, a group of exactly one tile, 3 rows past
+    (256, 384, [256]),                   # whole tiles, no row past
+    (40, 128, [0, 0]),                   # no rows at all: every tile empty
+]
+
+
+def rows(case, dtype, seed):
+  """[M, C] of very different magnitudes per channel and row (many scales); the rows past the groups hold values
+  far above the groups' (zero bytes once quantized: they must not reach a tile's amax or any value)."""
+  M, C, sizes = case
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((M, C)) * np.exp2(rng.integers(-6, 7, (1, C))) * np.exp2(rng.integers(-4, 5, (M, 1)))
+  x[sum(sizes):] = 3e38 if dtype == jnp.float32 else 1e38
+  return jnp.asarray(x.astype(np.float32), dtype)
+
+
+def xla_path(x, tiles):
+  """What the recipe ran before the custom call: fp8.quantize_columns, then the scatter to the padded rows and the
+  transpose (fp8.token_contiguous)."""
+  q, s = fp8.quantize_columns(x, tiles)
+  return fp8.token_contiguous(q, tiles), s
+
+
+def bits(a):
+  a = np.asarray(a)
+  return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+def assert_same(x, sizes):
+  tiles = fp8.column_tiles(x.shape[0], jnp.asarray(sizes, jnp.int32))
+  q, s = jax.jit(quantize_columns_fp8)(x, tiles)
+  want_q, want_s = jax.jit(xla_path)(x, tiles)
+  assert q.dtype == fp8.E4M3 and q.shape == (x.shape[1], 128 * tiles.count)
+  assert s.dtype == jnp.float32 and s.shape == (tiles.count, x.shape[1])
+  np.testing.assert_array_equal(bits(q), bits(want_q))
+  np.testing.assert_array_equal(bits(s), bits(want_s))
+  return np.asarray(q).view(np.uint8), np.asarray(s)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_equals_quantize_columns_and_the_scatter_layout(case, dtype):
+  M, C, sizes = case
+  q, s = assert_same(rows(case, dtype, seed=M + C), sizes)
+  # Not vacuous: the groups' values are there, and every place no row takes is zero (the tiles past the groups' too,
+  # with the least scale).
+  used = 128 * sum(-(-n // 128) for n in sizes)
+  if sum(sizes):
+    assert np.count_nonzero(q[:, :used]) > 0.9 * sum(sizes) * C
+  taken = np.zeros(q.shape[1], bool)
+  start = 0
+  for n in sizes:
+    taken[start:start + n] = True
+    start += 128 * -(-n // 128)
+  assert not q[:, ~taken].any()
+  np.testing.assert_array_equal(s[used // 128:], np.float32(fp8.SCALE_FLOOR))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_rows_sharded_on_auto_and_explicit_meshes(axis_type):
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]), ("x",), axis_types=(axis_type,))
+  x = rows(CASES[0], jnp.float32, seed=1)
+  tiles = fp8.column_tiles(x.shape[0], jnp.asarray(CASES[0][2], jnp.int32))
+  want_q, want_s = jax.jit(xla_path)(x, tiles)
+  with jax.set_mesh(mesh):
+    q, s = jax.jit(quantize_columns_fp8)(jax.device_put(x, NamedSharding(mesh, P(None, "x"))), tiles)
+  np.testing.assert_array_equal(bits(q), bits(want_q))
+  np.testing.assert_array_equal(bits(s), bits(want_s))
+
+
+def _e4m3_cases():
+  """Values whose quantization tests the rounding: every e4m3 value, the midpoints between neighbours (ties to
+  even) and the float32 next to each, subnormals of e4m3 and of float32, signed zeros."""
+  e = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  e = np.unique(e[np.isfinite(e) & (e >= 0)])
+  mids = (e[:-1] + e[1:]) / 2                                   # exact in float32
+  up, down = np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))
+  tiny = np.float32(2.0 ** -10) * np.arange(1, 20, dtype=np.float32) / 4   # around the e4m3 subnormals' midpoints
+  f32_sub = np.float32(2.0 ** -140) * np.arange(1, 5, dtype=np.float32)
+  v = np.concatenate([e, mids, up, down, tiny, f32_sub, [0.0]]).astype(np.float32)
+  return np.concatenate([v, -v])
+
+
+def test_rounding_ties_subnormals_and_non_finite_values():
+  """Each tile's first row holds 447.99997 (its scale is then exactly 1.0: float32(447.99997 / 448 by the rule) =
+  1), so the other rows reach the e4m3 rounding unchanged; some tiles hold a NaN or an infinity (their scale NaN or
+  infinite, their values NaN or zero, XLA's way)."""
+  amax = np.float32(447.99997)
+  assert np.float32(amax * fp8.E4M3_MAX_INV) == np.float32(1.0)
+  v = _e4m3_cases()
+  C = 256
+  per_tile = 127
+  tiles_needed = -(-v.size // (per_tile * C)) + 1
+  M = 128 * tiles_needed
+  x = np.zeros((M, C), np.float32)
+  body = np.resize(v, (tiles_needed, per_tile, C))
+  x.reshape(tiles_needed, 128, C)[:, 1:, :] = body
+  x.reshape(tiles_needed, 128, C)[:, 0, :] = amax
+  last = x.reshape(tiles_needed, 128, C)[-1]
+  last[5, 0], last[9, 1], last[9, 2], last[3, 3] = np.nan, np.inf, -np.inf, -np.nan
+  last[7, 2] = np.inf                                              # inf / inf: NaN
+  q, s = assert_same(jnp.asarray(x), [M])
+  assert np.all(s[:tiles_needed - 1] == 1.0)
+  assert np.isnan(s[tiles_needed - 1, 0]) and np.isinf(s[tiles_needed - 1, 1])
+
+
+def test_recipe_gradients_equal_the_xla_layout_path():
+  """KERNELS' wgrads quantize their operands by the custom call; the same recipe with quantize_columns and the
+  XLA layout (grouped_outer_fp8 on row-layout operands) gives the same gradients bit for bit."""
+  xla_layout = fp8_experts.Gemms("kernels, XLA layout", fp8_experts.KERNELS.rows, fp8.quantize_columns,
+                                 grouped_outer_fp8)
+  M, D, F = 300, 128, 128
+  sizes = np.array([170, 0, 1, 100])
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((M, D)) * np.exp2(rng.integers(-3, 4, (1, D)))
+  x[sizes.sum():] = 0.0
+  x = jnp.asarray(x, jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((sizes.size, D, 2 * F)) * 0.1, jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((sizes.size, F, D)) * 0.1, jnp.float32)
+  cot = jnp.asarray(rng.standard_normal((M, D)), jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+
+  def grads(gemms):
+    loss = lambda x, w1, w2: jnp.sum(fp8_experts.fp8_expert_mlp(x, w1, w2, gs, gemms).astype(jnp.float32) * cot)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  got, want = grads(fp8_experts.KERNELS)(x, w1, w2), grads(xla_layout)(x, w1, w2)
+  for name, a, b in zip(("dx", "dw1", "dw2"), got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32),
+                                  err_msg=name)
+    assert np.any(np.asarray(a, np.float32) != 0), name
+  text = grads(fp8_experts.KERNELS).lower(x, w1, w2).as_text()
+  assert text.count("jmo_quantize_columns_fp8") == 4, "each wgrad's two operands"
+  assert "scatter" not in text, "no XLA scatter lays out the wgrad operands"
+
+
+def test_refusals():
+  gs = jnp.asarray([100, 50], jnp.int32)
+  tiles = fp8.column_tiles(256, gs)
+  with pytest.raises(TypeError, match=r"x must be a float32 or bfloat16 \[M, C\] array"):
+    quantize_columns_fp8(jnp.ones((256, 128), jnp.float16), tiles)
+  with pytest.raises(ValueError, match=r"C must be a positive multiple of 128, got C=192"):
+    quantize_columns_fp8(jnp.ones((256, 192), jnp.float32), tiles)
+  with pytest.raises(ValueError, match=r"tiles were made for 256 rows, x has 255"):
+    quantize_columns_fp8(jnp.ones((255, 128), jnp.float32), tiles)
+  bad = fp8.column_tiles(256, jnp.asarray([100, 200], jnp.int32))
+  with pytest.raises(Exception, match=r"group 1 has 200 rows; group sizes must be >= 0 and sum to at most 256"):
+    jax.block_until_ready(quantize_columns_fp8(jnp.ones((256, 128), jnp.float32), bad))
+  negative = fp8.column_tiles(256, jnp.asarray([-1, 2], jnp.int32))
+  with pytest.raises(Exception, match=r"group 0 has -1 rows"):
+    jax.block_until_ready(quantize_columns_fp8(jnp.ones((256, 128), jnp.float32), negative))
