@@ -15,6 +15,7 @@ from gpu_common import gpu_devices, requires_gpu
 from test_gpu_grouped_gemm_fp8 import _hopper, _poison_allocator, requires_hopper
 
 from jax_moe_overlap import fp8
+from jax_moe_overlap import fp8_experts
 from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
 
 pytestmark = requires_gpu
@@ -87,7 +88,10 @@ def test_kernel_rounding_ties_subnormals_and_non_finite_values():
 
 
 @requires_hopper
-def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu():
+def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu(monkeypatch):
+  """With the layer taking the call on GPUs (fp8_experts.KERNEL_COLUMNS_ON_GPU, what this file's passing run
+  allows), the recipe's gradients equal the XLA layout path's bit for bit."""
+  monkeypatch.setattr(fp8_experts, "KERNEL_COLUMNS_ON_GPU", True)
   with jax.default_device(gpu_devices()[0]):
     base.test_recipe_gradients_equal_the_xla_layout_path()
 
