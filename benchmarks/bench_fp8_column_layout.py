@@ -103,7 +103,8 @@ def main(M=163840, G=16, rows=131072, widths=(1024, 2048), dtype=jnp.bfloat16):
   sizes = rng.multinomial(rows, rng.dirichlet(np.ones(G) * 2))
   gs = jnp.asarray(sizes, jnp.int32)
   print(f"M {M}, G {G}, rows {sizes.sum()}, {jnp.dtype(dtype).name} in; ms per call (median of 15); 'same': equal "
-        "to the first variant")
+        "to the first variant (XLA:GPU's float32 division is not correctly rounded, openxla/xla#37181, so the XLA "
+        "variants may part from the custom call by one e4m3 step where x / s lies next to a midpoint)")
   for C in widths:
     x = jnp.asarray(rng.standard_normal((M, C)), dtype)
     ref = None
@@ -112,7 +113,8 @@ def main(M=163840, G=16, rows=131072, widths=(1024, 2048), dtype=jnp.bfloat16):
       ms = timeit(jf, x, gs)
       out = np.asarray(jf(x, gs))
       ref = out if ref is None else ref
-      print(f"C {C:5d}  {name:36s} {ms:8.3f} ms  {'same' if np.array_equal(out, ref) else 'DIFF'}")
+      n = np.count_nonzero(out != ref)
+      print(f"C {C:5d}  {name:36s} {ms:8.3f} ms  {'same' if n == 0 else f'{n} of {out.size} bytes differ'}")
 
 
 if __name__ == "__main__":

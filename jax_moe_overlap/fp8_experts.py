@@ -14,8 +14,7 @@ values and their float32 scales) and chooses how the GEMMs run:
                by ``grouped_gemm.grouped_matmul_fp8``, the two wgrads (dW1 = x^T da, dW2 = h^T dy) by
                ``grouped_gemm.grouped_outer_fp8_packed`` on operands that ``grouped_gemm.quantize_columns_fp8``
                quantizes 128 x 1 straight into the token-contiguous layout (each expert's rows padded to a multiple
-               of 128; on GPUs the same bytes by XLA until ``KERNEL_COLUMNS_ON_GPU``), since FP8 wgmma takes both
-               operands K-major only.
+               of 128), since FP8 wgmma takes both operands K-major only.
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
 
@@ -111,22 +110,8 @@ def _kernel_rows(lhs_q, lhs_s, w, group_sizes, out_dtype=jnp.float32):
   return grouped_matmul_fp8(lhs_q, lhs_s, w.values, w.scales, group_sizes, preferred_element_type=out_dtype)
 
 
-# Whether the layer quantizes the wgrad operands by the custom call on GPUs too. Its CUDA kernel must first pass
-# tests/gpu/test_gpu_quantize_columns_fp8.py on a GPU (bit for bit the CPU handler and the XLA path; docs/
-# performance.md, "GPU test runs"); until then GPUs take the XLA path (fp8.quantize_columns, fp8.token_contiguous),
-# the same bytes, and CPUs the custom call's handler.
-KERNEL_COLUMNS_ON_GPU = False
-
-
 def _kernel_columns(v, tiles):
-  def xla():
-    q, s = fp8.quantize_columns(v, tiles)
-    return fp8.token_contiguous(q, tiles), s
-
-  def call():
-    return quantize_columns_fp8(v, tiles)
-
-  return jax.lax.platform_dependent(cpu=call, default=call if KERNEL_COLUMNS_ON_GPU else xla)
+  return quantize_columns_fp8(v, tiles)
 
 
 def _kernel_outer(lhs, rhs, tiles, group_sizes):

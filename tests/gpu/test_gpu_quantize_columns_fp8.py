@@ -1,12 +1,14 @@
 """The FP8 wgrad operands' quantizer (grouped_gemm.quantize_columns_fp8) on its CUDA kernel, bit for bit against the
-CPU handler and against fp8.quantize_columns + fp8.token_contiguous (the XLA scatter and transpose) run on the same
-GPU: values and scales, float32 and bfloat16 rows, skewed and empty groups, partial tiles, rows past the groups holding
+CPU handler, and against fp8.quantize_columns + fp8.token_contiguous (the XLA scatter and transpose) run on the same
+GPU bit for bit but where XLA:GPU's inexact float32 division explains a byte (_xla_division_differences): values and
+scales, float32 and bfloat16 rows, skewed and empty groups, partial tiles, rows past the groups holding
 huge values, the outputs' memory poisoned first (unwritten bytes show); e4m3's rounding ties, subnormals and
 non-finite values; bitwise repeats; the recipe's gradients on the GPU equal those on the XLA layout bit for bit. On a
 GPU that is not a Hopper one the call must fail naming the requirement. Skips where there is no GPU."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,7 +17,6 @@ from gpu_common import gpu_devices, requires_gpu
 from test_gpu_grouped_gemm_fp8 import _hopper, _poison_allocator, requires_hopper
 
 from jax_moe_overlap import fp8
-from jax_moe_overlap import fp8_experts
 from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
 
 pytestmark = requires_gpu
@@ -40,23 +41,57 @@ def _kernel(x, tiles):
   return _run(quantize_columns_fp8, x, tiles, gpu_devices()[0])
 
 
+# e4m3's finite positive values, ascending (bytes 0x00 .. 0x7E).
+_E4M3_POS = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def _xla_division_differences(q, gq, x, s, tiles):
+  """The bytes where the kernel's q differs from XLA's on the GPU, each of which must be explained by XLA:GPU's float32
+  division: XLA emits div.full.f32 (within 2 ulp, not correctly rounded: openxla/xla#37181) where the kernel and the
+  CPU handler divide as IEEE does, so the two roundings to e4m3 may part only where x / s lies within a few float32
+  ulps of a midpoint between two e4m3 values, and then by one step of e4m3. Returns the count of differing bytes."""
+  diff = np.argwhere(q != gq)
+  if diff.size == 0:
+    return 0
+  padded = np.asarray(tiles.padded_row)
+  row_at = np.full(q.shape[1], -1, np.int64)
+  inside = padded < q.shape[1]
+  row_at[padded[inside]] = np.nonzero(inside)[0]
+  xf = np.asarray(jnp.asarray(x, jnp.float32)).astype(np.float64)
+  for c, p in diff:
+    i = row_at[p]
+    assert i >= 0, f"channel {c}, padded place {p}: no row lands there, yet the bytes differ ({q[c, p]}, {gq[c, p]})"
+    y = abs(xf[i, c] / np.float64(s[p // 128, c]))
+    k = np.searchsorted(_E4M3_POS, y)
+    assert 0 < k < _E4M3_POS.size, f"row {i}, channel {c}: x / s = {y} is not between two e4m3 values"
+    mid = (_E4M3_POS[k - 1] + _E4M3_POS[k]) / 2
+    a, b = int(q[c, p]), int(gq[c, p])
+    assert abs(y - mid) <= 4 * 2.0**-24 * y and (a ^ b) & 0x80 == 0 and abs((a & 0x7F) - (b & 0x7F)) == 1, (
+        f"row {i}, channel {c}: kernel byte {a:#04x}, XLA:GPU {b:#04x}, x / s = {y!r}, nearest midpoint {mid!r}")
+  return len(diff)
+
+
 def _compare(x, sizes, nan_sign_free=False):
-  """The kernel's outputs against the jnp definition on the GPU (bit for bit) and the CPU handler (bit for bit; with
-  nan_sign_free, a NaN's sign aside: x86 makes inf / inf a negative NaN, the GPU a positive one)."""
+  """The kernel's outputs against the CPU handler (bit for bit; with nan_sign_free, a NaN's sign aside: x86 makes
+  inf / inf a negative NaN, the GPU a positive one) and against the jnp definition run by XLA on the GPU: the scales bit
+  for bit, the values bit for bit but where XLA:GPU's division explains the difference
+  (_xla_division_differences)."""
   tiles = fp8.column_tiles(x.shape[0], jnp.asarray(sizes, jnp.int32))
   q, s = _kernel(x, tiles)
   gq, gs = _run(base.xla_path, x, tiles, gpu_devices()[0])
   cq, cs = _run(quantize_columns_fp8, x, tiles, jax.devices("cpu")[0])
-  np.testing.assert_array_equal(q, gq)
-  np.testing.assert_array_equal(s.view(np.uint32), gs.view(np.uint32))
+  kq, ks = q, s
   if nan_sign_free:
     nan_q = (q & 0x7F) == 0x7F
     np.testing.assert_array_equal(nan_q, (cq & 0x7F) == 0x7F)
-    q, cq = np.where(nan_q, 0, q), np.where(nan_q, 0, cq)
+    kq, cq = np.where(nan_q, 0, q), np.where(nan_q, 0, cq)
     np.testing.assert_array_equal(np.isnan(s), np.isnan(cs))
-    s, cs = np.where(np.isnan(s), 0, s), np.where(np.isnan(cs), 0, cs)
-  np.testing.assert_array_equal(q, cq)
-  np.testing.assert_array_equal(s.view(np.uint32), cs.view(np.uint32))
+    ks, cs = np.where(np.isnan(s), 0, s), np.where(np.isnan(cs), 0, cs)
+  np.testing.assert_array_equal(kq, cq)
+  np.testing.assert_array_equal(ks.view(np.uint32), cs.view(np.uint32))
+  np.testing.assert_array_equal(s.view(np.uint32), gs.view(np.uint32))
+  differing = _xla_division_differences(q, gq, x, s, tiles)
+  assert differing <= 1e-2 * q.size, f"{differing} of {q.size} bytes differ from XLA:GPU's"
   return q, s, tiles
 
 
@@ -88,10 +123,8 @@ def test_kernel_rounding_ties_subnormals_and_non_finite_values():
 
 
 @requires_hopper
-def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu(monkeypatch):
-  """With the layer taking the call on GPUs (fp8_experts.KERNEL_COLUMNS_ON_GPU, what this file's passing run
-  allows), the recipe's gradients equal the XLA layout path's bit for bit."""
-  monkeypatch.setattr(fp8_experts, "KERNEL_COLUMNS_ON_GPU", True)
+def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu():
+  """The layer takes the call on GPUs: the recipe's gradients equal the XLA layout path's bit for bit."""
   with jax.default_device(gpu_devices()[0]):
     base.test_recipe_gradients_equal_the_xla_layout_path()
 
