@@ -1,5 +1,6 @@
-// Probe of jmo_quantize_columns_fp8's CUDA kernels (ops/quantize_columns.cuh) on one Hopper GPU: the library's
-// launcher (QuantizeColumnsFp8, ops/quantize_columns.cu) and each kernel schedule and input form of the kernel header,
+// Probe of jmo_quantize_columns_fp8's CUDA kernels (ops/quantize_columns.cuh) on one Hopper GPU: the baseline (the
+// kernel of cb5e3ee, quantize_columns_v0.cuh), the library's launcher (QuantizeColumnsFp8, ops/quantize_columns.cu)
+// and each kernel schedule and input form of the kernel header,
 // on x [M = 163840, C] (C = 1024, 2048; float32, bfloat16, and row-quantized e4m3 + power-of-two scales) grouped in 16
 // skewed groups summing to 131072 rows (some not multiples of 128, one empty). Every variant's outputs (q_t and s,
 // poisoned before each checked run) are compared bitwise with the baseline's; the baseline is checked against a naive
@@ -14,6 +15,7 @@
 
 #include "cuda/ops/quantize_columns.cu"  // the library's launcher (its helpers below: this probe does not link jmo_cuda)
 #include "cuda/ops/quantize_columns.cuh"
+#include "quantize_columns_v0.cuh"  // the baseline: the kernel of cb5e3ee
 
 namespace jmo::cuda {
 // The library functions the launcher calls, for this standalone build.
@@ -300,10 +302,7 @@ int main(int argc, char** argv) {
       const void* base_x = dt == 1 ? static_cast<const void*>(x16) : static_cast<const void*>(x32);
       CK(cudaMemsetAsync(ref_q, 0xA5, C * Mp, st));
       CK(cudaMemsetAsync(ref_s, 0xFF, tiles * C * sizeof(float), st));
-      if (!jmo::cuda::QuantizeColumnsFp8(st, base_dt, base_x, kM, C, kG, d_sizes, tiles, ref_q, ref_s).ok()) {
-        fprintf(stderr, "QuantizeColumnsFp8 refused the call\n");
-        return 2;
-      }
+      CK(jmo::cuda::qcols_v0::Launch(st, base_dt, base_x, kM, C, kG, d_sizes, tiles, ref_q, ref_s));
       Poison(b, st);  // the rules' outputs go to q_t, s
       if (dt == 1)
         RulesKernel<__nv_bfloat16><<<rules_grid, 256, 0, st>>>(x16, C, d_row_off, d_tile_off, kG, tiles, Mp, q_t, s);
@@ -317,6 +316,9 @@ int main(int argc, char** argv) {
       g_failures += d != 0;
       const double elem = dt == 0 ? 4 : dt == 1 ? 2 : 1;
       const double bytes = rows * C * elem + (dt == 2 ? rows * (C / 128) * 4.0 : 0.0) + written;
+      if (dt < 2)
+        Row("v0 (cb5e3ee, baseline)", dtype, b, bytes, st,
+            [&] { CK(jmo::cuda::qcols_v0::Launch(st, base_dt, base_x, kM, C, kG, d_sizes, tiles, q_t, s)); });
       if (dt == 0) {
         Row("library", dtype, b, bytes, st, [&] {
           jmo::cuda::QuantizeColumnsFp8(st, DType::kF32, x32, kM, C, kG, d_sizes, tiles, q_t, s);
