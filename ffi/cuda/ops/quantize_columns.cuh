@@ -367,6 +367,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     QuantizeColumnsPersistent(In in, int64_t M, int64_t C, const int32_t* __restrict__ sizes, int G, int64_t Mp,
                               int64_t items, uint8_t* __restrict__ q_t, float* __restrict__ s) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ uint32_t sink;  // see below
   Shared<In>& sm = *reinterpret_cast<Shared<In>*>(smem);
   auto& stage = reinterpret_cast<Stage<typename In::Raw>*>(smem + sizeof(Shared<In>))->raw;
   constexpr int kCh = Shared<In>::kCh;
@@ -392,9 +393,19 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int rows = tile.rows;
     typename In::Raw raw[kRowsPerWarp];
     WaitCopies();  // this thread's copies: the only slots it reads
+    uint32_t read = 0;  // every word read from the stage: the next copies into these slots wait for it
 #pragma unroll
     for (int k = 0; k < kRowsPerWarp; ++k)
-      if (row0 + k < rows) raw[k] = stage[k][threadIdx.x];
+      if (row0 + k < rows) {
+        raw[k] = stage[k][threadIdx.x];
+#pragma unroll
+        for (int w = 0; w < (int)(sizeof(raw[k]) / 4); ++w) read ^= reinterpret_cast<const uint32_t*>(&raw[k])[w];
+      }
+    // The shared loads above and the cp.async writes below touch the same slots, and PTX does not order a thread's
+    // ld.shared before its later cp.async: a store of every loaded word's XOR (to a word nothing reads) needs the
+    // loads' registers, so they have landed before it issues, and the copies issue after it (asm volatile, memory
+    // clobbers: kept in order).
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(&sink)), "r"(read) : "memory");
     if (item + gridDim.x < items) tile = issue(item + gridDim.x);
     if (rows == 0)
       EmptyItem<kCh>(t, c0, C, Mp, q_t, s);
