@@ -223,8 +223,9 @@ __device__ inline void BuildTables(const int32_t* sizes, int G, int64_t M, int32
 
 // ---- one item ----
 
+// 16-byte aligned in size: the persistent kernel's stage (16-byte slots, cp.async targets) follows it in shared memory.
 template <class In>
-struct Shared {
+struct alignas(16) Shared {
   static constexpr int kCh = 32 * In::kLaneCh;  // channels of an item
   int32_t row_off[kMaxGroups + 1];
   int32_t tile_off[kMaxGroups + 1];
@@ -369,6 +370,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ uint32_t sink;  // see below
   Shared<In>& sm = *reinterpret_cast<Shared<In>*>(smem);
+  static_assert(sizeof(Shared<In>) % 16 == 0, "the stage's slots must be 16-byte aligned");
   auto& stage = reinterpret_cast<Stage<typename In::Raw>*>(smem + sizeof(Shared<In>))->raw;
   constexpr int kCh = Shared<In>::kCh;
   const int64_t blocks = C / kCh;
