@@ -269,7 +269,8 @@ def swiglu_backward_fp8(aq: jax.Array, a_s: jax.Array, dh: jax.Array, tiles: fp8
   the requirement) a CTA owns 128 rows of one tile x 128 channels of h, and so whole 1 x 128 row tiles of da and
   whole 128 x 1 column tiles of da and h (ffi/cuda/ops/swiglu_backward_fp8.cu); on CPU loops by the same rules
   (ffi/cpu/swiglu_backward_fp8.cc). Both divide by the scale as IEEE does; the CPU handler and the kernel agree bit
-  for bit wherever the host's and the device's expf agree (ffi/common/swiglu.h says where they may not).
+  for bit wherever the host's and the device's expf agree and no float32 intermediate is subnormal (XLA:CPU's threads
+  flush those, as XLA:CPU's own code does; the GPU keeps them, as XLA:GPU does): ffi/common/swiglu.h.
 
   Args:
     aq: [M, 2F] float8_e4m3fn, a_s: [M, 2F / 128] float32 (``fp8.quantize_rows(a)``), dh: [M, F] float32 (zero

@@ -13,6 +13,9 @@
 // the exp agrees. The exp is the platform's expf: glibc's on the host, CUDA's on the device (within 2 ulp, not
 // correctly rounded), XLA's own on each backend. They agree on most inputs but not on all, so the host and the device
 // (and either and XLA) may part in the last bit of sig for some gates, and then in everything computed from it.
+// Subnormal float32 values follow the calling thread: XLA:CPU runs the CPU handlers on threads that flush them to zero
+// (as its own elementwise code does), the kernels keep them (as XLA:GPU does); they arise here only for gates below
+// about -87, where the logistic is subnormal, or for products of tiny operands.
 #pragma once
 
 #include <math.h>
