@@ -1,7 +1,7 @@
-// jmo_quantize_columns_fp8 on CUDA (quantize_columns.h): ops/quantize_columns.cuh's one-CTA-per-item schedule
-// (QuantizeColumnsLean: each CTA one (128 x 1 tile, 128 channels) item) on float32 rows (RowsF32: 16-byte loads) or
-// bfloat16 rows (RowsBf16x4: 8-byte loads, 128 channels an item, so C need only be a multiple of 128). It measured
-// faster than the header's persistent schedule on both (docs/performance.md, "Where the FP8 step goes").
+// jmo_quantize_columns_fp8 on CUDA (quantize_columns.h): the persistent kernel of ops/quantize_columns.cuh (a few
+// CTAs per SM, each looping over (128 x 1 tile, 128 channels) items and loading its next item while it quantizes the
+// current one) on float32 rows (RowsF32: 16-byte loads) or bfloat16 rows (RowsBf16x4: 8-byte loads, 128 channels an
+// item, so C need only be a multiple of 128).
 #include "cuda/ops/quantize_columns.h"
 
 #include <string>
@@ -12,23 +12,24 @@
 namespace jmo::cuda {
 namespace {
 
+// CTAs per SM of the persistent kernel: its __launch_bounds__ minimum (registers and shared memory fit that many).
+constexpr int kCtasPerSm = 2;
+
 template <class In>
-Status LaunchLean(cudaStream_t stream, In in, int64_t M, int64_t C, int64_t G, const int32_t* group_sizes,
-                  int64_t tiles, uint8_t* q_t, float* s) {
+Status LaunchPersistent(cudaStream_t stream, In in, int64_t M, int64_t C, int64_t G, const int32_t* group_sizes,
+                        int64_t tiles, uint8_t* q_t, float* s, int sms) {
   constexpr int kCh = qcols::Shared<In>::kCh;
   static_assert(kCh == 128, "an item is 128 channels: C is a multiple of 128");
-  const auto kernel = qcols::QuantizeColumnsLean<In>;
-  const int smem = qcols::LeanSmem<In>();
+  const auto kernel = qcols::QuantizeColumnsPersistent<In>;
+  const int smem = qcols::PersistentSmem<In>();
   Status st = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                         "cudaFuncSetAttribute of QuantizeColumnsLean");
+                         "cudaFuncSetAttribute of QuantizeColumnsPersistent");
   if (!st.ok()) return st;
   const int64_t items = tiles * (C / kCh);
-  if (items > 0x7FFFFFFF)
-    return Status::Error(kInvalidArgument, "jax_moe_overlap: quantize_columns_fp8: " + std::to_string(items) +
-                                               " (tile, 128 channels) items exceed a grid's 2^31 - 1 CTAs");
-  kernel<<<static_cast<unsigned>(items), qcols::kThreads, smem, stream>>>(in, M, C, group_sizes, static_cast<int>(G),
-                                                                          kColumnTile * tiles, q_t, s);
-  return CudaStatus(cudaGetLastError(), "launch of QuantizeColumnsLean");
+  const int grid = static_cast<int>(items < int64_t(kCtasPerSm) * sms ? items : int64_t(kCtasPerSm) * sms);
+  kernel<<<grid, qcols::kThreads, smem, stream>>>(in, M, C, group_sizes, static_cast<int>(G), kColumnTile * tiles,
+                                                  items, q_t, s);
+  return CudaStatus(cudaGetLastError(), "launch of QuantizeColumnsPersistent");
 }
 
 }  // namespace
@@ -45,9 +46,10 @@ Status QuantizeColumnsFp8(cudaStream_t stream, DType dt, const void* x, int64_t 
                                                std::to_string(C) + ", tiles=" + std::to_string(tiles));
   auto* q = static_cast<uint8_t*>(q_t);
   if (dt == DType::kF32)
-    return LaunchLean(stream, qcols::RowsF32{static_cast<const float*>(x), C}, M, C, G, group_sizes, tiles, q, s);
-  return LaunchLean(stream, qcols::RowsBf16x4{static_cast<const __nv_bfloat16*>(x), C}, M, C, G, group_sizes, tiles,
-                    q, s);
+    return LaunchPersistent(stream, qcols::RowsF32{static_cast<const float*>(x), C}, M, C, G, group_sizes, tiles, q,
+                            s, dev.sms);
+  return LaunchPersistent(stream, qcols::RowsBf16x4{static_cast<const __nv_bfloat16*>(x), C}, M, C, G, group_sizes,
+                          tiles, q, s, dev.sms);
 }
 
 }  // namespace jmo::cuda
