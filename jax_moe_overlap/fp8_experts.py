@@ -15,7 +15,9 @@ values and their float32 scales) and chooses how the GEMMs run:
                ``grouped_gemm.grouped_outer_fp8_packed`` on operands that ``grouped_gemm.quantize_columns_fp8``
                quantizes 128 x 1 straight into the token-contiguous layout (each expert's rows padded to a multiple
                of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU backward (h recomputed, da,
-               and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``, one pass over a and dh.
+               and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``, one pass over a and dh (on
+               GPUs once ``FUSED_SWIGLU_BACKWARD_ON_GPU``: until its kernel has passed its GPU test, XLA's ops and
+               the column quantizer's call).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
 
@@ -137,9 +139,21 @@ def _kernel_outer(lhs, rhs, tiles, group_sizes):
   return grouped_outer_fp8_packed(lhs, rhs, group_sizes)
 
 
+# Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel must first pass
+# tests/gpu/test_gpu_swiglu_backward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
+# composition on the column quantizer's custom call (the same math, exp aside: common/swiglu.h), CPUs the fused call.
+FUSED_SWIGLU_BACKWARD_ON_GPU = False
+
+
 def _kernel_swiglu_backward(aq, a_s, dh, tiles):
-  da_rows, da_cols, h_cols = swiglu_backward_fp8(aq, a_s, dh, tiles)
-  return h_cols, da_rows, da_cols
+  def fused():
+    da_rows, da_cols, h_cols = swiglu_backward_fp8(aq, a_s, dh, tiles)
+    return h_cols, da_rows, da_cols
+
+  def composed():
+    return swiglu_backward_composed(_kernel_columns)(aq, a_s, dh, tiles)
+
+  return jax.lax.platform_dependent(cpu=fused, default=fused if FUSED_SWIGLU_BACKWARD_ON_GPU else composed)
 
 
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)

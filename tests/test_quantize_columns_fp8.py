@@ -138,12 +138,17 @@ def _kernels_swiglu_backward_in_row_layout(aq, a_s, dh, tiles):
 
 
 def test_recipe_gradients_equal_the_xla_layout_path():
+  recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward=True)
+
+
+def recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward):
   """KERNELS' wgrads quantize their operands by the custom call; the same recipe with quantize_columns and the
   XLA layout (grouped_outer_fp8 on row-layout operands) gives the same gradients bit for bit. The SwiGLU backward,
   whose da and h the wgrads read, is KERNELS' custom call in both (its outputs read back into row layout for the XLA
   one): its float32 exp is the C library's, XLA's composition has XLA's own, which may part in the last bit
   (tests/test_swiglu_backward_fp8.py holds the call to the composition); this test is about the layout of the wgrad
-  operands, which must not change a bit."""
+  operands, which must not change a bit. fused_swiglu_backward: whether the platform runs the fused call (CPUs; GPUs
+  with fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU)."""
   xla_layout = fp8_experts.Gemms("kernels, XLA layout", fp8_experts.KERNELS.rows, fp8.quantize_columns,
                                  grouped_outer_fp8, _kernels_swiglu_backward_in_row_layout)
   M, D, F = 300, 128, 128
@@ -167,8 +172,11 @@ def test_recipe_gradients_equal_the_xla_layout_path():
                                   err_msg=name)
     assert np.any(np.asarray(a, np.float32) != 0), name
   text = grads(fp8_experts.KERNELS).lower(x, w1, w2).as_text()
-  assert text.count("jmo_quantize_columns_fp8") == 2, "x and dy, the wgrads' other operands"
-  assert text.count("jmo_swiglu_backward_fp8") == 1, "da and h, quantized into their layouts by the SwiGLU backward"
+  if fused_swiglu_backward:
+    assert text.count("jmo_quantize_columns_fp8") == 2, "x and dy, the wgrads' other operands"
+    assert text.count("jmo_swiglu_backward_fp8") == 1, "da and h, quantized into their layouts by the SwiGLU backward"
+  else:   # (fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU off, on a GPU)
+    assert text.count("jmo_quantize_columns_fp8") == 4 and "jmo_swiglu_backward_fp8" not in text
   assert "scatter" not in text, "no XLA scatter lays out the wgrad operands"
 
 
