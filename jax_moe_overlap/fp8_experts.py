@@ -14,7 +14,10 @@ values and their float32 scales) and chooses how the GEMMs run:
                by ``grouped_gemm.grouped_matmul_fp8``, the two wgrads (dW1 = x^T da, dW2 = h^T dy) by
                ``grouped_gemm.grouped_outer_fp8_packed`` on operands that ``grouped_gemm.quantize_columns_fp8``
                quantizes 128 x 1 straight into the token-contiguous layout (each expert's rows padded to a multiple
-               of 128), since FP8 wgmma takes both operands K-major only.
+               of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU backward (h recomputed, da,
+               and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``, one pass over a and dh (on
+               GPUs once ``FUSED_SWIGLU_BACKWARD_ON_GPU``: until its kernel has passed its GPU test, XLA's ops and
+               the column quantizer's call).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
 
@@ -57,6 +60,7 @@ import numpy as np
 from jax_moe_overlap import fp8
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
 from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_outer_fp8_packed, quantize_columns_fp8
+from jax_moe_overlap.grouped_gemm import swiglu_backward_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +75,29 @@ class Gemms:
     kernel's token-contiguous one (``grouped_gemm.quantize_columns_fp8``) for ``KERNELS``.
   outer(lhs = columns(a, tiles), rhs = columns(b, tiles), tiles, group_sizes [G]) -> [G, K, N] float32:
     a[rows of g]^T @ b[rows of g], both dequantized per 128 x 1 tile.
+  swiglu_backward(aq [M, 2F] e4m3, a_s [M, 2F / 128], dh [M, F] float32, tiles) -> (h_cols, da_rows, da_cols): with
+    a = dequantize_rows(aq, a_s), h = swiglu(a) and da its input gradient at dh in float32, h_cols = columns(h),
+    da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is the jnp
+    composition (``DENSE``, ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_backward_fp8``, one
+    custom call for all three.
   """
 
   name: str
   rows: Callable
   columns: Callable
   outer: Callable
+  swiglu_backward: Callable
+
+
+def swiglu_backward_composed(columns: Callable) -> Callable:
+  """``Gemms.swiglu_backward`` as XLA ops: a dequantized, h recomputed, da by ``jax.vjp`` of ``swiglu`` in float32,
+  then the three quantizations, each a pass of its own (``columns`` lays the column tiles out)."""
+  def swiglu_backward(aq, a_s, dh, tiles):
+    h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))
+    (da,) = swiglu_vjp(dh)
+    return columns(h, tiles), fp8.quantize_rows(da), columns(da, tiles)
+
+  return swiglu_backward
 
 
 def _on_dequantized(name: str, rows_f32: Callable, outer_f32: Callable) -> Gemms:
@@ -87,7 +108,7 @@ def _on_dequantized(name: str, rows_f32: Callable, outer_f32: Callable) -> Gemms
   def outer(lhs, rhs, tiles, group_sizes):
     return outer_f32(fp8.dequantize_columns(*lhs, tiles), fp8.dequantize_columns(*rhs, tiles), group_sizes)
 
-  return Gemms(name, rows, fp8.quantize_columns, outer)
+  return Gemms(name, rows, fp8.quantize_columns, outer, swiglu_backward_composed(fp8.quantize_columns))
 
 
 def _row_groups(rows: int, group_sizes):
@@ -118,9 +139,26 @@ def _kernel_outer(lhs, rhs, tiles, group_sizes):
   return grouped_outer_fp8_packed(lhs, rhs, group_sizes)
 
 
+# Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel must first pass
+# tests/gpu/test_gpu_swiglu_backward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
+# composition on the column quantizer's custom call (the same math, exp aside: common/swiglu.h), CPUs the fused call.
+FUSED_SWIGLU_BACKWARD_ON_GPU = False
+
+
+def _kernel_swiglu_backward(aq, a_s, dh, tiles):
+  def fused():
+    da_rows, da_cols, h_cols = swiglu_backward_fp8(aq, a_s, dh, tiles)
+    return h_cols, da_rows, da_cols
+
+  def composed():
+    return swiglu_backward_composed(_kernel_columns)(aq, a_s, dh, tiles)
+
+  return jax.lax.platform_dependent(cpu=fused, default=fused if FUSED_SWIGLU_BACKWARD_ON_GPU else composed)
+
+
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
-KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer)
+KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_backward)
 
 
 def _weight_cotangent_template(w):
@@ -150,12 +188,11 @@ def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
     return gemms.columns(v, tiles)
 
   dy = fp8.dequantize_rows(dyq, dys)
-  h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))
   dh = gemms.rows(dyq, dys, fp8.transpose_weight(w2q), group_sizes)
-  dw2 = gemms.outer(columns(h), columns(dy), tiles, group_sizes)
-  (da,) = swiglu_vjp(dh)
-  dx = gemms.rows(*fp8.quantize_rows(da), fp8.transpose_weight(w1q), group_sizes, dx_dtype)
-  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), columns(da), tiles, group_sizes)
+  h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh, tiles)
+  dw2 = gemms.outer(h_cols, columns(dy), tiles, group_sizes)
+  dx = gemms.rows(*da_rows, fp8.transpose_weight(w1q), group_sizes, dx_dtype)
+  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), da_cols, tiles, group_sizes)
 
   def weight_ct(dw, like, wq):
     return jax.tree.map(jnp.zeros_like, wq) if like is None else dw.astype(like.dtype)

@@ -26,6 +26,7 @@ GROUPED_MATMUL_SWIGLU_GRAD = "jmo_grouped_matmul_swiglu_grad"
 GROUPED_MATMUL_FP8 = "jmo_grouped_matmul_fp8"
 GROUPED_OUTER_FP8 = "jmo_grouped_outer_fp8"
 QUANTIZE_COLUMNS_FP8 = "jmo_quantize_columns_fp8"
+SWIGLU_BACKWARD_FP8 = "jmo_swiglu_backward_fp8"
 
 
 def _out_dtype(lhs, preferred_element_type):
@@ -251,6 +252,55 @@ def quantize_columns_fp8(x: jax.Array, tiles: fp8.ColumnTiles) -> tuple[jax.Arra
   out = (jax.ShapeDtypeStruct((C, fp8.TILE * tiles.count), fp8.E4M3),
          jax.ShapeDtypeStruct((tiles.count, C), jnp.float32))
   return jax.ffi.ffi_call(QUANTIZE_COLUMNS_FP8, out, vmap_method="sequential")(x, tiles.group_sizes.astype(jnp.int32))
+
+
+def swiglu_backward_fp8(aq: jax.Array, a_s: jax.Array, dh: jax.Array, tiles: fp8.ColumnTiles):
+  """The FP8 recipe's SwiGLU backward in one custom call, from the kept preactivation to the three quantized operands
+  the backward's GEMMs read: with a = ``fp8.dequantize_rows(aq, a_s)`` (the gate's F columns, then the up
+  projection's, as ``expert_gemms.swiglu`` splits them), h = swiglu(a) and da = (d_gate | d_up) its input gradient at
+  dh (the expressions of ``jax.vjp`` of ``swiglu`` in float32, ffi/common/swiglu.h):
+
+    da_rows = ``fp8.quantize_rows(da)``: 1 x 128, for dx = da W1^T (a row past the groups: zero values, scales
+              2^-126, as ``quantize_rows`` of a zero row)
+    da_cols = ``quantize_columns_fp8(da, tiles)``: 128 x 1 per group, token-contiguous, for dW1 = x^T da
+    h_cols  = ``quantize_columns_fp8(h, tiles)``, for dW2 = h^T dy
+
+  in one pass over aq, a_s and dh: on CUDA (Hopper, like the FP8 GEMMs its outputs feed; elsewhere it fails naming
+  the requirement) a CTA owns 128 rows of one tile x 128 channels of h, and so whole 1 x 128 row tiles of da and
+  whole 128 x 1 column tiles of da and h (ffi/cuda/ops/swiglu_backward_fp8.cu); on CPU loops by the same rules
+  (ffi/cpu/swiglu_backward_fp8.cc). Both divide by the scale as IEEE does; the CPU handler and the kernel agree bit
+  for bit wherever the host's and the device's expf agree and no float32 intermediate is subnormal (XLA:CPU's threads
+  flush those, as XLA:CPU's own code does; the GPU keeps them, as XLA:GPU does): ffi/common/swiglu.h.
+
+  Args:
+    aq: [M, 2F] float8_e4m3fn, a_s: [M, 2F / 128] float32 (``fp8.quantize_rows(a)``), dh: [M, F] float32 (zero
+      past the groups). tiles: ``fp8.column_tiles(M, group_sizes)``; sizes >= 0 summing to at most M (the CPU handler
+      raises otherwise; the kernel clips). F a positive multiple of 128.
+  Returns:
+    (da_rows, da_cols, h_cols): da_rows = (q [M, 2F] e4m3, s [M, 2F / 128] float32); da_cols = (q_t [2F, 128 *
+    tiles.count] e4m3, s [tiles.count, 2F] float32); h_cols = (q_t [F, 128 * tiles.count], s [tiles.count, F]).
+  """
+  name = "swiglu_backward_fp8"
+  if aq.ndim != 2 or aq.dtype != fp8.E4M3 or a_s.dtype != jnp.float32 or dh.dtype != jnp.float32:
+    raise TypeError(f"jax_moe_overlap: {name}: aq must be a float8_e4m3fn [M, 2F] array, a_s and dh float32; got aq "
+                    f"{aq.dtype}{list(aq.shape)}, a_s {a_s.dtype}, dh {dh.dtype}")
+  M, C = aq.shape
+  F = C // 2
+  if C % (2 * fp8.TILE) or C == 0:
+    raise ValueError(f"jax_moe_overlap: {name}: F (half of aq's {C} channels) must be a positive multiple of 128")
+  if dh.shape != (M, F) or a_s.shape != (M, C // fp8.TILE):
+    raise ValueError(f"jax_moe_overlap: {name}: aq {aq.shape}, a_s {a_s.shape} and dh {dh.shape} do not fit aq "
+                     f"[M, 2F], a_s [M, 2F / 128], dh [M, F]")
+  if tiles.rows != M or tiles.group_sizes.ndim != 1:
+    raise ValueError(f"jax_moe_overlap: {name}: tiles were made for {tiles.rows} rows, aq has {M}")
+  _ffi.register()
+  Mp, n = fp8.TILE * tiles.count, tiles.count
+  out = (jax.ShapeDtypeStruct((M, C), fp8.E4M3), jax.ShapeDtypeStruct((M, C // fp8.TILE), jnp.float32),
+         jax.ShapeDtypeStruct((C, Mp), fp8.E4M3), jax.ShapeDtypeStruct((n, C), jnp.float32),
+         jax.ShapeDtypeStruct((F, Mp), fp8.E4M3), jax.ShapeDtypeStruct((n, F), jnp.float32))
+  dq, ds, dq_t, ds_t, hq_t, hs_t = jax.ffi.ffi_call(SWIGLU_BACKWARD_FP8, out, vmap_method="sequential")(
+      aq, a_s, dh, tiles.group_sizes.astype(jnp.int32))
+  return (dq, ds), (dq_t, ds_t), (hq_t, hs_t)
 
 
 def grouped_outer_fp8_packed(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, jax.Array],

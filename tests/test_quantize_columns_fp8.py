@@ -123,11 +123,34 @@ def test_rounding_ties_subnormals_and_non_finite_values():
   assert np.isnan(s[tiles_needed - 1, 0]) and np.isinf(s[tiles_needed - 1, 1])
 
 
+def _row_layout(cols, tiles):
+  """A token-contiguous (q_t [C, Mp], s) back in row layout (q [M, C], s): row r from its padded place; zero past
+  the groups."""
+  q_t, s = cols
+  bits = jax.lax.bitcast_convert_type(q_t, jnp.uint8).T
+  q = jnp.take(bits, tiles.padded_row, axis=0, mode="fill", fill_value=0)
+  return jax.lax.bitcast_convert_type(q, fp8.E4M3), s
+
+
+def _kernels_swiglu_backward_in_row_layout(aq, a_s, dh, tiles):
+  h_cols, da_rows, da_cols = fp8_experts.KERNELS.swiglu_backward(aq, a_s, dh, tiles)
+  return _row_layout(h_cols, tiles), da_rows, _row_layout(da_cols, tiles)
+
+
 def test_recipe_gradients_equal_the_xla_layout_path():
+  recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward=True)
+
+
+def recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward):
   """KERNELS' wgrads quantize their operands by the custom call; the same recipe with quantize_columns and the
-  XLA layout (grouped_outer_fp8 on row-layout operands) gives the same gradients bit for bit."""
+  XLA layout (grouped_outer_fp8 on row-layout operands) gives the same gradients bit for bit. The SwiGLU backward,
+  whose da and h the wgrads read, is KERNELS' custom call in both (its outputs read back into row layout for the XLA
+  one): its float32 exp is the C library's, XLA's composition has XLA's own, which may part in the last bit
+  (tests/test_swiglu_backward_fp8.py holds the call to the composition); this test is about the layout of the wgrad
+  operands, which must not change a bit. fused_swiglu_backward: whether the platform runs the fused call (CPUs; GPUs
+  with fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU)."""
   xla_layout = fp8_experts.Gemms("kernels, XLA layout", fp8_experts.KERNELS.rows, fp8.quantize_columns,
-                                 grouped_outer_fp8)
+                                 grouped_outer_fp8, _kernels_swiglu_backward_in_row_layout)
   M, D, F = 300, 128, 128
   sizes = np.array([170, 0, 1, 100])
   rng = np.random.default_rng(5)
@@ -149,7 +172,11 @@ def test_recipe_gradients_equal_the_xla_layout_path():
                                   err_msg=name)
     assert np.any(np.asarray(a, np.float32) != 0), name
   text = grads(fp8_experts.KERNELS).lower(x, w1, w2).as_text()
-  assert text.count("jmo_quantize_columns_fp8") == 4, "each wgrad's two operands"
+  if fused_swiglu_backward:
+    assert text.count("jmo_quantize_columns_fp8") == 2, "x and dy, the wgrads' other operands"
+    assert text.count("jmo_swiglu_backward_fp8") == 1, "da and h, quantized into their layouts by the SwiGLU backward"
+  else:   # (fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU off, on a GPU)
+    assert text.count("jmo_quantize_columns_fp8") == 4 and "jmo_swiglu_backward_fp8" not in text
   assert "scatter" not in text, "no XLA scatter lays out the wgrad operands"
 
 

@@ -21,16 +21,33 @@ namespace jmo {
 
 constexpr float kE4m3Max = 448.f;  // the largest finite e4m3
 
-inline float E4m3ToFloat(uint8_t b) {
-  const int exponent = (b >> 3) & 0xF, mantissa = b & 0x7;
+// The float32 value of an e4m3 byte, exact, built from its bits (host and device).
+JMO_E4M3_HD inline float E4m3ToFloat(uint8_t b) {
+  const uint32_t exponent = (b >> 3) & 0xF, mantissa = b & 0x7;
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24;
+  uint32_t u;
+  if (exponent == 0xF && mantissa == 0x7) {
+    u = sign | 0x7FC00000u;  // NaN
+  } else if (exponent == 0) {
+    const float v = static_cast<float>(mantissa) * 0x1p-9f;  // mantissa * 2^-3 * 2^(1 - 7): exact
+    memcpy(&u, &v, sizeof u);
+    u |= sign;
+  } else {
+    u = sign | ((exponent + 127u - 7u) << 23) | (mantissa << 20);  // (1 + mantissa / 8) * 2^(exponent - 7)
+  }
   float v;
-  if (exponent == 0xF && mantissa == 0x7)
-    v = std::numeric_limits<float>::quiet_NaN();
-  else if (exponent == 0)
-    v = std::ldexp(static_cast<float>(mantissa), -9);          // mantissa * 2^-3 * 2^(1 - 7)
-  else
-    v = std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);  // (1 + mantissa / 8) * 2^(exponent - 7)
-  return (b & 0x80) ? -v : v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// fp8.py's dequantization of one value: float32(q) * s, one float32 product (on the device never contracted into an
+// FMA with a later sum).
+JMO_E4M3_HD inline float DequantizeE4m3(uint8_t b, float s) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(E4m3ToFloat(b), s);
+#else
+  return E4m3ToFloat(b) * s;
+#endif
 }
 
 // The 256 values, indexed by the byte.

@@ -46,6 +46,16 @@
 //                                     tile t's scale. Mp / 128 (the tiles) >= ceil(M / 128) + G, enough for any group
 //                                     sizes (fp8.ColumnTiles.count); the tiles past the groups' are empty (zero
 //                                     values, scale 2^-126). C is a positive multiple of 128.
+//   jmo_swiglu_backward_fp8(aq [M, 2F] e4m3, a_s [M, 2F/128] f32, dh [M, F] f32, group_sizes [G] s32)
+//       -> da_q [M, 2F] e4m3, da_s [M, 2F/128] f32, da_t [2F, Mp] e4m3, da_ts [Mp/128, 2F] f32,
+//          h_t [F, Mp] e4m3, h_ts [Mp/128, F] f32
+//                                     the FP8 recipe's SwiGLU backward: with a = dequantize_rows(aq, a_s) (the gate's
+//                                     F columns, then the up projection's), h = silu(gate) * up and da = (d_gate |
+//                                     d_up) its input gradient at dh (common/swiglu.h), on the rows of the groups:
+//                                     (da_q, da_s) = fp8.quantize_rows(da) (1 x 128; a row past the groups: zero
+//                                     values, scales 2^-126, quantize_rows of a zero row); (da_t, da_ts) and (h_t,
+//                                     h_ts) = jmo_quantize_columns_fp8 of da and of h. F is a positive multiple of
+//                                     128; Mp / 128 as for jmo_quantize_columns_fp8.
 //
 // Operands of the first three are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype
 // (fp32 accumulation).
@@ -307,6 +317,68 @@ inline xla::ffi::ErrorOr<QuantizeColumnsShape> CheckQuantizeColumnsFp8(
     return fail("C (x's channels) must be a positive multiple of 128, got " + std::to_string(r.C));
   if (qd[0] != r.C || qd[1] != kFp8Tile * r.tiles || sd[1] != r.C)
     return fail("inconsistent shapes: x " + DimsText(xd) + ", q_t " + DimsText(qd) + ", s " + DimsText(sd));
+  const int64_t need = (r.M + kFp8Tile - 1) / kFp8Tile + r.G;
+  if (r.tiles < need)
+    return fail(std::to_string(r.tiles) + " tiles (Mp / 128) cannot hold " + std::to_string(r.M) + " rows in " +
+                std::to_string(r.G) + " groups: need ceil(M / 128) + G = " + std::to_string(need));
+  return r;
+}
+
+// jmo_swiglu_backward_fp8: aq, a_s, dh, group_sizes -> da_q, da_s, da_t, da_ts, h_t, h_ts.
+template <typename Binding>
+auto BindSwiGluBackwardFp8(Binding&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+struct SwiGluBackwardShape {
+  int64_t M, F, G;
+  int64_t tiles;  // Mp / 128
+};
+
+inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
+    const xla::ffi::AnyBuffer& aq, const xla::ffi::Buffer<xla::ffi::F32>& a_s,
+    const xla::ffi::Buffer<xla::ffi::F32>& dh, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+    const xla::ffi::AnyBuffer& da_q, const xla::ffi::Buffer<xla::ffi::F32>& da_s, const xla::ffi::AnyBuffer& da_t,
+    const xla::ffi::Buffer<xla::ffi::F32>& da_ts, const xla::ffi::AnyBuffer& h_t,
+    const xla::ffi::Buffer<xla::ffi::F32>& h_ts) {
+  namespace ffi = xla::ffi;
+  auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("swiglu_backward_fp8: " + why)); };
+  for (const ffi::AnyBuffer* b : {&aq, &da_q, &da_t, &h_t})
+    if (b->element_type() != ffi::DataType::F8E4M3FN) return fail("aq, da_q, da_t and h_t must be float8_e4m3fn");
+  auto ad = aq.dimensions(), asd = a_s.dimensions(), dd = dh.dimensions();
+  if (ad.size() != 2 || asd.size() != 2 || dd.size() != 2 || group_sizes.dimensions().size() != 1)
+    return fail("expected aq [M, 2F], a_s [M, 2F/128], dh [M, F], group_sizes [G]");
+  if (h_ts.dimensions().size() != 2) return fail("expected h_ts [Mp/128, F]");
+  SwiGluBackwardShape r{dd[0], dd[1], static_cast<int64_t>(group_sizes.element_count()), h_ts.dimensions()[0]};
+  if (r.F < kFp8Tile || r.F % kFp8Tile != 0)
+    return fail("F (dh's channels, half of aq's) must be a positive multiple of 128, got " + std::to_string(r.F));
+  const int64_t C = 2 * r.F, Mp = kFp8Tile * r.tiles;
+  auto dims = [](std::initializer_list<int64_t> want, auto got) {
+    if (got.size() != want.size()) return false;
+    int i = 0;
+    for (int64_t w : want)
+      if (got[i++] != w) return false;
+    return true;
+  };
+  if (!dims({r.M, C}, ad) || !dims({r.M, C / kFp8Tile}, asd))
+    return fail("inconsistent operands: aq " + DimsText(ad) + ", a_s " + DimsText(asd) + ", dh " + DimsText(dd) +
+                " (aq [M, 2F], a_s [M, 2F/128], dh [M, F])");
+  if (!dims({r.M, C}, da_q.dimensions()) || !dims({r.M, C / kFp8Tile}, da_s.dimensions()) ||
+      !dims({C, Mp}, da_t.dimensions()) || !dims({r.tiles, C}, da_ts.dimensions()) ||
+      !dims({r.F, Mp}, h_t.dimensions()) || !dims({r.tiles, r.F}, h_ts.dimensions()))
+    return fail("inconsistent results: expected da_q [M, 2F], da_s [M, 2F/128], da_t [2F, Mp], da_ts [Mp/128, 2F], "
+                "h_t [F, Mp], h_ts [Mp/128, F] for M=" + std::to_string(r.M) + ", F=" + std::to_string(r.F) +
+                ", Mp/128=" + std::to_string(r.tiles));
   const int64_t need = (r.M + kFp8Tile - 1) / kFp8Tile + r.G;
   if (r.tiles < need)
     return fail(std::to_string(r.tiles) + " tiles (Mp / 128) cannot hold " + std::to_string(r.M) + " rows in " +

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "common/swiglu.h"
 
 namespace jmo::cpu {
 
@@ -60,20 +61,15 @@ inline void SwiGluRows(const float* pre, int64_t r0, int64_t r1, int64_t F, void
 
 // The input gradient of SwiGLU for the rows r in [r0, r1): dh [*, F] float32 (the output gradient of h), pre [*, 2F]
 // float32 -> da [*, 2F] (d_gate's F columns, then d_up's; bfloat16 when da_bf16), rounded once at the store. The
-// expressions of jax.vjp of the layer's swiglu, grouped as there and as the CUDA epilogue's (device/activation.cuh,
-// SwiGluGrad): sig = 1 / (1 + exp(-gate)), d_up = (gate * sig) * dh, j = dh * up,
-// d_gate = j * sig + (gate * j) * (sig * (1 - sig)).
+// formula the CUDA epilogue shares (common/swiglu.h, SwiGluGrad): the expressions of jax.vjp of the layer's swiglu.
 inline void SwiGluGradRows(const float* dh, const float* pre, int64_t r0, int64_t r1, int64_t F, void* da,
                            bool da_bf16) {
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = 0; c < F; ++c) {
-      const float gate = pre[r * 2 * F + c], up = pre[r * 2 * F + F + c], d = dh[r * F + c];
-      const float sig = 1.0f / (1.0f + std::exp(-gate));
-      const float j = d * up;
-      const float gate_j = gate * j, sig_slope = sig * (1.0f - sig);
-      const float d_gate = j * sig + gate_j * sig_slope;
+      float d_gate, d_up;
+      SwiGluGrad(pre[r * 2 * F + c], pre[r * 2 * F + F + c], dh[r * F + c], &d_gate, &d_up);
       StoreElem(da, da_bf16, r * 2 * F + c, d_gate);
-      StoreElem(da, da_bf16, r * 2 * F + F + c, (gate * sig) * d);
+      StoreElem(da, da_bf16, r * 2 * F + F + c, d_up);
     }
 }
 

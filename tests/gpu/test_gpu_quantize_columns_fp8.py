@@ -17,6 +17,7 @@ from gpu_common import gpu_devices, requires_gpu
 from test_gpu_grouped_gemm_fp8 import _hopper, _poison_allocator, requires_hopper
 
 from jax_moe_overlap import fp8
+from jax_moe_overlap import fp8_experts
 from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
 
 pytestmark = requires_gpu
@@ -126,7 +127,7 @@ def test_kernel_rounding_ties_subnormals_and_non_finite_values():
 def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu():
   """The layer takes the call on GPUs: the recipe's gradients equal the XLA layout path's bit for bit."""
   with jax.default_device(gpu_devices()[0]):
-    base.test_recipe_gradients_equal_the_xla_layout_path()
+    base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU)
 
 
 def test_other_gpus_refuse_naming_the_requirement():

@@ -6,22 +6,14 @@
 
 #include <cuda_runtime.h>
 
+#include "common/swiglu.h"
+
 namespace jmo::cuda {
 
 __device__ __forceinline__ float SiluMul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
-// The input gradient of silu(gate) * up for the output gradient dh, in float32: the expressions of jax.vjp of the
-// layer's swiglu (expert_gemms.swiglu: JAX's jvp rules of mul and logistic, transposed) with the same operands
-// grouped the same way, the logistic as XLA expands it, 1 / (1 + exp(-gate)), and each operation rounded on its own
-// (the __f*_rn intrinsics: no contraction into FMAs), so that the result is the float32 math of the unfused path
-// wherever XLA's elementwise code rounds each operation and its exp agrees with expf:
-//   sig = logistic(gate), d_up = (gate * sig) * dh, j = dh * up,
-//   d_gate = j * sig + (gate * j) * (sig * (1 - sig)).
-__device__ __forceinline__ void SwiGluGrad(float gate, float up, float dh, float* d_gate, float* d_up) {
-  const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate)));
-  const float j = __fmul_rn(dh, up);
-  *d_up = __fmul_rn(__fmul_rn(gate, sig), dh);
-  *d_gate = __fadd_rn(__fmul_rn(j, sig), __fmul_rn(__fmul_rn(gate, j), __fmul_rn(sig, __fsub_rn(1.0f, sig))));
-}
+// The input gradient of silu(gate) * up for the output gradient dh, in float32: the shared formula of the host and
+// the device (common/swiglu.h), the expressions of jax.vjp of the layer's swiglu with each operation rounded on its own.
+using jmo::SwiGluGrad;
 
 }  // namespace jmo::cuda

@@ -1,4 +1,4 @@
-// XLA:CUDA handlers of the bare grouped GEMMs and of the FP8 wgrad operands' quantizer: the shape checks shared with
+// XLA:CUDA handlers of the bare grouped GEMMs, of the FP8 wgrad operands' quantizer and of the FP8 SwiGLU backward: the shape checks shared with
 // the CPU handlers (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu and
 // ops/quantize_columns.cu on XLA's stream. They keep no state
 // between calls and launch what the shapes and addresses decide (group sizes are read on the device), so each
@@ -9,6 +9,7 @@
 #include "cuda/handlers/support.h"
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/quantize_columns.h"
+#include "cuda/ops/swiglu_backward_fp8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -98,6 +99,22 @@ ffi::Error QuantizeColumnsFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   group_sizes.typed_data(), shape->tiles, q_t->untyped_data(), s->typed_data()));
 }
 
+ffi::Error SwiGluBackwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s,
+                                 ffi::Buffer<ffi::F32> dh, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Result<ffi::AnyBuffer> da_q, ffi::Result<ffi::Buffer<ffi::F32>> da_s,
+                                 ffi::Result<ffi::AnyBuffer> da_t, ffi::Result<ffi::Buffer<ffi::F32>> da_ts,
+                                 ffi::Result<ffi::AnyBuffer> h_t, ffi::Result<ffi::Buffer<ffi::F32>> h_ts) {
+  NoteHandlerCall(HandlerOp::kSwiGluBackwardFp8, stream);
+  auto shape = CheckSwiGluBackwardFp8(aq, a_s, dh, group_sizes, *da_q, *da_s, *da_t, *da_ts, *h_t, *h_ts);
+  if (shape.has_error()) return shape.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(SwiGluBackwardFp8(stream, static_cast<const uint8_t*>(aq.untyped_data()), a_s.typed_data(),
+                                 dh.typed_data(), shape->M, shape->F, shape->G, group_sizes.typed_data(), shape->tiles,
+                                 static_cast<uint8_t*>(da_q->untyped_data()), da_s->typed_data(),
+                                 static_cast<uint8_t*>(da_t->untyped_data()), da_ts->typed_data(),
+                                 static_cast<uint8_t*>(h_t->untyped_data()), h_ts->typed_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -127,5 +144,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterFp8Cuda, jmo::cuda::GroupedOuterFp8
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoQuantizeColumnsFp8Cuda, jmo::cuda::QuantizeColumnsFp8Impl,
                               jmo::BindQuantizeColumnsFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                          .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoSwiGluBackwardFp8Cuda, jmo::cuda::SwiGluBackwardFp8Impl,
+                              jmo::BindSwiGluBackwardFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                           .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,114 +1,35 @@
-// jmo_quantize_columns_fp8 on CUDA (quantize_columns.h): one CTA per (128 x 1 tile, 128 channels), 256 threads.
-// Each CTA derives the group tables from the group sizes (ops/group_offsets.cuh) and places its tile by the shared
-// rule (common/fp8_columns.h), then
-//   1. loads the tile's rows, coalesced along the channels (a warp reads 128 channels of one row: 512 or 256 bytes),
-//      16 rows per warp, kept in registers as float32, with each thread's amax of its 4 channels;
-//   2. combines the 8 warps' amaxes per channel and writes the scales (ColumnTileScale), 128 contiguous floats;
-//   3. quantizes its values (QuantizeE4m3) and packs 4 consecutive rows of a channel into a word of a channel-major
-//      shared buffer (128 channels x 128 bytes, the words of a channel row XOR-swizzled by channel / 4 so that both
-//      the packing and the read-out are free of bank conflicts);
-//   4. writes each channel's 128 bytes to q_t[c, 128 t ..] (a warp per channel row: one 128-byte segment).
-// Rows of the tile past its group's (and every row of a tile past the groups' tiles) are zero bytes.
+// jmo_quantize_columns_fp8 on CUDA (quantize_columns.h): the persistent kernel of ops/quantize_columns.cuh (a few
+// CTAs per SM, each looping over (128 x 1 tile, 128 channels) items and loading its next item while it quantizes the
+// current one) on float32 rows (RowsF32: 16-byte loads) or bfloat16 rows (RowsBf16x4: 8-byte loads, 128 channels an
+// item, so C need only be a multiple of 128).
 #include "cuda/ops/quantize_columns.h"
-
-#include <cuda_bf16.h>
 
 #include <string>
 
-#include "common/fp8_columns.h"
-#include "cuda/launch.h"
-#include "cuda/ops/group_offsets.cuh"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/ops/quantize_columns.cuh"
 
 namespace jmo::cuda {
 namespace {
 
-constexpr int kCtaThreads = kTileThreads;  // BlockExclusiveScan's CTA size
-constexpr int kCtaWarps = kCtaThreads / 32;
-constexpr int kChannels = 128;                            // channels of a CTA: 4 per lane
-constexpr int kRowsPerWarp = kColumnTile / kCtaWarps;        // 16
-constexpr int kWordsPerChannel = kColumnTile / 4;         // 32: a channel's 128 bytes as words
-static_assert(kRowsPerWarp % 4 == 0 && kWordsPerChannel == 32, "a warp's rows pack into whole words; one per lane");
+// CTAs per SM of the persistent kernel: its __launch_bounds__ minimum (registers and shared memory fit that many).
+constexpr int kCtasPerSm = 2;
 
-// Four consecutive channels as float32 (exact from bfloat16).
-__device__ __forceinline__ float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 Load4(const __nv_bfloat16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xFFFF0000u));
-}
-
-// The place of word w of channel c's row in the packed buffer (c's row of 32 words, XOR-swizzled by c / 4).
-__device__ __forceinline__ int PackedWord(int c, int w) { return c * kWordsPerChannel + (w ^ ((c >> 2) & 31)); }
-
-// Three CTAs per SM (the register cap that sets; 31 KB of shared memory each): enough loads in flight for a kernel
-// that only moves bytes.
-template <typename T>
-__global__ void __launch_bounds__(kCtaThreads, 3) QuantizeColumnsKernel(const T* __restrict__ x, int64_t M, int64_t C,
-                                                                  const int32_t* __restrict__ sizes, int G,
-                                                                  int64_t Mp, uint8_t* __restrict__ q_t,
-                                                                  float* __restrict__ s) {
-  __shared__ int32_t row_off[kMaxGroups + 1];
-  __shared__ int32_t tile_off[kMaxGroups + 1];
-  __shared__ float part[kCtaWarps][kChannels];  // each warp's amax per channel
-  __shared__ float scale[kChannels];
-  __shared__ uint32_t packed[kChannels * kWordsPerChannel];
-  BuildRowOffsets(sizes, G, M, row_off);
-  BlockExclusiveScan(G, [&](int g) { return (int32_t)ColumnTilesOf(row_off[g + 1] - row_off[g]); }, tile_off);
-  const int64_t t = blockIdx.x;
-  const int64_t c0 = (int64_t)blockIdx.y * kChannels;
-  const ColumnTileRows tile = PlaceColumnTile(t, row_off, tile_off, G);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row0 = warp * kRowsPerWarp;
-
-  float v[kRowsPerWarp][4];
-  float amax[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int k = 0; k < kRowsPerWarp; ++k) {
-    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (row0 + k < tile.rows) {
-      f = Load4(x + (tile.first + row0 + k) * C + c0 + 4 * lane);
-      amax[0] = AmaxStep(amax[0], f.x);
-      amax[1] = AmaxStep(amax[1], f.y);
-      amax[2] = AmaxStep(amax[2], f.z);
-      amax[3] = AmaxStep(amax[3], f.w);
-    }
-    v[k][0] = f.x;
-    v[k][1] = f.y;
-    v[k][2] = f.z;
-    v[k][3] = f.w;
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) part[warp][4 * lane + j] = amax[j];
-  __syncthreads();
-  if (threadIdx.x < kChannels) {
-    // The warps' amaxes are >= 0 or NaN, so AmaxStep over them is the tile's amax over all its rows.
-    float m = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCtaWarps; ++w) m = AmaxStep(m, part[w][threadIdx.x]);
-    const float sc = ColumnTileScale(m);
-    scale[threadIdx.x] = sc;
-    s[t * C + c0 + threadIdx.x] = sc;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int c = 4 * lane + j;
-    const float sc = scale[c];
-#pragma unroll
-    for (int m = 0; m < kRowsPerWarp / 4; ++m) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int k = 4 * m + b;
-        const uint32_t q = row0 + k < tile.rows ? QuantizeE4m3(v[k][j], sc) : 0u;
-        word |= q << (8 * b);
-      }
-      packed[PackedWord(c, row0 / 4 + m)] = word;
-    }
-  }
-  __syncthreads();
-  for (int c = warp; c < kChannels; c += kCtaWarps)
-    reinterpret_cast<uint32_t*>(q_t + (c0 + c) * Mp + t * kColumnTile)[lane] = packed[PackedWord(c, lane)];
+template <class In>
+Status LaunchPersistent(cudaStream_t stream, In in, int64_t M, int64_t C, int64_t G, const int32_t* group_sizes,
+                        int64_t tiles, uint8_t* q_t, float* s, int sms) {
+  constexpr int kCh = qcols::Shared<In>::kCh;
+  static_assert(kCh == 128, "an item is 128 channels: C is a multiple of 128");
+  const auto kernel = qcols::QuantizeColumnsPersistent<In>;
+  const int smem = qcols::PersistentSmem<In>();
+  Status st = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                         "cudaFuncSetAttribute of QuantizeColumnsPersistent");
+  if (!st.ok()) return st;
+  const int64_t items = tiles * (C / kCh);
+  const int grid = static_cast<int>(items < int64_t(kCtasPerSm) * sms ? items : int64_t(kCtasPerSm) * sms);
+  kernel<<<grid, qcols::kThreads, smem, stream>>>(in, M, C, group_sizes, static_cast<int>(G), kColumnTile * tiles,
+                                                  items, q_t, s);
+  return CudaStatus(cudaGetLastError(), "launch of QuantizeColumnsPersistent");
 }
 
 }  // namespace
@@ -119,21 +40,16 @@ Status QuantizeColumnsFp8(cudaStream_t stream, DType dt, const void* x, int64_t 
   if (!st.ok()) return st;
   DeviceInfo dev;
   if (!(st = Fp8DeviceCheck("quantize_columns_fp8", &dev)).ok()) return st;
-  if (C < kChannels || C % kChannels != 0 || C / kChannels > 65535 || tiles < (M + kColumnTile - 1) / kColumnTile + G ||
-      tiles > 0x7FFFFFFF)
+  if (C < 128 || C % 128 != 0 || tiles < (M + kColumnTile - 1) / kColumnTile + G || tiles > 0x7FFFFFFF)
     return Status::Error(kInvalidArgument, "jax_moe_overlap: quantize_columns_fp8: C must be a positive multiple of "
-                                           "128 (at most 128 * 65535) and the tiles at least ceil(M / 128) + G, got "
-                                           "C=" + std::to_string(C) + ", tiles=" + std::to_string(tiles));
-  const dim3 grid((unsigned)tiles, (unsigned)(C / kChannels));
-  const int64_t Mp = kColumnTile * tiles;
+                                           "128 and the tiles at least ceil(M / 128) + G, got C=" +
+                                               std::to_string(C) + ", tiles=" + std::to_string(tiles));
+  auto* q = static_cast<uint8_t*>(q_t);
   if (dt == DType::kF32)
-    QuantizeColumnsKernel<float><<<grid, kCtaThreads, 0, stream>>>(static_cast<const float*>(x), M, C, group_sizes,
-                                                                (int)G, Mp, static_cast<uint8_t*>(q_t), s);
-  else
-    QuantizeColumnsKernel<__nv_bfloat16><<<grid, kCtaThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), M, C,
-                                                                        group_sizes, (int)G, Mp,
-                                                                        static_cast<uint8_t*>(q_t), s);
-  return CudaStatus(cudaGetLastError(), "launch of QuantizeColumnsKernel");
+    return LaunchPersistent(stream, qcols::RowsF32{static_cast<const float*>(x), C}, M, C, G, group_sizes, tiles, q,
+                            s, dev.sms);
+  return LaunchPersistent(stream, qcols::RowsBf16x4{static_cast<const __nv_bfloat16*>(x), C}, M, C, G, group_sizes,
+                          tiles, q, s, dev.sms);
 }
 
 }  // namespace jmo::cuda

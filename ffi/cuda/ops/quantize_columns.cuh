@@ -1,0 +1,419 @@
+// The kernels of jmo_quantize_columns_fp8 on CUDA (quantize_columns.h), by the rules of common/fp8_columns.h, as
+// templates over the input form (the launcher, ops/quantize_columns.cu, instantiates the library's; the probe
+// tools/probes/quantize_columns_probe.cu times them all):
+//   RowsF32, RowsBf16  x [M, C] float32 or bfloat16;
+//   RowsE4m3           x given row-quantized: e4m3 values [M, C] and float32 power-of-two scales [M, C / 128]
+//                      (fp8.quantize_rows(pow2=True)), dequantized in registers (value * scale, exact).
+// A work item is one (128 x 1 tile t, block of kCh channels): 256 threads, warp w holding the tile's rows 16 w ..
+// 16 w + 15, each lane kLaneCh consecutive channels of them (one 16- or 8-byte load per row). Per item:
+//   1. amax per channel over the warp's rows, then over the 8 warps in row order (smem);
+//   2. the scale (ColumnTileScale), written to s, and the channel's quantizer constants (QuantizerOf);
+//   3. each value quantized (QuantizeTwo) and 4 consecutive rows of a channel packed into a word of a channel-major
+//      shared buffer (a channel's 32 words XOR-swizzled by its lane, free of bank conflicts both ways);
+//   4. each channel's 128 bytes stored to q_t[c, 128 t ..] (a warp per channel: one 128-byte segment).
+// Two schedules: QuantizeColumnsLean, one CTA per item; QuantizeColumnsPersistent, a grid of a few CTAs per SM each
+// looping over items, loading its next item (cp.async into a thread-private shared stage) while it computes the
+// current one, with the group tables built once per CTA.
+//
+// Quantization, bitwise RoundE4m3(x / s) of the IEEE quotient: with r = 1 / s (IEEE), r_lo = r (1 - 2^-20) and
+// r_hi = r (1 + 2^-20) (each rounded), x r_lo and x r_hi (rounded) lie on either side of RN(x / s) for every finite x
+// and s >= 2^-126 (relative errors: r, r_lo, r_hi and the products each within 2^-24, so x r_lo <= (x / s)
+// (1 - 2^-20 + 4 2^-24) < RN(x / s) for x > 0, mirrored for x < 0 and x r_hi; where a product falls below 2^-125,
+// x / s, RN(x / s) and both products all round to a signed zero in e4m3, whose sign is x's). e4m3 rounding (the
+// hardware's cvt.rn.satfinite.e4m3x2.f32, RoundE4m3's rule: saturate, then nearest even) is monotone and keeps the
+// sign, so where both products round to the same byte, RN(x / s) does too: that byte is the value's. Otherwise
+// (x / s within about 2^-20 of a rounding midpoint: a few values in 10^5 of random data), and for a channel whose
+// scale is not finite (an inf or NaN in its tile), the value takes x / s and RoundE4m3 as the CPU handler does.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/fp8_columns.h"
+#include "cuda/ops/grouped_gemm.h"
+
+namespace jmo::cuda::qcols {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsPerWarp = static_cast<int>(kColumnTile) / kWarps;  // 16
+constexpr int kWordsPerChannel = static_cast<int>(kColumnTile) / 4;   // a channel's 128 bytes as 32 words
+static_assert(kRowsPerWarp == 16 && kWordsPerChannel == 32, "a warp's rows pack into 4 words; a word per lane");
+
+// ---- input forms: a lane's kLaneCh channels of one row (Raw), loaded from global or through a shared stage ----
+
+__device__ __forceinline__ float Bf16Lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float Bf16Hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
+
+// 16 bytes global -> shared, asynchronously (sm_80+); completes at CommitAndWaitAll.
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void CopyAsync8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void CopyAsync4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void WaitCopies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// The shared stage of a persistent CTA: each thread's kRowsPerWarp Raws, row-major over the threads (a warp's
+// accesses to one row are contiguous: conflict-free).
+template <typename Raw>
+struct Stage {
+  Raw raw[kRowsPerWarp][kThreads];
+};
+
+struct RowsF32 {
+  static constexpr int kLaneCh = 4;
+  using Raw = float4;
+  const float* x;
+  int64_t C;
+  __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
+    return *reinterpret_cast<const float4*>(x + row * C + c);
+  }
+  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
+    CopyAsync16(dst, x + row * C + c);
+  }
+  __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
+    v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
+  }
+};
+
+struct RowsBf16 {
+  static constexpr int kLaneCh = 8;
+  using Raw = uint4;
+  const __nv_bfloat16* x;
+  int64_t C;
+  __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
+    return *reinterpret_cast<const uint4*>(x + row * C + c);
+  }
+  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
+    CopyAsync16(dst, x + row * C + c);
+  }
+  __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
+    v[0] = Bf16Lo(r.x), v[1] = Bf16Hi(r.x), v[2] = Bf16Lo(r.y), v[3] = Bf16Hi(r.y);
+    v[4] = Bf16Lo(r.z), v[5] = Bf16Hi(r.z), v[6] = Bf16Lo(r.w), v[7] = Bf16Hi(r.w);
+  }
+};
+
+// bfloat16 by 8 bytes (4 channels: an item of 128 channels, for C not a multiple of 256 and a smaller stage).
+struct RowsBf16x4 {
+  static constexpr int kLaneCh = 4;
+  using Raw = uint2;
+  const __nv_bfloat16* x;
+  int64_t C;
+  __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
+    return *reinterpret_cast<const uint2*>(x + row * C + c);
+  }
+  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
+    CopyAsync8(dst, x + row * C + c);
+  }
+  __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
+    v[0] = Bf16Lo(r.x), v[1] = Bf16Hi(r.x), v[2] = Bf16Lo(r.y), v[3] = Bf16Hi(r.y);
+  }
+};
+
+// Row-quantized input: 8 e4m3 values and their row block's scale (8 channels never straddle a 128-channel block).
+struct E4m3Row8 {
+  uint2 q;
+  float s;
+};
+struct RowsE4m3 {
+  static constexpr int kLaneCh = 8;
+  using Raw = E4m3Row8;
+  const uint8_t* x;      // [M, C] e4m3
+  const float* scales;   // [M, C / 128]
+  int64_t C;
+  __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
+    return {*reinterpret_cast<const uint2*>(x + row * C + c), scales[row * (C / 128) + c / 128]};
+  }
+  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
+    CopyAsync8(&dst->q, x + row * C + c);
+    CopyAsync4(&dst->s, scales + row * (C / 128) + c / 128);
+  }
+  // e4m3 -> half is exact (every e4m3 is a half), half -> float exact, times a power of two exact.
+  __device__ __forceinline__ static void Pair(uint32_t two, float s, float& a, float& b) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+    a = __half2float(__half(__half_raw{h.x})) * s;
+    b = __half2float(__half(__half_raw{h.y})) * s;
+  }
+  __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
+    Pair(r.q.x & 0xFFFF, r.s, v[0], v[1]);
+    Pair(r.q.x >> 16, r.s, v[2], v[3]);
+    Pair(r.q.y & 0xFFFF, r.s, v[4], v[5]);
+    Pair(r.q.y >> 16, r.s, v[6], v[7]);
+  }
+};
+
+// ---- the shared rules, restated for speed (bitwise the same results) ----
+
+// max(m, |x|) that turns NaN once any x is NaN (the NaN itself is redone by AmaxStep where it matters: AmaxNaNRedo).
+__device__ __forceinline__ float MaxAbsNaN(float m, float x) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
+  return r;
+}
+
+// A channel's quantizer: its scale, 1 / s bracketed (r_lo, r_hi), and whether s is finite (else every value takes
+// the exact path).
+struct Quantizer {
+  float s, r_lo, r_hi;
+  bool fast;
+};
+__device__ __forceinline__ Quantizer QuantizerOf(float s) {
+  const float r = 1.f / s;
+  return {s, r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), isfinite(s)};
+}
+
+// Two values of one channel -> their two e4m3 bytes (first in the low byte), each RoundE4m3(x / s) (see the top).
+__device__ __forceinline__ uint32_t QuantizeTwo(float a, float b, const Quantizer& q) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a * q.r_lo, b * q.r_lo), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(a * q.r_hi, b * q.r_hi), __NV_SATFINITE, __NV_E4M3);
+  if (__builtin_expect(lo == hi && q.fast, 1)) return lo;
+  return QuantizeE4m3(a, q.s) | static_cast<uint32_t>(QuantizeE4m3(b, q.s)) << 8;
+}
+
+// ---- group tables ----
+
+// row_off[0..G] (clipped to [0, M], negative sizes as 0) and tile_off[0..G] of common/fp8_columns.h, by warp 0 with
+// shuffle scans over chunks of 32 groups; the caller synchronizes the CTA before reading them.
+__device__ inline void BuildTables(const int32_t* sizes, int G, int64_t M, int32_t* row_off, int32_t* tile_off) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  int64_t rows_before = 0;  // unclipped rows of the groups before this chunk
+  int32_t tiles_before = 0;
+  for (int g0 = 0; g0 < G; g0 += 32) {
+    const int g = g0 + lane;
+    const int64_t n = g < G ? max(0, sizes[g]) : 0;
+    int64_t incl = n;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int64_t o = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+      if (lane >= d) incl += o;
+    }
+    const int64_t first = min(M, rows_before + incl - n), end = min(M, rows_before + incl);
+    const int32_t tiles = g < G ? static_cast<int32_t>(ColumnTilesOf(end - first)) : 0;
+    int32_t tincl = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t o = __shfl_up_sync(0xFFFFFFFFu, tincl, d);
+      if (lane >= d) tincl += o;
+    }
+    if (g < G) {
+      row_off[g] = static_cast<int32_t>(first);
+      tile_off[g] = tiles_before + tincl - tiles;
+      if (g == G - 1) {
+        row_off[G] = static_cast<int32_t>(end);
+        tile_off[G] = tiles_before + tincl;
+      }
+    }
+    rows_before += __shfl_sync(0xFFFFFFFFu, incl, 31);
+    tiles_before += __shfl_sync(0xFFFFFFFFu, tincl, 31);
+  }
+}
+
+// ---- one item ----
+
+// 16-byte aligned in size: the persistent kernel's stage (16-byte slots, cp.async targets) follows it in shared memory.
+template <class In>
+struct alignas(16) Shared {
+  static constexpr int kCh = 32 * In::kLaneCh;  // channels of an item
+  int32_t row_off[kMaxGroups + 1];
+  int32_t tile_off[kMaxGroups + 1];
+  float part[kWarps][kCh];  // each warp's amax per channel
+  Quantizer quant[kCh];
+  uint32_t packed[kCh * kWordsPerChannel];
+};
+
+// The place of word w of channel c = kLaneCh lane + j in the packed buffer: the packing (a warp writes one word of
+// 32 channels kLaneCh apart) and the read-out (a warp reads a channel's 32 words) are both conflict-free.
+template <int kLaneCh>
+__device__ __forceinline__ int PackedWord(int c, int w) {
+  return c * kWordsPerChannel + (w ^ ((c / kLaneCh) & 31));
+}
+
+// Where a warp's amax of channel j turned NaN: redo it by AmaxStep over the warp's rows in order, so that the NaN
+// (its payload) is the one the rules pick (the last NaN in row order).
+template <class In>
+__device__ __forceinline__ float AmaxNaNRedo(const typename In::Raw (&raw)[kRowsPerWarp], int j, int valid) {
+  float m = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    float v[In::kLaneCh];
+    In::Values(raw[k], v);
+#pragma unroll
+    for (int i = 0; i < In::kLaneCh; ++i)
+      if (i == j && k < valid) m = AmaxStep(m, v[i]);
+  }
+  return m;
+}
+
+// Steps 1-4 of an item whose raw rows (valid of them: rows row0 + k < rows) are in registers. The CTA's threads all
+// call it; it synchronizes them 3 times (and leaves smem free for the next item's step 1).
+template <class In>
+__device__ __forceinline__ void QuantizeItem(const typename In::Raw (&raw)[kRowsPerWarp], int rows, int64_t t,
+                                             int64_t c0, int64_t C, int64_t Mp, Shared<In>& sm,
+                                             uint8_t* __restrict__ q_t, float* __restrict__ s) {
+  constexpr int L = In::kLaneCh, kCh = Shared<In>::kCh;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int valid = min(kRowsPerWarp, max(0, rows - warp * kRowsPerWarp));
+  float amax[L];
+#pragma unroll
+  for (int j = 0; j < L; ++j) amax[j] = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    if (k < valid) {
+      float v[L];
+      In::Values(raw[k], v);
+#pragma unroll
+      for (int j = 0; j < L; ++j) amax[j] = MaxAbsNaN(amax[j], v[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < L; ++j) {
+    if (__builtin_expect(amax[j] != amax[j], 0)) amax[j] = AmaxNaNRedo<In>(raw, j, valid);
+    sm.part[warp][L * lane + j] = amax[j];
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < kCh; c += kThreads) {
+    // The warps' amaxes are >= 0 or NaN, so AmaxStep over them in warp order is the tile's amax by the rules.
+    float m = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = AmaxStep(m, sm.part[w][c]);
+    const float sc = ColumnTileScale(m);
+    sm.quant[c] = QuantizerOf(sc);
+    s[t * C + c0 + c] = sc;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < L; ++j) {
+    const Quantizer q = sm.quant[L * lane + j];
+#pragma unroll
+    for (int m = 0; m < kRowsPerWarp / 4; ++m) {
+      float v[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        float all[L];
+        In::Values(raw[4 * m + b], all);
+        v[b] = 4 * m + b < valid ? all[j] : 0.f;  // rows past the tile's: 0, whose byte is 0 on the fast path
+      }
+      uint32_t word = QuantizeTwo(v[0], v[1], q) | QuantizeTwo(v[2], v[3], q) << 16;
+      if (!q.fast)  // the exact path of a non-finite scale quantizes the zeros too: rows past the tile's are 0 bytes
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+          if (4 * m + b >= valid) word &= ~(0xFFu << (8 * b));
+      sm.packed[PackedWord<L>(L * lane + j, warp * (kRowsPerWarp / 4) + m)] = word;
+    }
+  }
+  __syncthreads();
+  for (int c = warp; c < kCh; c += kWarps)
+    reinterpret_cast<uint32_t*>(q_t + (c0 + c) * Mp + t * kColumnTile)[lane] = sm.packed[PackedWord<L>(c, lane)];
+}
+
+// An item of a tile that holds no rows: scales 2^-126 (ColumnTileScale(0)) and zero bytes; no synchronization.
+template <int kCh>
+__device__ __forceinline__ void EmptyItem(int64_t t, int64_t c0, int64_t C, int64_t Mp, uint8_t* __restrict__ q_t,
+                                          float* __restrict__ s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int c = threadIdx.x; c < kCh; c += kThreads) s[t * C + c0 + c] = ColumnTileScale(0.f);
+  for (int c = warp; c < kCh; c += kWarps) reinterpret_cast<uint32_t*>(q_t + (c0 + c) * Mp + t * kColumnTile)[lane] = 0;
+}
+
+// ---- schedules ----
+
+// Items in the order (tile, channel block), channel blocks fastest: the CTAs at work together read whole rows.
+// One CTA per item; dynamic shared memory: LeanSmem<In>().
+template <class In>
+constexpr int LeanSmem() {
+  return static_cast<int>(sizeof(Shared<In>));
+}
+template <class In>
+__global__ void __launch_bounds__(kThreads, 3)
+    QuantizeColumnsLean(In in, int64_t M, int64_t C, const int32_t* __restrict__ sizes, int G, int64_t Mp,
+                        uint8_t* __restrict__ q_t, float* __restrict__ s) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  Shared<In>& sm = *reinterpret_cast<Shared<In>*>(smem);
+  constexpr int kCh = Shared<In>::kCh;
+  const int64_t blocks = C / kCh, t = blockIdx.x / blocks, c0 = (blockIdx.x % blocks) * kCh;
+  BuildTables(sizes, G, M, sm.row_off, sm.tile_off);
+  __syncthreads();
+  const ColumnTileRows tile = PlaceColumnTile(t, sm.row_off, sm.tile_off, G);
+  if (tile.rows == 0) return EmptyItem<kCh>(t, c0, C, Mp, q_t, s);
+  const int lane = threadIdx.x & 31, row0 = (threadIdx.x >> 5) * kRowsPerWarp;
+  typename In::Raw raw[kRowsPerWarp];
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k)
+    if (row0 + k < tile.rows) raw[k] = in.Load(tile.first + row0 + k, c0 + In::kLaneCh * lane);
+  QuantizeItem<In>(raw, tile.rows, t, c0, C, Mp, sm, q_t, s);
+}
+
+// Persistent: CTA b takes items b, b + gridDim.x, ...; the next item's rows are copied (cp.async) into the thread's
+// own slots of a shared stage while the current item is quantized from registers, so no CTA-wide barrier guards the
+// stage. Dynamic shared memory: PersistentSmem<In>().
+template <class In>
+constexpr int PersistentSmem() {
+  return static_cast<int>(sizeof(Shared<In>) + sizeof(Stage<typename In::Raw>));
+}
+template <class In>
+__global__ void __launch_bounds__(kThreads, 2)
+    QuantizeColumnsPersistent(In in, int64_t M, int64_t C, const int32_t* __restrict__ sizes, int G, int64_t Mp,
+                              int64_t items, uint8_t* __restrict__ q_t, float* __restrict__ s) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ uint32_t sink;  // see below
+  Shared<In>& sm = *reinterpret_cast<Shared<In>*>(smem);
+  static_assert(sizeof(Shared<In>) % 16 == 0, "the stage's slots must be 16-byte aligned");
+  auto& stage = reinterpret_cast<Stage<typename In::Raw>*>(smem + sizeof(Shared<In>))->raw;
+  constexpr int kCh = Shared<In>::kCh;
+  const int64_t blocks = C / kCh;
+  const int lane = threadIdx.x & 31, row0 = (threadIdx.x >> 5) * kRowsPerWarp;
+  BuildTables(sizes, G, M, sm.row_off, sm.tile_off);
+  __syncthreads();
+  // Issue the copies of an item's rows (this thread's) into the stage; its tile's placement is returned.
+  auto issue = [&](int64_t item) {
+    const int64_t t = item / blocks, c0 = (item % blocks) * kCh;
+    const ColumnTileRows tile = PlaceColumnTile(t, sm.row_off, sm.tile_off, G);
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k)
+      if (row0 + k < tile.rows) in.CopyAsync(&stage[k][threadIdx.x], tile.first + row0 + k, c0 + In::kLaneCh * lane);
+    CommitCopies();
+    return tile;
+  };
+  int64_t item = blockIdx.x;
+  if (item >= items) return;
+  ColumnTileRows tile = issue(item);
+  for (; item < items; item += gridDim.x) {
+    const int64_t t = item / blocks, c0 = (item % blocks) * kCh;
+    const int rows = tile.rows;
+    typename In::Raw raw[kRowsPerWarp];
+    WaitCopies();  // this thread's copies: the only slots it reads
+    uint32_t read = 0;  // every word read from the stage: the next copies into these slots wait for it
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k)
+      if (row0 + k < rows) {
+        raw[k] = stage[k][threadIdx.x];
+#pragma unroll
+        for (int w = 0; w < (int)(sizeof(raw[k]) / 4); ++w) read ^= reinterpret_cast<const uint32_t*>(&raw[k])[w];
+      }
+    // The shared loads above and the cp.async writes below touch the same slots, and PTX does not order a thread's
+    // ld.shared before its later cp.async: a store of every loaded word's XOR (to a word nothing reads) needs the
+    // loads' registers, so they have landed before it issues, and the copies issue after it (asm volatile, memory
+    // clobbers: kept in order).
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(&sink)), "r"(read) : "memory");
+    if (item + gridDim.x < items) tile = issue(item + gridDim.x);
+    if (rows == 0)
+      EmptyItem<kCh>(t, c0, C, Mp, q_t, s);
+    else
+      QuantizeItem<In>(raw, rows, t, c0, C, Mp, sm, q_t, s);
+  }
+}
+
+}  // namespace jmo::cuda::qcols
