@@ -255,6 +255,15 @@ def quantize_columns_fp8(x: jax.Array, tiles: fp8.ColumnTiles) -> tuple[jax.Arra
   return jax.ffi.ffi_call(QUANTIZE_COLUMNS_FP8, out, vmap_method="sequential")(x, tiles.group_sizes.astype(jnp.int32))
 
 
+def _swiglu_width(name: str, operand: str, C: int) -> int:
+  """F of an operand [M, 2F] of the SwiGLU calls (its C channels: the gate's F, then the up projection's), refused
+  unless a positive multiple of 128 (whole 1 x 128 tiles in each half)."""
+  if C % (2 * fp8.TILE) or C == 0:
+    raise ValueError(f"jax_moe_overlap: {name}: F (half of {operand}'s {C} channels) must be a positive multiple of "
+                     "128")
+  return C // 2
+
+
 def swiglu_forward_fp8(a: jax.Array):
   """The FP8 recipe's SwiGLU forward in one custom call, from GEMM1's float32 output to what follows it: with a's gate
   (its F first columns) and up projection (the F others), as ``expert_gemms.swiglu`` splits them, and h =
@@ -282,9 +291,7 @@ def swiglu_forward_fp8(a: jax.Array):
     raise TypeError(f"jax_moe_overlap: {name}: a must be a float32 [M, 2F] array, got "
                     f"{getattr(a, 'dtype', type(a))}{list(getattr(a, 'shape', ()))}")
   M, C = a.shape
-  F = C // 2
-  if C % (2 * fp8.TILE) or C == 0:
-    raise ValueError(f"jax_moe_overlap: {name}: F (half of a's {C} channels) must be a positive multiple of 128")
+  F = _swiglu_width(name, "a", C)
   _ffi.register()
   out = (jax.ShapeDtypeStruct((M, F), fp8.E4M3), jax.ShapeDtypeStruct((M, F // fp8.TILE), jnp.float32),
          jax.ShapeDtypeStruct((M, C), fp8.E4M3), jax.ShapeDtypeStruct((M, C // fp8.TILE), jnp.float32))
@@ -323,9 +330,7 @@ def swiglu_backward_fp8(aq: jax.Array, a_s: jax.Array, dh: jax.Array, tiles: fp8
     raise TypeError(f"jax_moe_overlap: {name}: aq must be a float8_e4m3fn [M, 2F] array, a_s and dh float32; got aq "
                     f"{aq.dtype}{list(aq.shape)}, a_s {a_s.dtype}, dh {dh.dtype}")
   M, C = aq.shape
-  F = C // 2
-  if C % (2 * fp8.TILE) or C == 0:
-    raise ValueError(f"jax_moe_overlap: {name}: F (half of aq's {C} channels) must be a positive multiple of 128")
+  F = _swiglu_width(name, "aq", C)
   if dh.shape != (M, F) or a_s.shape != (M, C // fp8.TILE):
     raise ValueError(f"jax_moe_overlap: {name}: aq {aq.shape}, a_s {a_s.shape} and dh {dh.shape} do not fit aq "
                      f"[M, 2F], a_s [M, 2F / 128], dh [M, F]")
