@@ -49,6 +49,20 @@ def _bytes(out):
           for v in jax.tree.leaves(out)]
 
 
+def time_and_compare(variants, args, moved, width=24):
+  """Times each variant (a jitted function of args) and prints its ms, the bandwidth that moving `moved` bytes in
+  that time is, and how many of its output bytes differ from the first variant's."""
+  ref = None
+  for name, jf in variants.items():
+    ms = timeit(jf, *args)
+    out = _bytes(jf(*args))
+    ref = out if ref is None else ref
+    n = sum(int(np.count_nonzero(o != r)) for o, r in zip(out, ref))
+    total = sum(o.size for o in out)
+    print(f"{name:{width}s} {ms:8.3f} ms  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s equivalent  "
+          f"{'same' if n == 0 else f'{n} of {total} bytes differ'}")
+
+
 def main(rows=131072, F=1024, G=16):
   rng = np.random.default_rng(0)
   sizes = rng.multinomial(rows, rng.dirichlet(np.ones(G) * 2))
@@ -59,16 +73,9 @@ def main(rows=131072, F=1024, G=16):
   moved = rows * (2 * F + 2 * F // 32 + 4 * F) + rows * (2 * F + 2 * F // 32) + 3 * F * rows   # read + written, ~
   print(f"rows {rows}, F {F}, G {G}; ms per call (median of 15); at least {moved / 2**30:.2f} GiB read + written "
         "by the shipped kernel")
-  ref = None
-  for name, f in VARIANTS.items():
-    jf = jax.jit(lambda aq, a_s, dh, gs, f=f: f(aq, a_s, dh, fp8.column_tiles(aq.shape[0], gs)))
-    ms = timeit(jf, aq, a_s, dh, gs)
-    out = _bytes(jf(aq, a_s, dh, gs))
-    ref = out if ref is None else ref
-    n = sum(int(np.count_nonzero(o != r)) for o, r in zip(out, ref))
-    total = sum(o.size for o in out)
-    print(f"{name:24s} {ms:8.3f} ms  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s equivalent  "
-          f"{'same' if n == 0 else f'{n} of {total} bytes differ'}")
+  jitted = {name: jax.jit(lambda aq, a_s, dh, gs, f=f: f(aq, a_s, dh, fp8.column_tiles(aq.shape[0], gs)))
+            for name, f in VARIANTS.items()}
+  time_and_compare(jitted, (aq, a_s, dh, gs), moved)
 
 
 if __name__ == "__main__":

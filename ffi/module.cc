@@ -102,6 +102,7 @@ NB_MODULE(_jmo, m) {
     d["jmo_grouped_outer_fp8"] = Capsule(JmoGroupedOuterFp8Cpu);
     d["jmo_quantize_columns_fp8"] = Capsule(JmoQuantizeColumnsFp8Cpu);
     d["jmo_swiglu_backward_fp8"] = Capsule(JmoSwiGluBackwardFp8Cpu);
+    d["jmo_swiglu_forward_fp8"] = Capsule(JmoSwiGluForwardFp8Cpu);
     return d;
   });
   m.def("create_cpu_workspace", &CreateCpuWorkspace, nb::arg("ranks"), nb::arg("groups"), nb::arg("row_bytes"),

@@ -14,10 +14,12 @@ values and their float32 scales) and chooses how the GEMMs run:
                by ``grouped_gemm.grouped_matmul_fp8``, the two wgrads (dW1 = x^T da, dW2 = h^T dy) by
                ``grouped_gemm.grouped_outer_fp8_packed`` on operands that ``grouped_gemm.quantize_columns_fp8``
                quantizes 128 x 1 straight into the token-contiguous layout (each expert's rows padded to a multiple
-               of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU backward (h recomputed, da,
-               and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``, one pass over a and dh (on
-               GPUs once ``FUSED_SWIGLU_BACKWARD_ON_GPU``: until its kernel has passed its GPU test, XLA's ops and
-               the column quantizer's call).
+               of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU forward (h and its
+               quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a (on GPUs once
+               ``FUSED_SWIGLU_FORWARD_ON_GPU``: until its kernel has passed its GPU test, XLA's ops); the SwiGLU
+               backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
+               one pass over a and dh (on GPUs once ``FUSED_SWIGLU_BACKWARD_ON_GPU``: until its kernel has passed
+               its GPU test, XLA's ops and the column quantizer's call).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
 
@@ -26,7 +28,7 @@ With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
   forward   x      1 x 128, power-of-two scales (the rows dispatched to the experts, section 3.3.3)
             W1, W2 128 x 128 blocks (quantized per call from the master weights, or given as ``fp8.Fp8Weight``)
             a      GEMM1, float32 output; SwiGLU in float32
-            h      1 x 128 (GEMM2's input; GEMM1's epilogue writes it in FP8 on Hopper)
+            h      1 x 128 (GEMM2's input), with a's 1 x 128 copy below, in one pass (``Gemms.swiglu_forward``)
             out    GEMM2, rounded to x's dtype (the combine stays in that dtype)
   kept      x as quantized (e4m3 + scales), a quantized 1 x 128 (the recipe caches the SwiGLU input in FP8 and
             recomputes h), the quantized weights: per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
@@ -60,7 +62,7 @@ import numpy as np
 from jax_moe_overlap import fp8
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
 from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_outer_fp8_packed, quantize_columns_fp8
-from jax_moe_overlap.grouped_gemm import swiglu_backward_fp8
+from jax_moe_overlap.grouped_gemm import swiglu_backward_fp8, swiglu_forward_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,9 @@ class Gemms:
     kernel's token-contiguous one (``grouped_gemm.quantize_columns_fp8``) for ``KERNELS``.
   outer(lhs = columns(a, tiles), rhs = columns(b, tiles), tiles, group_sizes [G]) -> [G, K, N] float32:
     a[rows of g]^T @ b[rows of g], both dequantized per 128 x 1 tile.
+  swiglu_forward(a [M, 2F] float32) -> (h_rows, a_rows): fp8.quantize_rows(swiglu(a)) (GEMM2's operand) and
+    fp8.quantize_rows(a) (what the backward keeps). ``swiglu_forward_composed`` is the jnp composition (``DENSE``,
+    ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_forward_fp8``, one custom call for both.
   swiglu_backward(aq [M, 2F] e4m3, a_s [M, 2F / 128], dh [M, F] float32, tiles) -> (h_cols, da_rows, da_cols): with
     a = dequantize_rows(aq, a_s), h = swiglu(a) and da its input gradient at dh in float32, h_cols = columns(h),
     da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is the jnp
@@ -86,7 +91,13 @@ class Gemms:
   rows: Callable
   columns: Callable
   outer: Callable
+  swiglu_forward: Callable
   swiglu_backward: Callable
+
+
+def swiglu_forward_composed(a):
+  """``Gemms.swiglu_forward`` as XLA ops: swiglu in float32, then the two quantizations, each a pass of its own."""
+  return fp8.quantize_rows(swiglu(a)), fp8.quantize_rows(a)
 
 
 def swiglu_backward_composed(columns: Callable) -> Callable:
@@ -108,7 +119,8 @@ def _on_dequantized(name: str, rows_f32: Callable, outer_f32: Callable) -> Gemms
   def outer(lhs, rhs, tiles, group_sizes):
     return outer_f32(fp8.dequantize_columns(*lhs, tiles), fp8.dequantize_columns(*rhs, tiles), group_sizes)
 
-  return Gemms(name, rows, fp8.quantize_columns, outer, swiglu_backward_composed(fp8.quantize_columns))
+  return Gemms(name, rows, fp8.quantize_columns, outer, swiglu_forward_composed,
+               swiglu_backward_composed(fp8.quantize_columns))
 
 
 def _row_groups(rows: int, group_sizes):
@@ -139,6 +151,17 @@ def _kernel_outer(lhs, rhs, tiles, group_sizes):
   return grouped_outer_fp8_packed(lhs, rhs, group_sizes)
 
 
+# Whether GPUs take the fused SwiGLU forward (grouped_gemm.swiglu_forward_fp8) too. Its CUDA kernel must first pass
+# tests/gpu/test_gpu_swiglu_forward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
+# jnp composition (the same math, exp aside: common/swiglu.h), CPUs the fused call.
+FUSED_SWIGLU_FORWARD_ON_GPU = False
+
+
+def _kernel_swiglu_forward(a):
+  gpu = swiglu_forward_fp8 if FUSED_SWIGLU_FORWARD_ON_GPU else swiglu_forward_composed
+  return jax.lax.platform_dependent(a, cpu=swiglu_forward_fp8, default=gpu)
+
+
 # Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel must first pass
 # tests/gpu/test_gpu_swiglu_backward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
 # composition on the column quantizer's custom call (the same math, exp aside: common/swiglu.h), CPUs the fused call.
@@ -158,7 +181,8 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
 
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
-KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_backward)
+KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_forward,
+                _kernel_swiglu_backward)
 
 
 def _weight_cotangent_template(w):
@@ -172,8 +196,9 @@ def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
   keeps)."""
   w1q, w2q = fp8.as_fp8_weight(w1), fp8.as_fp8_weight(w2)
   a = gemms.rows(xq, xs, w1q, group_sizes)
-  out = gemms.rows(*fp8.quantize_rows(swiglu(a)), w2q, group_sizes, out_dtype)
-  kept = (xq, xs, fp8.quantize_rows(a), w1q, w2q, group_sizes,
+  h_rows, a_rows = gemms.swiglu_forward(a)
+  out = gemms.rows(*h_rows, w2q, group_sizes, out_dtype)
+  kept = (xq, xs, a_rows, w1q, w2q, group_sizes,
           _weight_cotangent_template(w1), _weight_cotangent_template(w2))
   return out, kept
 

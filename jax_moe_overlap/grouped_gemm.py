@@ -27,6 +27,7 @@ GROUPED_MATMUL_FP8 = "jmo_grouped_matmul_fp8"
 GROUPED_OUTER_FP8 = "jmo_grouped_outer_fp8"
 QUANTIZE_COLUMNS_FP8 = "jmo_quantize_columns_fp8"
 SWIGLU_BACKWARD_FP8 = "jmo_swiglu_backward_fp8"
+SWIGLU_FORWARD_FP8 = "jmo_swiglu_forward_fp8"
 
 
 def _out_dtype(lhs, preferred_element_type):
@@ -254,6 +255,50 @@ def quantize_columns_fp8(x: jax.Array, tiles: fp8.ColumnTiles) -> tuple[jax.Arra
   return jax.ffi.ffi_call(QUANTIZE_COLUMNS_FP8, out, vmap_method="sequential")(x, tiles.group_sizes.astype(jnp.int32))
 
 
+def _swiglu_width(name: str, operand: str, C: int) -> int:
+  """F of an operand [M, 2F] of the SwiGLU calls (its C channels: the gate's F, then the up projection's), refused
+  unless a positive multiple of 128 (whole 1 x 128 tiles in each half)."""
+  if C % (2 * fp8.TILE) or C == 0:
+    raise ValueError(f"jax_moe_overlap: {name}: F (half of {operand}'s {C} channels) must be a positive multiple of "
+                     "128")
+  return C // 2
+
+
+def swiglu_forward_fp8(a: jax.Array):
+  """The FP8 recipe's SwiGLU forward in one custom call, from GEMM1's float32 output to what follows it: with a's gate
+  (its F first columns) and up projection (the F others), as ``expert_gemms.swiglu`` splits them, and h =
+  silu(gate) * up in float32 (the expression XLA runs for ``expert_gemms.swiglu``, ffi/common/swiglu.h):
+
+    h_rows = ``fp8.quantize_rows(h)``: 1 x 128, GEMM2's operand
+    a_rows = ``fp8.quantize_rows(a)``: 1 x 128, what the backward keeps (it recomputes h from it)
+
+  in one pass over a, row by row (no group sizes: rows past the groups are whatever a holds there, zero rows in the
+  layer, which quantize to zero values and scales 2^-126, as ``quantize_rows`` gives them). On CUDA (Hopper, like the
+  FP8 GEMM its output feeds; elsewhere it fails naming the requirement) a warp quantizes one row tile of h and two of
+  a per row, the amaxes by shuffles (ffi/cuda/ops/swiglu_forward_fp8.cu); on CPU a loop by the same rules
+  (ffi/cpu/swiglu_forward_fp8.cc). Both divide by the scale as IEEE does, so a_rows is bit for bit
+  ``fp8.quantize_rows``' rule everywhere and h_rows wherever the host's and the device's expf agree (and no float32
+  intermediate is subnormal: ffi/common/swiglu.h). XLA's ``quantize_rows`` multiplies by the scale's reciprocal
+  instead on CPU (div.full on GPUs), one float32 ulp off now and then: one e4m3 step at most.
+
+  Args:
+    a: [M, 2F] float32, F a positive multiple of 128.
+  Returns:
+    (h_rows, a_rows): h_rows = (q [M, F] float8_e4m3fn, s [M, F / 128] float32); a_rows = (q [M, 2F], s [M, 2F / 128]).
+  """
+  name = "swiglu_forward_fp8"
+  if getattr(a, "ndim", None) != 2 or a.dtype != jnp.float32:
+    raise TypeError(f"jax_moe_overlap: {name}: a must be a float32 [M, 2F] array, got "
+                    f"{getattr(a, 'dtype', type(a))}{list(getattr(a, 'shape', ()))}")
+  M, C = a.shape
+  F = _swiglu_width(name, "a", C)
+  _ffi.register()
+  out = (jax.ShapeDtypeStruct((M, F), fp8.E4M3), jax.ShapeDtypeStruct((M, F // fp8.TILE), jnp.float32),
+         jax.ShapeDtypeStruct((M, C), fp8.E4M3), jax.ShapeDtypeStruct((M, C // fp8.TILE), jnp.float32))
+  hq, hs, aq, a_s = jax.ffi.ffi_call(SWIGLU_FORWARD_FP8, out, vmap_method="sequential")(a)
+  return (hq, hs), (aq, a_s)
+
+
 def swiglu_backward_fp8(aq: jax.Array, a_s: jax.Array, dh: jax.Array, tiles: fp8.ColumnTiles):
   """The FP8 recipe's SwiGLU backward in one custom call, from the kept preactivation to the three quantized operands
   the backward's GEMMs read: with a = ``fp8.dequantize_rows(aq, a_s)`` (the gate's F columns, then the up
@@ -285,9 +330,7 @@ def swiglu_backward_fp8(aq: jax.Array, a_s: jax.Array, dh: jax.Array, tiles: fp8
     raise TypeError(f"jax_moe_overlap: {name}: aq must be a float8_e4m3fn [M, 2F] array, a_s and dh float32; got aq "
                     f"{aq.dtype}{list(aq.shape)}, a_s {a_s.dtype}, dh {dh.dtype}")
   M, C = aq.shape
-  F = C // 2
-  if C % (2 * fp8.TILE) or C == 0:
-    raise ValueError(f"jax_moe_overlap: {name}: F (half of aq's {C} channels) must be a positive multiple of 128")
+  F = _swiglu_width(name, "aq", C)
   if dh.shape != (M, F) or a_s.shape != (M, C // fp8.TILE):
     raise ValueError(f"jax_moe_overlap: {name}: aq {aq.shape}, a_s {a_s.shape} and dh {dh.shape} do not fit aq "
                      f"[M, 2F], a_s [M, 2F / 128], dh [M, F]")

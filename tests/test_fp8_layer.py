@@ -165,6 +165,7 @@ def test_collective_runs_the_fp8_custom_call():
   assert text.count("jmo_grouped_outer_fp8") == 2, "the two wgrads"
   assert text.count("jmo_quantize_columns_fp8") == 2, "x and dy, quantized into the wgrads' layout by the call"
   assert text.count("jmo_swiglu_backward_fp8") == 1, "h and da, in every layout the backward reads, by one call"
+  assert text.count("jmo_swiglu_forward_fp8") == 1, "h quantized for GEMM2 and a for the backward, by one call"
   # Every GEMM of the program is an FP8 custom call: no dot is left, and no bf16 grouped_outer.
   assert "dot_general" not in text and "@jmo_grouped_outer(" not in text
 

@@ -150,7 +150,8 @@ def recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward):
   operands, which must not change a bit. fused_swiglu_backward: whether the platform runs the fused call (CPUs; GPUs
   with fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU)."""
   xla_layout = fp8_experts.Gemms("kernels, XLA layout", fp8_experts.KERNELS.rows, fp8.quantize_columns,
-                                 grouped_outer_fp8, _kernels_swiglu_backward_in_row_layout)
+                                 grouped_outer_fp8, fp8_experts.KERNELS.swiglu_forward,
+                                 _kernels_swiglu_backward_in_row_layout)
   M, D, F = 300, 128, 128
   sizes = np.array([170, 0, 1, 100])
   rng = np.random.default_rng(5)

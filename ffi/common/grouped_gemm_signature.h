@@ -56,11 +56,21 @@
 //                                     values, scales 2^-126, quantize_rows of a zero row); (da_t, da_ts) and (h_t,
 //                                     h_ts) = jmo_quantize_columns_fp8 of da and of h. F is a positive multiple of
 //                                     128; Mp / 128 as for jmo_quantize_columns_fp8.
+//   jmo_swiglu_forward_fp8(a [M, 2F] f32)
+//       -> h_q [M, F] e4m3, h_s [M, F/128] f32, a_q [M, 2F] e4m3, a_s [M, 2F/128] f32
+//                                     the FP8 recipe's SwiGLU forward, row by row: h = silu(gate) * up of a's gate
+//                                     (its F first columns) and up (the F others) in float32 (common/swiglu.h),
+//                                     (h_q, h_s) = fp8.quantize_rows(h) (GEMM2's operand) and (a_q, a_s) =
+//                                     fp8.quantize_rows(a) (what the backward keeps), 1 x 128, scales not powers of
+//                                     two. Every row, group sizes or not (a zero row gives zero values and scales
+//                                     2^-126, as quantize_rows does). F is a positive multiple of 128.
 //
 // Operands of the first three are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype
 // (fp32 accumulation).
 #pragma once
 
+#include <algorithm>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -324,6 +334,12 @@ inline xla::ffi::ErrorOr<QuantizeColumnsShape> CheckQuantizeColumnsFp8(
   return r;
 }
 
+// Whether a buffer's dimensions are `want`.
+template <typename Dims>
+bool DimsAre(std::initializer_list<int64_t> want, const Dims& got) {
+  return got.size() == want.size() && std::equal(want.begin(), want.end(), got.begin());
+}
+
 // jmo_swiglu_backward_fp8: aq, a_s, dh, group_sizes -> da_q, da_s, da_t, da_ts, h_t, h_ts.
 template <typename Binding>
 auto BindSwiGluBackwardFp8(Binding&& b) {
@@ -363,19 +379,12 @@ inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
   if (r.F < kFp8Tile || r.F % kFp8Tile != 0)
     return fail("F (dh's channels, half of aq's) must be a positive multiple of 128, got " + std::to_string(r.F));
   const int64_t C = 2 * r.F, Mp = kFp8Tile * r.tiles;
-  auto dims = [](std::initializer_list<int64_t> want, auto got) {
-    if (got.size() != want.size()) return false;
-    int i = 0;
-    for (int64_t w : want)
-      if (got[i++] != w) return false;
-    return true;
-  };
-  if (!dims({r.M, C}, ad) || !dims({r.M, C / kFp8Tile}, asd))
+  if (!DimsAre({r.M, C}, ad) || !DimsAre({r.M, C / kFp8Tile}, asd))
     return fail("inconsistent operands: aq " + DimsText(ad) + ", a_s " + DimsText(asd) + ", dh " + DimsText(dd) +
                 " (aq [M, 2F], a_s [M, 2F/128], dh [M, F])");
-  if (!dims({r.M, C}, da_q.dimensions()) || !dims({r.M, C / kFp8Tile}, da_s.dimensions()) ||
-      !dims({C, Mp}, da_t.dimensions()) || !dims({r.tiles, C}, da_ts.dimensions()) ||
-      !dims({r.F, Mp}, h_t.dimensions()) || !dims({r.tiles, r.F}, h_ts.dimensions()))
+  if (!DimsAre({r.M, C}, da_q.dimensions()) || !DimsAre({r.M, C / kFp8Tile}, da_s.dimensions()) ||
+      !DimsAre({C, Mp}, da_t.dimensions()) || !DimsAre({r.tiles, C}, da_ts.dimensions()) ||
+      !DimsAre({r.F, Mp}, h_t.dimensions()) || !DimsAre({r.tiles, r.F}, h_ts.dimensions()))
     return fail("inconsistent results: expected da_q [M, 2F], da_s [M, 2F/128], da_t [2F, Mp], da_ts [Mp/128, 2F], "
                 "h_t [F, Mp], h_ts [Mp/128, F] for M=" + std::to_string(r.M) + ", F=" + std::to_string(r.F) +
                 ", Mp/128=" + std::to_string(r.tiles));
@@ -383,6 +392,41 @@ inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
   if (r.tiles < need)
     return fail(std::to_string(r.tiles) + " tiles (Mp / 128) cannot hold " + std::to_string(r.M) + " rows in " +
                 std::to_string(r.G) + " groups: need ceil(M / 128) + G = " + std::to_string(need));
+  return r;
+}
+
+// jmo_swiglu_forward_fp8: a -> h_q, h_s, a_q, a_s.
+template <typename Binding>
+auto BindSwiGluForwardFp8(Binding&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+struct SwiGluForwardShape {
+  int64_t M, F;
+};
+
+inline xla::ffi::ErrorOr<SwiGluForwardShape> CheckSwiGluForwardFp8(
+    const xla::ffi::AnyBuffer& a, const xla::ffi::AnyBuffer& h_q, const xla::ffi::Buffer<xla::ffi::F32>& h_s,
+    const xla::ffi::AnyBuffer& a_q, const xla::ffi::Buffer<xla::ffi::F32>& a_s) {
+  namespace ffi = xla::ffi;
+  auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("swiglu_forward_fp8: " + why)); };
+  if (a.element_type() != ffi::DataType::F32) return fail("a must be float32");
+  if (h_q.element_type() != ffi::DataType::F8E4M3FN || a_q.element_type() != ffi::DataType::F8E4M3FN)
+    return fail("h_q and a_q must be float8_e4m3fn");
+  auto ad = a.dimensions();
+  if (ad.size() != 2) return fail("expected a [M, 2F], got " + DimsText(ad));
+  SwiGluForwardShape r{ad[0], ad[1] / 2};
+  if (ad[1] % (2 * kFp8Tile) != 0 || r.F == 0)
+    return fail("F (half of a's " + std::to_string(ad[1]) + " channels) must be a positive multiple of 128");
+  if (!DimsAre({r.M, r.F}, h_q.dimensions()) || !DimsAre({r.M, r.F / kFp8Tile}, h_s.dimensions()) ||
+      !DimsAre({r.M, 2 * r.F}, a_q.dimensions()) || !DimsAre({r.M, 2 * r.F / kFp8Tile}, a_s.dimensions()))
+    return fail("inconsistent results: expected h_q [M, F], h_s [M, F/128], a_q [M, 2F], a_s [M, 2F/128] for M=" +
+                std::to_string(r.M) + ", F=" + std::to_string(r.F));
   return r;
 }
 

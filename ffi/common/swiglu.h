@@ -1,6 +1,7 @@
 // The SwiGLU of the expert MLP, h = silu(gate) * up, and its input gradient, in float32, compiled for the host and for
-// CUDA devices: one formula for the CPU handlers (cpu/gemm_rows.h, cpu/swiglu_backward_fp8.cc) and the kernels
-// (the bf16 backward GEMM's epilogue through device/activation.cuh, ops/swiglu_backward_fp8.cu).
+// CUDA devices: one formula for the CPU handlers (cpu/gemm_rows.h, cpu/swiglu_backward_fp8.cc,
+// cpu/swiglu_forward_fp8.cc) and the kernels (the bf16 backward GEMM's epilogue through device/activation.cuh,
+// ops/swiglu_backward_fp8.cu, ops/swiglu_forward_fp8.cu).
 //
 // The expressions are those XLA runs for the layer's jnp SwiGLU (expert_gemms.swiglu: jax.nn.silu(gate) * up, silu
 // being gate * logistic(gate)) and for jax.vjp of it (JAX's jvp rules of mul and logistic, transposed), the operands
@@ -49,8 +50,14 @@ JMO_SWIGLU_HD float SwiGluSigmoid(float gate) {
   return Div(1.0f, Add(1.0f, expf(-gate)));
 }
 
-// h = silu(gate) * up and its input gradient at the output gradient dh (*d_gate, *d_up), sharing the logistic and
-// gate * sig (the FP8 backward recomputes h where it takes the gradient).
+// h = silu(gate) * up = (gate * sig) * up: the forward alone (the FP8 forward, which quantizes h for GEMM2).
+JMO_SWIGLU_HD float SwiGlu(float gate, float up) {
+  using namespace swiglu_ops;
+  return Mul(Mul(gate, SwiGluSigmoid(gate)), up);
+}
+
+// h = silu(gate) * up (SwiGlu's expression) and its input gradient at the output gradient dh (*d_gate, *d_up),
+// sharing the logistic and gate * sig (the FP8 backward recomputes h where it takes the gradient).
 JMO_SWIGLU_HD void SwiGluAndGrad(float gate, float up, float dh, float* h, float* d_gate, float* d_up) {
   using namespace swiglu_ops;
   const float sig = SwiGluSigmoid(gate);

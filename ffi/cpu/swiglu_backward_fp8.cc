@@ -1,13 +1,15 @@
 // XLA:CPU handler of jmo_swiglu_backward_fp8 (ffi/common/grouped_gemm_signature.h): the FP8 recipe's SwiGLU backward
 // by the rules the CUDA kernel shares (ops/swiglu_backward_fp8.cu): the dequantization of a (e4m3 value times its
 // scale, one float32 product), the SwiGLU and its gradient (common/swiglu.h), the 1 x 128 and 128 x 1 quantizers
-// (common/fp8_columns.h: AmaxStep, ColumnTileScale, which is fp8.tile_scale's rule for any tile, QuantizeE4m3).
+// (common/fp8_rows.h, common/fp8_columns.h: AmaxStep, ColumnTileScale, which is fp8.tile_scale's rule for any tile,
+// QuantizeE4m3).
 // Plain loops; the group sizes are host data, so invalid ones are reported (cpu/fp8_columns_cpu.h).
 #include <cstdint>
 #include <vector>
 
 #include "common/e4m3.h"
 #include "common/fp8_columns.h"
+#include "common/fp8_rows.h"
 #include "common/grouped_gemm_signature.h"
 #include "common/swiglu.h"
 #include "cpu/fp8_columns_cpu.h"
@@ -29,8 +31,8 @@ ffi::Error SwiGluBackwardFp8Impl(ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s, f
   if (shape.has_error()) return shape.error();
   auto groups = ColumnGroupsOf("swiglu_backward_fp8", "aq", group_sizes.typed_data(), shape->G, shape->M);
   if (groups.has_error()) return groups.error();
-  const int64_t M = shape->M, F = shape->F, C = 2 * F, R = C / kColumnTile;  // R: scales per row
-  const int64_t rows = groups->row_off.back();                                   // the rows of the groups
+  const int64_t M = shape->M, F = shape->F, C = 2 * F, R = C / kRowTile;  // R: scales per row
+  const int64_t rows = groups->row_off.back();                               // the rows of the groups
   const auto* a = static_cast<const uint8_t*>(aq.untyped_data());
   const float* as = a_s.typed_data();
   const float* d = dh.typed_data();
@@ -39,8 +41,8 @@ ffi::Error SwiGluBackwardFp8Impl(ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s, f
   std::vector<float> da(rows * C), h(rows * F);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < F; ++c) {
-      const float gate = DequantizeE4m3(a[r * C + c], as[r * R + c / kColumnTile]);
-      const float up = DequantizeE4m3(a[r * C + F + c], as[r * R + (F + c) / kColumnTile]);
+      const float gate = DequantizeE4m3(a[r * C + c], as[r * R + c / kRowTile]);
+      const float up = DequantizeE4m3(a[r * C + F + c], as[r * R + (F + c) / kRowTile]);
       SwiGluAndGrad(gate, up, d[r * F + c], &h[r * F + c], &da[r * C + c], &da[r * C + F + c]);
     }
 
@@ -49,18 +51,8 @@ ffi::Error SwiGluBackwardFp8Impl(ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s, f
   float* qs = da_s->typed_data();
   for (int64_t r = 0; r < M; ++r)
     for (int64_t k = 0; k < R; ++k) {
-      uint8_t* out = q + r * C + k * kColumnTile;
-      if (r >= rows) {
-        std::fill(out, out + kColumnTile, uint8_t{0});
-        qs[r * R + k] = kScaleFloor;
-        continue;
-      }
-      const float* v = da.data() + r * C + k * kColumnTile;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kColumnTile; ++i) amax = AmaxStep(amax, v[i]);
-      const float s = ColumnTileScale(amax);
-      qs[r * R + k] = s;
-      for (int64_t i = 0; i < kColumnTile; ++i) out[i] = QuantizeE4m3(v[i], s);
+      uint8_t* out = q + r * C + k * kRowTile;
+      qs[r * R + k] = r < rows ? QuantizeRowTile(da.data() + r * C + k * kRowTile, out) : ZeroRowTile(out);
     }
 
   // da and h 128 x 1 per group, token-contiguous (jmo_quantize_columns_fp8's loop).

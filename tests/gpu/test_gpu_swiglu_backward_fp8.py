@@ -92,12 +92,7 @@ def _assert_close(got, want, what):
   counts = []
   for name, g, w in zip(NAMES, got, want):
     if g.dtype.itemsize == 1:
-      gb, wb = g.view(np.uint8).astype(np.int32), w.view(np.uint8).astype(np.int32)
-      off = gb != wb
-      assert np.all((gb[off] ^ wb[off]) & 0x80 == 0), (what, name, "sign")
-      assert np.all(np.abs((gb[off] & 0x7F) - (wb[off] & 0x7F)) == 1), (what, name, "more than one e4m3 step")
-      assert off.sum() <= BYTE_FRACTION * gb.size, (what, name, int(off.sum()), gb.size)
-      counts.append(f"{name} {int(off.sum())}/{gb.size}")
+      counts.append(f"{name} {base.assert_e4m3_close(g, w, f'{what}: {name}', BYTE_FRACTION)}/{g.size}")
     else:
       rel = np.abs(g.astype(np.float64) / w.astype(np.float64) - 1)
       assert rel.max() <= SCALE_RTOL, (what, name, float(rel.max()))

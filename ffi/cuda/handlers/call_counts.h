@@ -26,6 +26,7 @@ enum class HandlerOp : int {
   kGroupedOuterFp8,
   kQuantizeColumnsFp8,
   kSwiGluBackwardFp8,
+  kSwiGluForwardFp8,
   kCount
 };
 

@@ -10,6 +10,7 @@
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/quantize_columns.h"
 #include "cuda/ops/swiglu_backward_fp8.h"
+#include "cuda/ops/swiglu_forward_fp8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -115,6 +116,18 @@ ffi::Error SwiGluBackwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
                                  static_cast<uint8_t*>(h_t->untyped_data()), h_ts->typed_data()));
 }
 
+ffi::Error SwiGluForwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a,
+                                ffi::Result<ffi::AnyBuffer> h_q, ffi::Result<ffi::Buffer<ffi::F32>> h_s,
+                                ffi::Result<ffi::AnyBuffer> a_q, ffi::Result<ffi::Buffer<ffi::F32>> a_s) {
+  NoteHandlerCall(HandlerOp::kSwiGluForwardFp8, stream);
+  auto shape = CheckSwiGluForwardFp8(a, *h_q, *h_s, *a_q, *a_s);
+  if (shape.has_error()) return shape.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(SwiGluForwardFp8(stream, a.typed_data<float>(), shape->M, shape->F,
+                                static_cast<uint8_t*>(h_q->untyped_data()), h_s->typed_data(),
+                                static_cast<uint8_t*>(a_q->untyped_data()), a_s->typed_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -149,4 +162,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoQuantizeColumnsFp8Cuda, jmo::cuda::QuantizeColu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoSwiGluBackwardFp8Cuda, jmo::cuda::SwiGluBackwardFp8Impl,
                               jmo::BindSwiGluBackwardFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                           .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoSwiGluForwardFp8Cuda, jmo::cuda::SwiGluForwardFp8Impl,
+                              jmo::BindSwiGluForwardFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                         .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -25,6 +25,7 @@
 #include "common/fp8_columns.h"
 #include "common/swiglu.h"
 #include "cuda/launch.h"
+#include "cuda/ops/fp8_rows.cuh"
 #include "cuda/ops/group_offsets.cuh"
 #include "cuda/ops/grouped_gemm.h"
 
@@ -60,23 +61,6 @@ __device__ __forceinline__ void RowValues(uint2 a, float gate_scale, float up_sc
     const float up = DequantizeE4m3(static_cast<uint8_t>(a.y >> (8 * j)), up_scale);
     SwiGluAndGrad(gate, up, dh[j], &h[j], &d_gate[j], &d_up[j]);
   }
-}
-
-// The amax of a 1 x 128 row tile held 4 values per lane by a warp (every lane gets it).
-__device__ __forceinline__ float WarpRowAmax(const float (&v)[4]) {
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) m = AmaxStep(m, v[j]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = AmaxStep(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  return m;
-}
-
-__device__ __forceinline__ uint32_t QuantizeWord(const float (&v)[4], float s) {
-  uint32_t w = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(QuantizeE4m3(v[j], s)) << (8 * j);
-  return w;
 }
 
 __global__ void __launch_bounds__(kCtaThreads, 2)
@@ -144,7 +128,7 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     if (i >= tile.rows) continue;  // the warp's rows are in or out together
     float h[4], dg[4], du[4];
     RowValues(kept[k * kCtaThreads + threadIdx.x], row_scale[0][i], row_scale[1][i], d[k], h, dg, du);
-    const float sg = ColumnTileScale(WarpRowAmax(dg)), su = ColumnTileScale(WarpRowAmax(du));
+    const float sg = WarpRowScale(dg), su = WarpRowScale(du);
     const int64_t r = tile.first + i;
     reinterpret_cast<uint32_t*>(da_q + r * C + gate_c)[lane] = QuantizeWord(dg, sg);
     reinterpret_cast<uint32_t*>(da_q + r * C + up_c)[lane] = QuantizeWord(du, su);
