@@ -34,7 +34,7 @@ from jax_moe_overlap.reference import moe_experts_fp8_reference, moe_experts_ref
 from jax_moe_overlap.workspace import Workspace, layer_sizes
 from jax_moe_overlap.workspace_backend import rank_devices
 from jax_moe_overlap.workspace_calls import gather_counts
-from jax_moe_overlap.xla_path import moe_experts_xla
+from jax_moe_overlap.xla_path import fp8_one_rank_block, moe_experts_xla
 
 log = logging.getLogger("jax_moe_overlap")
 
@@ -284,14 +284,17 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_ax
   its tokens' slots (with a tensor axis, each choice as TP shard slots: ``tensor_parallel``) through the plan and the
   expert block, whose shards' partials ``reduce`` sums ("per_slot": ``expert_block``; "gather_rs":
   ``gather_rs_block``; ``call_site.tensor_reduce`` chose). quantization="fp8": ``fp8_overlap.fp8_expert_block``
-  (the shards' partials per slot)."""
+  (the shards' partials per slot), on a one-rank group ``xla_path.fp8_one_rank_block`` (impl="collective"'s)."""
   R = jax.lax.axis_size(axis_name)
   TP = jax.lax.axis_size(tensor_axis) if tensor_axis is not None else 1
   slot_ids, slot_gates = tp_lib.shard_slots(expert_ids, gates, num_experts, R, TP)
   counts_all, rank, plan = plan_lib.plan_over_axis(slot_ids, num_experts * TP, info.workspace.axis_name, cap_e,
                                                    gather=functools.partial(gather_counts, info=info))
   plan = tp_lib.name_expert_ids(plan, expert_ids, TP)
-  if quantization == "fp8":
+  if quantization == "fp8" and R * TP == 1:
+    y = fp8_one_rank_block(x, slot_ids, slot_gates, tp_lib.gate_up_shards(w1), w2, axis_name=axis_name,
+                           num_experts=num_experts, expert_cap=cap_e, recv_cap=cap)
+  elif quantization == "fp8":
     route = workspace_route(slot_ids, counts_all, rank, cap_e, plan, cap, info)
     y = fp8_expert_block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, route)
   else:

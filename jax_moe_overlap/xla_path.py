@@ -121,12 +121,27 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_ax
   route, is_kept, dropped = _route(_group_tokens(expert_ids, tensor_axis), axis_name=axis_name,
                                    tensor_axis=tensor_axis, num_experts=num_experts, expert_cap=expert_cap,
                                    recv_cap=recv_cap, ragged=ragged)
-  slot_out = route.from_send_buffer(experts(x, w1, w2, route))
-  y = combine_slots(slot_out, _group_tokens(gates, tensor_axis), is_kept)
+  y = _routed_block(x, _group_tokens(gates, tensor_axis), w1, w2, route, is_kept, experts)
   if tensor_axis is not None:
     y = jax.lax.psum_scatter(y, tensor_axis, scatter_dimension=0, tiled=True)
   # Every device of a tensor group holds its group's dropped slots: the sum runs over the groups of the expert axis.
   return y.astype(x.dtype), jax.lax.psum(dropped, (*batch_axes, axis_name))
+
+
+def _routed_block(x, gates, w1, w2, route, is_kept, experts):
+  """The slots' rows through ``experts`` on ``route`` and back, summed per token with their gates: y [T, D] float32."""
+  return combine_slots(route.from_send_buffer(experts(x, w1, w2, route)), gates, is_kept)
+
+
+def fp8_one_rank_block(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, expert_cap, recv_cap):
+  """impl="collective"'s FP8 expert block on a one-rank expert axis with no tensor axis (inside shard_map): x [T, D],
+  expert_ids and gates [T, k], w1 [E, D, 2F] (gate | up), w2 [E, F, D] -> y [T, D] in x's dtype. impl="overlap"
+  takes it there: no row crosses a link, and XLA's gathers move the rows within the device (``_exchange_local``)
+  faster than the workspace's dispatch call copies them (docs/performance.md, "Where the FP8 step goes")."""
+  route, is_kept, _ = _route(expert_ids, axis_name=axis_name, tensor_axis=None, num_experts=num_experts,
+                             expert_cap=expert_cap, recv_cap=recv_cap, ragged=False)
+  experts = functools.partial(fp8_exchanged_experts, gemms=KERNELS)
+  return _routed_block(x, gates, w1, w2, route, is_kept, experts).astype(x.dtype)
 
 
 def _group_tokens(a, tensor_axis):

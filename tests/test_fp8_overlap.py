@@ -112,6 +112,15 @@ def test_rows_cross_the_dispatch_in_fp8():
   assert [ops[0] for ops in dispatch_operands(plain, "jmo_dispatch")] == [f"tensor<{t}x{D}xbf16>"]
 
 
+def test_one_rank_moves_rows_by_gathers():
+  """On a one-rank expert axis no row crosses a link: impl="overlap" under FP8 takes impl="collective"'s block
+  (xla_path.fp8_one_rank_block: XLA's gathers within the device), so the program has no dispatch call."""
+  mesh = mesh_of(1)
+  x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 3)
+  hlo = jax.jit(layer_grads(mesh, ids, cot, "overlap", 0.5, None, ())).lower(x, gates, w1, w2).as_text()
+  assert "@jmo_dispatch(" not in hlo and "@jmo_grouped_matmul_fp8(" in hlo
+
+
 def _workspace(mesh, row):
   return RankInfo(Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=row, recv_rows=64, ret_rows=64,
                                                                num_segments=E)), CallConfig(timeout_ms=5000))
