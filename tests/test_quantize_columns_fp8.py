@@ -146,22 +146,27 @@ def test_row_quantized_rows_equal_their_dequantized_rows(case):
         np.uint8))
 
 
-def test_row_quantized_non_finite_zero_and_tiny():
-  """Every byte (NaN bytes 0x7F and 0xFF among them), scales NaN, +-inf, 0 (a zero row as fp8.unpack_rows gives it),
-  negative, and as small as 2^-126, whose products with small e4m3 values are float32 subnormals (XLA:CPU runs its
-  threads, the custom call's too, flushing them to zero)."""
+def odd_rows(least_scale_log2=-126):
+  """(xq, xs, sizes): every byte (NaN bytes 0x7F and 0xFF among them: channels 256..511 only), scales NaN, +-inf, 0
+  (a zero row as fp8.unpack_rows gives it), negative, and powers of two down to 2^least_scale_log2 (channel block 0:
+  that least scale only). At 2^-126 the products of small e4m3 values and their scales are float32 subnormals."""
   rng = np.random.default_rng(7)
   M, C = 384, 512
-  sizes = [100, 0, 200, 60]
   b = rng.integers(0, 256, (M, C), dtype=np.uint8)
-  b[:, :256][(b[:, :256] & 0x7F) == 0x7F] = 0x35      # channels 0..255 finite everywhere (NaN bytes in 256..511)
-  s = np.exp2(rng.integers(-126, 12, (M, C // 128))).astype(np.float32)
-  s[:, 0] = np.float32(2.0 ** -126)                    # channel block 0: tiny scales only (subnormal products)
+  b[:, :256][(b[:, :256] & 0x7F) == 0x7F] = 0x35
+  s = np.exp2(rng.integers(least_scale_log2, 12, (M, C // 128))).astype(np.float32)
+  s[:, 0] = np.float32(2.0 ** least_scale_log2)
   s[10, 1], s[150, 1], s[301, 1] = np.inf, -np.inf, np.nan
   s[20:22, 1] = 0.0
   s[40, 1] = -0.5
-  xq = jax.lax.bitcast_convert_type(jnp.asarray(b), fp8.E4M3)
-  q, out_s = assert_rows_same(xq, jnp.asarray(s), sizes)
+  return jax.lax.bitcast_convert_type(jnp.asarray(b), fp8.E4M3), jnp.asarray(s), [100, 0, 200, 60]
+
+
+def test_row_quantized_non_finite_zero_and_tiny():
+  """odd_rows, subnormal products included (XLA:CPU runs its threads, the custom call's too, flushing them to zero:
+  the same bits either way)."""
+  xq, xs, sizes = odd_rows()
+  q, out_s = assert_rows_same(xq, xs, sizes)
   # Not vacuous: NaN bytes reach their tiles' scales; row 10's infinite scale makes tile 0's of block 1 non-finite
   # (inf, or NaN where a byte is zero); block 0's values are there.
   assert np.isnan(out_s[:, 256:]).any() and np.isfinite(out_s[:, :128]).all()
@@ -170,8 +175,13 @@ def test_row_quantized_non_finite_zero_and_tiny():
 
 
 def test_recipe_gradients_take_the_row_quantized_operands():
-  """KERNELS gives x and dy to the column quantizer row-quantized (D a multiple of 256): the gradients equal, bit for
-  bit, those of the same recipe that dequantizes them first (Gemms.row_columns None)."""
+  recipe_gradients_take_the_row_quantized_operands()
+
+
+def recipe_gradients_take_the_row_quantized_operands():
+  """KERNELS gives x and dy to the column quantizer row-quantized (D a multiple of 256; on CPUs, on GPUs with
+  fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU): the gradients equal, bit for bit, those of the same recipe that
+  dequantizes them first (Gemms.row_columns None)."""
   dequantizing = dataclasses.replace(fp8_experts.KERNELS, row_columns=None)
   M, D, F = 300, 256, 128
   sizes = jnp.asarray([170, 0, 1, 100], jnp.int32)
