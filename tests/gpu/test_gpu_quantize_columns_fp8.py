@@ -202,6 +202,7 @@ def test_recipe_with_row_quantized_columns_on_the_gpu(monkeypatch):
   """fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU forced on: x and dy reach the call row-quantized on the GPU, and the
   gradients equal those of the dequantizing recipe and of the XLA layout path bit for bit."""
   monkeypatch.setattr(fp8_experts, "ROW_QUANTIZED_COLUMNS_ON_GPU", True)
+  jax.clear_caches()  # no program traced with the flag off (same functions, same shapes) may be reused
   with jax.default_device(gpu_devices()[0]):
     base.recipe_gradients_take_the_row_quantized_operands()
     base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU, True)
