@@ -19,7 +19,9 @@ values and their float32 scales) and chooses how the GEMMs run:
                ``FUSED_SWIGLU_FORWARD_ON_GPU``: until its kernel has passed its GPU test, XLA's ops); the SwiGLU
                backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
                one pass over a and dh (on GPUs once ``FUSED_SWIGLU_BACKWARD_ON_GPU``: until its kernel has passed
-               its GPU test, XLA's ops and the column quantizer's call).
+               its GPU test, XLA's ops and the column quantizer's call). x and dy, which the backward holds
+               row-quantized, go to the column quantizer as e4m3 values and scales (no float32 copy; on GPUs once
+               ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and where D is a multiple of 256, the call's item).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
 
@@ -61,7 +63,8 @@ import numpy as np
 
 from jax_moe_overlap import fp8
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
-from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_outer_fp8_packed, quantize_columns_fp8
+from jax_moe_overlap.grouped_gemm import ROWS_E4M3_CHANNELS, grouped_matmul_fp8, grouped_outer_fp8_packed
+from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
 from jax_moe_overlap.grouped_gemm import swiglu_backward_fp8, swiglu_forward_fp8
 
 
@@ -85,6 +88,10 @@ class Gemms:
     da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is the jnp
     composition (``DENSE``, ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_backward_fp8``, one
     custom call for all three.
+  row_columns(q [M, C] e4m3, s [M, C / 128], tiles) -> columns(fp8.dequantize_rows(q, s), tiles): the wgrads' x and
+    dy, which the recipe holds row-quantized. None (``DENSE``, ``RAGGED``): that composition; ``KERNELS`` gives the
+    pair to ``grouped_gemm.quantize_columns_fp8``, which dequantizes as it reads (CPUs; GPUs once
+    ``ROW_QUANTIZED_COLUMNS_ON_GPU``), bit for bit the same.
   """
 
   name: str
@@ -93,6 +100,13 @@ class Gemms:
   outer: Callable
   swiglu_forward: Callable
   swiglu_backward: Callable
+  row_columns: Callable | None = None
+
+  def columns_of_rows(self, q, s, tiles):
+    """``row_columns``, or its composition where None."""
+    if self.row_columns is None:
+      return self.columns(fp8.dequantize_rows(q, s), tiles)
+    return self.row_columns(q, s, tiles)
 
 
 def swiglu_forward_composed(a):
@@ -179,10 +193,29 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
   return jax.lax.platform_dependent(cpu=fused, default=fused if FUSED_SWIGLU_BACKWARD_ON_GPU else composed)
 
 
+# Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3
+# rows: QuantizeColumnsLean<RowsE4m3>). That launch must first pass tests/gpu/test_gpu_quantize_columns_fp8.py on a
+# GPU (docs/performance.md, "GPU test runs"); until then GPUs dequantize them in XLA and quantize the float32 rows
+# (the same bits), CPUs take the pair.
+ROW_QUANTIZED_COLUMNS_ON_GPU = False
+
+
+def _kernel_row_columns(q, s, tiles):
+  def from_rows():
+    return quantize_columns_fp8((q, s), tiles)
+
+  def dequantized():
+    return quantize_columns_fp8(fp8.dequantize_rows(q, s), tiles)
+
+  if q.shape[1] % ROWS_E4M3_CHANNELS:  # the call takes row-quantized rows of whole 256-channel items only
+    return dequantized()
+  return jax.lax.platform_dependent(cpu=from_rows, default=from_rows if ROW_QUANTIZED_COLUMNS_ON_GPU else dequantized)
+
+
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
 KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_forward,
-                _kernel_swiglu_backward)
+                _kernel_swiglu_backward, _kernel_row_columns)
 
 
 def _weight_cotangent_template(w):
@@ -209,15 +242,11 @@ def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
   (xq, xs, (aq, a_s), w1q, w2q, group_sizes, w1_like, w2_like) = kept
   tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
 
-  def columns(v):
-    return gemms.columns(v, tiles)
-
-  dy = fp8.dequantize_rows(dyq, dys)
   dh = gemms.rows(dyq, dys, fp8.transpose_weight(w2q), group_sizes)
   h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh, tiles)
-  dw2 = gemms.outer(h_cols, columns(dy), tiles, group_sizes)
+  dw2 = gemms.outer(h_cols, gemms.columns_of_rows(dyq, dys, tiles), tiles, group_sizes)
   dx = gemms.rows(*da_rows, fp8.transpose_weight(w1q), group_sizes, dx_dtype)
-  dw1 = gemms.outer(columns(fp8.dequantize_rows(xq, xs)), da_cols, tiles, group_sizes)
+  dw1 = gemms.outer(gemms.columns_of_rows(xq, xs, tiles), da_cols, tiles, group_sizes)
 
   def weight_ct(dw, like, wq):
     return jax.tree.map(jnp.zeros_like, wq) if like is None else dw.astype(like.dtype)

@@ -29,6 +29,9 @@ QUANTIZE_COLUMNS_FP8 = "jmo_quantize_columns_fp8"
 SWIGLU_BACKWARD_FP8 = "jmo_swiglu_backward_fp8"
 SWIGLU_FORWARD_FP8 = "jmo_swiglu_forward_fp8"
 
+# quantize_columns_fp8 on row-quantized x: C a multiple of this (ffi/common/fp8_columns.h, kRowsE4m3Channels).
+ROWS_E4M3_CHANNELS = 256
+
 
 def _out_dtype(lhs, preferred_element_type):
   out = jnp.dtype(preferred_element_type or lhs.dtype)
@@ -223,12 +226,18 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
       lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))
 
 
-def quantize_columns_fp8(x: jax.Array, tiles: fp8.ColumnTiles) -> tuple[jax.Array, jax.Array]:
+def quantize_columns_fp8(x, tiles: fp8.ColumnTiles) -> tuple[jax.Array, jax.Array]:
   """``fp8.quantize_columns`` in the layout of ``grouped_outer_fp8_packed``'s operands, in one custom call: x [M, C]
   -> (q_t [C, 128 * tiles.count] float8_e4m3fn, s [tiles.count, C] float32). ``q_t[c, 128 t + i]`` is channel c of
   the i-th row of tile t quantized (each group's rows from a multiple of 128), zero at the places no row takes; ``s``
   is ``quantize_columns``' scales. Bitwise ``quantize_columns`` followed by the scatter to the padded rows and the
   transpose that ``grouped_outer_fp8`` runs in XLA.
+
+  x may also come row-quantized, as the pair (xq [M, C] float8_e4m3fn, xs [M, C / 128] float32) of
+  ``fp8.quantize_rows``: the call dequantizes each value as it reads it (value times its scale, one float32 product:
+  ``fp8.dequantize_rows``' rule), bit for bit ``quantize_columns_fp8(fp8.dequantize_rows(xq, xs), tiles)`` without
+  the float32 copy in memory (a quarter of the bytes read). C must then be a multiple of 256, on every platform (the
+  CUDA kernel's item: 32 lanes of 8 e4m3 values).
 
   One kernel reads x once and writes both outputs (ffi/cuda/ops/quantize_columns.cu), so XLA cannot re-lay its
   output out (it folded the transpose of an XLA gather into the gather and wrote its rows out of order:
@@ -236,23 +245,45 @@ def quantize_columns_fp8(x: jax.Array, tiles: fp8.ColumnTiles) -> tuple[jax.Arra
   naming the requirement); on CPU a loop with the same rules (ffi/common/fp8_columns.h).
 
   Args:
-    x: [M, C] float32 or bfloat16, C a positive multiple of 128. tiles: ``fp8.column_tiles(M, group_sizes)``; the
-      sizes must be >= 0 and sum to at most M (the CPU handler raises otherwise; the kernel clips).
+    x: [M, C] float32 or bfloat16, C a positive multiple of 128; or (xq, xs) as above, C a positive multiple of 256.
+      tiles: ``fp8.column_tiles(M, group_sizes)``; the sizes must be >= 0 and sum to at most M (the CPU handler
+      raises otherwise; the kernel clips).
   Returns:
     (q_t, s).
   """
-  if x.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16):
-    raise TypeError(f"jax_moe_overlap: quantize_columns_fp8: x must be a float32 or bfloat16 [M, C] array, got "
-                    f"{x.dtype}{list(x.shape)}")
-  M, C = x.shape
-  if C % fp8.TILE or C == 0:
-    raise ValueError(f"jax_moe_overlap: quantize_columns_fp8: C must be a positive multiple of 128, got C={C}")
+  name = "jax_moe_overlap: quantize_columns_fp8"
+  if isinstance(x, (tuple, list)):
+    if len(x) != 2:
+      raise TypeError(f"{name}: row-quantized x is the pair (xq, xs), got {len(x)} arrays")
+    xq, xs = x
+    if (getattr(xq, "ndim", None) != 2 or xq.dtype != fp8.E4M3 or getattr(xs, "ndim", None) != 2
+        or xs.dtype != jnp.float32):
+      raise TypeError(f"{name}: row-quantized x must be (xq [M, C] float8_e4m3fn, xs [M, C / 128] float32), got "
+                      f"{getattr(xq, 'dtype', type(xq))}{list(getattr(xq, 'shape', ()))} and "
+                      f"{getattr(xs, 'dtype', type(xs))}{list(getattr(xs, 'shape', ()))}")
+    M, C = xq.shape
+    if C % ROWS_E4M3_CHANNELS or C == 0:
+      raise ValueError(f"{name}: C must be a positive multiple of {ROWS_E4M3_CHANNELS} when x is row-quantized "
+                       f"(the CUDA kernel's item: 32 lanes of 8 e4m3 values), got C={C}")
+    if xs.shape != (M, C // fp8.TILE):
+      raise ValueError(f"{name}: xs must be [M, C / 128] = {[M, C // fp8.TILE]} for xq {list(xq.shape)}, got "
+                       f"{list(xs.shape)}")
+    operands = (xq, xs)
+  else:
+    if getattr(x, "ndim", None) != 2 or x.dtype not in (jnp.float32, jnp.bfloat16):
+      raise TypeError(f"{name}: x must be a float32 or bfloat16 [M, C] array or the pair (xq, xs) of row-quantized "
+                      f"rows, got {getattr(x, 'dtype', type(x))}{list(getattr(x, 'shape', ()))}")
+    M, C = x.shape
+    if C % fp8.TILE or C == 0:
+      raise ValueError(f"{name}: C must be a positive multiple of 128, got C={C}")
+    operands = (x, jnp.zeros((M, 0), jnp.float32))  # x_scales: unread for float rows
   if tiles.rows != M or tiles.group_sizes.ndim != 1:
-    raise ValueError(f"jax_moe_overlap: quantize_columns_fp8: tiles were made for {tiles.rows} rows, x has {M}")
+    raise ValueError(f"{name}: tiles were made for {tiles.rows} rows, x has {M}")
   _ffi.register()
   out = (jax.ShapeDtypeStruct((C, fp8.TILE * tiles.count), fp8.E4M3),
          jax.ShapeDtypeStruct((tiles.count, C), jnp.float32))
-  return jax.ffi.ffi_call(QUANTIZE_COLUMNS_FP8, out, vmap_method="sequential")(x, tiles.group_sizes.astype(jnp.int32))
+  return jax.ffi.ffi_call(QUANTIZE_COLUMNS_FP8, out, vmap_method="sequential")(
+      *operands, tiles.group_sizes.astype(jnp.int32))
 
 
 def _swiglu_width(name: str, operand: str, C: int) -> int:

@@ -19,6 +19,9 @@ namespace jmo {
 constexpr int64_t kColumnTile = 128;          // rows of a column tile
 constexpr float kE4m3MaxInv = 0x1.24924ap-9f;  // float32(1 / 448), fp8.E4M3_MAX_INV
 constexpr float kScaleFloor = 0x1p-126f;       // the smallest normal float32, fp8.SCALE_FLOOR
+// jmo_quantize_columns_fp8 on row-quantized rows (e4m3 values and 1 x 128 scales): C a multiple of this many channels,
+// on every platform (the CUDA kernel's item, 32 lanes of 8 values: ops/quantize_columns.cu asserts it).
+constexpr int64_t kRowsE4m3Channels = 256;
 
 // The tiles of a group of `rows` rows.
 JMO_E4M3_HD inline int64_t ColumnTilesOf(int64_t rows) { return (rows + kColumnTile - 1) / kColumnTile; }

@@ -37,7 +37,7 @@
 //                                     both operands (a group's padding) must be zero. The scales are
 //                                     fp8.quantize_columns' ([tiles, channels]); lda >= K, ldb >= N, both multiples
 //                                     of 4 (16-byte rows). Mp, K and N are positive multiples of 128.
-//   jmo_quantize_columns_fp8(x [M, C] f32 or bf16, group_sizes [G] s32)
+//   jmo_quantize_columns_fp8(x [M, C] f32, bf16 or e4m3, x_scales [M, C/128] or [M, 0] f32, group_sizes [G] s32)
 //       -> q_t [C, Mp] e4m3, s [Mp/128, C] f32
 //                                     jmo_grouped_outer_fp8's operand from rows: fp8.quantize_columns with the
 //                                     tiles of fp8.column_tiles(M, group_sizes) (common/fp8_columns.h states the
@@ -45,7 +45,11 @@
 //                                     i-th row of tile t quantized, 0 where tile t has fewer than i + 1 rows; s[t, c]
 //                                     tile t's scale. Mp / 128 (the tiles) >= ceil(M / 128) + G, enough for any group
 //                                     sizes (fp8.ColumnTiles.count); the tiles past the groups' are empty (zero
-//                                     values, scale 2^-126). C is a positive multiple of 128.
+//                                     values, scale 2^-126). x float32 or bfloat16: x_scales is [M, 0] (unread) and
+//                                     C a positive multiple of 128. x e4m3: x is row-quantized (fp8.quantize_rows),
+//                                     its rows dequantize_rows(x, x_scales) (each value times its 1 x 128 tile's
+//                                     scale, one float32 product: DequantizeE4m3), and C is a positive multiple of
+//                                     kRowsE4m3Channels = 256 (the CUDA kernel's item: 32 lanes of 8 values).
 //   jmo_swiglu_backward_fp8(aq [M, 2F] e4m3, a_s [M, 2F/128] f32, dh [M, F] f32, group_sizes [G] s32)
 //       -> da_q [M, 2F] e4m3, da_s [M, 2F/128] f32, da_t [2F, Mp] e4m3, da_ts [Mp/128, 2F] f32,
 //          h_t [F, Mp] e4m3, h_ts [Mp/128, F] f32
@@ -77,6 +81,7 @@
 
 #include "common/call_signature.h"
 #include "common/dtype.h"
+#include "common/fp8_columns.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jmo {
@@ -126,12 +131,12 @@ auto BindGroupedMatmulFp8(Binding&& b) {
       .template Ret<ffi::AnyBuffer>();
 }
 
-// x, group_sizes -> q_t, s.
+// x, x_scales, group_sizes -> q_t, s.
 template <typename Binding>
 auto BindQuantizeColumnsFp8(Binding&& b) {
   namespace ffi = xla::ffi;
-  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>().template Ret<ffi::Buffer<ffi::F32>>();
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::AnyBuffer>().template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 struct GroupedShape {
@@ -306,25 +311,36 @@ inline xla::ffi::ErrorOr<GroupedOuterFp8Shape> CheckGroupedOuterFp8(
 }
 
 struct QuantizeColumnsShape {
-  DType dtype;  // x's
+  bool rows_e4m3;  // x row-quantized (e4m3 values, x_scales their 1 x 128 scales)
+  DType dtype;     // x's when not rows_e4m3 (then unread)
   int64_t M, C, G;
   int64_t tiles;  // Mp / 128
 };
 
 inline xla::ffi::ErrorOr<QuantizeColumnsShape> CheckQuantizeColumnsFp8(
-    const xla::ffi::AnyBuffer& x, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes, const xla::ffi::AnyBuffer& q_t,
+    const xla::ffi::AnyBuffer& x, const xla::ffi::Buffer<xla::ffi::F32>& x_scales,
+    const xla::ffi::Buffer<xla::ffi::S32>& group_sizes, const xla::ffi::AnyBuffer& q_t,
     const xla::ffi::Buffer<xla::ffi::F32>& s) {
   namespace ffi = xla::ffi;
   auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("quantize_columns_fp8: " + why)); };
+  const bool rows_e4m3 = x.element_type() == ffi::DataType::F8E4M3FN;
   const std::optional<DType> dt = ComputeDTypeOf(x.element_type());
-  if (!dt) return fail(ComputeDTypeRule("x must be " + DTypeNames(), x.element_type()));
+  if (!rows_e4m3 && !dt)
+    return fail(ComputeDTypeRule("x must be float8_e4m3fn (row-quantized) or " + DTypeNames(), x.element_type()));
   if (q_t.element_type() != ffi::DataType::F8E4M3FN) return fail("q_t must be float8_e4m3fn");
-  auto xd = x.dimensions(), qd = q_t.dimensions(), sd = s.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || group_sizes.dimensions().size() != 1)
-    return fail("expected x [M, C], group_sizes [G], q_t [C, Mp], s [Mp/128, C]");
-  QuantizeColumnsShape r{*dt, xd[0], xd[1], static_cast<int64_t>(group_sizes.element_count()), sd[0]};
+  auto xd = x.dimensions(), xsd = x_scales.dimensions(), qd = q_t.dimensions(), sd = s.dimensions();
+  if (xd.size() != 2 || xsd.size() != 2 || qd.size() != 2 || sd.size() != 2 || group_sizes.dimensions().size() != 1)
+    return fail("expected x [M, C], x_scales [M, C/128] or [M, 0], group_sizes [G], q_t [C, Mp], s [Mp/128, C]");
+  QuantizeColumnsShape r{rows_e4m3, dt.value_or(DType::kF32), xd[0], xd[1],
+                         static_cast<int64_t>(group_sizes.element_count()), sd[0]};
   if (r.C < kFp8Tile || r.C % kFp8Tile != 0)
     return fail("C (x's channels) must be a positive multiple of 128, got " + std::to_string(r.C));
+  if (rows_e4m3 && r.C % kRowsE4m3Channels != 0)
+    return fail("C (x's channels) must be a multiple of " + std::to_string(kRowsE4m3Channels) +
+                " when x is row-quantized (e4m3), got " + std::to_string(r.C));
+  if (xsd[0] != r.M || xsd[1] != (rows_e4m3 ? r.C / kFp8Tile : 0))
+    return fail("x_scales must be [M, C/128] when x is e4m3 and [M, 0] otherwise: x " + DimsText(xd) +
+                ", x_scales " + DimsText(xsd));
   if (qd[0] != r.C || qd[1] != kFp8Tile * r.tiles || sd[1] != r.C)
     return fail("inconsistent shapes: x " + DimsText(xd) + ", q_t " + DimsText(qd) + ", s " + DimsText(sd));
   const int64_t need = (r.M + kFp8Tile - 1) / kFp8Tile + r.G;

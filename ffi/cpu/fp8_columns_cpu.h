@@ -1,5 +1,6 @@
 // The CPU handlers' 128 x 1 column quantizer (fp8.quantize_columns in the token-contiguous layout, by the rules of
-// common/fp8_columns.h): the group tables from host group sizes, checked, and the loop over the tiles. Shared by
+// common/fp8_columns.h): the group tables from host group sizes, checked, and the loop over the tiles, on rows in
+// float32 or bfloat16 or row-quantized. Shared by
 // jmo_quantize_columns_fp8 (quantize_columns.cc) and jmo_swiglu_backward_fp8 (swiglu_backward_fp8.cc).
 #pragma once
 
@@ -10,7 +11,9 @@
 #include <vector>
 
 #include "common/call_signature.h"
+#include "common/e4m3.h"
 #include "common/fp8_columns.h"
+#include "common/fp8_rows.h"
 #include "cpu/gemm_rows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,9 +40,18 @@ inline xla::ffi::ErrorOr<ColumnGroups> ColumnGroupsOf(const char* op, const char
   return t;
 }
 
-// q_t [C, 128 tiles] and s [tiles, C] from the rows of `in` [M, C]: every byte of q_t written (0 where no row
-// lands), every scale (2^-126 for an empty tile).
-inline void QuantizeColumnTiles(ElemView in, int64_t C, int64_t tiles, const ColumnGroups& groups, uint8_t* q_t,
+// Rows given row-quantized (fp8.quantize_rows): e4m3 values [M, C] and their 1 x 128 scales [M, C / 128], element i
+// dequantized by the shared rule (DequantizeE4m3). C is a multiple of 128, so element i's scale is s[i / 128].
+struct RowsE4m3View {
+  const uint8_t* q;
+  const float* s;
+  float operator[](int64_t i) const { return DequantizeE4m3(q[i], s[i / kRowTile]); }
+};
+
+// q_t [C, 128 tiles] and s [tiles, C] from the rows of `in` [M, C] (ElemView or RowsE4m3View): every byte of q_t
+// written (0 where no row lands), every scale (2^-126 for an empty tile).
+template <class Rows>
+void QuantizeColumnTiles(Rows in, int64_t C, int64_t tiles, const ColumnGroups& groups, uint8_t* q_t,
                                 float* s) {
   const int64_t Mp = kColumnTile * tiles;
   const int G = static_cast<int>(groups.row_off.size()) - 1;

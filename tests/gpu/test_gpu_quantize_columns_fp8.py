@@ -3,8 +3,12 @@ CPU handler, and against fp8.quantize_columns + fp8.token_contiguous (the XLA sc
 GPU bit for bit but where XLA:GPU's inexact float32 division explains a byte (_xla_division_differences): values and
 scales, float32 and bfloat16 rows, skewed and empty groups, partial tiles, rows past the groups holding
 huge values, the outputs' memory poisoned first (unwritten bytes show); e4m3's rounding ties, subnormals and
-non-finite values; bitwise repeats; the recipe's gradients on the GPU equal those on the XLA layout bit for bit. On a
-GPU that is not a Hopper one the call must fail naming the requirement. Skips where there is no GPU."""
+non-finite values; bitwise repeats; the recipe's gradients on the GPU equal those on the XLA layout bit for bit.
+Row-quantized rows (xq, xs) on their kernel (QuantizeColumnsLean<RowsE4m3>): bit for bit the CPU handler on them and
+the float32 kernel on dequantize_rows(xq, xs) run on the GPU, with non-finite values and scales and zero rows (a NaN's
+sign and payload aside), subnormal products (against the GPU's float32 path only: XLA:CPU flushes them); the recipe
+with fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU forced on. On a GPU that is not a Hopper one the call must fail naming
+the requirement. Skips where there is no GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +40,7 @@ def _run(f, x, tiles, device):
 
 
 def _kernel(x, tiles):
-  M, C = x.shape
+  M, C = x[0].shape if isinstance(x, tuple) else x.shape
   _poison_allocator((C, 128 * tiles.count), jnp.float32)   # NaN bytes where the kernel would leave any unwritten
   _poison_allocator((tiles.count, C), jnp.float32)
   return _run(quantize_columns_fp8, x, tiles, gpu_devices()[0])
@@ -127,7 +131,81 @@ def test_kernel_rounding_ties_subnormals_and_non_finite_values():
 def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu():
   """The layer takes the call on GPUs: the recipe's gradients equal the XLA layout path's bit for bit."""
   with jax.default_device(gpu_devices()[0]):
-    base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU)
+    base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU,
+                                                    fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU)
+
+
+ROW_BIG = [  # (M, C, sizes) of row-quantized rows: C a multiple of 256
+    BIG[0], BIG[1],
+    (20480, 1280, list(np.random.default_rng(1).multinomial(20000, np.ones(16) / 16))),   # 16 groups, 480 past
+]
+
+
+def _from_rows(x, tiles):
+  return quantize_columns_fp8(x, tiles)          # x = (xq, xs)
+
+
+def _dequantized(x, tiles):
+  return base.dequantized_path(*x, tiles)        # the float32 kernel on XLA's dequantize_rows
+
+
+def _same_bits(a, b, nan_free):
+  """Equal bytes (e4m3 values) or words (scales); with nan_free, NaNs compared as NaNs (sign and payload aside)."""
+  if nan_free:
+    nan_a, nan_b = ((a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F) if a.dtype == np.uint8 else (np.isnan(a), np.isnan(b))
+    np.testing.assert_array_equal(nan_a, nan_b)
+    a, b = np.where(nan_a, 0, a), np.where(nan_b, 0, b)
+  np.testing.assert_array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,
+                                b.view(np.uint32) if b.dtype == np.float32 else b)
+
+
+def _compare_rows(xq, xs, sizes, cpu=True, nan_free=False):
+  """The row form's kernel (outputs poisoned first) against the float32 kernel on dequantize_rows run on the same GPU
+  and, with cpu, the CPU handler on the same rows; bitwise repeat."""
+  x = (np.asarray(xq), np.asarray(xs))
+  tiles = fp8.column_tiles(x[0].shape[0], jnp.asarray(sizes, jnp.int32))
+  q, s = _kernel(x, tiles)
+  fq, fs = _run(_dequantized, x, tiles, gpu_devices()[0])
+  _same_bits(q, fq, nan_free)
+  _same_bits(s, fs, nan_free)
+  if cpu:
+    cq, cs = _run(_from_rows, x, tiles, jax.devices("cpu")[0])
+    _same_bits(q, cq, nan_free)
+    _same_bits(s, cs, nan_free)
+  q2, s2 = _kernel(x, tiles)
+  np.testing.assert_array_equal(q, q2)
+  np.testing.assert_array_equal(s.view(np.uint32), s2.view(np.uint32))
+  return q, s
+
+
+@requires_hopper
+@pytest.mark.parametrize("case", base.ROW_CASES + ROW_BIG)
+def test_row_quantized_kernel_equals_the_cpu_handler_and_the_float32_path(case):
+  M, C, sizes = case
+  with jax.default_device(jax.devices("cpu")[0]):
+    xq, xs = base.quantized_rows(case, seed=M + C)
+  q, _ = _compare_rows(xq, xs, sizes)
+  if sum(sizes):
+    assert np.count_nonzero(q) > 0.9 * sum(sizes) * C
+
+
+@requires_hopper
+def test_row_quantized_kernel_non_finite_zero_and_tiny():
+  """base.odd_rows: scales down to 2^-100 (no subnormal product) against the CPU handler too; down to 2^-126
+  (subnormal products, which the kernel keeps as XLA:GPU's multiply does) against the GPU's float32 path only."""
+  _compare_rows(*base.odd_rows(least_scale_log2=-100), nan_free=True)
+  _compare_rows(*base.odd_rows(least_scale_log2=-126), cpu=False, nan_free=True)
+
+
+@requires_hopper
+def test_recipe_with_row_quantized_columns_on_the_gpu(monkeypatch):
+  """fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU forced on: x and dy reach the call row-quantized on the GPU, and the
+  gradients equal those of the dequantizing recipe and of the XLA layout path bit for bit."""
+  monkeypatch.setattr(fp8_experts, "ROW_QUANTIZED_COLUMNS_ON_GPU", True)
+  jax.clear_caches()  # no program traced with the flag off (same functions, same shapes) may be reused
+  with jax.default_device(gpu_devices()[0]):
+    base.recipe_gradients_take_the_row_quantized_operands()
+    base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU, True)
 
 
 def test_other_gpus_refuse_naming_the_requirement():

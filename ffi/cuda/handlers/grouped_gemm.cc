@@ -90,12 +90,16 @@ ffi::Error GroupedOuterFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
 }
 
 ffi::Error QuantizeColumnsFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                                  ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
-                                  ffi::Result<ffi::Buffer<ffi::F32>> s) {
+                                  ffi::Buffer<ffi::F32> x_scales, ffi::Buffer<ffi::S32> group_sizes,
+                                  ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> s) {
   NoteHandlerCall(HandlerOp::kQuantizeColumnsFp8, stream);
-  auto shape = CheckQuantizeColumnsFp8(x, group_sizes, *q_t, *s);
+  auto shape = CheckQuantizeColumnsFp8(x, x_scales, group_sizes, *q_t, *s);
   if (shape.has_error()) return shape.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  if (shape->rows_e4m3)
+    return ToFfi(QuantizeColumnsFp8FromRows(stream, x.untyped_data(), x_scales.typed_data(), shape->M, shape->C,
+                                            shape->G, group_sizes.typed_data(), shape->tiles, q_t->untyped_data(),
+                                            s->typed_data()));
   return ToFfi(QuantizeColumnsFp8(stream, shape->dtype, x.untyped_data(), shape->M, shape->C, shape->G,
                                   group_sizes.typed_data(), shape->tiles, q_t->untyped_data(), s->typed_data()));
 }

@@ -20,4 +20,10 @@ namespace jmo::cuda {
 Status QuantizeColumnsFp8(cudaStream_t stream, DType dt, const void* x, int64_t M, int64_t C, int64_t G,
                           const int32_t* group_sizes, int64_t tiles, void* q_t, float* s);
 
+// The same from rows given row-quantized: xq [M, C] e4m3 and their 1 x 128 scales xs [M, C / 128] (fp8.quantize_rows),
+// each value dequantized in registers (value times scale, one float32 product: DequantizeE4m3's rule); bitwise the
+// CPU handler's on these rows. C a positive multiple of kRowsE4m3Channels (256: the kernel's item).
+Status QuantizeColumnsFp8FromRows(cudaStream_t stream, const void* xq, const float* xs, int64_t M, int64_t C, int64_t G,
+                                  const int32_t* group_sizes, int64_t tiles, void* q_t, float* s);
+
 }  // namespace jmo::cuda
