@@ -165,6 +165,12 @@ def _kernel_outer(lhs, rhs, tiles, group_sizes):
   return grouped_outer_fp8_packed(lhs, rhs, group_sizes)
 
 
+def _tested_call(call, xla, gpu_tested: bool):
+  """call() on CPUs, and on GPUs where its CUDA kernel has passed its GPU test (gpu_tested, read when traced), else
+  xla(): a custom call whose kernel has not yet run on a GPU leaves GPUs on XLA's ops for the same step."""
+  return jax.lax.platform_dependent(cpu=call, default=call if gpu_tested else xla)
+
+
 # Whether GPUs take the fused SwiGLU forward (grouped_gemm.swiglu_forward_fp8) too. Its CUDA kernel must first pass
 # tests/gpu/test_gpu_swiglu_forward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
 # jnp composition (the same math, exp aside: common/swiglu.h), CPUs the fused call.
@@ -172,8 +178,7 @@ FUSED_SWIGLU_FORWARD_ON_GPU = False
 
 
 def _kernel_swiglu_forward(a):
-  gpu = swiglu_forward_fp8 if FUSED_SWIGLU_FORWARD_ON_GPU else swiglu_forward_composed
-  return jax.lax.platform_dependent(a, cpu=swiglu_forward_fp8, default=gpu)
+  return _tested_call(lambda: swiglu_forward_fp8(a), lambda: swiglu_forward_composed(a), FUSED_SWIGLU_FORWARD_ON_GPU)
 
 
 # Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel must first pass
@@ -190,7 +195,7 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
   def composed():
     return swiglu_backward_composed(_kernel_columns)(aq, a_s, dh, tiles)
 
-  return jax.lax.platform_dependent(cpu=fused, default=fused if FUSED_SWIGLU_BACKWARD_ON_GPU else composed)
+  return _tested_call(fused, composed, FUSED_SWIGLU_BACKWARD_ON_GPU)
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3
@@ -209,7 +214,7 @@ def _kernel_row_columns(q, s, tiles):
 
   if q.shape[1] % ROWS_E4M3_CHANNELS:  # the call takes row-quantized rows of whole 256-channel items only
     return dequantized()
-  return jax.lax.platform_dependent(cpu=from_rows, default=from_rows if ROW_QUANTIZED_COLUMNS_ON_GPU else dequantized)
+  return _tested_call(from_rows, dequantized, ROW_QUANTIZED_COLUMNS_ON_GPU)
 
 
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
