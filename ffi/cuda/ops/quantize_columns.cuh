@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/fp8_columns.h"
 #include "cuda/ops/grouped_gemm.h"
@@ -88,39 +89,31 @@ struct RowsF32 {
   }
 };
 
-struct RowsBf16 {
-  static constexpr int kLaneCh = 8;
-  using Raw = uint4;
+// bfloat16 rows, kN channels a lane: 8 by 16-byte loads (an item of 256 channels), or 4 by 8-byte loads (128
+// channels an item, for C not a multiple of 256 and a smaller stage).
+template <int kN>
+struct RowsBf16N {
+  static_assert(kN == 4 || kN == 8, "8 or 16 bytes a lane");
+  static constexpr int kLaneCh = kN;
+  using Raw = std::conditional_t<kN == 8, uint4, uint2>;
   const __nv_bfloat16* x;
   int64_t C;
   __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
-    return *reinterpret_cast<const uint4*>(x + row * C + c);
+    return *reinterpret_cast<const Raw*>(x + row * C + c);
   }
   __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
-    CopyAsync16(dst, x + row * C + c);
+    if constexpr (kN == 8)
+      CopyAsync16(dst, x + row * C + c);
+    else
+      CopyAsync8(dst, x + row * C + c);
   }
   __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
     v[0] = Bf16Lo(r.x), v[1] = Bf16Hi(r.x), v[2] = Bf16Lo(r.y), v[3] = Bf16Hi(r.y);
-    v[4] = Bf16Lo(r.z), v[5] = Bf16Hi(r.z), v[6] = Bf16Lo(r.w), v[7] = Bf16Hi(r.w);
+    if constexpr (kN == 8) v[4] = Bf16Lo(r.z), v[5] = Bf16Hi(r.z), v[6] = Bf16Lo(r.w), v[7] = Bf16Hi(r.w);
   }
 };
-
-// bfloat16 by 8 bytes (4 channels: an item of 128 channels, for C not a multiple of 256 and a smaller stage).
-struct RowsBf16x4 {
-  static constexpr int kLaneCh = 4;
-  using Raw = uint2;
-  const __nv_bfloat16* x;
-  int64_t C;
-  __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
-    return *reinterpret_cast<const uint2*>(x + row * C + c);
-  }
-  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
-    CopyAsync8(dst, x + row * C + c);
-  }
-  __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
-    v[0] = Bf16Lo(r.x), v[1] = Bf16Hi(r.x), v[2] = Bf16Lo(r.y), v[3] = Bf16Hi(r.y);
-  }
-};
+using RowsBf16 = RowsBf16N<8>;
+using RowsBf16x4 = RowsBf16N<4>;
 
 // Row-quantized input: 8 e4m3 values and their row block's scale (8 channels never straddle a 128-channel block).
 struct E4m3Row8 {
