@@ -26,6 +26,10 @@ constexpr int64_t kRowsE4m3Channels = 256;
 // The tiles of a group of `rows` rows.
 JMO_E4M3_HD inline int64_t ColumnTilesOf(int64_t rows) { return (rows + kColumnTile - 1) / kColumnTile; }
 
+// The tiles that hold M rows in any G groups (fp8.ColumnTiles.count): a tile per 128 rows, plus each group's partial
+// last tile.
+inline int64_t ColumnTilesNeeded(int64_t M, int64_t G) { return ColumnTilesOf(M) + G; }
+
 // One step of a tile's amax: max(m, |x|), NaN once any x is NaN (XLA's max propagates NaN). Starts at 0: the amax of
 // an empty tile is 0 (fp8.quantize_columns' maximum(segment max, 0)).
 JMO_E4M3_HD inline float AmaxStep(float m, float x) {

@@ -310,6 +310,14 @@ inline xla::ffi::ErrorOr<GroupedOuterFp8Shape> CheckGroupedOuterFp8(
   return s;
 }
 
+// Empty where `tiles` column tiles (Mp / 128) hold M rows in G groups (ColumnTilesNeeded), else why not.
+inline std::string ColumnTilesShortfall(int64_t tiles, int64_t M, int64_t G) {
+  const int64_t need = ColumnTilesNeeded(M, G);
+  if (tiles >= need) return "";
+  return std::to_string(tiles) + " tiles (Mp / 128) cannot hold " + std::to_string(M) + " rows in " +
+         std::to_string(G) + " groups: need ceil(M / 128) + G = " + std::to_string(need);
+}
+
 struct QuantizeColumnsShape {
   bool rows_e4m3;  // x row-quantized (e4m3 values, x_scales their 1 x 128 scales)
   DType dtype;     // x's when not rows_e4m3 (then unread)
@@ -343,10 +351,7 @@ inline xla::ffi::ErrorOr<QuantizeColumnsShape> CheckQuantizeColumnsFp8(
                 ", x_scales " + DimsText(xsd));
   if (qd[0] != r.C || qd[1] != kFp8Tile * r.tiles || sd[1] != r.C)
     return fail("inconsistent shapes: x " + DimsText(xd) + ", q_t " + DimsText(qd) + ", s " + DimsText(sd));
-  const int64_t need = (r.M + kFp8Tile - 1) / kFp8Tile + r.G;
-  if (r.tiles < need)
-    return fail(std::to_string(r.tiles) + " tiles (Mp / 128) cannot hold " + std::to_string(r.M) + " rows in " +
-                std::to_string(r.G) + " groups: need ceil(M / 128) + G = " + std::to_string(need));
+  if (const std::string why = ColumnTilesShortfall(r.tiles, r.M, r.G); !why.empty()) return fail(why);
   return r;
 }
 
@@ -404,10 +409,7 @@ inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
     return fail("inconsistent results: expected da_q [M, 2F], da_s [M, 2F/128], da_t [2F, Mp], da_ts [Mp/128, 2F], "
                 "h_t [F, Mp], h_ts [Mp/128, F] for M=" + std::to_string(r.M) + ", F=" + std::to_string(r.F) +
                 ", Mp/128=" + std::to_string(r.tiles));
-  const int64_t need = (r.M + kFp8Tile - 1) / kFp8Tile + r.G;
-  if (r.tiles < need)
-    return fail(std::to_string(r.tiles) + " tiles (Mp / 128) cannot hold " + std::to_string(r.M) + " rows in " +
-                std::to_string(r.G) + " groups: need ceil(M / 128) + G = " + std::to_string(need));
+  if (const std::string why = ColumnTilesShortfall(r.tiles, r.M, r.G); !why.empty()) return fail(why);
   return r;
 }
 

@@ -41,6 +41,21 @@ Status CurrentDeviceInfo(DeviceInfo* info) {
   return s.ok() ? GetDeviceInfo(dev, info) : s;
 }
 
+Status SetKernelSmem(const void* kernel, int bytes, const char* name) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> set;  // (kernel, device) -> bytes set
+  int dev = 0;
+  Status s = CudaStatus(cudaGetDevice(&dev), "cudaGetDevice");
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu);
+  int& done = set[{kernel, dev}];
+  if (done == bytes) return Status{};
+  const std::string what = std::string("cudaFuncSetAttribute(") + name + ")";
+  s = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what.c_str());
+  if (s.ok()) done = bytes;
+  return s;
+}
+
 Status PrepareOneCtaPerSm(const void* kernel, int threads, int need, const KernelSetup& setup, const char* name,
                           int dev, int* smem_bytes) {
   static std::mutex mu;

@@ -28,6 +28,10 @@ struct KernelSetup {
   cudaError_t (*set_smem)(const void* kernel, int smem_bytes) = nullptr;
 };
 
+// Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device, once per (kernel, device): a launch
+// need not repeat the host call. `name` words its error.
+Status SetKernelSmem(const void* kernel, int bytes, const char* name);
+
 // Dynamic shared memory of a kernel whose CTAs wait on each other and on peers, so every CTA must be resident:
 // `need` bytes, at least half an SM's (one CTA per SM). Set on the kernel once per device by `setup` and checked with
 // the occupancy API. *smem_bytes = the launch's dynamic shared memory.

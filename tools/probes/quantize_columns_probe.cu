@@ -27,6 +27,9 @@ Status CheckSizes(const char* op, int64_t M, int64_t G) {
   if (G < 1 || G > kMaxGroups || M >= (int64_t(1) << 31)) return Status::Error(kInvalidArgument, op);
   return Status{};
 }
+Status SetKernelSmem(const void* kernel, int bytes, const char* name) {
+  return CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), name);
+}
 Status Fp8DeviceCheck(const char* op, DeviceInfo* dev) {
   int d = 0;
   cudaGetDevice(&d);

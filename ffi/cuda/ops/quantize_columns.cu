@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "cuda/launch.h"
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/quantize_columns.cuh"
 
@@ -25,8 +26,7 @@ Status LaunchPersistent(cudaStream_t stream, In in, int64_t M, int64_t C, int64_
   static_assert(kCh == 128, "an item is 128 channels: C is a multiple of 128");
   const auto kernel = qcols::QuantizeColumnsPersistent<In>;
   const int smem = qcols::PersistentSmem<In>();
-  Status st = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                         "cudaFuncSetAttribute of QuantizeColumnsPersistent");
+  Status st = SetKernelSmem(reinterpret_cast<const void*>(kernel), smem, "QuantizeColumnsPersistent");
   if (!st.ok()) return st;
   const int64_t items = tiles * (C / kCh);
   const int grid = static_cast<int>(items < int64_t(kCtasPerSm) * sms ? items : int64_t(kCtasPerSm) * sms);
@@ -42,8 +42,7 @@ Status LaunchLean(cudaStream_t stream, In in, int64_t M, int64_t C, int64_t G, c
   constexpr int kCh = qcols::Shared<In>::kCh;
   const auto kernel = qcols::QuantizeColumnsLean<In>;
   const int smem = qcols::LeanSmem<In>();
-  Status st = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                         "cudaFuncSetAttribute of QuantizeColumnsLean");
+  Status st = SetKernelSmem(reinterpret_cast<const void*>(kernel), smem, "QuantizeColumnsLean");
   if (!st.ok()) return st;
   const int64_t items = tiles * (C / kCh);
   kernel<<<static_cast<unsigned>(items), qcols::kThreads, smem, stream>>>(in, M, C, group_sizes, static_cast<int>(G),
@@ -57,7 +56,7 @@ Status Prepare(const char* form, int64_t M, int64_t C, int64_t G, int64_t tiles,
   Status st = CheckSizes("quantize_columns_fp8", M, G);
   if (!st.ok()) return st;
   if (!(st = Fp8DeviceCheck("quantize_columns_fp8", dev)).ok()) return st;
-  if (C < width || C % width != 0 || tiles < (M + kColumnTile - 1) / kColumnTile + G ||
+  if (C < width || C % width != 0 || tiles < ColumnTilesNeeded(M, G) ||
       tiles > 0x7FFFFFFF / (C / width))
     return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: quantize_columns_fp8: C must be a positive "
                                                        "multiple of ") +

@@ -17,8 +17,6 @@
 // row_off[G] + 128 t ..): zero values, scales 2^-126, quantize_rows of a zero row.
 #include "cuda/ops/swiglu_backward_fp8.h"
 
-#include <map>
-#include <mutex>
 #include <string>
 
 #include "common/e4m3.h"
@@ -199,19 +197,6 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
   }
 }
 
-// Raises the kernel's dynamic shared memory limit on the current device, once per device.
-Status PrepareKernel(int dev) {
-  static std::mutex mu;
-  static std::map<int, bool> done;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done[dev]) return Status{};
-  Status s = CudaStatus(cudaFuncSetAttribute(SwiGluBackwardKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kSmemBytes),
-                        "cudaFuncSetAttribute(SwiGluBackwardKernel)");
-  if (s.ok()) done[dev] = true;
-  return s;
-}
-
 }  // namespace
 
 Status SwiGluBackwardFp8(cudaStream_t stream, const uint8_t* aq, const float* a_s, const float* dh, int64_t M,
@@ -221,14 +206,14 @@ Status SwiGluBackwardFp8(cudaStream_t stream, const uint8_t* aq, const float* a_
   if (!st.ok()) return st;
   DeviceInfo dev;
   if (!(st = Fp8DeviceCheck("swiglu_backward_fp8", &dev)).ok()) return st;
-  if (F < kChannels || F % kChannels != 0 || F / kChannels > 65535 || tiles < (M + kColumnTile - 1) / kColumnTile + G ||
+  if (F < kChannels || F % kChannels != 0 || F / kChannels > 65535 || tiles < ColumnTilesNeeded(M, G) ||
       tiles > 0x7FFFFFFF)
     return Status::Error(kInvalidArgument, "jax_moe_overlap: swiglu_backward_fp8: F must be a positive multiple of "
                                            "128 (at most 128 * 65535) and the tiles at least ceil(M / 128) + G, got "
                                            "F=" + std::to_string(F) + ", tiles=" + std::to_string(tiles));
-  int ordinal = 0;
-  if (!(st = CudaStatus(cudaGetDevice(&ordinal), "cudaGetDevice")).ok()) return st;
-  if (!(st = PrepareKernel(ordinal)).ok()) return st;
+  if (!(st = SetKernelSmem(reinterpret_cast<const void*>(SwiGluBackwardKernel), kSmemBytes, "SwiGluBackwardKernel"))
+           .ok())
+    return st;
   const dim3 grid((unsigned)tiles, (unsigned)(F / kChannels));
   SwiGluBackwardKernel<<<grid, kCtaThreads, kSmemBytes, stream>>>(aq, a_s, dh, M, F, group_sizes, (int)G,
                                                                   kColumnTile * tiles, da_q, da_s, da_t, da_ts, h_t,
