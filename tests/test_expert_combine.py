@@ -15,7 +15,7 @@ from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.ordering import workspace_call
-from jax_moe_overlap.workspace import Workspace, WorkspaceSizes
+from jax_moe_overlap.workspace import Workspace, WorkspaceSizes, release_workspaces
 from jax_moe_overlap.workspace_calls import expert_combine
 from cases import mesh_of, rel_err, routing
 
@@ -191,6 +191,7 @@ def test_handler_names_the_shape_problem():
 def test_options_and_capacity_are_checked_once_for_every_call():
   """The call's attributes are read by name into one struct (every one, nothing else) and its options checked before
   the call opens an epoch; a call larger than the workspace fails its epoch and the next call recovers."""
+  release_workspaces()  # its own workspace: a larger one cached by an earlier test would fit the call below
   mesh = mesh_of(1)
   sizes = WorkspaceSizes(row_bytes=64 * 4, recv_rows=16, ret_rows=8, num_segments=2)
   info = RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig(timeout_ms=5000))
