@@ -1,10 +1,10 @@
-// jmo_quantize_columns_fp8 on CUDA (quantize_columns.h), by the kernels of ops/quantize_columns.cuh:
-//   float32 or bfloat16 rows: the persistent kernel (a few CTAs per SM, each looping over (128 x 1 tile, 128
-//     channels) items and loading its next item while it quantizes the current one) on RowsF32 (16-byte loads) or
-//     RowsBf16x4 (8-byte loads, 128 channels an item, so C need only be a multiple of 128);
-//   row-quantized rows (e4m3 values and 1 x 128 scales): the lean kernel (one CTA per (tile, 256 channels) item) on
-//     RowsE4m3 (8 values a lane: C a multiple of 256), the schedule tools/probes/quantize_columns_probe.cu measured
-//     for this form.
+// jmo_quantize_columns_fp8 on CUDA (quantize_columns.h), by ops/quantize_columns.cuh's lean kernel (one CTA per
+// (128 x 1 tile, kCh channels) item), the schedule tools/probes/quantize_columns_probe.cu measured fastest for every
+// input form (docs/performance.md):
+//   float32 or bfloat16 rows: RowsF32 (16-byte loads) or RowsBf16x4 (8-byte loads), 128 channels an item, so C need
+//     only be a multiple of 128;
+//   row-quantized rows (e4m3 values and 1 x 128 scales): RowsE4m3 (8 values a lane, 256 channels an item: C a
+//     multiple of 256).
 #include "cuda/ops/quantize_columns.h"
 
 #include <string>
@@ -15,25 +15,6 @@
 
 namespace jmo::cuda {
 namespace {
-
-// CTAs per SM of the persistent kernel: its __launch_bounds__ minimum (registers and shared memory fit that many).
-constexpr int kCtasPerSm = 2;
-
-template <class In>
-Status LaunchPersistent(cudaStream_t stream, In in, int64_t M, int64_t C, int64_t G, const int32_t* group_sizes,
-                        int64_t tiles, uint8_t* q_t, float* s, int sms) {
-  constexpr int kCh = qcols::Shared<In>::kCh;
-  static_assert(kCh == 128, "an item is 128 channels: C is a multiple of 128");
-  const auto kernel = qcols::QuantizeColumnsPersistent<In>;
-  const int smem = qcols::PersistentSmem<In>();
-  Status st = SetKernelSmem(reinterpret_cast<const void*>(kernel), smem, "QuantizeColumnsPersistent");
-  if (!st.ok()) return st;
-  const int64_t items = tiles * (C / kCh);
-  const int grid = static_cast<int>(items < int64_t(kCtasPerSm) * sms ? items : int64_t(kCtasPerSm) * sms);
-  kernel<<<grid, qcols::kThreads, smem, stream>>>(in, M, C, group_sizes, static_cast<int>(G), kColumnTile * tiles,
-                                                  items, q_t, s);
-  return CudaStatus(cudaGetLastError(), "launch of QuantizeColumnsPersistent");
-}
 
 // One CTA per item: tiles * (C / kCh) CTAs.
 template <class In>
@@ -76,10 +57,9 @@ Status QuantizeColumnsFp8(cudaStream_t stream, DType dt, const void* x, int64_t 
   if (!st.ok()) return st;
   auto* q = static_cast<uint8_t*>(q_t);
   if (dt == DType::kF32)
-    return LaunchPersistent(stream, qcols::RowsF32{static_cast<const float*>(x), C}, M, C, G, group_sizes, tiles, q,
-                            s, dev.sms);
-  return LaunchPersistent(stream, qcols::RowsBf16x4{static_cast<const __nv_bfloat16*>(x), C}, M, C, G, group_sizes,
-                          tiles, q, s, dev.sms);
+    return LaunchLean(stream, qcols::RowsF32{static_cast<const float*>(x), C}, M, C, G, group_sizes, tiles, q, s);
+  return LaunchLean(stream, qcols::RowsBf16x4{static_cast<const __nv_bfloat16*>(x), C}, M, C, G, group_sizes, tiles,
+                    q, s);
 }
 
 Status QuantizeColumnsFp8FromRows(cudaStream_t stream, const void* xq, const float* xs, int64_t M, int64_t C, int64_t G,
