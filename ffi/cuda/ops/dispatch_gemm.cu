@@ -78,7 +78,10 @@ struct DispatchGemmArgs {
 // stores. Invalid slots are reported as PushRows does.
 // Send once (g.primary): a slot routed to another rank moves its row only where it is its own primary (CheckPrimary;
 // else reported as kBadPrimary and not moved), and every kept slot of the block stores its recv_from entry.
-__device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, uint64_t epoch) {
+// Not inlined (nor ExpandRows): inside the kernel, whose code outside the tile loop runs on the launch's 168
+// registers per thread, ptxas spills the row copies' loaded data to local memory; compiled as its own function
+// PushBlock spills nothing and ExpandRows less (`ptxas -v`); one call per block (per side unit).
+__device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, uint64_t epoch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t q0 = max(J * kSrcBlockRows, (int64_t)g.send_start[d]) + warp;
   const int64_t q1 = min((J + 1) * kSrcBlockRows, (int64_t)g.send_start[d + 1]);
@@ -262,8 +265,8 @@ __device__ inline MTile TileAt(const DgSchedule& d, int E_l, int64_t i, int col_
 // Send once, every thread of the CTA: fills recv rows [r0, r0 + rows) of expert e whose recv_from entry names another
 // row from that row (the expansion; a warp per row), after lane 0 has checked the entry and waited for the block of
 // the same source that holds the named row. The rows' own blocks have been waited for (their entries are in).
-__device__ inline void ExpandRows(const RankDev& rd, const DispatchGemmArgs& g, const TableScratch& sc, int e,
-                                  int64_t r0, int64_t rows, uint64_t epoch) {
+__device__ __noinline__ void ExpandRows(const RankDev& rd, const DispatchGemmArgs& g, const TableScratch& sc, int e,
+                                      int64_t r0, int64_t rows, uint64_t epoch) {
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32, R = rd.ranks;
   char* recv = View(rd, rd.rank).recv();
   for (int64_t r = r0 + threadIdx.x / 32; r < r0 + rows; r += warps) {
