@@ -174,9 +174,10 @@ def _kernel_swiglu_forward(a):
   return swiglu_forward_fp8(a)
 
 
-# Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel must first pass
-# tests/gpu/test_gpu_swiglu_backward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
-# composition on the column quantizer's custom call (the same math, exp aside: common/swiglu.h), CPUs the fused call.
+# Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel passes
+# tests/gpu/test_gpu_swiglu_backward_fp8.py but runs slower than the composition on the column quantizer's custom call
+# (docs/performance.md, "FP8 SwiGLU kernels"), which GPUs therefore run (the same math, exp aside: common/swiglu.h);
+# CPUs run the fused call.
 FUSED_SWIGLU_BACKWARD_ON_GPU = False
 
 
@@ -192,9 +193,9 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3
-# rows: QuantizeColumnsLean<RowsE4m3>). That launch must first pass tests/gpu/test_gpu_quantize_columns_fp8.py on a
-# GPU (docs/performance.md, "GPU test runs"); until then GPUs dequantize them in XLA and quantize the float32 rows
-# (the same bits), CPUs take the pair.
+# rows: QuantizeColumnsLean<RowsE4m3>, which passes tests/gpu/test_gpu_quantize_columns_fp8.py). Off while the
+# training step has not measured it faster than dequantizing in XLA and quantizing the float32 rows (the same bits;
+# docs/performance.md, "Where the FP8 step goes"); CPUs take the pair.
 ROW_QUANTIZED_COLUMNS_ON_GPU = False
 
 
