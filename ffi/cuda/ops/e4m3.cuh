@@ -47,8 +47,9 @@ __device__ __forceinline__ Quantizer QuantizerOf(float s) {
 }
 
 // The exact path of four values: QuantizeE4m3 of each (an IEEE division and RoundE4m3), as a word. Out of line: it
-// is rare, and inlined at every call site its code would crowd the kernels' instruction cache.
-__device__ __noinline__ uint32_t QuantizeFourExact(float a, float b, float c, float d, float s) {
+// is rare, and inlined at every call site its code would crowd the kernels' instruction cache (static: one copy
+// per translation unit).
+static __device__ __noinline__ uint32_t QuantizeFourExact(float a, float b, float c, float d, float s) {
   return QuantizeE4m3(a, s) | static_cast<uint32_t>(QuantizeE4m3(b, s)) << 8 |
          static_cast<uint32_t>(QuantizeE4m3(c, s)) << 16 | static_cast<uint32_t>(QuantizeE4m3(d, s)) << 24;
 }
