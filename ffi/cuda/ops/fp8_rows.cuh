@@ -1,8 +1,8 @@
 // The 1 x 128 row tiles of the FP8 recipe (fp8.quantize_rows, pow2=False) on a warp: a tile's 128 channels held 4
 // consecutive ones per lane (one float4 per lane: a warp reads or writes the tile's row segment coalesced), its amax
 // reduced across the lanes by shuffles. The rules are common/fp8_columns.h's (AmaxStep, ColumnTileScale,
-// QuantizeE4m3), those of the CPU handlers' loop (common/fp8_rows.h): the same bytes and scale. Shared by
-// ops/swiglu_backward_fp8.cu (da) and ops/swiglu_forward_fp8.cu (h and a).
+// QuantizeE4m3, by ops/e4m3.cuh's conversion), those of the CPU handlers' loop (common/fp8_rows.h): the same bytes
+// and scale. Shared by ops/swiglu_backward_fp8.cu (da) and ops/swiglu_forward_fp8.cu (h and a).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/fp8_columns.h"
+#include "cuda/ops/e4m3.cuh"
 
 namespace jmo::cuda {
 
@@ -24,12 +25,10 @@ __device__ __forceinline__ float WarpRowAmax(const float (&v)[4]) {
   return m;
 }
 
-// A lane's 4 values quantized with the tile's scale: their e4m3 bytes as one word, in channel order.
+// A lane's 4 values quantized with the tile's scale s: their e4m3 bytes as one word, in channel order, each
+// RoundE4m3(x / s) by the bracketed conversion (ops/e4m3.cuh).
 __device__ __forceinline__ uint32_t QuantizeWord(const float (&v)[4], float s) {
-  uint32_t w = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) w |= static_cast<uint32_t>(QuantizeE4m3(v[j], s)) << (8 * j);
-  return w;
+  return QuantizeFour(v, QuantizerOf(s));
 }
 
 // The row tile's scale (fp8.tile_scale of its amax); every lane gets it.

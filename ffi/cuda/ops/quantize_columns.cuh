@@ -8,22 +8,13 @@
 // 16 w + 15, each lane kLaneCh consecutive channels of them (one 16- or 8-byte load per row). Per item:
 //   1. amax per channel over the warp's rows, then over the 8 warps in row order (smem);
 //   2. the scale (ColumnTileScale), written to s, and the channel's quantizer constants (QuantizerOf);
-//   3. each value quantized (QuantizeTwo) and 4 consecutive rows of a channel packed into a word of a channel-major
+//   3. each value quantized (QuantizeFour) and 4 consecutive rows of a channel packed into a word of a channel-major
 //      shared buffer (a channel's 32 words XOR-swizzled by its lane, free of bank conflicts both ways);
 //   4. each channel's 128 bytes stored to q_t[c, 128 t ..] (a warp per channel: one 128-byte segment).
 // Two schedules: QuantizeColumnsLean, one CTA per item; QuantizeColumnsPersistent, a grid of a few CTAs per SM each
 // looping over items, loading its next item (cp.async into a thread-private shared stage) while it computes the
 // current one, with the group tables built once per CTA.
-//
-// Quantization, bitwise RoundE4m3(x / s) of the IEEE quotient: with r = 1 / s (IEEE), r_lo = r (1 - 2^-20) and
-// r_hi = r (1 + 2^-20) (each rounded), x r_lo and x r_hi (rounded) lie on either side of RN(x / s) for every finite x
-// and s >= 2^-126 (relative errors: r, r_lo, r_hi and the products each within 2^-24, so x r_lo <= (x / s)
-// (1 - 2^-20 + 4 2^-24) < RN(x / s) for x > 0, mirrored for x < 0 and x r_hi; where a product falls below 2^-125,
-// x / s, RN(x / s) and both products all round to a signed zero in e4m3, whose sign is x's). e4m3 rounding (the
-// hardware's cvt.rn.satfinite.e4m3x2.f32, RoundE4m3's rule: saturate, then nearest even) is monotone and keeps the
-// sign, so where both products round to the same byte, RN(x / s) does too: that byte is the value's. Otherwise
-// (x / s within about 2^-20 of a rounding midpoint: a few values in 10^5 of random data), and for a channel whose
-// scale is not finite (an inf or NaN in its tile), the value takes x / s and RoundE4m3 as the CPU handler does.
+// Quantization: the bracketed conversion of ops/e4m3.cuh (Quantizer, QuantizeFour), bitwise RoundE4m3(x / s).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,6 +25,7 @@
 #include <type_traits>
 
 #include "common/fp8_columns.h"
+#include "cuda/ops/e4m3.cuh"
 #include "cuda/ops/grouped_gemm.h"
 
 namespace jmo::cuda::qcols {
@@ -133,17 +125,12 @@ struct RowsE4m3 {
     CopyAsync8(&dst->q, x + row * C + c);
     CopyAsync4(&dst->s, scales + row * (C / 128) + c / 128);
   }
-  // e4m3 -> half is exact (every e4m3 is a half), half -> float exact, times a power of two exact.
-  __device__ __forceinline__ static void Pair(uint32_t two, float s, float& a, float& b) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-    a = __half2float(__half(__half_raw{h.x})) * s;
-    b = __half2float(__half(__half_raw{h.y})) * s;
-  }
   __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
-    Pair(r.q.x & 0xFFFF, r.s, v[0], v[1]);
-    Pair(r.q.x >> 16, r.s, v[2], v[3]);
-    Pair(r.q.y & 0xFFFF, r.s, v[4], v[5]);
-    Pair(r.q.y >> 16, r.s, v[6], v[7]);
+    // DequantizeE4m3Pair's product by a power of two is exact.
+    DequantizeE4m3Pair(r.q.x, r.s, v[0], v[1]);
+    DequantizeE4m3Pair(r.q.x >> 16, r.s, v[2], v[3]);
+    DequantizeE4m3Pair(r.q.y, r.s, v[4], v[5]);
+    DequantizeE4m3Pair(r.q.y >> 16, r.s, v[6], v[7]);
   }
 };
 
@@ -154,25 +141,6 @@ __device__ __forceinline__ float MaxAbsNaN(float m, float x) {
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
   return r;
-}
-
-// A channel's quantizer: its scale, 1 / s bracketed (r_lo, r_hi), and whether s is finite (else every value takes
-// the exact path).
-struct Quantizer {
-  float s, r_lo, r_hi;
-  bool fast;
-};
-__device__ __forceinline__ Quantizer QuantizerOf(float s) {
-  const float r = 1.f / s;
-  return {s, r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), isfinite(s)};
-}
-
-// Two values of one channel -> their two e4m3 bytes (first in the low byte), each RoundE4m3(x / s) (see the top).
-__device__ __forceinline__ uint32_t QuantizeTwo(float a, float b, const Quantizer& q) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a * q.r_lo, b * q.r_lo), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(a * q.r_hi, b * q.r_hi), __NV_SATFINITE, __NV_E4M3);
-  if (__builtin_expect(lo == hi && q.fast, 1)) return lo;
-  return QuantizeE4m3(a, q.s) | static_cast<uint32_t>(QuantizeE4m3(b, q.s)) << 8;
 }
 
 // ---- group tables ----
@@ -234,6 +202,34 @@ __device__ __forceinline__ int PackedWord(int c, int w) {
   return c * kWordsPerChannel + (w ^ ((c / kLaneCh) & 31));
 }
 
+// Step 2 of a channel: the tile's amax from the warps' amaxes part[0], part[stride], .. (kWarps of them, each >= 0 or
+// NaN, so AmaxStep over them in warp order is the tile's amax by the rules).
+__device__ __forceinline__ float WarpsAmax(const float* part, int stride) {
+  float m = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m = AmaxStep(m, part[w * stride]);
+  return m;
+}
+
+// Step 3 of a channel: its values of the warp's rows 4 m .. 4 m + 3 (v[b] of row 4 m + b) quantized with q, as their
+// packed word; the warp's rows from `valid` on (past the tile's) hold 0, whose byte is 0 on the fast path, and are
+// zero bytes on the exact path too (which quantizes 0 with a non-finite scale to NaN's byte).
+__device__ __forceinline__ uint32_t PackFourRows(const float (&v)[4], const Quantizer& q, int m, int valid) {
+  uint32_t word = QuantizeFour(v, q);
+  if (!q.fast)
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+      if (4 * m + b >= valid) word &= ~(0xFFu << (8 * b));
+  return word;
+}
+
+// Step 4 of a channel: its 128 bytes from the packed buffer to dst, by a warp (a word per lane: one 128-byte segment).
+template <int kLaneCh>
+__device__ __forceinline__ void StoreChannel(const uint32_t* packed, int c, uint8_t* dst) {
+  const int lane = threadIdx.x & 31;
+  reinterpret_cast<uint32_t*>(dst)[lane] = packed[PackedWord<kLaneCh>(c, lane)];
+}
+
 // Where a warp's amax of channel j turned NaN: redo it by AmaxStep over the warp's rows in order, so that the NaN
 // (its payload) is the one the rules pick (the last NaN in row order).
 template <class In>
@@ -278,11 +274,7 @@ __device__ __forceinline__ void QuantizeItem(const typename In::Raw (&raw)[kRows
   }
   __syncthreads();
   for (int c = threadIdx.x; c < kCh; c += kThreads) {
-    // The warps' amaxes are >= 0 or NaN, so AmaxStep over them in warp order is the tile's amax by the rules.
-    float m = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = AmaxStep(m, sm.part[w][c]);
-    const float sc = ColumnTileScale(m);
+    const float sc = ColumnTileScale(WarpsAmax(&sm.part[0][c], kCh));
     sm.quant[c] = QuantizerOf(sc);
     s[t * C + c0 + c] = sc;
   }
@@ -299,17 +291,12 @@ __device__ __forceinline__ void QuantizeItem(const typename In::Raw (&raw)[kRows
         In::Values(raw[4 * m + b], all);
         v[b] = 4 * m + b < valid ? all[j] : 0.f;  // rows past the tile's: 0, whose byte is 0 on the fast path
       }
-      uint32_t word = QuantizeTwo(v[0], v[1], q) | QuantizeTwo(v[2], v[3], q) << 16;
-      if (!q.fast)  // the exact path of a non-finite scale quantizes the zeros too: rows past the tile's are 0 bytes
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          if (4 * m + b >= valid) word &= ~(0xFFu << (8 * b));
-      sm.packed[PackedWord<L>(L * lane + j, warp * (kRowsPerWarp / 4) + m)] = word;
+      sm.packed[PackedWord<L>(L * lane + j, warp * (kRowsPerWarp / 4) + m)] = PackFourRows(v, q, m, valid);
     }
   }
   __syncthreads();
   for (int c = warp; c < kCh; c += kWarps)
-    reinterpret_cast<uint32_t*>(q_t + (c0 + c) * Mp + t * kColumnTile)[lane] = sm.packed[PackedWord<L>(c, lane)];
+    StoreChannel<L>(sm.packed, c, q_t + (c0 + c) * Mp + t * kColumnTile);
 }
 
 // An item of a tile that holds no rows: scales 2^-126 (ColumnTileScale(0)) and zero bytes; no synchronization.

@@ -6,8 +6,8 @@
 // a lane 4 consecutive channels of each (one float4 of the gate and one of the up projection per row: a warp reads
 // 512 + 512 contiguous bytes of a row and writes 128 contiguous bytes to each of the three outputs). All of a warp's
 // loads are issued before any math. Per row: h = SwiGlu(gate, up) (common/swiglu.h), each tile's amax by warp
-// shuffles, its scale and bytes (cuda/ops/fp8_rows.cuh: the rules of the CPU handler's loop). The division of each
-// value by its scale is IEEE's (QuantizeE4m3: nvcc's default -prec-div=true).
+// shuffles, its scale and bytes (cuda/ops/fp8_rows.cuh: the rules of the CPU handler's loop). Each value's byte is
+// RoundE4m3 of its IEEE quotient by the scale (ops/e4m3.cuh's bracketed conversion).
 #include "cuda/ops/swiglu_forward_fp8.h"
 
 #include <string>

@@ -1,0 +1,71 @@
+// e4m3 on CUDA devices: common/e4m3.h's dequantization and common/fp8_columns.h's quantization (QuantizeE4m3) by the
+// hardware's conversions, bitwise the same results; shared by the column quantizer (ops/quantize_columns.cuh), the
+// warp's row quantizer (ops/fp8_rows.cuh) and the SwiGLU kernels.
+//
+// Dequantization, DequantizeE4m3(b, s) = float32(b) * s, of two bytes at once: e4m3 -> half is exact (every e4m3 is a
+// half), half -> float exact, then one rounded product. A NaN byte decodes to a NaN other than E4m3ToFloat's, but
+// the device's float32 arithmetic returns its one canonical NaN for any NaN operand, so the products agree.
+//
+// Quantization, bitwise RoundE4m3(x / s) of the IEEE quotient: with r = 1 / s (IEEE), r_lo = r (1 - 2^-20) and
+// r_hi = r (1 + 2^-20) (each rounded), x r_lo and x r_hi (rounded) lie on either side of RN(x / s) for every finite x
+// and s >= 2^-126 (relative errors: r, r_lo, r_hi and the products each within 2^-24, so x r_lo <= (x / s)
+// (1 - 2^-20 + 4 2^-24) < RN(x / s) for x > 0, mirrored for x < 0 and x r_hi; where a product falls below 2^-125,
+// x / s, RN(x / s) and both products all round to a signed zero in e4m3, whose sign is x's). e4m3 rounding (the
+// hardware's cvt.rn.satfinite.e4m3x2.f32, RoundE4m3's rule: saturate, then nearest even) is monotone and keeps the
+// sign, so where both products round to the same byte, RN(x / s) does too: that byte is the value's. Otherwise
+// (x / s within about 2^-20 of a rounding midpoint: a few values in 10^5 of random data), and for a tile whose
+// scale is not finite (an inf or NaN in it), the value takes x / s and RoundE4m3 as the CPU handlers do.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/e4m3.h"
+#include "common/fp8_columns.h"
+
+namespace jmo::cuda {
+
+// The two e4m3 bytes in the low 16 bits of `two` (the first in the low byte), each dequantized with the scale s.
+__device__ __forceinline__ void DequantizeE4m3Pair(uint32_t two, float s, float& a, float& b) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
+  a = __fmul_rn(__half2float(__half(__half_raw{h.x})), s);
+  b = __fmul_rn(__half2float(__half(__half_raw{h.y})), s);
+}
+
+// A tile's quantizer: its scale, 1 / s bracketed (r_lo, r_hi), and whether s is finite (else every value takes the
+// exact path).
+struct Quantizer {
+  float s, r_lo, r_hi;
+  bool fast;
+};
+__device__ __forceinline__ Quantizer QuantizerOf(float s) {
+  const float r = 1.f / s;
+  return {s, r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), isfinite(s)};
+}
+
+// The exact path of four values: QuantizeE4m3 of each (an IEEE division and RoundE4m3), as a word. Out of line: it
+// is rare, and inlined at every call site its code would crowd the kernels' instruction cache (static: one copy
+// per translation unit).
+static __device__ __noinline__ uint32_t QuantizeFourExact(float a, float b, float c, float d, float s) {
+  return QuantizeE4m3(a, s) | static_cast<uint32_t>(QuantizeE4m3(b, s)) << 8 |
+         static_cast<uint32_t>(QuantizeE4m3(c, s)) << 16 | static_cast<uint32_t>(QuantizeE4m3(d, s)) << 24;
+}
+
+// The e4m3 bytes of two products (the hardware's cvt.rn.satfinite.e4m3x2.f32), a's in the low byte.
+__device__ __forceinline__ uint32_t E4m3Pair(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Four values of one tile -> their four e4m3 bytes as a word (v[0] in the low byte), each RoundE4m3(x / s) (see the
+// top): both bracketing words, and the exact path where they differ or s is not finite.
+__device__ __forceinline__ uint32_t QuantizeFour(const float (&v)[4], const Quantizer& q) {
+  const uint32_t lo = E4m3Pair(v[0] * q.r_lo, v[1] * q.r_lo) | E4m3Pair(v[2] * q.r_lo, v[3] * q.r_lo) << 16;
+  const uint32_t hi = E4m3Pair(v[0] * q.r_hi, v[1] * q.r_hi) | E4m3Pair(v[2] * q.r_hi, v[3] * q.r_hi) << 16;
+  if (__builtin_expect(lo == hi && q.fast, 1)) return lo;
+  return QuantizeFourExact(v[0], v[1], v[2], v[3], q.s);
+}
+
+}  // namespace jmo::cuda
