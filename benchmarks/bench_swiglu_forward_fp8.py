@@ -2,8 +2,8 @@
 output a to h quantized 1 x 128 (GEMM2's operand) and a quantized 1 x 128 (what the backward keeps), by
 
   custom call             grouped_gemm.swiglu_forward_fp8: one kernel, one read of a
-  XLA                     fp8_experts.swiglu_forward_composed: swiglu and two fp8.quantize_rows (the definition; what
-                          GPUs run until fp8_experts.FUSED_SWIGLU_FORWARD_ON_GPU)
+  XLA                     fp8_experts.swiglu_forward_composed: swiglu and two fp8.quantize_rows (the definition, what
+                          DENSE and RAGGED run)
 
 The XLA variant's outputs are compared with the custom call's: the count of differing bytes prints (XLA's exp and its
 float32 division, div.full on GPUs, part from the kernel's in the last bit now and then: one e4m3 step at most).

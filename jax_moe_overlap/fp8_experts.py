@@ -15,8 +15,7 @@ values and their float32 scales) and chooses how the GEMMs run:
                ``grouped_gemm.grouped_outer_fp8_packed`` on operands that ``grouped_gemm.quantize_columns_fp8``
                quantizes 128 x 1 straight into the token-contiguous layout (each expert's rows padded to a multiple
                of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU forward (h and its
-               quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a (on GPUs once
-               ``FUSED_SWIGLU_FORWARD_ON_GPU``: until its kernel has passed its GPU test, XLA's ops); the SwiGLU
+               quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a; the SwiGLU
                backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
                one pass over a and dh (on GPUs once ``FUSED_SWIGLU_BACKWARD_ON_GPU``: until its kernel has passed
                its GPU test, XLA's ops and the column quantizer's call). x and dy, which the backward holds
@@ -171,19 +170,14 @@ def _tested_call(call, xla, gpu_tested: bool):
   return jax.lax.platform_dependent(cpu=call, default=call if gpu_tested else xla)
 
 
-# Whether GPUs take the fused SwiGLU forward (grouped_gemm.swiglu_forward_fp8) too. Its CUDA kernel must first pass
-# tests/gpu/test_gpu_swiglu_forward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
-# jnp composition (the same math, exp aside: common/swiglu.h), CPUs the fused call.
-FUSED_SWIGLU_FORWARD_ON_GPU = False
-
-
 def _kernel_swiglu_forward(a):
-  return _tested_call(lambda: swiglu_forward_fp8(a), lambda: swiglu_forward_composed(a), FUSED_SWIGLU_FORWARD_ON_GPU)
+  return swiglu_forward_fp8(a)
 
 
-# Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel must first pass
-# tests/gpu/test_gpu_swiglu_backward_fp8.py on a GPU (docs/performance.md, "GPU test runs"); until then GPUs run the
-# composition on the column quantizer's custom call (the same math, exp aside: common/swiglu.h), CPUs the fused call.
+# Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel passes
+# tests/gpu/test_gpu_swiglu_backward_fp8.py but runs slower than the composition on the column quantizer's custom call
+# (docs/performance.md, "FP8 SwiGLU kernels"), which GPUs therefore run (the same math, exp aside: common/swiglu.h);
+# CPUs run the fused call.
 FUSED_SWIGLU_BACKWARD_ON_GPU = False
 
 
@@ -199,9 +193,9 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3
-# rows: QuantizeColumnsLean<RowsE4m3>). That launch must first pass tests/gpu/test_gpu_quantize_columns_fp8.py on a
-# GPU (docs/performance.md, "GPU test runs"); until then GPUs dequantize them in XLA and quantize the float32 rows
-# (the same bits), CPUs take the pair.
+# rows: QuantizeColumnsLean<RowsE4m3>, which passes tests/gpu/test_gpu_quantize_columns_fp8.py). Off while the
+# training step has not measured it faster than dequantizing in XLA and quantizing the float32 rows (the same bits;
+# docs/performance.md, "Where the FP8 step goes"); CPUs take the pair.
 ROW_QUANTIZED_COLUMNS_ON_GPU = False
 
 

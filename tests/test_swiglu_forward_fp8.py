@@ -8,7 +8,7 @@ CPU handler:
 - against the jnp composition the recipe defines it by (fp8_experts.swiglu_forward_composed: swiglu and two
   quantize_rows, run by XLA), where only XLA's exp differs from expf and its quantize_rows multiplies by the scale's
   reciprocal: a's scales bit for bit, h's within 2^-20 relative, each value byte equal or one e4m3 step off, rarely;
-- KERNELS runs the call on CPUs (and lowers the composition for GPUs until fp8_experts.FUSED_SWIGLU_FORWARD_ON_GPU);
+- KERNELS runs the call on CPUs and GPUs alike (one call in the program lowered for either);
 - inputs sharded on Auto and Explicit meshes; bitwise repeats; the refusals.
 tests/gpu/test_gpu_swiglu_forward_fp8.py holds the CUDA kernel to the CPU handler."""
 
@@ -117,7 +117,7 @@ def test_close_to_the_jnp_composition(case):
   np.testing.assert_array_equal(bits(got[1][1]), bits(want[1][1]))
 
 
-def test_kernels_run_the_call_on_cpus_and_the_composition_on_gpus_until_enabled():
+def test_kernels_run_the_call_on_cpus_and_gpus():
   a = inputs(CASES[0], seed=3)
   lowered = jax.jit(fp8_experts.KERNELS.swiglu_forward).trace(a)
   assert lowered.lower().as_text().count("jmo_swiglu_forward_fp8") == 1
@@ -125,7 +125,7 @@ def test_kernels_run_the_call_on_cpus_and_the_composition_on_gpus_until_enabled(
                   jax.tree.leaves(jax.jit(swiglu_forward_fp8)(a))):
     np.testing.assert_array_equal(bits(u), bits(v))
   for_gpu = lowered.lower(lowering_platforms=("cuda",)).as_text()
-  assert for_gpu.count("jmo_swiglu_forward_fp8") == (1 if fp8_experts.FUSED_SWIGLU_FORWARD_ON_GPU else 0)
+  assert for_gpu.count("jmo_swiglu_forward_fp8") == 1
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])

@@ -10,8 +10,7 @@ against the jnp composition run by XLA on the same GPU, the outputs' memory pois
   the same product), whose exp is its own and whose float32 division is div.full, not IEEE (openxla/xla#37181; see
   tests/gpu/test_gpu_quantize_columns_fp8.py). The counts print (-s) so the bound can be tightened on evidence;
 - non-finite inputs as the handler gives them (NaN sign bits aside); bitwise repeats; on a GPU that is not a Hopper
-  one the call fails naming the requirement. Skips where there is no GPU.
-Once this file passes on a Hopper GPU, fp8_experts.FUSED_SWIGLU_FORWARD_ON_GPU can be turned on."""
+  one the call fails naming the requirement. Skips where there is no GPU."""
 
 import jax
 import jax.numpy as jnp
