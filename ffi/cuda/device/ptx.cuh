@@ -44,6 +44,12 @@ __device__ __forceinline__ void StoreReleaseGpu(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ void AddReleaseSys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ void AddReleaseGpu(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.gpu.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void AddRelaxedSys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 
 // ---- Shared memory, mbarriers, TMA tensor loads, register reallocation (sm_90a; __trap() elsewhere) --------------
 

@@ -22,9 +22,9 @@ namespace {
 //   pushers  CTAs [0, P) push this rank's rows for the other ranks, a 128-row block of the send order
 //            (SrcBlocks, protocol.h) at a time, in rounds: block i of every destination's rows before block i + 1,
 //            each destination from the next rank on, so that every rank receives from every source at once and in
-//            the order its GEMM consumes (a source's send order is sorted by expert); each block's count is
-//            release-added into the destination's recv_arrivals and then its src_blocks[rank][J]. Then they take
-//            side work (below), then join the GEMM.
+//            the order its GEMM consumes (a source's send order is sorted by expert); each warp adds its
+//            count of a block's rows to the destination's recv_arrivals and then release-adds it to its
+//            src_blocks[rank][J] (PushBlock). Then they take side work (below), then join the GEMM.
 //   GEMM     CTAs [P, grid) copy the rows this rank keeps into its own recv (the same blocks and counters),
 //            then run the grouped GEMM, then take what side work is left.
 // The GEMM is the bare grouped GEMM's (DgSchedule): over the local experts' rows of recv (each expert's segments of
@@ -68,14 +68,20 @@ struct DispatchGemmArgs {
 };
 
 // Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
-// recv rows, then (one thread) release-adds their count to d's recv_arrivals and then to its src_blocks[rank][J]: a
-// reader that acquires the block's count also sees the arrivals of it. Every thread of the CTA calls it. Warp w moves
-// positions w, w + warps, ... of the block: its lanes load the indices of up to 32 of them at once, then the warp
-// copies two rows at a time. Invalid slots are reported as PushRows does.
+// recv rows, and signals them warp by warp. Every thread of the CTA calls it. Warp w moves positions w, w + warps, ...
+// of the block: its lanes load the indices of up to 32 of them at once, then the warp copies two rows at a time; then
+// lane 0 adds the warp's count of them to d's recv_arrivals and then release-adds it to d's src_blocks[rank][J] (a
+// reader that acquires the block's count sees the arrivals of it too). The block is complete once every warp's count
+// is in (the reader waits for the block's rows, from its plan). A warp's signal needs no CTA barrier and no fence of
+// its own by each lane: __syncwarp orders the lanes' stores before lane 0's release, which is cumulative
+// (protocol.cuh), so the warps of a pusher flow from block to block independently, each waiting only for its own
+// stores. Invalid slots are reported as PushRows does.
 // Send once (g.primary): a slot routed to another rank moves its row only where it is its own primary (CheckPrimary;
 // else reported as kBadPrimary and not moved), and every kept slot of the block stores its recv_from entry.
-__device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, uint64_t epoch,
-                                 unsigned* sent) {
+// Not inlined (nor ExpandRows): inside the kernel, whose code outside the tile loop runs on the launch's 168
+// registers per thread, ptxas spills the row copies' loaded data to local memory; compiled as its own function
+// PushBlock spills nothing and ExpandRows less (`ptxas -v`); one call per block (per side unit).
+__device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, uint64_t epoch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t q0 = max(J * kSrcBlockRows, (int64_t)g.send_start[d]) + warp;
   const int64_t q1 = min((J + 1) * kSrcBlockRows, (int64_t)g.send_start[d + 1]);
@@ -123,22 +129,18 @@ __device__ inline void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, i
       CopyRowWarp(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes, g.row_bytes, lane);
     }
   }
-  // sent[0]: kept slots (the counts: the receiver's plan counts slots); sent[1]: rows moved.
-  if (lane == 0 && kept != 0) atomicAdd(&sent[0], (unsigned)__popc(kept));
-  if (lane == 0 && moves != 0) atomicAdd(&sent[1], (unsigned)__popc(moves));
-  if (d != rd.rank) __threadfence_system(); else __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned n = sent[0];
-    if (n > 0) {
-      if (d != rd.rank && g.link_bytes_per_ns > 0)
-        PaceLink(rd, (uint64_t)sent[1] * g.row_bytes + (g.primary != nullptr ? 8ull * n : 0), g.link_bytes_per_ns);
-      AddReleaseSys(&View(rd, d).control()->recv_arrivals.value, n);
-      AddReleaseSys(&View(rd, d).src_blocks()[(int64_t)rd.rank * SrcBlocks(rd.sizes.ret_rows) + J], n);
-    }
-    sent[0] = sent[1] = 0;
+  // The counts are the kept slots' (the receiver's plan counts slots), the link's bytes the rows moved.
+  __syncwarp();
+  if (lane == 0 && kept != 0) {
+    const unsigned n = __popc(kept);
+    uint64_t* block = &View(rd, d).src_blocks()[(int64_t)rd.rank * SrcBlocks(rd.sizes.ret_rows) + J];
+    if (d != rd.rank && g.link_bytes_per_ns > 0)
+      PaceLink(rd, (uint64_t)__popc(moves) * g.row_bytes + (g.primary != nullptr ? 8ull * n : 0),
+               g.link_bytes_per_ns);
+    AddRelaxedSys(&View(rd, d).control()->recv_arrivals.value, n);
+    // (This rank's own blocks are read on this GPU only: a gpu-scope release orders them for its ld.acquire.sys.)
+    if (d != rd.rank) AddReleaseSys(block, n); else AddReleaseGpu(block, n);
   }
-  __syncthreads();
 }
 
 // Send blocks of rank d's rows: [first, end).
@@ -263,8 +265,8 @@ __device__ inline MTile TileAt(const DgSchedule& d, int E_l, int64_t i, int col_
 // Send once, every thread of the CTA: fills recv rows [r0, r0 + rows) of expert e whose recv_from entry names another
 // row from that row (the expansion; a warp per row), after lane 0 has checked the entry and waited for the block of
 // the same source that holds the named row. The rows' own blocks have been waited for (their entries are in).
-__device__ inline void ExpandRows(const RankDev& rd, const DispatchGemmArgs& g, const TableScratch& sc, int e,
-                                  int64_t r0, int64_t rows, uint64_t epoch) {
+__device__ __noinline__ void ExpandRows(const RankDev& rd, const DispatchGemmArgs& g, const TableScratch& sc, int e,
+                                      int64_t r0, int64_t rows, uint64_t epoch) {
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32, R = rd.ranks;
   char* recv = View(rd, rd.rank).recv();
   for (int64_t r = r0 + threadIdx.x / 32; r < r0 + rows; r += warps) {
@@ -315,8 +317,7 @@ __device__ inline void DoSideUnit(const RankDev& rd, const DispatchGemmArgs& g, 
   __syncthreads();
   if (ok && g.primary != nullptr && !t.own) {
     ExpandRows(rd, g, sc, t.e, r0, rows, epoch);
-    __threadfence();
-    __syncthreads();
+    __syncthreads();  // (then thread 0's release orders every thread's copies: protocol.cuh)
     if (threadIdx.x == 0 && LoadVolatile(&rd.priv->failed) == 0)
       StoreReleaseGpu(&View(rd, rd.rank).tile_ready()[t.m], epoch);
   }
@@ -433,19 +434,17 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       const int d = (rd.rank + 1 + (int)(u % (R - 1))) % R;
       int64_t f, e;
       DestBlocks(g, d, &f, &e);
-      if (f + u / (R - 1) < e) PushBlock(rd, g, d, f + u / (R - 1), st.epoch, sent);
+      if (f + u / (R - 1) < e) PushBlock(rd, g, d, f + u / (R - 1), st.epoch);
       if (early_table) TryExpandUnit(rd, g, sched, scratch, st.epoch, &claim);
     }
+    __syncthreads();  // (every warp's pushes: the end of the CTA's push span)
     if (threadIdx.x == 0)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->push_t1), (unsigned long long)GlobalTimer());
   } else {
     // The rows this rank keeps, spread over the GEMM CTAs (step 1 holds for the own recv by stream order).
-    if (threadIdx.x < kMaxRanks) sent[threadIdx.x] = 0;
-    __syncthreads();
     int64_t f, e;
     DestBlocks(g, rd.rank, &f, &e);
-    for (int64_t J = f + blockIdx.x - pushers; J < e; J += gridDim.x - pushers)
-      PushBlock(rd, g, rd.rank, J, st.epoch, sent);
+    for (int64_t J = f + blockIdx.x - pushers; J < e; J += gridDim.x - pushers) PushBlock(rd, g, rd.rank, J, st.epoch);
   }
 
   if (!early_table) {
@@ -517,11 +516,14 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
 
   // The last CTA to finish: every tile and copy unit has waited for its blocks, so every add of the call has landed,
   // and every read of recv is done. It zeroes the call's src_blocks (no source adds again before this rank's
-  // done_epoch of this call) and closes the call.
-  __threadfence();
+  // done_epoch of this call) and closes the call. (Thread 0's fences after the barrier order the CTA's accesses
+  // before its count, and the last CTA's stores after every count: protocol.cuh.)
   __syncthreads();
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
+    __threadfence();
     last_cta = atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) == gridDim.x - 1ull;
+    if (last_cta) __threadfence();
+  }
   __syncthreads();
   if (!last_cta) return;
   uint64_t* own = View(rd, rd.rank).src_blocks();

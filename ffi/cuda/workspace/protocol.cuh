@@ -1,8 +1,11 @@
 // The device side of the call protocol (jax_moe_overlap/protocol.h) that every kernel of a call shares: the view of
 // a peer's rows, error records, bounded waits, the call state each kernel loads first, and closing a call.
 //
-// Memory ordering: data stores -> every storing thread fences at system scope -> CTA barrier -> one thread
-// red.release.sys on the peer's counter. Readers: one thread ld.acquire.sys polls, CTA barrier, then all threads
+// Memory ordering: data stores -> a barrier of the storing threads (CTA or warp) -> one of them red.release.sys on
+// the peer's counter. The barrier synchronizes the storing threads with the releasing one and a release is cumulative
+// (PTX memory model), so it orders every store made before the barrier by any of them: a fence by each storing thread
+// before the barrier adds nothing (it is the pattern of NCCL's posts and of cooperative groups' grid sync; some
+// kernels here still fence in every thread). Readers: one thread ld.acquire.sys polls, CTA barrier, then all threads
 // read with ld.global.cg (L2, never a stale L1 line). Every wait is bounded by the call's deadline (%globaltimer)
 // and gives up at once when the group's abort word (host-mapped) is raised.
 #pragma once
@@ -16,6 +19,8 @@
 
 namespace jmo::cuda {
 
+using ptx::AddRelaxedSys;
+using ptx::AddReleaseGpu;
 using ptx::AddReleaseSys;
 using ptx::GlobalTimer;
 using ptx::LoadAcquireSys;
