@@ -5,6 +5,12 @@
 //             host: FillCandidateConsts), falling back to the scans form where its shortcuts would not be exact (the
 //             tables with rows up to 2^24 below)
 //   scans     ChooseByScans alone (block scans, 7 barriers): the general form, for comparison
+//   e3dd3a1   the chunked form of commit e3dd3a1 (decision_v0.cuh), the baseline
+// The segment table: the library's BuildSegments and e3dd3a1's (decision_v0.cuh) on random plans, some invalid, some
+// with several defects (256 and 384 threads): the host's answer, table and error record (HostTable: the lowest bad
+// segment in plan order, else too many bands), and e3dd3a1's scratch, else WRONG and exit status 1; then both timed
+// alone and followed by the consumer choice (the whole decision of an expert_combine call), side by side, each sum
+// checked against the host's.
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
@@ -20,8 +26,9 @@
 // Then gather_rs's C: DeviceChooseGatherConsumers (the library's, every CTA of ExpertKernel<kGather>) against the host's
 // GatherModelSources + ChooseGatherConsumerCtasFromSources on random calls (R 2..32, any rank, E_l experts with empty
 // segments, T, Q, N, K, bf16 or float32, the SM budget and the link), 256 and 384 threads, two decisions per CTA
-// (both halves of the scratch), every thread's answer compared; any difference prints WRONG and the exit status is 1.
-// And its time per decision, as the consumer choice's (one CTA, --iters decisions, median of --reps launches).
+// (the same scratch), every thread's answer compared; any difference prints WRONG and the exit status is 1.
+// And its time per decision, as the consumer choice's (one CTA, --iters decisions, median of --reps launches), beside
+// e3dd3a1's.
 //
 // Build and run (repository root; < 30 s; options: --iters 1000 --reps 5 --seeds 12):
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
@@ -34,17 +41,20 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/schedule/resource_manager.cuh"
+#include "cuda/schedule/segment_table.cuh"
+#include "decision_v0.cuh"  // the baseline: the decision of e3dd3a1
 #include "probe_common.cuh"  // CK
 
 namespace {
 using namespace jmo;
 using namespace jmo::cuda;
 
-constexpr int kForms = 2;
-const char* const kNames[kForms] = {"library (chunked)", "scans"};
+constexpr int kForms = 3;
+const char* const kNames[kForms] = {"library (chunked)", "scans", "e3dd3a1 (chunked)"};
 
 __device__ __forceinline__ uint64_t Now() {
   uint64_t t;
@@ -69,7 +79,7 @@ template <int kForm, int kBlock>
 __global__ void __launch_bounds__(kBlock) BenchKernel(const Segment* segs, int n, int mr, const Inputs* inputs,
                                                       int iters, unsigned long long* out) {
   __shared__ SegTable table;
-  __shared__ ChoiceScratch cs;
+  __shared__ std::conditional_t<kForm == 2, decision_v0::ChoiceScratch, ChoiceScratch> cs;
   __shared__ unsigned long long t0;
   __shared__ int ref[3];
   __shared__ Inputs in;
@@ -88,9 +98,14 @@ __global__ void __launch_bounds__(kBlock) BenchKernel(const Segment* segs, int n
     const ModelParams q{Vol(v.sms),          Vol(v.ctas_per_sm),   Vol(v.tile_m),   Vol(v.tile_n),
                         Vol(v.tile_us_base), Vol(v.tile_us_per_k), Vol(v.cta_gbps), Vol(v.link_gbps),
                         Vol(v.seg_us) + (double)(i & 1) * 1e-12};  // seg_us varies as in DecisionBenchKernel
-    const int c = kForm == 0 ? DeviceChooseConsumers(table, q, in.cand, Vol(in.N), Vol(in.K), Vol(in.eb),
-                                                     Vol(in.max_ctas), &cs, i & 1)
-                             : ChooseByScans(table, q, Vol(in.N), Vol(in.K), Vol(in.eb), Vol(in.max_ctas), &cs);
+    int c;
+    if constexpr (kForm == 0)
+      c = DeviceChooseConsumers(table, q, in.cand, Vol(in.N), Vol(in.K), Vol(in.eb), Vol(in.max_ctas), &cs, i & 1);
+    else if constexpr (kForm == 1)
+      c = ChooseByScans(table, q, Vol(in.N), Vol(in.K), Vol(in.eb), Vol(in.max_ctas), &cs);
+    else
+      c = decision_v0::DeviceChooseConsumers(table, q, in.cand, Vol(in.N), Vol(in.K), Vol(in.eb), Vol(in.max_ctas),
+                                             &cs, i & 1);
     acc += c;
     if (i == 0) c0 = c;
     if (i == 1) c1 = c;
@@ -105,8 +120,8 @@ __global__ void __launch_bounds__(kBlock) BenchKernel(const Segment* segs, int n
 }
 
 using KernelFn = void (*)(const Segment*, int, int, const Inputs*, int, unsigned long long*);
-const KernelFn kKernels[2][kForms] = {{BenchKernel<0, kThreads>, BenchKernel<1, kThreads>},
-                                      {BenchKernel<0, 384>, BenchKernel<1, 384>}};
+const KernelFn kKernels[2][kForms] = {{BenchKernel<0, kThreads>, BenchKernel<1, kThreads>, BenchKernel<2, kThreads>},
+                                      {BenchKernel<0, 384>, BenchKernel<1, 384>, BenchKernel<2, 384>}};
 
 struct Table {
   std::vector<Segment> seg;
@@ -183,7 +198,7 @@ int64_t CheckPushers(int calls, uint64_t seed) {
   return wrong;
 }
 
-// gather_rs: one CTA per call decides twice (parities 0 and 1); out[2 i], out[2 i + 1]: its C where every thread
+// gather_rs: one CTA per call decides twice (the same scratch); out[2 i], out[2 i + 1]: its C where every thread
 // agrees, -1 where they differ. segs: the calls' tables back to back from seg_begin[i], in producer order.
 struct GatherCall {
   ModelParams p;
@@ -203,7 +218,7 @@ __global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* ca
   }
   __syncthreads();
   int c[2];
-  for (int k = 0; k < 2; ++k) c[k] = DeviceChooseGatherConsumers(table, g.p, g.sh, g.rank, g.ranks, g.max_ctas, &cs, k);
+  for (int k = 0; k < 2; ++k) c[k] = DeviceChooseGatherConsumers(table, g.p, g.sh, g.rank, g.ranks, g.max_ctas, &cs);
   if (threadIdx.x == 0) ref[0] = c[0], ref[1] = c[1];
   __syncthreads();
   if (c[0] != ref[0] || c[1] != ref[1]) atomicAdd(&differ, 1);
@@ -292,7 +307,7 @@ int64_t CheckGather(int calls, uint64_t seed) {
       if (host[i] >= 0 && host[i] <= 32) seen[host[i]] = 1;
       for (int k = 0; k < 2; ++k)
         if (dev[2 * i + k] != host[i] && ++wrong <= 20)
-          printf("WRONG gather (%d threads, parity %d): R %d rank %d segments %d sms %d T %lld Q %lld N %lld K %lld "
+          printf("WRONG gather (%d threads, decision %d): R %d rank %d segments %d sms %d T %lld Q %lld N %lld K %lld "
                  "eb %lld link %g gather %g: device %d, host %d\n", blk, k, cl[i].ranks, cl[i].rank, cl[i].n,
                  cl[i].p.sms, (long long)cl[i].sh.T, (long long)cl[i].sh.Q, (long long)cl[i].sh.N,
                  (long long)cl[i].sh.K, (long long)cl[i].sh.elem_bytes, cl[i].p.link_gbps, cl[i].p.gather_gbps,
@@ -307,12 +322,13 @@ int64_t CheckGather(int calls, uint64_t seed) {
   return wrong;
 }
 
-// gather_rs's decision timed in one CTA of kThreads threads: `iters` decisions (alternating parities; seg_us varies
-// with the parity as in DecisionBenchKernel), out[0] ns, out[1] the sum of the choices.
+// gather_rs's decision timed in one CTA of kThreads threads: `iters` decisions (seg_us varies with the iteration's
+// parity as in DecisionBenchKernel), out[0] ns, out[1] the sum of the choices. kV0: the baseline (decision_v0.cuh).
+template <bool kV0>
 __global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* call, const Segment* segs, int iters,
                                                              unsigned long long* out) {
   __shared__ SegTable table;
-  __shared__ ChoiceScratch cs;
+  __shared__ std::conditional_t<kV0, decision_v0::ChoiceScratch, ChoiceScratch> cs;
   __shared__ unsigned long long t0;
   const GatherCall& g = *call;
   for (int i = threadIdx.x; i < g.n; i += blockDim.x) table.seg[i] = segs[i];
@@ -324,7 +340,11 @@ __global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* 
   for (int i = 0; i < iters; ++i) {
     ModelParams q = g.p;
     q.seg_us = Vol(g.p.seg_us) + (double)(i & 1) * 1e-12;
-    acc += DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs, i & 1);
+    if constexpr (kV0)
+      acc += decision_v0::DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas),
+                                                      &cs, i & 1);
+    else
+      acc += DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs);
   }
   if (threadIdx.x == 0) {
     out[0] = Now() - t0;
@@ -336,7 +356,7 @@ __global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* 
 // ranks; returns 1 where the sum of the choices is not the host's.
 int64_t TimeGather(int iters, int reps) {
   printf("gather_rs: ns per decision (one CTA of %d threads, %d iters, median of %d), sms 33, T 1024, Q 4, N 4096, "
-         "K 7168, bf16:\n| R | segments | ns | C |\n|---|---|---|---|\n", kThreads, iters, reps);
+         "K 7168, bf16:\n| R | segments | ns, e3dd3a1 | ns | C |\n|---|---|---|---|---|\n", kThreads, iters, reps);
   int64_t wrong = 0;
   GatherCall* d_call;
   Segment* d_segs;
@@ -375,25 +395,390 @@ int64_t TimeGather(int iters, int reps) {
     }
     CK(cudaMemcpy(d_call, &call, sizeof call, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_segs, segs.data(), segs.size() * sizeof(Segment), cudaMemcpyHostToDevice));
-    std::vector<double> ns;
+    double med[2];
     bool ok = true;
-    unsigned long long o[2];
-    for (int r = 0; r <= reps; ++r) {
-      GatherBenchKernel<<<1, kThreads>>>(d_call, d_segs, iters, d_out);
-      CK(cudaGetLastError());
-      CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
-      ok = ok && o[1] == (unsigned long long)want;
-      if (r > 0) ns.push_back((double)o[0] / iters);
+    for (int form = 0; form < 2; ++form) {
+      std::vector<double> ns;
+      unsigned long long o[2];
+      for (int r = 0; r <= reps; ++r) {
+        (form == 0 ? GatherBenchKernel<true> : GatherBenchKernel<false>)<<<1, kThreads>>>(d_call, d_segs, iters,
+                                                                                          d_out);
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
+        ok = ok && o[1] == (unsigned long long)want;
+        if (r > 0) ns.push_back((double)o[0] / iters);
+      }
+      std::sort(ns.begin(), ns.end());
+      med[form] = ns[ns.size() / 2];
     }
-    std::sort(ns.begin(), ns.end());
     wrong += !ok;
     const int64_t total = GatherModelSources(p, ms.data(), (int)ms.size(), R, 1, 4096, src.data());
-    printf("| %d | %d | %.0f%s | %d |\n", R, (int)segs.size(), ns[ns.size() / 2], ok ? "" : " WRONG",
+    printf("| %d | %d | %.0f | %.0f%s | %d |\n", R, (int)segs.size(), med[0], med[1], ok ? "" : " WRONG",
            ChooseGatherConsumerCtasFromSources(p, src.data(), R, total, call.sh, call.max_ctas));
   }
   printf("\n");
   cudaFree(d_call);
   cudaFree(d_segs);
+  cudaFree(d_out);
+  return wrong;
+}
+
+// The segment table: the library's BuildSegments against the baseline's (decision_v0.cuh), one CTA per plan, and
+// timed. A plan: R ranks, this rank, E_l experts, the recv capacity and the workspace's sizes; its seg_rows and
+// seg_ret_off (E_l R each) from `begin` in the plan arrays.
+struct TablePlan {
+  int R, rank, E_l, begin;
+  int64_t cap, ret_rows, max_bands;
+};
+struct TableOut {
+  int32_t ok;
+  SegTable t;
+  Segment raw[kMaxSegments];
+  int64_t rows_to_rank[kMaxRanks];
+  int32_t segs_of_rank[kMaxRanks];
+};
+// Plan i's group words: GroupSharedBytes(kMaxRanks) bytes from `gs` on (GroupShared's errors[] is really [R]; with one
+// record a plan, rank r's record would land in the next plans' words, and which write lands last would depend on the
+// blocks' timing).
+__host__ __device__ GroupShared* PlanGroup(void* gs, int i) {
+  return reinterpret_cast<GroupShared*>(static_cast<char*>(gs) + i * GroupSharedBytes(kMaxRanks));
+}
+__device__ RankDev PlanRankDev(const TablePlan& pl, GroupShared* gs, RankPrivate* pv) {
+  RankDev rd{};
+  rd.rank = pl.rank;
+  rd.ranks = pl.R;
+  rd.sizes.ret_rows = pl.ret_rows;
+  rd.sizes.max_bands = pl.max_bands;
+  rd.shared = gs;
+  rd.priv = pv;
+  return rd;
+}
+template <bool kV0, int kBlock>
+__global__ void __launch_bounds__(kBlock) TableCheckKernel(const TablePlan* plans, const int32_t* rows,
+                                                           const int32_t* ret_off, GroupShared* gs, RankPrivate* pv,
+                                                           TableOut* out) {
+  __shared__ SegTable table;
+  __shared__ std::conditional_t<kV0, decision_v0::TableScratch, TableScratch> sc;
+  const TablePlan pl = plans[blockIdx.x];
+  const RankDev rd = PlanRankDev(pl, PlanGroup(gs, blockIdx.x), pv + blockIdx.x);
+  bool ok;
+  if constexpr (kV0)
+    ok = decision_v0::BuildSegments(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc);
+  else
+    ok = BuildSegments(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc);
+  __syncthreads();
+  TableOut& o = out[blockIdx.x];
+  if (threadIdx.x == 0) o.ok = ok;
+  if (!ok) return;
+  if (threadIdx.x == 0) o.t = table;  // (every field; the probe compares the defined ones)
+  for (int i = threadIdx.x; i < pl.E_l * pl.R; i += blockDim.x) o.raw[i] = sc.raw[i];
+  for (int i = threadIdx.x; i < pl.R; i += blockDim.x) {
+    o.rows_to_rank[i] = sc.rows_to_rank[i];
+    o.segs_of_rank[i] = sc.segs_of_rank[i];
+  }
+}
+
+// The host's statement of BuildSegments' answer (the CPU handler's rule, call_steps.cc): the first bad segment in plan
+// order (expert-major) is reported (kBadSegment, its plan index; got: its negative rows, else its end in recv where
+// past the capacity, else its ret offset; expected: the capacity where past it, else ret_rows), else too many bands
+// (kBadTooManyTiles); a valid plan's table is its non-empty segments in OrderSegments' order. One error for any block
+// size and any timing: the lowest bad index wins.
+bool HostTable(const TablePlan& pl, const int32_t* rows, const int32_t* ret, SegTable* t, ErrorRecord* e) {
+  const int R = pl.R, n = pl.E_l * R;
+  auto bands_of = [](int32_t r) { return (int32_t)((r + kBandRows - 1) / kBandRows); };
+  *e = ErrorRecord{};
+  std::vector<Segment> raw(n);
+  std::vector<int64_t> to_rank(R, 0);
+  int64_t off = 0, band = 0;
+  for (int i = 0; i < n; ++i) {
+    const bool over_cap = off + rows[i] > pl.cap;
+    if (rows[i] < 0 || over_cap || ret[i] < 0 || (int64_t)ret[i] + rows[i] > pl.ret_rows) {
+      *e = ErrorRecord{kStageBadInput, (uint64_t)pl.rank, (uint64_t)i, 0,
+                       (uint64_t)(rows[i] < 0 ? (int64_t)rows[i] : over_cap ? off + rows[i] : (int64_t)ret[i]),
+                       (uint64_t)(over_cap ? pl.cap : pl.ret_rows), kBadSegment, 0};
+      return false;
+    }
+    raw[i] = Segment{i / R, i % R, (int32_t)off, rows[i], ret[i], (int32_t)band};
+    off += rows[i];
+    band += bands_of(rows[i]);
+    to_rank[i % R] += rows[i];
+  }
+  if (band > pl.max_bands) {
+    *e = ErrorRecord{kStageBadInput, (uint64_t)pl.rank, 0, 0, (uint64_t)band, (uint64_t)pl.max_bands,
+                     kBadTooManyTiles, 0};
+    return false;
+  }
+  std::vector<int> order(n);
+  OrderSegments(raw.data(), n, pl.rank, to_rank.data(), order.data());
+  int m = 0, b = 0, remote = 0;
+  for (int i : order)
+    if (raw[i].rows > 0) {
+      t->seg[m] = raw[i];
+      t->band_prefix[m++] = b;
+      b += bands_of(raw[i].rows);
+      if (raw[i].src != pl.rank) remote = m;
+    }
+  t->band_prefix[m] = b;
+  t->n = m;
+  t->bands = b;
+  t->remote_segs = remote;
+  t->remote_bands = t->band_prefix[remote];
+  t->remote_rows = off - to_rank[pl.rank];
+  return true;
+}
+
+// Random plans (some invalid: negative rows, over the capacity, ret rows out of range, too many bands, several of
+// these at once), library against baseline with 256 and 384 threads, each against the host's rule (HostTable): the
+// same answer, table and error record (code, detail, peer, got, expected) as the host, and the library's scratch
+// (raw segments, rows and segments by source) as the baseline's. Returns the count of differences.
+int64_t CheckTables(int plans, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  auto pick = [&](std::initializer_list<int64_t> v) { return *(v.begin() + g() % v.size()); };
+  std::vector<TablePlan> pl(plans);
+  std::vector<int32_t> rows, ret;
+  int invalid_kinds[5] = {0, 0, 0, 0, 0};
+  for (int i = 0; i < plans; ++i) {
+    const int R = (int)pick({1, 2, 3, 4, 5, 8, 16, 32});
+    const int E_l = 1 + (int)(g() % (uint64_t)(kMaxSegments / R));
+    const int zero_pct = (int)pick({0, 30, 90});
+    const int64_t max_rows = pick({4, 64, 300, 5000});
+    int64_t sum = 0;
+    pl[i] = TablePlan{R, (int)(g() % R), E_l, (int)rows.size(), 0, 0, 0};
+    for (int j = 0; j < E_l * R; ++j) {
+      int32_t r = (int)(g() % 100) < zero_pct ? 0 : 1 + (int32_t)(g() % (uint64_t)max_rows);
+      if (g() % 4 == 0 && j > 0) r = rows.back();  // ties between sources' row counts
+      rows.push_back(r);
+      sum += r;
+    }
+    pl[i].cap = sum + (int64_t)(g() % 3);
+    pl[i].ret_rows = sum + 64;
+    pl[i].max_bands = 1 << 20;
+    for (int j = 0; j < E_l * R; ++j) ret.push_back((int32_t)(g() % (uint64_t)(pl[i].ret_rows - rows[pl[i].begin + j] + 1)));
+    switch (g() % 10) {  // 0-4: an invalid plan
+      case 0: rows[pl[i].begin + g() % (E_l * R)] = -1 - (int)(g() % 5); ++invalid_kinds[0]; break;
+      case 1: pl[i].cap = sum / 2; ++invalid_kinds[1]; break;
+      case 2: ret[pl[i].begin + g() % (E_l * R)] = (g() % 2) ? -3 : (int32_t)pl[i].ret_rows; ++invalid_kinds[2]; break;
+      case 3: pl[i].max_bands = sum / kBandRows / 2; ++invalid_kinds[3]; break;
+      case 4:  // several defects: the lowest bad segment is the one reported
+        for (int k = (int)(g() % 3); k >= 0; --k) {
+          const int j = pl[i].begin + (int)(g() % (E_l * R));
+          if (g() % 2) rows[j] = -1 - (int)(g() % 5);
+          else ret[j] = (g() % 2) ? -3 : (int32_t)pl[i].ret_rows;
+        }
+        if (g() % 2) pl[i].cap = sum / 2;
+        pl[i].max_bands = 0;
+        ++invalid_kinds[4];
+        break;
+      default: break;
+    }
+  }
+  TablePlan* d_pl;
+  int32_t *d_rows, *d_ret;
+  GroupShared* d_gs;
+  RankPrivate* d_pv;
+  TableOut* d_out;
+  const size_t gs_bytes = plans * (size_t)GroupSharedBytes(kMaxRanks);
+  CK(cudaMalloc(&d_pl, plans * sizeof(TablePlan)));
+  CK(cudaMalloc(&d_rows, rows.size() * sizeof(int32_t)));
+  CK(cudaMalloc(&d_ret, ret.size() * sizeof(int32_t)));
+  CK(cudaMalloc(&d_gs, gs_bytes));
+  CK(cudaMalloc(&d_pv, plans * sizeof(RankPrivate)));
+  CK(cudaMalloc(&d_out, plans * sizeof(TableOut)));
+  CK(cudaMemcpy(d_pl, pl.data(), plans * sizeof(TablePlan), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_ret, ret.data(), ret.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  std::vector<TableOut> out[3];
+  std::vector<ErrorRecord> err[3];
+  for (int v = 0; v < 3; ++v) {  // baseline (256 threads), library (256), library (384)
+    CK(cudaMemset(d_gs, 0, gs_bytes));
+    CK(cudaMemset(d_pv, 0, plans * sizeof(RankPrivate)));
+    CK(cudaMemset(d_out, 0xff, plans * sizeof(TableOut)));  // poisoned: an unwritten entry differs
+    if (v == 0) TableCheckKernel<true, kThreads><<<plans, kThreads>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
+    else if (v == 1) TableCheckKernel<false, kThreads><<<plans, kThreads>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
+    else TableCheckKernel<false, 384><<<plans, 384>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
+    CK(cudaGetLastError());
+    out[v].resize(plans);
+    CK(cudaMemcpy(out[v].data(), d_out, plans * sizeof(TableOut), cudaMemcpyDeviceToHost));
+    std::vector<char> gs(gs_bytes);
+    CK(cudaMemcpy(gs.data(), d_gs, gs_bytes, cudaMemcpyDeviceToHost));
+    for (int i = 0; i < plans; ++i) err[v].push_back(PlanGroup(gs.data(), i)->errors[pl[i].rank]);
+  }
+  static const char* const kForm[3] = {"e3dd3a1, 256 threads", "library, 256 threads", "library, 384 threads"};
+  int64_t wrong = 0, valid = 0;
+  static SegTable h;  // (large)
+  for (int i = 0; i < plans; ++i) {
+    ErrorRecord eh;
+    const int ok = HostTable(pl[i], rows.data() + pl[i].begin, ret.data() + pl[i].begin, &h, &eh);
+    valid += ok;
+    for (int v = 0; v < 3; ++v) {
+      const TableOut& a = out[0][i];
+      const TableOut& b = out[v][i];
+      const ErrorRecord& eb = err[v][i];
+      bool same = b.ok == ok && eh.code == eb.code && eh.detail == eb.detail && eh.peer == eb.peer &&
+                  eh.got == eb.got && eh.expected == eb.expected;
+      if (same && ok) {
+        const int n = h.n, m = pl[i].E_l * pl[i].R;
+        same = n == b.t.n && h.bands == b.t.bands && h.remote_segs == b.t.remote_segs &&
+               h.remote_bands == b.t.remote_bands && h.remote_rows == b.t.remote_rows &&
+               !memcmp(h.seg, b.t.seg, n * sizeof(Segment)) &&
+               !memcmp(h.band_prefix, b.t.band_prefix, (n + 1) * sizeof(int32_t)) &&
+               !memcmp(a.raw, b.raw, m * sizeof(Segment)) &&
+               !memcmp(a.rows_to_rank, b.rows_to_rank, pl[i].R * sizeof(int64_t)) &&
+               !memcmp(a.segs_of_rank, b.segs_of_rank, pl[i].R * sizeof(int32_t));
+      }
+      if (!same && ++wrong <= 20)
+        printf("WRONG table (%s): plan %d R %d rank %d E_l %d: ok %d (host %d), error code %llu (host %llu) detail "
+               "%llu (%llu) peer %llu (%llu) got %llu (%llu) expected %llu (%llu)\n", kForm[v], i, pl[i].R,
+               pl[i].rank, pl[i].E_l, b.ok, ok, (unsigned long long)eb.code, (unsigned long long)eh.code,
+               (unsigned long long)eb.detail, (unsigned long long)eh.detail, (unsigned long long)eb.peer,
+               (unsigned long long)eh.peer, (unsigned long long)eb.got, (unsigned long long)eh.got,
+               (unsigned long long)eb.expected, (unsigned long long)eh.expected);
+    }
+  }
+  printf("table check (256 and 384 threads): %d plans (%lld valid; invalid: %d negative rows, %d over capacity, %d ret "
+         "rows, %d too many bands, %d several defects): %s\n", plans, (long long)valid, invalid_kinds[0],
+         invalid_kinds[1], invalid_kinds[2], invalid_kinds[3], invalid_kinds[4],
+         wrong ? "WRONG" : "every answer, table and error record the host's rule (HostTable), every scratch e3dd3a1's");
+  cudaFree(d_pl);
+  cudaFree(d_rows);
+  cudaFree(d_ret);
+  cudaFree(d_gs);
+  cudaFree(d_pv);
+  cudaFree(d_out);
+  return wrong;
+}
+
+// The table build, and the table build followed by the consumer choice (the whole decision of an expert_combine
+// call), timed in one CTA: `iters` of them (the plan arrays re-read from global memory each time, L1/L2 hits after the
+// first), out[0] ns, out[1] the sum of n + remote_bands + C.
+template <bool kV0, bool kChoose>
+__global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* plan, const int32_t* rows,
+                                                            const int32_t* ret_off, const Inputs* inputs,
+                                                            GroupShared* gs, RankPrivate* pv, int iters,
+                                                            unsigned long long* out) {
+  __shared__ SegTable table;
+  __shared__ std::conditional_t<kV0, decision_v0::TableScratch, TableScratch> sc;
+  __shared__ std::conditional_t<kV0, decision_v0::ChoiceScratch, ChoiceScratch> cs;
+  __shared__ unsigned long long t0;
+  __shared__ Inputs in;
+  const TablePlan pl = *plan;
+  const RankDev rd = PlanRankDev(pl, gs, pv);
+  if (threadIdx.x == 0) in = *inputs;
+  __syncthreads();
+  if (threadIdx.x == 0) t0 = Now();
+  __syncthreads();
+  unsigned long long acc = 0;
+  for (int i = 0; i < iters; ++i) {
+    bool ok;
+    if constexpr (kV0) ok = decision_v0::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
+    else ok = BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
+    acc += ok ? table.n + table.remote_bands : 1000000;
+    if constexpr (kChoose) {
+      ModelParams q = in.p;
+      q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
+      if (table.remote_bands > 0) {
+        if constexpr (kV0)
+          acc += decision_v0::DeviceChooseConsumers(table, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
+        else
+          acc += DeviceChooseConsumers(table, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    out[0] = Now() - t0;
+    out[1] = acc;
+  }
+}
+
+int HostChoice(const Table& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb, int max_ctas);
+
+// Table build alone and table + consumer choice, baseline against library, at n = E_l R = 16..256 segments (R 8, E_l
+// 2..32; R 32, E_l 8; R 2, E_l 128), sms 132, N 8192; each form's sum checked against the host's (HostTable, then
+// HostChoice for either parity of seg_us): returns the count of forms and shapes where it differs.
+int64_t TimeTables(int iters, int reps) {
+  printf("segment table (and table + consumer choice): ns per build (one CTA of %d threads, %d iters, median of %d), "
+         "sms 132, N 8192, K 2048, rows 1..2048:\n| R | E_l | segments | table, e3dd3a1 | table | table + choice, "
+         "e3dd3a1 | table + choice |\n|---|---|---|---|---|---|---|\n", kThreads, iters, reps);
+  int64_t wrong = 0;
+  TablePlan* d_pl;
+  int32_t *d_rows, *d_ret;
+  Inputs* d_in;
+  GroupShared* d_gs;
+  RankPrivate* d_pv;
+  unsigned long long* d_out;
+  CK(cudaMalloc(&d_pl, sizeof(TablePlan)));
+  CK(cudaMalloc(&d_rows, kMaxSegments * sizeof(int32_t)));
+  CK(cudaMalloc(&d_ret, kMaxSegments * sizeof(int32_t)));
+  CK(cudaMalloc(&d_in, sizeof(Inputs)));
+  CK(cudaMalloc(&d_gs, GroupSharedBytes(kMaxRanks)));
+  CK(cudaMalloc(&d_pv, sizeof(RankPrivate)));
+  CK(cudaMalloc(&d_out, 2 * sizeof(unsigned long long)));
+  CK(cudaMemset(d_gs, 0, GroupSharedBytes(kMaxRanks)));
+  CK(cudaMemset(d_pv, 0, sizeof(RankPrivate)));
+  const ModelParams p{132, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
+                      1744.7158381863562, 0.4301974372287516};
+  const Inputs in{p, FillCandidateConsts(p, ModelMaxCtas(132), 8192), 8192, 2048, 2, ModelMaxCtas(132)};
+  CK(cudaMemcpy(d_in, &in, sizeof in, cudaMemcpyHostToDevice));
+  for (auto [R, E_l] : {std::pair{8, 2}, {8, 8}, {8, 16}, {8, 32}, {32, 8}, {2, 128}}) {
+    std::mt19937 g(91u + R * E_l);
+    std::vector<int32_t> rows(E_l * R), ret(E_l * R);
+    int64_t sum = 0;
+    for (int j = 0; j < E_l * R; ++j) {
+      rows[j] = 1 + (int32_t)(g() % 2048);
+      ret[j] = 0;
+      sum += rows[j];
+    }
+    const TablePlan pl{R, 1 % R, E_l, 0, sum, 4096, 1 << 20};
+    // The sums the kernels must give: per iteration n + remote_bands, plus C where remote_bands > 0.
+    static SegTable h;
+    ErrorRecord eh;
+    unsigned long long want[2] = {0, 0};
+    if (HostTable(pl, rows.data(), ret.data(), &h, &eh)) {
+      const Table t{std::vector<Segment>(h.seg, h.seg + h.n), h.remote_segs};
+      int c[2] = {0, 0};
+      for (int k = 0; k < 2 && h.remote_bands > 0; ++k) {
+        ModelParams q = p;
+        q.seg_us += (double)k * 1e-12;
+        c[k] = HostChoice(t, q, in.N, in.K, in.eb, in.max_ctas);
+      }
+      want[0] = (unsigned long long)iters * (h.n + h.remote_bands);
+      want[1] = want[0] + (unsigned long long)((iters + 1) / 2) * c[0] + (unsigned long long)(iters / 2) * c[1];
+    }
+    CK(cudaMemcpy(d_pl, &pl, sizeof pl, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_ret, ret.data(), ret.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    double med[4];
+    unsigned long long sums[4];
+    for (int f = 0; f < 4; ++f) {
+      std::vector<double> ns;
+      unsigned long long o[2];
+      for (int r = 0; r <= reps; ++r) {
+        auto k = f == 0 ? TableBenchKernel<true, false> : f == 1 ? TableBenchKernel<false, false>
+                 : f == 2 ? TableBenchKernel<true, true> : TableBenchKernel<false, true>;
+        k<<<1, kThreads>>>(d_pl, d_rows, d_ret, d_in, d_gs, d_pv, iters, d_out);
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
+        if (r > 0) ns.push_back((double)o[0] / iters);
+      }
+      std::sort(ns.begin(), ns.end());
+      med[f] = ns[ns.size() / 2];
+      sums[f] = o[1];
+    }
+    bool ok[4];
+    for (int f = 0; f < 4; ++f) {
+      ok[f] = want[0] > 0 && sums[f] == want[f / 2];
+      wrong += !ok[f];
+    }
+    printf("| %d | %d | %d | %.0f%s | %.0f%s | %.0f%s | %.0f%s |\n", R, E_l, E_l * R, med[0], ok[0] ? "" : " WRONG",
+           med[1], ok[1] ? "" : " WRONG", med[2], ok[2] ? "" : " WRONG", med[3], ok[3] ? "" : " WRONG");
+  }
+  printf("\n");
+  cudaFree(d_pl);
+  cudaFree(d_rows);
+  cudaFree(d_ret);
+  cudaFree(d_in);
+  cudaFree(d_gs);
+  cudaFree(d_pv);
   cudaFree(d_out);
   return wrong;
 }
@@ -470,10 +855,12 @@ int main(int argc, char** argv) {
         }
   printf("check: %lld tables x %d forms x 2 block sizes: %s\n", (long long)tables, kForms,
          wrong ? "WRONG" : "every choice identical to the host's ChooseConsumerCtas");
+  wrong += CheckTables(4000, 17);
   wrong += CheckPushers(20000, 11);
   wrong += CheckGather(4000, 13);
   printf("\n");
   wrong += TimeGather(iters, reps);
+  wrong += TimeTables(iters, reps);
 
   // 2. Timing: one CTA of kThreads threads, `iters` decisions per launch, median of `reps` launches (after a warm-up).
   for (int sms : {66, 132}) {

@@ -36,4 +36,46 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
   return v + before;
 }
 
+// Exclusive prefix sums of K values per thread over the threads of the CTA (in thread order) and their totals, with
+// one barrier: the warps' scans (the K values' shuffles interleaved), each warp's totals to `sums` (K * 32 entries of
+// shared memory), then every warp scans the warp totals across its lanes. Every thread calls it; `sums` must not be
+// written again before a later barrier. Integer sums: exact in any order.
+template <int K>
+__device__ inline void BlockExclusiveScanN(const int64_t (&v)[K], int64_t* sums, int64_t (&before)[K],
+                                           int64_t (&total)[K]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int64_t incl[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) incl[k] = v[k];
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const long long y = __shfl_up_sync(0xffffffffu, (long long)incl[k], o);
+      if (lane >= o) incl[k] += y;
+    }
+  }
+  if (lane == 31) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) sums[k * 32 + warp] = incl[k];
+  }
+  __syncthreads();
+  int64_t w[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) w[k] = lane < warps ? sums[k * 32 + lane] : 0;
+  for (int o = 1; o < warps; o <<= 1) {  // warp-uniform
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const long long y = __shfl_up_sync(0xffffffffu, (long long)w[k], o);
+      if (lane >= o) w[k] += y;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t prev = __shfl_sync(0xffffffffu, (long long)w[k], (warp + 31) & 31);
+    before[k] = (warp > 0 ? prev : 0) + incl[k] - v[k];
+    total[k] = __shfl_sync(0xffffffffu, (long long)w[k], warps - 1);
+  }
+}
+
 }  // namespace jmo::cuda

@@ -48,12 +48,17 @@ struct ChoiceScratch {
       double bytes[kMaxSegments];     // (double)bytes_from
     } seg;                            // (the same 6 KB as pre[]: shared memory does not grow)
     struct {                          // DeviceChooseGatherConsumers
-      GatherModelSource src[2][kMaxRanks];  // the sources in the consumer's order, by call parity
-      int64_t total_tiles[2];
-      int64_t cum_end[kMaxRanks];     // by source (warp 0's build): tiles up to its last segment,
+      int64_t scan[2 * 32];           // BlockExclusiveScanN's warp totals
+      int64_t cum_end[kMaxRanks];     // by source: tiles up to its last segment,
       int64_t rows_end[kMaxRanks];    // rows up to its last segment and before its first,
       int64_t rows_before[kMaxRanks];
       int32_t place[kMaxRanks];       // and its place among the sources with rows (producer order)
+      uint32_t has_rows;              // the sources with rows
+      int32_t chosen;
+      int64_t cum[kMaxRanks];         // by place in the consumer's order (warp 0): cum_tiles,
+      double ceil_arg[kMaxRanks];     // CeilArg(cum_tiles),
+      double traffic[kMaxRanks];      // (double)GatherSourceTraffic,
+      double link_us[kMaxRanks];      // its partial's link time (RmMul(link bytes, 1e-3 / link_gbps))
     } gather;
   };
   double us[2][kWarps][32];  // per-warp maxima by lane; the chunked form alternates halves by call parity
@@ -268,66 +273,81 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
   return ArgminC(feasible ? v : 1e300);
 }
 
-// gather_rs's C from the call's segment table (resource_model.h, "gather_rs's consumer CTAs"): warp 0 builds the
-// sources in the consumer's order (GatherModelSources' integers: the segments' tile and row prefix sums by warp
-// scans, each source's from its first and last segment, its place by a ballot; exact in any order), one barrier, then
-// every warp evaluates GatherMakespanFromSources (the host's code) for C = lane + 1 and takes the argmin (smallest C on
-// ties, as ChooseGatherConsumerCtasFromSources), so every thread gets the host's C. Called by every thread of the CTA;
-// `parity` as DeviceChooseConsumers'. t.seg holds the non-empty segments in producer order, a source's consecutive.
+// gather_rs's C from the call's segment table (resource_model.h, "gather_rs's consumer CTAs"). Every thread takes one
+// segment: one block scan (tiles; rows and first segments of a source, packed) gives each source its tiles up to its
+// last segment, its rows and its place among the sources with rows (GatherModelSources' integers, exact in any order),
+// written by its first and last segment; then warp 0 alone puts the sources in the consumer's order with the parts of
+// their terms that do not depend on C, evaluates GatherMakespanFromSources for C = lane + 1 (the host's operations in
+// the host's order: the same doubles; ready times by ReadyUsFp where every cum_tiles < 2^50, the exact CeilDiv
+// otherwise) and takes the argmin (smallest C on ties, as ChooseGatherConsumerCtasFromSources), which a barrier
+// hands to every thread. Three barriers; one warp's FP64 work instead of every warp's. Called by every thread of the
+// CTA (blockDim.x >= t.n); consecutive calls may share the scratch (each reads what it wrote before its last barrier).
+// t.seg holds the non-empty segments in producer order, a source's consecutive.
 __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const GatherModelShape& sh,
-                                                  int rank, int ranks, int max_ctas, ChoiceScratch* sc,
-                                                  int parity = 0) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = t.n;
+                                                  int rank, int ranks, int max_ctas, ChoiceScratch* sc) {
+  const int tid = threadIdx.x, lane = tid & 31, n = t.n;
   auto& g = sc->gather;
-  GatherModelSource* out = g.src[parity & 1];
-  if (warp == 0) {
-    int64_t carry_t = 0, carry_r = 0;
-    int carry_f = 0;
-    uint32_t has_rows = 0;
-    const uint32_t below = (1u << lane) - 1u;
-    for (int base = 0; base < n; base += 32) {  // warp-uniform
-      const int j = base + lane;
-      const bool valid = j < n;
-      const int src = valid ? t.seg[j].src : -1;
-      const int64_t rows = valid ? t.seg[j].rows : 0;
-      const int64_t tiles = valid ? ModelTiles(p, rows, sh.N) : 0;
-      const int64_t incl_t = carry_t + WarpInclusiveSum(tiles, lane);
-      const int64_t incl_r = carry_r + WarpInclusiveSum(rows, lane);
-      const bool first = valid && (j == 0 || t.seg[j - 1].src != src);
-      const bool last = valid && (j == n - 1 || t.seg[j + 1].src != src);
-      const uint32_t firsts = __ballot_sync(0xffffffffu, first);
-      if (first) {
-        g.place[src] = carry_f + __popc(firsts & below);
-        g.rows_before[src] = incl_r - rows;
-      }
-      if (last) {
-        g.cum_end[src] = incl_t;
-        g.rows_end[src] = incl_r;
-      }
-      has_rows |= __reduce_or_sync(0xffffffffu, valid ? 1u << src : 0u);
-      carry_t = __shfl_sync(0xffffffffu, incl_t, 31);
-      carry_r = __shfl_sync(0xffffffffu, incl_r, 31);
-      carry_f += __popc(firsts);
-    }
-    __syncwarp();
-    const int no_rows = ranks - __popc(has_rows);
-    if (lane < ranks) {
-      const int s = lane;
-      const int32_t remote = s != rank ? 1 : 0;
-      if ((has_rows >> s) & 1u)
-        out[no_rows + g.place[s]] = GatherModelSource{g.cum_end[s], g.rows_end[s] - g.rows_before[s], s, remote};
-      else
-        out[__popc(~has_rows & below)] = GatherModelSource{0, 0, s, remote};
-    }
-    if (lane == 0) g.total_tiles[parity & 1] = carry_t;
+  if (tid == 0) g.has_rows = 0u;
+  const bool mine = tid < n;
+  const int src = mine ? t.seg[tid].src : 0;
+  const int64_t rows = mine ? t.seg[tid].rows : 0;
+  const bool first = mine && (tid == 0 || t.seg[tid - 1].src != src);
+  const bool last = mine && (tid == n - 1 || t.seg[tid + 1].src != src);
+  // (rows < 2^31 a segment, so rows * 2^9 summed over <= 2^8 segments stays below 2^48.)
+  const int64_t v[2] = {mine ? ModelTiles(p, rows, sh.N) : 0, rows * 512 + (first ? 1 : 0)};
+  int64_t pre[2], total[2];
+  BlockExclusiveScanN<2>(v, g.scan, pre, total);
+  const uint32_t has = __reduce_or_sync(0xffffffffu, mine ? 1u << src : 0u);
+  if (lane == 0 && has != 0u) atomicOr(&g.has_rows, has);
+  if (first) {
+    g.place[src] = (int32_t)(pre[1] & 511);
+    g.rows_before[src] = pre[1] >> 9;
+  }
+  if (last) {
+    g.cum_end[src] = pre[0] + v[0];
+    g.rows_end[src] = (pre[1] + v[1]) >> 9;
   }
   __syncthreads();
-  // Safe with the same scratch across calls: as DeviceChooseConsumers' halves (warp 0's per-source arrays are its own).
-  const int c = lane + 1;
-  double v = 1e300;
-  if (c <= max_ctas && ModelFeasible(p, c))
-    v = GatherMakespanFromSources(p, out, ranks, g.total_tiles[parity & 1], sh, c);
-  return __shfl_sync(0xffffffffu, ShuffleArgminLane0(v, c), 0);
+  if (tid < 32) {
+    const int64_t total_tiles = total[0];
+    const uint32_t has_rows = g.has_rows, below = (1u << lane) - 1u;
+    const double us_per_link_byte = 1e-3 / p.link_gbps;  // (IEEE division: the host's double)
+    if (lane < ranks) {
+      const int s = lane;
+      const bool with_rows = (has_rows >> s) & 1u;
+      const int k = with_rows ? ranks - __popc(has_rows) + g.place[s] : __popc(~has_rows & below);
+      const int64_t cum = with_rows ? g.cum_end[s] : 0;
+      g.cum[k] = cum;
+      g.ceil_arg[k] = CeilArg(cum);
+      g.traffic[k] = (double)GatherSourceTraffic(sh, with_rows ? g.rows_end[s] - g.rows_before[s] : 0);
+      g.link_us[k] = RmMul(s != rank ? (double)(sh.T * sh.N * 4) : 0.0, us_per_link_byte);
+    }
+    __syncwarp();
+    const int c = lane + 1;
+    double us_c = 1e300;
+    if (c <= max_ctas && ModelFeasible(p, c)) {
+      // GatherMakespanFromSources for C = c, its operations in its order.
+      const int64_t producers = (int64_t)(p.sms - c) * p.ctas_per_sm;
+      const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
+      const double us_per_traffic = 1e-3 / RmMul((double)c, GatherTrafficGbpsPerCta(p));
+      const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50);  // ReadyUsFp exact (every cum <= total)
+      const double rp = 1.0 / (double)producers;
+      auto ready = [&](int64_t cum, double ceil_arg) {
+        return fast ? ReadyUsFp(ceil_arg, rp, tile_us) : RmMul((double)CeilDiv(cum, producers), tile_us);
+      };
+      double us = ready(total_tiles, CeilArg(total_tiles)), rest = 0.0;
+#pragma unroll 4
+      for (int j = ranks - 1; j >= 0; --j) {
+        rest = RmAdd(rest, RmAdd(p.seg_us, RmMax(RmMul(g.traffic[j], us_per_traffic), g.link_us[j])));
+        us = RmMax(us, RmAdd(ready(g.cum[j], g.ceil_arg[j]), rest));
+      }
+      us_c = us;
+    }
+    const int cand = ShuffleArgminLane0(us_c, c);
+    if (lane == 0) g.chosen = cand;
+  }
+  __syncthreads();
+  return g.chosen;
 }
 
 // What ExpertKernel is told about C and about how its consumer pushes.

@@ -23,11 +23,26 @@ struct SegTable {
   int64_t remote_rows;            // their rows (what the consumer pushes, in rows)
 };
 
+// A source's exclusive prefixes at its first segment in source-major order (BuildSegments): rows, and kept segments
+// and their bands packed as (segments << kSegShift) + bands.
+struct SourcePrefix {
+  int64_t rows;
+  int64_t segs_bands;
+};
+constexpr int kSegShift = 40;  // bands of <= kMaxSegments segments of < 2^31 rows each: < 2^34
+constexpr int kPlaceWarps = 4;  // warps that order the sources (one per SM sub-partition)
+static_assert(kThreads >= 32 * kPlaceWarps && kMaxRanks <= 32, "a lane per source in every placing warp");
+
 struct TableScratch {
   Segment raw[kMaxSegments];         // in plan order (expert-major)
   int64_t rows_to_rank[kMaxRanks];
   int32_t segs_of_rank[kMaxRanks];   // kept (non-empty) segments per source
   int64_t warp_sums[32];
+  SourcePrefix src_start[kMaxRanks + 1];  // by source, [ranks]: the totals
+  union {
+    int64_t scan[4 * 32];                     // BlockExclusiveScanN's warp totals
+    int64_t before[kMaxRanks][kPlaceWarps];   // per source and placing warp: (segments, bands) of sources before it
+  } x;
   int32_t first_bad;
 };
 
@@ -35,72 +50,97 @@ __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
   return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
 }
 
-// Builds the table from the device-side plan arrays, one thread per segment (E_l * R <= kMaxSegments <= blockDim.x):
-// offsets by prefix sums, each segment's place in producer order by counting the segments SegmentBefore puts first
-// (by source, then by expert within its source). Every thread calls it and gets the same answer; false (and the error
-// recorded, naming the first bad segment) on an invalid plan.
+// Builds the table from the device-side plan arrays (E_l * R <= kMaxSegments <= blockDim.x). Every thread calls it
+// and gets the same answer; false (and the error recorded, naming the first bad segment) on an invalid plan. Four
+// barriers, no loop over the segments:
+//   1. thread i takes segment i in plan order (expert-major: offsets and band bases) and segment i in source-major
+//      order (source i / E_l, expert i % E_l: a source's segments consecutive), and one block scan gives the four
+//      prefix sums (plan order: rows, bands; source-major: rows, (kept segments, bands));
+//   2. the first segment of each source publishes its source-major prefixes: each source's rows, segments and bands
+//      are differences of consecutive ones;
+//   3. the placing warps order the sources (lane u: source u; warp w compares it with sources w, w + kPlaceWarps, ...
+//      by SourceBeforeRows) into the segments and bands of the sources before it;
+//   4. segment i in source-major order lands at (segments of the sources before its own) + (kept segments of its
+//      source before it), with band_prefix (bands before it in producer order) from the same two parts: the place
+//      SegmentBefore gives it (sources first, then experts within a source).
 __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
                                      int64_t cap, SegTable* t, TableScratch* sc) {
-  const int R = rd.ranks, n = E_l * R, tid = threadIdx.x;
-  for (int s = tid; s < R; s += blockDim.x) {
-    sc->rows_to_rank[s] = 0;
-    sc->segs_of_rank[s] = 0;
-  }
-  if (tid == 0) sc->first_bad = n;
+  const int R = rd.ranks, n = E_l * R, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool mine = tid < n;
+  if (tid == 0) sc->first_bad = n;
+  // Plan order: segment tid (expert tid / R, source tid % R). Source-major: source s, expert e, plan index q.
   const int32_t rows = mine ? seg_rows[tid] : 0, ret_off = mine ? seg_ret_off[tid] : 0;
-  const int32_t kept = rows > 0 ? rows : 0;
-  int64_t total_rows = 0, total_bands = 0;
-  const int64_t off = BlockInclusiveScan(kept, sc->warp_sums, &total_rows) - kept;  // (has synchronized the CTA)
-  const int64_t band = BlockInclusiveScan(BandsOf(kept), sc->warp_sums, &total_bands) - BandsOf(kept);
+  const int s = mine ? tid / E_l : 0, e = tid - s * E_l, q = e * R + s;
+  const int32_t rows_q = mine ? seg_rows[q] : 0;
+  const int32_t kept = rows > 0 ? rows : 0, kept_q = rows_q > 0 ? rows_q : 0;
+  const int64_t v[4] = {kept, BandsOf(kept), kept_q, (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q)};
+  int64_t pre[4], total[4];
+  BlockExclusiveScanN<4>(v, sc->x.scan, pre, total);  // barrier 1
+  const int64_t off = pre[0];
   const bool over_cap = off + (int64_t)rows > cap;
   const bool bad = mine && (rows < 0 || over_cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows);
   if (bad) atomicMin(&sc->first_bad, tid);
   if (mine) {
-    sc->raw[tid] = Segment{tid / R, tid % R, (int32_t)off, rows, ret_off, (int32_t)band};
-    if (rows > 0) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(&sc->rows_to_rank[tid % R]), (unsigned long long)rows);
-      atomicAdd(&sc->segs_of_rank[tid % R], 1);
-    }
+    sc->raw[tid] = Segment{tid / R, tid % R, (int32_t)off, rows, ret_off, (int32_t)pre[1]};
+    if (e == 0) sc->src_start[s] = SourcePrefix{pre[2], pre[3]};
   }
-  __syncthreads();
+  if (tid == 0) sc->src_start[R] = SourcePrefix{total[2], total[3]};
+  __syncthreads();  // barrier 2
   if (sc->first_bad < n) {
     if (tid == sc->first_bad)  // the segments before it are valid, so `off` is the CPU handler's offset too
       ReportBadInput(rd, kBadSegment, tid, rows < 0 ? rows : (over_cap ? off + (int64_t)rows : ret_off),
                      over_cap ? cap : rd.sizes.ret_rows);
     return false;
   }
+  const int64_t total_bands = total[1];
   if (total_bands > rd.sizes.max_bands) {
     if (tid == 0) ReportBadInput(rd, kBadTooManyTiles, 0, total_bands, rd.sizes.max_bands);
     return false;
   }
-  const bool kept_seg = mine && rows > 0;
-  if (kept_seg) {
-    // Place by counting what SegmentBefore puts first, in O(R + E_l) rather than O(R E_l): the kept segments of the
-    // sources before ours, then those of our source with a smaller expert (raw index = expert * R + source).
-    const int src = tid % R, expert = tid / R;
-    int pos = 0;
-    for (int u = 0; u < R; ++u)
-      if (u != src && SourceBefore(u, src, rd.rank, sc->rows_to_rank)) pos += sc->segs_of_rank[u];
-    for (int e = 0; e < expert; ++e) pos += sc->raw[e * R + src].rows > 0;
-    t->seg[pos] = sc->raw[tid];
+  // Source u's rows and packed (segments, bands), lane u of a warp (0 past the last source).
+  auto source = [&](int u, int64_t* rows_u, int64_t* segs_bands_u) {
+    const SourcePrefix a = sc->src_start[u < R ? u : R], b = sc->src_start[u < R ? u + 1 : R];
+    *rows_u = b.rows - a.rows;
+    *segs_bands_u = b.segs_bands - a.segs_bands;
+  };
+  if (warp < kPlaceWarps) {
+    int64_t rows_u, sb_u, acc = 0;
+    source(lane, &rows_u, &sb_u);
+    for (int w = warp; w < R; w += kPlaceWarps) {  // warp-uniform
+      const int64_t rows_w = __shfl_sync(0xffffffffu, (long long)rows_u, w);
+      const int64_t sb_w = __shfl_sync(0xffffffffu, (long long)sb_u, w);
+      if (w != lane && SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u)) acc += sb_w;
+    }
+    if (lane < R) {
+      sc->x.before[lane][warp] = acc;
+      if (warp == 0) {
+        sc->rows_to_rank[lane] = rows_u;
+        sc->segs_of_rank[lane] = (int32_t)(sb_u >> kSegShift);
+      }
+    }
   }
-  const int m = __syncthreads_count(kept_seg);
-  const int remote = __syncthreads_count(kept_seg && tid % R != rd.rank);
-  const int32_t nb = tid < m ? BandsOf(t->seg[tid].rows) : 0;
-  int64_t bands = 0;
-  const int64_t bend = BlockInclusiveScan(nb, sc->warp_sums, &bands);
-  if (tid < m) t->band_prefix[tid] = (int32_t)(bend - nb);
+  const int m = (int)(total[3] >> kSegShift);
   if (tid == 0) {
-    t->band_prefix[m] = (int32_t)bands;
+    int64_t own_rows, own_sb;
+    source(rd.rank, &own_rows, &own_sb);
+    const int remote = m - (int)(own_sb >> kSegShift);  // (remote before local: the local segments are the last)
+    t->band_prefix[m] = (int32_t)total_bands;
     t->n = m;
-    t->bands = (int32_t)bands;
+    t->bands = (int32_t)total_bands;
     t->remote_segs = remote;
-    t->remote_rows = total_rows - sc->rows_to_rank[rd.rank];
+    t->remote_rows = total[0] - own_rows;
+    t->remote_bands = (int32_t)(total_bands - (own_sb & ((1ll << kSegShift) - 1)));
   }
-  __syncthreads();
-  if (tid == 0) t->remote_bands = t->band_prefix[remote];
-  __syncthreads();
+  __syncthreads();  // barrier 3
+  if (mine && kept_q > 0) {
+    int64_t place = pre[3] - sc->src_start[s].segs_bands;  // this source's kept segments and bands before it
+#pragma unroll
+    for (int w = 0; w < kPlaceWarps; ++w) place += sc->x.before[s][w];
+    const int pos = (int)(place >> kSegShift);
+    t->seg[pos] = sc->raw[q];
+    t->band_prefix[pos] = (int32_t)(place & ((1ll << kSegShift) - 1));
+  }
+  __syncthreads();  // barrier 4
   return true;
 }
 

@@ -255,14 +255,19 @@ struct Segment {
 
 // The producer's segment order: remote segments first, the most loaded destination first (its push takes longest),
 // then by source and expert for determinism; local segments (src == rank) last. A strict total order on distinct
-// (src, expert) pairs, so the CUDA table builder can place each segment by counting the segments before it (one
-// thread per segment) and get the CPU's insertion-sort order exactly.
+// (src, expert) pairs, so the CUDA table builder can place each segment by counting the segments before it (the
+// segments of the sources before its own, then those of its source with a smaller expert) and get the CPU's
+// insertion-sort order exactly.
 // Sources first (SourceBefore: the order of their segment groups), then experts within a source.
-JMO_HD inline bool SourceBefore(int u, int s, int rank, const int64_t* rows_to_rank) {
+// (rows_u, rows_s: the rows of sources u and s; the CUDA table builder compares sources it holds in registers.)
+JMO_HD inline bool SourceBeforeRows(int u, int s, int rank, int64_t rows_u, int64_t rows_s) {
   const bool ul = u == rank, sl = s == rank;
   if (ul != sl) return !ul;  // remote before local
-  if (rows_to_rank[u] != rows_to_rank[s]) return rows_to_rank[u] > rows_to_rank[s];
+  if (rows_u != rows_s) return rows_u > rows_s;
   return u < s;
+}
+JMO_HD inline bool SourceBefore(int u, int s, int rank, const int64_t* rows_to_rank) {
+  return SourceBeforeRows(u, s, rank, rows_to_rank[u], rows_to_rank[s]);
 }
 JMO_HD inline bool SegmentBefore(const Segment& x, const Segment& y, int rank, const int64_t* rows_to_rank) {
   if (x.src != y.src) return SourceBefore(x.src, y.src, rank, rows_to_rank);
