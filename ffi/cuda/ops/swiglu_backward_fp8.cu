@@ -59,18 +59,48 @@ struct Shared {
 constexpr int kSmemBytes = static_cast<int>(sizeof(Shared));
 static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs fit an SM's shared memory");
 
+// 1 / x of four logistic denominators (SwiGluDenominator: x >= 1, +inf or NaN), each the correctly rounded
+// reciprocal, so bitwise SwiGluSigmoid's IEEE quotient 1 / x. For 1 <= x < 2^126 the hardware estimate refined by one
+// Newton step, r + r (1 - x r) with each fma rounded once, is the correctly rounded reciprocal: it is the sequence
+// CUDA's own rcp.rn and __fdiv_rn take for divisors of that range (their exact path serves only extreme exponents).
+// Where any of the four is not below 2^126 (a gate below about -87.3, whose logistic is subnormal or zero, or a NaN)
+// all four take __frcp_rn: one rarely taken branch per four values, no branch region around each value's division
+// (those kept the scheduler from interleaving the values' long-latency steps).
+// (static: one copy per translation unit; out of line: inlined at each of its sites its code would crowd the
+// instruction cache.)
+static __device__ __noinline__ float4 RecipFourExact(float a, float b, float c, float d) {
+  return make_float4(__frcp_rn(a), __frcp_rn(b), __frcp_rn(c), __frcp_rn(d));
+}
+__device__ __forceinline__ void RecipFour(const float (&x)[4], float (&r)[4]) {
+  bool exact = false;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float e;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x[j]));
+    r[j] = __fmaf_rn(e, __fmaf_rn(-x[j], e, 1.0f), e);
+    exact |= !(x[j] < 0x1p126f);
+  }
+  if (__builtin_expect(exact, 0)) {
+    const float4 e = RecipFourExact(x[0], x[1], x[2], x[3]);
+    r[0] = e.x, r[1] = e.y, r[2] = e.z, r[3] = e.w;
+  }
+}
+
 // h, d_gate and d_up of a lane's 4 channels of one row: the gate's and the up's e4m3 bytes (a word each) dequantized
-// with their row scales, and dh.
+// with their row scales, and dh; SwiGluAndGrad's operations (common/swiglu.h), the logistic by RecipFour.
 __device__ __forceinline__ void RowValues(uint2 a, float gate_scale, float up_scale, const float4& dh, float (&h)[4],
                                           float (&d_gate)[4], float (&d_up)[4]) {
-  float gate[4], up[4];
+  float gate[4], up[4], den[4], sig[4];
   DequantizeE4m3Pair(a.x, gate_scale, gate[0], gate[1]);
   DequantizeE4m3Pair(a.x >> 16, gate_scale, gate[2], gate[3]);
   DequantizeE4m3Pair(a.y, up_scale, up[0], up[1]);
   DequantizeE4m3Pair(a.y >> 16, up_scale, up[2], up[3]);
   const float d[4] = {dh.x, dh.y, dh.z, dh.w};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) SwiGluAndGrad(gate[j], up[j], d[j], &h[j], &d_gate[j], &d_up[j]);
+  for (int j = 0; j < 4; ++j) den[j] = SwiGluDenominator(gate[j]);
+  RecipFour(den, sig);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) SwiGluAndGradOfSig(gate[j], sig[j], up[j], d[j], &h[j], &d_gate[j], &d_up[j]);
 }
 
 __global__ void __launch_bounds__(kCtaThreads, 2)
@@ -137,7 +167,7 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     const int i = row0 + k;
     float h[4], dg[4], du[4];
     RowValues(sm.kept[k][threadIdx.x], sm.row_scale[0][i], sm.row_scale[1][i], d[k], h, dg, du);
-    const float sg = WarpRowScale(dg), su = WarpRowScale(du);
+    const float sg = WarpRowScaleOfResults(dg), su = WarpRowScaleOfResults(du);  // float32 results: canonical NaN
     const uint32_t wg = QuantizeWord(dg, sg), wu = QuantizeWord(du, su);
     if (k < valid) {  // warp-uniform
       const int64_t r = tile.first + i;
