@@ -60,12 +60,10 @@ constexpr int kSmemBytes = static_cast<int>(sizeof(Shared));
 static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs fit an SM's shared memory");
 
 // 1 / x of four logistic denominators (SwiGluDenominator: x >= 1, +inf or NaN), each the correctly rounded
-// reciprocal, so bitwise SwiGluSigmoid's IEEE quotient 1 / x. For 1 <= x < 2^126 the hardware estimate refined by one
-// Newton step, r + r (1 - x r) with each fma rounded once, is the correctly rounded reciprocal: it is the sequence
-// CUDA's own rcp.rn and __fdiv_rn take for divisors of that range (their exact path serves only extreme exponents).
-// Where any of the four is not below 2^126 (a gate below about -87.3, whose logistic is subnormal or zero, or a NaN)
-// all four take __frcp_rn: one rarely taken branch per four values, no branch region around each value's division
-// (those kept the scheduler from interleaving the values' long-latency steps).
+// reciprocal, so bitwise SwiGluSigmoid's IEEE quotient 1 / x: RecipInRange (ops/e4m3.cuh) for 1 <= x < 2^126. Where
+// any of the four is not below 2^126 (a gate below about -87.3, whose logistic is subnormal or zero, or a NaN) all
+// four take __frcp_rn: one rarely taken branch per four values, no branch region around each value's division (those
+// kept the scheduler from interleaving the values' long-latency steps).
 // (static: one copy per translation unit; out of line: inlined at each of its sites its code would crowd the
 // instruction cache.)
 static __device__ __noinline__ float4 RecipFourExact(float a, float b, float c, float d) {
@@ -75,9 +73,7 @@ __device__ __forceinline__ void RecipFour(const float (&x)[4], float (&r)[4]) {
   bool exact = false;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    float e;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x[j]));
-    r[j] = __fmaf_rn(e, __fmaf_rn(-x[j], e, 1.0f), e);
+    r[j] = RecipInRange(x[j]);
     exact |= !(x[j] < 0x1p126f);
   }
   if (__builtin_expect(exact, 0)) {
@@ -168,7 +164,14 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     float h[4], dg[4], du[4];
     RowValues(sm.kept[k][threadIdx.x], sm.row_scale[0][i], sm.row_scale[1][i], d[k], h, dg, du);
     const float sg = WarpRowScaleOfResults(dg), su = WarpRowScaleOfResults(du);  // float32 results: canonical NaN
-    const uint32_t wg = QuantizeWord(dg, sg), wu = QuantizeWord(du, su);
+    // QuantizeWord of each, their rare exact paths behind one branch.
+    const Quantizer qg = QuantizerOfTileScale(sg), qu = QuantizerOfTileScale(su);
+    uint32_t wg, wu;
+    const bool fast_g = QuantizeFourFast(dg, qg, wg), fast_u = QuantizeFourFast(du, qu, wu);
+    if (__builtin_expect(!(fast_g && fast_u), 0)) {
+      if (!fast_g) wg = QuantizeFourExact(dg[0], dg[1], dg[2], dg[3], sg);
+      if (!fast_u) wu = QuantizeFourExact(du[0], du[1], du[2], du[3], su);
+    }
     if (k < valid) {  // warp-uniform
       const int64_t r = tile.first + i;
       reinterpret_cast<uint32_t*>(da_q + r * C + gate_c)[lane] = wg;
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
   for (int e = threadIdx.x; e < kOutputs * kChannels; e += kCtaThreads) {
     const int o = e / kChannels, c = e % kChannels;
     const float sc = ColumnTileScale(qcols::WarpsAmax(&sm.part[o][0][c], kChannels));
-    sm.quant[o][c % kLaneCh][c / kLaneCh] = QuantizerOf(sc);
+    sm.quant[o][c % kLaneCh][c / kLaneCh] = QuantizerOfTileScale(sc);
     if (o == 2)
       h_ts[t * F + gate_c + c] = sc;
     else
