@@ -8,8 +8,9 @@
 // then, by the column quantizer's steps (ops/quantize_columns.cuh) over the three column outputs:
 //   1. each thread copies its rows' aq words into its own shared slots (cp.async) and loads their dh into registers
 //      (every row's loads issued before any math); per row it computes h, d_gate and d_up (common/swiglu.h, the
-//      gate and up dequantized by ops/e4m3.cuh), quantizes d_gate and d_up per row (ops/fp8_rows.cuh: the row amax
-//      across the warp by shuffles) and writes those rows and their scales, and keeps its column amaxes;
+//      gate and up dequantized by ops/e4m3.cuh, the logistic's reciprocal by RecipFour), quantizes d_gate and d_up
+//      per row (ops/fp8_rows.cuh: the row amax across the warp by one redux.sync) and writes those rows and their
+//      scales, and keeps its column amaxes;
 //   2. the warps' column amaxes are combined per channel: the 3 x 128 column scales, written contiguously, and their
 //      quantizers (ops/e4m3.cuh);
 //   3. each thread recomputes its rows' values from the kept inputs (the same operations: the same bits), quantizes
