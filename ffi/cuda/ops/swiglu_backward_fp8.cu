@@ -221,12 +221,20 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
 #pragma unroll
       for (int j = 0; j < kLaneCh; ++j) v[0][j][b] = dg[j], v[1][j][b] = du[j], v[2][j][b] = h[j];
     }
+    // PackFourRows of an output's 4 words, their rare exact paths behind one branch.
 #pragma unroll
-    for (int o = 0; o < kOutputs; ++o)
+    for (int o = 0; o < kOutputs; ++o) {
+      uint32_t word[kLaneCh], slow = 0;  // bit j: word j takes the exact path
+#pragma unroll
+      for (int j = 0; j < kLaneCh; ++j) slow |= uint32_t(!QuantizeFourFast(v[o][j], sm.quant[o][j][lane], word[j])) << j;
+      if (__builtin_expect(slow != 0, 0))
+#pragma unroll
+        for (int j = 0; j < kLaneCh; ++j)
+          if (slow >> j & 1u) word[j] = qcols::PackFourRowsExact(v[o][j], sm.quant[o][j][lane], m, valid);
 #pragma unroll
       for (int j = 0; j < kLaneCh; ++j)
-        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] =
-            qcols::PackFourRows(v[o][j], sm.quant[o][j][lane], m, valid);
+        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] = word[j];
+    }
   }
   __syncthreads();
 
