@@ -49,7 +49,7 @@ class ModelConfig:
   dtype: str = "float32"          # compute dtype; parameters stay float32
   routed_score_func: str = "softmax"   # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
   shared_experts: int = 0         # always-on experts of width d_ff beside the routed ones
-  quantization: str | None = None  # None, or "fp8": the routed experts' GEMMs in FP8 (MoEConfig.quantization)
+  quantization: str | None = None  # None, "fp8" or "fp8_bf16_wgrad" (MoEConfig.quantization)
   attention: str = "xla"          # jax.nn.dot_product_attention's implementation (choose_attention); no parameter
                                   # depends on it, so a checkpoint made with either runs with either
 

@@ -68,11 +68,12 @@ def parse_args(argv=None):
   g.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax", help="router scores")
   g.add_argument("--shared-experts", type=int, default=0, help="always-on experts of width --d-ff")
   g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-  g.add_argument("--quantization", choices=("none", "fp8"), default="none",
+  g.add_argument("--quantization", choices=("none", "fp8", "fp8_bf16_wgrad"), default="none",
                  help="fp8: the routed experts' GEMMs in FP8 by DeepSeek-V3's recipe (MoEConfig.quantization; "
                       "--d-model and --d-ff multiples of 128, as the gpu preset's are): with --impl overlap (x "
                       "dispatched in FP8 by the custom calls) or collective on the e4m3 grouped "
-                      "GEMM (Hopper GPUs; its emulation on CPU), with --impl xla or reference emulated in XLA")
+                      "GEMM (Hopper GPUs; its emulation on CPU), with --impl xla or reference emulated in XLA; "
+                      "fp8_bf16_wgrad: the same with the weight gradients on bfloat16 operands")
   g.add_argument("--attention", choices=("auto", "cudnn", "xla"), default="auto",
                  help="jax.nn.dot_product_attention's implementation; auto: cudnn (fused flash attention) on GPUs "
                       "with a 16-bit compute dtype where cuDNN takes the shapes, else xla (materialized scores)")

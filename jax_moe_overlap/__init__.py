@@ -7,7 +7,8 @@ Public API:
                       feed-forward block returning y alone.
   route, update_routing_bias  the routers (softmax / sigmoid, routing bias, group-limited) as functions.
   moe_experts         the expert layer as a function on global arrays (impl="overlap" | "collective" | "xla" |
-                      "reference"; batch_axes; tensor_axis: expert tensor parallelism; quantization=None | "fp8").
+                      "reference"; batch_axes; tensor_axis: expert tensor parallelism; quantization=None | "fp8" |
+                      "fp8_bf16_wgrad").
   quantize_weights, Fp8Weight  expert weights quantized once (FP8, 128 x 128 blocks) for moe_experts' inference.
   CallConfig          timeouts and testing aids of the custom calls.
   Workspace           the peer buffers and flags of one mesh axis (created on demand, cached, freed at exit).

@@ -77,7 +77,8 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       and 1 x 128 tiles are the whole expert's); impl "overlap" (x dispatched in FP8 by the workspace's dispatch,
       the FP8 grouped GEMM, the combine in x's dtype: ``fp8_overlap.py``) and "collective" (the FP8 grouped GEMM:
       Hopper GPUs, its emulation on CPU; the two give the same bits, but with a tensor axis, where "overlap" returns
-      the shards' partials per slot in x's dtype), "xla" or "reference" (the recipe emulated in XLA). The weights' gradients are those of the quantized weights (straight-through), in the
+      the shards' partials per slot in x's dtype), "xla" or "reference" (the recipe emulated in XLA).
+      "fp8_bf16_wgrad": the same with the two weight gradients on bfloat16 operands (``fp8_experts.bf16_wgrad``). The weights' gradients are those of the quantized weights (straight-through), in the
       weights' dtype; pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
@@ -92,7 +93,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   TP = check_tensor_axis(mesh, axis_name, tensor_axis)
   batch_axes = check_batch_axes(mesh, axis_name, batch_axes, x.shape[0], tensor_axis)
   check_tensor_split(w2.shape[1], TP, tensor_axis)
-  if quantization == "fp8":
+  if quantization is not None:
     check_fp8_tensor_split(w2.shape[1], TP, tensor_axis)
   E = w1.shape[0]
   check_expert_ids(expert_ids, E)
@@ -177,7 +178,8 @@ def _reference_layer(mesh, axes, cap_e, B, quantization, x, expert_ids, gates, w
   Inside ``shard_map`` so that it runs on the mesh's devices whatever x's placement (under ``jit`` a plain x and
   mesh-sharded weights could not meet otherwise)."""
   args = [_shard(a, mesh, P()) for a in (x, expert_ids.astype(jnp.int32), gates, w1, w2)]
-  layer = moe_experts_reference if quantization is None else moe_experts_fp8_reference
+  layer = (moe_experts_reference if quantization is None
+           else functools.partial(moe_experts_fp8_reference, quantization=quantization))
 
   def groups(x, ids, g, w1, w2):
     w1 = tp_lib.gate_up_shards(w1)                                      # the [E, D, 2, F] view: [E, D, 2F]
@@ -291,12 +293,12 @@ def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_ax
   counts_all, rank, plan = plan_lib.plan_over_axis(slot_ids, num_experts * TP, info.workspace.axis_name, cap_e,
                                                    gather=functools.partial(gather_counts, info=info))
   plan = tp_lib.name_expert_ids(plan, expert_ids, TP)
-  if quantization == "fp8" and R * TP == 1:
+  if quantization is not None and R * TP == 1:
     y = fp8_one_rank_block(x, slot_ids, slot_gates, tp_lib.gate_up_shards(w1), w2, axis_name=axis_name,
-                           num_experts=num_experts, expert_cap=cap_e, recv_cap=cap)
-  elif quantization == "fp8":
+                           num_experts=num_experts, expert_cap=cap_e, recv_cap=cap, quantization=quantization)
+  elif quantization is not None:
     route = workspace_route(slot_ids, counts_all, rank, cap_e, plan, cap, info)
-    y = fp8_expert_block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, route)
+    y = fp8_expert_block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, route, quantization)
   else:
     block = gather_rs_block if reduce == "gather_rs" else expert_block
     y = block(x, slot_gates, tp_lib.gate_up_shards(w1), w2, plan, cap, info)

@@ -17,7 +17,9 @@ from jax_moe_overlap.plan import SKIP
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 IMPLS = ("overlap", "collective", "xla", "reference")
-QUANTIZATIONS = (None, "fp8")
+# None, or the FP8 modes: "fp8" (DeepSeek-V3's recipe, every expert GEMM in FP8), "fp8_bf16_wgrad" (the same with
+# the two weight gradients on bfloat16 operands: fp8_experts.bf16_wgrad).
+QUANTIZATIONS = (None, "fp8", "fp8_bf16_wgrad")
 
 
 def check_axis(mesh: jax.sharding.Mesh, axis_name: str) -> int:
@@ -92,7 +94,8 @@ def check_router_logits(logits, num_experts: int) -> None:
 
 def check_quantization(quantization) -> None:
   if quantization not in QUANTIZATIONS:
-    raise ValueError(f"jax_moe_overlap: quantization must be None (no quantization) or 'fp8', got {quantization!r}")
+    raise ValueError(f"jax_moe_overlap: quantization must be None (no quantization), 'fp8' or 'fp8_bf16_wgrad', "
+                     f"got {quantization!r}")
 
 
 def check_fp8_sizes(d_model: int, d_ff: int) -> None:
@@ -139,8 +142,8 @@ def _weight_shape_dtype(name: str, w, quantization):
   """(shape, dtype) of a weight argument: a float array, or under quantization="fp8" also an ``fp8.Fp8Weight`` (its
   logical [E, K, N] shape, dtype None)."""
   if isinstance(w, fp8.Fp8Weight):
-    if quantization != "fp8":
-      raise TypeError(f"jax_moe_overlap: {name} is a pre-quantized Fp8Weight, which only quantization='fp8' takes")
+    if quantization is None:
+      raise TypeError(f"jax_moe_overlap: {name} is a pre-quantized Fp8Weight, which only the FP8 quantizations take")
     E, N, K = w.values.shape
     if w.values.dtype != fp8.E4M3 or w.scales.dtype != jnp.float32 or w.scales.shape != (
         E, N // fp8.TILE, K // fp8.TILE):
@@ -180,7 +183,7 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=Non
     raise TypeError(f"jax_moe_overlap: gates must be real floating point, got {gates.dtype}")
   if quantization is None and not (x.dtype == dt1 == dt2):
     raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {dt1}, {dt2}")
-  if quantization == "fp8":
+  if quantization is not None:
     check_fp8_sizes(D, width // 2)
   check_experts(E, expert_ids.shape[1], R, axis_name)
   check_tokens(T, R, axis_name)

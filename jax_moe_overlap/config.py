@@ -83,7 +83,9 @@ class MoEConfig:
       weights (weight_dtype), float32 accumulation; the rows and the combine keep ``dtype``. emb_dim and
       moe_mlp_dim must be multiples of 128. It runs with impl "overlap" (the default) and
       "collective" (the FP8 grouped GEMM: Hopper GPUs, its emulation on CPU), "xla" and "reference" (the recipe
-      emulated in XLA). The shared experts and the router are not quantized.
+      emulated in XLA). The shared experts and the router are not quantized. "fp8_bf16_wgrad": the same, but the two
+      weight gradients on bfloat16 operands (``fp8_experts.bf16_wgrad``: no 128 x 1 re-quantization of x, da, h and
+      dy), faster where the activations are narrow (docs/performance.md, "Where the FP8 step goes").
   """
 
   emb_dim: int
@@ -137,7 +139,7 @@ class MoEConfig:
       raise ValueError("jax_moe_overlap: routed_bias_update_rate is set but routed_bias is False")
     check_dtype("MoEConfig.dtype", self.dtype)
     check_quantization(self.quantization)
-    if self.quantization == "fp8":
+    if self.quantization is not None:
       check_fp8_sizes(self.emb_dim, self.moe_mlp_dim)
 
   @property

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import fp8
+from jax_moe_overlap import expert_gemms
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
 from jax_moe_overlap.grouped_gemm import ROWS_E4M3_CHANNELS, grouped_matmul_fp8, grouped_outer_fp8_packed
 from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
@@ -74,11 +75,13 @@ class Gemms:
   rows(lhs_q [M, K] e4m3, lhs_s [M, K / 128], w: fp8.Fp8Weight of W [G, K, N], group_sizes [G], out_dtype) -> [M, N]
     in out_dtype: dequantize_rows(lhs_q, lhs_s)[r] @ W[g] for the rows r of group g, zero past them; accumulated in
     float32, then rounded to out_dtype.
-  columns(v [M, C] float, tiles: fp8.ColumnTiles) -> v quantized per 128 x 1 tile (``fp8.quantize_columns``' values
-    and scales) in the layout ``outer`` takes: row layout (q [M, C], s [tiles.count, C]) for the XLA backends, the
-    kernel's token-contiguous one (``grouped_gemm.quantize_columns_fp8``) for ``KERNELS``.
+  columns(v [M, C] float, tiles: fp8.ColumnTiles) -> the weight gradients' operand in the form ``outer`` takes: in
+    the recipe v quantized per 128 x 1 tile (``fp8.quantize_columns``' values and scales), in row layout (q [M, C],
+    s [tiles.count, C]) for the XLA backends, in the kernel's token-contiguous one
+    (``grouped_gemm.quantize_columns_fp8``) for ``KERNELS``; under ``bf16_wgrad`` v in bfloat16.
   outer(lhs = columns(a, tiles), rhs = columns(b, tiles), tiles, group_sizes [G]) -> [G, K, N] float32:
-    a[rows of g]^T @ b[rows of g], both dequantized per 128 x 1 tile.
+    a[rows of g]^T @ b[rows of g] on the operands as ``columns`` gave them (the recipe: dequantized per 128 x 1
+    tile).
   swiglu_forward(a [M, 2F] float32) -> (h_rows, a_rows): fp8.quantize_rows(swiglu(a)) (GEMM2's operand) and
     fp8.quantize_rows(a) (what the backward keeps). ``swiglu_forward_composed`` is the jnp composition (``DENSE``,
     ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_forward_fp8``, one custom call for both.
@@ -215,6 +218,54 @@ DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
 KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_forward,
                 _kernel_swiglu_backward, _kernel_row_columns)
+
+
+def _bf16_columns(v, tiles):
+  del tiles
+  return v.astype(jnp.bfloat16)
+
+
+def _bf16_row_columns(q, s, tiles):
+  """x and dy in bfloat16, exactly: their scales are powers of two and an e4m3 value has 4 significant bits."""
+  del tiles
+  return fp8.dequantize_rows(q, s).astype(jnp.bfloat16)
+
+
+def bf16_wgrad(gemms: Gemms, outer_f32: Callable) -> Gemms:
+  """``gemms`` with the two weight gradients on bfloat16 operands (quantization="fp8_bf16_wgrad"): dW2 = h^T dy and
+  dW1 = x^T da by ``outer_f32`` (bfloat16 [M, K] and [M, N], group_sizes -> [G, K, N] float32), x and dy the
+  dequantized rows (exact), h and da rounded from float32. The forward and the two dgrads stay the recipe's FP8 GEMMs.
+  Where the activations are narrow (d_model 1024), the four 128 x 1 quantizations the FP8 wgrads need cost more than
+  FP8 saves in them (docs/performance.md, "Where the FP8 step goes")."""
+  return Gemms(f"{gemms.name}, bf16 wgrad", gemms.rows, _bf16_columns,
+               lambda lhs, rhs, tiles, group_sizes: outer_f32(lhs, rhs, group_sizes), gemms.swiglu_forward,
+               swiglu_backward_composed(_bf16_columns), _bf16_row_columns)
+
+
+def _dense_outer_bf16(lhs, rhs, group_sizes):
+  return _dense_outer(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes)
+
+
+def _kernel_outer_bf16(lhs, rhs, group_sizes):
+  return expert_gemms.outer(lhs, rhs, group_sizes, jnp.float32)
+
+
+# The recipe's GEMMs per backend and quantization (checks.QUANTIZATIONS' FP8 modes): "dense" is the oracle
+# (impl="reference"), "ragged_dot" impl="xla", "kernels" impl="collective" and "overlap".
+_GEMMS = {
+    ("dense", "fp8"): DENSE,
+    ("ragged_dot", "fp8"): RAGGED,
+    ("kernels", "fp8"): KERNELS,
+    ("dense", "fp8_bf16_wgrad"): bf16_wgrad(DENSE, _dense_outer_bf16),
+    ("ragged_dot", "fp8_bf16_wgrad"): bf16_wgrad(RAGGED, ragged_outer_f32),
+    ("kernels", "fp8_bf16_wgrad"): bf16_wgrad(KERNELS, _kernel_outer_bf16),
+}
+
+
+def recipe_gemms(backend: str, quantization: str) -> Gemms:
+  """The ``Gemms`` of ``backend`` ("dense", "ragged_dot", "kernels") under ``quantization`` ("fp8",
+  "fp8_bf16_wgrad")."""
+  return _GEMMS[backend, quantization]
 
 
 def _weight_cotangent_template(w):

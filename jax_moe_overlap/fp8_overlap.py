@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
 from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts
-from jax_moe_overlap.fp8_experts import KERNELS
+from jax_moe_overlap.fp8_experts import recipe_gemms
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_rows
 from jax_moe_overlap.xla_path import combine_slots, move_rows, token_slots
 
@@ -103,9 +103,9 @@ def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan
   return WorkspaceRoute(plan, send_row, send_slot, dest_rank, dest_row, cap, slot_ids.shape[1], info)
 
 
-def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute):
+def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute, quantization: str = "fp8"):
   """Per-rank FP8 expert block. x [T, D] (D a multiple of 128), gates [T, k] float32 (the route's slots per token),
   w1 [E_local, D, 2F], w2 [E_local, F, D] (master weights or ``fp8.Fp8Weight``; with a tensor axis this rank's
   shards) -> y [T, D] in x's dtype."""
-  slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=KERNELS))
+  slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=recipe_gemms("kernels", quantization)))
   return combine_slots(slot_out, gates, route.plan.slot_ret_row >= 0).astype(x.dtype)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap.expert_gemms import swiglu
-from jax_moe_overlap.fp8_experts import DENSE, fp8_expert_mlp
+from jax_moe_overlap.fp8_experts import fp8_expert_mlp, recipe_gemms
 
 
 def kept_mask(expert_ids: jax.Array, num_experts: int, expert_cap: int, ranks: int) -> jax.Array:
@@ -192,7 +192,7 @@ def moe_experts_sparse_reference(x, expert_ids, gates, w1, w2, expert_cap: int, 
 # The FP8 oracle: the layer under quantization="fp8".
 
 
-def moe_experts_fp8_reference(x, expert_ids, gates, w1, w2, expert_cap: int, ranks: int):
+def moe_experts_fp8_reference(x, expert_ids, gates, w1, w2, expert_cap: int, ranks: int, quantization: str = "fp8"):
   """``moe_experts_reference`` under ``quantization="fp8"``: args and returns as there, w1 and w2 float master
   weights or ``fp8.Fp8Weight``. Each kept slot is one row of the recipe (``fp8_experts.fp8_expert_mlp`` with dense
   GEMMs), the rows grouped by expert in the global slot order; y sums a token's k rows times their gates in float32
@@ -205,7 +205,7 @@ def moe_experts_fp8_reference(x, expert_ids, gates, w1, w2, expert_cap: int, ran
   order, key, counts, _ = _sort_slots(jnp.where(routed, expert_ids, -1).reshape(T * k), E)
   rows = (key[order] < E)[:, None]
   x_rows = jnp.where(rows, jnp.take(x, order // k, axis=0), 0).astype(x.dtype)            # [T k, D] by expert
-  out = fp8_expert_mlp(x_rows, w1, w2, counts, DENSE)
+  out = fp8_expert_mlp(x_rows, w1, w2, counts, recipe_gemms("dense", quantization))
   slot_out = jnp.zeros_like(out).at[order].set(out).reshape(T, k, -1).astype(jnp.float32)
   w = jnp.where(routed, gates, 0).astype(jnp.float32)
   y = w[:, 0, None] * slot_out[:, 0]

@@ -122,7 +122,7 @@ def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, 
   if gather_rs:
     recv = max(cap, slots)
     ret = max(slots, -(-group * tokens_per_rank * 4 // itemsize))
-  if quantization == "fp8":
+  if quantization is not None:
     recv = max(cap, slots)
     row = max(row, row_bytes("uint8", d_model))
   return WorkspaceSizes(row_bytes=row, recv_rows=recv, ret_rows=ret, num_segments=e_local * group)

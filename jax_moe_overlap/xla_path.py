@@ -60,7 +60,7 @@ from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
 from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts
-from jax_moe_overlap.fp8_experts import KERNELS, RAGGED
+from jax_moe_overlap.fp8_experts import recipe_gemms
 
 
 def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
@@ -77,7 +77,8 @@ LOCAL_EXPERTS = {"xla": ragged_dot_mlp, "collective": expert_mlp}
 # Under quantization="fp8" both run the FP8 recipe (fp8_experts.py) on rows exchanged in FP8 (fp8_exchange.py), with
 # these GEMMs: impl="xla" ragged_dot on the dequantized operands (the emulation, the baseline), impl="collective"
 # this library's FP8 grouped GEMM on the quantized operands (the e4m3 wgmma kernel on Hopper, its emulation on CPU).
-FP8_GEMMS = {"xla": RAGGED, "collective": KERNELS}
+# The backend of fp8_experts.recipe_gemms per impl.
+FP8_GEMMS = {"xla": "ragged_dot", "collective": "kernels"}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
@@ -93,7 +94,7 @@ def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, exper
   if quantization is None:
     experts = functools.partial(_unquantized_experts, LOCAL_EXPERTS[impl])
   else:
-    experts = functools.partial(fp8_exchanged_experts, gemms=FP8_GEMMS[impl])
+    experts = functools.partial(fp8_exchanged_experts, gemms=recipe_gemms(FP8_GEMMS[impl], quantization))
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
                          num_experts=w2.shape[0], expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
                          experts=experts)
@@ -133,14 +134,15 @@ def _routed_block(x, gates, w1, w2, route, is_kept, experts):
   return combine_slots(route.from_send_buffer(experts(x, w1, w2, route)), gates, is_kept)
 
 
-def fp8_one_rank_block(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, expert_cap, recv_cap):
+def fp8_one_rank_block(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, expert_cap, recv_cap,
+                       quantization: str = "fp8"):
   """impl="collective"'s FP8 expert block on a one-rank expert axis with no tensor axis (inside shard_map): x [T, D],
   expert_ids and gates [T, k], w1 [E, D, 2F] (gate | up), w2 [E, F, D] -> y [T, D] in x's dtype. impl="overlap"
   takes it there: no row crosses a link, and XLA's gathers move the rows within the device (``_exchange_local``)
   faster than the workspace's dispatch call copies them (docs/performance.md, "Where the FP8 step goes")."""
   route, is_kept, _ = _route(expert_ids, axis_name=axis_name, tensor_axis=None, num_experts=num_experts,
                              expert_cap=expert_cap, recv_cap=recv_cap, ragged=False)
-  experts = functools.partial(fp8_exchanged_experts, gemms=KERNELS)
+  experts = functools.partial(fp8_exchanged_experts, gemms=recipe_gemms("kernels", quantization))
   return _routed_block(x, gates, w1, w2, route, is_kept, experts).astype(x.dtype)
 
 

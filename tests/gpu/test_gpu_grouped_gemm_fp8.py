@@ -75,11 +75,13 @@ def test_other_gpus_refuse_naming_the_requirement():
 
 
 @requires_hopper
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_bf16_wgrad"])
 @pytest.mark.parametrize("kind", ["skewed", "empty_experts"])
-def test_layer_collective_matches_xla(kind):
-  """impl="collective" (the e4m3 kernels: grouped_matmul_fp8 for GEMM1, GEMM2 and the dgrads, grouped_outer_fp8 for
-  the wgrads) against impl="xla" (the same quantized operands, dequantized, ragged_dot) on one GPU: forward and the
-  gradients of x, gates, w1, w2 within 1e-2 (the kernels' chunk accumulation), four row and two outer FP8 calls."""
+def test_layer_collective_matches_xla(kind, quantization):
+  """impl="collective" (the e4m3 kernels: grouped_matmul_fp8 for GEMM1, GEMM2 and the dgrads; for the wgrads
+  grouped_outer_fp8, or under "fp8_bf16_wgrad" the bfloat16 grouped_outer) against impl="xla" (the same operands,
+  dequantized, ragged_dot) on one GPU: forward and the gradients of x, gates, w1, w2 within 1e-2 (the kernels' chunk
+  accumulation); the same bits on a second call."""
   import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((1,), ("expert",), devices=gpu_devices()[:1])
   T, D, F, E, k = 1024, 256, 384, 8, 2
@@ -88,17 +90,21 @@ def test_layer_collective_matches_xla(kind):
 
   def grads(impl):
     def loss(x, gates, w1, w2):
-      y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, quantization="fp8")
+      y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, quantization=quantization)
       return jnp.sum(y.astype(jnp.float32) * cot), y
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
   f = grads("collective")
   hlo = f.lower(x, gates, w1, w2).as_text()
-  assert hlo.count("jmo_grouped_matmul_fp8") == 4 and hlo.count("jmo_grouped_outer_fp8") == 2
-  fused = fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU
-  assert hlo.count("jmo_quantize_columns_fp8") == (2 if fused else 4)
-  assert hlo.count("jmo_swiglu_backward_fp8") == (1 if fused else 0)
-  assert hlo.count("jmo_swiglu_forward_fp8") == 1
+  assert hlo.count("jmo_grouped_matmul_fp8") == 4 and hlo.count("jmo_swiglu_forward_fp8") == 1
+  if quantization == "fp8":
+    fused = fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU
+    assert hlo.count("jmo_grouped_outer_fp8") == 2
+    assert hlo.count("jmo_quantize_columns_fp8") == (2 if fused else 4)
+    assert hlo.count("jmo_swiglu_backward_fp8") == (1 if fused else 0)
+  else:
+    assert hlo.count("@jmo_grouped_outer(") == 2
+    assert "jmo_grouped_outer_fp8" not in hlo and "jmo_quantize_columns_fp8" not in hlo
   (_, y), g = f(x, gates, w1, w2)
   (_, y_ref), g_ref = grads("xla")(x, gates, w1, w2)
   assert rel_err(y, y_ref) < 1e-2
