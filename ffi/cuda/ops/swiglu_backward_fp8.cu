@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
       const Quantizer qg = QuantizerOfTileScale(sg), qu = QuantizerOfTileScale(su);
       uint32_t wg, wu;
       const bool fast_g = QuantizeFourFast(dg, qg, wg), fast_u = QuantizeFourFast(du, qu, wu);
-      if (__builtin_expect(!(fast_g && fast_u), 0)) {
+      if (__builtin_expect(!(fast_g & fast_u), 0)) {
         if (!fast_g) wg = QuantizeFourExact(dg[0], dg[1], dg[2], dg[3], sg);
         if (!fast_u) wu = QuantizeFourExact(du[0], du[1], du[2], du[3], su);
       }
@@ -260,21 +260,25 @@ __global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
 #pragma unroll
       for (int j = 0; j < kLaneCh; ++j) v[kDGate][j][b] = dg[j], v[kDUp][j][b] = du[j], v[kH][j][b] = h[j];
     }
-    // PackFourRows of an output's 4 words, their rare exact paths behind one branch.
+    // PackFourRows of the 12 words, their rare exact paths behind one branch: each word's fast path into its place,
+    // then, where any of them is not the values' word, every word again by PackFourRows (the thread's own places;
+    // nothing reads them before the barrier).
+    bool fast = true;
 #pragma unroll
-    for (int o = 0; o < kOutputs; ++o) {
-      const float(&col)[kLaneCh][4] = v[o];
-      uint32_t word[kLaneCh], slow = 0;  // bit j: word j takes the exact path
+    for (int o = 0; o < kOutputs; ++o)
 #pragma unroll
-      for (int j = 0; j < kLaneCh; ++j) slow |= uint32_t(!QuantizeFourFast(col[j], sm.quant[o][j][lane], word[j])) << j;
-      if (__builtin_expect(slow != 0, 0))
+      for (int j = 0; j < kLaneCh; ++j) {
+        uint32_t word;
+        fast &= QuantizeFourFast(v[o][j], sm.quant[o][j][lane], word);
+        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] = word;
+      }
+    if (__builtin_expect(!fast, 0))
+#pragma unroll
+      for (int o = 0; o < kOutputs; ++o)
 #pragma unroll
         for (int j = 0; j < kLaneCh; ++j)
-          if (slow >> j & 1u) word[j] = qcols::PackFourRowsExact(col[j], sm.quant[o][j][lane], m, valid);
-#pragma unroll
-      for (int j = 0; j < kLaneCh; ++j)
-        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] = word[j];
-    }
+          sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] =
+              qcols::PackFourRows(v[o][j], sm.quant[o][j][lane], m, valid);
   }
   __syncthreads();
 
