@@ -17,10 +17,10 @@ values and their float32 scales) and chooses how the GEMMs run:
                of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU forward (h and its
                quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a; the SwiGLU
                backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
-               one pass over a and dh (on GPUs once ``FUSED_SWIGLU_BACKWARD_ON_GPU``: until its kernel has passed
-               its GPU test, XLA's ops and the column quantizer's call). x and dy, which the backward holds
-               row-quantized, go to the column quantizer as e4m3 values and scales (no float32 copy; on GPUs once
-               ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and where D is a multiple of 256, the call's item).
+               one pass over a and dh (on GPUs only with ``FUSED_SWIGLU_BACKWARD_ON_GPU``; without it XLA's ops and
+               the column quantizer's call, measured faster there). x and dy, which the backward holds
+               row-quantized, go to the column quantizer as e4m3 values and scales (no float32 copy; on GPUs only
+               with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and where D is a multiple of 256, the call's item).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
 
@@ -164,10 +164,10 @@ def _kernel_outer(lhs, rhs, tiles, group_sizes):
   return grouped_outer_fp8_packed(lhs, rhs, group_sizes)
 
 
-def _tested_call(call, xla, gpu_tested: bool):
-  """call() on CPUs, and on GPUs where its CUDA kernel has passed its GPU test (gpu_tested, read when traced), else
-  xla(): a custom call whose kernel has not yet run on a GPU leaves GPUs on XLA's ops for the same step."""
-  return jax.lax.platform_dependent(cpu=call, default=call if gpu_tested else xla)
+def _switched_call(call, xla, on_gpu: bool):
+  """call() on CPUs, and on GPUs where its switch is on (on_gpu, read when traced), else xla(): GPUs keep XLA's ops
+  for the same step while the custom call's kernel is not the faster one there (or has not passed its GPU test)."""
+  return jax.lax.platform_dependent(cpu=call, default=call if on_gpu else xla)
 
 
 def _kernel_swiglu_forward(a):
@@ -189,7 +189,7 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
   def composed():
     return swiglu_backward_composed(_kernel_columns)(aq, a_s, dh, tiles)
 
-  return _tested_call(fused, composed, FUSED_SWIGLU_BACKWARD_ON_GPU)
+  return _switched_call(fused, composed, FUSED_SWIGLU_BACKWARD_ON_GPU)
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3
@@ -208,7 +208,7 @@ def _kernel_row_columns(q, s, tiles):
 
   if q.shape[1] % ROWS_E4M3_CHANNELS:  # the call takes row-quantized rows of whole 256-channel items only
     return dequantized()
-  return _tested_call(from_rows, dequantized, ROW_QUANTIZED_COLUMNS_ON_GPU)
+  return _switched_call(from_rows, dequantized, ROW_QUANTIZED_COLUMNS_ON_GPU)
 
 
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)

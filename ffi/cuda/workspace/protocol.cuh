@@ -4,10 +4,10 @@
 // Memory ordering: data stores -> a barrier of the storing threads (CTA or warp) -> one of them red.release.sys on
 // the peer's counter. The barrier synchronizes the storing threads with the releasing one and a release is cumulative
 // (PTX memory model), so it orders every store made before the barrier by any of them: a fence by each storing thread
-// before the barrier adds nothing (it is the pattern of NCCL's posts and of cooperative groups' grid sync; some
-// kernels here still fence in every thread). Readers: one thread ld.acquire.sys polls, CTA barrier, then all threads
-// read with ld.global.cg (L2, never a stale L1 line). Every wait is bounded by the call's deadline (%globaltimer)
-// and gives up at once when the group's abort word (host-mapped) is raised.
+// before the barrier adds nothing (it is the pattern of NCCL's posts and of cooperative groups' grid sync).
+// Readers: one thread ld.acquire.sys polls, CTA barrier, then all threads read with ld.global.cg (L2, never a stale
+// L1 line). Every wait is bounded by the call's deadline (%globaltimer) and gives up at once when the group's
+// abort word (host-mapped) is raised.
 #pragma once
 
 #include <cuda_runtime.h>
