@@ -35,14 +35,14 @@ __device__ __forceinline__ void DequantizeE4m3Pair(uint32_t two, float s, float&
   b = __fmul_rn(__half2float(__half(__half_raw{h.y})), s);
 }
 
-// A tile's quantizer: its scale, 1 / s bracketed (r_lo, r_hi), and whether s is finite (else every value takes the
-// exact path). 16-byte aligned: one vector load from shared memory.
+// A tile's quantizer: 1 / s bracketed (r_lo, r_hi), its scale s, and whether s is finite (else every value takes the
+// exact path). 16-byte aligned with r_lo and r_hi first: the fast path's pair is one 8-byte load from shared memory.
 struct alignas(16) Quantizer {
-  float s, r_lo, r_hi;
+  float r_lo, r_hi, s;
   bool fast;
 };
 __device__ __forceinline__ Quantizer QuantizerOfRecip(float s, float r) {  // r = 1 / s (IEEE) where s is finite
-  return {s, r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), isfinite(s)};
+  return {r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), s, isfinite(s)};
 }
 __device__ __forceinline__ Quantizer QuantizerOf(float s) { return QuantizerOfRecip(s, 1.f / s); }
 

@@ -55,7 +55,7 @@ struct Shared {
     alignas(16) float part[kOutputs][kWarps][kChannels];  // steps 1-2: each warp's column amaxes (float4 stores)
     uint32_t packed[kOutputs][kChannels * kWordsPerChannel];  // steps 3-4
   };
-  Quantizer quant[kOutputs][kLaneCh][32];   // channel 4 l + j at [o][j][l]: a warp's loads are conflict-free
+  Quantizer quant[kOutputs][kLaneCh][32];   // channel 4 l + j at [o][j][l]: a warp loads 32 consecutive ones
   float row_scale[2][kColumnTile];          // a's gate and up scales of the tile's rows (0 past them)
   int32_t row_off[kMaxGroups + 1];
   int32_t tile_off[kMaxGroups + 1];
