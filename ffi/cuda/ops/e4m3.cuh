@@ -35,14 +35,14 @@ __device__ __forceinline__ void DequantizeE4m3Pair(uint32_t two, float s, float&
   b = __fmul_rn(__half2float(__half(__half_raw{h.y})), s);
 }
 
-// A tile's quantizer: its scale, 1 / s bracketed (r_lo, r_hi), and whether s is finite (else every value takes the
-// exact path).
-struct Quantizer {
-  float s, r_lo, r_hi;
+// A tile's quantizer: 1 / s bracketed (r_lo, r_hi), its scale s, and whether s is finite (else every value takes the
+// exact path). 16-byte aligned with r_lo and r_hi first: the fast path's pair is one 8-byte load from shared memory.
+struct alignas(16) Quantizer {
+  float r_lo, r_hi, s;
   bool fast;
 };
 __device__ __forceinline__ Quantizer QuantizerOfRecip(float s, float r) {  // r = 1 / s (IEEE) where s is finite
-  return {s, r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), isfinite(s)};
+  return {r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), s, isfinite(s)};
 }
 __device__ __forceinline__ Quantizer QuantizerOf(float s) { return QuantizerOfRecip(s, 1.f / s); }
 
@@ -80,7 +80,7 @@ __device__ __forceinline__ bool QuantizeFourFast(const float (&v)[4], const Quan
   const uint32_t lo = E4m3Pair(v[0] * q.r_lo, v[1] * q.r_lo) | E4m3Pair(v[2] * q.r_lo, v[3] * q.r_lo) << 16;
   const uint32_t hi = E4m3Pair(v[0] * q.r_hi, v[1] * q.r_hi) | E4m3Pair(v[2] * q.r_hi, v[3] * q.r_hi) << 16;
   word = lo;
-  return lo == hi && q.fast;
+  return (lo == hi) & q.fast;  // not &&: no branch, no conditional load
 }
 
 // Four values of one tile -> their four e4m3 bytes as a word (v[0] in the low byte), each RoundE4m3(x / s) (see the

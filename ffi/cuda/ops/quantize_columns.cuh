@@ -224,10 +224,6 @@ __device__ __forceinline__ uint32_t ClearRowsPastValid(uint32_t word, const Quan
 __device__ __forceinline__ uint32_t PackFourRows(const float (&v)[4], const Quantizer& q, int m, int valid) {
   return ClearRowsPastValid(QuantizeFour(v, q), q, m, valid);
 }
-// PackFourRows where QuantizeFourFast's word is not the values' (a caller checking several words with one branch).
-__device__ __forceinline__ uint32_t PackFourRowsExact(const float (&v)[4], const Quantizer& q, int m, int valid) {
-  return ClearRowsPastValid(QuantizeFourExact(v[0], v[1], v[2], v[3], q.s), q, m, valid);
-}
 
 // Step 4 of a channel: its 128 bytes from the packed buffer to dst, by a warp (a word per lane: one 128-byte segment).
 template <int kLaneCh>

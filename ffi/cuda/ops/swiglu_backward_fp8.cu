@@ -1,22 +1,25 @@
 // jmo_swiglu_backward_fp8 on CUDA (swiglu_backward_fp8.h): one CTA per item (128-row column tile t, block cb of 128
 // of h's channels), the items numbered with the channel block fastest (the CTAs at work together read whole rows), 256
-// threads, two CTAs per SM. The block covers h's channels [128 cb, 128 cb + 128), which are da's d_gate channels of
+// threads, three CTAs per SM. The block covers h's channels [128 cb, 128 cb + 128), which are da's d_gate channels of
 // the same index and its d_up channels F + those: whole 1 x 128 row tiles of da (two per row) and whole 128 x 1
-// column tiles of da (256 channels) and of h (128), so every output comes from one read of aq, a_s and dh. Warp w
-// takes the tile's rows 16 w .. 16 w + 15, a lane 4 consecutive channels of the gate, of the up projection and of dh.
-// The CTA derives the group tables and places its tile (ops/quantize_columns.cuh's BuildTables, common/fp8_columns.h),
-// then, by the column quantizer's steps (ops/quantize_columns.cuh) over the three column outputs:
-//   1. each thread copies its rows' aq words into its own shared slots (cp.async) and loads their dh into registers
-//      (every row's loads issued before any math); per row it computes h, d_gate and d_up (common/swiglu.h, the
-//      gate and up dequantized by ops/e4m3.cuh, the logistic's reciprocal by RecipFour), quantizes d_gate and d_up
-//      per row (ops/fp8_rows.cuh: the row amax across the warp by one redux.sync) and writes those rows and their
-//      scales, and keeps its column amaxes;
+// column tiles of da (256 channels) and of h (128), so every output comes from the item's rows of aq, a_s and dh.
+// Warp w takes the tile's rows 16 w .. 16 w + 15, a lane 4 consecutive channels of the gate, of the up projection and
+// of dh. The CTA derives the group tables and places its tile (ops/quantize_columns.cuh's BuildTables,
+// common/fp8_columns.h), then, by the column quantizer's steps (ops/quantize_columns.cuh) over the three column
+// outputs:
+//   1. each warp loops over its rows 4 at a time (LoadFourRows: the four rows' loads before any math): per row it
+//      computes h, d_gate and d_up (common/swiglu.h, the gate and up dequantized by ops/e4m3.cuh, the logistic's
+//      reciprocal by RecipFour), quantizes d_gate and d_up per row (ops/fp8_rows.cuh: the row amax across the warp
+//      by one redux.sync) and writes those rows and their scales, and keeps its column amaxes;
 //   2. the warps' column amaxes are combined per channel: the 3 x 128 column scales, written contiguously, and their
 //      quantizers (ops/e4m3.cuh);
-//   3. each thread recomputes its rows' values from the kept inputs (the same operations: the same bits), quantizes
-//      them with the column quantizers and packs 4 consecutive rows of a channel into a word of a channel-major
-//      shared buffer (PackFourRows, PackedWord's swizzle: free of bank conflicts);
+//   3. each warp loops over its rows again, reading them again (from L2), recomputes their values (the same
+//      operations on the same inputs: the same bits), quantizes them with the column quantizers and packs 4
+//      consecutive rows of a channel into a word of a channel-major shared buffer (PackFourRows, PackedWord's
+//      swizzle: free of bank conflicts);
 //   4. each channel's 128 bytes go to its row of da_t or h_t at 128 t (StoreChannel: a warp, one 128-byte segment).
+// Nothing of the rows is held between steps 1 and 3 (80 registers, 63 KiB of shared memory: three CTAs per SM), and
+// the row loops are not unrolled, so that the kernel's code fits the instruction cache.
 // Every byte is RoundE4m3 of its IEEE quotient by its scale (ops/e4m3.cuh's bracketed conversion), as in the CPU
 // handler. Rows of the tile past its group's are zero bytes in da_t and h_t; a tile past the groups' tiles is an
 // empty item (zero bytes, scales 2^-126). The rows of da_q past the groups are written by the CTAs of their channel
@@ -44,6 +47,7 @@ constexpr int kCtaThreads = qcols::kThreads;  // 256
 constexpr int kLaneCh = 4;                 // channels of h per lane
 constexpr int kChannels = 32 * kLaneCh;    // channels of h per item: one row tile
 constexpr int kOutputs = 3;                // the column-quantized outputs: d_gate, d_up, h
+constexpr int kDGate = 0, kDUp = 1, kH = 2;  // their indices
 static_assert(kCtaThreads == 2 * kColumnTile, "one thread per row loads the gate's or the up's scale");
 
 struct Shared {
@@ -51,14 +55,14 @@ struct Shared {
     alignas(16) float part[kOutputs][kWarps][kChannels];  // steps 1-2: each warp's column amaxes (float4 stores)
     uint32_t packed[kOutputs][kChannels * kWordsPerChannel];  // steps 3-4
   };
-  uint2 kept[kRowsPerWarp][kCtaThreads];    // each thread's rows' aq words (gate, up), its own slots
-  Quantizer quant[kOutputs][kLaneCh][32];   // channel 4 l + j at [o][j][l]: a warp's loads are conflict-free
+  Quantizer quant[kOutputs][kLaneCh][32];   // channel 4 l + j at [o][j][l]: a warp loads 32 consecutive ones
   float row_scale[2][kColumnTile];          // a's gate and up scales of the tile's rows (0 past them)
   int32_t row_off[kMaxGroups + 1];
   int32_t tile_off[kMaxGroups + 1];
 };
 constexpr int kSmemBytes = static_cast<int>(sizeof(Shared));
-static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs fit an SM's shared memory");
+constexpr int kCtasPerSm = 3;
+static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
 
 // 1 / x of four logistic denominators (SwiGluDenominator: x >= 1, +inf or NaN), each the correctly rounded
 // reciprocal, so bitwise SwiGluSigmoid's IEEE quotient 1 / x: RecipInRange (ops/e4m3.cuh) for 1 <= x < 2^126. Where
@@ -83,16 +87,22 @@ __device__ __forceinline__ void RecipFour(const float (&x)[4], float (&r)[4]) {
   }
 }
 
-// h, d_gate and d_up of a lane's 4 channels of one row: the gate's and the up's e4m3 bytes (a word each) dequantized
-// with their row scales, and dh; SwiGluAndGrad's operations (common/swiglu.h), the logistic by RecipFour.
-__device__ __forceinline__ void RowValues(uint2 a, float gate_scale, float up_scale, const float4& dh, float (&h)[4],
+// A lane's inputs of one row: its 4 channels of the gate and of the up projection (e4m3 bytes, a word each) and of dh.
+struct RowIn {
+  uint32_t gate, up;
+  float4 dh;
+};
+
+// h, d_gate and d_up of a lane's 4 channels of one row: the gate and the up dequantized with their row scales, and
+// dh; SwiGluAndGrad's operations (common/swiglu.h), the logistic by RecipFour.
+__device__ __forceinline__ void RowValues(const RowIn& in, float gate_scale, float up_scale, float (&h)[4],
                                           float (&d_gate)[4], float (&d_up)[4]) {
   float gate[4], up[4], den[4], sig[4];
-  DequantizeE4m3Pair(a.x, gate_scale, gate[0], gate[1]);
-  DequantizeE4m3Pair(a.x >> 16, gate_scale, gate[2], gate[3]);
-  DequantizeE4m3Pair(a.y, up_scale, up[0], up[1]);
-  DequantizeE4m3Pair(a.y >> 16, up_scale, up[2], up[3]);
-  const float d[4] = {dh.x, dh.y, dh.z, dh.w};
+  DequantizeE4m3Pair(in.gate, gate_scale, gate[0], gate[1]);
+  DequantizeE4m3Pair(in.gate >> 16, gate_scale, gate[2], gate[3]);
+  DequantizeE4m3Pair(in.up, up_scale, up[0], up[1]);
+  DequantizeE4m3Pair(in.up >> 16, up_scale, up[2], up[3]);
+  const float d[4] = {in.dh.x, in.dh.y, in.dh.z, in.dh.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) den[j] = SwiGluDenominator(gate[j]);
   RecipFour(den, sig);
@@ -100,7 +110,38 @@ __device__ __forceinline__ void RowValues(uint2 a, float gate_scale, float up_sc
   for (int j = 0; j < 4; ++j) SwiGluAndGradOfSig(gate[j], sig[j], up[j], d[j], &h[j], &d_gate[j], &d_up[j]);
 }
 
-__global__ void __launch_bounds__(kCtaThreads, 2)
+// Where a lane reads the warp's rows 4 m .. 4 m + 3 and writes their da_q words: row 4 m + b's 4 gate bytes at
+// a + b C (the up's F bytes on), its dh at d + b F, its da_q words at q + b C (and F bytes on); Next moves to m + 1.
+struct LaneRows {
+  const uint8_t* a;
+  const float* d;
+  uint8_t* q;
+  int64_t C, F;
+  __device__ __forceinline__ void Next() { a += 4 * C, d += 4 * F, q += 4 * C; }
+};
+
+// The inputs of the warp's rows 4 m .. 4 m + 3, zeros from row b = n on (past the tile's rows: their values are
+// zeros). The four rows' loads all issue before any is used. Step 1 reads the rows from HBM with the default policy,
+// which keeps them in L2 for step 3's read, their last (ld.global.cs: evicted first): re-reading them costs L2
+// traffic only, where holding them in registers and shared memory would halve the CTAs an SM holds.
+template <bool kLastRead>
+__device__ __forceinline__ void LoadFourRows(const LaneRows& at, int n, RowIn (&in)[4]) {
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    in[b] = {0u, 0u, make_float4(0.f, 0.f, 0.f, 0.f)};
+    if (b < n) {  // warp-uniform
+      const uint32_t* g = reinterpret_cast<const uint32_t*>(at.a + b * at.C);
+      const uint32_t* u = reinterpret_cast<const uint32_t*>(at.a + b * at.C + at.F);
+      const float4* d = reinterpret_cast<const float4*>(at.d + b * at.F);
+      if constexpr (kLastRead)
+        in[b] = {__ldcs(g), __ldcs(u), __ldcs(d)};
+      else
+        in[b] = {__ldg(g), __ldg(u), __ldg(d)};
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
     SwiGluBackwardKernel(const uint8_t* __restrict__ aq, const float* __restrict__ a_s, const float* __restrict__ dh,
                          int64_t M, int64_t F, const int32_t* __restrict__ sizes, int G, int64_t Mp,
                          uint8_t* __restrict__ da_q, float* __restrict__ da_s, uint8_t* __restrict__ da_t,
@@ -116,6 +157,7 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
   const ColumnTileRows tile = PlaceColumnTile(t, sm.row_off, sm.tile_off, G);
 
   // The rows past the groups that fall to this CTA: quantize_rows of a zero row.
+#pragma unroll 1
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int64_t r = sm.row_off[G] + kColumnTile * t + row0 + k;
     if (r >= M) break;
@@ -133,62 +175,55 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     return;
   }
 
-  // 1. Load (aq into the thread's own slots of `kept`, dh into registers; the rows past the tile's as zeros, whose
-  // values are zeros), compute, quantize the rows of da, keep the column amaxes.
+  // 1. The rows' values, 4 rows at a time; each row of da quantized and stored, the column amaxes kept.
   const int valid = min(kRowsPerWarp, max(0, tile.rows - row0));  // the warp's rows in the tile
   {
     const int i = threadIdx.x % kColumnTile, half = threadIdx.x / kColumnTile;
     sm.row_scale[half][i] = i < tile.rows ? a_s[(tile.first + i) * R + half * blocks + cb] : 0.f;
   }
-  float4 d[kRowsPerWarp];
+  const int64_t first = tile.first + row0;  // the warp's first row
+  const LaneRows rows{aq + first * C + gate_c + kLaneCh * lane, dh + first * F + gate_c + kLaneCh * lane,
+                      da_q + first * C + gate_c + kLaneCh * lane, C, F};
+  float* row_s = da_s + first * R + cb;  // the warp's first row's d_gate scale (its d_up scale: blocks on)
+  __syncthreads();  // row_scale
+  float amax[kOutputs][kLaneCh] = {};
+  LaneRows at = rows;
+#pragma unroll 1
+  for (int m = 0; m < kRowsPerWarp / 4; ++m, at.Next(), row_s += 4 * R) {
+    RowIn in[4];
+    LoadFourRows<false>(at, valid - 4 * m, in);
 #pragma unroll
-  for (int k = 0; k < kRowsPerWarp; ++k) {
-    if (k < valid) {
-      const int64_t r = tile.first + row0 + k;
-      qcols::CopyAsync4(&sm.kept[k][threadIdx.x].x, aq + r * C + gate_c + 4 * lane);
-      qcols::CopyAsync4(&sm.kept[k][threadIdx.x].y, aq + r * C + up_c + 4 * lane);
-      d[k] = *reinterpret_cast<const float4*>(dh + r * F + gate_c + 4 * lane);
-    } else {
-      sm.kept[k][threadIdx.x] = make_uint2(0u, 0u);
-      d[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  }
-  qcols::CommitCopies();
-  qcols::WaitCopies();  // this thread's copies: the only slots of `kept` it reads
-  __syncthreads();      // row_scale
-  float amax[kOutputs][4] = {};
-#pragma unroll
-  for (int k = 0; k < kRowsPerWarp; ++k) {
-    // Every row, in the tile or not (its values then zeros, which change no amax), so that the warp's shuffles run
-    // converged; only the tile's rows are stored.
-    const int i = row0 + k;
-    float h[4], dg[4], du[4];
-    RowValues(sm.kept[k][threadIdx.x], sm.row_scale[0][i], sm.row_scale[1][i], d[k], h, dg, du);
-    const float sg = WarpRowScaleOfResults(dg), su = WarpRowScaleOfResults(du);  // float32 results: canonical NaN
-    // QuantizeWord of each, their rare exact paths behind one branch.
-    const Quantizer qg = QuantizerOfTileScale(sg), qu = QuantizerOfTileScale(su);
-    uint32_t wg, wu;
-    const bool fast_g = QuantizeFourFast(dg, qg, wg), fast_u = QuantizeFourFast(du, qu, wu);
-    if (__builtin_expect(!(fast_g && fast_u), 0)) {
-      if (!fast_g) wg = QuantizeFourExact(dg[0], dg[1], dg[2], dg[3], sg);
-      if (!fast_u) wu = QuantizeFourExact(du[0], du[1], du[2], du[3], su);
-    }
-    if (k < valid) {  // warp-uniform
-      const int64_t r = tile.first + i;
-      reinterpret_cast<uint32_t*>(da_q + r * C + gate_c)[lane] = wg;
-      reinterpret_cast<uint32_t*>(da_q + r * C + up_c)[lane] = wu;
-      if (lane == 0) {
-        da_s[r * R + cb] = sg;
-        da_s[r * R + blocks + cb] = su;
+    for (int b = 0; b < 4; ++b) {
+      // Every row, in the tile or not (its values then zeros, which change no amax), so that the warp's reductions
+      // run converged; only the tile's rows are stored.
+      const int i = row0 + 4 * m + b;
+      float h[kLaneCh], dg[kLaneCh], du[kLaneCh];
+      RowValues(in[b], sm.row_scale[0][i], sm.row_scale[1][i], h, dg, du);
+      const float sg = WarpRowScaleOfResults(dg), su = WarpRowScaleOfResults(du);  // float32 results: canonical NaN
+      // QuantizeWord of each, their rare exact paths behind one branch.
+      const Quantizer qg = QuantizerOfTileScale(sg), qu = QuantizerOfTileScale(su);
+      uint32_t wg, wu;
+      const bool fast_g = QuantizeFourFast(dg, qg, wg), fast_u = QuantizeFourFast(du, qu, wu);
+      if (__builtin_expect(!(fast_g & fast_u), 0)) {
+        if (!fast_g) wg = QuantizeFourExact(dg[0], dg[1], dg[2], dg[3], sg);
+        if (!fast_u) wu = QuantizeFourExact(du[0], du[1], du[2], du[3], su);
       }
-    }
-    // d_gate, d_up and h are float32 results, whose NaN is the device's one canonical NaN (positive): max.NaN's NaN,
-    // so MaxAbsNaN is AmaxStep here.
+      if (4 * m + b < valid) {  // warp-uniform
+        *reinterpret_cast<uint32_t*>(at.q + b * C) = wg;
+        *reinterpret_cast<uint32_t*>(at.q + b * C + F) = wu;
+        if (lane == 0) {
+          row_s[b * R] = sg;
+          row_s[b * R + blocks] = su;
+        }
+      }
+      // d_gate, d_up and h are float32 results, whose NaN is the device's one canonical NaN (positive): max.NaN's
+      // NaN, so MaxAbsNaN is AmaxStep here.
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      amax[0][j] = qcols::MaxAbsNaN(amax[0][j], dg[j]);
-      amax[1][j] = qcols::MaxAbsNaN(amax[1][j], du[j]);
-      amax[2][j] = qcols::MaxAbsNaN(amax[2][j], h[j]);
+      for (int j = 0; j < kLaneCh; ++j) {
+        amax[kDGate][j] = qcols::MaxAbsNaN(amax[kDGate][j], dg[j]);
+        amax[kDUp][j] = qcols::MaxAbsNaN(amax[kDUp][j], du[j]);
+        amax[kH][j] = qcols::MaxAbsNaN(amax[kH][j], h[j]);
+      }
     }
   }
 #pragma unroll
@@ -202,46 +237,55 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     const int o = e / kChannels, c = e % kChannels;
     const float sc = ColumnTileScale(qcols::WarpsAmax(&sm.part[o][0][c], kChannels));
     sm.quant[o][c % kLaneCh][c / kLaneCh] = QuantizerOfTileScale(sc);
-    if (o == 2)
+    if (o == kH)
       h_ts[t * F + gate_c + c] = sc;
     else
-      da_ts[t * C + (o ? up_c : gate_c) + c] = sc;
+      da_ts[t * C + (o == kDUp ? up_c : gate_c) + c] = sc;
   }
   __syncthreads();  // quant; part is dead from here on (packed takes its bytes)
 
-  // 3. The same values again, quantized per column, packed channel-major.
-#pragma unroll
-  for (int m = 0; m < kRowsPerWarp / 4; ++m) {
+  // 3. The same values again (the same operations on the same inputs, read again: the same bits), quantized per
+  // column, 4 consecutive rows of a channel packed into a word of the channel-major buffer.
+  at = rows;
+#pragma unroll 1
+  for (int m = 0; m < kRowsPerWarp / 4; ++m, at.Next()) {
+    RowIn in[4];
+    LoadFourRows<true>(at, valid - 4 * m, in);
     float v[kOutputs][kLaneCh][4];  // [output][channel][row 4 m + b]
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      const int k = 4 * m + b, i = row0 + k;
-      float h[4], dg[4], du[4];
-      RowValues(sm.kept[k][threadIdx.x], sm.row_scale[0][i], sm.row_scale[1][i], d[k], h, dg, du);
+      const int i = row0 + 4 * m + b;
+      float h[kLaneCh], dg[kLaneCh], du[kLaneCh];
+      RowValues(in[b], sm.row_scale[0][i], sm.row_scale[1][i], h, dg, du);
 #pragma unroll
-      for (int j = 0; j < kLaneCh; ++j) v[0][j][b] = dg[j], v[1][j][b] = du[j], v[2][j][b] = h[j];
+      for (int j = 0; j < kLaneCh; ++j) v[kDGate][j][b] = dg[j], v[kDUp][j][b] = du[j], v[kH][j][b] = h[j];
     }
-    // PackFourRows of an output's 4 words, their rare exact paths behind one branch.
+    // PackFourRows of the 12 words, their rare exact paths behind one branch: each word's fast path into its place,
+    // then, where any of them is not the values' word, every word again by PackFourRows (the thread's own places;
+    // nothing reads them before the barrier).
+    bool fast = true;
 #pragma unroll
-    for (int o = 0; o < kOutputs; ++o) {
-      uint32_t word[kLaneCh], slow = 0;  // bit j: word j takes the exact path
+    for (int o = 0; o < kOutputs; ++o)
 #pragma unroll
-      for (int j = 0; j < kLaneCh; ++j) slow |= uint32_t(!QuantizeFourFast(v[o][j], sm.quant[o][j][lane], word[j])) << j;
-      if (__builtin_expect(slow != 0, 0))
+      for (int j = 0; j < kLaneCh; ++j) {
+        uint32_t word;
+        fast &= QuantizeFourFast(v[o][j], sm.quant[o][j][lane], word);
+        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] = word;
+      }
+    if (__builtin_expect(!fast, 0))
+#pragma unroll
+      for (int o = 0; o < kOutputs; ++o)
 #pragma unroll
         for (int j = 0; j < kLaneCh; ++j)
-          if (slow >> j & 1u) word[j] = qcols::PackFourRowsExact(v[o][j], sm.quant[o][j][lane], m, valid);
-#pragma unroll
-      for (int j = 0; j < kLaneCh; ++j)
-        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] = word[j];
-    }
+          sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] =
+              qcols::PackFourRows(v[o][j], sm.quant[o][j][lane], m, valid);
   }
   __syncthreads();
 
   // 4. Each channel's 128 bytes to its token-contiguous row.
   for (int e = warp; e < kOutputs * kChannels; e += kWarps) {
     const int o = e / kChannels, c = e % kChannels;
-    uint8_t* row = o == 2 ? h_t + (gate_c + c) * Mp : da_t + ((o ? up_c : gate_c) + c) * Mp;
+    uint8_t* row = o == kH ? h_t + (gate_c + c) * Mp : da_t + ((o == kDUp ? up_c : gate_c) + c) * Mp;
     qcols::StoreChannel<kLaneCh>(sm.packed[o], c, row + t * kColumnTile);
   }
 }
