@@ -204,6 +204,7 @@ struct GatherCall {
   ModelParams p;
   GatherModelShape sh;
   int rank, ranks, max_ctas, seg_begin, n;
+  CandidateConsts cand;  // FillCandidateConsts(p, max_ctas, sh.N): the library's (ConsumerConfig::cand)
 };
 template <int kBlock>
 __global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* calls, const Segment* segs, int* out) {
@@ -218,7 +219,8 @@ __global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* ca
   }
   __syncthreads();
   int c[2];
-  for (int k = 0; k < 2; ++k) c[k] = DeviceChooseGatherConsumers(table, g.p, g.sh, g.rank, g.ranks, g.max_ctas, &cs);
+  for (int k = 0; k < 2; ++k)
+    c[k] = DeviceChooseGatherConsumers(table, g.p, g.cand, g.sh, g.rank, g.ranks, g.max_ctas, &cs);
   if (threadIdx.x == 0) ref[0] = c[0], ref[1] = c[1];
   __syncthreads();
   if (c[0] != ref[0] || c[1] != ref[1]) atomicAdd(&differ, 1);
@@ -251,6 +253,7 @@ GatherDraw DrawGather(std::mt19937_64& g) {
   d.call.rank = (int)(g() % R);
   d.call.ranks = R;
   d.call.max_ctas = ModelMaxCtas(sms);
+  d.call.cand = FillCandidateConsts(p, d.call.max_ctas, d.call.sh.N);
   const int zero_pct = (int)pick({0, 30, 90});
   std::vector<Segment> raw;
   std::vector<int64_t> to_rank(R, 0);
@@ -344,7 +347,7 @@ __global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* 
       acc += decision_v0::DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas),
                                                       &cs, i & 1);
     else
-      acc += DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs);
+      acc += DeviceChooseGatherConsumers(table, q, g.cand, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs);
   }
   if (threadIdx.x == 0) {
     out[0] = Now() - t0;
@@ -384,6 +387,7 @@ int64_t TimeGather(int iters, int reps) {
     ModelParams p{33, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397, 370.0 / 4,
                   0.4301974372287516, 17.3};
     GatherCall call{p, GatherModelShape{1024, 4, 4096, 7168, 2}, 1, R, ModelMaxCtas(33), 0, (int)segs.size()};
+    call.cand = FillCandidateConsts(p, call.max_ctas, call.sh.N);
     std::vector<GatherModelSource> src(R);
     int want = 0;
     for (int k = 0; k < 2; ++k) {

@@ -66,14 +66,17 @@ struct ChoiceScratch {
   int chosen;                // ChooseByScans
 };
 
-// The constants of the chunked form that need a division, computed by the host before the launch
-// (FillCandidateConsts), so that no division sequence sits on the decision's critical path: per candidate,
-// ModelUsPerByte's and 1 / P (IEEE division and reciprocal are correctly rounded on both sides: the doubles the device
-// would compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and per call the 32-bit magic of
-// tile_m (MagicCeilDiv) and ceil(N / BN) (integers: the same on both sides).
+// The constants of the chunked form and of gather_rs's choice that need a division, computed by the host before the
+// launch (FillCandidateConsts), so that no division sequence sits on the decision's critical path: per candidate,
+// ModelUsPerByte's, 1 / P and gather_rs's 1e-3 / (C g) (GatherMakespanFromSources' us_per_traffic), per call gather_rs's
+// 1e-3 / link_gbps (IEEE division and reciprocal are correctly rounded on both sides: the doubles the device would
+// compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and the 32-bit magic of tile_m
+// (MagicCeilDiv) and ceil(N / BN) (integers: the same on both sides).
 struct CandidateConsts {
   double us_per_byte[kMaxModelCtas];
   double rcp_producers[kMaxModelCtas];
+  double gather_us_per_traffic[kMaxModelCtas];
+  double us_per_link_byte;
   uint32_t tile_m;        // max(p.tile_m, 1)
   uint32_t tile_m_magic;  // 0xffffffff / tile_m
   int64_t col_tiles;      // ceil(N / p.tile_n), -1 if p.tile_n <= 0 (ChunkedIsExact then falls back)
@@ -90,7 +93,9 @@ inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas, i
     const int64_t producers = (int64_t)(p.sms - cl) * p.ctas_per_sm;
     cc.us_per_byte[c - 1] = ModelUsPerByte(p, cl);
     cc.rcp_producers[c - 1] = 1.0 / (double)(producers > 0 ? producers : 1);
+    cc.gather_us_per_traffic[c - 1] = 1e-3 / RmMul((double)cl, GatherTrafficGbpsPerCta(p));
   }
+  cc.us_per_link_byte = 1e-3 / p.link_gbps;
   return cc;
 }
 
@@ -280,11 +285,13 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
 // their terms that do not depend on C, evaluates GatherMakespanFromSources for C = lane + 1 (the host's operations in
 // the host's order: the same doubles; ready times by ReadyUsFp where every cum_tiles < 2^50, the exact CeilDiv
 // otherwise) and takes the argmin (smallest C on ties, as ChooseGatherConsumerCtasFromSources), which a barrier
-// hands to every thread. Three barriers; one warp's FP64 work instead of every warp's. Called by every thread of the
-// CTA (blockDim.x >= t.n); consecutive calls may share the scratch (each reads what it wrote before its last barrier).
+// hands to every thread. Three barriers; one warp's FP64 work instead of every warp's; its divisions (1 / P, 1e-3 /
+// (C g), 1e-3 / link_gbps) from the host (cand = FillCandidateConsts(p, ...)). Called by every thread of the CTA
+// (blockDim.x >= t.n); consecutive calls may share the scratch (each reads what it wrote before its last barrier).
 // t.seg holds the non-empty segments in producer order, a source's consecutive.
-__device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const GatherModelShape& sh,
-                                                  int rank, int ranks, int max_ctas, ChoiceScratch* sc) {
+__device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const CandidateConsts& cand,
+                                                  const GatherModelShape& sh, int rank, int ranks, int max_ctas,
+                                                  ChoiceScratch* sc) {
   const int tid = threadIdx.x, lane = tid & 31, n = t.n;
   auto& g = sc->gather;
   if (tid == 0) g.has_rows = 0u;
@@ -311,7 +318,7 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
   if (tid < 32) {
     const int64_t total_tiles = total[0];
     const uint32_t has_rows = g.has_rows, below = (1u << lane) - 1u;
-    const double us_per_link_byte = 1e-3 / p.link_gbps;  // (IEEE division: the host's double)
+    const double us_per_link_byte = cand.us_per_link_byte;  // 1e-3 / p.link_gbps (the host's IEEE division)
     if (lane < ranks) {
       const int s = lane;
       const bool with_rows = (has_rows >> s) & 1u;
@@ -329,9 +336,9 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
       // GatherMakespanFromSources for C = c, its operations in its order.
       const int64_t producers = (int64_t)(p.sms - c) * p.ctas_per_sm;
       const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
-      const double us_per_traffic = 1e-3 / RmMul((double)c, GatherTrafficGbpsPerCta(p));
+      const double us_per_traffic = cand.gather_us_per_traffic[lane];  // 1e-3 / RmMul(c, g), c feasible
       const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50);  // ReadyUsFp exact (every cum <= total)
-      const double rp = 1.0 / (double)producers;
+      const double rp = cand.rcp_producers[lane];                       // 1.0 / producers, c feasible
       auto ready = [&](int64_t cum, double ceil_arg) {
         return fast ? ReadyUsFp(ceil_arg, rp, tile_us) : RmMul((double)CeilDiv(cum, producers), tile_us);
       };
@@ -390,7 +397,7 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& p
 __device__ inline int GatherConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, const GatherModelShape& sh,
                                             int rank, int ranks, ChoiceScratch* sc) {
   if (!pol.use_model || t.remote_bands == 0) return pol.consumers;
-  return DeviceChooseGatherConsumers(t, pol.model, sh, rank, ranks, pol.max_ctas, sc);
+  return DeviceChooseGatherConsumers(t, pol.model, pol.cand, sh, rank, ranks, pol.max_ctas, sc);
 }
 
 // What dispatch_gemm is told about its pushing CTAs P: pinned or fixed (the host's), or the model's choice on the

@@ -46,6 +46,14 @@ struct TableScratch {
   int32_t first_bad;
 };
 
+// floor(a / d) for 0 <= a < 2^10 and 1 <= d <= 2^10 without an integer division sequence: (a + 0.5) / d lies at
+// least 0.5 / d >= 2^-11 from every integer, and __fdividef errs by at most 2 ulp (relative < 2^-22, so absolute
+// < 2^-12 on quotients below 2^10): truncating it gives the exact quotient.
+__device__ __forceinline__ int SmallDiv(int a, int d) {
+  return (int)__fdividef((float)a + 0.5f, (float)d);
+}
+static_assert(kThreads <= 1024 && kMaxSegments <= 1024 && kMaxRanks <= 1024, "SmallDiv's range");
+
 __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
   return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
 }
@@ -70,7 +78,8 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
   if (tid == 0) sc->first_bad = n;
   // Plan order: segment tid (expert tid / R, source tid % R). Source-major: source s, expert e, plan index q.
   const int32_t rows = mine ? seg_rows[tid] : 0, ret_off = mine ? seg_ret_off[tid] : 0;
-  const int s = mine ? tid / E_l : 0, e = tid - s * E_l, q = e * R + s;
+  const int s = mine ? SmallDiv(tid, E_l) : 0, e = tid - s * E_l, q = e * R + s;
+  const int expert = SmallDiv(tid, R);  // (blockDim.x <= 1024, R <= kMaxRanks)
   const int32_t rows_q = mine ? seg_rows[q] : 0;
   const int32_t kept = rows > 0 ? rows : 0, kept_q = rows_q > 0 ? rows_q : 0;
   const int64_t v[4] = {kept, BandsOf(kept), kept_q, (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q)};
@@ -81,7 +90,7 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
   const bool bad = mine && (rows < 0 || over_cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows);
   if (bad) atomicMin(&sc->first_bad, tid);
   if (mine) {
-    sc->raw[tid] = Segment{tid / R, tid % R, (int32_t)off, rows, ret_off, (int32_t)pre[1]};
+    sc->raw[tid] = Segment{expert, tid - expert * R, (int32_t)off, rows, ret_off, (int32_t)pre[1]};
     if (e == 0) sc->src_start[s] = SourcePrefix{pre[2], pre[3]};
   }
   if (tid == 0) sc->src_start[R] = SourcePrefix{total[2], total[3]};
