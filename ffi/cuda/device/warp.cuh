@@ -37,7 +37,8 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
 }
 
 // Exclusive prefix sums of K values per thread over the threads of the CTA (in thread order) and their totals, with
-// one barrier: the warps' scans (the K values' shuffles interleaved), each warp's totals to `sums` (entry warp * K + k;
+// one barrier: the warps' scans (the K values' shuffles interleaved; a warp whose values are all zero, such as the
+// warps past the last segment, skips its shuffles), each warp's totals to `sums` (entry warp * K + k;
 // K * 32 entries of shared memory), then every thread adds the totals of the warps before its own from shared memory
 // (broadcast loads, independent of each other: no shuffle rounds after the barrier). Every thread calls it; `sums`
 // must not be written again before a later barrier. Integer sums: exact in any order.
@@ -48,12 +49,17 @@ __device__ inline void BlockExclusiveScanN(const int64_t (&v)[K], int64_t* sums,
   int64_t incl[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) incl[k] = v[k];
+  bool nonzero = false;
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
+  for (int k = 0; k < K; ++k) nonzero = nonzero || v[k] != 0;
+  if (__any_sync(0xffffffffu, nonzero)) {  // warp-uniform
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const long long y = __shfl_up_sync(0xffffffffu, (long long)incl[k], o);
-      if (lane >= o) incl[k] += y;
+    for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const long long y = __shfl_up_sync(0xffffffffu, (long long)incl[k], o);
+        if (lane >= o) incl[k] += y;
+      }
     }
   }
   if (lane == 31) {

@@ -23,7 +23,8 @@ namespace jmo::cuda {
 //   chunked   (DeviceChooseConsumers) warp w takes the contiguous chunk of remote
 //             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
 //             scans its chunk with one warp scan, so its prefixes stay warp-private: 1 barrier instead of 7, and per
-//             (C, j) pair FP64 operations only (ceil(cum / P) by ReadyUsFp; the scans' form paid a CeilDiv and three
+//             (C, j) pair FP64 operations only (ceil(cum / P) times the tile time by ReadyUsFma: a multiply, an add
+//             and an fma, the same double as RmMul(CeilDiv(cum, P), t); the scans' form paid a CeilDiv and three
 //             int -> double conversions per pair, and cc 9.0 issues those at 16 results/clk/SM against 64 for
 //             DMUL/DADD). Its shortcuts are exact when rows are in [1, 2^23), ceil(N / BN) < 2^19, N * eb < 2^32 and
 //             the lanes' tile_us, seg_us and us_per_byte are finite and >= +0 (ChunkedIsExact): true of every real
@@ -31,13 +32,14 @@ namespace jmo::cuda {
 //   scans     (ChooseByScans) block scans of tiles and bytes to shared memory, lane c of warp w over segments w,
 //             w + 8, ...: every other input, so both forms give the same C on every input.
 // The divisions the chunked form needs are computed by the host (CandidateConsts) and each warp reduces the maxima
-// itself, so a decision stays a small part of a call (tools/decision_bench.cu times it); its cost grows with the chunk
-// a warp scans (n / 8 segments).
+// itself (a tree of maxima), so a decision stays a small part of a call (tools/decision_bench.cu and
+// tools/probes/decision_probe.cu time it); its cost grows with the chunk a warp scans (n / 8 segments).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
 constexpr int kWarps = kThreads / 32;
 static_assert(kMaxSegments <= 32 * kWarps, "a chunk of remote segments fits in a warp");
+static_assert((kWarps & (kWarps - 1)) == 0, "the per-warp maxima reduce as a tree");
 
 struct ChoiceScratch {
   union {
@@ -148,26 +150,21 @@ __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int
   return sc->chosen;
 }
 
-// ceil(a / d) for a < 2^32, 1 <= d < 2^32, m = 0xffffffff / d: q = umulhi(a, m) is floor(a / d) or one less (m * d >
-// 2^32 - d, so a * m / 2^32 > a / d - 1; and m <= 2^32 / d), one correction makes it exact. Instead of the ~20
-// instructions of a 32-bit division.
-__device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_t m) {
-  uint32_t q = __umulhi(a, m), r = a - q * d;
-  if (r >= d) {
-    ++q;
-    r -= d;
-  }
-  return q + (r != 0u);
-}
-
 // ModelTermUs's ready = RmMul((double)CeilDiv(cum, P), tile_us) in FP64 only, from ceil_arg = CeilArg(cum) and rp =
 // the correctly rounded 1 / P: s = ceil_arg * rp is within (cum / P) * 2^-51 of (cum - 0.5) / P, which lies >= 0.5 / P
 // from every integer, so for cum < 2^50 rounding s + 2^52 up gives 2^52 + ceil(cum / P) exactly (s = 0 for cum = 0),
 // and subtracting 2^52 is exact: the same double as (double)CeilDiv(cum, P), then the same RmMul.
 constexpr double kTwo52 = 4503599627370496.0;
-__device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
 __device__ __forceinline__ double ReadyUsFp(double ceil_arg, double rp, double tile_us) {
   return RmMul(__dadd_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), -kTwo52), tile_us);
+}
+// ReadyUsFp's double with one operation less: x = 2^52 + ceil(cum / P) as there, and neg_shift = -2^52 t (ShiftOf: exact,
+// a power-of-two multiple of t), give fma(x, t, -2^52 t) = round(x t - 2^52 t) = round(ceil(cum / P) t), RmMul's
+// double, for finite t (fma rounds once; at ceil = 0 it is x t - x t = +0, as RmMul(0, t) for t >= +0). Callers check
+// that t is finite (an infinite t would give inf - inf).
+__device__ __forceinline__ double ShiftOf(double tile_us) { return __dmul_rn(-kTwo52, tile_us); }
+__device__ __forceinline__ double ReadyUsFma(double ceil_arg, double rp, double tile_us, double neg_shift) {
+  return __fma_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), tile_us, neg_shift);
 }
 
 // x is +0 or a positive finite double (no sign bit, not inf or NaN).
@@ -198,6 +195,44 @@ __device__ __forceinline__ int ArgminC(double v) {
   const uint32_t mhi = __reduce_min_sync(0xffffffffu, hi);
   const uint32_t mlo = __reduce_min_sync(0xffffffffu, hi == mhi ? lo : 0xffffffffu);
   return __ffs(__ballot_sync(0xffffffffu, hi == mhi && lo == mlo));
+}
+
+// The chunked forms' terms over this warp's chunk [beg, end) of seg[] for this lane's candidate (e, rp = 1 / P), and
+// with `producer` (warp 0) the producer's term from all_ceil_arg = CeilArg(all tiles): ModelProducerUs and ModelTermUs,
+// the same doubles per term (ReadyUsFma: e.tile_us is finite, ChunkedIsExact), their max.
+__device__ __forceinline__ double ChunkMaxUs(const ChoiceScratch* sc, int beg, int end, bool producer,
+                                             double all_ceil_arg, double rp, const ModelEval& e) {
+  const double shift = ShiftOf(e.tile_us);
+  double us = producer ? ReadyUsFma(all_ceil_arg, rp, e.tile_us, shift) : 0.0;
+#pragma unroll 4
+  for (int s = beg; s < end; ++s)
+    us = RmMax(us, RmAdd(ReadyUsFma(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
+                         RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
+  return us;
+}
+
+// The end of the chunked forms: each warp's maxima by lane to shared memory, then C on every thread (one barrier).
+// Called by every thread of the CTA.
+__device__ __forceinline__ int ArgminOverWarps(double us, bool feasible, ChoiceScratch* sc, int parity) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double(*us_half)[32] = sc->us[parity & 1];
+  if (warp < kWarps) us_half[warp][lane] = us;
+  __syncthreads();
+  // One barrier: every warp reduces the per-warp maxima itself (no second barrier to publish warp 0's answer). Safe
+  // with the same scratch across calls: this call's reads of its half come after its barrier, and the next call that
+  // writes the same half (two calls on) does so only after the next call's barrier, which every warp reaches after
+  // these reads; seg[] is read before the barrier, and written either by each warp for its own chunk
+  // (DeviceChooseConsumers) or by BuildSegments<true> before its last barrier. (ChooseByScans uses us[0] between
+  // barriers of its own.)
+  // (A tree of maxima: exact in any grouping, the terms being >= +0 and not NaN.)
+  double m[kWarps];
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m[w] = us_half[w][lane];
+#pragma unroll
+  for (int h = kWarps / 2; h > 0; h /= 2)
+#pragma unroll
+    for (int w = 0; w < h; ++w) m[w] = RmMax(m[w], m[w + h]);
+  return ArgminC(feasible ? m[0] : 1e300);
 }
 
 // Called by every thread of the CTA (contains a barrier). The consumer pushes the remote segments [0, remote_segs)
@@ -256,26 +291,37 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
       sc->seg.bytes[j] = (double)((int64_t)(rem_r - pre_r - ((uint32_t)incl - r)) * (N * eb));
     }
     __syncwarp();  // the chunk is this warp's own: no barrier
-    if (feasible) {
-      // ModelProducerUs and ModelTermUs: the same rounded operations in the same order per term.
-      us = warp == 0 ? ReadyUsFp(CeilArg((int64_t)all_t * nn), rp, e.tile_us) : 0.0;
-#pragma unroll 4
-      for (int s = beg; s < end; ++s)
-        us = RmMax(us, RmAdd(ReadyUsFp(sc->seg.ceil_arg[s], rp, e.tile_us),
-                             RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
-    }
+    if (feasible) us = ChunkMaxUs(sc, beg, end, warp == 0, CeilArg((int64_t)all_t * nn), rp, e);
   }
-  double(*us_half)[32] = sc->us[parity & 1];
-  if (warp < kWarps) us_half[warp][lane] = us;
-  __syncthreads();
-  // One barrier: every warp reduces the per-warp maxima itself (no second barrier to publish warp 0's answer). Safe
-  // with the same scratch across calls: this call's reads of its half come after its barrier, and the next call that
-  // writes the same half (two calls on) does so only after the next call's barrier, which every warp reaches after
-  // these reads; seg[] is read before the barrier and each warp writes only its own chunk. (ChooseByScans uses us[0]
-  // between barriers of its own.)
-  double v = us_half[0][lane];
-  for (int w = 1; w < kWarps; ++w) v = RmMax(v, us_half[w][lane]);
-  return ArgminC(feasible ? v : 1e300);
+  return ArgminOverWarps(us, feasible, sc, parity);
+}
+
+// The consumer choice on a table built by BuildSegments<true> with TermPrepFor(p, cand, N, eb, sc) (the same p and
+// cand): the chunked form without its own pass over the table (BuildSegments wrote seg[] and the total row tiles), the
+// same C. Called by every thread of the CTA (contains a barrier); `parity` as DeviceChooseConsumers'.
+__device__ inline int DeviceChooseConsumersPrepared(const SegTable& t, const TermPrepOut& prep, const ModelParams& p,
+                                                    const CandidateConsts& cand, int64_t N, int64_t K, int64_t eb,
+                                                    int max_ctas, ChoiceScratch* sc, int parity = 0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mr = t.remote_segs;
+  const int c = lane + 1;
+  const bool feasible = c <= max_ctas && ModelFeasible(p, c);
+  const ModelEval e = ModelEvalWith(p, K, feasible ? c : 1, cand.us_per_byte[lane]);
+  const double rp = cand.rcp_producers[lane];
+  const int64_t nn = cand.col_tiles;
+  if (!ChunkedIsExact(prep.rows_small, e, p, nn, N, eb)) return ChooseByScans(t, p, N, K, eb, max_ctas, sc);
+  const int ch = (mr + kWarps - 1) / kWarps, beg = warp * ch, end = min(beg + ch, mr);
+  double us = 0.0;
+  if (feasible && (beg < end || warp == 0))
+    us = ChunkMaxUs(sc, beg, end, warp == 0, CeilArg(prep.row_tiles * nn), rp, e);
+  return ArgminOverWarps(us, feasible, sc, parity);
+}
+
+// BuildSegments<true>'s inputs for the consumer choice of model p (its seg_us), cand = FillCandidateConsts(p, ..., N),
+// rows of N elements of eb bytes: the parts of the terms go to sc->seg.
+__device__ inline TermPrepIn TermPrepFor(const ModelParams& p, const CandidateConsts& cand, int64_t N, int64_t eb,
+                                         ChoiceScratch* sc) {
+  return TermPrepIn{cand.tile_m, cand.tile_m_magic, cand.col_tiles, N * eb, p.seg_us,
+                    sc->seg.ceil_arg, sc->seg.push_us, sc->seg.bytes};
 }
 
 // gather_rs's C from the call's segment table (resource_model.h, "gather_rs's consumer CTAs"). Every thread takes one
@@ -337,10 +383,13 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
       const int64_t producers = (int64_t)(p.sms - c) * p.ctas_per_sm;
       const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
       const double us_per_traffic = cand.gather_us_per_traffic[lane];  // 1e-3 / RmMul(c, g), c feasible
-      const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50);  // ReadyUsFp exact (every cum <= total)
-      const double rp = cand.rcp_producers[lane];                       // 1.0 / producers, c feasible
+      // ReadyUsFma exact: every cum <= total below 2^50, and tile_us finite.
+      const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50) &&
+                        ((unsigned long long)__double_as_longlong(tile_us) << 1) < (0x7ffull << 53);
+      const double rp = cand.rcp_producers[lane];  // 1.0 / producers, c feasible
+      const double shift = ShiftOf(tile_us);
       auto ready = [&](int64_t cum, double ceil_arg) {
-        return fast ? ReadyUsFp(ceil_arg, rp, tile_us) : RmMul((double)CeilDiv(cum, producers), tile_us);
+        return fast ? ReadyUsFma(ceil_arg, rp, tile_us, shift) : RmMul((double)CeilDiv(cum, producers), tile_us);
       };
       double us = ready(total_tiles, CeilArg(total_tiles)), rest = 0.0;
 #pragma unroll 4
@@ -350,7 +399,9 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
       }
       us_c = us;
     }
-    const int cand = ShuffleArgminLane0(us_c, c);
+    // ArgminC where every lane's time is finite and >= +0 (every calibrated call: they order like their bits), else
+    // the lexicographic shuffle argmin: both the smallest C among the smallest times, as the host's ModelArgmin.
+    const int cand = __all_sync(0xffffffffu, FiniteNonNegative(us_c)) ? ArgminC(us_c) : ShuffleArgminLane0(us_c, c);
     if (lane == 0) g.chosen = cand;
   }
   __syncthreads();
@@ -387,6 +438,15 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& p
                                       ChoiceScratch* sc) {
   if (t.remote_bands == 0) return 0;
   return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
+                       : pol.consumers;
+}
+// The same C from a table built by BuildSegments<true> with TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, sc)
+// where pol.use_model (ExpertKernel's form).
+__device__ inline int ConsumersOfCall(const SegTable& t, const TermPrepOut& prep, const ConsumerConfig& pol, int64_t N,
+                                      int64_t K, ChoiceScratch* sc) {
+  if (t.remote_bands == 0) return 0;
+  return pol.use_model ? DeviceChooseConsumersPrepared(t, prep, pol.model, pol.cand, N, K, pol.elem_bytes,
+                                                       pol.max_ctas, sc)
                        : pol.consumers;
 }
 
