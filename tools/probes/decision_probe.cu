@@ -634,11 +634,11 @@ int64_t CheckTables(int plans, uint64_t seed) {
     CK(cudaMemset(d_gs, 0, gs_bytes));
     CK(cudaMemset(d_pv, 0, plans * sizeof(RankPrivate)));
     CK(cudaMemset(d_out, 0xff, plans * sizeof(TableOut)));  // poisoned: an unwritten entry differs
-    if (v == 0) TableCheckKernel<true, false, kThreads><<<plans, kThreads>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
-    else if (v == 1) TableCheckKernel<false, false, kThreads><<<plans, kThreads>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
-    else if (v == 2) TableCheckKernel<false, false, 384><<<plans, 384>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
-    else if (v == 3) TableCheckKernel<false, true, kThreads><<<plans, kThreads>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
-    else TableCheckKernel<false, true, 384><<<plans, 384>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
+    const int blk = v == 2 || v == 4 ? 384 : kThreads;
+    auto kernel = v == 0 ? TableCheckKernel<true, false, kThreads> : v == 1 ? TableCheckKernel<false, false, kThreads>
+                  : v == 2 ? TableCheckKernel<false, false, 384> : v == 3 ? TableCheckKernel<false, true, kThreads>
+                                                                         : TableCheckKernel<false, true, 384>;
+    kernel<<<plans, blk>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
     CK(cudaGetLastError());
     out[v].resize(plans);
     CK(cudaMemcpy(out[v].data(), d_out, plans * sizeof(TableOut), cudaMemcpyDeviceToHost));
@@ -698,8 +698,8 @@ int64_t CheckTables(int plans, uint64_t seed) {
          "rows, %d too many bands, %d several defects): %s\n", plans, (long long)valid, invalid_kinds[0],
          invalid_kinds[1], invalid_kinds[2], invalid_kinds[3], invalid_kinds[4],
          wrong ? "WRONG" : "every answer, table and error record the host's rule (HostTable), every scratch e3dd3a1's");
-  printf("prepared choice check (the table with the choice's parts, 256 and 384 threads): %lld plans with a remote band, "
-         "%d distinct choices: %s\n", (long long)choices, distinct,
+  printf("prepared choice check (the table with the choice's parts, 256 and 384 threads): %lld plans with a remote "
+         "band, %d distinct choices: %s\n", (long long)choices, distinct,
          wrong ? "see the table check" : "every choice identical to the host's ChooseConsumerCtas on every thread");
   cudaFree(d_pl);
   cudaFree(d_rows);

@@ -70,10 +70,10 @@ struct ChoiceScratch {
 
 // The constants of the chunked form and of gather_rs's choice that need a division, computed by the host before the
 // launch (FillCandidateConsts), so that no division sequence sits on the decision's critical path: per candidate,
-// ModelUsPerByte's, 1 / P and gather_rs's 1e-3 / (C g) (GatherMakespanFromSources' us_per_traffic), per call gather_rs's
-// 1e-3 / link_gbps (IEEE division and reciprocal are correctly rounded on both sides: the doubles the device would
-// compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and the 32-bit magic of tile_m
-// (MagicCeilDiv) and ceil(N / BN) (integers: the same on both sides).
+// ModelUsPerByte's, 1 / P and gather_rs's 1e-3 / (C g) (GatherMakespanFromSources' us_per_traffic), per call
+// gather_rs's 1e-3 / link_gbps (IEEE division and reciprocal are correctly rounded on both sides: the doubles the
+// device would compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and the 32-bit magic of
+// tile_m (MagicCeilDiv) and ceil(N / BN) (integers: the same on both sides).
 struct CandidateConsts {
   double us_per_byte[kMaxModelCtas];
   double rcp_producers[kMaxModelCtas];
@@ -158,10 +158,10 @@ constexpr double kTwo52 = 4503599627370496.0;
 __device__ __forceinline__ double ReadyUsFp(double ceil_arg, double rp, double tile_us) {
   return RmMul(__dadd_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), -kTwo52), tile_us);
 }
-// ReadyUsFp's double with one operation less: x = 2^52 + ceil(cum / P) as there, and neg_shift = -2^52 t (ShiftOf: exact,
-// a power-of-two multiple of t), give fma(x, t, -2^52 t) = round(x t - 2^52 t) = round(ceil(cum / P) t), RmMul's
-// double, for finite t (fma rounds once; at ceil = 0 it is x t - x t = +0, as RmMul(0, t) for t >= +0). Callers check
-// that t is finite (an infinite t would give inf - inf).
+// ReadyUsFp's double with one operation less: x = 2^52 + ceil(cum / P) as there, and neg_shift = -2^52 t (ShiftOf:
+// exact, a power-of-two multiple of t), give fma(x, t, -2^52 t) = round(x t - 2^52 t) = round(ceil(cum / P) t),
+// RmMul's double, for finite t (fma rounds once; at ceil = 0 it is x t - x t = +0, as RmMul(0, t) for t >= +0).
+// Callers check that t is finite (an infinite t would give inf - inf).
 __device__ __forceinline__ double ShiftOf(double tile_us) { return __dmul_rn(-kTwo52, tile_us); }
 __device__ __forceinline__ double ReadyUsFma(double ceil_arg, double rp, double tile_us, double neg_shift) {
   return __fma_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), tile_us, neg_shift);
@@ -329,12 +329,13 @@ __device__ inline TermPrepIn TermPrepFor(const ModelParams& p, const CandidateCo
 // last segment, its rows and its place among the sources with rows (GatherModelSources' integers, exact in any order),
 // written by its first and last segment; then warp 0 alone puts the sources in the consumer's order with the parts of
 // their terms that do not depend on C, evaluates GatherMakespanFromSources for C = lane + 1 (the host's operations in
-// the host's order: the same doubles; ready times by ReadyUsFp where every cum_tiles < 2^50, the exact CeilDiv
-// otherwise) and takes the argmin (smallest C on ties, as ChooseGatherConsumerCtasFromSources), which a barrier
-// hands to every thread. Three barriers; one warp's FP64 work instead of every warp's; its divisions (1 / P, 1e-3 /
-// (C g), 1e-3 / link_gbps) from the host (cand = FillCandidateConsts(p, ...)). Called by every thread of the CTA
-// (blockDim.x >= t.n); consecutive calls may share the scratch (each reads what it wrote before its last barrier).
-// t.seg holds the non-empty segments in producer order, a source's consecutive.
+// the host's order: the same doubles; ready times by ReadyUsFma where every cum_tiles < 2^50 and the tile time is
+// finite, the exact CeilDiv otherwise) and takes the argmin (smallest C on ties, as
+// ChooseGatherConsumerCtasFromSources), which a barrier hands to every thread. Three barriers; one warp's FP64 work
+// instead of every warp's; its divisions (1 / P, 1e-3 / (C g), 1e-3 / link_gbps) and the tiles' magic from the host
+// (cand = FillCandidateConsts(p, max_ctas, sh.N)). Called by every thread of the CTA (blockDim.x >= t.n); consecutive
+// calls may share the scratch (each reads what it wrote before its last barrier). t.seg holds the non-empty segments
+// in producer order, a source's consecutive.
 __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const CandidateConsts& cand,
                                                   const GatherModelShape& sh, int rank, int ranks, int max_ctas,
                                                   ChoiceScratch* sc) {
@@ -346,8 +347,13 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
   const int64_t rows = mine ? t.seg[tid].rows : 0;
   const bool first = mine && (tid == 0 || t.seg[tid - 1].src != src);
   const bool last = mine && (tid == n - 1 || t.seg[tid + 1].src != src);
-  // (rows < 2^31 a segment, so rows * 2^9 summed over <= 2^8 segments stays below 2^48.)
-  const int64_t v[2] = {mine ? ModelTiles(p, rows, sh.N) : 0, rows * 512 + (first ? 1 : 0)};
+  // (rows < 2^31 a segment, so rows * 2^9 summed over <= 2^8 segments stays below 2^48.) ModelTiles without its two
+  // divisions where cand describes the model's tile (MagicCeilDiv; cand.col_tiles = ceil(N / BN) for this N).
+  const bool magic = p.tile_m > 0 && (uint32_t)p.tile_m == cand.tile_m && cand.col_tiles >= 0;
+  const int64_t tiles = !mine || rows <= 0 ? 0
+                        : magic ? (int64_t)MagicCeilDiv((uint32_t)rows, cand.tile_m, cand.tile_m_magic) * cand.col_tiles
+                                : ModelTiles(p, rows, sh.N);
+  const int64_t v[2] = {tiles, rows * 512 + (first ? 1 : 0)};
   int64_t pre[2], total[2];
   BlockExclusiveScanN<2>(v, g.scan, pre, total);
   const uint32_t has = __reduce_or_sync(0xffffffffu, mine ? 1u << src : 0u);

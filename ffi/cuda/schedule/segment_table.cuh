@@ -50,10 +50,10 @@ struct TableScratch {
   int32_t first_bad;
 };
 
-// What the consumer choice's chunked form (resource_manager.cuh DeviceChooseConsumersPrepared) needs of the table, built
-// with it on request (BuildSegments<true>, one scanned value more and no pass of the choice's own): for each segment j
-// < remote_segs in producer order the parts of its term that do not depend on C, as DeviceChooseConsumers computes them
-// from the same integers (tiles up to j, rows from j on).
+// What the consumer choice's chunked form (resource_manager.cuh DeviceChooseConsumersPrepared) needs of the table,
+// built with it on request (BuildSegments<true>, one scanned value more and no pass of the choice's own): for each
+// segment j < remote_segs in producer order the parts of its term that do not depend on C, as DeviceChooseConsumers
+// computes them from the same integers (tiles up to j, rows from j on).
 struct TermPrepIn {
   uint32_t tile_m, tile_m_magic;  // the model's BM and MagicCeilDiv's magic for it (CandidateConsts)
   int64_t col_tiles;              // ceil(N / BN)
