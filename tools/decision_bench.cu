@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kThreads)
     ModelParams p = pol.model;
     p.seg_us += (double)(i & 1) * 1e-12;  // vary an input so no iteration can be folded into another
     acc += gather.T > 0
-               ? DeviceChooseGatherConsumers(table, p, gather, rd.rank, rd.ranks, pol.max_ctas, &choice)
+               ? DeviceChooseGatherConsumers(table, p, pol.cand, gather, rd.rank, rd.ranks, pol.max_ctas, &choice)
                : DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice, i & 1);
   }
   if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;

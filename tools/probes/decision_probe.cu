@@ -6,11 +6,14 @@
 //             tables with rows up to 2^24 below)
 //   scans     ChooseByScans alone (block scans, 7 barriers): the general form, for comparison
 //   e3dd3a1   the chunked form of commit e3dd3a1 (decision_v0.cuh), the baseline
-// The segment table: the library's BuildSegments and e3dd3a1's (decision_v0.cuh) on random plans, some invalid, some
-// with several defects (256 and 384 threads): the host's answer, table and error record (HostTable: the lowest bad
-// segment in plan order, else too many bands), and e3dd3a1's scratch, else WRONG and exit status 1; then both timed
-// alone and followed by the consumer choice (the whole decision of an expert_combine call), side by side, each sum
-// checked against the host's.
+// The segment table: the library's BuildSegments (and BuildSegments<true>, the table with the consumer choice's parts,
+// followed by DeviceChooseConsumersPrepared: ExpertKernel's form under the model) and e3dd3a1's (decision_v0.cuh) on
+// random plans, some invalid, some with several defects, some with segments of 2^23 rows and more (the prepared
+// choice's fallback), 256 and 384 threads: the host's answer, table and error record (HostTable: the lowest bad
+// segment in plan order, else too many bands), e3dd3a1's scratch, and the host's C (ChooseConsumerCtas on the host's
+// table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then both timed
+// alone and followed by the consumer choice (the whole decision of an expert_combine call: the library's column is
+// BuildSegments<true> + DeviceChooseConsumersPrepared), side by side, each sum checked against the host's.
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
@@ -204,6 +207,7 @@ struct GatherCall {
   ModelParams p;
   GatherModelShape sh;
   int rank, ranks, max_ctas, seg_begin, n;
+  CandidateConsts cand;  // FillCandidateConsts(p, max_ctas, sh.N): the library's (ConsumerConfig::cand)
 };
 template <int kBlock>
 __global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* calls, const Segment* segs, int* out) {
@@ -218,7 +222,8 @@ __global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* ca
   }
   __syncthreads();
   int c[2];
-  for (int k = 0; k < 2; ++k) c[k] = DeviceChooseGatherConsumers(table, g.p, g.sh, g.rank, g.ranks, g.max_ctas, &cs);
+  for (int k = 0; k < 2; ++k)
+    c[k] = DeviceChooseGatherConsumers(table, g.p, g.cand, g.sh, g.rank, g.ranks, g.max_ctas, &cs);
   if (threadIdx.x == 0) ref[0] = c[0], ref[1] = c[1];
   __syncthreads();
   if (c[0] != ref[0] || c[1] != ref[1]) atomicAdd(&differ, 1);
@@ -251,6 +256,7 @@ GatherDraw DrawGather(std::mt19937_64& g) {
   d.call.rank = (int)(g() % R);
   d.call.ranks = R;
   d.call.max_ctas = ModelMaxCtas(sms);
+  d.call.cand = FillCandidateConsts(p, d.call.max_ctas, d.call.sh.N);
   const int zero_pct = (int)pick({0, 30, 90});
   std::vector<Segment> raw;
   std::vector<int64_t> to_rank(R, 0);
@@ -344,7 +350,7 @@ __global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* 
       acc += decision_v0::DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas),
                                                       &cs, i & 1);
     else
-      acc += DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs);
+      acc += DeviceChooseGatherConsumers(table, q, g.cand, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs);
   }
   if (threadIdx.x == 0) {
     out[0] = Now() - t0;
@@ -384,6 +390,7 @@ int64_t TimeGather(int iters, int reps) {
     ModelParams p{33, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397, 370.0 / 4,
                   0.4301974372287516, 17.3};
     GatherCall call{p, GatherModelShape{1024, 4, 4096, 7168, 2}, 1, R, ModelMaxCtas(33), 0, (int)segs.size()};
+    call.cand = FillCandidateConsts(p, call.max_ctas, call.sh.N);
     std::vector<GatherModelSource> src(R);
     int want = 0;
     for (int k = 0; k < 2; ++k) {
@@ -429,9 +436,11 @@ int64_t TimeGather(int iters, int reps) {
 struct TablePlan {
   int R, rank, E_l, begin;
   int64_t cap, ret_rows, max_bands;
+  Inputs model;  // the consumer choice's (BuildSegments<true> + DeviceChooseConsumersPrepared)
 };
 struct TableOut {
   int32_t ok;
+  int32_t choice;  // the prepared form's C where every thread agrees (0: no remote band), else -1
   SegTable t;
   Segment raw[kMaxSegments];
   int64_t rows_to_rank[kMaxRanks];
@@ -453,22 +462,42 @@ __device__ RankDev PlanRankDev(const TablePlan& pl, GroupShared* gs, RankPrivate
   rd.priv = pv;
   return rd;
 }
-template <bool kV0, int kBlock>
+// kPrep: BuildSegments<true> and then the prepared consumer choice (ExpertKernel's form under the model).
+template <bool kV0, bool kPrep, int kBlock>
 __global__ void __launch_bounds__(kBlock) TableCheckKernel(const TablePlan* plans, const int32_t* rows,
                                                            const int32_t* ret_off, GroupShared* gs, RankPrivate* pv,
                                                            TableOut* out) {
   __shared__ SegTable table;
   __shared__ std::conditional_t<kV0, decision_v0::TableScratch, TableScratch> sc;
-  const TablePlan pl = plans[blockIdx.x];
+  __shared__ ChoiceScratch cs;
+  __shared__ int ref, differ;
+  const TablePlan& pl = plans[blockIdx.x];
   const RankDev rd = PlanRankDev(pl, PlanGroup(gs, blockIdx.x), pv + blockIdx.x);
+  if (threadIdx.x == 0) differ = 0;
   bool ok;
-  if constexpr (kV0)
+  int c = 0;
+  if constexpr (kV0) {
     ok = decision_v0::BuildSegments(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc);
-  else
+  } else if constexpr (kPrep) {
+    const Inputs& m = pl.model;
+    const TermPrepIn pin = TermPrepFor(m.p, m.cand, m.N, m.eb, &cs);
+    TermPrepOut prep{};
+    ok = BuildSegments<true>(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
+    if (ok && table.remote_bands > 0)
+      c = DeviceChooseConsumersPrepared(table, prep, m.p, m.cand, m.N, m.K, m.eb, m.max_ctas, &cs);
+  } else {
     ok = BuildSegments(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc);
+  }
   __syncthreads();
   TableOut& o = out[blockIdx.x];
-  if (threadIdx.x == 0) o.ok = ok;
+  if (threadIdx.x == 0) {
+    o.ok = ok;
+    ref = c;
+  }
+  __syncthreads();
+  if (c != ref) atomicAdd(&differ, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) o.choice = differ ? -1 : c;
   if (!ok) return;
   if (threadIdx.x == 0) o.t = table;  // (every field; the probe compares the defined ones)
   for (int i = threadIdx.x; i < pl.E_l * pl.R; i += blockDim.x) o.raw[i] = sc.raw[i];
@@ -527,6 +556,8 @@ bool HostTable(const TablePlan& pl, const int32_t* rows, const int32_t* ret, Seg
   return true;
 }
 
+int HostChoice(const Table& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb, int max_ctas);
+
 // Random plans (some invalid: negative rows, over the capacity, ret rows out of range, too many bands, several of
 // these at once), library against baseline with 256 and 384 threads, each against the host's rule (HostTable): the
 // same answer, table and error record (code, detail, peer, got, expected) as the host, and the library's scratch
@@ -541,9 +572,17 @@ int64_t CheckTables(int plans, uint64_t seed) {
     const int R = (int)pick({1, 2, 3, 4, 5, 8, 16, 32});
     const int E_l = 1 + (int)(g() % (uint64_t)(kMaxSegments / R));
     const int zero_pct = (int)pick({0, 30, 90});
-    const int64_t max_rows = pick({4, 64, 300, 5000});
+    // (Segments of 2^23 rows and more: the prepared choice's fallback, ChooseByScans.)
+    const int64_t max_rows = E_l * R <= 64 ? pick({4, 64, 300, 5000, (1 << 23) + 64}) : pick({4, 64, 300, 5000});
     int64_t sum = 0;
     pl[i] = TablePlan{R, (int)(g() % R), E_l, (int)rows.size(), 0, 0, 0};
+    {  // the consumer choice's model: an SM budget, N, a link
+      const int sms = (int)pick({24, 66, 132});
+      const int64_t N = pick({4096, 8192});
+      const ModelParams p{sms, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
+                          (double)pick({1744, 185, 46}) + 0.7158381863562, 0.4301974372287516};
+      pl[i].model = Inputs{p, FillCandidateConsts(p, ModelMaxCtas(sms), N), N, 2048, 2, ModelMaxCtas(sms)};
+    }
     for (int j = 0; j < E_l * R; ++j) {
       int32_t r = (int)(g() % 100) < zero_pct ? 0 : 1 + (int32_t)(g() % (uint64_t)max_rows);
       if (g() % 4 == 0 && j > 0) r = rows.back();  // ties between sources' row counts
@@ -552,7 +591,7 @@ int64_t CheckTables(int plans, uint64_t seed) {
     }
     pl[i].cap = sum + (int64_t)(g() % 3);
     pl[i].ret_rows = sum + 64;
-    pl[i].max_bands = 1 << 20;
+    pl[i].max_bands = 1 << 26;
     for (int j = 0; j < E_l * R; ++j) ret.push_back((int32_t)(g() % (uint64_t)(pl[i].ret_rows - rows[pl[i].begin + j] + 1)));
     switch (g() % 10) {  // 0-4: an invalid plan
       case 0: rows[pl[i].begin + g() % (E_l * R)] = -1 - (int)(g() % 5); ++invalid_kinds[0]; break;
@@ -587,15 +626,19 @@ int64_t CheckTables(int plans, uint64_t seed) {
   CK(cudaMemcpy(d_pl, pl.data(), plans * sizeof(TablePlan), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_ret, ret.data(), ret.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  std::vector<TableOut> out[3];
-  std::vector<ErrorRecord> err[3];
-  for (int v = 0; v < 3; ++v) {  // baseline (256 threads), library (256), library (384)
+  constexpr int kVariants = 5;
+  std::vector<TableOut> out[kVariants];
+  std::vector<ErrorRecord> err[kVariants];
+  // baseline (256 threads), library (256, 384), library with the choice's parts and the prepared choice (256, 384)
+  for (int v = 0; v < kVariants; ++v) {
     CK(cudaMemset(d_gs, 0, gs_bytes));
     CK(cudaMemset(d_pv, 0, plans * sizeof(RankPrivate)));
     CK(cudaMemset(d_out, 0xff, plans * sizeof(TableOut)));  // poisoned: an unwritten entry differs
-    if (v == 0) TableCheckKernel<true, kThreads><<<plans, kThreads>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
-    else if (v == 1) TableCheckKernel<false, kThreads><<<plans, kThreads>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
-    else TableCheckKernel<false, 384><<<plans, 384>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
+    const int blk = v == 2 || v == 4 ? 384 : kThreads;
+    auto kernel = v == 0 ? TableCheckKernel<true, false, kThreads> : v == 1 ? TableCheckKernel<false, false, kThreads>
+                  : v == 2 ? TableCheckKernel<false, false, 384> : v == 3 ? TableCheckKernel<false, true, kThreads>
+                                                                         : TableCheckKernel<false, true, 384>;
+    kernel<<<plans, blk>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
     CK(cudaGetLastError());
     out[v].resize(plans);
     CK(cudaMemcpy(out[v].data(), d_out, plans * sizeof(TableOut), cudaMemcpyDeviceToHost));
@@ -603,14 +646,26 @@ int64_t CheckTables(int plans, uint64_t seed) {
     CK(cudaMemcpy(gs.data(), d_gs, gs_bytes, cudaMemcpyDeviceToHost));
     for (int i = 0; i < plans; ++i) err[v].push_back(PlanGroup(gs.data(), i)->errors[pl[i].rank]);
   }
-  static const char* const kForm[3] = {"e3dd3a1, 256 threads", "library, 256 threads", "library, 384 threads"};
-  int64_t wrong = 0, valid = 0;
+  static const char* const kForm[kVariants] = {"e3dd3a1, 256 threads", "library, 256 threads", "library, 384 threads",
+                                               "library + prepared choice, 256 threads",
+                                               "library + prepared choice, 384 threads"};
+  int64_t wrong = 0, valid = 0, choices = 0;
+  std::vector<int> seen(33, 0);
   static SegTable h;  // (large)
   for (int i = 0; i < plans; ++i) {
     ErrorRecord eh;
     const int ok = HostTable(pl[i], rows.data() + pl[i].begin, ret.data() + pl[i].begin, &h, &eh);
     valid += ok;
-    for (int v = 0; v < 3; ++v) {
+    // The host's C of a valid plan with a remote band (the choice of every form with the choice's parts), else 0.
+    int host_c = 0;
+    if (ok && h.remote_bands > 0) {
+      const Inputs& m = pl[i].model;
+      host_c = HostChoice(Table{std::vector<Segment>(h.seg, h.seg + h.n), h.remote_segs}, m.p, m.N, m.K, m.eb,
+                          m.max_ctas);
+      ++choices;
+      if (host_c >= 0 && host_c <= 32) seen[host_c] = 1;
+    }
+    for (int v = 0; v < kVariants; ++v) {
       const TableOut& a = out[0][i];
       const TableOut& b = out[v][i];
       const ErrorRecord& eb = err[v][i];
@@ -626,19 +681,26 @@ int64_t CheckTables(int plans, uint64_t seed) {
                !memcmp(a.rows_to_rank, b.rows_to_rank, pl[i].R * sizeof(int64_t)) &&
                !memcmp(a.segs_of_rank, b.segs_of_rank, pl[i].R * sizeof(int32_t));
       }
+      if (same && v >= 3) same = b.choice == host_c;
       if (!same && ++wrong <= 20)
-        printf("WRONG table (%s): plan %d R %d rank %d E_l %d: ok %d (host %d), error code %llu (host %llu) detail "
-               "%llu (%llu) peer %llu (%llu) got %llu (%llu) expected %llu (%llu)\n", kForm[v], i, pl[i].R,
-               pl[i].rank, pl[i].E_l, b.ok, ok, (unsigned long long)eb.code, (unsigned long long)eh.code,
+        printf("WRONG table (%s): plan %d R %d rank %d E_l %d: ok %d (host %d), C %d (host %d), error code %llu (host "
+               "%llu) detail %llu (%llu) peer %llu (%llu) got %llu (%llu) expected %llu (%llu)\n", kForm[v], i,
+               pl[i].R, pl[i].rank, pl[i].E_l, b.ok, ok, v >= 3 ? b.choice : 0, v >= 3 ? host_c : 0,
+               (unsigned long long)eb.code, (unsigned long long)eh.code,
                (unsigned long long)eb.detail, (unsigned long long)eh.detail, (unsigned long long)eb.peer,
                (unsigned long long)eh.peer, (unsigned long long)eb.got, (unsigned long long)eh.got,
                (unsigned long long)eb.expected, (unsigned long long)eh.expected);
     }
   }
+  int distinct = 0;
+  for (int x : seen) distinct += x;
   printf("table check (256 and 384 threads): %d plans (%lld valid; invalid: %d negative rows, %d over capacity, %d ret "
          "rows, %d too many bands, %d several defects): %s\n", plans, (long long)valid, invalid_kinds[0],
          invalid_kinds[1], invalid_kinds[2], invalid_kinds[3], invalid_kinds[4],
          wrong ? "WRONG" : "every answer, table and error record the host's rule (HostTable), every scratch e3dd3a1's");
+  printf("prepared choice check (the table with the choice's parts, 256 and 384 threads): %lld plans with a remote "
+         "band, %d distinct choices: %s\n", (long long)choices, distinct,
+         wrong ? "see the table check" : "every choice identical to the host's ChooseConsumerCtas on every thread");
   cudaFree(d_pl);
   cudaFree(d_rows);
   cudaFree(d_ret);
@@ -661,26 +723,37 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
   __shared__ std::conditional_t<kV0, decision_v0::ChoiceScratch, ChoiceScratch> cs;
   __shared__ unsigned long long t0;
   __shared__ Inputs in;
-  const TablePlan pl = *plan;
-  const RankDev rd = PlanRankDev(pl, gs, pv);
+  const TablePlan& plan_ref = *plan;  // (its scalars to registers: the model is not needed here)
+  const struct {
+    int E_l;
+    int64_t cap;
+  } pl{plan_ref.E_l, plan_ref.cap};
+  const RankDev rd = PlanRankDev(plan_ref, gs, pv);
   if (threadIdx.x == 0) in = *inputs;
   __syncthreads();
   if (threadIdx.x == 0) t0 = Now();
   __syncthreads();
   unsigned long long acc = 0;
   for (int i = 0; i < iters; ++i) {
+    ModelParams q = in.p;
+    q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
     bool ok;
-    if constexpr (kV0) ok = decision_v0::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
-    else ok = BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
+    TermPrepOut prep{};
+    if constexpr (kV0) {
+      ok = decision_v0::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
+    } else if constexpr (kChoose) {  // as ExpertKernel under the model: the table with the choice's parts
+      const TermPrepIn pin = TermPrepFor(q, in.cand, in.N, in.eb, &cs);
+      ok = BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
+    } else {
+      ok = BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
+    }
     acc += ok ? table.n + table.remote_bands : 1000000;
     if constexpr (kChoose) {
-      ModelParams q = in.p;
-      q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
       if (table.remote_bands > 0) {
         if constexpr (kV0)
           acc += decision_v0::DeviceChooseConsumers(table, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
         else
-          acc += DeviceChooseConsumers(table, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
+          acc += DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
       }
     }
   }
@@ -689,8 +762,6 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
     out[1] = acc;
   }
 }
-
-int HostChoice(const Table& t, const ModelParams& p, int64_t N, int64_t K, int64_t eb, int max_ctas);
 
 // Table build alone and table + consumer choice, baseline against library, at n = E_l R = 16..256 segments (R 8, E_l
 // 2..32; R 32, E_l 8; R 2, E_l 128), sms 132, N 8192; each form's sum checked against the host's (HostTable, then

@@ -37,9 +37,11 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
 }
 
 // Exclusive prefix sums of K values per thread over the threads of the CTA (in thread order) and their totals, with
-// one barrier: the warps' scans (the K values' shuffles interleaved), each warp's totals to `sums` (K * 32 entries of
-// shared memory), then every warp scans the warp totals across its lanes. Every thread calls it; `sums` must not be
-// written again before a later barrier. Integer sums: exact in any order.
+// one barrier: the warps' scans (the K values' shuffles interleaved; a warp whose values are all zero, such as the
+// warps past the last segment, skips its shuffles), each warp's totals to `sums` (entry warp * K + k;
+// K * 32 entries of shared memory), then every thread adds the totals of the warps before its own from shared memory
+// (broadcast loads, independent of each other: no shuffle rounds after the barrier). Every thread calls it; `sums`
+// must not be written again before a later barrier. Integer sums: exact in any order.
 template <int K>
 __device__ inline void BlockExclusiveScanN(const int64_t (&v)[K], int64_t* sums, int64_t (&before)[K],
                                            int64_t (&total)[K]) {
@@ -47,34 +49,37 @@ __device__ inline void BlockExclusiveScanN(const int64_t (&v)[K], int64_t* sums,
   int64_t incl[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) incl[k] = v[k];
+  bool nonzero = false;
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
+  for (int k = 0; k < K; ++k) nonzero = nonzero || v[k] != 0;
+  if (__any_sync(0xffffffffu, nonzero)) {  // warp-uniform
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const long long y = __shfl_up_sync(0xffffffffu, (long long)incl[k], o);
-      if (lane >= o) incl[k] += y;
+    for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const long long y = __shfl_up_sync(0xffffffffu, (long long)incl[k], o);
+        if (lane >= o) incl[k] += y;
+      }
     }
   }
   if (lane == 31) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) sums[k * 32 + warp] = incl[k];
+    for (int k = 0; k < K; ++k) sums[warp * K + k] = incl[k];
   }
   __syncthreads();
-  int64_t w[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) w[k] = lane < warps ? sums[k * 32 + lane] : 0;
-  for (int o = 1; o < warps; o <<= 1) {  // warp-uniform
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const long long y = __shfl_up_sync(0xffffffffu, (long long)w[k], o);
-      if (lane >= o) w[k] += y;
-    }
-  }
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int64_t prev = __shfl_sync(0xffffffffu, (long long)w[k], (warp + 31) & 31);
-    before[k] = (warp > 0 ? prev : 0) + incl[k] - v[k];
-    total[k] = __shfl_sync(0xffffffffu, (long long)w[k], warps - 1);
+    before[k] = incl[k] - v[k];
+    total[k] = 0;
+  }
+#pragma unroll 4
+  for (int w = 0; w < warps; ++w) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t s = sums[w * K + k];
+      if (w < warp) before[k] += s;
+      total[k] += s;
+    }
   }
 }
 

@@ -52,12 +52,19 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   __shared__ int wait_ok;
   LoadCallState(rd, &st);
   if (!st.ok) return;
-  if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) return;
+  // expert_combine under the model: the table built with the parts of the choice's terms (one pass less).
+  TermPrepOut prep{};
+  if (!kGather && pol.use_model) {
+    const TermPrepIn in = TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, &choice);
+    if (!BuildSegments<true>(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch, &in, &prep)) return;
+  } else if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) {
+    return;
+  }
   // (gather_rs: C >= 1, the host keeps the pinned and the fixed C in [1, grid - 1].)
   const int consumers =
       kGather ? GatherConsumersOfCall(table, pol, GatherModelShape{ga.T, ga.Q, N, K, (int64_t)sizeof(T)}, rd.rank,
                                       rd.ranks, &choice)
-              : ConsumersOfCall(table, pol, N, K, &choice);
+              : ConsumersOfCall(table, prep, pol, N, K, &choice);
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     rd.priv->consumers = (uint64_t)consumers;

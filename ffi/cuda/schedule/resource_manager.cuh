@@ -23,7 +23,8 @@ namespace jmo::cuda {
 //   chunked   (DeviceChooseConsumers) warp w takes the contiguous chunk of remote
 //             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
 //             scans its chunk with one warp scan, so its prefixes stay warp-private: 1 barrier instead of 7, and per
-//             (C, j) pair FP64 operations only (ceil(cum / P) by ReadyUsFp; the scans' form paid a CeilDiv and three
+//             (C, j) pair FP64 operations only (ceil(cum / P) times the tile time by ReadyUsFma: a multiply, an add
+//             and an fma, the same double as RmMul(CeilDiv(cum, P), t); the scans' form paid a CeilDiv and three
 //             int -> double conversions per pair, and cc 9.0 issues those at 16 results/clk/SM against 64 for
 //             DMUL/DADD). Its shortcuts are exact when rows are in [1, 2^23), ceil(N / BN) < 2^19, N * eb < 2^32 and
 //             the lanes' tile_us, seg_us and us_per_byte are finite and >= +0 (ChunkedIsExact): true of every real
@@ -31,13 +32,14 @@ namespace jmo::cuda {
 //   scans     (ChooseByScans) block scans of tiles and bytes to shared memory, lane c of warp w over segments w,
 //             w + 8, ...: every other input, so both forms give the same C on every input.
 // The divisions the chunked form needs are computed by the host (CandidateConsts) and each warp reduces the maxima
-// itself, so a decision stays a small part of a call (tools/decision_bench.cu times it); its cost grows with the chunk
-// a warp scans (n / 8 segments).
+// itself (a tree of maxima), so a decision stays a small part of a call (tools/decision_bench.cu and
+// tools/probes/decision_probe.cu time it); its cost grows with the chunk a warp scans (n / 8 segments).
 
 static_assert(kMaxSegments <= kThreads, "one thread per segment for the prefix scan");
 static_assert(kMaxModelCtas == 32, "one lane per candidate");
 constexpr int kWarps = kThreads / 32;
 static_assert(kMaxSegments <= 32 * kWarps, "a chunk of remote segments fits in a warp");
+static_assert((kWarps & (kWarps - 1)) == 0, "the per-warp maxima reduce as a tree");
 
 struct ChoiceScratch {
   union {
@@ -66,14 +68,17 @@ struct ChoiceScratch {
   int chosen;                // ChooseByScans
 };
 
-// The constants of the chunked form that need a division, computed by the host before the launch
-// (FillCandidateConsts), so that no division sequence sits on the decision's critical path: per candidate,
-// ModelUsPerByte's and 1 / P (IEEE division and reciprocal are correctly rounded on both sides: the doubles the device
-// would compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and per call the 32-bit magic of
+// The constants of the chunked form and of gather_rs's choice that need a division, computed by the host before the
+// launch (FillCandidateConsts), so that no division sequence sits on the decision's critical path: per candidate,
+// ModelUsPerByte's, 1 / P and gather_rs's 1e-3 / (C g) (GatherMakespanFromSources' us_per_traffic), per call
+// gather_rs's 1e-3 / link_gbps (IEEE division and reciprocal are correctly rounded on both sides: the doubles the
+// device would compute; entry c - 1 is candidate C = c, or C = 1's where c is infeasible), and the 32-bit magic of
 // tile_m (MagicCeilDiv) and ceil(N / BN) (integers: the same on both sides).
 struct CandidateConsts {
   double us_per_byte[kMaxModelCtas];
   double rcp_producers[kMaxModelCtas];
+  double gather_us_per_traffic[kMaxModelCtas];
+  double us_per_link_byte;
   uint32_t tile_m;        // max(p.tile_m, 1)
   uint32_t tile_m_magic;  // 0xffffffff / tile_m
   int64_t col_tiles;      // ceil(N / p.tile_n), -1 if p.tile_n <= 0 (ChunkedIsExact then falls back)
@@ -90,7 +95,9 @@ inline CandidateConsts FillCandidateConsts(const ModelParams& p, int max_ctas, i
     const int64_t producers = (int64_t)(p.sms - cl) * p.ctas_per_sm;
     cc.us_per_byte[c - 1] = ModelUsPerByte(p, cl);
     cc.rcp_producers[c - 1] = 1.0 / (double)(producers > 0 ? producers : 1);
+    cc.gather_us_per_traffic[c - 1] = 1e-3 / RmMul((double)cl, GatherTrafficGbpsPerCta(p));
   }
+  cc.us_per_link_byte = 1e-3 / p.link_gbps;
   return cc;
 }
 
@@ -143,26 +150,21 @@ __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int
   return sc->chosen;
 }
 
-// ceil(a / d) for a < 2^32, 1 <= d < 2^32, m = 0xffffffff / d: q = umulhi(a, m) is floor(a / d) or one less (m * d >
-// 2^32 - d, so a * m / 2^32 > a / d - 1; and m <= 2^32 / d), one correction makes it exact. Instead of the ~20
-// instructions of a 32-bit division.
-__device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_t m) {
-  uint32_t q = __umulhi(a, m), r = a - q * d;
-  if (r >= d) {
-    ++q;
-    r -= d;
-  }
-  return q + (r != 0u);
-}
-
 // ModelTermUs's ready = RmMul((double)CeilDiv(cum, P), tile_us) in FP64 only, from ceil_arg = CeilArg(cum) and rp =
 // the correctly rounded 1 / P: s = ceil_arg * rp is within (cum / P) * 2^-51 of (cum - 0.5) / P, which lies >= 0.5 / P
 // from every integer, so for cum < 2^50 rounding s + 2^52 up gives 2^52 + ceil(cum / P) exactly (s = 0 for cum = 0),
 // and subtracting 2^52 is exact: the same double as (double)CeilDiv(cum, P), then the same RmMul.
 constexpr double kTwo52 = 4503599627370496.0;
-__device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
 __device__ __forceinline__ double ReadyUsFp(double ceil_arg, double rp, double tile_us) {
   return RmMul(__dadd_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), -kTwo52), tile_us);
+}
+// ReadyUsFp's double with one operation less: x = 2^52 + ceil(cum / P) as there, and neg_shift = -2^52 t (ShiftOf:
+// exact, a power-of-two multiple of t), give fma(x, t, -2^52 t) = round(x t - 2^52 t) = round(ceil(cum / P) t),
+// RmMul's double, for finite t (fma rounds once; at ceil = 0 it is x t - x t = +0, as RmMul(0, t) for t >= +0).
+// Callers check that t is finite (an infinite t would give inf - inf).
+__device__ __forceinline__ double ShiftOf(double tile_us) { return __dmul_rn(-kTwo52, tile_us); }
+__device__ __forceinline__ double ReadyUsFma(double ceil_arg, double rp, double tile_us, double neg_shift) {
+  return __fma_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), tile_us, neg_shift);
 }
 
 // x is +0 or a positive finite double (no sign bit, not inf or NaN).
@@ -193,6 +195,44 @@ __device__ __forceinline__ int ArgminC(double v) {
   const uint32_t mhi = __reduce_min_sync(0xffffffffu, hi);
   const uint32_t mlo = __reduce_min_sync(0xffffffffu, hi == mhi ? lo : 0xffffffffu);
   return __ffs(__ballot_sync(0xffffffffu, hi == mhi && lo == mlo));
+}
+
+// The chunked forms' terms over this warp's chunk [beg, end) of seg[] for this lane's candidate (e, rp = 1 / P), and
+// with `producer` (warp 0) the producer's term from all_ceil_arg = CeilArg(all tiles): ModelProducerUs and ModelTermUs,
+// the same doubles per term (ReadyUsFma: e.tile_us is finite, ChunkedIsExact), their max.
+__device__ __forceinline__ double ChunkMaxUs(const ChoiceScratch* sc, int beg, int end, bool producer,
+                                             double all_ceil_arg, double rp, const ModelEval& e) {
+  const double shift = ShiftOf(e.tile_us);
+  double us = producer ? ReadyUsFma(all_ceil_arg, rp, e.tile_us, shift) : 0.0;
+#pragma unroll 4
+  for (int s = beg; s < end; ++s)
+    us = RmMax(us, RmAdd(ReadyUsFma(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
+                         RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
+  return us;
+}
+
+// The end of the chunked forms: each warp's maxima by lane to shared memory, then C on every thread (one barrier).
+// Called by every thread of the CTA.
+__device__ __forceinline__ int ArgminOverWarps(double us, bool feasible, ChoiceScratch* sc, int parity) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double(*us_half)[32] = sc->us[parity & 1];
+  if (warp < kWarps) us_half[warp][lane] = us;
+  __syncthreads();
+  // One barrier: every warp reduces the per-warp maxima itself (no second barrier to publish warp 0's answer). Safe
+  // with the same scratch across calls: this call's reads of its half come after its barrier, and the next call that
+  // writes the same half (two calls on) does so only after the next call's barrier, which every warp reaches after
+  // these reads; seg[] is read before the barrier, and written either by each warp for its own chunk
+  // (DeviceChooseConsumers) or by BuildSegments<true> before its last barrier. (ChooseByScans uses us[0] between
+  // barriers of its own.)
+  // (A tree of maxima: exact in any grouping, the terms being >= +0 and not NaN.)
+  double m[kWarps];
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m[w] = us_half[w][lane];
+#pragma unroll
+  for (int h = kWarps / 2; h > 0; h /= 2)
+#pragma unroll
+    for (int w = 0; w < h; ++w) m[w] = RmMax(m[w], m[w + h]);
+  return ArgminC(feasible ? m[0] : 1e300);
 }
 
 // Called by every thread of the CTA (contains a barrier). The consumer pushes the remote segments [0, remote_segs)
@@ -251,26 +291,37 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
       sc->seg.bytes[j] = (double)((int64_t)(rem_r - pre_r - ((uint32_t)incl - r)) * (N * eb));
     }
     __syncwarp();  // the chunk is this warp's own: no barrier
-    if (feasible) {
-      // ModelProducerUs and ModelTermUs: the same rounded operations in the same order per term.
-      us = warp == 0 ? ReadyUsFp(CeilArg((int64_t)all_t * nn), rp, e.tile_us) : 0.0;
-#pragma unroll 4
-      for (int s = beg; s < end; ++s)
-        us = RmMax(us, RmAdd(ReadyUsFp(sc->seg.ceil_arg[s], rp, e.tile_us),
-                             RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
-    }
+    if (feasible) us = ChunkMaxUs(sc, beg, end, warp == 0, CeilArg((int64_t)all_t * nn), rp, e);
   }
-  double(*us_half)[32] = sc->us[parity & 1];
-  if (warp < kWarps) us_half[warp][lane] = us;
-  __syncthreads();
-  // One barrier: every warp reduces the per-warp maxima itself (no second barrier to publish warp 0's answer). Safe
-  // with the same scratch across calls: this call's reads of its half come after its barrier, and the next call that
-  // writes the same half (two calls on) does so only after the next call's barrier, which every warp reaches after
-  // these reads; seg[] is read before the barrier and each warp writes only its own chunk. (ChooseByScans uses us[0]
-  // between barriers of its own.)
-  double v = us_half[0][lane];
-  for (int w = 1; w < kWarps; ++w) v = RmMax(v, us_half[w][lane]);
-  return ArgminC(feasible ? v : 1e300);
+  return ArgminOverWarps(us, feasible, sc, parity);
+}
+
+// The consumer choice on a table built by BuildSegments<true> with TermPrepFor(p, cand, N, eb, sc) (the same p and
+// cand): the chunked form without its own pass over the table (BuildSegments wrote seg[] and the total row tiles), the
+// same C. Called by every thread of the CTA (contains a barrier); `parity` as DeviceChooseConsumers'.
+__device__ inline int DeviceChooseConsumersPrepared(const SegTable& t, const TermPrepOut& prep, const ModelParams& p,
+                                                    const CandidateConsts& cand, int64_t N, int64_t K, int64_t eb,
+                                                    int max_ctas, ChoiceScratch* sc, int parity = 0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mr = t.remote_segs;
+  const int c = lane + 1;
+  const bool feasible = c <= max_ctas && ModelFeasible(p, c);
+  const ModelEval e = ModelEvalWith(p, K, feasible ? c : 1, cand.us_per_byte[lane]);
+  const double rp = cand.rcp_producers[lane];
+  const int64_t nn = cand.col_tiles;
+  if (!ChunkedIsExact(prep.rows_small, e, p, nn, N, eb)) return ChooseByScans(t, p, N, K, eb, max_ctas, sc);
+  const int ch = (mr + kWarps - 1) / kWarps, beg = warp * ch, end = min(beg + ch, mr);
+  double us = 0.0;
+  if (feasible && (beg < end || warp == 0))
+    us = ChunkMaxUs(sc, beg, end, warp == 0, CeilArg(prep.row_tiles * nn), rp, e);
+  return ArgminOverWarps(us, feasible, sc, parity);
+}
+
+// BuildSegments<true>'s inputs for the consumer choice of model p (its seg_us), cand = FillCandidateConsts(p, ..., N),
+// rows of N elements of eb bytes: the parts of the terms go to sc->seg.
+__device__ inline TermPrepIn TermPrepFor(const ModelParams& p, const CandidateConsts& cand, int64_t N, int64_t eb,
+                                         ChoiceScratch* sc) {
+  return TermPrepIn{cand.tile_m, cand.tile_m_magic, cand.col_tiles, N * eb, p.seg_us,
+                    sc->seg.ceil_arg, sc->seg.push_us, sc->seg.bytes};
 }
 
 // gather_rs's C from the call's segment table (resource_model.h, "gather_rs's consumer CTAs"). Every thread takes one
@@ -278,13 +329,16 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
 // last segment, its rows and its place among the sources with rows (GatherModelSources' integers, exact in any order),
 // written by its first and last segment; then warp 0 alone puts the sources in the consumer's order with the parts of
 // their terms that do not depend on C, evaluates GatherMakespanFromSources for C = lane + 1 (the host's operations in
-// the host's order: the same doubles; ready times by ReadyUsFp where every cum_tiles < 2^50, the exact CeilDiv
-// otherwise) and takes the argmin (smallest C on ties, as ChooseGatherConsumerCtasFromSources), which a barrier
-// hands to every thread. Three barriers; one warp's FP64 work instead of every warp's. Called by every thread of the
-// CTA (blockDim.x >= t.n); consecutive calls may share the scratch (each reads what it wrote before its last barrier).
-// t.seg holds the non-empty segments in producer order, a source's consecutive.
-__device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const GatherModelShape& sh,
-                                                  int rank, int ranks, int max_ctas, ChoiceScratch* sc) {
+// the host's order: the same doubles; ready times by ReadyUsFma where every cum_tiles < 2^50 and the tile time is
+// finite, the exact CeilDiv otherwise) and takes the argmin (smallest C on ties, as
+// ChooseGatherConsumerCtasFromSources), which a barrier hands to every thread. Three barriers; one warp's FP64 work
+// instead of every warp's; its divisions (1 / P, 1e-3 / (C g), 1e-3 / link_gbps) and the tiles' magic from the host
+// (cand = FillCandidateConsts(p, max_ctas, sh.N)). Called by every thread of the CTA (blockDim.x >= t.n); consecutive
+// calls may share the scratch (each reads what it wrote before its last barrier). t.seg holds the non-empty segments
+// in producer order, a source's consecutive.
+__device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const CandidateConsts& cand,
+                                                  const GatherModelShape& sh, int rank, int ranks, int max_ctas,
+                                                  ChoiceScratch* sc) {
   const int tid = threadIdx.x, lane = tid & 31, n = t.n;
   auto& g = sc->gather;
   if (tid == 0) g.has_rows = 0u;
@@ -293,8 +347,13 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
   const int64_t rows = mine ? t.seg[tid].rows : 0;
   const bool first = mine && (tid == 0 || t.seg[tid - 1].src != src);
   const bool last = mine && (tid == n - 1 || t.seg[tid + 1].src != src);
-  // (rows < 2^31 a segment, so rows * 2^9 summed over <= 2^8 segments stays below 2^48.)
-  const int64_t v[2] = {mine ? ModelTiles(p, rows, sh.N) : 0, rows * 512 + (first ? 1 : 0)};
+  // (rows < 2^31 a segment, so rows * 2^9 summed over <= 2^8 segments stays below 2^48.) ModelTiles without its two
+  // divisions where cand describes the model's tile (MagicCeilDiv; cand.col_tiles = ceil(N / BN) for this N).
+  const bool magic = p.tile_m > 0 && (uint32_t)p.tile_m == cand.tile_m && cand.col_tiles >= 0;
+  const int64_t tiles = !mine || rows <= 0 ? 0
+                        : magic ? (int64_t)MagicCeilDiv((uint32_t)rows, cand.tile_m, cand.tile_m_magic) * cand.col_tiles
+                                : ModelTiles(p, rows, sh.N);
+  const int64_t v[2] = {tiles, rows * 512 + (first ? 1 : 0)};
   int64_t pre[2], total[2];
   BlockExclusiveScanN<2>(v, g.scan, pre, total);
   const uint32_t has = __reduce_or_sync(0xffffffffu, mine ? 1u << src : 0u);
@@ -311,7 +370,7 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
   if (tid < 32) {
     const int64_t total_tiles = total[0];
     const uint32_t has_rows = g.has_rows, below = (1u << lane) - 1u;
-    const double us_per_link_byte = 1e-3 / p.link_gbps;  // (IEEE division: the host's double)
+    const double us_per_link_byte = cand.us_per_link_byte;  // 1e-3 / p.link_gbps (the host's IEEE division)
     if (lane < ranks) {
       const int s = lane;
       const bool with_rows = (has_rows >> s) & 1u;
@@ -329,11 +388,14 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
       // GatherMakespanFromSources for C = c, its operations in its order.
       const int64_t producers = (int64_t)(p.sms - c) * p.ctas_per_sm;
       const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
-      const double us_per_traffic = 1e-3 / RmMul((double)c, GatherTrafficGbpsPerCta(p));
-      const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50);  // ReadyUsFp exact (every cum <= total)
-      const double rp = 1.0 / (double)producers;
+      const double us_per_traffic = cand.gather_us_per_traffic[lane];  // 1e-3 / RmMul(c, g), c feasible
+      // ReadyUsFma exact: every cum <= total below 2^50, and tile_us finite.
+      const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50) &&
+                        ((unsigned long long)__double_as_longlong(tile_us) << 1) < (0x7ffull << 53);
+      const double rp = cand.rcp_producers[lane];  // 1.0 / producers, c feasible
+      const double shift = ShiftOf(tile_us);
       auto ready = [&](int64_t cum, double ceil_arg) {
-        return fast ? ReadyUsFp(ceil_arg, rp, tile_us) : RmMul((double)CeilDiv(cum, producers), tile_us);
+        return fast ? ReadyUsFma(ceil_arg, rp, tile_us, shift) : RmMul((double)CeilDiv(cum, producers), tile_us);
       };
       double us = ready(total_tiles, CeilArg(total_tiles)), rest = 0.0;
 #pragma unroll 4
@@ -343,7 +405,9 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
       }
       us_c = us;
     }
-    const int cand = ShuffleArgminLane0(us_c, c);
+    // ArgminC where every lane's time is finite and >= +0 (every calibrated call: they order like their bits), else
+    // the lexicographic shuffle argmin: both the smallest C among the smallest times, as the host's ModelArgmin.
+    const int cand = __all_sync(0xffffffffu, FiniteNonNegative(us_c)) ? ArgminC(us_c) : ShuffleArgminLane0(us_c, c);
     if (lane == 0) g.chosen = cand;
   }
   __syncthreads();
@@ -382,6 +446,15 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& p
   return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
                        : pol.consumers;
 }
+// The same C from a table built by BuildSegments<true> with TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, sc)
+// where pol.use_model (ExpertKernel's form).
+__device__ inline int ConsumersOfCall(const SegTable& t, const TermPrepOut& prep, const ConsumerConfig& pol, int64_t N,
+                                      int64_t K, ChoiceScratch* sc) {
+  if (t.remote_bands == 0) return 0;
+  return pol.use_model ? DeviceChooseConsumersPrepared(t, prep, pol.model, pol.cand, N, K, pol.elem_bytes,
+                                                       pol.max_ctas, sc)
+                       : pol.consumers;
+}
 
 // C of one gather_rs call (every thread calls it): the pinned or fixed C (pol.consumers, >= 1: every source needs
 // its partial, so the consumer runs even where no band goes to another rank, and there with the fixed C), or the
@@ -390,7 +463,7 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& p
 __device__ inline int GatherConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, const GatherModelShape& sh,
                                             int rank, int ranks, ChoiceScratch* sc) {
   if (!pol.use_model || t.remote_bands == 0) return pol.consumers;
-  return DeviceChooseGatherConsumers(t, pol.model, sh, rank, ranks, pol.max_ctas, sc);
+  return DeviceChooseGatherConsumers(t, pol.model, pol.cand, sh, rank, ranks, pol.max_ctas, sc);
 }
 
 // What dispatch_gemm is told about its pushing CTAs P: pinned or fixed (the host's), or the model's choice on the

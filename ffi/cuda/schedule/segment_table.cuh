@@ -23,11 +23,12 @@ struct SegTable {
   int64_t remote_rows;            // their rows (what the consumer pushes, in rows)
 };
 
-// A source's exclusive prefixes at its first segment in source-major order (BuildSegments): rows, and kept segments
-// and their bands packed as (segments << kSegShift) + bands.
+// A source's exclusive prefixes at its first segment in source-major order (BuildSegments): rows, kept segments and
+// their bands packed as (segments << kSegShift) + bands, and (BuildSegments<true>) the model's row tiles.
 struct SourcePrefix {
   int64_t rows;
   int64_t segs_bands;
+  int64_t tiles;
 };
 constexpr int kSegShift = 40;  // bands of <= kMaxSegments segments of < 2^31 rows each: < 2^34
 constexpr int kPlaceWarps = 4;  // warps that order the sources (one per SM sub-partition)
@@ -40,11 +41,55 @@ struct TableScratch {
   int64_t warp_sums[32];
   SourcePrefix src_start[kMaxRanks + 1];  // by source, [ranks]: the totals
   union {
-    int64_t scan[4 * 32];                     // BlockExclusiveScanN's warp totals
-    int64_t before[kMaxRanks][kPlaceWarps];   // per source and placing warp: (segments, bands) of sources before it
+    int64_t scan[5 * 32];  // BlockExclusiveScanN's warp totals
+    struct {               // per source and placing warp, of the sources before it: (segments, bands), and
+      int64_t sb[kMaxRanks][kPlaceWarps];
+      uint64_t tr[kMaxRanks][kPlaceWarps];  // (BuildSegments<true>) (row tiles << 32) + rows
+    } before;
   } x;
   int32_t first_bad;
 };
+
+// What the consumer choice's chunked form (resource_manager.cuh DeviceChooseConsumersPrepared) needs of the table,
+// built with it on request (BuildSegments<true>, one scanned value more and no pass of the choice's own): for each
+// segment j < remote_segs in producer order the parts of its term that do not depend on C, as DeviceChooseConsumers
+// computes them from the same integers (tiles up to j, rows from j on).
+struct TermPrepIn {
+  uint32_t tile_m, tile_m_magic;  // the model's BM and MagicCeilDiv's magic for it (CandidateConsts)
+  int64_t col_tiles;              // ceil(N / BN)
+  int64_t row_bytes;              // N * element bytes
+  double seg_us;
+  double* ceil_arg;  // [kMaxSegments] CeilArg(cum_tiles_j), cum_tiles_j = (row tiles of segments 0..j) * col_tiles
+  double* push_us;   // [kMaxSegments] RmMul(remote_segs - j, seg_us)
+  double* bytes;     // [kMaxSegments] (rows of segments j..remote_segs - 1) * row_bytes
+};
+struct TermPrepOut {  // the same on every thread
+  int64_t row_tiles;  // ceil(rows / BM) over all segments
+  bool rows_small;    // every segment's rows below 2^23 and all rows below 2^31: the arrays are the chunked form's
+};
+
+// floor(a / d) for 0 <= a < 2^10 and 1 <= d <= 2^10 without an integer division sequence: (a + 0.5) / d lies at
+// least 0.5 / d >= 2^-11 from every integer, and __fdividef errs by at most 2 ulp (relative < 2^-22, so absolute
+// < 2^-12 on quotients below 2^10): truncating it gives the exact quotient.
+__device__ __forceinline__ int SmallDiv(int a, int d) {
+  return (int)__fdividef((float)a + 0.5f, (float)d);
+}
+static_assert(kThreads <= 1024 && kMaxSegments <= 1024 && kMaxRanks <= 1024, "SmallDiv's range");
+
+// ceil(a / d) for a < 2^32, 1 <= d < 2^32, m = 0xffffffff / d: q = umulhi(a, m) is floor(a / d) or one less (m * d >
+// 2^32 - d, so a * m / 2^32 > a / d - 1; and m <= 2^32 / d), one correction makes it exact. Instead of the ~20
+// instructions of a 32-bit division.
+__device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_t m) {
+  uint32_t q = __umulhi(a, m), r = a - q * d;
+  if (r >= d) {
+    ++q;
+    r -= d;
+  }
+  return q + (r != 0u);
+}
+
+// The argument of the FP64 ceiling (resource_manager.cuh ReadyUsFp): cum - 0.5, or 0 for cum = 0.
+__device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
 
 __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
   return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
@@ -63,30 +108,37 @@ __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
 //   4. segment i in source-major order lands at (segments of the sources before its own) + (kept segments of its
 //      source before it), with band_prefix (bands before it in producer order) from the same two parts: the place
 //      SegmentBefore gives it (sources first, then experts within a source).
+// kPrep: the scan also counts the model's row tiles (source-major), the placing warps the rows and row tiles of the
+// sources before, and each remote segment's thread writes its TermPrepIn entries where step 4 places it (the fourth
+// barrier, an AND, also tells whether every segment is small); *out gets the totals.
+template <bool kPrep = false>
 __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
-                                     int64_t cap, SegTable* t, TableScratch* sc) {
+                                     int64_t cap, SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
+                                     TermPrepOut* out = nullptr) {
   const int R = rd.ranks, n = E_l * R, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool mine = tid < n;
   if (tid == 0) sc->first_bad = n;
   // Plan order: segment tid (expert tid / R, source tid % R). Source-major: source s, expert e, plan index q.
   const int32_t rows = mine ? seg_rows[tid] : 0, ret_off = mine ? seg_ret_off[tid] : 0;
-  const int s = mine ? tid / E_l : 0, e = tid - s * E_l, q = e * R + s;
+  const int s = mine ? SmallDiv(tid, E_l) : 0, e = tid - s * E_l, q = e * R + s;
+  const int expert = SmallDiv(tid, R);  // (blockDim.x <= 1024, R <= kMaxRanks)
   const int32_t rows_q = mine ? seg_rows[q] : 0;
   const int32_t kept = rows > 0 ? rows : 0, kept_q = rows_q > 0 ? rows_q : 0;
-  const int64_t v[4] = {kept, BandsOf(kept), kept_q, (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q)};
-  int64_t pre[4], total[4];
-  BlockExclusiveScanN<4>(v, sc->x.scan, pre, total);  // barrier 1
+  constexpr int kValues = kPrep ? 5 : 4;
+  int64_t v[kValues] = {kept, BandsOf(kept), kept_q, (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q)};
+  if constexpr (kPrep) v[4] = MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);  // (0 rows: 0)
+  int64_t pre[kValues], total[kValues];
+  BlockExclusiveScanN<kValues>(v, sc->x.scan, pre, total);  // barrier 1
   const int64_t off = pre[0];
   const bool over_cap = off + (int64_t)rows > cap;
   const bool bad = mine && (rows < 0 || over_cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows);
-  if (bad) atomicMin(&sc->first_bad, tid);
+  if (bad) atomicMin(&sc->first_bad, tid);  // (only an invalid plan's bad segments)
   if (mine) {
-    sc->raw[tid] = Segment{tid / R, tid % R, (int32_t)off, rows, ret_off, (int32_t)pre[1]};
-    if (e == 0) sc->src_start[s] = SourcePrefix{pre[2], pre[3]};
+    sc->raw[tid] = Segment{expert, tid - expert * R, (int32_t)off, rows, ret_off, (int32_t)pre[1]};
+    if (e == 0) sc->src_start[s] = SourcePrefix{pre[2], pre[3], kPrep ? pre[kValues - 1] : 0};
   }
-  if (tid == 0) sc->src_start[R] = SourcePrefix{total[2], total[3]};
-  __syncthreads();  // barrier 2
-  if (sc->first_bad < n) {
+  if (tid == 0) sc->src_start[R] = SourcePrefix{total[2], total[3], kPrep ? total[kValues - 1] : 0};
+  if (__syncthreads_or(bad)) {  // barrier 2 (a valid plan reads no error word)
     if (tid == sc->first_bad)  // the segments before it are valid, so `off` is the CPU handler's offset too
       ReportBadInput(rd, kBadSegment, tid, rows < 0 ? rows : (over_cap ? off + (int64_t)rows : ret_off),
                      over_cap ? cap : rd.sizes.ret_rows);
@@ -97,22 +149,30 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
     if (tid == 0) ReportBadInput(rd, kBadTooManyTiles, 0, total_bands, rd.sizes.max_bands);
     return false;
   }
-  // Source u's rows and packed (segments, bands), lane u of a warp (0 past the last source).
-  auto source = [&](int u, int64_t* rows_u, int64_t* segs_bands_u) {
+  // Source u's rows, packed (segments, bands) and row tiles (0 past the last source), from shared memory (broadcast
+  // loads where every lane asks for the same u).
+  auto source = [&](int u, int64_t* rows_u, int64_t* segs_bands_u, int64_t* tiles_u) {
     const SourcePrefix a = sc->src_start[u < R ? u : R], b = sc->src_start[u < R ? u + 1 : R];
     *rows_u = b.rows - a.rows;
     *segs_bands_u = b.segs_bands - a.segs_bands;
+    *tiles_u = b.tiles - a.tiles;
   };
   if (warp < kPlaceWarps) {
-    int64_t rows_u, sb_u, acc = 0;
-    source(lane, &rows_u, &sb_u);
-    for (int w = warp; w < R; w += kPlaceWarps) {  // warp-uniform
-      const int64_t rows_w = __shfl_sync(0xffffffffu, (long long)rows_u, w);
-      const int64_t sb_w = __shfl_sync(0xffffffffu, (long long)sb_u, w);
-      if (w != lane && SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u)) acc += sb_w;
+    int64_t rows_u, sb_u, tiles_u, acc = 0;
+    uint64_t acc_tr = 0;
+    source(lane, &rows_u, &sb_u, &tiles_u);
+#pragma unroll 4
+    for (int w = warp; w < R; w += kPlaceWarps) {  // warp-uniform; the loads of different w are independent
+      int64_t rows_w, sb_w, tiles_w;
+      source(w, &rows_w, &sb_w, &tiles_w);
+      if (w != lane && SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u)) {
+        acc += sb_w;
+        if constexpr (kPrep) acc_tr += ((uint64_t)tiles_w << 32) + (uint64_t)rows_w;  // (exact if rows_small)
+      }
     }
     if (lane < R) {
-      sc->x.before[lane][warp] = acc;
+      sc->x.before.sb[lane][warp] = acc;
+      if constexpr (kPrep) sc->x.before.tr[lane][warp] = acc_tr;
       if (warp == 0) {
         sc->rows_to_rank[lane] = rows_u;
         sc->segs_of_rank[lane] = (int32_t)(sb_u >> kSegShift);
@@ -121,8 +181,8 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
   }
   const int m = (int)(total[3] >> kSegShift);
   if (tid == 0) {
-    int64_t own_rows, own_sb;
-    source(rd.rank, &own_rows, &own_sb);
+    int64_t own_rows, own_sb, own_tiles;
+    source(rd.rank, &own_rows, &own_sb, &own_tiles);
     const int remote = m - (int)(own_sb >> kSegShift);  // (remote before local: the local segments are the last)
     t->band_prefix[m] = (int32_t)total_bands;
     t->n = m;
@@ -133,14 +193,34 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
   }
   __syncthreads();  // barrier 3
   if (mine && kept_q > 0) {
-    int64_t place = pre[3] - sc->src_start[s].segs_bands;  // this source's kept segments and bands before it
+    const SourcePrefix own = sc->src_start[s];
+    int64_t place = pre[3] - own.segs_bands;  // this source's kept segments and bands before it
 #pragma unroll
-    for (int w = 0; w < kPlaceWarps; ++w) place += sc->x.before[s][w];
+    for (int w = 0; w < kPlaceWarps; ++w) place += sc->x.before.sb[s][w];
     const int pos = (int)(place >> kSegShift);
     t->seg[pos] = sc->raw[q];
     t->band_prefix[pos] = (int32_t)(place & ((1ll << kSegShift) - 1));
+    if constexpr (kPrep) {
+      const int mr = t->remote_segs;  // (tid 0's, before barrier 3)
+      if (pos < mr) {
+        uint64_t tr = 0;
+#pragma unroll
+        for (int w = 0; w < kPlaceWarps; ++w) tr += sc->x.before.tr[s][w];
+        const int64_t rows_before = (int64_t)(tr & 0xffffffffull) + (pre[2] - own.rows);  // segments before j
+        const int64_t tiles_upto = (int64_t)(tr >> 32) + (pre[4] - own.tiles) + v[4];      // segments 0..j
+        prep->ceil_arg[pos] = CeilArg(tiles_upto * prep->col_tiles);
+        prep->push_us[pos] = RmMul((double)(mr - pos), prep->seg_us);
+        prep->bytes[pos] = (double)((t->remote_rows - rows_before) * prep->row_bytes);
+      }
+    }
   }
-  __syncthreads();  // barrier 4
+  if constexpr (kPrep) {
+    const bool small = __syncthreads_and(!(mine && kept_q > 0) || kept_q < (1 << 23));  // barrier 4
+    out->row_tiles = total[4];
+    out->rows_small = small && total[0] < (1ll << 31);
+  } else {
+    __syncthreads();  // barrier 4
+  }
   return true;
 }
 
