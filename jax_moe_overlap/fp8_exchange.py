@@ -63,9 +63,11 @@ def _moved(move, route, q, s):
   ``route.dispatch``) -> (q, s) at the experts. Packed into one byte row each (``fp8.pack_rows``) where rows cross
   an exchange, so that a row's values and scales travel together; on a route whose rows never leave the device
   (``route.stays_local``) each array is moved by itself: the same rows in the same places (a row no slot fills is
-  zero either way: zero values and a zero scale), without the packed copy written and sliced apart."""
+  zero either way: zero values and a zero scale), without the packed copy written and sliced apart. The values move
+  as their bytes: compilers may widen an e4m3 gather to float16 (XLA:CPU does), a uint8 one they move as it is."""
   if route.stays_local:
-    return move(q), move(s)
+    q_bytes = move(jax.lax.bitcast_convert_type(q, jnp.uint8))
+    return jax.lax.bitcast_convert_type(q_bytes, q.dtype), move(s)
   return fp8.unpack_rows(move(fp8.pack_rows(q, s)))
 
 
