@@ -44,11 +44,11 @@ inline float Div(float a, float b) { return a / b; }
 
 }  // namespace swiglu_ops
 
+// The logistic's denominator, 1 + exp(-gate): >= 1, +inf for gates below about -88.7, NaN for a NaN gate.
+JMO_SWIGLU_HD float SwiGluDenominator(float gate) { return swiglu_ops::Add(1.0f, expf(-gate)); }
+
 // logistic(gate) = 1 / (1 + exp(-gate)).
-JMO_SWIGLU_HD float SwiGluSigmoid(float gate) {
-  using namespace swiglu_ops;
-  return Div(1.0f, Add(1.0f, expf(-gate)));
-}
+JMO_SWIGLU_HD float SwiGluSigmoid(float gate) { return swiglu_ops::Div(1.0f, SwiGluDenominator(gate)); }
 
 // h = silu(gate) * up = (gate * sig) * up: the forward alone (the FP8 forward, which quantizes h for GEMM2).
 JMO_SWIGLU_HD float SwiGlu(float gate, float up) {
@@ -58,14 +58,19 @@ JMO_SWIGLU_HD float SwiGlu(float gate, float up) {
 
 // h = silu(gate) * up (SwiGlu's expression) and its input gradient at the output gradient dh (*d_gate, *d_up),
 // sharing the logistic and gate * sig (the FP8 backward recomputes h where it takes the gradient).
-JMO_SWIGLU_HD void SwiGluAndGrad(float gate, float up, float dh, float* h, float* d_gate, float* d_up) {
+// SwiGluAndGradOfSig takes the logistic from the caller (sig = SwiGluSigmoid(gate), or the same bits by another route:
+// the FP8 backward kernel's reciprocal).
+JMO_SWIGLU_HD void SwiGluAndGradOfSig(float gate, float sig, float up, float dh, float* h, float* d_gate,
+                                      float* d_up) {
   using namespace swiglu_ops;
-  const float sig = SwiGluSigmoid(gate);
   const float silu = Mul(gate, sig);
   const float j = Mul(dh, up);
   *h = Mul(silu, up);
   *d_up = Mul(silu, dh);
   *d_gate = Add(Mul(j, sig), Mul(Mul(gate, j), Mul(sig, Sub(1.0f, sig))));
+}
+JMO_SWIGLU_HD void SwiGluAndGrad(float gate, float up, float dh, float* h, float* d_gate, float* d_up) {
+  SwiGluAndGradOfSig(gate, SwiGluSigmoid(gate), up, dh, h, d_gate, d_up);
 }
 
 // The input gradient alone (the compiler drops h's product).

@@ -41,10 +41,24 @@ struct Quantizer {
   float s, r_lo, r_hi;
   bool fast;
 };
-__device__ __forceinline__ Quantizer QuantizerOf(float s) {
-  const float r = 1.f / s;
+__device__ __forceinline__ Quantizer QuantizerOfRecip(float s, float r) {  // r = 1 / s (IEEE) where s is finite
   return {s, r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), isfinite(s)};
 }
+__device__ __forceinline__ Quantizer QuantizerOf(float s) { return QuantizerOfRecip(s, 1.f / s); }
+
+// 1 / x for 2^-126 <= x < 2^126, correctly rounded (bitwise the IEEE quotient 1 / x): the hardware estimate refined
+// by one Newton step, r + r (1 - x r), each fma rounded once. It is the sequence CUDA's own rcp.rn and __fdiv_rn take
+// for divisors of that range (their exact path serves only extreme exponents, +-inf, NaN and 0), without their branch
+// region per quotient. Outside that range it is not the quotient: the callers check the range.
+__device__ __forceinline__ float RecipInRange(float x) {
+  float e;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
+  return __fmaf_rn(e, __fmaf_rn(-x, e, 1.0f), e);
+}
+
+// QuantizerOf a tile scale (ColumnTileScale's: >= 2^-126 and below 2^120 where finite) with RecipInRange: the same
+// quantizer where s is finite; where it is not, every value takes the exact path, which reads s only.
+__device__ __forceinline__ Quantizer QuantizerOfTileScale(float s) { return QuantizerOfRecip(s, RecipInRange(s)); }
 
 // The exact path of four values: QuantizeE4m3 of each (an IEEE division and RoundE4m3), as a word. Out of line: it
 // is rare, and inlined at every call site its code would crowd the kernels' instruction cache (static: one copy
@@ -59,12 +73,21 @@ __device__ __forceinline__ uint32_t E4m3Pair(float a, float b) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
+// QuantizeFour's fast path: *word = the bracketing products' word, and whether it is the values' word (both brackets
+// agree and s is finite); where not, QuantizeFourExact's word is. A caller quantizing several words can check them
+// all with one branch (each branch is a region ptxas does not schedule across).
+__device__ __forceinline__ bool QuantizeFourFast(const float (&v)[4], const Quantizer& q, uint32_t& word) {
+  const uint32_t lo = E4m3Pair(v[0] * q.r_lo, v[1] * q.r_lo) | E4m3Pair(v[2] * q.r_lo, v[3] * q.r_lo) << 16;
+  const uint32_t hi = E4m3Pair(v[0] * q.r_hi, v[1] * q.r_hi) | E4m3Pair(v[2] * q.r_hi, v[3] * q.r_hi) << 16;
+  word = lo;
+  return lo == hi && q.fast;
+}
+
 // Four values of one tile -> their four e4m3 bytes as a word (v[0] in the low byte), each RoundE4m3(x / s) (see the
 // top): both bracketing words, and the exact path where they differ or s is not finite.
 __device__ __forceinline__ uint32_t QuantizeFour(const float (&v)[4], const Quantizer& q) {
-  const uint32_t lo = E4m3Pair(v[0] * q.r_lo, v[1] * q.r_lo) | E4m3Pair(v[2] * q.r_lo, v[3] * q.r_lo) << 16;
-  const uint32_t hi = E4m3Pair(v[0] * q.r_hi, v[1] * q.r_hi) | E4m3Pair(v[2] * q.r_hi, v[3] * q.r_hi) << 16;
-  if (__builtin_expect(lo == hi && q.fast, 1)) return lo;
+  uint32_t word;
+  if (__builtin_expect(QuantizeFourFast(v, q, word), 1)) return word;
   return QuantizeFourExact(v[0], v[1], v[2], v[3], q.s);
 }
 

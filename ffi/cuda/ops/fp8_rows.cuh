@@ -34,4 +34,16 @@ __device__ __forceinline__ uint32_t QuantizeWord(const float (&v)[4], float s) {
 // The row tile's scale (fp8.tile_scale of its amax); every lane gets it.
 __device__ __forceinline__ float WarpRowScale(const float (&v)[4]) { return ColumnTileScale(WarpRowAmax(v)); }
 
+// WarpRowScale of values that are float32 arithmetic results, whose NaN (if any) is the device's one canonical NaN
+// (0x7FFFFFFF): the amax as the unsigned maximum of the values' absolute bits, by one redux.sync. Non-negative floats
+// order as their bits, +inf above every finite one and the canonical NaN above +inf, so that maximum is AmaxStep's
+// amax bit for bit. (Among NaNs of several payloads it would pick the largest, not AmaxStep's last: inputs read from
+// memory take WarpRowScale.)
+__device__ __forceinline__ float WarpRowScaleOfResults(const float (&v)[4]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) m = max(m, __float_as_uint(v[j]) & 0x7FFFFFFFu);
+  return ColumnTileScale(__uint_as_float(__reduce_max_sync(0xFFFFFFFFu, m)));
+}
+
 }  // namespace jmo::cuda

@@ -213,14 +213,20 @@ __device__ __forceinline__ float WarpsAmax(const float* part, int stride) {
 
 // Step 3 of a channel: its values of the warp's rows 4 m .. 4 m + 3 (v[b] of row 4 m + b) quantized with q, as their
 // packed word; the warp's rows from `valid` on (past the tile's) hold 0, whose byte is 0 on the fast path, and are
-// zero bytes on the exact path too (which quantizes 0 with a non-finite scale to NaN's byte).
-__device__ __forceinline__ uint32_t PackFourRows(const float (&v)[4], const Quantizer& q, int m, int valid) {
-  uint32_t word = QuantizeFour(v, q);
+// zero bytes on the exact path too (which quantizes 0 with a non-finite scale to NaN's byte: ClearRowsPastValid).
+__device__ __forceinline__ uint32_t ClearRowsPastValid(uint32_t word, const Quantizer& q, int m, int valid) {
   if (!q.fast)
 #pragma unroll
     for (int b = 0; b < 4; ++b)
       if (4 * m + b >= valid) word &= ~(0xFFu << (8 * b));
   return word;
+}
+__device__ __forceinline__ uint32_t PackFourRows(const float (&v)[4], const Quantizer& q, int m, int valid) {
+  return ClearRowsPastValid(QuantizeFour(v, q), q, m, valid);
+}
+// PackFourRows where QuantizeFourFast's word is not the values' (a caller checking several words with one branch).
+__device__ __forceinline__ uint32_t PackFourRowsExact(const float (&v)[4], const Quantizer& q, int m, int valid) {
+  return ClearRowsPastValid(QuantizeFourExact(v[0], v[1], v[2], v[3], q.s), q, m, valid);
 }
 
 // Step 4 of a channel: its 128 bytes from the packed buffer to dst, by a warp (a word per lane: one 128-byte segment).

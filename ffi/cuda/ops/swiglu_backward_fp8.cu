@@ -8,8 +8,9 @@
 // then, by the column quantizer's steps (ops/quantize_columns.cuh) over the three column outputs:
 //   1. each thread copies its rows' aq words into its own shared slots (cp.async) and loads their dh into registers
 //      (every row's loads issued before any math); per row it computes h, d_gate and d_up (common/swiglu.h, the
-//      gate and up dequantized by ops/e4m3.cuh), quantizes d_gate and d_up per row (ops/fp8_rows.cuh: the row amax
-//      across the warp by shuffles) and writes those rows and their scales, and keeps its column amaxes;
+//      gate and up dequantized by ops/e4m3.cuh, the logistic's reciprocal by RecipFour), quantizes d_gate and d_up
+//      per row (ops/fp8_rows.cuh: the row amax across the warp by one redux.sync) and writes those rows and their
+//      scales, and keeps its column amaxes;
 //   2. the warps' column amaxes are combined per channel: the 3 x 128 column scales, written contiguously, and their
 //      quantizers (ops/e4m3.cuh);
 //   3. each thread recomputes its rows' values from the kept inputs (the same operations: the same bits), quantizes
@@ -59,18 +60,44 @@ struct Shared {
 constexpr int kSmemBytes = static_cast<int>(sizeof(Shared));
 static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs fit an SM's shared memory");
 
+// 1 / x of four logistic denominators (SwiGluDenominator: x >= 1, +inf or NaN), each the correctly rounded
+// reciprocal, so bitwise SwiGluSigmoid's IEEE quotient 1 / x: RecipInRange (ops/e4m3.cuh) for 1 <= x < 2^126. Where
+// any of the four is not below 2^126 (a gate below about -87.3, whose logistic is subnormal or zero, or a NaN) all
+// four take __frcp_rn: one rarely taken branch per four values, no branch region around each value's division (those
+// kept the scheduler from interleaving the values' long-latency steps).
+// (static: one copy per translation unit; out of line: inlined at each of its sites its code would crowd the
+// instruction cache.)
+static __device__ __noinline__ float4 RecipFourExact(float a, float b, float c, float d) {
+  return make_float4(__frcp_rn(a), __frcp_rn(b), __frcp_rn(c), __frcp_rn(d));
+}
+__device__ __forceinline__ void RecipFour(const float (&x)[4], float (&r)[4]) {
+  bool exact = false;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    r[j] = RecipInRange(x[j]);
+    exact |= !(x[j] < 0x1p126f);
+  }
+  if (__builtin_expect(exact, 0)) {
+    const float4 e = RecipFourExact(x[0], x[1], x[2], x[3]);
+    r[0] = e.x, r[1] = e.y, r[2] = e.z, r[3] = e.w;
+  }
+}
+
 // h, d_gate and d_up of a lane's 4 channels of one row: the gate's and the up's e4m3 bytes (a word each) dequantized
-// with their row scales, and dh.
+// with their row scales, and dh; SwiGluAndGrad's operations (common/swiglu.h), the logistic by RecipFour.
 __device__ __forceinline__ void RowValues(uint2 a, float gate_scale, float up_scale, const float4& dh, float (&h)[4],
                                           float (&d_gate)[4], float (&d_up)[4]) {
-  float gate[4], up[4];
+  float gate[4], up[4], den[4], sig[4];
   DequantizeE4m3Pair(a.x, gate_scale, gate[0], gate[1]);
   DequantizeE4m3Pair(a.x >> 16, gate_scale, gate[2], gate[3]);
   DequantizeE4m3Pair(a.y, up_scale, up[0], up[1]);
   DequantizeE4m3Pair(a.y >> 16, up_scale, up[2], up[3]);
   const float d[4] = {dh.x, dh.y, dh.z, dh.w};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) SwiGluAndGrad(gate[j], up[j], d[j], &h[j], &d_gate[j], &d_up[j]);
+  for (int j = 0; j < 4; ++j) den[j] = SwiGluDenominator(gate[j]);
+  RecipFour(den, sig);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) SwiGluAndGradOfSig(gate[j], sig[j], up[j], d[j], &h[j], &d_gate[j], &d_up[j]);
 }
 
 __global__ void __launch_bounds__(kCtaThreads, 2)
@@ -137,8 +164,15 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
     const int i = row0 + k;
     float h[4], dg[4], du[4];
     RowValues(sm.kept[k][threadIdx.x], sm.row_scale[0][i], sm.row_scale[1][i], d[k], h, dg, du);
-    const float sg = WarpRowScale(dg), su = WarpRowScale(du);
-    const uint32_t wg = QuantizeWord(dg, sg), wu = QuantizeWord(du, su);
+    const float sg = WarpRowScaleOfResults(dg), su = WarpRowScaleOfResults(du);  // float32 results: canonical NaN
+    // QuantizeWord of each, their rare exact paths behind one branch.
+    const Quantizer qg = QuantizerOfTileScale(sg), qu = QuantizerOfTileScale(su);
+    uint32_t wg, wu;
+    const bool fast_g = QuantizeFourFast(dg, qg, wg), fast_u = QuantizeFourFast(du, qu, wu);
+    if (__builtin_expect(!(fast_g && fast_u), 0)) {
+      if (!fast_g) wg = QuantizeFourExact(dg[0], dg[1], dg[2], dg[3], sg);
+      if (!fast_u) wu = QuantizeFourExact(du[0], du[1], du[2], du[3], su);
+    }
     if (k < valid) {  // warp-uniform
       const int64_t r = tile.first + i;
       reinterpret_cast<uint32_t*>(da_q + r * C + gate_c)[lane] = wg;
@@ -167,7 +201,7 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
   for (int e = threadIdx.x; e < kOutputs * kChannels; e += kCtaThreads) {
     const int o = e / kChannels, c = e % kChannels;
     const float sc = ColumnTileScale(qcols::WarpsAmax(&sm.part[o][0][c], kChannels));
-    sm.quant[o][c % kLaneCh][c / kLaneCh] = QuantizerOf(sc);
+    sm.quant[o][c % kLaneCh][c / kLaneCh] = QuantizerOfTileScale(sc);
     if (o == 2)
       h_ts[t * F + gate_c + c] = sc;
     else
@@ -187,12 +221,20 @@ __global__ void __launch_bounds__(kCtaThreads, 2)
 #pragma unroll
       for (int j = 0; j < kLaneCh; ++j) v[0][j][b] = dg[j], v[1][j][b] = du[j], v[2][j][b] = h[j];
     }
+    // PackFourRows of an output's 4 words, their rare exact paths behind one branch.
 #pragma unroll
-    for (int o = 0; o < kOutputs; ++o)
+    for (int o = 0; o < kOutputs; ++o) {
+      uint32_t word[kLaneCh], slow = 0;  // bit j: word j takes the exact path
+#pragma unroll
+      for (int j = 0; j < kLaneCh; ++j) slow |= uint32_t(!QuantizeFourFast(v[o][j], sm.quant[o][j][lane], word[j])) << j;
+      if (__builtin_expect(slow != 0, 0))
+#pragma unroll
+        for (int j = 0; j < kLaneCh; ++j)
+          if (slow >> j & 1u) word[j] = qcols::PackFourRowsExact(v[o][j], sm.quant[o][j][lane], m, valid);
 #pragma unroll
       for (int j = 0; j < kLaneCh; ++j)
-        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] =
-            qcols::PackFourRows(v[o][j], sm.quant[o][j][lane], m, valid);
+        sm.packed[o][qcols::PackedWord<kLaneCh>(kLaneCh * lane + j, warp * (kRowsPerWarp / 4) + m)] = word[j];
+    }
   }
   __syncthreads();
 
