@@ -4,6 +4,7 @@ comes from (its op_name), and with ``--calls`` the device time of each op from a
 
   python -m benchmarks.layer_glue                  # the GPU training preset's layer: T=32768 D=1024 F=1024 E=16 k=4
   python -m benchmarks.layer_glue --calls 10       # and device ms per call, by op group and by op
+  python -m benchmarks.layer_glue --impl collective --quantization fp8 --calls 10   # the FP8 recipe's layer
 
 The program is ``jax.grad`` of the layer (x, gates, w1 and w2 differentiated, as in training), compiled without
 XLA:GPU command buffers (``examples/step_profile.compiler_options``) so that every kernel of the trace names its HLO
@@ -126,6 +127,24 @@ def device_ms_per_op(step, args, hlo_text: str, calls: int) -> tuple[float, dict
   return wall * 1e3 / calls, dict(ms)
 
 
+def layer_grad(T: int, D: int, F: int, E: int, k: int, R: int = 1, impl: str = "overlap",
+               capacity_factor: float | None = 1.25, quantization: str | None = None):
+  """``jax.grad`` of one layer (x, gates, w1 and w2 differentiated, as in training) on the first R devices, jitted
+  as the trace takes it, with its operands and its optimized HLO: (step, args, hlo_text)."""
+  mesh = jax.make_mesh((R,), (common.AXIS,), devices=jax.devices()[:R])
+  x, ids, gates, w1, w2 = common.layer_operands(T, D, F, E, k)
+  platform = jax.devices()[0].platform
+
+  def loss(x, gates, w1, w2):
+    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, axis_name=common.AXIS, impl=impl,
+                           capacity_factor=capacity_factor, quantization=quantization)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), compiler_options=step_profile.compiler_options(platform))
+  args = (x, gates, w1, w2)
+  return step, args, step.lower(*args).compile().as_text()
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--tokens", type=int, default=32768, help="tokens of the whole layer (over every rank)")
@@ -136,6 +155,8 @@ def main(argv=None):
   ap.add_argument("--capacity-factor", type=float, default=1.25, help="0: dropless")
   ap.add_argument("--ranks", type=int, default=1, help="the expert axis' size (the first devices)")
   ap.add_argument("--impl", default="overlap")
+  ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                  help="fp8: the FP8 recipe's layer (d-model and d-ff multiples of 128)")
   ap.add_argument("--min-mib", type=float, default=-1.0,
                   help="list ops moving at least this many MiB (default: half of a rank's routed rows)")
   ap.add_argument("--calls", type=int, default=0, help="trace this many calls and report device time")
@@ -144,23 +165,15 @@ def main(argv=None):
   if len(jax.devices()) < R:
     raise SystemExit(f"--ranks {R}: only {len(jax.devices())} devices (on CPU set XLA_FLAGS="
                      f"--xla_force_host_platform_device_count={R})")
-  mesh = jax.make_mesh((R,), (common.AXIS,), devices=jax.devices()[:R])
-  x, ids, gates, w1, w2 = common.layer_operands(T, D, F, E, k)
+  quantization = None if a.quantization == "none" else a.quantization
+  step, args, hlo = layer_grad(T, D, F, E, k, R, a.impl, a.capacity_factor or None, quantization)
   platform = jax.devices()[0].platform
-
-  def loss(x, gates, w1, w2):
-    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, axis_name=common.AXIS, impl=a.impl,
-                           capacity_factor=a.capacity_factor or None)
-    return jnp.sum(y.astype(jnp.float32) ** 2)
-
-  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), compiler_options=step_profile.compiler_options(platform))
-  args = (x, gates, w1, w2)
-  hlo = step.lower(*args).compile().as_text()
   ops = glue_ops(hlo)
   routed = T * k * D * 2 // R                                   # one rank's routed rows (the program is per rank)
   floor = a.min_mib * 2**20 if a.min_mib >= 0 else routed / 2
+  recipe = ", the fp8 recipe" if quantization else ""
   print(f"one layer, forward + backward ({a.impl}): T={T} D={D} F={F} E={E} k={k} cf={a.capacity_factor or None} "
-        f"bf16, R={R}, {platform}; a rank's routed rows [T*k/R, D]: {routed / 2**20:.1f} MiB")
+        f"bf16{recipe}, R={R}, {platform}; a rank's routed rows [T*k/R, D]: {routed / 2**20:.1f} MiB")
   timed = {}
   if a.calls:
     wall, timed = device_ms_per_op(step, args, hlo, a.calls)

@@ -7,7 +7,8 @@ or ``fp8_overlap.WorkspaceRoute`` (the workspace's dispatch custom call).
 
   forward   x [T, D] quantized 1 x 128 with power-of-two scales on the token's owner, once per token (before the
             tensor axis's gather and the k copies of the dispatch); the e4m3 values and their float32 scales cross
-            the exchange as one packed row of D + D / 32 bytes (``fp8.pack_rows``; 2D bytes in bfloat16) and land on
+            the exchange as one packed row of D + D / 32 bytes (``fp8.pack_rows``; 2D bytes in bfloat16; on a route
+            whose rows stay on the device, values and scales each moved by itself, unpacked) and land on
             the expert's rank as the recipe's GEMM1 operand, unchanged (``fp8_experts.recipe_forward``); the expert
             outputs come back in the compute dtype (the combine stays in it).
   backward  the output gradient of the rows that came back (the transpose of the combine's exchange, which is the
@@ -48,7 +49,8 @@ def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
       ``xla_path.Route`` or a ``fp8_overlap.WorkspaceRoute`` (``dispatch_tokens``: token rows to recv rows,
       ``dispatch``: send-buffer rows to recv rows, ``combine_rows``: recv rows back to the send buffer,
       ``from_send_buffer``: send-buffer rows to slot rows, ``slot_rows``: token rows to slot rows, whose transpose
-      sums a token's slots; ``expert_rows``: the recv rows of each local expert). gemms: ``fp8_experts.RAGGED`` or
+      sums a token's slots; ``expert_rows``: the recv rows of each local expert; ``stays_local``: whether no row
+      leaves the device). gemms: ``fp8_experts.RAGGED`` or
       ``KERNELS``.
   Returns:
     [T TP k, D] in x's dtype: each kept slot's expert output at its send row (``route.combine_rows``).
@@ -56,9 +58,21 @@ def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
   return _forward(x, w1, w2, route, gemms)[0]
 
 
+def _moved(move, route, q, s):
+  """Quantized rows (q [N, C] e4m3, s [N, C / 128] float32) moved by ``move`` (``route.dispatch_tokens`` or
+  ``route.dispatch``) -> (q, s) at the experts. Packed into one byte row each (``fp8.pack_rows``) where rows cross
+  an exchange, so that a row's values and scales travel together; on a route whose rows never leave the device
+  (``route.stays_local``) each array is moved by itself: the same rows in the same places (a row no slot fills is
+  zero either way: zero values and a zero scale), without the packed copy written and sliced apart. The values move
+  as their bytes: compilers may widen an e4m3 gather to float16 (XLA:CPU does), a uint8 one they move as it is."""
+  if route.stays_local:
+    q_bytes = move(jax.lax.bitcast_convert_type(q, jnp.uint8))
+    return jax.lax.bitcast_convert_type(q_bytes, q.dtype), move(s)
+  return fp8.unpack_rows(move(fp8.pack_rows(q, s)))
+
+
 def _forward(x, w1, w2, route, gemms):
-  packed = fp8.pack_rows(*fp8.quantize_rows(x, pow2=True))
-  xq, xs = fp8.unpack_rows(route.dispatch_tokens(packed))
+  xq, xs = _moved(route.dispatch_tokens, route, *fp8.quantize_rows(x, pow2=True))
   out, kept = recipe_forward(xq, xs, w1, w2, route.expert_rows, gemms, x.dtype)
   # x_like: x's row count and dtype (an empty array) for the transpose of its dispatch.
   x_like = jnp.zeros((x.shape[0], 0), x.dtype)
@@ -67,7 +81,7 @@ def _forward(x, w1, w2, route, gemms):
 
 def _backward(gemms, residuals, d_ret):
   kept, route, x_like = residuals
-  dyq, dys = fp8.unpack_rows(route.dispatch(fp8.pack_rows(*fp8.quantize_rows(d_ret, pow2=True))))
+  dyq, dys = _moved(route.dispatch, route, *fp8.quantize_rows(d_ret, pow2=True))
   dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dyq, dys, x_like.dtype)
   # The transpose of x's way to the experts in the compute dtype: each recv row back to its send row, then to its
   # slot (route.combine_rows and from_send_buffer move rows: the transposes of dispatch and send_buffer), then

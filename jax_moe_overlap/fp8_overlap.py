@@ -66,6 +66,12 @@ class WorkspaceRoute:
   def expert_rows(self) -> jax.Array:
     return self.plan.expert_rows
 
+  @property
+  def stays_local(self) -> bool:
+    """False: the rows go through the dispatch custom call (as bytes, packed: ``fp8_exchange``); a one-rank group
+    takes ``xla_path.Route`` instead (``api._moe_local``)."""
+    return False
+
   def slot_rows(self, x):
     """Token rows [T, C] -> slot rows [T k, C] (its transpose: the sum over a token's slots)."""
     return token_slots(x, self.k)

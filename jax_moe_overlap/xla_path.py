@@ -203,6 +203,11 @@ class Route:
   ragged: bool = dataclasses.field(metadata=dict(static=True))
   k: int = dataclasses.field(metadata=dict(static=True))
 
+  @property
+  def stays_local(self) -> bool:
+    """Whether no row leaves the device: a one-rank expert axis and no tensor axis (inside ``shard_map``)."""
+    return self.tensor_axis is None and jax.lax.axis_size(self.axis_name) == 1
+
   def _exchange(self, *args):
     if jax.lax.axis_size(self.axis_name) == 1:
       return _exchange_local(*args)

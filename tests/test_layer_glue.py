@@ -1,5 +1,9 @@
 """benchmarks/layer_glue.py: the ops of a layer's optimized program outside the library's custom calls."""
 
+import re
+
+import pytest
+
 from benchmarks import layer_glue
 
 HLO = """HloModule jit_f, entry_computation_layout={()}
@@ -39,3 +43,32 @@ def test_lists_the_layer_ops_and_times_them(capsys):
   assert "1 calls traced:" in out and "  concatenate " in out, out
   assert "fwd jmo_dispatch" in out and "bwd jmo_expert_combine" in out, out
   assert "MiB moved by every op: library custom calls" in out, out
+
+
+def _packed_row_shapes(hlo: str, D: int) -> list[str]:
+  """The uint8 arrays of FP8 byte rows (``fp8.pack_rows``: D e4m3 values and D / 128 float32 scales a row) anywhere in
+  an optimized program, fused computations included."""
+  return re.findall(rf"\bu8\[\d+(?:,1)?,{D + D // 32}\]", hlo)
+
+
+# impl="overlap" runs impl="collective"'s FP8 block on a one-rank group (api._moe_local): the same program, in the slow
+# pass only.
+@pytest.mark.parametrize("impl", [pytest.param("overlap", marks=pytest.mark.slow), "collective"])
+def test_fp8_one_rank_layer_moves_no_packed_rows(impl):
+  """On a one-rank expert axis the FP8 rows never leave the device: the layer's forward + backward moves the e4m3
+  values and the scales each by itself (``fp8_exchange._moved``), so its optimized program holds no packed byte rows
+  (a concatenate written, then sliced apart for the GEMMs) and no concatenate of their size."""
+  T, D, F, E, k = 64, 128, 128, 4, 2
+  _, _, hlo = layer_glue.layer_grad(T, D, F, E, k, impl=impl, quantization="fp8")
+  assert not _packed_row_shapes(hlo, D), _packed_row_shapes(hlo, D)
+  concatenates = [op for op in layer_glue.glue_ops(hlo) if op["group"] == "concatenate" and op["bytes"] >= T * D]
+  assert not concatenates, concatenates
+
+
+@pytest.mark.slow
+def test_fp8_two_rank_layer_packs_its_rows():
+  """The control of the test above: where rows cross an exchange they travel packed, and the same search finds
+  them."""
+  D = 128
+  _, _, hlo = layer_glue.layer_grad(64, D, 128, 4, 2, R=2, impl="collective", quantization="fp8")
+  assert _packed_row_shapes(hlo, D)
