@@ -17,8 +17,7 @@ values and their float32 scales) and chooses how the GEMMs run:
                of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU forward (h and its
                quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a; the SwiGLU
                backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
-               one pass over a and dh (on GPUs only with ``FUSED_SWIGLU_BACKWARD_ON_GPU``; without it XLA's ops and
-               the column quantizer's call, measured faster there). x and dy, which the backward holds
+               one pass over a and dh. x and dy, which the backward holds
                row-quantized, go to the column quantizer as e4m3 values and scales (no float32 copy; on GPUs only
                with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and where D is a multiple of 256, the call's item).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
@@ -177,22 +176,9 @@ def _kernel_swiglu_forward(a):
   return swiglu_forward_fp8(a)
 
 
-# Whether GPUs take the fused SwiGLU backward (grouped_gemm.swiglu_backward_fp8) too. Its CUDA kernel passes
-# tests/gpu/test_gpu_swiglu_backward_fp8.py but runs slower than the composition on the column quantizer's custom call
-# (docs/performance.md, "FP8 SwiGLU kernels"), which GPUs therefore run (the same math, exp aside: common/swiglu.h);
-# CPUs run the fused call.
-FUSED_SWIGLU_BACKWARD_ON_GPU = False
-
-
 def _kernel_swiglu_backward(aq, a_s, dh, tiles):
-  def fused():
-    da_rows, da_cols, h_cols = swiglu_backward_fp8(aq, a_s, dh, tiles)
-    return h_cols, da_rows, da_cols
-
-  def composed():
-    return swiglu_backward_composed(_kernel_columns)(aq, a_s, dh, tiles)
-
-  return _switched_call(fused, composed, FUSED_SWIGLU_BACKWARD_ON_GPU)
+  da_rows, da_cols, h_cols = swiglu_backward_fp8(aq, a_s, dh, tiles)
+  return h_cols, da_rows, da_cols
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3

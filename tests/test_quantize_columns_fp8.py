@@ -258,17 +258,16 @@ def _kernels_swiglu_backward_in_row_layout(aq, a_s, dh, tiles):
 
 
 def test_recipe_gradients_equal_the_xla_layout_path():
-  recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward=True, row_quantized_columns=True)
+  recipe_gradients_equal_the_xla_layout_path(row_quantized_columns=True)
 
 
-def recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward, row_quantized_columns):
+def recipe_gradients_equal_the_xla_layout_path(row_quantized_columns):
   """KERNELS' wgrads quantize their operands by the custom call; the same recipe with quantize_columns and the
   XLA layout (grouped_outer_fp8 on row-layout operands) gives the same gradients bit for bit. The SwiGLU backward,
   whose da and h the wgrads read, is KERNELS' custom call in both (its outputs read back into row layout for the XLA
   one): its float32 exp is the C library's, XLA's composition has XLA's own, which may part in the last bit
   (tests/test_swiglu_backward_fp8.py holds the call to the composition); this test is about the layout of the wgrad
-  operands, which must not change a bit. fused_swiglu_backward: whether the platform runs the fused call (CPUs; GPUs
-  with fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU); row_quantized_columns: whether it gives x and dy to the column
+  operands, which must not change a bit. row_quantized_columns: whether the platform gives x and dy to the column
   quantizer row-quantized (CPUs; GPUs with fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU)."""
   xla_layout = fp8_experts.Gemms("kernels, XLA layout", fp8_experts.KERNELS.rows, fp8.quantize_columns,
                                  grouped_outer_fp8, fp8_experts.KERNELS.swiglu_forward,
@@ -294,11 +293,8 @@ def recipe_gradients_equal_the_xla_layout_path(fused_swiglu_backward, row_quanti
                                   err_msg=name)
     assert np.any(np.asarray(a, np.float32) != 0), name
   text = grads(fp8_experts.KERNELS).lower(x, w1, w2).as_text()
-  if fused_swiglu_backward:
-    assert text.count("jmo_quantize_columns_fp8") == 2, "x and dy, the wgrads' other operands"
-    assert text.count("jmo_swiglu_backward_fp8") == 1, "da and h, quantized into their layouts by the SwiGLU backward"
-  else:   # (fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU off, on a GPU)
-    assert text.count("jmo_quantize_columns_fp8") == 4 and "jmo_swiglu_backward_fp8" not in text
+  assert text.count("jmo_quantize_columns_fp8") == 2, "x and dy, the wgrads' other operands"
+  assert text.count("jmo_swiglu_backward_fp8") == 1, "da and h, quantized into their layouts by the SwiGLU backward"
   assert len(_row_form_calls(text)) == (2 if row_quantized_columns else 0), "x and dy given as e4m3 rows or not"
   assert "scatter" not in text, "no XLA scatter lays out the wgrad operands"
 

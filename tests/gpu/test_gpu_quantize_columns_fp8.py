@@ -131,8 +131,7 @@ def test_kernel_rounding_ties_subnormals_and_non_finite_values():
 def test_recipe_gradients_equal_the_xla_layout_path_on_the_gpu():
   """The layer takes the call on GPUs: the recipe's gradients equal the XLA layout path's bit for bit."""
   with jax.default_device(gpu_devices()[0]):
-    base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU,
-                                                    fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU)
+    base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU)
 
 
 ROW_BIG = [  # (M, C, sizes) of row-quantized rows: C a multiple of 256
@@ -205,7 +204,7 @@ def test_recipe_with_row_quantized_columns_on_the_gpu(monkeypatch):
   jax.clear_caches()  # no program traced with the flag off (same functions, same shapes) may be reused
   with jax.default_device(gpu_devices()[0]):
     base.recipe_gradients_take_the_row_quantized_operands()
-    base.recipe_gradients_equal_the_xla_layout_path(fp8_experts.FUSED_SWIGLU_BACKWARD_ON_GPU, True)
+    base.recipe_gradients_equal_the_xla_layout_path(True)
 
 
 def test_other_gpus_refuse_naming_the_requirement():
