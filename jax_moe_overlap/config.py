@@ -85,7 +85,8 @@ class MoEConfig:
       "collective" (the FP8 grouped GEMM: Hopper GPUs, its emulation on CPU), "xla" and "reference" (the recipe
       emulated in XLA). The shared experts and the router are not quantized. "fp8_bf16_wgrad": the same, but the two
       weight gradients on bfloat16 operands (``fp8_experts.bf16_wgrad``: no 128 x 1 re-quantization of x, da, h and
-      dy), faster where the activations are narrow (docs/performance.md, "Where the FP8 step goes").
+      dy; the weight gradients' operands lose 2^-9 to rounding, not e4m3's 2^-4; its speed against "fp8":
+      docs/performance.md, "Where the FP8 step goes").
   """
 
   emb_dim: int

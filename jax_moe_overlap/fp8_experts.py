@@ -220,9 +220,8 @@ def _bf16_row_columns(q, s, tiles):
 def bf16_wgrad(gemms: Gemms, outer_f32: Callable) -> Gemms:
   """``gemms`` with the two weight gradients on bfloat16 operands (quantization="fp8_bf16_wgrad"): dW2 = h^T dy and
   dW1 = x^T da by ``outer_f32`` (bfloat16 [M, K] and [M, N], group_sizes -> [G, K, N] float32), x and dy the
-  dequantized rows (exact), h and da rounded from float32. The forward and the two dgrads stay the recipe's FP8 GEMMs.
-  Where the activations are narrow (d_model 1024), the four 128 x 1 quantizations the FP8 wgrads need cost more than
-  FP8 saves in them (docs/performance.md, "Where the FP8 step goes")."""
+  dequantized rows (exact), h and da rounded from float32. The forward and the two dgrads stay the recipe's FP8 GEMMs;
+  no operand is re-quantized 128 x 1 (docs/design.md, "FP8")."""
   return Gemms(f"{gemms.name}, bf16 wgrad", gemms.rows, _bf16_columns,
                lambda lhs, rhs, tiles, group_sizes: outer_f32(lhs, rhs, group_sizes), gemms.swiglu_forward,
                swiglu_backward_composed(_bf16_columns), _bf16_row_columns)
