@@ -45,6 +45,7 @@ def test_bench_fused_checks_every_impl(tmp_path, monkeypatch):
       assert float(r["err"]) < 2e-2, r  # bf16 against the float32 reference
 
 
+@pytest.mark.slow
 def test_bench_breakdown_times_every_stage(tmp_path, monkeypatch):
   out = tmp_path / "breakdown.jsonl"
   monkeypatch.setattr(sys, "argv", ["bench_breakdown.py", "--shapes", "64,32,32,4,2", "--out", str(out)])
@@ -145,6 +146,7 @@ def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
   assert float(by_impl["xla"]["ms"]) > 0, by_impl
 
 
+@pytest.mark.slow
 def test_bench_layer_reference_equals_the_dense_one():
   """bench_layer's float32 reference (references.layer_reference: static_ragged_dot on the routing's groups) against
   the dense-masked jax.lax.ragged_dot path at HIGHEST precision: forward and all four gradients, with one expert left

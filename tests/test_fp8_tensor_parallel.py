@@ -49,7 +49,7 @@ def inputs(dtype, seed, explicit_mesh=None, view=False):
 
 
 @pytest.mark.parametrize("explicit,dtype,cf", [
-    (False, jnp.float32, None), (True, jnp.bfloat16, 0.5),
+    pytest.param(False, jnp.float32, None, marks=pytest.mark.slow), (True, jnp.bfloat16, 0.5),
     pytest.param(False, jnp.bfloat16, 0.5, marks=pytest.mark.slow),
     pytest.param(True, jnp.float32, None, marks=pytest.mark.slow)])
 def test_xla_matches_the_oracle(explicit, dtype, cf):

@@ -169,7 +169,8 @@ def test_drop_in_block_in_a_transformer(axis_type):
     assert rel_err(a, b) < 1e-4
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "overlap"])
+@pytest.mark.parametrize("impl", [pytest.param("reference", marks=pytest.mark.slow),
+                                  pytest.param("xla", marks=pytest.mark.slow), "overlap"])
 def test_y_has_x_sharding(impl):
   """On an Explicit mesh, outside jax.set_mesh, for tokens sharded by batch, by sequence, or replicated: y has
   exactly x's sharding (under jit, and eagerly for batch-sharded x), so the residual x + y works."""

@@ -64,8 +64,9 @@ def _shm_left(outs) -> list[str]:
   return [f for p in prefixes for f in glob.glob(f"/dev/shm{p}-*")]
 
 
-# The 4-process variants (each process compiling the programs again) run in the slow pass.
-@pytest.mark.parametrize("nproc,local,calls", [(2, 2, 100), pytest.param(4, 1, 3, marks=pytest.mark.slow)])
+# Every variant compiles the programs again in each process: the slow pass.
+@pytest.mark.parametrize("nproc,local,calls", [pytest.param(2, 2, 100, marks=pytest.mark.slow),
+                                              pytest.param(4, 1, 3, marks=pytest.mark.slow)])
 def test_data_axis_across_processes_matches_the_oracle(nproc, local, calls):
   for rc, out in run_processes(nproc, local, "data_across", calls):
     assert rc == 0 and ": match" in out, out
@@ -142,6 +143,7 @@ def test_collective_impl_across_processes_is_bitwise_the_one_process_run(tmp_pat
     assert rc == 0 and ": match" in out and ": bitwise" in out and "shm /" not in out, out
 
 
+@pytest.mark.slow  # a 2-process run of its own; the default pass keeps the bitwise and the killed-peer runs
 def test_expert_axis_over_different_hosts_runs_the_collective_impl():
   for rc, out in run_processes(2, 1, "different_hosts", calls=1, limit_s=120):
     line = next((l for l in out.splitlines() if l.startswith("refused:")), None)

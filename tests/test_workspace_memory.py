@@ -37,6 +37,7 @@ def test_sizes_are_known_before_allocation_and_match_the_workspace():
 DECODE_BATCHES = (4, 12, 36, 100, 256)   # a decode loop's batch sizes, about 3x apart (each one compiles)
 
 
+@pytest.mark.slow  # five batch sizes, each compiled
 def test_a_decode_loop_allocates_once_per_layer_width():
   release_workspaces()
   mesh = mesh_of(4)
