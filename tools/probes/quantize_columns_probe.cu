@@ -15,6 +15,7 @@
 
 #include "cuda/ops/quantize_columns.cu"  // the library's launcher (its helpers below: this probe does not link jmo_cuda)
 #include "cuda/ops/quantize_columns.cuh"
+#include "quantize_columns_persistent.cuh"  // the persistent schedule the library dropped
 #include "quantize_columns_v0.cuh"  // the baseline: the kernel of cb5e3ee
 
 namespace jmo::cuda {

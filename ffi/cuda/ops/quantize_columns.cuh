@@ -11,9 +11,8 @@
 //   3. each value quantized (QuantizeFour) and 4 consecutive rows of a channel packed into a word of a channel-major
 //      shared buffer (a channel's 32 words XOR-swizzled by its lane, free of bank conflicts both ways);
 //   4. each channel's 128 bytes stored to q_t[c, 128 t ..] (a warp per channel: one 128-byte segment).
-// Two schedules: QuantizeColumnsLean, one CTA per item; QuantizeColumnsPersistent, a grid of a few CTAs per SM each
-// looping over items, loading its next item (cp.async into a thread-private shared stage) while it computes the
-// current one, with the group tables built once per CTA.
+// The schedule: QuantizeColumnsLean, one CTA per item, rows loaded into registers (the probe keeps the others it
+// measured slower: tools/probes/quantize_columns_persistent.cuh).
 // Quantization: the bracketed conversion of ops/e4m3.cuh (Quantizer, QuantizeFour), bitwise RoundE4m3(x / s).
 #pragma once
 
@@ -36,34 +35,10 @@ constexpr int kRowsPerWarp = static_cast<int>(kColumnTile) / kWarps;  // 16
 constexpr int kWordsPerChannel = static_cast<int>(kColumnTile) / 4;   // a channel's 128 bytes as 32 words
 static_assert(kRowsPerWarp == 16 && kWordsPerChannel == 32, "a warp's rows pack into 4 words; a word per lane");
 
-// ---- input forms: a lane's kLaneCh channels of one row (Raw), loaded from global or through a shared stage ----
+// ---- input forms: a lane's kLaneCh channels of one row (Raw), loaded from global ----
 
 __device__ __forceinline__ float Bf16Lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float Bf16Hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
-
-// 16 bytes global -> shared, asynchronously (sm_80+); completes at CommitAndWaitAll.
-__device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void CopyAsync8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void CopyAsync4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void WaitCopies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// The shared stage of a persistent CTA: each thread's kRowsPerWarp Raws, row-major over the threads (a warp's
-// accesses to one row are contiguous: conflict-free).
-template <typename Raw>
-struct Stage {
-  Raw raw[kRowsPerWarp][kThreads];
-};
 
 struct RowsF32 {
   static constexpr int kLaneCh = 4;
@@ -72,9 +47,6 @@ struct RowsF32 {
   int64_t C;
   __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
     return *reinterpret_cast<const float4*>(x + row * C + c);
-  }
-  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
-    CopyAsync16(dst, x + row * C + c);
   }
   __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
     v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
@@ -92,12 +64,6 @@ struct RowsBf16N {
   int64_t C;
   __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
     return *reinterpret_cast<const Raw*>(x + row * C + c);
-  }
-  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
-    if constexpr (kN == 8)
-      CopyAsync16(dst, x + row * C + c);
-    else
-      CopyAsync8(dst, x + row * C + c);
   }
   __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
     v[0] = Bf16Lo(r.x), v[1] = Bf16Hi(r.x), v[2] = Bf16Lo(r.y), v[3] = Bf16Hi(r.y);
@@ -120,10 +86,6 @@ struct RowsE4m3 {
   int64_t C;
   __device__ __forceinline__ Raw Load(int64_t row, int64_t c) const {
     return {*reinterpret_cast<const uint2*>(x + row * C + c), scales[row * (C / 128) + c / 128]};
-  }
-  __device__ __forceinline__ void CopyAsync(Raw* dst, int64_t row, int64_t c) const {
-    CopyAsync8(&dst->q, x + row * C + c);
-    CopyAsync4(&dst->s, scales + row * (C / 128) + c / 128);
   }
   __device__ __forceinline__ static void Values(const Raw& r, float (&v)[kLaneCh]) {
     // DequantizeE4m3Pair's product by a power of two is exact.
@@ -184,7 +146,7 @@ __device__ inline void BuildTables(const int32_t* sizes, int G, int64_t M, int32
 
 // ---- one item ----
 
-// 16-byte aligned in size: the persistent kernel's stage (16-byte slots, cp.async targets) follows it in shared memory.
+// 16-byte aligned in size: the probe's persistent schedule puts its stage (16-byte cp.async slots) after it.
 template <class In>
 struct alignas(16) Shared {
   static constexpr int kCh = 32 * In::kLaneCh;  // channels of an item
@@ -336,66 +298,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   for (int k = 0; k < kRowsPerWarp; ++k)
     if (row0 + k < tile.rows) raw[k] = in.Load(tile.first + row0 + k, c0 + In::kLaneCh * lane);
   QuantizeItem<In>(raw, tile.rows, t, c0, C, Mp, sm, q_t, s);
-}
-
-// Persistent: CTA b takes items b, b + gridDim.x, ...; the next item's rows are copied (cp.async) into the thread's
-// own slots of a shared stage while the current item is quantized from registers, so no CTA-wide barrier guards the
-// stage. Dynamic shared memory: PersistentSmem<In>().
-template <class In>
-constexpr int PersistentSmem() {
-  return static_cast<int>(sizeof(Shared<In>) + sizeof(Stage<typename In::Raw>));
-}
-template <class In>
-__global__ void __launch_bounds__(kThreads, 2)
-    QuantizeColumnsPersistent(In in, int64_t M, int64_t C, const int32_t* __restrict__ sizes, int G, int64_t Mp,
-                              int64_t items, uint8_t* __restrict__ q_t, float* __restrict__ s) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ uint32_t sink;  // see below
-  Shared<In>& sm = *reinterpret_cast<Shared<In>*>(smem);
-  static_assert(sizeof(Shared<In>) % 16 == 0, "the stage's slots must be 16-byte aligned");
-  auto& stage = reinterpret_cast<Stage<typename In::Raw>*>(smem + sizeof(Shared<In>))->raw;
-  constexpr int kCh = Shared<In>::kCh;
-  const int64_t blocks = C / kCh;
-  const int lane = threadIdx.x & 31, row0 = (threadIdx.x >> 5) * kRowsPerWarp;
-  BuildTables(sizes, G, M, sm.row_off, sm.tile_off);
-  __syncthreads();
-  // Issue the copies of an item's rows (this thread's) into the stage; its tile's placement is returned.
-  auto issue = [&](int64_t item) {
-    const int64_t t = item / blocks, c0 = (item % blocks) * kCh;
-    const ColumnTileRows tile = PlaceColumnTile(t, sm.row_off, sm.tile_off, G);
-#pragma unroll
-    for (int k = 0; k < kRowsPerWarp; ++k)
-      if (row0 + k < tile.rows) in.CopyAsync(&stage[k][threadIdx.x], tile.first + row0 + k, c0 + In::kLaneCh * lane);
-    CommitCopies();
-    return tile;
-  };
-  int64_t item = blockIdx.x;
-  if (item >= items) return;
-  ColumnTileRows tile = issue(item);
-  for (; item < items; item += gridDim.x) {
-    const int64_t t = item / blocks, c0 = (item % blocks) * kCh;
-    const int rows = tile.rows;
-    typename In::Raw raw[kRowsPerWarp];
-    WaitCopies();  // this thread's copies: the only slots it reads
-    uint32_t read = 0;  // every word read from the stage: the next copies into these slots wait for it
-#pragma unroll
-    for (int k = 0; k < kRowsPerWarp; ++k)
-      if (row0 + k < rows) {
-        raw[k] = stage[k][threadIdx.x];
-#pragma unroll
-        for (int w = 0; w < (int)(sizeof(raw[k]) / 4); ++w) read ^= reinterpret_cast<const uint32_t*>(&raw[k])[w];
-      }
-    // The shared loads above and the cp.async writes below touch the same slots, and PTX does not order a thread's
-    // ld.shared before its later cp.async: a store of every loaded word's XOR (to a word nothing reads) needs the
-    // loads' registers, so they have landed before it issues, and the copies issue after it (asm volatile, memory
-    // clobbers: kept in order).
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(&sink)), "r"(read) : "memory");
-    if (item + gridDim.x < items) tile = issue(item + gridDim.x);
-    if (rows == 0)
-      EmptyItem<kCh>(t, c0, C, Mp, q_t, s);
-    else
-      QuantizeItem<In>(raw, rows, t, c0, C, Mp, sm, q_t, s);
-  }
 }
 
 }  // namespace jmo::cuda::qcols
