@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_moe_overlap as jmo
+from jax_moe_overlap.checks import QUANTIZATIONS
 from benchmarks import common
 from benchmarks import device_trace
 
@@ -155,8 +156,8 @@ def main(argv=None):
   ap.add_argument("--capacity-factor", type=float, default=1.25, help="0: dropless")
   ap.add_argument("--ranks", type=int, default=1, help="the expert axis' size (the first devices)")
   ap.add_argument("--impl", default="overlap")
-  ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
-                  help="fp8: the FP8 recipe's layer (d-model and d-ff multiples of 128)")
+  ap.add_argument("--quantization", choices=("none", *filter(None, QUANTIZATIONS)), default="none",
+                  help="an FP8 mode: the FP8 recipe's layer (d-model and d-ff multiples of 128)")
   ap.add_argument("--min-mib", type=float, default=-1.0,
                   help="list ops moving at least this many MiB (default: half of a rank's routed rows)")
   ap.add_argument("--calls", type=int, default=0, help="trace this many calls and report device time")
@@ -171,7 +172,7 @@ def main(argv=None):
   ops = glue_ops(hlo)
   routed = T * k * D * 2 // R                                   # one rank's routed rows (the program is per rank)
   floor = a.min_mib * 2**20 if a.min_mib >= 0 else routed / 2
-  recipe = ", the fp8 recipe" if quantization else ""
+  recipe = f", quantization {quantization}" if quantization else ""
   print(f"one layer, forward + backward ({a.impl}): T={T} D={D} F={F} E={E} k={k} cf={a.capacity_factor or None} "
         f"bf16{recipe}, R={R}, {platform}; a rank's routed rows [T*k/R, D]: {routed / 2**20:.1f} MiB")
   timed = {}

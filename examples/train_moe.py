@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils  # pylint: disable=wrong-import-pos
 import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import step_profile  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_moe_overlap.checks import QUANTIZATIONS  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_args(argv=None):
@@ -68,7 +69,7 @@ def parse_args(argv=None):
   g.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax", help="router scores")
   g.add_argument("--shared-experts", type=int, default=0, help="always-on experts of width --d-ff")
   g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-  g.add_argument("--quantization", choices=("none", "fp8", "fp8_bf16_wgrad"), default="none",
+  g.add_argument("--quantization", choices=("none", *filter(None, QUANTIZATIONS)), default="none",
                  help="fp8: the routed experts' GEMMs in FP8 by DeepSeek-V3's recipe (MoEConfig.quantization; "
                       "--d-model and --d-ff multiples of 128, as the gpu preset's are): with --impl overlap (x "
                       "dispatched in FP8 by the custom calls) or collective on the e4m3 grouped "

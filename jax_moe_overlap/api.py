@@ -78,8 +78,9 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       the FP8 grouped GEMM, the combine in x's dtype: ``fp8_overlap.py``) and "collective" (the FP8 grouped GEMM:
       Hopper GPUs, its emulation on CPU; the two give the same bits, but with a tensor axis, where "overlap" returns
       the shards' partials per slot in x's dtype), "xla" or "reference" (the recipe emulated in XLA).
-      "fp8_bf16_wgrad": the same with the two weight gradients on bfloat16 operands (``fp8_experts.bf16_wgrad``). The weights' gradients are those of the quantized weights (straight-through), in the
-      weights' dtype; pre-quantized weights get none.
+      "fp8_bf16_wgrad": the same with the two weight gradients on bfloat16 operands (``fp8_experts.bf16_wgrad``).
+      The weights' gradients are those of the quantized weights (straight-through), in the weights' dtype;
+      pre-quantized weights get none.
   Returns:
     y [T, D] in x's dtype and sharding, dropped: int32 number of (token, choice) slots dropped by the capacity rule.
 

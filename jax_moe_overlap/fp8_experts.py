@@ -17,11 +17,14 @@ values and their float32 scales) and chooses how the GEMMs run:
                of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU forward (h and its
                quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a; the SwiGLU
                backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
-               one pass over a and dh. x and dy, which the backward holds
-               row-quantized, go to the column quantizer as e4m3 values and scales (no float32 copy; on GPUs only
-               with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and where D is a multiple of 256, the call's item).
+               one pass over a and dh. x and dy, which the backward holds row-quantized, go to the column quantizer
+               as e4m3 values and scales (no float32 copy; on GPUs only with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and
+               where D is a multiple of 256, the call's item).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward.
+
+Under quantization="fp8_bf16_wgrad" each backend's ``bf16_wgrad`` form computes the two wgrads on bfloat16 operands
+instead (no 128 x 1 quantization); ``recipe_gemms(backend, quantization)`` gives the Gemms of either mode.
 
 With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
 

@@ -113,5 +113,6 @@ def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute, quantization: str 
   """Per-rank FP8 expert block. x [T, D] (D a multiple of 128), gates [T, k] float32 (the route's slots per token),
   w1 [E_local, D, 2F], w2 [E_local, F, D] (master weights or ``fp8.Fp8Weight``; with a tensor axis this rank's
   shards) -> y [T, D] in x's dtype."""
-  slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=recipe_gemms("kernels", quantization)))
+  gemms = recipe_gemms("kernels", quantization)
+  slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=gemms))
   return combine_slots(slot_out, gates, route.plan.slot_ret_row >= 0).astype(x.dtype)

@@ -10,13 +10,14 @@ One code path, two choices of the local expert GEMMs (``LOCAL_EXPERTS``):
   the same grouped GEMMs). The exchange needs no workspace, so the expert axis may span hosts (NCCL on GPUs):
   ``moe_experts`` chooses it where ``impl="overlap"`` cannot run for that reason (``hosts.py``).
 
-Under quantization="fp8" both run DeepSeek-V3's FP8 recipe (``fp8_experts.py``) with the GEMMs of ``FP8_GEMMS``
-(``"xla"``: ragged_dot on the dequantized operands; ``"collective"``: the FP8 grouped GEMM), and the rows cross the
-exchange in FP8 (``fp8_exchange.py``): quantized 1 x 128 with power-of-two scales on the token's owner, e4m3 values
-and float32 scales in one packed row of D + D / 32 bytes, read by GEMM1 as they land; in the backward the output
-gradient likewise, read by GEMM2's dgrad. The combine and the input gradient cross in the compute dtype. The
-outputs and gradients are bit for bit those of the compute dtype's exchange with the rows quantized on arrival
-(a 1 x 128 tile lies within a row, and the exchange moves rows unchanged).
+Under quantization="fp8" both run DeepSeek-V3's FP8 recipe (``fp8_experts.py``) with the GEMMs of
+``fp8_experts.recipe_gemms(FP8_BACKENDS[impl], quantization)`` (``"xla"``: ragged_dot on the dequantized operands;
+``"collective"``: the FP8 grouped GEMM), and the rows cross the exchange in FP8 (``fp8_exchange.py``): quantized
+1 x 128 with power-of-two scales on the token's owner, e4m3 values and float32 scales in one packed row of D + D / 32
+bytes, read by GEMM1 as they land; in the backward the output gradient likewise, read by GEMM2's dgrad. The combine
+and the input gradient cross in the compute dtype. The outputs and gradients are bit for bit those of the compute
+dtype's exchange with the rows quantized on arrival (a 1 x 128 tile lies within a row, and the exchange moves rows
+unchanged).
 
 Same semantics as ``impl="reference"``: the plan's capacity rule (first come first served in the global slot order),
 skipped slots (id -1) moving nothing, the sum over a token's choices in the fixed order j = 0..k-1. The exchange is
@@ -76,9 +77,9 @@ def ragged_dot_mlp(x_recv, w1, w2, group_sizes):
 LOCAL_EXPERTS = {"xla": ragged_dot_mlp, "collective": expert_mlp}
 # Under quantization="fp8" both run the FP8 recipe (fp8_experts.py) on rows exchanged in FP8 (fp8_exchange.py), with
 # these GEMMs: impl="xla" ragged_dot on the dequantized operands (the emulation, the baseline), impl="collective"
-# this library's FP8 grouped GEMM on the quantized operands (the e4m3 wgmma kernel on Hopper, its emulation on CPU).
-# The backend of fp8_experts.recipe_gemms per impl.
-FP8_GEMMS = {"xla": "ragged_dot", "collective": "kernels"}
+# this library's FP8 grouped GEMM on the quantized operands (the e4m3 wgmma kernel on Hopper, its emulation on CPU):
+# the backend that fp8_experts.recipe_gemms takes, per impl.
+FP8_BACKENDS = {"xla": "ragged_dot", "collective": "kernels"}
 
 
 def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, expert_cap: int, recv_cap: int,
@@ -87,14 +88,14 @@ def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, exper
   """The expert layer with tokens sharded over ``(*batch_axes, axis_name, tensor_axis)``, experts over ``axis_name``
   and their hidden width over ``tensor_axis`` (each position on the batch axes an independent expert-parallel
   group), the local experts run by ``LOCAL_EXPERTS[impl]`` (``impl``: "xla" or "collective"; with
-  quantization="fp8" the recipe with ``FP8_GEMMS[impl]``, its rows exchanged in FP8). w1: [E, D, 2F] or its view
+  quantization="fp8" the recipe with ``FP8_BACKENDS[impl]``, its rows exchanged in FP8). w1: [E, D, 2F] or its view
   [E, D, 2, F] (with quantization="fp8" also an ``fp8.Fp8Weight``, as w2). expert_cap: rows per expert; recv_cap: a
   rank's recv rows for the T TP tokens of its tensor group. Returns (y [T, D], dropped [])."""
   ragged = _uses_ragged_all_to_all(mesh)
   if quantization is None:
     experts = functools.partial(_unquantized_experts, LOCAL_EXPERTS[impl])
   else:
-    experts = functools.partial(fp8_exchanged_experts, gemms=recipe_gemms(FP8_GEMMS[impl], quantization))
+    experts = functools.partial(fp8_exchanged_experts, gemms=recipe_gemms(FP8_BACKENDS[impl], quantization))
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
                          num_experts=w2.shape[0], expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
                          experts=experts)

@@ -246,7 +246,8 @@ def test_fp8_needs_multiples_of_128():
 def test_refusals():
   mesh = mesh_of(4)
   x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
-  with pytest.raises(ValueError, match=r"quantization must be None \(no quantization\), 'fp8' or 'fp8_bf16_wgrad', got 'int8'"):
+  with pytest.raises(ValueError,
+                     match=r"quantization must be None \(no quantization\), 'fp8' or 'fp8_bf16_wgrad', got 'int8'"):
     jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="xla", quantization="int8")
   with pytest.raises(ValueError, match=r"quantization must be None"):
     jmo.MoEConfig(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="e4m3")
