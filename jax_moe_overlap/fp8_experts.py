@@ -81,9 +81,10 @@ class Gemms:
     the recipe v quantized per 128 x 1 tile (``fp8.quantize_columns``' values and scales), in row layout (q [M, C],
     s [tiles.count, C]) for the XLA backends, in the kernel's token-contiguous one
     (``grouped_gemm.quantize_columns_fp8``) for ``KERNELS``; under ``bf16_wgrad`` v in bfloat16.
-  outer(lhs = columns(a, tiles), rhs = columns(b, tiles), tiles, group_sizes [G]) -> [G, K, N] float32:
-    a[rows of g]^T @ b[rows of g] on the operands as ``columns`` gave them (the recipe: dequantized per 128 x 1
-    tile).
+  outer(lhs = columns(a, tiles), rhs = columns(b, tiles), tiles, group_sizes [G], out_dtype) -> [G, K, N] in
+    out_dtype: a[rows of g]^T @ b[rows of g] on the operands as ``columns`` gave them (the recipe: dequantized per
+    128 x 1 tile), accumulated in float32, then rounded to out_dtype (the master weight's: the kernels write the
+    gradient in it, no float32 copy to convert).
   swiglu_forward(a [M, 2F] float32) -> (h_rows, a_rows): fp8.quantize_rows(swiglu(a)) (GEMM2's operand) and
     fp8.quantize_rows(a) (what the backward keeps). ``swiglu_forward_composed`` is the jnp composition (``DENSE``,
     ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_forward_fp8``, one custom call for both.
@@ -134,8 +135,9 @@ def _on_dequantized(name: str, rows_f32: Callable, outer_f32: Callable) -> Gemms
   def rows(lhs_q, lhs_s, w, group_sizes, out_dtype=jnp.float32):
     return rows_f32(fp8.dequantize_rows(lhs_q, lhs_s), w.dequantize(), group_sizes).astype(out_dtype)
 
-  def outer(lhs, rhs, tiles, group_sizes):
-    return outer_f32(fp8.dequantize_columns(*lhs, tiles), fp8.dequantize_columns(*rhs, tiles), group_sizes)
+  def outer(lhs, rhs, tiles, group_sizes, out_dtype=jnp.float32):
+    return outer_f32(fp8.dequantize_columns(*lhs, tiles), fp8.dequantize_columns(*rhs, tiles),
+                     group_sizes).astype(out_dtype)
 
   return Gemms(name, rows, fp8.quantize_columns, outer, swiglu_forward_composed,
                swiglu_backward_composed(fp8.quantize_columns))
@@ -165,8 +167,8 @@ def _kernel_columns(v, tiles):
   return quantize_columns_fp8(v, tiles)
 
 
-def _kernel_outer(lhs, rhs, tiles, group_sizes):
-  return grouped_outer_fp8_packed(lhs, rhs, group_sizes)
+def _kernel_outer(lhs, rhs, tiles, group_sizes, out_dtype=jnp.float32):
+  return grouped_outer_fp8_packed(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
 
 
 def _switched_call(call, xla, on_gpu: bool):
@@ -220,22 +222,24 @@ def _bf16_row_columns(q, s, tiles):
   return fp8.dequantize_rows(q, s).astype(jnp.bfloat16)
 
 
-def bf16_wgrad(gemms: Gemms, outer_f32: Callable) -> Gemms:
+def bf16_wgrad(gemms: Gemms, outer: Callable) -> Gemms:
   """``gemms`` with the two weight gradients on bfloat16 operands (quantization="fp8_bf16_wgrad"): dW2 = h^T dy and
-  dW1 = x^T da by ``outer_f32`` (bfloat16 [M, K] and [M, N], group_sizes -> [G, K, N] float32), x and dy the
+  dW1 = x^T da by ``outer`` (bfloat16 [M, K] and [M, N], group_sizes, out_dtype -> [G, K, N] in out_dtype, summed in
+  float32), x and dy the
   dequantized rows (exact), h and da rounded from float32. The forward and the two dgrads stay the recipe's FP8 GEMMs;
   no operand is re-quantized 128 x 1 (docs/design.md, "FP8")."""
   return Gemms(f"{gemms.name}, bf16 wgrad", gemms.rows, _bf16_columns,
-               lambda lhs, rhs, tiles, group_sizes: outer_f32(lhs, rhs, group_sizes), gemms.swiglu_forward,
+               lambda lhs, rhs, tiles, group_sizes, out_dtype=jnp.float32: outer(lhs, rhs, group_sizes, out_dtype),
+               gemms.swiglu_forward,
                swiglu_backward_composed(_bf16_columns), _bf16_row_columns)
 
 
-def _dense_outer_bf16(lhs, rhs, group_sizes):
-  return _dense_outer(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes)
+def _dense_outer_bf16(lhs, rhs, group_sizes, out_dtype):
+  return _dense_outer(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes).astype(out_dtype)
 
 
-def _kernel_outer_bf16(lhs, rhs, group_sizes):
-  return expert_gemms.outer(lhs, rhs, group_sizes, jnp.float32)
+def _ragged_outer_bf16(lhs, rhs, group_sizes, out_dtype):
+  return ragged_outer_f32(lhs, rhs, group_sizes).astype(out_dtype)
 
 
 # The recipe's GEMMs per backend and quantization (checks.QUANTIZATIONS' FP8 modes): "dense" is the oracle
@@ -245,8 +249,8 @@ _GEMMS = {
     ("ragged_dot", "fp8"): RAGGED,
     ("kernels", "fp8"): KERNELS,
     ("dense", "fp8_bf16_wgrad"): bf16_wgrad(DENSE, _dense_outer_bf16),
-    ("ragged_dot", "fp8_bf16_wgrad"): bf16_wgrad(RAGGED, ragged_outer_f32),
-    ("kernels", "fp8_bf16_wgrad"): bf16_wgrad(KERNELS, _kernel_outer_bf16),
+    ("ragged_dot", "fp8_bf16_wgrad"): bf16_wgrad(RAGGED, _ragged_outer_bf16),
+    ("kernels", "fp8_bf16_wgrad"): bf16_wgrad(KERNELS, expert_gemms.outer),
 }
 
 
@@ -280,14 +284,16 @@ def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
   (xq, xs, (aq, a_s), w1q, w2q, group_sizes, w1_like, w2_like) = kept
   tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
 
+  # Each weight gradient in its master weight's dtype (a pre-quantized weight's cotangent is zeros: float32 there).
+  w1_dtype, w2_dtype = (jnp.float32 if like is None else like.dtype for like in (w1_like, w2_like))
   dh = gemms.rows(dyq, dys, fp8.transpose_weight(w2q), group_sizes)
   h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh, tiles)
-  dw2 = gemms.outer(h_cols, gemms.columns_of_rows(dyq, dys, tiles), tiles, group_sizes)
+  dw2 = gemms.outer(h_cols, gemms.columns_of_rows(dyq, dys, tiles), tiles, group_sizes, w2_dtype)
   dx = gemms.rows(*da_rows, fp8.transpose_weight(w1q), group_sizes, dx_dtype)
-  dw1 = gemms.outer(gemms.columns_of_rows(xq, xs, tiles), da_cols, tiles, group_sizes)
+  dw1 = gemms.outer(gemms.columns_of_rows(xq, xs, tiles), da_cols, tiles, group_sizes, w1_dtype)
 
   def weight_ct(dw, like, wq):
-    return jax.tree.map(jnp.zeros_like, wq) if like is None else dw.astype(like.dtype)
+    return jax.tree.map(jnp.zeros_like, wq) if like is None else dw
 
   return dx, weight_ct(dw1, w1_like, w1q), weight_ct(dw2, w2_like, w2q)
 
