@@ -18,9 +18,14 @@ of rows, counted on it by common.exchanged_rows on a two-rank mesh of the host's
 traced only), 2D in bf16, D + D / 32 under fp8 (e4m3 values and a float32 scale per 128); the timed layer runs on
 one device, where no rows cross an exchange. Empty where the host has one CPU device
 (XLA_FLAGS=--xla_force_host_platform_device_count=2 gives it two).
-Nothing is timed before it agrees: bf16 with the float32 reference (references.layer_reference, max-relative error
-err_bf16 <= 2e-2), fp8 with the fp8 emulation on the same inputs (err_fp8, max |impl - xla| / max |xla| <= 2e-2:
-the same quantized operands, different float32 summation orders).
+Nothing is timed before it agrees with the float32 reference (references.layer_reference) on the first input set:
+bf16 within err_bf16 <= 2e-2 (max-relative error, the largest over the pass's outputs); fp8, output by output, within
+FP8_MARGIN times the fp8 emulation's own error against that reference (err_fp8 and err_emulation: the largest over
+the outputs). The kernels and the emulation quantize the same values, but a float32 sum that differs in its last bit
+(the tensor core's order, or XLA:GPU's) can move a value across an e4m3 rounding boundary, and the downstream
+quantizations carry that one step (up to 1/16 of the value) on: at Mixtral-like sizes the two FP8 computations part
+by up to 6% of max |dW| while each is 6-10% from the float32 layer (docs/performance.md), so the emulation's error
+sizes the bound. fp8_vs_emulation: their largest max-relative difference, reported.
 
   python3 -m benchmarks.bench_fp8_layer --out /tmp/fp8_layer.jsonl
   python3 -m benchmarks.bench_fp8_layer --quick --out /tmp/fp8_layer_quick.jsonl
@@ -38,28 +43,46 @@ from benchmarks import common
 from benchmarks import references
 
 MAX_ERR = 2e-2
+FP8_MARGIN = 1.1  # an fp8 output's error against the float32 reference, at most this times the emulation's
 
 
-def shapes(quick: bool):
-  """(name, tokens, D, F, E, k): bench_layer's Mixtral-like and DeepSeek-like layers (--quick: a small one)."""
+def shapes(quick: bool, tokens: int = 0):
+  """(name, tokens, D, F, E, k): bench_layer's Mixtral-like and DeepSeek-like layers (--quick: a small one), at 4096
+  tokens or ``tokens``."""
   if quick:
-    return [("small", 2048, 1024, 1024, 8, 2)]
-  return [("mixtral-like", 4096, 4096, 14336, 8, 2), ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8)]
+    return [("small", tokens or 2048, 1024, 1024, 8, 2)]
+  T = tokens or 4096
+  return [("mixtral-like", T, 4096, 14336, 8, 2), ("deepseek-like E_l=32", T, 7168, 2048, 32, 8)]
+
+
+def _speedup(bf16_ms: str, fp8_ms: str) -> str:
+  try:
+    return f"{float(bf16_ms) / float(fp8_ms):.2f}"
+  except ValueError:  # either one a message
+    return ""
 
 
 def layer_fn(mesh, impl: str, quantization: str | None):
   return lambda *a: jmo.moe_experts(*a, mesh=mesh, impl=impl, quantization=quantization)[0]
 
 
-def _checked_ms(fn, arg_sets, ref_outs, what: str):
-  """(ms, err) of fn after checking it against ref_outs on the first input set; (message, err) when it is wrong."""
+def output_errors(got, ref_outs) -> list[float]:
+  """Each output's max-relative error against the reference's."""
+  return [references.max_rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref_outs))]
+
+
+def _checked_ms(fn, arg_sets, ref_outs, bounds, what: str):
+  """(ms, errors) of fn after checking each output against ref_outs within its bound on the first input set, (message,
+  errors) when one is out of bounds, (message, [nan]) when fn fails."""
   try:
-    err = bench_layer.error_vs(ref_outs, fn(*arg_sets[0]))
-    if not err <= MAX_ERR:  # (NaN too)
-      return f"wrong result ({what}), not timed", err
-    return f"{common.time_fn(fn, arg_sets) * 1e3:.3f}", err
+    got = fn(*arg_sets[0])
+    errs = output_errors(got, ref_outs)
+    del got
+    if not all(e <= b for e, b in zip(errs, bounds)):  # (NaN too)
+      return f"wrong result ({what}), not timed", errs
+    return f"{common.time_fn(fn, arg_sets) * 1e3:.3f}", errs
   except Exception as e:  # pylint: disable=broad-except
-    return f"error: {type(e).__name__}: {str(e)[:100]}", float("nan")
+    return f"error: {type(e).__name__}: {str(e)[:100]}", [float("nan")]
 
 
 def main(argv=None):
@@ -67,13 +90,14 @@ def main(argv=None):
   ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
   ap.add_argument("--impls", default="collective,overlap", help="comma list of collective, overlap")
   ap.add_argument("--no-xla", action="store_true", help="leave out the fp8 emulation's timing (impl='xla')")
+  ap.add_argument("--tokens", type=int, default=0, help="tokens per layer call (default: each shape's)")
   args = ap.parse_args(argv)
   mesh = jax.make_mesh((1,), ("expert",))
   cpus = jax.devices("cpu")
   count_mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("expert",)) if len(cpus) >= 2 else None
   table = common.Table(["shape", "pass", "impl", "bf16_ms", "fp8_ms", "speedup", "err_bf16", "err_fp8",
-                        "dispatch_B_row_bf16", "dispatch_B_row_fp8"])
-  for name, T, D, F, E, k in shapes(args.quick):
+                        "err_emulation", "fp8_vs_emulation", "dispatch_B_row_bf16", "dispatch_B_row_fp8"])
+  for name, T, D, F, E, k in shapes(args.quick, args.tokens):
     if not common.shape_selected(args, name):
       continue
     arg_sets = [common.layer_operands(T, D, F, E, k, seed=s) for s in range(2)]
@@ -81,29 +105,39 @@ def main(argv=None):
                                                                             *arg_sets[0])[0][2] if count_mesh else ""
                       for q in (None, "fp8")}
     for pname in args.passes.split(","):
-      base = dict(shape=name, **{"pass": pname}, **dispatch_bytes)
+      base = dict(shape=f"{name} T={T}", **{"pass": pname}, **dispatch_bytes)
       ref = bench_layer.pass_fn(references.layer_reference(np.asarray(arg_sets[0][1]), E), pname)(*arg_sets[0])
       emulation = bench_layer.pass_fn(layer_fn(mesh, "xla", "fp8"), pname)
+      n_out = len(jax.tree.leaves(ref))
       try:
         fp8_ref, why = emulation(*arg_sets[0]), ""
+        emulation_errs = output_errors(fp8_ref, ref)
       except Exception as e:  # pylint: disable=broad-except
         fp8_ref, why = None, f"not checked (the fp8 emulation failed: {type(e).__name__}: {str(e)[:100]})"
       for impl in args.impls.split(","):
         row = dict(base, impl=impl)
-        bf16_ms, err = _checked_ms(bench_layer.pass_fn(layer_fn(mesh, impl, None), pname), arg_sets, ref,
-                                   "vs the float32 reference")
-        row.update(bf16_ms=bf16_ms, err_bf16=f"{err:.1e}")
+        bf16_ms, errs = _checked_ms(bench_layer.pass_fn(layer_fn(mesh, impl, None), pname), arg_sets, ref,
+                                    [MAX_ERR] * n_out, "vs the float32 reference")
+        row.update(bf16_ms=bf16_ms, err_bf16=f"{max(errs):.1e}")
         if fp8_ref is None:
           row.update(fp8_ms=why)
         else:
-          fp8_ms, err = _checked_ms(bench_layer.pass_fn(layer_fn(mesh, impl, "fp8"), pname), arg_sets, fp8_ref,
-                                    "vs the fp8 emulation")
-          row.update(fp8_ms=fp8_ms, err_fp8=f"{err:.1e}")
-          try:
-            row["speedup"] = f"{float(bf16_ms) / float(fp8_ms):.2f}"
-          except ValueError:
-            pass
+          fp8_fn = bench_layer.pass_fn(layer_fn(mesh, impl, "fp8"), pname)
+          bounds = [FP8_MARGIN * e for e in emulation_errs]
+          what = f"vs the float32 reference, beyond {FP8_MARGIN} x the fp8 emulation's error"
+          fp8_ms, errs = _checked_ms(fp8_fn, arg_sets, ref, bounds, what)
+          row.update(fp8_ms=fp8_ms, speedup=_speedup(bf16_ms, fp8_ms), err_fp8=f"{max(errs):.1e}",
+                     err_emulation=f"{max(emulation_errs):.1e}",
+                     fp8_vs_emulation=f"{bench_layer.error_vs(fp8_ref, fp8_fn(*arg_sets[0])):.1e}")
         table.add(**row)
+        if pname == "fwd" and fp8_ref is not None:
+          # Inference: the weights quantized once (jmo.quantize_weights, untimed), so a call reads only FP8 weights.
+          pre_sets = [(*a[:3], *jmo.quantize_weights(a[3], a[4])) for a in arg_sets]
+          fp8_ms, errs = _checked_ms(jax.jit(layer_fn(mesh, impl, "fp8")), pre_sets, ref, bounds, what)
+          table.add(**dict(base, impl=f"{impl}, weights pre-quantized"), bf16_ms=bf16_ms, fp8_ms=fp8_ms,
+                    speedup=_speedup(bf16_ms, fp8_ms), err_bf16=row["err_bf16"], err_fp8=f"{max(errs):.1e}",
+                    err_emulation=row["err_emulation"])
+          del pre_sets
         jax.clear_caches()
       if fp8_ref is not None and not args.no_xla:
         table.add(**base, impl="xla (fp8 emulation)", fp8_ms=f"{common.time_fn(emulation, arg_sets) * 1e3:.3f}")
