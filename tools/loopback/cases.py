@@ -256,8 +256,8 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "regret-gather", "tensor",
-          "tensor-time", "small", "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "regret-gather",
+          "regret-push", "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -385,23 +385,26 @@ REGRET_P = (1, 2, 3, 4, 6, 8, 12)
 
 
 def _regret(base: Case) -> list[Case]:
-  # The resource manager's choices against a sweep of pinned counts on the same data (tools/loopback/regret.py):
-  # expert_combine's C on combine-time's shapes over the emulated NVLink at R = 2, 4, 8, then dispatch_gemm's P on
-  # dispatch-gemm-time's shape (train mode) over the emulated NVLink at R = 2, 4, 8 and at HBM speed at R = 2, with the
-  # shipped calibration; and gather_rs's C (GEMM2 + GatherRS, REGRET_GATHER).
+  # The resource manager's choices against a sweep of pinned counts on the same data (tools/loopback/regret.py), with
+  # the shipped calibration: expert_combine's C on combine-time's shapes over the emulated NVLink at R = 2, 4, 8, then
+  # gather_rs's C (GEMM2 + GatherRS, _regret_gather) and dispatch_gemm's P (_regret_push).
   v = []
   for shape in COMBINE_SHAPES.values():
     for R in (2, 4, 8):
       link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
                                    link_gbps=link, sweep=REGRET_C, **shape, **dict(_TIMED, table=False)))
-  v += _regret_gather(base)
+  return v + _regret_gather(base) + _regret_push(base)
+
+
+def _regret_push(base: Case) -> list[Case]:
+  # dispatch_gemm's P on dispatch-gemm-time's shape (train mode) over the emulated NVLink at R = 2, 4, 8 and at HBM
+  # speed at R = 2, once per pinned P of REGRET_P and once with the library's P, on the same data.
   dg = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, dispatch_gemm_mode="train",
             dispatch_gemm_pushers=AUTO, dg_sweep=REGRET_P + (0,), **_TIMED)
-  for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0)):
-    v.append(dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link),
-                                 **dict(dg, tokens=2048 if R == 8 else 4096)))
-  return v
+  return [dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link),
+                              **dict(dg, tokens=2048 if R == 8 else 4096))
+          for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0))]
 
 
 # gather_rs's regret cases: (expert ranks, tensor ranks) of R = 4 as 2 x 2 and R = 8 as 4 x 2 and 2 x 4, each in
@@ -536,6 +539,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _regret(base)
   if name == "regret-gather":  # regret's gather_rs cases alone
     return _regret_gather(base)
+  if name == "regret-push":  # regret's dispatch_gemm cases alone
+    return _regret_push(base)
   if name == "tensor":
     return _tensor(base)
   if name == "tensor-time":

@@ -17,6 +17,8 @@
                                                     3% / 10%)
   python -m tools.loopback.run --suite regret-gather    its gather_rs cases alone: R = 4 as 2 x 2, R = 8 as 4 x 2 and
                                                         2 x 4, bf16 (the model's C) and float32 (the fixed C)
+  python -m tools.loopback.run --suite regret-push      its dispatch_gemm cases alone: P at R = 2, 4, 8 over the
+                                                        emulated NVLink and at R = 2 at HBM speed
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts,
                                                     the shards' partials summed per slot and by GatherRS

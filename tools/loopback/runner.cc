@@ -150,9 +150,11 @@ class Run {
     WorkspaceSizes sizes{row_bytes, cap_, std::max<int64_t>(P_, partials), MaxBands(cap_, (int64_t)E_l_ * R_)};
     int sms = 0;
     LB_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, s_.device));
-    // The fixed C without a model: SMs / 8, as jax_moe_overlap.resource.fallback_consumer_ctas.
-    Status st = Workspace::Create(R_, 1, std::vector<int>(R_, s_.device), sizes, std::max(1, sms / 8), s_.sm_budget,
-                                  s_.has_model ? &s_.model : nullptr, &ws_);
+    // The fixed C without a model: an eighth of the SMs a rank has, as jax_moe_overlap.resource.fallback_consumer_ctas
+    // gives on a GPU of one rank (here each rank has SMs / R, or the pinned budget, as Workspace::Create sets them).
+    const int rank_sms = s_.sm_budget > 0 ? s_.sm_budget : std::max(2, sms / R_);
+    Status st = Workspace::Create(R_, 1, std::vector<int>(R_, s_.device), sizes, std::max(1, rank_sms / 8),
+                                  s_.sm_budget, s_.has_model ? &s_.model : nullptr, &ws_);
     if (!st.ok()) throw std::runtime_error("Workspace::Create: " + st.msg);
     res_.budget = ws_->budget(0, 0);
     res_.pushers = s_.dispatch_gemm_pushers > 0 ? s_.dispatch_gemm_pushers : 0;  // 0: the library's choice
