@@ -392,8 +392,8 @@ __device__ inline void TryExpandUnit(const RankDev& rd, const DispatchGemmArgs& 
   if (v >= 0) DoSideUnit(rd, g, d, sc, SideUnit(g, d, v), epoch);
 }
 
-// kXRecvFromTiles: the GEMM tiles store x_recv (x_recv_stage below); a kernel of its own, so that the side units'
-// copy runs the tile loop without the hook (the consumers' registers as without it).
+// kXRecvFromTiles: the GEMM tiles store x_recv (x_recv_stage below). A kernel of its own: the kernels whose side units
+// copy x_recv run the tile loop without the hook (nor the registers it takes in the consumer warpgroups).
 template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles>
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
