@@ -135,4 +135,5 @@ class RankInfo:
                 consumer_ctas=np.int32(cfg.consumer_ctas), serialize=np.bool_(cfg.serialize),
                 push_bulk_copy=np.bool_(tuning.bulk_copy), push_slots=np.int32(tuning.slots),
                 push_read_lag=np.int32(tuning.read_lag), push_issuers=np.int32(tuning.issuers),
-                pushers=np.int32(cfg.dispatch_pushers))  # 0: the library's choice, made by the launch
+                pushers=np.int32(cfg.dispatch_pushers),  # 0: the library's choice, made by the launch
+                x_recv_from_tiles=np.bool_(cfg.x_recv_from_tiles))

@@ -226,6 +226,10 @@ class CallConfig:
     either way. None (default): the library's choice (``call_site.send_once``): one row per slot (on the GPU the
     receiver's expansion costs more than the link bytes it saves; docs/performance.md). The backward's dispatch of
     ``gates * dy`` always sends one row per slot (each slot's row differs).
+  x_recv_from_tiles: how a fused dispatch_gemm call on CUDA writes the received rows it returns where it keeps them
+    (x_recv): False (default): copied from the workspace's recv rows by the pushing CTAs after their pushes and by
+    the GEMM CTAs that run out of tiles; True: stored by the GEMM1 tiles from the rows they hold in shared memory
+    (each row block's first column tile). The same bytes either way; no effect on CPU or on two-call dispatches.
   tensor_reduce: how an ``impl="overlap"`` layer with a tensor axis sums the tensor shards' partial outputs
     (docs/design.md, "GatherRS"). "per_slot": expert_combine returns every shard's partial of every slot to the
     token's owner, which sums them (partials in the layer's dtype). "gather_rs": each rank scales its GEMM2 rows by
@@ -242,6 +246,7 @@ class CallConfig:
   serialize: bool = False
   dispatch_pushers: int = 0
   send_once: bool | None = None
+  x_recv_from_tiles: bool = False
   consumer_tuning: ConsumerTuning = dataclasses.field(default_factory=ConsumerTuning)
   tensor_reduce: str = "auto"
 
@@ -260,6 +265,9 @@ class CallConfig:
     if self.send_once is not None and not isinstance(self.send_once, (bool, np.bool_)):
       raise ValueError(f"jax_moe_overlap: CallConfig.send_once must be None (the library's choice) or a bool, got "
                        f"{self.send_once!r}")
+    if not isinstance(self.x_recv_from_tiles, (bool, np.bool_)):
+      raise ValueError(f"jax_moe_overlap: CallConfig.x_recv_from_tiles must be a bool, got "
+                       f"{self.x_recv_from_tiles!r}")
     if self.serialize and self.dispatch_pushers > 0:
       raise ValueError(f"jax_moe_overlap: CallConfig(serialize=True) runs the dispatch and GEMM1 as two calls (no "
                        f"overlap anywhere); it excludes dispatch_pushers={self.dispatch_pushers}, which overlaps them")

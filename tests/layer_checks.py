@@ -211,21 +211,23 @@ def grouped_matmul_gemms():
     forget()
 
 
-def check_dispatch_gemm(mesh, pushers=2, seed=13):
+def check_dispatch_gemm(mesh, pushers=2, seed=13, x_recv_from_tiles=False):
   """CallConfig(dispatch_pushers=...) (the dispatch and GEMM1 with its SwiGLU in one dispatch_gemm call, and the
   backward's dispatch with d_out W2^T in another: on a Hopper GPU the fused kernel, on CPU its handler): forward and
   gradients bitwise equal to the two calls with jmo_grouped_matmul_swiglu as GEMM1 and jmo_grouped_matmul for the
   backward's d_out W2^T (``grouped_matmul_gemms``), and within TOL of the reference, every output computed into the
-  poison."""
+  poison. x_recv_from_tiles: CallConfig's (the fused kernels' x_recv, which the weight gradients' GEMMs read, stored
+  by their GEMM tiles)."""
   layer = Layer(mesh, "skewed", seed)
   args = layer.args(jnp.bfloat16)
   with grouped_matmul_gemms():
     plain = bits(layer.overlap()(*args))
-  fused_run = layer.overlap(jmo.CallConfig(dispatch_pushers=pushers))
+  fused_run = layer.overlap(jmo.CallConfig(dispatch_pushers=pushers, x_recv_from_tiles=x_recv_from_tiles))
   fused = fused_run(*args)
   same = [a == b for a, b in zip(bits(fused), plain)]
   errs = errors(fused, layer.reference())
-  print(f"R={layer.R} dispatch_pushers={pushers}: bitwise equal to two calls {same}; {_fmt(errs)}")
+  print(f"R={layer.R} dispatch_pushers={pushers} x_recv_from_tiles={x_recv_from_tiles}: bitwise equal to two calls "
+        f"{same}; {_fmt(errs)}")
   assert all(same), f"dispatch_pushers={pushers} differs from two calls: {same} (loss, y, dropped, dx, dg, dw1, dw2)"
   assert all(v < TOL for v in errs.values()), errs
   assert fused_run.aliased == fused_run.buffers

@@ -53,11 +53,11 @@ MODES = [("plain", False, False, True, False), ("plain_transposed", True, False,
          ("swiglu_train", False, True, True, True), ("swiglu_inference", False, True, False, False)]
 
 
-def _call_setup(mesh, tokens, k, cap_e, cap, dtype):
+def _call_setup(mesh, tokens, k, cap_e, cap, dtype, config=FUSED):
   R = mesh.shape["expert"]
   sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * k,
                          num_segments=E)
-  info = RankInfo(Workspace.get(mesh, "expert", sizes), FUSED)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes), config)
 
   def plan_of(ids):
     rank = jax.lax.axis_index("expert").astype(jnp.int32)
@@ -71,12 +71,12 @@ def _call_setup(mesh, tokens, k, cap_e, cap, dtype):
   return info, plan_of, sharded
 
 
-def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False):
+def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=FUSED):
   """(fused, two_calls, kept_rows, names): the call (sending each row once per destination rank with send_once) and
   its two-call twin (one row per slot), each returning the results the mode keeps (named by `names`), and each
-  rank's kept recv rows."""
+  rank's kept recv rows; the calls' CallConfig `config`."""
   _, transpose_rhs, swiglu, keep_recv, keep_a = mode
-  info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, dtype)
+  info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, dtype, config)
   slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
   names = tuple(n for n, kept in (("x_recv", keep_recv), ("out", True), ("a", keep_a)) if kept)
 
@@ -115,7 +115,7 @@ DEFAULT_CALLS = {("plain", "float32", "all_to_one"), ("plain", "bfloat16", "skew
     pytest.param(*routed, dtype, mode, id=f"{routed[0]}-{jnp.dtype(dtype).name}-{mode[0]}",
                  marks=() if (mode[0], jnp.dtype(dtype).name, routed[0]) in DEFAULT_CALLS else pytest.mark.slow)
     for routed in ROUTED for dtype in (jnp.float32, jnp.bfloat16) for mode in MODES])
-def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=False):
+def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=False, config=FUSED):
   # 160 tokens x 2 choices per rank: 3 send blocks per source; "all_to_one" gives segments of 160 rows (two tiles,
   # each across two blocks), "skewed" at cf 0.5 drops slots, and `skip` leaves every fifth token's second slot -1.
   # The twin: dispatch, then grouped_matmul (float32 out) or grouped_matmul_swiglu (h, and a when kept).
@@ -129,7 +129,7 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send
   kx, kw = jax.random.split(jax.random.PRNGKey(3))
   x = jax.random.normal(kx, (tokens * R, D), jnp.float32).astype(dtype)
   w = (jax.random.normal(kw, (E, N, D) if transpose_rhs else (E, D, N), jnp.float32) / np.sqrt(D)).astype(dtype)
-  fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once)
+  fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once, config)
   got = fused(jnp.asarray(ids), x, w)
   want = two_calls(jnp.asarray(ids), x, w)
   assert fused.aliased == fused.buffers == len(names) * R, \
@@ -156,6 +156,16 @@ def test_call_sending_once_equals_the_two_calls(kind, cf, skip, dtype, mode):
   # Send once (each token's row crosses to a rank once; the receiver fills its other rows before the GEMM tiles that
   # read them) against the two calls sending one row per slot: bit for bit, and src_blocks left zero.
   test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=True)
+
+
+def test_call_with_x_recv_from_tiles_equals_the_two_calls():
+  # CallConfig(x_recv_from_tiles=True) (on CUDA the GEMM tiles store x_recv) travels as a call attribute on every
+  # platform; the CPU handler decodes it with the other options and ignores it: the kept results are still the two
+  # calls' bit for bit. Then the config's type rule.
+  test_call_equals_dispatch_and_grouped_gemm(*ROUTED[1], jnp.bfloat16, MODES[2], send_once=True,
+                                             config=CallConfig(dispatch_pushers=2, x_recv_from_tiles=True))
+  with pytest.raises(ValueError, match="x_recv_from_tiles must be a bool"):
+    CallConfig(x_recv_from_tiles=1)
 
 
 def test_call_shape_errors_name_the_problem():

@@ -84,6 +84,7 @@ inline void ReadAttrs(AttrReader& r, CallAttrs* a) {
   r("push_read_lag", &o.tuning.push_read_lag);
   r("push_issuers", &o.tuning.push_issuers);
   r("pushers", &o.pushers);
+  r("x_recv_from_tiles", &o.x_recv_from_tiles);
 }
 
 inline void ReadAttrs(AttrReader& r, DispatchGemmAttrs* a) {

@@ -35,6 +35,10 @@ struct CallOptions {
   // resource model's, evaluated on the device from the call's routed counts, where the workspace has a model with a
   // pusher rate; else DefaultPushers below); > 0 = pinned (on CUDA at most the rank's SM budget - 1). No effect on CPU.
   int32_t pushers = 0;
+  // dispatch_gemm's x_recv (where kept) on CUDA: false = copied from recv by the side units (the pushers' CTAs after
+  // their pushes, and GEMM CTAs out of tiles); true = stored by the GEMM tiles from the A tiles they hold in shared
+  // memory (each m-tile's first column tile). The same bytes either way; no effect on CPU.
+  bool x_recv_from_tiles = false;
   // Benchmark aid of the loopback harness, where ranks share one GPU and "pushes to a peer" run at HBM speed: > 0
   // paces every push to another rank (the rows of dispatch and dispatch_gemm, the bands of expert_combine's consumer)
   // so that a rank's pushing CTAs together move at most this many GB/s, as over a link of that bandwidth (on CUDA:

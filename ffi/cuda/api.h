@@ -68,8 +68,9 @@ struct DispatchGemmOut {
 // dispatch_gemm: the dispatch (as Dispatch) and GEMM1 (w in src's dtype, in `form`) in one launch, each GEMM1 tile
 // starting once the 128-row blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says,
 // in the kept rows bitwise those of Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. c.opts.pushers CTAs push
-// the rows for other ranks, then copy x_recv beside the GEMM, then join it (1 .. SM budget - 1). The wgmma
-// engine only: an InvalidArgument error naming its rule where it does not run the device or take the operands.
+// the rows for other ranks, then copy x_recv beside the GEMM (c.opts.x_recv_from_tiles: the GEMM's tiles store it
+// instead), then join it (1 .. SM budget - 1). The wgmma engine only: an InvalidArgument error naming its rule where
+// it does not run the device or take the operands.
 Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                     const void* w, int64_t N, Gemm1Form form, const int32_t* group_op, const int32_t* rank_op,

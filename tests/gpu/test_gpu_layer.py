@@ -71,6 +71,14 @@ def test_dispatch_gemm_equals_two_calls(R):
   checks.check_dispatch_gemm(gpu_mesh(R))
 
 
+@by_ranks
+def test_dispatch_gemm_x_recv_from_tiles_equals_two_calls(R):
+  # CallConfig(x_recv_from_tiles=True): the fused kernel's GEMM tiles store x_recv (read by the backward's GEMMs).
+  if not is_hopper():
+    pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
+  checks.check_dispatch_gemm(gpu_mesh(R), x_recv_from_tiles=True)
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_one_rank_backward_fuses_the_swiglu_gradient(fuse, monkeypatch):
   """With the layer taking the SwiGLU-gradient epilogue (expert_gemms.LAYER_FUSES_SWIGLU_GRAD; off by default, the

@@ -39,19 +39,22 @@ def test_loopback_dispatch_gemm_suite():
   routings, each in another of its result modes (plain, the training forward, the inference forward), x_recv exact,
   GEMM1 and its SwiGLU against the host in float32, bitwise equal to the two calls, bit-identical repeats, a forced
   timeout in a per-source wait reported by the next call, then recovery, and pushes over an emulated link; sending a
-  token's row once per destination rank (the default at two ranks or more) beside cases that send one row per slot.
-  Hopper only (the wgmma engine)."""
+  token's row once per destination rank (the default at two ranks or more) beside cases that send one row per slot;
+  x_recv stored by the GEMM tiles (x_recv_from_tiles) in the plain and training modes. Hopper only (the wgmma
+  engine)."""
   from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
   if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   proc = run_loopback(["--suite", "dispatch-gemm"], timeout=240)
   m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
-  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 16, proc.stdout[-4000:]
+  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 20, proc.stdout[-4000:]
   for r in (1, 2, 4, 8):
     for mode in ("plain", "train", "infer"):
       assert re.search(rf"PASS R={r} .* dispatch_gemm pushers=\d+ mode={mode}", proc.stdout), (r, mode)
   assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
   assert re.search(r"PASS R=2 .* mode=\w+ link=20GB/s", proc.stdout)
+  for r, mode in ((1, "train"), (2, "plain"), (4, "train"), (8, "train")):
+    assert re.search(rf"PASS R={r} .* mode={mode} x_recv=tiles", proc.stdout), (r, mode)
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])

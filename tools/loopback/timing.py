@@ -134,8 +134,9 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     wire = [cases_lib.wire_bytes(case, d.plan, r, case.d_model * eb) for r, d in enumerate(ranks)]
     used = [q.get("pushers", 0) for q in result.get("dg_device", [])]  # P of each rank's last fused call
     moved, sms = max(b for _, b in wire), max(used, default=0) or result.get("pushers", 0)
-    extra = {"send_once": case.sends_once, "rows_sent": max(n for n, _ in wire)}
-    op = f"dispatch_gemm {case.dispatch_gemm_mode}"
+    extra = {"send_once": case.sends_once, "rows_sent": max(n for n, _ in wire),
+             "x_recv_from_tiles": case.x_recv_from_tiles}
+    op = f"dispatch_gemm {case.dispatch_gemm_mode}{' x_recv=tiles' if case.x_recv_from_tiles else ''}"
   else:
     variants = case.variants()
     if (case.consumers, False) not in variants or (case.consumers, True) not in variants:

@@ -37,14 +37,19 @@ namespace {
 // so the results are theirs bit for bit.
 // Side work, claimed from a second per-call counter: the copy of the kept rows into x_recv (when kept), one m-tile's
 // rows per unit after the same wait as its GEMM tiles. Memory-bound work thus runs on the pushers' SMs beside the
-// compute-bound GEMM, and the GEMM CTAs that run out of tiles finish it. No result's rows past the kept ones are
-// written: no consumer of the call reads them (docs/design.md, "Padding rows").
+// compute-bound GEMM, and the GEMM CTAs that run out of tiles finish it. With x_recv_from_tiles (CallOptions) the
+// GEMM stores x_recv instead, from the A tiles it holds in shared memory: each m-tile's first column tile (n0 == 0)
+// stores every A stage's kept rows of the m-tile (the loop's a_stage hook, x_recv_stage below), and the side work is
+// the send-once expansions alone. No result's rows past the kept ones are written: no consumer of the call reads them
+// (docs/design.md, "Padding rows").
 // Send once (slot_primary, protocol.h): the pushers move a token's row to another rank once, with every slot's
 // recv_from entry; the rows of an m-tile that are not all this rank's own (phase B) are filled from their primaries by
 // a side unit (the expansion: a local copy of the duplicated rows), which then publishes tile_ready[m] = epoch, and the
-// m-tile's GEMM tiles wait for that flag instead of the blocks. Those units come first in the side work; the pushers
-// build the schedule before pushing and take any of them whose rows are all in between two of their pushes
-// (TryExpandUnit, which never waits), then the rest after their pushes, so the expansions keep ahead of the GEMM.
+// m-tile's GEMM tiles wait for that flag instead of the blocks (with x_recv_from_tiles its first column tile, which
+// reads the expanded rows from recv after that flag, stores them to x_recv: the unit copies nothing). Those units
+// come first in the side work; the pushers build the schedule before pushing and take any of them whose rows are all
+// in between two of their pushes (TryExpandUnit, which never waits), then the rest after their pushes, so the
+// expansions keep ahead of the GEMM.
 // The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
 // done_epoch): every read of recv is done by then.
 struct DispatchGemmArgs {
@@ -65,7 +70,15 @@ struct DispatchGemmArgs {
   float* a;              // kSwiGlu: the preactivation [cap, N] float32, or null: not kept
   double link_bytes_per_ns;  // > 0: pushes to other ranks go over the emulated link (CallOptions, PaceLink)
   const int32_t* primary;    // send once: slot_primary [P] (protocol.h); nullptr: one row per slot
+  bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
+                             // kXRecvFromTiles (CallOptions::x_recv_from_tiles where x_recv is kept)
 };
+
+// The x_recv the side units copy into (see the kernel's comment): nullptr where it is not kept or the GEMM tiles
+// store it.
+__device__ __forceinline__ char* SideXRecv(const DispatchGemmArgs& g) {
+  return g.x_recv_from_tiles ? nullptr : g.x_recv;
+}
 
 // Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
 // recv rows, and signals them warp by warp. Every thread of the CTA calls it. Warp w moves positions w, w + warps, ...
@@ -293,12 +306,12 @@ __device__ __noinline__ void ExpandRows(const RankDev& rd, const DispatchGemmArg
 }
 
 // The side units (see the kernel's comment). One row per slot: unit v is m-tile v of the schedule, the copy of its
-// kept rows into x_recv (none where x_recv is not kept). Send once: first the m-tiles not made of own rows alone
-// (phase B), each expanded (ExpandRows), published (tile_ready[m] = epoch: its GEMM tiles wait for it) and then
-// copied into x_recv; then, where x_recv is kept, the own m-tiles' copies.
+// kept rows into x_recv (none where the side units copy no x_recv: SideXRecv). Send once: first the m-tiles not made
+// of own rows alone (phase B), each expanded (ExpandRows), published (tile_ready[m] = epoch: its GEMM tiles wait for
+// it) and then copied into x_recv; then, where the side units copy x_recv, the own m-tiles' copies.
 __device__ inline int64_t SideUnits(const DispatchGemmArgs& g, const DgSchedule& d) {
   const int64_t na = d.pre_a[g.E_l] / d.col_tiles, nb = d.pre_b[g.E_l] / d.col_tiles;
-  return (g.primary != nullptr ? nb : 0) + (g.x_recv != nullptr ? na + (g.primary != nullptr ? 0 : nb) : 0);
+  return (g.primary != nullptr ? nb : 0) + (SideXRecv(g) != nullptr ? na + (g.primary != nullptr ? 0 : nb) : 0);
 }
 __device__ inline MTile SideUnit(const DispatchGemmArgs& g, const DgSchedule& d, int64_t v) {
   if (g.primary == nullptr) return TileAt(d, g.E_l, v, 1, 1);
@@ -321,8 +334,8 @@ __device__ inline void DoSideUnit(const RankDev& rd, const DispatchGemmArgs& g, 
     if (threadIdx.x == 0 && LoadVolatile(&rd.priv->failed) == 0)
       StoreReleaseGpu(&View(rd, rd.rank).tile_ready()[t.m], epoch);
   }
-  if (ok && g.x_recv != nullptr)
-    CopyBand(g.x_recv + r0 * g.row_bytes, View(rd, rd.rank).recv() + r0 * g.row_bytes, rows * g.row_bytes, tid, nt);
+  if (char* x_recv = SideXRecv(g); ok && x_recv != nullptr)
+    CopyBand(x_recv + r0 * g.row_bytes, View(rd, rd.rank).recv() + r0 * g.row_bytes, rows * g.row_bytes, tid, nt);
   __syncthreads();
 }
 
@@ -379,7 +392,9 @@ __device__ inline void TryExpandUnit(const RankDev& rd, const DispatchGemmArgs& 
   if (v >= 0) DoSideUnit(rd, g, d, sc, SideUnit(g, d, v), epoch);
 }
 
-template <bool kTransB, bool kSwiGlu>
+// kXRecvFromTiles: the GEMM tiles store x_recv (x_recv_stage below). A kernel of its own: the kernels whose side units
+// copy x_recv run the tile loop without the hook (nor the registers it takes in the consumer warpgroups).
+template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles>
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
                        const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
@@ -467,8 +482,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
 
   using Base = typename std::conditional<kSwiGlu, wgmma_gemm::SwiGluTile, wgmma_gemm::WgmmaTile>::type;
   struct DgTile : Base {
-    int e;       // the tile's local expert
-    int expand;  // send once: the m-tile's tile_ready index (its rows filled by a side unit), else -1
+    int e;           // the tile's local expert
+    int expand;      // send once: the m-tile's tile_ready index (its rows filled by a side unit), else -1
+    char* x_recv;    // x_recv_from_tiles, the m-tile's first column tile: x_recv's row a_row; else nullptr
   };
   auto tile_of = [&](int i) {
     // Bands of row blocks within an expert (nothing reads the output's rows during the call): GEMM1's N = 2 * d_ff
@@ -493,6 +509,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       t.ldc = g.N;
     }
     t.publish = 0;
+    t.x_recv = kXRecvFromTiles && t.n0 == 0 ? g.x_recv + (int64_t)t.a_row * g.row_bytes : nullptr;
     return t;
   };
   auto tile_wait = [&](const DgTile& t) {
@@ -505,11 +522,23 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     ptx::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
   };
   auto next_tile = [&](int) { return (int)atomicAdd(rd.tile_claims, 1u); };
+  // x_recv_from_tiles: the tile's A stages are its m-tile's rows of recv, which it waited for (tile_wait), in the
+  // kept rows the same bytes the side units copy; the consumer warpgroup that multiplies a stage stores its kept rows
+  // (r < t.rows: the rows after them are another expert's), columns [64 kt, 64 kt + 64).
+  auto x_recv_stage = [&](const DgTile& t, int c, const unsigned char* a, int kt) {
+    if (t.x_recv != nullptr)
+      wgmma_gemm::StoreAStageRows(a, c, (int)threadIdx.x % 128, t.rows,
+                                  t.x_recv + (int64_t)kt * wgmma_gemm::kBK * wgmma_gemm::kElemBytes, g.row_bytes);
+  };
+  auto tile_loop = [&](auto a_stage) {
+    wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K,
+                                                             sched.pre_a[g.E_l] + sched.pre_b[g.E_l], next_tile,
+                                                             tile_of, wgmma_gemm::NoTileDone{}, smem, tile_wait,
+                                                             a_stage);
+  };
   if (threadIdx.x == 0)
     atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
-  wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K,
-                                                           sched.pre_a[g.E_l] + sched.pre_b[g.E_l], next_tile, tile_of,
-                                                           wgmma_gemm::NoTileDone{}, smem, tile_wait);
+  if constexpr (kXRecvFromTiles) tile_loop(x_recv_stage); else tile_loop(wgmma_gemm::NoAStage{});
   if (threadIdx.x == 0)
     atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
   if (!pusher) side_work();
@@ -551,9 +580,15 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   }
 }
 
-template <bool kTransB, bool kSwiGlu>
+template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles>
 const void* Kernel() {
-  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu>);
+  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu, kXRecvFromTiles>);
+}
+template <bool kXRecvFromTiles>
+const void* Kernel(bool transpose_rhs, bool swiglu) {
+  return swiglu          ? Kernel<false, true, kXRecvFromTiles>()
+         : transpose_rhs ? Kernel<true, false, kXRecvFromTiles>()
+                         : Kernel<false, false, kXRecvFromTiles>();
 }
 
 }  // namespace
@@ -602,7 +637,8 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                                                   &b_map),
                        "tensor maps of dispatch_gemm")).ok())
     return s;
-  const void* kernel = swiglu ? Kernel<false, true>() : transpose_rhs ? Kernel<true, false>() : Kernel<false, false>();
+  const bool from_tiles = c.opts.x_recv_from_tiles && out.x_recv != nullptr;  // (DispatchGemmArgs::x_recv_from_tiles)
+  const void* kernel = from_tiles ? Kernel<true>(transpose_rhs, swiglu) : Kernel<false>(transpose_rhs, swiglu);
   int smem = 0;
   if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, wgmma_gemm::kLoopSmemBytes, kWgmmaKernelSetup,
                                "DispatchGemmKernel", dev, &smem)).ok())
@@ -611,7 +647,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
                               recv_expected, (int)E_l, DispatchPushersPolicy(ws, c.opts, budget, kWgBM, kWgBN), D, N,
                               static_cast<char*>(out.x_recv), out.out, out.a, c.opts.emulated_link_gbps,
-                              slots.primary};
+                              slots.primary, from_tiles};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};
   return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
                     "launch of DispatchGemmKernel");

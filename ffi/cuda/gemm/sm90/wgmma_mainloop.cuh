@@ -1,8 +1,9 @@
 // Hopper (sm_90a) warp-specialized persistent wgmma + TMA mainloop as a reusable device function.
 //
 //   WgmmaTileLoop<kTransB, kOutF32>(a_map, b_map, K, first, stride, count, tile_of, tile_done, smem[, tile_wait])
-//   WgmmaTileLoopNext<kTransB, kOutF32>(a_map, b_map, K, count, next_tile, tile_of, tile_done, smem[, tile_wait])
-//   WgmmaLoop<Ops, kOutF32>(ops, K, count, next_tile, tile_of, tile_done, smem[, tile_wait])
+//   WgmmaTileLoopNext<kTransB, kOutF32>(a_map, b_map, K, count, next_tile, tile_of, tile_done, smem[, tile_wait[,
+//                                       a_stage]])
+//   WgmmaLoop<Ops, kOutF32>(ops, K, count, next_tile, tile_of, tile_done, smem[, tile_wait[, a_stage]])
 //
 // The first two are the bf16 loop described below; WgmmaLoop is the same loop over an operand format Ops (what a
 // stage holds, how the producer fills it, how a consumer multiplies over it: Bf16Operands here, the e4m3
@@ -73,6 +74,17 @@
 //   its rows). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
 //   it must end with fence.proxy.async.global after its acquire (FenceProxyAsyncGlobal, device/ptx.cuh). It must
 //   return (a bounded wait) even on failure.
+//
+// ---- a_stage(tile, c, a, kt) (optional; bf16 operands) -----------------------------------------------------------
+//   Called by every thread of consumer warpgroup c that multiplies the tile (64 c < tile.rows), once per k-step kt
+//   (counted within all of K), with the stage's A slot `a` (kBM rows of kBK bf16, K-major, 128B swizzle:
+//   StoreAStageRows reads it), after the stage's full barrier was waited for and the k-step's MMAs were issued,
+//   before the warp's arrive on the stage's empty barrier (the loop syncs the warp between the two, so every lane's
+//   reads of the slot precede the release). It may read the warpgroup's rows [64 c, 64 c + 64) of `a` and store to
+//   global memory (dispatch_gemm: x_recv from the A tiles); no CTA or named barrier. The consumer warpgroup that
+//   multiplies a stage reads it rather than a warp of its own: its loads and stores issue while the k-step's wgmma
+//   runs (the warpgroup otherwise waits on it), the empty barrier's arrival count stays the consumer warps', and the
+//   producer warps keep their 24 registers. With AStageFn = NoAStage the call and the warp sync are compiled out.
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------
 //   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
@@ -194,6 +206,13 @@ struct NoTileDone {
 struct NoTileWait {
   template <class T>
   __device__ __forceinline__ void operator()(const T&) const {}
+};
+
+// a_stage that does nothing (no reader of the A stages beside the MMAs); selecting it removes the call and its warp
+// sync.
+struct NoAStage {
+  template <class... T>
+  __device__ __forceinline__ void operator()(const T&...) const {}
 };
 
 // ------------------------------------------------------------------------------------------------------------
@@ -448,6 +467,30 @@ constexpr int LoopSmemBytes() {
 }
 constexpr int kLoopSmemBytes = LoopSmemBytes<kStages>();
 
+// For an a_stage hook: stores consumer warpgroup c's rows of a bf16 stage's A slot `a` (kBM rows of kBK elements,
+// 128 bytes each, as TMA writes them with the 128B swizzle into a 1024-aligned slot: the 16-byte chunk j of row r at
+// chunk j ^ (r % 8) of the row) to global memory: row r (64 c <= r < 64 c + 64, r < rows) to dst + r * ld_bytes, its
+// 128 bytes (dst and ld_bytes 16-byte aligned). t: the thread's index in the warpgroup (0..127). Thread t copies the
+// warpgroup's chunks t, t + 128, t + 256, t + 384: each warp stores 4 whole rows per step (128-byte lines), each 8
+// lanes read one row's 8 chunks (every bank once: no conflict).
+__device__ __forceinline__ void StoreAStageRows(const unsigned char* a, int c, int t, int rows, char* dst,
+                                                int64_t ld_bytes) {
+  constexpr int kRowBytes = kBK * kElemBytes, kChunks = kRowBytes / 16, kSteps = 64 * kChunks / 128;
+  static_assert(kRowBytes == 128, "one 128B swizzle row per tile row");
+  const uint32_t base = SmemAddr(a);
+  uint4 v[kSteps];
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int r = c * 64 + (i * 128 + t) / kChunks, j = t % kChunks;
+    if (r < rows) v[i] = LdSharedV4(base + r * kRowBytes + ((j ^ (r % 8)) * 16));
+  }
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int r = c * 64 + (i * 128 + t) / kChunks, j = t % kChunks;
+    if (r < rows) *reinterpret_cast<uint4*>(dst + r * ld_bytes + j * 16) = v[i];
+  }
+}
+
 // Where a tile's operands lie, as the producer loads them: A's first row, B's index (group) and first column, and
 // B's first column for the tile's accumulator columns 128..255 (WgmmaTile::n_hi resolved).
 struct TileCoords {
@@ -473,7 +516,9 @@ struct TileCoords {
 //                                                      one's full barrier already waited for); waits on each later
 //                                                      stage's full barrier, arrives (lane 0 of each warp) on each
 //                                                      stage's empty barrier once it is done with it, and leaves
-//                                                      ring.stage / ring.phase after the tile's last stage.
+//                                                      ring.stage / ring.phase after the tile's last stage. The bf16
+//                                                      format takes an a_stage(a, kt) too (the loop's hook, bound to
+//                                                      the tile and c; kt within the tile's stages).
 // bf16 (this file): A [rows, K] K-major, B K-major (kTransB = 0) or MN-major (kTransB = 1), wgmma m64n256k16, one
 // commit group kept in flight. e4m3 with block scales: wgmma_mainloop_fp8.cuh.
 template <int kTransB>
@@ -503,9 +548,9 @@ struct Bf16Operands {
     }
   }
 
-  template <class Ring>
+  template <class Ring, class AStage = NoAStage>
   __device__ __forceinline__ void Multiply(float* acc, Ring& ring, const TileCoords&, int c, int, int lane,
-                                           int ktiles) const {
+                                           int ktiles, const AStage& a_stage = {}) const {
 #pragma unroll
     for (int j = 0; j < 128; ++j) acc[j] = 0.f;
     int prev_stage = -1;
@@ -516,6 +561,10 @@ struct Bf16Operands {
       MmaKStep<0, kTransB>(acc, a_base, b_base);
       // Keep this k-step's group in flight; the previous one is done -> release its slot.
       if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
+      if constexpr (!std::is_same<AStage, NoAStage>::value) {
+        a_stage(ring.A(ring.stage), kt);  // (while this k-step's MMAs run)
+        __syncwarp();  // every lane's reads of the slot before lane 0 releases it (next k-step, or below)
+      }
       prev_stage = ring.stage;
       ring.Advance();
     }
@@ -532,13 +581,15 @@ struct Bf16Operands {
 // the header comment over the operand format Ops (K % Ops::kBK == 0; smem >= LoopSmemBytes<kNumStages,
 // Ops::kExtraBytes>()). WgmmaTileLoopNext / WgmmaTileLoop below are its bf16 instances.
 template <class Ops, bool kOutF32, int kNumStages = kStages, class NextFn, class TileFn, class DoneFn,
-          class WaitFn = NoTileWait>
+          class WaitFn = NoTileWait, class AStageFn = NoAStage>
 __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, NextFn next_tile, TileFn tile_of,
-                                          DoneFn tile_done, char* smem, WaitFn tile_wait = {}) {
+                                          DoneFn tile_done, char* smem, WaitFn tile_wait = {},
+                                          AStageFn a_stage = {}) {
   static_assert(kNumStages >= 2, "at least two stages (one wgmma group is kept in flight)");
   static_assert(Ops::kExtraBytes % 128 == 0, "the extra slots keep 128-byte alignment (TMA destinations)");
   static_assert(Ops::kProducerRegs * 128 + Ops::kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
   constexpr bool kHasDone = !std::is_same<typename std::decay<DoneFn>::type, NoTileDone>::value;
+  constexpr bool kHasAStage = !std::is_same<typename std::decay<AStageFn>::type, NoAStage>::value;
   using Ring = StageRing<kNumStages, Ops::kExtraBytes>;
   // 128B swizzle atoms must start 1024-aligned (the descriptor base offset field is left 0).
   Ring ring{reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~(uintptr_t)1023)};
@@ -614,7 +665,13 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
           ring.Advance();
         }
       } else {
-        ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, k_steps);
+        if constexpr (kHasAStage) {
+          const int k_first = TileKFirst(tile);
+          ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, k_steps,
+                       [&](const unsigned char* a, int kt) { a_stage(tile, c, a, k_first + kt); });
+        } else {
+          ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, k_steps);
+        }
         if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
           StoreSwiGluTile(acc, c, wq, lane, tile);
         else if constexpr (std::is_base_of<SwiGluGradTile, decltype(tile)>::value)
@@ -642,12 +699,12 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
 
 // The bf16 loop (the header comment) with tile indices from next_tile.
 template <int kTransB, bool kOutF32, int kNumStages = kStages, class NextFn, class TileFn, class DoneFn,
-          class WaitFn = NoTileWait>
+          class WaitFn = NoTileWait, class AStageFn = NoAStage>
 __device__ __forceinline__ void WgmmaTileLoopNext(const CUtensorMap& a_map, const CUtensorMap& b_map, int K,
                                                   int count, NextFn next_tile, TileFn tile_of, DoneFn tile_done,
-                                                  char* smem, WaitFn tile_wait = {}) {
+                                                  char* smem, WaitFn tile_wait = {}, AStageFn a_stage = {}) {
   WgmmaLoop<Bf16Operands<kTransB>, kOutF32, kNumStages>(Bf16Operands<kTransB>{&a_map, &b_map}, K, count, next_tile,
-                                                        tile_of, tile_done, smem, tile_wait);
+                                                        tile_of, tile_done, smem, tile_wait, a_stage);
 }
 
 // The static schedule: tiles first, first + stride, ... < count.
