@@ -38,6 +38,7 @@ def run(mesh, ids, cot, impl, quantization, args, cf=None):
   return (y, *g)
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_only_the_weight_gradients_change():
   """impl="xla" (the recipe's XLA backend): y, dx and dgates are "fp8"'s bits; dw1 and dw2 are within the FP8 bound
   of the float64 layer and nearer to it than "fp8"'s (their operands lose 2^-9 to bfloat16, not 2^-4 to e4m3)."""

@@ -212,6 +212,7 @@ def test_calls_that_compute_refuse_packed_rows():
   assert recv.shape == (R * cap, ROW) and int(jnp.sum(recv.astype(jnp.int32))) == tokens * R * K * ROW
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_moe_and_moe_block_fp8_on_the_default_impl():
   """MoE and MoEBlock with quantization="fp8" and no impl given (impl="overlap") equal impl="collective" bit for
   bit: MoE's output and parameter gradients, MoEBlock's output."""

@@ -48,10 +48,9 @@ def inputs(dtype, seed, explicit_mesh=None, view=False):
   return x, ids, gates, w1, w2
 
 
-@pytest.mark.parametrize("explicit,dtype,cf", [
-    pytest.param(False, jnp.float32, None, marks=pytest.mark.slow), (True, jnp.bfloat16, 0.5),
-    pytest.param(False, jnp.bfloat16, 0.5, marks=pytest.mark.slow),
-    pytest.param(True, jnp.float32, None, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
+@pytest.mark.parametrize("explicit,dtype,cf", [(False, jnp.float32, None), (True, jnp.bfloat16, 0.5),
+                                              (False, jnp.bfloat16, 0.5), (True, jnp.float32, None)])
 def test_xla_matches_the_oracle(explicit, dtype, cf):
   mesh = mesh_of_shape(EXPERT_TENSOR, explicit)
   x, ids, gates, w1, w2 = inputs(dtype, 3, mesh if explicit else None, view=not explicit)

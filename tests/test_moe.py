@@ -80,6 +80,7 @@ def test_bfloat16_within_tolerance(kind):
   layer_checks.check_layer(mesh_of(4), kind, seed=3)
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_dispatch_pushers_fuses_on_cpu_too():
   # CallConfig(dispatch_pushers=2) runs dispatch_gemm's CPU handler: the bits of the two calls with the bare grouped
   # GEMM calls, jmo_grouped_matmul_swiglu as GEMM1 and jmo_grouped_matmul for the backward's d_out W2^T

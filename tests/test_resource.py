@@ -546,6 +546,7 @@ def _run(config, impl="overlap"):
   return np.asarray(y), [np.asarray(v) for v in g]
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_serialized_and_pinned_calls_give_identical_results_on_cpu():
   y0, g0 = _run(CallConfig())
   for cfg in (CallConfig(serialize=True), CallConfig(consumer_ctas=7), CallConfig(consumer_ctas=3, serialize=True)):
