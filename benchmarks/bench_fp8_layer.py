@@ -29,6 +29,9 @@ sizes the bound. fp8_vs_emulation: their largest max-relative difference, report
 
   python3 -m benchmarks.bench_fp8_layer --out /tmp/fp8_layer.jsonl
   python3 -m benchmarks.bench_fp8_layer --quick --out /tmp/fp8_layer_quick.jsonl
+  JMO_TIMEOUT_MS=120000 python3 -m benchmarks.bench_fp8_layer --quick --passes fwd   # a CPU try-out: the CPU
+      # emulations take seconds per call at the quick shape (well over 15 minutes for both passes on 2 cores), and
+      # impl="overlap"'s combine waits for its producer's tiles longer than the default 10 s bound there
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ the decode benchmark (bench_decode.py) run.
 
 Each of the ``layers`` layers maps x [T, D] to rms_norm(x + moe(x)): a softmax top-k router of its own (float32
 logits at HIGHEST precision, so that its ids do not depend on how XLA runs the dot) and SwiGLU experts through
-``moe_experts`` (impl "overlap" unless asked otherwise), tokens and experts sharded over the mesh's "expert" axis. A
+``moe_experts`` (impl "overlap" unless asked otherwise), tokens and experts sharded over the mesh's "expert" axis;
+with quantization="fp8" the experts run DeepSeek-V3's FP8 recipe on weights quantized once by ``quantize_params``
+(``jmo.quantize_weights``: the step reads only their e4m3 values and float32 block scales). A
 step's output is the next step's input, as in a decoding loop, so every step routes its tokens anew: the custom
 calls replay with other counts each step. No collective crosses the expert axis outside the layer's own calls, so the
 step also runs with the axis over processes sharing one GPU.
@@ -62,6 +64,27 @@ def init_params(model: DecodeModel, mesh, seed: int = 0, dtype=jnp.bfloat16) -> 
   return [draw(k) for k in jax.random.split(jax.random.key(seed), model.layers)]
 
 
+def quantize_params(params: list[dict], mesh) -> list[dict]:
+  """``init_params``' layers with w1 and w2 replaced by their ``fp8.Fp8Weight``s (``jmo.quantize_weights``, under
+  jit: each device quantizes its own experts, the values and scales split over the expert axis like the weights)."""
+  by_expert = NamedSharding(mesh, P(AXIS))
+
+  def quantize(p):
+    w1, w2 = jmo.quantize_weights(p["w1"], p["w2"])
+    return {"router": p["router"], "w1": w1, "w2": w2}
+
+  shardings = {"router": NamedSharding(mesh, P()), "w1": by_expert, "w2": by_expert}
+  quantize = jax.jit(quantize, out_shardings=shardings)
+  return [quantize(p) for p in params]
+
+
+def expert_weight_bytes(p: dict) -> int:
+  """Bytes of one expert's weights in a layer's parameters: w1 and w2 (bfloat16: 2 bytes a weight; ``Fp8Weight``: 1
+  byte a weight plus 4 per 128 x 128 block scale), what the step reads for each expert that receives a row."""
+  leaves = jax.tree.leaves((p["w1"], p["w2"]))
+  return sum(a.size * a.dtype.itemsize for a in leaves) // p["w2"].shape[0]
+
+
 def first_tokens(model: DecodeModel, tokens: int, mesh, seed: int = 1, dtype=jnp.bfloat16) -> jax.Array:
   """x [tokens, D] in ``dtype``, tokens split over the expert axis: the first step's input."""
   draw = jax.jit(lambda k: jax.random.normal(k, (tokens, model.d_model), jnp.float32).astype(dtype),
@@ -76,10 +99,12 @@ def route(x, router, top_k: int):
   return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
 
 
-def moe(x, p: dict, model: DecodeModel, mesh, impl: str = "overlap", config: jmo.CallConfig = jmo.CallConfig()):
+def moe(x, p: dict, model: DecodeModel, mesh, impl: str = "overlap", config: jmo.CallConfig = jmo.CallConfig(),
+        quantization: str | None = None):
   """The experts' output y [T, D] in x's dtype for tokens x, routed by the layer's router."""
   ids, gates = route(x, p["router"], model.top_k)
-  y, _ = jmo.moe_experts(x, ids, gates, p["w1"], p["w2"], mesh=mesh, impl=impl, config=config)
+  y, _ = jmo.moe_experts(x, ids, gates, p["w1"], p["w2"], mesh=mesh, impl=impl, config=config,
+                         quantization=quantization)
   return y
 
 
@@ -88,12 +113,19 @@ def rms_norm(h):
   return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
 
 
-def make_step(model: DecodeModel, mesh, impl: str = "overlap", config: jmo.CallConfig = jmo.CallConfig()):
-  """jit of step(params, x) -> the next x, in x's dtype: the layers one after another."""
+def next_x(x, y):
+  """A layer's output from its input x and its experts' output y: rms_norm(x + y) in x's dtype."""
+  return rms_norm(x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)
+
+
+def make_step(model: DecodeModel, mesh, impl: str = "overlap", config: jmo.CallConfig = jmo.CallConfig(),
+              quantization: str | None = None):
+  """jit of step(params, x) -> the next x, in x's dtype: the layers one after another (quantization="fp8": params
+  from ``quantize_params``)."""
 
   def step(params, x):
     for p in params:
-      x = rms_norm(x.astype(jnp.float32) + moe(x, p, model, mesh, impl, config).astype(jnp.float32)).astype(x.dtype)
+      x = next_x(x, moe(x, p, model, mesh, impl, config, quantization))
     return x
 
   return jax.jit(step)

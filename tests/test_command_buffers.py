@@ -4,6 +4,7 @@ refused for CUDA call sites, and the decode step and benchmark that the GPU chec
 test_gpu_command_buffers.py, benchmarks/bench_decode.py) compute the layer and time it on CPU devices."""
 
 import dataclasses
+import json
 import sys
 
 import jax
@@ -106,3 +107,69 @@ def test_bench_decode_measures_each_token_count(monkeypatch):
   for r in rows:
     assert float(r["ms_chained"]) > 0 and float(r["ms_synced"]) > 0 and len(r["first_step_sha256"]) == 16, r
     assert float(r["host_runs"]) == 0  # no CUDA handler ran
+    assert float(r["err_bf16"]) <= bench_decode.max_err(None), r
+    assert "fp8_ms_chained" not in r, r  # the FP8 step only with --quantization fp8
+
+
+def _fp8_args(*extra):
+  return bench_decode.parse(["--layers", "2", "--d-model", "256", "--d-ff", "128", "--experts", "4", "--top-k", "2",
+                             "--tokens", "1,8", "--batches", "1", "--synced", "2", "--quantization", "fp8", *extra])
+
+
+def test_bench_decode_times_the_prequantized_step_beside_bf16(monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["bench_decode.py"])
+  args = _fp8_args("--tokens", "1")
+  rows = bench_decode.measure(args, "off")
+  assert [r["T"] for r in rows] == [1]
+  # One expert's weights: w1 [256, 256] and w2 [128, 256]: 2 bytes a weight in bf16, 1 in FP8 plus a float32 scale
+  # per 128 x 128 block (4 + 2 blocks).
+  weights = 256 * 256 + 128 * 256
+  bf16_bytes, fp8_bytes = 2 * weights, weights + 4 * 6
+  for r in rows:
+    for q in ("bf16", "fp8"):
+      assert float(r[f"err_{q}"]) <= bench_decode.max_err(None if q == "bf16" else "fp8"), r
+      assert r[f"experts_{q}"] == 4, r  # one token to k = 2 distinct experts in each of the 2 layers
+    assert float(r["bf16_read_MB"]) * 1e6 == pytest.approx(r["experts_bf16"] * bf16_bytes, abs=0.01e6), r
+    assert float(r["fp8_read_MB"]) * 1e6 == pytest.approx(r["experts_fp8"] * fp8_bytes, abs=0.01e6), r
+    hbm = args.hbm_tbps * 1e12
+    assert float(r["fp8_bound_ms"]) == pytest.approx(r["experts_fp8"] * fp8_bytes / hbm * 1e3, rel=1e-3), r
+    for prefix in ("", "fp8_"):
+      assert float(r[prefix + "ms_chained"]) > 0 and float(r[prefix + "ms_synced"]) > 0, r
+      assert float(r[prefix + "host_runs"]) == 0, r
+    assert float(r["fp8_of_bound"]) == pytest.approx(float(r["fp8_bound_ms"]) / float(r["fp8_ms_chained"]), abs=0.01)
+    # The FP8 step computes other values than the bf16 one (its weights are the quantized ones).
+    assert r["fp8_first_step_sha256"] != r["first_step_sha256"], r
+
+
+def test_bench_decode_times_nothing_that_disagrees_with_its_oracle(monkeypatch):
+  """The check compares the step's layers with an oracle computed apart: a layer 10 % off is caught, in bf16 and in
+  FP8, and neither step is timed."""
+  monkeypatch.setattr(sys, "argv", ["bench_decode.py"])
+  real = jmo.moe_experts
+
+  def off_by_a_tenth(*a, impl="overlap", **kw):
+    y, dropped = real(*a, impl=impl, **kw)
+    return (y * 1.1 if impl == "overlap" else y), dropped
+
+  monkeypatch.setattr(jmo, "moe_experts", off_by_a_tenth)
+  rows = bench_decode.measure(_fp8_args("--tokens", "8"), "off")
+  assert [r["T"] for r in rows] == [8]
+  for q, prefix in (("bf16", ""), ("fp8", "fp8_")):
+    assert float(rows[0][f"err_{q}"]) == pytest.approx(0.1, rel=0.2), rows
+    assert rows[0][prefix + "ms_chained"].startswith("wrong result"), rows
+    assert f"{q}_of_bound" not in rows[0] and prefix + "first_step_sha256" not in rows[0], rows
+
+
+@pytest.mark.slow  # two child processes, each compiling both steps again
+def test_bench_decode_writes_both_settings_rows(tmp_path):
+  """The parent's table from both settings' child processes (on CPU the graph flags change nothing): each T a row
+  per setting, the same first-step bits in both, FP8's speedup over bf16 in each."""
+  out = tmp_path / "decode.jsonl"
+  bench_decode.main(["--layers", "1", "--d-model", "128", "--d-ff", "128", "--experts", "4", "--top-k", "2",
+                     "--tokens", "8", "--batches", "1", "--synced", "1", "--quantization", "fp8", "--out", str(out)])
+  rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+  assert [(r["T"], r["graphs"]) for r in rows] == [(8, "off"), (8, "on")], rows
+  for r in rows:
+    assert r["same_bits"] == "yes" and r["fp8_same_bits"] == "yes", r
+    assert float(r["fp8_speedup"]) == pytest.approx(float(r["ms_chained"]) / float(r["fp8_ms_chained"]), abs=0.01)
+  assert rows[1]["speedup"] != "" and rows[0]["speedup"] == "", rows
