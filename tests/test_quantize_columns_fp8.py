@@ -269,9 +269,11 @@ def recipe_gradients_equal_the_xla_layout_path(row_quantized_columns):
   (tests/test_swiglu_backward_fp8.py holds the call to the composition); this test is about the layout of the wgrad
   operands, which must not change a bit. row_quantized_columns: whether the platform gives x and dy to the column
   quantizer row-quantized (CPUs; GPUs with fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU)."""
-  xla_layout = fp8_experts.Gemms("kernels, XLA layout", fp8_experts.KERNELS.rows, fp8.quantize_columns,
-                                 grouped_outer_fp8, fp8_experts.KERNELS.swiglu_forward,
-                                 _kernels_swiglu_backward_in_row_layout)
+  def outer(lhs, rhs, tiles, group_sizes, out_dtype=jnp.float32):
+    return grouped_outer_fp8(lhs, rhs, tiles, group_sizes, preferred_element_type=out_dtype)
+
+  xla_layout = fp8_experts.Gemms("kernels, XLA layout", fp8_experts.KERNELS.rows, fp8.quantize_columns, outer,
+                                 fp8_experts.KERNELS.swiglu_forward, _kernels_swiglu_backward_in_row_layout)
   M, D, F = 300, 256, 128   # D a multiple of 256: KERNELS gives x and dy to the call row-quantized (CPUs)
   sizes = np.array([170, 0, 1, 100])
   rng = np.random.default_rng(5)
