@@ -224,42 +224,47 @@ def test_handler_refuses_bad_shapes():
     jax.block_until_ready(jax.ffi.ffi_call(QUANTIZE_WEIGHT_FP8, out)(jnp.ones((1, 128, 256)), transposed=True))
 
 
-def _layer(switch_on, monkeypatch, xla_quantizer=False):
+def _layer(switch_on, xla_quantizer=False):
   """y and the gradients of moe_experts(quantization="fp8", impl="collective") on a 4-device CPU mesh, with
   WEIGHT_QUANTIZER_ON_GPU as given (on CPUs: whether the backward re-quantizes the master weights) and the weights
-  quantized by the call or, with xla_quantizer, by XLA's fp8.quantize_weight; and the program's text."""
-  monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", switch_on)
-  if xla_quantizer:
-    monkeypatch.setattr(fp8_experts, "quantize_weight_fp8",
-                        lambda w, transposed=True: fp8_experts.xla_quantize_weight(w, transposed))
-  jax.clear_caches()  # no program traced under other settings (same functions, same shapes) may be reused
-  mesh = mesh_of(4)
-  x, ids, gates, w1, w2 = layer_inputs(64, 128, 256, 8, 2, "skewed", 11, dtype=jnp.bfloat16)
-  cot = jnp.asarray(np.random.default_rng(12).standard_normal((64, 128)).astype(np.float32))
-  f = grads_fn(mesh, ids, cot, "collective")
-  (_, y), g = f(x, gates, w1, w2)
-  text = f.lower(x, gates, w1, w2).as_text()
-  monkeypatch.undo()
+  quantized by the call or, with xla_quantizer, by XLA's fp8.quantize_weight; the program's text; the weights."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", switch_on)
+    if xla_quantizer:
+      mp.setattr(fp8_experts, "quantize_weight_fp8",
+                 lambda w, transposed=True: fp8_experts.xla_quantize_weight(w, transposed))
+    jax.clear_caches()  # no program traced under other settings (same functions, same shapes) may be reused
+    mesh = mesh_of(4)
+    x, ids, gates, w1, w2 = layer_inputs(64, 128, 256, 8, 2, "skewed", 11, dtype=jnp.bfloat16)
+    cot = jnp.asarray(np.random.default_rng(12).standard_normal((64, 128)).astype(np.float32))
+    f = grads_fn(mesh, ids, cot, "collective")
+    (_, y), g = f(x, gates, w1, w2)
+    text = f.lower(x, gates, w1, w2).as_text()
   jax.clear_caches()
   return [np.asarray(a) for a in (y, *g)], text, (w1, w2)
 
 
-def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(monkeypatch):
-  """The recipe on CPU takes the call for the forward's weights (and with the switch on for the dgrads', from the
-  master weights): y and every gradient bit for bit what it gives with XLA's quantizer, on weights where the two
-  quantizers agree (checked first: where they part, by XLA's reciprocal, the layers differ by that byte's GEMMs)."""
-  want, text_xla, (w1, w2) = _layer(False, monkeypatch, xla_quantizer=True)
+@pytest.fixture(scope="module")
+def layer_with_xla_quantizer():
+  """The recipe with XLA's quantizer, on weights where it and the call agree bit for bit (checked: where they part,
+  by XLA's reciprocal, the layers differ by that byte's products)."""
+  want, text, (w1, w2) = _layer(False, xla_quantizer=True)
+  assert QUANTIZE_WEIGHT_FP8 not in text
   for w in (w1, w2):
     for transposed in (True, False):
-      got, xla_w = call(w, transposed), xla(w, transposed)
-      np.testing.assert_array_equal(bits(got.values), bits(xla_w.values))
-  assert QUANTIZE_WEIGHT_FP8 not in text_xla
-  for switch_on, calls in ((False, 2), (True, 4)):
-    got, text, _ = _layer(switch_on, monkeypatch)
-    assert text.count(QUANTIZE_WEIGHT_FP8) == calls, (switch_on, text.count(QUANTIZE_WEIGHT_FP8))
-    for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), got, want):
-      np.testing.assert_array_equal(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32),
-                                    b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32), err_msg=name)
+      np.testing.assert_array_equal(bits(call(w, transposed).values), bits(xla(w, transposed).values))
+  return want
+
+
+@pytest.mark.parametrize("switch_on,calls", [(False, 2), (True, 4)], ids=["switch_off", "switch_on"])
+def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(layer_with_xla_quantizer, switch_on, calls):
+  """The recipe on CPU takes the call for the forward's weights (2 calls), and with the switch on for the dgrads'
+  too, from the master weights (4): y and every gradient bit for bit what it gives with XLA's quantizer."""
+  got, text, _ = _layer(switch_on)
+  assert text.count(QUANTIZE_WEIGHT_FP8) == calls
+  for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), got, layer_with_xla_quantizer):
+    np.testing.assert_array_equal(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32),
+                                  b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32), err_msg=name)
 
 
 def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
