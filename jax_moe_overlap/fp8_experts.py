@@ -21,7 +21,10 @@ values and their float32 scales) and chooses how the GEMMs run:
                as e4m3 values and scales (no float32 copy; on GPUs only with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and
                where D is a multiple of 256, the call's item).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
-               the same reason: one pass over each weight's e4m3 values and scales per backward.
+               the same reason: one pass over each weight's e4m3 values and scales per backward. The master weights
+               are quantized per call by ``grouped_gemm.quantize_weight_fp8`` (one pass over each weight; on GPUs
+               only with ``WEIGHT_QUANTIZER_ON_GPU``, which also makes the dgrads' weights from the master weights
+               by its untransposed form, so that the forward keeps no quantized copy of them).
 
 Under quantization="fp8_bf16_wgrad" each backend's ``bf16_wgrad`` form computes the two wgrads on bfloat16 operands
 instead (no 128 x 1 quantization); ``recipe_gemms(backend, quantization)`` gives the Gemms of either mode.
@@ -34,9 +37,10 @@ With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
             h      1 x 128 (GEMM2's input), with a's 1 x 128 copy below, in one pass (``Gemms.swiglu_forward``)
             out    GEMM2, rounded to x's dtype (the combine stays in that dtype)
   kept      x as quantized (e4m3 + scales), a quantized 1 x 128 (the recipe caches the SwiGLU input in FP8 and
-            recomputes h), the quantized weights: per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
+            recomputes h), the quantized weights (the master weights themselves where ``Gemms.requantizes_weights``:
+            the backward quantizes them again): per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
   backward  dy     1 x 128, power-of-two scales (the gradient dispatched before GEMM2's backward, section 3.3.3)
-            dh = dy W2^T (dgrad, W2's blocks transposed: exact)
+            dh = dy W2^T (dgrad, W2's blocks transposed: exact, or quantized again in W2's own layout: the same bits)
             dW2 = h^T dy, both operands re-quantized 128 x 1 per expert (h recomputed from the kept a)
             da = SwiGLU'(a) dh in float32, quantized 1 x 128 for dx = da W1^T (dgrad)
             dW1 = x^T da, both operands re-quantized 128 x 1 per expert
