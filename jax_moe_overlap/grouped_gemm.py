@@ -290,17 +290,20 @@ def quantize_columns_fp8(x, tiles: fp8.ColumnTiles) -> tuple[jax.Array, jax.Arra
 def quantize_weight_fp8(w: jax.Array, *, transposed: bool = True) -> fp8.Fp8Weight:
   """``fp8.quantize_weight`` in one custom call: an expert weight w [E, K, N] quantized per 128 x 128 block, read
   once. ``transposed`` (the default): the ``Fp8Weight`` of W, values [E, N, K] (the blocks of W^T, K-major as FP8
-  wgmma reads its B operand) and scales [E, N / 128, K / 128], bitwise ``fp8.quantize_weight(w)``. Not transposed:
-  the ``Fp8Weight`` of W^T, values [E, K, N] in w's own layout and scales [E, K / 128, N / 128], bitwise
-  ``fp8.transpose_weight(fp8.quantize_weight(w))`` (``fp8.quantize_blocks(w)``): the dgrads' weights, made from
-  the master weight instead of transposing a kept quantized copy.
+  wgmma reads its B operand) and scales [E, N / 128, K / 128], as ``fp8.quantize_weight(w)``. Not transposed: the
+  ``Fp8Weight`` of W^T, values [E, K, N] in w's own layout and scales [E, K / 128, N / 128], as
+  ``fp8.transpose_weight(fp8.quantize_weight(w))``: the dgrads' weights, made from the master weight instead of
+  transposing a kept quantized copy. The two forms are each other's transpose bit for bit.
 
   The rule is ``fp8.py``'s (``tile_scale`` without pow2, each value x / s divided as IEEE does and rounded to
-  e4m3, nearest even, saturating at 448; ffi/common/fp8_columns.h restates it for both handlers). A NaN in a block
-  makes its scale NaN and its values NaN, an infinity makes its scale infinite, itself NaN and the block's finite
-  values zero, as ``fp8.quantize_weight`` gives them. On CUDA (Hopper, like the FP8 GEMMs its output feeds;
-  elsewhere it fails naming the requirement) one CTA per block (ffi/cuda/ops/quantize_weight.cu); on CPU a loop by
-  the same rules (ffi/cpu/quantize_weight.cc).
+  e4m3, nearest even, saturating at 448; ffi/common/fp8_columns.h restates it for both handlers): a NaN in a block
+  makes its scale and its values NaN, an infinity makes its scale infinite, itself NaN and the block's finite
+  values zero. XLA's ``fp8.quantize_weight`` gives the same bytes but where it departs from that rule
+  (docs/design.md, "The weight quantizer"): its division (x * (1 / s) on CPUs, div.full on GPUs: one e4m3 step
+  where x / s lies near a midpoint, a few bytes in 10^5), XLA:CPU's maximum over a block, which drops a NaN, and
+  XLA:CPU's flushed subnormals (which the CPU handler, run under XLA:CPU's flags, shares). On CUDA (Hopper, like
+  the FP8 GEMMs its output feeds; elsewhere it fails naming the requirement) one CTA per block
+  (ffi/cuda/ops/quantize_weight.cu); on CPU a loop by the same rules (ffi/cpu/quantize_weight.cc).
 
   Args:
     w: [E, K, N] float32 or bfloat16, K and N positive multiples of 128.
