@@ -293,3 +293,16 @@ def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
   quantized = 3 * G * D * F * (1 + 4 / 128 ** 2)
   own = lambda kept: nbytes(kept) - nbytes([k for k in kept[3:5] if k is w1 or k is w2])  # noqa: E731
   assert own(kept_off) - own(kept_on) == quantized
+
+
+@pytest.mark.parametrize("switch_on", [False, True], ids=["switch_off", "switch_on"])
+def test_kernels_take_the_call_on_cpus_and_on_gpus_by_the_switch(monkeypatch, switch_on):
+  """KERNELS.quantize_weight lowered for CPUs runs the call; for GPUs only with WEIGHT_QUANTIZER_ON_GPU (else XLA's
+  quantize_weight, no custom call). Both layouts."""
+  monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", switch_on)
+  w = weights((2, 256, 128), jnp.bfloat16, seed=1)
+  for transposed in (True, False):
+    traced = jax.jit(lambda w: fp8_experts.KERNELS.quantize_weight(w, transposed)).trace(w)
+    assert traced.lower().as_text().count(QUANTIZE_WEIGHT_FP8) == 1
+    for_gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert for_gpu.count(QUANTIZE_WEIGHT_FP8) == (1 if switch_on else 0)
