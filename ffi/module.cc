@@ -101,6 +101,7 @@ NB_MODULE(_jmo, m) {
     d["jmo_grouped_matmul_fp8"] = Capsule(JmoGroupedMatmulFp8Cpu);
     d["jmo_grouped_outer_fp8"] = Capsule(JmoGroupedOuterFp8Cpu);
     d["jmo_quantize_columns_fp8"] = Capsule(JmoQuantizeColumnsFp8Cpu);
+    d["jmo_quantize_weight_fp8"] = Capsule(JmoQuantizeWeightFp8Cpu);
     d["jmo_swiglu_backward_fp8"] = Capsule(JmoSwiGluBackwardFp8Cpu);
     d["jmo_swiglu_forward_fp8"] = Capsule(JmoSwiGluForwardFp8Cpu);
     return d;

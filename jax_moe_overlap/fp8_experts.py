@@ -21,7 +21,10 @@ values and their float32 scales) and chooses how the GEMMs run:
                as e4m3 values and scales (no float32 copy; on GPUs only with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and
                where D is a multiple of 256, the call's item).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
-               the same reason: one pass over each weight's e4m3 values and scales per backward.
+               the same reason: one pass over each weight's e4m3 values and scales per backward. The master weights
+               are quantized per call by ``grouped_gemm.quantize_weight_fp8`` (one pass over each weight; on GPUs
+               only with ``WEIGHT_QUANTIZER_ON_GPU``, which also makes the dgrads' weights from the master weights
+               by its untransposed form, so that the forward keeps no quantized copy of them).
 
 Under quantization="fp8_bf16_wgrad" each backend's ``bf16_wgrad`` form computes the two wgrads on bfloat16 operands
 instead (no 128 x 1 quantization); ``recipe_gemms(backend, quantization)`` gives the Gemms of either mode.
@@ -34,9 +37,10 @@ With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
             h      1 x 128 (GEMM2's input), with a's 1 x 128 copy below, in one pass (``Gemms.swiglu_forward``)
             out    GEMM2, rounded to x's dtype (the combine stays in that dtype)
   kept      x as quantized (e4m3 + scales), a quantized 1 x 128 (the recipe caches the SwiGLU input in FP8 and
-            recomputes h), the quantized weights: per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
+            recomputes h), the quantized weights (the master weights themselves where ``Gemms.requantizes_weights``:
+            the backward quantizes them again): per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
   backward  dy     1 x 128, power-of-two scales (the gradient dispatched before GEMM2's backward, section 3.3.3)
-            dh = dy W2^T (dgrad, W2's blocks transposed: exact)
+            dh = dy W2^T (dgrad, W2's blocks transposed: exact, or quantized again in W2's own layout: the same bits)
             dW2 = h^T dy, both operands re-quantized 128 x 1 per expert (h recomputed from the kept a)
             da = SwiGLU'(a) dh in float32, quantized 1 x 128 for dx = da W1^T (dgrad)
             dW1 = x^T da, both operands re-quantized 128 x 1 per expert
@@ -66,8 +70,18 @@ from jax_moe_overlap import fp8
 from jax_moe_overlap import expert_gemms
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
 from jax_moe_overlap.grouped_gemm import ROWS_E4M3_CHANNELS, grouped_matmul_fp8, grouped_outer_fp8_packed
-from jax_moe_overlap.grouped_gemm import quantize_columns_fp8
+from jax_moe_overlap.grouped_gemm import quantize_columns_fp8, quantize_weight_fp8
 from jax_moe_overlap.grouped_gemm import swiglu_backward_fp8, swiglu_forward_fp8
+
+
+def xla_quantize_weight(w, transposed=True):
+  """``Gemms.quantize_weight`` as XLA ops: ``fp8.quantize_weight(w)``, or its ``fp8.transpose_weight``."""
+  wq = fp8.quantize_weight(w)
+  return wq if transposed else fp8.transpose_weight(wq)
+
+
+def _never() -> bool:
+  return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,13 @@ class Gemms:
     dy, which the recipe holds row-quantized. None (``DENSE``, ``RAGGED``): that composition; ``KERNELS`` gives the
     pair to ``grouped_gemm.quantize_columns_fp8``, which dequantizes as it reads (CPUs; GPUs once
     ``ROW_QUANTIZED_COLUMNS_ON_GPU``), bit for bit the same.
+  quantize_weight(w [E, K, N] float, transposed) -> fp8.Fp8Weight: with transposed ``fp8.quantize_weight(w)`` (the
+    forward's weights), else ``fp8.transpose_weight(fp8.quantize_weight(w))`` (the dgrads'). ``xla_quantize_weight``
+    (``DENSE``, ``RAGGED``): those compositions; ``KERNELS`` runs ``grouped_gemm.quantize_weight_fp8`` (CPUs; GPUs
+    once ``WEIGHT_QUANTIZER_ON_GPU``), one pass over w.
+  requantizes_weights() -> bool, read when traced: whether the backward makes the dgrads' weights from the master
+    weights by ``quantize_weight(w, transposed=False)`` (the forward then keeps the master weights, which the caller
+    holds anyway, instead of their quantized copies), rather than transposing the quantized copies the forward kept.
   """
 
   name: str
@@ -106,6 +127,8 @@ class Gemms:
   swiglu_forward: Callable
   swiglu_backward: Callable
   row_columns: Callable | None = None
+  quantize_weight: Callable = xla_quantize_weight
+  requantizes_weights: Callable[[], bool] = _never
 
   def columns_of_rows(self, q, s, tiles):
     """``row_columns``, or its composition where None."""
@@ -205,10 +228,28 @@ def _kernel_row_columns(q, s, tiles):
   return _switched_call(from_rows, dequantized, ROW_QUANTIZED_COLUMNS_ON_GPU)
 
 
+# Whether GPUs quantize the expert weights by the custom call (grouped_gemm.quantize_weight_fp8: one pass over each
+# weight, ffi/cuda/ops/quantize_weight.cu) instead of XLA's transposes, amax reductions and quantizations of
+# fp8.quantize_weight, and make the dgrads' weights from the master weights by its untransposed form (the forward
+# then keeps no quantized copy of the weights for the backward). Off until the kernel passes
+# tests/gpu/test_gpu_quantize_weight_fp8.py and the training step measures it faster; CPUs always take the call
+# for the forward's weights (the dgrads' from the kept copies unless this is on).
+WEIGHT_QUANTIZER_ON_GPU = False
+
+
+def _kernel_quantize_weight(w, transposed=True):
+  return _switched_call(lambda: quantize_weight_fp8(w, transposed=transposed),
+                        lambda: xla_quantize_weight(w, transposed), WEIGHT_QUANTIZER_ON_GPU)
+
+
+def _kernel_requantizes_weights():
+  return WEIGHT_QUANTIZER_ON_GPU
+
+
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
 KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_forward,
-                _kernel_swiglu_backward, _kernel_row_columns)
+                _kernel_swiglu_backward, _kernel_row_columns, _kernel_quantize_weight, _kernel_requantizes_weights)
 
 
 def _bf16_columns(v, tiles):
@@ -228,10 +269,10 @@ def bf16_wgrad(gemms: Gemms, outer: Callable) -> Gemms:
   float32), x and dy the
   dequantized rows (exact), h and da rounded from float32. The forward and the two dgrads stay the recipe's FP8 GEMMs;
   no operand is re-quantized 128 x 1 (docs/design.md, "FP8")."""
-  return Gemms(f"{gemms.name}, bf16 wgrad", gemms.rows, _bf16_columns,
-               lambda lhs, rhs, tiles, group_sizes, out_dtype=jnp.float32: outer(lhs, rhs, group_sizes, out_dtype),
-               gemms.swiglu_forward,
-               swiglu_backward_composed(_bf16_columns), _bf16_row_columns)
+  return dataclasses.replace(gemms, name=f"{gemms.name}, bf16 wgrad", columns=_bf16_columns,
+                             outer=lambda lhs, rhs, tiles, group_sizes, out_dtype=jnp.float32: outer(
+                                 lhs, rhs, group_sizes, out_dtype),
+                             swiglu_backward=swiglu_backward_composed(_bf16_columns), row_columns=_bf16_row_columns)
 
 
 def _dense_outer_bf16(lhs, rhs, group_sizes, out_dtype):
@@ -266,14 +307,33 @@ def _weight_cotangent_template(w):
   return None if isinstance(w, fp8.Fp8Weight) else jnp.zeros((0,), w.dtype)
 
 
+def _forward_weight(w, gemms):
+  """A weight as the forward reads it: an ``Fp8Weight`` as given, a float array quantized by the backend."""
+  return w if isinstance(w, fp8.Fp8Weight) else gemms.quantize_weight(w)
+
+
+def _kept_weight(w, wq, gemms):
+  """What the backward keeps of a weight for the dgrads: the master weight where the backend re-quantizes it there
+  (an array the caller holds anyway: no memory of the forward's), else the forward's ``Fp8Weight`` wq."""
+  return w if not isinstance(w, fp8.Fp8Weight) and gemms.requantizes_weights() else wq
+
+
+def _dgrad_weight(kept, gemms):
+  """The dgrads' weight (the ``Fp8Weight`` of W^T) from what the forward kept: a kept ``Fp8Weight`` transposed
+  (exact), a master weight quantized in its own layout (the same bits)."""
+  if isinstance(kept, fp8.Fp8Weight):
+    return fp8.transpose_weight(kept)
+  return gemms.quantize_weight(kept, transposed=False)
+
+
 def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
   """The forward from x quantized (1 x 128, power-of-two scales): (out [M, D] in out_dtype, what the backward
   keeps)."""
-  w1q, w2q = fp8.as_fp8_weight(w1), fp8.as_fp8_weight(w2)
+  w1q, w2q = _forward_weight(w1, gemms), _forward_weight(w2, gemms)
   a = gemms.rows(xq, xs, w1q, group_sizes)
   h_rows, a_rows = gemms.swiglu_forward(a)
   out = gemms.rows(*h_rows, w2q, group_sizes, out_dtype)
-  kept = (xq, xs, a_rows, w1q, w2q, group_sizes,
+  kept = (xq, xs, a_rows, _kept_weight(w1, w1q, gemms), _kept_weight(w2, w2q, gemms), group_sizes,
           _weight_cotangent_template(w1), _weight_cotangent_template(w2))
   return out, kept
 
@@ -281,21 +341,21 @@ def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
 def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
   """The backward from the output gradient quantized (1 x 128, power-of-two scales): (dx [M, D] in dx_dtype, w1's
   cotangent, w2's cotangent)."""
-  (xq, xs, (aq, a_s), w1q, w2q, group_sizes, w1_like, w2_like) = kept
+  (xq, xs, (aq, a_s), w1_kept, w2_kept, group_sizes, w1_like, w2_like) = kept
   tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
 
   # Each weight gradient in its master weight's dtype (a pre-quantized weight's cotangent is zeros: float32 there).
   w1_dtype, w2_dtype = (jnp.float32 if like is None else like.dtype for like in (w1_like, w2_like))
-  dh = gemms.rows(dyq, dys, fp8.transpose_weight(w2q), group_sizes)
+  dh = gemms.rows(dyq, dys, _dgrad_weight(w2_kept, gemms), group_sizes)
   h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh, tiles)
   dw2 = gemms.outer(h_cols, gemms.columns_of_rows(dyq, dys, tiles), tiles, group_sizes, w2_dtype)
-  dx = gemms.rows(*da_rows, fp8.transpose_weight(w1q), group_sizes, dx_dtype)
+  dx = gemms.rows(*da_rows, _dgrad_weight(w1_kept, gemms), group_sizes, dx_dtype)
   dw1 = gemms.outer(gemms.columns_of_rows(xq, xs, tiles), da_cols, tiles, group_sizes, w1_dtype)
 
-  def weight_ct(dw, like, wq):
-    return jax.tree.map(jnp.zeros_like, wq) if like is None else dw
+  def weight_ct(dw, like, w_kept):
+    return jax.tree.map(jnp.zeros_like, w_kept) if like is None else dw
 
-  return dx, weight_ct(dw1, w1_like, w1q), weight_ct(dw2, w2_like, w2q)
+  return dx, weight_ct(dw1, w1_like, w1_kept), weight_ct(dw2, w2_like, w2_kept)
 
 
 def _forward(x, w1, w2, group_sizes, gemms):

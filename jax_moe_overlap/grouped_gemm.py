@@ -26,6 +26,7 @@ GROUPED_MATMUL_SWIGLU_GRAD = "jmo_grouped_matmul_swiglu_grad"
 GROUPED_MATMUL_FP8 = "jmo_grouped_matmul_fp8"
 GROUPED_OUTER_FP8 = "jmo_grouped_outer_fp8"
 QUANTIZE_COLUMNS_FP8 = "jmo_quantize_columns_fp8"
+QUANTIZE_WEIGHT_FP8 = "jmo_quantize_weight_fp8"
 SWIGLU_BACKWARD_FP8 = "jmo_swiglu_backward_fp8"
 SWIGLU_FORWARD_FP8 = "jmo_swiglu_forward_fp8"
 
@@ -284,6 +285,47 @@ def quantize_columns_fp8(x, tiles: fp8.ColumnTiles) -> tuple[jax.Array, jax.Arra
          jax.ShapeDtypeStruct((tiles.count, C), jnp.float32))
   return jax.ffi.ffi_call(QUANTIZE_COLUMNS_FP8, out, vmap_method="sequential")(
       *operands, tiles.group_sizes.astype(jnp.int32))
+
+
+def quantize_weight_fp8(w: jax.Array, *, transposed: bool = True) -> fp8.Fp8Weight:
+  """``fp8.quantize_weight`` in one custom call: an expert weight w [E, K, N] quantized per 128 x 128 block, read
+  once. ``transposed`` (the default): the ``Fp8Weight`` of W, values [E, N, K] (the blocks of W^T, K-major as FP8
+  wgmma reads its B operand) and scales [E, N / 128, K / 128], as ``fp8.quantize_weight(w)``. Not transposed: the
+  ``Fp8Weight`` of W^T, values [E, K, N] in w's own layout and scales [E, K / 128, N / 128], as
+  ``fp8.transpose_weight(fp8.quantize_weight(w))``: the dgrads' weights, made from the master weight instead of
+  transposing a kept quantized copy. The two forms are each other's transpose bit for bit.
+
+  The rule is ``fp8.py``'s (``tile_scale`` without pow2, each value x / s divided as IEEE does and rounded to
+  e4m3, nearest even, saturating at 448; ffi/common/fp8_columns.h restates it for both handlers): a NaN in a block
+  makes its scale and its values NaN, an infinity makes its scale infinite, itself NaN and the block's finite
+  values zero. XLA's ``fp8.quantize_weight`` gives the same bytes but where it departs from that rule
+  (docs/design.md, "The weight quantizer"): its division (x * (1 / s) on CPUs, div.full on GPUs: one e4m3 step
+  where x / s lies near a midpoint, a few bytes in 10^5), XLA:CPU's maximum over a block, which drops a NaN, and
+  XLA:CPU's flushed subnormals (which the CPU handler, run under XLA:CPU's flags, shares). On CUDA (Hopper, like
+  the FP8 GEMMs its output feeds; elsewhere it fails naming the requirement) one CTA per block
+  (ffi/cuda/ops/quantize_weight.cu); on CPU a loop by the same rules (ffi/cpu/quantize_weight.cc).
+
+  Args:
+    w: [E, K, N] float32 or bfloat16, K and N positive multiples of 128.
+    transposed: the layout of the values, as above.
+  Returns:
+    fp8.Fp8Weight.
+  """
+  name = "jax_moe_overlap: quantize_weight_fp8"
+  if getattr(w, "ndim", None) != 3 or w.dtype not in (jnp.float32, jnp.bfloat16):
+    raise TypeError(f"{name}: w must be a float32 or bfloat16 [E, K, N] array, got "
+                    f"{getattr(w, 'dtype', type(w))}{list(getattr(w, 'shape', ()))}")
+  E, K, N = w.shape
+  fp8._check_tiles("both axes of a weight matrix", K)
+  fp8._check_tiles("both axes of a weight matrix", N)
+  if K == 0 or N == 0:
+    raise ValueError(f"{name}: K and N must be positive multiples of {fp8.TILE}, got K={K}, N={N}")
+  rows, cols = (N, K) if transposed else (K, N)
+  _ffi.register()
+  out = (jax.ShapeDtypeStruct((E, rows, cols), fp8.E4M3),
+         jax.ShapeDtypeStruct((E, rows // fp8.TILE, cols // fp8.TILE), jnp.float32))
+  q, s = jax.ffi.ffi_call(QUANTIZE_WEIGHT_FP8, out, vmap_method="sequential")(w, transposed=bool(transposed))
+  return fp8.Fp8Weight(q, s)
 
 
 def _swiglu_width(name: str, operand: str, C: int) -> int:

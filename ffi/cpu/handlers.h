@@ -23,6 +23,7 @@ XLA_FFI_Error* JmoGroupedMatmulSwiGluGradCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulFp8Cpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedOuterFp8Cpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoQuantizeColumnsFp8Cpu(XLA_FFI_CallFrame* frame);  // quantize_columns.cc
+XLA_FFI_Error* JmoQuantizeWeightFp8Cpu(XLA_FFI_CallFrame* frame);   // quantize_weight.cc
 XLA_FFI_Error* JmoSwiGluBackwardFp8Cpu(XLA_FFI_CallFrame* frame);  // swiglu_backward_fp8.cc
 XLA_FFI_Error* JmoSwiGluForwardFp8Cpu(XLA_FFI_CallFrame* frame);   // swiglu_forward_fp8.cc
 }

@@ -25,6 +25,7 @@ enum class HandlerOp : int {
   kGroupedMatmulFp8,
   kGroupedOuterFp8,
   kQuantizeColumnsFp8,
+  kQuantizeWeightFp8,
   kSwiGluBackwardFp8,
   kSwiGluForwardFp8,
   kCount

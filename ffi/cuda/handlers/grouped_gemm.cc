@@ -1,14 +1,15 @@
-// XLA:CUDA handlers of the bare grouped GEMMs, of the FP8 wgrad operands' quantizer and of the FP8 SwiGLU backward: the shape checks shared with
-// the CPU handlers (ffi/common/grouped_gemm_signature.h), then the kernels of ops/grouped_gemm.cu and
-// ops/quantize_columns.cu on XLA's stream. They keep no state
-// between calls and launch what the shapes and addresses decide (group sizes are read on the device), so each
-// declares XLA's command-buffer trait: XLA may trace it into a CUDA graph and replay it.
+// XLA:CUDA handlers of the bare grouped GEMMs, of the FP8 quantizers (the wgrad operands', the weights') and of the
+// FP8 SwiGLU calls: the shape checks shared with the CPU handlers (ffi/common/grouped_gemm_signature.h), then the
+// kernels of ops/grouped_gemm.cu, ops/quantize_columns.cu, ops/quantize_weight.cu and ops/swiglu_*_fp8.cu on XLA's
+// stream. They keep no state between calls and launch what the shapes and addresses decide (group sizes are read on
+// the device), so each declares XLA's command-buffer trait: XLA may trace it into a CUDA graph and replay it.
 #include "common/grouped_gemm_signature.h"
 #include "cuda/handlers/call_counts.h"
 #include "cuda/handlers/handlers.h"
 #include "cuda/handlers/support.h"
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/quantize_columns.h"
+#include "cuda/ops/quantize_weight.h"
 #include "cuda/ops/swiglu_backward_fp8.h"
 #include "cuda/ops/swiglu_forward_fp8.h"
 #include "xla/ffi/api/ffi.h"
@@ -104,6 +105,16 @@ ffi::Error QuantizeColumnsFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   group_sizes.typed_data(), shape->tiles, q_t->untyped_data(), s->typed_data()));
 }
 
+ffi::Error QuantizeWeightFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> s, bool transposed) {
+  NoteHandlerCall(HandlerOp::kQuantizeWeightFp8, stream);
+  auto shape = CheckQuantizeWeightFp8(w, *q, *s, transposed);
+  if (shape.has_error()) return shape.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(QuantizeWeightFp8(stream, shape->dtype, w.untyped_data(), shape->E, shape->K, shape->N, transposed,
+                                 static_cast<uint8_t*>(q->untyped_data()), s->typed_data()));
+}
+
 ffi::Error SwiGluBackwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s,
                                  ffi::Buffer<ffi::F32> dh, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Result<ffi::AnyBuffer> da_q, ffi::Result<ffi::Buffer<ffi::F32>> da_s,
@@ -162,6 +173,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterFp8Cuda, jmo::cuda::GroupedOuterFp8
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoQuantizeColumnsFp8Cuda, jmo::cuda::QuantizeColumnsFp8Impl,
                               jmo::BindQuantizeColumnsFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                           .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoQuantizeWeightFp8Cuda, jmo::cuda::QuantizeWeightFp8Impl,
+                              jmo::BindQuantizeWeightFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                         .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoSwiGluBackwardFp8Cuda, jmo::cuda::SwiGluBackwardFp8Impl,
                               jmo::BindSwiGluBackwardFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()

@@ -15,6 +15,7 @@ XLA_FFI_Error* JmoGroupedMatmulSwiGluGradCuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulFp8Cuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedOuterFp8Cuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoQuantizeColumnsFp8Cuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoQuantizeWeightFp8Cuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoSwiGluBackwardFp8Cuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoSwiGluForwardFp8Cuda(XLA_FFI_CallFrame* frame);
 }

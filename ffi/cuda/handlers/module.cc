@@ -72,6 +72,7 @@ constexpr Target kTargets[] = {{"jmo_dispatch", JmoDispatchCuda},
                                {"jmo_grouped_matmul_fp8", JmoGroupedMatmulFp8Cuda},
                                {"jmo_grouped_outer_fp8", JmoGroupedOuterFp8Cuda},
                                {"jmo_quantize_columns_fp8", JmoQuantizeColumnsFp8Cuda},
+                               {"jmo_quantize_weight_fp8", JmoQuantizeWeightFp8Cuda},
                                {"jmo_swiglu_backward_fp8", JmoSwiGluBackwardFp8Cuda},
                                {"jmo_swiglu_forward_fp8", JmoSwiGluForwardFp8Cuda}};
 

@@ -1,0 +1,184 @@
+"""The expert weights' quantizer (grouped_gemm.quantize_weight_fp8) on its CUDA kernel, both layouts, float32 and
+bfloat16 weights: bit for bit the CPU handler (the outputs' memory poisoned first, so that unwritten bytes show), and
+against fp8.quantize_weight run by XLA on the same GPU: the scales bit for bit, the values bit for bit but where
+XLA:GPU's inexact float32 division explains a byte (_xla_division_differences: the count is printed); the edge blocks
+of tests/test_quantize_weight_fp8.py (ties, the top of e4m3's range, zeros, negative zeros, NaN and infinities)
+against the CPU handler (a NaN's sign aside: the device's arithmetic returns its canonical NaN, x86 a negative one for
+inf / inf), and the float32 subnormal block, which XLA:CPU flushes to zero, against XLA:GPU, which does not; bitwise
+repeats; the recipe with fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on: its four calls, its forward and input
+gradients bit for bit the recipe on weights the kernel pre-quantized, its weight gradients within float32 rounding of
+the recipe with the switch off. On a GPU that is not a Hopper one the call must fail naming the requirement. Skips
+where there is no GPU."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import test_quantize_weight_fp8 as base  # tests/test_quantize_weight_fp8.py (tests/ is on pytest's pythonpath)
+from cases import layer_inputs, rel_err
+from gpu_common import gpu_devices, requires_gpu
+from test_fp8_layer import grads_fn
+from test_gpu_grouped_gemm_fp8 import _hopper, requires_hopper
+from test_gpu_quantize_columns_fp8 import _same_bits
+
+from jax_moe_overlap import fp8, fp8_experts
+from jax_moe_overlap.grouped_gemm import QUANTIZE_WEIGHT_FP8, quantize_weight_fp8
+
+pytestmark = requires_gpu
+
+BIG = [(8, 1024, 2048), (2, 4096, 1536), (4, 768, 1024)]   # the training preset's w1, a Mixtral-like slab, K != N
+
+# e4m3's finite positive values, ascending (bytes 0x00 .. 0x7E).
+_E4M3_POS = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def _poison(shape):
+  """Fills then frees a byte buffer of the values' size with 0x7F (e4m3 NaN, which no finite block gives), so that
+  the output's allocation likely reuses it and unwritten bytes show."""
+  jax.block_until_ready(jnp.full(shape, 0x7F, jnp.uint8, device=gpu_devices()[0])).delete()
+
+
+def _run(f, w, device):
+  out = jax.jit(f)(jax.device_put(w, device))
+  return np.asarray(out.values).view(np.uint8), np.asarray(out.scales)
+
+
+def _kernel(w, transposed):
+  E, K, N = w.shape
+  _poison((E, K, N))
+  jax.block_until_ready(jnp.full((E, K // 128, N // 128), jnp.nan, jnp.float32, device=gpu_devices()[0])).delete()
+  return _run(lambda w: quantize_weight_fp8(w, transposed=transposed), w, gpu_devices()[0])
+
+
+def _cpu(w, transposed):
+  return _run(lambda w: quantize_weight_fp8(w, transposed=transposed), w, jax.devices("cpu")[0])
+
+
+def _xla_gpu(w, transposed):
+  return _run(lambda w: fp8_experts.xla_quantize_weight(w, transposed), w, gpu_devices()[0])
+
+
+def _xla_division_differences(q, gq, w, s, transposed):
+  """The bytes where the kernel's q differs from XLA:GPU's gq, each of which must be explained by XLA:GPU's float32
+  division (div.full.f32, within 2 ulp, not correctly rounded: openxla/xla#37181) where the kernel divides as IEEE
+  does: x / s within a few float32 ulps of a midpoint between two e4m3 values, and the bytes one e4m3 step apart with
+  the same sign. Returns the count of differing bytes."""
+  diff = np.argwhere(q != gq)
+  w32 = np.asarray(jnp.asarray(w, jnp.float32)).astype(np.float64)
+  x_all = np.swapaxes(w32, -1, -2) if transposed else w32
+  for e, r, c in diff:
+    y = abs(x_all[e, r, c] / np.float64(s[e, r // 128, c // 128]))
+    k = np.searchsorted(_E4M3_POS, y)
+    assert 0 < k < _E4M3_POS.size, f"[{e}, {r}, {c}]: x / s = {y} is not between two e4m3 values"
+    mid = (_E4M3_POS[k - 1] + _E4M3_POS[k]) / 2
+    a, b = int(q[e, r, c]), int(gq[e, r, c])
+    assert abs(y - mid) <= 4 * 2.0**-24 * y and (a ^ b) & 0x80 == 0 and abs((a & 0x7F) - (b & 0x7F)) == 1, (
+        f"[{e}, {r}, {c}]: kernel byte {a:#04x}, XLA:GPU {b:#04x}, x / s = {y!r}, nearest midpoint {mid!r}")
+  return len(diff)
+
+
+def _same(a, b, nan_free=False):
+  """Equal bytes (values) or words (scales); with nan_free, NaNs compared as NaNs (sign and payload aside)."""
+  _same_bits(a, b, nan_free)
+
+
+@requires_hopper
+@pytest.mark.parametrize("shape", base.SHAPES + BIG)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "w_layout"])
+def test_kernel_equals_the_cpu_handler_and_the_xla_path(shape, dtype, transposed, capsys):
+  w = base.weights(shape, dtype, seed=sum(shape))
+  q, s = _kernel(w, transposed)
+  cq, cs = _cpu(w, transposed)
+  _same(q, cq)
+  _same(s, cs)
+  gq, gs = _xla_gpu(w, transposed)
+  _same(s, gs)
+  differing = _xla_division_differences(q, gq, w, s, transposed)
+  with capsys.disabled():
+    print(f"\nquantize_weight_fp8 {shape} {jnp.dtype(dtype).name} {'transposed' if transposed else 'w layout'}: "
+          f"{differing} of {q.size} bytes differ from XLA:GPU's (its division)")
+  assert differing <= 1e-3 * q.size
+  q2, s2 = _kernel(w, transposed)
+  _same(q, q2)
+  _same(s, s2)
+
+
+@requires_hopper
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "w_layout"])
+def test_kernel_edge_blocks(transposed, capsys):
+  """base.edge_weights: every block but the subnormal one (11) bit for bit the CPU handler, NaNs as NaNs; block 11
+  (subnormals only: scale 2^-126, quotients x * 2^126, exact) bit for bit the NumPy twin, which keeps subnormals as
+  the kernel does (XLA:CPU, and with it the CPU handler, flushes them: the CPU test holds the handler to that); how
+  many of its bytes XLA:GPU's quantizer gives otherwise prints (its division's handling of subnormals)."""
+  w = jnp.asarray(base.edge_weights())
+  q, s = _kernel(w, transposed)
+  cq, cs = _cpu(w, transposed)
+  gq, gs = _xla_gpu(w, transposed)
+  in_w_layout = (lambda a: a) if not transposed else (lambda a: np.swapaxes(a, 1, 2))
+
+  def by_block(a):
+    if a.shape[-1] == 3:
+      return a.reshape(12)
+    return a.reshape(2, 2, 128, 3, 128).transpose(0, 1, 3, 2, 4).reshape(12, 128, 128)
+
+  qb, cqb, gqb = (by_block(in_w_layout(a)) for a in (q, cq, gq))
+  sb, csb, gsb = (by_block(in_w_layout(a)) for a in (s, cs, gs))
+  _same(qb[:11], cqb[:11], nan_free=True)
+  _same(sb[:11], csb[:11], nan_free=True)
+  tq, ts = base.twin(np.asarray(w), transposed)
+  _same(qb[11], by_block(in_w_layout(tq))[11])
+  _same(sb[11:], by_block(in_w_layout(ts))[11:])
+  assert np.count_nonzero(qb[11]) > 0.5 * qb[11].size      # the subnormals do quantize (x * 2^126) on GPUs
+  with capsys.disabled():
+    print(f"\nsubnormal block: {np.count_nonzero(qb[11] != gqb[11])} of {qb[11].size} bytes differ from XLA:GPU's; "
+          f"scale {'equal' if sb[11] == gsb[11] else 'differs'}")
+  q2, s2 = _kernel(w, transposed)
+  _same(q, q2)
+  _same(s, s2, nan_free=True)
+
+
+def _recipe(w1, w2):
+  mesh = jax.make_mesh((1,), ("expert",), devices=gpu_devices()[:1])
+  x, ids, gates, _, _ = layer_inputs(512, 256, 512, 8, 2, "skewed", 21, dtype=jnp.bfloat16)
+  cot = jnp.asarray(np.random.default_rng(22).standard_normal((512, 256)).astype(np.float32))
+  f = grads_fn(mesh, ids, cot, "collective")
+  (_, y), g = f(x, gates, w1, w2)
+  return [np.asarray(a) for a in (y, *g)], f.lower(x, gates, w1, w2).as_text()
+
+
+@requires_hopper
+def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys):
+  """fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on: the recipe quantizes the master weights by the kernel in the
+  forward and again, untransposed, for the dgrads (4 calls, no quantized weight kept); y, dx and dgates equal the
+  recipe on the weights the kernel pre-quantized bit for bit (the same FP8 operands; dgrads from their transposed
+  copies); the weight gradients stay within float32 rounding of the switch-off recipe's (XLA:GPU's quantizer, whose
+  division parts from the kernel's at a few bytes)."""
+  _, _, _, w1, w2 = layer_inputs(512, 256, 512, 8, 2, "skewed", 21, dtype=jnp.bfloat16)
+  w1, w2 = (jax.device_put(w, gpu_devices()[0]) for w in (w1, w2))
+  with jax.default_device(gpu_devices()[0]):
+    monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", True)
+    jax.clear_caches()  # no program traced with the flag off (same functions, same shapes) may be reused
+    on, text = _recipe(w1, w2)
+    assert text.count(QUANTIZE_WEIGHT_FP8) == 4
+    pre, _ = _recipe(jax.jit(quantize_weight_fp8)(w1), jax.jit(quantize_weight_fp8)(w2))
+    for name, a, b in zip(("y", "dx", "dgates"), on[:3], pre[:3]):
+      np.testing.assert_array_equal(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32),
+                                    b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32), err_msg=name)
+    monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", False)
+    jax.clear_caches()
+    off, text = _recipe(w1, w2)
+    assert QUANTIZE_WEIGHT_FP8 not in text
+  errs = {n: rel_err(a, b) for n, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), on, off)}
+  with capsys.disabled():
+    print("\nrecipe, weight quantizer on vs off: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+  assert all(e < 1e-3 for e in errs.values()), errs
+
+
+def test_other_gpus_refuse_naming_the_requirement():
+  if _hopper():
+    pytest.skip("a Hopper GPU runs the kernel (test_kernel_equals_the_cpu_handler_and_the_xla_path)")
+  with pytest.raises(Exception, match=r"needs Hopper FP8 tensor cores \(compute capability 9.x"):
+    _run(quantize_weight_fp8, jnp.ones((1, 128, 128), jnp.float32), gpu_devices()[0])
