@@ -227,9 +227,10 @@ class CallConfig:
     receiver's expansion costs more than the link bytes it saves; docs/performance.md). The backward's dispatch of
     ``gates * dy`` always sends one row per slot (each slot's row differs).
   x_recv_from_tiles: how a fused dispatch_gemm call on CUDA writes the received rows it returns where it keeps them
-    (x_recv): False (default): copied from the workspace's recv rows by the pushing CTAs after their pushes and by
-    the GEMM CTAs that run out of tiles; True: stored by the GEMM1 tiles from the rows they hold in shared memory
-    (each row block's first column tile). The same bytes either way; no effect on CPU or on two-call dispatches.
+    (x_recv): True (default): stored by the GEMM1 tiles from the rows they hold in shared memory (each row block's
+    first column tile: no second read of the rows, no copy on the pushers' SMs; docs/performance.md, "x_recv from
+    the GEMM tiles"); False: copied from the workspace's recv rows by the pushing CTAs after their pushes and by the
+    GEMM CTAs that run out of tiles. The same bytes either way; no effect on CPU or on two-call dispatches.
   tensor_reduce: how an ``impl="overlap"`` layer with a tensor axis sums the tensor shards' partial outputs
     (docs/design.md, "GatherRS"). "per_slot": expert_combine returns every shard's partial of every slot to the
     token's owner, which sums them (partials in the layer's dtype). "gather_rs": each rank scales its GEMM2 rows by
@@ -246,7 +247,7 @@ class CallConfig:
   serialize: bool = False
   dispatch_pushers: int = 0
   send_once: bool | None = None
-  x_recv_from_tiles: bool = False
+  x_recv_from_tiles: bool = True
   consumer_tuning: ConsumerTuning = dataclasses.field(default_factory=ConsumerTuning)
   tensor_reduce: str = "auto"
 

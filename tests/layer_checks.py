@@ -211,13 +211,13 @@ def grouped_matmul_gemms():
     forget()
 
 
-def check_dispatch_gemm(mesh, pushers=2, seed=13, x_recv_from_tiles=False):
+def check_dispatch_gemm(mesh, pushers=2, seed=13, x_recv_from_tiles=True):
   """CallConfig(dispatch_pushers=...) (the dispatch and GEMM1 with its SwiGLU in one dispatch_gemm call, and the
   backward's dispatch with d_out W2^T in another: on a Hopper GPU the fused kernel, on CPU its handler): forward and
   gradients bitwise equal to the two calls with jmo_grouped_matmul_swiglu as GEMM1 and jmo_grouped_matmul for the
   backward's d_out W2^T (``grouped_matmul_gemms``), and within TOL of the reference, every output computed into the
   poison. x_recv_from_tiles: CallConfig's (the fused kernels' x_recv, which the weight gradients' GEMMs read, stored
-  by their GEMM tiles)."""
+  by their GEMM tiles, the default, or copied by the side units)."""
   layer = Layer(mesh, "skewed", seed)
   args = layer.args(jnp.bfloat16)
   with grouped_matmul_gemms():

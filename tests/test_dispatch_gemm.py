@@ -158,12 +158,12 @@ def test_call_sending_once_equals_the_two_calls(kind, cf, skip, dtype, mode):
   test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=True)
 
 
-def test_call_with_x_recv_from_tiles_equals_the_two_calls():
-  # CallConfig(x_recv_from_tiles=True) (on CUDA the GEMM tiles store x_recv) travels as a call attribute on every
-  # platform; the CPU handler decodes it with the other options and ignores it: the kept results are still the two
-  # calls' bit for bit. Then the config's type rule.
+def test_call_with_x_recv_copied_equals_the_two_calls():
+  # CallConfig(x_recv_from_tiles=False) (on CUDA the side units copy x_recv; the default, True, has the GEMM tiles
+  # store it) travels as a call attribute on every platform; the CPU handler decodes it with the other options and
+  # ignores it: the kept results are still the two calls' bit for bit. Then the config's type rule.
   test_call_equals_dispatch_and_grouped_gemm(*ROUTED[1], jnp.bfloat16, MODES[2], send_once=True,
-                                             config=CallConfig(dispatch_pushers=2, x_recv_from_tiles=True))
+                                             config=CallConfig(dispatch_pushers=2, x_recv_from_tiles=False))
   with pytest.raises(ValueError, match="x_recv_from_tiles must be a bool"):
     CallConfig(x_recv_from_tiles=1)
 

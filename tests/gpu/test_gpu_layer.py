@@ -72,11 +72,11 @@ def test_dispatch_gemm_equals_two_calls(R):
 
 
 @by_ranks
-def test_dispatch_gemm_x_recv_from_tiles_equals_two_calls(R):
-  # CallConfig(x_recv_from_tiles=True): the fused kernel's GEMM tiles store x_recv (read by the backward's GEMMs).
+def test_dispatch_gemm_x_recv_copied_equals_two_calls(R):
+  # CallConfig(x_recv_from_tiles=False): the fused kernel's side units copy x_recv (read by the backward's GEMMs).
   if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
-  checks.check_dispatch_gemm(gpu_mesh(R), x_recv_from_tiles=True)
+  checks.check_dispatch_gemm(gpu_mesh(R), x_recv_from_tiles=False)
 
 
 @pytest.mark.parametrize("fuse", [False, True])

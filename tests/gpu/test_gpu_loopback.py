@@ -40,8 +40,8 @@ def test_loopback_dispatch_gemm_suite():
   GEMM1 and its SwiGLU against the host in float32, bitwise equal to the two calls, bit-identical repeats, a forced
   timeout in a per-source wait reported by the next call, then recovery, and pushes over an emulated link; sending a
   token's row once per destination rank (the default at two ranks or more) beside cases that send one row per slot;
-  x_recv stored by the GEMM tiles (x_recv_from_tiles) in the plain and training modes. Hopper only (the wgmma
-  engine)."""
+  x_recv stored by the GEMM tiles (the default) and, in the plain and training modes, copied by the side units
+  (x_recv_from_tiles=False). Hopper only (the wgmma engine)."""
   from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
   if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
@@ -54,7 +54,7 @@ def test_loopback_dispatch_gemm_suite():
   assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
   assert re.search(r"PASS R=2 .* mode=\w+ link=20GB/s", proc.stdout)
   for r, mode in ((1, "train"), (2, "plain"), (4, "train"), (8, "train")):
-    assert re.search(rf"PASS R={r} .* mode={mode} x_recv=tiles", proc.stdout), (r, mode)
+    assert re.search(rf"PASS R={r} .* mode={mode} x_recv=copied", proc.stdout), (r, mode)
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])

@@ -107,9 +107,9 @@ class Case:
   # Send once (docs/design.md, "Send once"): every dispatch (and dispatch_gemm) sends a token's row once per destination
   # rank (plan.slot_primary); AUTO: the library's rule (call_site.send_once), 0: one row per slot, 1: send once.
   send_once: int = AUTO
-  # dispatch_gemm's x_recv stored by its GEMM tiles from their A tiles in shared memory instead of copied by its side
-  # units (CallOptions::x_recv_from_tiles, CallConfig.x_recv_from_tiles).
-  x_recv_from_tiles: bool = False
+  # dispatch_gemm's x_recv stored by its GEMM tiles from their A tiles in shared memory (the library's default), or
+  # copied by its side units (False) (CallOptions::x_recv_from_tiles, CallConfig.x_recv_from_tiles).
+  x_recv_from_tiles: bool = True
 
   @property
   def dg(self) -> bool:
@@ -215,8 +215,6 @@ class Case:
       return f"link_gbps {self.link_gbps} must be >= 0"
     if self.gather_rs and (TP < 2 or self.dg):
       return "gather_rs takes a tensor-parallel case (tensor >= 2) without dispatch_gemm"
-    if self.x_recv_from_tiles and not self.dg:
-      return "x_recv_from_tiles takes a dispatch_gemm case (dispatch_gemm_pushers != 0)"
     return None
 
   @property
@@ -244,8 +242,8 @@ class Case:
     if self.dg:
       pushers = "auto" if self.dispatch_gemm_pushers == AUTO else self.dispatch_gemm_pushers
       s += f" dispatch_gemm pushers={pushers} mode={self.dispatch_gemm_mode}"
-      if self.x_recv_from_tiles:
-        s += " x_recv=tiles"
+      if not self.x_recv_from_tiles:
+        s += " x_recv=copied"
     if self.link_gbps > 0:
       s += f" link={self.link_gbps:g}GB/s"
     if self.gather_rs:
@@ -317,10 +315,10 @@ def _dispatch_gemm(base: Case) -> list[Case]:
   # on rank 0 (routing 2), and R = 4 over the emulated link.
   v.append(dataclasses.replace(v[5], send_once=0))
   v.append(dataclasses.replace(v[-2], send_once=0))
-  # x_recv stored by the GEMM tiles (x_recv_from_tiles) in the modes that keep it: R = 1 training forward; R = 2 plain,
-  # sending once (its m-tiles of other ranks' rows filled by the expansion units first); R = 4 training forward over
-  # the emulated link, one row per slot; R = 8 training forward with every token on rank 0, sending once.
-  v += [dataclasses.replace(c, x_recv_from_tiles=True)
+  # x_recv copied by the side units (x_recv_from_tiles=False) in the modes that keep it: R = 1 training forward; R = 2
+  # plain, sending once (its m-tiles of other ranks' rows filled by the expansion units first); R = 4 training forward
+  # over the emulated link, one row per slot; R = 8 training forward with every token on rank 0, sending once.
+  v += [dataclasses.replace(c, x_recv_from_tiles=False)
         for c in (v[0], v[4], dataclasses.replace(v[6], link_gbps=20.0, send_once=0), v[11])]
   return v
 

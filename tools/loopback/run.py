@@ -50,8 +50,8 @@ Timing (benchmarks/loopback_runner.py drives these):
                            rank's SMs), and its results (cases.Case)
   --send-once 0|1          every dispatch sends a token's row once per destination rank (1) or once per slot (0);
                            default the library's rule (at two ranks or more)
-  --x-recv-from-tiles      with --dispatch-gemm: its x_recv stored by the GEMM tiles from their A tiles in shared
-                           memory instead of copied by its side units (CallConfig.x_recv_from_tiles)
+  --x-recv-copied          with --dispatch-gemm: its x_recv copied by its side units instead of stored by the GEMM
+                           tiles from their A tiles in shared memory (CallConfig.x_recv_from_tiles=False)
   --dispatch-pushers-sweep 1,2,4,0
                            with --dispatch-gemm and --time: also the fused call per P (0: the library's choice), and
                            with --model the regret of its choice (tools/loopback/regret.py)
@@ -125,9 +125,10 @@ def parse_args(argv):
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
                      ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table"),
-                     ("--gather-rs", "gather_rs"), ("--x-recv-from-tiles", "x_recv_from_tiles")):
+                     ("--gather-rs", "gather_rs")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
   ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
+  ap.add_argument("--x-recv-copied", dest="x_recv_from_tiles", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--copy-ceiling", type=_floats, default=None)
   ap.add_argument("--device-info", action="store_true")
   args = ap.parse_args(argv)
