@@ -31,6 +31,7 @@ def _rows(path):
     return [r for r in map(json.loads, f) if "meta" not in r]
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_bench_fused_checks_every_impl(tmp_path, monkeypatch):
   monkeypatch.setattr(bench_fused, "shapes", lambda quick: [("tiny", 64, 32, 48, 4, 2)])
   out = tmp_path / "fused.jsonl"
@@ -220,6 +221,7 @@ def test_check_tokamax_reports_each_gradient(tmp_path, monkeypatch, scale_dw):
   assert (float(row["err_dw"]) > 0.1) == (scale_dw != 1.0), row
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_bench_eager_checks_and_times_every_impl(tmp_path):
   rows = bench_eager.main(["--tokens", "32", "--d-model", "16", "--d-ff", "16", "--calls", "3",
                            "--out", str(tmp_path / "eager.jsonl")])

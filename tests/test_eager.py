@@ -82,6 +82,7 @@ def test_eager_call_on_explicit_mesh():
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_eager_grad_on_explicit_mesh_under_set_mesh():
   # JAX's own rule for Explicit axes: an eager jax.grad whose loss lives on an Explicit mesh runs inside
   # jax.set_mesh (its ones_like cotangent is placed on the mesh); the README says so. Every impl, x not placed.
@@ -111,6 +112,7 @@ def test_eager_module_call_reuses_the_expert_program():
   np.testing.assert_allclose(y, y_jit, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_eager_vjp_on_a_data_by_expert_mesh_of_eight():
   """An eager jax.vjp on a (data 2, expert 4) mesh of 8 CPU devices, ten times: its programs hold XLA collectives
   beside the workspace calls, so it needs the calls to wait off XLA's threads (ffi/cpu/async_call.h); a pool that

@@ -81,5 +81,6 @@ def test_counts_larger_than_the_workspace_are_refused_then_the_next_call_works()
   np.testing.assert_array_equal(fn(counts), np.broadcast_to(every, (R, *every.shape)))
 
 
+@pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_the_layer_gathers_the_counts_through_the_workspace_only_when_it_spans_processes(monkeypatch):
   checks.check_counts_through_the_workspace(mesh_of(R), monkeypatch, num_experts=E)

@@ -115,7 +115,7 @@ def test_more_than_32_choices_per_token_against_reference(R):
   assert rel_err(y, y_ref) < 1e-5 and rel_err(slot_out, slot_ref) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
 @pytest.mark.parametrize("R", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 4])
 def test_transpose_rhs_equals_plain_call_on_transposed_weights(R, dtype):
   K, N = 24, 40  # K != N: a swapped reading would not even have the right shape

@@ -28,7 +28,8 @@ def loss(impl, mesh, ids, cf):
 
 
 # Dropless impl="xla" against the reference: also tests/test_moe_block.py (the module, forward and gradients).
-@pytest.mark.parametrize("kind,cf", [pytest.param("skewed", None, marks=pytest.mark.slow), ("skewed", 0.5),
+@pytest.mark.parametrize("kind,cf", [pytest.param("skewed", None, marks=pytest.mark.slow),
+                                     pytest.param("skewed", 0.5, marks=pytest.mark.slow),
                                      ("all_to_one", 1.0), pytest.param("empty_experts", 0.5, marks=pytest.mark.slow)])
 def test_xla_matches_reference(kind, cf):
   mesh = mesh_of(4)
