@@ -135,16 +135,31 @@ auto BindGroupedSwiGluGrad(Binding&& b) {
       .template Attr<bool>("transpose_rhs");
 }
 
-// lhs, lhs_scales, rhs, rhs_scales, group_sizes -> out.
+// The operands of the FP8 row GEMMs: lhs, lhs_scales, rhs, rhs_scales, group_sizes.
 template <typename Binding>
-auto BindGroupedMatmulFp8(Binding&& b) {
+auto BindFp8RowOperands(Binding&& b) {
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>();
+      .template Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// lhs, lhs_scales, rhs, rhs_scales, group_sizes -> out.
+template <typename Binding>
+auto BindGroupedMatmulFp8(Binding&& b) {
+  return BindFp8RowOperands(std::move(b)).template Ret<xla::ffi::AnyBuffer>();
+}
+
+// The results of the SwiGLU forward: h_q, h_s, a_q, a_s.
+template <typename Binding>
+auto BindSwiGluForwardResults(Binding&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 // x, x_scales, group_sizes -> q_t, s.
@@ -311,16 +326,7 @@ inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedMatmulFp8(
 // jmo_grouped_matmul_swiglu_fp8: lhs, lhs_scales, rhs, rhs_scales, group_sizes -> h_q, h_s, a_q, a_s.
 template <typename Binding>
 auto BindGroupedMatmulSwiGluFp8(Binding&& b) {
-  namespace ffi = xla::ffi;
-  return std::move(b).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>();
+  return BindSwiGluForwardResults(BindFp8RowOperands(std::move(b)));
 }
 
 // N of the shape is 2F (rhs [G, 2F, K]); F a positive multiple of 128.
@@ -485,12 +491,7 @@ inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
 // jmo_swiglu_forward_fp8: a -> h_q, h_s, a_q, a_s.
 template <typename Binding>
 auto BindSwiGluForwardFp8(Binding&& b) {
-  namespace ffi = xla::ffi;
-  return std::move(b).template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>();
+  return BindSwiGluForwardResults(std::move(b).template Arg<xla::ffi::AnyBuffer>());
 }
 
 struct SwiGluForwardShape {

@@ -200,14 +200,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   ZeroPadRows(h, row_start[G], M, F, sizeof(__nv_bfloat16));
   if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, sizeof(float));
   auto tile_of = [&](int t) {
-    const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
     SwiGluTile tile;
-    tile.a_row = row_start[p.g] + p.mt * kBM;
-    tile.b_idx = p.g;
-    tile.n0 = p.nt * kHalf;
-    tile.n_hi = F + tile.n0;
-    tile.rows = min(kBM, p.rows_g - p.mt * kBM);
-    tile.cols = min(kHalf, F - tile.n0);
+    PlaceSwiGluTile(t, row_start, tile_start, G, n_tiles, F, tile);
     tile.out = h + (int64_t)tile.a_row * F + tile.n0;
     tile.ldc = F;
     tile.a = a != nullptr ? a + (int64_t)tile.a_row * 2 * F : nullptr;

@@ -25,7 +25,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
 
 #include "common/swiglu.h"
 #include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
@@ -100,7 +99,7 @@ __device__ __forceinline__ void ZeroRowScales(float* s, int64_t first, int64_t M
 }
 
 // The kernel: group tables, rows past the groups, the grouped schedule over F / 128 column tiles per 128-row block
-// (PlaceTile's, as GroupedSwiGluKernel's), the loop over the e4m3 operands with SwiGluFp8Tile's epilogue.
+// (PlaceSwiGluTile's, GroupedSwiGluKernel's), the loop over the e4m3 operands with SwiGluFp8Tile's epilogue.
 __global__ void __launch_bounds__(kThreads, 1)
     GroupedSwiGluFp8Kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                            const __grid_constant__ CUtensorMap tm_sa, const float* __restrict__ sb,
@@ -119,14 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   ZeroRowScales(h_s, row_start[G], M, n_tiles);
   ZeroRowScales(a_s, row_start[G], M, 2 * n_tiles);
   auto tile_of = [&](int t) {
-    const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
     SwiGluFp8Tile tile;
-    tile.a_row = row_start[p.g] + p.mt * kBM;
-    tile.b_idx = p.g;
-    tile.n0 = p.nt * kSwiGluFp8Cols;
-    tile.n_hi = F + tile.n0;
-    tile.rows = min(kBM, p.rows_g - p.mt * kBM);
-    tile.cols = kSwiGluFp8Cols;
+    const TilePlace p = PlaceSwiGluTile(t, row_start, tile_start, G, n_tiles, F, tile);
     tile.out = nullptr;
     tile.ldc = 0;
     tile.h_q = h_q + (int64_t)tile.a_row * F + tile.n0;
@@ -165,12 +158,8 @@ inline cudaError_t GroupedSwiGluFp8(const __nv_fp8_e4m3* lhs, const float* lhs_s
                                     uint8_t* a_q, float* a_s, int num_sms, cudaStream_t stream) {
   const char* why = GroupedSwiGluFp8Refusal(M, K, F, G, lhs_scales_ld, lhs, lhs_scales, rhs, rhs_scales, h_q, h_s,
                                             a_q, a_s);
-  if (why == nullptr && num_sms <= 0) why = "num_sms must be positive";
-  if (why != nullptr) {
-    fprintf(stderr, "GroupedSwiGluFp8: M=%lld K=%lld F=%lld G=%lld lhs_scales_ld=%lld: %s\n", (long long)M,
-            (long long)K, (long long)F, (long long)G, (long long)lhs_scales_ld, why);
-    return cudaErrorInvalidValue;
-  }
+  if (why != nullptr || num_sms <= 0)
+    return RefuseFp8Launch("GroupedSwiGluFp8", M, K, "F", F, G, lhs_scales_ld, num_sms, why);
   CUtensorMap maps[3];
   const cudaError_t e = CachedFp8Maps(lhs, lhs_scales, lhs_scales_ld, M, K, rhs, G, 2 * F, maps);
   if (e != cudaSuccess) return e;
