@@ -99,6 +99,7 @@ NB_MODULE(_jmo, m) {
     d["jmo_grouped_matmul_swiglu"] = Capsule(JmoGroupedMatmulSwiGluCpu);
     d["jmo_grouped_matmul_swiglu_grad"] = Capsule(JmoGroupedMatmulSwiGluGradCpu);
     d["jmo_grouped_matmul_fp8"] = Capsule(JmoGroupedMatmulFp8Cpu);
+    d["jmo_grouped_matmul_swiglu_fp8"] = Capsule(JmoGroupedMatmulSwiGluFp8Cpu);
     d["jmo_grouped_outer_fp8"] = Capsule(JmoGroupedOuterFp8Cpu);
     d["jmo_quantize_columns_fp8"] = Capsule(JmoQuantizeColumnsFp8Cpu);
     d["jmo_quantize_weight_fp8"] = Capsule(JmoQuantizeWeightFp8Cpu);

@@ -15,7 +15,9 @@ values and their float32 scales) and chooses how the GEMMs run:
                ``grouped_gemm.grouped_outer_fp8_packed`` on operands that ``grouped_gemm.quantize_columns_fp8``
                quantizes 128 x 1 straight into the token-contiguous layout (each expert's rows padded to a multiple
                of 128), since FP8 wgmma takes both operands K-major only; the SwiGLU forward (h and its
-               quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a; the SwiGLU
+               quantization, and a's) by ``grouped_gemm.swiglu_forward_fp8``, one pass over a (on CPUs, and on
+               GPUs with ``FUSED_GEMM1_SWIGLU_ON_GPU``, GEMM1 and the SwiGLU forward by one call,
+               ``grouped_gemm.grouped_matmul_swiglu_fp8``, whose epilogue writes both: no float32 a); the SwiGLU
                backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
                one pass over a and dh. x and dy, which the backward holds row-quantized, go to the column quantizer
                as e4m3 values and scales (no float32 copy; on GPUs only with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and
@@ -70,6 +72,7 @@ from jax_moe_overlap import fp8
 from jax_moe_overlap import expert_gemms
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
 from jax_moe_overlap.grouped_gemm import ROWS_E4M3_CHANNELS, grouped_matmul_fp8, grouped_outer_fp8_packed
+from jax_moe_overlap.grouped_gemm import grouped_matmul_swiglu_fp8
 from jax_moe_overlap.grouped_gemm import quantize_columns_fp8, quantize_weight_fp8
 from jax_moe_overlap.grouped_gemm import swiglu_backward_fp8, swiglu_forward_fp8
 
@@ -118,6 +121,11 @@ class Gemms:
   requantizes_weights() -> bool, read when traced: whether the backward makes the dgrads' weights from the master
     weights by ``quantize_weight(w, transposed=False)`` (the forward then keeps the master weights, which the caller
     holds anyway, instead of their quantized copies), rather than transposing the quantized copies the forward kept.
+  rows_swiglu(lhs_q, lhs_s, w: fp8.Fp8Weight of W1 [G, K, 2F], group_sizes) -> swiglu_forward(rows(lhs_q, lhs_s, w,
+    group_sizes)): GEMM1 and the SwiGLU forward. None (``DENSE``, ``RAGGED``): that composition (``gemm1_swiglu``
+    runs it: the definition); ``KERNELS`` runs ``grouped_gemm.grouped_matmul_swiglu_fp8``, one custom call whose
+    epilogue quantizes h and a from the accumulators, bit for bit the composition's two calls (CPUs; GPUs once
+    ``FUSED_GEMM1_SWIGLU_ON_GPU``).
   """
 
   name: str
@@ -129,6 +137,13 @@ class Gemms:
   row_columns: Callable | None = None
   quantize_weight: Callable = xla_quantize_weight
   requantizes_weights: Callable[[], bool] = _never
+  rows_swiglu: Callable | None = None
+
+  def gemm1_swiglu(self, lhs_q, lhs_s, w, group_sizes):
+    """``rows_swiglu``, or its composition where None: (h_rows, a_rows)."""
+    if self.rows_swiglu is None:
+      return self.swiglu_forward(self.rows(lhs_q, lhs_s, w, group_sizes))
+    return self.rows_swiglu(lhs_q, lhs_s, w, group_sizes)
 
   def columns_of_rows(self, q, s, tiles):
     """``row_columns``, or its composition where None."""
@@ -246,10 +261,28 @@ def _kernel_requantizes_weights():
   return WEIGHT_QUANTIZER_ON_GPU
 
 
+# Whether GPUs run GEMM1 with the SwiGLU forward in its epilogue (grouped_matmul_swiglu_fp8's kernel,
+# gemm/sm90/wgmma_swiglu_fp8.cuh: no float32 a in memory). Off until the kernel passes
+# tests/gpu/test_gpu_grouped_matmul_swiglu_fp8.py and benchmarks/bench_gemm1_swiglu_fp8.py measures it faster than the
+# two calls (the same bits); CPUs take the fused call.
+FUSED_GEMM1_SWIGLU_ON_GPU = False
+
+
+def _kernel_rows_swiglu(lhs_q, lhs_s, w, group_sizes):
+  def fused():
+    return grouped_matmul_swiglu_fp8(lhs_q, lhs_s, w.values, w.scales, group_sizes)
+
+  def composed():
+    return _kernel_swiglu_forward(_kernel_rows(lhs_q, lhs_s, w, group_sizes))
+
+  return _switched_call(fused, composed, FUSED_GEMM1_SWIGLU_ON_GPU)
+
+
 DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
 KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_forward,
-                _kernel_swiglu_backward, _kernel_row_columns, _kernel_quantize_weight, _kernel_requantizes_weights)
+                _kernel_swiglu_backward, _kernel_row_columns, _kernel_quantize_weight, _kernel_requantizes_weights,
+                _kernel_rows_swiglu)
 
 
 def _bf16_columns(v, tiles):
@@ -330,8 +363,7 @@ def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
   """The forward from x quantized (1 x 128, power-of-two scales): (out [M, D] in out_dtype, what the backward
   keeps)."""
   w1q, w2q = _forward_weight(w1, gemms), _forward_weight(w2, gemms)
-  a = gemms.rows(xq, xs, w1q, group_sizes)
-  h_rows, a_rows = gemms.swiglu_forward(a)
+  h_rows, a_rows = gemms.gemm1_swiglu(xq, xs, w1q, group_sizes)
   out = gemms.rows(*h_rows, w2q, group_sizes, out_dtype)
   kept = (xq, xs, a_rows, _kept_weight(w1, w1q, gemms), _kept_weight(w2, w2q, gemms), group_sizes,
           _weight_cotangent_template(w1), _weight_cotangent_template(w2))

@@ -24,6 +24,7 @@ GROUPED_OUTER = "jmo_grouped_outer"
 GROUPED_MATMUL_SWIGLU = "jmo_grouped_matmul_swiglu"
 GROUPED_MATMUL_SWIGLU_GRAD = "jmo_grouped_matmul_swiglu_grad"
 GROUPED_MATMUL_FP8 = "jmo_grouped_matmul_fp8"
+GROUPED_MATMUL_SWIGLU_FP8 = "jmo_grouped_matmul_swiglu_fp8"
 GROUPED_OUTER_FP8 = "jmo_grouped_outer_fp8"
 QUANTIZE_COLUMNS_FP8 = "jmo_quantize_columns_fp8"
 QUANTIZE_WEIGHT_FP8 = "jmo_quantize_weight_fp8"
@@ -206,25 +207,59 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
   """
   out_dtype = _check_fp8_operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes,
                                   preferred_element_type)
-  if lhs.ndim != 2 or rhs.ndim != 3:
-    raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and "
-                     f"[G, N, K]")
-  (M, K), (G, N) = lhs.shape, rhs.shape[:2]
-  if K % fp8.TILE or N % fp8.TILE or K == 0 or N == 0:
-    raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: K and N must be positive multiples of 128 (whole "
-                     f"1 x 128 and 128 x 128 scale tiles), got K={K}, N={N}")
-  t = fp8.TILE
-  if (rhs.shape[2] != K or lhs_scales.shape != (M, K // t) or rhs_scales.shape != (G, N // t, K // t) or
-      group_sizes.shape != (G,)):
-    raise ValueError(f"jax_moe_overlap: grouped_matmul_fp8: lhs {lhs.shape}, lhs_scales {lhs_scales.shape}, rhs "
-                     f"{rhs.shape}, rhs_scales {rhs_scales.shape} and group_sizes {group_sizes.shape} do not fit "
-                     f"lhs [M, K], lhs_scales [M, K/128], rhs [G, N, K], rhs_scales [G, N/128, K/128], "
-                     f"group_sizes [G]")
-  _ffi.register()
-  scales_mn = jnp.pad(lhs_scales.T, ((0, 0), (0, fp8_scales_ld(M) - M)))
+  M, N, scales_mn = _fp8_row_operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes)
   out = jax.ShapeDtypeStruct((M, N), out_dtype)
   return jax.ffi.ffi_call(GROUPED_MATMUL_FP8, out, vmap_method="sequential")(
       lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))
+
+
+def _fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes):
+  """The shape rules of the FP8 row GEMMs' operands; returns (M, N, lhs_scales in the kernel's MN-major layout)."""
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"jax_moe_overlap: {name}: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and [G, N, K]")
+  (M, K), (G, N) = lhs.shape, rhs.shape[:2]
+  if K % fp8.TILE or N % fp8.TILE or K == 0 or N == 0:
+    raise ValueError(f"jax_moe_overlap: {name}: K and N must be positive multiples of 128 (whole 1 x 128 and "
+                     f"128 x 128 scale tiles), got K={K}, N={N}")
+  t = fp8.TILE
+  if (rhs.shape[2] != K or lhs_scales.shape != (M, K // t) or rhs_scales.shape != (G, N // t, K // t) or
+      group_sizes.shape != (G,)):
+    raise ValueError(f"jax_moe_overlap: {name}: lhs {lhs.shape}, lhs_scales {lhs_scales.shape}, rhs {rhs.shape}, "
+                     f"rhs_scales {rhs_scales.shape} and group_sizes {group_sizes.shape} do not fit lhs [M, K], "
+                     f"lhs_scales [M, K/128], rhs [G, N, K], rhs_scales [G, N/128, K/128], group_sizes [G]")
+  _ffi.register()
+  return M, N, jnp.pad(lhs_scales.T, ((0, 0), (0, fp8_scales_ld(M) - M)))
+
+
+def grouped_matmul_swiglu_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rhs_scales: jax.Array,
+                              group_sizes: jax.Array):
+  """GEMM1 of the FP8 recipe with its SwiGLU forward in one custom call: bit for bit
+  ``swiglu_forward_fp8(grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes))`` (float32 a = [M, 2F],
+  rhs's first F rows the gate's, the others the up projection's), without a in memory.
+
+  On Hopper the e4m3 wgmma kernel of ``grouped_matmul_fp8`` (the same mainloop and promotion: the same float32
+  accumulators) with the SwiGLU and both 1 x 128 quantizations in its epilogue, by ``swiglu_forward_fp8``'s device
+  steps (ffi/cuda/gemm/sm90/wgmma_swiglu_fp8.cuh); elsewhere on GPUs the call fails naming that requirement. On CPU
+  the two calls' loops, one after the other (ffi/cpu/fp8_gemm_rows.h). Rows past the groups come out as the two
+  calls give them: zero values, scales 2^-126.
+
+  Args:
+    lhs: [M, K] float8_e4m3fn. lhs_scales: [M, K / 128] float32. rhs: [G, 2F, K] float8_e4m3fn (K-major).
+    rhs_scales: [G, 2F / 128, K / 128] float32. group_sizes: [G] integer rows per group (>= 0, sum <= M). K and F
+      positive multiples of 128.
+  Returns:
+    (h_rows, a_rows): h_rows = (q [M, F] float8_e4m3fn, s [M, F / 128] float32); a_rows = (q [M, 2F], s [M, 2F / 128]),
+    as ``swiglu_forward_fp8`` returns them.
+  """
+  name = "grouped_matmul_swiglu_fp8"
+  _check_fp8_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes, jnp.float32)
+  M, C, scales_mn = _fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes)
+  F = _swiglu_width(name, "rhs", C)
+  out = (jax.ShapeDtypeStruct((M, F), fp8.E4M3), jax.ShapeDtypeStruct((M, F // fp8.TILE), jnp.float32),
+         jax.ShapeDtypeStruct((M, C), fp8.E4M3), jax.ShapeDtypeStruct((M, C // fp8.TILE), jnp.float32))
+  hq, hs, aq, a_s = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU_FP8, out, vmap_method="sequential")(
+      lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))
+  return (hq, hs), (aq, a_s)
 
 
 def quantize_columns_fp8(x, tiles: fp8.ColumnTiles) -> tuple[jax.Array, jax.Array]:

@@ -1,7 +1,8 @@
 """The single-GPU benchmarks' own checks run on CPU at tiny sizes, so that CI exercises them on every change:
 bench_fused's and bench_layer's implementations all agree with their float32 references (each row's err; a wrong
 layer is not timed), bench_layer's float32 reference equals the dense one, check_tokamax tells a wrong gradient,
-bench_breakdown times every stage, bench_swiglu_grad compares and times its three methods, and plot_results draws the PNGs from JSON lines and from the
+bench_breakdown times every stage, bench_swiglu_grad compares and times its three methods, bench_gemm1_swiglu_fp8
+compares the fused GEMM1 with the two calls byte for byte, and plot_results draws the PNGs from JSON lines and from the
 key=value rows of a log cut short."""
 
 import functools
@@ -19,6 +20,7 @@ from benchmarks import bench_breakdown
 from benchmarks import bench_eager
 from benchmarks import bench_fp8_layer
 from benchmarks import bench_fused
+from benchmarks import bench_gemm1_swiglu_fp8
 from benchmarks import bench_layer
 from benchmarks import bench_swiglu_grad
 from benchmarks import check_tokamax
@@ -69,6 +71,17 @@ def test_bench_swiglu_grad_times_every_method(tmp_path, monkeypatch):
   assert set(rows) == {"fused", "unfused", "gemm"}
   assert all(float(r["ms"]) > 0 for r in rows.values()), rows
   assert float(rows["fused"]["ulps"]) <= 1.0, rows["fused"]
+
+
+def test_bench_gemm1_swiglu_fp8_compares_the_bytes(capsys, monkeypatch):
+  bench_gemm1_swiglu_fp8.run("tiny", 3, 300, 128, 128)
+  out = capsys.readouterr().out
+  assert out.count("same bytes as fused") == 2, out
+  monkeypatch.setitem(bench_gemm1_swiglu_fp8.VARIANTS, "two calls", lambda lq, ls, wq, ws, gs: jax.tree.map(
+      lambda v: v + jnp.ones_like(v) if v.dtype == jnp.float32 else v, bench_gemm1_swiglu_fp8.two_calls(
+          lq, ls, wq, ws, gs)))
+  bench_gemm1_swiglu_fp8.run("tiny", 3, 300, 128, 128)
+  assert "bytes differ" in capsys.readouterr().out, "a difference shows"
 
 
 def test_plot_results_from_jsonl_and_from_a_cut_log(tmp_path, monkeypatch):

@@ -24,6 +24,13 @@
 //                                     ld >= M and ld % 4 == 0 (16-byte rows); rhs is K-major (fp8.Fp8Weight's values,
 //                                     the only B layout of FP8 wgmma), rhs_scales Fp8Weight's scales. K and N are
 //                                     positive multiples of 128 (whole scale tiles).
+//   jmo_grouped_matmul_swiglu_fp8(lhs [M, K] e4m3, lhs_scales [K/128, ld] f32, rhs [G, 2F, K] e4m3,
+//                                 rhs_scales [G, 2F/128, K/128] f32, group_sizes [G] s32)
+//       -> h_q [M, F] e4m3, h_s [M, F/128] f32, a_q [M, 2F] e4m3, a_s [M, 2F/128] f32
+//                                     GEMM1 of the FP8 recipe with its SwiGLU forward: jmo_swiglu_forward_fp8 of
+//                                     jmo_grouped_matmul_fp8's float32 a (N = 2F: the gate's F rows of rhs, then the
+//                                     up projection's), bit for bit, without a in memory. F is a positive multiple
+//                                     of 128.
 //   jmo_grouped_outer_fp8(lhs_t [K, Mp] e4m3, lhs_scales [Mp/128, lda] f32, rhs_t [N, Mp] e4m3,
 //                         rhs_scales [Mp/128, ldb] f32, group_sizes [G] s32)
 //       -> out [G, K, N] bf16 or f32  the weight gradient of the recipe, both operands scaled per 128 x 1 tile
@@ -128,16 +135,31 @@ auto BindGroupedSwiGluGrad(Binding&& b) {
       .template Attr<bool>("transpose_rhs");
 }
 
-// lhs, lhs_scales, rhs, rhs_scales, group_sizes -> out.
+// The operands of the FP8 row GEMMs: lhs, lhs_scales, rhs, rhs_scales, group_sizes.
 template <typename Binding>
-auto BindGroupedMatmulFp8(Binding&& b) {
+auto BindFp8RowOperands(Binding&& b) {
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>();
+      .template Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// lhs, lhs_scales, rhs, rhs_scales, group_sizes -> out.
+template <typename Binding>
+auto BindGroupedMatmulFp8(Binding&& b) {
+  return BindFp8RowOperands(std::move(b)).template Ret<xla::ffi::AnyBuffer>();
+}
+
+// The results of the SwiGLU forward: h_q, h_s, a_q, a_s.
+template <typename Binding>
+auto BindSwiGluForwardResults(Binding&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b).template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 // x, x_scales, group_sizes -> q_t, s.
@@ -245,6 +267,12 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedOuter(const xla::ffi::AnyBuff
   return s;
 }
 
+// Whether a buffer's dimensions are `want`.
+template <typename Dims>
+bool DimsAre(std::initializer_list<int64_t> want, const Dims& got) {
+  return got.size() == want.size() && std::equal(want.begin(), want.end(), got.begin());
+}
+
 struct GroupedFp8Shape {
   bool out_f32;  // else bfloat16
   int64_t M, K, N, G;
@@ -253,32 +281,76 @@ struct GroupedFp8Shape {
 
 constexpr int64_t kFp8Tile = 128;  // K elements per scale; the side of a weight block
 
+// The operands of the FP8 row GEMMs (jmo_grouped_matmul_fp8, jmo_grouped_matmul_swiglu_fp8; `op` names the call in
+// the errors); out_f32 is left false for the caller.
+inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedFp8Operands(
+    const std::string& op, const xla::ffi::AnyBuffer& lhs, const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales,
+    const xla::ffi::AnyBuffer& rhs, const xla::ffi::Buffer<xla::ffi::F32>& rhs_scales,
+    const xla::ffi::Buffer<xla::ffi::S32>& group_sizes) {
+  namespace ffi = xla::ffi;
+  auto fail = [&op](const std::string& why) { return ffi::Unexpected(InvalidCall(op + ": " + why)); };
+  if (lhs.element_type() != ffi::DataType::F8E4M3FN || rhs.element_type() != ffi::DataType::F8E4M3FN)
+    return fail("lhs and rhs must be float8_e4m3fn");
+  auto ld = lhs.dimensions(), sd = lhs_scales.dimensions(), rd = rhs.dimensions(), bd = rhs_scales.dimensions();
+  if (ld.size() != 2 || sd.size() != 2 || rd.size() != 3 || bd.size() != 3 || group_sizes.dimensions().size() != 1)
+    return fail("expected lhs [M, K], lhs_scales [K/128, ld], rhs [G, N, K], rhs_scales [G, N/128, K/128], "
+                "group_sizes [G]");
+  GroupedFp8Shape s{false, ld[0], ld[1], rd[1], rd[0], sd[1]};
+  if (s.K < kFp8Tile || s.K % kFp8Tile != 0 || s.N < kFp8Tile || s.N % kFp8Tile != 0)
+    return fail("K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
+                std::to_string(s.K) + ", N=" + std::to_string(s.N));
+  if (rd[2] != s.K || static_cast<int64_t>(group_sizes.element_count()) != s.G || bd[0] != s.G ||
+      bd[1] != s.N / kFp8Tile || bd[2] != s.K / kFp8Tile || sd[0] != s.K / kFp8Tile)
+    return fail("inconsistent shapes");
+  if (s.scales_ld < s.M || s.scales_ld % 4 != 0)
+    return fail("lhs_scales [K/128, ld] needs ld >= M and a multiple of 4 (16-byte rows), got ld=" +
+                std::to_string(s.scales_ld) + " for M=" + std::to_string(s.M));
+  return s;
+}
+
 inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedMatmulFp8(
     const xla::ffi::AnyBuffer& lhs, const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales, const xla::ffi::AnyBuffer& rhs,
     const xla::ffi::Buffer<xla::ffi::F32>& rhs_scales, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
     const xla::ffi::AnyBuffer& out) {
   namespace ffi = xla::ffi;
   auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("grouped_matmul_fp8: " + why)); };
-  if (lhs.element_type() != ffi::DataType::F8E4M3FN || rhs.element_type() != ffi::DataType::F8E4M3FN)
-    return fail("lhs and rhs must be float8_e4m3fn");
   if (out.element_type() != ffi::DataType::F32 && out.element_type() != ffi::DataType::BF16)
     return fail("the output must be float32 or bfloat16");
-  auto ld = lhs.dimensions(), sd = lhs_scales.dimensions(), rd = rhs.dimensions(), bd = rhs_scales.dimensions(),
-       od = out.dimensions();
-  if (ld.size() != 2 || sd.size() != 2 || rd.size() != 3 || bd.size() != 3 || od.size() != 2 ||
-      group_sizes.dimensions().size() != 1)
-    return fail("expected lhs [M, K], lhs_scales [K/128, ld], rhs [G, N, K], rhs_scales [G, N/128, K/128], "
-                "group_sizes [G]");
-  GroupedFp8Shape s{out.element_type() == ffi::DataType::F32, ld[0], ld[1], rd[1], rd[0], sd[1]};
-  if (s.K < kFp8Tile || s.K % kFp8Tile != 0 || s.N < kFp8Tile || s.N % kFp8Tile != 0)
-    return fail("K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
-                std::to_string(s.K) + ", N=" + std::to_string(s.N));
-  if (rd[2] != s.K || od[0] != s.M || od[1] != s.N || static_cast<int64_t>(group_sizes.element_count()) != s.G ||
-      bd[0] != s.G || bd[1] != s.N / kFp8Tile || bd[2] != s.K / kFp8Tile || sd[0] != s.K / kFp8Tile)
-    return fail("inconsistent shapes");
-  if (s.scales_ld < s.M || s.scales_ld % 4 != 0)
-    return fail("lhs_scales [K/128, ld] needs ld >= M and a multiple of 4 (16-byte rows), got ld=" +
-                std::to_string(s.scales_ld) + " for M=" + std::to_string(s.M));
+  auto s = CheckGroupedFp8Operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes);
+  if (s.has_error()) return s;
+  s->out_f32 = out.element_type() == ffi::DataType::F32;
+  if (!DimsAre({s->M, s->N}, out.dimensions())) return fail("inconsistent shapes: out must be [M, N]");
+  return s;
+}
+
+// jmo_grouped_matmul_swiglu_fp8: lhs, lhs_scales, rhs, rhs_scales, group_sizes -> h_q, h_s, a_q, a_s.
+template <typename Binding>
+auto BindGroupedMatmulSwiGluFp8(Binding&& b) {
+  return BindSwiGluForwardResults(BindFp8RowOperands(std::move(b)));
+}
+
+// N of the shape is 2F (rhs [G, 2F, K]); F a positive multiple of 128.
+inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedMatmulSwiGluFp8(
+    const xla::ffi::AnyBuffer& lhs, const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales, const xla::ffi::AnyBuffer& rhs,
+    const xla::ffi::Buffer<xla::ffi::F32>& rhs_scales, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+    const xla::ffi::AnyBuffer& h_q, const xla::ffi::Buffer<xla::ffi::F32>& h_s, const xla::ffi::AnyBuffer& a_q,
+    const xla::ffi::Buffer<xla::ffi::F32>& a_s) {
+  namespace ffi = xla::ffi;
+  auto fail = [](const std::string& why) {
+    return ffi::Unexpected(InvalidCall("grouped_matmul_swiglu_fp8: " + why));
+  };
+  auto s = CheckGroupedFp8Operands("grouped_matmul_swiglu_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes);
+  if (s.has_error()) return s;
+  s->out_f32 = true;  // a's accumulators (not an output)
+  const int64_t M = s->M, F = s->N / 2;
+  if (s->N % (2 * kFp8Tile) != 0)
+    return fail("F (half of rhs's " + std::to_string(s->N) + " rows) must be a positive multiple of 128");
+  if (h_q.element_type() != ffi::DataType::F8E4M3FN || a_q.element_type() != ffi::DataType::F8E4M3FN)
+    return fail("h_q and a_q must be float8_e4m3fn");
+  if (!DimsAre({M, F}, h_q.dimensions()) || !DimsAre({M, F / kFp8Tile}, h_s.dimensions()) ||
+      !DimsAre({M, 2 * F}, a_q.dimensions()) || !DimsAre({M, 2 * F / kFp8Tile}, a_s.dimensions()))
+    return fail("inconsistent results: expected h_q [M, F], h_s [M, F/128], a_q [M, 2F], a_s [M, 2F/128] for M=" +
+                std::to_string(M) + ", F=" + std::to_string(F));
   return s;
 }
 
@@ -364,12 +436,6 @@ inline xla::ffi::ErrorOr<QuantizeColumnsShape> CheckQuantizeColumnsFp8(
   return r;
 }
 
-// Whether a buffer's dimensions are `want`.
-template <typename Dims>
-bool DimsAre(std::initializer_list<int64_t> want, const Dims& got) {
-  return got.size() == want.size() && std::equal(want.begin(), want.end(), got.begin());
-}
-
 // jmo_swiglu_backward_fp8: aq, a_s, dh, group_sizes -> da_q, da_s, da_t, da_ts, h_t, h_ts.
 template <typename Binding>
 auto BindSwiGluBackwardFp8(Binding&& b) {
@@ -425,12 +491,7 @@ inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
 // jmo_swiglu_forward_fp8: a -> h_q, h_s, a_q, a_s.
 template <typename Binding>
 auto BindSwiGluForwardFp8(Binding&& b) {
-  namespace ffi = xla::ffi;
-  return std::move(b).template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>();
+  return BindSwiGluForwardResults(std::move(b).template Arg<xla::ffi::AnyBuffer>());
 }
 
 struct SwiGluForwardShape {

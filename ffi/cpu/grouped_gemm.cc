@@ -10,6 +10,7 @@
 #include "common/grouped_gemm_signature.h"
 #include "common/dtype.h"
 #include "common/e4m3.h"
+#include "cpu/fp8_gemm_rows.h"
 #include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -112,47 +113,43 @@ ffi::Error GroupedMatmulSwiGluGradImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, f
 }
 
 // The FP8 block-scaled grouped GEMM (grouped_gemm_signature.h): the emulation of what the Hopper kernel
-// (ffi/cuda/gemm/sm90/wgmma_grouped_fp8.cuh) computes, up to the tensor core's accumulation inside a chunk. Per row r
-// of group g, column n and 128-wide K chunk kc (in K order):
-//   part = sum_{k in kc} float(lhs[r, k]) * float(rhs[g][n, k])   in float64, then rounded once to float32: exact
-//          before that rounding (a product of two e4m3 values is a multiple of 2^-18 below 2^18, so 128 of them sum
-//          exactly in float64's 53 bits): the correctly rounded chunk sum, which the tensor core approximates (it
-//          keeps about 14 bits inside a chunk)
-//   acc  = fmaf(part, lhs_scales[kc][r] * rhs_scales[g][n / 128][kc], acc)   float32, the scale product rounded
-//          first, acc starting at 0: the kernel's promotion, operation for operation
-// then out = acc rounded to the output dtype (to nearest even). Rows past the groups are zero. The kernel matches it
-// within what the in-chunk accumulation differs by (tests/gpu/test_gpu_grouped_gemm_fp8.py).
+// (ffi/cuda/gemm/sm90/wgmma_grouped_fp8.cuh) computes, up to the tensor core's accumulation inside a chunk
+// (MatmulFp8Rows, cpu/fp8_gemm_rows.h, states it); rows past the groups are zero. The kernel matches it within what
+// the in-chunk accumulation differs by (tests/gpu/test_gpu_grouped_gemm_fp8.py).
 ffi::Error GroupedMatmulFp8Impl(ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
                                 ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::Result<ffi::AnyBuffer> out) {
   auto shape = CheckGroupedMatmulFp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *out);
   if (shape.has_error()) return shape.error();
-  const int64_t M = shape->M, K = shape->K, N = shape->N, ld = shape->scales_ld, chunks = K / kFp8Tile;
+  const int64_t M = shape->M, N = shape->N;
   auto off = RowOffsets("grouped_matmul_fp8", group_sizes, M);
   if (off.has_error()) return off.error();
-  static const E4m3Table e4m3;
-  const auto* a = static_cast<const uint8_t*>(lhs.untyped_data());
-  const auto* b = static_cast<const uint8_t*>(rhs.untyped_data());
-  const float* sa = lhs_scales.typed_data();
-  const float* sb = rhs_scales.typed_data();
   void* o = out->untyped_data();
   const bool out_bf16 = !shape->out_f32;
-  for (int64_t g = 0; g < shape->G; ++g)
-    for (int64_t r = (*off)[g]; r < (*off)[g + 1]; ++r)
-      for (int64_t n = 0; n < N; ++n) {
-        const uint8_t* ar = a + r * K;
-        const uint8_t* bn = b + (g * N + n) * K;
-        float acc = 0.f;
-        for (int64_t kc = 0; kc < chunks; ++kc) {
-          double part = 0.0;
-          for (int64_t k = kc * kFp8Tile; k < (kc + 1) * kFp8Tile; ++k)
-            part += static_cast<double>(e4m3.value[ar[k]]) * static_cast<double>(e4m3.value[bn[k]]);
-          const float scale = sa[kc * ld + r] * sb[(g * (N / kFp8Tile) + n / kFp8Tile) * chunks + kc];
-          acc = std::fma(static_cast<float>(part), scale, acc);
-        }
-        StoreElem(o, out_bf16, r * N + n, acc);
-      }
+  MatmulFp8Rows(static_cast<const uint8_t*>(lhs.untyped_data()), lhs_scales.typed_data(), shape->scales_ld,
+                static_cast<const uint8_t*>(rhs.untyped_data()), rhs_scales.typed_data(), *off, shape->K, N, o,
+                out_bf16);
   for (int64_t i = off->back() * N; i < M * N; ++i) StoreElem(o, out_bf16, i, 0.f);
+  return ffi::Error::Success();
+}
+
+// GEMM1 of the FP8 recipe with its SwiGLU forward (grouped_gemm_signature.h): grouped_matmul_fp8's float32 rows (zero
+// past the groups) in scratch, then swiglu_forward_fp8's loop over them (cpu/fp8_gemm_rows.h): the two calls' bits.
+ffi::Error GroupedMatmulSwiGluFp8Impl(ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
+                                      ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
+                                      ffi::Result<ffi::AnyBuffer> h_q, ffi::Result<ffi::Buffer<ffi::F32>> h_s,
+                                      ffi::Result<ffi::AnyBuffer> a_q, ffi::Result<ffi::Buffer<ffi::F32>> a_s) {
+  auto shape = CheckGroupedMatmulSwiGluFp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *h_q, *h_s, *a_q, *a_s);
+  if (shape.has_error()) return shape.error();
+  const int64_t M = shape->M, N = shape->N;
+  auto off = RowOffsets("grouped_matmul_swiglu_fp8", group_sizes, M);
+  if (off.has_error()) return off.error();
+  std::vector<float> a(M * N, 0.f);
+  MatmulFp8Rows(static_cast<const uint8_t*>(lhs.untyped_data()), lhs_scales.typed_data(), shape->scales_ld,
+                static_cast<const uint8_t*>(rhs.untyped_data()), rhs_scales.typed_data(), *off, shape->K, N, a.data(),
+                false);
+  SwiGluForwardFp8Rows(a.data(), M, N / 2, static_cast<uint8_t*>(h_q->untyped_data()), h_s->typed_data(),
+                       static_cast<uint8_t*>(a_q->untyped_data()), a_s->typed_data());
   return ffi::Error::Success();
 }
 
@@ -214,5 +211,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCpu, jmo::cpu::GroupedMa
                               jmo::BindGroupedSwiGluGrad(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cpu, jmo::cpu::GroupedMatmulFp8Impl,
                               jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluFp8Cpu, jmo::cpu::GroupedMatmulSwiGluFp8Impl,
+                              jmo::BindGroupedMatmulSwiGluFp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterFp8Cpu, jmo::cpu::GroupedOuterFp8Impl,
                               jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind()));

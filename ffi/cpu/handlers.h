@@ -21,6 +21,7 @@ XLA_FFI_Error* JmoGroupedOuterCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulSwiGluCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulSwiGluGradCpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedMatmulFp8Cpu(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulSwiGluFp8Cpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoGroupedOuterFp8Cpu(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoQuantizeColumnsFp8Cpu(XLA_FFI_CallFrame* frame);  // quantize_columns.cc
 XLA_FFI_Error* JmoQuantizeWeightFp8Cpu(XLA_FFI_CallFrame* frame);   // quantize_weight.cc

@@ -14,7 +14,7 @@ constexpr const char* kTargets[kOps] = {"jmo_dispatch",       "jmo_dispatch_gemm
                                         "jmo_grouped_matmul_swiglu_grad", "jmo_grouped_matmul_fp8",
                                         "jmo_grouped_outer_fp8", "jmo_quantize_columns_fp8",
                                         "jmo_quantize_weight_fp8", "jmo_swiglu_backward_fp8",
-                                        "jmo_swiglu_forward_fp8"};
+                                        "jmo_swiglu_forward_fp8", "jmo_grouped_matmul_swiglu_fp8"};
 
 std::atomic<uint64_t> g_calls[kOps];
 std::atomic<uint64_t> g_captured[kOps];

@@ -28,6 +28,7 @@ enum class HandlerOp : int {
   kQuantizeWeightFp8,
   kSwiGluBackwardFp8,
   kSwiGluForwardFp8,
+  kGroupedMatmulSwiGluFp8,
   kCount
 };
 

@@ -143,6 +143,22 @@ ffi::Error SwiGluForwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
                                 static_cast<uint8_t*>(a_q->untyped_data()), a_s->typed_data()));
 }
 
+ffi::Error GroupedMatmulSwiGluFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs,
+                                      ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
+                                      ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
+                                      ffi::Result<ffi::AnyBuffer> h_q, ffi::Result<ffi::Buffer<ffi::F32>> h_s,
+                                      ffi::Result<ffi::AnyBuffer> a_q, ffi::Result<ffi::Buffer<ffi::F32>> a_s) {
+  NoteHandlerCall(HandlerOp::kGroupedMatmulSwiGluFp8, stream);
+  auto s = CheckGroupedMatmulSwiGluFp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *h_q, *h_s, *a_q, *a_s);
+  if (s.has_error()) return s.error();
+  if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
+  return ToFfi(GroupedMatmulSwiGluFp8(stream, lhs.untyped_data(), lhs_scales.typed_data(), s->scales_ld, s->M, s->K,
+                                      rhs.untyped_data(), rhs_scales.typed_data(), s->G, s->N / 2,
+                                      group_sizes.typed_data(), static_cast<uint8_t*>(h_q->untyped_data()),
+                                      h_s->typed_data(), static_cast<uint8_t*>(a_q->untyped_data()),
+                                      a_s->typed_data()));
+}
+
 }  // namespace
 }  // namespace jmo::cuda
 
@@ -165,6 +181,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluGradCuda, jmo::cuda::Grouped
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulFp8Cuda, jmo::cuda::GroupedMatmulFp8Impl,
                               jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                                          .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedMatmulSwiGluFp8Cuda, jmo::cuda::GroupedMatmulSwiGluFp8Impl,
+                              jmo::BindGroupedMatmulSwiGluFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                               .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmoGroupedOuterFp8Cuda, jmo::cuda::GroupedOuterFp8Impl,
                               jmo::BindGroupedMatmulFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()

@@ -18,4 +18,5 @@ XLA_FFI_Error* JmoQuantizeColumnsFp8Cuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoQuantizeWeightFp8Cuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoSwiGluBackwardFp8Cuda(XLA_FFI_CallFrame* frame);
 XLA_FFI_Error* JmoSwiGluForwardFp8Cuda(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* JmoGroupedMatmulSwiGluFp8Cuda(XLA_FFI_CallFrame* frame);
 }

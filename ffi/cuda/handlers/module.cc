@@ -74,7 +74,8 @@ constexpr Target kTargets[] = {{"jmo_dispatch", JmoDispatchCuda},
                                {"jmo_quantize_columns_fp8", JmoQuantizeColumnsFp8Cuda},
                                {"jmo_quantize_weight_fp8", JmoQuantizeWeightFp8Cuda},
                                {"jmo_swiglu_backward_fp8", JmoSwiGluBackwardFp8Cuda},
-                               {"jmo_swiglu_forward_fp8", JmoSwiGluForwardFp8Cuda}};
+                               {"jmo_swiglu_forward_fp8", JmoSwiGluForwardFp8Cuda},
+                               {"jmo_grouped_matmul_swiglu_fp8", JmoGroupedMatmulSwiGluFp8Cuda}};
 
 // The traits a handler declares to XLA, read as XLA reads them when it registers the handler: a call frame carrying
 // only the metadata extension, which the handler fills in without running anything (no device needed).

@@ -2,7 +2,8 @@
 // consecutive ones per lane (one float4 per lane: a warp reads or writes the tile's row segment coalesced), its amax
 // reduced across the lanes by shuffles. The rules are common/fp8_columns.h's (AmaxStep, ColumnTileScale,
 // QuantizeE4m3, by ops/e4m3.cuh's conversion), those of the CPU handlers' loop (common/fp8_rows.h): the same bytes
-// and scale. Shared by ops/swiglu_backward_fp8.cu (da) and ops/swiglu_forward_fp8.cu (h and a).
+// and scale. Shared by ops/swiglu_backward_fp8.cu (da), ops/swiglu_forward_fp8.cu (h and a) and the FP8 GEMM1's
+// SwiGLU epilogue (gemm/sm90/wgmma_swiglu_fp8.cuh: a tile's row over the 4 lanes of a quad, LanesRowScale<4>).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,16 +15,28 @@
 
 namespace jmo::cuda {
 
-// The amax of a row tile held 4 values per lane by a warp (every lane gets it). max is exact and AmaxStep keeps a NaN,
-// so the lanes' order does not change it.
-__device__ __forceinline__ float WarpRowAmax(const float (&v)[4]) {
+// The amax of a row tile spread over kLanes lanes (an aligned group of consecutive lanes, kLanes a power of two), each
+// holding kN of its values (every lane of the group gets it; every lane of the warp calls it: the shuffles take the
+// whole warp). max is exact and AmaxStep keeps a NaN, so neither the values' order nor the lanes' changes it.
+template <int kLanes, int kN>
+__device__ __forceinline__ float LanesRowAmax(const float (&v)[kN]) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "a power-of-two group of lanes");
   float m = 0.f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) m = AmaxStep(m, v[j]);
+  for (int j = 0; j < kN; ++j) m = AmaxStep(m, v[j]);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = AmaxStep(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  for (int off = kLanes / 2; off > 0; off >>= 1) m = AmaxStep(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   return m;
 }
+
+// The row tile's scale (fp8.tile_scale of its amax) over kLanes lanes as LanesRowAmax's.
+template <int kLanes, int kN>
+__device__ __forceinline__ float LanesRowScale(const float (&v)[kN]) {
+  return ColumnTileScale(LanesRowAmax<kLanes>(v));
+}
+
+// The amax of a row tile held 4 values per lane by a warp (every lane gets it).
+__device__ __forceinline__ float WarpRowAmax(const float (&v)[4]) { return LanesRowAmax<32>(v); }
 
 // A lane's 4 values quantized with the tile's scale s: their e4m3 bytes as one word, in channel order, each
 // RoundE4m3(x / s) by the bracketed conversion (ops/e4m3.cuh).
@@ -32,7 +45,7 @@ __device__ __forceinline__ uint32_t QuantizeWord(const float (&v)[4], float s) {
 }
 
 // The row tile's scale (fp8.tile_scale of its amax); every lane gets it.
-__device__ __forceinline__ float WarpRowScale(const float (&v)[4]) { return ColumnTileScale(WarpRowAmax(v)); }
+__device__ __forceinline__ float WarpRowScale(const float (&v)[4]) { return LanesRowScale<32>(v); }
 
 // WarpRowScale of values that are float32 arithmetic results, whose NaN (if any) is the device's one canonical NaN
 // (0x7FFFFFFF): the amax as the unsigned maximum of the values' absolute bits, by one redux.sync. Non-negative floats

@@ -19,6 +19,7 @@
 #include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/gemm/sm90/wgmma_outer.cuh"
 #include "cuda/gemm/sm90/wgmma_outer_fp8.cuh"
+#include "cuda/gemm/sm90/wgmma_swiglu_fp8.cuh"
 #include "cuda/launch.h"
 #include "cuda/ops/group_offsets.cuh"
 
@@ -199,14 +200,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   ZeroPadRows(h, row_start[G], M, F, sizeof(__nv_bfloat16));
   if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, sizeof(float));
   auto tile_of = [&](int t) {
-    const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
     SwiGluTile tile;
-    tile.a_row = row_start[p.g] + p.mt * kBM;
-    tile.b_idx = p.g;
-    tile.n0 = p.nt * kHalf;
-    tile.n_hi = F + tile.n0;
-    tile.rows = min(kBM, p.rows_g - p.mt * kBM);
-    tile.cols = min(kHalf, F - tile.n0);
+    PlaceSwiGluTile(t, row_start, tile_start, G, n_tiles, F, tile);
     tile.out = h + (int64_t)tile.a_row * F + tile.n0;
     tile.ldc = F;
     tile.a = a != nullptr ? a + (int64_t)tile.a_row * 2 * F : nullptr;
@@ -448,6 +443,24 @@ Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, cons
                          WgmmaGroupedGemmFp8(static_cast<const __nv_fp8_e4m3*>(lhs), lhs_scales, scales_ld, M, K,
                                              static_cast<const __nv_fp8_e4m3*>(rhs), rhs_scales, G, N, group_sizes,
                                              out, out_f32, WgmmaGrid(dev, sms), stream));
+}
+
+Status GroupedMatmulSwiGluFp8(cudaStream_t stream, const void* lhs, const float* lhs_scales, int64_t scales_ld,
+                              int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G, int64_t F,
+                              const int32_t* group_sizes, uint8_t* h_q, float* h_s, uint8_t* a_q, float* a_s,
+                              int sms) {
+  Status s = CheckSizes("grouped_matmul_swiglu_fp8", M, G);
+  if (!s.ok()) return s;
+  DeviceInfo dev;
+  if (!(s = Fp8DeviceCheck("grouped_matmul_swiglu_fp8", &dev)).ok()) return s;
+  if (M == 0) return LaunchEmpty(stream);
+  if (const char* why = wgmma_gemm::GroupedSwiGluFp8Refusal(M, K, F, G, scales_ld, lhs, lhs_scales, rhs, rhs_scales,
+                                                            h_q, h_s, a_q, a_s))
+    return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: grouped_matmul_swiglu_fp8: ") + why);
+  return Fp8LaunchStatus("grouped_matmul_swiglu_fp8",
+                         wgmma_gemm::GroupedSwiGluFp8(static_cast<const __nv_fp8_e4m3*>(lhs), lhs_scales, scales_ld,
+                                                      M, K, static_cast<const __nv_fp8_e4m3*>(rhs), rhs_scales, G, F,
+                                                      group_sizes, h_q, h_s, a_q, a_s, WgmmaGrid(dev, sms), stream));
 }
 
 Status GroupedOuterFp8(cudaStream_t stream, bool out_f32, const void* lhs_t, const float* lhs_scales, int64_t lhs_ld,

@@ -68,6 +68,18 @@ Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, cons
                         int64_t scales_ld, int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G,
                         int64_t N, const int32_t* group_sizes, void* out, int sms = 0);
 
+// The FP8 GEMM1 with the recipe's SwiGLU forward in its epilogue (grouped_gemm_signature.h,
+// jmo_grouped_matmul_swiglu_fp8): GroupedMatmulFp8's product a = lhs @ rhs[g]^T (N = 2F: rhs [G, 2F, K], the gate's F
+// rows then the up projection's, rhs_scales [G, 2F/128, K/128]) kept in registers, and from it what
+// SwiGluForwardFp8 (ops/swiglu_forward_fp8.h) writes, bit for bit: h_q [M, F] e4m3 and h_s [M, F/128] (h =
+// SwiGLU(a) quantized 1 x 128), a_q [M, 2F] e4m3 and a_s [M, 2F/128] (a quantized 1 x 128); rows past the last group
+// as those two calls leave them (zero bytes, scales 2^-126). Runs gemm/sm90/wgmma_swiglu_fp8.cuh, on Hopper only,
+// with GroupedMatmulFp8's errors (F a positive multiple of 128 besides its rules). sms as GroupedMatmul's.
+Status GroupedMatmulSwiGluFp8(cudaStream_t stream, const void* lhs, const float* lhs_scales, int64_t scales_ld,
+                              int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G, int64_t F,
+                              const int32_t* group_sizes, uint8_t* h_q, float* h_s, uint8_t* a_q, float* a_s,
+                              int sms = 0);
+
 // The FP8 weight-gradient GEMM (grouped_gemm_signature.h, jmo_grouped_outer_fp8): out [G, K, N] (bfloat16, or
 // float32 with out_f32) from lhs_t [K, Mp] and rhs_t [N, Mp] e4m3, each group's rows from a multiple of 128 (padding
 // zero), with their 128 x 1 scales [Mp/128, ld] (lhs_ld >= K, rhs_ld >= N). Runs the e4m3 wgmma kernel of

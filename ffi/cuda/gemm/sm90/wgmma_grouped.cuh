@@ -100,6 +100,24 @@ __device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, con
   return tile;
 }
 
+// Tile t of a GEMM1 with a SwiGLU epilogue (PlaceTile's schedule over n_tiles = ceil(F / 128) column tiles per
+// 128-row block): 128 rows by 128 columns of h, n0 = 128 nt, computed from B's gate columns n0.. and up columns
+// F + n0.. (n_hi). Sets tile's loop coordinates (a_row, b_idx, n0, n_hi, rows, cols; its outputs are the caller's)
+// and returns the place. Tile: SwiGluTile (ops/grouped_gemm.cu) or SwiGluFp8Tile (wgmma_swiglu_fp8.cuh).
+template <class Tile>
+__device__ __forceinline__ TilePlace PlaceSwiGluTile(int t, const int* row_start, const int* tile_start, int G,
+                                                     int n_tiles, int F, Tile& tile) {
+  constexpr int kHalf = kBN / 2;
+  const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
+  tile.a_row = row_start[p.g] + p.mt * kBM;
+  tile.b_idx = p.g;
+  tile.n0 = p.nt * kHalf;
+  tile.n_hi = F + tile.n0;
+  tile.rows = min(kBM, p.rows_g - p.mt * kBM);
+  tile.cols = min(kHalf, F - tile.n0);
+  return p;
+}
+
 // Called by warp 0 after group_sizes is in row_start[0..G): turns it into clamped row offsets and tile offsets
 // (warp scan). row_start[g] = min(sum_{h<g} size_h, M); tile_start = prefix of ceil(rows/128) * n_tiles.
 __device__ __forceinline__ void ScanGroups(int* row_start, int* tile_start, int G, int M, int n_tiles, int lane) {

@@ -70,6 +70,17 @@ inline const char* GroupedGemmFp8Refusal(int64_t M, int64_t K, int64_t N, int64_
   return nullptr;
 }
 
+// An e4m3 launch that refuses its operands (why: the Refusal's sentence, or nullptr where only the grid is wrong):
+// prints the kernel's name, the extents (n_name: what the columns are called) and the rule, returns
+// cudaErrorInvalidValue.
+inline cudaError_t RefuseFp8Launch(const char* kernel, int64_t M, int64_t K, const char* n_name, int64_t n, int64_t G,
+                                   int64_t lhs_scales_ld, int num_sms, const char* why) {
+  fprintf(stderr, "%s: M=%lld K=%lld %s=%lld G=%lld lhs_scales_ld=%lld num_sms=%d: %s\n", kernel, (long long)M,
+          (long long)K, n_name, (long long)n, (long long)G, (long long)lhs_scales_ld, num_sms,
+          why != nullptr ? why : "num_sms must be positive");
+  return cudaErrorInvalidValue;
+}
+
 // The three tensor maps of Fp8BlockScaledOperands, behind CachedMapSet (32 entries): A [M, K] e4m3 as (K, M) box
 // (128, 128); B [G, N, K] e4m3 as (K, N, G) box (128, 128, 1), both 128B swizzled; the A scales [K/128, ld] float32
 // as (M, K/128) box (kFp8SaRows = 132, 1), unswizzled. All with OOB zero fill.
@@ -109,12 +120,8 @@ inline cudaError_t GroupedGemmFp8WithDone(const __nv_fp8_e4m3* lhs, const float*
                                           int64_t G, int64_t N, const int32_t* group_sizes_dev, void* out,
                                           bool out_f32, int num_sms, Done done, cudaStream_t stream) {
   const char* why = GroupedGemmFp8Refusal(M, K, N, G, lhs_scales_ld, lhs, lhs_scales, rhs, rhs_scales, out);
-  if (why == nullptr && num_sms <= 0) why = "num_sms must be positive";
-  if (why != nullptr) {
-    fprintf(stderr, "WgmmaGroupedGemmFp8: M=%lld K=%lld N=%lld G=%lld lhs_scales_ld=%lld: %s\n", (long long)M,
-            (long long)K, (long long)N, (long long)G, (long long)lhs_scales_ld, why);
-    return cudaErrorInvalidValue;
-  }
+  if (why != nullptr || num_sms <= 0)
+    return RefuseFp8Launch("WgmmaGroupedGemmFp8", M, K, "N", N, G, lhs_scales_ld, num_sms, why);
   CUtensorMap maps[3];
   const cudaError_t e = CachedFp8Maps(lhs, lhs_scales, lhs_scales_ld, M, K, rhs, G, N, maps);
   if (e != cudaSuccess) return e;

@@ -48,10 +48,13 @@
 //     out   : address of the tile's element (0, 0) in the row-major destination (bf16 or float per kOutF32);
 //             8-byte (bf16) / 16-byte (f32) aligned.
 //     ldc   : destination row stride in elements, a multiple of 4.
-//     n_hi  : (kTransB = 1 only) B's first column for the tile's accumulator columns 128..255; -1 = n0 + 128.
+//     n_hi  : (kTransB = 1 and the e4m3 format only) B's first column for the tile's accumulator columns 128..255;
+//             -1 = n0 + 128.
 //   A SwiGluTile (derived from WgmmaTile) selects the SwiGLU epilogue (StoreSwiGluTile): out gets `cols` bf16
 //   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators
 //   (GroupedSwiGluKernel).
+//   A tile derived from EpilogueTile stores through its own Store (the FP8 GEMM1's SwiGLU and quantization epilogue,
+//   SwiGluFp8Tile in wgmma_swiglu_fp8.cuh).
 //   A KRangeTile reduces over its own k-steps k_first .. k_first + k_steps - 1 instead of all of K (the grouped
 //   outer GEMM's tiles, whose reduction runs over their group's rows).
 //   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
@@ -174,6 +177,15 @@ struct SwiGluGradTile : WgmmaTile {
   const float* a = nullptr;
   int64_t up = 0;
 };
+
+// A tile that brings its own epilogue: a struct derived from EpilogueTile with a const member
+//   Store(const float* acc, int c, int wq, int lane)
+// which the loop calls instead of StoreAccTile, by every thread of consumer warpgroup c (wq: its warp in the
+// warpgroup, lane: its lane) with the warpgroup's 64 x 256 block of the tile in the m64n256 f32 layout (StoreAccTile's
+// comment maps the registers; columns 0..127 are B's columns n0.., 128..255 its columns n_hi..). Every thread of the
+// warpgroup calls it, so it may shuffle within a warp; no CTA or named barrier. It stores rows < rows only. (The FP8
+// GEMM1 with its SwiGLU and quantization epilogue: SwiGluFp8Tile, wgmma_swiglu_fp8.cuh.)
+struct EpilogueTile : WgmmaTile {};
 
 // A tile that reduces over a range of K of its own instead of all of it: the k-steps (of Ops::kBK elements each)
 // k_first .. k_first + k_steps - 1, k_steps >= 1 (the grouped outer GEMM of wgmma_outer_fp8.cuh: each group's rows).
@@ -676,6 +688,8 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
           StoreSwiGluTile(acc, c, wq, lane, tile);
         else if constexpr (std::is_base_of<SwiGluGradTile, decltype(tile)>::value)
           StoreSwiGluGradTile(acc, c, wq, lane, tile);
+        else if constexpr (std::is_base_of<EpilogueTile, decltype(tile)>::value)
+          tile.Store(acc, c, wq, lane);
         else
           StoreAccTile<kOutF32>(acc, c, wq, lane, tile.rows, tile.cols, tile.out, tile.ldc);
       }
