@@ -20,9 +20,11 @@ def _all_cases():
   out = []
   for name in cases_lib.SUITES:
     for i, c in enumerate(cases_lib.suite(name, base, producer_path=lambda c: "mma.sync bf16")):
-      # combine-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in the slow pass;
-      # tensor-time and the tensor suite's GatherRS cases (plans like its per-slot cases') in the slow pass
-      slow = (name == "combine-time" and c.ranks != 8) or name == "tensor-time" or c.gather_rs
+      # combine-time and backward-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in
+      # the slow pass; tensor-time, the tensor suite's GatherRS cases (plans like its per-slot cases') and the
+      # regret suite's parts run alone (regret-gather, regret-push: the regret suite's own cases) in the slow pass
+      slow = ((name in ("combine-time", "backward-time") and c.ranks != 8) or name == "tensor-time" or c.gather_rs
+              or name in ("regret-gather", "regret-push"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 

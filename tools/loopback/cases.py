@@ -261,8 +261,8 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "regret", "regret-gather",
-          "regret-push", "tensor", "tensor-time", "small", "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "backward-time", "regret",
+          "regret-gather", "regret-push", "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -386,6 +386,26 @@ def _combine_time(base: Case) -> list[Case]:
       link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
                                    link_gbps=link, **shape, **_TIMED))
+  return v
+
+
+def _backward_time(base: Case) -> list[Case]:
+  # The backward's two exchanges over the emulated NVLink (issue 31, point 4): the dgrad dispatch fused with its GEMM
+  # (dispatch_gemm in plain mode: gates * dy dispatched, dh = dy W2^T in float32, so N = F = 2048 on the seed's D =
+  # 2048) at R = 2, 4, 8, and the dx combine (expert_combine of da W1^T: K = 2F, N = D) on COMBINE_SHAPES' models at
+  # R = 2, 4, 8, each against its serialized form, with the library's P and C from the shipped calibration.
+  v = []
+  for R in (2, 4, 8):
+    link = NVLINK_GBPS / R
+    v.append(dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link), experts=8,
+                                 tokens=2048 if R == 8 else 4096, d_model=2048, k_dim=2048, n_dim=2048,
+                                 dispatch_gemm_pushers=AUTO, dispatch_gemm_mode="plain", **_TIMED))
+  for shape in COMBINE_SHAPES.values():
+    for R in (2, 4, 8):
+      link = NVLINK_GBPS / R
+      v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
+                                   link_gbps=link, **dict(shape, k_dim=2 * shape["k_dim"], n_dim=shape["n_dim"]),
+                                   **_TIMED))
   return v
 
 
@@ -545,6 +565,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _dispatch_gemm_time(base)
   if name == "combine-time":
     return _combine_time(base)
+  if name == "backward-time":
+    return _backward_time(base)
   if name == "regret":
     return _regret(base)
   if name == "regret-gather":  # regret's gather_rs cases alone

@@ -11,6 +11,9 @@
                                                             (also over an emulated NVLink)
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
                                                             over an emulated NVLink, R = 2, 4, 8, three shapes
+  python -m tools.loopback.run --suite backward-time        the backward's exchanges over an emulated NVLink: the dgrad
+                                                            dispatch with dh = dy W2^T (dispatch_gemm, plain mode) and
+                                                            the dx combine (K = 2F), R = 2, 4, 8, vs serialized
   python -m tools.loopback.run --suite regret       the resource manager's C (expert_combine, gather_rs) and P
                                                     (dispatch_gemm) against sweeps of pinned counts over the emulated
                                                     NVLink: REGRET lines and the mean / worst regret per kind (target
