@@ -375,17 +375,17 @@ def calibrated_model(ranks: int, link_gbps: float) -> tuple[float, ...]:
   return tuple(dataclasses.replace(p, link_gbps=link).as_list())
 
 
-def _combine_time(base: Case) -> list[Case]:
+def _combine_time(base: Case, k_factor: int = 1) -> list[Case]:
   # expert_combine (GEMM2 and the return of its bands) against its serialized form (the pushes after the last tile)
-  # and GEMM2 alone, over the emulated NVLink at R = 2, 4, 8, for each shape, with the consumer count the resource
-  # manager picks from the shipped H200 calibration (the library's choice on an H200), after a checked call on every
-  # 64th token.
+  # and GEMM2 alone, over the emulated NVLink at R = 2, 4, 8, for each shape (its K times k_factor: 2 gives the dx
+  # combine's K = 2F), with the consumer count the resource manager picks from the shipped H200 calibration (the
+  # library's choice on an H200), after a checked call on every 64th token.
   v = []
-  for name, shape in COMBINE_SHAPES.items():
+  for shape in COMBINE_SHAPES.values():
     for R in (2, 4, 8):
       link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
-                                   link_gbps=link, **shape, **_TIMED))
+                                   link_gbps=link, **dict(shape, k_dim=k_factor * shape["k_dim"]), **_TIMED))
   return v
 
 
@@ -400,13 +400,7 @@ def _backward_time(base: Case) -> list[Case]:
     v.append(dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link), experts=8,
                                  tokens=2048 if R == 8 else 4096, d_model=2048, k_dim=2048, n_dim=2048,
                                  dispatch_gemm_pushers=AUTO, dispatch_gemm_mode="plain", **_TIMED))
-  for shape in COMBINE_SHAPES.values():
-    for R in (2, 4, 8):
-      link = NVLINK_GBPS / R
-      v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
-                                   link_gbps=link, **dict(shape, k_dim=2 * shape["k_dim"], n_dim=shape["n_dim"]),
-                                   **_TIMED))
-  return v
+  return v + _combine_time(base, k_factor=2)
 
 
 # The regret sweep's pinned counts (each within a loopback rank's budget at R = 8: 16 SMs, at most 15).
