@@ -74,18 +74,20 @@ def output_errors(got, ref_outs) -> list[float]:
   return [references.max_rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref_outs))]
 
 
-def _checked_ms(fn, arg_sets, ref_outs, bounds, what: str):
-  """(ms, errors) of fn after checking each output against ref_outs within its bound on the first input set, (message,
-  errors) when one is out of bounds, (message, [nan]) when fn fails."""
+def _checked_ms(fn, arg_sets, ref_outs, bounds, what: str, also=None):
+  """(ms, errors, difference) of fn after checking each output against ref_outs within its bound on the first input
+  set, ms a message when one is out of bounds or fn fails (errors [nan] then); difference: the largest max-relative
+  difference of those outputs from ``also``'s (nan without it)."""
   try:
     got = fn(*arg_sets[0])
     errs = output_errors(got, ref_outs)
+    diff = float("nan") if also is None else bench_layer.error_vs(also, got)
     del got
     if not all(e <= b for e, b in zip(errs, bounds)):  # (NaN too)
-      return f"wrong result ({what}), not timed", errs
-    return f"{common.time_fn(fn, arg_sets) * 1e3:.3f}", errs
+      return f"wrong result ({what}), not timed", errs, diff
+    return f"{common.time_fn(fn, arg_sets) * 1e3:.3f}", errs, diff
   except Exception as e:  # pylint: disable=broad-except
-    return f"error: {type(e).__name__}: {str(e)[:100]}", [float("nan")]
+    return f"error: {type(e).__name__}: {str(e)[:100]}", [float("nan")], float("nan")
 
 
 def main(argv=None):
@@ -119,8 +121,8 @@ def main(argv=None):
         fp8_ref, why = None, f"not checked (the fp8 emulation failed: {type(e).__name__}: {str(e)[:100]})"
       for impl in args.impls.split(","):
         row = dict(base, impl=impl)
-        bf16_ms, errs = _checked_ms(bench_layer.pass_fn(layer_fn(mesh, impl, None), pname), arg_sets, ref,
-                                    [MAX_ERR] * n_out, "vs the float32 reference")
+        bf16_ms, errs, _ = _checked_ms(bench_layer.pass_fn(layer_fn(mesh, impl, None), pname), arg_sets, ref,
+                                       [MAX_ERR] * n_out, "vs the float32 reference")
         row.update(bf16_ms=bf16_ms, err_bf16=f"{max(errs):.1e}")
         if fp8_ref is None:
           row.update(fp8_ms=why)
@@ -128,15 +130,14 @@ def main(argv=None):
           fp8_fn = bench_layer.pass_fn(layer_fn(mesh, impl, "fp8"), pname)
           bounds = [FP8_MARGIN * e for e in emulation_errs]
           what = f"vs the float32 reference, beyond {FP8_MARGIN} x the fp8 emulation's error"
-          fp8_ms, errs = _checked_ms(fp8_fn, arg_sets, ref, bounds, what)
+          fp8_ms, errs, vs_emulation = _checked_ms(fp8_fn, arg_sets, ref, bounds, what, also=fp8_ref)
           row.update(fp8_ms=fp8_ms, speedup=_speedup(bf16_ms, fp8_ms), err_fp8=f"{max(errs):.1e}",
-                     err_emulation=f"{max(emulation_errs):.1e}",
-                     fp8_vs_emulation=f"{bench_layer.error_vs(fp8_ref, fp8_fn(*arg_sets[0])):.1e}")
+                     err_emulation=f"{max(emulation_errs):.1e}", fp8_vs_emulation=f"{vs_emulation:.1e}")
         table.add(**row)
         if pname == "fwd" and fp8_ref is not None:
           # Inference: the weights quantized once (jmo.quantize_weights, untimed), so a call reads only FP8 weights.
           pre_sets = [(*a[:3], *jmo.quantize_weights(a[3], a[4])) for a in arg_sets]
-          fp8_ms, errs = _checked_ms(jax.jit(layer_fn(mesh, impl, "fp8")), pre_sets, ref, bounds, what)
+          fp8_ms, errs, _ = _checked_ms(jax.jit(layer_fn(mesh, impl, "fp8")), pre_sets, ref, bounds, what)
           table.add(**dict(base, impl=f"{impl}, weights pre-quantized"), bf16_ms=bf16_ms, fp8_ms=fp8_ms,
                     speedup=_speedup(bf16_ms, fp8_ms), err_bf16=row["err_bf16"], err_fp8=f"{max(errs):.1e}",
                     err_emulation=row["err_emulation"])
