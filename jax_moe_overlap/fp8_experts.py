@@ -25,8 +25,8 @@ values and their float32 scales) and chooses how the GEMMs run:
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward. The master weights
                are quantized per call by ``grouped_gemm.quantize_weight_fp8`` (one pass over each weight; on GPUs
-               only with ``WEIGHT_QUANTIZER_ON_GPU``, which also makes the dgrads' weights from the master weights
-               by its untransposed form, so that the forward keeps no quantized copy of them).
+               only with ``WEIGHT_QUANTIZER_ON_GPU``); with ``BACKWARD_REQUANTIZES_WEIGHTS`` the dgrads' weights are
+               made from the master weights by its untransposed form, so that the forward keeps no quantized copy.
 
 Under quantization="fp8_bf16_wgrad" each backend's ``bf16_wgrad`` form computes the two wgrads on bfloat16 operands
 instead (no 128 x 1 quantization); ``recipe_gemms(backend, quantization)`` gives the Gemms of either mode.
@@ -245,11 +245,15 @@ def _kernel_row_columns(q, s, tiles):
 
 # Whether GPUs quantize the expert weights by the custom call (grouped_gemm.quantize_weight_fp8: one pass over each
 # weight, ffi/cuda/ops/quantize_weight.cu) instead of XLA's transposes, amax reductions and quantizations of
-# fp8.quantize_weight, and make the dgrads' weights from the master weights by its untransposed form (the forward
-# then keeps no quantized copy of the weights for the backward). Off until the kernel passes
-# tests/gpu/test_gpu_quantize_weight_fp8.py and the training step measures it faster; CPUs always take the call
-# for the forward's weights (the dgrads' from the kept copies unless this is on).
+# fp8.quantize_weight. Off until the training step measures it faster (it passes
+# tests/gpu/test_gpu_quantize_weight_fp8.py); CPUs always take the call.
 WEIGHT_QUANTIZER_ON_GPU = False
+
+# Whether the backward makes the dgrads' weights from the master weights (quantize_weight untransposed: the forward
+# then keeps no quantized copy of them) instead of transposing the quantized copies the forward kept (exact: the same
+# bits). A trade of memory (3 E D F bytes of e4m3 per layer kept) for a second pass over each master weight; off while
+# that pass costs more than the transposes (docs/performance.md, "FP8 weight quantizer").
+BACKWARD_REQUANTIZES_WEIGHTS = False
 
 
 def _kernel_quantize_weight(w, transposed=True):
@@ -258,7 +262,7 @@ def _kernel_quantize_weight(w, transposed=True):
 
 
 def _kernel_requantizes_weights():
-  return WEIGHT_QUANTIZER_ON_GPU
+  return BACKWARD_REQUANTIZES_WEIGHTS
 
 
 # Whether GPUs run GEMM1 with the SwiGLU forward in its epilogue (grouped_matmul_swiglu_fp8's kernel,

@@ -226,10 +226,10 @@ def test_handler_refuses_bad_shapes():
 
 def _layer(switch_on, xla_quantizer=False):
   """y and the gradients of moe_experts(quantization="fp8", impl="collective") on a 4-device CPU mesh, with
-  WEIGHT_QUANTIZER_ON_GPU as given (on CPUs: whether the backward re-quantizes the master weights) and the weights
+  BACKWARD_REQUANTIZES_WEIGHTS as given (whether the backward re-quantizes the master weights) and the weights
   quantized by the call or, with xla_quantizer, by XLA's fp8.quantize_weight; the program's text; the weights."""
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", switch_on)
+    mp.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", switch_on)
     if xla_quantizer:
       mp.setattr(fp8_experts, "quantize_weight_fp8",
                  lambda w, transposed=True: fp8_experts.xla_quantize_weight(w, transposed))
@@ -268,7 +268,7 @@ def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(layer_with_xla_
 
 
 def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
-  """With WEIGHT_QUANTIZER_ON_GPU the forward keeps the master weights themselves (the arrays the caller passed: no
+  """With BACKWARD_REQUANTIZES_WEIGHTS the forward keeps the master weights themselves (the arrays the caller passed: no
   memory of its own) instead of their quantized copies, 3 E D F bytes of e4m3 values and a float32 scale per
   128 x 128 block fewer; a pre-quantized weight is kept as given. Off, the quantized copies as before."""
   M, D, F, G = 256, 128, 256, 4
@@ -281,13 +281,13 @@ def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
   def nbytes(tree):
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
-  monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", True)
+  monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", True)
   kept_on = kept_of()
   assert kept_on[3] is w1 and kept_on[4] is w2
   pre = fp8.quantize_weight(w1)
   kept_pre = fp8_experts._fp8_expert_mlp_fwd(x, pre, w2, gs, fp8_experts.KERNELS)[1]
   assert kept_pre[3] is pre and kept_pre[4] is w2
-  monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", False)
+  monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", False)
   kept_off = kept_of()
   assert isinstance(kept_off[3], fp8.Fp8Weight) and isinstance(kept_off[4], fp8.Fp8Weight)
   quantized = 3 * G * D * F * (1 + 4 / 128 ** 2)

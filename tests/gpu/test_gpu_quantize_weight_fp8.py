@@ -5,7 +5,7 @@ XLA:GPU's inexact float32 division explains a byte (_xla_division_differences: t
 of tests/test_quantize_weight_fp8.py (ties, the top of e4m3's range, zeros, negative zeros, NaN and infinities)
 against the CPU handler (a NaN's sign aside: the device's arithmetic returns its canonical NaN, x86 a negative one for
 inf / inf), and the float32 subnormal block, which XLA:CPU flushes to zero, against XLA:GPU, which does not; bitwise
-repeats; the recipe with fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on: its four calls, its forward and input
+repeats; the recipe with fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on (the backward re-quantizing or not): its calls, its forward and input
 gradients bit for bit the recipe on weights the kernel pre-quantized, its weight gradients within float32 rounding of
 the recipe with the switch off. On a GPU that is not a Hopper one the call must fail naming the requirement. Skips
 where there is no GPU."""
@@ -150,9 +150,11 @@ def _recipe(w1, w2):
 
 
 @requires_hopper
-def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys):
+@pytest.mark.parametrize("requantizes,calls", [(True, 4), (False, 2)], ids=["backward_requantizes", "forward_only"])
+def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys, requantizes, calls):
   """fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on: the recipe quantizes the master weights by the kernel in the
-  forward and again, untransposed, for the dgrads (4 calls, no quantized weight kept); y, dx and dgates equal the
+  forward and, with BACKWARD_REQUANTIZES_WEIGHTS, again untransposed for the dgrads (4 calls, no quantized weight
+  kept; else 2, the dgrads transposing the kept copies); y, dx and dgates equal the
   recipe on the weights the kernel pre-quantized bit for bit (the same FP8 operands; dgrads from their transposed
   copies); the weight gradients stay within float32 rounding of the switch-off recipe's (XLA:GPU's quantizer, whose
   division parts from the kernel's at a few bytes)."""
@@ -160,9 +162,10 @@ def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys):
   w1, w2 = (jax.device_put(w, gpu_devices()[0]) for w in (w1, w2))
   with jax.default_device(gpu_devices()[0]):
     monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", True)
+    monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", requantizes)
     jax.clear_caches()  # no program traced with the flag off (same functions, same shapes) may be reused
     on, text = _recipe(w1, w2)
-    assert text.count(QUANTIZE_WEIGHT_FP8) == 4
+    assert text.count(QUANTIZE_WEIGHT_FP8) == calls
     pre, _ = _recipe(jax.jit(quantize_weight_fp8)(w1), jax.jit(quantize_weight_fp8)(w2))
     for name, a, b in zip(("y", "dx", "dgates"), on[:3], pre[:3]):
       np.testing.assert_array_equal(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32),
