@@ -245,14 +245,15 @@ def _kernel_row_columns(q, s, tiles):
 
 # Whether GPUs quantize the expert weights by the custom call (grouped_gemm.quantize_weight_fp8: one pass over each
 # weight, ffi/cuda/ops/quantize_weight.cu) instead of XLA's transposes, amax reductions and quantizations of
-# fp8.quantize_weight. Off until the training step measures it faster (it passes
-# tests/gpu/test_gpu_quantize_weight_fp8.py); CPUs always take the call.
-WEIGHT_QUANTIZER_ON_GPU = False
+# fp8.quantize_weight: the rule's bits, from which XLA:GPU's inexact division parts in a few bytes
+# (tests/gpu/test_gpu_quantize_weight_fp8.py); the forward a quarter faster at Mixtral-like and DeepSeek-like sizes, the forward + backward level
+# (docs/performance.md, "FP8 layer at EP = 1"). CPUs always take the call.
+WEIGHT_QUANTIZER_ON_GPU = True
 
 # Whether the backward makes the dgrads' weights from the master weights (quantize_weight untransposed: the forward
 # then keeps no quantized copy of them) instead of transposing the quantized copies the forward kept (exact: the same
 # bits). A trade of memory (3 E D F bytes of e4m3 per layer kept) for a second pass over each master weight; off while
-# that pass costs more than the transposes (docs/performance.md, "FP8 weight quantizer").
+# that pass costs more than the transposes (docs/performance.md, "FP8 layer at EP = 1").
 BACKWARD_REQUANTIZES_WEIGHTS = False
 
 
@@ -266,10 +267,10 @@ def _kernel_requantizes_weights():
 
 
 # Whether GPUs run GEMM1 with the SwiGLU forward in its epilogue (grouped_matmul_swiglu_fp8's kernel,
-# gemm/sm90/wgmma_swiglu_fp8.cuh: no float32 a in memory). Off until the kernel passes
-# tests/gpu/test_gpu_grouped_matmul_swiglu_fp8.py and benchmarks/bench_gemm1_swiglu_fp8.py measures it faster than the
-# two calls (the same bits); CPUs take the fused call.
-FUSED_GEMM1_SWIGLU_ON_GPU = False
+# gemm/sm90/wgmma_swiglu_fp8.cuh: no float32 a in memory) instead of the two calls: the same bits
+# (tests/gpu/test_gpu_grouped_matmul_swiglu_fp8.py), 5% faster (benchmarks/bench_gemm1_swiglu_fp8.py); CPUs take the
+# fused call.
+FUSED_GEMM1_SWIGLU_ON_GPU = True
 
 
 def _kernel_rows_swiglu(lhs_q, lhs_s, w, group_sizes):

@@ -143,9 +143,13 @@ def test_layer_bitwise_unchanged(monkeypatch):
   text = f.lower(*args).as_text()
   assert text.count("jmo_grouped_matmul_swiglu_fp8") == 1 and text.count("jmo_swiglu_forward_fp8") == 0
   assert text.count("jmo_grouped_matmul_fp8") == 3, "GEMM2 and the two dgrads"
-  for_gpu = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "jmo_grouped_matmul_swiglu_fp8" not in for_gpu, "off on GPUs: FUSED_GEMM1_SWIGLU_ON_GPU"
-  assert for_gpu.count("jmo_grouped_matmul_fp8") == 4 and for_gpu.count("jmo_swiglu_forward_fp8") == 1
+  for on in (True, False):  # GPUs take the fused call by FUSED_GEMM1_SWIGLU_ON_GPU, read when traced
+    monkeypatch.setattr(fp8_experts, "FUSED_GEMM1_SWIGLU_ON_GPU", on)
+    jax.clear_caches()
+    for_gpu = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert for_gpu.count("jmo_grouped_matmul_swiglu_fp8") == on, on
+    assert for_gpu.count("jmo_grouped_matmul_fp8") == 4 - on and for_gpu.count("jmo_swiglu_forward_fp8") == 1 - on
+  monkeypatch.undo()
   monkeypatch.setitem(fp8_experts._GEMMS, ("kernels", "fp8"),
                       dataclasses.replace(fp8_experts.KERNELS, rows_swiglu=None))
   jax.clear_caches()  # the layer's inner traces, which read the backend when traced

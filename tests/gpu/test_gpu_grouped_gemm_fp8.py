@@ -16,7 +16,7 @@ import test_grouped_gemm_fp8 as base  # tests/test_grouped_gemm_fp8.py (tests/ i
 from cases import layer_inputs, rel_err
 from gpu_common import gpu_devices, requires_gpu
 
-from jax_moe_overlap import engines, workspace_cuda
+from jax_moe_overlap import engines, fp8_experts, workspace_cuda
 
 pytestmark = requires_gpu
 
@@ -96,7 +96,10 @@ def test_layer_collective_matches_xla(kind, quantization):
 
   f = grads("collective")
   hlo = f.lower(x, gates, w1, w2).as_text()
-  assert hlo.count("jmo_grouped_matmul_fp8") == 4 and hlo.count("jmo_swiglu_forward_fp8") == 1
+  fused = fp8_experts.FUSED_GEMM1_SWIGLU_ON_GPU  # GEMM1 with the SwiGLU forward in its epilogue: one call for two
+  assert hlo.count("jmo_grouped_matmul_fp8") == 4 - fused and hlo.count("jmo_swiglu_forward_fp8") == 1 - fused
+  assert hlo.count("jmo_grouped_matmul_swiglu_fp8") == fused
+  assert hlo.count("jmo_quantize_weight_fp8") == 2 * fp8_experts.WEIGHT_QUANTIZER_ON_GPU
   if quantization == "fp8":
     assert hlo.count("jmo_grouped_outer_fp8") == 2
     assert hlo.count("jmo_quantize_columns_fp8") == 2 and hlo.count("jmo_swiglu_backward_fp8") == 1

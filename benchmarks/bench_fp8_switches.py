@@ -1,0 +1,112 @@
+"""The FP8 layer at EP = 1 under each setting of fp8_experts' GPU switches, side by side in one process:
+``moe_experts(impl="collective")`` forward and forward + backward, bf16 and ``quantization="fp8"``, ms per call
+(medians after warm-up, common.time_fn), with ``jax.clear_caches()`` between settings (the switches are read when
+traced). Each fp8 setting's outputs are compared with the all-off setting's: "bitwise" or their largest max-relative
+difference (a switch that swaps a kernel for XLA's ops of the same rule may move a byte where XLA:GPU's division is
+inexact; a fused kernel must give the same bits).
+
+Settings (the switches not named are off):
+  off            XLA quantizes the weights; GEMM1, then the SwiGLU forward kernel
+  fused          FUSED_GEMM1_SWIGLU_ON_GPU: GEMM1 with the SwiGLU forward in its epilogue
+  wq             WEIGHT_QUANTIZER_ON_GPU: the forward's weights by the custom call
+  fused+wq       both (the shipped defaults, where they are both on)
+  fused+wq+bwq   both and BACKWARD_REQUANTIZES_WEIGHTS: the dgrads' weights quantized again from the master weights
+
+  python3 -m benchmarks.bench_fp8_switches --out /tmp/fp8_switches.jsonl
+  python3 -m benchmarks.bench_fp8_switches --quick --passes fwd      # a small shape (CPU: minutes)
+A --budget in seconds skips what is left once it is spent (each skipped row printed).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+import jax_moe_overlap as jmo
+from benchmarks import bench_layer
+from benchmarks import common
+from benchmarks import references
+from jax_moe_overlap import fp8_experts
+
+SWITCHES = ("FUSED_GEMM1_SWIGLU_ON_GPU", "WEIGHT_QUANTIZER_ON_GPU", "BACKWARD_REQUANTIZES_WEIGHTS")
+SETTINGS = {"off": (), "fused": SWITCHES[:1], "wq": SWITCHES[1:2], "fused+wq": SWITCHES[:2], "fused+wq+bwq": SWITCHES}
+
+
+def plan(quick: bool):
+  """(name, tokens, D, F, E, k, settings): bf16 then the fp8 settings timed at each shape."""
+  if quick:
+    return [("small", 2048, 1024, 1024, 8, 2, ["bf16", *SETTINGS])]
+  return [("mixtral-like", 4096, 4096, 14336, 8, 2, ["bf16", *SETTINGS]),
+          ("mixtral-like", 16384, 4096, 14336, 8, 2, ["bf16", "off", "fused+wq"]),
+          ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8, ["bf16", "off", "fused", "fused+wq"])]
+
+
+def _set(setting: str):
+  for name in SWITCHES:
+    setattr(fp8_experts, name, name in SETTINGS.get(setting, ()))
+  jax.clear_caches()
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _versus(got, base) -> str:
+  got, base = jax.tree.leaves(got), jax.tree.leaves(base)
+  if all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(got, base)):
+    return "bitwise"
+  return f"max-rel {max(references.max_rel_err(a, b) for a, b in zip(got, base)):.1e}"
+
+
+def main(argv=None):
+  ap = common.shape_parser("fp8_switches.jsonl")
+  ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
+  ap.add_argument("--budget", type=float, default=0.0, help="seconds; 0: no limit")
+  args = ap.parse_args(argv)
+  mesh = jax.make_mesh((1,), ("expert",))
+  shipped = {name: getattr(fp8_experts, name) for name in SWITCHES}
+  table = common.Table(["shape", "pass", "setting", "ms", "speedup", "vs_off"])
+  t0 = time.time()
+  try:
+    for name, T, D, F, E, k, settings in plan(args.quick):
+      if not common.shape_selected(args, name):
+        continue
+      arg_sets = [common.layer_operands(T, D, F, E, k, seed=s) for s in range(2)]
+      for pname in args.passes.split(","):
+        bf16_ms, base = None, None
+        for setting in settings:
+          row = dict(shape=f"{name} T={T}", setting=setting, **{"pass": pname})
+          if args.budget and time.time() - t0 > args.budget:
+            table.add(**row, ms="skipped (budget spent)")
+            continue
+          _set(setting)
+          q = None if setting == "bf16" else "fp8"
+          fn = bench_layer.pass_fn(lambda *a, q=q: jmo.moe_experts(*a, mesh=mesh, impl="collective",
+                                                                  quantization=q)[0], pname)
+          try:
+            got = jax.device_get(fn(*arg_sets[0]))
+            if setting == "off":
+              base = got
+            elif q and base is not None:
+              row["vs_off"] = _versus(got, base)
+            ms = common.time_fn(fn, arg_sets) * 1e3
+          except Exception as e:  # pylint: disable=broad-except
+            table.add(**row, ms=f"error: {type(e).__name__}: {str(e)[:100]}")
+            continue
+          if setting == "bf16":
+            bf16_ms = ms
+          elif bf16_ms:
+            row["speedup"] = f"{bf16_ms / ms:.2f}"
+          table.add(**row, ms=f"{ms:.3f}")
+  finally:
+    for n, v in shipped.items():
+      setattr(fp8_experts, n, v)
+    jax.clear_caches()
+  table.finish(args.out)
+
+
+if __name__ == "__main__":
+  main()
