@@ -71,15 +71,49 @@ struct Stage {
   }
 
   // The block whose first element is src (rows N elements apart) into the stage, by 16-byte cp.async (a warp copies
-  // 512 contiguous bytes of w), bypassing L1 (.cg: read once).
-  __device__ __forceinline__ static void Load(const T* src, int64_t N, unsigned char* stage) {
+  // 512 contiguous bytes of w), bypassing L1 (.cg: read once). Copy u of a thread is chunk ch = x % kChunks of row
+  // r0 + u kRowsPerCopy (x the thread, r0 = x / kChunks): from src + Copies::from + u Copies::step, to byte
+  // (Copies::to ^ Flip(u)) + u kRowsPerCopy kRowBytes of the stage. Since r0 < kRowsPerCopy, a power of two that 8
+  // divides, r0 / 8 + u kRowsPerCopy / 8 adds no carries: Slot(r0 + u kRowsPerCopy, ch) = Slot(r0, ch) ^ Flip(u) / 16,
+  // so one place per thread stays in a register and the copies' places are constants off it.
+  static constexpr int kRowsPerCopy = kThreads / kChunks;
+  static_assert((kRowsPerCopy & (kRowsPerCopy - 1)) == 0 && kRowsPerCopy % 8 == 0, "copy rows: 8 k, a power of 2");
+  __device__ __forceinline__ static constexpr int Flip(int u) { return ((u * kRowsPerCopy / 8) & 7) * 16; }
+  struct Copies {
+    int64_t from, step;  // elements
+    int to;              // copy 0's byte in the stage
+    __device__ __forceinline__ Copies(int64_t N)
+        : from(threadIdx.x / kChunks * N + threadIdx.x % kChunks * (16 / static_cast<int>(sizeof(T)))),
+          step(kRowsPerCopy * N),
+          to(threadIdx.x / kChunks * kRowBytes + Slot(threadIdx.x / kChunks, threadIdx.x % kChunks) * 16) {}
+  };
+  __device__ __forceinline__ static void Load(const T* src, const Copies& c, unsigned char* stage) {
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(stage));
 #pragma unroll
     for (int u = 0; u < kCopies; ++u) {
-      const int i = threadIdx.x + u * kThreads, r = i / kChunks, ch = i % kChunks;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + r * kRowBytes + Slot(r, ch) * 16));
-      const void* from = reinterpret_cast<const unsigned char*>(src + r * N) + ch * 16;
+      const unsigned dst = base + ((c.to ^ Flip(u)) + u * kRowsPerCopy * kRowBytes);
+      const T* from = src + (c.from + u * c.step);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(from) : "memory");
     }
+  }
+};
+
+// A block's place (expert e, block row kb, block column nb: block number (e kbs + kb) nbs + nb), advanced by a fixed
+// count of blocks without a division: Step holds that count as such a place (each part below its range).
+struct BlockPlace {
+  int e, kb, nb;
+  __device__ __forceinline__ static BlockPlace Of(int b, int kbs, int nbs) {
+    const int row_block = b / nbs;
+    return {row_block / kbs, row_block % kbs, b % nbs};
+  }
+  __device__ __forceinline__ void Advance(const BlockPlace& step, int kbs, int nbs) {
+    nb += step.nb;
+    const int c1 = nb >= nbs;  // nb, step.nb < nbs: one carry at most
+    nb -= c1 * nbs;
+    kb += step.kb + c1;
+    const int c2 = kb >= kbs;  // kb, step.kb < kbs and c1 <= 1: one carry at most
+    kb -= c2 * kbs;
+    e += step.e + c2;
   }
 };
 
@@ -203,32 +237,34 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<T>)
   extern __shared__ __align__(16) unsigned char stages[];  // kStages x Stage<T>::kBytes
   __shared__ float warp_amax[kWarps];
   const int grid = gridDim.x;
-  // Block b's first element: block (expert b / nbs / kbs, block row b / nbs % kbs, block column b % nbs).
-  const auto first = [&](int b) {
-    const int row_block = b / nbs;  // of w as [E K / 128, N / 128] blocks
-    return w + (static_cast<int64_t>(row_block) * kBlock * N + static_cast<int64_t>(b - row_block * nbs) * kBlock);
+  const auto first = [&](const BlockPlace& p) {  // the block's first element
+    return w + (static_cast<int64_t>(p.e * kbs + p.kb) * kBlock * N + p.nb * kBlock);
   };
   const auto stage = [&](int j) { return stages + (j % kStages) * Stage<T>::kBytes; };
+  const typename Stage<T>::Copies copies(N);
+  const BlockPlace step = BlockPlace::Of(grid, kbs, nbs);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   // The first kStages - 1 blocks' loads, a group each (an empty group past the last block: the count of groups
   // after block j's is then always kStages - 2 when it is waited for).
+  BlockPlace ahead = BlockPlace::Of(blockIdx.x, kbs, nbs);
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
-    const int b = blockIdx.x + j * grid;
-    if (b < blocks) Stage<T>::Load(first(b), N, stage(j));
+    if (blockIdx.x + j * grid < blocks) Stage<T>::Load(first(ahead), copies, stage(j));
     CommitLoads();
+    ahead.Advance(step, kbs, nbs);
   }
+  BlockPlace at = BlockPlace::Of(blockIdx.x, kbs, nbs);  // block b's
   int j = 0;  // the CTA's block count: block b's stage is stage(j)
   // b + kStages grid stays below 2^31: blocks < 2^31 - 2^24 (QuantizeWeightFp8) and grid < 2^22.
-  for (int b = blockIdx.x; b < blocks; b += grid, ++j) {
+  for (int b = blockIdx.x; b < blocks; b += grid, ++j, at.Advance(step, kbs, nbs), ahead.Advance(step, kbs, nbs)) {
     WaitLoads<kStages - 2>();
     __syncthreads();  // A: block b's stage complete for every thread; every thread done with block b - grid's
-    const int ahead = b + (kStages - 1) * grid;
-    if (ahead < blocks) Stage<T>::Load(first(ahead), N, stage(j + kStages - 1));  // into block b - grid's stage
+    // Block b + (kStages - 1) grid (ahead's) into block b - grid's stage.
+    if (b + (kStages - 1) * grid < blocks) Stage<T>::Load(first(ahead), copies, stage(j + kStages - 1));
     CommitLoads();
 
-    const int row_block = b / nbs, nb = b - row_block * nbs, e = row_block / kbs, kb = row_block - e * kbs;
+    const int e = at.e, kb = at.kb, nb = at.nb;
     const Th th(e, kb, nb, K, N, q);
     const unsigned char* st = stage(j);
     float x[Th::kRowsA][Th::kColsB];
@@ -243,9 +279,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<T>)
     for (int d = 16; d > 0; d /= 2) amax = qcols::MaxAbsNaN(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
     if (lane == 0) warp_amax[warp] = amax;
     __syncthreads();  // B (warp_amax is written again only after the next block's barrier A)
+    // The warps' amaxes are >= 0 or the canonical NaN (max.NaN's): MaxAbsNaN over them is AmaxStep's result bit for
+    // bit (the largest, or that NaN), in one instruction a warp instead of AmaxStep's three.
     float block_amax = 0.f;
 #pragma unroll
-    for (int v = 0; v < kWarps; ++v) block_amax = AmaxStep(block_amax, warp_amax[v]);
+    for (int v = 0; v < kWarps; ++v) block_amax = qcols::MaxAbsNaN(block_amax, warp_amax[v]);
     const float sc = ColumnTileScale(block_amax);
     const Quantizer quant = QuantizerOfTileScale(sc);
     if (threadIdx.x == 0) s[kTransposed ? (e * nbs + nb) * kbs + kb : b] = sc;  // < blocks: int
