@@ -99,7 +99,7 @@ struct Stage {
 };
 
 // A block's place (expert e, block row kb, block column nb: block number (e kbs + kb) nbs + nb), advanced by a fixed
-// count of blocks without a division: Step holds that count as such a place (each part below its range).
+// count of blocks without a division: `step` holds that count as such a place (each part below its range).
 struct BlockPlace {
   int e, kb, nb;
   __device__ __forceinline__ static BlockPlace Of(int b, int kbs, int nbs) {
