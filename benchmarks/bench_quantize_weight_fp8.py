@@ -7,10 +7,12 @@
   custom call, w layout     quantize_weight_fp8(w, transposed=False): the dgrads' weight (the Fp8Weight of W^T)
   XLA, w layout             fp8.transpose_weight(fp8.quantize_weight(w))
 
-Each line: ms per call (median of 15 batches after warm-up), the bandwidth of the kernel's bytes (w read once, the
-e4m3 values and the scales written) in that time, and how many output bytes differ from the custom call's of the
-same layout (XLA:GPU's float32 division, div.full, parts from the kernel's IEEE quotient near e4m3 midpoints: a
-few bytes in 10^5).
+Each line: the wall ms of a call waited for (median of 15, after warm-up: it holds the call's dispatch and the wait,
+tens of microseconds, which can be most of a small weight's time), the device time per call from a profiler trace of
+--calls calls back to back (benchmarks/device_trace.py: the GPU's busy time, every kernel of the call, the gaps
+between calls left out), the bandwidth of the kernel's bytes (w read once, the e4m3 values and the scales written)
+in the device time, and how many output bytes differ from the custom call's of the same layout (XLA:GPU's float32
+division, div.full, parts from the kernel's IEEE quotient near e4m3 midpoints: a few bytes in 10^5).
 
   python3 -m benchmarks.bench_quantize_weight_fp8                       # all four weights
   python3 -m benchmarks.bench_quantize_weight_fp8 --weights mixtral_w1 preset_w1 --dtype float32
@@ -39,17 +41,17 @@ LAYOUTS = {
 }
 
 
-def main(names, dtype):
+def main(names, dtype, calls):
   for name in names:
     E, K, N = WEIGHTS[name]
     w = jax.jit(lambda key: jax.random.normal(key, (E, K, N), jnp.float32).astype(dtype) * 0.02)(
         jax.random.PRNGKey(0))
     moved = E * K * N * (jnp.dtype(dtype).itemsize + 1) + E * (K // 128) * (N // 128) * 4
     print(f"\n{name} [{E}, {K}, {N}] {jnp.dtype(dtype).name}: {moved / 1e9:.3f} GB read + written by the kernel; "
-          "ms per call (median of 15)")
+          f"wall ms per call (median of 15), device us per call ({calls} traced)")
     for layout, variants in LAYOUTS.items():
       print(f"  {layout}")
-      time_and_compare({v: jax.jit(f) for v, f in variants.items()}, (w,), moved, width=24)
+      time_and_compare({v: jax.jit(f) for v, f in variants.items()}, (w,), moved, width=24, device_calls=calls)
     del w
 
 
@@ -57,5 +59,6 @@ if __name__ == "__main__":
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--weights", nargs="+", choices=list(WEIGHTS), default=list(WEIGHTS))
   ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+  ap.add_argument("--calls", type=int, default=20, help="calls traced for the device time")
   args = ap.parse_args()
-  main(args.weights, jnp.dtype(args.dtype))
+  main(args.weights, jnp.dtype(args.dtype), args.calls)

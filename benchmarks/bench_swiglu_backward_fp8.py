@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import device_trace
 from benchmarks.bench_fp8_column_layout import timeit
 from jax_moe_overlap import fp8, fp8_experts
 from jax_moe_overlap.expert_gemms import swiglu
@@ -49,17 +50,28 @@ def _bytes(out):
           for v in jax.tree.leaves(out)]
 
 
-def time_and_compare(variants, args, moved, width=24):
+def time_and_compare(variants, args, moved, width=24, device_calls=0):
   """Times each variant (a jitted function of args) and prints its ms, the bandwidth that moving `moved` bytes in
-  that time is, and how many of its output bytes differ from the first variant's."""
+  that time is, and how many of its output bytes differ from the first variant's. The ms is the wall time of a call
+  waited for (timeit): it holds the call's dispatch and the wait, tens of microseconds that can dwarf a small
+  kernel. With device_calls, a profiler trace of that many calls back to back (device_trace.trace_calls) gives the
+  device time too, the GPU's busy time per call (the union of the call's kernels, the gaps between calls left out),
+  and the bandwidth is from it."""
   ref = None
   for name, jf in variants.items():
     ms = timeit(jf, *args)
+    device = ""
+    if device_calls:
+      trace = device_trace.trace_calls(jf, args, calls=device_calls)
+      us = trace["busy_us"] / device_calls if "busy_us" in trace else float("nan")
+      device, ms_bw = f"  {us:9.1f} us device", us * 1e-3
+    else:
+      ms_bw = ms
     out = _bytes(jf(*args))
     ref = out if ref is None else ref
     n = sum(int(np.count_nonzero(o != r)) for o, r in zip(out, ref))
     total = sum(o.size for o in out)
-    print(f"{name:{width}s} {ms:8.3f} ms  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s equivalent  "
+    print(f"{name:{width}s} {ms:8.3f} ms wall{device}  {moved / (ms_bw * 1e-3) / 1e12:5.2f} TB/s equivalent  "
           f"{'same' if n == 0 else f'{n} of {total} bytes differ'}")
 
 

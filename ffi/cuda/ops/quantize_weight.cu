@@ -1,23 +1,33 @@
-// jmo_quantize_weight_fp8 on CUDA (quantize_weight.h): one CTA of 256 threads per 128 x 128 block of w [E, K, N],
-// numbered (expert, block row, block column) with the block column fastest, so that the CTAs at work together read
-// whole rows of w. The block is read once, into registers: warp w takes the block's rows 16 w .. 16 w + 15, a lane 4
-// consecutive columns of each (one 16-byte load of float32 or one 8-byte load of bfloat16 per row, the column
-// quantizer's input forms RowsF32 and RowsBf16x4: a warp reads a row's 512 or 256 contiguous bytes). Then:
-//   1. the block's amax: each lane's over its 64 values, the warp's by shuffles, the 8 warps' through shared memory;
-//   2. its scale, ColumnTileScale (fp8.tile_scale), written by thread 0, and the quantizer (QuantizerOfTileScale);
-//   3. every value quantized, four at a time (QuantizeFourFast: the bracketed conversion of ops/e4m3.cuh, bitwise
-//      RoundE4m3 of the IEEE quotient x / s; QuantizeFour's exact path where a word's brackets differ or s is not
-//      finite), one branch for the thread's 16 words;
-//   4. the stores. In w's layout ([E, K, N]), a lane's word is its 4 columns of a row: a warp stores a row's 128
-//      contiguous bytes. Transposed ([E, N, K], fp8.quantize_weight's), the word is 4 consecutive rows of one column
-//      (a column of the block is a row of W^T), packed into a column-major shared buffer (the column quantizer's
-//      swizzle, PackedWord: conflict-free both ways) and stored a column per warp instruction (StoreChannel: 128
-//      contiguous bytes of a row of W^T).
+// jmo_quantize_weight_fp8 on CUDA (quantize_weight.h): the 128 x 128 blocks of w [E, K, N], numbered (expert, block
+// row, block column) with the block column fastest, by a persistent grid (as many CTAs of 512 threads as fit on the
+// device: 2 per SM for bfloat16, 1 for float32), CTA c taking blocks c, c + grid, c + 2 grid, .. (the CTAs at work
+// together read whole rows of w). A block goes global -> shared memory by 16-byte cp.async into a ring of kStages
+// stages, issued kStages - 1 blocks ahead of the one being quantized, so that the loads of the next blocks are in
+// flight while a CTA works on its current one (a load need not wait for the math, as it would in registers). Per block:
+//   0. wait for its stage (cp.async.wait_group, then barrier A: every thread's copies landed, and every thread is
+//      done with the stage the next load overwrites, the previous block's), issue the load kStages - 1 blocks ahead;
+//   1. each thread reads its 32 values from the stage (ThreadValues: 8 rows x 4 columns transposed, 2 rows x 16
+//      columns in w's layout), its amax, the warp's by shuffles, the 16 warps' through shared memory (barrier B);
+//   2. the scale, ColumnTileScale (fp8.tile_scale), written by thread 0, and the quantizer (QuantizerOfTileScale);
+//   3. the thread's 8 words of 4 values quantized (QuantizeFourFast: the bracketed conversion of ops/e4m3.cuh,
+//      bitwise RoundE4m3 of the IEEE quotient x / s), one branch for the 8; where a word's brackets differ or s is not
+//      finite, PutWordsExact quantizes every word of the thread by QuantizeFour's exact path, its values read again
+//      from the stage;
+//   4. the words stored straight from registers: transposed ([E, N, K], fp8.quantize_weight's), a thread's 8 rows of
+//      one column are 8 consecutive bytes of a row of W^T (an 8-byte store; 16 lanes write a row's 128 contiguous
+//      bytes); in w's layout ([E, K, N]) a thread's 16 columns of a row are 16 consecutive bytes (a 16-byte store; 8
+//      lanes write a row's 128 bytes).
+// The stage holds the block row-major, each row's 16-byte chunks permuted (Slot) so that both the cp.async writes and
+// both layouts' reads spread a warp's 16-byte accesses over all of shared memory's banks.
 // The amax is the largest |x| whatever the order (a NaN makes it NaN, here the device's canonical NaN: the
 // scale's payload is not the CPU handler's, its NaN-ness is), so the scale is the CPU handler's bit for bit.
 #include "cuda/ops/quantize_weight.h"
 
+#include <cuda_bf16.h>
+
+#include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "common/fp8_columns.h"
 #include "cuda/launch.h"
@@ -31,116 +41,289 @@ namespace {
 constexpr int kBlock = 128;  // a block's side
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRows = kBlock / kWarps;  // a warp's rows of the block: 8
-constexpr int kWords = kRows;           // a thread's e4m3 words: 8 rows x 4 columns, 4 values a word
-static_assert(kRows % 4 == 0, "a warp's rows of one column pack into whole words");
+constexpr int kStages = 3;  // blocks in shared memory: the one being quantized and kStages - 1 in flight
+constexpr int kWords = 8;   // a thread's e4m3 words: 32 values, 4 a word
+static_assert(kThreads * 4 * kWords == kBlock * kBlock, "the CTA's threads cover a block, 32 values each");
+// The most blocks a call takes: a CTA's block index plus kStages grids (grid < 2^22: CTAs per SM x SMs) fits an int.
+constexpr int64_t kMaxBlocks = 0x7FFFFFFF - (int64_t{1} << 24);
 
-// Where a thread's words go. Word i: in w's layout ([E, K, N]) row i of the warp's rows, the lane's 4 columns,
-// stored to q; transposed ([E, N, K]), the lane's column j = i / kColumnWords, rows 4 m .. 4 m + 3 of the warp's
-// (m = i % kColumnWords), a word of the column-major packed buffer (q is written from it after the barrier).
-constexpr int kColumnWords = kRows / 4;
-template <bool kTransposed>
-struct Place {
-  uint8_t* q;
-  int64_t row0, col0, N;  // the warp's first row of w as [E K, N] rows; the lane's first column; w's columns
-  uint32_t* packed;
-  int lane, warp;
-  __device__ __forceinline__ void Put(int i, uint32_t word) const {
-    if constexpr (kTransposed)
-      packed[qcols::PackedWord<4>(4 * lane + i / kColumnWords, warp * kColumnWords + i % kColumnWords)] = word;
-    else
-      *reinterpret_cast<uint32_t*>(q + (row0 + i) * N + col0) = word;
+// The stage of one block of element type T: kBlock rows of kRowBytes, row-major, each row's 16-byte chunks permuted.
+template <class T>
+struct Stage {
+  static constexpr int kRowBytes = kBlock * static_cast<int>(sizeof(T));  // 256 (bfloat16) or 512 (float32)
+  static constexpr int kChunks = kRowBytes / 16;                          // a row's 16-byte chunks: 16 or 32
+  static constexpr int kBytes = kBlock * kRowBytes;
+  static constexpr int kCopies = kBlock * kChunks / kThreads;  // a thread's cp.async of a block: 4 or 8
+  static_assert(kChunks % 8 == 0 && kBlock * kChunks % kThreads == 0, "rows of whole 8-chunk bank rounds");
+
+  // Where chunk ch of row r lies in the row: ch with its low 3 bits (which of the 8 16-byte bank groups) XORed by
+  // bits of the row (r / 8) and of the chunk's high bits (ch / 8): a bijection of the row's chunks (the XOR mask
+  // depends only on bits Slot leaves alone). Transposed, a warp instruction reads one chunk (or two neighbours) of
+  // 16 rows 8 apart: the row term spreads them over the 8 groups; in w's layout, 8 lanes read chunks 2 c + h
+  // (bfloat16) or 4 c + h (float32) of one row, c = 0 .. 7: the chunk term spreads them.
+  __device__ __forceinline__ static int Slot(int r, int ch) { return ch ^ (((r >> 3) ^ (ch >> 3)) & 7); }
+
+  // The address of column c (a whole number of elements into the row; a read of n <= 16 bytes from there stays in its
+  // chunk: the callers read 4 or 16 / sizeof(T) values at columns that are multiples of that count).
+  __device__ __forceinline__ static const unsigned char* At(const unsigned char* stage, int r, int c) {
+    const int byte = c * static_cast<int>(sizeof(T));
+    return stage + r * kRowBytes + Slot(r, byte >> 4) * 16 + (byte & 15);
+  }
+
+  // The block whose first element is src (rows N elements apart) into the stage, by 16-byte cp.async (a warp copies
+  // 512 contiguous bytes of w), bypassing L1 (.cg: read once). Copy u of a thread is chunk ch = x % kChunks of row
+  // r0 + u kRowsPerCopy (x the thread, r0 = x / kChunks): from src + Copies::from + u Copies::step, to byte
+  // (Copies::to ^ Flip(u)) + u kRowsPerCopy kRowBytes of the stage. Since r0 < kRowsPerCopy, a power of two that 8
+  // divides, r0 / 8 + u kRowsPerCopy / 8 adds no carries: Slot(r0 + u kRowsPerCopy, ch) = Slot(r0, ch) ^ Flip(u) / 16,
+  // so one place per thread stays in a register and the copies' places are constants off it.
+  static constexpr int kRowsPerCopy = kThreads / kChunks;
+  static_assert((kRowsPerCopy & (kRowsPerCopy - 1)) == 0 && kRowsPerCopy % 8 == 0, "copy rows: 8 k, a power of 2");
+  __device__ __forceinline__ static constexpr int Flip(int u) { return ((u * kRowsPerCopy / 8) & 7) * 16; }
+  struct Copies {
+    int64_t from, step;  // elements
+    int to;              // copy 0's byte in the stage
+    __device__ __forceinline__ Copies(int64_t N)
+        : from(threadIdx.x / kChunks * N + threadIdx.x % kChunks * (16 / static_cast<int>(sizeof(T)))),
+          step(kRowsPerCopy * N),
+          to(threadIdx.x / kChunks * kRowBytes + Slot(threadIdx.x / kChunks, threadIdx.x % kChunks) * 16) {}
+  };
+  __device__ __forceinline__ static void Load(const T* src, const Copies& c, unsigned char* stage) {
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(stage));
+#pragma unroll
+    for (int u = 0; u < kCopies; ++u) {
+      const unsigned dst = base + ((c.to ^ Flip(u)) + u * kRowsPerCopy * kRowBytes);
+      const T* from = src + (c.from + u * c.step);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(from) : "memory");
+    }
   }
 };
 
-// Word i's 4 values from the thread's x[row][column] (the warp's rows, the lane's 4 columns), as Place lays it.
-template <bool kTransposed>
-__device__ __forceinline__ void WordValues(const float (&x)[kRows][4], int i, float (&v)[4]) {
-#pragma unroll
-  for (int b = 0; b < 4; ++b) v[b] = kTransposed ? x[4 * (i % kColumnWords) + b][i / kColumnWords] : x[i][b];
+// A block's place (expert e, block row kb, block column nb: block number (e kbs + kb) nbs + nb), advanced by a fixed
+// count of blocks without a division: `step` holds that count as such a place (each part below its range).
+struct BlockPlace {
+  int e, kb, nb;
+  __device__ __forceinline__ static BlockPlace Of(int b, int kbs, int nbs) {
+    const int row_block = b / nbs;
+    return {row_block / kbs, row_block % kbs, b % nbs};
+  }
+  __device__ __forceinline__ void Advance(const BlockPlace& step, int kbs, int nbs) {
+    nb += step.nb;
+    const int c1 = nb >= nbs;  // nb, step.nb < nbs: one carry at most
+    nb -= c1 * nbs;
+    kb += step.kb + c1;
+    const int c2 = kb >= kbs;  // kb, step.kb < kbs and c1 <= 1: one carry at most
+    kb -= c2 * kbs;
+    e += step.e + c2;
+  }
+};
+
+__device__ __forceinline__ void CommitLoads() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Every group of this thread's cp.async but the newest n complete.
+template <int n>
+__device__ __forceinline__ void WaitLoads() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
 }
 
-// The exact path of a thread's words (rare: a word whose brackets differ, or a scale that is not finite), each word by
-// QuantizeFour, its values read again from w. Out of line, so that across its calls of the exact division nothing
-// but addresses lives (the kernel's values would not fit beside the calls' saved registers).
-template <class In, bool kTransposed>
-__device__ __noinline__ void PutWordsExact(In in, Place<kTransposed> place, Quantizer quant) {
-  for (int i = 0; i < kWords; ++i) {
-    float v[4];
-    for (int b = 0; b < 4; ++b) {
-      float all[4];
-      In::Values(in.Load(place.row0 + (kTransposed ? 4 * (i % kColumnWords) + b : i), place.col0), all);
-      v[b] = kTransposed ? all[i / kColumnWords] : all[b];
-    }
-    place.Put(i, QuantizeFour(v, quant));
-  }
-}
-
-template <class In, bool kTransposed>
-__global__ void __launch_bounds__(kThreads, 2)
-    QuantizeWeightKernel(In in, int64_t K, int64_t N, uint8_t* __restrict__ q, float* __restrict__ s) {
-  static_assert(In::kLaneCh == 4 && 32 * In::kLaneCh == kBlock, "a lane's 4 columns: a warp spans a block's row");
-  __shared__ float warp_amax[kWarps];
-  __shared__ __align__(16) uint32_t packed[kTransposed ? kBlock * qcols::kWordsPerChannel : 1];
-  const int64_t kbs = K / kBlock, nbs = N / kBlock;
-  const int64_t nb = blockIdx.x % nbs, kb = (blockIdx.x / nbs) % kbs, e = blockIdx.x / nbs / kbs;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const Place<kTransposed> place{q, e * K + kb * kBlock + warp * kRows, nb * kBlock + 4 * lane, N, packed, lane, warp};
-
-  // Every load issued before any math; then the values as float32 (bfloat16's exactly).
-  typename In::Raw raw[kRows];
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) raw[k] = in.Load(place.row0 + k, place.col0);
-  float x[kRows][4];
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) In::Values(raw[k], x[k]);
-
-  float amax = 0.f;
-#pragma unroll
-  for (int k = 0; k < kRows; ++k)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) amax = qcols::MaxAbsNaN(amax, x[k][j]);
-#pragma unroll
-  for (int d = 16; d > 0; d /= 2) amax = qcols::MaxAbsNaN(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
-  if (lane == 0) warp_amax[warp] = amax;
-  __syncthreads();
-  float block_amax = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) block_amax = AmaxStep(block_amax, warp_amax[w]);
-  const float sc = ColumnTileScale(block_amax);
-  const Quantizer quant = QuantizerOfTileScale(sc);
-  if (threadIdx.x == 0) s[kTransposed ? (e * nbs + nb) * kbs + kb : (e * kbs + kb) * nbs + nb] = sc;
-
-  uint32_t words[kWords];
-  bool fast = true;
-#pragma unroll
-  for (int i = 0; i < kWords; ++i) {
-    float v[4];
-    WordValues<kTransposed>(x, i, v);
-    fast &= QuantizeFourFast(v, quant, words[i]);
-  }
-  if (__builtin_expect(fast, 1)) {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) place.Put(i, words[i]);
+// n consecutive values of T as float32 (bfloat16's exactly) from 4 n bytes (float32) or 2 n bytes (bfloat16) at p
+// (aligned to its size: 8 or 16 bytes).
+template <class T, int n>
+__device__ __forceinline__ void ReadValues(const unsigned char* p, float* v) {
+  constexpr int kWordsRead = n * static_cast<int>(sizeof(T)) / 4;
+  static_assert(kWordsRead == 2 || kWordsRead == 4, "one 8- or 16-byte shared memory read");
+  uint32_t u[kWordsRead];
+  if constexpr (kWordsRead == 4) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p);
+    u[0] = r.x, u[1] = r.y, u[2] = r.z, u[3] = r.w;
   } else {
-    PutWordsExact<In, kTransposed>(in, place, quant);
+    const uint2 r = *reinterpret_cast<const uint2*>(p);
+    u[0] = r.x, u[1] = r.y;
   }
-
-  if constexpr (kTransposed) {
-    __syncthreads();
-    for (int c = warp; c < kBlock; c += kWarps)
-      qcols::StoreChannel<4>(packed, c, q + (e * N + nb * kBlock + c) * K + kb * kBlock);
+#pragma unroll
+  for (int k = 0; k < kWordsRead; ++k) {
+    if constexpr (std::is_same_v<T, float>) {
+      v[k] = __uint_as_float(u[k]);
+    } else {
+      v[2 * k] = qcols::Bf16Lo(u[k]);
+      v[2 * k + 1] = qcols::Bf16Hi(u[k]);
+    }
   }
 }
 
-template <class In>
-Status Launch(cudaStream_t stream, In in, int64_t blocks, int64_t K, int64_t N, bool transposed, uint8_t* q,
-              float* s) {
-  const unsigned grid = static_cast<unsigned>(blocks);
+// A thread's 32 values of a block, x[a][b] = the block's (Row(a), Col(b)), and its 8 words, word i of the 4 values
+// x[A(i, t)][B(i, t)], t = 0 .. 3 (t's in the low byte first), at Dst(i) in q. Transposed: rows 8 g + a (a < 8, g =
+// lane % 16), columns 4 cg + b (b < 4, cg = 2 warp + lane / 16); word i is column i / 2's rows 4 (i % 2) .. + 3, bytes
+// 4 (i % 2) .. of the thread's 8 in the row of W^T that is that column. In w's layout: rows 4 warp + lane / 8 + 64 a
+// (a < 2), columns 16 c + b (b < 16, c = lane % 8); word i is row i / 4's columns 4 (i % 4) .. + 3, bytes 4 (i % 4) ..
+// of the thread's 16 in that row of q.
+template <class T, bool kTransposed>
+struct ThreadValues {
+  static constexpr int kRowsA = kTransposed ? 8 : 2, kColsB = kTransposed ? 4 : 16;
+  static_assert(kRowsA * kColsB == 4 * kWords, "32 values");
+  static constexpr int kRun = kTransposed ? 4 : 16 / static_cast<int>(sizeof(T));  // values a shared read gives
+  int row0, col0;  // Row(a) = row0 + kRowStep a, Col(b) = col0 + b
+  static constexpr int kRowStep = kTransposed ? 1 : 64;
+  uint8_t* q;      // where the thread's first byte goes (word 0)
+  int64_t q_step;  // transposed: from one column's row of W^T to the next (K); in w's layout from row a to a + 1
+                   // (64 N)
+
+  __device__ __forceinline__ ThreadValues(int e, int kb, int nb, int64_t K, int64_t N, uint8_t* q_all) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if constexpr (kTransposed) {
+      row0 = 8 * (lane & 15), col0 = 4 * (2 * warp + (lane >> 4));
+      q = q_all + (e * N + nb * kBlock + col0) * K + kb * kBlock + row0;  // int64 N, K: no int overflow
+      q_step = K;
+    } else {
+      row0 = 4 * warp + (lane >> 3), col0 = 16 * (lane & 7);
+      q = q_all + (e * K + kb * kBlock + row0) * N + nb * kBlock + col0;
+      q_step = kRowStep * N;
+    }
+  }
+  __device__ __forceinline__ int Row(int a) const { return row0 + kRowStep * a; }
+  __device__ __forceinline__ static int A(int i, int t) { return kTransposed ? 4 * (i % 2) + t : i / 4; }
+  __device__ __forceinline__ static int B(int i, int t) { return kTransposed ? i / 2 : 4 * (i % 4) + t; }
+  __device__ __forceinline__ uint8_t* Dst(int i) const {
+    return kTransposed ? q + (i / 2) * q_step + 4 * (i % 2) : q + (i / 4) * q_step + 4 * (i % 4);
+  }
+
+  __device__ __forceinline__ void Read(const unsigned char* stage, float (&x)[kRowsA][kColsB]) const {
+#pragma unroll
+    for (int a = 0; a < kRowsA; ++a)
+#pragma unroll
+      for (int b = 0; b < kColsB; b += kRun) ReadValues<T, kRun>(Stage<T>::At(stage, Row(a), col0 + b), &x[a][b]);
+  }
+  // The 8 words by 4 stores of a column's 2 words (transposed: 8 bytes) or 2 of a row's 4 (w's layout: 16 bytes).
+  static constexpr int kWordsPerStore = kTransposed ? 2 : 4;
+  __device__ __forceinline__ void Store(const uint32_t (&w)[kWords]) const {
+#pragma unroll
+    for (int k = 0; k < kWords / kWordsPerStore; ++k) {
+      if constexpr (kTransposed)
+        *reinterpret_cast<uint2*>(Dst(2 * k)) = make_uint2(w[2 * k], w[2 * k + 1]);
+      else
+        *reinterpret_cast<uint4*>(Dst(4 * k)) = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+    }
+  }
+};
+
+// The exact path of a thread's words (rare: a word whose brackets differ, or a scale that is not finite): each word by
+// QuantizeFour, its values read again from the stage one by one, stored as a 4-byte word. Out of line, so that
+// across its calls of the exact division nothing but addresses lives.
+template <class T, bool kTransposed>
+__device__ __noinline__ void PutWordsExact(const unsigned char* stage, ThreadValues<T, kTransposed> th,
+                                           Quantizer quant) {
+  using Th = ThreadValues<T, kTransposed>;
+  for (int i = 0; i < kWords; ++i) {
+    float v[4];
+    for (int t = 0; t < 4; ++t) {
+      const unsigned char* p = Stage<T>::At(stage, th.Row(Th::A(i, t)), th.col0 + Th::B(i, t));
+      if constexpr (std::is_same_v<T, float>)
+        v[t] = *reinterpret_cast<const float*>(p);
+      else
+        v[t] = __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
+    }
+    *reinterpret_cast<uint32_t*>(th.Dst(i)) = QuantizeFour(v, quant);
+  }
+}
+
+// Registers: 64 a thread at 2 CTAs of 512 per SM (bfloat16: 3 stages of 32 KB each fit twice), 128 at 1 (float32's
+// 3 stages of 64 KB).
+template <class T>
+constexpr int kCtasPerSm = sizeof(T) == 2 ? 2 : 1;
+
+template <class T, bool kTransposed>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm<T>)
+    QuantizeWeightKernel(const T* __restrict__ w, int blocks, int kbs, int nbs, int64_t K, int64_t N,
+                         uint8_t* __restrict__ q, float* __restrict__ s) {
+  using Th = ThreadValues<T, kTransposed>;
+  extern __shared__ __align__(16) unsigned char stages[];  // kStages x Stage<T>::kBytes
+  __shared__ float warp_amax[kWarps];
+  const int grid = gridDim.x;
+  const auto first = [&](const BlockPlace& p) {  // the block's first element
+    return w + (static_cast<int64_t>(p.e * kbs + p.kb) * kBlock * N + p.nb * kBlock);
+  };
+  const auto stage = [&](int j) { return stages + (j % kStages) * Stage<T>::kBytes; };
+  const typename Stage<T>::Copies copies(N);
+  const BlockPlace step = BlockPlace::Of(grid, kbs, nbs);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  // The first kStages - 1 blocks' loads, a group each (an empty group past the last block: the count of groups
+  // after block j's is then always kStages - 2 when it is waited for).
+  BlockPlace ahead = BlockPlace::Of(blockIdx.x, kbs, nbs);
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (blockIdx.x + j * grid < blocks) Stage<T>::Load(first(ahead), copies, stage(j));
+    CommitLoads();
+    ahead.Advance(step, kbs, nbs);
+  }
+  BlockPlace at = BlockPlace::Of(blockIdx.x, kbs, nbs);  // block b's
+  int j = 0;  // the CTA's block count: block b's stage is stage(j)
+  // b + kStages grid stays below 2^31: blocks < 2^31 - 2^24 (QuantizeWeightFp8) and grid < 2^22.
+  for (int b = blockIdx.x; b < blocks; b += grid, ++j, at.Advance(step, kbs, nbs), ahead.Advance(step, kbs, nbs)) {
+    WaitLoads<kStages - 2>();
+    __syncthreads();  // A: block b's stage complete for every thread; every thread done with block b - grid's
+    // Block b + (kStages - 1) grid (ahead's) into block b - grid's stage.
+    if (b + (kStages - 1) * grid < blocks) Stage<T>::Load(first(ahead), copies, stage(j + kStages - 1));
+    CommitLoads();
+
+    const int e = at.e, kb = at.kb, nb = at.nb;
+    const Th th(e, kb, nb, K, N, q);
+    const unsigned char* st = stage(j);
+    float x[Th::kRowsA][Th::kColsB];
+    th.Read(st, x);
+
+    float amax = 0.f;
+#pragma unroll
+    for (int a = 0; a < Th::kRowsA; ++a)
+#pragma unroll
+      for (int c = 0; c < Th::kColsB; ++c) amax = qcols::MaxAbsNaN(amax, x[a][c]);
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) amax = qcols::MaxAbsNaN(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+    if (lane == 0) warp_amax[warp] = amax;
+    __syncthreads();  // B (warp_amax is written again only after the next block's barrier A)
+    // The warps' amaxes are >= 0 or the canonical NaN (max.NaN's): MaxAbsNaN over them is AmaxStep's result bit for
+    // bit (the largest, or that NaN), in one instruction a warp instead of AmaxStep's three.
+    float block_amax = 0.f;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) block_amax = qcols::MaxAbsNaN(block_amax, warp_amax[v]);
+    const float sc = ColumnTileScale(block_amax);
+    const Quantizer quant = QuantizerOfTileScale(sc);
+    if (threadIdx.x == 0) s[kTransposed ? (e * nbs + nb) * kbs + kb : b] = sc;  // < blocks: int
+
+    uint32_t words[kWords];
+    bool fast = true;
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      float v[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) v[t] = x[Th::A(i, t)][Th::B(i, t)];
+      fast &= QuantizeFourFast(v, quant, words[i]);
+    }
+    if (__builtin_expect(fast, 1))
+      th.Store(words);
+    else
+      PutWordsExact<T, kTransposed>(st, th, quant);
+  }
+}
+
+template <class T>
+Status Launch(cudaStream_t stream, const DeviceInfo& dev, const T* w, int64_t blocks, int64_t K, int64_t N,
+              bool transposed, uint8_t* q, float* s) {
+  const void* kernel = transposed ? reinterpret_cast<const void*>(&QuantizeWeightKernel<T, true>)
+                                  : reinterpret_cast<const void*>(&QuantizeWeightKernel<T, false>);
+  constexpr int kSmem = kStages * Stage<T>::kBytes;
+  Status st = SetKernelSmem(kernel, kSmem, "QuantizeWeightKernel");
+  if (!st.ok()) return st;
+  int per_sm = 0;
+  st = CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem),
+                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor(QuantizeWeightKernel)");
+  if (!st.ok()) return st;
+  if (per_sm < 1)
+    return Status::Error(kInternal, "jax_moe_overlap: quantize_weight_fp8: no CTA of QuantizeWeightKernel fits an SM");
+  const int grid = static_cast<int>(std::min<int64_t>(blocks, static_cast<int64_t>(per_sm) * dev.sms));
+  const int kbs = static_cast<int>(K / kBlock), nbs = static_cast<int>(N / kBlock), n = static_cast<int>(blocks);
   if (transposed)
-    QuantizeWeightKernel<In, true><<<grid, kThreads, 0, stream>>>(in, K, N, q, s);
+    QuantizeWeightKernel<T, true><<<grid, kThreads, kSmem, stream>>>(w, n, kbs, nbs, K, N, q, s);
   else
-    QuantizeWeightKernel<In, false><<<grid, kThreads, 0, stream>>>(in, K, N, q, s);
+    QuantizeWeightKernel<T, false><<<grid, kThreads, kSmem, stream>>>(w, n, kbs, nbs, K, N, q, s);
   return CudaStatus(cudaGetLastError(), "launch of QuantizeWeightKernel");
 }
 
@@ -152,16 +335,16 @@ Status QuantizeWeightFp8(cudaStream_t stream, DType dt, const void* w, int64_t E
   Status st = Fp8DeviceCheck("quantize_weight_fp8", &dev);
   if (!st.ok()) return st;
   if (E < 0 || K < kBlock || K % kBlock != 0 || N < kBlock || N % kBlock != 0 ||
-      E * (K / kBlock) > 0x7FFFFFFF / (N / kBlock))
+      E * (K / kBlock) > kMaxBlocks / (N / kBlock))
     return Status::Error(kInvalidArgument, "jax_moe_overlap: quantize_weight_fp8: K and N must be positive multiples "
-                                           "of 128 and the blocks E * K / 128 * N / 128 below 2^31, got E=" +
+                                           "of 128 and the blocks E * K / 128 * N / 128 below 2^31 - 2^24, got E=" +
                                                std::to_string(E) + ", K=" + std::to_string(K) + ", N=" +
                                                std::to_string(N));
   const int64_t blocks = E * (K / kBlock) * (N / kBlock);
   if (blocks == 0) return Status{};
   if (dt == DType::kF32)
-    return Launch(stream, qcols::RowsF32{static_cast<const float*>(w), N}, blocks, K, N, transposed, q, s);
-  return Launch(stream, qcols::RowsBf16x4{static_cast<const __nv_bfloat16*>(w), N}, blocks, K, N, transposed, q, s);
+    return Launch(stream, dev, static_cast<const float*>(w), blocks, K, N, transposed, q, s);
+  return Launch(stream, dev, static_cast<const __nv_bfloat16*>(w), blocks, K, N, transposed, q, s);
 }
 
 }  // namespace jmo::cuda
