@@ -197,17 +197,24 @@ __device__ __forceinline__ int ArgminC(double v) {
   return __ffs(__ballot_sync(0xffffffffu, hi == mhi && lo == mlo));
 }
 
+// RmMax(a, b) for a, b >= +0 and not NaN (no -0): such doubles order like their bit patterns, so an integer compare
+// gives the same double and leaves the FP64 pipe, which bounds the chunked form's loop, to the terms.
+__device__ __forceinline__ double MaxNonNegative(double a, double b) {
+  return (unsigned long long)__double_as_longlong(b) > (unsigned long long)__double_as_longlong(a) ? b : a;
+}
+
 // The chunked forms' terms over this warp's chunk [beg, end) of seg[] for this lane's candidate (e, rp = 1 / P), and
 // with `producer` (warp 0) the producer's term from all_ceil_arg = CeilArg(all tiles): ModelProducerUs and ModelTermUs,
-// the same doubles per term (ReadyUsFma: e.tile_us is finite, ChunkedIsExact), their max.
+// the same doubles per term (ReadyUsFma: e.tile_us is finite, ChunkedIsExact), their max (every term >= +0 and not
+// NaN: MaxNonNegative).
 __device__ __forceinline__ double ChunkMaxUs(const ChoiceScratch* sc, int beg, int end, bool producer,
                                              double all_ceil_arg, double rp, const ModelEval& e) {
   const double shift = ShiftOf(e.tile_us);
   double us = producer ? ReadyUsFma(all_ceil_arg, rp, e.tile_us, shift) : 0.0;
 #pragma unroll 4
   for (int s = beg; s < end; ++s)
-    us = RmMax(us, RmAdd(ReadyUsFma(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
-                         RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
+    us = MaxNonNegative(us, RmAdd(ReadyUsFma(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
+                                  RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
   return us;
 }
 
@@ -231,7 +238,7 @@ __device__ __forceinline__ int ArgminOverWarps(double us, bool feasible, ChoiceS
 #pragma unroll
   for (int h = kWarps / 2; h > 0; h /= 2)
 #pragma unroll
-    for (int w = 0; w < h; ++w) m[w] = RmMax(m[w], m[w + h]);
+    for (int w = 0; w < h; ++w) m[w] = MaxNonNegative(m[w], m[w + h]);
   return ArgminC(feasible ? m[0] : 1e300);
 }
 

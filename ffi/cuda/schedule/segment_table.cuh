@@ -41,7 +41,8 @@ struct TableScratch {
   int64_t warp_sums[32];
   SourcePrefix src_start[kMaxRanks + 1];  // by source, [ranks]: the totals
   union {
-    int64_t scan[5 * 32];  // BlockExclusiveScanN's warp totals
+    int64_t scan[5 * 32];     // BlockExclusiveScanN's warp totals (64-bit words)
+    uint32_t scan32[5 * 32];  // (32-bit words: ScanSegmentValues' narrow form)
     struct {               // per source and placing warp, of the sources before it: (segments, bands), and
       int64_t sb[kMaxRanks][kPlaceWarps];
       uint64_t tr[kMaxRanks][kPlaceWarps];  // (BuildSegments<true>) (row tiles << 32) + rows
@@ -95,6 +96,51 @@ __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
   return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
 }
 
+// BuildSegments' barrier 1: the exclusive prefix sums over the threads and the totals of each thread's values, kept
+// rows (>= 0) of plan segment tid and of source-major segment tid: plan order rows and bands; source-major rows,
+// (kept segments << kSegShift) + bands and (K = 5) row tiles of prep's tile. In 32-bit words where the capacity
+// bounds them (0 <= cap < kNarrowCap): rows are clamped at cap + 1 for the sums, so each is <= 2^20 and over <= 256
+// segments rows and tiles sum to <= 2^28, bands (<= 2^14 each) to < 2^23 = the packed segments' shift, and segments
+// to <= 256: every word < 2^32. The clamp changes no prefix BuildSegments uses: a valid plan has no segment above cap
+// (each ends within it), and in an invalid one every segment before the first bad one is valid, so that one's offset
+// and verdict are exact, and the lowest bad index is the same (later ones only matter through it). Else 64-bit words.
+// Half the shuffles, adds and shared loads of the 64-bit form; the same integers.
+constexpr int64_t kNarrowCap = 1 << 20;
+constexpr int kNarrowSegShift = 23;
+static_assert(kMaxSegments <= 256 && kBandRows == 64, "ScanSegmentValues' 32-bit bounds");
+template <int K>
+__device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, const TermPrepIn* prep, int64_t cap,
+                                                  TableScratch* sc, int64_t (&pre)[K], int64_t (&total)[K]) {
+  static_assert(K == 4 || K == 5, "four values, five with the row tiles");
+  if (cap >= 0 && cap < kNarrowCap) {  // block-uniform
+    const int32_t lim = (int32_t)cap + 1;
+    const int32_t a = kept < lim ? kept : lim, b = kept_q < lim ? kept_q : lim;
+    uint32_t v[K], p[K], t[K];
+    v[0] = (uint32_t)a;
+    v[1] = (uint32_t)BandsOf(a);
+    v[2] = (uint32_t)b;
+    v[3] = (b > 0 ? 1u << kNarrowSegShift : 0u) + (uint32_t)BandsOf(b);
+    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)b, prep->tile_m, prep->tile_m_magic);  // (0 rows: 0)
+    BlockExclusiveScanN<K, uint32_t>(v, sc->x.scan32, p, t);
+    auto widen = [](uint32_t w) {  // (segments << kNarrowSegShift) + bands -> (segments << kSegShift) + bands
+      return ((int64_t)(w >> kNarrowSegShift) << kSegShift) + (int64_t)(w & ((1u << kNarrowSegShift) - 1u));
+    };
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      pre[k] = k == 3 ? widen(p[k]) : (int64_t)p[k];
+      total[k] = k == 3 ? widen(t[k]) : (int64_t)t[k];
+    }
+  } else {
+    int64_t v[K];
+    v[0] = kept;
+    v[1] = BandsOf(kept);
+    v[2] = kept_q;
+    v[3] = (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q);
+    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);
+    BlockExclusiveScanN<K>(v, sc->x.scan, pre, total);
+  }
+}
+
 // Builds the table from the device-side plan arrays (E_l * R <= kMaxSegments <= blockDim.x). Every thread calls it
 // and gets the same answer; false (and the error recorded, naming the first bad segment) on an invalid plan. Four
 // barriers, no loop over the segments:
@@ -125,10 +171,8 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
   const int32_t rows_q = mine ? seg_rows[q] : 0;
   const int32_t kept = rows > 0 ? rows : 0, kept_q = rows_q > 0 ? rows_q : 0;
   constexpr int kValues = kPrep ? 5 : 4;
-  int64_t v[kValues] = {kept, BandsOf(kept), kept_q, (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q)};
-  if constexpr (kPrep) v[4] = MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);  // (0 rows: 0)
   int64_t pre[kValues], total[kValues];
-  BlockExclusiveScanN<kValues>(v, sc->x.scan, pre, total);  // barrier 1
+  ScanSegmentValues<kValues>(kept, kept_q, prep, cap, sc, pre, total);  // barrier 1
   const int64_t off = pre[0];
   const bool over_cap = off + (int64_t)rows > cap;
   const bool bad = mine && (rows < 0 || over_cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows);
@@ -161,14 +205,16 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
     int64_t rows_u, sb_u, tiles_u, acc = 0;
     uint64_t acc_tr = 0;
     source(lane, &rows_u, &sb_u, &tiles_u);
+    // Branch-free: each source's loads go out whatever the order says (an unrolled group's together), and its parts
+    // are added through a mask. (A source is never before itself: SourceBeforeRows' index tie-break.)
 #pragma unroll 4
-    for (int w = warp; w < R; w += kPlaceWarps) {  // warp-uniform; the loads of different w are independent
+    for (int w = warp; w < R; w += kPlaceWarps) {  // warp-uniform
       int64_t rows_w, sb_w, tiles_w;
       source(w, &rows_w, &sb_w, &tiles_w);
-      if (w != lane && SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u)) {
-        acc += sb_w;
-        if constexpr (kPrep) acc_tr += ((uint64_t)tiles_w << 32) + (uint64_t)rows_w;  // (exact if rows_small)
-      }
+      const int64_t take = -(int64_t)SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u);
+      acc += sb_w & take;
+      if constexpr (kPrep)  // (exact if rows_small)
+        acc_tr += (((uint64_t)tiles_w << 32) + (uint64_t)rows_w) & (uint64_t)take;
     }
     if (lane < R) {
       sc->x.before.sb[lane][warp] = acc;
@@ -193,24 +239,29 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
   }
   __syncthreads();  // barrier 3
   if (mine && kept_q > 0) {
+    // (Every shared load this segment needs depends on s and q only: one round of loads.)
     const SourcePrefix own = sc->src_start[s];
+    const Segment raw = sc->raw[q];
     int64_t place = pre[3] - own.segs_bands;  // this source's kept segments and bands before it
+    uint64_t tr = 0;
 #pragma unroll
-    for (int w = 0; w < kPlaceWarps; ++w) place += sc->x.before.sb[s][w];
+    for (int w = 0; w < kPlaceWarps; ++w) {
+      place += sc->x.before.sb[s][w];
+      if constexpr (kPrep) tr += sc->x.before.tr[s][w];
+    }
+    const int mr = t->remote_segs;  // (tid 0's, before barrier 3)
+    const int64_t remote_rows = t->remote_rows;
     const int pos = (int)(place >> kSegShift);
-    t->seg[pos] = sc->raw[q];
+    t->seg[pos] = raw;
     t->band_prefix[pos] = (int32_t)(place & ((1ll << kSegShift) - 1));
     if constexpr (kPrep) {
-      const int mr = t->remote_segs;  // (tid 0's, before barrier 3)
       if (pos < mr) {
-        uint64_t tr = 0;
-#pragma unroll
-        for (int w = 0; w < kPlaceWarps; ++w) tr += sc->x.before.tr[s][w];
         const int64_t rows_before = (int64_t)(tr & 0xffffffffull) + (pre[2] - own.rows);  // segments before j
-        const int64_t tiles_upto = (int64_t)(tr >> 32) + (pre[4] - own.tiles) + v[4];      // segments 0..j
+        const int64_t tiles_upto = (int64_t)(tr >> 32) + (pre[4] - own.tiles) +            // segments 0..j
+                                   (int64_t)MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);
         prep->ceil_arg[pos] = CeilArg(tiles_upto * prep->col_tiles);
         prep->push_us[pos] = RmMul((double)(mr - pos), prep->seg_us);
-        prep->bytes[pos] = (double)((t->remote_rows - rows_before) * prep->row_bytes);
+        prep->bytes[pos] = (double)((remote_rows - rows_before) * prep->row_bytes);
       }
     }
   }
