@@ -11,9 +11,11 @@
 // random plans, some invalid, some with several defects, some with segments of 2^23 rows and more (the prepared
 // choice's fallback), 256 and 384 threads: the host's answer, table and error record (HostTable: the lowest bad
 // segment in plan order, else too many bands), e3dd3a1's scratch, and the host's C (ChooseConsumerCtas on the host's
-// table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then both timed
+// table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then timed
 // alone and followed by the consumer choice (the whole decision of an expert_combine call: the library's column is
-// BuildSegments<true> + DeviceChooseConsumersPrepared), side by side, each sum checked against the host's.
+// BuildSegments<true> + DeviceChooseConsumersPrepared), beside e3dd3a1's and 06410c5's (decision_v1.cuh: the table
+// with 64-bit scans and a branching placing loop, the choice's max on the FP64 pipe), each sum checked against the
+// host's.
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
