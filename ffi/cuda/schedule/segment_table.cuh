@@ -141,12 +141,27 @@ __device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, 
   }
 }
 
+// A thread's entries of the plan arrays, BuildSegments' one round of global loads: plan segment tid's rows and ret
+// offset, and the rows of source-major segment tid (source tid / E_l, expert tid % E_l); 0 past the last segment. A
+// kernel loads them before the other loads it waits for (ExpertKernel: its call state), so that the two round trips
+// overlap: they are the call's inputs, valid to read whatever the call state says.
+struct PlanEntries {
+  int32_t rows, ret_off, rows_q;
+};
+__device__ __forceinline__ PlanEntries LoadPlanEntries(const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                                                       int R) {
+  const int tid = threadIdx.x;
+  if (tid >= E_l * R) return PlanEntries{0, 0, 0};
+  const int s = SmallDiv(tid, E_l), e = tid - s * E_l;
+  return PlanEntries{seg_rows[tid], seg_ret_off[tid], seg_rows[e * R + s]};
+}
+
 // Builds the table from the device-side plan arrays (E_l * R <= kMaxSegments <= blockDim.x). Every thread calls it
 // and gets the same answer; false (and the error recorded, naming the first bad segment) on an invalid plan. Four
 // barriers, no loop over the segments:
 //   1. thread i takes segment i in plan order (expert-major: offsets and band bases) and segment i in source-major
 //      order (source i / E_l, expert i % E_l: a source's segments consecutive), and one block scan gives the four
-//      prefix sums (plan order: rows, bands; source-major: rows, (kept segments, bands));
+//      prefix sums (plan order: rows, bands; source-major: rows, (kept segments, bands); ScanSegmentValues);
 //   2. the first segment of each source publishes its source-major prefixes: each source's rows, segments and bands
 //      are differences of consecutive ones;
 //   3. the placing warps order the sources (lane u: source u; warp w compares it with sources w, w + kPlaceWarps, ...
@@ -157,18 +172,18 @@ __device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, 
 // kPrep: the scan also counts the model's row tiles (source-major), the placing warps the rows and row tiles of the
 // sources before, and each remote segment's thread writes its TermPrepIn entries where step 4 places it (the fourth
 // barrier, an AND, also tells whether every segment is small); *out gets the totals.
+// BuildSegmentsFrom takes the plan entries loaded by LoadPlanEntries (the same E_l and R); BuildSegments loads them.
 template <bool kPrep = false>
-__device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
-                                     int64_t cap, SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
-                                     TermPrepOut* out = nullptr) {
+__device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& plan, int E_l, int64_t cap,
+                                         SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
+                                         TermPrepOut* out = nullptr) {
   const int R = rd.ranks, n = E_l * R, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool mine = tid < n;
   if (tid == 0) sc->first_bad = n;
   // Plan order: segment tid (expert tid / R, source tid % R). Source-major: source s, expert e, plan index q.
-  const int32_t rows = mine ? seg_rows[tid] : 0, ret_off = mine ? seg_ret_off[tid] : 0;
+  const int32_t rows = plan.rows, ret_off = plan.ret_off, rows_q = plan.rows_q;
   const int s = mine ? SmallDiv(tid, E_l) : 0, e = tid - s * E_l, q = e * R + s;
   const int expert = SmallDiv(tid, R);  // (blockDim.x <= 1024, R <= kMaxRanks)
-  const int32_t rows_q = mine ? seg_rows[q] : 0;
   const int32_t kept = rows > 0 ? rows : 0, kept_q = rows_q > 0 ? rows_q : 0;
   constexpr int kValues = kPrep ? 5 : 4;
   int64_t pre[kValues], total[kValues];
@@ -273,6 +288,13 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
     __syncthreads();  // barrier 4
   }
   return true;
+}
+template <bool kPrep = false>
+__device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                                     int64_t cap, SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
+                                     TermPrepOut* out = nullptr) {
+  return BuildSegmentsFrom<kPrep>(rd, LoadPlanEntries(seg_rows, seg_ret_off, E_l, rd.ranks), E_l, cap, t, sc, prep,
+                                  out);
 }
 
 __device__ __forceinline__ int FindSegment(const SegTable& t, int band) {
