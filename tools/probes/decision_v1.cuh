@@ -1,14 +1,20 @@
 // The resource manager's device decision of commit 06410c5, kept as decision_probe's second baseline: the segment
 // table (BuildSegments: 64-bit block scans, a branching placing loop) and the consumer choice on it
-// (DeviceChooseConsumersPrepared: RmMax in the chunked loop). The library's data structures (SegTable, TableScratch,
-// ChoiceScratch, TermPrepIn/Out) and helpers are the same; only these functions are frozen. The probe times the
-// library's decision beside this one in the same run and checks both sums against the host's rule.
+// (DeviceChooseConsumersPrepared: three FP64 operations for a ready time, RmMax in the chunked loop). The library's
+// data structures (SegTable, TableScratch, ChoiceScratch, TermPrepIn/Out) and its unchanged helpers are shared; only
+// these functions are frozen. The probe times the library's decision beside this one in the same run and checks
+// both sums against the host's rule.
 #pragma once
 
 #include "cuda/schedule/resource_manager.cuh"
 #include "cuda/schedule/segment_table.cuh"
 
 namespace jmo::cuda::decision_v1 {
+
+// 06410c5's ready time: a multiply, a rounded-up add of 2^52 and an fma (RmMul((double)CeilDiv(cum, P), tile_us)).
+__device__ __forceinline__ double ReadyUsFmaV1(double ceil_arg, double rp, double tile_us, double neg_shift) {
+  return __fma_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), tile_us, neg_shift);
+}
 
 template <int K>
 __device__ inline void ScanV1(const int64_t (&v)[K], int64_t* sums, int64_t (&before)[K],
@@ -174,10 +180,10 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
 __device__ __forceinline__ double ChunkMaxUsV1(const ChoiceScratch* sc, int beg, int end, bool producer,
                                              double all_ceil_arg, double rp, const ModelEval& e) {
   const double shift = ShiftOf(e.tile_us);
-  double us = producer ? ReadyUsFma(all_ceil_arg, rp, e.tile_us, shift) : 0.0;
+  double us = producer ? ReadyUsFmaV1(all_ceil_arg, rp, e.tile_us, shift) : 0.0;
 #pragma unroll 4
   for (int s = beg; s < end; ++s)
-    us = RmMax(us, RmAdd(ReadyUsFma(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
+    us = RmMax(us, RmAdd(ReadyUsFmaV1(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
                          RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
   return us;
 }

@@ -89,7 +89,7 @@ __device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_
   return q + (r != 0u);
 }
 
-// The argument of the FP64 ceiling (resource_manager.cuh ReadyUsFp): cum - 0.5, or 0 for cum = 0.
+// The argument of the FP64 ceiling (resource_manager.cuh ReadyUsFma): cum - 0.5, or 0 for cum = 0.
 __device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
 
 __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
