@@ -774,7 +774,7 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
 
 // Table build alone and table + consumer choice, the two baselines (e3dd3a1, 06410c5) and the library, at n = E_l R =
 // 16..256 segments (R 8, E_l 2..32; R 32, E_l 8; R 2, E_l 128), sms 132, N 8192, the capacity the plan's rows (the
-// table's 32-bit scans), and once at R 8, E_l 32 with a capacity of 2^22 rows (its 64-bit scans); each form's sum
+// table's 32-bit scans), and once at R 8, E_l 32 with a capacity of 2^24 rows (its 64-bit scans); each form's sum
 // checked against the host's (HostTable, then HostChoice for either parity of seg_us): returns the count of forms and
 // shapes where it differs.
 int64_t TimeTables(int iters, int reps) {
@@ -807,7 +807,7 @@ int64_t TimeTables(int iters, int reps) {
     int64_t cap;  // 0: the plan's rows
   };
   for (auto [R, E_l, cap] : {Shape{8, 2, 0}, {8, 8, 0}, {8, 16, 0}, {8, 32, 0}, {32, 8, 0}, {2, 128, 0},
-                             {8, 32, 1 << 22}}) {
+                             {8, 32, 1 << 24}}) {
     std::mt19937 g(91u + R * E_l);
     std::vector<int32_t> rows(E_l * R), ret(E_l * R);
     int64_t sum = 0;
@@ -861,7 +861,7 @@ int64_t TimeTables(int iters, int reps) {
       ok[f] = want[0] > 0 && sums[f] == want[f / 3];
       wrong += !ok[f];
     }
-    printf("| %d | %d | %d%s |", R, E_l, E_l * R, cap > 0 ? " (cap 2^22)" : "");
+    printf("| %d | %d | %d%s |", R, E_l, E_l * R, cap > 0 ? " (cap 2^24)" : "");
     for (int f = 0; f < kF; ++f) printf(" %.0f%s |", med[f], ok[f] ? "" : " WRONG");
     printf("\n");
   }

@@ -42,7 +42,7 @@ struct TableScratch {
   SourcePrefix src_start[kMaxRanks + 1];  // by source, [ranks]: the totals
   union {
     int64_t scan[5 * 32];     // BlockExclusiveScanN's warp totals (64-bit words)
-    uint32_t scan32[5 * 32];  // (32-bit words: ScanSegmentValues' narrow form)
+    uint32_t scan32[6 * 32];  // (32-bit words: ScanSegmentValues' narrow form)
     struct {               // per source and placing warp, of the sources before it: (segments, bands), and
       int64_t sb[kMaxRanks][kPlaceWarps];
       uint64_t tr[kMaxRanks][kPlaceWarps];  // (BuildSegments<true>) (row tiles << 32) + rows
@@ -99,14 +99,14 @@ __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
 // BuildSegments' barrier 1: the exclusive prefix sums over the threads and the totals of each thread's values, kept
 // rows (>= 0) of plan segment tid and of source-major segment tid: plan order rows and bands; source-major rows,
 // (kept segments << kSegShift) + bands and (K = 5) row tiles of prep's tile. In 32-bit words where the capacity
-// bounds them (0 <= cap < kNarrowCap): rows are clamped at cap + 1 for the sums, so each is <= 2^20 and over <= 256
-// segments rows and tiles sum to <= 2^28, bands (<= 2^14 each) to < 2^23 = the packed segments' shift, and segments
-// to <= 256: every word < 2^32. The clamp changes no prefix BuildSegments uses: a valid plan has no segment above cap
-// (each ends within it), and in an invalid one every segment before the first bad one is valid, so that one's offset
-// and verdict are exact, and the lowest bad index is the same (later ones only matter through it). Else 64-bit words.
-// Half the shuffles, adds and shared loads of the 64-bit form; the same integers.
-constexpr int64_t kNarrowCap = 1 << 20;
-constexpr int kNarrowSegShift = 23;
+// bounds them (0 <= cap < kNarrowCap = 2^23), the source-major segments and bands as two words: rows are clamped at
+// cap + 1 for the sums, so each is <= 2^23 and over <= 256 segments rows and tiles sum to <= 2^31, bands (<= 2^17
+// each) to <= 2^25, segments to <= 256: every word < 2^32. The clamp changes no prefix BuildSegments uses: a valid
+// plan has no segment above cap (each ends within it), and in an invalid one every segment before the first bad one
+// is valid, so that one's offset and verdict are exact, and the lowest bad index is the same (later ones only matter
+// through it). Else 64-bit words. Half the shuffle instructions and adds of the 64-bit form, and no loop over the
+// warps (BlockExclusiveScanN); the same integers.
+constexpr int64_t kNarrowCap = 1 << 23;
 static_assert(kMaxSegments <= 256 && kBandRows == 64, "ScanSegmentValues' 32-bit bounds");
 template <int K>
 __device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, const TermPrepIn* prep, int64_t cap,
@@ -115,20 +115,19 @@ __device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, 
   if (cap >= 0 && cap < kNarrowCap) {  // block-uniform
     const int32_t lim = (int32_t)cap + 1;
     const int32_t a = kept < lim ? kept : lim, b = kept_q < lim ? kept_q : lim;
-    uint32_t v[K], p[K], t[K];
+    // Words 0..K-1 as the 64-bit values, the bands alone in word 3; word K: the source-major segment kept.
+    uint32_t v[K + 1], p[K + 1], t[K + 1];
     v[0] = (uint32_t)a;
     v[1] = (uint32_t)BandsOf(a);
     v[2] = (uint32_t)b;
-    v[3] = (b > 0 ? 1u << kNarrowSegShift : 0u) + (uint32_t)BandsOf(b);
+    v[3] = (uint32_t)BandsOf(b);
     if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)b, prep->tile_m, prep->tile_m_magic);  // (0 rows: 0)
-    BlockExclusiveScanN<K, uint32_t>(v, sc->x.scan32, p, t);
-    auto widen = [](uint32_t w) {  // (segments << kNarrowSegShift) + bands -> (segments << kSegShift) + bands
-      return ((int64_t)(w >> kNarrowSegShift) << kSegShift) + (int64_t)(w & ((1u << kNarrowSegShift) - 1u));
-    };
+    v[K] = b > 0 ? 1u : 0u;
+    BlockExclusiveScanN<K + 1, uint32_t>(v, sc->x.scan32, p, t);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      pre[k] = k == 3 ? widen(p[k]) : (int64_t)p[k];
-      total[k] = k == 3 ? widen(t[k]) : (int64_t)t[k];
+      pre[k] = k == 3 ? ((int64_t)p[K] << kSegShift) + (int64_t)p[3] : (int64_t)p[k];
+      total[k] = k == 3 ? ((int64_t)t[K] << kSegShift) + (int64_t)t[3] : (int64_t)t[k];
     }
   } else {
     int64_t v[K];
