@@ -15,7 +15,8 @@
 // alone and followed by the consumer choice (the whole decision of an expert_combine call: the library's column is
 // BuildSegments<true> + DeviceChooseConsumersPrepared), beside e3dd3a1's and 06410c5's (decision_v1.cuh: the table
 // with 64-bit scans and a branching placing loop, the choice's max on the FP64 pipe), each sum checked against the
-// host's.
+// host's; and the library's decision in phases (the plan loads and the first scan, the table with the choice's parts,
+// the whole decision), so that the differences show where its time goes.
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
@@ -46,6 +47,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -772,6 +774,53 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
   }
 }
 
+// The library's decision in phases, timed as TableBenchKernel: kPhase 0 the plan entries' loads and barrier 1's scan
+// (LoadPlanEntries + ScanSegmentValues<5>, then a barrier so that the next iteration may reuse the scratch; out[1] the
+// sum of the kept rows' totals), 1 the table with the choice's parts (BuildSegments<true>; out[1] the sum of n +
+// remote_bands), 2 that and the prepared choice (out[1] adds C).
+template <int kPhase>
+__global__ void __launch_bounds__(kThreads) PhaseBenchKernel(const TablePlan* plan, const int32_t* rows,
+                                                            const int32_t* ret_off, const Inputs* inputs,
+                                                            GroupShared* gs, RankPrivate* pv, int iters,
+                                                            unsigned long long* out) {
+  __shared__ SegTable table;
+  __shared__ TableScratch sc;
+  __shared__ ChoiceScratch cs;
+  __shared__ unsigned long long t0;
+  __shared__ Inputs in;
+  const TablePlan& plan_ref = *plan;
+  const int E_l = plan_ref.E_l;
+  const int64_t cap = plan_ref.cap;
+  const RankDev rd = PlanRankDev(plan_ref, gs, pv);
+  if (threadIdx.x == 0) in = *inputs;
+  __syncthreads();
+  if (threadIdx.x == 0) t0 = Now();
+  __syncthreads();
+  unsigned long long acc = 0;
+  for (int i = 0; i < iters; ++i) {
+    ModelParams q = in.p;
+    q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
+    const TermPrepIn pin = TermPrepFor(q, in.cand, in.N, in.eb, &cs);
+    if constexpr (kPhase == 0) {
+      const PlanEntries pe = LoadPlanEntries(rows, ret_off, E_l, rd.ranks);
+      int64_t pre[5], total[5];
+      ScanSegmentValues<5>(pe.rows > 0 ? pe.rows : 0, pe.rows_q > 0 ? pe.rows_q : 0, &pin, cap, &sc, pre, total);
+      acc += (unsigned long long)total[0];
+      __syncthreads();
+    } else {
+      TermPrepOut prep{};
+      const bool ok = BuildSegments<true>(rd, rows, ret_off, E_l, cap, &table, &sc, &pin, &prep);
+      acc += ok ? table.n + table.remote_bands : 1000000;
+      if (kPhase == 2 && ok && table.remote_bands > 0)
+        acc += DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
+    }
+  }
+  if (threadIdx.x == 0) {
+    out[0] = Now() - t0;
+    out[1] = acc;
+  }
+}
+
 // Table build alone and table + consumer choice, the two baselines (e3dd3a1, 06410c5) and the library, at n = E_l R =
 // 16..256 segments (R 8, E_l 2..32; R 32, E_l 8; R 2, E_l 128), sms 132, N 8192, the capacity the plan's rows (the
 // table's 32-bit scans), and once at R 8, E_l 32 with a capacity of 2^24 rows (its 64-bit scans); each form's sum
@@ -806,6 +855,7 @@ int64_t TimeTables(int iters, int reps) {
     int R, E_l;
     int64_t cap;  // 0: the plan's rows
   };
+  std::vector<std::string> phases;  // the library's phase rows, printed after the table
   for (auto [R, E_l, cap] : {Shape{8, 2, 0}, {8, 8, 0}, {8, 16, 0}, {8, 32, 0}, {32, 8, 0}, {2, 128, 0},
                              {8, 32, 1 << 24}}) {
     std::mt19937 g(91u + R * E_l);
@@ -864,7 +914,35 @@ int64_t TimeTables(int iters, int reps) {
     printf("| %d | %d | %d%s |", R, E_l, E_l * R, cap > 0 ? " (cap 2^24)" : "");
     for (int f = 0; f < kF; ++f) printf(" %.0f%s |", med[f], ok[f] ? "" : " WRONG");
     printf("\n");
+    // The library's phases (PhaseBenchKernel), each sum checked: the kept rows' total, then as the table's forms.
+    {
+      unsigned long long rows_sum = 0;
+      for (int32_t r : rows) rows_sum += (unsigned long long)(r > 0 ? r : 0);
+      const unsigned long long pwant[3] = {(unsigned long long)iters * rows_sum, want[0], want[1]};
+      decltype(&PhaseBenchKernel<0>) const pk[3] = {PhaseBenchKernel<0>, PhaseBenchKernel<1>, PhaseBenchKernel<2>};
+      char line[256];
+      int len = snprintf(line, sizeof line, "| %d | %d | %d%s |", R, E_l, E_l * R, cap > 0 ? " (cap 2^24)" : "");
+      for (int f = 0; f < 3; ++f) {
+        std::vector<double> ns;
+        unsigned long long o[2] = {0, 0};
+        for (int r = 0; r <= reps; ++r) {
+          pk[f]<<<1, kThreads>>>(d_pl, d_rows, d_ret, d_in, d_gs, d_pv, iters, d_out);
+          CK(cudaGetLastError());
+          CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
+          if (r > 0) ns.push_back((double)o[0] / iters);
+        }
+        std::sort(ns.begin(), ns.end());
+        const bool pok = want[0] > 0 && o[1] == pwant[f];
+        wrong += !pok;
+        len += snprintf(line + len, sizeof line - len, " %.0f%s |", ns[ns.size() / 2], pok ? "" : " WRONG");
+      }
+      phases.push_back(line);
+    }
   }
+  printf("\nthe library's decision in phases, ns per iteration (the same shapes and method):\n| R | E_l | segments | "
+         "plan loads + barrier 1's scan (+ a barrier) | table with the choice's parts | table + choice |\n"
+         "|---|---|---|---|---|---|\n");
+  for (const std::string& l : phases) printf("%s\n", l.c_str());
   printf("\n");
   cudaFree(d_pl);
   cudaFree(d_rows);
