@@ -11,9 +11,12 @@
 // random plans, some invalid, some with several defects, some with segments of 2^23 rows and more (the prepared
 // choice's fallback), 256 and 384 threads: the host's answer, table and error record (HostTable: the lowest bad
 // segment in plan order, else too many bands), e3dd3a1's scratch, and the host's C (ChooseConsumerCtas on the host's
-// table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then both timed
+// table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then timed
 // alone and followed by the consumer choice (the whole decision of an expert_combine call: the library's column is
-// BuildSegments<true> + DeviceChooseConsumersPrepared), side by side, each sum checked against the host's.
+// BuildSegments<true> + DeviceChooseConsumersPrepared), beside e3dd3a1's and 06410c5's (decision_v1.cuh: the table
+// with 64-bit scans and a branching placing loop, the choice's max on the FP64 pipe), each sum checked against the
+// host's; and the library's decision in phases (the plan loads and the first scan, the table with the choice's parts,
+// the whole decision), so that the differences show where its time goes.
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
@@ -44,12 +47,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "cuda/schedule/resource_manager.cuh"
 #include "cuda/schedule/segment_table.cuh"
 #include "decision_v0.cuh"  // the baseline: the decision of e3dd3a1
+#include "decision_v1.cuh"  // the second baseline: the table and prepared choice of 06410c5
 #include "probe_common.cuh"  // CK
 
 namespace {
@@ -712,15 +717,16 @@ int64_t CheckTables(int plans, uint64_t seed) {
 
 // The table build, and the table build followed by the consumer choice (the whole decision of an expert_combine
 // call), timed in one CTA: `iters` of them (the plan arrays re-read from global memory each time, L1/L2 hits after the
-// first), out[0] ns, out[1] the sum of n + remote_bands + C.
-template <bool kV0, bool kChoose>
+// first), out[0] ns, out[1] the sum of n + remote_bands + C. kForm: 0 the e3dd3a1 baseline (decision_v0.cuh), 1 the
+// library, 2 the 06410c5 baseline (decision_v1.cuh).
+template <int kForm, bool kChoose>
 __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* plan, const int32_t* rows,
                                                             const int32_t* ret_off, const Inputs* inputs,
                                                             GroupShared* gs, RankPrivate* pv, int iters,
                                                             unsigned long long* out) {
   __shared__ SegTable table;
-  __shared__ std::conditional_t<kV0, decision_v0::TableScratch, TableScratch> sc;
-  __shared__ std::conditional_t<kV0, decision_v0::ChoiceScratch, ChoiceScratch> cs;
+  __shared__ std::conditional_t<kForm == 0, decision_v0::TableScratch, TableScratch> sc;
+  __shared__ std::conditional_t<kForm == 0, decision_v0::ChoiceScratch, ChoiceScratch> cs;
   __shared__ unsigned long long t0;
   __shared__ Inputs in;
   const TablePlan& plan_ref = *plan;  // (its scalars to registers: the model is not needed here)
@@ -739,21 +745,26 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
     q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
     bool ok;
     TermPrepOut prep{};
-    if constexpr (kV0) {
+    if constexpr (kForm == 0) {
       ok = decision_v0::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
     } else if constexpr (kChoose) {  // as ExpertKernel under the model: the table with the choice's parts
       const TermPrepIn pin = TermPrepFor(q, in.cand, in.N, in.eb, &cs);
-      ok = BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
+      ok = kForm == 1 ? BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep)
+                      : decision_v1::BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
     } else {
-      ok = BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
+      ok = kForm == 1 ? BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc)
+                      : decision_v1::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
     }
     acc += ok ? table.n + table.remote_bands : 1000000;
     if constexpr (kChoose) {
       if (table.remote_bands > 0) {
-        if constexpr (kV0)
+        if constexpr (kForm == 0)
           acc += decision_v0::DeviceChooseConsumers(table, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
-        else
+        else if constexpr (kForm == 1)
           acc += DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
+        else
+          acc += decision_v1::DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas,
+                                                            &cs, i & 1);
       }
     }
   }
@@ -763,13 +774,63 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
   }
 }
 
-// Table build alone and table + consumer choice, baseline against library, at n = E_l R = 16..256 segments (R 8, E_l
-// 2..32; R 32, E_l 8; R 2, E_l 128), sms 132, N 8192; each form's sum checked against the host's (HostTable, then
-// HostChoice for either parity of seg_us): returns the count of forms and shapes where it differs.
+// The library's decision in phases, timed as TableBenchKernel: kPhase 0 the plan entries' loads and barrier 1's scan
+// (LoadPlanEntries + ScanSegmentValues<5>, then a barrier so that the next iteration may reuse the scratch; out[1] the
+// sum of the kept rows' totals), 1 the table with the choice's parts (BuildSegments<true>; out[1] the sum of n +
+// remote_bands), 2 that and the prepared choice (out[1] adds C).
+template <int kPhase>
+__global__ void __launch_bounds__(kThreads) PhaseBenchKernel(const TablePlan* plan, const int32_t* rows,
+                                                            const int32_t* ret_off, const Inputs* inputs,
+                                                            GroupShared* gs, RankPrivate* pv, int iters,
+                                                            unsigned long long* out) {
+  __shared__ SegTable table;
+  __shared__ TableScratch sc;
+  __shared__ ChoiceScratch cs;
+  __shared__ unsigned long long t0;
+  __shared__ Inputs in;
+  const TablePlan& plan_ref = *plan;
+  const int E_l = plan_ref.E_l;
+  const int64_t cap = plan_ref.cap;
+  const RankDev rd = PlanRankDev(plan_ref, gs, pv);
+  if (threadIdx.x == 0) in = *inputs;
+  __syncthreads();
+  if (threadIdx.x == 0) t0 = Now();
+  __syncthreads();
+  unsigned long long acc = 0;
+  for (int i = 0; i < iters; ++i) {
+    ModelParams q = in.p;
+    q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
+    const TermPrepIn pin = TermPrepFor(q, in.cand, in.N, in.eb, &cs);
+    if constexpr (kPhase == 0) {
+      const PlanEntries pe = LoadPlanEntries(rows, ret_off, E_l, rd.ranks);
+      int64_t pre[5], total[5];
+      ScanSegmentValues<5>(pe.rows > 0 ? pe.rows : 0, pe.rows_q > 0 ? pe.rows_q : 0, &pin, cap, &sc, pre, total);
+      acc += (unsigned long long)total[0];
+      __syncthreads();
+    } else {
+      TermPrepOut prep{};
+      const bool ok = BuildSegments<true>(rd, rows, ret_off, E_l, cap, &table, &sc, &pin, &prep);
+      acc += ok ? table.n + table.remote_bands : 1000000;
+      if (kPhase == 2 && ok && table.remote_bands > 0)
+        acc += DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
+    }
+  }
+  if (threadIdx.x == 0) {
+    out[0] = Now() - t0;
+    out[1] = acc;
+  }
+}
+
+// Table build alone and table + consumer choice, the two baselines (e3dd3a1, 06410c5) and the library, at n = E_l R =
+// 16..256 segments (R 8, E_l 2..32; R 32, E_l 8; R 2, E_l 128), sms 132, N 8192, the capacity the plan's rows (the
+// table's 32-bit scans), and once at R 8, E_l 32 with a capacity of 2^24 rows (its 64-bit scans); each form's sum
+// checked against the host's (HostTable, then HostChoice for either parity of seg_us): returns the count of forms and
+// shapes where it differs.
 int64_t TimeTables(int iters, int reps) {
   printf("segment table (and table + consumer choice): ns per build (one CTA of %d threads, %d iters, median of %d), "
-         "sms 132, N 8192, K 2048, rows 1..2048:\n| R | E_l | segments | table, e3dd3a1 | table | table + choice, "
-         "e3dd3a1 | table + choice |\n|---|---|---|---|---|---|---|\n", kThreads, iters, reps);
+         "sms 132, N 8192, K 2048, rows 1..2048:\n| R | E_l | segments | table, e3dd3a1 | table, 06410c5 | table | "
+         "table + choice, e3dd3a1 | table + choice, 06410c5 | table + choice |\n|---|---|---|---|---|---|---|---|---|\n",
+         kThreads, iters, reps);
   int64_t wrong = 0;
   TablePlan* d_pl;
   int32_t *d_rows, *d_ret;
@@ -790,7 +851,13 @@ int64_t TimeTables(int iters, int reps) {
                       1744.7158381863562, 0.4301974372287516};
   const Inputs in{p, FillCandidateConsts(p, ModelMaxCtas(132), 8192), 8192, 2048, 2, ModelMaxCtas(132)};
   CK(cudaMemcpy(d_in, &in, sizeof in, cudaMemcpyHostToDevice));
-  for (auto [R, E_l] : {std::pair{8, 2}, {8, 8}, {8, 16}, {8, 32}, {32, 8}, {2, 128}}) {
+  struct Shape {
+    int R, E_l;
+    int64_t cap;  // 0: the plan's rows
+  };
+  std::vector<std::string> phases;  // the library's phase rows, printed after the table
+  for (auto [R, E_l, cap] : {Shape{8, 2, 0}, {8, 8, 0}, {8, 16, 0}, {8, 32, 0}, {32, 8, 0}, {2, 128, 0},
+                             {8, 32, 1 << 24}}) {
     std::mt19937 g(91u + R * E_l);
     std::vector<int32_t> rows(E_l * R), ret(E_l * R);
     int64_t sum = 0;
@@ -799,7 +866,7 @@ int64_t TimeTables(int iters, int reps) {
       ret[j] = 0;
       sum += rows[j];
     }
-    const TablePlan pl{R, 1 % R, E_l, 0, sum, 4096, 1 << 20};
+    const TablePlan pl{R, 1 % R, E_l, 0, cap > 0 ? cap : sum, 4096, 1 << 20};
     // The sums the kernels must give: per iteration n + remote_bands, plus C where remote_bands > 0.
     static SegTable h;
     ErrorRecord eh;
@@ -818,14 +885,18 @@ int64_t TimeTables(int iters, int reps) {
     CK(cudaMemcpy(d_pl, &pl, sizeof pl, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_ret, ret.data(), ret.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    double med[4];
-    unsigned long long sums[4];
-    for (int f = 0; f < 4; ++f) {
+    // f: table alone (e3dd3a1, 06410c5, library), then table + choice (the same three).
+    constexpr int kF = 6;
+    decltype(&TableBenchKernel<0, false>) const kernels[kF] = {
+        TableBenchKernel<0, false>, TableBenchKernel<2, false>, TableBenchKernel<1, false>,
+        TableBenchKernel<0, true>,  TableBenchKernel<2, true>,  TableBenchKernel<1, true>};
+    double med[kF];
+    unsigned long long sums[kF];
+    for (int f = 0; f < kF; ++f) {
       std::vector<double> ns;
       unsigned long long o[2];
       for (int r = 0; r <= reps; ++r) {
-        auto k = f == 0 ? TableBenchKernel<true, false> : f == 1 ? TableBenchKernel<false, false>
-                 : f == 2 ? TableBenchKernel<true, true> : TableBenchKernel<false, true>;
+        auto k = kernels[f];
         k<<<1, kThreads>>>(d_pl, d_rows, d_ret, d_in, d_gs, d_pv, iters, d_out);
         CK(cudaGetLastError());
         CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
@@ -835,14 +906,43 @@ int64_t TimeTables(int iters, int reps) {
       med[f] = ns[ns.size() / 2];
       sums[f] = o[1];
     }
-    bool ok[4];
-    for (int f = 0; f < 4; ++f) {
-      ok[f] = want[0] > 0 && sums[f] == want[f / 2];
+    bool ok[kF];
+    for (int f = 0; f < kF; ++f) {
+      ok[f] = want[0] > 0 && sums[f] == want[f / 3];
       wrong += !ok[f];
     }
-    printf("| %d | %d | %d | %.0f%s | %.0f%s | %.0f%s | %.0f%s |\n", R, E_l, E_l * R, med[0], ok[0] ? "" : " WRONG",
-           med[1], ok[1] ? "" : " WRONG", med[2], ok[2] ? "" : " WRONG", med[3], ok[3] ? "" : " WRONG");
+    printf("| %d | %d | %d%s |", R, E_l, E_l * R, cap > 0 ? " (cap 2^24)" : "");
+    for (int f = 0; f < kF; ++f) printf(" %.0f%s |", med[f], ok[f] ? "" : " WRONG");
+    printf("\n");
+    // The library's phases (PhaseBenchKernel), each sum checked: the kept rows' total, then as the table's forms.
+    {
+      unsigned long long rows_sum = 0;
+      for (int32_t r : rows) rows_sum += (unsigned long long)(r > 0 ? r : 0);
+      const unsigned long long pwant[3] = {(unsigned long long)iters * rows_sum, want[0], want[1]};
+      decltype(&PhaseBenchKernel<0>) const pk[3] = {PhaseBenchKernel<0>, PhaseBenchKernel<1>, PhaseBenchKernel<2>};
+      char line[256];
+      int len = snprintf(line, sizeof line, "| %d | %d | %d%s |", R, E_l, E_l * R, cap > 0 ? " (cap 2^24)" : "");
+      for (int f = 0; f < 3; ++f) {
+        std::vector<double> ns;
+        unsigned long long o[2] = {0, 0};
+        for (int r = 0; r <= reps; ++r) {
+          pk[f]<<<1, kThreads>>>(d_pl, d_rows, d_ret, d_in, d_gs, d_pv, iters, d_out);
+          CK(cudaGetLastError());
+          CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
+          if (r > 0) ns.push_back((double)o[0] / iters);
+        }
+        std::sort(ns.begin(), ns.end());
+        const bool pok = want[0] > 0 && o[1] == pwant[f];
+        wrong += !pok;
+        len += snprintf(line + len, sizeof line - len, " %.0f%s |", ns[ns.size() / 2], pok ? "" : " WRONG");
+      }
+      phases.push_back(line);
+    }
   }
+  printf("\nthe library's decision in phases, ns per iteration (the same shapes and method):\n| R | E_l | segments | "
+         "plan loads + barrier 1's scan (+ a barrier) | table with the choice's parts | table + choice |\n"
+         "|---|---|---|---|---|---|\n");
+  for (const std::string& l : phases) printf("%s\n", l.c_str());
   printf("\n");
   cudaFree(d_pl);
   cudaFree(d_rows);

@@ -11,6 +11,12 @@
 
 namespace jmo::cuda::decision_v0 {
 
+// e3dd3a1's ready time: RmMul((double)CeilDiv(cum, P), tile_us) from ceil_arg = CeilArg(cum) and rp = 1 / P, by a
+// multiply, a rounded-up add of 2^52, its subtraction and RmMul (exact for cum < 2^50).
+__device__ __forceinline__ double ReadyUsFp(double ceil_arg, double rp, double tile_us) {
+  return RmMul(__dadd_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), -kTwo52), tile_us);
+}
+
 struct TableScratch {
   Segment raw[kMaxSegments];
   int64_t rows_to_rank[kMaxRanks];

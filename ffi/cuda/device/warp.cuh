@@ -1,4 +1,4 @@
-// Warp and block scans over 64-bit integers (exact in any order), shared by the segment table, the resource
+// Warp and block scans over integers (exact in any order), shared by the segment table, the resource
 // manager's device side and the grouped GEMM's group scans.
 #pragma once
 
@@ -38,15 +38,17 @@ __device__ inline int64_t BlockInclusiveScan(int64_t v, int64_t* warp_sums, int6
 
 // Exclusive prefix sums of K values per thread over the threads of the CTA (in thread order) and their totals, with
 // one barrier: the warps' scans (the K values' shuffles interleaved; a warp whose values are all zero, such as the
-// warps past the last segment, skips its shuffles), each warp's totals to `sums` (entry warp * K + k;
-// K * 32 entries of shared memory), then every thread adds the totals of the warps before its own from shared memory
-// (broadcast loads, independent of each other: no shuffle rounds after the barrier). Every thread calls it; `sums`
-// must not be written again before a later barrier. Integer sums: exact in any order.
-template <int K>
-__device__ inline void BlockExclusiveScanN(const int64_t (&v)[K], int64_t* sums, int64_t (&before)[K],
-                                           int64_t (&total)[K]) {
+// warps past the last segment, skips its shuffles), each warp's totals to `sums` (entry k * 32 + warp: a value's
+// totals contiguous, read as vectors; K * 32 entries of shared memory), then every thread adds the totals of the warps
+// before its own from shared memory (broadcast loads, independent of each other: no shuffle rounds after the
+// barrier; 32-bit words: one load per lane and two redux.sync per value instead). Every thread calls it; `sums` must
+// not be written again before a later barrier. T: int64_t, or uint32_t where the caller bounds every sum below 2^32
+// (half the shuffles and adds, no loop over the warps). Integer sums: exact in any order (mod 2^32 for uint32_t).
+template <int K, class T = int64_t>
+__device__ inline void BlockExclusiveScanN(const T (&v)[K], T* sums, T (&before)[K], T (&total)[K]) {
+  static_assert(sizeof(T) == 8 || sizeof(T) == 4, "64- or 32-bit words");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  int64_t incl[K];
+  T incl[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) incl[k] = v[k];
   bool nonzero = false;
@@ -57,28 +59,42 @@ __device__ inline void BlockExclusiveScanN(const int64_t (&v)[K], int64_t* sums,
     for (int o = 1; o < 32; o <<= 1) {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        const long long y = __shfl_up_sync(0xffffffffu, (long long)incl[k], o);
+        T y;
+        if constexpr (sizeof(T) == 8)
+          y = (T)__shfl_up_sync(0xffffffffu, (long long)incl[k], o);
+        else
+          y = (T)__shfl_up_sync(0xffffffffu, (unsigned)incl[k], o);
         if (lane >= o) incl[k] += y;
       }
     }
   }
   if (lane == 31) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) sums[warp * K + k] = incl[k];
+    for (int k = 0; k < K; ++k) sums[k * 32 + warp] = incl[k];
   }
   __syncthreads();
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    before[k] = incl[k] - v[k];
-    total[k] = 0;
-  }
-#pragma unroll 4
-  for (int w = 0; w < warps; ++w) {
+  if constexpr (sizeof(T) == 4) {
+    // Lane w holds warp w's totals; two redux.sync give the sum over the warps before this one and over all.
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t s = sums[w * K + k];
-      if (w < warp) before[k] += s;
-      total[k] += s;
+      const unsigned s = lane < warps ? (unsigned)sums[k * 32 + lane] : 0u;
+      total[k] = (T)__reduce_add_sync(0xffffffffu, s);
+      before[k] = incl[k] - v[k] + (T)__reduce_add_sync(0xffffffffu, lane < warp ? s : 0u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      before[k] = incl[k] - v[k];
+      total[k] = 0;
+    }
+#pragma unroll 4
+    for (int w = 0; w < warps; ++w) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const T s = sums[k * 32 + w];
+        if (w < warp) before[k] += s;
+        total[k] += s;
+      }
     }
   }
 }

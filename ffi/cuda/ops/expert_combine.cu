@@ -50,14 +50,16 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   __shared__ TableScratch scratch;
   __shared__ ChoiceScratch choice;
   __shared__ int wait_ok;
+  // The plan entries before the call state: the two global round trips overlap (LoadPlanEntries).
+  const PlanEntries plan = LoadPlanEntries(seg_rows, seg_ret_off, E_l, rd.ranks);
   LoadCallState(rd, &st);
   if (!st.ok) return;
   // expert_combine under the model: the table built with the parts of the choice's terms (one pass less).
   TermPrepOut prep{};
   if (!kGather && pol.use_model) {
     const TermPrepIn in = TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, &choice);
-    if (!BuildSegments<true>(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch, &in, &prep)) return;
-  } else if (!BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch)) {
+    if (!BuildSegmentsFrom<true>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
+  } else if (!BuildSegmentsFrom(rd, plan, E_l, cap, &table, &scratch)) {
     return;
   }
   // (gather_rs: C >= 1, the host keeps the pinned and the fixed C in [1, grid - 1].)

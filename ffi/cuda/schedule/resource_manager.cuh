@@ -23,8 +23,8 @@ namespace jmo::cuda {
 //   chunked   (DeviceChooseConsumers) warp w takes the contiguous chunk of remote
 //             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
 //             scans its chunk with one warp scan, so its prefixes stay warp-private: 1 barrier instead of 7, and per
-//             (C, j) pair FP64 operations only (ceil(cum / P) times the tile time by ReadyUsFma: a multiply, an add
-//             and an fma, the same double as RmMul(CeilDiv(cum, P), t); the scans' form paid a CeilDiv and three
+//             (C, j) pair FP64 operations only (ceil(cum / P) times the tile time by ReadyUsFma: two fma, the same
+//             double as RmMul(CeilDiv(cum, P), t); the scans' form paid a CeilDiv and three
 //             int -> double conversions per pair, and cc 9.0 issues those at 16 results/clk/SM against 64 for
 //             DMUL/DADD). Its shortcuts are exact when rows are in [1, 2^23), ceil(N / BN) < 2^19, N * eb < 2^32 and
 //             the lanes' tile_us, seg_us and us_per_byte are finite and >= +0 (ChunkedIsExact): true of every real
@@ -150,21 +150,18 @@ __device__ inline int ChooseByScans(const SegTable& t, const ModelParams& p, int
   return sc->chosen;
 }
 
-// ModelTermUs's ready = RmMul((double)CeilDiv(cum, P), tile_us) in FP64 only, from ceil_arg = CeilArg(cum) and rp =
-// the correctly rounded 1 / P: s = ceil_arg * rp is within (cum / P) * 2^-51 of (cum - 0.5) / P, which lies >= 0.5 / P
-// from every integer, so for cum < 2^50 rounding s + 2^52 up gives 2^52 + ceil(cum / P) exactly (s = 0 for cum = 0),
-// and subtracting 2^52 is exact: the same double as (double)CeilDiv(cum, P), then the same RmMul.
+// ModelTermUs's ready = RmMul((double)CeilDiv(cum, P), tile_us) in two FP64 operations, from ceil_arg = CeilArg(cum)
+// and rp = the correctly rounded 1 / P. The exact product y = ceil_arg * rp is within ((cum - 0.5) / P) * 2^-53 of
+// (cum - 0.5) / P, which lies >= 0.5 / P from every integer, so for cum < 2^52 y lies strictly between the same two
+// integers, the upper one ceil(cum / P); fma rounding y + 2^52 up once (ulp 1 in [2^52, 2^53)) gives x = 2^52 +
+// ceil(cum / P) exactly (y = 0 and x = 2^52 for cum = 0). With neg_shift = -2^52 t (ShiftOf: exact, a power-of-two
+// multiple of t), fma(x, t, -2^52 t) = round(x t - 2^52 t) = round(ceil(cum / P) t), RmMul's double, for finite t
+// (one rounding; at ceil = 0 it is x t - x t = +0, as RmMul(0, t) for t >= +0). Callers check that t is finite (an
+// infinite t would give inf - inf) and cum < 2^50.
 constexpr double kTwo52 = 4503599627370496.0;
-__device__ __forceinline__ double ReadyUsFp(double ceil_arg, double rp, double tile_us) {
-  return RmMul(__dadd_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), -kTwo52), tile_us);
-}
-// ReadyUsFp's double with one operation less: x = 2^52 + ceil(cum / P) as there, and neg_shift = -2^52 t (ShiftOf:
-// exact, a power-of-two multiple of t), give fma(x, t, -2^52 t) = round(x t - 2^52 t) = round(ceil(cum / P) t),
-// RmMul's double, for finite t (fma rounds once; at ceil = 0 it is x t - x t = +0, as RmMul(0, t) for t >= +0).
-// Callers check that t is finite (an infinite t would give inf - inf).
 __device__ __forceinline__ double ShiftOf(double tile_us) { return __dmul_rn(-kTwo52, tile_us); }
 __device__ __forceinline__ double ReadyUsFma(double ceil_arg, double rp, double tile_us, double neg_shift) {
-  return __fma_rn(__dadd_ru(__dmul_rn(ceil_arg, rp), kTwo52), tile_us, neg_shift);
+  return __fma_rn(__fma_ru(ceil_arg, rp, kTwo52), tile_us, neg_shift);
 }
 
 // x is +0 or a positive finite double (no sign bit, not inf or NaN).
@@ -175,7 +172,7 @@ __device__ __forceinline__ bool FiniteNonNegative(double x) {
 // The chunked form's shortcuts are exact (one answer on every thread: every warp has read the whole table, every
 // lane's e is checked). Rows in [1, 2^23) (`rows_ok`, this lane's segments) and n <= 256: the sums of rows and of row
 // tiles are < 2^31 (32-bit sums, a 64-bit scan of (row tiles << 32 | rows) without carries), and with ceil(N / BN) <
-// 2^19 every cum_tiles is < 2^50 (ReadyUsFp); N * eb < 2^32: bytes_from < 2^63. Finite parts >= +0 make every term
+// 2^19 every cum_tiles is < 2^50 (ReadyUsFma); N * eb < 2^32: bytes_from < 2^63. Finite parts >= +0 make every term
 // >= +0 and not NaN (no inf * 0, no -0): max is then exact in any grouping (the warps hold other segments than
 // ChooseByScans's), and such doubles order like their bit patterns (ArgminC).
 __device__ __forceinline__ bool ChunkedIsExact(bool rows_ok, const ModelEval& e, const ModelParams& p, int64_t nn,
@@ -197,17 +194,24 @@ __device__ __forceinline__ int ArgminC(double v) {
   return __ffs(__ballot_sync(0xffffffffu, hi == mhi && lo == mlo));
 }
 
+// RmMax(a, b) for a, b >= +0 and not NaN (no -0): such doubles order like their bit patterns, so an integer compare
+// gives the same double and leaves the FP64 pipe, which bounds the chunked form's loop, to the terms.
+__device__ __forceinline__ double MaxNonNegative(double a, double b) {
+  return (unsigned long long)__double_as_longlong(b) > (unsigned long long)__double_as_longlong(a) ? b : a;
+}
+
 // The chunked forms' terms over this warp's chunk [beg, end) of seg[] for this lane's candidate (e, rp = 1 / P), and
 // with `producer` (warp 0) the producer's term from all_ceil_arg = CeilArg(all tiles): ModelProducerUs and ModelTermUs,
-// the same doubles per term (ReadyUsFma: e.tile_us is finite, ChunkedIsExact), their max.
+// the same doubles per term (ReadyUsFma: e.tile_us is finite, ChunkedIsExact), their max (every term >= +0 and not
+// NaN: MaxNonNegative).
 __device__ __forceinline__ double ChunkMaxUs(const ChoiceScratch* sc, int beg, int end, bool producer,
                                              double all_ceil_arg, double rp, const ModelEval& e) {
   const double shift = ShiftOf(e.tile_us);
   double us = producer ? ReadyUsFma(all_ceil_arg, rp, e.tile_us, shift) : 0.0;
 #pragma unroll 4
   for (int s = beg; s < end; ++s)
-    us = RmMax(us, RmAdd(ReadyUsFma(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
-                         RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
+    us = MaxNonNegative(us, RmAdd(ReadyUsFma(sc->seg.ceil_arg[s], rp, e.tile_us, shift),
+                                  RmAdd(sc->seg.push_us[s], RmMul(sc->seg.bytes[s], e.us_per_byte))));
   return us;
 }
 
@@ -231,7 +235,7 @@ __device__ __forceinline__ int ArgminOverWarps(double us, bool feasible, ChoiceS
 #pragma unroll
   for (int h = kWarps / 2; h > 0; h /= 2)
 #pragma unroll
-    for (int w = 0; w < h; ++w) m[w] = RmMax(m[w], m[w + h]);
+    for (int w = 0; w < h; ++w) m[w] = MaxNonNegative(m[w], m[w + h]);
   return ArgminC(feasible ? m[0] : 1e300);
 }
 

@@ -41,7 +41,8 @@ struct TableScratch {
   int64_t warp_sums[32];
   SourcePrefix src_start[kMaxRanks + 1];  // by source, [ranks]: the totals
   union {
-    int64_t scan[5 * 32];  // BlockExclusiveScanN's warp totals
+    int64_t scan[5 * 32];     // BlockExclusiveScanN's warp totals (64-bit words)
+    uint32_t scan32[6 * 32];  // (32-bit words: ScanSegmentValues' narrow form)
     struct {               // per source and placing warp, of the sources before it: (segments, bands), and
       int64_t sb[kMaxRanks][kPlaceWarps];
       uint64_t tr[kMaxRanks][kPlaceWarps];  // (BuildSegments<true>) (row tiles << 32) + rows
@@ -88,11 +89,70 @@ __device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_
   return q + (r != 0u);
 }
 
-// The argument of the FP64 ceiling (resource_manager.cuh ReadyUsFp): cum - 0.5, or 0 for cum = 0.
+// The argument of the FP64 ceiling (resource_manager.cuh ReadyUsFma): cum - 0.5, or 0 for cum = 0.
 __device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
 
 __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
   return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
+}
+
+// BuildSegments' barrier 1: the exclusive prefix sums over the threads and the totals of each thread's values, kept
+// rows (>= 0) of plan segment tid and of source-major segment tid: plan order rows and bands; source-major rows,
+// (kept segments << kSegShift) + bands and (K = 5) row tiles of prep's tile. In 32-bit words where the capacity
+// bounds them (0 <= cap < kNarrowCap = 2^23), the source-major segments and bands as two words: rows are clamped at
+// cap + 1 for the sums, so each is <= 2^23 and over <= 256 segments rows and tiles sum to <= 2^31, bands (<= 2^17
+// each) to <= 2^25, segments to <= 256: every word < 2^32. The clamp changes no prefix BuildSegments uses: a valid
+// plan has no segment above cap (each ends within it), and in an invalid one every segment before the first bad one
+// is valid, so that one's offset and verdict are exact, and the lowest bad index is the same (later ones only matter
+// through it). Else 64-bit words. Half the shuffle instructions and adds of the 64-bit form, and no loop over the
+// warps (BlockExclusiveScanN); the same integers.
+constexpr int64_t kNarrowCap = 1 << 23;
+static_assert(kMaxSegments <= 256 && kBandRows == 64, "ScanSegmentValues' 32-bit bounds");
+template <int K>
+__device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, const TermPrepIn* prep, int64_t cap,
+                                                  TableScratch* sc, int64_t (&pre)[K], int64_t (&total)[K]) {
+  static_assert(K == 4 || K == 5, "four values, five with the row tiles");
+  if (cap >= 0 && cap < kNarrowCap) {  // block-uniform
+    const int32_t lim = (int32_t)cap + 1;
+    const int32_t a = kept < lim ? kept : lim, b = kept_q < lim ? kept_q : lim;
+    // Words 0..K-1 as the 64-bit values, the bands alone in word 3; word K: the source-major segment kept.
+    uint32_t v[K + 1], p[K + 1], t[K + 1];
+    v[0] = (uint32_t)a;
+    v[1] = (uint32_t)BandsOf(a);
+    v[2] = (uint32_t)b;
+    v[3] = (uint32_t)BandsOf(b);
+    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)b, prep->tile_m, prep->tile_m_magic);  // (0 rows: 0)
+    v[K] = b > 0 ? 1u : 0u;
+    BlockExclusiveScanN<K + 1, uint32_t>(v, sc->x.scan32, p, t);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      pre[k] = k == 3 ? ((int64_t)p[K] << kSegShift) + (int64_t)p[3] : (int64_t)p[k];
+      total[k] = k == 3 ? ((int64_t)t[K] << kSegShift) + (int64_t)t[3] : (int64_t)t[k];
+    }
+  } else {
+    int64_t v[K];
+    v[0] = kept;
+    v[1] = BandsOf(kept);
+    v[2] = kept_q;
+    v[3] = (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q);
+    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);
+    BlockExclusiveScanN<K>(v, sc->x.scan, pre, total);
+  }
+}
+
+// A thread's entries of the plan arrays, BuildSegments' one round of global loads: plan segment tid's rows and ret
+// offset, and the rows of source-major segment tid (source tid / E_l, expert tid % E_l); 0 past the last segment. A
+// kernel loads them before the other loads it waits for (ExpertKernel: its call state), so that the two round trips
+// overlap: they are the call's inputs, valid to read whatever the call state says.
+struct PlanEntries {
+  int32_t rows, ret_off, rows_q;
+};
+__device__ __forceinline__ PlanEntries LoadPlanEntries(const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                                                       int R) {
+  const int tid = threadIdx.x;
+  if (tid >= E_l * R) return PlanEntries{0, 0, 0};
+  const int s = SmallDiv(tid, E_l), e = tid - s * E_l;
+  return PlanEntries{seg_rows[tid], seg_ret_off[tid], seg_rows[e * R + s]};
 }
 
 // Builds the table from the device-side plan arrays (E_l * R <= kMaxSegments <= blockDim.x). Every thread calls it
@@ -100,7 +160,7 @@ __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
 // barriers, no loop over the segments:
 //   1. thread i takes segment i in plan order (expert-major: offsets and band bases) and segment i in source-major
 //      order (source i / E_l, expert i % E_l: a source's segments consecutive), and one block scan gives the four
-//      prefix sums (plan order: rows, bands; source-major: rows, (kept segments, bands));
+//      prefix sums (plan order: rows, bands; source-major: rows, (kept segments, bands); ScanSegmentValues);
 //   2. the first segment of each source publishes its source-major prefixes: each source's rows, segments and bands
 //      are differences of consecutive ones;
 //   3. the placing warps order the sources (lane u: source u; warp w compares it with sources w, w + kPlaceWarps, ...
@@ -111,24 +171,22 @@ __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
 // kPrep: the scan also counts the model's row tiles (source-major), the placing warps the rows and row tiles of the
 // sources before, and each remote segment's thread writes its TermPrepIn entries where step 4 places it (the fourth
 // barrier, an AND, also tells whether every segment is small); *out gets the totals.
+// BuildSegmentsFrom takes the plan entries loaded by LoadPlanEntries (the same E_l and R); BuildSegments loads them.
 template <bool kPrep = false>
-__device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
-                                     int64_t cap, SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
-                                     TermPrepOut* out = nullptr) {
+__device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& plan, int E_l, int64_t cap,
+                                         SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
+                                         TermPrepOut* out = nullptr) {
   const int R = rd.ranks, n = E_l * R, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool mine = tid < n;
   if (tid == 0) sc->first_bad = n;
   // Plan order: segment tid (expert tid / R, source tid % R). Source-major: source s, expert e, plan index q.
-  const int32_t rows = mine ? seg_rows[tid] : 0, ret_off = mine ? seg_ret_off[tid] : 0;
+  const int32_t rows = plan.rows, ret_off = plan.ret_off, rows_q = plan.rows_q;
   const int s = mine ? SmallDiv(tid, E_l) : 0, e = tid - s * E_l, q = e * R + s;
   const int expert = SmallDiv(tid, R);  // (blockDim.x <= 1024, R <= kMaxRanks)
-  const int32_t rows_q = mine ? seg_rows[q] : 0;
   const int32_t kept = rows > 0 ? rows : 0, kept_q = rows_q > 0 ? rows_q : 0;
   constexpr int kValues = kPrep ? 5 : 4;
-  int64_t v[kValues] = {kept, BandsOf(kept), kept_q, (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q)};
-  if constexpr (kPrep) v[4] = MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);  // (0 rows: 0)
   int64_t pre[kValues], total[kValues];
-  BlockExclusiveScanN<kValues>(v, sc->x.scan, pre, total);  // barrier 1
+  ScanSegmentValues<kValues>(kept, kept_q, prep, cap, sc, pre, total);  // barrier 1
   const int64_t off = pre[0];
   const bool over_cap = off + (int64_t)rows > cap;
   const bool bad = mine && (rows < 0 || over_cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows);
@@ -161,14 +219,16 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
     int64_t rows_u, sb_u, tiles_u, acc = 0;
     uint64_t acc_tr = 0;
     source(lane, &rows_u, &sb_u, &tiles_u);
+    // Branch-free: each source's loads go out whatever the order says (an unrolled group's together), and its parts
+    // are added through a mask. (A source is never before itself: SourceBeforeRows' index tie-break.)
 #pragma unroll 4
-    for (int w = warp; w < R; w += kPlaceWarps) {  // warp-uniform; the loads of different w are independent
+    for (int w = warp; w < R; w += kPlaceWarps) {  // warp-uniform
       int64_t rows_w, sb_w, tiles_w;
       source(w, &rows_w, &sb_w, &tiles_w);
-      if (w != lane && SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u)) {
-        acc += sb_w;
-        if constexpr (kPrep) acc_tr += ((uint64_t)tiles_w << 32) + (uint64_t)rows_w;  // (exact if rows_small)
-      }
+      const int64_t take = -(int64_t)SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u);
+      acc += sb_w & take;
+      if constexpr (kPrep)  // (exact if rows_small)
+        acc_tr += (((uint64_t)tiles_w << 32) + (uint64_t)rows_w) & (uint64_t)take;
     }
     if (lane < R) {
       sc->x.before.sb[lane][warp] = acc;
@@ -193,24 +253,29 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
   }
   __syncthreads();  // barrier 3
   if (mine && kept_q > 0) {
+    // (Every shared load this segment needs depends on s and q only: one round of loads.)
     const SourcePrefix own = sc->src_start[s];
+    const Segment raw = sc->raw[q];
     int64_t place = pre[3] - own.segs_bands;  // this source's kept segments and bands before it
+    uint64_t tr = 0;
 #pragma unroll
-    for (int w = 0; w < kPlaceWarps; ++w) place += sc->x.before.sb[s][w];
+    for (int w = 0; w < kPlaceWarps; ++w) {
+      place += sc->x.before.sb[s][w];
+      if constexpr (kPrep) tr += sc->x.before.tr[s][w];
+    }
+    const int mr = t->remote_segs;  // (tid 0's, before barrier 3)
+    const int64_t remote_rows = t->remote_rows;
     const int pos = (int)(place >> kSegShift);
-    t->seg[pos] = sc->raw[q];
+    t->seg[pos] = raw;
     t->band_prefix[pos] = (int32_t)(place & ((1ll << kSegShift) - 1));
     if constexpr (kPrep) {
-      const int mr = t->remote_segs;  // (tid 0's, before barrier 3)
       if (pos < mr) {
-        uint64_t tr = 0;
-#pragma unroll
-        for (int w = 0; w < kPlaceWarps; ++w) tr += sc->x.before.tr[s][w];
         const int64_t rows_before = (int64_t)(tr & 0xffffffffull) + (pre[2] - own.rows);  // segments before j
-        const int64_t tiles_upto = (int64_t)(tr >> 32) + (pre[4] - own.tiles) + v[4];      // segments 0..j
+        const int64_t tiles_upto = (int64_t)(tr >> 32) + (pre[4] - own.tiles) +            // segments 0..j
+                                   (int64_t)MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);
         prep->ceil_arg[pos] = CeilArg(tiles_upto * prep->col_tiles);
         prep->push_us[pos] = RmMul((double)(mr - pos), prep->seg_us);
-        prep->bytes[pos] = (double)((t->remote_rows - rows_before) * prep->row_bytes);
+        prep->bytes[pos] = (double)((remote_rows - rows_before) * prep->row_bytes);
       }
     }
   }
@@ -222,6 +287,13 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
     __syncthreads();  // barrier 4
   }
   return true;
+}
+template <bool kPrep = false>
+__device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
+                                     int64_t cap, SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
+                                     TermPrepOut* out = nullptr) {
+  return BuildSegmentsFrom<kPrep>(rd, LoadPlanEntries(seg_rows, seg_ret_off, E_l, rd.ranks), E_l, cap, t, sc, prep,
+                                  out);
 }
 
 __device__ __forceinline__ int FindSegment(const SegTable& t, int band) {

@@ -261,10 +261,10 @@ struct Segment {
 // Sources first (SourceBefore: the order of their segment groups), then experts within a source.
 // (rows_u, rows_s: the rows of sources u and s; the CUDA table builder compares sources it holds in registers.)
 JMO_HD inline bool SourceBeforeRows(int u, int s, int rank, int64_t rows_u, int64_t rows_s) {
-  const bool ul = u == rank, sl = s == rank;
-  if (ul != sl) return !ul;  // remote before local
-  if (rows_u != rows_s) return rows_u > rows_s;
-  return u < s;
+  // Remote before local, then more rows first, then the lower index (so never u before u). Written without
+  // short-circuits so that device code evaluates it with predicates, not branches (segment_table.cuh's placing loop).
+  const bool ul = u == rank, sl = s == rank, mixed = ul != sl;
+  return (mixed & !ul) | (!mixed & ((rows_u > rows_s) | ((rows_u == rows_s) & (u < s))));
 }
 JMO_HD inline bool SourceBefore(int u, int s, int rank, const int64_t* rows_to_rank) {
   return SourceBeforeRows(u, s, rank, rows_to_rank[u], rows_to_rank[s]);
