@@ -1,0 +1,36 @@
+"""benchmarks/bench_fp8_switches.py on a small shape on CPU: every setting times, each fp8 setting's outputs are the
+all-off setting's bits (on CPUs every switch takes the custom calls: the settings differ only on GPUs), the shipped
+switch values are restored, and the budget skips what is left once spent."""
+
+import json
+
+import pytest
+
+from benchmarks import bench_fp8_switches as bench
+from jax_moe_overlap import fp8_experts
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f][1:]
+
+
+def test_every_setting_times_and_restores_the_switches(monkeypatch, tmp_path):
+  shipped = {n: getattr(fp8_experts, n) for n in bench.SWITCHES}
+  monkeypatch.setattr(bench, "plan", lambda quick: [("tiny", 64, 128, 128, 4, 2, ["bf16", "off", "fused", "fused+wq"])])
+  out = tmp_path / "sw.jsonl"
+  bench.main(["--passes", "fwd+bwd", "--out", str(out)])
+  rows = _rows(out)
+  assert [r["setting"] for r in rows] == ["bf16", "off", "fused", "fused+wq"]
+  assert all(float(r["ms"]) > 0 for r in rows), rows
+  assert [r.get("vs_off") for r in rows[2:]] == ["bitwise", "bitwise"], rows
+  assert {n: getattr(fp8_experts, n) for n in bench.SWITCHES} == shipped
+
+
+def test_the_budget_skips_what_is_left(monkeypatch, tmp_path):
+  monkeypatch.setattr(bench, "plan", lambda quick: [("tiny", 64, 128, 128, 4, 2, ["bf16", "off"])])
+  out = tmp_path / "sw.jsonl"
+  bench.main(["--passes", "fwd", "--budget", "1e-9", "--out", str(out)])
+  assert [r["ms"] for r in _rows(out)] == ["skipped (budget spent)"] * 2
