@@ -24,10 +24,9 @@ import time
 import jax
 import numpy as np
 
-import jax_moe_overlap as jmo
+from benchmarks import bench_fp8_layer
 from benchmarks import bench_layer
 from benchmarks import common
-from benchmarks import references
 from jax_moe_overlap import fp8_experts
 
 SWITCHES = ("FUSED_GEMM1_SWIGLU_ON_GPU", "WEIGHT_QUANTIZER_ON_GPU", "BACKWARD_REQUANTIZES_WEIGHTS")
@@ -55,10 +54,9 @@ def _bits(a):
 
 
 def _versus(got, base) -> str:
-  got, base = jax.tree.leaves(got), jax.tree.leaves(base)
-  if all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(got, base)):
+  if all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base))):
     return "bitwise"
-  return f"max-rel {max(references.max_rel_err(a, b) for a, b in zip(got, base)):.1e}"
+  return f"max-rel {bench_layer.error_vs(base, got):.1e}"
 
 
 def main(argv=None):
@@ -84,8 +82,7 @@ def main(argv=None):
             continue
           _set(setting)
           q = None if setting == "bf16" else "fp8"
-          fn = bench_layer.pass_fn(lambda *a, q=q: jmo.moe_experts(*a, mesh=mesh, impl="collective",
-                                                                  quantization=q)[0], pname)
+          fn = bench_layer.pass_fn(bench_fp8_layer.layer_fn(mesh, "collective", q), pname)
           try:
             got = jax.device_get(fn(*arg_sets[0]))
             if setting == "off":
