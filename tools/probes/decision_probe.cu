@@ -13,9 +13,7 @@
 // segment in plan order, else too many bands), e3dd3a1's scratch, and the host's C (ChooseConsumerCtas on the host's
 // table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then timed
 // alone and followed by the consumer choice (the whole decision of an expert_combine call: the library's column is
-// BuildSegments<true> + DeviceChooseConsumersPrepared), beside e3dd3a1's and 06410c5's (decision_v1.cuh: the table
-// with 64-bit scans and a branching placing loop, the choice's max on the FP64 pipe), each sum checked against the
-// host's; and the library's decision in phases (the plan loads and the first scan, the table with the choice's parts,
+// BuildSegments<true> + DeviceChooseConsumersPrepared), beside e3dd3a1's, each sum checked against the host's; and the library's decision in phases (the plan loads and the first scan, the table with the choice's parts,
 // the whole decision), so that the differences show where its time goes.
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
@@ -54,7 +52,6 @@
 #include "cuda/schedule/resource_manager.cuh"
 #include "cuda/schedule/segment_table.cuh"
 #include "decision_v0.cuh"  // the baseline: the decision of e3dd3a1
-#include "decision_v1.cuh"  // the second baseline: the table and prepared choice of 06410c5
 #include "probe_common.cuh"  // CK
 
 namespace {
@@ -718,7 +715,7 @@ int64_t CheckTables(int plans, uint64_t seed) {
 // The table build, and the table build followed by the consumer choice (the whole decision of an expert_combine
 // call), timed in one CTA: `iters` of them (the plan arrays re-read from global memory each time, L1/L2 hits after the
 // first), out[0] ns, out[1] the sum of n + remote_bands + C. kForm: 0 the e3dd3a1 baseline (decision_v0.cuh), 1 the
-// library, 2 the 06410c5 baseline (decision_v1.cuh).
+// library.
 template <int kForm, bool kChoose>
 __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* plan, const int32_t* rows,
                                                             const int32_t* ret_off, const Inputs* inputs,
@@ -749,22 +746,17 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
       ok = decision_v0::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
     } else if constexpr (kChoose) {  // as ExpertKernel under the model: the table with the choice's parts
       const TermPrepIn pin = TermPrepFor(q, in.cand, in.N, in.eb, &cs);
-      ok = kForm == 1 ? BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep)
-                      : decision_v1::BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
+      ok = BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
     } else {
-      ok = kForm == 1 ? BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc)
-                      : decision_v1::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
+      ok = BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
     }
     acc += ok ? table.n + table.remote_bands : 1000000;
     if constexpr (kChoose) {
       if (table.remote_bands > 0) {
         if constexpr (kForm == 0)
           acc += decision_v0::DeviceChooseConsumers(table, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
-        else if constexpr (kForm == 1)
-          acc += DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
         else
-          acc += decision_v1::DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas,
-                                                            &cs, i & 1);
+          acc += DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
       }
     }
   }
@@ -821,15 +813,15 @@ __global__ void __launch_bounds__(kThreads) PhaseBenchKernel(const TablePlan* pl
   }
 }
 
-// Table build alone and table + consumer choice, the two baselines (e3dd3a1, 06410c5) and the library, at n = E_l R =
+// Table build alone and table + consumer choice, the e3dd3a1 baseline and the library, at n = E_l R =
 // 16..256 segments (R 8, E_l 2..32; R 32, E_l 8; R 2, E_l 128), sms 132, N 8192, the capacity the plan's rows (the
 // table's 32-bit scans), and once at R 8, E_l 32 with a capacity of 2^24 rows (its 64-bit scans); each form's sum
 // checked against the host's (HostTable, then HostChoice for either parity of seg_us): returns the count of forms and
 // shapes where it differs.
 int64_t TimeTables(int iters, int reps) {
   printf("segment table (and table + consumer choice): ns per build (one CTA of %d threads, %d iters, median of %d), "
-         "sms 132, N 8192, K 2048, rows 1..2048:\n| R | E_l | segments | table, e3dd3a1 | table, 06410c5 | table | "
-         "table + choice, e3dd3a1 | table + choice, 06410c5 | table + choice |\n|---|---|---|---|---|---|---|---|---|\n",
+         "sms 132, N 8192, K 2048, rows 1..2048:\n| R | E_l | segments | table, e3dd3a1 | table | "
+         "table + choice, e3dd3a1 | table + choice |\n|---|---|---|---|---|---|---|\n",
          kThreads, iters, reps);
   int64_t wrong = 0;
   TablePlan* d_pl;
@@ -885,11 +877,10 @@ int64_t TimeTables(int iters, int reps) {
     CK(cudaMemcpy(d_pl, &pl, sizeof pl, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_ret, ret.data(), ret.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    // f: table alone (e3dd3a1, 06410c5, library), then table + choice (the same three).
-    constexpr int kF = 6;
-    decltype(&TableBenchKernel<0, false>) const kernels[kF] = {
-        TableBenchKernel<0, false>, TableBenchKernel<2, false>, TableBenchKernel<1, false>,
-        TableBenchKernel<0, true>,  TableBenchKernel<2, true>,  TableBenchKernel<1, true>};
+    // f: table alone (e3dd3a1, library), then table + choice (the same two).
+    constexpr int kF = 4;
+    decltype(&TableBenchKernel<0, false>) const kernels[kF] = {TableBenchKernel<0, false>, TableBenchKernel<1, false>,
+                                                               TableBenchKernel<0, true>, TableBenchKernel<1, true>};
     double med[kF];
     unsigned long long sums[kF];
     for (int f = 0; f < kF; ++f) {
@@ -908,7 +899,7 @@ int64_t TimeTables(int iters, int reps) {
     }
     bool ok[kF];
     for (int f = 0; f < kF; ++f) {
-      ok[f] = want[0] > 0 && sums[f] == want[f / 3];
+      ok[f] = want[0] > 0 && sums[f] == want[f / 2];
       wrong += !ok[f];
     }
     printf("| %d | %d | %d%s |", R, E_l, E_l * R, cap > 0 ? " (cap 2^24)" : "");
