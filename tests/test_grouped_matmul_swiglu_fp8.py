@@ -132,6 +132,7 @@ def _layer_grads(mesh, ids, cot, args):
   return f, f(*args)
 
 
+@pytest.mark.slow  # the layer traced four times (two platforms, both switch settings) and run twice
 def test_layer_bitwise_unchanged(monkeypatch):
   """moe_experts(quantization="fp8", impl="collective") with the fused GEMM1 (KERNELS on CPUs) against the same
   backend composing the two calls: the output and every gradient bit for bit."""
