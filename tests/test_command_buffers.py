@@ -98,6 +98,7 @@ def test_decode_step_layers_match_the_reference():
   assert jmo.recorded_failures() == []  # CPU workspaces report their failures themselves
 
 
+@pytest.mark.slow  # a benchmark's plumbing: decode steps compiled and timed on CPU
 def test_bench_decode_measures_each_token_count(monkeypatch):
   monkeypatch.setattr(sys, "argv", ["bench_decode.py"])
   args = bench_decode.parse(["--layers", "1", "--d-model", "64", "--d-ff", "64", "--experts", "4", "--tokens", "1,8",
@@ -116,6 +117,7 @@ def _fp8_args(*extra):
                              "--tokens", "1,8", "--batches", "1", "--synced", "2", "--quantization", "fp8", *extra])
 
 
+@pytest.mark.slow  # a benchmark's plumbing: decode steps compiled and timed on CPU
 def test_bench_decode_times_the_prequantized_step_beside_bf16(monkeypatch):
   monkeypatch.setattr(sys, "argv", ["bench_decode.py"])
   args = _fp8_args("--tokens", "1")
