@@ -143,7 +143,8 @@ nb::dict DeviceRecord(const cuda::RankPrivate& q) {
                    {"prod_t0_last", nb::cast(q.prod_t0_last)}, {"cons_t0", nb::cast(q.cons_t0)},
                    {"cons_t1", nb::cast(q.cons_t1)}, {"comb_t0", nb::cast(q.comb_t0)}, {"comb_t1", nb::cast(q.comb_t1)},
                    {"pushed_bytes", nb::cast(q.pushed_bytes)}, {"push_t1", nb::cast(q.push_t1)},
-                   {"pushers", nb::cast(q.pushers)}});
+                   {"pushers", nb::cast(q.pushers)}, {"gemm_wait_ns", nb::cast(q.gemm_wait_ns)},
+                   {"ctas", nb::cast(q.ctas)}});
 }
 
 nb::dict ToDict(const Result& r) {

@@ -240,7 +240,7 @@ def dispatch_gemm_push_rates(case: Case, result: dict, ranks: list[RankData]) ->
 def dispatch_gemm_timeline(result: dict) -> str:
   """Where the last timed dispatch_gemm of each rank spent its time, in microseconds from its BeginKernel: the pushers
   from their first push to the end of the push and of their side work, and the GEMM from the first CTA entering the
-  tile loop to the last leaving it."""
+  tile loop to the last leaving it, with the mean time a GEMM CTA's TMA thread waited for its tiles' rows."""
   parts = []
   for r, q in enumerate(result.get("dg_device", [])):
     t0 = q["begin_t"]
@@ -250,6 +250,8 @@ def dispatch_gemm_timeline(result: dict) -> str:
     def at(t: int) -> str:
       return f"{(t - t0) * 1e-3:.1f}" if t and t != 2**64 - 1 else "-"
 
+    gemm_ctas = q.get("ctas", 0) - q.get("pushers", 0)
+    wait = f" wait {q['gemm_wait_ns'] * 1e-3 / gemm_ctas:.1f}/CTA" if gemm_ctas > 0 and "gemm_wait_ns" in q else ""
     parts.append(f"r{r} P={q.get('pushers', '?')} push {at(q['cons_t0'])}..{at(q['push_t1'])} side ..{at(q['cons_t1'])} "
-                 f"gemm {at(q['prod_t0'])}..{at(q['prod_t1'])}")
+                 f"gemm {at(q['prod_t0'])}..{at(q['prod_t1'])}{wait}")
   return f" | timeline (us): {'; '.join(parts)}" if parts else ""

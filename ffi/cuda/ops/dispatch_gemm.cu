@@ -30,8 +30,8 @@ namespace {
 // The GEMM is the bare grouped GEMM's (DgSchedule): over the local experts' rows of recv (each expert's segments of
 // every source, contiguous), 128-row m-tiles from each expert's first row, with A read by TMA straight from the
 // workspace's recv rows. Its tiles are claimed one at a time from a per-call counter (CTAs that join late take what
-// is left): first the m-tiles made of this rank's own rows alone, then the others expert by expert, each expert in
-// bands of row blocks. Before a tile's first load the TMA thread waits until, for each source its rows come from, the
+// is left): first the m-tiles made of this rank's own rows alone, then the others expert by expert, each expert's in
+// the order their rows arrive (DgSchedule), in bands of m-tiles. Before a tile's first load the TMA thread waits until, for each source its rows come from, the
 // blocks of that source holding them are complete. Epilogue: the float32 product (out [cap, N]), or with kSwiGlu
 // GEMM1's SwiGLU (h [cap, N / 2] and optionally the preactivation a [cap, N]), as the bare grouped GEMMs store them,
 // so the results are theirs bit for bit.
@@ -202,10 +202,20 @@ __device__ inline bool WaitRecvRows(const RankDev& rd, const TableScratch& sc, i
 // The GEMM's tile order (see the kernel's comment), from the plan's segments. Per local expert e: its first recv
 // row and rows (all sources), its m-tiles [own_lo, own_hi) made of this rank's own rows alone; then per phase (A: those
 // own m-tiles, B: the others) the tiles of the experts before e (pre_a, pre_b, col_tiles tiles per m-tile).
+// Phase B takes an expert's m-tiles in the order their rows arrive, not in recv order: recv holds an expert's rows
+// source by source, while every source pushes block J of every destination's rows in round J (the pushers' rounds),
+// so in recv order the GEMM would wait for the last block of the first source before it reaches the second. Per
+// segment (e, s), index e * ranks + s: the m-tiles whose first row lies in it (the segments partition the expert's
+// rows, so these ranges partition its m-tiles; the own segment's less phase A's), src_mt[i] .. src_mt[i] + src_cnt[i]
+// - 1, and the round src_key[i] in which the first of them is complete (its last row of s in s's send block
+// src_key[i] counted from s's first block for this rank; one more for each next m-tile, every m-tile but the
+// segment's last holding 128 of its rows). Phase B of expert e is the merge of its sources' lists by round, ties by
+// source (MergedMTile).
 struct DgSchedule {
   int32_t row0[kMaxSegments], rows[kMaxSegments], own_lo[kMaxSegments], own_hi[kMaxSegments];
   int32_t pre_a[kMaxSegments + 1], pre_b[kMaxSegments + 1];
-  int32_t col_tiles;
+  int32_t src_mt[kMaxSegments], src_cnt[kMaxSegments], src_key[kMaxSegments];
+  int32_t col_tiles, ranks;
 };
 
 // Every thread calls it (one per expert, and block scans).
@@ -225,6 +235,25 @@ __device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, 
     d->rows[e] = (int32_t)rows;
     d->own_lo[e] = (int32_t)own_lo;
     d->own_hi[e] = (int32_t)own_hi;
+    for (int s = 0; s < R; ++s) {
+      const Segment& x = sc.raw[e * R + s];
+      const int64_t o = x.recv_off - row0, n = max(x.rows, 0);
+      int64_t first = (o + kWgBM - 1) / kWgBM;
+      const int64_t end = n > 0 ? (o + n + kWgBM - 1) / kWgBM : first;
+      int64_t key = 0;  // the own rows are here from the start
+      if (s == rd.rank) {
+        first = max(first, own_hi);  // (phase A's m-tiles lead the own segment's when there are any)
+      } else if (end > first) {
+        int64_t base = INT64_MAX;  // s's first send position for this rank
+        for (int x2 = 0; x2 < E_l; ++x2)
+          if (sc.raw[x2 * R + s].rows > 0) base = min(base, (int64_t)sc.raw[x2 * R + s].ret_off);
+        const int64_t last = x.ret_off + min(n, (first + 1) * kWgBM - o) - 1;  // the first m-tile's last row of s
+        key = last / kSrcBlockRows - base / kSrcBlockRows;
+      }
+      d->src_mt[e * R + s] = (int32_t)first;
+      d->src_cnt[e * R + s] = (int32_t)max(end - first, (int64_t)0);
+      d->src_key[e * R + s] = (int32_t)key;
+    }
     a = (own_hi - own_lo) * col_tiles;
     b = (mt - (own_hi - own_lo)) * col_tiles;
   }
@@ -239,8 +268,36 @@ __device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, 
     d->pre_a[E_l] = (int32_t)total_a;
     d->pre_b[E_l] = (int32_t)total_b;
     d->col_tiles = col_tiles;
+    d->ranks = R;
   }
   __syncthreads();
+}
+
+// Phase B's m-tile i of expert e (0 <= i < its phase-B m-tiles): the recv m-tile (from the expert's first row) at
+// position i of the merge of its sources' lists by round (DgSchedule), ties by source. The smallest round K whose
+// count of m-tiles with a round <= K exceeds i, then the (i - count below K)-th list holding round K.
+__device__ inline int MergedMTile(const DgSchedule& d, int e, int i) {
+  const int R = d.ranks;
+  const int32_t *mt = d.src_mt + e * R, *cnt = d.src_cnt + e * R, *key = d.src_key + e * R;
+  auto up_to = [&](int k) {  // m-tiles with a round <= k
+    int n = 0;
+    for (int s = 0; s < R; ++s) n += min(max(k + 1 - key[s], 0), cnt[s]);
+    return n;
+  };
+  int lo = 0, hi = 0;  // the answer lies in [lo, hi]
+  for (int s = 0; s < R; ++s)
+    if (cnt[s] > 0) hi = max(hi, key[s] + cnt[s] - 1);
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (up_to(mid) > i) hi = mid; else lo = mid + 1;
+  }
+  int left = i - up_to(lo - 1);
+  for (int s = 0; s < R; ++s) {
+    if (lo < key[s] || lo >= key[s] + cnt[s]) continue;
+    if (left == 0) return mt[s] + (lo - key[s]);
+    --left;
+  }
+  return -1;  // (unreachable for i in range)
 }
 
 struct MTile {
@@ -269,7 +326,7 @@ __device__ inline MTile TileAt(const DgSchedule& d, int E_l, int64_t i, int col_
   int mt = 0;
   wgmma_gemm::BandRaster((int)(j - (int64_t)pre[lo] / d.col_tiles * col_tiles), own ? own_m : mt_e - own_m, col_tiles,
                          band_m, &mt, &t.nt);
-  t.mt = own ? d.own_lo[lo] + mt : (mt < d.own_lo[lo] ? mt : mt + own_m);
+  t.mt = own ? d.own_lo[lo] + mt : MergedMTile(d, lo, mt);
   t.own = own;
   t.m = own ? d.pre_a[lo] / d.col_tiles + mt : d.pre_a[E_l] / d.col_tiles + d.pre_b[lo] / d.col_tiles + mt;
   return t;
@@ -417,7 +474,10 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
                                                                             g.recv_expected, g.row_bytes, g.K, g.N));
     if (threadIdx.x == 0) {
       chosen_pushers = p;
-      if (blockIdx.x == 0) rd.priv->pushers = (uint64_t)p;
+      if (blockIdx.x == 0) {
+        rd.priv->pushers = (uint64_t)p;
+        rd.priv->ctas = gridDim.x;
+      }
     }
   }
   __syncthreads();
@@ -515,10 +575,12 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   auto tile_wait = [&](const DgTile& t) {
     // On failure the call is failed (the error names source and counts); the loop runs on rather than hang. Send
     // once: an m-tile with other ranks' rows waits for its side unit, which waited for its blocks and filled its rows.
+    const uint64_t t0 = GlobalTimer();
     if (t.expand >= 0)
       WaitAtLeast(rd, &View(rd, rd.rank).tile_ready()[t.expand], 0, st.epoch, (uint64_t)t.expand, kStageExpand);
     else
       WaitRecvRows(rd, scratch, g.E_l, t.e, t.a_row, t.rows);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&rd.priv->gemm_wait_ns), (unsigned long long)(GlobalTimer() - t0));
     ptx::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
   };
   auto next_tile = [&](int) { return (int)atomicAdd(rd.tile_claims, 1u); };

@@ -79,6 +79,9 @@ struct RankPrivate {
   // the workspace and replayed after its release finds this set in its first kernel and stops the device there,
   // before it touches the freed blocks.
   uint64_t released;
+  // dispatch_gemm's GEMM tiles: the nanoseconds their TMA threads spent waiting for the tiles' rows, summed over the
+  // tiles, and the CTAs of the launch (for the loopback harness; never the protocol).
+  uint64_t gemm_wait_ns, ctas;
 };
 
 // The per-band tile counters (uint32, zeroed by one memset per call) followed by the call counters (kCallCounterBytes,
