@@ -31,8 +31,8 @@ namespace {
 // every source, contiguous), 128-row m-tiles from each expert's first row, with A read by TMA straight from the
 // workspace's recv rows. Its tiles are claimed one at a time from a per-call counter (CTAs that join late take what
 // is left): first the m-tiles made of this rank's own rows alone, then the others expert by expert, each expert's in
-// the order their rows arrive (DgSchedule), in bands of m-tiles. Before a tile's first load the TMA thread waits until, for each source its rows come from, the
-// blocks of that source holding them are complete. Epilogue: the float32 product (out [cap, N]), or with kSwiGlu
+// the order their rows arrive (DgSchedule), in bands of m-tiles. Before a tile's first load the TMA thread waits
+// until, for each source its rows come from, the blocks of that source holding them are complete. Epilogue: the float32 product (out [cap, N]), or with kSwiGlu
 // GEMM1's SwiGLU (h [cap, N / 2] and optionally the preactivation a [cap, N]), as the bare grouped GEMMs store them,
 // so the results are theirs bit for bit.
 // Side work, claimed from a second per-call counter: the copy of the kept rows into x_recv (when kept), one m-tile's
@@ -199,6 +199,14 @@ __device__ inline bool WaitRecvRows(const RankDev& rd, const TableScratch& sc, i
   return ok;
 }
 
+// Source s's first send position whose row this rank keeps (its segments' smallest ret_off), INT64_MAX if none.
+__device__ inline int64_t FirstKeptPosition(const TableScratch& sc, int R, int E_l, int s) {
+  int64_t first = INT64_MAX;
+  for (int e = 0; e < E_l; ++e)
+    if (sc.raw[e * R + s].rows > 0) first = min(first, (int64_t)sc.raw[e * R + s].ret_off);
+  return first;
+}
+
 // The GEMM's tile order (see the kernel's comment), from the plan's segments. Per local expert e: its first recv
 // row and rows (all sources), its m-tiles [own_lo, own_hi) made of this rank's own rows alone; then per phase (A: those
 // own m-tiles, B: the others) the tiles of the experts before e (pre_a, pre_b, col_tiles tiles per m-tile).
@@ -244,9 +252,7 @@ __device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, 
       if (s == rd.rank) {
         first = max(first, own_hi);  // (phase A's m-tiles lead the own segment's when there are any)
       } else if (end > first) {
-        int64_t base = INT64_MAX;  // s's first send position for this rank
-        for (int x2 = 0; x2 < E_l; ++x2)
-          if (sc.raw[x2 * R + s].rows > 0) base = min(base, (int64_t)sc.raw[x2 * R + s].ret_off);
+        const int64_t base = FirstKeptPosition(sc, R, E_l, s);
         const int64_t last = x.ret_off + min(n, (first + 1) * kWgBM - o) - 1;  // the first m-tile's last row of s
         key = last / kSrcBlockRows - base / kSrcBlockRows;
       }
@@ -433,9 +439,7 @@ __device__ inline void TryExpandUnit(const RankDev& rd, const DispatchGemmArgs& 
         const Segment& x = sc.raw[t.e * R + s];
         const int64_t lo = max(r0, (int64_t)x.recv_off), hi = min(r1, (int64_t)x.recv_off + max(x.rows, 0));
         if (hi <= lo) continue;
-        int64_t first = INT64_MAX;  // s's first send position kept here
-        for (int e = 0; e < g.E_l; ++e)
-          if (sc.raw[e * R + s].rows > 0) first = min(first, (int64_t)sc.raw[e * R + s].ret_off);
+        const int64_t first = FirstKeptPosition(sc, R, g.E_l, s);
         const int64_t last = x.ret_off + (hi - 1 - x.recv_off);
         for (int64_t J = first / kSrcBlockRows; ready && J <= last / kSrcBlockRows; ++J)
           ready = LoadAcquireSys(&blocks[s * per_src + J]) >= BlockRows(sc, R, g.E_l, s, J);
