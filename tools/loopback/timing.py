@@ -238,20 +238,30 @@ def dispatch_gemm_push_rates(case: Case, result: dict, ranks: list[RankData]) ->
 
 
 def dispatch_gemm_timeline(result: dict) -> str:
-  """Where the last timed dispatch_gemm of each rank spent its time, in microseconds from its BeginKernel: the pushers
-  from their first push to the end of the push and of their side work, and the GEMM from the first CTA entering the
-  tile loop to the last leaving it, with the mean time a GEMM CTA's TMA thread waited for its tiles' rows."""
+  """Where the last timed dispatch_gemm of each rank spent its time, in microseconds from the earliest rank's
+  BeginKernel (one clock for all ranks, so one rank's pushes line up with another's GEMM): the rank's BeginKernel, its
+  pushers from their first push to the end of the push and of their side work, the GEMM from the first CTA entering
+  the tile loop to the last leaving it and when its first tile not made of the rank's own rows alone (phase B) was
+  claimed, and the mean time a GEMM CTA's look-ahead thread (which claims a tile while the previous one loads) waited
+  for its tiles' rows, in phase A (own rows) and in phase B."""
+  records = result.get("dg_device", [])
+  starts = [q["begin_t"] for q in records if q["begin_t"]]
+  if not starts:
+    return ""
+  t0 = min(starts)
+
+  def at(t: int) -> str:
+    return f"{(t - t0) * 1e-3:.1f}" if t and t != 2**64 - 1 else "-"
+
   parts = []
-  for r, q in enumerate(result.get("dg_device", [])):
-    t0 = q["begin_t"]
-    if not t0:
+  for r, q in enumerate(records):
+    if not q["begin_t"]:
       continue
-
-    def at(t: int) -> str:
-      return f"{(t - t0) * 1e-3:.1f}" if t and t != 2**64 - 1 else "-"
-
     gemm_ctas = q.get("ctas", 0) - q.get("pushers", 0)
-    wait = f" wait {q['gemm_wait_ns'] * 1e-3 / gemm_ctas:.1f}/CTA" if gemm_ctas > 0 and "gemm_wait_ns" in q else ""
-    parts.append(f"r{r} P={q.get('pushers', '?')} push {at(q['cons_t0'])}..{at(q['push_t1'])} side ..{at(q['cons_t1'])} "
-                 f"gemm {at(q['prod_t0'])}..{at(q['prod_t1'])}{wait}")
+    wait = ""
+    if gemm_ctas > 0 and "gemm_wait_own_ns" in q:
+      wait = (f" wait A {q['gemm_wait_own_ns'] * 1e-3 / gemm_ctas:.1f} B {q['gemm_wait_ns'] * 1e-3 / gemm_ctas:.1f}"
+              f"/CTA, B from {at(q['phase_b_t0'])}")
+    parts.append(f"r{r} P={q.get('pushers', '?')} begin {at(q['begin_t'])} push {at(q['cons_t0'])}..{at(q['push_t1'])} "
+                 f"side ..{at(q['cons_t1'])} gemm {at(q['prod_t0'])}..{at(q['prod_t1'])}{wait}")
   return f" | timeline (us): {'; '.join(parts)}" if parts else ""

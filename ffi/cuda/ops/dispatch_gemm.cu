@@ -31,10 +31,11 @@ namespace {
 // every source, contiguous), 128-row m-tiles from each expert's first row, with A read by TMA straight from the
 // workspace's recv rows. Its tiles are claimed one at a time from a per-call counter (CTAs that join late take what
 // is left): first the m-tiles made of this rank's own rows alone, then the others expert by expert, each expert's in
-// the order their rows arrive (DgSchedule), in bands of m-tiles. Before a tile's first load the TMA thread waits
-// until, for each source its rows come from, the blocks of that source holding them are complete. Epilogue: the float32 product (out [cap, N]), or with kSwiGlu
-// GEMM1's SwiGLU (h [cap, N / 2] and optionally the preactivation a [cap, N]), as the bare grouped GEMMs store them,
-// so the results are theirs bit for bit.
+// the order their rows arrive (DgSchedule), in bands of m-tiles. Before a tile's first load the loop's look-ahead
+// thread (tile_wait, wgmma_mainloop.cuh), which claims each tile while the previous one still loads, waits until, for
+// each source its rows come from, the blocks of that source holding them are complete. Epilogue: the float32 product
+// (out [cap, N]), or with kSwiGlu GEMM1's SwiGLU (h [cap, N / 2] and optionally the preactivation a [cap, N]), as the
+// bare grouped GEMMs store them, so the results are theirs bit for bit.
 // Side work, claimed from a second per-call counter: the copy of the kept rows into x_recv (when kept), one m-tile's
 // rows per unit after the same wait as its GEMM tiles. Memory-bound work thus runs on the pushers' SMs beside the
 // compute-bound GEMM, and the GEMM CTAs that run out of tiles finish it. With x_recv_from_tiles (CallOptions) the
@@ -548,6 +549,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   struct DgTile : Base {
     int e;           // the tile's local expert
     int expand;      // send once: the m-tile's tile_ready index (its rows filled by a side unit), else -1
+    bool own;        // made of this rank's own rows alone (phase A)
     char* x_recv;    // x_recv_from_tiles, the m-tile's first column tile: x_recv's row a_row; else nullptr
   };
   auto tile_of = [&](int i) {
@@ -557,6 +559,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     DgTile t;
     t.e = m.e;
     t.expand = g.primary != nullptr && !m.own ? m.m : -1;
+    t.own = m.own;
     t.b_idx = m.e;
     t.a_row = sched.row0[m.e] + m.mt * kWgBM;
     t.rows = min(kWgBM, sched.rows[m.e] - m.mt * kWgBM);
@@ -584,10 +587,15 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       WaitAtLeast(rd, &View(rd, rd.rank).tile_ready()[t.expand], 0, st.epoch, (uint64_t)t.expand, kStageExpand);
     else
       WaitRecvRows(rd, scratch, g.E_l, t.e, t.a_row, t.rows);
-    atomicAdd(reinterpret_cast<unsigned long long*>(&rd.priv->gemm_wait_ns), (unsigned long long)(GlobalTimer() - t0));
+    atomicAdd(reinterpret_cast<unsigned long long*>(t.own ? &rd.priv->gemm_wait_own_ns : &rd.priv->gemm_wait_ns),
+              (unsigned long long)(GlobalTimer() - t0));
     ptx::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
   };
-  auto next_tile = [&](int) { return (int)atomicAdd(rd.tile_claims, 1u); };
+  auto next_tile = [&](int) {
+    const int i = (int)atomicAdd(rd.tile_claims, 1u);
+    if (i == sched.pre_a[g.E_l]) rd.priv->phase_b_t0 = GlobalTimer();  // (the loopback timeline's)
+    return i;
+  };
   // x_recv_from_tiles: the tile's A stages are its m-tile's rows of recv, which it waited for (tile_wait), in the
   // kept rows the same bytes the side units copy; the consumer warpgroup that multiplies a stage stores its kept rows
   // (r < t.rows: the rows after them are another expert's), columns [64 kt, 64 kt + 64).

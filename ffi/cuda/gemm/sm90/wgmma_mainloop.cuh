@@ -61,22 +61,27 @@
 //   gets da = (d_gate, d_up) in bf16 from dh and the float32 preactivation at `a` (GroupedSwiGluGradKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile
 //   by thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24
-//   registers, so keep it cheap: a binary search in smem is fine) and by each of the 256 consumer threads
-//   (128..383) before the tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the
+//   registers, so keep it cheap: a binary search in smem is fine), with a tile_wait also by thread 32 (the
+//   look-ahead, same registers), and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the
 //   entry __syncthreads() orders it for smem written by the CTA before the call).
 //
 // ---- next_tile(prev) (WgmmaTileLoopNext) ------------------------------------------------------------------------
-//   Called by thread 0 only: the CTA's first tile index with prev = -1, then the next one after prev; an index
-//   >= count ends the CTA's loop. A static schedule (WgmmaTileLoop: first, first + stride, ...) or a dynamic one
+//   Called by one thread: the CTA's first tile index with prev = -1, then the next one after prev; an index
+//   >= count ends the CTA's loop. The thread is thread 0 (the TMA thread), or with a tile_wait thread 32 (the
+//   look-ahead, below). A static schedule (WgmmaTileLoop: first, first + stride, ...) or a dynamic one
 //   (an atomicAdd on a per-call counter: CTAs that join late take what is left, dispatch_gemm's pushers). Thread 0
 //   passes each index to the consumer warpgroups through shared memory, next to the tile's first stage.
 //
 // ---- tile_wait(tile) (optional) ---------------------------------------------------------------------------------
-//   Called by thread 0 (the TMA thread, 24 registers) with tile_of(i)'s value before the first TMA load of the
-//   tile: it may block until the tile's operands exist (dispatch_gemm: until the segment's source rank has pushed
-//   its rows). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
-//   it must end with fence.proxy.async.global after its acquire (FenceProxyAsyncGlobal, device/ptx.cuh). It must
-//   return (a bounded wait) even on failure.
+//   Called with tile_of(i)'s value before the first TMA load of the tile: it may block until the tile's operands
+//   exist (dispatch_gemm: until the segment's source rank has pushed its rows). It runs on thread 32 (lane 0 of the
+//   producer warpgroup's second warp, 24 registers), the look-ahead: that thread claims the tiles (next_tile) and
+//   waits for each while the TMA thread still loads the previous tile's stages, and hands the index over through
+//   shared memory (an mbarrier pair and one slot) once the previous tile's last kNumStages loads remain; so neither
+//   the claim nor the checks of a tile whose operands are there stall the loads. Whatever it waits for was written
+//   through the generic proxy, and TMA reads through the async proxy: it must end with fence.proxy.async.global
+//   after its acquire (FenceProxyAsyncGlobal, device/ptx.cuh; the TMA thread fences again after the hand-over). It
+//   must return (a bounded wait) even on failure.
 //
 // ---- a_stage(tile, c, a, kt) (optional; bf16 operands) -----------------------------------------------------------
 //   Called by every thread of consumer warpgroup c that multiplies the tile (64 c < tile.rows), once per k-step kt
@@ -448,7 +453,8 @@ __device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int
 // ------------------------------------------------------------------------------------------------------------
 // The loop's shared memory, from a 1024-aligned base: kNumStages A slots (kABytes), kNumStages B slots (kBBytes),
 // kNumStages slots of the format's extra data (kExtraBytes: 0 for bf16; the FP8 scales), the full and the empty
-// mbarrier of each stage, then the tile index of each stage (ids, see WgmmaLoop). stage / phase: the slot a role
+// mbarrier of each stage, the look-ahead's two mbarriers and tile index (WgmmaLoop with a tile_wait), then the tile
+// index of each stage (ids, see WgmmaLoop). stage / phase: the slot a role
 // (the producer, or a consumer warpgroup) works on next and the parity of its barriers' current phase; both roles
 // walk the slots in the same order, tile after tile.
 template <int kNumStages, int kExtraBytes>
@@ -464,7 +470,14 @@ struct StageRing {
     return reinterpret_cast<uint64_t*>(base + kNumStages * (kStageBytes + kExtraBytes)) + s;
   }
   __device__ __forceinline__ uint64_t* Empty(int s) const { return Full(kNumStages + s); }
-  __device__ __forceinline__ volatile int* Ids() const { return reinterpret_cast<volatile int*>(Full(2 * kNumStages)); }
+  __device__ __forceinline__ uint64_t* AheadFull() const { return Full(2 * kNumStages); }
+  __device__ __forceinline__ uint64_t* AheadEmpty() const { return Full(2 * kNumStages + 1); }
+  __device__ __forceinline__ volatile int* AheadId() const {
+    return reinterpret_cast<volatile int*>(Full(2 * kNumStages + 2));
+  }
+  __device__ __forceinline__ volatile int* Ids() const {
+    return reinterpret_cast<volatile int*>(Full(2 * kNumStages + 3));
+  }
   __device__ __forceinline__ void WaitFull() const { MbarWait(SmemAddr(Full(stage)), phase); }
   __device__ __forceinline__ void Advance() {
     if (++stage == kNumStages) { stage = 0; phase ^= 1; }
@@ -472,10 +485,10 @@ struct StageRing {
 };
 
 // Dynamic smem the loop needs: 1 KB alignment slack + the ring (stages, their extra data, 2 * stages mbarriers, the
-// tile index of each stage).
+// look-ahead's two mbarriers and tile index (an 8-byte slot), the tile index of each stage).
 template <int kNumStages = kStages, int kExtraBytes = 0>
 constexpr int LoopSmemBytes() {
-  return 1024 + kNumStages * (kStageBytes + kExtraBytes) + 2 * kNumStages * 8 + kNumStages * 4;
+  return 1024 + kNumStages * (kStageBytes + kExtraBytes) + (2 * kNumStages + 3) * 8 + kNumStages * 4;
 }
 constexpr int kLoopSmemBytes = LoopSmemBytes<kStages>();
 
@@ -602,6 +615,8 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
   static_assert(Ops::kProducerRegs * 128 + Ops::kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
   constexpr bool kHasDone = !std::is_same<typename std::decay<DoneFn>::type, NoTileDone>::value;
   constexpr bool kHasAStage = !std::is_same<typename std::decay<AStageFn>::type, NoAStage>::value;
+  // With a tile_wait the look-ahead thread claims and waits for each tile (see the header comment).
+  constexpr bool kAhead = !std::is_same<typename std::decay<WaitFn>::type, NoTileWait>::value;
   using Ring = StageRing<kNumStages, Ops::kExtraBytes>;
   // 128B swizzle atoms must start 1024-aligned (the descriptor base offset field is left 0).
   Ring ring{reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~(uintptr_t)1023)};
@@ -619,6 +634,10 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
       MbarInit(SmemAddr(ring.Full(s)), 1);   // one arrive.expect_tx by the producer; the TMA bytes complete it
       MbarInit(SmemAddr(ring.Empty(s)), 8);  // one arrive per consumer warp (2 warpgroups x 4 warps)
     }
+    if (kAhead) {
+      MbarInit(SmemAddr(ring.AheadFull()), 1);   // the look-ahead thread's arrive with the next tile's index
+      MbarInit(SmemAddr(ring.AheadEmpty()), 1);  // the TMA thread's arrive: claim the one after
+    }
     MbarInitFence();
   }
   __syncthreads();
@@ -628,7 +647,18 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
     SetMaxNRegDec<Ops::kProducerRegs>();
     if (tid == 0) {
       ops.Prefetch();
-      for (int i = next_tile(-1);; i = next_tile(i)) {
+      int popped = 0;  // tiles taken from the look-ahead
+      auto take = [&](int prev) {
+        if constexpr (!kAhead) {
+          return next_tile(prev);
+        } else {
+          MbarWait(SmemAddr(ring.AheadFull()), popped++ & 1);
+          const int i = *ring.AheadId();
+          FenceProxyAsyncGlobal();  // (the look-ahead's acquire of the operands, then this thread's TMA reads)
+          return i;
+        }
+      };
+      for (int i = take(-1);; i = take(i)) {
         if (i >= count) {
           // The end: a stage that carries no operands, only ids = -1 (a plain arrive completes its full phase).
           MbarWait(SmemAddr(ring.Empty(ring.stage)), ring.phase ^ 1);
@@ -637,9 +667,12 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
           break;
         }
         const auto tile = tile_of(i);
-        tile_wait(tile);  // (the TMA thread, before the tile's first load)
         const TileCoords coords = TileCoords::Of(tile);
         const int k_first = TileKFirst(tile), k_steps = TileKSteps(tile, ktiles);
+        // The look-ahead claims the next tile once this one's last kNumStages loads remain: early enough that its
+        // wait ends before the consumers run dry (they hold up to kNumStages more), late enough that a claimed tile
+        // is not held for long (the dynamic schedule's balance at the end).
+        const int ahead_kt = k_steps > kNumStages ? k_steps - kNumStages : 0;
         for (int kt = 0; kt < k_steps; ++kt) {
           const int s = ring.stage;
           const uint32_t fb = SmemAddr(ring.Full(s));
@@ -647,7 +680,20 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
           if (kt == 0) ids[s] = i;
           ops.LoadStage(fb, SmemAddr(ring.A(s)), SmemAddr(ring.B(s)), ring.X(s), coords, k_first + kt);
           ring.Advance();
+          if (kAhead && kt == ahead_kt) MbarArrive(SmemAddr(ring.AheadEmpty()));
         }
+      }
+    } else if (kAhead && tid == 32) {
+      // The look-ahead: claims each tile and waits for its operands while the TMA thread still loads the previous
+      // one, then hands its index over (-> take above); an index >= count ends both.
+      for (int prev = -1, n = 0;; ++n) {
+        MbarWait(SmemAddr(ring.AheadEmpty()), (n & 1) ^ 1);  // (the first pass goes through)
+        const int i = next_tile(prev);
+        if (i < count) tile_wait(tile_of(i));
+        *ring.AheadId() = i;
+        MbarArrive(SmemAddr(ring.AheadFull()));
+        if (i >= count) break;
+        prev = i;
       }
     }
     // setmaxnreg rule: the warps of a warpgroup synchronize between two setmaxnreg. The increase waits until the
