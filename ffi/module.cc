@@ -235,14 +235,27 @@ NB_MODULE(_jmo, m) {
   // dispatch_gemm's pushing CTAs (resource_model.h): the modelled time with P pushers, and the choice (0: the model
   // has no pusher rate).
   m.def("model_pushers_makespan_us", [](const jmo::ModelParams& params, int64_t push_bytes, int64_t gemm_rows,
-                                        int64_t k, int64_t n, int pushers) {
-    return jmo::PushersMakespanUs(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n}, pushers);
-  }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"), nb::arg("pushers"));
+                                        int64_t k, int64_t n, int64_t round_rows, int pushers) {
+    return jmo::PushersMakespanUs(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n, round_rows}, pushers);
+  }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"), nb::arg("round_rows"),
+        nb::arg("pushers"));
   m.def("model_choose_dispatch_pushers", [](const jmo::ModelParams& params, int64_t push_bytes, int64_t gemm_rows,
-                                            int64_t k, int64_t n, int max_pushers) {
-    return jmo::ChooseDispatchPushers(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n}, max_pushers);
-  }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"),
+                                            int64_t k, int64_t n, int64_t round_rows, int max_pushers) {
+    return jmo::ChooseDispatchPushers(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n, round_rows}, max_pushers);
+  }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"), nb::arg("round_rows"),
         nb::arg("max_pushers"));
+  // The same choice from a call's plan, as the kernel makes it (PusherInputsFromPlan): send_start [ranks + 1].
+  m.def("model_choose_dispatch_pushers_for_plan", [](const jmo::ModelParams& params,
+                                                     const std::vector<int32_t>& send_start, int rank,
+                                                     int64_t recv_rows, int64_t row_bytes, int64_t k, int64_t n,
+                                                     int max_pushers) {
+    if (send_start.size() < 2 || rank < 0 || rank + 1 >= (int)send_start.size())
+      throw nb::value_error("send_start needs ranks + 1 entries and rank < ranks");
+    const jmo::PusherInputs in = jmo::PusherInputsFromPlan(send_start.data(), rank, (int)send_start.size() - 1,
+                                                           recv_rows, row_bytes, k, n);
+    return jmo::ChooseDispatchPushers(params, in, max_pushers);
+  }, nb::arg("params"), nb::arg("send_start"), nb::arg("rank"), nb::arg("recv_rows"), nb::arg("row_bytes"),
+        nb::arg("k"), nb::arg("n"), nb::arg("max_pushers"));
   m.def("model_max_ctas", &jmo::ModelMaxCtas, nb::arg("budget"));
   m.def("build_info", &jmo::BuildInfo);
   m.def("default_dispatch_pushers", &jmo::DefaultPushers, nb::arg("sm_budget"),

@@ -7,7 +7,8 @@ kernel start; the extension exposes it to Python as ``_jmo.model_makespan_us`` a
 gather_rs's consumer count has its own form: ``_jmo.model_gather_makespan_us`` and
 ``_jmo.model_choose_gather_consumer_ctas``, with ``_jmo.model_gather_traffic_bytes`` the traffic its rate
 ``gather_gbps`` is measured against. ``_jmo.model_choose_dispatch_pushers`` and ``_jmo.model_pushers_makespan_us``
-are the same for dispatch_gemm's pushing CTAs, and ``_jmo.model_with_link`` gives the model of a call over a link of a
+are the same for dispatch_gemm's pushing CTAs (``_jmo.model_choose_dispatch_pushers_for_plan`` takes a call's
+``send_start`` as the kernel does), and ``_jmo.model_with_link`` gives the model of a call over a link of a
 given rate (what the launches evaluate).
 
 ``params`` are calibrated per GPU and producer variant by ``benchmarks/calibrate.py`` and shipped as JSON under

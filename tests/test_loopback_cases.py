@@ -580,10 +580,9 @@ def test_regret_rows_and_summary(capsys):
   p.sms = 66
   mirror = []
   for r, d in enumerate(sets[0]):
-    st = d.plan["send_start"]
-    rows = int(st[2] - st[0]) - int(st[r + 1] - st[r])
-    mirror.append(_jmo.model_choose_dispatch_pushers(p, rows * case.d_model * 2, int(d.plan["recv_rows"]),
-                                                     case.d_model, case.k_dim, 32))
+    mirror.append(_jmo.model_choose_dispatch_pushers_for_plan(p, [int(v) for v in d.plan["send_start"]], r,
+                                                              int(d.plan["recv_rows"]), case.d_model * 2,
+                                                              case.d_model, case.k_dim, 32))
   res = {"budget": 66, "dg_sweep_us": [[[110.0] * 3] * 2, [[100.0] * 3] * 2, [[104.0] * 3] * 2, [[102.0] * 3] * 2],
          "dg_sweep_pushers": [[1, 1], [2, 2], [4, 4], mirror]}
   row = regret.pusher_row(case, res, sets[0])

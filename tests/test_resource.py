@@ -246,21 +246,23 @@ def test_the_calls_link_lowers_the_ceiling_only():
 PP = dataclasses.replace(P, tile_n=256, pusher_gbps=17.3)
 
 
-def pushers_us(p, push_bytes, rows, k, n, q):
-  return _jmo.model_pushers_makespan_us(p.native(), push_bytes, rows, k, n, q)
+def pushers_us(p, push_bytes, rows, k, n, q, round_rows=0):
+  return _jmo.model_pushers_makespan_us(p.native(), push_bytes, rows, k, n, round_rows, q)
 
 
-def choose_pushers(p, push_bytes, rows, k, n, max_pushers=32):
-  return _jmo.model_choose_dispatch_pushers(p.native(), push_bytes, rows, k, n, max_pushers)
+def choose_pushers(p, push_bytes, rows, k, n, max_pushers=32, round_rows=0):
+  return _jmo.model_choose_dispatch_pushers(p.native(), push_bytes, rows, k, n, round_rows, max_pushers)
 
 
-def pushers_formula(p, push_bytes, rows, k, n, q):
+def pushers_formula(p, push_bytes, rows, k, n, q, round_rows=0):
   """resource_model.h's dispatch model in plain Python floats (the same IEEE operations in the same order)."""
   t = p.tile_us_base + p.tile_us_per_k * k
   tiles = float(math.ceil(rows / p.tile_m) * math.ceil(n / p.tile_n)) if rows > 0 else 0.0
   push = p.seg_us + push_bytes * (1e-3 / min(q * p.pusher_gbps, p.link_gbps)) if push_bytes > 0 else 0.0
   work = math.ceil((tiles + q * push / t) / p.sms) * t
-  return max(work, push + t) if push_bytes > 0 else work
+  round_tiles = math.ceil(round_rows / p.tile_m) * math.ceil(n / p.tile_n) if round_rows > 0 else 0
+  ready = push + max(1, -(-round_tiles // p.sms)) * t
+  return max(work, ready) if push_bytes > 0 else work
 
 
 def test_pushers_model_equals_its_formula_on_random_inputs():
@@ -273,9 +275,10 @@ def test_pushers_model_equals_its_formula_on_random_inputs():
     rows = rng.randrange(0, 200000)
     push = rng.randrange(0, rows + 1) * rng.choice([256, 4096])
     k, n = rng.choice([256, 2048, 7168]), rng.choice([256, 4096, 28672])
-    us = [pushers_us(p, push, rows, k, n, q) for q in range(1, min(32, p.sms - 1) + 1)]
-    assert us == [pushers_formula(p, push, rows, k, n, q) for q in range(1, len(us) + 1)]
-    assert choose_pushers(p, push, rows, k, n) == 1 + us.index(min(us))
+    per_round = rng.choice([0, 1, 128, 896, 4096, rows // 4])
+    us = [pushers_us(p, push, rows, k, n, q, per_round) for q in range(1, min(32, p.sms - 1) + 1)]
+    assert us == [pushers_formula(p, push, rows, k, n, q, per_round) for q in range(1, len(us) + 1)]
+    assert choose_pushers(p, push, rows, k, n, round_rows=per_round) == 1 + us.index(min(us))
   assert pushers_us(PP, 1 << 20, 4096, 2048, 4096, 0) < 0 and pushers_us(PP, 1 << 20, 4096, 2048, 4096, 132) < 0
 
 
@@ -306,6 +309,33 @@ def test_pushers_grow_with_the_rows_to_push_and_shrink_with_the_gemm():
   assert by_k == sorted(by_k, reverse=True) and by_k[0] > by_k[-1]
   # and never more than the link can use
   assert all(q <= math.ceil(PP.link_gbps / PP.pusher_gbps) for q in by_bytes + by_k)
+
+
+def test_pushers_grow_when_the_last_round_is_a_large_share():
+  # The GEMM's tiles of the last push round start only once the push is over: with few rounds (EP = 8, 2048 tokens
+  # per rank: 4 rounds of 896 rows) one pusher that the transfer's total alone would allow leaves that round's tiles
+  # for the end, so the model takes more; with many rounds (a small last round) the choice is the old one. (The
+  # shipped H200 calibration's tile times, on an eighth of the GPU.)
+  p = dataclasses.replace(PP, sms=16, link_gbps=46.25, pusher_gbps=21.3, tile_us_base=2.395, tile_us_per_k=0.0108,
+                          seg_us=0.43)
+  push, rows = 3584 * 4096, 4147
+  assert choose_pushers(p, push, rows, 2048, 4096, round_rows=128) == 1
+  many = choose_pushers(p, push, rows, 2048, 4096, round_rows=896)
+  assert 1 < many <= math.ceil(p.link_gbps / p.pusher_gbps)
+  tails = [choose_pushers(p, push, rows, 2048, 4096, round_rows=r) for r in (0, 128, 512, 896, 1792)]
+  assert tails == sorted(tails)
+
+
+def test_pushers_from_a_plan_count_the_rounds_of_the_largest_destination():
+  # PusherInputsFromPlan (the kernel's inputs): rank 1 of 3 sends positions [0, 300) to rank 0, [300, 310) to itself
+  # and [310, 700) to rank 2: 690 rows pushed; rank 0's rows take blocks 0-2 (3 rounds), rank 2's blocks 2-5 (4
+  # rounds), so a round holds ceil(690 / 4) = 173 rows.
+  p = dataclasses.replace(PP, sms=16, link_gbps=46.25, pusher_gbps=21.3)
+  send_start = [0, 300, 310, 700]
+  got = _jmo.model_choose_dispatch_pushers_for_plan(p.native(), send_start, 1, 900, 4096, 2048, 4096, 32)
+  assert got == choose_pushers(p, 690 * 4096, 900, 2048, 4096, round_rows=173)
+  with pytest.raises(ValueError, match="send_start"):
+    _jmo.model_choose_dispatch_pushers_for_plan(p.native(), send_start, 3, 900, 4096, 2048, 4096, 32)
 
 
 # ---------------------------------------------------------------------------------------------------------------

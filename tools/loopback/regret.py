@@ -88,10 +88,9 @@ def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   row_bytes = case.d_model * (4 if case.f32 else 2)
   mirror = []
   for r, d in enumerate(ranks):
-    st = [int(v) for v in d.plan["send_start"]]
-    rows = max(0, (st[case.ranks] - st[0]) - (st[r + 1] - st[r]))
-    mirror.append(jmo.model_choose_dispatch_pushers(p.native(), rows * row_bytes, int(d.plan["recv_rows"]),
-                                                    case.d_model, case.rank_k, jmo.model_max_ctas(budget)))
+    mirror.append(jmo.model_choose_dispatch_pushers_for_plan(p.native(), [int(v) for v in d.plan["send_start"]], r,
+                                                             int(d.plan["recv_rows"]), row_bytes, case.d_model,
+                                                             case.rank_k, jmo.model_max_ctas(budget)))
   return {"kind": "regret", "what": "P", "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
           "times_us": {str(q): t for q, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0}

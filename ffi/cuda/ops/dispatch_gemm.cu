@@ -475,8 +475,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   __shared__ int chosen_pushers;
   if (threadIdx.x < 32) {
     const int p = !g.pushers.use_model ? g.pushers.pushers
-                  : WarpChooseDispatchPushers(g.pushers, DevicePusherInputs(g.send_start, rd.rank, R,
-                                                                            g.recv_expected, g.row_bytes, g.K, g.N));
+                  : WarpChooseDispatchPushers(g.pushers, PusherInputsFromPlan(g.send_start, rd.rank, R,
+                                                                              g.recv_expected[0], g.row_bytes, g.K,
+                                                                              g.N));
     if (threadIdx.x == 0) {
       chosen_pushers = p;
       if (blockIdx.x == 0) {

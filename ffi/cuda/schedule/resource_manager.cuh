@@ -503,19 +503,6 @@ inline PusherConfig DispatchPushersPolicy(const Workspace& ws, const CallOptions
   return pc;
 }
 
-// The model's inputs of one dispatch_gemm call from its plan on the device: the rows this rank pushes (its send
-// positions for the other ranks, send_start [R + 1]) and the rows it receives (recv_expected, the GEMM's rows). A
-// malformed plan gives clamped counts here; the call reports it where the rows are moved.
-__device__ inline PusherInputs DevicePusherInputs(const int32_t* send_start, int rank, int ranks,
-                                                  const int32_t* recv_expected, int64_t row_bytes, int64_t K,
-                                                  int64_t N) {
-  const int64_t all = (int64_t)send_start[ranks] - send_start[0];
-  const int64_t own = (int64_t)send_start[rank + 1] - send_start[rank];
-  const int64_t rows = all - own > 0 ? all - own : 0;
-  const int64_t recv = recv_expected[0] > 0 ? recv_expected[0] : 0;
-  return PusherInputs{rows * row_bytes, recv, K, N};
-}
-
 // P of one dispatch_gemm call, on every lane of the calling warp (called by one whole warp): the pinned or fixed
 // count, or the model's choice, lane q evaluating candidate q + 1 (PushersMakespanUs: the host's operations, so the
 // same doubles) and a shuffle argmin keeping the smallest P on ties, as ChooseDispatchPushers.

@@ -25,6 +25,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "jax_moe_overlap/protocol.h"  // kSrcBlockRows: the pushers' blocks
+
 #ifdef __CUDACC__
 #define JMO_RM_HD __host__ __device__
 #else
@@ -354,20 +356,42 @@ JMO_RM_HD inline int ChooseGatherConsumerCtasFromSources(const ModelParams& p, c
 //   push(P)     = seg_us + push_bytes / min(P * pusher_gbps, link_gbps)       (0 without rows to push)
 //   work(P)     = ceil((n * t + P * push(P)) / (sms * t)) * t                 (the GEMM's n tiles of time t and the
 //                                                                               pushers' time, on every SM, in waves)
-//   ready(P)    = push(P) + t                                                 (the tiles of the last rows to arrive)
+//   ready(P)    = push(P) + ceil(n_round / sms) * t                           (the tiles of the last round's rows, at
+//                                                                               least one wave)
 //   makespan(P) = max(work(P), ready(P))
-// Below the link's rate P * push(P) is push_bytes / pusher_gbps whatever P is, so more pushers cost the GEMM only
-// their start and what they take above the link; ready(P) falls until P * pusher_gbps reaches the link. The choice is
-// the smallest P with the smallest makespan: the fewest pushers that keep the transfer under the GEMM, never more than
-// the link can use. Rows arrive as the sources push them (every rank pushes at once, in the order the GEMM takes
-// them), so the own rows and the arrivals keep the GEMM's SMs busy whenever the end points do (both are linear in
-// time). The pushed bytes stand for the received ones (symmetric routing): the rank's pushers are what P sizes.
+// The pushers move one 128-row block of every destination's rows per round (dispatch_gemm.cu), so a receiver's rows
+// arrive round by round, one block per source, and the GEMM's tiles of the last round (n_round: the tiles of
+// round_rows rows, a round's share of the pushed rows) can start only once the push is over. With few rounds (few
+// rows per destination: many ranks, or few tokens) that tail is a large part of the remote work, and more pushers
+// shorten it. Below the link's rate P * push(P) is push_bytes / pusher_gbps whatever P is, so more pushers cost the
+// GEMM only their start and what they take above the link. The choice is the smallest P with the smallest makespan.
+// Rows arrive as the sources push them (every rank pushes at once, in the order the GEMM takes them), so the own rows
+// and the earlier rounds keep the GEMM's SMs busy whenever the end points do. The pushed rows stand for the received
+// ones (symmetric routing): the rank's pushers are what P sizes.
 struct PusherInputs {
   int64_t push_bytes;  // bytes this rank pushes to the other ranks (its rows for them x row bytes)
   int64_t gemm_rows;   // rows of the GEMM (the rows this rank receives, its own included)
   int64_t K;           // the GEMM's K (d_model)
   int64_t N;           // the GEMM's N (columns of the product; 2F with the SwiGLU epilogue)
+  int64_t round_rows;  // rows pushed per round: the pushed rows / the pushers' rounds (PusherInputsFromPlan)
 };
+
+// The inputs of one call from its plan: send_start [ranks + 1] (the first send position of each destination's rows;
+// the pushers' block J of destination d holds send positions [128 J, 128 J + 128) within d's range, so d's rows take
+// the blocks from send_start[d] / 128 to (send_start[d + 1] - 1) / 128 and the rounds are the most blocks of one
+// destination), the rows this rank receives, the row bytes, K and N.
+JMO_RM_HD inline PusherInputs PusherInputsFromPlan(const int32_t* send_start, int rank, int ranks, int64_t recv_rows,
+                                                   int64_t row_bytes, int64_t K, int64_t N) {
+  int64_t rows = 0, rounds = 0;
+  for (int d = 0; d < ranks; ++d) {
+    const int64_t q0 = send_start[d], q1 = send_start[d + 1];
+    if (d == rank || q1 <= q0) continue;
+    rows += q1 - q0;
+    const int64_t blocks = (q1 - 1) / kSrcBlockRows + 1 - q0 / kSrcBlockRows;
+    if (blocks > rounds) rounds = blocks;
+  }
+  return PusherInputs{rows * row_bytes, recv_rows > 0 ? recv_rows : 0, K, N, rounds > 0 ? CeilDiv(rows, rounds) : 0};
+}
 
 // The largest P the model considers on a rank of `budget` CTAs: min(32, budget - 1) (one warp of candidates).
 JMO_RM_HD inline int PusherMaxCtas(int budget) { return ModelMaxCtas(budget); }
@@ -387,7 +411,9 @@ JMO_RM_HD inline double PushersMakespanUs(const ModelParams& p, const PusherInpu
   // (IEEE division and ceil are correctly rounded on host and device: the same doubles.)
   const double waves = ceil(RmAdd(tiles, RmMul((double)pushers, push) / t) / (double)p.sms);
   const double work = RmMul(waves, t);
-  return in.push_bytes > 0 ? RmMax(work, RmAdd(push, t)) : work;
+  const int64_t tail_waves = CeilDiv(ModelTiles(p, in.round_rows, in.N), p.sms);
+  const double ready = RmAdd(push, RmMul((double)(tail_waves > 1 ? tail_waves : 1), t));
+  return in.push_bytes > 0 ? RmMax(work, ready) : work;
 }
 
 // The P in [1, min(max_pushers, sms - 1)] with the smallest modelled time (the smallest such P on ties); 0 when the
