@@ -565,11 +565,14 @@ def test_wire_bytes_count_each_row_once_per_destination():
   assert cases_lib.wire_bytes(per_slot, plans[1], 1, row) == (64, 64 * row)
 
 
-def test_regret_rows_and_summary(capsys):
+def test_regret_rows_and_summary(capsys, monkeypatch):
   # tools/loopback/regret.py on a fake run: dispatch_gemm with a pusher sweep (P = 1, 2, 4 pinned, 0 the model's) and
   # the device's recorded P equal to the host mirror's; the regret is the model's time over the best pinned one.
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
   from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
-  from tools.loopback import regret  # pylint: disable=g-import-not-at-top
+  from tools.loopback import regret, run  # pylint: disable=g-import-not-at-top
   model = cases_lib.calibrated_model(2, 50.0)
   case = _small_case(time=True, dispatch_gemm_pushers=cases_lib.AUTO, link_gbps=50.0, reps=3, model=model,
                      dg_sweep=(1, 2, 4, 0))
@@ -594,6 +597,18 @@ def test_regret_rows_and_summary(capsys):
   lines = regret.summary([row, worse])
   assert lines[0].startswith("regret P: mean 11.0%, worst 20.0% over 2 cases (OUTSIDE the target")
   assert regret.summary([row])[0].startswith("regret P: mean 2.0%, worst 2.0% over 1 cases (within the target")
+  # Three interleaved passes (Case.sweep_passes): each P's time is the median of its three runs, so one slow run of
+  # the model's P (the ranks' drift in that run) does not make it look worse than the pinned P it equals.
+  three = dataclasses.replace(case, sweep_passes=3)
+  one_pass = [[110.0], [100.0], [104.0], [100.0]]  # P = 1, 2, 4 and the model's (the same as P = 2) per pass
+  slow = [[110.0], [100.0], [104.0], [140.0]]      # a pass where the model's run drifted
+  us = [[[t] * 3] * 2 for t in sum(one_pass + slow + one_pass, [])]
+  res3 = {"budget": 66, "dg_sweep_us": us, "dg_sweep_pushers": [[1, 1], [2, 2], [4, 4], mirror] * 3}
+  row3 = regret.pusher_row(three, res3, sets[0])
+  assert row3["best"] == 2 and row3["regret"] == pytest.approx(0.0) and row3["model_us"] == pytest.approx(100.0)
+  assert regret.pusher_row(three, dict(res3, dg_sweep_us=us[:4]), sets[0]) is None  # one pass's runs: not this case
+  spec = run.runner_spec(three)  # the runner times the sweep three times over, in order
+  assert spec["dg_sweep"] == [1, 2, 4, 0] * 3 and "sweep_passes" not in spec
 
 
 def test_regret_suite_covers_gather_rs():

@@ -93,6 +93,10 @@ class Case:
   # dispatch_gemm timing: also the fused call once per P of this sweep (0: the library's choice), for the regret of
   # the P choice (tools/loopback/regret.py).
   dg_sweep: tuple[int, ...] = ()
+  # The sweep (dg_sweep) timed this many times, interleaved: every P once per pass, in the sweep's order. A P's time is
+  # the median over the passes, so the run-to-run spread (the ranks' drift differs from one timed run to the next)
+  # weighs on every P alike instead of deciding which of two equal choices looks faster.
+  sweep_passes: int = 1
   # > 0: every push to another rank (dispatch and dispatch_gemm rows, expert_combine bands) is paced as over a link
   # of this many GB/s per rank (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's
   # memory.
@@ -425,7 +429,7 @@ def _regret_push(base: Case) -> list[Case]:
   # dispatch_gemm's P on dispatch-gemm-time's shape (train mode) over the emulated NVLink at R = 2, 4, 8 and at HBM
   # speed at R = 2, once per pinned P of REGRET_P and once with the library's P, on the same data.
   dg = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, dispatch_gemm_mode="train",
-            dispatch_gemm_pushers=AUTO, dg_sweep=REGRET_P + (0,), **_TIMED)
+            dispatch_gemm_pushers=AUTO, dg_sweep=REGRET_P + (0,), sweep_passes=3, **_TIMED)
   return [dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link),
                               **dict(dg, tokens=2048 if R == 8 else 4096))
           for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0))]

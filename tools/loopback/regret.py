@@ -3,7 +3,7 @@ gather_rs's (GEMM2 + GatherRS) and dispatch_gemm's pusher count P, each against 
 data.
 
 regret = (time with the model's choice) / (the best pinned time of the sweep) - 1, per call the slowest rank, the
-median over calls. Negative where the model chose a count the sweep does not pin and it was faster. The target
+median over calls (and for a sweep timed in several interleaved passes, Case.sweep_passes, the median over them). Negative where the model chose a count the sweep does not pin and it was faster. The target
 (issue 31): mean <= 3%, worst <= 10%. Each case also checks the host mirror (the C++ model through the extension,
 on the plan the kernels got) against the counts the device recorded.
 """
@@ -73,11 +73,16 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
 
 
 def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
-  """The P regret of a dispatch_gemm case with a pusher sweep (Case.dg_sweep, 0 = the model's choice)."""
-  sweep, us, used = case.dg_sweep, result.get("dg_sweep_us", []), result.get("dg_sweep_pushers", [])
+  """The P regret of a dispatch_gemm case with a pusher sweep (Case.dg_sweep, 0 = the model's choice), timed
+  Case.sweep_passes times interleaved: each P's time is the median over the passes of its timed run's."""
+  sweep = list(case.dg_sweep) * max(1, case.sweep_passes)
+  us, used = result.get("dg_sweep_us", []), result.get("dg_sweep_pushers", [])
   if not sweep or 0 not in sweep or len(us) != len(sweep) or not case.model:
     return None
-  times = {p: _medians(u) for p, u in zip(sweep, us)}
+  runs: dict[int, list[float]] = {}
+  for p, u in zip(sweep, us):
+    runs.setdefault(p, []).append(_medians(u))
+  times = {p: timing.quantile(t, 0.5) for p, t in runs.items()}
   pinned = {p: t for p, t in times.items() if p > 0}
   if not pinned:
     return None

@@ -21,7 +21,8 @@
   python -m tools.loopback.run --suite regret-gather    its gather_rs cases alone: R = 4 as 2 x 2, R = 8 as 4 x 2 and
                                                         2 x 4, bf16 (the model's C) and float32 (the fixed C)
   python -m tools.loopback.run --suite regret-push      its dispatch_gemm cases alone: P at R = 2, 4, 8 over the
-                                                        emulated NVLink and at R = 2 at HBM speed
+                                                        emulated NVLink and at R = 2 at HBM speed, the sweep timed
+                                                        in three interleaved passes
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts,
                                                     the shards' partials summed per slot and by GatherRS
@@ -161,6 +162,20 @@ def load_runner():
   return _jmo_loopback
 
 
+def runner_spec(case: cases_lib.Case) -> dict:
+  """What the runner (runner.cc) gets for a case: its fields less those only Python uses, with the kernels' shapes."""
+  spec = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
+          if f.name not in ("experts", "sweep", "model", "routing", "zipf", "capacity_factor", "datasets", "seed",
+                            "check_tokens", "dispatch_gemm_mode", "link_gbps", "table", "tensor", "sweep_passes")}
+  # The kernels' shapes: with `tensor` > 1 each choice is `tensor` shard slots and each rank's K is its shard's.
+  spec.update(top_k=case.slot_top_k, k_dim=case.rank_k)
+  spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
+              variants=case.variants(), dg_mode=cases_lib.DG_MODES.index(case.dispatch_gemm_mode),
+              emulated_link_gbps=case.link_gbps, gemm_alone=case.time and case.table,
+              dg_sweep=list(case.dg_sweep) * max(1, case.sweep_passes) if case.dg and case.time else [])
+  return spec
+
+
 def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None, regrets: list[dict] | None = None) -> bool:
   """Runs and checks one case; prints its lines (and appends its overlap row to `table`, its regret rows to
   `regrets`). True if it passed."""
@@ -169,16 +184,7 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None, regr
     print(f"FAIL {case.name()}: bad config: {why}", flush=True)
     return False
   sets = cases_lib.make_data(case)
-  spec = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
-          if f.name not in ("experts", "sweep", "model", "routing", "zipf", "capacity_factor", "datasets", "seed",
-                            "check_tokens", "dispatch_gemm_mode", "link_gbps", "table", "tensor")}
-  # The kernels' shapes: with `tensor` > 1 each choice is `tensor` shard slots and each rank's K is its shard's.
-  spec.update(top_k=case.slot_top_k, k_dim=case.rank_k)
-  spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
-              variants=case.variants(), dg_mode=cases_lib.DG_MODES.index(case.dispatch_gemm_mode),
-              emulated_link_gbps=case.link_gbps, gemm_alone=case.time and case.table,
-              dg_sweep=list(case.dg_sweep) if case.dg and case.time else [])
-  result = runner.run_ranks(spec, [[d.inputs(case) for d in ranks] for ranks in sets])
+  result = runner.run_ranks(runner_spec(case), [[d.inputs(case) for d in ranks] for ranks in sets])
   v = check_lib.check(case, sets, result)
   line = (f"{'PASS' if v.passed else 'FAIL'} {case.name()} | calls {result['calls']} | max rel err y "
           f"{v.max_rel_y:g}, slots {v.max_rel_slot:g} (tol {v.tol:g}) | bit-identical repeats {v.bit_checks} | "
