@@ -624,6 +624,8 @@ def test_regret_suite_covers_gather_rs():
     assert c.link_gbps == cases_lib.NVLINK_GBPS / c.ranks and c.model == cases_lib.calibrated_model(c.ranks, c.link_gbps)
     assert c.sweep == cases_lib.REGRET_C and c.consumers == 0 and c.time and not c.table and c.decision_iters > 0
     assert c.variants()[-2:] == [(0, False), (0, True)]  # the library's C, and its serialized form
+    # every pinned C and the library's C once per pass, three passes in order, then the serialized form once
+    assert c.sweep_passes == 3 and c.variants()[:-1] == [(q, False) for q in c.sweep + (0,)] * 3
     assert max(c.sweep) <= 132 // c.ranks - 1  # every pinned C leaves a producer on an H200 rank's budget
     assert c.rank_k % 64 == 0 and c.n_dim % 64 == 0  # bf16: the wgmma engine, the calibration's tile
 
@@ -691,3 +693,11 @@ def test_regret_rows_of_gather_rs():
   lines = regret.summary([row, fixed, dict(row, regret=0.2)])
   assert lines[0].startswith("regret C gather_rs: mean 10.5%, worst 20.0% over 2 cases (OUTSIDE the target")
   assert lines[2].startswith("regret C gather_rs (fixed policy): mean 1.0%, worst 1.0% over 1 cases (within")
+  # Three interleaved passes: the library's C timed 101, 150 (a run the ranks' drift slowed) and 101 us: its median.
+  three = dataclasses.replace(case, sweep_passes=3)
+  res = _gather_regret_result(three, sets, "model", 16, want)
+  slow = next(i for i, v in enumerate(three.variants()) if v == (0, False) and i > len(case.sweep))
+  for rank in res["timed"][slow]:
+    rank["call_us"] = [150.0] * 3
+  row3 = regret.consumer_row(three, res, sets[0])
+  assert row3["best"] == 2 and row3["regret"] == pytest.approx(0.01) and row3["chosen"] == want

@@ -93,9 +93,10 @@ class Case:
   # dispatch_gemm timing: also the fused call once per P of this sweep (0: the library's choice), for the regret of
   # the P choice (tools/loopback/regret.py).
   dg_sweep: tuple[int, ...] = ()
-  # The sweep (dg_sweep) timed this many times, interleaved: every P once per pass, in the sweep's order. A P's time is
-  # the median over the passes, so the run-to-run spread (the ranks' drift differs from one timed run to the next)
-  # weighs on every P alike instead of deciding which of two equal choices looks faster.
+  # The sweeps (sweep's pinned C and the manager, dg_sweep's P) timed this many times, interleaved: every count once
+  # per pass, in the sweep's order. A count's time is the median over the passes (tools/loopback/regret.py), so the
+  # run-to-run spread (the ranks' drift differs from one timed run to the next) weighs on every count alike instead
+  # of deciding which of two equal choices looks faster.
   sweep_passes: int = 1
   # > 0: every push to another rank (dispatch and dispatch_gemm rows, expert_combine bands) is paced as over a link
   # of this many GB/s per rank (CallOptions::emulated_link_gbps); 0: at HBM speed, as loopback ranks share one GPU's
@@ -176,7 +177,7 @@ class Case:
       return [(self.consumers, False), (self.consumers, True)]
     if not self.sweep:
       return [(self.consumers, self.serialize)]
-    v = [(c, self.serialize) for c in self.sweep] + [(0, self.serialize)]
+    v = ([(c, self.serialize) for c in self.sweep] + [(0, self.serialize)]) * max(1, self.sweep_passes)
     if not self.serialize:  # the same kernels without overlap: the baseline
       v.append((0, True))
     return v
@@ -421,7 +422,8 @@ def _regret(base: Case) -> list[Case]:
     for R in (2, 4, 8):
       link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
-                                   link_gbps=link, sweep=REGRET_C, **shape, **dict(_TIMED, table=False)))
+                                   link_gbps=link, sweep=REGRET_C, sweep_passes=3, **shape,
+                                   **dict(_TIMED, table=False)))
   return v + _regret_gather(base) + _regret_push(base)
 
 
@@ -456,7 +458,7 @@ def _regret_gather(base: Case) -> list[Case]:
     for f32 in (False, True):
       v.append(dataclasses.replace(base, ranks=R, tensor=TP, tokens=REGRET_GATHER_TOKENS[f32], **REGRET_GATHER_SHAPE,
                                    f32=f32, gather_rs=True, consumers=0,
-                                   model=calibrated_model(R, link), link_gbps=link, sweep=REGRET_C,
+                                   model=calibrated_model(R, link), link_gbps=link, sweep=REGRET_C, sweep_passes=3,
                                    decision_iters=1000, **dict(_TIMED, table=False)))
   return v
 

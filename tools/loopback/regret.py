@@ -37,14 +37,15 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
   variants = case.variants()
   if not case.sweep or (0, False) not in variants or not case.model:
     return None
-  times = {}
+  runs: dict[int, list[float]] = {}  # per C, the median of each pass's timed run (Case.sweep_passes)
   for vi, (c, ser) in enumerate(variants):
     if ser or vi >= len(result["timed"]):
       continue
     stats, records, _ = timing._variant_stats(result, vi)  # pylint: disable=protected-access
-    times[c] = stats["median_us"]
-    if c == 0:
+    if c == 0 and c not in runs:
       chosen = [rec[-1]["consumers"] if rec else 0 for rec in records]
+    runs.setdefault(c, []).append(stats["median_us"])
+  times = {c: timing.quantile(t, 0.5) for c, t in runs.items()}
   pinned = {c: t for c, t in times.items() if c > 0}
   if 0 not in times or not pinned:
     return None

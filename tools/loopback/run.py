@@ -59,6 +59,7 @@ Timing (benchmarks/loopback_runner.py drives these):
   --dispatch-pushers-sweep 1,2,4,0
                            with --dispatch-gemm and --time: also the fused call per P (0: the library's choice), and
                            with --model the regret of its choice (tools/loopback/regret.py)
+  --sweep-passes N         time the sweeps N times over, interleaved; each count's time the median over the passes
   --link-gbps G            pace every push to another rank (dispatch rows, expert_combine bands) as over a link of
                            G GB/s per rank (0: HBM speed)
   --table                  with --time: also the GEMM alone (and expert_combine serialized), and the overlap row
@@ -122,7 +123,7 @@ def parse_args(argv):
       "--push-slots": ("push_slots", int), "--push-read-lag": ("push_read_lag", int),
       "--push-issuers": ("push_issuers", int), "--dispatch-gemm-mode": ("dispatch_gemm_mode", str),
       "--link-gbps": ("link_gbps", float), "--tensor": ("tensor", int), "--send-once": ("send_once", int),
-      "--dispatch-pushers-sweep": ("dg_sweep", _ints),
+      "--dispatch-pushers-sweep": ("dg_sweep", _ints), "--sweep-passes": ("sweep_passes", int),
       "--producer-band-m": ("producer_band_m", int),
   }
   for flag, (dest, kind) in opt.items():
