@@ -454,6 +454,19 @@ __device__ inline void TryExpandUnit(const RankDev& rd, const DispatchGemmArgs& 
   if (v >= 0) DoSideUnit(rd, g, d, sc, SideUnit(g, d, v), epoch);
 }
 
+// The GEMM loop's tile_wait `wait` that also sums the TMA thread's stalls for each tile into *stall_ns (the loopback
+// timeline's; wgmma_gemm::HasStalled).
+template <class F>
+struct StallTimedWait {
+  F wait;
+  uint64_t* stall_ns;
+  template <class T>
+  __device__ __forceinline__ void operator()(const T& t) const { wait(t); }
+  __device__ __forceinline__ void Stalled(uint64_t ns) const {
+    atomicAdd(reinterpret_cast<unsigned long long*>(stall_ns), (unsigned long long)ns);
+  }
+};
+
 // kXRecvFromTiles: the GEMM tiles store x_recv (x_recv_stage below). A kernel of its own: the kernels whose side units
 // copy x_recv run the tile loop without the hook (nor the registers it takes in the consumer warpgroups).
 template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles>
@@ -608,7 +621,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   auto tile_loop = [&](auto a_stage) {
     wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K,
                                                              sched.pre_a[g.E_l] + sched.pre_b[g.E_l], next_tile,
-                                                             tile_of, wgmma_gemm::NoTileDone{}, smem, tile_wait,
+                                                             tile_of, wgmma_gemm::NoTileDone{}, smem,
+                                                             StallTimedWait<decltype(tile_wait)>{
+                                                                 tile_wait, &rd.priv->gemm_stall_ns},
                                                              a_stage);
   };
   if (threadIdx.x == 0)

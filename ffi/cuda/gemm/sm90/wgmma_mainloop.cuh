@@ -81,7 +81,8 @@
 //   the claim nor the checks of a tile whose operands are there stall the loads. Whatever it waits for was written
 //   through the generic proxy, and TMA reads through the async proxy: it must end with fence.proxy.async.global
 //   after its acquire (FenceProxyAsyncGlobal, device/ptx.cuh; the TMA thread fences again after the hand-over). It
-//   must return (a bounded wait) even on failure.
+//   must return (a bounded wait) even on failure. A tile_wait with a member Stalled(uint64_t ns) (HasStalled) also
+//   gets, once per tile, the nanoseconds the TMA thread waited for the hand-over.
 //
 // ---- a_stage(tile, c, a, kt) (optional; bf16 operands) -----------------------------------------------------------
 //   Called by every thread of consumer warpgroup c that multiplies the tile (64 c < tile.rows), once per k-step kt
@@ -123,6 +124,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>  // std::declval
 
 #include "cuda/device/activation.cuh"
 #include "cuda/device/ptx.cuh"
@@ -224,6 +226,14 @@ struct NoTileWait {
   template <class T>
   __device__ __forceinline__ void operator()(const T&) const {}
 };
+
+// Whether a tile_wait takes the time the TMA thread stalled for each tile (a member Stalled(uint64_t ns)): from its
+// wait for the look-ahead's hand-over to the tile's index in hand (%globaltimer), the loads' one stall on the claim
+// and the operands, which the look-ahead's own wait overstates by whatever the previous tile's loads covered.
+template <class W, class = void>
+struct HasStalled : std::false_type {};
+template <class W>
+struct HasStalled<W, decltype(std::declval<const W&>().Stalled(uint64_t{}), void())> : std::true_type {};
 
 // a_stage that does nothing (no reader of the A stages beside the MMAs); selecting it removes the call and its warp
 // sync.
@@ -652,7 +662,9 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         if constexpr (!kAhead) {
           return next_tile(prev);
         } else {
+          const uint64_t t0 = HasStalled<WaitFn>::value ? GlobalTimer() : 0;
           MbarWait(SmemAddr(ring.AheadFull()), popped++ & 1);
+          if constexpr (HasStalled<WaitFn>::value) tile_wait.Stalled(GlobalTimer() - t0);
           const int i = *ring.AheadId();
           FenceProxyAsyncGlobal();  // (the look-ahead's acquire of the operands, then this thread's TMA reads)
           return i;
