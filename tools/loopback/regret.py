@@ -2,10 +2,11 @@
 gather_rs's (GEMM2 + GatherRS) and dispatch_gemm's pusher count P, each against a sweep of pinned counts on the same
 data.
 
-regret = (time with the model's choice) / (the best pinned time of the sweep) - 1, per call the slowest rank, the
-median over calls (and for a sweep timed in several interleaved passes, Case.sweep_passes, the median over them). Negative where the model chose a count the sweep does not pin and it was faster. The target
-(issue 31): mean <= 3%, worst <= 10%. Each case also checks the host mirror (the C++ model through the extension,
-on the plan the kernels got) against the counts the device recorded.
+regret = (time with the model's choice) / (the best pinned time of the sweep) - 1, per call the slowest rank, the median
+over calls (and for a sweep timed in several interleaved passes, Case.sweep_passes, the median over them). Negative
+where the model chose a count the sweep does not pin and it was faster. The target (issue 31): mean <= 3%, worst <= 10%.
+Each case also checks the host mirror (the C++ model through the extension, on the plan the kernels got) against the
+counts the device recorded.
 """
 
 from __future__ import annotations

@@ -59,11 +59,11 @@
 //   outer GEMM's tiles, whose reduction runs over their group's rows).
 //   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
 //   gets da = (d_gate, d_up) in bf16 from dh and the float32 preactivation at `a` (GroupedSwiGluGradKernel).
-//   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile
-//   by thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24
-//   registers, so keep it cheap: a binary search in smem is fine), with a tile_wait also by thread 32 (the
-//   look-ahead, same registers), and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads (smem tables, ...) must be ready before the call (the
-//   entry __syncthreads() orders it for smem written by the CTA before the call).
+//   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile by
+//   thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24 registers, so keep
+//   it cheap: a binary search in smem is fine), with a tile_wait also by thread 32 (the look-ahead, same registers),
+//   and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads (smem tables, ...)
+//   must be ready before the call (the entry __syncthreads() orders it for smem written by the CTA before the call).
 //
 // ---- next_tile(prev) (WgmmaTileLoopNext) ------------------------------------------------------------------------
 //   Called by one thread: the CTA's first tile index with prev = -1, then the next one after prev; an index
@@ -227,9 +227,9 @@ struct NoTileWait {
   __device__ __forceinline__ void operator()(const T&) const {}
 };
 
-// Whether a tile_wait takes the time the TMA thread stalled for each tile (a member Stalled(uint64_t ns)): from its
-// wait for the look-ahead's hand-over to the tile's index in hand (%globaltimer), the loads' one stall on the claim
-// and the operands, which the look-ahead's own wait overstates by whatever the previous tile's loads covered.
+// Whether a tile_wait takes the TMA thread's stall for each tile (a member Stalled(uint64_t ns)): the time from its
+// wait for the look-ahead's hand-over until it holds the tile's index (%globaltimer), which is what the loads waited
+// for the claim and the operands; the look-ahead's own wait overstates that by what the previous tile's loads covered.
 template <class W, class = void>
 struct HasStalled : std::false_type {};
 template <class W>
@@ -464,9 +464,9 @@ __device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int
 // The loop's shared memory, from a 1024-aligned base: kNumStages A slots (kABytes), kNumStages B slots (kBBytes),
 // kNumStages slots of the format's extra data (kExtraBytes: 0 for bf16; the FP8 scales), the full and the empty
 // mbarrier of each stage, the look-ahead's two mbarriers and tile index (WgmmaLoop with a tile_wait), then the tile
-// index of each stage (ids, see WgmmaLoop). stage / phase: the slot a role
-// (the producer, or a consumer warpgroup) works on next and the parity of its barriers' current phase; both roles
-// walk the slots in the same order, tile after tile.
+// index of each stage (ids, see WgmmaLoop). stage / phase: the slot a role (the producer, or a consumer warpgroup)
+// works on next and the parity of its barriers' current phase; both roles walk the slots in the same order, tile after
+// tile.
 template <int kNumStages, int kExtraBytes>
 struct StageRing {
   unsigned char* base;
