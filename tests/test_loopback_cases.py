@@ -611,6 +611,18 @@ def test_regret_rows_and_summary(capsys, monkeypatch):
   assert spec["dg_sweep"] == [1, 2, 4, 0] * 3 and "sweep_passes" not in spec
 
 
+def test_timing_suites_align_the_ranks_where_they_say():
+  # dispatch-gemm-time ends with its linked R = 2, 4, 8 cases again with every call started together (named apart);
+  # regret-push times every P that way, in three interleaved passes.
+  dg = cases_lib.suite("dispatch-gemm-time", cases_lib.Case())
+  aligned = [c for c in dg if c.per_call_stats]
+  assert [c.ranks for c in aligned] == [2, 4, 8] and all(c.link_gbps > 0 and c.name().endswith(" aligned")
+                                                         for c in aligned)
+  assert len({c.name() for c in dg}) == len(dg)  # every case's line its own (the send-once copies end in send_once)
+  for c in cases_lib.suite("regret-push", cases_lib.Case()):
+    assert c.per_call_stats and c.sweep_passes == 3 and c.dg_sweep == cases_lib.REGRET_P + (0,)
+
+
 def test_regret_suite_covers_gather_rs():
   # The regret suite's gather_rs cases (also alone as regret-gather): R = 4 as 2 x 2, R = 8 as 4 x 2 and 2 x 4, each in
   # bf16 and float32, over the emulated NVLink at 370 / R GB/s, a sweep of pinned C and the library's C, with the

@@ -76,7 +76,10 @@ class Case:
   sweep: tuple[int, ...] = ()
   warmup: int = 3
   reps: int = 20
-  per_call_stats: bool = False   # synchronize around every timed call and read its device spans
+  # Every timed call started together on every rank (its stream drained, a barrier: the ranks aligned as a layer's
+  # combine leaves them) and timed from its start, instead of back to back (where a rank's call starts when its
+  # previous one ends, and the ranks drift apart); expert_combine's calls also read their device spans.
+  per_call_stats: bool = False
   decision_iters: int = 0        # > 0: also time the device-side choice on rank 0's plan
   # Timing: the overlap table's columns (timing.overlap_row): the GEMM alone (the bare grouped GEMM over the rank's
   # kept rows, on its SMs), and for expert_combine (consumers as given, 0: the manager) its serialized form beside
@@ -259,6 +262,10 @@ class Case:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:
       s += f" forced_timeout_at={self.timeout_at}"
+    if self.dg and self.send_once == 1:
+      s += " send_once"
+    if self.dg and self.per_call_stats and self.time:
+      s += " aligned"
     return s
 
 
@@ -356,6 +363,10 @@ def _dispatch_gemm_time(base: Case) -> list[Case]:
   # The linked R = 2 and R = 4 training forwards again sending each row once per destination rank: what it saves in
   # bytes and costs in the receiver's expansion.
   v += [dataclasses.replace(v[i], send_once=1) for i in (3, 5)]
+  # The linked R = 2, 4, 8 cases again with every timed call started together on every rank (per_call_stats): what
+  # the fused call costs when the ranks start aligned, as a layer's combine leaves them, without the back-to-back
+  # calls' drift.
+  v += [dataclasses.replace(v[i], per_call_stats=True) for i in (3, 5, 6)]
   return v
 
 
@@ -429,9 +440,10 @@ def _regret(base: Case) -> list[Case]:
 
 def _regret_push(base: Case) -> list[Case]:
   # dispatch_gemm's P on dispatch-gemm-time's shape (train mode) over the emulated NVLink at R = 2, 4, 8 and at HBM
-  # speed at R = 2, once per pinned P of REGRET_P and once with the library's P, on the same data.
+  # speed at R = 2, once per pinned P of REGRET_P and once with the library's P, on the same data, every call started
+  # together on every rank (the choice's effect without the back-to-back calls' drift), in three passes.
   dg = dict(experts=8, tokens=4096, d_model=2048, k_dim=4096, n_dim=2048, dispatch_gemm_mode="train",
-            dispatch_gemm_pushers=AUTO, dg_sweep=REGRET_P + (0,), sweep_passes=3, **_TIMED)
+            dispatch_gemm_pushers=AUTO, dg_sweep=REGRET_P + (0,), sweep_passes=3, per_call_stats=True, **_TIMED)
   return [dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link),
                               **dict(dg, tokens=2048 if R == 8 else 4096))
           for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0))]

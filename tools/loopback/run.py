@@ -48,7 +48,9 @@ Timing (benchmarks/loopback_runner.py drives these):
   --push-slots N, --push-read-lag N, --push-issuers N
                            the bulk-copy consumer's ring slots, stores that may still read their slot, issuing
                            threads per CTA (CallConfig.consumer_tuning; defaults as the library's)
-  --per-call-stats         synchronize around every timed call and read its device spans (and a TIMELINE line)
+  --per-call-stats         start every timed call together on every rank (after its stream drained and a barrier)
+                           and time it from its start; expert_combine's also read their device spans (and a TIMELINE
+                           line)
   --dispatch-gemm P --dispatch-gemm-mode plain|train|infer
                            every dispatch a dispatch_gemm with P pushing CTAs (auto: the library's count for the
                            rank's SMs), and its results (cases.Case)

@@ -495,7 +495,7 @@ class Run {
       auto once = [&]() {
         return v == 0 ? DispatchTwoCalls(r, site, d) : v == 1 ? Dispatch(r, site, d) : DispatchAlone(r, site, d);
       };
-      const bool ok = TimeCalls(site.stream, once, &res_.dg_us[v][r]);
+      const bool ok = TimeCalls(r, site.stream, once, &res_.dg_us[v][r]);
       if (!ok) Fail("rank " + std::to_string(r) + ": a timed dispatch + GEMM1 call failed");
       if (v == 1 && ok) {  // the last dispatch_gemm's timeline
         Status s = ws_->ReadPrivate(0, r, site.stream, reinterpret_cast<RankPrivate*>(h_priv.p));
@@ -507,7 +507,7 @@ class Run {
     for (size_t v = 0; v < s_.dg_sweep.size() && !stop_; ++v) {
       CallSite c = site;
       c.opts.pushers = s_.dg_sweep[v];
-      if (!TimeCalls(c.stream, [&]() { return Dispatch(r, c, d); }, &res_.dg_sweep_us[v][r])) {
+      if (!TimeCalls(r, c.stream, [&]() { return Dispatch(r, c, d); }, &res_.dg_sweep_us[v][r])) {
         Fail("rank " + std::to_string(r) + ": a timed dispatch_gemm of the pusher sweep (P=" +
              std::to_string(c.opts.pushers) + ") failed");
         break;
@@ -518,24 +518,35 @@ class Run {
     }
   }
 
-  // `warmup` calls, then `reps` back to back, each timed from the end of the one before (events), into *us. False if
-  // a call failed.
+  // `warmup` calls, then `reps` timed ones into *us (events): back to back, each from the end of the one before; or
+  // with Spec::per_call_stats each after its stream drained and every rank reached the barrier (the ranks start each
+  // call together, as a layer's combine leaves them), from its start to its end. Every rank calls it alike (the same
+  // calls in the same order). False if a call failed or the peers did not reach a barrier.
   template <class Call>
-  bool TimeCalls(cudaStream_t stream, Call once, std::vector<double>* us) {
+  bool TimeCalls(int r, cudaStream_t stream, Call once, std::vector<double>* us) {
     const int reps = std::max(2, s_.reps);
-    std::vector<cudaEvent_t> ev(reps + 1);
+    std::vector<cudaEvent_t> ev(2 * reps);
     for (auto& e : ev) LB_CHECK(cudaEventCreate(&e));
     bool ok = true;
     for (int i = 0; i < s_.warmup && ok; ++i) ok = once().ok();
-    LB_CHECK(cudaEventRecord(ev[0], stream));
     for (int i = 0; i < reps && ok; ++i) {
+      if (s_.per_call_stats) {
+        LB_CHECK(cudaStreamSynchronize(stream));
+        if (!barrier_.Wait(bar_timeout_)) {
+          Fail("rank " + std::to_string(r) + ": peers did not reach the per-call barrier of a timed call");
+          ok = false;
+          break;
+        }
+      }
+      if (s_.per_call_stats || i == 0) LB_CHECK(cudaEventRecord(ev[2 * i], stream));
       ok = once().ok();
-      LB_CHECK(cudaEventRecord(ev[i + 1], stream));
+      LB_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
     }
     LB_CHECK(cudaStreamSynchronize(stream));
     for (int i = 0; i < reps && ok; ++i) {
       float ms = 0;
-      LB_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+      // (Back to back: call i's start is call i - 1's end.)
+      LB_CHECK(cudaEventElapsedTime(&ms, s_.per_call_stats || i == 0 ? ev[2 * i] : ev[2 * i - 1], ev[2 * i + 1]));
       us->push_back(1000.0 * ms);
     }
     for (auto& e : ev) cudaEventDestroy(e);
@@ -551,7 +562,7 @@ class Run {
     if (!barrier_.Wait(bar_timeout_))
       return Fail("rank " + std::to_string(r) + ": peers did not reach the GEMM barrier");
     auto once = [&]() { return dg_ ? Gemm1(r, site.stream, d, M) : Gemm2(r, site.stream, d, M); };
-    if (!TimeCalls(site.stream, once, &res_.gemm_us[r])) Fail("rank " + std::to_string(r) + ": a timed GEMM failed");
+    if (!TimeCalls(r, site.stream, once, &res_.gemm_us[r])) Fail("rank " + std::to_string(r) + ": a timed GEMM failed");
   }
 
   void RankMain(int r) {

@@ -76,7 +76,8 @@ struct Spec {
   bool time = false;
   std::vector<Variant> variants;
   int warmup = 3, reps = 20;
-  bool per_call_stats = false;       // synchronize around every timed call and read its device record
+  bool per_call_stats = false;       // every timed call started together on every rank (its stream drained, a host
+                                     // barrier) and timed from its start; expert_combine's also read its device record
   // With dispatch_gemm timing: after its fixed variants, the fused call once per entry as CallOptions::pushers (> 0:
   // pinned P, 0: the library's choice), `warmup` then `reps` timed calls each (the regret sweep of the P choice).
   std::vector<int> dg_sweep;
