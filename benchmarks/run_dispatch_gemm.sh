@@ -11,6 +11,8 @@
 #
 #   bash benchmarks/run_dispatch_gemm.sh       ($OUT: summary.txt, loopback.txt, time.txt, memcheck.txt, pytest.log,
 #                                               full.txt)
+# DG_ONLY_TIME=1 keeps the build, dispatch-gemm-time and the pytest step (about 5 minutes); DG_REGRET=1 adds
+# --suite regret-push (the pusher model's regret, aligned calls in three passes: about 4 minutes more; regret.txt).
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-dispatch-gemm-out}
 mkdir -p "$OUT"
@@ -22,30 +24,41 @@ source tests/gpu/build_gpu.sh || exit 1
 el build
 export CUDA_DEVICE_MAX_CONNECTIONS=32
 loopback=(python3 -m tools.loopback.run)
-timeout 120 "${loopback[@]}" --suite dispatch-gemm > "$OUT/loopback.txt" 2>&1
-echo "loopback rc $?"; grep -E "^(PASS|FAIL)|cases passed|  " "$OUT/loopback.txt" | cut -c1-240 | head -30
-el loopback
-CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-if [ -n "$CS" ]; then
-  for mode in train infer plain; do
-    timeout 120 "$CS" --tool memcheck --error-exitcode 99 "${loopback[@]}" --ranks 1 --experts 4 --tokens 48 \
-      --d-model 192 --k-dim 320 --dispatch-gemm 1 --dispatch-gemm-mode $mode --iters 2 >> "$OUT/memcheck.txt" 2>&1
-    echo "memcheck $mode rc $?"
-  done
-  grep -E "SUMMARY|^(PASS|FAIL)" "$OUT/memcheck.txt" | cut -c1-240
+DG_ONLY_TIME=${DG_ONLY_TIME:-0} DG_REGRET=${DG_REGRET:-0}
+if [ "$DG_ONLY_TIME" = 0 ]; then
+  timeout 120 "${loopback[@]}" --suite dispatch-gemm > "$OUT/loopback.txt" 2>&1
+  echo "loopback rc $?"; grep -E "^(PASS|FAIL)|cases passed|  " "$OUT/loopback.txt" | cut -c1-240 | head -30
+  el loopback
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$CS" ]; then
+    for mode in train infer plain; do
+      timeout 120 "$CS" --tool memcheck --error-exitcode 99 "${loopback[@]}" --ranks 1 --experts 4 --tokens 48 \
+        --d-model 192 --k-dim 320 --dispatch-gemm 1 --dispatch-gemm-mode $mode --iters 2 >> "$OUT/memcheck.txt" 2>&1
+      echo "memcheck $mode rc $?"
+    done
+    grep -E "SUMMARY|^(PASS|FAIL)" "$OUT/memcheck.txt" | cut -c1-240
+  fi
+  el memcheck
 fi
-el memcheck
-timeout 200 "${loopback[@]}" --suite dispatch-gemm-time > "$OUT/time.txt" 2>&1
+timeout 240 "${loopback[@]}" --suite dispatch-gemm-time > "$OUT/time.txt" 2>&1
 echo "time rc $?"
 grep -E "^(PASS|FAIL)|cases passed" "$OUT/time.txt" \
   | sed -E 's/^(PASS|FAIL) (R=[0-9]+) .*pushers=([0-9]+) mode=([a-z]+)( link=[0-9.]+GB\/s)?.*dispatch \+ GEMM1 per call:/\1 \2 P=\3 \4\5:/' \
   | cut -c1-400
+grep -E "^\|" "$OUT/time.txt"
 el time
 (cd /tmp && timeout 240 python3 -m pytest -q -p no:cacheprovider "$OLDPWD/tests/gpu" -k "dispatch_gemm or swiglu") \
   > "$OUT/pytest.log" 2>&1
 echo "pytest rc $?"; tail -3 "$OUT/pytest.log"; grep -E "^FAILED|^E  " "$OUT/pytest.log" | head -10
 el pytest
-timeout 240 "${loopback[@]}" --suite full > "$OUT/full.txt" 2>&1
-echo "full rc $?"; grep -E "^FAIL|cases passed" "$OUT/full.txt" | cut -c1-240
-el full
+if [ "$DG_REGRET" != 0 ]; then
+  timeout 300 "${loopback[@]}" --suite regret-push > "$OUT/regret.txt" 2>&1
+  echo "regret-push rc $?"; grep -E "^FAIL|^REGRET|^regret" "$OUT/regret.txt" | cut -c1-300
+  el regret-push
+fi
+if [ "$DG_ONLY_TIME" = 0 ]; then
+  timeout 240 "${loopback[@]}" --suite full > "$OUT/full.txt" 2>&1
+  echo "full rc $?"; grep -E "^FAIL|cases passed" "$OUT/full.txt" | cut -c1-240
+  el full
+fi
 rm -f "$OUT/env.log" "$OUT/build.log" "$OUT/build_tools.log"
