@@ -125,6 +125,11 @@ class Case:
     return self.dispatch_gemm_pushers != 0
 
   @property
+  def timed_dg_sweep(self) -> list[int]:
+    """The pushers of the sweep's timed runs in the runner's order: dg_sweep once per pass (sweep_passes)."""
+    return list(self.dg_sweep) * max(1, self.sweep_passes)
+
+  @property
   def sends_once(self) -> bool:
     """Whether the dispatches send each row once per destination rank."""
     if self.send_once == AUTO:

@@ -22,6 +22,14 @@ def _medians(us_by_rank: list[list[float]]) -> float:
   return timing._median_of_max(us_by_rank)  # pylint: disable=protected-access
 
 
+def _median_per_count(runs) -> dict[int, float]:
+  """(count, time of one timed run) pairs -> per count the median over its runs (one per pass of the sweep)."""
+  by: dict[int, list[float]] = {}
+  for c, t in runs:
+    by.setdefault(c, []).append(t)
+  return {c: timing.quantile(t, 0.5) for c, t in by.items()}
+
+
 def _rank_model(case: Case, budget: int):
   """The model each rank's launch evaluates: the case's ModelParams with the rank's SM budget and the call's link."""
   from jax_moe_overlap import _jmo, resource  # pylint: disable=g-import-not-at-top
@@ -38,15 +46,15 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
   variants = case.variants()
   if not case.sweep or (0, False) not in variants or not case.model:
     return None
-  runs: dict[int, list[float]] = {}  # per C, the median of each pass's timed run (Case.sweep_passes)
+  runs, chosen = [], None  # (C, the median of one pass's timed run: Case.sweep_passes); the manager's first C
   for vi, (c, ser) in enumerate(variants):
     if ser or vi >= len(result["timed"]):
       continue
     stats, records, _ = timing._variant_stats(result, vi)  # pylint: disable=protected-access
-    if c == 0 and c not in runs:
+    if c == 0 and chosen is None:
       chosen = [rec[-1]["consumers"] if rec else 0 for rec in records]
-    runs.setdefault(c, []).append(stats["median_us"])
-  times = {c: timing.quantile(t, 0.5) for c, t in runs.items()}
+    runs.append((c, stats["median_us"]))
+  times = _median_per_count(runs)
   pinned = {c: t for c, t in times.items() if c > 0}
   if 0 not in times or not pinned:
     return None
@@ -77,14 +85,11 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
 def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   """The P regret of a dispatch_gemm case with a pusher sweep (Case.dg_sweep, 0 = the model's choice), timed
   Case.sweep_passes times interleaved: each P's time is the median over the passes of its timed run's."""
-  sweep = list(case.dg_sweep) * max(1, case.sweep_passes)
+  sweep = case.timed_dg_sweep
   us, used = result.get("dg_sweep_us", []), result.get("dg_sweep_pushers", [])
   if not sweep or 0 not in sweep or len(us) != len(sweep) or not case.model:
     return None
-  runs: dict[int, list[float]] = {}
-  for p, u in zip(sweep, us):
-    runs.setdefault(p, []).append(_medians(u))
-  times = {p: timing.quantile(t, 0.5) for p, t in runs.items()}
+  times = _median_per_count((p, _medians(u)) for p, u in zip(sweep, us))
   pinned = {p: t for p, t in times.items() if p > 0}
   if not pinned:
     return None

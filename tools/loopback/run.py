@@ -175,7 +175,7 @@ def runner_spec(case: cases_lib.Case) -> dict:
   spec.update(experts_per_rank=case.experts_per_rank, cap=case.cap, model=list(case.model) if case.model else None,
               variants=case.variants(), dg_mode=cases_lib.DG_MODES.index(case.dispatch_gemm_mode),
               emulated_link_gbps=case.link_gbps, gemm_alone=case.time and case.table,
-              dg_sweep=list(case.dg_sweep) * max(1, case.sweep_passes) if case.dg and case.time else [])
+              dg_sweep=case.timed_dg_sweep if case.dg and case.time else [])
   return spec
 
 

@@ -454,14 +454,7 @@ class Run {
         if (!s.ok()) Fail(what + s.msg), ok = false;
       }
       for (int i = 0; i < reps && ok; ++i) {
-        if (s_.per_call_stats) {
-          LB_CHECK(cudaStreamSynchronize(stream));
-          if (!barrier_.Wait(bar_timeout_)) {
-            Fail("rank " + std::to_string(r) + ": peers did not reach the per-call barrier");
-            ok = false;
-            break;
-          }
-        }
+        if (s_.per_call_stats && !(ok = StartTogether(r, stream))) break;
         LB_CHECK(cudaEventRecord(ev[2 * i], stream));
         Status s = Combine(r, c, d);
         LB_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
@@ -518,6 +511,15 @@ class Run {
     }
   }
 
+  // Spec::per_call_stats, before a timed call: this rank's stream drained, then every rank at the barrier, so the
+  // ranks start the call together. False (the run failed) if the peers did not come.
+  bool StartTogether(int r, cudaStream_t stream) {
+    LB_CHECK(cudaStreamSynchronize(stream));
+    if (barrier_.Wait(bar_timeout_)) return true;
+    Fail("rank " + std::to_string(r) + ": peers did not reach the per-call barrier");
+    return false;
+  }
+
   // `warmup` calls, then `reps` timed ones into *us (events): back to back, each from the end of the one before; or
   // with Spec::per_call_stats each after its stream drained and every rank reached the barrier (the ranks start each
   // call together, as a layer's combine leaves them), from its start to its end. Every rank calls it alike (the same
@@ -530,14 +532,7 @@ class Run {
     bool ok = true;
     for (int i = 0; i < s_.warmup && ok; ++i) ok = once().ok();
     for (int i = 0; i < reps && ok; ++i) {
-      if (s_.per_call_stats) {
-        LB_CHECK(cudaStreamSynchronize(stream));
-        if (!barrier_.Wait(bar_timeout_)) {
-          Fail("rank " + std::to_string(r) + ": peers did not reach the per-call barrier of a timed call");
-          ok = false;
-          break;
-        }
-      }
+      if (s_.per_call_stats && !(ok = StartTogether(r, stream))) break;
       if (s_.per_call_stats || i == 0) LB_CHECK(cudaEventRecord(ev[2 * i], stream));
       ok = once().ok();
       LB_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
