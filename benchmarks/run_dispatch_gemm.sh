@@ -52,7 +52,9 @@ el time
 echo "pytest rc $?"; tail -3 "$OUT/pytest.log"; grep -E "^FAILED|^E  " "$OUT/pytest.log" | head -10
 el pytest
 if [ "$DG_REGRET" != 0 ]; then
-  timeout 300 "${loopback[@]}" --suite regret-push > "$OUT/regret.txt" 2>&1
+  # Within one 600-second device call: what is left of it, at most 300 s.
+  left=$(( 585 - ($(date +%s) - S) )); [ "$left" -gt 300 ] && left=300
+  timeout "$left" "${loopback[@]}" --suite regret-push > "$OUT/regret.txt" 2>&1
   echo "regret-push rc $?"; grep -E "^FAIL|^REGRET|^regret" "$OUT/regret.txt" | cut -c1-300
   el regret-push
 fi
