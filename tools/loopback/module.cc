@@ -144,7 +144,8 @@ nb::dict DeviceRecord(const cuda::RankPrivate& q) {
                    {"cons_t1", nb::cast(q.cons_t1)}, {"comb_t0", nb::cast(q.comb_t0)}, {"comb_t1", nb::cast(q.comb_t1)},
                    {"pushed_bytes", nb::cast(q.pushed_bytes)}, {"push_t1", nb::cast(q.push_t1)},
                    {"pushers", nb::cast(q.pushers)}, {"gemm_wait_ns", nb::cast(q.gemm_wait_ns)},
-                   {"gemm_wait_own_ns", nb::cast(q.gemm_wait_own_ns)}, {"gemm_stall_ns", nb::cast(q.gemm_stall_ns)},
+                   {"gemm_wait_own_ns", nb::cast(q.gemm_wait_own_ns)}, {"gemm_stall_ns", nb::cast(q.gemm_stall_ns[0])},
+                   {"gemm_stall_first_ns", nb::cast(q.gemm_stall_ns[1])},
                    {"phase_b_t0", nb::cast(q.phase_b_t0)},
                    {"ctas", nb::cast(q.ctas)}});
 }

@@ -242,9 +242,10 @@ def dispatch_gemm_timeline(result: dict) -> str:
   BeginKernel (one clock for all ranks, so one rank's pushes line up with another's GEMM): the rank's BeginKernel, its
   pushers from their first push to the end of the push and of their side work, the GEMM from the first CTA entering
   the tile loop to the last leaving it and when its first tile not made of the rank's own rows alone (phase B) was
-  claimed, the mean time a GEMM CTA's look-ahead thread (which claims a tile while the previous one loads) waited
+  claimed, the mean time a GEMM CTA's look-ahead warp (which claims a tile while the previous one loads) waited
   for its tiles' rows, in phase A (own rows) and in phase B, and the mean time its TMA thread stalled for the
-  look-ahead (the part of those waits, and of the claims, that the loads did not cover)."""
+  look-ahead (the part of those waits, and of the claims, that the loads did not cover) on the CTA's first tile + on
+  the others."""
   records = result.get("dg_device", [])
   starts = [q["begin_t"] for q in records if q["begin_t"]]
   if not starts:
@@ -261,7 +262,8 @@ def dispatch_gemm_timeline(result: dict) -> str:
     gemm_ctas = q.get("ctas", 0) - q.get("pushers", 0)
     wait = ""
     if gemm_ctas > 0 and "gemm_wait_own_ns" in q:
-      stall = f" stall {q['gemm_stall_ns'] * 1e-3 / gemm_ctas:.1f}" if "gemm_stall_ns" in q else ""
+      stall = (f" stall {q['gemm_stall_first_ns'] * 1e-3 / gemm_ctas:.1f} + {q['gemm_stall_ns'] * 1e-3 / gemm_ctas:.1f}"
+               if "gemm_stall_first_ns" in q else "")
       wait = (f" wait A {q['gemm_wait_own_ns'] * 1e-3 / gemm_ctas:.1f} B {q['gemm_wait_ns'] * 1e-3 / gemm_ctas:.1f}"
               f"{stall}/CTA, B from {at(q['phase_b_t0'])}")
     parts.append(f"r{r} P={q.get('pushers', '?')} begin {at(q['begin_t'])} push {at(q['cons_t0'])}..{at(q['push_t1'])} "

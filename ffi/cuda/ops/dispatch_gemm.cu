@@ -177,27 +177,33 @@ __device__ __forceinline__ uint64_t BlockRows(const TableScratch& sc, int R, int
   return n;
 }
 
-// One thread: waits (acquire) until every block of source s that holds send positions [pos0, pos0 + rows) has all
-// the rows this rank keeps from it. False once the call failed (the error names the source and the counts).
-__device__ inline bool WaitRows(const RankDev& rd, const TableScratch& sc, int E_l, int s, int64_t pos0, int64_t rows) {
+// One thread: waits (acquire) until source s's send block J holds all the rows this rank keeps from it. False once the
+// call failed (the error names the source and the counts).
+__device__ inline bool WaitBlock(const RankDev& rd, const TableScratch& sc, int E_l, int s, int64_t J) {
   const uint64_t* blocks = View(rd, rd.rank).src_blocks() + (int64_t)s * SrcBlocks(rd.sizes.ret_rows);
-  for (int64_t J = pos0 / kSrcBlockRows; rows > 0 && J <= (pos0 + rows - 1) / kSrcBlockRows; ++J)
-    if (!WaitAtLeast(rd, &blocks[J], 0, BlockRows(sc, rd.ranks, E_l, s, J), s, kStageSrcBlock)) return false;
-  return true;
+  return WaitAtLeast(rd, &blocks[J], 0, BlockRows(sc, rd.ranks, E_l, s, J), s, kStageSrcBlock);
 }
 
-// One thread: waits until recv rows [r0, r0 + rows) of expert e have arrived, from each source they come from
-// (segment (e, s) holds recv rows [recv_off, recv_off + rows), s's send positions from ret_off). False once the call
-// failed.
-__device__ inline bool WaitRecvRows(const RankDev& rd, const TableScratch& sc, int E_l, int e, int64_t r0,
-                                    int64_t rows) {
+// The 32 lanes of one warp together: waits (acquire) until recv rows [r0, r0 + rows) of expert e have arrived, from
+// each source they come from (segment (e, s) holds recv rows [recv_off, recv_off + rows), s's send positions from
+// ret_off): every block of that source holding those positions has all the rows this rank keeps from it. The checks
+// (one per source and block) are dealt to the lanes, which wait at once: one memory round trip for a tile's checks
+// when its rows are there, not one per check. Every lane returns the same answer: false once the call failed (the
+// error names the source and the counts).
+__device__ inline bool WarpWaitRecvRows(const RankDev& rd, const TableScratch& sc, int E_l, int e, int64_t r0,
+                                        int64_t rows) {
+  const int lane = threadIdx.x % 32;
   bool ok = true;
-  for (int s = 0; s < rd.ranks && ok; ++s) {
+  int k = 0;  // the check's index, over the sources' blocks in order
+  for (int s = 0; s < rd.ranks; ++s) {
     const Segment& x = sc.raw[e * rd.ranks + s];
     const int64_t lo = max(r0, (int64_t)x.recv_off), hi = min(r0 + rows, (int64_t)x.recv_off + max(x.rows, 0));
-    if (hi > lo) ok = WaitRows(rd, sc, E_l, s, x.ret_off + (lo - x.recv_off), hi - lo);
+    if (hi <= lo) continue;
+    const int64_t pos0 = x.ret_off + (lo - x.recv_off);
+    for (int64_t J = pos0 / kSrcBlockRows; J <= (pos0 + (hi - lo) - 1) / kSrcBlockRows; ++J, ++k)
+      if (k % 32 == lane && ok) ok = WaitBlock(rd, sc, E_l, s, J);
   }
-  return ok;
+  return __all_sync(0xffffffffu, ok);
 }
 
 // Source s's first send position whose row this rank keeps (its segments' smallest ret_off), INT64_MAX if none.
@@ -218,13 +224,15 @@ __device__ inline int64_t FirstKeptPosition(const TableScratch& sc, int R, int E
 // rows, so these ranges partition its m-tiles; the own segment's less phase A's), src_mt[i] .. src_mt[i] + src_cnt[i]
 // - 1, and the round src_key[i] in which the first of them is complete (its last row of s in s's send block
 // src_key[i] counted from s's first block for this rank; one more for each next m-tile, every m-tile but the
-// segment's last holding 128 of its rows). Phase B of expert e is the merge of its sources' lists by round, ties by
-// source (MergedMTile).
+// segment's last holding 128 of its rows). Phase B of expert e is the merge of its sources' lists by round, ties in
+// the order the sources push to this rank within a round (MergedMTile): source s pushes round J to rank d as its
+// unit J (R - 1) + (d - s - 1 mod R), so within a round the rows of source d - 1 come first, then d - 2, ..., and the
+// own rows (there from the start) lead them all.
 struct DgSchedule {
   int32_t row0[kMaxSegments], rows[kMaxSegments], own_lo[kMaxSegments], own_hi[kMaxSegments];
   int32_t pre_a[kMaxSegments + 1], pre_b[kMaxSegments + 1];
   int32_t src_mt[kMaxSegments], src_cnt[kMaxSegments], src_key[kMaxSegments];
-  int32_t col_tiles, ranks;
+  int32_t col_tiles, ranks, rank;
 };
 
 // Every thread calls it (one per expert, and block scans).
@@ -276,13 +284,15 @@ __device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, 
     d->pre_b[E_l] = (int32_t)total_b;
     d->col_tiles = col_tiles;
     d->ranks = R;
+    d->rank = rd.rank;
   }
   __syncthreads();
 }
 
 // Phase B's m-tile i of expert e (0 <= i < its phase-B m-tiles): the recv m-tile (from the expert's first row) at
-// position i of the merge of its sources' lists by round (DgSchedule), ties by source. The smallest round K whose
-// count of m-tiles with a round <= K exceeds i, then the (i - count below K)-th list holding round K.
+// position i of the merge of its sources' lists by round (DgSchedule), ties in push order (this rank's own, then
+// sources rank - 1, rank - 2, ...). The smallest round K whose count of m-tiles with a round <= K exceeds i, then the
+// (i - count below K)-th list holding round K in that order.
 __device__ inline int MergedMTile(const DgSchedule& d, int e, int i) {
   const int R = d.ranks;
   const int32_t *mt = d.src_mt + e * R, *cnt = d.src_cnt + e * R, *key = d.src_key + e * R;
@@ -299,7 +309,8 @@ __device__ inline int MergedMTile(const DgSchedule& d, int e, int i) {
     if (up_to(mid) > i) hi = mid; else lo = mid + 1;
   }
   int left = i - up_to(lo - 1);
-  for (int s = 0; s < R; ++s) {
+  for (int o = 0; o < R; ++o) {
+    const int s = (d.rank - o + R) % R;
     if (lo < key[s] || lo >= key[s] + cnt[s]) continue;
     if (left == 0) return mt[s] + (lo - key[s]);
     --left;
@@ -359,7 +370,7 @@ __device__ __noinline__ void ExpandRows(const RankDev& rd, const DispatchGemmArg
       if (pos < 0) {
         ReportBadInput(rd, kBadRecvFrom, r, (int64_t)RecvFrom(epoch, f), epoch);
         f = -1;
-      } else if (!WaitRows(rd, sc, g.E_l, s, pos, 1)) {
+      } else if (!WaitBlock(rd, sc, g.E_l, s, pos / kSrcBlockRows)) {
         f = -1;
       }
     }
@@ -390,7 +401,10 @@ __device__ inline void DoSideUnit(const RankDev& rd, const DispatchGemmArgs& g, 
   const int64_t tid = threadIdx.x, nt = blockDim.x;
   const int64_t r0 = d.row0[t.e] + (int64_t)t.mt * kWgBM;
   const int64_t rows = min((int64_t)kWgBM, (int64_t)d.rows[t.e] - (int64_t)t.mt * kWgBM);
-  if (threadIdx.x == 0) ok = WaitRecvRows(rd, sc, g.E_l, t.e, r0, rows);
+  if (threadIdx.x < 32) {
+    const bool arrived = WarpWaitRecvRows(rd, sc, g.E_l, t.e, r0, rows);
+    if (threadIdx.x == 0) ok = arrived;
+  }
   __syncthreads();
   if (ok && g.primary != nullptr && !t.own) {
     ExpandRows(rd, g, sc, t.e, r0, rows, epoch);
@@ -454,16 +468,16 @@ __device__ inline void TryExpandUnit(const RankDev& rd, const DispatchGemmArgs& 
   if (v >= 0) DoSideUnit(rd, g, d, sc, SideUnit(g, d, v), epoch);
 }
 
-// The GEMM loop's tile_wait `wait` that also sums the TMA thread's stalls for each tile into *stall_ns (the loopback
-// timeline's; wgmma_gemm::HasStalled).
+// The GEMM loop's tile_wait `wait` that also sums the TMA thread's stalls for each tile into stall_ns[1] for the CTA's
+// first tile and stall_ns[0] for the others (the loopback timeline's; wgmma_gemm::HasStalled).
 template <class F>
 struct StallTimedWait {
   F wait;
   uint64_t* stall_ns;
   template <class T>
   __device__ __forceinline__ void operator()(const T& t) const { wait(t); }
-  __device__ __forceinline__ void Stalled(uint64_t ns) const {
-    atomicAdd(reinterpret_cast<unsigned long long*>(stall_ns), (unsigned long long)ns);
+  __device__ __forceinline__ void Stalled(uint64_t ns, bool first) const {
+    atomicAdd(reinterpret_cast<unsigned long long*>(&stall_ns[first ? 1 : 0]), (unsigned long long)ns);
   }
 };
 
@@ -596,13 +610,18 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   auto tile_wait = [&](const DgTile& t) {
     // On failure the call is failed (the error names source and counts); the loop runs on rather than hang. Send
     // once: an m-tile with other ranks' rows waits for its side unit, which waited for its blocks and filled its rows.
+    // (The 32 lanes of the look-ahead warp.)
     const uint64_t t0 = GlobalTimer();
-    if (t.expand >= 0)
-      WaitAtLeast(rd, &View(rd, rd.rank).tile_ready()[t.expand], 0, st.epoch, (uint64_t)t.expand, kStageExpand);
-    else
-      WaitRecvRows(rd, scratch, g.E_l, t.e, t.a_row, t.rows);
-    atomicAdd(reinterpret_cast<unsigned long long*>(t.own ? &rd.priv->gemm_wait_own_ns : &rd.priv->gemm_wait_ns),
-              (unsigned long long)(GlobalTimer() - t0));
+    if (t.expand >= 0) {
+      if (threadIdx.x % 32 == 0)
+        WaitAtLeast(rd, &View(rd, rd.rank).tile_ready()[t.expand], 0, st.epoch, (uint64_t)t.expand, kStageExpand);
+      __syncwarp();
+    } else {
+      WarpWaitRecvRows(rd, scratch, g.E_l, t.e, t.a_row, t.rows);
+    }
+    if (threadIdx.x % 32 == 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(t.own ? &rd.priv->gemm_wait_own_ns : &rd.priv->gemm_wait_ns),
+                (unsigned long long)(GlobalTimer() - t0));
     ptx::FenceProxyAsyncGlobal();  // the rows were stored by the generic proxy; TMA reads by the async one
   };
   auto next_tile = [&](int) {
@@ -623,7 +642,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
                                                              sched.pre_a[g.E_l] + sched.pre_b[g.E_l], next_tile,
                                                              tile_of, wgmma_gemm::NoTileDone{}, smem,
                                                              StallTimedWait<decltype(tile_wait)>{
-                                                                 tile_wait, &rd.priv->gemm_stall_ns},
+                                                                 tile_wait, rd.priv->gemm_stall_ns},
                                                              a_stage);
   };
   if (threadIdx.x == 0)

@@ -32,7 +32,7 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   p->timeout_ms = static_cast<uint64_t>(timeout_ns / 1000000);
   p->prod_t0 = p->cons_t0 = p->comb_t0 = ~0ull;
   p->prod_t1 = p->cons_t1 = p->prod_t0_last = p->comb_t1 = p->push_t1 = p->link_t0 = p->link_bytes = 0;
-  p->gemm_wait_ns = p->gemm_wait_own_ns = p->gemm_stall_ns = p->ctas = 0;
+  p->gemm_wait_ns = p->gemm_wait_own_ns = p->gemm_stall_ns[0] = p->gemm_stall_ns[1] = p->ctas = 0;
   p->phase_b_t0 = ~0ull;
   p->begin_t = begin_t;
   p->combine_done = 0;

@@ -79,11 +79,12 @@ struct RankPrivate {
   // the workspace and replayed after its release finds this set in its first kernel and stops the device there,
   // before it touches the freed blocks.
   uint64_t released;
-  // dispatch_gemm's GEMM tiles: the nanoseconds the loop's look-ahead threads spent waiting for the tiles' rows,
+  // dispatch_gemm's GEMM tiles: the nanoseconds the loop's look-ahead warps spent waiting for the tiles' rows,
   // summed over the tiles not made of this rank's own rows alone and over those that are (phase B and phase A), the
-  // nanoseconds the TMA threads stalled for the look-ahead's next tile (wgmma_gemm::HasStalled), when the first
-  // phase-B tile was claimed, and the CTAs of the launch (for the loopback harness; never the protocol).
-  uint64_t gemm_wait_ns, gemm_wait_own_ns, gemm_stall_ns, phase_b_t0, ctas;
+  // nanoseconds the TMA threads stalled for the look-ahead's next tile (wgmma_gemm::HasStalled) on every tile but a
+  // CTA's first ([0]) and on its first ([1]), when the first phase-B tile was claimed, and the CTAs of the launch
+  // (for the loopback harness; never the protocol).
+  uint64_t gemm_wait_ns, gemm_wait_own_ns, gemm_stall_ns[2], phase_b_t0, ctas;
 };
 
 // The per-band tile counters (uint32, zeroed by one memset per call) followed by the call counters (kCallCounterBytes,

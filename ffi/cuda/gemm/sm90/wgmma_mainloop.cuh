@@ -61,28 +61,31 @@
 //   gets da = (d_gate, d_up) in bf16 from dh and the float32 preactivation at `a` (GroupedSwiGluGradKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile by
 //   thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24 registers, so keep
-//   it cheap: a binary search in smem is fine), with a tile_wait also by thread 32 (the look-ahead, same registers),
-//   and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads (smem tables, ...)
+//   it cheap: a binary search in smem is fine), with a tile_wait also by the 32 threads of warp 1 (the look-ahead,
+//   same registers), and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads (smem tables, ...)
 //   must be ready before the call (the entry __syncthreads() orders it for smem written by the CTA before the call).
 //
 // ---- next_tile(prev) (WgmmaTileLoopNext) ------------------------------------------------------------------------
 //   Called by one thread: the CTA's first tile index with prev = -1, then the next one after prev; an index
-//   >= count ends the CTA's loop. The thread is thread 0 (the TMA thread), or with a tile_wait thread 32 (the
-//   look-ahead, below). A static schedule (WgmmaTileLoop: first, first + stride, ...) or a dynamic one
+//   >= count ends the CTA's loop. The thread is thread 0 (the TMA thread), or with a tile_wait thread 32 (lane 0 of
+//   the look-ahead warp, below). A static schedule (WgmmaTileLoop: first, first + stride, ...) or a dynamic one
 //   (an atomicAdd on a per-call counter: CTAs that join late take what is left, dispatch_gemm's pushers). Thread 0
 //   passes each index to the consumer warpgroups through shared memory, next to the tile's first stage.
 //
 // ---- tile_wait(tile) (optional) ---------------------------------------------------------------------------------
 //   Called with tile_of(i)'s value before the first TMA load of the tile: it may block until the tile's operands
-//   exist (dispatch_gemm: until the segment's source rank has pushed its rows). It runs on thread 32 (lane 0 of the
-//   producer warpgroup's second warp, 24 registers), the look-ahead: that thread claims the tiles (next_tile) and
-//   waits for each while the TMA thread still loads the previous tile's stages, and hands the index over through
-//   shared memory (an mbarrier pair and one slot) once the previous tile's last kNumStages loads remain; so neither
-//   the claim nor the checks of a tile whose operands are there stall the loads. Whatever it waits for was written
-//   through the generic proxy, and TMA reads through the async proxy: it must end with fence.proxy.async.global
-//   after its acquire (FenceProxyAsyncGlobal, device/ptx.cuh; the TMA thread fences again after the hand-over). It
-//   must return (a bounded wait) even on failure. A tile_wait with a member Stalled(uint64_t ns) (HasStalled) also
-//   gets, once per tile, the nanoseconds the TMA thread waited for the hand-over.
+//   exist (dispatch_gemm: until the segment's source rank has pushed its rows). It runs on the 32 lanes of the
+//   producer warpgroup's second warp together (24 registers, the same tile on every lane), the look-ahead: lane 0
+//   claims the tiles (next_tile), the warp waits for each while the TMA thread still loads the previous tile's
+//   stages, and lane 0 hands the index over through shared memory (an mbarrier pair and one slot) once the previous
+//   tile's last 2 kNumStages loads remain; so neither the claim nor the checks of a tile whose operands are there
+//   stall the loads, and a tile's several checks can run on several lanes at once (one memory round trip, not one
+//   per check). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
+//   every lane must end with fence.proxy.async.global after its acquires (FenceProxyAsyncGlobal, device/ptx.cuh; the
+//   TMA thread fences again after the hand-over), and the lanes must have synchronized (__syncwarp or a warp vote)
+//   before it returns. It must return (a bounded wait) even on failure. A tile_wait with a member
+//   Stalled(uint64_t ns, bool first) (HasStalled) also gets, once per tile, the nanoseconds the TMA thread waited for
+//   the hand-over (first: the CTA's first tile, whose wait no earlier tile's loads can cover).
 //
 // ---- a_stage(tile, c, a, kt) (optional; bf16 operands) -----------------------------------------------------------
 //   Called by every thread of consumer warpgroup c that multiplies the tile (64 c < tile.rows), once per k-step kt
@@ -227,13 +230,13 @@ struct NoTileWait {
   __device__ __forceinline__ void operator()(const T&) const {}
 };
 
-// Whether a tile_wait takes the TMA thread's stall for each tile (a member Stalled(uint64_t ns)): the time from its
+// Whether a tile_wait takes the TMA thread's stall for each tile (a member Stalled(uint64_t ns, bool first)): the time from its
 // wait for the look-ahead's hand-over until it holds the tile's index (%globaltimer), which is what the loads waited
 // for the claim and the operands; the look-ahead's own wait overstates that by what the previous tile's loads covered.
 template <class W, class = void>
 struct HasStalled : std::false_type {};
 template <class W>
-struct HasStalled<W, decltype(std::declval<const W&>().Stalled(uint64_t{}), void())> : std::true_type {};
+struct HasStalled<W, decltype(std::declval<const W&>().Stalled(uint64_t{}, bool{}), void())> : std::true_type {};
 
 // a_stage that does nothing (no reader of the A stages beside the MMAs); selecting it removes the call and its warp
 // sync.
@@ -625,7 +628,7 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
   static_assert(Ops::kProducerRegs * 128 + Ops::kConsumerRegs * 256 <= kEntryRegs * kThreads, "register budget");
   constexpr bool kHasDone = !std::is_same<typename std::decay<DoneFn>::type, NoTileDone>::value;
   constexpr bool kHasAStage = !std::is_same<typename std::decay<AStageFn>::type, NoAStage>::value;
-  // With a tile_wait the look-ahead thread claims and waits for each tile (see the header comment).
+  // With a tile_wait the look-ahead warp claims and waits for each tile (see the header comment).
   constexpr bool kAhead = !std::is_same<typename std::decay<WaitFn>::type, NoTileWait>::value;
   using Ring = StageRing<kNumStages, Ops::kExtraBytes>;
   // 128B swizzle atoms must start 1024-aligned (the descriptor base offset field is left 0).
@@ -645,7 +648,7 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
       MbarInit(SmemAddr(ring.Empty(s)), 8);  // one arrive per consumer warp (2 warpgroups x 4 warps)
     }
     if (kAhead) {
-      MbarInit(SmemAddr(ring.AheadFull()), 1);   // the look-ahead thread's arrive with the next tile's index
+      MbarInit(SmemAddr(ring.AheadFull()), 1);   // the look-ahead lane 0's arrive with the next tile's index
       MbarInit(SmemAddr(ring.AheadEmpty()), 1);  // the TMA thread's arrive: claim the one after
     }
     MbarInitFence();
@@ -664,7 +667,7 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         } else {
           const uint64_t t0 = HasStalled<WaitFn>::value ? GlobalTimer() : 0;
           MbarWait(SmemAddr(ring.AheadFull()), popped++ & 1);
-          if constexpr (HasStalled<WaitFn>::value) tile_wait.Stalled(GlobalTimer() - t0);
+          if constexpr (HasStalled<WaitFn>::value) tile_wait.Stalled(GlobalTimer() - t0, popped == 1);
           const int i = *ring.AheadId();
           FenceProxyAsyncGlobal();  // (the look-ahead's acquire of the operands, then this thread's TMA reads)
           return i;
@@ -681,10 +684,11 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         const auto tile = tile_of(i);
         const TileCoords coords = TileCoords::Of(tile);
         const int k_first = TileKFirst(tile), k_steps = TileKSteps(tile, ktiles);
-        // The look-ahead claims the next tile once this one's last kNumStages loads remain: early enough that its
-        // wait ends before the consumers run dry (they hold up to kNumStages more), late enough that a claimed tile
-        // is not held for long (the dynamic schedule's balance at the end).
-        const int ahead_kt = k_steps > kNumStages ? k_steps - kNumStages : 0;
+        // The look-ahead claims the next tile once this one's last 2 kNumStages loads remain: early enough that its
+        // claim (an atomic) and checks (an acquire round trip) end before the consumers run dry (they hold up to
+        // kNumStages more, ~2 us of MMAs), late enough that a claimed tile is not held for long (the dynamic
+        // schedule's balance at the end).
+        const int ahead_kt = k_steps > 2 * kNumStages ? k_steps - 2 * kNumStages : 0;
         for (int kt = 0; kt < k_steps; ++kt) {
           const int s = ring.stage;
           const uint32_t fb = SmemAddr(ring.Full(s));
@@ -695,15 +699,17 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
           if (kAhead && kt == ahead_kt) MbarArrive(SmemAddr(ring.AheadEmpty()));
         }
       }
-    } else if (kAhead && tid == 32) {
-      // The look-ahead: claims each tile and waits for its operands while the TMA thread still loads the previous
-      // one, then hands its index over (-> take above); an index >= count ends both.
+    } else if (kAhead && warp == 1) {
+      // The look-ahead warp: lane 0 claims each tile, the warp waits for its operands while the TMA thread still loads
+      // the previous one, lane 0 hands its index over (-> take above); an index >= count ends both.
       for (int prev = -1, n = 0;; ++n) {
         MbarWait(SmemAddr(ring.AheadEmpty()), (n & 1) ^ 1);  // (the first pass goes through)
-        const int i = next_tile(prev);
+        const int i = __shfl_sync(0xffffffffu, lane == 0 ? next_tile(prev) : 0, 0);
         if (i < count) tile_wait(tile_of(i));
-        *ring.AheadId() = i;
-        MbarArrive(SmemAddr(ring.AheadFull()));
+        if (lane == 0) {
+          *ring.AheadId() = i;
+          MbarArrive(SmemAddr(ring.AheadFull()));
+        }
         if (i >= count) break;
         prev = i;
       }
