@@ -78,7 +78,7 @@
 //   producer warpgroup's second warp together (24 registers, the same tile on every lane), the look-ahead: lane 0
 //   claims the tiles (next_tile), the warp waits for each while the TMA thread still loads the previous tile's
 //   stages, and lane 0 hands the index over through shared memory (an mbarrier pair and one slot) once the previous
-//   tile's last 2 kNumStages loads remain; so neither the claim nor the checks of a tile whose operands are there
+//   tile's last kAheadLoads loads remain; so neither the claim nor the checks of a tile whose operands are there
 //   stall the loads, and a tile's several checks can run on several lanes at once (one memory round trip, not one
 //   per check). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
 //   every lane must end with fence.proxy.async.global after its acquires (FenceProxyAsyncGlobal, device/ptx.cuh; the
@@ -229,6 +229,13 @@ struct NoTileWait {
   template <class T>
   __device__ __forceinline__ void operator()(const T&) const {}
 };
+
+// The look-ahead (WgmmaLoop with a tile_wait) claims tile i + 1 once tile i's last kAheadLoads loads remain, ~9 us of
+// MMAs at 128 x 256 x 64 per load: early enough that its claim (an atomic) and checks (acquire loads), each a round
+// trip to L2 that takes microseconds while the GEMM streams its operands, end before the consumers run dry; late
+// enough that a claimed tile is not held for long (the dynamic schedule's balance at the end; at K = 2048 half a
+// tile).
+constexpr int kAheadLoads = 16;
 
 // Whether a tile_wait takes the TMA thread's stall for each tile (a member Stalled(uint64_t ns, bool first)): the time from its
 // wait for the look-ahead's hand-over until it holds the tile's index (%globaltimer), which is what the loads waited
@@ -684,11 +691,8 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         const auto tile = tile_of(i);
         const TileCoords coords = TileCoords::Of(tile);
         const int k_first = TileKFirst(tile), k_steps = TileKSteps(tile, ktiles);
-        // The look-ahead claims the next tile once this one's last 2 kNumStages loads remain: early enough that its
-        // claim (an atomic) and checks (an acquire round trip) end before the consumers run dry (they hold up to
-        // kNumStages more, ~2 us of MMAs), late enough that a claimed tile is not held for long (the dynamic
-        // schedule's balance at the end).
-        const int ahead_kt = k_steps > 2 * kNumStages ? k_steps - 2 * kNumStages : 0;
+        // The look-ahead claims the next tile once this one's last kAheadLoads loads remain (see kAheadLoads).
+        const int ahead_kt = k_steps > kAheadLoads ? k_steps - kAheadLoads : 0;
         for (int kt = 0; kt < k_steps; ++kt) {
           const int s = ring.stage;
           const uint32_t fb = SmemAddr(ring.Full(s));
