@@ -235,15 +235,16 @@ NB_MODULE(_jmo, m) {
   // dispatch_gemm's pushing CTAs (resource_model.h): the modelled time with P pushers, and the choice (0: the model
   // has no pusher rate).
   m.def("model_pushers_makespan_us", [](const jmo::ModelParams& params, int64_t push_bytes, int64_t gemm_rows,
-                                        int64_t k, int64_t n, int64_t round_rows, int pushers) {
-    return jmo::PushersMakespanUs(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n, round_rows}, pushers);
+                                        int64_t k, int64_t n, int64_t round_rows, int pushers, int64_t rounds) {
+    return jmo::PushersMakespanUs(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n, round_rows, rounds}, pushers);
   }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"), nb::arg("round_rows"),
-        nb::arg("pushers"));
+        nb::arg("pushers"), nb::arg("rounds") = 0);
   m.def("model_choose_dispatch_pushers", [](const jmo::ModelParams& params, int64_t push_bytes, int64_t gemm_rows,
-                                            int64_t k, int64_t n, int64_t round_rows, int max_pushers) {
-    return jmo::ChooseDispatchPushers(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n, round_rows}, max_pushers);
+                                            int64_t k, int64_t n, int64_t round_rows, int max_pushers, int64_t rounds) {
+    return jmo::ChooseDispatchPushers(params, jmo::PusherInputs{push_bytes, gemm_rows, k, n, round_rows, rounds},
+                                      max_pushers);
   }, nb::arg("params"), nb::arg("push_bytes"), nb::arg("gemm_rows"), nb::arg("k"), nb::arg("n"), nb::arg("round_rows"),
-        nb::arg("max_pushers"));
+        nb::arg("max_pushers"), nb::arg("rounds") = 0);
   // The same choice from a call's plan, as the kernel makes it (PusherInputsFromPlan): send_start [ranks + 1].
   m.def("model_choose_dispatch_pushers_for_plan", [](const jmo::ModelParams& params,
                                                      const std::vector<int32_t>& send_start, int rank,

@@ -246,23 +246,26 @@ def test_the_calls_link_lowers_the_ceiling_only():
 PP = dataclasses.replace(P, tile_n=256, pusher_gbps=17.3)
 
 
-def pushers_us(p, push_bytes, rows, k, n, q, round_rows=0):
-  return _jmo.model_pushers_makespan_us(p.native(), push_bytes, rows, k, n, round_rows, q)
+def pushers_us(p, push_bytes, rows, k, n, q, round_rows=0, rounds=0):
+  return _jmo.model_pushers_makespan_us(p.native(), push_bytes, rows, k, n, round_rows, q, rounds)
 
 
-def choose_pushers(p, push_bytes, rows, k, n, max_pushers=32, round_rows=0):
-  return _jmo.model_choose_dispatch_pushers(p.native(), push_bytes, rows, k, n, round_rows, max_pushers)
+def choose_pushers(p, push_bytes, rows, k, n, max_pushers=32, round_rows=0, rounds=0):
+  return _jmo.model_choose_dispatch_pushers(p.native(), push_bytes, rows, k, n, round_rows, max_pushers, rounds)
 
 
-def pushers_formula(p, push_bytes, rows, k, n, q, round_rows=0):
+def pushers_formula(p, push_bytes, rows, k, n, q, round_rows=0, rounds=0):
   """resource_model.h's dispatch model in plain Python floats (the same IEEE operations in the same order)."""
   t = p.tile_us_base + p.tile_us_per_k * k
   tiles = float(math.ceil(rows / p.tile_m) * math.ceil(n / p.tile_n)) if rows > 0 else 0.0
   push = p.seg_us + push_bytes * (1e-3 / min(q * p.pusher_gbps, p.link_gbps)) if push_bytes > 0 else 0.0
   work = math.ceil((tiles + q * push / t) / p.sms) * t
+  if push_bytes <= 0:
+    return work
   round_tiles = math.ceil(round_rows / p.tile_m) * math.ceil(n / p.tile_n) if round_rows > 0 else 0
   ready = push + max(1, -(-round_tiles // p.sms)) * t
-  return max(work, ready) if push_bytes > 0 else work
+  one_round = (push + -p.seg_us) / rounds if rounds > 0 else 0.0
+  return max(work, ready) + max(one_round + -t, 0.0)
 
 
 def test_pushers_model_equals_its_formula_on_random_inputs():
@@ -276,9 +279,10 @@ def test_pushers_model_equals_its_formula_on_random_inputs():
     push = rng.randrange(0, rows + 1) * rng.choice([256, 4096])
     k, n = rng.choice([256, 2048, 7168]), rng.choice([256, 4096, 28672])
     per_round = rng.choice([0, 1, 128, 896, 4096, rows // 4])
-    us = [pushers_us(p, push, rows, k, n, q, per_round) for q in range(1, min(32, p.sms - 1) + 1)]
-    assert us == [pushers_formula(p, push, rows, k, n, q, per_round) for q in range(1, len(us) + 1)]
-    assert choose_pushers(p, push, rows, k, n, round_rows=per_round) == 1 + us.index(min(us))
+    rounds = rng.choice([0, 1, 4, 5, 16, 64])
+    us = [pushers_us(p, push, rows, k, n, q, per_round, rounds) for q in range(1, min(32, p.sms - 1) + 1)]
+    assert us == [pushers_formula(p, push, rows, k, n, q, per_round, rounds) for q in range(1, len(us) + 1)]
+    assert choose_pushers(p, push, rows, k, n, round_rows=per_round, rounds=rounds) == 1 + us.index(min(us))
   assert pushers_us(PP, 1 << 20, 4096, 2048, 4096, 0) < 0 and pushers_us(PP, 1 << 20, 4096, 2048, 4096, 132) < 0
 
 
@@ -326,6 +330,28 @@ def test_pushers_grow_when_the_last_round_is_a_large_share():
   assert tails == sorted(tails)
 
 
+def test_pushers_cover_a_round_longer_than_a_tile():
+  # The remote tiles trail the arrivals by a round: a round's push beyond one tile time is added (lag). EP = 8 at 2048
+  # tokens per rank (the loopback's R = 8 case on the shipped H200 calibration: 16 SMs, 46.25 GB/s; the ranks whose
+  # rows to a destination straddle five 128-row blocks: 5 rounds of 717 rows, where the last-round term alone keeps
+  # P = 1): one pusher's round is ~6 tile times, so the lag takes P above 1, never past the link's rate; with many
+  # rounds (EP = 2 at 4096 tokens: 32 rounds of 128 rows) a round is under a tile and the choice is the one without it.
+  p = dataclasses.replace(PP, sms=16, link_gbps=46.25, pusher_gbps=21.3, tile_us_base=2.395, tile_us_per_k=0.0108,
+                          seg_us=0.43)
+  push, rows = 3584 * 4096, 4147
+  without = choose_pushers(p, push, rows, 2048, 4096, round_rows=717)
+  lagged = choose_pushers(p, push, rows, 2048, 4096, round_rows=717, rounds=5)
+  assert without == 1 < lagged <= math.ceil(p.link_gbps / p.pusher_gbps)
+  t = p.tile_us_base + p.tile_us_per_k * 2048
+  for q in (1, 2, 3):
+    lag = pushers_us(p, push, rows, 2048, 4096, q, 717, 5) - pushers_us(p, push, rows, 2048, 4096, q, 717)
+    one_round = push * (1e-3 / min(q * p.pusher_gbps, p.link_gbps)) / 5
+    assert lag == pytest.approx(max(one_round - t, 0.0), rel=1e-9)
+  p2 = dataclasses.replace(p, sms=66, link_gbps=185.0)
+  assert choose_pushers(p2, 4096 * 4096, 8220, 2048, 4096, round_rows=128, rounds=32) == choose_pushers(
+      p2, 4096 * 4096, 8220, 2048, 4096, round_rows=128)
+
+
 def test_pushers_from_a_plan_count_the_rounds_of_the_largest_destination():
   # PusherInputsFromPlan (the kernel's inputs): rank 1 of 3 sends positions [0, 300) to rank 0, [300, 310) to itself
   # and [310, 700) to rank 2: 690 rows pushed; rank 0's rows take blocks 0-2 (3 rounds), rank 2's blocks 2-5 (4
@@ -333,7 +359,7 @@ def test_pushers_from_a_plan_count_the_rounds_of_the_largest_destination():
   p = dataclasses.replace(PP, sms=16, link_gbps=46.25, pusher_gbps=21.3)
   send_start = [0, 300, 310, 700]
   got = _jmo.model_choose_dispatch_pushers_for_plan(p.native(), send_start, 1, 900, 4096, 2048, 4096, 32)
-  assert got == choose_pushers(p, 690 * 4096, 900, 2048, 4096, round_rows=173)
+  assert got == choose_pushers(p, 690 * 4096, 900, 2048, 4096, round_rows=173, rounds=4)
   with pytest.raises(ValueError, match="send_start"):
     _jmo.model_choose_dispatch_pushers_for_plan(p.native(), send_start, 3, 900, 4096, 2048, 4096, 32)
 

@@ -173,7 +173,7 @@ int64_t CheckPushers(int calls, uint64_t seed) {
     const int64_t rows = (int64_t)(g() % 300000);
     in[i] = PusherInputs{(int64_t)(g() % 2 ? 0 : g() % (rows + 1)) * (int64_t)pick({256, 4096, 14336}), rows,
                          (int64_t)pick({128, 2048, 4096, 7168}), (int64_t)pick({256, 1024, 4096, 28672}),
-                         (int64_t)(g() % (rows / 8 + 1))};
+                         (int64_t)(g() % (rows / 8 + 1)), (int64_t)(g() % 64)};
     host[i] = ChooseDispatchPushers(p, in[i], pc[i].max_pushers);
   }
   PusherConfig* d_pc;

@@ -358,13 +358,18 @@ JMO_RM_HD inline int ChooseGatherConsumerCtasFromSources(const ModelParams& p, c
 //                                                                               pushers' time, on every SM, in waves)
 //   ready(P)    = push(P) + ceil(n_round / sms) * t                           (the tiles of the last round's rows, at
 //                                                                               least one wave)
-//   makespan(P) = max(work(P), ready(P))
+//   lag(P)      = max(0, (push(P) - seg_us) / rounds - t)                     (a round's push beyond one tile time)
+//   makespan(P) = max(work(P), ready(P)) + lag(P)
 // The pushers move one 128-row block of every destination's rows per round (dispatch_gemm.cu), so a receiver's rows
 // arrive round by round, one block per source, and the GEMM's tiles of the last round (n_round: the tiles of
 // round_rows rows, a round's share of the pushed rows) can start only once the push is over. With few rounds (few
 // rows per destination: many ranks, or few tokens) that tail is a large part of the remote work, and more pushers
-// shorten it. Below the link's rate P * push(P) is push_bytes / pusher_gbps whatever P is, so more pushers cost the
-// GEMM only their start and what they take above the link. The choice is the smallest P with the smallest makespan.
+// shorten it. And the GEMM's remote tiles trail the arrivals by a round: a 128-row block is signalled only once all of
+// it has landed and its tiles wait for that, so each round's rows show up a round's push after they started; a round
+// that lands within one tile time is covered by the tiles in flight and the look-ahead, a longer one costs its excess
+// (lag: with few rounds, EP = 8 at 2048 tokens per rank, one pusher's round is ~6 tile times). Below the link's rate
+// P * push(P) is push_bytes / pusher_gbps whatever P is, so more pushers cost the GEMM only their start and what they
+// take above the link. The choice is the smallest P with the smallest makespan.
 // Rows arrive as the sources push them (every rank pushes at once, in the order the GEMM takes them), so the own rows
 // and the earlier rounds keep the GEMM's SMs busy whenever the end points do. The pushed rows stand for the received
 // ones (symmetric routing): the rank's pushers are what P sizes.
@@ -374,6 +379,7 @@ struct PusherInputs {
   int64_t K;           // the GEMM's K (d_model)
   int64_t N;           // the GEMM's N (columns of the product; 2F with the SwiGLU epilogue)
   int64_t round_rows;  // rows pushed per round: the pushed rows / the pushers' rounds (PusherInputsFromPlan)
+  int64_t rounds;      // the pushers' rounds (the most 128-row send blocks of one destination); 0: no lag term
 };
 
 // The inputs of one call from its plan: send_start [ranks + 1] (the first send position of each destination's rows;
@@ -390,7 +396,8 @@ JMO_RM_HD inline PusherInputs PusherInputsFromPlan(const int32_t* send_start, in
     const int64_t blocks = (q1 - 1) / kSrcBlockRows + 1 - q0 / kSrcBlockRows;
     if (blocks > rounds) rounds = blocks;
   }
-  return PusherInputs{rows * row_bytes, recv_rows > 0 ? recv_rows : 0, K, N, rounds > 0 ? CeilDiv(rows, rounds) : 0};
+  return PusherInputs{rows * row_bytes, recv_rows > 0 ? recv_rows : 0, K, N, rounds > 0 ? CeilDiv(rows, rounds) : 0,
+                      rounds};
 }
 
 // The largest P the model considers on a rank of `budget` CTAs: min(32, budget - 1) (one warp of candidates).
@@ -413,7 +420,9 @@ JMO_RM_HD inline double PushersMakespanUs(const ModelParams& p, const PusherInpu
   const double work = RmMul(waves, t);
   const int64_t tail_waves = CeilDiv(ModelTiles(p, in.round_rows, in.N), p.sms);
   const double ready = RmAdd(push, RmMul((double)(tail_waves > 1 ? tail_waves : 1), t));
-  return in.push_bytes > 0 ? RmMax(work, ready) : work;
+  if (!(in.push_bytes > 0)) return work;
+  const double round = in.rounds > 0 ? RmAdd(push, -p.seg_us) / (double)in.rounds : 0.0;
+  return RmAdd(RmMax(work, ready), RmMax(RmAdd(round, -t), 0.0));
 }
 
 // The P in [1, min(max_pushers, sms - 1)] with the smallest modelled time (the smallest such P on ties); 0 when the
