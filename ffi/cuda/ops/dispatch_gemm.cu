@@ -188,7 +188,8 @@ __device__ inline bool WaitBlock(const RankDev& rd, const TableScratch& sc, int 
 // each source they come from (segment (e, s) holds recv rows [recv_off, recv_off + rows), s's send positions from
 // ret_off): every block of that source holding those positions has all the rows this rank keeps from it. The checks
 // (one per source and block) are dealt to the lanes, which wait at once: one memory round trip for a tile's checks
-// when its rows are there, not one per check. Every lane returns the same answer: false once the call failed (the
+// when its rows are there, not one per check. Every lane returns the same answer, after a warp barrier (which orders
+// every lane's acquires before what any lane does next, such as lane 0's hand-over): false once the call failed (the
 // error names the source and the counts).
 __device__ inline bool WarpWaitRecvRows(const RankDev& rd, const TableScratch& sc, int E_l, int e, int64_t r0,
                                         int64_t rows) {
@@ -203,7 +204,9 @@ __device__ inline bool WarpWaitRecvRows(const RankDev& rd, const TableScratch& s
     for (int64_t J = pos0 / kSrcBlockRows; J <= (pos0 + (hi - lo) - 1) / kSrcBlockRows; ++J, ++k)
       if (k % 32 == lane && ok) ok = WaitBlock(rd, sc, E_l, s, J);
   }
-  return __all_sync(0xffffffffu, ok);
+  const bool all = __all_sync(0xffffffffu, ok);
+  __syncwarp();
+  return all;
 }
 
 // Source s's first send position whose row this rank keeps (its segments' smallest ret_off), INT64_MAX if none.
