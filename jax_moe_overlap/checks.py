@@ -43,6 +43,10 @@ def check_experts(num_experts: int, top_k: int, ranks: int, axis_name: str) -> N
 
 
 def check_tokens(tokens: int, ranks: int, axis_name: str) -> None:
+  """At least one token on every device of the axis (the custom calls take no empty buffers), split evenly."""
+  if tokens < 1:
+    raise ValueError(f"jax_moe_overlap: x has no tokens; the layer needs at least one token on each of the {ranks} "
+                     f"devices of mesh axis {axis_name!r}")
   if tokens % ranks:
     raise ValueError(f"jax_moe_overlap: {tokens} tokens cannot be split evenly over the {ranks} devices of mesh axis "
                      f"{axis_name!r}")

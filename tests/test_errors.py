@@ -33,6 +33,14 @@ def test_tokens_not_divisible_by_axis(inputs):
     jmo.moe_experts(x[:30], ids[:30], gates[:30], w1, w2, mesh=mesh_of(4))
 
 
+@pytest.mark.parametrize("impl", ["overlap", "collective", "xla", "reference"])
+def test_no_tokens(inputs, impl):
+  """Zero tokens: a ValueError naming it, not a crash in the custom calls nor a ZeroDivisionError inside JAX."""
+  x, ids, gates, w1, w2 = inputs
+  with pytest.raises(ValueError, match=r"x has no tokens; the layer needs at least one token on each of the 4 devices"):
+    jmo.moe_experts(x[:0], ids[:0], gates[:0], w1, w2, mesh=mesh_of(4), impl=impl)
+
+
 def test_top_k_larger_than_experts(inputs):
   x, _, _, w1, w2 = inputs
   ids = jnp.zeros((32, 9), jnp.int32)
@@ -164,3 +172,5 @@ def test_module_rejects_bad_configuration():
     m(jnp.ones((4, 16), jnp.int32))
   with pytest.raises(TypeError, match=r"token_mask must be bool"):
     m(jnp.ones((4, 16)), token_mask=jnp.ones((4,)))
+  with pytest.raises(ValueError, match=r"x has no tokens"):
+    m(jnp.ones((2, 0, 16)))
