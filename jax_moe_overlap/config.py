@@ -164,6 +164,9 @@ class MoEConfig:
 TENSOR_REDUCES = ("auto", "gather_rs", "per_slot")
 
 
+MAX_TIMEOUT_MS = 2**40
+
+
 def _int_in(value, lo: int, hi: int) -> bool:
   return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and lo <= value <= hi
 
@@ -252,6 +255,14 @@ class CallConfig:
   tensor_reduce: str = "auto"
 
   def __post_init__(self):
+    # The custom calls add timeout_ms to a nanosecond clock (int64): 2^40 ms (35 years) stays far from its overflow;
+    # 0 would fail every wait at once, and a negative bound wraps.
+    if not _int_in(self.timeout_ms, 1, MAX_TIMEOUT_MS):
+      raise ValueError(f"jax_moe_overlap: CallConfig.timeout_ms must be an int in [1, {MAX_TIMEOUT_MS}] "
+                       f"(milliseconds; its default is $JMO_TIMEOUT_MS, else 10000), got {self.timeout_ms!r}")
+    if not _int_in(self.delay_rank, -1, 2**31 - 1) or not _int_in(self.delay_us, 0, MAX_TIMEOUT_MS):
+      raise ValueError(f"jax_moe_overlap: CallConfig.delay_rank must be an int >= -1 (-1: none) and delay_us an int "
+                       f"in [0, {MAX_TIMEOUT_MS}], got {self.delay_rank!r} and {self.delay_us!r}")
     if self.tensor_reduce not in TENSOR_REDUCES:
       raise ValueError(f"jax_moe_overlap: CallConfig.tensor_reduce must be one of {TENSOR_REDUCES}, got "
                        f"{self.tensor_reduce!r}")

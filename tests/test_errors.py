@@ -174,3 +174,15 @@ def test_module_rejects_bad_configuration():
     m(jnp.ones((4, 16)), token_mask=jnp.ones((4,)))
   with pytest.raises(ValueError, match=r"x has no tokens"):
     m(jnp.ones((2, 0, 16)))
+
+
+def test_call_config_refuses_bad_timeouts_and_delays():
+  """A wait bound that is no positive int (0 failed every wait at once; -1 wrapped and failed likewise, reporting a
+  bound of 2^64 - 1 ms; 1.5 and "5" were cast) and a hold-back that is no non-negative int: refused by name."""
+  for bad in (0, -1, 1.5, "5", True, 2**41):
+    with pytest.raises(ValueError, match=r"CallConfig.timeout_ms must be an int in \[1, 1099511627776\]"):
+      jmo.CallConfig(timeout_ms=bad)
+  for kw in (dict(delay_rank=-2), dict(delay_rank=0.5), dict(delay_us=-1), dict(delay_us=1.0)):
+    with pytest.raises(ValueError, match=r"CallConfig.delay_rank must be an int >= -1"):
+      jmo.CallConfig(**kw)
+  assert jmo.CallConfig(timeout_ms=np.int64(5), delay_rank=3, delay_us=7).timeout_ms == 5
