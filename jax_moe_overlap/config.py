@@ -139,6 +139,9 @@ class MoEConfig:
     if self.routed_bias_update_rate and not self.routed_bias:
       raise ValueError("jax_moe_overlap: routed_bias_update_rate is set but routed_bias is False")
     check_dtype("MoEConfig.dtype", self.dtype)
+    if not jnp.issubdtype(jnp.dtype(self.weight_dtype), jnp.floating):
+      raise TypeError(f"jax_moe_overlap: MoEConfig.weight_dtype is the dtype of the parameters (the master weights), a "
+                      f"floating-point dtype such as float32, got {jnp.dtype(self.weight_dtype)}")
     check_quantization(self.quantization)
     if self.quantization is not None:
       check_fp8_sizes(self.emb_dim, self.moe_mlp_dim)

@@ -163,6 +163,9 @@ def test_module_rejects_bad_configuration():
     jmo.MoE(cfg(), mesh=mesh, expert_axis="experts", rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match=r"dtype has dtype float16; supported: float32, bfloat16"):
     jmo.MoE(cfg(dtype=jnp.float16), mesh=mesh, rngs=nnx.Rngs(0))
+  for bad in (jnp.int8, jnp.bool_):
+    with pytest.raises(TypeError, match=r"MoEConfig.weight_dtype is the dtype of the parameters"):
+      cfg(weight_dtype=bad)
   with pytest.raises(TypeError, match=r"MoE takes a MoEConfig as its first argument, got 16"):
     jmo.MoE(16, mesh=mesh, rngs=nnx.Rngs(0))
   m = jmo.MoE(cfg(), mesh=mesh, rngs=nnx.Rngs(0))
