@@ -236,8 +236,11 @@ def _like(y, x, mesh, axes):
 
 
 def _like_committed(y, x):
-  """After the layer's program: a committed concrete x (an eager call) gets y back with exactly its sharding."""
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed and y.sharding != x.sharding:
+  """After the layer's program: a committed concrete x (an eager call) gets y back with exactly its sharding. A traced
+  y (an eager ``jax.grad`` of the weights with x held constant) has no concrete sharding to compare: left as the
+  program laid it out (``_like``)."""
+  if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not isinstance(y, jax.core.Tracer) and
+      x.committed and y.sharding != x.sharding):
     return jax.device_put(y, x.sharding)
   return y
 

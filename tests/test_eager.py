@@ -125,3 +125,20 @@ def test_eager_vjp_on_a_data_by_expert_mesh_of_eight():
 def test_eager_forward_vjp_grad_of_every_impl_on_every_test_mesh():
   out = run_script("eager_meshes_main.py", "all")
   assert out.count(": match") == 9, out
+
+
+def test_eager_grad_of_the_weights_with_a_committed_x_under_set_mesh():
+  """An eager grad of the weights alone on an Explicit mesh: x is concrete and committed (the module's bfloat16 cast
+  of x places it under jax.set_mesh), y is traced. y keeps the program's layout; reading a traced y's sharding raised
+  an AttributeError."""
+  devs = np.array(jax.devices("cpu")[:4])
+  mesh = jax.sharding.Mesh(devs, ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
+  m = jmo.MoE(jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=2), mesh=mesh,
+              rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(6), (32, D))
+  loss = lambda m: jnp.sum(m(x)[0] * jnp.cos(jnp.arange(D)))
+  with jax.set_mesh(mesh):
+    g = nnx.grad(loss)(m)
+    g_jit = nnx.jit(nnx.grad(loss))(m)
+  for name in ("router", "w1", "w2"):
+    np.testing.assert_allclose(np.asarray(g[name][...]), np.asarray(g_jit[name][...]), rtol=1e-5, atol=1e-6)
