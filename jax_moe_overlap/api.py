@@ -47,7 +47,10 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   Args:
     x: [T, D] tokens (T divisible by the number of token shards), float32 or bfloat16.
     expert_ids: [T, k] int32 expert choices in [0, E), or -1 for "no selection" (the slot contributes zero, moves
-      nothing and is not counted as dropped). gates: [T, k] float weights of the choices.
+      nothing and is not counted as dropped). A token's choices are meant to be distinct experts: every capacity,
+      dropless included, is at most the group's tokens per expert (each token once), so an expert named in several
+      slots of many tokens can overflow, and the slots past the bound are dropped (and counted). gates: [T, k] float
+      weights of the choices.
     w1: [E, D, 2F] (gate and up projections, SwiGLU) or its view [E, D, 2, F] ([..., 0, :] the gate, [..., 1, :]
       the up projection: the layout that splits over ``tensor_axis``); w2: [E, F, D]; same dtype as x (with
       quantization="fp8": float32 or bfloat16 master weights whatever x's dtype, or pre-quantized ``fp8.Fp8Weight``s
