@@ -258,6 +258,9 @@ class Route:
 def _route(expert_ids, *, axis_name, tensor_axis, num_experts, expert_cap, recv_cap, ragged):
   """Step 1 on the tensor group's routing [T, k]: (``Route``, is_kept [T k], this rank's dropped slots [])."""
   T, k = expert_ids.shape
+  # An id outside [0, E) other than SKIP: no custom call runs here to report it (the plan would count it as expert
+  # 0's), so it is a skipped slot, as impl="reference" gives it no output.
+  expert_ids = jnp.where((expert_ids >= 0) & (expert_ids < num_experts), expert_ids, plan_lib.SKIP)
   counts_all, rank, plan = plan_lib.plan_over_axis(expert_ids, num_experts, axis_name, expert_cap)  # [s, d, e]
   kept = plan_lib.kept_counts(counts_all, expert_cap)                      # [s, d, e]
   cs = plan_lib.exclusive_cumsum

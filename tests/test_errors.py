@@ -113,6 +113,20 @@ def test_expert_ids_out_of_range_eager(inputs):
     jmo.moe_experts(x, ids.at[3, 1].set(11), gates, w1, w2, mesh=mesh_of(2))
 
 
+@pytest.mark.parametrize("impl", ["collective", "xla", "reference"])
+def test_expert_ids_out_of_range_under_jit_are_skipped_slots_without_the_custom_calls(inputs, impl):
+  """The impls that route in XLA give a traced id outside [0, E) no output and no capacity, as a skipped slot (the
+  plan alone would count it as expert 0's: "xla" and "collective" computed it there)."""
+  x, ids, gates, w1, w2 = inputs
+  f = jax.jit(lambda ids: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(4), impl=impl, capacity_factor=1.0))
+  bad = ids.at[5, 0].set(-3).at[9, 1].set(8).at[20, 0].set(100)
+  skipped = ids.at[5, 0].set(-1).at[9, 1].set(-1).at[20, 0].set(-1)
+  y, dropped = f(bad)
+  y_skip, dropped_skip = f(skipped)
+  np.testing.assert_array_equal(y, y_skip)
+  assert int(dropped) == int(dropped_skip)
+
+
 def test_expert_ids_out_of_range_under_jit_then_recovery(inputs):
   x, ids, gates, w1, w2 = inputs
   mesh = mesh_of(4)
