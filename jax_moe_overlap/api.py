@@ -124,7 +124,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     cap = plan_lib.recv_capacity(T_local, R * TP, k, E // R, cap_e)
     info = RankInfo(Workspace.get(mesh, exchange_axes(axis_name, tensor_axis), sizes), config)
     y, dropped = eager_program(_overlap_layer, mesh, axes, E, cap_e, cap, info, reduce, quantization)(*args)
-  return _like_committed(y, x), dropped
+  return like_committed(y, x), dropped
 
 
 def exchange_axes(axis_name: str, tensor_axis: str | None) -> str | tuple[str, str]:
@@ -231,14 +231,14 @@ def _like(y, x, mesh, axes):
   """Inside the layer's program, y's layout, the same for every impl: on a mesh with Explicit axes, as x's sharding
   type says (so that ``x + y`` works and callers can reshape y as they could x); on Auto axes, where a traced x
   carries no sharding, the layer's token layout (``tensor_parallel.operand_specs``), which is x's when x is laid out
-  as the layer takes its tokens (an eager call's committed x gets its own back: ``_like_committed``)."""
+  as the layer takes its tokens (an eager call's committed x gets its own back: ``like_committed``)."""
   if _explicit(mesh):
     return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))
   token_spec = tp_lib.operand_specs(*axes)[0]
   return jax.lax.with_sharding_constraint(y, jax.sharding.NamedSharding(mesh, token_spec))
 
 
-def _like_committed(y, x):
+def like_committed(y, x):
   """After the layer's program: a committed concrete x (an eager call) gets y back with exactly its sharding. A traced
   y (an eager ``jax.grad`` of the weights with x held constant) has no concrete sharding to compare: left as the
   program laid it out (``_like``)."""

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
-from jax_moe_overlap.api import moe_experts
+from jax_moe_overlap.api import like_committed, moe_experts
 from jax_moe_overlap.checks import check_layer, check_token_mask
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
@@ -172,10 +172,11 @@ class MoE(nnx.Module):
     return a.reshape(new)
 
   def _unflatten(self, y: jax.Array, x: jax.Array) -> jax.Array:
-    """[T, D] -> x's shape, and on an Explicit mesh x's sharding."""
+    """[T, D] -> x's shape, and on an Explicit mesh x's sharding; on Auto axes an eager call's committed x gets its
+    own sharding back too (the [T, D] y has x2d's, which a reshape does not carry back onto x's axes)."""
     if _explicit_in(x):
       return jnp.reshape(y, x.shape, out_sharding=jax.typeof(x).sharding)
-    return y.reshape(x.shape)
+    return like_committed(y.reshape(x.shape), x)
 
 
 class MoEBlock(MoE):

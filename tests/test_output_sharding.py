@@ -84,3 +84,17 @@ def test_every_entry_and_impl_keeps_x_sharding(impl):
     _check_functional(mesh_name, explicit, impl)
     # MoEBlock is MoE's call plus its records: on the mesh with every axis kind only.
     _check_modules(mesh_name, explicit, impl, (jmo.MoE, jmo.MoEBlock) if mesh_name == "expert_tensor" else (jmo.MoE,))
+
+
+def test_eager_module_call_on_auto_axes_keeps_a_committed_x_sharding():
+  """An eager MoEBlock call on Auto axes with x [B, S, D] sharded over both leading axes: y gets x's sharding back
+  (the layer's [T, D] y, reshaped, had only the leading axis' share)."""
+  mesh = _mesh({"data": 2, "expert": 2}, explicit=False)
+  cfg = moe_config(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K)
+  m = jmo.MoEBlock(cfg, mesh=mesh, batch_axes=("data",), rngs=nnx.Rngs(0))
+  x = jax.device_put(layer_inputs(T, D, F, E, K, "balanced", 2)[0].reshape(4, T // 4, D),
+                     NamedSharding(mesh, P("data", "expert")))
+  call = lambda m, x: nnx.capture(m, nnx.Intermediate)(x)[0]
+  y = call(m, x)
+  assert y.shape == x.shape and y.sharding.is_equivalent_to(x.sharding, 3), (y.sharding, x.sharding)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(nnx.jit(call)(m, x)), rtol=1e-6, atol=1e-6)
