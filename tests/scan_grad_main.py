@@ -1,12 +1,14 @@
 """Run by test_scan.py in a fresh process (a crash of XLA's compiler there fails that test, not pytest's process):
 the gradient of a stack of expert layers under ``lax.scan``, each layer routed by its own router from the carry,
-against ``impl="reference"``. Usage: scan_grad_main.py IMPL."""
+against ``impl="reference"``. Usage: scan_grad_main.py IMPL [gpu] (gpu: an expert axis over every visible GPU, a
+number dividing 8, instead of 4 virtual CPU devices)."""
 
 import sys
 
 from cpu_flags import set_cpu_flags  # tests/
 
-set_cpu_flags(4)
+if sys.argv[2:] != ["gpu"]:
+  set_cpu_flags(4)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -29,7 +31,7 @@ def loss(impl, mesh):
 
 def main():
   impl = sys.argv[1]
-  mesh = jax.make_mesh((4,), ("expert",))
+  mesh = jax.make_mesh((jax.device_count(),), ("expert",))
   ks = jax.random.split(jax.random.PRNGKey(0), 4)
   args = (jax.random.normal(ks[0], (T, D)), jax.random.normal(ks[1], (L, D, E)),
           jax.random.normal(ks[2], (L, E, D, 2 * F)) / np.sqrt(D), jax.random.normal(ks[3], (L, E, F, D)) / np.sqrt(F))
