@@ -186,15 +186,16 @@ class MoEBlock(MoE):
   Each call records with ``nnx.sow`` (collection ``nnx.Intermediate``): ``moe_aux_loss``, the weighted auxiliary loss
   ``load_balance_loss_weight * load_balance_loss + router_z_loss_weight * router_z_loss``, and ``moe_aux``, the
   call's ``MoEAux``. Collect them with ``y, inter = nnx.capture(model, nnx.Intermediate)(x)`` and add
-  ``total_aux_loss(inter)`` to the training loss.
+  ``total_aux_loss(inter)`` to the training loss. Outside ``nnx.capture`` (inference) nothing is recorded: no module
+  attribute that would grow call after call, nor flax's deprecation warning for one.
   """
 
   def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
     y, aux = super().__call__(x, token_mask)
     cfg = self.config
     self.sow(nnx.Intermediate, "moe_aux_loss", cfg.load_balance_loss_weight * aux.load_balance_loss +
-             cfg.router_z_loss_weight * aux.router_z_loss)
-    self.sow(nnx.Intermediate, "moe_aux", aux)
+             cfg.router_z_loss_weight * aux.router_z_loss, capture_noop=True)
+    self.sow(nnx.Intermediate, "moe_aux", aux, capture_noop=True)
     return y
 
 

@@ -2,6 +2,8 @@
 parameter), shared experts add a dense SwiGLU path, padding tokens cost nothing, and MoEBlock replaces a dense MLP
 inside a small transformer, its aux loss collected through nnx.capture."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +69,23 @@ def test_shared_experts_add_a_dense_swiglu():
   shared = (a[:, :16] / (1 + np.exp(-a[:, :16])) * a[:, 16:]) @ w2
   assert rel_err(np.asarray(y2) - np.asarray(y_routed), shared) < 1e-5
   assert rel_err(y, y_routed) > 1e-3
+
+
+def test_block_records_its_aux_loss_only_inside_capture():
+  # Outside nnx.capture (inference) a call records nothing: no Intermediate attribute on the module (it would grow
+  # with every call and change the module's state under nnx.jit) and no deprecation warning; inside, both values.
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=8, num_experts=8, num_experts_per_tok=2, load_balance_loss_weight=0.01)
+  block = jmo.MoEBlock(cfg, mesh=mesh_of(4), impl="xla", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(4), (8, 16))
+  before = jax.tree.structure(nnx.state(block))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    block(x)
+    block(x)
+  assert jax.tree.structure(nnx.state(block)) == before and not nnx.state(block, nnx.Intermediate)
+  _, inter = nnx.capture(block, nnx.Intermediate)(x)
+  keys = {getattr(k, "key", None) for path, _ in jax.tree_util.tree_leaves_with_path(inter) for k in path}
+  assert {"moe_aux_loss", "moe_aux"} <= keys and float(jmo.total_aux_loss(inter)) > 0
 
 
 def test_padding_tokens_cost_nothing():
