@@ -42,6 +42,7 @@ import atexit
 import dataclasses
 import math
 import threading
+import warnings
 from typing import Callable
 
 import jax
@@ -290,7 +291,13 @@ class Workspace:
     waits for that at most 5 s."""
     if self._released:
       return
-    jax.effects_barrier()
+    try:
+      jax.effects_barrier()
+    except jax.errors.JaxRuntimeError as e:
+      # A failed program's error stays on JAX's runtime tokens and comes back at the next barrier, though the program
+      # has ended and its caller got the error: the release goes on, and says what the barrier saw.
+      warnings.warn(f"jax_moe_overlap: releasing {self!r} after a program that failed: {str(e).splitlines()[0]}",
+                    RuntimeWarning, stacklevel=3)
     with Workspace._lock:
       for group in Workspace._cache.values():
         if self in group:

@@ -121,6 +121,11 @@ def test_eager_vjp_on_a_data_by_expert_mesh_of_eight():
   assert "overlap vjp: match" in out, out
 
 
+def test_release_after_a_failed_program_frees_and_warns():
+  out = run_script("release_after_failure_main.py", timeout=300)
+  assert "released after a failure" in out
+
+
 @pytest.mark.slow  # 8 devices in a second process; 27 eager calls, each compiled again under jit and as the oracle
 def test_eager_forward_vjp_grad_of_every_impl_on_every_test_mesh():
   out = run_script("eager_meshes_main.py", "all")
