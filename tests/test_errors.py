@@ -182,6 +182,11 @@ def test_module_rejects_bad_configuration():
       cfg(weight_dtype=bad)
   with pytest.raises(TypeError, match=r"MoE takes a MoEConfig as its first argument, got 16"):
     jmo.MoE(16, mesh=mesh, rngs=nnx.Rngs(0))
+  for bad in (0, 16.0, "16", True):
+    with pytest.raises(ValueError, match=r"MoEConfig.emb_dim must be a positive int"):
+      cfg(emb_dim=bad)
+  numpy_sizes = cfg(emb_dim=np.int64(16), num_experts=np.int32(8))  # (as read from a checkpoint's metadata)
+  assert numpy_sizes == cfg() and type(numpy_sizes.emb_dim) is int and hash(numpy_sizes) == hash(cfg())
   m = jmo.MoE(cfg(), mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"expects inputs \[..., 16\]"):
     m(jnp.ones((4, 8, 12)))
