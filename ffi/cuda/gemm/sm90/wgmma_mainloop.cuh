@@ -62,8 +62,9 @@
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile by
 //   thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24 registers, so keep
 //   it cheap: a binary search in smem is fine), with a tile_wait also by the 32 threads of warp 1 (the look-ahead,
-//   same registers), and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads (smem tables, ...)
-//   must be ready before the call (the entry __syncthreads() orders it for smem written by the CTA before the call).
+//   same registers), and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads
+//   (smem tables, ...) must be ready before the call (the entry __syncthreads() orders it for smem written by the CTA
+//   before the call).
 //
 // ---- next_tile(prev) (WgmmaTileLoopNext) ------------------------------------------------------------------------
 //   Called by one thread: the CTA's first tile index with prev = -1, then the next one after prev; an index
@@ -82,10 +83,11 @@
 //   stall the loads, and a tile's several checks can run on several lanes at once (one memory round trip, not one
 //   per check). Whatever it waits for was written through the generic proxy, and TMA reads through the async proxy:
 //   every lane must end with fence.proxy.async.global after its acquires (FenceProxyAsyncGlobal, device/ptx.cuh; the
-//   TMA thread fences again after the hand-over), and the lanes must have synchronized (__syncwarp or a warp vote)
-//   before it returns. It must return (a bounded wait) even on failure. A tile_wait with a member
-//   Stalled(uint64_t ns, bool first) (HasStalled) also gets, once per tile, the nanoseconds the TMA thread waited for
-//   the hand-over (first: the CTA's first tile, whose wait no earlier tile's loads can cover).
+//   TMA thread fences again after the hand-over), and the lanes must have passed a __syncwarp (which orders their
+//   memory accesses; a vote alone is not documented to) before it returns. It must return (a bounded wait) even on
+//   failure. A tile_wait with a member Stalled(uint64_t ns, bool first) (HasStalled) also gets, once per tile, the
+//   nanoseconds the TMA thread waited for the hand-over (first: the CTA's first tile, whose wait no earlier tile's
+//   loads can cover).
 //
 // ---- a_stage(tile, c, a, kt) (optional; bf16 operands) -----------------------------------------------------------
 //   Called by every thread of consumer warpgroup c that multiplies the tile (64 c < tile.rows), once per k-step kt
@@ -237,9 +239,10 @@ struct NoTileWait {
 // tile).
 constexpr int kAheadLoads = 16;
 
-// Whether a tile_wait takes the TMA thread's stall for each tile (a member Stalled(uint64_t ns, bool first)): the time from its
-// wait for the look-ahead's hand-over until it holds the tile's index (%globaltimer), which is what the loads waited
-// for the claim and the operands; the look-ahead's own wait overstates that by what the previous tile's loads covered.
+// Whether a tile_wait takes the TMA thread's stall for each tile (a member Stalled(uint64_t ns, bool first)): the
+// time from its wait for the look-ahead's hand-over until it holds the tile's index (%globaltimer), which is what the
+// loads waited for the claim and the operands; the look-ahead's own wait overstates that by what the previous tile's
+// loads covered.
 template <class W, class = void>
 struct HasStalled : std::false_type {};
 template <class W>
