@@ -468,11 +468,12 @@ def _regret_gather(base: Case) -> list[Case]:
   # over the tensor ranks, D = N = 4096), balanced routing, over the emulated NVLink (370 / R GB/s per rank), once
   # per pinned C of REGRET_C and once with the library's C, on the same data; and the device's decision timed on rank
   # 0's plan (a DECISION line: gather_rs's choice alone, ns per decision).
+  # bf16 (the model's C) first: the float32 cases' fixed C makes them the slow ones.
   v = []
-  for R_e, TP in REGRET_GATHER_MESHES:
-    R = R_e * TP
-    link = NVLINK_GBPS / R
-    for f32 in (False, True):
+  for f32 in (False, True):
+    for R_e, TP in REGRET_GATHER_MESHES:
+      R = R_e * TP
+      link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, tensor=TP, tokens=REGRET_GATHER_TOKENS[f32], **REGRET_GATHER_SHAPE,
                                    f32=f32, gather_rs=True, consumers=0,
                                    model=calibrated_model(R, link), link_gbps=link, sweep=REGRET_C, sweep_passes=3,
