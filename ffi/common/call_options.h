@@ -45,8 +45,9 @@ struct CallOptions {
   // transport/emulated_link.cuh). Never set by the library's Python API (0: no pacing); no effect on CPU.
   double emulated_link_gbps = 0;
   // Benchmark aid of the loopback harness: > 0 pins the row blocks per raster band of expert_combine's and
-  // gather_rs's wgmma producer (wgmma_gemm::BandRaster inside each segment); 0: the rule (kProducerBandM,
-  // cuda/ops/expert_combine.cu). Never set by the library's Python API; no effect on CPU or on other GEMM engines.
+  // gather_rs's wgmma producer (wgmma_gemm::BandRaster inside each segment) and of dispatch_gemm's GEMM (inside each
+  // expert's phase); 0: the rules (kProducerBandM, cuda/ops/expert_combine.cu; wgmma_gemm::kBandM for dispatch_gemm).
+  // Never set by the library's Python API; no effect on CPU or on other GEMM engines.
   int32_t producer_band_m = 0;
 };
 

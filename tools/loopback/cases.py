@@ -279,7 +279,7 @@ class Case:
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "backward-time", "regret",
-          "regret-gather", "regret-push", "tensor", "tensor-time", "small", "small-mma")
+          "regret-combine", "regret-gather", "regret-push", "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -431,8 +431,14 @@ REGRET_P = (1, 2, 3, 4, 6, 8, 12)
 
 def _regret(base: Case) -> list[Case]:
   # The resource manager's choices against a sweep of pinned counts on the same data (tools/loopback/regret.py), with
-  # the shipped calibration: expert_combine's C on combine-time's shapes over the emulated NVLink at R = 2, 4, 8, then
-  # gather_rs's C (GEMM2 + GatherRS, _regret_gather) and dispatch_gemm's P (_regret_push).
+  # the shipped calibration: expert_combine's C (_regret_combine), gather_rs's C (GEMM2 + GatherRS, _regret_gather)
+  # and dispatch_gemm's P (_regret_push).
+  return _regret_combine(base) + _regret_gather(base) + _regret_push(base)
+
+
+def _regret_combine(base: Case) -> list[Case]:
+  # expert_combine's C on combine-time's shapes over the emulated NVLink at R = 2, 4, 8, the sweep in three
+  # interleaved passes.
   v = []
   for shape in COMBINE_SHAPES.values():
     for R in (2, 4, 8):
@@ -440,7 +446,7 @@ def _regret(base: Case) -> list[Case]:
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
                                    link_gbps=link, sweep=REGRET_C, sweep_passes=3, **shape,
                                    **dict(_TIMED, table=False)))
-  return v + _regret_gather(base) + _regret_push(base)
+  return v
 
 
 def _regret_push(base: Case) -> list[Case]:
@@ -587,6 +593,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _backward_time(base)
   if name == "regret":
     return _regret(base)
+  if name == "regret-combine":  # regret's expert_combine cases alone
+    return _regret_combine(base)
   if name == "regret-gather":  # regret's gather_rs cases alone
     return _regret_gather(base)
   if name == "regret-push":  # regret's dispatch_gemm cases alone

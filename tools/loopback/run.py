@@ -18,6 +18,8 @@
                                                     (dispatch_gemm) against sweeps of pinned counts over the emulated
                                                     NVLink: REGRET lines and the mean / worst regret per kind (target
                                                     3% / 10%)
+  python -m tools.loopback.run --suite regret-combine   its expert_combine cases alone: seed, Mixtral-like and
+                                                        DeepSeek-like shapes at R = 2, 4, 8 over the emulated NVLink
   python -m tools.loopback.run --suite regret-gather    its gather_rs cases alone: R = 4 as 2 x 2, R = 8 as 4 x 2 and
                                                         2 x 4, bf16 (the model's C) and float32 (the fixed C)
   python -m tools.loopback.run --suite regret-push      its dispatch_gemm cases alone: P at R = 2, 4, 8 over the

@@ -73,6 +73,7 @@ struct DispatchGemmArgs {
   const int32_t* primary;    // send once: slot_primary [P] (protocol.h); nullptr: one row per slot
   bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
                              // kXRecvFromTiles (CallOptions::x_recv_from_tiles where x_recv is kept)
+  int band_m;                // row blocks per raster band of the GEMM's tiles (BandRaster; CallOptions::producer_band_m)
 };
 
 // The x_recv the side units copy into (see the kernel's comment): nullptr where it is not kept or the GEMM tiles
@@ -586,7 +587,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   auto tile_of = [&](int i) {
     // Bands of row blocks within an expert (nothing reads the output's rows during the call): GEMM1's N = 2 * d_ff
     // spans up to ~100 n-tiles.
-    const MTile m = TileAt(sched, g.E_l, i, sched.col_tiles, wgmma_gemm::kBandM);
+    const MTile m = TileAt(sched, g.E_l, i, sched.col_tiles, g.band_m);
     DgTile t;
     t.e = m.e;
     t.expand = g.primary != nullptr && !m.own ? m.m : -1;
@@ -759,7 +760,8 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
                               recv_expected, (int)E_l, DispatchPushersPolicy(ws, c.opts, budget, kWgBM, kWgBN), D, N,
                               static_cast<char*>(out.x_recv), out.out, out.a, c.opts.emulated_link_gbps,
-                              slots.primary, from_tiles};
+                              slots.primary, from_tiles,
+                              c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};
   return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
                     "launch of DispatchGemmKernel");
