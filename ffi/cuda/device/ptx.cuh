@@ -87,6 +87,21 @@ __device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes)
   __trap();
 #endif
 }
+// One lane of the (fully active, converged) warp: true on exactly one lane. A predicate made fresh at each use, so
+// that a loop whose warp arrives once per step keeps no lane index live across it (a register that ptxas would spill
+// where the loop's accumulators fill the register file).
+__device__ __forceinline__ bool ElectOne() {
+#if WGMMA_SM90A
+  uint32_t elected = 0;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\telect.sync _|p, 0xffffffff;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(elected));
+  return elected != 0;
+#else
+  __trap();
+  return false;
+#endif
+}
 __device__ __forceinline__ void MbarArrive(uint32_t bar) {
 #if WGMMA_SM90A
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");

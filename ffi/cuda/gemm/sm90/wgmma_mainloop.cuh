@@ -562,7 +562,7 @@ struct TileCoords {
 //                                                      acc = the tile's 64 x 256 block in the m64n256 f32 layout,
 //                                                      over the tile's ktiles stages from ring.stage on (the first
 //                                                      one's full barrier already waited for); waits on each later
-//                                                      stage's full barrier, arrives (lane 0 of each warp) on each
+//                                                      stage's full barrier, arrives (one lane of each warp) on each
 //                                                      stage's empty barrier once it is done with it, and leaves
 //                                                      ring.stage / ring.phase after the tile's last stage. The bf16
 //                                                      format takes an a_stage(a, kt) too (the loop's hook, bound to
@@ -597,7 +597,7 @@ struct Bf16Operands {
   }
 
   template <class Ring, class AStage = NoAStage>
-  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, const TileCoords&, int c, int, int lane,
+  __device__ __forceinline__ void Multiply(float* acc, Ring& ring, const TileCoords&, int c, int, int,
                                            int ktiles, const AStage& a_stage = {}) const {
 #pragma unroll
     for (int j = 0; j < 128; ++j) acc[j] = 0.f;
@@ -607,18 +607,19 @@ struct Bf16Operands {
       const uint32_t a_base = SmemAddr(ring.A(ring.stage)) + c * (64 * 128);  // this WG's 64 rows
       const uint32_t b_base = SmemAddr(ring.B(ring.stage));
       MmaKStep<0, kTransB>(acc, a_base, b_base);
-      // Keep this k-step's group in flight; the previous one is done -> release its slot.
-      if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
+      // Keep this k-step's group in flight; the previous one is done -> release its slot (one lane of the warp, by
+      // ElectOne: the lane index would stay live across the loop, and beside the 128 accumulators it is spilled).
+      if (prev_stage >= 0 && ElectOne()) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
       if constexpr (!std::is_same<AStage, NoAStage>::value) {
         a_stage(ring.A(ring.stage), kt);  // (while this k-step's MMAs run)
-        __syncwarp();  // every lane's reads of the slot before lane 0 releases it (next k-step, or below)
+        __syncwarp();  // every lane's reads of the slot before one lane releases it (next k-step, or below)
       }
       prev_stage = ring.stage;
       ring.Advance();
     }
     WgmmaWait<0>();
     FenceRegs(acc);
-    if (prev_stage >= 0 && lane == 0) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
+    if (prev_stage >= 0 && ElectOne()) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
   }
 };
 
