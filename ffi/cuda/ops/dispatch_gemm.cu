@@ -73,7 +73,7 @@ struct DispatchGemmArgs {
   const int32_t* primary;    // send once: slot_primary [P] (protocol.h); nullptr: one row per slot
   bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
                              // kXRecvFromTiles (CallOptions::x_recv_from_tiles where x_recv is kept)
-  int band_m;                // row blocks per raster band of the GEMM's tiles (BandRaster, producer_band_m)
+  int band_m;                // row blocks per raster band of the GEMM's tiles (BandRaster; CallOptions::producer_band_m)
 };
 
 // The x_recv the side units copy into (see the kernel's comment): nullptr where it is not kept or the GEMM tiles
@@ -82,30 +82,24 @@ __device__ __forceinline__ char* SideXRecv(const DispatchGemmArgs& g) {
   return g.x_recv_from_tiles ? nullptr : g.x_recv;
 }
 
-constexpr int kOwnSliceParts = 4;  // the own rows' copy: 32-row slices of a send block per unit of a GEMM CTA
-static_assert(kSrcBlockRows % kOwnSliceParts == 0, "equal slices");
-
-// Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range; with parts >
-// 1, only slice `part` of its `parts` equal slices) into d's recv rows, and signals them warp by warp. Every thread of
-// the CTA calls it. Warp w moves positions w, w + warps, ... of the slice: its lanes load the indices of up to 32 of
-// them at once, then the warp copies two rows at a time; then lane 0 adds the warp's count of them to d's recv_arrivals
-// and then release-adds it to d's src_blocks[rank][J] (a reader that acquires the block's count sees the arrivals of it
-// too). The block is complete once every warp's count is in (the reader waits for the block's rows, from its plan). A
-// warp's signal needs no CTA barrier and no fence of its own by each lane: __syncwarp orders the lanes' stores before
-// lane 0's release, which is cumulative (protocol.cuh), so the warps of a pusher flow from block to block
-// independently, each waiting only for its own stores; the slices of a block may be moved by different CTAs. Invalid
-// slots are reported as PushRows does.
+// Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
+// recv rows, and signals them warp by warp. Every thread of the CTA calls it. Warp w moves positions w, w + warps, ...
+// of the block: its lanes load the indices of up to 32 of them at once, then the warp copies two rows at a time; then
+// lane 0 adds the warp's count of them to d's recv_arrivals and then release-adds it to d's src_blocks[rank][J] (a
+// reader that acquires the block's count sees the arrivals of it too). The block is complete once every warp's count
+// is in (the reader waits for the block's rows, from its plan). A warp's signal needs no CTA barrier and no fence of
+// its own by each lane: __syncwarp orders the lanes' stores before lane 0's release, which is cumulative
+// (protocol.cuh), so the warps of a pusher flow from block to block independently, each waiting only for its own
+// stores. Invalid slots are reported as PushRows does.
 // Send once (g.primary): a slot routed to another rank moves its row only where it is its own primary (CheckPrimary;
 // else reported as kBadPrimary and not moved), and every kept slot of the block stores its recv_from entry.
 // Not inlined (nor ExpandRows): inside the kernel, whose code outside the tile loop runs on the launch's 168
 // registers per thread, ptxas spills the row copies' loaded data to local memory; compiled as its own function
-// PushBlock spills nothing and ExpandRows less (`ptxas -v`); one call per block or slice (per side unit).
-__device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, uint64_t epoch,
-                                      int part = 0, int parts = 1) {
+// PushBlock spills nothing and ExpandRows less (`ptxas -v`); one call per block (per side unit).
+__device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs& g, int d, int64_t J, uint64_t epoch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int64_t slice = kSrcBlockRows / parts, b0 = J * kSrcBlockRows + part * slice;
-  const int64_t q0 = max(b0, (int64_t)g.send_start[d]) + warp;
-  const int64_t q1 = min(b0 + slice, (int64_t)g.send_start[d + 1]);
+  const int64_t q0 = max(J * kSrcBlockRows, (int64_t)g.send_start[d]) + warp;
+  const int64_t q1 = min((J + 1) * kSrcBlockRows, (int64_t)g.send_start[d + 1]);
   const int mine = q1 > q0 ? (int)((q1 - q0 + warps - 1) / warps) : 0;  // positions of this warp (<= 32)
   int sr = 0, row = -1, from = -1;  // lane i: the source row, recv row (-1: not moved) and recv row holding its bytes
   if (lane < mine) {
@@ -559,13 +553,10 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     if (threadIdx.x == 0)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->push_t1), (unsigned long long)GlobalTimer());
   } else {
-    // The rows this rank keeps, spread over the GEMM CTAs in slices of kOwnSliceParts per block (step 1 holds for the
-    // own recv by stream order): the tile loop's first tiles wait for the slowest CTA's copies, and with whole blocks
-    // a few CTAs copy two where the others copy one (128 blocks over 124 CTAs at R = 1) or one where most copy none.
+    // The rows this rank keeps, spread over the GEMM CTAs (step 1 holds for the own recv by stream order).
     int64_t f, e;
     DestBlocks(g, rd.rank, &f, &e);
-    for (int64_t u = blockIdx.x - pushers; u < (e - f) * kOwnSliceParts; u += gridDim.x - pushers)
-      PushBlock(rd, g, rd.rank, f + u / kOwnSliceParts, st.epoch, (int)(u % kOwnSliceParts), kOwnSliceParts);
+    for (int64_t J = f + blockIdx.x - pushers; J < e; J += gridDim.x - pushers) PushBlock(rd, g, rd.rank, J, st.epoch);
   }
 
   if (!early_table) {
