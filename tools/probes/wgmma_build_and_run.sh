@@ -21,8 +21,8 @@
 #     fp8                 build, SASS sanity line, run all cases (correctness + timing; about half a minute)
 #     fp8-sanitize        build, then memcheck on the small cases only, no timing
 #     fp8-build           build + SASS sanity line only
-#   gathered-A probe (wgmma_gather_probe.cu: the grouped GEMM with A gathered row by row by cp.async from scattered rows,
-#   timed against the TMA A of WgmmaGroupedGemm on the same data):
+#   gathered-A probe (wgmma_gather_probe.cu: the grouped GEMM with A gathered row by row by cp.async from scattered
+#   rows, timed against the TMA A of WgmmaGroupedGemm on the same data):
 #     gather              build, SASS sanity line, run all cases (correctness + bitwise against TMA A + timing)
 #     gather-sanitize     build, then memcheck on the small cases only, no timing
 #     gather-build        build + SASS sanity line only
@@ -92,7 +92,7 @@ if [ "$mode" != outer-prebuilt ]; then
        k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
   elif [ "$probe" = wgmma_gather_probe ]; then
     awk '/Compiling entry function/ { k = ""
-         if ($0 ~ /sm_90a/ && $0 ~ /GatherGemmKernel/) k = "GatherGemmKernel<warps=" (($0 ~ /KernelILi4/) ? "0-3" : "1-3") ">"
+         if ($0 ~ /sm_90a/ && $0 ~ /GatherGemmKernel/) { match($0, /GatherGemmKernelILi[234]/); k = "GatherGemmKernel<warps=" (4 - substr($0, RSTART + 19, 1)) "-3>" }
          else if ($0 ~ /sm_90a/ && $0 ~ /GroupedGemmKernelILi1ELb0/) k = "GroupedGemmKernel<transB=1,f32=0> (TMA A)" }
        k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
   elif [ "$probe" = wgmma_probe ]; then

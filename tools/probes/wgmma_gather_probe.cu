@@ -97,6 +97,7 @@ __device__ __forceinline__ void Produce(Ring& ring, const CUtensorMap& b_map, co
         const int j = gt % kChunks;
         const uint32_t a = SmemAddr(ring.A(s));
         const uint32_t off = kt * kRowBytes + j * 16;  // (K * 2 bytes < 2^31)
+#pragma unroll 1  // (unrolled, the addresses computed ahead of the copies outgrow the 24 registers)
         for (int r = gt / kChunks; r < kBM; r += kRowStep) {
           void* dst = reinterpret_cast<void*>(__cvta_shared_to_generic(a + r * kRowBytes + (j ^ (r % 8)) * 16));
           CpAsync16(dst, reinterpret_cast<const char*>(rows_src[r]) + off, 16);
@@ -108,19 +109,20 @@ __device__ __forceinline__ void Produce(Ring& ring, const CUtensorMap& b_map, co
   }
 }
 
-// The warp-specialized loop of WgmmaLoop (wgmma_mainloop.cuh) with the A slot of each stage filled by cp.async: thread
-// 0 loads B by TMA (arrive.expect_tx of kBBytes on the stage's full barrier), the kGatherWarps last warps of the
-// producer warpgroup copy A (warps 4 - kGatherWarps .. 3; with 4, thread 0 does both). The full barrier expects
-// 1 + 32 kGatherWarps arrivals: thread 0's expect_tx arrive and one cp.async noinc arrive per gather thread, so a stage
-// completes when B's bytes and every gather thread's copies have landed. The consumer warpgroups are the loop's
-// (Bf16Operands<1>::Multiply over a GatherRing, StoreAccTile). Static schedule: tiles blockIdx.x, + gridDim.x, ...
-// Per tile the gather threads first write the source address of each of its kBM rows to a table (rows past
+// The warp-specialized loop of WgmmaLoop (wgmma_mainloop.cuh) with the A slot of each stage filled by cp.async:
+// thread 0 loads B by TMA (arrive.expect_tx of kBBytes on the stage's full barrier), the kGatherWarps last warps of
+// the producer warpgroup copy A (warps 4 - kGatherWarps .. 3; with 4, thread 0 does both; with 2, warps 2-3 alone, the
+// ones dispatch_gemm's producer warpgroup has free beside its TMA thread and its look-ahead warp 1). The full barrier
+// expects 1 + 32 kGatherWarps arrivals: thread 0's expect_tx arrive and one cp.async noinc arrive per gather thread,
+// so a stage completes when B's bytes and every gather thread's copies have landed. The consumer warpgroups are the
+// loop's (Bf16Operands<1>::Multiply over a GatherRing, StoreAccTile). Static schedule: tiles blockIdx.x, + gridDim.x,
+// ... Per tile the gather threads first write the source address of each of its kBM rows to a table (rows past
 // tile.rows, which are multiplied but never stored, read row 0's source), pass their named barrier, then per k-step
 // copy chunk gt % 8 of rows gt / 8, + 4 kGatherWarps, ... (gt: the thread's index among them): each warp instruction
 // reads 4 whole 128-byte row segments, and writes chunk j of row r at chunk j ^ (r % 8) of the row's 128-byte line of
-// the 1024-aligned slot, where the 128B-swizzle TMA box would put it. The tables alternate between tiles: a thread
-// writes tile j + 1's table after passing tile j's barrier, which every thread reaches only after issuing all of tile
-// j - 1's copies, the last reads of that table.
+// the 1024-aligned slot, where the 128B-swizzle TMA box would put it (StoreAStageRows reads the TMA's slots so). The
+// tables alternate between tiles: a thread writes tile j + 1's table after passing tile j's barrier, which every
+// thread reaches only after issuing all of tile j - 1's copies, the last reads of that table.
 template <int kGatherWarps, class TileFn>
 __device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_bfloat16* x, const __nv_bfloat16* recv,
                                            const int* src, int K, int count, TileFn tile_of, uint64_t* table,
@@ -237,6 +239,9 @@ static std::vector<int> MakeSrc(const std::vector<int>& row_start, int64_t M, bo
   return src;
 }
 
+// The producer warps that gather with kGatherWarps = warps: "first-3".
+static std::string GatherWarpsName(int warps) { return std::to_string(4 - warps) + "-3"; }
+
 int main(int argc, char** argv) {
   const ProbeArgs args = ParseProbeArgs(argc, argv);
   const int num_sms = ProbeDevice(gather::kSmemBytes);
@@ -348,16 +353,17 @@ int main(int argc, char** argv) {
       CK(cudaGetLastError());
       WaitOrDie(stream, c.name + " (split rows)");
 
-      for (const int warps : {3, 4}) {
-        const std::string what = c.name + " A=gather src=" + layout + " warps=" + (warps == 3 ? "1-3" : "0-3");
+      // Gather warps 2-3 (the warps dispatch_gemm's producer warpgroup has free beside the TMA thread and the
+      // look-ahead warp), 1-3, 0-3 (thread 0 gathers too).
+      for (const int warps : {2, 3, 4}) {
+        const std::string what = c.name + " A=gather src=" + layout + " warps=" + GatherWarpsName(warps);
         auto call = [&]() {
-          const cudaError_t e =
-              warps == 3 ? wgmma_gemm::LaunchWgmmaKernel(gather::GatherGemmKernel<3>, num_sms, gather::kSmemBytes,
-                                                         stream, tb, x, recv_part, d_src, d_sizes, (int)G, (int)M,
-                                                         (int)N, (int)K, out)
-                         : wgmma_gemm::LaunchWgmmaKernel(gather::GatherGemmKernel<4>, num_sms, gather::kSmemBytes,
-                                                         stream, tb, x, recv_part, d_src, d_sizes, (int)G, (int)M,
-                                                         (int)N, (int)K, out);
+          auto kernel = warps == 2   ? gather::GatherGemmKernel<2>
+                        : warps == 3 ? gather::GatherGemmKernel<3>
+                                     : gather::GatherGemmKernel<4>;
+          const cudaError_t e = wgmma_gemm::LaunchWgmmaKernel(kernel, num_sms, gather::kSmemBytes, stream, tb, x,
+                                                              recv_part, d_src, d_sizes, (int)G, (int)M, (int)N,
+                                                              (int)K, out);
           if (e != cudaSuccess) {
             printf("case %s FAIL launch error: %s\n", what.c_str(), cudaGetErrorString(e));
             exit(2);
@@ -392,7 +398,7 @@ int main(int argc, char** argv) {
            "ratio", "TMA TFLOP/s", "gather TFLOP/s");
     for (const Row& r : table)
       printf("%-34s %-7s %-13s %10.1f %13.1f %7.3f %12.1f %15.1f\n", r.name.c_str(), r.layout,
-             r.warps == 3 ? "1-3" : "0-3", r.tma_ms * 1e3, r.gather_ms * 1e3,
+             GatherWarpsName(r.warps).c_str(), r.tma_ms * 1e3, r.gather_ms * 1e3,
              r.tma_ms > 0 ? r.gather_ms / r.tma_ms : 0.0, Tflops(r.flops, r.tma_ms), Tflops(r.flops, r.gather_ms));
   }
   printf("%s: %d failing variant(s)\n", failures ? "FAILED" : "ALL PASS", failures);
