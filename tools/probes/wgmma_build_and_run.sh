@@ -92,7 +92,8 @@ if [ "$mode" != outer-prebuilt ]; then
        k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
   elif [ "$probe" = wgmma_gather_probe ]; then
     awk '/Compiling entry function/ { k = ""
-         if ($0 ~ /sm_90a/ && $0 ~ /GatherGemmKernel/) { match($0, /GatherGemmKernelILi[234]/); k = "GatherGemmKernel<warps=" (4 - substr($0, RSTART + 19, 1)) "-3>" }
+         if ($0 ~ /sm_90a/ && $0 ~ /GatherGemmKernel/) { match($0, /GatherGemmKernelILi[234]ELb[01]/); s = substr($0, RSTART, RLENGTH)
+           k = "GatherGemmKernel<warps=" (4 - substr(s, 20, 1)) "-3,fence=" substr(s, 24, 1) ">" }
          else if ($0 ~ /sm_90a/ && $0 ~ /GroupedGemmKernelILi1ELb0/) k = "GroupedGemmKernel<transB=1,f32=0> (TMA A)" }
        k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
   elif [ "$probe" = wgmma_probe ]; then

@@ -31,14 +31,16 @@ __device__ __forceinline__ void CpAsyncMbarArriveNoInc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
-// The loop's stage ring whose full-barrier wait also orders the gathered A rows for the MMAs: cp.async writes shared
-// memory through the generic proxy, wgmma reads its operands through the async proxy, so each consumer thread fences
-// between observing a stage's completion and its MMAs on the stage (Bf16Operands::Multiply waits through this).
-template <int kNumStages>
+// The loop's stage ring whose full-barrier wait also orders the gathered A rows for the MMAs (kProxyFence): cp.async
+// writes shared memory through the generic proxy, wgmma reads its operands through the async proxy, so each consumer
+// thread fences between observing a stage's completion and its MMAs on the stage (Bf16Operands::Multiply waits
+// through this). kProxyFence = false leaves the fence out, as CUTLASS's cp.async GMMA mainloop does
+// (sm90_mma_multistage_gmma_ss_warpspecialized.hpp): the probe times what the fence costs.
+template <int kNumStages, bool kProxyFence>
 struct GatherRing : StageRing<kNumStages, 0> {
   __device__ __forceinline__ void WaitFull() const {
     StageRing<kNumStages, 0>::WaitFull();
-    FenceProxyAsyncShared();
+    if (kProxyFence) FenceProxyAsyncShared();
   }
 };
 
@@ -123,13 +125,13 @@ __device__ __forceinline__ void Produce(Ring& ring, const CUtensorMap& b_map, co
 // the 1024-aligned slot, where the 128B-swizzle TMA box would put it (StoreAStageRows reads the TMA's slots so). The
 // tables alternate between tiles: a thread writes tile j + 1's table after passing tile j's barrier, which every
 // thread reaches only after issuing all of tile j - 1's copies, the last reads of that table.
-template <int kGatherWarps, class TileFn>
+template <int kGatherWarps, bool kProxyFence, class TileFn>
 __device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_bfloat16* x, const __nv_bfloat16* recv,
                                            const int* src, int K, int count, TileFn tile_of, uint64_t* table,
                                            char* smem) {
   static_assert(kGatherWarps >= 1 && kGatherWarps <= 4, "gather warps are producer warps");
   constexpr int kGatherThreads = 32 * kGatherWarps, kFirstGatherWarp = 4 - kGatherWarps;
-  using Ring = GatherRing<kStages>;
+  using Ring = GatherRing<kStages, kProxyFence>;
   Ring ring;
   ring.base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~(uintptr_t)1023);
   volatile int* ids = ring.Ids();
@@ -184,7 +186,7 @@ __device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_
 
 // out [M, N] bf16 = rows of (x | recv) per src @ rhs [G, K, N], grouped as WgmmaGroupedGemm (same tile schedule over
 // a grid of the same size: the same tiles in the same CTAs).
-template <int kGatherWarps>
+template <int kGatherWarps, bool kProxyFence>
 __global__ void __launch_bounds__(kThreads, 1)
     GatherGemmKernel(const __grid_constant__ CUtensorMap tm_b, const __nv_bfloat16* __restrict__ x,
                      const __nv_bfloat16* __restrict__ recv, const int* __restrict__ src,
@@ -203,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("mov.b32 %0, %1;" : "=r"(n) : "r"(N));
     return DecodeTile(t, row_start, tile_start, G, (n + kBN - 1) / kBN, N, out, false);
   };
-  GatherLoop<kGatherWarps>(tm_b, x, recv, src, K, tile_start[G], tile_of, table, smem_raw);
+  GatherLoop<kGatherWarps, kProxyFence>(tm_b, x, recv, src, K, tile_start[G], tile_of, table, smem_raw);
 }
 
 }  // namespace gather
@@ -239,8 +241,13 @@ static std::vector<int> MakeSrc(const std::vector<int>& row_start, int64_t M, bo
   return src;
 }
 
-// The producer warps that gather with kGatherWarps = warps: "first-3".
-static std::string GatherWarpsName(int warps) { return std::to_string(4 - warps) + "-3"; }
+// A gathered variant: kGatherWarps = warps, kProxyFence = fence. Name: the gather warps "first-3", "no fence" without
+// the fence.
+struct GatherVariant {
+  int warps;
+  bool fence;
+  std::string Name() const { return std::to_string(4 - warps) + "-3" + (fence ? "" : " no fence"); }
+};
 
 int main(int argc, char** argv) {
   const ProbeArgs args = ParseProbeArgs(argc, argv);
@@ -258,7 +265,7 @@ int main(int argc, char** argv) {
   struct Row {
     std::string name;
     const char* layout;
-    int warps;
+    GatherVariant v;
     float tma_ms, gather_ms;
     double flops;
   };
@@ -354,13 +361,15 @@ int main(int argc, char** argv) {
       WaitOrDie(stream, c.name + " (split rows)");
 
       // Gather warps 2-3 (the warps dispatch_gemm's producer warpgroup has free beside the TMA thread and the
-      // look-ahead warp), 1-3, 0-3 (thread 0 gathers too).
-      for (const int warps : {2, 3, 4}) {
-        const std::string what = c.name + " A=gather src=" + layout + " warps=" + GatherWarpsName(warps);
+      // look-ahead warp), 1-3, 0-3 (thread 0 gathers too); and 2-3 without the consumers' proxy fence.
+      for (const GatherVariant v : {GatherVariant{2, true}, GatherVariant{3, true}, GatherVariant{4, true},
+                                    GatherVariant{2, false}}) {
+        const std::string what = c.name + " A=gather src=" + layout + " warps=" + v.Name();
         auto call = [&]() {
-          auto kernel = warps == 2   ? gather::GatherGemmKernel<2>
-                        : warps == 3 ? gather::GatherGemmKernel<3>
-                                     : gather::GatherGemmKernel<4>;
+          auto kernel = !v.fence       ? gather::GatherGemmKernel<2, false>
+                        : v.warps == 2 ? gather::GatherGemmKernel<2, true>
+                        : v.warps == 3 ? gather::GatherGemmKernel<3, true>
+                                       : gather::GatherGemmKernel<4, true>;
           const cudaError_t e = wgmma_gemm::LaunchWgmmaKernel(kernel, num_sms, gather::kSmemBytes, stream, tb, x,
                                                               recv_part, d_src, d_sizes, (int)G, (int)M, (int)N,
                                                               (int)K, out);
@@ -386,7 +395,7 @@ int main(int argc, char** argv) {
         char extra[64];
         snprintf(extra, sizeof(extra), " words_differing_from_tma=%llu", diff);
         report(what, cmp, pass, extra, ms);
-        if (ms > 0) table.push_back({c.name, layout, warps, tma_ms, ms, flops});
+        if (ms > 0) table.push_back({c.name, layout, v, tma_ms, ms, flops});
       }
     }
     FreeAll(recv, x, recv_part, rhs, ref, out_tma, out, d_sizes, d_row_start, d_src, d_res, d_diff);
@@ -394,11 +403,11 @@ int main(int argc, char** argv) {
 
   if (!table.empty()) {
     printf("\nmedian of 20 launches each; ratio = gathered A / TMA A\n");
-    printf("%-34s %-7s %-13s %10s %13s %7s %12s %15s\n", "case", "src", "gather warps", "TMA A us", "gathered A us",
+    printf("%-36s %-7s %-13s %10s %13s %7s %12s %15s\n", "case", "src", "gather warps", "TMA A us", "gathered A us",
            "ratio", "TMA TFLOP/s", "gather TFLOP/s");
     for (const Row& r : table)
-      printf("%-34s %-7s %-13s %10.1f %13.1f %7.3f %12.1f %15.1f\n", r.name.c_str(), r.layout,
-             GatherWarpsName(r.warps).c_str(), r.tma_ms * 1e3, r.gather_ms * 1e3,
+      printf("%-36s %-7s %-13s %10.1f %13.1f %7.3f %12.1f %15.1f\n", r.name.c_str(), r.layout,
+             r.v.Name().c_str(), r.tma_ms * 1e3, r.gather_ms * 1e3,
              r.tma_ms > 0 ? r.gather_ms / r.tma_ms : 0.0, Tflops(r.flops, r.tma_ms), Tflops(r.flops, r.gather_ms));
   }
   printf("%s: %d failing variant(s)\n", failures ? "FAILED" : "ALL PASS", failures);
