@@ -10,7 +10,10 @@
 // rows from x, the rest from recv, as dispatch_gemm has them with two ranks). The rows the gathered kernel must not
 // read (x's rows no GEMM row maps to, recv's rows that come from x) are NaN, so a wrong source shows. Both
 // results are compared with a float32 reference, and the gathered result must equal the TMA one bit for bit (the same
-// MMAs on the same operands in the same order).
+// MMAs on the same operands in the same order). Gathered variants (GatherVariant): the producer warps that gather
+// (2-3, 1-3, 0-3) and 2-3 without the consumers' proxy fence. The full-size cases are timed (median of 20 launches
+// after 3 warm-ups, each launch timed by its own events) and end in one table: TMA A us, gathered A us, their ratio,
+// TFLOP/s of both.
 #include <random>
 
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
