@@ -43,16 +43,6 @@ __global__ void FillScalesKernel(float* p, int64_t n, uint64_t seed, bool pow2) 
   }
 }
 
-// Counts the 32-bit words in which a and b differ.
-__global__ void DiffWordsKernel(const uint32_t* a, const uint32_t* b, int64_t n, unsigned long long* diff) {
-  unsigned long long d = 0;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    d += a[i] != b[i];
-  if (d) atomicAdd(diff, d);
-}
-
-static double Tflops(double flops, float ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
-
 // The second call of a checked variant: out's first result (out_bytes) copied to `first`, out poisoned, call()
 // issued again -- timed when `timed` (3 warm-ups, then the median of 20 launches) -- and the 32-bit words where the
 // two results differ counted into *diff (d_diff: a device counter). Returns the median ms (0 when not timed).

@@ -1,6 +1,7 @@
 // Harness shared by the standalone wgmma probes (wgmma_probe.cu: grouped GEMM, wgmma_outer_probe.cu: grouped outer):
 // CUDA error checks, a host watchdog instead of blocking syncs, random bf16 fill, the fused error / poison / must-be-
-// zero comparison against an fp32 reference, group-size generators, command line, device setup and timing.
+// zero comparison against an fp32 reference (and the grouped GEMM's reference itself), the bitwise diff of two
+// results, group-size generators, command line, device setup and timing.
 // Exit codes used here: 2 CUDA error or bad usage, 3 watchdog timeout.
 #pragma once
 
@@ -66,6 +67,36 @@ __global__ void FillKernel(__nv_bfloat16* p, int64_t n, uint64_t seed) {
     p[i] = __float2bfloat16((h & 1) ? mag : -mag);
   }
 }
+
+// The grouped GEMM's naive float32 reference (lhs [M, K] @ rhs_kn[g] [K, N] for the rows of group g): one thread
+// per output element; row_start (host-computed, clamped, G + 1 entries).
+__global__ void RefKernel(const __nv_bfloat16* lhs, const __nv_bfloat16* rhs_kn, const int* row_start, int G, int M,
+                          int K, int N, float* ref) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y * blockDim.y + threadIdx.y;
+  if (n >= N || r >= M) return;
+  if (r >= row_start[G]) {
+    ref[(int64_t)r * N + n] = 0.f;
+    return;
+  }
+  int g = 0;
+  while (!(r >= row_start[g] && r < row_start[g + 1])) ++g;
+  const __nv_bfloat16* a = lhs + (int64_t)r * K;
+  const __nv_bfloat16* b = rhs_kn + (int64_t)g * K * N + n;
+  float acc = 0.f;
+  for (int k = 0; k < K; ++k) acc += __bfloat162float(a[k]) * __bfloat162float(b[(int64_t)k * N]);
+  ref[(int64_t)r * N + n] = acc;
+}
+
+// Counts the 32-bit words in which a and b differ.
+__global__ void DiffWordsKernel(const uint32_t* a, const uint32_t* b, int64_t n, unsigned long long* diff) {
+  unsigned long long d = 0;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    d += a[i] != b[i];
+  if (d) atomicAdd(diff, d);
+}
+
+inline double Tflops(double flops, float ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; }
 
 struct CmpResult {
   unsigned int max_err_bits;  // non-negative floats compare like their bit patterns
@@ -230,6 +261,17 @@ inline std::vector<int> ClampedRowStart(const std::vector<int32_t>& sizes, int64
   row_start[G] = (int)std::min<int64_t>(acc, M);
   return row_start;
 }
+
+// A case's extents and groups as the grouped-GEMM probes use them.
+struct CaseShape {
+  int64_t M, K, N, G;
+  std::vector<int> row_start;  // ClampedRowStart: G + 1 entries
+  int64_t total_rows;          // rows in groups (row_start[G])
+  double flops;                // 2 total_rows K N
+  explicit CaseShape(const Case& c)
+      : M(c.M), K(c.K), N(c.N), G((int64_t)c.sizes.size()), row_start(ClampedRowStart(c.sizes, c.M)),
+        total_rows(row_start[G]), flops(2.0 * (double)total_rows * (double)K * (double)N) {}
+};
 
 struct ProbeArgs {
   bool small_only = false, timing = true;

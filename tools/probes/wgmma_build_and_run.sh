@@ -21,6 +21,11 @@
 #     fp8                 build, SASS sanity line, run all cases (correctness + timing; about half a minute)
 #     fp8-sanitize        build, then memcheck on the small cases only, no timing
 #     fp8-build           build + SASS sanity line only
+#   gathered-A probe (wgmma_gather_probe.cu: the grouped GEMM with A gathered row by row by cp.async from scattered
+#   rows, timed against the TMA A of WgmmaGroupedGemm on the same data):
+#     gather              build, SASS sanity line, run all cases (correctness + bitwise against TMA A + timing)
+#     gather-sanitize     build, then memcheck on the small cases only, no timing
+#     gather-build        build + SASS sanity line only
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -32,6 +37,7 @@ case "$mode" in
   outer-fp8*) probe=wgmma_outer_fp8_probe ;;
   outer*) probe=wgmma_outer_probe ;;
   fp8*) probe=wgmma_fp8_probe ;;
+  gather*) probe=wgmma_gather_probe ;;
   *) probe=wgmma_probe ;;
 esac
 # cuBLASLt for the FP8 probe's comparison: a folder with include/cublasLt.h and lib*/libcublasLt.so*.
@@ -84,6 +90,12 @@ if [ "$mode" != outer-prebuilt ]; then
          if ($0 ~ /sm_90a/ && $0 ~ /GroupedOuterFp8Kernel/) k = "GroupedOuterFp8Kernel<f32=" (($0 ~ /KernelILb1/) ? 1 : 0) ">"
          else if ($0 ~ /sm_90a/ && $0 ~ /GroupedOuterKernel/) k = "GroupedOuterKernel<f32=" (($0 ~ /KernelILb1/) ? 1 : 0) "> (bf16, timed beside)" }
        k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
+  elif [ "$probe" = wgmma_gather_probe ]; then
+    awk '/Compiling entry function/ { k = ""
+         if ($0 ~ /sm_90a/ && $0 ~ /GatherGemmKernel/) { match($0, /GatherGemmKernelILi[234]ELb[01]/); s = substr($0, RSTART, RLENGTH)
+           k = "GatherGemmKernel<warps=" (4 - substr(s, 20, 1)) "-3,fence=" substr(s, 24, 1) ">" }
+         else if ($0 ~ /sm_90a/ && $0 ~ /GroupedGemmKernelILi1ELb0/) k = "GroupedGemmKernel<transB=1,f32=0> (TMA A)" }
+       k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
   elif [ "$probe" = wgmma_probe ]; then
     awk '/Compiling entry function/ { k = ""
          if ($0 ~ /GroupedGemmKernel/ && $0 ~ /sm_90a/) { match($0, /GroupedGemmKernelILi[01]ELb[01]/); s = substr($0, RSTART, RLENGTH)
@@ -100,14 +112,18 @@ fi
 if command -v cuobjdump > /dev/null; then
   echo "SASS HGMMA count ($probe): $(cuobjdump -sass "$dir/$probe" | grep -c HGMMA || true)," \
     "QGMMA (e4m3) count: $(cuobjdump -sass "$dir/$probe" | grep -c QGMMA || true)"
+  if [ "$probe" = wgmma_gather_probe ]; then
+    echo "SASS gathered A: LDGSTS count $(cuobjdump -sass "$dir/$probe" | grep -c LDGSTS || true)," \
+      "cp.async noinc arrives (ARRIVES.LDGSTSBAR.64.ARVCNT) $(cuobjdump -sass "$dir/$probe" | grep -c 'LDGSTSBAR.64.ARVCNT' || true)"
+  fi
 else
   echo "SASS HGMMA count: (cuobjdump not found)"
 fi
 case "$mode" in
-  build|outer-build|fp8-build|outer-fp8-build) exit 0 ;;
-  sanitize|outer-sanitize|fp8-sanitize|outer-fp8-sanitize)
+  build|outer-build|fp8-build|outer-fp8-build|gather-build) exit 0 ;;
+  sanitize|outer-sanitize|fp8-sanitize|outer-fp8-sanitize|gather-sanitize)
     WGMMA_WATCHDOG_S=300 compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$dir/$probe" --small-only --no-timing ;;
-  run|outer|outer-prebuilt|fp8|outer-fp8) "$dir/$probe" ;;
+  run|outer|outer-prebuilt|fp8|outer-fp8|gather) "$dir/$probe" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -16,25 +16,6 @@ __global__ void TransposeKernel(const __nv_bfloat16* in, __nv_bfloat16* out, int
   for (int i = threadIdx.y; i < 32; i += blockDim.y) dst[(int64_t)(n0 + i) * K + k0 + threadIdx.x] = t[threadIdx.x][i];
 }
 
-// Naive reference: one thread per output element; row_start (host-computed, clamped, G + 1 entries).
-__global__ void RefKernel(const __nv_bfloat16* lhs, const __nv_bfloat16* rhs_kn, const int* row_start, int G, int M,
-                          int K, int N, float* ref) {
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
-  const int r = blockIdx.y * blockDim.y + threadIdx.y;
-  if (n >= N || r >= M) return;
-  if (r >= row_start[G]) {
-    ref[(int64_t)r * N + n] = 0.f;
-    return;
-  }
-  int g = 0;
-  while (!(r >= row_start[g] && r < row_start[g + 1])) ++g;
-  const __nv_bfloat16* a = lhs + (int64_t)r * K;
-  const __nv_bfloat16* b = rhs_kn + (int64_t)g * K * N + n;
-  float acc = 0.f;
-  for (int k = 0; k < K; ++k) acc += __bfloat162float(a[k]) * __bfloat162float(b[(int64_t)k * N]);
-  ref[(int64_t)r * N + n] = acc;
-}
-
 // tile_done of the callback variants: counts every 64-row band of every group once per finished tile that covers
 // it (a 128-row tile covers 1 or 2 bands of its group), and checks that two far corners of the tile, stored by
 // other consumer threads, are already visible (not the NaN poison) to the calling thread.
