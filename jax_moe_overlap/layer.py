@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.api import like_committed, moe_experts
-from jax_moe_overlap.checks import check_layer, check_token_mask
+from jax_moe_overlap.checks import check_batch_axes, check_layer, check_token_mask
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
 
@@ -141,6 +142,9 @@ class MoE(nnx.Module):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"jax_moe_overlap: MoE takes floating-point inputs, got {x.dtype}")
     check_token_mask(token_mask, x.shape[:-1])
+    # The tokens' split over the token shards, before _flatten lays them out that way (whose reshape on Explicit
+    # axes would otherwise refuse them first, without naming the rule).
+    check_batch_axes(self.mesh, self.expert_axis, self.batch_axes, math.prod(x.shape[:-1]), self.tensor_axis)
     x2d = self._flatten(x)
     mask = None if token_mask is None else self._flatten(token_mask, features=False)
     r = self.route(x2d, mask)

@@ -178,6 +178,22 @@ def test_refusals_name_the_rule():
     jmo.MoE(cfg, mesh=mesh, tensor_axis="expert", rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_module_refuses_tokens_that_do_not_split_over_the_token_shards(explicit):
+  # 2 x 31 = 62 tokens over the 4 devices of (expert, tensor): the module names the rule before it reshapes x into
+  # the token layout (on Explicit axes that reshape would otherwise fail first, with JAX's sharding message).
+  mesh = mesh_of_shape(EXPERT_TENSOR, explicit)
+  cfg = moe_config(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=K)
+  model = jmo.MoE(cfg, mesh=mesh, tensor_axis="tensor", impl="xla", rngs=nnx.Rngs(0))
+  x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (2, 31, D)), jax.sharding.NamedSharding(mesh, jax.P()))
+  rule = r"62 tokens cannot be split evenly over the 4 devices of mesh axes \('expert', 'tensor'\)"
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=rule):
+      model(x)
+    with pytest.raises(ValueError, match=rule):
+      nnx.jit(lambda m, x: m(x)[0])(model, x)
+
+
 def test_invalid_expert_id_under_jit_is_reported_with_its_own_value():
   # A traced id outside [0, E) reaches the custom calls; the error names the id given, not its shard slot's id.
   mesh = mesh_of_shape(EXPERT_TENSOR)
