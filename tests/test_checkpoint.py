@@ -3,6 +3,8 @@ on meshes of both axis types, each published orientation checked by computing th
 tensors as the published code reads them, every tensor given either converted or refused by name, and the published
 load-balance losses' scale against this library's."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,6 +181,20 @@ def test_load_rejects_mismatches():
     checkpoint.load_params(m, {k: v for k, v in params.items() if k != "shared_w1"})
   with pytest.raises(ValueError, match=r"w2 has shape \(8, 12, 16\)"):
     checkpoint.load_params(m, {**params, "w2": params["w2"][:, :6]})
+
+
+def test_pre_quantized_weights_are_refused_by_name():
+  """The module and the converters hold master weights (float arrays); a pre-quantized Fp8Weight given for one is
+  refused with a TypeError naming it, not a failed conversion inside NumPy."""
+  m = _module(0, dataclasses.replace(CONFIGS["mixtral"], emb_dim=128, moe_mlp_dim=128, quantization="fp8"))
+  params = checkpoint.params_of(m)
+  q1, _ = jmo.quantize_weights(params["w1"], params["w2"])
+  rule = r"{}: w1 is a pre-quantized Fp8Weight; MoE's parameters are the master weights, float arrays"
+  with pytest.raises(TypeError, match=rule.format("load_params")):
+    checkpoint.load_params(m, {**params, "w1": q1})
+  for convert in (checkpoint.to_maxtext, checkpoint.to_per_expert, checkpoint.to_transformers):
+    with pytest.raises(TypeError, match=rule.format(convert.__name__)):
+      convert({**params, "w1": q1})
 
 
 def _qwen2_flat(prefix="mlp."):
