@@ -296,11 +296,14 @@ def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight
   bit (that call quantizes them the same way on every call). No gradient flows to pre-quantized weights.
 
   Args:
-    w1: [E, D, 2F]; w2: [E, F, D]; float32 or bfloat16, D and F multiples of 128. Sharded arrays keep their
-      sharding over the experts (call under ``jax.jit`` to quantize each device's experts in place).
+    w1: [E, D, 2F], or its view [E, D, 2, F] (a module with a ``tensor_axis`` keeps it); w2: [E, F, D]; float32 or
+      bfloat16, D and F multiples of 128. Sharded arrays keep their sharding over the experts (call under
+      ``jax.jit`` to quantize each device's experts in place).
   Returns:
-    (Fp8Weight of w1, Fp8Weight of w2).
+    (Fp8Weight of w1 [E, D, 2F], Fp8Weight of w2).
   """
+  if getattr(w1, "ndim", None) == 4 and w1.shape[2] == 2:
+    w1 = _reshape_trailing(jnp.asarray(w1), (w1.shape[0], w1.shape[1], 2 * w1.shape[3]), 1)
   for name, w in (("w1", w1), ("w2", w2)):
     if getattr(w, "ndim", None) != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
       raise TypeError(f"jax_moe_overlap: quantize_weights: {name} must be a float [E, K, N] array, got "
