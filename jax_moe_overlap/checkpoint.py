@@ -32,6 +32,10 @@ shared expert), "qwen2_moe" (the singular shared expert and its gate) or "mixtra
 expert). The ``from_*`` converters recognise every style, and convert every tensor named under the prefix or raise a
 ValueError naming the ones they cannot place: nothing given is dropped silently.
 
+The parameters are the same under every ``MoEConfig.quantization``: an FP8 module keeps its master weights (it
+quantizes them per call) and no FP8 or calibration state, so parameters restore into a module of any quantization.
+Pre-quantized ``Fp8Weight``s (``quantize_weights``, for ``moe_experts``) are no layout's tensors: refused by name.
+
 Conversions only slice, concatenate and transpose: a round trip gives the same bits. ``load_params`` writes a dict
 of this library's layout into a module, each array placed with the sharding the module's variable already has (so
 a restore lands sharded over the expert axis without a replicated copy on one device).
@@ -49,9 +53,20 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_moe_overlap.fp8 import Fp8Weight
 from jax_moe_overlap.layer import MoE, expert_specs
 
 NAMES = ("router", "routing_bias", "w1", "w2", "shared_w1", "shared_w2", "shared_expert_gate")
+
+
+def _master_weights(params: dict, where: str) -> None:
+  """The parameters are float arrays: a pre-quantized ``Fp8Weight`` (``quantize_weights``' output, which
+  ``moe_experts`` takes for inference) is neither a module's parameter nor any layout's tensor."""
+  for name, value in params.items():
+    if isinstance(value, Fp8Weight):
+      raise TypeError(f"jax_moe_overlap: {where}: {name} is a pre-quantized Fp8Weight; MoE's parameters are the "
+                      "master weights, float arrays (quantization='fp8' quantizes them per call; quantize_weights "
+                      "gives the Fp8Weights that moe_experts takes)")
 
 
 def params_of(module: MoE) -> dict:
@@ -68,6 +83,7 @@ def load_params(module: MoE, params: dict) -> None:
   Each variable's array is replaced whole, never updated in place: an in-place update (``var[...] = value``) is a
   scatter, which on a mesh with Explicit axes must be told its output sharding and fails when the new value's
   sharding differs from the old one's."""
+  _master_weights(params, "load_params")
   have = {n for n in NAMES if getattr(module, n, None) is not None}
   if set(params) != have:
     raise ValueError(f"jax_moe_overlap: load_params: the module has {sorted(have)}, got {sorted(params)}")
@@ -191,6 +207,7 @@ _SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def to_maxtext(params: dict) -> dict:
   """This library's layout -> MaxText's nested dict."""
+  _master_weights(params, "to_maxtext")
   gate, up = _split(_w1(params["w1"]))
   out = {"gate": {"kernel": params["router"]}, "wi_0": gate, "wi_1": up, "wo": params["w2"]}
   if "routing_bias" in params:
@@ -276,6 +293,7 @@ def _router_and_shared_from(g: _Given) -> tuple[dict, int, int]:
 def to_per_expert(params: dict, prefix: str = "", style: str = "deepseek") -> dict:
   """This library's layout -> flat {name: NumPy array} of the published checkpoints, one tensor per expert, in the
   naming of ``style`` (a key of ``STYLES``; [out, in] weights)."""
+  _master_weights(params, "to_per_expert")
   p = {k: np.asarray(v) for k, v in params.items()}
   out = _router_and_shared_to(p, prefix, style)
   names = _style(style).expert_projections
@@ -322,6 +340,7 @@ def to_transformers(params: dict, prefix: str = "", style: str = "deepseek") -> 
   """This library's layout -> flat {name: NumPy array} as transformers 5.x holds the layer in memory (the experts
   stacked in ``experts.gate_up_proj`` and ``experts.down_proj``; the router and shared experts in the naming of
   ``style``)."""
+  _master_weights(params, "to_transformers")
   p = {k: np.asarray(v) for k, v in params.items()}
   out = _router_and_shared_to(p, prefix, style)
   out[f"{prefix}experts.gate_up_proj"] = _w1(p["w1"]).transpose(0, 2, 1)

@@ -102,6 +102,14 @@ def check_quantization(quantization) -> None:
                      f"got {quantization!r}")
 
 
+def check_fp8_weight_dtype(name: str, dtype, quantization) -> None:
+  """Under an FP8 quantization the layer quantizes the master weights in their own dtype (no cast to the compute
+  dtype first), and takes float32 or bfloat16 ones (``_weight_shape_dtype``)."""
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    raise TypeError(f"jax_moe_overlap: {name} is {jnp.dtype(dtype)}: quantization={quantization!r} quantizes the master "
+                    f"weights in it; supported: float32, bfloat16")
+
+
 def check_fp8_sizes(d_model: int, d_ff: int) -> None:
   """quantization="fp8" tiles D and F by 128 (fp8.py): both multiples of 128."""
   if d_model % fp8.TILE or d_ff % fp8.TILE:
@@ -148,14 +156,17 @@ def _weight_shape_dtype(name: str, w, quantization):
   if isinstance(w, fp8.Fp8Weight):
     if quantization is None:
       raise TypeError(f"jax_moe_overlap: {name} is a pre-quantized Fp8Weight, which only the FP8 quantizations take")
-    E, N, K = w.values.shape
-    if w.values.dtype != fp8.E4M3 or w.scales.dtype != jnp.float32 or w.scales.shape != (
+    E, N, K = w.values.shape if w.values.ndim == 3 else (0, 0, 0)   # 3-D only: (0, 0, 0) fails the rule below
+    if w.values.ndim != 3 or w.values.dtype != fp8.E4M3 or w.scales.dtype != jnp.float32 or w.scales.shape != (
         E, N // fp8.TILE, K // fp8.TILE):
       raise TypeError(f"jax_moe_overlap: {name}: an Fp8Weight holds float8_e4m3fn values [E, N, K] and float32 "
                       f"scales [E, N / {fp8.TILE}, K / {fp8.TILE}] (fp8.quantize_weights makes one), got "
                       f"{w.values.dtype}{list(w.values.shape)} and {w.scales.dtype}{list(w.scales.shape)}")
     return w.shape, None
-  check_dtype(name, w.dtype)
+  if quantization is None:
+    check_dtype(name, w.dtype)
+  else:
+    check_fp8_weight_dtype(name, w.dtype, quantization)
   return tuple(w.shape), w.dtype
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from jax_moe_overlap import env
 from jax_moe_overlap.checks import (check_capacity_factor, check_dtype, check_experts, check_fp8_sizes,
-                                    check_quantization)
+                                    check_fp8_weight_dtype, check_quantization)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -74,7 +74,8 @@ class MoEConfig:
       cast to it for their matmuls, which accumulate in float32. dtype=jnp.float32 chooses float32 compute on
       purpose (on GPUs float32 GEMMs run on the SIMT engine, bfloat16 ones on the tensor cores).
     weight_dtype: the dtype the parameters are kept in (the master weights), float32 by default; they are cast to
-      dtype for each call, so the gradients and the optimizer see weight_dtype.
+      dtype for each call, so the gradients and the optimizer see weight_dtype. Under quantization float32 or
+      bfloat16: the FP8 recipe quantizes the master weights in their own dtype.
     The router always computes in float32, and the output y has the input's dtype.
   Quantization (MaxText's name):
     quantization: None (default): the routed experts compute in ``dtype``. "fp8": their GEMMs follow DeepSeek-V3's
@@ -146,6 +147,7 @@ class MoEConfig:
     check_quantization(self.quantization)
     if self.quantization is not None:
       check_fp8_sizes(self.emb_dim, self.moe_mlp_dim)
+      check_fp8_weight_dtype("MoEConfig.weight_dtype", self.weight_dtype, self.quantization)
 
   @property
   def dropless(self) -> bool:

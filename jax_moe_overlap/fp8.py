@@ -89,9 +89,36 @@ def _quantize(x, s):
 _E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
+def _explicit_sharding(a: jax.Array):
+  """a's NamedSharding where a lies on a mesh with Explicit axes (jax.make_mesh's default), whose reshapes and
+  gathers must be told their output's sharding; else None (Auto axes, a shard_map's local arrays, one device)."""
+  sharding = jax.typeof(a).sharding
+  if any(t == jax.sharding.AxisType.Explicit for t in getattr(getattr(sharding, "mesh", None), "axis_types", ())):
+    return sharding
+  return None
+
+
+def _reshape_trailing(a: jax.Array, shape: tuple[int, ...], lead: int) -> jax.Array:
+  """a reshaped to ``shape``, its first ``lead`` axes unchanged. On Explicit axes those keep their sharding and the
+  reshaped trailing axes are whole on each device (resharded first where they were split): a quantized weight's
+  blocks lie within one device's experts."""
+  sharding = _explicit_sharding(a)
+  if sharding is None:
+    return a.reshape(shape)
+  spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+  kept = sharding.update(spec=jax.sharding.PartitionSpec(*spec[:lead]))
+  if any(s is not None for s in spec[lead:]):
+    a = jax.sharding.reshard(a, kept)
+  return jnp.reshape(a, shape, out_sharding=kept)
+
+
 def e4m3_values(q: jax.Array) -> jax.Array:
-  """e4m3 values -> float32, exactly (from their bits; see _E4M3_VALUES)."""
-  return jnp.asarray(_E4M3_VALUES)[jax.lax.bitcast_convert_type(q, jnp.uint8)]
+  """e4m3 values -> float32, exactly (from their bits; see _E4M3_VALUES), in q's sharding."""
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+  sharding = _explicit_sharding(bits)
+  if sharding is None:
+    return jnp.asarray(_E4M3_VALUES)[bits]
+  return jnp.asarray(_E4M3_VALUES).at[bits].get(out_sharding=sharding)
 
 
 def _dequantize(q, s):
@@ -134,7 +161,7 @@ def unpack_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _blocked(a):
   *lead, K, N = a.shape
-  return a.reshape(*lead, K // TILE, TILE, N // TILE, TILE)
+  return _reshape_trailing(a, (*lead, K // TILE, TILE, N // TILE, TILE), len(lead))
 
 
 def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -143,12 +170,12 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   _check_tiles("both axes of a weight matrix", w.shape[-1])
   b = _blocked(w.astype(jnp.float32))
   s = tile_scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
-  return _quantize(b, s[..., :, None, :, None]).reshape(w.shape), s
+  return _reshape_trailing(_quantize(b, s[..., :, None, :, None]), w.shape, w.ndim - 2), s
 
 
 def dequantize_blocks(q: jax.Array, s: jax.Array) -> jax.Array:
   """(q [..., K, N], s [..., K / 128, N / 128]) -> float32 [..., K, N]."""
-  return _dequantize(_blocked(q), s[..., :, None, :, None]).reshape(q.shape)
+  return _reshape_trailing(_dequantize(_blocked(q), s[..., :, None, :, None]), q.shape, q.ndim - 2)
 
 
 @jax.tree_util.register_dataclass
@@ -269,11 +296,14 @@ def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight
   bit (that call quantizes them the same way on every call). No gradient flows to pre-quantized weights.
 
   Args:
-    w1: [E, D, 2F]; w2: [E, F, D]; float32 or bfloat16, D and F multiples of 128. Sharded arrays keep their
-      sharding over the experts (call under ``jax.jit`` to quantize each device's experts in place).
+    w1: [E, D, 2F], or its view [E, D, 2, F] (a module with a ``tensor_axis`` keeps it); w2: [E, F, D]; float32 or
+      bfloat16, D and F multiples of 128. Sharded arrays keep their sharding over the experts (call under
+      ``jax.jit`` to quantize each device's experts in place).
   Returns:
-    (Fp8Weight of w1, Fp8Weight of w2).
+    (Fp8Weight of w1 [E, D, 2F], Fp8Weight of w2).
   """
+  if getattr(w1, "ndim", None) == 4 and w1.shape[2] == 2:
+    w1 = _reshape_trailing(jnp.asarray(w1), (w1.shape[0], w1.shape[1], 2 * w1.shape[3]), 1)
   for name, w in (("w1", w1), ("w2", w2)):
     if getattr(w, "ndim", None) != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
       raise TypeError(f"jax_moe_overlap: quantize_weights: {name} must be a float [E, K, N] array, got "

@@ -3,6 +3,8 @@ on meshes of both axis types, each published orientation checked by computing th
 tensors as the published code reads them, every tensor given either converted or refused by name, and the published
 load-balance losses' scale against this library's."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,6 +181,52 @@ def test_load_rejects_mismatches():
     checkpoint.load_params(m, {k: v for k, v in params.items() if k != "shared_w1"})
   with pytest.raises(ValueError, match=r"w2 has shape \(8, 12, 16\)"):
     checkpoint.load_params(m, {**params, "w2": params["w2"][:, :6]})
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", pytest.param("auto", marks=pytest.mark.slow)])  # ~10 s each
+def test_fp8_module_round_trips(axis_type):
+  """A quantization="fp8" block (master weights in bfloat16) through the published per-expert layout into a fresh
+  one: its whole NNX state the same bits (the parameters and the routing bias, which a training call has moved: no
+  other state), and the same output bits. The same parameters restore into an unquantized block (the module
+  docstring's rule)."""
+  cfg = dataclasses.replace(CONFIGS["deepseek"], emb_dim=128, moe_mlp_dim=128, routed_bias_update_rate=1e-3,
+                            dtype=jnp.bfloat16, quantization="fp8")
+  mesh = _mesh(axis_type)
+  x = jax.device_put(jax.random.normal(jax.random.PRNGKey(3), (4, 16, 128)).astype(jnp.bfloat16),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert")))
+  forward = nnx.jit(lambda m, x: m(x))
+  a, b = (jmo.MoEBlock(cfg, mesh=mesh, impl="xla", rngs=nnx.Rngs(seed)) for seed in (0, 1))
+  forward(a, x)                                   # training mode: the routing bias moves from zero
+  a.deterministic = b.deterministic = True
+  assert np.any(np.asarray(a.routing_bias[...]))
+  flat = checkpoint.to_per_expert(checkpoint.params_of(a), prefix="model.layers.0.mlp.")
+  checkpoint.load_params(b, checkpoint.from_per_expert(flat, prefix="model.layers.0.mlp."))
+  state_a, state_b = (nnx.to_flat_state(nnx.state(m)) for m in (a, b))
+  assert [path for path, _ in state_a] == [path for path, _ in state_b]
+  assert {type(v).__name__ for _, v in state_a} == {"Param", "RoutingBias"}
+  for (_, va), (_, vb) in zip(state_a, state_b):
+    _same_bits(np.asarray(va[...]), np.asarray(vb[...]))
+  y = forward(a, x)
+  assert float(jnp.max(jnp.abs(y.astype(jnp.float32)))) > 0
+  _same_bits(np.asarray(y), np.asarray(forward(b, x)))
+  plain = jmo.MoEBlock(dataclasses.replace(cfg, quantization=None), mesh=mesh, impl="xla", rngs=nnx.Rngs(2))
+  checkpoint.load_params(plain, checkpoint.params_of(a))
+  for name, value in checkpoint.params_of(plain).items():
+    _same_bits(np.asarray(value), np.asarray(checkpoint.params_of(a)[name]))
+
+
+def test_pre_quantized_weights_are_refused_by_name():
+  """The module and the converters hold master weights (float arrays); a pre-quantized Fp8Weight given for one is
+  refused with a TypeError naming it, not a failed conversion inside NumPy."""
+  m = _module(0, dataclasses.replace(CONFIGS["mixtral"], emb_dim=128, moe_mlp_dim=128, quantization="fp8"))
+  params = checkpoint.params_of(m)
+  q1, _ = jmo.quantize_weights(params["w1"], params["w2"])
+  rule = r"{}: w1 is a pre-quantized Fp8Weight; MoE's parameters are the master weights, float arrays"
+  with pytest.raises(TypeError, match=rule.format("load_params")):
+    checkpoint.load_params(m, {**params, "w1": q1})
+  for convert in (checkpoint.to_maxtext, checkpoint.to_per_expert, checkpoint.to_transformers):
+    with pytest.raises(TypeError, match=rule.format(convert.__name__)):
+      convert({**params, "w1": q1})
 
 
 def _qwen2_flat(prefix="mlp."):

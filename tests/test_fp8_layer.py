@@ -264,6 +264,31 @@ def test_refusals():
     jmo.moe_experts(x, ids, gates, q1, jmo.quantize_weights(w1, w1)[1], mesh=mesh, impl="xla", quantization="fp8")
 
 
+def test_prequantized_weight_of_another_layout_is_refused_by_name():
+  """An Fp8Weight of 4-D values (the [E, D, 2, F] view's, fp8's internal layout under a tensor axis) given for w1 is
+  refused with the layout moe_experts takes, naming the argument, not a failed unpacking."""
+  from jax_moe_overlap import tensor_parallel
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
+  q1, q2 = jmo.quantize_weights(w1, w2)
+  with pytest.raises(TypeError, match=r"w1: an Fp8Weight holds float8_e4m3fn values \[E, N, K\] and float32 scales "
+                                      r"\[E, N / 128, K / 128\] .* got float8_e4m3fn\[8, 2, 128, 128\] and "
+                                      r"float32\[8, 2, 1, 1\]"):
+    jmo.moe_experts(x, ids, gates, tensor_parallel.w1_view(q1), q2, mesh=mesh_of(4), impl="xla",
+                    quantization="fp8")
+
+
+def test_fp8_master_weights_must_be_float32_or_bfloat16():
+  """The FP8 layer quantizes the master weights in weight_dtype (no cast to the compute dtype), and takes float32 or
+  bfloat16 ones: MoEConfig refuses another weight_dtype under quantization when it is built, naming the field, as
+  it refuses D or F off the 128 grid, not at the first call with an error about w1."""
+  sizes = dict(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2)
+  with pytest.raises(TypeError, match=r"MoEConfig.weight_dtype is float16: quantization='fp8' quantizes the master "
+                                      r"weights in it; supported: float32, bfloat16"):
+    jmo.MoEConfig(**sizes, weight_dtype=jnp.float16, quantization="fp8")
+  jmo.MoEConfig(**sizes, weight_dtype=jnp.float16)                          # unquantized: cast to dtype per call
+  jmo.MoEConfig(**sizes, weight_dtype=jnp.bfloat16, quantization="fp8_bf16_wgrad")
+
+
 def test_gpu_without_fp8_tensor_cores_is_refused():
   """The device rule, on stand-in meshes of GPUs of compute capability 8.0, 8.9 and 9.0 (the test machines have no
   GPU): impl "collective" and "overlap" run the FP8 grouped GEMM, on Hopper only."""

@@ -173,3 +173,37 @@ def test_tiles_must_fit():
     fp8.quantize_blocks(jnp.zeros((2, 128, 64)))
   with pytest.raises(TypeError, match=r"quantize_weights: w2 must be a float \[E, K, N\] array"):
     jmo.quantize_weights(jnp.zeros((2, 128, 256)), jnp.zeros((128, 128)))
+
+
+@pytest.mark.parametrize("tensor", [False, True])
+def test_sharded_on_explicit_axes(tensor):
+  """jax.make_mesh's default axis type is Explicit, whose reshapes and gathers must be told their output's sharding.
+  quantize_weights and Fp8Weight.dequantize on expert-sharded weights (with ``tensor``, F also split over a second
+  axis, as a tensor-parallel layer keeps it; w1 also as its [E, D, 2, F] view, the module's layout there), eagerly and
+  under jit, and the row quantizer on token-sharded rows, give the unsharded arrays' bits, the weights sharded over
+  the experts."""
+  mesh = jax.make_mesh((2, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                       devices=jax.devices("cpu")[:4])
+  E, D, F = 4, 256, 256   # every weight's both axes two blocks: two axes split in one reshape
+  w1, w2 = wide_range((E, D, 2 * F), 11), wide_range((E, F, D), 12)
+  on = lambda a, *spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+  t = "tensor" if tensor else None
+  sharded = (on(w1, "expert", None, t), on(w2, "expert", t, None))
+  # w1's [E, D, 2, F] view, as a module with a tensor axis keeps it, split over the tensor axis along F.
+  view = (on(w1.reshape(E, D, 2, F), "expert", None, None, t), sharded[1])
+  want = jmo.quantize_weights(jnp.asarray(w1), jnp.asarray(w2))
+  for quantize, args in ((jmo.quantize_weights, sharded), (jax.jit(jmo.quantize_weights), sharded),
+                         (jmo.quantize_weights, view), (jax.jit(jmo.quantize_weights), view)):
+    for got, ref_q in zip(quantize(*args), want):
+      np.testing.assert_array_equal(bits(got.values), bits(ref_q.values))
+      np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(ref_q.scales))
+      assert got.values.sharding.spec[0] == "expert" and got.scales.sharding.spec[0] == "expert"
+      for dequantize in (lambda q: q.dequantize(), jax.jit(lambda q: q.dequantize())):
+        w = dequantize(got)
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(ref_q.dequantize()))
+        assert w.sharding.spec[0] == "expert"
+  x = wide_range((16, D), 13)
+  q, s = fp8.quantize_rows(on(x, ("expert", "tensor")), pow2=True)
+  q_ref, s_ref = fp8.quantize_rows(jnp.asarray(x), pow2=True)
+  np.testing.assert_array_equal(bits(q), bits(q_ref))
+  np.testing.assert_array_equal(np.asarray(fp8.dequantize_rows(q, s)), np.asarray(fp8.dequantize_rows(q_ref, s_ref)))
