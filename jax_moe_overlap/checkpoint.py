@@ -59,7 +59,7 @@ from jax_moe_overlap.layer import MoE, expert_specs
 NAMES = ("router", "routing_bias", "w1", "w2", "shared_w1", "shared_w2", "shared_expert_gate")
 
 
-def _master_weights(params: dict, where: str) -> None:
+def _check_master_weights(params: dict, where: str) -> None:
   """The parameters are float arrays: a pre-quantized ``Fp8Weight`` (``quantize_weights``' output, which
   ``moe_experts`` takes for inference) is neither a module's parameter nor any layout's tensor."""
   for name, value in params.items():
@@ -83,7 +83,7 @@ def load_params(module: MoE, params: dict) -> None:
   Each variable's array is replaced whole, never updated in place: an in-place update (``var[...] = value``) is a
   scatter, which on a mesh with Explicit axes must be told its output sharding and fails when the new value's
   sharding differs from the old one's."""
-  _master_weights(params, "load_params")
+  _check_master_weights(params, "load_params")
   have = {n for n in NAMES if getattr(module, n, None) is not None}
   if set(params) != have:
     raise ValueError(f"jax_moe_overlap: load_params: the module has {sorted(have)}, got {sorted(params)}")
@@ -207,7 +207,7 @@ _SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def to_maxtext(params: dict) -> dict:
   """This library's layout -> MaxText's nested dict."""
-  _master_weights(params, "to_maxtext")
+  _check_master_weights(params, "to_maxtext")
   gate, up = _split(_w1(params["w1"]))
   out = {"gate": {"kernel": params["router"]}, "wi_0": gate, "wi_1": up, "wo": params["w2"]}
   if "routing_bias" in params:
@@ -293,7 +293,7 @@ def _router_and_shared_from(g: _Given) -> tuple[dict, int, int]:
 def to_per_expert(params: dict, prefix: str = "", style: str = "deepseek") -> dict:
   """This library's layout -> flat {name: NumPy array} of the published checkpoints, one tensor per expert, in the
   naming of ``style`` (a key of ``STYLES``; [out, in] weights)."""
-  _master_weights(params, "to_per_expert")
+  _check_master_weights(params, "to_per_expert")
   p = {k: np.asarray(v) for k, v in params.items()}
   out = _router_and_shared_to(p, prefix, style)
   names = _style(style).expert_projections
@@ -340,7 +340,7 @@ def to_transformers(params: dict, prefix: str = "", style: str = "deepseek") -> 
   """This library's layout -> flat {name: NumPy array} as transformers 5.x holds the layer in memory (the experts
   stacked in ``experts.gate_up_proj`` and ``experts.down_proj``; the router and shared experts in the naming of
   ``style``)."""
-  _master_weights(params, "to_transformers")
+  _check_master_weights(params, "to_transformers")
   p = {k: np.asarray(v) for k, v in params.items()}
   out = _router_and_shared_to(p, prefix, style)
   out[f"{prefix}experts.gate_up_proj"] = _w1(p["w1"]).transpose(0, 2, 1)
