@@ -21,8 +21,9 @@
 #     fp8                 build, SASS sanity line, run all cases (correctness + timing; about half a minute)
 #     fp8-sanitize        build, then memcheck on the small cases only, no timing
 #     fp8-build           build + SASS sanity line only
-#   gathered-A probe (wgmma_gather_probe.cu: the grouped GEMM with A gathered row by row by cp.async from scattered
-#   rows, timed against the TMA A of WgmmaGroupedGemm on the same data):
+#   gathered-A probe (wgmma_gather_probe.cu: the grouped GEMM with A gathered row by row from scattered rows, by
+#   cp.async or by one-row TMA boxes, timed against the TMA A of WgmmaGroupedGemm on the same data; PROBE_ARGS=--rows-only
+#   runs the TMA A and the one-row TMA variants alone):
 #     gather              build, SASS sanity line, run all cases (correctness + bitwise against TMA A + timing)
 #     gather-sanitize     build, then memcheck on the small cases only, no timing
 #     gather-build        build + SASS sanity line only
@@ -94,6 +95,8 @@ if [ "$mode" != outer-prebuilt ]; then
     awk '/Compiling entry function/ { k = ""
          if ($0 ~ /sm_90a/ && $0 ~ /GatherGemmKernel/) { match($0, /GatherGemmKernelILi[234]ELb[01]/); s = substr($0, RSTART, RLENGTH)
            k = "GatherGemmKernel<warps=" (4 - substr(s, 20, 1)) "-3,fence=" substr(s, 24, 1) ">" }
+         else if ($0 ~ /sm_90a/ && $0 ~ /RowTmaGemmKernel/) { match($0, /RowTmaGemmKernelILi[24]/); s = substr($0, RSTART, RLENGTH)
+           k = "RowTmaGemmKernel<warps=" (4 - substr(s, 20, 1)) "-3>" }
          else if ($0 ~ /sm_90a/ && $0 ~ /GroupedGemmKernelILi1ELb0/) k = "GroupedGemmKernel<transB=1,f32=0> (TMA A)" }
        k != "" && /spill/ { sp = $0 } k != "" && /registers/ { print "ptxas: " k ":" sp " |" $0; k = "" }' "$dir/ptxas_$probe.log" || true
   elif [ "$probe" = wgmma_probe ]; then
@@ -124,6 +127,6 @@ case "$mode" in
   sanitize|outer-sanitize|fp8-sanitize|outer-fp8-sanitize|gather-sanitize)
     WGMMA_WATCHDOG_S=300 compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$dir/$probe" --small-only --no-timing ;;
-  run|outer|outer-prebuilt|fp8|outer-fp8|gather) "$dir/$probe" ;;
+  run|outer|outer-prebuilt|fp8|outer-fp8|gather) "$dir/$probe" ${PROBE_ARGS:-} ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

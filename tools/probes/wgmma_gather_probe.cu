@@ -1,17 +1,19 @@
 // Standalone probe: the grouped GEMM (wgmma_grouped.cuh) with its A operand gathered row by row against A read by TMA.
-//   wgmma_gather_probe [--small-only] [--no-timing]
+//   wgmma_gather_probe [--small-only] [--no-timing] [--rows-only]
 // Exit codes: 0 all PASS, 1 some FAIL, 2 CUDA error, 3 watchdog timeout.
 //
 // The same GEMM runs two ways on the same data:
 //   TMA A     the library's grouped GEMM (WgmmaGroupedGemm) over recv [M, K], its rows in GEMM order;
 //   gathered  GatherGemmKernel below: GEMM row r read from x + src[r] * K (src[r] >= 0: a row of x, scattered) or from
-//             recv + r * K (src[r] < 0), by 16-byte cp.async copies of the producer warpgroup's gather warps; B by TMA.
+//             recv + r * K (src[r] < 0), by 16-byte cp.async copies of the producer warpgroup's gather warps; B by TMA;
+//   TMA rows  RowTmaGemmKernel below: the same rows by one 2D TMA load of a {64, 1} box per row and k-step, issued by
+//             the producer warpgroup's row warps (--rows-only: these and TMA A alone).
 // Source layouts: "all-x" (every row from x, src a random permutation) and "half-x" (the first half of each group's
 // rows from x, the rest from recv, as dispatch_gemm has them with two ranks). The rows the gathered kernel must not
 // read (x's rows no GEMM row maps to, recv's rows that come from x) are NaN, so a wrong source shows. Both
 // results are compared with a float32 reference, and the gathered result must equal the TMA one bit for bit (the same
 // MMAs on the same operands in the same order). Gathered variants (GatherVariant): the producer warps that gather
-// (2-3, 1-3, 0-3) and 2-3 without the consumers' proxy fence. The full-size cases are timed (median of 20 launches
+// (2-3, 1-3, 0-3) and 2-3 without the consumers' proxy fence; TMA rows from warps 2-3 and 0-3. The full-size cases are timed (median of 20 launches
 // after 3 warm-ups, each launch timed by its own events) and end in one table: TMA A us, gathered A us, their ratio,
 // TFLOP/s of both.
 #include <random>
@@ -52,6 +54,33 @@ struct GatherRing : StageRing<kNumStages, 0> {
 constexpr int kTableOffset = (LoopSmemBytes<kStages>() + 2 * (kMaxGroups + 1) * 4 + 7) / 8 * 8;
 constexpr int kSmemBytes = kTableOffset + 2 * kBM * 8;
 
+// The TMA thread's part of a k-step: the stage's tile id on its first k-step, the arrival expecting `bytes` (B's, and
+// A's where A also comes by TMA), B's four 64-column boxes (B [G, K, N], MN-major).
+template <class Ring>
+__device__ __forceinline__ void IssueB(Ring& ring, const CUtensorMap& b_map, const TileCoords& coords, int i, int kt,
+                                       uint32_t bytes) {
+  const int s = ring.stage;
+  const uint32_t fb = SmemAddr(ring.Full(s));
+  if (kt == 0) ring.Ids()[s] = i;
+  MbarArriveExpectTx(fb, bytes);
+#pragma unroll
+  for (int j = 0; j < kBN / 64; ++j)
+    TmaLoad3D(SmemAddr(ring.B(s)) + j * 8192, &b_map, fb, j < 2 ? coords.n0 + 64 * j : coords.n_hi + 64 * (j - 2),
+              kt * kBK, coords.b_idx);
+}
+
+// A tile's k-steps on the producer side: wait for the stage to be free, fill it (fn(kt, stage, its full barrier)),
+// advance.
+template <class Ring, class Fn>
+__device__ __forceinline__ void ForEachKStep(Ring& ring, int K, Fn fn) {
+  for (int kt = 0; kt < K / kBK; ++kt) {
+    const int s = ring.stage;
+    MbarWait(SmemAddr(ring.Empty(s)), ring.phase ^ 1);
+    fn(kt, s, SmemAddr(ring.Full(s)));
+    ring.Advance();
+  }
+}
+
 // A producer thread's walk over the CTA's tiles (GatherLoop's comment, below): as the TMA thread (kMayTma and thread
 // 0: B, the stage ids, the end marker) and/or as a gather thread (kGather; gt its index among the kGatherThreads).
 template <bool kMayTma, bool kGather, int kGatherThreads, class Ring, class TileFn>
@@ -85,18 +114,8 @@ __device__ __forceinline__ void Produce(Ring& ring, const CUtensorMap& b_map, co
       NamedBarSync(kGatherBarrier, kGatherThreads);
     }
     const TileCoords coords = TileCoords::Of(tile);
-    for (int kt = 0; kt < K / kBK; ++kt) {
-      const int s = ring.stage;
-      const uint32_t fb = SmemAddr(ring.Full(s));
-      MbarWait(SmemAddr(ring.Empty(s)), ring.phase ^ 1);
-      if (tma) {
-        if (kt == 0) ids[s] = i;
-        MbarArriveExpectTx(fb, kBBytes);
-#pragma unroll
-        for (int j = 0; j < kBN / 64; ++j)  // B [G, K, N] (MN-major): four 64-column boxes
-          TmaLoad3D(SmemAddr(ring.B(s)) + j * 8192, &b_map, fb,
-                    j < 2 ? coords.n0 + 64 * j : coords.n_hi + 64 * (j - 2), kt * kBK, coords.b_idx);
-      }
+    ForEachKStep(ring, K, [&](int kt, int s, uint32_t fb) {
+      if (tma) IssueB(ring, b_map, coords, i, kt, kBBytes);
       if (kGather) {
         // (32-bit shared addresses: a generic pointer to the slot would hold two of the 24 registers)
         const int j = gt % kChunks;
@@ -109,31 +128,17 @@ __device__ __forceinline__ void Produce(Ring& ring, const CUtensorMap& b_map, co
         }
         CpAsyncMbarArriveNoInc(fb);
       }
-      ring.Advance();
-    }
+    });
   }
 }
 
-// The warp-specialized loop of WgmmaLoop (wgmma_mainloop.cuh) with the A slot of each stage filled by cp.async:
-// thread 0 loads B by TMA (arrive.expect_tx of kBBytes on the stage's full barrier), the kGatherWarps last warps of
-// the producer warpgroup copy A (warps 4 - kGatherWarps .. 3; with 4, thread 0 does both; with 2, warps 2-3 alone, the
-// ones dispatch_gemm's producer warpgroup has free beside its TMA thread and its look-ahead warp 1). The full barrier
-// expects 1 + 32 kGatherWarps arrivals: thread 0's expect_tx arrive and one cp.async noinc arrive per gather thread,
-// so a stage completes when B's bytes and every gather thread's copies have landed. The consumer warpgroups are the
-// loop's (Bf16Operands<1>::Multiply over a GatherRing, StoreAccTile). Static schedule: tiles blockIdx.x, + gridDim.x,
-// ... Per tile the gather threads first write the source address of each of its kBM rows to a table (rows past
-// tile.rows, which are multiplied but never stored, read row 0's source), pass their named barrier, then per k-step
-// copy chunk gt % 8 of rows gt / 8, + 4 kGatherWarps, ... (gt: the thread's index among them): each warp instruction
-// reads 4 whole 128-byte row segments, and writes chunk j of row r at chunk j ^ (r % 8) of the row's 128-byte line of
-// the 1024-aligned slot, where the 128B-swizzle TMA box would put it (StoreAStageRows reads the TMA's slots so). The
-// tables alternate between tiles: a thread writes tile j + 1's table after passing tile j's barrier, which every
-// thread reaches only after issuing all of tile j - 1's copies, the last reads of that table.
-template <int kGatherWarps, bool kProxyFence, class TileFn>
-__device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_bfloat16* x, const __nv_bfloat16* recv,
-                                           const int* src, int K, int count, TileFn tile_of, uint64_t* table,
-                                           char* smem) {
-  static_assert(kGatherWarps >= 1 && kGatherWarps <= 4, "gather warps are producer warps");
-  constexpr int kGatherThreads = 32 * kGatherWarps, kFirstGatherWarp = 4 - kGatherWarps;
+// The warp-specialized loop of WgmmaLoop (wgmma_mainloop.cuh) with the stages filled by `produce(ring, warp, tid)`,
+// which every producer thread (warps 0-3) calls and which fills each stage's A and B slots and completes its full
+// barrier, initialized to expect full_arrivals arrivals. The consumer warpgroups are the loop's (Bf16Operands<1>::Multiply
+// over a GatherRing, StoreAccTile).
+template <bool kProxyFence, class TileFn, class ProduceFn>
+__device__ __forceinline__ void SpecializedLoop(int K, int full_arrivals, TileFn tile_of, char* smem,
+                                                ProduceFn produce) {
   using Ring = GatherRing<kStages, kProxyFence>;
   Ring ring;
   ring.base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~(uintptr_t)1023);
@@ -143,7 +148,7 @@ __device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(SmemAddr(ring.Full(s)), 1 + kGatherThreads);
+      MbarInit(SmemAddr(ring.Full(s)), full_arrivals);
       MbarInit(SmemAddr(ring.Empty(s)), 8);  // one arrive per consumer warp
     }
     MbarInitFence();
@@ -152,14 +157,7 @@ __device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_
 
   if (warp < 4) {
     SetMaxNRegDec<kProducerRegs>();
-    const int gt = tid - 32 * kFirstGatherWarp;
-    if (kFirstGatherWarp == 0) {
-      Produce<true, true, kGatherThreads>(ring, b_map, x, recv, src, K, count, tile_of, table, gt);
-    } else if (tid == 0) {
-      Produce<true, false, kGatherThreads>(ring, b_map, x, recv, src, K, count, tile_of, table, gt);
-    } else if (warp >= kFirstGatherWarp) {
-      Produce<false, true, kGatherThreads>(ring, b_map, x, recv, src, K, count, tile_of, table, gt);
-    }
+    produce(ring, warp, tid);
     ProducerExit();
   } else {
     SetMaxNRegInc<kConsumerRegs>();
@@ -187,17 +185,120 @@ __device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_
   __syncthreads();
 }
 
-// out [M, N] bf16 = rows of (x | recv) per src @ rhs [G, K, N], grouped as WgmmaGroupedGemm (same tile schedule over
-// a grid of the same size: the same tiles in the same CTAs).
-template <int kGatherWarps, bool kProxyFence>
-__global__ void __launch_bounds__(kThreads, 1)
-    GatherGemmKernel(const __grid_constant__ CUtensorMap tm_b, const __nv_bfloat16* __restrict__ x,
-                     const __nv_bfloat16* __restrict__ recv, const int* __restrict__ src,
-                     const int32_t* __restrict__ group_sizes, int G, int M, int N, int K, void* __restrict__ out) {
-  extern __shared__ __align__(1024) char smem_raw[];
-  int* row_start = reinterpret_cast<int*>(smem_raw + LoopSmemBytes<kStages>());  // G + 1
-  int* tile_start = row_start + (kMaxGroups + 1);                                  // G + 1
-  uint64_t* table = reinterpret_cast<uint64_t*>(smem_raw + kTableOffset);
+// The loop with A gathered by cp.async: thread 0 loads B by TMA (arrive.expect_tx of kBBytes on the stage's full
+// barrier), the kGatherWarps last warps of the producer warpgroup copy A (warps 4 - kGatherWarps .. 3; with 4, thread 0
+// does both; with 2, warps 2-3 alone, the ones dispatch_gemm's producer warpgroup has free beside its TMA thread and
+// its look-ahead warp 1). The full barrier expects 1 + 32 kGatherWarps arrivals: thread 0's expect_tx arrive and one
+// cp.async noinc arrive per gather thread, so a stage completes when B's bytes and every gather thread's copies have
+// landed. Static schedule: tiles blockIdx.x, + gridDim.x, ... Per tile the gather threads first write the source
+// address of each of its kBM rows to a table (rows past tile.rows, which are multiplied but never stored, read row 0's
+// source), pass their named barrier, then per k-step copy chunk gt % 8 of rows gt / 8, + 4 kGatherWarps, ... (gt: the
+// thread's index among them): each warp instruction reads 4 whole 128-byte row segments, and writes chunk j of row r
+// at chunk j ^ (r % 8) of the row's 128-byte line of the 1024-aligned slot, where the 128B-swizzle TMA box would put
+// it (StoreAStageRows reads the TMA's slots so). The tables alternate between tiles: a thread writes tile j + 1's table
+// after passing tile j's barrier, which every thread reaches only after issuing all of tile j - 1's copies, the last
+// reads of that table.
+template <int kGatherWarps, bool kProxyFence, class TileFn>
+__device__ __forceinline__ void GatherLoop(const CUtensorMap& b_map, const __nv_bfloat16* x, const __nv_bfloat16* recv,
+                                           const int* src, int K, int count, TileFn tile_of, uint64_t* table,
+                                           char* smem) {
+  static_assert(kGatherWarps >= 1 && kGatherWarps <= 4, "gather warps are producer warps");
+  constexpr int kGatherThreads = 32 * kGatherWarps, kFirstGatherWarp = 4 - kGatherWarps;
+  SpecializedLoop<kProxyFence>(K, 1 + kGatherThreads, tile_of, smem, [&](auto& ring, int warp, int tid) {
+    const int gt = tid - 32 * kFirstGatherWarp;
+    if (kFirstGatherWarp == 0) {
+      Produce<true, true, kGatherThreads>(ring, b_map, x, recv, src, K, count, tile_of, table, gt);
+    } else if (tid == 0) {
+      Produce<true, false, kGatherThreads>(ring, b_map, x, recv, src, K, count, tile_of, table, gt);
+    } else if (warp >= kFirstGatherWarp) {
+      Produce<false, true, kGatherThreads>(ring, b_map, x, recv, src, K, count, tile_of, table, gt);
+    }
+  });
+}
+
+// A producer thread's walk over the CTA's tiles with A loaded row by row by TMA: as the TMA thread (kMayTma and thread
+// 0: B, the stage ids, the end marker, and the expect_tx of the whole stage, A's rows included) and/or as a row thread
+// (kRows; rt its index among the kRowThreads), which issues one 2D TMA load of a {64 columns, 1 row} box per row and
+// k-step for rows rt, rt + kRowThreads, ... of the tile: from x_map at row src[row] (src[row] >= 0) or from recv_map at
+// row `row`. The 128B swizzle of a one-row box placed at row r's 128-byte line of the 1024-aligned slot: the probe
+// checks (bitwise against the TMA A) that the TMA unit swizzles by shared-memory address, as wgmma reads. The row
+// loads complete on the full barrier by their bytes alone (no arrival): the tx-count may go below zero until thread
+// 0's expect_tx, and the phase cannot complete before thread 0's arrival.
+template <bool kMayTma, bool kRows, int kRowThreads, class Ring, class TileFn>
+__device__ __forceinline__ void ProduceRows(Ring& ring, const CUtensorMap& b_map, const CUtensorMap& x_map,
+                                            const CUtensorMap& recv_map, const int* src, int K, int count,
+                                            TileFn tile_of, int rt) {
+  constexpr int kRowsPerThread = kBM / kRowThreads;
+  static_assert(kBM % kRowThreads == 0, "rows dealt evenly");
+  const bool tma = kMayTma && threadIdx.x == 0;
+  volatile int* ids = ring.Ids();
+  if (tma) PrefetchTensorMap(&b_map);
+  if (kRows && rt == 0) {
+    PrefetchTensorMap(&x_map);
+    PrefetchTensorMap(&recv_map);
+  }
+  for (int i = blockIdx.x;; i += gridDim.x) {
+    if (i >= count) {
+      if (tma) {
+        MbarWait(SmemAddr(ring.Empty(ring.stage)), ring.phase ^ 1);
+        ids[ring.stage] = -1;
+        MbarArrive(SmemAddr(ring.Full(ring.stage)));
+      }
+      break;
+    }
+    const auto tile = tile_of(i);
+    int coord[kRowsPerThread];  // x's row (>= 0) or ~recv's row
+    if (kRows) {
+#pragma unroll
+      for (int q = 0; q < kRowsPerThread; ++q) {
+        const int r = rt + q * kRowThreads;
+        const int row = tile.a_row + (r < tile.rows ? r : 0);
+        const int s = src[row];
+        coord[q] = s >= 0 ? s : ~row;
+      }
+    }
+    const TileCoords coords = TileCoords::Of(tile);
+    ForEachKStep(ring, K, [&](int kt, int s, uint32_t fb) {
+      if (tma) IssueB(ring, b_map, coords, i, kt, kStageBytes);
+      if (kRows) {
+        const uint32_t a = SmemAddr(ring.A(s));
+#pragma unroll
+        for (int q = 0; q < kRowsPerThread; ++q) {
+          const int c = coord[q];
+          TmaLoad2D(a + (rt + q * kRowThreads) * kRowBytes, c >= 0 ? &x_map : &recv_map, fb, kt * kBK, c >= 0 ? c : ~c);
+        }
+      }
+    });
+  }
+}
+
+// The loop with A by one-row TMA boxes (ProduceRows): the kRowWarps last producer warps issue the rows, thread 0 B;
+// the full barrier expects thread 0's arrival alone.
+template <int kRowWarps, class TileFn>
+__device__ __forceinline__ void RowTmaLoop(const CUtensorMap& b_map, const CUtensorMap& x_map,
+                                           const CUtensorMap& recv_map, const int* src, int K, int count,
+                                           TileFn tile_of, char* smem) {
+  static_assert(kRowWarps >= 1 && kRowWarps <= 4, "row warps are producer warps");
+  constexpr int kRowThreads = 32 * kRowWarps, kFirstRowWarp = 4 - kRowWarps;
+  SpecializedLoop<false>(K, 1, tile_of, smem, [&](auto& ring, int warp, int tid) {
+    const int rt = tid - 32 * kFirstRowWarp;
+    if (kFirstRowWarp == 0) {
+      ProduceRows<true, true, kRowThreads>(ring, b_map, x_map, recv_map, src, K, count, tile_of, rt);
+    } else if (tid == 0) {
+      ProduceRows<true, false, kRowThreads>(ring, b_map, x_map, recv_map, src, K, count, tile_of, rt);
+    } else if (warp >= kFirstRowWarp) {
+      ProduceRows<false, true, kRowThreads>(ring, b_map, x_map, recv_map, src, K, count, tile_of, rt);
+    }
+  });
+}
+
+// The kernels' common start: the group tables (GroupedGemmBody's) in shared memory past the loop's ring, the padding
+// rows of out zeroed, then loop(tile_of, tile count) with tile_of decoding a tile index as WgmmaGroupedGemm does.
+template <class Loop>
+__device__ __forceinline__ void OverGroupTiles(const int32_t* group_sizes, int G, int M, int N, void* out, char* smem,
+                                               Loop loop) {
+  int* row_start = reinterpret_cast<int*>(smem + LoopSmemBytes<kStages>());  // G + 1
+  int* tile_start = row_start + (kMaxGroups + 1);                              // G + 1
   const int n_tiles = (N + kBN - 1) / kBN;
   BuildGroupTables(group_sizes, G, M, n_tiles, row_start, tile_start);
   ZeroPadRows(out, row_start[G], M, N, kElemBytes);
@@ -208,7 +309,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("mov.b32 %0, %1;" : "=r"(n) : "r"(N));
     return DecodeTile(t, row_start, tile_start, G, (n + kBN - 1) / kBN, N, out, false);
   };
-  GatherLoop<kGatherWarps, kProxyFence>(tm_b, x, recv, src, K, tile_start[G], tile_of, table, smem_raw);
+  loop(tile_of, tile_start[G]);
+}
+
+// out [M, N] bf16 = rows of (x | recv) per src @ rhs [G, K, N], grouped as WgmmaGroupedGemm (same tile schedule over
+// a grid of the same size: the same tiles in the same CTAs).
+template <int kGatherWarps, bool kProxyFence>
+__global__ void __launch_bounds__(kThreads, 1)
+    GatherGemmKernel(const __grid_constant__ CUtensorMap tm_b, const __nv_bfloat16* __restrict__ x,
+                     const __nv_bfloat16* __restrict__ recv, const int* __restrict__ src,
+                     const int32_t* __restrict__ group_sizes, int G, int M, int N, int K, void* __restrict__ out) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  uint64_t* table = reinterpret_cast<uint64_t*>(smem_raw + kTableOffset);
+  OverGroupTiles(group_sizes, G, M, N, out, smem_raw, [&](auto tile_of, int count) {
+    GatherLoop<kGatherWarps, kProxyFence>(tm_b, x, recv, src, K, count, tile_of, table, smem_raw);
+  });
+}
+
+// The same GEMM with A by one-row TMA boxes from x_map / recv_map ({64, 1} boxes, 128B swizzle) per src.
+template <int kRowWarps>
+__global__ void __launch_bounds__(kThreads, 1)
+    RowTmaGemmKernel(const __grid_constant__ CUtensorMap tm_b, const __grid_constant__ CUtensorMap tm_x,
+                     const __grid_constant__ CUtensorMap tm_recv, const int* __restrict__ src,
+                     const int32_t* __restrict__ group_sizes, int G, int M, int N, int K, void* __restrict__ out) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  OverGroupTiles(group_sizes, G, M, N, out, smem_raw, [&](auto tile_of, int count) {
+    RowTmaLoop<kRowWarps>(tm_b, tm_x, tm_recv, src, K, count, tile_of, smem_raw);
+  });
 }
 
 }  // namespace gather
@@ -244,16 +371,27 @@ static std::vector<int> MakeSrc(const std::vector<int>& row_start, int64_t M, bo
   return src;
 }
 
-// A gathered variant: kGatherWarps = warps, kProxyFence = fence. Name: the gather warps "first-3", "no fence" without
-// the fence.
+// A variant of A's loads: cp.async gathers (GatherGemmKernel: kGatherWarps = warps, kProxyFence = fence) or one-row TMA
+// boxes (rows: RowTmaGemmKernel, kRowWarps = warps). Name: the warps that load A, "first-3", then "no fence" without
+// the fence, or "tma rows" before them.
 struct GatherVariant {
   int warps;
   bool fence;
-  std::string Name() const { return std::to_string(4 - warps) + "-3" + (fence ? "" : " no fence"); }
+  bool rows = false;
+  std::string Name() const {
+    return (rows ? "tma rows " : "") + std::to_string(4 - warps) + "-3" + (fence || rows ? "" : " no fence");
+  }
 };
 
 int main(int argc, char** argv) {
-  const ProbeArgs args = ParseProbeArgs(argc, argv);
+  // --rows-only: the TMA A and the one-row TMA variants alone (this probe's own flag; the rest are ParseProbeArgs's).
+  bool rows_only = false;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--rows-only")) rows_only = true;
+    else rest.push_back(argv[i]);
+  }
+  const ProbeArgs args = ParseProbeArgs((int)rest.size(), rest.data());
   const int num_sms = ProbeDevice(gather::kSmemBytes);
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -314,6 +452,18 @@ int main(int argc, char** argv) {
 
     CUtensorMap ta, tb;  // ta (A over recv) is the TMA path's; the gathered kernel takes tb alone
     CK(wgmma_gemm::EncodeGemmMaps(recv, M, K, rhs, G, N, /*b_k_major=*/false, &ta, &tb));
+    // One-row boxes over x and recv_part ([M, K] each), for the row-TMA variants.
+    CUtensorMap tx_rows, trecv_rows;
+    {
+      const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M};
+      const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+      const cuuint32_t box[2] = {64, 1};
+      if (!wgmma_gemm::EncodeMap(&tx_rows, x, 2, dims, strides, box, "x rows") ||
+          !wgmma_gemm::EncodeMap(&trecv_rows, recv_part, 2, dims, strides, box, "recv rows")) {
+        printf("case %s FAIL: the one-row tensor maps\n", c.name.c_str());
+        exit(2);
+      }
+    }
 
     // One variant: the checked call (out poisoned, compared with the reference), then `after` on its result, then
     // (with timing) 3 warm-ups and the median of 20 launches.
@@ -365,17 +515,27 @@ int main(int argc, char** argv) {
 
       // Gather warps 2-3 (the warps dispatch_gemm's producer warpgroup has free beside the TMA thread and the
       // look-ahead warp), 1-3, 0-3 (thread 0 gathers too); and 2-3 without the consumers' proxy fence.
-      for (const GatherVariant v : {GatherVariant{2, true}, GatherVariant{3, true}, GatherVariant{4, true},
-                                    GatherVariant{2, false}}) {
+      // One-row TMA boxes from warps 2-3 (two rows per thread) and 0-3 (one row per thread, thread 0 B too).
+      std::vector<GatherVariant> variants = {GatherVariant{2, false, true}, GatherVariant{4, false, true}};
+      if (!rows_only)
+        variants.insert(variants.end(), {GatherVariant{2, true}, GatherVariant{3, true}, GatherVariant{4, true},
+                                         GatherVariant{2, false}});
+      for (const GatherVariant v : variants) {
         const std::string what = c.name + " A=gather src=" + layout + " warps=" + v.Name();
         auto call = [&]() {
-          auto kernel = !v.fence       ? gather::GatherGemmKernel<2, false>
-                        : v.warps == 2 ? gather::GatherGemmKernel<2, true>
-                        : v.warps == 3 ? gather::GatherGemmKernel<3, true>
-                                       : gather::GatherGemmKernel<4, true>;
-          const cudaError_t e = wgmma_gemm::LaunchWgmmaKernel(kernel, num_sms, gather::kSmemBytes, stream, tb, x,
-                                                              recv_part, d_src, d_sizes, (int)G, (int)M, (int)N,
-                                                              (int)K, out);
+          cudaError_t e;
+          if (v.rows) {
+            auto kernel = v.warps == 2 ? gather::RowTmaGemmKernel<2> : gather::RowTmaGemmKernel<4>;
+            e = wgmma_gemm::LaunchWgmmaKernel(kernel, num_sms, gather::kSmemBytes, stream, tb, tx_rows, trecv_rows,
+                                              (const int*)d_src, d_sizes, (int)G, (int)M, (int)N, (int)K, out);
+          } else {
+            auto kernel = !v.fence       ? gather::GatherGemmKernel<2, false>
+                          : v.warps == 2 ? gather::GatherGemmKernel<2, true>
+                          : v.warps == 3 ? gather::GatherGemmKernel<3, true>
+                                         : gather::GatherGemmKernel<4, true>;
+            e = wgmma_gemm::LaunchWgmmaKernel(kernel, num_sms, gather::kSmemBytes, stream, tb, x, recv_part, d_src,
+                                              d_sizes, (int)G, (int)M, (int)N, (int)K, out);
+          }
           if (e != cudaSuccess) {
             printf("case %s FAIL launch error: %s\n", what.c_str(), cudaGetErrorString(e));
             exit(2);
