@@ -181,6 +181,11 @@ __device__ __forceinline__ void NamedBarSync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
+// bar.arrive id, n: counts the calling threads on the barrier without waiting (the rest of the n threads bar.sync).
+__device__ __forceinline__ void NamedBarArrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
 // Shared-memory loads by 32-bit address (for data behind a generic pointer the compiler cannot place in shared
 // memory, which it would read with slower generic loads). Volatile: they stay after the barrier wait before them.
 __device__ __forceinline__ float LdSharedF32(uint32_t addr) {

@@ -148,6 +148,7 @@ constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;   // 24 * 128 + 240 * 256 = 64512 = 168 * 384
 constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
 constexpr int kProducerBarrier = 2;  // named barrier of the 128 producer threads
+constexpr int kIssueBarrier = 3;     // named barriers 3 and 4: the consumer warpgroups' turns (IssueTurns)
 constexpr int kElemBytes = static_cast<int>(sizeof(__nv_bfloat16));  // the engine's operands (its TMA maps') are bf16
 constexpr int kABytes = kBM * kBK * kElemBytes;  // 16384
 constexpr int kBBytes = kBN * kBK * kElemBytes;  // 32768
@@ -554,6 +555,8 @@ struct TileCoords {
 //   kBK            K elements per stage (each stage holds a 128-byte-wide K slice of A's 128 rows and B's 256 rows)
 //   kExtraBytes    smem per stage beside the A and B slots (a multiple of 128)
 //   kProducerRegs, kConsumerRegs   the registers of a producer / consumer thread (setmaxnreg; within the entry budget)
+//   kIssueTurnsPerStage            0, or the IssueTurns each consumer warpgroup takes per stage in Multiply (the loop
+//                                  starts and finishes the turns and takes them for a warpgroup without rows)
 //   Prefetch()                                         the TMA thread, before its first load
 //   LoadStage(fb, a_dst, b_dst, x, coords, kt)         the TMA thread, once the stage's slot is free: arms the full
 //                                                      barrier fb with the stage's bytes and issues its loads (kt:
@@ -569,6 +572,26 @@ struct TileCoords {
 //                                                      the tile and c; kt within the tile's stages).
 // bf16 (this file): A [rows, K] K-major, B K-major (kTransB = 0) or MN-major (kTransB = 1), wgmma m64n256k16, one
 // commit group kept in flight. e4m3 with block scales: wgmma_mainloop_fp8.cuh.
+// The consumer warpgroups' turns at issuing MMAs, for operand formats whose warpgroups wait for their MMAs and then
+// work on the results before the next batch (kAlternateIssue: the FP8 promotion). Warpgroup c issues a batch only
+// once the other has issued its previous one, then hands the turn over: the tensor cores get the two warpgroups'
+// batches one after the other, so one warpgroup's work between batches overlaps the other's MMAs, where warpgroups
+// issuing together finish their batches together and then leave the tensor cores idle together. Barrier
+// kIssueBarrier + c is warpgroup c's turn: the other warpgroup's 128 threads arrive on it, c's 128 sync on it.
+// Warpgroup 0 goes first (Start); Finish takes the last turn warpgroup 1 hands over, so every barrier generation
+// completes. Every consumer thread calls each of them; each warpgroup takes and passes the same number of turns
+// (a warpgroup with no rows in a tile takes and passes its turns without MMAs: WgmmaLoop).
+struct IssueTurns {
+  __device__ static __forceinline__ void Start(int c) {
+    if (c == 1) NamedBarArrive(kIssueBarrier, 256);
+  }
+  __device__ static __forceinline__ void Take(int c) { NamedBarSync(kIssueBarrier + c, 256); }
+  __device__ static __forceinline__ void Pass(int c) { NamedBarArrive(kIssueBarrier + (c ^ 1), 256); }
+  __device__ static __forceinline__ void Finish(int c) {
+    if (c == 0) NamedBarSync(kIssueBarrier, 256);
+  }
+};
+
 template <int kTransB>
 struct Bf16Operands {
   const CUtensorMap* a_map;
@@ -577,6 +600,7 @@ struct Bf16Operands {
   static constexpr int kExtraBytes = 0;
   static constexpr int kProducerRegs = wgmma_gemm::kProducerRegs;
   static constexpr int kConsumerRegs = wgmma_gemm::kConsumerRegs;
+  static constexpr int kIssueTurnsPerStage = 0;  // (IssueTurns: the warpgroups issue freely)
 
   __device__ __forceinline__ void Prefetch() const {
     PrefetchTensorMap(a_map);
@@ -732,6 +756,8 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
     const int wq = warp % 4;     // warp within the warpgroup: rows 16 wq .. 16 wq + 15 of its 64
 
     float acc[128];
+    constexpr int kTurns = Ops::kIssueTurnsPerStage;
+    if (kTurns > 0) IssueTurns::Start(c);
     for (;;) {
       ring.WaitFull();  // the next tile's first stage (or the end)
       const int i = ids[ring.stage];
@@ -741,9 +767,13 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
       if (c * 64 >= tile.rows) {
         // No valid row for this warpgroup (a segment's last m-tile with <= 64 rows): skip the MMAs
         // (warpgroup-uniform) but wait on every full barrier and arrive on every empty barrier so that the
-        // barrier phases stay in step.
+        // barrier phases stay in step, and take and pass the stage's issue turns.
         for (int kt = 0; kt < k_steps; ++kt) {
           if (kt > 0) ring.WaitFull();
+          for (int t = 0; t < kTurns; ++t) {
+            IssueTurns::Take(c);
+            IssueTurns::Pass(c);
+          }
           __syncwarp();
           if (lane == 0) MbarArrive(SmemAddr(ring.Empty(ring.stage)));
           ring.Advance();
@@ -776,6 +806,7 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         }
       }
     }
+    if (kTurns > 0) IssueTurns::Finish(c);
     // Back to the entry register count (frees the registers the producer's increase waits for). setmaxnreg rule:
     // the warps of each warpgroup synchronize between two setmaxnreg.
     ConsumerExit();

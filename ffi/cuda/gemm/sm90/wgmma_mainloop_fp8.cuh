@@ -32,8 +32,9 @@
 // wgmma m64n128k32 into 64 partial registers (the first with scale-d = 0), waits for them, and adds
 // part * (sa[row] * sb) into the 128 float32 accumulators, the scale product rounded to float32 first (one per
 // row and half with block scales, one per element with row scales; acc[64 h ..] is the half's m64n128 layout, so acc
-// is the m64n256 layout the epilogues take). 64 + 128 accumulator registers, within the consumers' 232. The wait
-// after each half leaves the tensor core to the other consumer warpgroup while this one promotes. A stage is released
+// is the m64n256 layout the epilogues take). 64 + 128 accumulator registers, within the consumers' 232. The two
+// consumer warpgroups issue their halves' MMAs in turns (IssueTurns, wgmma_mainloop.cuh): one warpgroup's half queues
+// behind the other's, so each promotes while the tensor cores run the other's MMAs. A stage is released
 // (empty barrier) once its operands and scales have all been read: with block scales after its second half's wait
 // (both scales are in registers), with row scales after the second half's promotion (which reads them from smem).
 #pragma once
@@ -169,6 +170,8 @@ struct Fp8Operands {
   // accumulators (part and acc). 40 * 128 + 232 * 256 = 168 * 384, DeepGEMM's split.
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
+  // Each half of a stage is one batch of MMAs waited for and then promoted: the warpgroups take turns (IssueTurns).
+  static constexpr int kIssueTurnsPerStage = 2;
 
   __device__ __forceinline__ void Prefetch() const {
     PrefetchTensorMap(a_map);
@@ -208,6 +211,7 @@ struct Fp8Operands {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         FenceRegs<64>(part);
+        IssueTurns::Take(c);
         WgmmaFence();
 #pragma unroll
         for (int kk = 0; kk < kBK / 32; ++kk) {
@@ -217,6 +221,7 @@ struct Fp8Operands {
           Wgmma64x128E4m3(part, da, db, kk > 0);
         }
         WgmmaCommit();
+        IssueTurns::Pass(c);
         WgmmaWait<0>();
         FenceRegs<64>(part);
         if (BScales::kReleaseBeforePromote && h == 1 && lane == 0) MbarArrive(SmemAddr(ring.Empty(s)));
