@@ -13,9 +13,9 @@
 // read (x's rows no GEMM row maps to, recv's rows that come from x) are NaN, so a wrong source shows. Both
 // results are compared with a float32 reference, and the gathered result must equal the TMA one bit for bit (the same
 // MMAs on the same operands in the same order). Gathered variants (GatherVariant): the producer warps that gather
-// (2-3, 1-3, 0-3) and 2-3 without the consumers' proxy fence; TMA rows from warps 2-3 and 0-3. The full-size cases are timed (median of 20 launches
-// after 3 warm-ups, each launch timed by its own events) and end in one table: TMA A us, gathered A us, their ratio,
-// TFLOP/s of both.
+// (2-3, 1-3, 0-3) and 2-3 without the consumers' proxy fence; TMA rows from warps 2-3 and 0-3. The full-size cases
+// are timed (median of 20 launches after 3 warm-ups, each launch timed by its own events) and end in one table: TMA A
+// us, gathered A us, their ratio, TFLOP/s of both.
 #include <random>
 
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
@@ -134,8 +134,8 @@ __device__ __forceinline__ void Produce(Ring& ring, const CUtensorMap& b_map, co
 
 // The warp-specialized loop of WgmmaLoop (wgmma_mainloop.cuh) with the stages filled by `produce(ring, warp, tid)`,
 // which every producer thread (warps 0-3) calls and which fills each stage's A and B slots and completes its full
-// barrier, initialized to expect full_arrivals arrivals. The consumer warpgroups are the loop's (Bf16Operands<1>::Multiply
-// over a GatherRing, StoreAccTile).
+// barrier, initialized to expect full_arrivals arrivals. The consumer warpgroups are the loop's
+// (Bf16Operands<1>::Multiply over a GatherRing, StoreAccTile).
 template <bool kProxyFence, class TileFn, class ProduceFn>
 __device__ __forceinline__ void SpecializedLoop(int K, int full_arrivals, TileFn tile_of, char* smem,
                                                 ProduceFn produce) {

@@ -550,6 +550,26 @@ struct TileCoords {
   }
 };
 
+// The consumer warpgroups' turns at issuing MMAs, for operand formats whose warpgroups wait for their MMAs and then
+// work on the results before the next batch (kIssueTurnsPerStage > 0: the FP8 promotion). Warpgroup c issues a batch
+// only once the other has issued its previous one, then hands the turn over: the tensor cores get the two warpgroups'
+// batches one after the other, so one warpgroup's work between batches overlaps the other's MMAs, where warpgroups
+// issuing together finish their batches together and then leave the tensor cores idle together. Warpgroup c's turn is
+// named barrier kIssueBarrier + c: the other warpgroup's 128 threads arrive on it, c's 128 sync on it. Warpgroup 0 goes
+// first (Start); Finish takes the last turn warpgroup 1 hands over, so every barrier generation completes. Every
+// consumer thread calls each of them; each warpgroup takes and passes the same number of turns (a warpgroup with no
+// rows in a tile takes and passes its turns without MMAs: WgmmaLoop).
+struct IssueTurns {
+  __device__ static __forceinline__ void Start(int c) {
+    if (c == 1) NamedBarArrive(kIssueBarrier, 256);
+  }
+  __device__ static __forceinline__ void Take(int c) { NamedBarSync(kIssueBarrier + c, 256); }
+  __device__ static __forceinline__ void Pass(int c) { NamedBarArrive(kIssueBarrier + (c ^ 1), 256); }
+  __device__ static __forceinline__ void Finish(int c) {
+    if (c == 0) NamedBarSync(kIssueBarrier, 256);
+  }
+};
+
 // An operand format of WgmmaLoop: what a stage holds, how the producer fills it and how a consumer warpgroup
 // multiplies a tile over the stages. Members:
 //   kBK            K elements per stage (each stage holds a 128-byte-wide K slice of A's 128 rows and B's 256 rows)
@@ -572,26 +592,6 @@ struct TileCoords {
 //                                                      the tile and c; kt within the tile's stages).
 // bf16 (this file): A [rows, K] K-major, B K-major (kTransB = 0) or MN-major (kTransB = 1), wgmma m64n256k16, one
 // commit group kept in flight. e4m3 with block scales: wgmma_mainloop_fp8.cuh.
-// The consumer warpgroups' turns at issuing MMAs, for operand formats whose warpgroups wait for their MMAs and then
-// work on the results before the next batch (kAlternateIssue: the FP8 promotion). Warpgroup c issues a batch only
-// once the other has issued its previous one, then hands the turn over: the tensor cores get the two warpgroups'
-// batches one after the other, so one warpgroup's work between batches overlaps the other's MMAs, where warpgroups
-// issuing together finish their batches together and then leave the tensor cores idle together. Barrier
-// kIssueBarrier + c is warpgroup c's turn: the other warpgroup's 128 threads arrive on it, c's 128 sync on it.
-// Warpgroup 0 goes first (Start); Finish takes the last turn warpgroup 1 hands over, so every barrier generation
-// completes. Every consumer thread calls each of them; each warpgroup takes and passes the same number of turns
-// (a warpgroup with no rows in a tile takes and passes its turns without MMAs: WgmmaLoop).
-struct IssueTurns {
-  __device__ static __forceinline__ void Start(int c) {
-    if (c == 1) NamedBarArrive(kIssueBarrier, 256);
-  }
-  __device__ static __forceinline__ void Take(int c) { NamedBarSync(kIssueBarrier + c, 256); }
-  __device__ static __forceinline__ void Pass(int c) { NamedBarArrive(kIssueBarrier + (c ^ 1), 256); }
-  __device__ static __forceinline__ void Finish(int c) {
-    if (c == 0) NamedBarSync(kIssueBarrier, 256);
-  }
-};
-
 template <int kTransB>
 struct Bf16Operands {
   const CUtensorMap* a_map;
