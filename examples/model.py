@@ -139,8 +139,16 @@ def parse_mesh_shape(shape: str | None, num_devices: int) -> tuple[tuple[str, ..
   except ValueError:
     raise ValueError(f"mesh {shape!r}: expected axis=size pairs separated by commas, e.g. data=2,expert=2") from None
   names, sizes = tuple(n for n, _ in pairs), tuple(s for _, s in pairs)
-  if EXPERT_AXIS not in names or len(set(names)) != len(names) or min(sizes) < 1:
-    raise ValueError(f"mesh {shape!r}: distinct axes of size >= 1, one of them {EXPERT_AXIS!r}")
+  # One message per rule, so that a typo or a slip in one axis is named, not the rules listed.
+  if EXPERT_AXIS not in names:
+    raise ValueError(f"mesh {shape!r} has no axis named {EXPERT_AXIS!r} (the experts are sharded over it; an axis "
+                     f"named {TENSOR_AXIS!r} splits their hidden width, every other axis shards the batch)")
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise ValueError(f"mesh {shape!r} names axis {', '.join(map(repr, twice))} more than once")
+  small = [f"{n}={s}" for n, s in pairs if s < 1]
+  if small:
+    raise ValueError(f"mesh {shape!r}: {', '.join(small)}: every axis needs a size of at least 1")
   if int(np.prod(sizes)) != num_devices:
     raise ValueError(f"mesh {shape!r} has {int(np.prod(sizes))} devices, but {num_devices} are in use")
   return names, sizes

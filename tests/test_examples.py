@@ -197,6 +197,9 @@ def test_overlapping_kernel_times_on_a_stream_do_not_nest():
     (["--save-every", "0"], "--save-every 0: at least 1"),
     (["--lr", "nan"], "--lr nan: must be a positive finite number"),
     (["--mesh", "expert=3"], "mesh 'expert=3' has 3 devices, but 4 are in use"),
+    (["--mesh", "data=2,exprt=2"], "mesh 'data=2,exprt=2' has no axis named 'expert'"),
+    (["--mesh", "expert=2,data=1,data=2"], "mesh 'expert=2,data=1,data=2' names axis 'data' more than once"),
+    (["--mesh", "data=0,expert=4"], "mesh 'data=0,expert=4': data=0: every axis needs a size of at least 1"),
 ])
 def test_training_refuses_bad_flags_in_one_line(flags, rule):
   """Flags the model or the library's layer rules refuse end the script with one line naming the rule (the
