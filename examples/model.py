@@ -411,6 +411,22 @@ def abstract_like(state):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
 
 
+def check_checkpoint_mesh(meta: dict, mesh: jax.sharding.Mesh, ckpt_dir: str) -> None:
+  """ValueError unless ``mesh`` keeps the experts in the layout the checkpoint (its ``meta``) stored them in: a run
+  on a mesh with a tensor axis keeps each w1 as its [E, D, 2, F] view (``jmo.MoE``'s tensor_axis), a run without one
+  as [E, D, 2F], and a restore reads the arrays in the shapes this run's model has."""
+  trained = meta.get("args", {}).get("mesh")
+  had = bool(trained) and TENSOR_AXIS in [item.split("=")[0].strip() for item in trained.split(",")]
+  if had == (tensor_axis(mesh) is not None):
+    return
+  where = f"--mesh {trained}" if trained else "the default mesh"
+  if had:
+    raise ValueError(f"{ckpt_dir} was trained on {where}, with a {TENSOR_AXIS!r} axis, so its w1 are stored as "
+                     f"[E, D, 2, F]: restore it on a mesh with a {TENSOR_AXIS!r} axis (--mesh ...,{TENSOR_AXIS}=N)")
+  raise ValueError(f"{ckpt_dir} was trained on {where}, without a {TENSOR_AXIS!r} axis, so its w1 are stored as "
+                   f"[E, D, 2F]: restore it on a mesh without a {TENSOR_AXIS!r} axis")
+
+
 def read_meta(ckpt_dir: str, step: int | None = None) -> tuple[int, dict]:
   """(step, meta) of the latest (or given) checkpoint in ckpt_dir."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top

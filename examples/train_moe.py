@@ -467,24 +467,32 @@ def main(argv=None):
         raise SystemExit(f"{args.ckpt_dir} already holds a checkpoint (step {latest}); pass --resume to continue "
                          f"it, --overwrite to start afresh, or use a new --ckpt-dir")
       if latest is not None:
+        # The config and the mesh are checked before the arrays are read: a restore into other shapes would fail
+        # inside orbax with a message about shapes, not about the flag that differs.
+        meta = mngr.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved_cfg = model_lib.ModelConfig.from_json(meta["config"])
+        # Any impl and quantization continue a checkpoint: neither changes the parameters.
+        saved_cfg = dataclasses.replace(saved_cfg, impl=cfg.impl, attention=cfg.attention,
+                                        quantization=cfg.quantization)
+        if saved_cfg != cfg:
+          differ = [f.name for f in dataclasses.fields(cfg) if getattr(saved_cfg, f.name) != getattr(cfg, f.name)]
+          raise SystemExit(f"the checkpoint in {args.ckpt_dir} has another model than the flags give: " + ", ".join(
+              f"{n} {getattr(saved_cfg, n)} (checkpoint) -> {getattr(cfg, n)} (flags)" for n in differ))
+        try:
+          model_lib.check_checkpoint_mesh(meta, mesh, args.ckpt_dir)
+        except ValueError as e:
+          raise SystemExit(str(e)) from None
         restored = mngr.restore(latest, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(model))),
-            opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer))),
-            meta=ocp.args.JsonRestore()))
-        saved_cfg = model_lib.ModelConfig.from_json(restored["meta"]["config"])
-        # Any impl and quantization continue a checkpoint: neither changes the parameters.
-        if dataclasses.replace(saved_cfg, impl=cfg.impl, attention=cfg.attention,
-                               quantization=cfg.quantization) != cfg:
-          raise SystemExit(f"the checkpoint in {args.ckpt_dir} has model config {saved_cfg}, but the flags give "
-                           f"{cfg}")
-        changed = {k: (v, vars(args).get(k)) for k, v in restored["meta"]["args"].items()
+            opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer)))))
+        changed = {k: (v, vars(args).get(k)) for k, v in meta["args"].items()
                    if k in RESUME_ARGS and vars(args).get(k) != v}
         if changed:
           say("warning: these flags differ from the checkpointed run, so the loss curve will not continue as it "
                 "would have: " + ", ".join(f"--{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in changed.items()))
         nnx.update(model, restored["model"])
         nnx.update(optimizer, restored["opt"])
-        history = restored["meta"]["history"]
+        history = meta["history"]
         start = latest
         say(f"resumed from {args.ckpt_dir} at step {start}")
 

@@ -216,12 +216,39 @@ def test_generation_refuses_bad_flags_in_one_line(overlap_run, tmp_path):
   for flags, rule in [(["--devices", "3"], "8 experts cannot be split evenly over the 3 devices of mesh axis"),
                       (["--mesh", "expert=2"], "mesh 'expert=2' has 2 devices, but 4 are in use"),
                       (["--num-samples", "0"], "--num-samples 0: at least 1"),
-                      (["--top-p", "0"], "--top-p 0.0: in (0, 1]")]:
+                      (["--top-p", "0"], "--top-p 0.0: in (0, 1]"),
+                      (["--mesh", "expert=2,tensor=2"], "without a 'tensor' axis, so its w1 are stored as [E, D, 2F]")]:
     with pytest.raises(SystemExit) as e:
       generate.main(["--ckpt-dir", ckpt] + flags)
     assert rule in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
   with pytest.raises(SystemExit, match="no checkpoint directory"):
     generate.main(["--ckpt-dir", str(tmp_path / "none")])
+
+
+def test_resume_refuses_another_model_or_layout_in_one_line(overlap_run):
+  """A resume whose flags give the experts other shapes is refused naming what differs, before orbax reads an
+  array (whose own error would speak of shapes only), and leaves the checkpoint as it was."""
+  _, d = overlap_run
+  ckpt = str(d / "ckpt")
+  for flags, rule in [(["--experts", "4"], "num_experts 8 (checkpoint) -> 4 (flags)"),
+                      (["--mesh", "expert=2,tensor=2"], "without a 'tensor' axis, so its w1 are stored as [E, D, 2F]")]:
+    with pytest.raises(SystemExit) as e:
+      train_moe.main(TINY + ["--ckpt-dir", ckpt, "--resume", "--plot", ""] + flags)
+    assert rule in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
+  assert model_lib.read_meta(ckpt)[0] == STEPS
+
+
+def test_checkpoint_layout_follows_the_tensor_axis():
+  """w1 is stored as [E, D, 2, F] by a run with a 'tensor' axis and as [E, D, 2F] without: a checkpoint restores
+  onto a mesh with a tensor axis exactly when it was trained on one."""
+  flat, split = jax.make_mesh((4,), ("expert",)), jax.make_mesh((2, 2), ("expert", "tensor"))
+  for trained in (None, "expert=4", "data=2,expert=2"):
+    model_lib.check_checkpoint_mesh({"args": {"mesh": trained}}, flat, "ck")
+    with pytest.raises(ValueError, match="without a 'tensor' axis"):
+      model_lib.check_checkpoint_mesh({"args": {"mesh": trained}}, split, "ck")
+  model_lib.check_checkpoint_mesh({"args": {"mesh": "expert=2,tensor=2"}}, split, "ck")
+  with pytest.raises(ValueError, match="with a 'tensor' axis, so its w1 are stored as \\[E, D, 2, F\\]"):
+    model_lib.check_checkpoint_mesh({"args": {"mesh": "expert=2,tensor=2"}}, flat, "ck")
 
 
 @pytest.mark.slow
