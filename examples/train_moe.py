@@ -441,7 +441,10 @@ def main(argv=None):
     raise SystemExit(str(e)) from None
   try:
     attention, why = model_lib.choose_attention(cfg, mesh, args.batch_size // args.grad_accum, args.attention)
-    train_text, held_text = model_lib.load_text(args.data)
+    try:
+      train_text, held_text = model_lib.load_text(args.data)
+    except OSError as e:
+      raise ValueError(f"--data {args.data}: {e.strerror or e}") from None
     eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches, multiple_of=R)
   except ValueError as e:
     raise SystemExit(str(e)) from None

@@ -199,6 +199,7 @@ def test_overlapping_kernel_times_on_a_stream_do_not_nest():
     (["--mesh", "expert=3"], "mesh 'expert=3' has 3 devices, but 4 are in use"),
     (["--mesh", "data=2,exprt=2"], "mesh 'data=2,exprt=2' has no axis named 'expert'"),
     (["--mesh", "expert=2,data=1,data=2"], "mesh 'expert=2,data=1,data=2' names axis 'data' more than once"),
+    (["--data", "/nonexistent/text.txt"], "--data /nonexistent/text.txt: No such file or directory"),
     (["--mesh", "data=0,expert=4"], "mesh 'data=0,expert=4': data=0: every axis needs a size of at least 1"),
 ])
 def test_training_refuses_bad_flags_in_one_line(flags, rule):
