@@ -369,7 +369,7 @@ def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
     return
   tok_s = tokens_per_step / float(np.median(step_times))
   line = (f"throughput impl={cfg.impl}: {tok_s:,.0f} tokens/s (median of {len(step_times)} steps, "
-          f"{tok_s / num_devices:,.0f} per device) | {cfg.flops_per_token() / 1e9:.2f} GFLOP/token")
+          f"{tok_s / num_devices:,.0f} per device) | {cfg.flops_per_token() / 1e9:.3g} GFLOP/token")
   peak = peak_tflops(args)
   if peak:
     mfu = cfg.flops_per_token() * tok_s / (peak * 1e12 * num_devices)

@@ -252,6 +252,16 @@ def test_checkpoint_layout_follows_the_tensor_axis():
     model_lib.check_checkpoint_mesh({"args": {"mesh": "expert=2,tensor=2"}}, flat, "ck")
 
 
+def test_throughput_line_states_the_flops_per_token(capsys):
+  """The model FLOPs per token keep three significant digits: the CPU default's few MFLOP do not print as 0.00."""
+  args = train_moe.parse_args(["--plot", ""])
+  cfg = train_moe.model_config(args)
+  train_moe.report_throughput(cfg, args, [0.5], 1024, 4)
+  out = capsys.readouterr().out
+  got = float(out.split(" GFLOP/token")[0].rsplit(" ", 1)[-1])
+  assert got == pytest.approx(cfg.flops_per_token() / 1e9, rel=5e-3), out
+
+
 @pytest.mark.slow
 def test_bad_flags_exit_nonzero_as_a_program(tmp_path):
   """As a program, a refused flag is one line on stderr and exit status 1."""
