@@ -365,7 +365,8 @@ def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   """Prints the median training throughput of the timed steps and, when the device's peak is known, the model FLOP
   utilisation: model FLOPs per token (ModelConfig.flops_per_token) x tokens/s over the devices' summed peak."""
   if not step_times:
-    say("throughput: no timed step (the first step compiles and is not timed)")
+    say("throughput: no timed step (the first step compiles, and a step after an evaluation, --eval-every, "
+        "includes that evaluation: neither is timed)")
     return
   tok_s = tokens_per_step / float(np.median(step_times))
   line = (f"throughput impl={cfg.impl}: {tok_s:,.0f} tokens/s (median of {len(step_times)} steps, "

@@ -260,6 +260,8 @@ def test_throughput_line_states_the_flops_per_token(capsys):
   out = capsys.readouterr().out
   got = float(out.split(" GFLOP/token")[0].rsplit(" ", 1)[-1])
   assert got == pytest.approx(cfg.flops_per_token() / 1e9, rel=5e-3), out
+  train_moe.report_throughput(cfg, args, [], 1024, 4)   # --eval-every 1: every step follows an evaluation
+  assert "--eval-every" in capsys.readouterr().out
 
 
 @pytest.mark.slow
