@@ -361,6 +361,12 @@ def peak_tflops(args) -> float | None:
   return None
 
 
+def tokens_per_s(tok_s: float) -> str:
+  """A step's tokens/s as the progress bar and the log lines show it: "-" where the step was not timed (the first,
+  which compiles, and those after an evaluation)."""
+  return f"{tok_s:,.0f}" if np.isfinite(tok_s) else "-"
+
+
 def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   """Prints the median training throughput of the timed steps and, when the device's peak is known, the model FLOP
   utilisation: model FLOPs per token (ModelConfig.flops_per_token) x tokens/s over the devices' summed peak."""
@@ -573,11 +579,11 @@ def main(argv=None):
         history["eval"].append((done, evaluate(graphdef, state, eval_set, sharding)))
         t_prev = None                                   # do not count the evaluation as training time
       if bar is not None:
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}" if np.isfinite(tok_s) else "-",
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s(tok_s),
                         dropped=f"{dropped:.3f}", lr=f"{float(schedule(step)):.1e}", refresh=False)
         bar.update(1)
       elif args.log_every and done % args.log_every == 0:
-        say(f"step {done}: loss {loss:.4f}  tokens/s {tok_s:,.0f}  dropped {dropped:.4f}", flush=True)
+        say(f"step {done}: loss {loss:.4f}  tokens/s {tokens_per_s(tok_s)}  dropped {dropped:.4f}", flush=True)
       if not np.isfinite(loss):
         raise FloatingPointError(f"loss became {loss} at step {done}")
       if mngr is not None and done % args.save_every == 0 and done != stop:

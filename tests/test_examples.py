@@ -262,6 +262,8 @@ def test_throughput_line_states_the_flops_per_token(capsys):
   assert got == pytest.approx(cfg.flops_per_token() / 1e9, rel=5e-3), out
   train_moe.report_throughput(cfg, args, [], 1024, 4)   # --eval-every 1: every step follows an evaluation
   assert "--eval-every" in capsys.readouterr().out
+  # An untimed step's rate reads "-" in the log lines as in the progress bar, not "nan".
+  assert train_moe.tokens_per_s(float("nan")) == "-" and train_moe.tokens_per_s(12345.6) == "12,346"
 
 
 @pytest.mark.slow
