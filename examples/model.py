@@ -134,10 +134,13 @@ def parse_mesh_shape(shape: str | None, num_devices: int) -> tuple[tuple[str, ..
   """``"data=2,expert=2"`` -> (("data", "expert"), (2, 2)); None -> (("expert",), (num_devices,))."""
   if not shape:
     return (EXPERT_AXIS,), (num_devices,)
+  expected = f"mesh {shape!r}: expected axis=size pairs separated by commas, e.g. data=2,expert=2"
   try:
     pairs = [(name.strip(), int(size)) for name, size in (item.split("=") for item in shape.split(","))]
   except ValueError:
-    raise ValueError(f"mesh {shape!r}: expected axis=size pairs separated by commas, e.g. data=2,expert=2") from None
+    raise ValueError(expected) from None
+  if not all(name for name, _ in pairs):
+    raise ValueError(expected)
   names, sizes = tuple(n for n, _ in pairs), tuple(s for _, s in pairs)
   # One message per rule, so that a typo or a slip in one axis is named, not the rules listed.
   if EXPERT_AXIS not in names:

@@ -197,6 +197,7 @@ def test_overlapping_kernel_times_on_a_stream_do_not_nest():
     (["--save-every", "0"], "--save-every 0: at least 1"),
     (["--lr", "nan"], "--lr nan: must be a positive finite number"),
     (["--mesh", "expert=3"], "mesh 'expert=3' has 3 devices, but 4 are in use"),
+    (["--mesh", "=1,expert=4"], "mesh '=1,expert=4': expected axis=size pairs separated by commas"),
     (["--mesh", "data=2,exprt=2"], "mesh 'data=2,exprt=2' has no axis named 'expert'"),
     (["--mesh", "expert=2,data=1,data=2"], "mesh 'expert=2,data=1,data=2' names axis 'data' more than once"),
     (["--data", "/nonexistent/text.txt"], "--data /nonexistent/text.txt: No such file or directory"),
