@@ -330,6 +330,8 @@ def check_counts(args):
   for name, low in least.items():
     if getattr(args, name) < low:
       raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: at least {low}")
+  if args.stop_at is not None and args.stop_at < 1:     # else 0 would read as "not given": every step
+    raise SystemExit(f"--stop-at {args.stop_at}: at least 1")
   if not (math.isfinite(args.lr) and args.lr > 0):
     raise SystemExit(f"--lr {args.lr}: must be a positive finite number")
 

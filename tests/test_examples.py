@@ -195,6 +195,8 @@ def test_overlapping_kernel_times_on_a_stream_do_not_nest():
     (["--heads", "5"], "d_model=64 is not divisible by num_heads=5"),
     (["--seq-len", "0"], "seq_len=0: at least 1"),
     (["--save-every", "0"], "--save-every 0: at least 1"),
+    (["--stop-at", "0"], "--stop-at 0: at least 1"),
+    (["--stop-at", "-1"], "--stop-at -1: at least 1"),
     (["--lr", "nan"], "--lr nan: must be a positive finite number"),
     (["--mesh", "expert=3"], "mesh 'expert=3' has 3 devices, but 4 are in use"),
     (["--mesh", "=1,expert=4"], "mesh '=1,expert=4': expected axis=size pairs separated by commas"),
