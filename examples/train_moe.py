@@ -494,6 +494,10 @@ def main(argv=None):
           model_lib.check_checkpoint_mesh(meta, mesh, args.ckpt_dir)
         except ValueError as e:
           raise SystemExit(str(e)) from None
+        if latest > stop:
+          raise SystemExit(f"{args.ckpt_dir} holds step {latest}, past this run's last step {stop} (--steps "
+                           f"{args.steps}" + (f", --stop-at {args.stop_at}" if args.stop_at else "") +
+                           "): nothing to resume")
         restored = mngr.restore(latest, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(model))),
             opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer)))))

@@ -231,11 +231,14 @@ def test_generation_refuses_bad_flags_in_one_line(overlap_run, tmp_path):
 
 def test_resume_refuses_another_model_or_layout_in_one_line(overlap_run):
   """A resume whose flags give the experts other shapes is refused naming what differs, before orbax reads an
-  array (whose own error would speak of shapes only), and leaves the checkpoint as it was."""
+  array (whose own error would speak of shapes only), and so is one whose run ends before the checkpoint's step;
+  each leaves the checkpoint as it was."""
   _, d = overlap_run
   ckpt = str(d / "ckpt")
   for flags, rule in [(["--experts", "4"], "num_experts 8 (checkpoint) -> 4 (flags)"),
-                      (["--mesh", "expert=2,tensor=2"], "without a 'tensor' axis, so its w1 are stored as [E, D, 2F]")]:
+                      (["--mesh", "expert=2,tensor=2"], "without a 'tensor' axis, so its w1 are stored as [E, D, 2F]"),
+                      (["--stop-at", "10"], f"holds step {STEPS}, past this run's last step 10 (--steps {STEPS}, "
+                                            "--stop-at 10): nothing to resume")]:
     with pytest.raises(SystemExit) as e:
       train_moe.main(TINY + ["--ckpt-dir", ckpt, "--resume", "--plot", ""] + flags)
     assert rule in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
