@@ -56,6 +56,7 @@ def checkpoint_config(ckpt_dir, step, mesh, impl=None, capacity_factor=None):
   (``ModelConfig.check``): FileNotFoundError or ValueError (the library's TypeError or NotImplementedError) naming
   what does not fit."""
   step, meta = model_lib.read_meta(ckpt_dir, step)
+  model_lib.check_checkpoint_mesh(meta, mesh, ckpt_dir)
   cfg = model_lib.ModelConfig.from_json(meta["config"])
   cfg = dataclasses.replace(cfg, impl=impl or cfg.impl, capacity_factor=capacity_factor or None)
   cfg.check(mesh)

@@ -134,13 +134,24 @@ def parse_mesh_shape(shape: str | None, num_devices: int) -> tuple[tuple[str, ..
   """``"data=2,expert=2"`` -> (("data", "expert"), (2, 2)); None -> (("expert",), (num_devices,))."""
   if not shape:
     return (EXPERT_AXIS,), (num_devices,)
+  expected = f"mesh {shape!r}: expected axis=size pairs separated by commas, e.g. data=2,expert=2"
   try:
     pairs = [(name.strip(), int(size)) for name, size in (item.split("=") for item in shape.split(","))]
   except ValueError:
-    raise ValueError(f"mesh {shape!r}: expected axis=size pairs separated by commas, e.g. data=2,expert=2") from None
+    raise ValueError(expected) from None
+  if not all(name for name, _ in pairs):
+    raise ValueError(expected)
   names, sizes = tuple(n for n, _ in pairs), tuple(s for _, s in pairs)
-  if EXPERT_AXIS not in names or len(set(names)) != len(names) or min(sizes) < 1:
-    raise ValueError(f"mesh {shape!r}: distinct axes of size >= 1, one of them {EXPERT_AXIS!r}")
+  # One message per rule, so that a typo or a slip in one axis is named, not the rules listed.
+  if EXPERT_AXIS not in names:
+    raise ValueError(f"mesh {shape!r} has no axis named {EXPERT_AXIS!r} (the experts are sharded over it; an axis "
+                     f"named {TENSOR_AXIS!r} splits their hidden width, every other axis shards the batch)")
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise ValueError(f"mesh {shape!r} names axis {', '.join(map(repr, twice))} more than once")
+  small = [f"{n}={s}" for n, s in pairs if s < 1]
+  if small:
+    raise ValueError(f"mesh {shape!r}: {', '.join(small)}: every axis needs a size of at least 1")
   if int(np.prod(sizes)) != num_devices:
     raise ValueError(f"mesh {shape!r} has {int(np.prod(sizes))} devices, but {num_devices} are in use")
   return names, sizes
@@ -401,6 +412,22 @@ def checkpoint_manager(ckpt_dir: str, max_to_keep: int | None = 3, create: bool 
 def abstract_like(state):
   """ShapeDtypeStructs (with shardings) of a concrete state: the restore target."""
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+
+
+def check_checkpoint_mesh(meta: dict, mesh: jax.sharding.Mesh, ckpt_dir: str) -> None:
+  """ValueError unless ``mesh`` keeps the experts in the layout the checkpoint (its ``meta``) stored them in: a run
+  on a mesh with a tensor axis keeps each w1 as its [E, D, 2, F] view (``jmo.MoE``'s tensor_axis), a run without one
+  as [E, D, 2F], and a restore reads the arrays in the shapes this run's model has."""
+  trained = meta.get("args", {}).get("mesh")
+  had = bool(trained) and TENSOR_AXIS in [item.split("=")[0].strip() for item in trained.split(",")]
+  if had == (tensor_axis(mesh) is not None):
+    return
+  where = f"--mesh {trained}" if trained else "the default mesh"
+  if had:
+    raise ValueError(f"{ckpt_dir} was trained on {where}, with a {TENSOR_AXIS!r} axis, so its w1 are stored as "
+                     f"[E, D, 2, F]: restore it on a mesh with a {TENSOR_AXIS!r} axis (--mesh ...,{TENSOR_AXIS}=N)")
+  raise ValueError(f"{ckpt_dir} was trained on {where}, without a {TENSOR_AXIS!r} axis, so its w1 are stored as "
+                   f"[E, D, 2F]: restore it on a mesh without a {TENSOR_AXIS!r} axis")
 
 
 def read_meta(ckpt_dir: str, step: int | None = None) -> tuple[int, dict]:

@@ -330,6 +330,8 @@ def check_counts(args):
   for name, low in least.items():
     if getattr(args, name) < low:
       raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: at least {low}")
+  if args.stop_at is not None and args.stop_at < 1:     # else 0 would read as "not given": every step
+    raise SystemExit(f"--stop-at {args.stop_at}: at least 1")
   if not (math.isfinite(args.lr) and args.lr > 0):
     raise SystemExit(f"--lr {args.lr}: must be a positive finite number")
 
@@ -361,15 +363,22 @@ def peak_tflops(args) -> float | None:
   return None
 
 
+def tokens_per_s(tok_s: float) -> str:
+  """A step's tokens/s as the progress bar and the log lines show it: "-" where the step was not timed (the first,
+  which compiles, and those after an evaluation)."""
+  return f"{tok_s:,.0f}" if np.isfinite(tok_s) else "-"
+
+
 def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   """Prints the median training throughput of the timed steps and, when the device's peak is known, the model FLOP
   utilisation: model FLOPs per token (ModelConfig.flops_per_token) x tokens/s over the devices' summed peak."""
   if not step_times:
-    say("throughput: no timed step (the first step compiles and is not timed)")
+    say("throughput: no timed step (the first step compiles, and a step after an evaluation, --eval-every, "
+        "includes that evaluation: neither is timed)")
     return
   tok_s = tokens_per_step / float(np.median(step_times))
   line = (f"throughput impl={cfg.impl}: {tok_s:,.0f} tokens/s (median of {len(step_times)} steps, "
-          f"{tok_s / num_devices:,.0f} per device) | {cfg.flops_per_token() / 1e9:.2f} GFLOP/token")
+          f"{tok_s / num_devices:,.0f} per device) | {cfg.flops_per_token() / 1e9:.3g} GFLOP/token")
   peak = peak_tflops(args)
   if peak:
     mfu = cfg.flops_per_token() * tok_s / (peak * 1e12 * num_devices)
@@ -441,7 +450,10 @@ def main(argv=None):
     raise SystemExit(str(e)) from None
   try:
     attention, why = model_lib.choose_attention(cfg, mesh, args.batch_size // args.grad_accum, args.attention)
-    train_text, held_text = model_lib.load_text(args.data)
+    try:
+      train_text, held_text = model_lib.load_text(args.data)
+    except OSError as e:
+      raise ValueError(f"--data {args.data}: {e.strerror or e}") from None
     eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches, multiple_of=R)
   except ValueError as e:
     raise SystemExit(str(e)) from None
@@ -467,24 +479,36 @@ def main(argv=None):
         raise SystemExit(f"{args.ckpt_dir} already holds a checkpoint (step {latest}); pass --resume to continue "
                          f"it, --overwrite to start afresh, or use a new --ckpt-dir")
       if latest is not None:
+        # The config and the mesh are checked before the arrays are read: a restore into other shapes would fail
+        # inside orbax with a message about shapes, not about the flag that differs.
+        meta = mngr.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved_cfg = model_lib.ModelConfig.from_json(meta["config"])
+        # Any impl and quantization continue a checkpoint: neither changes the parameters.
+        saved_cfg = dataclasses.replace(saved_cfg, impl=cfg.impl, attention=cfg.attention,
+                                        quantization=cfg.quantization)
+        if saved_cfg != cfg:
+          differ = [f.name for f in dataclasses.fields(cfg) if getattr(saved_cfg, f.name) != getattr(cfg, f.name)]
+          raise SystemExit(f"the checkpoint in {args.ckpt_dir} has another model than the flags give: " + ", ".join(
+              f"{n} {getattr(saved_cfg, n)} (checkpoint) -> {getattr(cfg, n)} (flags)" for n in differ))
+        try:
+          model_lib.check_checkpoint_mesh(meta, mesh, args.ckpt_dir)
+        except ValueError as e:
+          raise SystemExit(str(e)) from None
+        if latest > stop:
+          raise SystemExit(f"{args.ckpt_dir} holds step {latest}, past this run's last step {stop} (--steps "
+                           f"{args.steps}" + (f", --stop-at {args.stop_at}" if args.stop_at else "") +
+                           "): nothing to resume")
         restored = mngr.restore(latest, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(model))),
-            opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer))),
-            meta=ocp.args.JsonRestore()))
-        saved_cfg = model_lib.ModelConfig.from_json(restored["meta"]["config"])
-        # Any impl and quantization continue a checkpoint: neither changes the parameters.
-        if dataclasses.replace(saved_cfg, impl=cfg.impl, attention=cfg.attention,
-                               quantization=cfg.quantization) != cfg:
-          raise SystemExit(f"the checkpoint in {args.ckpt_dir} has model config {saved_cfg}, but the flags give "
-                           f"{cfg}")
-        changed = {k: (v, vars(args).get(k)) for k, v in restored["meta"]["args"].items()
+            opt=ocp.args.StandardRestore(model_lib.abstract_like(nnx.state(optimizer)))))
+        changed = {k: (v, vars(args).get(k)) for k, v in meta["args"].items()
                    if k in RESUME_ARGS and vars(args).get(k) != v}
         if changed:
           say("warning: these flags differ from the checkpointed run, so the loss curve will not continue as it "
                 "would have: " + ", ".join(f"--{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in changed.items()))
         nnx.update(model, restored["model"])
         nnx.update(optimizer, restored["opt"])
-        history = restored["meta"]["history"]
+        history = meta["history"]
         start = latest
         say(f"resumed from {args.ckpt_dir} at step {start}")
 
@@ -561,11 +585,11 @@ def main(argv=None):
         history["eval"].append((done, evaluate(graphdef, state, eval_set, sharding)))
         t_prev = None                                   # do not count the evaluation as training time
       if bar is not None:
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}" if np.isfinite(tok_s) else "-",
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s(tok_s),
                         dropped=f"{dropped:.3f}", lr=f"{float(schedule(step)):.1e}", refresh=False)
         bar.update(1)
       elif args.log_every and done % args.log_every == 0:
-        say(f"step {done}: loss {loss:.4f}  tokens/s {tok_s:,.0f}  dropped {dropped:.4f}", flush=True)
+        say(f"step {done}: loss {loss:.4f}  tokens/s {tokens_per_s(tok_s)}  dropped {dropped:.4f}", flush=True)
       if not np.isfinite(loss):
         raise FloatingPointError(f"loss became {loss} at step {done}")
       if mngr is not None and done % args.save_every == 0 and done != stop:

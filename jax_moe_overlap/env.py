@@ -33,7 +33,12 @@ def timeout_ms() -> int:
 
 
 def consumer_bulk_copy() -> bool:
-  return os.environ.get("JMO_CONSUMER_COPY", "") != "plain"
+  # Any value but "plain" is refused rather than read as the default, so that a misspelt one is not ignored.
+  value = os.environ.get("JMO_CONSUMER_COPY", "")
+  if value not in ("", "plain"):
+    raise ValueError(f"jax_moe_overlap: $JMO_CONSUMER_COPY must be 'plain' (16-byte loads and stores instead of "
+                     f"TMA bulk copies) or unset, got {value!r}")
+  return value != "plain"
 
 
 def push_slots() -> int:

@@ -208,3 +208,18 @@ def test_call_config_refuses_bad_timeouts_and_delays():
     with pytest.raises(ValueError, match=r"CallConfig.delay_rank must be an int >= -1"):
       jmo.CallConfig(**kw)
   assert jmo.CallConfig(timeout_ms=np.int64(5), delay_rank=3, delay_us=7).timeout_ms == 5
+
+
+def test_environment_defaults_refuse_values_they_do_not_know(monkeypatch):
+  """$JMO_CONSUMER_COPY takes "plain" or nothing: a misspelt value is refused by name instead of leaving the bulk
+  copies on unnoticed; a non-integer $JMO_TIMEOUT_MS likewise."""
+  monkeypatch.setenv("JMO_CONSUMER_COPY", "plain")
+  assert not jmo.CallConfig().consumer_tuning.bulk_copy
+  monkeypatch.setenv("JMO_CONSUMER_COPY", "plan")
+  with pytest.raises(ValueError, match=r"\$JMO_CONSUMER_COPY must be 'plain' .* or unset, got 'plan'"):
+    jmo.CallConfig()
+  monkeypatch.delenv("JMO_CONSUMER_COPY")
+  assert jmo.CallConfig().consumer_tuning.bulk_copy
+  monkeypatch.setenv("JMO_TIMEOUT_MS", "5s")
+  with pytest.raises(ValueError, match=r"\$JMO_TIMEOUT_MS must be an integer, got '5s'"):
+    jmo.CallConfig()

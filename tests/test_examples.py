@@ -195,8 +195,15 @@ def test_overlapping_kernel_times_on_a_stream_do_not_nest():
     (["--heads", "5"], "d_model=64 is not divisible by num_heads=5"),
     (["--seq-len", "0"], "seq_len=0: at least 1"),
     (["--save-every", "0"], "--save-every 0: at least 1"),
+    (["--stop-at", "0"], "--stop-at 0: at least 1"),
+    (["--stop-at", "-1"], "--stop-at -1: at least 1"),
     (["--lr", "nan"], "--lr nan: must be a positive finite number"),
     (["--mesh", "expert=3"], "mesh 'expert=3' has 3 devices, but 4 are in use"),
+    (["--mesh", "=1,expert=4"], "mesh '=1,expert=4': expected axis=size pairs separated by commas"),
+    (["--mesh", "data=2,exprt=2"], "mesh 'data=2,exprt=2' has no axis named 'expert'"),
+    (["--mesh", "expert=2,data=1,data=2"], "mesh 'expert=2,data=1,data=2' names axis 'data' more than once"),
+    (["--data", "/nonexistent/text.txt"], "--data /nonexistent/text.txt: No such file or directory"),
+    (["--mesh", "data=0,expert=4"], "mesh 'data=0,expert=4': data=0: every axis needs a size of at least 1"),
 ])
 def test_training_refuses_bad_flags_in_one_line(flags, rule):
   """Flags the model or the library's layer rules refuse end the script with one line naming the rule (the
@@ -213,12 +220,56 @@ def test_generation_refuses_bad_flags_in_one_line(overlap_run, tmp_path):
   for flags, rule in [(["--devices", "3"], "8 experts cannot be split evenly over the 3 devices of mesh axis"),
                       (["--mesh", "expert=2"], "mesh 'expert=2' has 2 devices, but 4 are in use"),
                       (["--num-samples", "0"], "--num-samples 0: at least 1"),
-                      (["--top-p", "0"], "--top-p 0.0: in (0, 1]")]:
+                      (["--top-p", "0"], "--top-p 0.0: in (0, 1]"),
+                      (["--mesh", "expert=2,tensor=2"], "without a 'tensor' axis, so its w1 are stored as [E, D, 2F]")]:
     with pytest.raises(SystemExit) as e:
       generate.main(["--ckpt-dir", ckpt] + flags)
     assert rule in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
   with pytest.raises(SystemExit, match="no checkpoint directory"):
     generate.main(["--ckpt-dir", str(tmp_path / "none")])
+
+
+def test_resume_refuses_another_model_or_layout_in_one_line(overlap_run):
+  """A resume whose flags give the experts other shapes is refused naming what differs, before orbax reads an
+  array (whose own error would speak of shapes only), and so is one whose run ends before the checkpoint's step;
+  each leaves the checkpoint as it was."""
+  _, d = overlap_run
+  ckpt = str(d / "ckpt")
+  for flags, rule in [(["--experts", "4"], "num_experts 8 (checkpoint) -> 4 (flags)"),
+                      (["--mesh", "expert=2,tensor=2"], "without a 'tensor' axis, so its w1 are stored as [E, D, 2F]"),
+                      (["--stop-at", "10"], f"holds step {STEPS}, past this run's last step 10 (--steps {STEPS}, "
+                                            "--stop-at 10): nothing to resume")]:
+    with pytest.raises(SystemExit) as e:
+      train_moe.main(TINY + ["--ckpt-dir", ckpt, "--resume", "--plot", ""] + flags)
+    assert rule in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
+  assert model_lib.read_meta(ckpt)[0] == STEPS
+
+
+def test_checkpoint_layout_follows_the_tensor_axis():
+  """w1 is stored as [E, D, 2, F] by a run with a 'tensor' axis and as [E, D, 2F] without: a checkpoint restores
+  onto a mesh with a tensor axis exactly when it was trained on one."""
+  flat, split = jax.make_mesh((4,), ("expert",)), jax.make_mesh((2, 2), ("expert", "tensor"))
+  for trained in (None, "expert=4", "data=2,expert=2"):
+    model_lib.check_checkpoint_mesh({"args": {"mesh": trained}}, flat, "ck")
+    with pytest.raises(ValueError, match="without a 'tensor' axis"):
+      model_lib.check_checkpoint_mesh({"args": {"mesh": trained}}, split, "ck")
+  model_lib.check_checkpoint_mesh({"args": {"mesh": "expert=2,tensor=2"}}, split, "ck")
+  with pytest.raises(ValueError, match="with a 'tensor' axis, so its w1 are stored as \\[E, D, 2, F\\]"):
+    model_lib.check_checkpoint_mesh({"args": {"mesh": "expert=2,tensor=2"}}, flat, "ck")
+
+
+def test_throughput_line_states_the_flops_per_token(capsys):
+  """The model FLOPs per token keep three significant digits: the CPU default's few MFLOP do not print as 0.00."""
+  args = train_moe.parse_args(["--plot", ""])
+  cfg = train_moe.model_config(args)
+  train_moe.report_throughput(cfg, args, [0.5], 1024, 4)
+  out = capsys.readouterr().out
+  got = float(out.split(" GFLOP/token")[0].rsplit(" ", 1)[-1])
+  assert got == pytest.approx(cfg.flops_per_token() / 1e9, rel=5e-3), out
+  train_moe.report_throughput(cfg, args, [], 1024, 4)   # --eval-every 1: every step follows an evaluation
+  assert "--eval-every" in capsys.readouterr().out
+  # An untimed step's rate reads "-" in the log lines as in the progress bar, not "nan".
+  assert train_moe.tokens_per_s(float("nan")) == "-" and train_moe.tokens_per_s(12345.6) == "12,346"
 
 
 @pytest.mark.slow
