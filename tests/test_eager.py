@@ -165,3 +165,13 @@ def test_eager_module_grad_of_a_plain_x_on_explicit_mesh_under_set_mesh():
       grads[impl] = jax.grad(lambda x: jnp.sum(m(x)[0] ** 2))(x)
   assert grads["overlap"].shape == x.shape
   np.testing.assert_allclose(grads["overlap"], grads["reference"], rtol=1e-5, atol=1e-5)
+
+
+def test_overlap_under_disable_jit_and_workspace_calls_in_an_eager_shard_map():
+  """impl="overlap" under jax.disable_jit() runs its forward program compiled (the reference's result); a gradient
+  taken there and a workspace call in an eager shard_map are refused naming the fix. Before, each crashed XLA:CPU's
+  compiler (a segmentation fault): a fresh process, so that such a crash fails this test alone."""
+  out = run_script("disable_jit_main.py", timeout=300)
+  for line in ("moe_experts under disable_jit: match", "MoE on an Explicit mesh under disable_jit: match",
+               "grad under disable_jit: refused", "eager shard_map of a workspace call: refused"):
+    assert line in out, out
