@@ -216,11 +216,13 @@ class MoEBlock(MoE):
 
 def total_aux_loss(intermediates) -> jax.Array:
   """The sum of every ``moe_aux_loss`` record in ``intermediates`` (the ``nnx.Intermediate`` state from
-  ``nnx.capture(model, nnx.Intermediate)`` or ``nnx.pop(model, nnx.Intermediate)``); 0.0 when there is none."""
+  ``nnx.capture(model, nnx.Intermediate)`` or ``nnx.pop(model, nnx.Intermediate)``), a scalar: layers stacked under
+  ``nnx.scan`` record an array of their losses, each of which counts; 0.0 when there is none."""
   total = jnp.zeros((), jnp.float32)
   for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
     if any(getattr(key, "key", None) == "moe_aux_loss" for key in path):
-      total = total + leaf
+      # Summed whole: layers stacked by nnx.scan / nnx.vmap record one [L] array, one loss per layer.
+      total = total + jnp.sum(leaf)
   return total
 
 
