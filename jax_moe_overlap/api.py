@@ -123,7 +123,10 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
                         gather_rs=reduce == "gather_rs", quantization=quantization)
     cap = plan_lib.recv_capacity(T_local, R * TP, k, E // R, cap_e)
     info = RankInfo(Workspace.get(mesh, exchange_axes(axis_name, tensor_axis), sizes), config)
-    y, dropped = eager_program(_overlap_layer, mesh, axes, E, cap_e, cap, info, reduce, quantization)(*args)
+    # The custom calls run only in a compiled program (ordering.py): under jax.disable_jit() the layer's program is
+    # still compiled; the rest of the caller's code runs op by op.
+    with jax.disable_jit(False):
+      y, dropped = eager_program(_overlap_layer, mesh, axes, E, cap_e, cap, info, reduce, quantization)(*args)
   return like_committed(y, x), dropped
 
 

@@ -142,6 +142,8 @@ class MoE(nnx.Module):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"jax_moe_overlap: MoE takes floating-point inputs, got {x.dtype}")
     check_token_mask(token_mask, x.shape[:-1])
+    x = self._onto_explicit_mesh(x)
+    token_mask = None if token_mask is None else self._onto_explicit_mesh(token_mask)
     # The tokens' split over the token shards, before _flatten lays them out that way (whose reshape on Explicit
     # axes would otherwise refuse them first, without naming the rule).
     check_batch_axes(self.mesh, self.expert_axis, self.batch_axes, math.prod(x.shape[:-1]), self.tensor_axis)
@@ -163,6 +165,15 @@ class MoE(nnx.Module):
     aux = MoEAux(r.load_balance_loss, r.router_z_loss,
                  dropped.astype(jnp.float32) / (x2d.shape[0] * cfg.num_experts_per_tok), r.expert_load)
     return self._unflatten(y.astype(x.dtype), x), aux
+
+  def _onto_explicit_mesh(self, a: jax.Array) -> jax.Array:
+    """On a mesh with Explicit axes, an input on no mesh (a plain array, such as ``jax.random.normal``'s) placed on
+    the layer's mesh, replicated: the layer's reshapes and their transposes (an eager ``jax.grad`` of x) then have
+    a sharding to take on both sides; y comes back with that (replicated) sharding, as before."""
+    if not jax.typeof(a).sharding.mesh.empty or not any(
+        t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
+      return a
+    return jax.sharding.reshard(a, NamedSharding(self.mesh, P()))
 
   def _flatten(self, a: jax.Array, features: bool = True) -> jax.Array:
     """[..., D] -> [T, D] ([...] -> [T] without ``features``); on an Explicit mesh, tokens sharded as the layer takes
@@ -205,11 +216,13 @@ class MoEBlock(MoE):
 
 def total_aux_loss(intermediates) -> jax.Array:
   """The sum of every ``moe_aux_loss`` record in ``intermediates`` (the ``nnx.Intermediate`` state from
-  ``nnx.capture(model, nnx.Intermediate)`` or ``nnx.pop(model, nnx.Intermediate)``); 0.0 when there is none."""
+  ``nnx.capture(model, nnx.Intermediate)`` or ``nnx.pop(model, nnx.Intermediate)``), a scalar: layers stacked under
+  ``nnx.scan`` record an array of their losses, each of which counts; 0.0 when there is none."""
   total = jnp.zeros((), jnp.float32)
   for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
     if any(getattr(key, "key", None) == "moe_aux_loss" for key in path):
-      total = total + leaf
+      # Summed whole: layers stacked by nnx.scan / nnx.vmap record one [L] array, one loss per layer.
+      total = total + jnp.sum(leaf)
   return total
 
 

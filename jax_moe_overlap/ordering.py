@@ -47,6 +47,7 @@ import numpy as np
 from jax._src import core
 from jax._src import dispatch
 from jax._src import effects
+from jax._src import shard_map as shard_map_internal
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 from jax._src.interpreters import pxla
@@ -160,6 +161,24 @@ def _batching_rule(args, dims, *, target_name, result_avals, attributes):
 
 
 batching.primitive_batchers[workspace_call_p] = _batching_rule
+
+
+def _eager_shard_map_rule(mesh, *args, **params):
+  """A ``shard_map`` run eagerly (outside ``jit``, or under ``jax.disable_jit()``) compiles each operation as its own
+  program; XLA:CPU's compiler crashes the process (a segmentation fault) on such a program holding a workspace call.
+  Refused with an error naming the fix instead, as JAX refuses what its eager ``shard_map`` cannot run."""
+  del mesh, args
+  if jax.config.jax_disable_jit:
+    fix = ("under jax.disable_jit() moe_experts and MoE compile their forward program by themselves, but a gradient "
+           "taken there runs the backward op by op: take it outside jax.disable_jit(), or debug op by op with "
+           "impl=\"xla\" (the same results)")
+  else:
+    fix = "wrap the shard_map that makes it in jax.jit"
+  raise ValueError(f"jax_moe_overlap: the workspace call {params['target_name']} (dispatch, expert_combine and the "
+                   f"other calls that exchange rows) runs only inside a compiled program: {fix}")
+
+
+shard_map_internal.eager_rules[workspace_call_p] = _eager_shard_map_rule
 
 
 def workspace_call(target_name: str, result_shape_dtypes, *args, **attributes: Any):

@@ -147,3 +147,31 @@ def test_eager_grad_of_the_weights_with_a_committed_x_under_set_mesh():
     g_jit = nnx.jit(nnx.grad(loss))(m)
   for name in ("router", "w1", "w2"):
     np.testing.assert_allclose(np.asarray(g[name][...]), np.asarray(g_jit[name][...]), rtol=1e-5, atol=1e-6)
+
+
+def test_eager_module_grad_of_a_plain_x_on_explicit_mesh_under_set_mesh():
+  """An eager jax.grad of a [B, S, D] x that is on no mesh (a plain array, as the README's snippet makes it) through
+  the module on an Explicit mesh, under jax.set_mesh: the layer places x on its mesh first, so the transpose of its
+  [..., D] -> [T, D] reshape has a sharding to take (it raised JAX's ShardingTypeError "This reshape is not
+  supported" from inside the layer). The gradient is the reference's."""
+  devs = np.array(jax.devices("cpu")[:4])
+  mesh = jax.sharding.Mesh(devs, ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
+  cfg = jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=2, dtype=jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(7), (2, 16, D))
+  grads = {}
+  with jax.set_mesh(mesh):
+    for impl in ("overlap", "reference"):
+      m = jmo.MoE(cfg, mesh=mesh, impl=impl, rngs=nnx.Rngs(0))
+      grads[impl] = jax.grad(lambda x: jnp.sum(m(x)[0] ** 2))(x)
+  assert grads["overlap"].shape == x.shape
+  np.testing.assert_allclose(grads["overlap"], grads["reference"], rtol=1e-5, atol=1e-5)
+
+
+def test_overlap_under_disable_jit_and_workspace_calls_in_an_eager_shard_map():
+  """impl="overlap" under jax.disable_jit() runs its forward program compiled (the reference's result); a gradient
+  taken there and a workspace call in an eager shard_map are refused naming the fix. Before, each crashed XLA:CPU's
+  compiler (a segmentation fault): a fresh process, so that such a crash fails this test alone."""
+  out = run_script("disable_jit_main.py", timeout=300)
+  for line in ("moe_experts under disable_jit: match", "MoE on an Explicit mesh under disable_jit: match",
+               "grad under disable_jit: refused", "eager shard_map of a workspace call: refused"):
+    assert line in out, out

@@ -88,6 +88,37 @@ def test_block_records_its_aux_loss_only_inside_capture():
   assert {"moe_aux_loss", "moe_aux"} <= keys and float(jmo.total_aux_loss(inter)) > 0
 
 
+def test_total_aux_loss_of_layers_stacked_under_nnx_scan_is_a_scalar():
+  # MaxText-style scanned layers: nnx.vmap creates the stacked parameters, nnx.scan applies them, and each sown
+  # moe_aux_loss record is an [L] array (one loss per layer). total_aux_loss sums every layer's into one scalar, the
+  # sum of the layers' losses called one at a time (it returned the [L] array, which a scalar loss broadcast to).
+  L = 3
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=8, num_experts=8, num_experts_per_tok=2, load_balance_loss_weight=0.01)
+  mesh = mesh_of(4)
+
+  @nnx.split_rngs(splits=L)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return jmo.MoEBlock(cfg, mesh=mesh, impl="xla", rngs=rngs)
+
+  @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+  def apply(layer, h):
+    return h + layer(h)
+
+  stack = create(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(5), (8, 16))
+  _, inter = nnx.jit(lambda s, x: nnx.capture(apply, nnx.Intermediate)(s, x))(stack, x)
+  total = jmo.total_aux_loss(inter)
+  graphdef, state = nnx.split(stack)
+  h, expected = x, 0.0
+  for i in range(L):
+    layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+    y, one = nnx.capture(layer, nnx.Intermediate)(h)
+    h, expected = h + y, expected + float(jmo.total_aux_loss(one))
+  assert total.shape == () and expected > 0
+  np.testing.assert_allclose(float(total), expected, rtol=1e-5)
+
+
 def test_padding_tokens_cost_nothing():
   mesh = mesh_of(4)
   m = jmo.MoE(MIXTRAL, mesh=mesh, impl="overlap", rngs=nnx.Rngs(0))
