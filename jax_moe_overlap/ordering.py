@@ -178,7 +178,9 @@ def _eager_shard_map_rule(mesh, *args, **params):
                    f"other calls that exchange rows) runs only inside a compiled program: {fix}")
 
 
-shard_map_internal.eager_rules[workspace_call_p] = _eager_shard_map_rule
+# (jax's table of eager shard_map rules: where a jax has none, an eager shard_map is not intercepted here.)
+if hasattr(shard_map_internal, "eager_rules"):
+  shard_map_internal.eager_rules[workspace_call_p] = _eager_shard_map_rule
 
 
 def workspace_call(target_name: str, result_shape_dtypes, *args, **attributes: Any):
