@@ -142,3 +142,18 @@ def test_dense_oracle_keeps_a_non_finite_token_out_of_experts_it_does_not_reach(
   dense1, dropped = reference.moe_experts_reference(x1, ids.at[15].set(ids[0]), gates, w1, w2, 1, 1)
   assert int(dropped) > 0
   np.testing.assert_array_equal(dense1[15], 0)
+
+
+def test_dense_oracle_gradients_of_a_skipped_non_finite_token_are_finite():
+  """A NaN token that reaches no expert adds nothing to any gradient (the dense oracle ran it through every expert
+  and multiplied by zero: NaN in dw1, dw2), and the other gradients are those of the token's finite twin."""
+  x, ids, gates, w1, w2 = layer_inputs(16, D, F, E, 2, "skewed", 4)
+  ids = ids.at[3].set(-1)
+
+  def grads(x):
+    return jax.grad(lambda *a: jnp.sum(reference.moe_experts_reference(*a, 16, 1)[0] ** 2), argnums=(0, 2, 3, 4))(
+        x, ids, gates, w1, w2)
+
+  clean, bad = grads(x), grads(x.at[3, 0].set(jnp.nan))
+  for a, b in zip(clean, bad):
+    np.testing.assert_array_equal(a, b)
