@@ -179,12 +179,28 @@ def _forget_programs(workspace) -> None:
 Workspace.on_release(_forget_programs)
 
 
+def _ids_int32(expert_ids):
+  """Expert ids as the int32 every path computes with. Ids of a wider or unsigned dtype (int64 under x64, uint32,
+  uint64) are first saturated to int32's range, so that an id outside [-1, E) stays outside it: a plain cast wraps
+  (2**32 + 3 became expert 3, computed there; uint32 2**32 - 1 became -1, a skipped slot), and under ``jit``, where
+  ``check_expert_ids`` cannot see the values, that was a silent wrong result instead of the invalid-id rule (the
+  custom calls' error, or no output in the impls that route in XLA)."""
+  ids = jnp.asarray(expert_ids)
+  lo, hi = int(jnp.iinfo(jnp.int32).min), int(jnp.iinfo(jnp.int32).max)
+  info = jnp.iinfo(ids.dtype)
+  if info.max > hi:
+    ids = jnp.where(ids > hi, jnp.asarray(hi, ids.dtype), ids)
+  if info.min < lo:
+    ids = jnp.where(ids < lo, jnp.asarray(lo, ids.dtype), ids)
+  return ids.astype(jnp.int32)
+
+
 def _reference_layer(mesh, axes, cap_e, B, quantization, x, expert_ids, gates, w1, w2):
   """The dense oracle on whole (replicated) arrays, every device computing all of it (its capacity rule scans all
   tokens of a group in order; B > 1: B independent groups of T / B tokens), whole experts whatever the tensor axis.
   Inside ``shard_map`` so that it runs on the mesh's devices whatever x's placement (under ``jit`` a plain x and
   mesh-sharded weights could not meet otherwise)."""
-  args = [_shard(a, mesh, P()) for a in (x, expert_ids.astype(jnp.int32), gates, w1, w2)]
+  args = [_shard(a, mesh, P()) for a in (x, _ids_int32(expert_ids), gates, w1, w2)]
   layer = (moe_experts_reference if quantization is None
            else functools.partial(moe_experts_fp8_reference, quantization=quantization))
 
@@ -207,7 +223,7 @@ def _expert_parallel_inputs(mesh, axes, x, expert_ids, gates, w1, w2):
   token_spec, w1_spec, w2_spec = tp_lib.operand_specs(axis_name, tensor_axis, batch_axes)
   w1 = _w1_view(w1, mesh, axis_name)
   specs = (token_spec, token_spec, token_spec, tp_lib.weight_spec(w1, w1_spec), tp_lib.weight_spec(w2, w2_spec))
-  args = [_shard(a, mesh, s) for a, s in zip((x, expert_ids.astype(jnp.int32), gates.astype(jnp.float32), w1, w2),
+  args = [_shard(a, mesh, s) for a, s in zip((x, _ids_int32(expert_ids), gates.astype(jnp.float32), w1, w2),
                                              specs)]
   return args, specs, token_spec
 

@@ -104,6 +104,10 @@ class MoE(nnx.Module):
 
   def route(self, x2d: jax.Array, token_mask: jax.Array | None = None) -> routing_lib.Routing:
     """x2d [T, D] -> ``Routing`` (expert ids, gates, losses, load)."""
+    if token_mask is not None:
+      # A padding token's features never reach the router: its logits are discarded, but the router weights'
+      # gradient x^T dlogits multiplies its zero cotangent by its x, and 0 * NaN is NaN (garbage padding).
+      x2d = jnp.where(token_mask[:, None], x2d, jnp.zeros((), x2d.dtype))
     logits = x2d.astype(jnp.float32) @ self._dense_weight(self.router[...], x2d).astype(jnp.float32)
     bias = self.routing_bias[...] if self.routing_bias is not None else None
     return routing_lib.route(logits, self.config, bias, token_mask)

@@ -52,11 +52,20 @@ def moe_experts_reference(x, expert_ids, gates, w1, w2, expert_cap: int, ranks: 
   """
   E = w1.shape[0]
   kept = kept_mask(expert_ids, E, expert_cap, ranks)
-  h = swiglu(jnp.einsum("td,edf->etf", x, w1))
+  # Every token passes through every expert here, so what a token does not reach (skipped slots, dropped slots,
+  # experts it did not pick) is masked by selection, not multiplied by a zero weight: 0 * NaN is NaN, and a token
+  # with a non-finite x (or a NaN gate on a skipped slot) got NaN in its y, and NaN in the gradients of experts it
+  # never reached, where the routed impls, which never compute those rows, give zeros. Each expert sees only the
+  # tokens it takes (zeros elsewhere), forward and backward.
+  routed = jax.nn.one_hot(jnp.where(kept, expert_ids, -1), E, dtype=jnp.float32)      # [T, k, E]
+  reached = jnp.transpose(jnp.any(routed > 0, axis=1))                                   # [E, T]
+  x_e = jnp.where(reached[:, :, None], x[None], jnp.zeros((), x.dtype))                   # [E, T, D]
+  h = swiglu(jnp.einsum("etd,edf->etf", x_e, w1))
   out = jnp.einsum("etf,efd->etd", h, w2)                                      # [E, T, D]
-  w = jnp.where(kept, gates, 0).astype(jnp.float32)
-  combine = jnp.einsum("tk,tke->te", w, jax.nn.one_hot(expert_ids, E, dtype=jnp.float32))  # [T, E]
-  y = jnp.einsum("te,etd->td", combine, out.astype(jnp.float32))
+  w = jnp.where(kept & (expert_ids >= 0), gates, 0).astype(jnp.float32)
+  combine = jnp.einsum("tk,tke->te", w, routed)                                          # [T, E]
+  out = jnp.where(reached[:, :, None], out.astype(jnp.float32), 0)
+  y = jnp.einsum("te,etd->td", combine, out)
   return y.astype(x.dtype), jnp.sum(~kept).astype(jnp.int32)
 
 

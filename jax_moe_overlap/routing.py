@@ -85,6 +85,11 @@ def route(logits: jax.Array, config, bias: jax.Array | None = None,
   logits = logits.astype(jnp.float32)
   T, E = logits.shape
   k = config.num_experts_per_tok
+  valid = jnp.ones((T,), bool) if token_mask is None else token_mask.astype(bool)
+  # A masked token's logits are replaced by zeros before anything reads them: its ids and gates are overwritten
+  # below and its weight in the losses is 0, but 0 * NaN is NaN, so a padding token holding NaN or Inf (garbage
+  # padding) made load_balance_loss NaN, and the gradients through the masked rows NaN, however small its weight.
+  logits = jnp.where(valid[:, None], logits, 0)
   scores = scores_of(logits, config.routed_score_func)
   selection = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]
   ids = select(jax.lax.stop_gradient(selection), k, config.n_routing_groups, config.topk_routing_group)
@@ -93,7 +98,6 @@ def route(logits: jax.Array, config, bias: jax.Array | None = None,
     gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
   gates = gates * config.routed_scaling_factor
 
-  valid = jnp.ones((T,), bool) if token_mask is None else token_mask.astype(bool)
   w = valid.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(w), 1.0)
   chosen = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32), axis=1) * w[:, None]   # [T, E]

@@ -127,6 +127,31 @@ def test_expert_ids_out_of_range_under_jit_are_skipped_slots_without_the_custom_
   assert int(dropped) == int(dropped_skip)
 
 
+@pytest.mark.parametrize("impl", ["collective", "xla", "reference"])
+def test_wide_expert_ids_out_of_range_under_jit_do_not_wrap_into_range(inputs, impl):
+  """uint32 ids (int64 under x64 likewise) past int32's range are invalid ids, not wrapped by the cast to int32:
+  2**32 - 1 wrapped to -1 (a skipped slot) and 2**32 + 3 (in uint64) to expert 3, computed there."""
+  x, ids, gates, w1, w2 = inputs
+  f = jax.jit(lambda ids: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(4), impl=impl))
+  y_skip, _ = f(ids.at[5, 0].set(-1))
+  wide = ids.astype(jnp.uint32).at[5, 0].set(2**32 - 1)
+  y, _ = f(wide)
+  np.testing.assert_array_equal(y, y_skip)
+  with jax.enable_x64(True):
+    g = jax.jit(lambda ids: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(4), impl=impl))
+    big = np.array(ids, np.int64)
+    big[5, 0] = 2**32 + 3
+    y64, _ = g(big)
+  np.testing.assert_array_equal(y64, y_skip)
+
+
+def test_wide_expert_id_out_of_range_under_jit_is_the_custom_calls_error(inputs):
+  x, ids, gates, w1, w2 = inputs
+  f = jax.jit(lambda ids: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh_of(4), impl="overlap"))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"token 5 \(slot 10\) names expert id 2147483647"):
+    jax.block_until_ready(f(ids.astype(jnp.uint32).at[5, 0].set(2**32 - 1)))
+
+
 def test_expert_ids_out_of_range_under_jit_then_recovery(inputs):
   x, ids, gates, w1, w2 = inputs
   mesh = mesh_of(4)

@@ -145,3 +145,25 @@ def test_parameters_are_created_sharded_and_only_the_first_call_compiles(axis_ty
     counts.append(len(compiled))
   assert counts[0] >= 1 and counts[1:] == [0, 0], counts
   assert m.w1[...].sharding.is_equivalent_to(NamedSharding(mesh, P("expert")), 3)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_padding_token_with_nan_features_changes_no_gradient(impl):
+  """Garbage padding: a masked token whose x holds a NaN gives the same y, aux and gradients as one of finite x (the
+  router weights' gradient x^T dlogits multiplied its zero cotangent by its NaN x; load_balance_loss was NaN)."""
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2)
+  m = jmo.MoE(cfg, mesh=mesh_of(4), impl=impl, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 16, 16))
+  mask = jnp.ones((2, 16), bool).at[0, 5].set(False)
+
+  def loss(m, x):
+    y, aux = m(x, mask)
+    return jnp.sum(y * y) + aux.load_balance_loss + aux.router_z_loss, (y, aux)
+
+  step = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+  (l0, (y0, _)), g0 = step(m, x)
+  (l1, (y1, _)), g1 = step(m, x.at[0, 5, 3].set(jnp.nan))
+  np.testing.assert_array_equal(l0, l1)
+  np.testing.assert_array_equal(y0, y1)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_array_equal(a, b)

@@ -119,3 +119,41 @@ def test_memory_is_the_routed_rows():
   mem = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, gates, w1, w2).compile().memory_analysis()
   inputs = 4 * (x.size + gates.size + w1.size + w2.size)
   assert mem.temp_size_in_bytes < 4 * (nb * B * d * 4) + 2 * inputs, (mem.temp_size_in_bytes, nb * B * d * 4, inputs)
+
+
+def test_dense_oracle_keeps_a_non_finite_token_out_of_experts_it_does_not_reach():
+  """A token whose slots are all skipped or dropped gets zeros, and a NaN gate on a skipped slot is not read, even
+  though the dense oracle runs every token through every expert: its outputs are masked by selection, not
+  multiplied by a zero weight (0 * NaN is NaN), as the sparse oracle and the routed impls give."""
+  x, ids, gates, w1, w2 = layer_inputs(16, D, F, E, 2, "skewed", 4)
+  x = x.at[3, 0].set(jnp.nan).at[6, 1].set(jnp.inf).at[9, 2].set(jnp.nan)
+  ids = ids.at[3].set(-1).at[6].set(-1).at[11, 0].set(-1)
+  gates = gates.at[11, 0].set(jnp.nan)
+  dense = reference.moe_experts_reference(x, ids, gates, w1, w2, 16, 1)[0]
+  sparse = reference.moe_experts_sparse_reference(x, ids, gates, w1, w2, 16, 1)[0]
+  np.testing.assert_array_equal(dense[3], 0)
+  np.testing.assert_array_equal(dense[6], 0)
+  assert np.isnan(np.asarray(dense[9])).all()  # the routed NaN token stays NaN, in its own row only
+  finite = np.arange(16) != 9
+  assert np.isfinite(np.asarray(dense)[finite]).all()
+  np.testing.assert_allclose(dense[finite], sparse[finite], rtol=1e-5, atol=1e-6)
+  # Every slot dropped (capacity 0 rows per expert would be refused; 1 row keeps only each expert's first slot).
+  x1 = x.at[15, 0].set(jnp.nan)
+  dense1, dropped = reference.moe_experts_reference(x1, ids.at[15].set(ids[0]), gates, w1, w2, 1, 1)
+  assert int(dropped) > 0
+  np.testing.assert_array_equal(dense1[15], 0)
+
+
+def test_dense_oracle_gradients_of_a_skipped_non_finite_token_are_finite():
+  """A NaN token that reaches no expert adds nothing to any gradient (the dense oracle ran it through every expert
+  and multiplied by zero: NaN in dw1, dw2), and the other gradients are those of the token's finite twin."""
+  x, ids, gates, w1, w2 = layer_inputs(16, D, F, E, 2, "skewed", 4)
+  ids = ids.at[3].set(-1)
+
+  def grads(x):
+    return jax.grad(lambda *a: jnp.sum(reference.moe_experts_reference(*a, 16, 1)[0] ** 2), argnums=(0, 2, 3, 4))(
+        x, ids, gates, w1, w2)
+
+  clean, bad = grads(x), grads(x.at[3, 0].set(jnp.nan))
+  for a, b in zip(clean, bad):
+    np.testing.assert_array_equal(a, b)

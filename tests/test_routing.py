@@ -157,3 +157,24 @@ def test_all_combinations_of_the_switches_run():
     assert all(len(set(row)) == 4 for row in ids)
     if norm:
       np.testing.assert_allclose(np.asarray(r.gates).sum(1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("func", ["softmax", "sigmoid"])
+def test_a_masked_token_with_non_finite_logits_changes_nothing(func):
+  """Garbage padding: a masked token whose logits are NaN or Inf gives the same routing, losses and gradients as a
+  masked token of finite logits (its weight in every loss is 0, but 0 * NaN was NaN: load_balance_loss and the
+  gradients turned NaN)."""
+  cfg = jmo.MoEConfig(emb_dim=8, moe_mlp_dim=8, num_experts=8, num_experts_per_tok=2, routed_score_func=func)
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32)
+  mask = jnp.ones((16,), bool).at[3].set(False).at[9].set(False)
+
+  def f(lg):
+    r = jmo.route(lg, cfg, None, mask)
+    return r.load_balance_loss + r.router_z_loss + jnp.sum(r.gates), r
+
+  (_, clean), g_clean = jax.value_and_grad(f, has_aux=True)(logits)
+  (_, bad), g_bad = jax.value_and_grad(f, has_aux=True)(logits.at[3, 2].set(jnp.nan).at[9].set(jnp.inf))
+  for name in ("expert_ids", "gates", "load_balance_loss", "router_z_loss", "expert_load"):
+    np.testing.assert_array_equal(getattr(clean, name), getattr(bad, name), err_msg=name)
+  assert np.isfinite(np.asarray(g_bad)).all()
+  np.testing.assert_array_equal(np.delete(np.asarray(g_clean), [3, 9], 0), np.delete(np.asarray(g_bad), [3, 9], 0))
