@@ -182,9 +182,9 @@ Workspace.on_release(_forget_programs)
 def _ids_int32(expert_ids):
   """Expert ids as the int32 every path computes with. Ids of a wider or unsigned dtype (int64 under x64, uint32,
   uint64) are first saturated to int32's range, so that an id outside [-1, E) stays outside it: a plain cast wraps
-  (2**32 + 3 became expert 3, computed there; uint32 2**32 - 1 became -1, a skipped slot), and under ``jit``, where
-  ``check_expert_ids`` cannot see the values, that was a silent wrong result instead of the invalid-id rule (the
-  custom calls' error, or no output in the impls that route in XLA)."""
+  (2**32 + 3 to expert 3, uint32 2**32 - 1 to -1, a skipped slot), and under ``jit``, where ``check_expert_ids``
+  cannot see the values, only the invalid-id rule (the custom calls' error, or no output in the impls that route in
+  XLA) keeps such an id from being computed as another expert."""
   ids = jnp.asarray(expert_ids)
   lo, hi = int(jnp.iinfo(jnp.int32).min), int(jnp.iinfo(jnp.int32).max)
   info = jnp.iinfo(ids.dtype)
@@ -251,7 +251,7 @@ def _like(y, x, mesh, axes):
   type says (so that ``x + y`` works and callers can reshape y as they could x); on Auto axes, where a traced x
   carries no sharding, the layer's token layout (``tensor_parallel.operand_specs``), which is x's when x is laid out
   as the layer takes its tokens (an eager call's committed x gets its own back: ``like_committed``)."""
-  if _explicit(mesh):
+  if explicit_mesh(mesh):
     return jax.sharding.reshard(y, jax.sharding.NamedSharding(mesh, jax.typeof(x).sharding.spec))
   token_spec = tp_lib.operand_specs(*axes)[0]
   return jax.lax.with_sharding_constraint(y, jax.sharding.NamedSharding(mesh, token_spec))
@@ -267,7 +267,8 @@ def like_committed(y, x):
   return y
 
 
-def _explicit(mesh) -> bool:
+def explicit_mesh(mesh) -> bool:
+  """Whether ``mesh`` has Explicit axes (jax.make_mesh's default): reshapes on it must be told their output sharding."""
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
@@ -287,7 +288,7 @@ def _w1_view(w1, mesh, axis_name):
   """w1 as its [E, D, 2, F] view (``tensor_parallel.w1_view``; an ``Fp8Weight``'s arrays alike). On an Explicit mesh
   a reshape must be told its output sharding: a [E, D, 2F] w1 is laid out over the expert axis first (its 2F axis
   cannot be split over a tensor axis with the gate and up halves split alike; the view can, without moving data)."""
-  if not _explicit(mesh):
+  if not explicit_mesh(mesh):
     return tp_lib.w1_view(w1)
   experts = jax.sharding.NamedSharding(mesh, P(axis_name))
 
@@ -300,7 +301,7 @@ def _w1_view(w1, mesh, axis_name):
 def _shard(tree, mesh, spec):
   """Places each array of `tree` on `spec` (one PartitionSpec for all, or a tree of them shaped as `tree`) over an
   Explicit mesh (shard_map reshards by itself over Auto axes)."""
-  if not _explicit(mesh):
+  if not explicit_mesh(mesh):
     return tree
   specs = jax.tree.map(lambda _: spec, tree) if isinstance(spec, P) else spec
   return jax.tree.map(lambda a, s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s)), tree, specs)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
-from jax_moe_overlap.api import like_committed, moe_experts
+from jax_moe_overlap.api import explicit_mesh, like_committed, moe_experts
 from jax_moe_overlap.checks import check_batch_axes, check_layer, check_token_mask
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
@@ -174,8 +174,7 @@ class MoE(nnx.Module):
     """On a mesh with Explicit axes, an input on no mesh (a plain array, such as ``jax.random.normal``'s) placed on
     the layer's mesh, replicated: the layer's reshapes and their transposes (an eager ``jax.grad`` of x) then have
     a sharding to take on both sides; y comes back with that (replicated) sharding, as before."""
-    if not jax.typeof(a).sharding.mesh.empty or not any(
-        t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
+    if not jax.typeof(a).sharding.mesh.empty or not explicit_mesh(self.mesh):
       return a
     return jax.sharding.reshard(a, NamedSharding(self.mesh, P()))
 
@@ -283,5 +282,4 @@ def _param_initializer(config: MoEConfig, mesh: jax.sharding.Mesh, expert_axis: 
 
 def _explicit_in(a: jax.Array) -> bool:
   """Whether a's sharding type names a mesh with Explicit axes."""
-  mesh = jax.typeof(a).sharding.mesh
-  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+  return explicit_mesh(jax.typeof(a).sharding.mesh)

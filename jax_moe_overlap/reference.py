@@ -53,9 +53,9 @@ def moe_experts_reference(x, expert_ids, gates, w1, w2, expert_cap: int, ranks: 
   E = w1.shape[0]
   kept = kept_mask(expert_ids, E, expert_cap, ranks)
   # Every token passes through every expert here, so what a token does not reach (skipped slots, dropped slots,
-  # experts it did not pick) is masked by selection, not multiplied by a zero weight: 0 * NaN is NaN, and a token
-  # with a non-finite x (or a NaN gate on a skipped slot) got NaN in its y, and NaN in the gradients of experts it
-  # never reached, where the routed impls, which never compute those rows, give zeros. Each expert sees only the
+  # experts it did not pick) is masked by selection, not multiplied by a zero weight: 0 * NaN is NaN, which would
+  # give a token with a non-finite x (or a NaN gate on a skipped slot) NaN in its y and in the gradients of experts
+  # it never reaches, where the routed impls, which never compute those rows, give zeros. Each expert sees only the
   # tokens it takes (zeros elsewhere), forward and backward.
   routed = jax.nn.one_hot(jnp.where(kept, expert_ids, -1), E, dtype=jnp.float32)      # [T, k, E]
   reached = jnp.transpose(jnp.any(routed > 0, axis=1))                                   # [E, T]

@@ -88,7 +88,7 @@ def route(logits: jax.Array, config, bias: jax.Array | None = None,
   valid = jnp.ones((T,), bool) if token_mask is None else token_mask.astype(bool)
   # A masked token's logits are replaced by zeros before anything reads them: its ids and gates are overwritten
   # below and its weight in the losses is 0, but 0 * NaN is NaN, so a padding token holding NaN or Inf (garbage
-  # padding) made load_balance_loss NaN, and the gradients through the masked rows NaN, however small its weight.
+  # padding) would make load_balance_loss and the gradients through the masked rows NaN, whatever its weight.
   logits = jnp.where(valid[:, None], logits, 0)
   scores = scores_of(logits, config.routed_score_func)
   selection = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]

@@ -1,5 +1,6 @@
-"""Run by test_eager.py in a fresh process (before the fix, XLA:CPU's compiler crashed the process): impl="overlap"
-under jax.disable_jit() and the workspace calls in an eager shard_map.
+"""Run by test_eager.py in a fresh process (XLA:CPU's compiler crashes the process on a workspace call compiled op by
+op, so a regression must fail that test alone): impl="overlap" under jax.disable_jit() and the workspace calls in an
+eager shard_map.
 
 * moe_experts and MoE (Auto and Explicit meshes) under jax.disable_jit() run their forward program compiled and give
   the reference's result;

@@ -152,8 +152,8 @@ def test_eager_grad_of_the_weights_with_a_committed_x_under_set_mesh():
 def test_eager_module_grad_of_a_plain_x_on_explicit_mesh_under_set_mesh():
   """An eager jax.grad of a [B, S, D] x that is on no mesh (a plain array, as the README's snippet makes it) through
   the module on an Explicit mesh, under jax.set_mesh: the layer places x on its mesh first, so the transpose of its
-  [..., D] -> [T, D] reshape has a sharding to take (it raised JAX's ShardingTypeError "This reshape is not
-  supported" from inside the layer). The gradient is the reference's."""
+  [..., D] -> [T, D] reshape has a sharding to take (without one JAX refuses it: ShardingTypeError "This reshape is
+  not supported"). The gradient is the reference's."""
   devs = np.array(jax.devices("cpu")[:4])
   mesh = jax.sharding.Mesh(devs, ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
   cfg = jmo.MoEConfig(emb_dim=D, moe_mlp_dim=F, num_experts=E, num_experts_per_tok=2, dtype=jnp.float32)
@@ -169,8 +169,8 @@ def test_eager_module_grad_of_a_plain_x_on_explicit_mesh_under_set_mesh():
 
 def test_overlap_under_disable_jit_and_workspace_calls_in_an_eager_shard_map():
   """impl="overlap" under jax.disable_jit() runs its forward program compiled (the reference's result); a gradient
-  taken there and a workspace call in an eager shard_map are refused naming the fix. Before, each crashed XLA:CPU's
-  compiler (a segmentation fault): a fresh process, so that such a crash fails this test alone."""
+  taken there and a workspace call in an eager shard_map are refused naming the fix. Compiled op by op, each would
+  crash XLA:CPU's compiler (a segmentation fault): a fresh process, so that such a crash fails this test alone."""
   out = run_script("disable_jit_main.py", timeout=300)
   for line in ("moe_experts under disable_jit: match", "MoE on an Explicit mesh under disable_jit: match",
                "grad under disable_jit: refused", "eager shard_map of a workspace call: refused"):

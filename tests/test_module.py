@@ -150,7 +150,7 @@ def test_parameters_are_created_sharded_and_only_the_first_call_compiles(axis_ty
 @pytest.mark.parametrize("impl", ["xla", "reference"])
 def test_padding_token_with_nan_features_changes_no_gradient(impl):
   """Garbage padding: a masked token whose x holds a NaN gives the same y, aux and gradients as one of finite x (the
-  router weights' gradient x^T dlogits multiplied its zero cotangent by its NaN x; load_balance_loss was NaN)."""
+  router weights' gradient x^T dlogits multiplies a zero cotangent by x, and 0 * NaN is NaN)."""
   cfg = moe_config(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2)
   m = jmo.MoE(cfg, mesh=mesh_of(4), impl=impl, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, 16, 16))

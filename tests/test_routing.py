@@ -162,8 +162,7 @@ def test_all_combinations_of_the_switches_run():
 @pytest.mark.parametrize("func", ["softmax", "sigmoid"])
 def test_a_masked_token_with_non_finite_logits_changes_nothing(func):
   """Garbage padding: a masked token whose logits are NaN or Inf gives the same routing, losses and gradients as a
-  masked token of finite logits (its weight in every loss is 0, but 0 * NaN was NaN: load_balance_loss and the
-  gradients turned NaN)."""
+  masked token of finite logits (its weight in every loss is 0, but 0 * NaN is NaN)."""
   cfg = jmo.MoEConfig(emb_dim=8, moe_mlp_dim=8, num_experts=8, num_experts_per_tok=2, routed_score_func=func)
   logits = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32)
   mask = jnp.ones((16,), bool).at[3].set(False).at[9].set(False)
