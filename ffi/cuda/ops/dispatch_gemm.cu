@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), &sched, scratch.warp_sums);
   }
   // (Recomputed from shared memory where needed rather than kept live across the tile loop, whose producer warps run
-  // with 24 registers.)
+  // with wgmma_gemm::kProducerRegs registers.)
   auto kept = [&]() {
     int64_t n = 0;  // recv is packed from row 0
     for (int s = 0; s < R; ++s) n += scratch.rows_to_rank[s];

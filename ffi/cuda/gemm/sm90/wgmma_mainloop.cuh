@@ -18,7 +18,7 @@
 //
 // ---- Caller requirements -------------------------------------------------------------------------------------
 //   * Block of exactly kThreads = 384 threads (3 warpgroups), kernel declared __launch_bounds__(kThreads, 1), so
-//     ptxas gives it kEntryRegs = 168 registers at entry (WG0 releases to 24, WG1/WG2 grow to 240 -- the operand
+//     ptxas gives it kEntryRegs = 168 registers at entry (WG0 releases to 40, WG1/WG2 grow to 232 -- the operand
 //     format's kProducerRegs / kConsumerRegs -- and all return to 168 before the function returns).
 //     PrepareWgmmaKernel (wgmma_grouped.cuh) checks this on the host.
 //   * All 384 threads call the function, uniformly (it contains __syncthreads() at entry and at exit); after it
@@ -60,7 +60,7 @@
 //   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
 //   gets da = (d_gate, d_up) in bf16 from dh and the float32 preactivation at `a` (GroupedSwiGluGradKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile by
-//   thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with 24 registers, so keep
+//   thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with kProducerRegs registers, so keep
 //   it cheap: a binary search in smem is fine), with a tile_wait also by the 32 threads of warp 1 (the look-ahead,
 //   same registers), and by each of the 256 consumer threads (128..383) before the tile's mainloop. Data it reads
 //   (smem tables, ...) must be ready before the call (the entry __syncthreads() orders it for smem written by the CTA
@@ -76,7 +76,7 @@
 // ---- tile_wait(tile) (optional) ---------------------------------------------------------------------------------
 //   Called with tile_of(i)'s value before the first TMA load of the tile: it may block until the tile's operands
 //   exist (dispatch_gemm: until the segment's source rank has pushed its rows). It runs on the 32 lanes of the
-//   producer warpgroup's second warp together (24 registers, the same tile on every lane), the look-ahead: lane 0
+//   producer warpgroup's second warp together (kProducerRegs registers, the same tile on every lane), the look-ahead: lane 0
 //   claims the tiles (next_tile), the warp waits for each while the TMA thread still loads the previous tile's
 //   stages, and lane 0 hands the index over through shared memory (an mbarrier pair and one slot) once the previous
 //   tile's last kAheadLoads loads remain; so neither the claim nor the checks of a tile whose operands are there
@@ -98,7 +98,7 @@
 //   global memory (dispatch_gemm: x_recv from the A tiles); no CTA or named barrier. The consumer warpgroup that
 //   multiplies a stage reads it rather than a warp of its own: its loads and stores issue while the k-step's wgmma
 //   runs (the warpgroup otherwise waits on it), the empty barrier's arrival count stays the consumer warps', and the
-//   producer warps keep their 24 registers. With AStageFn = NoAStage the call and the warp sync are compiled out.
+//   producer warps keep their kProducerRegs registers. With AStageFn = NoAStage the call and the warp sync are compiled out.
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------
 //   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
@@ -108,7 +108,7 @@
 //   So the tile's stores are ordered before anything thread 128 does next at gpu scope: it can count the tile
 //   (e.g. atomicAdd on a per-band counter) and the thread that completes a band can __threadfence() and
 //   release-store the band's flag -- the same pattern as ExpertKernel's producer (__threadfence, __syncthreads,
-//   thread 0 atomicAdd). tile_done runs in a consumer warp (240 registers) while the other consumer threads
+//   thread 0 atomicAdd). tile_done runs in a consumer warp (kConsumerRegs registers) while the other consumer threads
 //   already start the next tile; it must not use __syncthreads / named barriers, and it delays the next tile of
 //   warp 4 by its own duration (a few atomics are fine).
 //   With DoneFn = NoTileDone the fence, the barrier and the call are compiled out (the bare GEMM's fast path).
@@ -144,8 +144,11 @@ constexpr int kBK = 64;  // 64 bf16 = 128 bytes = one 128B swizzle row
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kEntryRegs = 168;      // 65536 / 384 rounded down to a multiple of 8: what __launch_bounds__(384,1) gives
-constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 240;   // 24 * 128 + 240 * 256 = 64512 = 168 * 384
+// 40 * 128 + 232 * 256 = 64512 = 168 * 384. The producer warpgroup's threads (TMA issue, the look-ahead's claims and
+// checks) keep their loop state in registers at 40 (at 24 the TMA loop reloads it from local memory every stage); a
+// consumer's 128 accumulators and its loop fit in 232.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
 constexpr int kConsumerBarrier = 1;  // named barrier of the 256 consumer threads
 constexpr int kProducerBarrier = 2;  // named barrier of the 128 producer threads
 constexpr int kIssueBarrier = 3;     // named barriers 3 and 4: the consumer warpgroups' turns (IssueTurns)

@@ -166,10 +166,10 @@ struct Fp8Operands {
   BScales b_scales;
   static constexpr int kBK = kFp8BK;
   static constexpr int kExtraBytes = BScales::kExtraBytes;
-  // The producer computes the scale addresses besides the TMA coordinates (24 registers spill); a consumer holds 192
-  // accumulators (part and acc). 40 * 128 + 232 * 256 = 168 * 384, DeepGEMM's split.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // The bf16 split (DeepGEMM's): the producer computes the scale addresses besides the TMA coordinates, a consumer
+  // holds 192 accumulators (part and acc).
+  static constexpr int kProducerRegs = wgmma_gemm::kProducerRegs;
+  static constexpr int kConsumerRegs = wgmma_gemm::kConsumerRegs;
   // Each half of a stage is one batch of MMAs waited for and then promoted: the warpgroups take turns (IssueTurns).
   static constexpr int kIssueTurnsPerStage = 2;
 
