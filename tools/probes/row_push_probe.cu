@@ -1,6 +1,7 @@
 // Row-push probe: bytes/s per pushing SM against bytes in flight, for the dispatch's row-granular pushes, by
 // 16-byte stores (one warp per row, transport/row_push.cuh's CopyRowWarp and CopyRowPairWarp) and by TMA bulk copies
-// (one issuing thread per ring, transport/bulk_push.cuh's StreamBands with each row a band).
+// (one issuing thread per ring: transport/bulk_push.cuh's StreamBands with each row a band, and the lean ring below,
+// one bulk load and one bulk store per row and no other bookkeeping, with one to sixteen issuers per CTA).
 //
 // Rows of `row` bytes are copied from a source buffer to scattered destination rows (a fixed random permutation, as
 // the dispatch writes each slot's row into the peer's recv row of its expert), by C CTAs of one GPU. Each
@@ -66,6 +67,50 @@ __global__ void BulkRowsKernel(const char* src, char* dst, const int32_t* dst_ro
   auto done = [](int) {};
   StreamBands<kChunk>(count, ready, band_of, done, smem + (int64_t)w * PushRingBytes<kChunk>(slots), slots,
                       slots - 1 < kPushReadLag ? slots - 1 : kPushReadLag);
+}
+// Lean bulk copies: issuer i (lane 0 of warp i) of CTA b copies rows b + (i + j * I) * C, j = 0, 1, ..., each row one
+// bulk load into a slot of its own ring of kSlots row-sized slots and one bulk store from it, with no bookkeeping but
+// the pipeline: the load of row j is issued kAhead rows before its store, and a slot is reloaded once the store that
+// read it kSlots rows earlier has finished reading (stores committed before load j: j - kAhead, so at most
+// kSlots - kAhead - 1 may still read). What one issuing thread can move per SM when each row costs two instructions.
+// An issuer's shared memory: its slots' mbarriers (128-aligned), then the slots (128-aligned rows).
+__host__ __device__ constexpr int64_t LeanBarBytes(int slots) { return (slots * 8 + 127) / 128 * 128; }
+__host__ __device__ constexpr int64_t LeanRingBytes(int slots, int64_t row) {
+  return LeanBarBytes(slots) + slots * ((row + 127) / 128 * 128);
+}
+template <int kSlots, int kAhead>
+__global__ void LeanBulkRowsKernel(const char* src, char* dst, const int32_t* dst_row, int64_t rows, int64_t row,
+                                   int issuers) {
+  static_assert(kAhead >= 1 && kAhead < kSlots, "loads ahead of stores, within the ring");
+  using namespace jmo::ptx;
+  extern __shared__ __align__(128) char smem[];
+  const int w = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0 || w >= issuers) return;
+  const int64_t slot_bytes = (row + 127) / 128 * 128;
+  char* base = smem + (int64_t)w * LeanRingBytes(kSlots, row);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(base);
+  char* ring = base + LeanBarBytes(kSlots);
+  for (int s = 0; s < kSlots; ++s) MbarInit(SmemAddr(&bars[s]), 1);
+  MbarInitFence();
+  const int64_t step = (int64_t)issuers * gridDim.x, first = blockIdx.x + (int64_t)w * gridDim.x;
+  const int count = first < rows ? (int)((rows - 1 - first) / step + 1) : 0;
+  for (int j = 0; j < count + kAhead; ++j) {
+    if (j < count) {
+      const int s = j % kSlots;
+      if (j >= kSlots) bulk::WaitStoresRead<kSlots - kAhead - 1>();
+      MbarArriveExpectTx(SmemAddr(&bars[s]), (uint32_t)row);
+      bulk::Load(SmemAddr(ring + s * slot_bytes), src + (first + (int64_t)j * step) * row, (uint32_t)row,
+                 SmemAddr(&bars[s]));
+    }
+    const int k = j - kAhead;
+    if (k >= 0) {
+      const int s = k % kSlots;
+      MbarWait(SmemAddr(&bars[s]), (uint32_t)((k / kSlots) & 1));
+      bulk::Store(dst + (int64_t)dst_row[first + (int64_t)k * step] * row, SmemAddr(ring + s * slot_bytes),
+                  (uint32_t)row);
+    }
+  }
+  bulk::WaitStores<0>();
 }
 }  // namespace
 
@@ -144,6 +189,28 @@ int main(int argc, char** argv) {
           BulkRowsKernel<kChunk><<<C, 32 * I, smem, st>>>(src, dst, d_perm, rows, row, I, slots);
         });
       };
+      auto lean = [&](auto slots, auto ahead, int I) {
+        constexpr int kS = decltype(slots)::value, kA = decltype(ahead)::value;
+        const int smem = I * (int)LeanRingBytes(kS, row);
+        if (smem > 227 * 1024) return;
+        const void* k = (const void*)LeanBulkRowsKernel<kS, kA>;
+        CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        snprintf(name, sizeof name, "lean TMA I=%d %d slots, %d ahead", I, kS, kA);
+        time(name, C, smem / 1024.0, [&] {
+          LeanBulkRowsKernel<kS, kA><<<C, 32 * I, smem, st>>>(src, dst, d_perm, rows, row, I);
+        });
+      };
+      using std::integral_constant;
+      lean(integral_constant<int, 4>{}, integral_constant<int, 2>{}, 1);
+      lean(integral_constant<int, 12>{}, integral_constant<int, 8>{}, 1);
+      lean(integral_constant<int, 24>{}, integral_constant<int, 16>{}, 1);
+      lean(integral_constant<int, 48>{}, integral_constant<int, 32>{}, 1);
+      lean(integral_constant<int, 12>{}, integral_constant<int, 8>{}, 2);
+      lean(integral_constant<int, 24>{}, integral_constant<int, 16>{}, 2);
+      lean(integral_constant<int, 12>{}, integral_constant<int, 8>{}, 4);
+      lean(integral_constant<int, 6>{}, integral_constant<int, 4>{}, 4);
+      lean(integral_constant<int, 6>{}, integral_constant<int, 4>{}, 8);
+      lean(integral_constant<int, 3>{}, integral_constant<int, 2>{}, 16);
       for (int I : {1, 2, 4}) {
         bulk(K4{}, I, 8);
         bulk(K8{}, I, 8);
