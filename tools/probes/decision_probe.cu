@@ -6,15 +6,16 @@
 //             tables with rows up to 2^24 below)
 //   scans     ChooseByScans alone (block scans, 7 barriers): the general form, for comparison
 //   e3dd3a1   the chunked form of commit e3dd3a1 (decision_v0.cuh), the baseline
-// The segment table: the library's BuildSegments (and BuildSegments<true>, the table with the consumer choice's parts,
-// followed by DeviceChooseConsumersPrepared: ExpertKernel's form under the model) and e3dd3a1's (decision_v0.cuh) on
-// random plans, some invalid, some with several defects, some with segments of 2^23 rows and more (the prepared
-// choice's fallback), 256 and 384 threads: the host's answer, table and error record (HostTable: the lowest bad
-// segment in plan order, else too many bands), e3dd3a1's scratch, and the host's C (ChooseConsumerCtas on the host's
-// table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then timed
-// alone and followed by the consumer choice (the whole decision of an expert_combine call: the library's column is
-// BuildSegments<true> + DeviceChooseConsumersPrepared), beside e3dd3a1's, each sum checked against the host's; and the library's decision in phases (the plan loads and the first scan, the table with the choice's parts,
-// the whole decision), so that the differences show where its time goes.
+// The segment table: the library's BuildSegments (and BuildSegments<kPrepTerms>, the table with the consumer choice's
+// parts, followed by DeviceChooseConsumersPrepared: ExpertKernel's form under the model) and e3dd3a1's
+// (decision_v0.cuh) on random plans, some invalid, some with several defects, some with segments of 2^23 rows and more
+// (the prepared choice's fallback), 256 and 384 threads: the host's answer, table and error record (HostTable: the
+// lowest bad segment in plan order, else too many bands), e3dd3a1's scratch, and the host's C (ChooseConsumerCtas on
+// the host's table, each plan with its own SM budget, N and link) on every thread, else WRONG and exit status 1; then
+// timed alone and followed by the consumer choice (the whole decision of an expert_combine call: the library's column
+// is BuildSegments<kPrepTerms> + DeviceChooseConsumersPrepared), beside e3dd3a1's, each sum checked against the host's;
+// and the library's decision in phases (the plan loads and the first scan, the table with the choice's parts, the whole
+// decision), so that the differences show where its time goes.
 //
 // Check: for random tables (n segments in producer order, the first mr remote; n in 1..256, several seeds; sms 24,
 // 66, 132; N 4096, 8192), both forms with 256 and 384 threads (the wgmma engine's CTA) must give the host's C for both
@@ -27,12 +28,17 @@
 // ChooseDispatchPushers on random calls (rows to push and to multiply, K, N, SM budget, link and per-CTA rates), one
 // warp per call, every lane's answer compared; any difference prints WRONG and the exit status is 1.
 //
-// Then gather_rs's C: DeviceChooseGatherConsumers (the library's, every CTA of ExpertKernel<kGather>) against the host's
-// GatherModelSources + ChooseGatherConsumerCtasFromSources on random calls (R 2..32, any rank, E_l experts with empty
-// segments, T, Q, N, K, bf16 or float32, the SM budget and the link), 256 and 384 threads, two decisions per CTA
-// (the same scratch), every thread's answer compared; any difference prints WRONG and the exit status is 1.
-// And its time per decision, as the consumer choice's (one CTA, --iters decisions, median of --reps launches), beside
-// e3dd3a1's.
+// Then gather_rs's C as every CTA of ExpertKernel<kGather> takes it under the model: the table built from the plan
+// arrays with the sources' parts (BuildSegments<kPrepGather>) and DeviceChooseGatherConsumersPrepared, twice per CTA
+// (the same scratch; some calls with segments of 2^23 rows and more, where it falls back), then
+// DeviceChooseGatherConsumers (the general form, the prepared form's fallback) on that table, against the host's
+// HostTable + GatherModelSources + ChooseGatherConsumerCtasFromSources on random calls (R 2..32, any rank, E_l experts
+// with empty segments, T, Q, N, K, bf16 or float32, the SM budget and the link), 256 and 384 threads, every thread's
+// answer compared; any difference prints WRONG and the exit status is 1. And its time per iteration (one CTA, --iters
+// iterations, median of --reps launches): the choice alone (e3dd3a1's, the library's general form), the table alone and
+// with the general form, the table with the sources' parts alone and with the prepared form; each sum checked against
+// the host's. Moving work from the choice into the table shows in the table's column: the decision's cost is the last
+// column against "table + choice".
 //
 // Build and run (repository root; < 30 s; options: --iters 1000 --reps 5 --seeds 12):
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
@@ -69,6 +75,13 @@ __device__ __forceinline__ uint64_t Now() {
 template <class T>
 __device__ __forceinline__ T Vol(const T& x) {
   return *reinterpret_cast<const volatile T*>(&x);
+}
+// Iteration i's model in a timing loop: p with seg_us + 1e-12 on odd iterations (as DecisionBenchKernel), seg_us read
+// with a volatile load, so that no iteration is folded into another or hoisted out of the loop.
+__device__ __forceinline__ ModelParams IterParams(const ModelParams& p, int i) {
+  ModelParams q = p;
+  q.seg_us = Vol(p.seg_us) + (double)(i & 1) * 1e-12;
+  return q;
 }
 
 struct Inputs {
@@ -204,242 +217,13 @@ int64_t CheckPushers(int calls, uint64_t seed) {
   return wrong;
 }
 
-// gather_rs: one CTA per call decides twice (the same scratch); out[2 i], out[2 i + 1]: its C where every thread
-// agrees, -1 where they differ. segs: the calls' tables back to back from seg_begin[i], in producer order.
-struct GatherCall {
-  ModelParams p;
-  GatherModelShape sh;
-  int rank, ranks, max_ctas, seg_begin, n;
-  CandidateConsts cand;  // FillCandidateConsts(p, max_ctas, sh.N): the library's (ConsumerConfig::cand)
-};
-template <int kBlock>
-__global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* calls, const Segment* segs, int* out) {
-  __shared__ SegTable table;
-  __shared__ ChoiceScratch cs;
-  __shared__ int ref[2], differ;
-  const GatherCall& g = calls[blockIdx.x];
-  for (int i = threadIdx.x; i < g.n; i += blockDim.x) table.seg[i] = segs[g.seg_begin + i];
-  if (threadIdx.x == 0) {
-    table.n = g.n;
-    differ = 0;
-  }
-  __syncthreads();
-  int c[2];
-  for (int k = 0; k < 2; ++k)
-    c[k] = DeviceChooseGatherConsumers(table, g.p, g.cand, g.sh, g.rank, g.ranks, g.max_ctas, &cs);
-  if (threadIdx.x == 0) ref[0] = c[0], ref[1] = c[1];
-  __syncthreads();
-  if (c[0] != ref[0] || c[1] != ref[1]) atomicAdd(&differ, 1);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    out[2 * blockIdx.x] = differ ? -1 : c[0];
-    out[2 * blockIdx.x + 1] = differ ? -1 : c[1];
-  }
-}
-
-// One random gather_rs call: its non-empty segments in producer order (SegmentBefore) and its host choice.
-struct GatherDraw {
-  GatherCall call;
-  std::vector<Segment> segs;
-  int host;
-};
-GatherDraw DrawGather(std::mt19937_64& g) {
-  auto pick = [&](std::initializer_list<int64_t> v) { return *(v.begin() + g() % v.size()); };
-  GatherDraw d{};
-  const int R = (int)pick({2, 4, 8, 16, 32});
-  const int E_l = std::max(1, (int)(g() % (kMaxSegments / R)) + 1);
-  const int sms = (int)pick({2, 3, 16, 33, 66, 132});
-  // gather_gbps: 0 (the model's 2 cta_gbps) or a calibrated traffic rate per CTA.
-  ModelParams p{sms, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
-                (double)pick({15, 46, 92, 185, 370, 1745}) + 0.25, 0.4301974372287516, 17.3,
-                (double)pick({0, 0, 9, 15, 23, 59}) * 1.0173};
-  d.call.p = p;
-  d.call.sh = GatherModelShape{pick({1, 64, 1024, 4096}), pick({1, 2, 4, 8, 16}), pick({128, 1024, 4096}),
-                               pick({128, 2048, 7168}), pick({2, 4})};
-  d.call.rank = (int)(g() % R);
-  d.call.ranks = R;
-  d.call.max_ctas = ModelMaxCtas(sms);
-  d.call.cand = FillCandidateConsts(p, d.call.max_ctas, d.call.sh.N);
-  const int zero_pct = (int)pick({0, 30, 90});
-  std::vector<Segment> raw;
-  std::vector<int64_t> to_rank(R, 0);
-  for (int e = 0; e < E_l; ++e)
-    for (int s = 0; s < R; ++s) {
-      const int32_t rows = (int)(g() % 100) < zero_pct ? 0 : 1 + (int32_t)(g() % (uint64_t)pick({16, 300, 5000}));
-      if (rows == 0) continue;
-      raw.push_back(Segment{e, s, 0, rows, 0, 0});
-      to_rank[s] += rows;
-    }
-  std::vector<int> order(raw.size());
-  if (!raw.empty()) OrderSegments(raw.data(), (int)raw.size(), d.call.rank, to_rank.data(), order.data());
-  std::vector<GatherModelSegment> ms;
-  for (int i : order) {
-    d.segs.push_back(raw[i]);
-    ms.push_back(GatherModelSegment{raw[i].rows, raw[i].src});
-  }
-  d.call.n = (int)d.segs.size();
-  std::vector<GatherModelSource> src(R);
-  const int64_t total = GatherModelSources(p, ms.data(), (int)ms.size(), R, d.call.rank, d.call.sh.N, src.data());
-  d.host = total < 0 ? -2 : ChooseGatherConsumerCtasFromSources(p, src.data(), R, total, d.call.sh, d.call.max_ctas);
-  return d;
-}
-
-// Random gather_rs calls, device against host; returns the count of differences.
-int64_t CheckGather(int calls, uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::vector<GatherCall> cl;
-  std::vector<Segment> segs;
-  std::vector<int> host;
-  for (int i = 0; i < calls; ++i) {
-    GatherDraw d = DrawGather(g);
-    d.call.seg_begin = (int)segs.size();
-    segs.insert(segs.end(), d.segs.begin(), d.segs.end());
-    cl.push_back(d.call);
-    host.push_back(d.host);
-  }
-  GatherCall* d_calls;
-  Segment* d_segs;
-  int* d_out;
-  CK(cudaMalloc(&d_calls, calls * sizeof(GatherCall)));
-  CK(cudaMalloc(&d_segs, std::max<size_t>(1, segs.size()) * sizeof(Segment)));
-  CK(cudaMalloc(&d_out, 2 * calls * sizeof(int)));
-  CK(cudaMemcpy(d_calls, cl.data(), calls * sizeof(GatherCall), cudaMemcpyHostToDevice));
-  if (!segs.empty()) CK(cudaMemcpy(d_segs, segs.data(), segs.size() * sizeof(Segment), cudaMemcpyHostToDevice));
-  int64_t wrong = 0;
-  std::vector<int> seen(33, 0);
-  std::vector<int> dev(2 * calls);
-  for (int blk : {kThreads, 384}) {
-    (blk == kThreads ? GatherCheckKernel<kThreads> : GatherCheckKernel<384>)<<<calls, blk>>>(d_calls, d_segs, d_out);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(dev.data(), d_out, 2 * calls * sizeof(int), cudaMemcpyDeviceToHost));
-    for (int i = 0; i < calls; ++i) {
-      if (host[i] >= 0 && host[i] <= 32) seen[host[i]] = 1;
-      for (int k = 0; k < 2; ++k)
-        if (dev[2 * i + k] != host[i] && ++wrong <= 20)
-          printf("WRONG gather (%d threads, decision %d): R %d rank %d segments %d sms %d T %lld Q %lld N %lld K %lld "
-                 "eb %lld link %g gather %g: device %d, host %d\n", blk, k, cl[i].ranks, cl[i].rank, cl[i].n,
-                 cl[i].p.sms, (long long)cl[i].sh.T, (long long)cl[i].sh.Q, (long long)cl[i].sh.N,
-                 (long long)cl[i].sh.K, (long long)cl[i].sh.elem_bytes, cl[i].p.link_gbps, cl[i].p.gather_gbps,
-                 dev[2 * i + k], host[i]);
-    }
-  }
-  PrintCheck("gather_rs check (256 and 384 threads)", calls, seen, wrong,
-             "the host's ChooseGatherConsumerCtasFromSources on every thread");
-  cudaFree(d_calls);
-  cudaFree(d_segs);
-  cudaFree(d_out);
-  return wrong;
-}
-
-// gather_rs's decision timed in one CTA of kThreads threads: `iters` decisions (seg_us varies with the iteration's
-// parity as in DecisionBenchKernel), out[0] ns, out[1] the sum of the choices. kV0: the baseline (decision_v0.cuh).
-template <bool kV0>
-__global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* call, const Segment* segs, int iters,
-                                                             unsigned long long* out) {
-  __shared__ SegTable table;
-  __shared__ std::conditional_t<kV0, decision_v0::ChoiceScratch, ChoiceScratch> cs;
-  __shared__ unsigned long long t0;
-  const GatherCall& g = *call;
-  for (int i = threadIdx.x; i < g.n; i += blockDim.x) table.seg[i] = segs[i];
-  if (threadIdx.x == 0) table.n = g.n;
-  __syncthreads();
-  if (threadIdx.x == 0) t0 = Now();
-  __syncthreads();
-  int acc = 0;
-  for (int i = 0; i < iters; ++i) {
-    ModelParams q = g.p;
-    q.seg_us = Vol(g.p.seg_us) + (double)(i & 1) * 1e-12;
-    if constexpr (kV0)
-      acc += decision_v0::DeviceChooseGatherConsumers(table, q, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas),
-                                                      &cs, i & 1);
-    else
-      acc += DeviceChooseGatherConsumers(table, q, g.cand, g.sh, Vol(g.rank), Vol(g.ranks), Vol(g.max_ctas), &cs);
-  }
-  if (threadIdx.x == 0) {
-    out[0] = Now() - t0;
-    out[1] = (unsigned long long)acc;
-  }
-}
-
-// gather_rs's decision cost at the loopback's meshes (R = 4, 8; E_l = 2, 4 experts: n = E_l R segments) and at 32
-// ranks; returns 1 where the sum of the choices is not the host's.
-int64_t TimeGather(int iters, int reps) {
-  printf("gather_rs: ns per decision (one CTA of %d threads, %d iters, median of %d), sms 33, T 1024, Q 4, N 4096, "
-         "K 7168, bf16:\n| R | segments | ns, e3dd3a1 | ns | C |\n|---|---|---|---|---|\n", kThreads, iters, reps);
-  int64_t wrong = 0;
-  GatherCall* d_call;
-  Segment* d_segs;
-  unsigned long long* d_out;
-  CK(cudaMalloc(&d_call, sizeof(GatherCall)));
-  CK(cudaMalloc(&d_segs, kMaxSegments * sizeof(Segment)));
-  CK(cudaMalloc(&d_out, 2 * sizeof(unsigned long long)));
-  for (auto [R, E_l] : {std::pair{4, 2}, {4, 4}, {8, 2}, {8, 4}, {32, 8}}) {
-    std::vector<Segment> segs;
-    std::vector<GatherModelSegment> ms;
-    std::vector<int64_t> to_rank(R);
-    std::mt19937 g(5u + R * E_l);
-    std::vector<Segment> raw;
-    for (int e = 0; e < E_l; ++e)
-      for (int s = 0; s < R; ++s) {
-        raw.push_back(Segment{e, s, 0, 400 + (int32_t)(g() % 200), 0, 0});
-        to_rank[s] += raw.back().rows;
-      }
-    std::vector<int> order(raw.size());
-    OrderSegments(raw.data(), (int)raw.size(), 1, to_rank.data(), order.data());
-    for (int i : order) {
-      segs.push_back(raw[i]);
-      ms.push_back(GatherModelSegment{raw[i].rows, raw[i].src});
-    }
-    ModelParams p{33, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397, 370.0 / 4,
-                  0.4301974372287516, 17.3};
-    GatherCall call{p, GatherModelShape{1024, 4, 4096, 7168, 2}, 1, R, ModelMaxCtas(33), 0, (int)segs.size()};
-    call.cand = FillCandidateConsts(p, call.max_ctas, call.sh.N);
-    std::vector<GatherModelSource> src(R);
-    int want = 0;
-    for (int k = 0; k < 2; ++k) {
-      ModelParams q = p;
-      q.seg_us += k * 1e-12;
-      const int64_t total = GatherModelSources(q, ms.data(), (int)ms.size(), R, 1, 4096, src.data());
-      want += (k == 0 ? (iters + 1) / 2 : iters / 2) *
-              ChooseGatherConsumerCtasFromSources(q, src.data(), R, total, call.sh, call.max_ctas);
-    }
-    CK(cudaMemcpy(d_call, &call, sizeof call, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_segs, segs.data(), segs.size() * sizeof(Segment), cudaMemcpyHostToDevice));
-    double med[2];
-    bool ok = true;
-    for (int form = 0; form < 2; ++form) {
-      std::vector<double> ns;
-      unsigned long long o[2];
-      for (int r = 0; r <= reps; ++r) {
-        (form == 0 ? GatherBenchKernel<true> : GatherBenchKernel<false>)<<<1, kThreads>>>(d_call, d_segs, iters,
-                                                                                          d_out);
-        CK(cudaGetLastError());
-        CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
-        ok = ok && o[1] == (unsigned long long)want;
-        if (r > 0) ns.push_back((double)o[0] / iters);
-      }
-      std::sort(ns.begin(), ns.end());
-      med[form] = ns[ns.size() / 2];
-    }
-    wrong += !ok;
-    const int64_t total = GatherModelSources(p, ms.data(), (int)ms.size(), R, 1, 4096, src.data());
-    printf("| %d | %d | %.0f | %.0f%s | %d |\n", R, (int)segs.size(), med[0], med[1], ok ? "" : " WRONG",
-           ChooseGatherConsumerCtasFromSources(p, src.data(), R, total, call.sh, call.max_ctas));
-  }
-  printf("\n");
-  cudaFree(d_call);
-  cudaFree(d_segs);
-  cudaFree(d_out);
-  return wrong;
-}
-
 // The segment table: the library's BuildSegments against the baseline's (decision_v0.cuh), one CTA per plan, and
 // timed. A plan: R ranks, this rank, E_l experts, the recv capacity and the workspace's sizes; its seg_rows and
 // seg_ret_off (E_l R each) from `begin` in the plan arrays.
 struct TablePlan {
   int R, rank, E_l, begin;
   int64_t cap, ret_rows, max_bands;
-  Inputs model;  // the consumer choice's (BuildSegments<true> + DeviceChooseConsumersPrepared)
+  Inputs model;  // the consumer choice's (BuildSegments<kPrepTerms> + DeviceChooseConsumersPrepared)
 };
 struct TableOut {
   int32_t ok;
@@ -465,7 +249,40 @@ __device__ RankDev PlanRankDev(const TablePlan& pl, GroupShared* gs, RankPrivate
   rd.priv = pv;
   return rd;
 }
-// kPrep: BuildSegments<true> and then the prepared consumer choice (ExpertKernel's form under the model).
+// The plan arrays (`words` entries each) and the per-plan words (PlanGroup's group words, RankPrivate) of `plans` plans
+// on the device, all zeroed; Upload copies plan arrays in.
+struct DevicePlans {
+  int32_t *rows = nullptr, *ret = nullptr;
+  GroupShared* gs = nullptr;
+  RankPrivate* pv = nullptr;
+  size_t gs_bytes, pv_bytes;
+  DevicePlans(size_t words, int plans)
+      : gs_bytes(plans * (size_t)GroupSharedBytes(kMaxRanks)), pv_bytes(plans * sizeof(RankPrivate)) {
+    CK(cudaMalloc(&rows, std::max<size_t>(words, 1) * sizeof(int32_t)));
+    CK(cudaMalloc(&ret, std::max<size_t>(words, 1) * sizeof(int32_t)));
+    CK(cudaMalloc(&gs, gs_bytes));
+    CK(cudaMalloc(&pv, pv_bytes));
+    CK(cudaMemset(ret, 0, std::max<size_t>(words, 1) * sizeof(int32_t)));
+    ZeroWords();
+  }
+  DevicePlans(const DevicePlans&) = delete;
+  DevicePlans& operator=(const DevicePlans&) = delete;
+  ~DevicePlans() {
+    cudaFree(rows);
+    cudaFree(ret);
+    cudaFree(gs);
+    cudaFree(pv);
+  }
+  void ZeroWords() const {
+    CK(cudaMemset(gs, 0, gs_bytes));
+    CK(cudaMemset(pv, 0, pv_bytes));
+  }
+  void Upload(const std::vector<int32_t>& r, const std::vector<int32_t>& t) const {
+    CK(cudaMemcpy(rows, r.data(), r.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(ret, t.data(), t.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
+};
+// kPrep: BuildSegments<kPrepTerms> and then the prepared consumer choice (ExpertKernel's form under the model).
 template <bool kV0, bool kPrep, int kBlock>
 __global__ void __launch_bounds__(kBlock) TableCheckKernel(const TablePlan* plans, const int32_t* rows,
                                                            const int32_t* ret_off, GroupShared* gs, RankPrivate* pv,
@@ -485,7 +302,7 @@ __global__ void __launch_bounds__(kBlock) TableCheckKernel(const TablePlan* plan
     const Inputs& m = pl.model;
     const TermPrepIn pin = TermPrepFor(m.p, m.cand, m.N, m.eb, &cs);
     TermPrepOut prep{};
-    ok = BuildSegments<true>(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
+    ok = BuildSegments<kPrepTerms>(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
     if (ok && table.remote_bands > 0)
       c = DeviceChooseConsumersPrepared(table, prep, m.p, m.cand, m.N, m.K, m.eb, m.max_ctas, &cs);
   } else {
@@ -615,38 +432,29 @@ int64_t CheckTables(int plans, uint64_t seed) {
     }
   }
   TablePlan* d_pl;
-  int32_t *d_rows, *d_ret;
-  GroupShared* d_gs;
-  RankPrivate* d_pv;
   TableOut* d_out;
-  const size_t gs_bytes = plans * (size_t)GroupSharedBytes(kMaxRanks);
+  const DevicePlans dp(rows.size(), plans);
+  dp.Upload(rows, ret);
   CK(cudaMalloc(&d_pl, plans * sizeof(TablePlan)));
-  CK(cudaMalloc(&d_rows, rows.size() * sizeof(int32_t)));
-  CK(cudaMalloc(&d_ret, ret.size() * sizeof(int32_t)));
-  CK(cudaMalloc(&d_gs, gs_bytes));
-  CK(cudaMalloc(&d_pv, plans * sizeof(RankPrivate)));
   CK(cudaMalloc(&d_out, plans * sizeof(TableOut)));
   CK(cudaMemcpy(d_pl, pl.data(), plans * sizeof(TablePlan), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_ret, ret.data(), ret.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   constexpr int kVariants = 5;
   std::vector<TableOut> out[kVariants];
   std::vector<ErrorRecord> err[kVariants];
   // baseline (256 threads), library (256, 384), library with the choice's parts and the prepared choice (256, 384)
   for (int v = 0; v < kVariants; ++v) {
-    CK(cudaMemset(d_gs, 0, gs_bytes));
-    CK(cudaMemset(d_pv, 0, plans * sizeof(RankPrivate)));
+    dp.ZeroWords();
     CK(cudaMemset(d_out, 0xff, plans * sizeof(TableOut)));  // poisoned: an unwritten entry differs
     const int blk = v == 2 || v == 4 ? 384 : kThreads;
     auto kernel = v == 0 ? TableCheckKernel<true, false, kThreads> : v == 1 ? TableCheckKernel<false, false, kThreads>
                   : v == 2 ? TableCheckKernel<false, false, 384> : v == 3 ? TableCheckKernel<false, true, kThreads>
                                                                          : TableCheckKernel<false, true, 384>;
-    kernel<<<plans, blk>>>(d_pl, d_rows, d_ret, d_gs, d_pv, d_out);
+    kernel<<<plans, blk>>>(d_pl, dp.rows, dp.ret, dp.gs, dp.pv, d_out);
     CK(cudaGetLastError());
     out[v].resize(plans);
     CK(cudaMemcpy(out[v].data(), d_out, plans * sizeof(TableOut), cudaMemcpyDeviceToHost));
-    std::vector<char> gs(gs_bytes);
-    CK(cudaMemcpy(gs.data(), d_gs, gs_bytes, cudaMemcpyDeviceToHost));
+    std::vector<char> gs(dp.gs_bytes);
+    CK(cudaMemcpy(gs.data(), dp.gs, dp.gs_bytes, cudaMemcpyDeviceToHost));
     for (int i = 0; i < plans; ++i) err[v].push_back(PlanGroup(gs.data(), i)->errors[pl[i].rank]);
   }
   static const char* const kForm[kVariants] = {"e3dd3a1, 256 threads", "library, 256 threads", "library, 384 threads",
@@ -705,10 +513,278 @@ int64_t CheckTables(int plans, uint64_t seed) {
          "band, %d distinct choices: %s\n", (long long)choices, distinct,
          wrong ? "see the table check" : "every choice identical to the host's ChooseConsumerCtas on every thread");
   cudaFree(d_pl);
-  cudaFree(d_rows);
-  cudaFree(d_ret);
-  cudaFree(d_gs);
-  cudaFree(d_pv);
+  cudaFree(d_out);
+  return wrong;
+}
+
+// gather_rs: one CTA per call builds its table from its plan arrays as ExpertKernel<kGather> does under the model
+// (BuildSegments<kPrepGather>, then DeviceChooseGatherConsumersPrepared) twice with the same scratch, then runs
+// DeviceChooseGatherConsumers (the prepared form's fallback) on the table; out[kGatherDecisions i + k]: decision k's C
+// where every thread agrees, -1 where they differ, -3 where the table build failed.
+struct GatherCall {
+  ModelParams p;
+  GatherModelShape sh;
+  int max_ctas;
+  CandidateConsts cand;  // FillCandidateConsts(p, max_ctas, sh.N): the library's (ConsumerConfig::cand)
+  TablePlan plan;        // its ranks R, rank, E_l and plan arrays, valid (plan.model unused)
+};
+constexpr int kGatherDecisions = 3;
+const char* const kGatherDecisionNames[kGatherDecisions] = {"prepared, 1st", "prepared, 2nd", "general"};
+template <int kBlock>
+__global__ void __launch_bounds__(kBlock) GatherCheckKernel(const GatherCall* calls, const int32_t* rows,
+                                                            const int32_t* ret_off, GroupShared* gs, RankPrivate* pv,
+                                                            int* out) {
+  __shared__ SegTable table;
+  __shared__ TableScratch sc;
+  __shared__ ChoiceScratch cs;
+  __shared__ int ref[kGatherDecisions], differ;
+  const GatherCall& g = calls[blockIdx.x];
+  const TablePlan& pl = g.plan;
+  const RankDev rd = PlanRankDev(pl, PlanGroup(gs, blockIdx.x), pv + blockIdx.x);
+  if (threadIdx.x == 0) differ = 0;
+  int c[kGatherDecisions];
+  bool ok = true;
+  for (int k = 0; k < 2; ++k) {
+    const GatherPrepIn in = GatherPrepFor(g.cand, g.sh, pl.rank, &cs);
+    TermPrepOut prep{};
+    ok = BuildSegments<kPrepGather>(rd, rows + pl.begin, ret_off + pl.begin, pl.E_l, pl.cap, &table, &sc, &in, &prep) &&
+         ok;
+    c[k] = ok ? DeviceChooseGatherConsumersPrepared(table, prep, g.p, g.cand, g.sh, pl.rank, pl.R, g.max_ctas, &cs)
+              : -3;
+  }
+  c[2] = ok ? DeviceChooseGatherConsumers(table, g.p, g.cand, g.sh, pl.rank, pl.R, g.max_ctas, &cs) : -3;
+  if (threadIdx.x == 0)
+    for (int k = 0; k < kGatherDecisions; ++k) ref[k] = c[k];
+  __syncthreads();
+  for (int k = 0; k < kGatherDecisions; ++k)
+    if (c[k] != ref[k]) atomicAdd(&differ, 1);
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int k = 0; k < kGatherDecisions; ++k) out[kGatherDecisions * blockIdx.x + k] = differ ? -1 : c[k];
+}
+
+// The host's C of a gather_rs call on a valid plan (rows in plan order, ret offsets 0): its table by the host's rule
+// (HostTable), then GatherModelSources + ChooseGatherConsumerCtasFromSources with seg_us + ds; -2 where they fail.
+int HostGatherChoice(const GatherCall& c, const int32_t* rows, double ds = 0.0) {
+  static SegTable h;  // (large)
+  ErrorRecord e;
+  const std::vector<int32_t> ret(c.plan.E_l * c.plan.R, 0);
+  if (!HostTable(c.plan, rows, ret.data(), &h, &e)) return -2;
+  std::vector<GatherModelSegment> ms;
+  for (int i = 0; i < h.n; ++i) ms.push_back(GatherModelSegment{h.seg[i].rows, h.seg[i].src});
+  ModelParams q = c.p;
+  q.seg_us += ds;
+  std::vector<GatherModelSource> src(c.plan.R);
+  const int64_t total = GatherModelSources(q, ms.data(), (int)ms.size(), c.plan.R, c.plan.rank, c.sh.N, src.data());
+  return total < 0 ? -2 : ChooseGatherConsumerCtasFromSources(q, src.data(), c.plan.R, total, c.sh, c.max_ctas);
+}
+
+// One random gather_rs call: its plan's rows in plan order (expert-major, ret offsets 0; one in 8 of <= 64 segments
+// with rows up to 2^23 + 64) and its host choice.
+struct GatherDraw {
+  GatherCall call;
+  std::vector<int32_t> rows;
+  int host;
+};
+GatherDraw DrawGather(std::mt19937_64& g) {
+  auto pick = [&](std::initializer_list<int64_t> v) { return *(v.begin() + g() % v.size()); };
+  GatherDraw d{};
+  const int R = (int)pick({2, 4, 8, 16, 32});
+  const int E_l = std::max(1, (int)(g() % (kMaxSegments / R)) + 1);
+  const int sms = (int)pick({2, 3, 16, 33, 66, 132});
+  // gather_gbps: 0 (the model's 2 cta_gbps) or a calibrated traffic rate per CTA.
+  ModelParams p{sms, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
+                (double)pick({15, 46, 92, 185, 370, 1745}) + 0.25, 0.4301974372287516, 17.3,
+                (double)pick({0, 0, 9, 15, 23, 59}) * 1.0173};
+  d.call.p = p;
+  d.call.sh = GatherModelShape{pick({1, 64, 1024, 4096}), pick({1, 2, 4, 8, 16}), pick({128, 1024, 4096}),
+                               pick({128, 2048, 7168}), pick({2, 4})};
+  const int rank = (int)(g() % R);
+  d.call.max_ctas = ModelMaxCtas(sms);
+  d.call.cand = FillCandidateConsts(p, d.call.max_ctas, d.call.sh.N);
+  const int zero_pct = (int)pick({0, 30, 90});
+  // (Some calls of <= 64 segments with segments of 2^23 rows and more: the prepared form's fallback.)
+  const bool huge = E_l * R <= 64 && g() % 8 == 0;
+  int64_t sum = 0;
+  for (int e = 0; e < E_l; ++e)
+    for (int s = 0; s < R; ++s) {
+      const int64_t max_rows = huge ? pick({16, 5000, (1 << 23) + 64}) : pick({16, 300, 5000});
+      const int32_t rows = (int)(g() % 100) < zero_pct ? 0 : 1 + (int32_t)(g() % (uint64_t)max_rows);
+      d.rows.push_back(rows);
+      sum += rows;
+    }
+  // (One in 4 with a capacity of 2^24 rows more: the table's 64-bit scans.)
+  d.call.plan = TablePlan{R, rank, E_l, 0, sum + (g() % 4 == 0 ? 1 << 24 : 0), std::max<int64_t>(sum, 1), 1 << 26,
+                          Inputs{}};
+  d.host = HostGatherChoice(d.call, d.rows.data());
+  return d;
+}
+
+// Random gather_rs calls, device against host; returns the count of differences.
+int64_t CheckGather(int calls, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::vector<GatherCall> cl;
+  std::vector<int32_t> rows;
+  std::vector<int> host;
+  for (int i = 0; i < calls; ++i) {
+    GatherDraw d = DrawGather(g);
+    d.call.plan.begin = (int)rows.size();
+    rows.insert(rows.end(), d.rows.begin(), d.rows.end());
+    cl.push_back(d.call);
+    host.push_back(d.host);
+  }
+  GatherCall* d_calls;
+  int* d_out;
+  const DevicePlans dp(rows.size(), calls);  // (ret offsets 0)
+  dp.Upload(rows, {});
+  CK(cudaMalloc(&d_calls, calls * sizeof(GatherCall)));
+  CK(cudaMalloc(&d_out, kGatherDecisions * calls * sizeof(int)));
+  CK(cudaMemcpy(d_calls, cl.data(), calls * sizeof(GatherCall), cudaMemcpyHostToDevice));
+  int64_t wrong = 0;
+  std::vector<int> seen(33, 0);
+  std::vector<int> dev(kGatherDecisions * calls);
+  for (int blk : {kThreads, 384}) {
+    CK(cudaMemset(d_out, 0xff, kGatherDecisions * calls * sizeof(int)));  // poisoned: an unwritten entry differs
+    (blk == kThreads ? GatherCheckKernel<kThreads> : GatherCheckKernel<384>)<<<calls, blk>>>(d_calls, dp.rows, dp.ret,
+                                                                                            dp.gs, dp.pv, d_out);
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(dev.data(), d_out, kGatherDecisions * calls * sizeof(int), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < calls; ++i) {
+      if (host[i] >= 0 && host[i] <= 32) seen[host[i]] = 1;
+      const TablePlan& pl = cl[i].plan;
+      for (int k = 0; k < kGatherDecisions; ++k)
+        if ((host[i] < 1 || dev[kGatherDecisions * i + k] != host[i]) && ++wrong <= 20)
+          printf("WRONG gather (%d threads, %s): R %d rank %d E_l %d sms %d T %lld Q %lld N %lld K %lld eb %lld "
+                 "link %g gather %g: device %d, host %d\n", blk, kGatherDecisionNames[k], pl.R, pl.rank, pl.E_l,
+                 cl[i].p.sms, (long long)cl[i].sh.T, (long long)cl[i].sh.Q, (long long)cl[i].sh.N,
+                 (long long)cl[i].sh.K, (long long)cl[i].sh.elem_bytes, cl[i].p.link_gbps, cl[i].p.gather_gbps,
+                 dev[kGatherDecisions * i + k], host[i]);
+    }
+  }
+  PrintCheck("gather_rs check (BuildSegments<kPrepGather> + DeviceChooseGatherConsumersPrepared twice, then "
+             "DeviceChooseGatherConsumers; 256 and 384 threads)", calls, seen, wrong,
+             "the host's ChooseGatherConsumerCtasFromSources on every thread");
+  cudaFree(d_calls);
+  cudaFree(d_out);
+  return wrong;
+}
+
+// gather_rs's decision timed in one CTA of kThreads threads: `iters` of them (seg_us varies with the iteration's
+// parity as in DecisionBenchKernel; the plan arrays re-read from global memory each time, L1/L2 hits after the
+// first), out[0] ns, out[1] the sum of the answers (per iteration: C of the choice, plus n + remote_bands of the table
+// where the form builds one). kForm (kGatherFormNames):
+//   0, 1   the choice alone on a table built before the clock starts: e3dd3a1's (decision_v0.cuh), the library's
+//          general form (DeviceChooseGatherConsumers)
+//   2, 3   the table (BuildSegments), alone and followed by the general form
+//   4, 5   the table with the sources' parts (BuildSegments<kPrepGather>), alone and followed by the prepared form
+//          (DeviceChooseGatherConsumersPrepared): ExpertKernel<kGather>'s decision under the model
+constexpr int kGatherForms = 6;
+const char* const kGatherFormNames[kGatherForms] = {
+    "choice, e3dd3a1", "choice", "table", "table + choice", "table with the parts",
+    "table with the parts + prepared choice"};
+template <int kForm>
+__global__ void __launch_bounds__(kThreads) GatherBenchKernel(const GatherCall* call, const int32_t* rows,
+                                                             const int32_t* ret_off, GroupShared* gs,
+                                                             RankPrivate* pv, int iters, unsigned long long* out) {
+  __shared__ SegTable table;
+  __shared__ TableScratch sc;
+  __shared__ std::conditional_t<kForm == 0, decision_v0::ChoiceScratch, ChoiceScratch> cs;
+  __shared__ unsigned long long t0;
+  const GatherCall& g = *call;
+  const int E_l = g.plan.E_l;
+  const int64_t cap = g.plan.cap;
+  const RankDev rd = PlanRankDev(g.plan, gs, pv);
+  if constexpr (kForm <= 1) BuildSegments(rd, rows, ret_off, E_l, cap, &table, &sc);
+  if (threadIdx.x == 0) t0 = Now();
+  __syncthreads();
+  unsigned long long acc = 0;
+  for (int i = 0; i < iters; ++i) {
+    const ModelParams q = IterParams(g.p, i);
+    const int rank = Vol(g.plan.rank), ranks = Vol(g.plan.R), max_ctas = Vol(g.max_ctas);
+    if constexpr (kForm == 0) {
+      acc += decision_v0::DeviceChooseGatherConsumers(table, q, g.sh, rank, ranks, max_ctas, &cs, i & 1);
+    } else if constexpr (kForm == 1) {
+      acc += DeviceChooseGatherConsumers(table, q, g.cand, g.sh, rank, ranks, max_ctas, &cs);
+    } else if constexpr (kForm <= 3) {
+      const bool ok = BuildSegments(rd, rows, ret_off, E_l, cap, &table, &sc);
+      acc += ok ? table.n + table.remote_bands : 1000000;
+      if (kForm == 3 && ok) acc += DeviceChooseGatherConsumers(table, q, g.cand, g.sh, rank, ranks, max_ctas, &cs);
+    } else {
+      const GatherPrepIn in = GatherPrepFor(g.cand, g.sh, rank, &cs);
+      TermPrepOut prep{};
+      const bool ok = BuildSegments<kPrepGather>(rd, rows, ret_off, E_l, cap, &table, &sc, &in, &prep);
+      acc += ok ? table.n + table.remote_bands : 1000000;
+      if (kForm == 5 && ok)
+        acc += DeviceChooseGatherConsumersPrepared(table, prep, q, g.cand, g.sh, rank, ranks, max_ctas, &cs);
+    }
+  }
+  if (threadIdx.x == 0) {
+    out[0] = Now() - t0;
+    out[1] = acc;
+  }
+}
+
+// gather_rs's decision cost at the loopback's meshes (R = 4, 8; E_l = 2, 4 experts: n = E_l R segments) and at 32
+// ranks, every form (GatherBenchKernel); returns the count of forms and shapes whose sum is not the host's.
+int64_t TimeGather(int iters, int reps) {
+  printf("gather_rs: ns per iteration (one CTA of %d threads, %d iters, median of %d), sms 33, T 1024, Q 4, N 4096, "
+         "K 7168, bf16, rank 1, rows 400..599:\n| R | segments |", kThreads, iters, reps);
+  for (const char* f : kGatherFormNames) printf(" %s |", f);
+  printf(" C |\n|---|---|");
+  for (int f = 0; f < kGatherForms; ++f) printf("---|");
+  printf("---|\n");
+  int64_t wrong = 0;
+  GatherCall* d_call;
+  unsigned long long* d_out;
+  const DevicePlans dp(kMaxSegments, 1);  // (ret offsets 0)
+  CK(cudaMalloc(&d_call, sizeof(GatherCall)));
+  CK(cudaMalloc(&d_out, 2 * sizeof(unsigned long long)));
+  decltype(&GatherBenchKernel<0>) const kernels[kGatherForms] = {GatherBenchKernel<0>, GatherBenchKernel<1>,
+                                                                 GatherBenchKernel<2>, GatherBenchKernel<3>,
+                                                                 GatherBenchKernel<4>, GatherBenchKernel<5>};
+  for (auto [R, E_l] : {std::pair{4, 2}, {4, 4}, {8, 2}, {8, 4}, {32, 8}}) {
+    std::mt19937 g(5u + R * E_l);
+    std::vector<int32_t> rows(E_l * R);
+    int64_t sum = 0;
+    for (int32_t& r : rows) sum += r = 400 + (int32_t)(g() % 200);
+    const ModelParams p{33, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397, 370.0 / 4,
+                        0.4301974372287516, 17.3};
+    GatherCall call{p, GatherModelShape{1024, 4, 4096, 7168, 2}, ModelMaxCtas(33), {},
+                    TablePlan{R, 1, E_l, 0, sum, sum, 1 << 20, Inputs{}}};
+    call.cand = FillCandidateConsts(p, call.max_ctas, call.sh.N);
+    // The sums the kernels must give: per iteration C (by seg_us's parity), plus n + remote_bands with a table.
+    static SegTable h;
+    ErrorRecord eh;
+    const std::vector<int32_t> ret(rows.size(), 0);
+    const bool host_ok = HostTable(call.plan, rows.data(), ret.data(), &h, &eh);
+    const int c0 = HostGatherChoice(call, rows.data()), c1 = HostGatherChoice(call, rows.data(), 1e-12);
+    const unsigned long long choices =
+        (unsigned long long)((iters + 1) / 2) * c0 + (unsigned long long)(iters / 2) * c1;
+    const unsigned long long tables = (unsigned long long)iters * (h.n + h.remote_bands);
+    CK(cudaMemcpy(d_call, &call, sizeof call, cudaMemcpyHostToDevice));
+    dp.Upload(rows, {});
+    printf("| %d | %d |", R, E_l * R);
+    for (int f = 0; f < kGatherForms; ++f) {
+      const unsigned long long want = (f <= 1 ? 0 : tables) + (f == 2 || f == 4 ? 0 : choices);
+      std::vector<double> ns;
+      unsigned long long o[2] = {0, 0};
+      bool ok = host_ok && c0 > 0 && c1 > 0;
+      for (int r = 0; r <= reps; ++r) {
+        kernels[f]<<<1, kThreads>>>(d_call, dp.rows, dp.ret, dp.gs, dp.pv, iters, d_out);
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
+        ok = ok && o[1] == want;
+        if (r > 0) ns.push_back((double)o[0] / iters);
+      }
+      std::sort(ns.begin(), ns.end());
+      wrong += !ok;
+      printf(" %.0f%s |", ns[ns.size() / 2], ok ? "" : " WRONG");
+      fflush(stdout);
+    }
+    printf(" %d |\n", c0);
+  }
+  printf("\n");
+  cudaFree(d_call);
   cudaFree(d_out);
   return wrong;
 }
@@ -739,15 +815,14 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
   __syncthreads();
   unsigned long long acc = 0;
   for (int i = 0; i < iters; ++i) {
-    ModelParams q = in.p;
-    q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
+    const ModelParams q = IterParams(in.p, i);
     bool ok;
     TermPrepOut prep{};
     if constexpr (kForm == 0) {
       ok = decision_v0::BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
     } else if constexpr (kChoose) {  // as ExpertKernel under the model: the table with the choice's parts
       const TermPrepIn pin = TermPrepFor(q, in.cand, in.N, in.eb, &cs);
-      ok = BuildSegments<true>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
+      ok = BuildSegments<kPrepTerms>(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc, &pin, &prep);
     } else {
       ok = BuildSegments(rd, rows, ret_off, pl.E_l, pl.cap, &table, &sc);
     }
@@ -769,7 +844,7 @@ __global__ void __launch_bounds__(kThreads) TableBenchKernel(const TablePlan* pl
 
 // The library's decision in phases, timed as TableBenchKernel: kPhase 0 the plan entries' loads and barrier 1's scan
 // (LoadPlanEntries + ScanSegmentValues<5>, then a barrier so that the next iteration may reuse the scratch; out[1] the
-// sum of the kept rows' totals), 1 the table with the choice's parts (BuildSegments<true>; out[1] the sum of n +
+// sum of the kept rows' totals), 1 the table with the choice's parts (BuildSegments<kPrepTerms>; out[1] the sum of n +
 // remote_bands), 2 that and the prepared choice (out[1] adds C).
 template <int kPhase>
 __global__ void __launch_bounds__(kThreads) PhaseBenchKernel(const TablePlan* plan, const int32_t* rows,
@@ -791,18 +866,18 @@ __global__ void __launch_bounds__(kThreads) PhaseBenchKernel(const TablePlan* pl
   __syncthreads();
   unsigned long long acc = 0;
   for (int i = 0; i < iters; ++i) {
-    ModelParams q = in.p;
-    q.seg_us = Vol(in.p.seg_us) + (double)(i & 1) * 1e-12;
+    const ModelParams q = IterParams(in.p, i);
     const TermPrepIn pin = TermPrepFor(q, in.cand, in.N, in.eb, &cs);
     if constexpr (kPhase == 0) {
       const PlanEntries pe = LoadPlanEntries(rows, ret_off, E_l, rd.ranks);
       int64_t pre[5], total[5];
-      ScanSegmentValues<5>(pe.rows > 0 ? pe.rows : 0, pe.rows_q > 0 ? pe.rows_q : 0, &pin, cap, &sc, pre, total);
+      ScanSegmentValues<5>(pe.rows > 0 ? pe.rows : 0, pe.rows_q > 0 ? pe.rows_q : 0, pin.tile_m, pin.tile_m_magic, cap,
+                           &sc, pre, total);
       acc += (unsigned long long)total[0];
       __syncthreads();
     } else {
       TermPrepOut prep{};
-      const bool ok = BuildSegments<true>(rd, rows, ret_off, E_l, cap, &table, &sc, &pin, &prep);
+      const bool ok = BuildSegments<kPrepTerms>(rd, rows, ret_off, E_l, cap, &table, &sc, &pin, &prep);
       acc += ok ? table.n + table.remote_bands : 1000000;
       if (kPhase == 2 && ok && table.remote_bands > 0)
         acc += DeviceChooseConsumersPrepared(table, prep, q, in.cand, in.N, in.K, in.eb, in.max_ctas, &cs, i & 1);
@@ -826,20 +901,12 @@ int64_t TimeTables(int iters, int reps) {
          kThreads, iters, reps);
   int64_t wrong = 0;
   TablePlan* d_pl;
-  int32_t *d_rows, *d_ret;
   Inputs* d_in;
-  GroupShared* d_gs;
-  RankPrivate* d_pv;
   unsigned long long* d_out;
+  const DevicePlans dp(kMaxSegments, 1);
   CK(cudaMalloc(&d_pl, sizeof(TablePlan)));
-  CK(cudaMalloc(&d_rows, kMaxSegments * sizeof(int32_t)));
-  CK(cudaMalloc(&d_ret, kMaxSegments * sizeof(int32_t)));
   CK(cudaMalloc(&d_in, sizeof(Inputs)));
-  CK(cudaMalloc(&d_gs, GroupSharedBytes(kMaxRanks)));
-  CK(cudaMalloc(&d_pv, sizeof(RankPrivate)));
   CK(cudaMalloc(&d_out, 2 * sizeof(unsigned long long)));
-  CK(cudaMemset(d_gs, 0, GroupSharedBytes(kMaxRanks)));
-  CK(cudaMemset(d_pv, 0, sizeof(RankPrivate)));
   const ModelParams p{132, 1, 128, 256, 2.395217391304346, 0.010803532608695652, 29.56622111004397,
                       1744.7158381863562, 0.4301974372287516};
   const Inputs in{p, FillCandidateConsts(p, ModelMaxCtas(132), 8192), 8192, 2048, 2, ModelMaxCtas(132)};
@@ -876,8 +943,7 @@ int64_t TimeTables(int iters, int reps) {
       want[1] = want[0] + (unsigned long long)((iters + 1) / 2) * c[0] + (unsigned long long)(iters / 2) * c[1];
     }
     CK(cudaMemcpy(d_pl, &pl, sizeof pl, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_ret, ret.data(), ret.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    dp.Upload(rows, ret);
     // f: table alone (e3dd3a1, library), then table + choice (the same two).
     constexpr int kF = 4;
     decltype(&TableBenchKernel<0, false>) const kernels[kF] = {TableBenchKernel<0, false>, TableBenchKernel<1, false>,
@@ -889,7 +955,7 @@ int64_t TimeTables(int iters, int reps) {
       unsigned long long o[2];
       for (int r = 0; r <= reps; ++r) {
         auto k = kernels[f];
-        k<<<1, kThreads>>>(d_pl, d_rows, d_ret, d_in, d_gs, d_pv, iters, d_out);
+        k<<<1, kThreads>>>(d_pl, dp.rows, dp.ret, d_in, dp.gs, dp.pv, iters, d_out);
         CK(cudaGetLastError());
         CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
         if (r > 0) ns.push_back((double)o[0] / iters);
@@ -918,7 +984,7 @@ int64_t TimeTables(int iters, int reps) {
         std::vector<double> ns;
         unsigned long long o[2] = {0, 0};
         for (int r = 0; r <= reps; ++r) {
-          pk[f]<<<1, kThreads>>>(d_pl, d_rows, d_ret, d_in, d_gs, d_pv, iters, d_out);
+          pk[f]<<<1, kThreads>>>(d_pl, dp.rows, dp.ret, d_in, dp.gs, dp.pv, iters, d_out);
           CK(cudaGetLastError());
           CK(cudaMemcpy(o, d_out, sizeof o, cudaMemcpyDeviceToHost));
           if (r > 0) ns.push_back((double)o[0] / iters);
@@ -937,11 +1003,7 @@ int64_t TimeTables(int iters, int reps) {
   for (const std::string& l : phases) printf("%s\n", l.c_str());
   printf("\n");
   cudaFree(d_pl);
-  cudaFree(d_rows);
-  cudaFree(d_ret);
   cudaFree(d_in);
-  cudaFree(d_gs);
-  cudaFree(d_pv);
   cudaFree(d_out);
   return wrong;
 }

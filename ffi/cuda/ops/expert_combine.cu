@@ -54,19 +54,22 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   const PlanEntries plan = LoadPlanEntries(seg_rows, seg_ret_off, E_l, rd.ranks);
   LoadCallState(rd, &st);
   if (!st.ok) return;
-  // expert_combine under the model: the table built with the parts of the choice's terms (one pass less).
+  // Under the model the table is built with the parts of the choice's terms (one pass less): expert_combine's
+  // segments', gather_rs's sources'.
+  const GatherModelShape gsh{ga.T, ga.Q, N, K, (int64_t)sizeof(T)};
   TermPrepOut prep{};
-  if (!kGather && pol.use_model) {
+  if (kGather && pol.use_model) {
+    const GatherPrepIn in = GatherPrepFor(pol.cand, gsh, rd.rank, &choice);
+    if (!BuildSegmentsFrom<kPrepGather>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
+  } else if (!kGather && pol.use_model) {
     const TermPrepIn in = TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, &choice);
-    if (!BuildSegmentsFrom<true>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
+    if (!BuildSegmentsFrom<kPrepTerms>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
   } else if (!BuildSegmentsFrom(rd, plan, E_l, cap, &table, &scratch)) {
     return;
   }
   // (gather_rs: C >= 1, the host keeps the pinned and the fixed C in [1, grid - 1].)
-  const int consumers =
-      kGather ? GatherConsumersOfCall(table, pol, GatherModelShape{ga.T, ga.Q, N, K, (int64_t)sizeof(T)}, rd.rank,
-                                      rd.ranks, &choice)
-              : ConsumersOfCall(table, prep, pol, N, K, &choice);
+  const int consumers = kGather ? GatherConsumersOfCall(table, prep, pol, gsh, rd.rank, rd.ranks, &choice)
+                                : ConsumersOfCall(table, prep, pol, N, K, &choice);
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     rd.priv->consumers = (uint64_t)consumers;

@@ -1,6 +1,6 @@
 // The resource manager's device side: the choice of the consumer CTA count C from the call's segment table, and
-// gather_rs's C (DeviceChooseGatherConsumers, GatherConsumersOfCall); ConsumerConfig, what ExpertKernel is told about C
-// and about how its consumer pushes (used by ExpertKernel,
+// gather_rs's C (DeviceChooseGatherConsumers, DeviceChooseGatherConsumersPrepared, GatherConsumersOfCall);
+// ConsumerConfig, what ExpertKernel is told about C and about how its consumer pushes (used by ExpertKernel,
 // expert_combine.cu, and by tools/decision_bench.cu); and dispatch_gemm's pusher count P (PusherConfig, at the end).
 // Every function with a barrier is called by every thread of the CTA.
 #pragma once
@@ -49,7 +49,7 @@ struct ChoiceScratch {
       double push_us[kMaxSegments];   // pushed_from * seg_us
       double bytes[kMaxSegments];     // (double)bytes_from
     } seg;                            // (the same 6 KB as pre[]: shared memory does not grow)
-    struct {                          // DeviceChooseGatherConsumers
+    struct {                          // DeviceChooseGatherConsumers (and its prepared form: chosen, cum..link_us)
       int64_t scan[2 * 32];           // BlockExclusiveScanN's warp totals
       int64_t cum_end[kMaxRanks];     // by source: tiles up to its last segment,
       int64_t rows_end[kMaxRanks];    // rows up to its last segment and before its first,
@@ -226,7 +226,7 @@ __device__ __forceinline__ int ArgminOverWarps(double us, bool feasible, ChoiceS
   // with the same scratch across calls: this call's reads of its half come after its barrier, and the next call that
   // writes the same half (two calls on) does so only after the next call's barrier, which every warp reaches after
   // these reads; seg[] is read before the barrier, and written either by each warp for its own chunk
-  // (DeviceChooseConsumers) or by BuildSegments<true> before its last barrier. (ChooseByScans uses us[0] between
+  // (DeviceChooseConsumers) or by BuildSegments<kPrepTerms> before its last barrier. (ChooseByScans uses us[0] between
   // barriers of its own.)
   // (A tree of maxima: exact in any grouping, the terms being >= +0 and not NaN.)
   double m[kWarps];
@@ -300,9 +300,9 @@ __device__ inline int DeviceChooseConsumers(const SegTable& t, const ModelParams
   return ArgminOverWarps(us, feasible, sc, parity);
 }
 
-// The consumer choice on a table built by BuildSegments<true> with TermPrepFor(p, cand, N, eb, sc) (the same p and
-// cand): the chunked form without its own pass over the table (BuildSegments wrote seg[] and the total row tiles), the
-// same C. Called by every thread of the CTA (contains a barrier); `parity` as DeviceChooseConsumers'.
+// The consumer choice on a table built by BuildSegments<kPrepTerms> with TermPrepFor(p, cand, N, eb, sc) (the same p
+// and cand): the chunked form without its own pass over the table (BuildSegments wrote seg[] and the total row tiles),
+// the same C. Called by every thread of the CTA (contains a barrier); `parity` as DeviceChooseConsumers'.
 __device__ inline int DeviceChooseConsumersPrepared(const SegTable& t, const TermPrepOut& prep, const ModelParams& p,
                                                     const CandidateConsts& cand, int64_t N, int64_t K, int64_t eb,
                                                     int max_ctas, ChoiceScratch* sc, int parity = 0) {
@@ -320,26 +320,72 @@ __device__ inline int DeviceChooseConsumersPrepared(const SegTable& t, const Ter
   return ArgminOverWarps(us, feasible, sc, parity);
 }
 
-// BuildSegments<true>'s inputs for the consumer choice of model p (its seg_us), cand = FillCandidateConsts(p, ..., N),
-// rows of N elements of eb bytes: the parts of the terms go to sc->seg.
+// BuildSegments<kPrepTerms>'s inputs for the consumer choice of model p (its seg_us), cand = FillCandidateConsts(p,
+// ..., N), rows of N elements of eb bytes: the parts of the terms go to sc->seg.
 __device__ inline TermPrepIn TermPrepFor(const ModelParams& p, const CandidateConsts& cand, int64_t N, int64_t eb,
                                          ChoiceScratch* sc) {
   return TermPrepIn{cand.tile_m, cand.tile_m_magic, cand.col_tiles, N * eb, p.seg_us,
                     sc->seg.ceil_arg, sc->seg.push_us, sc->seg.bytes};
 }
 
-// gather_rs's C from the call's segment table (resource_model.h, "gather_rs's consumer CTAs"). Every thread takes one
-// segment: one block scan (tiles; rows and first segments of a source, packed) gives each source its tiles up to its
-// last segment, its rows and its place among the sources with rows (GatherModelSources' integers, exact in any order),
-// written by its first and last segment; then warp 0 alone puts the sources in the consumer's order with the parts of
-// their terms that do not depend on C, evaluates GatherMakespanFromSources for C = lane + 1 (the host's operations in
-// the host's order: the same doubles; ready times by ReadyUsFma where every cum_tiles < 2^50 and the tile time is
-// finite, the exact CeilDiv otherwise) and takes the argmin (smallest C on ties, as
-// ChooseGatherConsumerCtasFromSources), which a barrier hands to every thread. Three barriers; one warp's FP64 work
-// instead of every warp's; its divisions (1 / P, 1e-3 / (C g), 1e-3 / link_gbps) and the tiles' magic from the host
-// (cand = FillCandidateConsts(p, max_ctas, sh.N)). Called by every thread of the CTA (blockDim.x >= t.n); consecutive
-// calls may share the scratch (each reads what it wrote before its last barrier). t.seg holds the non-empty segments
-// in producer order, a source's consecutive.
+// BuildSegments<kPrepGather>'s inputs for gather_rs's choice on rank `rank` (cand = FillCandidateConsts(p, max_ctas,
+// sh.N)): the parts of the sources' terms go to sc->gather.
+__device__ inline GatherPrepIn GatherPrepFor(const CandidateConsts& cand, const GatherModelShape& sh, int rank,
+                                             ChoiceScratch* sc) {
+  auto& g = sc->gather;
+  return GatherPrepIn{cand.tile_m, cand.tile_m_magic, cand.col_tiles, sh, rank, cand.us_per_link_byte,
+                      g.cum, g.ceil_arg, g.traffic, g.link_us};
+}
+
+// gather_rs's choice from the sources' parts in sc->gather (cum, ceil_arg, traffic, link_us: the `ranks` sources in
+// the consumer's order, WriteGatherSource) and the tiles of all segments: GatherMakespanFromSources for C = lane + 1
+// (the host's operations in the host's order: the same doubles; ready times by ReadyUsFma where every cum_tiles <
+// 2^50 and the tile time is finite, the exact CeilDiv otherwise) and the argmin (smallest C on ties, as
+// ChooseGatherConsumerCtasFromSources), written to sc->gather.chosen by lane 0. Called by warp 0 alone; its divisions
+// (1 / P, 1e-3 / (C g)) from the host (cand).
+__device__ __forceinline__ void GatherArgminWarp(const ChoiceScratch* sc, int64_t total_tiles, const ModelParams& p,
+                                                 const CandidateConsts& cand, const GatherModelShape& sh, int ranks,
+                                                 int max_ctas, int* chosen) {
+  const auto& g = sc->gather;
+  const int lane = threadIdx.x & 31, c = lane + 1;
+  double us_c = 1e300;
+  if (c <= max_ctas && ModelFeasible(p, c)) {
+    // GatherMakespanFromSources for C = c, its operations in its order.
+    const int64_t producers = (int64_t)(p.sms - c) * p.ctas_per_sm;
+    const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
+    const double us_per_traffic = cand.gather_us_per_traffic[lane];  // 1e-3 / RmMul(c, g), c feasible
+    // ReadyUsFma exact: every cum <= total below 2^50, and tile_us finite.
+    const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50) &&
+                      ((unsigned long long)__double_as_longlong(tile_us) << 1) < (0x7ffull << 53);
+    const double rp = cand.rcp_producers[lane];  // 1.0 / producers, c feasible
+    const double shift = ShiftOf(tile_us);
+    auto ready = [&](int64_t cum, double ceil_arg) {
+      return fast ? ReadyUsFma(ceil_arg, rp, tile_us, shift) : RmMul((double)CeilDiv(cum, producers), tile_us);
+    };
+    double us = ready(total_tiles, CeilArg(total_tiles)), rest = 0.0;
+#pragma unroll 4
+    for (int j = ranks - 1; j >= 0; --j) {
+      rest = RmAdd(rest, RmAdd(p.seg_us, RmMax(RmMul(g.traffic[j], us_per_traffic), g.link_us[j])));
+      us = RmMax(us, RmAdd(ready(g.cum[j], g.ceil_arg[j]), rest));
+    }
+    us_c = us;
+  }
+  // ArgminC where every lane's time is finite and >= +0 (every calibrated call: they order like their bits), else
+  // the lexicographic shuffle argmin: both the smallest C among the smallest times, as the host's ModelArgmin.
+  const int best = __all_sync(0xffffffffu, FiniteNonNegative(us_c)) ? ArgminC(us_c) : ShuffleArgminLane0(us_c, c);
+  if (lane == 0) *chosen = best;
+}
+
+// gather_rs's C from the call's segment table (resource_model.h, "gather_rs's consumer CTAs"), the general form.
+// Every thread takes one segment: one block scan (tiles; rows and first segments of a source, packed) gives each
+// source its tiles up to its last segment, its rows and its place among the sources with rows (GatherModelSources'
+// integers, exact in any order), written by its first and last segment; then warp 0 alone puts the sources in the
+// consumer's order with the parts of their terms that do not depend on C (WriteGatherSource) and takes the argmin
+// (GatherArgminWarp), which a barrier hands to every thread. Three barriers; one warp's FP64 work instead of every
+// warp's; its divisions (1 / P, 1e-3 / (C g), 1e-3 / link_gbps) and the tiles' magic from the host (cand =
+// FillCandidateConsts(p, max_ctas, sh.N)). Called by every thread of the CTA (blockDim.x >= t.n); consecutive calls
+// may share the scratch (each reads what it wrote before its last barrier). t.seg holds the non-empty segments in
+// producer order, a source's consecutive. DeviceChooseGatherConsumersPrepared gives the same C without the scan.
 __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const ModelParams& p, const CandidateConsts& cand,
                                                   const GatherModelShape& sh, int rank, int ranks, int max_ctas,
                                                   ChoiceScratch* sc) {
@@ -372,50 +418,48 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
   }
   __syncthreads();
   if (tid < 32) {
-    const int64_t total_tiles = total[0];
     const uint32_t has_rows = g.has_rows, below = (1u << lane) - 1u;
-    const double us_per_link_byte = cand.us_per_link_byte;  // 1e-3 / p.link_gbps (the host's IEEE division)
     if (lane < ranks) {
       const int s = lane;
       const bool with_rows = (has_rows >> s) & 1u;
       const int k = with_rows ? ranks - __popc(has_rows) + g.place[s] : __popc(~has_rows & below);
-      const int64_t cum = with_rows ? g.cum_end[s] : 0;
-      g.cum[k] = cum;
-      g.ceil_arg[k] = CeilArg(cum);
-      g.traffic[k] = (double)GatherSourceTraffic(sh, with_rows ? g.rows_end[s] - g.rows_before[s] : 0);
-      g.link_us[k] = RmMul(s != rank ? (double)(sh.T * sh.N * 4) : 0.0, us_per_link_byte);
+      WriteGatherSource(GatherPrepFor(cand, sh, rank, sc), k, s, with_rows ? g.cum_end[s] : 0,
+                        with_rows ? g.rows_end[s] - g.rows_before[s] : 0);
     }
     __syncwarp();
-    const int c = lane + 1;
-    double us_c = 1e300;
-    if (c <= max_ctas && ModelFeasible(p, c)) {
-      // GatherMakespanFromSources for C = c, its operations in its order.
-      const int64_t producers = (int64_t)(p.sms - c) * p.ctas_per_sm;
-      const double tile_us = RmAdd(p.tile_us_base, RmMul(p.tile_us_per_k, (double)sh.K));
-      const double us_per_traffic = cand.gather_us_per_traffic[lane];  // 1e-3 / RmMul(c, g), c feasible
-      // ReadyUsFma exact: every cum <= total below 2^50, and tile_us finite.
-      const bool fast = total_tiles >= 0 && total_tiles < (1ll << 50) &&
-                        ((unsigned long long)__double_as_longlong(tile_us) << 1) < (0x7ffull << 53);
-      const double rp = cand.rcp_producers[lane];  // 1.0 / producers, c feasible
-      const double shift = ShiftOf(tile_us);
-      auto ready = [&](int64_t cum, double ceil_arg) {
-        return fast ? ReadyUsFma(ceil_arg, rp, tile_us, shift) : RmMul((double)CeilDiv(cum, producers), tile_us);
-      };
-      double us = ready(total_tiles, CeilArg(total_tiles)), rest = 0.0;
-#pragma unroll 4
-      for (int j = ranks - 1; j >= 0; --j) {
-        rest = RmAdd(rest, RmAdd(p.seg_us, RmMax(RmMul(g.traffic[j], us_per_traffic), g.link_us[j])));
-        us = RmMax(us, RmAdd(ready(g.cum[j], g.ceil_arg[j]), rest));
-      }
-      us_c = us;
-    }
-    // ArgminC where every lane's time is finite and >= +0 (every calibrated call: they order like their bits), else
-    // the lexicographic shuffle argmin: both the smallest C among the smallest times, as the host's ModelArgmin.
-    const int cand = __all_sync(0xffffffffu, FiniteNonNegative(us_c)) ? ArgminC(us_c) : ShuffleArgminLane0(us_c, c);
-    if (lane == 0) g.chosen = cand;
+    GatherArgminWarp(sc, total[0], p, cand, sh, ranks, max_ctas, &g.chosen);
   }
   __syncthreads();
   return g.chosen;
+}
+
+// DeviceChooseGatherConsumers out of line: the prepared form's fallback (tables whose packed sums would not be exact,
+// which a real call's capacity rules out), kept out of the kernel's register allocation.
+static __device__ __noinline__ int GatherChoiceFallback(const SegTable& t, const ModelParams& p,
+                                                        const CandidateConsts& cand, const GatherModelShape& sh,
+                                                        int rank, int ranks, int max_ctas, ChoiceScratch* sc) {
+  return DeviceChooseGatherConsumers(t, p, cand, sh, rank, ranks, max_ctas, sc);
+}
+
+// gather_rs's C from a table built by BuildSegments<kPrepGather> with GatherPrepFor(cand, sh, rank, sc) (the same
+// cand, sh, rank and scratch; prep its output): the sources' parts are in sc->gather already, so warp 0 starts at
+// GatherArgminWarp and one barrier hands its answer to every thread; DeviceChooseGatherConsumers' C. The table's sums
+// are those integers where the tiles' magic describes p's tile (cand = FillCandidateConsts(p, max_ctas, sh.N)) and
+// prep.rows_small (row tiles below 2^31, so with ceil(N / BN) < 2^32 every cum_tiles fits: (sum of row tiles) *
+// ceil(N / BN), the host's sum of ModelTiles reordered exactly); elsewhere DeviceChooseGatherConsumers on the table.
+// Called by every thread of the CTA; consecutive calls may share the scratch (the table build writes the parts after
+// its second barrier, which every thread reaches after the previous choice's reads).
+__device__ inline int DeviceChooseGatherConsumersPrepared(const SegTable& t, const TermPrepOut& prep,
+                                                          const ModelParams& p, const CandidateConsts& cand,
+                                                          const GatherModelShape& sh, int rank, int ranks,
+                                                          int max_ctas, ChoiceScratch* sc) {
+  const bool exact = p.tile_m > 0 && (uint32_t)p.tile_m == cand.tile_m && cand.col_tiles >= 0 &&
+                     cand.col_tiles < (1ll << 32) && prep.rows_small;
+  if (!exact) return GatherChoiceFallback(t, p, cand, sh, rank, ranks, max_ctas, sc);
+  if (threadIdx.x < 32)
+    GatherArgminWarp(sc, prep.row_tiles * cand.col_tiles, p, cand, sh, ranks, max_ctas, &sc->gather.chosen);
+  __syncthreads();
+  return sc->gather.chosen;
 }
 
 // What ExpertKernel is told about C and about how its consumer pushes.
@@ -450,8 +494,8 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& p
   return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
                        : pol.consumers;
 }
-// The same C from a table built by BuildSegments<true> with TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, sc)
-// where pol.use_model (ExpertKernel's form).
+// The same C from a table built by BuildSegments<kPrepTerms> with TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes,
+// sc) where pol.use_model (ExpertKernel's form).
 __device__ inline int ConsumersOfCall(const SegTable& t, const TermPrepOut& prep, const ConsumerConfig& pol, int64_t N,
                                       int64_t K, ChoiceScratch* sc) {
   if (t.remote_bands == 0) return 0;
@@ -468,6 +512,13 @@ __device__ inline int GatherConsumersOfCall(const SegTable& t, const ConsumerCon
                                             int rank, int ranks, ChoiceScratch* sc) {
   if (!pol.use_model || t.remote_bands == 0) return pol.consumers;
   return DeviceChooseGatherConsumers(t, pol.model, pol.cand, sh, rank, ranks, pol.max_ctas, sc);
+}
+// The same C from a table built by BuildSegments<kPrepGather> with GatherPrepFor(pol.cand, sh, rank, sc) where
+// pol.use_model (ExpertKernel<kGather>'s form).
+__device__ inline int GatherConsumersOfCall(const SegTable& t, const TermPrepOut& prep, const ConsumerConfig& pol,
+                                            const GatherModelShape& sh, int rank, int ranks, ChoiceScratch* sc) {
+  if (!pol.use_model || t.remote_bands == 0) return pol.consumers;
+  return DeviceChooseGatherConsumersPrepared(t, prep, pol.model, pol.cand, sh, rank, ranks, pol.max_ctas, sc);
 }
 
 // What dispatch_gemm is told about its pushing CTAs P: pinned or fixed (the host's), or the model's choice on the

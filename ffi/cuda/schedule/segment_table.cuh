@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/device/warp.cuh"
 #include "cuda/workspace/protocol.cuh"
@@ -23,8 +24,13 @@ struct SegTable {
   int64_t remote_rows;            // their rows (what the consumer pushes, in rows)
 };
 
+// What BuildSegments builds beside the table, on request: nothing; the consumer choice's parts of its terms
+// (TermPrepIn: DeviceChooseConsumersPrepared's); gather_rs's choice's parts of its sources' terms (GatherPrepIn:
+// DeviceChooseGatherConsumersPrepared's).
+enum : int { kPrepNone = 0, kPrepTerms = 1, kPrepGather = 2 };
+
 // A source's exclusive prefixes at its first segment in source-major order (BuildSegments): rows, kept segments and
-// their bands packed as (segments << kSegShift) + bands, and (BuildSegments<true>) the model's row tiles.
+// their bands packed as (segments << kSegShift) + bands, and (kPrepTerms, kPrepGather) the model's row tiles.
 struct SourcePrefix {
   int64_t rows;
   int64_t segs_bands;
@@ -45,16 +51,17 @@ struct TableScratch {
     uint32_t scan32[6 * 32];  // (32-bit words: ScanSegmentValues' narrow form)
     struct {               // per source and placing warp, of the sources before it: (segments, bands), and
       int64_t sb[kMaxRanks][kPlaceWarps];
-      uint64_t tr[kMaxRanks][kPlaceWarps];  // (BuildSegments<true>) (row tiles << 32) + rows
+      uint64_t tr[kMaxRanks][kPlaceWarps];  // (row tiles << 32) + (kPrepTerms) rows, (kPrepGather) sources with rows
     } before;
   } x;
   int32_t first_bad;
+  int32_t sources_with_rows;  // (kPrepGather)
 };
 
 // What the consumer choice's chunked form (resource_manager.cuh DeviceChooseConsumersPrepared) needs of the table,
-// built with it on request (BuildSegments<true>, one scanned value more and no pass of the choice's own): for each
-// segment j < remote_segs in producer order the parts of its term that do not depend on C, as DeviceChooseConsumers
-// computes them from the same integers (tiles up to j, rows from j on).
+// built with it on request (BuildSegments<kPrepTerms>, one scanned value more and no pass of the choice's own): for
+// each segment j < remote_segs in producer order the parts of its term that do not depend on C, as
+// DeviceChooseConsumers computes them from the same integers (tiles up to j, rows from j on).
 struct TermPrepIn {
   uint32_t tile_m, tile_m_magic;  // the model's BM and MagicCeilDiv's magic for it (CandidateConsts)
   int64_t col_tiles;              // ceil(N / BN)
@@ -64,9 +71,26 @@ struct TermPrepIn {
   double* push_us;   // [kMaxSegments] RmMul(remote_segs - j, seg_us)
   double* bytes;     // [kMaxSegments] (rows of segments j..remote_segs - 1) * row_bytes
 };
-struct TermPrepOut {  // the same on every thread
+struct TermPrepOut {  // the same on every thread (kPrepTerms and kPrepGather)
   int64_t row_tiles;  // ceil(rows / BM) over all segments
-  bool rows_small;    // every segment's rows below 2^23 and all rows below 2^31: the arrays are the chunked form's
+  bool rows_small;    // every segment's rows below 2^23 and all rows below 2^31: the arrays are the choice's
+};
+
+// What gather_rs's choice (resource_manager.cuh DeviceChooseGatherConsumersPrepared) needs of the table, built with
+// it on request (BuildSegments<kPrepGather>: the scan's row tiles and the placing warps' sums of the kPrepTerms form,
+// no pass of the choice's own): per source, at its place k in the consumer's order (GatherModelSources: the sources
+// with no row here first, by index, then the others in producer order), the parts of its term that do not depend on
+// C, from GatherModelSources' integers (WriteGatherSource).
+struct GatherPrepIn {
+  uint32_t tile_m, tile_m_magic;  // the model's BM and MagicCeilDiv's magic for it (CandidateConsts)
+  int64_t col_tiles;              // ceil(N / BN)
+  GatherModelShape sh;
+  int32_t rank;
+  double us_per_link_byte;  // 1e-3 / link_gbps (CandidateConsts)
+  int64_t* cum;             // [kMaxRanks] cum_tiles: tiles up to the source's last segment (0: no row here)
+  double* ceil_arg;         // [kMaxRanks] CeilArg(cum_tiles)
+  double* traffic;          // [kMaxRanks] (double)GatherSourceTraffic(sh, its rows here)
+  double* link_us;          // [kMaxRanks] RmMul(its partial's link bytes, us_per_link_byte)
 };
 
 // floor(a / d) for 0 <= a < 2^10 and 1 <= d <= 2^10 without an integer division sequence: (a + 0.5) / d lies at
@@ -92,6 +116,15 @@ __device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_
 // The argument of the FP64 ceiling (resource_manager.cuh ReadyUsFma): cum - 0.5, or 0 for cum = 0.
 __device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
 
+// Source s's entry k of gather_rs's choice: its tiles up to its last segment and its rows here (0 and 0: no row
+// here), the parts of GatherMakespanFromSources' term that do not depend on C, the host's operations.
+__device__ __forceinline__ void WriteGatherSource(const GatherPrepIn& g, int k, int s, int64_t cum, int64_t rows) {
+  g.cum[k] = cum;
+  g.ceil_arg[k] = CeilArg(cum);
+  g.traffic[k] = (double)GatherSourceTraffic(g.sh, rows);
+  g.link_us[k] = RmMul(s != g.rank ? (double)(g.sh.T * g.sh.N * 4) : 0.0, g.us_per_link_byte);
+}
+
 __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
   return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
 }
@@ -108,9 +141,11 @@ __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
 // warps (BlockExclusiveScanN); the same integers.
 constexpr int64_t kNarrowCap = 1 << 23;
 static_assert(kMaxSegments <= 256 && kBandRows == 64, "ScanSegmentValues' 32-bit bounds");
+// (K = 5: tile_m and tile_m_magic as CandidateConsts'.)
 template <int K>
-__device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, const TermPrepIn* prep, int64_t cap,
-                                                  TableScratch* sc, int64_t (&pre)[K], int64_t (&total)[K]) {
+__device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, uint32_t tile_m, uint32_t tile_m_magic,
+                                                  int64_t cap, TableScratch* sc, int64_t (&pre)[K],
+                                                  int64_t (&total)[K]) {
   static_assert(K == 4 || K == 5, "four values, five with the row tiles");
   if (cap >= 0 && cap < kNarrowCap) {  // block-uniform
     const int32_t lim = (int32_t)cap + 1;
@@ -121,7 +156,7 @@ __device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, 
     v[1] = (uint32_t)BandsOf(a);
     v[2] = (uint32_t)b;
     v[3] = (uint32_t)BandsOf(b);
-    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)b, prep->tile_m, prep->tile_m_magic);  // (0 rows: 0)
+    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)b, tile_m, tile_m_magic);  // (0 rows: 0)
     v[K] = b > 0 ? 1u : 0u;
     BlockExclusiveScanN<K + 1, uint32_t>(v, sc->x.scan32, p, t);
 #pragma unroll
@@ -135,7 +170,7 @@ __device__ __forceinline__ void ScanSegmentValues(int32_t kept, int32_t kept_q, 
     v[1] = BandsOf(kept);
     v[2] = kept_q;
     v[3] = (kept_q > 0 ? 1ll << kSegShift : 0) + BandsOf(kept_q);
-    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)kept_q, prep->tile_m, prep->tile_m_magic);
+    if constexpr (K == 5) v[4] = MagicCeilDiv((uint32_t)kept_q, tile_m, tile_m_magic);
     BlockExclusiveScanN<K>(v, sc->x.scan, pre, total);
   }
 }
@@ -168,14 +203,22 @@ __device__ __forceinline__ PlanEntries LoadPlanEntries(const int32_t* seg_rows, 
 //   4. segment i in source-major order lands at (segments of the sources before its own) + (kept segments of its
 //      source before it), with band_prefix (bands before it in producer order) from the same two parts: the place
 //      SegmentBefore gives it (sources first, then experts within a source).
-// kPrep: the scan also counts the model's row tiles (source-major), the placing warps the rows and row tiles of the
-// sources before, and each remote segment's thread writes its TermPrepIn entries where step 4 places it (the fourth
-// barrier, an AND, also tells whether every segment is small); *out gets the totals.
+// kPrepTerms: the scan also counts the model's row tiles (source-major), the placing warps the rows and row tiles of
+// the sources before, and each remote segment's thread writes its TermPrepIn entries where step 4 places it (the
+// fourth barrier, an AND, also tells whether every segment is small); *out gets the totals.
+// kPrepGather: the same scan and barriers; the placing warps sum the row tiles and the sources with rows before each
+// source (its place among them in producer order), warp 0 writes the GatherPrepIn entries of the sources with no row
+// (a ballot gives them and their count) and each source's first kept segment writes its source's entry in step 4
+// (tiles up to its last segment: of the sources before it and its own; its rows: differences of src_start); *out as
+// kPrepTerms'. The packed sums are exact where out->rows_small (row tiles below 2^31, sources with rows <= 32).
 // BuildSegmentsFrom takes the plan entries loaded by LoadPlanEntries (the same E_l and R); BuildSegments loads them.
-template <bool kPrep = false>
+template <int kPrep>
+using PrepIn = std::conditional_t<kPrep == kPrepGather, GatherPrepIn, TermPrepIn>;
+template <int kPrep = kPrepNone>
 __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& plan, int E_l, int64_t cap,
-                                         SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
+                                         SegTable* t, TableScratch* sc, const PrepIn<kPrep>* prep = nullptr,
                                          TermPrepOut* out = nullptr) {
+  static_assert(kPrep == kPrepNone || kPrep == kPrepTerms || kPrep == kPrepGather, "a BuildSegments form");
   const int R = rd.ranks, n = E_l * R, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool mine = tid < n;
   if (tid == 0) sc->first_bad = n;
@@ -184,18 +227,24 @@ __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& p
   const int s = mine ? SmallDiv(tid, E_l) : 0, e = tid - s * E_l, q = e * R + s;
   const int expert = SmallDiv(tid, R);  // (blockDim.x <= 1024, R <= kMaxRanks)
   const int32_t kept = rows > 0 ? rows : 0, kept_q = rows_q > 0 ? rows_q : 0;
-  constexpr int kValues = kPrep ? 5 : 4;
+  constexpr bool kTiles = kPrep != kPrepNone;
+  constexpr int kValues = kTiles ? 5 : 4;
+  uint32_t tile_m = 1u, tile_m_magic = 0u;
+  if constexpr (kTiles) {
+    tile_m = prep->tile_m;
+    tile_m_magic = prep->tile_m_magic;
+  }
   int64_t pre[kValues], total[kValues];
-  ScanSegmentValues<kValues>(kept, kept_q, prep, cap, sc, pre, total);  // barrier 1
+  ScanSegmentValues<kValues>(kept, kept_q, tile_m, tile_m_magic, cap, sc, pre, total);  // barrier 1
   const int64_t off = pre[0];
   const bool over_cap = off + (int64_t)rows > cap;
   const bool bad = mine && (rows < 0 || over_cap || ret_off < 0 || (int64_t)ret_off + rows > rd.sizes.ret_rows);
   if (bad) atomicMin(&sc->first_bad, tid);  // (only an invalid plan's bad segments)
   if (mine) {
     sc->raw[tid] = Segment{expert, tid - expert * R, (int32_t)off, rows, ret_off, (int32_t)pre[1]};
-    if (e == 0) sc->src_start[s] = SourcePrefix{pre[2], pre[3], kPrep ? pre[kValues - 1] : 0};
+    if (e == 0) sc->src_start[s] = SourcePrefix{pre[2], pre[3], kTiles ? pre[kValues - 1] : 0};
   }
-  if (tid == 0) sc->src_start[R] = SourcePrefix{total[2], total[3], kPrep ? total[kValues - 1] : 0};
+  if (tid == 0) sc->src_start[R] = SourcePrefix{total[2], total[3], kTiles ? total[kValues - 1] : 0};
   if (__syncthreads_or(bad)) {  // barrier 2 (a valid plan reads no error word)
     if (tid == sc->first_bad)  // the segments before it are valid, so `off` is the CPU handler's offset too
       ReportBadInput(rd, kBadSegment, tid, rows < 0 ? rows : (over_cap ? off + (int64_t)rows : ret_off),
@@ -227,15 +276,23 @@ __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& p
       source(w, &rows_w, &sb_w, &tiles_w);
       const int64_t take = -(int64_t)SourceBeforeRows(w, lane, rd.rank, rows_w, rows_u);
       acc += sb_w & take;
-      if constexpr (kPrep)  // (exact if rows_small)
-        acc_tr += (((uint64_t)tiles_w << 32) + (uint64_t)rows_w) & (uint64_t)take;
+      if constexpr (kTiles)  // (exact if rows_small)
+        acc_tr += (((uint64_t)tiles_w << 32) + (kPrep == kPrepGather ? (uint64_t)(rows_w > 0) : (uint64_t)rows_w)) &
+                  (uint64_t)take;
     }
     if (lane < R) {
       sc->x.before.sb[lane][warp] = acc;
-      if constexpr (kPrep) sc->x.before.tr[lane][warp] = acc_tr;
+      if constexpr (kTiles) sc->x.before.tr[lane][warp] = acc_tr;
       if (warp == 0) {
         sc->rows_to_rank[lane] = rows_u;
         sc->segs_of_rank[lane] = (int32_t)(sb_u >> kSegShift);
+      }
+    }
+    if constexpr (kPrep == kPrepGather) {
+      if (warp == 0) {  // the sources with no row here: first in the consumer's order, by index (rows_u: 0 past R)
+        const uint32_t has_rows = __ballot_sync(0xffffffffu, rows_u > 0);
+        if (lane < R && rows_u == 0) WriteGatherSource(*prep, __popc(~has_rows & ((1u << lane) - 1u)), lane, 0, 0);
+        if (lane == 0) sc->sources_with_rows = __popc(has_rows);
       }
     }
   }
@@ -261,14 +318,14 @@ __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& p
 #pragma unroll
     for (int w = 0; w < kPlaceWarps; ++w) {
       place += sc->x.before.sb[s][w];
-      if constexpr (kPrep) tr += sc->x.before.tr[s][w];
+      if constexpr (kTiles) tr += sc->x.before.tr[s][w];
     }
     const int mr = t->remote_segs;  // (tid 0's, before barrier 3)
     const int64_t remote_rows = t->remote_rows;
     const int pos = (int)(place >> kSegShift);
     t->seg[pos] = raw;
     t->band_prefix[pos] = (int32_t)(place & ((1ll << kSegShift) - 1));
-    if constexpr (kPrep) {
+    if constexpr (kPrep == kPrepTerms) {
       if (pos < mr) {
         const int64_t rows_before = (int64_t)(tr & 0xffffffffull) + (pre[2] - own.rows);  // segments before j
         const int64_t tiles_upto = (int64_t)(tr >> 32) + (pre[4] - own.tiles) +            // segments 0..j
@@ -278,8 +335,17 @@ __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& p
         prep->bytes[pos] = (double)((remote_rows - rows_before) * prep->row_bytes);
       }
     }
+    if constexpr (kPrep == kPrepGather) {
+      if (((pre[3] - own.segs_bands) >> kSegShift) == 0) {  // its source's first kept segment: the source's entry,
+        // after the sources with no row and those with rows before it
+        const SourcePrefix next = sc->src_start[s + 1];
+        const int k = R - sc->sources_with_rows + (int)(uint32_t)tr;
+        WriteGatherSource(*prep, k, s, ((int64_t)(tr >> 32) + (next.tiles - own.tiles)) * prep->col_tiles,
+                          next.rows - own.rows);
+      }
+    }
   }
-  if constexpr (kPrep) {
+  if constexpr (kTiles) {
     const bool small = __syncthreads_and(!(mine && kept_q > 0) || kept_q < (1 << 23));  // barrier 4
     out->row_tiles = total[4];
     out->rows_small = small && total[0] < (1ll << 31);
@@ -288,9 +354,9 @@ __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& p
   }
   return true;
 }
-template <bool kPrep = false>
+template <int kPrep = kPrepNone>
 __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
-                                     int64_t cap, SegTable* t, TableScratch* sc, const TermPrepIn* prep = nullptr,
+                                     int64_t cap, SegTable* t, TableScratch* sc, const PrepIn<kPrep>* prep = nullptr,
                                      TermPrepOut* out = nullptr) {
   return BuildSegmentsFrom<kPrep>(rd, LoadPlanEntries(seg_rows, seg_ret_off, E_l, rd.ranks), E_l, cap, t, sc, prep,
                                   out);
