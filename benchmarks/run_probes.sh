@@ -5,6 +5,8 @@
 #   push_probe      what limits a consumer CTA's copy (bulk loads / stores alone, issuers, ring depth, chunk size)
 #   row_push_probe  the dispatch's row pushes: GB/s per pushing CTA against bytes in flight, 16-byte warp stores
 #                   against TMA bulk copies
+#   push_beside_gemm_probe  the same pushes on C SMs while the library's grouped GEMM runs on the others: GB/s per
+#                   pushing CTA beside the GEMM against alone, and the GEMM's time with the pushes beside it
 #   combine_probe   CombineKernel's gather + weighted sum (the library's loop at several shapes) against the copy
 #                   ceiling of the same traffic, XLA's shape of it and a TMA gather
 #   decision_probe  the resource manager's device-side choice (resource_manager.cuh) against the host's on random
@@ -23,7 +25,7 @@ if ! { cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)"
   tail -40 "$OUT/probes_build.log"
   exit 1
 fi
-for p in push row_push combine decision; do
+for p in push row_push push_beside_gemm combine decision; do
   echo "== ${p}_probe"
   args=()
   [ "$p" = push ] && args=(--mib 256 --reps 5)

@@ -27,92 +27,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/device/copy.cuh"
-#include "cuda/transport/bulk_push.cuh"
-#include "probe_common.cuh"  // CK, MedianLaunchMs
+#include "probe_common.cuh"    // CK, MedianLaunchMs
+#include "row_copy_kernels.cuh"  // the copies
 
-namespace {
 using namespace jmo::cuda;
-
-// Warp copies: warp w of CTA b takes rows b * W + w, + C * W, ...; pair = two rows per step (CopyRowPairWarp).
-template <bool kPair>
-__global__ void WarpRowsKernel(const char* src, char* dst, const int32_t* dst_row, int64_t rows, int64_t row) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-  int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if constexpr (kPair) {
-    for (; r + warps < rows; r += 2 * warps)
-      CopyRowPairWarp(dst + (int64_t)dst_row[r] * row, src + r * row, dst + (int64_t)dst_row[r + warps] * row,
-                      src + (r + warps) * row, row, lane);
-  }
-  for (; r < rows; r += (kPair ? 2 : 1) * warps) CopyRowWarp(dst + (int64_t)dst_row[r] * row, src + r * row, row, lane);
-}
-
-// Bulk copies: issuer i (lane 0 of warp i) of CTA b streams rows b + (i + j * I) * C, j = 0, 1, ... through its own
-// ring of `slots` slots of kChunk bytes.
-template <int kChunk>
-__global__ void BulkRowsKernel(const char* src, char* dst, const int32_t* dst_row, int64_t rows, int64_t row,
-                               int issuers, int slots) {
-  extern __shared__ __align__(128) char smem[];
-  const int w = threadIdx.x / 32;
-  if (threadIdx.x % 32 != 0 || w >= issuers) return;
-  const int64_t step = (int64_t)issuers * gridDim.x, first = blockIdx.x + (int64_t)w * gridDim.x;
-  const int count = first < rows ? (int)((rows - 1 - first) / step + 1) : 0;
-  if (count == 0) return;
-  auto ready = [](int, bool) { return true; };
-  auto band_of = [&](int i) {
-    const int64_t r = first + (int64_t)i * step;
-    return PushBand{src + r * row, dst + (int64_t)dst_row[r] * row, row};
-  };
-  auto done = [](int) {};
-  StreamBands<kChunk>(count, ready, band_of, done, smem + (int64_t)w * PushRingBytes<kChunk>(slots), slots,
-                      slots - 1 < kPushReadLag ? slots - 1 : kPushReadLag);
-}
-// Lean bulk copies: issuer i (lane 0 of warp i) of CTA b copies rows b + (i + j * I) * C, j = 0, 1, ..., each row one
-// bulk load into a slot of its own ring of kSlots row-sized slots and one bulk store from it, with no bookkeeping but
-// the pipeline: the load of row j is issued kAhead rows before its store, and a slot is reloaded once the store that
-// read it kSlots rows earlier has finished reading (stores committed before load j: j - kAhead, so at most
-// kSlots - kAhead - 1 may still read). What one issuing thread can move per SM when each row costs two instructions.
-// An issuer's shared memory: its slots' mbarriers (128-aligned), then the slots (128-aligned rows).
-__host__ __device__ constexpr int64_t LeanBarBytes(int slots) { return (slots * 8 + 127) / 128 * 128; }
-__host__ __device__ constexpr int64_t LeanRingBytes(int slots, int64_t row) {
-  return LeanBarBytes(slots) + slots * ((row + 127) / 128 * 128);
-}
-template <int kSlots, int kAhead>
-__global__ void LeanBulkRowsKernel(const char* src, char* dst, const int32_t* dst_row, int64_t rows, int64_t row,
-                                   int issuers) {
-  static_assert(kAhead >= 1 && kAhead < kSlots, "loads ahead of stores, within the ring");
-  using namespace jmo::ptx;
-  extern __shared__ __align__(128) char smem[];
-  const int w = threadIdx.x / 32;
-  if (threadIdx.x % 32 != 0 || w >= issuers) return;
-  const int64_t slot_bytes = (row + 127) / 128 * 128;
-  char* base = smem + (int64_t)w * LeanRingBytes(kSlots, row);
-  uint64_t* bars = reinterpret_cast<uint64_t*>(base);
-  char* ring = base + LeanBarBytes(kSlots);
-  for (int s = 0; s < kSlots; ++s) MbarInit(SmemAddr(&bars[s]), 1);
-  MbarInitFence();
-  const int64_t step = (int64_t)issuers * gridDim.x, first = blockIdx.x + (int64_t)w * gridDim.x;
-  const int count = first < rows ? (int)((rows - 1 - first) / step + 1) : 0;
-  for (int j = 0; j < count + kAhead; ++j) {
-    if (j < count) {
-      const int s = j % kSlots;
-      if (j >= kSlots) bulk::WaitStoresRead<kSlots - kAhead - 1>();
-      MbarArriveExpectTx(SmemAddr(&bars[s]), (uint32_t)row);
-      bulk::Load(SmemAddr(ring + s * slot_bytes), src + (first + (int64_t)j * step) * row, (uint32_t)row,
-                 SmemAddr(&bars[s]));
-    }
-    const int k = j - kAhead;
-    if (k >= 0) {
-      const int s = k % kSlots;
-      MbarWait(SmemAddr(&bars[s]), (uint32_t)((k / kSlots) & 1));
-      bulk::Store(dst + (int64_t)dst_row[first + (int64_t)k * step] * row, SmemAddr(ring + s * slot_bytes),
-                  (uint32_t)row);
-    }
-  }
-  bulk::WaitStores<0>();
-}
-}  // namespace
+using namespace row_copy;
 
 int main(int argc, char** argv) {
   int64_t total = 64ll << 20;
@@ -123,13 +42,9 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
     if (!strcmp(argv[i], "--row")) row_sizes = {atoll(argv[i + 1])};
   }
-  char *src, *dst;
-  int32_t* d_perm;
-  CK(cudaMalloc(&src, total));
-  CK(cudaMalloc(&dst, total));
-  std::vector<unsigned char> h(total), back(total), want(total);
-  for (int64_t i = 0; i < total; ++i) h[i] = (unsigned char)((i * 2654435761ull) >> 13);
-  CK(cudaMemcpy(src, h.data(), total, cudaMemcpyHostToDevice));
+  const RowBuffers buf = MakeRowBuffers(total);
+  char *src = buf.src, *dst = buf.dst;
+  std::vector<unsigned char> back(total);
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   printf("row push probe: %lld MiB of rows to scattered destination rows, one GPU, median of %d\n",
@@ -137,12 +52,9 @@ int main(int argc, char** argv) {
   printf("| row B | copy | CTAs | in flight per CTA KiB | us | GB/s | GB/s per CTA | check |\n|---|---|---|---|---|---|---|---|\n");
   for (const int64_t row : row_sizes) {
     const int64_t rows = total / row;
-    std::vector<int32_t> perm(rows);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), std::mt19937(1234));
-    CK(cudaMalloc(&d_perm, rows * sizeof(int32_t)));
-    CK(cudaMemcpy(d_perm, perm.data(), rows * sizeof(int32_t), cudaMemcpyHostToDevice));
-    for (int64_t r = 0; r < rows; ++r) memcpy(&want[(int64_t)perm[r] * row], &h[r * row], row);
+    const RowPerm pm = MakeRowPerm(buf, rows, row);
+    int32_t* d_perm = pm.dst_row;
+    const std::vector<unsigned char>& want = pm.want;
     const int64_t bytes = rows * row;
     // Configurations whose threads the kernel's registers do not allow are skipped (printed as such).
     auto fits = [&](const void* kernel, int threads, const char* what) {
@@ -191,10 +103,8 @@ int main(int argc, char** argv) {
       };
       auto lean = [&](auto slots, auto ahead, int I) {
         constexpr int kS = decltype(slots)::value, kA = decltype(ahead)::value;
-        const int smem = I * (int)LeanRingBytes(kS, row);
-        if (smem > 227 * 1024) return;
-        const void* k = (const void*)LeanBulkRowsKernel<kS, kA>;
-        CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const int smem = PrepareLeanBulkRows<kS, kA>(I, row);
+        if (smem == 0) return;
         snprintf(name, sizeof name, "lean TMA I=%d %d slots, %d ahead", I, kS, kA);
         time(name, C, smem / 1024.0, [&] {
           LeanBulkRowsKernel<kS, kA><<<C, 32 * I, smem, st>>>(src, dst, d_perm, rows, row, I);
