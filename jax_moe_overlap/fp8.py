@@ -77,6 +77,13 @@ def tile_scale(amax: jax.Array, pow2: bool = False) -> jax.Array:
   return jnp.where(jnp.isfinite(s), p, s)   # s <= 2^120 when finite: no carry into the infinities
 
 
+def tile_amax(t: jax.Array, axis) -> jax.Array:
+  """The float32 amax of tiles along ``axis``: max |t|, NaN where the tile holds a NaN (the module's rule).
+  XLA:CPU's max reduction can drop a NaN (a 128 x 128 block, or a row tile at channel 0, holding one NaN gets a
+  finite jnp.max there), so the NaN is found by a reduction of its own."""
+  return jnp.where(jnp.any(jnp.isnan(t), axis=axis), jnp.float32(jnp.nan), jnp.max(jnp.abs(t), axis=axis))
+
+
 def _quantize(x, s):
   return round_e4m3(x.astype(jnp.float32) / s)
 
@@ -130,7 +137,7 @@ def quantize_rows(x: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Arra
   C = x.shape[-1]
   _check_tiles("the channels of a row", C)
   t = x.astype(jnp.float32).reshape(*x.shape[:-1], C // TILE, TILE)
-  s = tile_scale(jnp.max(jnp.abs(t), axis=-1), pow2)
+  s = tile_scale(tile_amax(t, -1), pow2)
   return _quantize(t, s[..., None]).reshape(x.shape), s
 
 
@@ -169,7 +176,7 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   _check_tiles("both axes of a weight matrix", w.shape[-2])
   _check_tiles("both axes of a weight matrix", w.shape[-1])
   b = _blocked(w.astype(jnp.float32))
-  s = tile_scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
+  s = tile_scale(tile_amax(b, (-3, -1)))
   return _reshape_trailing(_quantize(b, s[..., :, None, :, None]), w.shape, w.ndim - 2), s
 
 
