@@ -309,10 +309,15 @@ def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight
   Returns:
     (Fp8Weight of w1 [E, D, 2F], Fp8Weight of w2).
   """
+  from jax_moe_overlap.checks import check_fp8_sizes, check_fp8_weight_dtype, check_weight_shapes  # (it imports fp8)
   if getattr(w1, "ndim", None) == 4 and w1.shape[2] == 2:
     w1 = _reshape_trailing(jnp.asarray(w1), (w1.shape[0], w1.shape[1], 2 * w1.shape[3]), 1)
   for name, w in (("w1", w1), ("w2", w2)):
     if getattr(w, "ndim", None) != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
       raise TypeError(f"jax_moe_overlap: quantize_weights: {name} must be a float [E, K, N] array, got "
                       f"{getattr(w, 'dtype', type(w))}{list(np.shape(w))}")
+    # moe_experts' rules for the master weights it quantizes per call: the Fp8Weights fit such a call and equal
+    # its quantization bit for bit.
+    check_fp8_weight_dtype(f"quantize_weights: {name}", w.dtype, "fp8")
+  check_fp8_sizes(w1.shape[1], check_weight_shapes(tuple(w1.shape), tuple(w2.shape), w1.shape[1])[1])
   return quantize_weight(w1), quantize_weight(w2)

@@ -264,6 +264,22 @@ def test_refusals():
     jmo.moe_experts(x, ids, gates, q1, jmo.quantize_weights(w1, w1)[1], mesh=mesh, impl="xla", quantization="fp8")
 
 
+def test_quantize_weights_takes_the_layers_weights_only():
+  """quantize_weights holds its weights to moe_experts' FP8 rules where it is called, naming them: float32 or
+  bfloat16 master weights, w1 [E, D, 2F] and w2 [E, F, D] that fit each other, D and F multiples of 128 (rather
+  than a tile error about an axis of 2F, or an Fp8Weight that no call takes)."""
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
+  with pytest.raises(TypeError, match=r"quantize_weights: w1 is float16: quantization='fp8' quantizes the master "
+                                      r"weights in it; supported: float32, bfloat16"):
+    jmo.quantize_weights(w1.astype(jnp.float16), w2)
+  with pytest.raises(ValueError, match=r"weight shapes w1 \(8, 128, 128\), w2 \(8, 128, 256\) do not fit d_model=128"):
+    jmo.quantize_weights(w2, w1)
+  _, _, _, w1_96, w2_96 = layer_inputs(T, 128, 96, E, K, "balanced", 0)
+  with pytest.raises(ValueError, match=r"d_model \(emb_dim\) and d_ff \(moe_mlp_dim\) must be multiples of 128, "
+                                       r"got d_model=128, d_ff=96"):
+    jmo.quantize_weights(w1_96, w2_96)
+
+
 def test_prequantized_weight_of_another_layout_is_refused_by_name():
   """An Fp8Weight of 4-D values (the [E, D, 2, F] view's, fp8's internal layout under a tensor axis) given for w1 is
   refused with the layout moe_experts takes, naming the argument, not a failed unpacking."""
