@@ -300,7 +300,8 @@ def as_fp8_weight(w) -> Fp8Weight:
 def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight]:
   """The expert weights quantized once, for inference: ``moe_experts(x, ids, gates, *quantize_weights(w1, w2),
   quantization="fp8", ...)`` then reads only their FP8 values and scales, and equals the call on w1 and w2 bit for
-  bit (that call quantizes them the same way on every call). No gradient flows to pre-quantized weights.
+  bit (that call quantizes them the same way on every call). No gradient flows to pre-quantized weights, so
+  differentiating w1 or w2 through this function is refused (ValueError).
 
   Args:
     w1: [E, D, 2F], or its view [E, D, 2, F] (a module with a ``tensor_axis`` keeps it); w2: [E, F, D]; float32 or
@@ -320,4 +321,19 @@ def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight
     # its quantization bit for bit.
     check_fp8_weight_dtype(f"quantize_weights: {name}", w.dtype, "fp8")
   check_fp8_sizes(w1.shape[1], check_weight_shapes(tuple(w1.shape), tuple(w2.shape), w1.shape[1])[1])
+  return _quantize_for_inference(w1, w2)
+
+
+@jax.custom_jvp
+def _quantize_for_inference(w1, w2):
   return quantize_weight(w1), quantize_weight(w2)
+
+
+@_quantize_for_inference.defjvp
+def _refuse_gradients(primals, tangents):
+  """Differentiating the master weights through ``quantize_weights`` is refused: ``moe_experts`` gives an
+  ``Fp8Weight`` a zero cotangent, so their gradients would be zeros. JAX calls this rule only where w1 or w2 carries
+  a tangent, so inference and gradients with respect to the other arguments trace as before."""
+  raise ValueError("jax_moe_overlap: quantize_weights is for inference: moe_experts gives pre-quantized weights zero "
+                   "cotangents, so the gradient of w1 or w2 through quantize_weights would be zeros. To train, pass "
+                   "the master weights with quantization='fp8' (quantized per call, straight-through gradients)")

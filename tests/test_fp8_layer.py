@@ -280,6 +280,23 @@ def test_quantize_weights_takes_the_layers_weights_only():
     jmo.quantize_weights(w1_96, w2_96)
 
 
+def test_gradients_through_quantize_weights_are_refused():
+  """moe_experts gives pre-quantized weights zero cotangents, so differentiating the master weights through
+  quantize_weights would give zeros: refused, naming the way to train. A gradient with respect to x only, the
+  weights quantized inside the differentiated function, flows as usual."""
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
+
+  def loss(x, w1):
+    y, _ = jmo.moe_experts(x, ids, gates, *jmo.quantize_weights(w1, w2), mesh=mesh, impl="xla", quantization="fp8")
+    return jnp.sum(y)
+  with pytest.raises(ValueError, match=r"quantize_weights is for inference: moe_experts gives pre-quantized weights "
+                                       r"zero cotangents.* pass the master weights with quantization='fp8'"):
+    jax.grad(loss, argnums=1)(x, w1)
+  dx = jax.jit(jax.grad(loss))(x, w1)
+  assert float(jnp.max(jnp.abs(dx))) > 0
+
+
 def test_prequantized_weight_of_another_layout_is_refused_by_name():
   """An Fp8Weight of 4-D values (the [E, D, 2, F] view's, fp8's internal layout under a tensor axis) given for w1 is
   refused with the layout moe_experts takes, naming the argument, not a failed unpacking."""
