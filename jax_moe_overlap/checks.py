@@ -183,6 +183,15 @@ def check_weight_shapes(s1: tuple[int, ...], s2: tuple[int, ...], d_model: int) 
   return E, width // 2
 
 
+def check_master_weight(where: str, name: str, value) -> None:
+  """A module's parameter is a float array: a pre-quantized ``fp8.Fp8Weight`` (``quantize_weights``' output, which
+  ``moe_experts`` takes for inference) is neither a module's parameter nor any checkpoint layout's tensor."""
+  if isinstance(value, fp8.Fp8Weight):
+    raise TypeError(f"jax_moe_overlap: {where}: {name} is a pre-quantized Fp8Weight; MoE's parameters are the "
+                    "master weights, float arrays (quantization='fp8' quantizes them per call; quantize_weights "
+                    "gives the Fp8Weights that moe_experts takes)")
+
+
 def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=None) -> None:
   """The arguments of ``moe_experts``: shapes, dtypes and their fit to the mesh axis. Without quantization x, w1 and
   w2 share a dtype; with quantization="fp8" each weight is float32, bfloat16 or an ``fp8.Fp8Weight``, whatever x's

@@ -297,6 +297,17 @@ def test_gradients_through_quantize_weights_are_refused():
   assert float(jnp.max(jnp.abs(dx))) > 0
 
 
+def test_module_refuses_prequantized_parameters_by_name():
+  """A module's w1 or w2 set to an Fp8Weight is refused when the module is called, with the rule the checkpoint
+  converters state (the parameters are the master weights), not an error about indexing an Fp8Weight."""
+  cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="fp8")
+  m = jmo.MoE(cfg, mesh=mesh_of(4), impl="xla", rngs=nnx.Rngs(0))
+  m.w2 = nnx.Param(jmo.quantize_weights(m.w1[...], m.w2[...])[1])
+  with pytest.raises(TypeError, match=r"MoE: w2 is a pre-quantized Fp8Weight; MoE's parameters are the master "
+                                      r"weights, float arrays"):
+    m(jnp.ones((4, 16, 128), jnp.float32))
+
+
 def test_prequantized_weight_of_another_layout_is_refused_by_name():
   """An Fp8Weight of 4-D values (the [E, D, 2, F] view's, fp8's internal layout under a tensor axis) given for w1 is
   refused with the layout moe_experts takes, naming the argument, not a failed unpacking."""
