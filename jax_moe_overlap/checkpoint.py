@@ -53,20 +53,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_overlap.fp8 import Fp8Weight
+from jax_moe_overlap.checks import check_master_weight
 from jax_moe_overlap.layer import MoE, expert_specs
 
 NAMES = ("router", "routing_bias", "w1", "w2", "shared_w1", "shared_w2", "shared_expert_gate")
 
 
 def _check_master_weights(params: dict, where: str) -> None:
-  """The parameters are float arrays: a pre-quantized ``Fp8Weight`` (``quantize_weights``' output, which
-  ``moe_experts`` takes for inference) is neither a module's parameter nor any layout's tensor."""
   for name, value in params.items():
-    if isinstance(value, Fp8Weight):
-      raise TypeError(f"jax_moe_overlap: {where}: {name} is a pre-quantized Fp8Weight; MoE's parameters are the "
-                      "master weights, float arrays (quantization='fp8' quantizes them per call; quantize_weights "
-                      "gives the Fp8Weights that moe_experts takes)")
+    check_master_weight(where, name, value)
 
 
 def params_of(module: MoE) -> dict:

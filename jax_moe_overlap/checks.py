@@ -170,6 +170,28 @@ def _weight_shape_dtype(name: str, w, quantization):
   return tuple(w.shape), w.dtype
 
 
+def check_weight_shapes(s1: tuple[int, ...], s2: tuple[int, ...], d_model: int) -> tuple[int, int]:
+  """w1 [E, D, 2F] (or its view [E, D, 2, F]) and w2 [E, F, D] of shapes s1 and s2, D = d_model: returns (E, F)."""
+  if len(s1) not in (3, 4) or len(s2) != 3 or (len(s1) == 4 and s1[2] != 2):
+    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] (or its view [E, D, 2, F]) and w2 [E, F, D], got "
+                     f"{s1} and {s2}")
+  E = s1[0]
+  width = s1[2] * (s1[3] if len(s1) == 4 else 1)
+  if s1[1] != d_model or width % 2 or s2 != (E, width // 2, d_model):
+    raise ValueError(f"jax_moe_overlap: weight shapes w1 {s1}, w2 {s2} do not fit d_model={d_model} "
+                     f"(expected w1 [E, {d_model}, 2F] or [E, {d_model}, 2, F], w2 [E, F, {d_model}])")
+  return E, width // 2
+
+
+def check_master_weight(where: str, name: str, value) -> None:
+  """A module's parameter is a float array: a pre-quantized ``fp8.Fp8Weight`` (``quantize_weights``' output, which
+  ``moe_experts`` takes for inference) is neither a module's parameter nor any checkpoint layout's tensor."""
+  if isinstance(value, fp8.Fp8Weight):
+    raise TypeError(f"jax_moe_overlap: {where}: {name} is a pre-quantized Fp8Weight; MoE's parameters are the "
+                    "master weights, float arrays (quantization='fp8' quantizes them per call; quantize_weights "
+                    "gives the Fp8Weights that moe_experts takes)")
+
+
 def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=None) -> None:
   """The arguments of ``moe_experts``: shapes, dtypes and their fit to the mesh axis. Without quantization x, w1 and
   w2 share a dtype; with quantization="fp8" each weight is float32, bfloat16 or an ``fp8.Fp8Weight``, whatever x's
@@ -181,14 +203,7 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=Non
   T, D = x.shape
   check_dtype("x", x.dtype)
   (s1, dt1), (s2, dt2) = _weight_shape_dtype("w1", w1, quantization), _weight_shape_dtype("w2", w2, quantization)
-  if len(s1) not in (3, 4) or len(s2) != 3 or (len(s1) == 4 and s1[2] != 2):
-    raise ValueError(f"jax_moe_overlap: w1 must be [E, D, 2F] (or its view [E, D, 2, F]) and w2 [E, F, D], got "
-                     f"{s1} and {s2}")
-  E = s1[0]
-  width = s1[2] * (s1[3] if len(s1) == 4 else 1)
-  if s1[1] != D or width % 2 or s2 != (E, width // 2, D):
-    raise ValueError(f"jax_moe_overlap: weight shapes w1 {s1}, w2 {s2} do not fit d_model={D} "
-                     f"(expected w1 [E, {D}, 2F] or [E, {D}, 2, F], w2 [E, F, {D}])")
+  E, F = check_weight_shapes(s1, s2, D)
   if expert_ids.ndim != 2 or expert_ids.shape[0] != T or gates.shape != expert_ids.shape:
     raise ValueError(f"jax_moe_overlap: expert_ids {expert_ids.shape} and gates {gates.shape} must both be "
                      f"[tokens={T}, k]")
@@ -199,7 +214,7 @@ def check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization=Non
   if quantization is None and not (x.dtype == dt1 == dt2):
     raise TypeError(f"jax_moe_overlap: x, w1, w2 must share a dtype, got {x.dtype}, {dt1}, {dt2}")
   if quantization is not None:
-    check_fp8_sizes(D, width // 2)
+    check_fp8_sizes(D, F)
   check_experts(E, expert_ids.shape[1], R, axis_name)
   check_tokens(T, R, axis_name)
 

@@ -77,6 +77,13 @@ def tile_scale(amax: jax.Array, pow2: bool = False) -> jax.Array:
   return jnp.where(jnp.isfinite(s), p, s)   # s <= 2^120 when finite: no carry into the infinities
 
 
+def tile_amax(t: jax.Array, axis) -> jax.Array:
+  """The float32 amax of tiles along ``axis``: max |t|, NaN where the tile holds a NaN (the module's rule).
+  XLA:CPU's max reduction can drop a NaN (a 128 x 128 block, or a row tile at channel 0, holding one NaN gets a
+  finite jnp.max there), so the NaN is found by a reduction of its own."""
+  return jnp.where(jnp.any(jnp.isnan(t), axis=axis), jnp.float32(jnp.nan), jnp.max(jnp.abs(t), axis=axis))
+
+
 def _quantize(x, s):
   return round_e4m3(x.astype(jnp.float32) / s)
 
@@ -130,7 +137,7 @@ def quantize_rows(x: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Arra
   C = x.shape[-1]
   _check_tiles("the channels of a row", C)
   t = x.astype(jnp.float32).reshape(*x.shape[:-1], C // TILE, TILE)
-  s = tile_scale(jnp.max(jnp.abs(t), axis=-1), pow2)
+  s = tile_scale(tile_amax(t, -1), pow2)
   return _quantize(t, s[..., None]).reshape(x.shape), s
 
 
@@ -169,7 +176,7 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   _check_tiles("both axes of a weight matrix", w.shape[-2])
   _check_tiles("both axes of a weight matrix", w.shape[-1])
   b = _blocked(w.astype(jnp.float32))
-  s = tile_scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
+  s = tile_scale(tile_amax(b, (-3, -1)))
   return _reshape_trailing(_quantize(b, s[..., :, None, :, None]), w.shape, w.ndim - 2), s
 
 
@@ -293,7 +300,8 @@ def as_fp8_weight(w) -> Fp8Weight:
 def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight]:
   """The expert weights quantized once, for inference: ``moe_experts(x, ids, gates, *quantize_weights(w1, w2),
   quantization="fp8", ...)`` then reads only their FP8 values and scales, and equals the call on w1 and w2 bit for
-  bit (that call quantizes them the same way on every call). No gradient flows to pre-quantized weights.
+  bit (that call quantizes them the same way on every call). No gradient flows to pre-quantized weights, so
+  differentiating w1 or w2 through this function is refused (ValueError).
 
   Args:
     w1: [E, D, 2F], or its view [E, D, 2, F] (a module with a ``tensor_axis`` keeps it); w2: [E, F, D]; float32 or
@@ -302,10 +310,30 @@ def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight
   Returns:
     (Fp8Weight of w1 [E, D, 2F], Fp8Weight of w2).
   """
+  from jax_moe_overlap.checks import check_fp8_sizes, check_fp8_weight_dtype, check_weight_shapes  # (it imports fp8)
   if getattr(w1, "ndim", None) == 4 and w1.shape[2] == 2:
     w1 = _reshape_trailing(jnp.asarray(w1), (w1.shape[0], w1.shape[1], 2 * w1.shape[3]), 1)
   for name, w in (("w1", w1), ("w2", w2)):
     if getattr(w, "ndim", None) != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
       raise TypeError(f"jax_moe_overlap: quantize_weights: {name} must be a float [E, K, N] array, got "
                       f"{getattr(w, 'dtype', type(w))}{list(np.shape(w))}")
+    # moe_experts' rules for the master weights it quantizes per call: the Fp8Weights fit such a call and equal
+    # its quantization bit for bit.
+    check_fp8_weight_dtype(f"quantize_weights: {name}", w.dtype, "fp8")
+  check_fp8_sizes(w1.shape[1], check_weight_shapes(tuple(w1.shape), tuple(w2.shape), w1.shape[1])[1])
+  return _quantize_for_inference(w1, w2)
+
+
+@jax.custom_jvp
+def _quantize_for_inference(w1, w2):
   return quantize_weight(w1), quantize_weight(w2)
+
+
+@_quantize_for_inference.defjvp
+def _refuse_gradients(primals, tangents):
+  """Differentiating the master weights through ``quantize_weights`` is refused: ``moe_experts`` gives an
+  ``Fp8Weight`` a zero cotangent, so their gradients would be zeros. JAX calls this rule only where w1 or w2 carries
+  a tangent, so inference and gradients with respect to the other arguments trace as before."""
+  raise ValueError("jax_moe_overlap: quantize_weights is for inference: moe_experts gives pre-quantized weights zero "
+                   "cotangents, so the gradient of w1 or w2 through quantize_weights would be zeros. To train, pass "
+                   "the master weights with quantization='fp8' (quantized per call, straight-through gradients)")

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.api import explicit_mesh, like_committed, moe_experts
-from jax_moe_overlap.checks import check_batch_axes, check_layer, check_token_mask
+from jax_moe_overlap.checks import check_batch_axes, check_layer, check_master_weight, check_token_mask
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
 
@@ -157,6 +157,8 @@ class MoE(nnx.Module):
     dt = cfg.dtype
     # Quantized experts read the master weights (quantized per call, their gradients in weight_dtype), the others
     # the weights cast to the compute dtype.
+    for name in ("w1", "w2"):
+      check_master_weight(type(self).__name__, name, getattr(self, name).get_value())
     w1, w2 = (w[...] if cfg.quantization else w[...].astype(dt) for w in (self.w1, self.w2))
     y, dropped = moe_experts(x2d.astype(dt), r.expert_ids, r.gates, w1, w2, mesh=self.mesh,
                              axis_name=self.expert_axis, capacity_factor=cfg.expert_capacity_factor, impl=self.impl,

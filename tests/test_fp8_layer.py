@@ -264,6 +264,50 @@ def test_refusals():
     jmo.moe_experts(x, ids, gates, q1, jmo.quantize_weights(w1, w1)[1], mesh=mesh, impl="xla", quantization="fp8")
 
 
+def test_quantize_weights_takes_the_layers_weights_only():
+  """quantize_weights holds its weights to moe_experts' FP8 rules where it is called, naming them: float32 or
+  bfloat16 master weights, w1 [E, D, 2F] and w2 [E, F, D] that fit each other, D and F multiples of 128 (rather
+  than a tile error about an axis of 2F, or an Fp8Weight that no call takes)."""
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
+  with pytest.raises(TypeError, match=r"quantize_weights: w1 is float16: quantization='fp8' quantizes the master "
+                                      r"weights in it; supported: float32, bfloat16"):
+    jmo.quantize_weights(w1.astype(jnp.float16), w2)
+  with pytest.raises(ValueError, match=r"weight shapes w1 \(8, 128, 128\), w2 \(8, 128, 256\) do not fit d_model=128"):
+    jmo.quantize_weights(w2, w1)
+  _, _, _, w1_96, w2_96 = layer_inputs(T, 128, 96, E, K, "balanced", 0)
+  with pytest.raises(ValueError, match=r"d_model \(emb_dim\) and d_ff \(moe_mlp_dim\) must be multiples of 128, "
+                                       r"got d_model=128, d_ff=96"):
+    jmo.quantize_weights(w1_96, w2_96)
+
+
+def test_gradients_through_quantize_weights_are_refused():
+  """moe_experts gives pre-quantized weights zero cotangents, so differentiating the master weights through
+  quantize_weights would give zeros: refused, naming the way to train. A gradient with respect to x only, the
+  weights quantized inside the differentiated function, flows as usual."""
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
+
+  def loss(x, w1):
+    y, _ = jmo.moe_experts(x, ids, gates, *jmo.quantize_weights(w1, w2), mesh=mesh, impl="xla", quantization="fp8")
+    return jnp.sum(y)
+  with pytest.raises(ValueError, match=r"quantize_weights is for inference: moe_experts gives pre-quantized weights "
+                                       r"zero cotangents.* pass the master weights with quantization='fp8'"):
+    jax.grad(loss, argnums=1)(x, w1)
+  dx = jax.jit(jax.grad(loss))(x, w1)
+  assert float(jnp.max(jnp.abs(dx))) > 0
+
+
+def test_module_refuses_prequantized_parameters_by_name():
+  """A module's w1 or w2 set to an Fp8Weight is refused when the module is called, with the rule the checkpoint
+  converters state (the parameters are the master weights), not an error about indexing an Fp8Weight."""
+  cfg = moe_config(emb_dim=128, moe_mlp_dim=128, num_experts=8, num_experts_per_tok=2, quantization="fp8")
+  m = jmo.MoE(cfg, mesh=mesh_of(4), impl="xla", rngs=nnx.Rngs(0))
+  m.w2 = nnx.Param(jmo.quantize_weights(m.w1[...], m.w2[...])[1])
+  with pytest.raises(TypeError, match=r"MoE: w2 is a pre-quantized Fp8Weight; MoE's parameters are the master "
+                                      r"weights, float arrays"):
+    m(jnp.ones((4, 16, 128), jnp.float32))
+
+
 def test_prequantized_weight_of_another_layout_is_refused_by_name():
   """An Fp8Weight of 4-D values (the [E, D, 2, F] view's, fp8's internal layout under a tensor axis) given for w1 is
   refused with the layout moe_experts takes, naming the argument, not a failed unpacking."""
