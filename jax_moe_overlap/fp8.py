@@ -80,8 +80,11 @@ def tile_scale(amax: jax.Array, pow2: bool = False) -> jax.Array:
 def tile_amax(t: jax.Array, axis) -> jax.Array:
   """The float32 amax of tiles along ``axis``: max |t|, NaN where the tile holds a NaN (the module's rule).
   XLA:CPU's max reduction can drop a NaN (a 128 x 128 block, or a row tile at channel 0, holding one NaN gets a
-  finite jnp.max there), so the NaN is found by a reduction of its own."""
-  return jnp.where(jnp.any(jnp.isnan(t), axis=axis), jnp.float32(jnp.nan), jnp.max(jnp.abs(t), axis=axis))
+  finite jnp.max there), so on CPU the NaN is found by a reduction of its own; XLA:GPU's max keeps it, and the GPU
+  program (the FP8 layer's row quantization of x and dy runs here) is the plain reduction."""
+  plain = lambda t: jnp.max(jnp.abs(t), axis=axis)
+  with_nan = lambda t: jnp.where(jnp.any(jnp.isnan(t), axis=axis), jnp.float32(jnp.nan), plain(t))
+  return jax.lax.platform_dependent(t, cpu=with_nan, default=plain)
 
 
 def _quantize(x, s):
