@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
-#include "probe_common.cuh"      // CK, FillKernel, Balanced
+#include "probe_common.cuh"      // CK, FillKernel, Balanced, MedianLaunchMs
 #include "row_copy_kernels.cuh"  // the copies
 
 using namespace row_copy;
@@ -102,34 +102,16 @@ int main(int argc, char** argv) {
          "alone / beside the push | check |\n|---|---|---|---|---|---|---|---|\n", "SMs - C");
   for (int C : {2, 4, 8, 16}) {
     const int gemm_grid = sms - C;
-    // The GEMM alone on its SMs.
+    // The GEMM alone on its SMs (after one warm-up launch).
     gemm(gemm_grid, sg);
     CK(cudaStreamSynchronize(sg));
-    std::vector<float> gms;
-    for (int r = 0; r < reps; ++r) {
-      CK(cudaEventRecord(g0, sg));
-      gemm(gemm_grid, sg);
-      CK(cudaEventRecord(g1, sg));
-      CK(cudaEventSynchronize(g1));
-      gms.push_back(elapsed(g0, g1));
-    }
-    std::sort(gms.begin(), gms.end());
-    const float gemm_ms = gms[gms.size() / 2];
+    const float gemm_ms = MedianLaunchMs(sg, reps, [&] { gemm(gemm_grid, sg); }, [](int) {});
 
     auto run = [&](const char* what, auto launch) {
-      // Alone.
-      std::vector<float> alone;
+      // Alone (after one warm-up launch).
       launch(sp);
       CK(cudaStreamSynchronize(sp));
-      for (int r = 0; r < reps; ++r) {
-        CK(cudaEventRecord(p0, sp));
-        launch(sp);
-        CK(cudaEventRecord(p1, sp));
-        CK(cudaEventSynchronize(p1));
-        alone.push_back(elapsed(p0, p1));
-      }
-      std::sort(alone.begin(), alone.end());
-      const float alone_ms = alone[alone.size() / 2];
+      const float alone_ms = MedianLaunchMs(sp, reps, [&] { launch(sp); }, [](int) {});
       // Beside: enough GEMM launches to cover the delay and twice the push alone.
       const int launches = std::max(2, (int)std::ceil((0.05 + 2.0 * alone_ms) / gemm_ms) + 1);
       std::vector<float> beside, gemm_beside;
