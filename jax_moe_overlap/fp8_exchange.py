@@ -58,7 +58,7 @@ def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
   return _forward(x, w1, w2, route, gemms)[0]
 
 
-def _moved(move, route, q, s):
+def moved(move, route, q, s):
   """Quantized rows (q [N, C] e4m3, s [N, C / 128] float32) moved by ``move`` (``route.dispatch_tokens`` or
   ``route.dispatch``) -> (q, s) at the experts. Packed into one byte row each (``fp8.pack_rows``) where rows cross
   an exchange, so that a row's values and scales travel together; on a route whose rows never leave the device
@@ -72,7 +72,7 @@ def _moved(move, route, q, s):
 
 
 def _forward(x, w1, w2, route, gemms):
-  xq, xs = _moved(route.dispatch_tokens, route, *fp8.quantize_rows(x, pow2=True))
+  xq, xs = moved(route.dispatch_tokens, route, *fp8.quantize_rows(x, pow2=True))
   out, kept = recipe_forward(xq, xs, w1, w2, route.expert_rows, gemms, x.dtype)
   # x_like: x's row count and dtype (an empty array) for the transpose of its dispatch.
   x_like = jnp.zeros((x.shape[0], 0), x.dtype)
@@ -80,15 +80,23 @@ def _forward(x, w1, w2, route, gemms):
 
 
 def _backward(gemms, residuals, d_ret):
+  dx, dw1, dw2 = experts_backward(gemms, residuals, d_ret)
+  return dx, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), residuals[1])
+
+
+def experts_backward(gemms, residuals, d_ret):
+  """The backward of the experts of this rank's tokens from the output gradient of the rows that came back
+  (d_ret [T TP k, D], ``route.combine_rows``' order): (dx [T, D], w1's cotangent, w2's cotangent). residuals: (what
+  ``recipe_forward`` kept, the route, x_like: an empty [T, 0] array of x's dtype)."""
   kept, route, x_like = residuals
-  dyq, dys = _moved(route.dispatch, route, *fp8.quantize_rows(d_ret, pow2=True))
+  dyq, dys = moved(route.dispatch, route, *fp8.quantize_rows(d_ret, pow2=True))
   dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dyq, dys, x_like.dtype)
   # The transpose of x's way to the experts in the compute dtype: each recv row back to its send row, then to its
   # slot (route.combine_rows and from_send_buffer move rows: the transposes of dispatch and send_buffer), then
   # JAX's transpose of slot_rows (the sum over a token's slots, and with a tensor axis the reduce-scatter).
   x_shape = jax.ShapeDtypeStruct((x_like.shape[0], dx_recv.shape[1]), x_like.dtype)
   (dx,) = jax.linear_transpose(route.slot_rows, x_shape)(route.from_send_buffer(route.combine_rows(dx_recv)))
-  return dx, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), route)
+  return dx, dw1, dw2
 
 
 fp8_exchanged_experts.defvjp(_forward, _backward)

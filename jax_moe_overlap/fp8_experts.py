@@ -364,15 +364,21 @@ def _dgrad_weight(kept, gemms):
   return gemms.quantize_weight(kept, transposed=False)
 
 
+def recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms):
+  """The forward up to GEMM2's operands, from x quantized (1 x 128, power-of-two scales): (h quantized (1 x 128: its
+  values and scales), w2 as GEMM2 reads it (an ``Fp8Weight``), what the backward keeps)."""
+  w1q, w2q = _forward_weight(w1, gemms), _forward_weight(w2, gemms)
+  h_rows, a_rows = gemms.gemm1_swiglu(xq, xs, w1q, group_sizes)
+  kept = (xq, xs, a_rows, _kept_weight(w1, w1q, gemms), _kept_weight(w2, w2q, gemms), group_sizes,
+          _weight_cotangent_template(w1), _weight_cotangent_template(w2))
+  return h_rows, w2q, kept
+
+
 def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
   """The forward from x quantized (1 x 128, power-of-two scales): (out [M, D] in out_dtype, what the backward
   keeps)."""
-  w1q, w2q = _forward_weight(w1, gemms), _forward_weight(w2, gemms)
-  h_rows, a_rows = gemms.gemm1_swiglu(xq, xs, w1q, group_sizes)
-  out = gemms.rows(*h_rows, w2q, group_sizes, out_dtype)
-  kept = (xq, xs, a_rows, _kept_weight(w1, w1q, gemms), _kept_weight(w2, w2q, gemms), group_sizes,
-          _weight_cotangent_template(w1), _weight_cotangent_template(w2))
-  return out, kept
+  h_rows, w2q, kept = recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms)
+  return gemms.rows(*h_rows, w2q, group_sizes, out_dtype), kept
 
 
 def recipe_backward(gemms, kept, dyq, dys, dx_dtype):

@@ -22,23 +22,27 @@ transport differs, and both move rows unchanged), so outputs and gradients equal
 each shard's partial output comes back per slot in the compute dtype, where impl="collective" sums the partials in
 float32 (a reduce-scatter), so the two agree to the compute dtype's rounding.
 
-Not fused (what docs/design.md lists as left): the dispatch with GEMM1 (``dispatch_gemm`` takes float32 and bfloat16
-rows) and GEMM2 with the return (``expert_combine``'s producer takes float32 and bfloat16 operands), so the return is
-a dispatch of GEMM2's finished rows.
+GEMM2 overlapped with the way back (``fp8_combined_experts``, where ``fuses_combine``): GEMM2 and the return are one
+``expert_combine_fp8`` call (the overlapped operator with the FP8 grouped GEMM as its producer), with the same
+values and gradients as the unfused block. Not fused (docs/design.md): the dispatch with GEMM1 (``dispatch_gemm``
+takes float32 and bfloat16 rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts
-from jax_moe_overlap.fp8_experts import recipe_gemms
-from jax_moe_overlap.workspace_calls import dispatch, dispatch_rows
+from jax_moe_overlap.fp8_exchange import experts_backward, fp8_exchanged_experts, moved
+from jax_moe_overlap.fp8_experts import Gemms, recipe_gemm1, recipe_gemms
+from jax_moe_overlap.workspace_calls import dispatch, dispatch_rows, expert_combine_fp8
 from jax_moe_overlap.xla_path import combine_slots, move_rows, token_slots
 
 
@@ -99,6 +103,10 @@ class WorkspaceRoute:
     ``xla_path.move_rows``)."""
     return move_rows(send, self.send_row, self.send_slot)
 
+  def to_send_buffer(self, slots):
+    """Slot rows [P, C] -> packed kept-slot rows [P, C]: the transpose of ``from_send_buffer`` (its gradient)."""
+    return move_rows(slots, self.send_slot, self.send_row)
+
 
 def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan, cap: int,
                     info: RankInfo) -> WorkspaceRoute:
@@ -109,10 +117,58 @@ def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan
   return WorkspaceRoute(plan, send_row, send_slot, dest_rank, dest_row, cap, slot_ids.shape[1], info)
 
 
+# Whether GPUs run GEMM2 and the way back as one expert_combine call on e4m3 operands (its FP8 producer, the FP8
+# grouped GEMM's loop in ExpertKernel) instead of the FP8 grouped GEMM, a dispatch of its rows back and XLA's combine.
+# Off on GPUs while the kernel has not passed its GPU test (tests/gpu/test_gpu_fp8_overlap.py's fused combine); CPUs
+# take the fused call (the same bits: tests/test_fp8_overlap.py).
+FUSED_COMBINE_ON_GPU = False
+
+
+def fuses_combine(info: RankInfo) -> bool:
+  """Whether the FP8 layer on this call site returns GEMM2's rows by ``expert_combine_fp8`` (above)."""
+  return info.workspace.platform == "cpu" or FUSED_COMBINE_ON_GPU
+
+
 def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute, quantization: str = "fp8"):
   """Per-rank FP8 expert block. x [T, D] (D a multiple of 128), gates [T, k] float32 (the route's slots per token),
   w1 [E_local, D, 2F], w2 [E_local, F, D] (master weights or ``fp8.Fp8Weight``; with a tensor axis this rank's
   shards) -> y [T, D] in x's dtype."""
   gemms = recipe_gemms("kernels", quantization)
+  if fuses_combine(route.info):
+    return fp8_combined_experts(x, gates, w1, w2, route, gemms)
   slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=gemms))
-  return combine_slots(slot_out, gates, route.plan.slot_ret_row >= 0).astype(x.dtype)
+  return _combined(slot_out, gates, route, x.dtype)
+
+
+def _combined(slot_out, gates, route, dtype):
+  """The gate-weighted sum of each token's slots (float32, j = 0..k-1), in dtype."""
+  return combine_slots(slot_out, gates, route.plan.slot_ret_row >= 0).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def fp8_combined_experts(x, gates, w1, w2, route: WorkspaceRoute, gemms: Gemms):
+  """``fp8_expert_block`` with GEMM2 overlapped with the way back: x's rows dispatched in FP8 and GEMM1 as in
+  ``fp8_exchange.fp8_exchanged_experts``, then one ``expert_combine_fp8`` call (GEMM2 on e4m3 h and w2, each finished
+  band shipped to its slots' owner, the gate-weighted sum in float32, j = 0..k-1). The same values as the unfused
+  block's (the same GEMM rows, rounded to x's dtype, summed in the same order), and its backward: the gates' gradient
+  and the slots' output gradients from the slots' rows as ``xla_path.combine_slots`` differentiates them, then
+  ``fp8_exchange.experts_backward``."""
+  return _combined_forward(x, gates, w1, w2, route, gemms, want_slots=False)[0]
+
+
+def _combined_forward(x, gates, w1, w2, route, gemms, want_slots=True):
+  xq, xs = moved(route.dispatch_tokens, route, *fp8.quantize_rows(x, pow2=True))
+  (hq, hs), w2q, kept = recipe_gemm1(xq, xs, w1, w2, route.expert_rows, gemms)
+  y, slot_out = expert_combine_fp8(hq, hs, w2q, gates, route.plan, route.info, want_slots, x.dtype)
+  return y, (kept, route, jnp.zeros((x.shape[0], 0), x.dtype), slot_out, gates)
+
+
+def _combined_backward(gemms, residuals, dy):
+  kept, route, x_like, slot_out, gates = residuals
+  _, pull = jax.vjp(lambda s, g: _combined(s, g, route, x_like.dtype), slot_out, gates)
+  d_slots, d_gates = pull(dy)
+  dx, dw1, dw2 = experts_backward(gemms, (kept, route, x_like), route.to_send_buffer(d_slots))
+  return dx, d_gates, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), route)
+
+
+fp8_combined_experts.defvjp(_combined_forward, _combined_backward)

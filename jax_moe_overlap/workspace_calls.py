@@ -15,7 +15,8 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   ``lhs[segment] @ w[expert]`` per (local expert, source rank) segment, remote-critical segments first, flagging each
   finished band; the consumer ships each band back to its source rank; the source combines
   ``y[t] = sum_j gates[t, j] * out[slot(t, j)]`` in the fixed order ``j = 0..k-1``. Returns ``y [T, N]`` and, when
-  asked, the per-slot outputs ``[T*k, N]`` (for the gates' gradient).
+  asked, the per-slot outputs ``[T*k, N]`` (for the gates' gradient). ``expert_combine_fp8``: the same call with the
+  FP8 grouped GEMM as its producer (e4m3 lhs and weights with their scales).
 * ``gather_rs(lhs, w, row_gate, token_rows, plan, ...)``: GEMM2 + GatherRS. The producer as expert_combine's; the
   consumer sums each source's tokens' gated rows here (the top-k gather-reduce) into a dense float32 partial and
   ships it to the source; each rank sums the group's partials of its tokens in rank order. Returns ``y [T, N]`` and,
@@ -29,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import _ffi
+from jax_moe_overlap import fp8
 from jax_moe_overlap.call_site import RankInfo
+from jax_moe_overlap.grouped_gemm import fp8_scales_ld
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
@@ -185,18 +188,58 @@ def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, i
   """
   _computed_rows("expert_combine", "lhs", lhs)
   _ffi.register()
-  group, rank = info.coords()
-  T, k = gates.shape
   K, N = (w.shape[2], w.shape[1]) if transpose_rhs else (w.shape[1], w.shape[2])
   if lhs.ndim != 2 or w.ndim != 3 or lhs.shape[1] != K:
     raise ValueError(f"jax_moe_overlap: expert_combine: lhs {lhs.shape} and w {w.shape}"
                      f"{' (transpose_rhs)' if transpose_rhs else ''} do not fit lhs [cap, K], "
                      f"w {'[E_local, N, K]' if transpose_rhs else '[E_local, K, N]'}")
-  out_types = (jax.ShapeDtypeStruct((T, N), lhs.dtype),
-               jax.ShapeDtypeStruct((T * k if want_slots else 0, N), lhs.dtype))
-  return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, gates.astype(jnp.float32), plan.seg_rows,
-                         plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows, group, rank,
-                         transpose_rhs=np.bool_(transpose_rhs), **info.attrs())
+  none = jnp.zeros((0,), jnp.float32)  # (the e4m3 operands' scales)
+  return _expert_combine_call(lhs, w, none, none, gates, plan, info, want_slots, transpose_rhs, lhs.dtype, N)
+
+
+def _expert_combine_call(lhs, w, lhs_scales, w_scales, gates, plan, info, want_slots, transpose_rhs, out_dtype, N):
+  group, rank = info.coords()
+  T, k = gates.shape
+  out_types = (jax.ShapeDtypeStruct((T, N), out_dtype),
+               jax.ShapeDtypeStruct((T * k if want_slots else 0, N), out_dtype))
+  return _workspace_call(info, _ffi.EXPERT_COMBINE, out_types, lhs, w, lhs_scales, w_scales,
+                         gates.astype(jnp.float32), plan.seg_rows, plan.seg_ret_off, plan.slot_ret_row, plan.ret_rows,
+                         group, rank, transpose_rhs=np.bool_(transpose_rhs), **info.attrs())
+
+
+def expert_combine_fp8(lhs_q: jax.Array, lhs_s: jax.Array, w: fp8.Fp8Weight, gates: jax.Array, plan: Plan,
+                       info: RankInfo, want_slots: bool, out_dtype) -> tuple[jax.Array, jax.Array]:
+  """``expert_combine`` with the FP8 producer: the GEMM of the overlapped operator is ``grouped_matmul_fp8``'s
+  (DeepSeek-V3's block-scaled e4m3 GEMM, each 128-wide K chunk promoted to float32), its rows rounded to
+  ``out_dtype``, returned and combined as ``expert_combine``'s in that dtype.
+
+  lhs_q [cap, K] float8_e4m3fn and lhs_s [cap, K/128] float32 (``fp8.quantize_rows``' layout; the call reads them
+  MN-major, transposed here as ``grouped_matmul_fp8`` does), w an ``fp8.Fp8Weight`` of this rank's experts (values
+  [E_local, N, K], scales [E_local, N/128, K/128]: its forward layout), gates [T, k] float32, out_dtype float32 or
+  bfloat16 -> (y [T, N], slot_out [T*k or 0, N]) in out_dtype. K and N multiples of 128. The CPU handler and, on
+  Hopper, the CUDA kernels; another GPU fails the call naming the requirement."""
+  values, scales = w.values, w.scales
+  t = fp8.TILE
+  if lhs_q.ndim != 2 or values.ndim != 3:
+    raise ValueError(f"jax_moe_overlap: expert_combine_fp8: lhs_q {lhs_q.shape} and w.values {values.shape} must be "
+                     "[cap, K] and [E_local, N, K]")
+  (cap, K), (E_l, N) = lhs_q.shape, values.shape[:2]
+  if K % t or N % t or K == 0 or N == 0:
+    raise ValueError(f"jax_moe_overlap: expert_combine_fp8: K and N must be positive multiples of 128 (whole 1 x 128 "
+                     f"and 128 x 128 scale tiles), got K={K}, N={N}")
+  if values.shape[2] != K or lhs_s.shape != (cap, K // t) or scales.shape != (E_l, N // t, K // t):
+    raise ValueError(f"jax_moe_overlap: expert_combine_fp8: lhs_q {lhs_q.shape}, lhs_s {lhs_s.shape}, w.values "
+                     f"{values.shape} and w.scales {scales.shape} do not fit lhs_q [cap, K], lhs_s [cap, K/128], "
+                     "w.values [E_local, N, K], w.scales [E_local, N/128, K/128]")
+  if lhs_q.dtype != fp8.E4M3 or values.dtype != fp8.E4M3:
+    raise TypeError(f"jax_moe_overlap: expert_combine_fp8: lhs_q and w.values must be float8_e4m3fn, got "
+                    f"{lhs_q.dtype} and {values.dtype}")
+  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise TypeError(f"jax_moe_overlap: expert_combine_fp8: out_dtype must be float32 or bfloat16, got {out_dtype}")
+  _ffi.register()
+  scales_mn = jnp.pad(lhs_s.astype(jnp.float32).T, ((0, 0), (0, fp8_scales_ld(cap) - cap)))
+  return _expert_combine_call(lhs_q, values, scales_mn, scales.astype(jnp.float32), gates, plan, info, want_slots,
+                              True, out_dtype, N)
 
 
 def gather_rs(lhs: jax.Array, w: jax.Array, row_gate: jax.Array, token_rows: jax.Array, plan: Plan, info: RankInfo,

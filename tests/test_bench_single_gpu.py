@@ -35,17 +35,21 @@ def _rows(path):
 
 @pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_bench_fused_checks_every_impl(tmp_path, monkeypatch):
-  monkeypatch.setattr(bench_fused, "shapes", lambda quick: [("tiny", 64, 32, 48, 4, 2)])
+  # (the second shape's F and D are whole FP8 tiles: the FP8 rows run there only)
+  monkeypatch.setattr(bench_fused, "shapes", lambda quick: [("tiny", 64, 32, 48, 4, 2),
+                                                            ("tiny-fp8", 64, 128, 128, 4, 2)])
   out = tmp_path / "fused.jsonl"
-  monkeypatch.setattr(sys, "argv", ["bench_fused.py", "--out", str(out)])
+  monkeypatch.setattr(sys, "argv", ["bench_fused.py", "--out", str(out), "--skews", "stress"])
   bench_fused.main()
   rows = _rows(out)
-  impls = {r["impl"] for r in rows}
-  assert {"ours", "serialized", "bare+combine", "bare gemm", "xla"} <= impls
+  impls = {s: {r["impl"] for r in rows if r["shape"] == s} for s in ("tiny", "tiny-fp8")}
+  fp8_impls = {"ours fp8", "bare fp8+combine", "bare fp8 gemm"}
+  assert {"ours", "serialized", "bare+combine", "bare gemm", "xla"} <= impls["tiny"] and not fp8_impls & impls["tiny"]
+  assert fp8_impls <= impls["tiny-fp8"]
   for r in rows:
     assert not r["ms"].startswith(("error", "wrong")), r
-    if r["impl"] != "bare gemm":
-      assert float(r["err"]) < 2e-2, r  # bf16 against the float32 reference
+    if r["impl"] not in ("bare gemm", "bare fp8 gemm"):
+      assert float(r["err"]) < 2e-2, r  # against the float32 reference (of the dequantized operands for FP8)
 
 
 @pytest.mark.slow

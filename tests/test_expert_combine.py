@@ -1,5 +1,6 @@
 """expert_combine on its own: transpose_rhs (w given as [E_local, N, K] and read transposed in place, as the backward
-pass uses it for dx = da @ W1^T) against the plain call on the transposed weights, and the shape errors."""
+pass uses it for dx = da @ W1^T) against the plain call on the transposed weights, the FP8 producer
+(expert_combine_fp8) against float64 numpy, and the shape errors."""
 
 import dataclasses
 import functools
@@ -11,12 +12,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import _ffi
+from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.workspace import Workspace, WorkspaceSizes, release_workspaces
-from jax_moe_overlap.workspace_calls import expert_combine
+from jax_moe_overlap.workspace_calls import expert_combine, expert_combine_fp8
 from cases import mesh_of, rel_err, routing
 
 E, TOP_K = 8, 2
@@ -136,6 +138,48 @@ def test_transpose_rhs_equals_plain_call_on_transposed_weights(R, dtype):
   assert rel_err(y_t, y_ref) < tol and rel_err(slot_out_t, slot_ref) < tol
 
 
+def combine_fp8_fn(c: Case, out_dtype):
+  """combine_fn's program with the FP8 producer (expert_combine_fp8): (ids, gates, lhs_q, lhs_s, w_values, w_scales)
+  -> (y, slot_out) in out_dtype."""
+  R = c.R
+
+  def local(ids, gates, lhs_q, lhs_s, w_values, w_scales):
+    rank = jax.lax.axis_index("expert").astype(jnp.int32)
+    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, c.experts).reshape(R, c.experts // R), "expert")
+    plan = plan_lib.make_plan(ids, counts_all, rank, c.cap_e)
+    return expert_combine_fp8(lhs_q, lhs_s, fp8.Fp8Weight(w_values, w_scales), gates, plan, c.info, True, out_dtype)
+
+  spec = P("expert")
+  return jax.jit(jax.shard_map(local, mesh=c.mesh, in_specs=(spec,) * 6, out_specs=(spec, spec), check_vma=False))
+
+
+def check_fp8_producer(mesh, out_dtype, K, N, tokens, seed, tol=None):
+  """expert_combine_fp8 on e4m3 operands quantized from random ones (lhs 1 x 128, w 128 x 128 blocks): y and every
+  slot's row against float64 numpy of the dequantized operands (tolerance `tol`, else the CPU emulation's: float32
+  output 1e-5, bfloat16 1e-2), bitwise-identical repeats. Returns the relative errors (for the GPU test's print)."""
+  c = make_case(mesh, N, out_dtype, tokens=tokens, seed=seed)
+  lhs, w, gates = operands(c, K, N, jnp.float32, seed=seed + 1)
+  lhs_q, lhs_s = fp8.quantize_rows(lhs)
+  weight = fp8.quantize_weight(w)
+  fn = combine_fp8_fn(c, out_dtype)
+  y, slot_out = fn(c.ids, gates, lhs_q, lhs_s, weight.values, weight.scales)
+  assert y.dtype == slot_out.dtype == out_dtype
+  y_ref, slot_ref = reference(c, gates, fp8.dequantize_rows(lhs_q, lhs_s), weight.dequantize())
+  tol = tol or (1e-5 if out_dtype == jnp.float32 else 1e-2)
+  errs = {"y": rel_err(y, y_ref), "slot_out": rel_err(slot_out, slot_ref)}
+  assert float(np.max(np.abs(y_ref))) > 0.1 and all(v < tol for v in errs.values()), errs
+  again, _ = fn(c.ids, gates, lhs_q, lhs_s, weight.values, weight.scales)
+  np.testing.assert_array_equal(np.asarray(again).view(np.uint8), np.asarray(y).view(np.uint8))
+  return errs
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_producer_against_reference(out_dtype):
+  """The FP8 producer (expert_combine_fp8) at R = 4 over skewed routing: y and the slots' rows are the product of the
+  dequantized operands."""
+  check_fp8_producer(mesh_of(4), out_dtype, K=256, N=128, tokens=16, seed=3)
+
+
 def test_transpose_rhs_python_shape_error():
   c = make_case(mesh_of(2), 40, jnp.float32)
   lhs, w, gates = operands(c, 24, 40, jnp.float32, seed=0)
@@ -147,18 +191,23 @@ def test_transpose_rhs_python_shape_error():
     combine_fn(c, False)(c.ids, gates, lhs, jnp.swapaxes(w, 1, 2))
 
 
-def _raw_call(lhs, w, n_out, transpose_rhs, info, attrs=None, seg_ranks=1):
+def _raw_call(lhs, w, n_out, transpose_rhs, info, attrs=None, seg_ranks=1, scales=None, out_dtype=None):
   """The custom call with no Python-side checks: (y [T, n_out], slot_out [0, n_out]) on device 0 (one rank), with the
-  attributes of `info` updated by `attrs` (None: the attribute left out) and seg_rows [E_local, seg_ranks]."""
+  attributes of `info` updated by `attrs` (None: the attribute left out), seg_rows [E_local, seg_ranks], the
+  operands lhs_scales and w_scales `scales` (None: both empty) and the outputs in out_dtype (None: lhs's)."""
   _ffi.register()
   attrs = {k: v for k, v in dict(info.attrs(), **(attrs or {})).items() if v is not None}
   T, k = 4, 2
-  out_types = (jax.ShapeDtypeStruct((T, n_out), lhs.dtype), jax.ShapeDtypeStruct((0, n_out), lhs.dtype))
+  out_dtype = lhs.dtype if out_dtype is None else out_dtype
+  out_types = (jax.ShapeDtypeStruct((T, n_out), out_dtype), jax.ShapeDtypeStruct((0, n_out), out_dtype))
   E_l = w.shape[0]
   zeros = lambda *s: jnp.zeros(s, jnp.int32)
   # The CPU handler takes the workspace ordering token first (ordering.py), so the raw call goes through
   # workspace_call rather than a bare ffi_call.
-  return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, jnp.ones((T, k), jnp.float32), zeros(E_l, seg_ranks),
+  none = jnp.zeros((0,), jnp.float32)
+  lhs_scales, w_scales = (none, none) if scales is None else scales
+  return workspace_call(_ffi.EXPERT_COMBINE, out_types, lhs, w, lhs_scales, w_scales, jnp.ones((T, k), jnp.float32),
+                        zeros(E_l, seg_ranks),
                         zeros(E_l, seg_ranks), jnp.full((T * k,), -1, jnp.int32), zeros(), zeros(), zeros(),
                         transpose_rhs=np.bool_(transpose_rhs), **attrs)
 

@@ -93,18 +93,20 @@ def dispatch_operands(hlo: str, target: str) -> list[tuple[str, ...]]:
 
 
 def test_rows_cross_the_dispatch_in_fp8():
-  """The lowered forward and backward: four dispatch calls, x's rows and the slots' output gradients as uint8 rows
-  of D + D / 32 bytes (0.516 of bfloat16's 2D), the expert outputs and the input gradient back in bfloat16; no
-  dispatch_gemm, no expert_combine (they take no packed rows)."""
+  """The lowered forward and backward: x's rows and the slots' output gradients dispatched as uint8 rows of
+  D + D / 32 bytes (0.516 of bfloat16's 2D), GEMM2 and the way back one expert_combine on e4m3 h and w2 (its
+  results in bfloat16), the input gradient back in bfloat16 by a dispatch; no dispatch_gemm (it takes no packed
+  rows)."""
   mesh = mesh_of(4)
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 3)
   hlo = jax.jit(layer_grads(mesh, ids, cot, "overlap", 0.5, None, ())).lower(x, gates, w1, w2).as_text()
-  assert "@jmo_dispatch_gemm(" not in hlo and "@jmo_expert_combine(" not in hlo
+  assert "@jmo_dispatch_gemm(" not in hlo and "@jmo_grouped_matmul_fp8(" in hlo  # (the backward's dgrads)
   rows = [ops[0] for ops in dispatch_operands(hlo, "jmo_dispatch")]   # (the CPU calls' ordering token: no tensor)
   t, p, cap = T // 4, T // 4 * K, plan_lib.recv_capacity(T // 4, 4, K, E // 4, plan_lib.expert_capacity(
       T // 4, 4, K, E, 0.5))
-  assert rows == [f"tensor<{t}x{ROW}xui8>", f"tensor<{cap}x{D}xbf16>", f"tensor<{p}x{ROW}xui8>",
-                  f"tensor<{cap}x{D}xbf16>"], rows
+  assert rows == [f"tensor<{t}x{ROW}xui8>", f"tensor<{p}x{ROW}xui8>", f"tensor<{cap}x{D}xbf16>"], rows
+  combines = [ops[:2] for ops in dispatch_operands(hlo, "jmo_expert_combine")]
+  assert combines == [(f"tensor<{cap}x{F}xf8E4M3FN>", f"tensor<{E // 4}x{D}x{F}xf8E4M3FN>")], combines
   assert ROW / (2 * D) == pytest.approx(0.516, abs=1e-3)
   # Without quantization the same layer dispatches bfloat16 rows of 2D bytes.
   plain = jax.jit(lambda x: jmo.moe_experts(x, ids, gates, w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
@@ -210,6 +212,49 @@ def test_calls_that_compute_refuse_packed_rows():
   ones = jnp.ones((tokens * R, ROW), jnp.uint8)
   recv = run(lambda ids, x: workspace_calls.dispatch(x, slot_rows, _plan_of(ids, R, cap_e), cap, info), ids, ones)
   assert recv.shape == (R * cap, ROW) and int(jnp.sum(recv.astype(jnp.int32))) == tokens * R * K * ROW
+
+
+def test_expert_combine_fp8_refuses_what_it_cannot_take():
+  """expert_combine on e4m3 operands: the handler (past the wrapper) and the wrapper refuse what the FP8 producer
+  cannot take, naming the rule; then a call on well-formed e4m3 operands runs (no refused call left an epoch open)."""
+  info = RankInfo(Workspace.get(mesh_of(1), "expert", WorkspaceSizes(row_bytes=2 * 256, recv_rows=16, ret_rows=8,
+                                                                      num_segments=2)), CallConfig())
+  e4m3 = lambda *s: jnp.ones(s, fp8.E4M3)
+  f32 = lambda *s: jnp.ones(s, jnp.float32)
+
+  def call(lhs, w, n_out, transpose_rhs, scales, out_dtype=jnp.bfloat16):
+    f = jax.jit(functools.partial(_raw_call, info=info, scales=scales, out_dtype=out_dtype), static_argnums=(2, 3))
+    return jax.block_until_ready(f(lhs, w, n_out, transpose_rhs))
+
+  good = (f32(1, 16), f32(2, 2, 1))  # lhs_scales [K/128, ld], w_scales [E_local, N/128, K/128]
+  cases = [
+      ((e4m3(16, 128), jnp.ones((2, 256, 128), jnp.bfloat16), 256, True, good),
+       "lhs float8_e4m3fn needs w float8_e4m3fn"),
+      ((e4m3(16, 128), e4m3(2, 128, 256), 256, False, good),
+       r"e4m3 w must be \[E_local, N, K\] \(K-major: transpose_rhs\)"),
+      ((e4m3(16, 192), e4m3(2, 256, 192), 256, True, (f32(1, 16), f32(2, 2, 1))),
+       "K and N must be positive multiples of 128"),
+      ((e4m3(16, 128), e4m3(2, 256, 128), 256, True, (f32(1, 15), good[1])),
+       r"lhs_scales must be \[K/128, ld\] with ld >= cap and a multiple of 4"),
+      ((e4m3(16, 128), e4m3(2, 256, 128), 256, True, (good[0], f32(2, 1, 1))),
+       r"w_scales must be \[E_local, N/128, K/128\] = \[2, 2, 1\]"),
+      ((f32(16, 128), f32(2, 128, 256), 256, False, good),
+       "lhs_scales and w_scales are the e4m3 operands' \\(empty for float32 lhs and w\\)"),
+  ]
+  for args, rule in cases:
+    out_dtype = args[0].dtype if args[0].dtype == jnp.float32 else jnp.bfloat16
+    with pytest.raises(jax.errors.JaxRuntimeError, match="expert_combine: " + rule):
+      call(*args, out_dtype=out_dtype)
+  plan = object()  # the wrapper refuses before it reads it
+  weight = fp8.Fp8Weight(e4m3(2, 256, 192), f32(2, 2, 1))
+  with pytest.raises(ValueError, match=r"expert_combine_fp8: K and N must be positive multiples of 128"):
+    workspace_calls.expert_combine_fp8(e4m3(16, 192), f32(16, 1), weight, f32(4, 2), plan, info, False,
+                                       jnp.bfloat16)
+  with pytest.raises(TypeError, match=r"expert_combine_fp8: out_dtype must be float32 or bfloat16"):
+    workspace_calls.expert_combine_fp8(e4m3(16, 128), f32(16, 1), fp8.Fp8Weight(e4m3(2, 256, 128), good[1]),
+                                       f32(4, 2), plan, info, False, jnp.float16)
+  y, _ = call(e4m3(16, 128), e4m3(2, 256, 128), 256, True, good)
+  assert y.shape == (4, 256) and y.dtype == jnp.bfloat16
 
 
 @pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it

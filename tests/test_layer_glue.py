@@ -56,7 +56,7 @@ def _packed_row_shapes(hlo: str, D: int) -> list[str]:
 @pytest.mark.parametrize("impl", [pytest.param("overlap", marks=pytest.mark.slow), "collective"])
 def test_fp8_one_rank_layer_moves_no_packed_rows(impl):
   """On a one-rank expert axis the FP8 rows never leave the device: the layer's forward + backward moves the e4m3
-  values and the scales each by itself (``fp8_exchange._moved``), so its optimized program holds no packed byte rows
+  values and the scales each by itself (``fp8_exchange.moved``), so its optimized program holds no packed byte rows
   (a concatenate written, then sliced apart for the GEMMs) and no concatenate of their size."""
   T, D, F, E, k = 64, 128, 128, 4, 2
   _, _, hlo = layer_glue.layer_grad(T, D, F, E, k, impl=impl, quantization="fp8")

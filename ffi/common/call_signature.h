@@ -72,18 +72,25 @@ auto BindDispatchGemm(Binding b) {
       .template Attrs<DispatchGemmAttrs>();
 }
 
-// expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), gates [T, k] f32,
-//                seg_rows [E_local, R], seg_ret_off [E_local, R], slot_ret_row [T*k] (-1: dropped),
+// expert_combine(lhs [cap, K], w [E_local, K, N] (or [E_local, N, K] with transpose_rhs), lhs_scales, w_scales,
+//                gates [T, k] f32, seg_rows [E_local, R], seg_ret_off [E_local, R], slot_ret_row [T*k] (-1: dropped),
 //                ret_rows_expected [], group [], rank [])
 //   -> y [T, N], slot_out [T*k or 0, N]
 // Attributes (ExpertCombineAttrs): those of every call (its consumer is CallOptions' consumer_ctas, serialize and
 // tuning), then transpose_rhs (bool: w is [E_local, N, K] and the producer reads w[e]^T in place, as
 // jmo_grouped_matmul's transpose_rhs: the input gradient dy @ W^T without a transposed copy of W).
+// Operands: lhs, w and the outputs in one compute dtype (float32 or bfloat16), lhs_scales and w_scales f32 [0]; or
+// the FP8 producer (DeepSeek-V3's block-scaled GEMM, as jmo_grouped_matmul_fp8): lhs [cap, K] and w [E_local, N, K]
+// float8_e4m3fn (transpose_rhs set: K-major, the only B layout of FP8 wgmma), lhs_scales [K/128, ld] f32 (ld >= cap,
+// a multiple of 4: MN-major), w_scales [E_local, N/128, K/128] f32, K and N multiples of 128, the outputs float32 or
+// bfloat16 (the producer's rows are rounded to it, as the compute dtype's are).
 template <typename Binding>
 auto BindExpertCombine(Binding b) {
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
@@ -298,15 +305,45 @@ inline xla::ffi::ErrorOr<CountsShape> CheckExchangeCounts(const xla::ffi::Buffer
 }
 
 struct CombineShape {
-  DType dtype;
+  DType dtype;                            // of the outputs (and of lhs and w unless fp8)
   int64_t cap, K, E_local, N, T, k, P, R;  // R: columns of seg_rows (must equal the workspace's ranks)
   bool want_slots;                        // slot_out has T*k rows (else 0)
+  bool fp8 = false;                       // e4m3 lhs and w with their scales (BindExpertCombine)
+  int64_t scales_ld = 0;                  // fp8: the row stride of lhs_scales [K/128, ld]
 };
+
+// expert_combine's FP8 operands (BindExpertCombine's rule) against the shape CheckExpertCombine read: fills
+// s->scales_ld, or says what is wrong.
+inline std::optional<std::string> CheckExpertCombineFp8(const xla::ffi::AnyBuffer& w,
+                                                        const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales,
+                                                        const xla::ffi::Buffer<xla::ffi::F32>& w_scales,
+                                                        bool transpose_rhs, CombineShape* s) {
+  constexpr int64_t kTile = 128;  // K elements per scale; the side of a weight block
+  if (w.element_type() != xla::ffi::DataType::F8E4M3FN)
+    return std::string("lhs float8_e4m3fn needs w float8_e4m3fn (with their scales)");
+  if (!transpose_rhs)
+    return std::string("e4m3 w must be [E_local, N, K] (K-major: transpose_rhs), the only B layout of FP8 wgmma");
+  if (s->K < kTile || s->K % kTile != 0 || s->N < kTile || s->N % kTile != 0)
+    return "K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
+           std::to_string(s->K) + ", N=" + std::to_string(s->N);
+  auto sd = lhs_scales.dimensions(), bd = w_scales.dimensions();
+  if (sd.size() != 2 || sd[0] != s->K / kTile || sd[1] < s->cap || sd[1] % 4 != 0)
+    return "lhs_scales must be [K/128, ld] with ld >= cap and a multiple of 4 (MN-major, 16-byte rows): got " +
+           DimsText(sd) + " for cap=" + std::to_string(s->cap) + ", K=" + std::to_string(s->K);
+  if (bd.size() != 3 || bd[0] != s->E_local || bd[1] != s->N / kTile || bd[2] != s->K / kTile)
+    return "w_scales must be [E_local, N/128, K/128] = [" + std::to_string(s->E_local) + ", " +
+           std::to_string(s->N / kTile) + ", " + std::to_string(s->K / kTile) + "], got " + DimsText(bd);
+  s->fp8 = true;
+  s->scales_ld = sd[1];
+  return std::nullopt;
+}
 
 // w is [E_local, K, N], or [E_local, N, K] with transpose_rhs (N and K then read from its last two dimensions
 // swapped). Each error names the shapes it got.
 inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuffer& lhs,
                                                           const xla::ffi::AnyBuffer& w,
+                                                          const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales,
+                                                          const xla::ffi::Buffer<xla::ffi::F32>& w_scales,
                                                           const xla::ffi::Buffer<xla::ffi::F32>& gates,
                                                           const xla::ffi::Buffer<xla::ffi::S32>& seg_rows,
                                                           const xla::ffi::Buffer<xla::ffi::S32>& seg_ret_off,
@@ -314,12 +351,17 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
                                                           const xla::ffi::AnyBuffer& y,
                                                           const xla::ffi::AnyBuffer& slot_out, bool transpose_rhs) {
   using xla::ffi::Unexpected;
-  const xla::ffi::DataType xt = lhs.element_type();
+  const bool fp8 = lhs.element_type() == xla::ffi::DataType::F8E4M3FN;
+  const xla::ffi::DataType xt = fp8 ? y.element_type() : lhs.element_type();  // the compute dtype
   const std::optional<DType> dt = ComputeDTypeOf(xt);
-  if (!dt || w.element_type() != xt || y.element_type() != xt || slot_out.element_type() != xt)
+  if (!dt || (!fp8 && w.element_type() != xt) || y.element_type() != xt || slot_out.element_type() != xt)
     return Unexpected(InvalidCall(ComputeDTypeRule(
-        "expert_combine: lhs, w and outputs must share one dtype, " + DTypeNames() + " (its producer GEMM's operands)",
+        "expert_combine: lhs, w and outputs must share one dtype, " + DTypeNames() +
+            " (its producer GEMM's operands), or lhs and w float8_e4m3fn with outputs of one of those",
         xt)));
+  if (!fp8 && (lhs_scales.element_count() != 0 || w_scales.element_count() != 0))
+    return Unexpected(InvalidCall("expert_combine: lhs_scales and w_scales are the e4m3 operands' (empty for " +
+                                  std::string(Traits(*dt).name) + " lhs and w)"));
   auto ld = lhs.dimensions(), wd = w.dimensions(), gd = gates.dimensions(), yd = y.dimensions(),
        sd = seg_rows.dimensions(), so = slot_out.dimensions();
   const char* w_layout = transpose_rhs ? "w [E_local, N, K] (transpose_rhs)" : "w [E_local, K, N]";
@@ -340,6 +382,10 @@ inline xla::ffi::ErrorOr<CombineShape> CheckExpertCombine(const xla::ffi::AnyBuf
   if ((s.want_slots && (so[0] != s.P || so[1] != s.N)) || slot_ret_row.element_count() != s.P ||
       seg_ret_off.element_count() != seg_rows.element_count())
     return Unexpected(InvalidCall("expert_combine: slot arrays must have T*k rows"));
+  if (fp8) {
+    if (std::optional<std::string> why = CheckExpertCombineFp8(w, lhs_scales, w_scales, transpose_rhs, &s))
+      return Unexpected(InvalidCall("expert_combine: " + *why));
+  }
   return s;
 }
 

@@ -108,13 +108,15 @@ void CombineRows(const RankView& self, const float* gates, const int32_t* slot_r
 }
 
 ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::F32> lhs_scales, ffi::Buffer<ffi::F32> w_scales,
                              ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::S32> seg_rows,
                              ffi::Buffer<ffi::S32> seg_ret_off, ffi::Buffer<ffi::S32> slot_ret_row,
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
                              ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> slot_out, ExpertCombineAttrs attrs) {
   const bool transpose_rhs = attrs.transpose_rhs;
-  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
+  auto shape = CheckExpertCombine(lhs, w, lhs_scales, w_scales, gates, seg_rows, seg_ret_off, slot_ret_row, *y,
+                                  *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
   const DType dt = shape->dtype;
   const int64_t cap = shape->cap, K = shape->K, E_l = shape->E_local, N = shape->N, T_ = shape->T, k = shape->k;
@@ -151,7 +153,11 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));
 
-  if (dt == DType::kF32)
+  if (shape->fp8)
+    ProduceSegmentsFp8(ordered, static_cast<const uint8_t*>(lhs.untyped_data()), lhs_scales.typed_data(),
+                       shape->scales_ld, static_cast<const uint8_t*>(w.untyped_data()), w_scales.typed_data(), K, N,
+                       dt == DType::kBF16, self, c.epoch);
+  else if (dt == DType::kF32)
     ProduceSegments<float>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);
   else
     ProduceSegments<uint16_t>(ordered, lhs.untyped_data(), w.untyped_data(), K, N, transpose_rhs, self, c.epoch);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "cpu/fp8_gemm_rows.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
 
@@ -50,6 +51,27 @@ void ProduceSegments(const std::vector<Segment>& order, const void* lhs, const v
         for (int64_t n = 0; n < N; ++n) Elem<T>::Store(self.stage(), i * N + n, acc[n]);
       }
       // The band is stored: publish it (release) so the consumer may ship it.
+      AtomicStore(&self.tile_ready()[seg.band_base + b], epoch);
+    }
+  }
+}
+
+// The FP8 producer (expert_combine on e4m3 operands): each band's rows by the FP8 row GEMM every CPU handler of it
+// calls (MatmulFp8Rows: jmo_grouped_matmul_fp8's rows, bit for bit), with the segment's expert's weight block: lhs
+// [cap, K] e4m3, sa [K/128, ld], w [E_local, N, K] e4m3, sb [E_local, N/128, K/128]; the rows stored in the
+// outputs' dtype (bfloat16 with out_bf16, else float32).
+inline void ProduceSegmentsFp8(const std::vector<Segment>& order, const uint8_t* lhs, const float* sa, int64_t ld,
+                               const uint8_t* w, const float* sb, int64_t K, int64_t N, bool out_bf16,
+                               const RankView& self, uint64_t epoch) {
+  const int64_t w_blocks = (N / kFp8Tile) * (K / kFp8Tile);
+  for (const Segment& seg : order) {
+    const int64_t bands = (seg.rows + kBandRows - 1) / kBandRows;
+    const uint8_t* w_e = w + static_cast<int64_t>(seg.expert) * N * K;
+    const float* sb_e = sb + static_cast<int64_t>(seg.expert) * w_blocks;
+    for (int64_t b = 0; b < bands; ++b) {
+      const int64_t r0 = seg.recv_off + b * kBandRows;
+      const int64_t r1 = seg.recv_off + std::min<int64_t>(seg.rows, (b + 1) * kBandRows);
+      MatmulFp8Rows(lhs, sa, ld, w_e, sb_e, {r0, r1}, K, N, self.stage(), out_bf16);
       AtomicStore(&self.tile_ready()[seg.band_base + b], epoch);
     }
   }

@@ -76,15 +76,27 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                     const void* w, int64_t N, Gemm1Form form, const int32_t* group_op, const int32_t* rank_op,
                     const DispatchGemmOut& out, int64_t cap);
 
+// expert_combine's e4m3 producer operands besides lhs and w (device pointers; BindExpertCombine's rule): absent for
+// float32 and bfloat16 operands.
+struct Fp8ProducerArgs {
+  bool active = false;
+  const float* lhs_scales = nullptr;  // [K/128, scales_ld] (MN-major)
+  int64_t scales_ld = 0;
+  const float* w_scales = nullptr;  // [E_l, N/128, K/128]
+};
+
 // expert_combine: producer = grouped GEMM lhs[segment] @ w[expert] over the (expert, source) segments in
 // SegmentBefore order, storing remote segments' tiles in stage and local ones straight into the own ret rows;
 // consumer = C CTAs pushing each finished remote band to its source's ret rows (TMA bulk copies on sm_90); then
 // y[t] = sum_j gates[t, j] * ret[slot_ret_row[t*k + j]] (fixed order j = 0..k-1), slot_out[p] = ret[...] if given.
-// w is [E_l, K, N], or with transpose_rhs [E_l, N, K], read as w[expert]^T in place (no transposed copy).
+// w is [E_l, K, N], or with transpose_rhs [E_l, N, K], read as w[expert]^T in place (no transposed copy). With
+// fp8.active, lhs and w are e4m3 with their scales (the FP8 grouped GEMM's operands, w [E_l, N, K]) and dt is the
+// rows' and outputs' dtype (Hopper only: LaunchExpertOperator).
 Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
                      int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
-                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out);
+                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out,
+                     const Fp8ProducerArgs& fp8 = {});
 
 // gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS"): the producer as ExpertCombine's (every tile into stage);
 // consumer = C CTAs that reduce, once every band of a source's segments is ready, each of that source's tokens here

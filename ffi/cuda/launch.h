@@ -82,10 +82,13 @@ struct GatherArgs {
 // the consumer policy chosen, then ExpertKernel (producer and consumer CTAs of one launch) on the rank's SM budget.
 // With gather.active, every tile goes to stage and the consumer is gather_rs's (ops/gather_consumer.cuh): it
 // reduces each source's tokens into a float32 partial and stores it into slice `rank` of the source's ret rows.
-// `op` names the call in errors.
+// With fp8.active, lhs and w are e4m3 (w [E_l, N, K], transpose_rhs set) and dt is the rows' dtype; the producer is
+// the FP8 grouped GEMM's loop on Hopper, an InvalidArgument error naming the requirement elsewhere, and C the pinned
+// or the workspace's fixed count (the resource model's calibration describes the bf16 engine). `op` names the call
+// in errors.
 Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const void* lhs, int64_t cap, int64_t K,
                             const void* w, int64_t E_l, int64_t N, bool transpose_rhs, const int32_t* seg_rows,
-                            const int32_t* seg_ret_off, const GatherArgs& gather);
+                            const int32_t* seg_ret_off, const GatherArgs& gather, const Fp8ProducerArgs& fp8 = {});
 
 // The combine of expert_combine: y = sum_j gates * ret rows (CombineKernel, which closes the call).
 Status LaunchCombine(const RankDev& rd, int grid, cudaStream_t stream, DType dt, const float* gates,

@@ -12,6 +12,11 @@ Cases:
     this process's shards by rank (the oracle: one process holding every rank); $JMO_ORACLE: each process compares
     its shards bitwise with that file and prints "process <i>: bitwise". Then the processes release their
     workspaces together.
+  fp8: as equal, with quantization="fp8" (bfloat16 only, D = F = 128) and GEMM2 with the way back as one
+    expert_combine call on e4m3 operands (fp8_overlap.FUSED_COMBINE_ON_GPU set here: the fused FP8 combine's kernel
+    on CUDA, also where the library's default leaves it off); the reference is the FP8 recipe's oracle
+    (impl="reference", quantization="fp8" on this process's GPU, whole experts) within 1e-2 relative; prints "fused
+    combine" when the program holds that call.
   killed_between_calls: after one good call, the last process prints "losing rank <r> in process <p>" and kills
     itself (SIGKILL); the others then call again
     until a call fails (at most 3 calls) and print "failed after <seconds> s: <error>", then release the workspaces
@@ -52,7 +57,9 @@ from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
 from gpu_common import rel_err  # noqa: E402  pylint: disable=g-import-not-at-top
 from multiprocess_inputs import global_inputs, put, save_or_compare  # noqa: E402  pylint: disable=g-import-not-at-top
 
-E, D, F, K, TOKENS_PER_RANK = 4, 64, 64, 2, 32
+QUANTIZATION = "fp8" if case == "fp8" else None
+E, K, TOKENS_PER_RANK = 4, 2, 32
+D = F = 128 if QUANTIZATION else 64  # (FP8: whole 128-channel tiles)
 TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
 NAMES = ("y", "dx", "dgates", "dw1", "dw2")
 
@@ -81,17 +88,23 @@ def main():
   config = jmo.CallConfig(timeout_ms=TIMEOUT_MS)
   tok, wsp = P("expert"), P("expert")
   results = {}
-  for dtype in (jnp.float32, jnp.bfloat16):
+  if QUANTIZATION:
+    from jax_moe_overlap import fp8_overlap  # pylint: disable=g-import-not-at-top
+    fp8_overlap.FUSED_COMBINE_ON_GPU = True
+  for dtype in (jnp.bfloat16,) if QUANTIZATION else (jnp.float32, jnp.bfloat16):
     x, ids, g, w1, w2, dy = layer_inputs(tokens, dtype)
     args = [put(x, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp), put(ids, mesh, tok),
             put(dy, mesh, tok)]
 
     def fwd_bwd(x, g, w1, w2, ids, dy):
-      layer = lambda x, g, w1, w2: jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="overlap", config=config)[0]
+      layer = lambda x, g, w1, w2: jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="overlap", config=config,
+                                                   quantization=QUANTIZATION)[0]
       y, vjp = jax.vjp(layer, x, g, w1, w2)
       return (y, *vjp(dy))
 
     step = jax.jit(fwd_bwd)
+    if QUANTIZATION and "@jmo_expert_combine(" in step.lower(*args).as_text():
+      print(f"process {pid}: fused combine", flush=True)
     first = jax.block_until_ready(step(*args))
     if case == "killed_between_calls":
       return lose_a_peer(step, args, devices)
@@ -118,9 +131,16 @@ def check_reference(got, dtype, x, ids, g, w1, w2, dy, R):
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   cap_e = expert_capacity(TOKENS_PER_RANK, R, K, E, None)
   with jax.default_device(jax.local_devices()[0]), jax.default_matmul_precision("highest"):
-    ref = lambda x, g, w1, w2: moe_experts_reference(x, jnp.asarray(ids), g, w1, w2, cap_e, R)[0]
-    y_ref, vjp = jax.vjp(ref, f32(x), f32(g), f32(w1), f32(w2))
-    want = dict(zip(NAMES, [np.asarray(a) for a in (y_ref, *vjp(f32(dy)))]))
+    if QUANTIZATION:  # the recipe's oracle on this process's GPU: x and dy in the layer's dtype, as the layer had them
+      one = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("expert",))
+      ref = lambda x, g, w1, w2: jmo.moe_experts(x, jnp.asarray(ids), g, w1, w2, mesh=one, impl="reference",
+                                                 quantization=QUANTIZATION)[0]
+      y_ref, vjp = jax.vjp(ref, jnp.asarray(x), f32(g), f32(w1), f32(w2))
+      want = dict(zip(NAMES, [np.asarray(f32(a)) for a in (y_ref, *vjp(jnp.asarray(dy)))]))
+    else:
+      ref = lambda x, g, w1, w2: moe_experts_reference(x, jnp.asarray(ids), g, w1, w2, cap_e, R)[0]
+      y_ref, vjp = jax.vjp(ref, f32(x), f32(g), f32(w1), f32(w2))
+      want = dict(zip(NAMES, [np.asarray(a) for a in (y_ref, *vjp(f32(dy)))]))
   for n in NAMES:
     for rank, index, a in got[n]:
       err = rel_err(np.asarray(a, np.float32), want[n][index])

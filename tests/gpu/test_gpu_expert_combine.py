@@ -1,6 +1,6 @@
 """expert_combine on the CUDA kernels (R = every visible GPU, and 1) with w transposed in place (transpose_rhs, the
 backward pass's dx = da @ W1^T) against float64 numpy, on each producer engine, beside the plain call on the
-transposed weights; bitwise-identical repeats; and the kernels' record of a call (Workspace.last_call_stats). The CPU
+transposed weights; the FP8 producer (expert_combine_fp8) against float64 numpy; bitwise-identical repeats; and the kernels' record of a call (Workspace.last_call_stats). The CPU
 suite's helpers (tests/test_expert_combine.py). Skips where there is no GPU."""
 
 import dataclasses
@@ -47,6 +47,18 @@ def test_transpose_rhs_gpu(R, K, N, dtype, engine):
   for _ in range(3):  # deterministic: the same bits every call
     again, _ = fn_t(c.ids, gates, lhs, w_t)
     assert np.array_equal(np.asarray(again).view(np.uint8), np.asarray(y_t).view(np.uint8))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("R", rank_counts(), ids=lambda r: f"R{r}")
+def test_fp8_producer_gpu(R, out_dtype):
+  """expert_combine_fp8 (the FP8 grouped GEMM's loop as ExpertKernel's producer, Hopper) against float64 numpy of
+  the dequantized operands within 1e-2 relative (the FP8 kernel's tolerance: its tensor cores keep about 14 bits in
+  each 128-wide chunk), bitwise-identical repeats; K, N and the rows not multiples of the 128 x 256 tile."""
+  if not is_hopper():
+    pytest.skip("the FP8 producer runs on Hopper GPUs")
+  errs = base.check_fp8_producer(gpu_mesh(R), out_dtype, K=640, N=384, tokens=200, seed=R, tol=1e-2)
+  print(f"R={R}", jnp.dtype(out_dtype).name, {k: f"{v:.2e}" for k, v in errs.items()})
 
 
 # The combine gather's edge cases (combine_gather.cuh: one warp per token, 32 choices and 32 x kU vectors per lane

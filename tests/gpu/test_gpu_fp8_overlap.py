@@ -11,7 +11,9 @@ bitwise equal (the CPU tests hold them so, tests/test_fp8_overlap.py); on the GP
 element-wise work (the quantizer, the combine's float32 sum, the token sum of dx) in fusions of its own choice, so
 the test asserts the tolerance and prints whether each result is also bitwise equal. Then: two calls give the same
 bits; the program's dispatch calls carry uint8 rows (on one GPU there is none: no row crosses a link, and the block
-is impl="collective"'s) and no dispatch_gemm or expert_combine runs. Skips where there is no Hopper GPU."""
+is impl="collective"'s) and no dispatch_gemm runs; with the fused FP8 combine switched on
+(fp8_overlap.FUSED_COMBINE_ON_GPU, R > 1), GEMM2 and the way back are one expert_combine on e4m3 operands. Skips
+where there is no Hopper GPU."""
 
 import re
 
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 import jax_moe_overlap as jmo
+from jax_moe_overlap import fp8_overlap
 from cases import layer_inputs, rel_err
 from gpu_common import gpu_mesh, rank_counts, requires_gpu
 # (requires_hopper's condition names _hopper in this module)
@@ -50,9 +53,14 @@ def _grads(mesh, ids, cot, impl, cf):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-combine"])
 @pytest.mark.parametrize("cf", [None, 0.75], ids=["dropless", "cf0.75"])
 @pytest.mark.parametrize("R", RANKS, ids=lambda r: f"R{r}")
-def test_overlap_fp8_matches_collective_fp8(R, cf):
+def test_overlap_fp8_matches_collective_fp8(R, cf, fused, monkeypatch):
+  if fused and R == 1:
+    pytest.skip("one GPU: the layer takes impl='collective''s block (no way back to fuse; "
+                "test_gpu_expert_combine.py and test_gpu_multiprocess.py run the fused FP8 combine there)")
+  monkeypatch.setattr(fp8_overlap, "FUSED_COMBINE_ON_GPU", fused)
   mesh = gpu_mesh(R)
   x, ids, gates, w1, w2, cot = _inputs(R, 40 + R)
   f = _grads(mesh, ids, cot, "overlap", cf)
@@ -61,10 +69,13 @@ def test_overlap_fp8_matches_collective_fp8(R, cf):
           for line in hlo.splitlines() if "@jmo_dispatch(" in line]
   if R == 1:  # no row crosses a link: impl="collective"'s block (xla_path.fp8_one_rank_block), no dispatch call
     assert rows == [] and "@jmo_grouped_matmul_fp8(" in hlo, rows
+  elif fused:  # GEMM2 and the way back: one expert_combine on e4m3 operands
+    assert [r.endswith("xui8>") for r in rows] == [True, True, False], rows
+    assert f"x{D + D // 32}xui8>" in rows[0] and "@jmo_expert_combine(" in hlo
   else:
     assert [r.endswith("xui8>") for r in rows] == [True, False, True, False], rows
-    assert f"x{D + D // 32}xui8>" in rows[0]
-  assert "@jmo_dispatch_gemm(" not in hlo and "@jmo_expert_combine(" not in hlo
+    assert f"x{D + D // 32}xui8>" in rows[0] and "@jmo_expert_combine(" not in hlo
+  assert "@jmo_dispatch_gemm(" not in hlo
   (_, (y, dropped)), grads = f(x, gates, w1, w2)
   (_, (y_ref, dropped_ref)), grads_ref = _grads(mesh, ids, cot, "collective", cf)(x, gates, w1, w2)
   assert int(dropped) == int(dropped_ref) and (int(dropped) > 0) == (cf is not None)

@@ -54,6 +54,17 @@ def test_expert_axis_over_processes_matches_the_reference(placement, tmp_path):
 
 
 @pytest.mark.watchdog_s(600)
+def test_fp8_fused_combine_over_processes_matches_the_recipe():
+  """quantization="fp8" with GEMM2 and the way back as one expert_combine on e4m3 operands (the fused FP8 combine,
+  switched on in the processes), two processes sharing GPU 0 (a rank each: the consumer's pushes cross processes
+  through CUDA IPC): forward and gradients within 1e-2 of the recipe's oracle, repeated calls bitwise identical."""
+  outs = run_processes(2, "one_gpu", "fp8")
+  for rc, out in outs:
+    assert rc == 0 and ": fused combine" in out and ": match (spans_processes=True)" in out, out[-4000:]
+  assert _shm_left(outs) == []
+
+
+@pytest.mark.watchdog_s(600)
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_peer_killed_between_calls_fails_the_survivor_within_the_timeout(placement):
   timeout_s = 3.0

@@ -90,6 +90,7 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 }
 
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::F32> lhs_scales, ffi::Buffer<ffi::F32> w_scales,
                              ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::S32> seg_rows,
                              ffi::Buffer<ffi::S32> seg_ret_off, ffi::Buffer<ffi::S32> slot_ret_row,
                              ffi::Buffer<ffi::S32> ret_rows_expected, ffi::Buffer<ffi::S32> group_op,
@@ -97,8 +98,10 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Result<ffi::AnyBuffer> slot_out, ExpertCombineAttrs attrs) {
   NoteHandlerCall(HandlerOp::kExpertCombine, stream);
   const bool transpose_rhs = attrs.transpose_rhs;
-  auto shape = CheckExpertCombine(lhs, w, gates, seg_rows, seg_ret_off, slot_ret_row, *y, *slot_out, transpose_rhs);
+  auto shape = CheckExpertCombine(lhs, w, lhs_scales, w_scales, gates, seg_rows, seg_ret_off, slot_ret_row, *y,
+                                  *slot_out, transpose_rhs);
   if (shape.has_error()) return shape.error();
+  const Fp8ProducerArgs fp8{shape->fp8, lhs_scales.typed_data(), shape->scales_ld, w_scales.typed_data()};
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckExpertCombinePlan(*shape, c.value().ws->ranks()); e.failure()) return e;
@@ -106,7 +109,7 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              w.untyped_data(), shape->E_local, shape->N, transpose_rhs, gates.typed_data(), shape->T,
                              shape->k, seg_rows.typed_data(), seg_ret_off.typed_data(), slot_ret_row.typed_data(),
                              ret_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
-                             y->untyped_data(), shape->want_slots ? slot_out->untyped_data() : nullptr));
+                             y->untyped_data(), shape->want_slots ? slot_out->untyped_data() : nullptr, fp8));
 }
 
 // gather_rs (GEMM2 + GatherRS): the CPU handler's shape checks and its rule on R; token_rows' entries are device data,

@@ -13,6 +13,7 @@
 
 #include "cuda/device/copy.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/launch.h"
 #include "cuda/ops/expert_producer.cuh"
 #include "cuda/ops/gather_consumer.cuh"
@@ -37,14 +38,20 @@ namespace {
 // kGather (gather_rs): every tile goes to stage and publishes its band, and the consumer is GatherConsume (ga), which
 // every source needs, so C >= 1 even where no band goes to another rank; C is gather_rs's model's where it chooses
 // (GatherConsumersOfCall).
+//
+// kEngine = kWgmmaFp8: the producer multiplies e4m3 lhs [cap, K] by e4m3 w [E_l, N, K] (a_map, b_map, sa_map: the FP8
+// grouped GEMM's maps, wgmma_grouped_fp8.cuh's CachedFp8Maps; w_scales [E_l, N/128, K/128]) into T rows; lhs and w
+// are unread (the maps carry them).
 template <typename T, int kEngine, bool kTransB, bool kGather>
 __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     ExpertKernel(RankDev rd, const T* __restrict__ lhs, const T* __restrict__ w, int64_t cap, int64_t K, int64_t N,
                  const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l,
                  const __grid_constant__ ConsumerConfig pol, const GatherArgs ga,
-                 const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
+                 const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                 const __grid_constant__ CUtensorMap sa_map, const float* __restrict__ w_scales) {
+  static_assert(kEngine != kWgmmaFp8 || (!kTransB && !kGather), "the e4m3 producer is expert_combine's, w K-major");
   extern __shared__ __align__(16) char smem[];
-  __shared__ int32_t tile_prefix[kEngine == kWgmma ? kMaxSegments + 1 : 1];
+  __shared__ int32_t tile_prefix[kWgmmaLoop<kEngine> ? kMaxSegments + 1 : 1];
   __shared__ CallState st;
   __shared__ SegTable table;
   __shared__ TableScratch scratch;
@@ -91,8 +98,14 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0_last), now);
     }
     if constexpr (kEngine == kWgmma)
-      ProduceWgmma<kTransB>(rd, table, st.epoch, a_map, b_map, K, N, stage, ret, flags, pid, np, tile_prefix,
-                            scratch.warp_sums, smem, kGather, pol.band_m);
+      ProduceWgmma(rd, table, st.epoch, WgmmaBf16Operands<kTransB>(a_map, b_map), K, N, stage, ret, flags, pid, np,
+                   tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m);
+    else if constexpr (kEngine == kWgmmaFp8)
+      ProduceWgmma(rd, table, st.epoch,
+                   wgmma_gemm::Fp8BlockScaledOperands{
+                       &a_map, &b_map, &sa_map,
+                       {w_scales, (int)(N / wgmma_gemm::kScaleChunk), (int)(K / wgmma_gemm::kScaleChunk)}},
+                   K, N, stage, ret, flags, pid, np, tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m);
     else
       ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
                                                     smem, kGather);
@@ -199,9 +212,12 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
 
 template <typename T, int kEngine, bool kTransB, bool kGather>
 Status PrepareExpertKernel(int dev, int* smem_bytes) {
-  const int need = kEngine == kWgmma ? wgmma_gemm::kLoopSmemBytes : kEngine == kMmaSync ? kTcSmemBytes : kSimtSmemBytes;
+  const int need = kEngine == kWgmmaFp8 ? wgmma_gemm::LoopSmemBytes<wgmma_gemm::kStages, wgmma_gemm::kFp8ExtraBytes>()
+                   : kEngine == kWgmma  ? wgmma_gemm::kLoopSmemBytes
+                   : kEngine == kMmaSync ? kTcSmemBytes
+                                         : kSimtSmemBytes;
   return PrepareOneCtaPerSm(reinterpret_cast<const void*>(ExpertKernel<T, kEngine, kTransB, kGather>),
-                            kEngineThreads<kEngine>, need, kEngine == kWgmma ? kWgmmaKernelSetup : KernelSetup{},
+                            kEngineThreads<kEngine>, need, kWgmmaLoop<kEngine> ? kWgmmaKernelSetup : KernelSetup{},
                             "ExpertKernel", dev, smem_bytes);
 }
 
@@ -215,7 +231,8 @@ struct ExpertLaunch {
   const int32_t *seg_rows, *seg_ret_off;
   ConsumerConfig pol;  // smem_bytes is filled in here
   GatherArgs gather;   // active: gather_rs's kernel
-  CUtensorMap a_map, b_map;
+  CUtensorMap a_map, b_map, sa_map;  // sa_map: the e4m3 producer's lhs scales
+  const float* w_scales;             // the e4m3 producer's
 };
 
 // Prepares ExpertKernel<T, kEngine, kTransB, kGather> on the device (once) and launches it: one CTA per SM of the
@@ -228,7 +245,7 @@ Status LaunchExpertKernel(ExpertLaunch l) {
   l.pol.smem_bytes = smem;
   ExpertKernel<T, kEngine, kTransB, kGather><<<l.budget, kEngineThreads<kEngine>, smem, l.stream>>>(
       l.rd, static_cast<const T*>(l.lhs), static_cast<const T*>(l.w), l.cap, l.K, l.N, l.seg_rows, l.seg_ret_off,
-      (int)l.E_l, l.pol, l.gather, l.a_map, l.b_map);
+      (int)l.E_l, l.pol, l.gather, l.a_map, l.b_map, l.sa_map, l.w_scales);
   return LaunchError("launch of ExpertKernel");
 }
 
@@ -239,6 +256,12 @@ Status LaunchExpertKernel(const ExpertLaunch& l, bool transpose_rhs) {
                          : LaunchExpertKernel<T, kEngine, false, true>(l);
   return transpose_rhs ? LaunchExpertKernel<T, kEngine, true, false>(l)
                        : LaunchExpertKernel<T, kEngine, false, false>(l);
+}
+
+// The e4m3 producer's kernels (expert_combine's consumer, w K-major) for both output dtypes.
+Status PrepareExpertFp8Kernels(int dev, int* smem_bytes) {
+  Status s = PrepareExpertKernel<bf16, kWgmmaFp8, false, false>(dev, smem_bytes);
+  return s.ok() ? PrepareExpertKernel<float, kWgmmaFp8, false, false>(dev, smem_bytes) : s;
 }
 
 // PrepareExpertKernel for both layouts of w and both consumers (expert_combine's, gather_rs's).
@@ -258,6 +281,7 @@ Status PrepareExpertKernels(int dev) {
   Status s = GetDeviceInfo(dev, &info);
   if (s.ok() && GemmEngineDeviceRefusal(GemmEngine::kWgmma, info.cc) == nullptr)
     s = PrepareExpertKernelSet<bf16, kWgmma>(dev, &smem);
+  if (s.ok() && Fp8GroupedGemmDeviceRefusal(info.cc) == nullptr) s = PrepareExpertFp8Kernels(dev, &smem);
   if (s.ok()) s = PrepareExpertKernelSet<bf16, kMmaSync>(dev, &smem);
   if (s.ok()) s = PrepareExpertKernelSet<bf16, kSimt>(dev, &smem);
   if (s.ok()) s = PrepareExpertKernelSet<float, kSimt>(dev, &smem);
@@ -320,7 +344,7 @@ constexpr int kProducerBandM = 4;
 
 Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const void* lhs, int64_t cap, int64_t K,
                             const void* w, int64_t E_l, int64_t N, bool transpose_rhs, const int32_t* seg_rows,
-                            const int32_t* seg_ret_off, const GatherArgs& gather) {
+                            const int32_t* seg_ret_off, const GatherArgs& gather, const Fp8ProducerArgs& fp8) {
   Status s;
   Workspace& ws = *c.ws;
   const RankDev rd = ws.Dev(c.group, c.rank);
@@ -349,14 +373,25 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   pol.max_ctas = ModelMaxCtas(budget);
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
+  if (fp8.active) {
+    if (const char* why = Fp8GroupedGemmDeviceRefusal(info.cc))
+      return FailCall(c, op, std::string("e4m3 operands: ") + why);
+    if (const char* why = wgmma_gemm::GroupedGemmFp8Refusal(cap, K, N, E_l, fp8.scales_ld, lhs, fp8.lhs_scales, w,
+                                                            fp8.w_scales, lhs))
+      return FailCall(c, op, std::string("e4m3 operands: ") + why);
+  }
+  // (The e4m3 producer is no GemmEngine: wgmma's loop over another operand format.)
   const std::optional<GemmEngine> selected =
-      SelectGemmEngine(info.cc, {dt, GemmForm::kRows, cap, K, N, transpose_rhs, GemmEpilogue::kNone, lhs, w});
+      fp8.active ? std::optional<GemmEngine>(GemmEngine::kWgmma)
+                 : SelectGemmEngine(info.cc, {dt, GemmForm::kRows, cap, K, N, transpose_rhs, GemmEpilogue::kNone, lhs,
+                                              w});
   if (!selected)
     return FailCall(c, op, std::string("no GEMM engine takes ") + Traits(dt).name + " operands on this device");
   const GemmEngine engine = *selected;
   // The fixed C; also gather_rs's under the model where no band goes to another rank (GatherConsumersOfCall).
   const int fixed = std::max(1, std::min(ws.consumer_ctas(), budget - 1));
-  const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, engine);
+  const ConsumerPolicy policy = fp8.active && c.opts.consumer_ctas == 0 ? ConsumerPolicy::kFixed
+                                                                         : SelectConsumerPolicy(ws, c.opts, engine);
   if (policy == ConsumerPolicy::kPinned) {
     pol.consumers = c.opts.consumer_ctas;
   } else if (policy == ConsumerPolicy::kModel) {
@@ -374,7 +409,19 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   if (!(s = CudaStatus(cudaMemsetAsync(rd.band_done, 0, BandCounterBytes(ws.sizes().max_bands), c.stream),
                        "cudaMemsetAsync(band counters)")).ok())
     return s;
-  ExpertLaunch l{c.stream, dev, budget, rd, lhs, w, cap, K, N, E_l, seg_rows, seg_ret_off, pol, gather, {}, {}};
+  ExpertLaunch l{c.stream, dev, budget, rd, lhs, w, cap, K, N, E_l, seg_rows, seg_ret_off, pol, gather, {}, {}, {},
+                 fp8.w_scales};
+  if (fp8.active) {  // the FP8 grouped GEMM's three tensor maps
+    CUtensorMap maps[3];
+    if (!(s = CudaStatus(wgmma_gemm::CachedFp8Maps(lhs, fp8.lhs_scales, fp8.scales_ld, cap, K, w, E_l, N, maps),
+                         "tensor maps of the e4m3 producer")).ok())
+      return s;
+    l.a_map = maps[0];
+    l.b_map = maps[1];
+    l.sa_map = maps[2];
+    return dt == DType::kF32 ? LaunchExpertKernel<float, kWgmmaFp8, false, false>(l)
+                             : LaunchExpertKernel<bf16, kWgmmaFp8, false, false>(l);
+  }
   if (engine == GemmEngine::kWgmma) {  // the TMA descriptors of the wgmma engine (unused by the others)
     if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(lhs, cap, K, w, E_l, N, /*b_k_major=*/transpose_rhs, &l.a_map,
                                                     &l.b_map),
@@ -390,12 +437,13 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
 Status ExpertCombine(const CallSite& c, DType dt, const void* lhs, int64_t cap, int64_t K, const void* w, int64_t E_l,
                      int64_t N, bool transpose_rhs, const float* gates, int64_t T, int64_t k, const int32_t* seg_rows,
                      const int32_t* seg_ret_off, const int32_t* slot_ret_row, const int32_t* ret_expected,
-                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out) {
+                     const int32_t* group_op, const int32_t* rank_op, void* y, void* slot_out,
+                     const Fp8ProducerArgs& fp8) {
   const int64_t row_bytes = RowBytes(dt, N);
   Status s = BeginCall(c, "expert_combine", CallFootprint{row_bytes, cap, T * k, E_l}, group_op, rank_op);
   if (!s.ok()) return s;
   s = LaunchExpertOperator(c, "expert_combine", dt, lhs, cap, K, w, E_l, N, transpose_rhs, seg_rows, seg_ret_off,
-                           GatherArgs{});
+                           GatherArgs{}, fp8);
   if (!s.ok()) return s;
   const RankDev rd = c.ws->Dev(c.group, c.rank);
   return LaunchCombine(rd, c.ws->budget(c.group, c.rank), c.stream, dt, gates, slot_ret_row, ret_expected, T, k, N,

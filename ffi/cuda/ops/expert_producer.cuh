@@ -14,6 +14,7 @@
 #include "cuda/gemm/sm80/mma_tile.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
 #include "cuda/gemm/sm90/wgmma_mainloop.cuh"
+#include "cuda/gemm/sm90/wgmma_mainloop_fp8.cuh"
 #include "cuda/launch.h"
 #include "cuda/schedule/segment_table.cuh"
 #include "cuda/workspace/protocol.cuh"
@@ -27,14 +28,19 @@ using bf16 = __nv_bfloat16;
 // the backward pass), else w is [E_l, K, N]. Meaning as in gemm/sm80/mma_tile.cuh: B[k, n] = kTransB ? w_e[n K + k]
 // : w_e[k N + n].
 
-// The engines (gemm/engine.h's GemmEngine) as int template arguments of the producer kernels.
+// The engines (gemm/engine.h's GemmEngine) as int template arguments of the producer kernels, and the wgmma engine
+// over the e4m3 block-scaled operand format (kWgmmaFp8: no GemmEngine, as the FP8 grouped GEMM is none; the call's
+// e4m3 operands select it, gemm/engine.h's Fp8GroupedGemmDeviceRefusal says where it runs).
 enum Engine : int {
   kSimt = static_cast<int>(GemmEngine::kSimt),
   kMmaSync = static_cast<int>(GemmEngine::kMmaSync),
   kWgmma = static_cast<int>(GemmEngine::kWgmma),
+  kWgmmaFp8 = kGemmEngineCount,
 };
 template <int kEngine>
-constexpr int kEngineThreads = kEngine == kWgmma ? wgmma_gemm::kThreads : kThreads;
+constexpr bool kWgmmaLoop = kEngine == kWgmma || kEngine == kWgmmaFp8;
+template <int kEngine>
+constexpr int kEngineThreads = kWgmmaLoop<kEngine> ? wgmma_gemm::kThreads : kThreads;
 
 // How PrepareOneCtaPerSm prepares a kernel of the wgmma engine: wgmma_gemm::PrepareWgmmaKernel checks a Hopper device,
 // the sm_90a build and the register budget, then sets the shared memory.
@@ -181,11 +187,12 @@ __device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const 
   return at;
 }
 
-template <bool kTransB>
-__device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const CUtensorMap& a_map,
-                                    const CUtensorMap& b_map, int64_t K, int64_t N, bf16* stage, bf16* ret,
-                                    uint64_t* flags, int pid, int np, int32_t* tile_prefix, int64_t* warp_sums,
-                                    char* smem, bool gather, int band_m) {
+// The tile loop over the operand format Ops (wgmma_gemm::Bf16Operands, or Fp8BlockScaledOperands: e4m3 lhs [cap, K]
+// and w [E_l, N, K] with their scales), storing T rows (bfloat16; float32 with the e4m3 operands only).
+template <class Ops, typename T>
+__device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const Ops& ops,
+                                    int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int pid, int np,
+                                    int32_t* tile_prefix, int64_t* warp_sums, char* smem, bool gather, int band_m) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
@@ -203,11 +210,18 @@ __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, ui
     return t;
   };
   auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
-  // The loop's kTransB is the wgmma instruction's operand layout, the opposite sense of ours: 1 = B MN-major (w [E_l,
-  // K, N], b_map built with b_k_major = false), 0 = B K-major (w [E_l, N, K], b_k_major = true), as the bare grouped
-  // GEMM's transpose_rhs (gemm/sm90/wgmma_grouped.cuh, GroupedGemmWithDone).
-  wgmma_gemm::WgmmaTileLoop<kTransB ? 0 : 1, false>(a_map, b_map, (int)K, pid, np, tile_prefix[table.n], tile_of,
-                                                    tile_done, smem);
+  wgmma_gemm::WgmmaLoop<Ops, std::is_same<T, float>::value>(ops, (int)K, tile_prefix[table.n],
+                                                            wgmma_gemm::StaticTiles{pid, np}, tile_of, tile_done,
+                                                            smem);
+}
+
+// The bf16 operands: the loop's kTransB is the wgmma instruction's operand layout, the opposite sense of ours: 1 = B
+// MN-major (w [E_l, K, N], b_map built with b_k_major = false), 0 = B K-major (w [E_l, N, K], b_k_major = true), as
+// the bare grouped GEMM's transpose_rhs (gemm/sm90/wgmma_grouped.cuh, GroupedGemmWithDone).
+template <bool kTransB>
+__device__ __forceinline__ wgmma_gemm::Bf16Operands<kTransB ? 0 : 1> WgmmaBf16Operands(const CUtensorMap& a_map,
+                                                                                       const CUtensorMap& b_map) {
+  return {&a_map, &b_map};
 }
 
 }  // namespace jmo::cuda
