@@ -80,14 +80,6 @@ def _forward(x, w1, w2, route, gemms):
 
 
 def _backward(gemms, residuals, d_ret):
-  dx, dw1, dw2 = experts_backward(gemms, residuals, d_ret)
-  return dx, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), residuals[1])
-
-
-def experts_backward(gemms, residuals, d_ret):
-  """The backward of the experts of this rank's tokens from the output gradient of the rows that came back
-  (d_ret [T TP k, D], ``route.combine_rows``' order): (dx [T, D], w1's cotangent, w2's cotangent). residuals: (what
-  ``recipe_forward`` kept, the route, x_like: an empty [T, 0] array of x's dtype)."""
   kept, route, x_like = residuals
   dyq, dys = moved(route.dispatch, route, *fp8.quantize_rows(d_ret, pow2=True))
   dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dyq, dys, x_like.dtype)
@@ -96,7 +88,7 @@ def experts_backward(gemms, residuals, d_ret):
   # JAX's transpose of slot_rows (the sum over a token's slots, and with a tensor axis the reduce-scatter).
   x_shape = jax.ShapeDtypeStruct((x_like.shape[0], dx_recv.shape[1]), x_like.dtype)
   (dx,) = jax.linear_transpose(route.slot_rows, x_shape)(route.from_send_buffer(route.combine_rows(dx_recv)))
-  return dx, dw1, dw2
+  return dx, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), route)
 
 
 fp8_exchanged_experts.defvjp(_forward, _backward)

@@ -381,9 +381,10 @@ def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
   return gemms.rows(*h_rows, w2q, group_sizes, out_dtype), kept
 
 
-def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
-  """The backward from the output gradient quantized (1 x 128, power-of-two scales): (dx [M, D] in dx_dtype, w1's
-  cotangent, w2's cotangent)."""
+def recipe_dgrad_operands(gemms, kept, dyq, dys):
+  """The backward up to the input gradient's GEMM, from the output gradient quantized (1 x 128, power-of-two
+  scales): (da quantized 1 x 128 (its values and scales), W1^T as that GEMM reads it (an ``Fp8Weight``), w1's
+  cotangent, w2's cotangent). dx = da W1^T."""
   (xq, xs, (aq, a_s), w1_kept, w2_kept, group_sizes, w1_like, w2_like) = kept
   tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
 
@@ -392,13 +393,20 @@ def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
   dh = gemms.rows(dyq, dys, _dgrad_weight(w2_kept, gemms), group_sizes)
   h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh, tiles)
   dw2 = gemms.outer(h_cols, gemms.columns_of_rows(dyq, dys, tiles), tiles, group_sizes, w2_dtype)
-  dx = gemms.rows(*da_rows, _dgrad_weight(w1_kept, gemms), group_sizes, dx_dtype)
   dw1 = gemms.outer(gemms.columns_of_rows(xq, xs, tiles), da_cols, tiles, group_sizes, w1_dtype)
 
   def weight_ct(dw, like, w_kept):
     return jax.tree.map(jnp.zeros_like, w_kept) if like is None else dw
 
-  return dx, weight_ct(dw1, w1_like, w1_kept), weight_ct(dw2, w2_like, w2_kept)
+  return (da_rows, _dgrad_weight(w1_kept, gemms), weight_ct(dw1, w1_like, w1_kept),
+          weight_ct(dw2, w2_like, w2_kept))
+
+
+def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
+  """The backward from the output gradient quantized (1 x 128, power-of-two scales): (dx [M, D] in dx_dtype, w1's
+  cotangent, w2's cotangent)."""
+  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dyq, dys)
+  return gemms.rows(*da_rows, w1_t, kept[5], dx_dtype), dw1, dw2
 
 
 def _forward(x, w1, w2, group_sizes, gemms):

@@ -23,8 +23,8 @@ each shard's partial output comes back per slot in the compute dtype, where impl
 float32 (a reduce-scatter), so the two agree to the compute dtype's rounding.
 
 GEMM2 overlapped with the way back (``fp8_combined_experts``, where ``fuses_combine``): GEMM2 and the return are one
-``expert_combine_fp8`` call (the overlapped operator with the FP8 grouped GEMM as its producer), with the same
-values and gradients as the unfused block. Not fused (docs/design.md): the dispatch with GEMM1 (``dispatch_gemm``
+``expert_combine_fp8`` call (the overlapped operator with the FP8 grouped GEMM as its producer), and in the backward
+the input gradient's GEMM da W1^T and its return another, with the same values and gradients as the unfused block. Not fused (docs/design.md): the dispatch with GEMM1 (``dispatch_gemm``
 takes float32 and bfloat16 rows).
 """
 
@@ -40,8 +40,8 @@ import numpy as np
 from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.fp8_exchange import experts_backward, fp8_exchanged_experts, moved
-from jax_moe_overlap.fp8_experts import Gemms, recipe_gemm1, recipe_gemms
+from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts, moved
+from jax_moe_overlap.fp8_experts import Gemms, recipe_dgrad_operands, recipe_gemm1, recipe_gemms
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_rows, expert_combine_fp8
 from jax_moe_overlap.xla_path import combine_slots, move_rows, token_slots
 
@@ -151,8 +151,9 @@ def fp8_combined_experts(x, gates, w1, w2, route: WorkspaceRoute, gemms: Gemms):
   ``fp8_exchange.fp8_exchanged_experts``, then one ``expert_combine_fp8`` call (GEMM2 on e4m3 h and w2, each finished
   band shipped to its slots' owner, the gate-weighted sum in float32, j = 0..k-1). The same values as the unfused
   block's (the same GEMM rows, rounded to x's dtype, summed in the same order), and its backward: the gates' gradient
-  and the slots' output gradients from the slots' rows as ``xla_path.combine_slots`` differentiates them, then
-  ``fp8_exchange.experts_backward``."""
+  and the slots' output gradients from the slots' rows as ``xla_path.combine_slots`` differentiates them, the
+  gradients dispatched in FP8 to the recipe's backward (``fp8_experts.recipe_dgrad_operands``), and dx = da W1^T
+  returned by a second ``expert_combine_fp8`` (unit gates: each token's kept slots summed in float32)."""
   return _combined_forward(x, gates, w1, w2, route, gemms, want_slots=False)[0]
 
 
@@ -167,7 +168,12 @@ def _combined_backward(gemms, residuals, dy):
   kept, route, x_like, slot_out, gates = residuals
   _, pull = jax.vjp(lambda s, g: _combined(s, g, route, x_like.dtype), slot_out, gates)
   d_slots, d_gates = pull(dy)
-  dx, dw1, dw2 = experts_backward(gemms, (kept, route, x_like), route.to_send_buffer(d_slots))
+  dyq, dys = moved(route.dispatch, route, *fp8.quantize_rows(route.to_send_buffer(d_slots), pow2=True))
+  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dyq, dys)
+  # dx = da W1^T overlapped with its way back: each token sums its kept slots' rows (unit gates, float32, in slot
+  # order), as the forward's return.
+  dx, _ = expert_combine_fp8(*da_rows, w1_t, jnp.ones(gates.shape, jnp.float32), route.plan, route.info, False,
+                             x_like.dtype)
   return dx, d_gates, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), route)
 
 

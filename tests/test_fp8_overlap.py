@@ -94,9 +94,9 @@ def dispatch_operands(hlo: str, target: str) -> list[tuple[str, ...]]:
 
 def test_rows_cross_the_dispatch_in_fp8():
   """The lowered forward and backward: x's rows and the slots' output gradients dispatched as uint8 rows of
-  D + D / 32 bytes (0.516 of bfloat16's 2D), GEMM2 and the way back one expert_combine on e4m3 h and w2 (its
-  results in bfloat16), the input gradient back in bfloat16 by a dispatch; no dispatch_gemm (it takes no packed
-  rows)."""
+  D + D / 32 bytes (0.516 of bfloat16's 2D); GEMM2 and the way back one expert_combine on e4m3 h and w2, and the
+  input gradient's GEMM and its way back one on e4m3 da and W1^T (their results in bfloat16); no dispatch_gemm (it
+  takes no packed rows)."""
   mesh = mesh_of(4)
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 3)
   hlo = jax.jit(layer_grads(mesh, ids, cot, "overlap", 0.5, None, ())).lower(x, gates, w1, w2).as_text()
@@ -104,9 +104,13 @@ def test_rows_cross_the_dispatch_in_fp8():
   rows = [ops[0] for ops in dispatch_operands(hlo, "jmo_dispatch")]   # (the CPU calls' ordering token: no tensor)
   t, p, cap = T // 4, T // 4 * K, plan_lib.recv_capacity(T // 4, 4, K, E // 4, plan_lib.expert_capacity(
       T // 4, 4, K, E, 0.5))
-  assert rows == [f"tensor<{t}x{ROW}xui8>", f"tensor<{p}x{ROW}xui8>", f"tensor<{cap}x{D}xbf16>"], rows
+  assert rows == [f"tensor<{t}x{ROW}xui8>", f"tensor<{p}x{ROW}xui8>"], rows
   combines = [ops[:2] for ops in dispatch_operands(hlo, "jmo_expert_combine")]
-  assert combines == [(f"tensor<{cap}x{F}xf8E4M3FN>", f"tensor<{E // 4}x{D}x{F}xf8E4M3FN>")], combines
+  assert combines == [(f"tensor<{cap}x{F}xf8E4M3FN>", f"tensor<{E // 4}x{D}x{F}xf8E4M3FN>"),
+                      (f"tensor<{cap}x{2 * F}xf8E4M3FN>", f"tensor<{E // 4}x{D}x{2 * F}xf8E4M3FN>")], combines
+  results = [re.findall(r"tensor<[^>]*>", line.split("->")[1]) for line in hlo.splitlines()
+             if "@jmo_expert_combine(" in line]
+  assert [r[-2] for r in results] == [f"tensor<{T // 4}x{D}xbf16>"] * 2, results  # y, then dx
   assert ROW / (2 * D) == pytest.approx(0.516, abs=1e-3)
   # Without quantization the same layer dispatches bfloat16 rows of 2D bytes.
   plain = jax.jit(lambda x: jmo.moe_experts(x, ids, gates, w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),

@@ -12,8 +12,8 @@ Cases:
     this process's shards by rank (the oracle: one process holding every rank); $JMO_ORACLE: each process compares
     its shards bitwise with that file and prints "process <i>: bitwise". Then the processes release their
     workspaces together.
-  fp8: as equal, with quantization="fp8" (bfloat16 only, D = F = 128) and GEMM2 with the way back as one
-    expert_combine call on e4m3 operands (fp8_overlap.FUSED_COMBINE_ON_GPU set here: the fused FP8 combine's kernel
+  fp8: as equal, with quantization="fp8" (bfloat16 only, D = F = 128) and GEMM2 with the way back (and in the
+    backward dx = da W1^T with its way back) as expert_combine calls on e4m3 operands (fp8_overlap.FUSED_COMBINE_ON_GPU set here: the fused FP8 combine's kernel
     on CUDA, also where the library's default leaves it off); the reference is the FP8 recipe's oracle
     (impl="reference", quantization="fp8" on this process's GPU, whole experts) within 1e-2 relative; prints "fused
     combine" when the program holds that call.
