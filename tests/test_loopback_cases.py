@@ -23,8 +23,8 @@ def _all_cases():
       # combine-time and backward-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in
       # the slow pass; tensor-time, the tensor suite's GatherRS cases (plans like its per-slot cases') and the
       # regret suite's parts run alone (regret-gather, regret-push: the regret suite's own cases) in the slow pass
-      slow = ((name in ("combine-time", "backward-time") and c.ranks != 8) or name == "tensor-time" or c.gather_rs
-              or name in ("regret-gather", "regret-push"))
+      slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
+              name == "tensor-time" or c.gather_rs or name in ("regret-gather", "regret-push"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
@@ -192,7 +192,7 @@ TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
 @pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},
                                 {"dispatch_gemm_pushers": cases_lib.AUTO, "dispatch_gemm_mode": "train"},
                                 {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"}, {"check_tokens": 4},
-                                *TENSOR_SMALL])
+                                {"fp8": True, "k_dim": 256, "n_dim": 128}, *TENSOR_SMALL])
 def test_check_verdicts(kw, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
@@ -267,6 +267,31 @@ def test_check_verdicts(kw, monkeypatch):
     bad["first"][1][1]["a2"] = bytes(a2)
     v = check_lib.check(case, sets, bad)
     assert not v.passed and any("differs from dispatch + GEMM1 as two calls" in f for f in v.failures)
+
+
+def test_fp8_operands_are_the_quantized_references():
+  """--fp8: the runner gets e4m3 lhs and w (uint8) with their float32 scales (lhs's MN-major over ld >= cap columns,
+  NaN past the received rows), and the references' lhs and w are exactly their dequantized values; the cases refuse
+  what the FP8 producer does not take."""
+  from jax_moe_overlap import fp8  # pylint: disable=g-import-not-at-top
+  case = _small_case(fp8=True, k_dim=256, n_dim=128, datasets=1)
+  assert case.invalid() is None and "lhs,w=e4m3" in case.name()
+  (ranks,) = cases_lib.make_data(case)
+  for d in ranks:
+    got = d.inputs(case)
+    n, K, N, E_l = int(d.plan["recv_rows"]), case.k_dim, case.n_dim, case.experts_per_rank
+    assert got["lhs"].dtype == np.uint8 and got["lhs"].shape == (n, K)
+    assert got["w"].dtype == np.uint8 and got["w"].shape == (E_l, N, K)
+    assert got["w_scales"].shape == (E_l, N // 128, K // 128)
+    sc = got["lhs_scales"]
+    assert sc.shape[0] == K // 128 and sc.shape[1] >= case.cap and sc.shape[1] % 4 == 0
+    assert np.isnan(sc[:, n:]).all() and np.isfinite(sc[:, :n]).all() and (sc[:, :n] > 0).all()
+    q = got["lhs"].view(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(fp8.dequantize_rows(q, sc[:, :n].T)), d.lhs.f)
+    weight = fp8.Fp8Weight(got["w"].view(ml_dtypes.float8_e4m3fn), got["w_scales"])
+    np.testing.assert_array_equal(np.asarray(weight.dequantize()), d.w.f)
+  for bad in (dict(k_dim=200), dict(n_dim=136), dict(transpose_rhs=True), dict(dispatch_gemm_pushers=2)):
+    assert "fp8 takes" in (dataclasses.replace(case, **bad).invalid() or ""), bad
 
 
 def test_forced_timeout_report(monkeypatch):

@@ -57,6 +57,22 @@ def test_loopback_dispatch_gemm_suite():
     assert re.search(rf"PASS R={r} .* mode={mode} x_recv=copied", proc.stdout), (r, mode)
 
 
+@pytest.mark.watchdog_s(300)  # the subprocess's own limit is 240 s
+def test_loopback_combine_fp8_suite():
+  """expert_combine with the FP8 producer (e4m3 lhs and w with their scales: the FP8 layer's GEMM2 and way back):
+  R = 1, 2, 4, 8 with balanced and moderate routing, every band pushed, drops, the fixed C, float32 outputs, the
+  serialized form and an emulated link, y and the slots' rows against the host's float32 products of the dequantized
+  operands, bit-identical repeats. Hopper only (e4m3 wgmma)."""
+  from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
+  if not is_hopper():
+    pytest.skip("the FP8 producer runs on Hopper (sm_90a) only")
+  proc = run_loopback(["--suite", "combine-fp8"], timeout=240)
+  m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
+  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 14, proc.stdout[-4000:]
+  for r in (1, 2, 4, 8):
+    assert re.search(rf"PASS R={r} .* lhs,w=e4m3 .* producer wgmma e4m3", proc.stdout), r
+
+
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 @pytest.mark.watchdog_s(460)  # the subprocess's own limit is 400 s
 def test_compute_sanitizer(tool):

@@ -48,6 +48,10 @@ class Case:
   capacity_factor: float = 0.0   # 0: dropless, else plan.expert_capacity's rule
   f32: bool = False              # float32 operands (SIMT producer) instead of bfloat16 (tensor cores)
   transpose_rhs: bool = False    # expert_combine's w stored [E_l, N, K] and read transposed in place
+  # expert_combine's producer on e4m3 operands (the FP8 grouped GEMM's loop, Hopper): lhs quantized 1 x 128, w per
+  # 128 x 128 block (fp8.quantize_rows, fp8.quantize_weight), the references on their dequantized values; its rows and
+  # outputs bfloat16 (float32 with f32). K and N multiples of 128, no tensor axis, no dispatch_gemm.
+  fp8: bool = False
   delay_rank: int = -1           # this rank is held back delay_us at the start of every call
   delay_us: int = 0
   timeout_at: int = -1           # at this iteration the last rank skips its dispatch: the others time out, the next
@@ -228,6 +232,9 @@ class Case:
       return f"link_gbps {self.link_gbps} must be >= 0"
     if self.gather_rs and (TP < 2 or self.dg):
       return "gather_rs takes a tensor-parallel case (tensor >= 2) without dispatch_gemm"
+    if self.fp8 and (TP > 1 or self.dg or self.transpose_rhs or self.k_dim % 128 or self.n_dim % 128):
+      return ("fp8 takes K and N multiples of 128 (whole scale tiles) without a tensor axis, dispatch_gemm or "
+              "transpose_rhs (its w is [E_l, N, K] always)")
     return None
 
   @property
@@ -245,6 +252,7 @@ class Case:
     consumers = str(self.consumers) if self.consumers > 0 else ("model" if self.model else "fixed")
     s = (f"R={self.ranks}{f' TP={self.tensor}' if self.tensor > 1 else ''} T={self.tokens} k={self.top_k} "
          f"E={self.experts} D={self.d_model} K={self.k_dim} N={self.n_dim} dtype={'f32' if self.f32 else 'bf16'}"
+         f"{' lhs,w=e4m3' if self.fp8 else ''}"
          f"{' w=transposed' if self.transpose_rhs else ''} "
          f"routing={ROUTINGS[min(max(self.routing, 0), len(ROUTINGS) - 1)]}"
          f"{f' zipf={self.zipf:f}' if self.routing == 1 and self.zipf != 1.0 else ''}"
@@ -278,8 +286,9 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "backward-time", "regret",
-          "regret-combine", "regret-gather", "regret-push", "tensor", "tensor-time", "small", "small-mma")
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "combine-fp8",
+          "combine-time-fp8", "backward-time", "regret", "regret-combine", "regret-gather", "regret-push", "tensor",
+          "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -407,6 +416,21 @@ def _combine_time(base: Case, k_factor: int = 1) -> list[Case]:
       link = NVLINK_GBPS / R
       v.append(dataclasses.replace(base, ranks=R, d_model=256, consumers=0, model=calibrated_model(R, link),
                                    link_gbps=link, **dict(shape, k_dim=k_factor * shape["k_dim"]), **_TIMED))
+  return v
+
+
+def _combine_fp8(base: Case) -> list[Case]:
+  # expert_combine with the FP8 producer, checked: R = 1, 2, 4, 8 over balanced, moderate and next-rank routing
+  # (every band pushed), capacity drops, pinned and fixed C, float32 outputs, the serialized form, an emulated link,
+  # K and N not multiples of the 128 x 256 tile.
+  c = dataclasses.replace(base, fp8=True, tokens=256, d_model=128, k_dim=384, n_dim=640, iters=6)
+  v = [dataclasses.replace(c, ranks=R, experts=2 * R, routing=rt) for R in (1, 2, 4, 8) for rt in (0, 1)]
+  v += [dataclasses.replace(c, ranks=4, experts=8, routing=4),
+        dataclasses.replace(c, ranks=4, experts=8, routing=1, capacity_factor=1.0),
+        dataclasses.replace(c, ranks=2, experts=4, consumers=0),
+        dataclasses.replace(c, ranks=2, experts=4, f32=True),
+        dataclasses.replace(c, ranks=2, experts=4, serialize=True),
+        dataclasses.replace(c, ranks=4, experts=8, link_gbps=NVLINK_GBPS / 4)]
   return v
 
 
@@ -589,6 +613,10 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _dispatch_gemm_time(base)
   if name == "combine-time":
     return _combine_time(base)
+  if name == "combine-fp8":
+    return _combine_fp8(base)
+  if name == "combine-time-fp8":  # combine-time with the FP8 producer (its consumer count the fixed C)
+    return [dataclasses.replace(c, fp8=True, consumers=0, model=None) for c in _combine_time(base)]
   if name == "backward-time":
     return _backward_time(base)
   if name == "regret":
@@ -709,6 +737,10 @@ class RankData:
   whole: Any = None    # tensor > 1: the layer's routing and whole experts (tensor.Whole), the references' input
   row_gate: np.ndarray | None = None    # gather_rs: [cap] float32, tensor.gather_tables
   token_rows: np.ndarray | None = None  # gather_rs: [R, T, Q] int32
+  # fp8: what the kernels read (lhs and w above hold their dequantized float32 values, the references'): lhs e4m3
+  # [recv_rows, K] (uint8), its scales [K/128, ld] float32 MN-major (NaN past recv_rows), w e4m3 [E_l, N, K] (uint8)
+  # and its block scales [E_l, N/128, K/128].
+  fp8_operands: dict[str, np.ndarray] | None = None
 
   def inputs(self, case: Case) -> dict[str, Any]:
     """The runner's dict (tools/loopback/module.cc): arrays in the calls' layouts."""
@@ -717,6 +749,8 @@ class RankData:
       w = np.ascontiguousarray(np.swapaxes(w, 1, 2))
     d = {"x": self.x.data, "lhs": self.lhs.data, "w": w, "gates": self.gates,
          "recv_rows": int(self.plan["recv_rows"]), "ret_rows": int(self.plan["ret_rows"])}
+    if case.fp8:
+      d.update(self.fp8_operands)
     for key in ("slot_src_row", "slot_dest_rank", "slot_dest_row", "slot_ret_row", "seg_rows", "seg_ret_off",
                 "expert_rows"):  # (expert_rows: the grouped GEMMs' group sizes)
       d[key] = np.ascontiguousarray(self.plan[key], np.int32)
@@ -741,6 +775,27 @@ def wire_bytes(case: Case, plan: dict[str, np.ndarray], rank: int, row_bytes: in
   return rows, rows * row_bytes + 8 * int(np.count_nonzero(remote))
 
 
+def quantized_operands(lhs: Values, w: Values, cap: int) -> tuple[Values, Values, dict[str, np.ndarray]]:
+  """expert_combine's e4m3 operands from float ones (lhs [recv_rows, K], w [E_l, K, N]), by the library's quantizers
+  on the CPU: (lhs and w dequantized, float32 (the references' values), RankData.fp8_operands)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import fp8  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.grouped_gemm import fp8_scales_ld  # pylint: disable=g-import-not-at-top
+  with jax.default_device(jax.devices("cpu")[0]):
+    q, s = fp8.quantize_rows(jnp.asarray(lhs.f))
+    weight = fp8.quantize_weight(jnp.asarray(w.f))
+    rows = fp8.dequantize_rows(q, s)
+    wf = weight.dequantize()
+  q, s = np.asarray(q).view(np.uint8), np.asarray(s, np.float32)
+  scales = np.full((s.shape[1], fp8_scales_ld(cap)), np.nan, np.float32)  # (NaN: the rows the call must not read)
+  scales[:, :s.shape[0]] = s.T
+  ops = {"lhs": np.ascontiguousarray(q), "lhs_scales": scales,
+         "w": np.ascontiguousarray(np.asarray(weight.values).view(np.uint8)),
+         "w_scales": np.ascontiguousarray(np.asarray(weight.scales, np.float32))}
+  return Values(np.asarray(rows, np.float32)), Values(np.asarray(wf, np.float32)), ops
+
+
 def make_data(case: Case) -> list[list[RankData]]:
   """[data set][rank]: routing, plans from plan.py, random operands (deterministic in case.seed)."""
   rng = np.random.default_rng(case.seed)
@@ -761,6 +816,9 @@ def make_data(case: Case) -> list[list[RankData]]:
       w = random_values(rng, (E_l, K, N), 1.0 / math.sqrt(K), case.f32)
       w1 = random_values(rng, (E_l, D, K), 1.0 / math.sqrt(D), case.f32) if case.dg else None
       gates = rng.uniform(0.1, 1.0, P).astype(np.float32)
-      ranks.append(RankData(plans[r], ids[r], x, lhs, w, gates, w1))
+      fp8_operands = None
+      if case.fp8:
+        lhs, w, fp8_operands = quantized_operands(lhs, w, case.cap)
+      ranks.append(RankData(plans[r], ids[r], x, lhs, w, gates, w1, fp8_operands=fp8_operands))
     sets.append(ranks)
   return sets

@@ -70,6 +70,7 @@ Spec ParseSpec(const nb::dict& d) {
   s.cap = Get<int>(d, "cap", s.cap);
   s.f32 = Get<bool>(d, "f32", s.f32);
   s.transpose_rhs = Get<bool>(d, "transpose_rhs", s.transpose_rhs);
+  s.fp8 = Get<bool>(d, "fp8", s.fp8);
   s.iters = Get<int>(d, "iters", s.iters);
   s.timeout_at = Get<int>(d, "timeout_at", s.timeout_at);
   s.timeout_ms = Get<int64_t>(d, "timeout_ms", s.timeout_ms);
@@ -122,6 +123,8 @@ RankInputs ParseInputs(const nb::dict& d, std::vector<HostArray>* keep) {
   in.ret_rows = nb::cast<int32_t>(d["ret_rows"]);
   in.lhs = ArrayBytes(d, "lhs", keep);
   in.w = ArrayBytes(d, "w", keep);
+  in.lhs_scales = ArrayBytes(d, "lhs_scales", keep);
+  in.w_scales = ArrayBytes(d, "w_scales", keep);
   in.gates = ArrayBytes(d, "gates", keep);
   in.seg_rows = ArrayBytes(d, "seg_rows", keep);
   in.seg_ret_off = ArrayBytes(d, "seg_ret_off", keep);

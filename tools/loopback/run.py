@@ -11,6 +11,9 @@
                                                             (also over an emulated NVLink)
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
                                                             over an emulated NVLink, R = 2, 4, 8, three shapes
+  python -m tools.loopback.run --suite combine-fp8          expert_combine with the FP8 producer (e4m3 operands),
+                                                            checked: R = 1, 2, 4, 8, drops, serialized, a link
+  python -m tools.loopback.run --suite combine-time-fp8     combine-time with the FP8 producer
   python -m tools.loopback.run --suite backward-time        the backward's exchanges over an emulated NVLink: the dgrad
                                                             dispatch with dh = dy W2^T (dispatch_gemm, plain mode) and
                                                             the dx combine (K = 2F), R = 2, 4, 8, vs serialized
@@ -70,6 +73,8 @@ Timing (benchmarks/loopback_runner.py drives these):
   --tensor TP              expert tensor parallelism: the --ranks are ranks / TP expert ranks x TP tensor ranks
                            (tools/loopback/tensor.py; K is the whole expert's)
   --gather-rs              with --tensor: GEMM2 + GatherRS in expert_combine's place
+  --fp8                    expert_combine's producer on e4m3 operands (the FP8 grouped GEMM's loop; K and N multiples
+                           of 128): the FP8 layer's GEMM2 and way back
   --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
   --check-tokens N         check the expert outputs of about N tokens per rank (big timing shapes)
   --copy-ceiling B1,B2     only: median cudaMemcpyAsync device-to-device time of each size
@@ -134,7 +139,7 @@ def parse_args(argv):
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
                      ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table"),
-                     ("--gather-rs", "gather_rs")):
+                     ("--gather-rs", "gather_rs"), ("--fp8", "fp8")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
   ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--x-recv-copied", dest="x_recv_from_tiles", action="store_false", default=argparse.SUPPRESS)

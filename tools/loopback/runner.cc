@@ -87,7 +87,7 @@ class DeviceArena {
 struct DeviceSet {  // one data set of one rank, on the device
   void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
       *ret_expected, *w1 = nullptr, *expert_rows = nullptr, *send_order = nullptr, *send_start = nullptr,
-      *row_gate = nullptr, *token_rows = nullptr, *primary = nullptr;
+      *row_gate = nullptr, *token_rows = nullptr, *primary = nullptr, *lhs_scales = nullptr, *w_scales = nullptr;
 };
 
 class Barrier {
@@ -193,8 +193,10 @@ class Run {
     const std::optional<cuda::GemmEngine> engine = cuda::SelectGemmEngine(
         info.cc, {dt_, cuda::GemmForm::kRows, cap_, K_, N_, s_.transpose_rhs, cuda::GemmEpilogue::kNone, out_y_[0],
                   out_y_[0]});
-    res_.producer = engine ? cuda::GemmEngineName(*engine) : "none";
-    if (engine)
+    res_.producer = s_.fp8 ? "wgmma e4m3" : engine ? cuda::GemmEngineName(*engine) : "none";
+    if (s_.fp8)  // (the e4m3 producer: the pinned or the fixed C, LaunchExpertOperator)
+      res_.consumer_policy = cuda::ConsumerPolicyName(cuda::ConsumerPolicy::kFixed);
+    else if (engine)
       res_.consumer_policy = cuda::ConsumerPolicyName(cuda::SelectConsumerPolicy(*ws_, CallOptions{}, *engine));
     res_.fixed_consumers = std::max(1, std::min(ws_->consumer_ctas(), res_.budget - 1));
     for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
@@ -223,8 +225,13 @@ class Run {
         d.dest_row = mem_.Keep(ToDevice(in.slot_dest_row));
         d.recv_expected = mem_.Keep(ToDevice(in.recv_rows));
         d.primary = in.slot_primary.n > 0 ? mem_.Keep(ToDevice(in.slot_primary)) : nullptr;
-        d.lhs = mem_.Keep(ToDevice(in.lhs.p, in.lhs.n, (size_t)cap_ * K_ * eb_, 0xFF));  // padding rows NaN
+        // Padding rows NaN (all bits set: NaN in bfloat16, float32 and e4m3).
+        d.lhs = mem_.Keep(ToDevice(in.lhs.p, in.lhs.n, (size_t)cap_ * K_ * (s_.fp8 ? 1 : eb_), 0xFF));
         d.w = mem_.Keep(ToDevice(in.w));
+        if (s_.fp8) {
+          d.lhs_scales = mem_.Keep(ToDevice(in.lhs_scales));
+          d.w_scales = mem_.Keep(ToDevice(in.w_scales));
+        }
         d.gates = mem_.Keep(ToDevice(in.gates));
         d.seg_rows = mem_.Keep(ToDevice(in.seg_rows));
         d.seg_ret_off = mem_.Keep(ToDevice(in.seg_ret_off));
@@ -318,10 +325,24 @@ class Run {
                                /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r], sms);
   }
 
-  // expert_combine's GEMM2 alone over the first M rows of lhs into out_gemm2, by GroupedMatmul on the rank's SM budget.
+  // expert_combine's GEMM2 alone over the first M rows of lhs into out_gemm2, by GroupedMatmul (fp8:
+  // GroupedMatmulFp8) on the rank's SM budget.
   Status Gemm2(int r, cudaStream_t stream, const DeviceSet& d, int64_t M) {
+    if (s_.fp8)
+      return cuda::GroupedMatmulFp8(stream, dt_ == DType::kF32, d.lhs, (const float*)d.lhs_scales, ScalesLd(), M, K_,
+                                    d.w, (const float*)d.w_scales, E_l_, N_, (const int32_t*)d.expert_rows,
+                                    out_gemm2_[r], res_.budget);
     return cuda::GroupedMatmul(stream, dt_, /*out_f32=*/false, d.lhs, M, K_, d.w, E_l_, N_, s_.transpose_rhs,
                                (const int32_t*)d.expert_rows, out_gemm2_[r], res_.budget);
+  }
+
+  // fp8: the row stride of lhs_scales [K/128, ld] (the caller's array, the same for every data set and rank).
+  int64_t ScalesLd() const { return (int64_t)(data_[0][0].lhs_scales.n / sizeof(float)) / (K_ / 128); }
+
+  // expert_combine's e4m3 operands besides lhs and w, or none.
+  cuda::Fp8ProducerArgs Fp8Args(const DeviceSet& d) const {
+    if (!s_.fp8) return {};
+    return {true, (const float*)d.lhs_scales, ScalesLd(), (const float*)d.w_scales};
   }
 
   Status Combine(int r, const CallSite& c, const DeviceSet& d) {
@@ -333,7 +354,8 @@ class Run {
     return cuda::ExpertCombine(c, dt_, d.lhs, cap_, K_, d.w, E_l_, N_, s_.transpose_rhs, (const float*)d.gates, T_,
                                k_, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off,
                                (const int32_t*)d.ret_row, (const int32_t*)d.ret_expected,
-                               (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_y_[r], out_slot_[r]);
+                               (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_y_[r], out_slot_[r],
+                               Fp8Args(d));
   }
 
   // The forced timeout at this iteration: the last rank skips its dispatch, everyone else times out waiting for its

@@ -31,7 +31,10 @@ struct RankInputs {
   int32_t recv_rows = 0, ret_rows = 0;          // rows this rank receives in dispatch / gets back in expert_combine
   Bytes lhs;                                    // [recv_rows, K] expert_combine's input (on the device [cap, K],
                                                 // the rows past recv_rows NaN: never read, so a read shows)
-  Bytes w;                                      // [E_l, K, N], or [E_l, N, K] with transpose_rhs
+  Bytes w;                                      // [E_l, K, N], or [E_l, N, K] with transpose_rhs (fp8: e4m3
+                                                // [E_l, N, K], and lhs e4m3 [recv_rows, K])
+  Bytes lhs_scales, w_scales;                   // fp8: [K/128, ld] float32 (MN-major, ld >= cap; NaN past
+                                                // recv_rows), [E_l, N/128, K/128] float32
   Bytes gates;                                  // [P] float32
   Bytes seg_rows, seg_ret_off;                  // [E_l * R] int32, (expert, source) order
   Bytes send_order, send_start;                 // dispatch_gemm: [P], [R + 1] int32 (plan.py)
@@ -50,6 +53,8 @@ struct Spec {
   int ranks = 2, tokens = 128, top_k = 2, experts_per_rank = 4, d_model = 128, k_dim = 200, n_dim = 136;
   int cap = 0;                       // recv rows of every rank (plan.recv_capacity)
   bool f32 = false, transpose_rhs = false;
+  bool fp8 = false;                  // expert_combine's producer on e4m3 operands (RankInputs' lhs, w and their
+                                     // scales; its rows and outputs bfloat16, or float32 with f32)
   int iters = 20;                    // iterations of (dispatch, expert_combine), data set = iteration % data sets
   int timeout_at = -1;               // at this iteration the last rank skips its dispatch (a forced timeout)
   int64_t timeout_ms = 5000, short_timeout_ms = 200;
