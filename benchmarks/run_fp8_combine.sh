@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The FP8 layer's overlapped returns (expert_combine on e4m3 operands: GEMM2 and its way back, dx = da W1^T and its
+# way back) on one Hopper GPU, in two device calls of about 9 minutes each (the default, then FP8_ONLY_TIME=1):
+#   build (tests/gpu/build_gpu.sh) -> the GPU tests of the FP8 producer (test_gpu_expert_combine.py -k fp8 against
+#   float64, test_gpu_loopback.py -k fp8: the loopback suite combine-fp8, test_gpu_multiprocess.py -k fp8: the FP8
+#   layer with its fused returns on two processes sharing the GPU, test_gpu_fp8_overlap.py: the unfused layer as
+#   shipped, and the fused one where there are two GPUs) -> memcheck on one loopback rank -> bench_fused's FP8 rows at
+#   EP = 1 (the producer against grouped_matmul_fp8 + XLA's combine and alone, beside bf16's) -> the loopback suite
+#   combine-time-fp8 (R = 2, 4, 8 over the emulated NVLink against the serialized form and GEMM2 alone: the overlap
+#   table) and combine-time for the bf16 rows of the same run.
+#
+#   bash benchmarks/run_fp8_combine.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, fused.log)
+#   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_combine.sh     (fused.log, time-fp8.txt, time-bf16.txt)
+# The default call: build, tests, memcheck, bench_fused; FP8_ONLY_TIME=1: build, bench_fused and the two loopback
+# timing suites.
+set -uo pipefail
+export OUT=${OUT:-/tmp/jmo-fp8-combine-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+exec > >(tee "$OUT/summary.txt") 2>&1
+S=$(date +%s)
+el() { echo "== elapsed $(( $(date +%s) - S )) s: $*"; }
+source tests/gpu/build_gpu.sh || exit 1
+el build
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+REPO=$PWD
+if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
+  (cd /tmp && timeout 240 python3 -m pytest -v -s -rs -p no:cacheprovider "$REPO/tests/gpu/test_gpu_expert_combine.py" \
+    "$REPO/tests/gpu/test_gpu_loopback.py" "$REPO/tests/gpu/test_gpu_multiprocess.py" \
+    "$REPO/tests/gpu/test_gpu_fp8_overlap.py" -k "fp8") > "$OUT/pytest.log" 2>&1
+  echo "pytest rc $?"; grep -E "PASSED|FAILED|SKIPPED|passed|failed|Error|^R=" "$OUT/pytest.log" | cut -c1-240 | tail -30
+  el tests
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$CS" ]; then
+    timeout 60 "$CS" --tool memcheck --error-exitcode 99 python3 -m tools.loopback.run --ranks 1 --experts 4 \
+      --tokens 96 --d-model 128 --k-dim 384 --n-dim 640 --fp8 --iters 2 > "$OUT/memcheck.txt" 2>&1
+    echo "memcheck rc $?"; grep -E "SUMMARY|^(PASS|FAIL)" "$OUT/memcheck.txt" | cut -c1-240
+    el memcheck
+  fi
+fi
+timeout 90 python3 -m benchmarks.bench_fused --quick --skews balanced \
+  --impls "ours,bare+combine,bare gemm,ours fp8,bare fp8+combine,bare fp8 gemm" --out "$OUT/fused.jsonl" \
+  > "$OUT/fused.log" 2>&1
+echo "bench_fused rc $?"; grep -E "^\|" "$OUT/fused.log" | cut -c1-200
+el bench_fused
+[ "${FP8_ONLY_TIME:-0}" = 0 ] && exit 0
+timeout 150 python3 -m tools.loopback.run --suite combine-time-fp8 > "$OUT/time-fp8.txt" 2>&1
+echo "combine-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/time-fp8.txt" | cut -c1-240
+el combine-time-fp8
+timeout 150 python3 -m tools.loopback.run --suite combine-time > "$OUT/time-bf16.txt" 2>&1
+echo "combine-time rc $?"; grep -E "^\||cases passed" "$OUT/time-bf16.txt" | cut -c1-240
+el combine-time
