@@ -82,6 +82,33 @@ def test_overlap_equals_collective_bit_for_bit(name):
   assert not np.any(np.asarray(y.astype(jnp.float32))[0]) and not np.any(np.asarray(grads[0].astype(jnp.float32))[0])
 
 
+def test_fused_returns_serialized_pinned_and_prequantized():
+  """The fused FP8 returns (two expert_combine calls on e4m3 operands) give the default call's bits serialized
+  (each consumer after its producer's last tile) and with a pinned consumer count; and with pre-quantized weights
+  (fp8.quantize_weights: inference) y, dx and dgates equal impl="collective"'s on the same Fp8Weight bit for bit."""
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 8)
+  run = lambda cfg, impl="overlap": jax.jit(layer_grads(mesh, ids, cot, impl, 0.75, None, (), cfg))(x, gates, w1, w2)
+  want = run(jmo.CallConfig())
+  for cfg in (jmo.CallConfig(serialize=True), jmo.CallConfig(consumer_ctas=1)):
+    for a, b in zip(jax.tree.leaves(run(cfg)), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(bits(a), bits(b), err_msg=str(cfg))
+  w1q, w2q = fp8.quantize_weights(w1, w2)
+
+  def xg_grads(impl):
+    def loss(x, gates):
+      y, _ = jmo.moe_experts(x, ids, gates, w1q, w2q, mesh=mesh, impl=impl, capacity_factor=0.75,
+                             quantization="fp8")
+      return jnp.sum(y.astype(jnp.float32) * cot), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, gates)
+
+  (_, y), grads = xg_grads("overlap")
+  (_, y_ref), grads_ref = xg_grads("collective")
+  for what, a, b in zip(("y", "dx", "dgates"), (y, *grads), (y_ref, *grads_ref)):
+    assert float(jnp.max(jnp.abs(b.astype(jnp.float32)))) > 0, what
+    np.testing.assert_array_equal(bits(a), bits(b), err_msg=what)
+
+
 def dispatch_operands(hlo: str, target: str) -> list[tuple[str, ...]]:
   """The operand types of each custom call to ``target`` in a lowered (StableHLO) program, in program order."""
   found = []
