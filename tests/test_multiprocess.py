@@ -90,6 +90,13 @@ def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, loca
 
 
 @pytest.mark.slow  # child processes; the expert axis across processes stays in the default pass
+def test_fp8_expert_axis_across_processes_is_bitwise_the_one_process_run(tmp_path):
+  # quantization="fp8": the packed e4m3 rows and the fused returns (expert_combine on e4m3 operands, forward and
+  # backward) over a shared-memory workspace spanning two processes of two devices.
+  _expert_across(2, 2, 2, tmp_path, case="fp8_across")
+
+
+@pytest.mark.slow  # child processes; the expert axis across processes stays in the default pass
 def test_tensor_axis_across_processes_is_bitwise_the_one_process_run(tmp_path):
   # Expert tensor parallelism on (expert=2, tensor=2), one expert rank per process: the workspace's group is the four
   # devices of both axes, across the two processes.
