@@ -1,5 +1,9 @@
-"""The MoE expert layer at EP = 1 (one GPU), forward and forward+backward, with quantization="fp8" against bf16, per
-impl (--impls, default collective and overlap): ``moe_experts(impl="collective")`` (the exchange in XLA, the experts
+"""The MoE expert layer at EP = 1 (one GPU; --devices N: an expert axis of N devices, issue 34's multi-GPU rows),
+forward and forward+backward, with quantization="fp8" against bf16, per impl (--impls, default collective and
+overlap; also "overlap+fused": impl="overlap" with its returns fused under fp8 where the library does not fuse them
+yet (fp8_overlap.FUSED_COMBINE_ON_GPU set while it is traced: GEMM2 and the way back, dx and its way back as
+expert_combine on e4m3 operands; at one rank the same as overlap), and "overlap-serialized" (CallConfig(serialize=
+True))): ``moe_experts(impl="collective")`` (the exchange in XLA, the experts
 in this library's grouped GEMMs: bf16 ``grouped_matmul_swiglu`` / ``grouped_matmul`` / ``grouped_outer``, or under
 fp8 the e4m3 grouped GEMM for GEMM1, GEMM2, the two dgrads and the two wgrads, fp8_experts.KERNELS) and
 ``impl="overlap"`` (the rows moved by the workspace's custom calls; under fp8 dispatched as packed e4m3 rows, the
@@ -28,6 +32,7 @@ by up to 6% of max |dW| while each is 6-10% from the float32 layer (docs/perform
 sizes the bound. fp8_vs_emulation: their largest max-relative difference, reported.
 
   python3 -m benchmarks.bench_fp8_layer --out /tmp/fp8_layer.jsonl
+  python3 -m benchmarks.bench_fp8_layer --devices 8 --impls collective,overlap,overlap+fused,overlap-serialized
   python3 -m benchmarks.bench_fp8_layer --quick --out /tmp/fp8_layer_quick.jsonl
   JMO_TIMEOUT_MS=120000 python3 -m benchmarks.bench_fp8_layer --quick --passes fwd   # a CPU try-out: the CPU
       # emulations take seconds per call at the quick shape (well over 15 minutes for both passes on 2 cores), and
@@ -36,11 +41,14 @@ sizes the bound. fp8_vs_emulation: their largest max-relative difference, report
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_overlap as jmo
+from jax_moe_overlap import fp8_overlap
 from benchmarks import bench_layer
 from benchmarks import common
 from benchmarks import references
@@ -65,8 +73,24 @@ def _speedup(bf16_ms: str, fp8_ms: str) -> str:
     return ""
 
 
+IMPLS = ("collective", "overlap", "overlap+fused", "overlap-serialized")
+
+
 def layer_fn(mesh, impl: str, quantization: str | None):
-  return lambda *a: jmo.moe_experts(*a, mesh=mesh, impl=impl, quantization=quantization)[0]
+  """The layer of a row's impl (IMPLS, or "xla") on global arrays (x, ids, gates, w1, w2) -> y."""
+  config = jmo.CallConfig(serialize=True) if impl == "overlap-serialized" else jmo.CallConfig()
+  name = impl.split("+")[0].split("-")[0]
+  layer = lambda *a: jmo.moe_experts(*a, mesh=mesh, impl=name, quantization=quantization, config=config)[0]
+  if impl != "overlap+fused":
+    return layer
+
+  def fused(*a):  # (read where the layer is traced: jit traces this call)
+    saved, fp8_overlap.FUSED_COMBINE_ON_GPU = fp8_overlap.FUSED_COMBINE_ON_GPU, True
+    try:
+      return layer(*a)
+    finally:
+      fp8_overlap.FUSED_COMBINE_ON_GPU = saved
+  return fused
 
 
 def output_errors(got, ref_outs) -> list[float]:
@@ -91,13 +115,17 @@ def _checked_ms(fn, arg_sets, ref_outs, bounds, what: str, also=None):
 
 
 def main(argv=None):
+  common.virtual_cpu_devices(sys.argv if argv is None else argv, default=1)  # a CPU try-out of --devices N
   ap = common.shape_parser("fp8_layer.jsonl")
   ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
-  ap.add_argument("--impls", default="collective,overlap", help="comma list of collective, overlap")
+  ap.add_argument("--impls", default="collective,overlap", help=f"comma list of {', '.join(IMPLS)}")
+  ap.add_argument("--devices", type=int, default=1, help="the expert axis' devices (tokens and experts over them)")
   ap.add_argument("--no-xla", action="store_true", help="leave out the fp8 emulation's timing (impl='xla')")
   ap.add_argument("--tokens", type=int, default=0, help="tokens per layer call (default: each shape's)")
   args = ap.parse_args(argv)
-  mesh = jax.make_mesh((1,), ("expert",))
+  if set(args.impls.split(",")) - set(IMPLS):
+    ap.error(f"--impls: unknown {sorted(set(args.impls.split(',')) - set(IMPLS))}; known: {list(IMPLS)}")
+  mesh = common.expert_mesh(args.devices, "expert")
   cpus = jax.devices("cpu")
   count_mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("expert",)) if len(cpus) >= 2 else None
   table = common.Table(["shape", "pass", "impl", "bf16_ms", "fp8_ms", "speedup", "err_bf16", "err_fp8",
@@ -110,7 +138,8 @@ def main(argv=None):
                                                                             *arg_sets[0])[0][2] if count_mesh else ""
                       for q in (None, "fp8")}
     for pname in args.passes.split(","):
-      base = dict(shape=f"{name} T={T}", **{"pass": pname}, **dispatch_bytes)
+      base = dict(shape=f"{name} T={T}" + (f" R={mesh.size}" if mesh.size > 1 else ""), **{"pass": pname},
+                  **dispatch_bytes)
       ref = bench_layer.pass_fn(references.layer_reference(np.asarray(arg_sets[0][1]), E), pname)(*arg_sets[0])
       emulation = bench_layer.pass_fn(layer_fn(mesh, "xla", "fp8"), pname)
       n_out = len(jax.tree.leaves(ref))

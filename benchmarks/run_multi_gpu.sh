@@ -15,6 +15,9 @@
 #               C and with every pinned C of a sweep, on the real links; the table gives the manager's regret
 #               (its time over the fastest pinned C's, minus 1).
 # Not in the default --steps (name them to run them):
+#   fp8_layer   benchmarks.bench_fp8_layer on all GPUs (--devices, FP8_ARGS): the layer under quantization="fp8"
+#               against bf16, forward and forward+backward, impl collective, overlap (the library's default),
+#               overlap+fused (the returns fused by expert_combine on e4m3 operands) and overlap-serialized
 #   resource    benchmarks.bench_resource --quick: the manager's regret sweep on the loopback harness (R ranks sharing
 #               GPU 0, each with SMs / R and the link ceiling / R; the tools build of `build` and the shipped
 #               calibration of this GPU). Not real links: ep_combine is the real-link sweep.
@@ -32,17 +35,18 @@
 # (the whole script's seconds, default 540: it ends by then, tar included), --dry-run.
 # A call for the training runs alone: bash benchmarks/run_multi_gpu.sh --steps build,train
 # Environment (defaults below): limits in seconds T_TOPO, T_BUILD, T_LINKS, T_EP_GROUP (at most, per group),
-# T_EP_COMBINE, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
+# T_EP_COMBINE, T_FP8, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
 # and the ep_layer groups share equally what is left after the limits of the steps after them. EP_GROUPS (names of
 # ep_group_shapes below), EP_SHAPES (one regex on "name skew" instead of the groups), EP_IMPLS, EP_ARGS (more
-# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), RESOURCE_ARGS, TESTS_K, TRAIN_ARGS, TRAIN_IMPLS,
+# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), FP8_ARGS (bench_fp8_layer flags), RESOURCE_ARGS, TESTS_K, TRAIN_ARGS, TRAIN_IMPLS,
 # TRAIN_XLA_ARGS. *_ARGS are split on
 # spaces (flags and numbers only). NCCL_NVLS_ENABLE=0 throughout: no NVLink multicast.
 # A CPU run of the steps' plumbing (no build; python3 with jax and a built jax_moe_overlap/ on PYTHONPATH):
 #   BENCH_PLATFORMS=cpu EP_GROUPS=quick EP_ARGS=--quick EPC_ARGS="--quick --ctas 4,8" \
 #     bash benchmarks/run_multi_gpu.sh --steps links,ep_layer,ep_combine
 # $OUT at the end (at most 8 files): summary.txt (what this prints), env.log, ep_layer.jsonl (every group's rows, each
-# group's meta line first, its summary rows last), ep_layer.log, ep_combine.jsonl, links.jsonl, logs.tgz (the rest).
+# group's meta line first, its summary rows last), ep_layer.log, ep_combine.jsonl, links.jsonl, fp8_layer.jsonl,
+# logs.tgz (the rest).
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-multi-gpu-out}
 cd "$(dirname "$0")/.."
@@ -61,18 +65,19 @@ while [ $# -gt 0 ]; do
     *) echo "run_multi_gpu.sh: unknown argument '$1' (--steps LIST, --budget S, --dry-run)" >&2; exit 2 ;;
   esac
 done
-ALL_STEPS="topo build links ep_layer ep_combine resource tests train"
+ALL_STEPS="topo build links ep_layer ep_combine fp8_layer resource tests train"
 for s in ${STEPS//,/ }; do
   [[ " $ALL_STEPS " == *" $s "* ]] || { echo "run_multi_gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
 wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 T_TOPO=${T_TOPO:-20} T_BUILD=${T_BUILD:-200} T_LINKS=${T_LINKS:-60} T_EP_GROUP=${T_EP_GROUP:-300}
-T_EP_COMBINE=${T_EP_COMBINE:-90} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120} T_TRAIN=${T_TRAIN:-120}
+T_EP_COMBINE=${T_EP_COMBINE:-90} T_FP8=${T_FP8:-240} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120} T_TRAIN=${T_TRAIN:-120}
 EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
 EP_IMPLS=${EP_IMPLS:-ours,serialized,xla,ideal,ours_dg}
 EP_ARGS=${EP_ARGS:---max-call-s 5 --dispatch-pushers 16}
 EPC_ARGS=${EPC_ARGS:---max-call-s 1}
+FP8_ARGS=${FP8_ARGS:---impls collective,overlap,overlap+fused,overlap-serialized --no-xla}
 RESOURCE_ARGS=${RESOURCE_ARGS:---quick --reps 3}
 TESTS_K=${TESTS_K-not racecheck and not synccheck}
 TRAIN_ARGS=${TRAIN_ARGS:---preset gpu --steps 30 --log-every 5 --eval-batches 1 --skip-check}
@@ -119,7 +124,8 @@ reserve_after() {  # step: the summed limits of the wanted steps after it (what 
   for s in $ALL_STEPS; do
     if [ $after = 1 ] && wanted "$s"; then
       case "$s" in
-        ep_combine) lim=$T_EP_COMBINE ;; resource) lim=$T_RESOURCE ;; tests) lim=$T_TESTS ;;
+        ep_combine) lim=$T_EP_COMBINE ;; fp8_layer) lim=$T_FP8 ;; resource) lim=$T_RESOURCE ;;
+        tests) lim=$T_TESTS ;;
         train) lim=$(( ($(wc -w <<< "$TRAIN_IMPLS") + 1) * T_TRAIN )) ;; *) lim=0 ;;
       esac
       total=$(( total + lim ))
@@ -258,6 +264,17 @@ if wanted ep_combine; then
   fi
 fi
 
+if wanted fp8_layer; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "$gpus" -ge 1 ] || gpus=2      # (the dry run and the CPU plumbing run: two devices)
+  run_step fp8_layer "$(limit_for "$T_FP8")" "$OUT/fp8_layer.log" \
+    "${bench[@]}" -m benchmarks.bench_fp8_layer --devices "$gpus" $FP8_ARGS --out "$OUT/fp8_layer.jsonl"
+  if [ $DRY_RUN = 0 ]; then
+    grep -E "^\|" "$OUT/fp8_layer.log" | cut -c1-230 | tee -a "$summary"
+    errors "$OUT/fp8_layer.log"
+  fi
+fi
+
 if wanted resource; then
   run_step resource "$(limit_for "$T_RESOURCE")" "$OUT/resource.log" \
     "${bench[@]}" -m benchmarks.bench_resource $RESOURCE_ARGS --out "$OUT/resource.jsonl" --log "$OUT/loopback.log"
@@ -356,7 +373,7 @@ if [ $DRY_RUN = 1 ]; then
   exit 0
 fi
 
-keep="summary.txt env.log ep_layer.jsonl ep_layer.log ep_combine.jsonl links.jsonl"
+keep="summary.txt env.log ep_layer.jsonl ep_layer.log ep_combine.jsonl links.jsonl fp8_layer.jsonl"
 (
   cd "$OUT" || exit 1
   rest=$(ls -A | grep -v -x -F "$(printf '%s\n' $keep)")

@@ -159,6 +159,22 @@ def test_bench_fp8_layer_checks_before_timing(tmp_path, monkeypatch):
     assert (r["dispatch_B_row_bf16"], r["dispatch_B_row_fp8"]) == (2 * 128, 128 + 128 // 32), r
 
 
+@pytest.mark.slow  # each impl's layers compiled on four devices
+def test_bench_fp8_layer_on_an_expert_axis(tmp_path, monkeypatch):
+  """bench_fp8_layer --devices 4 (issue 34's multi-GPU rows, here on the CPU devices): the fused returns and the
+  serialized form checked against the float32 reference before they are timed, the expert axis named in the shape."""
+  monkeypatch.setattr(bench_fp8_layer, "shapes", lambda quick, tokens: [("tiny", 64, 128, 128, 4, 2)])
+  out = tmp_path / "fp8_layer.jsonl"
+  monkeypatch.setattr(sys, "argv", ["bench_fp8_layer.py", "--devices", "4", "--passes", "fwd", "--no-xla",
+                                    "--impls", "overlap+fused,overlap-serialized", "--out", str(out)])
+  bench_fp8_layer.main()
+  rows = [r for r in _rows(out) if "pre-quantized" not in r["impl"]]
+  assert [r["impl"] for r in rows] == ["overlap+fused", "overlap-serialized"], rows
+  for r in rows:
+    assert r["shape"] == "tiny T=64 R=4" and float(r["fp8_ms"]) > 0 and float(r["bf16_ms"]) > 0, r
+    assert 0.01 < float(r["err_fp8"]) <= bench_fp8_layer.FP8_MARGIN * float(r["err_emulation"]), r
+
+
 def test_bench_layer_does_not_time_a_wrong_layer(tmp_path, monkeypatch):
   monkeypatch.setattr(bench_layer, "shapes", _tiny_layer_shapes)
   real = jmo.moe_experts
