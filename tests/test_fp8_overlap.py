@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jax_moe_overlap as jmo
 from cases import layer_inputs, mesh_of, moe_config, rel_err
 from jax_moe_overlap import fp8
+from jax_moe_overlap import fp8_overlap
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import workspace_calls
 from jax_moe_overlap.call_site import RankInfo
@@ -57,9 +58,20 @@ CASES = {
 DEFAULT_PASS = ("explicit-bf16-drops",)   # each case compiles two layers' forward and backward
 
 
+@pytest.fixture(params=["fused", "unfused"])
+def returns(request, monkeypatch):
+  """Runs a test on both FP8 overlap paths: the returns fused by expert_combine on e4m3 operands (every CPU's, the
+  GPUs' with fp8_overlap.FUSED_COMBINE_ON_GPU) and unfused (GEMM2, then a dispatch of its rows back: the GPUs'
+  default until the fused kernel has run there)."""
+  if request.param == "unfused":
+    monkeypatch.setattr(fp8_overlap, "fuses_combine", lambda info: False)
+  return request.param
+
+
 @pytest.mark.parametrize("name", [n if n in DEFAULT_PASS else pytest.param(n, marks=pytest.mark.slow)
                                   for n in CASES])
-def test_overlap_equals_collective_bit_for_bit(name):
+def test_overlap_equals_collective_bit_for_bit(name, returns):
+  del returns
   c = CASES[name]
   batch_axes, explicit = c.get("batch_axes", ()), c.get("explicit", False)
   mesh = mesh_of_shape(c["shape"], explicit)
@@ -119,11 +131,12 @@ def dispatch_operands(hlo: str, target: str) -> list[tuple[str, ...]]:
   return found
 
 
-def test_rows_cross_the_dispatch_in_fp8():
+def test_rows_cross_the_dispatch_in_fp8(returns):
   """The lowered forward and backward: x's rows and the slots' output gradients dispatched as uint8 rows of
-  D + D / 32 bytes (0.516 of bfloat16's 2D); GEMM2 and the way back one expert_combine on e4m3 h and w2, and the
-  input gradient's GEMM and its way back one on e4m3 da and W1^T (their results in bfloat16); no dispatch_gemm (it
-  takes no packed rows)."""
+  D + D / 32 bytes (0.516 of bfloat16's 2D); fused, GEMM2 and the way back one expert_combine on e4m3 h and w2, and
+  the input gradient's GEMM and its way back one on e4m3 da and W1^T (their results in bfloat16); unfused, the
+  expert outputs and the input gradient back in bfloat16 by dispatches; no dispatch_gemm (it takes no packed
+  rows)."""
   mesh = mesh_of(4)
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 3)
   hlo = jax.jit(layer_grads(mesh, ids, cot, "overlap", 0.5, None, ())).lower(x, gates, w1, w2).as_text()
@@ -131,6 +144,11 @@ def test_rows_cross_the_dispatch_in_fp8():
   rows = [ops[0] for ops in dispatch_operands(hlo, "jmo_dispatch")]   # (the CPU calls' ordering token: no tensor)
   t, p, cap = T // 4, T // 4 * K, plan_lib.recv_capacity(T // 4, 4, K, E // 4, plan_lib.expert_capacity(
       T // 4, 4, K, E, 0.5))
+  if returns == "unfused":  # the expert outputs and the input gradient back in bfloat16 by dispatches
+    assert rows == [f"tensor<{t}x{ROW}xui8>", f"tensor<{cap}x{D}xbf16>", f"tensor<{p}x{ROW}xui8>",
+                    f"tensor<{cap}x{D}xbf16>"], rows
+    assert "@jmo_expert_combine(" not in hlo
+    return
   assert rows == [f"tensor<{t}x{ROW}xui8>", f"tensor<{p}x{ROW}xui8>"], rows
   combines = [ops[:2] for ops in dispatch_operands(hlo, "jmo_expert_combine")]
   assert combines == [(f"tensor<{cap}x{F}xf8E4M3FN>", f"tensor<{E // 4}x{D}x{F}xf8E4M3FN>"),
@@ -271,6 +289,8 @@ def test_expert_combine_fp8_refuses_what_it_cannot_take():
        r"w_scales must be \[E_local, N/128, K/128\] = \[2, 2, 1\]"),
       ((f32(16, 128), f32(2, 128, 256), 256, False, good),
        "lhs_scales and w_scales are the e4m3 operands' \\(empty for float32 lhs and w\\)"),
+      ((e4m3(0, 128), e4m3(2, 256, 128), 256, True, (f32(1, 0), good[1])),
+       r"e4m3 lhs needs cap \(its rows\) in \[1, 2\^31 - 128\), got 0"),
   ]
   for args, rule in cases:
     out_dtype = args[0].dtype if args[0].dtype == jnp.float32 else jnp.bfloat16
@@ -314,10 +334,11 @@ def test_moe_and_moe_block_fp8_on_the_default_impl():
 
 
 @pytest.mark.slow  # two layers' forward and backward
-def test_tensor_axis_within_rounding_of_collective():
+def test_tensor_axis_within_rounding_of_collective(returns):
   """A tensor axis (expert=2, tensor=2, Explicit): the shards' partial outputs and input gradients come back per slot
   in bfloat16 (impl="overlap"'s shard slots) where impl="collective" sums them in float32 by its reduce-scatter;
   the results agree to bfloat16's rounding and the weight gradients (each shard's own) bit for bit."""
+  del returns
   mesh = mesh_of_shape({"expert": 2, "tensor": 2}, explicit=True)
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 21)
   x = jax.device_put(x, NamedSharding(mesh, P(("expert", "tensor"))))

@@ -326,6 +326,12 @@ inline std::optional<std::string> CheckExpertCombineFp8(const xla::ffi::AnyBuffe
   if (s->K < kTile || s->K % kTile != 0 || s->N < kTile || s->N % kTile != 0)
     return "K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
            std::to_string(s->K) + ", N=" + std::to_string(s->N);
+  // (The FP8 grouped GEMM's own limits, wgmma_grouped_fp8.cuh's GroupedGemmFp8Refusal, checked here so that every
+  // handler refuses them before the call begins.)
+  if (s->cap < 1 || s->cap > 0x7fffffff - kTile)
+    return "e4m3 lhs needs cap (its rows) in [1, 2^31 - 128), got " + std::to_string(s->cap);
+  if (s->E_local * (s->N / kTile) * (s->K / kTile) > 0x7fffffff)
+    return std::string("w_scales must have fewer than 2^31 entries (E_local * N/128 * K/128)");
   auto sd = lhs_scales.dimensions(), bd = w_scales.dimensions();
   if (sd.size() != 2 || sd[0] != s->K / kTile || sd[1] < s->cap || sd[1] % 4 != 0)
     return "lhs_scales must be [K/128, ld] with ld >= cap and a multiple of 4 (MN-major, 16-byte rows): got " +

@@ -351,8 +351,9 @@ class Run {
                             (const int32_t*)d.token_rows, T_, k_, (const int32_t*)d.seg_rows,
                             (const int32_t*)d.seg_ret_off, (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r],
                             out_y_[r], out_slot_[r]);
-    return cuda::ExpertCombine(c, dt_, d.lhs, cap_, K_, d.w, E_l_, N_, s_.transpose_rhs, (const float*)d.gates, T_,
-                               k_, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off,
+    // (e4m3 w is [E_l, N, K]: transpose_rhs, the only B layout of FP8 wgmma.)
+    return cuda::ExpertCombine(c, dt_, d.lhs, cap_, K_, d.w, E_l_, N_, s_.transpose_rhs || s_.fp8,
+                               (const float*)d.gates, T_, k_, (const int32_t*)d.seg_rows, (const int32_t*)d.seg_ret_off,
                                (const int32_t*)d.ret_row, (const int32_t*)d.ret_expected,
                                (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_y_[r], out_slot_[r],
                                Fp8Args(d));

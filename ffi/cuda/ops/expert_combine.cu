@@ -376,6 +376,10 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   if (fp8.active) {
     if (const char* why = Fp8GroupedGemmDeviceRefusal(info.cc))
       return FailCall(c, op, std::string("e4m3 operands: ") + why);
+    if (!transpose_rhs)
+      return FailCall(c, op, "e4m3 w must be [E_local, N, K] (K-major: transpose_rhs), the only B layout of FP8 wgmma");
+    // (The rows go to the workspace's stage and ret rows, aligned by the workspace: lhs stands in for the output in
+    // the alignment rule.)
     if (const char* why = wgmma_gemm::GroupedGemmFp8Refusal(cap, K, N, E_l, fp8.scales_ld, lhs, fp8.lhs_scales, w,
                                                             fp8.w_scales, lhs))
       return FailCall(c, op, std::string("e4m3 operands: ") + why);
