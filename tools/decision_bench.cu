@@ -15,8 +15,11 @@ namespace {
 
 using namespace jmo::cuda;
 
-// The decision microbenchmark: one CTA builds the table as ExpertKernel does, then runs the choice `iters` times.
-// out[0] = table build ns, out[1] = ns of `iters` decisions, out[2] = the choice.
+// The decision microbenchmark: one CTA loads the plan's entries and builds the table as ExpertKernel does under the
+// model (with the choice's prepared parts: BuildSegmentsFrom<kPrepTerms> for expert_combine, <kPrepGather> for
+// gather_rs), then runs the prepared choice ExpertKernel runs `iters` times. out[0] = table build ns (the plan's loads
+// included), out[1] = ns of `iters` decisions, out[2] = the choice (ConsumersOfCall / GatherConsumersOfCall, as the
+// kernel calls them).
 __global__ void __launch_bounds__(kThreads)
     DecisionBenchKernel(RankDev rd, const int32_t* seg_rows, const int32_t* seg_ret_off, int E_l, int64_t cap,
                         int64_t K, int64_t N, const __grid_constant__ ConsumerConfig pol, GatherModelShape gather,
@@ -27,7 +30,16 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ unsigned long long t0;
   if (threadIdx.x == 0) t0 = GlobalTimer();
   __syncthreads();
-  const bool ok = BuildSegments(rd, seg_rows, seg_ret_off, E_l, cap, &table, &scratch);
+  const PlanEntries plan = LoadPlanEntries(seg_rows, seg_ret_off, E_l, rd.ranks);
+  TermPrepOut prep{};
+  bool ok;
+  if (gather.T > 0) {
+    const GatherPrepIn in = GatherPrepFor(pol.cand, gather, rd.rank, &choice);
+    ok = BuildSegmentsFrom<kPrepGather>(rd, plan, E_l, cap, &table, &scratch, &in, &prep);
+  } else {
+    const TermPrepIn in = TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, &choice);
+    ok = BuildSegmentsFrom<kPrepTerms>(rd, plan, E_l, cap, &table, &scratch, &in, &prep);
+  }
   if (threadIdx.x == 0) out[0] = GlobalTimer() - t0;
   if (!ok) return;
   __syncthreads();
@@ -37,13 +49,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < iters; ++i) {
     ModelParams p = pol.model;
     p.seg_us += (double)(i & 1) * 1e-12;  // vary an input so no iteration can be folded into another
-    acc += gather.T > 0
-               ? DeviceChooseGatherConsumers(table, p, pol.cand, gather, rd.rank, rd.ranks, pol.max_ctas, &choice)
-               : DeviceChooseConsumers(table, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, &choice, i & 1);
+    acc += gather.T > 0 ? DeviceChooseGatherConsumersPrepared(table, prep, p, pol.cand, gather, rd.rank, rd.ranks,
+                                                              pol.max_ctas, &choice)
+                        : DeviceChooseConsumersPrepared(table, prep, p, pol.cand, N, K, pol.elem_bytes, pol.max_ctas,
+                                                        &choice, i & 1);
   }
   if (threadIdx.x == 0) out[1] = GlobalTimer() - t0;
-  const int final_choice = gather.T > 0 ? GatherConsumersOfCall(table, pol, gather, rd.rank, rd.ranks, &choice)
-                                        : ConsumersOfCall(table, pol, N, K, &choice);
+  const int final_choice = gather.T > 0 ? GatherConsumersOfCall(table, prep, pol, gather, rd.rank, rd.ranks, &choice)
+                                        : ConsumersOfCall(table, prep, pol, N, K, &choice);
   if (threadIdx.x == 0) {
     out[2] = (unsigned long long)final_choice;
     out[3] = (unsigned long long)acc;

@@ -486,16 +486,10 @@ struct ConsumerConfig {
 };
 
 // C of one call (every thread calls it): none when the call has no remote band (EP = 1, or nothing routed to other
-// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice. Its host twin, for the
-// benchmarks' check of the device's pick: benchmarks/bench_resource.py's kernel_consumer_ctas.
-__device__ inline int ConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, int64_t N, int64_t K,
-                                      ChoiceScratch* sc) {
-  if (t.remote_bands == 0) return 0;
-  return pol.use_model ? DeviceChooseConsumers(t, pol.model, pol.cand, N, K, pol.elem_bytes, pol.max_ctas, sc)
-                       : pol.consumers;
-}
-// The same C from a table built by BuildSegments<kPrepTerms> with TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes,
-// sc) where pol.use_model (ExpertKernel's form).
+// ranks; every CTA then produces), else the pinned or fixed C, or the model's choice, from a table built by
+// BuildSegments<kPrepTerms> with TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, sc) where pol.use_model
+// (ExpertKernel's form; DeviceChooseConsumers' C). Its host twin, for the benchmarks' check of the device's pick:
+// benchmarks/bench_resource.py's kernel_consumer_ctas.
 __device__ inline int ConsumersOfCall(const SegTable& t, const TermPrepOut& prep, const ConsumerConfig& pol, int64_t N,
                                       int64_t K, ChoiceScratch* sc) {
   if (t.remote_bands == 0) return 0;
@@ -506,15 +500,10 @@ __device__ inline int ConsumersOfCall(const SegTable& t, const TermPrepOut& prep
 
 // C of one gather_rs call (every thread calls it): the pinned or fixed C (pol.consumers, >= 1: every source needs
 // its partial, so the consumer runs even where no band goes to another rank, and there with the fixed C), or the
-// model's choice where some band goes to another rank. Its host twin, for the loopback harness's check of the
-// device's pick: benchmarks/bench_resource.py's kernel_gather_consumer_ctas.
-__device__ inline int GatherConsumersOfCall(const SegTable& t, const ConsumerConfig& pol, const GatherModelShape& sh,
-                                            int rank, int ranks, ChoiceScratch* sc) {
-  if (!pol.use_model || t.remote_bands == 0) return pol.consumers;
-  return DeviceChooseGatherConsumers(t, pol.model, pol.cand, sh, rank, ranks, pol.max_ctas, sc);
-}
-// The same C from a table built by BuildSegments<kPrepGather> with GatherPrepFor(pol.cand, sh, rank, sc) where
-// pol.use_model (ExpertKernel<kGather>'s form).
+// model's choice where some band goes to another rank, from a table built by BuildSegments<kPrepGather> with
+// GatherPrepFor(pol.cand, sh, rank, sc) where pol.use_model (ExpertKernel<kGather>'s form;
+// DeviceChooseGatherConsumers' C). Its host twin, for the loopback harness's check of the device's pick:
+// benchmarks/bench_resource.py's kernel_gather_consumer_ctas.
 __device__ inline int GatherConsumersOfCall(const SegTable& t, const TermPrepOut& prep, const ConsumerConfig& pol,
                                             const GatherModelShape& sh, int rank, int ranks, ChoiceScratch* sc) {
   if (!pol.use_model || t.remote_bands == 0) return pol.consumers;
