@@ -422,7 +422,7 @@ __device__ inline int DeviceChooseGatherConsumers(const SegTable& t, const Model
     if (lane < ranks) {
       const int s = lane;
       const bool with_rows = (has_rows >> s) & 1u;
-      const int k = with_rows ? ranks - __popc(has_rows) + g.place[s] : __popc(~has_rows & below);
+      const int k = GatherConsumerPlace(ranks, __popc(has_rows), with_rows, g.place[s], __popc(~has_rows & below));
       WriteGatherSource(GatherPrepFor(cand, sh, rank, sc), k, s, with_rows ? g.cum_end[s] : 0,
                         with_rows ? g.rows_end[s] - g.rows_before[s] : 0);
     }

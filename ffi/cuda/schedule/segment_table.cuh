@@ -116,6 +116,14 @@ __device__ __forceinline__ uint32_t MagicCeilDiv(uint32_t a, uint32_t d, uint32_
 // The argument of the FP64 ceiling (resource_manager.cuh ReadyUsFma): cum - 0.5, or 0 for cum = 0.
 __device__ __forceinline__ double CeilArg(int64_t cum) { return cum > 0 ? __dadd_rn((double)cum, -0.5) : 0.0; }
 
+// Source s's place k in gather_rs's consumer order (GatherModelSources): the sources with no row here first, by
+// index (no_rows_below: those of them below s), then the `with_rows` sources with rows in producer order (place: s's
+// among them).
+__device__ __forceinline__ int GatherConsumerPlace(int ranks, int with_rows, bool has_rows, int place,
+                                                   int no_rows_below) {
+  return has_rows ? ranks - with_rows + place : no_rows_below;
+}
+
 // Source s's entry k of gather_rs's choice: its tiles up to its last segment and its rows here (0 and 0: no row
 // here), the parts of GatherMakespanFromSources' term that do not depend on C, the host's operations.
 __device__ __forceinline__ void WriteGatherSource(const GatherPrepIn& g, int k, int s, int64_t cum, int64_t rows) {
@@ -291,7 +299,9 @@ __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& p
     if constexpr (kPrep == kPrepGather) {
       if (warp == 0) {  // the sources with no row here: first in the consumer's order, by index (rows_u: 0 past R)
         const uint32_t has_rows = __ballot_sync(0xffffffffu, rows_u > 0);
-        if (lane < R && rows_u == 0) WriteGatherSource(*prep, __popc(~has_rows & ((1u << lane) - 1u)), lane, 0, 0);
+        if (lane < R && rows_u == 0)
+          WriteGatherSource(*prep, GatherConsumerPlace(R, 0, false, 0, __popc(~has_rows & ((1u << lane) - 1u))), lane,
+                            0, 0);
         if (lane == 0) sc->sources_with_rows = __popc(has_rows);
       }
     }
@@ -339,7 +349,7 @@ __device__ inline bool BuildSegmentsFrom(const RankDev& rd, const PlanEntries& p
       if (((pre[3] - own.segs_bands) >> kSegShift) == 0) {  // its source's first kept segment: the source's entry,
         // after the sources with no row and those with rows before it
         const SourcePrefix next = sc->src_start[s + 1];
-        const int k = R - sc->sources_with_rows + (int)(uint32_t)tr;
+        const int k = GatherConsumerPlace(R, sc->sources_with_rows, true, (int)(uint32_t)tr, 0);
         WriteGatherSource(*prep, k, s, ((int64_t)(tr >> 32) + (next.tiles - own.tiles)) * prep->col_tiles,
                           next.rows - own.rows);
       }
