@@ -1,7 +1,7 @@
 """The MoE expert layer at EP = 1 (one GPU; --devices N: an expert axis of N devices, issue 34's multi-GPU rows),
 forward and forward+backward, with quantization="fp8" against bf16, per impl (--impls, default collective and
 overlap; also "overlap+fused": impl="overlap" with its returns fused under fp8 where the library does not fuse them
-yet (fp8_overlap.FUSED_COMBINE_ON_GPU set while it is traced: GEMM2 and the way back, dx and its way back as
+yet (call_site.FP8_FUSED_COMBINE_ON_GPU set while it is traced: GEMM2 and the way back, dx and its way back as
 expert_combine on e4m3 operands; at one rank the same as overlap), and "overlap-serialized" (CallConfig(serialize=
 True))): ``moe_experts(impl="collective")`` (the exchange in XLA, the experts
 in this library's grouped GEMMs: bf16 ``grouped_matmul_swiglu`` / ``grouped_matmul`` / ``grouped_outer``, or under
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_overlap as jmo
-from jax_moe_overlap import fp8_overlap
+from jax_moe_overlap import call_site
 from benchmarks import bench_layer
 from benchmarks import common
 from benchmarks import references
@@ -85,11 +85,11 @@ def layer_fn(mesh, impl: str, quantization: str | None):
     return layer
 
   def fused(*a):  # (read where the layer is traced: jit traces this call)
-    saved, fp8_overlap.FUSED_COMBINE_ON_GPU = fp8_overlap.FUSED_COMBINE_ON_GPU, True
-    try:
+    saved, call_site.FP8_FUSED_COMBINE_ON_GPU = call_site.FP8_FUSED_COMBINE_ON_GPU, True
+    try:  # (the call site built in the call carries it: RankInfo.fp8_fused_combine)
       return layer(*a)
     finally:
-      fp8_overlap.FUSED_COMBINE_ON_GPU = saved
+      call_site.FP8_FUSED_COMBINE_ON_GPU = saved
   return fused
 
 

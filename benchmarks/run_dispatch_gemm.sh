@@ -15,14 +15,8 @@
 # --suite regret-push (the pusher model's regret, aligned calls in three passes: about 4 minutes more; regret.txt).
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-dispatch-gemm-out}
-mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-exec > >(tee "$OUT/summary.txt") 2>&1
-S=$(date +%s)
-el() { echo "== elapsed $(( $(date +%s) - S )) s: $*"; }
-source tests/gpu/build_gpu.sh || exit 1
-el build
-export CUDA_DEVICE_MAX_CONNECTIONS=32
+source benchmarks/device_call.sh || exit 1  # $OUT/summary.txt, `el`, the build
 loopback=(python3 -m tools.loopback.run)
 DG_ONLY_TIME=${DG_ONLY_TIME:-0} DG_REGRET=${DG_REGRET:-0}
 if [ "$DG_ONLY_TIME" = 0 ]; then

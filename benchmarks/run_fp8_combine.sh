@@ -15,20 +15,15 @@
 # timing suites.
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-fp8-combine-out}
-mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-exec > >(tee "$OUT/summary.txt") 2>&1
-S=$(date +%s)
-el() { echo "== elapsed $(( $(date +%s) - S )) s: $*"; }
-source tests/gpu/build_gpu.sh || exit 1
-el build
-export CUDA_DEVICE_MAX_CONNECTIONS=32
+source benchmarks/device_call.sh || exit 1  # $OUT/summary.txt, `el`, the build
 REPO=$PWD
 if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
   (cd /tmp && timeout 240 python3 -m pytest -v -s -rs -p no:cacheprovider "$REPO/tests/gpu/test_gpu_expert_combine.py" \
     "$REPO/tests/gpu/test_gpu_loopback.py" "$REPO/tests/gpu/test_gpu_multiprocess.py" \
     "$REPO/tests/gpu/test_gpu_fp8_overlap.py" -k "fp8") > "$OUT/pytest.log" 2>&1
-  echo "pytest rc $?"; grep -E "PASSED|FAILED|SKIPPED|passed|failed|Error|^R=" "$OUT/pytest.log" | cut -c1-240 | tail -30
+  echo "pytest rc $?"
+  grep -E "PASSED|FAILED|SKIPPED|passed|failed|Error|^R=" "$OUT/pytest.log" | cut -c1-240 | tail -30
   el tests
   CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   if [ -n "$CS" ]; then

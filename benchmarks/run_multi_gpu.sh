@@ -38,9 +38,9 @@
 # T_EP_COMBINE, T_FP8, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
 # and the ep_layer groups share equally what is left after the limits of the steps after them. EP_GROUPS (names of
 # ep_group_shapes below), EP_SHAPES (one regex on "name skew" instead of the groups), EP_IMPLS, EP_ARGS (more
-# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), FP8_ARGS (bench_fp8_layer flags), RESOURCE_ARGS, TESTS_K, TRAIN_ARGS, TRAIN_IMPLS,
-# TRAIN_XLA_ARGS. *_ARGS are split on
-# spaces (flags and numbers only). NCCL_NVLS_ENABLE=0 throughout: no NVLink multicast.
+# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), FP8_ARGS (bench_fp8_layer flags), RESOURCE_ARGS, TESTS_K,
+# TRAIN_ARGS, TRAIN_IMPLS, TRAIN_XLA_ARGS. *_ARGS are split on spaces (flags and numbers only). NCCL_NVLS_ENABLE=0
+# throughout: no NVLink multicast.
 # A CPU run of the steps' plumbing (no build; python3 with jax and a built jax_moe_overlap/ on PYTHONPATH):
 #   BENCH_PLATFORMS=cpu EP_GROUPS=quick EP_ARGS=--quick EPC_ARGS="--quick --ctas 4,8" \
 #     bash benchmarks/run_multi_gpu.sh --steps links,ep_layer,ep_combine
@@ -72,7 +72,8 @@ done
 wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 T_TOPO=${T_TOPO:-20} T_BUILD=${T_BUILD:-200} T_LINKS=${T_LINKS:-60} T_EP_GROUP=${T_EP_GROUP:-300}
-T_EP_COMBINE=${T_EP_COMBINE:-90} T_FP8=${T_FP8:-240} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120} T_TRAIN=${T_TRAIN:-120}
+T_EP_COMBINE=${T_EP_COMBINE:-90} T_FP8=${T_FP8:-240} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120}
+T_TRAIN=${T_TRAIN:-120}
 EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
 EP_IMPLS=${EP_IMPLS:-ours,serialized,xla,ideal,ours_dg}
 EP_ARGS=${EP_ARGS:---max-call-s 5 --dispatch-pushers 16}

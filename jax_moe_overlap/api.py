@@ -79,7 +79,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
       and backward; D and F multiples of 128 (with a tensor axis F / TP too: each shard's 128 x 128 weight blocks
       and 1 x 128 tiles are the whole expert's); impl "overlap" (x dispatched in FP8 by the workspace's dispatch,
       the FP8 grouped GEMMs, the combine in x's dtype; GEMM2 overlapped with the way back by expert_combine on e4m3
-      operands where ``fp8_overlap.fuses_combine``: ``fp8_overlap.py``) and "collective" (the FP8 grouped GEMM:
+      operands where ``call_site.fp8_fused_combine``: ``fp8_overlap.py``) and "collective" (the FP8 grouped GEMM:
       Hopper GPUs, its emulation on CPU; the two give the same bits, but with a tensor axis, where "overlap" returns
       the shards' partials per slot in x's dtype), "xla" or "reference" (the recipe emulated in XLA).
       "fp8_bf16_wgrad": the same with the two weight gradients on bfloat16 operands (``fp8_experts.bf16_wgrad``).

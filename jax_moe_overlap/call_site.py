@@ -12,7 +12,10 @@ a static argument of everything after: the call wrappers (``workspace_calls``) r
 * ``send_once``: whether the forward's dispatch sends a token's row once per destination rank (``send_once``);
 * the check of a pinned consumer CTA count against the rank's SM budget, before anything is traced;
 * on CUDA, the check that XLA_FLAGS keeps the workspace calls of a CUDA graph in program order
-  (``command_buffers.check_scheduling``).
+  (``command_buffers.check_scheduling``);
+* ``fp8_fused_combine``: whether the FP8 layer's returns are expert_combine calls on e4m3 operands
+  (``fp8_fused_combine``). A field of the call site's identity: the programs cached per call site
+  (``api.eager_program``) are traced again when it changes.
 """
 
 from __future__ import annotations
@@ -53,6 +56,21 @@ def send_once(config: CallConfig) -> bool:
   (docs/performance.md, "dispatch_gemm: the dispatch overlapped with GEMM1"), so one row per slot is the default
   until that expansion is cheaper; at one rank every row is local and sending once changes nothing."""
   return bool(config.send_once)  # (None: not pinned, one row per slot)
+
+
+# Whether GPUs run the FP8 layer's returns (GEMM2 and its way back, dx = da W1^T and its way back) as expert_combine
+# calls on e4m3 operands (its FP8 producer, the FP8 grouped GEMM's loop in ExpertKernel) instead of the FP8 grouped
+# GEMM, a dispatch of its rows back and XLA's sum over a token's slots. Off on GPUs while that kernel has not passed
+# its GPU tests (tests/gpu/test_gpu_expert_combine.py -k fp8, test_gpu_multiprocess.py -k fp8); CPUs take the fused
+# calls (the same bits: tests/test_fp8_overlap.py).
+FP8_FUSED_COMBINE_ON_GPU = False
+
+
+def fp8_fused_combine(platform: str) -> bool:
+  """Whether impl="overlap" under quantization="fp8" returns its expert rows by ``expert_combine_fp8``
+  (``fp8_overlap.fp8_combined_experts``) on a workspace of this platform: on CPUs always, on GPUs where
+  FP8_FUSED_COMBINE_ON_GPU."""
+  return platform == "cpu" or FP8_FUSED_COMBINE_ON_GPU
 
 
 # gather_rs's metadata carries a slot's index as a float32 (exact below 2^24): a rank's slots T k TP must be fewer.
@@ -101,12 +119,14 @@ def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, to
 @dataclasses.dataclass(frozen=True)
 class RankInfo:
   """Static description of one call site: the workspace (hashable by identity), the ``CallConfig``, and
-  ``dispatch_pushers`` and ``send_once``, decided once from them (the functions of those names)."""
+  ``dispatch_pushers``, ``send_once`` and ``fp8_fused_combine``, decided once from them (the functions of those
+  names)."""
 
   workspace: object  # Workspace
   config: CallConfig
   dispatch_pushers: int = dataclasses.field(init=False, compare=False)
   send_once: bool = dataclasses.field(init=False, compare=False)
+  fp8_fused_combine: bool = dataclasses.field(init=False)
 
   def __post_init__(self):
     ws, cfg = self.workspace, self.config
@@ -119,6 +139,7 @@ class RankInfo:
       command_buffers.check_scheduling()
     object.__setattr__(self, "dispatch_pushers", dispatch_pushers(cfg, ws.device, ws.ranks))
     object.__setattr__(self, "send_once", send_once(cfg))
+    object.__setattr__(self, "fp8_fused_combine", fp8_fused_combine(ws.platform))
 
   def coords(self):
     """Inside shard_map: (group, rank) of this device, the operands every workspace call takes."""

@@ -22,7 +22,7 @@ transport differs, and both move rows unchanged), so outputs and gradients equal
 each shard's partial output comes back per slot in the compute dtype, where impl="collective" sums the partials in
 float32 (a reduce-scatter), so the two agree to the compute dtype's rounding.
 
-GEMM2 overlapped with the way back (``fp8_combined_experts``, where ``fuses_combine``): GEMM2 and the return are one
+GEMM2 overlapped with the way back (``fp8_combined_experts``, where the call site says ``fp8_fused_combine``): GEMM2 and the return are one
 ``expert_combine_fp8`` call (the overlapped operator with the FP8 grouped GEMM as its producer), and in the backward
 the input gradient's GEMM da W1^T and its return another, with the same values and gradients as the unfused block. Not fused (docs/design.md): the dispatch with GEMM1 (``dispatch_gemm``
 takes float32 and bfloat16 rows).
@@ -117,24 +117,12 @@ def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan
   return WorkspaceRoute(plan, send_row, send_slot, dest_rank, dest_row, cap, slot_ids.shape[1], info)
 
 
-# Whether GPUs run GEMM2 and the way back as one expert_combine call on e4m3 operands (its FP8 producer, the FP8
-# grouped GEMM's loop in ExpertKernel) instead of the FP8 grouped GEMM, a dispatch of its rows back and XLA's combine.
-# Off on GPUs while the kernel has not passed its GPU test (tests/gpu/test_gpu_fp8_overlap.py's fused combine); CPUs
-# take the fused call (the same bits: tests/test_fp8_overlap.py).
-FUSED_COMBINE_ON_GPU = False
-
-
-def fuses_combine(info: RankInfo) -> bool:
-  """Whether the FP8 layer on this call site returns GEMM2's rows by ``expert_combine_fp8`` (above)."""
-  return info.workspace.platform == "cpu" or FUSED_COMBINE_ON_GPU
-
-
 def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute, quantization: str = "fp8"):
   """Per-rank FP8 expert block. x [T, D] (D a multiple of 128), gates [T, k] float32 (the route's slots per token),
   w1 [E_local, D, 2F], w2 [E_local, F, D] (master weights or ``fp8.Fp8Weight``; with a tensor axis this rank's
   shards) -> y [T, D] in x's dtype."""
   gemms = recipe_gemms("kernels", quantization)
-  if fuses_combine(route.info):
+  if route.info.fp8_fused_combine:  # (call_site.fp8_fused_combine)
     return fp8_combined_experts(x, gates, w1, w2, route, gemms)
   slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=gemms))
   return _combined(slot_out, gates, route, x.dtype)

@@ -113,7 +113,7 @@ def layer_sizes(tokens_per_rank: int, ranks: int, top_k: int, num_experts: int, 
   quantization="fp8" (``fp8_overlap.py``): the tokens and their gradients cross as packed e4m3 rows
   (``row_bytes("uint8", d_model)``: d_model + d_model / 32 bytes), the expert outputs and the input gradient in the
   compute dtype, each back to its T k slots (by expert_combine's ret rows, or where the layer does not fuse them,
-  ``fp8_overlap.fuses_combine``, by a dispatch: its recv rows, the slots)."""
+  ``call_site.fp8_fused_combine``, by a dispatch: its recv rows, the slots)."""
   group = ranks * tensor
   cap_e = plan_lib.expert_capacity(tokens_per_rank, group, top_k, num_experts, capacity_factor)
   e_local = num_experts // ranks

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jax_moe_overlap as jmo
 from cases import layer_inputs, mesh_of, moe_config, rel_err
 from jax_moe_overlap import fp8
-from jax_moe_overlap import fp8_overlap
+from jax_moe_overlap import call_site
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import workspace_calls
 from jax_moe_overlap.call_site import RankInfo
@@ -61,10 +61,11 @@ DEFAULT_PASS = ("explicit-bf16-drops",)   # each case compiles two layers' forwa
 @pytest.fixture(params=["fused", "unfused"])
 def returns(request, monkeypatch):
   """Runs a test on both FP8 overlap paths: the returns fused by expert_combine on e4m3 operands (every CPU's, the
-  GPUs' with fp8_overlap.FUSED_COMBINE_ON_GPU) and unfused (GEMM2, then a dispatch of its rows back: the GPUs'
-  default until the fused kernel has run there)."""
+  GPUs' with call_site.FP8_FUSED_COMBINE_ON_GPU) and unfused (GEMM2, then a dispatch of its rows back: the GPUs'
+  default until the fused kernel has run there). The call sites built after the patch carry the choice
+  (RankInfo.fp8_fused_combine), so the programs cached per call site are the path's own."""
   if request.param == "unfused":
-    monkeypatch.setattr(fp8_overlap, "fuses_combine", lambda info: False)
+    monkeypatch.setattr(call_site, "fp8_fused_combine", lambda platform: False)
   return request.param
 
 

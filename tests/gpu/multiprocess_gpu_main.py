@@ -13,7 +13,7 @@ Cases:
     its shards bitwise with that file and prints "process <i>: bitwise". Then the processes release their
     workspaces together.
   fp8: as equal, with quantization="fp8" (bfloat16 only, D = F = 128) and GEMM2 with the way back (and in the
-    backward dx = da W1^T with its way back) as expert_combine calls on e4m3 operands (fp8_overlap.FUSED_COMBINE_ON_GPU set here: the fused FP8 combine's kernel
+    backward dx = da W1^T with its way back) as expert_combine calls on e4m3 operands (call_site.FP8_FUSED_COMBINE_ON_GPU set here: the fused FP8 combine's kernel
     on CUDA, also where the library's default leaves it off); the reference is the FP8 recipe's oracle
     (impl="reference", quantization="fp8" on this process's GPU, whole experts) within 1e-2 relative; prints "fused
     combine" when the program holds that call.
@@ -89,8 +89,8 @@ def main():
   tok, wsp = P("expert"), P("expert")
   results = {}
   if QUANTIZATION:
-    from jax_moe_overlap import fp8_overlap  # pylint: disable=g-import-not-at-top
-    fp8_overlap.FUSED_COMBINE_ON_GPU = True
+    from jax_moe_overlap import call_site  # pylint: disable=g-import-not-at-top
+    call_site.FP8_FUSED_COMBINE_ON_GPU = True
   for dtype in (jnp.bfloat16,) if QUANTIZATION else (jnp.float32, jnp.bfloat16):
     x, ids, g, w1, w2, dy = layer_inputs(tokens, dtype)
     args = [put(x, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp), put(ids, mesh, tok),

@@ -12,7 +12,7 @@ element-wise work (the quantizer, the combine's float32 sum, the token sum of dx
 the test asserts the tolerance and prints whether each result is also bitwise equal. Then: two calls give the same
 bits; the program's dispatch calls carry uint8 rows (on one GPU there is none: no row crosses a link, and the block
 is impl="collective"'s) and no dispatch_gemm runs; with the fused FP8 combine switched on
-(fp8_overlap.FUSED_COMBINE_ON_GPU, R > 1), GEMM2 and the way back are one expert_combine on e4m3 operands, and
+(call_site.FP8_FUSED_COMBINE_ON_GPU, R > 1), GEMM2 and the way back are one expert_combine on e4m3 operands, and
 the input gradient's GEMM and its way back another. Skips
 where there is no Hopper GPU."""
 
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import jax_moe_overlap as jmo
-from jax_moe_overlap import fp8_overlap
+from jax_moe_overlap import call_site
 from cases import layer_inputs, rel_err
 from gpu_common import gpu_mesh, rank_counts, requires_gpu
 # (requires_hopper's condition names _hopper in this module)
@@ -61,7 +61,7 @@ def test_overlap_fp8_matches_collective_fp8(R, cf, fused, monkeypatch):
   if fused and R == 1:
     pytest.skip("one GPU: the layer takes impl='collective''s block (no way back to fuse; "
                 "test_gpu_expert_combine.py and test_gpu_multiprocess.py run the fused FP8 combine there)")
-  monkeypatch.setattr(fp8_overlap, "FUSED_COMBINE_ON_GPU", fused)
+  monkeypatch.setattr(call_site, "FP8_FUSED_COMBINE_ON_GPU", fused)
   mesh = gpu_mesh(R)
   x, ids, gates, w1, w2, cot = _inputs(R, 40 + R)
   f = _grads(mesh, ids, cot, "overlap", cf)
