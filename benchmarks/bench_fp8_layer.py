@@ -7,7 +7,8 @@ True))): ``moe_experts(impl="collective")`` (the exchange in XLA, the experts
 in this library's grouped GEMMs: bf16 ``grouped_matmul_swiglu`` / ``grouped_matmul`` / ``grouped_outer``, or under
 fp8 the e4m3 grouped GEMM for GEMM1, GEMM2, the two dgrads and the two wgrads, fp8_experts.KERNELS) and
 ``impl="overlap"`` (the rows moved by the workspace's custom calls; under fp8 dispatched as packed e4m3 rows, the
-recipe's GEMMs unfused from the moves: fp8_overlap.py), and the FP8 recipe emulated in XLA (``impl="xla"``,
+recipe's GEMMs unfused from the dispatches, and the returns fused where call_site.fp8_fused_combine says so: on CPU,
+and on GPUs in the overlap+fused row: fp8_overlap.py), and the FP8 recipe emulated in XLA (``impl="xla"``,
 fp8_experts.RAGGED) as a row of its own.
 
 Each fp8 timing includes everything the recipe does per call: the weights quantized from the bf16 master weights
@@ -20,7 +21,7 @@ out: its ragged_dot is dense-masked on GPU, so it is slow at many experts); medi
 dispatch_B_row_bf16 / _fp8: the bytes per row the dispatch's exchange moves at EP >= 2 (the program's first exchange
 of rows, counted on it by common.exchanged_rows on a two-rank mesh of the host's CPU devices with impl="collective",
 traced only), 2D in bf16, D + D / 32 under fp8 (e4m3 values and a float32 scale per 128); the timed layer runs on
-one device, where no rows cross an exchange. Empty where the host has one CPU device
+--devices devices (at 1, no rows cross an exchange). Empty where the host has one CPU device
 (XLA_FLAGS=--xla_force_host_platform_device_count=2 gives it two).
 Nothing is timed before it agrees with the float32 reference (references.layer_reference) on the first input set:
 bf16 within err_bf16 <= 2e-2 (max-relative error, the largest over the pass's outputs); fp8, output by output, within

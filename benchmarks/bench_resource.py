@@ -13,9 +13,10 @@ contention, not C. Read the per-C times before trusting a regret: an outlier C s
 is checked against a host reference (on a sample of tokens) and every timed variant's outputs bit for bit against
 it.
 
-Decision cost: the harness' DecisionBenchKernel builds rank 0's segment table as ExpertKernel does and runs the
-device-side choice (prefix scan + 32 candidates x segments + reduction) thousands of times in one CTA; the time per
-choice is reported (the table build is reported apart: ExpertKernel needs it whether or not it chooses C).
+Decision cost: the harness' DecisionBenchKernel loads rank 0's plan and builds its segment table as ExpertKernel does
+under the model (with the choice's prepared parts) and runs the prepared choice ExpertKernel runs (the 32 candidates'
+FP64 loop and the argmin) thousands of times in one CTA; the time per choice is reported (the table build, the plan's
+loads included, apart: ExpertKernel needs it whether or not it chooses C).
 
   python3 -m benchmarks.bench_resource --calibration $OUT/calibration/nvidia_h200.json --out $OUT/resource.jsonl
 """

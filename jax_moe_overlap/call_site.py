@@ -2,8 +2,8 @@
 
 ``RankInfo(workspace, config)`` is built once where a layer (or a benchmark) sets up its calls, before tracing, and is
 a static argument of everything after: the call wrappers (``workspace_calls``) read their attributes from it
-(``attrs``: the workspace and the call options, the same for every call), and the differentiable block
-(``expert_block``) the fusion decision. Built here, once:
+(``attrs``: the workspace and the call options, the same for every call), and the differentiable blocks
+(``expert_block``, ``fp8_overlap``) the fusion decisions. Built here, once:
 
 * ``dispatch_pushers``: whether the dispatch and GEMM1 run as one dispatch_gemm call (> 0) or as two (0), from the
   config and the facts the workspace's backend returned (``dispatch_pushers``). A fused call's pusher count is

@@ -1,5 +1,5 @@
-"""FP8 rows on the wire: the local experts of ``impl="xla"``, ``impl="collective"`` and ``impl="overlap"`` under
-``quantization="fp8"``, with the rows the experts read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv
+"""FP8 rows on the wire: the local experts of ``impl="xla"``, ``impl="collective"`` and ``impl="overlap"`` (where its
+returns are unfused; its fused path shares ``moved``) under ``quantization="fp8"``, with the rows the experts read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv
 2412.19437, section 3.3.3; docs/design.md, "FP8"). The exchange is a route's: ``xla_path.Route`` (XLA collectives)
 or ``fp8_overlap.WorkspaceRoute`` (the workspace's dispatch custom call).
 

@@ -55,7 +55,9 @@ the input and the output, and take no part in any tile.
 Two entries: ``fp8_expert_mlp`` (the ``custom_vjp`` on rows in the compute dtype, which quantizes x and dy itself:
 the oracle's, ``reference.py``), and ``recipe_forward`` / ``recipe_backward``, which take x and dy already quantized
 (1 x 128, power-of-two scales): ``fp8_exchange.py`` quantizes them on the token's owner and exchanges them in FP8,
-for ``impl="xla"`` (``RAGGED``) and ``impl="collective"`` (``KERNELS``).
+for ``impl="xla"`` (``RAGGED``) and ``impl="collective"`` (``KERNELS``); and their parts before GEMM2 and before
+dx = da W1^T, ``recipe_gemm1`` / ``recipe_dgrad_operands`` (``fp8_overlap.fp8_combined_experts``, whose
+expert_combine calls run those GEMMs).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """``impl="overlap"`` under ``quantization="fp8"``: DeepSeek-V3's recipe (``fp8_experts.py``) with the rows crossing in
 the workspace's ``dispatch`` custom call (docs/design.md, "FP8").
 
-The expert block is ``fp8_exchange.fp8_exchanged_experts`` (the ``custom_vjp`` of impl="collective" under FP8) on a
-``WorkspaceRoute``, whose row moves are the dispatch custom call instead of XLA collectives:
+Unfused (GPUs while ``call_site.FP8_FUSED_COMBINE_ON_GPU`` is off), the expert block is
+``fp8_exchange.fp8_exchanged_experts`` (the ``custom_vjp`` of impl="collective" under FP8) on a ``WorkspaceRoute``,
+whose row moves are the dispatch custom call instead of XLA collectives:
 
   forward   x quantized 1 x 128 with power-of-two scales on the token's owner and packed (``fp8.pack_rows``: D + D / 32
             bytes a row), dispatched as uint8 rows (the dispatch moves them unchanged, as bytes), unpacked at the
@@ -22,10 +23,11 @@ transport differs, and both move rows unchanged), so outputs and gradients equal
 each shard's partial output comes back per slot in the compute dtype, where impl="collective" sums the partials in
 float32 (a reduce-scatter), so the two agree to the compute dtype's rounding.
 
-GEMM2 overlapped with the way back (``fp8_combined_experts``, where the call site says ``fp8_fused_combine``): GEMM2 and the return are one
-``expert_combine_fp8`` call (the overlapped operator with the FP8 grouped GEMM as its producer), and in the backward
-the input gradient's GEMM da W1^T and its return another, with the same values and gradients as the unfused block. Not fused (docs/design.md): the dispatch with GEMM1 (``dispatch_gemm``
-takes float32 and bfloat16 rows).
+Fused (``fp8_combined_experts``, where the call site says ``fp8_fused_combine``: every CPU's): GEMM2 and the return
+are one ``expert_combine_fp8`` call (the overlapped operator with the FP8 grouped GEMM as its producer), and in the
+backward the input gradient's GEMM da W1^T and its return another, with the same values and gradients as the unfused
+block. Not fused (docs/design.md): the dispatch with GEMM1 (``dispatch_gemm`` takes float32 and bfloat16 rows), and
+the backward's dgrad dispatch with dh = dy W2^T.
 """
 
 from __future__ import annotations

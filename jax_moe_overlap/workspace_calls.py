@@ -8,7 +8,7 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   rows; returns this rank's recv rows ``[cap, D]`` (rows past ``plan.recv_rows`` are zero). With ``send_once`` a
   token's row crosses to each rank once and the receiver fills its other slots' rows from it. The rows are moved as
   bytes: float32, bfloat16, or packed e4m3 rows (uint8, ``fp8.pack_rows``). ``dispatch_rows``: the same call on any
-  routing (the FP8 layer's way back, ``fp8_overlap.py``).
+  routing (the FP8 layer's way back where the call site does not fuse it, ``fp8_overlap.py``).
 * ``dispatch_gemm(src, slot_src_row, w, plan, ...)``: the dispatch and the GEMM after it in one call, each GEMM tile
   starting once its rows have arrived.
 * ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
@@ -82,8 +82,9 @@ def _computed_rows(op: str, name: str, a: jax.Array) -> None:
   cross in ``dispatch`` only, refused here before a call is traced (the handlers refuse them too)."""
   if a.dtype == jnp.uint8:
     raise TypeError(f"jax_moe_overlap: {op}: {name} is uint8 (packed e4m3 rows, fp8.pack_rows): {op}'s GEMM takes "
-                    f"float32 or bfloat16 rows; packed rows cross in dispatch only (quantization='fp8' unpacks them "
-                    f"for the FP8 grouped GEMM)")
+                    f"float32 or bfloat16 rows, or float8_e4m3fn values with their scales apart (grouped_matmul_fp8, "
+                    f"expert_combine_fp8); packed rows cross in dispatch only (quantization='fp8' unpacks them for "
+                    f"the FP8 GEMMs)")
 
 
 def slot_primary(plan: Plan, send_once: bool) -> jax.Array:

@@ -144,9 +144,10 @@ inline xla::ffi::Error InvalidCall(const std::string& msg) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, "jax_moe_overlap: " + msg);
 }
 
-// The library's dtype (common/dtype.h) of an XLA element type: nullopt for the types no call takes, which every
-// shape check refuses, so that a handler never maps a dtype it does not know. uint8: packed e4m3 rows, which only the
-// dispatch takes (ComputeDTypeOf for every other call).
+// The library's dtype (common/dtype.h) of an XLA element type: nullopt for the types no call takes as rows of its
+// dtype table, which every shape check refuses, so that a handler never maps a dtype it does not know (the e4m3
+// operands of expert_combine and the FP8 GEMMs are checked apart). uint8: packed e4m3 rows, which only the dispatch
+// takes (ComputeDTypeOf for every other call).
 inline std::optional<DType> DTypeOf(xla::ffi::DataType t) {
   switch (t) {
     case xla::ffi::DataType::F32: return DType::kF32;

@@ -1,6 +1,7 @@
 """impl="overlap" under quantization="fp8" (fp8_overlap.py) on the GPUs: the dispatch kernels moving packed e4m3
 rows (uint8, D + D / 32 bytes) between ranks (peer writes at R > 1), the FP8 grouped GEMM on Hopper, the expert
-outputs and the input gradient back in bfloat16 by the dispatch kernels, against impl="collective" under fp8 (the
+outputs and the input gradient back in bfloat16 by the dispatch kernels (unfused, the GPUs' default) or by
+expert_combine on e4m3 operands (fused, below), against impl="collective" under fp8 (the
 same recipe and kernels, its rows through XLA's collectives), forward and the gradients of x, gates, w1 and w2, on a
 mesh over every visible GPU (and one GPU as well when there are several), with skipped slots, dropless and with
 drops.

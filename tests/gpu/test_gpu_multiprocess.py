@@ -4,7 +4,8 @@ process): the workspace's blocks cross processes through CUDA IPC, its group mem
 Placements: two processes sharing GPU 0 (the one-GPU machine; a process per rank, time-sliced on the device), and
 where there are several GPUs one process per GPU, which is also compared bitwise with the same mesh driven by one
 process. Each checks bfloat16 and float32 forward and gradients (jax.vjp through moe_experts) against the float32
-reference (1e-2 relative), repeated calls bitwise identical, and no shared-memory name left behind. A peer process
+reference (1e-2 relative), repeated calls bitwise identical, and no shared-memory name left behind; on GPU 0, the
+FP8 layer with its returns fused (bfloat16, against the FP8 recipe's oracle within 1e-2). A peer process
 killed between calls makes the survivor fail (the routing counts' exchange, stage "counts") within about two
 timeouts (the kernel's wait, then the next call's recovery barrier, which reports it), naming the peer and its
 process, and the survivor's release does not wait for the dead peer (with the custom calls outside CUDA graphs: inside

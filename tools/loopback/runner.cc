@@ -194,7 +194,7 @@ class Run {
         info.cc, {dt_, cuda::GemmForm::kRows, cap_, K_, N_, s_.transpose_rhs, cuda::GemmEpilogue::kNone, out_y_[0],
                   out_y_[0]});
     res_.producer = s_.fp8 ? "wgmma e4m3" : engine ? cuda::GemmEngineName(*engine) : "none";
-    if (s_.fp8)  // (the e4m3 producer: the pinned or the fixed C, LaunchExpertOperator)
+    if (s_.fp8)  // (the e4m3 producer's C where the call does not pin it: the fixed C, LaunchExpertOperator)
       res_.consumer_policy = cuda::ConsumerPolicyName(cuda::ConsumerPolicy::kFixed);
     else if (engine)
       res_.consumer_policy = cuda::ConsumerPolicyName(cuda::SelectConsumerPolicy(*ws_, CallOptions{}, *engine));
