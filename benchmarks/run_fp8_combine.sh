@@ -7,10 +7,10 @@
 #   shipped, and the fused one where there are two GPUs) -> memcheck on one loopback rank -> bench_fused's FP8 rows at
 #   EP = 1 (the producer against grouped_matmul_fp8 + XLA's combine and alone, beside bf16's) -> the loopback suite
 #   combine-time-fp8 (R = 2, 4, 8 over the emulated NVLink against the serialized form and GEMM2 alone: the overlap
-#   table) and combine-time for the bf16 rows of the same run.
+#   table) and combine-time for the bf16 rows of the same run, then the FP8 producer's C swept on one case.
 #
 #   bash benchmarks/run_fp8_combine.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, fused.log)
-#   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_combine.sh     (fused.log, time-fp8.txt, time-bf16.txt)
+#   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_combine.sh     (fused.log, time-fp8.txt, time-bf16.txt, sweep-fp8.txt)
 # The default call: build, tests, memcheck, bench_fused; FP8_ONLY_TIME=1: build, bench_fused and the two loopback
 # timing suites.
 set -uo pipefail
@@ -42,6 +42,13 @@ el bench_fused
 timeout 150 python3 -m tools.loopback.run --suite combine-time-fp8 > "$OUT/time-fp8.txt" 2>&1
 echo "combine-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/time-fp8.txt" | cut -c1-240
 el combine-time-fp8
-timeout 150 python3 -m tools.loopback.run --suite combine-time > "$OUT/time-bf16.txt" 2>&1
+timeout 120 python3 -m tools.loopback.run --suite combine-time > "$OUT/time-bf16.txt" 2>&1
 echo "combine-time rc $?"; grep -E "^\||cases passed" "$OUT/time-bf16.txt" | cut -c1-240
 el combine-time
+# The FP8 producer's consumer count: every pinned C against the fixed C (SMs / 8) on the seed shape at R = 2 over the
+# emulated link, for the choice the FP8 producer should make (the resource model's calibration is the bf16 engine's).
+timeout 60 python3 -m tools.loopback.run --fp8 --ranks 2 --experts 8 --tokens 4096 --d-model 256 --k-dim 2048 \
+  --n-dim 2048 --link-gbps 185 --routing 0 --datasets 1 --iters 2 --check-tokens 64 --time --warmup 2 --reps 10 \
+  --consumers 0 --sweep-consumers 1,2,3,4,6,8,12 > "$OUT/sweep-fp8.txt" 2>&1
+echo "FP8 C sweep rc $?"; grep -E "^(PASS|FAIL|TIMED)" "$OUT/sweep-fp8.txt" | cut -c1-240
+el sweep-fp8
