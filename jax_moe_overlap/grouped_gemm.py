@@ -47,7 +47,7 @@ def _check_operands(name, lhs, rhs, group_sizes):
   if lhs.dtype not in (jnp.float32, jnp.bfloat16) or rhs.dtype != lhs.dtype:
     raise TypeError(f"jax_moe_overlap: {name}: lhs and rhs must share a dtype, float32 or bfloat16; got "
                     f"{lhs.dtype} and {rhs.dtype}")
-  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+  if group_sizes is not None and (group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
     raise TypeError(f"jax_moe_overlap: {name}: group_sizes must be a 1-D integer array, got {group_sizes.dtype}"
                     f"{list(group_sizes.shape)}")
 
@@ -168,12 +168,13 @@ def fp8_scales_ld(rows: int) -> int:
   return -(-rows // 4) * 4
 
 
-def _check_fp8_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes, preferred_element_type):
-  """The FP8 calls' dtype rules; returns the output's dtype."""
+def check_fp8_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes, preferred_element_type):
+  """The FP8 calls' dtype rules (group_sizes None: a call whose groups come otherwise, expert_combine_fp8's
+  segments); returns the output's dtype."""
   if lhs.dtype != fp8.E4M3 or rhs.dtype != fp8.E4M3 or lhs_scales.dtype != jnp.float32 or rhs_scales.dtype != jnp.float32:
     raise TypeError(f"jax_moe_overlap: {name}: lhs and rhs must be float8_e4m3fn and their scales float32; got "
                     f"{lhs.dtype}, {lhs_scales.dtype}, {rhs.dtype}, {rhs_scales.dtype}")
-  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+  if group_sizes is not None and (group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
     raise TypeError(f"jax_moe_overlap: {name}: group_sizes must be a 1-D integer array, got "
                     f"{group_sizes.dtype}{list(group_sizes.shape)}")
   out_dtype = jnp.dtype(preferred_element_type)
@@ -205,16 +206,17 @@ def grouped_matmul_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rh
   Returns:
     [M, N].
   """
-  out_dtype = _check_fp8_operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes,
+  out_dtype = check_fp8_operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes,
                                   preferred_element_type)
-  M, N, scales_mn = _fp8_row_operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes)
+  M, N, scales_mn = fp8_row_operands("grouped_matmul_fp8", lhs, lhs_scales, rhs, rhs_scales, group_sizes)
   out = jax.ShapeDtypeStruct((M, N), out_dtype)
   return jax.ffi.ffi_call(GROUPED_MATMUL_FP8, out, vmap_method="sequential")(
       lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))
 
 
-def _fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes):
-  """The shape rules of the FP8 row GEMMs' operands; returns (M, N, lhs_scales in the kernel's MN-major layout)."""
+def fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes=None):
+  """The shape rules of the FP8 row GEMMs' operands (group_sizes None: as check_fp8_operands); returns (M, N,
+  lhs_scales in the kernels' MN-major layout)."""
   if lhs.ndim != 2 or rhs.ndim != 3:
     raise ValueError(f"jax_moe_overlap: {name}: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and [G, N, K]")
   (M, K), (G, N) = lhs.shape, rhs.shape[:2]
@@ -223,10 +225,11 @@ def _fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes):
                      f"128 x 128 scale tiles), got K={K}, N={N}")
   t = fp8.TILE
   if (rhs.shape[2] != K or lhs_scales.shape != (M, K // t) or rhs_scales.shape != (G, N // t, K // t) or
-      group_sizes.shape != (G,)):
+      (group_sizes is not None and group_sizes.shape != (G,))):
+    groups = (f" and group_sizes {group_sizes.shape}", ", group_sizes [G]") if group_sizes is not None else ("", "")
     raise ValueError(f"jax_moe_overlap: {name}: lhs {lhs.shape}, lhs_scales {lhs_scales.shape}, rhs {rhs.shape}, "
-                     f"rhs_scales {rhs_scales.shape} and group_sizes {group_sizes.shape} do not fit lhs [M, K], "
-                     f"lhs_scales [M, K/128], rhs [G, N, K], rhs_scales [G, N/128, K/128], group_sizes [G]")
+                     f"rhs_scales {rhs_scales.shape}{groups[0]} do not fit lhs [M, K], lhs_scales [M, K/128], "
+                     f"rhs [G, N, K], rhs_scales [G, N/128, K/128]{groups[1]}")
   _ffi.register()
   return M, N, jnp.pad(lhs_scales.T, ((0, 0), (0, fp8_scales_ld(M) - M)))
 
@@ -252,8 +255,8 @@ def grouped_matmul_swiglu_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Ar
     as ``swiglu_forward_fp8`` returns them.
   """
   name = "grouped_matmul_swiglu_fp8"
-  _check_fp8_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes, jnp.float32)
-  M, C, scales_mn = _fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes)
+  check_fp8_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes, jnp.float32)
+  M, C, scales_mn = fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes)
   F = _swiglu_width(name, "rhs", C)
   out = (jax.ShapeDtypeStruct((M, F), fp8.E4M3), jax.ShapeDtypeStruct((M, F // fp8.TILE), jnp.float32),
          jax.ShapeDtypeStruct((M, C), fp8.E4M3), jax.ShapeDtypeStruct((M, C // fp8.TILE), jnp.float32))
@@ -475,7 +478,7 @@ def grouped_outer_fp8_packed(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Ar
     [G, K, N].
   """
   (lq, ls), (rq, rs) = lhs, rhs
-  out_dtype = _check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
+  out_dtype = check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
   t = fp8.TILE
   if lq.ndim != 2 or rq.ndim != 2 or lq.shape[1] != rq.shape[1] or lq.shape[1] % t or lq.shape[1] == 0:
     raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: lhs {lq.shape} and rhs {rq.shape} must be [K, Mp] and "
@@ -509,7 +512,7 @@ def grouped_outer_fp8(lhs: tuple[jax.Array, jax.Array], rhs: tuple[jax.Array, ja
     [G, K, N].
   """
   (lq, ls), (rq, rs) = lhs, rhs
-  _check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
+  check_fp8_operands("grouped_outer_fp8", lq, ls, rq, rs, group_sizes, preferred_element_type)
   if lq.ndim != 2 or rq.ndim != 2 or lq.shape[0] != rq.shape[0]:
     raise ValueError(f"jax_moe_overlap: grouped_outer_fp8: lhs {lq.shape} and rhs {rq.shape} must be [M, K] and "
                      f"[M, N]")

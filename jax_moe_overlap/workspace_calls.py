@@ -32,7 +32,7 @@ import numpy as np
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import fp8
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.grouped_gemm import fp8_scales_ld
+from jax_moe_overlap.grouped_gemm import check_fp8_operands, fp8_row_operands
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
@@ -209,38 +209,22 @@ def _expert_combine_call(lhs, w, lhs_scales, w_scales, gates, plan, info, want_s
 
 
 def expert_combine_fp8(lhs_q: jax.Array, lhs_s: jax.Array, w: fp8.Fp8Weight, gates: jax.Array, plan: Plan,
-                       info: RankInfo, want_slots: bool, out_dtype) -> tuple[jax.Array, jax.Array]:
+                       info: RankInfo, want_slots: bool, preferred_element_type) -> tuple[jax.Array, jax.Array]:
   """``expert_combine`` with the FP8 producer: the GEMM of the overlapped operator is ``grouped_matmul_fp8``'s
   (DeepSeek-V3's block-scaled e4m3 GEMM, each 128-wide K chunk promoted to float32), its rows rounded to
-  ``out_dtype``, returned and combined as ``expert_combine``'s in that dtype.
+  ``preferred_element_type``, returned and combined as ``expert_combine``'s in that dtype.
 
   lhs_q [cap, K] float8_e4m3fn and lhs_s [cap, K/128] float32 (``fp8.quantize_rows``' layout; the call reads them
   MN-major, transposed here as ``grouped_matmul_fp8`` does), w an ``fp8.Fp8Weight`` of this rank's experts (values
-  [E_local, N, K], scales [E_local, N/128, K/128]: its forward layout), gates [T, k] float32, out_dtype float32 or
-  bfloat16 -> (y [T, N], slot_out [T*k or 0, N]) in out_dtype. K and N multiples of 128. The CPU handler and, on
-  Hopper, the CUDA kernels; another GPU fails the call naming the requirement."""
-  values, scales = w.values, w.scales
-  t = fp8.TILE
-  if lhs_q.ndim != 2 or values.ndim != 3:
-    raise ValueError(f"jax_moe_overlap: expert_combine_fp8: lhs_q {lhs_q.shape} and w.values {values.shape} must be "
-                     "[cap, K] and [E_local, N, K]")
-  (cap, K), (E_l, N) = lhs_q.shape, values.shape[:2]
-  if K % t or N % t or K == 0 or N == 0:
-    raise ValueError(f"jax_moe_overlap: expert_combine_fp8: K and N must be positive multiples of 128 (whole 1 x 128 "
-                     f"and 128 x 128 scale tiles), got K={K}, N={N}")
-  if values.shape[2] != K or lhs_s.shape != (cap, K // t) or scales.shape != (E_l, N // t, K // t):
-    raise ValueError(f"jax_moe_overlap: expert_combine_fp8: lhs_q {lhs_q.shape}, lhs_s {lhs_s.shape}, w.values "
-                     f"{values.shape} and w.scales {scales.shape} do not fit lhs_q [cap, K], lhs_s [cap, K/128], "
-                     "w.values [E_local, N, K], w.scales [E_local, N/128, K/128]")
-  if lhs_q.dtype != fp8.E4M3 or values.dtype != fp8.E4M3:
-    raise TypeError(f"jax_moe_overlap: expert_combine_fp8: lhs_q and w.values must be float8_e4m3fn, got "
-                    f"{lhs_q.dtype} and {values.dtype}")
-  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise TypeError(f"jax_moe_overlap: expert_combine_fp8: out_dtype must be float32 or bfloat16, got {out_dtype}")
-  _ffi.register()
-  scales_mn = jnp.pad(lhs_s.astype(jnp.float32).T, ((0, 0), (0, fp8_scales_ld(cap) - cap)))
-  return _expert_combine_call(lhs_q, values, scales_mn, scales.astype(jnp.float32), gates, plan, info, want_slots,
-                              True, out_dtype, N)
+  [E_local, N, K], scales [E_local, N/128, K/128]: its forward layout), gates [T, k] float32, preferred_element_type
+  float32 or bfloat16 -> (y [T, N], slot_out [T*k or 0, N]) in that dtype. K and N multiples of 128: the operand
+  rules of ``grouped_matmul_fp8`` (its groups here the plan's segments). The CPU handler and, on Hopper, the CUDA
+  kernels; another GPU fails the call naming the requirement."""
+  name = "expert_combine_fp8"
+  lhs_s, scales = lhs_s.astype(jnp.float32), w.scales.astype(jnp.float32)
+  out_dtype = check_fp8_operands(name, lhs_q, lhs_s, w.values, scales, None, preferred_element_type)
+  _, N, scales_mn = fp8_row_operands(name, lhs_q, lhs_s, w.values, scales)
+  return _expert_combine_call(lhs_q, w.values, scales_mn, scales, gates, plan, info, want_slots, True, out_dtype, N)
 
 
 def gather_rs(lhs: jax.Array, w: jax.Array, row_gate: jax.Array, token_rows: jax.Array, plan: Plan, info: RankInfo,

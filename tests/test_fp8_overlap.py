@@ -302,7 +302,7 @@ def test_expert_combine_fp8_refuses_what_it_cannot_take():
   with pytest.raises(ValueError, match=r"expert_combine_fp8: K and N must be positive multiples of 128"):
     workspace_calls.expert_combine_fp8(e4m3(16, 192), f32(16, 1), weight, f32(4, 2), plan, info, False,
                                        jnp.bfloat16)
-  with pytest.raises(TypeError, match=r"expert_combine_fp8: out_dtype must be float32 or bfloat16"):
+  with pytest.raises(TypeError, match=r"expert_combine_fp8: preferred_element_type must be float32 or bfloat16"):
     workspace_calls.expert_combine_fp8(e4m3(16, 128), f32(16, 1), fp8.Fp8Weight(e4m3(2, 256, 128), good[1]),
                                        f32(4, 2), plan, info, False, jnp.float16)
   y, _ = call(e4m3(16, 128), e4m3(2, 256, 128), 256, True, good)

@@ -313,35 +313,49 @@ struct CombineShape {
   int64_t scales_ld = 0;                  // fp8: the row stride of lhs_scales [K/128, ld]
 };
 
+constexpr int64_t kFp8Tile = 128;  // K elements per scale; the side of a weight block
+
+// The FP8 row GEMMs' rules on their sizes and scales (jmo_grouped_matmul_fp8's, expert_combine's e4m3 producer's):
+// lhs [M, K] and rhs [G, N, K] e4m3 with K and N positive multiples of 128, lhs_scales [K/128, ld] (MN-major: ld >= M
+// and a multiple of 4, 16-byte rows for TMA) and rhs_scales [G, N/128, K/128]. nullopt, or why not in the call's own
+// names: `rows` for M, `groups` for G, `rhs_scales` for the weight's scales.
+template <typename LhsDims, typename RhsDims>
+std::optional<std::string> Fp8RowOperandsRefusal(int64_t M, int64_t K, int64_t N, int64_t G, const LhsDims& sd,
+                                                 const RhsDims& bd, const std::string& rows, const std::string& groups,
+                                                 const std::string& rhs_scales) {
+  if (K < kFp8Tile || K % kFp8Tile != 0 || N < kFp8Tile || N % kFp8Tile != 0)
+    return "K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
+           std::to_string(K) + ", N=" + std::to_string(N);
+  if (sd.size() != 2 || sd[0] != K / kFp8Tile || sd[1] < M || sd[1] % 4 != 0)
+    return "lhs_scales must be [K/128, ld] with ld >= " + rows + " and a multiple of 4 (MN-major, 16-byte rows): " +
+           "got " + DimsText(sd) + " for " + rows + "=" + std::to_string(M) + ", K=" + std::to_string(K);
+  if (bd.size() != 3 || bd[0] != G || bd[1] != N / kFp8Tile || bd[2] != K / kFp8Tile)
+    return rhs_scales + " must be [" + groups + ", N/128, K/128] = [" + std::to_string(G) + ", " +
+           std::to_string(N / kFp8Tile) + ", " + std::to_string(K / kFp8Tile) + "], got " + DimsText(bd);
+  return std::nullopt;
+}
+
 // expert_combine's FP8 operands (BindExpertCombine's rule) against the shape CheckExpertCombine read: fills
 // s->scales_ld, or says what is wrong.
 inline std::optional<std::string> CheckExpertCombineFp8(const xla::ffi::AnyBuffer& w,
                                                         const xla::ffi::Buffer<xla::ffi::F32>& lhs_scales,
                                                         const xla::ffi::Buffer<xla::ffi::F32>& w_scales,
                                                         bool transpose_rhs, CombineShape* s) {
-  constexpr int64_t kTile = 128;  // K elements per scale; the side of a weight block
   if (w.element_type() != xla::ffi::DataType::F8E4M3FN)
     return std::string("lhs float8_e4m3fn needs w float8_e4m3fn (with their scales)");
   if (!transpose_rhs)
     return std::string("e4m3 w must be [E_local, N, K] (K-major: transpose_rhs), the only B layout of FP8 wgmma");
-  if (s->K < kTile || s->K % kTile != 0 || s->N < kTile || s->N % kTile != 0)
-    return "K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
-           std::to_string(s->K) + ", N=" + std::to_string(s->N);
+  if (std::optional<std::string> why = Fp8RowOperandsRefusal(s->cap, s->K, s->N, s->E_local, lhs_scales.dimensions(),
+                                                             w_scales.dimensions(), "cap", "E_local", "w_scales"))
+    return why;
   // (The FP8 grouped GEMM's own limits, wgmma_grouped_fp8.cuh's GroupedGemmFp8Refusal, checked here so that every
   // handler refuses them before the call begins.)
-  if (s->cap < 1 || s->cap > 0x7fffffff - kTile)
+  if (s->cap < 1 || s->cap > 0x7fffffff - kFp8Tile)
     return "e4m3 lhs needs cap (its rows) in [1, 2^31 - 128), got " + std::to_string(s->cap);
-  if (s->E_local * (s->N / kTile) * (s->K / kTile) > 0x7fffffff)
+  if (s->E_local * (s->N / kFp8Tile) * (s->K / kFp8Tile) > 0x7fffffff)
     return std::string("w_scales must have fewer than 2^31 entries (E_local * N/128 * K/128)");
-  auto sd = lhs_scales.dimensions(), bd = w_scales.dimensions();
-  if (sd.size() != 2 || sd[0] != s->K / kTile || sd[1] < s->cap || sd[1] % 4 != 0)
-    return "lhs_scales must be [K/128, ld] with ld >= cap and a multiple of 4 (MN-major, 16-byte rows): got " +
-           DimsText(sd) + " for cap=" + std::to_string(s->cap) + ", K=" + std::to_string(s->K);
-  if (bd.size() != 3 || bd[0] != s->E_local || bd[1] != s->N / kTile || bd[2] != s->K / kTile)
-    return "w_scales must be [E_local, N/128, K/128] = [" + std::to_string(s->E_local) + ", " +
-           std::to_string(s->N / kTile) + ", " + std::to_string(s->K / kTile) + "], got " + DimsText(bd);
   s->fp8 = true;
-  s->scales_ld = sd[1];
+  s->scales_ld = lhs_scales.dimensions()[1];
   return std::nullopt;
 }
 

@@ -279,8 +279,6 @@ struct GroupedFp8Shape {
   int64_t scales_ld;  // the row stride of lhs_scales [K/128, ld]
 };
 
-constexpr int64_t kFp8Tile = 128;  // K elements per scale; the side of a weight block
-
 // The operands of the FP8 row GEMMs (jmo_grouped_matmul_fp8, jmo_grouped_matmul_swiglu_fp8; `op` names the call in
 // the errors); out_f32 is left false for the caller.
 inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedFp8Operands(
@@ -296,15 +294,9 @@ inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedFp8Operands(
     return fail("expected lhs [M, K], lhs_scales [K/128, ld], rhs [G, N, K], rhs_scales [G, N/128, K/128], "
                 "group_sizes [G]");
   GroupedFp8Shape s{false, ld[0], ld[1], rd[1], rd[0], sd[1]};
-  if (s.K < kFp8Tile || s.K % kFp8Tile != 0 || s.N < kFp8Tile || s.N % kFp8Tile != 0)
-    return fail("K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
-                std::to_string(s.K) + ", N=" + std::to_string(s.N));
-  if (rd[2] != s.K || static_cast<int64_t>(group_sizes.element_count()) != s.G || bd[0] != s.G ||
-      bd[1] != s.N / kFp8Tile || bd[2] != s.K / kFp8Tile || sd[0] != s.K / kFp8Tile)
-    return fail("inconsistent shapes");
-  if (s.scales_ld < s.M || s.scales_ld % 4 != 0)
-    return fail("lhs_scales [K/128, ld] needs ld >= M and a multiple of 4 (16-byte rows), got ld=" +
-                std::to_string(s.scales_ld) + " for M=" + std::to_string(s.M));
+  if (std::optional<std::string> why = Fp8RowOperandsRefusal(s.M, s.K, s.N, s.G, sd, bd, "M", "G", "rhs_scales"))
+    return fail(*why);
+  if (rd[2] != s.K || static_cast<int64_t>(group_sizes.element_count()) != s.G) return fail("inconsistent shapes");
   return s;
 }
 

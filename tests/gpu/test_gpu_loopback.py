@@ -33,6 +33,18 @@ def test_loopback_full_suite():
   assert re.search(r"PASS R=2 .* dtype=f32 w=transposed .* producer simt fp32", proc.stdout)
 
 
+def _hopper_suite(suite: str, cases: int, why_hopper: str):
+  """Runs loopback suite `suite` on a Hopper GPU (else skips, saying `why_hopper`) within 240 s: every one of its
+  `cases` cases must pass. Returns the process (its stdout for the caller's checks)."""
+  from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
+  if not is_hopper():
+    pytest.skip(why_hopper)
+  proc = run_loopback(["--suite", suite], timeout=240)
+  m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
+  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == cases, proc.stdout[-4000:]
+  return proc
+
+
 @pytest.mark.watchdog_s(300)  # the subprocess's own limit is 240 s
 def test_loopback_dispatch_gemm_suite():
   """dispatch_gemm (the dispatch and GEMM1 in one launch, GEMM1 tiles waiting per source): R = 1, 2, 4, 8 x three
@@ -42,12 +54,7 @@ def test_loopback_dispatch_gemm_suite():
   token's row once per destination rank (the default at two ranks or more) beside cases that send one row per slot;
   x_recv stored by the GEMM tiles (the default) and, in the plain and training modes, copied by the side units
   (x_recv_from_tiles=False). Hopper only (the wgmma engine)."""
-  from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
-  if not is_hopper():
-    pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
-  proc = run_loopback(["--suite", "dispatch-gemm"], timeout=240)
-  m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
-  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 20, proc.stdout[-4000:]
+  proc = _hopper_suite("dispatch-gemm", 20, "dispatch_gemm runs on Hopper (sm_90a) only")
   for r in (1, 2, 4, 8):
     for mode in ("plain", "train", "infer"):
       assert re.search(rf"PASS R={r} .* dispatch_gemm pushers=\d+ mode={mode}", proc.stdout), (r, mode)
@@ -63,12 +70,7 @@ def test_loopback_combine_fp8_suite():
   R = 1, 2, 4, 8 with balanced and moderate routing, every band pushed, drops, the fixed C, float32 outputs, the
   serialized form and an emulated link, y and the slots' rows against the host's float32 products of the dequantized
   operands, bit-identical repeats. Hopper only (e4m3 wgmma)."""
-  from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top
-  if not is_hopper():
-    pytest.skip("the FP8 producer runs on Hopper (sm_90a) only")
-  proc = run_loopback(["--suite", "combine-fp8"], timeout=240)
-  m = re.search(r"loopback: (\d+) of (\d+) cases passed", proc.stdout)
-  assert m and proc.returncode == 0 and m.group(1) == m.group(2) and int(m.group(2)) == 14, proc.stdout[-4000:]
+  proc = _hopper_suite("combine-fp8", 14, "the FP8 producer runs on Hopper (sm_90a) only")
   for r in (1, 2, 4, 8):
     assert re.search(rf"PASS R={r} .* lhs,w=e4m3 .* producer wgmma e4m3", proc.stdout), r
 
