@@ -258,17 +258,20 @@ def reference_results(mesh, args, want_grads: bool, max_bytes: float = 2 ** 32,
     grad_ws = _reference_fns(mesh, E, cap, blocks(n, sample))[3]
     w1s, w2s, experts_s = take_experts(mesh, w1, sample), take_experts(mesh, w2, sample), put(sample)
   ys, dxs, dgs, dw1, dw2 = [], [], [], 0.0, 0.0
-  for c in range(n):                          # everything stays on the devices
+  # Everything stays on the devices, and each program finishes before the next is dispatched, so that no two of these
+  # programs' collectives are in flight at once (on XLA:CPU they can wait in each other's rendezvous, as
+  # tests/multiprocess_main.py's calls can).
+  for c in range(n):
     sl = slice(c * Tc, (c + 1) * Tc)
     a = (f32(x[sl]), ids[sl], f32(gates[sl]))
     if not want_grads:
-      ys.append(fwd(*a, w1, w2, experts))
+      ys.append(jax.block_until_ready(fwd(*a, w1, w2, experts)))
       continue
     if sample is None:
-      gx, gg, g1, g2 = grad_all(*a, w1, w2, experts, ct[sl])
+      gx, gg, g1, g2 = jax.block_until_ready(grad_all(*a, w1, w2, experts, ct[sl]))
     else:
-      gx, gg = grad_xg(*a, w1, w2, experts, ct[sl])
-      g1, g2 = grad_ws(*a, w1s, w2s, experts_s, ct[sl])
+      gx, gg = jax.block_until_ready(grad_xg(*a, w1, w2, experts, ct[sl]))
+      g1, g2 = jax.block_until_ready(grad_ws(*a, w1s, w2s, experts_s, ct[sl]))
     dxs.append(gx)
     dgs.append(gg)
     dw1 = dw1 + g1
