@@ -14,8 +14,9 @@ a static argument of everything after: the call wrappers (``workspace_calls``) r
 * on CUDA, the check that XLA_FLAGS keeps the workspace calls of a CUDA graph in program order
   (``command_buffers.check_scheduling``);
 * ``fp8_fused_combine``: whether the FP8 layer's returns are expert_combine calls on e4m3 operands
-  (``fp8_fused_combine``). A field of the call site's identity: the programs cached per call site
-  (``api.eager_program``) are traced again when it changes.
+  (``fp8_fused_combine``), and ``fp8_fused_dispatch``: whether its forward dispatch and GEMM1 are one dispatch_gemm
+  call on packed e4m3 rows (``fp8_fused_dispatch``). Fields of the call site's identity: the programs cached per call
+  site (``api.eager_program``) are traced again when they change.
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ def fp8_fused_combine(platform: str) -> bool:
   return platform == "cpu" or FP8_FUSED_COMBINE_ON_GPU
 
 
+# Whether GPUs run the FP8 layer's dispatch and GEMM1 as one dispatch_gemm call on packed e4m3 rows (its FP8 kernel:
+# the FP8 grouped GEMM's loop reading A's values and scales from the rows where they land) where the call site fuses
+# the dispatch (dispatch_pushers). Off on GPUs while that kernel has not passed its GPU tests
+# (tests/gpu/test_gpu_dispatch_gemm.py -k fp8); CPUs take the fused call where it is pinned (the same bits:
+# tests/test_fp8_overlap.py).
+FP8_FUSED_DISPATCH_ON_GPU = False
+
+
+def fp8_fused_dispatch(platform: str, pushers: int) -> bool:
+  """Whether impl="overlap" under quantization="fp8" runs x's dispatch and GEMM1 as one ``dispatch_gemm_fp8`` call
+  on a workspace of this platform with this ``dispatch_pushers``: where the call site fuses the dispatch (pushers >
+  0), on CPUs always, on GPUs where FP8_FUSED_DISPATCH_ON_GPU."""
+  return pushers > 0 and (platform == "cpu" or FP8_FUSED_DISPATCH_ON_GPU)
+
+
 # gather_rs's metadata carries a slot's index as a float32 (exact below 2^24): a rank's slots T k TP must be fewer.
 GATHER_RS_MAX_SLOTS = 2**24
 
@@ -119,14 +135,15 @@ def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, to
 @dataclasses.dataclass(frozen=True)
 class RankInfo:
   """Static description of one call site: the workspace (hashable by identity), the ``CallConfig``, and
-  ``dispatch_pushers``, ``send_once`` and ``fp8_fused_combine``, decided once from them (the functions of those
-  names)."""
+  ``dispatch_pushers``, ``send_once``, ``fp8_fused_combine`` and ``fp8_fused_dispatch``, decided once from them (the
+  functions of those names)."""
 
   workspace: object  # Workspace
   config: CallConfig
   dispatch_pushers: int = dataclasses.field(init=False, compare=False)
   send_once: bool = dataclasses.field(init=False, compare=False)
   fp8_fused_combine: bool = dataclasses.field(init=False)
+  fp8_fused_dispatch: bool = dataclasses.field(init=False)
 
   def __post_init__(self):
     ws, cfg = self.workspace, self.config
@@ -140,6 +157,7 @@ class RankInfo:
     object.__setattr__(self, "dispatch_pushers", dispatch_pushers(cfg, ws.device, ws.ranks))
     object.__setattr__(self, "send_once", send_once(cfg))
     object.__setattr__(self, "fp8_fused_combine", fp8_fused_combine(ws.platform))
+    object.__setattr__(self, "fp8_fused_dispatch", fp8_fused_dispatch(ws.platform, self.dispatch_pushers))
 
   def coords(self):
     """Inside shard_map: (group, rank) of this device, the operands every workspace call takes."""

@@ -15,6 +15,7 @@ answers False there (and ``dispatch_gemm_operands`` still answers for the CPU ha
   swiglu_grad_fused(bf16, K, F, transpose_rhs)  grouped_matmul_swiglu_grad runs (its SwiGLU-gradient epilogue) there
   dispatch_gemm_operands(platform, bf16, K, N, swiglu)  a dispatch_gemm call takes these operands on this platform
   fp8_gemm_device_refusal(cc)         why the FP8 grouped GEMM (grouped_matmul_fp8) does not run on this GPU, or None
+  fp8_dispatch_gemm_operands(platform, D, N)  dispatch_gemm_fp8 takes packed rows of D channels and w of N columns
 """
 
 from __future__ import annotations
@@ -99,3 +100,13 @@ def fp8_gemm_device_refusal(compute_capability: tuple[int, int]) -> str | None:
   if not _jmo.with_cuda:
     return "this build of jax_moe_overlap has no CUDA kernels (built without nvcc, or JMO_CUDA=off)"
   return _jmo.fp8_gemm_device_refusal(tuple(compute_capability))
+
+
+def fp8_dispatch_gemm_operands(platform: str, d_model: int, N: int) -> bool:
+  """Whether a ``dispatch_gemm_fp8`` call takes packed e4m3 rows of d_model channels and w of N columns on this
+  platform: on CPU any the FP8 layer takes (whole 1 x 128 tiles); on CUDA the kernel's rule
+  (Fp8DispatchGemmOperandRefusal, ffi/cuda/gemm/engine.cc: d_model a multiple of 512), where the FP8 grouped GEMM
+  runs at all (its device rule the call checks)."""
+  if platform == "cpu":
+    return True
+  return bool(_jmo.with_cuda) and _jmo.fp8_dispatch_gemm_operand_refusal(d_model, N) is None

@@ -1,6 +1,6 @@
 """FP8 rows on the wire: the local experts of ``impl="xla"``, ``impl="collective"`` and ``impl="overlap"`` (where its
-returns are unfused; its fused path shares ``moved``) under ``quantization="fp8"``, with the rows the experts read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv
-2412.19437, section 3.3.3; docs/design.md, "FP8"). The exchange is a route's: ``xla_path.Route`` (XLA collectives)
+returns are unfused; its fused path shares ``experts_gemm1``) under ``quantization="fp8"``, with the rows the experts
+read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv 2412.19437, section 3.3.3; docs/design.md, "FP8"). The exchange is a route's: ``xla_path.Route`` (XLA collectives)
 or ``fp8_overlap.WorkspaceRoute`` (the workspace's dispatch custom call).
 
 ``fp8_exchanged_experts`` runs from a rank's token rows to the rows that come back to it, as one ``custom_vjp``:
@@ -9,7 +9,8 @@ or ``fp8_overlap.WorkspaceRoute`` (the workspace's dispatch custom call).
             tensor axis's gather and the k copies of the dispatch); the e4m3 values and their float32 scales cross
             the exchange as one packed row of D + D / 32 bytes (``fp8.pack_rows``; 2D bytes in bfloat16; on a route
             whose rows stay on the device, values and scales each moved by itself, unpacked) and land on
-            the expert's rank as the recipe's GEMM1 operand, unchanged (``fp8_experts.recipe_forward``); the expert
+            the expert's rank as the recipe's GEMM1 operand, unchanged (``experts_gemm1``: where the route fuses
+            the dispatch with GEMM1, one dispatch_gemm call reads the packed rows where they land); the expert
             outputs come back in the compute dtype (the combine stays in it).
   backward  the output gradient of the rows that came back (the transpose of the combine's exchange, which is the
             dispatch) quantized 1 x 128 with power-of-two scales on the token's owner and dispatched packed the same
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import fp8
-from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_forward
+from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_gemm1
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -55,7 +56,7 @@ def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
   Returns:
     [T TP k, D] in x's dtype: each kept slot's expert output at its send row (``route.combine_rows``).
   """
-  return _forward(x, w1, w2, route, gemms)[0]
+  return _forward(x, w1, w2, route, gemms, keep=False)[0]
 
 
 def moved(move, route, q, s):
@@ -71,9 +72,22 @@ def moved(move, route, q, s):
   return fp8.unpack_rows(move(fp8.pack_rows(q, s)))
 
 
-def _forward(x, w1, w2, route, gemms):
-  xq, xs = moved(route.dispatch_tokens, route, *fp8.quantize_rows(x, pow2=True))
-  out, kept = recipe_forward(xq, xs, w1, w2, route.expert_rows, gemms, x.dtype)
+def experts_gemm1(x, w1, w2, route, gemms, keep: bool = True):
+  """x's rows quantized 1 x 128 with power-of-two scales on their owner, moved to the experts and through GEMM1 and
+  the SwiGLU there: (h quantized 1 x 128 (values, scales), w2 as GEMM2 reads it, what the backward keeps; without
+  keep the backward's rows may be left out). Moved and multiplied by two calls (``moved``, then
+  ``fp8_experts.recipe_gemm1``), or where the route fuses them (``route.fuses_gemm1``: the workspace's
+  dispatch_gemm on packed rows, ``fp8_overlap.WorkspaceRoute``) one: the same rows, GEMM and epilogue, the same
+  bits in every row the layer reads."""
+  xq, xs = fp8.quantize_rows(x, pow2=True)
+  if route.fuses_gemm1(x.shape[1], w1):
+    return route.dispatch_gemm1(fp8.pack_rows(xq, xs), w1, w2, gemms, keep)
+  return recipe_gemm1(*moved(route.dispatch_tokens, route, xq, xs), w1, w2, route.expert_rows, gemms)
+
+
+def _forward(x, w1, w2, route, gemms, keep=True):
+  h_rows, w2q, kept = experts_gemm1(x, w1, w2, route, gemms, keep)
+  out = gemms.rows(*h_rows, w2q, route.expert_rows, x.dtype)
   # x_like: x's row count and dtype (an empty array) for the transpose of its dispatch.
   x_like = jnp.zeros((x.shape[0], 0), x.dtype)
   return route.combine_rows(out), (kept, route, x_like)

@@ -366,14 +366,25 @@ def _dgrad_weight(kept, gemms):
   return gemms.quantize_weight(kept, transposed=False)
 
 
+def recipe_weights(w1, w2, gemms):
+  """The weights as the forward reads them (``Fp8Weight`` of W1 and W2: as given, or quantized by the backend)."""
+  return _forward_weight(w1, gemms), _forward_weight(w2, gemms)
+
+
+def recipe_kept(x_rows, a_rows, w1, w1q, w2, w2q, group_sizes, gemms):
+  """What the backward keeps of a forward: x_rows (x quantized: (values, scales), or its packed rows [M, D + D/32]
+  as a fused dispatch left them, ``fp8.pack_rows``' format), a_rows (a quantized), the weights (``_kept_weight``),
+  group_sizes, and the weights' cotangent templates."""
+  return (x_rows, a_rows, _kept_weight(w1, w1q, gemms), _kept_weight(w2, w2q, gemms), group_sizes,
+          _weight_cotangent_template(w1), _weight_cotangent_template(w2))
+
+
 def recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms):
   """The forward up to GEMM2's operands, from x quantized (1 x 128, power-of-two scales): (h quantized (1 x 128: its
   values and scales), w2 as GEMM2 reads it (an ``Fp8Weight``), what the backward keeps)."""
-  w1q, w2q = _forward_weight(w1, gemms), _forward_weight(w2, gemms)
+  w1q, w2q = recipe_weights(w1, w2, gemms)
   h_rows, a_rows = gemms.gemm1_swiglu(xq, xs, w1q, group_sizes)
-  kept = (xq, xs, a_rows, _kept_weight(w1, w1q, gemms), _kept_weight(w2, w2q, gemms), group_sizes,
-          _weight_cotangent_template(w1), _weight_cotangent_template(w2))
-  return h_rows, w2q, kept
+  return h_rows, w2q, recipe_kept((xq, xs), a_rows, w1, w1q, w2, w2q, group_sizes, gemms)
 
 
 def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
@@ -387,7 +398,8 @@ def recipe_dgrad_operands(gemms, kept, dyq, dys):
   """The backward up to the input gradient's GEMM, from the output gradient quantized (1 x 128, power-of-two
   scales): (da quantized 1 x 128 (its values and scales), W1^T as that GEMM reads it (an ``Fp8Weight``), w1's
   cotangent, w2's cotangent). dx = da W1^T."""
-  (xq, xs, (aq, a_s), w1_kept, w2_kept, group_sizes, w1_like, w2_like) = kept
+  (x_rows, (aq, a_s), w1_kept, w2_kept, group_sizes, w1_like, w2_like) = kept
+  xq, xs = x_rows if isinstance(x_rows, tuple) else fp8.unpack_rows(x_rows)
   tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
 
   # Each weight gradient in its master weight's dtype (a pre-quantized weight's cotangent is zeros: float32 there).
@@ -408,7 +420,7 @@ def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
   """The backward from the output gradient quantized (1 x 128, power-of-two scales): (dx [M, D] in dx_dtype, w1's
   cotangent, w2's cotangent)."""
   da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dyq, dys)
-  return gemms.rows(*da_rows, w1_t, kept[5], dx_dtype), dw1, dw2
+  return gemms.rows(*da_rows, w1_t, kept[4], dx_dtype), dw1, dw2
 
 
 def _forward(x, w1, w2, group_sizes, gemms):
@@ -435,7 +447,7 @@ def _fp8_expert_mlp_fwd(x, w1, w2, group_sizes, gemms):
 
 def _fp8_expert_mlp_bwd(gemms, kept, d_out):
   dx, dw1, dw2 = recipe_backward(gemms, kept, *fp8.quantize_rows(d_out, pow2=True), d_out.dtype)
-  group_sizes = kept[5]
+  group_sizes = kept[4]
   return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 

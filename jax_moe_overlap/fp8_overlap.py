@@ -26,8 +26,13 @@ float32 (a reduce-scatter), so the two agree to the compute dtype's rounding.
 Fused (``fp8_combined_experts``, where the call site says ``fp8_fused_combine``: every CPU's): GEMM2 and the return
 are one ``expert_combine_fp8`` call (the overlapped operator with the FP8 grouped GEMM as its producer), and in the
 backward the input gradient's GEMM da W1^T and its return another, with the same values and gradients as the unfused
-block. Not fused (docs/design.md): the dispatch with GEMM1 (``dispatch_gemm`` takes float32 and bfloat16 rows), and
-the backward's dgrad dispatch with dh = dy W2^T.
+block.
+
+Dispatch fused (on both paths, where the call site says ``fp8_fused_dispatch``: a pinned ``dispatch_pushers`` on CPUs,
+GPUs once ``call_site.FP8_FUSED_DISPATCH_ON_GPU``, and the kernel takes d_model): x's packed rows are dispatched and
+multiplied by GEMM1 with the recipe's SwiGLU in one ``dispatch_gemm_fp8`` call, each tile reading its rows' values
+and scales where they landed (``WorkspaceRoute.dispatch_gemm1``); the backward unpacks the recv rows the call kept
+for dW1. The same bits as the two calls. Not fused (docs/design.md): the backward's dgrad dispatch with dh = dy W2^T.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe_overlap import engines
 from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts, moved
-from jax_moe_overlap.fp8_experts import Gemms, recipe_dgrad_operands, recipe_gemm1, recipe_gemms
-from jax_moe_overlap.workspace_calls import dispatch, dispatch_rows, expert_combine_fp8
+from jax_moe_overlap.fp8_exchange import experts_gemm1, fp8_exchanged_experts, moved
+from jax_moe_overlap.fp8_experts import Gemms, recipe_dgrad_operands, recipe_gemms, recipe_kept, recipe_weights
+from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm_fp8, dispatch_rows, expert_combine_fp8
 from jax_moe_overlap.xla_path import combine_slots, move_rows, token_slots
 
 
@@ -77,6 +83,26 @@ class WorkspaceRoute:
     """False: the rows go through the dispatch custom call (as bytes, packed: ``fp8_exchange``); a one-rank group
     takes ``xla_path.Route`` instead (``api._moe_local``)."""
     return False
+
+  def fuses_gemm1(self, d_model: int, w1) -> bool:
+    """Whether x's dispatch and GEMM1 run as one ``dispatch_gemm_fp8`` call: where the call site fuses them
+    (``RankInfo.fp8_fused_dispatch``) and its kernel takes d_model and w1's columns
+    (``engines.fp8_dispatch_gemm_operands``)."""
+    cols = (w1.values.shape[1] if isinstance(w1, fp8.Fp8Weight) else w1.shape[2])
+    return self.info.fp8_fused_dispatch and engines.fp8_dispatch_gemm_operands(self.info.workspace.platform, d_model,
+                                                                               cols)
+
+  def dispatch_gemm1(self, packed, w1, w2, gemms, keep: bool):
+    """Packed quantized token rows [T, D + D/32] -> ``fp8_exchange.experts_gemm1``'s (h_rows, w2q, kept) by one
+    ``dispatch_gemm_fp8`` call (the rows dispatched as ``dispatch_tokens`` sends them, GEMM1 and the recipe's SwiGLU
+    on them where they land); kept holds the packed recv rows (unpacked by the backward) and a quantized, or None
+    for both without keep."""
+    w1q, w2q = recipe_weights(w1, w2, gemms)
+    slot_src_row = jnp.arange(self.send_row.shape[0], dtype=jnp.int32) // self.k
+    x_recv, h_rows, a_rows = dispatch_gemm_fp8(packed, slot_src_row, w1q, self.plan, self.cap, self.info,
+                                               swiglu=True, keep_recv=keep, keep_a=keep,
+                                               send_once=self.info.send_once)
+    return h_rows, w2q, recipe_kept(x_recv, a_rows, w1, w1q, w2, w2q, self.expert_rows, gemms)
 
   def slot_rows(self, x):
     """Token rows [T, C] -> slot rows [T k, C] (its transpose: the sum over a token's slots)."""
@@ -148,8 +174,7 @@ def fp8_combined_experts(x, gates, w1, w2, route: WorkspaceRoute, gemms: Gemms):
 
 
 def _combined_forward(x, gates, w1, w2, route, gemms, want_slots=True):
-  xq, xs = moved(route.dispatch_tokens, route, *fp8.quantize_rows(x, pow2=True))
-  (hq, hs), w2q, kept = recipe_gemm1(xq, xs, w1, w2, route.expert_rows, gemms)
+  (hq, hs), w2q, kept = experts_gemm1(x, w1, w2, route, gemms, keep=want_slots)
   y, slot_out = expert_combine_fp8(hq, hs, w2q, gates, route.plan, route.info, want_slots, x.dtype)
   return y, (kept, route, jnp.zeros((x.shape[0], 0), x.dtype), slot_out, gates)
 

@@ -10,7 +10,8 @@ axis, and take a ``call_site.RankInfo`` (the workspace, the ``CallConfig``, what
   bytes: float32, bfloat16, or packed e4m3 rows (uint8, ``fp8.pack_rows``). ``dispatch_rows``: the same call on any
   routing (the FP8 layer's way back where the call site does not fuse it, ``fp8_overlap.py``).
 * ``dispatch_gemm(src, slot_src_row, w, plan, ...)``: the dispatch and the GEMM after it in one call, each GEMM tile
-  starting once its rows have arrived.
+  starting once its rows have arrived. ``dispatch_gemm_fp8``: the same call on packed e4m3 rows with the FP8 grouped
+  GEMM (the rows read where they land, values and scales).
 * ``expert_combine(lhs, w, gates, plan, ...)``: the overlapped operator. The producer computes
   ``lhs[segment] @ w[expert]`` per (local expert, source rank) segment, remote-critical segments first, flagging each
   finished band; the consumer ships each band back to its source rank; the source combines
@@ -79,12 +80,12 @@ def exchange_counts(counts: jax.Array, info: RankInfo) -> jax.Array:
 
 def _computed_rows(op: str, name: str, a: jax.Array) -> None:
   """A call that computes on its rows (a GEMM's operands) takes float32 or bfloat16 ones: packed e4m3 rows (uint8)
-  cross in ``dispatch`` only, refused here before a call is traced (the handlers refuse them too)."""
+  are taken by ``dispatch`` (moved) and ``dispatch_gemm_fp8`` (read where they land) only, refused here before a
+  call is traced (the handlers refuse them too)."""
   if a.dtype == jnp.uint8:
     raise TypeError(f"jax_moe_overlap: {op}: {name} is uint8 (packed e4m3 rows, fp8.pack_rows): {op}'s GEMM takes "
                     f"float32 or bfloat16 rows, or float8_e4m3fn values with their scales apart (grouped_matmul_fp8, "
-                    f"expert_combine_fp8); packed rows cross in dispatch only (quantization='fp8' unpacks them for "
-                    f"the FP8 GEMMs)")
+                    f"expert_combine_fp8); packed rows are taken by dispatch and dispatch_gemm_fp8 only")
 
 
 def slot_primary(plan: Plan, send_once: bool) -> jax.Array:
@@ -167,16 +168,76 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
 
 
 def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_types, transpose_rhs: bool,
-                        swiglu: bool, send_once: bool = False):
-  """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a): unchecked here, so that
-  the tests reach the handlers' own shape checks."""
+                        swiglu: bool, send_once: bool = False, w_scales=None, scale_types=None):
+  """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a; and for the FP8 form
+  scale_types, h_scales and a_scales): unchecked here, so that the tests reach the handlers' own shape checks.
+  Returns (x_recv, out, a), with scale_types (x_recv, out, a, h_scales, a_scales)."""
   _ffi.register()
   group, rank = info.coords()
-  return _workspace_call(info, _ffi.DISPATCH_GEMM, out_types, src, slot_src_row.astype(jnp.int32),
-                         plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, slot_primary(plan, send_once),
-                         plan.send_order, plan.send_start,
-                         plan.seg_rows, plan.seg_ret_off, w, group, rank, transpose_rhs=np.bool_(transpose_rhs),
-                         swiglu=np.bool_(swiglu), **info.attrs())
+  none = jnp.zeros((0,), jnp.float32)  # (the FP8 form's scales, empty for float rows)
+  empty = jax.ShapeDtypeStruct((0,), jnp.float32)
+  results = _workspace_call(info, _ffi.DISPATCH_GEMM, (*out_types, *(scale_types or (empty, empty))), src,
+                            slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
+                            slot_primary(plan, send_once), plan.send_order, plan.send_start, plan.seg_rows,
+                            plan.seg_ret_off, w, none if w_scales is None else w_scales, group, rank,
+                            transpose_rhs=np.bool_(transpose_rhs), swiglu=np.bool_(swiglu), **info.attrs())
+  return tuple(results) if scale_types is not None else tuple(results[:3])
+
+
+def dispatch_gemm_fp8(src: jax.Array, slot_src_row: jax.Array, w: fp8.Fp8Weight, plan: Plan, cap: int,
+                      info: RankInfo, *, swiglu: bool = False, keep_recv: bool = True, keep_a: bool = False,
+                      send_once: bool = False):
+  """``dispatch_gemm`` on packed e4m3 rows: the rows dispatched as they are (``fp8.pack_rows``' bytes) and GEMM1 the
+  FP8 grouped GEMM's (DeepSeek-V3's block-scaled e4m3 GEMM), each tile reading its rows' values and scales where they
+  landed, no unpacking.
+
+  Args:
+    src: [S, D + D/32] uint8, quantized rows packed (``fp8.pack_rows(q, s)``: D e4m3 values, then the D/128 float32
+      scales of their 1 x 128 tiles); slot_src_row, plan, cap, info, send_once: as ``dispatch``'s.
+    w: an ``fp8.Fp8Weight`` of this rank's experts in its forward layout (values [E_local, N, D] float8_e4m3fn,
+      scales [E_local, N/128, D/128]); D and N multiples of 128.
+    swiglu: GEMM1 of the expert MLP (N = 2F, F a multiple of 128: the gate's F rows of w, then the up projection's):
+      the recipe's SwiGLU forward in the call's epilogue, as ``grouped_matmul_swiglu_fp8``.
+    keep_recv: also return the recv rows (packed; the weight gradient reads them). keep_a: with swiglu, also return
+      a quantized (what the recipe's backward keeps).
+  Returns:
+    (x_recv [cap, D + D/32] uint8 or None, out, a or None): without swiglu out = [cap, N] float32, the rows' product
+    with w[expert] (``grouped_matmul_fp8`` of the unpacked rows); with swiglu out = (h_q [cap, F] float8_e4m3fn,
+    h_s [cap, F/128] float32) and a = (a_q [cap, 2F], a_s [cap, 2F/128]) as ``grouped_matmul_swiglu_fp8`` gives
+    them. In the kept rows (the first ``plan.recv_rows``) bit for bit ``dispatch`` + ``fp8.unpack_rows`` + those
+    calls (on CUDA to the FP8 GEMM's accumulation, the same kernel loop); the rows past them are unspecified, as
+    ``dispatch_gemm``'s. The CPU handler, and on Hopper the CUDA kernel (D a multiple of 512: the rows' stride as
+    TMA reads them); elsewhere the call fails naming the requirement.
+  """
+  name = "dispatch_gemm_fp8"
+  values, scales = w.values, w.scales.astype(jnp.float32)
+  if src.dtype != jnp.uint8 or src.ndim != 2:
+    raise TypeError(f"jax_moe_overlap: {name}: src must be [S, D + D/32] uint8 packed e4m3 rows (fp8.pack_rows), got "
+                    f"{src.dtype} {src.shape}")
+  if values.dtype != fp8.E4M3 or values.ndim != 3:
+    raise TypeError(f"jax_moe_overlap: {name}: w must be an fp8.Fp8Weight (values [E_local, N, D] float8_e4m3fn), "
+                    f"got values {values.dtype} {values.shape}")
+  _, N, D = values.shape
+  if D % fp8.TILE or N % fp8.TILE or (swiglu and N % (2 * fp8.TILE)) or src.shape[1] != D + D // 32:
+    raise ValueError(f"jax_moe_overlap: {name}: src {src.shape} and w {values.shape} do not fit src [S, D + D/32], w "
+                     f"[E_local, N, D] with D and N multiples of 128 (with swiglu N = 2F, F a multiple of 128)")
+  if keep_a and not swiglu:
+    raise ValueError(f"jax_moe_overlap: {name}: keep_a keeps the SwiGLU's preactivation (keep_a needs swiglu=True)")
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  e4m3 = lambda *s: jax.ShapeDtypeStruct(s, fp8.E4M3)
+  a_rows = cap if keep_a else 0
+  x_type = jax.ShapeDtypeStruct((cap if keep_recv else 0, src.shape[1]), jnp.uint8)
+  if swiglu:
+    out_types, scale_types = (x_type, e4m3(cap, N // 2), e4m3(a_rows, N)), (f32(cap, N // 2 // fp8.TILE),
+                                                                            f32(a_rows, N // fp8.TILE))
+  else:
+    out_types, scale_types = (x_type, f32(cap, N), f32(0, N)), (f32(0), f32(0))
+  x_recv, out, a, h_s, a_s = _dispatch_gemm_call(src, slot_src_row, values, plan, info, out_types, True, swiglu,
+                                                 send_once, scales, scale_types)
+  x_recv = x_recv if keep_recv else None
+  if not swiglu:
+    return x_recv, out, None
+  return x_recv, (out, h_s), ((a, a_s) if keep_a else None)
 
 
 def expert_combine(lhs: jax.Array, w: jax.Array, gates: jax.Array, plan: Plan, info: RankInfo,

@@ -209,6 +209,10 @@ class Route:
     """Whether no row leaves the device: a one-rank expert axis and no tensor axis (inside ``shard_map``)."""
     return self.tensor_axis is None and jax.lax.axis_size(self.axis_name) == 1
 
+  def fuses_gemm1(self, d_model, w1) -> bool:  # pylint: disable=unused-argument
+    """False: XLA's collectives move the rows and GEMM1 runs after them (``fp8_exchange.experts_gemm1``)."""
+    return False
+
   def _exchange(self, *args):
     if jax.lax.axis_size(self.axis_name) == 1:
       return _exchange_local(*args)

@@ -341,7 +341,9 @@ def test_inference_forward_has_no_xla_swiglu():
   assert len(calls) == 1 and "@jmo_dispatch(" not in hlo, calls
   assert "swiglu = true" in calls[0] and "transpose_rhs = false" in calls[0], calls[0]
   results = re.search(r"-> \(!stablehlo.token, (.*)\)$", calls[0]).group(1)
-  assert re.fullmatch(rf"tensor<0x{D}xf32>, tensor<\d+x{F}xf32>, tensor<0x{2 * F}xf32>", results), results
+  # (then the FP8 form's h_scales and a_scales, empty for float rows)
+  assert re.fullmatch(rf"tensor<0x{D}xf32>, tensor<\d+x{F}xf32>, tensor<0x{2 * F}xf32>, tensor<0xf32>, tensor<0xf32>",
+                      results), results
   for op in ("silu", "logistic", "exponential"):
     assert op not in hlo, f"XLA's {op} in the fused forward"
 
@@ -471,3 +473,118 @@ def test_layer_sends_once_where_pinned():
   assert not RankInfo(ws, CallConfig()).send_once and RankInfo(ws, CallConfig(send_once=True)).send_once
   with pytest.raises(ValueError, match="send_once must be None"):
     CallConfig(send_once=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FP8 form: packed e4m3 rows dispatched and multiplied where they land, against dispatch + fp8.unpack_rows +
+# the FP8 grouped GEMMs, bit for bit in the kept rows.
+
+D8 = 256  # a multiple of 128 (the CUDA kernel's 512 is its own rule: the CPU handler takes whole 1 x 128 tiles)
+ROW8 = D8 + D8 // 32
+
+
+@pytest.mark.parametrize("kind,cf,skip,swiglu,keep,send_once", [
+    pytest.param(*ROUTED[0], True, True, False, id="all_to_one-swiglu_train"),
+    pytest.param(*ROUTED[1], True, False, True, id="skewed-swiglu_inference-send_once"),
+    pytest.param(*ROUTED[1], False, True, False, id="skewed-plain")])
+def test_fp8_call_equals_dispatch_unpack_and_fp8_gemm(kind, cf, skip, swiglu, keep, send_once):
+  from jax_moe_overlap import fp8
+  from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_matmul_swiglu_fp8
+  mesh, R, tokens, k, N = mesh_of(4), 4, 160, 2, 256
+  ids = routing(kind, tokens * R, E, k, seed=23)
+  if skip:
+    ids[::5, 1] = plan_lib.SKIP
+  cap_e = plan_lib.expert_capacity(tokens, R, k, E, cf)
+  cap = plan_lib.recv_capacity(tokens, R, k, E // R, cap_e)
+  sizes = WorkspaceSizes(row_bytes=ROW8, recv_rows=cap, ret_rows=tokens * k, num_segments=E)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes), FUSED)
+  _, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, jnp.float32)
+  kx, kw = jax.random.split(jax.random.PRNGKey(5))
+  x = jax.random.normal(kx, (tokens * R, D8), jnp.float32)
+  w = fp8.quantize_weight(jax.random.normal(kw, (E, D8, N), jnp.float32) / np.sqrt(D8))
+  packed = fp8.pack_rows(*fp8.quantize_rows(x, pow2=True))
+  slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
+  keep_a = keep and swiglu
+
+  def flat(x_recv, out, a):
+    parts = [x_recv] if keep else []
+    parts += list(out) if swiglu else [out]
+    return tuple(parts + (list(a) if keep_a else []))
+
+  def fused(ids, rows, values, scales):
+    got = workspace_calls.dispatch_gemm_fp8(rows, slot_rows, fp8.Fp8Weight(values, scales), plan_of(ids), cap, info,
+                                            swiglu=swiglu, keep_recv=keep, keep_a=keep_a, send_once=send_once)
+    assert [v is not None for v in got] == [keep, True, keep_a]
+    return flat(*got)
+
+  def two_calls(ids, rows, values, scales):
+    plan = plan_of(ids)
+    x_recv = dispatch(rows, slot_rows, plan, cap, info)
+    xq, xs = fp8.unpack_rows(x_recv)
+    if swiglu:
+      h, a = grouped_matmul_swiglu_fp8(xq, xs, values, scales, plan.expert_rows)
+      return flat(x_recv, h, a)
+    return flat(x_recv, grouped_matmul_fp8(xq, xs, values, scales, plan.expert_rows), None)
+
+  n = len(flat(0, (0, 0) if swiglu else 0, (0, 0)))
+  fused_fn = layer_checks.Poisoned(sharded(fused, 4, n), mesh)
+  args = (jnp.asarray(ids), packed, w.values, w.scales)
+  got, want = fused_fn(*args), jax.jit(sharded(two_calls, 4, n))(*args)
+  assert fused_fn.aliased == fused_fn.buffers == n * R, f"{fused_fn.aliased} of {fused_fn.buffers} into the poison"
+  kept = np.asarray(jax.jit(sharded(lambda ids: (plan_of(ids).recv_rows.reshape(1),), 1, 1))(jnp.asarray(ids))[0])
+  assert kept.sum() > 0
+  for i, (a, b) in enumerate(zip(got, want)):
+    assert a.dtype == b.dtype and a.shape == b.shape, (i, a.dtype, b.dtype, a.shape, b.shape)
+    a, b = np.asarray(a).reshape(R, cap, -1), np.asarray(b).reshape(R, cap, -1)
+    for r in range(R):
+      assert a[r, :kept[r]].tobytes() == b[r, :kept[r]].tobytes(), f"result {i} differs on rank {r}"
+      assert kept[r] == 0 or np.abs(a[r, :kept[r]].astype(np.float32)).max() > 0, (i, r)
+  assert src_blocks_nonzero(mesh) == 0, "a call must leave its src_blocks zero"
+
+
+def test_fp8_call_refuses_what_it_cannot_take():
+  """The FP8 form's rules, by the handler (past the wrapper) and the wrapper, each error naming the rule; then a
+  well-formed call runs (no refused call left an epoch open)."""
+  from jax_moe_overlap import fp8
+  mesh, R, tokens, k, N = mesh_of(4), 4, 8, 2, 256
+  ids = routing("balanced", tokens * R, E, k, seed=2)
+  cap_e = plan_lib.expert_capacity(tokens, R, k, E, None)
+  cap = plan_lib.recv_capacity(tokens, R, k, E // R, cap_e)
+  sizes = WorkspaceSizes(row_bytes=ROW8, recv_rows=cap, ret_rows=tokens * k, num_segments=E)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes), FUSED)
+  _, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, jnp.float32)
+  slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
+  rows = jnp.ones((tokens * R, ROW8), jnp.uint8)
+  w = fp8.quantize_weight(jnp.ones((E, D8, N), jnp.float32))
+  t = lambda dtype, *s: jax.ShapeDtypeStruct(s, dtype)
+  u8, f32, e4m3 = jnp.uint8, jnp.float32, fp8.E4M3
+
+  def raw(out_types, scale_types, transpose_rhs=True, swiglu=True, scales=None):
+    def f(ids, x, values, w_scales):
+      return workspace_calls._dispatch_gemm_call(  # pylint: disable=protected-access
+          x, slot_rows, values, plan_of(ids), info, out_types, transpose_rhs, swiglu, False, w_scales, scale_types)
+    return jax.block_until_ready(jax.jit(sharded(f, 4, 5))(jnp.asarray(ids), rows, w.values,
+                                                            w.scales if scales is None else scales))
+
+  good = ((t(u8, cap, ROW8), t(e4m3, cap, N // 2), t(e4m3, cap, N)), (t(f32, cap, 1), t(f32, cap, 2)))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      "dispatch_gemm (e4m3 w): e4m3 w must be [E_local, N, D] (K-major: transpose_rhs)")):
+    raw(*good, transpose_rhs=False)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      "dispatch_gemm (e4m3 w): w_scales must be [E_local, N/128, D/128] = [2, 2, 2], got [2, 2, 1]")):
+    raw(*good, scales=w.scales[:, :, :1])
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      "with swiglu, out = h_q float8_e4m3fn [cap, F], a = a_q float8_e4m3fn [cap or 0, 2F], h_scales f32 [cap, F/128], "
+      "a_scales f32 [a's rows, 2F/128] (F = N/2 = 128); got out")):
+    raw((good[0][0], t(jnp.bfloat16, cap, N // 2), good[0][2]), good[1])
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      f"src and x_recv rows must be D + D/32 = {ROW8} bytes")):
+    raw((t(u8, cap, D8), *good[0][1:]), good[1])
+  with pytest.raises(TypeError, match=r"dispatch_gemm_fp8: src must be \[S, D \+ D/32\] uint8"):
+    workspace_calls.dispatch_gemm_fp8(rows.astype(jnp.float32), slot_rows, w, object(), cap, info)
+  with pytest.raises(ValueError, match=r"dispatch_gemm_fp8: src \(32, 260\) and w"):
+    workspace_calls.dispatch_gemm_fp8(rows[:, :260], slot_rows, w, object(), cap, info)
+  with pytest.raises(ValueError, match="keep_a needs swiglu=True"):
+    workspace_calls.dispatch_gemm_fp8(rows, slot_rows, w, object(), cap, info, keep_a=True)
+  x_recv, h, a, h_s, a_s = raw(*good)
+  assert x_recv.shape == (R * cap, ROW8) and h.dtype == e4m3 and h_s.shape == (R * cap, 1)

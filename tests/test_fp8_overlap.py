@@ -6,6 +6,7 @@ packed e4m3 rows (uint8, D + D / 32 bytes) and the expert outputs come back in t
 program; the calls that compute refuse packed rows with errors naming the rule; MoE and MoEBlock run FP8 on the
 default impl; the workspace counts FP8 rows by the native RowBytes."""
 
+import dataclasses
 import functools
 import re
 
@@ -73,15 +74,19 @@ def returns(request, monkeypatch):
                                   for n in CASES])
 def test_overlap_equals_collective_bit_for_bit(name, returns):
   del returns
-  c = CASES[name]
+  overlap_equals_collective(CASES[name], CASES[name].get("config", CallConfig()))
+
+
+def overlap_equals_collective(c, config):
+  """Case c's layer outputs and gradients under impl="overlap" with `config` against impl="collective", bit for bit;
+  returns the overlap layer's lowered program."""
   batch_axes, explicit = c.get("batch_axes", ()), c.get("explicit", False)
   mesh = mesh_of_shape(c["shape"], explicit)
   x, ids, gates, w1, w2, cot = fp8_inputs(c["dtype"], 21)
   if explicit:
     x = jax.device_put(x, NamedSharding(mesh, P((*batch_axes, "expert"))))
     w1, w2 = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (w1, w2))
-  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, c.get("cf"), None, batch_axes,
-                                         c.get("config", CallConfig())))
+  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, c.get("cf"), None, batch_axes, config))
   (_, (y, dropped)), grads = run("overlap")(x, gates, w1, w2)
   (_, (y_ref, dropped_ref)), grads_ref = run("collective")(x, gates, w1, w2)
   assert (int(dropped) > 0) == (c.get("cf") is not None) and int(dropped) == int(dropped_ref)
@@ -93,6 +98,7 @@ def test_overlap_equals_collective_bit_for_bit(name, returns):
     np.testing.assert_array_equal(bits(a), bits(b), err_msg=what)
   # A token that skips both choices gets y = 0 and dx = 0 (no row moved for it).
   assert not np.any(np.asarray(y.astype(jnp.float32))[0]) and not np.any(np.asarray(grads[0].astype(jnp.float32))[0])
+  return run("overlap").lower(x, gates, w1, w2).as_text()
 
 
 def test_fused_returns_serialized_pinned_and_prequantized():
@@ -238,10 +244,11 @@ def test_calls_that_compute_refuse_packed_rows():
         jnp.zeros((tokens * R, 130), jnp.uint8))
   rows = jnp.zeros((tokens * R, ROW), jnp.uint8)
   w = jnp.zeros((E, ROW, 256), jnp.uint8)
-  packed_rule = r"; got uint8 \(packed e4m3 rows\): only dispatch takes them, moved unchanged"
+  packed_rule = r"; got uint8 \(packed e4m3 rows\): only dispatch \(which moves them unchanged\) and dispatch_gemm"
   u8 = lambda *s: jax.ShapeDtypeStruct(s, jnp.uint8)
-  with pytest.raises(jax.errors.JaxRuntimeError, match=r"dispatch_gemm: src, w and x_recv must share one dtype, "
-                                                       r"float32 or bfloat16 .*" + packed_rule):
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      "dispatch_gemm: packed e4m3 rows (uint8 src) need w float8_e4m3fn [E_local, N, D] with its block scales "
+      "(dispatch_gemm_fp8)")):
     run(lambda ids, x, w: workspace_calls._dispatch_gemm_call(  # pylint: disable=protected-access
         x, slot_rows, w, _plan_of(ids, R, cap_e), info,
         (u8(cap, ROW), jax.ShapeDtypeStruct((cap, 256), jnp.float32), jax.ShapeDtypeStruct((0, 256), jnp.float32)),
@@ -407,3 +414,81 @@ def test_packed_return_inverts_packed_rows():
   for d in range(R):
     assert np.all(back[d][1][int(plans[d].recv_rows):] == -1)
   assert 0 < seen < R * tokens * K
+
+
+
+FUSED_DISPATCH_CASES = ("explicit-bf16-drops", "auto-bf16-dropless-send-once", "explicit-batch-f32")
+
+
+@pytest.mark.parametrize("name", [n if n in FUSED_DISPATCH_CASES[:2] else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FUSED_DISPATCH_CASES])
+def test_fused_dispatch_equals_collective_bit_for_bit(name, returns):
+  """With the dispatch fused (CallConfig(dispatch_pushers=2): x's packed rows dispatched and multiplied by GEMM1 in one
+  dispatch_gemm_fp8 call, the backward unpacking the recv rows the call kept) outputs and gradients stay
+  impl="collective"'s bit for bit, on both return paths; the lowered program has that one call on uint8 rows and
+  e4m3 w1 (keeping the recv rows and a: a training step), and x's dispatch no more."""
+  del returns
+  c = CASES[name]
+  hlo = overlap_equals_collective(c, dataclasses.replace(c.get("config", CallConfig()), dispatch_pushers=2))
+  calls = dispatch_operands(hlo, "jmo_dispatch_gemm")
+  assert len(calls) == 1, calls
+  src, w = calls[0][0], calls[0][10]
+  assert re.fullmatch(rf"tensor<\d+x{ROW}xui8>", src) and re.fullmatch(rf"tensor<\d+x{2 * F}x{D}xf8E4M3FN>", w), \
+      calls[0]
+  # The dispatches left: the backward's packed dy rows, and unfused the two ways back.
+  assert all(ops[0].endswith(f"x{ROW}xui8>") or "xbf16>" in ops[0] or "xf32>" in ops[0]
+             for ops in dispatch_operands(hlo, "jmo_dispatch")), dispatch_operands(hlo, "jmo_dispatch")
+  assert len([ops for ops in dispatch_operands(hlo, "jmo_dispatch") if ops[0].endswith(f"x{ROW}xui8>")]) == 1
+
+
+def test_fused_dispatch_padding_rows_are_read_by_no_consumer(monkeypatch):
+  """dispatch_gemm_fp8 leaves its results' rows past the rank's kept rows unwritten: with those rows NaN (0xff bytes
+  in the packed recv rows, NaN in h, a and their scales) the FP8 layer's loss, y and every gradient are bitwise those
+  of the call as it is (the consumers: expert_combine_fp8 on the segment rows, the SwiGLU backward row by row, the
+  weight gradients' 128 x 1 tiles of each expert's rows). A control that poisons one kept row too must differ."""
+  from jax_moe_overlap import api as jmo_api
+  from jax_moe_overlap import fp8_overlap
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 5)
+  real = fp8_overlap.dispatch_gemm_fp8
+  poisoned = []
+
+  def poisoning(extra_rows):
+    def call(src, slot_src_row, w, plan, cap, info, **kw):
+      got = real(src, slot_src_row, w, plan, cap, info, **kw)
+      pad = jnp.arange(cap)[:, None] >= plan.recv_rows - extra_rows
+
+      def poison(v):
+        if v.dtype == jnp.uint8:
+          return jnp.where(pad, jnp.uint8(0xff), v)
+        return jnp.where(pad, jnp.asarray(jnp.nan, v.dtype), v)
+      poisoned.append(len(jax.tree.leaves(got)))
+      return jax.tree.map(poison, got)
+    return call
+
+  def run(extra_rows=None):
+    jmo_api._programs.clear()  # pylint: disable=protected-access
+    jax.clear_caches()
+    if extra_rows is not None:
+      monkeypatch.setattr(fp8_overlap, "dispatch_gemm_fp8", poisoning(extra_rows))
+    try:
+      return jax.jit(layer_grads(mesh, ids, cot, "overlap", None, None, (), CallConfig(dispatch_pushers=2)))(
+          x, gates, w1, w2)
+    finally:
+      monkeypatch.setattr(fp8_overlap, "dispatch_gemm_fp8", real)
+      jmo_api._programs.clear()  # pylint: disable=protected-access
+      jax.clear_caches()
+
+  R, t = 4, T // 4
+  cap = plan_lib.recv_capacity(t, R, K, E // R, plan_lib.expert_capacity(t, R, K, E, None))
+  routed = np.asarray(ids).reshape(-1)
+  kept = np.bincount(routed[routed >= 0] // (E // R), minlength=R)
+  assert kept.max() < cap, (kept, cap)  # every rank has padding rows
+  as_is = run()
+  padded = run(extra_rows=0)
+  assert poisoned and poisoned[-1] == 5, poisoned  # x_recv, h_q, h_s, a_q, a_s of the training forward
+  for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(as_is)):
+    np.testing.assert_array_equal(bits(a), bits(b))
+  control = run(extra_rows=1)
+  assert any(bits(a).tobytes() != bits(b).tobytes()
+             for a, b in zip(jax.tree.leaves(control), jax.tree.leaves(as_is))), "the poison did not reach a consumer"

@@ -44,14 +44,25 @@ auto BindDispatch(Binding b) {
 
 // dispatch_gemm(dispatch rows (above), send_order [P], send_start [R + 1], seg_rows [E_local, R],
 //               seg_ret_off [E_local, R], w [E_local, D, N] in src's dtype (or [E_local, N, D] with transpose_rhs),
-//               group [], rank []) -> (x_recv, out, a)
+//               w_scales, group [], rank []) -> (x_recv, out, a, h_scales, a_scales)
 // The dispatch and GEMM1 in one call, each GEMM1 tile starting once its rows are in: CUDA on Hopper with bfloat16
-// (the wgmma engine's shapes), CPU with float32 or bfloat16. Results:
+// (the wgmma engine's shapes) or packed e4m3 rows, CPU with float32, bfloat16 or packed e4m3 rows. Results:
 //   x_recv [cap, D] in src's dtype: the recv rows, as a dispatch returns them; or [0, D]: not kept (inference).
 //   swiglu = false: out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N] (unused).
 //   swiglu = true (GEMM1 of the expert MLP; not with transpose_rhs): N = 2F, out = h [cap, F] in src's dtype =
 //     silu(pre[:, :F]) * pre[:, F:] of the float32 preactivation pre = recv[segment] @ w[expert]; a [cap, 2F]
 //     float32 = pre (kept for the backward pass) or [0, 2F] (not kept).
+//   h_scales, a_scales, w_scales: f32 [0] each.
+// FP8 (DeepSeek-V3's recipe; the rows as they land are GEMM1's operand, no unpacking): src uint8 packed e4m3 rows
+// [S, D + D/32] (fp8.pack_rows: D e4m3 values, then D/128 float32 scales), x_recv uint8 [cap or 0, D + D/32], w
+// float8_e4m3fn [E_local, N, D] (transpose_rhs set: K-major, the only B layout of FP8 wgmma), w_scales
+// [E_local, N/128, D/128] f32, D and N multiples of 128 (the CUDA kernel: D of 512, its TMA row stride); the GEMM is
+// grouped_matmul_fp8's (each 128-wide K chunk promoted to float32 with its two scales). Results:
+//   swiglu = false: out [cap, N] float32; a [0, N] float32; h_scales, a_scales f32 [0].
+//   swiglu = true (N = 2F, F a multiple of 128; the gate's F rows of w, then the up projection's): the recipe's
+//     SwiGLU forward of the float32 preactivation, as grouped_matmul_swiglu_fp8: out = h_q [cap, F] float8_e4m3fn
+//     and h_scales [cap, F/128], a = a_q [cap or 0, 2F] float8_e4m3fn and a_scales [cap or 0, 2F/128] (1 x 128
+//     tiles, amax / 448 scales).
 // Rows past the kept ones are left unwritten in every result (no consumer reads them: docs/design.md, "Padding
 // rows"). Attributes (DispatchGemmAttrs): those of every call (its pushing CTAs are CallOptions::pushers), then
 // transpose_rhs (bool) and swiglu (bool).
@@ -64,10 +75,13 @@ auto BindDispatchGemm(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attrs<DispatchGemmAttrs>();
 }
@@ -168,8 +182,9 @@ inline std::optional<DType> ComputeDTypeOf(xla::ffi::DataType t) {
 inline std::string ComputeDTypeRule(const std::string& rule, xla::ffi::DataType t) {
   const std::optional<DType> d = DTypeOf(t);
   if (!d || !MovedOnly(*d)) return rule;
-  return rule + "; got " + Traits(*d).name + " (packed e4m3 rows): only dispatch takes them, moved unchanged (no GEMM "
-         "engine reads packed rows; quantization='fp8' unpacks them for the FP8 grouped GEMM)";
+  return rule + "; got " + Traits(*d).name + " (packed e4m3 rows): only dispatch (which moves them unchanged) and "
+         "dispatch_gemm with e4m3 w (dispatch_gemm_fp8, which reads them where they land) take them; the other FP8 "
+         "calls take the values and scales apart (fp8.unpack_rows)";
 }
 
 
@@ -217,77 +232,6 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
   if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot_primary must be [P] (send once) or [0]"));
   return DispatchShape{*dt, sd[0], D, od[0], P, P > 0 && slot_primary.element_count() == P};
-}
-
-struct DispatchGemmShape {
-  DispatchShape rows;  // src and the slots as a dispatch's; cap = out's rows
-  int64_t E_local, N;  // w's experts and GEMM columns (2F with swiglu)
-  bool keep_recv;      // x_recv has cap rows (else 0)
-  bool keep_a;         // swiglu: a has cap rows (else 0)
-};
-
-// dispatch_gemm's operands and results apart from the plan arrays whose sizes depend on the workspace's ranks
-// (CheckDispatchGemmPlan); see BindDispatchGemm for the shapes.
-inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(const xla::ffi::AnyBuffer& src,
-                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
-                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
-                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
-                                                              const xla::ffi::Buffer<xla::ffi::S32>& slot_primary,
-                                                              const xla::ffi::AnyBuffer& w,
-                                                              const xla::ffi::AnyBuffer& x_recv,
-                                                              const xla::ffi::AnyBuffer& out,
-                                                              const xla::ffi::Buffer<xla::ffi::F32>& a,
-                                                              bool transpose_rhs, bool swiglu) {
-  using xla::ffi::Unexpected;
-  const auto xt = src.element_type();
-  const std::optional<DType> dt = ComputeDTypeOf(xt);
-  if (!dt || w.element_type() != xt || x_recv.element_type() != xt)
-    return Unexpected(InvalidCall(ComputeDTypeRule(
-        "dispatch_gemm: src, w and x_recv must share one dtype, " + DTypeNames() +
-            " (the GEMM after the dispatch reads the rows as they land; packed e4m3 rows cross in dispatch, unfused)",
-        xt)));
-  if (swiglu && transpose_rhs)
-    return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
-                                  "transpose_rhs"));
-  if (out.element_type() != (swiglu ? xt : xla::ffi::DataType::F32))
-    return Unexpected(InvalidCall(swiglu ? "dispatch_gemm: with swiglu, out (h) must be in src's dtype"
-                                         : "dispatch_gemm: out must be float32"));
-  auto sd = src.dimensions(), wd = w.dimensions(), xd = x_recv.dimensions(), od = out.dimensions();
-  auto ad = a.dimensions();
-  const int64_t P = slot_src_row.element_count();
-  if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
-    return Unexpected(InvalidCall("dispatch_gemm: slot arrays must have equal length"));
-  if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
-    return Unexpected(InvalidCall("dispatch_gemm: slot_primary must be [P] (send once) or [0]"));
-  const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
-  const bool ranks_ok = sd.size() == 2 && wd.size() == 3 && xd.size() == 2 && od.size() == 2 && ad.size() == 2;
-  const int64_t D = ranks_ok ? sd[1] : 0, N = ranks_ok ? wd[wn] : 0, cap = ranks_ok ? od[0] : 0;
-  const bool ok = ranks_ok && wd[wk] == D && xd[1] == D && (xd[0] == cap || xd[0] == 0) &&
-                  (swiglu ? N % 2 == 0 && od[1] == N / 2 && ad[1] == N && (ad[0] == cap || ad[0] == 0)
-                          : od[1] == N && ad[1] == N && ad[0] == 0);
-  if (!ok)
-    return Unexpected(InvalidCall(
-        std::string("dispatch_gemm: expected src [S, D], ") +
-        (transpose_rhs ? "w [E_local, N, D] (transpose_rhs), " : "w [E_local, D, N], ") + "x_recv [cap or 0, D], " +
-        (swiglu ? "out [cap, N / 2] and a [cap or 0, N] (swiglu)" : "out [cap, N] and a [0, N]") + "; got src " +
-        DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
-        DimsText(ad)));
-  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P, P > 0 && slot_primary.element_count() == P}, wd[0], N, xd[0] == cap && cap > 0,
-                           swiglu && ad[0] == cap && cap > 0};
-}
-
-// dispatch_gemm's plan arrays against the workspace's R ranks: send_order [P], send_start [R + 1], seg_rows and
-// seg_ret_off [E_local, R].
-inline xla::ffi::Error CheckDispatchGemmPlan(const DispatchGemmShape& s, int64_t R,
-                                             const xla::ffi::Buffer<xla::ffi::S32>& send_order,
-                                             const xla::ffi::Buffer<xla::ffi::S32>& send_start,
-                                             const xla::ffi::Buffer<xla::ffi::S32>& seg_rows,
-                                             const xla::ffi::Buffer<xla::ffi::S32>& seg_ret_off) {
-  if (seg_rows.element_count() != s.E_local * R || seg_ret_off.element_count() != seg_rows.element_count())
-    return InvalidCall("dispatch_gemm: seg_rows and seg_ret_off must be [E_local, R] with R = workspace ranks");
-  if (send_order.element_count() != s.rows.P || send_start.element_count() != R + 1)
-    return InvalidCall("dispatch_gemm: send_order must be [P] (one per slot) and send_start [R + 1]");
-  return xla::ffi::Error::Success();
 }
 
 struct CountsShape {
@@ -357,6 +301,138 @@ inline std::optional<std::string> CheckExpertCombineFp8(const xla::ffi::AnyBuffe
   s->fp8 = true;
   s->scales_ld = lhs_scales.dimensions()[1];
   return std::nullopt;
+}
+
+struct DispatchGemmShape {
+  DispatchShape rows;  // src and the slots as a dispatch's; cap = out's rows (fp8: D the rows' channels)
+  int64_t E_local, N;  // w's experts and GEMM columns (2F with swiglu)
+  bool keep_recv;      // x_recv has cap rows (else 0)
+  bool keep_a;         // swiglu: a has cap rows (else 0)
+  bool fp8 = false;    // packed e4m3 rows and e4m3 w with its block scales (BindDispatchGemm's FP8 form)
+};
+
+// dispatch_gemm's FP8 form (BindDispatchGemm) past the dispatch rows' own checks: src uint8 packed rows, w e4m3.
+inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemmFp8(
+    const xla::ffi::AnyBuffer& src, int64_t P, bool send_once, const xla::ffi::AnyBuffer& w,
+    const xla::ffi::Buffer<xla::ffi::F32>& w_scales, const xla::ffi::AnyBuffer& x_recv,
+    const xla::ffi::AnyBuffer& out, const xla::ffi::AnyBuffer& a, const xla::ffi::Buffer<xla::ffi::F32>& h_scales,
+    const xla::ffi::Buffer<xla::ffi::F32>& a_scales, bool transpose_rhs, bool swiglu) {
+  using xla::ffi::DataType;
+  using xla::ffi::Unexpected;
+  auto fail = [](const std::string& why) { return Unexpected(InvalidCall("dispatch_gemm (e4m3 w): " + why)); };
+  if (src.element_type() != DataType::U8 || x_recv.element_type() != DataType::U8)
+    return fail("src and x_recv must be uint8 packed e4m3 rows (fp8.pack_rows: D values, then D/128 float32 "
+                "scales) beside e4m3 w");
+  if (!transpose_rhs)
+    return fail("e4m3 w must be [E_local, N, D] (K-major: transpose_rhs), the only B layout of FP8 wgmma");
+  auto sd = src.dimensions(), wd = w.dimensions(), xd = x_recv.dimensions(), od = out.dimensions(),
+       ad = a.dimensions(), hs = h_scales.dimensions(), as = a_scales.dimensions();
+  if (sd.size() != 2 || wd.size() != 3 || xd.size() != 2 || od.size() != 2 || ad.size() != 2)
+    return fail("expected src [S, D + D/32], w [E_local, N, D], x_recv [cap or 0, D + D/32], out and a 2D; got src " +
+                DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) +
+                ", a " + DimsText(ad));
+  const int64_t D = wd[2], N = wd[1], E_l = wd[0], cap = od[0], width = RowBytes(DType::kE4M3Rows, D);
+  if (D < kFp8Tile || D % kFp8Tile != 0 || N < kFp8Tile || N % kFp8Tile != 0 || (swiglu && N % (2 * kFp8Tile)))
+    return fail("D and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles; with swiglu N = "
+                "2F and F a multiple of 128), got w " + DimsText(wd));
+  if (sd[1] != width || xd[1] != width || (xd[0] != cap && xd[0] != 0))
+    return fail("src and x_recv rows must be D + D/32 = " + std::to_string(width) + " bytes for w " + DimsText(wd) +
+                " (x_recv [cap or 0, ...]); got src " + DimsText(sd) + ", x_recv " + DimsText(xd));
+  if (w_scales.dimensions().size() != 3 || w_scales.dimensions()[0] != E_l ||
+      w_scales.dimensions()[1] != N / kFp8Tile || w_scales.dimensions()[2] != D / kFp8Tile)
+    return fail("w_scales must be [E_local, N/128, D/128] = [" + std::to_string(E_l) + ", " +
+                std::to_string(N / kFp8Tile) + ", " + std::to_string(D / kFp8Tile) + "], got " +
+                DimsText(w_scales.dimensions()));
+  if (E_l * (N / kFp8Tile) * (D / kFp8Tile) > 0x7fffffff)
+    return fail("w_scales must have fewer than 2^31 entries (E_local * N/128 * D/128)");
+  if (cap < 1 || cap > 0x7fffffff - kFp8Tile)
+    return fail("cap (out's rows) must be in [1, 2^31 - 128), got " + std::to_string(cap));
+  const int64_t F = N / 2, a_rows = ad[0];
+  const bool ok = swiglu ? out.element_type() == DataType::F8E4M3FN && od[1] == F &&
+                               a.element_type() == DataType::F8E4M3FN && ad[1] == N && (a_rows == cap || a_rows == 0) &&
+                               hs.size() == 2 && hs[0] == cap && hs[1] == F / kFp8Tile && as.size() == 2 &&
+                               as[0] == a_rows && as[1] == N / kFp8Tile
+                         : out.element_type() == DataType::F32 && od[1] == N && a.element_type() == DataType::F32 &&
+                               a_rows == 0 && ad[1] == N && h_scales.element_count() == 0 &&
+                               a_scales.element_count() == 0;
+  if (!ok)
+    return fail(swiglu ? "with swiglu, out = h_q float8_e4m3fn [cap, F], a = a_q float8_e4m3fn [cap or 0, 2F], "
+                         "h_scales f32 [cap, F/128], a_scales f32 [a's rows, 2F/128] (F = N/2 = " +
+                             std::to_string(F) + "); got out " + DimsText(od) + ", a " + DimsText(ad) + ", h_scales " +
+                             DimsText(hs) + ", a_scales " + DimsText(as)
+                       : "without swiglu, out float32 [cap, N], a float32 [0, N], h_scales and a_scales f32 [0]; "
+                         "got out " + DimsText(od) + ", a " + DimsText(ad));
+  return DispatchGemmShape{DispatchShape{DType::kE4M3Rows, sd[0], D, cap, P, send_once}, E_l, N, xd[0] == cap,
+                           swiglu && a_rows == cap, true};
+}
+
+// dispatch_gemm's operands and results apart from the plan arrays whose sizes depend on the workspace's ranks
+// (CheckDispatchGemmPlan); see BindDispatchGemm for the shapes.
+inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(
+    const xla::ffi::AnyBuffer& src, const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
+    const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank, const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
+    const xla::ffi::Buffer<xla::ffi::S32>& slot_primary, const xla::ffi::AnyBuffer& w,
+    const xla::ffi::Buffer<xla::ffi::F32>& w_scales, const xla::ffi::AnyBuffer& x_recv,
+    const xla::ffi::AnyBuffer& out, const xla::ffi::AnyBuffer& a, const xla::ffi::Buffer<xla::ffi::F32>& h_scales,
+    const xla::ffi::Buffer<xla::ffi::F32>& a_scales, bool transpose_rhs, bool swiglu) {
+  using xla::ffi::Unexpected;
+  const int64_t P = slot_src_row.element_count();
+  if (slot_dest_rank.element_count() != P || slot_dest_row.element_count() != P)
+    return Unexpected(InvalidCall("dispatch_gemm: slot arrays must have equal length"));
+  if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
+    return Unexpected(InvalidCall("dispatch_gemm: slot_primary must be [P] (send once) or [0]"));
+  const bool send_once = P > 0 && slot_primary.element_count() == P;
+  if (w.element_type() == xla::ffi::DataType::F8E4M3FN)
+    return CheckDispatchGemmFp8(src, P, send_once, w, w_scales, x_recv, out, a, h_scales, a_scales, transpose_rhs,
+                                swiglu);
+  const auto xt = src.element_type();
+  if (xt == xla::ffi::DataType::U8)
+    return Unexpected(InvalidCall("dispatch_gemm: packed e4m3 rows (uint8 src) need w float8_e4m3fn [E_local, N, D] "
+                                  "with its block scales (dispatch_gemm_fp8)"));
+  const std::optional<DType> dt = ComputeDTypeOf(xt);
+  if (!dt || w.element_type() != xt || x_recv.element_type() != xt)
+    return Unexpected(InvalidCall("dispatch_gemm: src, w and x_recv must share one dtype, " + DTypeNames() +
+                                  ", or src and x_recv packed e4m3 rows (uint8) with w float8_e4m3fn and its scales"));
+  if (w_scales.element_count() != 0 || h_scales.element_count() != 0 || a_scales.element_count() != 0)
+    return Unexpected(InvalidCall("dispatch_gemm: w_scales, h_scales and a_scales are the e4m3 form's (f32 [0] for " +
+                                  std::string(Traits(*dt).name) + " rows)"));
+  if (swiglu && transpose_rhs)
+    return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
+                                  "transpose_rhs"));
+  if (out.element_type() != (swiglu ? xt : xla::ffi::DataType::F32) || a.element_type() != xla::ffi::DataType::F32)
+    return Unexpected(InvalidCall(swiglu ? "dispatch_gemm: with swiglu, out (h) must be in src's dtype and a float32"
+                                         : "dispatch_gemm: out and a must be float32"));
+  auto sd = src.dimensions(), wd = w.dimensions(), xd = x_recv.dimensions(), od = out.dimensions();
+  auto ad = a.dimensions();
+  const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
+  const bool ranks_ok = sd.size() == 2 && wd.size() == 3 && xd.size() == 2 && od.size() == 2 && ad.size() == 2;
+  const int64_t D = ranks_ok ? sd[1] : 0, N = ranks_ok ? wd[wn] : 0, cap = ranks_ok ? od[0] : 0;
+  const bool ok = ranks_ok && wd[wk] == D && xd[1] == D && (xd[0] == cap || xd[0] == 0) &&
+                  (swiglu ? N % 2 == 0 && od[1] == N / 2 && ad[1] == N && (ad[0] == cap || ad[0] == 0)
+                          : od[1] == N && ad[1] == N && ad[0] == 0);
+  if (!ok)
+    return Unexpected(InvalidCall(
+        std::string("dispatch_gemm: expected src [S, D], ") +
+        (transpose_rhs ? "w [E_local, N, D] (transpose_rhs), " : "w [E_local, D, N], ") + "x_recv [cap or 0, D], " +
+        (swiglu ? "out [cap, N / 2] and a [cap or 0, N] (swiglu)" : "out [cap, N] and a [0, N]") + "; got src " +
+        DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
+        DimsText(ad)));
+  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P, send_once}, wd[0], N, xd[0] == cap && cap > 0,
+                           swiglu && ad[0] == cap && cap > 0};
+}
+
+// dispatch_gemm's plan arrays against the workspace's R ranks: send_order [P], send_start [R + 1], seg_rows and
+// seg_ret_off [E_local, R].
+inline xla::ffi::Error CheckDispatchGemmPlan(const DispatchGemmShape& s, int64_t R,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& send_order,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& send_start,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& seg_rows,
+                                             const xla::ffi::Buffer<xla::ffi::S32>& seg_ret_off) {
+  if (seg_rows.element_count() != s.E_local * R || seg_ret_off.element_count() != seg_rows.element_count())
+    return InvalidCall("dispatch_gemm: seg_rows and seg_ret_off must be [E_local, R] with R = workspace ranks");
+  if (send_order.element_count() != s.rows.P || send_start.element_count() != R + 1)
+    return InvalidCall("dispatch_gemm: send_order must be [P] (one per slot) and send_start [R + 1]");
+  return xla::ffi::Error::Success();
 }
 
 // w is [E_local, K, N], or [E_local, N, K] with transpose_rhs (N and K then read from its last two dimensions

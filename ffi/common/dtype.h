@@ -35,8 +35,9 @@ struct DTypeTraits {
 // Indexed by DType. float32 runs on the SIMT engine only: the tensor-core engines take 16-bit operands.
 // kE4M3Rows: packed e4m3 rows, the wire format of quantization="fp8" (jax_moe_overlap/fp8.py's pack_rows): a row of D
 // channels is its D e4m3 values' bytes, then its D / 128 float32 scales' bytes, in an XLA uint8 buffer [rows,
-// D + D / 32]. The dispatch moves them unchanged; no engine takes them (the FP8 GEMMs take the unpacked values and
-// scales as separate operands).
+// D + D / 32]. The dispatch moves them unchanged and dispatch_gemm's FP8 form reads them where they land (beside e4m3
+// w: its own operand rule, call_signature.h); no GemmEngine takes them (the other FP8 GEMMs take the unpacked values
+// and scales as separate operands).
 inline constexpr DTypeTraits kDTypeTraits[] = {
     {"float32", 4, 0, kSimtEngineOnly},
     {"bfloat16", 2, 0, kEveryEngine},

@@ -5,6 +5,9 @@
 //   plain:  out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N], unused.
 //   swiglu: out = h [cap, F] in src's dtype = silu(pre[:, :F]) * pre[:, F:] in float32 of the float32 preactivation
 //           pre [cap, 2F] = recv[segment] @ w[expert]; a = pre when kept ([cap, 2F]), else [0, 2F].
+//   FP8 (packed e4m3 rows, e4m3 w [E_local, N, D] with block scales): the product is grouped_matmul_fp8's rows
+//           (MatmulFp8Rows) read from the packed rows where they land; plain: out [cap, N] float32; swiglu: h_q, h_s
+//           and (kept) a_q, a_s of it as grouped_matmul_swiglu_fp8 gives them (SwiGluForwardFp8Rows).
 //
 //   1. push   this rank's rows for the other ranks, one 128-row block of its send order (kSrcBlockRows) at a time,
 //             in the CUDA pushers' rounds: block i of every destination's rows before block i + 1, each round from
@@ -41,6 +44,7 @@
 #include "common/call_signature.h"
 #include "common/dtype.h"
 #include "cpu/call_steps.h"
+#include "cpu/fp8_gemm_rows.h"
 #include "cpu/gemm_rows.h"
 #include "cpu/handlers.h"
 #include "cpu/workspace_cpu.h"
@@ -185,17 +189,18 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
                             ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                            ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> a_out, DispatchGemmAttrs attrs) {
+                            ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> group_op,
+                            ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> x_recv,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> a_out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> h_scales, ffi::Result<ffi::Buffer<ffi::F32>> a_scales,
+                            DispatchGemmAttrs attrs) {
   const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, *x_recv, *out,
-                                 *a_out,
-                                 transpose_rhs, swiglu);
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, w_scales,
+                                 *x_recv, *out, *a_out, *h_scales, *a_scales, transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
   const int64_t E_l = shape->E_local, N = shape->N, F = N / 2;
-  const bool bf16 = shape->rows.dtype == DType::kBF16;
+  const bool bf16 = shape->rows.dtype == DType::kBF16, fp8 = shape->fp8;
   const int64_t elem_bytes = Traits(shape->rows.dtype).elem_bytes, row_bytes = RowBytes(shape->rows.dtype, K);
 
   auto ctx = BeginCall("dispatch_gemm", attrs.call, group_op.typed_data()[0], rank_op.typed_data()[0],
@@ -262,11 +267,16 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   RankView self = ws->view(c.group, c.rank);
   uint64_t* blocks = self.src_blocks();
   const int64_t nb = SrcBlocks(ws->sizes().ret_rows);
-  float* product = !swiglu ? static_cast<float*>(out->untyped_data()) : shape->keep_a ? a_out->typed_data() : nullptr;
+  // (FP8 with swiglu: a is the e4m3 a_q, so the product always goes to the tile scratch.)
+  float* product = !swiglu ? static_cast<float*>(out->untyped_data())
+                   : shape->keep_a && !fp8 ? static_cast<float*>(a_out->untyped_data())
+                                           : nullptr;
   std::vector<float> tile_scratch(product == nullptr ? kTileRows * N : 0), acc(N);
   const char* recv = self.recv();
-  char* h = static_cast<char*>(out->untyped_data());  // swiglu: [cap, F] in src's dtype
+  char* h = static_cast<char*>(out->untyped_data());  // swiglu: [cap, F] in src's dtype (FP8: h_q)
   const ElemView rhs{w.untyped_data(), bf16};
+  const Fp8Lhs recv_fp8 = Fp8Lhs::PackedRows(reinterpret_cast<const uint8_t*>(recv), K);
+  const int64_t w_blocks = (N / kFp8Tile) * (K / kFp8Tile);  // (FP8: w_scales per expert)
   for (const MTile& t : TileOrder(segs, R, E_l, c.rank)) {
     // Wait for the rows of each source the tile's rows come from: segment (e, s) holds recv rows [recv_off,
     // recv_off + rows), s's send positions from ret_off.
@@ -281,6 +291,18 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     if (sp.primary != nullptr)
       if (ffi::Error e = ExpandRows(c, segs, E_l, blocks, nb, t.r0, t.rows, row_bytes); e.failure()) return e;
     float* tile = product != nullptr ? product + t.r0 * N : tile_scratch.data();
+    if (fp8) {
+      // grouped_matmul_fp8's rows (MatmulFp8Rows) on the packed rows where they landed, then with swiglu
+      // grouped_matmul_swiglu_fp8's epilogue over them: the bits of unpacking and calling those.
+      MatmulFp8Rows(recv_fp8.From(t.r0), static_cast<const uint8_t*>(w.untyped_data()) + t.expert * N * K,
+                    w_scales.typed_data() + t.expert * w_blocks, {0, t.rows}, K, N, tile, /*out_bf16=*/false);
+      if (swiglu)
+        SwiGluForwardFp8Rows(tile, t.rows, F, reinterpret_cast<uint8_t*>(h) + t.r0 * F,
+                             h_scales->typed_data() + t.r0 * (F / kFp8Tile),
+                             shape->keep_a ? static_cast<uint8_t*>(a_out->untyped_data()) + t.r0 * N : nullptr,
+                             shape->keep_a ? a_scales->typed_data() + t.r0 * (N / kFp8Tile) : nullptr);
+      continue;
+    }
     MatmulRows(ElemView{recv + t.r0 * row_bytes, bf16}, rhs, t.expert * K * N, 0, t.rows, K, N, transpose_rhs, tile,
                /*out_bf16=*/false, acc);
     if (swiglu) SwiGluRows(tile, 0, t.rows, F, h + t.r0 * F * elem_bytes, bf16);

@@ -126,9 +126,10 @@ ffi::Error GroupedMatmulFp8Impl(ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> lhs_sc
   if (off.has_error()) return off.error();
   void* o = out->untyped_data();
   const bool out_bf16 = !shape->out_f32;
-  MatmulFp8Rows(static_cast<const uint8_t*>(lhs.untyped_data()), lhs_scales.typed_data(), shape->scales_ld,
-                static_cast<const uint8_t*>(rhs.untyped_data()), rhs_scales.typed_data(), *off, shape->K, N, o,
-                out_bf16);
+  const Fp8Lhs lhs_rows = Fp8Lhs::MnMajor(static_cast<const uint8_t*>(lhs.untyped_data()), shape->K,
+                                          lhs_scales.typed_data(), shape->scales_ld);
+  MatmulFp8Rows(lhs_rows, static_cast<const uint8_t*>(rhs.untyped_data()), rhs_scales.typed_data(), *off, shape->K, N,
+                o, out_bf16);
   for (int64_t i = off->back() * N; i < M * N; ++i) StoreElem(o, out_bf16, i, 0.f);
   return ffi::Error::Success();
 }
@@ -145,9 +146,10 @@ ffi::Error GroupedMatmulSwiGluFp8Impl(ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> 
   auto off = RowOffsets("grouped_matmul_swiglu_fp8", group_sizes, M);
   if (off.has_error()) return off.error();
   std::vector<float> a(M * N, 0.f);
-  MatmulFp8Rows(static_cast<const uint8_t*>(lhs.untyped_data()), lhs_scales.typed_data(), shape->scales_ld,
-                static_cast<const uint8_t*>(rhs.untyped_data()), rhs_scales.typed_data(), *off, shape->K, N, a.data(),
-                false);
+  const Fp8Lhs lhs_rows = Fp8Lhs::MnMajor(static_cast<const uint8_t*>(lhs.untyped_data()), shape->K,
+                                          lhs_scales.typed_data(), shape->scales_ld);
+  MatmulFp8Rows(lhs_rows, static_cast<const uint8_t*>(rhs.untyped_data()), rhs_scales.typed_data(), *off, shape->K, N,
+                a.data(), false);
   SwiGluForwardFp8Rows(a.data(), M, N / 2, static_cast<uint8_t*>(h_q->untyped_data()), h_s->typed_data(),
                        static_cast<uint8_t*>(a_q->untyped_data()), a_s->typed_data());
   return ffi::Error::Success();

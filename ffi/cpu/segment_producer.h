@@ -71,7 +71,7 @@ inline void ProduceSegmentsFp8(const std::vector<Segment>& order, const uint8_t*
     for (int64_t b = 0; b < bands; ++b) {
       const int64_t r0 = seg.recv_off + b * kBandRows;
       const int64_t r1 = seg.recv_off + std::min<int64_t>(seg.rows, (b + 1) * kBandRows);
-      MatmulFp8Rows(lhs, sa, ld, w_e, sb_e, {r0, r1}, K, N, self.stage(), out_bf16);
+      MatmulFp8Rows(Fp8Lhs::MnMajor(lhs, K, sa, ld), w_e, sb_e, {r0, r1}, K, N, self.stage(), out_bf16);
       AtomicStore(&self.tile_ready()[seg.band_base + b], epoch);
     }
   }

@@ -62,7 +62,11 @@ enum class Gemm1Form { kPlain, kTransposedRhs, kSwiGlu };
 struct DispatchGemmOut {
   void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
   void* out;     // kSwiGlu: h [cap, N / 2] in src's dtype = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32
-  float* a;      // kSwiGlu: pre [cap, N] float32, or nullptr: not kept (must be nullptr in the other forms)
+                 // (FP8 kSwiGlu: h_q [cap, N / 2] e4m3)
+  void* a;       // kSwiGlu: pre [cap, N] float32 (FP8: a_q [cap, N] e4m3), or nullptr: not kept (must be nullptr in
+                 // the other forms)
+  float* h_scales = nullptr;  // FP8 kSwiGlu: h's 1 x 128 scales [cap, N / 256]
+  float* a_scales = nullptr;  // FP8 kSwiGlu with a kept: a's 1 x 128 scales [cap, N / 128]
 };
 
 // dispatch_gemm: the dispatch (as Dispatch) and GEMM1 (w in src's dtype, in `form`) in one launch, each GEMM1 tile
@@ -71,10 +75,14 @@ struct DispatchGemmOut {
 // the rows for other ranks, then copy x_recv beside the GEMM (c.opts.x_recv_from_tiles: the GEMM's tiles store it
 // instead), then join it (1 .. SM budget - 1). The wgmma engine only: an InvalidArgument error naming its rule where
 // it does not run the device or take the operands.
+// FP8 (dt kE4M3Rows: packed e4m3 rows, w e4m3 [E_l, N, D] K-major with w_scales [E_l, N/128, D/128]; form kSwiGlu
+// or kTransposedRhs): the GEMM is the FP8 grouped GEMM's loop reading A's values and scales from the packed rows
+// where they land (Fp8PackedRowsOperands), its results those of GroupedMatmulFp8 (f32) or GroupedMatmulSwiGluFp8 on
+// the unpacked rows; D a multiple of 512 (the rows' stride for TMA); x_recv copied by the side units.
 Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
-                    const void* w, int64_t N, Gemm1Form form, const int32_t* group_op, const int32_t* rank_op,
-                    const DispatchGemmOut& out, int64_t cap);
+                    const void* w, const float* w_scales, int64_t N, Gemm1Form form, const int32_t* group_op,
+                    const int32_t* rank_op, const DispatchGemmOut& out, int64_t cap);
 
 // expert_combine's e4m3 producer operands besides lhs and w (device pointers; BindExpertCombine's rule): absent for
 // float32 and bfloat16 operands.

@@ -288,11 +288,11 @@ class Run {
                                                     (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
                                                     (const int32_t*)d.send_start, (const int32_t*)d.primary, P_},
                                 (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
-                                (const int32_t*)d.seg_ret_off, E_l_, d.w1, K_,
+                                (const int32_t*)d.seg_ret_off, E_l_, d.w1, /*w_scales=*/nullptr, K_,
                                 Swiglu() ? cuda::Gemm1Form::kSwiGlu : cuda::Gemm1Form::kPlain,
                                 (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r],
                                 cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r],
-                                                      KeepPre() ? static_cast<float*>(out_pre_[r]) : nullptr},
+                                                      KeepPre() ? out_pre_[r] : nullptr},
                                 cap_);
     return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                           (const int32_t*)d.dest_row, (const int32_t*)d.primary, P_, (const int32_t*)d.recv_expected,

@@ -82,6 +82,14 @@ const char* Fp8GroupedGemmDeviceRefusal(ComputeCapability cc) {
                          "e4m3 wgmma)";
 }
 
+const char* Fp8DispatchGemmOperandRefusal(int64_t D, int64_t N) {
+  if (D < 512 || D % 512 != 0)
+    return "the FP8 dispatch_gemm kernel reads the packed rows by TMA at their stride of D + D/32 bytes, which TMA "
+           "takes as a multiple of 16 bytes: d_model must be a multiple of 512";
+  if (N < 128 || N % 128 != 0) return "the FP8 grouped GEMM takes N (w's columns) in whole 128-column blocks";
+  return nullptr;
+}
+
 const char* GemmEngineName(GemmEngine e) { return Rules(e).name; }
 
 std::optional<GemmEngine> GemmEngineNamed(std::string_view name) {

@@ -75,6 +75,10 @@ const char* GemmEngineRefusal(GemmEngine e, ComputeCapability cc, const GemmOper
 // with their scales, which no other engine does, so there is nothing to select among).
 const char* Fp8GroupedGemmDeviceRefusal(ComputeCapability cc);
 
+// nullptr if dispatch_gemm's FP8 kernel (ops/dispatch_gemm.cu over Fp8PackedRowsOperands) takes packed e4m3 rows of
+// D channels and w of N columns (besides the FP8 grouped GEMM's device rule and the call's shape rules), else why not.
+const char* Fp8DispatchGemmOperandRefusal(int64_t D, int64_t N);
+
 // The first engine that runs on the device and takes the operands, other than `refused` (an engine whose launch
 // refused the call after all, for what its rule cannot see: a kernel's build, an output's alignment). None only where
 // the epilogue is one that the other engines of this device do not have (SIMT takes every other GEMM).

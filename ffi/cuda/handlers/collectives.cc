@@ -60,15 +60,17 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
 ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src,
                             ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
                             ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
-                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
-                            ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::S32> send_order,
+                            ffi::Buffer<ffi::S32> send_start, ffi::Buffer<ffi::S32> seg_rows,
+                            ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> w_scales,
                             ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                             ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> a, DispatchGemmAttrs attrs) {
+                            ffi::Result<ffi::AnyBuffer> a, ffi::Result<ffi::Buffer<ffi::F32>> h_scales,
+                            ffi::Result<ffi::Buffer<ffi::F32>> a_scales, DispatchGemmAttrs attrs) {
   NoteHandlerCall(HandlerOp::kDispatchGemm, stream);
   const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, *x_recv, *out,
-                                 *a, transpose_rhs, swiglu);
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, w_scales,
+                                 *x_recv, *out, *a, *h_scales, *a_scales, transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
@@ -80,13 +82,15 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                                   send_order.typed_data(), send_start.typed_data(),
                                   shape->rows.send_once ? slot_primary.typed_data() : nullptr, shape->rows.P};
   const cuda::DispatchGemmOut results{shape->keep_recv ? x_recv->untyped_data() : nullptr, out->untyped_data(),
-                                      shape->keep_a ? a->typed_data() : nullptr};
-  // (CheckDispatchGemm refused swiglu with transpose_rhs.)
+                                      shape->keep_a ? a->untyped_data() : nullptr,
+                                      shape->fp8 && swiglu ? h_scales->typed_data() : nullptr,
+                                      shape->keep_a && shape->fp8 ? a_scales->typed_data() : nullptr};
+  // (CheckDispatchGemm refused bf16 swiglu with transpose_rhs; e4m3 w is always K-major.)
   const Gemm1Form form = swiglu ? Gemm1Form::kSwiGlu : transpose_rhs ? Gemm1Form::kTransposedRhs : Gemm1Form::kPlain;
   return ToFfi(DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,
                             recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
-                            shape->E_local, w.untyped_data(), shape->N, form, group_op.typed_data(),
-                            rank_op.typed_data(), results, shape->rows.cap));
+                            shape->E_local, w.untyped_data(), shape->fp8 ? w_scales.typed_data() : nullptr, shape->N,
+                            form, group_op.typed_data(), rank_op.typed_data(), results, shape->rows.cap));
 }
 
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,

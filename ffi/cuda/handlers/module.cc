@@ -260,6 +260,10 @@ void RegisterModule(nb::module_& m) {
       [](std::tuple<int, int> cc) { return Text(Fp8GroupedGemmDeviceRefusal(Capability(cc))); },
       nb::arg("compute_capability"));
   m.def(
+      "fp8_dispatch_gemm_operand_refusal",
+      [](int64_t d_model, int64_t n) { return Text(Fp8DispatchGemmOperandRefusal(d_model, n)); }, nb::arg("d_model"),
+      nb::arg("N"));
+  m.def(
       "gemm_engine_operand_refusal",
       [](const std::string& engine, const std::string& dtype, int64_t K, int64_t N, bool transpose_rhs, bool swiglu,
          bool outer, int64_t M, bool swiglu_grad) {

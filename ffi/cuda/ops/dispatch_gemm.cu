@@ -710,8 +710,8 @@ const void* Kernel(bool transpose_rhs, bool swiglu) {
 // call).
 Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
-                    const void* w, int64_t N, Gemm1Form form, const int32_t* group_op, const int32_t* rank_op,
-                    const DispatchGemmOut& out, int64_t cap) {
+                    const void* w, const float* w_scales, int64_t N, Gemm1Form form, const int32_t* group_op,
+                    const int32_t* rank_op, const DispatchGemmOut& out, int64_t cap) {
   const int64_t row_bytes = RowBytes(dt, D);
   const bool transpose_rhs = form == Gemm1Form::kTransposedRhs, swiglu = form == Gemm1Form::kSwiGlu;
   Status s = BeginCall(c, "dispatch_gemm", CallFootprint{row_bytes, cap, slots.P, E_l}, group_op, rank_op);
@@ -759,7 +759,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
                               recv_expected, (int)E_l, DispatchPushersPolicy(ws, c.opts, budget, kWgBM, kWgBN), D, N,
-                              static_cast<char*>(out.x_recv), out.out, out.a, c.opts.emulated_link_gbps,
+                              static_cast<char*>(out.x_recv), out.out, static_cast<float*>(out.a), c.opts.emulated_link_gbps,
                               slots.primary, from_tiles,
                               c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};

@@ -543,13 +543,14 @@ __device__ __forceinline__ void StoreAStageRows(const unsigned char* a, int c, i
   }
 }
 
-// Where a tile's operands lie, as the producer loads them: A's first row, B's index (group) and first column, and
-// B's first column for the tile's accumulator columns 128..255 (WgmmaTile::n_hi resolved).
+// Where a tile's operands lie, as the producer loads them: A's first row, B's index (group) and first column, B's
+// first column for the tile's accumulator columns 128..255 (WgmmaTile::n_hi resolved), and the tile's first k-step
+// (TileKFirst: a format whose stage data depends on the k-step within all of K reads it in Multiply).
 struct TileCoords {
-  int a_row, b_idx, n0, n_hi;
+  int a_row, b_idx, n0, n_hi, k_first;
   template <class Tile>
   __device__ __forceinline__ static TileCoords Of(const Tile& t) {
-    return {t.a_row, t.b_idx, t.n0, t.n_hi < 0 ? t.n0 + kBN / 2 : t.n_hi};
+    return {t.a_row, t.b_idx, t.n0, t.n_hi < 0 ? t.n0 + kBN / 2 : t.n_hi, TileKFirst(t)};
   }
 };
 

@@ -1,6 +1,7 @@
 // Hopper (sm_90a) e4m3 operands with DeepSeek-V3's scales for WgmmaLoop (wgmma_mainloop.cuh): the FP8 operand format
-// Fp8Operands<BScales>, with B scaled per 128 x 128 block (Fp8BlockScaledOperands: the row GEMMs, forward and dgrad)
-// or per (row, 128-wide K chunk) like A (Fp8Operands<Fp8RowScalesB>: the weight-gradient outer GEMM, "1D1D").
+// Fp8Operands<AScales, BScales>, with B scaled per 128 x 128 block (Fp8BlockScaledOperands: the row GEMMs, forward
+// and dgrad; Fp8PackedRowsOperands: the same on packed rows) or per (row, 128-wide K chunk) like A
+// (Fp8Operands<Fp8MnMajorScalesA, Fp8RowScalesB>: the weight-gradient outer GEMM, "1D1D").
 //
 //   acc[r, c] = sum over 128-wide K chunks kc of
 //               (sum_{k in kc} A[a_row + r, k] * B[b_idx][n(c), k]) * sa[kc][a_row + r] * sb(n(c), kc)
@@ -25,6 +26,10 @@
 //             as one more pending arrival, so that the barrier's arrival count stays 1);
 //           row scales: 256 floats from the next 128-byte boundary (two TMA boxes (128, 1), rows n0.. and n_hi..).
 //   The full barrier's transaction bytes: 16 KB + 32 KB + 528 B (+ 1 KB with row scales).
+//   Packed rows (Fp8RowTailScalesA: A's rows as fp8.pack_rows lays them out, values then scales, read where
+//   dispatch_gemm's rows land): A by the same box from a map whose row stride is the packed row's; sa from a second
+//   map over the rows' scale tails, box (4 chunks, 128 rows) = 2 KB at the extra slot's start instead of 528 B, the
+//   block scales after it.
 //
 // ---- Promotion (DeepSeek-V3 section 3.3.2; as DeepGEMM's sm90 FP8 GEMMs do it) ------------------------------------
 // FP8 wgmma (m64nNk32 .e4m3.e4m3 .f32) keeps only about 14 bits of its sum, so a chunk's partial sums leave the
@@ -52,10 +57,14 @@ constexpr int kFp8BK = 128;        // e4m3 K elements per stage (128 bytes, one 
 constexpr int kScaleChunk = 128;   // K elements per scale (A's 1 x 128 tiles, B's 128 x 128 blocks)
 constexpr int kFp8SaRows = kBM + 4;  // the tile's 128 rows from the 4-row boundary below them
 constexpr int kFp8SaBytes = kFp8SaRows * 4;  // sa of those rows (a multiple of 16: a TMA box row)
-constexpr int kFp8ExtraBytes = (kFp8SaBytes + 8 + 127) / 128 * 128;  // + sb (2 floats), padded to 128-byte slots
-constexpr int kFp8TxBytes = kABytes + kBBytes + kFp8SaBytes;    // what TMA brings per stage
+constexpr int kFp8TailChunks = 4;  // packed rows: the chunks of one row-tail box (16 bytes, TMA's smallest row)
+constexpr int kFp8TailBytes = kBM * kFp8TailChunks * 4;  // packed rows: the tile's rows' scales of 4 chunks
+// The extra slot of a stage: A's scales (kABytes of the A-scale format), then B's (BScales::kOffset on).
+constexpr int Fp8Round128(int bytes) { return (bytes + 127) / 128 * 128; }
+constexpr int kFp8ExtraBytes = Fp8Round128(kFp8SaBytes + 8);  // MN-major sa + sb (2 floats), 128-byte slots
 static_assert(kFp8BK * 1 == kBK * kElemBytes, "an e4m3 stage has the bf16 stage's byte geometry");
 static_assert(kFp8SaBytes % 16 == 0, "sa is whole 16-byte TMA box rows (and sb after it 8-byte aligned)");
+static_assert(kFp8TailBytes % 128 == 0, "the row-tail scales keep the extra slot's 128-byte alignment");
 static_assert(kFp8BK == kScaleChunk, "one stage is one scale chunk: the promotion happens once per stage");
 static_assert(kScaleChunk == 1 << 7, "LoadStage divides column indices by 128 with a shift");
 
@@ -76,12 +85,13 @@ __device__ __forceinline__ void Wgmma64x128E4m3(float* d, uint64_t desc_a, uint6
 // B's scales of the row GEMMs: one per 128 x 128 block of B[g] ([G, N/128, K/128]), two per stage (the block of each
 // column half), by cp.async after sa in the stage's extra slot. Both are in registers before the stage's halves, so
 // the stage is released as soon as its second half's MMAs are done.
-struct Fp8BlockScalesB {
+template <int kAfter>
+struct Fp8BlockScalesAfter {
   const float* sb;  // sb [G, N/128, K/128] float32
   int n_blocks;     // N / 128
   int k_chunks;     // K / 128
-  static constexpr int kOffset = kFp8SaBytes;  // in the stage's extra slot
-  static constexpr int kExtraBytes = kFp8ExtraBytes;
+  static constexpr int kOffset = kAfter;  // in the stage's extra slot, after A's scales
+  static constexpr int kExtraBytes = Fp8Round128(kAfter + 8);
   static constexpr int kTxBytes = 0;  // not TMA: cp.async, counted as a pending arrival
   static constexpr bool kReleaseBeforePromote = true;
   using StageScales = float2;  // the two halves' block scales
@@ -115,6 +125,8 @@ struct Fp8BlockScalesB {
     }
   }
 };
+
+using Fp8BlockScalesB = Fp8BlockScalesAfter<kFp8SaBytes>;  // after A's MN-major scales
 
 // B's scales of the weight-gradient (outer) GEMM, "1D1D": one per (row n of B, 128-wide K chunk), stored MN-major
 // ([K/128, ld]: one chunk's scales of consecutive rows contiguous), like sa. Per stage the tile's 256 (rows n0.. and
@@ -155,15 +167,50 @@ struct Fp8RowScalesB {
   }
 };
 
-// The e4m3 operand format of WgmmaLoop (the header comment; the members' contract is Bf16Operands'), over B's scale
-// format BScales (Fp8BlockScalesB: the row GEMMs; Fp8RowScalesB: the outer GEMM). A's scales, one per (row, chunk),
-// are the same in both: TMA, at the start of the stage's extra slot.
-template <class BScales>
-struct Fp8Operands {
-  const CUtensorMap* a_map;   // A [rows, K] e4m3: 2D (K, rows), box (128, 128), 128B swizzle
-  const CUtensorMap* b_map;   // B [G, N, K] e4m3: 3D (K, N, G), box (128, 128, 1), 128B swizzle
+// A's scales, one per (row, 128-wide K chunk), in the layout of the FP8 GEMMs' lhs_scales: MN-major [K/128, lds],
+// per stage the chunk's 132 floats from the 4-row boundary below the tile's first row (kFp8SaRows: the header), TMA at
+// the start of the stage's extra slot.
+struct Fp8MnMajorScalesA {
   const CUtensorMap* sa_map;  // sa [K/128, lds] float32: 2D (rows, K/128), box (kFp8SaRows, 1), no swizzle
+  static constexpr int kBytes = kFp8SaBytes;
+  __device__ __forceinline__ void Prefetch() const { PrefetchTensorMap(sa_map); }
+  __device__ __forceinline__ void Load(uint32_t fb, uint32_t x, const TileCoords& t, int kt) const {
+    TmaLoad2D(x, sa_map, fb, t.a_row & ~3, kt);  // (the 16-byte aligned box start: header)
+  }
+  // Row r of the tile's scale in the stage at x (kt: the stage within the tile).
+  __device__ __forceinline__ float Read(uint32_t x, const TileCoords& t, int r, int) const {
+    return LdSharedF32(x + (r + (t.a_row & 3)) * 4);
+  }
+};
+
+// A's scales where packed e4m3 rows carry them (fp8.pack_rows: a row's K values, then its K/128 float32 scales; the
+// rows as dispatch_gemm's GEMM reads them where they land): a 2D map over the rows' tails (base: the first row's
+// scales, inner extent K/128 floats, the rows' stride), per stage box (4 chunks, 128 rows) from chunk kt & ~3 and row
+// a_row (the rows are the outer dimension: no alignment of a_row needed), 2 KiB at the start of the extra slot; row r
+// of the tile's chunk kt at (4 r + kt % 4) floats. A stage loads the 4-chunk box holding its chunk (K/128 a multiple
+// of 4: whole boxes, as the kernel's D % 512 rule gives).
+struct Fp8RowTailScalesA {
+  const CUtensorMap* sa_map;  // the rows' scale tails: 2D (K/128, rows) float32, box (4, 128), no swizzle
+  static constexpr int kBytes = kFp8TailBytes;
+  __device__ __forceinline__ void Prefetch() const { PrefetchTensorMap(sa_map); }
+  __device__ __forceinline__ void Load(uint32_t fb, uint32_t x, const TileCoords& t, int kt) const {
+    TmaLoad2D(x, sa_map, fb, kt & ~(kFp8TailChunks - 1), t.a_row);
+  }
+  __device__ __forceinline__ float Read(uint32_t x, const TileCoords& t, int r, int kt) const {
+    return LdSharedF32(x + (r * kFp8TailChunks + ((t.k_first + kt) & (kFp8TailChunks - 1))) * 4);
+  }
+};
+
+// The e4m3 operand format of WgmmaLoop (the header comment; the members' contract is Bf16Operands'), over A's scale
+// format AScales (Fp8MnMajorScalesA: the FP8 GEMMs' operands; Fp8RowTailScalesA: packed rows) and B's BScales
+// (Fp8BlockScalesAfter: the row GEMMs; Fp8RowScalesB: the outer GEMM), B's after A's in the stage's extra slot.
+template <class AScales, class BScales>
+struct Fp8Operands {
+  const CUtensorMap* a_map;   // A [rows, K] e4m3: 2D (K, rows), box (128, 128), 128B swizzle (rows at any stride)
+  const CUtensorMap* b_map;   // B [G, N, K] e4m3: 3D (K, N, G), box (128, 128, 1), 128B swizzle
+  AScales a_scales;
   BScales b_scales;
+  static_assert(BScales::kOffset >= AScales::kBytes, "B's scales lie after A's in the extra slot");
   static constexpr int kBK = kFp8BK;
   static constexpr int kExtraBytes = BScales::kExtraBytes;
   // The bf16 split (DeepGEMM's): the producer computes the scale addresses besides the TMA coordinates, a consumer
@@ -176,7 +223,7 @@ struct Fp8Operands {
   __device__ __forceinline__ void Prefetch() const {
     PrefetchTensorMap(a_map);
     PrefetchTensorMap(b_map);
-    PrefetchTensorMap(sa_map);
+    a_scales.Prefetch();
     b_scales.Prefetch();
   }
 
@@ -184,9 +231,10 @@ struct Fp8Operands {
                                             const TileCoords& t, int kt) const {
     const uint32_t x_addr = SmemAddr(x);
     b_scales.LoadBeforeArrive(fb, x_addr, t, kt);
-    MbarArriveExpectTx(fb, kFp8TxBytes + BScales::kTxBytes);  // OOB parts of a box are zero-filled and still counted
+    // OOB parts of a box are zero-filled and still counted.
+    MbarArriveExpectTx(fb, kABytes + kBBytes + AScales::kBytes + BScales::kTxBytes);
     TmaLoad2D(a_dst, a_map, fb, kt * kBK, t.a_row);
-    TmaLoad2D(x_addr, sa_map, fb, t.a_row & ~3, kt);  // (the 16-byte aligned box start: header)
+    a_scales.Load(fb, x_addr, t, kt);
     b_scales.LoadAfterArrive(fb, x_addr, t, kt);
     TmaLoad3D(b_dst, b_map, fb, kt * kBK, t.n0, t.b_idx);
     TmaLoad3D(b_dst + kBBytes / 2, b_map, fb, kt * kBK, t.n_hi, t.b_idx);
@@ -197,14 +245,13 @@ struct Fp8Operands {
                                            int ktiles) const {
     float part[64];
     const int row = c * 64 + wq * 16 + lane / 4;  // the thread's rows of the tile: row and row + 8
-    const int sa_row = row + (t.a_row & 3);       // its place in the stage's sa (the box starts at a_row & ~3)
 #pragma unroll
     for (int j = 0; j < 128; ++j) acc[j] = 0.f;
     for (int kt = 0; kt < ktiles; ++kt) {
       if (kt > 0) ring.WaitFull();
       const int s = ring.stage;
       const uint32_t x = SmemAddr(ring.X(s));
-      const float sa_lo = LdSharedF32(x + sa_row * 4), sa_hi = LdSharedF32(x + (sa_row + 8) * 4);
+      const float sa_lo = a_scales.Read(x, t, row, kt), sa_hi = a_scales.Read(x, t, row + 8, kt);
       const typename BScales::StageScales sb = b_scales.Read(x);
       const uint32_t a_base = SmemAddr(ring.A(s)) + c * (64 * 128);  // this WG's 64 rows
       const uint32_t b_base = SmemAddr(ring.B(s));
@@ -238,6 +285,8 @@ struct Fp8Operands {
 };
 
 // The row GEMMs' format (wgmma_grouped_fp8.cuh).
-using Fp8BlockScaledOperands = Fp8Operands<Fp8BlockScalesB>;
+using Fp8BlockScaledOperands = Fp8Operands<Fp8MnMajorScalesA, Fp8BlockScalesB>;
+// The row GEMM on packed e4m3 rows (dispatch_gemm's FP8 kernel): A's values and scales where the rows landed.
+using Fp8PackedRowsOperands = Fp8Operands<Fp8RowTailScalesA, Fp8BlockScalesAfter<kFp8TailBytes>>;
 
 }  // namespace wgmma_gemm

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) e4m3 grouped "outer" GEMM, the weight gradient of DeepSeek-V3's FP8 recipe (arXiv 2412.19437
 // section 3.3): both operands scaled per 128 x 1 tile (per channel, per 128 rows of a group), "1D1D". WgmmaLoop
-// (wgmma_mainloop.cuh) over the e4m3 operand format with row scales on both sides (Fp8Operands<Fp8RowScalesB>,
-// wgmma_mainloop_fp8.cuh), on the bf16 outer GEMM's tile schedule (wgmma_outer.cuh).
+// (wgmma_mainloop.cuh) over the e4m3 operand format with row scales on both sides (Fp8Operands<Fp8MnMajorScalesA,
+// Fp8RowScalesB>, wgmma_mainloop_fp8.cuh), on the bf16 outer GEMM's tile schedule (wgmma_outer.cuh).
 //
 //   out[g][m, n] = sum over the 128-row chunks kc of group g of
 //                  (sum_{r in kc} lhs_t[m, r] * rhs_t[n, r]) * lhs_scales[kc][m] * rhs_scales[kc][n]
@@ -50,7 +50,7 @@
 
 namespace wgmma_outer {
 
-using Fp8OuterOperands = Fp8Operands<Fp8RowScalesB>;
+using Fp8OuterOperands = Fp8Operands<Fp8MnMajorScalesA, Fp8RowScalesB>;
 constexpr int kOuterFp8SmemBytes = LoopSmemBytes<kStages, Fp8OuterOperands::kExtraBytes>();
 
 template <bool kOutF32>
