@@ -5,7 +5,9 @@
 
 #include <string>
 
+#include "cuda/gemm/sm90/swiglu_fp8_epilogue.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_mainloop_fp8.cuh"
 #include "cuda/launch.h"
 #include "cuda/ops/expert_producer.cuh"
 #include "cuda/schedule/resource_manager.cuh"
@@ -54,7 +56,7 @@ namespace {
 // The last CTA to finish zeroes the call's src_blocks and closes the call as a dispatch's end does (recv_expected,
 // done_epoch): every read of recv is done by then.
 struct DispatchGemmArgs {
-  const char* src;       // x [S, D] bf16 (row_bytes = RowBytes(kBF16, D))
+  const char* src;       // x [S, D] bf16 or packed e4m3 rows (row_bytes = RowBytes(dt, D))
   int64_t S, row_bytes;
   const int32_t *src_row, *dst_rank, *dst_row;  // the dispatch plan's slots [P]
   const int32_t *send_order;                     // [P]: the slot at each send position
@@ -66,9 +68,12 @@ struct DispatchGemmArgs {
   int E_l;
   PusherConfig pushers;  // P (see above)
   int64_t K, N;          // d_model, GEMM columns (2F with kSwiGlu)
-  char* x_recv;          // [cap, D] bf16, or null: not kept
-  void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16
-  float* a;              // kSwiGlu: the preactivation [cap, N] float32, or null: not kept
+  char* x_recv;          // [cap, row_bytes] (the recv rows as they landed), or null: not kept
+  void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16 (kFp8: h_q e4m3)
+  void* a;               // kSwiGlu: the preactivation [cap, N] float32 (kFp8: a_q e4m3), or null: not kept
+  float* h_scales;       // kFp8 with kSwiGlu: h's 1 x 128 scales [cap, N / 256]
+  float* a_scales;       // kFp8 with kSwiGlu and a kept: a's 1 x 128 scales [cap, N / 128]
+  const float* w_scales; // kFp8: w's 128 x 128 block scales [E_l, N / 128, K / 128]
   double link_bytes_per_ns;  // > 0: pushes to other ranks go over the emulated link (CallOptions, PaceLink)
   const int32_t* primary;    // send once: slot_primary [P] (protocol.h); nullptr: one row per slot
   bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
@@ -485,13 +490,26 @@ struct StallTimedWait {
   }
 };
 
+// The GEMM's tile type of a kernel: bf16 the bare GEMMs' (WgmmaTile: float32 out; SwiGluTile), FP8 those of the FP8
+// grouped GEMMs (WgmmaTile: float32 out; SwiGluFp8Tile: h and a quantized 1 x 128).
+template <bool kFp8, bool kSwiGlu>
+using DgTileBase = typename std::conditional<
+    kSwiGlu, typename std::conditional<kFp8, wgmma_gemm::SwiGluFp8Tile, wgmma_gemm::SwiGluTile>::type,
+    wgmma_gemm::WgmmaTile>::type;
+
 // kXRecvFromTiles: the GEMM tiles store x_recv (x_recv_stage below). A kernel of its own: the kernels whose side units
 // copy x_recv run the tile loop without the hook (nor the registers it takes in the consumer warpgroups).
-template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles>
+// kFp8: the rows are packed e4m3 rows and the GEMM the FP8 grouped GEMM's loop over Fp8PackedRowsOperands (A's values
+// by a_map and their scales by sa_map, both over recv at the rows' stride; B e4m3 K-major with w_scales), the epilogue
+// SwiGluFp8Tile's or the float32 product; x_recv by the side units (the tiles' A stages hold the values only).
+template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles, bool kFp8>
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
-                       const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map) {
-  static_assert(!(kTransB && kSwiGlu), "the SwiGLU epilogue is GEMM1's (B MN-major)");
+                       const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                       const __grid_constant__ CUtensorMap sa_map) {
+  static_assert(!(kTransB && kSwiGlu && !kFp8), "the bf16 SwiGLU epilogue is GEMM1's (B MN-major)");
+  static_assert(!(kFp8 && kXRecvFromTiles), "FP8: the side units copy x_recv (values and scales)");
+  static_assert(!kFp8 || kTransB, "FP8 wgmma reads B K-major only");
   extern __shared__ __align__(16) char smem[];
   __shared__ CallState st;
   __shared__ unsigned sent[kMaxRanks];
@@ -577,7 +595,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t1), (unsigned long long)GlobalTimer());
   }
 
-  using Base = typename std::conditional<kSwiGlu, wgmma_gemm::SwiGluTile, wgmma_gemm::WgmmaTile>::type;
+  using Base = DgTileBase<kFp8, kSwiGlu>;
   struct DgTile : Base {
     int e;           // the tile's local expert
     int expand;      // send once: the m-tile's tile_ready index (its rows filled by a side unit), else -1
@@ -597,11 +615,22 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     t.rows = min(kWgBM, sched.rows[m.e] - m.mt * kWgBM);
     t.n0 = m.nt * kTileCols;
     t.cols = (int)min((int64_t)kTileCols, n_out - t.n0);
-    if constexpr (kSwiGlu) {
+    if constexpr (kSwiGlu && kFp8) {
+      // (h's scales per row: n_out / 128, a's twice as many; the tile's first at column tile n0 / 128.)
+      const int64_t h_tiles = n_out / wgmma_gemm::kSwiGluFp8Cols, nt = t.n0 / wgmma_gemm::kSwiGluFp8Cols;
+      t.n_hi = (int)(n_out + t.n0);
+      t.out = nullptr;
+      t.ldc = 0;
+      t.h_q = static_cast<uint8_t*>(g.out) + (int64_t)t.a_row * n_out + t.n0;
+      t.h_s = g.h_scales + (int64_t)t.a_row * h_tiles + nt;
+      t.a_q = g.a != nullptr ? static_cast<uint8_t*>(g.a) + (int64_t)t.a_row * g.N + t.n0 : nullptr;
+      t.a_s = g.a != nullptr ? g.a_scales + (int64_t)t.a_row * 2 * h_tiles + nt : nullptr;
+      t.F = n_out;
+    } else if constexpr (kSwiGlu) {
       t.n_hi = (int)(n_out + t.n0);
       t.out = static_cast<__nv_bfloat16*>(g.out) + (int64_t)t.a_row * n_out + t.n0;
       t.ldc = n_out;
-      t.a = g.a != nullptr ? g.a + (int64_t)t.a_row * g.N : nullptr;
+      t.a = g.a != nullptr ? static_cast<float*>(g.a) + (int64_t)t.a_row * g.N : nullptr;
       t.lda = g.N;
     } else {
       t.out = static_cast<float*>(g.out) + (int64_t)t.a_row * g.N + t.n0;
@@ -641,13 +670,19 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       wgmma_gemm::StoreAStageRows(a, c, (int)threadIdx.x % 128, t.rows,
                                   t.x_recv + (int64_t)kt * wgmma_gemm::kBK * wgmma_gemm::kElemBytes, g.row_bytes);
   };
+  const int tiles = sched.pre_a[g.E_l] + sched.pre_b[g.E_l];
+  const StallTimedWait<decltype(tile_wait)> timed_wait{tile_wait, rd.priv->gemm_stall_ns};
   auto tile_loop = [&](auto a_stage) {
-    wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K,
-                                                             sched.pre_a[g.E_l] + sched.pre_b[g.E_l], next_tile,
-                                                             tile_of, wgmma_gemm::NoTileDone{}, smem,
-                                                             StallTimedWait<decltype(tile_wait)>{
-                                                                 tile_wait, rd.priv->gemm_stall_ns},
-                                                             a_stage);
+    if constexpr (kFp8) {
+      const wgmma_gemm::Fp8PackedRowsOperands ops{
+          &a_map, &b_map, &sa_map,
+          {g.w_scales, (int)(g.N / wgmma_gemm::kScaleChunk), (int)(g.K / wgmma_gemm::kScaleChunk)}};
+      wgmma_gemm::WgmmaLoop<wgmma_gemm::Fp8PackedRowsOperands, /*kOutF32=*/true>(
+          ops, (int)g.K, tiles, next_tile, tile_of, wgmma_gemm::NoTileDone{}, smem, timed_wait, a_stage);
+    } else {
+      wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K, tiles, next_tile, tile_of,
+                                                               wgmma_gemm::NoTileDone{}, smem, timed_wait, a_stage);
+    }
   };
   if (threadIdx.x == 0)
     atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), (unsigned long long)GlobalTimer());
@@ -693,15 +728,51 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   }
 }
 
-template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles>
+template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles, bool kFp8 = false>
 const void* Kernel() {
-  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu, kXRecvFromTiles>);
+  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu, kXRecvFromTiles, kFp8>);
 }
 template <bool kXRecvFromTiles>
 const void* Kernel(bool transpose_rhs, bool swiglu) {
   return swiglu          ? Kernel<false, true, kXRecvFromTiles>()
          : transpose_rhs ? Kernel<true, false, kXRecvFromTiles>()
                          : Kernel<false, false, kXRecvFromTiles>();
+}
+// FP8 (B K-major always): GEMM1 with the recipe's SwiGLU forward, or the float32 product.
+const void* Fp8Kernel(bool swiglu) {
+  return swiglu ? Kernel<true, true, false, true>() : Kernel<true, false, false, true>();
+}
+
+// The tensor maps of the FP8 kernel, behind CachedMapSet: A the packed rows' values [cap, D] e4m3 at their stride
+// row_bytes, as (D, cap) box (128, 128), 128B swizzle; B [E_l, N, D] e4m3 as (D, N, E_l) box (128, 128, 1), 128B
+// swizzle; A's scales the rows' tails (from recv + D) as (D / 128, cap) float32 at the same stride, box (4, 128),
+// unswizzled (Fp8RowTailScalesA). All with OOB zero fill.
+cudaError_t CachedFp8PackedRowsMaps(const void* recv, int64_t cap, int64_t D, int64_t row_bytes, const void* w,
+                                    int64_t E_l, int64_t N, CUtensorMap* maps) {
+  struct Key {
+    const void* recv;
+    const void* w;
+    int64_t cap, D, E_l, N;
+    bool operator==(const Key& o) const {
+      return recv == o.recv && w == o.w && cap == o.cap && D == o.D && E_l == o.E_l && N == o.N;
+    }
+  };
+  return wgmma_gemm::CachedMapSet<Key, 32, 3>(Key{recv, w, cap, D, E_l, N}, maps, [&](CUtensorMap* m) {
+    using wgmma_gemm::EncodeMap;
+    const cuuint64_t a_dims[2] = {(cuuint64_t)D, (cuuint64_t)cap}, strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t a_box[2] = {wgmma_gemm::kFp8BK, wgmma_gemm::kBM};
+    const cuuint64_t b_dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)E_l};
+    const cuuint64_t b_strides[2] = {(cuuint64_t)D, (cuuint64_t)N * D};
+    const cuuint32_t b_box[3] = {wgmma_gemm::kFp8BK, wgmma_gemm::kBN / 2, 1};
+    const cuuint64_t s_dims[2] = {(cuuint64_t)(D / wgmma_gemm::kScaleChunk), (cuuint64_t)cap};
+    const cuuint32_t s_box[2] = {wgmma_gemm::kFp8TailChunks, wgmma_gemm::kBM};
+    if (!EncodeMap(&m[0], recv, 2, a_dims, strides, a_box, "packed e4m3 rows [cap, D]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
+        !EncodeMap(&m[1], w, 3, b_dims, b_strides, b_box, "e4m3 w [E_l, N, D]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
+        !EncodeMap(&m[2], static_cast<const char*>(recv) + D, 2, s_dims, strides, s_box, "packed rows' scales",
+                   CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE))
+      return cudaErrorInvalidValue;
+    return cudaSuccess;
+  });
 }
 
 }  // namespace
@@ -714,6 +785,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                     const int32_t* rank_op, const DispatchGemmOut& out, int64_t cap) {
   const int64_t row_bytes = RowBytes(dt, D);
   const bool transpose_rhs = form == Gemm1Form::kTransposedRhs, swiglu = form == Gemm1Form::kSwiGlu;
+  const bool fp8 = dt == DType::kE4M3Rows;  // packed e4m3 rows, e4m3 w (K-major) with w_scales
   Status s = BeginCall(c, "dispatch_gemm", CallFootprint{row_bytes, cap, slots.P, E_l}, group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
@@ -722,20 +794,29 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
   const int pushers = c.opts.pushers;  // 0: the library's choice (DispatchPushersPolicy)
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
-  // The GEMM of the recv rows, which arrive as src's rows are laid out (its alignment stands for theirs), on the
-  // wgmma engine, the one whose tile loop waits for its rows.
-  const GemmOperands gemm{dt, GemmForm::kRows, cap, D, N, transpose_rhs,
-                          swiglu ? GemmEpilogue::kSwiGlu : GemmEpilogue::kNone, src, w};
+  const std::string got = std::string(" (got ") + Traits(dt).name + ", d_model " + std::to_string(D) + ", N " +
+                          std::to_string(N) + (transpose_rhs ? ", w transposed" : "") +
+                          (swiglu ? ", the SwiGLU epilogue" : "") + ", rows " + std::to_string(cap) +
+                          ", compute capability " + std::to_string(info.cc.major) + "." +
+                          std::to_string(info.cc.minor) + ")";
   std::string bad;
-  if (const char* why = GemmEngineRefusal(GemmEngine::kWgmma, info.cc, gemm))
-    bad = std::string("runs on the wgmma engine only: ") + why + " (got " + Traits(dt).name + ", d_model " +
-          std::to_string(D) + ", N " + std::to_string(N) + (transpose_rhs ? ", w transposed" : "") +
-          (swiglu ? ", the SwiGLU epilogue" : "") + ", rows " + std::to_string(cap) + ", compute capability " +
-          std::to_string(info.cc.major) + "." + std::to_string(info.cc.minor) + ")";
-  else if (pushers > budget - 1)  // (>= 1: CheckOptions)
+  if (fp8) {
+    // The FP8 grouped GEMM's device rule, then the packed rows' own (the call's shape rules are CheckDispatchGemm's).
+    const char* why = Fp8GroupedGemmDeviceRefusal(info.cc);
+    if (why == nullptr) why = Fp8DispatchGemmOperandRefusal(D, N);
+    if (why != nullptr) bad = std::string("packed e4m3 rows: ") + why + got;
+  } else {
+    // The GEMM of the recv rows, which arrive as src's rows are laid out (its alignment stands for theirs), on the
+    // wgmma engine, the one whose tile loop waits for its rows.
+    const GemmOperands gemm{dt, GemmForm::kRows, cap, D, N, transpose_rhs,
+                            swiglu ? GemmEpilogue::kSwiGlu : GemmEpilogue::kNone, src, w};
+    if (const char* why = GemmEngineRefusal(GemmEngine::kWgmma, info.cc, gemm))
+      bad = std::string("runs on the wgmma engine only: ") + why + got;
+  }
+  if (bad.empty() && pushers > budget - 1)  // (>= 1: CheckOptions)
     bad = "pushers=" + std::to_string(pushers) + " but rank " + std::to_string(c.rank) + " has an SM budget of " +
           std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
-  else if (out.a != nullptr && !swiglu)
+  else if (bad.empty() && out.a != nullptr && !swiglu)
     bad = "the preactivation a is a result of the SwiGLU epilogue only";
   if (!bad.empty()) return FailCall(c, "dispatch_gemm", bad);
   const RankDev rd = ws.Dev(c.group, c.rank);
@@ -744,25 +825,36 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
   if (!(s = CudaStatus(cudaMemsetAsync(rd.producers_done, 0, kCallCounterBytes, c.stream),
                        "cudaMemsetAsync(call counters)")).ok())
     return s;
-  CUtensorMap a_map, b_map;
+  CUtensorMap maps[3];  // A, B, and FP8: A's scales (bf16: unused, a copy of A's)
   const void* recv = RankView{rd.peers.base[c.rank], rd.layout}.recv();  // A: where the peers' pushes land
-  if (!(s = CudaStatus(wgmma_gemm::CachedGemmMaps(recv, cap, D, w, E_l, N, /*b_k_major=*/transpose_rhs, &a_map,
-                                                  &b_map),
-                       "tensor maps of dispatch_gemm")).ok())
-    return s;
-  const bool from_tiles = c.opts.x_recv_from_tiles && out.x_recv != nullptr;  // (DispatchGemmArgs::x_recv_from_tiles)
-  const void* kernel = from_tiles ? Kernel<true>(transpose_rhs, swiglu) : Kernel<false>(transpose_rhs, swiglu);
+  if (fp8) {
+    s = CudaStatus(CachedFp8PackedRowsMaps(recv, cap, D, row_bytes, w, E_l, N, maps), "tensor maps of dispatch_gemm");
+  } else {
+    s = CudaStatus(wgmma_gemm::CachedGemmMaps(recv, cap, D, w, E_l, N, /*b_k_major=*/transpose_rhs, &maps[0],
+                                              &maps[1]),
+                   "tensor maps of dispatch_gemm");
+    maps[2] = maps[0];
+  }
+  if (!s.ok()) return s;
+  // (DispatchGemmArgs::x_recv_from_tiles; FP8: the side units copy x_recv.)
+  const bool from_tiles = !fp8 && c.opts.x_recv_from_tiles && out.x_recv != nullptr;
+  const void* kernel = fp8          ? Fp8Kernel(swiglu)
+                       : from_tiles ? Kernel<true>(transpose_rhs, swiglu)
+                                    : Kernel<false>(transpose_rhs, swiglu);
+  const int loop_smem =
+      fp8 ? wgmma_gemm::LoopSmemBytes<wgmma_gemm::kStages, wgmma_gemm::Fp8PackedRowsOperands::kExtraBytes>()
+          : wgmma_gemm::kLoopSmemBytes;
   int smem = 0;
-  if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, wgmma_gemm::kLoopSmemBytes, kWgmmaKernelSetup,
-                               "DispatchGemmKernel", dev, &smem)).ok())
+  if (!(s = PrepareOneCtaPerSm(kernel, wgmma_gemm::kThreads, loop_smem, kWgmmaKernelSetup, "DispatchGemmKernel", dev,
+                               &smem)).ok())
     return s;
   const DispatchGemmArgs args{static_cast<const char*>(src), S, row_bytes, slots.src_row, slots.dest_rank,
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
                               recv_expected, (int)E_l, DispatchPushersPolicy(ws, c.opts, budget, kWgBM, kWgBN), D, N,
-                              static_cast<char*>(out.x_recv), out.out, static_cast<float*>(out.a), c.opts.emulated_link_gbps,
-                              slots.primary, from_tiles,
+                              static_cast<char*>(out.x_recv), out.out, out.a, out.h_scales, out.a_scales, w_scales,
+                              c.opts.emulated_link_gbps, slots.primary, from_tiles,
                               c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM};
-  void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &a_map, &b_map};
+  void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &maps[0], &maps[1], &maps[2]};
   return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
                     "launch of DispatchGemmKernel");
 }

@@ -13,11 +13,7 @@
 // device. Rows past the groups (min(sum(group_sizes), M) .. M - 1) get what those two calls give a zero row: zero
 // bytes and scales ColumnTileScale(0) = 2^-126.
 //
-// The epilogue (SwiGluFp8Tile::Store): in the m64n256 accumulator layout (StoreAccTile's comment) a row's 128 columns
-// of one half lie in the 4 lanes of a quad, 32 each (blocks j = 0..15, columns 8 j + 2 (lane % 4) and the next), so a
-// tile's amax is each lane's AmaxStep over its 32 values, then two xor shuffles within the quad (LanesRowScale<4>).
-// Each lane quantizes its values 4 at a time (blocks j and j + 1 of a row: QuantizeFour, each byte RoundE4m3(x / s)
-// whatever the grouping) and stores them as 2-byte pairs; lane 0 of the quad stores the row's three scales.
+// The epilogue: SwiGluFp8Tile (swiglu_fp8_epilogue.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -27,67 +23,11 @@
 #include <cstdint>
 
 #include "common/swiglu.h"
+#include "cuda/gemm/sm90/swiglu_fp8_epilogue.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/ops/fp8_rows.cuh"
 
 namespace wgmma_gemm {
-
-constexpr int kSwiGluFp8Cols = kBN / 2;  // h's columns per tile: one 1 x 128 scale tile of h, of a's gate and its up
-
-// One tile of h's rows a_row .. a_row + rows - 1 and columns n0 .. n0 + 127 (n_hi = F + n0: the up projection's
-// columns). The pointers are the tile's row 0 and first column (or scale) in each output.
-struct SwiGluFp8Tile : EpilogueTile {
-  uint8_t* h_q;  // h_q [M, F]: + a_row * F + n0
-  float* h_s;    // h_s [M, F / 128]: + a_row * F / 128 + n0 / 128
-  uint8_t* a_q;  // a_q [M, 2F]: + a_row * 2F + n0 (the gate's; the up's F columns right of it)
-  float* a_s;    // a_s [M, 2F / 128]: + a_row * 2F / 128 + n0 / 128 (the gate's; the up's F / 128 right of it)
-  int64_t F;
-
-  // A row's 32 values of one tile held by this lane (blocks j = 0..15, two columns each, in block order), quantized
-  // with the tile's scale s, stored at dst (the row's tile, column 0) + 8 j + col.
-  __device__ __forceinline__ static void StoreValues(const float (&v)[32], float s, int col, uint8_t* dst) {
-    const jmo::cuda::Quantizer q = jmo::cuda::QuantizerOf(s);  // QuantizeWord's quantizer (swiglu_forward_fp8.cu)
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {  // blocks 2m and 2m + 1
-      const float four[4] = {v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3]};
-      const uint32_t word = jmo::cuda::QuantizeFour(four, q);
-      *reinterpret_cast<uint16_t*>(dst + 16 * m + col) = static_cast<uint16_t>(word);
-      *reinterpret_cast<uint16_t*>(dst + 16 * m + 8 + col) = static_cast<uint16_t>(word >> 16);
-    }
-  }
-
-  // The epilogue (EpilogueTile's contract): acc[0..63] are the gate's columns, acc[64..127] the up projection's.
-  __device__ __forceinline__ void Store(const float* acc, int c, int wq, int lane) const {
-    const int r_lo = c * 64 + wq * 16 + lane / 4, col = 2 * (lane % 4);
-    const int64_t C = 2 * F, scales = F / kSwiGluFp8Cols;  // a's row; h's scales per row (a's: twice as many)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {  // rows r_lo and r_lo + 8: acc[4 j + 2 hr + e], e = 0, 1
-      float gate[32], up[32], h[32];
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          gate[2 * j + e] = acc[4 * j + 2 * hr + e];
-          up[2 * j + e] = acc[64 + 4 * j + 2 * hr + e];
-          h[2 * j + e] = jmo::SwiGlu(gate[2 * j + e], up[2 * j + e]);
-        }
-      // Every lane of the warp: the scales' shuffles take all of them (rows past `rows` are computed, not stored).
-      const float sg = jmo::cuda::LanesRowScale<4>(gate), su = jmo::cuda::LanesRowScale<4>(up),
-                  sh = jmo::cuda::LanesRowScale<4>(h);
-      const int r = r_lo + 8 * hr;
-      if (r < rows) {
-        StoreValues(gate, sg, col, a_q + r * C);
-        StoreValues(up, su, col, a_q + r * C + F);
-        StoreValues(h, sh, col, h_q + r * F);
-        if (col == 0) {
-          a_s[r * 2 * scales] = sg;
-          a_s[r * 2 * scales + scales] = su;
-          h_s[r * scales] = sh;
-        }
-      }
-    }
-  }
-};
 
 // Rows [first, M) of a [M, width] float32 scale array -> ColumnTileScale(0) (the scale of a zero row tile), striped
 // over every thread of the grid.

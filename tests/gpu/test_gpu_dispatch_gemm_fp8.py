@@ -1,0 +1,70 @@
+"""dispatch_gemm's FP8 kernel (ffi/cuda/ops/dispatch_gemm.cu over Fp8PackedRowsOperands: packed e4m3 rows dispatched
+and multiplied by the FP8 grouped GEMM's loop where they land) on the GPUs: the call against dispatch +
+fp8.unpack_rows + grouped_matmul_swiglu_fp8 / grouped_matmul_fp8 (the same loop and promotion over the same rows:
+bit for bit in the kept rows, every result computed into the poison), GEMM1 with the recipe's SwiGLU kept for
+training and for inference, the float32 product, send once; then the FP8 layer with the dispatch fused
+(call_site.FP8_FUSED_DISPATCH_ON_GPU switched on, R > 1) against impl="collective" under fp8 within the FP8 kernels'
+tolerance, its program holding one dispatch_gemm on uint8 rows. On a mesh over every visible GPU (and one GPU);
+d_model 512 (the kernel's rule: the packed rows' stride a multiple of 16 bytes). Skips where there is no Hopper
+GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_overlap as jmo
+from jax_moe_overlap import call_site
+from cases import layer_inputs, rel_err
+from gpu_common import gpu_mesh, rank_counts, requires_gpu
+# (requires_hopper's condition names _hopper in this module)
+from test_gpu_grouped_gemm_fp8 import _hopper, requires_hopper  # noqa: F401
+from test_dispatch_gemm import check_fp8_call
+from jax_moe_overlap.plan import SKIP
+
+pytestmark = [requires_gpu, requires_hopper]
+
+RANKS = rank_counts()
+D, F, E, K = 512, 384, 8, 2
+
+
+@pytest.mark.parametrize("kind,cf,skip,swiglu,keep,send_once", [
+    pytest.param("skewed", None, True, True, True, False, id="swiglu-train"),
+    pytest.param("skewed", 0.75, False, True, False, False, id="swiglu-inference-drops"),
+    pytest.param("all_to_one", None, True, True, True, True, id="swiglu-train-send-once"),
+    pytest.param("skewed", None, True, False, True, False, id="plain")])
+@pytest.mark.parametrize("R", RANKS, ids=lambda r: f"R{r}")
+def test_fp8_call_equals_dispatch_unpack_and_fp8_gemm(R, kind, cf, skip, swiglu, keep, send_once):
+  check_fp8_call(gpu_mesh(R), 512, D, 2 * F, kind, cf, skip, swiglu, keep, send_once)
+
+
+@pytest.mark.parametrize("R", [r for r in RANKS if r > 1] or [2], ids=lambda r: f"R{r}")
+def test_fp8_layer_with_fused_dispatch_matches_collective(R, monkeypatch):
+  if R not in RANKS:
+    pytest.skip("one GPU: the layer takes impl='collective''s block (no dispatch to fuse)")
+  monkeypatch.setattr(call_site, "FP8_FUSED_DISPATCH_ON_GPU", True)
+  mesh = gpu_mesh(R)
+  x, ids, gates, w1, w2 = layer_inputs(512 * R, D, F, E, K, "skewed", 7, dtype=jnp.bfloat16)
+  rng = np.random.default_rng(8)
+  ids = jnp.asarray(np.where(rng.random(ids.shape) < 0.1, SKIP, np.asarray(ids)).astype(np.int32))
+  cot = jnp.asarray(rng.standard_normal(x.shape).astype(np.float32))
+  w1, w2 = w1.astype(jnp.float32), w2.astype(jnp.float32)
+
+  def grads(impl):
+    def loss(x, gates, w1, w2):
+      y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, quantization="fp8")
+      return jnp.sum(y.astype(jnp.float32) * cot), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+  f = grads("overlap")
+  hlo = f.lower(x, gates, w1, w2).as_text()
+  calls = [line for line in hlo.splitlines() if "@jmo_dispatch_gemm(" in line]
+  assert len(calls) == 1 and f"x{D + D // 32}xui8>" in calls[0], calls
+  (_, y), g = f(x, gates, w1, w2)
+  (_, y_ref), g_ref = grads("collective")(x, gates, w1, w2)
+  for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), (y, *g), (y_ref, *g_ref)):
+    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    assert np.all(np.isfinite(a)) and float(np.max(np.abs(b))) > 0, name
+    err = rel_err(a, b)
+    print(f"R={R} {name}: relative difference {err:.3e}, bitwise equal: {np.array_equal(a, b)}")
+    assert err < 1e-2, (name, err)
