@@ -14,7 +14,8 @@ or ``fp8_overlap.WorkspaceRoute`` (the workspace's dispatch custom call).
             outputs come back in the compute dtype (the combine stays in it).
   backward  the output gradient of the rows that came back (the transpose of the combine's exchange, which is the
             dispatch) quantized 1 x 128 with power-of-two scales on the token's owner and dispatched packed the same
-            way, read by the recipe's dgrad dh = dy W2^T as it lands (``fp8_experts.recipe_backward``); the input
+            way, read by the recipe's dgrad dh = dy W2^T as it lands (``experts_dy``: fused as the forward's where
+            the route fuses it; ``fp8_experts.recipe_backward``); the input
             gradient returns to the token owners in the compute dtype, by the transpose of the compute dtype's
             dispatch (``jax.linear_transpose``: the exchange back and, with a tensor axis, the reduce-scatter).
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import fp8
-from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_gemm1
+from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_dgrad_weight, recipe_gemm1
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -80,9 +81,23 @@ def experts_gemm1(x, w1, w2, route, gemms, keep: bool = True):
   dispatch_gemm on packed rows, ``fp8_overlap.WorkspaceRoute``) one: the same rows, GEMM and epilogue, the same
   bits in every row the layer reads."""
   xq, xs = fp8.quantize_rows(x, pow2=True)
-  if route.fuses_gemm1(x.shape[1], w1):
+  n = w1.values.shape[1] if isinstance(w1, fp8.Fp8Weight) else w1.shape[2]  # GEMM1's columns, 2F
+  if route.fuses_dispatch_gemm(x.shape[1], n):
     return route.dispatch_gemm1(fp8.pack_rows(xq, xs), w1, w2, gemms, keep)
   return recipe_gemm1(*moved(route.dispatch_tokens, route, xq, xs), w1, w2, route.expert_rows, gemms)
+
+
+def experts_dy(d_send, kept, route, gemms):
+  """The output gradients of the send buffer's rows [P, D] quantized 1 x 128 with power-of-two scales on their owner
+  and moved to the experts: (dy's rows there as ``fp8_experts.recipe_dgrad_operands`` takes them, dh = dy W2^T
+  float32 or None). Moved by ``moved``, dh left to the recipe; or where the route fuses the dispatch with the GEMM
+  after it, one dispatch_gemm call on the packed rows computing dh as they land (``route.dispatch_dgrad``), its
+  packed recv rows kept for dW2: the same bits."""
+  dyq, dys = fp8.quantize_rows(d_send, pow2=True)
+  w2t = recipe_dgrad_weight(kept, gemms)
+  if route.fuses_dispatch_gemm(d_send.shape[1], w2t.values.shape[1]):
+    return route.dispatch_dgrad(fp8.pack_rows(dyq, dys), w2t)
+  return moved(route.dispatch, route, dyq, dys), None
 
 
 def _forward(x, w1, w2, route, gemms, keep=True):
@@ -95,8 +110,8 @@ def _forward(x, w1, w2, route, gemms, keep=True):
 
 def _backward(gemms, residuals, d_ret):
   kept, route, x_like = residuals
-  dyq, dys = moved(route.dispatch, route, *fp8.quantize_rows(d_ret, pow2=True))
-  dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dyq, dys, x_like.dtype)
+  dy_rows, dh = experts_dy(d_ret, kept, route, gemms)
+  dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dy_rows, x_like.dtype, dh)
   # The transpose of x's way to the experts in the compute dtype: each recv row back to its send row, then to its
   # slot (route.combine_rows and from_send_buffer move rows: the transposes of dispatch and send_buffer), then
   # JAX's transpose of slot_rows (the sum over a token's slots, and with a tensor axis the reduce-scatter).

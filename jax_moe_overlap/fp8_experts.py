@@ -394,17 +394,30 @@ def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
   return gemms.rows(*h_rows, w2q, group_sizes, out_dtype), kept
 
 
-def recipe_dgrad_operands(gemms, kept, dyq, dys):
+def _quantized_rows(rows):
+  """Quantized rows as (values, scales), from that pair or from their packed form (``fp8.pack_rows``)."""
+  return rows if isinstance(rows, tuple) else fp8.unpack_rows(rows)
+
+
+def recipe_dgrad_weight(kept, gemms):
+  """W2^T as dh = dy W2^T reads it (an ``Fp8Weight``), from what the forward kept."""
+  return _dgrad_weight(kept[3], gemms)
+
+
+def recipe_dgrad_operands(gemms, kept, dy_rows, dh=None):
   """The backward up to the input gradient's GEMM, from the output gradient quantized (1 x 128, power-of-two
-  scales): (da quantized 1 x 128 (its values and scales), W1^T as that GEMM reads it (an ``Fp8Weight``), w1's
-  cotangent, w2's cotangent). dx = da W1^T."""
+  scales: (values, scales), or packed rows as a fused dispatch left them) and dh = dy W2^T (float32) where the caller
+  computed it (a fused dispatch), else computed here: (da quantized 1 x 128 (its values and scales), W1^T as that
+  GEMM reads it (an ``Fp8Weight``), w1's cotangent, w2's cotangent). dx = da W1^T."""
   (x_rows, (aq, a_s), w1_kept, w2_kept, group_sizes, w1_like, w2_like) = kept
-  xq, xs = x_rows if isinstance(x_rows, tuple) else fp8.unpack_rows(x_rows)
+  xq, xs = _quantized_rows(x_rows)
+  dyq, dys = _quantized_rows(dy_rows)
   tiles = fp8.column_tiles(dyq.shape[0], group_sizes)
 
   # Each weight gradient in its master weight's dtype (a pre-quantized weight's cotangent is zeros: float32 there).
   w1_dtype, w2_dtype = (jnp.float32 if like is None else like.dtype for like in (w1_like, w2_like))
-  dh = gemms.rows(dyq, dys, _dgrad_weight(w2_kept, gemms), group_sizes)
+  if dh is None:
+    dh = gemms.rows(dyq, dys, recipe_dgrad_weight(kept, gemms), group_sizes)
   h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh, tiles)
   dw2 = gemms.outer(h_cols, gemms.columns_of_rows(dyq, dys, tiles), tiles, group_sizes, w2_dtype)
   dw1 = gemms.outer(gemms.columns_of_rows(xq, xs, tiles), da_cols, tiles, group_sizes, w1_dtype)
@@ -416,10 +429,10 @@ def recipe_dgrad_operands(gemms, kept, dyq, dys):
           weight_ct(dw2, w2_like, w2_kept))
 
 
-def recipe_backward(gemms, kept, dyq, dys, dx_dtype):
-  """The backward from the output gradient quantized (1 x 128, power-of-two scales): (dx [M, D] in dx_dtype, w1's
-  cotangent, w2's cotangent)."""
-  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dyq, dys)
+def recipe_backward(gemms, kept, dy_rows, dx_dtype, dh=None):
+  """The backward from the output gradient quantized (1 x 128, power-of-two scales; dy_rows and dh as
+  ``recipe_dgrad_operands`` takes them): (dx [M, D] in dx_dtype, w1's cotangent, w2's cotangent)."""
+  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, dh)
   return gemms.rows(*da_rows, w1_t, kept[4], dx_dtype), dw1, dw2
 
 
@@ -446,7 +459,7 @@ def _fp8_expert_mlp_fwd(x, w1, w2, group_sizes, gemms):
 
 
 def _fp8_expert_mlp_bwd(gemms, kept, d_out):
-  dx, dw1, dw2 = recipe_backward(gemms, kept, *fp8.quantize_rows(d_out, pow2=True), d_out.dtype)
+  dx, dw1, dw2 = recipe_backward(gemms, kept, fp8.quantize_rows(d_out, pow2=True), d_out.dtype)
   group_sizes = kept[4]
   return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
 

@@ -48,7 +48,7 @@ from jax_moe_overlap import engines
 from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.fp8_exchange import experts_gemm1, fp8_exchanged_experts, moved
+from jax_moe_overlap.fp8_exchange import experts_dy, experts_gemm1, fp8_exchanged_experts
 from jax_moe_overlap.fp8_experts import Gemms, recipe_dgrad_operands, recipe_gemms, recipe_kept, recipe_weights
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm_fp8, dispatch_rows, expert_combine_fp8
 from jax_moe_overlap.xla_path import combine_slots, move_rows, token_slots
@@ -84,13 +84,12 @@ class WorkspaceRoute:
     takes ``xla_path.Route`` instead (``api._moe_local``)."""
     return False
 
-  def fuses_gemm1(self, d_model: int, w1) -> bool:
-    """Whether x's dispatch and GEMM1 run as one ``dispatch_gemm_fp8`` call: where the call site fuses them
-    (``RankInfo.fp8_fused_dispatch``) and its kernel takes d_model and w1's columns
-    (``engines.fp8_dispatch_gemm_operands``)."""
-    cols = (w1.values.shape[1] if isinstance(w1, fp8.Fp8Weight) else w1.shape[2])
+  def fuses_dispatch_gemm(self, d_model: int, n: int) -> bool:
+    """Whether a dispatch of packed rows of d_model channels and the GEMM of n columns after it run as one
+    ``dispatch_gemm_fp8`` call: where the call site fuses them (``RankInfo.fp8_fused_dispatch``) and its kernel
+    takes them (``engines.fp8_dispatch_gemm_operands``)."""
     return self.info.fp8_fused_dispatch and engines.fp8_dispatch_gemm_operands(self.info.workspace.platform, d_model,
-                                                                               cols)
+                                                                               n)
 
   def dispatch_gemm1(self, packed, w1, w2, gemms, keep: bool):
     """Packed quantized token rows [T, D + D/32] -> ``fp8_exchange.experts_gemm1``'s (h_rows, w2q, kept) by one
@@ -103,6 +102,13 @@ class WorkspaceRoute:
                                                swiglu=True, keep_recv=keep, keep_a=keep,
                                                send_once=self.info.send_once)
     return h_rows, w2q, recipe_kept(x_recv, a_rows, w1, w1q, w2, w2q, self.expert_rows, gemms)
+
+  def dispatch_dgrad(self, packed, w2t: fp8.Fp8Weight):
+    """Packed quantized send-buffer rows [P, D + D/32] (``dispatch``'s) -> (their recv rows [cap, D + D/32], packed,
+    for dW2; dh = dy W2^T [cap, F] float32) by one ``dispatch_gemm_fp8`` call (w2t: W2^T's ``Fp8Weight``)."""
+    P = self.send_row.shape[0]
+    d_recv, dh, _ = dispatch_gemm_fp8(packed, jnp.minimum(self.send_row, P - 1), w2t, self.plan, self.cap, self.info)
+    return d_recv, dh
 
   def slot_rows(self, x):
     """Token rows [T, C] -> slot rows [T k, C] (its transpose: the sum over a token's slots)."""
@@ -183,8 +189,8 @@ def _combined_backward(gemms, residuals, dy):
   kept, route, x_like, slot_out, gates = residuals
   _, pull = jax.vjp(lambda s, g: _combined(s, g, route, x_like.dtype), slot_out, gates)
   d_slots, d_gates = pull(dy)
-  dyq, dys = moved(route.dispatch, route, *fp8.quantize_rows(route.to_send_buffer(d_slots), pow2=True))
-  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dyq, dys)
+  dy_rows, dh = experts_dy(route.to_send_buffer(d_slots), kept, route, gemms)
+  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, dh)
   # dx = da W1^T overlapped with its way back: each token sums its kept slots' rows (unit gates, float32, in slot
   # order), as the forward's return.
   dx, _ = expert_combine_fp8(*da_rows, w1_t, jnp.ones(gates.shape, jnp.float32), route.plan, route.info, False,

@@ -209,8 +209,9 @@ class Route:
     """Whether no row leaves the device: a one-rank expert axis and no tensor axis (inside ``shard_map``)."""
     return self.tensor_axis is None and jax.lax.axis_size(self.axis_name) == 1
 
-  def fuses_gemm1(self, d_model, w1) -> bool:  # pylint: disable=unused-argument
-    """False: XLA's collectives move the rows and GEMM1 runs after them (``fp8_exchange.experts_gemm1``)."""
+  def fuses_dispatch_gemm(self, d_model, n) -> bool:  # pylint: disable=unused-argument
+    """False: XLA's collectives move the rows and the GEMM runs after them (``fp8_exchange.experts_gemm1``,
+    ``experts_dy``)."""
     return False
 
   def _exchange(self, *args):

@@ -342,16 +342,18 @@ def test_moe_and_moe_block_fp8_on_the_default_impl():
 
 
 @pytest.mark.slow  # two layers' forward and backward
-def test_tensor_axis_within_rounding_of_collective(returns):
+@pytest.mark.parametrize("config", [CallConfig(), CallConfig(dispatch_pushers=2)], ids=["two-calls", "fused-dispatch"])
+def test_tensor_axis_within_rounding_of_collective(returns, config):
   """A tensor axis (expert=2, tensor=2, Explicit): the shards' partial outputs and input gradients come back per slot
   in bfloat16 (impl="overlap"'s shard slots) where impl="collective" sums them in float32 by its reduce-scatter;
-  the results agree to bfloat16's rounding and the weight gradients (each shard's own) bit for bit."""
+  the results agree to bfloat16's rounding and the weight gradients (each shard's own) bit for bit; with the
+  dispatches fused (dispatch_gemm_fp8 on the shard slots' packed rows) alike."""
   del returns
   mesh = mesh_of_shape({"expert": 2, "tensor": 2}, explicit=True)
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 21)
   x = jax.device_put(x, NamedSharding(mesh, P(("expert", "tensor"))))
   w1, w2 = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (w1, w2))
-  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, 0.5, "tensor", ()))(x, gates, w1, w2)
+  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, 0.5, "tensor", (), config))(x, gates, w1, w2)
   (_, (y, dropped)), grads = run("overlap")
   (_, (y_ref, dropped_ref)), grads_ref = run("collective")
   assert int(dropped) == int(dropped_ref) > 0
@@ -423,29 +425,28 @@ FUSED_DISPATCH_CASES = ("explicit-bf16-drops", "auto-bf16-dropless-send-once", "
 @pytest.mark.parametrize("name", [n if n in FUSED_DISPATCH_CASES[:2] else pytest.param(n, marks=pytest.mark.slow)
                                   for n in FUSED_DISPATCH_CASES])
 def test_fused_dispatch_equals_collective_bit_for_bit(name, returns):
-  """With the dispatch fused (CallConfig(dispatch_pushers=2): x's packed rows dispatched and multiplied by GEMM1 in one
-  dispatch_gemm_fp8 call, the backward unpacking the recv rows the call kept) outputs and gradients stay
-  impl="collective"'s bit for bit, on both return paths; the lowered program has that one call on uint8 rows and
-  e4m3 w1 (keeping the recv rows and a: a training step), and x's dispatch no more."""
+  """With the dispatches fused (CallConfig(dispatch_pushers=2): x's packed rows dispatched and multiplied by GEMM1 in
+  one dispatch_gemm_fp8 call, the slots' packed output gradients dispatched with dh = dy W2^T in another, the
+  backward unpacking the recv rows the calls kept) outputs and gradients stay impl="collective"'s bit for bit, on
+  both return paths; the lowered program has those two calls on uint8 rows (w1's e4m3 values [E_local, 2F, D],
+  W2^T's [E_local, F, D]) and no dispatch of packed rows left."""
   del returns
   c = CASES[name]
   hlo = overlap_equals_collective(c, dataclasses.replace(c.get("config", CallConfig()), dispatch_pushers=2))
   calls = dispatch_operands(hlo, "jmo_dispatch_gemm")
-  assert len(calls) == 1, calls
-  src, w = calls[0][0], calls[0][10]
-  assert re.fullmatch(rf"tensor<\d+x{ROW}xui8>", src) and re.fullmatch(rf"tensor<\d+x{2 * F}x{D}xf8E4M3FN>", w), \
-      calls[0]
-  # The dispatches left: the backward's packed dy rows, and unfused the two ways back.
-  assert all(ops[0].endswith(f"x{ROW}xui8>") or "xbf16>" in ops[0] or "xf32>" in ops[0]
-             for ops in dispatch_operands(hlo, "jmo_dispatch")), dispatch_operands(hlo, "jmo_dispatch")
-  assert len([ops for ops in dispatch_operands(hlo, "jmo_dispatch") if ops[0].endswith(f"x{ROW}xui8>")]) == 1
+  assert len(calls) == 2, calls
+  for ops, n in zip(calls, (2 * F, F)):
+    assert re.fullmatch(rf"tensor<\d+x{ROW}xui8>", ops[0]) and re.fullmatch(rf"tensor<\d+x{n}x{D}xf8E4M3FN>", ops[10]), \
+        ops
+  assert not [ops for ops in dispatch_operands(hlo, "jmo_dispatch") if ops[0].endswith("xui8>")]
 
 
 def test_fused_dispatch_padding_rows_are_read_by_no_consumer(monkeypatch):
   """dispatch_gemm_fp8 leaves its results' rows past the rank's kept rows unwritten: with those rows NaN (0xff bytes
-  in the packed recv rows, NaN in h, a and their scales) the FP8 layer's loss, y and every gradient are bitwise those
-  of the call as it is (the consumers: expert_combine_fp8 on the segment rows, the SwiGLU backward row by row, the
-  weight gradients' 128 x 1 tiles of each expert's rows). A control that poisons one kept row too must differ."""
+  in the packed recv rows, NaN in h, a, dh and the scales) in both calls of a training step, the FP8 layer's loss,
+  y and every gradient are bitwise those of the calls as they are (the consumers: expert_combine_fp8 on the segment
+  rows, the SwiGLU backward row by row, the weight gradients' 128 x 1 tiles of each expert's rows). A control that
+  poisons one kept row too must differ."""
   from jax_moe_overlap import api as jmo_api
   from jax_moe_overlap import fp8_overlap
   mesh = mesh_of(4)
@@ -486,7 +487,8 @@ def test_fused_dispatch_padding_rows_are_read_by_no_consumer(monkeypatch):
   assert kept.max() < cap, (kept, cap)  # every rank has padding rows
   as_is = run()
   padded = run(extra_rows=0)
-  assert poisoned and poisoned[-1] == 5, poisoned  # x_recv, h_q, h_s, a_q, a_s of the training forward
+  # Traced last: the forward rule (x_recv, h_q, h_s, a_q, a_s) and the backward's call (dy's recv rows, dh).
+  assert poisoned[-2:] == [5, 2], poisoned
   for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(as_is)):
     np.testing.assert_array_equal(bits(a), bits(b))
   control = run(extra_rows=1)
