@@ -16,9 +16,10 @@ argv: process_id num_processes port local_devices case; $JMO_IMPL: the layer's i
     the layer's first workspace call, the exchange of the routing counts, reported the same way.
   stopped_between_calls: as killed_between_calls, but the last process stops itself (SIGSTOP): a hung peer, which
     the test kills once the others have exited.
-  fp8_across: expert_across with quantization="fp8" (D = F = 128): the FP8 layer's packed rows and its fused returns
-    (expert_combine on e4m3 operands) across the processes; against the float32 oracle within the recipe's error
-    bound (2^-3 relative, norm-wise) instead of 1e-5.
+  fp8_across: expert_across with quantization="fp8" (D = F = 128) and CallConfig(dispatch_pushers=2): the FP8 layer's
+    packed rows dispatched and multiplied in one call (dispatch_gemm_fp8, forward and backward) and its fused
+    returns (expert_combine on e4m3 operands) across the processes; against the float32 oracle within the recipe's
+    error bound (2^-3 relative, norm-wise) instead of 1e-5.
   tensor_across: expert_across on a mesh (expert = 2, tensor = the devices / 2) with tensor_axis="tensor": the
     workspace's group is every device of both axes (expert tensor parallelism), spanning the processes.
   different_hosts: expert_across, but the last process reports another host name: the layer (impl="overlap", the
@@ -85,7 +86,10 @@ def main():
   args = [put(x, mesh, tok), put(ids, mesh, tok), put(g, mesh, tok), put(w1_in, mesh, w1_spec),
           put(w2, mesh, w2_spec)]
 
-  def loss(x, g, w1, w2, ids, config=jmo.CallConfig()):
+  # fp8_across pins the fused dispatches (dispatch_gemm_fp8, forward and backward), which CPUs take only pinned.
+  default = jmo.CallConfig(dispatch_pushers=2) if QUANTIZATION else jmo.CallConfig()
+
+  def loss(x, g, w1, w2, ids, config=default):
     y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config,
                                  impl=os.environ.get("JMO_IMPL", "overlap"), tensor_axis=tensor_axis,
                                  quantization=QUANTIZATION)

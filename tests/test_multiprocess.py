@@ -91,8 +91,9 @@ def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, loca
 
 @pytest.mark.slow  # child processes; the expert axis across processes stays in the default pass
 def test_fp8_expert_axis_across_processes_is_bitwise_the_one_process_run(tmp_path):
-  # quantization="fp8": the packed e4m3 rows and the fused returns (expert_combine on e4m3 operands, forward and
-  # backward) over a shared-memory workspace spanning two processes of two devices.
+  # quantization="fp8": the packed e4m3 rows dispatched with the GEMM after them (dispatch_gemm_fp8) and the fused
+  # returns (expert_combine on e4m3 operands), forward and backward, over a shared-memory workspace spanning two
+  # processes of two devices.
   _expert_across(2, 2, 2, tmp_path, case="fp8_across")
 
 
