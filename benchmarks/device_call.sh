@@ -1,4 +1,4 @@
-# The start of a script for one device call (benchmarks/run_dispatch_gemm.sh, run_fp8_combine.sh), sourced from the
+# The start of a script for one device call (benchmarks/run_dispatch_gemm.sh, run_fp8_overlap.sh), sourced from the
 # repository root with $OUT set: the output folder made, everything printed also written to $OUT/summary.txt,
 # `el NAME` printing the seconds since the start, then the build (tests/gpu/build_gpu.sh: the package installed, the
 # tools built). Returns 1 if the build fails.

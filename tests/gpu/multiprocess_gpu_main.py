@@ -17,6 +17,9 @@ Cases:
     on CUDA, also where the library's default leaves it off); the reference is the FP8 recipe's oracle
     (impl="reference", quantization="fp8" on this process's GPU, whole experts) within 1e-2 relative; prints "fused
     combine" when the program holds that call.
+  fp8_dispatch: as fp8, with D = 512 and the dispatches fused too (call_site.FP8_FUSED_DISPATCH_ON_GPU set here:
+    x's packed rows dispatched and multiplied by GEMM1 in one dispatch_gemm call, dy's with dh = dy W2^T in another,
+    dispatch_gemm's FP8 kernel); prints "fused dispatch" when the program holds those calls.
   killed_between_calls: after one good call, the last process prints "losing rank <r> in process <p>" and kills
     itself (SIGKILL); the others then call again
     until a call fails (at most 3 calls) and print "failed after <seconds> s: <error>", then release the workspaces
@@ -57,9 +60,11 @@ from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
 from gpu_common import rel_err  # noqa: E402  pylint: disable=g-import-not-at-top
 from multiprocess_inputs import global_inputs, put, save_or_compare  # noqa: E402  pylint: disable=g-import-not-at-top
 
-QUANTIZATION = "fp8" if case == "fp8" else None
+QUANTIZATION = "fp8" if case in ("fp8", "fp8_dispatch") else None
 E, K, TOKENS_PER_RANK = 4, 2, 32
 D = F = 128 if QUANTIZATION else 64  # (FP8: whole 128-channel tiles)
+if case == "fp8_dispatch":
+  D = 512  # (dispatch_gemm's FP8 kernel: the packed rows' stride a multiple of 16 bytes)
 TIMEOUT_MS = int(os.environ.get("JMO_TIMEOUT_MS", "10000"))
 NAMES = ("y", "dx", "dgates", "dw1", "dw2")
 
@@ -91,6 +96,7 @@ def main():
   if QUANTIZATION:
     from jax_moe_overlap import call_site  # pylint: disable=g-import-not-at-top
     call_site.FP8_FUSED_COMBINE_ON_GPU = True
+    call_site.FP8_FUSED_DISPATCH_ON_GPU = case == "fp8_dispatch"
   for dtype in (jnp.bfloat16,) if QUANTIZATION else (jnp.float32, jnp.bfloat16):
     x, ids, g, w1, w2, dy = layer_inputs(tokens, dtype)
     args = [put(x, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp), put(ids, mesh, tok),
@@ -103,8 +109,11 @@ def main():
       return (y, *vjp(dy))
 
     step = jax.jit(fwd_bwd)
-    if QUANTIZATION and "@jmo_expert_combine(" in step.lower(*args).as_text():
+    hlo = step.lower(*args).as_text() if QUANTIZATION else ""
+    if "@jmo_expert_combine(" in hlo:
       print(f"process {pid}: fused combine", flush=True)
+    if hlo.count("@jmo_dispatch_gemm(") == 2:
+      print(f"process {pid}: fused dispatch", flush=True)
     first = jax.block_until_ready(step(*args))
     if case == "killed_between_calls":
       return lose_a_peer(step, args, devices)

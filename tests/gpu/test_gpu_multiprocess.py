@@ -66,6 +66,18 @@ def test_fp8_fused_combine_over_processes_matches_the_recipe():
 
 
 @pytest.mark.watchdog_s(600)
+def test_fp8_fused_dispatch_over_processes_matches_the_recipe():
+  """quantization="fp8" with the dispatches fused as well (dispatch_gemm's FP8 kernel, switched on in the processes:
+  x's packed rows with GEMM1, dy's with dh = dy W2^T), D = 512, two processes sharing GPU 0 (the pushers' rows cross
+  processes through CUDA IPC): forward and gradients within 1e-2 of the recipe's oracle, repeated calls bitwise
+  identical."""
+  outs = run_processes(2, "one_gpu", "fp8_dispatch")
+  for rc, out in outs:
+    assert rc == 0 and ": fused dispatch" in out and ": match (spans_processes=True)" in out, out[-4000:]
+  assert _shm_left(outs) == []
+
+
+@pytest.mark.watchdog_s(600)
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_peer_killed_between_calls_fails_the_survivor_within_the_timeout(placement):
   timeout_s = 3.0

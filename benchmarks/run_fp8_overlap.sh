@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# The FP8 layer's overlapped returns (expert_combine on e4m3 operands: GEMM2 and its way back, dx = da W1^T and its
-# way back) on one Hopper GPU, in two device calls of about 9 minutes each (the default, then FP8_ONLY_TIME=1):
-#   build (tests/gpu/build_gpu.sh) -> the GPU tests of the FP8 producer (test_gpu_expert_combine.py -k fp8 against
-#   float64, test_gpu_loopback.py -k fp8: the loopback suite combine-fp8, test_gpu_multiprocess.py -k fp8: the FP8
-#   layer with its fused returns on two processes sharing the GPU, test_gpu_fp8_overlap.py: the unfused layer as
-#   shipped, and the fused one where there are two GPUs) -> memcheck on one loopback rank -> bench_fused's FP8 rows at
-#   EP = 1 (the producer against grouped_matmul_fp8 + XLA's combine and alone, beside bf16's) -> the loopback suite
-#   combine-time-fp8 (R = 2, 4, 8 over the emulated NVLink against the serialized form and GEMM2 alone: the overlap
-#   table) and combine-time for the bf16 rows of the same run, then the FP8 producer's C swept on one case.
+# The FP8 layer's overlapped operators on one Hopper GPU: its returns (expert_combine on e4m3 operands: GEMM2 and its
+# way back, dx = da W1^T and its way back) and its dispatches (dispatch_gemm on packed e4m3 rows: x's with GEMM1, dy's
+# with dh = dy W2^T), in two device calls of about 9 minutes each (the default, then FP8_ONLY_TIME=1):
+#   build (tests/gpu/build_gpu.sh) -> the GPU tests, -k fp8: the FP8 producer (test_gpu_expert_combine.py against
+#   float64, test_gpu_loopback.py: the loopback suite combine-fp8), dispatch_gemm's FP8 kernel
+#   (test_gpu_dispatch_gemm_fp8.py: bitwise dispatch + unpack + the FP8 grouped GEMMs, and the layer with it), two
+#   processes sharing the GPU (test_gpu_multiprocess.py: the fused returns, then the fused dispatches too), the layer
+#   as shipped (test_gpu_fp8_overlap.py, the fused returns where there are two GPUs) -> memcheck on one loopback rank
+#   -> bench_fused's FP8 rows at EP = 1 (the producer against grouped_matmul_fp8 + XLA's combine and alone, beside
+#   bf16's) -> the loopback suite combine-time-fp8 (R = 2, 4, 8 over the emulated NVLink against the serialized form
+#   and GEMM2 alone: the overlap table) and combine-time for the bf16 rows of the same run, then the FP8 producer's C
+#   swept on one case.
 #
-#   bash benchmarks/run_fp8_combine.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, fused.log)
-#   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_combine.sh     (fused.log, time-fp8.txt, time-bf16.txt, sweep-fp8.txt)
+#   bash benchmarks/run_fp8_overlap.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, fused.log)
+#   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_overlap.sh     (fused.log, time-fp8.txt, time-bf16.txt, sweep-fp8.txt)
 # The default call: build, tests, memcheck, bench_fused; FP8_ONLY_TIME=1: build, bench_fused and the two loopback
 # timing suites.
 set -uo pipefail
-export OUT=${OUT:-/tmp/jmo-fp8-combine-out}
+export OUT=${OUT:-/tmp/jmo-fp8-overlap-out}
 cd "$(dirname "$0")/.."
 source benchmarks/device_call.sh || exit 1  # $OUT/summary.txt, `el`, the build
 REPO=$PWD
 if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
-  (cd /tmp && timeout 240 python3 -m pytest -v -s -rs -p no:cacheprovider "$REPO/tests/gpu/test_gpu_expert_combine.py" \
-    "$REPO/tests/gpu/test_gpu_loopback.py" "$REPO/tests/gpu/test_gpu_multiprocess.py" \
-    "$REPO/tests/gpu/test_gpu_fp8_overlap.py" -k "fp8") > "$OUT/pytest.log" 2>&1
+  (cd /tmp && timeout 300 python3 -m pytest -v -s -rs -p no:cacheprovider "$REPO/tests/gpu/test_gpu_expert_combine.py" \
+    "$REPO/tests/gpu/test_gpu_loopback.py" "$REPO/tests/gpu/test_gpu_dispatch_gemm_fp8.py" \
+    "$REPO/tests/gpu/test_gpu_multiprocess.py" "$REPO/tests/gpu/test_gpu_fp8_overlap.py" -k "fp8") \
+    > "$OUT/pytest.log" 2>&1
   echo "pytest rc $?"
   grep -E "PASSED|FAILED|SKIPPED|passed|failed|Error|^R=" "$OUT/pytest.log" | cut -c1-240 | tail -30
   el tests
