@@ -14,8 +14,10 @@
 #
 #   bash benchmarks/run_fp8_overlap.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, fused.log)
 #   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_overlap.sh     (fused.log, time-fp8.txt, time-bf16.txt, sweep-fp8.txt)
-# The default call: build, tests, memcheck, bench_fused; FP8_ONLY_TIME=1: build, bench_fused and the two loopback
-# timing suites.
+#   FP8_ONLY_TIME=2 bash benchmarks/run_fp8_overlap.sh     (fused.log, dg-time-fp8.txt, dg-time-bf16.txt)
+# The default call: build, tests, memcheck, bench_fused; FP8_ONLY_TIME=1: build, bench_fused and the two combine
+# timing suites; FP8_ONLY_TIME=2 (a third call): build, bench_fused and the two dispatch_gemm timing suites
+# (dispatch-gemm-time-fp8, dispatch-gemm-time).
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-fp8-overlap-out}
 cd "$(dirname "$0")/.."
@@ -43,6 +45,17 @@ timeout 90 python3 -m benchmarks.bench_fused --quick --skews balanced \
 echo "bench_fused rc $?"; grep -E "^\|" "$OUT/fused.log" | cut -c1-200
 el bench_fused
 [ "${FP8_ONLY_TIME:-0}" = 0 ] && exit 0
+if [ "${FP8_ONLY_TIME}" = 2 ]; then
+  # The FP8 dispatch fused with GEMM1 against the dispatch then the FP8 GEMM1 (on the rows unpacked beforehand: the
+  # two calls without their unpack), beside bf16's dispatch-gemm-time in the same run.
+  timeout 200 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
+  echo "dispatch-gemm-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/dg-time-fp8.txt" | cut -c1-240
+  el dispatch-gemm-time-fp8
+  timeout 200 python3 -m tools.loopback.run --suite dispatch-gemm-time > "$OUT/dg-time-bf16.txt" 2>&1
+  echo "dispatch-gemm-time rc $?"; grep -E "^\||cases passed" "$OUT/dg-time-bf16.txt" | cut -c1-240
+  el dispatch-gemm-time
+  exit 0
+fi
 timeout 150 python3 -m tools.loopback.run --suite combine-time-fp8 > "$OUT/time-fp8.txt" 2>&1
 echo "combine-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/time-fp8.txt" | cut -c1-240
 el combine-time-fp8

@@ -126,12 +126,25 @@ def _small_case(**kw):
                                                          iters=4, datasets=2, routing=1), **kw})
 
 
-def _unwritten_padding(raw: bytes, cap: int, kept: int) -> bytes:
-  """A result whose rows past the kept ones are left as the runner poisoned them (all bits set)."""
+def _unwritten_padding(raw: bytes, cap: int, kept: int, parts=(1,)) -> bytes:
+  """A result whose rows past the kept ones are left as the runner poisoned them (all bits set); `parts`: the byte
+  widths of its [cap, ...] parts relative to one another (FP8 h and a: values, then scales, in one buffer)."""
   if not raw:
     return raw
-  row = len(raw) // cap
-  return raw[: kept * row] + b"\xff" * ((cap - kept) * row)
+  out, at, unit = b"", 0, len(raw) // (cap * sum(parts))
+  for w in parts:
+    row = w * unit
+    out += raw[at: at + kept * row] + b"\xff" * ((cap - kept) * row)
+    at += cap * row
+  return out
+
+
+def _fp8_bytes(v: np.ndarray) -> bytes:
+  """[rows, C] float -> fp8.quantize_rows' e4m3 values' bytes, then its scales' (a result buffer of dispatch_gemm's
+  FP8 SwiGLU: tools/loopback/runner.cc)."""
+  from jax_moe_overlap import fp8  # pylint: disable=g-import-not-at-top
+  q, s = fp8.quantize_rows(np.asarray(v, np.float32))
+  return np.asarray(q).view(np.uint8).tobytes() + np.asarray(s, np.float32).tobytes()
 
 
 def _gather_outputs(case, ranks, ex):
@@ -159,14 +172,19 @@ def _exact_run(case, sets):
     for r, e in enumerate(ex):
       dt = np.float32 if case.f32 else ml_dtypes.bfloat16
       a = pre = b""  # dispatch_gemm's GEMM1 output (float32, or the SwiGLU's h in bf16) and kept preactivation
-      if e.a is not None:
+      if e.a is not None and case.fp8 and case.swiglu:  # h and a quantized, each with its scales after it
+        a = _fp8_bytes(check_lib.swiglu(e.a))
+        pre = _fp8_bytes(e.a) if case.dispatch_gemm_mode == "train" else b""
+      elif e.a is not None:
         a = check_lib.swiglu(e.a).astype(ml_dtypes.bfloat16).tobytes() if case.swiglu else e.a.tobytes()
         pre = e.a.tobytes() if case.dispatch_gemm_mode == "train" else b""
       recv = e.recv.tobytes() if case.keeps_recv else b"\xff" * e.recv.nbytes  # not kept: left poisoned
       fused = {"recv": recv, "a": a, "pre": pre}
       if case.dg:
         kept = int(ranks[r].plan["recv_rows"])
-        fused = {key: _unwritten_padding(v, case.cap, kept) for key, v in fused.items()}
+        parts = (32, 1) if case.fp8 and case.swiglu else (1,)  # (e4m3 values: 32 bytes per scale's 4)
+        fused = {key: _unwritten_padding(v, case.cap, kept, parts if key != "recv" else (1,))
+                 for key, v in fused.items()}
       y, slot = (gather[1][r], gather[0][r]) if gather else (e.y.astype(dt).tobytes(), e.slot.astype(dt).tobytes())
       row.append({**fused, "y": y, "slot": slot, "recv2": e.recv.tobytes() if a else b"", "a2": a, "pre2": pre})
     first.append(row)
@@ -181,6 +199,11 @@ def _exact_run(case, sets):
           "seconds": 0.0}
 
 
+# FP8 dispatch_gemm (packed e4m3 rows, e4m3 w1): its three result modes.
+FP8_DG_SMALL = [{"fp8": True, "d_model": 512, "k_dim": 256, "n_dim": 128, "dispatch_gemm_pushers": 2,
+                 "dispatch_gemm_mode": m} for m in cases_lib.DG_MODES]
+
+
 # Small expert x tensor cases: 2 x 2 (bf16, float32, drops, dispatch_gemm's training forward, a strided check), 1 x 2.
 TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
     {}, {"f32": True}, {"capacity_factor": 1.0},
@@ -192,7 +215,7 @@ TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
 @pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},
                                 {"dispatch_gemm_pushers": cases_lib.AUTO, "dispatch_gemm_mode": "train"},
                                 {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"}, {"check_tokens": 4},
-                                {"fp8": True, "k_dim": 256, "n_dim": 128}, *TENSOR_SMALL])
+                                {"fp8": True, "k_dim": 256, "n_dim": 128}, *FP8_DG_SMALL, *TENSOR_SMALL])
 def test_check_verdicts(kw, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
@@ -246,18 +269,23 @@ def test_check_verdicts(kw, monkeypatch):
 
   if case.dg:
     bad = _exact_run(case, sets)  # GEMM1's output (its float32 product or h) wrong in one element
-    dt = ml_dtypes.bfloat16 if case.swiglu else np.float32
-    a = np.frombuffer(bad["first"][0][0]["a"], dt).copy()
-    a[0] += 1.0
+    if case.fp8 and case.swiglu:  # (an e4m3 value moved to the other end of its tile's range)
+      a = np.frombuffer(bad["first"][0][0]["a"], np.uint8).copy()
+      a[0] = 0xFE if a[0] < 0x80 else 0x7E  # -448, or 448
+    else:
+      dt = ml_dtypes.bfloat16 if case.swiglu else np.float32
+      a = np.frombuffer(bad["first"][0][0]["a"], dt).copy()
+      a[0] += 1.0
     bad["first"][0][0]["a"] = a.tobytes()
     v = check_lib.check(case, sets, bad)
     assert not v.passed and any(("h rel err" if case.swiglu else "GEMM1 rel err") in f for f in v.failures)
     for key in ("a", "recv") if case.keeps_recv else ("a",):  # a padding row of a result written (zeros)
-      bad = _exact_run(case, sets)
-      cap, row = case.cap, len(bad["first"][0][0][key]) // case.cap
+      bad = _exact_run(case, sets)  # (FP8 h: the last row of its scales)
+      cap, row = case.cap, (case.rank_k // 256 * 4 if case.fp8 and case.swiglu and key == "a"
+                            else len(bad["first"][0][0][key]) // case.cap)
       assert int(sets[0][0].plan["recv_rows"]) < cap
       raw = bytearray(bad["first"][0][0][key])
-      raw[(cap - 1) * row:] = b"\x00" * row
+      raw[len(raw) - row:] = b"\x00" * row  # (the last row of its last part)
       bad["first"][0][0][key] = bytes(raw)
       v = check_lib.check(case, sets, bad)
       assert not v.passed and any(f"{key}: 1 rows past the kept ones were written" in f for f in v.failures), key
@@ -290,8 +318,38 @@ def test_fp8_operands_are_the_quantized_references():
     np.testing.assert_array_equal(np.asarray(fp8.dequantize_rows(q, sc[:, :n].T)), d.lhs.f)
     weight = fp8.Fp8Weight(got["w"].view(ml_dtypes.float8_e4m3fn), got["w_scales"])
     np.testing.assert_array_equal(np.asarray(weight.dequantize()), d.w.f)
-  for bad in (dict(k_dim=200), dict(n_dim=136), dict(transpose_rhs=True), dict(dispatch_gemm_pushers=2)):
+  for bad in (dict(k_dim=200), dict(n_dim=136), dict(transpose_rhs=True), dict(ranks=4, tensor=2)):
     assert "fp8 takes" in (dataclasses.replace(case, **bad).invalid() or ""), bad
+  for bad in (dict(d_model=256), dict(d_model=512, k_dim=384, dispatch_gemm_mode="train")):
+    assert "fp8 with dispatch_gemm takes d_model a multiple of 512" in (
+        dataclasses.replace(case, dispatch_gemm_pushers=2, **bad).invalid() or ""), bad
+
+
+def test_fp8_dispatch_gemm_operands_are_the_quantized_references():
+  """--fp8 with dispatch_gemm: x is packed e4m3 rows (fp8.pack_rows of fp8.quantize_rows(x, pow2=True)) and w1 the
+  e4m3 values and block scales of fp8.quantize_weight, the references' x and w1 exactly their dequantized values;
+  each rank's unpacked recv rows (the two calls' GEMM1 operands) are the packed rows its plan lands, values and
+  MN-major scales (NaN past the received rows); the wire bytes count packed rows."""
+  from jax_moe_overlap import fp8  # pylint: disable=g-import-not-at-top
+  case = _small_case(fp8=True, d_model=512, k_dim=256, n_dim=128, dispatch_gemm_pushers=2,
+                     dispatch_gemm_mode="train", datasets=1)
+  assert case.invalid() is None and case.dispatch_row_bytes == 512 + 16
+  (ranks,) = cases_lib.make_data(case)
+  ex = check_lib.references(case, ranks)
+  for r, d in enumerate(ranks):
+    got = d.inputs(case)
+    n, D, K, E_l = int(d.plan["recv_rows"]), case.d_model, case.k_dim, case.experts_per_rank
+    assert got["x"].dtype == np.uint8 and got["x"].shape == (case.tokens, D + D // 32)
+    q, s = fp8.unpack_rows(got["x"])
+    np.testing.assert_array_equal(np.asarray(fp8.dequantize_rows(q, s)), d.x.f)
+    assert got["w1"].shape == (E_l, K, D) and got["w1_scales"].shape == (E_l, K // 128, D // 128)
+    weight = fp8.Fp8Weight(got["w1"].view(ml_dtypes.float8_e4m3fn), got["w1_scales"])
+    np.testing.assert_array_equal(np.asarray(weight.dequantize()), d.w1.f)
+    assert got["x_recv_q"].shape == (n, D) and np.isnan(got["x_recv_s"][:, n:]).all()
+    recv = ex[r].recv[:n]
+    np.testing.assert_array_equal(got["x_recv_q"], recv[:, :D])
+    np.testing.assert_array_equal(got["x_recv_s"][:, :n].T, np.ascontiguousarray(recv[:, D:]).view(np.float32))
+    assert cases_lib.wire_bytes(case, d.plan, r, case.dispatch_row_bytes)[1] % (D + D // 32) == 0
 
 
 def test_forced_timeout_report(monkeypatch):

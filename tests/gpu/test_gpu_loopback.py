@@ -75,6 +75,20 @@ def test_loopback_combine_fp8_suite():
     assert re.search(rf"PASS R={r} .* lhs,w=e4m3 .* producer wgmma e4m3", proc.stdout), r
 
 
+def test_loopback_dispatch_gemm_fp8_suite():
+  """dispatch_gemm's FP8 kernel (packed e4m3 rows dispatched and multiplied by the FP8 grouped GEMM's loop where they
+  land; the FP8 combine after it): the dispatch-gemm suite's cases on packed rows (D = 512, GEMM1's N = 768), the
+  packed recv rows exact, GEMM1's float32 product, h and a (e4m3 with their scales) against the host's products of the
+  dequantized operands, bitwise equal to the dispatch then the FP8 GEMM1 on the same rows unpacked, rows past the
+  kept ones unwritten, bit-identical repeats, a forced timeout and recovery, an emulated link, one row per slot and
+  send once. Hopper only (e4m3 wgmma)."""
+  proc = _hopper_suite("dispatch-gemm-fp8", 16, "dispatch_gemm's FP8 kernel runs on Hopper (sm_90a) only")
+  for r in (1, 2, 4, 8):
+    for mode in ("plain", "train", "infer"):
+      assert re.search(rf"PASS R={r} .* x,w1,lhs,w=e4m3 .* dispatch_gemm pushers=\d+ mode={mode}",
+                       proc.stdout), (r, mode)
+
+
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 @pytest.mark.watchdog_s(460)  # the subprocess's own limit is 400 s
 def test_compute_sanitizer(tool):

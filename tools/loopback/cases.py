@@ -50,7 +50,10 @@ class Case:
   transpose_rhs: bool = False    # expert_combine's w stored [E_l, N, K] and read transposed in place
   # expert_combine's producer on e4m3 operands (the FP8 grouped GEMM's loop, Hopper): lhs quantized 1 x 128, w per
   # 128 x 128 block (fp8.quantize_rows, fp8.quantize_weight), the references on their dequantized values; its rows and
-  # outputs bfloat16 (float32 with f32). K and N multiples of 128, no tensor axis, no dispatch_gemm.
+  # outputs bfloat16 (float32 with f32). K and N multiples of 128, no tensor axis. With dispatch_gemm its FP8 form too:
+  # x quantized 1 x 128 with power-of-two scales and packed (fp8.pack_rows), w1 quantized per block, GEMM1's SwiGLU
+  # quantizing h and a (D a multiple of 512, K = 2F with F a multiple of 128); its two-call twin reads the recv rows
+  # unpacked on the host (RankData.fp8_operands).
   fp8: bool = False
   delay_rank: int = -1           # this rank is held back delay_us at the start of every call
   delay_us: int = 0
@@ -223,19 +226,31 @@ class Case:
     # the harness either.
     if self.dispatch_gemm_pushers < 0 and self.dispatch_gemm_pushers != AUTO:
       return f"dispatch_gemm_pushers {self.dispatch_gemm_pushers}: a count > 0, AUTO ({AUTO}) or 0"
-    if (self.dg and _jmo.with_cuda and
+    if (self.dg and not self.fp8 and _jmo.with_cuda and
         not engines.dispatch_gemm_operands("gpu", not self.f32, self.d_model, self.rank_k, self.swiglu)):
       return "dispatch_gemm's engine does not take the case's operands (engines.dispatch_gemm_operands)"
+    if self.dg and self.fp8 and (self.d_model % 512 or (self.swiglu and self.k_dim % 256) or
+                                 (_jmo.with_cuda and
+                                  not engines.fp8_dispatch_gemm_operands("gpu", self.d_model, self.rank_k))):
+      return ("fp8 with dispatch_gemm takes d_model a multiple of 512 (its kernel reads the packed rows by TMA at their "
+              "stride) and with the SwiGLU K = 2F, F a multiple of 128 (engines.fp8_dispatch_gemm_operands)")
     if self.dispatch_gemm_mode not in DG_MODES:
       return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
     if not self.link_gbps >= 0:
       return f"link_gbps {self.link_gbps} must be >= 0"
     if self.gather_rs and (TP < 2 or self.dg):
       return "gather_rs takes a tensor-parallel case (tensor >= 2) without dispatch_gemm"
-    if self.fp8 and (TP > 1 or self.dg or self.transpose_rhs or self.k_dim % 128 or self.n_dim % 128):
-      return ("fp8 takes K and N multiples of 128 (whole scale tiles) without a tensor axis, dispatch_gemm or "
-              "transpose_rhs (its w is [E_l, N, K] always)")
+    if self.fp8 and (TP > 1 or self.transpose_rhs or self.k_dim % 128 or self.n_dim % 128):
+      return ("fp8 takes K and N multiples of 128 (whole scale tiles) without a tensor axis or transpose_rhs (its w "
+              "is [E_l, N, K] always)")
     return None
+
+  @property
+  def dispatch_row_bytes(self) -> int:
+    """Bytes of one dispatched row: D in the call's dtype, or packed e4m3 (D + D / 32) under fp8 with dispatch_gemm."""
+    if self.fp8 and self.dg:
+      return self.d_model + self.d_model // 32
+    return self.d_model * (4 if self.f32 else 2)
 
   @property
   def swiglu(self) -> bool:
@@ -252,7 +267,7 @@ class Case:
     consumers = str(self.consumers) if self.consumers > 0 else ("model" if self.model else "fixed")
     s = (f"R={self.ranks}{f' TP={self.tensor}' if self.tensor > 1 else ''} T={self.tokens} k={self.top_k} "
          f"E={self.experts} D={self.d_model} K={self.k_dim} N={self.n_dim} dtype={'f32' if self.f32 else 'bf16'}"
-         f"{' lhs,w=e4m3' if self.fp8 else ''}"
+         f"{(' x,w1,lhs,w=e4m3' if self.dg else ' lhs,w=e4m3') if self.fp8 else ''}"
          f"{' w=transposed' if self.transpose_rhs else ''} "
          f"routing={ROUTINGS[min(max(self.routing, 0), len(ROUTINGS) - 1)]}"
          f"{f' zipf={self.zipf:f}' if self.routing == 1 and self.zipf != 1.0 else ''}"
@@ -286,7 +301,8 @@ class Case:
 # the manager's code path (every CTA must agree on C); they are not a calibration.
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
-SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "combine-time", "combine-fp8",
+SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
+          "combine-time", "combine-fp8",
           "combine-time-fp8", "backward-time", "regret", "regret-combine", "regret-gather", "regret-push", "tensor",
           "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
@@ -611,6 +627,11 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _dispatch_gemm(dataclasses.replace(base, send_once=1))
   if name == "dispatch-gemm-time":
     return _dispatch_gemm_time(base)
+  if name == "dispatch-gemm-fp8":  # dispatch-gemm's cases on packed e4m3 rows (the FP8 kernel copies x_recv itself)
+    return [dataclasses.replace(c, fp8=True, d_model=512, k_dim=768, n_dim=640)
+            for c in _dispatch_gemm(dataclasses.replace(base, send_once=1)) if c.x_recv_from_tiles]
+  if name == "dispatch-gemm-time-fp8":  # dispatch-gemm-time on packed e4m3 rows (and the FP8 combine after it)
+    return [dataclasses.replace(c, fp8=True) for c in _dispatch_gemm_time(base)]
   if name == "combine-time":
     return _combine_time(base)
   if name == "combine-fp8":
@@ -708,6 +729,19 @@ class Values:
     return self.rows(slice(None))
 
 
+@dataclasses.dataclass
+class PackedValues(Values):
+  """Packed e4m3 rows (fp8.pack_rows' bytes, uint8 [rows, D + D / 32]): the bytes the dispatch moves; rows() their
+  dequantized float32 values (each 1 x 128 tile's e4m3 values times its scale, exact in float32)."""
+
+  def rows(self, index) -> np.ndarray:
+    d = np.asarray(self.data[index])
+    D = d.shape[-1] * 32 // 33
+    q = d[..., :D].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    s = np.ascontiguousarray(d[..., D:]).view(np.float32)
+    return (q.reshape(*q.shape[:-1], D // 128, 128) * s[..., None]).reshape(q.shape)
+
+
 def random_values(rng: np.random.Generator, shape, scale: float, f32: bool) -> Values:
   """Random values of either sign below `scale` in magnitude: float32 uniform in [-scale, scale); bfloat16 drawn as
   bits, a random sign and mantissa in one of the four binades below scale's (the timing suites' operands run to
@@ -739,7 +773,10 @@ class RankData:
   token_rows: np.ndarray | None = None  # gather_rs: [R, T, Q] int32
   # fp8: what the kernels read (lhs and w above hold their dequantized float32 values, the references'): lhs e4m3
   # [recv_rows, K] (uint8), its scales [K/128, ld] float32 MN-major (NaN past recv_rows), w e4m3 [E_l, N, K] (uint8)
-  # and its block scales [E_l, N/128, K/128].
+  # and its block scales [E_l, N/128, K/128]; with dispatch_gemm (x above PackedValues: the packed rows), w1 e4m3
+  # [E_l, K, D] and w1_scales [E_l, K/128, D/128] (w1 above: dequantized, [E_l, D, K]), and the rank's recv rows
+  # unpacked, x_recv_q e4m3 [recv_rows, D] and x_recv_s [D/128, ld] (NaN past recv_rows): the two calls' GEMM1
+  # operands.
   fp8_operands: dict[str, np.ndarray] | None = None
 
   def inputs(self, case: Case) -> dict[str, Any]:
@@ -749,8 +786,6 @@ class RankData:
       w = np.ascontiguousarray(np.swapaxes(w, 1, 2))
     d = {"x": self.x.data, "lhs": self.lhs.data, "w": w, "gates": self.gates,
          "recv_rows": int(self.plan["recv_rows"]), "ret_rows": int(self.plan["ret_rows"])}
-    if case.fp8:
-      d.update(self.fp8_operands)
     for key in ("slot_src_row", "slot_dest_rank", "slot_dest_row", "slot_ret_row", "seg_rows", "seg_ret_off",
                 "expert_rows"):  # (expert_rows: the grouped GEMMs' group sizes)
       d[key] = np.ascontiguousarray(self.plan[key], np.int32)
@@ -761,6 +796,8 @@ class RankData:
       d["w1"] = self.w1.data
       d["send_order"] = np.ascontiguousarray(self.plan["send_order"], np.int32)
       d["send_start"] = np.ascontiguousarray(self.plan["send_start"], np.int32)
+    if case.fp8:  # (the kernels' bytes of lhs, w and with dispatch_gemm w1, over the references' float32 values)
+      d.update(self.fp8_operands)
     return d
 
 
@@ -819,6 +856,44 @@ def make_data(case: Case) -> list[list[RankData]]:
       fp8_operands = None
       if case.fp8:
         lhs, w, fp8_operands = quantized_operands(lhs, w, case.cap)
+        if case.dg:
+          x, w1, dg_operands = quantized_dispatch_operands(x, w1)
+          fp8_operands.update(dg_operands)
       ranks.append(RankData(plans[r], ids[r], x, lhs, w, gates, w1, fp8_operands=fp8_operands))
+    if case.fp8 and case.dg:
+      for d in range(R):
+        ranks[d].fp8_operands.update(unpacked_recv(case, ranks, d))
     sets.append(ranks)
   return sets
+
+
+def quantized_dispatch_operands(x: Values, w1: Values) -> tuple[PackedValues, Values, dict[str, np.ndarray]]:
+  """dispatch_gemm's FP8 operands from float ones (x [T, D], w1 [E_l, D, K]), by the library's quantizers on the CPU:
+  (x quantized 1 x 128 with power-of-two scales and packed, w1 dequantized float32 (the references' values), the
+  kernels' w1 and w1_scales)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import fp8  # pylint: disable=g-import-not-at-top
+  with jax.default_device(jax.devices("cpu")[0]):
+    packed = fp8.pack_rows(*fp8.quantize_rows(jnp.asarray(x.f), pow2=True))
+    weight = fp8.quantize_weight(jnp.asarray(w1.f))
+    wf = weight.dequantize()
+  ops = {"w1": np.ascontiguousarray(np.asarray(weight.values).view(np.uint8)),
+         "w1_scales": np.ascontiguousarray(np.asarray(weight.scales, np.float32))}
+  return PackedValues(np.asarray(packed)), Values(np.asarray(wf, np.float32)), ops
+
+
+def unpacked_recv(case: Case, ranks: list[RankData], d: int) -> dict[str, np.ndarray]:
+  """Rank d's recv rows as its dispatch lands them (every source's kept slots at their recv rows), unpacked: the
+  two calls' GEMM1 operands x_recv_q e4m3 [recv_rows, D] (uint8) and x_recv_s [D/128, ld] float32 MN-major (NaN past
+  recv_rows, as grouped_matmul_fp8's lhs_scales)."""
+  from jax_moe_overlap.grouped_gemm import fp8_scales_ld  # pylint: disable=g-import-not-at-top
+  D, n = case.d_model, int(ranks[d].plan["recv_rows"])
+  recv = np.zeros((n, case.dispatch_row_bytes), np.uint8)
+  for src in ranks:
+    pl = src.plan
+    to_d = (pl["slot_dest_rank"] == d) & (pl["slot_dest_row"] >= 0)
+    recv[pl["slot_dest_row"][to_d]] = src.x.data[pl["slot_src_row"][to_d]]
+  scales = np.full((D // 128, fp8_scales_ld(case.cap)), np.nan, np.float32)
+  scales[:, :n] = np.ascontiguousarray(recv[:, D:]).view(np.float32).T
+  return {"x_recv_q": np.ascontiguousarray(recv[:, :D]), "x_recv_s": scales}

@@ -59,8 +59,8 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
   whole = case.tensor > 1
   out = []
   for d in range(R):
-    dtype = data[d].x.data.dtype
-    out.append(Expected(np.zeros((cap, case.d_model), dtype), np.zeros((T, N), np.float32),
+    x = data[d].x.data  # (the call's rows: D elements, or under fp8 with dispatch_gemm packed rows of bytes)
+    out.append(Expected(np.zeros((cap, x.shape[1]), x.dtype), np.zeros((T, N), np.float32),
                         np.zeros((P, N), np.float32), np.zeros((cap, K), np.float32) if dg else None,
                         np.zeros(cap, bool) if dg else None))
   sel = {}  # (s, d, e): the checked slots of source s kept by expert e of rank d
@@ -106,9 +106,28 @@ def _floats(raw: bytes, f32: bool, shape) -> np.ndarray:
   return np.frombuffer(raw, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32).reshape(shape)
 
 
-def _kept_bytes(raw: bytes, cap: int, kept: int) -> bytes:
-  """The first `kept` of the `cap` rows of a result's bytes."""
-  return raw[: len(raw) // cap * kept] if cap else raw
+def _dg_parts(case: Case, key: str, raw: bytes, cap: int) -> list[np.ndarray]:
+  """A dispatch_gemm result's bytes as [cap, row bytes] arrays: one, or under fp8 with the SwiGLU (h and a e4m3, each
+  followed by its 1 x 128 scales in the same buffer: tools/loopback/runner.cc) the values and the scales."""
+  b = np.frombuffer(raw, np.uint8)
+  if not b.size:
+    return []
+  if case.fp8 and case.swiglu and key.rstrip("2") in ("a", "pre"):
+    cols = case.rank_k // 2 if key.rstrip("2") == "a" else case.rank_k
+    return [b[:cap * cols].reshape(cap, cols), b[cap * cols:].reshape(cap, -1)]
+  return [b.reshape(cap, -1)]
+
+
+def _fp8_rows(parts: list[np.ndarray]) -> np.ndarray:
+  """(e4m3 values [cap, C], their 1 x 128 scales' bytes [cap, C / 128 x 4]) -> float32 [cap, C], dequantized."""
+  q, s = parts[0].view(ml_dtypes.float8_e4m3fn).astype(np.float32), parts[1].view(np.float32)
+  return (q.reshape(q.shape[0], -1, 128) * s[:, :, None]).reshape(q.shape)
+
+
+# fp8: a dispatch_gemm result quantized to e4m3 (h, a) against its float reference: e4m3 keeps 3 mantissa bits, so an
+# element of a tile is off by up to 2^-4 of itself (half its spacing), at most 2^-4 of the tile's largest; with the
+# FP8 GEMM's own error below 1e-2, 0.08 of the largest reference value.
+FP8_QUANTIZED_TOL = 0.08
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray, rows: np.ndarray) -> tuple[float, int]:
@@ -225,7 +244,14 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
         v.fail(f"{where}: expert_combine rel err y {ey:g}, slots {es:g}, non-finite {ny + ns} (tolerance {v.tol:g})")
       if dg:
         checks = []  # (name, got [cap, cols] float32, reference, tolerance)
-        if case.swiglu:
+        if case.fp8 and case.swiglu:
+          checks.append(("h", _fp8_rows(_dg_parts(case, "a", got["a"], cap)), swiglu(ex.a), FP8_QUANTIZED_TOL))
+          if case.dispatch_gemm_mode == "train":
+            checks.append(("preactivation", _fp8_rows(_dg_parts(case, "pre", got["pre"], cap)), ex.a,
+                           FP8_QUANTIZED_TOL))
+        elif case.fp8:  # (the FP8 GEMM on the dequantized operands' float32 reference)
+          checks.append(("GEMM1", np.frombuffer(got["a"], np.float32).reshape(cap, K), ex.a, 1e-2))
+        elif case.swiglu:
           h = _floats(got["a"], False, (cap, K // 2))
           checks.append(("h", h, swiglu(ex.a), 1e-2))
           if case.dispatch_gemm_mode == "train":
@@ -242,13 +268,13 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
             v.fail(f"{where}: dispatch_gemm {name} rel err {ea:g}, non-finite {nonfinite} (tolerance {tol:g})")
         results = ("recv", "a", "pre") if case.keeps_recv else ("a", "pre")
         for key in results:  # rows past the kept ones: left as poisoned (all bits set), never written
-          raw = np.frombuffer(got[key], np.uint8)
-          if raw.size:
-            pad = raw.reshape(cap, -1)[kept:]
+          for part in _dg_parts(case, key, got[key], cap):
+            pad = part[kept:]
             if np.any(pad != 0xFF):
               v.fail(f"{where}: dispatch_gemm {key}: {int(np.count_nonzero(np.any(pad != 0xFF, axis=1)))} rows past "
                      "the kept ones were written")
-        differ = {key: int(_kept_bytes(got[key + "2"], cap, kept) != _kept_bytes(got[key], cap, kept))
+        differ = {key: int(any(a[:kept].tobytes() != b[:kept].tobytes() for a, b in
+                               zip(_dg_parts(case, key, got[key], cap), _dg_parts(case, key + "2", got[key + "2"], cap))))
                   for key in results}
         if any(differ.values()):
           v.fail(f"{where}: dispatch_gemm differs from dispatch + GEMM1 as two calls in the kept rows ({differ})")

@@ -129,6 +129,9 @@ RankInputs ParseInputs(const nb::dict& d, std::vector<HostArray>* keep) {
   in.seg_rows = ArrayBytes(d, "seg_rows", keep);
   in.seg_ret_off = ArrayBytes(d, "seg_ret_off", keep);
   in.w1 = ArrayBytes(d, "w1", keep);
+  in.w1_scales = ArrayBytes(d, "w1_scales", keep);
+  in.x_recv_q = ArrayBytes(d, "x_recv_q", keep);
+  in.x_recv_s = ArrayBytes(d, "x_recv_s", keep);
   in.expert_rows = ArrayBytes(d, "expert_rows", keep);
   in.send_order = ArrayBytes(d, "send_order", keep);
   in.send_start = ArrayBytes(d, "send_start", keep);

@@ -9,6 +9,10 @@
                                                             three result modes, a forced timeout, an emulated link
   python -m tools.loopback.run --suite dispatch-gemm-time   dispatch + GEMM1 as two calls vs dispatch_gemm, timed
                                                             (also over an emulated NVLink)
+  python -m tools.loopback.run --suite dispatch-gemm-fp8    dispatch-gemm on packed e4m3 rows (dispatch_gemm's FP8
+                                                            kernel; its twin: the dispatch, then the FP8 GEMM1 on the
+                                                            rows unpacked on the host), checked
+  python -m tools.loopback.run --suite dispatch-gemm-time-fp8   dispatch-gemm-time on packed e4m3 rows
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
                                                             over an emulated NVLink, R = 2, 4, 8, three shapes
   python -m tools.loopback.run --suite combine-fp8          expert_combine with the FP8 producer (e4m3 operands),
@@ -74,7 +78,8 @@ Timing (benchmarks/loopback_runner.py drives these):
                            (tools/loopback/tensor.py; K is the whole expert's)
   --gather-rs              with --tensor: GEMM2 + GatherRS in expert_combine's place
   --fp8                    expert_combine's producer on e4m3 operands (the FP8 grouped GEMM's loop; K and N multiples
-                           of 128): the FP8 layer's GEMM2 and way back
+                           of 128): the FP8 layer's GEMM2 and way back; with --dispatch-gemm, dispatch_gemm
+                           on packed e4m3 rows too (D a multiple of 512)
   --decision-cost N        time the device-side choice (N evaluations in one CTA) on rank 0's plan
   --check-tokens N         check the expert outputs of about N tokens per rank (big timing shapes)
   --copy-ceiling B1,B2     only: median cudaMemcpyAsync device-to-device time of each size

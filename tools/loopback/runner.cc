@@ -87,7 +87,8 @@ class DeviceArena {
 struct DeviceSet {  // one data set of one rank, on the device
   void *x, *src_row, *dest_rank, *dest_row, *recv_expected, *lhs, *w, *gates, *seg_rows, *seg_ret_off, *ret_row,
       *ret_expected, *w1 = nullptr, *expert_rows = nullptr, *send_order = nullptr, *send_start = nullptr,
-      *row_gate = nullptr, *token_rows = nullptr, *primary = nullptr, *lhs_scales = nullptr, *w_scales = nullptr;
+      *row_gate = nullptr, *token_rows = nullptr, *primary = nullptr, *lhs_scales = nullptr, *w_scales = nullptr,
+      *w1_scales = nullptr, *x_recv_q = nullptr, *x_recv_s = nullptr;
 };
 
 class Barrier {
@@ -138,12 +139,13 @@ class Run {
       : s_(s), data_(data), res_(*res), R_(s.ranks), T_(s.tokens), k_(s.top_k), E_l_(s.experts_per_rank),
         D_(s.d_model), K_(s.k_dim), N_(s.n_dim), P_(s.tokens * s.top_k), cap_(s.cap),
         eb_(Traits(s.f32 ? DType::kF32 : DType::kBF16).elem_bytes),
-        dt_(s.f32 ? DType::kF32 : DType::kBF16), dg_(s.dispatch_gemm_pushers != 0), barrier_(s.ranks),
+        dt_(s.f32 ? DType::kF32 : DType::kBF16), dg_(s.dispatch_gemm_pushers != 0), fp8_dg_(s.fp8 && dg_),
+        xdt_(fp8_dg_ ? DType::kE4M3Rows : dt_), xrb_(RowBytes(xdt_, s.d_model)), barrier_(s.ranks),
         bar_timeout_(3 * s.timeout_ms + 10000) {}
 
   void Go() {
     LB_CHECK(cudaSetDevice(s_.device));
-    const int64_t row_bytes = (int64_t)std::max({D_, K_, N_}) * eb_;
+    const int64_t row_bytes = std::max<int64_t>((int64_t)std::max({D_, K_, N_}) * eb_, xrb_);
     // gather_rs: the ret rows also hold the R float32 partial slices of the rank's tokens (workspace.layer_sizes),
     // counted as the call counts them: in rows of its own width (N elements), not of the workspace's wider rows.
     const int64_t partials = s_.gather_rs ? GatherRsPartialRows(R_, T_, N_, (int64_t)N_ * eb_) : 0;
@@ -247,6 +249,11 @@ class Run {
           d.send_order = mem_.Keep(ToDevice(in.send_order));
           d.send_start = mem_.Keep(ToDevice(in.send_start));
         }
+        if (fp8_dg_) {  // (the two calls' GEMM1 operands: the recv rows unpacked; padding rows NaN)
+          d.w1_scales = mem_.Keep(ToDevice(in.w1_scales));
+          d.x_recv_q = mem_.Keep(ToDevice(in.x_recv_q.p, in.x_recv_q.n, (size_t)cap_ * D_, 0xFF));
+          d.x_recv_s = mem_.Keep(ToDevice(in.x_recv_s));
+        }
       }
     streams_.resize(R_);
     for (auto& st : streams_) LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -254,15 +261,15 @@ class Run {
     out_y_ = out_slot_ = out_a_ = out_a2_ = out_pre_ = out_pre2_ = out_recv2_ = out_gemm2_ = rank_op_ = group_op_ =
         out_recv_;
     for (int r = 0; r < R_; ++r) {
-      out_recv_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
+      out_recv_[r] = mem_.Alloc(RecvBytes());
       out_y_[r] = mem_.Alloc((size_t)T_ * N_ * eb_);
       out_slot_[r] = mem_.Alloc(SlotBytes());
       if (dg_) {  // out_*2: the same dispatch and GEMM1 as two calls, for comparison
         out_a_[r] = mem_.Alloc(GemmOutBytes());
         out_a2_[r] = mem_.Alloc(GemmOutBytes());
         out_pre_[r] = mem_.Alloc(PreBytes());
-        out_pre2_[r] = mem_.Alloc(PreBytes());
-        out_recv2_[r] = mem_.Alloc((size_t)cap_ * D_ * eb_);
+        out_pre2_[r] = mem_.Alloc(fp8_dg_ && Swiglu() ? Fp8PreBytes() : PreBytes());  // (FP8: a always written)
+        out_recv2_[r] = mem_.Alloc(RecvBytes());
       }
       if (s_.gemm_alone && !dg_) out_gemm2_[r] = mem_.Alloc((size_t)cap_ * N_ * eb_);  // GEMM2 alone's output
       rank_op_[r] = mem_.Keep(ToDevice(r));
@@ -278,30 +285,48 @@ class Run {
   bool KeepRecv() const { return s_.dg_mode != 2; }
   bool KeepPre() const { return s_.dg_mode == 1; }
   // GEMM1's output: float32 [cap, K], or with the SwiGLU h [cap, K / 2] bf16; the preactivation float32 [cap, K].
-  size_t GemmOutBytes() const { return Swiglu() ? (size_t)cap_ * (K_ / 2) * 2 : (size_t)cap_ * K_ * 4; }
-  size_t PreBytes() const { return KeepPre() ? (size_t)cap_ * K_ * 4 : 0; }
+  // FP8 with the SwiGLU: h_q [cap, K / 2] e4m3 then h's scales [cap, K / 256] float32 in one buffer, and a_q
+  // [cap, K] then a's scales [cap, K / 128] (tools/loopback/check.py splits them).
+  size_t GemmOutBytes() const {
+    if (!Swiglu()) return (size_t)cap_ * K_ * 4;
+    return fp8_dg_ ? (size_t)cap_ * (K_ / 2) + (size_t)cap_ * (K_ / 256) * 4 : (size_t)cap_ * (K_ / 2) * 2;
+  }
+  size_t Fp8PreBytes() const { return (size_t)cap_ * K_ + (size_t)cap_ * (K_ / 128) * 4; }
+  size_t PreBytes() const { return KeepPre() ? (fp8_dg_ ? Fp8PreBytes() : (size_t)cap_ * K_ * 4) : 0; }
+  // The recv rows: [cap, D] in the dispatch's row format (FP8: packed rows of D + D / 32 bytes).
+  size_t RecvBytes() const { return (size_t)cap_ * xrb_; }
+  // FP8 with the SwiGLU: a result buffer's scales, after its [cap, cols] e4m3 values.
+  static float* ScalesAfter(void* values, int64_t rows, int64_t cols) {
+    return reinterpret_cast<float*>(static_cast<char*>(values) + rows * cols);
+  }
+  cuda::DispatchGemmOut DgOut(int r) const {
+    if (!(fp8_dg_ && Swiglu()))
+      return cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r], KeepPre() ? out_pre_[r] : nullptr};
+    return cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r], KeepPre() ? out_pre_[r] : nullptr,
+                                 ScalesAfter(out_a_[r], cap_, K_ / 2),
+                                 KeepPre() ? ScalesAfter(out_pre_[r], cap_, K_) : nullptr};
+  }
 
   Status Dispatch(int r, const CallSite& c, const DeviceSet& d) {
     if (dg_)
-      return cuda::DispatchGemm(c, dt_, d.x, T_, D_,
+      return cuda::DispatchGemm(c, xdt_, d.x, T_, D_,
                                 cuda::DispatchSlots{(const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                                                     (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
                                                     (const int32_t*)d.send_start, (const int32_t*)d.primary, P_},
                                 (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
-                                (const int32_t*)d.seg_ret_off, E_l_, d.w1, /*w_scales=*/nullptr, K_,
-                                Swiglu() ? cuda::Gemm1Form::kSwiGlu : cuda::Gemm1Form::kPlain,
-                                (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r],
-                                cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r],
-                                                      KeepPre() ? out_pre_[r] : nullptr},
-                                cap_);
-    return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+                                (const int32_t*)d.seg_ret_off, E_l_, d.w1, (const float*)d.w1_scales, K_,
+                                Swiglu()  ? cuda::Gemm1Form::kSwiGlu
+                                : fp8_dg_ ? cuda::Gemm1Form::kTransposedRhs  // (e4m3 w1 [E_l, K, D]: K-major)
+                                          : cuda::Gemm1Form::kPlain,
+                                (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], DgOut(r), cap_);
+    return cuda::Dispatch(c, xdt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                           (const int32_t*)d.dest_row, (const int32_t*)d.primary, P_, (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
   }
 
   // The first of dispatch_gemm's two-call twin: Dispatch into out_recv2.
   Status DispatchAlone(int r, const CallSite& c, const DeviceSet& d) {
-    return cuda::Dispatch(c, dt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
+    return cuda::Dispatch(c, xdt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                           (const int32_t*)d.dest_row, (const int32_t*)d.primary, P_, (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
   }
@@ -317,6 +342,18 @@ class Run {
   // past the groups zeroed); M = the kept rows: the GEMM alone.
   Status Gemm1(int r, cudaStream_t stream, const DeviceSet& d, int64_t M) {
     const int sms = res_.budget;
+    if (fp8_dg_) {  // on the recv rows unpacked on the host (x_recv_q, x_recv_s: the rows the dispatch moves)
+      const int64_t ld = (int64_t)(data_[0][0].x_recv_s.n / sizeof(float)) / (D_ / 128);
+      if (Swiglu())
+        return cuda::GroupedMatmulSwiGluFp8(stream, d.x_recv_q, (const float*)d.x_recv_s, ld, M, D_, d.w1,
+                                            (const float*)d.w1_scales, E_l_, K_ / 2, (const int32_t*)d.expert_rows,
+                                            static_cast<uint8_t*>(out_a2_[r]), ScalesAfter(out_a2_[r], cap_, K_ / 2),
+                                            static_cast<uint8_t*>(out_pre2_[r]), ScalesAfter(out_pre2_[r], cap_, K_),
+                                            sms);
+      return cuda::GroupedMatmulFp8(stream, /*out_f32=*/true, d.x_recv_q, (const float*)d.x_recv_s, ld, M, D_, d.w1,
+                                    (const float*)d.w1_scales, E_l_, K_, (const int32_t*)d.expert_rows, out_a2_[r],
+                                    sms);
+    }
     if (Swiglu())
       return cuda::GroupedMatmulSwiGlu(stream, DType::kBF16, out_recv2_[r], M, D_, d.w1, E_l_, K_ / 2,
                                        (const int32_t*)d.expert_rows, out_a2_[r],
@@ -400,7 +437,7 @@ class Run {
     const int ds = it % (int)data_.size();
     const DeviceSet& d = dsets_[ds][r];
     cudaStream_t stream = site.stream;
-    LB_CHECK(cudaMemsetAsync(out_recv_[r], 0xFF, (size_t)cap_ * D_ * eb_, stream));
+    LB_CHECK(cudaMemsetAsync(out_recv_[r], 0xFF, RecvBytes(), stream));
     LB_CHECK(cudaMemsetAsync(out_y_[r], 0xFF, (size_t)T_ * N_ * eb_, stream));
     LB_CHECK(cudaMemsetAsync(out_slot_[r], 0xFF, SlotBytes(), stream));
     if (dg_) LB_CHECK(cudaMemsetAsync(out_a_[r], 0xFF, h.a.n, stream));
@@ -601,7 +638,7 @@ class Run {
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the
       // whole device, so a rank thread doing either while a peer's kernel waits for this rank's next call would
       // stall both until the call times out.
-      HostOut h((size_t)cap_ * D_ * eb_, (size_t)T_ * N_ * eb_, SlotBytes(), dg_ ? GemmOutBytes() : 0,
+      HostOut h(RecvBytes(), (size_t)T_ * N_ * eb_, SlotBytes(), dg_ ? GemmOutBytes() : 0,
                 dg_ ? PreBytes() : 0);
       Pinned h_priv(sizeof(RankPrivate));
       for (int it = 0; it < s_.iters && !stop_; ++it) {
@@ -623,7 +660,9 @@ class Run {
   Result& res_;
   const int R_, T_, k_, E_l_, D_, K_, N_, P_, cap_, eb_;
   const DType dt_;
-  const bool dg_;
+  const bool dg_, fp8_dg_;  // every dispatch a DispatchGemm; FP8: on packed e4m3 rows with e4m3 w1
+  const DType xdt_;         // the dispatch's row format (FP8: kE4M3Rows)
+  const int64_t xrb_;       // its row bytes
   Barrier barrier_;
   const std::chrono::milliseconds bar_timeout_;
   std::unique_ptr<Workspace> ws_;

@@ -39,7 +39,11 @@ struct RankInputs {
   Bytes seg_rows, seg_ret_off;                  // [E_l * R] int32, (expert, source) order
   Bytes send_order, send_start;                 // dispatch_gemm: [P], [R + 1] int32 (plan.py)
   Bytes slot_primary;                           // [P] int32 (send once, plan.py), or empty: one row per slot
-  Bytes w1;                                     // dispatch_gemm: [E_l, D, K] bf16
+  Bytes w1;                                     // dispatch_gemm: [E_l, D, K] bf16 (fp8: e4m3 [E_l, K, D] and x
+                                                // packed e4m3 rows [T, D + D / 32])
+  Bytes w1_scales;                              // dispatch_gemm fp8: [E_l, K/128, D/128] float32
+  Bytes x_recv_q, x_recv_s;                     // dispatch_gemm fp8: the recv rows unpacked (e4m3 [recv_rows, D],
+                                                // scales [D/128, ld] MN-major), the two calls' GEMM1 operands
   Bytes expert_rows;                            // [E_l] int32 rows per local expert in recv (the GEMMs' groups)
   Bytes row_gate, token_rows;                   // gather_rs: [cap] float32 gate of each recv row, [R, T, Q] int32
 };
@@ -54,7 +58,9 @@ struct Spec {
   int cap = 0;                       // recv rows of every rank (plan.recv_capacity)
   bool f32 = false, transpose_rhs = false;
   bool fp8 = false;                  // expert_combine's producer on e4m3 operands (RankInputs' lhs, w and their
-                                     // scales; its rows and outputs bfloat16, or float32 with f32)
+                                     // scales; its rows and outputs bfloat16, or float32 with f32); with
+                                     // dispatch_gemm its FP8 form too (packed rows, e4m3 w1; the SwiGLU's h and a
+                                     // e4m3, each followed by its scales in the result's buffer)
   int iters = 20;                    // iterations of (dispatch, expert_combine), data set = iteration % data sets
   int timeout_at = -1;               // at this iteration the last rank skips its dispatch (a forced timeout)
   int64_t timeout_ms = 5000, short_timeout_ms = 200;

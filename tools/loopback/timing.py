@@ -131,7 +131,7 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   if case.dg:
     two, fused, alone = result["dg_us"]
     transfer, baseline, ours = _median_of_max(alone), _median_of_max(two), _median_of_max(fused)
-    wire = [cases_lib.wire_bytes(case, d.plan, r, case.d_model * eb) for r, d in enumerate(ranks)]
+    wire = [cases_lib.wire_bytes(case, d.plan, r, case.dispatch_row_bytes) for r, d in enumerate(ranks)]
     used = [q.get("pushers", 0) for q in result.get("dg_device", [])]  # P of each rank's last fused call
     moved, sms = max(b for _, b in wire), max(used, default=0) or result.get("pushers", 0)
     extra = {"send_once": case.sends_once, "rows_sent": max(n for n, _ in wire),
@@ -226,9 +226,8 @@ def dispatch_gemm_push_rates(case: Case, result: dict, ranks: list[RankData]) ->
   push span (first push to the last pusher's end of pushing) and GB/s per pusher (benchmarks/calibrate.py's
   pusher_gbps)."""
   out = []
-  eb = 4 if case.f32 else 2
   for r, q in enumerate(result.get("dg_device", [])):
-    _, sent = cases_lib.wire_bytes(case, ranks[r].plan, r, case.d_model * eb)  # the bytes that crossed (send once)
+    _, sent = cases_lib.wire_bytes(case, ranks[r].plan, r, case.dispatch_row_bytes)  # what crossed (send once)
     t0, t1, p = q["cons_t0"], q["push_t1"], q.get("pushers", 0)
     if not (p > 0 and sent > 0 and t0 and t1 > t0 and t0 != 2**64 - 1):
       continue
