@@ -77,7 +77,7 @@ def test_loopback_combine_fp8_suite():
 
 def test_loopback_dispatch_gemm_fp8_suite():
   """dispatch_gemm's FP8 kernel (packed e4m3 rows dispatched and multiplied by the FP8 grouped GEMM's loop where they
-  land; the FP8 combine after it): the dispatch-gemm suite's cases on packed rows (D = 512, GEMM1's N = 768), the
+  land; the FP8 combine after it): the dispatch-gemm suite's cases on packed rows (D = 1024, GEMM1's N = 768), the
   packed recv rows exact, GEMM1's float32 product, h and a (e4m3 with their scales) against the host's products of the
   dequantized operands, bitwise equal to the dispatch then the FP8 GEMM1 on the same rows unpacked, rows past the
   kept ones unwritten, bit-identical repeats, a forced timeout and recovery, an emulated link, one row per slot and

@@ -628,7 +628,7 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
   if name == "dispatch-gemm-time":
     return _dispatch_gemm_time(base)
   if name == "dispatch-gemm-fp8":  # dispatch-gemm's cases on packed e4m3 rows (the FP8 kernel copies x_recv itself)
-    return [dataclasses.replace(c, fp8=True, d_model=512, k_dim=768, n_dim=640)
+    return [dataclasses.replace(c, fp8=True, d_model=1024, k_dim=768, n_dim=640)
             for c in _dispatch_gemm(dataclasses.replace(base, send_once=1)) if c.x_recv_from_tiles]
   if name == "dispatch-gemm-time-fp8":  # dispatch-gemm-time on packed e4m3 rows (and the FP8 combine after it)
     return [dataclasses.replace(c, fp8=True) for c in _dispatch_gemm_time(base)]

@@ -523,10 +523,13 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   const int R = rd.ranks;
   __shared__ int chosen_pushers;
   if (threadIdx.x < 32) {
+    // The model's GEMM rate is the bf16 engine's per 64 of K (a stage); an e4m3 stage covers 128 of K in about a bf16
+    // stage's time, so FP8 tiles count as half their K.
+    const int64_t model_k = kFp8 ? g.K / 2 : g.K;
     const int p = !g.pushers.use_model ? g.pushers.pushers
                   : WarpChooseDispatchPushers(g.pushers, PusherInputsFromPlan(g.send_start, rd.rank, R,
-                                                                              g.recv_expected[0], g.row_bytes, g.K,
-                                                                              g.N));
+                                                                              g.recv_expected[0], g.row_bytes,
+                                                                              model_k, g.N));
     if (threadIdx.x == 0) {
       chosen_pushers = p;
       if (blockIdx.x == 0) {
@@ -804,6 +807,14 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
     // The FP8 grouped GEMM's device rule, then the packed rows' own (the call's shape rules are CheckDispatchGemm's).
     const char* why = Fp8GroupedGemmDeviceRefusal(info.cc);
     if (why == nullptr) why = Fp8DispatchGemmOperandRefusal(D, N);
+    // (The call's shape rules, CheckDispatchGemmFp8's, restated where the kernel's indexing needs them.)
+    if (why == nullptr && swiglu && N % (2 * wgmma_gemm::kSwiGluFp8Cols) != 0)
+      why = "the SwiGLU epilogue takes N = 2F with F a multiple of 128 (whole 1 x 128 tiles of h)";
+    const uintptr_t outs = reinterpret_cast<uintptr_t>(out.out) | reinterpret_cast<uintptr_t>(out.a) |
+                           reinterpret_cast<uintptr_t>(out.h_scales) | reinterpret_cast<uintptr_t>(out.a_scales);
+    if (why == nullptr && (outs % 16 != 0 || reinterpret_cast<uintptr_t>(w_scales) % 4 != 0 ||
+                           (swiglu && out.h_scales == nullptr) || (out.a != nullptr) != (out.a_scales != nullptr)))
+      why = "the results must be 16-byte aligned (w_scales 4), with the SwiGLU h's scales given and a's with a";
     if (why != nullptr) bad = std::string("packed e4m3 rows: ") + why + got;
   } else {
     // The GEMM of the recv rows, which arrive as src's rows are laid out (its alignment stands for theirs), on the

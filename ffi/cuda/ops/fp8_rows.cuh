@@ -3,7 +3,7 @@
 // reduced across the lanes by shuffles. The rules are common/fp8_columns.h's (AmaxStep, ColumnTileScale,
 // QuantizeE4m3, by ops/e4m3.cuh's conversion), those of the CPU handlers' loop (common/fp8_rows.h): the same bytes
 // and scale. Shared by ops/swiglu_backward_fp8.cu (da), ops/swiglu_forward_fp8.cu (h and a) and the FP8 GEMM1's
-// SwiGLU epilogue (gemm/sm90/wgmma_swiglu_fp8.cuh: a tile's row over the 4 lanes of a quad, LanesRowScale<4>).
+// SwiGLU epilogue (gemm/sm90/swiglu_fp8_epilogue.cuh: a tile's row over the 4 lanes of a quad, LanesRowScale<4>).
 #pragma once
 
 #include <cuda_runtime.h>

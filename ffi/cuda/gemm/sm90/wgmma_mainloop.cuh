@@ -25,7 +25,7 @@
 //     returns the smem region may be reused and the function may be called again.
 //   * smem: >= LoopSmemBytes<kNumStages, Ops::kExtraBytes>() bytes of dynamic shared memory (any alignment: the
 //     function aligns up to 1024 inside, that is what the 1 KB slack is for). bf16, kNumStages = 4 (default):
-//     197,712 bytes; 3: 148,492.
+//     197,712 bytes; 3: 148,492. e4m3 (4 stages): 200,296 bytes (MN-major A scales), 206,440 (packed rows).
 //   * Named barriers 1 (256 consumer threads) and 2 (128 producer threads) are used; the caller must not have any
 //     of its own in flight across the call.
 //   * a_map: 2D bf16 tensor map of A ([rows, K] row-major), box (kBK = 64, kBM = 128), 128B swizzle, OOB zero fill.
@@ -54,7 +54,7 @@
 //   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators
 //   (GroupedSwiGluKernel).
 //   A tile derived from EpilogueTile stores through its own Store (the FP8 GEMM1's SwiGLU and quantization epilogue,
-//   SwiGluFp8Tile in wgmma_swiglu_fp8.cuh).
+//   SwiGluFp8Tile in swiglu_fp8_epilogue.cuh).
 //   A KRangeTile reduces over its own k-steps k_first .. k_first + k_steps - 1 instead of all of K (the grouped
 //   outer GEMM's tiles, whose reduction runs over their group's rows).
 //   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
@@ -200,7 +200,7 @@ struct SwiGluGradTile : WgmmaTile {
 // warpgroup, lane: its lane) with the warpgroup's 64 x 256 block of the tile in the m64n256 f32 layout (StoreAccTile's
 // comment maps the registers; columns 0..127 are B's columns n0.., 128..255 its columns n_hi..). Every thread of the
 // warpgroup calls it, so it may shuffle within a warp; no CTA or named barrier. It stores rows < rows only. (The FP8
-// GEMM1 with its SwiGLU and quantization epilogue: SwiGluFp8Tile, wgmma_swiglu_fp8.cuh.)
+// GEMM1 with its SwiGLU and quantization epilogue: SwiGluFp8Tile, swiglu_fp8_epilogue.cuh.)
 struct EpilogueTile : WgmmaTile {};
 
 // A tile that reduces over a range of K of its own instead of all of it: the k-steps (of Ops::kBK elements each)
