@@ -313,3 +313,37 @@ def check_counts_through_the_workspace(mesh, monkeypatch, num_experts=8, seed=3)
       assert a.tobytes() == b.tobytes()
   finally:
     release_workspaces()
+
+
+def padding_poisoned_runs(monkeypatch, module, name: str, run_layer):
+  """Runs run_layer() three times with `module.name` (a fused dispatch call whose results' rows past the rank's kept
+  rows, plan.recv_rows, are left unwritten) wrapped: as is; with every result's rows past the kept ones poisoned (NaN,
+  0xff bytes in uint8 results); and with one kept row poisoned too (a control that must reach a consumer). Returns
+  (as_is, padded, control, the results poisoned per traced call). Each run starts from no cached program."""
+  real = getattr(module, name)
+  counts = []
+
+  def poisoning(extra_rows):
+    def call(src, slot_src_row, w, plan, cap, info, **kw):
+      got = real(src, slot_src_row, w, plan, cap, info, **kw)
+      pad = jnp.arange(cap)[:, None] >= plan.recv_rows - extra_rows
+
+      def poison(v):
+        return jnp.where(pad, jnp.uint8(0xff) if v.dtype == jnp.uint8 else jnp.asarray(jnp.nan, v.dtype), v)
+      counts.append(len(jax.tree.leaves(got)))
+      return jax.tree.map(poison, got)
+    return call
+
+  def run(extra_rows=None):
+    api._programs.clear()  # pylint: disable=protected-access
+    jax.clear_caches()
+    if extra_rows is not None:
+      monkeypatch.setattr(module, name, poisoning(extra_rows))
+    try:
+      return run_layer()
+    finally:
+      monkeypatch.setattr(module, name, real)
+      api._programs.clear()  # pylint: disable=protected-access
+      jax.clear_caches()
+
+  return run(), run(extra_rows=0), run(extra_rows=1), counts

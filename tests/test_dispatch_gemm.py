@@ -293,41 +293,17 @@ def test_layer_reads_no_padding_row_of_dispatch_gemm(monkeypatch):
   the poison does reach the consumers."""
   mesh = mesh_of(4)
   x, gates, w1, w2, ids = layer_case(4, "skewed", False, jnp.bfloat16, tokens_per_rank=80)
-  real = expert_block.dispatch_gemm
-  poisoned_results = []
-
-  def poisoning(extra_rows):
-    def call(src, slot_src_row, w, plan, cap, info, **kw):
-      got = real(src, slot_src_row, w, plan, cap, info, **kw)
-      pad = jnp.arange(cap)[:, None] >= plan.recv_rows - extra_rows
-      poisoned_results.append(sum(v is not None for v in got))
-      return tuple(None if v is None else jnp.where(pad, jnp.asarray(jnp.nan, v.dtype), v) for v in got)
-    return call
-
-  def run(extra_rows=None):
-    jmo_api._programs.clear()  # pylint: disable=protected-access
-    jax.clear_caches()
-    if extra_rows is not None:
-      monkeypatch.setattr(expert_block, "dispatch_gemm", poisoning(extra_rows))
-    try:
-      return layer_fn(mesh, None, FUSED)(x, gates, w1, w2, ids)
-    finally:
-      monkeypatch.setattr(expert_block, "dispatch_gemm", real)
-      jmo_api._programs.clear()  # pylint: disable=protected-access
-      jax.clear_caches()
-
-  as_is = run()
   R, T, k = 4, x.shape[0] // 4, ids.shape[1]
   cap = plan_lib.recv_capacity(T, R, k, E // R, plan_lib.expert_capacity(T, R, k, E, None))
   kept = np.bincount(np.asarray(ids).reshape(-1) // (E // R), minlength=R)
   assert kept.max() < cap, (kept, cap)  # every rank has padding rows
-  padded = run(extra_rows=0)
+  as_is, padded, control, poisoned_results = layer_checks.padding_poisoned_runs(
+      monkeypatch, expert_block, "dispatch_gemm", lambda: layer_fn(mesh, None, FUSED)(x, gates, w1, w2, ids))
   # Traced last: the forward rule (x_recv, h, a) and the backward rule (d_out, dh).
   assert poisoned_results[-2:] == [3, 2], poisoned_results
   names = ("loss", "y", "dropped", "dx", "dgates", "dw1", "dw2")
   same = dict(zip(names, (a == b for a, b in zip(layer_checks.bits(padded), layer_checks.bits(as_is)))))
   assert all(same.values()), f"a consumer read a padding row: {same}"
-  control = run(extra_rows=1)
   assert layer_checks.bits(control) != layer_checks.bits(as_is), "the poison did not reach the consumers"
 
 

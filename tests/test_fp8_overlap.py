@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_overlap as jmo
+import layer_checks
 from cases import layer_inputs, mesh_of, moe_config, rel_err
 from jax_moe_overlap import fp8
 from jax_moe_overlap import call_site
@@ -447,50 +448,20 @@ def test_fused_dispatch_padding_rows_are_read_by_no_consumer(monkeypatch):
   y and every gradient are bitwise those of the calls as they are (the consumers: expert_combine_fp8 on the segment
   rows, the SwiGLU backward row by row, the weight gradients' 128 x 1 tiles of each expert's rows). A control that
   poisons one kept row too must differ."""
-  from jax_moe_overlap import api as jmo_api
   from jax_moe_overlap import fp8_overlap
   mesh = mesh_of(4)
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 5)
-  real = fp8_overlap.dispatch_gemm_fp8
-  poisoned = []
-
-  def poisoning(extra_rows):
-    def call(src, slot_src_row, w, plan, cap, info, **kw):
-      got = real(src, slot_src_row, w, plan, cap, info, **kw)
-      pad = jnp.arange(cap)[:, None] >= plan.recv_rows - extra_rows
-
-      def poison(v):
-        if v.dtype == jnp.uint8:
-          return jnp.where(pad, jnp.uint8(0xff), v)
-        return jnp.where(pad, jnp.asarray(jnp.nan, v.dtype), v)
-      poisoned.append(len(jax.tree.leaves(got)))
-      return jax.tree.map(poison, got)
-    return call
-
-  def run(extra_rows=None):
-    jmo_api._programs.clear()  # pylint: disable=protected-access
-    jax.clear_caches()
-    if extra_rows is not None:
-      monkeypatch.setattr(fp8_overlap, "dispatch_gemm_fp8", poisoning(extra_rows))
-    try:
-      return jax.jit(layer_grads(mesh, ids, cot, "overlap", None, None, (), CallConfig(dispatch_pushers=2)))(
-          x, gates, w1, w2)
-    finally:
-      monkeypatch.setattr(fp8_overlap, "dispatch_gemm_fp8", real)
-      jmo_api._programs.clear()  # pylint: disable=protected-access
-      jax.clear_caches()
-
   R, t = 4, T // 4
   cap = plan_lib.recv_capacity(t, R, K, E // R, plan_lib.expert_capacity(t, R, K, E, None))
   routed = np.asarray(ids).reshape(-1)
   kept = np.bincount(routed[routed >= 0] // (E // R), minlength=R)
   assert kept.max() < cap, (kept, cap)  # every rank has padding rows
-  as_is = run()
-  padded = run(extra_rows=0)
+  layer = jax.jit(layer_grads(mesh, ids, cot, "overlap", None, None, (), CallConfig(dispatch_pushers=2)))
+  as_is, padded, control, poisoned = layer_checks.padding_poisoned_runs(
+      monkeypatch, fp8_overlap, "dispatch_gemm_fp8", lambda: layer(x, gates, w1, w2))
   # Traced last: the forward rule (x_recv, h_q, h_s, a_q, a_s) and the backward's call (dy's recv rows, dh).
   assert poisoned[-2:] == [5, 2], poisoned
   for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(as_is)):
     np.testing.assert_array_equal(bits(a), bits(b))
-  control = run(extra_rows=1)
   assert any(bits(a).tobytes() != bits(b).tobytes()
              for a, b in zip(jax.tree.leaves(control), jax.tree.leaves(as_is))), "the poison did not reach a consumer"
