@@ -282,15 +282,15 @@ def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
 
   monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", True)
   kept_on = kept_of()
-  assert kept_on[3] is w1 and kept_on[4] is w2
+  assert kept_on[2] is w1 and kept_on[3] is w2
   pre = fp8.quantize_weight(w1)
   kept_pre = fp8_experts._fp8_expert_mlp_fwd(x, pre, w2, gs, fp8_experts.KERNELS)[1]
-  assert kept_pre[3] is pre and kept_pre[4] is w2
+  assert kept_pre[2] is pre and kept_pre[3] is w2
   monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", False)
   kept_off = kept_of()
-  assert isinstance(kept_off[3], fp8.Fp8Weight) and isinstance(kept_off[4], fp8.Fp8Weight)
+  assert isinstance(kept_off[2], fp8.Fp8Weight) and isinstance(kept_off[3], fp8.Fp8Weight)
   quantized = 3 * G * D * F * (1 + 4 / 128 ** 2)
-  own = lambda kept: nbytes(kept) - nbytes([k for k in kept[3:5] if k is w1 or k is w2])  # noqa: E731
+  own = lambda kept: nbytes(kept) - nbytes([k for k in kept[2:4] if k is w1 or k is w2])  # noqa: E731
   assert own(kept_off) - own(kept_on) == quantized
 
 
