@@ -74,18 +74,20 @@ def fp8_fused_combine(platform: str) -> bool:
   return platform == "cpu" or FP8_FUSED_COMBINE_ON_GPU
 
 
-# Whether GPUs run the FP8 layer's dispatch and GEMM1 as one dispatch_gemm call on packed e4m3 rows (its FP8 kernel:
-# the FP8 grouped GEMM's loop reading A's values and scales from the rows where they land) where the call site fuses
-# the dispatch (dispatch_pushers). Off on GPUs while that kernel has not passed its GPU tests
-# (tests/gpu/test_gpu_dispatch_gemm.py -k fp8); CPUs take the fused call where it is pinned (the same bits:
+# Whether GPUs run the FP8 layer's dispatches with the GEMMs after them (x's with GEMM1, dy's with dh = dy W2^T) as
+# dispatch_gemm calls on packed e4m3 rows (its FP8 kernel: the FP8 grouped GEMM's loop reading A's values and scales
+# from the rows where they land) where the call site fuses the dispatch (dispatch_pushers). Off on GPUs while that
+# kernel has not passed its GPU tests (tests/gpu/test_gpu_dispatch_gemm_fp8.py, test_gpu_multiprocess.py -k
+# fp8_fused_dispatch); CPUs take the fused calls where dispatch_pushers is pinned (the same bits:
 # tests/test_fp8_overlap.py).
 FP8_FUSED_DISPATCH_ON_GPU = False
 
 
 def fp8_fused_dispatch(platform: str, pushers: int) -> bool:
-  """Whether impl="overlap" under quantization="fp8" runs x's dispatch and GEMM1 as one ``dispatch_gemm_fp8`` call
-  on a workspace of this platform with this ``dispatch_pushers``: where the call site fuses the dispatch (pushers >
-  0), on CPUs always, on GPUs where FP8_FUSED_DISPATCH_ON_GPU."""
+  """Whether impl="overlap" under quantization="fp8" runs its dispatches with the GEMMs after them (x's with GEMM1,
+  dy's with dh = dy W2^T) as ``dispatch_gemm_fp8`` calls on a workspace of this platform with this
+  ``dispatch_pushers``: where the call site fuses the dispatch (pushers > 0), on CPUs always, on GPUs where
+  FP8_FUSED_DISPATCH_ON_GPU (and, per call, where the kernel takes d_model: ``engines.fp8_dispatch_gemm_operands``)."""
   return pushers > 0 and (platform == "cpu" or FP8_FUSED_DISPATCH_ON_GPU)
 
 

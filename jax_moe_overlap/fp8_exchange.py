@@ -77,7 +77,7 @@ def experts_gemm1(x, w1, w2, route, gemms, keep: bool = True):
   """x's rows quantized 1 x 128 with power-of-two scales on their owner, moved to the experts and through GEMM1 and
   the SwiGLU there: (h quantized 1 x 128 (values, scales), w2 as GEMM2 reads it, what the backward keeps; without
   keep the backward's rows may be left out). Moved and multiplied by two calls (``moved``, then
-  ``fp8_experts.recipe_gemm1``), or where the route fuses them (``route.fuses_gemm1``: the workspace's
+  ``fp8_experts.recipe_gemm1``), or where the route fuses them (``route.fuses_dispatch_gemm``: the workspace's
   dispatch_gemm on packed rows, ``fp8_overlap.WorkspaceRoute``) one: the same rows, GEMM and epilogue, the same
   bits in every row the layer reads."""
   xq, xs = fp8.quantize_rows(x, pow2=True)

@@ -31,8 +31,9 @@ block.
 Dispatch fused (on both paths, where the call site says ``fp8_fused_dispatch``: a pinned ``dispatch_pushers`` on CPUs,
 GPUs once ``call_site.FP8_FUSED_DISPATCH_ON_GPU``, and the kernel takes d_model): x's packed rows are dispatched and
 multiplied by GEMM1 with the recipe's SwiGLU in one ``dispatch_gemm_fp8`` call, each tile reading its rows' values
-and scales where they landed (``WorkspaceRoute.dispatch_gemm1``); the backward unpacks the recv rows the call kept
-for dW1. The same bits as the two calls. Not fused (docs/design.md): the backward's dgrad dispatch with dh = dy W2^T.
+and scales where they landed (``WorkspaceRoute.dispatch_gemm1``), and in the backward the slots' packed output
+gradients with dh = dy W2^T in another (``WorkspaceRoute.dispatch_dgrad``); the backward unpacks the recv rows the
+calls kept for the weight gradients. The same bits as the two calls.
 """
 
 from __future__ import annotations

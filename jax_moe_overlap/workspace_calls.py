@@ -210,6 +210,9 @@ def dispatch_gemm_fp8(src: jax.Array, slot_src_row: jax.Array, w: fp8.Fp8Weight,
     TMA reads them); elsewhere the call fails naming the requirement.
   """
   name = "dispatch_gemm_fp8"
+  if not isinstance(w, fp8.Fp8Weight):
+    raise TypeError(f"jax_moe_overlap: {name}: w must be an fp8.Fp8Weight (fp8.quantize_weight: values [E_local, N, "
+                    f"D] float8_e4m3fn and their block scales), got {type(w).__name__}")
   values, scales = w.values, w.scales.astype(jnp.float32)
   if src.dtype != jnp.uint8 or src.ndim != 2:
     raise TypeError(f"jax_moe_overlap: {name}: src must be [S, D + D/32] uint8 packed e4m3 rows (fp8.pack_rows), got "

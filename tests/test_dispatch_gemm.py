@@ -574,5 +574,7 @@ def test_fp8_call_refuses_what_it_cannot_take():
     workspace_calls.dispatch_gemm_fp8(rows[:, :260], slot_rows, w, object(), cap, info)
   with pytest.raises(ValueError, match="keep_a needs swiglu=True"):
     workspace_calls.dispatch_gemm_fp8(rows, slot_rows, w, object(), cap, info, keep_a=True)
+  with pytest.raises(TypeError, match=r"dispatch_gemm_fp8: w must be an fp8.Fp8Weight .*got ArrayImpl"):
+    workspace_calls.dispatch_gemm_fp8(rows, slot_rows, w.values, object(), cap, info)
   x_recv, h, a, h_s, a_s = raw(*good)
   assert x_recv.shape == (R * cap, ROW8) and h.dtype == e4m3 and h_s.shape == (R * cap, 1)

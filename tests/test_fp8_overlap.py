@@ -354,8 +354,14 @@ def test_tensor_axis_within_rounding_of_collective(returns, config):
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 21)
   x = jax.device_put(x, NamedSharding(mesh, P(("expert", "tensor"))))
   w1, w2 = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (w1, w2))
-  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, 0.5, "tensor", (), config))(x, gates, w1, w2)
+  run = lambda impl, cfg=config: jax.jit(layer_grads(mesh, ids, cot, impl, 0.5, "tensor", (), cfg))(x, gates, w1, w2)
   (_, (y, dropped)), grads = run("overlap")
+  if config.dispatch_pushers:  # the fused calls on the shard slots' packed rows: bitwise the two calls
+    hlo = jax.jit(layer_grads(mesh, ids, cot, "overlap", 0.5, "tensor", (), config)).lower(x, gates, w1, w2).as_text()
+    assert hlo.count("@jmo_dispatch_gemm(") == 2, hlo.count("@jmo_dispatch_gemm(")
+    (_, (y2, _)), grads2 = run("overlap", CallConfig())
+    for a, b in zip(jax.tree.leaves((y, grads)), jax.tree.leaves((y2, grads2))):
+      np.testing.assert_array_equal(bits(a), bits(b))
   (_, (y_ref, dropped_ref)), grads_ref = run("collective")
   assert int(dropped) == int(dropped_ref) > 0
   for what, a, b in zip(("y", "dx", "dgates"), (y, *grads[:2]), (y_ref, *grads_ref[:2])):
@@ -442,12 +448,14 @@ def test_fused_dispatch_equals_collective_bit_for_bit(name, returns):
   assert not [ops for ops in dispatch_operands(hlo, "jmo_dispatch") if ops[0].endswith("xui8>")]
 
 
-def test_fused_dispatch_padding_rows_are_read_by_no_consumer(monkeypatch):
+def test_fused_dispatch_padding_rows_are_read_by_no_consumer(monkeypatch, returns):
   """dispatch_gemm_fp8 leaves its results' rows past the rank's kept rows unwritten: with those rows NaN (0xff bytes
   in the packed recv rows, NaN in h, a, dh and the scales) in both calls of a training step, the FP8 layer's loss,
   y and every gradient are bitwise those of the calls as they are (the consumers: expert_combine_fp8 on the segment
   rows, the SwiGLU backward row by row, the weight gradients' 128 x 1 tiles of each expert's rows). A control that
-  poisons one kept row too must differ."""
+  poisons one kept row too must differ. On both return paths (unfused, GEMM2's rows past the groups are zeros
+  whatever h holds there)."""
+  del returns
   from jax_moe_overlap import fp8_overlap
   mesh = mesh_of(4)
   x, ids, gates, w1, w2, cot = fp8_inputs(jnp.bfloat16, 5)

@@ -2,9 +2,9 @@
 and multiplied by the FP8 grouped GEMM's loop where they land) on the GPUs: the call against dispatch +
 fp8.unpack_rows + grouped_matmul_swiglu_fp8 / grouped_matmul_fp8 (the same loop and promotion over the same rows:
 bit for bit in the kept rows, every result computed into the poison), GEMM1 with the recipe's SwiGLU kept for
-training and for inference, the float32 product, send once; then the FP8 layer with the dispatch fused
+training and for inference, the float32 product, send once; then the FP8 layer with the dispatches fused
 (call_site.FP8_FUSED_DISPATCH_ON_GPU switched on, R > 1) against impl="collective" under fp8 within the FP8 kernels'
-tolerance, its program holding one dispatch_gemm on uint8 rows. On a mesh over every visible GPU (and one GPU);
+tolerance, its program holding two dispatch_gemm calls on uint8 rows (x with GEMM1, dy with dh = dy W2^T). On a mesh over every visible GPU (and one GPU);
 d_model 512 (the kernel's rule: the packed rows' stride a multiple of 16 bytes). Skips where there is no Hopper
 GPU."""
 
@@ -61,8 +61,10 @@ def test_fp8_layer_with_fused_dispatch_matches_collective(R, monkeypatch):
 
   f = grads("overlap")
   hlo = f.lower(x, gates, w1, w2).as_text()
+  # The forward's x with GEMM1 (w1's e4m3 values [E_l, 2F, D]) and the backward's dy with dh = dy W2^T ([E_l, F, D]).
   calls = [line for line in hlo.splitlines() if "@jmo_dispatch_gemm(" in line]
-  assert len(calls) == 1 and f"x{D + D // 32}xui8>" in calls[0], calls
+  assert len(calls) == 2 and all(f"x{D + D // 32}xui8>" in c for c in calls), calls
+  assert f"x{2 * F}x{D}xf8E4M3FN>" in calls[0] and f"x{F}x{D}xf8E4M3FN>" in calls[1], calls
   (_, y), g = f(x, gates, w1, w2)
   (_, y_ref), g_ref = grads("collective")(x, gates, w1, w2)
   for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), (y, *g), (y_ref, *g_ref)):
