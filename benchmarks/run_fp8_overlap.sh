@@ -62,10 +62,12 @@ el combine-time-fp8
 timeout 120 python3 -m tools.loopback.run --suite combine-time > "$OUT/time-bf16.txt" 2>&1
 echo "combine-time rc $?"; grep -E "^\||cases passed" "$OUT/time-bf16.txt" | cut -c1-240
 el combine-time
-# The FP8 producer's consumer count: every pinned C against the fixed C (SMs / 8) on the seed shape at R = 2 over the
-# emulated link, for the choice the FP8 producer should make (the resource model's calibration is the bf16 engine's).
+# The FP8 producer's consumer count: every pinned C (8: the fixed C, SMs / 8) against the model's (the shipped H200
+# calibration, the bf16 engine's, with the e4m3 tile's K counted by Fp8ModelK: its regret) on the seed shape at R = 2
+# over the emulated link.
+MODEL=$(python3 -c "from tools.loopback.cases import calibrated_model as m; print(','.join(map(str, m(2, 185.0))))")
 timeout 60 python3 -m tools.loopback.run --fp8 --ranks 2 --experts 8 --tokens 4096 --d-model 256 --k-dim 2048 \
   --n-dim 2048 --link-gbps 185 --routing 0 --datasets 1 --iters 2 --check-tokens 64 --time --warmup 2 --reps 10 \
-  --consumers 0 --sweep-consumers 1,2,3,4,6,8,12 > "$OUT/sweep-fp8.txt" 2>&1
+  --consumers 0 --model "$MODEL" --sweep-consumers 1,2,3,4,6,8,12 > "$OUT/sweep-fp8.txt" 2>&1
 echo "FP8 C sweep rc $?"; grep -E "^(PASS|FAIL|TIMED)" "$OUT/sweep-fp8.txt" | cut -c1-240
 el sweep-fp8

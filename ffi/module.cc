@@ -183,6 +183,8 @@ NB_MODULE(_jmo, m) {
       .def_rw("seg_us", &jmo::ModelParams::seg_us)
       .def_rw("pusher_gbps", &jmo::ModelParams::pusher_gbps)
       .def_rw("gather_gbps", &jmo::ModelParams::gather_gbps);
+  // The K the model times an e4m3 tile of K at (resource_model.h Fp8ModelK: what the FP8 launches hand it).
+  m.def("model_fp8_k", &jmo::Fp8ModelK, nb::arg("K"));
   // The model with a call's link (resource_model.h ModelWithLink: what the launches evaluate; 0: no link).
   m.def("model_with_link", &jmo::ModelWithLink, nb::arg("params"), nb::arg("link_gbps"));
   m.def("model_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,

@@ -19,7 +19,8 @@ argv: process_id num_processes port local_devices case; $JMO_IMPL: the layer's i
   fp8_across: expert_across with quantization="fp8" (D = F = 128) and CallConfig(dispatch_pushers=2): the FP8 layer's
     packed rows dispatched and multiplied in one call (dispatch_gemm_fp8, forward and backward) and its fused
     returns (expert_combine on e4m3 operands) across the processes; against the float32 oracle within the recipe's
-    error bound (2^-3 relative, norm-wise) instead of 1e-5.
+    error bound (2^-3 relative, norm-wise) instead of 1e-5. fp8_across_unfused: the same with the dispatches unfused
+    (the packed rows moved by dispatch calls, GEMM1 and dh after them).
   tensor_across: expert_across on a mesh (expert = 2, tensor = the devices / 2) with tensor_axis="tensor": the
     workspace's group is every device of both axes (expert tensor parallelism), spanning the processes.
   different_hosts: expert_across, but the last process reports another host name: the layer (impl="overlap", the
@@ -59,7 +60,7 @@ from jax_moe_overlap.plan import expert_capacity  # noqa: E402
 from jax_moe_overlap.reference import moe_experts_reference  # noqa: E402
 from multiprocess_inputs import global_inputs, put, save_or_compare  # noqa: E402  (tests/)
 
-QUANTIZATION = "fp8" if case == "fp8_across" else None
+QUANTIZATION = "fp8" if case in ("fp8_across", "fp8_across_unfused") else None
 E, K = 8, 2
 D, F = (128, 128) if QUANTIZATION else (16, 24)  # (FP8: whole 128-channel tiles)
 
@@ -87,7 +88,7 @@ def main():
           put(w2, mesh, w2_spec)]
 
   # fp8_across pins the fused dispatches (dispatch_gemm_fp8, forward and backward), which CPUs take only pinned.
-  default = jmo.CallConfig(dispatch_pushers=2) if QUANTIZATION else jmo.CallConfig()
+  default = jmo.CallConfig(dispatch_pushers=2) if case == "fp8_across" else jmo.CallConfig()
 
   def loss(x, g, w1, w2, ids, config=default):
     y, dropped = jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, batch_axes=batch_axes, config=config,
@@ -129,7 +130,7 @@ def main():
   for _ in range(int(os.environ.get("JMO_CALLS", "3")) - 1):
     (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   y, grads = multihost_utils.process_allgather((y, grads), tiled=True)
-  if case in ("expert_across", "tensor_across", "fp8_across"):
+  if case in ("expert_across", "tensor_across", "fp8_across", "fp8_across_unfused"):
     got = dict(y=np.asarray(y), **{f"d{n}": np.asarray(a) for n, a in zip(("x", "gates", "w1", "w2"), grads)})
     save_or_compare(got, pid, save=pid == 0)
 

@@ -692,6 +692,15 @@ def test_regret_rows_and_summary(capsys, monkeypatch):
   assert regret.pusher_row(three, dict(res3, dg_sweep_us=us[:4]), sets[0]) is None  # one pass's runs: not this case
   spec = run.runner_spec(three)  # the runner times the sweep three times over, in order
   assert spec["dg_sweep"] == [1, 2, 4, 0] * 3 and "sweep_passes" not in spec
+  # FP8 dispatch_gemm: the mirror takes the packed rows' bytes and GEMM1's K as the kernel hands it to the model
+  # (Fp8ModelK: the calibration is the bf16 engine's).
+  f8 = dataclasses.replace(case, fp8=True, d_model=512, k_dim=256, n_dim=128)
+  sets8 = cases_lib.make_data(f8)
+  mirror8 = [_jmo.model_choose_dispatch_pushers_for_plan(p, [int(v) for v in d.plan["send_start"]], r,
+                                                         int(d.plan["recv_rows"]), 512 + 16, _jmo.model_fp8_k(512),
+                                                         f8.k_dim, 32) for r, d in enumerate(sets8[0])]
+  assert _jmo.model_fp8_k(3072) == 2048
+  assert regret.pusher_row(f8, dict(res, dg_sweep_pushers=[[1, 1], [2, 2], [4, 4], mirror8]), sets8[0])["mirror_agrees"]
 
 
 def test_timing_suites_align_the_ranks_where_they_say():

@@ -90,11 +90,13 @@ def test_expert_axis_across_processes_is_bitwise_the_one_process_run(nproc, loca
 
 
 @pytest.mark.slow  # child processes; the expert axis across processes stays in the default pass
-def test_fp8_expert_axis_across_processes_is_bitwise_the_one_process_run(tmp_path):
+@pytest.mark.parametrize("case", ["fp8_across", "fp8_across_unfused"])
+def test_fp8_expert_axis_across_processes_is_bitwise_the_one_process_run(case, tmp_path):
   # quantization="fp8": the packed e4m3 rows dispatched with the GEMM after them (dispatch_gemm_fp8) and the fused
   # returns (expert_combine on e4m3 operands), forward and backward, over a shared-memory workspace spanning two
   # processes of two devices.
-  _expert_across(2, 2, 2, tmp_path, case="fp8_across")
+  # fp8_across_unfused: the dispatches unfused (dispatch calls moving the packed rows).
+  _expert_across(2, 2, 2, tmp_path, case=case)
 
 
 @pytest.mark.slow  # child processes; the expert axis across processes stays in the default pass

@@ -636,8 +636,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _combine_time(base)
   if name == "combine-fp8":
     return _combine_fp8(base)
-  if name == "combine-time-fp8":  # combine-time with the FP8 producer (its consumer count the fixed C)
-    return [dataclasses.replace(c, fp8=True, consumers=0, model=None) for c in _combine_time(base)]
+  if name == "combine-time-fp8":  # combine-time with the FP8 producer (its C the model's, its K counted by Fp8ModelK)
+    return [dataclasses.replace(c, fp8=True) for c in _combine_time(base)]
   if name == "backward-time":
     return _backward_time(base)
   if name == "regret":

@@ -73,9 +73,11 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
                                                          case.tokens, case.slot_top_k, case.n_dim, case.rank_k, eb,
                                                          min(32, budget - 1), fixed)
               if policy == "model" else fixed for r, d in enumerate(ranks)]
-  else:
+  else:  # (the e4m3 producer's K as the kernel hands it to the model: Fp8ModelK)
+    from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
+    K = _jmo.model_fp8_k(case.rank_k) if case.fp8 else case.rank_k
     mirror = [bench_resource.kernel_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r, case.n_dim,
-                                                  case.rank_k, eb, min(32, budget - 1))
+                                                  K, eb, min(32, budget - 1))
               for r, d in enumerate(ranks)]
   return {"kind": "regret", "what": what, "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
@@ -97,11 +99,11 @@ def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   chosen = used[sweep.index(0)]
   budget = result["budget"]
   p, jmo = _rank_model(case, budget)
-  row_bytes = case.d_model * (4 if case.f32 else 2)
+  K = jmo.model_fp8_k(case.d_model) if case.fp8 else case.d_model  # (GEMM1's K as the kernel hands it: Fp8ModelK)
   mirror = []
   for r, d in enumerate(ranks):
     mirror.append(jmo.model_choose_dispatch_pushers_for_plan(p.native(), [int(v) for v in d.plan["send_start"]], r,
-                                                             int(d.plan["recv_rows"]), row_bytes, case.d_model,
+                                                             int(d.plan["recv_rows"]), case.dispatch_row_bytes, K,
                                                              case.rank_k, jmo.model_max_ctas(budget)))
   return {"kind": "regret", "what": "P", "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],

@@ -196,10 +196,9 @@ class Run {
         info.cc, {dt_, cuda::GemmForm::kRows, cap_, K_, N_, s_.transpose_rhs, cuda::GemmEpilogue::kNone, out_y_[0],
                   out_y_[0]});
     res_.producer = s_.fp8 ? "wgmma e4m3" : engine ? cuda::GemmEngineName(*engine) : "none";
-    if (s_.fp8)  // (the e4m3 producer's C where the call does not pin it: the fixed C, LaunchExpertOperator)
-      res_.consumer_policy = cuda::ConsumerPolicyName(cuda::ConsumerPolicy::kFixed);
-    else if (engine)
-      res_.consumer_policy = cuda::ConsumerPolicyName(cuda::SelectConsumerPolicy(*ws_, CallOptions{}, *engine));
+    if (s_.fp8 || engine)  // (the e4m3 producer is the wgmma engine's tile: LaunchExpertOperator)
+      res_.consumer_policy = cuda::ConsumerPolicyName(
+          cuda::SelectConsumerPolicy(*ws_, CallOptions{}, s_.fp8 ? cuda::GemmEngine::kWgmma : *engine));
     res_.fixed_consumers = std::max(1, std::min(ws_->consumer_ctas(), res_.budget - 1));
     for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
     streams_.clear();

@@ -523,9 +523,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   const int R = rd.ranks;
   __shared__ int chosen_pushers;
   if (threadIdx.x < 32) {
-    // The model's GEMM rate is the bf16 engine's per 64 of K (a stage); an e4m3 stage covers 128 of K in about a bf16
-    // stage's time, so FP8 tiles count as half their K.
-    const int64_t model_k = kFp8 ? g.K / 2 : g.K;
+    const int64_t model_k = kFp8 ? Fp8ModelK(g.K) : g.K;  // (the model's tile time is the bf16 engine's)
     const int p = !g.pushers.use_model ? g.pushers.pushers
                   : WarpChooseDispatchPushers(g.pushers, PusherInputsFromPlan(g.send_start, rd.rank, R,
                                                                               g.recv_expected[0], g.row_bytes,

@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   }
   // (gather_rs: C >= 1, the host keeps the pinned and the fixed C in [1, grid - 1].)
   const int consumers = kGather ? GatherConsumersOfCall(table, prep, pol, gsh, rd.rank, rd.ranks, &choice)
-                                : ConsumersOfCall(table, prep, pol, N, K, &choice);
+                                : ConsumersOfCall(table, prep, pol, N, kEngine == kWgmmaFp8 ? Fp8ModelK(K) : K,
+                                                  &choice);
   const int64_t row_bytes = N * (int64_t)sizeof(T);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     rd.priv->consumers = (uint64_t)consumers;
@@ -394,8 +395,8 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   const GemmEngine engine = *selected;
   // The fixed C; also gather_rs's under the model where no band goes to another rank (GatherConsumersOfCall).
   const int fixed = std::max(1, std::min(ws.consumer_ctas(), budget - 1));
-  const ConsumerPolicy policy = fp8.active && c.opts.consumer_ctas == 0 ? ConsumerPolicy::kFixed
-                                                                         : SelectConsumerPolicy(ws, c.opts, engine);
+  // (The e4m3 producer's tiles are the wgmma engine's shape: the model sizes its C with Fp8ModelK.)
+  const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, engine);
   if (policy == ConsumerPolicy::kPinned) {
     pol.consumers = c.opts.consumer_ctas;
   } else if (policy == ConsumerPolicy::kModel) {

@@ -179,6 +179,12 @@ JMO_RM_HD inline double ModelMakespanFromPrefixes(const ModelParams& p, const Mo
   return us;
 }
 
+// The K at which the model (its tile time the bf16 wgmma engine's per K, calibrated on it) times an e4m3 tile of K:
+// the FP8 grouped GEMM runs a tile of the same shape 1.45-1.68x as fast as the bf16 one (docs/performance.md, "FP8
+// grouped GEMM"), so its K counts two thirds. The one rule for every FP8 call the model sizes (dispatch_gemm's
+// pushers, expert_combine's consumers) until the model has an FP8 calibration of its own.
+JMO_RM_HD constexpr int64_t Fp8ModelK(int64_t K) { return K * 2 / 3; }
+
 // The largest C the manager considers on a rank with `budget` CTAs: min(32, budget - 1) (one warp of candidates).
 constexpr int kMaxModelCtas = 32;
 JMO_RM_HD inline int ModelMaxCtas(int budget) { return budget - 1 < kMaxModelCtas ? budget - 1 : kMaxModelCtas; }
