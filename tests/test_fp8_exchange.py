@@ -44,11 +44,12 @@ def rows_exchanged_in_the_compute_dtype(monkeypatch):
       api._programs.clear()  # pylint: disable=protected-access
 
 
-def layer_grads(mesh, ids, cot, impl, cf, tensor_axis, batch_axes, config=jmo.CallConfig()):
+def layer_grads(mesh, ids, cot, impl, cf, tensor_axis, batch_axes, config=jmo.CallConfig(), quantization="fp8"):
   """The fp8 layer's loss sum(y * cot), returning ((loss, (y, dropped)), (dx, dgates, dw1, dw2)), unjitted."""
   def loss(x, gates, w1, w2):
     y, dropped = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=cf,
-                                 tensor_axis=tensor_axis, batch_axes=batch_axes, config=config, quantization="fp8")
+                                 tensor_axis=tensor_axis, batch_axes=batch_axes, config=config,
+                                 quantization=quantization)
     return jnp.sum(y.astype(jnp.float32) * cot), (y, dropped)
   return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
 

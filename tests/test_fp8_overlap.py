@@ -56,6 +56,8 @@ CASES = {
     "explicit-batch-f32": dict(shape={"data": 2, "expert": 2}, explicit=True, dtype=jnp.float32, cf=0.75,
                                batch_axes=("data",)),
     "auto-one-rank-bf16": dict(shape={"expert": 1}, dtype=jnp.bfloat16, cf=0.5),
+    "auto-bf16-drops-bf16-wgrad": dict(shape={"expert": 4}, dtype=jnp.bfloat16, cf=0.75,
+                                       quantization="fp8_bf16_wgrad"),
 }
 DEFAULT_PASS = ("explicit-bf16-drops",)   # each case compiles two layers' forward and backward
 
@@ -87,7 +89,8 @@ def overlap_equals_collective(c, config):
   if explicit:
     x = jax.device_put(x, NamedSharding(mesh, P((*batch_axes, "expert"))))
     w1, w2 = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (w1, w2))
-  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, c.get("cf"), None, batch_axes, config))
+  run = lambda impl: jax.jit(layer_grads(mesh, ids, cot, impl, c.get("cf"), None, batch_axes, config,
+                                         c.get("quantization", "fp8")))
   (_, (y, dropped)), grads = run("overlap")(x, gates, w1, w2)
   (_, (y_ref, dropped_ref)), grads_ref = run("collective")(x, gates, w1, w2)
   assert (int(dropped) > 0) == (c.get("cf") is not None) and int(dropped) == int(dropped_ref)
@@ -426,7 +429,8 @@ def test_packed_return_inverts_packed_rows():
 
 
 
-FUSED_DISPATCH_CASES = ("explicit-bf16-drops", "auto-bf16-dropless-send-once", "explicit-batch-f32")
+FUSED_DISPATCH_CASES = ("explicit-bf16-drops", "auto-bf16-dropless-send-once", "explicit-batch-f32",
+                        "auto-bf16-drops-bf16-wgrad")
 
 
 @pytest.mark.parametrize("name", [n if n in FUSED_DISPATCH_CASES[:2] else pytest.param(n, marks=pytest.mark.slow)
