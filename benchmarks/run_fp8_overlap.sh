@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # The FP8 layer's overlapped operators on one Hopper GPU: its returns (expert_combine on e4m3 operands: GEMM2 and its
 # way back, dx = da W1^T and its way back) and its dispatches (dispatch_gemm on packed e4m3 rows: x's with GEMM1, dy's
-# with dh = dy W2^T), in two device calls of about 9 minutes each (the default, then FP8_ONLY_TIME=1):
+# with dh = dy W2^T), in three device calls of up to 9 minutes each (the default, FP8_ONLY_TIME=1, FP8_ONLY_TIME=2):
 #   build (tests/gpu/build_gpu.sh) -> the GPU tests, -k fp8: the FP8 producer (test_gpu_expert_combine.py against
 #   float64, test_gpu_loopback.py: the loopback suite combine-fp8), dispatch_gemm's FP8 kernel
 #   (test_gpu_dispatch_gemm_fp8.py: bitwise dispatch + unpack + the FP8 grouped GEMMs, and the layer with it), two
 #   processes sharing the GPU (test_gpu_multiprocess.py: the fused returns, then the fused dispatches too), the layer
-#   as shipped (test_gpu_fp8_overlap.py, the fused returns where there are two GPUs) -> memcheck on one loopback rank
-#   -> bench_fused's FP8 rows at EP = 1 (the producer against grouped_matmul_fp8 + XLA's combine and alone, beside
+#   as shipped (test_gpu_fp8_overlap.py, the fused returns where there are two GPUs) -> memcheck on one loopback rank;
+#   then bench_fused's FP8 rows at EP = 1 (the producer against grouped_matmul_fp8 + XLA's combine and alone, beside
 #   bf16's) -> the loopback suite combine-time-fp8 (R = 2, 4, 8 over the emulated NVLink against the serialized form
 #   and GEMM2 alone: the overlap table) and combine-time for the bf16 rows of the same run, then the FP8 producer's C
 #   swept on one case.
 #
-#   bash benchmarks/run_fp8_overlap.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, fused.log)
+#   bash benchmarks/run_fp8_overlap.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, memcheck-dg.txt)
 #   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_overlap.sh     (fused.log, time-fp8.txt, time-bf16.txt, sweep-fp8.txt)
-#   FP8_ONLY_TIME=2 bash benchmarks/run_fp8_overlap.sh     (fused.log, dg-time-fp8.txt, dg-time-bf16.txt)
-# The default call: build, tests, memcheck, bench_fused; FP8_ONLY_TIME=1: build, bench_fused and the two combine
-# timing suites; FP8_ONLY_TIME=2 (a third call): build, bench_fused and the two dispatch_gemm timing suites
-# (dispatch-gemm-time-fp8, dispatch-gemm-time).
+#   FP8_ONLY_TIME=2 bash benchmarks/run_fp8_overlap.sh     (dg-time-fp8.txt, dg-time-bf16.txt)
+# The default call: build, the tests, memcheck (the FP8 producer; dispatch_gemm's FP8 kernel); FP8_ONLY_TIME=1:
+# build, bench_fused and the two combine timing suites with the FP8 C sweep; FP8_ONLY_TIME=2: build and the two
+# dispatch_gemm timing suites (dispatch-gemm-time-fp8, dispatch-gemm-time). Three device calls of up to 9 minutes.
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-fp8-overlap-out}
 cd "$(dirname "$0")/.."
@@ -36,15 +36,15 @@ if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
     timeout 60 "$CS" --tool memcheck --error-exitcode 99 python3 -m tools.loopback.run --ranks 1 --experts 4 \
       --tokens 96 --d-model 128 --k-dim 384 --n-dim 640 --fp8 --iters 2 > "$OUT/memcheck.txt" 2>&1
     echo "memcheck rc $?"; grep -E "SUMMARY|^(PASS|FAIL)" "$OUT/memcheck.txt" | cut -c1-240
+    # dispatch_gemm's FP8 kernel (and the FP8 combine after it) on one rank, the training forward's results.
+    timeout 60 "$CS" --tool memcheck --error-exitcode 99 python3 -m tools.loopback.run --ranks 1 --experts 4 \
+      --tokens 96 --d-model 512 --k-dim 256 --n-dim 128 --fp8 --dispatch-gemm 1 --dispatch-gemm-mode train \
+      --iters 2 > "$OUT/memcheck-dg.txt" 2>&1
+    echo "memcheck dispatch_gemm fp8 rc $?"; grep -E "SUMMARY|^(PASS|FAIL)" "$OUT/memcheck-dg.txt" | cut -c1-240
     el memcheck
   fi
+  exit 0
 fi
-timeout 90 python3 -m benchmarks.bench_fused --quick --skews balanced \
-  --impls "ours,bare+combine,bare gemm,ours fp8,bare fp8+combine,bare fp8 gemm" --out "$OUT/fused.jsonl" \
-  > "$OUT/fused.log" 2>&1
-echo "bench_fused rc $?"; grep -E "^\|" "$OUT/fused.log" | cut -c1-200
-el bench_fused
-[ "${FP8_ONLY_TIME:-0}" = 0 ] && exit 0
 if [ "${FP8_ONLY_TIME}" = 2 ]; then
   # The FP8 dispatch fused with GEMM1 against the dispatch then the FP8 GEMM1 (on the rows unpacked beforehand: the
   # two calls without their unpack), beside bf16's dispatch-gemm-time in the same run.
@@ -56,6 +56,11 @@ if [ "${FP8_ONLY_TIME}" = 2 ]; then
   el dispatch-gemm-time
   exit 0
 fi
+timeout 90 python3 -m benchmarks.bench_fused --quick --skews balanced \
+  --impls "ours,bare+combine,bare gemm,ours fp8,bare fp8+combine,bare fp8 gemm" --out "$OUT/fused.jsonl" \
+  > "$OUT/fused.log" 2>&1
+echo "bench_fused rc $?"; grep -E "^\|" "$OUT/fused.log" | cut -c1-200
+el bench_fused
 timeout 150 python3 -m tools.loopback.run --suite combine-time-fp8 > "$OUT/time-fp8.txt" 2>&1
 echo "combine-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/time-fp8.txt" | cut -c1-240
 el combine-time-fp8
