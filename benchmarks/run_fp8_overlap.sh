@@ -20,6 +20,7 @@
 # dispatch_gemm timing suites (dispatch-gemm-time-fp8, dispatch-gemm-time). Three device calls of up to 9 minutes.
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-fp8-overlap-out}
+export PYTHONUNBUFFERED=1  # (a step its timeout stops still leaves its log)
 cd "$(dirname "$0")/.."
 source benchmarks/device_call.sh || exit 1  # $OUT/summary.txt, `el`, the build
 REPO=$PWD
