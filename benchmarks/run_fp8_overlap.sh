@@ -15,6 +15,8 @@
 #   bash benchmarks/run_fp8_overlap.sh     ($OUT: summary.txt, pytest.log, memcheck.txt, memcheck-dg.txt)
 #   FP8_ONLY_TIME=1 bash benchmarks/run_fp8_overlap.sh     (fused.log, time-fp8.txt, time-bf16.txt, sweep-fp8.txt)
 #   FP8_ONLY_TIME=2 bash benchmarks/run_fp8_overlap.sh     (dg-time-fp8.txt, dg-time-bf16.txt)
+#   FP8_ONLY_TIME=3 bash benchmarks/run_fp8_overlap.sh     (dg-time-fp8.txt, time-fp8.txt, sweep-fp8.txt: the FP8
+#                                                           tables alone, one call for both)
 # The default call: build, the tests, memcheck (the FP8 producer; dispatch_gemm's FP8 kernel); FP8_ONLY_TIME=1:
 # build, bench_fused and the two combine timing suites with the FP8 C sweep; FP8_ONLY_TIME=2: build and the two
 # dispatch_gemm timing suites (dispatch-gemm-time-fp8, dispatch-gemm-time). Three device calls of up to 9 minutes.
@@ -46,6 +48,13 @@ if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
   fi
   exit 0
 fi
+if [ "${FP8_ONLY_TIME}" = 3 ]; then
+  # Both FP8 overlaps' tables in one call (no bf16 rows beside them): dispatch-gemm-time-fp8, combine-time-fp8, then
+  # the FP8 C sweep below.
+  timeout 200 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
+  echo "dispatch-gemm-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/dg-time-fp8.txt" | cut -c1-240
+  el dispatch-gemm-time-fp8
+fi
 if [ "${FP8_ONLY_TIME}" = 2 ]; then
   # The FP8 dispatch fused with GEMM1 against the dispatch then the FP8 GEMM1 (on the rows unpacked beforehand: the
   # two calls without their unpack), beside bf16's dispatch-gemm-time in the same run.
@@ -57,17 +66,21 @@ if [ "${FP8_ONLY_TIME}" = 2 ]; then
   el dispatch-gemm-time
   exit 0
 fi
-timeout 90 python3 -m benchmarks.bench_fused --quick --skews balanced \
-  --impls "ours,bare+combine,bare gemm,ours fp8,bare fp8+combine,bare fp8 gemm" --out "$OUT/fused.jsonl" \
-  > "$OUT/fused.log" 2>&1
-echo "bench_fused rc $?"; grep -E "^\|" "$OUT/fused.log" | cut -c1-200
-el bench_fused
+if [ "${FP8_ONLY_TIME}" = 1 ]; then
+  timeout 90 python3 -m benchmarks.bench_fused --quick --skews balanced \
+    --impls "ours,bare+combine,bare gemm,ours fp8,bare fp8+combine,bare fp8 gemm" --out "$OUT/fused.jsonl" \
+    > "$OUT/fused.log" 2>&1
+  echo "bench_fused rc $?"; grep -E "^\|" "$OUT/fused.log" | cut -c1-200
+  el bench_fused
+fi
 timeout 150 python3 -m tools.loopback.run --suite combine-time-fp8 > "$OUT/time-fp8.txt" 2>&1
 echo "combine-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/time-fp8.txt" | cut -c1-240
 el combine-time-fp8
-timeout 120 python3 -m tools.loopback.run --suite combine-time > "$OUT/time-bf16.txt" 2>&1
-echo "combine-time rc $?"; grep -E "^\||cases passed" "$OUT/time-bf16.txt" | cut -c1-240
-el combine-time
+if [ "${FP8_ONLY_TIME}" = 1 ]; then
+  timeout 120 python3 -m tools.loopback.run --suite combine-time > "$OUT/time-bf16.txt" 2>&1
+  echo "combine-time rc $?"; grep -E "^\||cases passed" "$OUT/time-bf16.txt" | cut -c1-240
+  el combine-time
+fi
 # The FP8 producer's consumer count: every pinned C (8: the fixed C, SMs / 8) against the model's (the shipped H200
 # calibration, the bf16 engine's, with the e4m3 tile's K counted by Fp8ModelK: its regret) on the seed shape at R = 2
 # over the emulated link.
