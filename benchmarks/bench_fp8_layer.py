@@ -1,8 +1,8 @@
 """The MoE expert layer at EP = 1 (one GPU; --devices N: an expert axis of N devices, issue 34's multi-GPU rows),
 forward and forward+backward, with quantization="fp8" against bf16, per impl (--impls, default collective and
-overlap; also "overlap+fused": impl="overlap" with its returns fused under fp8 where the library does not fuse them
-yet (call_site.FP8_FUSED_COMBINE_ON_GPU set while it is traced: GEMM2 and the way back, dx and its way back as
-expert_combine on e4m3 operands; at one rank the same as overlap), "overlap+fused-dispatch" (FP8_FUSED_DISPATCH_ON_GPU:
+overlap; also "overlap+fused": impl="overlap" with its returns fused under fp8 (call_site.FP8_FUSED_COMBINE_ON_GPU
+set while it is traced, the default: GEMM2 and the way back, dx and its way back as expert_combine on e4m3 operands;
+at one rank the same as overlap), "overlap+fused-dispatch" (FP8_FUSED_DISPATCH_ON_GPU, off by default:
 x's dispatch with GEMM1 and dy's with dh = dy W2^T as dispatch_gemm on packed rows; d_model a multiple of 512),
 "overlap+fused-all" (both), and "overlap-serialized" (CallConfig(serialize=True))):
 ``moe_experts(impl="collective")`` (the exchange in XLA, the experts

@@ -16,9 +16,9 @@
 #               (its time over the fastest pinned C's, minus 1).
 # Not in the default --steps (name them to run them):
 #   fp8_layer   benchmarks.bench_fp8_layer on all GPUs (--devices, FP8_ARGS): the layer under quantization="fp8"
-#               against bf16, forward and forward+backward, impl collective, overlap (the library's default),
-#               overlap+fused (the returns fused by expert_combine on e4m3 operands), overlap+fused-all (the
-#               dispatches fused with the GEMMs after them too) and overlap-serialized
+#               against bf16, forward and forward+backward, impl collective, overlap (the library's default: the
+#               returns fused by expert_combine on e4m3 operands), overlap+fused-all (the dispatches fused with
+#               the GEMMs after them too) and overlap-serialized
 #   resource    benchmarks.bench_resource --quick: the manager's regret sweep on the loopback harness (R ranks sharing
 #               GPU 0, each with SMs / R and the link ceiling / R; the tools build of `build` and the shipped
 #               calibration of this GPU). Not real links: ep_combine is the real-link sweep.
@@ -79,7 +79,7 @@ EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
 EP_IMPLS=${EP_IMPLS:-ours,serialized,xla,ideal,ours_dg}
 EP_ARGS=${EP_ARGS:---max-call-s 5 --dispatch-pushers 16}
 EPC_ARGS=${EPC_ARGS:---max-call-s 1}
-FP8_ARGS=${FP8_ARGS:---impls collective,overlap,overlap+fused,overlap+fused-all,overlap-serialized --no-xla}
+FP8_ARGS=${FP8_ARGS:---impls collective,overlap,overlap+fused-all,overlap-serialized --no-xla}
 RESOURCE_ARGS=${RESOURCE_ARGS:---quick --reps 3}
 TESTS_K=${TESTS_K-not racecheck and not synccheck}
 TRAIN_ARGS=${TRAIN_ARGS:---preset gpu --steps 30 --log-every 5 --eval-batches 1 --skip-check}

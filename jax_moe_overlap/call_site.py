@@ -61,10 +61,11 @@ def send_once(config: CallConfig) -> bool:
 
 # Whether GPUs run the FP8 layer's returns (GEMM2 and its way back, dx = da W1^T and its way back) as expert_combine
 # calls on e4m3 operands (its FP8 producer, the FP8 grouped GEMM's loop in ExpertKernel) instead of the FP8 grouped
-# GEMM, a dispatch of its rows back and XLA's sum over a token's slots. Off on GPUs while that kernel has not passed
-# its GPU tests (tests/gpu/test_gpu_expert_combine.py -k fp8, test_gpu_multiprocess.py -k fp8); CPUs take the fused
-# calls (the same bits: tests/test_fp8_overlap.py).
-FP8_FUSED_COMBINE_ON_GPU = False
+# GEMM, a dispatch of its rows back and XLA's sum over a token's slots: on (the kernel passes its GPU tests, and the
+# fused call beats the unfused path's GEMM and return in most loopback cases: docs/performance.md, "The FP8 layer's
+# overlapped operators"); off gives the unfused path. CPUs take the fused calls (the same bits:
+# tests/test_fp8_overlap.py).
+FP8_FUSED_COMBINE_ON_GPU = True
 
 
 def fp8_fused_combine(platform: str) -> bool:
@@ -76,10 +77,10 @@ def fp8_fused_combine(platform: str) -> bool:
 
 # Whether GPUs run the FP8 layer's dispatches with the GEMMs after them (x's with GEMM1, dy's with dh = dy W2^T) as
 # dispatch_gemm calls on packed e4m3 rows (its FP8 kernel: the FP8 grouped GEMM's loop reading A's values and scales
-# from the rows where they land) where the call site fuses the dispatch (dispatch_pushers). Off on GPUs while that
-# kernel has not passed its GPU tests (tests/gpu/test_gpu_dispatch_gemm_fp8.py, test_gpu_multiprocess.py -k
-# fp8_fused_dispatch); CPUs take the fused calls where dispatch_pushers is pinned (the same bits:
-# tests/test_fp8_overlap.py).
+# from the rows where they land) where the call site fuses the dispatch (dispatch_pushers). Off on GPUs: the kernel
+# passes its GPU tests, but its training forward (x_recv copied by the side units) is slower than the two calls at
+# R = 2 (docs/performance.md, "The FP8 layer's overlapped operators"); CPUs take the fused calls where
+# dispatch_pushers is pinned (the same bits: tests/test_fp8_overlap.py).
 FP8_FUSED_DISPATCH_ON_GPU = False
 
 

@@ -1,7 +1,7 @@
 """``impl="overlap"`` under ``quantization="fp8"``: DeepSeek-V3's recipe (``fp8_experts.py``) with the rows crossing in
 the workspace's ``dispatch`` custom call (docs/design.md, "FP8").
 
-Unfused (GPUs while ``call_site.FP8_FUSED_COMBINE_ON_GPU`` is off), the expert block is
+Unfused (where ``call_site.FP8_FUSED_COMBINE_ON_GPU`` is off on a GPU), the expert block is
 ``fp8_exchange.fp8_exchanged_experts`` (the ``custom_vjp`` of impl="collective" under FP8) on a ``WorkspaceRoute``,
 whose row moves are the dispatch custom call instead of XLA collectives:
 

@@ -65,9 +65,9 @@ DEFAULT_PASS = ("explicit-bf16-drops",)   # each case compiles two layers' forwa
 @pytest.fixture(params=["fused", "unfused"])
 def returns(request, monkeypatch):
   """Runs a test on both FP8 overlap paths: the returns fused by expert_combine on e4m3 operands (every CPU's, the
-  GPUs' with call_site.FP8_FUSED_COMBINE_ON_GPU) and unfused (GEMM2, then a dispatch of its rows back: the GPUs'
-  default until the fused kernel has run there). The call sites built after the patch carry the choice
-  (RankInfo.fp8_fused_combine), so the programs cached per call site are the path's own."""
+  GPUs' with call_site.FP8_FUSED_COMBINE_ON_GPU, the default) and unfused (GEMM2, then a dispatch of its rows back).
+  The call sites built after the patch carry the choice (RankInfo.fp8_fused_combine), so the programs cached per
+  call site are the path's own."""
   if request.param == "unfused":
     monkeypatch.setattr(call_site, "fp8_fused_combine", lambda platform: False)
   return request.param

@@ -1,6 +1,6 @@
 """impl="overlap" under quantization="fp8" (fp8_overlap.py) on the GPUs: the dispatch kernels moving packed e4m3
 rows (uint8, D + D / 32 bytes) between ranks (peer writes at R > 1), the FP8 grouped GEMM on Hopper, the expert
-outputs and the input gradient back in bfloat16 by the dispatch kernels (unfused, the GPUs' default) or by
+outputs and the input gradient back in bfloat16 by the dispatch kernels (unfused) or by
 expert_combine on e4m3 operands (fused, below), against impl="collective" under fp8 (the
 same recipe and kernels, its rows through XLA's collectives), forward and the gradients of x, gates, w1 and w2, on a
 mesh over every visible GPU (and one GPU as well when there are several), with skipped slots, dropless and with
@@ -12,9 +12,9 @@ bitwise equal (the CPU tests hold them so, tests/test_fp8_overlap.py); on the GP
 element-wise work (the quantizer, the combine's float32 sum, the token sum of dx) in fusions of its own choice, so
 the test asserts the tolerance and prints whether each result is also bitwise equal. Then: two calls give the same
 bits; the program's dispatch calls carry uint8 rows (on one GPU there is none: no row crosses a link, and the block
-is impl="collective"'s) and no dispatch_gemm runs; with the fused FP8 combine switched on
-(call_site.FP8_FUSED_COMBINE_ON_GPU, R > 1), GEMM2 and the way back are one expert_combine on e4m3 operands, and
-the input gradient's GEMM and its way back another. Skips
+is impl="collective"'s) and no dispatch_gemm runs; with the fused FP8 combine (call_site.FP8_FUSED_COMBINE_ON_GPU,
+the default; R > 1), GEMM2 and the way back are one expert_combine on e4m3 operands, and the input gradient's GEMM
+and its way back another; switched off, the dispatch kernels take the rows back. Skips
 where there is no Hopper GPU."""
 
 import re
