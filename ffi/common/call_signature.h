@@ -259,24 +259,49 @@ struct CombineShape {
 
 constexpr int64_t kFp8Tile = 128;  // K elements per scale; the side of a weight block
 
-// The FP8 row GEMMs' rules on their sizes and scales (jmo_grouped_matmul_fp8's, expert_combine's e4m3 producer's):
-// lhs [M, K] and rhs [G, N, K] e4m3 with K and N positive multiples of 128, lhs_scales [K/128, ld] (MN-major: ld >= M
-// and a multiple of 4, 16-byte rows for TMA) and rhs_scales [G, N/128, K/128]. nullopt, or why not in the call's own
-// names: `rows` for M, `groups` for G, `rhs_scales` for the weight's scales.
+// The FP8 row GEMMs' rules, each stated once here (jmo_grouped_matmul_fp8's, expert_combine's e4m3 producer's,
+// dispatch_gemm's FP8 form's), nullopt or why not in the call's own names (`k`: K's name, K or D).
+// K and N positive multiples of 128: whole 1 x 128 and 128 x 128 scale tiles.
+inline std::optional<std::string> Fp8TilesRefusal(int64_t K, int64_t N, const std::string& k) {
+  if (K < kFp8Tile || K % kFp8Tile != 0 || N < kFp8Tile || N % kFp8Tile != 0)
+    return k + " and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got " + k + "=" +
+           std::to_string(K) + ", N=" + std::to_string(N);
+  return std::nullopt;
+}
+
+// The weight's block scales [G, N/128, K/128] (`groups`: G's name, `rhs_scales`: the scales').
+template <typename RhsDims>
+std::optional<std::string> Fp8WeightScalesRefusal(int64_t K, int64_t N, int64_t G, const RhsDims& bd,
+                                                  const std::string& k, const std::string& groups,
+                                                  const std::string& rhs_scales) {
+  if (bd.size() != 3 || bd[0] != G || bd[1] != N / kFp8Tile || bd[2] != K / kFp8Tile)
+    return rhs_scales + " must be [" + groups + ", N/128, " + k + "/128] = [" + std::to_string(G) + ", " +
+           std::to_string(N / kFp8Tile) + ", " + std::to_string(K / kFp8Tile) + "], got " + DimsText(bd);
+  return std::nullopt;
+}
+
+// The FP8 grouped GEMM kernel's own limits (wgmma_grouped_fp8.cuh's GroupedGemmFp8Refusal), for the calls whose
+// handlers refuse them before the call begins: rows in [1, 2^31 - 128) and fewer than 2^31 weight scales.
+inline std::optional<std::string> Fp8KernelLimitsRefusal(int64_t rows, int64_t K, int64_t N, int64_t G,
+                                                         const std::string& k) {
+  if (rows < 1 || rows > 0x7fffffff - kFp8Tile)
+    return "e4m3 lhs needs cap (its rows) in [1, 2^31 - 128), got " + std::to_string(rows);
+  if (G * (N / kFp8Tile) * (K / kFp8Tile) > 0x7fffffff)
+    return "w_scales must have fewer than 2^31 entries (E_local * N/128 * " + k + "/128)";
+  return std::nullopt;
+}
+
+// lhs [M, K] and rhs [G, N, K] e4m3: Fp8TilesRefusal, lhs_scales [K/128, ld] (MN-major: ld >= M and a multiple of 4,
+// 16-byte rows for TMA), Fp8WeightScalesRefusal; `rows` names M.
 template <typename LhsDims, typename RhsDims>
 std::optional<std::string> Fp8RowOperandsRefusal(int64_t M, int64_t K, int64_t N, int64_t G, const LhsDims& sd,
                                                  const RhsDims& bd, const std::string& rows, const std::string& groups,
                                                  const std::string& rhs_scales) {
-  if (K < kFp8Tile || K % kFp8Tile != 0 || N < kFp8Tile || N % kFp8Tile != 0)
-    return "K and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles), got K=" +
-           std::to_string(K) + ", N=" + std::to_string(N);
+  if (std::optional<std::string> why = Fp8TilesRefusal(K, N, "K")) return why;
   if (sd.size() != 2 || sd[0] != K / kFp8Tile || sd[1] < M || sd[1] % 4 != 0)
     return "lhs_scales must be [K/128, ld] with ld >= " + rows + " and a multiple of 4 (MN-major, 16-byte rows): " +
            "got " + DimsText(sd) + " for " + rows + "=" + std::to_string(M) + ", K=" + std::to_string(K);
-  if (bd.size() != 3 || bd[0] != G || bd[1] != N / kFp8Tile || bd[2] != K / kFp8Tile)
-    return rhs_scales + " must be [" + groups + ", N/128, K/128] = [" + std::to_string(G) + ", " +
-           std::to_string(N / kFp8Tile) + ", " + std::to_string(K / kFp8Tile) + "], got " + DimsText(bd);
-  return std::nullopt;
+  return Fp8WeightScalesRefusal(K, N, G, bd, "K", groups, rhs_scales);
 }
 
 // expert_combine's FP8 operands (BindExpertCombine's rule) against the shape CheckExpertCombine read: fills
@@ -292,12 +317,7 @@ inline std::optional<std::string> CheckExpertCombineFp8(const xla::ffi::AnyBuffe
   if (std::optional<std::string> why = Fp8RowOperandsRefusal(s->cap, s->K, s->N, s->E_local, lhs_scales.dimensions(),
                                                              w_scales.dimensions(), "cap", "E_local", "w_scales"))
     return why;
-  // (The FP8 grouped GEMM's own limits, wgmma_grouped_fp8.cuh's GroupedGemmFp8Refusal, checked here so that every
-  // handler refuses them before the call begins.)
-  if (s->cap < 1 || s->cap > 0x7fffffff - kFp8Tile)
-    return "e4m3 lhs needs cap (its rows) in [1, 2^31 - 128), got " + std::to_string(s->cap);
-  if (s->E_local * (s->N / kFp8Tile) * (s->K / kFp8Tile) > 0x7fffffff)
-    return std::string("w_scales must have fewer than 2^31 entries (E_local * N/128 * K/128)");
+  if (std::optional<std::string> why = Fp8KernelLimitsRefusal(s->cap, s->K, s->N, s->E_local, "K")) return why;
   s->fp8 = true;
   s->scales_ld = lhs_scales.dimensions()[1];
   return std::nullopt;
@@ -332,21 +352,16 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemmFp8(
                 DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) +
                 ", a " + DimsText(ad));
   const int64_t D = wd[2], N = wd[1], E_l = wd[0], cap = od[0], width = RowBytes(DType::kE4M3Rows, D);
-  if (D < kFp8Tile || D % kFp8Tile != 0 || N < kFp8Tile || N % kFp8Tile != 0 || (swiglu && N % (2 * kFp8Tile)))
-    return fail("D and N must be positive multiples of 128 (whole 1 x 128 and 128 x 128 scale tiles; with swiglu N = "
-                "2F and F a multiple of 128), got w " + DimsText(wd));
+  if (std::optional<std::string> why = Fp8TilesRefusal(D, N, "D")) return fail(*why);
+  if (swiglu && N % (2 * kFp8Tile))
+    return fail("with swiglu N = 2F must have F a multiple of 128 (whole 1 x 128 tiles of h), got w " + DimsText(wd));
   if (sd[1] != width || xd[1] != width || (xd[0] != cap && xd[0] != 0))
     return fail("src and x_recv rows must be D + D/32 = " + std::to_string(width) + " bytes for w " + DimsText(wd) +
                 " (x_recv [cap or 0, ...]); got src " + DimsText(sd) + ", x_recv " + DimsText(xd));
-  if (w_scales.dimensions().size() != 3 || w_scales.dimensions()[0] != E_l ||
-      w_scales.dimensions()[1] != N / kFp8Tile || w_scales.dimensions()[2] != D / kFp8Tile)
-    return fail("w_scales must be [E_local, N/128, D/128] = [" + std::to_string(E_l) + ", " +
-                std::to_string(N / kFp8Tile) + ", " + std::to_string(D / kFp8Tile) + "], got " +
-                DimsText(w_scales.dimensions()));
-  if (E_l * (N / kFp8Tile) * (D / kFp8Tile) > 0x7fffffff)
-    return fail("w_scales must have fewer than 2^31 entries (E_local * N/128 * D/128)");
-  if (cap < 1 || cap > 0x7fffffff - kFp8Tile)
-    return fail("cap (out's rows) must be in [1, 2^31 - 128), got " + std::to_string(cap));
+  if (std::optional<std::string> why =
+          Fp8WeightScalesRefusal(D, N, E_l, w_scales.dimensions(), "D", "E_local", "w_scales"))
+    return fail(*why);
+  if (std::optional<std::string> why = Fp8KernelLimitsRefusal(cap, D, N, E_l, "D")) return fail(*why);
   const int64_t F = N / 2, a_rows = ad[0];
   const bool ok = swiglu ? out.element_type() == DataType::F8E4M3FN && od[1] == F &&
                                a.element_type() == DataType::F8E4M3FN && ad[1] == N && (a_rows == cap || a_rows == 0) &&
