@@ -7,6 +7,7 @@
 
 #include "cuda/gemm/sm90/swiglu_fp8_epilogue.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
+#include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/gemm/sm90/wgmma_mainloop_fp8.cuh"
 #include "cuda/launch.h"
 #include "cuda/ops/expert_producer.cuh"
@@ -759,18 +760,13 @@ cudaError_t CachedFp8PackedRowsMaps(const void* recv, int64_t cap, int64_t D, in
     }
   };
   return wgmma_gemm::CachedMapSet<Key, 32, 3>(Key{recv, w, cap, D, E_l, N}, maps, [&](CUtensorMap* m) {
-    using wgmma_gemm::EncodeMap;
-    const cuuint64_t a_dims[2] = {(cuuint64_t)D, (cuuint64_t)cap}, strides[1] = {(cuuint64_t)row_bytes};
-    const cuuint32_t a_box[2] = {wgmma_gemm::kFp8BK, wgmma_gemm::kBM};
-    const cuuint64_t b_dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)E_l};
-    const cuuint64_t b_strides[2] = {(cuuint64_t)D, (cuuint64_t)N * D};
-    const cuuint32_t b_box[3] = {wgmma_gemm::kFp8BK, wgmma_gemm::kBN / 2, 1};
     const cuuint64_t s_dims[2] = {(cuuint64_t)(D / wgmma_gemm::kScaleChunk), (cuuint64_t)cap};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
     const cuuint32_t s_box[2] = {wgmma_gemm::kFp8TailChunks, wgmma_gemm::kBM};
-    if (!EncodeMap(&m[0], recv, 2, a_dims, strides, a_box, "packed e4m3 rows [cap, D]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
-        !EncodeMap(&m[1], w, 3, b_dims, b_strides, b_box, "e4m3 w [E_l, N, D]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
-        !EncodeMap(&m[2], static_cast<const char*>(recv) + D, 2, s_dims, strides, s_box, "packed rows' scales",
-                   CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE))
+    if (!wgmma_gemm::EncodeFp8AMap(&m[0], recv, cap, D, row_bytes, "packed e4m3 rows [cap, D]") ||
+        !wgmma_gemm::EncodeFp8BMap(&m[1], w, E_l, N, D, "e4m3 w [E_l, N, D]") ||
+        !wgmma_gemm::EncodeMap(&m[2], static_cast<const char*>(recv) + D, 2, s_dims, strides, s_box,
+                               "packed rows' scales", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE))
       return cudaErrorInvalidValue;
     return cudaSuccess;
   });

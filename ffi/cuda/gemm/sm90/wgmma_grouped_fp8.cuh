@@ -81,6 +81,21 @@ inline cudaError_t RefuseFp8Launch(const char* kernel, int64_t M, int64_t K, con
   return cudaErrorInvalidValue;
 }
 
+// The e4m3 operands' tensor maps of every FP8 loop (Fp8Operands' a_map and b_map), 128B swizzled, OOB zero fill:
+// A, `rows` rows of K e4m3 values `stride` bytes apart, as (K, rows) box (128, 128);
+inline bool EncodeFp8AMap(CUtensorMap* m, const void* a, int64_t rows, int64_t K, int64_t stride, const char* what) {
+  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)stride};
+  const cuuint32_t box[2] = {kFp8BK, kBM};
+  return EncodeMap(m, a, 2, dims, strides, box, what, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+}
+// B [G, N, K] e4m3 (K-major) as (K, N, G) box (128, 128, 1).
+inline bool EncodeFp8BMap(CUtensorMap* m, const void* b, int64_t G, int64_t N, int64_t K, const char* what) {
+  const cuuint64_t dims[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)G};
+  const cuuint64_t strides[2] = {(cuuint64_t)K, (cuuint64_t)N * K};
+  const cuuint32_t box[3] = {kFp8BK, kBN / 2, 1};
+  return EncodeMap(m, b, 3, dims, strides, box, what, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+}
+
 // The three tensor maps of Fp8BlockScaledOperands, behind CachedMapSet (32 entries): A [M, K] e4m3 as (K, M) box
 // (128, 128); B [G, N, K] e4m3 as (K, N, G) box (128, 128, 1), both 128B swizzled; the A scales [K/128, ld] float32
 // as (M, K/128) box (kFp8SaRows = 132, 1), unswizzled. All with OOB zero fill.
@@ -96,16 +111,10 @@ inline cudaError_t CachedFp8Maps(const void* a, const float* sa, int64_t sa_ld, 
     }
   };
   return CachedMapSet<Key, 32, 3>(Key{a, sa, b, sa_ld, M, K, G, N}, maps, [&](CUtensorMap* m) {
-    const cuuint64_t a_dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, a_strides[1] = {(cuuint64_t)K};
-    const cuuint32_t a_box[2] = {kFp8BK, kBM};
-    const cuuint64_t b_dims[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)G};
-    const cuuint64_t b_strides[2] = {(cuuint64_t)K, (cuuint64_t)N * K};
-    const cuuint32_t b_box[3] = {kFp8BK, kBN / 2, 1};
     const cuuint64_t s_dims[2] = {(cuuint64_t)M, (cuuint64_t)(K / kScaleChunk)};
     const cuuint64_t s_strides[1] = {(cuuint64_t)sa_ld * sizeof(float)};
     const cuuint32_t s_box[2] = {kFp8SaRows, 1};
-    if (!EncodeMap(&m[0], a, 2, a_dims, a_strides, a_box, "e4m3 A [M, K]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
-        !EncodeMap(&m[1], b, 3, b_dims, b_strides, b_box, "e4m3 B [G, N, K]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
+    if (!EncodeFp8AMap(&m[0], a, M, K, K, "e4m3 A [M, K]") || !EncodeFp8BMap(&m[1], b, G, N, K, "e4m3 B [G, N, K]") ||
         !EncodeMap(&m[2], sa, 2, s_dims, s_strides, s_box, "A scales [K/128, ld]", CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
                    CU_TENSOR_MAP_SWIZZLE_NONE))
       return cudaErrorInvalidValue;

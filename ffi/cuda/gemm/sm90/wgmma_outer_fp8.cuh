@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "cuda/gemm/sm90/wgmma_grouped_fp8.cuh"
 #include "cuda/gemm/sm90/wgmma_mainloop_fp8.cuh"
 #include "cuda/gemm/sm90/wgmma_outer.cuh"
 
@@ -138,18 +139,13 @@ inline cudaError_t CachedOuterFp8Maps(const void* a, const float* sa, int64_t sa
     }
   };
   return CachedMapSet<Key, 16, 4>(Key{a, sa, b, sb, sa_ld, sb_ld, K, N, Mp}, maps, [&](CUtensorMap* m) {
-    const cuuint64_t a_dims[2] = {(cuuint64_t)Mp, (cuuint64_t)K}, a_strides[1] = {(cuuint64_t)Mp};
-    const cuuint32_t a_box[2] = {kFp8BK, kBM};
-    const cuuint64_t b_dims[3] = {(cuuint64_t)Mp, (cuuint64_t)N, 1};
-    const cuuint64_t b_strides[2] = {(cuuint64_t)Mp, (cuuint64_t)N * Mp};
-    const cuuint32_t b_box[3] = {kFp8BK, kBN / 2, 1};
     const cuuint64_t chunks = (cuuint64_t)(Mp / kFp8BK);
     const cuuint64_t sa_dims[2] = {(cuuint64_t)K, chunks}, sa_strides[1] = {(cuuint64_t)sa_ld * sizeof(float)};
     const cuuint32_t sa_box[2] = {kFp8SaRows, 1};
     const cuuint64_t sb_dims[2] = {(cuuint64_t)N, chunks}, sb_strides[1] = {(cuuint64_t)sb_ld * sizeof(float)};
     const cuuint32_t sb_box[2] = {kBN / 2, 1};
-    if (!EncodeMap(&m[0], a, 2, a_dims, a_strides, a_box, "e4m3 lhs_t [K, Mp]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
-        !EncodeMap(&m[1], b, 3, b_dims, b_strides, b_box, "e4m3 rhs_t [N, Mp]", CU_TENSOR_MAP_DATA_TYPE_UINT8) ||
+    if (!EncodeFp8AMap(&m[0], a, K, Mp, Mp, "e4m3 lhs_t [K, Mp]") ||
+        !EncodeFp8BMap(&m[1], b, 1, N, Mp, "e4m3 rhs_t [N, Mp]") ||
         !EncodeMap(&m[2], sa, 2, sa_dims, sa_strides, sa_box, "lhs scales [Mp/128, ld]",
                    CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE) ||
         !EncodeMap(&m[3], sb, 2, sb_dims, sb_strides, sb_box, "rhs scales [Mp/128, ld]",
