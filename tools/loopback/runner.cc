@@ -342,7 +342,7 @@ class Run {
   Status Gemm1(int r, cudaStream_t stream, const DeviceSet& d, int64_t M) {
     const int sms = res_.budget;
     if (fp8_dg_) {  // on the recv rows unpacked on the host (x_recv_q, x_recv_s: the rows the dispatch moves)
-      const int64_t ld = (int64_t)(data_[0][0].x_recv_s.n / sizeof(float)) / (D_ / 128);
+      const int64_t ld = ScalesLd(data_[0][0].x_recv_s, D_);
       if (Swiglu())
         return cuda::GroupedMatmulSwiGluFp8(stream, d.x_recv_q, (const float*)d.x_recv_s, ld, M, D_, d.w1,
                                             (const float*)d.w1_scales, E_l_, K_ / 2, (const int32_t*)d.expert_rows,
@@ -365,20 +365,21 @@ class Run {
   // GroupedMatmulFp8) on the rank's SM budget.
   Status Gemm2(int r, cudaStream_t stream, const DeviceSet& d, int64_t M) {
     if (s_.fp8)
-      return cuda::GroupedMatmulFp8(stream, dt_ == DType::kF32, d.lhs, (const float*)d.lhs_scales, ScalesLd(), M, K_,
-                                    d.w, (const float*)d.w_scales, E_l_, N_, (const int32_t*)d.expert_rows,
-                                    out_gemm2_[r], res_.budget);
+      return cuda::GroupedMatmulFp8(stream, dt_ == DType::kF32, d.lhs, (const float*)d.lhs_scales,
+                                    ScalesLd(data_[0][0].lhs_scales, K_), M, K_, d.w, (const float*)d.w_scales, E_l_,
+                                    N_, (const int32_t*)d.expert_rows, out_gemm2_[r], res_.budget);
     return cuda::GroupedMatmul(stream, dt_, /*out_f32=*/false, d.lhs, M, K_, d.w, E_l_, N_, s_.transpose_rhs,
                                (const int32_t*)d.expert_rows, out_gemm2_[r], res_.budget);
   }
 
-  // fp8: the row stride of lhs_scales [K/128, ld] (the caller's array, the same for every data set and rank).
-  int64_t ScalesLd() const { return (int64_t)(data_[0][0].lhs_scales.n / sizeof(float)) / (K_ / 128); }
+  // fp8: the row stride ld of MN-major scales [K/128, ld] (lhs_scales, x_recv_s: the caller's arrays, the same for
+  // every data set and rank).
+  static int64_t ScalesLd(const Bytes& scales, int64_t K) { return (int64_t)(scales.n / sizeof(float)) / (K / 128); }
 
   // expert_combine's e4m3 operands besides lhs and w, or none.
   cuda::Fp8ProducerArgs Fp8Args(const DeviceSet& d) const {
     if (!s_.fp8) return {};
-    return {true, (const float*)d.lhs_scales, ScalesLd(), (const float*)d.w_scales};
+    return {true, (const float*)d.lhs_scales, ScalesLd(data_[0][0].lhs_scales, K_), (const float*)d.w_scales};
   }
 
   Status Combine(int r, const CallSite& c, const DeviceSet& d) {
