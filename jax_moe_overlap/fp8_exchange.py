@@ -1,7 +1,8 @@
 """FP8 rows on the wire: the local experts of ``impl="xla"``, ``impl="collective"`` and ``impl="overlap"`` (where its
 returns are unfused; its fused path shares ``experts_gemm1``) under ``quantization="fp8"``, with the rows the experts
-read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv 2412.19437, section 3.3.3; docs/design.md, "FP8"). The exchange is a route's: ``xla_path.Route`` (XLA collectives)
-or ``fp8_overlap.WorkspaceRoute`` (the workspace's dispatch custom call).
+read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv 2412.19437, section 3.3.3; docs/design.md, "FP8").
+The exchange is a route's: ``xla_path.Route`` (XLA collectives) or ``fp8_overlap.WorkspaceRoute`` (the workspace's
+dispatch custom call).
 
 ``fp8_exchanged_experts`` runs from a rank's token rows to the rows that come back to it, as one ``custom_vjp``:
 
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe_overlap import fp8
-from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_dgrad_weight, recipe_gemm1
+from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_dgrad_weight, recipe_ffn_columns, recipe_gemm1
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -94,9 +95,8 @@ def experts_dy(d_send, kept, route, gemms):
   after it, one dispatch_gemm call on the packed rows computing dh as they land (``route.dispatch_dgrad``), its
   packed recv rows kept for dW2: the same bits."""
   dyq, dys = fp8.quantize_rows(d_send, pow2=True)
-  w2t = recipe_dgrad_weight(kept, gemms)
-  if route.fuses_dispatch_gemm(d_send.shape[1], w2t.values.shape[1]):
-    return route.dispatch_dgrad(fp8.pack_rows(dyq, dys), w2t)
+  if route.fuses_dispatch_gemm(d_send.shape[1], recipe_ffn_columns(kept)):
+    return route.dispatch_dgrad(fp8.pack_rows(dyq, dys), recipe_dgrad_weight(kept, gemms))
   return moved(route.dispatch, route, dyq, dys), None
 
 

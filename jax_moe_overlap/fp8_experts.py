@@ -404,6 +404,11 @@ def recipe_dgrad_weight(kept, gemms):
   return _dgrad_weight(kept[3], gemms)
 
 
+def recipe_ffn_columns(kept) -> int:
+  """F, h's columns (dh = dy W2^T's), from what the forward kept (a quantized: [rows, 2F])."""
+  return kept[1][0].shape[1] // 2
+
+
 def recipe_dgrad_operands(gemms, kept, dy_rows, dh=None):
   """The backward up to the input gradient's GEMM, from the output gradient quantized (1 x 128, power-of-two
   scales: (values, scales), or packed rows as a fused dispatch left them) and dh = dy W2^T (float32) where the caller

@@ -98,8 +98,7 @@ class WorkspaceRoute:
     on them where they land); kept holds the packed recv rows (unpacked by the backward) and a quantized, or None
     for both without keep."""
     w1q, w2q = recipe_weights(w1, w2, gemms)
-    slot_src_row = jnp.arange(self.send_row.shape[0], dtype=jnp.int32) // self.k
-    x_recv, h_rows, a_rows = dispatch_gemm_fp8(packed, slot_src_row, w1q, self.plan, self.cap, self.info,
+    x_recv, h_rows, a_rows = dispatch_gemm_fp8(packed, self._token_of_slot(), w1q, self.plan, self.cap, self.info,
                                                swiglu=True, keep_recv=keep, keep_a=keep,
                                                send_once=self.info.send_once)
     return h_rows, w2q, recipe_kept(x_recv, a_rows, w1, w1q, w2, w2q, self.expert_rows, gemms)
@@ -115,11 +114,14 @@ class WorkspaceRoute:
     """Token rows [T, C] -> slot rows [T k, C] (its transpose: the sum over a token's slots)."""
     return token_slots(x, self.k)
 
+  def _token_of_slot(self):
+    """[T k] int32: each slot's token row (slot t k + j is token t's)."""
+    return jnp.arange(self.send_row.shape[0], dtype=jnp.int32) // self.k
+
   def dispatch_tokens(self, x):
     """Token rows [T, C] -> this rank's recv rows [cap, C]: each slot reads its token's row in the custom call
     (no slot rows are built), sent once per destination rank where the call site says so."""
-    slot_src_row = jnp.arange(self.send_row.shape[0], dtype=jnp.int32) // self.k
-    return dispatch(x, slot_src_row, self.plan, self.cap, self.info, send_once=self.info.send_once)
+    return dispatch(x, self._token_of_slot(), self.plan, self.cap, self.info, send_once=self.info.send_once)
 
   def dispatch(self, send):
     """Packed kept-slot rows [P, C] (``send_row``'s order) -> this rank's recv rows [cap, C]."""
