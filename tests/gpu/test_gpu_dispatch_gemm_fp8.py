@@ -4,21 +4,20 @@ fp8.unpack_rows + grouped_matmul_swiglu_fp8 / grouped_matmul_fp8 (the same loop 
 bit for bit in the kept rows, every result computed into the poison), GEMM1 with the recipe's SwiGLU kept for
 training and for inference, the float32 product, send once; then the FP8 layer with the dispatches fused
 (call_site.FP8_FUSED_DISPATCH_ON_GPU switched on, R > 1) against impl="collective" under fp8 within the FP8 kernels'
-tolerance, its program holding two dispatch_gemm calls on uint8 rows (x with GEMM1, dy with dh = dy W2^T). On a mesh over every visible GPU (and one GPU);
-d_model 512 (the kernel's rule: the packed rows' stride a multiple of 16 bytes). Skips where there is no Hopper
-GPU."""
+tolerance, its program holding two dispatch_gemm calls on uint8 rows (x with GEMM1, dy with dh = dy W2^T). On a
+mesh over every visible GPU (and one GPU); d_model a multiple of 512 (the kernel's rule: the packed rows' stride a
+multiple of 16 bytes). Skips where there is no Hopper GPU."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_moe_overlap as jmo
 from jax_moe_overlap import call_site
-from cases import layer_inputs, rel_err
+from cases import layer_inputs
 from gpu_common import gpu_mesh, rank_counts, requires_gpu
 # (requires_hopper's condition names _hopper in this module)
 from test_gpu_grouped_gemm_fp8 import _hopper, requires_hopper  # noqa: F401
+from test_gpu_fp8_overlap import _grads, check_within_tolerance
 from test_dispatch_gemm import check_fp8_call
 from jax_moe_overlap.plan import SKIP
 
@@ -52,24 +51,12 @@ def test_fp8_layer_with_fused_dispatch_matches_collective(R, monkeypatch):
   ids = jnp.asarray(np.where(rng.random(ids.shape) < 0.1, SKIP, np.asarray(ids)).astype(np.int32))
   cot = jnp.asarray(rng.standard_normal(x.shape).astype(np.float32))
   w1, w2 = w1.astype(jnp.float32), w2.astype(jnp.float32)
-
-  def grads(impl):
-    def loss(x, gates, w1, w2):
-      y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, quantization="fp8")
-      return jnp.sum(y.astype(jnp.float32) * cot), y
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-
-  f = grads("overlap")
+  f = _grads(mesh, ids, cot, "overlap", None)
   hlo = f.lower(x, gates, w1, w2).as_text()
   # The forward's x with GEMM1 (w1's e4m3 values [E_l, 2F, D]) and the backward's dy with dh = dy W2^T ([E_l, F, D]).
   calls = [line for line in hlo.splitlines() if "@jmo_dispatch_gemm(" in line]
   assert len(calls) == 2 and all(f"x{D + D // 32}xui8>" in c for c in calls), calls
   assert f"x{2 * F}x{D}xf8E4M3FN>" in calls[0] and f"x{F}x{D}xf8E4M3FN>" in calls[1], calls
-  (_, y), g = f(x, gates, w1, w2)
-  (_, y_ref), g_ref = grads("collective")(x, gates, w1, w2)
-  for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), (y, *g), (y_ref, *g_ref)):
-    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
-    assert np.all(np.isfinite(a)) and float(np.max(np.abs(b))) > 0, name
-    err = rel_err(a, b)
-    print(f"R={R} {name}: relative difference {err:.3e}, bitwise equal: {np.array_equal(a, b)}")
-    assert err < 1e-2, (name, err)
+  (_, (y, _)), g = f(x, gates, w1, w2)
+  (_, (y_ref, _)), g_ref = _grads(mesh, ids, cot, "collective", None)(x, gates, w1, w2)
+  check_within_tolerance(f"R={R}", (y, *g), (y_ref, *g_ref))
