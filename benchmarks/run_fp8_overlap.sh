@@ -51,14 +51,14 @@ fi
 if [ "${FP8_ONLY_TIME}" = 3 ]; then
   # Both FP8 overlaps' tables in one call (no bf16 rows beside them): dispatch-gemm-time-fp8, combine-time-fp8, then
   # the FP8 C sweep below.
-  timeout 200 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
+  timeout 270 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
   echo "dispatch-gemm-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/dg-time-fp8.txt" | cut -c1-240
   el dispatch-gemm-time-fp8
 fi
 if [ "${FP8_ONLY_TIME}" = 2 ]; then
   # The FP8 dispatch fused with GEMM1 against the dispatch then the FP8 GEMM1 (on the rows unpacked beforehand: the
   # two calls without their unpack), beside bf16's dispatch-gemm-time in the same run.
-  timeout 200 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
+  timeout 270 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
   echo "dispatch-gemm-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/dg-time-fp8.txt" | cut -c1-240
   el dispatch-gemm-time-fp8
   timeout 200 python3 -m tools.loopback.run --suite dispatch-gemm-time > "$OUT/dg-time-bf16.txt" 2>&1

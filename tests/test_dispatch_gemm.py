@@ -5,6 +5,7 @@ with CallConfig(dispatch_pushers=2) against the two calls (bit for bit, with the
 layer_checks.grouped_matmul_gemms) and the reference, repeated calls, and failures inside it with the recovery after
 them. tests/test_eight_ranks.py runs the layer comparison on 8 devices."""
 
+import dataclasses
 import re
 import time
 
@@ -467,12 +468,14 @@ def test_fp8_call_equals_dispatch_unpack_and_fp8_gemm(kind, cf, skip, swiglu, ke
   check_fp8_call(mesh_of(4), 160, D8, 256, kind, cf, skip, swiglu, keep, send_once)
 
 
-def check_fp8_call(mesh, tokens, d_model, N, kind, cf, skip, swiglu, keep, send_once, seed=23):
+def check_fp8_call(mesh, tokens, d_model, N, kind, cf, skip, swiglu, keep, send_once, seed=23,
+                   x_recv_from_tiles=True):
   """dispatch_gemm_fp8 (packed rows of d_model channels, w [E, N, d_model], `tokens` per rank routed by `kind` at
   capacity factor cf, every fifth token's second slot skipped with `skip`) against dispatch + fp8.unpack_rows +
   grouped_matmul_swiglu_fp8 (swiglu) or grouped_matmul_fp8: every result bit for bit in the kept rows, computed
   into the poison, nonzero, src_blocks left zero. On CPU the handlers; on a Hopper GPU the kernels (the same loop and
-  promotion over the same rows: the same bits)."""
+  promotion over the same rows: the same bits), x_recv stored by the GEMM tiles (values and scale tails) or with
+  x_recv_from_tiles=False copied by the side units."""
   from jax_moe_overlap import fp8
   from jax_moe_overlap.grouped_gemm import grouped_matmul_fp8, grouped_matmul_swiglu_fp8
   R, k = mesh.shape["expert"], 2
@@ -483,7 +486,8 @@ def check_fp8_call(mesh, tokens, d_model, N, kind, cf, skip, swiglu, keep, send_
   cap_e = plan_lib.expert_capacity(tokens, R, k, E, cf)
   cap = plan_lib.recv_capacity(tokens, R, k, E // R, cap_e)
   sizes = WorkspaceSizes(row_bytes=row, recv_rows=cap, ret_rows=tokens * k, num_segments=E)
-  info = RankInfo(Workspace.get(mesh, "expert", sizes), FUSED)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes),
+                  dataclasses.replace(FUSED, x_recv_from_tiles=x_recv_from_tiles))
   _, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, jnp.float32)
   kx, kw = jax.random.split(jax.random.PRNGKey(seed))
   x = jax.random.normal(kx, (tokens * R, d_model), jnp.float32)
@@ -525,7 +529,8 @@ def check_fp8_call(mesh, tokens, d_model, N, kind, cf, skip, swiglu, keep, send_
     a, b = np.asarray(a).reshape(R, cap, -1), np.asarray(b).reshape(R, cap, -1)
     same.append(all(a[r, :kept[r]].tobytes() == b[r, :kept[r]].tobytes() for r in range(R)))
     assert all(kept[r] == 0 or np.abs(a[r, :kept[r]].astype(np.float32)).max() > 0 for r in range(R)), i
-  print(f"R={R} swiglu={swiglu} keep={keep} send_once={send_once}: results bitwise the two calls' {same}")
+  print(f"R={R} swiglu={swiglu} keep={keep} send_once={send_once} x_recv_from_tiles={x_recv_from_tiles}: results "
+        f"bitwise the two calls' {same}")
   assert all(same), same
   assert src_blocks_nonzero(mesh) == 0, "a call must leave its src_blocks zero"
 

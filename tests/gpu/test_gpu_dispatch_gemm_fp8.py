@@ -29,15 +29,23 @@ D, F, E, K = 512, 384, 8, 2
 
 # (d_model 1536: the scale tails' TMA boxes past the first 4 chunks; the plain form's N = 640: a last column tile
 # whose second half is past N, its block scale clamped to the last block.)
-@pytest.mark.parametrize("d_model,N,kind,cf,skip,swiglu,keep,send_once", [
-    pytest.param(D, 2 * F, "skewed", None, True, True, True, False, id="swiglu-train"),
-    pytest.param(1536, 2 * F, "skewed", 0.75, False, True, False, False, id="swiglu-inference-drops-D1536"),
-    pytest.param(D, 2 * F, "all_to_one", None, True, True, True, True, id="swiglu-train-send-once"),
-    pytest.param(D, 2 * F, "skewed", None, True, False, True, False, id="plain"),
-    pytest.param(1024, 640, "skewed", None, False, False, True, True, id="plain-N640-D1024-send-once")])
+# (x_recv kept: stored by the GEMM tiles, the default, and copied by the side units; with d_model 1536 and 1024 the
+# tiles store the scale tails of several 4-chunk boxes.)
+@pytest.mark.parametrize("d_model,N,kind,cf,skip,swiglu,keep,send_once,from_tiles", [
+    pytest.param(D, 2 * F, "skewed", None, True, True, True, False, True, id="swiglu-train"),
+    pytest.param(D, 2 * F, "skewed", None, True, True, True, False, False, id="swiglu-train-x_recv-copied"),
+    pytest.param(1536, 2 * F, "skewed", 0.75, False, True, False, False, True, id="swiglu-inference-drops-D1536"),
+    pytest.param(1536, 2 * F, "skewed", None, False, True, True, False, True, id="swiglu-train-D1536"),
+    pytest.param(D, 2 * F, "all_to_one", None, True, True, True, True, True, id="swiglu-train-send-once"),
+    pytest.param(D, 2 * F, "skewed", None, True, False, True, False, True, id="plain"),
+    pytest.param(1024, 640, "skewed", None, False, False, True, True, True, id="plain-N640-D1024-send-once"),
+    pytest.param(1024, 640, "skewed", None, False, False, True, True, False,
+                 id="plain-N640-D1024-send-once-x_recv-copied")])
 @pytest.mark.parametrize("R", RANKS, ids=lambda r: f"R{r}")
-def test_fp8_call_equals_dispatch_unpack_and_fp8_gemm(R, d_model, N, kind, cf, skip, swiglu, keep, send_once):
-  check_fp8_call(gpu_mesh(R), 512, d_model, N, kind, cf, skip, swiglu, keep, send_once)
+def test_fp8_call_equals_dispatch_unpack_and_fp8_gemm(R, d_model, N, kind, cf, skip, swiglu, keep, send_once,
+                                                      from_tiles):
+  check_fp8_call(gpu_mesh(R), 512, d_model, N, kind, cf, skip, swiglu, keep, send_once,
+                 x_recv_from_tiles=from_tiles)
 
 
 @pytest.mark.parametrize("R", [r for r in RANKS if r > 1] or [2], ids=lambda r: f"R{r}")

@@ -81,12 +81,13 @@ def test_loopback_dispatch_gemm_fp8_suite():
   packed recv rows exact, GEMM1's float32 product, h and a (e4m3 with their scales) against the host's products of the
   dequantized operands, bitwise equal to the dispatch then the FP8 GEMM1 on the same rows unpacked, rows past the
   kept ones unwritten, bit-identical repeats, a forced timeout and recovery, an emulated link, one row per slot and
-  send once. Hopper only (e4m3 wgmma)."""
-  proc = _hopper_suite("dispatch-gemm-fp8", 16, "dispatch_gemm's FP8 kernel runs on Hopper (sm_90a) only")
+  send once, x_recv stored by the GEMM tiles and copied by the side units. Hopper only (e4m3 wgmma)."""
+  proc = _hopper_suite("dispatch-gemm-fp8", 20, "dispatch_gemm's FP8 kernel runs on Hopper (sm_90a) only")
   for r in (1, 2, 4, 8):
     for mode in ("plain", "train", "infer"):
       assert re.search(rf"PASS R={r} .* x,w1,lhs,w=e4m3 .* dispatch_gemm pushers=\d+ mode={mode}",
                        proc.stdout), (r, mode)
+  assert len(re.findall(r"PASS R=\d .* x,w1,lhs,w=e4m3 .* x_recv=copied", proc.stdout)) == 4, proc.stdout
 
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])

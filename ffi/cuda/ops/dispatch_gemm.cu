@@ -502,14 +502,15 @@ using DgTileBase = typename std::conditional<
 // copy x_recv run the tile loop without the hook (nor the registers it takes in the consumer warpgroups).
 // kFp8: the rows are packed e4m3 rows and the GEMM the FP8 grouped GEMM's loop over Fp8PackedRowsOperands (A's values
 // by a_map and their scales by sa_map, both over recv at the rows' stride; B e4m3 K-major with w_scales), the epilogue
-// SwiGluFp8Tile's or the float32 product; x_recv by the side units (the tiles' A stages hold the values only).
+// SwiGluFp8Tile's or the float32 product. Its A stages hold a 128-byte slice of the rows' values and the scale box of
+// 4 chunks holding the slice's (Fp8RowTailScalesA): with kXRecvFromTiles a stage stores its slice of the packed rows,
+// and the first stage of each 4 chunks their scales too.
 template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles, bool kFp8>
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
                        const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                        const __grid_constant__ CUtensorMap sa_map) {
   static_assert(!(kTransB && kSwiGlu && !kFp8), "the bf16 SwiGLU epilogue is GEMM1's (B MN-major)");
-  static_assert(!(kFp8 && kXRecvFromTiles), "FP8: the side units copy x_recv (values and scales)");
   static_assert(!kFp8 || kTransB, "FP8 wgmma reads B K-major only");
   extern __shared__ __align__(16) char smem[];
   __shared__ CallState st;
@@ -666,11 +667,16 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   };
   // x_recv_from_tiles: the tile's A stages are its m-tile's rows of recv, which it waited for (tile_wait), in the
   // kept rows the same bytes the side units copy; the consumer warpgroup that multiplies a stage stores its kept rows
-  // (r < t.rows: the rows after them are another expert's), columns [64 kt, 64 kt + 64).
-  auto x_recv_stage = [&](const DgTile& t, int c, const unsigned char* a, int kt) {
-    if (t.x_recv != nullptr)
-      wgmma_gemm::StoreAStageRows(a, c, (int)threadIdx.x % 128, t.rows,
-                                  t.x_recv + (int64_t)kt * wgmma_gemm::kBK * wgmma_gemm::kElemBytes, g.row_bytes);
+  // (r < t.rows: the rows after them are another expert's), bytes [128 kt, 128 kt + 128) of each (64 bf16 or 128
+  // e4m3 values; e4m3 two chunks at a time, beside the promotion's accumulators). FP8: the first stage of
+  // each 4 chunks also stores the rows' scales of those chunks from its scale box, at byte D + 4 kt of the row.
+  auto x_recv_stage = [&](const DgTile& t, int c, const unsigned char* a, const unsigned char* x, int kt) {
+    if (t.x_recv == nullptr) return;
+    const int tc = (int)threadIdx.x % 128;
+    static_assert(wgmma_gemm::kBK * wgmma_gemm::kElemBytes == wgmma_gemm::kFp8BK, "128 bytes of a row per stage");
+    wgmma_gemm::StoreAStageRows<kFp8 ? 2 : 4>(a, c, tc, t.rows, t.x_recv + (int64_t)kt * 128, g.row_bytes);
+    if (kFp8 && kt % wgmma_gemm::kFp8TailChunks == 0)
+      wgmma_gemm::Fp8RowTailScalesA::StoreStageRows(x, c, tc, t.rows, t.x_recv + g.K + (int64_t)kt * 4, g.row_bytes);
   };
   const int tiles = sched.pre_a[g.E_l] + sched.pre_b[g.E_l];
   const StallTimedWait<decltype(tile_wait)> timed_wait{tile_wait, rd.priv->gemm_stall_ns};
@@ -741,8 +747,9 @@ const void* Kernel(bool transpose_rhs, bool swiglu) {
                          : Kernel<false, false, kXRecvFromTiles>();
 }
 // FP8 (B K-major always): GEMM1 with the recipe's SwiGLU forward, or the float32 product.
+template <bool kXRecvFromTiles>
 const void* Fp8Kernel(bool swiglu) {
-  return swiglu ? Kernel<true, true, false, true>() : Kernel<true, false, false, true>();
+  return swiglu ? Kernel<true, true, kXRecvFromTiles, true>() : Kernel<true, false, kXRecvFromTiles, true>();
 }
 
 // The tensor maps of the FP8 kernel, behind CachedMapSet: A the packed rows' values [cap, D] e4m3 at their stride
@@ -841,11 +848,10 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
     maps[2] = maps[0];
   }
   if (!s.ok()) return s;
-  // (DispatchGemmArgs::x_recv_from_tiles; FP8: the side units copy x_recv.)
-  const bool from_tiles = !fp8 && c.opts.x_recv_from_tiles && out.x_recv != nullptr;
-  const void* kernel = fp8          ? Fp8Kernel(swiglu)
-                       : from_tiles ? Kernel<true>(transpose_rhs, swiglu)
-                                    : Kernel<false>(transpose_rhs, swiglu);
+  // (DispatchGemmArgs::x_recv_from_tiles.)
+  const bool from_tiles = c.opts.x_recv_from_tiles && out.x_recv != nullptr;
+  const void* kernel = fp8 ? (from_tiles ? Fp8Kernel<true>(swiglu) : Fp8Kernel<false>(swiglu))
+                           : (from_tiles ? Kernel<true>(transpose_rhs, swiglu) : Kernel<false>(transpose_rhs, swiglu));
   const int loop_smem =
       fp8 ? wgmma_gemm::LoopSmemBytes<wgmma_gemm::kStages, wgmma_gemm::Fp8PackedRowsOperands::kExtraBytes>()
           : wgmma_gemm::kLoopSmemBytes;

@@ -89,16 +89,17 @@
 //   nanoseconds the TMA thread waited for the hand-over (first: the CTA's first tile, whose wait no earlier tile's
 //   loads can cover).
 //
-// ---- a_stage(tile, c, a, kt) (optional; bf16 operands) -----------------------------------------------------------
+// ---- a_stage(tile, c, a, x, kt) (optional) ----------------------------------------------------------------------
 //   Called by every thread of consumer warpgroup c that multiplies the tile (64 c < tile.rows), once per k-step kt
-//   (counted within all of K), with the stage's A slot `a` (kBM rows of kBK bf16, K-major, 128B swizzle:
-//   StoreAStageRows reads it), after the stage's full barrier was waited for and the k-step's MMAs were issued,
-//   before the warp's arrive on the stage's empty barrier (the loop syncs the warp between the two, so every lane's
-//   reads of the slot precede the release). It may read the warpgroup's rows [64 c, 64 c + 64) of `a` and store to
-//   global memory (dispatch_gemm: x_recv from the A tiles); no CTA or named barrier. The consumer warpgroup that
-//   multiplies a stage reads it rather than a warp of its own: its loads and stores issue while the k-step's wgmma
-//   runs (the warpgroup otherwise waits on it), the empty barrier's arrival count stays the consumer warps', and the
-//   producer warps keep their kProducerRegs registers. With AStageFn = NoAStage the call and the warp sync are compiled out.
+//   (counted within all of K), with the stage's A slot `a` (kBM rows of 128 bytes, K-major, 128B swizzle:
+//   StoreAStageRows reads it) and its extra slot `x` (the operand format's stage data: e4m3 A's scales), after the
+//   stage's full barrier was waited for and the k-step's first MMAs were issued, before the warp's arrive on the
+//   stage's empty barrier (the format syncs the warp between the two, so every lane's reads of the stage precede the
+//   release). It may read the warpgroup's rows [64 c, 64 c + 64) of `a` and of `x` and store to global memory
+//   (dispatch_gemm: x_recv from the A tiles); no CTA or named barrier. The consumer warpgroup that multiplies a stage
+//   reads it rather than a warp of its own: its loads and stores issue while the k-step's wgmma runs (the warpgroup
+//   otherwise waits on it), the empty barrier's arrival count stays the consumer warps', and the producer warps keep
+//   their kProducerRegs registers. With AStageFn = NoAStage the call and the warp sync are compiled out.
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------
 //   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0
@@ -519,27 +520,33 @@ constexpr int LoopSmemBytes() {
 }
 constexpr int kLoopSmemBytes = LoopSmemBytes<kStages>();
 
-// For an a_stage hook: stores consumer warpgroup c's rows of a bf16 stage's A slot `a` (kBM rows of kBK elements,
-// 128 bytes each, as TMA writes them with the 128B swizzle into a 1024-aligned slot: the 16-byte chunk j of row r at
+// For an a_stage hook: stores consumer warpgroup c's rows of a stage's A slot `a` (kBM rows of 128 bytes: kBK bf16 or
+// kFp8BK e4m3, as TMA writes them with the 128B swizzle into a 1024-aligned slot: the 16-byte chunk j of row r at
 // chunk j ^ (r % 8) of the row) to global memory: row r (64 c <= r < 64 c + 64, r < rows) to dst + r * ld_bytes, its
 // 128 bytes (dst and ld_bytes 16-byte aligned). t: the thread's index in the warpgroup (0..127). Thread t copies the
 // warpgroup's chunks t, t + 128, t + 256, t + 384: each warp stores 4 whole rows per step (128-byte lines), each 8
-// lanes read one row's 8 chunks (every bank once: no conflict).
+// lanes read one row's 8 chunks (every bank once: no conflict). kBatch chunks are loaded before they are stored (4:
+// all; fewer where the caller's registers are scarce, as beside the FP8 format's 192 accumulators).
+template <int kBatch = 4>
 __device__ __forceinline__ void StoreAStageRows(const unsigned char* a, int c, int t, int rows, char* dst,
                                                 int64_t ld_bytes) {
-  constexpr int kRowBytes = kBK * kElemBytes, kChunks = kRowBytes / 16, kSteps = 64 * kChunks / 128;
-  static_assert(kRowBytes == 128, "one 128B swizzle row per tile row");
+  constexpr int kRowBytes = 128, kChunks = kRowBytes / 16, kSteps = 64 * kChunks / 128;
+  static_assert(kBK * kElemBytes == kRowBytes, "one 128B swizzle row per tile row");
+  static_assert(kSteps % kBatch == 0, "whole batches");
   const uint32_t base = SmemAddr(a);
-  uint4 v[kSteps];
 #pragma unroll
-  for (int i = 0; i < kSteps; ++i) {
-    const int r = c * 64 + (i * 128 + t) / kChunks, j = t % kChunks;
-    if (r < rows) v[i] = LdSharedV4(base + r * kRowBytes + ((j ^ (r % 8)) * 16));
-  }
+  for (int i0 = 0; i0 < kSteps; i0 += kBatch) {
+    uint4 v[kBatch];
 #pragma unroll
-  for (int i = 0; i < kSteps; ++i) {
-    const int r = c * 64 + (i * 128 + t) / kChunks, j = t % kChunks;
-    if (r < rows) *reinterpret_cast<uint4*>(dst + r * ld_bytes + j * 16) = v[i];
+    for (int i = 0; i < kBatch; ++i) {
+      const int r = c * 64 + ((i0 + i) * 128 + t) / kChunks, j = t % kChunks;
+      if (r < rows) v[i] = LdSharedV4(base + r * kRowBytes + ((j ^ (r % 8)) * 16));
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int r = c * 64 + ((i0 + i) * 128 + t) / kChunks, j = t % kChunks;
+      if (r < rows) *reinterpret_cast<uint4*>(dst + r * ld_bytes + j * 16) = v[i];
+    }
   }
 }
 
@@ -591,9 +598,9 @@ struct IssueTurns {
 //                                                      one's full barrier already waited for); waits on each later
 //                                                      stage's full barrier, arrives (one lane of each warp) on each
 //                                                      stage's empty barrier once it is done with it, and leaves
-//                                                      ring.stage / ring.phase after the tile's last stage. The bf16
-//                                                      format takes an a_stage(a, kt) too (the loop's hook, bound to
-//                                                      the tile and c; kt within the tile's stages).
+//                                                      ring.stage / ring.phase after the tile's last stage. Both
+//                                                      formats take an a_stage(a, x, kt) too (the loop's hook, bound
+//                                                      to the tile and c; kt within the tile's stages).
 // bf16 (this file): A [rows, K] K-major, B K-major (kTransB = 0) or MN-major (kTransB = 1), wgmma m64n256k16, one
 // commit group kept in flight. e4m3 with block scales: wgmma_mainloop_fp8.cuh.
 template <int kTransB>
@@ -639,7 +646,7 @@ struct Bf16Operands {
       // ElectOne: the lane index would stay live across the loop, and beside the 128 accumulators it is spilled).
       if (prev_stage >= 0 && ElectOne()) MbarArrive(SmemAddr(ring.Empty(prev_stage)));
       if constexpr (!std::is_same<AStage, NoAStage>::value) {
-        a_stage(ring.A(ring.stage), kt);  // (while this k-step's MMAs run)
+        a_stage(ring.A(ring.stage), ring.X(ring.stage), kt);  // (while this k-step's MMAs run)
         __syncwarp();  // every lane's reads of the slot before one lane releases it (next k-step, or below)
       }
       prev_stage = ring.stage;
@@ -786,7 +793,9 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         if constexpr (kHasAStage) {
           const int k_first = TileKFirst(tile);
           ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, k_steps,
-                       [&](const unsigned char* a, int kt) { a_stage(tile, c, a, k_first + kt); });
+                       [&](const unsigned char* a, const unsigned char* x, int kt) {
+                         a_stage(tile, c, a, x, k_first + kt);
+                       });
         } else {
           ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, k_steps);
         }

@@ -42,12 +42,16 @@
 // behind the other's, so each promotes while the tensor cores run the other's MMAs. A stage is released
 // (empty barrier) once its operands and scales have all been read: with block scales after its second half's wait
 // (both scales are in registers), with row scales after the second half's promotion (which reads them from smem).
+// An a_stage hook (the loop's; dispatch_gemm stores x_recv's packed rows from the stage) runs once per stage before
+// its first half's MMAs are issued (the partial sums' registers are free then; the other warpgroup's MMAs keep the
+// tensor cores busy meanwhile), before that release.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/gemm/sm90/wgmma_mainloop.cuh"
 
@@ -199,6 +203,16 @@ struct Fp8RowTailScalesA {
   __device__ __forceinline__ float Read(uint32_t x, const TileCoords& t, int r, int kt) const {
     return LdSharedF32(x + (r * kFp8TailChunks + ((t.k_first + kt) & (kFp8TailChunks - 1))) * 4);
   }
+  // For an a_stage hook: stores consumer warpgroup c's rows of the stage's scale box (extra slot x: the 4 chunks'
+  // scales of each of the tile's rows, 16 bytes a row) to global memory, row r (64 c <= r < 64 c + 64, r < rows) to
+  // dst + r * ld_bytes (16-byte aligned): the rows' tails as they were packed. t: the thread's index in the
+  // warpgroup; threads 0..63 store a row each.
+  __device__ __forceinline__ static void StoreStageRows(const unsigned char* x, int c, int t, int rows, char* dst,
+                                                        int64_t ld_bytes) {
+    const int r = c * 64 + t;
+    if (t < 64 && r < rows)
+      *reinterpret_cast<uint4*>(dst + r * ld_bytes) = LdSharedV4(SmemAddr(x) + r * kFp8TailChunks * 4);
+  }
 };
 
 // The e4m3 operand format of WgmmaLoop (the header comment; the members' contract is Bf16Operands'), over A's scale
@@ -240,9 +254,9 @@ struct Fp8Operands {
     TmaLoad3D(b_dst + kBBytes / 2, b_map, fb, kt * kBK, t.n_hi, t.b_idx);
   }
 
-  template <class Ring>
+  template <class Ring, class AStage = NoAStage>
   __device__ __forceinline__ void Multiply(float* acc, Ring& ring, const TileCoords& t, int c, int wq, int lane,
-                                           int ktiles) const {
+                                           int ktiles, const AStage& a_stage = {}) const {
     float part[64];
     const int row = c * 64 + wq * 16 + lane / 4;  // the thread's rows of the tile: row and row + 8
 #pragma unroll
@@ -250,6 +264,11 @@ struct Fp8Operands {
     for (int kt = 0; kt < ktiles; ++kt) {
       if (kt > 0) ring.WaitFull();
       const int s = ring.stage;
+      if constexpr (!std::is_same<AStage, NoAStage>::value) {
+        // Before the stage's MMAs, while the other warpgroup's run: the partial sums' 64 registers are free here.
+        a_stage(ring.A(s), ring.X(s), kt);
+        __syncwarp();  // every lane's reads of the stage before one lane releases it (below)
+      }
       const uint32_t x = SmemAddr(ring.X(s));
       const float sa_lo = a_scales.Read(x, t, row, kt), sa_hi = a_scales.Read(x, t, row + 8, kt);
       const typename BScales::StageScales sb = b_scales.Read(x);
