@@ -78,7 +78,7 @@ struct DispatchGemmOut {
 // FP8 (dt kE4M3Rows: packed e4m3 rows, w e4m3 [E_l, N, D] K-major with w_scales [E_l, N/128, D/128]; form kSwiGlu
 // or kTransposedRhs): the GEMM is the FP8 grouped GEMM's loop reading A's values and scales from the packed rows
 // where they land (Fp8PackedRowsOperands), its results those of GroupedMatmulFp8 (f32) or GroupedMatmulSwiGluFp8 on
-// the unpacked rows; D a multiple of 512 (the rows' stride for TMA); x_recv copied by the side units.
+// the unpacked rows; D a multiple of 512 (the rows' stride for TMA); x_recv as for bf16 rows (the packed rows' bytes).
 Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const DispatchSlots& slots,
                     const int32_t* recv_expected, const int32_t* seg_rows, const int32_t* seg_ret_off, int64_t E_l,
                     const void* w, const float* w_scales, int64_t N, Gemm1Form form, const int32_t* group_op,

@@ -669,7 +669,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   // kept rows the same bytes the side units copy; the consumer warpgroup that multiplies a stage stores its kept rows
   // (r < t.rows: the rows after them are another expert's), bytes [128 kt, 128 kt + 128) of each (64 bf16 or 128
   // e4m3 values; e4m3 two chunks at a time, beside the promotion's accumulators). FP8: the first stage of
-  // each 4 chunks also stores the rows' scales of those chunks from its scale box, at byte D + 4 kt of the row.
+  // each 4 chunks also stores the rows' scales of those chunks from its scale box, at byte D + 4 kt of the row (kt
+  // counts within all of K: a DgTile multiplies all of it, its first stage chunk 0).
   auto x_recv_stage = [&](const DgTile& t, int c, const unsigned char* a, const unsigned char* x, int kt) {
     if (t.x_recv == nullptr) return;
     const int tc = (int)threadIdx.x % 128;
@@ -830,6 +831,8 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
           std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
   else if (bad.empty() && out.a != nullptr && !swiglu)
     bad = "the preactivation a is a result of the SwiGLU epilogue only";
+  else if (bad.empty() && c.opts.x_recv_from_tiles && reinterpret_cast<uintptr_t>(out.x_recv) % 16 != 0)
+    bad = "x_recv must be 16-byte aligned where the GEMM tiles store it (CallConfig.x_recv_from_tiles)";
   if (!bad.empty()) return FailCall(c, "dispatch_gemm", bad);
   const RankDev rd = ws.Dev(c.group, c.rank);
   // producers_done counts the CTAs done (the last one closes the call); tile_claims and side_claims hand out GEMM

@@ -93,13 +93,14 @@
 //   Called by every thread of consumer warpgroup c that multiplies the tile (64 c < tile.rows), once per k-step kt
 //   (counted within all of K), with the stage's A slot `a` (kBM rows of 128 bytes, K-major, 128B swizzle:
 //   StoreAStageRows reads it) and its extra slot `x` (the operand format's stage data: e4m3 A's scales), after the
-//   stage's full barrier was waited for and the k-step's first MMAs were issued, before the warp's arrive on the
-//   stage's empty barrier (the format syncs the warp between the two, so every lane's reads of the stage precede the
-//   release). It may read the warpgroup's rows [64 c, 64 c + 64) of `a` and of `x` and store to global memory
-//   (dispatch_gemm: x_recv from the A tiles); no CTA or named barrier. The consumer warpgroup that multiplies a stage
-//   reads it rather than a warp of its own: its loads and stores issue while the k-step's wgmma runs (the warpgroup
-//   otherwise waits on it), the empty barrier's arrival count stays the consumer warps', and the producer warps keep
-//   their kProducerRegs registers. With AStageFn = NoAStage the call and the warp sync are compiled out.
+//   stage's full barrier was waited for, before the warp's arrive on the stage's empty barrier (the format syncs the
+//   warp between the two, so every lane's reads of the stage precede the release): bf16 after the k-step's MMAs were
+//   issued (while they run), e4m3 before (while the other warpgroup's run: the FP8 format holds the partial sums
+//   beside the accumulators). It may read the warpgroup's rows [64 c, 64 c + 64) of `a` and of `x` and store to
+//   global memory (dispatch_gemm: x_recv from the A tiles); no CTA or named barrier. The consumer warpgroup that
+//   multiplies a stage reads it rather than a warp of its own: its loads and stores issue while MMAs run (the
+//   warpgroup otherwise waits on them), the empty barrier's arrival count stays the consumer warps', and the producer
+//   warps keep their kProducerRegs registers. With AStageFn = NoAStage the call and the warp sync are compiled out.
 //
 // ---- tile_done(tile) --------------------------------------------------------------------------------------------
 //   Called for every tile of this CTA with publish != 0, in the CTA's tile order, by exactly one thread: threadIdx.x == 128 (lane 0

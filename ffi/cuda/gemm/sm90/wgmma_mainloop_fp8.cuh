@@ -43,8 +43,8 @@
 // (empty barrier) once its operands and scales have all been read: with block scales after its second half's wait
 // (both scales are in registers), with row scales after the second half's promotion (which reads them from smem).
 // An a_stage hook (the loop's; dispatch_gemm stores x_recv's packed rows from the stage) runs once per stage before
-// its first half's MMAs are issued (the partial sums' registers are free then; the other warpgroup's MMAs keep the
-// tensor cores busy meanwhile), before that release.
+// its first half's MMAs are issued (the other warpgroup's MMAs keep the tensor cores busy meanwhile), before that
+// release.
 #pragma once
 
 #include <cuda.h>
@@ -265,7 +265,8 @@ struct Fp8Operands {
       if (kt > 0) ring.WaitFull();
       const int s = ring.stage;
       if constexpr (!std::is_same<AStage, NoAStage>::value) {
-        // Before the stage's MMAs, while the other warpgroup's run: the partial sums' 64 registers are free here.
+        // Before the stage's MMAs are issued, while the other warpgroup's run (the format's register pressure is
+        // lowest here: ptxas spills least with the hook at this point).
         a_stage(ring.A(s), ring.X(s), kt);
         __syncwarp();  // every lane's reads of the stage before one lane releases it (below)
       }
