@@ -302,7 +302,7 @@ class Case:
 SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
-          "combine-time", "combine-fp8",
+          "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "combine-time", "combine-fp8",
           "combine-time-fp8", "backward-time", "regret", "regret-combine", "regret-gather", "regret-push", "tensor",
           "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
@@ -397,6 +397,23 @@ def _dispatch_gemm_time(base: Case) -> list[Case]:
   # the fused call costs when the ranks start aligned, as a layer's combine leaves them, without the back-to-back
   # calls' drift.
   v += [dataclasses.replace(v[i], per_call_stats=True) for i in (3, 5, 6)]
+  return v
+
+
+def _dispatch_gemm_shapes(base: Case) -> list[Case]:
+  # dispatch-gemm-time's training forward at the Mixtral- and DeepSeek-like shapes of COMBINE_SHAPES (below): GEMM1
+  # x [rows, D] @ W1 [D, 2F], so a row costs 4 D F flops for its D elements on the link and the ratio is F again (K =
+  # 2F, D scaled as there, 1024 for Mixtral-like, 2048 for DeepSeek-like); R = 2 and 4 over the emulated NVLink, P the
+  # library's choice from the shipped calibration.
+  v = []
+  for name in ("mixtral", "deepseek"):
+    shape = COMBINE_SHAPES[name]
+    for R in (2, 4):
+      link = NVLINK_GBPS / R
+      v.append(dataclasses.replace(
+          base, ranks=R, link_gbps=link, model=calibrated_model(R, link), dispatch_gemm_pushers=AUTO,
+          dispatch_gemm_mode="train", experts=shape["experts"], top_k=shape["top_k"], tokens=shape["tokens"],
+          d_model=shape["n_dim"], k_dim=2 * shape["k_dim"], n_dim=shape["n_dim"], **_TIMED))
   return v
 
 
@@ -635,6 +652,11 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     # The training forwards at R = 2 (HBM speed, then the link) and R = 4 with x_recv copied by the side units: what
     # storing it from the FP8 tiles saves, in the same run.
     return v + [dataclasses.replace(v[i], x_recv_from_tiles=False) for i in (1, 3, 5)]
+  if name == "dispatch-gemm-shapes":
+    return _dispatch_gemm_shapes(base)
+  if name == "dispatch-gemm-shapes-fp8":  # the same on packed e4m3 rows, with x_recv copied by the side units beside
+    v = [dataclasses.replace(c, fp8=True) for c in _dispatch_gemm_shapes(base)]
+    return v + [dataclasses.replace(c, x_recv_from_tiles=False) for c in v]
   if name == "combine-time":
     return _combine_time(base)
   if name == "combine-fp8":

@@ -13,6 +13,10 @@
                                                             kernel; its twin: the dispatch, then the FP8 GEMM1 on the
                                                             rows unpacked on the host), checked
   python -m tools.loopback.run --suite dispatch-gemm-time-fp8   dispatch-gemm-time on packed e4m3 rows
+  python -m tools.loopback.run --suite dispatch-gemm-shapes     its training forward at Mixtral- and DeepSeek-like
+                                                                shapes, R = 2 and 4 over the emulated NVLink
+  python -m tools.loopback.run --suite dispatch-gemm-shapes-fp8 the same on packed e4m3 rows (x_recv stored by the
+                                                                tiles, then copied by the side units)
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
                                                             over an emulated NVLink, R = 2, 4, 8, three shapes
   python -m tools.loopback.run --suite combine-fp8          expert_combine with the FP8 producer (e4m3 operands),
