@@ -17,6 +17,9 @@
 #   FP8_ONLY_TIME=2 bash benchmarks/run_fp8_overlap.sh     (dg-time-fp8.txt, dg-time-bf16.txt)
 #   FP8_ONLY_TIME=3 bash benchmarks/run_fp8_overlap.sh     (dg-time-fp8.txt, time-fp8.txt, sweep-fp8.txt: the FP8
 #                                                           tables alone, one call for both)
+#   FP8_ONLY_TIME=4 bash benchmarks/run_fp8_overlap.sh     (dg-shapes-fp8.txt, dg-shapes-bf16.txt: the fused
+#                                                           dispatch's training forward at the Mixtral- and
+#                                                           DeepSeek-like shapes, FP8 with x_recv both ways, and bf16)
 # The default call: build, the tests, memcheck (the FP8 producer; dispatch_gemm's FP8 kernel); FP8_ONLY_TIME=1:
 # build, bench_fused and the two combine timing suites with the FP8 C sweep; FP8_ONLY_TIME=2: build and the two
 # dispatch_gemm timing suites (dispatch-gemm-time-fp8, dispatch-gemm-time). Three device calls of up to 9 minutes.
@@ -46,6 +49,15 @@ if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
     echo "memcheck dispatch_gemm fp8 rc $?"; grep -E "SUMMARY|^(PASS|FAIL)" "$OUT/memcheck-dg.txt" | cut -c1-240
     el memcheck
   fi
+  exit 0
+fi
+if [ "${FP8_ONLY_TIME}" = 4 ]; then
+  timeout 240 python3 -m tools.loopback.run --suite dispatch-gemm-shapes-fp8 > "$OUT/dg-shapes-fp8.txt" 2>&1
+  echo "dispatch-gemm-shapes-fp8 rc $?"; grep -E "^FAIL|^\||cases passed" "$OUT/dg-shapes-fp8.txt" | cut -c1-240
+  el dispatch-gemm-shapes-fp8
+  timeout 150 python3 -m tools.loopback.run --suite dispatch-gemm-shapes > "$OUT/dg-shapes-bf16.txt" 2>&1
+  echo "dispatch-gemm-shapes rc $?"; grep -E "^FAIL|^\||cases passed" "$OUT/dg-shapes-bf16.txt" | cut -c1-240
+  el dispatch-gemm-shapes
   exit 0
 fi
 if [ "${FP8_ONLY_TIME}" = 3 ]; then
