@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 
 #include "cuda/gemm/sm90/swiglu_fp8_epilogue.cuh"
 #include "cuda/gemm/sm90/wgmma_grouped.cuh"
@@ -675,6 +676,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     if (t.x_recv == nullptr) return;
     const int tc = (int)threadIdx.x % 128;
     static_assert(wgmma_gemm::kBK * wgmma_gemm::kElemBytes == wgmma_gemm::kFp8BK, "128 bytes of a row per stage");
+    static_assert(!std::is_base_of<wgmma_gemm::KRangeTile, DgTile>::value,
+                  "every 4-chunk scale box is stored by its first stage: a tile multiplies all of K");
     wgmma_gemm::StoreAStageRows<kFp8 ? 2 : 4>(a, c, tc, t.rows, t.x_recv + (int64_t)kt * 128, g.row_bytes);
     if (kFp8 && kt % wgmma_gemm::kFp8TailChunks == 0)
       wgmma_gemm::Fp8RowTailScalesA::StoreStageRows(x, c, tc, t.rows, t.x_recv + g.K + (int64_t)kt * 4, g.row_bytes);
