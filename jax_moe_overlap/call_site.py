@@ -78,9 +78,9 @@ def fp8_fused_combine(platform: str) -> bool:
 # Whether GPUs run the FP8 layer's dispatches with the GEMMs after them (x's with GEMM1, dy's with dh = dy W2^T) as
 # dispatch_gemm calls on packed e4m3 rows (its FP8 kernel: the FP8 grouped GEMM's loop reading A's values and scales
 # from the rows where they land) where the call site fuses the dispatch (dispatch_pushers). Off on GPUs: the kernel
-# passes its GPU tests, but its training forward (x_recv copied by the side units) is slower than the two calls at
-# R = 2 (docs/performance.md, "The FP8 layer's overlapped operators"); CPUs take the fused calls where
-# dispatch_pushers is pinned (the same bits: tests/test_fp8_overlap.py).
+# passes its GPU tests, but its training forward (which also quantizes a in GEMM1's epilogue) is 4-10% slower than
+# the two calls at R = 2 in the loopback (docs/performance.md, "The FP8 layer's overlapped operators"); CPUs take the
+# fused calls where dispatch_pushers is pinned (the same bits: tests/test_fp8_overlap.py).
 FP8_FUSED_DISPATCH_ON_GPU = False
 
 
