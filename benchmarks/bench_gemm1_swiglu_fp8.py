@@ -6,6 +6,8 @@ h quantized 1 x 128 (GEMM2's operand) and a quantized 1 x 128 (what the backward
   two calls               grouped_gemm.grouped_matmul_fp8 (float32 a [rows, 2F] written) then
                           grouped_gemm.swiglu_forward_fp8 (a read back): what fp8_experts.KERNELS runs on GPUs while
                           FUSED_GEMM1_SWIGLU_ON_GPU is off
+  fused, no a             grouped_matmul_swiglu_fp8(keep_a=False): h alone, as a forward that nothing
+                          differentiates runs it (inference); its h compared with the fused call's
 
 at two shapes: Mixtral-like (8 experts, 8192 rows, K 4096, 2F 28672) and the training preset's (16 experts, 131072
 rows, K 1024, 2F 2048), rows spread over the experts unevenly (a Dirichlet draw). Each variant's ms is the median of
@@ -36,7 +38,11 @@ def two_calls(lq, ls, wq, ws, gs):
   return swiglu_forward_fp8(grouped_matmul_fp8(lq, ls, wq, ws, gs))
 
 
-VARIANTS = {"fused": grouped_matmul_swiglu_fp8, "two calls": two_calls}
+def fused_without_a(lq, ls, wq, ws, gs):
+  return grouped_matmul_swiglu_fp8(lq, ls, wq, ws, gs, keep_a=False)[0]
+
+
+VARIANTS = {"fused": grouped_matmul_swiglu_fp8, "two calls": two_calls, "fused, no a": fused_without_a}
 
 
 def operands(G, rows, K, F, seed=0):
@@ -66,7 +72,7 @@ def run(name, G, rows, K, F):
     out = _bytes(jf(*args))
     ref = out if ref is None else ref
     differ = sum(int(np.count_nonzero(o != r)) for o, r in zip(out, ref))
-    print(f"  {variant:10s} {ms:8.3f} ms  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s  "
+    print(f"  {variant:11s} {ms:8.3f} ms  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s  "
           f"{'same bytes as fused' if differ == 0 else f'{differ} of {sum(o.size for o in out)} bytes differ'}")
 
 

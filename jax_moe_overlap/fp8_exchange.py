@@ -85,7 +85,7 @@ def experts_gemm1(x, w1, w2, route, gemms, keep: bool = True):
   n = w1.values.shape[1] if isinstance(w1, fp8.Fp8Weight) else w1.shape[2]  # GEMM1's columns, 2F
   if route.fuses_dispatch_gemm(x.shape[1], n):
     return route.dispatch_gemm1(fp8.pack_rows(xq, xs), w1, w2, gemms, keep)
-  return recipe_gemm1(*moved(route.dispatch_tokens, route, xq, xs), w1, w2, route.expert_rows, gemms)
+  return recipe_gemm1(*moved(route.dispatch_tokens, route, xq, xs), w1, w2, route.expert_rows, gemms, keep)
 
 
 def experts_dy(d_send, kept, route, gemms):

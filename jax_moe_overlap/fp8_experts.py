@@ -123,8 +123,8 @@ class Gemms:
   requantizes_weights() -> bool, read when traced: whether the backward makes the dgrads' weights from the master
     weights by ``quantize_weight(w, transposed=False)`` (the forward then keeps the master weights, which the caller
     holds anyway, instead of their quantized copies), rather than transposing the quantized copies the forward kept.
-  rows_swiglu(lhs_q, lhs_s, w: fp8.Fp8Weight of W1 [G, K, 2F], group_sizes) -> swiglu_forward(rows(lhs_q, lhs_s, w,
-    group_sizes)): GEMM1 and the SwiGLU forward. None (``DENSE``, ``RAGGED``): that composition (``gemm1_swiglu``
+  rows_swiglu(lhs_q, lhs_s, w: fp8.Fp8Weight of W1 [G, K, 2F], group_sizes, keep_a) -> swiglu_forward(rows(lhs_q,
+    lhs_s, w, group_sizes)), a_rows None without keep_a: GEMM1 and the SwiGLU forward. None (``DENSE``, ``RAGGED``): that composition (``gemm1_swiglu``
     runs it: the definition); ``KERNELS`` runs ``grouped_gemm.grouped_matmul_swiglu_fp8``, one custom call whose
     epilogue quantizes h and a from the accumulators, bit for bit the composition's two calls (CPUs; GPUs once
     ``FUSED_GEMM1_SWIGLU_ON_GPU``).
@@ -141,11 +141,13 @@ class Gemms:
   requantizes_weights: Callable[[], bool] = _never
   rows_swiglu: Callable | None = None
 
-  def gemm1_swiglu(self, lhs_q, lhs_s, w, group_sizes):
-    """``rows_swiglu``, or its composition where None: (h_rows, a_rows)."""
+  def gemm1_swiglu(self, lhs_q, lhs_s, w, group_sizes, keep_a=True):
+    """``rows_swiglu``, or its composition where None: (h_rows, a_rows), a_rows None without keep_a (nothing
+    differentiates the forward: the kernel then writes no a; h_rows the same bits)."""
     if self.rows_swiglu is None:
-      return self.swiglu_forward(self.rows(lhs_q, lhs_s, w, group_sizes))
-    return self.rows_swiglu(lhs_q, lhs_s, w, group_sizes)
+      h_rows, a_rows = self.swiglu_forward(self.rows(lhs_q, lhs_s, w, group_sizes))
+      return h_rows, (a_rows if keep_a else None)
+    return self.rows_swiglu(lhs_q, lhs_s, w, group_sizes, keep_a)
 
   def columns_of_rows(self, q, s, tiles):
     """``row_columns``, or its composition where None."""
@@ -275,12 +277,13 @@ def _kernel_requantizes_weights():
 FUSED_GEMM1_SWIGLU_ON_GPU = True
 
 
-def _kernel_rows_swiglu(lhs_q, lhs_s, w, group_sizes):
+def _kernel_rows_swiglu(lhs_q, lhs_s, w, group_sizes, keep_a=True):
   def fused():
-    return grouped_matmul_swiglu_fp8(lhs_q, lhs_s, w.values, w.scales, group_sizes)
+    return grouped_matmul_swiglu_fp8(lhs_q, lhs_s, w.values, w.scales, group_sizes, keep_a)
 
   def composed():
-    return _kernel_swiglu_forward(_kernel_rows(lhs_q, lhs_s, w, group_sizes))
+    h_rows, a_rows = _kernel_swiglu_forward(_kernel_rows(lhs_q, lhs_s, w, group_sizes))
+    return h_rows, (a_rows if keep_a else None)
 
   return _switched_call(fused, composed, FUSED_GEMM1_SWIGLU_ON_GPU)
 
@@ -379,18 +382,19 @@ def recipe_kept(x_rows, a_rows, w1, w1q, w2, w2q, group_sizes, gemms):
           _weight_cotangent_template(w1), _weight_cotangent_template(w2))
 
 
-def recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms):
+def recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms, keep=True):
   """The forward up to GEMM2's operands, from x quantized (1 x 128, power-of-two scales): (h quantized (1 x 128: its
-  values and scales), w2 as GEMM2 reads it (an ``Fp8Weight``), what the backward keeps)."""
+  values and scales), w2 as GEMM2 reads it (an ``Fp8Weight``), what the backward keeps; without keep (nothing
+  differentiates the forward) a is left out of it)."""
   w1q, w2q = recipe_weights(w1, w2, gemms)
-  h_rows, a_rows = gemms.gemm1_swiglu(xq, xs, w1q, group_sizes)
+  h_rows, a_rows = gemms.gemm1_swiglu(xq, xs, w1q, group_sizes, keep)
   return h_rows, w2q, recipe_kept((xq, xs), a_rows, w1, w1q, w2, w2q, group_sizes, gemms)
 
 
-def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype):
+def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype, keep=True):
   """The forward from x quantized (1 x 128, power-of-two scales): (out [M, D] in out_dtype, what the backward
-  keeps)."""
-  h_rows, w2q, kept = recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms)
+  keeps; keep as ``recipe_gemm1``'s)."""
+  h_rows, w2q, kept = recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms, keep)
   return gemms.rows(*h_rows, w2q, group_sizes, out_dtype), kept
 
 
@@ -441,8 +445,8 @@ def recipe_backward(gemms, kept, dy_rows, dx_dtype, dh=None):
   return gemms.rows(*da_rows, w1_t, kept[4], dx_dtype), dw1, dw2
 
 
-def _forward(x, w1, w2, group_sizes, gemms):
-  return recipe_forward(*fp8.quantize_rows(x, pow2=True), w1, w2, group_sizes, gemms, x.dtype)
+def _forward(x, w1, w2, group_sizes, gemms, keep=True):
+  return recipe_forward(*fp8.quantize_rows(x, pow2=True), w1, w2, group_sizes, gemms, x.dtype, keep)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -456,7 +460,7 @@ def fp8_expert_mlp(x, w1, w2, group_sizes, gemms: Gemms):
   Returns:
     [M, D] in x's dtype.
   """
-  return _forward(x, w1, w2, group_sizes, gemms)[0]
+  return _forward(x, w1, w2, group_sizes, gemms, keep=False)[0]
 
 
 def _fp8_expert_mlp_fwd(x, w1, w2, group_sizes, gemms):

@@ -235,7 +235,7 @@ def fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes=None):
 
 
 def grouped_matmul_swiglu_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Array, rhs_scales: jax.Array,
-                              group_sizes: jax.Array):
+                              group_sizes: jax.Array, keep_a: bool = True):
   """GEMM1 of the FP8 recipe with its SwiGLU forward in one custom call: bit for bit
   ``swiglu_forward_fp8(grouped_matmul_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes))`` (float32 a = [M, 2F],
   rhs's first F rows the gate's, the others the up projection's), without a in memory.
@@ -249,20 +249,22 @@ def grouped_matmul_swiglu_fp8(lhs: jax.Array, lhs_scales: jax.Array, rhs: jax.Ar
   Args:
     lhs: [M, K] float8_e4m3fn. lhs_scales: [M, K / 128] float32. rhs: [G, 2F, K] float8_e4m3fn (K-major).
     rhs_scales: [G, 2F / 128, K / 128] float32. group_sizes: [G] integer rows per group (>= 0, sum <= M). K and F
-      positive multiples of 128.
+      positive multiples of 128. keep_a: whether a is returned (what the recipe's backward keeps); False where
+      nothing differentiates the call (inference): the epilogue then quantizes h alone and writes no a.
   Returns:
     (h_rows, a_rows): h_rows = (q [M, F] float8_e4m3fn, s [M, F / 128] float32); a_rows = (q [M, 2F], s [M, 2F / 128]),
-    as ``swiglu_forward_fp8`` returns them.
+    as ``swiglu_forward_fp8`` returns them, or None without keep_a (h_rows the same bits either way).
   """
   name = "grouped_matmul_swiglu_fp8"
   check_fp8_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes, jnp.float32)
   M, C, scales_mn = fp8_row_operands(name, lhs, lhs_scales, rhs, rhs_scales, group_sizes)
   F = _swiglu_width(name, "rhs", C)
+  a_rows = M if keep_a else 0  # (a not kept: empty results, which the call leaves unwritten)
   out = (jax.ShapeDtypeStruct((M, F), fp8.E4M3), jax.ShapeDtypeStruct((M, F // fp8.TILE), jnp.float32),
-         jax.ShapeDtypeStruct((M, C), fp8.E4M3), jax.ShapeDtypeStruct((M, C // fp8.TILE), jnp.float32))
+         jax.ShapeDtypeStruct((a_rows, C), fp8.E4M3), jax.ShapeDtypeStruct((a_rows, C // fp8.TILE), jnp.float32))
   hq, hs, aq, a_s = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU_FP8, out, vmap_method="sequential")(
       lhs, scales_mn, rhs, rhs_scales, group_sizes.astype(jnp.int32))
-  return (hq, hs), (aq, a_s)
+  return (hq, hs), ((aq, a_s) if keep_a else None)
 
 
 def quantize_columns_fp8(x, tiles: fp8.ColumnTiles) -> tuple[jax.Array, jax.Array]:

@@ -90,6 +90,19 @@ def test_bitwise_the_two_calls(case):
     np.testing.assert_array_equal(np.asarray(s)[live:], np.float32(fp8.SCALE_FLOOR))
 
 
+@pytest.mark.parametrize("case", CASES[:2])
+def test_without_a_the_same_h(case):
+  """keep_a=False (inference: nothing differentiates GEMM1): a_rows None, no a in the program's results (the call's a
+  results are empty), h bit for bit the call that keeps a."""
+  args = tuple(map(jnp.asarray, operands(case, seed=7)))
+  f = jax.jit(lambda *a: grouped_matmul_swiglu_fp8(*a, keep_a=False))
+  h_rows, a_rows = f(*args)
+  assert a_rows is None
+  assert f"-> (tensor<{case[0]}x{case[2]}xf8E4M3FN>, tensor<{case[0]}x{case[2] // 128}xf32>, tensor<0x{2 * case[2]}x" \
+      in f.lower(*args).as_text()  # (the call's results: h, then a's empty ones)
+  assert_bitwise((h_rows,), (fused(*args)[0],))
+
+
 def test_saturation_and_non_finite_accumulators():
   """Rows whose scales overflow the accumulators (inf and NaN in a, so in h and in the tiles' scales) and rows of
   one huge value per tile (the others then quantize to zero or a few steps, the amax to 448: e4m3's saturation
@@ -161,3 +174,29 @@ def test_layer_bitwise_unchanged(monkeypatch):
   for u, v in zip(jax.tree.leaves(with_fused), jax.tree.leaves(two_calls)):
     assert float(jnp.max(jnp.abs(u.astype(jnp.float32)))) > 0
     np.testing.assert_array_equal(bits(u.astype(jnp.float32)), bits(v.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("impl", ["collective", "overlap"])
+def test_layer_forward_alone_keeps_no_a(impl):
+  """moe_experts(quantization="fp8") not differentiated (inference) runs GEMM1 without a (the call's a results
+  empty; impl="overlap" with its dispatch unfused, on a mesh of two ranks), and its output is bit for bit the output
+  of the differentiated program, which keeps a."""
+  mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices("cpu")[:2])
+  x, ids, gates, w1, w2 = layer_inputs(64, 128, 128, 4, 2, "skewed", 4, dtype=jnp.bfloat16)
+  cot = jnp.asarray(np.random.default_rng(5).standard_normal((64, 128)).astype(np.float32))
+  config = jmo.CallConfig()  # (dispatch_pushers 0: the library's choice, on CPUs the unfused dispatch under FP8)
+
+  def forward(x, gates, w1, w2):
+    return jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, quantization="fp8", config=config)[0]
+
+  def loss(x, gates, w1, w2):
+    y = forward(x, gates, w1, w2)
+    return jnp.sum(y.astype(jnp.float32) * cot), y
+
+  fwd = jax.jit(forward)
+  calls = [l for l in fwd.lower(x, gates, w1, w2).as_text().splitlines() if "@jmo_grouped_matmul_swiglu_fp8(" in l]
+  assert len(calls) == 1 and "tensor<0x256xf8E4M3FN>" in calls[0], calls
+  y = fwd(x, gates, w1, w2)
+  _, y_trained = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, gates, w1, w2)[0]
+  assert float(jnp.max(jnp.abs(y.astype(jnp.float32)))) > 0
+  np.testing.assert_array_equal(bits(y.astype(jnp.float32)), bits(y_trained.astype(jnp.float32)))

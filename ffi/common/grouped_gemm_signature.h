@@ -26,7 +26,7 @@
 //                                     positive multiples of 128 (whole scale tiles).
 //   jmo_grouped_matmul_swiglu_fp8(lhs [M, K] e4m3, lhs_scales [K/128, ld] f32, rhs [G, 2F, K] e4m3,
 //                                 rhs_scales [G, 2F/128, K/128] f32, group_sizes [G] s32)
-//       -> h_q [M, F] e4m3, h_s [M, F/128] f32, a_q [M, 2F] e4m3, a_s [M, 2F/128] f32
+//       -> h_q [M, F] e4m3, h_s [M, F/128] f32, a_q [M, 2F] e4m3, a_s [M, 2F/128] f32 (a not kept: both [0, ...])
 //                                     GEMM1 of the FP8 recipe with its SwiGLU forward: jmo_swiglu_forward_fp8 of
 //                                     jmo_grouped_matmul_fp8's float32 a (N = 2F: the gate's F rows of rhs, then the
 //                                     up projection's), bit for bit, without a in memory. F is a positive multiple
@@ -277,6 +277,7 @@ struct GroupedFp8Shape {
   bool out_f32;  // else bfloat16
   int64_t M, K, N, G;
   int64_t scales_ld;  // the row stride of lhs_scales [K/128, ld]
+  bool keep_a = true;  // jmo_grouped_matmul_swiglu_fp8: a_q and a_s written (else empty: [0, 2F], [0, 2F/128])
 };
 
 // The operands of the FP8 row GEMMs (jmo_grouped_matmul_fp8, jmo_grouped_matmul_swiglu_fp8; `op` names the call in
@@ -339,10 +340,12 @@ inline xla::ffi::ErrorOr<GroupedFp8Shape> CheckGroupedMatmulSwiGluFp8(
     return fail("F (half of rhs's " + std::to_string(s->N) + " rows) must be a positive multiple of 128");
   if (h_q.element_type() != ffi::DataType::F8E4M3FN || a_q.element_type() != ffi::DataType::F8E4M3FN)
     return fail("h_q and a_q must be float8_e4m3fn");
+  // a (the backward's) not kept: a_q [0, 2F] and a_s [0, 2F/128], neither written.
+  s->keep_a = !(DimsAre({0, 2 * F}, a_q.dimensions()) && DimsAre({0, 2 * F / kFp8Tile}, a_s.dimensions()));
   if (!DimsAre({M, F}, h_q.dimensions()) || !DimsAre({M, F / kFp8Tile}, h_s.dimensions()) ||
-      !DimsAre({M, 2 * F}, a_q.dimensions()) || !DimsAre({M, 2 * F / kFp8Tile}, a_s.dimensions()))
-    return fail("inconsistent results: expected h_q [M, F], h_s [M, F/128], a_q [M, 2F], a_s [M, 2F/128] for M=" +
-                std::to_string(M) + ", F=" + std::to_string(F));
+      (s->keep_a && (!DimsAre({M, 2 * F}, a_q.dimensions()) || !DimsAre({M, 2 * F / kFp8Tile}, a_s.dimensions()))))
+    return fail("inconsistent results: expected h_q [M, F], h_s [M, F/128], a_q [M, 2F], a_s [M, 2F/128] (or both "
+                "[0, ...]: a not kept) for M=" + std::to_string(M) + ", F=" + std::to_string(F));
   return s;
 }
 

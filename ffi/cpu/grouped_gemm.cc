@@ -151,7 +151,8 @@ ffi::Error GroupedMatmulSwiGluFp8Impl(ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> 
   MatmulFp8Rows(lhs_rows, static_cast<const uint8_t*>(rhs.untyped_data()), rhs_scales.typed_data(), *off, shape->K, N,
                 a.data(), false);
   SwiGluForwardFp8Rows(a.data(), M, N / 2, static_cast<uint8_t*>(h_q->untyped_data()), h_s->typed_data(),
-                       static_cast<uint8_t*>(a_q->untyped_data()), a_s->typed_data());
+                       shape->keep_a ? static_cast<uint8_t*>(a_q->untyped_data()) : nullptr,
+                       shape->keep_a ? a_s->typed_data() : nullptr);
   return ffi::Error::Success();
 }
 

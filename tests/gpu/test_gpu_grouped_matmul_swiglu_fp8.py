@@ -6,7 +6,7 @@ on the same GPU, the fused call's outputs' memory poisoned first (unwritten byte
   swiglu_forward_fp8's device steps (the same expf, amax, scale and rounding), so every byte of h_q, h_s, a_q and a_s
   is the two calls' (the differing bytes of each output print on failure); skewed and empty groups, group ends inside
   128-row tiles, rows past the groups (zero bytes, scales 2^-126), F a multiple of 128 but not of 256, values that
-  saturate and non-finite accumulators; bitwise repeats;
+  saturate and non-finite accumulators; bitwise repeats; without a (keep_a=False) the same h;
 - the layer (moe_experts quantization="fp8", impl="collective") with fp8_experts.FUSED_GEMM1_SWIGLU_ON_GPU on gives
   the bits it gives with the switch off (the two calls), output and gradients;
 - on a GPU that is not a Hopper one the call fails naming the requirement. Skips where there is no GPU.
@@ -69,6 +69,20 @@ def test_kernel_equals_the_two_calls(case):
   assert not base.bits(got[0])[live:].any() and not base.bits(got[2])[live:].any()
   again = _fused(args)
   _assert_bitwise(again, got, "a repeat")
+
+
+@requires_hopper
+@pytest.mark.parametrize("case", [base.CASES[1], BIG[0]])
+def test_kernel_without_a_writes_the_same_h(case):
+  # keep_a=False (inference): the epilogue quantizes h alone; h's bytes and scales those of the call that keeps a,
+  # every row computed into the poison.
+  M, K, F, sizes = case
+  args = base.operands(case, seed=M + F)
+  for shape in ((M, F // 4), (M, F // 128)):
+    _poison_allocator(shape, jnp.float32)
+  got = _on_gpu(lambda *a: grouped_matmul_swiglu_fp8(*a, keep_a=False)[0], args)
+  assert len(got) == 2
+  _assert_bitwise(got, _fused(args)[:2], f"without a: M={M} K={K} F={F}")
 
 
 @requires_hopper

@@ -155,8 +155,9 @@ ffi::Error GroupedMatmulSwiGluFp8Impl(cudaStream_t stream, int32_t ordinal, ffi:
   return ToFfi(GroupedMatmulSwiGluFp8(stream, lhs.untyped_data(), lhs_scales.typed_data(), s->scales_ld, s->M, s->K,
                                       rhs.untyped_data(), rhs_scales.typed_data(), s->G, s->N / 2,
                                       group_sizes.typed_data(), static_cast<uint8_t*>(h_q->untyped_data()),
-                                      h_s->typed_data(), static_cast<uint8_t*>(a_q->untyped_data()),
-                                      a_s->typed_data()));
+                                      h_s->typed_data(),
+                                      s->keep_a ? static_cast<uint8_t*>(a_q->untyped_data()) : nullptr,
+                                      s->keep_a ? a_s->typed_data() : nullptr));
 }
 
 }  // namespace

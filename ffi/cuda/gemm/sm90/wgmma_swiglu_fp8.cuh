@@ -54,9 +54,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t C = 2 * (int64_t)F;
   BuildGroupTables(group_sizes, G, M, n_tiles, row_start, tile_start);
   ZeroPadRows(h_q, row_start[G], M, F, 1);
-  ZeroPadRows(a_q, row_start[G], M, C, 1);
   ZeroRowScales(h_s, row_start[G], M, n_tiles);
-  ZeroRowScales(a_s, row_start[G], M, 2 * n_tiles);
+  if (a_q != nullptr) {
+    ZeroPadRows(a_q, row_start[G], M, C, 1);
+    ZeroRowScales(a_s, row_start[G], M, 2 * n_tiles);
+  }
   auto tile_of = [&](int t) {
     SwiGluFp8Tile tile;
     const TilePlace p = PlaceSwiGluTile(t, row_start, tile_start, G, n_tiles, F, tile);
@@ -64,8 +66,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     tile.ldc = 0;
     tile.h_q = h_q + (int64_t)tile.a_row * F + tile.n0;
     tile.h_s = h_s + (int64_t)tile.a_row * n_tiles + p.nt;
-    tile.a_q = a_q + (int64_t)tile.a_row * C + tile.n0;
-    tile.a_s = a_s + (int64_t)tile.a_row * 2 * n_tiles + p.nt;
+    tile.a_q = a_q != nullptr ? a_q + (int64_t)tile.a_row * C + tile.n0 : nullptr;  // (a not kept: not written)
+    tile.a_s = a_q != nullptr ? a_s + (int64_t)tile.a_row * 2 * n_tiles + p.nt : nullptr;
     tile.F = F;
     return tile;
   };
@@ -81,16 +83,18 @@ inline const char* GroupedSwiGluFp8Refusal(int64_t M, int64_t K, int64_t F, int6
                                            const void* a_s) {
   if (F < kSwiGluFp8Cols || F % kSwiGluFp8Cols != 0 || F > 0x3fffffff)
     return "F must be a positive multiple of 128 (whole 1 x 128 tiles of h and of each half of a), 2F below 2^31";
-  if (const char* why = GroupedGemmFp8Refusal(M, K, 2 * F, G, lhs_scales_ld, lhs, lhs_scales, rhs, rhs_scales, a_q))
+  if (const char* why = GroupedGemmFp8Refusal(M, K, 2 * F, G, lhs_scales_ld, lhs, lhs_scales, rhs, rhs_scales, h_q))
     return why;
-  if ((reinterpret_cast<uintptr_t>(h_q) | reinterpret_cast<uintptr_t>(h_s) | reinterpret_cast<uintptr_t>(a_s)) % 16)
+  if ((reinterpret_cast<uintptr_t>(h_q) | reinterpret_cast<uintptr_t>(h_s) | reinterpret_cast<uintptr_t>(a_q) |
+       reinterpret_cast<uintptr_t>(a_s)) % 16)
     return "h_q, h_s, a_q and a_s must be 16-byte aligned";
+  if ((a_q == nullptr) != (a_s == nullptr)) return "a_q and a_s are both given (a kept) or both null";
   return nullptr;
 }
 
 // Host launch: lhs [M, K] e4m3 with lhs_scales [K/128, ld] (MN-major), rhs [G, 2F, K] e4m3 (K-major: the gate's F
 // rows, then the up projection's) with rhs_scales [G, 2F/128, K/128]; h_q [M, F], h_s [M, F/128], a_q [M, 2F],
-// a_s [M, 2F/128]. Returns cudaErrorInvalidValue (after printing the rule) for operands it does not take,
+// a_s [M, 2F/128] (both null: a not kept, the epilogue quantizes h alone). Returns cudaErrorInvalidValue (after printing the rule) for operands it does not take,
 // cudaErrorNotSupported on a device or build without sm_90a code.
 inline cudaError_t GroupedSwiGluFp8(const __nv_fp8_e4m3* lhs, const float* lhs_scales, int64_t lhs_scales_ld,
                                     int64_t M, int64_t K, const __nv_fp8_e4m3* rhs, const float* rhs_scales, int64_t G,
