@@ -124,10 +124,10 @@ class Gemms:
     weights by ``quantize_weight(w, transposed=False)`` (the forward then keeps the master weights, which the caller
     holds anyway, instead of their quantized copies), rather than transposing the quantized copies the forward kept.
   rows_swiglu(lhs_q, lhs_s, w: fp8.Fp8Weight of W1 [G, K, 2F], group_sizes, keep_a) -> swiglu_forward(rows(lhs_q,
-    lhs_s, w, group_sizes)), a_rows None without keep_a: GEMM1 and the SwiGLU forward. None (``DENSE``, ``RAGGED``): that composition (``gemm1_swiglu``
-    runs it: the definition); ``KERNELS`` runs ``grouped_gemm.grouped_matmul_swiglu_fp8``, one custom call whose
-    epilogue quantizes h and a from the accumulators, bit for bit the composition's two calls (CPUs; GPUs once
-    ``FUSED_GEMM1_SWIGLU_ON_GPU``).
+    lhs_s, w, group_sizes)), a_rows None without keep_a: GEMM1 and the SwiGLU forward. None (``DENSE``,
+    ``RAGGED``): that composition (``gemm1_swiglu`` runs it: the definition); ``KERNELS`` runs
+    ``grouped_gemm.grouped_matmul_swiglu_fp8``, one custom call whose epilogue quantizes h and a from the
+    accumulators, bit for bit the composition's two calls (CPUs; GPUs once ``FUSED_GEMM1_SWIGLU_ON_GPU``).
   """
 
   name: str

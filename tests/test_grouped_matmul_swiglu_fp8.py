@@ -200,3 +200,22 @@ def test_layer_forward_alone_keeps_no_a(impl):
   _, y_trained = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, gates, w1, w2)[0]
   assert float(jnp.max(jnp.abs(y.astype(jnp.float32)))) > 0
   np.testing.assert_array_equal(bits(y.astype(jnp.float32)), bits(y_trained.astype(jnp.float32)))
+
+
+def test_expert_mlp_forward_alone_keeps_no_a():
+  """fp8_experts.fp8_expert_mlp not differentiated: its GEMM1 call's a results empty, its output bit for bit the
+  output of jax.vjp (the forward rule, which keeps a)."""
+  M, K, F, sizes = 96, 128, 128, [40, 0, 50]
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+  w1 = jnp.asarray(rng.standard_normal((3, K, 2 * F)).astype(np.float32) / np.sqrt(K))
+  w2 = jnp.asarray(rng.standard_normal((3, F, K)).astype(np.float32) / np.sqrt(F))
+  gs = jnp.asarray(sizes, jnp.int32)
+  mlp = jax.jit(lambda x, w1, w2: fp8_experts.fp8_expert_mlp(x, w1, w2, gs, fp8_experts.KERNELS))
+  calls = [l for l in mlp.lower(x, w1, w2).as_text().splitlines() if "@jmo_grouped_matmul_swiglu_fp8(" in l]
+  assert len(calls) == 1 and f"tensor<0x{2 * F}xf8E4M3FN>" in calls[0], calls
+  y = mlp(x, w1, w2)
+  y_vjp, _ = jax.jit(lambda x, w1, w2: jax.vjp(lambda *a: fp8_experts.fp8_expert_mlp(*a, gs, fp8_experts.KERNELS),
+                                               x, w1, w2))(x, w1, w2)
+  assert float(jnp.max(jnp.abs(y))) > 0
+  np.testing.assert_array_equal(bits(y), bits(y_vjp))

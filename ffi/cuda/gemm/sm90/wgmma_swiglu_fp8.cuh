@@ -94,8 +94,8 @@ inline const char* GroupedSwiGluFp8Refusal(int64_t M, int64_t K, int64_t F, int6
 
 // Host launch: lhs [M, K] e4m3 with lhs_scales [K/128, ld] (MN-major), rhs [G, 2F, K] e4m3 (K-major: the gate's F
 // rows, then the up projection's) with rhs_scales [G, 2F/128, K/128]; h_q [M, F], h_s [M, F/128], a_q [M, 2F],
-// a_s [M, 2F/128] (both null: a not kept, the epilogue quantizes h alone). Returns cudaErrorInvalidValue (after printing the rule) for operands it does not take,
-// cudaErrorNotSupported on a device or build without sm_90a code.
+// a_s [M, 2F/128] (both null: a not kept, the epilogue quantizes h alone). Returns cudaErrorInvalidValue (after
+// printing the rule) for operands it does not take, cudaErrorNotSupported on a device or build without sm_90a code.
 inline cudaError_t GroupedSwiGluFp8(const __nv_fp8_e4m3* lhs, const float* lhs_scales, int64_t lhs_scales_ld,
                                     int64_t M, int64_t K, const __nv_fp8_e4m3* rhs, const float* rhs_scales, int64_t G,
                                     int64_t F, const int32_t* group_sizes_dev, uint8_t* h_q, float* h_s,
