@@ -29,6 +29,13 @@ export PYTHONUNBUFFERED=1  # (a step its timeout stops still leaves its log)
 cd "$(dirname "$0")/.."
 source benchmarks/device_call.sh || exit 1  # $OUT/summary.txt, `el`, the build
 REPO=$PWD
+# One loopback suite under a time limit: its log in $OUT/FILE, its rc, the lines of it that PATTERN picks (default
+# the cases' results and the overlap table), the elapsed time. suite LIMIT SUITE FILE [PATTERN]
+suite() {
+  timeout "$1" python3 -m tools.loopback.run --suite "$2" > "$OUT/$3" 2>&1
+  echo "$2 rc $?"; grep -E "${4:-^(PASS|FAIL)|^\||cases passed}" "$OUT/$3" | cut -c1-240
+  el "$2"
+}
 if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
   (cd /tmp && timeout 300 python3 -m pytest -v -s -rs -p no:cacheprovider "$REPO/tests/gpu/test_gpu_expert_combine.py" \
     "$REPO/tests/gpu/test_gpu_loopback.py" "$REPO/tests/gpu/test_gpu_dispatch_gemm_fp8.py" \
@@ -52,30 +59,20 @@ if [ "${FP8_ONLY_TIME:-0}" = 0 ]; then
   exit 0
 fi
 if [ "${FP8_ONLY_TIME}" = 4 ]; then
-  timeout 240 python3 -m tools.loopback.run --suite dispatch-gemm-shapes-fp8 > "$OUT/dg-shapes-fp8.txt" 2>&1
-  echo "dispatch-gemm-shapes-fp8 rc $?"; grep -E "^FAIL|^\||cases passed" "$OUT/dg-shapes-fp8.txt" | cut -c1-240
-  el dispatch-gemm-shapes-fp8
-  timeout 150 python3 -m tools.loopback.run --suite dispatch-gemm-shapes > "$OUT/dg-shapes-bf16.txt" 2>&1
-  echo "dispatch-gemm-shapes rc $?"; grep -E "^FAIL|^\||cases passed" "$OUT/dg-shapes-bf16.txt" | cut -c1-240
-  el dispatch-gemm-shapes
+  suite 240 dispatch-gemm-shapes-fp8 dg-shapes-fp8.txt "^FAIL|^\||cases passed"
+  suite 150 dispatch-gemm-shapes dg-shapes-bf16.txt "^FAIL|^\||cases passed"
   exit 0
 fi
 if [ "${FP8_ONLY_TIME}" = 3 ]; then
   # Both FP8 overlaps' tables in one call (no bf16 rows beside them): dispatch-gemm-time-fp8, combine-time-fp8, then
   # the FP8 C sweep below.
-  timeout 270 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
-  echo "dispatch-gemm-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/dg-time-fp8.txt" | cut -c1-240
-  el dispatch-gemm-time-fp8
+  suite 270 dispatch-gemm-time-fp8 dg-time-fp8.txt
 fi
 if [ "${FP8_ONLY_TIME}" = 2 ]; then
   # The FP8 dispatch fused with GEMM1 against the dispatch then the FP8 GEMM1 (on the rows unpacked beforehand: the
   # two calls without their unpack), beside bf16's dispatch-gemm-time in the same run.
-  timeout 270 python3 -m tools.loopback.run --suite dispatch-gemm-time-fp8 > "$OUT/dg-time-fp8.txt" 2>&1
-  echo "dispatch-gemm-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/dg-time-fp8.txt" | cut -c1-240
-  el dispatch-gemm-time-fp8
-  timeout 200 python3 -m tools.loopback.run --suite dispatch-gemm-time > "$OUT/dg-time-bf16.txt" 2>&1
-  echo "dispatch-gemm-time rc $?"; grep -E "^\||cases passed" "$OUT/dg-time-bf16.txt" | cut -c1-240
-  el dispatch-gemm-time
+  suite 270 dispatch-gemm-time-fp8 dg-time-fp8.txt
+  suite 200 dispatch-gemm-time dg-time-bf16.txt "^\||cases passed"
   exit 0
 fi
 if [ "${FP8_ONLY_TIME}" = 1 ]; then
@@ -85,13 +82,9 @@ if [ "${FP8_ONLY_TIME}" = 1 ]; then
   echo "bench_fused rc $?"; grep -E "^\|" "$OUT/fused.log" | cut -c1-200
   el bench_fused
 fi
-timeout 150 python3 -m tools.loopback.run --suite combine-time-fp8 > "$OUT/time-fp8.txt" 2>&1
-echo "combine-time-fp8 rc $?"; grep -E "^(PASS|FAIL)|^\||cases passed" "$OUT/time-fp8.txt" | cut -c1-240
-el combine-time-fp8
+suite 150 combine-time-fp8 time-fp8.txt
 if [ "${FP8_ONLY_TIME}" = 1 ]; then
-  timeout 120 python3 -m tools.loopback.run --suite combine-time > "$OUT/time-bf16.txt" 2>&1
-  echo "combine-time rc $?"; grep -E "^\||cases passed" "$OUT/time-bf16.txt" | cut -c1-240
-  el combine-time
+  suite 120 combine-time time-bf16.txt "^\||cases passed"
 fi
 # The FP8 producer's consumer count: every pinned C (8: the fixed C, SMs / 8) against the model's (the shipped H200
 # calibration, the bf16 engine's, with the e4m3 tile's K counted by Fp8ModelK: its regret) on the seed shape at R = 2
