@@ -678,7 +678,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     static_assert(wgmma_gemm::kBK * wgmma_gemm::kElemBytes == wgmma_gemm::kFp8BK, "128 bytes of a row per stage");
     static_assert(!std::is_base_of<wgmma_gemm::KRangeTile, DgTile>::value,
                   "every 4-chunk scale box is stored by its first stage: a tile multiplies all of K");
-    wgmma_gemm::StoreAStageRows<kFp8 ? 2 : 4>(a, c, tc, t.rows, t.x_recv + (int64_t)kt * 128, g.row_bytes);
+    wgmma_gemm::StoreAStageRows<kFp8 ? 2 : 4>(a, c, tc, t.rows, t.x_recv + (int64_t)kt * wgmma_gemm::kFp8BK,
+                                              g.row_bytes);
     if (kFp8 && kt % wgmma_gemm::kFp8TailChunks == 0)
       wgmma_gemm::Fp8RowTailScalesA::StoreStageRows(x, c, tc, t.rows, t.x_recv + g.K + (int64_t)kt * 4, g.row_bytes);
   };
@@ -794,6 +795,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
   const int64_t row_bytes = RowBytes(dt, D);
   const bool transpose_rhs = form == Gemm1Form::kTransposedRhs, swiglu = form == Gemm1Form::kSwiGlu;
   const bool fp8 = dt == DType::kE4M3Rows;  // packed e4m3 rows, e4m3 w (K-major) with w_scales
+  const bool from_tiles = c.opts.x_recv_from_tiles && out.x_recv != nullptr;  // DispatchGemmArgs::x_recv_from_tiles
   Status s = BeginCall(c, "dispatch_gemm", CallFootprint{row_bytes, cap, slots.P, E_l}, group_op, rank_op);
   if (!s.ok()) return s;
   Workspace& ws = *c.ws;
@@ -834,7 +836,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
           std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
   else if (bad.empty() && out.a != nullptr && !swiglu)
     bad = "the preactivation a is a result of the SwiGLU epilogue only";
-  else if (bad.empty() && c.opts.x_recv_from_tiles && reinterpret_cast<uintptr_t>(out.x_recv) % 16 != 0)
+  else if (bad.empty() && from_tiles && reinterpret_cast<uintptr_t>(out.x_recv) % 16 != 0)
     bad = "x_recv must be 16-byte aligned where the GEMM tiles store it (CallConfig.x_recv_from_tiles)";
   if (!bad.empty()) return FailCall(c, "dispatch_gemm", bad);
   const RankDev rd = ws.Dev(c.group, c.rank);
@@ -854,8 +856,6 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
     maps[2] = maps[0];
   }
   if (!s.ok()) return s;
-  // (DispatchGemmArgs::x_recv_from_tiles.)
-  const bool from_tiles = c.opts.x_recv_from_tiles && out.x_recv != nullptr;
   const void* kernel = fp8 ? (from_tiles ? Fp8Kernel<true>(swiglu) : Fp8Kernel<false>(swiglu))
                            : (from_tiles ? Kernel<true>(transpose_rhs, swiglu) : Kernel<false>(transpose_rhs, swiglu));
   const int loop_smem =
