@@ -7,9 +7,12 @@
 #
 #   AB_BASE=.ab_base bash benchmarks/run_ab.sh
 # Steps and their limits (seconds): AB_TESTS (the new tree's GPU tests against its installed package, before the
-# timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_LAYER (bench_layer, each run, with AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the loopback suite
-# dispatch-gemm-time, each run; 0 skips), AB_ROUNDS (rounds of base, new; default 2). Logs and tables in $OUT:
-# resource_usage.diff (empty when the kernels match), ab_layer.txt, ab_dg.txt, and each run's log.
+# timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_LAYER (bench_layer, each run, with
+# AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the loopback suite dispatch-gemm-time, each run; 0 skips), AB_CMD
+# (a command of your own, each run, limit AB_CMD_LIMIT, default 300; its lines matching the regex AB_CMD_GREP, default
+# "ms", kept; unset skips), AB_ROUNDS (rounds of base, new; default 2). Logs and tables in $OUT: resource_usage.diff
+# (empty when the kernels match), ab_layer.txt, ab_dg.txt, ab_cmd.txt, and each run's log. E.g. a kernel's own bench:
+#   AB_BASE=.ab_base AB_LAYER=0 AB_DG=0 AB_CMD="python3 -m benchmarks.bench_gemm1_swiglu_fp8" bash benchmarks/run_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-ab-out}
 mkdir -p "$OUT"
@@ -18,6 +21,7 @@ NEW=$PWD
 BASE=$(cd "${AB_BASE:?set AB_BASE to the older tree}" && pwd)
 AB_LAYER=${AB_LAYER:-90} AB_DG=${AB_DG:-150} AB_ROUNDS=${AB_ROUNDS:-2} AB_TESTS=${AB_TESTS:-0}
 AB_LAYER_ARGS=${AB_LAYER_ARGS:---quick}
+AB_CMD=${AB_CMD:-} AB_CMD_LIMIT=${AB_CMD_LIMIT:-300} AB_CMD_GREP=${AB_CMD_GREP:-ms}
 S=$(date +%s)
 el() { echo "== elapsed $(( $(date +%s) - S )) s: $*"; }
 
@@ -81,8 +85,13 @@ for r in $(seq 1 "$AB_ROUNDS"); do
         | sed -E 's/^(PASS|FAIL) ([^|]*)\|.*per call: ([^|]*).*/\1 \2| \3/' | sed "s/^/$side $r /" | cut -c1-220 \
         >> "$OUT/ab_dg.txt"
     fi
+    if [ -n "$AB_CMD" ]; then
+      run_in $side "$AB_CMD_LIMIT" "$OUT/cmd_${side}_$r.log" bash -c "$AB_CMD"
+      grep -E "$AB_CMD_GREP" "$OUT/cmd_${side}_$r.log" | sed "s/^/$side $r /" | cut -c1-220 >> "$OUT/ab_cmd.txt"
+    fi
     el "round $r $side"
   done
 done
 cat "$OUT/ab_layer.txt" 2>/dev/null
 cat "$OUT/ab_dg.txt" 2>/dev/null
+cat "$OUT/ab_cmd.txt" 2>/dev/null

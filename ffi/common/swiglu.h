@@ -51,10 +51,12 @@ JMO_SWIGLU_HD float SwiGluDenominator(float gate) { return swiglu_ops::Add(1.0f,
 JMO_SWIGLU_HD float SwiGluSigmoid(float gate) { return swiglu_ops::Div(1.0f, SwiGluDenominator(gate)); }
 
 // h = silu(gate) * up = (gate * sig) * up: the forward alone (the FP8 forward, which quantizes h for GEMM2).
-JMO_SWIGLU_HD float SwiGlu(float gate, float up) {
+// SwiGluOfSig takes the logistic from the caller, as SwiGluAndGradOfSig below.
+JMO_SWIGLU_HD float SwiGluOfSig(float gate, float sig, float up) {
   using namespace swiglu_ops;
-  return Mul(Mul(gate, SwiGluSigmoid(gate)), up);
+  return Mul(Mul(gate, sig), up);
 }
+JMO_SWIGLU_HD float SwiGlu(float gate, float up) { return SwiGluOfSig(gate, SwiGluSigmoid(gate), up); }
 
 // h = silu(gate) * up (SwiGlu's expression) and its input gradient at the output gradient dh (*d_gate, *d_up),
 // sharing the logistic and gate * sig (the FP8 backward recomputes h where it takes the gradient).

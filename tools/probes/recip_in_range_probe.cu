@@ -1,7 +1,7 @@
 // Exhaustive probe of ops/e4m3.cuh's RecipInRange on one GPU: for every positive float32 x with 2^-126 <= x < 2^126
 // (the callers pass logistic denominators >= 1 and tile scales >= 2^-126, both positive), RecipInRange(x) must be bit
 // for bit __frcp_rn(x) and __fdiv_rn(1, x), the IEEE quotient the CPU handlers compute. Outside that range the callers
-// do not use it (RecipFour's exact path, QuantizerOfTileScale's non-finite scales), so nothing is claimed there.
+// do not use it (SwiGluSigmoids' exact path, QuantizerOfTileScale's non-finite scales), so nothing is claimed there.
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -Iffi -Iffi/include \
 //     -o /tmp/recip_in_range_probe tools/probes/recip_in_range_probe.cu && /tmp/recip_in_range_probe
 //   prints: values checked, mismatches (and the first few), ms; exit 0 all equal, 1 a mismatch, 2 CUDA error,

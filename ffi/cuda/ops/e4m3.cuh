@@ -28,6 +28,15 @@
 
 namespace jmo::cuda {
 
+// max(m, |x|) by max.NaN (one instruction, the magnitude an operand modifier): the canonical NaN once m or x is a
+// NaN. Over float32 arithmetic results, whose NaN is that canonical one, it is AmaxStep's amax bit for bit (the
+// largest magnitude, or that NaN); over values read from memory a NaN's payload may differ from AmaxStep's.
+__device__ __forceinline__ float MaxAbsNaN(float m, float x) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
+  return r;
+}
+
 // The two e4m3 bytes in the low 16 bits of `two` (the first in the low byte), each dequantized with the scale s.
 __device__ __forceinline__ void DequantizeE4m3Pair(uint32_t two, float s, float& a, float& b) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
@@ -81,6 +90,31 @@ __device__ __forceinline__ bool QuantizeFourFast(const float (&v)[4], const Quan
   const uint32_t hi = E4m3Pair(v[0] * q.r_hi, v[1] * q.r_hi) | E4m3Pair(v[2] * q.r_hi, v[3] * q.r_hi) << 16;
   word = lo;
   return (lo == hi) & q.fast;  // not &&: no branch, no conditional load
+}
+
+// kN values of one tile (kN a multiple of 4) -> kN / 4 words, word m of values 4 m .. 4 m + 3 (QuantizeFourFast's),
+// and whether every word is its values' word. Where not, QuantizeWordsExact gives them all (QuantizeWords: one rarely
+// taken branch for kN values instead of one per word).
+template <int kN>
+__device__ __forceinline__ bool QuantizeWordsFast(const float (&v)[kN], const Quantizer& q, uint32_t (&w)[kN / 4]) {
+  static_assert(kN % 4 == 0, "whole words of four values");
+  bool fast = true;
+#pragma unroll
+  for (int m = 0; m < kN / 4; ++m) {
+    const float four[4] = {v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3]};
+    fast &= QuantizeFourFast(four, q, w[m]);
+  }
+  return fast;
+}
+template <int kN>
+__device__ __forceinline__ void QuantizeWordsExact(const float (&v)[kN], float s, uint32_t (&w)[kN / 4]) {
+#pragma unroll
+  for (int m = 0; m < kN / 4; ++m) w[m] = QuantizeFourExact(v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3], s);
+}
+
+template <int kN>
+__device__ __forceinline__ void QuantizeWords(const float (&v)[kN], const Quantizer& q, uint32_t (&w)[kN / 4]) {
+  if (__builtin_expect(!QuantizeWordsFast(v, q, w), 0)) QuantizeWordsExact(v, q.s, w);
 }
 
 // Four values of one tile -> their four e4m3 bytes as a word (v[0] in the low byte), each RoundE4m3(x / s) (see the

@@ -17,22 +17,34 @@ namespace jmo::cuda {
 
 // The amax of a row tile spread over kLanes lanes (an aligned group of consecutive lanes, kLanes a power of two), each
 // holding kN of its values (every lane of the group gets it; every lane of the warp calls it: the shuffles take the
-// whole warp). max is exact and AmaxStep keeps a NaN, so neither the values' order nor the lanes' changes it.
-template <int kLanes, int kN>
-__device__ __forceinline__ float LanesRowAmax(const float (&v)[kN]) {
+// whole warp), by the step max(m, |x|) `step` (AmaxStep, or MaxAbsNaN where it gives AmaxStep's bits). max is exact
+// and both steps keep a NaN, so neither the values' order nor the lanes' changes it.
+template <int kLanes, int kN, class Step>
+__device__ __forceinline__ float LanesRowAmaxBy(const float (&v)[kN], Step step) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "a power-of-two group of lanes");
   float m = 0.f;
 #pragma unroll
-  for (int j = 0; j < kN; ++j) m = AmaxStep(m, v[j]);
+  for (int j = 0; j < kN; ++j) m = step(m, v[j]);
 #pragma unroll
-  for (int off = kLanes / 2; off > 0; off >>= 1) m = AmaxStep(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  for (int off = kLanes / 2; off > 0; off >>= 1) m = step(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   return m;
+}
+template <int kLanes, int kN>
+__device__ __forceinline__ float LanesRowAmax(const float (&v)[kN]) {
+  return LanesRowAmaxBy<kLanes>(v, [](float m, float x) { return AmaxStep(m, x); });
 }
 
 // The row tile's scale (fp8.tile_scale of its amax) over kLanes lanes as LanesRowAmax's.
 template <int kLanes, int kN>
 __device__ __forceinline__ float LanesRowScale(const float (&v)[kN]) {
   return ColumnTileScale(LanesRowAmax<kLanes>(v));
+}
+
+// LanesRowScale of values that are float32 arithmetic results (their NaN, if any, the device's canonical one): the
+// amax by MaxAbsNaN, one instruction a value instead of AmaxStep's three, AmaxStep's bit for bit over such values.
+template <int kLanes, int kN>
+__device__ __forceinline__ float LanesRowScaleOfResults(const float (&v)[kN]) {
+  return ColumnTileScale(LanesRowAmaxBy<kLanes>(v, [](float m, float x) { return MaxAbsNaN(m, x); }));
 }
 
 // The amax of a row tile held 4 values per lane by a warp (every lane gets it).

@@ -98,12 +98,8 @@ struct RowsE4m3 {
 
 // ---- the shared rules, restated for speed (bitwise the same results) ----
 
-// max(m, |x|) that turns NaN once any x is NaN (the NaN itself is redone by AmaxStep where it matters: AmaxNaNRedo).
-__device__ __forceinline__ float MaxAbsNaN(float m, float x) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
-  return r;
-}
+// MaxAbsNaN (ops/e4m3.cuh) over values read from memory: the NaN itself is redone by AmaxStep where it matters
+// (AmaxNaNRedo).
 
 // ---- group tables ----
 

@@ -274,16 +274,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<T>)
 #pragma unroll
     for (int a = 0; a < Th::kRowsA; ++a)
 #pragma unroll
-      for (int c = 0; c < Th::kColsB; ++c) amax = qcols::MaxAbsNaN(amax, x[a][c]);
+      for (int c = 0; c < Th::kColsB; ++c) amax = MaxAbsNaN(amax, x[a][c]);
 #pragma unroll
-    for (int d = 16; d > 0; d /= 2) amax = qcols::MaxAbsNaN(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+    for (int d = 16; d > 0; d /= 2) amax = MaxAbsNaN(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
     if (lane == 0) warp_amax[warp] = amax;
     __syncthreads();  // B (warp_amax is written again only after the next block's barrier A)
     // The warps' amaxes are >= 0 or the canonical NaN (max.NaN's): MaxAbsNaN over them is AmaxStep's result bit for
     // bit (the largest, or that NaN), in one instruction a warp instead of AmaxStep's three.
     float block_amax = 0.f;
 #pragma unroll
-    for (int v = 0; v < kWarps; ++v) block_amax = qcols::MaxAbsNaN(block_amax, warp_amax[v]);
+    for (int v = 0; v < kWarps; ++v) block_amax = MaxAbsNaN(block_amax, warp_amax[v]);
     const float sc = ColumnTileScale(block_amax);
     const Quantizer quant = QuantizerOfTileScale(sc);
     if (threadIdx.x == 0) s[kTransposed ? (e * nbs + nb) * kbs + kb : b] = sc;  // < blocks: int

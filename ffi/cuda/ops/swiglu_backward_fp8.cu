@@ -9,7 +9,7 @@
 // outputs:
 //   1. each warp loops over its rows 4 at a time (LoadFourRows: the four rows' loads before any math): per row it
 //      computes h, d_gate and d_up (common/swiglu.h, the gate and up dequantized by ops/e4m3.cuh, the logistic's
-//      reciprocal by RecipFour), quantizes d_gate and d_up per row (ops/fp8_rows.cuh: the row amax across the warp
+//      reciprocal by SwiGluSigmoids), quantizes d_gate and d_up per row (ops/fp8_rows.cuh: the row amax across the warp
 //      by one redux.sync) and writes those rows and their scales, and keeps its column amaxes;
 //   2. the warps' column amaxes are combined per channel: the 3 x 128 column scales, written contiguously, and their
 //      quantizers (ops/e4m3.cuh);
@@ -36,6 +36,7 @@
 #include "cuda/ops/fp8_rows.cuh"
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/quantize_columns.cuh"
+#include "cuda/ops/swiglu_sigmoid.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -64,29 +65,6 @@ constexpr int kSmemBytes = static_cast<int>(sizeof(Shared));
 constexpr int kCtasPerSm = 3;
 static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
 
-// 1 / x of four logistic denominators (SwiGluDenominator: x >= 1, +inf or NaN), each the correctly rounded
-// reciprocal, so bitwise SwiGluSigmoid's IEEE quotient 1 / x: RecipInRange (ops/e4m3.cuh) for 1 <= x < 2^126. Where
-// any of the four is not below 2^126 (a gate below about -87.3, whose logistic is subnormal or zero, or a NaN) all
-// four take __frcp_rn: one rarely taken branch per four values, no branch region around each value's division (those
-// kept the scheduler from interleaving the values' long-latency steps).
-// (static: one copy per translation unit; out of line: inlined at each of its sites its code would crowd the
-// instruction cache.)
-static __device__ __noinline__ float4 RecipFourExact(float a, float b, float c, float d) {
-  return make_float4(__frcp_rn(a), __frcp_rn(b), __frcp_rn(c), __frcp_rn(d));
-}
-__device__ __forceinline__ void RecipFour(const float (&x)[4], float (&r)[4]) {
-  bool exact = false;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    r[j] = RecipInRange(x[j]);
-    exact |= !(x[j] < 0x1p126f);
-  }
-  if (__builtin_expect(exact, 0)) {
-    const float4 e = RecipFourExact(x[0], x[1], x[2], x[3]);
-    r[0] = e.x, r[1] = e.y, r[2] = e.z, r[3] = e.w;
-  }
-}
-
 // A lane's inputs of one row: its 4 channels of the gate and of the up projection (e4m3 bytes, a word each) and of dh.
 struct RowIn {
   uint32_t gate, up;
@@ -94,18 +72,16 @@ struct RowIn {
 };
 
 // h, d_gate and d_up of a lane's 4 channels of one row: the gate and the up dequantized with their row scales, and
-// dh; SwiGluAndGrad's operations (common/swiglu.h), the logistic by RecipFour.
+// dh; SwiGluAndGrad's operations (common/swiglu.h), the logistic by SwiGluSigmoids (ops/swiglu_sigmoid.cuh).
 __device__ __forceinline__ void RowValues(const RowIn& in, float gate_scale, float up_scale, float (&h)[4],
                                           float (&d_gate)[4], float (&d_up)[4]) {
-  float gate[4], up[4], den[4], sig[4];
+  float gate[4], up[4], sig[4];
   DequantizeE4m3Pair(in.gate, gate_scale, gate[0], gate[1]);
   DequantizeE4m3Pair(in.gate >> 16, gate_scale, gate[2], gate[3]);
   DequantizeE4m3Pair(in.up, up_scale, up[0], up[1]);
   DequantizeE4m3Pair(in.up >> 16, up_scale, up[2], up[3]);
   const float d[4] = {in.dh.x, in.dh.y, in.dh.z, in.dh.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) den[j] = SwiGluDenominator(gate[j]);
-  RecipFour(den, sig);
+  SwiGluSigmoids(gate, sig);
 #pragma unroll
   for (int j = 0; j < 4; ++j) SwiGluAndGradOfSig(gate[j], sig[j], up[j], d[j], &h[j], &d_gate[j], &d_up[j]);
 }
@@ -220,9 +196,9 @@ __global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
       // NaN, so MaxAbsNaN is AmaxStep here.
 #pragma unroll
       for (int j = 0; j < kLaneCh; ++j) {
-        amax[kDGate][j] = qcols::MaxAbsNaN(amax[kDGate][j], dg[j]);
-        amax[kDUp][j] = qcols::MaxAbsNaN(amax[kDUp][j], du[j]);
-        amax[kH][j] = qcols::MaxAbsNaN(amax[kH][j], h[j]);
+        amax[kDGate][j] = MaxAbsNaN(amax[kDGate][j], dg[j]);
+        amax[kDUp][j] = MaxAbsNaN(amax[kDUp][j], du[j]);
+        amax[kH][j] = MaxAbsNaN(amax[kH][j], h[j]);
       }
     }
   }

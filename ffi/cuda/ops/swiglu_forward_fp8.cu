@@ -5,9 +5,10 @@
 // 1 x 128 row tile of h and two of a per row. Warp w takes the item's rows kRowsPerWarp w .. kRowsPerWarp (w + 1) - 1,
 // a lane 4 consecutive channels of each (one float4 of the gate and one of the up projection per row: a warp reads
 // 512 + 512 contiguous bytes of a row and writes 128 contiguous bytes to each of the three outputs). All of a warp's
-// loads are issued before any math. Per row: h = SwiGlu(gate, up) (common/swiglu.h), each tile's amax by warp
-// shuffles, its scale and bytes (cuda/ops/fp8_rows.cuh: the rules of the CPU handler's loop). Each value's byte is
-// RoundE4m3 of its IEEE quotient by the scale (ops/e4m3.cuh's bracketed conversion).
+// loads are issued before any math. Per row: h = SwiGlu(gate, up) (common/swiglu.h; the logistic by SwiGluSigmoids,
+// ops/swiglu_sigmoid.cuh), each tile's amax by warp shuffles, its scale and bytes (cuda/ops/fp8_rows.cuh: the rules
+// of the CPU handler's loop). Each value's byte is RoundE4m3 of its IEEE quotient by the scale (ops/e4m3.cuh's
+// bracketed conversion).
 #include "cuda/ops/swiglu_forward_fp8.h"
 
 #include <string>
@@ -17,6 +18,7 @@
 #include "cuda/launch.h"
 #include "cuda/ops/fp8_rows.cuh"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/ops/swiglu_sigmoid.cuh"
 
 namespace jmo::cuda {
 namespace {
@@ -53,11 +55,12 @@ __global__ void __launch_bounds__(kCtaThreads)
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int64_t r = row0 + k;
     if (r >= M) break;
-    float gate[4], up[4], h[4];
+    float gate[4], up[4], sig[4], h[4];
     Values(g[k], gate);
     Values(u[k], up);
+    SwiGluSigmoids(gate, sig);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = SwiGlu(gate[j], up[j]);
+    for (int j = 0; j < 4; ++j) h[j] = SwiGluOfSig(gate[j], sig[j], up[j]);
     const float sg = WarpRowScale(gate), su = WarpRowScale(up), sh = WarpRowScale(h);
     reinterpret_cast<uint32_t*>(a_q + r * C + kChannels * cb)[lane] = QuantizeWord(gate, sg);
     reinterpret_cast<uint32_t*>(a_q + r * C + F + kChannels * cb)[lane] = QuantizeWord(up, su);

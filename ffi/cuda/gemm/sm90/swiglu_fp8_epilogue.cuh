@@ -5,9 +5,10 @@
 //
 // The epilogue (SwiGluFp8Tile::Store): in the m64n256 accumulator layout (StoreAccTile's comment) a row's 128 columns
 // of one half lie in the 4 lanes of a quad, 32 each (blocks j = 0..15, columns 8 j + 2 (lane % 4) and the next), so a
-// tile's amax is each lane's AmaxStep over its 32 values, then two xor shuffles within the quad (LanesRowScale<4>).
-// Each lane quantizes its values 4 at a time (blocks j and j + 1 of a row: QuantizeFour, each byte RoundE4m3(x / s)
-// whatever the grouping) and stores them as 2-byte pairs; lane 0 of the quad stores the row's three scales.
+// tile's amax is each lane's over its 32 values, then two xor shuffles within the quad (LanesRowScaleOfResults<4>).
+// Each lane quantizes its values 4 at a time (blocks j and j + 1 of a row: QuantizeWordsFast, each byte
+// RoundE4m3(x / s) whatever the grouping) and stores them as 2-byte pairs; lane 0 of the quad stores the row's three
+// scales.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include "common/swiglu.h"
 #include "cuda/gemm/sm90/wgmma_mainloop.cuh"
 #include "cuda/ops/fp8_rows.cuh"
+#include "cuda/ops/swiglu_sigmoid.cuh"
 
 namespace wgmma_gemm {
 
@@ -30,50 +32,60 @@ struct SwiGluFp8Tile : EpilogueTile {
   float* a_s;    // a_s [M, 2F / 128]: + a_row * 2F / 128 + n0 / 128 (the gate's; the up's F / 128 right of it)
   int64_t F;
 
-  // A row's 32 values of one tile held by this lane (blocks j = 0..15, two columns each, in block order), quantized
-  // with the tile's scale s, stored at dst (the row's tile, column 0) + 8 j + col.
-  __device__ __forceinline__ static void StoreValues(const float (&v)[32], float s, int col, uint8_t* dst) {
-    const jmo::cuda::Quantizer q = jmo::cuda::QuantizerOf(s);  // QuantizeWord's quantizer (swiglu_forward_fp8.cu)
+  // A row's 8 words of one tile held by this lane (QuantizeWordsFast's: word m of blocks 2m and 2m + 1, two columns
+  // each) stored at dst (the row's tile, column 0) + 8 j + col, 2 bytes a block.
+  __device__ __forceinline__ static void StoreWords(const uint32_t (&w)[8], int col, uint8_t* dst) {
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {  // blocks 2m and 2m + 1
-      const float four[4] = {v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3]};
-      const uint32_t word = jmo::cuda::QuantizeFour(four, q);
-      *reinterpret_cast<uint16_t*>(dst + 16 * m + col) = static_cast<uint16_t>(word);
-      *reinterpret_cast<uint16_t*>(dst + 16 * m + 8 + col) = static_cast<uint16_t>(word >> 16);
+    for (int m = 0; m < 8; ++m) {
+      *reinterpret_cast<uint16_t*>(dst + 16 * m + col) = static_cast<uint16_t>(w[m]);
+      *reinterpret_cast<uint16_t*>(dst + 16 * m + 8 + col) = static_cast<uint16_t>(w[m] >> 16);
     }
   }
 
+  // One tensor's 32 values of a row held by this lane (a row tile's values in the quad), quantized with the tile's
+  // scale s (every lane of the warp calls it: the shuffles take all of them) and stored at dst unless the row is past
+  // the tile's (`store`). Returns s.
+  __device__ __forceinline__ static float QuantizeAndStore(const float (&v)[32], bool store, int col, uint8_t* dst) {
+    using namespace jmo::cuda;
+    const float s = LanesRowScaleOfResults<4>(v);
+    uint32_t w[8];
+    QuantizeWords(v, QuantizerOfTileScale(s), w);
+    if (store) StoreWords(w, col, dst);
+    return s;
+  }
+
   // The epilogue (EpilogueTile's contract): acc[0..63] are the gate's columns, acc[64..127] the up projection's.
+  // Per row: the 32 logistics with one rarely taken branch (SwiGluSigmoids), each tensor's amax by MaxAbsNaN (the
+  // values are float32 results: LanesRowScaleOfResults), its quantizer by RecipInRange (QuantizerOfTileScale: the
+  // scales are ColumnTileScale's) and its 8 words with one rarely taken branch to their exact path (QuantizeWords):
+  // the bytes and scales of LanesRowScale, QuantizerOf and QuantizeFour (swiglu_forward_fp8.cu's), without a branch
+  // region per value or word to keep ptxas from interleaving their long-latency steps.
   __device__ __forceinline__ void Store(const float* acc, int c, int wq, int lane) const {
     const int r_lo = c * 64 + wq * 16 + lane / 4, col = 2 * (lane % 4);
     const int64_t C = 2 * F, scales = F / kSwiGluFp8Cols;  // a's row; h's scales per row (a's: twice as many)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {  // rows r_lo and r_lo + 8: acc[4 j + 2 hr + e], e = 0, 1
-      float gate[32], up[32], h[32];
+      float gate[32], up[32], sig[32], h[32];
 #pragma unroll
       for (int j = 0; j < 16; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           gate[2 * j + e] = acc[4 * j + 2 * hr + e];
           up[2 * j + e] = acc[64 + 4 * j + 2 * hr + e];
-          h[2 * j + e] = jmo::SwiGlu(gate[2 * j + e], up[2 * j + e]);
         }
-      // Every lane of the warp: the scales' shuffles take all of them (rows past `rows` are computed, not stored).
-      const float sg = jmo::cuda::LanesRowScale<4>(gate), su = jmo::cuda::LanesRowScale<4>(up),
-                  sh = jmo::cuda::LanesRowScale<4>(h);
+      jmo::cuda::SwiGluSigmoids(gate, sig);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) h[j] = jmo::SwiGluOfSig(gate[j], sig[j], up[j]);
       const int r = r_lo + 8 * hr;
-      if (r < rows) {
-        if (a_q != nullptr) {
-          StoreValues(gate, sg, col, a_q + r * C);
-          StoreValues(up, su, col, a_q + r * C + F);
-        }
-        StoreValues(h, sh, col, h_q + r * F);
-        if (col == 0) {
-          if (a_q != nullptr) {
-            a_s[r * 2 * scales] = sg;
-            a_s[r * 2 * scales + scales] = su;
-          }
-          h_s[r * scales] = sh;
+      const bool store = r < rows;  // (rows past `rows` are computed, not stored)
+      const float sh = QuantizeAndStore(h, store, col, h_q + r * F);
+      if (store && col == 0) h_s[r * scales] = sh;
+      if (a_q != nullptr) {  // (uniform)
+        const float sg = QuantizeAndStore(gate, store, col, a_q + r * C);
+        const float su = QuantizeAndStore(up, store, col, a_q + r * C + F);
+        if (store && col == 0) {
+          a_s[r * 2 * scales] = sg;
+          a_s[r * 2 * scales + scales] = su;
         }
       }
     }
