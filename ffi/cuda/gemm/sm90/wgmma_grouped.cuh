@@ -103,7 +103,7 @@ __device__ __forceinline__ GroupTile DecodeTile(int t, const int* row_start, con
 // Tile t of a GEMM1 with a SwiGLU epilogue (PlaceTile's schedule over n_tiles = ceil(F / 128) column tiles per
 // 128-row block): 128 rows by 128 columns of h, n0 = 128 nt, computed from B's gate columns n0.. and up columns
 // F + n0.. (n_hi). Sets tile's loop coordinates (a_row, b_idx, n0, n_hi, rows, cols; its outputs are the caller's)
-// and returns the place. Tile: SwiGluTile (ops/grouped_gemm.cu) or SwiGluFp8Tile (swiglu_fp8_epilogue.cuh).
+// and returns the place. Tile: SwiGluTile (ops/grouped_gemm.cu) or SwiGluFp8TileOf (swiglu_fp8_epilogue.cuh).
 template <class Tile>
 __device__ __forceinline__ TilePlace PlaceSwiGluTile(int t, const int* row_start, const int* tile_start, int G,
                                                      int n_tiles, int F, Tile& tile) {

@@ -13,7 +13,8 @@
 // device. Rows past the groups (min(sum(group_sizes), M) .. M - 1) get what those two calls give a zero row: zero
 // bytes and scales ColumnTileScale(0) = 2^-126.
 //
-// The epilogue: SwiGluFp8Tile (swiglu_fp8_epilogue.cuh).
+// The epilogue: SwiGluFp8TileOf<true> (swiglu_fp8_epilogue.cuh), its stores staged in kSwiGluFp8StageBytes of shared
+// memory after the group tables (kSwiGluFp8SmemBytes in all: 217,712 bytes of the 232,448 an sm_90 CTA may have).
 #pragma once
 
 #include <cuda.h>
@@ -38,6 +39,12 @@ __device__ __forceinline__ void ZeroRowScales(float* s, int64_t first, int64_t M
     s[i] = zero_scale;
 }
 
+// The dynamic shared memory of GroupedSwiGluFp8Kernel: the FP8 grouped GEMM's (the loop's and the group tables), then
+// the epilogue's staging from the next 16-byte boundary.
+constexpr int kSwiGluFp8StageOffset = (GroupedSmemBytes<Fp8BlockScaledOperands>() + 15) / 16 * 16;
+constexpr int kSwiGluFp8SmemBytes = kSwiGluFp8StageOffset + kSwiGluFp8StageBytes;
+static_assert(kSwiGluFp8SmemBytes <= 232448, "an sm_90 CTA's shared memory (227 KiB) holds the loop and the staging");
+
 // The kernel: group tables, rows past the groups, the grouped schedule over F / 128 column tiles per 128-row block
 // (PlaceSwiGluTile's, GroupedSwiGluKernel's), the loop over the e4m3 operands with SwiGluFp8Tile's epilogue.
 __global__ void __launch_bounds__(kThreads, 1)
@@ -60,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ZeroRowScales(a_s, row_start[G], M, 2 * n_tiles);
   }
   auto tile_of = [&](int t) {
-    SwiGluFp8Tile tile;
+    SwiGluFp8TileOf<true> tile;
     const TilePlace p = PlaceSwiGluTile(t, row_start, tile_start, G, n_tiles, F, tile);
     tile.out = nullptr;
     tile.ldc = 0;
@@ -69,6 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     tile.a_q = a_q != nullptr ? a_q + (int64_t)tile.a_row * C + tile.n0 : nullptr;  // (a not kept: not written)
     tile.a_s = a_q != nullptr ? a_s + (int64_t)tile.a_row * 2 * n_tiles + p.nt : nullptr;
     tile.F = F;
+    tile.stage = SmemAddr(smem_raw + kSwiGluFp8StageOffset);
     return tile;
   };
   WgmmaLoop<Fp8BlockScaledOperands, /*kOutF32=*/true>(ops, K, tile_start[G], StaticTiles{(int)blockIdx.x,
@@ -107,7 +115,7 @@ inline cudaError_t GroupedSwiGluFp8(const __nv_fp8_e4m3* lhs, const float* lhs_s
   CUtensorMap maps[3];
   const cudaError_t e = CachedFp8Maps(lhs, lhs_scales, lhs_scales_ld, M, K, rhs, G, 2 * F, maps);
   if (e != cudaSuccess) return e;
-  return LaunchWgmmaKernel(GroupedSwiGluFp8Kernel, num_sms, kFp8SmemBytes, stream, maps[0], maps[1], maps[2],
+  return LaunchWgmmaKernel(GroupedSwiGluFp8Kernel, num_sms, kSwiGluFp8SmemBytes, stream, maps[0], maps[1], maps[2],
                            rhs_scales, group_sizes_dev, (int)G, (int)M, (int)F, (int)K, h_q, h_s, a_q, a_s);
 }
 
