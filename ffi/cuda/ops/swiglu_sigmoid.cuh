@@ -5,8 +5,8 @@
 //
 // Each denominator x = SwiGluDenominator(gate) is >= 1, +inf (a gate below about -88.7) or NaN. For 1 <= x < 2^126
 // RecipInRange (ops/e4m3.cuh) is the correctly rounded reciprocal, which is SwiGluSigmoid's IEEE quotient 1 / x. Where
-// any of the kN is not below 2^126 (a gate below about -87.3, whose logistic is subnormal or zero, or a NaN) all kN
-// take __frcp_rn, the correctly rounded reciprocal of every float: one rarely taken branch per kN values.
+// any of the kN is not below 2^126 (a gate below about -87.3, whose logistic is at most 2^-126, or a NaN) all kN take
+// __frcp_rn, the correctly rounded reciprocal of every float: one rarely taken branch per kN values.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -7,7 +7,7 @@
 // The epilogue (SwiGluFp8TileOf::Store): in the m64n256 accumulator layout (StoreAccTile's comment) a row's 128 columns
 // of one half lie in the 4 lanes of a quad, 32 each (blocks j = 0..15, columns 8 j + 2 (lane % 4) and the next), so a
 // tile's amax is each lane's over its 32 values, then two xor shuffles within the quad (LanesRowScaleOfResults<4>).
-// Each lane quantizes its values 4 at a time (blocks j and j + 1 of a row: QuantizeWordsFast, each byte
+// Each lane quantizes its values 4 at a time (blocks j and j + 1 of a row: QuantizeWords, each byte
 // RoundE4m3(x / s) whatever the grouping) into 2-byte pairs: stored directly (8 bytes of a row a quad, a quarter of
 // each 32-byte sector a warp store writes) or staged per warp in shared memory and stored as whole 128-byte rows
 // (kStaged: a quarter of the sectors); lane 0 of the quad stores the row's three scales.
@@ -50,7 +50,7 @@ struct SwiGluFp8TileOf : EpilogueTile, std::conditional_t<kStaged, SwiGluFp8Stag
   float* a_s;    // a_s [M, 2F / 128]: + a_row * 2F / 128 + n0 / 128 (the gate's; the up's F / 128 right of it)
   int64_t F;
 
-  // A row's 8 words of one tile held by this lane (QuantizeWordsFast's: word m of blocks 2m and 2m + 1, two columns
+  // A row's 8 words of one tile held by this lane (QuantizeWords': word m of blocks 2m and 2m + 1, two columns
   // each) stored at dst (the row's tile, column 0) + 8 j + col, 2 bytes a block.
   __device__ __forceinline__ static void StoreWords(const uint32_t (&w)[8], int col, uint8_t* dst) {
 #pragma unroll
@@ -74,8 +74,9 @@ struct SwiGluFp8TileOf : EpilogueTile, std::conditional_t<kStaged, SwiGluFp8Stag
   // shared memory, then 16-byte reads and global stores of whole 128-byte rows. (Plain C++ accesses through a generic
   // pointer to shared memory, which ptxas makes shared loads and stores: asm volatile's ordering would keep it from
   // interleaving the rows' steps around them.)
-  __device__ __forceinline__ void StoreStaged(const uint32_t (&w)[8], int warp, int lane, int r0, uint8_t* dst0,
+  __device__ __forceinline__ void StoreStaged(const uint32_t (&w)[8], int warp, int r0, uint8_t* dst0,
                                               int64_t ld) const {
+    const int lane = threadIdx.x % 32;  // (from threadIdx: not a register held across the loop for the caller)
     unsigned char* st =
         static_cast<unsigned char*>(__cvta_shared_to_generic(this->stage + warp * kSwiGluFp8StageWarpBytes));
     StoreWords(w, 2 * (lane % 4), st + lane / 4 * kSwiGluFp8StagePitch);
@@ -97,7 +98,7 @@ struct SwiGluFp8TileOf : EpilogueTile, std::conditional_t<kStaged, SwiGluFp8Stag
     uint32_t w[8];
     const float s = Quantize(v, w);
     if constexpr (kStaged) {
-      StoreStaged(w, warp, lane, r - lane / 4, dst - lane / 4 * ld, ld);
+      StoreStaged(w, warp, r - lane / 4, dst - lane / 4 * ld, ld);
     } else {
       if (store) StoreWords(w, col, dst);
     }

@@ -54,7 +54,7 @@
 //   columns of silu(acc[:, :128]) * acc[:, 128:], and its `a`, when set, the float32 accumulators
 //   (GroupedSwiGluKernel).
 //   A tile derived from EpilogueTile stores through its own Store (the FP8 GEMM1's SwiGLU and quantization epilogue,
-//   SwiGluFp8Tile in swiglu_fp8_epilogue.cuh).
+//   SwiGluFp8TileOf in swiglu_fp8_epilogue.cuh).
 //   A KRangeTile reduces over its own k-steps k_first .. k_first + k_steps - 1 instead of all of K (the grouped
 //   outer GEMM's tiles, whose reduction runs over their group's rows).
 //   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
@@ -201,8 +201,9 @@ struct SwiGluGradTile : WgmmaTile {
 // which the loop calls instead of StoreAccTile, by every thread of consumer warpgroup c (wq: its warp in the
 // warpgroup, lane: its lane) with the warpgroup's 64 x 256 block of the tile in the m64n256 f32 layout (StoreAccTile's
 // comment maps the registers; columns 0..127 are B's columns n0.., 128..255 its columns n_hi..). Every thread of the
-// warpgroup calls it, so it may shuffle within a warp; no CTA or named barrier. It stores rows < rows only. (The FP8
-// GEMM1 with its SwiGLU and quantization epilogue: SwiGluFp8Tile, swiglu_fp8_epilogue.cuh.)
+// warpgroup calls it, so it may shuffle within a warp; no CTA or named barrier. It stores rows < rows only. It may use
+// shared memory of the kernel's outside the loop's (LoopSmemBytes) as its own, per warp. (The FP8 GEMM1 with its
+// SwiGLU and quantization epilogue: SwiGluFp8TileOf, swiglu_fp8_epilogue.cuh, which stages its stores so.)
 struct EpilogueTile : WgmmaTile {};
 
 // A tile that reduces over a range of K of its own instead of all of it: the k-steps (of Ops::kBK elements each)

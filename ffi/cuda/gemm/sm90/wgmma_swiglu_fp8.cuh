@@ -8,10 +8,11 @@
 //   (h_q [M, F] e4m3, h_s [M, F/128])  = fp8.quantize_rows(h)   1 x 128: GEMM2's operand
 //   (a_q [M, 2F] e4m3, a_s [M, 2F/128]) = fp8.quantize_rows(a)  1 x 128: what the backward keeps
 //
-// by the same device steps as that kernel (ops/fp8_rows.cuh: the amax by AmaxStep, ColumnTileScale, QuantizeFour with
-// QuantizerOf the scale), so the outputs are bitwise those of swiglu_forward_fp8(grouped_matmul_fp8(...)) on the
-// device. Rows past the groups (min(sum(group_sizes), M) .. M - 1) get what those two calls give a zero row: zero
-// bytes and scales ColumnTileScale(0) = 2^-126.
+// by steps that give that kernel's results bit for bit (its logistic by SwiGluSigmoids, the amax by MaxAbsNaN over
+// float32 results instead of AmaxStep, ColumnTileScale, the quantizer by QuantizerOfTileScale instead of QuantizerOf,
+// the words by QuantizeWords: swiglu_fp8_epilogue.cuh), so the outputs are bitwise those of
+// swiglu_forward_fp8(grouped_matmul_fp8(...)) on the device. Rows past the groups (min(sum(group_sizes), M) .. M - 1)
+// get what those two calls give a zero row: zero bytes and scales ColumnTileScale(0) = 2^-126.
 //
 // The epilogue: SwiGluFp8TileOf<true> (swiglu_fp8_epilogue.cuh), its stores staged in kSwiGluFp8StageBytes of shared
 // memory after the group tables (kSwiGluFp8SmemBytes in all: 217,712 bytes of the 232,448 an sm_90 CTA may have).
@@ -46,7 +47,7 @@ constexpr int kSwiGluFp8SmemBytes = kSwiGluFp8StageOffset + kSwiGluFp8StageBytes
 static_assert(kSwiGluFp8SmemBytes <= 232448, "an sm_90 CTA's shared memory (227 KiB) holds the loop and the staging");
 
 // The kernel: group tables, rows past the groups, the grouped schedule over F / 128 column tiles per 128-row block
-// (PlaceSwiGluTile's, GroupedSwiGluKernel's), the loop over the e4m3 operands with SwiGluFp8Tile's epilogue.
+// (PlaceSwiGluTile's, GroupedSwiGluKernel's), the loop over the e4m3 operands with SwiGluFp8TileOf<true>'s epilogue.
 __global__ void __launch_bounds__(kThreads, 1)
     GroupedSwiGluFp8Kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                            const __grid_constant__ CUtensorMap tm_sa, const float* __restrict__ sb,
