@@ -8,6 +8,9 @@ h quantized 1 x 128 (GEMM2's operand) and a quantized 1 x 128 (what the backward
                           FUSED_GEMM1_SWIGLU_ON_GPU is off
   fused, no a             grouped_matmul_swiglu_fp8(keep_a=False): h alone, as a forward that nothing
                           differentiates runs it (inference); its h compared with the fused call's
+  GEMM alone              grouped_matmul_fp8 with a bfloat16 result: the same MMAs and promotion with the
+                          cheapest epilogue, the floor the SwiGLU epilogue's cost is read against (its output is
+                          not the others': not compared)
 
 at two shapes: Mixtral-like (8 experts, 8192 rows, K 4096, 2F 28672) and the training preset's (16 experts, 131072
 rows, K 1024, 2F 2048), rows spread over the experts unevenly (a Dirichlet draw). Each variant's ms is the median of
@@ -42,7 +45,12 @@ def fused_without_a(lq, ls, wq, ws, gs):
   return grouped_matmul_swiglu_fp8(lq, ls, wq, ws, gs, keep_a=False)[0]
 
 
-VARIANTS = {"fused": grouped_matmul_swiglu_fp8, "two calls": two_calls, "fused, no a": fused_without_a}
+def gemm_alone(lq, ls, wq, ws, gs):
+  return grouped_matmul_fp8(lq, ls, wq, ws, gs, preferred_element_type=jnp.bfloat16)
+
+
+VARIANTS = {"fused": grouped_matmul_swiglu_fp8, "two calls": two_calls, "fused, no a": fused_without_a,
+            "GEMM alone": gemm_alone}
 
 
 def operands(G, rows, K, F, seed=0):
@@ -65,15 +73,20 @@ def run(name, G, rows, K, F):
   flops = 2 * rows * K * 2 * F
   print(f"{name}: G {G}, rows {rows}, K {K}, 2F {2 * F}; {flops / 1e12:.2f} TFLOP per call; the two calls write and "
         f"read back a float32 a of {rows * 2 * F * 4 / 1e9:.2f} GB; ms per call (median of 15 after 2 warm-up calls)")
-  ref = None
+  ref, times = None, {}
   for variant, f in VARIANTS.items():
     jf = jax.jit(f)
-    ms = timeit(jf, *args)
-    out = _bytes(jf(*args))
-    ref = out if ref is None else ref
-    differ = sum(int(np.count_nonzero(o != r)) for o, r in zip(out, ref))
-    print(f"  {variant:11s} {ms:8.3f} ms  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s  "
-          f"{'same bytes as fused' if differ == 0 else f'{differ} of {sum(o.size for o in out)} bytes differ'}")
+    ms = times[variant] = timeit(jf, *args)
+    if variant == "GEMM alone":
+      check = "(another output: not compared)"
+    else:
+      out = _bytes(jf(*args))
+      ref = out if ref is None else ref
+      differ = sum(int(np.count_nonzero(o != r)) for o, r in zip(out, ref))
+      check = "same bytes as fused" if differ == 0 else f"{differ} of {sum(o.size for o in out)} bytes differ"
+    print(f"  {variant:11s} {ms:8.3f} ms  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s  {check}")
+  print("  / GEMM alone: " + ", ".join(f"{v} {times[v] / times['GEMM alone']:.3f}" for v in VARIANTS
+                                       if v != "GEMM alone"))
 
 
 def main():

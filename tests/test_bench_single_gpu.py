@@ -80,7 +80,9 @@ def test_bench_swiglu_grad_times_every_method(tmp_path, monkeypatch):
 def test_bench_gemm1_swiglu_fp8_compares_the_bytes(capsys, monkeypatch):
   bench_gemm1_swiglu_fp8.run("tiny", 3, 300, 128, 128)
   out = capsys.readouterr().out
-  assert out.count("same bytes as fused") == len(bench_gemm1_swiglu_fp8.VARIANTS), out  # (no a: its h compared)
+  # Every variant but the GEMM alone (another output) compared (no a: its h), and each timed against the GEMM alone.
+  assert out.count("same bytes as fused") == len(bench_gemm1_swiglu_fp8.VARIANTS) - 1, out
+  assert out.count("not compared") == 1 and "/ GEMM alone: fused " in out, out
   monkeypatch.setitem(bench_gemm1_swiglu_fp8.VARIANTS, "two calls", lambda lq, ls, wq, ws, gs: jax.tree.map(
       lambda v: v + jnp.ones_like(v) if v.dtype == jnp.float32 else v, bench_gemm1_swiglu_fp8.two_calls(
           lq, ls, wq, ws, gs)))
