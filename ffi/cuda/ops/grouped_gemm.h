@@ -73,8 +73,9 @@ Status GroupedMatmulFp8(cudaStream_t stream, bool out_f32, const void* lhs, cons
 // rows then the up projection's, rhs_scales [G, 2F/128, K/128]) kept in registers, and from it what
 // SwiGluForwardFp8 (ops/swiglu_forward_fp8.h) writes, bit for bit: h_q [M, F] e4m3 and h_s [M, F/128] (h =
 // SwiGLU(a) quantized 1 x 128), a_q [M, 2F] e4m3 and a_s [M, 2F/128] (a quantized 1 x 128; both null: not kept,
-// not written); rows past the last group as those two calls leave them (zero bytes, scales 2^-126). Runs gemm/sm90/wgmma_swiglu_fp8.cuh, on Hopper only,
-// with GroupedMatmulFp8's errors (F a positive multiple of 128 besides its rules). sms as GroupedMatmul's.
+// not written); rows past the last group as those two calls leave them (zero bytes, scales 2^-126). Runs
+// gemm/sm90/wgmma_swiglu_fp8.cuh, on Hopper only, with GroupedMatmulFp8's errors (F a positive multiple of 128
+// besides its rules). sms as GroupedMatmul's.
 Status GroupedMatmulSwiGluFp8(cudaStream_t stream, const void* lhs, const float* lhs_scales, int64_t scales_ld,
                               int64_t M, int64_t K, const void* rhs, const float* rhs_scales, int64_t G, int64_t F,
                               const int32_t* group_sizes, uint8_t* h_q, float* h_s, uint8_t* a_q, float* a_s,
