@@ -7,11 +7,13 @@
 #
 #   AB_BASE=.ab_base bash benchmarks/run_ab.sh
 # Steps and their limits (seconds): AB_TESTS (the new tree's GPU tests against its installed package, before the
-# timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_LAYER (bench_layer, each run, with
+# timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_BITS (tools/ab_outputs.py: the SwiGLU
+# kernels' outputs on fixed inputs under each tree's package, compared element by element; 0, the default, skips),
+# AB_LAYER (bench_layer, each run, with
 # AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the loopback suite dispatch-gemm-time, each run; 0 skips), AB_CMD
 # (a command of your own, each run, limit AB_CMD_LIMIT, default 300; its lines matching the regex AB_CMD_GREP, default
 # "ms", kept; unset skips), AB_ROUNDS (rounds of base, new; default 2). Logs and tables in $OUT: resource_usage.diff
-# (empty when the kernels match), ab_layer.txt, ab_dg.txt, ab_cmd.txt, and each run's log. E.g. a kernel's own bench:
+# (empty when the kernels match), ab_bits.txt, ab_layer.txt, ab_dg.txt, ab_cmd.txt, and each run's log. E.g. a kernel's own bench:
 #   AB_BASE=.ab_base AB_LAYER=0 AB_DG=0 AB_CMD="python3 -m benchmarks.bench_gemm1_swiglu_fp8" bash benchmarks/run_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-ab-out}
@@ -19,7 +21,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 NEW=$PWD
 BASE=$(cd "${AB_BASE:?set AB_BASE to the older tree}" && pwd)
-AB_LAYER=${AB_LAYER:-90} AB_DG=${AB_DG:-150} AB_ROUNDS=${AB_ROUNDS:-2} AB_TESTS=${AB_TESTS:-0}
+AB_LAYER=${AB_LAYER:-90} AB_DG=${AB_DG:-150} AB_ROUNDS=${AB_ROUNDS:-2} AB_TESTS=${AB_TESTS:-0} AB_BITS=${AB_BITS:-0}
 AB_LAYER_ARGS=${AB_LAYER_ARGS:---quick}
 AB_CMD=${AB_CMD:-} AB_CMD_LIMIT=${AB_CMD_LIMIT:-300} AB_CMD_GREP=${AB_CMD_GREP:-ms}
 S=$(date +%s)
@@ -70,6 +72,17 @@ if [ "$AB_TESTS" != 0 ]; then
   echo "GPU tests rc $?: $(tail -n 1 "$OUT/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-200 | head -10
   el "GPU tests"
+fi
+if [ "$AB_BITS" != 0 ]; then
+  for side in base new; do
+    (cd /tmp && PYTHONPATH="/tmp/jmo-site-$side:/tmp/site" timeout "$AB_BITS" python3 "$NEW/tools/ab_outputs.py" dump \
+      "$OUT/bits_$side.npz") > "$OUT/bits_$side.log" 2>&1
+    echo "bits $side rc $?: $(tail -n 1 "$OUT/bits_$side.log" | cut -c1-160)"
+  done
+  python3 "$NEW/tools/ab_outputs.py" compare "$OUT/bits_base.npz" "$OUT/bits_new.npz" > "$OUT/ab_bits.txt" 2>&1
+  echo "bits compared, rc $? (0: every output the same bits)"; cat "$OUT/ab_bits.txt"
+  rm -f "$OUT"/bits_*.npz
+  el "bits"
 fi
 for r in $(seq 1 "$AB_ROUNDS"); do
   for side in base new; do
