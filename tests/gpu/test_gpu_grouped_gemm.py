@@ -15,7 +15,7 @@ import test_grouped_gemm as base  # tests/test_grouped_gemm.py (tests/ is on pyt
 
 from jax_moe_overlap import engines
 from jax_moe_overlap import expert_gemms
-from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_outer
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
 
 pytestmark = requires_gpu
 
@@ -88,6 +88,38 @@ def test_grouped_matmul_swiglu_fused_on_hopper():
   assert engines.swiglu_fused(True, 256, 192) == is_hopper()
   assert not engines.swiglu_fused(False, 256, 192)
   assert not engines.swiglu_fused(True, 200, 192) and not engines.swiglu_fused(True, 256, 100)
+
+
+@pytest.mark.parametrize("K", [1024, 1000])  # the fused epilogue on Hopper (K % 64 == 0); the unfused kernel
+def test_swiglu_h_within_one_bf16_ulp_of_its_preactivation(K):
+  """h against silu(gate) * up in float64 from the kept float32 a, over rows scaled 2^-24..2^24 (gates whose exp
+  overflows): within one bf16 ulp wherever 1 + exp(-gate) < 2^126; above it (|silu(gate)| < 2^-126 |gate|) the
+  quotient by __fdividef is 0, so |h| stays under 2^-126 |gate * up| there (device/activation.cuh)."""
+  rng = np.random.default_rng(7)
+  M, F, sizes = 2048, 256, [900, 0, 611, 500]
+  x = rng.standard_normal((M, K), dtype=np.float32) * np.exp2((np.arange(M) % 49 - 24).astype(np.float32))[:, None]
+  w = rng.standard_normal((len(sizes), K, 2 * F), dtype=np.float32) / np.sqrt(K)
+  lhs, rhs, gs = _on_gpu(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(sizes, jnp.int32))
+  h, a = jax.jit(lambda *o: grouped_matmul_swiglu(*o, keep_preactivation=True))(lhs, rhs, gs)
+  h = np.asarray(h.astype(jnp.float32)).astype(np.float64)
+  g, up = np.asarray(a, np.float64)[:, :F], np.asarray(a, np.float64)[:, F:]
+  with np.errstate(over="ignore", invalid="ignore"):
+    den = 1.0 + np.exp(-g)
+    ref = g / den * up
+  in_range = den < 2.0**126
+  assert np.count_nonzero(in_range) > 0.5 * h.size and np.count_nonzero(~in_range) > 0  # both regimes reached
+  ulps = np.abs(_bf16_order(h) - _bf16_order(ref))
+  assert ulps[in_range].max() <= 1, (int(ulps[in_range].max()), int(np.count_nonzero(ulps[in_range] > 1)))
+  assert np.all(np.abs(h[~in_range]) <= 2.0**-126 * np.abs(g * up)[~in_range])
+  print(f"\nK={K}: {int(np.count_nonzero(ulps[in_range]))} of {int(in_range.sum())} elements 1 bf16 ulp off; "
+        f"{int(np.count_nonzero(h[~in_range] != ref[~in_range]))} of {int((~in_range).sum())} past 2^126 not the "
+        "float64 value")
+
+
+def _bf16_order(v):
+  """v rounded to bfloat16, its bits as integers in the values' order (a difference counts ulps, across zero too)."""
+  u = np.asarray(jnp.asarray(v, jnp.bfloat16)).view(np.uint16).astype(np.int64)
+  return np.where(u & 0x8000, -(u & 0x7FFF), u)
 
 
 SWIGLU_GRAD_BIG = [  # (M, K, F, sizes): the fused kernel's shapes (K % 64, F % 64), F not a multiple of 256
