@@ -94,7 +94,7 @@ def test_grouped_matmul_swiglu_fused_on_hopper():
 def test_swiglu_h_within_one_bf16_ulp_of_its_preactivation(K):
   """h against silu(gate) * up in float64 from the kept float32 a, over rows scaled 2^-24..2^24 (gates whose exp
   overflows): within one bf16 ulp wherever 1 + exp(-gate) < 2^126; above it (|silu(gate)| < 2^-126 |gate|) the
-  quotient by __fdividef is 0, so |h| stays under 2^-126 |gate * up| there (device/activation.cuh)."""
+  quotient by __fdividef is 0, so |h| stays under 2^-126 |gate * up| there, within h's rounding (activation.cuh)."""
   rng = np.random.default_rng(7)
   M, F, sizes = 2048, 256, [900, 0, 611, 500]
   x = rng.standard_normal((M, K), dtype=np.float32) * np.exp2((np.arange(M) % 49 - 24).astype(np.float32))[:, None]
@@ -106,11 +106,12 @@ def test_swiglu_h_within_one_bf16_ulp_of_its_preactivation(K):
   with np.errstate(over="ignore", invalid="ignore"):
     den = 1.0 + np.exp(-g)
     ref = g / den * up
-  in_range = den < 2.0**126
+  # (float32's den can round up to 2^126 where float64's is just below it: the band under 2^126 joins the bound)
+  in_range = den < 0.999 * 2.0**126
   assert np.count_nonzero(in_range) > 0.5 * h.size and np.count_nonzero(~in_range) > 0  # both regimes reached
   ulps = np.abs(_bf16_order(h) - _bf16_order(ref))
   assert ulps[in_range].max() <= 1, (int(ulps[in_range].max()), int(np.count_nonzero(ulps[in_range] > 1)))
-  assert np.all(np.abs(h[~in_range]) <= 2.0**-126 * np.abs(g * up)[~in_range])
+  assert np.all(np.abs(h[~in_range]) <= 1.01 * 2.0**-126 * np.abs(g * up)[~in_range])
   print(f"\nK={K}: {int(np.count_nonzero(ulps[in_range]))} of {int(in_range.sum())} elements 1 bf16 ulp off; "
         f"{int(np.count_nonzero(h[~in_range] != ref[~in_range]))} of {int((~in_range).sum())} past 2^126 not the "
         "float64 value")
