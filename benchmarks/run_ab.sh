@@ -7,10 +7,9 @@
 #
 #   AB_BASE=.ab_base bash benchmarks/run_ab.sh
 # Steps and their limits (seconds): AB_TESTS (the new tree's GPU tests against its installed package, before the
-# timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_BITS (tools/ab_outputs.py: the SwiGLU
-# kernels' outputs on fixed inputs under each tree's package, compared element by element; 0, the default, skips),
-# AB_LAYER (bench_layer, each run, with
-# AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the loopback suite dispatch-gemm-time, each run; 0 skips), AB_CMD
+# timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_BITS (tools/ab_outputs.py: the GEMM,
+# SwiGLU and FP8 quantizer kernels' outputs on fixed inputs under each tree's package, compared element by element;
+# 0, the default, skips), AB_LAYER (bench_layer, each run, with AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the loopback suite dispatch-gemm-time, each run; 0 skips), AB_CMD
 # (a command of your own, each run, limit AB_CMD_LIMIT, default 300; its lines matching the regex AB_CMD_GREP, default
 # "ms", kept; unset skips), AB_ROUNDS (rounds of base, new; default 2). Logs and tables in $OUT: resource_usage.diff
 # (empty when the kernels match), ab_bits.txt, ab_layer.txt, ab_dg.txt, ab_cmd.txt, and each run's log. E.g. a kernel's own bench:
@@ -80,7 +79,8 @@ if [ "$AB_BITS" != 0 ]; then
     echo "bits $side rc $?: $(tail -n 1 "$OUT/bits_$side.log" | cut -c1-160)"
   done
   python3 "$NEW/tools/ab_outputs.py" compare "$OUT/bits_base.npz" "$OUT/bits_new.npz" > "$OUT/ab_bits.txt" 2>&1
-  echo "bits compared, rc $? (0: every output the same bits)"; cat "$OUT/ab_bits.txt"
+  echo "bits compared, rc $? (0: every output the same bits; 2: one differs; 3: one in one dump only)"
+  cat "$OUT/ab_bits.txt"
   rm -f "$OUT"/bits_*.npz
   el "bits"
 fi

@@ -26,3 +26,15 @@ def test_compare_counts_elements_and_ulps(tmp_path, capsys):
   lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[-2:]}
   assert "2 of         4 elements differ, at most 1 ulp" in lines["f"]
   assert "1 of         3 elements differ, at most 1 ulp" in lines["e"]
+
+
+def test_an_output_only_one_dump_holds_is_named_and_a_failing_case_left_out(tmp_path, monkeypatch, capsys):
+  def broken():
+    raise AttributeError("module has no attribute 'new_kernel'")
+  monkeypatch.setattr(ab_outputs, "cases", lambda: {"old": lambda: {"old": np.arange(4, dtype=np.float32)},
+                                                    "new": broken})
+  ab_outputs.dump(tmp_path / "base.npz")
+  assert "new: not run: AttributeError" in capsys.readouterr().out
+  _dump(tmp_path / "new.npz", old=np.arange(4, dtype=np.float32), new=np.ones(2, np.float32))
+  assert ab_outputs.compare(tmp_path / "base.npz", tmp_path / "new.npz") == 3
+  assert "not compared: new (only in" in capsys.readouterr().out
