@@ -9,10 +9,11 @@
 # Steps and their limits (seconds): AB_TESTS (the new tree's GPU tests against its installed package, before the
 # timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_BITS (tools/ab_outputs.py: the GEMM,
 # SwiGLU and FP8 quantizer kernels' outputs on fixed inputs under each tree's package, compared element by element;
-# 0, the default, skips), AB_LAYER (bench_layer, each run, with AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the loopback suite dispatch-gemm-time, each run; 0 skips), AB_CMD
-# (a command of your own, each run, limit AB_CMD_LIMIT, default 300; its lines matching the regex AB_CMD_GREP, default
-# "ms", kept; unset skips), AB_ROUNDS (rounds of base, new; default 2). Logs and tables in $OUT: resource_usage.diff
-# (empty when the kernels match), ab_bits.txt, ab_layer.txt, ab_dg.txt, ab_cmd.txt, and each run's log. E.g. a kernel's own bench:
+# 0, the default, skips), AB_LAYER (bench_layer, each run, with AB_LAYER_ARGS, default --quick; 0 skips), AB_DG (the
+# loopback suite dispatch-gemm-time, each run; 0 skips), AB_CMD (a command of your own, each run, limit AB_CMD_LIMIT,
+# default 300; its lines matching the regex AB_CMD_GREP, default "ms", kept; unset skips), AB_ROUNDS (rounds of base,
+# new; default 2). Logs and tables in $OUT: resource_usage.diff (empty when the kernels match), ab_bits.txt,
+# ab_layer.txt, ab_dg.txt, ab_cmd.txt, and each run's log. E.g. a kernel's own bench:
 #   AB_BASE=.ab_base AB_LAYER=0 AB_DG=0 AB_CMD="python3 -m benchmarks.bench_gemm1_swiglu_fp8" bash benchmarks/run_ab.sh
 set -uo pipefail
 export OUT=${OUT:-/tmp/jmo-ab-out}
