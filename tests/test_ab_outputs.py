@@ -6,8 +6,7 @@ from tools import ab_outputs
 
 
 def _dump(path, **arrays):
-  np.savez(path, **{k: ab_outputs._as_uints(v)[0] for k, v in arrays.items()},
-           **{f"dtype:{k}": np.array(str(v.dtype)) for k, v in arrays.items()})
+  ab_outputs.save(path, arrays)
 
 
 def test_compare_counts_elements_and_ulps(tmp_path, capsys):

@@ -35,3 +35,10 @@ def test_a_kernel_without_wgmma_has_one_region():
   ins = sass_count.instructions(LISTING.replace("QGMMA", "FMUL"))
   assert list(sass_count.regions(ins)) == ["kernel"]
   assert sass_count.opcode("@!P0 BRA 0x10") == "BRA" and sass_count.opcode("FFMA.FTZ R1, R2, R3, R4") == "FFMA"
+
+
+def test_functions_splits_a_whole_cubin_listing():
+  two = LISTING + LISTING.replace("_Z6kernelv", "_Z5otherv").replace("QGMMA", "FMUL")
+  fns = sass_count.functions(two)
+  assert list(fns) == ["_Z6kernelv", "_Z5otherv"]
+  assert len(sass_count.instructions(fns["_Z6kernelv"])) == 13 and "QGMMA" not in fns["_Z5otherv"]

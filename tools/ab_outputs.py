@@ -53,7 +53,7 @@ def cases():
   a32 = _with_specials(_row_scaled(rng, rows, 2 * F))
   a_kept = _row_scaled(rng, rows, 2 * F)
   dh = _with_specials(_row_scaled(rng, rows, F))
-  dy = rng.standard_normal((rows, 2 * F), dtype=np.float32)
+  dy = rng.standard_normal((rows, K), dtype=np.float32)
   xq, xs = jax.jit(fp8.quantize_rows)(jnp.asarray(x))
   wq = jax.jit(fp8.quantize_weight)(jnp.asarray(w))
   tiles = fp8.column_tiles(rows, sizes)
@@ -108,7 +108,7 @@ def cases():
   out["grouped_matmul"] = bf16_gemm
 
   def bf16_swiglu_grad():
-    d_out = jnp.asarray(dy[:, :K], jnp.bfloat16)
+    d_out = jnp.asarray(dy, jnp.bfloat16)
     w2t = jnp.asarray(np.swapaxes(w[:, :, :F], 1, 2), jnp.bfloat16)  # [G, F, K]: dh = d_out W2^T
     return _leaves("grouped_matmul_swiglu_grad", jax.jit(
         lambda *o: gg.grouped_matmul_swiglu_grad(*o, transpose_rhs=True))(d_out, w2t, sizes, jnp.asarray(a_kept)))
@@ -116,10 +116,12 @@ def cases():
   return out
 
 
-def _as_uints(v):
-  """The bytes of an array as unsigned integers of its width (float8 as uint8), and whether it is a float type."""
-  width = v.dtype.itemsize
-  return np.ascontiguousarray(v).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width]), v.dtype.kind in "fV"
+def save(path, outputs):
+  """{name: array} -> an .npz of each array's bits as unsigned integers of its width (float8 as uint8), beside its
+  dtype's name ("dtype:<name>"): what ``compare`` reads."""
+  bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+  np.savez(path, **{k: np.ascontiguousarray(v).view(bits[v.dtype.itemsize]) for k, v in outputs.items()},
+           **{f"dtype:{k}": np.array(str(v.dtype)) for k, v in outputs.items()})
 
 
 def _ordered(u, bits):
@@ -137,8 +139,7 @@ def dump(path):
     except Exception as e:  # pylint: disable=broad-except  (an older tree's package may lack an API: noted, not fatal)
       failed[case] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
       print(f"{case}: not run: {failed[case]}")
-  np.savez(path, **{k: _as_uints(v)[0] for k, v in out.items()},
-           **{f"dtype:{k}": np.array(str(v.dtype)) for k, v in out.items()})
+  save(path, out)
   print(f"{len(out)} outputs of {len(runs) - len(failed)} of {len(runs)} cases, {sum(v.nbytes for v in out.values())} "
         f"bytes -> {path}")
 

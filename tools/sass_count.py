@@ -65,9 +65,10 @@ def summary(texts, top: int = 12) -> str:
   return f"{len(texts)} instructions, {ops['BSSY']} branch regions, {local} local (LDL/STL); {common}"
 
 
-def kernel_names(cuobjdump: str, cubin: str):
-  listing = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
-  return re.findall(r"Function : (\S+)", listing)
+def functions(listing: str):
+  """{mangled name: its SASS} of a whole cubin's listing (cuobjdump -sass): each "Function : name" line to the next."""
+  parts = re.split(r"Function : (\S+)", listing)
+  return dict(zip(parts[1::2], parts[2::2]))
 
 
 def main(argv=None):
@@ -77,12 +78,11 @@ def main(argv=None):
   ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
   ap.add_argument("--top", type=int, default=12, help="opcodes listed per region")
   args = ap.parse_args(argv)
-  names = [n for n in kernel_names(args.cuobjdump, args.cubin) if args.kernel in n]
-  if not names:
+  listing = subprocess.run([args.cuobjdump, "-sass", args.cubin], check=True, capture_output=True, text=True).stdout
+  found = {n: sass for n, sass in functions(listing).items() if args.kernel in n}
+  if not found:
     sys.exit(f"no kernel of {args.cubin} has {args.kernel!r} in its name")
-  for name in names:
-    sass = subprocess.run([args.cuobjdump, "-sass", "-fun", name, args.cubin], check=True, capture_output=True,
-                          text=True).stdout
+  for name, sass in found.items():
     print(name)
     for region, texts in regions(instructions(sass)).items():
       print(f"  {region:8s} {summary(texts, args.top)}")
