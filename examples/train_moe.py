@@ -130,6 +130,9 @@ def parse_args(argv=None):
   g.add_argument("--peak-tflops", type=float, default=None,
                  help="peak dense TFLOP/s of one device in the compute dtype, for model FLOP utilisation (MFU); "
                       "None: known GPUs' datasheet value, else no MFU")
+  g.add_argument("--peak-tflops-fp8", type=float, default=None,
+                 help="peak dense FP8 TFLOP/s of one device, for the MFU of --quantization fp8 against it; None: known "
+                      "GPUs' datasheet value")
   args = p.parse_args(argv)
   if args.preset:
     given = _given_dests(p, sys.argv[1:] if argv is None else argv)
@@ -154,8 +157,10 @@ PRESETS = {
                 no_progress=True, log_every=10, plot=""),
 }
 
-# Peak dense bf16 TFLOP/s per device from datasheets, by a substring of jax's device_kind.
+# Peak dense TFLOP/s per device from datasheets (SXM, without sparsity), by a substring of jax's device_kind: bf16,
+# and FP8 (e4m3) where the tensor cores have it.
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+PEAK_TFLOPS_FP8 = {"H200": 1979.0, "H100": 1979.0}
 
 
 # Flags that, besides the model config, determine the loss curve: a resumed run should keep them. grad_accum is one:
@@ -351,16 +356,21 @@ def check_batch_split(batch_size, grad_accum, num_devices):
     raise SystemExit(f"{what} must be divisible by the {num_devices} devices of the mesh")
 
 
+def _known_peak(table: dict[str, float]) -> float | None:
+  kind = jax.devices()[0].device_kind
+  return next((tflops for name, tflops in table.items() if name in kind), None)
+
+
 def peak_tflops(args) -> float | None:
   """Peak dense TFLOP/s of one device: --peak-tflops, else a known GPU's bf16 datasheet value (bf16 runs only)."""
   if args.peak_tflops:
     return args.peak_tflops
-  kind = jax.devices()[0].device_kind
-  if args.dtype == "bfloat16":
-    for name, tflops in PEAK_TFLOPS_BF16.items():
-      if name in kind:
-        return tflops
-  return None
+  return _known_peak(PEAK_TFLOPS_BF16) if args.dtype == "bfloat16" else None
+
+
+def peak_tflops_fp8(args) -> float | None:
+  """Peak dense FP8 TFLOP/s of one device: --peak-tflops-fp8, else a known GPU's datasheet value."""
+  return args.peak_tflops_fp8 or _known_peak(PEAK_TFLOPS_FP8)
 
 
 def tokens_per_s(tok_s: float) -> str:
@@ -371,7 +381,10 @@ def tokens_per_s(tok_s: float) -> str:
 
 def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   """Prints the median training throughput of the timed steps and, when the device's peak is known, the model FLOP
-  utilisation: model FLOPs per token (ModelConfig.flops_per_token) x tokens/s over the devices' summed peak."""
+  utilisation: model FLOPs per token (ModelConfig.flops_per_token) x tokens/s over the devices' summed peak. With the
+  routed experts in FP8 (cfg.quantization) the same FLOPs also against the FP8 peak (every FLOP at FP8's rate: the
+  bound no step reaches, as the rest of the model runs in the compute dtype) and against the mixed peak (the routed
+  experts' FLOPs at the FP8 peak, the rest at the compute dtype's: the time the step would take at both peaks)."""
   if not step_times:
     say("throughput: no timed step (the first step compiles, and a step after an evaluation, --eval-every, "
         "includes that evaluation: neither is timed)")
@@ -383,6 +396,15 @@ def report_throughput(cfg, args, step_times, tokens_per_step, num_devices):
   if peak:
     mfu = cfg.flops_per_token() * tok_s / (peak * 1e12 * num_devices)
     line += f" | MFU {100 * mfu:.1f}% of {peak:g} TFLOP/s x {num_devices}"
+  peak8 = peak_tflops_fp8(args) if cfg.quantization == "fp8" else None
+  if peak8:
+    flops = cfg.flops_per_token_by_part()
+    fp8_flops = flops.pop("routed_experts")
+    mfu8 = cfg.flops_per_token() * tok_s / (peak8 * 1e12 * num_devices)
+    line += f" | {100 * mfu8:.1f}% of the FP8 peak ({peak8:g} TFLOP/s)"
+    if peak:
+      ideal_s = (fp8_flops / peak8 + sum(flops.values()) / peak) / 1e12 / num_devices   # per token
+      line += f", {100 * ideal_s * tok_s:.1f}% of the mixed peak (routed experts at FP8's)"
   say(line, flush=True)
 
 

@@ -268,6 +268,20 @@ def test_throughput_line_states_the_flops_per_token(capsys):
   assert got == pytest.approx(cfg.flops_per_token() / 1e9, rel=5e-3), out
   train_moe.report_throughput(cfg, args, [], 1024, 4)   # --eval-every 1: every step follows an evaluation
   assert "--eval-every" in capsys.readouterr().out
+  # With FP8 experts the MFU is also stated against the FP8 peak and against the mixed peak (the routed experts'
+  # FLOPs at the FP8 peak, the rest at the bf16 one).
+  args = train_moe.parse_args(["--plot", "", "--d-model", "128", "--d-ff", "128", "--quantization", "fp8",
+                               "--peak-tflops", "0.01", "--peak-tflops-fp8", "0.02"])
+  cfg = train_moe.model_config(args)
+  train_moe.report_throughput(cfg, args, [0.5], 1024, 4)
+  out = capsys.readouterr().out
+  flops, tok_s = cfg.flops_per_token_by_part(), 1024 / 0.5
+  mfu = lambda text: float(out.split(text)[0].rsplit(" ", 1)[-1].rstrip("%")) / 100
+  assert mfu(" of 0.01 TFLOP/s x 4") == pytest.approx(sum(flops.values()) * tok_s / 0.04e12, abs=5e-4), out
+  fp8_peak = sum(flops.values()) * tok_s / 0.08e12
+  assert mfu(" of the FP8 peak (0.02 TFLOP/s)") == pytest.approx(fp8_peak, abs=5e-4), out
+  mixed = (flops.pop("routed_experts") / 0.02 + sum(flops.values()) / 0.01) * tok_s / 4e12
+  assert mfu(" of the mixed peak") == pytest.approx(mixed, abs=5e-4), out
   # An untimed step's rate reads "-" in the log lines as in the progress bar, not "nan".
   assert train_moe.tokens_per_s(float("nan")) == "-" and train_moe.tokens_per_s(12345.6) == "12,346"
 
