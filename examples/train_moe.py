@@ -583,39 +583,66 @@ def main(argv=None):
     if not args.no_progress and jax.process_index() == 0:
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
       bar = tqdm(total=stop, initial=start, desc="train", dynamic_ncols=True)
-    t_prev, tok_s = None, float("nan")
+    # A step's metrics are read back (the host's wait for it) only once the next step has been dispatched, so that
+    # the device runs step n + 1 while the host reads step n, logs it and prepares the next batch; the steps run in
+    # the same order on the same inputs, so the losses are those of a loop that waits for every step. The wait is
+    # synchronous around the traced steps, evaluations and checkpoints. A step's time is the interval between the
+    # read-backs of its predecessor and its own: the device's time per step once the host keeps ahead.
+    clock = {"prev": None, "tok_s": float("nan")}       # the last read-back's time (None: the next is not timed)
     step_times = []                                     # seconds of the timed steps (not the first: compilation)
+
+    def finish(pending):
+      """The host's side of a dispatched step (step, metrics): waits for it, times it, logs it."""
+      if pending is None:
+        return
+      step, metrics = pending
+      loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
+      t_now = time.perf_counter()
+      if clock["prev"] is not None:
+        clock["tok_s"] = tokens_per_step / (t_now - clock["prev"])
+        if step not in traced:                          # the profiler's overhead is no training time
+          step_times.append(t_now - clock["prev"])
+      clock["prev"] = t_now
+      history["loss"].append(loss)
+      history["dropped"].append(dropped)
+      done = step + 1
+      if bar is not None:
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s(clock["tok_s"]),
+                        dropped=f"{dropped:.3f}", lr=f"{float(schedule(step)):.1e}", refresh=False)
+        bar.update(1)
+      elif args.log_every and done % args.log_every == 0:
+        say(f"step {done}: loss {loss:.4f}  tokens/s {tokens_per_s(clock['tok_s'])}  dropped {dropped:.4f}",
+            flush=True)
+      if not np.isfinite(loss):
+        raise FloatingPointError(f"loss became {loss} at step {done}")
+
+    pending = None                                      # the dispatched step not yet read back
     for step in range(start, stop):
       batch = model_lib.put_global(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
                                    sharding)
       if profile is not None and step == traced.start:
+        finish(pending)
+        pending = None
         profile.start()
       state, metrics = (profiled_step if step in traced else run_step)(state, batch)
-      loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
-      t_now = time.perf_counter()
-      if t_prev is not None:
-        tok_s = tokens_per_step / (t_now - t_prev)
-        if step not in traced:                          # the profiler's overhead is no training time
-          step_times.append(t_now - t_prev)
-      t_prev = t_now
-      if profile is not None and step == traced[-1]:
-        profile.stop(len(traced))
-      history["loss"].append(loss)
-      history["dropped"].append(dropped)
+      finish(pending)
+      pending = (step, metrics)
       done = step + 1
+      if profile is not None and step == traced[-1]:
+        finish(pending)
+        pending = None
+        profile.stop(len(traced))
+        clock["prev"] = None                            # nor is the trace's processing
       if args.eval_every and done % args.eval_every == 0 and done != stop:
+        finish(pending)
+        pending = None
         history["eval"].append((done, evaluate(graphdef, state, eval_set, sharding)))
-        t_prev = None                                   # do not count the evaluation as training time
-      if bar is not None:
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s(tok_s),
-                        dropped=f"{dropped:.3f}", lr=f"{float(schedule(step)):.1e}", refresh=False)
-        bar.update(1)
-      elif args.log_every and done % args.log_every == 0:
-        say(f"step {done}: loss {loss:.4f}  tokens/s {tokens_per_s(tok_s)}  dropped {dropped:.4f}", flush=True)
-      if not np.isfinite(loss):
-        raise FloatingPointError(f"loss became {loss} at step {done}")
+        clock["prev"] = None                            # do not count the evaluation as training time
       if mngr is not None and done % args.save_every == 0 and done != stop:
+        finish(pending)
+        pending = None
         save(done)
+    finish(pending)
     if bar is not None:
       bar.close()
 
