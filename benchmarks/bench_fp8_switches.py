@@ -11,6 +11,8 @@ Settings (the switches not named are off):
   wq             WEIGHT_QUANTIZER_ON_GPU: the forward's weights by the custom call
   fused+wq       both (the shipped defaults, where they are both on)
   fused+wq+bwq   both and BACKWARD_REQUANTIZES_WEIGHTS: the dgrads' weights quantized again from the master weights
+  fused+wq+rq    both and ROW_QUANTIZED_COLUMNS_ON_GPU: the wgrads' x and dy to the column quantizer as the e4m3
+                 rows the backward keeps (no dequantization pass in XLA)
 
   python3 -m benchmarks.bench_fp8_switches --out /tmp/fp8_switches.jsonl
   python3 -m benchmarks.bench_fp8_switches --quick --passes fwd      # a small shape (CPU: minutes)
@@ -29,8 +31,10 @@ from benchmarks import bench_layer
 from benchmarks import common
 from jax_moe_overlap import fp8_experts
 
-SWITCHES = ("FUSED_GEMM1_SWIGLU_ON_GPU", "WEIGHT_QUANTIZER_ON_GPU", "BACKWARD_REQUANTIZES_WEIGHTS")
-SETTINGS = {"off": (), "fused": SWITCHES[:1], "wq": SWITCHES[1:2], "fused+wq": SWITCHES[:2], "fused+wq+bwq": SWITCHES}
+SWITCHES = ("FUSED_GEMM1_SWIGLU_ON_GPU", "WEIGHT_QUANTIZER_ON_GPU", "BACKWARD_REQUANTIZES_WEIGHTS",
+            "ROW_QUANTIZED_COLUMNS_ON_GPU")
+SETTINGS = {"off": (), "fused": SWITCHES[:1], "wq": SWITCHES[1:2], "fused+wq": SWITCHES[:2],
+            "fused+wq+bwq": SWITCHES[:3], "fused+wq+rq": (*SWITCHES[:2], SWITCHES[3])}
 
 
 def plan(quick: bool):
@@ -38,8 +42,9 @@ def plan(quick: bool):
   if quick:
     return [("small", 2048, 1024, 1024, 8, 2, ["bf16", *SETTINGS])]
   return [("mixtral-like", 4096, 4096, 14336, 8, 2, ["bf16", *SETTINGS]),
-          ("mixtral-like", 16384, 4096, 14336, 8, 2, ["bf16", "off", "fused+wq"]),
-          ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8, ["bf16", "off", "fused", "fused+wq"])]
+          ("mixtral-like", 16384, 4096, 14336, 8, 2, ["bf16", "off", "fused+wq", "fused+wq+rq"]),
+          ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8, ["bf16", "off", "fused", "fused+wq", "fused+wq+rq"]),
+          ("training preset", 32768, 1024, 1024, 16, 4, ["bf16", "off", "fused+wq", "fused+wq+rq"])]
 
 
 def _set(setting: str):

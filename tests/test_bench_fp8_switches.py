@@ -19,13 +19,14 @@ def _rows(path):
 
 def test_every_setting_times_and_restores_the_switches(monkeypatch, tmp_path):
   shipped = {n: getattr(fp8_experts, n) for n in bench.SWITCHES}
-  monkeypatch.setattr(bench, "plan", lambda quick: [("tiny", 64, 128, 128, 4, 2, ["bf16", "off", "fused", "fused+wq"])])
+  settings = ["bf16", "off", "fused", "fused+wq", "fused+wq+rq"]
+  monkeypatch.setattr(bench, "plan", lambda quick: [("tiny", 64, 256, 128, 4, 2, settings)])
   out = tmp_path / "sw.jsonl"
   bench.main(["--passes", "fwd+bwd", "--out", str(out)])
   rows = _rows(out)
-  assert [r["setting"] for r in rows] == ["bf16", "off", "fused", "fused+wq"]
+  assert [r["setting"] for r in rows] == settings
   assert all(float(r["ms"]) > 0 for r in rows), rows
-  assert [r.get("vs_off") for r in rows[2:]] == ["bitwise", "bitwise"], rows
+  assert [r.get("vs_off") for r in rows[2:]] == ["bitwise"] * 3, rows
   assert {n: getattr(fp8_experts, n) for n in bench.SWITCHES} == shipped
 
 
