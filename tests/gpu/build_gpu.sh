@@ -19,6 +19,8 @@ export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
   python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
   python3 -c "import cuda.bindings; print('cuda.bindings', cuda.bindings.__version__)"
   git log -1 --format='code at %h %s' 2>/dev/null || true
+  # (a copied tree may carry older git metadata than its files: the count says how far the files are from it)
+  echo "files differing from that commit: $(git status --short --untracked-files=no 2>/dev/null | wc -l)"
 } 2>&1 | tee "$OUT/env.log"
 t0=$(date +%s)
 rm -rf "$JMO_SITE"
