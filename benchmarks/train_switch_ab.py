@@ -1,0 +1,105 @@
+"""The training example with one of the library's module switches off and on, side by side in one run: each setting
+in a child process of its own (the switch set before the first step is traced), the rounds interleaved (off, on,
+then on, off, ...) so that drift between runs falls on both sides. Per run the example's tokens/s (the median of its
+timed steps) and its last step's train loss; then per setting the median tokens/s, on / off, and whether the two
+settings' loss curves are the same bits (a switch that swaps a kernel for another of the same rule must keep them).
+
+  python3 -m benchmarks.train_switch_ab --switch jax_moe_overlap.fp8_experts.ROW_QUANTIZED_COLUMNS_ON_GPU \\
+      -- --preset gpu --quantization fp8 --steps 12 --skip-check --no-progress
+
+The arguments after -- are examples/train_moe.py's. The switch is MODULE.NAME; --values gives the two settings
+(default "False,True", each read by ast.literal_eval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+RESULT = "train_switch_ab result: "   # the line a child prints its outcome on
+
+
+def run_child(switch: str, value, train_args: list[str]) -> None:
+  """Sets MODULE.NAME = value, then runs train_moe.main(train_args) in this process and prints its outcome."""
+  module, name = switch.rsplit(".", 1)
+  mod = importlib.import_module(module)
+  if not hasattr(mod, name):
+    raise SystemExit(f"train_switch_ab: {module} has no attribute {name}")
+  setattr(mod, name, value)
+  sys.path.insert(0, EXAMPLES)
+  import train_moe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  times = []
+  report = train_moe.report_throughput
+
+  def keep_times(cfg, args, step_times, *rest):
+    times.extend(step_times)
+    return report(cfg, args, step_times, *rest)
+
+  train_moe.report_throughput = keep_times
+  out = train_moe.main(train_args)
+  print(RESULT + json.dumps({"step_times": times, "losses": [float(v) for v in out["losses"]]}), flush=True)
+
+
+def child_result(stdout: str) -> dict:
+  lines = [l for l in stdout.splitlines() if l.startswith(RESULT)]
+  if not lines:
+    raise RuntimeError("train_switch_ab: a child printed no result; its output ends:\n" + stdout[-3000:])
+  return json.loads(lines[-1][len(RESULT):])
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--switch", required=True, help="MODULE.NAME of the switch")
+  ap.add_argument("--values", default="False,True", help="the two settings, comma-separated literals")
+  ap.add_argument("--rounds", type=int, default=2, help="runs of each setting")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(own)
+  if args.child is not None:
+    run_child(args.switch, ast.literal_eval(args.child), train_args)
+    return None
+  values = args.values.split(",")
+  if len(values) != 2:
+    raise SystemExit(f"--values {args.values!r}: two settings, comma-separated")
+  for v in values:                                          # a malformed literal is refused before any run
+    try:
+      ast.literal_eval(v)
+    except (ValueError, SyntaxError) as e:
+      raise SystemExit(f"--values {args.values!r}: {v!r} is not a Python literal ({e})") from None
+  order = [values[i] for r in range(args.rounds) for i in ((0, 1) if r % 2 == 0 else (1, 0))]
+  runs = []
+  for value in order:
+    cmd = [sys.executable, "-m", "benchmarks.train_switch_ab", "--switch", args.switch, "--child", value, "--",
+           *train_args]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+      raise RuntimeError(f"train_switch_ab: {' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}"
+                         f"\n{done.stderr[-3000:]}")
+    res = child_result(done.stdout)
+    tok = [t for t in res["step_times"] if t > 0]
+    runs.append({"value": value, "median_step_s": float(np.median(tok)) if tok else float("nan"),
+                 "last_loss": res["losses"][-1] if res["losses"] else float("nan"), "losses": res["losses"]})
+    r = runs[-1]
+    print(f"{args.switch} = {value}: median step {r['median_step_s'] * 1e3:.2f} ms, last train loss "
+          f"{r['last_loss']:.6f}", flush=True)
+  med = {v: float(np.median([r["median_step_s"] for r in runs if r["value"] == v])) for v in values}
+  same = all(r["losses"] == runs[0]["losses"] for r in runs)
+  print(f"| {args.switch} | median step ms | speed / {values[0]} |")
+  print("|---|---|---|")
+  for v in values:
+    print(f"| {v} | {med[v] * 1e3:.2f} | {med[values[0]] / med[v]:.3f} |")
+  print(f"loss curves {'the same bits in every run' if same else 'DIFFER between runs'}", flush=True)
+  return {"runs": runs, "median_step_s": med, "same_losses": same}
+
+
+if __name__ == "__main__":
+  main()
