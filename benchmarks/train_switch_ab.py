@@ -36,16 +36,9 @@ def run_child(switch: str, value, train_args: list[str]) -> None:
   setattr(mod, name, value)
   sys.path.insert(0, EXAMPLES)
   import train_moe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  times = []
-  report = train_moe.report_throughput
-
-  def keep_times(cfg, args, step_times, *rest):
-    times.extend(step_times)
-    return report(cfg, args, step_times, *rest)
-
-  train_moe.report_throughput = keep_times
   out = train_moe.main(train_args)
-  print(RESULT + json.dumps({"step_times": times, "losses": [float(v) for v in out["losses"]]}), flush=True)
+  print(RESULT + json.dumps({"step_times": out["step_times"], "losses": [float(v) for v in out["losses"]]}),
+        flush=True)
 
 
 def child_result(stdout: str) -> dict:
@@ -85,8 +78,8 @@ def main(argv=None):
       raise RuntimeError(f"train_switch_ab: {' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}"
                          f"\n{done.stderr[-3000:]}")
     res = child_result(done.stdout)
-    tok = [t for t in res["step_times"] if t > 0]
-    runs.append({"value": value, "median_step_s": float(np.median(tok)) if tok else float("nan"),
+    times = res["step_times"]
+    runs.append({"value": value, "median_step_s": float(np.median(times)) if times else float("nan"),
                  "last_loss": res["losses"][-1] if res["losses"] else float("nan"), "losses": res["losses"]})
     r = runs[-1]
     print(f"{args.switch} = {value}: median step {r['median_step_s'] * 1e3:.2f} ms, last train loss "

@@ -588,61 +588,58 @@ def main(argv=None):
     # the same order on the same inputs, so the losses are those of a loop that waits for every step. The wait is
     # synchronous around the traced steps, evaluations and checkpoints. A step's time is the interval between the
     # read-backs of its predecessor and its own: the device's time per step once the host keeps ahead.
-    clock = {"prev": None, "tok_s": float("nan")}       # the last read-back's time (None: the next is not timed)
+    t_prev, tok_s = None, float("nan")                  # the last read-back's time (None: the next is not timed)
     step_times = []                                     # seconds of the timed steps (not the first: compilation)
+    pending = None                                      # (step, metrics) dispatched and not yet read back
 
-    def finish(pending):
-      """The host's side of a dispatched step (step, metrics): waits for it, times it, logs it."""
+    def read_back():
+      """The host's side of the pending step, if any: waits for it, times it, logs it."""
+      nonlocal pending, t_prev, tok_s
       if pending is None:
         return
       step, metrics = pending
+      pending = None
       loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
       t_now = time.perf_counter()
-      if clock["prev"] is not None:
-        clock["tok_s"] = tokens_per_step / (t_now - clock["prev"])
+      if t_prev is not None:
+        tok_s = tokens_per_step / (t_now - t_prev)
         if step not in traced:                          # the profiler's overhead is no training time
-          step_times.append(t_now - clock["prev"])
-      clock["prev"] = t_now
+          step_times.append(t_now - t_prev)
+      t_prev = t_now
       history["loss"].append(loss)
       history["dropped"].append(dropped)
       done = step + 1
       if bar is not None:
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s(clock["tok_s"]),
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s(tok_s),
                         dropped=f"{dropped:.3f}", lr=f"{float(schedule(step)):.1e}", refresh=False)
         bar.update(1)
       elif args.log_every and done % args.log_every == 0:
-        say(f"step {done}: loss {loss:.4f}  tokens/s {tokens_per_s(clock['tok_s'])}  dropped {dropped:.4f}",
-            flush=True)
+        say(f"step {done}: loss {loss:.4f}  tokens/s {tokens_per_s(tok_s)}  dropped {dropped:.4f}", flush=True)
       if not np.isfinite(loss):
         raise FloatingPointError(f"loss became {loss} at step {done}")
 
-    pending = None                                      # the dispatched step not yet read back
     for step in range(start, stop):
       batch = model_lib.put_global(model_lib.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len),
                                    sharding)
       if profile is not None and step == traced.start:
-        finish(pending)
-        pending = None
+        read_back()
         profile.start()
       state, metrics = (profiled_step if step in traced else run_step)(state, batch)
-      finish(pending)
+      read_back()
       pending = (step, metrics)
       done = step + 1
       if profile is not None and step == traced[-1]:
-        finish(pending)
-        pending = None
+        read_back()
         profile.stop(len(traced))
-        clock["prev"] = None                            # nor is the trace's processing
+        t_prev = None                                   # nor is the trace's processing
       if args.eval_every and done % args.eval_every == 0 and done != stop:
-        finish(pending)
-        pending = None
+        read_back()
         history["eval"].append((done, evaluate(graphdef, state, eval_set, sharding)))
-        clock["prev"] = None                            # do not count the evaluation as training time
+        t_prev = None                                   # do not count the evaluation as training time
       if mngr is not None and done % args.save_every == 0 and done != stop:
-        finish(pending)
-        pending = None
+        read_back()
         save(done)
-    finish(pending)
+    read_back()
     if bar is not None:
       bar.close()
 
@@ -674,7 +671,7 @@ def main(argv=None):
     say(f"wrote {args.plot}")
   return {"losses": history["loss"], "eval": history["eval"], "eval_loss": eval_loss,
           "dropped": history["dropped"], "state": state, "attention": cfg.attention, "eval_set": eval_set,
-          "profile": profile_result}
+          "profile": profile_result, "step_times": step_times}
 
 
 if __name__ == "__main__":
