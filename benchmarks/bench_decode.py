@@ -62,14 +62,19 @@ CHILD_LIMIT_S = 170  # per setting and quantization: the default run stays withi
 H200_HBM_TBPS = 4.8  # the H200's HBM bandwidth, TB/s (NVIDIA's H200 SXM specification: 141 GB of HBM3e at 4.8 TB/s)
 
 
-def parse(argv):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--tokens", default="1,8,32,64,128,256", help="comma list of tokens per step")
+def add_model_args(ap: argparse.ArgumentParser, tokens: str) -> None:
+  """--tokens (default ``tokens``) and the decode model's sizes (decode_step.DecodeModel.from_args reads them)."""
+  ap.add_argument("--tokens", default=tokens, help="comma list of tokens per step")
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--d-model", type=int, default=2048)
   ap.add_argument("--d-ff", type=int, default=1024)
   ap.add_argument("--experts", type=int, default=32)
   ap.add_argument("--top-k", type=int, default=4)
+
+
+def parse(argv):
+  ap = argparse.ArgumentParser()
+  add_model_args(ap, "1,8,32,64,128,256")
   ap.add_argument("--batches", type=int, default=10, help="timed batches of 20 chained steps")
   ap.add_argument("--synced", type=int, default=30, help="timed single steps, each waited for")
   ap.add_argument("--quantization", choices=("fp8",), default=None,
@@ -166,8 +171,7 @@ def measure(args, setting: str) -> list[dict]:
 
   from benchmarks import decode_step as ds  # pylint: disable=g-import-not-at-top
 
-  model = ds.DecodeModel(layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, experts=args.experts,
-                         top_k=args.top_k)
+  model = ds.DecodeModel.from_args(args)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (ds.AXIS,))
   params = {None: ds.init_params(model, mesh)}
   for q in quantizations(args)[1:]:

@@ -46,6 +46,11 @@ class DecodeModel:
   experts: int
   top_k: int
 
+  @classmethod
+  def from_args(cls, args) -> "DecodeModel":
+    """The model of parsed options (bench_decode.add_model_args')."""
+    return cls(layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, experts=args.experts, top_k=args.top_k)
+
 
 def init_params(model: DecodeModel, mesh, seed: int = 0, dtype=jnp.bfloat16) -> list[dict]:
   """Per layer {"router": [D, E] float32, replicated; "w1": [E, D, 2F], "w2": [E, F, D] in ``dtype``, split over the

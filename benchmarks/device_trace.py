@@ -108,10 +108,15 @@ def trace_data(fn, args, *, calls: int, warmup: int = 1, logdir: str | None = No
       out = fn(*args)
     jax.block_until_ready(out)
     wall = time.perf_counter() - t0
+  return read_trace(logdir), wall
+
+
+def read_trace(logdir: str):
+  """The newest trace under ``logdir`` (a ``jax.profiler`` log directory) as a ``jax.profiler.ProfileData``."""
   paths = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs if f.endswith(".xplane.pb")]
   if not paths:
     raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {logdir}")
-  return jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime)), wall
+  return jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
 
 
 def format_summary(s: dict, *, kernels: int = 10, host: int = 8) -> str:
@@ -129,3 +134,30 @@ def format_summary(s: dict, *, kernels: int = 10, host: int = 8) -> str:
   if "window_us" not in s:
     lines.append(f"  (no GPU events; planes: {', '.join(s['planes'])})")
   return "\n".join(lines)
+
+
+def format_kernels(s: dict, *, per: int = 1, kernels: int = 40) -> str:
+  """``summarize``'s kernels by total device time, in ms and calls per ``per`` (e.g. the traced steps)."""
+  total = sum(k["total_us"] for k in s["kernels"].values())
+  lines = [f"all kernels {total / 1e3 / per:.2f} ms per {per}"]
+  for name, k in list(s["kernels"].items())[:kernels]:
+    lines.append(f"{k['total_us'] / 1e3 / per:8.3f} ms {k['calls'] / per:6.1f}x  {name[:120]}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  """The kernels of a trace already written, e.g. the directory ``examples/train_moe.py --profile-steps N`` prints:
+
+    python3 -m benchmarks.device_trace LOGDIR --per N
+  """
+  import argparse  # pylint: disable=g-import-not-at-top
+  ap = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
+  ap.add_argument("logdir")
+  ap.add_argument("--per", type=int, default=1, help="divide times and calls by this (the traced steps)")
+  ap.add_argument("--kernels", type=int, default=40, help="kernels listed")
+  args = ap.parse_args(argv)
+  print(format_kernels(summarize(read_trace(args.logdir)), per=args.per, kernels=args.kernels))
+
+
+if __name__ == "__main__":
+  main()
