@@ -48,6 +48,24 @@ def child_result(stdout: str) -> dict:
   return json.loads(lines[-1][len(RESULT):])
 
 
+def compare_losses(runs: list[dict]) -> tuple[bool, bool, str]:
+  """(every run's loss curve the same bits, each setting's runs the same bits among themselves, the sentence saying
+  which). Where a setting's own runs differ the step is not deterministic on this machine, and a difference between
+  the settings says nothing about the switch. On GPUs cuDNN attention's backward (within a process) and XLA's
+  autotuning (between processes) are not: benchmarks/step_repeat.py names the parameters they reach; with
+  `--attention xla` and XLA_FLAGS=--xla_gpu_autotune_level=0 the example repeats bit for bit, with far slower steps,
+  so such a run compares the curves and another times the settings."""
+  same = all(r["losses"] == runs[0]["losses"] for r in runs)
+  repeatable = all(r["losses"] == next(q for q in runs if q["value"] == r["value"])["losses"] for r in runs)
+  if same:
+    return same, repeatable, "the same bits in every run"
+  if repeatable:
+    return same, repeatable, "the same bits within each setting, DIFFERENT between the settings"
+  return same, repeatable, ("DIFFER between runs of one setting: the step is not deterministic here, so the settings' "
+                            "curves cannot be compared (on GPUs: --attention xla and "
+                            "XLA_FLAGS=--xla_gpu_autotune_level=0 repeat bit for bit)")
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -85,13 +103,13 @@ def main(argv=None):
     print(f"{args.switch} = {value}: median step {r['median_step_s'] * 1e3:.2f} ms, last train loss "
           f"{r['last_loss']:.6f}", flush=True)
   med = {v: float(np.median([r["median_step_s"] for r in runs if r["value"] == v])) for v in values}
-  same = all(r["losses"] == runs[0]["losses"] for r in runs)
+  same, repeatable, verdict = compare_losses(runs)
   print(f"| {args.switch} | median step ms | speed / {values[0]} |")
   print("|---|---|---|")
   for v in values:
     print(f"| {v} | {med[v] * 1e3:.2f} | {med[values[0]] / med[v]:.3f} |")
-  print(f"loss curves {'the same bits in every run' if same else 'DIFFER between runs'}", flush=True)
-  return {"runs": runs, "median_step_s": med, "same_losses": same}
+  print(f"loss curves {verdict}", flush=True)
+  return {"runs": runs, "median_step_s": med, "same_losses": same, "repeatable": repeatable}
 
 
 if __name__ == "__main__":
