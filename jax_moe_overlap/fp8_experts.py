@@ -20,8 +20,8 @@ values and their float32 scales) and chooses how the GEMMs run:
                ``grouped_gemm.grouped_matmul_swiglu_fp8``, whose epilogue writes both: no float32 a); the SwiGLU
                backward (h recomputed, da, and their three quantizations) by ``grouped_gemm.swiglu_backward_fp8``,
                one pass over a and dh. x and dy, which the backward holds row-quantized, go to the column quantizer
-               as e4m3 values and scales (no float32 copy; on GPUs only with ``ROW_QUANTIZED_COLUMNS_ON_GPU``, and
-               where D is a multiple of 256, the call's item).
+               as e4m3 values and scales (no float32 copy; on GPUs while ``ROW_QUANTIZED_COLUMNS_ON_GPU``, the
+               default, and where D is a multiple of 256, the call's item).
                The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
                the same reason: one pass over each weight's e4m3 values and scales per backward. The master weights
                are quantized per call by ``grouped_gemm.quantize_weight_fp8`` (one pass over each weight; on GPUs
@@ -114,8 +114,8 @@ class Gemms:
     custom call for all three.
   row_columns(q [M, C] e4m3, s [M, C / 128], tiles) -> columns(fp8.dequantize_rows(q, s), tiles): the wgrads' x and
     dy, which the recipe holds row-quantized. None (``DENSE``, ``RAGGED``): that composition; ``KERNELS`` gives the
-    pair to ``grouped_gemm.quantize_columns_fp8``, which dequantizes as it reads (CPUs; GPUs once
-    ``ROW_QUANTIZED_COLUMNS_ON_GPU``), bit for bit the same.
+    pair to ``grouped_gemm.quantize_columns_fp8``, which dequantizes as it reads (CPUs; GPUs while
+    ``ROW_QUANTIZED_COLUMNS_ON_GPU``, the default), bit for bit the same.
   quantize_weight(w [E, K, N] float, transposed) -> fp8.Fp8Weight: with transposed ``fp8.quantize_weight(w)`` (the
     forward's weights), else ``fp8.transpose_weight(fp8.quantize_weight(w))`` (the dgrads'). ``xla_quantize_weight``
     (``DENSE``, ``RAGGED``): those compositions; ``KERNELS`` runs ``grouped_gemm.quantize_weight_fp8`` (CPUs; GPUs
@@ -229,10 +229,10 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3
-# rows: QuantizeColumnsLean<RowsE4m3>, which passes tests/gpu/test_gpu_quantize_columns_fp8.py). Off while the
-# training step has not measured it faster than dequantizing in XLA and quantizing the float32 rows (the same bits;
-# docs/performance.md, "Where the FP8 step goes"); CPUs take the pair.
-ROW_QUANTIZED_COLUMNS_ON_GPU = False
+# rows: QuantizeColumnsLean<RowsE4m3>, which passes tests/gpu/test_gpu_quantize_columns_fp8.py) instead of
+# dequantizing them in XLA and quantizing the float32 rows: the same bits, one byte read per value instead of four
+# and no dequantization pass (docs/performance.md, "Where the FP8 step goes"). CPUs always take it.
+ROW_QUANTIZED_COLUMNS_ON_GPU = True
 
 
 def _kernel_row_columns(q, s, tiles):
