@@ -15,6 +15,10 @@
 #               C and with every pinned C of a sweep, on the real links; the table gives the manager's regret
 #               (its time over the fastest pinned C's, minus 1).
 # Not in the default --steps (name them to run them):
+#   push_rate   tools/probes/row_push_probe --peer 1 (built from the tools build): GB/s per pushing CTA against its
+#               bytes in flight, GPU 0's SMs storing rows into GPU 1's memory (16-byte warp stores as dispatch_gemm's
+#               pushers, TMA bulk stores as the combine's consumer): the check of docs/design.md's "SMs the push
+#               needs at 370 GB/s" prediction
 #   fp8_layer   benchmarks.bench_fp8_layer on all GPUs (--devices, FP8_ARGS): the layer under quantization="fp8"
 #               against bf16, forward and forward+backward, impl collective, overlap (the library's default: the
 #               returns fused by expert_combine on e4m3 operands), overlap+fused-all (the dispatches fused with
@@ -32,11 +36,13 @@
 #   bash benchmarks/run_multi_gpu.sh --dry-run            # each step's command and limit (as if every step took
 #                     # its whole limit) and the shapes of each group; runs nothing; exit 1 if a group selects none
 #
-# Options: --steps LIST (comma list, in the order above; default topo,build,links,ep_layer,ep_combine), --budget S
+# Options: --steps LIST (comma list, in the order of ALL_STEPS below; default topo,build,links,ep_layer,ep_combine),
+# --budget S
 # (the whole script's seconds, default 540: it ends by then, tar included), --dry-run.
 # A call for the training runs alone: bash benchmarks/run_multi_gpu.sh --steps build,train
+# The per-CTA push rate over the link: bash benchmarks/run_multi_gpu.sh --steps build,push_rate,tests
 # Environment (defaults below): limits in seconds T_TOPO, T_BUILD, T_LINKS, T_EP_GROUP (at most, per group),
-# T_EP_COMBINE, T_FP8, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
+# T_PUSH, T_EP_COMBINE, T_FP8, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
 # and the ep_layer groups share equally what is left after the limits of the steps after them. EP_GROUPS (names of
 # ep_group_shapes below), EP_SHAPES (one regex on "name skew" instead of the groups), EP_IMPLS, EP_ARGS (more
 # bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), FP8_ARGS (bench_fp8_layer flags), RESOURCE_ARGS, TESTS_K,
@@ -66,13 +72,14 @@ while [ $# -gt 0 ]; do
     *) echo "run_multi_gpu.sh: unknown argument '$1' (--steps LIST, --budget S, --dry-run)" >&2; exit 2 ;;
   esac
 done
-ALL_STEPS="topo build links ep_layer ep_combine fp8_layer resource tests train"
+ALL_STEPS="topo build links push_rate ep_layer ep_combine fp8_layer resource tests train"
 for s in ${STEPS//,/ }; do
   [[ " $ALL_STEPS " == *" $s "* ]] || { echo "run_multi_gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
 wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 T_TOPO=${T_TOPO:-20} T_BUILD=${T_BUILD:-200} T_LINKS=${T_LINKS:-60} T_EP_GROUP=${T_EP_GROUP:-300}
+T_PUSH=${T_PUSH:-60}
 T_EP_COMBINE=${T_EP_COMBINE:-90} T_FP8=${T_FP8:-240} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120}
 T_TRAIN=${T_TRAIN:-120}
 EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
@@ -228,6 +235,17 @@ if wanted links; then
   if [ $DRY_RUN = 0 ]; then
     errors "$OUT/links.log"
     sed -n '/^| kind/,$p' "$OUT/links.log" | tee -a "$summary"
+  fi
+fi
+
+if wanted push_rate; then
+  run_step push_rate "$(limit_for "$T_PUSH")" "$OUT/push_rate.log" \
+    bash -c 'cmake --build build/tools --target row_push_probe -j"$(nproc)" &&
+             build/tools/row_push_probe --peer 1 --mib 32 --reps 5'
+  if [ $DRY_RUN = 0 ]; then
+    # The curve per CTA: one pushing CTA per copy form and bytes in flight, 4 KiB rows (d_model 2048 in bf16).
+    awk -F'|' '$4 + 0 == 1 && $2 + 0 == 4096' "$OUT/push_rate.log" | cut -c1-200 | tee -a "$summary"
+    grep -E "WRONG|error|row_push_probe:" "$OUT/push_rate.log" | cut -c1-230 | head -5 | tee -a "$summary"
   fi
 fi
 

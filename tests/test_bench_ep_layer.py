@@ -315,3 +315,20 @@ def test_multi_gpu_script_dry_run_trains_each_impl_and_one_process_per_gpu(tmp_p
   step_limit = int(job.split("(limit ")[1].split(" s)")[0])
   assert "benchmarks.launch_job --processes 2" in job and "--impl overlap" in job
   assert int(job.split("--limit-s ")[1].split()[0]) < step_limit
+
+
+def test_multi_gpu_script_dry_run_pushes_into_the_peer(tmp_path):
+  """run_multi_gpu.sh --steps push_rate --dry-run: the row-push probe built from the tools build and run with its
+  destination on GPU 1 (--peer 1), under the step's limit; not a default step."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
+             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+  r = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run", "--steps", "push_rate"], cwd=root, env=env,
+                     capture_output=True, text=True, timeout=60, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  step = [line for line in r.stdout.splitlines() if line.startswith("== push_rate")]
+  assert len(step) == 1 and "(limit 60 s)" in step[0], r.stdout
+  assert "--target row_push_probe" in step[0] and "build/tools/row_push_probe --peer 1" in step[0], step
+  default = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300, check=False)
+  assert "== push_rate" not in default.stdout

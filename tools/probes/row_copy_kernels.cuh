@@ -113,16 +113,21 @@ inline int PrepareLeanBulkRows(int issuers, int64_t row) {
 }
 
 // The probes' rows on the host side (CK from probe_common.cuh): `bytes` of a fixed pattern in src, dst to copy into
-// (both device buffers), and per row size the destination row of each source row (a fixed random permutation, on the
-// device) with the bytes dst must hold after the copy.
+// (both device buffers: src on the current device, dst there too or, with dst_device >= 0, on that device, which the
+// current one must reach by peer access), and per row size the destination row of each source row (a fixed random
+// permutation, on the device) with the bytes dst must hold after the copy.
 struct RowBuffers {
   char *src, *dst;
   std::vector<unsigned char> host;  // src's bytes
 };
-inline RowBuffers MakeRowBuffers(int64_t bytes) {
+inline RowBuffers MakeRowBuffers(int64_t bytes, int dst_device = -1) {
   RowBuffers b{nullptr, nullptr, std::vector<unsigned char>(bytes)};
   CK(cudaMalloc(&b.src, bytes));
+  int here = 0;
+  CK(cudaGetDevice(&here));
+  if (dst_device >= 0) CK(cudaSetDevice(dst_device));
   CK(cudaMalloc(&b.dst, bytes));
+  CK(cudaSetDevice(here));
   for (int64_t i = 0; i < bytes; ++i) b.host[i] = (unsigned char)((i * 2654435761ull) >> 13);
   CK(cudaMemcpy(b.src, b.host.data(), bytes, cudaMemcpyHostToDevice));
   return b;

@@ -14,8 +14,13 @@
 // The destination is poisoned before each configuration's first launch and compared with the permuted source after
 // it; medians of --reps timed launches (CUDA events) after that check.
 //
+// With --peer D the destination rows are GPU D's memory (peer access from GPU 0, whose SMs copy): the stores cross
+// the link (NVLink between H100s / H200s), the loads stay in GPU 0's HBM, as the dispatch's pushers and the combine's
+// consumer push; the curve then gives the SMs a push needs over that link (issue 34's check of design.md's
+// prediction). GPU D must exist and be reachable by peer access, else the probe says which and exits 2.
+//
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -I ffi -I ffi/include \
-//     -o /tmp/row_push_probe tools/probes/row_push_probe.cu && /tmp/row_push_probe --mib 64
+//     -o /tmp/row_push_probe tools/probes/row_push_probe.cu && /tmp/row_push_probe --mib 64 [--peer 1]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,18 +40,39 @@ int main(int argc, char** argv) {
   int64_t total = 64ll << 20;
   int reps = 7;
   std::vector<int64_t> row_sizes = {4096, 14336};  // D = 2048 and D = 7168 in bf16
+  int peer = -1;                                   // -1: the destination on GPU 0 too
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--mib")) total = atoll(argv[i + 1]) << 20;
     if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
     if (!strcmp(argv[i], "--row")) row_sizes = {atoll(argv[i + 1])};
+    if (!strcmp(argv[i], "--peer")) peer = atoi(argv[i + 1]);
   }
-  const RowBuffers buf = MakeRowBuffers(total);
+  CK(cudaSetDevice(0));
+  if (peer >= 0) {
+    int gpus = 0, can = 0;
+    CK(cudaGetDeviceCount(&gpus));
+    if (peer == 0 || peer >= gpus) {
+      fprintf(stderr, "row_push_probe: --peer %d: this machine has %d GPU(s), and GPU 0 pushes (the peer must be "
+              "another GPU)\n", peer, gpus);
+      return 2;
+    }
+    CK(cudaDeviceCanAccessPeer(&can, 0, peer));
+    if (!can) {
+      fprintf(stderr, "row_push_probe: --peer %d: GPU 0 has no peer access to GPU %d\n", peer, peer);
+      return 2;
+    }
+    CK(cudaDeviceEnablePeerAccess(peer, 0));
+  }
+  const RowBuffers buf = MakeRowBuffers(total, peer);
   char *src = buf.src, *dst = buf.dst;
   std::vector<unsigned char> back(total);
+  const std::vector<unsigned char> poison(total, 0xA5);
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  printf("row push probe: %lld MiB of rows to scattered destination rows, one GPU, median of %d\n",
-         (long long)(total >> 20), reps);
+  char where[64] = "one GPU";
+  if (peer >= 0) snprintf(where, sizeof where, "GPU 0's SMs into GPU %d's memory (peer access)", peer);
+  printf("row push probe: %lld MiB of rows to scattered destination rows, %s, median of %d\n",
+         (long long)(total >> 20), where, reps);
   printf("| row B | copy | CTAs | in flight per CTA KiB | us | GB/s | GB/s per CTA | check |\n|---|---|---|---|---|---|---|---|\n");
   for (const int64_t row : row_sizes) {
     const int64_t rows = total / row;
@@ -64,7 +90,7 @@ int main(int argc, char** argv) {
       return false;
     };
     auto time = [&](const char* what, int C, double inflight_kib, auto launch) {
-      CK(cudaMemset(dst, 0xA5, total));
+      CK(cudaMemcpy(dst, poison.data(), total, cudaMemcpyHostToDevice));  // (dst may be a peer's: a copy, not a memset)
       launch();
       CK(cudaGetLastError());
       CK(cudaStreamSynchronize(st));
