@@ -276,16 +276,21 @@ def test_sampled_weight_gradients_are_named_and_checked(monkeypatch):
   assert r["check"].startswith("FAIL") and max(errs[:2] + errs[3:]) < 1e-5 < errs[2], r
 
 
+def _multi_gpu_dry_run(out_dir, *args, timeout=300):
+  """benchmarks/run_multi_gpu.sh --dry-run ARGS with its plumbing on CPU and $OUT = out_dir: the finished process."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, OUT=str(out_dir), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
+             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+  return subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run", *args], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=timeout, check=False)
+
+
 def test_multi_gpu_script_dry_run_selects_the_shapes(tmp_path):
   """benchmarks/run_multi_gpu.sh --dry-run: its default EP groups each select their shape of this benchmark (seed,
   Mixtral-like, DeepSeek-like E=64), each run of bench_ep_layer times ours, serialized, xla, the ideal and
   dispatch_gemm with 16 pushing CTAs pinned (ours_dg; ours takes the library's choice, 8 on an H200), and nothing
   runs (only summary.txt is written)."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
-             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
-  r = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run"], cwd=root, env=env, capture_output=True,
-                     text=True, timeout=300, check=False)
+  r = _multi_gpu_dry_run(tmp_path)
   assert r.returncode == 0, r.stdout + r.stderr
   for shape in ("seed T=8192 N=4096 E=8 balanced:", "mixtral-like balanced:", "deepseek-like E=64 balanced:"):
     assert f"     {shape}" in r.stdout, r.stdout
@@ -301,11 +306,7 @@ def test_multi_gpu_script_dry_run_trains_each_impl_and_one_process_per_gpu(tmp_p
   """run_multi_gpu.sh --steps train --dry-run: the training example at its GPU preset with impl overlap and xla (xla
   in microbatches), then overlap as a job of one process per GPU through benchmarks.launch_job, whose own deadline
   comes before the step's."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
-             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
-  r = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run", "--steps", "train"], cwd=root, env=env,
-                     capture_output=True, text=True, timeout=60, check=False)
+  r = _multi_gpu_dry_run(tmp_path, "--steps", "train", timeout=60)
   assert r.returncode == 0, r.stdout + r.stderr
   runs = {line.split(" (limit")[0][3:]: line for line in r.stdout.splitlines() if line.startswith("== train")}
   assert list(runs) == ["train overlap", "train xla", "train overlap, one process per GPU"], runs
@@ -320,15 +321,9 @@ def test_multi_gpu_script_dry_run_trains_each_impl_and_one_process_per_gpu(tmp_p
 def test_multi_gpu_script_dry_run_pushes_into_the_peer(tmp_path):
   """run_multi_gpu.sh --steps push_rate --dry-run: the row-push probe built from the tools build and run with its
   destination on GPU 1 (--peer 1), under the step's limit; not a default step."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, OUT=str(tmp_path), BENCH_PLATFORMS="cpu", PYTHONPATH=str(root),
-             PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
-  r = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run", "--steps", "push_rate"], cwd=root, env=env,
-                     capture_output=True, text=True, timeout=60, check=False)
+  r = _multi_gpu_dry_run(tmp_path, "--steps", "push_rate", timeout=60)
   assert r.returncode == 0, r.stdout + r.stderr
   step = [line for line in r.stdout.splitlines() if line.startswith("== push_rate")]
   assert len(step) == 1 and "(limit 60 s)" in step[0], r.stdout
   assert "--target row_push_probe" in step[0] and "build/tools/row_push_probe --peer 1" in step[0], step
-  default = subprocess.run(["bash", "benchmarks/run_multi_gpu.sh", "--dry-run"], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=300, check=False)
-  assert "== push_rate" not in default.stdout
+  assert "== push_rate" not in _multi_gpu_dry_run(tmp_path / "default").stdout
