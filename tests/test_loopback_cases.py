@@ -805,3 +805,22 @@ def test_regret_rows_of_gather_rs():
     rank["call_us"] = [150.0] * 3
   row3 = regret.consumer_row(three, res, sets[0])
   assert row3["best"] == 2 and row3["regret"] == pytest.approx(0.01) and row3["chosen"] == want
+
+
+def test_the_suites_model_is_the_calibration_of_the_gpu_they_run_on(monkeypatch):
+  """run.py hands the suites the calibration the library loads on the runner's GPU (the H100's on an H100), and the
+  shipped H200 one where that GPU has none; each case's --model is then that file's constants, its link the rank's."""
+  import os  # pylint: disable=import-outside-toplevel
+  from jax_moe_overlap import resource  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(cases_lib, "_calibration_file", None)
+  monkeypatch.delenv("JMO_CALIBRATION", raising=False)
+  h100 = resource.load_params(os.path.join(resource.CALIBRATION_DIR, "nvidia_h100_80gb_hbm3.json"))
+  h200 = resource.load_params(os.path.join(resource.CALIBRATION_DIR, "nvidia_h200.json"))
+  assert h100.tile_us_base != h200.tile_us_base
+  assert cases_lib.calibrated_model(2, 185.0) == tuple(dataclasses.replace(h200, link_gbps=185.0).as_list())
+  line = cases_lib.use_device_calibration("NVIDIA H100 80GB HBM3", 132)
+  assert "nvidia_h100_80gb_hbm3.json" in line
+  assert cases_lib.calibrated_model(2, 185.0) == tuple(dataclasses.replace(h100, link_gbps=185.0).as_list())
+  line = cases_lib.use_device_calibration("NVIDIA A100-SXM4-80GB", 108)
+  assert "shipped H200" in line and "no resource-model calibration" in line
+  assert cases_lib.calibrated_model(4, 92.5) == tuple(dataclasses.replace(h200, link_gbps=92.5).as_list())

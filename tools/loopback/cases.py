@@ -386,7 +386,7 @@ def _dispatch_gemm_time(base: Case) -> list[Case]:
   v = [dataclasses.replace(base, ranks=2, dispatch_gemm_mode=m, **shape) for m in DG_MODES]
   for R, p, mode, tokens in ((2, AUTO, "train", 4096), (2, 8, "train", 4096), (4, AUTO, "train", 4096),
                              (8, AUTO, "infer", 2048)):
-    # (P auto: the resource model's choice from the shipped calibration, the library's on an H200.)
+    # (P auto: the resource model's choice from calibrated_model's constants, the library's on this GPU.)
     v.append(dataclasses.replace(base, ranks=R, link_gbps=NVLINK_GBPS / R, model=calibrated_model(R, NVLINK_GBPS / R),
                                  **dict(shape, dispatch_gemm_pushers=p, dispatch_gemm_mode=mode, tokens=tokens)))
   v.append(dataclasses.replace(base, ranks=1, dispatch_gemm_mode="train", **dict(shape, experts=4, tokens=8192)))
@@ -429,11 +429,31 @@ COMBINE_SHAPES = {
 }
 
 
-def calibrated_model(ranks: int, link_gbps: float) -> tuple[float, ...]:
-  """The shipped H200 calibration of the resource manager as the harness's --model for one loopback rank: its link
-  the emulated one, or the rank's share of the GPU's copy ceiling where that is lower (bench_resource.py's rule)."""
+# The calibration file whose constants the suites' cases hand the harness (--model): None for the shipped H200 one,
+# else the file use_device_calibration chose for the GPU the suite runs on (run.py sets it from the runner's device
+# before it builds the cases).
+_calibration_file: str | None = None
+
+
+def use_device_calibration(gpu_name: str, sms: int) -> str:
+  """Has calibrated_model take the calibration the library loads on GPU `gpu_name` with `sms` SMs
+  (resource.calibration_for: the shipped file of its name, or $JMO_CALIBRATION's), the shipped H200 one where that
+  gives none; returns the line that says which."""
+  global _calibration_file  # pylint: disable=global-statement
   from jax_moe_overlap import resource  # pylint: disable=g-import-not-at-top
-  p = resource.load_params(os.path.join(resource.CALIBRATION_DIR, "nvidia_h200.json"))
+  cal = resource.calibration_for(gpu_name, sms)
+  _calibration_file = cal.source if cal.params is not None else None
+  if _calibration_file:
+    return f"suite model: {_calibration_file} (the library's calibration on {gpu_name})"
+  return f"suite model: the shipped H200 calibration ({cal.reason})"
+
+
+def calibrated_model(ranks: int, link_gbps: float) -> tuple[float, ...]:
+  """The resource manager's calibration (the shipped H200 one, or use_device_calibration's) as the harness's --model
+  for one loopback rank: its link the emulated one, or the rank's share of the GPU's copy ceiling where that is lower
+  (bench_resource.py's rule)."""
+  from jax_moe_overlap import resource  # pylint: disable=g-import-not-at-top
+  p = resource.load_params(_calibration_file or os.path.join(resource.CALIBRATION_DIR, "nvidia_h200.json"))
   link = p.link_gbps / ranks if link_gbps <= 0 else min(link_gbps, p.link_gbps / ranks)
   return tuple(dataclasses.replace(p, link_gbps=link).as_list())
 
@@ -441,8 +461,8 @@ def calibrated_model(ranks: int, link_gbps: float) -> tuple[float, ...]:
 def _combine_time(base: Case, k_factor: int = 1) -> list[Case]:
   # expert_combine (GEMM2 and the return of its bands) against its serialized form (the pushes after the last tile)
   # and GEMM2 alone, over the emulated NVLink at R = 2, 4, 8, for each shape (its K times k_factor: 2 gives the dx
-  # combine's K = 2F), with the consumer count the resource manager picks from the shipped H200 calibration (the
-  # library's choice on an H200), after a checked call on every 64th token.
+  # combine's K = 2F), with the consumer count the resource manager picks from calibrated_model's constants (the
+  # library's choice on this GPU), after a checked call on every 64th token.
   v = []
   for shape in COMBINE_SHAPES.values():
     for R in (2, 4, 8):
@@ -576,7 +596,7 @@ def _tensor(base: Case) -> list[Case]:
 # split over the tensor ranks (K = 7168 each), E = 8, top-2, 4096, 8192 and 16384 tokens in the group (1024, 2048,
 # 4096 per rank), over the emulated NVLink; each shape as the per-slot path (expert_combine, the shards' partials to
 # the token owners) and as GatherRS, each timed against its serialized form and GEMM2 alone, with the consumer count
-# the resource manager picks from the shipped H200 calibration. run.py prints them as one table (timing.tensor_table).
+# the resource manager picks from calibrated_model's constants. run.py prints them as one table (timing.tensor_table).
 # A --tokens other than Case's default picks that one shape (per rank), so that the suite can run in parts.
 TENSOR_TIME_TOKENS = (1024, 2048, 4096)
 

@@ -276,6 +276,9 @@ def main(argv=None) -> int:
       print("RESULT " + json.dumps({"kind": "copy", "bytes": b, "median_us": us, "gbps": b / us * 1e-3}))
     return 0
   producer = lambda c: runner.producer_path(c.f32, c.rank_k, c.n_dim, c.transpose_rhs)  # noqa: E731
+  if args.suite:  # the suites' modelled cases take the constants the library would use on this GPU
+    info = runner.device_info(base.device, base.k_dim, base.n_dim, base.transpose_rhs)
+    print(cases_lib.use_device_calibration(info["name"], info["sms"]), flush=True)
   todo = cases_lib.suite(args.suite, base, producer) if args.suite else [base]
   table, regrets = [], []
   passed = sum(_run_guarded(runner, c, table, regrets) for c in todo)
