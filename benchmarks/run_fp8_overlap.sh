@@ -86,10 +86,12 @@ suite 150 combine-time-fp8 time-fp8.txt
 if [ "${FP8_ONLY_TIME}" = 1 ]; then
   suite 120 combine-time time-bf16.txt "^\||cases passed"
 fi
-# The FP8 producer's consumer count: every pinned C (8: the fixed C, SMs / 8) against the model's (the shipped H200
-# calibration, the bf16 engine's, with the e4m3 tile's K counted by Fp8ModelK: its regret) on the seed shape at R = 2
-# over the emulated link.
-MODEL=$(python3 -c "from tools.loopback.cases import calibrated_model as m; print(','.join(map(str, m(2, 185.0))))")
+# The FP8 producer's consumer count: every pinned C (8: the fixed C, SMs / 8) against the model's (the calibration
+# the library loads on this GPU, the bf16 engine's, with the e4m3 tile's K counted by Fp8ModelK: its regret) on the
+# seed shape at R = 2 over the emulated link.
+MODEL=$(python3 -c "import sys; from tools.loopback import cases, run
+print(run.use_device_calibration(run.load_runner(), cases.Case()), file=sys.stderr)
+print(','.join(map(str, cases.calibrated_model(2, 185.0))))")
 timeout 60 python3 -m tools.loopback.run --fp8 --ranks 2 --experts 8 --tokens 4096 --d-model 256 --k-dim 2048 \
   --n-dim 2048 --link-gbps 185 --routing 0 --datasets 1 --iters 2 --check-tokens 64 --time --warmup 2 --reps 10 \
   --consumers 0 --model "$MODEL" --sweep-consumers 1,2,3,4,6,8,12 > "$OUT/sweep-fp8.txt" 2>&1

@@ -181,6 +181,13 @@ def load_runner():
   return _jmo_loopback
 
 
+def use_device_calibration(runner, base: cases_lib.Case) -> str:
+  """Has the suites' modelled cases (cases.calibrated_model) take the constants the library uses on the runner's GPU
+  (base.device); returns the line that says which."""
+  info = runner.device_info(base.device, base.k_dim, base.n_dim, base.transpose_rhs)
+  return cases_lib.use_device_calibration(info["name"], info["sms"])
+
+
 def runner_spec(case: cases_lib.Case) -> dict:
   """What the runner (runner.cc) gets for a case: its fields less those only Python uses, with the kernels' shapes."""
   spec = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
@@ -276,9 +283,8 @@ def main(argv=None) -> int:
       print("RESULT " + json.dumps({"kind": "copy", "bytes": b, "median_us": us, "gbps": b / us * 1e-3}))
     return 0
   producer = lambda c: runner.producer_path(c.f32, c.rank_k, c.n_dim, c.transpose_rhs)  # noqa: E731
-  if args.suite:  # the suites' modelled cases take the constants the library would use on this GPU
-    info = runner.device_info(base.device, base.k_dim, base.n_dim, base.transpose_rhs)
-    print(cases_lib.use_device_calibration(info["name"], info["sms"]), flush=True)
+  if args.suite:
+    print(use_device_calibration(runner, base), flush=True)
   todo = cases_lib.suite(args.suite, base, producer) if args.suite else [base]
   table, regrets = [], []
   passed = sum(_run_guarded(runner, c, table, regrets) for c in todo)
