@@ -1,0 +1,38 @@
+"""tools/loopback/regret_offline.py: it reads a run's REGRET lines, and with the constants the run used its host
+mirror picks what the run's kernels picked (the committed H100 log of 2026-12-05, whose suites ran the H200's
+constants), so that the picks of other constants can be judged against that run's pinned times."""
+
+import os
+import pathlib
+
+import pytest
+
+from tools.loopback import regret_offline
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LOG = ROOT / "benchmarks" / "results" / "2026-12-05-h100-calibration-and-regret.txt"
+H200 = ROOT / "jax_moe_overlap" / "calibration" / "nvidia_h200.json"
+
+
+def test_a_regret_line_is_read_whole():
+  rows = regret_offline.read_log(
+      "noise\nREGRET P model 2,3 (host mirror agrees) 623.4 us | best pinned P=3 599.4 us | regret 4.0% | pinned us "
+      "1:918.8 2:619.7 3:599.4\nREGRET C model 1,1 (host mirror DIFFERS: 2,2) 520.4 us | best pinned C=12 490.2 us | "
+      "regret 6.2% | pinned us 1:516.6 12:490.2\n")
+  assert [(r.what, r.chosen, r.model_us, r.best, r.best_us) for r in rows] == [
+      ("P", [2, 3], 623.4, 3, 599.4), ("C", [1, 1], 520.4, 12, 490.2)]
+  assert rows[0].pinned_us == {1: 918.8, 2: 619.7, 3: 599.4}
+
+
+def test_a_log_of_another_length_is_refused():
+  with pytest.raises(ValueError, match="has 4 cases but the log has 1 REGRET lines"):
+    regret_offline.estimate("regret-push", regret_offline.read_log(
+        "REGRET P model 2 (host mirror agrees) 1.0 us | best pinned P=2 1.0 us | regret 0.0% | pinned us 2:1.0"), 132)
+
+
+def test_the_runs_constants_give_the_runs_picks(capsys):
+  args = ["--suite", "regret-push", "--log", str(LOG), "--gpu", "NVIDIA H100 80GB HBM3", "--sms", "132",
+          "--calibration", str(H200), "--check"]
+  assert os.path.exists(LOG) and regret_offline.main(args) == 0
+  out = capsys.readouterr().out
+  assert "picks: the run's in every case" in out and "estimated regret" in out
