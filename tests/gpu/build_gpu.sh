@@ -9,6 +9,10 @@
 # imported jax_moe_overlap is the installed one. The machine has no internet: pip uses its installed build tools
 # (scikit-build-core, nanobind, cmake) and jax. JMO_CUDA_ARCHS (default "80;90a") picks the GPU targets;
 # JMO_BUILD_TYPE (default Release) the tools build's CMAKE_BUILD_TYPE (RelWithDebInfo for backtraces).
+# With JMO_PREBUILT=DIR (tools/prebuild.sh's out/prebuilt, carried to the device) whose recorded source hash is the
+# tree's (tests/gpu/source_hash.sh), both builds are taken from DIR instead (the package: the tree's Python files and
+# DIR's extension); otherwise, or where it does not match, both are built. The probes (not in the default build) then
+# need build/tools configured by whoever builds them.
 # Returns 1 (after printing the failed build log's tail) if a build fails. Sets t0 = the start time in seconds.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
@@ -24,20 +28,33 @@ export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
 } 2>&1 | tee "$OUT/env.log"
 t0=$(date +%s)
 rm -rf "$JMO_SITE"
-# The two builds compile the kernels each; their largest translation units run in parallel this way.
-JMO_CUDA=on CUDACXX="$(command -v nvcc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-  python3 -m pip install -v --no-index --no-build-isolation --no-deps --target "$JMO_SITE" . > "$OUT/build.log" 2>&1 &
-jmo_ext=$!
-{ cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
-    -DCMAKE_BUILD_TYPE="${JMO_BUILD_TYPE:-Release}" \
-    && cmake --build build/tools -j"$(nproc)"; } > "$OUT/build_tools.log" 2>&1 &
-jmo_tools=$!
-wait $jmo_ext; jmo_ext_rc=$?
-wait $jmo_tools; jmo_tools_rc=$?
-if [ $jmo_ext_rc != 0 ]; then tail -60 "$OUT/build.log"; return 1; fi
-if [ $jmo_tools_rc != 0 ]; then tail -60 "$OUT/build_tools.log"; return 1; fi
-echo "build: $(( $(date +%s) - t0 )) s"
-cp build/tools/_jmo_loopback*.so tools/loopback/
+src_hash=$(bash tests/gpu/source_hash.sh)
+if [ -n "${JMO_PREBUILT:-}" ] && [ "$(cat "$JMO_PREBUILT/src-hash" 2>/dev/null)" = "$src_hash" ] &&
+   ls "$JMO_PREBUILT"/site/jax_moe_overlap/_jmo*.so "$JMO_PREBUILT"/_jmo_loopback*.so > /dev/null 2>&1; then
+  # tools/prebuild.sh's builds of these very sources: the installed package is the tree's Python with that extension.
+  mkdir -p "$JMO_SITE"
+  cp -r jax_moe_overlap "$JMO_SITE/"
+  cp "$JMO_PREBUILT"/site/jax_moe_overlap/_jmo*.so "$JMO_SITE/jax_moe_overlap/"
+  cp "$JMO_PREBUILT"/_jmo_loopback*.so tools/loopback/
+  echo "build: prebuilt for sm_$(cat "$JMO_PREBUILT/archs" 2>/dev/null) ($JMO_PREBUILT, sources $src_hash)," \
+    "$(( $(date +%s) - t0 )) s"
+else
+  [ -z "${JMO_PREBUILT:-}" ] || echo "JMO_PREBUILT=$JMO_PREBUILT: not builds of these sources ($src_hash): building"
+  # The two builds compile the kernels each; their largest translation units run in parallel this way.
+  JMO_CUDA=on CUDACXX="$(command -v nvcc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    python3 -m pip install -v --no-index --no-build-isolation --no-deps --target "$JMO_SITE" . > "$OUT/build.log" 2>&1 &
+  jmo_ext=$!
+  { cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)" \
+      -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DCMAKE_BUILD_TYPE="${JMO_BUILD_TYPE:-Release}" \
+      && cmake --build build/tools -j"$(nproc)"; } > "$OUT/build_tools.log" 2>&1 &
+  jmo_tools=$!
+  wait $jmo_ext; jmo_ext_rc=$?
+  wait $jmo_tools; jmo_tools_rc=$?
+  if [ $jmo_ext_rc != 0 ]; then tail -60 "$OUT/build.log"; return 1; fi
+  if [ $jmo_tools_rc != 0 ]; then tail -60 "$OUT/build_tools.log"; return 1; fi
+  echo "build: $(( $(date +%s) - t0 )) s"
+  cp build/tools/_jmo_loopback*.so tools/loopback/
+fi
 export PYTHONPATH="$JMO_SITE:$PWD:$PWD/examples:/tmp/site" PYTHONSAFEPATH=1 JAX_PLATFORMS=cuda,cpu PYTHONUNBUFFERED=1
 (cd /tmp && python3 -c "import jax_moe_overlap as j; print('installed', j.__file__); print('build_info', j.build_info())") \
   2>&1 | tee -a "$OUT/env.log"
