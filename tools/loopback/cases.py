@@ -435,16 +435,22 @@ COMBINE_SHAPES = {
 _calibration_file: str | None = None
 
 
+def use_calibration_file(path: str | None) -> str | None:
+  """Has calibrated_model take the calibration in `path` (None: the shipped H200 one); returns the one it took."""
+  global _calibration_file  # pylint: disable=global-statement
+  before, _calibration_file = _calibration_file, path
+  return before
+
+
 def use_device_calibration(gpu_name: str, sms: int) -> str:
   """Has calibrated_model take the calibration the library loads on GPU `gpu_name` with `sms` SMs
   (resource.calibration_for: the shipped file of its name, or $JMO_CALIBRATION's), the shipped H200 one where that
   gives none; returns the line that says which."""
-  global _calibration_file  # pylint: disable=global-statement
   from jax_moe_overlap import resource  # pylint: disable=g-import-not-at-top
   cal = resource.calibration_for(gpu_name, sms)
-  _calibration_file = cal.source if cal.params is not None else None
-  if _calibration_file:
-    return f"suite model: {_calibration_file} (the library's calibration on {gpu_name})"
+  use_calibration_file(cal.source if cal.params is not None else None)
+  if cal.params is not None:
+    return f"suite model: {cal.source} (the library's calibration on {gpu_name})"
   return f"suite model: the shipped H200 calibration ({cal.reason})"
 
 

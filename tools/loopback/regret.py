@@ -41,6 +41,28 @@ def _rank_model(case: Case, budget: int):
   return dataclasses.replace(p, link_gbps=q.link_gbps), _jmo
 
 
+def combine_mirror(case: Case, plans: list[dict], budget: int) -> list[int]:
+  """expert_combine's C on each rank as its kernel picks it on a budget of `budget` SMs: the C++ model on the rank's
+  plan (the host mirror; the e4m3 producer's K as the kernel hands it to the model, Fp8ModelK)."""
+  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
+  p, jmo = _rank_model(case, budget)
+  K = jmo.model_fp8_k(case.rank_k) if case.fp8 else case.rank_k
+  return [bench_resource.kernel_consumer_ctas(p, plan["seg_rows"].reshape(case.experts_per_rank, case.ranks).tolist(),
+                                              r, case.n_dim, K, 4 if case.f32 else 2, min(32, budget - 1))
+          for r, plan in enumerate(plans)]
+
+
+def pusher_mirror(case: Case, plans: list[dict], budget: int) -> list[int]:
+  """dispatch_gemm's P on each rank as its kernel picks it on a budget of `budget` SMs: the C++ model on the rank's
+  plan (the host mirror; GEMM1's K as the kernel hands it, Fp8ModelK)."""
+  p, jmo = _rank_model(case, budget)
+  K = jmo.model_fp8_k(case.d_model) if case.fp8 else case.d_model
+  return [jmo.model_choose_dispatch_pushers_for_plan(p.native(), [int(v) for v in plan["send_start"]], r,
+                                                     int(plan["recv_rows"]), case.dispatch_row_bytes, K, case.rank_k,
+                                                     jmo.model_max_ctas(budget))
+          for r, plan in enumerate(plans)]
+
+
 def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   """The C regret of a timed case with a consumer sweep (Case.sweep): its pinned variants against the manager's."""
   variants = case.variants()
@@ -59,26 +81,22 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
   if 0 not in times or not pinned:
     return None
   best = min(pinned, key=lambda c: (pinned[c], c))
-  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
   budget = result["budget"]
-  p, _ = _rank_model(case, budget)
-  E_l, R, eb = case.experts_per_rank, case.ranks, 4 if case.f32 else 2
   what = "C"
   if case.gather_rs:
     # gather_rs's C: the model's where the calls' engine is the calibrated one (the runner's consumer_policy), else
     # the workspace's fixed C (float32: the SIMT engine, which the calibration does not describe).
+    from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
+    p, _ = _rank_model(case, budget)
+    E_l, R, eb = case.experts_per_rank, case.ranks, 4 if case.f32 else 2
     fixed, policy = result.get("fixed_consumers", 0), result.get("consumer_policy", "")
     what = "C gather_rs" if policy == "model" else f"C gather_rs ({policy or 'unknown'} policy)"
     mirror = [bench_resource.kernel_gather_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r,
                                                          case.tokens, case.slot_top_k, case.n_dim, case.rank_k, eb,
                                                          min(32, budget - 1), fixed)
               if policy == "model" else fixed for r, d in enumerate(ranks)]
-  else:  # (the e4m3 producer's K as the kernel hands it to the model: Fp8ModelK)
-    from jax_moe_overlap import _jmo  # pylint: disable=g-import-not-at-top
-    K = _jmo.model_fp8_k(case.rank_k) if case.fp8 else case.rank_k
-    mirror = [bench_resource.kernel_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r, case.n_dim,
-                                                  K, eb, min(32, budget - 1))
-              for r, d in enumerate(ranks)]
+  else:
+    mirror = combine_mirror(case, [d.plan for d in ranks], budget)
   return {"kind": "regret", "what": what, "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
           "times_us": {str(c): t for c, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0}
@@ -97,14 +115,7 @@ def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     return None
   best = min(pinned, key=lambda q: (pinned[q], q))
   chosen = used[sweep.index(0)]
-  budget = result["budget"]
-  p, jmo = _rank_model(case, budget)
-  K = jmo.model_fp8_k(case.d_model) if case.fp8 else case.d_model  # (GEMM1's K as the kernel hands it: Fp8ModelK)
-  mirror = []
-  for r, d in enumerate(ranks):
-    mirror.append(jmo.model_choose_dispatch_pushers_for_plan(p.native(), [int(v) for v in d.plan["send_start"]], r,
-                                                             int(d.plan["recv_rows"]), case.dispatch_row_bytes, K,
-                                                             case.rank_k, jmo.model_max_ctas(budget)))
+  mirror = pusher_mirror(case, [d.plan for d in ranks], result["budget"])
   return {"kind": "regret", "what": "P", "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
           "times_us": {str(q): t for q, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0}

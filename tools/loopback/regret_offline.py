@@ -55,20 +55,10 @@ def read_log(text: str) -> list[LoggedRow]:
 def mirror_choices(case: cases_lib.Case, sms: int) -> list[int]:
   """The count each rank's kernel would pick for `case` (its model, plans of its first data set) on a GPU of `sms`
   SMs split over the case's ranks: regret.py's host mirror, without the run."""
-  R, budget = case.ranks, sms // case.ranks
   rng = np.random.default_rng(case.seed)
-  plans = cases_lib.make_plans(case, [cases_lib.route(rng, case, r) for r in range(R)])
-  p, jmo = regret_lib._rank_model(case, budget)  # pylint: disable=protected-access
-  if case.dg:
-    K = jmo.model_fp8_k(case.d_model) if case.fp8 else case.d_model
-    return [jmo.model_choose_dispatch_pushers_for_plan(p.native(), [int(v) for v in plans[r]["send_start"]], r,
-                                                       int(plans[r]["recv_rows"]), case.dispatch_row_bytes, K,
-                                                       case.rank_k, jmo.model_max_ctas(budget)) for r in range(R)]
-  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
-  K = jmo.model_fp8_k(case.rank_k) if case.fp8 else case.rank_k
-  return [bench_resource.kernel_consumer_ctas(p, plans[r]["seg_rows"].reshape(case.experts_per_rank, R).tolist(), r,
-                                              case.n_dim, K, 4 if case.f32 else 2, min(32, budget - 1))
-          for r in range(R)]
+  plans = cases_lib.make_plans(case, [cases_lib.route(rng, case, r) for r in range(case.ranks)])
+  mirror = regret_lib.pusher_mirror if case.dg else regret_lib.combine_mirror
+  return mirror(case, plans, sms // case.ranks)
 
 
 def estimate(suite: str, rows: list[LoggedRow], sms: int) -> list[dict]:
@@ -99,16 +89,13 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   with open(args.log, encoding="utf-8") as f:
     rows = read_log(f.read())
-  saved = cases_lib._calibration_file  # pylint: disable=protected-access
+  before = cases_lib.use_calibration_file(args.calibration)
   try:
-    if args.calibration:
-      cases_lib._calibration_file = args.calibration  # pylint: disable=protected-access
-      print(f"suite model: {args.calibration}")
-    else:
-      print(cases_lib.use_device_calibration(args.gpu, args.sms))
+    print(f"suite model: {args.calibration}" if args.calibration else
+          cases_lib.use_device_calibration(args.gpu, args.sms))
     est = estimate(args.suite, rows, args.sms)
   finally:
-    cases_lib._calibration_file = saved  # pylint: disable=protected-access
+    cases_lib.use_calibration_file(before)
   print("| case | run's picks, us | these constants' picks | that count's us in the run | best pinned, us | regret |")
   print("|---|---|---|---|---|---|")
   for e in est:
