@@ -430,8 +430,8 @@ COMBINE_SHAPES = {
 
 
 # The calibration file whose constants the suites' cases hand the harness (--model): None for the shipped H200 one,
-# else the file use_device_calibration chose for the GPU the suite runs on (run.py sets it from the runner's device
-# before it builds the cases).
+# else the one use_calibration_file set (run.py: use_device_calibration's, from the runner's device, before it builds
+# the cases).
 _calibration_file: str | None = None
 
 
