@@ -44,6 +44,17 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> str:
   return f"{int(differ.sum())} of {a64.size} values differ, max rel {rel.max():.1e}"
 
 
+def repeat_differences(runs: list[dict[str, np.ndarray]]) -> dict[str, str]:
+  """{name: how it differs} for each array of ``repeat_gradients``' runs whose bits are not the same in every run
+  (first_difference against the first run, at the first run that differs); empty where every array repeats."""
+  within = {}
+  for n, first in runs[0].items():
+    other = next((r[n] for r in runs[1:] if r[n].tobytes() != first.tobytes()), None)
+    if other is not None:
+      within[n] = first_difference(first, other)
+  return within
+
+
 def repeat_gradients(train_args: list[str], repeats: int) -> list[dict[str, np.ndarray]]:
   """The loss and the gradients of train_moe's first batch, `repeats` times from one set of parameters, each as
   {name: array} in the parameters' order."""
@@ -89,12 +100,7 @@ def main(argv=None):
       other = json.load(f)
   runs = repeat_gradients(train_args, args.repeats)
   names = list(runs[0])
-  within = {}                                          # name -> how the repeats differ (absent: the same bits)
-  for n in names:
-    for r in runs[1:]:
-      if runs[0][n].tobytes() != r[n].tobytes():
-        within[n] = first_difference(runs[0][n], r[n])
-        break
+  within = repeat_differences(runs)
   digests = {n: digest(runs[0][n]) for n in names}
   between = [n for n in names if other is not None and other.get(n) != digests[n]]
   for n in names:

@@ -41,3 +41,12 @@ def test_first_difference_counts_and_sizes_the_change():
   a = np.array([1.0, 2.0, 4.0], np.float32)
   b = np.array([1.0, 2.5, 4.0], np.float32)
   assert step_repeat.first_difference(a, b) == "1 of 3 values differ, max rel 2.5e-01"
+
+
+def test_repeat_differences_names_each_array_that_does_not_repeat():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  same = np.arange(4, dtype=np.float32)
+  runs = [{"loss": np.float32(1.0), "w": same, "v": same}, {"loss": np.float32(1.0), "w": same, "v": same},
+          {"loss": np.float32(1.0), "w": same, "v": same + np.float32([0, 0, 0, 1])}]
+  assert step_repeat.repeat_differences(runs) == {"v": "1 of 4 values differ, max rel 3.3e-01"}
+  assert step_repeat.repeat_differences(runs[:2]) == {}

@@ -23,6 +23,5 @@ def test_the_example_step_repeats_bit_for_bit_with_xla_attention(quantization):
   names = list(runs[0])
   assert names[0] == "loss" and np.isfinite(runs[0]["loss"]) and any("w1" in n for n in names), names
   assert all(np.any(runs[0][n] != 0) for n in names if "w1" in n or "w2" in n), "an expert gradient is all zeros"
-  differ = {n: step_repeat.first_difference(runs[0][n], r[n]) for r in runs[1:] for n in names
-            if runs[0][n].tobytes() != r[n].tobytes()}
+  differ = step_repeat.repeat_differences(runs)
   assert not differ, differ
