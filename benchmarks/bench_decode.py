@@ -20,8 +20,8 @@ fp8_host_runs, fp8_same_bits (as above) and fp8_speedup = ms_chained / fp8_ms_ch
 setting).
 
 Weight-read bound (each step timed, and with no --quantization the bfloat16 one alone): the bytes of expert weights
-the step must read at least, divided by the HBM bandwidth ``--hbm-tbps`` (default H200_HBM_TBPS, the H200's
-4.8 TB/s):
+the step must read at least, divided by the HBM bandwidth ``--hbm-tbps`` (default: the GPU's entry in HBM_TBPS; a
+device with none, such as a CPU, gets no bound columns unless the flag gives one):
   experts_<q>     the experts that receive at least one row, summed over the layers, counted from the first step's
                   routing (each layer routed on its input along the checked chain below): with top-k over E experts
                   and T tokens only those experts' weights need reading (T = 1 reads k per layer, large T all E);
@@ -59,7 +59,16 @@ import time
 
 CHILD_LIMIT_S = 170  # per setting and quantization: the default run stays within about six minutes even when a
                      # child hangs
-H200_HBM_TBPS = 4.8  # the H200's HBM bandwidth, TB/s (NVIDIA's H200 SXM specification: 141 GB of HBM3e at 4.8 TB/s)
+# HBM bandwidth in TB/s by a substring of jax's device_kind, from NVIDIA's datasheets (SXM: the H200's 141 GB of
+# HBM3e at 4.8 TB/s, the H100's 80 GB of HBM3 at 3.35 TB/s).
+HBM_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35}
+
+
+def hbm_tbps(args, device_kind: str) -> float | None:
+  """The bandwidth of the weight-read bound: --hbm-tbps, else the device's HBM_TBPS entry, else None."""
+  if args.hbm_tbps is not None:
+    return args.hbm_tbps
+  return next((v for k, v in HBM_TBPS.items() if k in device_kind), None)
 
 
 def add_model_args(ap: argparse.ArgumentParser, tokens: str) -> None:
@@ -80,7 +89,8 @@ def parse(argv):
   ap.add_argument("--quantization", choices=("fp8",), default=None,
                   help="also time the step with the experts' weights pre-quantized (jmo.quantize_weights)")
   ap.add_argument("--graphs", default="off,on", help="comma list of the settings to run: off, on")
-  ap.add_argument("--hbm-tbps", type=float, default=H200_HBM_TBPS, help="HBM bandwidth of the weight-read bound")
+  ap.add_argument("--hbm-tbps", type=float, default=None,
+                  help="HBM bandwidth of the weight-read bound, TB/s (default: the GPU's entry in HBM_TBPS)")
   ap.add_argument("--out", default="decode.jsonl")
   ap.add_argument("--child", choices=("on", "off"), default=None, help=argparse.SUPPRESS)
   return ap.parse_args(argv)
@@ -172,6 +182,7 @@ def measure(args, setting: str) -> list[dict]:
   from benchmarks import decode_step as ds  # pylint: disable=g-import-not-at-top
 
   model = ds.DecodeModel.from_args(args)
+  tbps = hbm_tbps(args, jax.devices()[0].device_kind)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (ds.AXIS,))
   params = {None: ds.init_params(model, mesh)}
   for q in quantizations(args)[1:]:
@@ -180,20 +191,21 @@ def measure(args, setting: str) -> list[dict]:
   rows = []
   for T in [int(t) for t in args.tokens.split(",")]:
     x0 = ds.first_tokens(model, T, mesh)
-    row = dict(T=T, graphs=setting)
+    row = dict(T=T, graphs=setting, hbm_tbps=tbps if tbps is not None else "")
     for q in quantizations(args):
       name, prefix = q or "bf16", "" if q is None else f"{q}_"
       err, touched = checked_first_step(model, mesh, params[q], x0, q)
       read = sum(t * ds.expert_weight_bytes(p) for t, p in zip(touched, params[q]))
-      bound_ms = read / (args.hbm_tbps * 1e12) * 1e3
-      row.update({f"err_{name}": f"{err:.1e}", f"experts_{name}": sum(touched), f"{name}_read_MB": f"{read / 1e6:.2f}",
-                  f"{name}_bound_ms": f"{bound_ms:.4g}"})
+      row.update({f"err_{name}": f"{err:.1e}", f"experts_{name}": sum(touched), f"{name}_read_MB": f"{read / 1e6:.2f}"})
+      bound_ms = None if tbps is None else read / (tbps * 1e12) * 1e3
+      if bound_ms is not None:
+        row[f"{name}_bound_ms"] = f"{bound_ms:.4g}"
       got = (timed(args, steps[q], params[q], x0) if err <= max_err(q)  # (not for NaN)
              else dict(ms_chained=f"wrong result (err_{name} > {max_err(q)}), not timed"))
       row.update({prefix + k: v for k, v in got.items()})
       try:
         row[f"{name}_of_bound"] = f"{bound_ms / float(got['ms_chained']):.2f}"
-      except ValueError:
+      except (TypeError, ValueError):  # (no bound, or not timed)
         pass
     rows.append(row)
     print(f"  graphs {setting} T={T}: {row}", flush=True)
@@ -241,8 +253,7 @@ def main(argv=None):
         table.add(T="-", graphs=setting, ms_chained=f"error: {got[:200]}")
         continue
       by_setting[setting] = {r["T"]: r for r in got}
-    model = dict(layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, experts=args.experts, top_k=args.top_k,
-                 hbm_tbps=args.hbm_tbps)
+    model = dict(layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, experts=args.experts, top_k=args.top_k)
     for T in [int(t) for t in args.tokens.split(",")]:
       off, on = by_setting.get("off", {}).get(T), by_setting.get("on", {}).get(T)
       for r in (off, on):

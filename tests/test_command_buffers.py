@@ -133,7 +133,11 @@ def test_bench_decode_times_the_prequantized_step_beside_bf16(monkeypatch):
       assert r[f"experts_{q}"] == 4, r  # one token to k = 2 distinct experts in each of the 2 layers
     assert float(r["bf16_read_MB"]) * 1e6 == pytest.approx(r["experts_bf16"] * bf16_bytes, abs=0.01e6), r
     assert float(r["fp8_read_MB"]) * 1e6 == pytest.approx(r["experts_fp8"] * fp8_bytes, abs=0.01e6), r
-    hbm = args.hbm_tbps * 1e12
+    assert args.hbm_tbps is None and r["hbm_tbps"] == "" and "fp8_bound_ms" not in r, r  # a CPU: no bound known
+  rows = bench_decode.measure(_fp8_args("--tokens", "1", "--hbm-tbps", "2.5"), "off")
+  for r in rows:
+    hbm = 2.5e12
+    assert r["hbm_tbps"] == 2.5, r
     assert float(r["fp8_bound_ms"]) == pytest.approx(r["experts_fp8"] * fp8_bytes / hbm * 1e3, rel=1e-3), r
     for prefix in ("", "fp8_"):
       assert float(r[prefix + "ms_chained"]) > 0 and float(r[prefix + "ms_synced"]) > 0, r
@@ -141,6 +145,14 @@ def test_bench_decode_times_the_prequantized_step_beside_bf16(monkeypatch):
     assert float(r["fp8_of_bound"]) == pytest.approx(float(r["fp8_bound_ms"]) / float(r["fp8_ms_chained"]), abs=0.01)
     # The FP8 step computes other values than the bf16 one (its weights are the quantized ones).
     assert r["fp8_first_step_sha256"] != r["first_step_sha256"], r
+
+
+def test_bench_decode_bound_takes_the_gpus_hbm_bandwidth():
+  args = bench_decode.parse([])
+  assert bench_decode.hbm_tbps(args, "NVIDIA H200") == 4.8
+  assert bench_decode.hbm_tbps(args, "NVIDIA H100 80GB HBM3") == 3.35
+  assert bench_decode.hbm_tbps(args, "cpu") is None
+  assert bench_decode.hbm_tbps(bench_decode.parse(["--hbm-tbps", "2"]), "NVIDIA H200") == 2.0
 
 
 def test_bench_decode_times_nothing_that_disagrees_with_its_oracle(monkeypatch):
