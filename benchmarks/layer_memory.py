@@ -1,13 +1,21 @@
 """XLA's memory analysis of one MoE layer's forward + backward, per impl: temporaries and the largest buffers of the
-optimized program (why a shape fits with one impl and not another).
+optimized program (why a shape fits with one impl and not another), and with --time its median ms per call.
+
+--switch MODULE.NAME runs each impl once per value of a library switch (--values, default "False,True", each read by
+ast.literal_eval; set before the program is traced, caches cleared between settings), and says how far each
+setting's gradients are from the first setting's (the largest max-relative difference over x, w1 and w2).
 
   python -m benchmarks.layer_memory                      # the training preset's layer: T=32768 D=1024 E=16 k=4 F=1024
   python -m benchmarks.layer_memory --tokens 8192 --impls xla
+  python -m benchmarks.layer_memory --impls overlap --time \
+      --switch jax_moe_overlap.expert_gemms.PREACTIVATION_IN_COMPUTE_DTYPE
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import re
 
 import jax
@@ -41,21 +49,46 @@ def main(argv=None):
   ap.add_argument("--capacity-factor", type=float, default=1.25)
   ap.add_argument("--impls", default="xla,overlap")
   ap.add_argument("--top", type=int, default=3)
+  ap.add_argument("--time", action="store_true", help="also time forward + backward (median ms per call)")
+  ap.add_argument("--switch", default=None, help="MODULE.NAME of a library switch to run each impl under")
+  ap.add_argument("--values", default="False,True", help="the switch's settings (with --switch)")
   a = ap.parse_args(argv)
   T, D, F, E, k = a.tokens, a.d_model, a.d_ff, a.experts, a.top_k
   mesh = jax.make_mesh((1,), ("expert",))
   x, ids, gates, w1, w2 = common.layer_operands(T, D, F, E, k)
   print(f"one layer, forward + backward: T={T} D={D} F={F} E={E} k={k} cf={a.capacity_factor} bf16, "
         f"{jax.devices()[0].platform}")
+  module, name = a.switch.rsplit(".", 1) if a.switch else (None, None)
+  mod = importlib.import_module(module) if module else None
+  if mod is not None and not hasattr(mod, name):
+    raise SystemExit(f"layer_memory: {module} has no attribute {name}")
+  values = [ast.literal_eval(v) for v in a.values.split(",")] if mod is not None else [None]
   for impl in a.impls.split(","):
-    def loss(x, w1, w2, impl=impl):
-      y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=a.capacity_factor)
-      return jnp.sum(y.astype(jnp.float32) ** 2)
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile()
-    m = compiled.memory_analysis()
-    print(f"{impl}: temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB")
-    for n, line in largest_buffers(compiled.as_text(), a.top):
-      print(f"  {n / 2**30:8.2f} GiB  {line}")
+    first = None
+    for value in values:
+      if mod is not None:
+        setattr(mod, name, value)
+        jax.clear_caches()
+
+      def loss(x, w1, w2, impl=impl):
+        y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=a.capacity_factor)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+      compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile()
+      m = compiled.memory_analysis()
+      label = impl if mod is None else f"{impl}, {name}={value}"
+      line = f"{label}: temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB"
+      grads = compiled(x, w1, w2)
+      if first is None:
+        first = grads
+      elif mod is not None:
+        diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - f.astype(jnp.float32))) /
+                         jnp.max(jnp.abs(f.astype(jnp.float32)))) for g, f in zip(grads, first))
+        line += f", gradients within {diff:.1e} (max-relative) of {name}={values[0]}'s"
+      if a.time:
+        line += f", {common.time_fn(compiled, [(x, w1, w2)]) * 1e3:.3f} ms forward + backward"
+      print(line, flush=True)
+      for n, text in largest_buffers(compiled.as_text(), a.top):
+        print(f"  {n / 2**30:8.2f} GiB  {text}")
 
 
 if __name__ == "__main__":

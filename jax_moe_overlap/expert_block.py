@@ -36,13 +36,13 @@ def fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> b
 
 def dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
   """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D] or None, h [cap, F] in x's dtype,
-  a [cap, 2F] float32 or None). keep_a: keep what the backward pass reads, x_recv and a (the forward alone needs
+  a [cap, 2F] in ``expert_gemms.kept_preactivation_dtype`` or None). keep_a: keep what the backward pass reads, x_recv and a (the forward alone needs
   neither, so without it the fused call writes neither)."""
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
   if fuses_dispatch(x, w1, info, swiglu=True, transpose_rhs=False):
     return dispatch_gemm(x, slot_src_row, w1, plan, cap, info, swiglu=True, keep_recv=keep_a, keep_a=keep_a,
-                         send_once=info.send_once)
+                         a_dtype=expert_gemms.kept_preactivation_dtype(x.dtype), send_once=info.send_once)
   x_recv = dispatch(x, slot_src_row, plan, cap, info, send_once=info.send_once)
   return ((x_recv if keep_a else None), *expert_gemms.gemm1_swiglu(x_recv, w1, plan.expert_rows, keep_a))
 

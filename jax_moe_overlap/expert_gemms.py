@@ -63,16 +63,30 @@ def outer(lhs, rhs, group_sizes, out_dtype):
   return jax.lax.platform_dependent(cpu=xla, default=ours)
 
 
+# The dtype the layer keeps GEMM1's preactivation a in for its backward pass: the compute dtype (x's), GEMM1's float32
+# accumulators rounded once, so that a bfloat16 layer holds its largest residual, [cap, 2F], in 2 bytes a value rather
+# than 4 and the SwiGLU's backward reads half the bytes of it (docs/design.md, "The preactivation kept in the compute
+# dtype"); h is computed from the float32 values either way. False: float32 (for A/B measurements).
+PREACTIVATION_IN_COMPUTE_DTYPE = True
+
+
+def kept_preactivation_dtype(compute_dtype):
+  """The dtype of the preactivation a layer in ``compute_dtype`` keeps for its backward pass."""
+  return jnp.dtype(compute_dtype) if PREACTIVATION_IN_COMPUTE_DTYPE else jnp.dtype(jnp.float32)
+
+
 def gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
-  """GEMM1 and its SwiGLU in float32: (h [cap, F] in x_recv's dtype, a [cap, 2F] float32 GEMM1's output, or None
-  unless keep_a). On GPU one custom call, which on Hopper applies the SwiGLU in the GEMM's epilogue (no pass over a,
-  and a is written only when kept); on CPU XLA's ragged_dot, then the SwiGLU."""
+  """GEMM1 and its SwiGLU in float32: (h [cap, F] in x_recv's dtype, a [cap, 2F] GEMM1's output in
+  ``kept_preactivation_dtype``, or None unless keep_a). On GPU one custom call, which on Hopper applies the SwiGLU in
+  the GEMM's epilogue (no pass over a, and a is written only when kept); on CPU XLA's ragged_dot, then the SwiGLU."""
+  a_dtype = kept_preactivation_dtype(x_recv.dtype)
+
   def xla():
     a = matmul(x_recv, w1, group_sizes)
-    return (swiglu(a).astype(x_recv.dtype), a) if keep_a else swiglu(a).astype(x_recv.dtype)
+    return (swiglu(a).astype(x_recv.dtype), a.astype(a_dtype)) if keep_a else swiglu(a).astype(x_recv.dtype)
 
   def ours():
-    h, a = grouped_matmul_swiglu(x_recv, w1, group_sizes, keep_preactivation=keep_a)
+    h, a = grouped_matmul_swiglu(x_recv, w1, group_sizes, keep_preactivation=keep_a, preactivation_dtype=a_dtype)
     return (h, a) if keep_a else h
 
   out = jax.lax.platform_dependent(cpu=xla, default=ours)
@@ -80,9 +94,9 @@ def gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
 
 
 def swiglu_grad(a, dh, out_dtype):
-  """da [rows, 2F] in out_dtype: the input gradient of ``swiglu`` at a [rows, 2F] float32 for dh [rows, F] float32,
-  computed in float32 (``jax.vjp``), rounded once."""
-  _, swiglu_vjp = jax.vjp(swiglu, a)
+  """da [rows, 2F] in out_dtype: the input gradient of ``swiglu`` at a [rows, 2F] (float32, or the kept preactivation
+  in the compute dtype, taken to float32) for dh [rows, F] float32, computed in float32 (``jax.vjp``), rounded once."""
+  _, swiglu_vjp = jax.vjp(swiglu, a.astype(jnp.float32))
   (da,) = swiglu_vjp(dh)
   return da.astype(out_dtype)
 
@@ -90,6 +104,7 @@ def swiglu_grad(a, dh, out_dtype):
 # Whether the layer's backward takes the SwiGLU-gradient epilogue (grouped_matmul_swiglu_grad) where an engine has
 # it. Off while the fused call is slower than grouped_matmul then XLA's fusion (docs/performance.md, "SwiGLU gradient
 # in the dgrad GEMM's epilogue"): its epilogue reads a while the tensor cores wait. The op stays public and tested.
+# It reads a float32 a: with the preactivation kept in bfloat16 (PREACTIVATION_IN_COMPUTE_DTYPE) the two steps run.
 LAYER_FUSES_SWIGLU_GRAD = False
 
 
@@ -100,7 +115,7 @@ def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
   on GPU ``grouped_matmul`` writes dh in float32 and XLA computes the gradient; on CPU XLA's ragged_dot, then the
   gradient."""
   F, D = w2.shape[1], w2.shape[2]
-  fused = (LAYER_FUSES_SWIGLU_GRAD and jnp.dtype(out_dtype) == d_out.dtype and
+  fused = (LAYER_FUSES_SWIGLU_GRAD and jnp.dtype(out_dtype) == d_out.dtype and a.dtype == jnp.float32 and
            engines.swiglu_grad_fused(d_out.dtype == jnp.bfloat16 and w2.dtype == jnp.bfloat16, D, F, True))
 
   def unfused():
@@ -115,14 +130,15 @@ def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
 def expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes, dh=None):
   """The local backward GEMMs of GEMM1 + SwiGLU + GEMM2 on a rank's recv rows, all but the input gradient.
 
-  x_recv [cap, D], a [cap, 2F] float32 (GEMM1's output), h [cap, F] in x_recv's dtype (its SwiGLU, GEMM2's input, as
-  the forward pass wrote it), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D, 2F], w2 [E_local, F, D],
+  x_recv [cap, D], a [cap, 2F] (GEMM1's output, in ``kept_preactivation_dtype``), h [cap, F] in x_recv's dtype (its
+  SwiGLU, GEMM2's input, as the forward pass wrote it), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D, 2F], w2 [E_local, F, D],
   group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes). dh [cap, F] float32 =
   d_out W2^T when the caller has it (dispatch_gemm), else computed here, with the SwiGLU's gradient in the GEMM's
   epilogue where the engine has it (``gemm2_grad_swiglu_grad``).
 
   h is the forward's, kept, not recomputed from a: a recomputation is one more pass over a (the largest residual,
-  float32 [cap, 2F]) and a write of h, for a value the forward had already written.
+  [cap, 2F]) and a write of h, for a value the forward had already written (and, from a kept in bfloat16, not the
+  forward's h).
   """
   if dh is None:
     da = gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, x_recv.dtype)

@@ -92,8 +92,17 @@ def grouped_outer(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, pre
   return jax.ffi.ffi_call(GROUPED_OUTER, out, vmap_method="sequential")(lhs, rhs, group_sizes.astype(jnp.int32))
 
 
-def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                          keep_preactivation: bool) -> tuple[jax.Array, jax.Array | None]:
+def _preactivation_dtype(name: str, lhs: jax.Array, dtype):
+  """The kept preactivation's dtype: float32 or lhs's, else a TypeError naming the rule."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.dtype(jnp.float32), lhs.dtype):
+    raise TypeError(f"jax_moe_overlap: {name}: the preactivation's dtype must be float32 or the operands' dtype "
+                    f"{lhs.dtype}, got {dtype}")
+  return dtype
+
+
+def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, keep_preactivation: bool,
+                          preactivation_dtype=jnp.float32) -> tuple[jax.Array, jax.Array | None]:
   """GEMM1 of the expert MLP with its SwiGLU: ``a = lhs[r] @ rhs[g]`` in float32 for the rows ``r`` of group ``g``,
   ``h = silu(a[:, :F]) * a[:, F:]`` in float32, rounded to lhs's dtype; rows past the last group are zero.
 
@@ -103,9 +112,10 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
 
   Args:
     lhs: [M, K]. rhs: [G, K, 2F] (the gate's columns, then the up projection's). group_sizes: [G] integer rows per
-      group. keep_preactivation: also return ``a``.
+      group. keep_preactivation: also return ``a``. preactivation_dtype: the returned a's dtype, float32 or lhs's
+      (the float32 values rounded once; h is computed from the float32 values either way).
   Returns:
-    (h [M, F] in lhs's dtype, a [M, 2F] float32 or None).
+    (h [M, F] in lhs's dtype, a [M, 2F] in preactivation_dtype, or None).
   """
   _check_operands("grouped_matmul_swiglu", lhs, rhs, group_sizes)
   G = rhs.shape[0]
@@ -113,11 +123,14 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
       group_sizes.shape != (G,)):
     raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
                      f"{group_sizes.shape} do not fit lhs [M, K], rhs [G, K, 2F], group_sizes [G]")
+  a_dtype = _preactivation_dtype("grouped_matmul_swiglu", lhs, preactivation_dtype)
   _ffi.register()
   M, K, F = lhs.shape[0], lhs.shape[1], rhs.shape[2] // 2
-  # Where the fused kernel does not run, a is the first kernel's output: it is always written there.
+  # Where the fused kernel does not run, a is the first kernel's output: it is always written there (in float32
+  # where it is not kept).
   a_rows = M if keep_preactivation or not engines.swiglu_fused(lhs.dtype == jnp.bfloat16, K, F) else 0
-  out = (jax.ShapeDtypeStruct((M, F), lhs.dtype), jax.ShapeDtypeStruct((a_rows, 2 * F), jnp.float32))
+  out = (jax.ShapeDtypeStruct((M, F), lhs.dtype),
+         jax.ShapeDtypeStruct((a_rows, 2 * F), a_dtype if keep_preactivation else jnp.float32))
   h, a = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU, out, vmap_method="sequential")(lhs, rhs,
                                                                                group_sizes.astype(jnp.int32))
   return h, (a if keep_preactivation else None)

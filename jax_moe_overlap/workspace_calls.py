@@ -33,7 +33,7 @@ import numpy as np
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import fp8
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.grouped_gemm import check_fp8_operands, fp8_row_operands
+from jax_moe_overlap.grouped_gemm import _preactivation_dtype, check_fp8_operands, fp8_row_operands
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
@@ -122,7 +122,8 @@ def dispatch_rows(src: jax.Array, src_row: jax.Array, dest_rank: jax.Array, dest
 
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
                   transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
-                  keep_a: bool = False, send_once: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
+                  keep_a: bool = False, a_dtype=jnp.float32,
+                  send_once: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
   """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
 
   Args:
@@ -131,13 +132,14 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     swiglu: GEMM1 of the expert MLP (w [E_local, D, 2F], not with ``transpose_rhs``): the call's epilogue applies the
       SwiGLU in float32 to the float32 preactivation.
     keep_recv: also return the recv rows (the backward pass reads them; the inference forward does not).
-    keep_a: with ``swiglu``, also return the preactivation (for the backward pass).
+    keep_a: with ``swiglu``, also return the preactivation (for the backward pass). a_dtype: its dtype, float32 or
+      src's (the float32 values rounded once; h is computed from the float32 values either way).
     send_once: as ``dispatch``'s (the receiver fills a token's other rows before the GEMM tiles that read them).
   Returns:
     (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
     out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
     out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
-    w[expert], and a is returned when keep_a. In the kept rows (the first ``plan.recv_rows``) the results equal
+    w[expert], and a is returned (in a_dtype) when keep_a. In the kept rows (the first ``plan.recv_rows``) the results equal
     ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit; the rows
     past them are unspecified (left unwritten, where those calls zero them): no consumer of the layer reads them
     (docs/design.md, "Padding rows").
@@ -158,10 +160,11 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
   if keep_a and not swiglu:
     raise ValueError("jax_moe_overlap: dispatch_gemm: keep_a keeps the SwiGLU's preactivation; without swiglu the "
                      "GEMM's output is `out` itself (keep_a needs swiglu=True)")
+  a_dtype = _preactivation_dtype("dispatch_gemm", src, a_dtype) if keep_a else jnp.float32
   D, N = src.shape[1], (w.shape[1] if transpose_rhs else w.shape[2])
   out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
   out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
-               jax.ShapeDtypeStruct((cap if keep_a else 0, N), jnp.float32))
+               jax.ShapeDtypeStruct((cap if keep_a else 0, N), a_dtype))
   x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu,
                                        send_once)
   return (x_recv if keep_recv else None), out, (a if keep_a else None)

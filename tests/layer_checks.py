@@ -191,7 +191,8 @@ def grouped_matmul_gemms():
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
 
   def gemm1_swiglu(x_recv, w1, group_sizes, keep_a):
-    return grouped_matmul_swiglu(x_recv, w1, group_sizes, keep_preactivation=keep_a)
+    return grouped_matmul_swiglu(x_recv, w1, group_sizes, keep_preactivation=keep_a,
+                                 preactivation_dtype=expert_gemms.kept_preactivation_dtype(x_recv.dtype))
 
   def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
     return expert_gemms.swiglu_grad(a, ours(d_out, w2, group_sizes, transpose_rhs=True), out_dtype)

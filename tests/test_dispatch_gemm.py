@@ -72,10 +72,10 @@ def _call_setup(mesh, tokens, k, cap_e, cap, dtype, config=FUSED):
   return info, plan_of, sharded
 
 
-def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=FUSED):
+def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=FUSED, a_dtype=jnp.float32):
   """(fused, two_calls, kept_rows, names): the call (sending each row once per destination rank with send_once) and
-  its two-call twin (one row per slot), each returning the results the mode keeps (named by `names`), and each
-  rank's kept recv rows; the calls' CallConfig `config`."""
+  its two-call twin (one row per slot), each returning the results the mode keeps (named by `names`; a kept in
+  a_dtype), and each rank's kept recv rows; the calls' CallConfig `config`."""
   _, transpose_rhs, swiglu, keep_recv, keep_a = mode
   info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, dtype, config)
   slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
@@ -83,7 +83,7 @@ def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=
 
   def fused(ids, x, w):
     got = dispatch_gemm(x, slot_rows, w, plan_of(ids), cap, info, transpose_rhs=transpose_rhs, swiglu=swiglu,
-                        keep_recv=keep_recv, keep_a=keep_a, send_once=send_once)
+                        keep_recv=keep_recv, keep_a=keep_a, a_dtype=a_dtype, send_once=send_once)
     assert [v is not None for v in got] == [keep_recv, True, keep_a]
     return tuple(v for v in got if v is not None)
 
@@ -91,7 +91,8 @@ def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=
     plan = plan_of(ids)
     x_recv = dispatch(x, slot_rows, plan, cap, info)
     if swiglu:
-      out, a = grouped_matmul_swiglu(x_recv, w, plan.expert_rows, keep_preactivation=keep_a)
+      out, a = grouped_matmul_swiglu(x_recv, w, plan.expert_rows, keep_preactivation=keep_a,
+                                     preactivation_dtype=a_dtype)
     else:
       out, a = grouped_matmul(x_recv, w, plan.expert_rows, transpose_rhs=transpose_rhs,
                               preferred_element_type=jnp.float32), None
@@ -116,7 +117,8 @@ DEFAULT_CALLS = {("plain", "float32", "all_to_one"), ("plain", "bfloat16", "skew
     pytest.param(*routed, dtype, mode, id=f"{routed[0]}-{jnp.dtype(dtype).name}-{mode[0]}",
                  marks=() if (mode[0], jnp.dtype(dtype).name, routed[0]) in DEFAULT_CALLS else pytest.mark.slow)
     for routed in ROUTED for dtype in (jnp.float32, jnp.bfloat16) for mode in MODES])
-def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=False, config=FUSED):
+def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=False, config=FUSED,
+                                               a_dtype=jnp.float32):
   # 160 tokens x 2 choices per rank: 3 send blocks per source; "all_to_one" gives segments of 160 rows (two tiles,
   # each across two blocks), "skewed" at cf 0.5 drops slots, and `skip` leaves every fifth token's second slot -1.
   # The twin: dispatch, then grouped_matmul (float32 out) or grouped_matmul_swiglu (h, and a when kept).
@@ -130,7 +132,8 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send
   kx, kw = jax.random.split(jax.random.PRNGKey(3))
   x = jax.random.normal(kx, (tokens * R, D), jnp.float32).astype(dtype)
   w = (jax.random.normal(kw, (E, N, D) if transpose_rhs else (E, D, N), jnp.float32) / np.sqrt(D)).astype(dtype)
-  fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once, config)
+  fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once, config,
+                                                 a_dtype)
   got = fused(jnp.asarray(ids), x, w)
   want = two_calls(jnp.asarray(ids), x, w)
   assert fused.aliased == fused.buffers == len(names) * R, \
@@ -139,6 +142,7 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send
   assert kept.sum() > 0
   for name, a, b in zip(names, got, want):
     assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+    assert name != "a" or a.dtype == a_dtype, a.dtype
     a, b = np.asarray(a).reshape(R, cap, -1), np.asarray(b).reshape(R, cap, -1)
     for r in range(R):
       # The kept rows: bitwise the two calls'. The rows past them are unspecified: the call leaves them unwritten (no
@@ -157,6 +161,12 @@ def test_call_sending_once_equals_the_two_calls(kind, cf, skip, dtype, mode):
   # Send once (each token's row crosses to a rank once; the receiver fills its other rows before the GEMM tiles that
   # read them) against the two calls sending one row per slot: bit for bit, and src_blocks left zero.
   test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=True)
+
+
+def test_call_keeping_a_in_bfloat16_equals_the_two_calls():
+  # The preactivation kept in the compute dtype (the layer's residual, expert_gemms.kept_preactivation_dtype): the
+  # handler rounds each tile's float32 product once, as grouped_matmul_swiglu does, so the two calls' bits again.
+  test_call_equals_dispatch_and_grouped_gemm(*ROUTED[1], jnp.bfloat16, MODES[2], a_dtype=jnp.bfloat16)
 
 
 def test_call_with_x_recv_copied_equals_the_two_calls():

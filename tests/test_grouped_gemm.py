@@ -73,6 +73,33 @@ def test_grouped_matmul_swiglu(case, dtype, tol, keep):
   check_grouped_matmul_swiglu(case, dtype, keep, tol)
 
 
+def check_preactivation_rounded_once(case, seed=0):
+  """bfloat16 operands, a kept in bfloat16 (preactivation_dtype): a is the float32 preactivation of the same call
+  rounded once (bit for bit, the rows past the groups zero) and h the same bits, since h is computed from the float32
+  values either way. Returns a in bfloat16."""
+  M, K, F, sizes = case
+  lhs, rhs = _inputs(seed + M + K, (M, K), (len(sizes), K, 2 * F), dtype=jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  call = lambda a_dtype: jax.jit(lambda x, w, s: grouped_matmul_swiglu(x, w, s, keep_preactivation=True,
+                                                                     preactivation_dtype=a_dtype))(lhs, rhs, gs)
+  h32, a32 = call(jnp.float32)
+  h16, a16 = call(jnp.bfloat16)
+  assert a16.dtype == jnp.bfloat16 and a16.shape == a32.shape
+  assert np.array_equal(np.asarray(a16).view(np.uint16), np.asarray(a32.astype(jnp.bfloat16)).view(np.uint16))
+  assert np.array_equal(np.asarray(h16).view(np.uint16), np.asarray(h32).view(np.uint16))
+  return a16
+
+
+@pytest.mark.parametrize("case", SWIGLU_CASES)
+def test_grouped_matmul_swiglu_keeps_a_rounded_once(case):
+  check_preactivation_rounded_once(case)
+  lhs, rhs = _inputs(3, (10, 8), (2, 8, 6), dtype=jnp.bfloat16)
+  with pytest.raises(TypeError, match="preactivation's dtype must be float32 or the operands' dtype bfloat16, got "
+                                      "float16"):
+    grouped_matmul_swiglu(lhs, rhs, jnp.asarray([5, 5], jnp.int32), keep_preactivation=True,
+                          preactivation_dtype=jnp.float16)
+
+
 def test_grouped_matmul_swiglu_bad_operands_raise():
   lhs, rhs = _inputs(6, (10, 8), (2, 8, 6), dtype=jnp.float32)
   sizes = jnp.asarray([5, 5], jnp.int32)

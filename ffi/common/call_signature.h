@@ -414,8 +414,10 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(
   if (swiglu && transpose_rhs)
     return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
                                   "transpose_rhs"));
-  if (out.element_type() != (swiglu ? xt : xla::ffi::DataType::F32) || a.element_type() != xla::ffi::DataType::F32)
-    return Unexpected(InvalidCall(swiglu ? "dispatch_gemm: with swiglu, out (h) must be in src's dtype and a float32"
+  if (out.element_type() != (swiglu ? xt : xla::ffi::DataType::F32) ||
+      (a.element_type() != xla::ffi::DataType::F32 && !(swiglu && a.element_type() == xt)))
+    return Unexpected(InvalidCall(swiglu ? "dispatch_gemm: with swiglu, out (h) must be in src's dtype and a float32 "
+                                           "or src's dtype"
                                          : "dispatch_gemm: out and a must be float32"));
   auto sd = src.dimensions(), wd = w.dimensions(), xd = x_recv.dimensions(), od = out.dimensions();
   auto ad = a.dimensions();

@@ -205,7 +205,8 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedMatmul(const xla::ffi::AnyBuf
   return s;
 }
 
-// N of the result is F; out_f32 is whether h is float32. keep_a: a has M rows.
+// N of the result is F; out_f32 is whether h is float32. keep_a: a has M rows. a is float32 or in lhs's dtype (the
+// preactivation's float32 values rounded once to it).
 inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuffer& lhs,
                                                           const xla::ffi::AnyBuffer& rhs,
                                                           const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
@@ -213,9 +214,11 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuf
                                                           bool* keep_a) {
   const auto xt = lhs.element_type();
   const std::optional<DType> dt = ComputeDTypeOf(xt);
-  if (!dt || rhs.element_type() != xt || h.element_type() != xt || a.element_type() != xla::ffi::DataType::F32)
+  if (!dt || rhs.element_type() != xt || h.element_type() != xt ||
+      (a.element_type() != xla::ffi::DataType::F32 && a.element_type() != xt))
     return xla::ffi::Unexpected(InvalidCall(ComputeDTypeRule(
-        "grouped_matmul_swiglu: lhs, rhs and h must share one dtype, " + DTypeNames() + ", and a must be float32", xt)));
+        "grouped_matmul_swiglu: lhs, rhs and h must share one dtype, " + DTypeNames() +
+            ", and a must be float32 or that dtype", xt)));
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), hd = h.dimensions(), ad = a.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || hd.size() != 2 || ad.size() != 2 || group_sizes.dimensions().size() != 1)
     return xla::ffi::Unexpected(InvalidCall(

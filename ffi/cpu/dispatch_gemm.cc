@@ -262,15 +262,17 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
 
   // 3. GEMM over the m-tiles in claim order, each after the source blocks that hold its rows, then with swiglu
   //    the tile's epilogue. A tile's float32 product goes to `product` at the tile's rows (out when plain, a when
-  //    swiglu keeps it), else to `tile_scratch`, which the epilogue reads before the next tile overwrites it. The row
+  //    swiglu keeps it in float32), else to `tile_scratch`, which the epilogue reads (and rounds into a kept in
+  //    src's dtype) before the next tile overwrites it. The row
   //    loops see the tile's rows as rows 0..rows-1 of views that start at its first recv row.
   RankView self = ws->view(c.group, c.rank);
   uint64_t* blocks = self.src_blocks();
   const int64_t nb = SrcBlocks(ws->sizes().ret_rows);
   // (FP8 with swiglu: a is the e4m3 a_q, so the product always goes to the tile scratch.)
+  const bool a_rounded = swiglu && shape->keep_a && !fp8 && a_out->element_type() != ffi::DataType::F32;
   float* product = !swiglu ? static_cast<float*>(out->untyped_data())
-                   : shape->keep_a && !fp8 ? static_cast<float*>(a_out->untyped_data())
-                                           : nullptr;
+                   : shape->keep_a && !fp8 && !a_rounded ? static_cast<float*>(a_out->untyped_data())
+                                                         : nullptr;
   std::vector<float> tile_scratch(product == nullptr ? kTileRows * N : 0), acc(N);
   const char* recv = self.recv();
   char* h = static_cast<char*>(out->untyped_data());  // swiglu: [cap, F] in src's dtype (FP8: h_q)
@@ -306,6 +308,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
     MatmulRows(ElemView{recv + t.r0 * row_bytes, bf16}, rhs, t.expert * K * N, 0, t.rows, K, N, transpose_rhs, tile,
                /*out_bf16=*/false, acc);
     if (swiglu) SwiGluRows(tile, 0, t.rows, F, h + t.r0 * F * elem_bytes, bf16);
+    if (a_rounded)
+      for (int64_t i = 0; i < t.rows * N; ++i) StoreElem(a_out->untyped_data(), true, t.r0 * N + i, tile[i]);
   }
 
   // 4. Zero this call's blocks of every source (the send positions it keeps here: [lo, hi)), then end as a dispatch.

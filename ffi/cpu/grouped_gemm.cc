@@ -83,14 +83,19 @@ ffi::Error GroupedMatmulSwiGluImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::
   if (off.has_error()) return off.error();
   const bool bf16 = shape->dtype == DType::kBF16;
   const ElemView x{lhs.untyped_data(), bf16}, w{rhs.untyped_data(), bf16};
-  // The preactivation in float32 (into a, or scratch when a is not kept), then the SwiGLU in float32.
-  std::vector<float> scratch(keep_a ? 0 : M * 2 * F), acc;
-  float* pre = keep_a ? static_cast<float*>(a->untyped_data()) : scratch.data();
+  // The preactivation in float32 (into a when a is kept in float32, else scratch), then the SwiGLU in float32; a kept
+  // in bf16 is the float32 preactivation rounded once.
+  const bool a_f32 = keep_a && a->element_type() == ffi::DataType::F32;
+  std::vector<float> scratch(a_f32 ? 0 : M * 2 * F), acc;
+  float* pre = a_f32 ? static_cast<float*>(a->untyped_data()) : scratch.data();
   for (int64_t g = 0; g < shape->G; ++g)
     MatmulRows(x, w, g * K * 2 * F, (*off)[g], (*off)[g + 1], K, 2 * F, false, pre, false, acc);
   SwiGluRows(pre, 0, off->back(), F, h->untyped_data(), bf16);
   for (int64_t i = off->back() * F; i < M * F; ++i) StoreElem(h->untyped_data(), bf16, i, 0.f);
-  if (keep_a) std::fill(pre + off->back() * 2 * F, pre + M * 2 * F, 0.f);
+  if (keep_a && !a_f32)
+    for (int64_t i = 0; i < off->back() * 2 * F; ++i) StoreElem(a->untyped_data(), true, i, pre[i]);
+  if (keep_a)
+    for (int64_t i = off->back() * 2 * F; i < M * 2 * F; ++i) StoreElem(a->untyped_data(), !a_f32, i, 0.f);
   return ffi::Error::Success();
 }
 

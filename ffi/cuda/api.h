@@ -63,10 +63,11 @@ struct DispatchGemmOut {
   void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
   void* out;     // kSwiGlu: h [cap, N / 2] in src's dtype = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32
                  // (FP8 kSwiGlu: h_q [cap, N / 2] e4m3)
-  void* a;       // kSwiGlu: pre [cap, N] float32 (FP8: a_q [cap, N] e4m3), or nullptr: not kept (must be nullptr in
-                 // the other forms)
+  void* a;       // kSwiGlu: pre [cap, N] float32 or bf16 (a_bf16; FP8: a_q [cap, N] e4m3), or nullptr: not kept
+                 // (must be nullptr in the other forms)
   float* h_scales = nullptr;  // FP8 kSwiGlu: h's 1 x 128 scales [cap, N / 256]
   float* a_scales = nullptr;  // FP8 kSwiGlu with a kept: a's 1 x 128 scales [cap, N / 128]
+  bool a_bf16 = false;        // bf16 kSwiGlu: a holds pre rounded once to bf16 (else float32)
 };
 
 // dispatch_gemm: the dispatch (as Dispatch) and GEMM1 (w in src's dtype, in `form`) in one launch, each GEMM1 tile

@@ -82,6 +82,15 @@ def test_grouped_matmul_swiglu_gpu(case, dtype, tol, keep):
       assert np.array_equal(np.asarray(a), np.asarray(bare))
 
 
+@pytest.mark.parametrize("case", base.SWIGLU_CASES + SWIGLU_BIG)
+def test_grouped_matmul_swiglu_keeps_a_rounded_once_gpu(case):
+  """a kept in bfloat16 (the layer's residual): the float32 preactivation rounded once, h the same bits, on the
+  fused kernel (Hopper, the big shapes) and on the unfused path (elsewhere and the small shapes: GroupedMatmul into a
+  stream-ordered float32 allocation, then the SwiGLU kernel rounding a)."""
+  with jax.default_device(gpu_devices()[0]):
+    base.check_preactivation_rounded_once(case, seed=1)
+
+
 def test_grouped_matmul_swiglu_fused_on_hopper():
   """The fused path is what runs on a Hopper GPU for bf16 operands of the kernel's shapes (and only there)."""
   from gpu_common import is_hopper  # pylint: disable=g-import-not-at-top

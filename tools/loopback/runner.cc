@@ -356,7 +356,7 @@ class Run {
     if (Swiglu())
       return cuda::GroupedMatmulSwiGlu(stream, DType::kBF16, out_recv2_[r], M, D_, d.w1, E_l_, K_ / 2,
                                        (const int32_t*)d.expert_rows, out_a2_[r],
-                                       KeepPre() ? static_cast<float*>(out_pre2_[r]) : nullptr, sms);
+                                       KeepPre() ? out_pre2_[r] : nullptr, DType::kF32, sms);
     return cuda::GroupedMatmul(stream, DType::kBF16, /*out_f32=*/true, out_recv2_[r], M, D_, d.w1, E_l_, K_,
                                /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r], sms);
   }

@@ -50,7 +50,8 @@ ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::An
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
   return ToFfi(GroupedMatmulSwiGlu(stream, s->dtype, lhs.untyped_data(), s->M, s->K, rhs.untyped_data(),
                                    s->G, s->N, group_sizes.typed_data(), h->untyped_data(),
-                                   keep_a ? static_cast<float*>(a->untyped_data()) : nullptr));
+                                   keep_a ? a->untyped_data() : nullptr,
+                                   a->element_type() == ffi::DataType::F32 ? DType::kF32 : s->dtype));
 }
 
 ffi::Error GroupedMatmulSwiGluGradImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,

@@ -72,7 +72,7 @@ struct DispatchGemmArgs {
   int64_t K, N;          // d_model, GEMM columns (2F with kSwiGlu)
   char* x_recv;          // [cap, row_bytes] (the recv rows as they landed), or null: not kept
   void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16 (kFp8: h_q e4m3)
-  void* a;               // kSwiGlu: the preactivation [cap, N] float32 (kFp8: a_q e4m3), or null: not kept
+  void* a;               // kSwiGlu: the preactivation [cap, N] float32 or bf16 (a_bf16; kFp8: a_q e4m3), or null
   float* h_scales;       // kFp8 with kSwiGlu: h's 1 x 128 scales [cap, N / 256]
   float* a_scales;       // kFp8 with kSwiGlu and a kept: a's 1 x 128 scales [cap, N / 128]
   const float* w_scales; // kFp8: w's 128 x 128 block scales [E_l, N / 128, K / 128]
@@ -81,6 +81,7 @@ struct DispatchGemmArgs {
   bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
                              // kXRecvFromTiles (CallOptions::x_recv_from_tiles where x_recv is kept)
   int band_m;                // row blocks per raster band of the GEMM's tiles (BandRaster; CallOptions::producer_band_m)
+  bool a_bf16;               // bf16 kSwiGlu: a is [cap, N] bf16 (DispatchGemmOut::a_bf16), else float32
 };
 
 // The x_recv the side units copy into (see the kernel's comment): nullptr where it is not kept or the GEMM tiles
@@ -634,8 +635,9 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       t.n_hi = (int)(n_out + t.n0);
       t.out = static_cast<__nv_bfloat16*>(g.out) + (int64_t)t.a_row * n_out + t.n0;
       t.ldc = n_out;
-      t.a = g.a != nullptr ? static_cast<float*>(g.a) + (int64_t)t.a_row * g.N : nullptr;
+      t.a = g.a != nullptr ? static_cast<char*>(g.a) + (int64_t)t.a_row * g.N * (g.a_bf16 ? 2 : 4) : nullptr;
       t.lda = g.N;
+      t.a_bf16 = g.a_bf16;
     } else {
       t.out = static_cast<float*>(g.out) + (int64_t)t.a_row * g.N + t.n0;
       t.ldc = g.N;
@@ -870,7 +872,8 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                               recv_expected, (int)E_l, DispatchPushersPolicy(ws, c.opts, budget, kWgBM, kWgBN), D, N,
                               static_cast<char*>(out.x_recv), out.out, out.a, out.h_scales, out.a_scales, w_scales,
                               c.opts.emulated_link_gbps, slots.primary, from_tiles,
-                              c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM};
+                              c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM,
+                              out.a_bf16 && !fp8};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &maps[0], &maps[1], &maps[2]};
   return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
                     "launch of DispatchGemmKernel");

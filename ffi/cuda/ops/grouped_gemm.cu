@@ -184,13 +184,14 @@ namespace swiglu_wgmma {
 using namespace wgmma_gemm;
 
 // GEMM1 with its SwiGLU epilogue: h [M, F] bf16 = silu(lhs @ rhs[g][:, :F]) * (lhs @ rhs[g][:, F:]) per group's rows
-// (rhs [G, K, 2F], MN-major), and the float32 preactivation a [M, 2F] = lhs @ rhs[g] when a is not null. Each tile
+// (rhs [G, K, 2F], MN-major), and the preactivation a [M, 2F] = lhs @ rhs[g] when a is not null (float32, or rounded
+// to bf16 with a_bf16). Each tile
 // is 128 rows x 128 columns of h, computed from the gate's 128 columns and the up projection's 128 (SwiGluTile).
 // Rows past the groups are zero in h and a.
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     GroupedSwiGluKernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                         const int32_t* __restrict__ group_sizes, int G, int M, int F, int K,
-                        __nv_bfloat16* __restrict__ h, float* __restrict__ a) {
+                        __nv_bfloat16* __restrict__ h, void* __restrict__ a, bool a_bf16) {
   extern __shared__ __align__(1024) char smem_raw[];
   int* row_start = reinterpret_cast<int*>(smem_raw + kLoopSmemBytes);  // G + 1
   int* tile_start = row_start + (kMaxGroups + 1);                      // G + 1
@@ -198,26 +199,29 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   const int n_tiles = (F + kHalf - 1) / kHalf;
   BuildGroupTables(group_sizes, G, M, n_tiles, row_start, tile_start);
   ZeroPadRows(h, row_start[G], M, F, sizeof(__nv_bfloat16));
-  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, sizeof(float));
+  const int64_t a_elem = a_bf16 ? sizeof(__nv_bfloat16) : sizeof(float);
+  if (a != nullptr) ZeroPadRows(a, row_start[G], M, 2 * (int64_t)F, a_elem);
   auto tile_of = [&](int t) {
     SwiGluTile tile;
     PlaceSwiGluTile(t, row_start, tile_start, G, n_tiles, F, tile);
     tile.out = h + (int64_t)tile.a_row * F + tile.n0;
     tile.ldc = F;
-    tile.a = a != nullptr ? a + (int64_t)tile.a_row * 2 * F : nullptr;
+    tile.a = a != nullptr ? static_cast<char*>(a) + (int64_t)tile.a_row * 2 * F * a_elem : nullptr;
     tile.lda = 2 * (int64_t)F;
+    tile.a_bf16 = a_bf16;
     return tile;
   };
   WgmmaTileLoop</*kTransB=*/1, /*kOutF32=*/false>(tm_a, tm_b, K, (int)blockIdx.x, (int)gridDim.x, tile_start[G],
                                                    tile_of, NoTileDone{}, smem_raw);
 }
 
-// GroupedSwiGluKernel's launch: lhs [M, K], rhs [G, K, 2F] bf16, h [M, F] bf16, a [M, 2F] float32 or nullptr.
+// GroupedSwiGluKernel's launch: lhs [M, K], rhs [G, K, 2F] bf16, h [M, F] bf16, a [M, 2F] float32 (bf16 with a_bf16)
+// or nullptr.
 // Requires K % 64 == 0 and F % 32 == 0 (2F a multiple of 64, and whole 16-column stores); cudaErrorInvalidValue
 // otherwise, cudaErrorNotSupported where the wgmma kernels cannot run.
 inline cudaError_t GroupedSwiGlu(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs, int64_t G,
-                                 int64_t F, const int32_t* group_sizes_dev, __nv_bfloat16* h, float* a, int num_sms,
-                                 cudaStream_t stream) {
+                                 int64_t F, const int32_t* group_sizes_dev, __nv_bfloat16* h, void* a, bool a_bf16,
+                                 int num_sms, cudaStream_t stream) {
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) |
                               reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(a);
   if (!FusedLaunchFits("GroupedSwiGlu", M, K, F, G, 32, addresses, num_sms)) return cudaErrorInvalidValue;
@@ -225,7 +229,7 @@ inline cudaError_t GroupedSwiGlu(const __nv_bfloat16* lhs, int64_t M, int64_t K,
   const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, 2 * F, /*b_k_major=*/false, &ta, &tb);
   if (e != cudaSuccess) return e;
   return LaunchWgmmaKernel(GroupedSwiGluKernel, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev, (int)G, (int)M,
-                           (int)F, (int)K, h, a);
+                           (int)F, (int)K, h, a, a_bf16);
 }
 
 }  // namespace swiglu_wgmma
@@ -288,21 +292,32 @@ inline cudaError_t GroupedSwiGluGrad(const __nv_bfloat16* lhs, int64_t M, int64_
 
 }  // namespace swiglu_grad_wgmma
 
-// h[r, j] = silu(a[r, j]) * a[r, F + j] over every row (GroupedMatmulSwiGlu's unfused path; a's zero rows give zero).
+// h[r, j] = silu(a[r, j]) * a[r, F + j] over every row (GroupedMatmulSwiGlu's unfused path; a's zero rows give zero),
+// and when a_bf16 is set, a rounded to bf16 into it.
 template <typename OutT>
-__global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t F, OutT* __restrict__ h) {
+__global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t F, OutT* __restrict__ h,
+                                 __nv_bfloat16* __restrict__ a_bf16) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < M * F; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / F, j = i - r * F;
-    h[i] = FromFloat<OutT>(SiluMul(a[r * 2 * F + j], a[r * 2 * F + F + j]));
+    const float gate = a[r * 2 * F + j], up = a[r * 2 * F + F + j];
+    h[i] = FromFloat<OutT>(SiluMul(gate, up));
+    if (a_bf16 != nullptr) {
+      a_bf16[r * 2 * F + j] = __float2bfloat16_rn(gate);
+      a_bf16[r * 2 * F + F + j] = __float2bfloat16_rn(up);
+    }
   }
 }
 
 }  // namespace
 
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
-                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms) {
+                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, void* a, DType a_dt,
+                           int sms) {
   Status s = CheckSizes("grouped_matmul_swiglu", M, G);
   if (!s.ok()) return s;
+  const bool a_bf16 = a != nullptr && a_dt == DType::kBF16;
+  if (a != nullptr && a_dt != DType::kF32 && !(a_bf16 && dt == DType::kBF16))
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: grouped_matmul_swiglu: a must be float32 or lhs's dtype");
   if (M == 0 || F == 0) return LaunchEmpty(stream);
   // The fused kernel where an engine has the SwiGLU epilogue for these operands (the wgmma engine); it falls back
   // to the two kernels below where its launch refuses the call after all (an output's alignment, the build).
@@ -313,7 +328,8 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
   if (engine == GemmEngine::kWgmma) {
     const cudaError_t e = swiglu_wgmma::GroupedSwiGlu(static_cast<const bf16*>(lhs), M, K,
                                                       static_cast<const bf16*>(rhs), G, F, group_sizes,
-                                                      static_cast<bf16*>(h), a, WgmmaGrid(dev, sms), stream);
+                                                      static_cast<bf16*>(h), a, a_bf16, WgmmaGrid(dev, sms),
+                                                      stream);
     if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
   }
   if (a == nullptr) {
@@ -323,15 +339,28 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
                              (why != nullptr ? why : "its launch refused the operands") +
                              "); ask for the preactivation output");
   }
-  s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, a,
+  // The float32 preactivation: a itself, or with a in bf16 a stream-ordered allocation freed after the SwiGLU.
+  float* pre = static_cast<float*>(a);
+  if (a_bf16 && !(s = CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&pre), M * 2 * F * sizeof(float), stream),
+                                 "cudaMallocAsync(grouped_matmul_swiglu's float32 preactivation)"))
+                     .ok())
+    return s;
+  s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, pre,
                     sms);
-  if (!s.ok()) return s;
-  const int grid = (int)std::min<int64_t>(4096, (M * F + 255) / 256);
-  if (dt == DType::kF32)
-    SwiGluRowsKernel<float><<<grid, 256, 0, stream>>>(a, M, F, static_cast<float*>(h));
-  else
-    SwiGluRowsKernel<bf16><<<grid, 256, 0, stream>>>(a, M, F, static_cast<bf16*>(h));
-  return CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
+  if (s.ok()) {
+    const int grid = (int)std::min<int64_t>(4096, (M * F + 255) / 256);
+    bf16* rounded = a_bf16 ? static_cast<bf16*>(a) : nullptr;
+    if (dt == DType::kF32)
+      SwiGluRowsKernel<float><<<grid, 256, 0, stream>>>(pre, M, F, static_cast<float*>(h), rounded);
+    else
+      SwiGluRowsKernel<bf16><<<grid, 256, 0, stream>>>(pre, M, F, static_cast<bf16*>(h), rounded);
+    s = CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
+  }
+  if (a_bf16) {
+    const Status freed = CudaStatus(cudaFreeAsync(pre, stream), "cudaFreeAsync(grouped_matmul_swiglu's preactivation)");
+    if (s.ok()) s = freed;
+  }
+  return s;
 }
 
 Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,

@@ -36,14 +36,16 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
                     const void* rhs, int64_t N, int64_t G, const int32_t* group_sizes, void* out);
 
 // GEMM1 of the expert MLP with its SwiGLU epilogue: h [M, F] (lhs's dtype) = silu(lhs @ rhs[g][:, :F]) *
-// (lhs @ rhs[g][:, F:]) for the rows of group g, rhs [G, K, 2F], computed in float32; a [M, 2F] float32 = the
-// preactivation lhs @ rhs[g], or nullptr when the caller does not keep it. Where an engine of the device has the
-// SwiGLU epilogue for these operands (SelectGemmEngine with GemmEpilogue::kSwiGlu, gemm/engine.h: the wgmma engine)
-// one kernel applies the SwiGLU to the accumulators; elsewhere GroupedMatmul writes a and a second kernel computes h
-// from it, so a must be given there (InvalidArgument otherwise, naming the rule that refused). Rows past the last
-// group are zero in h and a. sms as GroupedMatmul's.
+// (lhs @ rhs[g][:, F:]) for the rows of group g, rhs [G, K, 2F], computed in float32; a [M, 2F] = the preactivation
+// lhs @ rhs[g] in a_dt (kF32, or dt: the float32 values rounded once), or nullptr when the caller does not keep it.
+// Where an engine of the device has the SwiGLU epilogue for these operands (SelectGemmEngine with
+// GemmEpilogue::kSwiGlu, gemm/engine.h: the wgmma engine) one kernel applies the SwiGLU to the accumulators;
+// elsewhere GroupedMatmul writes the float32 preactivation (into a, or with a in bf16 into a stream-ordered
+// allocation) and a second kernel computes h from it, so a must be given there (InvalidArgument otherwise, naming the
+// rule that refused). Rows past the last group are zero in h and a. sms as GroupedMatmul's.
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
-                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, float* a, int sms = 0);
+                           int64_t G, int64_t F, const int32_t* group_sizes, void* h, void* a, DType a_dt,
+                           int sms = 0);
 
 // The backward GEMM of the expert MLP with the SwiGLU's gradient in its epilogue: dh = lhs @ rhs[g] (rhs [G, K, F], or
 // [G, F, K] read transposed with transpose_rhs: dh = d_out @ W2^T) for the rows of group g, computed in float32 tile

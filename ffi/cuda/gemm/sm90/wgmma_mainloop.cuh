@@ -178,11 +178,13 @@ struct WgmmaTile {
 };
 
 // A tile whose epilogue is SwiGLU (the fused GEMM1 of the expert MLP, GroupedSwiGluKernel): the loop stores
-// h = silu(acc[:, :128]) * acc[:, 128:] (bf16, `cols` columns to out) and, when `a` is set, the float32 accumulators
-// themselves (the preactivation the backward pass needs: columns n0.. to a + n0, n_hi.. to a + n_hi).
+// h = silu(acc[:, :128]) * acc[:, 128:] (bf16, `cols` columns to out) and, when `a` is set, the accumulators
+// themselves (the preactivation the backward pass needs: columns n0.. to a + n0, n_hi.. to a + n_hi), in float32 or
+// rounded once to bf16 (a_bf16).
 struct SwiGluTile : WgmmaTile {
-  float* a = nullptr;  // row 0 of the tile in the preactivation [rows, 2F] (column 0), or nullptr
+  void* a = nullptr;  // row 0 of the tile in the preactivation [rows, 2F] (column 0), or nullptr
   int64_t lda = 0;
+  bool a_bf16 = false;  // a's elements are bf16 (else float32)
 };
 
 // A tile whose epilogue is the SwiGLU's gradient (the backward GEMM dh = d_out @ W2^T of the expert MLP,
@@ -426,9 +428,14 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
 // two halves). Stores the preactivation first when asked for, then h = silu(gate) * up in float32, rounded to bf16.
 template <class Tile>
 __device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int lane, const Tile& t) {
-  if (t.a != nullptr) {
-    StoreAccTile<true, 16>(acc, c, wq, lane, t.rows, t.cols, t.a + t.n0, t.lda);
-    StoreAccTile<true, 16>(acc + 64, c, wq, lane, t.rows, t.cols, t.a + t.n_hi, t.lda);
+  if (t.a != nullptr && t.a_bf16) {
+    __nv_bfloat16* a = static_cast<__nv_bfloat16*>(t.a);
+    StoreAccTile<false, 16>(acc, c, wq, lane, t.rows, t.cols, a + t.n0, t.lda);
+    StoreAccTile<false, 16>(acc + 64, c, wq, lane, t.rows, t.cols, a + t.n_hi, t.lda);
+  } else if (t.a != nullptr) {
+    float* a = static_cast<float*>(t.a);
+    StoreAccTile<true, 16>(acc, c, wq, lane, t.rows, t.cols, a + t.n0, t.lda);
+    StoreAccTile<true, 16>(acc + 64, c, wq, lane, t.rows, t.cols, a + t.n_hi, t.lda);
   }
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = jmo::cuda::SiluMul(acc[i], acc[i + 64]);
