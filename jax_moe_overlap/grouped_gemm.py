@@ -126,14 +126,15 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
   a_dtype = _preactivation_dtype("grouped_matmul_swiglu", lhs, preactivation_dtype)
   _ffi.register()
   M, K, F = lhs.shape[0], lhs.shape[1], rhs.shape[2] // 2
-  # Where the fused kernel does not run, a is the first kernel's output: it is always written there (in float32
-  # where it is not kept).
-  a_rows = M if keep_preactivation or not engines.swiglu_fused(lhs.dtype == jnp.bfloat16, K, F) else 0
-  out = (jax.ShapeDtypeStruct((M, F), lhs.dtype),
-         jax.ShapeDtypeStruct((a_rows, 2 * F), a_dtype if keep_preactivation else jnp.float32))
+  fused = engines.swiglu_fused(lhs.dtype == jnp.bfloat16, K, F)
+  # Where the fused kernel does not run, a is the first kernel's output: it is always written there, in float32 (the
+  # CUDA kernels round it to a narrower dtype only in the fused epilogue; XLA rounds it here otherwise: the same bits).
+  a_rows = M if keep_preactivation or not fused else 0
+  call_a_dtype = a_dtype if keep_preactivation and fused else jnp.float32
+  out = (jax.ShapeDtypeStruct((M, F), lhs.dtype), jax.ShapeDtypeStruct((a_rows, 2 * F), call_a_dtype))
   h, a = jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU, out, vmap_method="sequential")(lhs, rhs,
                                                                                group_sizes.astype(jnp.int32))
-  return h, (a if keep_preactivation else None)
+  return h, (a.astype(a_dtype) if keep_preactivation else None)
 
 
 def grouped_matmul_swiglu_grad(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, a: jax.Array, *,

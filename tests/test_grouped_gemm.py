@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe_overlap import expert_gemms
+from jax_moe_overlap import expert_gemms, grouped_gemm
 from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_matmul_swiglu_grad
 from jax_moe_overlap.grouped_gemm import grouped_outer
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
@@ -93,6 +93,16 @@ def check_preactivation_rounded_once(case, seed=0):
 @pytest.mark.parametrize("case", SWIGLU_CASES)
 def test_grouped_matmul_swiglu_keeps_a_rounded_once(case):
   check_preactivation_rounded_once(case)
+  # The CPU handler itself rounds a kept in bf16 (the wrapper asks for it where the process's GPU has the fused
+  # epilogue, engines.swiglu_fused; a CPU-only process rounds float32 a in XLA): the custom call with a bf16 result.
+  M, K, F, sizes = case
+  lhs, rhs = _inputs(M + K, (M, K), (len(sizes), K, 2 * F), dtype=jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  out = (jax.ShapeDtypeStruct((M, F), jnp.bfloat16), jax.ShapeDtypeStruct((M, 2 * F), jnp.bfloat16))
+  h, a = jax.jit(lambda *o: jax.ffi.ffi_call(grouped_gemm.GROUPED_MATMUL_SWIGLU, out)(*o))(lhs, rhs, gs)
+  h32, a32 = grouped_matmul_swiglu(lhs, rhs, gs, keep_preactivation=True)
+  assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(a32.astype(jnp.bfloat16)).view(np.uint16))
+  assert np.array_equal(np.asarray(h).view(np.uint16), np.asarray(h32).view(np.uint16))
   lhs, rhs = _inputs(3, (10, 8), (2, 8, 6), dtype=jnp.bfloat16)
   with pytest.raises(TypeError, match="preactivation's dtype must be float32 or the operands' dtype bfloat16, got "
                                       "float16"):

@@ -292,19 +292,12 @@ inline cudaError_t GroupedSwiGluGrad(const __nv_bfloat16* lhs, int64_t M, int64_
 
 }  // namespace swiglu_grad_wgmma
 
-// h[r, j] = silu(a[r, j]) * a[r, F + j] over every row (GroupedMatmulSwiGlu's unfused path; a's zero rows give zero),
-// and when a_bf16 is set, a rounded to bf16 into it.
+// h[r, j] = silu(a[r, j]) * a[r, F + j] over every row (GroupedMatmulSwiGlu's unfused path; a's zero rows give zero).
 template <typename OutT>
-__global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t F, OutT* __restrict__ h,
-                                 __nv_bfloat16* __restrict__ a_bf16) {
+__global__ void SwiGluRowsKernel(const float* __restrict__ a, int64_t M, int64_t F, OutT* __restrict__ h) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < M * F; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / F, j = i - r * F;
-    const float gate = a[r * 2 * F + j], up = a[r * 2 * F + F + j];
-    h[i] = FromFloat<OutT>(SiluMul(gate, up));
-    if (a_bf16 != nullptr) {
-      a_bf16[r * 2 * F + j] = __float2bfloat16_rn(gate);
-      a_bf16[r * 2 * F + F + j] = __float2bfloat16_rn(up);
-    }
+    h[i] = FromFloat<OutT>(SiluMul(a[r * 2 * F + j], a[r * 2 * F + F + j]));
   }
 }
 
@@ -332,35 +325,25 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
                                                       stream);
     if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
   }
-  if (a == nullptr) {
+  if (a == nullptr || a_bf16) {
     const char* why = GemmEngineRefusal(GemmEngine::kWgmma, dev.cc, fused);
     return Status::Error(kInvalidArgument,
                          std::string("jax_moe_overlap: grouped_matmul_swiglu: the fused kernel does not run here (") +
                              (why != nullptr ? why : "its launch refused the operands") +
-                             "); ask for the preactivation output");
+                             (a == nullptr ? "); ask for the preactivation output"
+                                           : "); ask for the preactivation in float32 (only the fused epilogue "
+                                             "rounds it to bf16)"));
   }
-  // The float32 preactivation: a itself, or with a in bf16 a stream-ordered allocation freed after the SwiGLU.
   float* pre = static_cast<float*>(a);
-  if (a_bf16 && !(s = CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&pre), M * 2 * F * sizeof(float), stream),
-                                 "cudaMallocAsync(grouped_matmul_swiglu's float32 preactivation)"))
-                     .ok())
-    return s;
   s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, pre,
                     sms);
-  if (s.ok()) {
-    const int grid = (int)std::min<int64_t>(4096, (M * F + 255) / 256);
-    bf16* rounded = a_bf16 ? static_cast<bf16*>(a) : nullptr;
-    if (dt == DType::kF32)
-      SwiGluRowsKernel<float><<<grid, 256, 0, stream>>>(pre, M, F, static_cast<float*>(h), rounded);
-    else
-      SwiGluRowsKernel<bf16><<<grid, 256, 0, stream>>>(pre, M, F, static_cast<bf16*>(h), rounded);
-    s = CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
-  }
-  if (a_bf16) {
-    const Status freed = CudaStatus(cudaFreeAsync(pre, stream), "cudaFreeAsync(grouped_matmul_swiglu's preactivation)");
-    if (s.ok()) s = freed;
-  }
-  return s;
+  if (!s.ok()) return s;
+  const int grid = (int)std::min<int64_t>(4096, (M * F + 255) / 256);
+  if (dt == DType::kF32)
+    SwiGluRowsKernel<float><<<grid, 256, 0, stream>>>(pre, M, F, static_cast<float*>(h));
+  else
+    SwiGluRowsKernel<bf16><<<grid, 256, 0, stream>>>(pre, M, F, static_cast<bf16*>(h));
+  return CudaStatus(cudaGetLastError(), "launch of SwiGluRowsKernel");
 }
 
 Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,

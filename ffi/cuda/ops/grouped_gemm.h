@@ -40,9 +40,9 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
 // lhs @ rhs[g] in a_dt (kF32, or dt: the float32 values rounded once), or nullptr when the caller does not keep it.
 // Where an engine of the device has the SwiGLU epilogue for these operands (SelectGemmEngine with
 // GemmEpilogue::kSwiGlu, gemm/engine.h: the wgmma engine) one kernel applies the SwiGLU to the accumulators;
-// elsewhere GroupedMatmul writes the float32 preactivation (into a, or with a in bf16 into a stream-ordered
-// allocation) and a second kernel computes h from it, so a must be given there (InvalidArgument otherwise, naming the
-// rule that refused). Rows past the last group are zero in h and a. sms as GroupedMatmul's.
+// elsewhere GroupedMatmul writes a and a second kernel computes h from it, so a must be given there, in float32
+// (InvalidArgument otherwise, naming the rule that refused). Rows past the last group are zero in h and a. sms as
+// GroupedMatmul's.
 Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
                            int64_t G, int64_t F, const int32_t* group_sizes, void* h, void* a, DType a_dt,
                            int sms = 0);
