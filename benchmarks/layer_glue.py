@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import os
 import re
 import sys
 
@@ -27,10 +26,11 @@ import jax.numpy as jnp
 
 import jax_moe_overlap as jmo
 from jax_moe_overlap.checks import QUANTIZATIONS
+from benchmarks import EXAMPLES
 from benchmarks import common
 from benchmarks import device_trace
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, EXAMPLES)
 import step_profile  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}

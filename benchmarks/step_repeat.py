@@ -17,10 +17,10 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+from benchmarks import EXAMPLES  # pylint: disable=g-import-not-at-top  (os alone: jax is not imported yet)
+
 sys.path.insert(0, EXAMPLES)
 
 import train_moe  # pylint: disable=g-import-not-at-top,wrong-import-position  (sets the CPU device count first)

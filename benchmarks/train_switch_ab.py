@@ -17,13 +17,13 @@ import argparse
 import ast
 import importlib
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+from benchmarks import EXAMPLES
+
 RESULT = "train_switch_ab result: "   # the line a child prints its outcome on
 
 
