@@ -240,10 +240,7 @@ fi
 
 if wanted push_rate; then
   run_step push_rate "$(limit_for "$T_PUSH")" "$OUT/push_rate.log" \
-    bash -c 'cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)" \
-               -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" > /dev/null &&
-             cmake --build build/tools --target row_push_probe -j"$(nproc)" &&
-             build/tools/row_push_probe --peer 1 --mib 32 --reps 5'
+    bash -c 'bash tools/build_tools.sh row_push_probe && build/tools/row_push_probe --peer 1 --mib 32 --reps 5'
   if [ $DRY_RUN = 0 ]; then
     # The curve per CTA: one pushing CTA per copy form and bytes in flight, 4 KiB rows (d_model 2048 in bf16).
     awk -F'|' '$4 + 0 == 1 && $2 + 0 == 4096' "$OUT/push_rate.log" | cut -c1-200 | tee -a "$summary"

@@ -19,9 +19,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/jmo-probes-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-if ! { cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)" \
-         -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" && cmake --build build/tools -j"$(nproc)" --target probes; } \
-     > "$OUT/probes_build.log" 2>&1; then
+if ! bash tools/build_tools.sh probes > "$OUT/probes_build.log" 2>&1; then
   tail -40 "$OUT/probes_build.log"
   exit 1
 fi

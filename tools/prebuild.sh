@@ -21,9 +21,8 @@ JMO_CUDA=on JMO_CUDA_ARCHS="$ARCHS" CUDACXX="$(command -v nvcc)" CMAKE_BUILD_PAR
 mkdir -p "$dest/site/jax_moe_overlap"
 mv "$dest"/pip/jax_moe_overlap/_jmo*.so "$dest/site/jax_moe_overlap/"   # the extension alone: the Python is the tree's
 rm -rf "$dest/pip"
-cmake -S tools -B build/tools-prebuilt -DPython_EXECUTABLE="$PY" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
-  -DCMAKE_BUILD_TYPE=Release -DJMO_CUDA_ARCHS="$ARCHS" > /dev/null
-cmake --build build/tools-prebuilt -j"$(nproc)" --target _jmo_loopback > /dev/null
+JMO_TOOLS_BUILD=build/tools-prebuilt PYTHON="$PY" JMO_BUILD_TYPE=Release JMO_CUDA_ARCHS="$ARCHS" \
+  bash tools/build_tools.sh _jmo_loopback > /dev/null
 cp build/tools-prebuilt/_jmo_loopback*.so "$dest/"
 bash tests/gpu/source_hash.sh > "$dest/src-hash"
 echo "$ARCHS" > "$dest/archs"

@@ -44,9 +44,7 @@ else
   JMO_CUDA=on CUDACXX="$(command -v nvcc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     python3 -m pip install -v --no-index --no-build-isolation --no-deps --target "$JMO_SITE" . > "$OUT/build.log" 2>&1 &
   jmo_ext=$!
-  { cmake -S tools -B build/tools -DPython_EXECUTABLE="$(command -v python3)" \
-      -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DCMAKE_BUILD_TYPE="${JMO_BUILD_TYPE:-Release}" \
-      && cmake --build build/tools -j"$(nproc)"; } > "$OUT/build_tools.log" 2>&1 &
+  bash tools/build_tools.sh > "$OUT/build_tools.log" 2>&1 &
   jmo_tools=$!
   wait $jmo_ext; jmo_ext_rc=$?
   wait $jmo_tools; jmo_tools_rc=$?
