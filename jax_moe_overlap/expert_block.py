@@ -36,8 +36,8 @@ def fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> b
 
 def dispatch_and_gemm1(x, gates, w1, plan, cap, info, keep_a: bool):
   """Tokens to their experts' ranks, then GEMM1 and its SwiGLU: (x_recv [cap, D] or None, h [cap, F] in x's dtype,
-  a [cap, 2F] in ``expert_gemms.kept_preactivation_dtype`` or None). keep_a: keep what the backward pass reads, x_recv and a (the forward alone needs
-  neither, so without it the fused call writes neither)."""
+  a [cap, 2F] in ``expert_gemms.kept_preactivation_dtype`` or None). keep_a: keep what the backward pass reads,
+  x_recv and a (the forward alone needs neither, so without it the fused call writes neither)."""
   T, k = gates.shape
   slot_src_row = jnp.arange(T * k, dtype=jnp.int32) // k
   if fuses_dispatch(x, w1, info, swiglu=True, transpose_rhs=False):

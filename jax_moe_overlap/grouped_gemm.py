@@ -92,7 +92,7 @@ def grouped_outer(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, pre
   return jax.ffi.ffi_call(GROUPED_OUTER, out, vmap_method="sequential")(lhs, rhs, group_sizes.astype(jnp.int32))
 
 
-def _preactivation_dtype(name: str, lhs: jax.Array, dtype):
+def check_preactivation_dtype(name: str, lhs: jax.Array, dtype):
   """The kept preactivation's dtype: float32 or lhs's, else a TypeError naming the rule."""
   dtype = jnp.dtype(dtype)
   if dtype not in (jnp.dtype(jnp.float32), lhs.dtype):
@@ -123,7 +123,7 @@ def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
       group_sizes.shape != (G,)):
     raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
                      f"{group_sizes.shape} do not fit lhs [M, K], rhs [G, K, 2F], group_sizes [G]")
-  a_dtype = _preactivation_dtype("grouped_matmul_swiglu", lhs, preactivation_dtype)
+  a_dtype = check_preactivation_dtype("grouped_matmul_swiglu", lhs, preactivation_dtype)
   _ffi.register()
   M, K, F = lhs.shape[0], lhs.shape[1], rhs.shape[2] // 2
   fused = engines.swiglu_fused(lhs.dtype == jnp.bfloat16, K, F)

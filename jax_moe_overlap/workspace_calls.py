@@ -33,7 +33,7 @@ import numpy as np
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import fp8
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.grouped_gemm import _preactivation_dtype, check_fp8_operands, fp8_row_operands
+from jax_moe_overlap.grouped_gemm import check_fp8_operands, check_preactivation_dtype, fp8_row_operands
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
@@ -139,10 +139,10 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
     out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
     out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
-    w[expert], and a is returned (in a_dtype) when keep_a. In the kept rows (the first ``plan.recv_rows``) the results equal
-    ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for bit; the rows
-    past them are unspecified (left unwritten, where those calls zero them): no consumer of the layer reads them
-    (docs/design.md, "Padding rows").
+    w[expert], and a is returned (in a_dtype) when keep_a. In the kept rows (the first ``plan.recv_rows``) the
+    results equal ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for
+    bit; the rows past them are unspecified (left unwritten, where those calls zero them): no consumer of the layer
+    reads them (docs/design.md, "Padding rows").
   On CUDA (Hopper, bfloat16) ``info.dispatch_pushers`` CTAs (at least one) push the rows for other ranks, then
   copy x_recv beside the GEMM, then join it; on CPU (float32 or bfloat16) the handler thread pushes, then computes
   with the bare grouped GEMMs' CPU numerics.
@@ -160,7 +160,7 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
   if keep_a and not swiglu:
     raise ValueError("jax_moe_overlap: dispatch_gemm: keep_a keeps the SwiGLU's preactivation; without swiglu the "
                      "GEMM's output is `out` itself (keep_a needs swiglu=True)")
-  a_dtype = _preactivation_dtype("dispatch_gemm", src, a_dtype) if keep_a else jnp.float32
+  a_dtype = check_preactivation_dtype("dispatch_gemm", src, a_dtype) if keep_a else jnp.float32
   D, N = src.shape[1], (w.shape[1] if transpose_rhs else w.shape[2])
   out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
   out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,

@@ -359,7 +359,8 @@ def test_gpu_without_fp8_tensor_cores_is_refused():
 def test_what_the_forward_keeps():
   """The recipe's residuals: per row x in e4m3 with its 1 x 128 scales and the SwiGLU input a likewise (D + 2F bytes
   and (D + 2F) / 32 bytes of scales), against x and a in bfloat16 (2 D + 4 F bytes: the preactivation kept in the
-  compute dtype) of the unquantized expert MLP; and the quantized weights (one byte per element and a scale per 128 x 128 block)."""
+  compute dtype) of the unquantized expert MLP; and the quantized weights (one byte per element and a scale per
+  128 x 128 block)."""
   M, D, F, G = 512, 256, 384, 4
   x = jax.ShapeDtypeStruct((M, D), jnp.bfloat16)
   w1, w2 = jax.ShapeDtypeStruct((G, D, 2 * F), jnp.float32), jax.ShapeDtypeStruct((G, F, D), jnp.float32)

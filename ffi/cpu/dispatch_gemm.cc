@@ -263,8 +263,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   // 3. GEMM over the m-tiles in claim order, each after the source blocks that hold its rows, then with swiglu
   //    the tile's epilogue. A tile's float32 product goes to `product` at the tile's rows (out when plain, a when
   //    swiglu keeps it in float32), else to `tile_scratch`, which the epilogue reads (and rounds into a kept in
-  //    src's dtype) before the next tile overwrites it. The row
-  //    loops see the tile's rows as rows 0..rows-1 of views that start at its first recv row.
+  //    src's dtype) before the next tile overwrites it. The row loops see the tile's rows as rows 0..rows-1 of views
+  //    that start at its first recv row.
   RankView self = ws->view(c.group, c.rank);
   uint64_t* blocks = self.src_blocks();
   const int64_t nb = SrcBlocks(ws->sizes().ret_rows);
@@ -309,7 +309,7 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                /*out_bf16=*/false, acc);
     if (swiglu) SwiGluRows(tile, 0, t.rows, F, h + t.r0 * F * elem_bytes, bf16);
     if (a_rounded)
-      for (int64_t i = 0; i < t.rows * N; ++i) StoreElem(a_out->untyped_data(), true, t.r0 * N + i, tile[i]);
+      for (int64_t i = 0; i < t.rows * N; ++i) StoreElem(a_out->untyped_data(), bf16, t.r0 * N + i, tile[i]);
   }
 
   // 4. Zero this call's blocks of every source (the send positions it keeps here: [lo, hi)), then end as a dispatch.

@@ -92,10 +92,10 @@ ffi::Error GroupedMatmulSwiGluImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::
     MatmulRows(x, w, g * K * 2 * F, (*off)[g], (*off)[g + 1], K, 2 * F, false, pre, false, acc);
   SwiGluRows(pre, 0, off->back(), F, h->untyped_data(), bf16);
   for (int64_t i = off->back() * F; i < M * F; ++i) StoreElem(h->untyped_data(), bf16, i, 0.f);
-  if (keep_a && !a_f32)
-    for (int64_t i = 0; i < off->back() * 2 * F; ++i) StoreElem(a->untyped_data(), true, i, pre[i]);
+  if (keep_a && !a_f32)  // (a in lhs's dtype: CheckGroupedSwiGlu)
+    for (int64_t i = 0; i < off->back() * 2 * F; ++i) StoreElem(a->untyped_data(), bf16, i, pre[i]);
   if (keep_a)
-    for (int64_t i = off->back() * 2 * F; i < M * 2 * F; ++i) StoreElem(a->untyped_data(), !a_f32, i, 0.f);
+    for (int64_t i = off->back() * 2 * F; i < M * 2 * F; ++i) StoreElem(a->untyped_data(), !a_f32 && bf16, i, 0.f);
   return ffi::Error::Success();
 }
 

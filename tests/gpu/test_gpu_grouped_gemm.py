@@ -15,7 +15,7 @@ import test_grouped_gemm as base  # tests/test_grouped_gemm.py (tests/ is on pyt
 
 from jax_moe_overlap import engines
 from jax_moe_overlap import expert_gemms
-from jax_moe_overlap.grouped_gemm import GROUPED_MATMUL_SWIGLU, grouped_matmul, grouped_matmul_swiglu, grouped_outer
+from jax_moe_overlap.grouped_gemm import grouped_matmul, grouped_matmul_swiglu, grouped_outer
 
 pytestmark = requires_gpu
 
@@ -94,9 +94,8 @@ def test_grouped_matmul_swiglu_keeps_a_rounded_once_gpu(case):
       # The custom call itself refuses a bf16 a where the fused epilogue does not run, naming what to ask for.
       lhs, rhs, gs = _on_gpu(jnp.ones((M, K), jnp.bfloat16), jnp.ones((len(sizes), K, 2 * F), jnp.bfloat16),
                              jnp.asarray(sizes, jnp.int32))
-      out = (jax.ShapeDtypeStruct((M, F), jnp.bfloat16), jax.ShapeDtypeStruct((M, 2 * F), jnp.bfloat16))
       with pytest.raises(jax.errors.JaxRuntimeError, match="ask for the preactivation in float32"):
-        jax.block_until_ready(jax.jit(lambda *o: jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU, out)(*o))(lhs, rhs, gs))
+        jax.block_until_ready(base.raw_swiglu_call_keeping_bf16_a(lhs, rhs, gs))
 
 
 def test_grouped_matmul_swiglu_fused_on_hopper():

@@ -332,7 +332,8 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
                              (why != nullptr ? why : "its launch refused the operands") +
                              (a == nullptr ? "); ask for the preactivation output"
                                            : "); ask for the preactivation in float32 (only the fused epilogue "
-                                             "rounds it to bf16)"));
+                                             "rounds it to bf16; the layer: jax_moe_overlap.expert_gemms."
+                                             "PREACTIVATION_IN_COMPUTE_DTYPE = False)"));
   }
   float* pre = static_cast<float*>(a);
   s = GroupedMatmul(stream, dt, /*out_f32=*/true, lhs, M, K, rhs, G, 2 * F, /*transpose_rhs=*/false, group_sizes, pre,
