@@ -6,9 +6,35 @@ timing, tables, shapes and routings they share; ``ideal_probes`` the probes behi
 rows.
 """
 
+import ast
+import importlib
 import os
 
-# The repository's examples folder (train_moe.py, model.py, step_profile.py), which some benchmarks import. This
-# module imports nothing but os, so that a benchmark may put the folder on sys.path before jax is imported (train_moe
-# sets the CPU device count first).
+# This module imports the standard library alone, so that a benchmark may import it (and put EXAMPLES on sys.path)
+# before jax is imported (train_moe sets the CPU device count first).
+
+# The repository's examples folder (train_moe.py, model.py, step_profile.py), which some benchmarks import.
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def switch_values(text: str, flag: str = "--values") -> list:
+  """The settings of a library switch given as comma-separated Python literals (train_switch_ab's and
+  layer_memory's --values), each read by ast.literal_eval; a SystemExit naming a malformed one."""
+  values = []
+  for v in text.split(","):
+    try:
+      values.append(ast.literal_eval(v))
+    except (ValueError, SyntaxError) as e:
+      raise SystemExit(f"{flag} {text!r}: {v!r} is not a Python literal ({e})") from None
+  return values
+
+
+def set_switch(switch: str, value, who: str) -> None:
+  """Sets the library switch MODULE.NAME (e.g. jax_moe_overlap.expert_gemms.PREACTIVATION_IN_COMPUTE_DTYPE) to
+  value; a SystemExit naming it, from `who`, where the module has no such attribute. Switches are read when a program
+  is traced: set one before tracing (or clear JAX's caches)."""
+  module, name = switch.rsplit(".", 1)
+  mod = importlib.import_module(module)
+  if not hasattr(mod, name):
+    raise SystemExit(f"{who}: {module} has no attribute {name}")
+  setattr(mod, name, value)

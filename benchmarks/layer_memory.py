@@ -14,8 +14,6 @@ setting's gradients are from the first setting's (the largest max-relative diffe
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import re
 
 import jax
@@ -24,6 +22,8 @@ import numpy as np
 
 import jax_moe_overlap as jmo
 from benchmarks import common
+from benchmarks import references
+from benchmarks import set_switch, switch_values
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 
@@ -58,16 +58,13 @@ def main(argv=None):
   x, ids, gates, w1, w2 = common.layer_operands(T, D, F, E, k)
   print(f"one layer, forward + backward: T={T} D={D} F={F} E={E} k={k} cf={a.capacity_factor} bf16, "
         f"{jax.devices()[0].platform}")
-  module, name = a.switch.rsplit(".", 1) if a.switch else (None, None)
-  mod = importlib.import_module(module) if module else None
-  if mod is not None and not hasattr(mod, name):
-    raise SystemExit(f"layer_memory: {module} has no attribute {name}")
-  values = [ast.literal_eval(v) for v in a.values.split(",")] if mod is not None else [None]
+  values = switch_values(a.values) if a.switch else [None]
+  name = a.switch.rsplit(".", 1)[-1] if a.switch else None
   for impl in a.impls.split(","):
     first = None
     for value in values:
-      if mod is not None:
-        setattr(mod, name, value)
+      if a.switch:
+        set_switch(a.switch, value, "layer_memory")
         jax.clear_caches()
 
       def loss(x, w1, w2, impl=impl):
@@ -75,18 +72,17 @@ def main(argv=None):
         return jnp.sum(y.astype(jnp.float32) ** 2)
       compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile()
       m = compiled.memory_analysis()
-      label = impl if mod is None else f"{impl}, {name}={value}"
+      label = f"{impl}, {name}={value}" if a.switch else impl
       print(f"{label}: temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
       for n, text in largest_buffers(compiled.as_text(), a.top):
         print(f"  {n / 2**30:8.2f} GiB  {text}")
       # The program runs only where asked (the analysis alone must also answer for shapes that do not fit).
       if len(values) > 1:
-        grads = jax.device_get(compiled(x, w1, w2))
+        grads = compiled(x, w1, w2)
         if first is None:
           first = grads
         else:
-          diff = max(float(np.max(np.abs(g.astype(np.float32) - f.astype(np.float32))) /
-                           max(float(np.max(np.abs(f.astype(np.float32)))), 1e-30)) for g, f in zip(grads, first))
+          diff = max(references.max_rel_err(g, f) for g, f in zip(grads, first))
           print(f"  gradients within {diff:.1e} (max-relative) of {name}={values[0]}'s", flush=True)
       if a.time:
         print(f"  {common.time_fn(compiled, [(x, w1, w2)]) * 1e3:.3f} ms forward + backward", flush=True)

@@ -15,25 +15,20 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import json
 import subprocess
 import sys
 
 import numpy as np
 
-from benchmarks import EXAMPLES
+from benchmarks import EXAMPLES, set_switch, switch_values
 
 RESULT = "train_switch_ab result: "   # the line a child prints its outcome on
 
 
 def run_child(switch: str, value, train_args: list[str]) -> None:
   """Sets MODULE.NAME = value, then runs train_moe.main(train_args) in this process and prints its outcome."""
-  module, name = switch.rsplit(".", 1)
-  mod = importlib.import_module(module)
-  if not hasattr(mod, name):
-    raise SystemExit(f"train_switch_ab: {module} has no attribute {name}")
-  setattr(mod, name, value)
+  set_switch(switch, value, "train_switch_ab")
   sys.path.insert(0, EXAMPLES)
   import train_moe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   out = train_moe.main(train_args)
@@ -81,11 +76,7 @@ def main(argv=None):
   values = args.values.split(",")
   if len(values) != 2:
     raise SystemExit(f"--values {args.values!r}: two settings, comma-separated")
-  for v in values:                                          # a malformed literal is refused before any run
-    try:
-      ast.literal_eval(v)
-    except (ValueError, SyntaxError) as e:
-      raise SystemExit(f"--values {args.values!r}: {v!r} is not a Python literal ({e})") from None
+  switch_values(args.values)                                # a malformed literal is refused before any run
   order = [values[i] for r in range(args.rounds) for i in ((0, 1) if r % 2 == 0 else (1, 0))]
   runs = []
   for value in order:

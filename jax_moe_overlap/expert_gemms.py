@@ -111,9 +111,9 @@ LAYER_FUSES_SWIGLU_GRAD = False
 def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
   """dh = d_out W2^T (float32) and the SwiGLU's gradient at a from it: da [cap, 2F] in out_dtype. On GPU, where the
   layer takes the fused epilogue (``LAYER_FUSES_SWIGLU_GRAD``), a is float32 (the epilogue reads it so) and an engine
-  has it for the operands (``engines.swiglu_grad_fused``), one custom call that never writes dh (``grouped_matmul_swiglu_grad``); elsewhere
-  on GPU ``grouped_matmul`` writes dh in float32 and XLA computes the gradient; on CPU XLA's ragged_dot, then the
-  gradient."""
+  has it for the operands (``engines.swiglu_grad_fused``), one custom call that never writes dh
+  (``grouped_matmul_swiglu_grad``); elsewhere on GPU ``grouped_matmul`` writes dh in float32 and XLA computes the
+  gradient; on CPU XLA's ragged_dot, then the gradient."""
   F, D = w2.shape[1], w2.shape[2]
   fused = (LAYER_FUSES_SWIGLU_GRAD and jnp.dtype(out_dtype) == d_out.dtype and a.dtype == jnp.float32 and
            engines.swiglu_grad_fused(d_out.dtype == jnp.bfloat16 and w2.dtype == jnp.bfloat16, D, F, True))
@@ -132,9 +132,9 @@ def expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes, dh=None):
 
   x_recv [cap, D], a [cap, 2F] (GEMM1's output, in ``kept_preactivation_dtype``), h [cap, F] in x_recv's dtype (its
   SwiGLU, GEMM2's input, as the forward pass wrote it), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D,
-  2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights' dtypes). dh [cap, F] float32 =
-  d_out W2^T when the caller has it (dispatch_gemm), else computed here, with the SwiGLU's gradient in the GEMM's
-  epilogue where the engine has it (``gemm2_grad_swiglu_grad``).
+  2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights'
+  dtypes). dh [cap, F] float32 = d_out W2^T when the caller has it (dispatch_gemm), else computed here, with the
+  SwiGLU's gradient in the GEMM's epilogue where the engine has it (``gemm2_grad_swiglu_grad``).
 
   h is the forward's, kept, not recomputed from a: a recomputation is one more pass over a (the largest residual,
   [cap, 2F]) and a write of h, for a value the forward had already written (and, from a kept in bfloat16, not the
