@@ -285,9 +285,10 @@ class Workspace:
 
   def release(self) -> None:
     """Frees the native buffers, after waiting for the dispatched programs (``jax.effects_barrier``; on CUDA the
-    native release also synchronizes the devices). Programs compiled for this workspace are dropped from the eager
-    cache; a jitted function of the user that traced it must be retraced (the next ``moe_experts`` call allocates a
-    new workspace). A workspace spanning processes is released by every process of it, at about the same time: on
+    native release also synchronizes the devices). JAX's compilation caches are cleared (``jax.clear_caches``), so
+    jitted functions that traced this workspace retrace and allocate a new one at their next call; a program
+    compiled ahead of time (``.lower().compile()``) must be compiled again (its call fails naming the released
+    handle). A workspace spanning processes is released by every process of it, at about the same time: on
     CUDA each process frees its blocks only once the others have closed their mappings of them (or are gone), and
     waits for that at most 5 s."""
     if self._released:
@@ -307,6 +308,11 @@ class Workspace:
       hook(self)
     _jmo.release_workspace(self.handle)
     self._released = True
+    # Compiled programs name the workspace they were traced against: one that ran after its release would fail
+    # after dispatch, its outputs (an nnx.jit step's updated module state among them) holding the error. JAX's caches
+    # are cleared so that every jitted function retraces and takes a live workspace; a program compiled ahead of time
+    # (``.lower().compile()``) is the caller's to compile again.
+    jax.clear_caches()
 
   def __repr__(self):
     return (f"Workspace(axis={self.axis_name!r}, ranks={self.ranks}, groups={self.groups}, "
@@ -321,7 +327,8 @@ def recorded_failures() -> list[str]:
 
 def release_workspaces() -> int:
   """Frees every workspace of this process (after the programs in flight finish); returns the bytes freed. Later
-  calls allocate new workspaces as they need them."""
+  calls allocate new workspaces as they need them: JAX's compilation caches are cleared, so jitted functions
+  retrace (a program compiled ahead of time must be compiled again; ``Workspace.release``)."""
   freed = 0
   for ws in Workspace.cached():
     freed += ws.total_bytes

@@ -1,6 +1,6 @@
 """Run by test_eager.py in a fresh process (a failed program's error stays on JAX's runtime tokens of the process):
-a jitted layer whose workspace was released fails when called again (its program names a handle that is no longer
-live), and the next ``release_workspaces`` then still frees the new workspace, warning about that failure instead of
+a layer program compiled ahead of time whose workspace was released fails when called again (it names a handle that
+is no longer live), and the next ``release_workspaces`` then still frees the new workspace, warning about that failure instead of
 raising it a second time; a later layer call works and matches the first."""
 
 import warnings
@@ -28,10 +28,11 @@ def main():
   mesh = jax.make_mesh((4,), ("expert",))
   f = jax.jit(lambda x: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh)[0])
   y0 = np.asarray(f(x))
+  ahead = f.lower(x).compile()
   jmo.release_workspaces()
   y1, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh)  # eager: a new workspace
   try:
-    jax.block_until_ready(f(x))  # compiled against the released one
+    jax.block_until_ready(ahead(x))  # compiled against the released one
     raise AssertionError("a program of a released workspace ran")
   except jax.errors.JaxRuntimeError as e:
     assert "not live" in str(e), e

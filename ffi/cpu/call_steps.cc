@@ -20,7 +20,8 @@ ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int3
   if (ws == nullptr)
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                                       "jax_moe_overlap: workspace handle " + std::to_string(handle) +
-                                          " is not live (released, or created in another process)"));
+                                          " is not live (released, or created in another process; a program compiled "
+                                          "ahead of time before release_workspaces() must be compiled again)"));
   if (rank < 0 || rank >= ws->ranks() || group < 0 || group >= ws->groups())
     return ffi::Unexpected(InvalidCall("rank " + std::to_string(rank) + " / group " + std::to_string(group) +
                                    " outside the workspace's " + std::to_string(ws->ranks()) + " ranks x " +

@@ -32,7 +32,8 @@ ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, const CallA
     return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                                       "jax_moe_overlap: workspace handle " + std::to_string(attrs.workspace) +
                                           " is not a live CUDA workspace (released, created in another process, or "
-                                          "a CPU workspace)"));
+                                          "a CPU workspace; a program compiled ahead of time before "
+                                          "release_workspaces() must be compiled again)"));
   CallSite c{ws, 0, 0, stream, attrs.options};
   Status s = ws->FindByOrdinal(ordinal, &c.group, &c.rank);
   if (!s.ok()) return ffi::Unexpected(ToFfi(s));
