@@ -273,6 +273,22 @@ def explicit_mesh(mesh) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
+def explicit_spec(mesh, spec: P) -> P:
+  """spec naming only the mesh's Explicit axes. A sharding in the types (``reshard``, a reshape's ``out_sharding``)
+  may name no other: on a mesh mixing Explicit and Auto axes the Auto ones are left to XLA (shard_map lays the
+  operands out over them)."""
+  explicit = {n for n, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
+              if t == jax.sharding.AxisType.Explicit}
+
+  def keep(entry):
+    if entry is None or entry is P.UNCONSTRAINED:
+      return entry
+    kept = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit)
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+  return P(*(keep(e) for e in spec))
+
+
 def _onto_mesh(tree, mesh):
   """Each concrete array of `tree` on other devices than the mesh's, replicated onto the mesh (inside the program
   shard_map reshards over Auto axes, but not across device sets)."""
@@ -291,7 +307,7 @@ def _w1_view(w1, mesh, axis_name):
   cannot be split over a tensor axis with the gate and up halves split alike; the view can, without moving data)."""
   if not explicit_mesh(mesh):
     return tp_lib.w1_view(w1)
-  experts = jax.sharding.NamedSharding(mesh, P(axis_name))
+  experts = jax.sharding.NamedSharding(mesh, explicit_spec(mesh, P(axis_name)))
 
   def reshape(a, shape):
     return jnp.reshape(jax.sharding.reshard(a, experts), shape, out_sharding=experts)
@@ -305,7 +321,8 @@ def _shard(tree, mesh, spec):
   if not explicit_mesh(mesh):
     return tree
   specs = jax.tree.map(lambda _: spec, tree) if isinstance(spec, P) else spec
-  return jax.tree.map(lambda a, s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s)), tree, specs)
+  return jax.tree.map(lambda a, s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, explicit_spec(mesh, s))),
+                      tree, specs)
 
 
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, cap_e, cap, info,

@@ -53,6 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_moe_overlap.api import explicit_spec
 from jax_moe_overlap.checks import check_master_weight
 from jax_moe_overlap.layer import MoE, expert_specs
 
@@ -116,14 +117,14 @@ def _w1(w):
 
 def _reshaped(a, shape):
   """``a`` in ``shape``, the same elements in the same order. A jax array on a mesh with Explicit axes, where a
-  reshape must be told its output sharding, is laid out over the mesh axes of its first axis alone first (as the
-  experts' weights are without a tensor axis)."""
+  reshape must be told its output sharding, is laid out over the Explicit mesh axes of its first axis alone first
+  (as the experts' weights are without a tensor axis)."""
   if tuple(a.shape) == tuple(shape):
     return a
   sharding = getattr(a, "sharding", None)
   if (isinstance(a, jax.Array) and isinstance(sharding, NamedSharding) and
       jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())):
-    first = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[:1]))
+    first = NamedSharding(sharding.mesh, explicit_spec(sharding.mesh, P(*tuple(sharding.spec)[:1])))
     return jnp.reshape(jax.sharding.reshard(a, first), shape, out_sharding=first)
   return a.reshape(shape)
 

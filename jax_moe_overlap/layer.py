@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
-from jax_moe_overlap.api import explicit_mesh, like_committed, moe_experts
+from jax_moe_overlap.api import explicit_mesh, explicit_spec, like_committed, moe_experts
 from jax_moe_overlap.checks import check_batch_axes, check_layer, check_master_weight, check_token_mask
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
@@ -187,7 +187,7 @@ class MoE(nnx.Module):
     new = (-1, a.shape[-1]) if features else (-1,)
     if _explicit_in(a):
       tokens = tp_lib.operand_specs(self.expert_axis, self.tensor_axis, self.batch_axes)[0][0]
-      spec = P(tokens, *([None] * (len(new) - 1)))
+      spec = explicit_spec(self.mesh, P(tokens, *([None] * (len(new) - 1))))
       return jnp.reshape(a, new, out_sharding=jax.sharding.NamedSharding(self.mesh, spec))
     return a.reshape(new)
 
