@@ -96,6 +96,16 @@ def check_router_logits(logits, num_experts: int) -> None:
                      f"{logits.dtype}{list(logits.shape)}")
 
 
+def check_expert_vector(name: str, a, num_experts: int | None) -> None:
+  """A per-expert floating vector (the routing bias, an expert load) of num_experts entries (None: any number)."""
+  shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+  if (shape is None or len(shape) != 1 or (num_experts is not None and shape[0] != num_experts) or
+      not jnp.issubdtype(dtype, jnp.floating)):
+    want = "num_experts" if num_experts is None else f"num_experts={num_experts}"
+    raise ValueError(f"jax_moe_overlap: {name} must be a floating-point [{want}] vector, got "
+                     f"{dtype}{list(shape) if shape is not None else type(a).__name__}")
+
+
 def check_quantization(quantization) -> None:
   if quantization not in QUANTIZATIONS:
     raise ValueError(f"jax_moe_overlap: quantization must be None (no quantization), 'fp8' or 'fp8_bf16_wgrad', "

@@ -24,6 +24,7 @@ Examples (the experts' widths scaled down; the routing as published):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -140,6 +141,21 @@ class MoEConfig:
       raise ValueError("jax_moe_overlap: shared_expert_gate scales the shared experts' output, but shared_experts is 0")
     if self.routed_bias_update_rate and not self.routed_bias:
       raise ValueError("jax_moe_overlap: routed_bias_update_rate is set but routed_bias is False")
+    for name in ("routed_bias", "norm_topk_prob", "shared_expert_gate"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise TypeError(f"jax_moe_overlap: MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
+    # The update moves a bias towards balance with a rate >= 0 (a negative one would steer tokens to the busiest
+    # experts); the losses' weights scale a loss the optimizer minimizes; the gates' scale is a positive factor.
+    for name, positive in (("routed_bias_update_rate", False), ("load_balance_loss_weight", False),
+                           ("router_z_loss_weight", False), ("routed_scaling_factor", True)):
+      v = getattr(self, name)
+      if (isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) or
+          v < 0 or (positive and v == 0)):
+        raise ValueError(f"jax_moe_overlap: MoEConfig.{name} must be a finite number "
+                         f"{'> 0' if positive else '>= 0'}, got {v!r}")
+    if self.shared_mlp_dim is not None and self.shared_experts == 0:
+      raise ValueError(f"jax_moe_overlap: shared_mlp_dim={self.shared_mlp_dim} is the shared experts' width, but "
+                       "shared_experts is 0")
     check_dtype("MoEConfig.dtype", self.dtype)
     if not jnp.issubdtype(jnp.dtype(self.weight_dtype), jnp.floating):
       raise TypeError(f"jax_moe_overlap: MoEConfig.weight_dtype is the dtype of the parameters (the master weights), a "

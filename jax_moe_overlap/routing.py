@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_moe_overlap.checks import check_router_logits, check_token_mask
+from jax_moe_overlap.checks import check_expert_vector, check_router_logits, check_token_mask
 from jax_moe_overlap.plan import SKIP
 
 
@@ -77,10 +77,16 @@ def route(logits: jax.Array, config, bias: jax.Array | None = None,
   """Routes [T, E] router logits (computed in float32) by ``config`` (a ``MoEConfig``).
 
   Args:
-    logits: [T, E] router logits. bias: [E] selection-only routing bias (None: none; used when
-      ``config.routed_bias``). token_mask: [T] bool, False for tokens that select nothing (None: all select).
+    logits: [T, E] router logits. bias: [E] floating selection-only routing bias (None: none); only with
+      ``config.routed_bias`` (a bias given to a config without it is refused). token_mask: [T] bool, False for tokens
+      that select nothing (None: all select).
   """
   check_router_logits(logits, config.num_experts)
+  if bias is not None:
+    if not config.routed_bias:
+      raise ValueError("jax_moe_overlap: route got a routing bias, but config.routed_bias is False: set "
+                       "MoEConfig(routed_bias=True) or pass bias=None")
+    check_expert_vector("the routing bias", bias, config.num_experts)
   check_token_mask(token_mask, logits.shape[:1])
   logits = logits.astype(jnp.float32)
   T, E = logits.shape
@@ -112,7 +118,12 @@ def route(logits: jax.Array, config, bias: jax.Array | None = None,
 
 def update_routing_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
   """DeepSeek-V3's bias update from one step's [E] load: b + rate * sign(mean(load) - load). A load within float32
-  rounding of the mean counts as equal to it (the load is a count over a total: exact in integers)."""
+  rounding of the mean counts as equal to it (the load is a count over a total: exact in integers). bias and
+  expert_load: floating [E] (an integer bias could not hold the steps); rate >= 0."""
+  check_expert_vector("the routing bias", bias, None)
+  check_expert_vector("expert_load", expert_load, bias.shape[0])
+  if not isinstance(rate, jax.Array) and not rate >= 0:
+    raise ValueError(f"jax_moe_overlap: the bias update's rate must be >= 0, got {rate!r}")
   load = expert_load.astype(jnp.float32)
   mean = jnp.mean(load)
   diff = mean - load

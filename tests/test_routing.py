@@ -140,11 +140,38 @@ def test_bias_update_balances_a_skewed_router():
     (dict(n_routing_groups=8, topk_routing_group=1, num_experts_per_tok=3), "exceeds"),
     (dict(routed_bias_update_rate=0.1), "routed_bias is False"),
     (dict(num_experts_per_tok=17), "top-k must be in"),
+    (dict(routed_bias=True, routed_bias_update_rate=-1e-3), "routed_bias_update_rate must be a finite number >= 0"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor must be a finite number > 0"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor must be a finite number > 0"),
+    (dict(load_balance_loss_weight=float("inf")), "load_balance_loss_weight must be a finite number >= 0"),
+    (dict(router_z_loss_weight=-1.0), "router_z_loss_weight must be a finite number >= 0"),
+    (dict(shared_mlp_dim=64), "shared_experts is 0"),
+    (dict(norm_topk_prob="no"), "norm_topk_prob must be a bool"),
+    (dict(routed_bias=1), "routed_bias must be a bool"),
 ])
 def test_config_rejects(kwargs, match):
   base = dict(emb_dim=8, moe_mlp_dim=8, num_experts=E, num_experts_per_tok=2)
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises((ValueError, TypeError), match=match):
     jmo.MoEConfig(**{**base, **kwargs})
+
+
+def test_bias_and_load_of_the_wrong_kind_are_named():
+  logits = jnp.asarray(np.random.default_rng(4).normal(size=(T, E)), jnp.float32)
+  plain = jmo.MoEConfig(emb_dim=8, moe_mlp_dim=8, num_experts=E, num_experts_per_tok=2)
+  biased = jmo.MoEConfig(emb_dim=8, moe_mlp_dim=8, num_experts=E, num_experts_per_tok=2, routed_bias=True)
+  with pytest.raises(ValueError, match="config.routed_bias is False"):
+    jmo.route(logits, plain, jnp.zeros(E))
+  with pytest.raises(ValueError, match=rf"the routing bias must be a floating-point \[num_experts={E}\]"):
+    jmo.route(logits, biased, jnp.zeros(E - 1))
+  with pytest.raises(ValueError, match="the routing bias must be a floating-point"):
+    jmo.route(logits, biased, jnp.zeros(E, jnp.int32))
+  load = jmo.route(logits, biased, jnp.zeros(E)).expert_load
+  with pytest.raises(ValueError, match=rf"expert_load must be a floating-point \[num_experts={E}\]"):
+    jmo.update_routing_bias(jnp.zeros(E), load[:-1], 1e-3)
+  with pytest.raises(ValueError, match="the routing bias must be a floating-point"):
+    jmo.update_routing_bias(jnp.zeros(E, jnp.int32), load, 1e-3)
+  with pytest.raises(ValueError, match="rate must be >= 0"):
+    jmo.update_routing_bias(jnp.zeros(E), load, -1e-3)
 
 
 def test_all_combinations_of_the_switches_run():

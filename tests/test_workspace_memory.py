@@ -33,6 +33,11 @@ def test_sizes_are_known_before_allocation_and_match_the_workspace():
   assert workspace_bytes(64, D, 2, E, ranks=4, capacity_factor=0.5) < planned
   with pytest.raises(ValueError, match="split evenly"):
     workspace_bytes(63, D, 2, E, ranks=4)
+  for kwargs, match in ((dict(tokens=-4), "tokens must be a positive int"), (dict(ranks=0), "ranks must be a positive"),
+                        (dict(top_k=E + 1), "top-k must be in"), (dict(dtype="float16"), "supported: float32"),
+                        (dict(quantization="int8"), "quantization must be")):
+    with pytest.raises((ValueError, TypeError), match=match):
+      workspace_bytes(**{**dict(tokens=64, d_model=D, top_k=2, num_experts=E, ranks=4), **kwargs})
 
 
 DECODE_BATCHES = (4, 12, 36, 100, 256)   # a decode loop's batch sizes, about 3x apart (each one compiles)
