@@ -1,7 +1,8 @@
 """Runs a command as a jax.distributed job of N processes on this host: process i gets the command with
 ``--num-processes N --process-id i --coordinator localhost:PORT`` (and ``--local-device-ids i``: one GPU each)
-appended, the flags of examples/train_moe.py, and writes its output to LOG_DIR/process-i.log. When one process fails
-or the deadline passes, every other process is killed: a dead peer never leaves the others waiting.
+appended, the flags of examples/train_moe.py, and writes its output to LOG_DIR/process-i.log (--logs; by default a
+fresh directory under the system's temporary directory, printed at the start). When one process fails or the
+deadline passes, every other process is killed: a dead peer never leaves the others waiting.
 
   python -m benchmarks.launch_job --processes 4 --limit-s 300 --logs $OUT -- python3 examples/train_moe.py --preset gpu
   python -m benchmarks.launch_job --processes 2 --no-local-ids -- python3 examples/train_moe.py   # CPU processes
@@ -17,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -78,19 +80,26 @@ def run(command: list[str], processes: int, limit_s: float, logs: str, local_ids
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  if "--" not in argv:
-    raise SystemExit("launch_job: the command follows '--' (see --help)")
-  cut = argv.index("--")
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--processes", type=int, required=True)
-  ap.add_argument("--limit-s", type=float, default=600)
-  ap.add_argument("--logs", default=".", help="folder of the processes' logs")
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.launch_job", description=__doc__.split("\n\n")[0],
+                               usage="%(prog)s --processes N [options] -- COMMAND ...")
+  ap.add_argument("--processes", type=int, required=True, help="processes of the job")
+  ap.add_argument("--limit-s", type=float, default=600, help="deadline of the job in seconds (default: %(default)g)")
+  ap.add_argument("--logs", default=None,
+                  help="folder of the processes' logs (default: a fresh launch_job-* folder in the system's "
+                       "temporary directory)")
   ap.add_argument("--no-local-ids", dest="local_ids", action="store_false",
                   help="do not pass --local-device-ids i (CPU processes: each uses its own devices)")
+  cut = argv.index("--") if "--" in argv else len(argv)
+  if cut == len(argv) and not {"-h", "--help"} & set(argv):   # the help needs no command
+    raise SystemExit("launch_job: the command follows '--' (see --help)")
   args = ap.parse_args(argv[:cut])
   if args.processes < 1 or not argv[cut + 1:]:
     raise SystemExit("launch_job: --processes must be at least 1 and a command must follow '--'")
-  return run(argv[cut + 1:], args.processes, args.limit_s, args.logs, args.local_ids)
+  logs = args.logs
+  if logs is None:   # not the current directory: a job started from a checkout would leave its logs in the work tree
+    logs = tempfile.mkdtemp(prefix="launch_job-")
+    print(f"launch_job: the processes' logs go to {logs}", flush=True)
+  return run(argv[cut + 1:], args.processes, args.limit_s, logs, args.local_ids)
 
 
 if __name__ == "__main__":

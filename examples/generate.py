@@ -29,8 +29,9 @@ import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-po
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  # Flags by their full names only, like train_moe.py's.
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=model_lib.HelpFormatter,
+                              allow_abbrev=False)
   p.add_argument("--ckpt-dir", required=True, help="checkpoint directory written by train_moe.py")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   p.add_argument("--prompt", default="This License ")
@@ -43,7 +44,7 @@ def parse_args(argv=None):
                  help="MoE implementation (default: the one the checkpoint was trained with)")
   p.add_argument("--capacity-factor", type=float, default=0.0,
                  help="expert capacity factor at inference (0: dropless)")
-  p.add_argument("--devices", type=int, default=None, help="use only the first N local devices")
+  p.add_argument("--devices", type=int, default=None, help="use only the first N local devices (default: all)")
   p.add_argument("--mesh-axis-type", choices=("auto", "explicit"), default="auto")
   p.add_argument("--mesh", default=None,
                  help="mesh axes and sizes as train_moe.py takes them; a checkpoint trained with a 'tensor' axis "

@@ -6,6 +6,7 @@ data and the orbax checkpoint layout. Not part of the library; copy what you nee
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import os
@@ -29,6 +30,14 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 # which is how a step profile (step_profile.py) attributes device time to them.
 ATTENTION_SCOPE = "attention"
 MOE_SCOPE = "moe"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """The scripts' --help: each flag's help with its default, except a default of None, where the help says what
+  leaving the flag out does."""
+
+  def _get_help_string(self, action):
+    return (action.help or "") if action.default is None else super()._get_help_string(action)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +79,9 @@ class ModelConfig:
         raise ValueError(f"{name}={getattr(self, name)}: at least 1")
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    if (self.d_model // self.num_heads) % 2:
+      raise ValueError(f"d_model={self.d_model} / num_heads={self.num_heads} = {self.d_model // self.num_heads}: the "
+                       f"head width must be even (the rotary position embedding rotates pairs of features)")
     if not 1 <= self.moe_every <= self.num_layers:
       raise ValueError(f"moe_every={self.moe_every} leaves no MoE layer among {self.num_layers} layers")
     check_layer(self.moe_config(), mesh, EXPERT_AXIS, self.impl, batch_axes(mesh), tensor_axis(mesh))
@@ -116,6 +128,8 @@ def make_mesh(num_devices: int | None = None, axis_type: str = "auto", shape: st
   expert-parallel group); every other parameter is replicated (data parallel). ``axis_type``: "auto" (XLA
   propagates shardings) or "explicit" (shardings are part of the array types); the model runs on either.
   """
+  if num_devices is not None and num_devices < 1:     # None means every device; 0 is not a count of devices
+    raise ValueError(f"--devices {num_devices}: at least 1")
   devices = jax.devices()
   if num_devices and jax.process_count() > 1:
     raise ValueError(f"--devices {num_devices}: a job of {jax.process_count()} processes uses every process's "
@@ -363,8 +377,13 @@ def _initializer(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int):
 
 def load_text(path: str | os.PathLike | None = None, block: int = 2048, eval_every: int = 10):
   """Returns (train, eval) uint8 arrays of bytes. The text is cut into blocks of ``block`` bytes; every
-  ``eval_every``-th block is held out for evaluation, the rest (in order) is the training text."""
+  ``eval_every``-th block is held out for evaluation, the rest (in order) is the training text. ValueError when the
+  text is too short to hold out any byte: more than ``(eval_every - 1) * block`` bytes are needed."""
   data = np.frombuffer(pathlib.Path(path or DATA_FILE).read_bytes(), dtype=np.uint8)
+  least = (eval_every - 1) * block + 1
+  if len(data) < least:
+    raise ValueError(f"the text has {len(data)} bytes; it needs at least {least}: every {eval_every}th block of "
+                     f"{block} bytes is held out for evaluation, the first from byte {least - 1}")
   blocks = [data[i:i + block] for i in range(0, len(data), block)]
   train = np.concatenate([b for i, b in enumerate(blocks) if i % eval_every != eval_every - 1])
   held = np.concatenate([b for i, b in enumerate(blocks) if i % eval_every == eval_every - 1])

@@ -49,8 +49,9 @@ from jax_moe_overlap.checks import QUANTIZATIONS  # pylint: disable=g-import-not
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  # No abbreviated flags: --preset keeps the flags given explicitly, recognised by their full names (_given_dests).
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=model_lib.HelpFormatter,
+                              allow_abbrev=False)
   g = p.add_argument_group("model")
   g.add_argument("--d-model", type=int, default=64, help="model width")
   g.add_argument("--layers", type=int, default=4, help="transformer layers")
@@ -91,25 +92,25 @@ def parse_args(argv=None):
                       "update, so activations take one microbatch's memory (batch / N divisible by the devices)")
   g.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
   g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-  g.add_argument("--warmup", type=int, default=None, help="warm-up steps; None: 10%% of --steps")
+  g.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 10%% of --steps)")
   g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on norm scales)")
   g.add_argument("--lb-weight", type=float, default=0.01, help="weight of the load-balancing loss")
   g.add_argument("--z-weight", type=float, default=1e-3, help="weight of the router z-loss")
   g.add_argument("--seed", type=int, default=0, help="parameter init and data order")
-  g.add_argument("--devices", type=int, default=None, help="use only the first N local devices")
+  g.add_argument("--devices", type=int, default=None, help="use only the first N local devices (default: all)")
   g.add_argument("--mesh-axis-type", choices=("auto", "explicit"), default="auto",
                  help="jax.sharding.AxisType of the mesh axes")
   g.add_argument("--mesh", default=None,
                  help="mesh axes and sizes, e.g. data=2,expert=2: tokens over all axes, experts over 'expert', each "
                       "data position its own expert-parallel group; an axis 'tensor' (expert=2,tensor=2) splits each "
                       "expert's hidden width over it (default: one 'expert' axis over all devices)")
-  g.add_argument("--data", default=None, help=f"text file; None: examples/data/{model_lib.DATA_FILE.name}")
+  g.add_argument("--data", default=None, help=f"text file (default: examples/data/{model_lib.DATA_FILE.name})")
   g = p.add_argument_group("processes (a jax.distributed job: one process per GPU, or several CPU processes)")
   g.add_argument("--num-processes", type=int, default=1, help="processes of the job (1: no jax.distributed)")
   g.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. --num-processes - 1")
   g.add_argument("--coordinator", default=None, help="host:port of process 0's coordination service")
   g.add_argument("--local-device-ids", default=None,
-                 help="comma list of the local devices this process uses (e.g. its GPU); None: all of them")
+                 help="comma list of the local devices this process uses, e.g. its GPU (default: all of them)")
   g = p.add_argument_group("evaluation, checkpoints, output")
   g.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
   g.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
@@ -128,11 +129,11 @@ def parse_args(argv=None):
                  help="trace this many train steps (after the first) with jax.profiler and print where their device "
                       "time goes: this library's custom calls, the rest of the MoE layers, attention, the rest")
   g.add_argument("--peak-tflops", type=float, default=None,
-                 help="peak dense TFLOP/s of one device in the compute dtype, for model FLOP utilisation (MFU); "
-                      "None: known GPUs' datasheet value, else no MFU")
+                 help="peak dense TFLOP/s of one device in the compute dtype, for model FLOP utilisation (MFU) "
+                      "(default: known GPUs' datasheet value, else no MFU)")
   g.add_argument("--peak-tflops-fp8", type=float, default=None,
-                 help="peak dense FP8 TFLOP/s of one device, for the MFU of --quantization fp8 against it; None: known "
-                      "GPUs' datasheet value")
+                 help="peak dense FP8 TFLOP/s of one device, for the MFU of --quantization fp8 against it (default: "
+                      "known GPUs' datasheet value)")
   args = p.parse_args(argv)
   if args.preset:
     given = _given_dests(p, sys.argv[1:] if argv is None else argv)
@@ -205,9 +206,24 @@ def model_config(args) -> model_lib.ModelConfig:
                                quantization=None if args.quantization == "none" else args.quantization)
 
 
+def warmup_steps(args) -> int:
+  """The warm-up's steps: --warmup, else 10% of --steps (at least 1)."""
+  return args.warmup if args.warmup is not None else max(1, args.steps // 10)
+
+
+def warmup_note(args) -> str | None:
+  """A line saying that the learning rate never reaches its peak, when the warm-up lasts the whole run: step s (from
+  0) trains at lr * s / warmup, and the last step is --steps - 1; None otherwise."""
+  warmup = warmup_steps(args)
+  if args.steps < 1 or warmup < args.steps:
+    return None
+  steps = f"{warmup} step{'s' if warmup != 1 else ''}"
+  return (f"the warm-up ({steps}) lasts the whole run (--steps {args.steps}): the learning rate never reaches its "
+          f"peak --lr {args.lr:g} (the last step trains at {args.lr * (args.steps - 1) / warmup:.3g})")
+
+
 def make_optimizer(model, args):
-  tx, schedule = make_tx(args.lr, args.warmup if args.warmup is not None else max(1, args.steps // 10), args.steps,
-                         args.weight_decay)
+  tx, schedule = make_tx(args.lr, warmup_steps(args), args.steps, args.weight_decay)
   return nnx.Optimizer(model, tx, wrt=nnx.Param), schedule
 
 
@@ -337,8 +353,27 @@ def check_counts(args):
       raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: at least {low}")
   if args.stop_at is not None and args.stop_at < 1:     # else 0 would read as "not given": every step
     raise SystemExit(f"--stop-at {args.stop_at}: at least 1")
+  if args.warmup is not None and args.warmup < 0:       # a negative warm-up starts the schedule above 0
+    raise SystemExit(f"--warmup {args.warmup}: at least 0")
   if not (math.isfinite(args.lr) and args.lr > 0):
     raise SystemExit(f"--lr {args.lr}: must be a positive finite number")
+
+
+def check_outputs(args):
+  """SystemExit naming an output path that cannot be written, before anything is trained: a --plot or --history-out
+  whose directory does not exist or which is a directory, a --ckpt-dir that exists and is no directory. Only process
+  0 of a job writes the plot and the history, so only it checks them."""
+  if args.process_id in (None, 0):
+    for flag, path in (("--plot", args.plot), ("--history-out", args.history_out)):
+      if not path:
+        continue
+      parent = os.path.dirname(os.path.abspath(path))
+      if os.path.isdir(path):
+        raise SystemExit(f"{flag} {path}: is a directory, not a file")
+      if not os.path.isdir(parent):
+        raise SystemExit(f"{flag} {path}: no directory {parent}")
+  if args.ckpt_dir and os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
+    raise SystemExit(f"--ckpt-dir {args.ckpt_dir}: exists and is not a directory")
 
 
 def check_batch_split(batch_size, grad_accum, num_devices):
@@ -456,6 +491,7 @@ def plot_curve(path, history, title):
 def main(argv=None):
   args = parse_args(argv)
   check_counts(args)
+  check_outputs(args)
   if (args.resume or args.overwrite) and not args.ckpt_dir:
     raise SystemExit("--resume and --overwrite need --ckpt-dir")
   start_processes(args)
@@ -476,6 +512,8 @@ def main(argv=None):
       train_text, held_text = model_lib.load_text(args.data)
     except OSError as e:
       raise ValueError(f"--data {args.data}: {e.strerror or e}") from None
+    except ValueError as e:
+      raise ValueError(f"--data {args.data or model_lib.DATA_FILE}: {e}") from None
     eval_set = model_lib.eval_batches(held_text, args.batch_size, args.seq_len, args.eval_batches, multiple_of=R)
   except ValueError as e:
     raise SystemExit(str(e)) from None
@@ -565,10 +603,12 @@ def main(argv=None):
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(f"{jax.devices()[0].platform} x {R} devices{procs} {dict(mesh.shape)} | {n_params / 1e6:.2f}M parameters | "
         f"{cfg.num_experts} experts, top-{cfg.top_k}, capacity factor {cfg.capacity_factor} | impl={cfg.impl}"
-        f"{' fp8' if cfg.quantization else ''} | "
+        f"{' ' + cfg.quantization if cfg.quantization else ''} | "
         f"{tokens_per_step} tokens/step{micro} | train {len(train_text)} B, held-out {len(held_text)} B")
     say(f"attention: {cfg.attention} ({why}) | evaluation: {len(eval_set)} held-out batch(es) of "
         f"{len(eval_set[0])} x {args.seq_len + 1} bytes")
+    if warmup_note(args):
+      say(warmup_note(args))
 
     def save(step):
       if mngr is None:
@@ -588,19 +628,20 @@ def main(argv=None):
     # the same order on the same inputs, so the losses are those of a loop that waits for every step. The wait is
     # synchronous around the traced steps, evaluations and checkpoints. A step's time is the interval between the
     # read-backs of its predecessor and its own: the device's time per step once the host keeps ahead.
-    t_prev, tok_s = None, float("nan")                  # the last read-back's time (None: the next is not timed)
+    t_prev = None                                       # the last read-back's time (None: the next is not timed)
     step_times = []                                     # seconds of the timed steps (not the first: compilation)
     pending = None                                      # (step, metrics) dispatched and not yet read back
 
     def read_back():
       """The host's side of the pending step, if any: waits for it, times it, logs it."""
-      nonlocal pending, t_prev, tok_s
+      nonlocal pending, t_prev
       if pending is None:
         return
       step, metrics = pending
       pending = None
       loss, dropped = float(metrics["loss"]), float(metrics["dropped"])   # waits for the step
       t_now = time.perf_counter()
+      tok_s = float("nan")                              # an untimed step shows no rate, not its predecessor's
       if t_prev is not None:
         tok_s = tokens_per_step / (t_now - t_prev)
         if step not in traced:                          # the profiler's overhead is no training time
@@ -652,15 +693,18 @@ def main(argv=None):
       mngr.wait_until_finished()
       mngr.close()
 
-  report_throughput(cfg, args, step_times, tokens_per_step, R)
+  if stop > start:                                      # else no step ran: nothing to time
+    report_throughput(cfg, args, step_times, tokens_per_step, R)
   profile_result = None
   if profile is not None:
     profile_result = profile.result(sum(d.process_index == jax.process_index() for d in mesh.devices.flat))
     say(step_profile.format_table(profile_result, part_flops(cfg, tokens_per_step / R)))
-  first = history["loss"][0] if history["loss"] else float("nan")
-  say(f"step {stop}: train loss {np.mean(history['loss'][-10:]):.4f} (first step {first:.4f}), "
-        f"held-out loss {eval_loss:.4f} nats/byte ({eval_loss / np.log(2):.3f} bits/byte), "
-        f"dropped {np.mean(history['dropped'][-10:]) if history['dropped'] else 0:.4f}")
+  held_out = f"held-out loss {eval_loss:.4f} nats/byte ({eval_loss / np.log(2):.3f} bits/byte)"
+  if history["loss"]:
+    say(f"step {stop}: train loss {np.mean(history['loss'][-10:]):.4f} (first step {history['loss'][0]:.4f}), "
+        f"{held_out}, dropped {np.mean(history['dropped'][-10:]) if history['dropped'] else 0:.4f}")
+  else:                                                 # --steps 0: the initial model's held-out loss
+    say(f"step {stop}: no train step ran, {held_out}")
   if args.history_out and jax.process_index() == 0:
     with open(args.history_out, "w") as f:
       json.dump({"losses": history["loss"], "dropped": history["dropped"], "eval": history["eval"],

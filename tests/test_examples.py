@@ -204,6 +204,12 @@ def test_overlapping_kernel_times_on_a_stream_do_not_nest():
     (["--mesh", "expert=2,data=1,data=2"], "mesh 'expert=2,data=1,data=2' names axis 'data' more than once"),
     (["--data", "/nonexistent/text.txt"], "--data /nonexistent/text.txt: No such file or directory"),
     (["--mesh", "data=0,expert=4"], "mesh 'data=0,expert=4': data=0: every axis needs a size of at least 1"),
+    (["--d-model", "12", "--heads", "4"], "d_model=12 / num_heads=4 = 3: the head width must be even"),
+    (["--devices", "0"], "--devices 0: at least 1"),
+    (["--devices", "-1"], "--devices -1: at least 1"),
+    (["--warmup", "-5"], "--warmup -5: at least 0"),
+    (["--history-out", "/nonexistent/h.json"], "--history-out /nonexistent/h.json: no directory /nonexistent"),
+    (["--plot", "/nonexistent/p.png"], "--plot /nonexistent/p.png: no directory /nonexistent"),
 ])
 def test_training_refuses_bad_flags_in_one_line(flags, rule):
   """Flags the model or the library's layer rules refuse end the script with one line naming the rule (the
@@ -212,6 +218,46 @@ def test_training_refuses_bad_flags_in_one_line(flags, rule):
     train_moe.main(TINY + ["--plot", ""] + flags)
   msg = str(e.value)
   assert rule in msg and "\n" not in msg, msg
+
+
+def test_training_refuses_a_short_text_or_a_file_as_checkpoint_directory(tmp_path):
+  """A --data text too short to hold out a block, and a --ckpt-dir that is a file, are refused in one line naming the
+  rule, before the training (a file would fail only at the first checkpoint)."""
+  short, empty, a_file = tmp_path / "short.txt", tmp_path / "empty.txt", tmp_path / "file"
+  short.write_bytes(b"x" * 18432)
+  empty.write_bytes(b"")
+  a_file.write_text("")
+  for flags, rule in [(["--data", str(short)], f"--data {short}: the text has 18432 bytes; it needs at least 18433: "
+                                               "every 10th block of 2048 bytes is held out for evaluation"),
+                      (["--data", str(empty)], "the text has 0 bytes; it needs at least 18433"),
+                      (["--ckpt-dir", str(a_file)], f"--ckpt-dir {a_file}: exists and is not a directory")]:
+    with pytest.raises(SystemExit) as e:
+      train_moe.main(TINY + ["--plot", ""] + flags)
+    assert rule in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
+  with pytest.raises(SystemExit, match="--devices 0: at least 1"):   # generate.py's mesh too, before any checkpoint
+    generate.main(["--ckpt-dir", str(tmp_path), "--devices", "0"])
+
+
+def test_a_step_after_an_evaluation_shows_no_rate(capsys):
+  """A step that follows an evaluation is not timed, so its log line shows "-" as tokens/s, not the rate of the
+  step before the evaluation. (--steps 30 --stop-at 3: the schedule, and so the compiled step, of the other runs.)"""
+  train_moe.main(TINY + ["--stop-at", "3", "--eval-every", "2", "--log-every", "1", "--skip-check", "--plot", ""])
+  rate = {l.split(":")[0]: l.split("tokens/s ")[1].split()[0] for l in capsys.readouterr().out.splitlines()
+          if l.startswith("step ") and "tokens/s" in l}
+  assert rate["step 1"] == "-" and rate["step 2"] != "-", rate      # the first step compiles, the second is timed
+  assert rate["step 3"] == "-", rate                                # after the evaluation at step 2
+
+
+def test_zero_steps_report_the_initial_held_out_loss(capsys):
+  """--steps 0 (allowed: the untrained model's held-out loss) says that no step ran: no NaN train loss, no numpy
+  warning about an empty mean."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    out = train_moe.main(TINY + ["--steps", "0", "--skip-check", "--plot", ""])
+  text = capsys.readouterr().out
+  assert out["losses"] == [] and np.isfinite(out["eval_loss"])
+  assert "step 0: no train step ran, held-out loss" in text and "nan" not in text, text
 
 
 def test_generation_refuses_bad_flags_in_one_line(overlap_run, tmp_path):
