@@ -23,9 +23,8 @@ from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.call_site import RankInfo, tensor_reduce
 from jax_moe_overlap.checks import (batch_size, check_batch_axes, check_call_config, check_capacity_factor,
-                                    check_expert_ids, check_fp8_impl,
-                                    check_fp8_tensor_split, check_impl, check_inputs, check_tensor_axis,
-                                    check_tensor_split)
+                                    check_expert_ids, check_fp8_impl, check_fp8_tensor_split, check_impl,
+                                    check_inputs, check_outside_shard_map, check_tensor_axis, check_tensor_split)
 from jax_moe_overlap.config import CallConfig
 from jax_moe_overlap.expert_block import expert_block
 from jax_moe_overlap.fp8_overlap import fp8_expert_block, workspace_route
@@ -91,6 +90,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
   Outside ``jit`` each call runs one compiled program, cached per static configuration (mesh, axes, capacities,
   config, workspace) by ``eager_program`` and per shapes, dtypes and shardings by ``jax.jit``.
   """
+  check_outside_shard_map("moe_experts")
   check_inputs(x, expert_ids, gates, w1, w2, mesh, axis_name, quantization)
   check_impl(impl)
   check_capacity_factor(capacity_factor)

@@ -96,6 +96,18 @@ def check_router_logits(logits, num_experts: int) -> None:
                      f"{logits.dtype}{list(logits.shape)}")
 
 
+def check_outside_shard_map(where: str) -> None:
+  """The layer runs its own shard_map over the mesh it is given: called inside a shard_map (some axes Manual in the
+  context mesh), its layouts would name a mesh other than the context's, and JAX fails deep in a reshape."""
+  manual = [n for n, t in zip(jax.sharding.get_abstract_mesh().axis_names,
+                              getattr(jax.sharding.get_abstract_mesh(), "axis_types", ()))
+            if t == jax.sharding.AxisType.Manual]
+  if manual:
+    raise ValueError(f"jax_moe_overlap: {where} called inside a shard_map over the axes {manual}: the layer runs "
+                     "its own shard_map over the expert axis (and the batch and tensor axes you name), so call it "
+                     "outside yours, on the global arrays")
+
+
 def check_expert_vector(name: str, a, num_experts: int | None) -> None:
   """A per-expert floating vector (the routing bias, an expert load) of num_experts entries (None: any number)."""
   shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)

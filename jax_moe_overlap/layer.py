@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import routing as routing_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.api import explicit_mesh, explicit_spec, like_committed, moe_experts
-from jax_moe_overlap.checks import check_batch_axes, check_layer, check_master_weight, check_token_mask
+from jax_moe_overlap.checks import (check_batch_axes, check_layer, check_master_weight, check_outside_shard_map,
+                                    check_token_mask)
 from jax_moe_overlap.config import CallConfig, MoEConfig
 from jax_moe_overlap.expert_gemms import swiglu
 
@@ -141,6 +142,7 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jax.Array, token_mask: jax.Array | None = None):
     cfg = self.config
+    check_outside_shard_map(type(self).__name__)
     if x.shape[-1] != cfg.emb_dim:
       raise ValueError(f"jax_moe_overlap: MoE expects inputs [..., {cfg.emb_dim}], got {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_moe_overlap as jmo
-from cases import layer_inputs, mesh_of
+from cases import layer_inputs, mesh_of, moe_config
 
 E, D, F = 8, 16, 24
 
@@ -248,3 +249,21 @@ def test_environment_defaults_refuse_values_they_do_not_know(monkeypatch):
   monkeypatch.setenv("JMO_TIMEOUT_MS", "5s")
   with pytest.raises(ValueError, match=r"\$JMO_TIMEOUT_MS must be an integer, got '5s'"):
     jmo.CallConfig()
+
+
+def test_a_call_inside_a_shard_map_is_refused_by_name():
+  """The layer runs its own shard_map over the mesh it is given; called inside the user's (some axes Manual), it says
+  so instead of failing in a reshape of JAX's."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((2, 2), ("data", "expert"))
+  x, ids, gates, w1, w2 = layer_inputs(32, 16, 24, 8, 2, "balanced", 0)
+  inner = jax.shard_map(lambda x, ids, g: jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh)[0], mesh=mesh,
+                        in_specs=(P("data"),) * 3, out_specs=P("data"), axis_names={"data"})
+  with pytest.raises(ValueError, match=r"moe_experts called inside a shard_map over the axes \['data'\]"):
+    jax.jit(inner)(x, ids, gates)
+  cfg = moe_config(emb_dim=16, moe_mlp_dim=24, num_experts=8, num_experts_per_tok=2)
+  graph, state = nnx.split(jmo.MoE(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+  module = jax.shard_map(lambda s, x: nnx.merge(graph, s)(x)[0], mesh=mesh, in_specs=(P(), P("data")),
+                         out_specs=P("data"), axis_names={"data"})
+  with pytest.raises(ValueError, match="MoE called inside a shard_map"):
+    jax.jit(module)(state, x)
