@@ -29,22 +29,24 @@ class GroupBarrier {
   // Arrives; true for the last of `ranks` ranks: every rank is then here, so nothing reads or writes group memory,
   // and the caller resets the group, then calls Open().
   bool Arrive(int ranks) {
+    ranks_ = static_cast<uint64_t>(ranks);
     const uint64_t before = word_.fetch_add(1, std::memory_order_acq_rel);
     gen_ = before >> 32;
-    return (before & 0xffffffffu) + 1 == static_cast<uint64_t>(ranks);
+    return (before & 0xffffffffu) + 1 == ranks_;
   }
 
   void Open() { word_.store((gen_ + 1) << 32, std::memory_order_release); }
 
-  // Waits for the last rank's Open(), until `deadline`. At the deadline leaves the barrier (unless the last rank
-  // arrived in the meantime: the generation is in the same word) and returns false with *arrived = the ranks that
-  // were there, this one included.
+  // Waits for the last rank's Open(), until `deadline`. At the deadline leaves the barrier and returns false with
+  // *arrived = the ranks that were there, this one included; but not once every rank has arrived (the count and the
+  // generation are one word): the last rank is then resetting the group, this rank's memory included, and opens it
+  // when done, so leaving would report a missing rank that is not missing and skip the reset.
   bool Wait(std::chrono::steady_clock::time_point deadline, uint64_t* arrived) {
     int spins = 0;
     for (;;) {
       uint64_t v = word_.load(std::memory_order_acquire);
       if ((v >> 32) != gen_) return true;
-      if (std::chrono::steady_clock::now() >= deadline) {
+      if (std::chrono::steady_clock::now() >= deadline && (v & 0xffffffffu) < ranks_) {
         if (word_.compare_exchange_strong(v, v - 1, std::memory_order_acq_rel)) {
           *arrived = v & 0xffffffffu;
           return false;
@@ -58,6 +60,7 @@ class GroupBarrier {
  private:
   std::atomic_ref<uint64_t> word_;
   uint64_t gen_ = 0;
+  uint64_t ranks_ = 0;
 };
 
 }  // namespace jmo
