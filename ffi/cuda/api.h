@@ -33,6 +33,9 @@ struct CallSite {
   int group, rank;
   cudaStream_t stream;
   CallOptions opts;
+  // Set by BeginCall once it has launched BeginKernel: the call's epoch is open, and a failure of this rank's host
+  // from then on must raise the group's abort (AbortIfOpened), or the peers would wait the timeout for it.
+  mutable bool opened = false;
 };
 
 // dispatch: rows src[slot_src_row[p]] -> peer slot_dest_rank[p]'s recv row slot_dest_row[p] (-1: dropped); waits for

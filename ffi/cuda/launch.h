@@ -53,6 +53,13 @@ Status StreamCaptured(cudaStream_t stream, const char* op, bool* captured);
 // rank's rows) and returns InvalidArgument "jax_moe_overlap: <op>: <why>".
 Status FailCall(const CallSite& c, const char* op, const std::string& why);
 
+// The status of a call, with the group's abort raised where it failed after BeginCall opened its epoch (a runtime
+// call or a launch of this rank's host that failed: CallSite::opened), as FailCall does for a refusal there: the peers
+// then fail at once on the abort word instead of waiting out the timeout for this rank. Not where BeginCall itself
+// failed: its report of an earlier call's failure comes after the group's reset, and raising the abort again would
+// fail the next call too.
+Status AbortIfOpened(const CallSite& c, Status s);
+
 // EndKernel: closes the call (which = 0: a dispatch's recv rows, 1: expert_combine's ret rows).
 Status LaunchEnd(const RankDev& rd, cudaStream_t stream, const int32_t* expected, int which);
 

@@ -18,6 +18,7 @@
 #include "cuda/handlers/call_counts.h"
 #include "cuda/handlers/handlers.h"
 #include "cuda/handlers/support.h"
+#include "cuda/launch.h"
 #include "cuda/workspace/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -51,11 +52,12 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
-  return ToFfi(Dispatch(c.value(), shape->dtype, src.untyped_data(), shape->S, shape->D,
-                        slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
-                        shape->send_once ? slot_primary.typed_data() : nullptr, shape->P,
-                        recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
-                        out->untyped_data(), shape->cap));
+  const Status s = Dispatch(c.value(), shape->dtype, src.untyped_data(), shape->S, shape->D,
+                            slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
+                            shape->send_once ? slot_primary.typed_data() : nullptr, shape->P,
+                            recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
+                            out->untyped_data(), shape->cap);
+  return ToFfi(AbortIfOpened(c.value(), s));
 }
 
 ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src,
@@ -89,10 +91,11 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                                       shape->keep_a && !shape->fp8 && a->element_type() != ffi::DataType::F32};
   // (CheckDispatchGemm refused bf16 swiglu with transpose_rhs; e4m3 w is always K-major.)
   const Gemm1Form form = swiglu ? Gemm1Form::kSwiGlu : transpose_rhs ? Gemm1Form::kTransposedRhs : Gemm1Form::kPlain;
-  return ToFfi(DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,
-                            recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
-                            shape->E_local, w.untyped_data(), shape->fp8 ? w_scales.typed_data() : nullptr, shape->N,
-                            form, group_op.typed_data(), rank_op.typed_data(), results, shape->rows.cap));
+  const Status s = DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,
+                                recv_rows_expected.typed_data(), seg_rows.typed_data(), seg_ret_off.typed_data(),
+                                shape->E_local, w.untyped_data(), shape->fp8 ? w_scales.typed_data() : nullptr,
+                                shape->N, form, group_op.typed_data(), rank_op.typed_data(), results, shape->rows.cap);
+  return ToFfi(AbortIfOpened(c.value(), s));
 }
 
 ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer w,
@@ -111,11 +114,13 @@ ffi::Error ExpertCombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckExpertCombinePlan(*shape, c.value().ws->ranks()); e.failure()) return e;
-  return ToFfi(ExpertCombine(c.value(), shape->dtype, lhs.untyped_data(), shape->cap, shape->K,
-                             w.untyped_data(), shape->E_local, shape->N, transpose_rhs, gates.typed_data(), shape->T,
-                             shape->k, seg_rows.typed_data(), seg_ret_off.typed_data(), slot_ret_row.typed_data(),
-                             ret_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
-                             y->untyped_data(), shape->want_slots ? slot_out->untyped_data() : nullptr, fp8));
+  const Status s = ExpertCombine(c.value(), shape->dtype, lhs.untyped_data(), shape->cap, shape->K,
+                                 w.untyped_data(), shape->E_local, shape->N, transpose_rhs, gates.typed_data(),
+                                 shape->T, shape->k, seg_rows.typed_data(), seg_ret_off.typed_data(),
+                                 slot_ret_row.typed_data(), ret_rows_expected.typed_data(), group_op.typed_data(),
+                                 rank_op.typed_data(), y->untyped_data(),
+                                 shape->want_slots ? slot_out->untyped_data() : nullptr, fp8);
+  return ToFfi(AbortIfOpened(c.value(), s));
 }
 
 // gather_rs (GEMM2 + GatherRS): the CPU handler's shape checks and its rule on R; token_rows' entries are device data,
@@ -132,10 +137,11 @@ ffi::Error GatherRsImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
   if (ffi::Error e = CheckGatherRsPlan(*shape, c.value().ws->ranks()); e.failure()) return e;
-  return ToFfi(GatherRs(c.value(), shape->dtype, lhs.untyped_data(), shape->cap, shape->K, w.untyped_data(),
-                        shape->E_local, shape->N, transpose_rhs, row_gate.typed_data(), token_rows.typed_data(),
-                        shape->T, shape->Q, seg_rows.typed_data(), seg_ret_off.typed_data(), group_op.typed_data(),
-                        rank_op.typed_data(), y->untyped_data(), shape->want_rows ? rows->untyped_data() : nullptr));
+  const Status s = GatherRs(c.value(), shape->dtype, lhs.untyped_data(), shape->cap, shape->K, w.untyped_data(),
+                            shape->E_local, shape->N, transpose_rhs, row_gate.typed_data(), token_rows.typed_data(),
+                            shape->T, shape->Q, seg_rows.typed_data(), seg_ret_off.typed_data(), group_op.typed_data(),
+                            rank_op.typed_data(), y->untyped_data(), shape->want_rows ? rows->untyped_data() : nullptr);
+  return ToFfi(AbortIfOpened(c.value(), s));
 }
 
 // exchange_counts (the routing counts of groups spanning processes): the same checks as the CPU handler's.
@@ -147,8 +153,9 @@ ffi::Error ExchangeCountsImpl(cudaStream_t stream, int32_t ordinal, ffi::Buffer<
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
-  return ToFfi(ExchangeCounts(c.value(), counts.typed_data(), shape->R_src, shape->R_dst, shape->E_local,
-                              group_op.typed_data(), rank_op.typed_data(), counts_all->typed_data()));
+  const Status s = ExchangeCounts(c.value(), counts.typed_data(), shape->R_src, shape->R_dst, shape->E_local,
+                                  group_op.typed_data(), rank_op.typed_data(), counts_all->typed_data());
+  return ToFfi(AbortIfOpened(c.value(), s));
 }
 
 }  // namespace

@@ -29,7 +29,9 @@ inline xla::ffi::Error ToFfi(const Status& s) {
 // Launch on the device that owns XLA's stream (XLA makes its context current; be explicit anyway).
 inline Status UseDevice(int32_t ordinal) {
   int cur = -1;
-  if (cudaGetDevice(&cur) == cudaSuccess && cur == ordinal) return Status{};
+  // A failed query is cleared (cudaSetDevice below reports what matters), not left for a later launch check to blame.
+  if (cudaGetDevice(&cur) != cudaSuccess) (void)cudaGetLastError();
+  else if (cur == ordinal) return Status{};
   return CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice");
 }
 

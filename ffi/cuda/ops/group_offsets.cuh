@@ -11,28 +11,31 @@
 
 namespace jmo::cuda {
 
-// out[0..G] = exclusive prefix sums of value(g) over g < G (out[G] = total), computed by the whole CTA of
+__device__ __forceinline__ int32_t SaturateInt32(int64_t x) { return static_cast<int32_t>(min(x, (int64_t)INT32_MAX)); }
+
+// out[0..G] = exclusive prefix sums of value(g) >= 0 over g < G (out[G] = total), computed by the whole CTA of
 // kTileThreads threads: each thread sums a contiguous chunk, a Hillis-Steele scan combines the chunk sums, then each
-// thread writes its chunk's prefixes.
+// thread writes its chunk's prefixes. The sums saturate at INT32_MAX: group sizes are a public op's operand, and
+// garbage ones must not wrap to negative row offsets (the callers clip to the rows there are).
 template <typename ValueFn>
 __device__ inline void BlockExclusiveScan(int G, ValueFn value, int32_t* out) {
   __shared__ int32_t part[kTileThreads];
   const int tid = threadIdx.x;
   const int per = (G + kTileThreads - 1) / kTileThreads;
   const int lo = min(G, tid * per), hi = min(G, lo + per);
-  int32_t sum = 0;
+  int64_t sum = 0;
   for (int g = lo; g < hi; ++g) sum += value(g);
-  part[tid] = sum;
+  part[tid] = SaturateInt32(sum);
   __syncthreads();
   for (int off = 1; off < kTileThreads; off *= 2) {
     const int32_t v = tid >= off ? part[tid - off] : 0;
     __syncthreads();
-    part[tid] += v;
+    part[tid] = SaturateInt32((int64_t)part[tid] + v);
     __syncthreads();
   }
-  int32_t run = tid ? part[tid - 1] : 0;
+  int64_t run = tid ? part[tid - 1] : 0;
   for (int g = lo; g < hi; ++g) {
-    out[g] = run;
+    out[g] = SaturateInt32(run);
     run += value(g);
   }
   if (tid == kTileThreads - 1) out[G] = part[tid];

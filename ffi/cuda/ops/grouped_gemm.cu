@@ -26,6 +26,15 @@
 namespace jmo::cuda {
 namespace {
 
+// Whether a wgmma launcher refused the operands before any launch (cudaErrorInvalidValue, cudaErrorNotSupported), so
+// that another engine runs. A refusal that came from a runtime call (cudaFuncSetAttribute, ...) is also the thread's
+// last error: it is cleared, else the other engine's launch check would report it as its own.
+bool EngineRefused(cudaError_t e) {
+  if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return false;
+  (void)cudaGetLastError();
+  return true;
+}
+
 using bf16 = __nv_bfloat16;
 
 constexpr int kTcBM = 128;   // rows of a tensor-core tile (bigger than the producer's one-band tile: more reuse)
@@ -323,7 +332,7 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
                                                       static_cast<const bf16*>(rhs), G, F, group_sizes,
                                                       static_cast<bf16*>(h), a, a_bf16, WgmmaGrid(dev, sms),
                                                       stream);
-    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
+    if (!EngineRefused(e)) return CudaStatus(e, "grouped_matmul_swiglu (wgmma)");
   }
   if (a == nullptr || a_bf16) {
     const char* why = GemmEngineRefusal(GemmEngine::kWgmma, dev.cc, fused);
@@ -361,7 +370,7 @@ Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, i
     const cudaError_t e = swiglu_grad_wgmma::GroupedSwiGluGrad(
         static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), G, F, transpose_rhs, group_sizes, a,
         static_cast<bf16*>(da), WgmmaGrid(dev, sms), stream);
-    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported)
+    if (!EngineRefused(e))
       return CudaStatus(e, "grouped_matmul_swiglu_grad (wgmma)");
   }
   // No engine of this device has the epilogue for these operands: the caller runs grouped_matmul and the SwiGLU's
@@ -506,7 +515,7 @@ Status GroupedOuter(cudaStream_t stream, DType dt, bool out_f32, const void* lhs
   if (engine == GemmEngine::kWgmma) {
     const cudaError_t e = WgmmaGroupedOuter(static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), N, G,
                                             group_sizes, out, out_f32, dev.sms, stream);
-    if (e != cudaErrorInvalidValue && e != cudaErrorNotSupported) return CudaStatus(e, "grouped_outer (wgmma)");
+    if (!EngineRefused(e)) return CudaStatus(e, "grouped_outer (wgmma)");
     engine = SelectGemmEngine(dev.cc, gemm, GemmEngine::kWgmma);
   }
   const bool tc = engine == GemmEngine::kMmaSync;

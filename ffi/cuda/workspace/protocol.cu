@@ -72,6 +72,7 @@ Status BeginCall(const CallSite& c, const char* op, const CallFootprint& need, c
                                      std::max<int64_t>(1, c.opts.timeout_ms) * 1000000, delay_ns, captured ? 1 : 0);
   s = LaunchError("launch of BeginKernel");
   if (!s.ok()) return s;
+  c.opened = true;
   std::string bad = CheckFits(need, c.ws->sizes(), c.ws->ranks(), kMaxSegments);
   return bad.empty() ? s : FailCall(c, op, bad);
 }
@@ -93,6 +94,11 @@ Status StreamCaptured(cudaStream_t stream, const char* op, bool* captured) {
 Status FailCall(const CallSite& c, const char* op, const std::string& why) {
   c.ws->RaiseAbort(c.group);
   return Status::Error(kInvalidArgument, std::string("jax_moe_overlap: ") + op + ": " + why);
+}
+
+Status AbortIfOpened(const CallSite& c, Status s) {
+  if (!s.ok() && c.opened) c.ws->RaiseAbort(c.group);
+  return s;
 }
 
 Status PrepareProtocolKernels(int dev) {

@@ -36,11 +36,19 @@ Status CudaStatus(cudaError_t err, const char* what) {
 namespace {
 
 // Restores the calling thread's current device (XLA's, or the caller's) on scope exit.
+// Restores the current device at scope exit. Its runtime calls cannot report (a constructor's query, a destructor):
+// a failure is cleared rather than left as the thread's last error, which a later launch check would blame on its
+// kernel; a failed query restores nothing.
 struct DeviceGuard {
   int saved = -1;
-  DeviceGuard() { cudaGetDevice(&saved); }
+  DeviceGuard() {
+    if (cudaGetDevice(&saved) != cudaSuccess) {
+      saved = -1;
+      (void)cudaGetLastError();
+    }
+  }
   ~DeviceGuard() {
-    if (saved >= 0) cudaSetDevice(saved);
+    if (saved >= 0 && cudaSetDevice(saved) != cudaSuccess) (void)cudaGetLastError();
   }
 };
 
