@@ -185,6 +185,10 @@ def _weight_shape_dtype(name: str, w, quantization):
                       f"scales [E, N / {fp8.TILE}, K / {fp8.TILE}] (fp8.quantize_weights makes one), got "
                       f"{w.values.dtype}{list(w.values.shape)} and {w.scales.dtype}{list(w.scales.shape)}")
     return w.shape, None
+  if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+    # (an orbax restore without a target gives an Fp8Weight back as a dict of its arrays)
+    raise TypeError(f"jax_moe_overlap: {name} must be an array{' or an Fp8Weight' if quantization else ''}, got "
+                    f"{type(w).__name__}")
   if quantization is None:
     check_dtype(name, w.dtype)
   else:

@@ -197,8 +197,11 @@ def _dense_rows(lhs, w, group_sizes):
 
 
 def _dense_outer(lhs, rhs, group_sizes):
-  own = jax.nn.one_hot(_row_groups(lhs.shape[0], group_sizes), group_sizes.shape[0], dtype=jnp.float32)
-  return jnp.einsum("mg,mk,mn->gkn", own, lhs, rhs, precision=jax.lax.Precision.HIGHEST)
+  # Each group's rows selected on both sides, not multiplied by a 0/1 mask: 0 * NaN is NaN, so a non-finite row of one
+  # group would reach every group's sum.
+  own = jax.nn.one_hot(_row_groups(lhs.shape[0], group_sizes), group_sizes.shape[0], dtype=jnp.bool_).T[:, :, None]
+  lhs, rhs = (jnp.where(own, a[None], 0.0) for a in (lhs, rhs))                                 # [G, M, K], [G, M, N]
+  return jnp.einsum("gmk,gmn->gkn", lhs, rhs, precision=jax.lax.Precision.HIGHEST)
 
 
 def _kernel_rows(lhs_q, lhs_s, w, group_sizes, out_dtype=jnp.float32):

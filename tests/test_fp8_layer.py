@@ -183,6 +183,22 @@ def test_deterministic():
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+def test_a_non_finite_token_reaches_only_its_experts_weight_gradients():
+  """A NaN in one token's x gives NaN in its own row of dx and in the weight gradients of its own experts only, in
+  the oracle as in the xla impl (the oracle's grouped products select each expert's rows rather than multiplying a
+  0/1 mask: 0 * NaN is NaN)."""
+  mesh = mesh_of(4)
+  x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 8)
+  x = x.at[3, 5].set(jnp.nan)
+  cot = jnp.ones((T, 128), jnp.float32)
+  own = sorted(int(e) for e in np.asarray(ids)[3])
+  for impl in ("reference", "xla"):
+    _, (dx, _, dw1, dw2) = grads_fn(mesh, ids, cot, impl)(x, gates, w1, w2)
+    assert np.flatnonzero(np.isnan(np.asarray(dx)).any(1)).tolist() == [3], impl
+    for dw in (dw1, dw2):
+      assert np.flatnonzero(np.isnan(np.asarray(dw)).any((1, 2))).tolist() == own, impl
+
+
 @pytest.mark.slow  # the default pass keeps the recipe, oracle and xla checks
 @pytest.mark.parametrize("axis_type,impls", [("explicit", ("xla",)), ("auto", ("xla", "reference"))])
 def test_prequantized_weights_equal_per_call_quantization(axis_type, impls):
@@ -262,6 +278,10 @@ def test_refusals():
     jmo.moe_experts(x, ids, gates, bad, q2, mesh=mesh, impl="xla", quantization="fp8")
   with pytest.raises(ValueError, match=r"weight shapes w1 \(8, 128, 256\), w2 \(8, 128, 256\) do not fit"):
     jmo.moe_experts(x, ids, gates, q1, jmo.quantize_weights(w1, w1)[1], mesh=mesh, impl="xla", quantization="fp8")
+  # An Fp8Weight restored as a dict of its arrays (orbax without a target), or nothing at all.
+  for w in ({"values": q1.values, "scales": q1.scales}, None):
+    with pytest.raises(TypeError, match=r"w1 must be an array or an Fp8Weight, got"):
+      jmo.moe_experts(x, ids, gates, w, q2, mesh=mesh, impl="xla", quantization="fp8")
 
 
 def test_quantize_weights_takes_the_layers_weights_only():
