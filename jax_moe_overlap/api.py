@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_moe_overlap import fp8
 from jax_moe_overlap import hosts
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
@@ -102,6 +103,7 @@ def moe_experts(x, expert_ids, gates, w1, w2, *, mesh: jax.sharding.Mesh, axis_n
     check_fp8_tensor_split(w2.shape[1], TP, tensor_axis)
   E = w1.shape[0]
   check_expert_ids(expert_ids, E)
+  w1, w2 = (fp8.inference_only(w) if isinstance(w, fp8.Fp8Weight) else w for w in (w1, w2))
   R = mesh.shape[axis_name]
   B = batch_size(mesh, batch_axes)
   T_local = x.shape[0] // (R * TP * B)

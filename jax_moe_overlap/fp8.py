@@ -328,6 +328,23 @@ def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight
 
 
 @jax.custom_jvp
+def inference_only(w: Fp8Weight) -> Fp8Weight:
+  """w as it is; differentiating with respect to it is refused (ValueError). A pre-quantized weight gets a zero
+  cotangent from the layer (its float32 scales do enter y, so zeros would be a wrong gradient, not "none")."""
+  return w
+
+
+@inference_only.defjvp
+def _refuse_fp8_weight_gradients(primals, tangents):
+  """JAX calls this rule only where w carries a tangent: inference, and gradients with respect to the layer's other
+  arguments, trace as the identity."""
+  del primals, tangents
+  raise ValueError("jax_moe_overlap: gradients with respect to a pre-quantized Fp8Weight are not computed (the layer "
+                   "gives it a zero cotangent): Fp8Weights are for inference. To train, pass the master weights with "
+                   "quantization='fp8' (quantized per call, straight-through gradients)")
+
+
+@jax.custom_jvp
 def _quantize_for_inference(w1, w2):
   return quantize_weight(w1), quantize_weight(w2)
 

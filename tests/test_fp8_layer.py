@@ -315,6 +315,15 @@ def test_gradients_through_quantize_weights_are_refused():
     jax.grad(loss, argnums=1)(x, w1)
   dx = jax.jit(jax.grad(loss))(x, w1)
   assert float(jnp.max(jnp.abs(dx))) > 0
+  # Differentiating with respect to the Fp8Weights themselves: refused too (their scales enter y, so the zero
+  # cotangent would be a wrong gradient); x's gradient with them held fixed flows.
+  q1, q2 = jmo.quantize_weights(w1, w2)
+
+  def loss_q(x, q1):
+    return jnp.sum(jmo.moe_experts(x, ids, gates, q1, q2, mesh=mesh, impl="xla", quantization="fp8")[0])
+  with pytest.raises(ValueError, match=r"gradients with respect to a pre-quantized Fp8Weight are not computed"):
+    jax.grad(loss_q, argnums=1)(x, q1)
+  np.testing.assert_array_equal(jax.jit(jax.grad(loss_q))(x, q1), dx)
 
 
 def test_module_refuses_prequantized_parameters_by_name():
