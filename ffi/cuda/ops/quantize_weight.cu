@@ -341,7 +341,7 @@ Status QuantizeWeightFp8(cudaStream_t stream, DType dt, const void* w, int64_t E
                                                std::to_string(E) + ", K=" + std::to_string(K) + ", N=" +
                                                std::to_string(N));
   const int64_t blocks = E * (K / kBlock) * (N / kBlock);
-  if (blocks == 0) return Status{};
+  if (blocks == 0) return LaunchEmpty(stream);  // (a call inside a CUDA graph must launch something)
   if (dt == DType::kF32)
     return Launch(stream, dev, static_cast<const float*>(w), blocks, K, N, transposed, q, s);
   return Launch(stream, dev, static_cast<const __nv_bfloat16*>(w), blocks, K, N, transposed, q, s);

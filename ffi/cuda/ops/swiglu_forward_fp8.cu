@@ -85,7 +85,7 @@ Status SwiGluForwardFp8(cudaStream_t stream, const float* a, int64_t M, int64_t 
     return Status::Error(kInvalidArgument, "jax_moe_overlap: swiglu_forward_fp8: F must be a positive multiple of "
                                            "128 and ceil(M / 32) * F / 128 below 2^31, got M=" + std::to_string(M) +
                                            ", F=" + std::to_string(F));
-  if (items == 0) return Status{};
+  if (items == 0) return LaunchEmpty(stream);  // (a call inside a CUDA graph must launch something)
   SwiGluForwardKernel<<<(unsigned)items, kCtaThreads, 0, stream>>>(a, M, F, h_q, h_s, a_q, a_s);
   return CudaStatus(cudaGetLastError(), "launch of SwiGluForwardKernel");
 }
