@@ -340,8 +340,9 @@ def _refuse_fp8_weight_gradients(primals, tangents):
   arguments, trace as the identity."""
   del primals, tangents
   raise ValueError("jax_moe_overlap: gradients with respect to a pre-quantized Fp8Weight are not computed (the layer "
-                   "gives it a zero cotangent): Fp8Weights are for inference. To train, pass the master weights with "
-                   "quantization='fp8' (quantized per call, straight-through gradients)")
+                   "gives it a zero cotangent): Fp8Weights are for inference. To differentiate other arguments of a "
+                   "function that takes one, pass it through jax.lax.stop_gradient; to train, pass the master weights "
+                   "with quantization='fp8' (quantized per call, straight-through gradients)")
 
 
 @jax.custom_jvp
