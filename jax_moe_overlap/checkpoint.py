@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_overlap.api import explicit_spec
+from jax_moe_overlap.api import explicit_mesh, explicit_spec
 from jax_moe_overlap.checks import check_master_weight
 from jax_moe_overlap.layer import MoE, expert_specs
 
@@ -122,8 +122,7 @@ def _reshaped(a, shape):
   if tuple(a.shape) == tuple(shape):
     return a
   sharding = getattr(a, "sharding", None)
-  if (isinstance(a, jax.Array) and isinstance(sharding, NamedSharding) and
-      jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())):
+  if isinstance(a, jax.Array) and isinstance(sharding, NamedSharding) and explicit_mesh(sharding.mesh):
     first = NamedSharding(sharding.mesh, explicit_spec(sharding.mesh, P(*tuple(sharding.spec)[:1])))
     return jnp.reshape(jax.sharding.reshard(a, first), shape, out_sharding=first)
   return a.reshape(shape)

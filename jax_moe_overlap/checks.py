@@ -96,11 +96,19 @@ def check_router_logits(logits, num_experts: int) -> None:
                      f"{logits.dtype}{list(logits.shape)}")
 
 
+def check_positive_int(what: str, v) -> int:
+  """v as an int, where it is a positive int (a NumPy integer, as read from a checkpoint's metadata, included; a
+  bool is not)."""
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+    raise ValueError(f"jax_moe_overlap: {what} must be a positive int, got {v!r}")
+  return int(v)
+
+
 def check_outside_shard_map(where: str) -> None:
   """The layer runs its own shard_map over the mesh it is given: called inside a shard_map (some axes Manual in the
   context mesh), its layouts would name a mesh other than the context's, and JAX fails deep in a reshape."""
-  manual = [n for n, t in zip(jax.sharding.get_abstract_mesh().axis_names,
-                              getattr(jax.sharding.get_abstract_mesh(), "axis_types", ()))
+  context = jax.sharding.get_abstract_mesh()
+  manual = [n for n, t in zip(context.axis_names, getattr(context, "axis_types", ()))
             if t == jax.sharding.AxisType.Manual]
   if manual:
     raise ValueError(f"jax_moe_overlap: {where} called inside a shard_map over the axes {manual}: the layer runs "

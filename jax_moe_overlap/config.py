@@ -32,7 +32,7 @@ import numpy as np
 
 from jax_moe_overlap import env
 from jax_moe_overlap.checks import (check_capacity_factor, check_dtype, check_experts, check_fp8_sizes,
-                                    check_fp8_weight_dtype, check_quantization)
+                                    check_fp8_weight_dtype, check_positive_int, check_quantization)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -114,10 +114,7 @@ class MoEConfig:
 
   def __post_init__(self):
     for name in ("emb_dim", "moe_mlp_dim", "num_experts", "num_experts_per_tok"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"jax_moe_overlap: MoEConfig.{name} must be a positive int, got {v!r}")
-      object.__setattr__(self, name, int(v))  # (a NumPy integer, as read from a checkpoint's metadata, as an int)
+      object.__setattr__(self, name, check_positive_int(f"MoEConfig.{name}", getattr(self, name)))
     check_experts(self.num_experts, self.num_experts_per_tok, 1, "")
     check_capacity_factor(self.capacity_factor, "MoEConfig.capacity_factor")
     if self.routed_score_func not in SCORE_FUNCS:

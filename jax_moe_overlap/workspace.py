@@ -53,7 +53,8 @@ from jax_moe_overlap import _jmo
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import workspace_cpu
 from jax_moe_overlap import workspace_cuda
-from jax_moe_overlap.checks import check_axis, check_capacity_factor, check_dtype, check_experts, check_quantization
+from jax_moe_overlap.checks import (check_axis, check_capacity_factor, check_dtype, check_experts, check_positive_int,
+                                    check_quantization)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +151,7 @@ def workspace_bytes(tokens: int, d_model: int, top_k: int, num_experts: int, *, 
   """
   for name, v in (("tokens", tokens), ("d_model", d_model), ("ranks", ranks), ("tensor", tensor),
                   ("token_shards", 1 if token_shards is None else token_shards)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-      raise ValueError(f"jax_moe_overlap: workspace_bytes' {name} must be a positive int, got {v!r}")
+    check_positive_int(f"workspace_bytes' {name}", v)
   check_experts(num_experts, top_k, 1, "")  # top_k in [1, num_experts]; their split over the ranks below
   check_dtype("workspace_bytes' layer", dtype)
   check_capacity_factor(capacity_factor)
