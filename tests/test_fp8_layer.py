@@ -35,13 +35,14 @@ def mesh_of(n, axis_type="auto"):
   return jax.make_mesh((n,), ("expert",), axis_types=(AXIS_TYPES[axis_type],), devices=jax.devices("cpu")[:n])
 
 
-def grads_fn(mesh, ids, cotangent, impl, quantization="fp8", cf=None):
-  """jit of (y, (dx, dgates, dw1, dw2)) of sum(y * cotangent) through moe_experts."""
+def grads_fn(mesh, ids, cotangent, impl, quantization="fp8", cf=None, argnums=(0, 1, 2, 3)):
+  """jit of (y, the gradients with respect to argnums of (x, gates, w1, w2)) of sum(y * cotangent) through
+  moe_experts."""
   def loss(x, gates, w1, w2):
     y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=cf,
                            quantization=quantization)
     return jnp.sum(y.astype(jnp.float32) * cotangent), y
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
 
 
 def float64_layer(x, ids, gates, w1, w2, cotangent, cap_e):
