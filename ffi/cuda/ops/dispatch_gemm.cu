@@ -98,7 +98,7 @@ __device__ __forceinline__ char* SideXRecv(const DispatchGemmArgs& g) {
 // is in (the reader waits for the block's rows, from its plan). A warp's signal needs no CTA barrier and no fence of
 // its own by each lane: __syncwarp orders the lanes' stores before lane 0's release, which is cumulative
 // (protocol.cuh), so the warps of a pusher flow from block to block independently, each waiting only for its own
-// stores. Invalid slots are reported as PushRows does.
+// stores. Each lane loads and checks its slot by CheckPushSlot (row_push.cuh), as PushRows does.
 // Send once (g.primary): a slot routed to another rank moves its row only where it is its own primary (CheckPrimary;
 // else reported as kBadPrimary and not moved), and every kept slot of the block stores its recv_from entry.
 // Not inlined (nor ExpandRows): inside the kernel, whose code outside the tile loop runs on the launch's 168
@@ -111,29 +111,9 @@ __device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs
   const int mine = q1 > q0 ? (int)((q1 - q0 + warps - 1) / warps) : 0;  // positions of this warp (<= 32)
   int sr = 0, row = -1, from = -1;  // lane i: the source row, recv row (-1: not moved) and recv row holding its bytes
   if (lane < mine) {
-    const int p = g.send_order[q0 + (int64_t)lane * warps];
-    const int dr = g.dst_rank[p];
-    row = g.dst_row[p];
-    sr = g.src_row[p];
-    if (dr == -1) {
-      ReportBadInput(rd, kBadExpertId, p, sr, (uint64_t)(int64_t)row);  // the plan puts the id in row
-      row = -1;
-    } else if (row >= 0 && (dr != d || row >= g.cap || sr < 0 || sr >= g.S)) {
-      ReportBadInput(rd, kBadRoute, p, dr != d ? dr : (row >= g.cap ? row : sr),
-                     dr != d ? rd.ranks : (row >= g.cap ? g.cap : g.S));
-      row = -1;
-    }  // row < 0 with a valid id: dropped by the capacity rule
-    from = row;
-    if (row >= 0 && g.primary != nullptr && d != rd.rank && g.primary[p] != p) {
-      const int q = g.primary[p];
-      if (CheckPrimary(g.src_row, g.dst_rank, g.dst_row, g.primary, g.P, p, q)) {
-        from = g.dst_row[q];
-      } else {
-        ReportBadInput(rd, kBadPrimary, p, q, g.P);
-        row = from = -1;
-      }
-    }
-    if (row >= 0 && g.primary != nullptr) View(rd, d).recv_from()[row] = RecvFrom(epoch, from);
+    int dr;
+    row = CheckPushSlot(rd, g.src_row, g.dst_rank, g.dst_row, g.primary, g.P, g.S, g.cap,
+                        g.send_order[q0 + (int64_t)lane * warps], d, epoch, &dr, &sr, &from);
   }
   const unsigned kept = __ballot_sync(0xffffffffu, row >= 0);
   const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);

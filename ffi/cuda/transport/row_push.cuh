@@ -21,6 +21,45 @@ __device__ __forceinline__ bool CheckPrimary(const int32_t* src_row, const int32
          src_row[q] == src_row[p] && dst_row[q] < dst_row[p];
 }
 
+// One lane's slot p of a push (PushRows, dispatch_gemm's PushBlock): loads and checks its route and returns the recv
+// row it is kept at (-1: not kept: dropped by the capacity rule, or invalid and reported), with *sr its source row
+// and *from the recv row holding its bytes (itself, or sending once its primary's). dest >= 0: the slot must go to
+// rank dest (the caller pushes one destination's send positions); else to any rank of the group (*d). Reports an
+// unrouted expert id (kBadExpertId), a route off the group, the capacity or the source rows (kBadRoute), and, sending
+// once, a primary that breaks CheckPrimary's rule (kBadPrimary: the slot is not moved). Sending once, a kept slot
+// stores its recv_from entry (RecvFrom(epoch, *from)).
+__device__ inline int CheckPushSlot(const RankDev& rd, const int32_t* src_row, const int32_t* dst_rank,
+                                    const int32_t* dst_row, const int32_t* primary, int64_t P, int64_t S,
+                                    int64_t cap, int64_t p, int dest, uint64_t epoch, int* d, int* sr, int* from) {
+  *d = dst_rank[p];
+  int row = dst_row[p];
+  *sr = src_row[p];
+  *from = -1;
+  if (*d == -1) {
+    ReportBadInput(rd, kBadExpertId, p, *sr, (uint64_t)(int64_t)row);  // the plan puts the id in row
+    return -1;
+  }
+  if (row < 0) return -1;  // dropped by the capacity rule
+  const bool bad_d = dest >= 0 ? *d != dest : (*d < 0 || *d >= rd.ranks);
+  if (bad_d || row >= cap || *sr < 0 || *sr >= S) {
+    ReportBadInput(rd, kBadRoute, p, bad_d ? *d : (row >= cap ? row : *sr),
+                   bad_d ? rd.ranks : (row >= cap ? cap : S));
+    return -1;
+  }
+  *from = row;
+  if (primary != nullptr && *d != rd.rank && primary[p] != p) {
+    const int64_t q = primary[p];
+    if (!CheckPrimary(src_row, dst_rank, dst_row, primary, P, p, q)) {
+      ReportBadInput(rd, kBadPrimary, p, q, P);
+      *from = -1;
+      return -1;
+    }
+    *from = dst_row[q];
+  }
+  if (primary != nullptr) View(rd, *d).recv_from()[row] = RecvFrom(epoch, *from);
+  return row;
+}
+
 // Send once, the receiver (one thread): the recv row whose bytes row r of this rank's recv takes, after checking its
 // recv_from entry (this call's, naming r or an earlier row whose own entry names itself); -1 after reporting a bad
 // entry (kBadRecvFrom).
@@ -34,53 +73,56 @@ __device__ __forceinline__ int64_t RecvFromChecked(const RankDev& rd, uint64_t e
   return -1;
 }
 
-// Step 2 of dispatch for slots p = first, first + stride, ... (one warp each; `first` differs per warp): the row
-// src[src_row[p]] into peer dst_rank[p]'s recv row dst_row[p] with 16-byte stores, counted into sent[d] (shared).
-// `which` picks the destinations this pass moves (the rank itself, the others, or all); invalid slots are reported
-// by the pass that would move them to another rank. link_bytes_per_ns > 0: pushes to other ranks go over the emulated
-// link (PaceLink). own_rows != nullptr: the rows for this rank itself go there instead of its recv rows (a group of
-// one rank stores them straight into the call's output: protocol.h). primary != nullptr (send once, protocol.h): a
-// slot routed to another rank moves its row only where it is its own primary, and every moved slot stores its
-// recv_from entry (RecvFrom(epoch, the recv row holding its bytes)); a primary that breaks CheckPrimary's rule is
-// reported (kBadPrimary) and the slot is not moved.
+// Step 2 of dispatch, by warp `warp` of `warps` (every lane calls it): the slots in chunks of 32 consecutive
+// positions, chunk c of the warp at (c * warps + warp) * 32. Each lane loads and checks one slot of the chunk
+// (CheckPushSlot), so the warp waits for one round trip of indices per 32 slots rather than per slot; then the warp
+// copies the chunk's rows two at a time with 16-byte loads all issued before the stores (CopyRowPairWarp: 8 KiB in
+// flight per warp for 4 KiB rows), as dispatch_gemm's PushBlock does. Slot p's row src[src_row[p]] goes to peer
+// dst_rank[p]'s recv row dst_row[p], counted into sent[d] (shared). `which` picks the destinations this pass moves
+// (the rank itself, the others, or all). link_bytes_per_ns > 0: the chunk's pushes to other ranks go over the
+// emulated link (PaceLink) before the call signals them. own_rows != nullptr: the rows for this rank itself go there
+// instead of its recv rows (a group of one rank stores them straight into the call's output: protocol.h). primary
+// != nullptr: send once (protocol.h, CheckPushSlot).
 __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes,
                                 const int32_t* src_row, const int32_t* dst_rank, const int32_t* dst_row, int64_t P,
-                                int64_t cap, PushWhich which, int64_t first, int64_t stride, unsigned* sent,
+                                int64_t cap, PushWhich which, int64_t warp, int64_t warps, unsigned* sent,
                                 double link_bytes_per_ns, char* own_rows = nullptr, const int32_t* primary = nullptr,
                                 uint64_t epoch = 0) {
-  const int lane = threadIdx.x % 32, R = rd.ranks;
-  for (int64_t p = first; p < P; p += stride) {
-    const int d = dst_rank[p], row = dst_row[p], sr = src_row[p];
-    if (which != kPushAll && (d == rd.rank) != (which == kPushLocal)) continue;
-    if (d == -1) {
-      if (lane == 0) ReportBadInput(rd, kBadExpertId, p, sr, (uint64_t)(int64_t)row);  // the plan puts the id in row
-      continue;
+  const int lane = threadIdx.x % 32;
+  for (int64_t base = warp * 32; base < P; base += warps * 32) {
+    const int64_t p = base + lane;
+    int d = 0, row = -1, sr = 0, from = -1;  // lane's slot: destination, recv row (-1: not kept), source row
+    if (p < P && (which == kPushAll || (dst_rank[p] == rd.rank) == (which == kPushLocal))) {
+      row = CheckPushSlot(rd, src_row, dst_rank, dst_row, primary, P, S, cap, p, -1, epoch, &d, &sr, &from);
+      if (row >= 0) atomicAdd(&sent[d], 1u);  // every kept slot, sent once or not: the receiver's plan counts slots
     }
-    if (row < 0) continue;  // dropped by the capacity rule
-    if (d < 0 || d >= R || row >= cap || sr < 0 || sr >= S) {
-      if (lane == 0)
-        ReportBadInput(rd, kBadRoute, p, (d < 0 || d >= R) ? d : (row >= cap ? row : sr),
-                       (d < 0 || d >= R) ? R : (row >= cap ? cap : S));
-      continue;
-    }
-    int from = row;  // the recv row holding the slot's bytes
-    if (primary != nullptr && d != rd.rank && primary[p] != p) {
-      const int64_t q = primary[p];
-      if (!CheckPrimary(src_row, dst_rank, dst_row, primary, P, p, q)) {
-        if (lane == 0) ReportBadInput(rd, kBadPrimary, p, q, P);
-        continue;
+    const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);
+    for (unsigned left = moves; left != 0;) {
+      const int i = __ffs(left) - 1;
+      left &= left - 1;
+      const int d0 = __shfl_sync(0xffffffffu, d, i), r0 = __shfl_sync(0xffffffffu, row, i);
+      const int s0 = __shfl_sync(0xffffffffu, sr, i);
+      char* dst0 = (d0 == rd.rank && own_rows != nullptr ? own_rows : View(rd, d0).recv()) + (int64_t)r0 * row_bytes;
+      if (left != 0) {
+        const int j = __ffs(left) - 1;
+        left &= left - 1;
+        const int d1 = __shfl_sync(0xffffffffu, d, j), r1 = __shfl_sync(0xffffffffu, row, j);
+        const int s1 = __shfl_sync(0xffffffffu, sr, j);
+        char* dst1 =
+            (d1 == rd.rank && own_rows != nullptr ? own_rows : View(rd, d1).recv()) + (int64_t)r1 * row_bytes;
+        CopyRowPairWarp(dst0, src + (int64_t)s0 * row_bytes, dst1, src + (int64_t)s1 * row_bytes, row_bytes, lane);
+      } else {
+        CopyRowWarp(dst0, src + (int64_t)s0 * row_bytes, row_bytes, lane);
       }
-      from = dst_row[q];
     }
-    char* rows = d == rd.rank && own_rows != nullptr ? own_rows : View(rd, d).recv();
-    if (from == row) CopyRowWarp(rows + (int64_t)row * row_bytes, src + (int64_t)sr * row_bytes, row_bytes, lane);
-    if (lane == 0) {
-      if (primary != nullptr) View(rd, d).recv_from()[row] = RecvFrom(epoch, from);
-      atomicAdd(&sent[d], 1u);  // every kept slot, sent once or not: the receiver's plan counts slots
-    }
-    if (d != rd.rank && link_bytes_per_ns > 0) {
-      if (lane == 0) PaceLink(rd, (from == row ? (uint64_t)row_bytes : 0) + (primary != nullptr ? 8 : 0),
-                              link_bytes_per_ns);
+    if (link_bytes_per_ns > 0) {
+      // The link carries the chunk's rows moved to other ranks and, sending once, the recv_from entries it stored.
+      const bool remote = row >= 0 && d != rd.rank;
+      const unsigned remote_moves = __ballot_sync(0xffffffffu, remote && from == row);
+      const unsigned remote_kept = __ballot_sync(0xffffffffu, remote);
+      const uint64_t bytes = (uint64_t)__popc(remote_moves) * row_bytes +
+                             (primary != nullptr ? 8ull * __popc(remote_kept) : 0);
+      if (lane == 0 && bytes > 0) PaceLink(rd, bytes, link_bytes_per_ns);
       __syncwarp();
     }
   }
