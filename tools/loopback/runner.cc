@@ -420,7 +420,8 @@ class Run {
       // Rank 0's stream held by a host function (as by another library's collective that never finishes): its
       // recovery gives up waiting for the stream, the others at the recovery barrier it never reaches, each within
       // the call's timeout; once the stream is free, the call below recovers as usual.
-      if (r == 0) LB_CHECK(cudaLaunchHostFunc(site.stream, HoldStream, &s_.stuck_stream_ms));
+      if (r == 0)
+        LB_CHECK(cudaLaunchHostFunc(site.stream, HoldStream, const_cast<int64_t*>(&s_.stuck_stream_ms)));
       const auto t0 = std::chrono::steady_clock::now();
       Status stuck = Dispatch(r, c, d);
       rep.stuck_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
