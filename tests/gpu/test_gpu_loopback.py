@@ -27,6 +27,8 @@ def test_loopback_full_suite():
     for routing in ("balanced", "moderate", "extreme"):
       assert re.search(rf"PASS R={r} .* routing={routing} ", proc.stdout), (r, routing)
   assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
+  # A stream held past the timeout (work the library's timeout does not bound): the recovery gives up within it.
+  assert re.search(r"PASS R=4 .* forced_timeout_at=5 stream_held_ms=1500", proc.stdout)
   # w transposed in place (--transpose-rhs) on each producer engine (wgmma on Hopper where K, N are multiples of 64).
   assert re.search(r"PASS R=2 .* K=384 N=320 dtype=bf16 w=transposed .* producer (wgmma|mma\.sync) bf16", proc.stdout)
   assert re.search(r"PASS R=4 .* K=200 N=140 dtype=bf16 w=transposed .* producer mma\.sync bf16", proc.stdout)
@@ -59,6 +61,8 @@ def test_loopback_dispatch_gemm_suite():
     for mode in ("plain", "train", "infer"):
       assert re.search(rf"PASS R={r} .* dispatch_gemm pushers=\d+ mode={mode}", proc.stdout), (r, mode)
   assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
+  # A stream held past the timeout (work the library's timeout does not bound): the recovery gives up within it.
+  assert re.search(r"PASS R=4 .* forced_timeout_at=5 stream_held_ms=1500", proc.stdout)
   assert re.search(r"PASS R=2 .* mode=\w+ link=20GB/s", proc.stdout)
   for r, mode in ((1, "train"), (2, "plain"), (4, "train"), (8, "train")):
     assert re.search(rf"PASS R={r} .* mode={mode} x_recv=copied", proc.stdout), (r, mode)

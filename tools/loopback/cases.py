@@ -61,6 +61,9 @@ class Case:
                                  # call of every rank reports it, and the calls after it are correct again
   timeout_ms: int = 5000
   short_timeout_ms: int = 200
+  stuck_stream_ms: int = 0       # > 0 with timeout_at: rank 0's stream held this long by a host function before the
+                                 # call that reports the timeout: every rank's call must give up within
+                                 # short_timeout_ms (rank 0 waiting for its stream, the others at the recovery barrier)
   datasets: int = 3
   seed: int = 1
   consumers: int = 2             # consumer CTAs per rank and call (0: the manager's choice)
@@ -290,6 +293,8 @@ class Case:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:
       s += f" forced_timeout_at={self.timeout_at}"
+    if self.stuck_stream_ms > 0:
+      s += f" stream_held_ms={self.stuck_stream_ms}"
     if self.dg and self.send_once == 1:
       s += " send_once"
     if self.dg and self.per_call_stats and self.time:
@@ -645,6 +650,8 @@ def _full(base: Case) -> list[Case]:
   v.append(dataclasses.replace(base, ranks=4, experts=8, delay_rank=1, delay_us=3000, iters=20))
   for R in (2, 8):  # a forced timeout: reported by the next call, then recovery
     v.append(dataclasses.replace(base, ranks=R, experts=2 * R, timeout_at=5, iters=15))
+  # the same with rank 0's stream held past the call's timeout: the recovery gives up within it, then recovers
+  v.append(dataclasses.replace(base, ranks=4, experts=8, timeout_at=5, iters=10, stuck_stream_ms=1500))
   # one row per slot (the cases above send once): every token's choices on rank 0's two experts
   v.append(dataclasses.replace(_rank_case(base, 4, 2, 20), send_once=0))
   return v + _resource(base)

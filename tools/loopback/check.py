@@ -11,7 +11,9 @@
 * dispatch_gemm equals the same dispatch and GEMM1 made as two calls (Dispatch, then GroupedMatmul or
   GroupedMatmulSwiGlu), bit for bit in the kept rows.
 * A forced timeout is reported by the next call of every rank (DEADLINE_EXCEEDED, "timed out"), and the calls
-  after it are correct again; every call ran (2 per rank and iteration).
+  after it are correct again; every call ran (2 per rank and iteration). With rank 0's stream held past the timeout
+  (stuck_stream_ms), the call before that report gives up within the timeout on every rank (rank 0 waiting for its
+  stream, the others at the recovery barrier).
 * A timed run recorded every rank's consumer count C, with C >= 1 exactly where the rank had rows to push (gather_rs:
   on every rank, which ships a partial to every source).
 * gather_rs (tools/loopback/tensor.py): its y against the whole experts; its rows output (the GEMM's rows) against
@@ -297,6 +299,18 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
         v.fail(f"rank {r}: unexpected error after the forced timeout: {rep['msg']}")
     if result["timeout"]:
       v.timeout_msg = result["timeout"][0]["msg"]
+  if 0 <= case.timeout_at < case.iters and case.stuck_stream_ms > 0:
+    # Rank 0's recovery gives up on its held stream, the others at the barrier rank 0 never reaches; each within
+    # the call's timeout, well before the stream is free.
+    for r, rep in enumerate(result["timeout"]):
+      where = "for its stream" if r == 0 else "at the recovery barrier"
+      if (not rep["stuck_reported"] or rep["stuck_code"] != _jmo_loopback.DEADLINE_EXCEEDED
+          or where not in rep["stuck_msg"]):
+        v.fail(f"rank {r}: with rank 0's stream held, expected a deadline {where!r}, got "
+               f"{'no error' if not rep['stuck_reported'] else repr(rep['stuck_msg'])}")
+      elif rep["stuck_ms"] > case.short_timeout_ms + 0.5 * case.stuck_stream_ms:
+        v.fail(f"rank {r}: with rank 0's stream held {case.stuck_stream_ms} ms, its call returned after "
+               f"{rep['stuck_ms']:.0f} ms (timeout {case.short_timeout_ms} ms)")
 
   # Timed calls ran on data set 0: y after each variant must equal the checked call's.
   for vi, (consumers, serialize) in enumerate(case.variants() if not dg else []):

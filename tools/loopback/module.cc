@@ -75,6 +75,7 @@ Spec ParseSpec(const nb::dict& d) {
   s.timeout_at = Get<int>(d, "timeout_at", s.timeout_at);
   s.timeout_ms = Get<int64_t>(d, "timeout_ms", s.timeout_ms);
   s.short_timeout_ms = Get<int64_t>(d, "short_timeout_ms", s.short_timeout_ms);
+  s.stuck_stream_ms = Get<int64_t>(d, "stuck_stream_ms", s.stuck_stream_ms);
   s.delay_rank = Get<int>(d, "delay_rank", s.delay_rank);
   s.delay_us = Get<int64_t>(d, "delay_us", s.delay_us);
   s.consumers = Get<int>(d, "consumers", s.consumers);
@@ -171,7 +172,9 @@ nb::dict ToDict(const Result& r) {
   }
   for (const TimeoutReport& t : r.timeout)
     timeout.append(MakeDict({{"reported", nb::cast(t.reported)}, {"code", nb::cast(t.code)},
-                             {"msg", Text(t.msg)}}));
+                             {"msg", Text(t.msg)}, {"stuck_reported", nb::cast(t.stuck_reported)},
+                             {"stuck_code", nb::cast(t.stuck_code)}, {"stuck_msg", Text(t.stuck_msg)},
+                             {"stuck_ms", nb::cast(t.stuck_ms)}}));
   for (const auto& variant : r.timed) {
     nb::list ranks;
     for (const RankTiming& t : variant) {

@@ -52,6 +52,11 @@ namespace {
     if (e_ != cudaSuccess) throw std::runtime_error(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
+// A host function that holds its stream for *(int64_t*)ms milliseconds (Spec::stuck_stream_ms).
+void CUDART_CB HoldStream(void* ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<const int64_t*>(ms)));
+}
+
 // n bytes of p in a device allocation of at least `size` bytes, the bytes past them all `fill`.
 void* ToDevice(const void* p, size_t n, size_t size = 0, int fill = 0) {
   void* d = nullptr;
@@ -410,8 +415,26 @@ class Run {
       Fail("rank " + std::to_string(r) + ": peers did not reach the forced-timeout barrier");
       return false;
     }
-    Status s = Dispatch(r, site, d);
     TimeoutReport& rep = res_.timeout[r];
+    if (s_.stuck_stream_ms > 0) {
+      // Rank 0's stream held by a host function (as by another library's collective that never finishes): its
+      // recovery gives up waiting for the stream, the others at the recovery barrier it never reaches, each within
+      // the call's timeout; once the stream is free, the call below recovers as usual.
+      if (r == 0)
+        LB_CHECK(cudaLaunchHostFunc(site.stream, HoldStream, const_cast<int64_t*>(&s_.stuck_stream_ms)));
+      const auto t0 = std::chrono::steady_clock::now();
+      Status stuck = Dispatch(r, c, d);
+      rep.stuck_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      rep.stuck_reported = !stuck.ok();
+      rep.stuck_code = stuck.code;
+      rep.stuck_msg = stuck.msg;
+      LB_CHECK(cudaStreamSynchronize(site.stream));
+      if (!barrier_.Wait(bar_timeout_)) {
+        Fail("rank " + std::to_string(r) + ": peers did not reach the barrier after the held stream");
+        return false;
+      }
+    }
+    Status s = Dispatch(r, site, d);
     rep.reported = !s.ok();
     rep.code = s.code;
     rep.msg = s.msg;

@@ -64,6 +64,10 @@ struct Spec {
   int iters = 20;                    // iterations of (dispatch, expert_combine), data set = iteration % data sets
   int timeout_at = -1;               // at this iteration the last rank skips its dispatch (a forced timeout)
   int64_t timeout_ms = 5000, short_timeout_ms = 200;
+  int64_t stuck_stream_ms = 0;       // > 0 with timeout_at: before the call that reports the forced timeout, rank
+                                     // 0's stream is held this long by a host function (work that the library's
+                                     // timeout does not bound): that call of every rank must give up within
+                                     // short_timeout_ms (rank 0 on its stream, the others at the recovery barrier)
   int delay_rank = -1;
   int64_t delay_us = 0;
   int consumers = 2;                 // CallOptions::consumer_ctas (0: the manager)
@@ -116,6 +120,11 @@ struct TimeoutReport {  // the call after the forced timeout, per rank
   bool reported = false;
   int code = 0;
   std::string msg;
+  // With stuck_stream_ms: the call made while rank 0's stream was held (it must fail: reported), before the above.
+  bool stuck_reported = false;
+  int stuck_code = 0;
+  std::string stuck_msg;
+  double stuck_ms = 0;  // how long it took
 };
 
 struct RankTiming {  // one variant, one rank

@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <string>
+#include <thread>
 
 namespace jmo::cuda {
 
@@ -35,8 +37,7 @@ Status CudaStatus(cudaError_t err, const char* what) {
 
 namespace {
 
-// Restores the calling thread's current device (XLA's, or the caller's) on scope exit.
-// Restores the current device at scope exit. Its runtime calls cannot report (a constructor's query, a destructor):
+// Restores the calling thread's current device (XLA's, or the caller's) at scope exit. Its runtime calls cannot report (a constructor's query, a destructor):
 // a failure is cleared rather than left as the thread's last error, which a later launch check would blame on its
 // kernel; a failed query restores nothing.
 struct DeviceGuard {
@@ -51,6 +52,33 @@ struct DeviceGuard {
     if (saved >= 0 && cudaSetDevice(saved) != cudaSuccess) (void)cudaGetLastError();
   }
 };
+
+// Waits until `stream` has run the work queued on it, at most until `deadline`: the recovery's waits are bounded
+// like every other, as the stream may hold work that no timeout of this library bounds (another library's
+// collective whose peer is gone). Polls cudaStreamQuery; its "not ready" is not left as the thread's last error,
+// which a later launch check would blame on its kernel. DeadlineExceeded with `what` when the deadline passes.
+Status DrainStream(cudaStream_t stream, std::chrono::steady_clock::time_point deadline, const std::string& what) {
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return Status{};
+    if (e != cudaErrorNotReady) return CudaStatus(e, "cudaStreamQuery");
+    if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
+    if (std::chrono::steady_clock::now() >= deadline) return Status::Error(kDeadlineExceeded, what);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+// Zeroes `bytes` at `p` on the current device by a stream of its own (no implicit synchronization with other work on
+// the device, which a memset on the legacy default stream or cudaDeviceSynchronize would wait for without bound), and
+// waits for it until `deadline`.
+Status ZeroBounded(void* p, size_t bytes, std::chrono::steady_clock::time_point deadline, const std::string& what) {
+  cudaStream_t s = nullptr;
+  JMO_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Status st = CudaStatus(cudaMemsetAsync(p, 0, bytes, s), "cudaMemsetAsync");
+  if (st.ok()) st = DrainStream(s, deadline, what);
+  const Status destroyed = CudaStatus(cudaStreamDestroy(s), "cudaStreamDestroy");
+  return st.ok() ? destroyed : st;
+}
 
 // Peer access from device `from` to device `to`'s memory, after checking that the pair has it.
 Status EnablePeerAccess(int from, int to) {
@@ -474,8 +502,24 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
   const volatile uint64_t* abort = &gs->abort.value;
   const volatile uint64_t* mine = &gs->errors[r].code;
   if (*abort == 0 && *mine == 0) return Status{};
-  // Our own kernels are bounded (and see the abort word), so this returns.
-  JMO_RETURN_IF_CUDA(cudaStreamSynchronize(stream));
+  const std::string who = std::string("jax_moe_overlap.") + op + ": rank " + std::to_string(r) + " (group " +
+                          std::to_string(g) + ")";
+  // The group's first failure, for the messages of a recovery that cannot finish.
+  auto failure = [&]() {
+    std::vector<ErrorRecord> now(gs->errors, gs->errors + ranks_);
+    const ErrorRecord* first = FirstRecord(now);
+    return first == nullptr ? std::string()
+                            : "; the failure: " + FormatRecord(*first, g, ranks_, timeout_ms) +
+                                  ProcessNote(*first, ranks_, tail(g)->process);
+  };
+  auto deadline = [&]() { return std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms); };
+  // Our own kernels are bounded (and see the abort word); what else the stream holds may not be.
+  Status drained = DrainStream(stream, deadline(), who + " waited " + std::to_string(timeout_ms) +
+                                                       " ms for its stream to finish the work queued before this "
+                                                       "call, to recover from an earlier failure (work that this "
+                                                       "library's timeout does not bound, such as another library's "
+                                                       "collective whose peer is gone)");
+  if (!drained.ok()) return Status::Error(drained.code, drained.msg + failure());
   GroupTail* t = tail(g);
   GroupBarrier bar(&t->barrier.value);
   DeviceGuard guard;
@@ -487,8 +531,10 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
     for (int i = 0; i < ranks_ && st.ok(); ++i) {
       const int idx = g * ranks_ + i;
       st = CudaStatus(cudaSetDevice(access_dev_[idx]), "cudaSetDevice");
-      if (st.ok()) st = CudaStatus(cudaMemset(blocks_[idx], 0, layout_.recv), "cudaMemset(control)");
-      if (st.ok()) st = CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (st.ok())
+        st = ZeroBounded(blocks_[idx], layout_.recv, deadline(),
+                         who + " waited " + std::to_string(timeout_ms) + " ms for the reset of rank " +
+                             std::to_string(i) + "'s control words after an earlier failure");
     }
     std::memset(gs, 0, GroupSharedBytes(ranks_));
     for (int i = 0; i < ranks_; ++i)  // stamps are epochs, which restart
@@ -499,22 +545,19 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
     if (!st.ok()) return st;
   } else {
     uint64_t arrived = 0;
-    if (!bar.Wait(std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms), &arrived)) {
-      std::string msg = std::string("jax_moe_overlap.") + op + ": rank " + std::to_string(r) + " (group " +
-                        std::to_string(g) + ") waited " + std::to_string(timeout_ms) +
-                        " ms at the recovery barrier after an earlier failure; only " + std::to_string(arrived) +
-                        " of " + std::to_string(ranks_) + " ranks arrived";
-      std::vector<ErrorRecord> now(gs->errors, gs->errors + ranks_);
-      if (const ErrorRecord* first = FirstRecord(now))
-        msg += "; the failure: " + FormatRecord(*first, g, ranks_, timeout_ms) +
-               ProcessNote(*first, ranks_, t->process);
-      return Status::Error(kDeadlineExceeded, msg);
+    if (!bar.Wait(deadline(), &arrived)) {
+      return Status::Error(kDeadlineExceeded, who + " waited " + std::to_string(timeout_ms) +
+                                                  " ms at the recovery barrier after an earlier failure; only " +
+                                                  std::to_string(arrived) + " of " + std::to_string(ranks_) +
+                                                  " ranks arrived" + failure());
     }
   }
   // This rank's private state: only its own kernels read it, and its stream is idle.
   JMO_RETURN_IF_CUDA(cudaSetDevice(ordinals_[g * ranks_ + r]));
-  JMO_RETURN_IF_CUDA(cudaMemset(priv_[g * ranks_ + r], 0, sizeof(RankPrivate)));
-  JMO_RETURN_IF_CUDA(cudaDeviceSynchronize());
+  JMO_RETURN_IF_CUDA(cudaMemsetAsync(priv_[g * ranks_ + r], 0, sizeof(RankPrivate), stream));
+  Status reset = DrainStream(stream, deadline(), who + " waited " + std::to_string(timeout_ms) +
+                                                     " ms for the reset of its private state after an earlier failure");
+  if (!reset.ok()) return reset;
   const std::vector<ErrorRecord> records(t->reset_records, t->reset_records + ranks_);
   return ReportRecords(g, r, records,
                        std::string("jax_moe_overlap.") + op + ": an earlier call failed (reported by the next call; " +
