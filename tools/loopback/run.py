@@ -133,7 +133,7 @@ def parse_args(argv):
       "--n-dim": ("n_dim", int), "--iters": ("iters", int), "--routing": ("routing", int),
       "--zipf": ("zipf", float), "--capacity-factor": ("capacity_factor", float),
       "--delay-rank": ("delay_rank", int), "--delay-us": ("delay_us", int), "--timeout-at": ("timeout_at", int),
-      "--timeout-ms": ("timeout_ms", int), "--datasets": ("datasets", int), "--seed": ("seed", int),
+      "--timeout-ms": ("timeout_ms", int), "--stuck-stream-ms": ("stuck_stream_ms", int), "--datasets": ("datasets", int), "--seed": ("seed", int),
       "--consumers": ("consumers", int), "--sm-budget": ("sm_budget", int), "--device": ("device", int),
       "--warmup": ("warmup", int), "--reps": ("reps", int), "--decision-cost": ("decision_iters", int),
       "--check-tokens": ("check_tokens", int), "--dispatch-gemm": ("dispatch_gemm_pushers", _pushers),
