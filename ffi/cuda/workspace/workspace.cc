@@ -37,9 +37,9 @@ Status CudaStatus(cudaError_t err, const char* what) {
 
 namespace {
 
-// Restores the calling thread's current device (XLA's, or the caller's) at scope exit. Its runtime calls cannot report (a constructor's query, a destructor):
-// a failure is cleared rather than left as the thread's last error, which a later launch check would blame on its
-// kernel; a failed query restores nothing.
+// Restores the calling thread's current device (XLA's, or the caller's) at scope exit. Its runtime calls cannot
+// report (a constructor's query, a destructor): a failure is cleared rather than left as the thread's last error,
+// which a later launch check would blame on its kernel; a failed query restores nothing.
 struct DeviceGuard {
   int saved = -1;
   DeviceGuard() {
