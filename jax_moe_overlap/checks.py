@@ -186,11 +186,14 @@ def _weight_shape_dtype(name: str, w, quantization):
   if isinstance(w, fp8.Fp8Weight):
     if quantization is None:
       raise TypeError(f"jax_moe_overlap: {name} is a pre-quantized Fp8Weight, which only the FP8 quantizations take")
-    E, N, K = w.values.shape if w.values.ndim == 3 else (0, 0, 0)   # 3-D only: (0, 0, 0) fails the rule below
-    if w.values.ndim != 3 or w.values.dtype != fp8.E4M3 or w.scales.dtype != jnp.float32 or w.scales.shape != (
-        E, N // fp8.TILE, K // fp8.TILE):
+    # [E, N, K], or of w1's view [E, 2, F, D]; any other form gets scales no shape matches.
+    v = tuple(w.values.shape)
+    scales = ((*v[:-2], v[-2] // fp8.TILE, v[-1] // fp8.TILE)
+              if len(v) == 3 or (len(v) == 4 and name == "w1" and v[1] == 2) else None)
+    if w.values.dtype != fp8.E4M3 or w.scales.dtype != jnp.float32 or tuple(w.scales.shape) != scales:
       raise TypeError(f"jax_moe_overlap: {name}: an Fp8Weight holds float8_e4m3fn values [E, N, K] and float32 "
-                      f"scales [E, N / {fp8.TILE}, K / {fp8.TILE}] (fp8.quantize_weights makes one), got "
+                      f"scales [E, N / {fp8.TILE}, K / {fp8.TILE}] (w1's also [E, 2, F, D] and [E, 2, F / "
+                      f"{fp8.TILE}, D / {fp8.TILE}]: fp8.quantize_weights makes them), got "
                       f"{w.values.dtype}{list(w.values.shape)} and {w.scales.dtype}{list(w.scales.shape)}")
     return w.shape, None
   if not hasattr(w, "shape") or not hasattr(w, "dtype"):

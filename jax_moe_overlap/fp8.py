@@ -108,18 +108,13 @@ def _explicit_sharding(a: jax.Array):
   return None
 
 
-def _reshape_trailing(a: jax.Array, shape: tuple[int, ...], lead: int) -> jax.Array:
-  """a reshaped to ``shape``, its first ``lead`` axes unchanged. On Explicit axes those keep their sharding and the
-  reshaped trailing axes are whole on each device (resharded first where they were split): a quantized weight's
-  blocks lie within one device's experts."""
-  sharding = _explicit_sharding(a)
-  if sharding is None:
-    return a.reshape(shape)
-  spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
-  kept = sharding.update(spec=jax.sharding.PartitionSpec(*spec[:lead]))
-  if any(s is not None for s in spec[lead:]):
-    a = jax.sharding.reshard(a, kept)
-  return jnp.reshape(a, shape, out_sharding=kept)
+def _whole_blocks(mesh, entry, blocks: int):
+  """The sharding entry (a mesh axis, a tuple of them, or None) that an axis of ``blocks`` 128-wide blocks keeps,
+  split from an axis sharded as ``entry``: kept where every device holds whole blocks, else None (the axis whole)."""
+  if entry is None:
+    return None
+  size = int(np.prod([mesh.shape[n] for n in (entry if isinstance(entry, tuple) else (entry,))]))
+  return entry if blocks % size == 0 else None
 
 
 def e4m3_values(q: jax.Array) -> jax.Array:
@@ -170,8 +165,30 @@ def unpack_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _blocked(a):
+  """a [..., K, N] -> [..., K / 128, 128, N / 128, 128]. On Explicit axes the leading axes keep their sharding, and
+  so do K and N (on their blocks' axes) where each device holds whole blocks, as when F is split over a tensor axis
+  in 128-multiples; an axis split across a block is made whole first: a block's amax lies on one device."""
   *lead, K, N = a.shape
-  return _reshape_trailing(a, (*lead, K // TILE, TILE, N // TILE, TILE), len(lead))
+  shape = (*lead, K // TILE, TILE, N // TILE, TILE)
+  sharding = _explicit_sharding(a)
+  if sharding is None:
+    return a.reshape(shape)
+  spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+  sk, sn = _whole_blocks(sharding.mesh, spec[-2], K // TILE), _whole_blocks(sharding.mesh, spec[-1], N // TILE)
+  if (sk, sn) != spec[-2:]:
+    a = jax.sharding.reshard(a, sharding.update(spec=jax.sharding.PartitionSpec(*spec[:-2], sk, sn)))
+  return jnp.reshape(a, shape, out_sharding=sharding.update(spec=jax.sharding.PartitionSpec(*spec[:-2], sk, None, sn,
+                                                                                            None)))
+
+
+def _unblocked(b, shape):
+  """``_blocked``'s inverse: b [..., K / 128, 128, N / 128, 128] -> ``shape`` [..., K, N], in b's sharding."""
+  sharding = _explicit_sharding(b)
+  if sharding is None:
+    return b.reshape(shape)
+  spec = tuple(sharding.spec) + (None,) * (b.ndim - len(sharding.spec))
+  return jnp.reshape(b, shape, out_sharding=sharding.update(spec=jax.sharding.PartitionSpec(*spec[:-4], spec[-4],
+                                                                                            spec[-2])))
 
 
 def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -180,12 +197,12 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   _check_tiles("both axes of a weight matrix", w.shape[-1])
   b = _blocked(w.astype(jnp.float32))
   s = tile_scale(tile_amax(b, (-3, -1)))
-  return _reshape_trailing(_quantize(b, s[..., :, None, :, None]), w.shape, w.ndim - 2), s
+  return _unblocked(_quantize(b, s[..., :, None, :, None]), w.shape), s
 
 
 def dequantize_blocks(q: jax.Array, s: jax.Array) -> jax.Array:
   """(q [..., K, N], s [..., K / 128, N / 128]) -> float32 [..., K, N]."""
-  return _reshape_trailing(_dequantize(_blocked(q), s[..., :, None, :, None]), q.shape, q.ndim - 2)
+  return _unblocked(_dequantize(_blocked(q), s[..., :, None, :, None]), q.shape)
 
 
 @jax.tree_util.register_dataclass
@@ -266,19 +283,27 @@ class Fp8Weight:
     layout of an FP8 wgmma's B operand on Hopper). scales: [E, N / 128, K / 128] float32, one per block.
   W[e] ~= (values[e] * scales[e] per block)^T. ``shape`` is W's shape. A pytree: it crosses jit, shard_map and
   device_put like the weight it stands for, sharded over the experts (its leading axis).
+
+  Of w1's view [E, D, 2, F] (``quantize_weights`` of the view; F a multiple of 128): values [E, 2, F, D] and scales
+  [E, 2, F / 128, D / 128], the same blocks as w1's (no block straddles the gate and the up halves), which split
+  over a tensor axis along F as the view does; ``shape`` is the view's.
   """
 
   values: jax.Array
   scales: jax.Array
 
   @property
-  def shape(self) -> tuple[int, int, int]:
+  def shape(self) -> tuple[int, ...]:
+    if self.values.ndim == 4:
+      E, two, F, D = self.values.shape
+      return (E, D, two, F)
     E, N, K = self.values.shape
     return (E, K, N)
 
   def dequantize(self) -> jax.Array:
-    """W [E, K, N] float32."""
-    return jnp.swapaxes(dequantize_blocks(self.values, self.scales), -1, -2)
+    """W float32, of ``shape``."""
+    w = dequantize_blocks(self.values, self.scales)
+    return jnp.transpose(w, (0, 3, 1, 2)) if w.ndim == 4 else jnp.swapaxes(w, -1, -2)
 
 
 def transpose_weight(w: Fp8Weight) -> Fp8Weight:
@@ -290,8 +315,9 @@ def transpose_weight(w: Fp8Weight) -> Fp8Weight:
 
 
 def quantize_weight(w: jax.Array) -> Fp8Weight:
-  """W [E, K, N] (any float dtype) -> ``Fp8Weight``: the blocks of W^T, the same blocks transposed."""
-  q, s = quantize_blocks(jnp.swapaxes(w, -1, -2))
+  """W [E, K, N] (any float dtype) -> ``Fp8Weight``: the blocks of W^T, the same blocks transposed. w1's view
+  [E, D, 2, F] -> the view's ``Fp8Weight`` (values [E, 2, F, D]), in the view's sharding."""
+  q, s = quantize_blocks(jnp.transpose(w, (0, 2, 3, 1)) if w.ndim == 4 else jnp.swapaxes(w, -1, -2))
   return Fp8Weight(q, s)
 
 
@@ -308,17 +334,18 @@ def quantize_weights(w1: jax.Array, w2: jax.Array) -> tuple[Fp8Weight, Fp8Weight
 
   Args:
     w1: [E, D, 2F], or its view [E, D, 2, F] (a module with a ``tensor_axis`` keeps it); w2: [E, F, D]; float32 or
-      bfloat16, D and F multiples of 128. Sharded arrays keep their sharding over the experts (call under
-      ``jax.jit`` to quantize each device's experts in place).
+      bfloat16, D and F multiples of 128. Sharded arrays keep their sharding (call under ``jax.jit`` to quantize
+      each device's part in place): over the experts, and over a tensor axis along F where w1 is the view and each
+      device holds a multiple of 128 of F (the [E, D, 2F] form cannot split F with the gate and up halves alike, so
+      pass the view to keep a tensor split).
   Returns:
-    (Fp8Weight of w1 [E, D, 2F], Fp8Weight of w2).
+    (Fp8Weight of w1 [E, D, 2F] or of its view, Fp8Weight of w2).
   """
   from jax_moe_overlap.checks import check_fp8_sizes, check_fp8_weight_dtype, check_weight_shapes  # (it imports fp8)
-  if getattr(w1, "ndim", None) == 4 and w1.shape[2] == 2:
-    w1 = _reshape_trailing(jnp.asarray(w1), (w1.shape[0], w1.shape[1], 2 * w1.shape[3]), 1)
-  for name, w in (("w1", w1), ("w2", w2)):
-    if getattr(w, "ndim", None) != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
-      raise TypeError(f"jax_moe_overlap: quantize_weights: {name} must be a float [E, K, N] array, got "
+  for name, w, ranks in (("w1", w1, (3, 4)), ("w2", w2, (3,))):
+    if getattr(w, "ndim", None) not in ranks or not jnp.issubdtype(w.dtype, jnp.floating):
+      raise TypeError(f"jax_moe_overlap: quantize_weights: {name} must be a float "
+                      f"{'[E, D, 2F] (or [E, D, 2, F])' if name == 'w1' else '[E, F, D]'} array, got "
                       f"{getattr(w, 'dtype', type(w))}{list(np.shape(w))}")
     # moe_experts' rules for the master weights it quantizes per call: the Fp8Weights fit such a call and equal
     # its quantization bit for bit.

@@ -339,17 +339,20 @@ def test_module_refuses_prequantized_parameters_by_name():
     m(jnp.ones((4, 16, 128), jnp.float32))
 
 
-def test_prequantized_weight_of_another_layout_is_refused_by_name():
-  """An Fp8Weight of 4-D values (the [E, D, 2, F] view's, fp8's internal layout under a tensor axis) given for w1 is
-  refused with the layout moe_experts takes, naming the argument, not a failed unpacking."""
+def test_prequantized_weight_layouts():
+  """w1's Fp8Weight may be of its [E, D, 2, F] view (values [E, 2, F, D]: quantize_weights of the view, which keeps a
+  tensor split): the call equals the whole form's bit for bit. 4-D values given for w2 are refused with the layout
+  moe_experts takes, naming the argument, not a failed unpacking."""
   from jax_moe_overlap import tensor_parallel
   x, ids, gates, w1, w2 = layer_inputs(T, 128, 128, E, K, "balanced", 0)
   q1, q2 = jmo.quantize_weights(w1, w2)
-  with pytest.raises(TypeError, match=r"w1: an Fp8Weight holds float8_e4m3fn values \[E, N, K\] and float32 scales "
+  v1 = tensor_parallel.w1_view(q1)
+  run = lambda a, b: jmo.moe_experts(x, ids, gates, a, b, mesh=mesh_of(4), impl="xla", quantization="fp8")[0]
+  np.testing.assert_array_equal(np.asarray(run(v1, q2), np.float32), np.asarray(run(q1, q2), np.float32))
+  with pytest.raises(TypeError, match=r"w2: an Fp8Weight holds float8_e4m3fn values \[E, N, K\] and float32 scales "
                                       r"\[E, N / 128, K / 128\] .* got float8_e4m3fn\[8, 2, 128, 128\] and "
                                       r"float32\[8, 2, 1, 1\]"):
-    jmo.moe_experts(x, ids, gates, tensor_parallel.w1_view(q1), q2, mesh=mesh_of(4), impl="xla",
-                    quantization="fp8")
+    run(q1, v1)
 
 
 def test_fp8_master_weights_must_be_float32_or_bfloat16():

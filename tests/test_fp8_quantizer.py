@@ -171,7 +171,8 @@ def test_tiles_must_fit():
     fp8.quantize_rows(jnp.zeros((2, 96)))
   with pytest.raises(ValueError, match=r"multiple of 128, got 64"):
     fp8.quantize_blocks(jnp.zeros((2, 128, 64)))
-  with pytest.raises(TypeError, match=r"quantize_weights: w2 must be a float \[E, K, N\] array"):
+  with pytest.raises(TypeError,
+                     match=r"quantize_weights: w2 must be a float \[E, F, D\] array, got float32\[128, 128\]"):
     jmo.quantize_weights(jnp.zeros((2, 128, 256)), jnp.zeros((128, 128)))
 
 
@@ -179,9 +180,10 @@ def test_tiles_must_fit():
 def test_sharded_on_explicit_axes(tensor):
   """jax.make_mesh's default axis type is Explicit, whose reshapes and gathers must be told their output's sharding.
   quantize_weights and Fp8Weight.dequantize on expert-sharded weights (with ``tensor``, F also split over a second
-  axis, as a tensor-parallel layer keeps it; w1 also as its [E, D, 2, F] view, the module's layout there), eagerly and
-  under jit, and the row quantizer on token-sharded rows, give the unsharded arrays' bits, the weights sharded over
-  the experts."""
+  axis, as a tensor-parallel layer keeps it; w1 also as its [E, D, 2, F] view, the module's layout there, whose
+  Fp8Weight is the view's), eagerly and under jit, and the row quantizer on token-sharded rows, give the unsharded
+  arrays' bits, the weights sharded over the experts and, with ``tensor``, their values and scales still split over
+  the tensor axis along F (each device's part is whole 128 x 128 blocks)."""
   mesh = jax.make_mesh((2, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
                        devices=jax.devices("cpu")[:4])
   E, D, F = 4, 256, 256   # every weight's both axes two blocks: two axes split in one reshape
@@ -195,12 +197,17 @@ def test_sharded_on_explicit_axes(tensor):
   for quantize, args in ((jmo.quantize_weights, sharded), (jax.jit(jmo.quantize_weights), sharded),
                          (jmo.quantize_weights, view), (jax.jit(jmo.quantize_weights), view)):
     for got, ref_q in zip(quantize(*args), want):
-      np.testing.assert_array_equal(bits(got.values), bits(ref_q.values))
-      np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(ref_q.scales))
+      whole = lambda a, ref: np.asarray(a).reshape(ref.shape)   # the view's Fp8Weight as the whole form's
+      np.testing.assert_array_equal(bits(whole(got.values, ref_q.values)), bits(ref_q.values))
+      np.testing.assert_array_equal(whole(got.scales, ref_q.scales), np.asarray(ref_q.scales))
       assert got.values.sharding.spec[0] == "expert" and got.scales.sharding.spec[0] == "expert"
+      if tensor:   # F (w1's 2F) still split over the tensor axis
+        for a in (got.values, got.scales):
+          assert "tensor" in tuple(a.sharding.spec)[1:], a.sharding
       for dequantize in (lambda q: q.dequantize(), jax.jit(lambda q: q.dequantize())):
         w = dequantize(got)
-        np.testing.assert_array_equal(np.asarray(w), np.asarray(ref_q.dequantize()))
+        assert w.shape == got.shape
+        np.testing.assert_array_equal(np.asarray(w).reshape(ref_q.shape), np.asarray(ref_q.dequantize()))
         assert w.sharding.spec[0] == "expert"
   x = wide_range((16, D), 13)
   q, s = fp8.quantize_rows(on(x, ("expert", "tensor")), pow2=True)

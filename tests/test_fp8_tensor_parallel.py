@@ -1,8 +1,9 @@
-"""quantization="fp8" with expert tensor parallelism (tensor_axis): impl="xla" on an (expert=2, tensor=2) mesh, each
-device running the recipe on its F / 2 shard, against the FP8 oracle (impl="reference", whole experts) and against
-impl="xla" without a tensor axis, forward and gradients, on Auto and Explicit axes; pre-quantized weights split over
-the tensor axis; the module; the refusal of F / TP not a multiple of 128 by every impl (impl="overlap" with a tensor
-axis against impl="collective": tests/test_fp8_overlap.py)."""
+"""quantization="fp8" with expert tensor parallelism (tensor_axis): impl="xla" on an (expert=2, tensor=2) mesh,
+each device running the recipe on its F / 2 shard, against the FP8 oracle (impl="reference", whole experts) and
+against impl="xla" without a tensor axis, forward and gradients, on Auto and Explicit axes; pre-quantized weights
+split over the tensor axis by the layer, and kept split by quantize_weights (of w1's view); the module; the refusal
+of F / TP not a multiple of 128 by every impl (impl="overlap" with a tensor axis against impl="collective":
+tests/test_fp8_overlap.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,38 @@ def test_prequantized_weights_split_over_the_tensor_axis(explicit):
   np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_master, np.float32))
   assert not np.any(np.asarray(dq1.scales)) and not np.any(np.asarray(dq1.values, np.float32))
   assert dq1.values.shape == q1.values.shape and dq1.scales.shape == q1.scales.shape
+
+
+_OTHER_IMPLS = ("xla", "reference", "collective")
+
+
+@pytest.mark.parametrize("explicit,impls", [(False, ("overlap",)), (True, ("overlap",)),
+                                            pytest.param(False, _OTHER_IMPLS, marks=pytest.mark.slow),
+                                            pytest.param(True, _OTHER_IMPLS, marks=pytest.mark.slow)])
+def test_prequantized_view_keeps_the_tensor_split(explicit, impls):
+  """quantize_weights of w1's [E, D, 2, F] view split over the tensor axis along F (and of w2 so split): Fp8Weights
+  that keep that split (values [E, 2, F, D] and [E, D, F] with F over the tensor axis: each device holds a quarter of
+  the values on the 2 x 2 mesh, where the [E, D, 2F] form holds half), the same blocks as w1's whole form, and the
+  layer on them gives the bits of the call that quantizes the master weights."""
+  mesh = mesh_of_shape(EXPERT_TENSOR, explicit)
+  x, ids, gates, w1, w2 = inputs(jnp.bfloat16, 7, mesh if explicit else None, view=True)
+  w1 = jax.device_put(w1, NamedSharding(mesh, P("expert", None, None, "tensor")))
+  w2 = jax.device_put(w2, NamedSharding(mesh, P("expert", "tensor", None)))
+  q1, q2 = jax.jit(jmo.quantize_weights)(w1, w2)
+  assert q1.shape == (E, D, 2, F) and q1.values.shape == (E, 2, F, D) and q1.scales.shape == (E, 2, F // 128, D // 128)
+  for q, f_axis in ((q1.values, 2), (q1.scales, 2), (q2.values, 2)):
+    assert tuple(q.sharding.spec)[f_axis] == "tensor", q.sharding
+    assert {s.data.nbytes for s in q.addressable_shards} == {q.nbytes // 4}
+  whole1, _ = jmo.quantize_weights(np.asarray(w1).reshape(E, D, 2 * F), np.asarray(w2))
+  np.testing.assert_array_equal(np.asarray(q1.values).reshape(E, 2 * F, D).view(np.uint8),
+                                np.asarray(whole1.values).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(q1.scales).reshape(whole1.scales.shape), np.asarray(whole1.scales))
+  for impl in impls:
+    run = jax.jit(lambda x, w1, w2, impl=impl: jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl,
+                                                               tensor_axis="tensor", quantization="fp8")[0])
+    y = np.asarray(run(x, q1, q2), np.float32)
+    assert np.max(np.abs(y)) > 0
+    np.testing.assert_array_equal(y, np.asarray(run(x, w1, w2), np.float32), err_msg=impl)
 
 
 @pytest.mark.slow  # the default pass keeps the xla-vs-oracle check and the refusals
