@@ -61,8 +61,6 @@ def test_loopback_dispatch_gemm_suite():
     for mode in ("plain", "train", "infer"):
       assert re.search(rf"PASS R={r} .* dispatch_gemm pushers=\d+ mode={mode}", proc.stdout), (r, mode)
   assert "forced_timeout_at" in proc.stdout and "timed out" in proc.stdout
-  # A stream held past the timeout (work the library's timeout does not bound): the recovery gives up within it.
-  assert re.search(r"PASS R=4 .* forced_timeout_at=5 stream_held_ms=1500", proc.stdout)
   assert re.search(r"PASS R=2 .* mode=\w+ link=20GB/s", proc.stdout)
   for r, mode in ((1, "train"), (2, "plain"), (4, "train"), (8, "train")):
     assert re.search(rf"PASS R={r} .* mode={mode} x_recv=copied", proc.stdout), (r, mode)
