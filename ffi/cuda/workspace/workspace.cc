@@ -502,8 +502,9 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
   const volatile uint64_t* abort = &gs->abort.value;
   const volatile uint64_t* mine = &gs->errors[r].code;
   if (*abort == 0 && *mine == 0) return Status{};
-  const std::string who = std::string("jax_moe_overlap.") + op + ": rank " + std::to_string(r) + " (group " +
-                          std::to_string(g) + ")";
+  // Every message of a recovery that cannot finish: "jax_moe_overlap.<op>: rank r (group g) waited <timeout> ms ...".
+  const std::string waited = std::string("jax_moe_overlap.") + op + ": rank " + std::to_string(r) + " (group " +
+                             std::to_string(g) + ") waited " + std::to_string(timeout_ms) + " ms ";
   // The group's first failure, for the messages of a recovery that cannot finish.
   auto failure = [&]() {
     std::vector<ErrorRecord> now(gs->errors, gs->errors + ranks_);
@@ -514,11 +515,10 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
   };
   auto deadline = [&]() { return std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms); };
   // Our own kernels are bounded (and see the abort word); what else the stream holds may not be.
-  Status drained = DrainStream(stream, deadline(), who + " waited " + std::to_string(timeout_ms) +
-                                                       " ms for its stream to finish the work queued before this "
-                                                       "call, to recover from an earlier failure (work that this "
-                                                       "library's timeout does not bound, such as another library's "
-                                                       "collective whose peer is gone)");
+  Status drained = DrainStream(stream, deadline(), waited + "for its stream to finish the work queued before this "
+                                                             "call, to recover from an earlier failure (work that "
+                                                             "this library's timeout does not bound, such as another "
+                                                             "library's collective whose peer is gone)");
   if (!drained.ok()) return Status::Error(drained.code, drained.msg + failure());
   GroupTail* t = tail(g);
   GroupBarrier bar(&t->barrier.value);
@@ -533,8 +533,8 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
       st = CudaStatus(cudaSetDevice(access_dev_[idx]), "cudaSetDevice");
       if (st.ok())
         st = ZeroBounded(blocks_[idx], layout_.recv, deadline(),
-                         who + " waited " + std::to_string(timeout_ms) + " ms for the reset of rank " +
-                             std::to_string(i) + "'s control words after an earlier failure");
+                         waited + "for the reset of rank " + std::to_string(i) +
+                             "'s control words after an earlier failure");
     }
     std::memset(gs, 0, GroupSharedBytes(ranks_));
     for (int i = 0; i < ranks_; ++i)  // stamps are epochs, which restart
@@ -546,8 +546,7 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
   } else {
     uint64_t arrived = 0;
     if (!bar.Wait(deadline(), &arrived)) {
-      return Status::Error(kDeadlineExceeded, who + " waited " + std::to_string(timeout_ms) +
-                                                  " ms at the recovery barrier after an earlier failure; only " +
+      return Status::Error(kDeadlineExceeded, waited + "at the recovery barrier after an earlier failure; only " +
                                                   std::to_string(arrived) + " of " + std::to_string(ranks_) +
                                                   " ranks arrived" + failure());
     }
@@ -555,8 +554,8 @@ Status Workspace::RecoverIfAborted(int g, int r, cudaStream_t stream, const char
   // This rank's private state: only its own kernels read it, and its stream is idle.
   JMO_RETURN_IF_CUDA(cudaSetDevice(ordinals_[g * ranks_ + r]));
   JMO_RETURN_IF_CUDA(cudaMemsetAsync(priv_[g * ranks_ + r], 0, sizeof(RankPrivate), stream));
-  Status reset = DrainStream(stream, deadline(), who + " waited " + std::to_string(timeout_ms) +
-                                                     " ms for the reset of its private state after an earlier failure");
+  Status reset =
+      DrainStream(stream, deadline(), waited + "for the reset of its private state after an earlier failure");
   if (!reset.ok()) return reset;
   const std::vector<ErrorRecord> records(t->reset_records, t->reset_records + ranks_);
   return ReportRecords(g, r, records,
