@@ -182,6 +182,8 @@ class CallStats:
   last_producer_start_us: the last producer CTA with work started; far after producer_start_us means the kernel's
     CTAs were not all resident at once (something else held SMs).
   combine_start_us / combine_end_us: CombineKernel's first CTA started / its last CTA finished (the call's end).
+  kernel_start_us: the expert kernel's first CTA started (its segment table, the choice of C and the producers'
+    first tile follow; producer_start_us - kernel_start_us is what the producers waited for).
   origin_ns: the earliest of the rank's recorded times, a %globaltimer value in ns (0 if none). Every GPU has its own
     timer: compare origins of different ranks only where the clocks are known to agree. Its resolution is about
     1 us on some GPUs.
@@ -199,6 +201,7 @@ class CallStats:
   last_producer_start_us: float | None = None
   combine_start_us: float | None = None
   combine_end_us: float | None = None
+  kernel_start_us: float | None = None
 
   @property
   def producer_us(self) -> float | None:
@@ -247,23 +250,26 @@ def _span(start, end):
 def call_stats(rank: int, record: dict) -> CallStats:
   """A CallStats from one rank's raw record (``_jmo.cuda_last_combine_records``: consumers, pushed_bytes and the
   %globaltimer ns of producer_start_ns, producer_end_ns, consumer_start_ns, consumer_end_ns, and where the library
-  records them begin_ns, last_producer_start_ns, combine_start_ns, combine_end_ns)."""
+  records them begin_ns, last_producer_start_ns, combine_start_ns, combine_end_ns, expert_kernel_start_ns)."""
   pairs = {side: (record[f"{side}_start_ns"], record[f"{side}_end_ns"]) for side in ("producer", "consumer")}
   pairs["combine"] = (record.get("combine_start_ns", _NO_START), record.get("combine_end_ns", 0))
   # Recorded: a start set by its first event (not the reset value) and an end after it.
   done = {side: 0 < t0 < _NO_START and t1 >= t0 for side, (t0, t1) in pairs.items()}
   begin = record.get("begin_ns", 0)
   begin = begin if 0 < begin < _NO_START else None
+  entry = record.get("expert_kernel_start_ns", _NO_START)
+  entry = entry if 0 < entry < _NO_START else None
   last_start = record.get("last_producer_start_ns", 0)
   last_start = last_start if done["producer"] and last_start >= pairs["producer"][0] else None
-  origin = min([pairs[side][0] for side in pairs if done[side]] + ([begin] if begin is not None else []), default=0)
+  origin = min([pairs[side][0] for side in pairs if done[side]] + [t for t in (begin, entry) if t is not None],
+               default=0)
   rel = lambda side, i: (pairs[side][i] - origin) / 1e3 if done[side] else None
   at = lambda t: None if t is None else (t - origin) / 1e3
   return CallStats(rank=rank, consumers=int(record["consumers"]), pushed_bytes=int(record["pushed_bytes"]),
                    origin_ns=int(origin), producer_start_us=rel("producer", 0), producer_end_us=rel("producer", 1),
                    consumer_start_us=rel("consumer", 0), consumer_end_us=rel("consumer", 1), begin_us=at(begin),
                    last_producer_start_us=at(last_start), combine_start_us=rel("combine", 0),
-                   combine_end_us=rel("combine", 1))
+                   combine_end_us=rel("combine", 1), kernel_start_us=at(entry))
 
 
 def last_call_stats(handle: int, group: int = 0) -> list[CallStats]:

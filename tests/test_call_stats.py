@@ -49,13 +49,16 @@ def test_cpu_workspace_records_nothing():
 def test_the_whole_call_timeline():
   # Begin at 1000 ns, producer CTAs start 5000..5400 ns and end 405000, combine 406000..466000.
   r = record(0, 0, (5000, 405000))
-  r.update(begin_ns=1000, last_producer_start_ns=5400, combine_start_ns=406000, combine_end_ns=466000)
+  r.update(begin_ns=1000, last_producer_start_ns=5400, combine_start_ns=406000, combine_end_ns=466000,
+           expert_kernel_start_ns=3000)
   s = workspace_cuda.call_stats(0, r)
   assert s.origin_ns == 1000 and (s.begin_us, s.producer_start_us, s.combine_end_us) == (0, 4, 465)
+  assert s.kernel_start_us == 2  # the expert kernel's first CTA, 2 us before its first producer tile
   assert s.call_us == 465 and s.producer_start_spread_us == pytest.approx(0.4)
   assert s.combine_start_us == 405 and s.busy_us == 400  # busy_us: the expert kernel's recorded work alone
   # A record without them (an older extension, or a reset group) leaves them None.
   old = workspace_cuda.call_stats(0, record(0, 0, (5000, 405000)))
-  assert (old.begin_us, old.call_us, old.producer_start_spread_us, old.combine_start_us) == (None,) * 4
+  assert (old.begin_us, old.call_us, old.producer_start_spread_us, old.combine_start_us, old.kernel_start_us) == (
+      (None,) * 5)
   reset = dict(r, begin_ns=0, last_producer_start_ns=0, combine_start_ns=0, combine_end_ns=0)
   assert workspace_cuda.call_stats(0, reset).call_us is None

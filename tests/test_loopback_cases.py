@@ -377,7 +377,7 @@ def test_run_case_lines(monkeypatch, capsys):
   sets = cases_lib.make_data(case)
   res = _exact_run(case, sets)
   rec = {"consumers": 1, "begin_t": 1000, "prod_t0": 2000, "prod_t1": 9000, "prod_t0_last": 2100, "cons_t0": 3000,
-         "cons_t1": 9500, "comb_t0": 9600, "comb_t1": 9900, "pushed_bytes": 0}
+         "cons_t1": 9500, "comb_t0": 9600, "comb_t1": 9900, "pushed_bytes": 0, "entry_t": 1500}
   y0 = [d for d in res["digests"] if d[2] == 0]
   res["timed"] = [[{"call_us": [10.0, 12.0, 11.0], "device": [rec] * 3, "y_after": y0[r][4]}
                    for r in range(case.ranks)] for _ in case.variants()]
@@ -389,6 +389,7 @@ def test_run_case_lines(monkeypatch, capsys):
   timed = [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ") and '"timed"' in l]
   assert [(t["consumers"], t["serialize"]) for t in timed] == [(1, 0), (2, 0), (0, 0), (0, 1)]
   assert all(t["identical"] and t["median_us"] == 11.0 for t in timed)
+  assert all(t["producer_start_us"] == 0.5 for t in timed)  # the first tile 500 ns after the kernel's start
   assert out.count("TIMELINE r0 C=1 begin 0.0 prod 1.0..8.0") == 4
   assert all(t["rank_consumer_span_us"] == [6.5] * case.ranks for t in timed)  # cons 3000..9500 ns on every call
   assert sum(1 for l in out.splitlines() if l.startswith("RESULT ") and '"plan"' in l) == case.ranks
@@ -736,13 +737,14 @@ def test_regret_suite_covers_gather_rs():
 
 def _gather_regret_result(case, sets, policy, fixed, chosen):
   """A simulated timed run of a gather_rs case with a consumer sweep: pinned C = c takes 100 + |c - 2| us, the
-  library's C 101 us, and the device records `chosen` per rank."""
-  def variant(us, consumers):
-    rec = {"consumers": consumers, "begin_t": 0, "prod_t0": 1000, "prod_t1": 5000, "prod_t0_last": 1000,
-           "cons_t0": 6000, "cons_t1": 7000, "comb_t0": 9000, "comb_t1": 12000, "pushed_bytes": 0}
+  library's C 101 us, and the device records `chosen` per rank; the first producer tile 1 us after the kernel's
+  start (pinned) or 1.5 us (the library's C)."""
+  def variant(us, consumers, start_ns):
+    rec = {"consumers": consumers, "begin_t": 0, "prod_t0": start_ns, "prod_t1": 5000, "prod_t0_last": 1000,
+           "cons_t0": 6000, "cons_t1": 7000, "comb_t0": 9000, "comb_t1": 12000, "pushed_bytes": 0, "entry_t": 0}
     return [{"call_us": [us] * 3, "device": [dict(rec, consumers=c)]} for c in consumers]
-  timed = [variant(100.0 + abs(c - 2) if c else 101.0 if not ser else 150.0, [c] * case.ranks if c else chosen)
-           for c, ser in case.variants()]
+  timed = [variant(100.0 + abs(c - 2) if c else 101.0 if not ser else 150.0, [c] * case.ranks if c else chosen,
+                   1000 if c else 1500) for c, ser in case.variants()]
   return {"budget": 33, "consumer_policy": policy, "fixed_consumers": fixed, "timed": timed}
 
 
@@ -790,6 +792,8 @@ def test_regret_rows_of_gather_rs():
   row = regret.consumer_row(case, _gather_regret_result(case, sets, "model", 16, want), sets[0])
   assert row["what"] == "C gather_rs" and row["mirror"] == want and row["mirror_agrees"]
   assert row["best"] == 2 and row["regret"] == pytest.approx(0.01) and row["chosen"] == want
+  assert row["producer_start_us"] == {"model": 1.5, "pinned": 1.0}
+  assert regret.line(row).endswith("| first tile after kernel start: model 1.50 us, pinned 1.00 us")
   other = [c + 1 for c in want]
   assert not regret.consumer_row(case, _gather_regret_result(case, sets, "model", 16, other), sets[0])["mirror_agrees"]
   fixed = regret.consumer_row(case, _gather_regret_result(case, sets, "fixed", 16, [16] * 4), sets[0])

@@ -108,6 +108,8 @@ def test_last_call_stats_gpu(R):
       assert s.producer_us is not None and s.producer_us >= 0, s
       # The call's timeline: Begin, then the expert kernel, then CombineKernel on the same stream (1 us of timer slack).
       assert s.begin_us is not None and s.begin_us <= s.producer_start_us + 1, s
+      assert s.kernel_start_us is not None and s.begin_us <= s.kernel_start_us + 1, s
+      assert s.kernel_start_us <= s.producer_start_us + 1, s
       assert s.combine_start_us >= s.producer_end_us - 1 and s.call_us >= s.busy_us, s
       assert 0 <= s.producer_start_spread_us <= s.producer_us + 1, s
       if remote[s.rank] == 0:

@@ -154,7 +154,7 @@ nb::dict DeviceRecord(const cuda::RankPrivate& q) {
                    {"gemm_wait_own_ns", nb::cast(q.gemm_wait_own_ns)}, {"gemm_stall_ns", nb::cast(q.gemm_stall_ns[0])},
                    {"gemm_stall_first_ns", nb::cast(q.gemm_stall_ns[1])},
                    {"phase_b_t0", nb::cast(q.phase_b_t0)},
-                   {"ctas", nb::cast(q.ctas)}});
+                   {"ctas", nb::cast(q.ctas)}, {"entry_t", nb::cast(q.entry_t)}});
 }
 
 nb::dict ToDict(const Result& r) {

@@ -68,7 +68,7 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
   variants = case.variants()
   if not case.sweep or (0, False) not in variants or not case.model:
     return None
-  runs, chosen = [], None  # (C, the median of one pass's timed run: Case.sweep_passes); the manager's first C
+  runs, starts, chosen = [], [], None  # (C, the median of one pass's timed run: Case.sweep_passes); the manager's C
   for vi, (c, ser) in enumerate(variants):
     if ser or vi >= len(result["timed"]):
       continue
@@ -76,7 +76,12 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
     if c == 0 and chosen is None:
       chosen = [rec[-1]["consumers"] if rec else 0 for rec in records]
     runs.append((c, stats["median_us"]))
+    starts.append((c, stats["producer_start_us"]))
   times = _median_per_count(runs)
+  # The first producer tile after the kernel's first CTA started: with the model's C against the pinned counts' (the
+  # median over them: a pinned C needs no choice), what the choice costs the producers' start.
+  start = _median_per_count(starts)
+  pinned_start = timing.quantile([t for c, t in start.items() if c > 0], 0.5)
   pinned = {c: t for c, t in times.items() if c > 0}
   if 0 not in times or not pinned:
     return None
@@ -99,7 +104,8 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
     mirror = combine_mirror(case, [d.plan for d in ranks], budget)
   return {"kind": "regret", "what": what, "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
-          "times_us": {str(c): t for c, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0}
+          "times_us": {str(c): t for c, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0,
+          "producer_start_us": {"model": start.get(0, 0.0), "pinned": pinned_start}}
 
 
 def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
@@ -126,7 +132,9 @@ def line(row: dict) -> str:
   return (f"REGRET {row['what']} model {','.join(map(str, row['chosen']))} (host mirror "
           f"{'agrees' if row['mirror_agrees'] else 'DIFFERS: ' + ','.join(map(str, row['mirror']))}) "
           f"{row['model_us']:.1f} us | best pinned {row['what']}={row['best']} {row['best_us']:.1f} us | regret "
-          f"{100 * row['regret']:.1f}% | pinned us {times}")
+          f"{100 * row['regret']:.1f}% | pinned us {times}"
+          + (f" | first tile after kernel start: model {row['producer_start_us']['model']:.2f} us, pinned "
+             f"{row['producer_start_us']['pinned']:.2f} us" if "producer_start_us" in row else ""))
 
 
 def summary(rows: list[dict]) -> list[str]:

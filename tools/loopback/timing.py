@@ -42,6 +42,13 @@ def _span_us(q: dict, part: str) -> float:
   return (t1 - t0) * 1e-3 if t1 > t0 else 0.0
 
 
+def _start_us(q: dict) -> float:
+  """A device record's first producer tile after its ExpertKernel's first CTA started, microseconds (0 where no tile
+  ran or the record has no such start): the segment table and, where a CTA must wait for it, the consumer choice."""
+  t0, t1 = q.get("entry_t", 2**64 - 1), q["prod_t0"]
+  return (t1 - t0) * 1e-3 if t0 < t1 < 2**63 else 0.0
+
+
 def rank_spans_us(records: list[list[dict]], part: str) -> list[float]:
   """Per rank, the median over its recorded calls of its span of `part` (0 where it never ran)."""
   return [quantile([s for s in (_span_us(q, part) for q in rec) if s > 0], 0.5) for rec in records]
@@ -54,16 +61,17 @@ def _variant_stats(result: dict, vi: int) -> tuple[dict, list[list[dict]], list[
   calls = len(ranks[0]["call_us"]) if ranks else 0
   per_call = [max(t["call_us"][i] for t in ranks if i < len(t["call_us"])) for i in range(calls)]
   records = [t["device"] for t in ranks]
-  prod, cons, comb = [], [], []
+  prod, cons, comb, start = [], [], [], []
   for i in range(len(records[0]) if records else 0):
     here = [rec[i] for rec in records if i < len(rec)]
     prod.append(max((_span_us(q, "prod") for q in here), default=0.0))
+    start.append(max((_start_us(q) for q in here), default=0.0))
     cons.append(max((_span_us(q, "cons") for q in here), default=0.0))
     comb.append(max((_span_us(q, "comb") for q in here), default=0.0))
   stats = {"median_us": quantile(per_call, 0.5), "p10_us": quantile(per_call, 0.1), "p90_us": quantile(per_call, 0.9),
            "mean_us": sum(per_call) / len(per_call) if per_call else 0.0,
            "producer_span_us": quantile(prod, 0.5), "consumer_span_us": quantile(cons, 0.5),
-           "combine_span_us": quantile(comb, 0.5)}
+           "combine_span_us": quantile(comb, 0.5), "producer_start_us": quantile(start, 0.5)}
   return stats, records, per_call
 
 

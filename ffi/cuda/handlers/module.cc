@@ -205,6 +205,7 @@ void RegisterModule(nb::module_& m) {
           d["consumer_start_ns"] = p.cons_t0;
           d["consumer_end_ns"] = p.cons_t1;
           d["begin_ns"] = p.begin_t;
+          d["expert_kernel_start_ns"] = p.entry_t;
           d["last_producer_start_ns"] = p.prod_t0_last;
           d["combine_start_ns"] = p.comb_t0;
           d["combine_end_ns"] = p.comb_t1;

@@ -57,29 +57,39 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   __shared__ TableScratch scratch;
   __shared__ ChoiceScratch choice;
   __shared__ int wait_ok;
+  if (threadIdx.x == 0)
+    atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->entry_t), (unsigned long long)GlobalTimer());
   // The plan entries before the call state: the two global round trips overlap (LoadPlanEntries).
   const PlanEntries plan = LoadPlanEntries(seg_rows, seg_ret_off, E_l, rd.ranks);
   LoadCallState(rd, &st);
   if (!st.ok) return;
-  // Under the model the table is built with the parts of the choice's terms (one pass less): expert_combine's
-  // segments', gather_rs's sources'.
+  // Roles. C is known at once where the call pins or fixes it, or where no band goes to another rank. Under the model
+  // CTAs [0, max_ctas), the only ones C can make consumers, choose it (each the same C: same table, same operations)
+  // while the others start producing, so the choice is off the producers' path; a chooser that C leaves a producer
+  // joins them. Producers claim tiles from the call's counter (TileClaims), so none needs the producer count.
+  const bool chooses = pol.use_model && (int)blockIdx.x < pol.max_ctas;  // (uniform in the CTA)
+  // A chooser builds the table with the parts of the choice's terms (one pass less): expert_combine's segments',
+  // gather_rs's sources'.
   const GatherModelShape gsh{ga.T, ga.Q, N, K, (int64_t)sizeof(T)};
   TermPrepOut prep{};
-  if (kGather && pol.use_model) {
+  if (kGather && chooses) {
     const GatherPrepIn in = GatherPrepFor(pol.cand, gsh, rd.rank, &choice);
     if (!BuildSegmentsFrom<kPrepGather>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
-  } else if (!kGather && pol.use_model) {
+  } else if (!kGather && chooses) {
     const TermPrepIn in = TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, &choice);
     if (!BuildSegmentsFrom<kPrepTerms>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
   } else if (!BuildSegmentsFrom(rd, plan, E_l, cap, &table, &scratch)) {
     return;
   }
-  // (gather_rs: C >= 1, the host keeps the pinned and the fixed C in [1, grid - 1].)
-  const int consumers = kGather ? GatherConsumersOfCall(table, prep, pol, gsh, rd.rank, rd.ranks, &choice)
-                                : ConsumersOfCall(table, prep, pol, N, kEngine == kWgmmaFp8 ? Fp8ModelK(K) : K,
-                                                  &choice);
+  // C, or -1 on a CTA that produces without knowing it. (gather_rs: C >= 1, the host keeps the pinned and the fixed C
+  // in [1, grid - 1].)
+  const bool known = !pol.use_model || table.remote_bands == 0;
+  const int consumers =
+      !known && !chooses ? -1
+      : kGather ? GatherConsumersOfCall(table, prep, pol, gsh, rd.rank, rd.ranks, &choice)
+                : ConsumersOfCall(table, prep, pol, N, kEngine == kWgmmaFp8 ? Fp8ModelK(K) : K, &choice);
   const int64_t row_bytes = N * (int64_t)sizeof(T);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {  // (block 0 knows C: it chooses, or C is known)
     rd.priv->consumers = (uint64_t)consumers;
     // gather_rs: its float32 partials for the other ranks.
     rd.priv->pushed_bytes =
@@ -90,34 +100,32 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   T* ret = reinterpret_cast<T*>(self.ret());
   uint64_t* flags = self.tile_ready();
 
-  if ((int)blockIdx.x >= consumers) {
-    // Producer: tiles in producer order (remote-critical segments first), statically striped over the CTAs.
-    const int pid = blockIdx.x - consumers, np = gridDim.x - consumers;
-    if (threadIdx.x == 0 && pid < table.bands) {
-      const unsigned long long now = GlobalTimer();
-      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), now);
-      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0_last), now);
-    }
+  if (consumers < 0 || (int)blockIdx.x >= consumers) {
+    // Producer: tiles in producer order (remote-critical segments first), claimed one at a time.
+    __shared__ bool produced;  // thread 0's: this CTA claimed a tile (TileClaims)
+    if (threadIdx.x == 0) produced = false;
     if constexpr (kEngine == kWgmma)
-      ProduceWgmma(rd, table, st.epoch, WgmmaBf16Operands<kTransB>(a_map, b_map), K, N, stage, ret, flags, pid, np,
-                   tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m);
+      ProduceWgmma(rd, table, st.epoch, WgmmaBf16Operands<kTransB>(a_map, b_map), K, N, stage, ret, flags,
+                   tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, &produced);
     else if constexpr (kEngine == kWgmmaFp8)
       ProduceWgmma(rd, table, st.epoch,
                    wgmma_gemm::Fp8BlockScaledOperands{
                        &a_map, &b_map, &sa_map,
                        {w_scales, (int)(N / wgmma_gemm::kScaleChunk), (int)(K / wgmma_gemm::kScaleChunk)}},
-                   K, N, stage, ret, flags, pid, np, tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m);
+                   K, N, stage, ret, flags, tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, &produced);
     else
-      ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, pid, np,
-                                                    smem, kGather);
-    CountLocalRows(rd, table, np, !kGather);
-    if (threadIdx.x == 0 && pid < table.bands)
+      ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, smem,
+                                                    kGather, &produced);
+    CountLocalRows(rd, table, !kGather);
+    if (threadIdx.x == 0 && produced)
       atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t1), (unsigned long long)GlobalTimer());
     return;
   }
+  // A consumer: counted among the launch's CTAs done producing at once (it stores no tile).
+  CountLocalRows(rd, table, !kGather);
 
   if constexpr (kGather) {
-    GatherConsume<T>(rd, table, st.epoch, ga, cap, N, stage, flags, pol, consumers, gridDim.x - consumers, smem);
+    GatherConsume<T>(rd, table, st.epoch, ga, cap, N, stage, flags, pol, consumers, smem);
     return;
   }
   // Consumer: the remote bands [0, remote_bands) in producer order; CTA c pushes bands c, c + C, c + 2 C, ...
@@ -125,7 +133,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   const int count = first < table.remote_bands ? (table.remote_bands - 1 - first) / consumers + 1 : 0;
   if (count == 0) return;
   // The baseline without overlap: start pushing only once every producer CTA has stored all its tiles.
-  if (pol.serialize && !WaitProducersDone(rd, gridDim.x - consumers)) return;
+  if (pol.serialize && !WaitProducersDone(rd)) return;
   if (threadIdx.x == 0)
     atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)GlobalTimer());
   struct BandAt {

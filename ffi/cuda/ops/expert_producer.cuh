@@ -59,18 +59,20 @@ __device__ __forceinline__ void PublishTile(const RankDev& rd, uint64_t* flags, 
   }
 }
 
-// Every thread of every producer CTA calls this once it has stored all its tiles. The rows of local segments (stored
-// in place in this rank's ret rows; no consumer and no peer reads them, only this rank's CombineKernel, later on the
-// stream) are counted into ret_arrivals once, by the last producer CTA to finish: each thread's fence and the CTA
-// barrier order the CTA's stores before its producers_done add, so the last adder's count follows every store of
-// the call. This keeps the per-tile fence and consumer barrier off local tiles (all tiles at EP = 1). Also what the
-// serialized mode's consumer waits for (producers_done == producer CTAs). count_local = false (gather_rs, whose
-// producer stores every tile in stage and whose ret rows count partial slices, not rows): producers_done only.
-__device__ inline void CountLocalRows(const RankDev& rd, const SegTable& t, int producers, bool count_local = true) {
+// Every thread of every CTA of the launch calls this once: a producer CTA once it has stored all its tiles, a consumer
+// CTA as soon as it knows its role. The rows of local segments (stored in place in this rank's ret rows; no consumer
+// and no peer reads them, only this rank's CombineKernel, later on the stream) are counted into ret_arrivals once, by
+// the last CTA to call it: each thread's fence and the CTA barrier order the CTA's stores before its producers_done
+// add, so the last adder's count follows every store of the call. This keeps the per-tile fence and consumer barrier
+// off local tiles (all tiles at EP = 1). Also what the serialized mode's consumer waits for (producers_done == the
+// grid). The count is over the grid, not the producer CTAs, because a CTA that produces from the start does not know
+// C (ExpertKernel). count_local = false (gather_rs, whose producer stores every tile in stage and whose ret rows
+// count partial slices, not rows): producers_done only.
+__device__ inline void CountLocalRows(const RankDev& rd, const SegTable& t, bool count_local = true) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) != (unsigned long long)(producers - 1))
+  if (atomicAdd(reinterpret_cast<unsigned long long*>(rd.producers_done), 1ull) != (unsigned long long)(gridDim.x - 1))
     return;
   if (!count_local) return;
   uint64_t local_rows = 0;
@@ -79,13 +81,34 @@ __device__ inline void CountLocalRows(const RankDev& rd, const SegTable& t, int 
   if (local_rows > 0) AddReleaseSys(&View(rd, rd.rank).control()->ret_arrivals.value, local_rows);
 }
 
-// The serialized mode's start, for every thread of a consumer CTA: once every producer CTA has stored all its tiles
-// (CountLocalRows' producers_done); false if the wait gave up.
-__device__ inline bool WaitProducersDone(const RankDev& rd, int producers) {
+// The serialized mode's start, for every thread of a consumer CTA that has passed CountLocalRows: once every CTA of the
+// launch has (every producer CTA has stored all its tiles); false if the wait gave up.
+__device__ inline bool WaitProducersDone(const RankDev& rd) {
   int ok = 1;
-  if (threadIdx.x == 0) ok = WaitAtLeast(rd, rd.producers_done, 0, (uint64_t)producers, rd.rank, kStageTileReady);
+  if (threadIdx.x == 0) ok = WaitAtLeast(rd, rd.producers_done, 0, (uint64_t)gridDim.x, rd.rank, kStageTileReady);
   return __syncthreads_and(ok) != 0;
 }
+
+// The producer's tiles, handed out one at a time in producer order from the call's counter (RankDev::tile_claims,
+// zeroed with the band counters before the launch), rather than striped over a producer count fixed at the start: a
+// CTA that chose C before producing (ExpertKernel) takes what is left when it joins. next_tile(prev) of the wgmma loop
+// (gemm/sm90/wgmma_mainloop.cuh); one thread calls it. A CTA's first claimed tile also enters the call's timeline
+// (prod_t0: the first producer's start; prod_t0_last: the last) and sets *produced (thread 0's, which calls it).
+struct TileClaims {
+  const RankDev& rd;
+  int64_t count;  // the call's tiles: an index >= count ends the CTA's loop
+  bool* produced;
+  __device__ __forceinline__ int operator()(int prev) const {
+    const int i = (int)atomicAdd(rd.tile_claims, 1u);
+    if (prev < 0 && i < count) {
+      *produced = true;
+      const unsigned long long now = GlobalTimer();
+      atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0), now);
+      atomicMax(reinterpret_cast<unsigned long long*>(&rd.priv->prod_t0_last), now);
+    }
+    return i;
+  }
+};
 
 // Where a producer tile of segment s goes: the stage rows the consumer pushes from, or for a local segment the
 // rank's own ret rows (no push). all_stage (gather_rs): every segment's tiles go to stage, where its consumer reduces
@@ -108,10 +131,17 @@ constexpr int kSimtSmemBytes = SimtSmemBytes<kMmaBM>();
 template <typename T, bool kTensorCores, bool kTransB>
 __device__ inline void ProduceBands(const RankDev& rd, const SegTable& table, uint64_t epoch, const T* __restrict__ lhs,
                                     const T* __restrict__ w, int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags,
-                                    int pid, int np, char* smem, bool gather) {
+                                    char* smem, bool gather, bool* produced) {
   const int64_t ntiles = (N + kMmaBN - 1) / kMmaBN;
   const int64_t tiles = (int64_t)table.bands * ntiles;
-  for (int64_t t = pid; t < tiles; t += np) {
+  const TileClaims claim{rd, tiles, produced};
+  __shared__ int claimed;  // thread 0's claim; rewritten only after the tile's closing barrier, past every read
+  for (int prev = -1;; ) {
+    if (threadIdx.x == 0) claimed = claim(prev);
+    __syncthreads();
+    const int64_t t = claimed;
+    if (t >= tiles) break;
+    prev = (int)t;
     const int band = (int)(t / ntiles);
     const int64_t n0 = (t % ntiles) * kMmaBN;
     const Segment& s = table.seg[FindSegment(table, band)];
@@ -191,8 +221,8 @@ __device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const 
 // and w [E_l, N, K] with their scales), storing T rows (bfloat16; float32 with the e4m3 operands only).
 template <class Ops, typename T>
 __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const Ops& ops,
-                                    int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int pid, int np,
-                                    int32_t* tile_prefix, int64_t* warp_sums, char* smem, bool gather, int band_m) {
+                                    int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int32_t* tile_prefix,
+                                    int64_t* warp_sums, char* smem, bool gather, int band_m, bool* produced) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
   WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
@@ -210,9 +240,9 @@ __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, ui
     return t;
   };
   auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
-  wgmma_gemm::WgmmaLoop<Ops, std::is_same<T, float>::value>(ops, (int)K, tile_prefix[table.n],
-                                                            wgmma_gemm::StaticTiles{pid, np}, tile_of, tile_done,
-                                                            smem);
+  const int tiles = tile_prefix[table.n];
+  wgmma_gemm::WgmmaLoop<Ops, std::is_same<T, float>::value>(ops, (int)K, tiles, TileClaims{rd, tiles, produced},
+                                                            tile_of, tile_done, smem);
 }
 
 // The bf16 operands: the loop's kTransB is the wgmma instruction's operand layout, the opposite sense of ours: 1 = B

@@ -134,12 +134,12 @@ __device__ __forceinline__ void GatherToken(const RankDev& rd, const T* stage, c
 // The consumer CTAs' work (every thread of CTAs [0, consumers) calls it; returns when the CTA's units are done or a
 // wait gave up). smem: the launch's dynamic shared memory, which only the producer's GEMM uses otherwise (the source
 // order lives there rather than in static shared memory, which the wgmma producer's ring leaves little of). Unit u = (position i of the consumer's source order, token chunk) = (u / chunks, u % chunks); CTA b
-// takes u = b, b + C, b + 2 C, ..., so the sources go in the consumer's order across the CTAs. `producers`: the
-// launch's producer CTAs (the serialized mode waits for all of them).
+// takes u = b, b + C, b + 2 C, ..., so the sources go in the consumer's order across the CTAs. The CTA has passed
+// CountLocalRows (the serialized mode waits for every CTA of the launch to have).
 template <typename T>
 __device__ void GatherConsume(const RankDev& rd, const SegTable& table, uint64_t epoch, const GatherArgs& ga,
                               int64_t cap, int64_t N, const T* stage, const uint64_t* flags,
-                              const ConsumerConfig& pol, int consumers, int producers, char* smem) {
+                              const ConsumerConfig& pol, int consumers, char* smem) {
   GatherSources& src = *reinterpret_cast<GatherSources*>(smem);
   const int R = rd.ranks;
   if (threadIdx.x == 0) OrderGatherSources(table, R, &src);
@@ -148,7 +148,7 @@ __device__ void GatherConsume(const RankDev& rd, const SegTable& table, uint64_t
   const int chunk = GatherChunkTokens();
   const int64_t chunks = (T_ + chunk - 1) / chunk, units = (int64_t)R * chunks;
   if ((int64_t)blockIdx.x >= units) return;  // (uniform in the CTA)
-  if (pol.serialize && !WaitProducersDone(rd, producers)) return;
+  if (pol.serialize && !WaitProducersDone(rd)) return;
   if (threadIdx.x == 0)
     atomicMin(reinterpret_cast<unsigned long long*>(&rd.priv->cons_t0), (unsigned long long)GlobalTimer());
   constexpr int kV = 16 / sizeof(T);  // one 16-byte vector of a GEMM row

@@ -16,10 +16,11 @@
 
 namespace jmo::cuda {
 
-// The resource manager on the device (resource_model.h): every CTA evaluates the model on its own copy of the
-// segment table and gets the same C (same inputs, same operations, no FMA contraction: see the header), then takes
-// its role by block index. Lane c of a warp evaluates candidate C = c + 1 over some of the segments; a max over the
-// warps and an argmin over the lanes (smallest C on ties, as ChooseConsumerCtas) finish it. Two forms, the same C:
+// The resource manager on the device (resource_model.h): every CTA that C could make a consumer (ExpertKernel's
+// choosers, CTAs [0, max_ctas)) evaluates the model on its own copy of the segment table and gets the same C (same
+// inputs, same operations, no FMA contraction: see the header), then takes its role by block index. Lane c of a warp
+// evaluates candidate C = c + 1 over some of the segments; a max over the warps and an argmin over the lanes
+// (smallest C on ties, as ChooseConsumerCtas) finish it. Two forms, the same C:
 //   chunked   (DeviceChooseConsumers) warp w takes the contiguous chunk of remote
 //             segments [w * ch, (w + 1) * ch), sums the segments before it itself (strided loads, redux.sync) and
 //             scans its chunk with one warp scan, so its prefixes stay warp-private: 1 barrier instead of 7, and per

@@ -33,7 +33,7 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   p->prod_t0 = p->cons_t0 = p->comb_t0 = ~0ull;
   p->prod_t1 = p->cons_t1 = p->prod_t0_last = p->comb_t1 = p->push_t1 = p->link_t0 = p->link_bytes = 0;
   p->gemm_wait_ns = p->gemm_wait_own_ns = p->gemm_stall_ns[0] = p->gemm_stall_ns[1] = p->ctas = 0;
-  p->phase_b_t0 = ~0ull;
+  p->phase_b_t0 = p->entry_t = ~0ull;
   p->begin_t = begin_t;
   p->combine_done = 0;
   // An abort raised before this call began: do nothing; the next call's host side recovers and reports (inside a

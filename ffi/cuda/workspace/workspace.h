@@ -85,6 +85,8 @@ struct RankPrivate {
   // CTA's first ([0]) and on its first ([1]), when the first phase-B tile was claimed, and the CTAs of the launch
   // (for the loopback harness; never the protocol).
   uint64_t gemm_wait_ns, gemm_wait_own_ns, gemm_stall_ns[2], phase_b_t0, ctas;
+  // ExpertKernel: its first CTA started (%globaltimer; its segment table, its choice of C and its first tile follow).
+  uint64_t entry_t;
 };
 
 // The per-band tile counters (uint32, zeroed by one memset per call) followed by the call counters (kCallCounterBytes,
