@@ -90,8 +90,8 @@ struct RankPrivate {
 };
 
 // The per-band tile counters (uint32, zeroed by one memset per call) followed by the call counters (kCallCounterBytes,
-// 8-byte aligned): the count of the call's producer CTAs that are done (uint64), then dispatch_gemm's next unclaimed
-// GEMM1 tile and next unclaimed side unit (uint32 each).
+// 8-byte aligned): the count of the launch's CTAs that are done producing (uint64), then the next unclaimed GEMM tile
+// (ExpertKernel's producer, dispatch_gemm's GEMM1) and dispatch_gemm's next unclaimed side unit (uint32 each).
 constexpr int64_t kCallCounterBytes = 16;
 inline int64_t BandCounterWords(int64_t max_bands) { return (max_bands + 1) / 2 * 2; }
 inline int64_t BandCounterBytes(int64_t max_bands) { return BandCounterWords(max_bands) * 4 + kCallCounterBytes; }
@@ -123,8 +123,9 @@ struct RankDev {
   GroupShared* shared;   // host-mapped
   RankPrivate* priv;     // device
   uint32_t* band_done;   // device, [sizes.max_bands], then producers_done (BandCounterBytes in all)
-  uint64_t* producers_done;  // device: producer CTAs of this call that have stored all their tiles
-  unsigned* tile_claims;     // device: dispatch_gemm's GEMM1 tiles claimed so far in this call
+  uint64_t* producers_done;  // device: CTAs of this call's launch done producing (ExpertKernel: a consumer once it
+                             // has its role, a producer once it has stored all its tiles; dispatch_gemm: every CTA)
+  unsigned* tile_claims;     // device: GEMM tiles claimed so far in this call (ExpertKernel's, dispatch_gemm's)
   unsigned* side_claims;     // device: dispatch_gemm's side units claimed so far in this call
   int32_t rank, group, ranks, pad_;
 };
