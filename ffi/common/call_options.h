@@ -46,7 +46,7 @@ struct CallOptions {
   double emulated_link_gbps = 0;
   // Benchmark aid of the loopback harness: > 0 pins the row blocks per raster band of expert_combine's and
   // gather_rs's wgmma producer (wgmma_gemm::BandRaster inside each segment) and of dispatch_gemm's GEMM (inside each
-  // expert's phase); 0: the rules (kProducerBandM, cuda/ops/expert_combine.cu; wgmma_gemm::kBandM for dispatch_gemm).
+  // expert's phase); 0: the rule, wgmma_gemm::kBandM (the bare grouped GEMM's band, gemm/sm90/wgmma_grouped.cuh).
   // Never set by the library's Python API; no effect on CPU or on other GEMM engines.
   int32_t producer_band_m = 0;
 };

@@ -345,12 +345,6 @@ ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, G
   return tile_m == m.tile_m && tile_n == m.tile_n ? ConsumerPolicy::kModel : ConsumerPolicy::kFixed;
 }
 
-// The wgmma producer's row blocks per raster band (ConsumerConfig::band_m) where the call does not pin it. Row-block
-// order (1) completes each band's flags soonest but reads every column slab of the expert's weight from HBM again for
-// each row block once the weight outgrows L2; bands of 4 row blocks share each slab over 4 row blocks while a band's
-// flags still complete within a few waves of tiles (docs/performance.md, "The producer's tile order").
-constexpr int kProducerBandM = 4;
-
 Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const void* lhs, int64_t cap, int64_t K,
                             const void* w, int64_t E_l, int64_t N, bool transpose_rhs, const int32_t* seg_rows,
                             const int32_t* seg_ret_off, const GatherArgs& gather, const Fp8ProducerArgs& fp8) {
@@ -378,7 +372,12 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   pol.push_issuers = c.opts.tuning.push_issuers;
   pol.elem_bytes = Traits(dt).elem_bytes;
   pol.link_bytes_per_ns = c.opts.emulated_link_gbps;  // GB/s = bytes/ns
-  pol.band_m = c.opts.producer_band_m > 0 ? c.opts.producer_band_m : kProducerBandM;
+  // The wgmma producer's row blocks per raster band (ConsumerConfig::band_m) where the call does not pin it: the bare
+  // grouped GEMM's (wgmma_gemm::kBandM), one rule for every wgmma tile loop. Row-block order (1) completes each band's
+  // flags soonest but reads every column slab of the expert's weight from HBM again for each row block once the weight
+  // outgrows L2; bands of 8 row blocks share each slab over 8 row blocks, with fewer HBM reads than bands of 4 where
+  // the weight outgrows L2 (docs/performance.md, "The producer's tile order").
+  pol.band_m = c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM;
   pol.max_ctas = ModelMaxCtas(budget);
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;
