@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 
+from tools.loopback import regret as regret_lib
 from tools.loopback import regret_offline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -22,6 +23,17 @@ def test_a_regret_line_is_read_whole():
   assert [(r.what, r.chosen, r.model_us, r.best, r.best_us) for r in rows] == [
       ("P", [2, 3], 623.4, 3, 599.4), ("C", [1, 1], 520.4, 12, 490.2)]
   assert rows[0].pinned_us == {1: 918.8, 2: 619.7, 3: 599.4}
+
+
+def test_the_suites_own_lines_are_read():
+  # The writer's format (regret.line, with the trailing fields it adds) read back: reader and writer cannot drift.
+  row = {"what": "C", "chosen": [4, 3], "mirror": [4, 3], "mirror_agrees": True, "model_us": 315.8, "best": 4,
+         "best_us": 314.0, "regret": 0.0057, "times_us": {"1": 601.9, "4": 314.0, "12": 339.8},
+         "producer_start_us": {"model": 3.65, "pinned": 3.33}}
+  for r in (row, {k: v for k, v in row.items() if k != "producer_start_us"}):
+    [got] = regret_offline.read_log(regret_lib.line(r))
+    assert (got.what, got.chosen, got.model_us, got.best, got.best_us) == ("C", [4, 3], 315.8, 4, 314.0)
+    assert got.pinned_us == {1: 601.9, 4: 314.0, 12: 339.8}
 
 
 def test_a_log_of_another_length_is_refused():

@@ -27,7 +27,7 @@ from tools.loopback import regret as regret_lib
 
 SUITES = ("regret-combine", "regret-push")
 _REGRET = re.compile(r"REGRET (C|P) model (\S+) \(host mirror [^)]*\) ([\d.]+) us \| best pinned \S+=(\d+) ([\d.]+) us "
-                     r"\| regret \S+% \| pinned us (.*)$")
+                     r"\| regret \S+% \| pinned us ([\d.: ]+?)(?: \| .*)?$")  # (regret.line's trailing fields)
 
 
 @dataclasses.dataclass
