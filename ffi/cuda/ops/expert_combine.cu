@@ -375,8 +375,8 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   // The wgmma producer's row blocks per raster band (ConsumerConfig::band_m) where the call does not pin it: the bare
   // grouped GEMM's (wgmma_gemm::kBandM), one rule for every wgmma tile loop. Row-block order (1) completes each band's
   // flags soonest but reads every column slab of the expert's weight from HBM again for each row block once the weight
-  // outgrows L2; bands of 8 row blocks share each slab over 8 row blocks, with fewer HBM reads than bands of 4 where
-  // the weight outgrows L2 (docs/performance.md, "The producer's tile order").
+  // outgrows L2; bands of 8 row blocks share each slab over 8 row blocks (fewer HBM reads there than bands of 4:
+  // docs/performance.md, "The producer's tile order").
   pol.band_m = c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM;
   pol.max_ctas = ModelMaxCtas(budget);
   DeviceInfo info;
