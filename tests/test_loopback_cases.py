@@ -429,6 +429,11 @@ def test_overlap_table_rows(monkeypatch, capsys):
   assert row["hidden"] == pytest.approx(0.5) and row["ours_over_gemm"] == pytest.approx(110 / 90)
   assert row["link_share"] == pytest.approx(row["transfer_bytes"] / 40.0 * 1e-3 / 10.0)
   assert row["combine_us"] == 3.0
+  blocks = []  # per rank: 128-row blocks over its segments, and over its experts' rows
+  for d in sets[0]:
+    seg = [[max(int(n), 0) for n in d.plan["seg_rows"][e * 2:e * 2 + 2]] for e in range(len(d.plan["seg_rows"]) // 2)]
+    blocks.append((sum(-(-n // 128) for ns in seg for n in ns), sum(-(-sum(ns) // 128) for ns in seg)))
+  assert row["row_blocks"] == max(blocks) and row["row_blocks"][0] >= row["row_blocks"][1] > 0
   out = capsys.readouterr().out
   assert "OVERLAP | expert_combine R=2 " in out and "| 50% | 3 |" in out, out
 

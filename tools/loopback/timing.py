@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from tools.loopback import cases as cases_lib
 from tools.loopback.cases import Case, RankData
 
@@ -118,6 +120,15 @@ TABLE_HEADER = ("| case | link GB/s per rank | GEMM alone us | transfer alone: u
                 "|\n|---|---|---|---|---|---|---|---|---|")
 
 
+def row_blocks(case: Case, plan: dict) -> tuple[int, int]:
+  """A rank's 128-row blocks (the wgmma producer's tile rows) over its segments, as expert_combine's producer tiles
+  them (each source's rows of an expert apart: every segment not a multiple of 128 rows ends in a partial block),
+  and over its experts' rows, as the bare grouped GEMM tiles them. Their ratio is the producer's extra tiles."""
+  seg = np.asarray(plan["seg_rows"], np.int64).reshape(-1, case.ranks)  # (expert, source)
+  seg = np.maximum(seg, 0)
+  return int(np.sum((seg + 127) // 128)), int(np.sum((seg.sum(axis=1) + 127) // 128))
+
+
 def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   """The overlap table's row of a timed case with ``table`` (None without the timings it needs). Per call the
   slowest rank, the median over calls; bytes and SMs the largest rank's.
@@ -129,7 +140,8 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   expert_combine: GEMM alone = the bare GEMM2 over the kept rows; transfer alone = the consumer's span in the
   serialized call (from its first push after the last tile to its last), bytes = the rows of remote segments;
   serialized = expert_combine with its pushes after the last tile; ours = expert_combine (its combine's span,
-  which no GEMM hides, beside: combine_us); SMs = the consumer CTAs the calls used.
+  which no GEMM hides, beside: combine_us); SMs = the consumer CTAs the calls used; row_blocks = row_blocks' pair
+  of the rank with the most segment blocks.
   gather_rs: the same with its consumer's reduce-scatter in the pushes' place: bytes = the float32 partials a rank
   stores into the other ranks' slices, (R - 1) T N x 4; combine_us = the span of its slice sum.
   hidden share = 1 - (ours - GEMM alone) / transfer alone: 1 when ours costs the GEMM alone, 0 when GEMM + transfer.
@@ -157,7 +169,8 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     if case.gather_rs:
       moved = (case.ranks - 1) * case.tokens * case.n_dim * 4
     sms = max((q["consumers"] for rec in records for q in rec), default=0)
-    extra = {"combine_us": ours_stats["combine_span_us"]}
+    extra = {"combine_us": ours_stats["combine_span_us"],
+             "row_blocks": max((row_blocks(case, d.plan) for d in ranks), default=(0, 0))}
     op = "gather_rs" if case.gather_rs else "expert_combine"
   if not (gemm > 0 and transfer > 0 and ours > 0):
     return None
