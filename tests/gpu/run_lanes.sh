@@ -2,8 +2,10 @@
 # The whole GPU suite in one device call: tests/gpu's files in three pytest processes sharing the GPU (their work is
 # mostly XLA compilation on the host's cores), each lane its own files, against the installed package as
 # run_device.sh. XLA_PYTHON_CLIENT_PREALLOCATE=false lets three processes' XLA and the library's workspaces share the
-# GPU's memory. The lanes: the bf16 GEMM, collective, layer and combine files; the FP8 files; the files that time
-# out peers or spawn processes and the loopback harness (every file not named in the first two, so a new file runs).
+# GPU's memory. The lanes: the bf16 GEMM, collective, layer and combine files and the multiprocess file; the FP8
+# files; the files that time out peers, the command buffers and the loopback harness (every file not named in the
+# first two, so a new file runs). The multiprocess file sits in the first lane, the shortest, to keep the last one
+# (the loopback suites) well inside the lane limit.
 #
 #   bash tests/gpu/run_lanes.sh [pytest args...]    (e.g. -k "not racecheck and not synccheck"; JMO_LANE_S: each
 #                                                     lane's time limit, default 520 s)
@@ -18,7 +20,8 @@ cd "$(dirname "$0")/../.."
 G=$PWD/tests/gpu
 PY=$(command -v "${PYTHON:-python3}")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-A=(test_gpu_collective.py test_gpu_layer.py test_gpu_grouped_gemm.py test_gpu_expert_combine.py)
+A=(test_gpu_collective.py test_gpu_layer.py test_gpu_grouped_gemm.py test_gpu_expert_combine.py
+   test_gpu_multiprocess.py)
 B=()
 S=()
 for f in "$G"/test_gpu_*.py; do
