@@ -462,6 +462,48 @@ def test_overlap_table_rows(monkeypatch, capsys):
   assert timing.TABLE_HEADER.count("|---") == timing.overlap_cells(row).count(" |")
 
 
+def test_consumer_rate_lines(monkeypatch, capsys):
+  """The consumer-rate suite's CONSUMER lines on a simulated run: per rank, the rate alone from the serialized call's
+  consumer span, and beside the GEMM what the alone rate leaves unaccounted after the producer's last tile over the
+  consumer's time before it."""
+  import re  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  from tools.loopback import run, timing  # pylint: disable=g-import-not-at-top
+  suite = cases_lib.suite("consumer-rate", cases_lib.Case())
+  assert [(c.ranks, c.consumers, c.experts, c.per_call_stats, c.variants()[1]) for c in suite] == [
+      (2, c, sh["experts"], True, (c, True)) for sh in cases_lib.COMBINE_SHAPES.values() for c in (1, 2)]
+
+  # (N = 2048: a few GB/s per CTA over these microseconds, so the printed tenths pin the arithmetic)
+  case = _small_case(time=True, table=True, consumers=2, link_gbps=10.0, reps=3, per_call_stats=True, n_dim=2048)
+  sets = cases_lib.make_data(case)
+  res = _exact_run(case, sets)
+  y0 = [d for d in res["digests"] if d[2] == 0]
+
+  def variant(c0, c1, p1):
+    rec = {"consumers": 2, "begin_t": 0, "prod_t0": 1000, "prod_t1": p1, "prod_t0_last": 1000, "cons_t0": c0,
+           "cons_t1": c1, "comb_t0": c1, "comb_t1": c1 + 1000, "pushed_bytes": 0}
+    return [{"call_us": [20.0] * 3, "device": [rec] * 3, "y_after": y0[r][4]} for r in range(case.ranks)]
+
+  # Overlapped: consumer 2..10 us, last tile at 8 us; serialized: consumer 8..12 us (4 us alone).
+  res["timed"] = [variant(2000, 10000, 8000), variant(8000, 12000, 8000)]
+  res["gemm_us"] = [[10.0] * 3] * 2
+  assert run.run_case(types.SimpleNamespace(run_ranks=lambda spec, data: res), case, [])
+  out = [l for l in capsys.readouterr().out.splitlines() if l.startswith("CONSUMER")]
+  assert len(out) == case.ranks
+  for r, (line, d) in enumerate(zip(out, sets[0])):
+    moved = int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % 2 != r)) * case.n_dim * 2
+    alone = moved / 4.0 * 1e-3 / 2  # GB/s per CTA over 4 us
+    beside = (moved - moved / 4.0 * 2.0) / 6.0 * 1e-3 / 2  # 2 us after the last tile at the alone rate, 6 before
+    got = [float(x) for x in re.findall(r"([\d.]+) GB/s", line)]
+    assert line.startswith(f"CONSUMER r{r} C=2 "), line
+    assert min(alone, beside) > 1.0 and got == pytest.approx([alone, beside], abs=0.051), line
+    assert "6.0 us before the last tile, 2.0 us after it" in line
+  # Without per-call timelines (or for dispatch_gemm) there is nothing to estimate.
+  assert timing.consumer_rate_lines(dataclasses.replace(case, per_call_stats=False), res, sets[0]) == []
+
+
 def test_tensor_time_table(monkeypatch, capsys):
   """The tensor-time suite's rows on simulated runs: GatherRS's bytes are its float32 partials for the other ranks,
   and timing.tensor_table pairs it with the per-slot path of the same shape."""

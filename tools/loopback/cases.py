@@ -308,8 +308,8 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "combine-time", "combine-fp8",
-          "combine-time-fp8", "backward-time", "regret", "regret-combine", "regret-gather", "regret-push", "tensor",
-          "tensor-time", "small", "small-mma")
+          "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
+          "regret-push", "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -524,6 +524,16 @@ def _regret(base: Case) -> list[Case]:
   return _regret_combine(base) + _regret_gather(base) + _regret_push(base)
 
 
+def _consumer_rate(base: Case) -> list[Case]:
+  # expert_combine's consumer alone and beside the running GEMM (timing.consumer_rate_lines): combine-time's shapes at
+  # R = 2 over the emulated NVLink with C = 1 and 2 pinned (the consumer the limit), every timed call started together
+  # on every rank (their timelines), the serialized form beside.
+  link = NVLINK_GBPS / 2
+  return [dataclasses.replace(base, ranks=2, d_model=256, consumers=c, link_gbps=link, per_call_stats=True,
+                              **shape, **_TIMED)
+          for shape in COMBINE_SHAPES.values() for c in (1, 2)]
+
+
 def _regret_combine(base: Case) -> list[Case]:
   # expert_combine's C on combine-time's shapes over the emulated NVLink at R = 2, 4, 8, the sweep in three
   # interleaved passes.
@@ -696,6 +706,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _combine_fp8(base)
   if name == "combine-time-fp8":  # combine-time with the FP8 producer (its C the model's, its K counted by Fp8ModelK)
     return [dataclasses.replace(c, fp8=True) for c in _combine_time(base)]
+  if name == "consumer-rate":
+    return _consumer_rate(base)
   if name == "backward-time":
     return _backward_time(base)
   if name == "regret":

@@ -22,6 +22,9 @@
   python -m tools.loopback.run --suite combine-fp8          expert_combine with the FP8 producer (e4m3 operands),
                                                             checked: R = 1, 2, 4, 8, drops, serialized, a link
   python -m tools.loopback.run --suite combine-time-fp8     combine-time with the FP8 producer
+  python -m tools.loopback.run --suite consumer-rate        expert_combine's consumer alone (serialized) and beside
+                                                            the running GEMM, C = 1 and 2, R = 2, three shapes:
+                                                            CONSUMER lines (timing.consumer_rate_lines)
   python -m tools.loopback.run --suite backward-time        the backward's exchanges over an emulated NVLink: the dgrad
                                                             dispatch with dh = dy W2^T (dispatch_gemm, plain mode) and
                                                             the dx combine (K = 2F), R = 2, 4, 8, vs serialized
@@ -242,6 +245,8 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None, regr
   if row is not None:
     print("OVERLAP " + timing.overlap_cells(row))
     print("RESULT " + json.dumps(row))
+    for text in timing.consumer_rate_lines(case, result, sets[0]):
+      print(text)
     if table is not None:
       table.append(row)
   if case.time and v.passed:

@@ -186,6 +186,42 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
           "hidden": 1.0 - (ours - gemm) / transfer, "sms": sms, **extra}
 
 
+def consumer_rate_lines(case: Case, result: dict, ranks: list[RankData]) -> list[str]:
+  """expert_combine timed with its serialized form and per_call_stats: per rank, its consumer CTAs' rate alone (the
+  serialized call's consumer span, after the last tile) and beside the running GEMM (the overlapped call: the bytes
+  not accounted for by the alone rate over the consumer's time after the producer's last tile, over the consumer's
+  time before it), GB/s per consumer CTA, each from the call nearest its variant's median. The beside rate is an
+  estimate, meaningful where the consumer is the limit (its span outlasts the producer's). [] for other cases."""
+  if case.dg or case.gather_rs or not (case.time and case.table and case.per_call_stats):
+    return []
+  variants = case.variants()
+  at = {}
+  for key in ((case.consumers, False), (case.consumers, True)):
+    if key not in variants:
+      return []
+    _, records, per_call = _variant_stats(result, variants.index(key))
+    if not per_call or not records or any(len(rec) != len(per_call) for rec in records):
+      return []
+    med = quantile(per_call, 0.5)
+    at[key[1]] = [rec[min(range(len(per_call)), key=lambda i: abs(per_call[i] - med))] for rec in records]
+  eb = 4 if case.f32 else 2
+  lines = []
+  for r, d in enumerate(ranks):
+    moved = int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % case.ranks != r)) * case.n_dim * eb
+    ser, ours = at[True][r], at[False][r]
+    alone_us, ctas = _span_us(ser, "cons"), max(1, ser["consumers"])
+    if moved <= 0 or alone_us <= 0 or ours["cons_t1"] <= ours["cons_t0"]:
+      continue
+    after_us = max(0.0, (ours["cons_t1"] - ours["prod_t1"]) * 1e-3)
+    beside_us = (min(ours["cons_t1"], ours["prod_t1"]) - ours["cons_t0"]) * 1e-3
+    left = max(0.0, moved - moved / alone_us * after_us)  # bytes the alone rate does not account for after the GEMM
+    beside = left / beside_us * 1e-3 / ctas if beside_us > 0 else 0.0
+    lines.append(f"CONSUMER r{r} C={ctas} {moved / 1e6:.2f} MB: alone {moved / alone_us * 1e-3 / ctas:.1f} GB/s per "
+                 f"CTA ({alone_us:.1f} us) | beside the GEMM {beside:.1f} GB/s per CTA (estimated: {beside_us:.1f} us "
+                 f"before the last tile, {after_us:.1f} us after it)")
+  return lines
+
+
 def overlap_cells(row: dict) -> str:
   """One markdown table row (TABLE_HEADER's columns)."""
   link = f"{row['link_gbps']:g}" if row["link_gbps"] > 0 else "none (HBM)"
