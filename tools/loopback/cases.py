@@ -748,6 +748,12 @@ def route(rng: np.random.Generator, case: Case, rank: int) -> np.ndarray:
   return np.argsort(-keys, axis=1, kind="stable")[:, :k].astype(np.int32)
 
 
+def remote_rows(plan: dict[str, np.ndarray], ranks: int, rank: int) -> int:
+  """The rows `rank` received from other ranks (its plan's seg_rows, in (expert, source) order, whose source is not
+  `rank`): the rows whose GEMM outputs its consumer pushes back."""
+  return int(sum(n for i, n in enumerate(plan["seg_rows"]) if i % ranks != rank))
+
+
 def make_plans(case: Case, ids: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
   """Every rank's plan from plan.py (JAX on the CPU), as int32 numpy arrays; seg_* flattened in (expert, source)
   order; slot_src_row added (dispatch's source row of each slot: its token). ids: every rank's [T, slot_top_k] slot

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from tools.loopback import tensor
-from tools.loopback.cases import Case, RankData
+from tools.loopback.cases import Case, RankData, remote_rows
 
 MAX_LOGGED = 20
 
@@ -209,7 +209,7 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
   for msg in result["errors"]:
     v.fail(msg)
   for ranks in sets[:1]:
-    v.remote_rows = [int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % R != r)) for r, d in enumerate(ranks)]
+    v.remote_rows = [remote_rows(d.plan, R, r) for r, d in enumerate(ranks)]
   for ranks in sets:
     for d in ranks:
       v.max_recv_rows = max(v.max_recv_rows, int(d.plan["recv_rows"]))

@@ -51,6 +51,12 @@ def _start_us(q: dict) -> float:
   return (t1 - t0) * 1e-3 if t0 < t1 < 2**63 else 0.0
 
 
+def _median_call(per_call: list[float]) -> int:
+  """The index of the call whose time is nearest the median of per_call (not empty)."""
+  med = quantile(per_call, 0.5)
+  return min(range(len(per_call)), key=lambda i: abs(per_call[i] - med))
+
+
 def rank_spans_us(records: list[list[dict]], part: str) -> list[float]:
   """Per rank, the median over its recorded calls of its span of `part` (0 where it never ran)."""
   return [quantile([s for s in (_span_us(q, part) for q in rec) if s > 0], 0.5) for rec in records]
@@ -90,7 +96,6 @@ def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: 
     if vi >= len(result["timed"]):
       break
     stats, records, per_call = _variant_stats(result, vi)
-    med_us = stats["median_us"]
     chosen = [rec[-1]["consumers"] if rec else 0 for rec in records]
     same = identical[vi] if vi < len(identical) else True
     label = str(consumers) if consumers > 0 else "manager"
@@ -102,8 +107,7 @@ def variant_lines(case: Case, result: dict, identical: list[bool], remote_rows: 
                                          "chosen": chosen, "pushed_bytes": pushed_bytes, "identical": same,
                                          "budget": result["budget"]}))
     if case.per_call_stats and per_call and len(records[0]) == len(per_call):
-      med = min(range(len(per_call)), key=lambda i: abs(per_call[i] - med_us))
-      lines.append("TIMELINE " + _timeline(records, med))
+      lines.append("TIMELINE " + _timeline(records, _median_call(per_call)))
   return lines
 
 
@@ -164,7 +168,7 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     ours_stats, records, _ = _variant_stats(result, variants.index((case.consumers, False)))
     ser_stats, _, _ = _variant_stats(result, variants.index((case.consumers, True)))
     transfer, baseline, ours = ser_stats["consumer_span_us"], ser_stats["median_us"], ours_stats["median_us"]
-    remote = [int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % case.ranks != r)) for r, d in enumerate(ranks)]
+    remote = [cases_lib.remote_rows(d.plan, case.ranks, r) for r, d in enumerate(ranks)]
     moved = max(remote) * case.n_dim * eb
     if case.gather_rs:
       moved = (case.ranks - 1) * case.tokens * case.n_dim * 4
@@ -202,12 +206,12 @@ def consumer_rate_lines(case: Case, result: dict, ranks: list[RankData]) -> list
     _, records, per_call = _variant_stats(result, variants.index(key))
     if not per_call or not records or any(len(rec) != len(per_call) for rec in records):
       return []
-    med = quantile(per_call, 0.5)
-    at[key[1]] = [rec[min(range(len(per_call)), key=lambda i: abs(per_call[i] - med))] for rec in records]
+    med = _median_call(per_call)
+    at[key[1]] = [rec[med] for rec in records]
   eb = 4 if case.f32 else 2
   lines = []
   for r, d in enumerate(ranks):
-    moved = int(sum(n for i, n in enumerate(d.plan["seg_rows"]) if i % case.ranks != r)) * case.n_dim * eb
+    moved = cases_lib.remote_rows(d.plan, case.ranks, r) * case.n_dim * eb
     ser, ours = at[True][r], at[False][r]
     alone_us, ctas = _span_us(ser, "cons"), max(1, ser["consumers"])
     if moved <= 0 or alone_us <= 0 or ours["cons_t1"] <= ours["cons_t0"]:
