@@ -49,6 +49,13 @@ struct CallOptions {
   // expert's phase); 0: the rule, wgmma_gemm::kBandM (the bare grouped GEMM's band, gemm/sm90/wgmma_grouped.cuh).
   // Never set by the library's Python API; no effect on CPU or on other GEMM engines.
   int32_t producer_band_m = 0;
+  // Benchmark aid of the loopback harness: the order of expert_combine's wgmma producer tiles over its segments
+  // (UseExpertMajor, cuda/ops/expert_producer.cuh). 0: the rule; 1: the segment table's order (remote sources first,
+  // a source's segments by expert: every expert's weight streamed once per source); 2: expert-major (an expert's
+  // segments' row blocks rastered as one list: each weight slab shared while they run). Never set by the library's
+  // Python API; no effect on CPU, on gather_rs (whose consumer reduces a source's rows as one) or on other GEMM
+  // engines.
+  int32_t producer_order = 0;
 };
 
 // dispatch_gemm's pushing CTAs where the library chooses without a resource model (no calibration, or one without a

@@ -118,6 +118,9 @@ class Case:
   # > 0: expert_combine's and gather_rs's wgmma producer goes in raster bands of this many row blocks
   # (CallOptions::producer_band_m); 0: the library's rule.
   producer_band_m: int = 0
+  # expert_combine's wgmma producer tile order over its segments (CallOptions::producer_order): 1 the segment table's
+  # (sources first), 2 expert-major; 0: the library's rule.
+  producer_order: int = 0
   # With `tensor` > 1: the shards' partials summed by gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS") in
   # expert_combine's place (tools/loopback/tensor.py gather_tables); its rows output is checked in the slot output's
   # place, and y also bit for bit against its float32 sums restated on the host (tensor.gather_sums).
@@ -218,6 +221,8 @@ class Case:
       return "consumers must be >= 0 (0: the manager)"
     if self.producer_band_m < 0:
       return "producer_band_m must be >= 0 (0: the library's rule)"
+    if self.producer_order not in (0, 1, 2):
+      return "producer_order must be 0 (the library's rule), 1 (the segment table's) or 2 (expert-major)"
     from jax_moe_overlap import _jmo, engines  # pylint: disable=g-import-not-at-top
     from jax_moe_overlap.config import ConsumerTuning  # pylint: disable=g-import-not-at-top
     try:
@@ -289,6 +294,8 @@ class Case:
       s += " gather_rs"
     if self.producer_band_m > 0:
       s += f" band_m={self.producer_band_m}"
+    if self.producer_order > 0:
+      s += f" order={self.producer_order}"
     if self.delay_rank >= 0:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:

@@ -91,6 +91,7 @@ Spec ParseSpec(const nb::dict& d) {
   s.dg_mode = Get<int>(d, "dg_mode", s.dg_mode);
   s.emulated_link_gbps = Get<double>(d, "emulated_link_gbps", s.emulated_link_gbps);
   s.producer_band_m = Get<int>(d, "producer_band_m", s.producer_band_m);
+  s.producer_order = Get<int>(d, "producer_order", s.producer_order);
   s.x_recv_from_tiles = Get<bool>(d, "x_recv_from_tiles", s.x_recv_from_tiles);
   s.gather_rs = Get<bool>(d, "gather_rs", s.gather_rs);
   s.time = Get<bool>(d, "time", s.time);

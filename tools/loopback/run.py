@@ -146,7 +146,7 @@ def parse_args(argv):
       "--push-issuers": ("push_issuers", int), "--dispatch-gemm-mode": ("dispatch_gemm_mode", str),
       "--link-gbps": ("link_gbps", float), "--tensor": ("tensor", int), "--send-once": ("send_once", int),
       "--dispatch-pushers-sweep": ("dg_sweep", _ints), "--sweep-passes": ("sweep_passes", int),
-      "--producer-band-m": ("producer_band_m", int),
+      "--producer-band-m": ("producer_band_m", int), "--producer-order": ("producer_order", int),
   }
   for flag, (dest, kind) in opt.items():
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)

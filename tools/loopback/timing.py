@@ -182,7 +182,8 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
   return {"kind": "overlap", "case": f"{op} R={case.ranks}{f' TP={case.tensor}' if case.tensor > 1 else ''} "
                                      f"T={case.tokens} k={case.top_k} E={case.experts} "
                                      f"D={case.d_model} K={case.k_dim} N={case.n_dim}"
-                                     f"{f' band_m={case.producer_band_m}' if case.producer_band_m else ''}",
+                                     f"{f' band_m={case.producer_band_m}' if case.producer_band_m else ''}"
+                                     f"{f' order={case.producer_order}' if case.producer_order else ''}",
           "op": op, "group_tokens": case.tokens * case.ranks,
           "link_gbps": case.link_gbps, "gemm_us": gemm, "transfer_us": transfer, "transfer_bytes": moved,
           "transfer_gbps": gbps, "link_share": gbps / case.link_gbps if case.link_gbps > 0 else None,

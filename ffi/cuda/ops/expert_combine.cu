@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   static_assert(kEngine != kWgmmaFp8 || (!kTransB && !kGather), "the e4m3 producer is expert_combine's, w K-major");
   extern __shared__ __align__(16) char smem[];
   __shared__ int32_t tile_prefix[kWgmmaLoop<kEngine> ? kMaxSegments + 1 : 1];
+  __shared__ SegPlace seg_order[kWgmmaLoop<kEngine> && !kGather ? kMaxSegments : 1];  // (UseExpertMajor)
   __shared__ CallState st;
   __shared__ SegTable table;
   __shared__ TableScratch scratch;
@@ -104,15 +105,20 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     // Producer: tiles in producer order (remote-critical segments first), claimed one at a time.
     __shared__ bool produced;  // thread 0's: this CTA claimed a tile (TileClaims)
     if (threadIdx.x == 0) produced = false;
+    const SegPlace* order = nullptr;  // the table's order
+    if constexpr (kWgmmaLoop<kEngine> && !kGather) {
+      if (UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order)) order = seg_order;
+    }
     if constexpr (kEngine == kWgmma)
       ProduceWgmma(rd, table, st.epoch, WgmmaBf16Operands<kTransB>(a_map, b_map), K, N, stage, ret, flags,
-                   tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, &produced);
+                   tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, order, &produced);
     else if constexpr (kEngine == kWgmmaFp8)
       ProduceWgmma(rd, table, st.epoch,
                    wgmma_gemm::Fp8BlockScaledOperands{
                        &a_map, &b_map, &sa_map,
                        {w_scales, (int)(N / wgmma_gemm::kScaleChunk), (int)(K / wgmma_gemm::kScaleChunk)}},
-                   K, N, stage, ret, flags, tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, &produced);
+                   K, N, stage, ret, flags, tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, order,
+                   &produced);
     else
       ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, smem,
                                                     kGather, &produced);
@@ -132,6 +138,15 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   const int first = blockIdx.x;
   const int count = first < table.remote_bands ? (table.remote_bands - 1 - first) / consumers + 1 : 0;
   if (count == 0) return;
+  // The producer's order of the remote segments: the table's, or expert-major (their band prefix in tile_prefix,
+  // which a consumer CTA does not otherwise use).
+  const SegPlace* order = nullptr;
+  if constexpr (kWgmmaLoop<kEngine> && !kGather) {
+    if (UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order)) {
+      ExpertMajorBands(table, seg_order, tile_prefix, scratch.warp_sums);
+      order = seg_order;
+    }
+  }
   // The baseline without overlap: start pushing only once every producer CTA has stored all its tiles.
   if (pol.serialize && !WaitProducersDone(rd)) return;
   if (threadIdx.x == 0)
@@ -143,8 +158,9 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   };
   auto band_at = [&](int i) {
     const int band = first + i * consumers;
-    const Segment& s = table.seg[FindSegment(table, band)];
-    const int b = band - table.band_prefix[&s - table.seg];
+    const int p = order ? LastAtMost(tile_prefix, table.remote_segs, band) : FindSegment(table, band);
+    const Segment& s = table.seg[order ? order[p].seg : p];
+    const int b = band - (order ? tile_prefix[p] : table.band_prefix[p]);
     return BandAt{&s, b, min((int)kBandRows, s.rows - b * (int)kBandRows)};
   };
   // A band is contiguous on both ends: rows x N at stage row (recv_off + 64 b) -> source's ret row (ret_off + 64 b).
@@ -378,6 +394,7 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   // outgrows L2; bands of 8 row blocks share each slab over 8 row blocks (fewer HBM reads there than bands of 4:
   // docs/performance.md, "The producer's tile order").
   pol.band_m = c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM;
+  pol.producer_order = gathers ? 1 : c.opts.producer_order;  // (gather_rs: its consumer reduces a source's rows as one)
   pol.max_ctas = ModelMaxCtas(budget);
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;

@@ -177,12 +177,27 @@ struct WgTile : wgmma_gemm::WgmmaTile {
 
 static_assert(kMaxSegments <= wgmma_gemm::kThreads, "one thread per segment for the tile prefix scan");
 
-// tile_prefix[i] = wgmma tiles of the segments before segment i (tile_prefix[n] = all of them), col_tiles per 128-row
-// block: one thread per segment and a block scan (kMaxSegments <= the CTA's threads), not one thread's loop over up
-// to 256 segments with a division each (microseconds at kernel start, on every CTA). Every thread calls it.
-__device__ inline void WgmmaTilePrefix(const SegTable& table, int col_tiles, int32_t* tile_prefix, int64_t* warp_sums) {
+// Whether expert_combine's wgmma producer goes expert-major (ExpertMajorOrder, which fills order for all segments):
+// producer_order 2 pins it, 1 the table's order; 0, the rule: where the table's order streams the weights at least
+// twice as often (segments smaller than a band of band_m row blocks: many experts, few rows from each source). There
+// the shared weight slabs win; where each segment already fills whole bands they save no pass and the table's
+// remote-first order keeps the pushes early (docs/performance.md, "The producer's segment order"). Every thread of
+// producer and consumer CTAs calls it and gets the same answer from the same table.
+__device__ inline bool UseExpertMajor(const SegTable& table, int producer_order, int band_m, SegPlace* order) {
+  if (producer_order == 1) return false;
+  const bool pays = ExpertMajorOrder(table, table.n, kWgBM, band_m, order);
+  return producer_order == 2 || pays;
+}
+
+// tile_prefix[p] = wgmma tiles of the segments before the p-th in producer order (order[p]'s; order = nullptr: the
+// table's; tile_prefix[n] = all of them), col_tiles per 128-row block: one thread per segment and a block scan
+// (kMaxSegments <= the CTA's threads), not one thread's loop over up to 256 segments with a division each
+// (microseconds at kernel start, on every CTA). Every thread calls it.
+__device__ inline void WgmmaTilePrefix(const SegTable& table, const SegPlace* order, int col_tiles,
+                                       int32_t* tile_prefix, int64_t* warp_sums) {
   const int i = threadIdx.x;
-  const int64_t tiles = i < table.n ? (int64_t)((table.seg[i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
+  const int64_t tiles =
+      i < table.n ? (int64_t)((table.seg[order ? order[i].seg : i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
   int64_t total = 0;
   const int64_t incl = BlockInclusiveScan(tiles, warp_sums, &total);
   if (i < table.n) tile_prefix[i] = (int32_t)(incl - tiles);
@@ -190,45 +205,58 @@ __device__ inline void WgmmaTilePrefix(const SegTable& table, int col_tiles, int
   __syncthreads();
 }
 
-// Wgmma tile j of the table (tiles in segment order, WgmmaTilePrefix): its segment, its 128-row block within the
-// segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the caller's. Inside a
-// segment the tiles go in bands of band_m row blocks (wgmma_gemm::BandRaster).
+// Wgmma tile j of the producer (tiles in the segment order of WgmmaTilePrefix): its segment, its 128-row block
+// within the segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the caller's.
+// Table order (order = nullptr): inside each segment the tiles go in bands of band_m row blocks
+// (wgmma_gemm::BandRaster). Expert-major (ExpertMajorOrder): the row blocks of an expert's segments, one after
+// another, are rastered as one list, so a band's tiles of one column slab run together across the segments (a row
+// block still lies in one segment: its tiles store to one destination and complete that segment's bands).
 struct SegmentTile {
   const Segment* s;
   int mt;
   wgmma_gemm::WgmmaTile t;
 };
-__device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const int32_t* tile_prefix, int col_tiles,
-                                                   int64_t N, int j, int band_m) {
-  int lo = 0, hi = table.n - 1;  // the segment holding tile j: last lo with tile_prefix[lo] <= j
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tile_prefix[mid] <= j) lo = mid; else hi = mid - 1;
-  }
-  const Segment& s = table.seg[lo];
+__device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const SegPlace* order,
+                                                   const int32_t* tile_prefix, int col_tiles, int64_t N, int j,
+                                                   int band_m) {
+  const int p = LastAtMost(tile_prefix, table.n, j);  // the place whose tiles hold j (order: whose expert's do)
+  const Segment* s;
   int mt, nt;
-  wgmma_gemm::BandRaster(j - tile_prefix[lo], (s.rows + kWgBM - 1) / kWgBM, col_tiles, band_m, &mt, &nt);
-  SegmentTile at{&s, mt, {}};
-  at.t.a_row = s.recv_off + mt * kWgBM;
-  at.t.b_idx = s.expert;
+  if (order == nullptr) {
+    s = &table.seg[p];
+    wgmma_gemm::BandRaster(j - tile_prefix[p], (s->rows + kWgBM - 1) / kWgBM, col_tiles, band_m, &mt, &nt);
+  } else {
+    const SegPlace g = order[p];
+    const int t0 = tile_prefix[g.first];
+    int mt_e;  // row block within the expert's list
+    wgmma_gemm::BandRaster(j - t0, (tile_prefix[g.end] - t0) / col_tiles, col_tiles, band_m, &mt_e, &nt);
+    const int q = g.first + LastAtMost(tile_prefix + g.first, g.end - g.first, t0 + mt_e * col_tiles);
+    s = &table.seg[order[q].seg];
+    mt = mt_e - (tile_prefix[q] - t0) / col_tiles;
+  }
+  SegmentTile at{s, mt, {}};
+  at.t.a_row = s->recv_off + mt * kWgBM;
+  at.t.b_idx = s->expert;
   at.t.n0 = nt * kWgBN;
-  at.t.rows = min(kWgBM, s.rows - mt * kWgBM);
+  at.t.rows = min(kWgBM, s->rows - mt * kWgBM);
   at.t.cols = (int)min((int64_t)kWgBN, N - at.t.n0);
   return at;
 }
 
 // The tile loop over the operand format Ops (wgmma_gemm::Bf16Operands, or Fp8BlockScaledOperands: e4m3 lhs [cap, K]
-// and w [E_l, N, K] with their scales), storing T rows (bfloat16; float32 with the e4m3 operands only).
+// and w [E_l, N, K] with their scales), storing T rows (bfloat16; float32 with the e4m3 operands only). order: the
+// segments' order (ExpertMajorOrder), nullptr for the table's.
 template <class Ops, typename T>
 __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const Ops& ops,
                                     int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int32_t* tile_prefix,
-                                    int64_t* warp_sums, char* smem, bool gather, int band_m, bool* produced) {
+                                    int64_t* warp_sums, char* smem, bool gather, int band_m, const SegPlace* order,
+                                    bool* produced) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
-  WgmmaTilePrefix(table, col_tiles, tile_prefix, warp_sums);
+  WgmmaTilePrefix(table, order, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
     // band_m = 1 (row-block order): a row block's flags complete together, so the consumer can ship it early; larger
     // bands share B's column slabs in L2 across band_m row blocks (ConsumerConfig::band_m).
-    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i, band_m);
+    const SegmentTile at = WgmmaTileAt(table, order, tile_prefix, col_tiles, N, i, band_m);
     WgTile t;
     static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
     t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret, gather);

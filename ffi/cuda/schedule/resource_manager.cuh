@@ -483,6 +483,9 @@ struct ConsumerConfig {
   // The wgmma producer's tile order inside a segment: row blocks per raster band (wgmma_gemm::BandRaster; 1: each row
   // block's tiles in a row, so that its flags complete together).
   int32_t band_m;
+  // expert_combine's wgmma producer's segment order (CallOptions::producer_order; UseExpertMajor): 0 the rule, 1 the
+  // table's, 2 expert-major.
+  int32_t producer_order;
   CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
 };
 

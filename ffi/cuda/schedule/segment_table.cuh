@@ -133,6 +133,16 @@ __device__ __forceinline__ void WriteGatherSource(const GatherPrepIn& g, int k, 
   g.link_us[k] = RmMul(s != g.rank ? (double)(g.sh.T * g.sh.N * 4) : 0.0, g.us_per_link_byte);
 }
 
+// The last i in [0, n) with prefix[i] <= x (prefix ascending from prefix[0] <= x).
+__device__ __forceinline__ int LastAtMost(const int32_t* prefix, int n, int x) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 __device__ __forceinline__ int32_t BandsOf(int32_t rows) {
   return (rows + (int32_t)kBandRows - 1) / (int32_t)kBandRows;
 }
@@ -372,13 +382,63 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
                                   out);
 }
 
-__device__ __forceinline__ int FindSegment(const SegTable& t, int band) {
-  int lo = 0, hi = t.n - 1;  // last i with band_prefix[i] <= band
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (t.band_prefix[mid] <= band) lo = mid; else hi = mid - 1;
+__device__ __forceinline__ int FindSegment(const SegTable& t, int band) { return LastAtMost(t.band_prefix, t.n, band); }
+
+// A segment's place in expert-major order (ExpertMajorOrder): its table index, and its expert's places [first, end).
+struct SegPlace {
+  int16_t seg, first, end;
+};
+static_assert(kMaxSegments <= 32767, "a segment index fits an int16_t");
+
+// The first n segments of the table expert-major: order[p] = the p-th, an expert's segments one after another
+// (experts ascending) in the table's order among them (remote sources first, the local source last).
+// expert_combine's wgmma producer in this order (n = t.n) rasters each expert's segments' row blocks as one list
+// (ExpertTileAt), so the CTAs running at once share the expert's weight slabs in L2, where the table's order (a
+// source's segments by expert) streams every expert's weight once per source; its consumer then pushes the remote
+// segments (n = t.remote_segs: they come first in the table) in the same order (ExpertMajorBands). One thread per
+// segment counts the segments before its own (n <= kMaxSegments <= the CTA's threads); every thread calls it.
+// Returns (every thread the same) whether the table's order streams the weights at least twice as often as
+// expert-major order, counting a weight pass per band of band_m row blocks of block_rows rows: the sum over the
+// segments of ceil(row blocks / band_m) against the same over the experts' row blocks.
+__device__ inline bool ExpertMajorOrder(const SegTable& t, int n, int block_rows, int band_m, SegPlace* order) {
+  __shared__ int passes[2];  // the table's order's, expert-major's
+  if (threadIdx.x == 0) passes[0] = passes[1] = 0;
+  __syncthreads();
+  const int i = threadIdx.x;
+  if (i < n) {
+    const int e = t.seg[i].expert;
+    int below = 0, same_before = 0, same = 0, blocks = 0;
+    for (int j = 0; j < n; ++j) {
+      const int ej = t.seg[j].expert;
+      below += ej < e;
+      same += ej == e;
+      same_before += (ej == e) & (j < i);
+      blocks += ej == e ? (t.seg[j].rows + block_rows - 1) / block_rows : 0;
+    }
+    order[below + same_before] = SegPlace{(int16_t)i, (int16_t)below, (int16_t)(below + same)};
+    const int mine = (t.seg[i].rows + block_rows - 1) / block_rows;
+    atomicAdd(&passes[0], (mine + band_m - 1) / band_m);
+    if (same_before == 0) atomicAdd(&passes[1], (blocks + band_m - 1) / band_m);
   }
-  return lo;
+  __syncthreads();
+  const bool pays = passes[0] >= 2 * passes[1];
+  __syncthreads();  // (read before a next call resets them)
+  return pays;
+}
+
+// The consumer's remote bands in the expert-major producer's order: order[p] (ExpertMajorOrder over the remote
+// segments) and band_prefix[p] = the bands of order[0..p-1] (band_prefix[remote_segs] = remote_bands). Every thread
+// calls it.
+__device__ inline void ExpertMajorBands(const SegTable& t, SegPlace* order, int32_t* band_prefix,
+                                        int64_t* warp_sums) {
+  ExpertMajorOrder(t, t.remote_segs, 1, 1, order);
+  const int i = threadIdx.x;
+  const int64_t bands = i < t.remote_segs ? (int64_t)BandsOf(t.seg[order[i].seg].rows) : 0;
+  int64_t total = 0;
+  const int64_t incl = BlockInclusiveScan(bands, warp_sums, &total);
+  if (i < t.remote_segs) band_prefix[i] = (int32_t)(incl - bands);
+  if (i == 0) band_prefix[t.remote_segs] = (int32_t)total;
+  __syncthreads();
 }
 
 }  // namespace jmo::cuda
