@@ -111,14 +111,14 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     }
     if constexpr (kEngine == kWgmma)
       ProduceWgmma(rd, table, st.epoch, WgmmaBf16Operands<kTransB>(a_map, b_map), K, N, stage, ret, flags,
-                   tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, order, &produced);
+                   tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, order, scratch.raw, &produced);
     else if constexpr (kEngine == kWgmmaFp8)
       ProduceWgmma(rd, table, st.epoch,
                    wgmma_gemm::Fp8BlockScaledOperands{
                        &a_map, &b_map, &sa_map,
                        {w_scales, (int)(N / wgmma_gemm::kScaleChunk), (int)(K / wgmma_gemm::kScaleChunk)}},
                    K, N, stage, ret, flags, tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, order,
-                   &produced);
+                   scratch.raw, &produced);
     else
       ProduceBands<T, kEngine == kMmaSync, kTransB>(rd, table, st.epoch, lhs, w, K, N, stage, ret, flags, smem,
                                                     kGather, &produced);

@@ -170,34 +170,35 @@ constexpr int kWgBM = wgmma_gemm::kBM;
 constexpr int kWgBN = wgmma_gemm::kBN;
 static_assert(kWgBM % kBandRows == 0, "a wgmma tile covers whole bands");
 
-struct WgTile : wgmma_gemm::WgmmaTile {
-  int flag;   // tile_ready index of the tile's first band
-  int bands;  // bands the tile covers (1 or 2)
-};
-
 static_assert(kMaxSegments <= wgmma_gemm::kThreads, "one thread per segment for the tile prefix scan");
 
 // Whether expert_combine's wgmma producer goes expert-major (ExpertMajorOrder, which fills order for all segments):
 // producer_order 2 pins it, 1 the table's order; 0, the rule: where the table's order streams the weights at least
 // twice as often (segments smaller than a band of band_m row blocks: many experts, few rows from each source). There
-// the shared weight slabs win; where each segment already fills whole bands they save no pass and the table's
-// remote-first order keeps the pushes early (docs/performance.md, "The producer's segment order"). Every thread of
-// producer and consumer CTAs calls it and gets the same answer from the same table.
+// the shared weight slabs win, and tiles over the expert's rows end no segment in a partial tile; where each segment
+// already fills whole bands they save no pass and the table's remote-first order keeps the pushes early
+// (docs/performance.md, "The producer's segment order"). Every thread of producer and consumer CTAs calls it and
+// gets the same answer from the same table.
 __device__ inline bool UseExpertMajor(const SegTable& table, int producer_order, int band_m, SegPlace* order) {
   if (producer_order == 1) return false;
   const bool pays = ExpertMajorOrder(table, table.n, kWgBM, band_m, order);
   return producer_order == 2 || pays;
 }
 
-// tile_prefix[p] = wgmma tiles of the segments before the p-th in producer order (order[p]'s; order = nullptr: the
-// table's; tile_prefix[n] = all of them), col_tiles per 128-row block: one thread per segment and a block scan
-// (kMaxSegments <= the CTA's threads), not one thread's loop over up to 256 segments with a division each
-// (microseconds at kernel start, on every CTA). Every thread calls it.
-__device__ inline void WgmmaTilePrefix(const SegTable& table, const SegPlace* order, int col_tiles,
-                                       int32_t* tile_prefix, int64_t* warp_sums) {
+// tile_prefix[p] = wgmma tiles before place p in producer order (tile_prefix[n] = all of them), col_tiles per 128-row
+// block: in the table's order (order = nullptr) those of the segments before the p-th; expert-major, those of the
+// experts before place p's, all of an expert's tiles counted at its first place (its rows are tiled as one range).
+// One thread per segment and a block scan (kMaxSegments <= the CTA's threads), not one thread's loop over up to 256
+// segments with a division each (microseconds at kernel start, on every CTA). Every thread calls it.
+// (raw: BuildSegments' segments in plan order, R ranks, with an order.)
+__device__ inline void WgmmaTilePrefix(const SegTable& table, const SegPlace* order, const Segment* raw, int R,
+                                       int col_tiles, int32_t* tile_prefix, int64_t* warp_sums) {
   const int i = threadIdx.x;
-  const int64_t tiles =
-      i < table.n ? (int64_t)((table.seg[order ? order[i].seg : i].rows + kWgBM - 1) / kWgBM) * col_tiles : 0;
+  const int rows = i >= table.n          ? 0
+                   : order == nullptr    ? table.seg[i].rows
+                   : order[i].first == i ? ExpertRangeOf(raw, R, 0, table.seg[order[i].seg].expert).rows
+                                         : 0;
+  const int64_t tiles = (int64_t)((rows + kWgBM - 1) / kWgBM) * col_tiles;
   int64_t total = 0;
   const int64_t incl = BlockInclusiveScan(tiles, warp_sums, &total);
   if (i < table.n) tile_prefix[i] = (int32_t)(incl - tiles);
@@ -205,42 +206,91 @@ __device__ inline void WgmmaTilePrefix(const SegTable& table, const SegPlace* or
   __syncthreads();
 }
 
-// Wgmma tile j of the producer (tiles in the segment order of WgmmaTilePrefix): its segment, its 128-row block
-// within the segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the caller's.
-// Table order (order = nullptr): inside each segment the tiles go in bands of band_m row blocks
-// (wgmma_gemm::BandRaster). Expert-major (ExpertMajorOrder): the row blocks of an expert's segments, one after
-// another, are rastered as one list, so a band's tiles of one column slab run together across the segments (a row
-// block still lies in one segment: its tiles store to one destination and complete that segment's bands).
+// Wgmma tile j of the producer in the table's order (WgmmaTilePrefix without an order): its segment, its 128-row
+// block within the segment (mt), and the tile's A row, expert, columns and rows; out, ldc and publish are the
+// caller's. Inside a segment the tiles go in bands of band_m row blocks (wgmma_gemm::BandRaster).
 struct SegmentTile {
   const Segment* s;
   int mt;
   wgmma_gemm::WgmmaTile t;
 };
-__device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const SegPlace* order,
-                                                   const int32_t* tile_prefix, int col_tiles, int64_t N, int j,
-                                                   int band_m) {
-  const int p = LastAtMost(tile_prefix, table.n, j);  // the place whose tiles hold j (order: whose expert's do)
-  const Segment* s;
+__device__ __forceinline__ SegmentTile WgmmaTileAt(const SegTable& table, const int32_t* tile_prefix, int col_tiles,
+                                                   int64_t N, int j, int band_m) {
+  const int p = LastAtMost(tile_prefix, table.n, j);  // the segment holding tile j
+  const Segment& s = table.seg[p];
   int mt, nt;
-  if (order == nullptr) {
-    s = &table.seg[p];
-    wgmma_gemm::BandRaster(j - tile_prefix[p], (s->rows + kWgBM - 1) / kWgBM, col_tiles, band_m, &mt, &nt);
-  } else {
-    const SegPlace g = order[p];
-    const int t0 = tile_prefix[g.first];
-    int mt_e;  // row block within the expert's list
-    wgmma_gemm::BandRaster(j - t0, (tile_prefix[g.end] - t0) / col_tiles, col_tiles, band_m, &mt_e, &nt);
-    const int q = g.first + LastAtMost(tile_prefix + g.first, g.end - g.first, t0 + mt_e * col_tiles);
-    s = &table.seg[order[q].seg];
-    mt = mt_e - (tile_prefix[q] - t0) / col_tiles;
-  }
-  SegmentTile at{s, mt, {}};
-  at.t.a_row = s->recv_off + mt * kWgBM;
-  at.t.b_idx = s->expert;
+  wgmma_gemm::BandRaster(j - tile_prefix[p], (s.rows + kWgBM - 1) / kWgBM, col_tiles, band_m, &mt, &nt);
+  SegmentTile at{&s, mt, {}};
+  at.t.a_row = s.recv_off + mt * kWgBM;
+  at.t.b_idx = s.expert;
   at.t.n0 = nt * kWgBN;
-  at.t.rows = min(kWgBM, s->rows - mt * kWgBM);
+  at.t.rows = min(kWgBM, s.rows - mt * kWgBM);
   at.t.cols = (int)min((int64_t)kWgBN, N - at.t.n0);
   return at;
+}
+
+// Wgmma tile j of the expert-major producer (WgmmaTilePrefix with ExpertMajorOrder's order): 128-row blocks over the
+// expert's rows in recv, across its segments, in bands of band_m row blocks. Returns the expert's range.
+__device__ __forceinline__ ExpertRange ExpertTileAt(const SegTable& table, const SegPlace* order, const Segment* raw,
+                                                    int R, int rank, const int32_t* tile_prefix, int col_tiles,
+                                                    int64_t N, int j, int band_m, wgmma_gemm::WgmmaTile* t) {
+  // The last place whose prefix is <= j: the expert's first (its other places add no tiles, so their prefix is past
+  // the expert's tiles).
+  const int p = LastAtMost(tile_prefix, table.n, j);
+  const int e = table.seg[order[p].seg].expert;
+  const ExpertRange x = ExpertRangeOf(raw, R, rank, e);
+  int mt, nt;
+  wgmma_gemm::BandRaster(j - tile_prefix[p], (x.rows + kWgBM - 1) / kWgBM, col_tiles, band_m, &mt, &nt);
+  t->a_row = x.start + mt * kWgBM;
+  t->b_idx = e;
+  t->n0 = nt * kWgBN;
+  t->rows = min(kWgBM, x.rows - mt * kWgBM);
+  t->cols = (int)min((int64_t)kWgBN, N - t->n0);
+  return x;
+}
+
+// A producer tile as the wgmma loop stores and reports it (its own epilogue: EpilogueTile). Rows [0, local_lo) and
+// [local_hi, rows) go to out + r ldc (stage rows, or a local segment's ret rows in the table's order); rows
+// [local_lo, local_hi) of an expert-major tile, its expert's local segment, to local_out + (r - local_lo) ldc (the
+// rank's own ret rows). The report: in the table's order the `bands` bands from tile_ready index `flag`; expert-major,
+// every band of the expert's remote segments the tile's rows touch (expert >= 0).
+template <typename T>
+struct WgTile : wgmma_gemm::EpilogueTile {
+  T* local_out;
+  int local_lo, local_hi;
+  int flag;   // the table's order: tile_ready index of the tile's first band
+  int bands;  // the table's order: bands the tile covers (1 or 2)
+  int expert;  // expert-major: the tile's expert (-1: the table's order)
+  __device__ __forceinline__ void Store(const float* acc, int c, int wq, int lane) const {
+    wgmma_gemm::StoreAccRows<std::is_same<T, float>::value>(acc, c, wq, lane, rows, cols, [&](int r) -> void* {
+      return r >= local_lo && r < local_hi ? local_out + (int64_t)(r - local_lo) * ldc
+                                           : static_cast<T*>(out) + (int64_t)r * ldc;
+    });
+  }
+};
+
+// Called by one thread for an expert-major tile once its stores are fenced (the loop's tile_done): every band of the
+// expert's remote segments that the tile's rows [a_row, a_row + rows) touch counts the tile; a band completes (its
+// flag is published) after col_tiles times the row blocks of the expert's tiling that cover it, as many tile stores.
+template <typename T>
+__device__ inline void PublishExpertTile(const RankDev& rd, const Segment* raw, uint64_t* flags, const WgTile<T>& t,
+                                         int col_tiles, uint64_t epoch) {
+  const int R = rd.ranks, start = raw[t.expert * R].recv_off;
+  const int lo = t.a_row, hi = t.a_row + t.rows;
+  for (int src = 0; src < R; ++src) {
+    const Segment& s = raw[t.expert * R + src];
+    if (src == rd.rank || s.rows <= 0) continue;
+    const int s_lo = max(lo, s.recv_off), s_hi = min(hi, s.recv_off + s.rows);
+    if (s_lo >= s_hi) continue;
+    for (int b = (s_lo - s.recv_off) / (int)kBandRows; b <= (s_hi - 1 - s.recv_off) / (int)kBandRows; ++b) {
+      const int b_lo = s.recv_off + b * (int)kBandRows, b_hi = min(b_lo + (int)kBandRows, s.recv_off + s.rows);
+      const int covers = (b_hi - 1 - start) / kWgBM - (b_lo - start) / kWgBM + 1;
+      if (atomicAdd(&rd.band_done[s.band_base + b], 1u) == (unsigned)(col_tiles * covers - 1)) {
+        __threadfence();
+        StoreReleaseGpu(&flags[s.band_base + b], epoch);
+      }
+    }
+  }
 }
 
 // The tile loop over the operand format Ops (wgmma_gemm::Bf16Operands, or Fp8BlockScaledOperands: e4m3 lhs [cap, K]
@@ -250,24 +300,47 @@ template <class Ops, typename T>
 __device__ inline void ProduceWgmma(const RankDev& rd, const SegTable& table, uint64_t epoch, const Ops& ops,
                                     int64_t K, int64_t N, T* stage, T* ret, uint64_t* flags, int32_t* tile_prefix,
                                     int64_t* warp_sums, char* smem, bool gather, int band_m, const SegPlace* order,
-                                    bool* produced) {
+                                    const Segment* raw, bool* produced) {
   const int col_tiles = (int)((N + kWgBN - 1) / kWgBN);
-  WgmmaTilePrefix(table, order, col_tiles, tile_prefix, warp_sums);
+  WgmmaTilePrefix(table, order, raw, rd.ranks, col_tiles, tile_prefix, warp_sums);
   auto tile_of = [&](int i) {
+    WgTile<T> t;
+    t.ldc = N;
+    if (order != nullptr) {
+      const ExpertRange x =
+          ExpertTileAt(table, order, raw, rd.ranks, rd.rank, tile_prefix, col_tiles, N, i, band_m, &t);
+      t.expert = t.b_idx;
+      t.out = stage + (int64_t)t.a_row * N + t.n0;
+      // The expert's local rows in this tile, if any, go to the rank's own ret rows.
+      const Segment* l = x.local;
+      t.local_lo = l ? min(max(l->recv_off - t.a_row, 0), t.rows) : 0;
+      t.local_hi = l ? min(max(l->recv_off + l->rows - t.a_row, 0), t.rows) : 0;
+      t.local_out = t.local_lo < t.local_hi
+                        ? ret + ((int64_t)l->ret_off + (t.a_row + t.local_lo - l->recv_off)) * N + t.n0 : nullptr;
+      t.publish = t.local_hi - t.local_lo < t.rows;  // rows of another rank's (CountLocalRows counts the local ones)
+      return t;
+    }
     // band_m = 1 (row-block order): a row block's flags complete together, so the consumer can ship it early; larger
     // bands share B's column slabs in L2 across band_m row blocks (ConsumerConfig::band_m).
-    const SegmentTile at = WgmmaTileAt(table, order, tile_prefix, col_tiles, N, i, band_m);
-    WgTile t;
+    const SegmentTile at = WgmmaTileAt(table, tile_prefix, col_tiles, N, i, band_m);
     static_cast<wgmma_gemm::WgmmaTile&>(t) = at.t;
-    t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret, gather);
     t.ldc = N;
+    t.out = TileOut(rd, *at.s, at.mt * kWgBM, t.n0, N, stage, ret, gather);
+    t.local_out = nullptr;
+    t.local_lo = t.local_hi = 0;
+    t.expert = -1;
     t.flag = at.s->band_base + at.mt * (kWgBM / (int)kBandRows);
     t.bands = (t.rows + (int)kBandRows - 1) / (int)kBandRows;
     // Local tiles: no fence, no barrier, no flag (CountLocalRows); gather_rs's consumer waits for every tile.
     t.publish = gather || at.s->src != rd.rank;
     return t;
   };
-  auto tile_done = [&](const WgTile& t) { PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch); };
+  auto tile_done = [&](const WgTile<T>& t) {
+    if (t.expert >= 0)
+      PublishExpertTile(rd, raw, flags, t, col_tiles, epoch);
+    else
+      PublishTile(rd, flags, t.flag, t.bands, col_tiles, epoch);
+  };
   const int tiles = tile_prefix[table.n];
   wgmma_gemm::WgmmaLoop<Ops, std::is_same<T, float>::value>(ops, (int)K, tiles, TileClaims{rd, tiles, produced},
                                                             tile_of, tile_done, smem);

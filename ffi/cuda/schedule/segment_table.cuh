@@ -388,18 +388,29 @@ __device__ __forceinline__ int FindSegment(const SegTable& t, int band) { return
 struct SegPlace {
   int16_t seg, first, end;
 };
+
+// Local expert e's rows in recv, [start, start + rows) (its segments are contiguous there: the plan's order, e R + s),
+// and its segment from this rank (nullptr: none), from BuildSegments' segments in plan order (TableScratch::raw).
+struct ExpertRange {
+  int32_t start, rows;
+  const Segment* local;
+};
+__device__ __forceinline__ ExpertRange ExpertRangeOf(const Segment* raw, int R, int rank, int e) {
+  const Segment &first = raw[e * R], &last = raw[e * R + R - 1], &own = raw[e * R + rank];
+  return {first.recv_off, last.recv_off + last.rows - first.recv_off, own.rows > 0 ? &own : nullptr};
+}
 static_assert(kMaxSegments <= 32767, "a segment index fits an int16_t");
 
 // The first n segments of the table expert-major: order[p] = the p-th, an expert's segments one after another
 // (experts ascending) in the table's order among them (remote sources first, the local source last).
-// expert_combine's wgmma producer in this order (n = t.n) rasters each expert's segments' row blocks as one list
+// expert_combine's wgmma producer in this order (n = t.n) tiles each expert's rows in recv as one range
 // (ExpertTileAt), so the CTAs running at once share the expert's weight slabs in L2, where the table's order (a
 // source's segments by expert) streams every expert's weight once per source; its consumer then pushes the remote
 // segments (n = t.remote_segs: they come first in the table) in the same order (ExpertMajorBands). One thread per
 // segment counts the segments before its own (n <= kMaxSegments <= the CTA's threads); every thread calls it.
 // Returns (every thread the same) whether the table's order streams the weights at least twice as often as
 // expert-major order, counting a weight pass per band of band_m row blocks of block_rows rows: the sum over the
-// segments of ceil(row blocks / band_m) against the same over the experts' row blocks.
+// segments of ceil(row blocks / band_m) against the same over the experts' rows.
 __device__ inline bool ExpertMajorOrder(const SegTable& t, int n, int block_rows, int band_m, SegPlace* order) {
   __shared__ int passes[2];  // the table's order's, expert-major's
   if (threadIdx.x == 0) passes[0] = passes[1] = 0;
@@ -407,18 +418,19 @@ __device__ inline bool ExpertMajorOrder(const SegTable& t, int n, int block_rows
   const int i = threadIdx.x;
   if (i < n) {
     const int e = t.seg[i].expert;
-    int below = 0, same_before = 0, same = 0, blocks = 0;
+    int below = 0, same_before = 0, same = 0, rows = 0;
     for (int j = 0; j < n; ++j) {
-      const int ej = t.seg[j].expert;
-      below += ej < e;
-      same += ej == e;
-      same_before += (ej == e) & (j < i);
-      blocks += ej == e ? (t.seg[j].rows + block_rows - 1) / block_rows : 0;
+      const Segment& sj = t.seg[j];
+      const bool mine = sj.expert == e;
+      below += sj.expert < e;
+      same += mine;
+      same_before += mine & (j < i);
+      rows += mine ? sj.rows : 0;
     }
     order[below + same_before] = SegPlace{(int16_t)i, (int16_t)below, (int16_t)(below + same)};
     const int mine = (t.seg[i].rows + block_rows - 1) / block_rows;
     atomicAdd(&passes[0], (mine + band_m - 1) / band_m);
-    if (same_before == 0) atomicAdd(&passes[1], (blocks + band_m - 1) / band_m);
+    if (same_before == 0) atomicAdd(&passes[1], ((rows + block_rows - 1) / block_rows + band_m - 1) / band_m);
   }
   __syncthreads();
   const bool pays = passes[0] >= 2 * passes[1];

@@ -390,12 +390,12 @@ __device__ __forceinline__ void StoreBf16Quad(float2 v0, float2 v1, bool odd, bo
 // Lanes l and l^1 swap one pair per (j, j+1) so that each lane stores 4 consecutive columns: the even lane
 // cols 8 j + 2 (l%4) .. +3, the odd lane cols 8 (j+1) + 2 (l%4 - 1) .. +3. A warp store then covers 32
 // (bf16) or 64 (f32) contiguous bytes per row. cols % 16 == 0: blocks j and j+1 are both in or both out.
-// out: the tile's element (0, 0) (bf16 or float per kOutF32), rows / cols: stored extent, ldc: row stride.
-// kBlocks: the accumulator's 8-column blocks to store (32: all 256 columns; 16: the first 128 of acc, which may
-// point into the middle of the array at a multiple of 64, the SwiGLU epilogue's halves).
-template <bool kOutF32, int kBlocks = 32>
-__device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, int lane, int rows, int cols, void* out,
-                                             int64_t ldc) {
+// row_out(r): the address of the tile row r's element (r, 0) (bf16 or float per kOutF32), for r < rows; rows / cols:
+// stored extent. kBlocks: the accumulator's 8-column blocks to store (32: all 256 columns; 16: the first 128 of acc,
+// which may point into the middle of the array at a multiple of 64, the SwiGLU epilogue's halves).
+template <bool kOutF32, int kBlocks = 32, class RowOut>
+__device__ __forceinline__ void StoreAccRows(const float* acc, int c, int wq, int lane, int rows, int cols,
+                                             RowOut row_out) {
   const int r_lo = c * 64 + wq * 16 + lane / 4;
   const bool odd = lane & 1;
   const int col_even = 2 * (lane % 4);           // for even lanes, block j
@@ -404,7 +404,7 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
   for (int h = 0; h < 2; ++h) {
     const int r = r_lo + 8 * h;
     const bool row_ok = r < rows;
-    const int64_t orow = (int64_t)(row_ok ? r : 0) * ldc;
+    void* const out_row = row_out(row_ok ? r : 0);
 #pragma unroll
     for (int j = 0; j < kBlocks; j += 2) {
       const float* a0 = &acc[4 * j + 2 * h];        // block j, this row
@@ -414,13 +414,22 @@ __device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, in
         const float s0 = odd ? a0[0] : a1[0], s1 = odd ? a0[1] : a1[1];
         const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
         const float4 v = odd ? make_float4(r0, r1, a1[0], a1[1]) : make_float4(a0[0], a0[1], r0, r1);
-        if (row_ok && col < cols) *reinterpret_cast<float4*>(static_cast<float*>(out) + orow + col) = v;
+        if (row_ok && col < cols) *reinterpret_cast<float4*>(static_cast<float*>(out_row) + col) = v;
       } else {
         StoreBf16Quad(make_float2(a0[0], a0[1]), make_float2(a1[0], a1[1]), odd, row_ok && col < cols,
-                      static_cast<__nv_bfloat16*>(out) + orow + col);
+                      static_cast<__nv_bfloat16*>(out_row) + col);
       }
     }
   }
+}
+
+// StoreAccRows into one row-major destination: out is the tile's element (0, 0), ldc the row stride.
+template <bool kOutF32, int kBlocks = 32>
+__device__ __forceinline__ void StoreAccTile(const float* acc, int c, int wq, int lane, int rows, int cols, void* out,
+                                             int64_t ldc) {
+  StoreAccRows<kOutF32, kBlocks>(acc, c, wq, lane, rows, cols, [&](int r) -> void* {
+    return static_cast<unsigned char*>(out) + (int64_t)r * ldc * (kOutF32 ? 4 : 2);
+  });
 }
 
 // The SwiGLU epilogue of a consumer warpgroup (see SwiGluTile): acc's columns 0..127 are the gate's, 128..255 the
