@@ -395,6 +395,26 @@ def test_run_case_lines(monkeypatch, capsys):
   assert sum(1 for l in out.splitlines() if l.startswith("RESULT ") and '"plan"' in l) == case.ranks
 
 
+def test_row_blocks_follow_the_producer_order():
+  """The overlap rows' row_blocks pair counts the producer's tiles as it tiles them: each segment apart in the table's
+  order, each expert's rows as one range where it goes expert-major (the rule: the table's order counts at least
+  twice the weight passes, a pass per band of 8 row blocks; or producer_order's pin; never gather_rs or float32)."""
+  from tools.loopback import timing  # pylint: disable=g-import-not-at-top
+  small = {"seg_rows": [129, 129, 129, 129]}  # 2 experts x 2 sources: passes 4 apart, 2 whole -> expert-major
+  large = {"seg_rows": [1030, 1030, 1030, 1030]}  # 9 blocks a segment: passes 8 apart, 6 whole -> the table's
+  case = _small_case()
+  assert timing.row_blocks(case, small) == (6, 6)
+  assert timing.row_blocks(case, large) == (36, 34)
+  assert timing.row_blocks(dataclasses.replace(case, producer_order=1), small) == (8, 6)
+  assert timing.row_blocks(dataclasses.replace(case, producer_order=2), large) == (34, 34)
+  assert timing.row_blocks(dataclasses.replace(case, f32=True), small) == (8, 6)
+  assert timing.row_blocks(dataclasses.replace(case, gather_rs=True), small) == (8, 6)
+  # A band of 16 row blocks: the large segments' passes 4 apart against 4 whole -> the table's; the small ones'
+  # 4 against 2 -> expert-major.
+  assert timing.row_blocks(dataclasses.replace(case, producer_band_m=16), large) == (36, 34)
+  assert timing.row_blocks(dataclasses.replace(case, producer_band_m=16), small) == (6, 6)
+
+
 def test_overlap_table_rows(monkeypatch, capsys):
   """The overlap table of the timed suites on simulated runs: expert_combine (ours and serialized variants, the
   transfer alone from the serialized call's consumer span) and dispatch_gemm (its two calls, the dispatch alone and
@@ -429,10 +449,13 @@ def test_overlap_table_rows(monkeypatch, capsys):
   assert row["hidden"] == pytest.approx(0.5) and row["ours_over_gemm"] == pytest.approx(110 / 90)
   assert row["link_share"] == pytest.approx(row["transfer_bytes"] / 40.0 * 1e-3 / 10.0)
   assert row["combine_us"] == 3.0
-  blocks = []  # per rank: 128-row blocks over its segments, and over its experts' rows
+  blocks = []  # per rank: the producer's 128-row blocks (test_row_blocks_follow_the_producer_order), the bare GEMM's
   for d in sets[0]:
     seg = [[max(int(n), 0) for n in d.plan["seg_rows"][e * 2:e * 2 + 2]] for e in range(len(d.plan["seg_rows"]) // 2)]
-    blocks.append((sum(-(-n // 128) for ns in seg for n in ns), sum(-(-sum(ns) // 128) for ns in seg)))
+    apart, whole = sum(-(-n // 128) for ns in seg for n in ns), sum(-(-sum(ns) // 128) for ns in seg)
+    expert_major = sum(-(-(-(-n // 128)) // 8) for ns in seg for n in ns) >= 2 * sum(
+        -(-(-(-sum(ns) // 128)) // 8) for ns in seg)
+    blocks.append((whole if expert_major else apart, whole))
   assert row["row_blocks"] == max(blocks) and row["row_blocks"][0] >= row["row_blocks"][1] > 0
   out = capsys.readouterr().out
   assert "OVERLAP | expert_combine R=2 " in out and "| 50% | 3 |" in out, out
