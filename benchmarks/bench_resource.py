@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from benchmarks import loopback_runner as lb
 from jax_moe_overlap import _jmo
 from jax_moe_overlap import resource as rm
@@ -66,6 +68,42 @@ def device_segment_sources(seg_rows, rank: int) -> list[tuple[int, int]]:
   return [(int(seg_rows[e][s]), s) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
 
 
+# The wgmma producer's rows per tile and its raster band's row blocks (wgmma_gemm::kBM, wgmma_gemm::kBandM).
+WGMMA_BM, WGMMA_BAND_M = 128, 8
+
+
+def producer_expert_major(seg_rows, producer_order: int = 0, band_m: int = 0) -> bool:
+  """Whether expert_combine's wgmma producer (bf16 and FP8 on Hopper; never gather_rs's or the float32 engine's) goes
+  expert-major on a rank with ``seg_rows [E_local, R]`` (cuda/ops/expert_producer.cuh UseExpertMajor):
+  ``producer_order`` 2 pins it, 1 the segment table's order; 0, the rule: the table's order counts at least twice
+  the weight passes, a pass per raster band of ``band_m`` row blocks (0: the library's 8) summed over the segments
+  against the same over the experts' rows."""
+  if producer_order:
+    return producer_order == 2
+  seg = np.maximum(np.asarray(seg_rows, np.int64), 0)
+  band = band_m or WGMMA_BAND_M
+  apart = (seg + WGMMA_BM - 1) // WGMMA_BM
+  whole = (seg.sum(axis=1) + WGMMA_BM - 1) // WGMMA_BM
+  return int(np.sum((apart + band - 1) // band)) >= 2 * int(np.sum((whole + band - 1) // band))
+
+
+def device_segments_expert_major(seg_rows, rank: int) -> tuple[list[tuple[int, int]], list[int]]:
+  """device_segments in the expert-major producer's order (the table's segments by expert, stably) and each one's
+  ModelSegment::tile_rows: an expert's first segment carries the expert's rows, the others none (its rows are tiled
+  as one range, every segment ready once they are)."""
+  E_l = len(seg_rows)
+  R = len(seg_rows[0]) if E_l else 0
+  to_rank = [sum(int(seg_rows[e][s]) for e in range(E_l)) for s in range(R)]
+  keys = sorted(((s == rank, -to_rank[s], s, e) for e in range(E_l) for s in range(R)))
+  table = [(e, s) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+  segs, tile_rows, seen = [], [], set()
+  for e, s in sorted(table, key=lambda es: es[0]):
+    segs.append((int(seg_rows[e][s]), int(s != rank)))
+    tile_rows.append(0 if e in seen else sum(max(int(n), 0) for n in seg_rows[e]))
+    seen.add(e)
+  return segs, tile_rows
+
+
 def device_segments(seg_rows, rank: int) -> list[tuple[int, int]]:
   """The kernel's view of one rank's expert_combine, as the model takes it: (rows, remote) of the non-empty segments
   in the producer's order (device_segment_sources). Only remote segments are pushed: the CUDA producer stores the
@@ -74,14 +112,17 @@ def device_segments(seg_rows, rank: int) -> list[tuple[int, int]]:
 
 
 def kernel_consumer_ctas(p: rm.ModelParams, seg_rows, rank: int, n: int, k: int, elem_bytes: int, max_ctas: int,
-                         pinned: int = 0) -> int:
+                         pinned: int = 0, expert_major: bool = False) -> int:
   """The consumer CTA count the CUDA kernel uses for one rank's call (resource_manager.cuh ConsumersOfCall): 0 when
   nothing is pushed (no remote segment: every CTA produces), else ``pinned`` if given, else the model's choice
-  (``_jmo.model_choose_consumer_ctas``, the device's model run on the host)."""
-  segs = device_segments(seg_rows, rank)
+  (``_jmo.model_choose_consumer_ctas``, the device's model run on the host), with ``expert_major`` in the
+  expert-major producer's order (ExpertMajorTermPrep's terms: device_segments_expert_major)."""
+  segs, tile_rows = device_segments_expert_major(seg_rows, rank) if expert_major else (
+      device_segments(seg_rows, rank), [])
   if not any(remote for _, remote in segs):
     return 0
-  return pinned if pinned > 0 else _jmo.model_choose_consumer_ctas(p.native(), segs, n, k, elem_bytes, max_ctas)
+  return pinned if pinned > 0 else _jmo.model_choose_consumer_ctas(p.native(), segs, n, k, elem_bytes, max_ctas,
+                                                                   tile_rows)
 
 
 def kernel_gather_consumer_ctas(p: rm.ModelParams, seg_rows, rank: int, tokens: int, slots: int, n: int, k: int,

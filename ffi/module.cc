@@ -59,9 +59,17 @@ jmo::cpu::Workspace& LiveCpuWorkspace(int64_t handle) {
   return *ws;
 }
 
-std::vector<jmo::ModelSegment> Segments(const std::vector<std::tuple<int, int>>& segs) {
+// (rows, remote) segments in producer order, with the rows whose tiles each carries (ModelSegment::tile_rows; empty:
+// every segment its own).
+std::vector<jmo::ModelSegment> Segments(const std::vector<std::tuple<int, int>>& segs,
+                                        const std::vector<int>& tile_rows) {
+  if (!tile_rows.empty() && tile_rows.size() != segs.size())
+    throw std::invalid_argument("tile_rows must hold one entry per segment, or none");
   std::vector<jmo::ModelSegment> out;
-  for (auto& [rows, remote] : segs) out.push_back(jmo::ModelSegment{rows, remote});
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const auto& [rows, remote] = segs[i];
+    out.push_back(jmo::ModelSegment{rows, remote, tile_rows.empty() ? -1 : tile_rows[i]});
+  }
   return out;
 }
 
@@ -187,20 +195,24 @@ NB_MODULE(_jmo, m) {
   m.def("model_fp8_k", &jmo::Fp8ModelK, nb::arg("K"));
   // The model with a call's link (resource_model.h ModelWithLink: what the launches evaluate; 0: no link).
   m.def("model_with_link", &jmo::ModelWithLink, nb::arg("params"), nb::arg("link_gbps"));
+  // expert_combine's consumer CTAs from the call's non-empty segments in producer order as (rows, remote), with
+  // tile_rows (ModelSegment::tile_rows, one per segment) for the expert-major producer.
   m.def("model_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,
-                                int64_t n, int64_t k, int64_t elem_bytes, int ctas) {
-    auto s = Segments(segs);
+                                int64_t n, int64_t k, int64_t elem_bytes, int ctas, const std::vector<int>& tile_rows) {
+    auto s = Segments(segs, tile_rows);
     std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
     return jmo::ModelMakespanUs(params, s.data(), (int)s.size(), n, k, elem_bytes, ctas, scratch.data());
-  });
+  }, nb::arg("params"), nb::arg("segs"), nb::arg("n"), nb::arg("k"), nb::arg("elem_bytes"), nb::arg("ctas"),
+        nb::arg("tile_rows") = std::vector<int>{});
   m.def("model_choose_consumer_ctas", [](const jmo::ModelParams& params,
                                          const std::vector<std::tuple<int, int>>& segs, int64_t n, int64_t k,
-                                         int64_t elem_bytes, int max_ctas) {
-    auto s = Segments(segs);
+                                         int64_t elem_bytes, int max_ctas, const std::vector<int>& tile_rows) {
+    auto s = Segments(segs, tile_rows);
     std::vector<jmo::ModelPrefix> scratch(s.size() + 1);
     return jmo::ChooseConsumerCtas(params, s.data(), (int)s.size(), n, k, elem_bytes, max_ctas,
                                    scratch.data());
-  });
+  }, nb::arg("params"), nb::arg("segs"), nb::arg("n"), nb::arg("k"), nb::arg("elem_bytes"), nb::arg("max_ctas"),
+        nb::arg("tile_rows") = std::vector<int>{});
   // gather_rs's consumer CTAs (resource_model.h, "gather_rs's consumer CTAs"): the modelled time with C consumer CTAs
   // and the choice, from the call's non-empty segments in producer order as (rows, source).
   m.def("model_gather_makespan_us", [](const jmo::ModelParams& params, const std::vector<std::tuple<int, int>>& segs,

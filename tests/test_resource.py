@@ -153,6 +153,40 @@ def test_device_segments_order():
                                                                                    (2, 1)]
 
 
+def test_expert_major_segments_and_terms():
+  # seg_rows [E_local=2, R=3] of rank 1 in the expert-major producer's order: the table's segments by expert, stably;
+  # an expert's first segment carries the expert's rows (its rows tiled as one range), the others none.
+  grid = [[5, 7, 0], [1, 2, 30]]
+  segs, tile_rows = bench_resource.device_segments_expert_major(grid, rank=1)
+  assert segs == [(5, 1), (7, 0), (30, 1), (1, 1), (2, 0)] and tile_rows == [12, 0, 33, 0, 0]
+  # The terms: every segment of an expert ready once the expert's tiles are (the recurrence with tiles counted at
+  # tile_rows), on random inputs.
+  rng = random.Random(1)
+  for _ in range(100):
+    p = dataclasses.replace(P, sms=rng.choice([16, 66, 132]), tile_m=rng.choice([64, 128]),
+                            tile_us_base=rng.uniform(0.2, 3), tile_us_per_k=rng.uniform(1e-4, 5e-3),
+                            cta_gbps=rng.uniform(2, 30), seg_us=rng.uniform(0, 3))
+    E, R, rank = rng.randint(1, 8), rng.randint(2, 4), 0
+    grid = [[rng.choice([0, 1, 100, 129, 600]) for _ in range(R)] for _ in range(E)]
+    segs, tile_rows = bench_resource.device_segments_expert_major(grid, rank)
+    if not segs:
+      continue
+    n, k, eb, c = 2048, 2048, 2, rng.randint(1, min(32, p.sms - 1))
+    producers, tile_us = p.sms - c, p.tile_us_base + p.tile_us_per_k * k
+    cum, cons = 0, 0.0
+    for (rows, remote), tr in zip(segs, tile_rows):
+      cum += math.ceil(tr / p.tile_m) * math.ceil(n / p.tile_n)
+      if remote:
+        cons = max(cons, math.ceil(cum / producers) * tile_us) + p.seg_us + rows * n * eb / min(
+            c * p.cta_gbps, p.link_gbps) * 1e-3
+    want = max(math.ceil(cum / producers) * tile_us, cons)
+    assert _jmo.model_makespan_us(p.native(), segs, n, k, eb, c, tile_rows) == pytest.approx(want, rel=1e-12)
+    assert bench_resource.kernel_consumer_ctas(p, grid, rank, n, k, eb, 32, expert_major=True) == (
+        _jmo.model_choose_consumer_ctas(p.native(), segs, n, k, eb, 32, tile_rows) if any(r for _, r in segs) else 0)
+  with pytest.raises(ValueError, match="one entry per segment"):
+    _jmo.model_makespan_us(P.native(), [(10, 1), (20, 0)], n, k, eb, 2, [10])
+
+
 def test_kernel_consumer_ctas_is_zero_without_remote_rows():
   # EP = 1 (one source), or a rank whose every routed row is its own: nothing to push, so no consumer CTA.
   kernel_consumer_ctas = bench_resource.kernel_consumer_ctas

@@ -121,6 +121,9 @@ class Case:
   # expert_combine's wgmma producer tile order over its segments (CallOptions::producer_order): 1 the segment table's
   # (sources first), 2 expert-major; 0: the library's rule.
   producer_order: int = 0
+  # expert_combine's consumer choice timing the expert-major producer in its own order where it goes so
+  # (CallOptions::expert_major_model; the host mirror follows it: tools/loopback/regret.py combine_mirror).
+  expert_major_model: bool = False
   # With `tensor` > 1: the shards' partials summed by gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS") in
   # expert_combine's place (tools/loopback/tensor.py gather_tables); its rows output is checked in the slot output's
   # place, and y also bit for bit against its float32 sums restated on the host (tensor.gather_sums).
@@ -296,6 +299,8 @@ class Case:
       s += f" band_m={self.producer_band_m}"
     if self.producer_order > 0:
       s += f" order={self.producer_order}"
+    if self.expert_major_model:
+      s += " em_model"
     if self.delay_rank >= 0:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:

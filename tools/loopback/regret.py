@@ -47,9 +47,16 @@ def combine_mirror(case: Case, plans: list[dict], budget: int) -> list[int]:
   from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
   p, jmo = _rank_model(case, budget)
   K = jmo.model_fp8_k(case.rank_k) if case.fp8 else case.rank_k
-  return [bench_resource.kernel_consumer_ctas(p, plan["seg_rows"].reshape(case.experts_per_rank, case.ranks).tolist(),
-                                              r, case.n_dim, K, 4 if case.f32 else 2, min(32, budget - 1))
-          for r, plan in enumerate(plans)]
+  out = []
+  for r, plan in enumerate(plans):
+    seg_rows = plan["seg_rows"].reshape(case.experts_per_rank, case.ranks).tolist()
+    # The kernel times the expert-major producer in its own order where asked (CallOptions::expert_major_model) and
+    # its wgmma engine goes so (not float32's).
+    em = (case.expert_major_model and not case.f32
+          and bench_resource.producer_expert_major(seg_rows, case.producer_order, case.producer_band_m))
+    out.append(bench_resource.kernel_consumer_ctas(p, seg_rows, r, case.n_dim, K, 4 if case.f32 else 2,
+                                                   min(32, budget - 1), expert_major=em))
+  return out
 
 
 def pusher_mirror(case: Case, plans: list[dict], budget: int) -> list[int]:

@@ -124,27 +124,20 @@ TABLE_HEADER = ("| case | link GB/s per rank | GEMM alone us | transfer alone: u
                 "|\n|---|---|---|---|---|---|---|---|---|")
 
 
-# The wgmma producer's rows per tile and its raster band's row blocks (wgmma_gemm::kBM, wgmma_gemm::kBandM).
-_WGMMA_BM, _WGMMA_BAND_M = 128, 8
-
-
 def row_blocks(case: Case, plan: dict) -> tuple[int, int]:
   """A rank's 128-row blocks (the wgmma producer's tile rows) as expert_combine's producer on Hopper tiles them, and
   over its experts' rows, as the bare grouped GEMM tiles them. Their ratio is the producer's extra tiles. The
   producer tiles each segment (one source's rows of an expert) apart in the segment table's order, where every
-  segment not a multiple of 128 rows ends in a partial block, and each expert's rows as one range where it goes
-  expert-major: pinned by ``producer_order`` 2, or by the rule of cuda/ops/expert_producer.cuh UseExpertMajor (the
-  table's order counting at least twice the weight passes, a pass per raster band) for its bf16 and FP8 engine
-  (not gather_rs, not float32)."""
-  seg = np.asarray(plan["seg_rows"], np.int64).reshape(-1, case.ranks)  # (expert, source)
-  seg = np.maximum(seg, 0)
-  by_segment = (seg + _WGMMA_BM - 1) // _WGMMA_BM
-  by_expert = (seg.sum(axis=1) + _WGMMA_BM - 1) // _WGMMA_BM
-  band = case.producer_band_m or _WGMMA_BAND_M
-  passes = (int(np.sum((by_segment + band - 1) // band)), int(np.sum((by_expert + band - 1) // band)))
-  expert_major = not case.f32 and not case.gather_rs and (
-      case.producer_order == 2 or (case.producer_order == 0 and passes[0] >= 2 * passes[1]))
-  return int(np.sum(by_expert if expert_major else by_segment)), int(np.sum(by_expert))
+  segment not a multiple of 128 rows ends in a partial block, and each expert's rows as one range where its bf16 and
+  FP8 engine goes expert-major (benchmarks/bench_resource.py producer_expert_major; not gather_rs, not float32)."""
+  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
+  seg = np.maximum(np.asarray(plan["seg_rows"], np.int64).reshape(-1, case.ranks), 0)  # (expert, source)
+  bm = bench_resource.WGMMA_BM
+  by_segment = int(np.sum((seg + bm - 1) // bm))
+  by_expert = int(np.sum((seg.sum(axis=1) + bm - 1) // bm))
+  expert_major = not case.f32 and not case.gather_rs and bench_resource.producer_expert_major(
+      seg, case.producer_order, case.producer_band_m)
+  return (by_expert if expert_major else by_segment), by_expert
 
 
 def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:

@@ -321,6 +321,37 @@ __device__ inline int DeviceChooseConsumersPrepared(const SegTable& t, const Ter
   return ArgminOverWarps(us, feasible, sc, parity);
 }
 
+// The parts of the consumer choice's terms (TermPrepIn's arrays, as BuildSegments<kPrepTerms> writes them for the
+// table's order) for expert_combine's expert-major producer (cuda/ops/expert_producer.cuh UseExpertMajor): the remote
+// segments in the consumer's expert-major order (ExpertMajorBands'), each ready once its expert's tiles are, the
+// tiles counted over the expert's rows (resource_model.h ModelSegment::tile_rows; the host mirror's ModelPrefixes on
+// benchmarks/bench_resource.py's expert-major segments), and out->row_tiles the experts' row tiles. raw: the plan's
+// segments (TableScratch::raw), E_l experts of R sources; order, expert_tiles ([E_l]): scratch. Every thread calls it
+// (barriers) and gets the same out.
+__device__ inline void ExpertMajorTermPrep(const SegTable& t, const Segment* raw, int E_l, int R, const TermPrepIn& in,
+                                           TermPrepOut* out, SegPlace* order, int32_t* expert_tiles,
+                                           int64_t* warp_sums) {
+  const int i = threadIdx.x;
+  const int64_t mt = i < E_l ? (int64_t)MagicCeilDiv((uint32_t)ExpertRangeOf(raw, R, 0, i).rows, in.tile_m,
+                                                     in.tile_m_magic)
+                             : 0;
+  int64_t total = 0;
+  const int64_t through = BlockInclusiveScan(mt, warp_sums, &total);  // row tiles of experts 0..i
+  if (i < E_l) expert_tiles[i] = (int32_t)through;
+  ExpertMajorOrder(t, t.remote_segs, 1, 1, order);  // (its first barrier orders expert_tiles' stores)
+  const int mr = t.remote_segs;
+  const int64_t rows = i < mr ? (int64_t)t.seg[order[i].seg].rows : 0;
+  int64_t remote_rows = 0;
+  const int64_t upto = BlockInclusiveScan(rows, warp_sums, &remote_rows);
+  if (i < mr) {
+    in.ceil_arg[i] = CeilArg((int64_t)expert_tiles[t.seg[order[i].seg].expert] * in.col_tiles);
+    in.push_us[i] = RmMul((double)(mr - i), in.seg_us);
+    in.bytes[i] = (double)((remote_rows - (upto - rows)) * in.row_bytes);
+  }
+  out->row_tiles = total;
+  __syncthreads();
+}
+
 // BuildSegments<kPrepTerms>'s inputs for the consumer choice of model p (its seg_us), cand = FillCandidateConsts(p,
 // ..., N), rows of N elements of eb bytes: the parts of the terms go to sc->seg.
 __device__ inline TermPrepIn TermPrepFor(const ModelParams& p, const CandidateConsts& cand, int64_t N, int64_t eb,
@@ -486,6 +517,9 @@ struct ConsumerConfig {
   // expert_combine's wgmma producer's segment order (CallOptions::producer_order; UseExpertMajor): 0 the rule, 1 the
   // table's, 2 expert-major.
   int32_t producer_order;
+  // 1: the consumer choice times expert_combine's expert-major producer in its own order (ExpertMajorTermPrep) where
+  // it goes so; 0: in the segment table's order (CallOptions::expert_major_model).
+  int32_t expert_major_model;
   CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
 };
 

@@ -66,6 +66,11 @@ JMO_RM_HD inline ModelParams ModelWithLink(ModelParams p, double link_gbps) {
 struct ModelSegment {
   int32_t rows;
   int32_t remote;  // 1: the consumer pushes the rows (to another rank); 0: they need no push
+  // The rows whose tiles the producer finishes at this segment, in producer order: -1, its own (each segment tiled
+  // apart, the segment table's order). expert_combine's expert-major producer tiles an expert's rows as one range
+  // (cuda/ops/expert_producer.cuh UseExpertMajor): its first segment carries the expert's rows and the others 0, so
+  // every segment of the expert is ready once the expert's tiles are.
+  int32_t tile_rows = -1;
 };
 
 // What the terms need of segment j (in producer order), independent of C: tiles up to and including j, and the
@@ -152,7 +157,7 @@ JMO_RM_HD inline int ModelPrefixes(const ModelParams& p, const ModelSegment* seg
   int m = 0;
   for (int i = 0; i < n; ++i) {
     if (segs[i].rows <= 0) continue;
-    cum += ModelTiles(p, segs[i].rows, N);
+    cum += ModelTiles(p, segs[i].tile_rows < 0 ? segs[i].rows : segs[i].tile_rows, N);
     if (!segs[i].remote) continue;
     pre[m].cum_tiles = cum;
     pre[m].pushed_from = pushed;                          // pushed before j, turned into "from j" below
