@@ -57,19 +57,32 @@ def workloads(quick: bool):
 MAX_MODEL_CTAS = 32
 
 
-def device_segment_sources(seg_rows, rank: int) -> list[tuple[int, int]]:
-  """The kernel's segment table of one rank's call: (rows, source) of the non-empty segments of
-  ``seg_rows [E_local, R]`` in the producer's order (protocol.h SegmentBefore: remote first, the most loaded
-  destination first, then by source and expert; own segments last)."""
+def _table_order(seg_rows, rank: int) -> list[tuple[int, int]]:
+  """(expert, source) of the non-empty segments of ``seg_rows [E_local, R]`` in the segment table's order
+  (protocol.h SegmentBefore: remote first, the most loaded destination first, then by source and expert; own
+  segments last)."""
   E_l = len(seg_rows)
   R = len(seg_rows[0]) if E_l else 0
   to_rank = [sum(int(seg_rows[e][s]) for e in range(E_l)) for s in range(R)]
   keys = sorted(((s == rank, -to_rank[s], s, e) for e in range(E_l) for s in range(R)))
-  return [(int(seg_rows[e][s]), s) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+  return [(e, s) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
+
+
+def device_segment_sources(seg_rows, rank: int) -> list[tuple[int, int]]:
+  """The kernel's segment table of one rank's call: (rows, source) of the non-empty segments of
+  ``seg_rows [E_local, R]`` in the producer's order (_table_order)."""
+  return [(int(seg_rows[e][s]), s) for e, s in _table_order(seg_rows, rank)]
 
 
 # The wgmma producer's rows per tile and its raster band's row blocks (wgmma_gemm::kBM, wgmma_gemm::kBandM).
 WGMMA_BM, WGMMA_BAND_M = 128, 8
+
+
+def wgmma_row_blocks(seg_rows) -> tuple[np.ndarray, np.ndarray]:
+  """The wgmma producer's 128-row blocks of ``seg_rows [E_local, R]``: per segment, each tiled apart, and per expert,
+  its rows tiled as one range (as the bare grouped GEMM tiles them)."""
+  seg = np.maximum(np.asarray(seg_rows, np.int64), 0)
+  return (seg + WGMMA_BM - 1) // WGMMA_BM, (seg.sum(axis=1) + WGMMA_BM - 1) // WGMMA_BM
 
 
 def producer_expert_major(seg_rows, producer_order: int = 0, band_m: int = 0) -> bool:
@@ -80,10 +93,8 @@ def producer_expert_major(seg_rows, producer_order: int = 0, band_m: int = 0) ->
   against the same over the experts' rows."""
   if producer_order:
     return producer_order == 2
-  seg = np.maximum(np.asarray(seg_rows, np.int64), 0)
   band = band_m or WGMMA_BAND_M
-  apart = (seg + WGMMA_BM - 1) // WGMMA_BM
-  whole = (seg.sum(axis=1) + WGMMA_BM - 1) // WGMMA_BM
+  apart, whole = wgmma_row_blocks(seg_rows)
   return int(np.sum((apart + band - 1) // band)) >= 2 * int(np.sum((whole + band - 1) // band))
 
 
@@ -91,13 +102,8 @@ def device_segments_expert_major(seg_rows, rank: int) -> tuple[list[tuple[int, i
   """device_segments in the expert-major producer's order (the table's segments by expert, stably) and each one's
   ModelSegment::tile_rows: an expert's first segment carries the expert's rows, the others none (its rows are tiled
   as one range, every segment ready once they are)."""
-  E_l = len(seg_rows)
-  R = len(seg_rows[0]) if E_l else 0
-  to_rank = [sum(int(seg_rows[e][s]) for e in range(E_l)) for s in range(R)]
-  keys = sorted(((s == rank, -to_rank[s], s, e) for e in range(E_l) for s in range(R)))
-  table = [(e, s) for _, _, s, e in keys if int(seg_rows[e][s]) > 0]
   segs, tile_rows, seen = [], [], set()
-  for e, s in sorted(table, key=lambda es: es[0]):
+  for e, s in sorted(_table_order(seg_rows, rank), key=lambda es: es[0]):
     segs.append((int(seg_rows[e][s]), int(s != rank)))
     tile_rows.append(0 if e in seen else sum(max(int(n), 0) for n in seg_rows[e]))
     seen.add(e)

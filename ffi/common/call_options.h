@@ -51,10 +51,10 @@ struct CallOptions {
   int32_t producer_band_m = 0;
   // Benchmark aid of the loopback harness: the order of expert_combine's wgmma producer tiles over its segments
   // (UseExpertMajor, cuda/ops/expert_producer.cuh). 0: the rule; 1: the segment table's order (remote sources first,
-  // a source's segments by expert: every expert's weight streamed once per source); 2: expert-major (an expert's
-  // segments' row blocks rastered as one list: each weight slab shared while they run). Never set by the library's
-  // Python API; no effect on CPU, on gather_rs (whose consumer reduces a source's rows as one) or on other GEMM
-  // engines.
+  // a source's segments by expert, each tiled apart: every expert's weight streamed once per source); 2:
+  // expert-major (each expert's rows tiled as one range across its sources: each weight slab shared while they run).
+  // Never set by the library's Python API; no effect on CPU, on gather_rs (whose consumer reduces a source's rows as
+  // one) or on other GEMM engines.
   int32_t producer_order = 0;
   // Benchmark aid of the loopback harness: true has expert_combine's consumer choice time the expert-major producer
   // in its own order (every remote segment ready once its expert's tiles are, the tiles counted over the expert's

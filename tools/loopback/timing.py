@@ -131,13 +131,11 @@ def row_blocks(case: Case, plan: dict) -> tuple[int, int]:
   segment not a multiple of 128 rows ends in a partial block, and each expert's rows as one range where its bf16 and
   FP8 engine goes expert-major (benchmarks/bench_resource.py producer_expert_major; not gather_rs, not float32)."""
   from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
-  seg = np.maximum(np.asarray(plan["seg_rows"], np.int64).reshape(-1, case.ranks), 0)  # (expert, source)
-  bm = bench_resource.WGMMA_BM
-  by_segment = int(np.sum((seg + bm - 1) // bm))
-  by_expert = int(np.sum((seg.sum(axis=1) + bm - 1) // bm))
+  seg = np.asarray(plan["seg_rows"], np.int64).reshape(-1, case.ranks)  # (expert, source)
+  apart, whole = bench_resource.wgmma_row_blocks(seg)
   expert_major = not case.f32 and not case.gather_rs and bench_resource.producer_expert_major(
       seg, case.producer_order, case.producer_band_m)
-  return (by_expert if expert_major else by_segment), by_expert
+  return int(np.sum(whole if expert_major else apart)), int(np.sum(whole))
 
 
 def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:

@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   uint64_t* flags = self.tile_ready();
 
   if (consumers < 0 || (int)blockIdx.x >= consumers) {
-    // Producer: tiles in producer order (remote-critical segments first), claimed one at a time.
+    // Producer: tiles in producer order (the table's, remote-critical segments first, or expert-major where that
+    // pays: UseExpertMajor), claimed one at a time.
     __shared__ bool produced;  // thread 0's: this CTA claimed a tile (TileClaims)
     if (threadIdx.x == 0) produced = false;
     const SegPlace* order = nullptr;  // the table's order

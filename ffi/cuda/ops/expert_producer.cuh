@@ -46,17 +46,22 @@ constexpr int kEngineThreads = kWgmmaLoop<kEngine> ? wgmma_gemm::kThreads : kThr
 // the sm_90a build and the register budget, then sets the shared memory.
 constexpr KernelSetup kWgmmaKernelSetup{"PrepareWgmmaKernel", wgmma_gemm::PrepareWgmmaKernel};
 
-// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier: the CTA
-// completing a band of a remote segment publishes it through its tile_ready flag (the consumer pushes it). Tiles of
+// A band counts one more stored tile of the `tiles` that complete it; the last one publishes the band through its
+// tile_ready flag (the consumer pushes it).
+__device__ __forceinline__ void CountBandTile(const RankDev& rd, uint64_t* flags, int flag, int tiles,
+                                             uint64_t epoch) {
+  if (atomicAdd(&rd.band_done[flag], 1u) == (unsigned)(tiles - 1)) {
+    __threadfence();
+    StoreReleaseGpu(&flags[flag], epoch);
+  }
+}
+
+// Called by one thread after the tile's stores are fenced and every storing thread has passed a barrier: the tile
+// counts in each of its `bands` bands from tile_ready index first_flag, each complete after col_tiles tiles. Tiles of
 // local segments publish nothing: see CountLocalRows.
 __device__ __forceinline__ void PublishTile(const RankDev& rd, uint64_t* flags, int first_flag, int bands,
                                             int col_tiles, uint64_t epoch) {
-  for (int b = 0; b < bands; ++b) {
-    if (atomicAdd(&rd.band_done[first_flag + b], 1u) == (unsigned)(col_tiles - 1)) {
-      __threadfence();
-      StoreReleaseGpu(&flags[first_flag + b], epoch);
-    }
-  }
+  for (int b = 0; b < bands; ++b) CountBandTile(rd, flags, first_flag + b, col_tiles, epoch);
 }
 
 // Every thread of every CTA of the launch calls this once: a producer CTA once it has stored all its tiles, a consumer
@@ -285,10 +290,7 @@ __device__ inline void PublishExpertTile(const RankDev& rd, const Segment* raw, 
     for (int b = (s_lo - s.recv_off) / (int)kBandRows; b <= (s_hi - 1 - s.recv_off) / (int)kBandRows; ++b) {
       const int b_lo = s.recv_off + b * (int)kBandRows, b_hi = min(b_lo + (int)kBandRows, s.recv_off + s.rows);
       const int covers = (b_hi - 1 - start) / kWgBM - (b_lo - start) / kWgBM + 1;
-      if (atomicAdd(&rd.band_done[s.band_base + b], 1u) == (unsigned)(col_tiles * covers - 1)) {
-        __threadfence();
-        StoreReleaseGpu(&flags[s.band_base + b], epoch);
-      }
+      CountBandTile(rd, flags, s.band_base + b, col_tiles * covers, epoch);
     }
   }
 }

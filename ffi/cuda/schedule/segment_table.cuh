@@ -384,9 +384,9 @@ __device__ inline bool BuildSegments(const RankDev& rd, const int32_t* seg_rows,
 
 __device__ __forceinline__ int FindSegment(const SegTable& t, int band) { return LastAtMost(t.band_prefix, t.n, band); }
 
-// A segment's place in expert-major order (ExpertMajorOrder): its table index, and its expert's places [first, end).
+// A segment's place in expert-major order (ExpertMajorOrder): its table index, and its expert's first place.
 struct SegPlace {
-  int16_t seg, first, end;
+  int16_t seg, first;
 };
 
 // Local expert e's rows in recv, [start, start + rows) (its segments are contiguous there: the plan's order, e R + s),
@@ -418,16 +418,15 @@ __device__ inline bool ExpertMajorOrder(const SegTable& t, int n, int block_rows
   const int i = threadIdx.x;
   if (i < n) {
     const int e = t.seg[i].expert;
-    int below = 0, same_before = 0, same = 0, rows = 0;
+    int below = 0, same_before = 0, rows = 0;
     for (int j = 0; j < n; ++j) {
       const Segment& sj = t.seg[j];
       const bool mine = sj.expert == e;
       below += sj.expert < e;
-      same += mine;
       same_before += mine & (j < i);
       rows += mine ? sj.rows : 0;
     }
-    order[below + same_before] = SegPlace{(int16_t)i, (int16_t)below, (int16_t)(below + same)};
+    order[below + same_before] = SegPlace{(int16_t)i, (int16_t)below};
     const int mine = (t.seg[i].rows + block_rows - 1) / block_rows;
     atomicAdd(&passes[0], (mine + band_m - 1) / band_m);
     if (same_before == 0) atomicAdd(&passes[1], ((rows + block_rows - 1) / block_rows + band_m - 1) / band_m);
