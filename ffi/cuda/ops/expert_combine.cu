@@ -73,6 +73,9 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   // gather_rs's sources'.
   const GatherModelShape gsh{ga.T, ga.Q, N, K, (int64_t)sizeof(T)};
   TermPrepOut prep{};
+  // Whether the producer goes expert-major, seg_order then its order of all segments (UseExpertMajor: decided once
+  // per CTA, the same in every CTA).
+  bool expert_major = false;
   if (kGather && chooses) {
     const GatherPrepIn in = GatherPrepFor(pol.cand, gsh, rd.rank, &choice);
     if (!BuildSegmentsFrom<kPrepGather>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
@@ -81,11 +84,14 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     if (!BuildSegmentsFrom<kPrepTerms>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
     // The terms in the expert-major producer's order where it goes so (ConsumerConfig::expert_major_model).
     if constexpr (kWgmmaLoop<kEngine> && !kGather) {
-      if (pol.expert_major_model && UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order))
+      expert_major = UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order);
+      if (pol.expert_major_model && expert_major)
         ExpertMajorTermPrep(table, scratch.raw, E_l, rd.ranks, in, &prep, seg_order, tile_prefix, scratch.warp_sums);
     }
-  } else if (!BuildSegmentsFrom(rd, plan, E_l, cap, &table, &scratch)) {
-    return;
+  } else {
+    if (!BuildSegmentsFrom(rd, plan, E_l, cap, &table, &scratch)) return;
+    if constexpr (kWgmmaLoop<kEngine> && !kGather)
+      expert_major = UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order);
   }
   // C, or -1 on a CTA that produces without knowing it. (gather_rs: C >= 1, the host keeps the pinned and the fixed C
   // in [1, grid - 1].)
@@ -111,10 +117,7 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
     // pays: UseExpertMajor), claimed one at a time.
     __shared__ bool produced;  // thread 0's: this CTA claimed a tile (TileClaims)
     if (threadIdx.x == 0) produced = false;
-    const SegPlace* order = nullptr;  // the table's order
-    if constexpr (kWgmmaLoop<kEngine> && !kGather) {
-      if (UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order)) order = seg_order;
-    }
+    const SegPlace* order = expert_major ? seg_order : nullptr;  // (nullptr: the table's order)
     if constexpr (kEngine == kWgmma)
       ProduceWgmma(rd, table, st.epoch, WgmmaBf16Operands<kTransB>(a_map, b_map), K, N, stage, ret, flags,
                    tile_prefix, scratch.warp_sums, smem, kGather, pol.band_m, order, scratch.raw, &produced);
@@ -147,11 +150,9 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   // The producer's order of the remote segments: the table's, or expert-major (their band prefix in tile_prefix,
   // which a consumer CTA does not otherwise use).
   const SegPlace* order = nullptr;
-  if constexpr (kWgmmaLoop<kEngine> && !kGather) {
-    if (UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order)) {
-      ExpertMajorBands(table, seg_order, tile_prefix, scratch.warp_sums);
-      order = seg_order;
-    }
+  if (expert_major) {
+    ExpertMajorBands(table, seg_order, tile_prefix, scratch.warp_sums);
+    order = seg_order;
   }
   // The baseline without overlap: start pushing only once every producer CTA has stored all its tiles.
   if (pol.serialize && !WaitProducersDone(rd)) return;

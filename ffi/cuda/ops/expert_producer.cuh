@@ -177,16 +177,16 @@ static_assert(kWgBM % kBandRows == 0, "a wgmma tile covers whole bands");
 
 static_assert(kMaxSegments <= wgmma_gemm::kThreads, "one thread per segment for the tile prefix scan");
 
-// Whether expert_combine's wgmma producer goes expert-major (ExpertMajorOrder, which fills order for all segments):
-// producer_order 2 pins it, 1 the table's order; 0, the rule: where the table's order streams the weights at least
-// twice as often (segments smaller than a band of band_m row blocks: many experts, few rows from each source). There
-// the shared weight slabs win, and tiles over the expert's rows end no segment in a partial tile; where each segment
-// already fills whole bands they save no pass and the table's remote-first order keeps the pushes early
-// (docs/performance.md, "The producer's segment order"). Every thread of producer and consumer CTAs calls it and
-// gets the same answer from the same table.
+// Whether expert_combine's wgmma producer goes expert-major (then order holds ExpertMajorOrder's order of all
+// segments): producer_order 2 pins it, 1 the table's order; 0, the rule: where the table's order streams the weights
+// at least twice as often (segments smaller than a band of band_m row blocks: many experts, few rows from each
+// source). There the shared weight slabs win, and tiles over the expert's rows end no segment in a partial tile; where
+// each segment already fills whole bands they save no pass and the table's remote-first order keeps the pushes early
+// (docs/performance.md, "The producer's segment order"). Every thread of every CTA calls it once, after the table is
+// built, and gets the same answer from the same table.
 __device__ inline bool UseExpertMajor(const SegTable& table, int producer_order, int band_m, SegPlace* order) {
   if (producer_order == 1) return false;
-  const bool pays = ExpertMajorOrder(table, table.n, kWgBM, band_m, order);
+  const bool pays = ExpertMajorOrder(table, kWgBM, band_m, order);
   return producer_order == 2 || pays;
 }
 

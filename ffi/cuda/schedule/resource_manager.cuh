@@ -326,10 +326,11 @@ __device__ inline int DeviceChooseConsumersPrepared(const SegTable& t, const Ter
 // segments in the consumer's expert-major order (ExpertMajorBands'), each ready once its expert's tiles are, the
 // tiles counted over the expert's rows (resource_model.h ModelSegment::tile_rows; the host mirror's ModelPrefixes on
 // benchmarks/bench_resource.py's expert-major segments), and out->row_tiles the experts' row tiles. raw: the plan's
-// segments (TableScratch::raw), E_l experts of R sources; order, expert_tiles ([E_l]): scratch. Every thread calls it
-// (barriers) and gets the same out.
+// segments (TableScratch::raw), E_l experts of R sources; order: ExpertMajorOrder's order of all segments (read only:
+// a chooser that produces tiles them in it); expert_tiles ([E_l]): scratch. Every thread calls it (barriers) and gets
+// the same out.
 __device__ inline void ExpertMajorTermPrep(const SegTable& t, const Segment* raw, int E_l, int R, const TermPrepIn& in,
-                                           TermPrepOut* out, SegPlace* order, int32_t* expert_tiles,
+                                           TermPrepOut* out, const SegPlace* order, int32_t* expert_tiles,
                                            int64_t* warp_sums) {
   const int i = threadIdx.x;
   const int64_t mt = i < E_l ? (int64_t)MagicCeilDiv((uint32_t)ExpertRangeOf(raw, R, 0, i).rows, in.tile_m,
@@ -338,15 +339,14 @@ __device__ inline void ExpertMajorTermPrep(const SegTable& t, const Segment* raw
   int64_t total = 0;
   const int64_t through = BlockInclusiveScan(mt, warp_sums, &total);  // row tiles of experts 0..i
   if (i < E_l) expert_tiles[i] = (int32_t)through;
-  ExpertMajorOrder(t, t.remote_segs, 1, 1, order);  // (its first barrier orders expert_tiles' stores)
-  const int mr = t.remote_segs;
-  const int64_t rows = i < mr ? (int64_t)t.seg[order[i].seg].rows : 0;
+  // Place i among the remote places, and the remote rows before it (the scan's first barrier orders expert_tiles').
+  const int64_t rows = i < t.n ? (int64_t)t.seg[order[i].seg].rows : 0;
   int64_t remote_rows = 0;
-  const int64_t upto = BlockInclusiveScan(rows, warp_sums, &remote_rows);
-  if (i < mr) {
-    in.ceil_arg[i] = CeilArg((int64_t)expert_tiles[t.seg[order[i].seg].expert] * in.col_tiles);
-    in.push_us[i] = RmMul((double)(mr - i), in.seg_us);
-    in.bytes[i] = (double)((remote_rows - (upto - rows)) * in.row_bytes);
+  const RemotePlace r = RemotePlaceOf(t, order, rows, &remote_rows, warp_sums);
+  if (r.q >= 0) {
+    in.ceil_arg[r.q] = CeilArg((int64_t)expert_tiles[t.seg[order[i].seg].expert] * in.col_tiles);
+    in.push_us[r.q] = RmMul((double)(t.remote_segs - r.q), in.seg_us);
+    in.bytes[r.q] = (double)((remote_rows - r.before) * in.row_bytes);
   }
   out->row_tiles = total;
   __syncthreads();

@@ -401,21 +401,20 @@ __device__ __forceinline__ ExpertRange ExpertRangeOf(const Segment* raw, int R, 
 }
 static_assert(kMaxSegments <= 32767, "a segment index fits an int16_t");
 
-// The first n segments of the table expert-major: order[p] = the p-th, an expert's segments one after another
-// (experts ascending) in the table's order among them (remote sources first, the local source last).
-// expert_combine's wgmma producer in this order (n = t.n) tiles each expert's rows in recv as one range
-// (ExpertTileAt), so the CTAs running at once share the expert's weight slabs in L2, where the table's order (a
-// source's segments by expert) streams every expert's weight once per source; its consumer then pushes the remote
-// segments (n = t.remote_segs: they come first in the table) in the same order (ExpertMajorBands). One thread per
-// segment counts the segments before its own (n <= kMaxSegments <= the CTA's threads); every thread calls it.
+// The table's segments expert-major: order[p] = the p-th, an expert's segments one after another (experts ascending)
+// in the table's order among them (remote sources first, the local source last). expert_combine's wgmma producer in
+// this order tiles each expert's rows in recv as one range (ExpertTileAt), so the CTAs running at once share the
+// expert's weight slabs in L2, where the table's order (a source's segments by expert) streams every expert's weight
+// once per source; its consumer then pushes the remote segments in the same order (ExpertMajorBands). One thread per
+// segment counts the segments before its own (t.n <= kMaxSegments <= the CTA's threads); every thread calls it.
 // Returns (every thread the same) whether the table's order streams the weights at least twice as often as
 // expert-major order, counting a weight pass per band of band_m row blocks of block_rows rows: the sum over the
 // segments of ceil(row blocks / band_m) against the same over the experts' rows.
-__device__ inline bool ExpertMajorOrder(const SegTable& t, int n, int block_rows, int band_m, SegPlace* order) {
+__device__ inline bool ExpertMajorOrder(const SegTable& t, int block_rows, int band_m, SegPlace* order) {
   __shared__ int passes[2];  // the table's order's, expert-major's
   if (threadIdx.x == 0) passes[0] = passes[1] = 0;
   __syncthreads();
-  const int i = threadIdx.x;
+  const int i = threadIdx.x, n = t.n;
   if (i < n) {
     const int e = t.seg[i].expert;
     int below = 0, same_before = 0, rows = 0;
@@ -437,18 +436,44 @@ __device__ inline bool ExpertMajorOrder(const SegTable& t, int n, int block_rows
   return pays;
 }
 
-// The consumer's remote bands in the expert-major producer's order: order[p] (ExpertMajorOrder over the remote
-// segments) and band_prefix[p] = the bands of order[0..p-1] (band_prefix[remote_segs] = remote_bands). Every thread
-// calls it.
+// Place p of the expert-major order (ExpertMajorOrder's) among the remote segments alone (the table's first
+// t.remote_segs): the remote segments keep their relative order, so these places are the expert-major order of the
+// remote segments (each expert's remote sources in the table's order). Thread p: q, its remote place (-1 where place p
+// holds the local segment or none), and `before` = the sum of `v` over the remote places before q; *total = the sum
+// over all remote places. v: this thread's value (read where place p is remote, v < 2^47). Every thread calls it (one
+// block scan).
+struct RemotePlace {
+  int q;
+  int64_t before;
+};
+__device__ inline RemotePlace RemotePlaceOf(const SegTable& t, const SegPlace* order, int64_t v, int64_t* total,
+                                            int64_t* warp_sums) {
+  const int p = threadIdx.x;
+  const bool remote = p < t.n && order[p].seg < t.remote_segs;
+  constexpr int kCountShift = 48;  // (count <= kMaxSegments above the sums of v)
+  const int64_t mine = remote ? ((int64_t)1 << kCountShift) + v : 0;
+  int64_t all = 0;
+  const int64_t incl = BlockInclusiveScan(mine, warp_sums, &all);
+  constexpr int64_t kSumMask = ((int64_t)1 << kCountShift) - 1;
+  *total = all & kSumMask;
+  return {remote ? (int)(incl >> kCountShift) - 1 : -1, (incl & kSumMask) - (remote ? v : 0)};
+}
+
+// The consumer's remote bands in the expert-major producer's order. On entry order holds ExpertMajorOrder's order of
+// all segments; on return order[q] = the q-th remote place (q < t.remote_segs; its `first` not kept) and band_prefix[q] = the bands of
+// order[0..q-1] (band_prefix[remote_segs] = remote_bands). Every thread calls it.
 __device__ inline void ExpertMajorBands(const SegTable& t, SegPlace* order, int32_t* band_prefix,
                                         int64_t* warp_sums) {
-  ExpertMajorOrder(t, t.remote_segs, 1, 1, order);
-  const int i = threadIdx.x;
-  const int64_t bands = i < t.remote_segs ? (int64_t)BandsOf(t.seg[order[i].seg].rows) : 0;
+  const int p = threadIdx.x;
+  const SegPlace mine = p < t.n ? order[p] : SegPlace{};
+  const int64_t bands = p < t.n ? (int64_t)BandsOf(t.seg[mine.seg].rows) : 0;
   int64_t total = 0;
-  const int64_t incl = BlockInclusiveScan(bands, warp_sums, &total);
-  if (i < t.remote_segs) band_prefix[i] = (int32_t)(incl - bands);
-  if (i == 0) band_prefix[t.remote_segs] = (int32_t)total;
+  const RemotePlace r = RemotePlaceOf(t, order, bands, &total, warp_sums);  // (its last barrier: order read)
+  if (r.q >= 0) {
+    order[r.q] = mine;
+    band_prefix[r.q] = (int32_t)r.before;
+  }
+  if (p == 0) band_prefix[t.remote_segs] = (int32_t)total;
   __syncthreads();
 }
 
