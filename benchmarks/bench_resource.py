@@ -242,8 +242,12 @@ def main(argv=None):
     oracle = min(times, key=lambda c: (times[c], c))
     # The model run on the host on the same segment tables (the "mirror") must pick what the device picked.
     p_rank = dataclasses.replace(per_rank, sms=budget, ctas_per_sm=1)
+    # (in the expert-major producer's order where its wgmma engine goes so, as the kernel: UseExpertMajor)
     mirror = [kernel_consumer_ctas(p_rank, _grid(pl["seg_rows"], R), pl["rank"], w["n"], w["k"], 2,
-                                   min(MAX_MODEL_CTAS, budget - 1)) for pl in plans]
+                                   min(MAX_MODEL_CTAS, budget - 1),
+                                   expert_major=pl.get("producer", "").startswith("wgmma")
+                                   and producer_expert_major(_grid(pl["seg_rows"], R)))
+              for pl in plans]
     mirror_ok = mirror == manager["chosen"]
     wl_decision = [r for r in res["results"] if r["kind"] == "decision"]
     decision += wl_decision

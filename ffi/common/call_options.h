@@ -56,11 +56,6 @@ struct CallOptions {
   // Never set by the library's Python API; no effect on CPU, on gather_rs (whose consumer reduces a source's rows as
   // one) or on other GEMM engines.
   int32_t producer_order = 0;
-  // Benchmark aid of the loopback harness: true has expert_combine's consumer choice time the expert-major producer
-  // in its own order (every remote segment ready once its expert's tiles are, the tiles counted over the expert's
-  // rows: ExpertMajorTermPrep, cuda/schedule/resource_manager.cuh) where the producer goes expert-major; false, in the
-  // segment table's order, each segment tiled apart. Never set by the library's Python API; no effect on CPU.
-  bool expert_major_model = false;
 };
 
 // dispatch_gemm's pushing CTAs where the library chooses without a resource model (no calibration, or one without a

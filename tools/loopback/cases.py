@@ -121,9 +121,6 @@ class Case:
   # expert_combine's wgmma producer tile order over its segments (CallOptions::producer_order): 1 the segment table's
   # (sources first), 2 expert-major; 0: the library's rule.
   producer_order: int = 0
-  # expert_combine's consumer choice timing the expert-major producer in its own order where it goes so
-  # (CallOptions::expert_major_model; the host mirror follows it: tools/loopback/regret.py combine_mirror).
-  expert_major_model: bool = False
   # With `tensor` > 1: the shards' partials summed by gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS") in
   # expert_combine's place (tools/loopback/tensor.py gather_tables); its rows output is checked in the slot output's
   # place, and y also bit for bit against its float32 sums restated on the host (tensor.gather_sums).
@@ -273,6 +270,15 @@ class Case:
     """The dispatch (or dispatch_gemm) returns x_recv."""
     return not (self.dg and self.dispatch_gemm_mode == "infer")
 
+  def producer_expert_major(self, seg_rows, producer: str = "wgmma") -> bool:
+    """Whether expert_combine's producer tiles a rank's plan (seg_rows [E_local, R]) expert-major, for the consumer
+    choice as well (cuda/ops/expert_producer.cuh UseExpertMajor, benchmarks/bench_resource.py producer_expert_major):
+    its bf16 and FP8 wgmma engine (`producer`, the run's engine name; Hopper's for the suites' aligned shapes) where
+    the rule or producer_order says so; never gather_rs's producer, nor the float32 or mma.sync ones."""
+    from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
+    return (producer.startswith("wgmma") and not self.f32 and not self.gather_rs
+            and bench_resource.producer_expert_major(seg_rows, self.producer_order, self.producer_band_m))
+
   def name(self) -> str:
     """The case's line in the output (tests/gpu greps it)."""
     consumers = str(self.consumers) if self.consumers > 0 else ("model" if self.model else "fixed")
@@ -299,8 +305,6 @@ class Case:
       s += f" band_m={self.producer_band_m}"
     if self.producer_order > 0:
       s += f" order={self.producer_order}"
-    if self.expert_major_model:
-      s += " em_model"
     if self.delay_rank >= 0:
       s += f" delay_rank={self.delay_rank} delay_us={self.delay_us}"
     if self.timeout_at >= 0:

@@ -92,7 +92,6 @@ Spec ParseSpec(const nb::dict& d) {
   s.emulated_link_gbps = Get<double>(d, "emulated_link_gbps", s.emulated_link_gbps);
   s.producer_band_m = Get<int>(d, "producer_band_m", s.producer_band_m);
   s.producer_order = Get<int>(d, "producer_order", s.producer_order);
-  s.expert_major_model = Get<bool>(d, "expert_major_model", s.expert_major_model);
   s.x_recv_from_tiles = Get<bool>(d, "x_recv_from_tiles", s.x_recv_from_tiles);
   s.gather_rs = Get<bool>(d, "gather_rs", s.gather_rs);
   s.time = Get<bool>(d, "time", s.time);

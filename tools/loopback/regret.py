@@ -41,19 +41,18 @@ def _rank_model(case: Case, budget: int):
   return dataclasses.replace(p, link_gbps=q.link_gbps), _jmo
 
 
-def combine_mirror(case: Case, plans: list[dict], budget: int) -> list[int]:
+def combine_mirror(case: Case, plans: list[dict], budget: int, producer: str = "wgmma") -> list[int]:
   """expert_combine's C on each rank as its kernel picks it on a budget of `budget` SMs: the C++ model on the rank's
-  plan (the host mirror; the e4m3 producer's K as the kernel hands it to the model, Fp8ModelK)."""
+  plan (the host mirror; the e4m3 producer's K as the kernel hands it to the model, Fp8ModelK), in the producer's
+  order (`producer`: the run's engine name; Case.producer_expert_major)."""
   from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
   p, jmo = _rank_model(case, budget)
   K = jmo.model_fp8_k(case.rank_k) if case.fp8 else case.rank_k
   out = []
   for r, plan in enumerate(plans):
     seg_rows = plan["seg_rows"].reshape(case.experts_per_rank, case.ranks).tolist()
-    # The kernel times the expert-major producer in its own order where asked (CallOptions::expert_major_model) and
-    # its wgmma engine goes so (not float32's).
-    em = (case.expert_major_model and not case.f32
-          and bench_resource.producer_expert_major(seg_rows, case.producer_order, case.producer_band_m))
+    # The kernel times the expert-major producer in its own order where its engine goes so.
+    em = case.producer_expert_major(seg_rows, producer)
     out.append(bench_resource.kernel_consumer_ctas(p, seg_rows, r, case.n_dim, K, 4 if case.f32 else 2,
                                                    min(32, budget - 1), expert_major=em))
   return out
@@ -108,7 +107,7 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
                                                          min(32, budget - 1), fixed)
               if policy == "model" else fixed for r, d in enumerate(ranks)]
   else:
-    mirror = combine_mirror(case, [d.plan for d in ranks], budget)
+    mirror = combine_mirror(case, [d.plan for d in ranks], budget, result.get("producer", "wgmma"))
   return {"kind": "regret", "what": what, "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
           "times_us": {str(c): t for c, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0,

@@ -152,7 +152,7 @@ def parse_args(argv):
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
                      ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table"),
-                     ("--gather-rs", "gather_rs"), ("--fp8", "fp8"), ("--expert-major-model", "expert_major_model")):
+                     ("--gather-rs", "gather_rs"), ("--fp8", "fp8")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
   ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--x-recv-copied", dest="x_recv_from_tiles", action="store_false", default=argparse.SUPPRESS)
@@ -257,7 +257,7 @@ def run_case(runner, case: cases_lib.Case, table: list[dict] | None = None, regr
         if regrets is not None:
           regrets.append(rrow)
   if case.time:
-    for text in timing.plan_lines(case, sets[0], result["budget"]):
+    for text in timing.plan_lines(case, sets[0], result["budget"], result.get("producer", "")):
       print(text)
   if case.decision_iters > 0 and result["decision_choice"] > 0:
     for text in timing.decision_lines(result):

@@ -657,7 +657,6 @@ class Run {
       opts.emulated_link_gbps = s_.emulated_link_gbps;
       opts.producer_band_m = s_.producer_band_m;
       opts.producer_order = s_.producer_order;
-      opts.expert_major_model = s_.expert_major_model;
       opts.x_recv_from_tiles = s_.x_recv_from_tiles;
       CallSite site{ws_.get(), 0, r, streams_[r], opts};
       // Every pinned buffer is allocated before the first call: cudaMallocHost and cudaFreeHost may wait for the

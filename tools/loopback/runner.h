@@ -84,7 +84,6 @@ struct Spec {
   double emulated_link_gbps = 0;     // CallOptions::emulated_link_gbps of every call (0: pushes at HBM speed)
   int producer_band_m = 0;           // CallOptions::producer_band_m of every call (0: the library's rule)
   int producer_order = 0;            // CallOptions::producer_order of every call (0: the library's rule)
-  bool expert_major_model = false;   // CallOptions::expert_major_model of every call
   bool x_recv_from_tiles = false;    // CallOptions::x_recv_from_tiles of every call (dispatch_gemm's x_recv by its tiles)
   bool gather_rs = false;            // GatherRs in expert_combine's place (Q = top_k slots per token); its y, and its
                                      // GEMM rows [cap, N] in the slot output's place

@@ -133,9 +133,7 @@ def row_blocks(case: Case, plan: dict) -> tuple[int, int]:
   from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
   seg = np.asarray(plan["seg_rows"], np.int64).reshape(-1, case.ranks)  # (expert, source)
   apart, whole = bench_resource.wgmma_row_blocks(seg)
-  expert_major = not case.f32 and not case.gather_rs and bench_resource.producer_expert_major(
-      seg, case.producer_order, case.producer_band_m)
-  return int(np.sum(whole if expert_major else apart)), int(np.sum(whole))
+  return int(np.sum(whole if case.producer_expert_major(seg) else apart)), int(np.sum(whole))
 
 
 def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
@@ -264,10 +262,12 @@ def tensor_table(rows: list[dict]) -> list[str]:
   return [TENSOR_HEADER, *lines] if lines else []
 
 
-def plan_lines(case: Case, ranks: list[RankData], budget: int) -> list[str]:
-  """One RESULT line per rank: its segment rows on data set 0 (for the benchmarks' host-side model)."""
+def plan_lines(case: Case, ranks: list[RankData], budget: int, producer: str) -> list[str]:
+  """One RESULT line per rank: its segment rows on data set 0 and the producer engine's name (for the benchmarks'
+  host-side model)."""
   return ["RESULT " + json.dumps({"kind": "plan", "rank": r, "ranks": case.ranks, "budget": budget,
-                                  "seg_rows": [int(n) for n in d.plan["seg_rows"]]}) for r, d in enumerate(ranks)]
+                                  "producer": producer, "seg_rows": [int(n) for n in d.plan["seg_rows"]]})
+          for r, d in enumerate(ranks)]
 
 
 def decision_lines(result: dict) -> list[str]:

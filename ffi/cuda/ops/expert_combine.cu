@@ -82,10 +82,11 @@ __global__ void __launch_bounds__(kEngineThreads<kEngine>, 1)
   } else if (!kGather && chooses) {
     const TermPrepIn in = TermPrepFor(pol.model, pol.cand, N, pol.elem_bytes, &choice);
     if (!BuildSegmentsFrom<kPrepTerms>(rd, plan, E_l, cap, &table, &scratch, &in, &prep)) return;
-    // The terms in the expert-major producer's order where it goes so (ConsumerConfig::expert_major_model).
+    // The terms in the expert-major producer's order where it goes so: its tiles over each expert's rows, the
+    // consumer's pushes in its order.
     if constexpr (kWgmmaLoop<kEngine> && !kGather) {
       expert_major = UseExpertMajor(table, pol.producer_order, pol.band_m, seg_order);
-      if (pol.expert_major_model && expert_major)
+      if (expert_major)
         ExpertMajorTermPrep(table, scratch.raw, E_l, rd.ranks, in, &prep, seg_order, tile_prefix, scratch.warp_sums);
     }
   } else {
@@ -402,7 +403,6 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
   // docs/performance.md, "The producer's tile order").
   pol.band_m = c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM;
   pol.producer_order = gathers ? 1 : c.opts.producer_order;  // (gather_rs: its consumer reduces a source's rows as one)
-  pol.expert_major_model = c.opts.expert_major_model ? 1 : 0;
   pol.max_ctas = ModelMaxCtas(budget);
   DeviceInfo info;
   if (!(s = GetDeviceInfo(dev, &info)).ok()) return s;

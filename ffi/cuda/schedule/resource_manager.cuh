@@ -517,9 +517,6 @@ struct ConsumerConfig {
   // expert_combine's wgmma producer's segment order (CallOptions::producer_order; UseExpertMajor): 0 the rule, 1 the
   // table's, 2 expert-major.
   int32_t producer_order;
-  // 1: the consumer choice times expert_combine's expert-major producer in its own order (ExpertMajorTermPrep) where
-  // it goes so; 0: in the segment table's order (CallOptions::expert_major_model).
-  int32_t expert_major_model;
   CandidateConsts cand;  // use_model: FillCandidateConsts(model, max_ctas, N)
 };
 
