@@ -48,3 +48,32 @@ def test_the_runs_constants_give_the_runs_picks(capsys):
   assert os.path.exists(LOG) and regret_offline.main(args) == 0
   out = capsys.readouterr().out
   assert "picks: the run's in every case" in out and "estimated regret" in out
+
+
+EXPERT_MAJOR_LOG = ROOT / "benchmarks" / "results" / "2026-12-06-expert-major-model.txt"
+
+
+def _log_part(first: str, stop: str) -> str:
+  """The committed 2026-12-06 log's lines from the one that starts with `first` to the one before `stop`."""
+  lines = EXPERT_MAJOR_LOG.read_text().splitlines()
+  i = next(n for n, l in enumerate(lines) if l.startswith(first))
+  j = next(n for n in range(i + 1, len(lines)) if lines[n].startswith(stop))
+  return "\n".join(lines[i:j]) + "\n"
+
+
+@pytest.mark.parametrize("first,stop,picks_agree", [
+    # call 2: the library's choice, in the expert-major producer's order where it goes so (the DeepSeek-like cases)
+    ("## call 2", "### combine_time:", True),
+    # call 1, the choice still in the table's order (the same kernels otherwise): the DeepSeek-like picks differ
+    ("### regret_table:", "### combine_time:", False)])
+def test_the_mirror_follows_the_expert_major_producer(tmp_path, capsys, first, stop, picks_agree):
+  log = tmp_path / "regret.txt"
+  log.write_text(_log_part(first, stop))
+  args = ["--suite", "regret-combine", "--log", str(log), "--gpu", "NVIDIA H100 80GB HBM3", "--sms", "132", "--check"]
+  assert regret_offline.main(args) == (0 if picks_agree else 1)
+  out = capsys.readouterr().out
+  if picks_agree:
+    assert "picks: the run's in every case" in out
+  else:  # exactly the three DeepSeek-like cases (64 experts), where the producer goes expert-major
+    differ = out.split("picks other than the run's: ")[1]
+    assert differ.count("E=64") == 3 and differ.count("R=") == 3
