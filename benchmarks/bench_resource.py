@@ -85,12 +85,15 @@ def wgmma_row_blocks(seg_rows) -> tuple[np.ndarray, np.ndarray]:
   return (seg + WGMMA_BM - 1) // WGMMA_BM, (seg.sum(axis=1) + WGMMA_BM - 1) // WGMMA_BM
 
 
-def producer_expert_major(seg_rows, producer_order: int = 0, band_m: int = 0) -> bool:
-  """Whether expert_combine's wgmma producer (bf16 and FP8 on Hopper; never gather_rs's or the float32 engine's) goes
-  expert-major on a rank with ``seg_rows [E_local, R]`` (cuda/ops/expert_producer.cuh UseExpertMajor):
-  ``producer_order`` 2 pins it, 1 the segment table's order; 0, the rule: the table's order counts at least twice
-  the weight passes, a pass per raster band of ``band_m`` row blocks (0: the library's 8) summed over the segments
-  against the same over the experts' rows."""
+def producer_expert_major(seg_rows, producer_order: int = 0, band_m: int = 0, producer: str = "wgmma") -> bool:
+  """Whether expert_combine's producer goes expert-major on a rank with ``seg_rows [E_local, R]``
+  (cuda/ops/expert_producer.cuh UseExpertMajor): only its wgmma engine does (``producer``, the engine's name as the
+  loopback runner reports it: bf16 and FP8 on Hopper; never gather_rs's producer, which the caller leaves out);
+  there ``producer_order`` 2 pins it, 1 the segment table's order; 0, the rule: the table's order counts at least
+  twice the weight passes, a pass per raster band of ``band_m`` row blocks (0: the library's 8) summed over the
+  segments against the same over the experts' rows."""
+  if not producer.startswith("wgmma"):
+    return False
   if producer_order:
     return producer_order == 2
   band = band_m or WGMMA_BAND_M
@@ -242,12 +245,11 @@ def main(argv=None):
     oracle = min(times, key=lambda c: (times[c], c))
     # The model run on the host on the same segment tables (the "mirror") must pick what the device picked.
     p_rank = dataclasses.replace(per_rank, sms=budget, ctas_per_sm=1)
-    # (in the expert-major producer's order where its wgmma engine goes so, as the kernel: UseExpertMajor)
-    mirror = [kernel_consumer_ctas(p_rank, _grid(pl["seg_rows"], R), pl["rank"], w["n"], w["k"], 2,
-                                   min(MAX_MODEL_CTAS, budget - 1),
-                                   expert_major=pl.get("producer", "").startswith("wgmma")
-                                   and producer_expert_major(_grid(pl["seg_rows"], R)))
-              for pl in plans]
+    # (in the expert-major producer's order where its engine goes so, as the kernel: UseExpertMajor)
+    grids = [_grid(pl["seg_rows"], R) for pl in plans]
+    mirror = [kernel_consumer_ctas(p_rank, g, pl["rank"], w["n"], w["k"], 2, min(MAX_MODEL_CTAS, budget - 1),
+                                   expert_major=producer_expert_major(g, producer=pl.get("producer", "")))
+              for g, pl in zip(grids, plans)]
     mirror_ok = mirror == manager["chosen"]
     wl_decision = [r for r in res["results"] if r["kind"] == "decision"]
     decision += wl_decision

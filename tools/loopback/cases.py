@@ -276,8 +276,8 @@ class Case:
     its bf16 and FP8 wgmma engine (`producer`, the run's engine name; Hopper's for the suites' aligned shapes) where
     the rule or producer_order says so; never gather_rs's producer, nor the float32 or mma.sync ones."""
     from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
-    return (producer.startswith("wgmma") and not self.f32 and not self.gather_rs
-            and bench_resource.producer_expert_major(seg_rows, self.producer_order, self.producer_band_m))
+    return (not self.f32 and not self.gather_rs
+            and bench_resource.producer_expert_major(seg_rows, self.producer_order, self.producer_band_m, producer))
 
   def name(self) -> str:
     """The case's line in the output (tests/gpu greps it)."""

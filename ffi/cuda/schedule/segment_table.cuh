@@ -460,8 +460,8 @@ __device__ inline RemotePlace RemotePlaceOf(const SegTable& t, const SegPlace* o
 }
 
 // The consumer's remote bands in the expert-major producer's order. On entry order holds ExpertMajorOrder's order of
-// all segments; on return order[q] = the q-th remote place (q < t.remote_segs; its `first` not kept) and band_prefix[q] = the bands of
-// order[0..q-1] (band_prefix[remote_segs] = remote_bands). Every thread calls it.
+// all segments; on return order[q] = the q-th remote place (q < t.remote_segs; its `first` not kept) and
+// band_prefix[q] = the bands of order[0..q-1] (band_prefix[remote_segs] = remote_bands). Every thread calls it.
 __device__ inline void ExpertMajorBands(const SegTable& t, SegPlace* order, int32_t* band_prefix,
                                         int64_t* warp_sums) {
   const int p = threadIdx.x;
