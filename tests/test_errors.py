@@ -167,7 +167,7 @@ def test_expert_ids_out_of_range_under_jit_then_recovery(inputs):
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("late_rank", [1, 3])
+@pytest.mark.parametrize("late_rank", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_peer_that_never_arrives_times_out_then_recovers(inputs, late_rank):
   x, ids, gates, w1, w2 = inputs
   mesh = mesh_of(4)

@@ -452,6 +452,8 @@ def test_fused_dispatch_equals_collective_bit_for_bit(name, returns):
   assert not [ops for ops in dispatch_operands(hlo, "jmo_dispatch") if ops[0].endswith("xui8>")]
 
 
+# Both return paths; the unfused one in the slow pass (the default pass's time).
+@pytest.mark.parametrize("returns", ["fused", pytest.param("unfused", marks=pytest.mark.slow)], indirect=True)
 def test_fused_dispatch_padding_rows_are_read_by_no_consumer(monkeypatch, returns):
   """dispatch_gemm_fp8 leaves its results' rows past the rank's kept rows unwritten: with those rows NaN (0xff bytes
   in the packed recv rows, NaN in h, a, dh and the scales) in both calls of a training step, the FP8 layer's loss,

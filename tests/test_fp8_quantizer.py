@@ -176,7 +176,7 @@ def test_tiles_must_fit():
     jmo.quantize_weights(jnp.zeros((2, 128, 256)), jnp.zeros((128, 128)))
 
 
-@pytest.mark.parametrize("tensor", [False, True])
+@pytest.mark.parametrize("tensor", [pytest.param(False, marks=pytest.mark.slow), True])  # (True splits both axes)
 def test_sharded_on_explicit_axes(tensor):
   """jax.make_mesh's default axis type is Explicit, whose reshapes and gathers must be told their output's sharding.
   quantize_weights and Fp8Weight.dequantize on expert-sharded weights (with ``tensor``, F also split over a second
