@@ -5,11 +5,13 @@ fused      grouped_matmul_swiglu_grad: the SwiGLU's gradient in the GEMM's epilo
 unfused    grouped_matmul's float32 dh, then XLA's jax.vjp of swiglu rounded to bf16 (the layer's path elsewhere)
 gemm       grouped_matmul alone with a bf16 output: the GEMM without any epilogue work, for scale
 
-Before it is timed, the fused call is compared with the unfused one on the first input set: column ulps = the
-largest difference in bf16 ulps, column bitwise = the share of elements with the same bits. The default shape is the
-GPU training preset's layer at EP = 1 (cap = 131072 routed rows, D = F = 1024, 16 experts).
+Each with the preactivation a in float32 and in bf16 (column a; the layer keeps it in its compute dtype,
+expert_gemms.kept_preactivation_dtype). Before it is timed, the fused call is compared with the unfused one on the
+first input set: column ulps = the largest difference in bf16 ulps, column bitwise = the share of elements with the
+same bits. The default shape is the GPU training preset's layer at EP = 1 (cap = 131072 routed rows, D = F = 1024,
+16 experts).
 
-  python3 -m benchmarks.bench_swiglu_grad --out /tmp/swiglu_grad.jsonl
+  python3 -m benchmarks.bench_swiglu_grad --out /tmp/swiglu_grad.jsonl [--a-dtypes bfloat16]
 """
 
 from __future__ import annotations
@@ -58,12 +60,13 @@ def _compare(got, want):
 
 def main():
   ap = common.shape_parser("swiglu_grad.jsonl", skews="balanced,stress")
+  ap.add_argument("--a-dtypes", default="float32,bfloat16", help="the preactivation's dtypes, comma-separated")
   args = ap.parse_args()
-  table = common.Table(["shape", "skew", "method", "ms", "vs_unfused", "ulps", "bitwise"])
+  table = common.Table(["shape", "skew", "a", "method", "ms", "vs_unfused", "ulps", "bitwise"])
   for name, rows, D, F, E in shapes(args.quick):
     if not common.shape_selected(args, name):
       continue
-    for skew in args.skews.split(","):
+    for skew, a_dtype in ((s, d) for s in args.skews.split(",") for d in args.a_dtypes.split(",")):
       gs = jnp.asarray(common.group_sizes(rows, E, skew))
       keys = jax.random.split(jax.random.PRNGKey(rows + D + F + E), 3)
       arg_sets = []
@@ -71,11 +74,11 @@ def main():
         k1, k2, k3 = jax.random.split(kk, 3)
         arg_sets.append((jax.random.normal(k1, (rows, D), jnp.bfloat16),
                          (jax.random.normal(k2, (E, F, D), jnp.float32) / np.sqrt(D)).astype(jnp.bfloat16), gs,
-                         jax.random.normal(k3, (rows, 2 * F), jnp.float32) * 2.0))
+                         (jax.random.normal(k3, (rows, 2 * F), jnp.float32) * 2.0).astype(a_dtype)))
       unfused_ms, reference = None, None
       for mname, fn in methods().items():
         if mname == "fused" and not engines.swiglu_grad_fused(True, D, F, True):
-          table.add(shape=name, skew=skew, method=mname, ms="no engine has the epilogue here")
+          table.add(shape=name, skew=skew, a=a_dtype, method=mname, ms="no engine has the epilogue here")
           continue
         ulps = bitwise = ""
         try:
@@ -87,12 +90,12 @@ def main():
             ulps, bitwise = f"{worst:.2f}", f"{same:.4f}"
           sec = common.time_fn(jax.jit(fn), arg_sets)
         except Exception as e:  # pylint: disable=broad-except
-          table.add(shape=name, skew=skew, method=mname, ms=f"error: {type(e).__name__}: {e}"[:200])
+          table.add(shape=name, skew=skew, a=a_dtype, method=mname, ms=f"error: {type(e).__name__}: {e}"[:200])
           continue
         ms = sec * 1e3
         if mname == "unfused":
           unfused_ms = ms
-        table.add(shape=name, skew=skew, method=mname, ms=f"{ms:.3f}",
+        table.add(shape=name, skew=skew, a=a_dtype, method=mname, ms=f"{ms:.3f}",
                   vs_unfused=f"{unfused_ms / ms:.2f}" if unfused_ms else "", ulps=ulps, bitwise=bitwise)
   table.finish(args.out)
 

@@ -151,8 +151,8 @@ def grouped_matmul_swiglu_grad(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.
 
   Args:
     lhs: [M, K] (the output gradient of GEMM2, d_out). rhs: [G, K, F], or [G, F, K] with ``transpose_rhs`` (W2
-      [G, F, K] read transposed: dh = d_out W2^T). group_sizes: [G] integer rows per group. a: [M, 2F] float32, GEMM1's
-      preactivation (the gate's F columns, then the up projection's).
+      [G, F, K] read transposed: dh = d_out W2^T). group_sizes: [G] integer rows per group. a: [M, 2F] float32 or
+      lhs's dtype, GEMM1's preactivation (the gate's F columns, then the up projection's), taken to float32.
   Returns:
     da [M, 2F] in lhs's dtype (d_gate, then d_up).
   """
@@ -167,9 +167,9 @@ def grouped_matmul_swiglu_grad(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.
   if lhs.shape[1] != K:
     raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: lhs {lhs.shape} and rhs {rhs.shape}"
                      f"{' (transposed)' if transpose_rhs else ''} do not share the contraction K")
-  if a.dtype != jnp.float32 or a.shape != (M, 2 * F):
-    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: a must be float32 [{M}, {2 * F}] (lhs's rows, "
-                     f"twice rhs's F), got {a.dtype}{list(a.shape)}")
+  if a.dtype not in (jnp.dtype(jnp.float32), lhs.dtype) or a.shape != (M, 2 * F):
+    raise ValueError(f"jax_moe_overlap: grouped_matmul_swiglu_grad: a must be [{M}, {2 * F}] (lhs's rows, twice "
+                     f"rhs's F) in float32 or lhs's dtype {lhs.dtype}, got {a.dtype}{list(a.shape)}")
   _ffi.register()
   out = jax.ShapeDtypeStruct((M, 2 * F), lhs.dtype)
   return jax.ffi.ffi_call(GROUPED_MATMUL_SWIGLU_GRAD, out, vmap_method="sequential")(

@@ -147,14 +147,15 @@ def _into_poison(fn, *args):
   return out
 
 
-def check_grouped_matmul_swiglu_grad(case, transpose, dtype, tol, seed=0):
+def check_grouped_matmul_swiglu_grad(case, transpose, dtype, tol, seed=0, a_dtype=jnp.float32):
   """grouped_matmul_swiglu_grad against float64 numpy (dh = d_out @ W^T per group, then SwiGLU's gradient at a), its
-  output computed into NaN: every row of the groups within tol, the rows past them zero. a is random on every row (the
-  tail too: the call must not read it there). Returns the call (jitted), its operands and da for the GPU tests."""
+  output computed into NaN: every row of the groups within tol, the rows past them zero. a (in a_dtype: float32, or
+  the operands' dtype as the layer keeps it) is random on every row (the tail too: the call must not read it there).
+  Returns the call (jitted), its operands and da for the GPU tests."""
   M, K, F, sizes = case
   G = len(sizes)
   d_out, w, a = _inputs(seed + 7 * M + K, (M, K), (G, F, K) if transpose else (G, K, F), (M, 2 * F), dtype=dtype)
-  a = a.astype(jnp.float32) * 2.0  # float32 whatever the operands' dtype; the gate past the silu's knee both ways
+  a = (a.astype(jnp.float32) * 2.0).astype(a_dtype)  # the gate past the silu's knee both ways
   gs = jnp.asarray(sizes, jnp.int32)
   fn = lambda x, w, s, a: grouped_matmul_swiglu_grad(x, w, s, a, transpose_rhs=transpose)
   da = _into_poison(fn, d_out, w, gs, a)
@@ -193,6 +194,14 @@ def test_grouped_matmul_swiglu_grad(case, transpose, dtype, tol):
   check_grouped_matmul_swiglu_grad(case, transpose, dtype, tol)
 
 
+@pytest.mark.parametrize("case,transpose", [(SWIGLU_GRAD_CASES[0], True),
+                                            pytest.param(SWIGLU_GRAD_CASES[1], False, marks=pytest.mark.slow)])
+def test_grouped_matmul_swiglu_grad_preactivation_in_bf16(case, transpose):
+  # The layer keeps a in its compute dtype (expert_gemms.kept_preactivation_dtype): the call takes a bf16 a beside bf16
+  # operands, each value taken to float32.
+  check_grouped_matmul_swiglu_grad(case, transpose, jnp.bfloat16, 1e-2, a_dtype=jnp.bfloat16)
+
+
 def test_grouped_matmul_swiglu_grad_is_the_unfused_math():
   # The call = grouped_matmul's float32 dh (the CPU handlers' one row loop: the same bits), then jax.vjp of swiglu,
   # rounded once: within a float32 ulp or two of it (the exp of C++ and of XLA:CPU may differ in the last bit).
@@ -208,9 +217,9 @@ def test_grouped_matmul_swiglu_grad_bad_operands_raise():
   sizes = jnp.asarray([5, 5], jnp.int32)
   with pytest.raises(ValueError, match="contraction K"):
     grouped_matmul_swiglu_grad(d_out, w, sizes, a)  # w [G, 6, 8] as stored [G, K, F]: K = 6, d_out has 8
-  with pytest.raises(ValueError, match=r"a must be float32 \[10, 12\]"):
+  with pytest.raises(ValueError, match=r"a must be \[10, 12\]"):
     grouped_matmul_swiglu_grad(d_out, w, sizes, a[:, :10], transpose_rhs=True)
-  with pytest.raises(ValueError, match="a must be float32"):
+  with pytest.raises(ValueError, match="in float32 or lhs's dtype float32, got bfloat16"):
     grouped_matmul_swiglu_grad(d_out, w, sizes, a.astype(jnp.bfloat16), transpose_rhs=True)
   with pytest.raises(ValueError, match="do not fit"):
     grouped_matmul_swiglu_grad(d_out, w, sizes[:1], a, transpose_rhs=True)

@@ -9,10 +9,10 @@
 //       -> h [M, F], a [M or 0, 2F]   a = lhs[r] @ rhs[g(r)] in float32 (0 rows: not kept), h = silu(a[:, :F]) *
 //                                     a[:, F:] in lhs's dtype; rows past the groups are 0 in both
 //   jmo_grouped_matmul_swiglu_grad(lhs [M, K], rhs [G, K, F] (or [G, F, K] with transpose_rhs), group_sizes [G] s32,
-//                                  a [M, 2F] f32)
+//                                  a [M, 2F] f32 or lhs's dtype)
 //       -> da [M, 2F]                 dh = lhs[r] @ rhs[g(r)] in float32 (not an output), da = the input gradient of
-//                                     silu(a[:, :F]) * a[:, F:] at dh (d_gate | d_up) in lhs's dtype; rows past the
-//                                     groups are 0
+//                                     silu(a[:, :F]) * a[:, F:] at dh (d_gate | d_up; a taken to float32) in lhs's
+//                                     dtype; rows past the groups are 0
 //   jmo_grouped_matmul_fp8(lhs [M, K] e4m3, lhs_scales [K/128, ld] f32, rhs [G, N, K] e4m3,
 //                          rhs_scales [G, N/128, K/128] f32, group_sizes [G] s32)
 //       -> out [M, N] bf16 or f32     DeepSeek-V3's block-scaled GEMM (arXiv 2412.19437 section 3.3):
@@ -130,7 +130,7 @@ auto BindGroupedSwiGluGrad(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<bool>("transpose_rhs");
 }
@@ -231,18 +231,23 @@ inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGlu(const xla::ffi::AnyBuf
   return s;
 }
 
-// N of the result is F (dh's columns); out_f32 is false (da is in the operands' dtype).
+// N of the result is F (dh's columns); out_f32 is false (da is in the operands' dtype). a_f32: a is float32 (else in
+// lhs's dtype: the preactivation kept in the compute dtype).
 inline xla::ffi::ErrorOr<GroupedShape> CheckGroupedSwiGluGrad(const xla::ffi::AnyBuffer& lhs,
                                                               const xla::ffi::AnyBuffer& rhs,
                                                               const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
-                                                              const xla::ffi::Buffer<xla::ffi::F32>& a,
-                                                              const xla::ffi::AnyBuffer& da, bool transpose_rhs) {
+                                                              const xla::ffi::AnyBuffer& a,
+                                                              const xla::ffi::AnyBuffer& da, bool transpose_rhs,
+                                                              bool* a_f32) {
   const auto xt = lhs.element_type();
   const std::optional<DType> dt = ComputeDTypeOf(xt);
-  if (!dt || rhs.element_type() != xt || da.element_type() != xt)
+  if (!dt || rhs.element_type() != xt || da.element_type() != xt ||
+      (a.element_type() != xla::ffi::DataType::F32 && a.element_type() != xt))
     return xla::ffi::Unexpected(InvalidCall(ComputeDTypeRule(
-        "grouped_matmul_swiglu_grad: lhs, rhs and da must share one dtype, " + DTypeNames() + ", and a must be float32",
+        "grouped_matmul_swiglu_grad: lhs, rhs and da must share one dtype, " + DTypeNames() +
+            ", and a must be float32 or that dtype",
         xt)));
+  *a_f32 = a.element_type() == xla::ffi::DataType::F32;
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), pd = a.dimensions(), dd = da.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || pd.size() != 2 || dd.size() != 2 || group_sizes.dimensions().size() != 1)
     return xla::ffi::Unexpected(InvalidCall("grouped_matmul_swiglu_grad: expected lhs [M, K], rhs [G, K, F] (or "

@@ -157,7 +157,8 @@ def _bf16_ulps(got, want):
 
 @pytest.mark.parametrize("case", SWIGLU_GRAD_BIG)
 @pytest.mark.parametrize("transpose", [True, False])
-def test_grouped_matmul_swiglu_grad_gpu(case, transpose):
+@pytest.mark.parametrize("a_dtype", [jnp.float32, jnp.bfloat16], ids=["a_f32", "a_bf16"])
+def test_grouped_matmul_swiglu_grad_gpu(case, transpose, a_dtype):
   """The fused epilogue (Hopper): against float64 numpy, into a NaN-poisoned output (tests/test_grouped_gemm.py's
   check), repeatable bit for bit, and against the unfused path the layer runs elsewhere (grouped_matmul's float32 dh,
   then jax.vjp of swiglu by XLA, rounded to bf16): within one bf16 ulp element by element (the dh tiles are the bare
@@ -168,7 +169,8 @@ def test_grouped_matmul_swiglu_grad_gpu(case, transpose):
   if not engines.swiglu_grad_fused(True, K, F, transpose):
     pytest.skip("no engine of this GPU has the SwiGLU-gradient epilogue (the wgmma engine: Hopper)")
   with jax.default_device(gpu_devices()[0]):
-    fn, (d_out, w, gs, a), da = base.check_grouped_matmul_swiglu_grad(case, transpose, jnp.bfloat16, 1e-2, seed=2)
+    fn, (d_out, w, gs, a), da = base.check_grouped_matmul_swiglu_grad(case, transpose, jnp.bfloat16, 1e-2, seed=2,
+                                                                      a_dtype=a_dtype)
     again = fn(d_out, w, gs, a)
     assert np.array_equal(np.asarray(da.astype(jnp.float32)), np.asarray(again.astype(jnp.float32)))
     unfused = jax.jit(lambda x, w, s, a: expert_gemms.swiglu_grad(

@@ -85,11 +85,9 @@ def test_one_rank_backward_fuses_the_swiglu_gradient(fuse, monkeypatch):
   unfused path measured faster), at R = 1 on Hopper the backward's dh = d_out W2^T and the SwiGLU's gradient are one
   grouped_matmul_swiglu_grad call: the program has it, and no [cap, 2F] concatenate (the unfused gradient's fusion)
   is left; elsewhere, and by default, the unfused path (grouped_matmul, then XLA). The gradients themselves:
-  test_moe_experts_forward_and_grads. The fused epilogue reads a float32 preactivation: with it on, the layer keeps
-  a in float32 (expert_gemms.PREACTIVATION_IN_COMPUTE_DTYPE off)."""
+  test_moe_experts_forward_and_grads. The fused epilogue reads the preactivation as the layer keeps it (bf16 here)."""
   from jax_moe_overlap import api, expert_gemms  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(expert_gemms, "LAYER_FUSES_SWIGLU_GRAD", fuse)
-  monkeypatch.setattr(expert_gemms, "PREACTIVATION_IN_COMPUTE_DTYPE", not fuse)
   # The flag is read while tracing: a layer program traced before (the other case, an earlier test with the same
   # shapes) would be reused by the library's program cache and JAX's.
   monkeypatch.setattr(api, "_programs", {})

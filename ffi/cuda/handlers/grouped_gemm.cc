@@ -55,15 +55,16 @@ ffi::Error GroupedMatmulSwiGluImpl(cudaStream_t stream, int32_t ordinal, ffi::An
 }
 
 ffi::Error GroupedMatmulSwiGluGradImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                                       ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> a,
+                                       ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer a,
                                        ffi::Result<ffi::AnyBuffer> da, bool transpose_rhs) {
   NoteHandlerCall(HandlerOp::kGroupedMatmulSwiGluGrad, stream);
-  auto s = CheckGroupedSwiGluGrad(lhs, rhs, group_sizes, a, *da, transpose_rhs);
+  bool a_f32 = true;
+  auto s = CheckGroupedSwiGluGrad(lhs, rhs, group_sizes, a, *da, transpose_rhs, &a_f32);
   if (s.has_error()) return s.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
   return ToFfi(GroupedMatmulSwiGluGrad(stream, s->dtype, lhs.untyped_data(), s->M, s->K, rhs.untyped_data(), s->G,
-                                       s->N, transpose_rhs, group_sizes.typed_data(), a.typed_data(),
-                                       da->untyped_data()));
+                                       s->N, transpose_rhs, group_sizes.typed_data(), a.untyped_data(),
+                                       a_f32 ? DType::kF32 : s->dtype, da->untyped_data()));
 }
 
 ffi::Error GroupedMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer lhs,

@@ -249,13 +249,14 @@ namespace swiglu_grad_wgmma {
 using namespace wgmma_gemm;
 
 // da [M, 2F] bf16 = the input gradient of silu(a[:, :F]) * a[:, F:] for dh = lhs @ rhs[g] per group's rows (rhs
-// [G, K, F] MN-major with kTransB = 1, [G, F, K] K-major with kTransB = 0), a [M, 2F] float32. Each tile is 128 rows
-// x 256 columns of dh: d_gate's 256 columns and d_up's 256 of da. Rows past the groups are zero in da.
-template <int kTransB>
+// [G, K, F] MN-major with kTransB = 1, [G, F, K] K-major with kTransB = 0), a [M, 2F] in AElem (float or bf16). Each
+// tile is 128 rows x 256 columns of dh: d_gate's 256 columns and d_up's 256 of da. Rows past the groups are zero in
+// da.
+template <int kTransB, class AElem>
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     GroupedSwiGluGradKernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                             const int32_t* __restrict__ group_sizes, int G, int M, int F, int K,
-                            const float* __restrict__ a, __nv_bfloat16* __restrict__ da) {
+                            const AElem* __restrict__ a, __nv_bfloat16* __restrict__ da) {
   extern __shared__ __align__(1024) char smem_raw[];
   int* row_start = reinterpret_cast<int*>(smem_raw + kLoopSmemBytes);  // G + 1
   int* tile_start = row_start + (kMaxGroups + 1);                      // G + 1
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   ZeroPadRows(da, row_start[G], M, 2 * (int64_t)F, sizeof(__nv_bfloat16));
   auto tile_of = [&](int t) {
     const TilePlace p = PlaceTile(t, row_start, tile_start, G, n_tiles);
-    SwiGluGradTile tile;
+    SwiGluGradTile<AElem> tile;
     tile.a_row = row_start[p.g] + p.mt * kBM;
     tile.b_idx = p.g;
     tile.n0 = p.nt * kBN;
@@ -280,23 +281,30 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
                                             NoTileDone{}, smem_raw);
 }
 
-// GroupedSwiGluGradKernel's launch: lhs [M, K], rhs [G, F, K] (transpose_rhs) or [G, K, F] bf16, a [M, 2F] float32,
-// da [M, 2F] bf16. Requires K % 64 == 0 and F % 64 == 0 (GemmEngineOperandRefusal's wgmma rule); cudaErrorInvalidValue
-// otherwise, cudaErrorNotSupported where the wgmma kernels cannot run.
+// GroupedSwiGluGradKernel's launch: lhs [M, K], rhs [G, F, K] (transpose_rhs) or [G, K, F] bf16, a [M, 2F] float32
+// or bf16 (a_bf16), da [M, 2F] bf16. Requires K % 64 == 0 and F % 64 == 0 (GemmEngineOperandRefusal's wgmma rule);
+// cudaErrorInvalidValue otherwise, cudaErrorNotSupported where the wgmma kernels cannot run.
 inline cudaError_t GroupedSwiGluGrad(const __nv_bfloat16* lhs, int64_t M, int64_t K, const __nv_bfloat16* rhs,
                                      int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes_dev,
-                                     const float* a, __nv_bfloat16* da, int num_sms, cudaStream_t stream) {
+                                     const void* a, bool a_bf16, __nv_bfloat16* da, int num_sms,
+                                     cudaStream_t stream) {
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(lhs) | reinterpret_cast<uintptr_t>(rhs) |
                               reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(da);
   if (!FusedLaunchFits("GroupedSwiGluGrad", M, K, F, G, 64, addresses, num_sms)) return cudaErrorInvalidValue;
   CUtensorMap ta, tb;
   const cudaError_t e = CachedGemmMaps(lhs, M, K, rhs, G, F, /*b_k_major=*/transpose_rhs, &ta, &tb);
   if (e != cudaSuccess) return e;
+  auto launch = [&](auto kernel, const auto* a_typed) {
+    return LaunchWgmmaKernel(kernel, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev, (int)G, (int)M, (int)F,
+                             (int)K, a_typed, da);
+  };
+  const float* a_f32 = static_cast<const float*>(a);
+  const __nv_bfloat16* a_b16 = static_cast<const __nv_bfloat16*>(a);
   if (transpose_rhs)
-    return LaunchWgmmaKernel(GroupedSwiGluGradKernel<0>, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev,
-                             (int)G, (int)M, (int)F, (int)K, a, da);
-  return LaunchWgmmaKernel(GroupedSwiGluGradKernel<1>, num_sms, kSmemBytes, stream, ta, tb, group_sizes_dev, (int)G,
-                           (int)M, (int)F, (int)K, a, da);
+    return a_bf16 ? launch(GroupedSwiGluGradKernel<0, __nv_bfloat16>, a_b16)
+                  : launch(GroupedSwiGluGradKernel<0, float>, a_f32);
+  return a_bf16 ? launch(GroupedSwiGluGradKernel<1, __nv_bfloat16>, a_b16)
+                : launch(GroupedSwiGluGradKernel<1, float>, a_f32);
 }
 
 }  // namespace swiglu_grad_wgmma
@@ -357,8 +365,8 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
 }
 
 Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
-                               int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes, const float* a,
-                               void* da, int sms) {
+                               int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes, const void* a,
+                               DType a_dtype, void* da, int sms) {
   Status s = CheckSizes("grouped_matmul_swiglu_grad", M, G);
   if (!s.ok()) return s;
   if (M == 0 || F == 0) return LaunchEmpty(stream);
@@ -369,7 +377,7 @@ Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, i
   if (engine == GemmEngine::kWgmma) {
     const cudaError_t e = swiglu_grad_wgmma::GroupedSwiGluGrad(
         static_cast<const bf16*>(lhs), M, K, static_cast<const bf16*>(rhs), G, F, transpose_rhs, group_sizes, a,
-        static_cast<bf16*>(da), WgmmaGrid(dev, sms), stream);
+        a_dtype == DType::kBF16, static_cast<bf16*>(da), WgmmaGrid(dev, sms), stream);
     if (!EngineRefused(e))
       return CudaStatus(e, "grouped_matmul_swiglu_grad (wgmma)");
   }

@@ -50,13 +50,13 @@ Status GroupedMatmulSwiGlu(cudaStream_t stream, DType dt, const void* lhs, int64
 // The backward GEMM of the expert MLP with the SwiGLU's gradient in its epilogue: dh = lhs @ rhs[g] (rhs [G, K, F], or
 // [G, F, K] read transposed with transpose_rhs: dh = d_out @ W2^T) for the rows of group g, computed in float32 tile
 // by tile and never stored; da [M, 2F] (lhs's dtype) = (d_gate, d_up), the input gradient of silu(a[:, :F]) *
-// a[:, F:] at the float32 preactivation a [M, 2F] (device/activation.cuh's SwiGluGrad). Rows past the last group are
-// zero. Only where an engine of the device has the epilogue for these operands (SelectGemmEngine with
-// GemmEpilogue::kSwiGluGrad: the wgmma engine); InvalidArgument elsewhere, naming the rule that refused (the caller
-// asks first: jax_moe_overlap/engines.py). sms as GroupedMatmul's.
+// a[:, F:] at the preactivation a [M, 2F] (a_dt: float32, or lhs's dtype; taken to float32; device/activation.cuh's
+// SwiGluGrad). Rows past the last group are zero. Only where an engine of the device has the epilogue for these
+// operands (SelectGemmEngine with GemmEpilogue::kSwiGluGrad: the wgmma engine); InvalidArgument elsewhere, naming the
+// rule that refused (the caller asks first: jax_moe_overlap/engines.py). sms as GroupedMatmul's.
 Status GroupedMatmulSwiGluGrad(cudaStream_t stream, DType dt, const void* lhs, int64_t M, int64_t K, const void* rhs,
-                               int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes, const float* a,
-                               void* da, int sms = 0);
+                               int64_t G, int64_t F, bool transpose_rhs, const int32_t* group_sizes, const void* a,
+                               DType a_dt, void* da, int sms = 0);
 
 // The FP8 block-scaled grouped GEMM (DeepSeek-V3's recipe; ffi/common/grouped_gemm_signature.h states the math and
 // the layouts): out [M, N] (bfloat16, or float32 with out_f32) from lhs [M, K] e4m3 with its 1 x 128 scales

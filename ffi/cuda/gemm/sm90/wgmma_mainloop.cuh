@@ -57,8 +57,9 @@
 //   SwiGluFp8TileOf in swiglu_fp8_epilogue.cuh).
 //   A KRangeTile reduces over its own k-steps k_first .. k_first + k_steps - 1 instead of all of K (the grouped
 //   outer GEMM's tiles, whose reduction runs over their group's rows).
-//   A SwiGluGradTile selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and out
-//   gets da = (d_gate, d_up) in bf16 from dh and the float32 preactivation at `a` (GroupedSwiGluGradKernel).
+//   A SwiGluGradTile<AElem> selects the SwiGLU-gradient epilogue (StoreSwiGluGradTile): the accumulators are dh, and
+//   out gets da = (d_gate, d_up) in bf16 from dh and the preactivation at `a` (float32 or bf16 elements), whose rows
+//   the consumers prefetch to L2 before the tile's mainloop (PrefetchSwiGluGradRows; GroupedSwiGluGradKernel).
 //   tile_of must be a pure function of i (every caller thread gets the same answer). It is called once per tile by
 //   thread 0 (the TMA thread; only a_row, b_idx, n0, n_hi are used there, and that warp runs with kProducerRegs registers, so keep
 //   it cheap: a binary search in smem is fine), with a tile_wait also by the 32 threads of warp 1 (the look-ahead,
@@ -189,13 +190,19 @@ struct SwiGluTile : WgmmaTile {
 
 // A tile whose epilogue is the SwiGLU's gradient (the backward GEMM dh = d_out @ W2^T of the expert MLP,
 // GroupedSwiGluGradKernel): the accumulators are dh's columns n0 .. n0 + cols - 1 (of F), and the loop stores, for
-// each, da's d_gate and d_up in bf16 (StoreSwiGluGradTile), computed from dh and the float32 preactivation's gate and
-// up values; dh is never stored. out: da's element (tile row 0, column n0) in [rows, 2F] bf16; a: the preactivation's
-// element (tile row 0, column n0) in [rows, 2F] float32; both have the row stride ldc (2F); the up columns lie `up`
-// (F) columns right of the gate's, in both.
-struct SwiGluGradTile : WgmmaTile {
-  const float* a = nullptr;
+// each, da's d_gate and d_up in bf16 (StoreSwiGluGradTile), computed from dh and the preactivation's gate and up
+// values (AElem: float, or __nv_bfloat16 for the layer's preactivation kept in bf16; taken to float32 either way);
+// dh is never stored. out: da's element (tile row 0, column n0) in [rows, 2F] bf16; a: the preactivation's element
+// (tile row 0, column n0) in [rows, 2F]; both have the row stride ldc (2F); the up columns lie `up` (F) columns right
+// of the gate's, in both. SwiGluGradTileBase names the family for the loop's dispatch.
+struct SwiGluGradTileBase : WgmmaTile {
   int64_t up = 0;
+};
+template <class AElem>
+struct SwiGluGradTile : SwiGluGradTileBase {
+  static_assert(std::is_same<AElem, float>::value || std::is_same<AElem, __nv_bfloat16>::value,
+                "the preactivation is float32 or bf16");
+  const AElem* a = nullptr;
 };
 
 // A tile that brings its own epilogue: a struct derived from EpilogueTile with a const member
@@ -451,13 +458,50 @@ __device__ __forceinline__ void StoreSwiGluTile(float* acc, int c, int wq, int l
   StoreAccTile<false, 16>(acc, c, wq, lane, t.rows, t.cols, t.out, t.ldc);
 }
 
+// The preactivation's gate and up values of one thread's two columns (c, c + 1) of a row, as float32: a float2 load
+// of each (float a) or one 32-bit load of a bf16 pair.
+__device__ __forceinline__ void LoadPreactPair(const float* row, int64_t up, int col, float2* g, float2* u) {
+  *g = *reinterpret_cast<const float2*>(row + col);
+  *u = *reinterpret_cast<const float2*>(row + up + col);
+}
+__device__ __forceinline__ void LoadPreactPair(const __nv_bfloat16* row, int64_t up, int col, float2* g, float2* u) {
+  *g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + col));
+  *u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + up + col));
+}
+
+// Before a SwiGluGradTile's mainloop: every consumer thread asks L2 for its share of the preactivation rows its
+// epilogue will read (the thread's two rows of the m64n256 layout, gate and up, `cols` columns each; the four lanes
+// of a row take a quarter of its 128-byte lines each), so that the epilogue's loads, issued while the tensor cores
+// of the warpgroup wait, hit L2 instead of HBM. A hint only: nothing waits for it.
+template <class Tile>
+__device__ __forceinline__ void PrefetchSwiGluGradRows(int c, int wq, int lane, const Tile& t) {
+  using AElem = typename std::remove_cv<typename std::remove_pointer<decltype(t.a)>::type>::type;
+  constexpr int kLineElems = 128 / static_cast<int>(sizeof(AElem));
+  const int lines = (t.cols + kLineElems - 1) / kLineElems;  // per half-row
+  const int r_lo = c * 64 + wq * 16 + lane / 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    if (r >= t.rows) continue;
+    const AElem* row = t.a + (int64_t)r * t.ldc;
+    for (int l = lane % 4; l < lines; l += 4) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + l * kLineElems));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + t.up + l * kLineElems));
+    }
+  }
+}
+
 // The SwiGLU-gradient epilogue of a consumer warpgroup (see SwiGluGradTile): acc is dh's 64 x 256 block in the
 // m64n256 layout (StoreAccTile's). For each of its elements the thread reads the preactivation's gate and up values
-// of the same row and column (float2 loads of its own column pairs: one load of a warp covers 32 contiguous bytes of
-// each of 8 rows, whole 32-byte sectors), computes (d_gate, d_up) in float32 (SwiGluGrad) and stores both in bf16 with StoreAccTile's pair exchange,
-// d_gate at the column, d_up `up` columns right of it. dh itself is never stored.
+// of the same row and column (one load of a warp covers 32 (float) or 16 (bf16) contiguous bytes of each of 8 rows),
+// computes (d_gate, d_up) in float32 (SwiGluGrad) and stores both in bf16 with StoreAccTile's pair exchange, d_gate
+// at the column, d_up `up` columns right of it. dh itself is never stored. The loads of kChunk block pairs are issued
+// together before any of them is used, so their latency is paid once per chunk rather than once per pair (32
+// registers of loaded values per chunk: 16 float2 loads, or 32 of bf16 pairs).
 template <class Tile>
 __device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int wq, int lane, const Tile& t) {
+  using AElem = typename std::remove_cv<typename std::remove_pointer<decltype(t.a)>::type>::type;
+  constexpr int kChunk = sizeof(AElem) == 4 ? 4 : 8;  // block pairs per chunk
   const int r_lo = c * 64 + wq * 16 + lane / 4;
   const bool odd = lane & 1;
   const int own = 2 * (lane % 4);                  // the thread's first column in each 8-column block
@@ -467,29 +511,36 @@ __device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int
     const int r = r_lo + 8 * h;
     const bool row_ok = r < t.rows;
     const int64_t orow = (int64_t)(row_ok ? r : 0) * t.ldc;
-    const float* a_row = t.a + orow;
+    const AElem* a_row = t.a + orow;
     __nv_bfloat16* d_row = static_cast<__nv_bfloat16*>(t.out) + orow;
 #pragma unroll
-    for (int j = 0; j < 32; j += 2) {
-      const int c0 = 8 * j + own, c1 = c0 + 8;  // the thread's columns of blocks j and j + 1
-      const bool ok = row_ok && c0 < t.cols;    // cols % 16 == 0: blocks j and j + 1 are both in or both out
-      float2 g0 = make_float2(0.f, 0.f), u0 = g0, g1 = g0, u1 = g0;
-      if (ok) {
-        g0 = *reinterpret_cast<const float2*>(a_row + c0);
-        g1 = *reinterpret_cast<const float2*>(a_row + c1);
-        u0 = *reinterpret_cast<const float2*>(a_row + t.up + c0);
-        u1 = *reinterpret_cast<const float2*>(a_row + t.up + c1);
+    for (int j0 = 0; j0 < 32; j0 += 2 * kChunk) {
+      float2 g[2 * kChunk], u[2 * kChunk];  // blocks j0 .. j0 + 2 kChunk - 1
+#pragma unroll
+      for (int p = 0; p < kChunk; ++p) {
+        const int j = j0 + 2 * p;
+        const int c0 = 8 * j + own;              // the thread's columns of blocks j and j + 1: c0, c0 + 8
+        g[2 * p] = g[2 * p + 1] = u[2 * p] = u[2 * p + 1] = make_float2(0.f, 0.f);
+        if (row_ok && c0 < t.cols) {             // cols % 16 == 0: blocks j and j + 1 are both in or both out
+          LoadPreactPair(a_row, t.up, c0, &g[2 * p], &u[2 * p]);
+          LoadPreactPair(a_row, t.up, c0 + 8, &g[2 * p + 1], &u[2 * p + 1]);
+        }
       }
-      const float* d0 = &acc[4 * j + 2 * h];        // dh, block j, this row
-      const float* d1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1
-      float2 dg0, du0, dg1, du1;
-      jmo::cuda::SwiGluGrad(g0.x, u0.x, d0[0], &dg0.x, &du0.x);
-      jmo::cuda::SwiGluGrad(g0.y, u0.y, d0[1], &dg0.y, &du0.y);
-      jmo::cuda::SwiGluGrad(g1.x, u1.x, d1[0], &dg1.x, &du1.x);
-      jmo::cuda::SwiGluGrad(g1.y, u1.y, d1[1], &dg1.y, &du1.y);
-      const int col = swapped + 8 * j;
-      StoreBf16Quad(dg0, dg1, odd, ok, d_row + col);
-      StoreBf16Quad(du0, du1, odd, ok, d_row + t.up + col);
+#pragma unroll
+      for (int p = 0; p < kChunk; ++p) {
+        const int j = j0 + 2 * p;
+        const bool ok = row_ok && 8 * j + own < t.cols;
+        const float* d0 = &acc[4 * j + 2 * h];        // dh, block j, this row
+        const float* d1 = &acc[4 * (j + 1) + 2 * h];  // block j + 1
+        float2 dg0, du0, dg1, du1;
+        jmo::cuda::SwiGluGrad(g[2 * p].x, u[2 * p].x, d0[0], &dg0.x, &du0.x);
+        jmo::cuda::SwiGluGrad(g[2 * p].y, u[2 * p].y, d0[1], &dg0.y, &du0.y);
+        jmo::cuda::SwiGluGrad(g[2 * p + 1].x, u[2 * p + 1].x, d1[0], &dg1.x, &du1.x);
+        jmo::cuda::SwiGluGrad(g[2 * p + 1].y, u[2 * p + 1].y, d1[1], &dg1.y, &du1.y);
+        const int col = swapped + 8 * j;
+        StoreBf16Quad(dg0, dg1, odd, ok, d_row + col);
+        StoreBf16Quad(du0, du1, odd, ok, d_row + t.up + col);
+      }
     }
   }
 }
@@ -808,6 +859,8 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
           ring.Advance();
         }
       } else {
+        if constexpr (std::is_base_of<SwiGluGradTileBase, decltype(tile)>::value)
+          PrefetchSwiGluGradRows(c, wq, lane, tile);
         if constexpr (kHasAStage) {
           const int k_first = TileKFirst(tile);
           ops.Multiply(acc, ring, TileCoords::Of(tile), c, wq, lane, k_steps,
@@ -819,7 +872,7 @@ __device__ __forceinline__ void WgmmaLoop(const Ops& ops, int K, int count, Next
         }
         if constexpr (std::is_base_of<SwiGluTile, decltype(tile)>::value)
           StoreSwiGluTile(acc, c, wq, lane, tile);
-        else if constexpr (std::is_base_of<SwiGluGradTile, decltype(tile)>::value)
+        else if constexpr (std::is_base_of<SwiGluGradTileBase, decltype(tile)>::value)
           StoreSwiGluGradTile(acc, c, wq, lane, tile);
         else if constexpr (std::is_base_of<EpilogueTile, decltype(tile)>::value)
           tile.Store(acc, c, wq, lane);
