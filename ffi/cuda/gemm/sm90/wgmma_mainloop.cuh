@@ -496,8 +496,8 @@ __device__ __forceinline__ void PrefetchSwiGluGradRows(int c, int wq, int lane, 
 // of the same row and column (one load of a warp covers 32 (float) or 16 (bf16) contiguous bytes of each of 8 rows),
 // computes (d_gate, d_up) in float32 (SwiGluGrad) and stores both in bf16 with StoreAccTile's pair exchange, d_gate
 // at the column, d_up `up` columns right of it. dh itself is never stored. The loads of kChunk block pairs are issued
-// together before any of them is used, so their latency is paid once per chunk rather than once per pair (32
-// registers of loaded values per chunk: 16 float2 loads, or 32 of bf16 pairs).
+// together before any of them is used, so their latency is paid once per chunk rather than once per pair (per chunk
+// 16 float2 loads of float a, or 32 loads of bf16 pairs, each widened to a float2 as it is loaded).
 template <class Tile>
 __device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int wq, int lane, const Tile& t) {
   using AElem = typename std::remove_cv<typename std::remove_pointer<decltype(t.a)>::type>::type;
