@@ -22,9 +22,11 @@ def _all_cases():
     for i, c in enumerate(cases_lib.suite(name, base, producer_path=lambda c: "mma.sync bf16")):
       # combine-time and backward-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in
       # the slow pass; tensor-time, the tensor suite's GatherRS cases (plans like its per-slot cases') and the
-      # regret suite's parts run alone (regret-gather, regret-push: the regret suite's own cases) in the slow pass
+      # regret suite's parts run alone (regret-gather, regret-push: the regret suite's own cases) and
+      # dispatch-gemm-variants (one of dispatch-gemm-shapes' plans, changed) in the slow pass
       slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
-              name == "tensor-time" or c.gather_rs or name in ("regret-gather", "regret-push"))
+              name == "tensor-time" or c.gather_rs or
+              name in ("regret-gather", "regret-push", "dispatch-gemm-variants"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
