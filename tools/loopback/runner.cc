@@ -665,6 +665,13 @@ class Run {
       HostOut h(RecvBytes(), (size_t)T_ * N_ * eb_, SlotBytes(), dg_ ? GemmOutBytes() : 0,
                 dg_ ? PreBytes() : 0);
       Pinned h_priv(sizeof(RankPrivate));
+      // And no rank's first call begins before every rank holds its buffers: a rank still pinning them (gigabytes
+      // for the larger dispatch_gemm cases, four ranks at once) would leave its peers' first call waiting for its
+      // rows until the call's timeout.
+      if (!barrier_.Wait(bar_timeout_)) {
+        Fail("rank " + std::to_string(r) + ": peers did not reach the barrier after allocating their host buffers");
+        return;
+      }
       for (int it = 0; it < s_.iters && !stop_; ++it) {
         if (it == s_.timeout_at && !ForcedTimeout(r, site, dsets_[it % data_.size()][r])) break;
         CheckedCall(r, it, site, h);
