@@ -110,12 +110,11 @@ LAYER_FUSES_SWIGLU_GRAD = False
 def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
   """dh = d_out W2^T (float32) and the SwiGLU's gradient at a from it: da [cap, 2F] in out_dtype. On GPU, where the
   layer takes the fused epilogue (``LAYER_FUSES_SWIGLU_GRAD``) and an engine has it for the operands
-  (``engines.swiglu_grad_fused``; a in float32 or d_out's dtype), one custom call that never writes dh
+  (``engines.swiglu_grad_fused``), one custom call that never writes dh
   (``grouped_matmul_swiglu_grad``); elsewhere on GPU ``grouped_matmul`` writes dh in float32 and XLA computes the
   gradient; on CPU XLA's ragged_dot, then the gradient."""
   F, D = w2.shape[1], w2.shape[2]
   fused = (LAYER_FUSES_SWIGLU_GRAD and jnp.dtype(out_dtype) == d_out.dtype and
-           a.dtype in (jnp.dtype(jnp.float32), d_out.dtype) and
            engines.swiglu_grad_fused(d_out.dtype == jnp.bfloat16 and w2.dtype == jnp.bfloat16, D, F, True))
 
   def unfused():

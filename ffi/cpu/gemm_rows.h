@@ -60,9 +60,10 @@ inline void SwiGluRows(const float* pre, int64_t r0, int64_t r1, int64_t F, void
 }
 
 // The input gradient of SwiGLU for the rows r in [r0, r1): dh [*, F] float32 (the output gradient of h), pre [*, 2F]
-// float32 -> da [*, 2F] (d_gate's F columns, then d_up's; bfloat16 when da_bf16), rounded once at the store. The
-// formula the CUDA epilogue shares (common/swiglu.h, SwiGluGrad): the expressions of jax.vjp of the layer's swiglu.
-inline void SwiGluGradRows(const float* dh, const float* pre, int64_t r0, int64_t r1, int64_t F, void* da,
+// (float32, or bfloat16 taken to float32 value by value) -> da [*, 2F] (d_gate's F columns, then d_up's; bfloat16
+// when da_bf16), rounded once at the store. The formula the CUDA epilogue shares (common/swiglu.h, SwiGluGrad): the
+// expressions of jax.vjp of the layer's swiglu.
+inline void SwiGluGradRows(const float* dh, ElemView pre, int64_t r0, int64_t r1, int64_t F, void* da,
                            bool da_bf16) {
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = 0; c < F; ++c) {

@@ -113,16 +113,8 @@ ffi::Error GroupedMatmulSwiGluGradImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, f
   std::vector<float> dh(off->back() * F), acc;
   for (int64_t g = 0; g < shape->G; ++g)
     MatmulRows(x, w, g * K * F, (*off)[g], (*off)[g + 1], K, F, transpose_rhs, dh.data(), false, acc);
-  // a in float32 (a kept in the compute dtype is taken to float32 first, as the CUDA epilogue does per value).
-  std::vector<float> a_wide;
-  const float* pre = static_cast<const float*>(a.untyped_data());
-  if (!a_f32) {
-    a_wide.resize(off->back() * 2 * F);
-    const ElemView a_view{a.untyped_data(), /*bf16=*/true};  // (not float32: lhs's dtype, which is then bf16)
-    for (int64_t i = 0; i < off->back() * 2 * F; ++i) a_wide[i] = a_view[i];
-    pre = a_wide.data();
-  }
-  SwiGluGradRows(dh.data(), pre, 0, off->back(), F, da->untyped_data(), bf16);
+  // a not float32 is lhs's dtype, then bf16 (CheckGroupedSwiGluGrad), each value taken to float32.
+  SwiGluGradRows(dh.data(), ElemView{a.untyped_data(), !a_f32}, 0, off->back(), F, da->untyped_data(), bf16);
   for (int64_t i = off->back() * 2 * F; i < M * 2 * F; ++i) StoreElem(da->untyped_data(), bf16, i, 0.f);
   return ffi::Error::Success();
 }

@@ -202,6 +202,7 @@ template <class AElem>
 struct SwiGluGradTile : SwiGluGradTileBase {
   static_assert(std::is_same<AElem, float>::value || std::is_same<AElem, __nv_bfloat16>::value,
                 "the preactivation is float32 or bf16");
+  using Preact = AElem;
   const AElem* a = nullptr;
 };
 
@@ -475,7 +476,7 @@ __device__ __forceinline__ void LoadPreactPair(const __nv_bfloat16* row, int64_t
 // of the warpgroup wait, hit L2 instead of HBM. A hint only: nothing waits for it.
 template <class Tile>
 __device__ __forceinline__ void PrefetchSwiGluGradRows(int c, int wq, int lane, const Tile& t) {
-  using AElem = typename std::remove_cv<typename std::remove_pointer<decltype(t.a)>::type>::type;
+  using AElem = typename Tile::Preact;
   constexpr int kLineElems = 128 / static_cast<int>(sizeof(AElem));
   const int lines = (t.cols + kLineElems - 1) / kLineElems;  // per half-row
   const int r_lo = c * 64 + wq * 16 + lane / 4;
@@ -500,7 +501,7 @@ __device__ __forceinline__ void PrefetchSwiGluGradRows(int c, int wq, int lane, 
 // 16 float2 loads of float a, or 32 loads of bf16 pairs, each widened to a float2 as it is loaded).
 template <class Tile>
 __device__ __forceinline__ void StoreSwiGluGradTile(const float* acc, int c, int wq, int lane, const Tile& t) {
-  using AElem = typename std::remove_cv<typename std::remove_pointer<decltype(t.a)>::type>::type;
+  using AElem = typename Tile::Preact;
   constexpr int kChunk = sizeof(AElem) == 4 ? 4 : 8;  // block pairs per chunk
   const int r_lo = c * 64 + wq * 16 + lane / 4;
   const bool odd = lane & 1;
