@@ -173,6 +173,7 @@ class RankInfo:
     CallOptions, ffi/common/call_options.h). The calls' own attributes (transpose_rhs, swiglu) are their wrappers'."""
     cfg, tuning = self.config, self.config.consumer_tuning
     return dict(workspace=np.int64(self.workspace.handle), timeout_ms=np.int64(cfg.timeout_ms),
+                first_call_timeout_ms=np.int64(cfg.first_call_timeout_ms),
                 delay_rank=np.int32(cfg.delay_rank), delay_us=np.int64(cfg.delay_us),
                 consumer_ctas=np.int32(cfg.consumer_ctas), serialize=np.bool_(cfg.serialize),
                 push_bulk_copy=np.bool_(tuning.bulk_copy), push_slots=np.int32(tuning.slots),

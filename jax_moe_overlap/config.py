@@ -223,6 +223,12 @@ class CallConfig:
 
   timeout_ms: bound on every wait for a peer or flag; a wait that expires raises an error naming rank, peer,
     stage and counts (default $JMO_TIMEOUT_MS, else 10 s).
+  first_call_timeout_ms: the bound of the waits of a group's first call on its workspace (and of its first call
+    after a recovery from a failure) where it exceeds timeout_ms: in a job of several processes each finishes
+    compiling and produces its first batch on its own after the workspace is set up, and the ranks begin their first
+    call as far apart as those end; later calls follow one another (protocol.h, CallWaitBoundMs). Default
+    $JMO_FIRST_CALL_TIMEOUT_MS, else 60 s; 0: timeout_ms alone. A program compiled later in the job (an evaluation
+    step) must begin within timeout_ms of its peers: raise timeout_ms where processes reach it farther apart.
   delay_rank, delay_us: testing aid that holds one rank back at the start of every call (-1: none).
   consumer_ctas: CTAs of expert_combine's consumer (the communication engine) on CUDA. 0 (default): the resource
     manager chooses per call on the device from the routed counts (or a fixed count when the GPU has no
@@ -263,6 +269,7 @@ class CallConfig:
   """
 
   timeout_ms: int = dataclasses.field(default_factory=env.timeout_ms)
+  first_call_timeout_ms: int = dataclasses.field(default_factory=env.first_call_timeout_ms)
   delay_rank: int = -1
   delay_us: int = 0
   consumer_ctas: int = 0
@@ -279,6 +286,10 @@ class CallConfig:
     if not _int_in(self.timeout_ms, 1, MAX_TIMEOUT_MS):
       raise ValueError(f"jax_moe_overlap: CallConfig.timeout_ms must be an int in [1, {MAX_TIMEOUT_MS}] "
                        f"(milliseconds; its default is $JMO_TIMEOUT_MS, else 10000), got {self.timeout_ms!r}")
+    if not _int_in(self.first_call_timeout_ms, 0, MAX_TIMEOUT_MS):
+      raise ValueError(f"jax_moe_overlap: CallConfig.first_call_timeout_ms must be an int in [0, {MAX_TIMEOUT_MS}] "
+                       f"(milliseconds, 0: timeout_ms alone; its default is $JMO_FIRST_CALL_TIMEOUT_MS, else 60000), "
+                       f"got {self.first_call_timeout_ms!r}")
     if not _int_in(self.delay_rank, -1, 2**31 - 1) or not _int_in(self.delay_us, 0, MAX_TIMEOUT_MS):
       raise ValueError(f"jax_moe_overlap: CallConfig.delay_rank must be an int >= -1 (-1: none) and delay_us an int "
                        f"in [0, {MAX_TIMEOUT_MS}], got {self.delay_rank!r} and {self.delay_us!r}")

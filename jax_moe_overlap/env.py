@@ -5,6 +5,7 @@ script before that point applies. The values travel on as ``CallConfig`` fields 
 arguments; no launch code reads the environment.
 
   JMO_TIMEOUT_MS        CallConfig.timeout_ms (default 10000)
+  JMO_FIRST_CALL_TIMEOUT_MS  CallConfig.first_call_timeout_ms (default 60000)
   JMO_CONSUMER_COPY     "plain": CallConfig.consumer_tuning.bulk_copy = False (ordinary loads and stores)
   JMO_PUSH_SLOTS        CallConfig.consumer_tuning.slots (default 12)
   JMO_PUSH_READ_LAG     CallConfig.consumer_tuning.read_lag (default 4)
@@ -30,6 +31,10 @@ def _int(name: str, default: int) -> int:
 
 def timeout_ms() -> int:
   return _int("JMO_TIMEOUT_MS", 10000)
+
+
+def first_call_timeout_ms() -> int:
+  return _int("JMO_FIRST_CALL_TIMEOUT_MS", 60000)
 
 
 def consumer_bulk_copy() -> bool:

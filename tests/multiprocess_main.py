@@ -23,6 +23,9 @@ argv: process_id num_processes port local_devices case; $JMO_IMPL: the layer's i
     (the packed rows moved by dispatch calls, GEMM1 and dh after them).
   tensor_across: expert_across on a mesh (expert = 2, tensor = the devices / 2) with tensor_axis="tensor": the
     workspace's group is every device of both axes (expert tensor parallelism), spanning the processes.
+  late_first_call: expert_across, the last process sleeping $JMO_LATE_S seconds between compiling the step and its
+    first call (as a process whose first batch comes later would): the others wait for it in the group's first call
+    (CallConfig.first_call_timeout_ms), though $JMO_TIMEOUT_MS is shorter; prints "match".
   different_hosts: expert_across, but the last process reports another host name: the layer (impl="overlap", the
     default) runs as impl="collective" with no workspace ("no workspace"), matches the float32 oracle ("match"), and
     creating a workspace over the mesh is refused before anything is allocated ("refused: <error>").
@@ -99,6 +102,10 @@ def main():
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
   if case == "different_hosts" and pid == nproc - 1:
     socket.gethostname = lambda: "another-host"
+  if case == "late_first_call":
+    step = step.lower(args[0], args[2], args[3], args[4], args[1]).compile()
+    if pid == nproc - 1:
+      time.sleep(float(os.environ["JMO_LATE_S"]))
   (_, (y, dropped)), grads = jax.block_until_ready(step(args[0], args[2], args[3], args[4], args[1]))
   for ws in jmo.workspace.Workspace.cached():
     print(f"shm {ws.shm_prefix}", flush=True)

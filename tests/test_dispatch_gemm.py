@@ -371,8 +371,8 @@ def test_timeout_at_src_block_names_the_late_source_and_recovery_clears_the_coun
   late_ids = np.asarray(ids)[late * 16:(late + 1) * 16]
   assert set(np.unique(late_ids // (E // 4))) == {0, 1, 2, 3}
   run = lambda config: jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, config=config)[0])
-  fused, held = run(FUSED), run(CallConfig(timeout_ms=timeout_ms, delay_rank=late, delay_us=2_000_000,
-                                           dispatch_pushers=2))
+  fused, held = run(FUSED), run(CallConfig(timeout_ms=timeout_ms, first_call_timeout_ms=0,
+                                           delay_rank=late, delay_us=2_000_000, dispatch_pushers=2))
   good = np.asarray(fused(x, ids, gates, w1, w2))
   held.lower(x, ids, gates, w1, w2).compile()
   t0 = time.monotonic()

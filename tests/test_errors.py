@@ -173,7 +173,7 @@ def test_peer_that_never_arrives_times_out_then_recovers(inputs, late_rank):
   mesh = mesh_of(4)
   timeout_ms = 300
   # The late rank sleeps 3 s: its peers must report a timeout after ~0.3 s rather than wait.
-  late = jmo.CallConfig(timeout_ms=timeout_ms, delay_rank=late_rank, delay_us=3_000_000)
+  late = jmo.CallConfig(timeout_ms=timeout_ms, first_call_timeout_ms=0, delay_rank=late_rank, delay_us=3_000_000)
   f_late = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh, config=late))
   f_late.lower(x, ids, gates, w1, w2).compile()
   with pytest.raises(jax.errors.JaxRuntimeError) as err:
@@ -189,6 +189,30 @@ def test_peer_that_never_arrives_times_out_then_recovers(inputs, late_rank):
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
   for _ in range(3):
     np.testing.assert_array_equal(f(x, ids, gates, w1, w2)[0], y)
+
+
+def test_a_groups_first_call_waits_for_a_late_rank_up_to_its_own_bound(inputs):
+  """A group's ranks begin their first call on a workspace as far apart as their processes' compilations end: its
+  waits are bounded by first_call_timeout_ms, every later call's by timeout_ms; with first_call_timeout_ms = 0 the
+  first call too fails within timeout_ms."""
+  x, ids, gates, w1, w2 = inputs
+  mesh = mesh_of(4)
+  timeout_ms = 300
+  for first_ms, failing_epoch in ((20_000, 2), (0, 1)):
+    jmo.release_workspaces()  # a new workspace: the next call is the group's first (epoch 1)
+    late = jmo.CallConfig(timeout_ms=timeout_ms, first_call_timeout_ms=first_ms, delay_rank=2, delay_us=1_500_000)
+    f_late = jax.jit(lambda *a, late=late: jmo.moe_experts(*a, mesh=mesh, config=late))
+    f_late.lower(x, ids, gates, w1, w2).compile()
+    with pytest.raises(jax.errors.JaxRuntimeError) as err:
+      jax.block_until_ready(f_late(x, ids, gates, w1, w2))
+    msg = str(err.value)
+    # With the first call's bound, rank 2's 1.5 s in epoch 1 was waited for; epoch 2 (the next workspace call of the
+    # same step) times out. (The rank whose clock runs out first may be waiting for a peer that waits for rank 2.)
+    assert f"timed out after {timeout_ms} ms in epoch {failing_epoch} " in msg, msg
+  f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh))
+  y, _ = f(x, ids, gates, w1, w2)
+  y_ref, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl="reference")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_module_rejects_bad_configuration():
@@ -230,6 +254,10 @@ def test_call_config_refuses_bad_timeouts_and_delays():
   for bad in (0, -1, 1.5, "5", True, 2**41):
     with pytest.raises(ValueError, match=r"CallConfig.timeout_ms must be an int in \[1, 1099511627776\]"):
       jmo.CallConfig(timeout_ms=bad)
+  for bad in (-1, 1.5, "5", True, 2**41):
+    with pytest.raises(ValueError, match=r"CallConfig.first_call_timeout_ms must be an int in \[0, 1099511627776\]"):
+      jmo.CallConfig(first_call_timeout_ms=bad)
+  assert jmo.CallConfig(first_call_timeout_ms=0).first_call_timeout_ms == 0
   for kw in (dict(delay_rank=-2), dict(delay_rank=0.5), dict(delay_us=-1), dict(delay_us=1.0)):
     with pytest.raises(ValueError, match=r"CallConfig.delay_rank must be an int >= -1"):
       jmo.CallConfig(**kw)
@@ -248,6 +276,12 @@ def test_environment_defaults_refuse_values_they_do_not_know(monkeypatch):
   assert jmo.CallConfig().consumer_tuning.bulk_copy
   monkeypatch.setenv("JMO_TIMEOUT_MS", "5s")
   with pytest.raises(ValueError, match=r"\$JMO_TIMEOUT_MS must be an integer, got '5s'"):
+    jmo.CallConfig()
+  monkeypatch.delenv("JMO_TIMEOUT_MS")
+  monkeypatch.setenv("JMO_FIRST_CALL_TIMEOUT_MS", "1500")
+  assert jmo.CallConfig().first_call_timeout_ms == 1500
+  monkeypatch.setenv("JMO_FIRST_CALL_TIMEOUT_MS", "1m")
+  with pytest.raises(ValueError, match=r"\$JMO_FIRST_CALL_TIMEOUT_MS must be an integer, got '1m'"):
     jmo.CallConfig()
 
 

@@ -50,7 +50,8 @@ def test_every_ranks_counts_call_after_call():
 def test_a_late_peer_fails_the_exchange_naming_the_counts_stage_then_the_next_call_works():
   mesh = mesh_of(R)
   late_rank, timeout_ms = 2, 300
-  late = _exchanges(mesh, CallConfig(timeout_ms=timeout_ms, delay_rank=late_rank, delay_us=2_000_000), 1)
+  late = _exchanges(mesh, CallConfig(timeout_ms=timeout_ms, first_call_timeout_ms=0, delay_rank=late_rank,
+                                      delay_us=2_000_000), 1)
   counts = jnp.arange(R * R * (E // R), dtype=jnp.int32).reshape(1, R * R, E // R)
   with pytest.raises(jax.errors.JaxRuntimeError) as err:
     jax.block_until_ready(late(counts))

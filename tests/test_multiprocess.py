@@ -126,6 +126,16 @@ def test_killed_peer_inside_a_call_fails_the_others_within_the_timeout(nproc, lo
   assert _shm_left(outs) == []
 
 
+@pytest.mark.slow  # child processes compiling the layer again
+def test_a_process_that_begins_its_first_call_late_is_waited_for():
+  # The last process begins its first call 4 s after the others, past their 1 s timeout_ms: the group's first call
+  # waits up to first_call_timeout_ms (60 s by default) for it.
+  outs = run_processes(2, 1, "late_first_call", JMO_TIMEOUT_MS="1000", JMO_LATE_S="4")
+  for rc, out in outs:
+    assert rc == 0 and ": match" in out, out
+  assert _shm_left(outs) == []
+
+
 # A peer lost between calls in the slow pass: the default one keeps the peer killed inside a call.
 @pytest.mark.parametrize("case,nproc", [pytest.param("killed_between_calls", 2, marks=pytest.mark.slow),
                                         pytest.param("stopped_between_calls", 2, marks=pytest.mark.slow),

@@ -75,6 +75,7 @@ inline void ReadAttrs(AttrReader& r, CallAttrs* a) {
   CallOptions& o = a->options;
   r("workspace", &a->workspace);
   r("timeout_ms", &o.timeout_ms);
+  r("first_call_timeout_ms", &o.first_call_timeout_ms);
   r("delay_rank", &o.delay_rank);
   r("delay_us", &o.delay_us);
   r("consumer_ctas", &o.consumer_ctas);

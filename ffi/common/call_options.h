@@ -22,6 +22,8 @@ struct ConsumerTuning {
 
 struct CallOptions {
   int64_t timeout_ms = 10000;  // bound of every wait of the call
+  // The bound of a group's first call (epoch 1) is at least this (protocol.h, CallWaitBoundMs); 0: timeout_ms alone.
+  int64_t first_call_timeout_ms = 0;
   int32_t delay_rank = -1;     // testing aid: this rank is held back delay_us at the start of every call
   int64_t delay_us = 0;
   // expert_combine's consumer. consumer_ctas: 0 = the resource manager's choice (the workspace's model evaluated on
@@ -81,6 +83,9 @@ inline std::string CheckOptions(const CallOptions& o) {
   if (o.pushers < 0)
     return "pushers must be 0 (the library's choice) or a positive count of dispatch_gemm's pushing CTAs (no effect "
            "on CPU), got " + std::to_string(o.pushers);
+  if (o.first_call_timeout_ms < 0)
+    return "first_call_timeout_ms must be >= 0 (milliseconds; 0: timeout_ms alone), got " +
+           std::to_string(o.first_call_timeout_ms);
   if (!(o.emulated_link_gbps >= 0)) return "CallOptions::emulated_link_gbps must be >= 0";
   return {};
 }

@@ -30,7 +30,8 @@ ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int3
     return ffi::Unexpected(InvalidCall(std::string(op) + ": " + bad));
   if (opts.delay_rank == rank && opts.delay_us > 0)
     std::this_thread::sleep_for(std::chrono::microseconds(opts.delay_us));
-  CallContext c{ws, group, rank, opts, 0, Clock::now() + std::chrono::milliseconds(opts.timeout_ms)};
+  const Clock::time_point start = Clock::now();
+  CallContext c{ws, group, rank, opts, 0, start + std::chrono::milliseconds(opts.timeout_ms), opts.timeout_ms};
   ErrorRecord rec = ws->RecoverIfAborted(group, rank, c.deadline);
   if (rec.code)
     return ffi::Unexpected(
@@ -39,6 +40,8 @@ ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int3
   RankControl* ctl = ws->view(group, rank).control();
   c.epoch = ctl->calls.value + 1;  // only this rank writes `calls`
   AtomicStore(&ctl->calls.value, c.epoch);
+  c.bound_ms = CallWaitBoundMs(opts.timeout_ms, opts.first_call_timeout_ms, c.epoch);
+  c.deadline = start + std::chrono::milliseconds(c.bound_ms);
   // The CPU handlers keep their segments in vectors: no segment bound.
   if (std::string bad = CheckFits(need, ws->sizes(), ws->ranks(), INT64_MAX); !bad.empty())
     return ffi::Unexpected(Fail(c, InvalidCall(std::string(op) + ": " + bad)));
@@ -46,7 +49,7 @@ ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int3
 }
 
 ErrorRecord WaitFor(const CallContext& c, const uint64_t* word, uint64_t base, uint64_t count, int peer, Stage stage) {
-  return c.ws->WaitAtLeast(word, base, count, c.group, c.rank, peer, c.epoch, stage, c.deadline, c.opts.timeout_ms);
+  return c.ws->WaitAtLeast(word, base, count, c.group, c.rank, peer, c.epoch, stage, c.deadline, c.bound_ms);
 }
 
 ffi::Error Fail(const CallContext& c, ffi::Error err, BadInput detail, uint64_t peer, uint64_t got,
@@ -65,7 +68,7 @@ ffi::Error FailInput(const CallContext& c, const char* op, BadInput detail, uint
 
 ffi::Error TimeoutError(const char* op, const ErrorRecord& e, const CallContext& c) {
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                    FormatError(op, e, c.group, c.ws->ranks(), c.opts.timeout_ms, c.ws->shared(c.group)));
+                    FormatError(op, e, c.group, c.ws->ranks(), c.bound_ms, c.ws->shared(c.group)));
 }
 
 ffi::Error CheckSlots(const CallContext& c, const char* op, const int32_t* src_row, const int32_t* dst_rank,

@@ -16,13 +16,14 @@
 namespace jmo::cpu {
 
 // One call of a rank, as the CUDA launchers' CallSite: where it runs, its options, and the epoch it opened with the
-// deadline of its waits (now + opts.timeout_ms at its start).
+// bound of its waits (protocol.h's CallWaitBoundMs for that epoch) and their deadline (the call's start + the bound).
 struct CallContext {
   Workspace* ws;
   int group, rank;
   CallOptions opts;
   uint64_t epoch;
   Clock::time_point deadline;
+  int64_t bound_ms;
 };
 
 // Common start of every call: resolve the workspace (attrs.workspace), check rank/group and the options (CheckOptions: like a shape

@@ -141,7 +141,7 @@ ffi::Error GatherRsImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer lhs,
   job.group = c.group;
   job.rank = c.rank;
   job.deadline = c.deadline;
-  job.timeout_ms = c.opts.timeout_ms;
+  job.timeout_ms = c.bound_ms;
   job.run = [&c, &red, bf16] { return bf16 ? ReduceAndShip<uint16_t>(c, red) : ReduceAndShip<float>(c, red); };
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));

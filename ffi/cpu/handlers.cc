@@ -148,7 +148,7 @@ ffi::Error ExpertCombineImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer
   job.segments = ordered;
   job.row_bytes = row_bytes;
   job.deadline = c.deadline;
-  job.timeout_ms = c.opts.timeout_ms;
+  job.timeout_ms = c.bound_ms;
   job.serialize = c.opts.serialize;
   Consumer& consumer = ws->consumer(c.group, c.rank);
   consumer.Post(std::move(job));

@@ -20,6 +20,10 @@ Cases:
   fp8_dispatch: as fp8, with D = 512 and the dispatches fused too (call_site.FP8_FUSED_DISPATCH_ON_GPU set here:
     x's packed rows dispatched and multiplied by GEMM1 in one dispatch_gemm call, dy's with dh = dy W2^T in another,
     dispatch_gemm's FP8 kernel); prints "fused dispatch" when the program holds those calls.
+  late_first_call: as equal, the last process sleeping $JMO_LATE_S seconds between compiling the step and its first
+    call (as a process whose first batch comes later would): the others wait for it in the group's first call
+    (CallConfig.first_call_timeout_ms, the bound the BeginKernel sets for epoch 1 on the device), though
+    $JMO_TIMEOUT_MS is shorter.
   killed_between_calls: after one good call, the last process prints "losing rank <r> in process <p>" and kills
     itself (SIGKILL); the others then call again
     until a call fails (at most 3 calls) and print "failed after <seconds> s: <error>", then release the workspaces
@@ -114,6 +118,10 @@ def main():
       print(f"process {pid}: fused combine", flush=True)
     if hlo.count("@jmo_dispatch_gemm(") == 2:
       print(f"process {pid}: fused dispatch", flush=True)
+    if case == "late_first_call":
+      step = step.lower(*args).compile()
+      if pid == nproc - 1 and not results:
+        time.sleep(float(os.environ["JMO_LATE_S"]))
     first = jax.block_until_ready(step(*args))
     if case == "killed_between_calls":
       return lose_a_peer(step, args, devices)

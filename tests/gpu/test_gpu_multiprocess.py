@@ -78,6 +78,16 @@ def test_fp8_fused_dispatch_over_processes_matches_the_recipe():
 
 
 @pytest.mark.watchdog_s(600)
+def test_a_process_that_begins_its_first_call_late_is_waited_for():
+  # The last process begins its first call 6 s after the other, past its 2 s timeout_ms: the group's first call
+  # waits up to first_call_timeout_ms (60 s by default) for it; later calls keep the 2 s bound.
+  outs = run_processes(2, "one_gpu", "late_first_call", JMO_TIMEOUT_MS="2000", JMO_LATE_S="6")
+  for rc, out in outs:
+    assert rc == 0 and ": match (spans_processes=True)" in out, out[-4000:]
+  assert _shm_left(outs) == []
+
+
+@pytest.mark.watchdog_s(600)
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_peer_killed_between_calls_fails_the_survivor_within_the_timeout(placement):
   timeout_s = 3.0

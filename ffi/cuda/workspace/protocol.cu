@@ -13,8 +13,8 @@ namespace jmo::cuda {
 namespace {
 
 // captured: the call runs inside a CUDA graph (RankPrivate::captured).
-__global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* rank_op, int64_t timeout_ns,
-                            int64_t delay_ns, int captured) {
+__global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* rank_op, int64_t timeout_ms,
+                            int64_t first_call_timeout_ms, int64_t delay_ns, int captured) {
   RankPrivate* p = rd.priv;
   // A CUDA graph replayed after its workspace was released: stop before touching the freed blocks.
   if (LoadVolatile(&p->released) != 0) __trap();
@@ -28,8 +28,9 @@ __global__ void BeginKernel(RankDev rd, const int32_t* group_op, const int32_t* 
   *reinterpret_cast<volatile uint64_t*>(&ctl->calls.value) = epoch;
   p->epoch = epoch;
   p->captured = captured ? 1 : 0;
-  p->deadline_ns = GlobalTimer() + static_cast<uint64_t>(timeout_ns);
-  p->timeout_ms = static_cast<uint64_t>(timeout_ns / 1000000);
+  const int64_t bound_ms = CallWaitBoundMs(timeout_ms, first_call_timeout_ms, epoch);
+  p->deadline_ns = GlobalTimer() + static_cast<uint64_t>(bound_ms) * 1000000ull;
+  p->timeout_ms = static_cast<uint64_t>(bound_ms);
   p->prod_t0 = p->cons_t0 = p->comb_t0 = ~0ull;
   p->prod_t1 = p->cons_t1 = p->prod_t0_last = p->comb_t1 = p->push_t1 = p->link_t0 = p->link_bytes = 0;
   p->gemm_wait_ns = p->gemm_wait_own_ns = p->gemm_stall_ns[0] = p->gemm_stall_ns[1] = p->ctas = 0;
@@ -69,7 +70,8 @@ Status BeginCall(const CallSite& c, const char* op, const CallFootprint& need, c
   if (!s.ok()) return s;
   const int64_t delay_ns = (c.opts.delay_rank == c.rank && c.opts.delay_us > 0) ? c.opts.delay_us * 1000 : 0;
   BeginKernel<<<1, 1, 0, c.stream>>>(c.ws->Dev(c.group, c.rank), group_op, rank_op,
-                                     std::max<int64_t>(1, c.opts.timeout_ms) * 1000000, delay_ns, captured ? 1 : 0);
+                                     std::max<int64_t>(1, c.opts.timeout_ms), c.opts.first_call_timeout_ms, delay_ns,
+                                     captured ? 1 : 0);
   s = LaunchError("launch of BeginKernel");
   if (!s.ok()) return s;
   c.opened = true;

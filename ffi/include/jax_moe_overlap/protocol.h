@@ -40,9 +40,10 @@
 // never copies them (at EP = 1 every row is local and no copy is left). Likewise a dispatch in a group of one rank
 // stores its rows straight into the call's output (no recv rows), still counting them into its recv_arrivals; step 4
 // then only zeroes the output's rows past them.
-// Every wait is bounded by the call's timeout. A rank whose wait expires (or whose inputs fail validation) records
-// an ErrorRecord and raises the group's abort word to the failing epoch, so every other waiter of the group gives
-// up too instead of waiting out its own timeout. A rank that only now starts that failed epoch fails it at once.
+// Every wait is bounded by the call's timeout (CallWaitBoundMs: a group's first call may wait longer). A rank whose
+// wait expires (or whose inputs fail validation) records an ErrorRecord and raises the group's abort word to the
+// failing epoch, so every other waiter of the group gives up too instead of waiting out its own timeout. A rank that
+// only now starts that failed epoch fails it at once.
 // A rank starting a later call first meets all R ranks at a host barrier, and the last to arrive resets all
 // control words and flags to zero (epochs restart at 1); only then does anyone write again.
 //
@@ -156,6 +157,16 @@ JMO_HD inline int64_t SrcBlocks(int64_t ret_rows) { return (ret_rows + kSrcBlock
 JMO_HD inline uint64_t RecvFrom(uint64_t epoch, int64_t row) { return (epoch << 32) | (uint64_t)(uint32_t)row; }
 JMO_HD inline bool RecvFromOfEpoch(uint64_t entry, uint64_t epoch) { return (entry >> 32) == (epoch & 0xffffffffu); }
 JMO_HD inline int64_t RecvFromRow(uint64_t entry) { return (int64_t)(uint32_t)entry; }
+
+// The bound of every wait of a call with this epoch: timeout_ms, or for epoch 1 (the group's first call, or its first
+// after a recovery) at least first_call_timeout_ms. Before a group's first call its ranks have not met since the
+// workspace was set up: in a job of several processes each finishes compiling and produces its first batch on its
+// own in the meantime, so they begin that call as far apart as those end, while later calls follow one another. After
+// a recovery the ranks have just met at the host barrier; the longer bound then only delays the report of another
+// failure in that call.
+JMO_HD inline int64_t CallWaitBoundMs(int64_t timeout_ms, int64_t first_call_timeout_ms, uint64_t epoch) {
+  return epoch == 1 && first_call_timeout_ms > timeout_ms ? first_call_timeout_ms : timeout_ms;
+}
 
 struct RankControl {
   Word calls;              // epochs started by this rank (written by this rank only)
