@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -176,6 +177,7 @@ class Run {
     res_.dg_sweep_pushers.assign(s_.dg_sweep.size(), std::vector<int>(R_, 0));
     res_.gemm_us.assign(R_, {});
     have_first_.assign(nd * R_, 0);
+    first_launch_.assign(R_, FirstLaunch{});
 
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> threads;
@@ -217,7 +219,20 @@ class Run {
     if (res_.errors.size() < 20) res_.errors.push_back(m);
     stop_ = true;
   }
-  std::string Where(int r, int it) const { return "rank " + std::to_string(r) + " iter " + std::to_string(it); }
+  // A failure of the first iteration also says when that rank's first call was launched, on the host, after the
+  // barrier released the ranks: a launch that began or ended seconds late tells a rank thread held up on the host from
+  // a kernel that waited on the device (a rank whose first call begins after its group failed does nothing).
+  std::string Where(int r, int it) const {
+    std::string w = "rank " + std::to_string(r) + " iter " + std::to_string(it);
+    const FirstLaunch& f = first_launch_[r];
+    if (it != 0 || f.end.time_since_epoch().count() == 0) return w;
+    auto ms = [&](std::chrono::steady_clock::time_point t) {
+      char b[32];
+      std::snprintf(b, sizeof(b), "%.1f", std::chrono::duration<double, std::milli>(t - f.released).count());
+      return std::string(b);
+    };
+    return w + " (its first call launched " + ms(f.begin) + " .. " + ms(f.end) + " ms after the barrier)";
+  }
 
   void Upload() {
     dsets_.assign(data_.size(), std::vector<DeviceSet>(R_));
@@ -465,7 +480,10 @@ class Run {
     LB_CHECK(cudaMemsetAsync(out_slot_[r], 0xFF, SlotBytes(), stream));
     if (dg_) LB_CHECK(cudaMemsetAsync(out_a_[r], 0xFF, h.a.n, stream));
     if (h.pre.n) LB_CHECK(cudaMemsetAsync(out_pre_[r], 0xFF, h.pre.n, stream));
+    FirstLaunch& fl = first_launch_[r];
+    if (it == 0) fl.begin = std::chrono::steady_clock::now();
     Status s = Dispatch(r, site, d);
+    if (it == 0) fl.end = std::chrono::steady_clock::now();
     if (!s.ok()) return Fail(Where(r, it) + " dispatch: " + s.msg);
     s = Combine(r, site, d);
     if (!s.ok()) return Fail(Where(r, it) + " expert_combine: " + s.msg);
@@ -672,6 +690,7 @@ class Run {
         Fail("rank " + std::to_string(r) + ": peers did not reach the barrier after allocating their host buffers");
         return;
       }
+      first_launch_[r].released = std::chrono::steady_clock::now();
       for (int it = 0; it < s_.iters && !stop_; ++it) {
         if (it == s_.timeout_at && !ForcedTimeout(r, site, dsets_[it % data_.size()][r])) break;
         CheckedCall(r, it, site, h);
@@ -703,6 +722,10 @@ class Run {
   std::vector<void*> out_recv_, out_y_, out_slot_, out_a_, out_a2_, out_pre_, out_pre2_, out_recv2_, out_gemm2_,
       rank_op_, group_op_;
   std::vector<char> have_first_;
+  struct FirstLaunch {  // host times of a rank's first call (the dispatch of iteration 0): see Where
+    std::chrono::steady_clock::time_point released, begin, end;
+  };
+  std::vector<FirstLaunch> first_launch_;  // [rank]
   std::mutex mu_;
   std::atomic<int64_t> calls_{0};
   std::atomic<bool> stop_{false};  // after a failure the ranks' calls no longer pair up: stop the case
