@@ -199,14 +199,20 @@ def test_a_groups_first_call_waits_for_a_late_rank_up_to_its_own_bound(inputs):
   mesh = mesh_of(4)
   timeout_ms = 300
   for first_ms, failing_epoch in ((20_000, 2), (0, 1)):
-    jmo.release_workspaces()  # a new workspace: the next call is the group's first (epoch 1)
-    late = jmo.CallConfig(timeout_ms=timeout_ms, first_call_timeout_ms=first_ms, delay_rank=2, delay_us=1_500_000)
+    # A new workspace: the next call is the group's first (epoch 1). Releasing the one whose program just failed says
+    # so in a warning.
+    if failing_epoch == 1:
+      with pytest.warns(RuntimeWarning, match=r"releasing Workspace\(.*\) after a program that failed"):
+        jmo.release_workspaces()
+    else:
+      jmo.release_workspaces()
+    late = jmo.CallConfig(timeout_ms=timeout_ms, first_call_timeout_ms=first_ms, delay_rank=2, delay_us=1_000_000)
     f_late = jax.jit(lambda *a, late=late: jmo.moe_experts(*a, mesh=mesh, config=late))
     f_late.lower(x, ids, gates, w1, w2).compile()
     with pytest.raises(jax.errors.JaxRuntimeError) as err:
       jax.block_until_ready(f_late(x, ids, gates, w1, w2))
     msg = str(err.value)
-    # With the first call's bound, rank 2's 1.5 s in epoch 1 was waited for; epoch 2 (the next workspace call of the
+    # With the first call's bound, rank 2's 1 s in epoch 1 was waited for; epoch 2 (the next workspace call of the
     # same step) times out. (The rank whose clock runs out first may be waiting for a peer that waits for rank 2.)
     assert f"timed out after {timeout_ms} ms in epoch {failing_epoch} " in msg, msg
   f = jax.jit(lambda *a: jmo.moe_experts(*a, mesh=mesh))
