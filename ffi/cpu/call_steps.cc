@@ -30,6 +30,7 @@ ffi::ErrorOr<CallContext> BeginCall(const char* op, const CallAttrs& attrs, int3
     return ffi::Unexpected(InvalidCall(std::string(op) + ": " + bad));
   if (opts.delay_rank == rank && opts.delay_us > 0)
     std::this_thread::sleep_for(std::chrono::microseconds(opts.delay_us));
+  // The recovery's barrier is bounded by timeout_ms; the epoch's waits, once the epoch is known, by its bound.
   const Clock::time_point start = Clock::now();
   CallContext c{ws, group, rank, opts, 0, start + std::chrono::milliseconds(opts.timeout_ms), opts.timeout_ms};
   ErrorRecord rec = ws->RecoverIfAborted(group, rank, c.deadline);

@@ -439,9 +439,9 @@ def _dispatch_gemm_shapes(base: Case) -> list[Case]:
 
 
 def _dispatch_gemm_variants(base: Case) -> list[Case]:
-  # dispatch-gemm-shapes' Mixtral-like R = 4 case (its first run, 2026-12-06: rank 1's GEMM timed out waiting for a
-  # block of rows from rank 3) checked untimed as it is and with one thing changed each: P pinned low and high, no
-  # link, a narrower GEMM1 (N = 4096), inference and plain modes, half the tokens; a 2 s timeout per call.
+  # dispatch-gemm-shapes' Mixtral-like R = 4 case (its largest buffers) checked untimed as it is and with one thing
+  # changed each: P pinned low and high, no link, a narrower GEMM1 (N = 4096), inference and plain modes, half the
+  # tokens; a 2 s timeout per call. Where the case fails, which change makes it pass tells the harness from the kernel.
   case = dataclasses.replace(_dispatch_gemm_shapes(base)[1], time=False, table=False, timeout_ms=2000)
   assert case.ranks == 4 and case.experts == 8, case.name()
   changes = (dict(), dict(dispatch_gemm_pushers=2), dict(dispatch_gemm_pushers=8), dict(link_gbps=0.0),

@@ -15,8 +15,8 @@
   python -m tools.loopback.run --suite dispatch-gemm-time-fp8   dispatch-gemm-time on packed e4m3 rows
   python -m tools.loopback.run --suite dispatch-gemm-shapes     its training forward at Mixtral- and DeepSeek-like
                                                                 shapes, R = 2 and 4 over the emulated NVLink
-  python -m tools.loopback.run --suite dispatch-gemm-variants   its Mixtral-like R = 4 case (a timeout in its first
-                                                                run) untimed, as it is and with one thing changed each
+  python -m tools.loopback.run --suite dispatch-gemm-variants   its Mixtral-like R = 4 case untimed, as it is and
+                                                                with one thing changed each
   python -m tools.loopback.run --suite dispatch-gemm-shapes-fp8 the same on packed e4m3 rows (x_recv stored by the
                                                                 tiles, then copied by the side units)
   python -m tools.loopback.run --suite combine-time         expert_combine vs its serialized form and GEMM2 alone,
