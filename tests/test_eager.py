@@ -167,6 +167,7 @@ def test_eager_module_grad_of_a_plain_x_on_explicit_mesh_under_set_mesh():
   np.testing.assert_allclose(grads["overlap"], grads["reference"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the default pass's longest test (about 37 s on 2 cores): CI's slow pass runs it
 def test_overlap_under_disable_jit_and_workspace_calls_in_an_eager_shard_map():
   """impl="overlap" under jax.disable_jit() runs its forward program compiled (the reference's result); a gradient
   taken there and a workspace call in an eager shard_map are refused naming the fix. Compiled op by op, each would
