@@ -22,11 +22,11 @@ def _all_cases():
     for i, c in enumerate(cases_lib.suite(name, base, producer_path=lambda c: "mma.sync bf16")):
       # combine-time and backward-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in
       # the slow pass; tensor-time, the tensor suite's GatherRS cases (plans like its per-slot cases') and the
-      # regret suite's parts run alone (regret-gather, regret-push: the regret suite's own cases) and
-      # dispatch-gemm-variants (one of dispatch-gemm-shapes' plans, changed) in the slow pass
+      # regret suite's parts run alone (regret-gather, regret-push: the regret suite's own cases),
+      # dispatch-gemm-variants and regret-push-shapes (dispatch-gemm-shapes' plans) in the slow pass
       slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
               name == "tensor-time" or c.gather_rs or
-              name in ("regret-gather", "regret-push", "dispatch-gemm-variants"))
+              name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
@@ -784,8 +784,12 @@ def test_timing_suites_align_the_ranks_where_they_say():
   assert [c.ranks for c in aligned] == [2, 4, 8] and all(c.link_gbps > 0 and c.name().endswith(" aligned")
                                                          for c in aligned)
   assert len({c.name() for c in dg}) == len(dg)  # every case's line its own (the send-once copies end in send_once)
-  for c in cases_lib.suite("regret-push", cases_lib.Case()):
+  for c in cases_lib.suite("regret-push", cases_lib.Case()) + cases_lib.suite("regret-push-shapes", cases_lib.Case()):
     assert c.per_call_stats and c.sweep_passes == 3 and c.dg_sweep == cases_lib.REGRET_P + (0,)
+  # regret-push-shapes: dispatch-gemm-shapes' cases, each with the sweep.
+  shapes = cases_lib.suite("dispatch-gemm-shapes", cases_lib.Case())
+  swept = cases_lib.suite("regret-push-shapes", cases_lib.Case())
+  assert [dataclasses.replace(c, dg_sweep=(), sweep_passes=1, per_call_stats=False) for c in swept] == shapes
 
 
 def test_regret_suite_covers_gather_rs():

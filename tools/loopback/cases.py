@@ -325,7 +325,7 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
-          "regret-push", "tensor", "tensor-time", "small", "small-mma")
+          "regret-push", "regret-push-shapes", "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -585,6 +585,14 @@ def _regret_push(base: Case) -> list[Case]:
           for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0))]
 
 
+def _regret_push_shapes(base: Case) -> list[Case]:
+  # regret-push's sweep on dispatch-gemm-shapes' cases (Mixtral- and DeepSeek-like, R = 2 and 4 over the emulated
+  # NVLink): the pusher model's choice where a row is narrow against its GEMM (Mixtral-like: D = 1024, 2F = 28672)
+  # and where it is wide with many small segments (DeepSeek-like: 64 experts, top-8, 2F = 4096).
+  return [dataclasses.replace(c, dg_sweep=REGRET_P + (0,), sweep_passes=3, per_call_stats=True)
+          for c in _dispatch_gemm_shapes(base)]
+
+
 # gather_rs's regret cases: (expert ranks, tensor ranks) of R = 4 as 2 x 2 and R = 8 as 4 x 2 and 2 x 4, each in
 # bfloat16 (the wgmma engine: the model's C) and float32 (the SIMT engine, which the calibration does not describe: the
 # workspace's fixed C, reported apart), with the tokens per rank of each dtype.
@@ -747,6 +755,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _regret_gather(base)
   if name == "regret-push":  # regret's dispatch_gemm cases alone
     return _regret_push(base)
+  if name == "regret-push-shapes":
+    return _regret_push_shapes(base)
   if name == "tensor":
     return _tensor(base)
   if name == "tensor-time":

@@ -41,6 +41,8 @@
   python -m tools.loopback.run --suite regret-push      its dispatch_gemm cases alone: P at R = 2, 4, 8 over the
                                                         emulated NVLink and at R = 2 at HBM speed, the sweep timed
                                                         in three interleaved passes
+  python -m tools.loopback.run --suite regret-push-shapes   the same sweep on dispatch-gemm-shapes' Mixtral- and
+                                                            DeepSeek-like cases at R = 2 and 4
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts,
                                                     the shards' partials summed per slot and by GatherRS
