@@ -10,7 +10,7 @@ run used, the picks are the run's own (its "host mirror agrees"), which --check 
 
 LOG is the suite's output (its REGRET lines, in case order); --calibration defaults to the file the library loads on
 --gpu (tools/loopback/cases.py's use_device_calibration). Covers the suites whose rows are expert_combine's C or
-dispatch_gemm's P (regret-combine, regret-push); not gather_rs's.
+dispatch_gemm's P (regret-combine, regret-push, regret-push-shapes); not gather_rs's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import numpy as np
 from tools.loopback import cases as cases_lib
 from tools.loopback import regret as regret_lib
 
-SUITES = ("regret-combine", "regret-push")
+SUITES = ("regret-combine", "regret-push", "regret-push-shapes")
+PUSH_SUITES = ("regret-push", "regret-push-shapes")  # (their rows are P; the others' C)
 _REGRET = re.compile(r"REGRET (C|P) model (\S+) \(host mirror [^)]*\) ([\d.]+) us \| best pinned \S+=(\d+) ([\d.]+) us "
                      r"\| regret \S+% \| pinned us ([\d.: ]+?)(?: \| .*)?$")  # (regret.line's trailing fields)
 
@@ -66,7 +67,7 @@ def estimate(suite: str, rows: list[LoggedRow], sms: int) -> list[dict]:
   and, where they are one pinned count, the regret that count had in the run. rows: the log's REGRET lines (those
 of the suite's kind, C or P, are taken in order)."""
   cases = cases_lib.suite(suite, cases_lib.Case())
-  rows = [r for r in rows if r.what == ("P" if suite == "regret-push" else "C")]   # (a log may hold both suites)
+  rows = [r for r in rows if r.what == ("P" if suite in PUSH_SUITES else "C")]   # (a log may hold both suites)
   if len(cases) != len(rows):
     raise ValueError(f"{suite} has {len(cases)} cases but the log has {len(rows)} REGRET lines")
   out = []
