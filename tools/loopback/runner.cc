@@ -219,13 +219,14 @@ class Run {
     if (res_.errors.size() < 20) res_.errors.push_back(m);
     stop_ = true;
   }
-  // A failure of the first iteration also says when that rank's first call was launched, on the host, after the
-  // barrier released the ranks: a launch that began or ended seconds late tells a rank thread held up on the host from
-  // a kernel that waited on the device (a rank whose first call begins after its group failed does nothing).
+  // A failure of the first or second iteration (a failure on the device is reported by the rank's next call) also
+  // says when that rank's first call was launched, on the host, after the barrier released the ranks: a launch that
+  // began or ended seconds late tells a rank thread held up on the host from a kernel that waited on the device (a
+  // rank whose first call begins after its group failed does nothing).
   std::string Where(int r, int it) const {
     std::string w = "rank " + std::to_string(r) + " iter " + std::to_string(it);
     const FirstLaunch& f = first_launch_[r];
-    if (it != 0 || f.end.time_since_epoch().count() == 0) return w;
+    if (it > 1 || f.end.time_since_epoch().count() == 0) return w;
     auto ms = [&](std::chrono::steady_clock::time_point t) {
       char b[32];
       std::snprintf(b, sizeof(b), "%.1f", std::chrono::duration<double, std::milli>(t - f.released).count());
