@@ -209,6 +209,8 @@ class Run {
     res_.fixed_consumers = std::max(1, std::min(ws_->consumer_ctas(), res_.budget - 1));
     for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
     streams_.clear();
+    for (cudaEvent_t e : first_ready_) cudaEventDestroy(e);
+    first_ready_.clear();
     ws_.reset();
     LB_CHECK(cudaGetLastError());
   }
@@ -220,9 +222,10 @@ class Run {
     stop_ = true;
   }
   // A failure of the first or second iteration (a failure on the device is reported by the rank's next call) also
-  // says when that rank's first call was launched, on the host, after the barrier released the ranks: a launch that
-  // began or ended seconds late tells a rank thread held up on the host from a kernel that waited on the device (a
-  // rank whose first call begins after its group failed does nothing).
+  // says when that rank's first call was launched, on the host, after the barrier released the ranks, and when its
+  // stream reached that call on the device, after the first rank's did (first_ready_): a launch that began or ended
+  // seconds late tells a rank thread held up on the host, a stream that reached the call seconds late one held up on
+  // the device, from a kernel that waited (a rank whose first call begins after its group failed does nothing).
   std::string Where(int r, int it) const {
     std::string w = "rank " + std::to_string(r) + " iter " + std::to_string(it);
     const FirstLaunch& f = first_launch_[r];
@@ -232,7 +235,21 @@ class Run {
       std::snprintf(b, sizeof(b), "%.1f", std::chrono::duration<double, std::milli>(t - f.released).count());
       return std::string(b);
     };
-    return w + " (its first call launched " + ms(f.begin) + " .. " + ms(f.end) + " ms after the barrier)";
+    w += " (its first call launched " + ms(f.begin) + " .. " + ms(f.end) + " ms after the barrier";
+    // The device side: this rank's event against every rank's, each recorded before its first dispatch (NotReady:
+    // a rank that has not got that far, or whose stream has not).
+    float behind = 0.0f;
+    for (int q = 0; q < R_; ++q) {
+      float d = 0.0f;
+      if (cudaEventElapsedTime(&d, first_ready_[q], first_ready_[r]) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return w + ")";
+      }
+      behind = std::max(behind, d);
+    }
+    char b[64];
+    std::snprintf(b, sizeof(b), "; its stream reached it %.1f ms after the first rank's)", behind);
+    return w + b;
   }
 
   void Upload() {
@@ -277,6 +294,8 @@ class Run {
       }
     streams_.resize(R_);
     for (auto& st : streams_) LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    first_ready_.resize(R_);
+    for (auto& e : first_ready_) LB_CHECK(cudaEventCreate(&e));
     out_recv_.assign(R_, nullptr);
     out_y_ = out_slot_ = out_a_ = out_a2_ = out_pre_ = out_pre2_ = out_recv2_ = out_gemm2_ = rank_op_ = group_op_ =
         out_recv_;
@@ -482,7 +501,10 @@ class Run {
     if (dg_) LB_CHECK(cudaMemsetAsync(out_a_[r], 0xFF, h.a.n, stream));
     if (h.pre.n) LB_CHECK(cudaMemsetAsync(out_pre_[r], 0xFF, h.pre.n, stream));
     FirstLaunch& fl = first_launch_[r];
-    if (it == 0) fl.begin = std::chrono::steady_clock::now();
+    if (it == 0) {
+      LB_CHECK(cudaEventRecord(first_ready_[r], stream));
+      fl.begin = std::chrono::steady_clock::now();
+    }
     Status s = Dispatch(r, site, d);
     if (it == 0) fl.end = std::chrono::steady_clock::now();
     if (!s.ok()) return Fail(Where(r, it) + " dispatch: " + s.msg);
@@ -727,6 +749,7 @@ class Run {
     std::chrono::steady_clock::time_point released, begin, end;
   };
   std::vector<FirstLaunch> first_launch_;  // [rank]
+  std::vector<cudaEvent_t> first_ready_;   // [rank]: recorded on the rank's stream before its first dispatch
   std::mutex mu_;
   std::atomic<int64_t> calls_{0};
   std::atomic<bool> stop_{false};  // after a failure the ranks' calls no longer pair up: stop the case
