@@ -26,7 +26,6 @@ from tools.loopback import cases as cases_lib
 from tools.loopback import regret as regret_lib
 
 SUITES = ("regret-combine", "regret-push", "regret-push-shapes")
-PUSH_SUITES = ("regret-push", "regret-push-shapes")  # (their rows are P; the others' C)
 _REGRET = re.compile(r"REGRET (C|P) model (\S+) \(host mirror [^)]*\) ([\d.]+) us \| best pinned \S+=(\d+) ([\d.]+) us "
                      r"\| regret \S+% \| pinned us ([\d.: ]+?)(?: \| .*)?$")  # (regret.line's trailing fields)
 
@@ -67,7 +66,8 @@ def estimate(suite: str, rows: list[LoggedRow], sms: int) -> list[dict]:
   and, where they are one pinned count, the regret that count had in the run. rows: the log's REGRET lines (those
 of the suite's kind, C or P, are taken in order)."""
   cases = cases_lib.suite(suite, cases_lib.Case())
-  rows = [r for r in rows if r.what == ("P" if suite in PUSH_SUITES else "C")]   # (a log may hold both suites)
+  what = "P" if cases and all(c.dg for c in cases) else "C"   # (dispatch_gemm's cases sweep P, the others C)
+  rows = [r for r in rows if r.what == what]   # (a log may hold both suites)
   if len(cases) != len(rows):
     raise ValueError(f"{suite} has {len(cases)} cases but the log has {len(rows)} REGRET lines")
   out = []
