@@ -26,7 +26,8 @@ def _all_cases():
       # dispatch-gemm-variants and regret-push-shapes (dispatch-gemm-shapes' plans) in the slow pass
       slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
               name == "tensor-time" or c.gather_rs or
-              name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes"))
+              name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes",
+                       "dispatch-gemm-order"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
@@ -790,6 +791,14 @@ def test_timing_suites_align_the_ranks_where_they_say():
   shapes = cases_lib.suite("dispatch-gemm-shapes", cases_lib.Case())
   swept = cases_lib.suite("regret-push-shapes", cases_lib.Case())
   assert [dataclasses.replace(c, dg_sweep=(), sweep_passes=1, per_call_stats=False) for c in swept] == shapes
+  # dispatch-gemm-order: those cases and dispatch-gemm-time's linked R = 2, 4, 8 ones, aligned, the two phases then
+  # expert-major next to each other.
+  ordered = cases_lib.suite("dispatch-gemm-order", cases_lib.Case())
+  assert [c.producer_order for c in ordered] == [1, 2] * (len(ordered) // 2)
+  assert all(c.per_call_stats and c.dg and c.time and c.table for c in ordered)
+  linked = [c for c in dg if c.link_gbps > 0 and c.send_once != 1 and c.dispatch_gemm_pushers == cases_lib.AUTO
+            and not c.per_call_stats]
+  assert [dataclasses.replace(c, producer_order=0, per_call_stats=False) for c in ordered[::2]] == shapes + linked
 
 
 def test_regret_suite_covers_gather_rs():

@@ -52,11 +52,13 @@ struct CallOptions {
   // Never set by the library's Python API; no effect on CPU or on other GEMM engines.
   int32_t producer_band_m = 0;
   // Benchmark aid of the loopback harness: the order of expert_combine's wgmma producer tiles over its segments
-  // (UseExpertMajor, cuda/ops/expert_producer.cuh). 0: the rule; 1: the segment table's order (remote sources first,
-  // a source's segments by expert, each tiled apart: every expert's weight streamed once per source); 2:
-  // expert-major (each expert's rows tiled as one range across its sources: each weight slab shared while they run).
+  // (UseExpertMajor, cuda/ops/expert_producer.cuh) and of dispatch_gemm's GEMM tiles (ExpertMajorDg,
+  // cuda/ops/dispatch_gemm.cu). 0: the rule; 1: the segment table's order (remote sources first, a source's segments
+  // by expert, each tiled apart: every expert's weight streamed once per source), dispatch_gemm's two phases (the
+  // m-tiles of own rows alone first, then the others: every expert's weight streamed once per phase); 2: expert-major
+  // (each expert's rows tiled as one range across its sources: each weight slab shared while they run).
   // Never set by the library's Python API; no effect on CPU, on gather_rs (whose consumer reduces a source's rows as
-  // one) or on other GEMM engines.
+  // one), on dispatch_gemm with send once (its phases stay) or on other GEMM engines.
   int32_t producer_order = 0;
 };
 

@@ -118,8 +118,9 @@ class Case:
   # > 0: expert_combine's and gather_rs's wgmma producer goes in raster bands of this many row blocks
   # (CallOptions::producer_band_m); 0: the library's rule.
   producer_band_m: int = 0
-  # expert_combine's wgmma producer tile order over its segments (CallOptions::producer_order): 1 the segment table's
-  # (sources first), 2 expert-major; 0: the library's rule.
+  # expert_combine's wgmma producer tile order over its segments and dispatch_gemm's over its m-tiles
+  # (CallOptions::producer_order): 1 the segment table's (sources first; dispatch_gemm: the own rows' m-tiles first),
+  # 2 expert-major; 0: the library's rule.
   producer_order: int = 0
   # With `tensor` > 1: the shards' partials summed by gather_rs (GEMM2 + GatherRS, docs/design.md "GatherRS") in
   # expert_combine's place (tools/loopback/tensor.py gather_tables); its rows output is checked in the slot output's
@@ -325,7 +326,7 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
-          "regret-push", "regret-push-shapes", "tensor", "tensor-time", "small", "small-mma")
+          "regret-push", "regret-push-shapes", "dispatch-gemm-order", "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -585,6 +586,16 @@ def _regret_push(base: Case) -> list[Case]:
           for R, link in ((2, NVLINK_GBPS / 2), (4, NVLINK_GBPS / 4), (8, NVLINK_GBPS / 8), (2, 0.0))]
 
 
+def _dispatch_gemm_order(base: Case) -> list[Case]:
+  # dispatch_gemm's GEMM tile order (CallOptions::producer_order; cuda/ops/dispatch_gemm.cu ExpertMajorDg):
+  # dispatch-gemm-shapes' cases and dispatch-gemm-time's linked training forwards at R = 2 and 4 and its R = 8
+  # inference forward, each with the two phases (1: the own rows' m-tiles first) and then expert-major (2) next to
+  # each other, every timed call started together on every rank.
+  dg_time = _dispatch_gemm_time(base)
+  return [dataclasses.replace(c, per_call_stats=True, producer_order=order)
+          for c in _dispatch_gemm_shapes(base) + [dg_time[i] for i in (3, 5, 6)] for order in (1, 2)]
+
+
 def _regret_push_shapes(base: Case) -> list[Case]:
   # regret-push's sweep on dispatch-gemm-shapes' cases (Mixtral- and DeepSeek-like, R = 2 and 4 over the emulated
   # NVLink): the pusher model's choice where a row is narrow against its GEMM (Mixtral-like: D = 1024, 2F = 28672)
@@ -757,6 +768,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _regret_push(base)
   if name == "regret-push-shapes":
     return _regret_push_shapes(base)
+  if name == "dispatch-gemm-order":
+    return _dispatch_gemm_order(base)
   if name == "tensor":
     return _tensor(base)
   if name == "tensor-time":

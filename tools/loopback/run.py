@@ -43,6 +43,9 @@
                                                         in three interleaved passes
   python -m tools.loopback.run --suite regret-push-shapes   the same sweep on dispatch-gemm-shapes' Mixtral- and
                                                             DeepSeek-like cases at R = 2 and 4
+  python -m tools.loopback.run --suite dispatch-gemm-order  dispatch_gemm's GEMM tile order: the own rows' m-tiles
+                                                            first, then expert-major, at dispatch-gemm-shapes' cases
+                                                            and dispatch-gemm-time's linked ones, calls aligned
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts,
                                                     the shards' partials summed per slot and by GatherRS

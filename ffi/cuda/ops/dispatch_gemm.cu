@@ -81,6 +81,7 @@ struct DispatchGemmArgs {
   bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
                              // kXRecvFromTiles (CallOptions::x_recv_from_tiles where x_recv is kept)
   int band_m;                // row blocks per raster band of the GEMM's tiles (BandRaster; CallOptions::producer_band_m)
+  int order;                 // the GEMM's tile order: ExpertMajorDg's (CallOptions::producer_order)
   bool a_bf16;               // bf16 kSwiGlu: a is [cap, N] bf16 (DispatchGemmOut::a_bf16), else float32
 };
 
@@ -220,6 +221,8 @@ __device__ inline int64_t FirstKeptPosition(const TableScratch& sc, int R, int E
 // the order the sources push to this rank within a round (MergedMTile): source s pushes round J to rank d as its
 // unit J (R - 1) + (d - s - 1 mod R), so within a round the rows of source d - 1 come first, then d - 2, ..., and the
 // own rows (there from the start) lead them all.
+// Expert-major (ExpertMajorDg): phase A is empty and phase B holds every m-tile, the own ones first (round 0), so
+// that each expert's m-tiles run as one band and its weight slabs stream once instead of once per phase.
 struct DgSchedule {
   int32_t row0[kMaxSegments], rows[kMaxSegments], own_lo[kMaxSegments], own_hi[kMaxSegments];
   int32_t pre_a[kMaxSegments + 1], pre_b[kMaxSegments + 1];
@@ -227,19 +230,45 @@ struct DgSchedule {
   int32_t col_tiles, ranks, rank;
 };
 
-// Every thread calls it (one per expert, and block scans).
-__device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, int E_l, int col_tiles, DgSchedule* d,
+// Whether the GEMM goes expert-major (DgSchedule). order (CallOptions::producer_order): 2 pins it, 1 pins the phases;
+// 0, the rule: where the phases stream the weights at least twice as often as expert-major order, counting a weight
+// pass per band of band_m m-tiles (the sum over the experts of ceil(own m-tiles / band_m) + ceil(others / band_m),
+// against ceil(m-tiles / band_m)): many experts with few rows from each source, where the GEMM is bound by its weight
+// reads (at the DeepSeek-like shape phase A reads every weight once and phase B again). Where each phase already fills
+// whole bands expert-major saves no pass, and phase A keeps the GEMM busy while the first remote rows arrive. Send
+// once keeps the phases (its side units expand phase B's m-tiles, which must not hold own rows alone).
+// own_m, mt: this thread's expert's own m-tiles and m-tiles (0 past E_l). Every thread calls it; all get the same.
+__device__ inline bool ExpertMajorDg(int order, bool send_once, int band_m, int64_t own_m, int64_t mt,
                                      int64_t* warp_sums) {
+  if (send_once || order == 1) return false;  // (uniform in the CTA, as order == 2)
+  if (order == 2) return true;
+  const auto bands = [&](int64_t m) { return (m + band_m - 1) / band_m; };
+  // (Both sums in one scan: the phases' passes in the high 32 bits, expert-major's in the low; each < 2^31.)
+  const int64_t v = ((bands(own_m) + bands(mt - own_m)) << 32) + bands(mt);
+  int64_t total = 0;
+  BlockInclusiveScan(v, warp_sums, &total);
+  return (total >> 32) >= 2 * (total & 0xffffffff);
+}
+
+// Every thread calls it (one per expert, and block scans). order, band_m, send_once: ExpertMajorDg's.
+__device__ inline void BuildSchedule(const RankDev& rd, const TableScratch& sc, int E_l, int col_tiles, int order,
+                                     int band_m, bool send_once, DgSchedule* d, int64_t* warp_sums) {
   const int e = threadIdx.x, R = rd.ranks;
-  int64_t a = 0, b = 0;
+  int64_t rows = 0, mt = 0, own_lo = 0, own_hi = 0;
   if (e < E_l) {
-    int64_t rows = 0;
     for (int s = 0; s < R; ++s) rows += max(sc.raw[e * R + s].rows, 0);
     const Segment& own = sc.raw[e * R + rd.rank];
-    const int64_t row0 = sc.raw[e * R].recv_off, mt = (rows + kWgBM - 1) / kWgBM;
+    const int64_t row0 = sc.raw[e * R].recv_off;
+    mt = (rows + kWgBM - 1) / kWgBM;
     const int64_t lo = own.recv_off - row0, hi = lo + max(own.rows, 0);  // the own rows within the expert
-    int64_t own_lo = (lo + kWgBM - 1) / kWgBM, own_hi = hi == rows ? mt : hi / kWgBM;
+    own_lo = (lo + kWgBM - 1) / kWgBM;
+    own_hi = hi == rows ? mt : hi / kWgBM;
     if (own_hi < own_lo || own.rows <= 0) own_lo = own_hi = 0;
+  }
+  if (ExpertMajorDg(order, send_once, band_m, own_hi - own_lo, mt, warp_sums)) own_lo = own_hi = 0;
+  int64_t a = 0, b = 0;
+  if (e < E_l) {
+    const int64_t row0 = sc.raw[e * R].recv_off;
     d->row0[e] = (int32_t)row0;
     d->rows[e] = (int32_t)rows;
     d->own_lo[e] = (int32_t)own_lo;
@@ -531,7 +560,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   const bool early_table = pusher && g.primary != nullptr;
   if (early_table) {
     if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
-    BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), &sched, scratch.warp_sums);
+    BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), g.order, g.band_m,
+                  g.primary != nullptr, &sched, scratch.warp_sums);
   }
   if (pusher) {
     // The rows for the other ranks, in rounds (see above). Unit u: round u / (R - 1), destination rank + 1 +
@@ -564,7 +594,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
 
   if (!early_table) {
     if (!BuildSegments(rd, g.seg_rows, g.seg_ret_off, g.E_l, g.cap, &table, &scratch)) return;
-    BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), &sched, scratch.warp_sums);
+    BuildSchedule(rd, scratch, g.E_l, (int)((n_out + kTileCols - 1) / kTileCols), g.order, g.band_m,
+                  g.primary != nullptr, &sched, scratch.warp_sums);
   }
   // (Recomputed from shared memory where needed rather than kept live across the tile loop, whose producer warps run
   // with wgmma_gemm::kProducerRegs registers.)
@@ -853,7 +884,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                               static_cast<char*>(out.x_recv), out.out, out.a, out.h_scales, out.a_scales, w_scales,
                               c.opts.emulated_link_gbps, slots.primary, from_tiles,
                               c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM,
-                              out.a_bf16 && !fp8};
+                              c.opts.producer_order, out.a_bf16 && !fp8};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &maps[0], &maps[1], &maps[2]};
   return CudaStatus(cudaLaunchKernel(kernel, budget, wgmma_gemm::kThreads, params, smem, c.stream),
                     "launch of DispatchGemmKernel");
