@@ -231,12 +231,12 @@ struct DgSchedule {
 };
 
 // Whether the GEMM goes expert-major (DgSchedule). order (CallOptions::producer_order): 2 pins it, 1 pins the phases;
-// 0, the rule: where the phases stream the weights at least twice as often as expert-major order, counting a weight
-// pass per band of band_m m-tiles (the sum over the experts of ceil(own m-tiles / band_m) + ceil(others / band_m),
-// against ceil(m-tiles / band_m)): many experts with few rows from each source, where the GEMM is bound by its weight
-// reads (at the DeepSeek-like shape phase A reads every weight once and phase B again). Where each phase already fills
-// whole bands expert-major saves no pass, and phase A keeps the GEMM busy while the first remote rows arrive. Send
-// once keeps the phases (its side units expand phase B's m-tiles, which must not hold own rows alone).
+// 0, the rule: where the phases stream the weights more often than expert-major order, counting a weight pass per
+// band of band_m m-tiles (the sum over the experts of ceil(own m-tiles / band_m) + ceil(others / band_m), against
+// ceil(m-tiles / band_m)). Few rows per expert make the GEMM bound by its weight reads (at the DeepSeek-like shape
+// phase A reads most weights once and phase B again); where each phase already fills whole bands expert-major saves
+// no pass, and phase A keeps the GEMM busy while the first remote rows arrive. Send once keeps the phases (its side
+// units expand phase B's m-tiles, which must not hold own rows alone).
 // own_m, mt: this thread's expert's own m-tiles and m-tiles (0 past E_l). Every thread calls it; all get the same.
 __device__ inline bool ExpertMajorDg(int order, bool send_once, int band_m, int64_t own_m, int64_t mt,
                                      int64_t* warp_sums) {
@@ -247,7 +247,7 @@ __device__ inline bool ExpertMajorDg(int order, bool send_once, int band_m, int6
   const int64_t v = ((bands(own_m) + bands(mt - own_m)) << 32) + bands(mt);
   int64_t total = 0;
   BlockInclusiveScan(v, warp_sums, &total);
-  return (total >> 32) >= 2 * (total & 0xffffffff);
+  return (total >> 32) > (total & 0xffffffff);
 }
 
 // Every thread calls it (one per expert, and block scans). order, band_m, send_once: ExpertMajorDg's.
