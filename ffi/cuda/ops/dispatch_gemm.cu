@@ -231,23 +231,28 @@ struct DgSchedule {
 };
 
 // Whether the GEMM goes expert-major (DgSchedule). order (CallOptions::producer_order): 2 pins it, 1 pins the phases;
-// 0, the rule: where the phases stream the weights more often than expert-major order, counting a weight pass per
-// band of band_m m-tiles (the sum over the experts of ceil(own m-tiles / band_m) + ceil(others / band_m), against
-// ceil(m-tiles / band_m)). Few rows per expert make the GEMM bound by its weight reads (at the DeepSeek-like shape
-// phase A reads most weights once and phase B again); where each phase already fills whole bands expert-major saves
-// no pass, and phase A keeps the GEMM busy while the first remote rows arrive. Send once keeps the phases (its side
-// units expand phase B's m-tiles, which must not hold own rows alone).
-// own_m, mt: this thread's expert's own m-tiles and m-tiles (0 past E_l). Every thread calls it; all get the same.
+// 0, the rule: where the phases stream the weights more often than expert-major order and their passes average
+// under 4 m-tiles, counting a weight pass per band of band_m m-tiles (the phases: the sum over the experts of
+// ceil(own m-tiles / band_m) + ceil(others / band_m); expert-major: ceil(m-tiles / band_m)). A pass over r rows
+// does 2 r flops per 2-byte weight element: under 512 rows the bf16 GEMM is bound by its weight reads more than by its
+// math on Hopper (about 200-300 flops per byte of HBM), and the pass it saves is time (the DeepSeek-like shape: 32
+// experts of about one own m-tile and one of the peer's at R = 2); over it the passes cost little, and phase A keeps
+// the GEMM busy while the first remote rows arrive. Send once keeps the phases (its side units expand phase B's
+// m-tiles, which must not hold own rows alone). own_m, mt: this thread's expert's own m-tiles and m-tiles (0 past
+// E_l). Every thread calls it; all get the same answer from the same plan.
 __device__ inline bool ExpertMajorDg(int order, bool send_once, int band_m, int64_t own_m, int64_t mt,
                                      int64_t* warp_sums) {
   if (send_once || order == 1) return false;  // (uniform in the CTA, as order == 2)
   if (order == 2) return true;
   const auto bands = [&](int64_t m) { return (m + band_m - 1) / band_m; };
-  // (Both sums in one scan: the phases' passes in the high 32 bits, expert-major's in the low; each < 2^31.)
-  const int64_t v = ((bands(own_m) + bands(mt - own_m)) << 32) + bands(mt);
+  // (Three sums in one scan, 21 bits each: a rank's m-tiles, cap / 128, stay far below 2^21.)
+  constexpr int kBits = 21;
+  constexpr int64_t kMask = (int64_t{1} << kBits) - 1;
+  const int64_t v = ((bands(own_m) + bands(mt - own_m)) << (2 * kBits)) + (bands(mt) << kBits) + mt;
   int64_t total = 0;
   BlockInclusiveScan(v, warp_sums, &total);
-  return (total >> 32) > (total & 0xffffffff);
+  const int64_t phase_passes = total >> (2 * kBits), em_passes = (total >> kBits) & kMask, m_tiles = total & kMask;
+  return phase_passes > em_passes && m_tiles < 4 * phase_passes;
 }
 
 // Every thread calls it (one per expert, and block scans). order, band_m, send_once: ExpertMajorDg's.
