@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -122,6 +123,24 @@ class Barrier {
   uint64_t gen_ = 0;
 };
 
+// The first `ranks` of the process's rank streams on `device` (the current device), created once and kept for every
+// later case: each rank's calls spin on its peers', so no two ranks' streams may share a hardware queue (a kernel
+// queued behind a peer's waiting kernel would start only once that one timed out). CUDA_DEVICE_MAX_CONNECTIONS
+// (run.py: 32) queues, which new streams take in turn; a suite that created and destroyed streams for every case
+// would wrap around them, where one set of streams per device keeps distinct queues for all of its cases.
+std::vector<cudaStream_t> RankStreams(int device, int ranks) {
+  static std::mutex mu;
+  static std::map<int, std::vector<cudaStream_t>> pool;
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<cudaStream_t>& v = pool[device];
+  while ((int)v.size() < ranks) {
+    cudaStream_t st;
+    LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    v.push_back(st);
+  }
+  return std::vector<cudaStream_t>(v.begin(), v.begin() + ranks);
+}
+
 // Page-locked host buffer: device-to-host copies into pageable memory go through the driver's staging buffer, and a
 // rank thread whose copy waits there for its own stream (itself waiting for a peer rank) blocks the peer's thread
 // from copying too: a host-side deadlock.
@@ -207,8 +226,7 @@ class Run {
       res_.consumer_policy = cuda::ConsumerPolicyName(
           cuda::SelectConsumerPolicy(*ws_, CallOptions{}, s_.fp8 ? cuda::GemmEngine::kWgmma : *engine));
     res_.fixed_consumers = std::max(1, std::min(ws_->consumer_ctas(), res_.budget - 1));
-    for (cudaStream_t st2 : streams_) cudaStreamDestroy(st2);
-    streams_.clear();
+    streams_.clear();  // (kept for the next case: RankStreams)
     for (cudaEvent_t e : first_ready_) cudaEventDestroy(e);
     first_ready_.clear();
     ws_.reset();
@@ -292,8 +310,7 @@ class Run {
           d.x_recv_s = mem_.Keep(ToDevice(in.x_recv_s));
         }
       }
-    streams_.resize(R_);
-    for (auto& st : streams_) LB_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    streams_ = RankStreams(s_.device, R_);
     first_ready_.resize(R_);
     for (auto& e : first_ready_) LB_CHECK(cudaEventCreate(&e));
     out_recv_.assign(R_, nullptr);
