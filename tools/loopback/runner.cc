@@ -6,9 +6,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <map>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -124,10 +124,10 @@ class Barrier {
 };
 
 // The first `ranks` of the process's rank streams on `device` (the current device), created once and kept for every
-// later case: each rank's calls spin on its peers', so no two ranks' streams may share a hardware queue (a kernel
-// queued behind a peer's waiting kernel would start only once that one timed out). CUDA_DEVICE_MAX_CONNECTIONS
-// (run.py: 32) queues, which new streams take in turn; a suite that created and destroyed streams for every case
-// would wrap around them, where one set of streams per device keeps distinct queues for all of its cases.
+// later case: each rank's calls spin on its peers', so no rank's kernel may be queued behind a peer's (it would start
+// only once that one timed out). The driver maps streams onto its CUDA_DEVICE_MAX_CONNECTIONS hardware queues (run.py:
+// 32) as they are created; streams created and destroyed for every case were seen to put a rank's first call behind
+// a peer's waiting kernel (docs/performance.md, GPU test runs), and one set kept for the run never changes its mapping.
 std::vector<cudaStream_t> RankStreams(int device, int ranks) {
   static std::mutex mu;
   static std::map<int, std::vector<cudaStream_t>> pool;
