@@ -27,7 +27,7 @@ def _all_cases():
       slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
               name == "tensor-time" or c.gather_rs or
               name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes",
-                       "dispatch-gemm-order"))
+                       "dispatch-gemm-order", "dispatch-gemm-order-fp8"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
@@ -799,6 +799,9 @@ def test_timing_suites_align_the_ranks_where_they_say():
   linked = [c for c in dg if c.link_gbps > 0 and c.send_once != 1 and c.dispatch_gemm_pushers == cases_lib.AUTO
             and not c.per_call_stats]
   assert [dataclasses.replace(c, producer_order=0, per_call_stats=False) for c in ordered[::2]] == shapes + linked
+  # dispatch-gemm-order-fp8: its dispatch-gemm-shapes cases on packed e4m3 rows, both orders.
+  fp8 = cases_lib.suite("dispatch-gemm-order-fp8", cases_lib.Case())
+  assert fp8 == [dataclasses.replace(c, fp8=True) for c in ordered[:2 * len(shapes)]] and all(c.fp8 for c in fp8)
 
 
 def test_regret_suite_covers_gather_rs():

@@ -326,7 +326,8 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
-          "regret-push", "regret-push-shapes", "dispatch-gemm-order", "tensor", "tensor-time", "small", "small-mma")
+          "regret-push", "regret-push-shapes", "dispatch-gemm-order", "dispatch-gemm-order-fp8", "tensor", "tensor-time",
+          "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -770,6 +771,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _regret_push_shapes(base)
   if name == "dispatch-gemm-order":
     return _dispatch_gemm_order(base)
+  if name == "dispatch-gemm-order-fp8":  # its dispatch-gemm-shapes cases on packed e4m3 rows: FP8 aligned, both orders
+    return [dataclasses.replace(c, fp8=True) for c in _dispatch_gemm_order(base)[:2 * len(_dispatch_gemm_shapes(base))]]
   if name == "tensor":
     return _tensor(base)
   if name == "tensor-time":

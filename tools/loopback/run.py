@@ -46,6 +46,7 @@
   python -m tools.loopback.run --suite dispatch-gemm-order  dispatch_gemm's GEMM tile order: the own rows' m-tiles
                                                             first, then expert-major, at dispatch-gemm-shapes' cases
                                                             and dispatch-gemm-time's linked ones, calls aligned
+  python -m tools.loopback.run --suite dispatch-gemm-order-fp8  its dispatch-gemm-shapes cases on packed e4m3 rows
   python -m tools.loopback.run --suite tensor       expert tensor parallelism: R = 4 as 2 x 2, R = 8 as 2 x 4 and
                                                     4 x 2 (expert x tensor ranks), y against the whole experts,
                                                     the shards' partials summed per slot and by GatherRS
