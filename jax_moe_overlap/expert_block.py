@@ -69,9 +69,10 @@ def _expert_block_bwd(cap, info, res, dy):
   d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
   slot_rows = jnp.arange(T * k, dtype=jnp.int32)
   if fuses_dispatch(d_slot, w2, info, swiglu=False, transpose_rhs=True):
-    # The dispatch of gates * dy with dh = d_out W2^T (float32), as the forward's dispatch with GEMM1; d_out is kept
-    # for the weight gradient dW2.
-    d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True)
+    # The dispatch of gates * dy with dh = d_out W2^T (in expert_gemms.dgrad_dtype, as the unfused path writes it),
+    # as the forward's dispatch with GEMM1; d_out is kept for the weight gradient dW2.
+    d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True,
+                                 out_dtype=expert_gemms.dgrad_dtype(d_slot.dtype))
   else:
     d_out = dispatch(d_slot, slot_rows, plan, cap, info)                                # [cap, D] at the experts
     dh = None

@@ -95,10 +95,25 @@ def gemm1_swiglu(x_recv, w1, group_sizes, keep_a: bool):
 
 def swiglu_grad(a, dh, out_dtype):
   """da [rows, 2F] in out_dtype: the input gradient of ``swiglu`` at a [rows, 2F] (float32, or the kept preactivation
-  in the compute dtype, taken to float32) for dh [rows, F] float32, computed in float32 (``jax.vjp``), rounded once."""
+  in the compute dtype, taken to float32) for dh [rows, F] (float32, or in ``dgrad_dtype``, taken to float32),
+  computed in float32 (``jax.vjp``), rounded once."""
   _, swiglu_vjp = jax.vjp(swiglu, a.astype(jnp.float32))
-  (da,) = swiglu_vjp(dh)
+  (da,) = swiglu_vjp(dh.astype(jnp.float32))
   return da.astype(out_dtype)
+
+
+# The dtype of dh = d_out W2^T, the gradient at GEMM2's input, between the dgrad GEMM that writes it and the SwiGLU's
+# backward that reads it, where they are two steps (the unfused path of gemm2_grad_swiglu_grad): the compute dtype
+# (d_out's), the GEMM's float32 accumulators rounded once, so that a bfloat16 layer moves [cap, F] in 2 bytes a value
+# rather than 4 each way; the SwiGLU's gradient is computed in float32 from it either way, and da is rounded to the
+# compute dtype after it as before (docs/design.md, "The dgrad in the compute dtype"). False: float32 (for A/B
+# measurements).
+DGRAD_IN_COMPUTE_DTYPE = True
+
+
+def dgrad_dtype(compute_dtype):
+  """The dtype of the dh a layer in ``compute_dtype`` hands from its dgrad GEMM to the SwiGLU's backward."""
+  return jnp.dtype(compute_dtype) if DGRAD_IN_COMPUTE_DTYPE else jnp.dtype(jnp.float32)
 
 
 # Whether the layer's backward takes the SwiGLU-gradient epilogue (grouped_matmul_swiglu_grad) where an engine has
@@ -108,17 +123,18 @@ LAYER_FUSES_SWIGLU_GRAD = False
 
 
 def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
-  """dh = d_out W2^T (float32) and the SwiGLU's gradient at a from it: da [cap, 2F] in out_dtype. On GPU, where the
+  """dh = d_out W2^T and the SwiGLU's gradient at a from it: da [cap, 2F] in out_dtype. On GPU, where the
   layer takes the fused epilogue (``LAYER_FUSES_SWIGLU_GRAD``) and an engine has it for the operands
   (``engines.swiglu_grad_fused``), one custom call that never writes dh
-  (``grouped_matmul_swiglu_grad``); elsewhere on GPU ``grouped_matmul`` writes dh in float32 and XLA computes the
-  gradient; on CPU XLA's ragged_dot, then the gradient."""
+  (``grouped_matmul_swiglu_grad``); elsewhere on GPU ``grouped_matmul`` writes dh in ``dgrad_dtype`` and XLA computes
+  the gradient; on CPU XLA's ragged_dot, rounded the same way, then the gradient."""
   F, D = w2.shape[1], w2.shape[2]
   fused = (LAYER_FUSES_SWIGLU_GRAD and jnp.dtype(out_dtype) == d_out.dtype and
            engines.swiglu_grad_fused(d_out.dtype == jnp.bfloat16 and w2.dtype == jnp.bfloat16, D, F, True))
 
   def unfused():
-    return swiglu_grad(a, matmul(d_out, w2, group_sizes, transpose_rhs=True), out_dtype)
+    dh = matmul(d_out, w2, group_sizes, transpose_rhs=True, out_dtype=dgrad_dtype(d_out.dtype))
+    return swiglu_grad(a, dh, out_dtype)
 
   def ours():
     return grouped_matmul_swiglu_grad(d_out, w2, group_sizes, a, transpose_rhs=True)
@@ -132,8 +148,8 @@ def expert_grads(x_recv, a, h, d_out, w1, w2, group_sizes, dh=None):
   x_recv [cap, D], a [cap, 2F] (GEMM1's output, in ``kept_preactivation_dtype``), h [cap, F] in x_recv's dtype (its
   SwiGLU, GEMM2's input, as the forward pass wrote it), d_out [cap, D] (GEMM2's output gradient), w1 [E_local, D,
   2F], w2 [E_local, F, D], group_sizes [E_local] -> (da [cap, 2F] in x_recv's dtype, dw1, dw2 in the weights'
-  dtypes). dh [cap, F] float32 = d_out W2^T when the caller has it (dispatch_gemm), else computed here, with the
-  SwiGLU's gradient in the GEMM's epilogue where the engine has it (``gemm2_grad_swiglu_grad``).
+  dtypes). dh [cap, F] = d_out W2^T (in ``dgrad_dtype``) when the caller has it (dispatch_gemm), else computed here,
+  with the SwiGLU's gradient in the GEMM's epilogue where the engine has it (``gemm2_grad_swiglu_grad``).
 
   h is the forward's, kept, not recomputed from a: a recomputation is one more pass over a (the largest residual,
   [cap, 2F]) and a write of h, for a value the forward had already written (and, from a kept in bfloat16, not the

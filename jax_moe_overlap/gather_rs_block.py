@@ -95,15 +95,18 @@ def _gather_rs_block_bwd(cap, info, res, dy):
   T, Q = gates.shape
   slot_src_row = jnp.arange(T * Q, dtype=jnp.int32) // Q
   # dy's rows are the tokens' (the gates are applied at the experts), so they cross once per rank as x's do.
+  # (dh_raw = dy W2^T in expert_gemms.dgrad_dtype, as the per-slot block's dh.)
+  dh_dtype = expert_gemms.dgrad_dtype(dy.dtype)
   if fuses_dispatch(dy, w2, info, swiglu=False, transpose_rhs=True):
     dy_recv, dh_raw, _ = dispatch_gemm(dy, slot_src_row, w2, plan, cap, info, transpose_rhs=True,
-                                       send_once=info.send_once)
+                                       out_dtype=dh_dtype, send_once=info.send_once)
   else:
     dy_recv = dispatch(dy, slot_src_row, plan, cap, info, send_once=info.send_once)
-    dh_raw = expert_gemms.matmul(dy_recv, w2, plan.expert_rows, transpose_rhs=True)
+    dh_raw = expert_gemms.matmul(dy_recv, w2, plan.expert_rows, transpose_rhs=True, out_dtype=dh_dtype)
   g = row_gate[:, None]
   d_out = (g * dy_recv.astype(jnp.float32)).astype(dy.dtype)
-  da, dw1, dw2 = expert_gemms.expert_grads(x_recv, a, h, d_out, w1, w2, plan.expert_rows, g * dh_raw)
+  da, dw1, dw2 = expert_gemms.expert_grads(x_recv, a, h, d_out, w1, w2, plan.expert_rows,
+                                           g * dh_raw.astype(jnp.float32))
 
   # The gates' gradient: this shard's partial dot per recv row, back to the slot's source at its kept index.
   part = jnp.sum(dy_recv.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)

@@ -122,7 +122,7 @@ def dispatch_rows(src: jax.Array, src_row: jax.Array, dest_rank: jax.Array, dest
 
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
                   transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
-                  keep_a: bool = False, a_dtype=jnp.float32,
+                  keep_a: bool = False, a_dtype=jnp.float32, out_dtype=jnp.float32,
                   send_once: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
   """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
 
@@ -134,13 +134,15 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     keep_recv: also return the recv rows (the backward pass reads them; the inference forward does not).
     keep_a: with ``swiglu``, also return the preactivation (for the backward pass). a_dtype: its dtype, float32 or
       src's (the float32 values rounded once; h is computed from the float32 values either way).
+    out_dtype: without ``swiglu``, out's dtype: float32 or src's (the float32 product rounded once, as
+      ``grouped_matmul``'s with that ``preferred_element_type``).
     send_once: as ``dispatch``'s (the receiver fills a token's other rows before the GEMM tiles that read them).
   Returns:
     (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
-    out = [cap, N] float32, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
+    out = [cap, N] in out_dtype, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
     out = h [cap, F] in src's dtype = silu(a[:, :F]) * a[:, F:] of a = [cap, 2F] float32, the rows' product with
     w[expert], and a is returned (in a_dtype) when keep_a. In the kept rows (the first ``plan.recv_rows``) the
-    results equal ``dispatch`` followed by ``grouped_matmul`` (float32 output) or ``grouped_matmul_swiglu`` bit for
+    results equal ``dispatch`` followed by ``grouped_matmul`` (out_dtype output) or ``grouped_matmul_swiglu`` bit for
     bit; the rows past them are unspecified (left unwritten, where those calls zero them): no consumer of the layer
     reads them (docs/design.md, "Padding rows").
   On CUDA (Hopper, bfloat16) ``info.dispatch_pushers`` CTAs (at least one) push the rows for other ranks, then
@@ -161,8 +163,14 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     raise ValueError("jax_moe_overlap: dispatch_gemm: keep_a keeps the SwiGLU's preactivation; without swiglu the "
                      "GEMM's output is `out` itself (keep_a needs swiglu=True)")
   a_dtype = check_preactivation_dtype("dispatch_gemm", src, a_dtype) if keep_a else jnp.float32
+  if swiglu and jnp.dtype(out_dtype) != jnp.float32:
+    raise ValueError("jax_moe_overlap: dispatch_gemm: out_dtype is the plain product's; with swiglu out is h in src's "
+                     "dtype")
+  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(src.dtype)):
+    raise ValueError(f"jax_moe_overlap: dispatch_gemm: out_dtype must be float32 or src's dtype ({src.dtype}), got "
+                     f"{jnp.dtype(out_dtype)}")
   D, N = src.shape[1], (w.shape[1] if transpose_rhs else w.shape[2])
-  out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), jnp.float32)
+  out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), out_dtype)
   out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
                jax.ShapeDtypeStruct((cap if keep_a else 0, N), a_dtype))
   x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu,

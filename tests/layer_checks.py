@@ -181,12 +181,12 @@ def check_held_back(mesh, delay_rank, delay_us=2000, calls=3, seed=11):
 def grouped_matmul_gemms():
   """The layer with the bare grouped GEMM custom calls on every platform: ``jmo_grouped_matmul_swiglu`` as GEMM1 (its
   preactivation kept as the layer asks: in the forward of a training step) and ``jmo_grouped_matmul`` for the other
-  grouped matmuls (the backward's d_out W2^T, its SwiGLU gradient by XLA: not the fused grouped_matmul_swiglu_grad,
-  which the layer runs on Hopper). These are the two calls that dispatch_gemm equals bit for bit: the dispatch +
-  grouped_matmul_swiglu of the forward, the dispatch + grouped_matmul of the backward. On CPU the default runs XLA's
-  ragged_dot and SwiGLU there (faster), whose float32 sums go in another order than the CPU handlers' row loop, which
-  dispatch_gemm's CPU handler shares with the bare ones (and their SwiGLU). Traced programs are dropped on entry and
-  exit, so that no program traced on one side runs on the other."""
+  grouped matmuls (the backward's d_out W2^T in expert_gemms.dgrad_dtype, its SwiGLU gradient by XLA: not the fused
+  grouped_matmul_swiglu_grad, which the layer runs on Hopper). These are the two calls that dispatch_gemm equals bit for
+  bit: the dispatch + grouped_matmul_swiglu of the forward, the dispatch + grouped_matmul of the backward. On CPU the
+  default runs XLA's ragged_dot and SwiGLU there (faster), whose float32 sums go in another order than the CPU handlers'
+  row loop, which dispatch_gemm's CPU handler shares with the bare ones (and their SwiGLU). Traced programs are dropped
+  on entry and exit, so that no program traced on one side runs on the other."""
   def ours(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32):
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
 
@@ -195,7 +195,8 @@ def grouped_matmul_gemms():
                                  preactivation_dtype=expert_gemms.kept_preactivation_dtype(x_recv.dtype))
 
   def gemm2_grad_swiglu_grad(d_out, w2, group_sizes, a, out_dtype):
-    return expert_gemms.swiglu_grad(a, ours(d_out, w2, group_sizes, transpose_rhs=True), out_dtype)
+    dh = ours(d_out, w2, group_sizes, transpose_rhs=True, out_dtype=expert_gemms.dgrad_dtype(d_out.dtype))
+    return expert_gemms.swiglu_grad(a, dh, out_dtype)
 
   def forget():
     api._programs.clear()  # pylint: disable=protected-access

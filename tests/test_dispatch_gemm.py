@@ -72,10 +72,11 @@ def _call_setup(mesh, tokens, k, cap_e, cap, dtype, config=FUSED):
   return info, plan_of, sharded
 
 
-def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=FUSED, a_dtype=jnp.float32):
+def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=FUSED, a_dtype=jnp.float32,
+              out_dtype=jnp.float32):
   """(fused, two_calls, kept_rows, names): the call (sending each row once per destination rank with send_once) and
   its two-call twin (one row per slot), each returning the results the mode keeps (named by `names`; a kept in
-  a_dtype), and each rank's kept recv rows; the calls' CallConfig `config`."""
+  a_dtype; without the SwiGLU, out in out_dtype), and each rank's kept recv rows; the calls' CallConfig `config`."""
   _, transpose_rhs, swiglu, keep_recv, keep_a = mode
   info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, dtype, config)
   slot_rows = jnp.arange(tokens * k, dtype=jnp.int32) // k
@@ -83,7 +84,8 @@ def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=
 
   def fused(ids, x, w):
     got = dispatch_gemm(x, slot_rows, w, plan_of(ids), cap, info, transpose_rhs=transpose_rhs, swiglu=swiglu,
-                        keep_recv=keep_recv, keep_a=keep_a, a_dtype=a_dtype, send_once=send_once)
+                        keep_recv=keep_recv, keep_a=keep_a, a_dtype=a_dtype, out_dtype=out_dtype,
+                        send_once=send_once)
     assert [v is not None for v in got] == [keep_recv, True, keep_a]
     return tuple(v for v in got if v is not None)
 
@@ -95,7 +97,7 @@ def _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once=False, config=
                                      preactivation_dtype=a_dtype)
     else:
       out, a = grouped_matmul(x_recv, w, plan.expert_rows, transpose_rhs=transpose_rhs,
-                              preferred_element_type=jnp.float32), None
+                              preferred_element_type=out_dtype), None
     return tuple(v for v, kept in ((x_recv, keep_recv), (out, True), (a, keep_a)) if kept)
 
   kept_rows = jax.jit(sharded(lambda ids: (plan_of(ids).recv_rows.reshape(1),), 1, 1))
@@ -118,10 +120,10 @@ DEFAULT_CALLS = {("plain", "float32", "all_to_one"), ("plain", "bfloat16", "skew
                  marks=() if (mode[0], jnp.dtype(dtype).name, routed[0]) in DEFAULT_CALLS else pytest.mark.slow)
     for routed in ROUTED for dtype in (jnp.float32, jnp.bfloat16) for mode in MODES])
 def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send_once=False, config=FUSED,
-                                               a_dtype=jnp.float32):
+                                               a_dtype=jnp.float32, out_dtype=jnp.float32):
   # 160 tokens x 2 choices per rank: 3 send blocks per source; "all_to_one" gives segments of 160 rows (two tiles,
   # each across two blocks), "skewed" at cf 0.5 drops slots, and `skip` leaves every fifth token's second slot -1.
-  # The twin: dispatch, then grouped_matmul (float32 out) or grouped_matmul_swiglu (h, and a when kept).
+  # The twin: dispatch, then grouped_matmul (out_dtype out) or grouped_matmul_swiglu (h, and a when kept).
   mesh, R, tokens, k, N = mesh_of(4), 4, 160, 2, 40
   transpose_rhs = mode[1]
   ids = routing(kind, tokens * R, E, k, seed=21)
@@ -133,7 +135,7 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send
   x = jax.random.normal(kx, (tokens * R, D), jnp.float32).astype(dtype)
   w = (jax.random.normal(kw, (E, N, D) if transpose_rhs else (E, D, N), jnp.float32) / np.sqrt(D)).astype(dtype)
   fused, two_calls, kept_rows, names = _call_fns(mesh, tokens, k, cap_e, cap, dtype, mode, send_once, config,
-                                                 a_dtype)
+                                                 a_dtype, out_dtype)
   got = fused(jnp.asarray(ids), x, w)
   want = two_calls(jnp.asarray(ids), x, w)
   assert fused.aliased == fused.buffers == len(names) * R, \
@@ -143,6 +145,7 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send
   for name, a, b in zip(names, got, want):
     assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
     assert name != "a" or a.dtype == a_dtype, a.dtype
+    assert name != "out" or mode[2] or a.dtype == out_dtype, a.dtype
     a, b = np.asarray(a).reshape(R, cap, -1), np.asarray(b).reshape(R, cap, -1)
     for r in range(R):
       # The kept rows: bitwise the two calls'. The rows past them are unspecified: the call leaves them unwritten (no
@@ -167,6 +170,15 @@ def test_call_keeping_a_in_bfloat16_equals_the_two_calls():
   # The preactivation kept in the compute dtype (the layer's residual, expert_gemms.kept_preactivation_dtype): the
   # handler rounds each tile's float32 product once, as grouped_matmul_swiglu does, so the two calls' bits again.
   test_call_equals_dispatch_and_grouped_gemm(*ROUTED[1], jnp.bfloat16, MODES[2], a_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[1]], ids=lambda m: m[0])
+def test_call_with_a_bf16_product_equals_the_two_calls(mode):
+  # The plain product in the compute dtype (the layer's backward asks its dh so: expert_gemms.dgrad_dtype): the
+  # handler rounds each row's float32 sums once, as grouped_matmul with a bfloat16 output does, so the two calls'
+  # bits again, also sending once.
+  test_call_equals_dispatch_and_grouped_gemm(*ROUTED[1], jnp.bfloat16, mode, out_dtype=jnp.bfloat16)
+  test_call_equals_dispatch_and_grouped_gemm(*ROUTED[0], jnp.bfloat16, mode, send_once=True, out_dtype=jnp.bfloat16)
 
 
 def test_call_with_x_recv_copied_equals_the_two_calls():
@@ -206,6 +218,10 @@ def test_call_shape_errors_name_the_problem():
   with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("out [cap, N] and a [0, N]; got")):
     jax.block_until_ready(raw((shape(cap, D), shape(cap, N), shape(cap, N)), False, False)(jnp.asarray(ids), x, w))
   with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      "dispatch_gemm: without swiglu, out must be float32 or src's dtype, and a float32")):
+    jax.block_until_ready(raw((shape(cap, D), jax.ShapeDtypeStruct((cap, N), jnp.bfloat16), shape(0, N)), False,
+                              False)(jnp.asarray(ids), x, w))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
       "dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for transpose_rhs")):
     jax.block_until_ready(raw((shape(cap, D), shape(cap, D // 2), shape(0, D)), True, True)(
         jnp.asarray(ids), x, jnp.ones((E, D, D), jnp.float32)))
@@ -215,6 +231,10 @@ def test_call_shape_errors_name_the_problem():
     dispatch_gemm(x, slot_rows, jnp.ones((E, N, D)), plan, cap, info, transpose_rhs=True, swiglu=True)
   with pytest.raises(ValueError, match="keep_a needs swiglu=True"):
     dispatch_gemm(x, slot_rows, w, plan, cap, info, keep_a=True)
+  with pytest.raises(ValueError, match=r"out_dtype must be float32 or src's dtype \(float32\), got bfloat16"):
+    dispatch_gemm(x, slot_rows, w, plan, cap, info, out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="out_dtype is the plain product's; with swiglu out is h in src's dtype"):
+    dispatch_gemm(x, slot_rows, w, plan, cap, info, swiglu=True, out_dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match=r"an even number of columns.*got w \(8, 32, 7\)"):
     dispatch_gemm(x, slot_rows, w[:, :, :7], plan, cap, info, swiglu=True)
   with pytest.raises(ValueError, match=r"do not fit src \[S, D\], w \[E_local, N, D\] \(transpose_rhs\)"):

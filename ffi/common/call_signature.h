@@ -48,7 +48,8 @@ auto BindDispatch(Binding b) {
 // The dispatch and GEMM1 in one call, each GEMM1 tile starting once its rows are in: CUDA on Hopper with bfloat16
 // (the wgmma engine's shapes) or packed e4m3 rows, CPU with float32, bfloat16 or packed e4m3 rows. Results:
 //   x_recv [cap, D] in src's dtype: the recv rows, as a dispatch returns them; or [0, D]: not kept (inference).
-//   swiglu = false: out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N] (unused).
+//   swiglu = false: out [cap, N] float32 = recv[segment] @ w[expert], or in src's dtype (the float32 product rounded
+//     once to nearest even, as grouped_matmul's with that output dtype); a [0, N] (unused).
 //   swiglu = true (GEMM1 of the expert MLP; not with transpose_rhs): N = 2F, out = h [cap, F] in src's dtype =
 //     silu(pre[:, :F]) * pre[:, F:] of the float32 preactivation pre = recv[segment] @ w[expert]; a [cap, 2F]
 //     float32 = pre (kept for the backward pass) or [0, 2F] (not kept).
@@ -329,6 +330,7 @@ struct DispatchGemmShape {
   bool keep_recv;      // x_recv has cap rows (else 0)
   bool keep_a;         // swiglu: a has cap rows (else 0)
   bool fp8 = false;    // packed e4m3 rows and e4m3 w with its block scales (BindDispatchGemm's FP8 form)
+  bool out_rounded = false;  // without swiglu: out in bf16 src's dtype, the float32 product rounded once
 };
 
 // dispatch_gemm's FP8 form (BindDispatchGemm) past the dispatch rows' own checks: src uint8 packed rows, w e4m3.
@@ -414,11 +416,13 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(
   if (swiglu && transpose_rhs)
     return Unexpected(InvalidCall("dispatch_gemm: swiglu is GEMM1's epilogue (w [E_local, D, 2F]), not for "
                                   "transpose_rhs"));
-  if (out.element_type() != (swiglu ? xt : xla::ffi::DataType::F32) ||
+  if ((swiglu ? out.element_type() != xt
+              : out.element_type() != xla::ffi::DataType::F32 && out.element_type() != xt) ||
       (a.element_type() != xla::ffi::DataType::F32 && !(swiglu && a.element_type() == xt)))
     return Unexpected(InvalidCall(swiglu ? "dispatch_gemm: with swiglu, out (h) must be in src's dtype and a float32 "
                                            "or src's dtype"
-                                         : "dispatch_gemm: out and a must be float32"));
+                                         : "dispatch_gemm: without swiglu, out must be float32 or src's dtype, and a "
+                                           "float32"));
   auto sd = src.dimensions(), wd = w.dimensions(), xd = x_recv.dimensions(), od = out.dimensions();
   auto ad = a.dimensions();
   const int64_t wk = transpose_rhs ? 2 : 1, wn = transpose_rhs ? 1 : 2;  // w's K and N dimensions
@@ -435,7 +439,8 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(
         DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
         DimsText(ad)));
   return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P, send_once}, wd[0], N, xd[0] == cap && cap > 0,
-                           swiglu && ad[0] == cap && cap > 0};
+                           swiglu && ad[0] == cap && cap > 0, false,
+                           !swiglu && out.element_type() != xla::ffi::DataType::F32};
 }
 
 // dispatch_gemm's plan arrays against the workspace's R ranks: send_order [P], send_start [R + 1], seg_rows and

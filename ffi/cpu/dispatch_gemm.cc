@@ -2,7 +2,8 @@
 // dispatch. The CPU twin of ffi/cuda/ops/dispatch_gemm.cu's DispatchGemmKernel, and the specification it is tested
 // against: the same blocks, counters, round order, claim order and waits, played by the handler thread in turn.
 // Results (call_signature.h, BindDispatchGemm): x_recv [cap, D] (the recv rows, or [0, D]: not kept), out and a:
-//   plain:  out [cap, N] float32 = recv[segment] @ w[expert]; a [0, N], unused.
+//   plain:  out [cap, N] float32 = recv[segment] @ w[expert] (or in bf16 src's dtype: the product rounded once);
+//           a [0, N], unused.
 //   swiglu: out = h [cap, F] in src's dtype = silu(pre[:, :F]) * pre[:, F:] in float32 of the float32 preactivation
 //           pre [cap, 2F] = recv[segment] @ w[expert]; a = pre when kept ([cap, 2F]), else [0, 2F].
 //   FP8 (packed e4m3 rows, e4m3 w [E_local, N, D] with block scales): the product is grouped_matmul_fp8's rows
@@ -263,17 +264,19 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   // 3. GEMM over the m-tiles in claim order, each after the source blocks that hold its rows, then with swiglu
   //    the tile's epilogue. A tile's float32 product goes to `product` at the tile's rows (out when plain, a when
   //    swiglu keeps it in float32), else to `tile_scratch`, which the epilogue reads (and rounds into a kept in
-  //    src's dtype) before the next tile overwrites it. The row loops see the tile's rows as rows 0..rows-1 of views
-  //    that start at its first recv row.
+  //    src's dtype) before the next tile overwrites it; a plain product in src's dtype is rounded into out by the
+  //    row loop itself (grouped_matmul's CPU rows with that output dtype). The row loops see the tile's rows as rows
+  //    0..rows-1 of views that start at its first recv row.
   RankView self = ws->view(c.group, c.rank);
   uint64_t* blocks = self.src_blocks();
   const int64_t nb = SrcBlocks(ws->sizes().ret_rows);
   // (FP8 with swiglu: a is the e4m3 a_q, so the product always goes to the tile scratch.)
   const bool a_rounded = swiglu && shape->keep_a && !fp8 && a_out->element_type() != ffi::DataType::F32;
-  float* product = !swiglu ? static_cast<float*>(out->untyped_data())
+  const bool out_rounded = shape->out_rounded;  // plain, out in src's dtype (bf16)
+  float* product = !swiglu ? (out_rounded ? nullptr : static_cast<float*>(out->untyped_data()))
                    : shape->keep_a && !fp8 && !a_rounded ? static_cast<float*>(a_out->untyped_data())
                                                          : nullptr;
-  std::vector<float> tile_scratch(product == nullptr ? kTileRows * N : 0), acc(N);
+  std::vector<float> tile_scratch(product == nullptr && !out_rounded ? kTileRows * N : 0), acc(N);
   const char* recv = self.recv();
   char* h = static_cast<char*>(out->untyped_data());  // swiglu: [cap, F] in src's dtype (FP8: h_q)
   const ElemView rhs{w.untyped_data(), bf16};
@@ -303,6 +306,11 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                              h_scales->typed_data() + t.r0 * (F / kFp8Tile),
                              shape->keep_a ? static_cast<uint8_t*>(a_out->untyped_data()) + t.r0 * N : nullptr,
                              shape->keep_a ? a_scales->typed_data() + t.r0 * (N / kFp8Tile) : nullptr);
+      continue;
+    }
+    if (out_rounded) {
+      MatmulRows(ElemView{recv + t.r0 * row_bytes, bf16}, rhs, t.expert * K * N, 0, t.rows, K, N, transpose_rhs,
+                 static_cast<char*>(out->untyped_data()) + t.r0 * N * elem_bytes, /*out_bf16=*/true, acc);
       continue;
     }
     MatmulRows(ElemView{recv + t.r0 * row_bytes, bf16}, rhs, t.expert * K * N, 0, t.rows, K, N, transpose_rhs, tile,

@@ -65,20 +65,21 @@ enum class Gemm1Form { kPlain, kTransposedRhs, kSwiGlu };
 struct DispatchGemmOut {
   void* x_recv;  // [cap, D]: the recv rows as Dispatch returns them; nullptr: not kept
   void* out;     // kSwiGlu: h [cap, N / 2] in src's dtype = silu(pre[:, :N/2]) * pre[:, N/2:]; else [cap, N] float32
-                 // (FP8 kSwiGlu: h_q [cap, N / 2] e4m3)
+                 // or bf16 (out_bf16) (FP8 kSwiGlu: h_q [cap, N / 2] e4m3)
   void* a;       // kSwiGlu: pre [cap, N] float32 or bf16 (a_bf16; FP8: a_q [cap, N] e4m3), or nullptr: not kept
                  // (must be nullptr in the other forms)
   float* h_scales = nullptr;  // FP8 kSwiGlu: h's 1 x 128 scales [cap, N / 256]
   float* a_scales = nullptr;  // FP8 kSwiGlu with a kept: a's 1 x 128 scales [cap, N / 128]
   bool a_bf16 = false;        // bf16 kSwiGlu: a holds pre rounded once to bf16 (else float32)
+  bool out_bf16 = false;      // bf16 rows without the SwiGLU: out holds pre rounded once to bf16 (else float32)
 };
 
 // dispatch_gemm: the dispatch (as Dispatch) and GEMM1 (w in src's dtype, in `form`) in one launch, each GEMM1 tile
 // starting once the 128-row blocks of its source that hold its rows have arrived; the results as DispatchGemmOut says,
-// in the kept rows bitwise those of Dispatch + GroupedMatmul (f32) or GroupedMatmulSwiGlu. c.opts.pushers CTAs push
-// the rows for other ranks, then copy x_recv beside the GEMM (c.opts.x_recv_from_tiles: the GEMM's tiles store it
-// instead), then join it (1 .. SM budget - 1). The wgmma engine only: an InvalidArgument error naming its rule where
-// it does not run the device or take the operands.
+// in the kept rows bitwise those of Dispatch + GroupedMatmul (f32 or bf16 out) or GroupedMatmulSwiGlu. c.opts.pushers
+// CTAs push the rows for other ranks, then copy x_recv beside the GEMM (c.opts.x_recv_from_tiles: the GEMM's tiles
+// store it instead), then join it (1 .. SM budget - 1). The wgmma engine only: an InvalidArgument error naming its rule
+// where it does not run the device or take the operands.
 // FP8 (dt kE4M3Rows: packed e4m3 rows, w e4m3 [E_l, N, D] K-major with w_scales [E_l, N/128, D/128]; form kSwiGlu
 // or kTransposedRhs): the GEMM is the FP8 grouped GEMM's loop reading A's values and scales from the packed rows
 // where they land (Fp8PackedRowsOperands), its results those of GroupedMatmulFp8 (f32) or GroupedMatmulSwiGluFp8 on

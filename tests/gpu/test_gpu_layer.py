@@ -79,6 +79,52 @@ def test_dispatch_gemm_x_recv_copied_equals_two_calls(R):
   checks.check_dispatch_gemm(gpu_mesh(R), x_recv_from_tiles=False)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w", "w_transposed"])
+def test_dispatch_gemm_bf16_product_equals_two_calls(transpose_rhs):
+  """dispatch_gemm's plain product rounded once to bf16 (out_dtype; the layer's backward asks its dh so,
+  expert_gemms.dgrad_dtype) on one GPU: the kept rows bit for bit those of dispatch + grouped_matmul with a bf16
+  output, in both of w's layouts."""
+  if not is_hopper():
+    pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.call_site import RankInfo  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.grouped_gemm import grouped_matmul  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm  # pylint: disable=g-import-not-at-top
+  mesh, T, k, E, D, N = gpu_mesh(1), 300, 2, 4, 256, 384
+  cap_e = plan_lib.expert_capacity(T, 1, k, E, None)
+  cap = plan_lib.recv_capacity(T, 1, k, E, cap_e)
+  info = RankInfo(Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=2 * D, recv_rows=cap, ret_rows=T * k,
+                                                               num_segments=E)),
+                  jmo.CallConfig(dispatch_pushers=2))
+  slot_rows = jnp.arange(T * k, dtype=jnp.int32) // k
+  kx, kw, ki = jax.random.split(jax.random.PRNGKey(7), 3)
+  x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (E, N, D) if transpose_rhs else (E, D, N)) / 16).astype(jnp.bfloat16)
+  ids = jax.random.randint(ki, (T, k), 0, E, jnp.int32)
+  ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % (E - 1)) % E)  # two distinct experts a token
+
+  def both(ids, x, w):
+    plan = plan_lib.make_plan(ids, plan_lib.local_counts(ids, E).reshape(1, 1, E), jnp.int32(0), cap_e)
+    _, fused, _ = dispatch_gemm(x, slot_rows, w, plan, cap, info, transpose_rhs=transpose_rhs,
+                                out_dtype=jnp.bfloat16)
+    x_recv = dispatch(x, slot_rows, plan, cap, info)
+    two = grouped_matmul(x_recv, w, plan.expert_rows, transpose_rhs=transpose_rhs,
+                         preferred_element_type=jnp.bfloat16)
+    return fused, two, plan.recv_rows.reshape(1)
+
+  f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P(), P()),
+                            check_vma=False))
+  fused, two, kept = f(ids, x, w)
+  kept = int(kept[0])
+  fused, two = np.asarray(fused), np.asarray(two)
+  assert fused.dtype == two.dtype == jnp.bfloat16 and kept == T * k
+  assert fused[:kept].tobytes() == two[:kept].tobytes(), "the bf16 product differs from the two calls'"
+  assert np.isfinite(fused[:kept].astype(np.float32)).all() and np.abs(fused[:kept].astype(np.float32)).max() > 0
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_one_rank_backward_fuses_the_swiglu_gradient(fuse, monkeypatch):
   """With the layer taking the SwiGLU-gradient epilogue (expert_gemms.LAYER_FUSES_SWIGLU_GRAD; off by default, the

@@ -88,7 +88,8 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                                       shape->keep_a ? a->untyped_data() : nullptr,
                                       shape->fp8 && swiglu ? h_scales->typed_data() : nullptr,
                                       shape->keep_a && shape->fp8 ? a_scales->typed_data() : nullptr,
-                                      shape->keep_a && !shape->fp8 && a->element_type() != ffi::DataType::F32};
+                                      shape->keep_a && !shape->fp8 && a->element_type() != ffi::DataType::F32,
+                                      shape->out_rounded};
   // (CheckDispatchGemm refused bf16 swiglu with transpose_rhs; e4m3 w is always K-major.)
   const Gemm1Form form = swiglu ? Gemm1Form::kSwiGlu : transpose_rhs ? Gemm1Form::kTransposedRhs : Gemm1Form::kPlain;
   const Status s = DispatchGemm(c.value(), shape->rows.dtype, src.untyped_data(), shape->rows.S, shape->rows.D, slots,

@@ -71,7 +71,7 @@ struct DispatchGemmArgs {
   PusherConfig pushers;  // P (see above)
   int64_t K, N;          // d_model, GEMM columns (2F with kSwiGlu)
   char* x_recv;          // [cap, row_bytes] (the recv rows as they landed), or null: not kept
-  void* out;             // [cap, N] float32, or with kSwiGlu h [cap, N / 2] bf16 (kFp8: h_q e4m3)
+  void* out;             // [cap, N] float32 (kOutBf16: bf16), or with kSwiGlu h [cap, N / 2] bf16 (kFp8: h_q e4m3)
   void* a;               // kSwiGlu: the preactivation [cap, N] float32 or bf16 (a_bf16; kFp8: a_q e4m3), or null
   float* h_scales;       // kFp8 with kSwiGlu: h's 1 x 128 scales [cap, N / 256]
   float* a_scales;       // kFp8 with kSwiGlu and a kept: a's 1 x 128 scales [cap, N / 128]
@@ -521,13 +521,16 @@ using DgTileBase = typename std::conditional<
 // SwiGluFp8Tile's or the float32 product. Its A stages hold a 128-byte slice of the rows' values and the scale box of
 // 4 chunks holding the slice's (Fp8RowTailScalesA): with kXRecvFromTiles a stage stores its slice of the packed rows,
 // and the first stage of each 4 chunks their scales too.
-template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles, bool kFp8>
+// kOutBf16 (bf16 rows without the SwiGLU): out is the product rounded once to bf16, as the bare grouped GEMM's bf16
+// output (the loop's bf16 store), instead of float32.
+template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles, bool kFp8, bool kOutBf16>
 __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
     DispatchGemmKernel(RankDev rd, const __grid_constant__ DispatchGemmArgs g,
                        const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                        const __grid_constant__ CUtensorMap sa_map) {
   static_assert(!(kTransB && kSwiGlu && !kFp8), "the bf16 SwiGLU epilogue is GEMM1's (B MN-major)");
   static_assert(!kFp8 || kTransB, "FP8 wgmma reads B K-major only");
+  static_assert(!kOutBf16 || (!kSwiGlu && !kFp8), "a bf16 product is the bf16 rows' plain form's");
   extern __shared__ __align__(16) char smem[];
   __shared__ CallState st;
   __shared__ unsigned sent[kMaxRanks];
@@ -655,7 +658,7 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       t.lda = g.N;
       t.a_bf16 = g.a_bf16;
     } else {
-      t.out = static_cast<float*>(g.out) + (int64_t)t.a_row * g.N + t.n0;
+      t.out = static_cast<char*>(g.out) + ((int64_t)t.a_row * g.N + t.n0) * (kOutBf16 ? 2 : 4);
       t.ldc = g.N;
     }
     t.publish = 0;
@@ -711,8 +714,8 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
       wgmma_gemm::WgmmaLoop<wgmma_gemm::Fp8PackedRowsOperands, /*kOutF32=*/true>(
           ops, (int)g.K, tiles, next_tile, tile_of, wgmma_gemm::NoTileDone{}, smem, timed_wait, a_stage);
     } else {
-      wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu>(a_map, b_map, (int)g.K, tiles, next_tile, tile_of,
-                                                               wgmma_gemm::NoTileDone{}, smem, timed_wait, a_stage);
+      wgmma_gemm::WgmmaTileLoopNext<kTransB ? 0 : 1, !kSwiGlu && !kOutBf16>(
+          a_map, b_map, (int)g.K, tiles, next_tile, tile_of, wgmma_gemm::NoTileDone{}, smem, timed_wait, a_stage);
     }
   };
   if (threadIdx.x == 0)
@@ -759,15 +762,18 @@ __global__ void __launch_bounds__(wgmma_gemm::kThreads, 1)
   }
 }
 
-template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles, bool kFp8 = false>
+template <bool kTransB, bool kSwiGlu, bool kXRecvFromTiles, bool kFp8 = false, bool kOutBf16 = false>
 const void* Kernel() {
-  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu, kXRecvFromTiles, kFp8>);
+  return reinterpret_cast<const void*>(DispatchGemmKernel<kTransB, kSwiGlu, kXRecvFromTiles, kFp8, kOutBf16>);
 }
+// bf16 rows: GEMM1 with its SwiGLU, or the product (w MN- or K-major) in float32 or rounded to bf16 (out_bf16).
 template <bool kXRecvFromTiles>
-const void* Kernel(bool transpose_rhs, bool swiglu) {
-  return swiglu          ? Kernel<false, true, kXRecvFromTiles>()
-         : transpose_rhs ? Kernel<true, false, kXRecvFromTiles>()
-                         : Kernel<false, false, kXRecvFromTiles>();
+const void* Kernel(bool transpose_rhs, bool swiglu, bool out_bf16) {
+  if (swiglu) return Kernel<false, true, kXRecvFromTiles>();
+  if (out_bf16)
+    return transpose_rhs ? Kernel<true, false, kXRecvFromTiles, false, true>()
+                         : Kernel<false, false, kXRecvFromTiles, false, true>();
+  return transpose_rhs ? Kernel<true, false, kXRecvFromTiles>() : Kernel<false, false, kXRecvFromTiles>();
 }
 // FP8 (B K-major always): GEMM1 with the recipe's SwiGLU forward, or the float32 product.
 template <bool kXRecvFromTiles>
@@ -854,6 +860,8 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
           std::to_string(budget) + " CTAs: use 1 .. " + std::to_string(budget - 1);
   else if (bad.empty() && out.a != nullptr && !swiglu)
     bad = "the preactivation a is a result of the SwiGLU epilogue only";
+  else if (bad.empty() && out.out_bf16 && (swiglu || fp8))
+    bad = "a bf16 product (out_bf16) is the plain form's of bf16 rows";
   else if (bad.empty() && from_tiles && reinterpret_cast<uintptr_t>(out.x_recv) % 16 != 0)
     bad = "x_recv must be 16-byte aligned where the GEMM tiles store it (CallConfig.x_recv_from_tiles)";
   if (!bad.empty()) return FailCall(c, "dispatch_gemm", bad);
@@ -875,7 +883,8 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
   }
   if (!s.ok()) return s;
   const void* kernel = fp8 ? (from_tiles ? Fp8Kernel<true>(swiglu) : Fp8Kernel<false>(swiglu))
-                           : (from_tiles ? Kernel<true>(transpose_rhs, swiglu) : Kernel<false>(transpose_rhs, swiglu));
+                           : (from_tiles ? Kernel<true>(transpose_rhs, swiglu, out.out_bf16)
+                                         : Kernel<false>(transpose_rhs, swiglu, out.out_bf16));
   const int loop_smem =
       fp8 ? wgmma_gemm::LoopSmemBytes<wgmma_gemm::kStages, wgmma_gemm::Fp8PackedRowsOperands::kExtraBytes>()
           : wgmma_gemm::kLoopSmemBytes;
