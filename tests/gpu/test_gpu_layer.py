@@ -88,6 +88,7 @@ def test_dispatch_gemm_bf16_product_equals_two_calls(transpose_rhs):
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.call_site import RankInfo  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.grouped_gemm import grouped_matmul  # pylint: disable=g-import-not-at-top
