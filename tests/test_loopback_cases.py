@@ -178,6 +178,8 @@ def _exact_run(case, sets):
       if e.a is not None and case.fp8 and case.swiglu:  # h and a quantized, each with its scales after it
         a = _fp8_bytes(check_lib.swiglu(e.a))
         pre = _fp8_bytes(e.a) if case.dispatch_gemm_mode == "train" else b""
+      elif e.a is not None and case.dg_out_bf16:  # the plain product rounded once to bf16
+        a = e.a.astype(ml_dtypes.bfloat16).tobytes()
       elif e.a is not None:
         a = check_lib.swiglu(e.a).astype(ml_dtypes.bfloat16).tobytes() if case.swiglu else e.a.tobytes()
         pre = e.a.tobytes() if case.dispatch_gemm_mode == "train" else b""
@@ -217,7 +219,8 @@ TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
 
 @pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},
                                 {"dispatch_gemm_pushers": cases_lib.AUTO, "dispatch_gemm_mode": "train"},
-                                {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"}, {"check_tokens": 4},
+                                {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"},
+                                {"dispatch_gemm_pushers": 2, "dg_out_bf16": True}, {"check_tokens": 4},
                                 {"fp8": True, "k_dim": 256, "n_dim": 128}, *FP8_DG_SMALL, *TENSOR_SMALL])
 def test_check_verdicts(kw, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top

@@ -103,6 +103,9 @@ class Case:
   # (the training forward), "infer" h alone (the inference forward).
   dispatch_gemm_pushers: int = 0
   dispatch_gemm_mode: str = "plain"
+  # "plain": the product rounded once to bf16 (dispatch_gemm's out_dtype, as the layer's backward writes its dh:
+  # expert_gemms.dgrad_dtype) instead of float32, in dispatch_gemm and its two calls alike.
+  dg_out_bf16: bool = False
   # dispatch_gemm timing: also the fused call once per P of this sweep (0: the library's choice), for the regret of
   # the P choice (tools/loopback/regret.py).
   dg_sweep: tuple[int, ...] = ()
@@ -245,6 +248,8 @@ class Case:
               "stride) and with the SwiGLU K = 2F, F a multiple of 128 (engines.fp8_dispatch_gemm_operands)")
     if self.dispatch_gemm_mode not in DG_MODES:
       return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
+    if self.dg_out_bf16 and not (self.dg and self.dispatch_gemm_mode == "plain" and not self.fp8 and not self.f32):
+      return "dg_out_bf16 is dispatch_gemm's plain product on bf16 rows"
     if not self.link_gbps >= 0:
       return f"link_gbps {self.link_gbps} must be >= 0"
     if self.gather_rs and (TP < 2 or self.dg):
@@ -298,6 +303,8 @@ class Case:
       s += f" dispatch_gemm pushers={pushers} mode={self.dispatch_gemm_mode}"
       if not self.x_recv_from_tiles:
         s += " x_recv=copied"
+      if self.dg_out_bf16:
+        s += " out=bf16"
     if self.link_gbps > 0:
       s += f" link={self.link_gbps:g}GB/s"
     if self.gather_rs:
@@ -529,15 +536,16 @@ def _combine_fp8(base: Case) -> list[Case]:
 
 def _backward_time(base: Case) -> list[Case]:
   # The backward's two exchanges over the emulated NVLink (issue 31, point 4): the dgrad dispatch fused with its GEMM
-  # (dispatch_gemm in plain mode: gates * dy dispatched, dh = dy W2^T in float32, so N = F = 2048 on the seed's D =
-  # 2048) at R = 2, 4, 8, and the dx combine (expert_combine of da W1^T: K = 2F, N = D) on COMBINE_SHAPES' models at
+  # (dispatch_gemm in plain mode: gates * dy dispatched, dh = dy W2^T in bf16 as the layer writes it, so N = F = 2048
+  # on the seed's D = 2048) at R = 2, 4, 8, and the dx combine (expert_combine of da W1^T: K = 2F, N = D) on COMBINE_SHAPES' models at
   # R = 2, 4, 8, each against its serialized form, with the library's P and C from the shipped calibration.
   v = []
   for R in (2, 4, 8):
     link = NVLINK_GBPS / R
     v.append(dataclasses.replace(base, ranks=R, link_gbps=link, model=calibrated_model(R, link), experts=8,
                                  tokens=2048 if R == 8 else 4096, d_model=2048, k_dim=2048, n_dim=2048,
-                                 dispatch_gemm_pushers=AUTO, dispatch_gemm_mode="plain", **_TIMED))
+                                 dispatch_gemm_pushers=AUTO, dispatch_gemm_mode="plain", dg_out_bf16=True,
+                                 **_TIMED))
   return v + _combine_time(base, k_factor=2)
 
 
@@ -731,7 +739,11 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
   if name == "resource":
     return _resource(base)
   if name == "dispatch-gemm":  # sending once where the cases do not say (its receiver's expansion is checked here)
-    return _dispatch_gemm(dataclasses.replace(base, send_once=1))
+    v = _dispatch_gemm(dataclasses.replace(base, send_once=1))
+    # The plain product rounded to bf16 (dispatch_gemm's out_dtype, as the layer's backward writes dh): the R = 2 and
+    # R = 4 plain cases again.
+    assert [v[i].dispatch_gemm_mode for i in (4, 8)] == ["plain", "plain"]
+    return v + [dataclasses.replace(v[i], dg_out_bf16=True) for i in (4, 8)]
   if name == "dispatch-gemm-time":
     return _dispatch_gemm_time(base)
   if name == "dispatch-gemm-fp8":  # dispatch-gemm's cases on packed e4m3 rows (x_recv by the tiles and copied)

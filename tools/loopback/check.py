@@ -258,6 +258,8 @@ def check(case: Case, sets: list[list[RankData]], result: dict) -> Verdict:
           checks.append(("h", h, swiglu(ex.a), 1e-2))
           if case.dispatch_gemm_mode == "train":
             checks.append(("preactivation", np.frombuffer(got["pre"], np.float32).reshape(cap, K), ex.a, 1e-4))
+        elif case.dg_out_bf16:  # (the float32 product rounded once to bf16)
+          checks.append(("GEMM1", _floats(got["a"], False, (cap, K)), ex.a, 1e-2))
         else:
           checks.append(("GEMM1", np.frombuffer(got["a"], np.float32).reshape(cap, K), ex.a, 1e-4))
         for name, a, ref, tol in checks:

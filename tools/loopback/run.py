@@ -82,6 +82,7 @@ Timing (benchmarks/loopback_runner.py drives these):
                            default the library's rule (at two ranks or more)
   --x-recv-copied          with --dispatch-gemm: its x_recv copied by its side units instead of stored by the GEMM
                            tiles from their A tiles in shared memory (CallConfig.x_recv_from_tiles=False)
+  --out-bf16               with --dispatch-gemm-mode plain: its product rounded once to bf16 (the layer's dh)
   --dispatch-pushers-sweep 1,2,4,0
                            with --dispatch-gemm and --time: also the fused call per P (0: the library's choice), and
                            with --model the regret of its choice (tools/loopback/regret.py)
@@ -160,7 +161,7 @@ def parse_args(argv):
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
                      ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table"),
-                     ("--gather-rs", "gather_rs"), ("--fp8", "fp8")):
+                     ("--gather-rs", "gather_rs"), ("--fp8", "fp8"), ("--out-bf16", "dg_out_bf16")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
   ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--x-recv-copied", dest="x_recv_from_tiles", action="store_false", default=argparse.SUPPRESS)

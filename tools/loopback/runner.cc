@@ -340,11 +340,12 @@ class Run {
   bool Swiglu() const { return s_.dg_mode != 0; }
   bool KeepRecv() const { return s_.dg_mode != 2; }
   bool KeepPre() const { return s_.dg_mode == 1; }
-  // GEMM1's output: float32 [cap, K], or with the SwiGLU h [cap, K / 2] bf16; the preactivation float32 [cap, K].
+  // GEMM1's output: float32 [cap, K] (dg_out_bf16: bf16), or with the SwiGLU h [cap, K / 2] bf16; the preactivation
+  // float32 [cap, K].
   // FP8 with the SwiGLU: h_q [cap, K / 2] e4m3 then h's scales [cap, K / 256] float32 in one buffer, and a_q
   // [cap, K] then a's scales [cap, K / 128] (tools/loopback/check.py splits them).
   size_t GemmOutBytes() const {
-    if (!Swiglu()) return (size_t)cap_ * K_ * 4;
+    if (!Swiglu()) return (size_t)cap_ * K_ * (s_.dg_out_bf16 ? 2 : 4);
     return fp8_dg_ ? (size_t)cap_ * (K_ / 2) + (size_t)cap_ * (K_ / 256) * 4 : (size_t)cap_ * (K_ / 2) * 2;
   }
   size_t Fp8PreBytes() const { return (size_t)cap_ * K_ + (size_t)cap_ * (K_ / 128) * 4; }
@@ -357,7 +358,8 @@ class Run {
   }
   cuda::DispatchGemmOut DgOut(int r) const {
     if (!(fp8_dg_ && Swiglu()))
-      return cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r], KeepPre() ? out_pre_[r] : nullptr};
+      return cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r], KeepPre() ? out_pre_[r] : nullptr,
+                                   nullptr, nullptr, false, !Swiglu() && s_.dg_out_bf16};
     return cuda::DispatchGemmOut{KeepRecv() ? out_recv_[r] : nullptr, out_a_[r], KeepPre() ? out_pre_[r] : nullptr,
                                  ScalesAfter(out_a_[r], cap_, K_ / 2),
                                  KeepPre() ? ScalesAfter(out_pre_[r], cap_, K_) : nullptr};
@@ -414,8 +416,8 @@ class Run {
       return cuda::GroupedMatmulSwiGlu(stream, DType::kBF16, out_recv2_[r], M, D_, d.w1, E_l_, K_ / 2,
                                        (const int32_t*)d.expert_rows, out_a2_[r],
                                        KeepPre() ? out_pre2_[r] : nullptr, DType::kF32, sms);
-    return cuda::GroupedMatmul(stream, DType::kBF16, /*out_f32=*/true, out_recv2_[r], M, D_, d.w1, E_l_, K_,
-                               /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r], sms);
+    return cuda::GroupedMatmul(stream, DType::kBF16, /*out_f32=*/!s_.dg_out_bf16, out_recv2_[r], M, D_, d.w1, E_l_,
+                               K_, /*transpose_rhs=*/false, (const int32_t*)d.expert_rows, out_a2_[r], sms);
   }
 
   // expert_combine's GEMM2 alone over the first M rows of lhs into out_gemm2, by GroupedMatmul (fp8:

@@ -81,6 +81,8 @@ struct Spec {
                                      // device where the workspace has a model with a pusher rate, else DefaultPushers)
   int dg_mode = 0;                   // its results: 0 plain (GEMM1 [cap, K] float32, x_recv), 1 training (SwiGLU: h,
                                      // the preactivation and x_recv), 2 inference (SwiGLU: h alone)
+  bool dg_out_bf16 = false;          // plain: GEMM1's product rounded once to bf16 (DispatchGemmOut::out_bf16; the
+                                     // layer's backward dh), in dispatch_gemm and its two calls alike
   double emulated_link_gbps = 0;     // CallOptions::emulated_link_gbps of every call (0: pushes at HBM speed)
   int producer_band_m = 0;           // CallOptions::producer_band_m of every call (0: the library's rule)
   int producer_order = 0;            // CallOptions::producer_order of every call (0: the library's rule)
