@@ -537,8 +537,9 @@ def _combine_fp8(base: Case) -> list[Case]:
 def _backward_time(base: Case) -> list[Case]:
   # The backward's two exchanges over the emulated NVLink (issue 31, point 4): the dgrad dispatch fused with its GEMM
   # (dispatch_gemm in plain mode: gates * dy dispatched, dh = dy W2^T in bf16 as the layer writes it, so N = F = 2048
-  # on the seed's D = 2048) at R = 2, 4, 8, and the dx combine (expert_combine of da W1^T: K = 2F, N = D) on COMBINE_SHAPES' models at
-  # R = 2, 4, 8, each against its serialized form, with the library's P and C from the shipped calibration.
+  # on the seed's D = 2048) at R = 2, 4, 8, and the dx combine (expert_combine of da W1^T: K = 2F, N = D) on
+  # COMBINE_SHAPES' models at R = 2, 4, 8, each against its serialized form, with the library's P and C from the
+  # shipped calibration.
   v = []
   for R in (2, 4, 8):
     link = NVLINK_GBPS / R
