@@ -333,8 +333,8 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
-          "regret-push", "regret-push-shapes", "dispatch-gemm-order", "dispatch-gemm-order-fp8", "tensor", "tensor-time",
-          "small", "small-mma")
+          "regret-push", "regret-push-shapes", "dispatch-gemm-order", "dispatch-gemm-order-fp8", "tensor",
+          "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
