@@ -35,12 +35,13 @@ SWIGLU_FORWARD_FP8 = "jmo_swiglu_forward_fp8"
 ROWS_E4M3_CHANNELS = 256
 
 
-def _out_dtype(lhs, preferred_element_type):
-  out = jnp.dtype(preferred_element_type or lhs.dtype)
-  if out not in (jnp.dtype(jnp.float32), lhs.dtype):
-    raise TypeError(f"jax_moe_overlap: preferred_element_type must be float32 or the operands' dtype {lhs.dtype}, "
-                    f"got {out}")
-  return out
+def check_result_dtype(name: str, what: str, lhs: jax.Array, dtype):
+  """The dtype of a result that a kernel stores from its float32 values: float32, or lhs's (those values rounded
+  once), else a TypeError naming the rule (`what`: the argument, in the call `name`)."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.dtype(jnp.float32), lhs.dtype):
+    raise TypeError(f"jax_moe_overlap: {name}: {what} must be float32 or the operands' dtype {lhs.dtype}, got {dtype}")
+  return dtype
 
 
 def _check_operands(name, lhs, rhs, group_sizes):
@@ -71,7 +72,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tr
                      f"{' (transposed)' if transpose_rhs else ''} and group_sizes {group_sizes.shape} do not fit "
                      f"lhs [M, K], rhs [G, K, N], group_sizes [G]")
   _ffi.register()
-  out = jax.ShapeDtypeStruct((lhs.shape[0], N), _out_dtype(lhs, preferred_element_type))
+  out_dtype = check_result_dtype("grouped_matmul", "preferred_element_type", lhs, preferred_element_type or lhs.dtype)
+  out = jax.ShapeDtypeStruct((lhs.shape[0], N), out_dtype)
   return jax.ffi.ffi_call(GROUPED_MATMUL, out, vmap_method="sequential")(lhs, rhs, group_sizes.astype(jnp.int32),
                                                transpose_rhs=bool(transpose_rhs))
 
@@ -88,17 +90,14 @@ def grouped_outer(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, pre
   if lhs.ndim != 2 or rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
     raise ValueError(f"jax_moe_overlap: grouped_outer: lhs {lhs.shape} and rhs {rhs.shape} must be [M, K] and [M, N]")
   _ffi.register()
-  out = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), _out_dtype(lhs, preferred_element_type))
+  out_dtype = check_result_dtype("grouped_outer", "preferred_element_type", lhs, preferred_element_type or lhs.dtype)
+  out = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
   return jax.ffi.ffi_call(GROUPED_OUTER, out, vmap_method="sequential")(lhs, rhs, group_sizes.astype(jnp.int32))
 
 
 def check_preactivation_dtype(name: str, lhs: jax.Array, dtype):
   """The kept preactivation's dtype: float32 or lhs's, else a TypeError naming the rule."""
-  dtype = jnp.dtype(dtype)
-  if dtype not in (jnp.dtype(jnp.float32), lhs.dtype):
-    raise TypeError(f"jax_moe_overlap: {name}: the preactivation's dtype must be float32 or the operands' dtype "
-                    f"{lhs.dtype}, got {dtype}")
-  return dtype
+  return check_result_dtype(name, "the preactivation's dtype", lhs, dtype)
 
 
 def grouped_matmul_swiglu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, keep_preactivation: bool,

@@ -33,7 +33,8 @@ import numpy as np
 from jax_moe_overlap import _ffi
 from jax_moe_overlap import fp8
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.grouped_gemm import check_fp8_operands, check_preactivation_dtype, fp8_row_operands
+from jax_moe_overlap.grouped_gemm import check_fp8_operands, check_preactivation_dtype, check_result_dtype
+from jax_moe_overlap.grouped_gemm import fp8_row_operands
 from jax_moe_overlap.ordering import workspace_call
 from jax_moe_overlap.plan import Plan
 
@@ -166,9 +167,7 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
   if swiglu and jnp.dtype(out_dtype) != jnp.float32:
     raise ValueError("jax_moe_overlap: dispatch_gemm: out_dtype is the plain product's; with swiglu out is h in src's "
                      "dtype")
-  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(src.dtype)):
-    raise ValueError(f"jax_moe_overlap: dispatch_gemm: out_dtype must be float32 or src's dtype ({src.dtype}), got "
-                     f"{jnp.dtype(out_dtype)}")
+  out_dtype = check_result_dtype("dispatch_gemm", "out_dtype", src, out_dtype)
   D, N = src.shape[1], (w.shape[1] if transpose_rhs else w.shape[2])
   out = jax.ShapeDtypeStruct((cap, N // 2), src.dtype) if swiglu else jax.ShapeDtypeStruct((cap, N), out_dtype)
   out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,

@@ -231,7 +231,8 @@ def test_call_shape_errors_name_the_problem():
     dispatch_gemm(x, slot_rows, jnp.ones((E, N, D)), plan, cap, info, transpose_rhs=True, swiglu=True)
   with pytest.raises(ValueError, match="keep_a needs swiglu=True"):
     dispatch_gemm(x, slot_rows, w, plan, cap, info, keep_a=True)
-  with pytest.raises(ValueError, match=r"out_dtype must be float32 or src's dtype \(float32\), got bfloat16"):
+  with pytest.raises(TypeError, match=r"dispatch_gemm: out_dtype must be float32 or the operands' dtype float32, got "
+                                      r"bfloat16"):
     dispatch_gemm(x, slot_rows, w, plan, cap, info, out_dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="out_dtype is the plain product's; with swiglu out is h in src's dtype"):
     dispatch_gemm(x, slot_rows, w, plan, cap, info, swiglu=True, out_dtype=jnp.bfloat16)
