@@ -23,11 +23,12 @@ def _all_cases():
       # combine-time and backward-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in
       # the slow pass; tensor-time, the tensor suite's GatherRS cases (plans like its per-slot cases') and the
       # regret suite's parts run alone (regret-gather, regret-push: the regret suite's own cases),
-      # dispatch-gemm-variants and regret-push-shapes (dispatch-gemm-shapes' plans) in the slow pass
+      # dispatch-gemm-variants, regret-push-shapes (dispatch-gemm-shapes' plans) and regret-backward (backward-time's)
+      # in the slow pass
       slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
               name == "tensor-time" or c.gather_rs or
               name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes",
-                       "dispatch-gemm-order", "dispatch-gemm-order-fp8"))
+                       "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
@@ -794,6 +795,13 @@ def test_timing_suites_align_the_ranks_where_they_say():
   shapes = cases_lib.suite("dispatch-gemm-shapes", cases_lib.Case())
   swept = cases_lib.suite("regret-push-shapes", cases_lib.Case())
   assert [dataclasses.replace(c, dg_sweep=(), sweep_passes=1, per_call_stats=False) for c in swept] == shapes
+  # regret-backward: backward-time's cases, the dgrad dispatch_gemm ones with the P sweep, the dx combines with C's.
+  back = cases_lib.suite("backward-time", cases_lib.Case())
+  swept = cases_lib.suite("regret-backward", cases_lib.Case())
+  assert [dataclasses.replace(c, dg_sweep=(), sweep=(), sweep_passes=1, per_call_stats=False, table=True)
+          for c in swept] == back
+  assert all(c.dg_sweep == cases_lib.REGRET_P + (0,) and c.per_call_stats for c in swept if c.dg)
+  assert all(c.sweep == cases_lib.REGRET_C and c.sweep_passes == 3 for c in swept if not c.dg)
   # dispatch-gemm-order: those cases and dispatch-gemm-time's linked R = 2, 4, 8 ones, aligned, the two phases then
   # expert-major next to each other.
   ordered = cases_lib.suite("dispatch-gemm-order", cases_lib.Case())

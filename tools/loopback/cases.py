@@ -333,7 +333,7 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
-          "regret-push", "regret-push-shapes", "dispatch-gemm-order", "dispatch-gemm-order-fp8", "tensor",
+          "regret-push", "regret-push-shapes", "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8", "tensor",
           "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
@@ -623,6 +623,17 @@ REGRET_GATHER_TOKENS = {False: 1024, True: 256}  # f32 -> tokens per rank (the S
 REGRET_GATHER_SHAPE = dict(experts=8, top_k=2, d_model=256, k_dim=14336, n_dim=4096)
 
 
+def _regret_backward(base: Case) -> list[Case]:
+  # The resource manager's choices for the backward's two exchanges (issue 31, points 4 and 5): backward-time's dgrad
+  # dispatch_gemm cases (plain mode, dh in bf16) with regret-push's P sweep, and its dx combine cases (K = 2F) with
+  # regret-combine's C sweep, both in three interleaved passes.
+  v = _backward_time(base)
+  dgrad = [c for c in v if c.dg]
+  dx = [c for c in v if not c.dg]
+  return ([dataclasses.replace(c, dg_sweep=REGRET_P + (0,), sweep_passes=3, per_call_stats=True) for c in dgrad] +
+          [dataclasses.replace(c, sweep=REGRET_C, sweep_passes=3, table=False) for c in dx])
+
+
 def _regret_gather(base: Case) -> list[Case]:
   # GEMM2 + GatherRS (tools/loopback/tensor.py) on tensor-time's Mixtral-like shape (E = 8, top-2, F = K = 14336 split
   # over the tensor ranks, D = N = 4096), balanced routing, over the emulated NVLink (370 / R GB/s per rank), once
@@ -782,6 +793,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _regret_push(base)
   if name == "regret-push-shapes":
     return _regret_push_shapes(base)
+  if name == "regret-backward":
+    return _regret_backward(base)
   if name == "dispatch-gemm-order":
     return _dispatch_gemm_order(base)
   if name == "dispatch-gemm-order-fp8":  # its dispatch-gemm-shapes cases on packed e4m3 rows: FP8 aligned, both orders

@@ -43,6 +43,8 @@
                                                         in three interleaved passes
   python -m tools.loopback.run --suite regret-push-shapes   the same sweep on dispatch-gemm-shapes' Mixtral- and
                                                             DeepSeek-like cases at R = 2 and 4
+  python -m tools.loopback.run --suite regret-backward  the same sweeps on backward-time's cases: P for the dgrad
+                                                        dispatch_gemm, C for the dx combine
   python -m tools.loopback.run --suite dispatch-gemm-order  dispatch_gemm's GEMM tile order: the own rows' m-tiles
                                                             first, then expert-major, at dispatch-gemm-shapes' cases
                                                             and dispatch-gemm-time's linked ones, calls aligned
