@@ -1,8 +1,8 @@
 """The differentiable expert block of one rank: dispatch -> GEMM1 + SwiGLU -> expert_combine, with a ``custom_vjp``.
 
-Its backward pass uses the same two custom calls: ``gates * dy`` is dispatched like tokens, and ``dx`` is
-``expert_combine`` of the GEMM1 input gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no
-copy) and unit gates. Where the call site fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``)
+Its backward pass uses the same two custom calls: ``gates * dy`` is dispatched like tokens (dy's rows, each slot's
+scaled by its gate as the dispatch moves it: ``row_scale``), and ``dx`` is ``expert_combine`` of the GEMM1 input
+gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no copy) and unit gates. Where the call site fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``)
 and the operands take dispatch_gemm's engine (``engines.dispatch_gemm_operands``), the forward's dispatch and GEMM1,
 and the backward's dispatch of ``gates * dy`` and ``d_out W2^T``, each run as one ``dispatch_gemm`` call.
 The forward's dispatch sends a token's row once per destination rank where the call site says so
@@ -66,15 +66,16 @@ def _expert_block_bwd(cap, info, res, dy):
   T, k = gates.shape
   dy_slot = jnp.repeat(dy, k, axis=0)                                     # [P, D], slot p = t*k + j
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
-  d_slot = (gates.reshape(T * k, 1).astype(jnp.float32) * dy_slot.astype(jnp.float32)).astype(dy.dtype)
-  slot_rows = jnp.arange(T * k, dtype=jnp.int32)
-  if fuses_dispatch(d_slot, w2, info, swiglu=False, transpose_rhs=True):
+  slot_gate = gates.reshape(T * k).astype(jnp.float32)
+  if fuses_dispatch(dy, w2, info, swiglu=False, transpose_rhs=True):
     # The dispatch of gates * dy with dh = d_out W2^T (in expert_gemms.dgrad_dtype, as the unfused path writes it),
     # as the forward's dispatch with GEMM1; d_out is kept for the weight gradient dW2.
-    d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True,
-                                 out_dtype=expert_gemms.dgrad_dtype(d_slot.dtype))
+    d_slot = (slot_gate[:, None] * dy_slot.astype(jnp.float32)).astype(dy.dtype)
+    d_out, dh, _ = dispatch_gemm(d_slot, jnp.arange(T * k, dtype=jnp.int32), w2, plan, cap, info,
+                                 transpose_rhs=True, out_dtype=expert_gemms.dgrad_dtype(d_slot.dtype))
   else:
-    d_out = dispatch(d_slot, slot_rows, plan, cap, info)                                # [cap, D] at the experts
+    # gates * dy scaled by the dispatch as it moves dy's rows (row_scale): the same rows, no [T k, D] array.
+    d_out = dispatch(dy, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info, row_scale=slot_gate)
     dh = None
   da, dw1, dw2 = expert_gemms.expert_grads(x_recv, a, h, d_out, w1, w2, plan.expert_rows, dh)
   # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).

@@ -96,29 +96,41 @@ def slot_primary(plan: Plan, send_once: bool) -> jax.Array:
 
 
 def dispatch(src: jax.Array, slot_src_row: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
-             send_once: bool = False) -> jax.Array:
+             send_once: bool = False, row_scale: jax.Array | None = None) -> jax.Array:
   """[S, D] rows -> [cap, D] recv rows of this rank (grouped by (local expert, source rank)). send_once: a token's
   row crosses to each other rank once (``slot_primary``); the result is the same.
 
   src: float32 or bfloat16 rows, or uint8 rows of packed e4m3 (``fp8.pack_rows``: D channels as D + D / 32 bytes,
-  D a multiple of 128), moved unchanged."""
+  D a multiple of 128), moved unchanged. row_scale: [P] float32, slot p's row lands as ``(row_scale[p] *
+  src[slot_src_row[p]].astype(float32)).astype(src.dtype)`` (float32 or bfloat16 rows, not with send_once): the
+  rows of ``row_scale[:, None] * src[slot_src_row]`` without that [P, D] array."""
   return dispatch_rows(src, slot_src_row, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows, cap, info,
-                   slot_primary(plan, send_once))
+                       slot_primary(plan, send_once), row_scale)
 
 
 def dispatch_rows(src: jax.Array, src_row: jax.Array, dest_rank: jax.Array, dest_row: jax.Array, expected: jax.Array,
-              cap: int, info: RankInfo, primary: jax.Array | None = None) -> jax.Array:
+                  cap: int, info: RankInfo, primary: jax.Array | None = None,
+                  row_scale: jax.Array | None = None) -> jax.Array:
   """The dispatch custom call on any routing of rows: row ``src[src_row[p]]`` to row ``dest_row[p]`` of rank
   ``dest_rank[p]`` (-1: not moved), for every p; returns this rank's [cap, C] rows, the first ``expected`` (the rows
   sent to it, [] int32) as they landed and zero past them. The destination rows of a rank must be 0 .. expected - 1,
   each once. ``dispatch`` is it on a plan's slots; the way back of expert rows to their slots' owners is it on
-  ``plan.packed_return``'s routing. primary: ``slot_primary`` (send once) or None."""
+  ``plan.packed_return``'s routing. primary: ``slot_primary`` (send once) or None. row_scale: as ``dispatch``'s."""
   _ffi.register()
   group, rank = info.coords()
+  sends_once = primary is not None and primary.shape[0] > 0
+  if row_scale is not None:
+    if src.dtype not in (jnp.float32, jnp.bfloat16) or sends_once:
+      raise ValueError(f"jax_moe_overlap: dispatch: row_scale scales float32 or bfloat16 rows, each slot's own (not "
+                       f"sent once); got {src.dtype} rows{' sent once' if sends_once else ''}")
+    if row_scale.shape != src_row.shape:
+      raise ValueError(f"jax_moe_overlap: dispatch: row_scale {row_scale.shape} must have one scale per slot "
+                       f"{src_row.shape}")
   primary = jnp.zeros((0,), jnp.int32) if primary is None else primary
+  row_scale = jnp.zeros((0,), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
   return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
-                         src, src_row.astype(jnp.int32), dest_rank, dest_row, expected, primary, group, rank,
-                         **info.attrs())
+                         src, src_row.astype(jnp.int32), dest_rank, dest_row, expected, primary, row_scale, group,
+                         rank, **info.attrs())
 
 
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,

@@ -1,7 +1,8 @@
 """dispatch on its own on CPU devices: every rank's recv rows against a NumPy model of the plan, written into poisoned
 buffers, at R = 1 (a group of one rank stores its rows straight into the output, protocol.h) and R = 4 (through the
 workspace's recv rows, one row per slot and sent once per destination rank), with capacity drops and skipped slots;
-at R = 1 the invalid expert id the call reports, and at R = 4 a slot_primary that breaks the send-once rule."""
+at R = 1 the invalid expert id the call reports, and at R = 4 a slot_primary that breaks the send-once rule; rows
+scaled per slot as they move (row_scale) bitwise the rows of the scaled [P, D] array, and its refusals."""
 
 import dataclasses
 
@@ -22,25 +23,29 @@ from jax_moe_overlap.workspace_calls import dispatch
 E, D, K = 8, 24, 2
 
 
-def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True, send_once=False, primary_of=None):
-  """ids, x -> (recv rows [R * cap, D], slot_dest_rank, slot_dest_row, recv_rows [R]) of one dispatch per rank.
-  primary_of(plan, rank): the slot_primary operand in place of the plan's (send_once)."""
+def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True, send_once=False, primary_of=None,
+                      scaled=False):
+  """ids, x[, scale] -> (recv rows [R * cap, D], slot_dest_rank, slot_dest_row, recv_rows [R]) of one dispatch per
+  rank. primary_of(plan, rank): the slot_primary operand in place of the plan's (send_once). scaled: the program
+  takes a third operand, the slots' row_scale [tokens * K] per rank."""
   R = mesh.shape["expert"]
   sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * K,
                          num_segments=E)
   info = RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig(timeout_ms=5000))
 
-  def local(ids, x):
+  def local(ids, x, scale=None):
     rank = jax.lax.axis_index("expert").astype(jnp.int32)
     counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
     plan = plan_lib.make_plan(ids, counts_all, rank, cap_e)
     if primary_of is not None:
       plan = dataclasses.replace(plan, slot_primary=primary_of(plan, rank))
-    recv = dispatch(x, jnp.arange(tokens * K, dtype=jnp.int32) // K, plan, cap, info, send_once=send_once)
+    recv = dispatch(x, jnp.arange(tokens * K, dtype=jnp.int32) // K, plan, cap, info, send_once=send_once,
+                    row_scale=scale)
     return recv, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows.reshape(1)
 
   spec = P("expert")
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * 4, check_vma=False)
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * (3 if scaled else 2), out_specs=(spec,) * 4,
+                     check_vma=False)
   return layer_checks.Poisoned(fn, mesh) if poisoned else jax.jit(fn)
 
 
@@ -111,3 +116,59 @@ def test_bad_slot_primary_fails_the_call():
   xs = np.asarray(x).reshape(R, tokens, D)
   # rank 1's recv: segment (expert 2, source s) for s = 0..3, then (expert 3, s): each source's tokens in order
   assert np.array_equal(recv[1, :2 * tokens * R], np.concatenate([xs.reshape(-1, D)] * 2))
+
+
+@pytest.mark.parametrize("R,dtype", [(1, jnp.bfloat16), (1, jnp.float32), (4, jnp.bfloat16), (4, jnp.float32)])
+def test_scaled_rows_are_the_scaled_arrays_rows(R, dtype):
+  # row_scale: slot p's row lands as (scale[p] * x[p // K].astype(f32)).astype(dtype), bitwise the dispatch of that
+  # [P, D] array (the layer's backward dispatches gates * dy so), with drops, skipped slots, a zero and a negative
+  # scale, and rows written into poisoned buffers.
+  tokens = 48
+  mesh = mesh_of(R)
+  ids = routing("skewed", tokens * R, E, K, seed=8)
+  ids[::7, 1] = plan_lib.SKIP
+  cap_e = plan_lib.expert_capacity(tokens, R, K, E, 0.75)
+  cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((tokens * R, D)).astype(np.float32)).astype(dtype)
+  scale = rng.uniform(0.01, 1.0, tokens * R * K).astype(np.float32)
+  scale[5], scale[6] = 0.0, -0.75
+  scaled = _dispatch_program(mesh, tokens, cap_e, cap, dtype, scaled=True)
+  recv, *_ = scaled(jnp.asarray(ids), x, jnp.asarray(scale))
+  assert scaled.aliased == scaled.buffers, f"{scaled.aliased} of {scaled.buffers} outputs computed into the poison"
+  # The same slots' rows as a [P, D] array per rank, dispatched unscaled (slot p's own row p).
+  rows = (jnp.asarray(scale)[:, None] * jnp.repeat(x, K, axis=0).astype(jnp.float32)).astype(dtype)
+  sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * K,
+                         num_segments=E)
+  info = RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig(timeout_ms=5000))
+
+  def local(ids, rows):
+    rank = jax.lax.axis_index("expert").astype(jnp.int32)
+    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
+    plan = plan_lib.make_plan(ids, counts_all, rank, cap_e)
+    return dispatch(rows, jnp.arange(tokens * K, dtype=jnp.int32), plan, cap, info)
+
+  want = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 2, out_specs=P("expert"),
+                               check_vma=False))(jnp.asarray(ids), rows)
+  got, want = (np.asarray(a).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32) for a in (recv, want))
+  assert np.array_equal(got, want)
+  assert np.count_nonzero(np.asarray(jnp.asarray(recv).astype(jnp.float32))) > 0
+
+
+def test_row_scale_is_refused_where_it_cannot_apply():
+  # Sent once (slots share a row), packed e4m3 rows (moved as bytes) and a scale count other than the slots'.
+  R, tokens = 4, 16
+  mesh = mesh_of(R)
+  cap_e = plan_lib.expert_capacity(tokens, R, K, E, None)
+  cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
+  ids = jnp.asarray(routing("skewed", tokens * R, E, K, seed=2))
+  x = jnp.ones((tokens * R, D), jnp.float32)
+  once = _dispatch_program(mesh, tokens, cap_e, cap, jnp.float32, poisoned=False, send_once=True, scaled=True)
+  with pytest.raises(ValueError, match="row_scale scales float32 or bfloat16 rows, each slot's own .* sent once"):
+    once(ids, x, jnp.ones((tokens * R * K,), jnp.float32))
+  f = _dispatch_program(mesh, tokens, cap_e, cap, jnp.float32, poisoned=False, scaled=True)
+  with pytest.raises(ValueError, match=r"row_scale \(7,\) must have one scale per slot \(32,\)"):
+    f(ids, x, jnp.ones((7 * R,), jnp.float32))
+  packed = _dispatch_program(mesh, tokens, cap_e, cap, jnp.uint8, poisoned=False, scaled=True)
+  with pytest.raises(ValueError, match="got uint8 rows"):
+    packed(ids, jnp.ones((tokens * R, 160), jnp.uint8), jnp.ones((tokens * R * K,), jnp.float32))

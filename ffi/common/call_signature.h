@@ -30,12 +30,15 @@ auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be m
       .template Arg<ffi::Buffer<ffi::S32>>();
 }
 
-// dispatch(dispatch rows (above), group [], rank []) -> recv [cap, D]
+// dispatch(dispatch rows (above), row_scale [P] or [0] f32, group [], rank []) -> recv [cap, D]
+// row_scale [P]: slot p's row lands as src[slot_src_row[p]] * row_scale[p], the float32 product rounded once to the
+// rows' dtype (float32 or bfloat16 rows; not with slot_primary, whose slots share a row); [0]: rows moved unchanged.
 // Attributes: those of every call (CallAttrs, call_attrs.h).
 template <typename Binding>
 auto BindDispatch(Binding b) {
   namespace ffi = xla::ffi;
   return BindDispatchRows(std::move(b))
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
@@ -201,6 +204,7 @@ struct DispatchShape {
   DType dtype;
   int64_t S, D, cap, P;  // src rows, row channels (RowBytes(dtype, D) bytes a row), recv capacity, slots
   bool send_once;        // slot_primary has P entries (else 0)
+  bool scaled = false;   // row_scale has P entries (else 0)
 };
 
 inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer& src,
@@ -208,6 +212,7 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
                                                       const xla::ffi::Buffer<xla::ffi::S32>& slot_primary,
+                                                      const xla::ffi::Buffer<xla::ffi::F32>& row_scale,
                                                       const xla::ffi::AnyBuffer& out) {
   const std::optional<DType> dt = DTypeOf(src.element_type());
   if (!dt || out.element_type() != src.element_type())
@@ -232,7 +237,15 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot arrays must have equal length"));
   if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot_primary must be [P] (send once) or [0]"));
-  return DispatchShape{*dt, sd[0], D, od[0], P, P > 0 && slot_primary.element_count() == P};
+  const bool send_once = P > 0 && slot_primary.element_count() == P;
+  if (row_scale.element_count() != P && row_scale.element_count() != 0)
+    return xla::ffi::Unexpected(InvalidCall("dispatch: row_scale must be [P] (a scale per slot) or [0]"));
+  const bool scaled = P > 0 && row_scale.element_count() == P;
+  if (scaled && (MovedOnly(*dt) || send_once))
+    return xla::ffi::Unexpected(InvalidCall(
+        "dispatch: row_scale scales float32 or bfloat16 rows, each slot's own: not packed e4m3 rows, not with "
+        "slot_primary (send once)"));
+  return DispatchShape{*dt, sd[0], D, od[0], P, send_once, scaled};
 }
 
 struct CountsShape {

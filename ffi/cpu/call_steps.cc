@@ -5,6 +5,7 @@
 #include <string>
 #include <thread>
 
+#include "common/bf16.h"
 #include "common/call_signature.h"
 #include "common/error_text.h"
 
@@ -108,6 +109,18 @@ void MoveSlot(const CallContext& c, const RankView& peer, int d, int64_t p, cons
   if (own) std::memcpy(rows + dst_row[p] * row_bytes, src + src_row[p] * row_bytes, row_bytes);
   if (primary != nullptr)
     peer.recv_from()[dst_row[p]] = RecvFrom(c.epoch, own ? dst_row[p] : dst_row[primary[p]]);
+}
+
+void ScaleRow(DType dt, char* dst, const char* src, int64_t D, float s) {
+  if (dt == DType::kBF16) {
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
+    uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < D; ++i) out[i] = FloatToBf16(Bf16ToFloat(in[i]) * s);
+  } else {
+    const float* in = reinterpret_cast<const float*>(src);
+    float* out = reinterpret_cast<float*>(dst);
+    for (int64_t i = 0; i < D; ++i) out[i] = in[i] * s;
+  }
 }
 
 ffi::ErrorOr<int64_t> RecvFromChecked(const CallContext& c, const char* op, const RankView& self, int64_t r) {

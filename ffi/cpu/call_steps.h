@@ -8,6 +8,7 @@
 
 #include "common/call_attrs.h"
 #include "common/call_options.h"
+#include "common/dtype.h"
 #include "common/workspace_fit.h"
 #include "cpu/workspace_cpu.h"
 #include "jax_moe_overlap/protocol.h"
@@ -67,6 +68,10 @@ xla::ffi::Error CheckPrimaries(const CallContext& c, const char* op, const int32
 // holding its bytes). The caller counts the slot.
 void MoveSlot(const CallContext& c, const RankView& peer, int d, int64_t p, const char* src, int64_t row_bytes,
               const int32_t* src_row, const int32_t* dst_row, const int32_t* primary, char* rows);
+
+// A dispatch's scaled slot (row_scale): dst = src * s, D elements of dt (float32 or bfloat16), each the float32
+// product rounded once to dt (round to nearest even), as the CUDA kernel's ScaleRowWarp.
+void ScaleRow(DType dt, char* dst, const char* src, int64_t D, float s);
 
 // Send once, the receiver's side: the recv row whose bytes row r takes (RecvFromRow of its entry), after checking
 // that the entry is this call's and names r itself or an earlier row whose own entry names itself; else the call

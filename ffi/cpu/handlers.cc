@@ -32,9 +32,9 @@ namespace {
 ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
                         ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> slot_primary,
-                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                        ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                         ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
-  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, *out);
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, row_scale, *out);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->S, cap = shape->cap, P = shape->P;
   const int64_t row_bytes = RowBytes(shape->dtype, shape->D);
@@ -56,6 +56,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     if (ffi::Error err = CheckPrimaries(c, "dispatch", src_row, dst_rank, dst_row, primary, P); err.failure())
       return err;
 
+  const float* scale = shape->scaled ? row_scale.typed_data() : nullptr;
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
   // A group of one rank stores its rows straight into the output (protocol.h: no recv rows, no copy).
   char* direct = R == 1 ? static_cast<char*>(out->untyped_data()) : nullptr;
@@ -69,7 +70,10 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
       if (dst_row[p] < 0 || dst_rank[p] != d) continue;
-      MoveSlot(c, peer, d, p, src_bytes, row_bytes, src_row, dst_row, primary, rows);
+      if (scale != nullptr)
+        ScaleRow(shape->dtype, rows + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, shape->D, scale[p]);
+      else
+        MoveSlot(c, peer, d, p, src_bytes, row_bytes, src_row, dst_row, primary, rows);
       ++sent;  // every kept slot, sent once or not: the receiver's plan counts slots
     }
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);

@@ -41,11 +41,12 @@ struct CallSite {
 // dispatch: rows src[slot_src_row[p]] -> peer slot_dest_rank[p]'s recv row slot_dest_row[p] (-1: dropped); waits for
 // this rank's *expected rows, then writes out [cap, D] (rows past *expected are zero). slot_primary [P] (send once,
 // protocol.h): a row crosses to each other rank once, with every slot's recv_from entry, and the copy out gathers
-// each row from the row its entry names; nullptr: one row per slot.
+// each row from the row its entry names; nullptr: one row per slot. row_scale [P] (not with slot_primary): slot p's
+// row lands as the float32 product src row * row_scale[p] rounded once to dt (float32 or bfloat16); nullptr: moved.
 Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
-                const int32_t* slot_dest_rank, const int32_t* slot_dest_row, const int32_t* slot_primary, int64_t P,
-                const int32_t* recv_expected, const int32_t* group_op, const int32_t* rank_op, void* out,
-                int64_t cap);
+                const int32_t* slot_dest_rank, const int32_t* slot_dest_row, const int32_t* slot_primary,
+                const float* row_scale, int64_t P, const int32_t* recv_expected, const int32_t* group_op,
+                const int32_t* rank_op, void* out, int64_t cap);
 
 // The sender side of a dispatch_gemm's plan (plan.py): per slot [P] the source row, destination rank and recv row;
 // the slot at each send position [P]; the first send position of each destination's rows [R + 1]; per slot [P] its

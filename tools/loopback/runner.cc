@@ -378,14 +378,16 @@ class Run {
                                           : cuda::Gemm1Form::kPlain,
                                 (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], DgOut(r), cap_);
     return cuda::Dispatch(c, xdt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, P_, (const int32_t*)d.recv_expected,
+                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, /*row_scale=*/nullptr, P_,
+                          (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
   }
 
   // The first of dispatch_gemm's two-call twin: Dispatch into out_recv2.
   Status DispatchAlone(int r, const CallSite& c, const DeviceSet& d) {
     return cuda::Dispatch(c, xdt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, P_, (const int32_t*)d.recv_expected,
+                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, /*row_scale=*/nullptr, P_,
+                          (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
   }
 

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "cuda/device/convert.cuh"
+
 namespace jmo::cuda {
 
 // Block-wide copy of `bytes` from src to dst: 16-byte vectors when both are 16-byte aligned, else 4 or 2 bytes.
@@ -114,6 +116,35 @@ __device__ inline void CopyRowPairWarp(char* dst0, const char* src0, char* dst1,
         d1[base + 32 * u] = v1[u];
       }
   }
+}
+
+// One row of `cols` elements of T (float or __nv_bfloat16) by one warp, each element times s in float32 and rounded once
+// to T (round to nearest even): dst = src * s, as XLA computes (s * src.astype(f32)).astype(T). With 16-byte alignment
+// each lane first issues up to kUnroll 16-byte loads, then converts and stores, as CopyRowWarp.
+template <typename T>
+__device__ inline void ScaleRowWarp(char* dst, const char* src, int64_t cols, float s, int lane) {
+  constexpr int kUnroll = 8, V = 16 / sizeof(T);
+  const T* sp = reinterpret_cast<const T*>(src);
+  T* dp = reinterpret_cast<T*>(dst);
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  const int64_t n = (align & 15) == 0 ? cols / V : 0;
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  uint4* d4 = reinterpret_cast<uint4*>(dst);
+  for (int64_t base = lane; base < n; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 32 * u < n) v[u] = __ldcg(s4 + base + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + 32 * u >= n) continue;
+      T* e = reinterpret_cast<T*>(&v[u]);
+#pragma unroll
+      for (int i = 0; i < V; ++i) e[i] = FromFloat<T>(ToFloat(e[i]) * s);
+      d4[base + 32 * u] = v[u];
+    }
+  }
+  for (int64_t j = n * V + lane; j < cols; j += 32) dp[j] = FromFloat<T>(ToFloat(__ldcg(sp + j)) * s);
 }
 
 __device__ inline void ZeroBytes(char* dst, int64_t bytes, int64_t tid, int64_t nthreads) {

@@ -45,16 +45,17 @@ ffi::ErrorOr<CallSite> Resolve(cudaStream_t stream, int32_t ordinal, const CallA
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> slot_src_row,
                         ffi::Buffer<ffi::S32> slot_dest_rank, ffi::Buffer<ffi::S32> slot_dest_row,
                         ffi::Buffer<ffi::S32> recv_rows_expected, ffi::Buffer<ffi::S32> slot_primary,
-                        ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
+                        ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
                         ffi::Result<ffi::AnyBuffer> out, CallAttrs attrs) {
   NoteHandlerCall(HandlerOp::kDispatch, stream);
-  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, *out);
+  auto shape = CheckDispatch(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, row_scale, *out);
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs);
   if (c.has_error()) return c.error();
   const Status s = Dispatch(c.value(), shape->dtype, src.untyped_data(), shape->S, shape->D,
                             slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
-                            shape->send_once ? slot_primary.typed_data() : nullptr, shape->P,
+                            shape->send_once ? slot_primary.typed_data() : nullptr,
+                            shape->scaled ? row_scale.typed_data() : nullptr, shape->P,
                             recv_rows_expected.typed_data(), group_op.typed_data(), rank_op.typed_data(),
                             out->untyped_data(), shape->cap);
   return ToFfi(AbortIfOpened(c.value(), s));

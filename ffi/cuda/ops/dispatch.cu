@@ -16,7 +16,8 @@ namespace {
 __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* src, int64_t S, int64_t row_bytes,
                                                        const int32_t* src_row, const int32_t* dst_rank,
                                                        const int32_t* dst_row, const int32_t* primary, int64_t P,
-                                                       int64_t cap, double link_bytes_per_ns, char* own_rows) {
+                                                       int64_t cap, double link_bytes_per_ns, char* own_rows,
+                                                       RowScale scaled) {
   __shared__ CallState st;
   __shared__ unsigned sent[kMaxRanks];
   LoadCallState(rd, &st);
@@ -25,7 +26,7 @@ __global__ void __launch_bounds__(kThreads) PushKernel(RankDev rd, const char* s
   const int warps = blockDim.x / 32;
   PushRows(rd, src, S, row_bytes, src_row, dst_rank, dst_row, P, cap, kPushAll,
            (int64_t)blockIdx.x * warps + threadIdx.x / 32, (int64_t)gridDim.x * warps, sent, link_bytes_per_ns,
-           own_rows, primary, st.epoch);
+           own_rows, primary, st.epoch, scaled);
   __threadfence_system();
   __syncthreads();
   // Then release-add the rows to each destination's arrival counter.
@@ -88,9 +89,9 @@ Status PrepareDispatchKernels(int dev) {
 }
 
 Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t D, const int32_t* slot_src_row,
-                const int32_t* slot_dest_rank, const int32_t* slot_dest_row, const int32_t* slot_primary, int64_t P,
-                const int32_t* recv_expected, const int32_t* group_op, const int32_t* rank_op, void* out,
-                int64_t cap) {
+                const int32_t* slot_dest_rank, const int32_t* slot_dest_row, const int32_t* slot_primary,
+                const float* row_scale, int64_t P, const int32_t* recv_expected, const int32_t* group_op,
+                const int32_t* rank_op, void* out, int64_t cap) {
   const int64_t row_bytes = RowBytes(dt, D);
   Status s = BeginCall(c, "dispatch", CallFootprint{row_bytes, cap}, group_op, rank_op);
   if (!s.ok()) return s;
@@ -101,7 +102,8 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
   char* own_rows = rd.ranks == 1 ? static_cast<char*>(out) : nullptr;
   PushKernel<<<grid, kThreads, 0, c.stream>>>(rd, static_cast<const char*>(src), S, row_bytes, slot_src_row,
                                               slot_dest_rank, slot_dest_row, slot_primary, P, cap,
-                                              c.opts.emulated_link_gbps, own_rows);
+                                              c.opts.emulated_link_gbps, own_rows,
+                                              RowScale{row_scale, dt == DType::kBF16});
   if (!(s = LaunchError("launch of PushKernel")).ok()) return s;
   return LaunchRecvAndEnd(rd, grid, c.stream, recv_expected, static_cast<char*>(out), cap, row_bytes,
                           own_rows != nullptr, slot_primary != nullptr);

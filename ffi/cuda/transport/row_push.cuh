@@ -82,12 +82,17 @@ __device__ __forceinline__ int64_t RecvFromChecked(const RankDev& rd, uint64_t e
 // (the rank itself, the others, or all). link_bytes_per_ns > 0: the chunk's pushes to other ranks go over the
 // emulated link (PaceLink) before the call signals them. own_rows != nullptr: the rows for this rank itself go there
 // instead of its recv rows (a group of one rank stores them straight into the call's output: protocol.h). primary
-// != nullptr: send once (protocol.h, CheckPushSlot).
+// != nullptr: send once (protocol.h, CheckPushSlot). Scale: RowScale{} moves the bytes; RowScale{row_scale, bf16}
+// lands slot p's row times row_scale[p] (ScaleRowWarp: float32 or bfloat16 rows, never sent once).
+struct RowScale {
+  const float* scale = nullptr;  // [P], or nullptr: rows moved unchanged
+  bool bf16 = false;             // the rows' dtype: bfloat16, else float32
+};
 __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes,
                                 const int32_t* src_row, const int32_t* dst_rank, const int32_t* dst_row, int64_t P,
                                 int64_t cap, PushWhich which, int64_t warp, int64_t warps, unsigned* sent,
                                 double link_bytes_per_ns, char* own_rows = nullptr, const int32_t* primary = nullptr,
-                                uint64_t epoch = 0) {
+                                uint64_t epoch = 0, RowScale scaled = {}) {
   const int lane = threadIdx.x % 32;
   for (int64_t base = warp * 32; base < P; base += warps * 32) {
     const int64_t p = base + lane;
@@ -97,7 +102,20 @@ __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, i
       if (row >= 0) atomicAdd(&sent[d], 1u);  // every kept slot, sent once or not: the receiver's plan counts slots
     }
     const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);
-    for (unsigned left = moves; left != 0;) {
+    if (scaled.scale != nullptr) {
+      const float sc = row >= 0 ? scaled.scale[p] : 0.f;
+      for (unsigned left = moves; left != 0; left &= left - 1) {
+        const int i = __ffs(left) - 1;
+        const int d0 = __shfl_sync(0xffffffffu, d, i), r0 = __shfl_sync(0xffffffffu, row, i);
+        const int s0 = __shfl_sync(0xffffffffu, sr, i);
+        const float c0 = __shfl_sync(0xffffffffu, sc, i);
+        char* dst0 = (d0 == rd.rank && own_rows != nullptr ? own_rows : View(rd, d0).recv()) + (int64_t)r0 * row_bytes;
+        const char* src0 = src + (int64_t)s0 * row_bytes;
+        if (scaled.bf16) ScaleRowWarp<__nv_bfloat16>(dst0, src0, row_bytes / 2, c0, lane);
+        else ScaleRowWarp<float>(dst0, src0, row_bytes / 4, c0, lane);
+      }
+    }
+    for (unsigned left = scaled.scale != nullptr ? 0u : moves; left != 0;) {
       const int i = __ffs(left) - 1;
       left &= left - 1;
       const int d0 = __shfl_sync(0xffffffffu, d, i), r0 = __shfl_sync(0xffffffffu, row, i);
