@@ -2,11 +2,12 @@
 
 Its backward pass uses the same two custom calls: ``gates * dy`` is dispatched like tokens (dy's rows, each slot's
 scaled by its gate as the dispatch moves it: ``row_scale``), and ``dx`` is ``expert_combine`` of the GEMM1 input
-gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no copy) and unit gates. Where the call site fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``)
-and the operands take dispatch_gemm's engine (``engines.dispatch_gemm_operands``), the forward's dispatch and GEMM1,
-and the backward's dispatch of ``gates * dy`` and ``d_out W2^T``, each run as one ``dispatch_gemm`` call.
-The forward's dispatch sends a token's row once per destination rank where the call site says so
-(``RankInfo.send_once``); the backward's sends one row per slot, since ``gates * dy`` differs per slot.
+gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no copy) and unit gates. Where the call site
+fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``) and the operands take dispatch_gemm's engine
+(``engines.dispatch_gemm_operands``), the forward's dispatch and GEMM1, and the backward's dispatch of ``gates * dy``
+(there as a [T k, D] array) and ``d_out W2^T``, each run as one ``dispatch_gemm`` call. The forward's dispatch sends
+a token's row once per destination rank where the call site says so (``RankInfo.send_once``); the backward's sends
+one row per slot, since ``gates * dy`` differs per slot.
 """
 
 from __future__ import annotations

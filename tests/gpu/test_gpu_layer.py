@@ -126,6 +126,46 @@ def test_dispatch_gemm_bf16_product_equals_two_calls(transpose_rhs):
   assert np.isfinite(fused[:kept].astype(np.float32)).all() and np.abs(fused[:kept].astype(np.float32)).max() > 0
 
 
+@by_ranks
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dispatch_row_scale_equals_the_scaled_rows(R, dtype):
+  """dispatch's row_scale (the layer's unfused backward dispatches dy's rows scaled by the gates so) on the GPUs: the
+  recv rows bit for bit those of the dispatch of the [P, D] array (scale[p] * x[p // k]).astype(dtype), with a zero
+  and a negative scale."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.call_site import RankInfo  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace_calls import dispatch  # pylint: disable=g-import-not-at-top
+  dt = jnp.dtype(dtype)
+  mesh, T, k, E, D = gpu_mesh(R), 300, 2, 4 * R, 260   # (bf16 rows of 520 bytes: most rows unaligned, per element)
+  cap_e = plan_lib.expert_capacity(T, R, k, E, None)
+  cap = plan_lib.recv_capacity(T, R, k, E // R, cap_e)
+  info = RankInfo(Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=4 * D, recv_rows=cap, ret_rows=T * k,
+                                                               num_segments=E)), jmo.CallConfig())
+  kx, ks, ki = jax.random.split(jax.random.PRNGKey(11), 3)
+  x = jax.random.normal(kx, (R * T, D), jnp.float32).astype(dt)
+  scale = jax.random.uniform(ks, (R * T * k,), jnp.float32, 0.01, 1.0).at[3].set(0.0).at[4].set(-0.5)
+  ids = jax.random.randint(ki, (R * T, k), 0, E, jnp.int32)
+  ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % (E - 1)) % E)  # two distinct experts a token
+  rows = (scale[:, None] * jnp.repeat(x, k, axis=0).astype(jnp.float32)).astype(dt)
+
+  def both(ids, x, scale, rows):
+    rank = jax.lax.axis_index("expert").astype(jnp.int32)
+    counts = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
+    plan = plan_lib.make_plan(ids, counts, rank, cap_e)
+    scaled = dispatch(x, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info, row_scale=scale)
+    return scaled, dispatch(rows, jnp.arange(T * k, dtype=jnp.int32), plan, cap, info)
+
+  spec = P("expert")
+  f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec), check_vma=False))
+  scaled, want = (np.asarray(a) for a in f(ids, x, scale, rows))
+  assert scaled.tobytes() == want.tobytes(), "the scaled rows differ from the scaled array's"
+  assert np.count_nonzero(scaled.astype(np.float32)) > 0
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_one_rank_backward_fuses_the_swiglu_gradient(fuse, monkeypatch):
   """With the layer taking the SwiGLU-gradient epilogue (expert_gemms.LAYER_FUSES_SWIGLU_GRAD; off by default, the

@@ -118,9 +118,10 @@ __device__ inline void CopyRowPairWarp(char* dst0, const char* src0, char* dst1,
   }
 }
 
-// One row of `cols` elements of T (float or __nv_bfloat16) by one warp, each element times s in float32 and rounded once
-// to T (round to nearest even): dst = src * s, as XLA computes (s * src.astype(f32)).astype(T). With 16-byte alignment
-// each lane first issues up to kUnroll 16-byte loads, then converts and stores, as CopyRowWarp.
+// One row of `cols` elements of T (float or __nv_bfloat16) by one warp, each element times s in float32 and rounded
+// once to T (round to nearest even): dst = src * s, as XLA computes (s * src.astype(f32)).astype(T). With 16-byte
+// alignment each lane first issues up to kUnroll 16-byte loads, then converts and stores, as CopyRowWarp; without it
+// element by element.
 template <typename T>
 __device__ inline void ScaleRowWarp(char* dst, const char* src, int64_t cols, float s, int lane) {
   constexpr int kUnroll = 8, V = 16 / sizeof(T);
