@@ -25,6 +25,12 @@ from jax_moe_overlap.plan import Plan
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm, expert_combine
 
 
+# Whether the unfused backward has the dispatch scale dy's rows by the gates as it moves them (row_scale: the same
+# bits, no [T k, D] array of gates * dy written and read back). False: that array, as the fused path builds it (for
+# A/B measurements).
+SCALE_IN_DISPATCH = True
+
+
 def fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> bool:
   """Whether a dispatch of rows x and the GEMM with w after it run as one dispatch_gemm: chosen for the call site
   (``info.dispatch_pushers``) and taken by the engine (``engines.dispatch_gemm_operands``)."""
@@ -68,16 +74,21 @@ def _expert_block_bwd(cap, info, res, dy):
   dy_slot = jnp.repeat(dy, k, axis=0)                                     # [P, D], slot p = t*k + j
   d_gates = jnp.sum(dy_slot.astype(jnp.float32) * slot_out.astype(jnp.float32), axis=-1).reshape(T, k)
   slot_gate = gates.reshape(T * k).astype(jnp.float32)
-  if fuses_dispatch(dy, w2, info, swiglu=False, transpose_rhs=True):
-    # The dispatch of gates * dy with dh = d_out W2^T (in expert_gemms.dgrad_dtype, as the unfused path writes it),
-    # as the forward's dispatch with GEMM1; d_out is kept for the weight gradient dW2.
-    d_slot = (slot_gate[:, None] * dy_slot.astype(jnp.float32)).astype(dy.dtype)
-    d_out, dh, _ = dispatch_gemm(d_slot, jnp.arange(T * k, dtype=jnp.int32), w2, plan, cap, info,
-                                 transpose_rhs=True, out_dtype=expert_gemms.dgrad_dtype(d_slot.dtype))
-  else:
+  fused = fuses_dispatch(dy, w2, info, swiglu=False, transpose_rhs=True)
+  slot_rows = jnp.arange(T * k, dtype=jnp.int32)
+  if not fused and SCALE_IN_DISPATCH:
     # gates * dy scaled by the dispatch as it moves dy's rows (row_scale): the same rows, no [T k, D] array.
-    d_out = dispatch(dy, jnp.arange(T * k, dtype=jnp.int32) // k, plan, cap, info, row_scale=slot_gate)
+    d_out = dispatch(dy, slot_rows // k, plan, cap, info, row_scale=slot_gate)
     dh = None
+  else:
+    d_slot = (slot_gate[:, None] * dy_slot.astype(jnp.float32)).astype(dy.dtype)
+    if fused:
+      # The dispatch of gates * dy with dh = d_out W2^T (in expert_gemms.dgrad_dtype, as the unfused path writes it),
+      # as the forward's dispatch with GEMM1; d_out is kept for the weight gradient dW2.
+      d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True,
+                                   out_dtype=expert_gemms.dgrad_dtype(d_slot.dtype))
+    else:
+      d_out, dh = dispatch(d_slot, slot_rows, plan, cap, info), None
   da, dw1, dw2 = expert_gemms.expert_grads(x_recv, a, h, d_out, w1, w2, plan.expert_rows, dh)
   # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).
   dx, _ = expert_combine(da, w1, jnp.ones_like(gates, jnp.float32), plan, info, want_slots=False, transpose_rhs=True)

@@ -80,6 +80,29 @@ def test_bfloat16_within_tolerance(kind):
   layer_checks.check_layer(mesh_of(4), kind, seed=3)
 
 
+@pytest.mark.parametrize("R", [1, 4])
+def test_scaled_dispatch_keeps_the_gradients_bits(R, monkeypatch):
+  # expert_block's unfused backward dispatches dy's rows scaled by the gates as they move (row_scale) instead of the
+  # [T k, D] array of gates * dy: bf16 layer outputs and gradients bit for bit the same either way, drops included.
+  from jax_moe_overlap import expert_block  # pylint: disable=g-import-not-at-top
+  mesh = mesh_of(R)
+  x, ids, gates, w1, w2 = layer_inputs(16 * R, D, F, E, 2, "skewed", 41, jnp.bfloat16)
+
+  def loss(x, gates, w1, w2):
+    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=0.5)
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)) * jnp.arange(y.size).reshape(y.shape) / y.size)
+
+  out = {}
+  for scaled in (False, True):
+    monkeypatch.setattr(expert_block, "SCALE_IN_DISPATCH", scaled)
+    jmo.api._programs.clear()  # pylint: disable=protected-access  (traced anew: the switch is read when tracing)
+    jax.clear_caches()
+    out[scaled] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+  for a, b in zip(jax.tree.leaves(out[False]), jax.tree.leaves(out[True])):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert float(jnp.max(jnp.abs(out[True][1][1]))) > 0  # the gates' gradient is not all zero
+
+
 @pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
 def test_dispatch_pushers_fuses_on_cpu_too():
   # CallConfig(dispatch_pushers=2) runs dispatch_gemm's CPU handler: the bits of the two calls with the bare grouped
