@@ -37,7 +37,7 @@ def test_the_suites_own_lines_are_read():
 
 
 def test_a_log_of_another_length_is_refused():
-  with pytest.raises(ValueError, match="has 4 cases but the log has 1 REGRET lines"):
+  with pytest.raises(ValueError, match="has 4 P and 0 C cases but the log has 1 and 0 REGRET lines"):
     regret_offline.estimate("regret-push", regret_offline.read_log(
         "REGRET P model 2 (host mirror agrees) 1.0 us | best pinned P=2 1.0 us | regret 0.0% | pinned us 2:1.0"), 132)
 
@@ -48,6 +48,16 @@ def test_the_runs_constants_give_the_runs_picks(capsys):
   assert os.path.exists(LOG) and regret_offline.main(args) == 0
   out = capsys.readouterr().out
   assert "picks: the run's in every case" in out and "estimated regret" in out
+
+
+def test_a_suite_of_both_kinds_reads_each_kinds_lines(capsys):
+  # regret-backward: the dgrad dispatch_gemm's P and the dx combine's C, their lines interleaved in the log as the
+  # suite ran them (the committed 2026-12-07 run, whose constants are the library's H100 calibration).
+  log = ROOT / "benchmarks" / "results" / "2026-12-07-scaled-dispatch-backward-regret.txt"
+  args = ["--suite", "regret-backward", "--log", str(log), "--gpu", "NVIDIA H100 80GB HBM3", "--sms", "132", "--check"]
+  assert regret_offline.main(args) == 0
+  out = capsys.readouterr().out
+  assert "picks: the run's in every case" in out and "over 10 of 12 cases" in out
 
 
 EXPERT_MAJOR_LOG = ROOT / "benchmarks" / "results" / "2026-12-06-expert-major-model.txt"

@@ -10,7 +10,7 @@ run used, the picks are the run's own (its "host mirror agrees"), which --check 
 
 LOG is the suite's output (its REGRET lines, in case order); --calibration defaults to the file the library loads on
 --gpu (tools/loopback/cases.py's use_device_calibration). Covers the suites whose rows are expert_combine's C or
-dispatch_gemm's P (regret-combine, regret-push, regret-push-shapes); not gather_rs's.
+dispatch_gemm's P (regret-combine, regret-push, regret-push-shapes, regret-backward: both); not gather_rs's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from tools.loopback import cases as cases_lib
 from tools.loopback import regret as regret_lib
 
-SUITES = ("regret-combine", "regret-push", "regret-push-shapes")
+SUITES = ("regret-combine", "regret-push", "regret-push-shapes", "regret-backward")
 _REGRET = re.compile(r"REGRET (C|P) model (\S+) \(host mirror [^)]*\) ([\d.]+) us \| best pinned \S+=(\d+) ([\d.]+) us "
                      r"\| regret \S+% \| pinned us ([\d.: ]+?)(?: \| .*)?$")  # (regret.line's trailing fields)
 
@@ -66,10 +66,13 @@ def estimate(suite: str, rows: list[LoggedRow], sms: int) -> list[dict]:
   and, where they are one pinned count, the regret that count had in the run. rows: the log's REGRET lines (those
 of the suite's kind, C or P, are taken in order)."""
   cases = cases_lib.suite(suite, cases_lib.Case())
-  what = "P" if cases and all(c.dg for c in cases) else "C"   # (dispatch_gemm's cases sweep P, the others C)
-  rows = [r for r in rows if r.what == what]   # (a log may hold both suites)
-  if len(cases) != len(rows):
-    raise ValueError(f"{suite} has {len(cases)} cases but the log has {len(rows)} REGRET lines")
+  # dispatch_gemm's cases sweep P, the others C; each kind's REGRET lines in its cases' order (a log may hold both).
+  by_kind = {w: [r for r in rows if r.what == w] for w in ("P", "C")}
+  want = {w: sum((c.dg) == (w == "P") for c in cases) for w in ("P", "C")}
+  if any(want[w] and len(by_kind[w]) != want[w] for w in want):
+    raise ValueError(f"{suite} has {want['P']} P and {want['C']} C cases but the log has {len(by_kind['P'])} and "
+                     f"{len(by_kind['C'])} REGRET lines")
+  rows = [by_kind["P" if c.dg else "C"].pop(0) for c in cases]
   out = []
   for case, row in zip(cases, rows):
     picks = mirror_choices(case, sms)
