@@ -24,10 +24,11 @@ E, D, K = 8, 24, 2
 
 
 def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True, send_once=False, primary_of=None,
-                      scaled=False):
+                      scaled=False, slot_rows=False):
   """ids, x[, scale] -> (recv rows [R * cap, D], slot_dest_rank, slot_dest_row, recv_rows [R]) of one dispatch per
   rank. primary_of(plan, rank): the slot_primary operand in place of the plan's (send_once). scaled: the program
-  takes a third operand, the slots' row_scale [tokens * K] per rank."""
+  takes a third operand, the slots' row_scale [tokens * K] per rank. slot_rows: x holds a row per slot (slot p's row
+  p) instead of a row per token."""
   R = mesh.shape["expert"]
   sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * K,
                          num_segments=E)
@@ -39,8 +40,8 @@ def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True, send_once=
     plan = plan_lib.make_plan(ids, counts_all, rank, cap_e)
     if primary_of is not None:
       plan = dataclasses.replace(plan, slot_primary=primary_of(plan, rank))
-    recv = dispatch(x, jnp.arange(tokens * K, dtype=jnp.int32) // K, plan, cap, info, send_once=send_once,
-                    row_scale=scale)
+    src_row = jnp.arange(tokens * K, dtype=jnp.int32) // (1 if slot_rows else K)
+    recv = dispatch(x, src_row, plan, cap, info, send_once=send_once, row_scale=scale)
     return recv, plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows.reshape(1)
 
   spec = P("expert")
@@ -49,18 +50,21 @@ def _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=True, send_once=
   return layer_checks.Poisoned(fn, mesh) if poisoned else jax.jit(fn)
 
 
+def _dropping_routing(R, tokens, seed):
+  """(mesh, ids [tokens * R, K], cap_e, cap): skewed routing at capacity factor 0.75, which drops slots (so each
+  rank's recv rows end before cap), with every seventh token's second slot skipped (-1)."""
+  ids = routing("skewed", tokens * R, E, K, seed=seed)
+  ids[::7, 1] = plan_lib.SKIP
+  cap_e = plan_lib.expert_capacity(tokens, R, K, E, 0.75)
+  return mesh_of(R), ids, cap_e, plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
+
+
 @pytest.mark.parametrize("R,dtype,send_once", [(1, jnp.bfloat16, False), (1, jnp.float32, False),
                                                (4, jnp.bfloat16, False), (4, jnp.bfloat16, True),
                                                (4, jnp.float32, True)])
 def test_recv_rows_match_the_plan(R, dtype, send_once):
-  # Skewed routing at capacity factor 0.75 drops slots (so each rank's recv rows end before cap), and every seventh
-  # token's second slot is skipped (-1).
   tokens = 48
-  mesh = mesh_of(R)
-  ids = routing("skewed", tokens * R, E, K, seed=5)
-  ids[::7, 1] = plan_lib.SKIP
-  cap_e = plan_lib.expert_capacity(tokens, R, K, E, 0.75)
-  cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
+  mesh, ids, cap_e, cap = _dropping_routing(R, tokens, seed=5)
   x = jnp.asarray(np.random.default_rng(6).standard_normal((tokens * R, D)).astype(np.float32)).astype(dtype)
   f = _dispatch_program(mesh, tokens, cap_e, cap, dtype, send_once=send_once)
   recv, dest_rank, dest_row, recv_rows = (np.asarray(a) for a in f(jnp.asarray(ids), x))
@@ -124,11 +128,7 @@ def test_scaled_rows_are_the_scaled_arrays_rows(R, dtype):
   # [P, D] array (the layer's backward dispatches gates * dy so), with drops, skipped slots, a zero and a negative
   # scale, and rows written into poisoned buffers.
   tokens = 48
-  mesh = mesh_of(R)
-  ids = routing("skewed", tokens * R, E, K, seed=8)
-  ids[::7, 1] = plan_lib.SKIP
-  cap_e = plan_lib.expert_capacity(tokens, R, K, E, 0.75)
-  cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
+  mesh, ids, cap_e, cap = _dropping_routing(R, tokens, seed=8)
   rng = np.random.default_rng(9)
   x = jnp.asarray(rng.standard_normal((tokens * R, D)).astype(np.float32)).astype(dtype)
   scale = rng.uniform(0.01, 1.0, tokens * R * K).astype(np.float32)
@@ -138,18 +138,7 @@ def test_scaled_rows_are_the_scaled_arrays_rows(R, dtype):
   assert scaled.aliased == scaled.buffers, f"{scaled.aliased} of {scaled.buffers} outputs computed into the poison"
   # The same slots' rows as a [P, D] array per rank, dispatched unscaled (slot p's own row p).
   rows = (jnp.asarray(scale)[:, None] * jnp.repeat(x, K, axis=0).astype(jnp.float32)).astype(dtype)
-  sizes = WorkspaceSizes(row_bytes=D * jnp.dtype(dtype).itemsize, recv_rows=cap, ret_rows=tokens * K,
-                         num_segments=E)
-  info = RankInfo(Workspace.get(mesh, "expert", sizes), CallConfig(timeout_ms=5000))
-
-  def local(ids, rows):
-    rank = jax.lax.axis_index("expert").astype(jnp.int32)
-    counts_all = jax.lax.all_gather(plan_lib.local_counts(ids, E).reshape(R, E // R), "expert")
-    plan = plan_lib.make_plan(ids, counts_all, rank, cap_e)
-    return dispatch(rows, jnp.arange(tokens * K, dtype=jnp.int32), plan, cap, info)
-
-  want = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 2, out_specs=P("expert"),
-                               check_vma=False))(jnp.asarray(ids), rows)
+  want, *_ = _dispatch_program(mesh, tokens, cap_e, cap, dtype, poisoned=False, slot_rows=True)(jnp.asarray(ids), rows)
   got, want = (np.asarray(a).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32) for a in (recv, want))
   assert np.array_equal(got, want)
   assert np.count_nonzero(np.asarray(jnp.asarray(recv).astype(jnp.float32))) > 0
