@@ -5,9 +5,9 @@ scaled by its gate as the dispatch moves it: ``row_scale``), and ``dx`` is ``exp
 gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no copy) and unit gates. Where the call site
 fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``) and the operands take dispatch_gemm's engine
 (``engines.dispatch_gemm_operands``), the forward's dispatch and GEMM1, and the backward's dispatch of ``gates * dy``
-(there as a [T k, D] array) and ``d_out W2^T``, each run as one ``dispatch_gemm`` call. The forward's dispatch sends
-a token's row once per destination rank where the call site says so (``RankInfo.send_once``); the backward's sends
-one row per slot, since ``gates * dy`` differs per slot.
+(on GPUs as a [T k, D] array unless ``SCALE_IN_DISPATCH_GEMM_ON_GPU``) and ``d_out W2^T``, each run as one
+``dispatch_gemm`` call. The forward's dispatch sends a token's row once per destination rank where the call site says
+so (``RankInfo.send_once``); the backward's sends one row per slot, since ``gates * dy`` differs per slot.
 """
 
 from __future__ import annotations
@@ -25,10 +25,17 @@ from jax_moe_overlap.plan import Plan
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm, expert_combine
 
 
-# Whether the unfused backward has the dispatch scale dy's rows by the gates as it moves them (row_scale: the same
-# bits, no [T k, D] array of gates * dy written and read back). False: that array, as the fused path builds it (for
-# A/B measurements).
+# Whether the backward has its dispatch scale dy's rows by the gates as it moves them (row_scale: the same bits, no
+# [T k, D] array of gates * dy written and read back). False: that array (for A/B measurements).
 SCALE_IN_DISPATCH = True
+# Whether the fused form (dispatch_gemm's pushers) scales them too on GPUs: off until its GPU test and timing have run
+# (the CPU handler scales them, bit for bit the array's rows: tests/test_dispatch_gemm.py).
+SCALE_IN_DISPATCH_GEMM_ON_GPU = False
+
+
+def scales_in_dispatch(fused: bool, info: RankInfo) -> bool:
+  """Whether the backward's dispatch of gates * dy (fused with the dgrad GEMM or not) scales dy's rows itself."""
+  return SCALE_IN_DISPATCH and (not fused or info.workspace.platform == "cpu" or SCALE_IN_DISPATCH_GEMM_ON_GPU)
 
 
 def fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> bool:
@@ -76,19 +83,18 @@ def _expert_block_bwd(cap, info, res, dy):
   slot_gate = gates.reshape(T * k).astype(jnp.float32)
   fused = fuses_dispatch(dy, w2, info, swiglu=False, transpose_rhs=True)
   slot_rows = jnp.arange(T * k, dtype=jnp.int32)
-  if not fused and SCALE_IN_DISPATCH:
+  if scales_in_dispatch(fused, info):
     # gates * dy scaled by the dispatch as it moves dy's rows (row_scale): the same rows, no [T k, D] array.
-    d_out = dispatch(dy, slot_rows // k, plan, cap, info, row_scale=slot_gate)
-    dh = None
+    src, src_row, row_scale = dy, slot_rows // k, slot_gate
   else:
-    d_slot = (slot_gate[:, None] * dy_slot.astype(jnp.float32)).astype(dy.dtype)
-    if fused:
-      # The dispatch of gates * dy with dh = d_out W2^T (in expert_gemms.dgrad_dtype, as the unfused path writes it),
-      # as the forward's dispatch with GEMM1; d_out is kept for the weight gradient dW2.
-      d_out, dh, _ = dispatch_gemm(d_slot, slot_rows, w2, plan, cap, info, transpose_rhs=True,
-                                   out_dtype=expert_gemms.dgrad_dtype(d_slot.dtype))
-    else:
-      d_out, dh = dispatch(d_slot, slot_rows, plan, cap, info), None
+    src, src_row, row_scale = (slot_gate[:, None] * dy_slot.astype(jnp.float32)).astype(dy.dtype), slot_rows, None
+  if fused:
+    # The dispatch of gates * dy with dh = d_out W2^T (in expert_gemms.dgrad_dtype, as the unfused path writes it),
+    # as the forward's dispatch with GEMM1; d_out is kept for the weight gradient dW2.
+    d_out, dh, _ = dispatch_gemm(src, src_row, w2, plan, cap, info, transpose_rhs=True,
+                                 out_dtype=expert_gemms.dgrad_dtype(dy.dtype), row_scale=row_scale)
+  else:
+    d_out, dh = dispatch(src, src_row, plan, cap, info, row_scale=row_scale), None
   da, dw1, dw2 = expert_gemms.expert_grads(x_recv, a, h, d_out, w1, w2, plan.expert_rows, dh)
   # dx = da @ W1^T per expert: W1 [E_local, D, 2F] is read transposed in place (no [E_local, 2F, D] copy).
   dx, _ = expert_combine(da, w1, jnp.ones_like(gates, jnp.float32), plan, info, want_slots=False, transpose_rhs=True)

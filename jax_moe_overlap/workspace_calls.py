@@ -118,25 +118,34 @@ def dispatch_rows(src: jax.Array, src_row: jax.Array, dest_rank: jax.Array, dest
   ``plan.packed_return``'s routing. primary: ``slot_primary`` (send once) or None. row_scale: as ``dispatch``'s."""
   _ffi.register()
   group, rank = info.coords()
-  sends_once = primary is not None and primary.shape[0] > 0
-  if row_scale is not None:
-    if src.dtype not in (jnp.float32, jnp.bfloat16) or sends_once:
-      raise ValueError(f"jax_moe_overlap: dispatch: row_scale scales float32 or bfloat16 rows, each slot's own (not "
-                       f"sent once); got {src.dtype} rows{' sent once' if sends_once else ''}")
-    if row_scale.shape != src_row.shape:
-      raise ValueError(f"jax_moe_overlap: dispatch: row_scale {row_scale.shape} must have one scale per slot "
-                       f"{src_row.shape}")
   primary = jnp.zeros((0,), jnp.int32) if primary is None else primary
-  row_scale = jnp.zeros((0,), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
+  row_scale = _row_scale_operand("dispatch", src, src_row, primary, row_scale)
   return _workspace_call(info, _ffi.DISPATCH, jax.ShapeDtypeStruct((cap, src.shape[1]), src.dtype),
                          src, src_row.astype(jnp.int32), dest_rank, dest_row, expected, primary, row_scale, group,
                          rank, **info.attrs())
 
 
+def _row_scale_operand(op: str, src: jax.Array, src_row: jax.Array, primary: jax.Array,
+                       row_scale: jax.Array | None) -> jax.Array:
+  """The dispatch rows' row_scale operand: [P] float32, or [0] for rows moved unchanged; refused (ValueError) for
+  rows other than float32 or bfloat16, rows sent once (``primary`` [P]) and a count other than the slots'."""
+  if row_scale is None:
+    return jnp.zeros((0,), jnp.float32)
+  sends_once = primary.shape[0] > 0
+  if src.dtype not in (jnp.float32, jnp.bfloat16) or sends_once:
+    raise ValueError(f"jax_moe_overlap: {op}: row_scale scales float32 or bfloat16 rows, each slot's own (not sent "
+                     f"once); got {src.dtype} rows{' sent once' if sends_once else ''}")
+  if row_scale.shape != src_row.shape:
+    raise ValueError(f"jax_moe_overlap: {op}: row_scale {row_scale.shape} must have one scale per slot "
+                     f"{src_row.shape}")
+  return row_scale.astype(jnp.float32)
+
+
 def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: Plan, cap: int, info: RankInfo, *,
                   transpose_rhs: bool = False, swiglu: bool = False, keep_recv: bool = True,
                   keep_a: bool = False, a_dtype=jnp.float32, out_dtype=jnp.float32,
-                  send_once: bool = False) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
+                  send_once: bool = False,
+                  row_scale: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
   """dispatch and GEMM1 in one call, each GEMM tile starting once the 128-row blocks holding its rows are in.
 
   Args:
@@ -150,6 +159,7 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
     out_dtype: without ``swiglu``, out's dtype: float32 or src's (the float32 product rounded once, as
       ``grouped_matmul``'s with that ``preferred_element_type``).
     send_once: as ``dispatch``'s (the receiver fills a token's other rows before the GEMM tiles that read them).
+    row_scale: as ``dispatch``'s: the recv rows (x_recv, and GEMM1's A) are the scaled rows.
   Returns:
     (x_recv [cap, D] as ``dispatch`` returns it, or None unless keep_recv; out; a or None), where without swiglu
     out = [cap, N] in out_dtype, the recv rows of each (expert, source) segment @ w[expert], and a is None; with swiglu
@@ -185,12 +195,12 @@ def dispatch_gemm(src: jax.Array, slot_src_row: jax.Array, w: jax.Array, plan: P
   out_types = (jax.ShapeDtypeStruct((cap if keep_recv else 0, D), src.dtype), out,
                jax.ShapeDtypeStruct((cap if keep_a else 0, N), a_dtype))
   x_recv, out, a = _dispatch_gemm_call(src, slot_src_row, w, plan, info, out_types, transpose_rhs, swiglu,
-                                       send_once)
+                                       send_once, row_scale=row_scale)
   return (x_recv if keep_recv else None), out, (a if keep_a else None)
 
 
 def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_types, transpose_rhs: bool,
-                        swiglu: bool, send_once: bool = False, w_scales=None, scale_types=None):
+                        swiglu: bool, send_once: bool = False, w_scales=None, scale_types=None, row_scale=None):
   """The custom call of ``dispatch_gemm`` with the result types as given (x_recv, out, a; and for the FP8 form
   scale_types, h_scales and a_scales): unchecked here, so that the tests reach the handlers' own shape checks.
   Returns (x_recv, out, a), with scale_types (x_recv, out, a, h_scales, a_scales)."""
@@ -198,9 +208,11 @@ def _dispatch_gemm_call(src, slot_src_row, w, plan: Plan, info: RankInfo, out_ty
   group, rank = info.coords()
   none = jnp.zeros((0,), jnp.float32)  # (the FP8 form's scales, empty for float rows)
   empty = jax.ShapeDtypeStruct((0,), jnp.float32)
+  primary = slot_primary(plan, send_once)
   results = _workspace_call(info, _ffi.DISPATCH_GEMM, (*out_types, *(scale_types or (empty, empty))), src,
                             slot_src_row.astype(jnp.int32), plan.slot_dest_rank, plan.slot_dest_row, plan.recv_rows,
-                            slot_primary(plan, send_once), plan.send_order, plan.send_start, plan.seg_rows,
+                            primary, _row_scale_operand("dispatch_gemm", src, slot_src_row, primary, row_scale),
+                            plan.send_order, plan.send_start, plan.seg_rows,
                             plan.seg_ret_off, w, none if w_scales is None else w_scales, group, rank,
                             transpose_rhs=np.bool_(transpose_rhs), swiglu=np.bool_(swiglu), **info.attrs())
   return tuple(results) if scale_types is not None else tuple(results[:3])

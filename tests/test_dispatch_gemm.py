@@ -156,6 +156,46 @@ def test_call_equals_dispatch_and_grouped_gemm(kind, cf, skip, dtype, mode, send
   assert src_blocks_nonzero(mesh) == 0, "a call must leave its src_blocks zero"
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_call_with_row_scale_equals_the_scaled_rows(dtype):
+  # row_scale (the layer's backward dispatches gates * dy so: dy's rows, each slot's scaled as it moves, then dh =
+  # d_out W2^T, W2 read transposed, in the compute dtype): x_recv and out bit for bit the call's on the [P, D] array of
+  # scaled rows (slot p's own row p), with drops, skipped slots, a zero and a negative scale; sending once is refused.
+  mesh, R, tokens, k, N = mesh_of(4), 4, 160, 2, 40
+  ids = routing("skewed", tokens * R, E, k, seed=22)
+  ids[::5, 1] = plan_lib.SKIP
+  cap_e = plan_lib.expert_capacity(tokens, R, k, E, 0.5)
+  cap = plan_lib.recv_capacity(tokens, R, k, E // R, cap_e)
+  info, plan_of, sharded = _call_setup(mesh, tokens, k, cap_e, cap, dtype)
+  kx, kw, ks = jax.random.split(jax.random.PRNGKey(5), 3)
+  x = jax.random.normal(kx, (tokens * R, D), jnp.float32).astype(dtype)
+  w = (jax.random.normal(kw, (E, N, D), jnp.float32) / np.sqrt(D)).astype(dtype)
+  scale = jax.random.uniform(ks, (tokens * R * k,), jnp.float32, 0.01, 1.0).at[2].set(0.0).at[3].set(-0.5)
+  rows = (scale[:, None] * jnp.repeat(x, k, axis=0).astype(jnp.float32)).astype(dtype)
+  slots = jnp.arange(tokens * k, dtype=jnp.int32)
+
+  def scaled(ids, x, scale, w):
+    got = dispatch_gemm(x, slots // k, w, plan_of(ids), cap, info, transpose_rhs=True, out_dtype=dtype,
+                        row_scale=scale)
+    return got[0], got[1], plan_of(ids).recv_rows.reshape(1)
+
+  def of_rows(ids, rows, w):
+    return dispatch_gemm(rows, slots, w, plan_of(ids), cap, info, transpose_rhs=True, out_dtype=dtype)[:2]
+
+  got_recv, got_out, kept = jax.jit(sharded(scaled, 4, 3))(jnp.asarray(ids), x, scale, w)
+  want_recv, want_out = jax.jit(sharded(of_rows, 3, 2))(jnp.asarray(ids), rows, w)
+  kept = np.asarray(kept)
+  assert kept.sum() > 0
+  for name, a, b in (("x_recv", got_recv, want_recv), ("out", got_out, want_out)):
+    a, b = np.asarray(a).reshape(R, cap, -1), np.asarray(b).reshape(R, cap, -1)
+    for r in range(R):
+      assert a[r, :kept[r]].tobytes() == b[r, :kept[r]].tobytes(), f"{name} differs on rank {r}"
+  with pytest.raises(ValueError, match="row_scale scales float32 or bfloat16 rows, each slot's own .* sent once"):
+    jax.jit(sharded(lambda ids, x, scale, w: dispatch_gemm(x, slots // k, w, plan_of(ids), cap, info,
+                                                           transpose_rhs=True, row_scale=scale, send_once=True)[1],
+                    4, 1))(jnp.asarray(ids), x, scale, w)
+
+
 @pytest.mark.parametrize("kind,cf,skip,dtype,mode", [
     pytest.param(*ROUTED[0], jnp.bfloat16, MODES[2], id="all_to_one-bfloat16-swiglu_train"),
     pytest.param(*ROUTED[1], jnp.float32, MODES[1], id="skewed-float32-plain_transposed"),

@@ -447,7 +447,7 @@ def test_fused_dispatch_equals_collective_bit_for_bit(name, returns):
   calls = dispatch_operands(hlo, "jmo_dispatch_gemm")
   assert len(calls) == 2, calls
   for ops, n in zip(calls, (2 * F, F)):
-    assert re.fullmatch(rf"tensor<\d+x{ROW}xui8>", ops[0]) and re.fullmatch(rf"tensor<\d+x{n}x{D}xf8E4M3FN>", ops[10]), \
+    assert re.fullmatch(rf"tensor<\d+x{ROW}xui8>", ops[0]) and re.fullmatch(rf"tensor<\d+x{n}x{D}xf8E4M3FN>", ops[11]), \
         ops
   assert not [ops for ops in dispatch_operands(hlo, "jmo_dispatch") if ops[0].endswith("xui8>")]
 

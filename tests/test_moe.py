@@ -80,16 +80,18 @@ def test_bfloat16_within_tolerance(kind):
   layer_checks.check_layer(mesh_of(4), kind, seed=3)
 
 
-@pytest.mark.parametrize("R", [1, 4])
-def test_scaled_dispatch_keeps_the_gradients_bits(R, monkeypatch):
-  # expert_block's unfused backward dispatches dy's rows scaled by the gates as they move (row_scale) instead of the
-  # [T k, D] array of gates * dy: bf16 layer outputs and gradients bit for bit the same either way, drops included.
+@pytest.mark.parametrize("R,fused", [(1, False), (4, False), (4, True)])
+def test_scaled_dispatch_keeps_the_gradients_bits(R, fused, monkeypatch):
+  # expert_block's backward dispatches dy's rows scaled by the gates as they move (row_scale; fused: dispatch_gemm's,
+  # as CallConfig(dispatch_pushers=2) runs it on CPU) instead of the [T k, D] array of gates * dy: bf16 layer outputs
+  # and gradients bit for bit the same either way, drops included.
   from jax_moe_overlap import expert_block  # pylint: disable=g-import-not-at-top
   mesh = mesh_of(R)
   x, ids, gates, w1, w2 = layer_inputs(16 * R, D, F, E, 2, "skewed", 41, jnp.bfloat16)
+  config = jmo.CallConfig(dispatch_pushers=2) if fused else jmo.CallConfig()
 
   def loss(x, gates, w1, w2):
-    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=0.5)
+    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, capacity_factor=0.5, config=config)
     return jnp.sum(jnp.sin(y.astype(jnp.float32)) * jnp.arange(y.size).reshape(y.shape) / y.size)
 
   out = {}

@@ -15,10 +15,13 @@
 namespace jmo {
 
 // The operands a dispatch starts with: src [S, D], slot_src_row [P], slot_dest_rank [P], slot_dest_row [P] (-1:
-// dropped), recv_rows_expected [], slot_primary [P] or [0]. slot_primary [P] sends each row once per destination
-// rank (protocol.h, "Send once"): a kept slot routed to another rank whose slot_primary names another slot takes
-// that slot's row on the destination (the primary: a kept slot of the same source row and destination, earlier in the
-// send order, its own primary) instead of a row of its own; [0]: every slot sends its own row.
+// dropped), recv_rows_expected [], slot_primary [P] or [0], row_scale [P] or [0] f32. slot_primary [P] sends each
+// row once per destination rank (protocol.h, "Send once"): a kept slot routed to another rank whose slot_primary names
+// another slot takes that slot's row on the destination (the primary: a kept slot of the same source row and
+// destination, earlier in the send order, its own primary) instead of a row of its own; [0]: every slot sends its own
+// row. row_scale [P]: slot p's row lands as src[slot_src_row[p]] * row_scale[p], the float32 product rounded once to
+// the rows' dtype (float32 or bfloat16 rows; not with slot_primary, whose slots share a row); [0]: rows moved
+// unchanged.
 template <typename Binding>
 auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be moved into a parameter)
   namespace ffi = xla::ffi;
@@ -27,18 +30,16 @@ auto BindDispatchRows(Binding&& b) {  // (by reference: ffi::Binding cannot be m
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>();
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>();
 }
 
-// dispatch(dispatch rows (above), row_scale [P] or [0] f32, group [], rank []) -> recv [cap, D]
-// row_scale [P]: slot p's row lands as src[slot_src_row[p]] * row_scale[p], the float32 product rounded once to the
-// rows' dtype (float32 or bfloat16 rows; not with slot_primary, whose slots share a row); [0]: rows moved unchanged.
+// dispatch(dispatch rows (above), group [], rank []) -> recv [cap, D]
 // Attributes: those of every call (CallAttrs, call_attrs.h).
 template <typename Binding>
 auto BindDispatch(Binding b) {
   namespace ffi = xla::ffi;
   return BindDispatchRows(std::move(b))
-      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
@@ -200,6 +201,20 @@ std::string DimsText(const Dims& d) {
   return s + "]";
 }
 
+// Whether a dispatch's rows are scaled (row_scale [P], BindDispatchRows) for rows of dtype dt: [P] or [0], and [P]
+// only for float32 or bfloat16 rows that are not sent once.
+inline xla::ffi::ErrorOr<bool> CheckRowScale(const std::string& op,
+                                             const xla::ffi::Buffer<xla::ffi::F32>& row_scale, int64_t P, DType dt,
+                                             bool send_once) {
+  if (row_scale.element_count() != P && row_scale.element_count() != 0)
+    return xla::ffi::Unexpected(InvalidCall(op + ": row_scale must be [P] (a scale per slot) or [0]"));
+  const bool scaled = P > 0 && row_scale.element_count() == P;
+  if (scaled && (MovedOnly(dt) || send_once))
+    return xla::ffi::Unexpected(InvalidCall(op + ": row_scale scales float32 or bfloat16 rows, each slot's own: not "
+                                            "packed e4m3 rows, not with slot_primary (send once)"));
+  return scaled;
+}
+
 struct DispatchShape {
   DType dtype;
   int64_t S, D, cap, P;  // src rows, row channels (RowBytes(dtype, D) bytes a row), recv capacity, slots
@@ -238,14 +253,9 @@ inline xla::ffi::ErrorOr<DispatchShape> CheckDispatch(const xla::ffi::AnyBuffer&
   if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
     return xla::ffi::Unexpected(InvalidCall("dispatch: slot_primary must be [P] (send once) or [0]"));
   const bool send_once = P > 0 && slot_primary.element_count() == P;
-  if (row_scale.element_count() != P && row_scale.element_count() != 0)
-    return xla::ffi::Unexpected(InvalidCall("dispatch: row_scale must be [P] (a scale per slot) or [0]"));
-  const bool scaled = P > 0 && row_scale.element_count() == P;
-  if (scaled && (MovedOnly(*dt) || send_once))
-    return xla::ffi::Unexpected(InvalidCall(
-        "dispatch: row_scale scales float32 or bfloat16 rows, each slot's own: not packed e4m3 rows, not with "
-        "slot_primary (send once)"));
-  return DispatchShape{*dt, sd[0], D, od[0], P, send_once, scaled};
+  auto scaled = CheckRowScale("dispatch", row_scale, P, *dt, send_once);
+  if (scaled.has_error()) return xla::ffi::Unexpected(scaled.error());
+  return DispatchShape{*dt, sd[0], D, od[0], P, send_once, *scaled};
 }
 
 struct CountsShape {
@@ -401,8 +411,8 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemmFp8(
 inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(
     const xla::ffi::AnyBuffer& src, const xla::ffi::Buffer<xla::ffi::S32>& slot_src_row,
     const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_rank, const xla::ffi::Buffer<xla::ffi::S32>& slot_dest_row,
-    const xla::ffi::Buffer<xla::ffi::S32>& slot_primary, const xla::ffi::AnyBuffer& w,
-    const xla::ffi::Buffer<xla::ffi::F32>& w_scales, const xla::ffi::AnyBuffer& x_recv,
+    const xla::ffi::Buffer<xla::ffi::S32>& slot_primary, const xla::ffi::Buffer<xla::ffi::F32>& row_scale,
+    const xla::ffi::AnyBuffer& w, const xla::ffi::Buffer<xla::ffi::F32>& w_scales, const xla::ffi::AnyBuffer& x_recv,
     const xla::ffi::AnyBuffer& out, const xla::ffi::AnyBuffer& a, const xla::ffi::Buffer<xla::ffi::F32>& h_scales,
     const xla::ffi::Buffer<xla::ffi::F32>& a_scales, bool transpose_rhs, bool swiglu) {
   using xla::ffi::Unexpected;
@@ -412,9 +422,12 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(
   if (slot_primary.element_count() != P && slot_primary.element_count() != 0)
     return Unexpected(InvalidCall("dispatch_gemm: slot_primary must be [P] (send once) or [0]"));
   const bool send_once = P > 0 && slot_primary.element_count() == P;
-  if (w.element_type() == xla::ffi::DataType::F8E4M3FN)
+  if (w.element_type() == xla::ffi::DataType::F8E4M3FN) {
+    if (auto scaled = CheckRowScale("dispatch_gemm", row_scale, P, DType::kE4M3Rows, send_once); scaled.has_error())
+      return Unexpected(scaled.error());
     return CheckDispatchGemmFp8(src, P, send_once, w, w_scales, x_recv, out, a, h_scales, a_scales, transpose_rhs,
                                 swiglu);
+  }
   const auto xt = src.element_type();
   if (xt == xla::ffi::DataType::U8)
     return Unexpected(InvalidCall("dispatch_gemm: packed e4m3 rows (uint8 src) need w float8_e4m3fn [E_local, N, D] "
@@ -451,7 +464,10 @@ inline xla::ffi::ErrorOr<DispatchGemmShape> CheckDispatchGemm(
         (swiglu ? "out [cap, N / 2] and a [cap or 0, N] (swiglu)" : "out [cap, N] and a [0, N]") + "; got src " +
         DimsText(sd) + ", w " + DimsText(wd) + ", x_recv " + DimsText(xd) + ", out " + DimsText(od) + ", a " +
         DimsText(ad)));
-  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P, send_once}, wd[0], N, xd[0] == cap && cap > 0,
+  auto scaled = CheckRowScale("dispatch_gemm", row_scale, P, *dt, send_once);
+  if (scaled.has_error()) return Unexpected(scaled.error());
+  return DispatchGemmShape{DispatchShape{*dt, sd[0], D, cap, P, send_once, *scaled}, wd[0], N,
+                           xd[0] == cap && cap > 0,
                            swiglu && ad[0] == cap && cap > 0, false,
                            !swiglu && out.element_type() != xla::ffi::DataType::F32};
 }

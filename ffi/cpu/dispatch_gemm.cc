@@ -63,7 +63,9 @@ constexpr int64_t kTileRows = 128;
 struct SendPlan {
   const int32_t *src_row, *dst_rank, *dst_row, *send_order, *send_start;
   const int32_t* primary;  // send once: slot_primary [P]; nullptr: one row per slot
-  int64_t P;
+  const float* scale;      // row_scale [P] (rows of dt, D channels, ScaleRow); nullptr: rows moved unchanged
+  DType dt;
+  int64_t D, P;
 };
 
 // Send blocks of rank d's rows: [first, end).
@@ -100,7 +102,10 @@ void PushBlock(const CallContext& c, const SendPlan& sp, const char* src, int64_
   for (int64_t q = q0; q < q1; ++q) {
     const int32_t p = sp.send_order[q];
     if (sp.dst_row[p] < 0) continue;  // dropped by the capacity rule
-    MoveSlot(c, peer, d, p, src, row_bytes, sp.src_row, sp.dst_row, sp.primary, peer.recv());
+    if (sp.scale != nullptr)
+      ScaleRow(sp.dt, peer.recv() + sp.dst_row[p] * row_bytes, src + sp.src_row[p] * row_bytes, sp.D, sp.scale[p]);
+    else
+      MoveSlot(c, peer, d, p, src, row_bytes, sp.src_row, sp.dst_row, sp.primary, peer.recv());
     ++moved;  // every kept slot, sent once or not: the receiver's plan counts slots
   }
   if (moved == 0) return;  // the receiver expects nothing of this block (its plan agrees)
@@ -188,7 +193,8 @@ std::vector<MTile> TileOrder(const std::vector<Segment>& segs, int R, int64_t E_
 ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
                             ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
                             ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
-                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
+                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::F32> row_scale,
+                            ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
                             ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> group_op,
                             ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> x_recv,
@@ -196,8 +202,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                             ffi::Result<ffi::Buffer<ffi::F32>> h_scales, ffi::Result<ffi::Buffer<ffi::F32>> a_scales,
                             DispatchGemmAttrs attrs) {
   const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, w_scales,
-                                 *x_recv, *out, *a_out, *h_scales, *a_scales, transpose_rhs, swiglu);
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, row_scale, w,
+                                 w_scales, *x_recv, *out, *a_out, *h_scales, *a_scales, transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   const int64_t S = shape->rows.S, cap = shape->rows.cap, P = shape->rows.P, K = shape->rows.D;
   const int64_t E_l = shape->E_local, N = shape->N, F = N / 2;
@@ -217,7 +223,8 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
                                std::to_string(kMaxSourceCounters) + " src_blocks sources"));
   const SendPlan sp{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
                     send_order.typed_data(), send_start.typed_data(),
-                    shape->rows.send_once ? slot_primary.typed_data() : nullptr, P};
+                    shape->rows.send_once ? slot_primary.typed_data() : nullptr,
+                    shape->rows.scaled ? row_scale.typed_data() : nullptr, shape->rows.dtype, K, P};
   const int64_t expected = recv_rows_expected.typed_data()[0];
   if (expected < 0 || expected > cap) return FailInput(c, "dispatch_gemm", kBadExpectedRows, 0, expected, cap);
   if (ffi::Error e = CheckSlots(c, "dispatch_gemm", sp.src_row, sp.dst_rank, sp.dst_row, P, S, cap); e.failure())

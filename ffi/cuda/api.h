@@ -50,9 +50,11 @@ Status Dispatch(const CallSite& c, DType dt, const void* src, int64_t S, int64_t
 
 // The sender side of a dispatch_gemm's plan (plan.py): per slot [P] the source row, destination rank and recv row;
 // the slot at each send position [P]; the first send position of each destination's rows [R + 1]; per slot [P] its
-// primary (send once, protocol.h), or nullptr: one row per slot.
+// primary (send once, protocol.h), or nullptr: one row per slot; per slot [P] the factor its row lands scaled by (as
+// Dispatch's row_scale), or nullptr: rows moved unchanged.
 struct DispatchSlots {
   const int32_t *src_row, *dest_rank, *dest_row, *send_order, *send_start, *primary;
+  const float* row_scale;
   int64_t P;
 };
 

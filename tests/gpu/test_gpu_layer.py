@@ -126,6 +126,50 @@ def test_dispatch_gemm_bf16_product_equals_two_calls(transpose_rhs):
   assert np.isfinite(fused[:kept].astype(np.float32)).all() and np.abs(fused[:kept].astype(np.float32)).max() > 0
 
 
+def test_dispatch_gemm_row_scale_equals_the_scaled_rows():
+  """dispatch_gemm's row_scale (its pushers and own-row copies scaling each slot's row, the backward's d_out W2^T
+  form: W2 read transposed, a bf16 product) on one GPU: x_recv and out bit for bit the call's on the [P, D] array of
+  scaled rows (expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU waits for this test and a timing)."""
+  if not is_hopper():
+    pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.call_site import RankInfo  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace_calls import dispatch_gemm  # pylint: disable=g-import-not-at-top
+  mesh, T, k, E, D, N = gpu_mesh(1), 300, 2, 4, 256, 384
+  cap_e = plan_lib.expert_capacity(T, 1, k, E, None)
+  cap = plan_lib.recv_capacity(T, 1, k, E, cap_e)
+  info = RankInfo(Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=2 * D, recv_rows=cap, ret_rows=T * k,
+                                                               num_segments=E)),
+                  jmo.CallConfig(dispatch_pushers=2))
+  slots = jnp.arange(T * k, dtype=jnp.int32)
+  kx, kw, ki, ks = jax.random.split(jax.random.PRNGKey(9), 4)
+  x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (E, N, D)) / 16).astype(jnp.bfloat16)
+  ids = jax.random.randint(ki, (T, k), 0, E, jnp.int32)
+  ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % (E - 1)) % E)  # two distinct experts a token
+  scale = jax.random.uniform(ks, (T * k,), jnp.float32, 0.01, 1.0).at[3].set(0.0).at[4].set(-0.5)
+  rows = (scale[:, None] * jnp.repeat(x, k, axis=0).astype(jnp.float32)).astype(jnp.bfloat16)
+
+  def both(ids, x, scale, rows, w):
+    plan = plan_lib.make_plan(ids, plan_lib.local_counts(ids, E).reshape(1, 1, E), jnp.int32(0), cap_e)
+    got = dispatch_gemm(x, slots // k, w, plan, cap, info, transpose_rhs=True, out_dtype=jnp.bfloat16,
+                        row_scale=scale)[:2]
+    want = dispatch_gemm(rows, slots, w, plan, cap, info, transpose_rhs=True, out_dtype=jnp.bfloat16)[:2]
+    return (*got, *want, plan.recv_rows.reshape(1))
+
+  f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(),) * 5, check_vma=False))
+  got_recv, got_out, want_recv, want_out, kept = (np.asarray(a) for a in f(ids, x, scale, rows, w))
+  kept = int(kept[0])
+  assert kept == T * k
+  assert got_recv[:kept].tobytes() == want_recv[:kept].tobytes(), "x_recv differs from the scaled rows'"
+  assert got_out[:kept].tobytes() == want_out[:kept].tobytes(), "out differs from the scaled rows' product"
+  assert np.abs(got_out[:kept].astype(np.float32)).max() > 0
+
+
 @by_ranks
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_dispatch_row_scale_equals_the_scaled_rows(R, dtype):

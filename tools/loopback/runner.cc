@@ -370,7 +370,8 @@ class Run {
       return cuda::DispatchGemm(c, xdt_, d.x, T_, D_,
                                 cuda::DispatchSlots{(const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                                                     (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
-                                                    (const int32_t*)d.send_start, (const int32_t*)d.primary, P_},
+                                                    (const int32_t*)d.send_start, (const int32_t*)d.primary,
+                                                    /*row_scale=*/nullptr, P_},
                                 (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
                                 (const int32_t*)d.seg_ret_off, E_l_, d.w1, (const float*)d.w1_scales, K_,
                                 Swiglu()  ? cuda::Gemm1Form::kSwiGlu

@@ -64,17 +64,18 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src
 ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src,
                             ffi::Buffer<ffi::S32> slot_src_row, ffi::Buffer<ffi::S32> slot_dest_rank,
                             ffi::Buffer<ffi::S32> slot_dest_row, ffi::Buffer<ffi::S32> recv_rows_expected,
-                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::S32> send_order,
-                            ffi::Buffer<ffi::S32> send_start, ffi::Buffer<ffi::S32> seg_rows,
-                            ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> w_scales,
-                            ffi::Buffer<ffi::S32> group_op, ffi::Buffer<ffi::S32> rank_op,
-                            ffi::Result<ffi::AnyBuffer> x_recv, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> a, ffi::Result<ffi::Buffer<ffi::F32>> h_scales,
-                            ffi::Result<ffi::Buffer<ffi::F32>> a_scales, DispatchGemmAttrs attrs) {
+                            ffi::Buffer<ffi::S32> slot_primary, ffi::Buffer<ffi::F32> row_scale,
+                            ffi::Buffer<ffi::S32> send_order, ffi::Buffer<ffi::S32> send_start,
+                            ffi::Buffer<ffi::S32> seg_rows, ffi::Buffer<ffi::S32> seg_ret_off, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> group_op,
+                            ffi::Buffer<ffi::S32> rank_op, ffi::Result<ffi::AnyBuffer> x_recv,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> a,
+                            ffi::Result<ffi::Buffer<ffi::F32>> h_scales, ffi::Result<ffi::Buffer<ffi::F32>> a_scales,
+                            DispatchGemmAttrs attrs) {
   NoteHandlerCall(HandlerOp::kDispatchGemm, stream);
   const bool transpose_rhs = attrs.transpose_rhs, swiglu = attrs.swiglu;
-  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, w, w_scales,
-                                 *x_recv, *out, *a, *h_scales, *a_scales, transpose_rhs, swiglu);
+  auto shape = CheckDispatchGemm(src, slot_src_row, slot_dest_rank, slot_dest_row, slot_primary, row_scale, w,
+                                 w_scales, *x_recv, *out, *a, *h_scales, *a_scales, transpose_rhs, swiglu);
   if (shape.has_error()) return shape.error();
   auto c = Resolve(stream, ordinal, attrs.call);
   if (c.has_error()) return c.error();
@@ -84,7 +85,8 @@ ffi::Error DispatchGemmImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
     return e;
   const cuda::DispatchSlots slots{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
                                   send_order.typed_data(), send_start.typed_data(),
-                                  shape->rows.send_once ? slot_primary.typed_data() : nullptr, shape->rows.P};
+                                  shape->rows.send_once ? slot_primary.typed_data() : nullptr,
+                                  shape->rows.scaled ? row_scale.typed_data() : nullptr, shape->rows.P};
   const cuda::DispatchGemmOut results{shape->keep_recv ? x_recv->untyped_data() : nullptr, out->untyped_data(),
                                       shape->keep_a ? a->untyped_data() : nullptr,
                                       shape->fp8 && swiglu ? h_scales->typed_data() : nullptr,

@@ -78,6 +78,7 @@ struct DispatchGemmArgs {
   const float* w_scales; // kFp8: w's 128 x 128 block scales [E_l, N / 128, K / 128]
   double link_bytes_per_ns;  // > 0: pushes to other ranks go over the emulated link (CallOptions, PaceLink)
   const int32_t* primary;    // send once: slot_primary [P] (protocol.h); nullptr: one row per slot
+  const float* row_scale;    // [P]: slot p's bf16 row lands times row_scale[p] (ScaleRowWarp); nullptr: moved as is
   bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
                              // kXRecvFromTiles (CallOptions::x_recv_from_tiles where x_recv is kept)
   int band_m;                // row blocks per raster band of the GEMM's tiles (BandRaster; CallOptions::producer_band_m)
@@ -93,7 +94,8 @@ __device__ __forceinline__ char* SideXRecv(const DispatchGemmArgs& g) {
 
 // Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
 // recv rows, and signals them warp by warp. Every thread of the CTA calls it. Warp w moves positions w, w + warps, ...
-// of the block: its lanes load the indices of up to 32 of them at once, then the warp copies two rows at a time; then
+// of the block: its lanes load the indices of up to 32 of them at once, then the warp copies two rows at a time (rows
+// scaled by g.row_scale: one at a time, ScaleRowWarp); then
 // lane 0 adds the warp's count of them to d's recv_arrivals and then release-adds it to d's src_blocks[rank][J] (a
 // reader that acquires the block's count sees the arrivals of it too). The block is complete once every warp's count
 // is in (the reader waits for the block's rows, from its plan). A warp's signal needs no CTA barrier and no fence of
@@ -119,7 +121,17 @@ __device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs
   const unsigned kept = __ballot_sync(0xffffffffu, row >= 0);
   const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);
   char* recv = View(rd, d).recv();
-  for (unsigned left = moves; left != 0;) {
+  if (g.row_scale != nullptr) {  // (bf16 rows, never sent once: CheckRowScale)
+    const float sc = row >= 0 ? g.row_scale[g.send_order[q0 + (int64_t)lane * warps]] : 0.f;
+    for (unsigned left = moves; left != 0; left &= left - 1) {
+      const int i = __ffs(left) - 1;
+      const int r0 = __shfl_sync(0xffffffffu, row, i), s0 = __shfl_sync(0xffffffffu, sr, i);
+      const float c0 = __shfl_sync(0xffffffffu, sc, i);
+      ScaleRowWarp<__nv_bfloat16>(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes,
+                                  g.row_bytes / 2, c0, lane);
+    }
+  }
+  for (unsigned left = g.row_scale != nullptr ? 0u : moves; left != 0;) {
     const int i = __ffs(left) - 1;
     left &= left - 1;
     const int r0 = __shfl_sync(0xffffffffu, row, i), s0 = __shfl_sync(0xffffffffu, sr, i);
@@ -896,7 +908,7 @@ Status DispatchGemm(const CallSite& c, DType dt, const void* src, int64_t S, int
                               slots.dest_row, slots.send_order, slots.send_start, slots.P, cap, seg_rows, seg_ret_off,
                               recv_expected, (int)E_l, DispatchPushersPolicy(ws, c.opts, budget, kWgBM, kWgBN), D, N,
                               static_cast<char*>(out.x_recv), out.out, out.a, out.h_scales, out.a_scales, w_scales,
-                              c.opts.emulated_link_gbps, slots.primary, from_tiles,
+                              c.opts.emulated_link_gbps, slots.primary, slots.row_scale, from_tiles,
                               c.opts.producer_band_m > 0 ? c.opts.producer_band_m : wgmma_gemm::kBandM,
                               c.opts.producer_order, out.a_bf16 && !fp8};
   void* params[] = {const_cast<RankDev*>(&rd), const_cast<DispatchGemmArgs*>(&args), &maps[0], &maps[1], &maps[2]};
