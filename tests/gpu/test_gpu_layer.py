@@ -79,6 +79,31 @@ def test_dispatch_gemm_x_recv_copied_equals_two_calls(R):
   checks.check_dispatch_gemm(gpu_mesh(R), x_recv_from_tiles=False)
 
 
+def _one_gpu_dispatch_gemm(seed, w_shape):
+  """A one-GPU dispatch_gemm set-up (Hopper, two pushers): (mesh, info, make_plan(ids), cap, (T, k), x [T, D] bf16,
+  w of `w_shape` with its D and N taken from (E, D, N) as named, ids [T, k] of two distinct experts, a spare key)."""
+  import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.call_site import RankInfo  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # pylint: disable=g-import-not-at-top
+  mesh, T, k, E, D, N = gpu_mesh(1), 300, 2, 4, 256, 384
+  cap_e = plan_lib.expert_capacity(T, 1, k, E, None)
+  cap = plan_lib.recv_capacity(T, 1, k, E, cap_e)
+  info = RankInfo(Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=2 * D, recv_rows=cap, ret_rows=T * k,
+                                                               num_segments=E)),
+                  jmo.CallConfig(dispatch_pushers=2))
+  kx, kw, ki, spare = jax.random.split(jax.random.PRNGKey(seed), 4)
+  x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, w_shape(E, D, N)) / 16).astype(jnp.bfloat16)
+  ids = jax.random.randint(ki, (T, k), 0, E, jnp.int32)
+  ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % (E - 1)) % E)  # two distinct experts a token
+
+  def make_plan(ids):
+    return plan_lib.make_plan(ids, plan_lib.local_counts(ids, E).reshape(1, 1, E), jnp.int32(0), cap_e)
+
+  return mesh, info, make_plan, cap, (T, k), x, w, ids, spare
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w", "w_transposed"])
 def test_dispatch_gemm_bf16_product_equals_two_calls(transpose_rhs):
   """dispatch_gemm's plain product rounded once to bf16 (out_dtype; the layer's backward asks its dh so,
@@ -88,27 +113,14 @@ def test_dispatch_gemm_bf16_product_equals_two_calls(transpose_rhs):
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap.call_site import RankInfo  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.grouped_gemm import grouped_matmul  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm  # pylint: disable=g-import-not-at-top
-  mesh, T, k, E, D, N = gpu_mesh(1), 300, 2, 4, 256, 384
-  cap_e = plan_lib.expert_capacity(T, 1, k, E, None)
-  cap = plan_lib.recv_capacity(T, 1, k, E, cap_e)
-  info = RankInfo(Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=2 * D, recv_rows=cap, ret_rows=T * k,
-                                                               num_segments=E)),
-                  jmo.CallConfig(dispatch_pushers=2))
+  mesh, info, make_plan, cap, (T, k), x, w, ids, _ = _one_gpu_dispatch_gemm(
+      7, lambda E, D, N: (E, N, D) if transpose_rhs else (E, D, N))
   slot_rows = jnp.arange(T * k, dtype=jnp.int32) // k
-  kx, kw, ki = jax.random.split(jax.random.PRNGKey(7), 3)
-  x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
-  w = (jax.random.normal(kw, (E, N, D) if transpose_rhs else (E, D, N)) / 16).astype(jnp.bfloat16)
-  ids = jax.random.randint(ki, (T, k), 0, E, jnp.int32)
-  ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % (E - 1)) % E)  # two distinct experts a token
 
   def both(ids, x, w):
-    plan = plan_lib.make_plan(ids, plan_lib.local_counts(ids, E).reshape(1, 1, E), jnp.int32(0), cap_e)
+    plan = make_plan(ids)
     _, fused, _ = dispatch_gemm(x, slot_rows, w, plan, cap, info, transpose_rhs=transpose_rhs,
                                 out_dtype=jnp.bfloat16)
     x_recv = dispatch(x, slot_rows, plan, cap, info)
@@ -134,28 +146,14 @@ def test_dispatch_gemm_row_scale_equals_the_scaled_rows():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import jax_moe_overlap as jmo  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap.call_site import RankInfo  # pylint: disable=g-import-not-at-top
-  from jax_moe_overlap.workspace import Workspace, WorkspaceSizes  # pylint: disable=g-import-not-at-top
   from jax_moe_overlap.workspace_calls import dispatch_gemm  # pylint: disable=g-import-not-at-top
-  mesh, T, k, E, D, N = gpu_mesh(1), 300, 2, 4, 256, 384
-  cap_e = plan_lib.expert_capacity(T, 1, k, E, None)
-  cap = plan_lib.recv_capacity(T, 1, k, E, cap_e)
-  info = RankInfo(Workspace.get(mesh, "expert", WorkspaceSizes(row_bytes=2 * D, recv_rows=cap, ret_rows=T * k,
-                                                               num_segments=E)),
-                  jmo.CallConfig(dispatch_pushers=2))
+  mesh, info, make_plan, cap, (T, k), x, w, ids, ks = _one_gpu_dispatch_gemm(9, lambda E, D, N: (E, N, D))
   slots = jnp.arange(T * k, dtype=jnp.int32)
-  kx, kw, ki, ks = jax.random.split(jax.random.PRNGKey(9), 4)
-  x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
-  w = (jax.random.normal(kw, (E, N, D)) / 16).astype(jnp.bfloat16)
-  ids = jax.random.randint(ki, (T, k), 0, E, jnp.int32)
-  ids = ids.at[:, 1].set((ids[:, 0] + 1 + ids[:, 1] % (E - 1)) % E)  # two distinct experts a token
   scale = jax.random.uniform(ks, (T * k,), jnp.float32, 0.01, 1.0).at[3].set(0.0).at[4].set(-0.5)
   rows = (scale[:, None] * jnp.repeat(x, k, axis=0).astype(jnp.float32)).astype(jnp.bfloat16)
 
   def both(ids, x, scale, rows, w):
-    plan = plan_lib.make_plan(ids, plan_lib.local_counts(ids, E).reshape(1, 1, E), jnp.int32(0), cap_e)
+    plan = make_plan(ids)
     got = dispatch_gemm(x, slots // k, w, plan, cap, info, transpose_rhs=True, out_dtype=jnp.bfloat16,
                         row_scale=scale)[:2]
     want = dispatch_gemm(rows, slots, w, plan, cap, info, transpose_rhs=True, out_dtype=jnp.bfloat16)[:2]
