@@ -98,7 +98,6 @@ def test_scaled_dispatch_keeps_the_gradients_bits(R, fused, monkeypatch):
   for scaled in (False, True):
     monkeypatch.setattr(expert_block, "SCALE_IN_DISPATCH", scaled)
     jmo.api._programs.clear()  # pylint: disable=protected-access  (traced anew: the switch is read when tracing)
-    jax.clear_caches()
     out[scaled] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
   for a, b in zip(jax.tree.leaves(out[False]), jax.tree.leaves(out[True])):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
