@@ -103,13 +103,7 @@ ffi::Error CheckPrimaries(const CallContext& c, const char* op, const int32_t* s
   return ffi::Error::Success();
 }
 
-void MoveSlot(const CallContext& c, const RankView& peer, int d, int64_t p, const char* src, int64_t row_bytes,
-              const int32_t* src_row, const int32_t* dst_row, const int32_t* primary, char* rows) {
-  const bool own = primary == nullptr || d == c.rank || primary[p] == p;
-  if (own) std::memcpy(rows + dst_row[p] * row_bytes, src + src_row[p] * row_bytes, row_bytes);
-  if (primary != nullptr)
-    peer.recv_from()[dst_row[p]] = RecvFrom(c.epoch, own ? dst_row[p] : dst_row[primary[p]]);
-}
+namespace {
 
 void ScaleRow(DType dt, char* dst, const char* src, int64_t D, float s) {
   if (dt == DType::kBF16) {
@@ -121,6 +115,19 @@ void ScaleRow(DType dt, char* dst, const char* src, int64_t D, float s) {
     float* out = reinterpret_cast<float*>(dst);
     for (int64_t i = 0; i < D; ++i) out[i] = in[i] * s;
   }
+}
+
+}  // namespace
+
+void MoveSlot(const CallContext& c, const RankView& peer, int d, int64_t p, const char* src, int64_t row_bytes,
+              const int32_t* src_row, const int32_t* dst_row, const int32_t* primary, char* rows,
+              const SlotScale& scale) {
+  const bool own = primary == nullptr || d == c.rank || primary[p] == p;
+  char* dst = rows + dst_row[p] * row_bytes;
+  if (own && scale.factor != nullptr) ScaleRow(scale.dt, dst, src + src_row[p] * row_bytes, scale.D, scale.factor[p]);
+  else if (own) std::memcpy(dst, src + src_row[p] * row_bytes, row_bytes);
+  if (primary != nullptr)
+    peer.recv_from()[dst_row[p]] = RecvFrom(c.epoch, own ? dst_row[p] : dst_row[primary[p]]);
 }
 
 ffi::ErrorOr<int64_t> RecvFromChecked(const CallContext& c, const char* op, const RankView& self, int64_t r) {

@@ -66,12 +66,17 @@ xla::ffi::Error CheckPrimaries(const CallContext& c, const char* op, const int32
 // src[src_row[p]] into d's recv row dst_row[p], or with send once (primary != nullptr) only where p is its own
 // primary or d is this rank, and then also d's recv_from entry of that row (RecvFrom: the call's epoch, the recv row
 // holding its bytes). The caller counts the slot.
+// scale: a dispatch's row_scale (never with send once): the row lands as src * scale.factor[p], its D elements of dt
+// (float32 or bfloat16) each the float32 product rounded once to dt (round to nearest even), as the CUDA kernel's
+// ScaleRowWarp; scale.factor nullptr: the row's bytes moved.
+struct SlotScale {
+  const float* factor = nullptr;  // [P]
+  DType dt = DType::kF32;
+  int64_t D = 0;
+};
 void MoveSlot(const CallContext& c, const RankView& peer, int d, int64_t p, const char* src, int64_t row_bytes,
-              const int32_t* src_row, const int32_t* dst_row, const int32_t* primary, char* rows);
-
-// A dispatch's scaled slot (row_scale): dst = src * s, D elements of dt (float32 or bfloat16), each the float32
-// product rounded once to dt (round to nearest even), as the CUDA kernel's ScaleRowWarp.
-void ScaleRow(DType dt, char* dst, const char* src, int64_t D, float s);
+              const int32_t* src_row, const int32_t* dst_row, const int32_t* primary, char* rows,
+              const SlotScale& scale = {});
 
 // Send once, the receiver's side: the recv row whose bytes row r takes (RecvFromRow of its entry), after checking
 // that the entry is this call's and names r itself or an earlier row whose own entry names itself; else the call

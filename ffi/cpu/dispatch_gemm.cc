@@ -63,9 +63,8 @@ constexpr int64_t kTileRows = 128;
 struct SendPlan {
   const int32_t *src_row, *dst_rank, *dst_row, *send_order, *send_start;
   const int32_t* primary;  // send once: slot_primary [P]; nullptr: one row per slot
-  const float* scale;      // row_scale [P] (rows of dt, D channels, ScaleRow); nullptr: rows moved unchanged
-  DType dt;
-  int64_t D, P;
+  SlotScale scale;         // row_scale (MoveSlot)
+  int64_t P;
 };
 
 // Send blocks of rank d's rows: [first, end).
@@ -102,10 +101,7 @@ void PushBlock(const CallContext& c, const SendPlan& sp, const char* src, int64_
   for (int64_t q = q0; q < q1; ++q) {
     const int32_t p = sp.send_order[q];
     if (sp.dst_row[p] < 0) continue;  // dropped by the capacity rule
-    if (sp.scale != nullptr)
-      ScaleRow(sp.dt, peer.recv() + sp.dst_row[p] * row_bytes, src + sp.src_row[p] * row_bytes, sp.D, sp.scale[p]);
-    else
-      MoveSlot(c, peer, d, p, src, row_bytes, sp.src_row, sp.dst_row, sp.primary, peer.recv());
+    MoveSlot(c, peer, d, p, src, row_bytes, sp.src_row, sp.dst_row, sp.primary, peer.recv(), sp.scale);
     ++moved;  // every kept slot, sent once or not: the receiver's plan counts slots
   }
   if (moved == 0) return;  // the receiver expects nothing of this block (its plan agrees)
@@ -224,7 +220,7 @@ ffi::Error DispatchGemmImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer 
   const SendPlan sp{slot_src_row.typed_data(), slot_dest_rank.typed_data(), slot_dest_row.typed_data(),
                     send_order.typed_data(), send_start.typed_data(),
                     shape->rows.send_once ? slot_primary.typed_data() : nullptr,
-                    shape->rows.scaled ? row_scale.typed_data() : nullptr, shape->rows.dtype, K, P};
+                    {shape->rows.scaled ? row_scale.typed_data() : nullptr, shape->rows.dtype, K}, P};
   const int64_t expected = recv_rows_expected.typed_data()[0];
   if (expected < 0 || expected > cap) return FailInput(c, "dispatch_gemm", kBadExpectedRows, 0, expected, cap);
   if (ffi::Error e = CheckSlots(c, "dispatch_gemm", sp.src_row, sp.dst_rank, sp.dst_row, P, S, cap); e.failure())

@@ -56,7 +56,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     if (ffi::Error err = CheckPrimaries(c, "dispatch", src_row, dst_rank, dst_row, primary, P); err.failure())
       return err;
 
-  const float* scale = shape->scaled ? row_scale.typed_data() : nullptr;
+  const SlotScale scale{shape->scaled ? row_scale.typed_data() : nullptr, shape->dtype, shape->D};
   const char* src_bytes = static_cast<const char*>(src.untyped_data());
   // A group of one rank stores its rows straight into the output (protocol.h: no recv rows, no copy).
   char* direct = R == 1 ? static_cast<char*>(out->untyped_data()) : nullptr;
@@ -70,10 +70,7 @@ ffi::Error DispatchImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::AnyBuffer src,
     uint64_t sent = 0;
     for (int64_t p = 0; p < P; ++p) {
       if (dst_row[p] < 0 || dst_rank[p] != d) continue;
-      if (scale != nullptr)
-        ScaleRow(shape->dtype, rows + dst_row[p] * row_bytes, src_bytes + src_row[p] * row_bytes, shape->D, scale[p]);
-      else
-        MoveSlot(c, peer, d, p, src_bytes, row_bytes, src_row, dst_row, primary, rows);
+      MoveSlot(c, peer, d, p, src_bytes, row_bytes, src_row, dst_row, primary, rows, scale);
       ++sent;  // every kept slot, sent once or not: the receiver's plan counts slots
     }
     if (sent) AtomicAdd(&peer.control()->recv_arrivals.value, sent);

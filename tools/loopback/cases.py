@@ -333,8 +333,8 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
-          "regret-push", "regret-push-shapes", "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8", "tensor",
-          "tensor-time", "small", "small-mma")
+          "regret-push", "regret-push-shapes", "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8",
+          "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -610,8 +610,12 @@ def _regret_push_shapes(base: Case) -> list[Case]:
   # regret-push's sweep on dispatch-gemm-shapes' cases (Mixtral- and DeepSeek-like, R = 2 and 4 over the emulated
   # NVLink): the pusher model's choice where a row is narrow against its GEMM (Mixtral-like: D = 1024, 2F = 28672)
   # and where it is wide with many small segments (DeepSeek-like: 64 experts, top-8, 2F = 4096).
-  return [dataclasses.replace(c, dg_sweep=REGRET_P + (0,), sweep_passes=3, per_call_stats=True)
-          for c in _dispatch_gemm_shapes(base)]
+  return _p_swept(_dispatch_gemm_shapes(base))
+
+
+def _p_swept(cases: list[Case]) -> list[Case]:
+  # dispatch_gemm cases with regret-push's sweep of P (and the library's), every call started together, three passes.
+  return [dataclasses.replace(c, dg_sweep=REGRET_P + (0,), sweep_passes=3, per_call_stats=True) for c in cases]
 
 
 # gather_rs's regret cases: (expert ranks, tensor ranks) of R = 4 as 2 x 2 and R = 8 as 4 x 2 and 2 x 4, each in
@@ -630,8 +634,7 @@ def _regret_backward(base: Case) -> list[Case]:
   v = _backward_time(base)
   dgrad = [c for c in v if c.dg]
   dx = [c for c in v if not c.dg]
-  return ([dataclasses.replace(c, dg_sweep=REGRET_P + (0,), sweep_passes=3, per_call_stats=True) for c in dgrad] +
-          [dataclasses.replace(c, sweep=REGRET_C, sweep_passes=3, table=False) for c in dx])
+  return _p_swept(dgrad) + [dataclasses.replace(c, sweep=REGRET_C, sweep_passes=3, table=False) for c in dx]
 
 
 def _regret_gather(base: Case) -> list[Case]:
