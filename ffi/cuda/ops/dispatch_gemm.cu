@@ -113,16 +113,18 @@ __device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs
   const int64_t q1 = min((J + 1) * kSrcBlockRows, (int64_t)g.send_start[d + 1]);
   const int mine = q1 > q0 ? (int)((q1 - q0 + warps - 1) / warps) : 0;  // positions of this warp (<= 32)
   int sr = 0, row = -1, from = -1;  // lane i: the source row, recv row (-1: not moved) and recv row holding its bytes
+  int p = -1;                       // lane i: its slot
   if (lane < mine) {
     int dr;
-    row = CheckPushSlot(rd, g.src_row, g.dst_rank, g.dst_row, g.primary, g.P, g.S, g.cap,
-                        g.send_order[q0 + (int64_t)lane * warps], d, epoch, &dr, &sr, &from);
+    p = g.send_order[q0 + (int64_t)lane * warps];
+    row = CheckPushSlot(rd, g.src_row, g.dst_rank, g.dst_row, g.primary, g.P, g.S, g.cap, p, d, epoch, &dr, &sr,
+                        &from);
   }
   const unsigned kept = __ballot_sync(0xffffffffu, row >= 0);
   const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);
   char* recv = View(rd, d).recv();
   if (g.row_scale != nullptr) {  // (bf16 rows, never sent once: CheckRowScale)
-    const float sc = row >= 0 ? g.row_scale[g.send_order[q0 + (int64_t)lane * warps]] : 0.f;
+    const float sc = row >= 0 ? g.row_scale[p] : 0.f;
     for (unsigned left = moves; left != 0; left &= left - 1) {
       const int i = __ffs(left) - 1;
       const int r0 = __shfl_sync(0xffffffffu, row, i), s0 = __shfl_sync(0xffffffffu, sr, i);
