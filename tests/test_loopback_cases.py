@@ -222,6 +222,8 @@ TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
                                 {"dispatch_gemm_pushers": cases_lib.AUTO, "dispatch_gemm_mode": "train"},
                                 {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "infer"},
                                 {"dispatch_gemm_pushers": 2, "dg_out_bf16": True}, {"check_tokens": 4},
+                                {"row_scale": True}, {"row_scale": True, "f32": True, "capacity_factor": 1.0},
+                                {"dispatch_gemm_pushers": 2, "dg_out_bf16": True, "row_scale": True},
                                 {"fp8": True, "k_dim": 256, "n_dim": 128}, *FP8_DG_SMALL, *TENSOR_SMALL])
 def test_check_verdicts(kw, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top
@@ -302,6 +304,38 @@ def test_check_verdicts(kw, monkeypatch):
     bad["first"][1][1]["a2"] = bytes(a2)
     v = check_lib.check(case, sets, bad)
     assert not v.passed and any("differs from dispatch + GEMM1 as two calls" in f for f in v.failures)
+
+
+@pytest.mark.parametrize("f32", [False, True])
+def test_row_scale_references_are_the_scaled_rows(f32, monkeypatch):
+  # With row_scale every dispatched row is gates[p] * x[token] rounded once, and GEMM1 is linear in its row: the
+  # scaled case's GEMM1 references are the unscaled ones times the gates (within the rows' rounding), and a run that
+  # ignores the scale (the unscaled references as outputs) fails the scaled case's check.
+  import sys  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
+  plain = _small_case(dispatch_gemm_pushers=2, dg_out_bf16=not f32, f32=f32, capacity_factor=1.0)
+  scaled = dataclasses.replace(plain, row_scale=True)
+  assert scaled.invalid() is None and "row_scale=gates" in scaled.name()
+  sets = cases_lib.make_data(scaled)
+  for ranks in sets:
+    ex, ex_scaled = check_lib.references(plain, ranks), check_lib.references(scaled, ranks)
+    for d in range(scaled.ranks):
+      g = np.zeros(scaled.cap, np.float32)  # the gate of the slot each recv row of rank d holds
+      for src in ranks:
+        pl = src.plan
+        to_d = (pl["slot_dest_rank"] == d) & (pl["slot_dest_row"] >= 0)
+        g[pl["slot_dest_row"][to_d]] = src.gates[to_d]
+        x = cases_lib.Values(src.x.data[pl["slot_src_row"][to_d]]).f
+        got = cases_lib.Values(ex_scaled[d].recv[pl["slot_dest_row"][to_d]]).f
+        np.testing.assert_allclose(got, x * src.gates[to_d][:, None], rtol=1e-7 if f32 else 4e-3)
+      rows = ex[d].a_checked
+      assert rows.sum() > 0 and np.array_equal(rows, ex_scaled[d].a_checked)
+      np.testing.assert_allclose(ex_scaled[d].a[rows], g[rows][:, None] * ex[d].a[rows], rtol=2e-2, atol=2e-2)
+  assert check_lib.check(scaled, sets, _exact_run(scaled, sets)).passed
+  v = check_lib.check(scaled, sets, _exact_run(plain, sets))
+  assert not v.passed and any("dispatch output differs" in f for f in v.failures), v.failures
+  assert dataclasses.replace(scaled, send_once=1).invalid() and dataclasses.replace(scaled, fp8=True).invalid()
 
 
 def test_fp8_operands_are_the_quantized_references():

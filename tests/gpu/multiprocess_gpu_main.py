@@ -20,6 +20,11 @@ Cases:
   fp8_dispatch: as fp8, with D = 512 and the dispatches fused too (call_site.FP8_FUSED_DISPATCH_ON_GPU set here:
     x's packed rows dispatched and multiplied by GEMM1 in one dispatch_gemm call, dy's with dh = dy W2^T in another,
     dispatch_gemm's FP8 kernel); prints "fused dispatch" when the program holds those calls.
+  scaled_dgrad: bfloat16, the layer's program twice: with the backward's dispatch of gates * dy fused with its dgrad
+    GEMM as a [T k, D] array's rows, and with dispatch_gemm scaling dy's rows by the gates itself
+    (expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU off, then on); both hold two dispatch_gemm calls, the second
+    program one row_scale operand more; outputs and gradients bitwise the same (and matching the reference);
+    prints "scaled dgrad bitwise".
   late_first_call: as equal, the last process sleeping $JMO_LATE_S seconds between compiling the step and its first
     call (as a process whose first batch comes later would): the others wait for it in the group's first call
     (CallConfig.first_call_timeout_ms, the bound the BeginKernel sets for epoch 1 on the device), though
@@ -101,6 +106,8 @@ def main():
     from jax_moe_overlap import call_site  # pylint: disable=g-import-not-at-top
     call_site.FP8_FUSED_COMBINE_ON_GPU = True
     call_site.FP8_FUSED_DISPATCH_ON_GPU = case == "fp8_dispatch"
+  if case == "scaled_dgrad":
+    return scaled_dgrad(mesh, config, devices, R)
   for dtype in (jnp.bfloat16,) if QUANTIZATION else (jnp.float32, jnp.bfloat16):
     x, ids, g, w1, w2, dy = layer_inputs(tokens, dtype)
     args = [put(x, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp), put(ids, mesh, tok),
@@ -139,6 +146,40 @@ def main():
   save_or_compare(results, pid)
   # A shared workspace's release waits (bounded) for the peers' processes to close their mappings of this process's
   # blocks: release together.
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  distributed.global_state.client.wait_at_barrier("test/release", 120_000)
+  jmo.release_workspaces()
+
+
+def scaled_dgrad(mesh, config, devices, R):
+  from jax_moe_overlap import expert_block  # pylint: disable=g-import-not-at-top
+  tok, wsp = P("expert"), P("expert")
+  x, ids, g, w1, w2, dy = layer_inputs(TOKENS_PER_RANK * R, jnp.bfloat16)
+  args = [put(x, mesh, tok), put(g, mesh, tok), put(w1, mesh, wsp), put(w2, mesh, wsp), put(ids, mesh, tok),
+          put(dy, mesh, tok)]
+  got, unscaled = {}, {}
+  for scaled in (False, True):
+    expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU = scaled
+    jmo.api._programs.clear()  # pylint: disable=protected-access  (traced anew: the switch is read when tracing)
+
+    def fwd_bwd(x, g, w1, w2, ids, dy):  # (a new function each time: jax.jit's trace cache keys on it)
+      layer = lambda x, g, w1, w2: jmo.moe_experts(x, ids, g, w1, w2, mesh=mesh, impl="overlap", config=config)[0]
+      y, vjp = jax.vjp(layer, x, g, w1, w2)
+      return (y, *vjp(dy))
+
+    step = jax.jit(fwd_bwd)
+    calls = [l for l in step.lower(*args).as_text().splitlines() if "@jmo_dispatch_gemm(" in l]
+    assert len(calls) == 2, f"{len(calls)} dispatch_gemm calls (scaled={scaled})"
+    unscaled[scaled] = sum(l.count("tensor<0xf32>") for l in calls)
+    got[scaled] = local_shards(jax.block_until_ready(step(*args)), devices)
+  assert unscaled[True] == unscaled[False] - 1, unscaled  # the scaled program's row_scale operand holds the gates
+  for n in NAMES:
+    for (rank, _, a), (_, _, b) in zip(got[False][n], got[True][n]):
+      assert a.tobytes() == b.tobytes(), f"{n} rank {rank}: the scaling dispatch_gemm differs from the array's rows"
+  check_reference(got[True], jnp.bfloat16, x, ids, g, w1, w2, dy, R)
+  print(f"process {pid}: scaled dgrad bitwise", flush=True)
+  for ws in jmo.workspace.Workspace.cached():
+    print(f"shm {ws.shm_prefix}", flush=True)
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   distributed.global_state.client.wait_at_barrier("test/release", 120_000)
   jmo.release_workspaces()

@@ -78,6 +78,17 @@ def test_fp8_fused_dispatch_over_processes_matches_the_recipe():
 
 
 @pytest.mark.watchdog_s(600)
+def test_scaled_dgrad_dispatch_gemm_over_processes_keeps_the_bits():
+  """The backward's dgrad dispatch_gemm scaling dy's rows by the gates (expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU)
+  against the [T k, D] array of gates * dy, two processes sharing GPU 0 (the scaled pushes cross processes through
+  CUDA IPC): bfloat16 outputs and gradients bitwise the same, within 1e-2 of the float32 reference."""
+  outs = run_processes(2, "one_gpu", "scaled_dgrad")
+  for rc, out in outs:
+    assert rc == 0 and ": scaled dgrad bitwise" in out, out[-4000:]
+  assert _shm_left(outs) == []
+
+
+@pytest.mark.watchdog_s(600)
 def test_a_process_that_begins_its_first_call_late_is_waited_for():
   # The last process begins its first call 6 s after the other, past its 2 s timeout_ms: the group's first call
   # waits up to first_call_timeout_ms (60 s by default) for it; later calls keep the 2 s bound.

@@ -106,6 +106,10 @@ class Case:
   # "plain": the product rounded once to bf16 (dispatch_gemm's out_dtype, as the layer's backward writes its dh:
   # expert_gemms.dgrad_dtype) instead of float32, in dispatch_gemm and its two calls alike.
   dg_out_bf16: bool = False
+  # Every dispatch (and dispatch_gemm, and its two calls) lands slot p's row scaled by its gate (the calls' row_scale:
+  # the backward's gates * dy dispatched without a [T k, D] array): the float32 product rounded once to the rows'
+  # dtype. Not with fp8, send once or a tensor axis.
+  row_scale: bool = False
   # dispatch_gemm timing: also the fused call once per P of this sweep (0: the library's choice), for the regret of
   # the P choice (tools/loopback/regret.py).
   dg_sweep: tuple[int, ...] = ()
@@ -250,6 +254,8 @@ class Case:
       return f"dispatch_gemm_mode {self.dispatch_gemm_mode!r} not in {DG_MODES}"
     if self.dg_out_bf16 and not (self.dg and self.dispatch_gemm_mode == "plain" and not self.fp8 and not self.f32):
       return "dg_out_bf16 is dispatch_gemm's plain product on bf16 rows"
+    if self.row_scale and (self.fp8 or self.sends_once or TP > 1):
+      return "row_scale takes one row per slot on bf16 or float32 rows, without a tensor axis (the calls' rule)"
     if not self.link_gbps >= 0:
       return f"link_gbps {self.link_gbps} must be >= 0"
     if self.gather_rs and (TP < 2 or self.dg):
@@ -305,6 +311,8 @@ class Case:
         s += " x_recv=copied"
       if self.dg_out_bf16:
         s += " out=bf16"
+    if self.row_scale:
+      s += " row_scale=gates"
     if self.link_gbps > 0:
       s += f" link={self.link_gbps:g}GB/s"
     if self.gather_rs:
@@ -333,8 +341,8 @@ SUITE_MODEL = (132, 1, 64, 128, 0.05, 0.0005, 2.0, 300.0, 0.5)
 SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-gemm-fp8", "dispatch-gemm-time-fp8",
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
-          "regret-push", "regret-push-shapes", "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8",
-          "tensor", "tensor-time", "small", "small-mma")
+          "regret-push", "regret-push-shapes", "regret-backward", "dgrad-row-scale", "dispatch-gemm-order",
+          "dispatch-gemm-order-fp8", "tensor", "tensor-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -758,7 +766,11 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     # The plain product rounded to bf16 (dispatch_gemm's out_dtype, as the layer's backward writes dh): the R = 2 and
     # R = 4 plain cases again.
     assert [v[i].dispatch_gemm_mode for i in (4, 8)] == ["plain", "plain"]
-    return v + [dataclasses.replace(v[i], dg_out_bf16=True) for i in (4, 8)]
+    v += [dataclasses.replace(v[i], dg_out_bf16=True) for i in (4, 8)]
+    # The same with every row scaled by its slot's gate (the backward's gates * dy; one row per slot), and the
+    # dispatch alone scaled at R = 4 (float32 rows).
+    return v + [dataclasses.replace(c, row_scale=True, send_once=0) for c in v[-2:]] + [
+        dataclasses.replace(v[8], dispatch_gemm_pushers=0, f32=True, row_scale=True, send_once=0)]
   if name == "dispatch-gemm-time":
     return _dispatch_gemm_time(base)
   if name == "dispatch-gemm-fp8":  # dispatch-gemm's cases on packed e4m3 rows (x_recv by the tiles and copied)
@@ -786,6 +798,12 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _consumer_rate(base)
   if name == "backward-time":
     return _backward_time(base)
+  if name == "dgrad-row-scale":
+    # The backward's dgrad dispatch_gemm (backward-time's R = 2, 4, 8) with gates * dy as a dispatched array's rows
+    # against the rows scaled by the call (row_scale), each pair run twice in turn, every timed call started together.
+    pairs = [(c, dataclasses.replace(c, row_scale=True))
+             for c in (dataclasses.replace(c, per_call_stats=True) for c in _backward_time(base)[:3])]
+    return [c for pair in pairs for c in pair + pair]
   if name == "regret":
     return _regret(base)
   if name == "regret-combine":  # regret's expert_combine cases alone

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from tools.loopback import tensor
-from tools.loopback.cases import Case, RankData, remote_rows
+from tools.loopback.cases import Case, RankData, Values, remote_rows
 
 MAX_LOGGED = 20
 
@@ -49,6 +49,16 @@ def swiglu(pre: np.ndarray) -> np.ndarray:
   """[rows, 2F] -> [rows, F]: silu(pre[:, :F]) * pre[:, F:] in float64."""
   gate, up = np.split(pre.astype(np.float64), 2, axis=1)
   return gate / (1.0 + np.exp(-gate)) * up
+
+
+def scaled_rows(case: Case, src: RankData) -> np.ndarray:
+  """[P, row] the row each slot of `src` sends, in the rows' dtype: its token's row of x, with row_scale the float32
+  product gates[p] * x[token] rounded once to the rows' dtype (the dispatch's rule)."""
+  token = src.plan["slot_src_row"]
+  if not case.row_scale:
+    return src.x.data[token]
+  product = src.x.rows(token) * src.gates[:, None]  # (float32: rounded once)
+  return product if case.f32 else product.astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def references(case: Case, data: list[RankData]) -> list[Expected]:
@@ -71,9 +81,10 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
     dest_rank, dest_row, expert = pl["slot_dest_rank"], pl["slot_dest_row"], pl["slot_expert"]
     token = pl["slot_src_row"]
     checked_slot = (token % stride) == 0
+    sent = scaled_rows(case, data[s])
     for d in range(R):
       to_d = (dest_rank == d) & (dest_row >= 0)
-      out[d].recv[dest_row[to_d]] = data[s].x.data[token[to_d]]
+      out[d].recv[dest_row[to_d]] = sent[to_d]
       for e in range(case.experts_per_rank):
         sel[s, d, e] = np.nonzero(to_d & checked_slot & (expert == e))[0]
   # Per expert, one product over the checked rows of every source (each weight converted and read once).
@@ -86,7 +97,8 @@ def references(case: Case, data: list[RankData]) -> list[Expected]:
       # expert_combine: the slot's row of lhs on its expert's rank, times that expert's w, back on the source.
       slot = data[d].lhs.rows(recv_rows) @ data[d].w.rows(e)
       if dg and not whole:  # GEMM1 at the expert's rank: the dispatched row times w1[expert]
-        tokens = np.concatenate([data[s].x.rows(data[s].plan["slot_src_row"][i]) for s, i in parts])
+        tokens = (Values(out[d].recv[recv_rows]).f if case.row_scale else
+                  np.concatenate([data[s].x.rows(data[s].plan["slot_src_row"][i]) for s, i in parts]))
         out[d].a[recv_rows] = tokens @ data[d].w1.rows(e)
         out[d].a_checked[recv_rows] = True
       at = 0

@@ -90,6 +90,7 @@ Spec ParseSpec(const nb::dict& d) {
   if (d.contains("dg_sweep") && !d["dg_sweep"].is_none()) s.dg_sweep = nb::cast<std::vector<int>>(d["dg_sweep"]);
   s.dg_mode = Get<int>(d, "dg_mode", s.dg_mode);
   s.dg_out_bf16 = Get<bool>(d, "dg_out_bf16", s.dg_out_bf16);
+  s.row_scale = Get<bool>(d, "row_scale", s.row_scale);
   s.emulated_link_gbps = Get<double>(d, "emulated_link_gbps", s.emulated_link_gbps);
   s.producer_band_m = Get<int>(d, "producer_band_m", s.producer_band_m);
   s.producer_order = Get<int>(d, "producer_order", s.producer_order);

@@ -30,6 +30,9 @@
   python -m tools.loopback.run --suite backward-time        the backward's exchanges over an emulated NVLink: the dgrad
                                                             dispatch with dh = dy W2^T (dispatch_gemm, plain mode) and
                                                             the dx combine (K = 2F), R = 2, 4, 8, vs serialized
+  python -m tools.loopback.run --suite dgrad-row-scale      its dgrad dispatch_gemm with gates * dy as the
+                                                            dispatched rows against the rows scaled by the call
+                                                            (row_scale), each pair twice, calls aligned
   python -m tools.loopback.run --suite regret       the resource manager's C (expert_combine, gather_rs) and P
                                                     (dispatch_gemm) against sweeps of pinned counts over the emulated
                                                     NVLink: REGRET lines and the mean / worst regret per kind (target
@@ -85,6 +88,8 @@ Timing (benchmarks/loopback_runner.py drives these):
   --x-recv-copied          with --dispatch-gemm: its x_recv copied by its side units instead of stored by the GEMM
                            tiles from their A tiles in shared memory (CallConfig.x_recv_from_tiles=False)
   --out-bf16               with --dispatch-gemm-mode plain: its product rounded once to bf16 (the layer's dh)
+  --row-scale              every dispatch (and dispatch_gemm) lands slot p's row scaled by its gate (the calls'
+                           row_scale, as the layer's backward dispatches gates * dy)
   --dispatch-pushers-sweep 1,2,4,0
                            with --dispatch-gemm and --time: also the fused call per P (0: the library's choice), and
                            with --model the regret of its choice (tools/loopback/regret.py)
@@ -163,7 +168,8 @@ def parse_args(argv):
     ap.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS)
   for flag, dest in (("--f32", "f32"), ("--transpose-rhs", "transpose_rhs"), ("--serialize", "serialize"),
                      ("--time", "time"), ("--per-call-stats", "per_call_stats"), ("--table", "table"),
-                     ("--gather-rs", "gather_rs"), ("--fp8", "fp8"), ("--out-bf16", "dg_out_bf16")):
+                     ("--gather-rs", "gather_rs"), ("--fp8", "fp8"), ("--out-bf16", "dg_out_bf16"),
+                     ("--row-scale", "row_scale")):
     ap.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS)
   ap.add_argument("--plain-copy", dest="bulk_copy", action="store_false", default=argparse.SUPPRESS)
   ap.add_argument("--x-recv-copied", dest="x_recv_from_tiles", action="store_false", default=argparse.SUPPRESS)

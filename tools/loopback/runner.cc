@@ -365,13 +365,16 @@ class Run {
                                  KeepPre() ? ScalesAfter(out_pre_[r], cap_, K_) : nullptr};
   }
 
+  // The dispatches' row_scale: the slots' gates with Spec::row_scale, else none.
+  const float* RowScale(const DeviceSet& d) const { return s_.row_scale ? (const float*)d.gates : nullptr; }
+
   Status Dispatch(int r, const CallSite& c, const DeviceSet& d) {
     if (dg_)
       return cuda::DispatchGemm(c, xdt_, d.x, T_, D_,
                                 cuda::DispatchSlots{(const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
                                                     (const int32_t*)d.dest_row, (const int32_t*)d.send_order,
                                                     (const int32_t*)d.send_start, (const int32_t*)d.primary,
-                                                    /*row_scale=*/nullptr, P_},
+                                                    RowScale(d), P_},
                                 (const int32_t*)d.recv_expected, (const int32_t*)d.seg_rows,
                                 (const int32_t*)d.seg_ret_off, E_l_, d.w1, (const float*)d.w1_scales, K_,
                                 Swiglu()  ? cuda::Gemm1Form::kSwiGlu
@@ -379,7 +382,7 @@ class Run {
                                           : cuda::Gemm1Form::kPlain,
                                 (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], DgOut(r), cap_);
     return cuda::Dispatch(c, xdt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, /*row_scale=*/nullptr, P_,
+                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, RowScale(d), P_,
                           (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv_[r], cap_);
   }
@@ -387,7 +390,7 @@ class Run {
   // The first of dispatch_gemm's two-call twin: Dispatch into out_recv2.
   Status DispatchAlone(int r, const CallSite& c, const DeviceSet& d) {
     return cuda::Dispatch(c, xdt_, d.x, T_, D_, (const int32_t*)d.src_row, (const int32_t*)d.dest_rank,
-                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, /*row_scale=*/nullptr, P_,
+                          (const int32_t*)d.dest_row, (const int32_t*)d.primary, RowScale(d), P_,
                           (const int32_t*)d.recv_expected,
                           (const int32_t*)group_op_[r], (const int32_t*)rank_op_[r], out_recv2_[r], cap_);
   }

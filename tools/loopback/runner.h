@@ -83,6 +83,8 @@ struct Spec {
                                      // the preactivation and x_recv), 2 inference (SwiGLU: h alone)
   bool dg_out_bf16 = false;          // plain: GEMM1's product rounded once to bf16 (DispatchGemmOut::out_bf16; the
                                      // layer's backward dh), in dispatch_gemm and its two calls alike
+  bool row_scale = false;            // every dispatch (and dispatch_gemm, and its two calls) scales slot p's row by
+                                     // gates[p] (the calls' row_scale: the backward's gates * dy)
   double emulated_link_gbps = 0;     // CallOptions::emulated_link_gbps of every call (0: pushes at HBM speed)
   int producer_band_m = 0;           // CallOptions::producer_band_m of every call (0: the library's rule)
   int producer_order = 0;            // CallOptions::producer_order of every call (0: the library's rule)

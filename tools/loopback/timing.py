@@ -163,7 +163,8 @@ def overlap_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:
     moved, sms = max(b for _, b in wire), max(used, default=0) or result.get("pushers", 0)
     extra = {"send_once": case.sends_once, "rows_sent": max(n for n, _ in wire),
              "x_recv_from_tiles": case.x_recv_from_tiles}
-    op = f"dispatch_gemm {case.dispatch_gemm_mode}{'' if case.x_recv_from_tiles else ' x_recv=copied'}"
+    op = (f"dispatch_gemm {case.dispatch_gemm_mode}{'' if case.x_recv_from_tiles else ' x_recv=copied'}"
+          f"{' row_scale' if case.row_scale else ''}")
   else:
     variants = case.variants()
     if (case.consumers, False) not in variants or (case.consumers, True) not in variants:
