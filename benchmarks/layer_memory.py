@@ -9,6 +9,10 @@ setting's gradients are from the first setting's (the largest max-relative diffe
   python -m benchmarks.layer_memory --tokens 8192 --impls xla
   python -m benchmarks.layer_memory --impls overlap --time \
       --switch jax_moe_overlap.expert_gemms.PREACTIVATION_IN_COMPUTE_DTYPE
+  python -m benchmarks.layer_memory --impls overlap --quantizations none,fp8 --time   # bf16 against FP8's recipe
+
+--quantizations runs each impl once per quantization (moe_experts' quantization: "none" is None, "fp8" DeepSeek-V3's
+recipe, which quantizes the weights inside the program as training does; D and F multiples of 128).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def main(argv=None):
   ap.add_argument("--time", action="store_true", help="also time forward + backward (median ms per call)")
   ap.add_argument("--switch", default=None, help="MODULE.NAME of a library switch to run each impl under")
   ap.add_argument("--values", default="False,True", help="the switch's settings (with --switch)")
+  ap.add_argument("--quantizations", default="none", help="comma-separated: none (the model's dtype), fp8")
   a = ap.parse_args(argv)
   T, D, F, E, k = a.tokens, a.d_model, a.d_ff, a.experts, a.top_k
   mesh = jax.make_mesh((1,), ("expert",))
@@ -60,19 +65,24 @@ def main(argv=None):
         f"{jax.devices()[0].platform}")
   values = switch_values(a.values) if a.switch else [None]
   name = a.switch.rsplit(".", 1)[-1] if a.switch else None
-  for impl in a.impls.split(","):
+  quantizations = a.quantizations.split(",")
+  bad = [q for q in quantizations if q not in ("none", "fp8")]
+  if bad:
+    ap.error(f"--quantizations takes none and fp8, not {bad}")
+  for impl, quant in ((i, q) for i in a.impls.split(",") for q in quantizations):
     first = None
     for value in values:
       if a.switch:
         set_switch(a.switch, value, "layer_memory")
         jax.clear_caches()
 
-      def loss(x, w1, w2, impl=impl):
-        y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=a.capacity_factor)
+      def loss(x, w1, w2, impl=impl, quant=None if quant == "none" else quant):
+        y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=a.capacity_factor,
+                               quantization=quant)
         return jnp.sum(y.astype(jnp.float32) ** 2)
       compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile()
       m = compiled.memory_analysis()
-      label = f"{impl}, {name}={value}" if a.switch else impl
+      label = impl + ("" if quant == "none" else f" {quant}") + (f", {name}={value}" if a.switch else "")
       print(f"{label}: temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
       for n, text in largest_buffers(compiled.as_text(), a.top):
         print(f"  {n / 2**30:8.2f} GiB  {text}")

@@ -23,3 +23,13 @@ def test_reports_each_impl(capsys):
     line = next(x for x in out.splitlines() if x.startswith(f"{impl}: temporaries "))
     assert float(line.split()[2]) >= 0.0, line
   assert out.count(" GiB  ") == 4, out
+
+
+def test_reports_each_quantization(capsys):
+  layer_memory.main(["--tokens", "64", "--d-model", "128", "--d-ff", "128", "--experts", "4", "--top-k", "2",
+                     "--impls", "overlap", "--quantizations", "none,fp8", "--top", "1"])
+  out = capsys.readouterr().out
+  for label in ("overlap", "overlap fp8"):
+    line = next(x for x in out.splitlines() if x.startswith(f"{label}: temporaries "))
+    assert float(line.split()[-2]) >= 0.0, line
+  assert out.count(" GiB  ") == 2, out
