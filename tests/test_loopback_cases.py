@@ -26,7 +26,7 @@ def _all_cases():
       # dispatch-gemm-variants, regret-push-shapes (dispatch-gemm-shapes' plans) and regret-backward (backward-time's)
       # in the slow pass
       slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
-              name == "tensor-time" or c.gather_rs or
+              name in ("tensor-time", "tensor-backward-time") or c.gather_rs or
               name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes",
                        "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
@@ -215,7 +215,7 @@ TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
     {}, {"f32": True}, {"capacity_factor": 1.0},
     {"dispatch_gemm_pushers": 2, "dispatch_gemm_mode": "train", "k_dim": 128},  # each rank's GEMM1 N = 64: wgmma's
     {"check_tokens": 4}, {"ranks": 2, "routing": 2}, {"gather_rs": True}, {"gather_rs": True, "f32": True},
-    {"gather_rs": True, "capacity_factor": 1.0, "routing": 2})]
+    {"gather_rs": True, "capacity_factor": 1.0, "routing": 2}, {"gather_rs": True, "transpose_rhs": True})]
 
 
 @pytest.mark.parametrize("kw", [{}, {"f32": True}, {"capacity_factor": 1.0}, {"dispatch_gemm_pushers": 2},

@@ -342,7 +342,7 @@ SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-g
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
           "regret-push", "regret-push-shapes", "regret-backward", "dgrad-row-scale", "dispatch-gemm-order",
-          "dispatch-gemm-order-fp8", "tensor", "tensor-time", "small", "small-mma")
+          "dispatch-gemm-order-fp8", "tensor", "tensor-time", "tensor-backward-time", "small", "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -697,18 +697,22 @@ def _tensor(base: Case) -> list[Case]:
 # the token owners) and as GatherRS, each timed against its serialized form and GEMM2 alone, with the consumer count
 # the resource manager picks from calibrated_model's constants. run.py prints them as one table (timing.tensor_table).
 # A --tokens other than Case's default picks that one shape (per rank), so that the suite can run in parts.
+# backward=True: the backward's dx = da W1^T in the same two forms (tensor-backward-time): K = 2F (each rank's
+# gate and up shards, 14336 of 28672), W1 [E_l, D, 2F / TP] read transposed in place, N = D; the per-slot path
+# returns each shard's partial dx rows, GatherRS reduce-scatters them.
 TENSOR_TIME_TOKENS = (1024, 2048, 4096)
 
 
-def _tensor_time(base: Case) -> list[Case]:
+def _tensor_time(base: Case, backward: bool = False) -> list[Case]:
   link = NVLINK_GBPS / 4
   v = []
   picked = base.tokens != Case().tokens
   for tokens in (base.tokens,) if picked else TENSOR_TIME_TOKENS:
     for gather in (False, True):
       v.append(dataclasses.replace(base, ranks=4, tensor=2, experts=8, top_k=2, tokens=tokens, d_model=256,
-                                   k_dim=14336, n_dim=4096, consumers=0, model=calibrated_model(4, link),
-                                   link_gbps=link, gather_rs=gather, **_TIMED))
+                                   k_dim=2 * 14336 if backward else 14336, n_dim=4096, transpose_rhs=backward,
+                                   consumers=0, model=calibrated_model(4, link), link_gbps=link, gather_rs=gather,
+                                   **_TIMED))
   return v
 
 
@@ -824,6 +828,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _tensor(base)
   if name == "tensor-time":
     return _tensor_time(base)
+  if name == "tensor-backward-time":
+    return _tensor_time(base, backward=True)
   if name == "full":  # as dispatch-gemm: sending once where the cases do not say
     return _full(dataclasses.replace(base, send_once=1))
   raise ValueError(f"unknown suite {name!r} (one of {', '.join(SUITES)})")
