@@ -55,9 +55,10 @@ def test_loopback_dispatch_gemm_suite():
   timeout in a per-source wait reported by the next call, then recovery, and pushes over an emulated link; sending a
   token's row once per destination rank (the default at two ranks or more) beside cases that send one row per slot;
   x_recv stored by the GEMM tiles (the default) and, in the plain and training modes, copied by the side units
-  (x_recv_from_tiles=False); the plain product rounded to bf16 at R = 2 and 4 (the layer's backward dh). Hopper only
-  (the wgmma engine)."""
-  proc = _hopper_suite("dispatch-gemm", 22, "dispatch_gemm runs on Hopper (sm_90a) only")
+  (x_recv_from_tiles=False); the plain product rounded to bf16 at R = 2 and 4 (the layer's backward dh), and the same
+  with every row scaled by its slot's gate (row_scale), with the dispatch alone scaled at R = 4 beside them. Hopper
+  only (the wgmma engine)."""
+  proc = _hopper_suite("dispatch-gemm", 25, "dispatch_gemm runs on Hopper (sm_90a) only")
   for r in (1, 2, 4, 8):
     for mode in ("plain", "train", "infer"):
       assert re.search(rf"PASS R={r} .* dispatch_gemm pushers=\d+ mode={mode}", proc.stdout), (r, mode)
@@ -67,6 +68,8 @@ def test_loopback_dispatch_gemm_suite():
     assert re.search(rf"PASS R={r} .* mode={mode} x_recv=copied", proc.stdout), (r, mode)
   for r in (2, 4):
     assert re.search(rf"PASS R={r} .* mode=plain out=bf16", proc.stdout), r
+    assert re.search(rf"PASS R={r} .* mode=plain out=bf16 row_scale=gates", proc.stdout), r
+  assert re.search(r"PASS R=4 .* dtype=f32 .* row_scale=gates", proc.stdout)
 
 
 @pytest.mark.watchdog_s(300)  # the subprocess's own limit is 240 s
