@@ -86,21 +86,16 @@ __device__ inline void CopyRowWarp(char* dst, const char* src, int64_t bytes, in
   for (int64_t j = n * 16 + lane; j < bytes; j += 32) dst[j] = src[j];
 }
 
-// Two rows of `bytes` each by one warp (every lane calls it): as CopyRowWarp, with both rows' loads issued before any
-// store, so a warp keeps 8 KiB in flight for 4 KiB rows. Falls back to two CopyRowWarp calls without 16-byte alignment.
-__device__ inline void CopyRowPairWarp(char* dst0, const char* src0, char* dst1, const char* src1, int64_t bytes,
-                                       int lane) {
+// The 16-byte vectors of two rows of n vectors each by one warp (every lane calls it), both rows' loads issued before
+// any store, so a warp keeps 8 KiB in flight for 4 KiB rows; each vector passes through f0 (row 0) or f1 (row 1) on
+// its way (a copy: CopyVector). The rows are 16-byte aligned (the callers check).
+struct CopyVector {
+  __device__ uint4 operator()(uint4 v) const { return v; }
+};
+template <typename F0, typename F1>
+__device__ inline void MoveVectorPairWarp(uint4* d0, const uint4* s0, F0 f0, uint4* d1, const uint4* s1, F1 f1,
+                                          int64_t n, int lane) {
   constexpr int kUnroll = 8;
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst0) | reinterpret_cast<uintptr_t>(src0) |
-                          reinterpret_cast<uintptr_t>(dst1) | reinterpret_cast<uintptr_t>(src1) | (uintptr_t)bytes;
-  if ((align & 15) != 0) {
-    CopyRowWarp(dst0, src0, bytes, lane);
-    CopyRowWarp(dst1, src1, bytes, lane);
-    return;
-  }
-  const int64_t n = bytes / 16;
-  const uint4 *s0 = reinterpret_cast<const uint4*>(src0), *s1 = reinterpret_cast<const uint4*>(src1);
-  uint4 *d0 = reinterpret_cast<uint4*>(dst0), *d1 = reinterpret_cast<uint4*>(dst1);
   for (int64_t base = lane; base < n; base += 32 * kUnroll) {
     uint4 v0[kUnroll], v1[kUnroll];
 #pragma unroll
@@ -112,16 +107,44 @@ __device__ inline void CopyRowPairWarp(char* dst0, const char* src0, char* dst1,
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + 32 * u < n) {
-        d0[base + 32 * u] = v0[u];
-        d1[base + 32 * u] = v1[u];
+        d0[base + 32 * u] = f0(v0[u]);
+        d1[base + 32 * u] = f1(v1[u]);
       }
   }
 }
 
-// One row of `cols` elements of T (float or __nv_bfloat16) by one warp, each element times s in float32 and rounded
-// once to T (round to nearest even): dst = src * s, as XLA computes (s * src.astype(f32)).astype(T). With 16-byte
-// alignment each lane first issues up to kUnroll 16-byte loads, then converts and stores, as CopyRowWarp; without it
-// element by element.
+// Two rows of `bytes` each by one warp (every lane calls it): MoveVectorPairWarp's copy. Falls back to two
+// CopyRowWarp calls without 16-byte alignment.
+__device__ inline void CopyRowPairWarp(char* dst0, const char* src0, char* dst1, const char* src1, int64_t bytes,
+                                       int lane) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst0) | reinterpret_cast<uintptr_t>(src0) |
+                          reinterpret_cast<uintptr_t>(dst1) | reinterpret_cast<uintptr_t>(src1) | (uintptr_t)bytes;
+  if ((align & 15) != 0) {
+    CopyRowWarp(dst0, src0, bytes, lane);
+    CopyRowWarp(dst1, src1, bytes, lane);
+    return;
+  }
+  MoveVectorPairWarp(reinterpret_cast<uint4*>(dst0), reinterpret_cast<const uint4*>(src0), CopyVector{},
+                     reinterpret_cast<uint4*>(dst1), reinterpret_cast<const uint4*>(src1), CopyVector{}, bytes / 16,
+                     lane);
+}
+
+// A 16-byte vector of T (float or __nv_bfloat16) times s: each element in float32, rounded once to T (round to
+// nearest even), as XLA computes (s * src.astype(f32)).astype(T).
+template <typename T>
+struct ScaleVector {
+  float s;
+  __device__ uint4 operator()(uint4 v) const {
+    T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int i = 0; i < (int)(16 / sizeof(T)); ++i) e[i] = FromFloat<T>(ToFloat(e[i]) * s);
+    return v;
+  }
+};
+
+// One row of `cols` elements of T by one warp, each element times s (ScaleVector's rule): dst = src * s. With
+// 16-byte alignment each lane first issues up to kUnroll 16-byte loads, then converts and stores, as CopyRowWarp;
+// without it element by element.
 template <typename T>
 __device__ inline void ScaleRowWarp(char* dst, const char* src, int64_t cols, float s, int lane) {
   constexpr int kUnroll = 8, V = 16 / sizeof(T);
@@ -131,21 +154,36 @@ __device__ inline void ScaleRowWarp(char* dst, const char* src, int64_t cols, fl
   const int64_t n = (align & 15) == 0 ? cols / V : 0;
   const uint4* s4 = reinterpret_cast<const uint4*>(src);
   uint4* d4 = reinterpret_cast<uint4*>(dst);
+  const ScaleVector<T> scale{s};
   for (int64_t base = lane; base < n; base += 32 * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + 32 * u < n) v[u] = __ldcg(s4 + base + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + 32 * u >= n) continue;
-      T* e = reinterpret_cast<T*>(&v[u]);
-#pragma unroll
-      for (int i = 0; i < V; ++i) e[i] = FromFloat<T>(ToFloat(e[i]) * s);
-      d4[base + 32 * u] = v[u];
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 32 * u < n) d4[base + 32 * u] = scale(v[u]);
   }
   for (int64_t j = n * V + lane; j < cols; j += 32) dp[j] = FromFloat<T>(ToFloat(__ldcg(sp + j)) * s);
+}
+
+// Two rows of `cols` elements of T by one warp, row i times s_i (ScaleVector's rule), both rows' loads in flight
+// before any store (MoveVectorPairWarp). Falls back to two ScaleRowWarp calls unless both rows are whole 16-byte
+// vectors at 16-byte aligned addresses.
+template <typename T>
+__device__ inline void ScaleRowPairWarp(char* dst0, const char* src0, float s0, char* dst1, const char* src1, float s1,
+                                        int64_t cols, int lane) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst0) | reinterpret_cast<uintptr_t>(src0) |
+                          reinterpret_cast<uintptr_t>(dst1) | reinterpret_cast<uintptr_t>(src1) |
+                          (uintptr_t)(cols * (int64_t)sizeof(T));
+  if ((align & 15) != 0) {
+    ScaleRowWarp<T>(dst0, src0, cols, s0, lane);
+    ScaleRowWarp<T>(dst1, src1, cols, s1, lane);
+    return;
+  }
+  MoveVectorPairWarp(reinterpret_cast<uint4*>(dst0), reinterpret_cast<const uint4*>(src0), ScaleVector<T>{s0},
+                     reinterpret_cast<uint4*>(dst1), reinterpret_cast<const uint4*>(src1), ScaleVector<T>{s1},
+                     cols * (int64_t)sizeof(T) / 16, lane);
 }
 
 __device__ inline void ZeroBytes(char* dst, int64_t bytes, int64_t tid, int64_t nthreads) {

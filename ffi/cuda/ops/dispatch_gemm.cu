@@ -78,7 +78,7 @@ struct DispatchGemmArgs {
   const float* w_scales; // kFp8: w's 128 x 128 block scales [E_l, N / 128, K / 128]
   double link_bytes_per_ns;  // > 0: pushes to other ranks go over the emulated link (CallOptions, PaceLink)
   const int32_t* primary;    // send once: slot_primary [P] (protocol.h); nullptr: one row per slot
-  const float* row_scale;    // [P]: slot p's bf16 row lands times row_scale[p] (ScaleRowWarp); nullptr: moved as is
+  const float* row_scale;    // [P]: slot p's bf16 row lands times row_scale[p] (ScaleVector); nullptr: moved as is
   bool x_recv_from_tiles;    // x_recv (kept) stored by the GEMM tiles, not the side units: the launch's
                              // kXRecvFromTiles (CallOptions::x_recv_from_tiles where x_recv is kept)
   int band_m;                // row blocks per raster band of the GEMM's tiles (BandRaster; CallOptions::producer_band_m)
@@ -94,8 +94,8 @@ __device__ __forceinline__ char* SideXRecv(const DispatchGemmArgs& g) {
 
 // Moves the rows of send block J that go to rank d (send positions [128 J, 128 J + 128) within d's range) into d's
 // recv rows, and signals them warp by warp. Every thread of the CTA calls it. Warp w moves positions w, w + warps, ...
-// of the block: its lanes load the indices of up to 32 of them at once, then the warp copies two rows at a time (rows
-// scaled by g.row_scale: one at a time, ScaleRowWarp); then
+// of the block: its lanes load the indices of up to 32 of them at once, then the warp moves two rows at a time
+// (MoveSlotRowsWarp; scaled by g.row_scale where given); then
 // lane 0 adds the warp's count of them to d's recv_arrivals and then release-adds it to d's src_blocks[rank][J] (a
 // reader that acquires the block's count sees the arrivals of it too). The block is complete once every warp's count
 // is in (the reader waits for the block's rows, from its plan). A warp's signal needs no CTA barrier and no fence of
@@ -123,30 +123,12 @@ __device__ __noinline__ void PushBlock(const RankDev& rd, const DispatchGemmArgs
   const unsigned kept = __ballot_sync(0xffffffffu, row >= 0);
   const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);
   char* recv = View(rd, d).recv();
-  if (g.row_scale != nullptr) {  // (bf16 rows, never sent once: CheckRowScale)
-    const float sc = row >= 0 ? g.row_scale[p] : 0.f;
-    for (unsigned left = moves; left != 0; left &= left - 1) {
-      const int i = __ffs(left) - 1;
-      const int r0 = __shfl_sync(0xffffffffu, row, i), s0 = __shfl_sync(0xffffffffu, sr, i);
-      const float c0 = __shfl_sync(0xffffffffu, sc, i);
-      ScaleRowWarp<__nv_bfloat16>(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes,
-                                  g.row_bytes / 2, c0, lane);
-    }
-  }
-  for (unsigned left = g.row_scale != nullptr ? 0u : moves; left != 0;) {
-    const int i = __ffs(left) - 1;
-    left &= left - 1;
-    const int r0 = __shfl_sync(0xffffffffu, row, i), s0 = __shfl_sync(0xffffffffu, sr, i);
-    if (left != 0) {
-      const int j = __ffs(left) - 1;
-      left &= left - 1;
-      const int r1 = __shfl_sync(0xffffffffu, row, j), s1 = __shfl_sync(0xffffffffu, sr, j);
-      CopyRowPairWarp(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes,
-                      recv + (int64_t)r1 * g.row_bytes, g.src + (int64_t)s1 * g.row_bytes, g.row_bytes, lane);
-    } else {
-      CopyRowWarp(recv + (int64_t)r0 * g.row_bytes, g.src + (int64_t)s0 * g.row_bytes, g.row_bytes, lane);
-    }
-  }
+  // (bf16 rows, never sent once where scaled: CheckRowScale)
+  const float sc = g.row_scale != nullptr && row >= 0 ? g.row_scale[p] : 0.f;
+  MoveSlotRowsWarp(
+      moves, RowScale{g.row_scale, true}, sc, g.row_bytes, lane,
+      [&](int i) { return recv + (int64_t)__shfl_sync(0xffffffffu, row, i) * g.row_bytes; },
+      [&](int i) { return g.src + (int64_t)__shfl_sync(0xffffffffu, sr, i) * g.row_bytes; });
   // The counts are the kept slots' (the receiver's plan counts slots), the link's bytes the rows moved.
   __syncwarp();
   if (lane == 0 && kept != 0) {

@@ -83,11 +83,44 @@ __device__ __forceinline__ int64_t RecvFromChecked(const RankDev& rd, uint64_t e
 // emulated link (PaceLink) before the call signals them. own_rows != nullptr: the rows for this rank itself go there
 // instead of its recv rows (a group of one rank stores them straight into the call's output: protocol.h). primary
 // != nullptr: send once (protocol.h, CheckPushSlot). Scale: RowScale{} moves the bytes; RowScale{row_scale, bf16}
-// lands slot p's row times row_scale[p] (ScaleRowWarp: float32 or bfloat16 rows, never sent once).
+// lands slot p's row times row_scale[p] (ScaleVector's rule: float32 or bfloat16 rows, never sent once).
 struct RowScale {
   const float* scale = nullptr;  // [P], or nullptr: rows moved unchanged
   bool bf16 = false;             // the rows' dtype: bfloat16, else float32
 };
+
+// The rows of a warp's slots, by the warp (every lane calls it): lane i's slot moves a row where bit i of `moves` is
+// set, from src(i) to dst(i) (each calls __shfl_sync: every lane evaluates them), scaled by lane i's `scale` where
+// `scaled` says so; two rows at a time while two are left (CopyRowPairWarp, ScaleRowPairWarp: both rows' loads in
+// flight before any store), the last one alone.
+template <typename Dst, typename Src>
+__device__ inline void MoveSlotRowsWarp(unsigned moves, RowScale scaled, float scale, int64_t row_bytes, int lane,
+                                        Dst dst, Src src) {
+  const int64_t cols = row_bytes / (scaled.bf16 ? 2 : 4);
+  for (unsigned left = moves; left != 0;) {
+    const int i = __ffs(left) - 1;
+    left &= left - 1;
+    char* d0 = dst(i);
+    const char* s0 = src(i);
+    const float c0 = scaled.scale != nullptr ? __shfl_sync(0xffffffffu, scale, i) : 0.f;  // (uniform branch)
+    if (left != 0) {
+      const int j = __ffs(left) - 1;
+      left &= left - 1;
+      char* d1 = dst(j);
+      const char* s1 = src(j);
+      const float c1 = scaled.scale != nullptr ? __shfl_sync(0xffffffffu, scale, j) : 0.f;
+      if (scaled.scale == nullptr) CopyRowPairWarp(d0, s0, d1, s1, row_bytes, lane);
+      else if (scaled.bf16) ScaleRowPairWarp<__nv_bfloat16>(d0, s0, c0, d1, s1, c1, cols, lane);
+      else ScaleRowPairWarp<float>(d0, s0, c0, d1, s1, c1, cols, lane);
+    } else if (scaled.scale == nullptr) {
+      CopyRowWarp(d0, s0, row_bytes, lane);
+    } else if (scaled.bf16) {
+      ScaleRowWarp<__nv_bfloat16>(d0, s0, cols, c0, lane);
+    } else {
+      ScaleRowWarp<float>(d0, s0, cols, c0, lane);
+    }
+  }
+}
 __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, int64_t row_bytes,
                                 const int32_t* src_row, const int32_t* dst_rank, const int32_t* dst_row, int64_t P,
                                 int64_t cap, PushWhich which, int64_t warp, int64_t warps, unsigned* sent,
@@ -102,37 +135,14 @@ __device__ inline void PushRows(const RankDev& rd, const char* src, int64_t S, i
       if (row >= 0) atomicAdd(&sent[d], 1u);  // every kept slot, sent once or not: the receiver's plan counts slots
     }
     const unsigned moves = __ballot_sync(0xffffffffu, row >= 0 && from == row);
-    if (scaled.scale != nullptr) {
-      const float sc = row >= 0 ? scaled.scale[p] : 0.f;
-      for (unsigned left = moves; left != 0; left &= left - 1) {
-        const int i = __ffs(left) - 1;
-        const int d0 = __shfl_sync(0xffffffffu, d, i), r0 = __shfl_sync(0xffffffffu, row, i);
-        const int s0 = __shfl_sync(0xffffffffu, sr, i);
-        const float c0 = __shfl_sync(0xffffffffu, sc, i);
-        char* dst0 = (d0 == rd.rank && own_rows != nullptr ? own_rows : View(rd, d0).recv()) + (int64_t)r0 * row_bytes;
-        const char* src0 = src + (int64_t)s0 * row_bytes;
-        if (scaled.bf16) ScaleRowWarp<__nv_bfloat16>(dst0, src0, row_bytes / 2, c0, lane);
-        else ScaleRowWarp<float>(dst0, src0, row_bytes / 4, c0, lane);
-      }
-    }
-    for (unsigned left = scaled.scale != nullptr ? 0u : moves; left != 0;) {
-      const int i = __ffs(left) - 1;
-      left &= left - 1;
-      const int d0 = __shfl_sync(0xffffffffu, d, i), r0 = __shfl_sync(0xffffffffu, row, i);
-      const int s0 = __shfl_sync(0xffffffffu, sr, i);
-      char* dst0 = (d0 == rd.rank && own_rows != nullptr ? own_rows : View(rd, d0).recv()) + (int64_t)r0 * row_bytes;
-      if (left != 0) {
-        const int j = __ffs(left) - 1;
-        left &= left - 1;
-        const int d1 = __shfl_sync(0xffffffffu, d, j), r1 = __shfl_sync(0xffffffffu, row, j);
-        const int s1 = __shfl_sync(0xffffffffu, sr, j);
-        char* dst1 =
-            (d1 == rd.rank && own_rows != nullptr ? own_rows : View(rd, d1).recv()) + (int64_t)r1 * row_bytes;
-        CopyRowPairWarp(dst0, src + (int64_t)s0 * row_bytes, dst1, src + (int64_t)s1 * row_bytes, row_bytes, lane);
-      } else {
-        CopyRowWarp(dst0, src + (int64_t)s0 * row_bytes, row_bytes, lane);
-      }
-    }
+    const float sc = scaled.scale != nullptr && row >= 0 ? scaled.scale[p] : 0.f;
+    MoveSlotRowsWarp(
+        moves, scaled, sc, row_bytes, lane,
+        [&](int i) {
+          const int d0 = __shfl_sync(0xffffffffu, d, i), r0 = __shfl_sync(0xffffffffu, row, i);
+          return (d0 == rd.rank && own_rows != nullptr ? own_rows : View(rd, d0).recv()) + (int64_t)r0 * row_bytes;
+        },
+        [&](int i) { return src + (int64_t)__shfl_sync(0xffffffffu, sr, i) * row_bytes; });
     if (link_bytes_per_ns > 0) {
       // The link carries the chunk's rows moved to other ranks and, sending once, the recv_from entries it stored.
       const bool remote = row >= 0 && d != rd.rank;
