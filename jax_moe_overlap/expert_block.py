@@ -5,9 +5,9 @@ scaled by its gate as the dispatch moves it: ``row_scale``), and ``dx`` is ``exp
 gradient with ``W1^T`` (``transpose_rhs``: W1 read transposed in place, no copy) and unit gates. Where the call site
 fuses the dispatch with the GEMM after it (``RankInfo.dispatch_pushers``) and the operands take dispatch_gemm's engine
 (``engines.dispatch_gemm_operands``), the forward's dispatch and GEMM1, and the backward's dispatch of ``gates * dy``
-(on GPUs as a [T k, D] array unless ``SCALE_IN_DISPATCH_GEMM_ON_GPU``) and ``d_out W2^T``, each run as one
-``dispatch_gemm`` call. The forward's dispatch sends a token's row once per destination rank where the call site says
-so (``RankInfo.send_once``); the backward's sends one row per slot, since ``gates * dy`` differs per slot.
+(dy's rows scaled by the pushers) and ``d_out W2^T``, each run as one ``dispatch_gemm`` call. The forward's dispatch
+sends a token's row once per destination rank where the call site says so (``RankInfo.send_once``); the backward's sends
+one row per slot, since ``gates * dy`` differs per slot.
 """
 
 from __future__ import annotations
@@ -25,17 +25,10 @@ from jax_moe_overlap.plan import Plan
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm, expert_combine
 
 
-# Whether the backward has its dispatch scale dy's rows by the gates as it moves them (row_scale: the same bits, no
-# [T k, D] array of gates * dy written and read back). False: that array (for A/B measurements).
+# Whether the backward's dispatch of gates * dy, fused with the dgrad GEMM or not, scales dy's rows by the gates as
+# it moves them (row_scale: the same bits, no [T k, D] array of gates * dy written and read back). False: that array
+# (for A/B measurements).
 SCALE_IN_DISPATCH = True
-# Whether the fused form (dispatch_gemm's pushers) scales them too on GPUs: off until its GPU test and timing have run
-# (the CPU handler scales them, bit for bit the array's rows: tests/test_dispatch_gemm.py).
-SCALE_IN_DISPATCH_GEMM_ON_GPU = False
-
-
-def scales_in_dispatch(fused: bool, info: RankInfo) -> bool:
-  """Whether the backward's dispatch of gates * dy (fused with the dgrad GEMM or not) scales dy's rows itself."""
-  return SCALE_IN_DISPATCH and (not fused or info.workspace.platform == "cpu" or SCALE_IN_DISPATCH_GEMM_ON_GPU)
 
 
 def fuses_dispatch(x, w, info: RankInfo, swiglu: bool, transpose_rhs: bool) -> bool:
@@ -83,7 +76,7 @@ def _expert_block_bwd(cap, info, res, dy):
   slot_gate = gates.reshape(T * k).astype(jnp.float32)
   fused = fuses_dispatch(dy, w2, info, swiglu=False, transpose_rhs=True)
   slot_rows = jnp.arange(T * k, dtype=jnp.int32)
-  if scales_in_dispatch(fused, info):
+  if SCALE_IN_DISPATCH:
     # gates * dy scaled by the dispatch as it moves dy's rows (row_scale): the same rows, no [T k, D] array.
     src, src_row, row_scale = dy, slot_rows // k, slot_gate
   else:

@@ -22,7 +22,7 @@ Cases:
     dispatch_gemm's FP8 kernel); prints "fused dispatch" when the program holds those calls.
   scaled_dgrad: bfloat16, the layer's program twice: with the backward's dispatch of gates * dy fused with its dgrad
     GEMM as a [T k, D] array's rows, and with dispatch_gemm scaling dy's rows by the gates itself
-    (expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU off, then on); both hold two dispatch_gemm calls, the second
+    (expert_block.SCALE_IN_DISPATCH off, then on); both hold two dispatch_gemm calls, the second
     program one row_scale operand more; outputs and gradients bitwise the same (and matching the reference);
     prints "scaled dgrad bitwise".
   late_first_call: as equal, the last process sleeping $JMO_LATE_S seconds between compiling the step and its first
@@ -159,7 +159,7 @@ def scaled_dgrad(mesh, config, devices, R):
           put(dy, mesh, tok)]
   got, unscaled = {}, {}
   for scaled in (False, True):
-    expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU = scaled
+    expert_block.SCALE_IN_DISPATCH = scaled
     jmo.api._programs.clear()  # pylint: disable=protected-access  (traced anew: the switch is read when tracing)
 
     def fwd_bwd(x, g, w1, w2, ids, dy):  # (a new function each time: jax.jit's trace cache keys on it)

@@ -141,7 +141,7 @@ def test_dispatch_gemm_bf16_product_equals_two_calls(transpose_rhs):
 def test_dispatch_gemm_row_scale_equals_the_scaled_rows():
   """dispatch_gemm's row_scale (its pushers and own-row copies scaling each slot's row, the backward's d_out W2^T
   form: W2 read transposed, a bf16 product) on one GPU: x_recv and out bit for bit the call's on the [P, D] array of
-  scaled rows (expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU waits for this test and a timing)."""
+  scaled rows (what expert_block.SCALE_IN_DISPATCH relies on in the fused backward)."""
   if not is_hopper():
     pytest.skip("dispatch_gemm runs on Hopper (sm_90a) only")
   import numpy as np  # pylint: disable=g-import-not-at-top

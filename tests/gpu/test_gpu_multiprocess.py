@@ -79,7 +79,7 @@ def test_fp8_fused_dispatch_over_processes_matches_the_recipe():
 
 @pytest.mark.watchdog_s(600)
 def test_scaled_dgrad_dispatch_gemm_over_processes_keeps_the_bits():
-  """The backward's dgrad dispatch_gemm scaling dy's rows by the gates (expert_block.SCALE_IN_DISPATCH_GEMM_ON_GPU)
+  """The backward's dgrad dispatch_gemm scaling dy's rows by the gates (expert_block.SCALE_IN_DISPATCH)
   against the [T k, D] array of gates * dy, two processes sharing GPU 0 (the scaled pushes cross processes through
   CUDA IPC): bfloat16 outputs and gradients bitwise the same, within 1e-2 of the float32 reference."""
   outs = run_processes(2, "one_gpu", "scaled_dgrad")
