@@ -10,6 +10,9 @@ Expert parallel (mesh axis ``common.AXIS``):
                            like the weights, in token chunks (bench_ep_layer).
 Checks: ``max_rel_err`` (max |got - ref| / max |ref|), ``rel_err`` (Frobenius), and for bench_ep_layer ``Verdict``,
 ``check``, ``verdicts``.
+The FP8 layer against float64 (tests/test_fp8_layer.py, benchmarks/fp8_error.py): ``float64_layer`` (the unquantized
+layer and its gradients in float64), ``grads_fn`` (a layer's output and gradients through moe_experts), and
+``FP8_ERROR_BOUND`` / ``FP8_ERROR_FLOOR`` (the relative error the FP8 layer is held within).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_moe_overlap as jmo
 from benchmarks import baselines
 from benchmarks.common import AXIS, of_rank, rank_map
 from jax_moe_overlap import plan as plan_lib
@@ -56,6 +60,42 @@ def rel_err(a, b) -> float:
   """Frobenius relative error of a vs b (inf if a has a NaN/inf), computed on the device (gradients are GBs)."""
   return float(_rel_err(jnp.asarray(a), jnp.asarray(b)))
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The FP8 layer against the unquantized float64 layer
+
+# e4m3 keeps 3 mantissa bits: one rounding errs by at most u = 2^-4 relatively (half a step), by about u / 2.5 in
+# the root mean square over random values. y passes four quantized operands (x, W1, h, W2), each gradient five or
+# six (the output gradient, a weight, the kept SwiGLU input, da or h, and the re-tiled wgrad operands): their
+# random errors add in quadrature to 0.05-0.08 of the norm. The bound, 2u = 0.125, leaves room for the routing's
+# spread of values and is far below what a wrong scale or a missing dequantization gives (errors of order 1); the
+# floor 2^-10 shows that the operands are quantized at all (float32 rounding alone is below 1e-6).
+FP8_ERROR_BOUND = 2.0 ** -3
+FP8_ERROR_FLOOR = 2.0 ** -10
+
+
+def grads_fn(mesh, ids, cotangent, impl, quantization="fp8", cf=None, argnums=(0, 1, 2, 3),
+             config: jmo.CallConfig = jmo.CallConfig()):
+  """jit of (y, the gradients with respect to argnums of (x, gates, w1, w2)) of sum(y * cotangent) through
+  moe_experts."""
+  def loss(x, gates, w1, w2):
+    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=cf,
+                           quantization=quantization, config=config)
+    return jnp.sum(y.astype(jnp.float32) * cotangent), y
+  return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
+
+
+def float64_layer(x, ids, gates, w1, w2, cotangent, cap_e):
+  """The unquantized layer in float64 (the dense reference's formula) and its gradients."""
+  with jax.enable_x64(True):
+    args = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, gates, w1, w2)]
+
+    def loss(x, g, w1, w2):
+      y, _ = reference.moe_experts_reference(x, jnp.asarray(ids), g, w1, w2, cap_e, 1)
+      return jnp.sum(y * jnp.asarray(np.asarray(cotangent, np.float64))), y
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+    return [np.asarray(a) for a in (y, *grads)]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,47 +14,18 @@ from jax.sharding import PartitionSpec as P
 
 import fp8_numpy
 import jax_moe_overlap as jmo
+from benchmarks.references import FP8_ERROR_BOUND, FP8_ERROR_FLOOR, float64_layer, grads_fn
 from cases import layer_inputs, moe_config, rel_err
 from jax_moe_overlap import _jmo, fp8_experts
 from jax_moe_overlap import plan as plan_lib
-from jax_moe_overlap.reference import kept_mask, moe_experts_reference
+from jax_moe_overlap.reference import kept_mask
 
 E, K, T = 8, 2, 64
 AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
-# e4m3 keeps 3 mantissa bits: one rounding errs by at most u = 2^-4 relatively (half a step), by about u / 2.5 in
-# the root mean square over random values. y passes four quantized operands (x, W1, h, W2), each gradient five or
-# six (the output gradient, a weight, the kept SwiGLU input, da or h, and the re-tiled wgrad operands): their
-# random errors add in quadrature to 0.05-0.08 of the norm. The bound, 2u = 0.125, leaves room for the routing's
-# spread of values and is far below what a wrong scale or a missing dequantization gives (errors of order 1); the
-# floor 2^-10 shows that the operands are quantized at all (float32 rounding alone is below 1e-6).
-FP8_ERROR_BOUND = 2.0 ** -3
-FP8_ERROR_FLOOR = 2.0 ** -10
 
 
 def mesh_of(n, axis_type="auto"):
   return jax.make_mesh((n,), ("expert",), axis_types=(AXIS_TYPES[axis_type],), devices=jax.devices("cpu")[:n])
-
-
-def grads_fn(mesh, ids, cotangent, impl, quantization="fp8", cf=None, argnums=(0, 1, 2, 3)):
-  """jit of (y, the gradients with respect to argnums of (x, gates, w1, w2)) of sum(y * cotangent) through
-  moe_experts."""
-  def loss(x, gates, w1, w2):
-    y, _ = jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=impl, capacity_factor=cf,
-                           quantization=quantization)
-    return jnp.sum(y.astype(jnp.float32) * cotangent), y
-  return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
-
-
-def float64_layer(x, ids, gates, w1, w2, cotangent, cap_e):
-  """The unquantized layer in float64 (the dense reference's formula) and its gradients."""
-  with jax.enable_x64(True):
-    args = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, gates, w1, w2)]
-
-    def loss(x, g, w1, w2):
-      y, _ = moe_experts_reference(x, jnp.asarray(ids), g, w1, w2, cap_e, 1)
-      return jnp.sum(y * jnp.asarray(np.asarray(cotangent, np.float64))), y
-    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
-    return [np.asarray(a) for a in (y, *grads)]
 
 
 @pytest.mark.slow  # the default pass stays within 5 minutes on 2 cores; CI's slow pass runs it
