@@ -100,10 +100,12 @@ def test_fp8_expert_axis_across_processes_is_bitwise_the_one_process_run(case, t
 
 
 @pytest.mark.slow  # child processes; the expert axis across processes stays in the default pass
-def test_tensor_axis_across_processes_is_bitwise_the_one_process_run(tmp_path):
-  # Expert tensor parallelism on (expert=2, tensor=2), one expert rank per process: the workspace's group is the four
-  # devices of both axes, across the two processes.
-  _expert_across(2, 2, 3, tmp_path, case="tensor_across")
+@pytest.mark.parametrize("nproc,local", [(2, 2), (4, 1)])
+def test_tensor_axis_across_processes_is_bitwise_the_one_process_run(nproc, local, tmp_path):
+  # Expert tensor parallelism on (expert=2, tensor=2): one expert rank per process (2 x 2), or one rank per process
+  # (4 x 1: every tensor group spans two processes); the workspace's group is the four devices of both axes, across
+  # the processes.
+  _expert_across(nproc, local, 3, tmp_path, case="tensor_across")
 
 
 @pytest.mark.slow
