@@ -55,6 +55,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_overlap import plan as plan_lib
@@ -292,16 +293,48 @@ def token_slots(rows, k: int):
   return jnp.broadcast_to(rows[:, None], (rows.shape[0], k) + rows.shape[1:]).reshape((-1,) + rows.shape[1:])
 
 
+@jax.custom_vjp
 def combine_slots(slot_out, gates, is_kept):
   """Step 4's gate-weighted sum: the slots' rows back [T k, D] -> y [T, D] float32, the choices summed
-  j = 0..k-1."""
+  j = 0..k-1. Its backward is written out (``_combine_slots_bwd``): the slots' gradient is one broadcast product
+  [T k, D], where the transpose of the per-choice slices would build k zero-padded [T, k, D] float32 arrays and sum
+  them (the FP8 layer's peak temporaries at the training preset's layer: docs/performance.md)."""
   T, k = gates.shape
   slot_out = slot_out.astype(jnp.float32).reshape(T, k, -1)
-  w = jnp.where(is_kept.reshape(T, k), gates.astype(jnp.float32), 0)
+  w = _kept_gates(gates, is_kept)
   y = w[:, 0, None] * slot_out[:, 0]
   for j in range(1, k):
     y = y + w[:, j, None] * slot_out[:, j]
   return y
+
+
+def _kept_gates(gates, is_kept):
+  """[T, k] float32: each slot's gate, 0 where the slot was dropped."""
+  return jnp.where(is_kept.reshape(gates.shape), gates.astype(jnp.float32), 0)
+
+
+def _combine_slots_fwd(slot_out, gates, is_kept):
+  return combine_slots(slot_out, gates, is_kept), (slot_out, gates, is_kept)
+
+
+def _combine_slots_bwd(res, dy):
+  """The transpose of combine_slots' sum, as autodiff of its formula computes it, value for value: slot (t, j)'s
+  gradient w[t, j] dy[t] (float32, then the slots' dtype), the gate's sum_d dy[t, d] slot_out[t, j, d] where the
+  slot was kept (0 where dropped), then the gates' dtype; is_kept has none."""
+  slot_out, gates, is_kept = res
+  T, k = gates.shape
+  w = _kept_gates(gates, is_kept)
+  d_slots = w[:, :, None] * dy[:, None, :]
+  if k > 1:  # a zero is +0, as the sum of the k zero-padded slices makes it (XLA drops an added +0)
+    d_slots = jnp.where(d_slots == 0, 0.0, d_slots)
+  d_slots = d_slots.reshape(slot_out.shape).astype(slot_out.dtype)
+  s = slot_out.astype(jnp.float32).reshape(T, k, -1)
+  d_w = jnp.stack([jnp.sum(dy * s[:, j], axis=-1) for j in range(k)], axis=1)  # (per choice: the formula's sums)
+  d_gates = jnp.where(is_kept.reshape(gates.shape), d_w, 0).astype(gates.dtype)
+  return d_slots, d_gates, np.zeros(is_kept.shape, jax.dtypes.float0)
+
+
+combine_slots.defvjp(_combine_slots_fwd, _combine_slots_bwd)
 
 
 def _layout_maps(kept_se: jax.Array, rows: int):
