@@ -162,5 +162,11 @@ std::string CheckModelParams(const ModelParams& p);
 enum class ConsumerPolicy { kPinned, kModel, kFixed };
 ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, GemmEngine producer);
 const char* ConsumerPolicyName(ConsumerPolicy p);  // "pinned", "model", "fixed"
+// The fixed C of a call on a rank of `budget` CTAs (>= 2): the workspace's count (CallConfig.consumer_ctas's default,
+// SMs / 8), at most budget - 1; a gather_rs call (`gathers`) whose producer is the SIMT engine takes 1: that producer
+// (float32 FMA, a small fraction of the tensor cores' rate) bounds the call and its partials trickle out, so every
+// consumer CTA beyond one is an SM taken from it (docs/performance.md, "Resource manager regret": C = 1 the fastest
+// of the sweep on all three float32 cases, the workspace's count 6-12% slower).
+int FixedConsumerCtas(const Workspace& ws, int budget, GemmEngine producer, bool gathers);
 
 }  // namespace jmo::cuda

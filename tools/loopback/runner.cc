@@ -225,7 +225,8 @@ class Run {
     if (s_.fp8 || engine)  // (the e4m3 producer is the wgmma engine's tile: LaunchExpertOperator)
       res_.consumer_policy = cuda::ConsumerPolicyName(
           cuda::SelectConsumerPolicy(*ws_, CallOptions{}, s_.fp8 ? cuda::GemmEngine::kWgmma : *engine));
-    res_.fixed_consumers = std::max(1, std::min(ws_->consumer_ctas(), res_.budget - 1));
+    res_.fixed_consumers = cuda::FixedConsumerCtas(
+        *ws_, res_.budget, s_.fp8 ? cuda::GemmEngine::kWgmma : engine.value_or(cuda::GemmEngine::kSimt), s_.gather_rs);
     streams_.clear();  // (kept for the next case: RankStreams)
     for (cudaEvent_t e : first_ready_) cudaEventDestroy(e);
     first_ready_.clear();

@@ -369,6 +369,11 @@ ConsumerPolicy SelectConsumerPolicy(const Workspace& ws, const CallOptions& o, G
   return tile_m == m.tile_m && tile_n == m.tile_n ? ConsumerPolicy::kModel : ConsumerPolicy::kFixed;
 }
 
+int FixedConsumerCtas(const Workspace& ws, int budget, GemmEngine producer, bool gathers) {
+  if (gathers && producer == GemmEngine::kSimt) return 1;
+  return std::max(1, std::min(ws.consumer_ctas(), budget - 1));
+}
+
 Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const void* lhs, int64_t cap, int64_t K,
                             const void* w, int64_t E_l, int64_t N, bool transpose_rhs, const int32_t* seg_rows,
                             const int32_t* seg_ret_off, const GatherArgs& gather, const Fp8ProducerArgs& fp8) {
@@ -426,7 +431,7 @@ Status LaunchExpertOperator(const CallSite& c, const char* op, DType dt, const v
     return FailCall(c, op, std::string("no GEMM engine takes ") + Traits(dt).name + " operands on this device");
   const GemmEngine engine = *selected;
   // The fixed C; also gather_rs's under the model where no band goes to another rank (GatherConsumersOfCall).
-  const int fixed = std::max(1, std::min(ws.consumer_ctas(), budget - 1));
+  const int fixed = FixedConsumerCtas(ws, budget, engine, gathers);
   // (The e4m3 producer's tiles are the wgmma engine's shape: the model sizes its C with Fp8ModelK.)
   const ConsumerPolicy policy = SelectConsumerPolicy(ws, c.opts, engine);
   if (policy == ConsumerPolicy::kPinned) {
