@@ -95,23 +95,30 @@ def consumer_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None
   budget = result["budget"]
   what = "C"
   if case.gather_rs:
-    # gather_rs's C: the model's where the calls' engine is the calibrated one (the runner's consumer_policy), else
-    # the workspace's fixed C (float32: the SIMT engine, which the calibration does not describe).
-    from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
-    p, _ = _rank_model(case, budget)
-    E_l, R, eb = case.experts_per_rank, case.ranks, 4 if case.f32 else 2
     fixed, policy = result.get("fixed_consumers", 0), result.get("consumer_policy", "")
     what = "C gather_rs" if policy == "model" else f"C gather_rs ({policy or 'unknown'} policy)"
-    mirror = [bench_resource.kernel_gather_consumer_ctas(p, d.plan["seg_rows"].reshape(E_l, R).tolist(), r,
-                                                         case.tokens, case.slot_top_k, case.n_dim, case.rank_k, eb,
-                                                         min(32, budget - 1), fixed)
-              if policy == "model" else fixed for r, d in enumerate(ranks)]
+    mirror = gather_mirror(case, [d.plan for d in ranks], budget, fixed, policy == "model")
   else:
     mirror = combine_mirror(case, [d.plan for d in ranks], budget, result.get("producer", "wgmma"))
   return {"kind": "regret", "what": what, "case": case.name(), "chosen": chosen, "mirror": mirror,
           "mirror_agrees": mirror == chosen, "model_us": times[0], "best": best, "best_us": pinned[best],
           "times_us": {str(c): t for c, t in sorted(pinned.items())}, "regret": times[0] / pinned[best] - 1.0,
           "producer_start_us": {"model": start.get(0, 0.0), "pinned": pinned_start}}
+
+
+def gather_mirror(case: Case, plans: list[dict], budget: int, fixed: int, model: bool) -> list[int]:
+  """gather_rs's C on each rank as its kernel picks it on a budget of `budget` SMs: with `model` (the calls' engine
+  the calibrated one: the runner's consumer_policy "model") the C++ model on the rank's plan (the host mirror), else
+  the workspace's `fixed` C (float32: the SIMT engine, which the calibration does not describe)."""
+  if not model:
+    return [fixed] * len(plans)
+  from benchmarks import bench_resource  # pylint: disable=g-import-not-at-top
+  p, _ = _rank_model(case, budget)
+  E_l, R, eb = case.experts_per_rank, case.ranks, 4 if case.f32 else 2
+  return [bench_resource.kernel_gather_consumer_ctas(p, plan["seg_rows"].reshape(E_l, R).tolist(), r, case.tokens,
+                                                     case.slot_top_k, case.n_dim, case.rank_k, eb,
+                                                     min(32, budget - 1), fixed)
+          for r, plan in enumerate(plans)]
 
 
 def pusher_row(case: Case, result: dict, ranks: list[RankData]) -> dict | None:

@@ -9,8 +9,10 @@ run used, the picks are the run's own (its "host mirror agrees"), which --check 
       [--calibration FILE] [--check]
 
 LOG is the suite's output (its REGRET lines, in case order); --calibration defaults to the file the library loads on
---gpu (tools/loopback/cases.py's use_device_calibration). Covers the suites whose rows are expert_combine's C or
-dispatch_gemm's P (regret-combine, regret-push, regret-push-shapes, regret-backward: both); not gather_rs's.
+--gpu (tools/loopback/cases.py's use_device_calibration). Covers the suites whose rows are expert_combine's C,
+dispatch_gemm's P (regret-combine, regret-push, regret-push-shapes, regret-backward: both) or gather_rs's C
+(regret-gather: its cases under the model, bf16; its float32 cases take the workspace's fixed C, not the constants,
+and are left out).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import numpy as np
 from tools.loopback import cases as cases_lib
 from tools.loopback import regret as regret_lib
 
-SUITES = ("regret-combine", "regret-push", "regret-push-shapes", "regret-backward")
-_REGRET = re.compile(r"REGRET (C|P) model (\S+) \(host mirror [^)]*\) ([\d.]+) us \| best pinned \S+=(\d+) ([\d.]+) us "
-                     r"\| regret \S+% \| pinned us ([\d.: ]+?)(?: \| .*)?$")  # (regret.line's trailing fields)
+SUITES = ("regret-combine", "regret-push", "regret-push-shapes", "regret-backward", "regret-gather")
+# what: "C", "P", "C gather_rs" or "C gather_rs (fixed policy)" (regret.py's row kinds).
+_REGRET = re.compile(r"REGRET ((?:C|P)(?: gather_rs)?(?: \([^)]*\))?) model (\S+) \(host mirror [^)]*\) ([\d.]+) us \| "
+                     r"best pinned [^=]+=(\d+) ([\d.]+) us \| regret \S+% \| pinned us ([\d.: ]+?)(?: \| .*)?$")
 
 
 @dataclasses.dataclass
@@ -52,13 +55,27 @@ def read_log(text: str) -> list[LoggedRow]:
   return rows
 
 
+def _kind(case: cases_lib.Case) -> str:
+  """The REGRET line kind of a case's sweep: regret.py's `what`."""
+  return "P" if case.dg else "C gather_rs" if case.gather_rs and not case.f32 else \
+      "C gather_rs (fixed policy)" if case.gather_rs else "C"
+
+
 def mirror_choices(case: cases_lib.Case, sms: int) -> list[int]:
   """The count each rank's kernel would pick for `case` (its model, plans of its first data set) on a GPU of `sms`
-  SMs split over the case's ranks: regret.py's host mirror, without the run."""
+  SMs split over the case's ranks: regret.py's host mirror, without the run. The plans are make_data's (with a
+  tensor axis its shard slots': tools/loopback/tensor.py), from the routing alone."""
   rng = np.random.default_rng(case.seed)
-  plans = cases_lib.make_plans(case, [cases_lib.route(rng, case, r) for r in range(case.ranks)])
+  ids = [cases_lib.route(rng, case, r) for r in range(case.ranks)]
+  if case.tensor > 1:
+    from tools.loopback import tensor  # pylint: disable=g-import-not-at-top
+    ids = [tensor.shard_slots(case, i, np.ones(i.shape, np.float32))[0] for i in ids]
+  plans = cases_lib.make_plans(case, ids)
+  budget = sms // case.ranks
+  if case.gather_rs:  # (the model's picks: no segment of these cases stays local, so the fixed C plays no part)
+    return regret_lib.gather_mirror(case, plans, budget, 0, True)
   mirror = regret_lib.pusher_mirror if case.dg else regret_lib.combine_mirror
-  return mirror(case, plans, sms // case.ranks)
+  return mirror(case, plans, budget)
 
 
 def estimate(suite: str, rows: list[LoggedRow], sms: int) -> list[dict]:
@@ -66,15 +83,19 @@ def estimate(suite: str, rows: list[LoggedRow], sms: int) -> list[dict]:
   and, where they are one pinned count, the regret that count had in the run. rows: the log's REGRET lines (those
 of the suite's kind, C or P, are taken in order)."""
   cases = cases_lib.suite(suite, cases_lib.Case())
-  # dispatch_gemm's cases sweep P, the others C; each kind's REGRET lines in its cases' order (a log may hold both).
-  by_kind = {w: [r for r in rows if r.what == w] for w in ("P", "C")}
-  want = {w: sum((c.dg) == (w == "P") for c in cases) for w in ("P", "C")}
-  if any(want[w] and len(by_kind[w]) != want[w] for w in want):
-    raise ValueError(f"{suite} has {want['P']} P and {want['C']} C cases but the log has {len(by_kind['P'])} and "
-                     f"{len(by_kind['C'])} REGRET lines")
-  rows = [by_kind["P" if c.dg else "C"].pop(0) for c in cases]
+  # Each kind's REGRET lines (dispatch_gemm's P, expert_combine's C, gather_rs's C) in its cases' order (a log may
+  # hold several kinds).
+  kinds = sorted({_kind(c) for c in cases})
+  by_kind = {w: [r for r in rows if r.what == w] for w in kinds}
+  want = {w: sum(_kind(c) == w for c in cases) for w in kinds}
+  if any(len(by_kind[w]) != want[w] for w in kinds):
+    raise ValueError(f"{suite} has " + ", ".join(f"{want[w]} {w}" for w in kinds) + " cases but the log has " +
+                     ", ".join(f"{len(by_kind[w])}" for w in kinds) + " REGRET lines of them")
+  rows = [by_kind[_kind(c)].pop(0) for c in cases]
   out = []
   for case, row in zip(cases, rows):
+    if "fixed policy" in row.what:  # (the workspace's fixed C: no constants to judge)
+      continue
     picks = mirror_choices(case, sms)
     one = picks[0] if len(set(picks)) == 1 and picks[0] in row.pinned_us else None
     out.append({"case": case.name(), "ranks": case.ranks, "logged": row, "picks": picks,
