@@ -314,7 +314,8 @@ def test_row_scale_references_are_the_scaled_rows(f32, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   monkeypatch.setitem(sys.modules, "tools.loopback._jmo_loopback", types.SimpleNamespace(DEADLINE_EXCEEDED=2))
-  plain = _small_case(dispatch_gemm_pushers=2, dg_out_bf16=not f32, f32=f32, capacity_factor=1.0)
+  # (float32: the dispatch alone; dispatch_gemm's engine takes bf16 rows where the extension has CUDA kernels)
+  plain = _small_case(dispatch_gemm_pushers=0 if f32 else 2, dg_out_bf16=not f32, f32=f32, capacity_factor=1.0)
   scaled = dataclasses.replace(plain, row_scale=True)
   assert scaled.invalid() is None and "row_scale=gates" in scaled.name()
   sets = cases_lib.make_data(scaled)
@@ -329,9 +330,10 @@ def test_row_scale_references_are_the_scaled_rows(f32, monkeypatch):
         x = cases_lib.Values(src.x.data[pl["slot_src_row"][to_d]]).f
         got = cases_lib.Values(ex_scaled[d].recv[pl["slot_dest_row"][to_d]]).f
         np.testing.assert_allclose(got, x * src.gates[to_d][:, None], rtol=1e-7 if f32 else 4e-3)
-      rows = ex[d].a_checked
-      assert rows.sum() > 0 and np.array_equal(rows, ex_scaled[d].a_checked)
-      np.testing.assert_allclose(ex_scaled[d].a[rows], g[rows][:, None] * ex[d].a[rows], rtol=2e-2, atol=2e-2)
+      if scaled.dg:
+        rows = ex[d].a_checked
+        assert rows.sum() > 0 and np.array_equal(rows, ex_scaled[d].a_checked)
+        np.testing.assert_allclose(ex_scaled[d].a[rows], g[rows][:, None] * ex[d].a[rows], rtol=2e-2, atol=2e-2)
   assert check_lib.check(scaled, sets, _exact_run(scaled, sets)).passed
   v = check_lib.check(scaled, sets, _exact_run(plain, sets))
   assert not v.passed and any("dispatch output differs" in f for f in v.failures), v.failures
