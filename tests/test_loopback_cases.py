@@ -838,6 +838,11 @@ def test_timing_suites_align_the_ranks_where_they_say():
           for c in swept] == back
   assert all(c.dg_sweep == cases_lib.REGRET_P + (0,) and c.per_call_stats for c in swept if c.dg)
   assert all(c.sweep == cases_lib.REGRET_C and c.sweep_passes == 3 for c in swept if not c.dg)
+  # tensor-time and tensor-backward-time: aligned, per-slot then GatherRS at each size, the backward's W1 transposed.
+  for name, backward in (("tensor-time", False), ("tensor-backward-time", True)):
+    v = cases_lib.suite(name, cases_lib.Case())
+    assert all(c.per_call_stats and c.time and c.table and c.transpose_rhs == backward for c in v)
+    assert [c.gather_rs for c in v] == [False, True] * len(cases_lib.TENSOR_TIME_TOKENS)
   # dispatch-gemm-order: those cases and dispatch-gemm-time's linked R = 2, 4, 8 ones, aligned, the two phases then
   # expert-major next to each other.
   ordered = cases_lib.suite("dispatch-gemm-order", cases_lib.Case())

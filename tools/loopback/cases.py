@@ -697,6 +697,8 @@ def _tensor(base: Case) -> list[Case]:
 # the token owners) and as GatherRS, each timed against its serialized form and GEMM2 alone, with the consumer count
 # the resource manager picks from calibrated_model's constants. run.py prints them as one table (timing.tensor_table).
 # A --tokens other than Case's default picks that one shape (per rank), so that the suite can run in parts.
+# Every timed call (and GEMM alone's) starts together on every rank: back to back, the four ranks' bare GEMMs drifted
+# apart and took longer than the overlapped calls at some sizes (docs/performance.md).
 # backward=True: the backward's dx = da W1^T in the same two forms (tensor-backward-time): K = 2F (each rank's
 # gate and up shards, 14336 of 28672), W1 [E_l, D, 2F / TP] read transposed in place, N = D; the per-slot path
 # returns each shard's partial dx rows, GatherRS reduce-scatters them.
@@ -712,7 +714,7 @@ def _tensor_time(base: Case, backward: bool = False) -> list[Case]:
       v.append(dataclasses.replace(base, ranks=4, tensor=2, experts=8, top_k=2, tokens=tokens, d_model=256,
                                    k_dim=2 * 14336 if backward else 14336, n_dim=4096, transpose_rhs=backward,
                                    consumers=0, model=calibrated_model(4, link), link_gbps=link, gather_rs=gather,
-                                   **_TIMED))
+                                   per_call_stats=True, **_TIMED))
   return v
 
 
