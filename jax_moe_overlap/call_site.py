@@ -109,8 +109,10 @@ def tensor_reduce(config: CallConfig, platform: str, ranks: int, tensor: int, to
   * "auto": "gather_rs" where its kernel runs (the CPU handlers, the CUDA kernels: platforms "cpu" and "gpu") and
     it moves no more bytes than the per-slot return: per token and rank, GatherRS ships G - 1 dense float32
     partials (4 (G - 1) N bytes), the per-slot return k TP (G - 1) / G rows in the layer's dtype under balanced
-    routing (k TP (G - 1) / G x itemsize x N), so GatherRS when 4 G <= k TP itemsize; else "per_slot". The GPU's measured crossover replaces
-    this byte model once measured; ``CallConfig(tensor_reduce=...)`` overrides it.
+    routing (k TP (G - 1) / G x itemsize x N), so GatherRS when 4 G <= k TP itemsize; else "per_slot". Measured
+    on one side (TP = 2 / EP = 2, top-2, bf16: 16 > 8, per-slot): the per-slot return as fast or faster at every size,
+    forward and backward (docs/performance.md); the other side (the loopback's ``tensor-time-deepseek``, top-8) not
+    yet. ``CallConfig(tensor_reduce=...)`` overrides it.
   """
   if tensor == 1:
     return "per_slot"

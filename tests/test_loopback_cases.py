@@ -26,7 +26,7 @@ def _all_cases():
       # dispatch-gemm-variants, regret-push-shapes (dispatch-gemm-shapes' plans) and regret-backward (backward-time's)
       # in the slow pass
       slow = ((name in ("combine-time", "combine-time-fp8", "backward-time") and c.ranks != 8) or
-              name in ("tensor-time", "tensor-backward-time") or c.gather_rs or
+              name in ("tensor-time", "tensor-backward-time", "tensor-time-deepseek") or c.gather_rs or
               name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes",
                        "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8"))
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
@@ -839,10 +839,17 @@ def test_timing_suites_align_the_ranks_where_they_say():
   assert all(c.dg_sweep == cases_lib.REGRET_P + (0,) and c.per_call_stats for c in swept if c.dg)
   assert all(c.sweep == cases_lib.REGRET_C and c.sweep_passes == 3 for c in swept if not c.dg)
   # tensor-time and tensor-backward-time: aligned, per-slot then GatherRS at each size, the backward's W1 transposed.
-  for name, backward in (("tensor-time", False), ("tensor-backward-time", True)):
+  for name, backward, sizes in (("tensor-time", False, 3), ("tensor-backward-time", True, 3),
+                                 ("tensor-time-deepseek", False, 2)):
     v = cases_lib.suite(name, cases_lib.Case())
     assert all(c.per_call_stats and c.time and c.table and c.transpose_rhs == backward for c in v)
-    assert [c.gather_rs for c in v] == [False, True] * len(cases_lib.TENSOR_TIME_TOKENS)
+    assert [c.gather_rs for c in v] == [False, True] * sizes
+  # The two shapes sit on either side of call_site.tensor_reduce's byte model (4 G <= k TP itemsize: GatherRS).
+  from jax_moe_overlap import call_site  # pylint: disable=g-import-not-at-top
+  from jax_moe_overlap.config import CallConfig  # pylint: disable=g-import-not-at-top
+  picks = [call_site.tensor_reduce(CallConfig(), "gpu", c.ranks // c.tensor, c.tensor, c.top_k, 2, c.slots)
+           for c in (cases_lib.suite(n, cases_lib.Case())[0] for n in ("tensor-time", "tensor-time-deepseek"))]
+  assert picks == ["per_slot", "gather_rs"]
   # dispatch-gemm-order: those cases and dispatch-gemm-time's linked R = 2, 4, 8 ones, aligned, the two phases then
   # expert-major next to each other.
   ordered = cases_lib.suite("dispatch-gemm-order", cases_lib.Case())

@@ -342,7 +342,8 @@ SUITES = ("full", "resource", "dispatch-gemm", "dispatch-gemm-time", "dispatch-g
           "dispatch-gemm-shapes", "dispatch-gemm-shapes-fp8", "dispatch-gemm-variants", "combine-time", "combine-fp8",
           "combine-time-fp8", "consumer-rate", "backward-time", "regret", "regret-combine", "regret-gather",
           "regret-push", "regret-push-shapes", "regret-backward", "dgrad-row-scale", "dispatch-gemm-order",
-          "dispatch-gemm-order-fp8", "tensor", "tensor-time", "tensor-backward-time", "small", "small-mma")
+          "dispatch-gemm-order-fp8", "tensor", "tensor-time", "tensor-backward-time", "tensor-time-deepseek", "small",
+          "small-mma")
 DG_MODES = ("plain", "train", "infer")
 
 
@@ -702,19 +703,28 @@ def _tensor(base: Case) -> list[Case]:
 # backward=True: the backward's dx = da W1^T in the same two forms (tensor-backward-time): K = 2F (each rank's
 # gate and up shards, 14336 of 28672), W1 [E_l, D, 2F / TP] read transposed in place, N = D; the per-slot path
 # returns each shard's partial dx rows, GatherRS reduce-scatters them.
+# tensor-time-deepseek: the forward at a DeepSeek-like shape (64 experts, top-8, F = K = 2048 split over the tensor
+# ranks, N = D = 2048 as dispatch-gemm-shapes' DeepSeek-like D), 4096 and 8192 tokens in the group: top-8 over TP = 2
+# is 16 shard slots per token, where call_site.tensor_reduce's byte model picks GatherRS (4 G = 16 <= k TP itemsize =
+# 32), the side of its rule the Mixtral-like shape (16 > 8: per-slot) does not measure.
 TENSOR_TIME_TOKENS = (1024, 2048, 4096)
+TENSOR_TIME_SHAPES = {"mixtral": dict(experts=8, top_k=2, k_dim=14336, n_dim=4096),
+                      "deepseek": dict(experts=64, top_k=8, k_dim=2048, n_dim=2048)}
 
 
-def _tensor_time(base: Case, backward: bool = False) -> list[Case]:
+def _tensor_time(base: Case, backward: bool = False, shape: str = "mixtral") -> list[Case]:
   link = NVLINK_GBPS / 4
   v = []
   picked = base.tokens != Case().tokens
-  for tokens in (base.tokens,) if picked else TENSOR_TIME_TOKENS:
+  sizes = TENSOR_TIME_TOKENS if shape == "mixtral" else TENSOR_TIME_TOKENS[:2]
+  dims = dict(TENSOR_TIME_SHAPES[shape])
+  if backward:
+    dims["k_dim"] *= 2
+  for tokens in (base.tokens,) if picked else sizes:
     for gather in (False, True):
-      v.append(dataclasses.replace(base, ranks=4, tensor=2, experts=8, top_k=2, tokens=tokens, d_model=256,
-                                   k_dim=2 * 14336 if backward else 14336, n_dim=4096, transpose_rhs=backward,
-                                   consumers=0, model=calibrated_model(4, link), link_gbps=link, gather_rs=gather,
-                                   per_call_stats=True, **_TIMED))
+      v.append(dataclasses.replace(base, ranks=4, tensor=2, tokens=tokens, d_model=256, **dims,
+                                   transpose_rhs=backward, consumers=0, model=calibrated_model(4, link),
+                                   link_gbps=link, gather_rs=gather, per_call_stats=True, **_TIMED))
   return v
 
 
@@ -832,6 +842,8 @@ def suite(name: str, base: Case, producer_path=None) -> list[Case]:
     return _tensor_time(base)
   if name == "tensor-backward-time":
     return _tensor_time(base, backward=True)
+  if name == "tensor-time-deepseek":
+    return _tensor_time(base, shape="deepseek")
   if name == "full":  # as dispatch-gemm: sending once where the cases do not say
     return _full(dataclasses.replace(base, send_once=1))
   raise ValueError(f"unknown suite {name!r} (one of {', '.join(SUITES)})")

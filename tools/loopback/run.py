@@ -60,6 +60,8 @@
                                                     (--tokens 1024|2048|4096: one of its shapes, per rank)
   python -m tools.loopback.run --suite tensor-backward-time  the same for the backward's dx = da W1^T (K = 2F, W1
                                                              read transposed) and its reduction over the tensor group
+  python -m tools.loopback.run --suite tensor-time-deepseek  tensor-time's forward at a DeepSeek-like shape (64
+                                                             experts, top-8: where the byte model picks GatherRS)
   python -m tools.loopback.run --suite small        one-rank calls at small sizes (for compute-sanitizer)
   python -m tools.loopback.run --suite small-mma    the same without the wgmma-producer cases (for racecheck)
   python -m tools.loopback.run --ranks 4 --routing 1 --iters 100 ...   one case (the options: cases.Case)
