@@ -4,8 +4,11 @@ forward+backward, at Mixtral-like shapes (E = 8 experts of d_ff 14336, top-2, d_
 Rows (every one on the same global inputs, bfloat16):
 
 overlap      moe_experts(impl="overlap", tensor_axis="tensor"): the shard slots of tensor_parallel.py on the custom
-             calls (each choice dispatched to every member of its expert's tensor group, the per-slot partials
-             returned to the token owners by expert_combine, overlapped with GEMM2).
+             calls (each choice dispatched to every member of its expert's tensor group), the shards' partials summed
+             as the library chooses (call_site.tensor_reduce: at these shapes the per-slot return, expert_combine
+             overlapped with GEMM2).
+gather_rs    overlap with CallConfig(tensor_reduce="gather_rs"): GEMM2 + GatherRS (each rank's partials gathered
+             per token and reduce-scattered over the group, overlapped with GEMM2), forward and backward.
 serialized   overlap with CallConfig(serialize=True): no overlap anywhere, the same results.
 collective   impl="collective": all_gather over the tensor axis, XLA's exchange over the expert axis with this
              library's grouped GEMMs, psum_scatter over the tensor axis.
@@ -42,7 +45,7 @@ from benchmarks import references  # noqa: E402
 from benchmarks.common import AXIS, Table, rows_kept_on_sigterm, time_fn, topk_routing  # noqa: E402
 from jax_moe_overlap.plan import expert_capacity  # noqa: E402
 
-IMPLS = ("overlap", "serialized", "collective", "xla", "ep_only")
+IMPLS = ("overlap", "gather_rs", "serialized", "collective", "xla", "ep_only")
 # (name, global tokens, d_model, d_ff, experts, top-k): Mixtral-like at --tokens
 MIXTRAL = (4096, 14336, 8, 2)
 QUICK = [("quick T=256", 256, 128, 256, 8, 2)]
@@ -95,8 +98,8 @@ def operands(T, D, F, E, k, skew, seed, two_d, one_d):
 def layer(impl, mesh, passes):
   """(x, ids, gates, w1, w2, ct) -> y (fwd) or (y, grads) (fwdbwd), jitted."""
   tensor = None if impl == "ep_only" else "tensor"
-  config = jmo.CallConfig(serialize=impl == "serialized")
-  base = "overlap" if impl in ("serialized", "ep_only") else impl
+  config = jmo.CallConfig(serialize=impl == "serialized", tensor_reduce="gather_rs" if impl == "gather_rs" else "auto")
+  base = "overlap" if impl in ("serialized", "ep_only", "gather_rs") else impl
 
   def y_of(x, ids, gates, w1, w2):
     return jmo.moe_experts(x, ids, gates, w1, w2, mesh=mesh, impl=base, config=config, tensor_axis=tensor)[0]
