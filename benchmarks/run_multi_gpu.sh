@@ -19,6 +19,10 @@
 #               bytes in flight, GPU 0's SMs storing rows into GPU 1's memory (16-byte warp stores as dispatch_gemm's
 #               pushers, TMA bulk stores as the combine's consumer): the check of docs/design.md's "SMs the push
 #               needs at 370 GB/s" prediction
+#   tp_layer    benchmarks.bench_tp_layer on four GPUs as expert x tensor = 2 x 2 (TP_ARGS; skipped with fewer):
+#               the layer with expert tensor parallelism, forward and forward+backward, at the Mixtral-like shape
+#               and 4,096-16,384 tokens: overlap (the library's reduction), gather_rs (GEMM2 + GatherRS pinned),
+#               serialized, collective, xla, and ep_only (the same GPUs as a 1-D expert mesh)
 #   fp8_layer   benchmarks.bench_fp8_layer on all GPUs (--devices, FP8_ARGS): the layer under quantization="fp8"
 #               against bf16, forward and forward+backward, impl collective, overlap (the library's default: the
 #               returns fused by expert_combine on e4m3 operands), overlap+fused-all (the dispatches fused with
@@ -42,10 +46,11 @@
 # A call for the training runs alone: bash benchmarks/run_multi_gpu.sh --steps build,train
 # The per-CTA push rate over the link: bash benchmarks/run_multi_gpu.sh --steps build,push_rate,tests
 # Environment (defaults below): limits in seconds T_TOPO, T_BUILD, T_LINKS, T_EP_GROUP (at most, per group),
-# T_PUSH, T_EP_COMBINE, T_FP8, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
+# T_PUSH, T_EP_COMBINE, T_TP, T_FP8, T_RESOURCE, T_TESTS, T_TRAIN; each step gets the least of its limit and what the budget has left,
 # and the ep_layer groups share equally what is left after the limits of the steps after them. EP_GROUPS (names of
 # ep_group_shapes below), EP_SHAPES (one regex on "name skew" instead of the groups), EP_IMPLS, EP_ARGS (more
-# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), FP8_ARGS (bench_fp8_layer flags), RESOURCE_ARGS, TESTS_K,
+# bench_ep_layer flags), EPC_ARGS (bench_ep_combine flags), TP_ARGS (bench_tp_layer flags), FP8_ARGS (bench_fp8_layer
+# flags), RESOURCE_ARGS, TESTS_K,
 # TRAIN_ARGS, TRAIN_IMPLS, TRAIN_XLA_ARGS. *_ARGS are split on spaces (flags and numbers only). NCCL_NVLS_ENABLE=0
 # throughout: no NVLink multicast.
 # A CPU run of the steps' plumbing (no build; python3 with jax and a built jax_moe_overlap/ on PYTHONPATH):
@@ -72,7 +77,7 @@ while [ $# -gt 0 ]; do
     *) echo "run_multi_gpu.sh: unknown argument '$1' (--steps LIST, --budget S, --dry-run)" >&2; exit 2 ;;
   esac
 done
-ALL_STEPS="topo build links push_rate ep_layer ep_combine fp8_layer resource tests train"
+ALL_STEPS="topo build links push_rate ep_layer ep_combine tp_layer fp8_layer resource tests train"
 for s in ${STEPS//,/ }; do
   [[ " $ALL_STEPS " == *" $s "* ]] || { echo "run_multi_gpu.sh: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
 done
@@ -80,12 +85,13 @@ wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 T_TOPO=${T_TOPO:-20} T_BUILD=${T_BUILD:-200} T_LINKS=${T_LINKS:-60} T_EP_GROUP=${T_EP_GROUP:-300}
 T_PUSH=${T_PUSH:-60}
-T_EP_COMBINE=${T_EP_COMBINE:-90} T_FP8=${T_FP8:-240} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120}
+T_EP_COMBINE=${T_EP_COMBINE:-90} T_TP=${T_TP:-240} T_FP8=${T_FP8:-240} T_RESOURCE=${T_RESOURCE:-240} T_TESTS=${T_TESTS:-120}
 T_TRAIN=${T_TRAIN:-120}
 EP_GROUPS=${EP_GROUPS:-seed mixtral deepseek}
 EP_IMPLS=${EP_IMPLS:-ours,serialized,xla,ideal,ours_dg}
 EP_ARGS=${EP_ARGS:---max-call-s 5 --dispatch-pushers 16}
 EPC_ARGS=${EPC_ARGS:---max-call-s 1}
+TP_ARGS=${TP_ARGS:-}
 FP8_ARGS=${FP8_ARGS:---impls collective,overlap,overlap+fused-all,overlap-serialized --no-xla}
 RESOURCE_ARGS=${RESOURCE_ARGS:---quick --reps 3}
 TESTS_K=${TESTS_K-not racecheck and not synccheck}
@@ -133,7 +139,7 @@ reserve_after() {  # step: the summed limits of the wanted steps after it (what 
   for s in $ALL_STEPS; do
     if [ $after = 1 ] && wanted "$s"; then
       case "$s" in
-        ep_combine) lim=$T_EP_COMBINE ;; fp8_layer) lim=$T_FP8 ;; resource) lim=$T_RESOURCE ;;
+        ep_combine) lim=$T_EP_COMBINE ;; tp_layer) lim=$T_TP ;; fp8_layer) lim=$T_FP8 ;; resource) lim=$T_RESOURCE ;;
         tests) lim=$T_TESTS ;;
         train) lim=$(( ($(wc -w <<< "$TRAIN_IMPLS") + 1) * T_TRAIN )) ;; *) lim=0 ;;
       esac
@@ -280,6 +286,22 @@ if wanted ep_combine; then
   if [ $DRY_RUN = 0 ]; then
     grep -E "^mesh|EXCLUDED|consumer policy" "$OUT/ep_combine.log" | cut -c1-230 | tee -a "$summary"
     errors "$OUT/ep_combine.log"
+  fi
+fi
+
+if wanted tp_layer; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "$gpus" -ge 1 ] || gpus=4      # (the dry run and the CPU plumbing run: four devices)
+  if [ "$gpus" -lt 4 ]; then
+    say "== tp_layer: skipped, expert x tensor = 2 x 2 needs four GPUs ($gpus here)"
+    steps_done+=("tp_layer|-|0|0|fewer than four GPUs")
+  else
+    run_step tp_layer "$(limit_for "$T_TP")" "$OUT/tp_layer.log" \
+      "${bench[@]}" -m benchmarks.bench_tp_layer --ep 2 --tp 2 --devices 4 $TP_ARGS --out "$OUT/tp_layer.jsonl"
+    if [ $DRY_RUN = 0 ]; then
+      grep -E "^\||^mesh|not timed|FAIL" "$OUT/tp_layer.log" | cut -c1-230 | tee -a "$summary"
+      errors "$OUT/tp_layer.log"
+    fi
   fi
 fi
 

@@ -328,3 +328,13 @@ def test_multi_gpu_script_dry_run_pushes_into_the_peer(tmp_path):
   assert "tools/build_tools.sh\\ row_push_probe" in step[0], step  # (the dry run prints the command shell-quoted)
   assert "build/tools/row_push_probe\\ --peer\\ 1" in step[0], step
   assert "== push_rate" not in _multi_gpu_dry_run(tmp_path / "default").stdout
+
+
+def test_multi_gpu_script_dry_run_has_the_tensor_parallel_step(tmp_path):
+  """run_multi_gpu.sh --steps tp_layer --dry-run: bench_tp_layer as expert x tensor = 2 x 2 on four devices (the dry
+  run counts four), its rows into tp_layer.jsonl, nothing run."""
+  r = _multi_gpu_dry_run(tmp_path, "--steps", "tp_layer")
+  assert r.returncode == 0, r.stdout + r.stderr
+  [run] = [line for line in r.stdout.splitlines() if line.startswith("== tp_layer")]
+  assert "(limit 240 s)" in run and "benchmarks.bench_tp_layer --ep 2 --tp 2 --devices 4" in run, run
+  assert "--out" in run and "tp_layer.jsonl" in run, run
