@@ -289,9 +289,14 @@ if wanted ep_combine; then
   fi
 fi
 
+gpu_count() {  # n: the GPUs nvidia-smi lists, or n where it lists none (the dry run and the CPU plumbing run)
+  local g
+  g=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if [ "$g" -ge 1 ]; then echo "$g"; else echo "$1"; fi
+}
+
 if wanted tp_layer; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-  [ "$gpus" -ge 1 ] || gpus=4      # (the dry run and the CPU plumbing run: four devices)
+  gpus=$(gpu_count 4)
   if [ "$gpus" -lt 4 ]; then
     say "== tp_layer: skipped, expert x tensor = 2 x 2 needs four GPUs ($gpus here)"
     steps_done+=("tp_layer|-|0|0|fewer than four GPUs")
@@ -306,8 +311,7 @@ if wanted tp_layer; then
 fi
 
 if wanted fp8_layer; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-  [ "$gpus" -ge 1 ] || gpus=2      # (the dry run and the CPU plumbing run: two devices)
+  gpus=$(gpu_count 2)
   run_step fp8_layer "$(limit_for "$T_FP8")" "$OUT/fp8_layer.log" \
     "${bench[@]}" -m benchmarks.bench_fp8_layer --devices "$gpus" $FP8_ARGS --out "$OUT/fp8_layer.jsonl"
   if [ $DRY_RUN = 0 ]; then

@@ -60,20 +60,16 @@ __device__ inline void CopyBand(char* dst, const char* src, int64_t bytes, int64
   for (int64_t j = n * 16 + tid; j < bytes; j += nthreads) dst[j] = src[j];
 }
 
-// One row by one warp (every lane calls it with its lane index), for the dispatch's row pushes: with 16-byte
-// alignment each lane first issues up to kUnroll independent 16-byte loads of the row, then the stores, so a warp keeps
-// 32 x 8 x 16 B = 4 KiB in flight (a 2048-wide bf16 row at once). One load at a time per lane (CopyBytes) would leave
-// the dispatch bound by load latency.
-__device__ inline void CopyRowWarp(char* dst, const char* src, int64_t bytes, int lane) {
+// The n 16-byte vectors of one row by one warp (every lane calls it): each lane first issues up to kUnroll independent
+// 16-byte loads, then the stores, so a warp keeps 32 x 8 x 16 B = 4 KiB in flight (a 2048-wide bf16 row at once); each
+// vector passes through f on its way (a copy: CopyVector). One load at a time per lane (CopyBytes) would leave the
+// dispatch bound by load latency. The row is 16-byte aligned (the callers check).
+struct CopyVector {
+  __device__ uint4 operator()(uint4 v) const { return v; }
+};
+template <typename F>
+__device__ inline void MoveVectorsWarp(uint4* d, const uint4* s, F f, int64_t n, int lane) {
   constexpr int kUnroll = 8;
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-  if ((align & 15) != 0) {
-    CopyBytes(dst, src, bytes, lane, 32);
-    return;
-  }
-  const int64_t n = bytes / 16;
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
   for (int64_t base = lane; base < n; base += 32 * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
@@ -81,17 +77,26 @@ __device__ inline void CopyRowWarp(char* dst, const char* src, int64_t bytes, in
       if (base + 32 * u < n) v[u] = __ldcg(s + base + 32 * u);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (base + 32 * u < n) d[base + 32 * u] = v[u];
+      if (base + 32 * u < n) d[base + 32 * u] = f(v[u]);
   }
+}
+
+// One row by one warp (every lane calls it with its lane index), for the dispatch's row pushes: MoveVectorsWarp's copy
+// with 16-byte alignment, CopyBytes without it.
+__device__ inline void CopyRowWarp(char* dst, const char* src, int64_t bytes, int lane) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  if ((align & 15) != 0) {
+    CopyBytes(dst, src, bytes, lane, 32);
+    return;
+  }
+  const int64_t n = bytes / 16;
+  MoveVectorsWarp(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), CopyVector{}, n, lane);
   for (int64_t j = n * 16 + lane; j < bytes; j += 32) dst[j] = src[j];
 }
 
 // The 16-byte vectors of two rows of n vectors each by one warp (every lane calls it), both rows' loads issued before
 // any store, so a warp keeps 8 KiB in flight for 4 KiB rows; each vector passes through f0 (row 0) or f1 (row 1) on
 // its way (a copy: CopyVector). The rows are 16-byte aligned (the callers check).
-struct CopyVector {
-  __device__ uint4 operator()(uint4 v) const { return v; }
-};
 template <typename F0, typename F1>
 __device__ inline void MoveVectorPairWarp(uint4* d0, const uint4* s0, F0 f0, uint4* d1, const uint4* s1, F1 f1,
                                           int64_t n, int lane) {
@@ -143,27 +148,16 @@ struct ScaleVector {
 };
 
 // One row of `cols` elements of T by one warp, each element times s (ScaleVector's rule): dst = src * s. With
-// 16-byte alignment each lane first issues up to kUnroll 16-byte loads, then converts and stores, as CopyRowWarp;
-// without it element by element.
+// 16-byte alignment MoveVectorsWarp's scaled vectors, the elements past the last whole vector (and without it every
+// element) one by one.
 template <typename T>
 __device__ inline void ScaleRowWarp(char* dst, const char* src, int64_t cols, float s, int lane) {
-  constexpr int kUnroll = 8, V = 16 / sizeof(T);
+  constexpr int V = 16 / sizeof(T);
   const T* sp = reinterpret_cast<const T*>(src);
   T* dp = reinterpret_cast<T*>(dst);
   const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
   const int64_t n = (align & 15) == 0 ? cols / V : 0;
-  const uint4* s4 = reinterpret_cast<const uint4*>(src);
-  uint4* d4 = reinterpret_cast<uint4*>(dst);
-  const ScaleVector<T> scale{s};
-  for (int64_t base = lane; base < n; base += 32 * kUnroll) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (base + 32 * u < n) v[u] = __ldcg(s4 + base + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (base + 32 * u < n) d4[base + 32 * u] = scale(v[u]);
-  }
+  MoveVectorsWarp(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), ScaleVector<T>{s}, n, lane);
   for (int64_t j = n * V + lane; j < cols; j += 32) dp[j] = FromFloat<T>(ToFloat(__ldcg(sp + j)) * s);
 }
 
