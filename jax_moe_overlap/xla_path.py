@@ -299,6 +299,11 @@ def combine_slots(slot_out, gates, is_kept):
   j = 0..k-1. Its backward is written out (``_combine_slots_bwd``): the slots' gradient is one broadcast product
   [T k, D], where the transpose of the per-choice slices would build k zero-padded [T, k, D] float32 arrays and sum
   them (the FP8 layer's peak temporaries at the training preset's layer: docs/performance.md)."""
+  return _slots_sum(slot_out, gates, is_kept)
+
+
+def _slots_sum(slot_out, gates, is_kept):
+  """combine_slots' forward."""
   T, k = gates.shape
   slot_out = slot_out.astype(jnp.float32).reshape(T, k, -1)
   w = _kept_gates(gates, is_kept)
@@ -314,7 +319,7 @@ def _kept_gates(gates, is_kept):
 
 
 def _combine_slots_fwd(slot_out, gates, is_kept):
-  return combine_slots(slot_out, gates, is_kept), (slot_out, gates, is_kept)
+  return _slots_sum(slot_out, gates, is_kept), (slot_out, gates, is_kept)
 
 
 def _combine_slots_bwd(res, dy):
