@@ -22,10 +22,12 @@ values and their float32 scales) and chooses how the GEMMs run:
                one pass over a and dh. x and dy, which the backward holds row-quantized, go to the column quantizer
                as e4m3 values and scales (no float32 copy; on GPUs while ``ROW_QUANTIZED_COLUMNS_ON_GPU``, the
                default, and where D is a multiple of 256, the call's item).
-               The dgrads read the transposed copies of the quantized weights (``fp8.transpose_weight``: exact), for
-               the same reason: one pass over each weight's e4m3 values and scales per backward. The master weights
-               are quantized per call by ``grouped_gemm.quantize_weight_fp8`` (one pass over each weight; on GPUs
-               only with ``WEIGHT_QUANTIZER_ON_GPU``); with ``BACKWARD_REQUANTIZES_WEIGHTS`` the dgrads' weights are
+               The dgrads read the transposed copies of the quantized weights, for the same reason: the master
+               weights are quantized per call in both layouts at once by ``grouped_gemm.quantize_weight_fp8_pair``
+               (one read of each weight, the forward's copy and the dgrads'; on GPUs only with
+               ``WEIGHT_QUANTIZER_ON_GPU``), while ``FORWARD_QUANTIZES_DGRAD_WEIGHTS``; else the forward's copies
+               by ``grouped_gemm.quantize_weight_fp8`` and the backward's transposes of them
+               (``fp8.transpose_weight``: exact); with ``BACKWARD_REQUANTIZES_WEIGHTS`` the dgrads' weights are
                made from the master weights by its untransposed form, so that the forward keeps no quantized copy.
 
 Under quantization="fp8_bf16_wgrad" each backend's ``bf16_wgrad`` form computes the two wgrads on bfloat16 operands
@@ -39,8 +41,9 @@ With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
             h      1 x 128 (GEMM2's input), with a's 1 x 128 copy below, in one pass (``Gemms.swiglu_forward``)
             out    GEMM2, rounded to x's dtype (the combine stays in that dtype)
   kept      x as quantized (e4m3 + scales), a quantized 1 x 128 (the recipe caches the SwiGLU input in FP8 and
-            recomputes h), the quantized weights (the master weights themselves where ``Gemms.requantizes_weights``:
-            the backward quantizes them again): per row D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
+            recomputes h), the quantized weights (the dgrads' copies where the forward made both layouts; the master
+            weights themselves where ``Gemms.requantizes_weights``: the backward quantizes them again): per row
+            D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
   backward  dy     1 x 128, power-of-two scales (the gradient dispatched before GEMM2's backward, section 3.3.3)
             dh = dy W2^T (dgrad, W2's blocks transposed: exact, or quantized again in W2's own layout: the same bits)
             dW2 = h^T dy, both operands re-quantized 128 x 1 per expert (h recomputed from the kept a)
@@ -75,7 +78,7 @@ from jax_moe_overlap import expert_gemms
 from jax_moe_overlap.expert_gemms import ragged_matmul_f32, ragged_outer_f32, swiglu
 from jax_moe_overlap.grouped_gemm import ROWS_E4M3_CHANNELS, grouped_matmul_fp8, grouped_outer_fp8_packed
 from jax_moe_overlap.grouped_gemm import grouped_matmul_swiglu_fp8
-from jax_moe_overlap.grouped_gemm import quantize_columns_fp8, quantize_weight_fp8
+from jax_moe_overlap.grouped_gemm import quantize_columns_fp8, quantize_weight_fp8, quantize_weight_fp8_pair
 from jax_moe_overlap.grouped_gemm import swiglu_backward_fp8, swiglu_forward_fp8
 
 
@@ -120,6 +123,10 @@ class Gemms:
     forward's weights), else ``fp8.transpose_weight(fp8.quantize_weight(w))`` (the dgrads'). ``xla_quantize_weight``
     (``DENSE``, ``RAGGED``): those compositions; ``KERNELS`` runs ``grouped_gemm.quantize_weight_fp8`` (CPUs; GPUs
     once ``WEIGHT_QUANTIZER_ON_GPU``), one pass over w.
+  quantize_weight_pair(w [E, K, N] float) -> (quantize_weight(w), quantize_weight(w, transposed=False)) from one
+    read of w, or None (``DENSE``, ``RAGGED``: no such form; the backward transposes the forward's copy).
+    ``KERNELS`` runs ``grouped_gemm.quantize_weight_fp8_pair`` (CPUs; GPUs once ``WEIGHT_QUANTIZER_ON_GPU``); the
+    forward takes it while ``FORWARD_QUANTIZES_DGRAD_WEIGHTS``.
   requantizes_weights() -> bool, read when traced: whether the backward makes the dgrads' weights from the master
     weights by ``quantize_weight(w, transposed=False)`` (the forward then keeps the master weights, which the caller
     holds anyway, instead of their quantized copies), rather than transposing the quantized copies the forward kept.
@@ -140,6 +147,7 @@ class Gemms:
   quantize_weight: Callable = xla_quantize_weight
   requantizes_weights: Callable[[], bool] = _never
   rows_swiglu: Callable | None = None
+  quantize_weight_pair: Callable | None = None
 
   def gemm1_swiglu(self, lhs_q, lhs_s, w, group_sizes, keep_a=True):
     """``rows_swiglu``, or its composition where None: (h_rows, a_rows), a_rows None without keep_a (nothing
@@ -273,6 +281,22 @@ def _kernel_requantizes_weights():
   return BACKWARD_REQUANTIZES_WEIGHTS
 
 
+# Whether the forward quantizes each master weight in both layouts from one read (Gemms.quantize_weight_pair: the
+# forward's Fp8Weight of W and the dgrads' of W^T) and keeps the dgrads' copy, instead of keeping the forward's and
+# transposing it in the backward (fp8.transpose_weight: each e4m3 byte read back and written again): the same bits
+# and the same kept bytes (one e4m3 copy of each weight), the second layout's bytes written once
+# (docs/performance.md, "FP8 layer at EP = 1").
+FORWARD_QUANTIZES_DGRAD_WEIGHTS = True
+
+
+def _kernel_quantize_weight_pair(w):
+  def xla_pair():
+    wq = xla_quantize_weight(w)
+    return wq, fp8.transpose_weight(wq)
+
+  return _switched_call(lambda: quantize_weight_fp8_pair(w), xla_pair, WEIGHT_QUANTIZER_ON_GPU)
+
+
 # Whether GPUs run GEMM1 with the SwiGLU forward in its epilogue (grouped_matmul_swiglu_fp8's kernel,
 # gemm/sm90/wgmma_swiglu_fp8.cuh: no float32 a in memory) instead of the two calls: the same bits
 # (tests/gpu/test_gpu_grouped_matmul_swiglu_fp8.py), 5% faster (benchmarks/bench_gemm1_swiglu_fp8.py); CPUs take the
@@ -295,7 +319,7 @@ DENSE = _on_dequantized("dense", _dense_rows, _dense_outer)
 RAGGED = _on_dequantized("ragged_dot", ragged_matmul_f32, ragged_outer_f32)
 KERNELS = Gemms("kernels", _kernel_rows, _kernel_columns, _kernel_outer, _kernel_swiglu_forward,
                 _kernel_swiglu_backward, _kernel_row_columns, _kernel_quantize_weight, _kernel_requantizes_weights,
-                _kernel_rows_swiglu)
+                _kernel_rows_swiglu, _kernel_quantize_weight_pair)
 
 
 def _bf16_columns(v, tiles):
@@ -353,45 +377,67 @@ def _weight_cotangent_template(w):
   return None if isinstance(w, fp8.Fp8Weight) else jnp.zeros((0,), w.dtype)
 
 
-def _forward_weight(w, gemms):
-  """A weight as the forward reads it: an ``Fp8Weight`` as given, a float array quantized by the backend."""
-  return w if isinstance(w, fp8.Fp8Weight) else gemms.quantize_weight(w)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DgradWeight:
+  """What the forward keeps of a weight when it made the dgrads' copy itself (``FORWARD_QUANTIZES_DGRAD_WEIGHTS``):
+  ``weight``, the ``Fp8Weight`` of W^T, which the dgrads read as it is."""
+
+  weight: fp8.Fp8Weight
 
 
-def _kept_weight(w, wq, gemms):
-  """What the backward keeps of a weight for the dgrads: the master weight where the backend re-quantizes it there
-  (an array the caller holds anyway: no memory of the forward's), else the forward's ``Fp8Weight`` wq."""
-  return w if not isinstance(w, fp8.Fp8Weight) and gemms.requantizes_weights() else wq
+def _weight_of(w, gemms, keep=True):
+  """A weight as the forward reads it and what the backward keeps of it for the dgrads: an ``Fp8Weight`` as given
+  (kept too: the backward transposes it); a master weight quantized by the backend, then kept: the master weight
+  itself where the backend re-quantizes it in the backward (an array the caller holds anyway: no memory of the
+  forward's); the dgrads' copy (a ``DgradWeight``) where the forward made both layouts from one read (keep, a pair
+  form and ``FORWARD_QUANTIZES_DGRAD_WEIGHTS``); else the forward's ``Fp8Weight``. Without keep (nothing
+  differentiates the forward) the forward's form alone, and None kept."""
+  if isinstance(w, fp8.Fp8Weight):
+    return w, w
+  if not keep:
+    return gemms.quantize_weight(w), None
+  if gemms.requantizes_weights():
+    return gemms.quantize_weight(w), w
+  if gemms.quantize_weight_pair is not None and FORWARD_QUANTIZES_DGRAD_WEIGHTS:
+    wq, wt = gemms.quantize_weight_pair(w)
+    return wq, DgradWeight(wt)
+  wq = gemms.quantize_weight(w)
+  return wq, wq
 
 
 def _dgrad_weight(kept, gemms):
-  """The dgrads' weight (the ``Fp8Weight`` of W^T) from what the forward kept: a kept ``Fp8Weight`` transposed
-  (exact), a master weight quantized in its own layout (the same bits)."""
+  """The dgrads' weight (the ``Fp8Weight`` of W^T) from what the forward kept: the dgrads' copy as it is, a kept
+  ``Fp8Weight`` transposed (exact), a master weight quantized in its own layout (the same bits all three)."""
+  if isinstance(kept, DgradWeight):
+    return kept.weight
   if isinstance(kept, fp8.Fp8Weight):
     return fp8.transpose_weight(kept)
   return gemms.quantize_weight(kept, transposed=False)
 
 
-def recipe_weights(w1, w2, gemms):
-  """The weights as the forward reads them (``Fp8Weight`` of W1 and W2: as given, or quantized by the backend)."""
-  return _forward_weight(w1, gemms), _forward_weight(w2, gemms)
+def recipe_weights(w1, w2, gemms, keep=True):
+  """The weights as the forward reads them (``Fp8Weight`` of W1 and W2: as given, or quantized by the backend) and
+  what the backward keeps of them for the dgrads (``_weight_of``): ((w1q, w2q), (w1 kept, w2 kept))."""
+  (w1q, k1), (w2q, k2) = _weight_of(w1, gemms, keep), _weight_of(w2, gemms, keep)
+  return (w1q, w2q), (k1, k2)
 
 
-def recipe_kept(x_rows, a_rows, w1, w1q, w2, w2q, group_sizes, gemms):
+def recipe_kept(x_rows, a_rows, w1, w2, kept_weights, group_sizes):
   """What the backward keeps of a forward: x_rows (x quantized: (values, scales), or its packed rows [M, D + D/32]
-  as a fused dispatch left them, ``fp8.pack_rows``' format), a_rows (a quantized), the weights (``_kept_weight``),
-  group_sizes, and the weights' cotangent templates."""
-  return (x_rows, a_rows, _kept_weight(w1, w1q, gemms), _kept_weight(w2, w2q, gemms), group_sizes,
-          _weight_cotangent_template(w1), _weight_cotangent_template(w2))
+  as a fused dispatch left them, ``fp8.pack_rows``' format), a_rows (a quantized), the weights as
+  ``recipe_weights`` kept them, group_sizes, and the weights' cotangent templates (of w1 and w2, the forward's
+  arguments)."""
+  return (x_rows, a_rows, *kept_weights, group_sizes, _weight_cotangent_template(w1), _weight_cotangent_template(w2))
 
 
 def recipe_gemm1(xq, xs, w1, w2, group_sizes, gemms, keep=True):
   """The forward up to GEMM2's operands, from x quantized (1 x 128, power-of-two scales): (h quantized (1 x 128: its
   values and scales), w2 as GEMM2 reads it (an ``Fp8Weight``), what the backward keeps; without keep (nothing
-  differentiates the forward) a is left out of it)."""
-  w1q, w2q = recipe_weights(w1, w2, gemms)
+  differentiates the forward) a and the dgrads' weights are left out of it)."""
+  (w1q, w2q), kept_weights = recipe_weights(w1, w2, gemms, keep)
   h_rows, a_rows = gemms.gemm1_swiglu(xq, xs, w1q, group_sizes, keep)
-  return h_rows, w2q, recipe_kept((xq, xs), a_rows, w1, w1q, w2, w2q, group_sizes, gemms)
+  return h_rows, w2q, recipe_kept((xq, xs), a_rows, w1, w2, kept_weights, group_sizes)
 
 
 def recipe_forward(xq, xs, w1, w2, group_sizes, gemms, out_dtype, keep=True):

@@ -97,11 +97,11 @@ class WorkspaceRoute:
     ``dispatch_gemm_fp8`` call (the rows dispatched as ``dispatch_tokens`` sends them, GEMM1 and the recipe's SwiGLU
     on them where they land); kept holds the packed recv rows (unpacked by the backward) and a quantized, or None
     for both without keep."""
-    w1q, w2q = recipe_weights(w1, w2, gemms)
+    (w1q, w2q), kept_weights = recipe_weights(w1, w2, gemms, keep)
     x_recv, h_rows, a_rows = dispatch_gemm_fp8(packed, self._token_of_slot(), w1q, self.plan, self.cap, self.info,
                                                swiglu=True, keep_recv=keep, keep_a=keep,
                                                send_once=self.info.send_once)
-    return h_rows, w2q, recipe_kept(x_recv, a_rows, w1, w1q, w2, w2q, self.expert_rows, gemms)
+    return h_rows, w2q, recipe_kept(x_recv, a_rows, w1, w2, kept_weights, self.expert_rows)
 
   def dispatch_dgrad(self, packed, w2t: fp8.Fp8Weight):
     """Packed quantized send-buffer rows [P, D + D/32] (``dispatch``'s) -> (their recv rows [cap, D + D/32], packed,

@@ -364,7 +364,21 @@ def quantize_weight_fp8(w: jax.Array, *, transposed: bool = True) -> fp8.Fp8Weig
   Returns:
     fp8.Fp8Weight.
   """
-  name = "jax_moe_overlap: quantize_weight_fp8"
+  return _quantize_weight_call("quantize_weight_fp8", w, transposed, both=False)[0]
+
+
+def quantize_weight_fp8_pair(w: jax.Array) -> tuple[fp8.Fp8Weight, fp8.Fp8Weight]:
+  """Both forms of ``quantize_weight_fp8`` from one read of w [E, K, N] (float32 or bfloat16, K and N positive
+  multiples of 128), in one custom call: (the ``Fp8Weight`` of W, as ``quantize_weight_fp8(w)``: the forward's
+  weight; the ``Fp8Weight`` of W^T, as ``quantize_weight_fp8(w, transposed=False)``: the dgrads'), each the other's
+  transpose bit for bit. Where a layer needs both, this writes the second form for the price of its bytes instead
+  of a transpose that reads the first one back (docs/design.md, "FP8")."""
+  return _quantize_weight_call("quantize_weight_fp8_pair", w, True, both=True)
+
+
+def _quantize_weight_call(op: str, w: jax.Array, transposed: bool, both: bool) -> tuple[fp8.Fp8Weight, ...]:
+  """jmo_quantize_weight_fp8 on w: (the form ``transposed`` names,) and with both (the other form,)."""
+  name = f"jax_moe_overlap: {op}"
   if getattr(w, "ndim", None) != 3 or w.dtype not in (jnp.float32, jnp.bfloat16):
     raise TypeError(f"{name}: w must be a float32 or bfloat16 [E, K, N] array, got "
                     f"{getattr(w, 'dtype', type(w))}{list(getattr(w, 'shape', ()))}")
@@ -373,12 +387,18 @@ def quantize_weight_fp8(w: jax.Array, *, transposed: bool = True) -> fp8.Fp8Weig
   fp8._check_tiles("both axes of a weight matrix", N)
   if K == 0 or N == 0:
     raise ValueError(f"{name}: K and N must be positive multiples of {fp8.TILE}, got K={K}, N={N}")
+
+  def form(rows, cols):
+    return (jax.ShapeDtypeStruct((E, rows, cols), fp8.E4M3),
+            jax.ShapeDtypeStruct((E, rows // fp8.TILE, cols // fp8.TILE), jnp.float32))
+
   rows, cols = (N, K) if transposed else (K, N)
+  # The second pair of results is the other form with both, else empty.
+  other = form(cols, rows) if both else (jax.ShapeDtypeStruct((0,), fp8.E4M3), jax.ShapeDtypeStruct((0,), jnp.float32))
   _ffi.register()
-  out = (jax.ShapeDtypeStruct((E, rows, cols), fp8.E4M3),
-         jax.ShapeDtypeStruct((E, rows // fp8.TILE, cols // fp8.TILE), jnp.float32))
-  q, s = jax.ffi.ffi_call(QUANTIZE_WEIGHT_FP8, out, vmap_method="sequential")(w, transposed=bool(transposed))
-  return fp8.Fp8Weight(q, s)
+  q, s, q2, s2 = jax.ffi.ffi_call(QUANTIZE_WEIGHT_FP8, form(rows, cols) + other, vmap_method="sequential")(
+      w, transposed=bool(transposed), both=bool(both))
+  return (fp8.Fp8Weight(q, s), fp8.Fp8Weight(q2, s2)) if both else (fp8.Fp8Weight(q, s),)
 
 
 def _swiglu_width(name: str, operand: str, C: int) -> int:

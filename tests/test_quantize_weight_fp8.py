@@ -7,8 +7,9 @@ and the quotient round to different e4m3 bytes (x / s within a float32 ulp of a 
 few bytes in 10^5 of random data), XLA's byte must be the product's and the call's the quotient's, and nowhere else
 may they differ. On e4m3's rounding ties, saturation, zero and negative-zero blocks, subnormals, NaN and infinities,
 whose blocks take scales that are powers of two (x / s and x * (1 / s) then agree), bit for bit. float32 and bfloat16
-weights, several E, K != N; the refusals; the recipe (moe_experts, quantization="fp8", impl="collective") with the call
-bit for bit the recipe with XLA's quantizer, switch on or off, and what its forward keeps.
+weights, several E, K != N; both layouts from one call (quantize_weight_fp8_pair) bit for bit the two calls; the
+refusals; the recipe (moe_experts, quantization="fp8", impl="collective") with the call bit for bit the recipe with
+XLA's quantizer, switches on or off, and what its forward keeps.
 tests/gpu/test_gpu_quantize_weight_fp8.py holds the CUDA kernel to the same bits."""
 
 import jax
@@ -19,7 +20,7 @@ import pytest
 
 import fp8_numpy
 from jax_moe_overlap import fp8, fp8_experts
-from jax_moe_overlap.grouped_gemm import QUANTIZE_WEIGHT_FP8, quantize_weight_fp8
+from jax_moe_overlap.grouped_gemm import QUANTIZE_WEIGHT_FP8, quantize_weight_fp8, quantize_weight_fp8_pair
 from test_fp8_layer import grads_fn, mesh_of
 from test_quantize_columns_fp8 import _e4m3_cases
 from cases import layer_inputs
@@ -193,14 +194,28 @@ def test_rounding_ties_saturation_zeros_subnormals_and_non_finite(transposed):
   assert np.all((qb[10][finite] & 0x7F) == 0) and np.all((qb[10][~finite] & 0x7F) == 0x7F)   # x / inf: 0; inf: NaN
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pair_is_both_layouts_bit_for_bit(dtype):
+  """quantize_weight_fp8_pair: the forward's form and the dgrads' from one call, each bit for bit its own call's, on
+  random weights of many scales and on the edge blocks (ties, saturation, zeros, subnormals, NaN, infinities)."""
+  for w in (weights((3, 256, 384), dtype, seed=5), jnp.asarray(edge_weights(), dtype)):
+    wq, wt = jax.jit(quantize_weight_fp8_pair)(w)
+    for got, want in ((wq, call(w, True)), (wt, call(w, False))):
+      assert got.values.shape == want.values.shape and got.scales.shape == want.scales.shape
+      np.testing.assert_array_equal(bits(got.values), bits(want.values))
+      np.testing.assert_array_equal(bits(got.scales), bits(want.scales))
+    assert np.count_nonzero(bits(wt.values)) > 0.5 * wt.values.size   # not vacuous
+
+
 @pytest.mark.parametrize("shape,dtype,what", [
     ((2, 100, 128), jnp.float32, r"must be a multiple of 128, got 100"),
     ((2, 128, 200), jnp.bfloat16, r"must be a multiple of 128, got 200"),
     ((2, 0, 128), jnp.float32, r"K and N must be positive multiples of 128, got K=0"),
 ])
 def test_bad_shapes_refused(shape, dtype, what):
-  with pytest.raises(ValueError, match=what):
-    quantize_weight_fp8(jnp.ones(shape, dtype))
+  for quantize in (quantize_weight_fp8, quantize_weight_fp8_pair):
+    with pytest.raises(ValueError, match=what):
+      quantize(jnp.ones(shape, dtype))
 
 
 @pytest.mark.parametrize("w", [jnp.ones((128, 128)), jnp.ones((1, 128, 128), jnp.float16),
@@ -214,24 +229,40 @@ def test_handler_refuses_bad_shapes():
   """The shape check both handlers share (ffi/common/grouped_gemm_signature.h), reached past the wrapper."""
   from jax_moe_overlap import _ffi
   _ffi.register()
-  out = (jax.ShapeDtypeStruct((1, 128, 96), fp8.E4M3), jax.ShapeDtypeStruct((1, 1, 0), jnp.float32))
+  none = (jax.ShapeDtypeStruct((0,), fp8.E4M3), jax.ShapeDtypeStruct((0,), jnp.float32))
+
+  def run(out, w, both=False):
+    jax.block_until_ready(jax.ffi.ffi_call(QUANTIZE_WEIGHT_FP8, out)(w, transposed=True, both=both))
+
+  out = (jax.ShapeDtypeStruct((1, 128, 96), fp8.E4M3), jax.ShapeDtypeStruct((1, 1, 0), jnp.float32)) + none
   with pytest.raises(Exception, match=r"quantize_weight_fp8: K and N \(w's last two axes\) must be positive multiples "
                                       r"of 128 \(whole 128 x 128 blocks\), got K=96, N=128"):
-    jax.ffi.ffi_call(QUANTIZE_WEIGHT_FP8, out)(jnp.ones((1, 96, 128)), transposed=True).values  # noqa: B018
-  out = (jax.ShapeDtypeStruct((1, 128, 256), fp8.E4M3), jax.ShapeDtypeStruct((1, 1, 2), jnp.float32))
+    run(out, jnp.ones((1, 96, 128)))
+  first = (jax.ShapeDtypeStruct((1, 256, 128), fp8.E4M3), jax.ShapeDtypeStruct((1, 2, 1), jnp.float32))
   with pytest.raises(Exception, match=r"inconsistent results: expected q \[E, N, K\]"):
-    jax.block_until_ready(jax.ffi.ffi_call(QUANTIZE_WEIGHT_FP8, out)(jnp.ones((1, 128, 256)), transposed=True))
+    run((jax.ShapeDtypeStruct((1, 128, 256), fp8.E4M3), jax.ShapeDtypeStruct((1, 1, 2), jnp.float32)) + none,
+        jnp.ones((1, 128, 256)))
+  # The second pair: the other layout with both, empty without.
+  with pytest.raises(Exception, match=r"expected q2 \[E, K, N\], s \[E, K/128, N/128\] for w \[1, 128, 256\]"):
+    run(first + first, jnp.ones((1, 128, 256)), both=True)
+  with pytest.raises(Exception, match=r"expected q2 \[0\], s2 \[0\] for w \[1, 128, 256\] without both"):
+    run(first + (jax.ShapeDtypeStruct((1, 128, 256), fp8.E4M3), jax.ShapeDtypeStruct((1, 1, 2), jnp.float32)),
+        jnp.ones((1, 128, 256)))
 
 
-def _layer(switch_on, xla_quantizer=False):
+def _layer(switch_on, xla_quantizer=False, pair=True):
   """y and the gradients of moe_experts(quantization="fp8", impl="collective") on a 4-device CPU mesh, with
-  BACKWARD_REQUANTIZES_WEIGHTS as given (whether the backward re-quantizes the master weights) and the weights
-  quantized by the call or, with xla_quantizer, by XLA's fp8.quantize_weight; the program's text; the weights."""
+  BACKWARD_REQUANTIZES_WEIGHTS as given (whether the backward re-quantizes the master weights), with
+  FORWARD_QUANTIZES_DGRAD_WEIGHTS as `pair`, and the weights quantized by the call or, with xla_quantizer, by XLA's
+  fp8.quantize_weight; the program's text; the weights."""
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", switch_on)
+    mp.setattr(fp8_experts, "FORWARD_QUANTIZES_DGRAD_WEIGHTS", pair)
     if xla_quantizer:
       mp.setattr(fp8_experts, "quantize_weight_fp8",
                  lambda w, transposed=True: fp8_experts.xla_quantize_weight(w, transposed))
+      mp.setattr(fp8_experts, "quantize_weight_fp8_pair",
+                 lambda w: (fp8_experts.xla_quantize_weight(w), fp8_experts.xla_quantize_weight(w, False)))
     jax.clear_caches()  # no program traced under other settings (same functions, same shapes) may be reused
     mesh = mesh_of(4)
     x, ids, gates, w1, w2 = layer_inputs(64, 128, 256, 8, 2, "skewed", 11, dtype=jnp.bfloat16)
@@ -255,12 +286,17 @@ def layer_with_xla_quantizer():
   return want
 
 
-@pytest.mark.parametrize("switch_on,calls", [(False, 2), (True, 4)], ids=["switch_off", "switch_on"])
-def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(layer_with_xla_quantizer, switch_on, calls):
-  """The recipe on CPU takes the call for the forward's weights (2 calls), and with the switch on for the dgrads'
-  too, from the master weights (4): y and every gradient bit for bit what it gives with XLA's quantizer."""
-  got, text, _ = _layer(switch_on)
+@pytest.mark.parametrize("switch_on,pair,calls,both", [(False, True, 2, 2), (False, False, 2, 0), (True, True, 4, 0)],
+                         ids=["pair", "transposes", "requantizes"])
+def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(layer_with_xla_quantizer, switch_on, pair, calls,
+                                                                 both):
+  """The recipe on CPU takes the call for the forward's weights and the dgrads' from one read of each (2 calls of the
+  pair form), or for the forward's alone, the backward transposing them (2 calls), or with BACKWARD_REQUANTIZES_WEIGHTS
+  for the dgrads' too, from the master weights (4): y and every gradient bit for bit what it gives with XLA's
+  quantizer."""
+  got, text, _ = _layer(switch_on, pair=pair)
   assert text.count(QUANTIZE_WEIGHT_FP8) == calls
+  assert text.count("both = true") == both
   for name, a, b in zip(("y", "dx", "dgates", "dw1", "dw2"), got, layer_with_xla_quantizer):
     np.testing.assert_array_equal(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32),
                                   b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32), err_msg=name)
@@ -269,7 +305,9 @@ def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(layer_with_xla_
 def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
   """With BACKWARD_REQUANTIZES_WEIGHTS the forward keeps the master weights themselves (the arrays the caller passed: no
   memory of its own) instead of their quantized copies, 3 E D F bytes of e4m3 values and a float32 scale per
-  128 x 128 block fewer; a pre-quantized weight is kept as given. Off, the quantized copies as before."""
+  128 x 128 block fewer; a pre-quantized weight is kept as given. Off, the quantized copies: the dgrads' (made by
+  the forward from the same read as its own, FORWARD_QUANTIZES_DGRAD_WEIGHTS) or, with that off, the forward's; the
+  same bytes either way."""
   M, D, F, G = 256, 128, 256, 4
   x, _, _, w1, w2 = layer_inputs(M, D, F, G, 2, "balanced", 1)
   gs = jnp.asarray([64, 64, 64, 64], jnp.int32)
@@ -288,10 +326,16 @@ def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
   assert kept_pre[2] is pre and kept_pre[3] is w2
   monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", False)
   kept_off = kept_of()
-  assert isinstance(kept_off[2], fp8.Fp8Weight) and isinstance(kept_off[3], fp8.Fp8Weight)
+  # The dgrads' copies, made by the forward's one read of each weight: the transposes of the forward's copies.
+  assert all(isinstance(k, fp8_experts.DgradWeight) for k in kept_off[2:4])
+  for k, w in zip(kept_off[2:4], (w1, w2)):
+    np.testing.assert_array_equal(bits(k.weight.values), bits(call(w, False).values))
+  monkeypatch.setattr(fp8_experts, "FORWARD_QUANTIZES_DGRAD_WEIGHTS", False)
+  kept_forward = kept_of()
+  assert isinstance(kept_forward[2], fp8.Fp8Weight) and isinstance(kept_forward[3], fp8.Fp8Weight)
   quantized = 3 * G * D * F * (1 + 4 / 128 ** 2)
   own = lambda kept: nbytes(kept) - nbytes([k for k in kept[2:4] if k is w1 or k is w2])  # noqa: E731
-  assert own(kept_off) - own(kept_on) == quantized
+  assert own(kept_off) - own(kept_on) == own(kept_forward) - own(kept_on) == quantized
 
 
 @pytest.mark.parametrize("switch_on", [False, True], ids=["switch_off", "switch_on"])

@@ -75,15 +75,17 @@
 //                                     fp8.quantize_rows(a) (what the backward keeps), 1 x 128, scales not powers of
 //                                     two. Every row, group sizes or not (a zero row gives zero values and scales
 //                                     2^-126, as quantize_rows does). F is a positive multiple of 128.
-//   jmo_quantize_weight_fp8(w [E, K, N] f32 or bf16; attribute transposed: bool)
+//   jmo_quantize_weight_fp8(w [E, K, N] f32 or bf16; attributes transposed: bool, both: bool)
 //       -> q [E, N, K] e4m3, s [E, N/128, K/128] f32 (transposed)
 //          q [E, K, N] e4m3, s [E, K/128, N/128] f32 (not transposed)
+//          q2, s2: with both, the other layout's (the same blocks, scales and bytes, transposed); else [0] each
 //                                     an expert weight quantized per 128 x 128 block by the tile rules of
 //                                     common/fp8_columns.h (AmaxStep over the block, ColumnTileScale, QuantizeE4m3):
 //                                     transposed, fp8.quantize_weight(w) (Fp8Weight's values and scales, the blocks
 //                                     of W^T); not transposed, fp8.quantize_blocks(w), bitwise
-//                                     fp8.transpose_weight(fp8.quantize_weight(w)) (the dgrads' weights). K and N
-//                                     are positive multiples of 128.
+//                                     fp8.transpose_weight(fp8.quantize_weight(w)) (the dgrads' weights); with
+//                                     both, both forms from the one read of w (the forward's weights and the
+//                                     dgrads'). K and N are positive multiples of 128.
 //
 // Operands of the first three are float32 or bfloat16 (one dtype); the output is float32 or the operands' dtype
 // (fp32 accumulation).
@@ -521,14 +523,17 @@ inline xla::ffi::ErrorOr<SwiGluForwardShape> CheckSwiGluForwardFp8(
   return r;
 }
 
-// jmo_quantize_weight_fp8: w -> q, s; attribute transposed.
+// jmo_quantize_weight_fp8: w -> q, s, q2, s2; attributes transposed, both.
 template <typename Binding>
 auto BindQuantizeWeightFp8(Binding&& b) {
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<bool>("transposed");
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<bool>("transposed")
+      .template Attr<bool>("both");
 }
 
 struct QuantizeWeightShape {
@@ -539,12 +544,15 @@ struct QuantizeWeightShape {
 inline xla::ffi::ErrorOr<QuantizeWeightShape> CheckQuantizeWeightFp8(const xla::ffi::AnyBuffer& w,
                                                                      const xla::ffi::AnyBuffer& q,
                                                                      const xla::ffi::Buffer<xla::ffi::F32>& s,
-                                                                     bool transposed) {
+                                                                     const xla::ffi::AnyBuffer& q2,
+                                                                     const xla::ffi::Buffer<xla::ffi::F32>& s2,
+                                                                     bool transposed, bool both) {
   namespace ffi = xla::ffi;
   auto fail = [](const std::string& why) { return ffi::Unexpected(InvalidCall("quantize_weight_fp8: " + why)); };
   const std::optional<DType> dt = ComputeDTypeOf(w.element_type());
   if (!dt) return fail(ComputeDTypeRule("w must be " + DTypeNames(), w.element_type()));
-  if (q.element_type() != ffi::DataType::F8E4M3FN) return fail("q must be float8_e4m3fn");
+  if (q.element_type() != ffi::DataType::F8E4M3FN || q2.element_type() != ffi::DataType::F8E4M3FN)
+    return fail("q and q2 must be float8_e4m3fn");
   auto wd = w.dimensions();
   if (wd.size() != 3) return fail("expected w [E, K, N], got " + DimsText(wd));
   QuantizeWeightShape r{*dt, wd[0], wd[1], wd[2]};
@@ -552,11 +560,20 @@ inline xla::ffi::ErrorOr<QuantizeWeightShape> CheckQuantizeWeightFp8(const xla::
     return fail("K and N (w's last two axes) must be positive multiples of 128 (whole 128 x 128 blocks), got K=" +
                 std::to_string(r.K) + ", N=" + std::to_string(r.N));
   const int64_t rows = transposed ? r.N : r.K, cols = transposed ? r.K : r.N;
+  auto layout = [](bool t) {
+    return std::string(t ? "[E, N, K], s [E, N/128, K/128]" : "[E, K, N], s [E, K/128, N/128]");
+  };
   if (!DimsAre({r.E, rows, cols}, q.dimensions()) ||
       !DimsAre({r.E, rows / kFp8Tile, cols / kFp8Tile}, s.dimensions()))
-    return fail(std::string("inconsistent results: expected q ") +
-                (transposed ? "[E, N, K], s [E, N/128, K/128]" : "[E, K, N], s [E, K/128, N/128]") + " for w " +
-                DimsText(wd) + ", got q " + DimsText(q.dimensions()) + ", s " + DimsText(s.dimensions()));
+    return fail("inconsistent results: expected q " + layout(transposed) + " for w " + DimsText(wd) + ", got q " +
+                DimsText(q.dimensions()) + ", s " + DimsText(s.dimensions()));
+  // The second pair: the other layout with both, else empty ([0] each).
+  if (both ? !DimsAre({r.E, cols, rows}, q2.dimensions()) ||
+                 !DimsAre({r.E, cols / kFp8Tile, rows / kFp8Tile}, s2.dimensions())
+           : !DimsAre({0}, q2.dimensions()) || !DimsAre({0}, s2.dimensions()))
+    return fail("inconsistent results: expected q2 " + (both ? layout(!transposed) : std::string("[0], s2 [0]")) +
+                " for w " + DimsText(wd) + (both ? "" : " without both") + ", got q2 " + DimsText(q2.dimensions()) +
+                ", s2 " + DimsText(s2.dimensions()));
   return r;
 }
 

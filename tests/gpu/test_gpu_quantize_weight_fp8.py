@@ -5,7 +5,9 @@ XLA:GPU's inexact float32 division explains a byte (_xla_division_differences: t
 of tests/test_quantize_weight_fp8.py (ties, the top of e4m3's range, zeros, negative zeros, NaN and infinities)
 against the CPU handler (a NaN's sign aside: the device's arithmetic returns its canonical NaN, x86 a negative one for
 inf / inf), and the float32 subnormal block, which XLA:CPU flushes to zero, against XLA:GPU, which does not; bitwise
-repeats; the recipe with fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on (the backward re-quantizing or not): its calls, its forward and input
+repeats; both layouts from one call (quantize_weight_fp8_pair) bit for bit the two calls, NaNs as NaNs; the recipe with
+fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on (the dgrads' weights from the forward's pair call, from the backward's
+transposes, or re-quantized by the backward): its calls, its forward and input
 gradients bit for bit the recipe on weights the kernel pre-quantized, its weight gradients within float32 rounding of
 the recipe with the switch off. On a GPU that is not a Hopper one the call must fail naming the requirement. Skips
 where there is no GPU."""
@@ -25,7 +27,7 @@ from test_gpu_grouped_gemm_fp8 import _hopper, requires_hopper
 from test_gpu_quantize_columns_fp8 import _same_bits
 
 from jax_moe_overlap import fp8, fp8_experts
-from jax_moe_overlap.grouped_gemm import QUANTIZE_WEIGHT_FP8, quantize_weight_fp8
+from jax_moe_overlap.grouped_gemm import QUANTIZE_WEIGHT_FP8, quantize_weight_fp8, quantize_weight_fp8_pair
 
 pytestmark = requires_gpu
 
@@ -141,6 +143,24 @@ def test_kernel_edge_blocks(transposed, capsys):
   _same(s, s2, nan_free=True)
 
 
+@requires_hopper
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pair_kernel_equals_its_two_calls(dtype):
+  """quantize_weight_fp8_pair's kernel (both layouts from one read): each form bit for bit the single-layout
+  kernel's (the outputs' memory poisoned first), on random weights of many scales (the training preset's w1 among
+  them) and on the edge blocks (NaNs as NaNs); repeats bitwise."""
+  for w in [base.weights(shape, dtype, seed=sum(shape)) for shape in base.SHAPES + BIG[:2]] + [
+      jnp.asarray(base.edge_weights(), dtype)]:
+    E, K, N = w.shape
+    singles = [_kernel(w, transposed) for transposed in (True, False)]
+    for _ in range(2):
+      _poison((2, E, K, N))
+      pair = jax.jit(quantize_weight_fp8_pair)(jax.device_put(w, gpu_devices()[0]))
+      for (q, s), got in zip(singles, pair):
+        _same(np.asarray(got.values).view(np.uint8), q, nan_free=True)
+        _same(np.asarray(got.scales), s, nan_free=True)
+
+
 def _recipe(w1, w2):
   """y and the gradients (dx, dgates, and dw1, dw2 for master weights: pre-quantized Fp8Weights get none, the layer
   refuses a gradient with respect to them) of the FP8 recipe, and the lowered program's text."""
@@ -154,11 +174,13 @@ def _recipe(w1, w2):
 
 
 @requires_hopper
-@pytest.mark.parametrize("requantizes,calls", [(True, 4), (False, 2)], ids=["backward_requantizes", "forward_only"])
-def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys, requantizes, calls):
+@pytest.mark.parametrize("requantizes,pair,calls", [(True, True, 4), (False, True, 2), (False, False, 2)],
+                         ids=["backward_requantizes", "forward_pair", "forward_only"])
+def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys, requantizes, pair, calls):
   """fp8_experts.WEIGHT_QUANTIZER_ON_GPU forced on: the recipe quantizes the master weights by the kernel in the
   forward and, with BACKWARD_REQUANTIZES_WEIGHTS, again untransposed for the dgrads (4 calls, no quantized weight
-  kept; else 2, the dgrads transposing the kept copies); y, dx and dgates equal the
+  kept; else 2: with FORWARD_QUANTIZES_DGRAD_WEIGHTS both layouts from one read each, the dgrads' copies kept, or the
+  dgrads transposing the kept forward copies); y, dx and dgates equal the
   recipe on the weights the kernel pre-quantized bit for bit (the same FP8 operands; dgrads from their transposed
   copies); the weight gradients stay within float32 rounding of the switch-off recipe's (XLA:GPU's quantizer, whose
   division parts from the kernel's at a few bytes)."""
@@ -167,9 +189,11 @@ def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys, requan
   with jax.default_device(gpu_devices()[0]):
     monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", True)
     monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", requantizes)
+    monkeypatch.setattr(fp8_experts, "FORWARD_QUANTIZES_DGRAD_WEIGHTS", pair)
     jax.clear_caches()  # no program traced with the flag off (same functions, same shapes) may be reused
     on, text = _recipe(w1, w2)
     assert text.count(QUANTIZE_WEIGHT_FP8) == calls
+    assert text.count("both = true") == (2 if pair and not requantizes else 0)
     pre, _ = _recipe(jax.jit(quantize_weight_fp8)(w1), jax.jit(quantize_weight_fp8)(w2))
     for name, a, b in zip(("y", "dx", "dgates"), on[:3], pre[:3]):
       np.testing.assert_array_equal(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32),

@@ -108,13 +108,16 @@ ffi::Error QuantizeColumnsFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::Any
 }
 
 ffi::Error QuantizeWeightFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> s, bool transposed) {
+                                 ffi::Result<ffi::Buffer<ffi::F32>> s, ffi::Result<ffi::AnyBuffer> q2,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> s2, bool transposed, bool both) {
   NoteHandlerCall(HandlerOp::kQuantizeWeightFp8, stream);
-  auto shape = CheckQuantizeWeightFp8(w, *q, *s, transposed);
+  auto shape = CheckQuantizeWeightFp8(w, *q, *s, *q2, *s2, transposed, both);
   if (shape.has_error()) return shape.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
   return ToFfi(QuantizeWeightFp8(stream, shape->dtype, w.untyped_data(), shape->E, shape->K, shape->N, transposed,
-                                 static_cast<uint8_t*>(q->untyped_data()), s->typed_data()));
+                                 static_cast<uint8_t*>(q->untyped_data()), s->typed_data(),
+                                 both ? static_cast<uint8_t*>(q2->untyped_data()) : nullptr,
+                                 both ? s2->typed_data() : nullptr));
 }
 
 ffi::Error SwiGluBackwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s,

@@ -16,7 +16,9 @@
 //   4. the words stored straight from registers: transposed ([E, N, K], fp8.quantize_weight's), a thread's 8 rows of
 //      one column are 8 consecutive bytes of a row of W^T (an 8-byte store; 16 lanes write a row's 128 contiguous
 //      bytes); in w's layout ([E, K, N]) a thread's 16 columns of a row are 16 consecutive bytes (a 16-byte store; 8
-//      lanes write a row's 128 bytes).
+//      lanes write a row's 128 bytes);
+//   5. with both layouts (kBoth: the forward's weights and the dgrads' from one read of w), steps 1 (the values
+//      alone), 3 and 4 again in the other layout from the same stage, with the same scale.
 // The stage holds the block row-major, each row's 16-byte chunks permuted (Slot) so that both the cp.async writes and
 // both layouts' reads spread a warp's 16-byte accesses over all of shared memory's banks.
 // The amax is the largest |x| whatever the order (a NaN makes it NaN, here the device's canonical NaN: the
@@ -224,15 +226,45 @@ __device__ __noinline__ void PutWordsExact(const unsigned char* stage, ThreadVal
   }
 }
 
+// Steps 3 and 4 of a block in one layout: the thread's values x (th's, read from the stage st) quantized by `quant`
+// (the block's) and stored, by the exact path where a word needs it.
+template <class T, bool kTransposed>
+__device__ __forceinline__ void PutBlockWords(const unsigned char* st, const ThreadValues<T, kTransposed>& th,
+                                              const float (&x)[ThreadValues<T, kTransposed>::kRowsA]
+                                                              [ThreadValues<T, kTransposed>::kColsB],
+                                              Quantizer quant) {
+  using Th = ThreadValues<T, kTransposed>;
+  uint32_t words[kWords];
+  bool fast = true;
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    float v[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) v[t] = x[Th::A(i, t)][Th::B(i, t)];
+    fast &= QuantizeFourFast(v, quant, words[i]);
+  }
+  if (__builtin_expect(fast, 1))
+    th.Store(words);
+  else
+    PutWordsExact<T, kTransposed>(st, th, quant);
+}
+
+// The scale's index of block b = (e kbs + kb) nbs + nb: [E, N / 128, K / 128] transposed, else b.
+template <bool kTransposed>
+__device__ __forceinline__ int ScaleIndex(int b, int e, int kb, int nb, int kbs, int nbs) {
+  return kTransposed ? (e * nbs + nb) * kbs + kb : b;  // < blocks: int
+}
+
 // Registers: 64 a thread at 2 CTAs of 512 per SM (bfloat16: 3 stages of 32 KB each fit twice), 128 at 1 (float32's
 // 3 stages of 64 KB).
 template <class T>
 constexpr int kCtasPerSm = sizeof(T) == 2 ? 2 : 1;
 
-template <class T, bool kTransposed>
+template <class T, bool kTransposed, bool kBoth>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm<T>)
     QuantizeWeightKernel(const T* __restrict__ w, int blocks, int kbs, int nbs, int64_t K, int64_t N,
-                         uint8_t* __restrict__ q, float* __restrict__ s) {
+                         uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ q2,
+                         float* __restrict__ s2) {
   using Th = ThreadValues<T, kTransposed>;
   extern __shared__ __align__(16) unsigned char stages[];  // kStages x Stage<T>::kBytes
   __shared__ float warp_amax[kWarps];
@@ -286,29 +318,33 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<T>)
     for (int v = 0; v < kWarps; ++v) block_amax = MaxAbsNaN(block_amax, warp_amax[v]);
     const float sc = ColumnTileScale(block_amax);
     const Quantizer quant = QuantizerOfTileScale(sc);
-    if (threadIdx.x == 0) s[kTransposed ? (e * nbs + nb) * kbs + kb : b] = sc;  // < blocks: int
-
-    uint32_t words[kWords];
-    bool fast = true;
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) {
-      float v[4];
-#pragma unroll
-      for (int t = 0; t < 4; ++t) v[t] = x[Th::A(i, t)][Th::B(i, t)];
-      fast &= QuantizeFourFast(v, quant, words[i]);
+    if (threadIdx.x == 0) {
+      s[ScaleIndex<kTransposed>(b, e, kb, nb, kbs, nbs)] = sc;
+      if constexpr (kBoth) s2[ScaleIndex<!kTransposed>(b, e, kb, nb, kbs, nbs)] = sc;
     }
-    if (__builtin_expect(fast, 1))
-      th.Store(words);
-    else
-      PutWordsExact<T, kTransposed>(st, th, quant);
+    PutBlockWords<T, kTransposed>(st, th, x, quant);
+    if constexpr (kBoth) {  // step 5: the other layout's values read again from the stage
+      using Th2 = ThreadValues<T, !kTransposed>;
+      const Th2 th2(e, kb, nb, K, N, q2);
+      float x2[Th2::kRowsA][Th2::kColsB];
+      th2.Read(st, x2);
+      PutBlockWords<T, !kTransposed>(st, th2, x2, quant);
+    }
   }
+}
+
+// The kernel of a layout (transposed) and of one or both (both).
+template <class T, bool kTransposed>
+const void* KernelOf(bool both) {
+  return both ? reinterpret_cast<const void*>(&QuantizeWeightKernel<T, kTransposed, true>)
+              : reinterpret_cast<const void*>(&QuantizeWeightKernel<T, kTransposed, false>);
 }
 
 template <class T>
 Status Launch(cudaStream_t stream, const DeviceInfo& dev, const T* w, int64_t blocks, int64_t K, int64_t N,
-              bool transposed, uint8_t* q, float* s) {
-  const void* kernel = transposed ? reinterpret_cast<const void*>(&QuantizeWeightKernel<T, true>)
-                                  : reinterpret_cast<const void*>(&QuantizeWeightKernel<T, false>);
+              bool transposed, uint8_t* q, float* s, uint8_t* q2, float* s2) {
+  const bool both = q2 != nullptr;
+  const void* kernel = transposed ? KernelOf<T, true>(both) : KernelOf<T, false>(both);
   constexpr int kSmem = kStages * Stage<T>::kBytes;
   Status st = SetKernelSmem(kernel, kSmem, "QuantizeWeightKernel");
   if (!st.ok()) return st;
@@ -319,18 +355,16 @@ Status Launch(cudaStream_t stream, const DeviceInfo& dev, const T* w, int64_t bl
   if (per_sm < 1)
     return Status::Error(kInternal, "jax_moe_overlap: quantize_weight_fp8: no CTA of QuantizeWeightKernel fits an SM");
   const int grid = static_cast<int>(std::min<int64_t>(blocks, static_cast<int64_t>(per_sm) * dev.sms));
-  const int kbs = static_cast<int>(K / kBlock), nbs = static_cast<int>(N / kBlock), n = static_cast<int>(blocks);
-  if (transposed)
-    QuantizeWeightKernel<T, true><<<grid, kThreads, kSmem, stream>>>(w, n, kbs, nbs, K, N, q, s);
-  else
-    QuantizeWeightKernel<T, false><<<grid, kThreads, kSmem, stream>>>(w, n, kbs, nbs, K, N, q, s);
-  return CudaStatus(cudaGetLastError(), "launch of QuantizeWeightKernel");
+  int kbs = static_cast<int>(K / kBlock), nbs = static_cast<int>(N / kBlock), n = static_cast<int>(blocks);
+  void* args[] = {&w, &n, &kbs, &nbs, &K, &N, &q, &s, &q2, &s2};
+  return CudaStatus(cudaLaunchKernel(kernel, dim3(grid), dim3(kThreads), args, kSmem, stream),
+                    "launch of QuantizeWeightKernel");
 }
 
 }  // namespace
 
 Status QuantizeWeightFp8(cudaStream_t stream, DType dt, const void* w, int64_t E, int64_t K, int64_t N,
-                         bool transposed, uint8_t* q, float* s) {
+                         bool transposed, uint8_t* q, float* s, uint8_t* q2, float* s2) {
   DeviceInfo dev;
   Status st = Fp8DeviceCheck("quantize_weight_fp8", &dev);
   if (!st.ok()) return st;
@@ -342,9 +376,11 @@ Status QuantizeWeightFp8(cudaStream_t stream, DType dt, const void* w, int64_t E
                                                std::to_string(N));
   const int64_t blocks = E * (K / kBlock) * (N / kBlock);
   if (blocks == 0) return LaunchEmpty(stream);  // (a call inside a CUDA graph must launch something)
+  if ((q2 == nullptr) != (s2 == nullptr))
+    return Status::Error(kInvalidArgument, "jax_moe_overlap: quantize_weight_fp8: q2 and s2 go together");
   if (dt == DType::kF32)
-    return Launch(stream, dev, static_cast<const float*>(w), blocks, K, N, transposed, q, s);
-  return Launch(stream, dev, static_cast<const __nv_bfloat16*>(w), blocks, K, N, transposed, q, s);
+    return Launch(stream, dev, static_cast<const float*>(w), blocks, K, N, transposed, q, s, q2, s2);
+  return Launch(stream, dev, static_cast<const __nv_bfloat16*>(w), blocks, K, N, transposed, q, s, q2, s2);
 }
 
 }  // namespace jmo::cuda

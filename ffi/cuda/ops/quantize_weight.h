@@ -17,8 +17,9 @@ namespace jmo::cuda {
 // and s [E, N / 128, K / 128] (fp8.quantize_weight), else q [E, K, N] and s [E, K / 128, N / 128]
 // (fp8.quantize_blocks), by the tile rules of common/fp8_columns.h: bitwise what the CPU handler writes
 // (ffi/cpu/quantize_weight.cc), a NaN's sign and payload aside (the device's float32 arithmetic returns its one
-// canonical NaN). Hopper only (Fp8DeviceCheck), like the GEMMs its output feeds.
+// canonical NaN). q2 and s2 (both or neither null): the other layout's, from the same read of w. Hopper only
+// (Fp8DeviceCheck), like the GEMMs its output feeds.
 Status QuantizeWeightFp8(cudaStream_t stream, DType dt, const void* w, int64_t E, int64_t K, int64_t N,
-                         bool transposed, uint8_t* q, float* s);
+                         bool transposed, uint8_t* q, float* s, uint8_t* q2 = nullptr, float* s2 = nullptr);
 
 }  // namespace jmo::cuda
