@@ -45,7 +45,9 @@ With a = x W1 [rows, 2F], h = SwiGLU(a), out = h W2:
             weights themselves where ``Gemms.requantizes_weights``: the backward quantizes them again): per row
             D + 2F bytes of e4m3 and (D + 2F) / 32 bytes of scales
   backward  dy     1 x 128, power-of-two scales (the gradient dispatched before GEMM2's backward, section 3.3.3)
-            dh = dy W2^T (dgrad, W2's blocks transposed: exact, or quantized again in W2's own layout: the same bits)
+            dh = dy W2^T (dgrad, W2's blocks transposed: exact, or quantized again in W2's own layout: the same bits),
+                   written in ``expert_gemms.dgrad_dtype`` of the compute dtype (the float32 sums rounded once, as
+                   the unquantized layer's dh)
             dW2 = h^T dy, both operands re-quantized 128 x 1 per expert (h recomputed from the kept a)
             da = SwiGLU'(a) dh in float32, quantized 1 x 128 for dx = da W1^T (dgrad)
             dW1 = x^T da, both operands re-quantized 128 x 1 per expert
@@ -110,9 +112,9 @@ class Gemms:
   swiglu_forward(a [M, 2F] float32) -> (h_rows, a_rows): fp8.quantize_rows(swiglu(a)) (GEMM2's operand) and
     fp8.quantize_rows(a) (what the backward keeps). ``swiglu_forward_composed`` is the jnp composition (``DENSE``,
     ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_forward_fp8``, one custom call for both.
-  swiglu_backward(aq [M, 2F] e4m3, a_s [M, 2F / 128], dh [M, F] float32, tiles) -> (h_cols, da_rows, da_cols): with
-    a = dequantize_rows(aq, a_s), h = swiglu(a) and da its input gradient at dh in float32, h_cols = columns(h),
-    da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is the jnp
+  swiglu_backward(aq [M, 2F] e4m3, a_s [M, 2F / 128], dh [M, F] float32 or bfloat16, tiles) -> (h_cols, da_rows,
+    da_cols): with a = dequantize_rows(aq, a_s), h = swiglu(a) and da its input gradient at dh in float32, h_cols =
+    columns(h), da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is the jnp
     composition (``DENSE``, ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_backward_fp8``, one
     custom call for all three.
   row_columns(q [M, C] e4m3, s [M, C / 128], tiles) -> columns(fp8.dequantize_rows(q, s), tiles): the wgrads' x and
@@ -169,12 +171,21 @@ def swiglu_forward_composed(a):
   return fp8.quantize_rows(swiglu(a)), fp8.quantize_rows(a)
 
 
+def exact_float32(v):
+  """v in float32, a bfloat16 v's values exactly: XLA may fold a float32 -> bfloat16 -> float32 round trip away
+  (its xla_allow_excess_precision, on by default), which would hand the composition the unrounded float32 values
+  that the kernels never see, so the bfloat16 rounding is restated as a reduce_precision (to nearest even, as the
+  conversion rounds), which XLA keeps: an identity on values that already are bfloat16."""
+  v32 = v.astype(jnp.float32)
+  return jax.lax.reduce_precision(v32, exponent_bits=8, mantissa_bits=7) if v.dtype == jnp.bfloat16 else v32
+
+
 def swiglu_backward_composed(columns: Callable) -> Callable:
   """``Gemms.swiglu_backward`` as XLA ops: a dequantized, h recomputed, da by ``jax.vjp`` of ``swiglu`` in float32,
   then the three quantizations, each a pass of its own (``columns`` lays the column tiles out)."""
   def swiglu_backward(aq, a_s, dh, tiles):
     h, swiglu_vjp = jax.vjp(swiglu, fp8.dequantize_rows(aq, a_s))
-    (da,) = swiglu_vjp(dh)
+    (da,) = swiglu_vjp(exact_float32(dh))
     return columns(h, tiles), fp8.quantize_rows(da), columns(da, tiles)
 
   return swiglu_backward
@@ -462,11 +473,13 @@ def recipe_ffn_columns(kept) -> int:
   return kept[1][0].shape[1] // 2
 
 
-def recipe_dgrad_operands(gemms, kept, dy_rows, dh=None):
+def recipe_dgrad_operands(gemms, kept, dy_rows, compute_dtype, dh=None):
   """The backward up to the input gradient's GEMM, from the output gradient quantized (1 x 128, power-of-two
   scales: (values, scales), or packed rows as a fused dispatch left them) and dh = dy W2^T (float32) where the caller
   computed it (a fused dispatch), else computed here: (da quantized 1 x 128 (its values and scales), W1^T as that
-  GEMM reads it (an ``Fp8Weight``), w1's cotangent, w2's cotangent). dx = da W1^T."""
+  GEMM reads it (an ``Fp8Weight``), w1's cotangent, w2's cotangent). dx = da W1^T. dh goes to the SwiGLU's
+  backward in ``expert_gemms.dgrad_dtype(compute_dtype)`` (the layer's compute dtype: x's), a caller's float32 dh
+  rounded to it as the GEMM here rounds its sums: the same bits either way."""
   (x_rows, (aq, a_s), w1_kept, w2_kept, group_sizes, w1_like, w2_like) = kept
   xq, xs = _quantized_rows(x_rows)
   dyq, dys = _quantized_rows(dy_rows)
@@ -474,9 +487,10 @@ def recipe_dgrad_operands(gemms, kept, dy_rows, dh=None):
 
   # Each weight gradient in its master weight's dtype (a pre-quantized weight's cotangent is zeros: float32 there).
   w1_dtype, w2_dtype = (jnp.float32 if like is None else like.dtype for like in (w1_like, w2_like))
+  dh_dtype = expert_gemms.dgrad_dtype(compute_dtype)
   if dh is None:
-    dh = gemms.rows(dyq, dys, recipe_dgrad_weight(kept, gemms), group_sizes)
-  h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh, tiles)
+    dh = gemms.rows(dyq, dys, recipe_dgrad_weight(kept, gemms), group_sizes, dh_dtype)
+  h_cols, da_rows, da_cols = gemms.swiglu_backward(aq, a_s, dh.astype(dh_dtype), tiles)
   dw2 = gemms.outer(h_cols, gemms.columns_of_rows(dyq, dys, tiles), tiles, group_sizes, w2_dtype)
   dw1 = gemms.outer(gemms.columns_of_rows(xq, xs, tiles), da_cols, tiles, group_sizes, w1_dtype)
 
@@ -489,8 +503,9 @@ def recipe_dgrad_operands(gemms, kept, dy_rows, dh=None):
 
 def recipe_backward(gemms, kept, dy_rows, dx_dtype, dh=None):
   """The backward from the output gradient quantized (1 x 128, power-of-two scales; dy_rows and dh as
-  ``recipe_dgrad_operands`` takes them): (dx [M, D] in dx_dtype, w1's cotangent, w2's cotangent)."""
-  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, dh)
+  ``recipe_dgrad_operands`` takes them): (dx [M, D] in dx_dtype, the layer's compute dtype; w1's cotangent, w2's
+  cotangent)."""
+  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, dx_dtype, dh)
   return gemms.rows(*da_rows, w1_t, kept[4], dx_dtype), dw1, dw2
 
 

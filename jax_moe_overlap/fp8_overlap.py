@@ -193,7 +193,7 @@ def _combined_backward(gemms, residuals, dy):
   _, pull = jax.vjp(lambda s, g: _combined(s, g, route, x_like.dtype), slot_out, gates)
   d_slots, d_gates = pull(dy)
   dy_rows, dh = experts_dy(route.to_send_buffer(d_slots), kept, route, gemms)
-  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, dh)
+  da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, x_like.dtype, dh)
   # dx = da W1^T overlapped with its way back: each token sums its kept slots' rows (unit gates, float32, in slot
   # order), as the forward's return.
   dx, _ = expert_combine_fp8(*da_rows, w1_t, jnp.ones(gates.shape, jnp.float32), route.plan, route.info, False,

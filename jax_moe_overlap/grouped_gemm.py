@@ -464,17 +464,19 @@ def swiglu_backward_fp8(aq: jax.Array, a_s: jax.Array, dh: jax.Array, tiles: fp8
   flush those, as XLA:CPU's own code does; the GPU keeps them, as XLA:GPU does): ffi/common/swiglu.h.
 
   Args:
-    aq: [M, 2F] float8_e4m3fn, a_s: [M, 2F / 128] float32 (``fp8.quantize_rows(a)``), dh: [M, F] float32 (zero
-      past the groups). tiles: ``fp8.column_tiles(M, group_sizes)``; sizes >= 0 summing to at most M (the CPU handler
-      raises otherwise; the kernel clips). F a positive multiple of 128.
+    aq: [M, 2F] float8_e4m3fn, a_s: [M, 2F / 128] float32 (``fp8.quantize_rows(a)``), dh: [M, F] float32 or
+      bfloat16 (the dgrad in the compute dtype: each value exactly its float32; zero past the groups). tiles:
+      ``fp8.column_tiles(M, group_sizes)``; sizes >= 0 summing to at most M (the CPU handler raises otherwise; the
+      kernel clips). F a positive multiple of 128.
   Returns:
     (da_rows, da_cols, h_cols): da_rows = (q [M, 2F] e4m3, s [M, 2F / 128] float32); da_cols = (q_t [2F, 128 *
     tiles.count] e4m3, s [tiles.count, 2F] float32); h_cols = (q_t [F, 128 * tiles.count], s [tiles.count, F]).
   """
   name = "swiglu_backward_fp8"
-  if aq.ndim != 2 or aq.dtype != fp8.E4M3 or a_s.dtype != jnp.float32 or dh.dtype != jnp.float32:
-    raise TypeError(f"jax_moe_overlap: {name}: aq must be a float8_e4m3fn [M, 2F] array, a_s and dh float32; got aq "
-                    f"{aq.dtype}{list(aq.shape)}, a_s {a_s.dtype}, dh {dh.dtype}")
+  if (aq.ndim != 2 or aq.dtype != fp8.E4M3 or a_s.dtype != jnp.float32
+      or dh.dtype not in (jnp.float32, jnp.bfloat16)):
+    raise TypeError(f"jax_moe_overlap: {name}: aq must be a float8_e4m3fn [M, 2F] array, a_s float32 and dh float32 "
+                    f"or bfloat16; got aq {aq.dtype}{list(aq.shape)}, a_s {a_s.dtype}, dh {dh.dtype}")
   M, C = aq.shape
   F = _swiglu_width(name, "aq", C)
   if dh.shape != (M, F) or a_s.shape != (M, C // fp8.TILE):

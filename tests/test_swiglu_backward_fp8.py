@@ -10,7 +10,7 @@ its CPU handler:
   scales within 2^-16 relative, each value byte equal or one e4m3 step off, and rarely;
 - skewed and empty groups, partial tiles, rows past the groups holding large values (zero bytes and scales 2^-126 in
   da's rows, nowhere in the columns), one and several channel blocks; inputs sharded on Auto and Explicit meshes;
-  bitwise repeats; the refusals.
+  bitwise repeats; dh in bfloat16 (the compute dtype's dgrad) bit for bit its float32 values; the refusals.
 tests/gpu/test_gpu_swiglu_backward_fp8.py holds the CUDA kernel to the CPU handler."""
 
 import ctypes
@@ -197,6 +197,22 @@ def test_inputs_sharded_on_auto_and_explicit_meshes(axis_type):
     np.testing.assert_array_equal(bits(g), bits(w))
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_bfloat16_dh_is_its_float32_values(case):
+  """dh in bfloat16 (the dgrad in the compute dtype) gives the bits of its values widened to float32: the handler
+  reads each bfloat16 exactly."""
+  M, F, sizes = case
+  aq, a_s, dh = inputs(case, seed=M + 7)
+  dh16 = dh.astype(jnp.bfloat16)
+  tiles = fp8.column_tiles(M, jnp.asarray(sizes, jnp.int32))
+  f = jax.jit(swiglu_backward_fp8)
+  got, want = f(aq, a_s, dh16, tiles), f(aq, a_s, dh16.astype(jnp.float32), tiles)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(bits(g), bits(w))
+  if sum(sizes):
+    assert np.count_nonzero(bits(got[0][0])) > 0   # not vacuous
+
+
 @pytest.mark.slow
 def test_larger_case_bit_for_bit_and_repeatable():
   sizes = list(np.random.default_rng(2).multinomial(1900, np.ones(9) / 9)) + [0]
@@ -216,10 +232,11 @@ def test_refusals():
   aq = jnp.zeros((M, 2 * F), fp8.E4M3)
   a_s = jnp.ones((M, 2), jnp.float32)
   dh = jnp.ones((M, F), jnp.float32)
-  with pytest.raises(TypeError, match=r"aq must be a float8_e4m3fn \[M, 2F\] array, a_s and dh float32"):
+  with pytest.raises(TypeError, match=r"aq must be a float8_e4m3fn \[M, 2F\] array, a_s float32 and dh float32 or "
+                                     r"bfloat16"):
     swiglu_backward_fp8(aq.astype(jnp.float32), a_s, dh, tiles)
   with pytest.raises(TypeError, match=r"aq must be a float8_e4m3fn"):
-    swiglu_backward_fp8(aq, a_s, dh.astype(jnp.bfloat16), tiles)
+    swiglu_backward_fp8(aq, a_s, dh.astype(jnp.float16), tiles)
   with pytest.raises(ValueError, match=r"F \(half of aq's 192 channels\) must be a positive multiple of 128"):
     swiglu_backward_fp8(jnp.zeros((M, 192), fp8.E4M3), jnp.ones((M, 1), jnp.float32), jnp.ones((M, 96)), tiles)
   with pytest.raises(ValueError, match=r"do not fit aq \[M, 2F\], a_s \[M, 2F / 128\], dh \[M, F\]"):

@@ -57,7 +57,7 @@
 //                                     its rows dequantize_rows(x, x_scales) (each value times its 1 x 128 tile's
 //                                     scale, one float32 product: DequantizeE4m3), and C is a positive multiple of
 //                                     kRowsE4m3Channels = 256 (the CUDA kernel's item: 32 lanes of 8 values).
-//   jmo_swiglu_backward_fp8(aq [M, 2F] e4m3, a_s [M, 2F/128] f32, dh [M, F] f32, group_sizes [G] s32)
+//   jmo_swiglu_backward_fp8(aq [M, 2F] e4m3, a_s [M, 2F/128] f32, dh [M, F] f32 or bf16, group_sizes [G] s32)
 //       -> da_q [M, 2F] e4m3, da_s [M, 2F/128] f32, da_t [2F, Mp] e4m3, da_ts [Mp/128, 2F] f32,
 //          h_t [F, Mp] e4m3, h_ts [Mp/128, F] f32
 //                                     the FP8 recipe's SwiGLU backward: with a = dequantize_rows(aq, a_s) (the gate's
@@ -447,7 +447,7 @@ auto BindSwiGluBackwardFp8(Binding&& b) {
   namespace ffi = xla::ffi;
   return std::move(b).template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
@@ -460,11 +460,12 @@ auto BindSwiGluBackwardFp8(Binding&& b) {
 struct SwiGluBackwardShape {
   int64_t M, F, G;
   int64_t tiles;  // Mp / 128
+  bool dh_bf16;   // dh in bfloat16 (the compute dtype's dgrad), else float32
 };
 
 inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
     const xla::ffi::AnyBuffer& aq, const xla::ffi::Buffer<xla::ffi::F32>& a_s,
-    const xla::ffi::Buffer<xla::ffi::F32>& dh, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+    const xla::ffi::AnyBuffer& dh, const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
     const xla::ffi::AnyBuffer& da_q, const xla::ffi::Buffer<xla::ffi::F32>& da_s, const xla::ffi::AnyBuffer& da_t,
     const xla::ffi::Buffer<xla::ffi::F32>& da_ts, const xla::ffi::AnyBuffer& h_t,
     const xla::ffi::Buffer<xla::ffi::F32>& h_ts) {
@@ -476,7 +477,10 @@ inline xla::ffi::ErrorOr<SwiGluBackwardShape> CheckSwiGluBackwardFp8(
   if (ad.size() != 2 || asd.size() != 2 || dd.size() != 2 || group_sizes.dimensions().size() != 1)
     return fail("expected aq [M, 2F], a_s [M, 2F/128], dh [M, F], group_sizes [G]");
   if (h_ts.dimensions().size() != 2) return fail("expected h_ts [Mp/128, F]");
-  SwiGluBackwardShape r{dd[0], dd[1], static_cast<int64_t>(group_sizes.element_count()), h_ts.dimensions()[0]};
+  if (dh.element_type() != ffi::DataType::F32 && dh.element_type() != ffi::DataType::BF16)
+    return fail("dh must be float32 or bfloat16");
+  SwiGluBackwardShape r{dd[0], dd[1], static_cast<int64_t>(group_sizes.element_count()), h_ts.dimensions()[0],
+                        dh.element_type() == ffi::DataType::BF16};
   if (r.F < kFp8Tile || r.F % kFp8Tile != 0)
     return fail("F (dh's channels, half of aq's) must be a positive multiple of 128, got " + std::to_string(r.F));
   const int64_t C = 2 * r.F, Mp = kFp8Tile * r.tiles;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/e4m3.h"
 #include "common/fp8_columns.h"
 #include "common/fp8_rows.h"
@@ -22,7 +23,7 @@ namespace ffi = xla::ffi;
 namespace jmo::cpu {
 namespace {
 
-ffi::Error SwiGluBackwardFp8Impl(ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s, ffi::Buffer<ffi::F32> dh,
+ffi::Error SwiGluBackwardFp8Impl(ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s, ffi::AnyBuffer dh,
                                  ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> da_q,
                                  ffi::Result<ffi::Buffer<ffi::F32>> da_s, ffi::Result<ffi::AnyBuffer> da_t,
                                  ffi::Result<ffi::Buffer<ffi::F32>> da_ts, ffi::Result<ffi::AnyBuffer> h_t,
@@ -35,7 +36,11 @@ ffi::Error SwiGluBackwardFp8Impl(ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s, f
   const int64_t rows = groups->row_off.back();                               // the rows of the groups
   const auto* a = static_cast<const uint8_t*>(aq.untyped_data());
   const float* as = a_s.typed_data();
-  const float* d = dh.typed_data();
+  // dh's value at i in float32 (a bfloat16 dh exactly).
+  const auto* d32 = static_cast<const float*>(dh.untyped_data());
+  const auto* d16 = static_cast<const uint16_t*>(dh.untyped_data());
+  const bool bf16 = shape->dh_bf16;
+  auto d_at = [&](int64_t i) { return bf16 ? Bf16ToFloat(d16[i]) : d32[i]; };
 
   // da [rows, 2F] (d_gate | d_up) and h [rows, F] in float32.
   std::vector<float> da(rows * C), h(rows * F);
@@ -43,7 +48,7 @@ ffi::Error SwiGluBackwardFp8Impl(ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s, f
     for (int64_t c = 0; c < F; ++c) {
       const float gate = DequantizeE4m3(a[r * C + c], as[r * R + c / kRowTile]);
       const float up = DequantizeE4m3(a[r * C + F + c], as[r * R + (F + c) / kRowTile]);
-      SwiGluAndGrad(gate, up, d[r * F + c], &h[r * F + c], &da[r * C + c], &da[r * C + F + c]);
+      SwiGluAndGrad(gate, up, d_at(r * F + c), &h[r * F + c], &da[r * C + c], &da[r * C + F + c]);
     }
 
   // da 1 x 128 (fp8.quantize_rows); a row past the groups as a zero row.

@@ -121,7 +121,7 @@ ffi::Error QuantizeWeightFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
 }
 
 ffi::Error SwiGluBackwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer aq, ffi::Buffer<ffi::F32> a_s,
-                                 ffi::Buffer<ffi::F32> dh, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::AnyBuffer dh, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Result<ffi::AnyBuffer> da_q, ffi::Result<ffi::Buffer<ffi::F32>> da_s,
                                  ffi::Result<ffi::AnyBuffer> da_t, ffi::Result<ffi::Buffer<ffi::F32>> da_ts,
                                  ffi::Result<ffi::AnyBuffer> h_t, ffi::Result<ffi::Buffer<ffi::F32>> h_ts) {
@@ -130,7 +130,8 @@ ffi::Error SwiGluBackwardFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
   if (shape.has_error()) return shape.error();
   if (Status d = UseDevice(ordinal); !d.ok()) return ToFfi(d);
   return ToFfi(SwiGluBackwardFp8(stream, static_cast<const uint8_t*>(aq.untyped_data()), a_s.typed_data(),
-                                 dh.typed_data(), shape->M, shape->F, shape->G, group_sizes.typed_data(), shape->tiles,
+                                 dh.untyped_data(), shape->dh_bf16, shape->M, shape->F, shape->G,
+                                 group_sizes.typed_data(), shape->tiles,
                                  static_cast<uint8_t*>(da_q->untyped_data()), da_s->typed_data(),
                                  static_cast<uint8_t*>(da_t->untyped_data()), da_ts->typed_data(),
                                  static_cast<uint8_t*>(h_t->untyped_data()), h_ts->typed_data()));

@@ -4,7 +4,7 @@
 // the same index and its d_up channels F + those: whole 1 x 128 row tiles of da (two per row) and whole 128 x 1
 // column tiles of da (256 channels) and of h (128), so every output comes from the item's rows of aq, a_s and dh.
 // Warp w takes the tile's rows 16 w .. 16 w + 15, a lane 4 consecutive channels of the gate, of the up projection and
-// of dh. The CTA derives the group tables and places its tile (ops/quantize_columns.cuh's BuildTables,
+// of dh (float32, or bfloat16 read exactly as float32: the kernel's DhT). The CTA derives the group tables and places its tile (ops/quantize_columns.cuh's BuildTables,
 // common/fp8_columns.h), then, by the column quantizer's steps (ops/quantize_columns.cuh) over the three column
 // outputs:
 //   1. each warp loops over its rows 4 at a time (LoadFourRows: the four rows' loads before any math): per row it
@@ -25,6 +25,8 @@
 // empty item (zero bytes, scales 2^-126). The rows of da_q past the groups are written by the CTAs of their channel
 // block in turn (CTA t: rows row_off[G] + 128 t ..): zero values, scales 2^-126, quantize_rows of a zero row.
 #include "cuda/ops/swiglu_backward_fp8.h"
+
+#include <cuda_bf16.h>
 
 #include <string>
 
@@ -88,37 +90,51 @@ __device__ __forceinline__ void RowValues(const RowIn& in, float gate_scale, flo
 
 // Where a lane reads the warp's rows 4 m .. 4 m + 3 and writes their da_q words: row 4 m + b's 4 gate bytes at
 // a + b C (the up's F bytes on), its dh at d + b F, its da_q words at q + b C (and F bytes on); Next moves to m + 1.
+template <class DhT>
 struct LaneRows {
   const uint8_t* a;
-  const float* d;
+  const DhT* d;
   uint8_t* q;
   int64_t C, F;
   __device__ __forceinline__ void Next() { a += 4 * C, d += 4 * F, q += 4 * C; }
 };
 
+// A lane's 4 channels of dh at p (16 bytes of float32, or 8 of bfloat16) as float32, by ld.global.cs (kLastRead:
+// evicted first) or ld.global.nc.
+template <bool kLastRead>
+__device__ __forceinline__ float4 LoadDh(const float* p) {
+  return kLastRead ? __ldcs(reinterpret_cast<const float4*>(p)) : __ldg(reinterpret_cast<const float4*>(p));
+}
+template <bool kLastRead>
+__device__ __forceinline__ float4 LoadDh(const __nv_bfloat16* p) {
+  const uint2 u = kLastRead ? __ldcs(reinterpret_cast<const uint2*>(p)) : __ldg(reinterpret_cast<const uint2*>(p));
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xFFFF0000u));
+}
+
 // The inputs of the warp's rows 4 m .. 4 m + 3, zeros from row b = n on (past the tile's rows: their values are
 // zeros). The four rows' loads all issue before any is used. Step 1 reads the rows from HBM with the default policy,
 // which keeps them in L2 for step 3's read, their last (ld.global.cs: evicted first): re-reading them costs L2
 // traffic only, where holding them in registers and shared memory would halve the CTAs an SM holds.
-template <bool kLastRead>
-__device__ __forceinline__ void LoadFourRows(const LaneRows& at, int n, RowIn (&in)[4]) {
+template <bool kLastRead, class DhT>
+__device__ __forceinline__ void LoadFourRows(const LaneRows<DhT>& at, int n, RowIn (&in)[4]) {
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
     in[b] = {0u, 0u, make_float4(0.f, 0.f, 0.f, 0.f)};
     if (b < n) {  // warp-uniform
       const uint32_t* g = reinterpret_cast<const uint32_t*>(at.a + b * at.C);
       const uint32_t* u = reinterpret_cast<const uint32_t*>(at.a + b * at.C + at.F);
-      const float4* d = reinterpret_cast<const float4*>(at.d + b * at.F);
       if constexpr (kLastRead)
-        in[b] = {__ldcs(g), __ldcs(u), __ldcs(d)};
+        in[b] = {__ldcs(g), __ldcs(u), LoadDh<true>(at.d + b * at.F)};
       else
-        in[b] = {__ldg(g), __ldg(u), __ldg(d)};
+        in[b] = {__ldg(g), __ldg(u), LoadDh<false>(at.d + b * at.F)};
     }
   }
 }
 
+template <class DhT>
 __global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
-    SwiGluBackwardKernel(const uint8_t* __restrict__ aq, const float* __restrict__ a_s, const float* __restrict__ dh,
+    SwiGluBackwardKernel(const uint8_t* __restrict__ aq, const float* __restrict__ a_s, const DhT* __restrict__ dh,
                          int64_t M, int64_t F, const int32_t* __restrict__ sizes, int G, int64_t Mp,
                          uint8_t* __restrict__ da_q, float* __restrict__ da_s, uint8_t* __restrict__ da_t,
                          float* __restrict__ da_ts, uint8_t* __restrict__ h_t, float* __restrict__ h_ts) {
@@ -158,12 +174,12 @@ __global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
     sm.row_scale[half][i] = i < tile.rows ? a_s[(tile.first + i) * R + half * blocks + cb] : 0.f;
   }
   const int64_t first = tile.first + row0;  // the warp's first row
-  const LaneRows rows{aq + first * C + gate_c + kLaneCh * lane, dh + first * F + gate_c + kLaneCh * lane,
+  const LaneRows<DhT> rows{aq + first * C + gate_c + kLaneCh * lane, dh + first * F + gate_c + kLaneCh * lane,
                       da_q + first * C + gate_c + kLaneCh * lane, C, F};
   float* row_s = da_s + first * R + cb;  // the warp's first row's d_gate scale (its d_up scale: blocks on)
   __syncthreads();  // row_scale
   float amax[kOutputs][kLaneCh] = {};
-  LaneRows at = rows;
+  LaneRows<DhT> at = rows;
 #pragma unroll 1
   for (int m = 0; m < kRowsPerWarp / 4; ++m, at.Next(), row_s += 4 * R) {
     RowIn in[4];
@@ -266,11 +282,24 @@ __global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
   }
 }
 
+template <class DhT>
+Status LaunchSwiGluBackward(cudaStream_t stream, const uint8_t* aq, const float* a_s, const DhT* dh, int64_t M,
+                            int64_t F, int64_t G, const int32_t* group_sizes, int64_t tiles, uint8_t* da_q, float* da_s,
+                            uint8_t* da_t, float* da_ts, uint8_t* h_t, float* h_ts) {
+  const auto kernel = SwiGluBackwardKernel<DhT>;
+  Status st = SetKernelSmem(reinterpret_cast<const void*>(kernel), kSmemBytes, "SwiGluBackwardKernel");
+  if (!st.ok()) return st;
+  const int64_t items = tiles * (F / kChannels);
+  kernel<<<static_cast<unsigned>(items), kCtaThreads, kSmemBytes, stream>>>(
+      aq, a_s, dh, M, F, group_sizes, static_cast<int>(G), kColumnTile * tiles, da_q, da_s, da_t, da_ts, h_t, h_ts);
+  return CudaStatus(cudaGetLastError(), "launch of SwiGluBackwardKernel");
+}
+
 }  // namespace
 
-Status SwiGluBackwardFp8(cudaStream_t stream, const uint8_t* aq, const float* a_s, const float* dh, int64_t M,
-                         int64_t F, int64_t G, const int32_t* group_sizes, int64_t tiles, uint8_t* da_q, float* da_s,
-                         uint8_t* da_t, float* da_ts, uint8_t* h_t, float* h_ts) {
+Status SwiGluBackwardFp8(cudaStream_t stream, const uint8_t* aq, const float* a_s, const void* dh, bool dh_bf16,
+                         int64_t M, int64_t F, int64_t G, const int32_t* group_sizes, int64_t tiles, uint8_t* da_q,
+                         float* da_s, uint8_t* da_t, float* da_ts, uint8_t* h_t, float* h_ts) {
   Status st = CheckSizes("swiglu_backward_fp8", M, G);
   if (!st.ok()) return st;
   DeviceInfo dev;
@@ -279,13 +308,11 @@ Status SwiGluBackwardFp8(cudaStream_t stream, const uint8_t* aq, const float* a_
     return Status::Error(kInvalidArgument, "jax_moe_overlap: swiglu_backward_fp8: F must be a positive multiple of "
                                            "128, the tiles at least ceil(M / 128) + G and tiles * F / 128 below "
                                            "2^31, got F=" + std::to_string(F) + ", tiles=" + std::to_string(tiles));
-  if (!(st = SetKernelSmem(reinterpret_cast<const void*>(SwiGluBackwardKernel), kSmemBytes, "SwiGluBackwardKernel"))
-           .ok())
-    return st;
-  const int64_t items = tiles * (F / kChannels);
-  SwiGluBackwardKernel<<<static_cast<unsigned>(items), kCtaThreads, kSmemBytes, stream>>>(
-      aq, a_s, dh, M, F, group_sizes, static_cast<int>(G), kColumnTile * tiles, da_q, da_s, da_t, da_ts, h_t, h_ts);
-  return CudaStatus(cudaGetLastError(), "launch of SwiGluBackwardKernel");
+  if (dh_bf16)
+    return LaunchSwiGluBackward(stream, aq, a_s, static_cast<const __nv_bfloat16*>(dh), M, F, G, group_sizes, tiles,
+                                da_q, da_s, da_t, da_ts, h_t, h_ts);
+  return LaunchSwiGluBackward(stream, aq, a_s, static_cast<const float*>(dh), M, F, G, group_sizes, tiles, da_q, da_s,
+                              da_t, da_ts, h_t, h_ts);
 }
 
 }  // namespace jmo::cuda
