@@ -123,15 +123,17 @@ def test_kernel_against_the_cpu_handler_and_xla(case, capsys):
 
 @requires_hopper
 @pytest.mark.parametrize("case", [base.CASES[0], BIG[0]])
-def test_kernel_equals_the_cpu_handler_where_exp_is_exact(case):
+@pytest.mark.parametrize("dh_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_equals_the_cpu_handler_where_exp_is_exact(case, dh_dtype):
   """Gates 0 and about +-200 only (exp(-gate) = 1, 0 or inf on every platform, so the logistic is 0.5, 1 or 0
-  exactly), ups and dh random: every byte and scale bit for bit."""
+  exactly), ups and dh random (float32, or bfloat16: the kernel's 8-byte loads of dh): every byte and scale bit for
+  bit."""
   M, F, sizes = case
   rng = np.random.default_rng(4)
   a = rng.standard_normal((M, 2 * F)) * np.exp2(rng.integers(-3, 4, (M, 1)))
   a[:, :F] = rng.choice([0.0, 200.0, -200.0], (M, F))
   aq, a_s = fp8.quantize_rows(jnp.asarray(a, jnp.float32))
-  dh = jnp.asarray(rng.standard_normal((M, F)) * np.exp2(rng.integers(-6, 7, (1, F))), jnp.float32)
+  dh = jnp.asarray(rng.standard_normal((M, F)) * np.exp2(rng.integers(-6, 7, (1, F))), dh_dtype)
   gates = np.abs(np.asarray(fp8.dequantize_rows(aq, a_s))[:, :F])
   assert np.all((gates == 0) | (gates > 150)), "each gate dequantizes to 0 or to its tile's +-amax (about 200)"
   tiles = fp8.column_tiles(M, jnp.asarray(sizes, jnp.int32))
