@@ -114,9 +114,10 @@ class Gemms:
     ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_forward_fp8``, one custom call for both.
   swiglu_backward(aq [M, 2F] e4m3, a_s [M, 2F / 128], dh [M, F] float32 or bfloat16, tiles) -> (h_cols, da_rows,
     da_cols): with a = dequantize_rows(aq, a_s), h = swiglu(a) and da its input gradient at dh in float32, h_cols =
-    columns(h), da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is the jnp
-    composition (``DENSE``, ``RAGGED``: the definition); ``KERNELS`` runs ``grouped_gemm.swiglu_backward_fp8``, one
-    custom call for all three.
+    columns(h), da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is
+    the jnp composition (``DENSE``, ``RAGGED``: the definition); ``KERNELS`` runs
+    ``grouped_gemm.swiglu_backward_fp8``, one custom call for all three (on GPUs a bfloat16 dh widened first while
+    ``BF16_DH_KERNEL_ON_GPU`` is off).
   row_columns(q [M, C] e4m3, s [M, C / 128], tiles) -> columns(fp8.dequantize_rows(q, s), tiles): the wgrads' x and
     dy, which the recipe holds row-quantized. None (``DENSE``, ``RAGGED``): that composition; ``KERNELS`` gives the
     pair to ``grouped_gemm.quantize_columns_fp8``, which dequantizes as it reads (CPUs; GPUs while
@@ -127,8 +128,9 @@ class Gemms:
     once ``WEIGHT_QUANTIZER_ON_GPU``), one pass over w.
   quantize_weight_pair(w [E, K, N] float) -> (quantize_weight(w), quantize_weight(w, transposed=False)) from one
     read of w, or None (``DENSE``, ``RAGGED``: no such form; the backward transposes the forward's copy).
-    ``KERNELS`` runs ``grouped_gemm.quantize_weight_fp8_pair`` (CPUs; GPUs once ``WEIGHT_QUANTIZER_ON_GPU``); the
-    forward takes it while ``FORWARD_QUANTIZES_DGRAD_WEIGHTS``.
+    ``KERNELS`` runs ``grouped_gemm.quantize_weight_fp8_pair`` (CPUs; GPUs once ``WEIGHT_QUANTIZER_ON_GPU`` and
+    ``WEIGHT_PAIR_KERNEL_ON_GPU``, else the single-layout call and XLA's transpose of it); the forward takes it while
+    ``FORWARD_QUANTIZES_DGRAD_WEIGHTS``.
   requantizes_weights() -> bool, read when traced: whether the backward makes the dgrads' weights from the master
     weights by ``quantize_weight(w, transposed=False)`` (the forward then keeps the master weights, which the caller
     holds anyway, instead of their quantized copies), rather than transposing the quantized copies the forward kept.
@@ -245,9 +247,20 @@ def _kernel_swiglu_forward(a):
   return swiglu_forward_fp8(a)
 
 
+# Whether GPUs give the SwiGLU backward's kernel a bfloat16 dh as it is (its DhT = bfloat16 instance) rather than
+# widened to float32 first by XLA (the same values, the float32 instance: one more pass over dh). CPUs always do. Off
+# until the bfloat16 instance has passed its GPU test (tests/gpu/test_gpu_swiglu_backward_fp8.py).
+BF16_DH_KERNEL_ON_GPU = False
+
+
 def _kernel_swiglu_backward(aq, a_s, dh, tiles):
-  da_rows, da_cols, h_cols = swiglu_backward_fp8(aq, a_s, dh, tiles)
-  return h_cols, da_rows, da_cols
+  def call(d):
+    da_rows, da_cols, h_cols = swiglu_backward_fp8(aq, a_s, d, tiles)
+    return h_cols, da_rows, da_cols
+
+  if dh.dtype == jnp.float32:
+    return call(dh)
+  return _switched_call(lambda: call(dh), lambda: call(dh.astype(jnp.float32)), BF16_DH_KERNEL_ON_GPU)
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3
@@ -300,12 +313,19 @@ def _kernel_requantizes_weights():
 FORWARD_QUANTIZES_DGRAD_WEIGHTS = True
 
 
+# Whether GPUs run the pair form's kernel (QuantizeWeightKernel's both-layouts instances) rather than the
+# single-layout call and XLA's transpose of its output (the same bits; the transposes then in the forward). CPUs
+# always do. Off until those instances have passed their GPU test (tests/gpu/test_gpu_quantize_weight_fp8.py).
+WEIGHT_PAIR_KERNEL_ON_GPU = False
+
+
 def _kernel_quantize_weight_pair(w):
-  def xla_pair():
-    wq = xla_quantize_weight(w)
+  def transposed_copy():
+    wq = _kernel_quantize_weight(w)
     return wq, fp8.transpose_weight(wq)
 
-  return _switched_call(lambda: quantize_weight_fp8_pair(w), xla_pair, WEIGHT_QUANTIZER_ON_GPU)
+  return _switched_call(lambda: quantize_weight_fp8_pair(w), transposed_copy,
+                        WEIGHT_QUANTIZER_ON_GPU and WEIGHT_PAIR_KERNEL_ON_GPU)
 
 
 # Whether GPUs run GEMM1 with the SwiGLU forward in its epilogue (grouped_matmul_swiglu_fp8's kernel,

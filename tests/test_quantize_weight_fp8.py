@@ -339,6 +339,22 @@ def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
 
 
 @pytest.mark.parametrize("switch_on", [False, True], ids=["switch_off", "switch_on"])
+def test_pair_kernel_on_cpus_and_on_gpus_by_its_switch(monkeypatch, switch_on):
+  """KERNELS.quantize_weight_pair lowered for CPUs runs the pair form's call; for GPUs only with
+  WEIGHT_PAIR_KERNEL_ON_GPU (else the single-layout call and XLA's transpose of it); the same bits either way."""
+  monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", True)
+  monkeypatch.setattr(fp8_experts, "WEIGHT_PAIR_KERNEL_ON_GPU", switch_on)
+  w = weights((2, 256, 128), jnp.bfloat16, seed=2)
+  traced = jax.jit(lambda w: fp8_experts.KERNELS.quantize_weight_pair(w)).trace(w)   # (a fresh function: a fresh trace)
+  assert traced.lower().as_text().count("both = true") == 1
+  for_gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert for_gpu.count(QUANTIZE_WEIGHT_FP8) == 1 and for_gpu.count("both = true") == (1 if switch_on else 0)
+  wq, wt = jax.jit(fp8_experts.KERNELS.quantize_weight_pair)(w)
+  np.testing.assert_array_equal(bits(wq.values), bits(call(w, True).values))
+  np.testing.assert_array_equal(bits(wt.values), bits(call(w, False).values))
+
+
+@pytest.mark.parametrize("switch_on", [False, True], ids=["switch_off", "switch_on"])
 def test_kernels_take_the_call_on_cpus_and_on_gpus_by_the_switch(monkeypatch, switch_on):
   """KERNELS.quantize_weight lowered for CPUs runs the call; for GPUs only with WEIGHT_QUANTIZER_ON_GPU (else XLA's
   quantize_weight, no custom call). Both layouts."""

@@ -213,6 +213,24 @@ def test_bfloat16_dh_is_its_float32_values(case):
     assert np.count_nonzero(bits(got[0][0])) > 0   # not vacuous
 
 
+@pytest.mark.parametrize("switch_on", [False, True], ids=["switch_off", "switch_on"])
+def test_bfloat16_dh_kernel_on_gpus_by_its_switch(monkeypatch, switch_on):
+  """KERNELS.swiglu_backward hands a bfloat16 dh to the call as it is on CPUs, and on GPUs only with
+  BF16_DH_KERNEL_ON_GPU (else widened to float32 first: the same values)."""
+  monkeypatch.setattr(fp8_experts, "BF16_DH_KERNEL_ON_GPU", switch_on)
+  M, F, sizes = CASES[0]
+  aq, a_s, dh = inputs(CASES[0], seed=5)
+  tiles = fp8.column_tiles(M, jnp.asarray(sizes, jnp.int32))
+  traced = jax.jit(lambda *a: fp8_experts.KERNELS.swiglu_backward(*a)).trace(aq, a_s, dh.astype(jnp.bfloat16), tiles)
+  operand = f"tensor<{M}x{F}xbf16>"
+
+  def call_line(text):
+    return next(line for line in text.splitlines() if "jmo_swiglu_backward_fp8" in line and "custom_call" in line)
+
+  assert operand in call_line(traced.lower().as_text())
+  assert (operand in call_line(traced.lower(lowering_platforms=("cuda",)).as_text())) == switch_on
+
+
 @pytest.mark.slow
 def test_larger_case_bit_for_bit_and_repeatable():
   sizes = list(np.random.default_rng(2).multinomial(1900, np.ones(9) / 9)) + [0]

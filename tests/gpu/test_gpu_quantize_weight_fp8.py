@@ -190,6 +190,7 @@ def test_recipe_with_the_weight_quantizer_on_the_gpu(monkeypatch, capsys, requan
     monkeypatch.setattr(fp8_experts, "WEIGHT_QUANTIZER_ON_GPU", True)
     monkeypatch.setattr(fp8_experts, "BACKWARD_REQUANTIZES_WEIGHTS", requantizes)
     monkeypatch.setattr(fp8_experts, "FORWARD_QUANTIZES_DGRAD_WEIGHTS", pair)
+    monkeypatch.setattr(fp8_experts, "WEIGHT_PAIR_KERNEL_ON_GPU", True)
     jax.clear_caches()  # no program traced with the flag off (same functions, same shapes) may be reused
     on, text = _recipe(w1, w2)
     assert text.count(QUANTIZE_WEIGHT_FP8) == calls
