@@ -298,7 +298,8 @@ def combine_slots(slot_out, gates, is_kept):
   """Step 4's gate-weighted sum: the slots' rows back [T k, D] -> y [T, D] float32, the choices summed
   j = 0..k-1. Its backward is written out (``_combine_slots_bwd``): the slots' gradient is one broadcast product
   [T k, D], where the transpose of the per-choice slices would build k zero-padded [T, k, D] float32 arrays and sum
-  them (the FP8 layer's peak temporaries at the training preset's layer: docs/performance.md)."""
+  them. XLA may still hold that product in float32 (docs/performance.md, "The FP8 layer's memory and time at the
+  training preset's layer")."""
   return _slots_sum(slot_out, gates, is_kept)
 
 
