@@ -13,6 +13,12 @@ Settings (the switches not named are off):
   fused+wq+bwq   both and BACKWARD_REQUANTIZES_WEIGHTS: the dgrads' weights quantized again from the master weights
   fused+wq+rq    both and ROW_QUANTIZED_COLUMNS_ON_GPU: the wgrads' x and dy to the column quantizer as the e4m3
                  rows the backward keeps (no dequantization pass in XLA)
+  fused+wq+rq+pair     and FORWARD_QUANTIZES_DGRAD_WEIGHTS with WEIGHT_PAIR_KERNEL_ON_GPU: the dgrads' weights from the
+                       forward's quantizer pass (no transposes in the backward)
+  fused+wq+rq+pair+dh  and expert_gemms.DGRAD_IN_COMPUTE_DTYPE with BF16_DH_KERNEL_ON_GPU: dh in bfloat16 from the
+                       dgrad GEMM to the SwiGLU backward's kernel (the shipped defaults once the two GPU switches
+                       are on)
+The bf16 rows run with every switch as shipped.
 
   python3 -m benchmarks.bench_fp8_switches --out /tmp/fp8_switches.jsonl
   python3 -m benchmarks.bench_fp8_switches --quick --passes fwd      # a small shape (CPU: minutes)
@@ -29,27 +35,42 @@ import numpy as np
 from benchmarks import bench_fp8_layer
 from benchmarks import bench_layer
 from benchmarks import common
-from jax_moe_overlap import fp8_experts
+from jax_moe_overlap import expert_gemms, fp8_experts
 
 SWITCHES = ("FUSED_GEMM1_SWIGLU_ON_GPU", "WEIGHT_QUANTIZER_ON_GPU", "BACKWARD_REQUANTIZES_WEIGHTS",
-            "ROW_QUANTIZED_COLUMNS_ON_GPU")
+            "ROW_QUANTIZED_COLUMNS_ON_GPU", "FORWARD_QUANTIZES_DGRAD_WEIGHTS", "WEIGHT_PAIR_KERNEL_ON_GPU",
+            "DGRAD_IN_COMPUTE_DTYPE", "BF16_DH_KERNEL_ON_GPU")
+_BASE = (*SWITCHES[:2], SWITCHES[3])
 SETTINGS = {"off": (), "fused": SWITCHES[:1], "wq": SWITCHES[1:2], "fused+wq": SWITCHES[:2],
-            "fused+wq+bwq": SWITCHES[:3], "fused+wq+rq": (*SWITCHES[:2], SWITCHES[3])}
+            "fused+wq+bwq": SWITCHES[:3], "fused+wq+rq": _BASE, "fused+wq+rq+pair": (*_BASE, *SWITCHES[4:6]),
+            "fused+wq+rq+pair+dh": (*_BASE, *SWITCHES[4:])}
+
+
+def module_of(name: str):
+  """The module that holds switch `name` (dh's dtype is the layers' rule, expert_gemms'; the rest fp8_experts')."""
+  return expert_gemms if name == "DGRAD_IN_COMPUTE_DTYPE" else fp8_experts
+
+
+def shipped_switches() -> dict:
+  return {name: getattr(module_of(name), name) for name in SWITCHES}
 
 
 def plan(quick: bool):
   """(name, tokens, D, F, E, k, settings): bf16 then the fp8 settings timed at each shape."""
   if quick:
     return [("small", 2048, 1024, 1024, 8, 2, ["bf16", *SETTINGS])]
+  new = ["fused+wq+rq+pair", "fused+wq+rq+pair+dh"]
   return [("mixtral-like", 4096, 4096, 14336, 8, 2, ["bf16", *SETTINGS]),
-          ("mixtral-like", 16384, 4096, 14336, 8, 2, ["bf16", "off", "fused+wq", "fused+wq+rq"]),
-          ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8, ["bf16", "off", "fused", "fused+wq", "fused+wq+rq"]),
-          ("training preset", 32768, 1024, 1024, 16, 4, ["bf16", "off", "fused+wq", "fused+wq+rq"])]
+          ("mixtral-like", 16384, 4096, 14336, 8, 2, ["bf16", "off", "fused+wq", "fused+wq+rq", *new]),
+          ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8, ["bf16", "off", "fused", "fused+wq", "fused+wq+rq",
+                                                              *new]),
+          ("training preset", 32768, 1024, 1024, 16, 4, ["bf16", "off", "fused+wq", "fused+wq+rq", *new])]
 
 
-def _set(setting: str):
+def _set(setting: str, shipped: dict):
+  """The switches of `setting` on and the others off; for bf16, every switch as shipped."""
   for name in SWITCHES:
-    setattr(fp8_experts, name, name in SETTINGS.get(setting, ()))
+    setattr(module_of(name), name, shipped[name] if setting == "bf16" else name in SETTINGS.get(setting, ()))
   jax.clear_caches()
 
 
@@ -70,7 +91,7 @@ def main(argv=None):
   ap.add_argument("--budget", type=float, default=0.0, help="seconds; 0: no limit")
   args = ap.parse_args(argv)
   mesh = jax.make_mesh((1,), ("expert",))
-  shipped = {name: getattr(fp8_experts, name) for name in SWITCHES}
+  shipped = shipped_switches()
   table = common.Table(["shape", "pass", "setting", "ms", "speedup", "vs_off"])
   t0 = time.time()
   try:
@@ -85,7 +106,7 @@ def main(argv=None):
           if args.budget and time.time() - t0 > args.budget:
             table.add(**row, ms="skipped (budget spent)")
             continue
-          _set(setting)
+          _set(setting, shipped)
           q = None if setting == "bf16" else "fp8"
           fn = bench_layer.pass_fn(bench_fp8_layer.layer_fn(mesh, "collective", q), pname)
           try:
@@ -105,7 +126,7 @@ def main(argv=None):
           table.add(**row, ms=f"{ms:.3f}")
   finally:
     for n, v in shipped.items():
-      setattr(fp8_experts, n, v)
+      setattr(module_of(n), n, v)
     jax.clear_caches()
   table.finish(args.out)
 

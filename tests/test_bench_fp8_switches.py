@@ -1,13 +1,13 @@
 """benchmarks/bench_fp8_switches.py on a small shape on CPU: every setting times, each fp8 setting's outputs are the
-all-off setting's bits (on CPUs every switch takes the custom calls: the settings differ only on GPUs), the shipped
-switch values are restored, and the budget skips what is left once spent."""
+all-off setting's bits (on CPUs every switch takes the custom calls: the settings differ only on GPUs) but for dh in
+bfloat16 (a rounding the other settings do not have), the shipped switch values are restored, and the budget skips
+what is left once spent."""
 
 import json
 
 import pytest
 
 from benchmarks import bench_fp8_switches as bench
-from jax_moe_overlap import fp8_experts
 
 pytestmark = pytest.mark.slow
 
@@ -18,16 +18,18 @@ def _rows(path):
 
 
 def test_every_setting_times_and_restores_the_switches(monkeypatch, tmp_path):
-  shipped = {n: getattr(fp8_experts, n) for n in bench.SWITCHES}
-  settings = ["bf16", "off", "fused", "fused+wq", "fused+wq+rq"]
+  shipped = bench.shipped_switches()
+  settings = ["bf16", "off", "fused", "fused+wq", "fused+wq+rq", "fused+wq+rq+pair", "fused+wq+rq+pair+dh"]
   monkeypatch.setattr(bench, "plan", lambda quick: [("tiny", 64, 256, 128, 4, 2, settings)])
   out = tmp_path / "sw.jsonl"
   bench.main(["--passes", "fwd+bwd", "--out", str(out)])
   rows = _rows(out)
   assert [r["setting"] for r in rows] == settings
   assert all(float(r["ms"]) > 0 for r in rows), rows
-  assert [r.get("vs_off") for r in rows[2:]] == ["bitwise"] * 3, rows
-  assert {n: getattr(fp8_experts, n) for n in bench.SWITCHES} == shipped
+  assert [r.get("vs_off") for r in rows[2:6]] == ["bitwise"] * 4, rows
+  assert rows[6]["vs_off"].startswith("max-rel"), rows   # dh rounded to bfloat16
+  assert bench.shipped_switches() == shipped
+  assert shipped["DGRAD_IN_COMPUTE_DTYPE"] and shipped["FORWARD_QUANTIZES_DGRAD_WEIGHTS"]
 
 
 def test_the_budget_skips_what_is_left(monkeypatch, tmp_path):
