@@ -248,7 +248,8 @@ def _kernel_swiglu_forward(a):
 
 
 # Whether GPUs give the SwiGLU backward's kernel a bfloat16 dh as it is (its DhT = bfloat16 instance) rather than
-# widened to float32 first by XLA (the same values, the float32 instance: one more pass over dh). CPUs always do. Off
+# widened to float32 first by XLA (exact_float32: the same values, also where a fused dispatch's float32 dh was rounded
+# just before; the float32 instance: one more pass over dh). CPUs always do. Off
 # until the bfloat16 instance has passed its GPU test (tests/gpu/test_gpu_swiglu_backward_fp8.py).
 BF16_DH_KERNEL_ON_GPU = False
 
@@ -260,7 +261,7 @@ def _kernel_swiglu_backward(aq, a_s, dh, tiles):
 
   if dh.dtype == jnp.float32:
     return call(dh)
-  return _switched_call(lambda: call(dh), lambda: call(dh.astype(jnp.float32)), BF16_DH_KERNEL_ON_GPU)
+  return _switched_call(lambda: call(dh), lambda: call(exact_float32(dh)), BF16_DH_KERNEL_ON_GPU)
 
 
 # Whether GPUs give the wgrads' row-quantized x and dy to the column quantizer as they are (its CUDA kernel on e4m3

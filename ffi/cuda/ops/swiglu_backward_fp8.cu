@@ -4,9 +4,9 @@
 // the same index and its d_up channels F + those: whole 1 x 128 row tiles of da (two per row) and whole 128 x 1
 // column tiles of da (256 channels) and of h (128), so every output comes from the item's rows of aq, a_s and dh.
 // Warp w takes the tile's rows 16 w .. 16 w + 15, a lane 4 consecutive channels of the gate, of the up projection and
-// of dh (float32, or bfloat16 read exactly as float32: the kernel's DhT). The CTA derives the group tables and places its tile (ops/quantize_columns.cuh's BuildTables,
-// common/fp8_columns.h), then, by the column quantizer's steps (ops/quantize_columns.cuh) over the three column
-// outputs:
+// of dh (float32, or bfloat16 read exactly as float32: the kernel's DhT). The CTA derives the group tables and places
+// its tile (ops/quantize_columns.cuh's BuildTables, common/fp8_columns.h), then, by the column quantizer's steps
+// (ops/quantize_columns.cuh) over the three column outputs:
 //   1. each warp loops over its rows 4 at a time (LoadFourRows: the four rows' loads before any math): per row it
 //      computes h, d_gate and d_up (common/swiglu.h, the gate and up dequantized by ops/e4m3.cuh, the logistic's
 //      reciprocal by SwiGluSigmoids), quantizes d_gate and d_up per row (ops/fp8_rows.cuh: the row amax across the warp
@@ -108,8 +108,7 @@ __device__ __forceinline__ float4 LoadDh(const float* p) {
 template <bool kLastRead>
 __device__ __forceinline__ float4 LoadDh(const __nv_bfloat16* p) {
   const uint2 u = kLastRead ? __ldcs(reinterpret_cast<const uint2*>(p)) : __ldg(reinterpret_cast<const uint2*>(p));
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xFFFF0000u));
+  return make_float4(qcols::Bf16Lo(u.x), qcols::Bf16Hi(u.x), qcols::Bf16Lo(u.y), qcols::Bf16Hi(u.y));
 }
 
 // The inputs of the warp's rows 4 m .. 4 m + 3, zeros from row b = n on (past the tile's rows: their values are
@@ -175,7 +174,7 @@ __global__ void __launch_bounds__(kCtaThreads, kCtasPerSm)
   }
   const int64_t first = tile.first + row0;  // the warp's first row
   const LaneRows<DhT> rows{aq + first * C + gate_c + kLaneCh * lane, dh + first * F + gate_c + kLaneCh * lane,
-                      da_q + first * C + gate_c + kLaneCh * lane, C, F};
+                           da_q + first * C + gate_c + kLaneCh * lane, C, F};
   float* row_s = da_s + first * R + cb;  // the warp's first row's d_gate scale (its d_up scale: blocks on)
   __syncthreads();  // row_scale
   float amax[kOutputs][kLaneCh] = {};
