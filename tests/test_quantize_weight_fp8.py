@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fp8_numpy
 from jax_moe_overlap import fp8, fp8_experts
@@ -205,6 +206,19 @@ def test_pair_is_both_layouts_bit_for_bit(dtype):
       np.testing.assert_array_equal(bits(got.values), bits(want.values))
       np.testing.assert_array_equal(bits(got.scales), bits(want.scales))
     assert np.count_nonzero(bits(wt.values)) > 0.5 * wt.values.size   # not vacuous
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_pair_on_sharded_weights(axis_type):
+  """quantize_weight_fp8_pair on a weight sharded over its experts, on an Auto and on an Explicit mesh: the bits of
+  the unsharded call."""
+  w = weights((4, 256, 384), jnp.bfloat16, seed=9)
+  want = jax.jit(quantize_weight_fp8_pair)(w)
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,), devices=jax.devices("cpu")[:4])
+  with jax.set_mesh(mesh):
+    got = jax.jit(quantize_weight_fp8_pair)(jax.device_put(w, NamedSharding(mesh, P("x"))))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(bits(a), bits(b))
 
 
 @pytest.mark.parametrize("shape,dtype,what", [
