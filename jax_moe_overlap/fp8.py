@@ -136,7 +136,25 @@ def quantize_rows(x: jax.Array, pow2: bool = False) -> tuple[jax.Array, jax.Arra
   _check_tiles("the channels of a row", C)
   t = x.astype(jnp.float32).reshape(*x.shape[:-1], C // TILE, TILE)
   s = tile_scale(tile_amax(t, -1), pow2)
-  return _quantize(t, s[..., None]).reshape(x.shape), s
+  return quantize_rows_by(x, s), s
+
+
+def quantize_rows_by(x: jax.Array, s: jax.Array) -> jax.Array:
+  """x [..., C] -> q [..., C] e4m3 by the scales s [..., C / 128] of its 1 x 128 tiles (found by the scale rule)."""
+  t = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // TILE, TILE)
+  return _quantize(t, s[..., None]).reshape(x.shape)
+
+
+def rounded(v: jax.Array, dtype) -> jax.Array:
+  """float32 v rounded to ``dtype``'s values (to nearest even, as the conversion rounds), in float32. For bfloat16 a
+  reduce_precision, which XLA keeps: a float32 -> bfloat16 -> float32 round trip it may fold away (its
+  xla_allow_excess_precision, on by default), handing on values no bfloat16 array holds."""
+  v = v.astype(jnp.float32)
+  if jnp.dtype(dtype) == jnp.float32:
+    return v
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+  return v.astype(dtype).astype(jnp.float32)
 
 
 def dequantize_rows(q: jax.Array, s: jax.Array) -> jax.Array:

@@ -4,7 +4,8 @@ read crossing the exchange in FP8 (DeepSeek-V3's recipe, arXiv 2412.19437, secti
 The exchange is a route's: ``xla_path.Route`` (XLA collectives) or ``fp8_overlap.WorkspaceRoute`` (the workspace's
 dispatch custom call).
 
-``fp8_exchanged_experts`` runs from a rank's token rows to the rows that come back to it, as one ``custom_vjp``:
+``fp8_combined_exchange`` runs from a rank's token rows to their sum over the slots that come back to it (the
+combine, ``slot_combine.combine_slots``), as one ``custom_vjp``:
 
   forward   x [T, D] quantized 1 x 128 with power-of-two scales on the token's owner, once per token (before the
             tensor axis's gather and the k copies of the dispatch); the e4m3 values and their float32 scales cross
@@ -13,19 +14,22 @@ dispatch custom call).
             the expert's rank as the recipe's GEMM1 operand, unchanged (``experts_gemm1``: where the route fuses
             the dispatch with GEMM1, one dispatch_gemm call reads the packed rows where they land); the expert
             outputs come back in the compute dtype (the combine stays in it).
-  backward  the output gradient of the rows that came back (the transpose of the combine's exchange, which is the
-            dispatch) quantized 1 x 128 with power-of-two scales on the token's owner and dispatched packed the same
-            way, read by the recipe's dgrad dh = dy W2^T as it lands (``experts_dy``: fused as the forward's where
-            the route fuses it; ``fp8_experts.recipe_backward``); the input
-            gradient returns to the token owners in the compute dtype, by the transpose of the compute dtype's
-            dispatch (``jax.linear_transpose``: the exchange back and, with a tensor axis, the reduce-scatter).
+  backward  the output gradient of the rows that came back (gate * dy, rounded to the compute dtype, the combine's
+            backward) quantized 1 x 128 with power-of-two scales on the token's owner straight from dy
+            (``slot_combine.quantized_slot_gradients``: the [T k, D] rows are never written), dispatched packed the
+            same way (the transpose of the combine's exchange is the dispatch) and read by the recipe's dgrad
+            dh = dy W2^T as it lands (``experts_dy``: fused as the forward's where the route fuses it;
+            ``fp8_experts.recipe_backward``); the input gradient returns to the token owners in the compute dtype,
+            by the transpose of the compute dtype's dispatch (``jax.linear_transpose``: the exchange back and, with
+            a tensor axis, the reduce-scatter).
 
 A 1 x 128 tile lies within one row, and the exchange moves rows unchanged: the rows quantized on the sender are, bit
 for bit, the rows the recipe would quantize on the expert's rank after an exchange in the compute dtype, so the
 layer's outputs and gradients are those of that order (``tests/test_fp8_exchange.py`` holds them equal bit for bit).
 
 The ``custom_vjp`` spans the exchanges because the quantized rows are no differentiable values (the cotangent of an
-e4m3 array would be e4m3): JAX differentiates neither the quantizer nor the packed bytes. The packed rows are uint8
+e4m3 array would be e4m3): JAX differentiates neither the quantizer nor the packed bytes. It spans the combine so that
+the backward quantizes the slots' gradients from dy's rows and their gates. The packed rows are uint8
 for every exchange (XLA:CPU's all_to_all moves float8_e4m3fn too, but a byte row carries the values and the scales in
 one exchange per direction).
 """
@@ -40,25 +44,28 @@ import numpy as np
 
 from jax_moe_overlap import fp8
 from jax_moe_overlap.fp8_experts import Gemms, recipe_backward, recipe_dgrad_weight, recipe_ffn_columns, recipe_gemm1
+from jax_moe_overlap.slot_combine import combine_slots, gate_gradients, quantized_slot_gradients
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def fp8_exchanged_experts(x, w1, w2, route, gemms: Gemms):
-  """The FP8 recipe on the experts of this rank's tokens, their rows exchanged in FP8.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def fp8_combined_exchange(x, gates, is_kept, w1, w2, route, gemms: Gemms):
+  """The FP8 recipe on the experts of this rank's tokens, their rows exchanged in FP8, and the rows back summed per
+  token with their gates (``slot_combine.combine_slots``).
 
   Args:
-    x: [T, D] this rank's token rows, float32 or bfloat16 (D a multiple of 128). w1: [E_local, D, 2F] and w2:
-      [E_local, F, D] this rank's experts (master weights or ``fp8.Fp8Weight``). route: how rows move, an
+    x: [T, D] this rank's token rows, float32 or bfloat16 (D a multiple of 128). gates: [T', K] float32 and
+      is_kept: [T' K] bool, the route's slots (T': the tensor group's tokens; K slots per token). w1: [E_local, D, 2F]
+      and w2: [E_local, F, D] this rank's experts (master weights or ``fp8.Fp8Weight``). route: how rows move, an
       ``xla_path.Route`` or a ``fp8_overlap.WorkspaceRoute`` (``dispatch_tokens``: token rows to recv rows,
       ``dispatch``: send-buffer rows to recv rows, ``combine_rows``: recv rows back to the send buffer,
-      ``from_send_buffer``: send-buffer rows to slot rows, ``slot_rows``: token rows to slot rows, whose transpose
-      sums a token's slots; ``expert_rows``: the recv rows of each local expert; ``stays_local``: whether no row
-      leaves the device). gemms: ``fp8_experts.RAGGED`` or
+      ``from_send_buffer``: send-buffer rows to slot rows, ``send_slot``: the slot at each send-buffer row,
+      ``slot_rows``: token rows to slot rows, whose transpose sums a token's slots; ``expert_rows``: the recv rows of
+      each local expert; ``stays_local``: whether no row leaves the device). gemms: ``fp8_experts.RAGGED`` or
       ``KERNELS``.
   Returns:
-    [T TP k, D] in x's dtype: each kept slot's expert output at its send row (``route.combine_rows``).
+    y [T', D] float32: sum_j gates[t, j] times slot (t, j)'s expert output where kept, j = 0..K-1.
   """
-  return _forward(x, w1, w2, route, gemms, keep=False)[0]
+  return _combined_forward(x, gates, is_kept, w1, w2, route, gemms, keep=False)[0]
 
 
 def moved(move, route, q, s):
@@ -88,36 +95,38 @@ def experts_gemm1(x, w1, w2, route, gemms, keep: bool = True):
   return recipe_gemm1(*moved(route.dispatch_tokens, route, xq, xs), w1, w2, route.expert_rows, gemms, keep)
 
 
-def experts_dy(d_send, kept, route, gemms):
-  """The output gradients of the send buffer's rows [P, D] quantized 1 x 128 with power-of-two scales on their owner
-  and moved to the experts: (dy's rows there as ``fp8_experts.recipe_dgrad_operands`` takes them, dh = dy W2^T
-  float32 or None). Moved by ``moved``, dh left to the recipe; or where the route fuses the dispatch with the GEMM
-  after it, one dispatch_gemm call on the packed rows computing dh as they land (``route.dispatch_dgrad``), its
-  packed recv rows kept for dW2: the same bits."""
-  dyq, dys = fp8.quantize_rows(d_send, pow2=True)
-  if route.fuses_dispatch_gemm(d_send.shape[1], recipe_ffn_columns(kept)):
+def experts_dy(dyq, dys, kept, route, gemms):
+  """The output gradients of the send buffer's rows (dyq [P, D] e4m3, dys [P, D / 128] float32: quantized 1 x 128
+  with power-of-two scales on their owner) moved to the experts: (dy's rows there as
+  ``fp8_experts.recipe_dgrad_operands`` takes them, dh = dy W2^T float32 or None). Moved by ``moved``, dh left to the
+  recipe; or where the route fuses the dispatch with the GEMM after it, one dispatch_gemm call on the packed rows
+  computing dh as they land (``route.dispatch_dgrad``), its packed recv rows kept for dW2: the same bits."""
+  if route.fuses_dispatch_gemm(dyq.shape[1], recipe_ffn_columns(kept)):
     return route.dispatch_dgrad(fp8.pack_rows(dyq, dys), recipe_dgrad_weight(kept, gemms))
   return moved(route.dispatch, route, dyq, dys), None
 
 
-def _forward(x, w1, w2, route, gemms, keep=True):
+def _combined_forward(x, gates, is_kept, w1, w2, route, gemms, keep=True):
   h_rows, w2q, kept = experts_gemm1(x, w1, w2, route, gemms, keep)
-  out = gemms.rows(*h_rows, w2q, route.expert_rows, x.dtype)
+  slot_out = route.from_send_buffer(route.combine_rows(gemms.rows(*h_rows, w2q, route.expert_rows, x.dtype)))
   # x_like: x's row count and dtype (an empty array) for the transpose of its dispatch.
   x_like = jnp.zeros((x.shape[0], 0), x.dtype)
-  return route.combine_rows(out), (kept, route, x_like)
+  return combine_slots(slot_out, gates, is_kept), (kept, route, x_like, slot_out, gates, is_kept)
 
 
-def _backward(gemms, residuals, d_ret):
-  kept, route, x_like = residuals
-  dy_rows, dh = experts_dy(d_ret, kept, route, gemms)
+def _combined_backward(gemms, residuals, dy):
+  kept, route, x_like, slot_out, gates, is_kept = residuals
+  d_gates = gate_gradients(slot_out, gates, is_kept, dy)
+  dy_rows, dh = experts_dy(*quantized_slot_gradients(dy, gates, is_kept, route.send_slot, slot_out.dtype), kept,
+                           route, gemms)
   dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dy_rows, x_like.dtype, dh)
   # The transpose of x's way to the experts in the compute dtype: each recv row back to its send row, then to its
   # slot (route.combine_rows and from_send_buffer move rows: the transposes of dispatch and send_buffer), then
   # JAX's transpose of slot_rows (the sum over a token's slots, and with a tensor axis the reduce-scatter).
   x_shape = jax.ShapeDtypeStruct((x_like.shape[0], dx_recv.shape[1]), x_like.dtype)
   (dx,) = jax.linear_transpose(route.slot_rows, x_shape)(route.from_send_buffer(route.combine_rows(dx_recv)))
-  return dx, dw1, dw2, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), route)
+  return (dx, d_gates, np.zeros(is_kept.shape, jax.dtypes.float0), dw1, dw2,
+          jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), route))
 
 
-fp8_exchanged_experts.defvjp(_forward, _backward)
+fp8_combined_exchange.defvjp(_combined_forward, _combined_backward)

@@ -174,12 +174,9 @@ def swiglu_forward_composed(a):
 
 
 def exact_float32(v):
-  """v in float32, a bfloat16 v's values exactly: XLA may fold a float32 -> bfloat16 -> float32 round trip away
-  (its xla_allow_excess_precision, on by default), which would hand the composition the unrounded float32 values
-  that the kernels never see, so the bfloat16 rounding is restated as a reduce_precision (to nearest even, as the
-  conversion rounds), which XLA keeps: an identity on values that already are bfloat16."""
-  v32 = v.astype(jnp.float32)
-  return jax.lax.reduce_precision(v32, exponent_bits=8, mantissa_bits=7) if v.dtype == jnp.bfloat16 else v32
+  """v in float32, a bfloat16 v's values exactly (``fp8.rounded``): a float32 -> bfloat16 -> float32 round trip
+  folded away by XLA would hand the composition the unrounded float32 values that the kernels never see."""
+  return fp8.rounded(v, v.dtype)
 
 
 def swiglu_backward_composed(columns: Callable) -> Callable:

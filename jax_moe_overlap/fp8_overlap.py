@@ -2,7 +2,7 @@
 the workspace's ``dispatch`` custom call (docs/design.md, "FP8").
 
 Unfused (where ``call_site.FP8_FUSED_COMBINE_ON_GPU`` is off on a GPU), the expert block is
-``fp8_exchange.fp8_exchanged_experts`` (the ``custom_vjp`` of impl="collective" under FP8) on a ``WorkspaceRoute``,
+``fp8_exchange.fp8_combined_exchange`` (the ``custom_vjp`` of impl="collective" under FP8) on a ``WorkspaceRoute``,
 whose row moves are the dispatch custom call instead of XLA collectives:
 
   forward   x quantized 1 x 128 with power-of-two scales on the token's owner and packed (``fp8.pack_rows``: D + D / 32
@@ -11,9 +11,10 @@ whose row moves are the dispatch custom call instead of XLA collectives:
             writing the compute dtype); the expert rows go back to their slots' owners in the compute dtype by the
             same custom call on the way back's routing (``plan.packed_return``: each recv row to its slot's row
             among its source's kept slots), and each token sums its slots with the gates there
-            (``xla_path.combine_slots``, float32, j = 0..k-1).
-  backward  the slots' output gradients (gates * dy, in the compute dtype, as JAX's transpose of the combine gives
-            them) quantized 1 x 128 with power-of-two scales and dispatched as packed rows, read by the recipe's
+            (``slot_combine.combine_slots``, float32, j = 0..k-1).
+  backward  the slots' output gradients (gates * dy, in the compute dtype, as the combine's backward gives them)
+            quantized 1 x 128 with power-of-two scales straight from dy (``slot_combine.quantized_slot_gradients``:
+            no slot rows written) and dispatched as packed rows, read by the recipe's
             dgrad as they land (``recipe_backward``); the input gradient goes back to the token owners in the compute
             dtype by the way back, and each token sums its slots' (the transpose of ``xla_path.token_slots``).
 
@@ -49,10 +50,11 @@ from jax_moe_overlap import engines
 from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.fp8_exchange import experts_dy, experts_gemm1, fp8_exchanged_experts
+from jax_moe_overlap.fp8_exchange import experts_dy, experts_gemm1, fp8_combined_exchange
 from jax_moe_overlap.fp8_experts import Gemms, recipe_dgrad_operands, recipe_gemms, recipe_kept, recipe_weights
+from jax_moe_overlap.slot_combine import gate_gradients, quantized_slot_gradients
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm_fp8, dispatch_rows, expert_combine_fp8
-from jax_moe_overlap.xla_path import combine_slots, move_rows, token_slots
+from jax_moe_overlap.xla_path import move_rows, token_slots
 
 
 @jax.tree_util.register_dataclass
@@ -140,9 +142,10 @@ class WorkspaceRoute:
     ``xla_path.move_rows``)."""
     return move_rows(send, self.send_row, self.send_slot)
 
-  def to_send_buffer(self, slots):
-    """Slot rows [P, C] -> packed kept-slot rows [P, C]: the transpose of ``from_send_buffer`` (its gradient)."""
-    return move_rows(slots, self.send_slot, self.send_row)
+  @property
+  def is_kept(self) -> jax.Array:
+    """[T k] bool: whether each slot was kept (has a row in the send buffer)."""
+    return self.plan.slot_ret_row >= 0
 
 
 def workspace_route(slot_ids, counts, rank, expert_cap: int, plan: plan_lib.Plan, cap: int,
@@ -161,24 +164,19 @@ def fp8_expert_block(x, gates, w1, w2, route: WorkspaceRoute, quantization: str 
   gemms = recipe_gemms("kernels", quantization)
   if route.info.fp8_fused_combine:  # (call_site.fp8_fused_combine)
     return fp8_combined_experts(x, gates, w1, w2, route, gemms)
-  slot_out = route.from_send_buffer(fp8_exchanged_experts(x, w1, w2, route, gemms=gemms))
-  return _combined(slot_out, gates, route, x.dtype)
-
-
-def _combined(slot_out, gates, route, dtype):
-  """The gate-weighted sum of each token's slots (float32, j = 0..k-1), in dtype."""
-  return combine_slots(slot_out, gates, route.plan.slot_ret_row >= 0).astype(dtype)
+  return fp8_combined_exchange(x, gates, route.is_kept, w1, w2, route, gemms=gemms).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def fp8_combined_experts(x, gates, w1, w2, route: WorkspaceRoute, gemms: Gemms):
   """``fp8_expert_block`` with GEMM2 overlapped with the way back: x's rows dispatched in FP8 and GEMM1 as in
-  ``fp8_exchange.fp8_exchanged_experts``, then one ``expert_combine_fp8`` call (GEMM2 on e4m3 h and w2, each finished
+  ``fp8_exchange.fp8_combined_exchange``, then one ``expert_combine_fp8`` call (GEMM2 on e4m3 h and w2, each finished
   band shipped to its slots' owner, the gate-weighted sum in float32, j = 0..k-1). The same values as the unfused
   block's (the same GEMM rows, rounded to x's dtype, summed in the same order), and its backward: the gates' gradient
-  and the slots' output gradients from the slots' rows as ``xla_path.combine_slots`` differentiates them, the
-  gradients dispatched in FP8 to the recipe's backward (``fp8_experts.recipe_dgrad_operands``), and dx = da W1^T
-  returned by a second ``expert_combine_fp8`` (unit gates: each token's kept slots summed in float32)."""
+  and the slots' output gradients as ``slot_combine.combine_slots`` differentiates them (quantized straight from
+  dy: ``quantized_slot_gradients``), dispatched in FP8 to the recipe's backward
+  (``fp8_experts.recipe_dgrad_operands``), and dx = da W1^T returned by a second ``expert_combine_fp8`` (unit gates:
+  each token's kept slots summed in float32)."""
   return _combined_forward(x, gates, w1, w2, route, gemms, want_slots=False)[0]
 
 
@@ -190,9 +188,10 @@ def _combined_forward(x, gates, w1, w2, route, gemms, want_slots=True):
 
 def _combined_backward(gemms, residuals, dy):
   kept, route, x_like, slot_out, gates = residuals
-  _, pull = jax.vjp(lambda s, g: _combined(s, g, route, x_like.dtype), slot_out, gates)
-  d_slots, d_gates = pull(dy)
-  dy_rows, dh = experts_dy(route.to_send_buffer(d_slots), kept, route, gemms)
+  dy = dy.astype(jnp.float32)  # (the cotangent of combine_slots' float32 sum, as the unfused block's)
+  d_gates = gate_gradients(slot_out, gates, route.is_kept, dy)
+  dyq, dys = quantized_slot_gradients(dy, gates, route.is_kept, route.send_slot, slot_out.dtype)
+  dy_rows, dh = experts_dy(dyq, dys, kept, route, gemms)
   da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, x_like.dtype, dh)
   # dx = da W1^T overlapped with its way back: each token sums its kept slots' rows (unit gates, float32, in slot
   # order), as the forward's return.

@@ -61,7 +61,8 @@ from jax.sharding import PartitionSpec as P
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap import tensor_parallel as tp_lib
 from jax_moe_overlap.expert_gemms import expert_mlp, swiglu
-from jax_moe_overlap.fp8_exchange import fp8_exchanged_experts
+from jax_moe_overlap.fp8_exchange import fp8_combined_exchange
+from jax_moe_overlap.slot_combine import combine_slots
 from jax_moe_overlap.fp8_experts import recipe_gemms
 
 
@@ -94,12 +95,12 @@ def moe_experts_xla(x, expert_ids, gates, w1, w2, *, mesh, axis_name: str, exper
   rank's recv rows for the T TP tokens of its tensor group. Returns (y [T, D], dropped [])."""
   ragged = _uses_ragged_all_to_all(mesh)
   if quantization is None:
-    experts = functools.partial(_unquantized_experts, LOCAL_EXPERTS[impl])
+    block = functools.partial(_unquantized_block, LOCAL_EXPERTS[impl])
   else:
-    experts = functools.partial(fp8_exchanged_experts, gemms=recipe_gemms(FP8_BACKENDS[impl], quantization))
+    block = functools.partial(fp8_combined_exchange, gemms=recipe_gemms(FP8_BACKENDS[impl], quantization))
   fn = functools.partial(_moe_local, axis_name=axis_name, tensor_axis=tensor_axis, batch_axes=batch_axes,
                          num_experts=w2.shape[0], expert_cap=expert_cap, recv_cap=recv_cap, ragged=ragged,
-                         experts=experts)
+                         block=block)
   token_spec, w1_spec, w2_spec = tp_lib.operand_specs(axis_name, tensor_axis, batch_axes)
   w1 = tp_lib.w1_view(w1)
   in_specs = (token_spec,) * 3 + (tp_lib.weight_spec(w1, w1_spec), tp_lib.weight_spec(w2, w2_spec))
@@ -118,22 +119,23 @@ def _unquantized_experts(local_experts, x, w1, w2, route):
   return route.combine_rows(local_experts(recv, w1, w2, route.expert_rows))
 
 
+def _unquantized_block(local_experts, x, gates, is_kept, w1, w2, route):
+  """The slots' rows through the local experts on ``route`` and back, summed per token with their gates (the
+  route's tokens' gates [T, k], is_kept [T k]): y [T, D] float32."""
+  return combine_slots(route.from_send_buffer(_unquantized_experts(local_experts, x, w1, w2, route)), gates, is_kept)
+
+
 def _moe_local(x, expert_ids, gates, w1, w2, *, axis_name, tensor_axis, batch_axes, num_experts, expert_cap,
-               recv_cap, ragged, experts):
+               recv_cap, ragged, block):
   w1 = tp_lib.gate_up_shards(w1)
   route, is_kept, dropped = _route(_group_tokens(expert_ids, tensor_axis), axis_name=axis_name,
                                    tensor_axis=tensor_axis, num_experts=num_experts, expert_cap=expert_cap,
                                    recv_cap=recv_cap, ragged=ragged)
-  y = _routed_block(x, _group_tokens(gates, tensor_axis), w1, w2, route, is_kept, experts)
+  y = block(x, _group_tokens(gates, tensor_axis), is_kept, w1, w2, route)
   if tensor_axis is not None:
     y = jax.lax.psum_scatter(y, tensor_axis, scatter_dimension=0, tiled=True)
   # Every device of a tensor group holds its group's dropped slots: the sum runs over the groups of the expert axis.
   return y.astype(x.dtype), jax.lax.psum(dropped, (*batch_axes, axis_name))
-
-
-def _routed_block(x, gates, w1, w2, route, is_kept, experts):
-  """The slots' rows through ``experts`` on ``route`` and back, summed per token with their gates: y [T, D] float32."""
-  return combine_slots(route.from_send_buffer(experts(x, w1, w2, route)), gates, is_kept)
 
 
 def fp8_one_rank_block(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, expert_cap, recv_cap,
@@ -144,8 +146,8 @@ def fp8_one_rank_block(x, expert_ids, gates, w1, w2, *, axis_name, num_experts, 
   faster than the workspace's dispatch call copies them (docs/performance.md, "Where the FP8 step goes")."""
   route, is_kept, _ = _route(expert_ids, axis_name=axis_name, tensor_axis=None, num_experts=num_experts,
                              expert_cap=expert_cap, recv_cap=recv_cap, ragged=False)
-  experts = functools.partial(fp8_exchanged_experts, gemms=recipe_gemms("kernels", quantization))
-  return _routed_block(x, gates, w1, w2, route, is_kept, experts).astype(x.dtype)
+  block = functools.partial(fp8_combined_exchange, gemms=recipe_gemms("kernels", quantization))
+  return block(x, gates, is_kept, w1, w2, route).astype(x.dtype)
 
 
 def _group_tokens(a, tensor_axis):
@@ -293,54 +295,6 @@ def token_slots(rows, k: int):
   return jnp.broadcast_to(rows[:, None], (rows.shape[0], k) + rows.shape[1:]).reshape((-1,) + rows.shape[1:])
 
 
-@jax.custom_vjp
-def combine_slots(slot_out, gates, is_kept):
-  """Step 4's gate-weighted sum: the slots' rows back [T k, D] -> y [T, D] float32, the choices summed
-  j = 0..k-1. Its backward is written out (``_combine_slots_bwd``): the slots' gradient is one broadcast product
-  [T k, D], where the transpose of the per-choice slices would build k zero-padded [T, k, D] float32 arrays and sum
-  them. XLA may still hold that product in float32 (docs/performance.md, "The FP8 layer's memory and time at the
-  training preset's layer")."""
-  return _slots_sum(slot_out, gates, is_kept)
-
-
-def _slots_sum(slot_out, gates, is_kept):
-  """combine_slots' forward."""
-  T, k = gates.shape
-  slot_out = slot_out.astype(jnp.float32).reshape(T, k, -1)
-  w = _kept_gates(gates, is_kept)
-  y = w[:, 0, None] * slot_out[:, 0]
-  for j in range(1, k):
-    y = y + w[:, j, None] * slot_out[:, j]
-  return y
-
-
-def _kept_gates(gates, is_kept):
-  """[T, k] float32: each slot's gate, 0 where the slot was dropped."""
-  return jnp.where(is_kept.reshape(gates.shape), gates.astype(jnp.float32), 0)
-
-
-def _combine_slots_fwd(slot_out, gates, is_kept):
-  return _slots_sum(slot_out, gates, is_kept), (slot_out, gates, is_kept)
-
-
-def _combine_slots_bwd(res, dy):
-  """The transpose of combine_slots' sum, as autodiff of its formula computes it, value for value: slot (t, j)'s
-  gradient w[t, j] dy[t] (float32, then the slots' dtype), the gate's sum_d dy[t, d] slot_out[t, j, d] where the
-  slot was kept (0 where dropped), then the gates' dtype; is_kept has none."""
-  slot_out, gates, is_kept = res
-  T, k = gates.shape
-  w = _kept_gates(gates, is_kept)
-  d_slots = w[:, :, None] * dy[:, None, :]
-  if k > 1:  # a zero is +0, as the sum of the k zero-padded slices makes it (XLA drops an added +0)
-    d_slots = jnp.where(d_slots == 0, 0.0, d_slots)
-  d_slots = d_slots.reshape(slot_out.shape).astype(slot_out.dtype)
-  s = slot_out.astype(jnp.float32).reshape(T, k, -1)
-  d_w = jnp.stack([jnp.sum(dy * s[:, j], axis=-1) for j in range(k)], axis=1)  # (per choice: the formula's sums)
-  d_gates = jnp.where(is_kept.reshape(gates.shape), d_w, 0).astype(gates.dtype)
-  return d_slots, d_gates, np.zeros(is_kept.shape, jax.dtypes.float0)
-
-
-combine_slots.defvjp(_combine_slots_fwd, _combine_slots_bwd)
 
 
 def _layout_maps(kept_se: jax.Array, rows: int):

@@ -26,18 +26,20 @@ from test_collective import gpu_exchange
 E, T, D, F = 8, 64, 128, 256      # F / 2 = 128: whole tiles on each shard of a tensor axis of 2
 
 
-def _compute_dtype_exchange(x, w1, w2, route, gemms):
-  """The recipe with the rows exchanged in x's dtype and quantized on the expert's rank (forward), the output
-  gradient likewise (fp8_expert_mlp's backward): the reference order for the bitwise check."""
-  return xla_path._unquantized_experts(  # pylint: disable=protected-access
-      lambda rows, w1, w2, sizes: fp8_experts.fp8_expert_mlp(rows, w1, w2, sizes, gemms), x, w1, w2, route)
+def _compute_dtype_exchange(x, gates, is_kept, w1, w2, route, gemms):
+  """The recipe with the rows exchanged in x's dtype and quantized on the expert's rank (forward), the slots' output
+  gradients written out by the combine's backward, exchanged likewise and quantized there (fp8_expert_mlp's
+  backward): the reference order for the bitwise check."""
+  return xla_path._unquantized_block(  # pylint: disable=protected-access
+      lambda rows, w1, w2, sizes: fp8_experts.fp8_expert_mlp(rows, w1, w2, sizes, gemms), x, gates, is_kept, w1, w2,
+      route)
 
 
 @contextlib.contextmanager
 def rows_exchanged_in_the_compute_dtype(monkeypatch):
   api._programs.clear()  # pylint: disable=protected-access
   with monkeypatch.context() as patch:
-    patch.setattr(xla_path, "fp8_exchanged_experts", _compute_dtype_exchange)
+    patch.setattr(xla_path, "fp8_combined_exchange", _compute_dtype_exchange)
     try:
       yield
     finally:

@@ -173,34 +173,3 @@ def test_move_rows_gradient_is_the_inverse_gather():
   got = jax.vjp(lambda r: move_rows(r, index, inverse), rows)[1](ct)[0]
   want = jax.vjp(lambda r: jnp.take(r, index, axis=0, mode="fill", fill_value=0), rows)[1](ct)[0]
   np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("T,k,D", [(64, 4, 96), (33, 1, 16), (40, 8, 24)])
-def test_combine_slots_backward_is_autodiffs_without_padded_slices(dtype, T, k, D):
-  # combine_slots' written-out backward gives autodiff's values of its formula bit for bit (signed zeros of the
-  # dropped slots included), and its jaxpr pads nothing: autodiff's transpose of the per-choice slices pads each to
-  # [T, k, D] float32 and sums them.
-  def formula(slot_out, gates, is_kept):
-    s = slot_out.astype(jnp.float32).reshape(T, k, -1)
-    w = jnp.where(is_kept.reshape(T, k), gates.astype(jnp.float32), 0)
-    y = w[:, 0, None] * s[:, 0]
-    for j in range(1, k):
-      y = y + w[:, j, None] * s[:, j]
-    return y
-
-  rng = np.random.default_rng(T + k)
-  s = jnp.asarray(rng.standard_normal((T * k, D)), dtype)
-  g = jnp.asarray(rng.uniform(0, 1, (T, k)), jnp.float32)
-  kept = jnp.asarray(rng.uniform(0, 1, T * k) > 0.25)
-  dy = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
-  pull = lambda f: jax.jit(lambda s, g: jax.vjp(lambda s, g: f(s, g, kept), s, g)[1](dy))
-  want, got = pull(formula)(s, g), pull(xla_path.combine_slots)(s, g)
-  assert not bool(kept.all()) and float(jnp.abs(want[0]).max()) > 0
-  for a, b in zip(want, got):
-    assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
-  assert np.asarray(xla_path.combine_slots(s, g, kept)).tobytes() == np.asarray(formula(s, g, kept)).tobytes()
-  jaxpr = jax.make_jaxpr(lambda s, g: jax.vjp(lambda s, g: xla_path.combine_slots(s, g, kept), s, g)[1](dy))(s, g)
-  assert "pad" not in str(jaxpr)
-  if k > 1:  # (the formula's own transpose does pad: the check above can fail)
-    assert "pad" in str(jax.make_jaxpr(lambda s, g: jax.vjp(lambda s, g: formula(s, g, kept), s, g)[1](dy))(s, g))
