@@ -18,6 +18,7 @@ recipe, which quantizes the weights inside the program as training does; D and F
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import jax
@@ -29,17 +30,26 @@ from benchmarks import common
 from benchmarks import references
 from benchmarks import set_switch, switch_values
 
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+_NO_BUFFER = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1}
 
 
 def largest_buffers(hlo_text: str, top: int) -> list[tuple[int, str]]:
-  """(bytes, instruction) of the `top` largest array-valued instructions of an optimized HLO text."""
-  found = []
+  """(bytes, instruction) of the `top` largest arrays that instructions of an optimized HLO text write: outside fused
+  computations (an instruction inside a fusion's body is computed in registers, never stored), and not the
+  parameters or the instructions that only name arrays (``_NO_BUFFER``)."""
+  fused = set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo_text))
+  found, inside = [], False
   for line in hlo_text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\w+)\[([\d,]*)\]", line)
-    if m and m.group(1) in _BYTES:
-      n = int(np.prod([int(d) for d in m.group(2).split(",") if d])) * _BYTES[m.group(1)]
-      found.append((n, line.strip()[:160]))
+    header = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if header and not line.startswith(" "):
+      inside = header.group(1) in fused
+      continue
+    m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\(.*?\)|\w+\[[\d,]*\])(?:\{[\d,]*\})? ([\w\-]+)\(", line)
+    if m and not inside and m.group(2) not in _NO_BUFFER:
+      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):   # each array of a tuple result
+        if dtype in _BYTES:
+          found.append((int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES[dtype], line.strip()[:160]))
   return sorted(found, reverse=True)[:top]
 
 
@@ -57,6 +67,7 @@ def main(argv=None):
   ap.add_argument("--switch", default=None, help="MODULE.NAME of a library switch to run each impl under")
   ap.add_argument("--values", default="False,True", help="the switch's settings (with --switch)")
   ap.add_argument("--quantizations", default="none", help="comma-separated: none (the model's dtype), fp8")
+  ap.add_argument("--hlo-dir", default=None, help="also write each program's optimized HLO text there")
   a = ap.parse_args(argv)
   T, D, F, E, k = a.tokens, a.d_model, a.d_ff, a.experts, a.top_k
   mesh = jax.make_mesh((1,), ("expert",))
@@ -84,6 +95,10 @@ def main(argv=None):
       m = compiled.memory_analysis()
       label = impl + ("" if quant == "none" else f" {quant}") + (f", {name}={value}" if a.switch else "")
       print(f"{label}: temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
+      if a.hlo_dir:
+        os.makedirs(a.hlo_dir, exist_ok=True)
+        with open(os.path.join(a.hlo_dir, re.sub(r"[^\w.=-]+", "_", label) + ".hlo.txt"), "w") as f:
+          f.write(compiled.as_text())
       for n, text in largest_buffers(compiled.as_text(), a.top):
         print(f"  {n / 2**30:8.2f} GiB  {text}")
       # The program runs only where asked (the analysis alone must also answer for shapes that do not fit).

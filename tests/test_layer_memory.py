@@ -3,16 +3,28 @@
 from benchmarks import layer_memory
 
 
-def test_largest_buffers_reads_shapes_and_sizes():
+def test_largest_buffers_reads_the_arrays_instructions_write():
+  # Arrays written by instructions of non-fused computations, tuple results counted per array; not the parameters,
+  # the instructions that only name arrays, nor anything inside a fusion's body (computed in registers).
   hlo = """
+%fused_computation (p: f32[4]) -> f32[64,1024,128] {
+  %big = f32[64,1024,128]{2,1,0} broadcast(%p), dimensions={}
+  ROOT %r = f32[64,1024,128]{2,1,0} multiply(%big, %big)
+}
+
+ENTRY %main (a: bf16[4,8]) -> f32[16,1024,128] {
   %a = bf16[4,8]{1,0} parameter(0)
+  %f = f32[16,1024,128]{2,1,0} fusion(%x), kind=kLoop, calls=%fused_computation
   ROOT %b = f32[16,1024,128]{2,1,0} select(%p, %x, %y)
+  %m = (f32[8,8]{1,0}, f8e4m3fn[1024]{0}) custom-call(%a), custom_call_target="k"
+  %g = f32[8,8]{1,0} get-tuple-element(%m), index=0
   %c = (f32[2], s32[3]) tuple(%d, %e)
   %t = s32[] constant(1)
-  """
-  got = layer_memory.largest_buffers(hlo, 2)
-  assert [n for n, _ in got] == [16 * 1024 * 128 * 4, 4 * 8 * 2], got
-  assert "select" in got[0][1]
+}
+"""
+  got = layer_memory.largest_buffers(hlo, 4)
+  assert [n for n, _ in got] == [16 * 1024 * 128 * 4] * 2 + [1024, 8 * 8 * 4], got
+  assert {got[0][1].split()[0], got[1][1].split()[0]} == {"%f", "ROOT"} and "custom-call" in got[2][1]
 
 
 def test_reports_each_impl(capsys):
