@@ -16,13 +16,17 @@ Settings (the switches not named are off):
   fused+wq+rq+pair     and FORWARD_QUANTIZES_DGRAD_WEIGHTS with WEIGHT_PAIR_KERNEL_ON_GPU: the dgrads' weights from the
                        forward's quantizer pass (no transposes in the backward)
   fused+wq+rq+pair+dh  and expert_gemms.DGRAD_IN_COMPUTE_DTYPE with BF16_DH_KERNEL_ON_GPU: dh in bfloat16 from the
-                       dgrad GEMM to the SwiGLU backward's kernel (the shipped defaults once the two GPU switches
-                       are on)
+                       dgrad GEMM to the SwiGLU backward's kernel
+  fused+wq+rq+fq       FORWARD_QUANTIZES_DGRAD_WEIGHTS alone: the forward's quantizer call, then XLA's transpose
+                       of its e4m3 weights (the pair kernel's fallback)
+  fused+wq+rq+dh       dh in bfloat16 to the kernel, the backward transposing the kept weights
+  fused+wq+rq+fq+dh    both
 The bf16 rows run with every switch as shipped.
 
   python3 -m benchmarks.bench_fp8_switches --out /tmp/fp8_switches.jsonl
   python3 -m benchmarks.bench_fp8_switches --quick --passes fwd      # a small shape (CPU: minutes)
-A --budget in seconds skips what is left once it is spent (each skipped row printed).
+A --budget in seconds skips what is left once it is spent (each skipped row printed); --settings runs only the
+settings named (and bf16 and off, the references).
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ SWITCHES = ("FUSED_GEMM1_SWIGLU_ON_GPU", "WEIGHT_QUANTIZER_ON_GPU", "BACKWARD_RE
 _BASE = (*SWITCHES[:2], SWITCHES[3])
 SETTINGS = {"off": (), "fused": SWITCHES[:1], "wq": SWITCHES[1:2], "fused+wq": SWITCHES[:2],
             "fused+wq+bwq": SWITCHES[:3], "fused+wq+rq": _BASE, "fused+wq+rq+pair": (*_BASE, *SWITCHES[4:6]),
-            "fused+wq+rq+pair+dh": (*_BASE, *SWITCHES[4:])}
+            "fused+wq+rq+pair+dh": (*_BASE, *SWITCHES[4:]),
+            "fused+wq+rq+fq": (*_BASE, SWITCHES[4]), "fused+wq+rq+dh": (*_BASE, *SWITCHES[6:]),
+            "fused+wq+rq+fq+dh": (*_BASE, SWITCHES[4], *SWITCHES[6:])}
 
 
 def module_of(name: str):
@@ -59,8 +65,9 @@ def plan(quick: bool):
   """(name, tokens, D, F, E, k, settings): bf16 then the fp8 settings timed at each shape."""
   if quick:
     return [("small", 2048, 1024, 1024, 8, 2, ["bf16", *SETTINGS])]
-  new = ["fused+wq+rq+pair", "fused+wq+rq+pair+dh"]
-  return [("mixtral-like", 4096, 4096, 14336, 8, 2, ["bf16", *SETTINGS]),
+  new = ["fused+wq+rq+pair", "fused+wq+rq+pair+dh", "fused+wq+rq+fq", "fused+wq+rq+dh", "fused+wq+rq+fq+dh"]
+  return [("mixtral-like", 4096, 4096, 14336, 8, 2, ["bf16", "off", "fused", "wq", "fused+wq", "fused+wq+bwq",
+                                                      "fused+wq+rq", *new]),
           ("mixtral-like", 16384, 4096, 14336, 8, 2, ["bf16", "off", "fused+wq", "fused+wq+rq", *new]),
           ("deepseek-like E_l=32", 4096, 7168, 2048, 32, 8, ["bf16", "off", "fused", "fused+wq", "fused+wq+rq",
                                                               *new]),
@@ -89,6 +96,7 @@ def main(argv=None):
   ap = common.shape_parser("fp8_switches.jsonl")
   ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma list of fwd, fwd+bwd")
   ap.add_argument("--budget", type=float, default=0.0, help="seconds; 0: no limit")
+  ap.add_argument("--settings", default="", help="comma list: only these settings (bf16 and off always run)")
   args = ap.parse_args(argv)
   mesh = jax.make_mesh((1,), ("expert",))
   shipped = shipped_switches()
@@ -102,6 +110,8 @@ def main(argv=None):
       for pname in args.passes.split(","):
         bf16_ms, base = None, None
         for setting in settings:
+          if args.settings and setting not in ("bf16", "off", *args.settings.split(",")):
+            continue
           row = dict(shape=f"{name} T={T}", setting=setting, **{"pass": pname})
           if args.budget and time.time() - t0 > args.budget:
             table.add(**row, ms="skipped (budget spent)")

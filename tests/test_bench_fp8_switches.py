@@ -19,17 +19,25 @@ def _rows(path):
 
 def test_every_setting_times_and_restores_the_switches(monkeypatch, tmp_path):
   shipped = bench.shipped_switches()
-  settings = ["bf16", "off", "fused", "fused+wq", "fused+wq+rq", "fused+wq+rq+pair", "fused+wq+rq+pair+dh"]
+  settings = ["bf16", "off", "fused", "fused+wq", "fused+wq+rq", "fused+wq+rq+pair", "fused+wq+rq+fq",
+              "fused+wq+rq+pair+dh", "fused+wq+rq+dh", "fused+wq+rq+fq+dh"]
   monkeypatch.setattr(bench, "plan", lambda quick: [("tiny", 64, 256, 128, 4, 2, settings)])
   out = tmp_path / "sw.jsonl"
   bench.main(["--passes", "fwd+bwd", "--out", str(out)])
   rows = _rows(out)
   assert [r["setting"] for r in rows] == settings
   assert all(float(r["ms"]) > 0 for r in rows), rows
-  assert [r.get("vs_off") for r in rows[2:6]] == ["bitwise"] * 4, rows
-  assert rows[6]["vs_off"].startswith("max-rel"), rows   # dh rounded to bfloat16
+  assert [r.get("vs_off") for r in rows[2:7]] == ["bitwise"] * 5, rows
+  assert all(r["vs_off"].startswith("max-rel") for r in rows[7:]), rows   # dh rounded to bfloat16
   assert bench.shipped_switches() == shipped
   assert shipped["DGRAD_IN_COMPUTE_DTYPE"] and shipped["FORWARD_QUANTIZES_DGRAD_WEIGHTS"]
+
+
+def test_settings_selects_what_runs(monkeypatch, tmp_path):
+  monkeypatch.setattr(bench, "plan", lambda quick: [("tiny", 64, 128, 128, 4, 2, ["bf16", "off", "fused", "wq"])])
+  out = tmp_path / "sw.jsonl"
+  bench.main(["--passes", "fwd", "--settings", "wq", "--out", str(out)])
+  assert [r["setting"] for r in _rows(out)] == ["bf16", "off", "wq"]
 
 
 def test_the_budget_skips_what_is_left(monkeypatch, tmp_path):
