@@ -116,7 +116,7 @@ class Gemms:
     da_cols): with a = dequantize_rows(aq, a_s), h = swiglu(a) and da its input gradient at dh in float32, h_cols =
     columns(h), da_rows = fp8.quantize_rows(da) and da_cols = columns(da). ``swiglu_backward_composed(columns)`` is
     the jnp composition (``DENSE``, ``RAGGED``: the definition); ``KERNELS`` runs
-    ``grouped_gemm.swiglu_backward_fp8``, one custom call for all three (on GPUs a bfloat16 dh widened first while
+    ``grouped_gemm.swiglu_backward_fp8``, one custom call for all three (on GPUs a bfloat16 dh widened first where
     ``BF16_DH_KERNEL_ON_GPU`` is off).
   row_columns(q [M, C] e4m3, s [M, C / 128], tiles) -> columns(fp8.dequantize_rows(q, s), tiles): the wgrads' x and
     dy, which the recipe holds row-quantized. None (``DENSE``, ``RAGGED``): that composition; ``KERNELS`` gives the
@@ -246,9 +246,10 @@ def _kernel_swiglu_forward(a):
 
 # Whether GPUs give the SwiGLU backward's kernel a bfloat16 dh as it is (its DhT = bfloat16 instance) rather than
 # widened to float32 first by XLA (exact_float32: the same values, also where a fused dispatch's float32 dh was rounded
-# just before; the float32 instance: one more pass over dh). CPUs always do. Off
-# until the bfloat16 instance has passed its GPU test (tests/gpu/test_gpu_swiglu_backward_fp8.py).
-BF16_DH_KERNEL_ON_GPU = False
+# just before; the float32 instance: one more pass over dh, and a float32 [rows, F] temporary). CPUs always do. On:
+# the instance passes its GPU test (tests/gpu/test_gpu_swiglu_backward_fp8.py), and the FP8 layer is faster with it
+# and needs 0.25 GiB less at the training preset (docs/performance.md, "The dgrads' weights and dh on a GPU").
+BF16_DH_KERNEL_ON_GPU = True
 
 
 def _kernel_swiglu_backward(aq, a_s, dh, tiles):
@@ -303,17 +304,18 @@ def _kernel_requantizes_weights():
   return BACKWARD_REQUANTIZES_WEIGHTS
 
 
-# Whether the forward quantizes each master weight in both layouts from one read (Gemms.quantize_weight_pair: the
-# forward's Fp8Weight of W and the dgrads' of W^T) and keeps the dgrads' copy, instead of keeping the forward's and
-# transposing it in the backward (fp8.transpose_weight: each e4m3 byte read back and written again): the same bits
-# and the same kept bytes (one e4m3 copy of each weight), the second layout's bytes written once
-# (docs/performance.md, "FP8 layer at EP = 1").
+# Whether the forward quantizes each master weight in both layouts (Gemms.quantize_weight_pair: the forward's
+# Fp8Weight of W and the dgrads' of W^T) and keeps the dgrads' copy, instead of keeping the forward's and transposing
+# it in the backward (fp8.transpose_weight: each e4m3 byte read back and written again): the same bits and the same
+# kept bytes (one e4m3 copy of each weight); on GPUs, as WEIGHT_PAIR_KERNEL_ON_GPU is off, the transposes move to
+# the forward, as fast or a little faster (docs/performance.md, "The dgrads' weights and dh on a GPU").
 FORWARD_QUANTIZES_DGRAD_WEIGHTS = True
 
 
-# Whether GPUs run the pair form's kernel (QuantizeWeightKernel's both-layouts instances) rather than the
-# single-layout call and XLA's transpose of its output (the same bits; the transposes then in the forward). CPUs
-# always do. Off until those instances have passed their GPU test (tests/gpu/test_gpu_quantize_weight_fp8.py).
+# Whether GPUs run the pair form's kernel (QuantizeWeightKernel's both-layouts instances: the second layout from the
+# same read of w) rather than the single-layout call and XLA's transpose of its output (the same bits). CPUs always
+# do. Off: the instances pass their GPU test (tests/gpu/test_gpu_quantize_weight_fp8.py) but take 17-19% longer than
+# the call and the transpose (docs/performance.md, "The dgrads' weights and dh on a GPU").
 WEIGHT_PAIR_KERNEL_ON_GPU = False
 
 
