@@ -97,7 +97,7 @@ def main(argv=None):
       print(f"{label}: temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
       if a.hlo_dir:
         os.makedirs(a.hlo_dir, exist_ok=True)
-        with open(os.path.join(a.hlo_dir, re.sub(r"[^\w.=-]+", "_", label) + ".hlo.txt"), "w") as f:
+        with open(os.path.join(a.hlo_dir, re.sub(r"[^\w.-]+", "_", label) + ".hlo.txt"), "w") as f:
           f.write(compiled.as_text())
       for n, text in largest_buffers(compiled.as_text(), a.top):
         print(f"  {n / 2**30:8.2f} GiB  {text}")

@@ -37,9 +37,12 @@ def test_reports_each_impl(capsys):
   assert out.count(" GiB  ") == 4, out
 
 
-def test_reports_each_quantization(capsys):
+def test_reports_each_quantization(capsys, tmp_path):
   layer_memory.main(["--tokens", "64", "--d-model", "128", "--d-ff", "128", "--experts", "4", "--top-k", "2",
-                     "--impls", "overlap", "--quantizations", "none,fp8", "--top", "1"])
+                     "--impls", "overlap", "--quantizations", "none,fp8", "--top", "1", "--hlo-dir", str(tmp_path)])
+  # One optimized HLO per program, named by plain characters only.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["overlap.hlo.txt", "overlap_fp8.hlo.txt"]
+  assert "ENTRY" in (tmp_path / "overlap_fp8.hlo.txt").read_text()
   out = capsys.readouterr().out
   for label in ("overlap", "overlap fp8"):
     line = next(x for x in out.splitlines() if x.startswith(f"{label}: temporaries "))
