@@ -74,10 +74,12 @@ def moved(move, route, q, s):
   an exchange, so that a row's values and scales travel together; on a route whose rows never leave the device
   (``route.stays_local``) each array is moved by itself: the same rows in the same places (a row no slot fills is
   zero either way: zero values and a zero scale), without the packed copy written and sliced apart. The values move
-  as their bytes: compilers may widen an e4m3 gather to float16 (XLA:CPU does), a uint8 one they move as it is."""
+  as 4-byte words (C is a multiple of 128): compilers may widen an e4m3 gather to float16 (XLA:CPU does), and one
+  of single bytes computes an index per byte (XLA:GPU does), where a word moves four."""
   if route.stays_local:
-    q_bytes = move(jax.lax.bitcast_convert_type(q, jnp.uint8))
-    return jax.lax.bitcast_convert_type(q_bytes, q.dtype), move(s)
+    N, C = q.shape
+    q_words = move(jax.lax.bitcast_convert_type(q.reshape(N, C // 4, 4), jnp.uint32))
+    return jax.lax.bitcast_convert_type(q_words, q.dtype).reshape(-1, C), move(s)
   return fp8.unpack_rows(move(fp8.pack_rows(q, s)))
 
 
@@ -106,6 +108,19 @@ def experts_dy(dyq, dys, kept, route, gemms):
   return moved(route.dispatch, route, dyq, dys), None
 
 
+def slot_gradients_at_experts(dy, gates, is_kept, dtype, kept, route, gemms):
+  """The slots' output gradients (``quantized_slot_gradients``: from dy [T, D] float32 and the slots' gates, rounded
+  to ``dtype``) quantized on their owner and moved to the experts: ``experts_dy``'s (dy's rows there, dh or None).
+  On a route whose rows stay on the device, quantized straight into the experts' rows instead (each recv row's slot
+  moved through the route, a recv row no slot fills a zero row with a zero scale, as ``moved`` leaves it): the same
+  rows without writing the send buffer's and moving their bytes."""
+  if route.stays_local:
+    slot_of_row = route.dispatch((route.send_slot + 1)[:, None])[:, 0] - 1   # -1: a recv row no slot fills
+    q, s = quantized_slot_gradients(dy, gates, is_kept, slot_of_row, dtype)
+    return (q, jnp.where(slot_of_row[:, None] >= 0, s, 0)), None
+  return experts_dy(*quantized_slot_gradients(dy, gates, is_kept, route.send_slot, dtype), kept, route, gemms)
+
+
 def _combined_forward(x, gates, is_kept, w1, w2, route, gemms, keep=True):
   h_rows, w2q, kept = experts_gemm1(x, w1, w2, route, gemms, keep)
   slot_out = route.from_send_buffer(route.combine_rows(gemms.rows(*h_rows, w2q, route.expert_rows, x.dtype)))
@@ -117,8 +132,7 @@ def _combined_forward(x, gates, is_kept, w1, w2, route, gemms, keep=True):
 def _combined_backward(gemms, residuals, dy):
   kept, route, x_like, slot_out, gates, is_kept = residuals
   d_gates = gate_gradients(slot_out, gates, is_kept, dy)
-  dy_rows, dh = experts_dy(*quantized_slot_gradients(dy, gates, is_kept, route.send_slot, slot_out.dtype), kept,
-                           route, gemms)
+  dy_rows, dh = slot_gradients_at_experts(dy, gates, is_kept, slot_out.dtype, kept, route, gemms)
   dx_recv, dw1, dw2 = recipe_backward(gemms, kept, dy_rows, x_like.dtype, dh)
   # The transpose of x's way to the experts in the compute dtype: each recv row back to its send row, then to its
   # slot (route.combine_rows and from_send_buffer move rows: the transposes of dispatch and send_buffer), then

@@ -50,9 +50,9 @@ from jax_moe_overlap import engines
 from jax_moe_overlap import fp8
 from jax_moe_overlap import plan as plan_lib
 from jax_moe_overlap.call_site import RankInfo
-from jax_moe_overlap.fp8_exchange import experts_dy, experts_gemm1, fp8_combined_exchange
+from jax_moe_overlap.fp8_exchange import experts_gemm1, fp8_combined_exchange, slot_gradients_at_experts
 from jax_moe_overlap.fp8_experts import Gemms, recipe_dgrad_operands, recipe_gemms, recipe_kept, recipe_weights
-from jax_moe_overlap.slot_combine import gate_gradients, quantized_slot_gradients
+from jax_moe_overlap.slot_combine import gate_gradients
 from jax_moe_overlap.workspace_calls import dispatch, dispatch_gemm_fp8, dispatch_rows, expert_combine_fp8
 from jax_moe_overlap.xla_path import move_rows, token_slots
 
@@ -190,8 +190,7 @@ def _combined_backward(gemms, residuals, dy):
   kept, route, x_like, slot_out, gates = residuals
   dy = dy.astype(jnp.float32)  # (the cotangent of combine_slots' float32 sum, as the unfused block's)
   d_gates = gate_gradients(slot_out, gates, route.is_kept, dy)
-  dyq, dys = quantized_slot_gradients(dy, gates, route.is_kept, route.send_slot, slot_out.dtype)
-  dy_rows, dh = experts_dy(dyq, dys, kept, route, gemms)
+  dy_rows, dh = slot_gradients_at_experts(dy, gates, route.is_kept, slot_out.dtype, kept, route, gemms)
   da_rows, w1_t, dw1, dw2 = recipe_dgrad_operands(gemms, kept, dy_rows, x_like.dtype, dh)
   # dx = da W1^T overlapped with its way back: each token sums its kept slots' rows (unit gates, float32, in slot
   # order), as the forward's return.

@@ -78,10 +78,10 @@ combine_slots.defvjp(_combine_slots_fwd, _combine_slots_bwd)
 def quantized_slot_gradients(dy, gates, is_kept, slot_of_row, dtype):
   """The slots' output gradients as the send buffer holds them, quantized 1 x 128 with power-of-two scales: bit for
   bit ``fp8.quantize_rows(move(slot_gradients(gates, is_kept, dy, dtype)), pow2=True)`` where ``move`` takes row i
-  from slot slot_of_row[i] (a zero row where that is T k or more: ``xla_path.move_rows``), without writing the
-  slots' rows.
+  from slot slot_of_row[i] (a zero row where that is T k or more, as ``xla_path.move_rows`` gives it, or negative),
+  without writing the slots' rows.
 
-  dy [T, D] float32 (D a multiple of 128), gates [T, k], is_kept [T k], slot_of_row [N] int32 (>= 0) -> (q [N, D] e4m3,
+  dy [T, D] float32 (D a multiple of 128), gates [T, k], is_kept [T k], slot_of_row [N] int32 -> (q [N, D] e4m3,
   s [N, D / 128] float32). A slot's row is w dy[t] rounded to ``dtype``; rounding is monotone and odd, so the amax of
   one of its tiles is |w| times the amax of dy[t]'s tile, rounded alike: the scales come from dy's tile amaxes
   [T, D / 128], and the e4m3 rows from one elementwise pass over dy's rows."""
