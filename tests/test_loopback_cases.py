@@ -18,6 +18,7 @@ from tools.loopback import tensor as tensor_lib
 def _all_cases():
   base = cases_lib.Case()
   out = []
+  suites_seen, layouts_seen = set(), set()
   for name in cases_lib.SUITES:
     for i, c in enumerate(cases_lib.suite(name, base, producer_path=lambda c: "mma.sync bf16")):
       # combine-time and backward-time: each shape at R = 8 in the default pass (the most segments), R = 2 and 4 in
@@ -29,6 +30,15 @@ def _all_cases():
               name in ("tensor-time", "tensor-backward-time", "tensor-time-deepseek") or c.gather_rs or
               name in ("regret-gather", "regret-push", "dispatch-gemm-variants", "regret-push-shapes",
                        "regret-backward", "dispatch-gemm-order", "dispatch-gemm-order-fp8"))
+      # Of the rest, the default pass keeps each suite's first case and the first case of each plan layout (ranks,
+      # a tensor axis or not, capacity drops or not, routing); the other cases of a suite repeat a layout the
+      # default pass checks at other sizes, and run in the slow pass.
+      layout = (c.ranks, c.tensor > 1, c.capacity_factor > 0, c.routing)
+      if not slow and name in suites_seen and layout in layouts_seen:
+        slow = True
+      if not slow:
+        suites_seen.add(name)
+        layouts_seen.add(layout)
       out.append(pytest.param(c, id=f"{name}-{i}", marks=pytest.mark.slow if slow else ()))
   return out
 
@@ -206,8 +216,10 @@ def _exact_run(case, sets):
 
 
 # FP8 dispatch_gemm (packed e4m3 rows, e4m3 w1): its three result modes.
-FP8_DG_SMALL = [{"fp8": True, "d_model": 512, "k_dim": 256, "n_dim": 128, "dispatch_gemm_pushers": 2,
-                 "dispatch_gemm_mode": m} for m in cases_lib.DG_MODES]
+# "train" (the most results: x_recv, pre and h) in the default pass, "plain" and "infer" in the slow pass.
+FP8_DG_SMALL = [pytest.param({"fp8": True, "d_model": 512, "k_dim": 256, "n_dim": 128, "dispatch_gemm_pushers": 2,
+                              "dispatch_gemm_mode": m}, marks=() if m == "train" else pytest.mark.slow)
+                for m in cases_lib.DG_MODES]
 
 
 # Small expert x tensor cases: 2 x 2 (bf16, float32, drops, dispatch_gemm's training forward, a strided check), 1 x 2.
