@@ -300,8 +300,11 @@ def layer_with_xla_quantizer():
   return want
 
 
-@pytest.mark.parametrize("switch_on,pair,calls,both", [(False, True, 2, 2), (False, False, 2, 0), (True, True, 4, 0)],
-                         ids=["pair", "transposes", "requantizes"])
+# The shipped switches (the pair form) in the default pass; the two other settings in the slow pass.
+@pytest.mark.parametrize("switch_on,pair,calls,both", [
+    pytest.param(False, True, 2, 2, id="pair"),
+    pytest.param(False, False, 2, 0, id="transposes", marks=pytest.mark.slow),
+    pytest.param(True, True, 4, 0, id="requantizes", marks=pytest.mark.slow)])
 def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(layer_with_xla_quantizer, switch_on, pair, calls,
                                                                  both):
   """The recipe on CPU takes the call for the forward's weights and the dgrads' from one read of each (2 calls of the

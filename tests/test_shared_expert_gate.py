@@ -74,8 +74,10 @@ def _config(norm_topk_prob):
 
 CASES = [(impl, axis, False) for impl in ("overlap", "xla", "reference") for axis in ("auto", "explicit")]
 CASES += [("overlap", "explicit", True)]
-# The default pass keeps the Explicit-mesh cases (jax.make_mesh's default); the Auto ones run in the slow pass.
-CASES = [c if c[1] == "explicit" else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
+# The default pass keeps impl="overlap" and the reference on Explicit axes (jax.make_mesh's default); the Auto ones,
+# impl="xla" and norm_topk_prob (test_routing checks it by default) run in the slow pass.
+DEFAULT_CASES = (("overlap", "explicit", False), ("reference", "explicit", False))
+CASES = [c if c in DEFAULT_CASES else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
 @pytest.mark.parametrize("impl,axis_type,norm_topk_prob", CASES)
