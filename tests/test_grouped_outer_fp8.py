@@ -20,6 +20,11 @@ CASES = [  # (M, K, N, group sizes): skew, empty groups, partial tiles, rows pas
 ]
 
 
+# Jitted: one program per shape, where the eager calls compile each of their operations for each case's shapes.
+_quantize_columns = jax.jit(fp8.quantize_columns)
+_dequantize_columns = jax.jit(fp8.dequantize_columns)
+
+
 def operands(case, seed):
   """(lhs, rhs, tiles, group sizes) as the recipe's backward makes them: rows of very different magnitudes per
   channel and row (many scales), quantized 128 x 1 per group by fp8.quantize_columns; rows past the groups hold large
@@ -32,7 +37,7 @@ def operands(case, seed):
     return jnp.asarray(x.astype(np.float32))
   gs = jnp.asarray(sizes, jnp.int32)
   tiles = fp8.column_tiles(M, gs)
-  return fp8.quantize_columns(rows(K), tiles), fp8.quantize_columns(rows(N), tiles), tiles, gs
+  return _quantize_columns(rows(K), tiles), _quantize_columns(rows(N), tiles), tiles, gs
 
 
 def group_scales(s, sizes):
@@ -61,8 +66,8 @@ def test_cpu_handler_is_the_emulation(case, out_dtype):
     if n == 0:
       assert not np.any(got[g]), g
   # The dequantized operands' product in float64.
-  lhs = np.asarray(fp8.dequantize_columns(lq, ls, tiles), np.float64)
-  rhs = np.asarray(fp8.dequantize_columns(rq, rs, tiles), np.float64)
+  lhs = np.asarray(_dequantize_columns(lq, ls, tiles), np.float64)
+  rhs = np.asarray(_dequantize_columns(rq, rs, tiles), np.float64)
   off = np.concatenate([[0], np.cumsum(sizes)])
   exact = np.stack([lhs[off[g]:off[g + 1]].T @ rhs[off[g]:off[g + 1]] for g in range(len(sizes))])
   tol = 1e-6 if out_dtype == jnp.float32 else 2.0 ** -8
