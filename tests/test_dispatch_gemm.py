@@ -195,8 +195,10 @@ def test_call_with_row_scale_equals_the_scaled_rows(dtype):
                     4, 1))(jnp.asarray(ids), x, scale, w)
 
 
+# The default pass sends once with the plain transposed GEMM here, and with the SwiGLU's training form in
+# test_call_with_x_recv_copied_equals_the_two_calls; the other two cases in the slow pass.
 @pytest.mark.parametrize("kind,cf,skip,dtype,mode", [
-    pytest.param(*ROUTED[0], jnp.bfloat16, MODES[2], id="all_to_one-bfloat16-swiglu_train"),
+    pytest.param(*ROUTED[0], jnp.bfloat16, MODES[2], id="all_to_one-bfloat16-swiglu_train", marks=pytest.mark.slow),
     pytest.param(*ROUTED[1], jnp.float32, MODES[1], id="skewed-float32-plain_transposed"),
     pytest.param(*ROUTED[1], jnp.bfloat16, MODES[3], id="skewed-bfloat16-swiglu_inference", marks=pytest.mark.slow)])
 def test_call_sending_once_equals_the_two_calls(kind, cf, skip, dtype, mode):
@@ -531,10 +533,12 @@ D8 = 256  # a multiple of 128 (the CUDA kernel's 512 is its own rule: the CPU ha
 ROW8 = D8 + D8 // 32
 
 
+# The SwiGLU's training and inference forms in the default pass; the plain product (the FP8 layer's backward runs it
+# in test_fp8_overlap's fused-dispatch cases) in the slow pass.
 @pytest.mark.parametrize("kind,cf,skip,swiglu,keep,send_once", [
     pytest.param(*ROUTED[0], True, True, False, id="all_to_one-swiglu_train"),
     pytest.param(*ROUTED[1], True, False, True, id="skewed-swiglu_inference-send_once"),
-    pytest.param(*ROUTED[1], False, True, False, id="skewed-plain")])
+    pytest.param(*ROUTED[1], False, True, False, id="skewed-plain", marks=pytest.mark.slow)])
 def test_fp8_call_equals_dispatch_unpack_and_fp8_gemm(kind, cf, skip, swiglu, keep, send_once):
   check_fp8_call(mesh_of(4), 160, D8, 256, kind, cf, skip, swiglu, keep, send_once)
 

@@ -132,6 +132,7 @@ def test_eager_forward_vjp_grad_of_every_impl_on_every_test_mesh():
   assert out.count(": match") == 9, out
 
 
+@pytest.mark.slow  # the default pass keeps the eager module grad on an Explicit mesh under set_mesh (the test below)
 def test_eager_grad_of_the_weights_with_a_committed_x_under_set_mesh():
   """An eager grad of the weights alone on an Explicit mesh: x is concrete and committed (the module's bfloat16 cast
   of x places it under jax.set_mesh), y is traced. y keeps the program's layout; reading a traced y's sharding raised

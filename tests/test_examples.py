@@ -49,6 +49,7 @@ def test_overlap_and_reference_train_the_same(overlap_run):
   np.testing.assert_allclose(ref["eval_loss"], out["eval_loss"], rtol=0, atol=2e-3)
 
 
+@pytest.mark.slow  # two more training runs (15 steps, then 15 resumed); the default pass keeps restoring the checkpoint
 def test_resume_continues_the_same_curve(overlap_run, tmp_path):
   out, _ = overlap_run
   ckpt = str(tmp_path / "ckpt")
