@@ -119,7 +119,9 @@ def test_prequantized_weights_split_over_the_tensor_axis(explicit):
 _OTHER_IMPLS = ("xla", "reference", "collective")
 
 
-@pytest.mark.parametrize("explicit,impls", [(False, ("overlap",)), (True, ("overlap",)),
+# impl="overlap" on Explicit axes in the default pass; on Auto axes, and the other impls, in the slow pass.
+@pytest.mark.parametrize("explicit,impls", [pytest.param(False, ("overlap",), marks=pytest.mark.slow),
+                                            (True, ("overlap",)),
                                             pytest.param(False, _OTHER_IMPLS, marks=pytest.mark.slow),
                                             pytest.param(True, _OTHER_IMPLS, marks=pytest.mark.slow)])
 def test_prequantized_view_keeps_the_tensor_split(explicit, impls):

@@ -319,6 +319,7 @@ def test_layer_with_the_call_equals_the_layer_with_xla_quantizer(layer_with_xla_
                                   b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32), err_msg=name)
 
 
+@pytest.mark.slow  # BACKWARD_REQUANTIZES_WEIGHTS is off in the library; its other settings' tests are slow too
 def test_what_the_forward_keeps_with_the_switch_on(monkeypatch):
   """With BACKWARD_REQUANTIZES_WEIGHTS the forward keeps the master weights themselves (the arrays the caller passed: no
   memory of its own) instead of their quantized copies, 3 E D F bytes of e4m3 values and a float32 scale per
