@@ -20,6 +20,11 @@ CASES = [  # (M, K, N, group sizes): skew, empty groups, partial tiles, rows pas
 ]
 
 
+# Jitted: one program per shape, where the eager calls compile each of their operations for each case's shapes.
+_quantize_rows = jax.jit(fp8.quantize_rows)
+_quantize_weight = jax.jit(fp8.quantize_weight)
+
+
 def operands(case, seed):
   """Quantized operands of a case as the layer makes them: lhs rows quantized 1 x 128 (rows of very different
   magnitudes: per-row scales over 2^-8 .. 2^8), rhs [G, N, K] as fp8.quantize_weight gives Fp8Weight.values; the
@@ -30,8 +35,8 @@ def operands(case, seed):
   w = (rng.standard_normal((len(sizes), K, N)) / np.sqrt(K)).astype(np.float32)
   w *= np.exp2(rng.integers(-3, 4, (len(sizes), K // 128, 1, N // 128, 1))).repeat(128, 2).repeat(128, 4).reshape(
       w.shape)   # a different magnitude per 128 x 128 block
-  lq, ls = fp8.quantize_rows(jnp.asarray(x))
-  wq = fp8.quantize_weight(jnp.asarray(w))
+  lq, ls = _quantize_rows(jnp.asarray(x))
+  wq = _quantize_weight(jnp.asarray(w))
   lq = np.asarray(lq).copy()
   lq[sum(sizes):] = np.asarray(300.0, ml_dtypes.float8_e4m3fn)      # garbage past the groups
   return lq, np.asarray(ls), np.asarray(wq.values), np.asarray(wq.scales), sizes
