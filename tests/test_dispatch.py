@@ -59,8 +59,11 @@ def _dropping_routing(R, tokens, seed):
   return mesh_of(R), ids, cap_e, plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
 
 
-@pytest.mark.parametrize("R,dtype,send_once", [(1, jnp.bfloat16, False), (1, jnp.float32, False),
-                                               (4, jnp.bfloat16, False), (4, jnp.bfloat16, True),
+# Each R, dtype and send_once setting in the default pass; (1, bfloat16) and (4, bfloat16, sending once) in the slow
+# pass.
+@pytest.mark.parametrize("R,dtype,send_once", [pytest.param(1, jnp.bfloat16, False, marks=pytest.mark.slow),
+                                               (1, jnp.float32, False), (4, jnp.bfloat16, False),
+                                               pytest.param(4, jnp.bfloat16, True, marks=pytest.mark.slow),
                                                (4, jnp.float32, True)])
 def test_recv_rows_match_the_plan(R, dtype, send_once):
   tokens = 48
@@ -122,7 +125,9 @@ def test_bad_slot_primary_fails_the_call():
   assert np.array_equal(recv[1, :2 * tokens * R], np.concatenate([xs.reshape(-1, D)] * 2))
 
 
-@pytest.mark.parametrize("R,dtype", [(1, jnp.bfloat16), (1, jnp.float32), (4, jnp.bfloat16), (4, jnp.float32)])
+# (1, float32) and (4, bfloat16) in the default pass, the other two in the slow pass.
+@pytest.mark.parametrize("R,dtype", [pytest.param(1, jnp.bfloat16, marks=pytest.mark.slow), (1, jnp.float32),
+                                     (4, jnp.bfloat16), pytest.param(4, jnp.float32, marks=pytest.mark.slow)])
 def test_scaled_rows_are_the_scaled_arrays_rows(R, dtype):
   # row_scale: slot p's row lands as (scale[p] * x[p // K].astype(f32)).astype(dtype), bitwise the dispatch of that
   # [P, D] array (the layer's backward dispatches gates * dy so), with drops, skipped slots, a zero and a negative

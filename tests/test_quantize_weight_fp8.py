@@ -92,9 +92,15 @@ def assert_matches(w, transposed, twin_too=True):
   return got, differing
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "w_layout"])
+# Each shape once in the default pass, each dtype and each layout among them (every case checks both layouts against
+# each other); the other nine cases in the slow pass.
+DEFAULT_WEIGHT_CASES = {(True, "float32", 0), (False, "bfloat16", 1), (True, "bfloat16", 2)}
+
+
+@pytest.mark.parametrize("transposed,dtype,shape", [
+    pytest.param(t, dtype, shape, id=f"{'transposed' if t else 'w_layout'}-{jnp.dtype(dtype).name}-shape{i}",
+                 marks=() if (t, jnp.dtype(dtype).name, i) in DEFAULT_WEIGHT_CASES else pytest.mark.slow)
+    for t in (True, False) for dtype in (jnp.float32, jnp.bfloat16) for i, shape in enumerate(SHAPES)])
 def test_equals_quantize_weight_and_its_transpose(shape, dtype, transposed):
   w = weights(shape, dtype, seed=sum(shape))
   got, differing = assert_matches(w, transposed)
