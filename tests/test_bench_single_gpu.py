@@ -77,6 +77,7 @@ def test_bench_swiglu_grad_times_every_method(tmp_path, monkeypatch):
   assert float(rows["fused"]["ulps"]) <= 1.0, rows["fused"]
 
 
+@pytest.mark.slow  # a benchmark's FP8 GEMM1 plumbing; test_bench_layer_does_not_time_a_wrong_layer stays by default
 def test_bench_gemm1_swiglu_fp8_compares_the_bytes(capsys, monkeypatch):
   bench_gemm1_swiglu_fp8.run("tiny", 3, 300, 128, 128)
   out = capsys.readouterr().out

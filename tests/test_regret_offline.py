@@ -50,6 +50,7 @@ def test_the_runs_constants_give_the_runs_picks(capsys):
   assert "picks: the run's in every case" in out and "estimated regret" in out
 
 
+@pytest.mark.slow  # the default pass keeps the regret-push run's picks and the readers' own checks
 def test_a_suite_of_both_kinds_reads_each_kinds_lines(capsys):
   # regret-backward: the dgrad dispatch_gemm's P and the dx combine's C, their lines interleaved in the log as the
   # suite ran them (the committed 2026-12-07 run, whose constants are the library's H100 calibration).
@@ -60,6 +61,7 @@ def test_a_suite_of_both_kinds_reads_each_kinds_lines(capsys):
   assert "picks: the run's in every case" in out and "over 10 of 12 cases" in out
 
 
+@pytest.mark.slow  # the default pass keeps the regret-push run's picks and the readers' own checks
 def test_gather_rs_lines_are_read_and_the_runs_constants_give_the_runs_picks(tmp_path, capsys):
   # regret-gather (the committed 2026-12-06 run of 3fed00a, its first pass: three bf16 cases under the H100's
   # calibration, then three float32 cases with the fixed C, which the constants do not decide and are left out).

@@ -1,6 +1,8 @@
 """benchmarks/device_trace.py's reader of a written trace and its kernel table, and benchmarks/decode_trace.py on a
 tiny model on CPU (no GPU events there: the traces carry host planes only)."""
 
+import pytest
+
 from benchmarks import decode_trace, device_trace
 
 
@@ -13,6 +15,7 @@ def test_kernel_table_divides_by_the_traced_steps():
   assert lines[2].split()[:3] == ["0.500", "ms", "4.0x"] and lines[2].endswith("quant")
 
 
+@pytest.mark.slow  # a decode step compiled and traced; test_kernel_table_divides_by_the_traced_steps stays by default
 def test_a_written_trace_is_read_back_and_the_decode_trace_runs(tmp_path, capsys):
   import jax.numpy as jnp
   device_trace.trace_calls(lambda v: v * 2, (jnp.ones(8),), calls=2, warmup=1, logdir=str(tmp_path))
