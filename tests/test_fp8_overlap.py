@@ -408,6 +408,14 @@ def test_workspace_counts_fp8_rows_by_row_bytes():
                                                                        capacity_factor=0.5)
 
 
+# The plan functions jitted for the test below (the ranks run them traced, inside their shard_map): a program each,
+# where the eager calls compile each of their operations.
+_local_counts = jax.jit(plan_lib.local_counts, static_argnums=1)
+_make_plan = jax.jit(plan_lib.make_plan, static_argnums=3)
+_packed_rows = jax.jit(plan_lib.packed_rows, static_argnums=3)
+_packed_return = jax.jit(plan_lib.packed_return, static_argnums=(2, 3))
+
+
 def test_packed_return_inverts_packed_rows():
   """plan.packed_return sends each recv row to the row packed_rows gives its slot on the source, on a 4-rank
   routing with drops and skipped slots (computed for every rank from the same counts, as the ranks do)."""
@@ -415,15 +423,15 @@ def test_packed_return_inverts_packed_rows():
   ids = np.asarray(fp8_inputs(jnp.bfloat16, 9)[1]).reshape(R, tokens, K)
   cap_e = plan_lib.expert_capacity(tokens, R, K, E, 0.5)
   cap = plan_lib.recv_capacity(tokens, R, K, E // R, cap_e)
-  counts = jnp.stack([plan_lib.local_counts(jnp.asarray(i), E).reshape(R, E // R) for i in ids])
-  plans = [plan_lib.make_plan(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e) for r in range(R)]
-  packed = [np.asarray(plan_lib.packed_rows(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e, plans[r])[0])
+  counts = jnp.stack([_local_counts(jnp.asarray(i), E).reshape(R, E // R) for i in ids])
+  plans = [_make_plan(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e) for r in range(R)]
+  packed = [np.asarray(_packed_rows(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e, plans[r])[0])
             for r in range(R)]
   for r in range(R):   # packed_rows' second result is the inverse map
-    slot = np.asarray(plan_lib.packed_rows(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e, plans[r])[1])
+    slot = np.asarray(_packed_rows(jnp.asarray(ids[r]), counts, jnp.int32(r), cap_e, plans[r])[1])
     kept = int(plans[r].ret_rows)
     assert np.all(packed[r][slot[:kept]] == np.arange(kept)) and np.all(slot[kept:] == tokens * K)
-  back = [tuple(np.asarray(a) for a in plan_lib.packed_return(counts, jnp.int32(r), cap_e, cap)) for r in range(R)]
+  back = [tuple(np.asarray(a) for a in _packed_return(counts, jnp.int32(r), cap_e, cap)) for r in range(R)]
   seen = 0
   for s in range(R):
     kept = np.asarray(plans[s].slot_ret_row) >= 0

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 from jax_moe_overlap import plan as plan_lib
 
@@ -74,6 +75,10 @@ def brute_force(all_ids, num_experts, expert_cap):
   return out
 
 
+_local_counts = jax.jit(plan_lib.local_counts, static_argnums=1)
+_make_plan = jax.jit(plan_lib.make_plan, static_argnums=3)
+
+
 # Every routing and capacity factor on four (R, k) shapes in the default pass (each R and each k among them; the first
 # case of a shape compiles its eager operations); the other five shapes in the slow pass.
 DEFAULT_PLAN_SHAPES = ((1, 3), (2, 2), (4, 1), (4, 3))
@@ -89,11 +94,11 @@ def test_plan_matches_brute_force(R, k, kind, cf):
     pytest.skip("needs k <= E/2")
   all_ids = [routing(kind, T, E, k, seed=100 * R + 10 * k + s) for s in range(R)]
   cap_e = plan_lib.expert_capacity(T, R, k, E, cf)
-  counts = np.stack([np.asarray(plan_lib.local_counts(jnp.asarray(i), E)).reshape(R, E // R) for i in all_ids])
+  counts = np.stack([np.asarray(_local_counts(jnp.asarray(i), E)).reshape(R, E // R) for i in all_ids])
   want = brute_force(all_ids, E, cap_e)
   total_dropped = 0
   for r in range(R):
-    got = plan_lib.make_plan(jnp.asarray(all_ids[r]), jnp.asarray(counts), jnp.int32(r), cap_e)
+    got = _make_plan(jnp.asarray(all_ids[r]), jnp.asarray(counts), jnp.int32(r), cap_e)
     w = want[r]
     np.testing.assert_array_equal(got.slot_dest_rank, w["dest_rank"])
     np.testing.assert_array_equal(got.slot_dest_row, w["dest_row"])
