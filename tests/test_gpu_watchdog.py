@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CONFTEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "conftest.py")
 
 
@@ -31,6 +33,7 @@ def test_a_hung_test_ends_the_run_and_is_named(tmp_path):
   assert "time.sleep" in r.stderr or "test_stuck" in r.stderr  # the stack of the stuck thread
 
 
+@pytest.mark.slow  # sleeps 2 s and 1 s in a pytest subprocess; the default pass keeps the watchdog's other two cases
 def test_a_watchdog_mark_sets_a_tests_own_limit(tmp_path):
   r = run_pytest(tmp_path, """
       import time

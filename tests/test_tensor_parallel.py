@@ -36,7 +36,9 @@ def test_capacity_drops_the_slots_the_oracle_drops(impl):
   assert all(d > 0 for d in dropped), dropped
 
 
-@pytest.mark.parametrize("impl", ["overlap", "xla"])
+# impl="overlap" in the default pass; "xla" in the slow pass (it runs with the tensor axis by default in
+# test_every_impl_matches_the_oracle).
+@pytest.mark.parametrize("impl", ["overlap", pytest.param("xla", marks=pytest.mark.slow)])
 def test_explicit_axes_and_a_whole_w1(impl):
   # An Explicit mesh, w1 given as [E, D, 2F] (not its view): y laid out as x, gradients in the inputs' shapes.
   check_matches_oracle(EXPERT_TENSOR, impl, kinds=("skewed",), explicit=True, view=False, seed=6)
