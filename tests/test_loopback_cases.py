@@ -236,9 +236,7 @@ TENSOR_SMALL = [{"ranks": 4, "tensor": 2, **kw} for kw in (
                                 {"dispatch_gemm_pushers": 2, "dg_out_bf16": True}, {"check_tokens": 4},
                                 {"row_scale": True}, {"row_scale": True, "f32": True, "capacity_factor": 1.0},
                                 {"dispatch_gemm_pushers": 2, "dg_out_bf16": True, "row_scale": True},
-                                # FP8 expert_combine in the slow pass: FP8_DG_SMALL's "train" mode checks FP8 by default
-                                pytest.param({"fp8": True, "k_dim": 256, "n_dim": 128}, marks=pytest.mark.slow),
-                                *FP8_DG_SMALL, *TENSOR_SMALL])
+                                {"fp8": True, "k_dim": 256, "n_dim": 128}, *FP8_DG_SMALL, *TENSOR_SMALL])
 def test_check_verdicts(kw, monkeypatch):
   import sys  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
