@@ -143,6 +143,70 @@ def test_kernel_edge_blocks(transposed, capsys):
   _same(s, s2, nan_free=True)
 
 
+def scale_range_weights(dtype, seed=5):
+  """w [1, 128, 128 * B] of B blocks, each one block's amax A (at a random place) among values that test the
+  quotient x / s of every range ops/e4m3.cuh distinguishes, s = float32(A * float32(1 / 448)) the block's scale:
+  e4m3's midpoints times s and the float32 values up to 2 ulps either side, random values in [-A, A], random
+  bfloat16 values (8-bit significands: exact midpoints come often), tiny values (2^-149 .. 2^-60) and signed zeros.
+  Returns (w as float32 NumPy, the blocks' scales).
+  The A's: scales at and just below the fast path's smallest (2^-62), random ones above it (2^-61 .. 2^110, random
+  significands), powers of two, 1.75 * 2^k (s a power of two), and below: in (2^-126, 2^-62) and at the floor
+  (2^-126, tiles of subnormals). With dtype bfloat16 every value (A among them) is rounded to bfloat16 first."""
+  rng = np.random.default_rng(seed)
+  inv448 = np.float32(1 / 448)
+  amaxes = [np.float32(448 * 2.0 ** -62), np.nextafter(np.float32(448 * 2.0 ** -62), np.float32(0)),
+            np.float32(447.99997 * 2.0 ** -62)]
+  amaxes += list((rng.uniform(1, 2, 40) * np.exp2(rng.integers(-52, 118, 40))).astype(np.float32))
+  amaxes += [np.float32(2.0 ** k) for k in (-50, -3, 0, 7, 60)] + [np.float32(1.75 * 2.0 ** k) for k in (-40, 0, 9)]
+  amaxes += list((rng.uniform(1, 2, 8) * np.exp2(rng.integers(-116, -54, 8))).astype(np.float32))
+  amaxes += [np.float32(448 * 2.0 ** -126), np.float32(2.0 ** -120), np.float32(3 * 2.0 ** -140)]
+  if dtype == jnp.bfloat16:
+    amaxes = [np.float32(ml_dtypes.bfloat16(a)) for a in amaxes]
+  mids = (_E4M3_POS[:-1] + _E4M3_POS[1:]) / 2
+  blocks = []
+  for a in amaxes:
+    s = np.float32(a * inv448)
+    at_mids = (np.concatenate([mids, -mids]) * np.float64(max(s, np.float32(2.0 ** -126)))).astype(np.float32)
+    near = np.concatenate([np.nextafter(at_mids, np.float32(np.inf) * np.sign(at_mids))] * 2 + [at_mids] * 2 +
+                          [np.nextafter(at_mids, np.float32(0))] * 2)
+    near = np.concatenate([near, np.nextafter(near[: len(at_mids)], np.float32(np.inf) * np.sign(at_mids))])
+    uniform = rng.uniform(-a, a, 4096).astype(np.float32)
+    bf = rng.uniform(-a, a, 4096).astype(ml_dtypes.bfloat16).astype(np.float32)
+    tiny = (rng.choice([-1, 1], 2048) * np.exp2(rng.uniform(-149, -60, 2048))).astype(np.float32)
+    zeros = np.array([0.0, -0.0] * 64, np.float32)
+    b = np.resize(rng.permutation(np.concatenate([near, uniform, bf, tiny, zeros])), 128 * 128)
+    if dtype == jnp.bfloat16:
+      b = b.astype(ml_dtypes.bfloat16).astype(np.float32)
+    b = np.where(np.abs(b) <= a, b, b * np.float32(0.25)).astype(np.float32)
+    b = np.where(np.abs(b) <= a, b, np.float32(0))
+    b[rng.integers(0, b.size)] = a
+    blocks.append(b.reshape(128, 128))
+  w = np.concatenate(blocks, axis=1)[None]
+  floor = np.float32(fp8.SCALE_FLOOR)
+  return w, np.array([max(np.float32(a * inv448), floor) for a in amaxes], np.float32)
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "w_layout"])
+def test_kernel_quotients_at_every_range_of_scales(dtype, transposed):
+  """scale_range_weights: the kernel's bytes and scales bit for bit the NumPy twin's (IEEE division of float32
+  values, subnormals kept, e4m3 by ml_dtypes), block by block: the quotient ops/e4m3.cuh's fast path computes
+  without a division, and the exact path of the tiles it does not serve."""
+  w, scales = scale_range_weights(dtype)
+  q, s = _kernel(jnp.asarray(w, dtype), transposed)
+  tq, ts = base.twin(w, transposed)
+  np.testing.assert_array_equal(np.ravel(ts).view(np.uint32), scales.view(np.uint32))
+  _same(s, ts)
+  for blk in range(len(scales)):
+    cut = (slice(None), slice(128 * blk, 128 * blk + 128)) if transposed else (slice(None), slice(None),
+                                                                                 slice(128 * blk, 128 * blk + 128))
+    got, want = q[cut], tq[cut]
+    assert np.array_equal(got, want), (
+        f"block {blk} (scale {scales[blk]!r}): {np.count_nonzero(got != want)} of {got.size} bytes differ from the "
+        f"twin's, first at {np.argwhere(got != want)[0].tolist()}")
+
+
 @requires_hopper
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pair_kernel_equals_its_two_calls(dtype):

@@ -6,15 +6,23 @@
 // half), half -> float exact, then one rounded product. A NaN byte decodes to a NaN other than E4m3ToFloat's, but
 // the device's float32 arithmetic returns its one canonical NaN for any NaN operand, so the products agree.
 //
-// Quantization, bitwise RoundE4m3(x / s) of the IEEE quotient: with r = 1 / s (IEEE), r_lo = r (1 - 2^-20) and
-// r_hi = r (1 + 2^-20) (each rounded), x r_lo and x r_hi (rounded) lie on either side of RN(x / s) for every finite x
-// and s >= 2^-126 (relative errors: r, r_lo, r_hi and the products each within 2^-24, so x r_lo <= (x / s)
-// (1 - 2^-20 + 4 2^-24) < RN(x / s) for x > 0, mirrored for x < 0 and x r_hi; where a product falls below 2^-125,
-// x / s, RN(x / s) and both products all round to a signed zero in e4m3, whose sign is x's). e4m3 rounding (the
-// hardware's cvt.rn.satfinite.e4m3x2.f32, RoundE4m3's rule: saturate, then nearest even) is monotone and keeps the
-// sign, so where both products round to the same byte, RN(x / s) does too: that byte is the value's. Otherwise
-// (x / s within about 2^-20 of a rounding midpoint: a few values in 10^5 of random data), and for a tile whose
-// scale is not finite (an inf or NaN in it), the value takes x / s and RoundE4m3 as the CPU handlers do.
+// Quantization, bitwise RoundE4m3(x / s) of the IEEE quotient: with r = 1 / s (IEEE), the quotient by one
+// correction of q0 = x r: t = q0 s - x (exact by the fma), q = q0 - t r (rounded once). That is the sequence CUDA's
+// own __fdiv_rn (div.rn.f32) takes where its range check passes (Markstein's theorem: r correctly rounded and q0
+// within an ulp of x / s make q the correctly rounded quotient, given that t is exact and nothing underflows), and
+// the tiles it serves keep inside that range:
+//   - s >= 2^-62 (and finite): |x| <= 448 s (1 + 2^-23) bounds the quotients; where x / s >= 2^-11 in magnitude,
+//     |x| >= 2^-73, so t is a multiple of 2^-149 that the fma holds exactly and q0, q are normal; where it is
+//     smaller, e4m3 rounds x / s to a signed zero, as it does q (within a few ulps of it, or a subnormal
+//     multiple of 2^-149 below 2^-10);
+//   - s = 2^-126 (kScaleFloor: a tile of zeros, or of values below 448 * 2^-126): r = 2^126, so q0 = x 2^126 is
+//     exact, t = 0 and q = q0.
+// The signs of zero follow x: q0 = x r keeps x's, t = fma(q0, s, -x) is +0 for x = +-0, and q = fma(-t, r, q0) adds
+// -0 to q0 (-0 + +-0 is q0 itself), so x = -0 gives -0 (q0 + t r with t = -0 would give +0 there).
+// e4m3 rounding of q (the hardware's cvt.rn.satfinite.e4m3x2.f32) is RoundE4m3's rule (saturate, then nearest
+// even). Other tiles (a scale that is not finite: an inf or NaN in the tile; a nonzero tile whose scale is below
+// 2^-62) take x / s by IEEE division and RoundE4m3 as the CPU handlers do: the quantizer says which (fast), the same
+// for every value of a tile, so a warp never splits over it.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -44,14 +52,15 @@ __device__ __forceinline__ void DequantizeE4m3Pair(uint32_t two, float s, float&
   b = __fmul_rn(__half2float(__half(__half_raw{h.y})), s);
 }
 
-// A tile's quantizer: 1 / s bracketed (r_lo, r_hi), its scale s, and whether s is finite (else every value takes the
-// exact path). 16-byte aligned with r_lo and r_hi first: the fast path's pair is one 8-byte load from shared memory.
+// A tile's quantizer: r = 1 / s (IEEE), its scale s, and whether its values take the fast path (the top's ranges).
+// 16-byte aligned with r and s first: the fast path's pair is one 8-byte load from shared memory.
 struct alignas(16) Quantizer {
-  float r_lo, r_hi, s;
+  float r, s;
   bool fast;
 };
+constexpr float kFastScaleMin = 0x1p-62f;  // the fast path's smallest scale but kScaleFloor
 __device__ __forceinline__ Quantizer QuantizerOfRecip(float s, float r) {  // r = 1 / s (IEEE) where s is finite
-  return {r * (1.f - 0x1p-20f), r * (1.f + 0x1p-20f), s, isfinite(s)};
+  return {r, s, isfinite(s) && (s >= kFastScaleMin || s == kScaleFloor)};
 }
 __device__ __forceinline__ Quantizer QuantizerOf(float s) { return QuantizerOfRecip(s, 1.f / s); }
 
@@ -82,14 +91,20 @@ __device__ __forceinline__ uint32_t E4m3Pair(float a, float b) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
-// QuantizeFour's fast path: *word = the bracketing products' word, and whether it is the values' word (both brackets
-// agree and s is finite); where not, QuantizeFourExact's word is. A caller quantizing several words can check them
-// all with one branch (each branch is a region ptxas does not schedule across).
+// The IEEE quotient x / s of a fast tile's value (the top): q0 = x r, t = q0 s - x, q0 - t r, each rounded once.
+__device__ __forceinline__ float QuotientFast(float x, const Quantizer& q) {
+  const float q0 = __fmul_rn(x, q.r);
+  const float t = __fmaf_rn(q0, q.s, -x);
+  return __fmaf_rn(-t, q.r, q0);
+}
+
+// QuantizeFour's fast path: *word = the values' word by QuotientFast, and whether the tile is fast (else
+// QuantizeFourExact's word is the values'). A caller quantizing several words can check them all with one branch
+// (each branch is a region ptxas does not schedule across); the answer is the same for all words of one tile.
 __device__ __forceinline__ bool QuantizeFourFast(const float (&v)[4], const Quantizer& q, uint32_t& word) {
-  const uint32_t lo = E4m3Pair(v[0] * q.r_lo, v[1] * q.r_lo) | E4m3Pair(v[2] * q.r_lo, v[3] * q.r_lo) << 16;
-  const uint32_t hi = E4m3Pair(v[0] * q.r_hi, v[1] * q.r_hi) | E4m3Pair(v[2] * q.r_hi, v[3] * q.r_hi) << 16;
-  word = lo;
-  return (lo == hi) & q.fast;  // not &&: no branch, no conditional load
+  word = E4m3Pair(QuotientFast(v[0], q), QuotientFast(v[1], q)) |
+         E4m3Pair(QuotientFast(v[2], q), QuotientFast(v[3], q)) << 16;
+  return q.fast;
 }
 
 // kN values of one tile (kN a multiple of 4) -> kN / 4 words, word m of values 4 m .. 4 m + 3 (QuantizeFourFast's),
@@ -118,7 +133,7 @@ __device__ __forceinline__ void QuantizeWords(const float (&v)[kN], const Quanti
 }
 
 // Four values of one tile -> their four e4m3 bytes as a word (v[0] in the low byte), each RoundE4m3(x / s) (see the
-// top): both bracketing words, and the exact path where they differ or s is not finite.
+// top): by QuotientFast, or by the exact path where the tile is not fast.
 __device__ __forceinline__ uint32_t QuantizeFour(const float (&v)[4], const Quantizer& q) {
   uint32_t word;
   if (__builtin_expect(QuantizeFourFast(v, q, word), 1)) return word;

@@ -51,7 +51,7 @@ __device__ __forceinline__ float LanesRowScaleOfResults(const float (&v)[kN]) {
 __device__ __forceinline__ float WarpRowAmax(const float (&v)[4]) { return LanesRowAmax<32>(v); }
 
 // A lane's 4 values quantized with the tile's scale s: their e4m3 bytes as one word, in channel order, each
-// RoundE4m3(x / s) by the bracketed conversion (ops/e4m3.cuh).
+// RoundE4m3(x / s) by ops/e4m3.cuh's QuantizeFour.
 __device__ __forceinline__ uint32_t QuantizeWord(const float (&v)[4], float s) {
   return QuantizeFour(v, QuantizerOf(s));
 }

@@ -13,7 +13,7 @@
 //   4. each channel's 128 bytes stored to q_t[c, 128 t ..] (a warp per channel: one 128-byte segment).
 // The schedule: QuantizeColumnsLean, one CTA per item, rows loaded into registers (the probe keeps the others it
 // measured slower: tools/probes/quantize_columns_persistent.cuh).
-// Quantization: the bracketed conversion of ops/e4m3.cuh (Quantizer, QuantizeFour), bitwise RoundE4m3(x / s).
+// Quantization: ops/e4m3.cuh's Quantizer and QuantizeFour (QuotientFast), bitwise RoundE4m3(x / s).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -239,19 +239,22 @@ __device__ __forceinline__ void QuantizeItem(const typename In::Raw (&raw)[kRows
     s[t * C + c0 + c] = sc;
   }
   __syncthreads();
+  // Four rows at a time, each row's values decoded once (In::Values), then a word per channel.
 #pragma unroll
-  for (int j = 0; j < L; ++j) {
-    const Quantizer q = sm.quant[L * lane + j];
+  for (int m = 0; m < kRowsPerWarp / 4; ++m) {
+    float all[4][L];
 #pragma unroll
-    for (int m = 0; m < kRowsPerWarp / 4; ++m) {
-      float v[4];
+    for (int b = 0; b < 4; ++b) {
+      In::Values(raw[4 * m + b], all[b]);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        float all[L];
-        In::Values(raw[4 * m + b], all);
-        v[b] = 4 * m + b < valid ? all[j] : 0.f;  // rows past the tile's: 0, whose byte is 0 on the fast path
-      }
-      sm.packed[PackedWord<L>(L * lane + j, warp * (kRowsPerWarp / 4) + m)] = PackFourRows(v, q, m, valid);
+      for (int j = 0; j < L; ++j)
+        if (4 * m + b >= valid) all[b][j] = 0.f;  // rows past the tile's: 0, whose byte is 0 on the fast path
+    }
+#pragma unroll
+    for (int j = 0; j < L; ++j) {
+      const float v[4] = {all[0][j], all[1][j], all[2][j], all[3][j]};
+      sm.packed[PackedWord<L>(L * lane + j, warp * (kRowsPerWarp / 4) + m)] =
+          PackFourRows(v, sm.quant[L * lane + j], m, valid);
     }
   }
   __syncthreads();

@@ -9,10 +9,10 @@
 //   1. each thread reads its 32 values from the stage (ThreadValues: 8 rows x 4 columns transposed, 2 rows x 16
 //      columns in w's layout), its amax, the warp's by shuffles, the 16 warps' through shared memory (barrier B);
 //   2. the scale, ColumnTileScale (fp8.tile_scale), written by thread 0, and the quantizer (QuantizerOfTileScale);
-//   3. the thread's 8 words of 4 values quantized (QuantizeFourFast: the bracketed conversion of ops/e4m3.cuh,
-//      bitwise RoundE4m3 of the IEEE quotient x / s), one branch for the 8; where a word's brackets differ or s is not
-//      finite, PutWordsExact quantizes every word of the thread by QuantizeFour's exact path, its values read again
-//      from the stage;
+//   3. the thread's 8 words of 4 values quantized (QuantizeFourFast: ops/e4m3.cuh's QuotientFast, bitwise
+//      RoundE4m3 of the IEEE quotient x / s); where the block is not a fast tile (its scale not finite, or tiny),
+//      PutWordsExact quantizes every word of the thread by QuantizeFour's exact path, its values read again from the
+//      stage;
 //   4. the words stored straight from registers: transposed ([E, N, K], fp8.quantize_weight's), a thread's 8 rows of
 //      one column are 8 consecutive bytes of a row of W^T (an 8-byte store; 16 lanes write a row's 128 contiguous
 //      bytes); in w's layout ([E, K, N]) a thread's 16 columns of a row are 16 consecutive bytes (a 16-byte store; 8
@@ -206,7 +206,7 @@ struct ThreadValues {
   }
 };
 
-// The exact path of a thread's words (rare: a word whose brackets differ, or a scale that is not finite): each word by
+// The exact path of a thread's words (rare: a block that is not a fast tile, ops/e4m3.cuh): each word by
 // QuantizeFour, its values read again from the stage one by one, stored as a 4-byte word. Out of line, so that
 // across its calls of the exact division nothing but addresses lives.
 template <class T, bool kTransposed>

@@ -20,7 +20,7 @@
 //   4. each channel's 128 bytes go to its row of da_t or h_t at 128 t (StoreChannel: a warp, one 128-byte segment).
 // Nothing of the rows is held between steps 1 and 3 (80 registers, 63 KiB of shared memory: three CTAs per SM), and
 // the row loops are not unrolled, so that the kernel's code fits the instruction cache.
-// Every byte is RoundE4m3 of its IEEE quotient by its scale (ops/e4m3.cuh's bracketed conversion), as in the CPU
+// Every byte is RoundE4m3 of its IEEE quotient by its scale (ops/e4m3.cuh's QuotientFast), as in the CPU
 // handler. Rows of the tile past its group's are zero bytes in da_t and h_t; a tile past the groups' tiles is an
 // empty item (zero bytes, scales 2^-126). The rows of da_q past the groups are written by the CTAs of their channel
 // block in turn (CTA t: rows row_off[G] + 128 t ..): zero values, scales 2^-126, quantize_rows of a zero row.

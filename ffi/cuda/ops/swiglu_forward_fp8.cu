@@ -8,7 +8,7 @@
 // loads are issued before any math. Per row: h = SwiGlu(gate, up) (common/swiglu.h; the logistic by SwiGluSigmoids,
 // ops/swiglu_sigmoid.cuh), each tile's amax by warp shuffles, its scale and bytes (cuda/ops/fp8_rows.cuh: the rules
 // of the CPU handler's loop). Each value's byte is RoundE4m3 of its IEEE quotient by the scale (ops/e4m3.cuh's
-// bracketed conversion).
+// QuotientFast).
 #include "cuda/ops/swiglu_forward_fp8.h"
 
 #include <string>
