@@ -101,8 +101,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
                                axis_name):
   """ragged_all_to_all written from its documented semantics with an all_gather (slow; for checking offsets).
 
-  Received slices whose recv_sizes disagree with the sender's send_sizes are filled with NaN, so that a wrong
-  size computation fails the correctness check instead of passing silently.
+  Received slices whose recv_sizes disagree with the sender's send_sizes are filled with NaN (integer rows: all bits
+  set, which packed e4m3 rows read as NaN values and NaN scales), so that a wrong size computation fails the
+  correctness check instead of passing silently.
   """
   R = jax.lax.axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
@@ -113,6 +114,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   rows = jnp.arange(output.shape[0])
   bshape = (output.shape[0],) + (1,) * (output.ndim - 1)
   result = output
+  poison = (jnp.array(jnp.nan, output.dtype) if jnp.issubdtype(output.dtype, jnp.inexact)
+            else jnp.array(jnp.iinfo(output.dtype).max if jnp.issubdtype(output.dtype, jnp.unsignedinteger) else -1,
+                           output.dtype))
   for s in range(R):
     for j in range(spd):
       i = me * spd + j                                               # the sender's slice index that comes to me
@@ -120,7 +124,7 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
       n = recv_sizes[s * spd + j]
       seg = (rows >= dst_off) & (rows < dst_off + n)
       src = jnp.clip(src_off + rows - dst_off, 0, operand.shape[0] - 1)
-      val = jnp.where(n == size, ops[s][src], jnp.nan).astype(output.dtype)
+      val = jnp.where(n == size, ops[s][src].astype(output.dtype), poison)
       result = jnp.where(seg.reshape(bshape), val, result)
   return result
 

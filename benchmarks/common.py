@@ -87,7 +87,8 @@ EXCHANGES = ("all_to_all", "ragged_all_to_all")
 
 def exchanged_rows(fn, *args, collectives=EXCHANGES) -> list[tuple[str, str, int]]:
   """(collective, element type, bytes per row) of each exchange of rows in ``fn``'s program as traced on ``args``
-  (a row: an operand's last axis; integer operands other than bytes, the exchanges' offsets and sizes, left out), in
+  (a row: an operand's last axis; signed integer operands, the exchanges' offsets and sizes, left out: rows of bytes
+  move as bytes or as 4-byte words, uint8 or uint32), in
   program order; ``collectives``: the primitives counted. Counted on the jaxpr, so the same on every platform."""
   found = []
 
@@ -95,7 +96,7 @@ def exchanged_rows(fn, *args, collectives=EXCHANGES) -> list[tuple[str, str, int
     for eqn in jaxpr.eqns:
       if eqn.primitive.name in collectives:
         aval = eqn.invars[0].aval
-        if not jnp.issubdtype(aval.dtype, jnp.integer) or aval.dtype == jnp.uint8:
+        if not jnp.issubdtype(aval.dtype, jnp.signedinteger):
           found.append((eqn.primitive.name, str(aval.dtype), aval.shape[-1] * aval.dtype.itemsize))
       for param in eqn.params.values():
         for sub in param if isinstance(param, (tuple, list)) else (param,):

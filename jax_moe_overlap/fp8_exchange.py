@@ -60,7 +60,8 @@ def fp8_combined_exchange(x, gates, is_kept, w1, w2, route, gemms: Gemms):
       ``dispatch``: send-buffer rows to recv rows, ``combine_rows``: recv rows back to the send buffer,
       ``from_send_buffer``: send-buffer rows to slot rows, ``send_slot``: the slot at each send-buffer row,
       ``slot_rows``: token rows to slot rows, whose transpose sums a token's slots; ``expert_rows``: the recv rows of
-      each local expert; ``stays_local``: whether no row leaves the device). gemms: ``fp8_experts.RAGGED`` or
+      each local expert; ``stays_local``: whether no row leaves the device; ``moves_words``: whether byte rows may
+      move as 4-byte words). gemms: ``fp8_experts.RAGGED`` or
       ``KERNELS``.
   Returns:
     y [T', D] float32: sum_j gates[t, j] times slot (t, j)'s expert output where kept, j = 0..K-1.
@@ -73,14 +74,21 @@ def moved(move, route, q, s):
   ``route.dispatch``) -> (q, s) at the experts. Packed into one byte row each (``fp8.pack_rows``) where rows cross
   an exchange, so that a row's values and scales travel together; on a route whose rows never leave the device
   (``route.stays_local``) each array is moved by itself: the same rows in the same places (a row no slot fills is
-  zero either way: zero values and a zero scale), without the packed copy written and sliced apart. The values move
-  as 4-byte words (C is a multiple of 128): compilers may widen an e4m3 gather to float16 (XLA:CPU does), and one
-  of single bytes computes an index per byte (XLA:GPU does), where a word moves four."""
+  zero either way: zero values and a zero scale), without the packed copy written and sliced apart. Where XLA moves
+  them (``route.moves_words``), bytes move as 4-byte words (C is a multiple of 128, so a packed row's C + C / 32
+  bytes are too): compilers may widen an e4m3 gather to float16 (XLA:CPU does), and one of single bytes computes an
+  index per byte (XLA:GPU does), where a word moves four; the workspace's dispatch takes the packed bytes."""
   if route.stays_local:
-    N, C = q.shape
-    q_words = move(jax.lax.bitcast_convert_type(q.reshape(N, C // 4, 4), jnp.uint32))
-    return jax.lax.bitcast_convert_type(q_words, q.dtype).reshape(-1, C), move(s)
-  return fp8.unpack_rows(move(fp8.pack_rows(q, s)))
+    return _moved_as_words(move, q), move(s)
+  packed = fp8.pack_rows(q, s)
+  return fp8.unpack_rows(_moved_as_words(move, packed) if route.moves_words else move(packed))
+
+
+def _moved_as_words(move, rows):
+  """Rows [N, W] of 1-byte elements (W a multiple of 4) moved by ``move`` as [N, W / 4] uint32 words."""
+  N, W = rows.shape
+  words = move(jax.lax.bitcast_convert_type(rows.reshape(N, W // 4, 4), jnp.uint32))
+  return jax.lax.bitcast_convert_type(words, rows.dtype).reshape(-1, W)
 
 
 def experts_gemm1(x, w1, w2, route, gemms, keep: bool = True):

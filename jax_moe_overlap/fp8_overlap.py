@@ -87,6 +87,11 @@ class WorkspaceRoute:
     takes ``xla_path.Route`` instead (``api._moe_local``)."""
     return False
 
+  @property
+  def moves_words(self) -> bool:
+    """False: the dispatch custom call takes packed rows as bytes (uint8, ``fp8.pack_rows``)."""
+    return False
+
   def fuses_dispatch_gemm(self, d_model: int, n: int) -> bool:
     """Whether a dispatch of packed rows of d_model channels and the GEMM of n columns after it run as one
     ``dispatch_gemm_fp8`` call: where the call site fuses them (``RankInfo.fp8_fused_dispatch``) and its kernel

@@ -212,6 +212,12 @@ class Route:
     """Whether no row leaves the device: a one-rank expert axis and no tensor axis (inside ``shard_map``)."""
     return self.tensor_axis is None and jax.lax.axis_size(self.axis_name) == 1
 
+  @property
+  def moves_words(self) -> bool:
+    """True: XLA's gathers and collectives move rows of any element type, so rows of bytes may move as 4-byte
+    words (``fp8_exchange.moved``)."""
+    return True
+
   def fuses_dispatch_gemm(self, d_model, n) -> bool:  # pylint: disable=unused-argument
     """False: XLA's collectives move the rows and the GEMM runs after them (``fp8_exchange.experts_gemm1``,
     ``experts_dy``)."""
