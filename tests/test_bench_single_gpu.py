@@ -2,7 +2,8 @@
 bench_fused's and bench_layer's implementations all agree with their float32 references (each row's err; a wrong
 layer is not timed), bench_layer's float32 reference equals the dense one, check_tokamax tells a wrong gradient,
 bench_breakdown times every stage, bench_swiglu_grad compares and times its three methods, bench_gemm1_swiglu_fp8
-compares the fused GEMM1 with the two calls byte for byte, and plot_results draws the PNGs from JSON lines and from the
+compares the fused GEMM1 with the two calls byte for byte, bench_fp8_side_kernels times every FP8 side kernel with the
+same digests run after run, and plot_results draws the PNGs from JSON lines and from the
 key=value rows of a log cut short."""
 
 import functools
@@ -19,6 +20,7 @@ from benchmarks import baselines
 from benchmarks import bench_breakdown
 from benchmarks import bench_eager
 from benchmarks import bench_fp8_layer
+from benchmarks import bench_fp8_side_kernels
 from benchmarks import bench_fused
 from benchmarks import bench_gemm1_swiglu_fp8
 from benchmarks import bench_layer
@@ -50,6 +52,15 @@ def test_bench_fused_checks_every_impl(tmp_path, monkeypatch):
     assert not r["ms"].startswith(("error", "wrong")), r
     if r["impl"] not in ("bare gemm", "bare fp8 gemm"):
       assert float(r["err"]) < 2e-2, r  # against the float32 reference (of the dequantized operands for FP8)
+
+
+@pytest.mark.slow
+def test_bench_fp8_side_kernels_times_each_kernel_with_stable_digests():
+  rows = bench_fp8_side_kernels.main(["--size", "tiny", "--calls", "2"])
+  assert [r["kernel"].split()[0] for r in rows] == ["weight"] * 3 + ["columns"] * 2 + ["swiglu"] * 2 + ["gemm1"]
+  assert all(r["us"] > 0 and r["bytes"] > 0 for r in rows)
+  again = bench_fp8_side_kernels.main(["--size", "tiny", "--kernels", "columns"])
+  assert [r["digest"] for r in again] == [r["digest"] for r in rows if "columns" in r["kernel"]]
 
 
 @pytest.mark.slow
