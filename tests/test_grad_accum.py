@@ -1,5 +1,9 @@
 """examples/train_moe.py --grad-accum: a step over N microbatches equals the step over the whole batch (dropless and
-without the load-balancing loss, the two terms computed per microbatch), and bad splits of the batch are refused."""
+without the load-balancing loss, the two terms computed per microbatch), bad splits of the batch are refused, and under
+FP8 the expert weights are quantized once per step, not once per microbatch."""
+
+import collections
+import re
 
 import jax
 import model as model_lib  # examples/model.py (examples/ is on pytest's pythonpath)
@@ -67,3 +71,55 @@ def test_bad_grad_accum_is_refused(grad_accum, problem):
 def test_preset_keeps_one_microbatch():
   assert train_moe.parse_args(["--preset", "gpu"]).grad_accum == 1
   assert "grad_accum" in train_moe.RESUME_ARGS
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_CALLED = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations|called_computations)=\{?([^}\s]+)")
+
+
+def library_calls_in_loops(hlo: str) -> tuple[collections.Counter, collections.Counter]:
+  """(the library's custom calls, by target, in the computations a while loop runs: its bodies and conditions and
+  everything they call; those elsewhere) of an optimized HLO text."""
+  calls, refs, name = collections.defaultdict(list), collections.defaultdict(set), None
+  loop_roots = set()
+  for line in hlo.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and not line.startswith(" "):
+      name = m.group(1)
+      continue
+    calls[name] += re.findall(r'custom_call_target="(jmo_\w+)"', line)
+    for group in _CALLED.findall(line):
+      refs[name].update(c.lstrip("%") for c in group.split(","))
+    if " while(" in line:
+      loop_roots.update(c.lstrip("%") for c in re.findall(r"\b(?:body|condition)=(%?[\w.\-]+)", line))
+  inside, todo = set(), list(loop_roots)
+  while todo:
+    c = todo.pop()
+    if c not in inside:
+      inside.add(c)
+      todo += refs[c]
+  loops = collections.Counter(t for c in inside for t in calls[c])
+  return loops, collections.Counter(t for c in calls if c not in inside for t in calls[c])
+
+
+@pytest.mark.parametrize("impl", ["collective", pytest.param("overlap", marks=pytest.mark.slow)])
+def test_fp8_weights_are_quantized_once_per_step(impl):
+  """The step over 2 microbatches (one lax.scan iteration each) under --quantization fp8: each MoE layer quantizes
+  its master weights inside the layer, on every call, but they do not change within a step, and XLA's loop-invariant
+  code motion takes the weight quantizer's calls out of the microbatch loop: in the compiled step they run before
+  it, once per step, while the layer's GEMMs run in it."""
+  args = train_moe.parse_args(TINY + ["--d-model", "128", "--d-ff", "128", "--quantization", "fp8",
+                                      "--impl", impl])
+  mesh = model_lib.make_mesh()
+  with jax.set_mesh(mesh):
+    model = model_lib.create_model(train_moe.model_config(args), mesh, args.seed)
+    optimizer, _ = train_moe.make_optimizer(model, args)
+    graphdef, state = nnx.split((model, optimizer))
+    train_text, _ = model_lib.load_text(args.data)
+    batch = jax.device_put(model_lib.train_batch(train_text, 0, args.seed, args.batch_size, args.seq_len),
+                           model_lib.batch_sharding(mesh))
+    hlo = train_moe.train_step.lower(graphdef, (args.lb_weight, args.z_weight), state, batch,
+                                     grad_accum=2).compile().as_text()
+  in_loops, outside = library_calls_in_loops(hlo)
+  assert in_loops["jmo_grouped_matmul_swiglu_fp8"] >= 1, (in_loops, outside)   # the layer runs per microbatch
+  assert outside["jmo_quantize_weight_fp8"] >= 1 and in_loops["jmo_quantize_weight_fp8"] == 0, (in_loops, outside)
