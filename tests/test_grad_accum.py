@@ -3,6 +3,7 @@ without the load-balancing loss, the two terms computed per microbatch), bad spl
 FP8 the expert weights are quantized once per step, not once per microbatch."""
 
 import collections
+import contextlib
 import re
 
 import jax
@@ -17,9 +18,9 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--e
         "--warmup", "1"]
 
 
-def _two_steps(args, grad_accum):
-  """(metrics of two train steps on step 0's batch, parameters before them, parameters after them). The schedule's
-  learning rate is 0 at the first step and the peak (--warmup 1) at the second, which moves the parameters."""
+@contextlib.contextmanager
+def _example_step(args):
+  """Under the example's mesh: (graphdef, state, batch) of train_moe.train_step for args, the batch step 0's."""
   mesh = model_lib.make_mesh()
   with jax.set_mesh(mesh):
     model = model_lib.create_model(train_moe.model_config(args), mesh, args.seed)
@@ -28,6 +29,13 @@ def _two_steps(args, grad_accum):
     train_text, _ = model_lib.load_text(args.data)
     batch = jax.device_put(model_lib.train_batch(train_text, 0, args.seed, args.batch_size, args.seq_len),
                            model_lib.batch_sharding(mesh))
+    yield graphdef, state, batch
+
+
+def _two_steps(args, grad_accum):
+  """(metrics of two train steps on step 0's batch, parameters before them, parameters after them). The schedule's
+  learning rate is 0 at the first step and the peak (--warmup 1) at the second, which moves the parameters."""
+  with _example_step(args) as (graphdef, state, batch):
     before = [np.asarray(p) for p in jax.tree.leaves(state[0])]     # the step donates the state's buffers
     metrics = []
     for _ in range(2):
@@ -110,14 +118,7 @@ def test_fp8_weights_are_quantized_once_per_step(impl):
   it, once per step, while the layer's GEMMs run in it."""
   args = train_moe.parse_args(TINY + ["--d-model", "128", "--d-ff", "128", "--quantization", "fp8",
                                       "--impl", impl])
-  mesh = model_lib.make_mesh()
-  with jax.set_mesh(mesh):
-    model = model_lib.create_model(train_moe.model_config(args), mesh, args.seed)
-    optimizer, _ = train_moe.make_optimizer(model, args)
-    graphdef, state = nnx.split((model, optimizer))
-    train_text, _ = model_lib.load_text(args.data)
-    batch = jax.device_put(model_lib.train_batch(train_text, 0, args.seed, args.batch_size, args.seq_len),
-                           model_lib.batch_sharding(mesh))
+  with _example_step(args) as (graphdef, state, batch):
     hlo = train_moe.train_step.lower(graphdef, (args.lb_weight, args.z_weight), state, batch,
                                      grad_accum=2).compile().as_text()
   in_loops, outside = library_calls_in_loops(hlo)

@@ -18,7 +18,7 @@
 //   - s = 2^-126 (kScaleFloor: a tile of zeros, or of values below 448 * 2^-126): r = 2^126, so q0 = x 2^126 is
 //     exact, t = 0 and q = q0.
 // The signs of zero follow x: q0 = x r keeps x's, t = fma(q0, s, -x) is +0 for x = +-0, and q = fma(-t, r, q0) adds
-// -0 to q0 (-0 + +-0 is q0 itself), so x = -0 gives -0 (q0 + t r with t = -0 would give +0 there).
+// -t r = -0 to q0 (-0 + +-0 is q0 itself), so x = -0 gives -0.
 // e4m3 rounding of q (the hardware's cvt.rn.satfinite.e4m3x2.f32) is RoundE4m3's rule (saturate, then nearest
 // even). Other tiles (a scale that is not finite: an inf or NaN in the tile; a nonzero tile whose scale is below
 // 2^-62) take x / s by IEEE division and RoundE4m3 as the CPU handlers do: the quantizer says which (fast), the same
