@@ -6,6 +6,10 @@
 # the order base, new, base, new.
 #
 #   AB_BASE=.ab_base bash benchmarks/run_ab.sh
+# With JMO_PREBUILT=out/prebuilt set, each tree takes its own out/prebuilt where that holds builds of its sources
+# (tests/gpu/build_gpu.sh), so neither builds on the device: `bash tools/prebuild.sh` here and, for a base tree whose
+# tools/prebuild.sh gzips (both fit one call's carry), `(cd .ab_base && PYTHON=$PWD/../.venv/bin/python bash
+# tools/prebuild.sh)`; carry ["out/prebuilt", ".ab_base/out/prebuilt"] (the base's own .gitignore ignores its out/).
 # Steps and their limits (seconds): AB_TESTS (the new tree's GPU tests against its installed package, before the
 # timings; 0, the default, skips them; AB_TESTS_K their -k expression), AB_BITS (tools/ab_outputs.py: the GEMM,
 # SwiGLU and FP8 quantizer kernels' outputs on fixed inputs under each tree's package, compared element by element;

@@ -29,13 +29,21 @@ export JMO_SITE=${JMO_SITE:-/tmp/jmo-site}
 t0=$(date +%s)
 rm -rf "$JMO_SITE"
 src_hash=$(bash tests/gpu/source_hash.sh)
+# The prebuilt files: gzipped (tools/prebuild.sh), or as they are (an older tree's prebuild).
+jmo_unpack() {  # GLOB DIR: each file GLOB matches into DIR, gunzipped where its name ends in .gz
+  local f
+  for f in $1; do
+    case $f in *.gz) gunzip -c "$f" > "$2/$(basename "${f%.gz}")" ;; *) cp "$f" "$2/" ;; esac
+  done
+}
 if [ -n "${JMO_PREBUILT:-}" ] && [ "$(cat "$JMO_PREBUILT/src-hash" 2>/dev/null)" = "$src_hash" ] &&
-   ls "$JMO_PREBUILT"/site/jax_moe_overlap/_jmo*.so "$JMO_PREBUILT"/_jmo_loopback*.so > /dev/null 2>&1; then
+   ls "$JMO_PREBUILT"/site/jax_moe_overlap/_jmo*.so* "$JMO_PREBUILT"/_jmo_loopback*.so* > /dev/null 2>&1; then
   # tools/prebuild.sh's builds of these very sources: the installed package is the tree's Python with that extension.
   mkdir -p "$JMO_SITE"
   cp -r jax_moe_overlap "$JMO_SITE/"
-  cp "$JMO_PREBUILT"/site/jax_moe_overlap/_jmo*.so "$JMO_SITE/jax_moe_overlap/"
-  cp "$JMO_PREBUILT"/_jmo_loopback*.so tools/loopback/
+  rm -f "$JMO_SITE"/jax_moe_overlap/_jmo*.so   # (a stale extension in the tree's package is not these sources')
+  jmo_unpack "$JMO_PREBUILT/site/jax_moe_overlap/_jmo*.so*" "$JMO_SITE/jax_moe_overlap"
+  jmo_unpack "$JMO_PREBUILT/_jmo_loopback*.so*" tools/loopback
   echo "build: prebuilt for sm_$(cat "$JMO_PREBUILT/archs" 2>/dev/null) ($JMO_PREBUILT, sources $src_hash)," \
     "$(( $(date +%s) - t0 )) s"
 else
