@@ -2,6 +2,7 @@
 from: a copy of the tree hashes the same, a changed CUDA or C++ source or CMake file changes it, a Python file or a
 shell script does not (the device takes those from the tree)."""
 
+import gzip
 import pathlib
 import shutil
 import subprocess
@@ -16,13 +17,19 @@ def _hash(tree: pathlib.Path) -> str:
   return out
 
 
-def test_the_hash_follows_the_compiled_sources_only(tmp_path):
+def _tree_copy(tmp_path) -> pathlib.Path:
+  """A copy of the tracked files the GPU build reads (the compiled sources, the package, tests/gpu's scripts)."""
   tree = tmp_path / "tree"
-  tracked = subprocess.run(["git", "ls-files", "ffi", "tools", "tests/gpu/source_hash.sh", "CMakeLists.txt",
+  tracked = subprocess.run(["git", "ls-files", "ffi", "tools", "tests/gpu", "jax_moe_overlap", "CMakeLists.txt",
                             "pyproject.toml"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
   for rel in tracked:
     (tree / rel).parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(ROOT / rel, tree / rel)
+  return tree
+
+
+def test_the_hash_follows_the_compiled_sources_only(tmp_path):
+  tree = _tree_copy(tmp_path)
   base = _hash(tree)
   assert base == _hash(ROOT)                                   # the same files elsewhere: the same hash
   (tree / "tools" / "loopback" / "run.py").write_text("# changed\n")
@@ -34,20 +41,9 @@ def test_the_hash_follows_the_compiled_sources_only(tmp_path):
   assert _hash(tree) != base
 
 
-def _tree_copy(tmp_path) -> pathlib.Path:
-  tree = tmp_path / "tree"
-  tracked = subprocess.run(["git", "ls-files", "ffi", "tools", "tests/gpu", "jax_moe_overlap", "CMakeLists.txt",
-                            "pyproject.toml"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-  for rel in tracked:
-    (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(ROOT / rel, tree / rel)
-  return tree
-
-
 def test_build_gpu_takes_the_prebuilt_files_gzipped_or_not(tmp_path):
   """build_gpu.sh's prebuilt branch installs tools/prebuild.sh's gzipped extension and runner unzipped, and an older
   tree's uncompressed ones as they are; it builds nothing (a build would take minutes and fail here)."""
-  import gzip
   tree = _tree_copy(tmp_path)
   ext, runner = "_jmo.cpython-312-x86_64-linux-gnu.so", "_jmo_loopback.cpython-312-x86_64-linux-gnu.so"
   for gz in (True, False):
